@@ -1,0 +1,3 @@
+from hpcvla.cli import main
+
+raise SystemExit(main())

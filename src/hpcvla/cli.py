@@ -1,0 +1,120 @@
+"""The `hpcvla` command.
+
+    hpcvla train CONFIG [key=value ...] [--ranks N]   the main job (--ranks: start N ranks here)
+    hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
+    hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
+    hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
+
+Config errors and impossible layouts are reported here, in the launching process, before any
+MPI rank starts. Only `train` without --ranks (i.e. inside srun/mpirun) initialises MPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import yaml
+
+from hpcvla.config import ConfigError, describe_settings, load_config
+from hpcvla.config.loader import config_to_dict
+from hpcvla.topology.plan import PlanError, plan_from_config
+
+
+def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    parser.add_argument("config", nargs=None if required else "?",
+                        help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. learner.zero_stage=3")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hpcvla", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="run the main job")
+    _config_args(train)
+    train.add_argument("--ranks", type=int, default=None,
+                       help="start this many ranks on this machine (default: run in the "
+                            "current MPI world, as under srun/mpirun)")
+
+    plan = sub.add_parser("plan", help="print the rank map of a config, or why it cannot work")
+    _config_args(plan)
+    plan.add_argument("--world", type=int, required=True, help="MPI world size")
+    plan.add_argument("--ranks-per-node", type=int, default=None,
+                      help="ranks per node (default: placement.ranks_per_node, else --world)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+
+    config = sub.add_parser("config", help="print the resolved config or the settings' docs")
+    _config_args(config, required=False)
+    config.add_argument("--doc", action="store_true", help="document every setting")
+
+    launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
+    launch.add_argument("-n", type=int, required=True, help="number of ranks")
+    launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
+    launch.add_argument("--mpiexec", default="auto", help="mpiexec to use (default: auto)")
+    launch.add_argument("program", nargs=argparse.REMAINDER,
+                        help="an hpcvla subcommand or a .py script, with its arguments")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides may come after options (`train cfg.yaml --ranks 4 run.seed=1`): argparse leaves
+    # those as extras; anything else left over is an error.
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if "=" not in item or item.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides += extra
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, PlanError) as err:
+        print(f"hpcvla: {err}", file=sys.stderr)
+        return 2
+
+
+def cmd_train(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.ranks is None:  # we are a rank of a world someone else started
+        from hpcvla.runtime import run_ranks, train_main
+        return run_ranks(cfg, train_main)
+    # Refuse an impossible layout here, before mpiexec starts any rank.
+    plan_from_config(cfg.placement, args.ranks)
+    from hpcvla.launch import run_world
+    return run_world(args.ranks, ["train", args.config, *args.overrides], cfg.launch.mpiexec)
+
+
+def cmd_plan(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.ranks_per_node is not None:
+        cfg.placement.ranks_per_node = args.ranks_per_node
+    plan = plan_from_config(cfg.placement, args.world)
+    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    return 0
+
+
+def cmd_config(args) -> int:
+    if args.doc:
+        for name, type_name, default, doc in describe_settings():
+            print(f"{name}  ({type_name}, default {default!r})\n    {doc}\n")
+        return 0
+    cfg = load_config(args.config, args.overrides)
+    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from hpcvla.launch import LaunchError, run_world
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    try:
+        return run_world(args.n, program, args.mpiexec, args.timeout)
+    except LaunchError as err:
+        print(f"hpcvla launch: {err}", file=sys.stderr)
+        return 2
+
+
+COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch}

@@ -1,0 +1,6 @@
+"""Typed, documented settings loaded from YAML with dotted command-line overrides."""
+
+from hpcvla.config.loader import ConfigError, describe_settings, dump_config, load_config
+from hpcvla.config.schema import Config
+
+__all__ = ["Config", "ConfigError", "describe_settings", "dump_config", "load_config"]

@@ -1,0 +1,176 @@
+"""YAML + dotted overrides -> a checked `Config`, or one `ConfigError` naming every problem.
+
+    cfg = load_config("configs/default.yaml", ["learner.zero_stage=3", "placement.mode=hybrid"])
+
+Override values are parsed as YAML scalars (`3` is an int, `true` a bool, `{a: 1}` a dict).
+Nothing here touches MPI: it runs in the launching process, before any rank starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hpcvla.config.schema import Config
+
+
+class ConfigError(ValueError):
+    """Bad configuration. The message has one line per problem: field, value, what is valid."""
+
+    def __init__(self, problems: list[tuple[str, Any, str]], source: str = "config"):
+        self.problems = problems
+        lines = [f"  {name} = {value!r}: expected {valid}" for name, value, valid in problems]
+        super().__init__(f"invalid {source}:\n" + "\n".join(lines))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Read `path` (None = built-in defaults), apply `key.sub=value` overrides, check all."""
+    data: dict = {}
+    source = "built-in defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})")],
+                              source) from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
+            raise ConfigError([(f"YAML at {where}", getattr(err, "problem", str(err)),
+                                "well-formed YAML")], source) from None
+        if not isinstance(data, dict):
+            raise ConfigError([("top level", data, "a mapping of sections")], source)
+    problems: list = []
+    for item in overrides:
+        _apply_override(data, item, problems)
+    cfg = _build(Config, data, "", problems)
+    if not problems:
+        problems.extend(cfg.check())
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def _apply_override(data: dict, item: str, problems: list) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        problems.append(("override", item, "the form section.field=value"))
+        return
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    *parents, leaf = key.split(".")
+    node = data
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            problems.append((key, item, f"`{part}` to be a section, it is {child!r}"))
+            return
+        node = child
+    node[leaf] = value
+
+
+def _build(cls, data: Any, prefix: str, problems: list):
+    """Instantiate dataclass `cls` from `data`, appending problems instead of raising."""
+    where = prefix.rstrip(".") or "top level"
+    if not isinstance(data, dict):
+        problems.append((where, data, "a mapping"))
+        return cls()
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            problems.append((prefix + str(key), data[key],
+                             f"no such setting{hint}; valid: {', '.join(fields)}"))
+    values = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        full, value, kind = prefix + name, data[name], hints[name]
+        if dataclasses.is_dataclass(kind):
+            values[name] = _build(kind, value, full + ".", problems)
+            continue
+        checked = _check_value(full, value, kind, f.metadata, problems)
+        if checked is not None:
+            values[name] = checked
+    return cls(**values)
+
+
+def _check_value(name: str, value: Any, kind, meta, problems: list):
+    """The value converted to `kind` if it is valid, else None (and a problem recorded)."""
+    origin = typing.get_origin(kind)
+    if origin is dict:
+        key_t, val_t = typing.get_args(kind)
+        ok = isinstance(value, dict) and all(
+            _is_type(k, key_t) and _is_type(v, val_t) for k, v in value.items())
+        if not ok:
+            problems.append((name, value, f"a mapping of {key_t.__name__} to {val_t.__name__}"))
+            return None
+        return {k: float(v) if val_t is float else v for k, v in value.items()}
+    if not _is_type(value, kind):
+        problems.append((name, value, _a(kind.__name__)))
+        return None
+    if kind is float:
+        value = float(value)
+    if meta.get("choices") and value not in meta["choices"]:
+        problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"))
+        return None
+    low, high = meta.get("ge"), meta.get("le")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = " and ".join(s for s in (low is not None and f">= {low}",
+                                          high is not None and f"<= {high}") if s)
+        problems.append((name, value, f"{_a(kind.__name__)} {bounds}"))
+        return None
+    return value
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def _is_type(value: Any, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def config_to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg, path: str | Path) -> None:
+    """Write the fully resolved config; `load_config` of the file gives back `cfg`."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def describe_settings(cls=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """(name, type, default, doc) of every setting, in declaration order."""
+    rows = []
+    default = cls()
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        if dataclasses.is_dataclass(kind):
+            rows += describe_settings(kind, prefix + f.name + ".")
+            continue
+        doc = f.metadata.get("doc", "")
+        if f.metadata.get("choices"):
+            doc += f" Choices: {', '.join(f.metadata['choices'])}."
+        type_name = getattr(kind, "__name__", str(kind))
+        rows.append((prefix + f.name, type_name, getattr(default, f.name), doc))
+    return rows

@@ -1,0 +1,82 @@
+"""What every rank does around its role: check the world, build the plan and communicators,
+run, and take the whole job down loudly if this rank fails.
+
+    run_ranks(cfg, main)   # main(cfg, plan, comms) runs on every rank of COMM_WORLD
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from hpcvla.config import dump_config
+from hpcvla.topology.plan import PlanError
+
+
+def run_ranks(cfg, main) -> int:
+    """Run `main(cfg, plan, comms)` on this rank. A rank that raises aborts the world after
+    printing its rank, roles, node and host; a layout that cannot work stops every rank."""
+    from mpi4py import MPI
+
+    from hpcvla.topology.comms import (build_communicators, check_scheduler_world,
+                                       real_ranks_per_node)
+    from hpcvla.topology.plan import plan_from_config
+
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    try:
+        if cfg.launch.check_scheduler:
+            check_scheduler_world(world.Get_size())
+        plan = plan_from_config(cfg.placement, world.Get_size(), real_ranks_per_node(world))
+        comms = build_communicators(plan, world)
+    except PlanError as err:  # every rank reached the same verdict; one of them says it
+        if rank == 0:
+            print(f"hpcvla: cannot lay out this world: {err}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        main(cfg, plan, comms)
+    except BaseException as err:  # noqa: BLE001 - any failure must take the world down
+        if isinstance(err, SystemExit) and not err.code:
+            raise
+        info = plan.ranks[rank]
+        print(f"hpcvla: rank {rank} ({'+'.join(info.roles)}) on node {info.node} "
+              f"(host {MPI.Get_processor_name()}) failed: {err!r}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        world.Abort(1)
+    comms.free()
+    return 0
+
+
+def create_run_dir(cfg, world) -> Path:
+    """Rank 0 makes `<root>/<name>-<time>` (unique); every rank gets the same path back."""
+    path = None
+    if world.Get_rank() == 0:
+        base = Path(cfg.run.root) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, n = base, 1
+        while True:
+            try:
+                path.mkdir(parents=True)
+                break
+            except FileExistsError:
+                n += 1
+                path = base.with_name(f"{base.name}-{n}")
+        path = str(path.resolve())
+    return Path(world.bcast(path, root=0))
+
+
+def train_main(cfg, plan, comms) -> None:
+    """The main job. Today: the world, its plan and its run directory; the roles (simulator,
+    inference, learner loops) plug in here with the pipeline (issue 4)."""
+    world = comms.world
+    run_dir = create_run_dir(cfg, world)
+    if world.Get_rank() == 0:
+        dump_config(cfg, run_dir / "config.yaml")
+        (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
+        print(plan.table(), flush=True)
+        print(f"run directory: {run_dir}\n"
+              "communicators built on every rank; the role loops arrive with the pipeline.",
+              flush=True)
+    world.Barrier()

@@ -1,0 +1,200 @@
+"""RankPlan: who does what in the MPI world. A pure function of (world, ranks per node, placement).
+
+Vocabulary (DESIGN.md section 3):
+
+* node: `ranks_per_node` consecutive world ranks (block placement, as `srun --distribution=block`
+  and `mpiexec` give by default; the MPI side checks that the real layout agrees).
+* cell: one inference rank plus the simulator ranks it serves, always on one node, so the
+  high-frequency observation/action traffic never leaves the node.
+* producer: a rank with the inference role; it assembles trajectories and streams them to one
+  learner (`feeds`). Producers are spread over learners in blocks, balanced within one.
+* node leader: the lowest inference rank of a node; the weight control plane sends each new
+  policy version once to every node leader, which shares it with the node's inference ranks.
+* weight root: learner 0, which publishes weights.
+
+Layout of a rollout node (disaggregated/hybrid): each cell's inference rank followed by its
+simulators, cells one after another, then the node's learners. Colocated: every rank has every
+role and is a cell of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SIM, INF, LEARN = "simulator", "inference", "learner"
+
+
+class PlanError(ValueError):
+    """The placement cannot be laid out on this world; the message says why and what fits."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    node: int
+    local_rank: int
+    roles: tuple[str, ...]          # subset of (simulator, inference, learner), in that order
+    cell: int | None                # cell id for simulators and inference ranks
+
+
+@dataclass(frozen=True)
+class Cell:
+    id: int
+    node: int
+    inference: int                  # world rank serving actions in this cell
+    simulators: tuple[int, ...]     # world ranks stepping environments in this cell
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    mode: str
+    world_size: int
+    ranks_per_node: int
+    ranks: tuple[RankInfo, ...]
+    cells: tuple[Cell, ...]
+    learners: tuple[int, ...]       # world ranks, in learner-communicator order
+    feeds: dict[int, int]           # producer (inference) rank -> learner rank it streams to
+    node_leaders: tuple[int, ...]   # one per node that hosts inference, ascending
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def weight_root(self) -> int:
+        return self.learners[0]
+
+    @property
+    def control_plane(self) -> tuple[int, ...]:
+        """Ranks of the weight control plane: the weight root first, then node leaders."""
+        return (self.weight_root,) + tuple(r for r in self.node_leaders if r != self.weight_root)
+
+    def with_role(self, role: str) -> tuple[int, ...]:
+        return tuple(info.rank for info in self.ranks if role in info.roles)
+
+    def producers_of(self, learner: int) -> tuple[int, ...]:
+        return tuple(sorted(p for p, dst in self.feeds.items() if dst == learner))
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["feeds"] = {str(k): v for k, v in self.feeds.items()}
+        out.update(num_nodes=self.num_nodes, weight_root=self.weight_root,
+                   control_plane=list(self.control_plane))
+        return out
+
+    def table(self) -> str:
+        """A map a person can read: one summary line, then one row per rank."""
+        n_inf, n_learn = len(self.with_role(INF)), len(self.learners)
+        lines = [
+            f"mode {self.mode}: {self.world_size} ranks on {self.num_nodes} node(s) of "
+            f"{self.ranks_per_node}; {len(self.cells)} cell(s), {n_learn} learner(s), "
+            f"inference:learner = {n_inf}:{n_learn}, weight root rank {self.weight_root}",
+            f"{'rank':>5} {'node':>4} {'local':>5}  {'roles':<28} {'cell':>4} {'feeds':>5}  notes",
+        ]
+        for info in self.ranks:
+            notes = []
+            if info.rank == self.weight_root:
+                notes.append("weight root")
+            if info.rank in self.node_leaders:
+                notes.append("node leader")
+            cell = "-" if info.cell is None else str(info.cell)
+            feeds = str(self.feeds[info.rank]) if info.rank in self.feeds else "-"
+            lines.append(f"{info.rank:>5} {info.node:>4} {info.local_rank:>5}  "
+                         f"{'+'.join(info.roles):<28} {cell:>4} {feeds:>5}  {', '.join(notes)}".rstrip())
+        return "\n".join(lines)
+
+
+def build_plan(world_size: int, ranks_per_node: int, mode: str,
+               per_node: dict[str, int] | None = None, learner_nodes: int = 0) -> RankPlan:
+    """Lay out the world. Raises PlanError (with what would fit) if the layout is impossible."""
+    per_node = {SIM: 0, INF: 0, LEARN: 0, **(per_node or {})}
+    if world_size < 1 or ranks_per_node < 1:
+        raise PlanError(f"world size ({world_size}) and ranks per node ({ranks_per_node}) "
+                        "must be >= 1")
+    if world_size % ranks_per_node:
+        raise PlanError(f"world size {world_size} is not a multiple of ranks per node "
+                        f"{ranks_per_node}: every node must hold the same number of ranks")
+    num_nodes = world_size // ranks_per_node
+    if mode == "colocated":
+        return _colocated(world_size, ranks_per_node)
+    if mode not in ("disaggregated", "hybrid"):
+        raise PlanError(f"placement mode {mode!r}: expected colocated, disaggregated or hybrid")
+
+    sims, infs, learns = per_node[SIM], per_node[INF], per_node[LEARN]
+    if mode == "hybrid" and (learns or learner_nodes):
+        raise PlanError("hybrid mode: inference ranks are the learners, so per_node.learner "
+                        f"(= {learns}) and learner_nodes (= {learner_nodes}) must be 0")
+    if sims + infs + learns != ranks_per_node:
+        raise PlanError(f"per_node {sims} simulator + {infs} inference + {learns} learner = "
+                        f"{sims + infs + learns} ranks, but nodes have {ranks_per_node}: make "
+                        "them sum to the ranks per node (or set placement.ranks_per_node)")
+    if infs < 1 or sims < infs:
+        raise PlanError(f"per_node has {infs} inference and {sims} simulator ranks: every node "
+                        "needs >= 1 inference rank and >= 1 simulator rank per inference rank")
+    if learner_nodes >= num_nodes:
+        raise PlanError(f"learner_nodes = {learner_nodes} leaves no rollout node out of "
+                        f"{num_nodes}: use at most {num_nodes - 1}")
+
+    ranks: list[RankInfo] = []
+    cells: list[Cell] = []
+    for node in range(num_nodes):
+        base = node * ranks_per_node
+        if node >= num_nodes - learner_nodes:
+            ranks += [RankInfo(base + i, node, i, (LEARN,), None) for i in range(ranks_per_node)]
+            continue
+        local = 0
+        for c in range(infs):
+            n_sims = sims // infs + (c < sims % infs)
+            cell_id = len(cells)
+            inf_roles = (INF, LEARN) if mode == "hybrid" else (INF,)
+            ranks.append(RankInfo(base + local, node, local, inf_roles, cell_id))
+            sim_ranks = tuple(range(base + local + 1, base + local + 1 + n_sims))
+            ranks += [RankInfo(r, node, r - base, (SIM,), cell_id) for r in sim_ranks]
+            cells.append(Cell(cell_id, node, base + local, sim_ranks))
+            local += 1 + n_sims
+        ranks += [RankInfo(base + i, node, i, (LEARN,), None)
+                  for i in range(local, ranks_per_node)]
+
+    learners = tuple(r.rank for r in ranks if LEARN in r.roles)
+    producers = [c.inference for c in cells]
+    if not learners:
+        raise PlanError("no learner rank: set per_node.learner >= 1 or learner_nodes >= 1")
+    if len(producers) < len(learners):
+        raise PlanError(f"{len(producers)} inference rank(s) cannot feed {len(learners)} "
+                        "learners: every learner needs at least one producer; add inference "
+                        "ranks or remove learners")
+    if mode == "hybrid":
+        feeds = {p: p for p in producers}
+    else:  # contiguous blocks: balanced within one, and neighbouring producers share a learner
+        feeds = {p: learners[k * len(learners) // len(producers)]
+                 for k, p in enumerate(producers)}
+    return RankPlan(mode, world_size, ranks_per_node, tuple(ranks), tuple(cells), learners,
+                    feeds, _node_leaders(cells))
+
+
+def _colocated(world_size: int, ranks_per_node: int) -> RankPlan:
+    ranks = tuple(RankInfo(r, r // ranks_per_node, r % ranks_per_node, (SIM, INF, LEARN), r)
+                  for r in range(world_size))
+    cells = tuple(Cell(r, r // ranks_per_node, r, (r,)) for r in range(world_size))
+    return RankPlan("colocated", world_size, ranks_per_node, ranks, cells,
+                    tuple(range(world_size)), {r: r for r in range(world_size)},
+                    _node_leaders(cells))
+
+
+def _node_leaders(cells) -> tuple[int, ...]:
+    first: dict[int, int] = {}
+    for cell in cells:
+        first[cell.node] = min(first.get(cell.node, cell.inference), cell.inference)
+    return tuple(sorted(first.values()))
+
+
+def plan_from_config(placement, world_size: int, real_ranks_per_node: int | None = None
+                     ) -> RankPlan:
+    """Plan for a `PlacementConfig`. Emulated node size (placement.ranks_per_node) wins over
+    the real one; with neither, the whole world is one node."""
+    rpn = placement.ranks_per_node or real_ranks_per_node or world_size
+    if real_ranks_per_node and placement.ranks_per_node and real_ranks_per_node % rpn:
+        raise PlanError(f"placement.ranks_per_node = {rpn} does not divide the real node size "
+                        f"{real_ranks_per_node}: emulated nodes must not straddle real ones")
+    return build_plan(world_size, rpn, placement.mode, placement.per_node,
+                      placement.learner_nodes)

@@ -1,0 +1,113 @@
+"""Config loading: YAML + overrides into typed settings; every bad input names its field."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcvla.config import Config, ConfigError, describe_settings, dump_config, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    assert isinstance(load_config(path), Config)
+
+
+def test_overrides_are_typed_and_win():
+    cfg = load_config(ROOT / "configs/default.yaml",
+                      ["learner.zero_stage=3", "placement.mode=hybrid",
+                       "placement.per_node={simulator: 3, inference: 1, learner: 0}",
+                       "launch.check_scheduler=false", "run.name=x y"])
+    assert cfg.learner.zero_stage == 3 and cfg.placement.mode == "hybrid"
+    assert cfg.placement.per_node == {"simulator": 3, "inference": 1, "learner": 0}
+    assert cfg.launch.check_scheduler is False and cfg.run.name == "x y"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(ROOT / "configs/ratio_3to1.yaml", ["learner.zero_stage=2"])
+    dump_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+@pytest.mark.parametrize("overrides,field,valid", [
+    (["learner.zero_stage=4"], "learner.zero_stage", "<= 3"),
+    (["learner.zero_stage=two"], "learner.zero_stage", "an int"),
+    (["learner.zero_stage=true"], "learner.zero_stage", "an int"),
+    (["placement.mode=diagonal"], "placement.mode", "one of colocated, disaggregated, hybrid"),
+    (["placement.ranks_per_node=-1"], "placement.ranks_per_node", ">= 0"),
+    (["placement.per_node={simulator: 2, gpu: 1}"], "placement.per_node",
+     "keys among simulator, inference, learner"),
+    (["placement.per_node={simulator: x}"], "placement.per_node", "a mapping of str to int"),
+    (["placement.per_node.learner=-2"], "placement.per_node.learner", ">= 0"),
+    (["learner.zero_stag=1"], "learner.zero_stag", "did you mean `zero_stage`"),
+    (["learnr.zero_stage=1"], "learnr", "did you mean `learner`"),
+    (["learner=3"], "learner", "a mapping"),
+    (["run.seed"], "override", "section.field=value"),
+    (["placement.mode=hybrid", "placement.learner_nodes=1"], "placement.learner_nodes",
+     "0 unless placement.mode is disaggregated"),
+])
+def test_bad_values_name_field_value_and_fix(overrides, field, valid):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/default.yaml", overrides)
+    message = str(err.value)
+    assert f"  {field} = " in message and valid in message, message
+
+
+def test_all_problems_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["learner.zero_stage=9", "placement.mode=x", "run.bogus=1"])
+    assert [p[0] for p in err.value.problems] == ["run.bogus", "placement.mode",
+                                                   "learner.zero_stage"]
+
+
+def test_malformed_and_missing_files(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("placement:\n  mode: [colocated\n")
+    with pytest.raises(ConfigError, match=r"YAML at line \d+"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="a readable YAML file"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="a mapping of sections"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_every_setting_is_documented():
+    rows = describe_settings()
+    assert {name for name, *_ in rows} >= {"learner.zero_stage", "placement.mode",
+                                           "placement.per_node", "run.root"}
+    for name, _type, _default, doc in rows:
+        assert len(doc) > 30, f"{name} needs a doc that says what it is and its trade-off"
+
+
+# A value of any YAML-ish type for any known field: either a valid Config or a ConfigError
+# naming that field; never another exception.
+scalars = st.one_of(st.integers(-5, 10), st.booleans(), st.text(max_size=8), st.floats(),
+                    st.none(), st.dictionaries(st.text(max_size=5), st.integers(-2, 5), max_size=3))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([name for name, *_ in describe_settings()]), scalars)
+def test_fuzzed_values_are_accepted_or_named(name, value):
+    import yaml
+    try:
+        load_config(None, [f"{name}={yaml.safe_dump(value, default_flow_style=True).strip()}"])
+    except ConfigError as err:
+        assert any(p[0].startswith(name) or p[0] == "override" for p in err.problems), err
+
+
+def test_cli_rejects_bad_config_before_any_rank_starts():
+    out = subprocess.run([sys.executable, "-m", "hpcvla", "train", str(ROOT / "configs/default.yaml"),
+                          "learner.zero_stage=7", "--ranks", "4"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "learner.zero_stage = 7: expected an int >= 0 and <= 3" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "hpcvla", "train", str(ROOT / "configs/default.yaml"),
+                          "--ranks", "6"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "sum to the ranks per node" in out.stderr

@@ -1,0 +1,101 @@
+"""Real MPI worlds (mpiexec from the installed MPICH), each under a timeout."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcvla.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+MPI_DIR = ROOT / "tests" / "mpi"
+
+
+def hpcvla(*args, env=None, timeout=180):
+    """Run the `hpcvla` CLI as a user would; the outer timeout guards against any hang."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
+                          env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("n,config,overrides", [
+    (8, "default.yaml", ["placement.ranks_per_node=4"]),
+    (8, "colocated.yaml", ["placement.ranks_per_node=4"]),
+    (8, "hybrid.yaml", ["placement.ranks_per_node=4"]),
+    (8, "ratio_3to1.yaml", []),
+    (12, "learner_nodes.yaml", ["placement.ranks_per_node=4",
+                                "placement.per_node={simulator: 2, inference: 2, learner: 0}"]),
+])
+def test_communicators_match_plan_rank_by_rank(n, config, overrides):
+    out = hpcvla("launch", "-n", n, "--timeout", 120, "--", MPI_DIR / "check_comms.py",
+                 ROOT / "configs" / config, *overrides)
+    assert out.returncode == 0, out.stderr
+    nodes = n // (4 if overrides else n)
+    assert f"communicators match the plan on all {n} ranks ({7 * n} memberships, {nodes} nodes" \
+        in out.stdout
+
+
+def test_failing_rank_takes_world_down_naming_rank_and_role():
+    start = time.monotonic()
+    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", MPI_DIR / "fail_one_rank.py",
+                 ROOT / "configs/default.yaml", 2)
+    elapsed = time.monotonic() - start
+    assert out.returncode not in (0, 124), out.stderr  # failed by itself, not by our timeout
+    assert elapsed < 30
+    assert "rank 2 (simulator) on node 0" in out.stderr and "injected failure" in out.stderr
+
+
+def test_train_writes_resolved_config_and_plan(tmp_path):
+    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
+                 "learner.zero_stage=2")
+    assert out.returncode == 0, out.stderr
+    (run_dir,) = tmp_path.iterdir()
+    resolved = load_config(run_dir / "config.yaml")
+    assert resolved == load_config(ROOT / "configs/default.yaml",
+                                   [f"run.root={tmp_path}", "learner.zero_stage=2"])
+    assert '"world_size": 4' in (run_dir / "plan.json").read_text()
+    assert "weight root rank 3" in out.stdout
+
+
+def test_world_size_must_match_slurm_allocation():
+    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
+                 env={"SLURM_JOB_ID": "77", "SLURM_NTASKS": "6"})
+    assert out.returncode != 0
+    assert "MPI world has 4 ranks but SLURM_NTASKS says 6" in out.stderr
+
+
+def test_singleton_from_wrong_pmi_is_named():
+    # What a PMI mismatch looks like: srun starts N processes that each see a 1-rank world.
+    out = hpcvla("train", "configs/colocated.yaml", env={"SLURM_JOB_ID": "77",
+                                                         "SLURM_NTASKS": "4"})
+    assert out.returncode != 0
+    assert "1-rank world" in out.stderr and "--mpi=pmi2" in out.stderr
+
+
+def test_world_size_must_match_pbs_nodefile(tmp_path):
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text(f"{socket.gethostname()}\n" * 3)  # mpiexec reads it too
+    env = {"PBS_JOBID": "5.pbs", "PBS_NODEFILE": str(nodefile)}
+    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
+                 env=env)
+    assert out.returncode != 0 and "PBS_NODEFILE" in out.stderr and "says 3" in out.stderr
+    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
+                 f"run.root={tmp_path}", "launch.check_scheduler=false", env=env)
+    assert out.returncode == 0, out.stderr
+
+
+def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
+    script = tmp_path / "exit_or_sleep.py"
+    script.write_text("import sys, time\nfrom mpi4py import MPI\n"
+                      "if sys.argv[1] == 'sleep':\n    time.sleep(300)\n"
+                      "sys.exit(3 if MPI.COMM_WORLD.Get_rank() == 1 else 0)\n")
+    assert hpcvla("launch", "-n", 3, "--", script, "exit").returncode == 3
+    start = time.monotonic()
+    out = hpcvla("launch", "-n", 3, "--timeout", 3, "--", script, "sleep")
+    assert out.returncode == 124 and time.monotonic() - start < 30
+    assert "killing it" in out.stderr
+

@@ -1,0 +1,143 @@
+"""Property tests of the pure RankPlan (no MPI)."""
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcvla.topology.plan import INF, LEARN, SIM, PlanError, build_plan
+
+ALL_ROLES = {SIM, INF, LEARN}
+
+
+def feasible(world, rpn, mode, per_node, learner_nodes):
+    """The documented feasibility rules, restated independently of build_plan."""
+    if world < 1 or rpn < 1 or world % rpn:
+        return False
+    if mode == "colocated":
+        return True
+    nodes = world // rpn
+    s, i, l = per_node[SIM], per_node[INF], per_node[LEARN]
+    if mode == "hybrid" and (l or learner_nodes):
+        return False
+    if s + i + l != rpn or i < 1 or s < i or learner_nodes >= nodes:
+        return False
+    rollout_nodes = nodes - learner_nodes
+    producers = rollout_nodes * i
+    learners = producers if mode == "hybrid" else rollout_nodes * l + learner_nodes * rpn
+    return 1 <= learners <= producers
+
+
+layouts = st.integers(1, 12).flatmap(lambda rpn: st.tuples(
+    st.integers(1, 6).map(lambda nodes: nodes * rpn),
+    st.just(rpn),
+    st.sampled_from(["colocated", "disaggregated", "hybrid"]),
+    st.fixed_dictionaries({SIM: st.integers(0, rpn), INF: st.integers(0, rpn),
+                           LEARN: st.integers(0, rpn)}),
+    st.integers(0, 3)))
+
+
+@settings(max_examples=600, deadline=None)
+@given(layouts)
+def test_plan_invariants_or_documented_error(layout):
+    world, rpn, mode, per_node, learner_nodes = layout
+    if mode == "colocated":
+        learner_nodes = 0
+    if not feasible(world, rpn, mode, per_node, learner_nodes):
+        with pytest.raises(PlanError):
+            build_plan(world, rpn, mode, per_node, learner_nodes)
+        return
+    plan = build_plan(world, rpn, mode, per_node, learner_nodes)
+
+    # every rank once, in order, on the node its block says
+    assert [r.rank for r in plan.ranks] == list(range(world))
+    for info in plan.ranks:
+        assert info.node == info.rank // rpn and info.local_rank == info.rank % rpn
+
+    # roles per mode
+    for info in plan.ranks:
+        roles = set(info.roles)
+        if mode == "colocated":
+            assert roles == ALL_ROLES
+        elif mode == "hybrid":
+            assert roles in ({SIM}, {INF, LEARN})
+        else:
+            assert len(roles) == 1
+
+    # cells: one inference rank, >= 1 simulator, never across nodes, cover every sim/inf rank
+    in_cells = Counter()
+    for cell in plan.cells:
+        ranks = (cell.inference, *cell.simulators)
+        assert cell.simulators
+        assert {plan.ranks[r].node for r in ranks} == {cell.node}
+        assert INF in plan.ranks[cell.inference].roles
+        assert all(SIM in plan.ranks[r].roles and plan.ranks[r].cell == cell.id
+                   for r in cell.simulators)
+        in_cells.update(ranks)
+    assert set(in_cells) == set(plan.with_role(SIM)) | set(plan.with_role(INF))
+    assert all(n == 1 for n in in_cells.values()) or mode == "colocated"
+
+    # every producer feeds exactly one learner; learners balanced within one
+    producers = plan.with_role(INF)
+    assert sorted(plan.feeds) == sorted(producers)
+    assert set(plan.feeds.values()) <= set(plan.learners)
+    load = Counter(plan.feeds.values())
+    counts = [load[learner] for learner in plan.learners]
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1
+
+    # counts match the placement
+    nodes = world // rpn
+    if mode == "colocated":
+        assert len(plan.cells) == len(plan.learners) == world
+    else:
+        rollout_nodes = nodes - learner_nodes
+        assert len(plan.with_role(SIM)) == rollout_nodes * per_node[SIM]
+        assert len(producers) == len(plan.cells) == rollout_nodes * per_node[INF]
+        expected_learners = (len(producers) if mode == "hybrid"
+                             else rollout_nodes * per_node[LEARN] + learner_nodes * rpn)
+        assert len(plan.learners) == expected_learners
+
+    # weight plane: one leader per node that runs inference, the lowest such rank
+    for node in range(nodes):
+        inf_here = [r for r in producers if r // rpn == node]
+        leaders_here = [r for r in plan.node_leaders if r // rpn == node]
+        assert leaders_here == ([min(inf_here)] if inf_here else [])
+    assert plan.control_plane[0] == plan.learners[0] == plan.weight_root
+    assert len(set(plan.control_plane)) == len(plan.control_plane)
+
+
+@pytest.mark.parametrize("ratio,per_node", [
+    ("1:1", {SIM: 4, INF: 2, LEARN: 2}),
+    ("2:1", {SIM: 5, INF: 2, LEARN: 1}),
+    ("3:1", {SIM: 4, INF: 3, LEARN: 1}),
+])
+def test_paper_ratios(ratio, per_node):
+    plan = build_plan(32, 8, "disaggregated", per_node)
+    inf, learn = map(int, ratio.split(":"))
+    assert len(plan.with_role(INF)) * learn == len(plan.learners) * inf
+    assert f"inference:learner = {len(plan.with_role(INF))}:{len(plan.learners)}" in plan.table()
+
+
+def test_layout_of_a_node_is_cells_then_learners():
+    plan = build_plan(8, 8, "disaggregated", {SIM: 4, INF: 2, LEARN: 2})
+    assert [c.inference for c in plan.cells] == [0, 3]
+    assert [c.simulators for c in plan.cells] == [(1, 2), (4, 5)]
+    assert plan.learners == (6, 7)
+    assert plan.feeds == {0: 6, 3: 7}
+    assert plan.node_leaders == (0,) and plan.control_plane == (6, 0)
+
+
+@pytest.mark.parametrize("args,needle", [
+    ((10, 4, "colocated"), "not a multiple of ranks per node"),
+    ((8, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 2}), "sum to the ranks per node"),
+    ((8, 4, "disaggregated", {SIM: 0, INF: 2, LEARN: 2}), ">= 1 simulator rank per inference"),
+    ((8, 4, "disaggregated", {SIM: 3, INF: 1, LEARN: 0}), "no learner rank"),
+    ((8, 4, "disaggregated", {SIM: 1, INF: 1, LEARN: 2}), "every learner needs at least one"),
+    ((8, 4, "hybrid", {SIM: 2, INF: 1, LEARN: 1}), "hybrid mode"),
+    ((8, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 1}, 2), "leaves no rollout node"),
+    ((8, 4, "diagonal"), "expected colocated, disaggregated or hybrid"),
+])
+def test_infeasible_layouts_say_why(args, needle):
+    with pytest.raises(PlanError, match=needle):
+        build_plan(*args)
