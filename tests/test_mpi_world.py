@@ -99,3 +99,10 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
     assert out.returncode == 124 and time.monotonic() - start < 30
     assert "killing it" in out.stderr
 
+
+
+def test_config_error_inside_a_world_is_reported_once():
+    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
+                 "learner.zero_stage=9")
+    assert out.returncode == 2
+    assert out.stderr.count("learner.zero_stage = 9: expected an int >= 0 and <= 3") == 1

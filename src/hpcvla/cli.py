@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import yaml
@@ -73,8 +74,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, PlanError) as err:
-        print(f"hpcvla: {err}", file=sys.stderr)
+        if _launcher_rank() == 0:  # every rank of a world finds the same error: say it once
+            print(f"hpcvla: {err}", file=sys.stderr)
         return 2
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher set it (0 outside MPI), without starting MPI."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])
+    return 0
 
 
 def cmd_train(args) -> int:
