@@ -1,0 +1,44 @@
+"""Polling that does not starve oversubscribed ranks.
+
+A rank waiting on memory another rank writes (a ring slot, a flag in a shared window) polls.
+Spinning would steal the core the writer needs when ranks outnumber cores, so every wait sleeps,
+starting short (low latency when the answer is near) and doubling up to a cap (little CPU
+when it is not). `MPI.Win.Sync` or any MPI call between polls keeps MPI's progress going.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class WaitTimeout(TimeoutError):
+    """A wait exceeded its deadline; the message says what was being waited for."""
+
+
+class Backoff:
+    def __init__(self, first: float = 20e-6, cap: float = 2e-3, timeout: float | None = None,
+                 what: str = "a condition"):
+        self.first, self.cap, self.what = first, cap, what
+        self.delay = first
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.timeout = timeout
+
+    def wait(self) -> None:
+        """Sleep once, a little longer than last time; raise WaitTimeout past the deadline."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise WaitTimeout(f"waited more than {self.timeout:g} s for {self.what}")
+        time.sleep(self.delay)
+        self.delay = min(self.delay * 2, self.cap)
+
+    def reset(self) -> None:
+        self.delay = self.first
+
+
+def wait_until(ready, what: str, timeout: float | None = None, cap: float = 2e-3):
+    """Poll `ready()` with back-off until it returns a truthy value, which is returned."""
+    backoff = Backoff(cap=cap, timeout=timeout, what=what)
+    while True:
+        value = ready()
+        if value:
+            return value
+        backoff.wait()

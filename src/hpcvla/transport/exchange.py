@@ -1,0 +1,122 @@
+"""Node-local observation/action exchange for one cell, through a shared-memory window.
+
+Created collectively on a cell communicator (all ranks of one node: `Win.Allocate_shared`).
+Comm rank `server` (the cell's inference rank) serves; every other rank is a simulator with
+`shards` slots, one per env shard (with a one-rank communicator the server serves itself).
+A slot is
+
+    header (64 bytes): request (i8, written by the simulator), response (i8, by the server)
+    observation: one `obs_dtype` item (a numpy structured dtype, e.g. image + state fields)
+    action:      one `action_dtype` item
+
+The simulator writes its observation straight into the slot (`obs(shard)` is a view),
+bumps `request`; the server finds pending slots by scanning the request/response words,
+reads observations in place, writes actions in place and sets `response = request`.
+Each word has one writer, so plain aligned stores suffice; `Win.Sync` orders payload and
+flag accesses. Waiting polls with back-off (sleeps), so it does not burn a core.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcvla.transport.backoff import wait_until
+
+HEADER_BYTES = 64
+
+
+def _aligned(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
+
+
+class ObsActionExchange:
+    def __init__(self, comm: MPI.Comm, shards: int, obs_dtype: np.dtype,
+                 action_dtype: np.dtype, server: int = 0):
+        self.comm, self.server, self.shards = comm, server, shards
+        self.obs_dtype, self.action_dtype = np.dtype(obs_dtype), np.dtype(action_dtype)
+        rank, size = comm.Get_rank(), comm.Get_size()
+        self.clients = [r for r in range(size) if r != server] or [server]
+        self.n_slots = len(self.clients) * shards
+        self._obs_at = HEADER_BYTES
+        self._act_at = HEADER_BYTES + _aligned(self.obs_dtype.itemsize)
+        self.slot_bytes = self._act_at + _aligned(self.action_dtype.itemsize)
+        total = self.n_slots * self.slot_bytes if rank == server else 0
+        self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)
+        buf, _ = self.win.Shared_query(server)
+        memory = np.frombuffer(buf, np.uint8).reshape(self.n_slots, self.slot_bytes)
+        if rank == server:
+            memory[:, :HEADER_BYTES] = 0
+        self._memory = memory
+        flags = memory[:, :16].view(np.int64)         # (n_slots, 2): request, response
+        self._request, self._response = flags[:, 0], flags[:, 1]
+        self._served = np.zeros(self.n_slots, np.int64)  # server: request handed out last
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        comm.Barrier()
+
+    def slot_of(self, shard: int, rank: int | None = None) -> int:
+        rank = self.comm.Get_rank() if rank is None else rank
+        return self.clients.index(rank) * self.shards + shard
+
+    # ------------------------------------------------------------- simulator side
+    def obs(self, shard: int) -> np.ndarray:
+        """This shard's observation slot, to be written in place (a structured scalar view)."""
+        return self._obs_view(self.slot_of(shard))
+
+    def submit(self, shard: int) -> None:
+        """The observation of `shard` is written: ask for actions."""
+        slot = self.slot_of(shard)
+        self.win.Sync()  # the observation is visible before the request
+        self._request[slot] += 1
+        self.win.Sync()
+
+    def actions_ready(self, shard: int) -> bool:
+        slot = self.slot_of(shard)
+        self.win.Sync()
+        return self._response[slot] == self._request[slot]
+
+    def actions(self, shard: int, timeout: float | None = None) -> np.ndarray:
+        """Wait (back-off) for the answer to this shard's request; a view of the actions."""
+        wait_until(lambda: self.actions_ready(shard), f"actions for shard {shard}", timeout)
+        self.win.Sync()
+        return self._act_view(self.slot_of(shard))
+
+    # ------------------------------------------------------------- server side
+    def pending(self) -> list[int]:
+        """Slots with a request not handed out before (each request is returned once)."""
+        self.win.Sync()
+        request = self._request.copy()
+        new = np.nonzero((request > self._response) & (request > self._served))[0]
+        self._served[new] = request[new]
+        return new.tolist()
+
+    def wait_pending(self, timeout: float | None = None) -> list[int]:
+        return wait_until(self.pending, "an observation request", timeout)
+
+    def request_obs(self, slot: int) -> np.ndarray:
+        return self._obs_view(slot)
+
+    def request_actions(self, slot: int) -> np.ndarray:
+        """The action slot to fill in place before `respond(slot)`."""
+        return self._act_view(slot)
+
+    def respond(self, slot: int) -> None:
+        self.win.Sync()  # actions visible before the response
+        self._response[slot] = self._served[slot]
+        self.win.Sync()
+
+    # ------------------------------------------------------------- both
+    def _obs_view(self, slot: int) -> np.ndarray:
+        raw = self._memory[slot, self._obs_at:self._obs_at + self.obs_dtype.itemsize]
+        return raw.view(self.obs_dtype)[0]
+
+    def _act_view(self, slot: int) -> np.ndarray:
+        raw = self._memory[slot, self._act_at:self._act_at + self.action_dtype.itemsize]
+        return raw.view(self.action_dtype)[0]
+
+    def free(self) -> None:
+        """Collective: release the shared window."""
+        if self.win != MPI.WIN_NULL:
+            self._memory = self._request = self._response = None
+            self.win.Unlock_all()
+            self.win.Free()

@@ -1,0 +1,76 @@
+"""Run under MPI on 2 ranks: rank 1 writes good records and, by hand following the documented
+slot layout, a corrupted, a torn and a stale slot. Rank 0 must deliver only the good records,
+count the bad slots and the lost sequence numbers, and report each.
+
+    mpiexec -n 2 python -m mpi4py tests/mpi/ring_corruption.py
+"""
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcvla.transport.ring import CONTROL_BYTES, SLOT_HEADER, TrajectoryRing, _slot_checksum
+
+SLOTS, SLOT_BYTES = 4, 4096
+
+
+def publish_by_hand(ring, seq, payload, damage):
+    """The producer protocol of ring.py, with one step damaged."""
+    win, one, got = ring.win, np.ones(1, np.int64), np.zeros(1, np.int64)
+    win.Fetch_and_op([one, MPI.INT64_T], [got, MPI.INT64_T], 0, 0, MPI.SUM)
+    win.Flush(0)
+    ticket = int(got[0])
+    assert ticket < SLOTS  # fresh slots: no need to wait for the consumer here
+    disp = CONTROL_BYTES + ticket * SLOT_BYTES
+    header = np.zeros(1, SLOT_HEADER)
+    h = header[0]
+    h["ticket"], h["producer"], h["seq"], h["part"], h["nparts"] = ticket, 1, seq, 0, 1
+    h["length"] = h["record_length"] = payload.nbytes
+    h["checksum"] = _slot_checksum(header, payload)
+    sent = payload.copy()
+    if damage == "flipped":
+        sent[100] ^= 0x10
+    if damage == "torn":
+        sent = sent[: payload.nbytes // 2]  # only half the payload lands before publishing
+    if damage != "stale":  # stale: the slot keeps an older header and payload
+        win.Put(header.view(np.uint8)[8:], 0, (disp + 8, 56, MPI.BYTE))
+        win.Put(sent, 0, (disp + 64, sent.nbytes, MPI.BYTE))
+    win.Flush(0)
+    win.Accumulate([np.array([ticket + 1], np.int64), MPI.INT64_T], 0, (disp, 1, MPI.INT64_T),
+                   MPI.REPLACE)
+    win.Flush(0)
+
+
+def main():
+    comm = MPI.COMM_WORLD
+    reports = []
+    ring = TrajectoryRing(comm, SLOTS, SLOT_BYTES, report=reports.append)
+    payload = np.arange(2000, dtype=np.uint16).view(np.uint8)[:3000].copy()
+    if comm.Get_rank() == 1:
+        ring.put(payload)                        # seq 0: good
+        for seq, damage in ((1, "flipped"), (2, "torn"), (3, "stale")):
+            publish_by_hand(ring, seq, payload, damage)
+        ring._seq = 4
+        comm.Barrier()                           # consumer drains, freeing the slots
+        ring.put(payload)                        # seq 4: good
+        ring.close()
+    else:
+        delivered = []
+        while ring.occupancy()[0] < SLOTS:
+            pass
+        delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.poll()]
+        comm.Barrier()
+        while 1 not in ring.stats.closed:
+            delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.get(timeout=30)]
+        s = ring.stats
+        assert delivered == [(0, True), (4, True)], delivered
+        assert (s.bad_slots, s.lost_records, s.records) == (3, 3, 2), s
+        text = "\n".join(reports)
+        assert text.count("checksum mismatch") == 2 and "stale or torn" in text, text
+        assert "records 1..3 lost" in text, text
+        print("ring: flipped, torn and stale slots detected, reported, never delivered",
+              flush=True)
+    ring.free()
+
+
+if __name__ == "__main__":
+    main()

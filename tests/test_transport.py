@@ -1,0 +1,114 @@
+"""Transport: record layout (in-process) and the ring, exchange and weight plane in real MPI
+worlds. Every world also checks it leaves no shared-memory files behind."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcvla.transport import records
+from test_mpi_world import ROOT, hpcvla
+
+MPI_DIR = ROOT / "tests" / "mpi"
+SHM = Path("/dev/shm")
+
+
+def run_clean(*args):
+    """Run an MPI world and check it freed its shared memory (no new /dev/shm files)."""
+    before = set(SHM.iterdir()) if SHM.exists() else set()
+    out = hpcvla(*args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    left = (set(SHM.iterdir()) if SHM.exists() else set()) - before
+    assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
+    return out
+
+
+# ------------------------------------------------------------------ records (no MPI)
+
+def sample_record():
+    return {"image": np.arange(2 * 8 * 8 * 3, dtype=np.uint8).reshape(2, 8, 8, 3),
+            "action": np.linspace(-1, 1, 2 * 4 * 7, dtype=np.float32).reshape(2, 4, 7),
+            "done": np.array([False, True]), "version": np.int64(12),
+            "empty": np.zeros((0, 3), np.float64)}
+
+
+def test_record_round_trip_is_exact():
+    arrays = sample_record()
+    buf = records.encode(arrays)
+    assert buf.nbytes == records.encoded_size(arrays) and buf.nbytes % 64 == 0
+    back = records.decode(buf)
+    assert list(back) == list(arrays)
+    for name, value in arrays.items():
+        assert back[name].dtype == np.asarray(value).dtype
+        assert np.array_equal(back[name], value)
+    assert records.schema_of(back) == records.schema_of(arrays)
+
+
+def test_record_schema_ignores_leading_dim_only():
+    a = sample_record()
+    b = {**a, "image": a["image"][:1]}
+    c = {**a, "image": a["image"].astype(np.int16)}
+    assert records.schema_of(a) == records.schema_of(b) != records.schema_of(c)
+
+
+def test_records_refuse_what_would_need_pickle():
+    with pytest.raises(records.RecordError, match="'obj'"):
+        records.encode({"obj": np.array([{"a": 1}], dtype=object)})
+    with pytest.raises(records.RecordError, match="longer than 32"):
+        records.encode({"x" * 33: np.zeros(1)})
+
+
+def test_damaged_records_raise_record_error():
+    buf = records.encode(sample_record())
+    with pytest.raises(records.RecordError, match="bad magic"):
+        records.decode(np.zeros(64, np.uint8))
+    with pytest.raises(records.RecordError):
+        records.decode(buf[:100])
+    bad = buf.copy()
+    bad[24 + 32:24 + 40] = np.frombuffer(b"<f8\0\0\0\0\0", np.uint8)  # image dtype u1 -> f8
+    with pytest.raises(records.RecordError):
+        records.decode(bad)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(min_size=0, max_size=600), st.integers(0, 599), st.integers(0, 255))
+def test_fuzzed_buffers_decode_or_raise_record_error(noise, where, value):
+    buf = records.encode(sample_record()).copy()
+    if noise:  # random bytes spliced into a valid record, and a random byte changed
+        buf[:len(noise)] = np.frombuffer(noise, np.uint8)[:buf.nbytes]
+    buf[where % buf.nbytes] = value
+    try:
+        records.decode(buf)
+    except records.RecordError:
+        pass
+
+
+# ------------------------------------------------------------------ MPI worlds
+
+def test_ring_many_producers_slow_consumer_exactly_once_in_order():
+    out = run_clean("launch", "-n", 8, "--timeout", 150, "--",
+                    MPI_DIR / "ring_exactly_once.py", 60, 8, 8192)
+    assert "420 records" in out.stdout and "each exactly once and in order" in out.stdout
+    assert "ring full (8/8 slots)" in out.stdout
+
+
+def test_ring_detects_corrupted_torn_and_stale_slots():
+    out = run_clean("launch", "-n", 2, "--timeout", 60, "--", MPI_DIR / "ring_corruption.py")
+    assert "never delivered" in out.stdout
+
+
+@pytest.mark.parametrize("config", ["default.yaml", "hybrid.yaml"])
+def test_exchange_answers_every_request_in_place(config):
+    out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "exchange_roundtrip.py",
+                    ROOT / "configs" / config, 40, "placement.ranks_per_node=4")
+    sims_per_cell = 2 if config == "default.yaml" else 3
+    assert out.stdout.count(f"answered {40 * 3 * sims_per_cell} requests") == 2
+
+
+@pytest.mark.parametrize("config", ["default.yaml", "colocated.yaml", "hybrid.yaml"])
+def test_weight_versions_bit_exact_and_monotone(config):
+    out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
+                    ROOT / "configs" / config, 30, "placement.ranks_per_node=4")
+    assert "weights exact on every read" in out.stdout
