@@ -112,3 +112,17 @@ def test_weight_versions_bit_exact_and_monotone(config):
     out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
                     ROOT / "configs" / config, 30, "placement.ranks_per_node=4")
     assert "weights exact on every read" in out.stdout
+
+
+def test_transport_benchmark_runs_and_writes_ratios(tmp_path):
+    """The short mode CI runs: it must run and report every pair, not meet targets here."""
+    import json
+    out = run_clean("bench", "transport", "--ranks", 8, "--quick", "--json", tmp_path / "b.json")
+    results = json.loads((tmp_path / "b.json").read_text())
+    for key in ("ring_64KiB_1p", "ring_64KiB_7p", "ring_1MiB_1p", "ring_1MiB_7p"):
+        assert results[f"{key}_GBps"] > 0 and results[f"{key}_raw_GBps"] > 0
+        assert results[f"{key}_ratio"] == pytest.approx(
+            results[f"{key}_GBps"] / results[f"{key}_raw_GBps"])
+    for key in ("exchange_ratio", "weights_ratio", "ring_1MiB_ratio"):
+        assert results[key] > 0 and key in results["targets_met"]
+    assert "weights publish vs Bcast" in out.stdout

@@ -52,6 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(config, required=False)
     config.add_argument("--doc", action="store_true", help="document every setting")
 
+    bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
+    bench.add_argument("target", choices=["transport"], help="what to measure")
+    bench.add_argument("--json", default=None, help="write the results here")
+    bench.add_argument("--ranks", type=int, default=None,
+                       help="start this many ranks here (default: the current MPI world)")
+    bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
+    bench.add_argument("--ranks-per-node", type=int, default=4,
+                       help="emulated node size for the weight plane (default 4)")
+
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
     launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
@@ -129,4 +138,15 @@ def cmd_launch(args) -> int:
         return 2
 
 
-COMMANDS = {"train": cmd_train, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch}
+def cmd_bench(args) -> int:
+    if args.ranks is not None:  # start the world here, then run this command inside it
+        from hpcvla.launch import run_world
+        inner = ["bench", args.target, "--ranks-per-node", str(args.ranks_per_node)]
+        inner += (["--json", args.json] if args.json else []) + (["--quick"] if args.quick else [])
+        return run_world(args.ranks, inner)
+    from hpcvla.bench import transport
+    transport.run(quick=args.quick, ranks_per_node=args.ranks_per_node, json_path=args.json)
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch}

@@ -42,3 +42,16 @@ def wait_until(ready, what: str, timeout: float | None = None, cap: float = 2e-3
         if value:
             return value
         backoff.wait()
+
+
+def wait_request(request, what: str = "an MPI request", timeout: float | None = None,
+                 cap: float = 1e-4) -> None:
+    """Complete a nonblocking MPI request by polling `Test` with sleeps. A blocking MPI wait
+    (Barrier, Wait, Recv) busy-polls in MPICH and Open MPI, which starves the working ranks
+    when ranks outnumber cores."""
+    wait_until(request.Test, what, timeout, cap=cap)
+
+
+def idle_barrier(comm, timeout: float | None = None, cap: float = 1e-4) -> None:
+    """A barrier that sleeps while it waits (`Ibarrier` + sleeping `Test`)."""
+    wait_request(comm.Ibarrier(), "a barrier", timeout, cap)

@@ -82,11 +82,14 @@ class TrajectoryRing:
     """Create collectively on `comm`; rank `root` consumes, any rank may produce."""
 
     def __init__(self, comm: MPI.Comm, n_slots: int, slot_bytes: int, root: int = 0,
-                 producer_id: int | None = None, report=None):
+                 producer_id: int | None = None, report=None, poll_cap: float = 2e-4):
         if slot_bytes % 64 or slot_bytes <= SLOT_HEADER.itemsize or n_slots < 1:
             raise ValueError(f"ring of {n_slots} slots of {slot_bytes} bytes: need >= 1 slot "
                              "and a slot size that is a multiple of 64 and > 64")
         self.comm, self.root, self.n_slots, self.slot_bytes = comm, root, n_slots, slot_bytes
+        # Longest sleep between polls: short enough not to idle a fast stream, long enough
+        # that waiting ranks leave the cores to the working ones.
+        self.poll_cap = poll_cap
         self.capacity = slot_bytes - SLOT_HEADER.itemsize
         self.is_root = comm.Get_rank() == root
         self.producer_id = MPI.COMM_WORLD.Get_rank() if producer_id is None else producer_id
@@ -139,13 +142,11 @@ class TrajectoryRing:
         freed = -(ticket - self.n_slots + 1)  # state once ticket - n_slots was consumed
         if ticket >= self.n_slots:
             wait_until(lambda: self._state(disp) == freed,
-                       f"ring slot {ticket % self.n_slots} to be freed", timeout)
-        h = self._header[0]
-        h["ticket"], h["producer"], h["schema"], h["seq"] = ticket, self.producer_id, schema, \
-            self._seq
-        h["part"], h["nparts"], h["length"], h["record_length"] = part, nparts, \
-            fragment.nbytes, record_length
-        h["checksum"] = _slot_checksum(self._header, fragment)
+                       f"ring slot {ticket % self.n_slots} to be freed", timeout,
+                       cap=self.poll_cap)
+        self._header[0] = (0, ticket, self.producer_id, schema, self._seq, part, nparts,
+                           fragment.nbytes, record_length, 0)
+        self._header[0]["checksum"] = _slot_checksum(self._header, fragment)
         raw = self._header.view(np.uint8)
         win.Put(raw[8:], root, (disp + 8, 56, MPI.BYTE))
         if fragment.nbytes:
@@ -213,7 +214,8 @@ class TrajectoryRing:
 
     def get(self, timeout: float | None = None) -> list[Record]:
         """At least one record, waiting with back-off (WaitTimeout past `timeout`)."""
-        backoff = Backoff(timeout=timeout, what="a record in the trajectory ring")
+        backoff = Backoff(timeout=timeout, cap=self.poll_cap,
+                          what="a record in the trajectory ring")
         while True:
             records = self.poll()
             if records:

@@ -166,7 +166,7 @@ class WeightPlane:
     def _receive_loop(self) -> None:
         while True:
             request = self._control.Ibcast(self._header, root=0)
-            backoff = Backoff(cap=2e-3, what="the next weight version")
+            backoff = Backoff(cap=5e-4, what="the next weight version")
             while not request.Test():  # idle wait that does not burn a core
                 backoff.wait()
             version, digest, nbytes = (int(x) for x in self._header)
@@ -224,7 +224,7 @@ class WeightPlane:
     def wait_for(self, version: int, timeout: float | None = None) -> None:
         """Wait (back-off) until `version` or a newer one is on this node."""
         wait_until(lambda: self.latest_version() >= version, f"weight version {version}",
-                   timeout)
+                   timeout, cap=5e-4)
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -1,0 +1,1 @@
+"""Benchmarks (`hpcvla bench ...`): measured side by side in one run, written as JSON."""
