@@ -15,11 +15,19 @@ ROOT = Path(__file__).resolve().parents[1]
 MPI_DIR = ROOT / "tests" / "mpi"
 
 
+SHM = Path("/dev/shm")
+
+
 def hpcvla(*args, env=None, timeout=180):
-    """Run the `hpcvla` CLI as a user would; the outer timeout guards against any hang."""
+    """Run the `hpcvla` CLI as a user would; the outer timeout guards against any hang.
+    Whatever the outcome, the world must leave no shared-memory files behind."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
-                          env=full_env, capture_output=True, text=True, timeout=timeout)
+    before = set(SHM.glob("mpich_*"))
+    out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
+                         env=full_env, capture_output=True, text=True, timeout=timeout)
+    left = set(SHM.glob("mpich_*")) - before
+    assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
+    return out
 
 
 @pytest.mark.parametrize("n,config,overrides", [

@@ -1,8 +1,6 @@
 """Transport: record layout (in-process) and the ring, exchange and weight plane in real MPI
 worlds. Every world also checks it leaves no shared-memory files behind."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,16 +10,12 @@ from hpcvla.transport import records
 from test_mpi_world import ROOT, hpcvla
 
 MPI_DIR = ROOT / "tests" / "mpi"
-SHM = Path("/dev/shm")
 
 
 def run_clean(*args):
-    """Run an MPI world and check it freed its shared memory (no new /dev/shm files)."""
-    before = set(SHM.iterdir()) if SHM.exists() else set()
+    """Run an MPI world that must succeed (hpcvla() also checks /dev/shm is left clean)."""
     out = hpcvla(*args)
     assert out.returncode == 0, out.stdout + out.stderr
-    left = (set(SHM.iterdir()) if SHM.exists() else set()) - before
-    assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
     return out
 
 
@@ -72,7 +66,7 @@ def test_damaged_records_raise_record_error():
         records.decode(bad)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(st.binary(min_size=0, max_size=600), st.integers(0, 599), st.integers(0, 255))
 def test_fuzzed_buffers_decode_or_raise_record_error(noise, where, value):
     buf = records.encode(sample_record()).copy()

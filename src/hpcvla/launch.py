@@ -89,6 +89,14 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
               timeout: float | None = None) -> int:
     """Run the world to completion; its exit status, or 124 after killing it on timeout."""
     cmd, env = world_command(n, program, mpiexec)
+    shm_before = _shm_files()
+    code = _run(cmd, env, timeout)
+    if code != 0:  # a clean exit frees its own segments; tests check that it does
+        _remove_orphaned_shm(shm_before)
+    return code
+
+
+def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
     # Own process group, so a timeout or Ctrl-C takes down mpiexec and every rank with it.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -105,6 +113,30 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
         return 130
     code = proc.returncode
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def _shm_files() -> set[Path]:
+    return set(SHM_DIR.glob("mpich_*")) if SHM_DIR.is_dir() else set()
+
+
+def _remove_orphaned_shm(before: set[Path]) -> None:
+    """An aborted or killed MPICH world leaves its shared-memory segments in /dev/shm. Remove
+    those that appeared during this run and that no live process still maps."""
+    new = _shm_files() - before
+    if not new:
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
+                          if "/dev/shm/" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    for path in new - {Path(m) for m in mapped}:
+        path.unlink(missing_ok=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -51,6 +51,7 @@ def main(cfg, plan, comms):
                 expected = np.float32(obs["state"].sum() + obs["image"].mean())
                 assert np.all(act["chunk"] == expected), (act["chunk"].ravel()[:3], expected)
     ex.free()
+    assert ex.win == MPI.WIN_NULL
 
 
 if __name__ == "__main__":

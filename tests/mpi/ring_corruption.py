@@ -70,6 +70,7 @@ def main():
         print("ring: flipped, torn and stale slots detected, reported, never delivered",
               flush=True)
     ring.free()
+    assert ring.win == MPI.WIN_NULL
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def main():
             ring.put(records.encode(arrays), schema=records.schema_of(arrays), timeout=60)
         ring.close()
     ring.free()
+    assert ring.win == MPI.WIN_NULL
 
 
 if __name__ == "__main__":

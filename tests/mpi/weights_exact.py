@@ -9,6 +9,7 @@ import sys
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from hpcvla.config import load_config
 from hpcvla.runtime import run_ranks
@@ -47,6 +48,7 @@ def main(cfg, plan, comms):
                 assert plane.latest_version() >= version
             time.sleep(rng.random() * 0.005)
     plane.close()
+    assert plane.win == MPI.WIN_NULL
     counts = comms.world.gather(len(set(seen)), root=0)
     if rank == 0:
         print(f"weights exact on every read; distinct versions read per rank: {counts}",

@@ -109,11 +109,11 @@ def decode(buf: np.ndarray, copy: bool = True) -> dict[str, np.ndarray]:
         if ndim > MAX_DIMS:
             raise RecordError(f"field with {ndim} dims")
         shape = tuple(int(s) for s in entry["shape"][:ndim])
-        try:
+        try:  # numpy parses dtype strings with a small grammar that can raise almost anything
             dtype = np.dtype(entry["dtype"].decode())
             name = entry["name"].decode()
-        except (TypeError, UnicodeDecodeError) as err:
-            raise RecordError(f"unreadable field entry: {err}") from None
+        except Exception as err:  # noqa: BLE001
+            raise RecordError(f"unreadable field entry: {err!r}") from None
         start, nbytes = int(entry["offset"]), int(entry["nbytes"])
         if dtype.hasobject or start + nbytes > length or \
                 nbytes != dtype.itemsize * math.prod(shape):
