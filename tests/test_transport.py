@@ -79,6 +79,19 @@ def test_fuzzed_buffers_decode_or_raise_record_error(noise, where, value):
         pass
 
 
+def test_every_metadata_byte_changed_decodes_or_raises_record_error():
+    buf = records.encode(sample_record())
+    meta_end = records.RECORD_HEADER.itemsize + records.FIELD_ENTRY.itemsize * 5
+    for where in range(meta_end):
+        for value in (0, 1, 0x10, 0x7F, 0xFF):
+            bad = buf.copy()
+            bad[where] = value
+            try:
+                records.decode(bad)
+            except records.RecordError:
+                pass
+
+
 # ------------------------------------------------------------------ MPI worlds
 
 def test_ring_many_producers_slow_consumer_exactly_once_in_order():

@@ -115,11 +115,14 @@ def decode(buf: np.ndarray, copy: bool = True) -> dict[str, np.ndarray]:
         except Exception as err:  # noqa: BLE001
             raise RecordError(f"unreadable field entry: {err!r}") from None
         start, nbytes = int(entry["offset"]), int(entry["nbytes"])
-        if dtype.hasobject or start + nbytes > length or \
+        if dtype.kind not in "biufc" or start + nbytes > length or \
                 nbytes != dtype.itemsize * math.prod(shape):
             raise RecordError(f"field {name!r}: {nbytes} bytes at {start} do not fit "
                               f"dtype {dtype} shape {shape} in a {length}-byte record")
-        a = buf[start:start + nbytes].view(dtype).reshape(shape)
+        try:
+            a = buf[start:start + nbytes].view(dtype).reshape(shape)
+        except ValueError as err:  # e.g. a zero-size field with an absurd shape
+            raise RecordError(f"field {name!r}: {err}") from None
         out[name] = a.copy() if copy else a
     if int(header["schema"]) != schema_of(out):
         raise RecordError("schema id does not match the field table")
