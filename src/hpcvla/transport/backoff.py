@@ -11,6 +11,12 @@ from __future__ import annotations
 import time
 
 
+# Longest sleep between polls on the data plane (ring slots, observation/action flags): short
+# against a transfer or an env step, long enough that waiting ranks leave the cores to
+# working ones. Idle waits (next weight version, sitting out a benchmark) sleep longer.
+DATA_POLL_CAP = 2e-4
+
+
 class WaitTimeout(TimeoutError):
     """A wait exceeded its deadline; the message says what was being waited for."""
 

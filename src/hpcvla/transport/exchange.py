@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import wait_until
+from hpcvla.transport.backoff import DATA_POLL_CAP, wait_until
 
 HEADER_BYTES = 64
 
@@ -77,7 +77,8 @@ class ObsActionExchange:
 
     def actions(self, shard: int, timeout: float | None = None) -> np.ndarray:
         """Wait (back-off) for the answer to this shard's request; a view of the actions."""
-        wait_until(lambda: self.actions_ready(shard), f"actions for shard {shard}", timeout)
+        wait_until(lambda: self.actions_ready(shard), f"actions for shard {shard}", timeout,
+                   cap=DATA_POLL_CAP)
         self.win.Sync()
         return self._act_view(self.slot_of(shard))
 
@@ -91,7 +92,7 @@ class ObsActionExchange:
         return new.tolist()
 
     def wait_pending(self, timeout: float | None = None) -> list[int]:
-        return wait_until(self.pending, "an observation request", timeout)
+        return wait_until(self.pending, "an observation request", timeout, cap=DATA_POLL_CAP)
 
     def request_obs(self, slot: int) -> np.ndarray:
         return self._obs_view(slot)

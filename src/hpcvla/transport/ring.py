@@ -32,7 +32,7 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import Backoff, wait_until
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, wait_until
 
 CONTROL_BYTES = 64
 SLOT_HEADER = np.dtype([
@@ -82,14 +82,13 @@ class TrajectoryRing:
     """Create collectively on `comm`; rank `root` consumes, any rank may produce."""
 
     def __init__(self, comm: MPI.Comm, n_slots: int, slot_bytes: int, root: int = 0,
-                 producer_id: int | None = None, report=None, poll_cap: float = 2e-4):
+                 producer_id: int | None = None, report=None,
+                 poll_cap: float = DATA_POLL_CAP):
         if slot_bytes % 64 or slot_bytes <= SLOT_HEADER.itemsize or n_slots < 1:
             raise ValueError(f"ring of {n_slots} slots of {slot_bytes} bytes: need >= 1 slot "
                              "and a slot size that is a multiple of 64 and > 64")
         self.comm, self.root, self.n_slots, self.slot_bytes = comm, root, n_slots, slot_bytes
-        # Longest sleep between polls: short enough not to idle a fast stream, long enough
-        # that waiting ranks leave the cores to the working ones.
-        self.poll_cap = poll_cap
+        self.poll_cap = poll_cap  # longest sleep between polls (see backoff.DATA_POLL_CAP)
         self.capacity = slot_bytes - SLOT_HEADER.itemsize
         self.is_root = comm.Get_rank() == root
         self.producer_id = MPI.COMM_WORLD.Get_rank() if producer_id is None else producer_id
