@@ -101,10 +101,12 @@ def _launcher_rank() -> int:
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.ranks is None:  # we are a rank of a world someone else started
+        from hpcvla.roles.modes import check_pipeline
         from hpcvla.runtime import run_ranks, train_main
-        return run_ranks(cfg, train_main)
-    # Refuse an impossible layout here, before mpiexec starts any rank.
-    plan_from_config(cfg.placement, args.ranks)
+        return run_ranks(cfg, train_main, check_pipeline)
+    # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
+    from hpcvla.roles.modes import check_pipeline
+    check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.launch import run_world
     return run_world(args.ranks, ["train", args.config, *args.overrides], cfg.launch.mpiexec)
 

@@ -12,13 +12,14 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcvla.config import dump_config
+from hpcvla.config import ConfigError, dump_config
 from hpcvla.topology.plan import PlanError
 
 
-def run_ranks(cfg, main) -> int:
+def run_ranks(cfg, main, check=None) -> int:
     """Run `main(cfg, plan, comms)` on this rank. A rank that raises aborts the world after
-    printing its rank, roles, node and host; a layout that cannot work stops every rank."""
+    printing its rank, roles, node and host; a layout that cannot work (or fails
+    `check(cfg, plan)`) stops every rank with one message."""
     from mpi4py import MPI
 
     from hpcvla.topology.comms import (build_communicators, check_scheduler_world,
@@ -31,8 +32,10 @@ def run_ranks(cfg, main) -> int:
         if cfg.launch.check_scheduler:
             check_scheduler_world(world.Get_size())
         plan = plan_from_config(cfg.placement, world.Get_size(), real_ranks_per_node(world))
+        if check is not None:
+            check(cfg, plan)
         comms = build_communicators(plan, world)
-    except PlanError as err:  # every rank reached the same verdict; one of them says it
+    except (PlanError, ConfigError) as err:  # every rank reached the same verdict
         if rank == 0:
             print(f"hpcvla: cannot lay out this world: {err}", file=sys.stderr, flush=True)
         return 2
@@ -68,15 +71,14 @@ def create_run_dir(cfg, world) -> Path:
 
 
 def train_main(cfg, plan, comms) -> None:
-    """The main job. Today: the world, its plan and its run directory; the roles (simulator,
-    inference, learner loops) plug in here with the pipeline (issue 4)."""
+    """The main job: write the run directory, run the pipeline on every rank."""
+    from hpcvla.roles.pipeline import run_pipeline
+
     world = comms.world
     run_dir = create_run_dir(cfg, world)
     if world.Get_rank() == 0:
         dump_config(cfg, run_dir / "config.yaml")
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(plan.table(), flush=True)
-        print(f"run directory: {run_dir}\n"
-              "communicators built on every rank; the role loops arrive with the pipeline.",
-              flush=True)
-    world.Barrier()
+        print(f"run directory: {run_dir}", flush=True)
+    run_pipeline(cfg, plan, comms, run_dir)

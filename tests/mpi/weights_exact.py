@@ -1,6 +1,7 @@
 """Run under MPI: the learner root publishes versions 1..N (content a function of the version,
-random pauses, bursts that coalesce); every inference rank reads as it goes. Each read must be
-bit-exact for the version it reports, and versions must never go backwards.
+random pauses, bursts that coalesce), then stops; every inference rank reads until its node
+says finished. Each read must be bit-exact for the version it reports, versions must never go
+backwards, and the last version must be there once finished.
 
     mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [key=value ...]
 """
@@ -35,10 +36,13 @@ def main(cfg, plan, comms):
             plane.publish(version, MANIFEST.flatten(weights_of(version)))
             if rng.random() < 0.5:
                 time.sleep(rng.random() * 0.02)
+        plane.stop()  # everything published reaches the nodes before they see "finished"
     seen = []
     if "inference" in plan.ranks[rank].roles:
         out = np.empty(MANIFEST.nbytes, np.uint8)
-        while not seen or seen[-1] < n_versions:
+        finished = False
+        while not finished:
+            finished = plane.finished()  # checked before the read: that read is the last
             version = plane.read_into(out)
             if version >= 0:
                 assert not seen or version >= seen[-1], f"version went back: {seen[-1]}->{version}"
@@ -47,6 +51,7 @@ def main(cfg, plan, comms):
                 seen.append(version)
                 assert plane.latest_version() >= version
             time.sleep(rng.random() * 0.005)
+        assert seen[-1] == n_versions, f"finished before the last version: {seen[-1]}"
     plane.close()
     assert plane.win == MPI.WIN_NULL
     counts = comms.world.gather(len(set(seen)), root=0)

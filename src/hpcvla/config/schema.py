@@ -66,6 +66,114 @@ class PlacementConfig:
         "0 = learners live on the rollout nodes as per_node says.", ge=0)
 
 
+PIPELINE_MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async",
+                  "streamer")
+
+
+@dataclass
+class PipelineConfig:
+    mode: str = setting(
+        "streamer",
+        "Schedule of the three stages (RL-VLA³ ablation ladder; same algorithm in all). "
+        "`sync-colocated`: every rank simulates, infers, then trains, in lock-step (needs "
+        "placement.mode=colocated). `sync-disaggregated`: roles on their own ranks, taking "
+        "turns (rollout waits for training). `train-async`: rollout overlaps training, one "
+        "shard, whole-cell batches. `rollout-async`: + env shards and the dynamic batcher. "
+        "`streamer`: + the learner trains each micro-batch as soon as it arrives.",
+        choices=PIPELINE_MODES)
+    max_staleness: int = setting(
+        1, "Most policy versions a trained sample may lag the learner (async modes; the sync "
+        "modes use 0). Producers pause before exceeding it. Higher keeps simulators busier "
+        "while the learner works, but trains on older data (corrected by the decoupled "
+        "PPO weights).", ge=0)
+    total_updates: int = setting(
+        200, "Learner optimizer steps (policy versions) before the run ends; the run's "
+        "length in units of learning.", ge=1)
+    progress_every_s: float = setting(
+        5.0, "Seconds between progress lines on the weight root (steps/s, success, "
+        "staleness, ETA).", ge=0.1)
+
+
+@dataclass
+class EnvConfig:
+    name: str = setting("reach", "Simulator. `reach` is built in (numpy only, pixels + "
+                        "instruction); ManiSkill3 and LIBERO adapters plug in here.",
+                        choices=("reach",))
+    envs_per_simulator: int = setting(
+        16, "Environments each simulator rank steps. More amortise inference per step "
+        "but make a synchronous step wait longer for its slowest env.", ge=1)
+    shards: int = setting(
+        2, "Shards the envs of a simulator rank are split into (rollout-async, streamer): "
+        "a shard steps and asks for actions without waiting for the others, so stepping "
+        "overlaps inference. More shards: more overlap, smaller inference batches.", ge=1)
+    chunk_len: int = setting(
+        4, "Primitive actions per action chunk (one policy call per chunk). Longer chunks "
+        "mean fewer policy calls but coarser feedback.", ge=1)
+    max_episode_chunks: int = setting(
+        20, "Episode horizon in chunks; the episode is truncated after this many.", ge=1)
+    image_size: int = setting(
+        64, "Camera image side in pixels: more detail, more bytes per step and a slower "
+        "encoder.", ge=16, le=512)
+    state: bool = setting(
+        True, "Include the low-dim state observation (learning is much faster with it; "
+        "turn it off to learn from pixels and instruction alone).")
+    latency_median_ms: float = setting(
+        0.0, "Emulated simulator cost: each env step sleeps for the slowest of per-env "
+        "lognormal draws with this median (0 = off).", ge=0)
+    latency_sigma: float = setting(
+        0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)
+
+
+@dataclass
+class PolicyConfig:
+    name: str = setting(
+        "default", "Policy family: `default` is a small CNN + instruction encoder with a "
+        "Gaussian action-chunk head and a value head.", choices=("default",))
+    hidden: int = setting(
+        128, "Width of the policy's feature trunk: wider learns more, costs more per step.",
+        ge=8)
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = setting(
+        "ppo", "RL algorithm: PPO with chunk-level GAE and the decoupled (staleness-aware) "
+        "objective.", choices=("ppo",))
+    lr: float = setting(3e-4, "Adam learning rate: faster learning vs. stability.", ge=0)
+    gamma: float = setting(
+        0.99, "Discount per action chunk: higher values look further ahead, with noisier "
+        "returns.", ge=0, le=1)
+    gae_lambda: float = setting(
+        0.95, "GAE lambda: 1 = Monte Carlo (unbiased, noisy), 0 = one-step TD (biased, "
+        "smooth).", ge=0, le=1)
+    clip: float = setting(
+        0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
+        "updates.", ge=0)
+    value_coef: float = setting(
+        0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
+    entropy_coef: float = setting(
+        0.0, "Weight of the entropy bonus: more exploration, slower convergence.", ge=0)
+    max_behaviour_weight: float = setting(
+        2.0, "Cap of the importance weight proximal/behaviour policy for stale samples "
+        "(higher corrects more, with more variance).", ge=1)
+    max_grad_norm: float = setting(
+        0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)
+
+
+@dataclass
+class RolloutConfig:
+    segment_len: int = setting(
+        8, "Chunk-steps per trajectory segment sent to a learner (bootstrapped with the "
+        "value of the next observation). Longer: better advantages, later delivery.", ge=1)
+    batch_max: int = setting(
+        0, "B_max of the dynamic batcher, in envs: a forward pass fires once this many "
+        "envs wait (0 = all envs of the cell). Larger batches use the accelerator better; "
+        "smaller ones answer sooner.", ge=0)
+    wait_max_ms: float = setting(
+        5.0, "T_max of the dynamic batcher: a forward pass fires once the oldest request "
+        "waited this long, full or not.", ge=0)
+
+
 @dataclass
 class LearnerConfig:
     backend: str = setting(
@@ -75,6 +183,16 @@ class LearnerConfig:
         1, "DeepSpeed ZeRO stage. 0: plain data parallel (fastest, every learner holds "
         "everything). 1: shard optimizer state. 2: + gradients. 3: + parameters (least "
         "memory per learner, most communication).", ge=0, le=3)
+    micro_batch: int = setting(
+        16, "Env segments per forward/backward on each learner (a multiple of the envs per "
+        "shard). The streamer starts one as soon as this many have arrived.", ge=1)
+    micro_batches: int = setting(
+        2, "Micro-batches accumulated per optimizer step on each learner; the global batch "
+        "is micro_batch x micro_batches x learners segments.", ge=1)
+    ring_slots: int = setting(
+        32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
+    ring_slot_kib: int = setting(
+        1024, "Slot size in KiB; larger records are split over several slots.", ge=4)
 
 
 @dataclass
@@ -91,6 +209,11 @@ class LaunchConfig:
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
@@ -108,4 +231,7 @@ class Config:
         if self.placement.learner_nodes and self.placement.mode != "disaggregated":
             problems.append(("placement.learner_nodes", self.placement.learner_nodes,
                              "0 unless placement.mode is disaggregated"))
+        if self.env.envs_per_simulator % self.env.shards:
+            problems.append(("env.shards", self.env.shards,
+                             f"a divisor of env.envs_per_simulator ({self.env.envs_per_simulator})"))
         return problems

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import Backoff, wait_until
+from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
 
 _ALIGN = 64
 # node window header, int64 words
-_SEQ0, _SEQ1, _VER0, _VER1, _CURRENT, _NEWEST = range(6)
+_SEQ0, _SEQ1, _VER0, _VER1, _CURRENT, _NEWEST, _FINISHED = range(7)
 _HEADER_BYTES = 64
 _STOP = -1
 
@@ -157,6 +157,8 @@ class WeightPlane:
             # collective only matches a nonblocking one.
             self._control.Ibcast(self._header, root=0).Wait()
             if version == _STOP:
+                if self.is_leader:
+                    self._mark_finished()
                 return
             self._control.Bcast(self._sending, root=0)
             if self.is_leader:  # the root's own node
@@ -171,6 +173,7 @@ class WeightPlane:
                 backoff.wait()
             version, digest, nbytes = (int(x) for x in self._header)
             if version == _STOP:
+                self._mark_finished()
                 return
             if digest != self.manifest.hash or nbytes != self.nbytes:
                 raise RuntimeError(f"weight manifest mismatch: root sends {nbytes} bytes, hash "
@@ -194,7 +197,18 @@ class WeightPlane:
         words[_NEWEST] = version
         self.win.Sync()
 
+    def _mark_finished(self) -> None:
+        self.win.Sync()
+        self._words[_FINISHED] = 1
+        self.win.Sync()
+
     # ------------------------------------------------------------ readers
+    def finished(self) -> bool:
+        """True once the root stopped publishing (the run is over); never blocks."""
+        self._raise_thread_error()
+        self.win.Sync()
+        return self.has_window and bool(self._words[_FINISHED])
+
     def latest_version(self) -> int:
         """Newest version available on this node (-1 if none yet); never blocks."""
         self._raise_thread_error()
@@ -227,17 +241,23 @@ class WeightPlane:
                    timeout, cap=5e-4)
 
     # ------------------------------------------------------------ lifecycle
-    def close(self) -> None:
-        """Collective over all ranks that built the plane: stop the threads, free windows."""
-        if self.is_root:
+    def stop(self) -> None:
+        """Root: send what is pending, then tell every node the run is over (`finished()`)."""
+        if self.is_root and not self._stopping:
             with self._lock:
                 self._stopping = True
                 self._lock.notify()
+            self._thread.join()
+
+    def close(self) -> None:
+        """Collective over all ranks that built the plane: stop the threads, free windows."""
+        self.stop()
         if self._thread is not None:
             self._thread.join()
             self._control.Free()
+            self._thread = None
         self._raise_thread_error()
-        self.node.Barrier()  # nobody reads the window any more
+        idle_barrier(self.node)  # nobody reads the window any more
         self.win.Unlock_all()
         self.win.Free()
 

@@ -1,0 +1,75 @@
+"""The vectorized environment interface every simulator implements.
+
+A `VectorEnv` runs `num_envs` independent copies of one task in lock step. One `step()`
+executes an *action chunk*: `chunk_len` primitive actions per env, as emitted by a
+vision-language-action policy. Observations are dicts of batched numpy arrays whose per-env
+shapes and dtypes are declared up front in an `EnvSpec`, so a simulator process can lay them
+out in shared memory (`obs_dtype`) before the first step. Episodes auto-reset: the caller
+never resets an individual env.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """Static description of a vectorized env (per-env shapes, no batch dimension)."""
+
+    obs: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, numpy dtype str, e.g. "|u1")
+    action_dim: int  # continuous action dims per primitive step
+    chunk_len: int  # primitive steps executed per env.step() call (an action chunk)
+    max_episode_chunks: int  # truncation horizon, in chunks
+    vocab: tuple[str, ...]  # instruction vocabulary; token id = index; id 0 is padding ""
+
+
+class StepResult(NamedTuple):
+    """What `VectorEnv.step` returns; every array has leading dimension num_envs."""
+
+    obs: dict[str, np.ndarray]  # obs AFTER the step; already the next episode's first obs if done
+    reward: np.ndarray  # float32, summed over the chunk
+    terminated: np.ndarray  # bool, success ended the episode
+    truncated: np.ndarray  # bool, horizon reached
+    success: np.ndarray  # bool, the episode that just ended was a success (False when not done)
+    episode_return: np.ndarray  # float32, return of the episode that just ended (0 when not done)
+    episode_length: np.ndarray  # int32, chunks in the episode that just ended (0 when not done)
+
+
+class VectorEnv(abc.ABC):
+    """`num_envs` copies of a task stepped together, with auto-reset."""
+
+    num_envs: int
+    spec: EnvSpec
+
+    @abc.abstractmethod
+    def reset(self, seeds: np.ndarray | None = None,
+              init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Reset all envs. `seeds` (num_envs,) reseeds each env's RNG; `init_state_ids`
+        (num_envs,) makes each initial state a pure function of its id."""
+
+    @abc.abstractmethod
+    def step(self, actions: np.ndarray) -> StepResult:
+        """Execute one action chunk, `actions` of shape (num_envs, chunk_len, action_dim)."""
+
+    @abc.abstractmethod
+    def instructions(self) -> list[str]:
+        """The current language instruction of every env."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release simulator resources."""
+
+
+def obs_dtype(spec: EnvSpec, num_envs: int) -> np.dtype:
+    """A structured dtype with one (num_envs, *shape) field per observation entry.
+
+    `np.zeros((), obs_dtype(spec, n))[name]` is then a batch of that field; used to lay a whole
+    batch of observations out in one shared-memory block. Fields are aligned (align=True).
+    """
+    return np.dtype([(name, np.dtype(dt), (num_envs, *shape))
+                     for name, (shape, dt) in spec.obs.items()], align=True)

@@ -1,0 +1,1 @@
+"""Run metrics: per-rank busy/idle timelines, throughput, summaries."""

@@ -1,0 +1,63 @@
+"""Per-rank timeline of busy spans per stage (JSONL), and counters.
+
+    timeline = Timeline(path, rank=3, role="inference")
+    with timeline.span("infer"):
+        ...
+    timeline.close()
+
+Each line: {"rank", "role", "stage", "start", "end"} with times in seconds since the run's
+common start (`MPI.Wtime`-based, so comparable across ranks of one node; across nodes they are
+as synchronised as the nodes' clocks). Everything not inside a span is idle time. Lines are
+buffered and flushed every `flush_every` spans so the file is readable during a run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+
+class Timeline:
+    def __init__(self, path, rank: int, role: str, t0: float | None = None,
+                 flush_every: int = 200):
+        self.rank, self.role = rank, role
+        self.t0 = time.time() if t0 is None else t0
+        self.busy = defaultdict(float)   # stage -> seconds
+        self.counts = defaultdict(int)   # stage -> spans
+        self._file = open(path, "a") if path else None
+        self._lines: list[str] = []
+        self._flush_every = flush_every
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    @contextmanager
+    def span(self, stage: str):
+        start = self.now()
+        try:
+            yield
+        finally:
+            self.record(stage, start, self.now())
+
+    def record(self, stage: str, start: float, end: float) -> None:
+        self.busy[stage] += end - start
+        self.counts[stage] += 1
+        if self._file:
+            self._lines.append(json.dumps({"rank": self.rank, "role": self.role, "stage": stage,
+                                           "start": round(start, 6), "end": round(end, 6)}))
+            if len(self._lines) >= self._flush_every:
+                self.flush()
+
+    def flush(self) -> None:
+        if self._file and self._lines:
+            self._file.write("\n".join(self._lines) + "\n")
+            self._file.flush()
+            self._lines.clear()
+
+    def close(self) -> None:
+        self.flush()
+        if self._file:
+            self._file.close()
+            self._file = None

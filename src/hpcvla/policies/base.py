@@ -1,0 +1,64 @@
+"""The policy interface every hpcvla policy implements.
+
+A policy maps a dict of batched observation tensors to an *action chunk*
+(B, chunk_len, action_dim) and scores chunks as a whole: the log-probability, value and
+entropy are one number per batch element (chunk level), which is the unit PPO works on.
+
+`act` is what rollout workers call (no autograd graph); `evaluate` is what the learner calls
+(differentiable). Keeping the two apart lets rollout code run under inference settings while
+the learner recomputes everything it needs with gradients.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class ActOutput(NamedTuple):
+    """What `Policy.act` returns; every tensor is detached."""
+
+    actions: torch.Tensor  # (B, chunk_len, action_dim) float32, the sampled (or mean) chunk
+    logprob: torch.Tensor  # (B,) log-probability of the whole chunk under the policy
+    value: torch.Tensor  # (B,) state-value estimate
+
+
+class Policy(nn.Module, abc.ABC):
+    """Abstract base: a chunked stochastic policy with a value head."""
+
+    action_dim: int
+    chunk_len: int
+
+    @abc.abstractmethod
+    def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> ActOutput:
+        """Sample (or, if `deterministic`, take the mode of) an action chunk per observation.
+
+        The outputs must not require grad: callers use them as plain data.
+        """
+
+    @abc.abstractmethod
+    def evaluate(
+        self, obs: dict[str, torch.Tensor], actions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Score given action chunks: (logprob (B,), value (B,), entropy (B,)), differentiable."""
+
+    @staticmethod
+    def obs_to_tensors(obs: dict[str, np.ndarray], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Wrap numpy observation arrays as tensors on `device`, sharing memory where possible.
+
+        dtypes are kept (uint8 images stay uint8: the model converts, so transfers to a GPU
+        move 4x fewer bytes). Arrays decoded from received buffers are often read-only; torch
+        warns about that when sharing memory, but policies never write into observations, so
+        the warning is silenced instead of paying for a copy.
+        """
+        out = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            for name, arr in obs.items():
+                out[name] = torch.as_tensor(arr, device=device)
+        return out

@@ -1,0 +1,45 @@
+"""sync-colocated: every rank simulates, infers and trains, in lock-step (RLinf's colocated
+baseline). Each rank rolls out its own envs with its own copy of the policy (the DeepSpeed
+module), until it holds its share of the batch; then all ranks train it data-parallel; then
+rollout resumes with the new weights. Nothing overlaps, so no sample is ever stale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpcvla.roles.learner import train_micro_batch
+from hpcvla.roles.segments import SegmentBuilder
+
+
+def run_colocated(cfg, engine, env, total_updates: int, timeline, progress) -> int:
+    """Returns the env steps this rank took."""
+    policy, spec = engine.module, env.spec
+    micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
+    builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
+                             cfg.rollout.segment_len, producer=0, slot=0)
+    obs, result, groups, steps = env.reset(), None, [], 0
+    version = 0
+    while version < total_updates:
+        with timeline.span("infer"):
+            with torch.no_grad():
+                out = policy.act(policy.obs_to_tensors(obs, "cpu"))
+            actions, logprob, value = (t.cpu().numpy() for t in out)
+        if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
+            builder.record_outcome(result.reward, result.terminated | result.truncated,
+                                   result.success, result.episode_return)
+        if builder.full:
+            groups.append(builder.finish(value))
+            if len(groups) * env.num_envs >= micro * n_micro:
+                for i in range(n_micro):  # train, then act again with the new weights
+                    part = groups[i * micro // env.num_envs:(i + 1) * micro // env.num_envs]
+                    train_micro_batch(cfg, engine, part, version, timeline, progress)
+                groups, version = [], version + 1
+                progress.on_update(version)
+                continue
+        builder.add_step(obs, actions, logprob, value, version)
+        with timeline.span("simulate"):
+            result = env.step(actions)
+        steps += env.num_envs * spec.chunk_len
+        obs = result.obs
+    return steps

@@ -1,0 +1,170 @@
+"""Learner rank: pull segment groups from the ring, train with DeepSpeed ZeRO on the learner
+communicator, publish every new policy version.
+
+Each optimizer step consumes one batch: `quota` segments from each of this learner's producers,
+oldest first (roles/modes.py explains why that bounds staleness), split into
+`micro_batches` micro-batches of `micro_batch` segments. The streamer runs forward/backward on
+a micro-batch as soon as it is there; the other modes wait for the whole batch first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections import deque
+
+import numpy as np
+import torch
+
+from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
+from hpcvla.transport import records
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+
+
+def init_deepspeed(cfg, policy, learners_comm):
+    """DeepSpeed on the learner communicator only (initialising torch.distributed on all
+    ranks makes ZeRO-3 barrier the whole world): learner 0 picks a port, all join by gloo
+    (NCCL where CUDA is there)."""
+    import deepspeed
+
+    rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
+    address = None
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            address = (socket.gethostname(), probe.getsockname()[1])
+    host, port = learners_comm.bcast(address, root=0)
+    os.environ.update(MASTER_ADDR=host if size > 1 else "127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(size),
+                      LOCAL_RANK=os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg.learner.micro_batch,
+        "gradient_accumulation_steps": cfg.learner.micro_batches,
+        "zero_optimization": {"stage": cfg.learner.zero_stage},
+        "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
+        "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+    }
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.algorithm.lr, eps=1e-5,
+                                  weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+def full_state(engine) -> dict[str, np.ndarray]:
+    """Full weights as numpy arrays (ZeRO-3 gathers its shards: collective on the learners)."""
+    import deepspeed
+
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+
+
+def ppo_loss(cfg, policy, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The PPO loss of a micro-batch of segment groups, stacked along the env axis."""
+    T, N = batch["logprob"].shape
+    obs = {k[4:]: torch.as_tensor(v).reshape(T * N, *v.shape[2:])
+           for k, v in batch.items() if k.startswith("obs.")}
+    actions = torch.as_tensor(batch["actions"]).reshape(T * N, *batch["actions"].shape[2:])
+    logprob, value, entropy = policy.evaluate(obs, actions)
+    logprob, value, entropy = (x.reshape(T, N) for x in (logprob, value, entropy))
+    old_value = torch.as_tensor(batch["value"])
+    advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
+                              torch.as_tensor(batch["done"]),
+                              torch.as_tensor(batch["bootstrap_value"]),
+                              cfg.algorithm.gamma, cfg.algorithm.gae_lambda)
+    advantages = normalize_advantages(advantages)
+    # One pass per batch: the proximal policy is the current one (AReaL's decoupled PPO);
+    # the behaviour log-probs correct for the policy versions that acted.
+    pg_loss, stats = decoupled_ppo_loss(logprob, logprob.detach(),
+                                        torch.as_tensor(batch["logprob"]), advantages,
+                                        cfg.algorithm.clip, cfg.algorithm.max_behaviour_weight)
+    v_loss = value_loss(value, old_value, returns, cfg.algorithm.clip)
+    loss = pg_loss + cfg.algorithm.value_coef * v_loss - cfg.algorithm.entropy_coef * entropy.mean()
+    stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
+                 entropy=float(entropy.mean().detach()))
+    return loss, stats
+
+
+def train_micro_batch(cfg, engine, groups: list[dict], version: int, timeline,
+                      progress) -> None:
+    """Forward/backward on segment groups stacked along the env axis; DeepSpeed applies the
+    optimizer step at the end of each accumulation of `micro_batches`."""
+    batch = {k: np.concatenate([g[k] for g in groups], axis=1)
+             for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
+    batch["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
+    with timeline.span("train"):
+        loss, stats = ppo_loss(cfg, engine.module, batch)
+        engine.backward(loss)
+        engine.step()
+    staleness = float(np.mean([version - g["version"][0] for g in groups]))
+    progress.on_micro_batch(batch, stats, staleness)
+
+
+class SegmentQueues:
+    """Segment groups from the ring, per producer, first in first out; batches take at most
+    `quota` segments from each producer."""
+
+    def __init__(self, ring, producers, quota: int, max_staleness: int, stats: dict):
+        self.ring, self.quota, self.max_staleness = ring, quota, max_staleness
+        self.queues = {p: deque() for p in producers}
+        self.taken = dict.fromkeys(producers, 0)
+        self.stats = stats
+
+    def pump(self) -> None:
+        for rec in self.ring.poll():
+            group = records.decode(rec.data)  # copies out of the ring slot
+            self.queues[rec.producer].append(group)
+        self.ring.release()
+
+    def available(self) -> int:
+        """Segments ready for the current batch."""
+        return sum(min(sum(int(g["meta"][3]) for g in q), self.quota - self.taken[p])
+                   for p, q in self.queues.items())
+
+    def take(self, segments: int, version: int) -> list[dict]:
+        groups, got = [], 0
+        for p, q in self.queues.items():
+            while q and got < segments and self.taken[p] < self.quota:
+                group = q.popleft()
+                n = int(group["meta"][3])
+                self.taken[p] += n
+                staleness = version - int(group["version"][0])
+                hist = self.stats["staleness_hist"]
+                hist[staleness] = hist.get(staleness, 0) + n
+                if staleness > self.max_staleness:  # cannot happen with the quota; guard
+                    self.stats["dropped_stale"] += n
+                    continue
+                groups.append(group)
+                got += n
+        return groups
+
+    def next_batch(self) -> None:
+        self.taken = dict.fromkeys(self.taken, 0)
+
+
+def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_updates: int,
+                timeline, progress) -> dict:
+    micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
+    backoff = Backoff(cap=DATA_POLL_CAP)
+    for version in range(total_updates):
+        need = micro if sched.stream_micro_batches else micro * n_micro
+        for _ in range(n_micro):
+            with timeline.span("wait_data"):
+                while True:
+                    queues.pump()
+                    if queues.available() >= need:
+                        break
+                    backoff.wait()
+                backoff.reset()
+            train_micro_batch(cfg, engine, queues.take(micro, version), version, timeline,
+                              progress)
+            need = micro
+        queues.next_batch()
+        with timeline.span("publish"):
+            publish(version + 1)
+        progress.on_update(version + 1)
+    return queues.stats

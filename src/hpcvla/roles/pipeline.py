@@ -1,0 +1,181 @@
+"""The main job on every rank: build the shared pieces, run this rank's role, tear down,
+report. The role loops live in simulator.py, inference.py, learner.py and colocated.py.
+
+Collective set-up happens in one order on every rank (cell exchange, learner ring, weight
+plane), each rank skipping what it is not part of, so no two ranks wait on each other in
+different collectives. Shutdown: the learners finish their updates; the weight root stops the
+weight plane, which marks every node "finished"; inference ranks answer their shards with a
+stop flag and close their ring writers; learners drain their rings until every producer has
+closed (no producer is left blocked on a full ring); then everything is freed collectively.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpcvla.envs import make_env
+from hpcvla.metrics.progress import Progress
+from hpcvla.metrics.timeline import Timeline
+from hpcvla.policies import make_policy
+from hpcvla.roles.colocated import run_colocated
+from hpcvla.roles.inference import WeightLoader, run_inference
+from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
+from hpcvla.roles.modes import envs_of_cell, producer_quota, schedule_of
+from hpcvla.roles.simulator import run_simulator, slot_dtypes
+from hpcvla.topology.plan import INF, LEARN, SIM
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
+from hpcvla.transport.exchange import ObsActionExchange
+from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.weights import Manifest, WeightPlane
+
+
+def make_envs(cfg, n: int, seed: int):
+    return make_env(cfg.env.name, n, seed, image_size=cfg.env.image_size,
+                    chunk_len=cfg.env.chunk_len, max_episode_chunks=cfg.env.max_episode_chunks,
+                    state=cfg.env.state, latency_median_ms=cfg.env.latency_median_ms,
+                    latency_sigma=cfg.env.latency_sigma)
+
+
+def build_policy(cfg, spec):
+    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
+    return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                       len(spec.vocab), hidden=cfg.policy.hidden)
+
+
+def run_pipeline(cfg, plan, comms, run_dir) -> dict:
+    world, rank = comms.world, comms.world.Get_rank()
+    roles = plan.ranks[rank].roles
+    torch.set_num_threads(1)
+    np.random.seed(cfg.run.seed + rank)
+    probe = make_envs(cfg, 1, 0)
+    spec = probe.spec
+    probe.close()
+    policy = build_policy(cfg, spec)
+    role = "+".join(roles)
+    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
+    is_root = rank == plan.weight_root
+    progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
+                        cfg.pipeline.progress_every_s, enabled=is_root)
+    summary = {"rank": rank, "role": role, "env_steps": 0}
+
+    if plan.mode == "colocated":
+        engine = init_deepspeed(cfg, policy, comms.learners)
+        env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank)
+        idle_barrier(world)
+        start = time.monotonic()
+        summary["env_steps"] = run_colocated(cfg, engine, env, cfg.pipeline.total_updates,
+                                             timeline, progress)
+        summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
+        env.close()
+    else:
+        start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress)
+        summary.update(stats)
+    summary["wall_s"] = time.monotonic() - start
+    summary["busy_s"] = dict(timeline.busy)
+    if is_root:
+        summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
+                       trained_env_steps=progress.steps)
+    timeline.close()
+    progress.close()
+    return _report(world, summary, cfg, run_dir)
+
+
+def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
+    world, rank = comms.world, comms.world.Get_rank()
+    roles = plan.ranks[rank].roles
+    cell_envs = envs_of_cell(cfg, plan, plan.cells[plan.ranks[rank].cell].inference) \
+        if plan.ranks[rank].cell is not None else 1
+    sched = schedule_of(cfg, cell_envs)
+    per_shard = cfg.env.envs_per_simulator // sched.shards
+    manifest = Manifest.of(policy.state_dict())
+    obs_dtype, action_dtype = slot_dtypes(spec, per_shard)
+    # Collective set-up, same order everywhere: exchange (cell), ring (feed), plane (node).
+    exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
+        if comms.cell != MPI.COMM_NULL else None
+    ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024) \
+        if comms.feed != MPI.COMM_NULL else None
+    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
+    stats: dict = {}
+    engine = init_deepspeed(cfg, policy, comms.learners) if LEARN in roles else None
+    idle_barrier(world)
+    start = time.monotonic()
+    if SIM in roles:
+        envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard)
+                for shard in range(sched.shards)]
+        stats["env_steps"] = run_simulator(envs, exchange, timeline)
+        for env in envs:
+            env.close()
+    elif INF in roles:
+        stats.update(run_inference(
+            sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
+            producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
+            rank, timeline))
+    elif LEARN in roles:
+        def publish(version):
+            state = full_state(engine)  # collective on the learners under ZeRO-3
+            if rank == plan.weight_root:
+                plane.publish(version, manifest.flatten(state))
+        stats = {"staleness_hist": {}, "dropped_stale": 0}
+        queues = SegmentQueues(ring, plan.producers_of(rank), cfg.learner.micro_batch
+                               * cfg.learner.micro_batches // len(plan.producers_of(rank)),
+                               sched.max_staleness, stats)
+        publish(0)
+        run_learner(cfg, sched, engine, queues, publish, cfg.pipeline.total_updates, timeline,
+                    progress)
+        plane.stop()
+        stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
+        stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
+                         "lost_records": ring.stats.lost_records}
+    for piece in (exchange, ring):
+        if piece is not None:
+            piece.free()
+    plane.close()
+    return start, stats
+
+
+def _drain(ring, producers: int) -> int:
+    """Consume (and count) what producers still send until all of them closed."""
+    unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
+    while len(ring.stats.closed) < producers:
+        got = ring.poll()
+        unused += sum(1 for _ in got)
+        if not got:
+            backoff.wait()
+    ring.release()
+    return unused
+
+
+def _report(world, summary: dict, cfg, run_dir) -> dict:
+    """Gather every rank's summary on rank 0; write summary.json; print the headline."""
+    everyone = world.gather(summary, root=0)
+    if world.Get_rank() != 0:
+        return summary
+    wall = max(s["wall_s"] for s in everyone)
+    steps = sum(s["env_steps"] for s in everyone)
+    staleness = Counter()
+    for s in everyone:
+        staleness.update({int(k): v for k, v in s.get("staleness_hist", {}).items()})
+    root = next((s for s in everyone if "success_rate" in s), {})
+    busy = {}
+    for s in everyone:
+        for stage, seconds in s["busy_s"].items():
+            busy.setdefault(f"{s['role']}:{stage}", []).append(seconds / s["wall_s"])
+    result = {
+        "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
+        "env_steps": steps, "env_steps_per_s": steps / wall,
+        "success_rate": root.get("success_rate"), "mean_return": root.get("mean_return"),
+        "staleness_hist": dict(sorted(staleness.items())),
+        "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
+        "per_rank": everyone,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
+          f"success {result['success_rate']} | staleness {result['staleness_hist']}",
+          flush=True)
+    return result

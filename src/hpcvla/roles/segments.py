@@ -1,0 +1,70 @@
+"""Trajectory segments: what an inference rank assembles per env shard and a learner trains on.
+
+A segment group holds `T` consecutive chunk-steps of the `n` envs of one shard (they step
+together), as one record (see transport/records.py) with fields
+
+    obs.<name>       (T, n, *shape)    observation the action was chosen for
+    actions          (T, n, H, A) f4   the action chunk
+    logprob, value   (T, n) f4         behaviour policy log-prob and value
+    reward           (T, n) f4         reward of the chunk
+    done             (T, n) bool       the episode ended with this chunk (no bootstrap across)
+    success          (T, n) bool       ...and it was a success
+    episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
+    version          (T,) i8           policy version that acted at each step
+    bootstrap_value  (n,) f4           value of the observation after the last step
+    meta             (4,) i8           producer rank, slot, group index, envs
+
+`SegmentBuilder` is fed one step at a time: `record_outcome` (the reward/done the simulator
+reports with its next observation), then `add_step` after the policy acted; `add_step` returns
+the finished group when the next step's value (the bootstrap) is known.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SegmentBuilder:
+    def __init__(self, obs_spec: dict, n_envs: int, chunk_len: int, action_dim: int,
+                 segment_len: int, producer: int, slot: int):
+        self.T, self.n, self.t = segment_len, n_envs, 0
+        self.producer, self.slot, self.groups = producer, slot, 0
+        T, n = segment_len, n_envs
+        self.buf = {f"obs.{k}": np.zeros((T, n, *shape), dtype) for k, (shape, dtype)
+                    in obs_spec.items()}
+        self.buf.update(actions=np.zeros((T, n, chunk_len, action_dim), np.float32),
+                        logprob=np.zeros((T, n), np.float32), value=np.zeros((T, n), np.float32),
+                        reward=np.zeros((T, n), np.float32), done=np.zeros((T, n), bool),
+                        success=np.zeros((T, n), bool),
+                        episode_return=np.zeros((T, n), np.float32),
+                        version=np.zeros(T, np.int64))
+        self.started = False  # a segment is open (its first step was acted)
+
+    def record_outcome(self, reward, done, success, episode_return) -> None:
+        """Outcome of the previous step's action, reported with the new observation."""
+        if self.t == 0:
+            return  # nothing acted yet in this group (outcomes were stored before emission)
+        b, i = self.buf, self.t - 1
+        b["reward"][i], b["done"][i] = reward, done
+        b["success"][i], b["episode_return"][i] = success, episode_return
+
+    @property
+    def full(self) -> bool:
+        return self.t == self.T
+
+    def finish(self, bootstrap_value) -> dict:
+        """The completed group (copies), given V(next observation); starts a new group."""
+        group = {k: v.copy() for k, v in self.buf.items()}
+        group["bootstrap_value"] = np.asarray(bootstrap_value, np.float32).copy()
+        group["meta"] = np.array([self.producer, self.slot, self.groups, self.n], np.int64)
+        self.groups += 1
+        self.t = 0
+        return group
+
+    def add_step(self, obs: dict, actions, logprob, value, version: int) -> None:
+        b, t = self.buf, self.t
+        for k, v in obs.items():
+            b[f"obs.{k}"][t] = v
+        b["actions"][t], b["logprob"][t], b["value"][t] = actions, logprob, value
+        b["version"][t] = version
+        self.t += 1

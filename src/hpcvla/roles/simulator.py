@@ -1,0 +1,69 @@
+"""Simulator rank: E envs in K shards; a shard steps and asks for actions on its own.
+
+Each shard owns one slot of its cell's ObsActionExchange. The observation slot carries the
+env observation plus the outcome of the previous action (reward, done, success, episode
+return) and the shard's env-step count; the action slot carries the chunk and a stop flag.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+
+OUTCOME_FIELDS = {"reward": ((), "<f4"), "done": ((), "|b1"), "success": ((), "|b1"),
+                  "episode_return": ((), "<f4")}
+
+
+def slot_dtypes(spec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
+    """(observation slot dtype, action slot dtype) of one shard."""
+    n = envs_per_shard
+    obs = [(k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
+    obs += [(k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in OUTCOME_FIELDS.items()]
+    obs.append(("env_steps", np.int64))
+    action = [("actions", np.float32, (n, spec.chunk_len, spec.action_dim)), ("stop", np.int64)]
+    return np.dtype(obs), np.dtype(action)
+
+
+def run_simulator(envs: list, exchange, timeline) -> int:
+    """Step the shards until the inference rank says stop; returns env steps taken
+    (primitive steps: chunks x chunk_len x envs)."""
+    steps = [0] * len(envs)
+    chunk = envs[0].spec.chunk_len
+    for shard, env in enumerate(envs):
+        _write(exchange.obs(shard), env.reset(), None, steps[shard])
+        exchange.submit(shard)
+    running = set(range(len(envs)))
+    backoff = Backoff(cap=DATA_POLL_CAP)
+    while running:
+        ready = [s for s in sorted(running) if exchange.actions_ready(s)]
+        if not ready:
+            backoff.wait()
+            continue
+        backoff.reset()
+        for shard in ready:
+            answer = exchange.actions(shard)
+            if answer["stop"]:
+                running.discard(shard)
+                continue
+            with timeline.span("simulate"):
+                result = envs[shard].step(np.array(answer["actions"]))
+            steps[shard] += envs[shard].num_envs * chunk
+            _write(exchange.obs(shard), result.obs, result, steps[shard])
+            exchange.submit(shard)
+    return sum(steps)
+
+
+def _write(slot, obs: dict, result, env_steps: int) -> None:
+    """Observation and the previous action's outcome, in place in the shared slot."""
+    for key, value in obs.items():
+        slot[key][...] = value
+    if result is None:
+        for key in OUTCOME_FIELDS:
+            slot[key][...] = 0
+    else:
+        slot["reward"][...] = result.reward
+        slot["done"][...] = result.terminated | result.truncated
+        slot["success"][...] = result.success
+        slot["episode_return"][...] = result.episode_return
+    slot["env_steps"] = env_steps

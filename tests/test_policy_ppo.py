@@ -1,0 +1,265 @@
+"""Tests for the policy interface, DefaultPolicy and the PPO pieces."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import Normal
+
+from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
+from hpcvla.policies import ActOutput, DefaultPolicy, Policy, make_policy
+
+VOCAB = 20
+ACTION_DIM = 3
+CHUNK = 4
+SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
+SPEC_NO_STATE = {k: v for k, v in SPEC.items() if k != "state"}
+
+
+def make_obs(spec: dict, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random numpy observations matching `spec`, with some instruction padding."""
+    rng = np.random.default_rng(seed)
+    obs = {}
+    for name, (shape, dtype) in spec.items():
+        if name == "image":
+            obs[name] = rng.integers(0, 256, size=(batch, *shape), dtype=np.uint8)
+        elif name == "instruction":
+            tok = rng.integers(1, VOCAB, size=(batch, *shape)).astype(dtype)
+            tok[:, 3:] = 0  # padding tail
+            tok[0, :] = 0  # one fully padded instruction must still work
+            obs[name] = tok
+        else:
+            obs[name] = rng.standard_normal((batch, *shape)).astype(dtype)
+    return obs
+
+
+def make(spec=SPEC, seed: int = 0) -> DefaultPolicy:
+    torch.manual_seed(seed)
+    return make_policy("default", spec, ACTION_DIM, CHUNK, VOCAB)
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+def test_make_policy_registry():
+    assert isinstance(make(), DefaultPolicy)
+    assert isinstance(make(), Policy)
+    with pytest.raises(ValueError, match="default"):
+        make_policy("nope", SPEC, ACTION_DIM, CHUNK, VOCAB)
+
+
+def test_obs_to_tensors_keeps_dtype_and_shares_memory():
+    obs = make_obs(SPEC, 2)
+    obs["image"].setflags(write=False)  # as when decoded from a received buffer
+    t = Policy.obs_to_tensors(obs, "cpu")
+    assert t["image"].dtype == torch.uint8
+    assert t["instruction"].dtype == torch.int32
+    assert t["state"].dtype == torch.float32
+    assert t["state"].data_ptr() == obs["state"].ctypes.data  # no copy on CPU
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPEC_NO_STATE], ids=["state", "no_state"])
+def test_act_shapes_and_dtypes(spec):
+    policy = make(spec)
+    out = policy.act(Policy.obs_to_tensors(make_obs(spec, 6), "cpu"))
+    assert isinstance(out, ActOutput)
+    assert out.actions.shape == (6, CHUNK, ACTION_DIM)
+    assert out.logprob.shape == (6,) and out.value.shape == (6,)
+    for t in out:
+        assert t.dtype == torch.float32
+        assert not t.requires_grad
+        assert torch.isfinite(t).all()
+    assert policy.has_state == ("state" in spec)
+
+
+def test_evaluate_matches_act_and_independent_normal():
+    policy = make()
+    obs = Policy.obs_to_tensors(make_obs(SPEC, 8), "cpu")
+    out = policy.act(obs)
+    logprob, value, entropy = policy.evaluate(obs, out.actions)
+    torch.testing.assert_close(logprob, out.logprob)
+    torch.testing.assert_close(value, out.value)
+
+    # Independent computation: per-dim Normal log-probs summed over chunk x action_dim.
+    with torch.no_grad():
+        mean = policy.mean_head(policy.features(obs)).view(8, CHUNK, ACTION_DIM)
+        std = policy.log_std.exp().view(CHUNK, ACTION_DIM)
+        ref = Normal(mean, std).log_prob(out.actions).sum(dim=(1, 2))
+    torch.testing.assert_close(logprob.detach(), ref)
+
+    # Entropy: closed form sum(0.5 + 0.5 log(2 pi) + log_std), same for every sample.
+    closed = (0.5 + 0.5 * math.log(2 * math.pi) + policy.log_std.detach()).sum()
+    assert (entropy > 0).all()
+    torch.testing.assert_close(entropy.detach(), closed.expand(8))
+
+
+def test_deterministic_act_returns_mean():
+    policy = make()
+    obs = Policy.obs_to_tensors(make_obs(SPEC, 5), "cpu")
+    det = policy.act(obs, deterministic=True)
+    with torch.no_grad():
+        mean = policy.mean_head(policy.features(obs)).view(5, CHUNK, ACTION_DIM)
+    torch.testing.assert_close(det.actions, mean)
+    torch.testing.assert_close(det.actions, policy.act(obs, deterministic=True).actions)
+    # Sampling differs from the mean.
+    assert not torch.allclose(policy.act(obs).actions, det.actions)
+
+
+def test_gradients_reach_every_parameter():
+    policy = make()
+    obs = Policy.obs_to_tensors(make_obs(SPEC, 8), "cpu")
+    actions = torch.randn(8, CHUNK, ACTION_DIM)
+    logprob, value, entropy = policy.evaluate(obs, actions)
+    (-logprob.mean() + value.pow(2).mean() - 0.01 * entropy.mean()).backward()
+    for name, p in policy.named_parameters():
+        assert p.grad is not None, name
+        assert p.grad.abs().sum() > 0, name
+    assert policy.token_embedding.weight.grad[0].abs().sum() == 0  # padding row stays fixed
+
+
+# ----------------------------------------------------------------------------- GAE
+
+
+def reference_gae(rewards, values, dones, bootstrap, gamma, lam):
+    """Plain Python-loop GAE over each column independently."""
+    T, N = rewards.shape
+    adv = np.zeros((T, N))
+    for n in range(N):
+        running = 0.0
+        for t in reversed(range(T)):
+            if dones[t, n]:
+                next_v, running = 0.0, 0.0
+            else:
+                next_v = bootstrap[n] if t == T - 1 else values[t + 1, n]
+            delta = rewards[t, n] + gamma * next_v - values[t, n]
+            running = delta + gamma * lam * running
+            adv[t, n] = running
+    return adv, adv + values
+
+
+def test_gae_matches_reference_loop():
+    rng = np.random.default_rng(1)
+    T, N = 9, 4
+    rewards = rng.standard_normal((T, N))
+    values = rng.standard_normal((T, N))
+    dones = np.zeros((T, N), dtype=bool)
+    dones[3, 0] = dones[6, 1] = dones[T - 1, 2] = dones[0, 3] = dones[4, 3] = True
+    bootstrap = rng.standard_normal(N)
+    adv, ret = gae(
+        torch.tensor(rewards, dtype=torch.float32),
+        torch.tensor(values, dtype=torch.float32),
+        torch.tensor(dones),
+        torch.tensor(bootstrap, dtype=torch.float32),
+        gamma=0.97,
+        lam=0.9,
+    )
+    ref_adv, ref_ret = reference_gae(rewards, values, dones, bootstrap, 0.97, 0.9)
+    np.testing.assert_allclose(adv.numpy(), ref_adv, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ret.numpy(), ref_ret, rtol=1e-5, atol=1e-5)
+
+    # 1-D input works the same as one column.
+    adv1, _ = gae(*(torch.tensor(x[:, 1], dtype=torch.float32) for x in (rewards, values)),
+                  torch.tensor(dones[:, 1]), torch.tensor(bootstrap[1], dtype=torch.float32), 0.97, 0.9)
+    np.testing.assert_allclose(adv1.numpy(), ref_adv[:, 1], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def test_decoupled_loss_hand_computed():
+    # ratios r = exp(lp - prox): 1.5 (clipped to 1.2), 0.5 (clipped to 0.8), 1.0
+    prox = torch.tensor([0.0, 0.0, -1.0])
+    lp = prox + torch.log(torch.tensor([1.5, 0.5, 1.0]))
+    beh = prox - torch.log(torch.tensor([1.5, 1.0, 0.5]))  # weights exp(prox - beh) = 1.5, 1, 0.5
+    adv = torch.tensor([1.0, -2.0, 3.0])
+    loss, stats = decoupled_ppo_loss(lp, prox, beh, adv, clip=0.2, max_behaviour_weight=2.0)
+    # surrogates: min(1.5, 1.2)=1.2; min(-1.0, -1.6)=-1.6; 3.0
+    expected = -(1.5 * 1.2 + 1.0 * -1.6 + 0.5 * 3.0) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(2 / 3)
+    assert stats["behaviour_weight_mean"] == pytest.approx(1.0)
+    assert stats["behaviour_weight_max"] == pytest.approx(1.5)
+    kl = np.mean([(r - 1) - math.log(r) for r in (1.5, 0.5, 1.0)])
+    assert stats["approx_kl"] == pytest.approx(kl, rel=1e-5)
+
+
+def test_decoupled_equals_ppo_clip_when_on_policy():
+    torch.manual_seed(0)
+    old = torch.randn(50)
+    lp = (old + 0.3 * torch.randn(50)).requires_grad_()
+    adv = torch.randn(50)
+    loss, stats = decoupled_ppo_loss(lp, old, old, adv, clip=0.2)
+    ratio = (lp - old).exp()  # CleanRL formulation
+    ref = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+    torch.testing.assert_close(loss, ref)
+    assert stats["behaviour_weight_mean"] == pytest.approx(1.0)
+    g, = torch.autograd.grad(loss, lp)
+    g_ref, = torch.autograd.grad(ref, lp)
+    torch.testing.assert_close(g, g_ref)
+
+
+def test_behaviour_weight_truncation():
+    prox = torch.zeros(2)
+    beh = torch.tensor([-3.0, 0.0])  # raw weights e^3 ~ 20 and 1
+    lp = prox.clone().requires_grad_()
+    adv = torch.tensor([1.0, 1.0])
+    loss, stats = decoupled_ppo_loss(lp, prox, beh, adv, max_behaviour_weight=2.0)
+    assert stats["behaviour_weight_max"] == pytest.approx(2.0)
+    assert stats["behaviour_weight_mean"] == pytest.approx(1.5)
+    assert loss.item() == pytest.approx(-(2.0 + 1.0) / 2)
+    # the weight is detached: d loss / d lp = -w * A / n
+    (g,) = torch.autograd.grad(loss, lp)
+    torch.testing.assert_close(g, torch.tensor([-1.0, -0.5]))
+
+
+def test_value_loss_hand_computed():
+    value = torch.tensor([1.0, 0.0, 2.0])
+    old = torch.tensor([0.5, 0.1, 2.0])
+    ret = torch.tensor([2.0, 1.0, 2.5])
+    # clipped values: 0.7, 0.0, 2.0 ; squared errors unclipped: 1, 1, .25 ; clipped: 1.69, 1, .25
+    expected = 0.5 * (1.69 + 1.0 + 0.25) / 3
+    assert value_loss(value, old, ret, clip=0.2).item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_normalize_advantages():
+    adv = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    n = normalize_advantages(adv)
+    assert n.mean().abs() < 1e-6
+    assert n.std().item() == pytest.approx(1.0, rel=1e-5)
+    assert normalize_advantages(torch.tensor([5.0])).item() == 0.0
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_ppo_moves_bandit_mean_toward_target():
+    """1-step bandit, reward = -||chunk - target||^2: PPO must pull the mean to the target."""
+    torch.manual_seed(0)
+    spec = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4")}
+    policy = DefaultPolicy(spec, ACTION_DIM, CHUNK, VOCAB, hidden=32)
+    obs = Policy.obs_to_tensors(make_obs(spec, 32, seed=3), "cpu")
+    target = torch.linspace(-0.6, 0.6, CHUNK * ACTION_DIM).view(CHUNK, ACTION_DIM)
+    opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
+
+    def mean_dist() -> float:
+        return (policy.act(obs, deterministic=True).actions - target).pow(2).sum((1, 2)).mean().item()
+
+    start = mean_dist()
+    for _ in range(60):  # 60 rollouts x 4 epochs = 240 Adam steps
+        out = policy.act(obs)
+        reward = -(out.actions - target).pow(2).sum((1, 2))
+        adv, ret = gae(reward[None], out.value[None], torch.ones(1, 32, dtype=torch.bool),
+                       torch.zeros(32), gamma=0.99, lam=0.95)
+        adv, ret = normalize_advantages(adv[0]), ret[0]
+        for _ in range(4):
+            logprob, value, _ = policy.evaluate(obs, out.actions)
+            pg, _ = decoupled_ppo_loss(logprob, out.logprob, out.logprob, adv)
+            loss = pg + 0.5 * value_loss(value, out.value, ret)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    end = mean_dist()
+    assert end < 0.25 * start, (start, end)

@@ -1,0 +1,269 @@
+"""The built-in `reach` env: spec conformance, language grounding, determinism, solvability,
+episode bookkeeping (auto-reset, truncation), the latency model and argument validation."""
+
+import time
+
+import numpy as np
+import pytest
+
+from hpcvla.envs import ReachEnv, StepResult, make_env, obs_dtype, oracle_actions
+from hpcvla.envs.reach import COLOUR_NAMES, PALETTE_RGB
+
+
+def random_actions(rng, env):
+    return rng.uniform(-1, 1, (env.num_envs, env.chunk_len, 2)).astype(np.float32)
+
+
+def assert_matches_spec(obs, env):
+    assert set(obs) == set(env.spec.obs)
+    for name, (shape, dtype) in env.spec.obs.items():
+        assert obs[name].shape == (env.num_envs, *shape), name
+        assert obs[name].dtype == np.dtype(dtype), name
+
+
+def test_observations_match_spec():
+    env = make_env("reach", 5, seed=0, image_size=32, num_objects=4)
+    assert env.spec.obs == {"image": ((32, 32, 3), "|u1"), "instruction": ((4,), "<i4"),
+                            "state": ((3 * 4 + 2,), "<f4")}
+    assert env.spec.action_dim == 2 and env.spec.chunk_len == 4
+    assert_matches_spec(env.reset(), env)
+    res = env.step(random_actions(np.random.default_rng(0), env))
+    assert isinstance(res, StepResult)
+    assert_matches_spec(res.obs, env)
+    for field, dtype in [("reward", np.float32), ("terminated", bool), ("truncated", bool),
+                         ("success", bool), ("episode_return", np.float32),
+                         ("episode_length", np.int32)]:
+        arr = getattr(res, field)
+        assert arr.shape == (5,) and arr.dtype == dtype, field
+    no_state = ReachEnv(2, state=False)
+    assert set(no_state.spec.obs) == {"image", "instruction"}
+    assert_matches_spec(no_state.reset(), no_state)
+
+
+def test_unknown_env_name_lists_valid_names():
+    with pytest.raises(ValueError, match="reach"):
+        make_env("nope", 1, seed=0)
+
+
+def test_instruction_names_target_and_target_pixels_have_its_colour():
+    env = ReachEnv(32, seed=3)
+    obs = env.reset()
+    vocab = env.spec.vocab
+    assert vocab[0] == ""
+    state = obs["state"]
+    for i, (tokens, text) in enumerate(zip(obs["instruction"], env.instructions())):
+        words = [vocab[t] for t in tokens]
+        assert " ".join(words) == text
+        colour = words[2]
+        assert colour in COLOUR_NAMES
+        # State layout: ee xy, K object xys, target one-hot.
+        target = int(np.argmax(state[i, 2 + 2 * 3:]))
+        x, y = state[i, 2 + 2 * target: 4 + 2 * target]
+        row, col = int(y * 64), int(x * 64)
+        assert np.array_equal(obs["image"][i, row, col], PALETTE_RGB[COLOUR_NAMES.index(colour)])
+        # The effector is drawn white at its position.
+        ex, ey = state[i, :2]
+        assert np.array_equal(obs["image"][i, int(ey * 64), int(ex * 64)], [255, 255, 255])
+
+
+def test_objects_have_distinct_colours():
+    env = ReachEnv(16, seed=1, num_objects=6)
+    env.reset()
+    assert all(len(set(c)) == 6 for c in env._colours)
+
+
+def rollout(env, seeds, steps=10):
+    rng = np.random.default_rng(123)
+    out = [env.reset(seeds=seeds)]
+    rewards = []
+    for _ in range(steps):
+        res = env.step(random_actions(rng, env))
+        out.append(res.obs)
+        rewards.append(res.reward)
+    return out, np.stack(rewards)
+
+
+def test_same_seeds_give_identical_rollouts():
+    seeds = np.arange(8) + 100
+    obs_a, rew_a = rollout(ReachEnv(8, seed=0, max_episode_chunks=4), seeds)
+    obs_b, rew_b = rollout(ReachEnv(8, seed=99, max_episode_chunks=4), seeds)  # spans resets
+    np.testing.assert_array_equal(rew_a, rew_b)
+    for a, b in zip(obs_a, obs_b):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+    obs_c, _ = rollout(ReachEnv(8, seed=0), seeds + 1)
+    assert not np.array_equal(obs_a[0]["image"], obs_c[0]["image"])
+
+
+def test_constructor_seed_sets_default_rngs():
+    a, b = ReachEnv(4, seed=7), ReachEnv(4, seed=7)
+    np.testing.assert_array_equal(a.reset()["image"], b.reset()["image"])
+    assert not np.array_equal(ReachEnv(4, seed=8).reset()["image"], a.reset()["image"])
+
+
+def test_init_state_ids_fix_the_initial_state():
+    ids = np.array([5, 5, 9, 5])
+    a = ReachEnv(4, seed=0).reset(seeds=np.arange(4), init_state_ids=ids)
+    b = ReachEnv(4, seed=1).reset(seeds=np.arange(4) + 50, init_state_ids=ids)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name])
+        np.testing.assert_array_equal(a[name][0], a[name][1])  # same id, different env
+    assert not np.array_equal(a["image"][0], a["image"][2])
+
+
+def success_rate(env, policy):
+    """Fraction of successes over the first episode of each env."""
+    env.reset()
+    outcome = np.full(env.num_envs, -1)
+    for _ in range(env.spec.max_episode_chunks):
+        res = env.step(policy(env))
+        done = (res.terminated | res.truncated) & (outcome < 0)
+        outcome[done] = res.success[done]
+    assert (outcome >= 0).all()  # every env finished one episode within the horizon
+    return outcome.mean()
+
+
+def test_oracle_solves_the_task_and_random_does_not():
+    rng = np.random.default_rng(0)
+    oracle = success_rate(ReachEnv(64, seed=0), oracle_actions)
+    rand = success_rate(ReachEnv(64, seed=0), lambda env: random_actions(rng, env))
+    assert oracle >= 0.95
+    assert rand <= 0.5 * oracle
+
+
+def test_oracle_earns_progress_reward_plus_success_bonus():
+    env = ReachEnv(16, seed=2)
+    env.reset()
+    start_dist = env._dist.copy()
+    total = np.zeros(16)
+    finished = np.zeros(16, bool)
+    for _ in range(env.spec.max_episode_chunks):
+        res = env.step(oracle_actions(env))
+        total += np.where(finished, 0, res.reward)
+        np.testing.assert_allclose(res.episode_return[res.terminated & ~finished],
+                                   total[res.terminated & ~finished], rtol=1e-5)
+        finished |= res.terminated
+    assert finished.all()
+    # Return = (start distance - final distance) * 10 + 1, with final distance <= radius.
+    assert np.all(total >= (start_dist - 0.07) * 10 + 1 - 1e-4)
+    assert np.all(total <= start_dist * 10 + 1 + 1e-4)
+
+
+def test_auto_reset_after_success():
+    env = ReachEnv(8, seed=4)
+    env.reset()
+    for chunk in range(1, env.spec.max_episode_chunks + 1):
+        before = env._target_xy().copy()
+        res = env.step(oracle_actions(env))
+        done = res.terminated
+        # Not-done envs report nothing about episodes.
+        assert not res.success[~done].any()
+        assert (res.episode_return[~done] == 0).all() and (res.episode_length[~done] == 0).all()
+        if done.any():
+            i = int(np.flatnonzero(done)[0])
+            assert res.success[i] and res.episode_length[i] == chunk
+            assert res.episode_return[i] > 1.0
+            # The returned obs is a fresh episode: effector far from the (new) target.
+            ex, ey = res.obs["state"][i, :2]
+            target = env._target_xy()[i]
+            assert np.hypot(ex - target[0], ey - target[1]) >= 0.25
+            assert env._chunks[i] == 0 and not np.array_equal(before[i], target)
+            # The next step does not report that episode again.
+            res2 = env.step(np.zeros((8, 4, 2), np.float32))
+            assert not res2.terminated[i] and res2.episode_length[i] == 0
+            return
+    pytest.fail("oracle never succeeded")
+
+
+def test_truncation_at_horizon():
+    env = ReachEnv(6, seed=5, max_episode_chunks=3)
+    env.reset()
+    zeros = np.zeros((6, 4, 2), np.float32)  # standing still never succeeds (clearance 0.25)
+    for _ in range(2):
+        res = env.step(zeros)
+        assert not (res.truncated | res.terminated).any()
+        np.testing.assert_array_equal(res.reward, 0)
+    first = env._obj.copy()
+    res = env.step(zeros)
+    assert res.truncated.all() and not res.terminated.any() and not res.success.any()
+    np.testing.assert_array_equal(res.episode_length, 3)
+    np.testing.assert_array_equal(res.episode_return, 0)
+    assert not np.array_equal(env._obj, first)  # auto-reset to new layouts
+    assert not env.step(zeros).truncated.any()
+
+
+def test_actions_are_clipped_and_effector_stays_on_table():
+    env = ReachEnv(4, seed=6, max_delta=0.05)
+    env.reset()
+    ee = env._ee.copy()
+    env.step(np.full((4, 4, 2), 100.0, np.float32))
+    expected = np.minimum(ee + 4 * 0.05, 1.0)
+    moved = ~(env._chunks == 0)  # skip envs that happened to succeed and reset
+    np.testing.assert_allclose(env._ee[moved], expected[moved])
+    for _ in range(10):
+        env.step(np.full((4, 4, 2), -1.0, np.float32))
+    assert (env._ee >= 0).all() and (env._ee <= 1).all()
+
+
+def test_latency_model():
+    env = ReachEnv(4, latency_median_ms=5.0, latency_sigma=0.0)
+    for _ in range(3):
+        t0 = time.perf_counter()
+        env.step(np.zeros((4, 4, 2), np.float32))
+        assert time.perf_counter() - t0 >= 0.005
+        assert env.last_latency_s == pytest.approx(0.005)
+    noisy = ReachEnv(64, latency_median_ms=1.0, latency_sigma=0.5)
+    noisy.step(np.zeros((64, 4, 2), np.float32))
+    assert noisy.last_latency_s > 0.001  # max of 64 lognormal draws exceeds the median
+    off = ReachEnv(4)
+    t0 = time.perf_counter()
+    off.step(np.zeros((4, 4, 2), np.float32))
+    assert off.last_latency_s == 0.0 and time.perf_counter() - t0 < 0.005
+
+
+def test_latency_does_not_change_env_randomness():
+    rng_a, rng_b = np.random.default_rng(1), np.random.default_rng(1)
+    a = ReachEnv(4, seed=3, max_episode_chunks=2)
+    b = ReachEnv(4, seed=3, max_episode_chunks=2, latency_median_ms=0.1)
+    for _ in range(5):
+        ra, rb = a.step(random_actions(rng_a, a)), b.step(random_actions(rng_b, b))
+        np.testing.assert_array_equal(ra.obs["image"], rb.obs["image"])
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_envs": 0}, {"image_size": 4}, {"num_objects": 0}, {"num_objects": 7},
+    {"chunk_len": 0}, {"max_episode_chunks": 0}, {"max_delta": 0.0},
+    {"success_radius": -1.0}, {"progress_scale": float("nan")}, {"latency_median_ms": -1.0},
+    {"latency_sigma": -0.1},
+])
+def test_bad_arguments_name_the_argument(kwargs):
+    args = {"num_envs": 2, **kwargs}
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ReachEnv(**args)
+
+
+def test_bad_step_and_reset_shapes():
+    env = ReachEnv(3)
+    with pytest.raises(ValueError, match="actions"):
+        env.step(np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError, match="seeds"):
+        env.reset(seeds=np.arange(2))
+    with pytest.raises(ValueError, match="init_state_ids"):
+        env.reset(init_state_ids=np.arange(4))
+
+
+def test_obs_dtype_holds_a_batch():
+    env = ReachEnv(5, image_size=16)
+    dt = obs_dtype(env.spec, env.num_envs)
+    assert dt.names == ("image", "instruction", "state")
+    buf = np.zeros((), dtype=dt)  # e.g. a view of shared memory
+    obs = env.reset()
+    for name, arr in obs.items():
+        assert buf[name].shape == arr.shape and buf[name].dtype == arr.dtype
+        buf[name] = arr
+    for name, arr in obs.items():
+        np.testing.assert_array_equal(buf[name], arr)
+    assert dt.itemsize >= sum(a.nbytes for a in obs.values())
+    # Round trip through raw bytes, as through shared memory.
+    again = np.frombuffer(buf.tobytes(), dtype=dt)[0]
+    np.testing.assert_array_equal(again["image"], obs["image"])
