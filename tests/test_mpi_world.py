@@ -58,13 +58,12 @@ def test_failing_rank_takes_world_down_naming_rank_and_role():
 
 
 def test_train_writes_resolved_config_and_plan(tmp_path):
-    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
-                 "learner.zero_stage=2")
+    overrides = [f"run.root={tmp_path}", "learner.zero_stage=2", "pipeline.total_updates=2"]
+    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, *overrides)
     assert out.returncode == 0, out.stderr
     (run_dir,) = tmp_path.iterdir()
     resolved = load_config(run_dir / "config.yaml")
-    assert resolved == load_config(ROOT / "configs/default.yaml",
-                                   [f"run.root={tmp_path}", "learner.zero_stage=2"])
+    assert resolved == load_config(ROOT / "configs/default.yaml", overrides)
     assert '"world_size": 4' in (run_dir / "plan.json").read_text()
     assert "weight root rank 3" in out.stdout
 
@@ -78,8 +77,8 @@ def test_world_size_must_match_slurm_allocation():
 
 def test_singleton_from_wrong_pmi_is_named():
     # What a PMI mismatch looks like: srun starts N processes that each see a 1-rank world.
-    out = hpcvla("train", "configs/colocated.yaml", env={"SLURM_JOB_ID": "77",
-                                                         "SLURM_NTASKS": "4"})
+    out = hpcvla("train", "configs/colocated.yaml", env={
+        "SLURM_JOB_ID": "77", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"})
     assert out.returncode != 0
     assert "1-rank world" in out.stderr and "--mpi=pmi2" in out.stderr
 
@@ -91,8 +90,9 @@ def test_world_size_must_match_pbs_nodefile(tmp_path):
     out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
                  env=env)
     assert out.returncode != 0 and "PBS_NODEFILE" in out.stderr and "says 3" in out.stderr
-    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
-                 f"run.root={tmp_path}", "launch.check_scheduler=false", env=env)
+    out = hpcvla("launch", "-n", 4, "--timeout", 120, "--", "train", "configs/default.yaml",
+                 f"run.root={tmp_path}", "launch.check_scheduler=false",
+                 "pipeline.total_updates=1", env=env)
     assert out.returncode == 0, out.stderr
 
 

@@ -35,8 +35,8 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="run the main job")
-    _config_args(train)
+    train = sub.add_parser("train", help="run the main job (no config: the built-in default)")
+    _config_args(train, required=False)
     train.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks on this machine (default: run in the "
                             "current MPI world, as under srun/mpirun)")
@@ -83,23 +83,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, PlanError) as err:
-        if _launcher_rank() == 0:  # every rank of a world finds the same error: say it once
+        if not _launcher_rank():  # every rank of a world finds the same error: say it once
             print(f"hpcvla: {err}", file=sys.stderr)
         return 2
 
 
-def _launcher_rank() -> int:
-    """This process's rank as the MPI launcher set it (0 outside MPI), without starting MPI."""
+def _launcher_rank() -> int | None:
+    """This process's rank as an MPI launcher set it, without starting MPI; None when no
+    launcher started this process."""
     for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
         if var in os.environ:
             return int(os.environ[var])
     if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
         return int(os.environ["SLURM_PROCID"])
-    return 0
+    return None
 
 
 def cmd_train(args) -> int:
+    if args.config is not None and "=" in args.config:  # `hpcvla train key=value ...`
+        args.overrides.insert(0, args.config)
+        args.config = None
     cfg = load_config(args.config, args.overrides)
+    if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
+        args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.roles.modes import check_pipeline
         from hpcvla.runtime import run_ranks, train_main
@@ -108,7 +114,8 @@ def cmd_train(args) -> int:
     from hpcvla.roles.modes import check_pipeline
     check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.launch import run_world
-    return run_world(args.ranks, ["train", args.config, *args.overrides], cfg.launch.mpiexec)
+    config = [args.config] if args.config else []
+    return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec)
 
 
 def cmd_plan(args) -> int:

@@ -196,7 +196,22 @@ class LearnerConfig:
 
 
 @dataclass
+class EmulateConfig:
+    inference_ms: float = setting(
+        0.0, "Emulated accelerator time of every forward pass on an inference rank, added "
+        "as a sleep (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
+    inference_ms_per_env: float = setting(
+        0.0, "Emulated forward-pass time per env in the batch (cost = a + b x batch).", ge=0)
+    learner_ms_per_micro_batch: float = setting(
+        0.0, "Emulated accelerator time of every learner forward/backward, added as a sleep "
+        "(e.g. a deliberately slow learner).", ge=0)
+
+
+@dataclass
 class LaunchConfig:
+    ranks: int = setting(
+        4, "Ranks `hpcvla train` starts on this machine when run outside any MPI launcher "
+        "(under srun/mpirun the launcher decides).", ge=1)
     mpiexec: str = setting(
         "auto", "mpiexec used by `hpcvla launch`/`train --ranks`. `auto`: the one installed "
         "beside this Python (the MPI mpi4py runs on), else the first on PATH.")
@@ -215,6 +230,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    emulate: EmulateConfig = field(default_factory=EmulateConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def check(self) -> list[tuple[str, Any, str]]:

@@ -47,6 +47,11 @@ class Policy(nn.Module, abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Score given action chunks: (logprob (B,), value (B,), entropy (B,)), differentiable."""
 
+    def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
+        """`evaluate`: training calls the DeepSpeed engine (`engine(obs, actions)`), whose
+        forward hooks gather ZeRO-3 parameter shards."""
+        return self.evaluate(obs, actions)
+
     @staticmethod
     def obs_to_tensors(obs: dict[str, np.ndarray], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
         """Wrap numpy observation arrays as tensors on `device`, sharing memory where possible.

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from hpcvla.roles.learner import train_micro_batch
+from hpcvla.roles.learner import full_state, train_micro_batch
 from hpcvla.roles.segments import SegmentBuilder
 
 
-def run_colocated(cfg, engine, env, total_updates: int, timeline, progress) -> int:
-    """Returns the env steps this rank took."""
-    policy, spec = engine.module, env.spec
+def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progress) -> int:
+    """Returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
+    refreshed from the learner after every update (under ZeRO-3 the learner holds shards)."""
+    policy, spec = actor, env.spec
+    _refresh(actor, engine)
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
@@ -36,6 +38,8 @@ def run_colocated(cfg, engine, env, total_updates: int, timeline, progress) -> i
                     train_micro_batch(cfg, engine, part, version, timeline, progress)
                 groups, version = [], version + 1
                 progress.on_update(version)
+                with timeline.span("publish"):
+                    _refresh(actor, engine)
                 continue
         builder.add_step(obs, actions, logprob, value, version)
         with timeline.span("simulate"):
@@ -43,3 +47,9 @@ def run_colocated(cfg, engine, env, total_updates: int, timeline, progress) -> i
         steps += env.num_envs * spec.chunk_len
         obs = result.obs
     return steps
+
+
+def _refresh(actor, engine) -> None:
+    with torch.no_grad():
+        for name, value in full_state(engine).items():  # collective under ZeRO-3
+            actor.state_dict()[name].copy_(torch.from_numpy(value))

@@ -8,6 +8,8 @@ then waits, which is what throttles the simulators.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -38,7 +40,10 @@ class WeightLoader:
 
 
 def run_inference(sched, policy, loader, exchange, ring, quota: int, envs_per_shard: int,
-                  obs_keys: list, segment_len: int, producer: int, timeline) -> dict:
+                  obs_keys: list, segment_len: int, producer: int, timeline,
+                  emulate_ms=None) -> dict:
+    """Serve until the learners finish; `emulate_ms(batch_envs)` adds emulated accelerator
+    time per forward pass."""
     spec_shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                    for k in obs_keys}
     builders = [SegmentBuilder(spec_shapes, envs_per_shard, policy.chunk_len, policy.action_dim,
@@ -86,6 +91,8 @@ def run_inference(sched, policy, loader, exchange, ring, quota: int, envs_per_sh
             with torch.no_grad():
                 out = policy.act(policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
+            if emulate_ms:
+                time.sleep(emulate_ms(len(slots) * envs_per_shard) / 1e3)
             for i, slot in enumerate(slots):
                 exchange.request_actions(slot)["actions"][...] = \
                     actions[i * envs_per_shard:(i + 1) * envs_per_shard]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections import deque
 
 import numpy as np
@@ -63,13 +64,14 @@ def full_state(engine) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
 
-def ppo_loss(cfg, policy, batch: dict) -> tuple[torch.Tensor, dict]:
-    """The PPO loss of a micro-batch of segment groups, stacked along the env axis."""
+def ppo_loss(cfg, model, batch: dict) -> tuple[torch.Tensor, dict]:
+    """The PPO loss of a micro-batch of segment groups, stacked along the env axis. `model`
+    is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate."""
     T, N = batch["logprob"].shape
     obs = {k[4:]: torch.as_tensor(v).reshape(T * N, *v.shape[2:])
            for k, v in batch.items() if k.startswith("obs.")}
     actions = torch.as_tensor(batch["actions"]).reshape(T * N, *batch["actions"].shape[2:])
-    logprob, value, entropy = policy.evaluate(obs, actions)
+    logprob, value, entropy = model(obs, actions)
     logprob, value, entropy = (x.reshape(T, N) for x in (logprob, value, entropy))
     old_value = torch.as_tensor(batch["value"])
     advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
@@ -97,9 +99,11 @@ def train_micro_batch(cfg, engine, groups: list[dict], version: int, timeline,
              for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
     batch["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
     with timeline.span("train"):
-        loss, stats = ppo_loss(cfg, engine.module, batch)
+        loss, stats = ppo_loss(cfg, engine, batch)
         engine.backward(loss)
         engine.step()
+        if cfg.emulate.learner_ms_per_micro_batch:
+            time.sleep(cfg.emulate.learner_ms_per_micro_batch / 1e3)
     staleness = float(np.mean([version - g["version"][0] for g in groups]))
     progress.on_micro_batch(batch, stats, staleness)
 

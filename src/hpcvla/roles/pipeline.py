@@ -69,8 +69,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank)
         idle_barrier(world)
         start = time.monotonic()
-        summary["env_steps"] = run_colocated(cfg, engine, env, cfg.pipeline.total_updates,
-                                             timeline, progress)
+        summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env,
+                                             cfg.pipeline.total_updates, timeline, progress)
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
@@ -115,7 +115,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
         stats.update(run_inference(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
             producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline))
+            rank, timeline, _emulated_inference(cfg)))
     elif LEARN in roles:
         def publish(version):
             state = full_state(engine)  # collective on the learners under ZeRO-3
@@ -137,6 +137,11 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
             piece.free()
     plane.close()
     return start, stats
+
+
+def _emulated_inference(cfg):
+    a, b = cfg.emulate.inference_ms, cfg.emulate.inference_ms_per_env
+    return (lambda envs: a + b * envs) if (a or b) else None
 
 
 def _drain(ring, producers: int) -> int:
