@@ -189,6 +189,10 @@ class LearnerConfig:
     micro_batches: int = setting(
         2, "Micro-batches accumulated per optimizer step on each learner; the global batch "
         "is micro_batch x micro_batches x learners segments.", ge=1)
+    epochs: int = setting(
+        4, "Passes over each batch (PPO epochs): the first streams micro-batches as they "
+        "arrive, later ones replay them. More reuse each sample more (sample efficiency) at "
+        "more learner time per version.", ge=1)
     ring_slots: int = setting(
         32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
     ring_slot_kib: int = setting(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcvla.roles.learner import full_state, train_micro_batch
+from hpcvla.roles.learner import full_state, learn
 from hpcvla.roles.segments import SegmentBuilder
 
 
@@ -33,9 +33,9 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
         if builder.full:
             groups.append(builder.finish(value))
             if len(groups) * env.num_envs >= micro * n_micro:
-                for i in range(n_micro):  # train, then act again with the new weights
-                    part = groups[i * micro // env.num_envs:(i + 1) * micro // env.num_envs]
-                    train_micro_batch(cfg, engine, part, version, timeline, progress)
+                per_micro = micro // env.num_envs  # train, then act again with new weights
+                learn(cfg, engine, [groups[i * per_micro:(i + 1) * per_micro]
+                                    for i in range(n_micro)], version, timeline, progress)
                 groups, version = [], version + 1
                 progress.on_update(version)
                 with timeline.span("publish"):

@@ -64,7 +64,7 @@ def full_state(engine) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
 
-def ppo_loss(cfg, model, batch: dict) -> tuple[torch.Tensor, dict]:
+def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The PPO loss of a micro-batch of segment groups, stacked along the env axis. `model`
     is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate."""
     T, N = batch["logprob"].shape
@@ -79,33 +79,46 @@ def ppo_loss(cfg, model, batch: dict) -> tuple[torch.Tensor, dict]:
                               torch.as_tensor(batch["bootstrap_value"]),
                               cfg.algorithm.gamma, cfg.algorithm.gae_lambda)
     advantages = normalize_advantages(advantages)
-    # One pass per batch: the proximal policy is the current one (AReaL's decoupled PPO);
-    # the behaviour log-probs correct for the policy versions that acted.
-    pg_loss, stats = decoupled_ppo_loss(logprob, logprob.detach(),
+    # Decoupled PPO (AReaL): clip around the proximal policy (the learner's weights when this
+    # version's training began), importance-weight to the behaviour policy that acted.
+    proximal = logprob.detach() if proximal is None else proximal
+    pg_loss, stats = decoupled_ppo_loss(logprob, proximal,
                                         torch.as_tensor(batch["logprob"]), advantages,
                                         cfg.algorithm.clip, cfg.algorithm.max_behaviour_weight)
     v_loss = value_loss(value, old_value, returns, cfg.algorithm.clip)
     loss = pg_loss + cfg.algorithm.value_coef * v_loss - cfg.algorithm.entropy_coef * entropy.mean()
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
                  entropy=float(entropy.mean().detach()))
-    return loss, stats
+    return loss, stats, logprob
 
 
-def train_micro_batch(cfg, engine, groups: list[dict], version: int, timeline,
-                      progress) -> None:
-    """Forward/backward on segment groups stacked along the env axis; DeepSpeed applies the
-    optimizer step at the end of each accumulation of `micro_batches`."""
-    batch = {k: np.concatenate([g[k] for g in groups], axis=1)
-             for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
-    batch["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
+def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
+    """One policy version. Epoch 0 trains each micro-batch (a list of segment groups) as the
+    iterable yields it, which is what lets the streamer start before the batch is complete;
+    further `learner.epochs` replay them against the proximal log-probs of epoch 0.
+    DeepSpeed applies an optimizer step after every `micro_batches` forward/backward passes."""
+    seen = []
+    for groups in micro_batches:
+        batch = {k: np.concatenate([g[k] for g in groups], axis=1)
+                 for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
+        batch["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
+        proximal, stats = _train_micro_batch(cfg, engine, batch, timeline)
+        staleness = float(np.mean([version - g["version"][0] for g in groups]))
+        progress.on_micro_batch(batch, stats, staleness)
+        seen.append((batch, proximal))
+    for _ in range(1, cfg.learner.epochs):
+        for batch, proximal in seen:
+            _train_micro_batch(cfg, engine, batch, timeline, proximal)
+
+
+def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
     with timeline.span("train"):
-        loss, stats = ppo_loss(cfg, engine, batch)
+        loss, stats, logprob = ppo_loss(cfg, engine, batch, proximal)
         engine.backward(loss)
         engine.step()
         if cfg.emulate.learner_ms_per_micro_batch:
             time.sleep(cfg.emulate.learner_ms_per_micro_batch / 1e3)
-    staleness = float(np.mean([version - g["version"][0] for g in groups]))
-    progress.on_micro_batch(batch, stats, staleness)
+    return logprob.detach() if proximal is None else proximal, stats
 
 
 class SegmentQueues:
@@ -154,19 +167,21 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_update
                 timeline, progress) -> dict:
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     backoff = Backoff(cap=DATA_POLL_CAP)
-    for version in range(total_updates):
+
+    def arriving(version):  # micro-batches of this version's batch, as soon as they are here
         need = micro if sched.stream_micro_batches else micro * n_micro
         for _ in range(n_micro):
             with timeline.span("wait_data"):
-                while True:
-                    queues.pump()
-                    if queues.available() >= need:
-                        break
+                queues.pump()
+                while queues.available() < need:
                     backoff.wait()
+                    queues.pump()
                 backoff.reset()
-            train_micro_batch(cfg, engine, queues.take(micro, version), version, timeline,
-                              progress)
+            yield queues.take(micro, version)
             need = micro
+
+    for version in range(total_updates):
+        learn(cfg, engine, arriving(version), version, timeline, progress)
         queues.next_batch()
         with timeline.span("publish"):
             publish(version + 1)
