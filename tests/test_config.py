@@ -29,6 +29,10 @@ def test_overrides_are_typed_and_win():
     assert cfg.launch.check_scheduler is False and cfg.run.name == "x y"
 
 
+def test_exponent_floats_without_a_dot_are_floats():
+    assert load_config(None, ["algorithm.lr=1e-3"]).algorithm.lr == 1e-3
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(ROOT / "configs/ratio_3to1.yaml", ["learner.zero_stage=2"])
     dump_config(cfg, tmp_path / "config.yaml")

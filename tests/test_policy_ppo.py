@@ -85,7 +85,7 @@ def test_evaluate_matches_act_and_independent_normal():
 
     # Independent computation: per-dim Normal log-probs summed over chunk x action_dim.
     with torch.no_grad():
-        mean = policy.mean_head(policy.features(obs)).view(8, CHUNK, ACTION_DIM)
+        mean = policy.mean_head(policy.trunk(policy.features(obs))).view(8, CHUNK, ACTION_DIM)
         std = policy.log_std.exp().view(CHUNK, ACTION_DIM)
         ref = Normal(mean, std).log_prob(out.actions).sum(dim=(1, 2))
     torch.testing.assert_close(logprob.detach(), ref)
@@ -101,7 +101,7 @@ def test_deterministic_act_returns_mean():
     obs = Policy.obs_to_tensors(make_obs(SPEC, 5), "cpu")
     det = policy.act(obs, deterministic=True)
     with torch.no_grad():
-        mean = policy.mean_head(policy.features(obs)).view(5, CHUNK, ACTION_DIM)
+        mean = policy.mean_head(policy.trunk(policy.features(obs))).view(5, CHUNK, ACTION_DIM)
     torch.testing.assert_close(det.actions, mean)
     torch.testing.assert_close(det.actions, policy.act(obs, deterministic=True).actions)
     # Sampling differs from the mean.

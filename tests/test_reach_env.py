@@ -24,7 +24,7 @@ def assert_matches_spec(obs, env):
 def test_observations_match_spec():
     env = make_env("reach", 5, seed=0, image_size=32, num_objects=4)
     assert env.spec.obs == {"image": ((32, 32, 3), "|u1"), "instruction": ((4,), "<i4"),
-                            "state": ((3 * 4 + 2,), "<f4")}
+                            "state": ((3 * 4 + 4,), "<f4")}
     assert env.spec.action_dim == 2 and env.spec.chunk_len == 4
     assert_matches_spec(env.reset(), env)
     res = env.step(random_actions(np.random.default_rng(0), env))
@@ -56,8 +56,9 @@ def test_instruction_names_target_and_target_pixels_have_its_colour():
         assert " ".join(words) == text
         colour = words[2]
         assert colour in COLOUR_NAMES
-        # State layout: ee xy, K object xys, target one-hot.
-        target = int(np.argmax(state[i, 2 + 2 * 3:]))
+        # State layout: ee xy, K object xys, target one-hot, target - ee.
+        target = int(np.argmax(state[i, 2 + 2 * 3:2 + 3 * 3]))
+        assert np.allclose(state[i, -2:], state[i, 2 + 2 * target:4 + 2 * target] - state[i, :2])
         x, y = state[i, 2 + 2 * target: 4 + 2 * target]
         row, col = int(y * 64), int(x * 64)
         assert np.array_equal(obs["image"][i, row, col], PALETTE_RGB[COLOUR_NAMES.index(colour)])
@@ -267,3 +268,15 @@ def test_obs_dtype_holds_a_batch():
     # Round trip through raw bytes, as through shared memory.
     again = np.frombuffer(buf.tobytes(), dtype=dt)[0]
     np.testing.assert_array_equal(again["image"], obs["image"])
+
+
+def test_latency_can_be_reported_instead_of_slept():
+    import time as _time
+
+    from hpcvla.envs.reach import ReachEnv
+    env = ReachEnv(4, seed=1, latency_median_ms=200.0, latency_sigma=0.0, latency_sleep=False)
+    env.reset()
+    start = _time.monotonic()
+    env.step(np.zeros((4, env.spec.chunk_len, 2), np.float32))
+    assert _time.monotonic() - start < 0.1  # not slept...
+    assert env.last_latency_s == pytest.approx(0.2)  # ...but reported for the caller to hold

@@ -53,13 +53,19 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport"], help="what to measure")
+    bench.add_argument("target", choices=["transport", "modes"], help="what to measure")
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks here (default: the current MPI world)")
     bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
     bench.add_argument("--ranks-per-node", type=int, default=4,
-                       help="emulated node size for the weight plane (default 4)")
+                       help="transport: emulated node size for the weight plane (default 4)")
+    bench.add_argument("--workload", choices=["emulated", "real"], default="emulated",
+                       help="modes: calibrated stage delays, or the real env/policy/learner")
+    bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
+                       help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
+    bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
+    bench.add_argument("--updates", type=int, default=20, help="modes: updates per mode")
 
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -148,6 +154,11 @@ def cmd_launch(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.target == "modes":  # starts one world per mode itself
+        from hpcvla.bench import modes
+        modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
+                  args.updates, json_path=args.json)
+        return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.launch import run_world
         inner = ["bench", args.target, "--ranks-per-node", str(args.ranks_per_node)]

@@ -118,6 +118,11 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
             problems.append((name, value, f"a mapping of {key_t.__name__} to {val_t.__name__}"))
             return None
         return {k: float(v) if val_t is float else v for k, v in value.items()}
+    if kind is float and isinstance(value, str):
+        try:  # PyYAML reads `1e-3` (no dot) as a string
+            value = float(value)
+        except ValueError:
+            pass
     if not _is_type(value, kind):
         problems.append((name, value, _a(kind.__name__)))
         return None

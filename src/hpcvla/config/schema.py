@@ -87,7 +87,7 @@ class PipelineConfig:
         "while the learner works, but trains on older data (corrected by the decoupled "
         "PPO weights).", ge=0)
     total_updates: int = setting(
-        200, "Learner optimizer steps (policy versions) before the run ends; the run's "
+        300, "Learner optimizer steps (policy versions) before the run ends; the run's "
         "length in units of learning.", ge=1)
     progress_every_s: float = setting(
         5.0, "Seconds between progress lines on the weight root (steps/s, success, "

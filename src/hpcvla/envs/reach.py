@@ -13,8 +13,12 @@ a shape. Objects are painted in index order, the effector last (on top).
 Observation fields (per env; batched with a leading num_envs dimension):
     image        (S, S, 3)  |u1  RGB camera image, S = image_size
     instruction  (4,)       <i4  token ids of ["reach", "the", <colour>, "object"] in `vocab`
-    state        (3K + 2,)  <f4  only if state=True: [ee_x, ee_y, obj0_x, obj0_y, ...,
-                                 obj{K-1}_x, obj{K-1}_y, target one-hot (K)], K = num_objects
+    state        (3K + 4,)  <f4  only if state=True: [ee_x, ee_y, obj0_x, obj0_y, ...,
+                                 obj{K-1}_x, obj{K-1}_y, target one-hot (K), target_x - ee_x,
+                                 target_y - ee_y], K = num_objects. The last two are
+                                 privileged (like ManiSkill's goal-relative state): with them
+                                 the task is easy; without state, the policy must find the
+                                 target from pixels and instruction.
 
 Actions: (chunk_len, 2) per env, (dx, dy) clipped to [-1, 1] and scaled by `max_delta` per
 primitive step; the effector is clipped to the table. A chunk stops early (the remaining
@@ -26,7 +30,9 @@ Initial states (effector start, object positions and colours, target) come from 
 `np.random.Generator` seeded with seed + env index, or from `reset(seeds=...)`;
 `reset(init_state_ids=...)` makes the layout a pure function of the id instead (RL groups can
 restart from one state). An optional lognormal latency model emulates slow simulators: each
-step sleeps for the slowest of num_envs draws, from a separate RNG.
+step sleeps for the slowest of num_envs draws, from a separate RNG (with latency_sleep=False it
+only reports the draw in `last_latency_s`, so a caller can keep several shards in flight, as
+one-process-per-env simulators do).
 
 Speed (one CPU core, numpy 2.4, 64 envs, 64x64 images, chunk_len 4, incl. auto-resets):
 ~1.1 ms per step() with random actions, ~1.5 ms with the oracle (more resets; a full reset()
@@ -88,7 +94,7 @@ class ReachEnv(VectorEnv):
                  chunk_len: int = 4, max_episode_chunks: int = 20, state: bool = True,
                  max_delta: float = 0.05, success_radius: float = 0.07,
                  progress_scale: float = 10.0, latency_median_ms: float = 0.0,
-                 latency_sigma: float = 0.5):
+                 latency_sigma: float = 0.5, latency_sleep: bool = True):
         checks = {
             "num_envs": num_envs >= 1,
             "image_size": image_size >= 8,
@@ -110,11 +116,12 @@ class ReachEnv(VectorEnv):
         self.success_radius, self.progress_scale = success_radius, progress_scale
         self.latency_median_ms, self.latency_sigma = latency_median_ms, latency_sigma
         self.last_latency_s = 0.0
+        self.latency_sleep = latency_sleep
 
         obs = {"image": ((image_size, image_size, 3), "|u1"),
                "instruction": ((INSTRUCTION_LEN,), "<i4")}
         if state:
-            obs["state"] = ((3 * num_objects + 2,), "<f4")
+            obs["state"] = ((3 * num_objects + 4,), "<f4")
         self.spec = EnvSpec(obs=obs, action_dim=2, chunk_len=chunk_len,
                             max_episode_chunks=max_episode_chunks, vocab=VOCAB)
 
@@ -210,7 +217,8 @@ class ReachEnv(VectorEnv):
         if self.use_state:
             onehot = np.eye(self.num_objects)[self._target]
             obs["state"] = np.concatenate(
-                [self._ee, self._obj.reshape(n, -1), onehot], axis=1).astype(np.float32)
+                [self._ee, self._obj.reshape(n, -1), onehot, self._target_xy() - self._ee],
+                axis=1).astype(np.float32)
         return obs
 
     def instructions(self) -> list[str]:
@@ -263,7 +271,8 @@ class ReachEnv(VectorEnv):
         draws = self._latency_rng.lognormal(np.log(self.latency_median_ms / 1e3),
                                             self.latency_sigma, size=self.num_envs)
         self.last_latency_s = float(draws.max())
-        time.sleep(self.last_latency_s)
+        if self.latency_sleep:  # else the caller holds the result back (shards in flight)
+            time.sleep(self.last_latency_s)
 
     def close(self) -> None:
         pass  # nothing to release

@@ -81,7 +81,13 @@ class DefaultPolicy(Policy):
             self.state_encoder = nn.Sequential(layer_init(nn.Linear(state_dim, hidden)), nn.Tanh())
             feat_dim += hidden
 
+        # Separate actor and critic trunks over the shared encoders (as CleanRL's continuous
+        # PPO): value-loss gradients, larger than policy ones, must not steer the actor.
         self.trunk = nn.Sequential(
+            layer_init(nn.Linear(feat_dim, hidden)), nn.Tanh(),
+            layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
+        )
+        self.value_trunk = nn.Sequential(
             layer_init(nn.Linear(feat_dim, hidden)), nn.Tanh(),
             layer_init(nn.Linear(hidden, hidden)), nn.Tanh(),
         )
@@ -106,14 +112,14 @@ class DefaultPolicy(Policy):
             parts.append(summed / mask.sum(dim=1).clamp(min=1.0))
         if self.has_state:
             parts.append(self.state_encoder(obs["state"].float()))
-        return self.trunk(torch.cat(parts, dim=-1))
+        return torch.cat(parts, dim=-1)
 
     def _dist_and_value(self, obs: dict[str, torch.Tensor]) -> tuple[Normal, torch.Tensor]:
         """Flat Normal over chunk_len*action_dim dims, and the value (B,)."""
         h = self.features(obs)
-        mean = self.mean_head(h)
+        mean = self.mean_head(self.trunk(h))
         std = self.log_std.exp().expand_as(mean)
-        return Normal(mean, std), self.value_head(h).squeeze(-1)
+        return Normal(mean, std), self.value_head(self.value_trunk(h)).squeeze(-1)
 
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> ActOutput:
         with torch.no_grad():

@@ -35,11 +35,11 @@ from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.weights import Manifest, WeightPlane
 
 
-def make_envs(cfg, n: int, seed: int):
+def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True):
     return make_env(cfg.env.name, n, seed, image_size=cfg.env.image_size,
                     chunk_len=cfg.env.chunk_len, max_episode_chunks=cfg.env.max_episode_chunks,
                     state=cfg.env.state, latency_median_ms=cfg.env.latency_median_ms,
-                    latency_sigma=cfg.env.latency_sigma)
+                    latency_sigma=cfg.env.latency_sigma, latency_sleep=latency_sleep)
 
 
 def build_policy(cfg, spec):
@@ -106,8 +106,8 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
-        envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard)
-                for shard in range(sched.shards)]
+        envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard,
+                          latency_sleep=False) for shard in range(sched.shards)]
         stats["env_steps"] = run_simulator(envs, exchange, timeline)
         for env in envs:
             env.close()

@@ -7,6 +7,8 @@ return) and the shard's env-step count; the action slot carries the chunk and a 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
@@ -27,16 +29,24 @@ def slot_dtypes(spec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
 
 def run_simulator(envs: list, exchange, timeline) -> int:
     """Step the shards until the inference rank says stop; returns env steps taken
-    (primitive steps: chunks x chunk_len x envs)."""
+    (primitive steps: chunks x chunk_len x envs). A shard's emulated latency
+    (`env.last_latency_s`, when the env does not sleep itself) delays only that shard's
+    observation: shards stay in flight together, as one-process-per-env simulators do."""
     steps = [0] * len(envs)
     chunk = envs[0].spec.chunk_len
     for shard, env in enumerate(envs):
         _write(exchange.obs(shard), env.reset(), None, steps[shard])
         exchange.submit(shard)
-    running = set(range(len(envs)))
+    running, held = set(range(len(envs))), {}  # held: shard -> (release time, result)
     backoff = Backoff(cap=DATA_POLL_CAP)
     while running:
-        ready = [s for s in sorted(running) if exchange.actions_ready(s)]
+        now = time.monotonic()
+        for shard, (release, result) in list(held.items()):
+            if now >= release:
+                del held[shard]
+                _write(exchange.obs(shard), result.obs, result, steps[shard])
+                exchange.submit(shard)
+        ready = [s for s in sorted(running - set(held)) if exchange.actions_ready(s)]
         if not ready:
             backoff.wait()
             continue
@@ -49,8 +59,8 @@ def run_simulator(envs: list, exchange, timeline) -> int:
             with timeline.span("simulate"):
                 result = envs[shard].step(np.array(answer["actions"]))
             steps[shard] += envs[shard].num_envs * chunk
-            _write(exchange.obs(shard), result.obs, result, steps[shard])
-            exchange.submit(shard)
+            held[shard] = (time.monotonic() + getattr(envs[shard], "last_latency_s", 0.0)
+                           if not getattr(envs[shard], "latency_sleep", True) else 0.0, result)
     return sum(steps)
 
 

@@ -1,0 +1,133 @@
+"""`hpcvla bench modes`: the five execution modes on one workload, in one invocation.
+
+Every mode runs the real pipeline (`hpcvla train`, one MPI world per mode) on the same
+accelerators: `gpus` GPU ranks (colocated: `gpus` ranks doing everything; otherwise half
+inference, half learners) and, outside colocated, `gpus` simulator ranks on CPU, with the same
+total number of envs. Reported per mode: throughput (env steps/s, RL-VLA³ Eq. 2), the ideal
+bound min(stage capacities), efficiency = throughput / bound, and busy fractions per stage.
+
+Workloads:
+* `emulated`: stage costs are calibrated delays (DESIGN.md section 8): a simulator shard step
+  waits for the slowest of its envs' lognormal latencies (shards in flight together), an
+  inference forward costs a + b * batch ms, a learner micro-batch costs a fixed time per
+  epoch. The model is tiny (32 px images), so the delays, not the 2 cores, set the pace.
+  Capacities (env steps/s) from mean costs, no tail: simulators n_sim * E * H / L_mean;
+  inference n_inf * B * H / (a + b B) with B the envs of a cell; learners
+  n_learn * micro * T * H / (epochs * c). Colocated is bounded by its serial sum per rank.
+* `real`: the reach env, the default policy and DeepSpeed as configured; the bound comes from
+  the measured busy time of each stage (capacity = steps / mean busy seconds of its ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async", "streamer")
+
+# Stage costs (ms). `table3`: RL-VLA³ Table 3 (pi0 on LIBERO, 8 GPUs, colocated) spends
+# rollout:actor = 1950 s : 860 s; rollout split 2:1 between simulation and inference here.
+# `balanced`: the three stages have equal capacity in the disaggregated layout.
+PRESETS = {
+    "balanced": {"sim_ms": 40.0, "sigma": 0.5, "inf_a_ms": 4.0, "inf_b_ms": 0.5,
+                 "learn_ms": 30.0},
+    "table3": {"sim_ms": 60.0, "sigma": 0.8, "inf_a_ms": 10.0, "inf_b_ms": 0.6,
+               "learn_ms": 25.0},
+}
+
+
+def _layout(mode: str, gpus: int) -> list[str]:
+    if mode == "sync-colocated":
+        return ["placement.mode=colocated"]
+    return ["placement.mode=disaggregated", "placement.ranks_per_node=4",  # a cell per node
+            "placement.per_node={simulator: 2, inference: 1, learner: 1}"]
+
+
+def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int) -> list[str]:
+    common = [f"pipeline.total_updates={updates}", f"env.envs_per_simulator={envs_per_gpu}",
+              "pipeline.progress_every_s=1000"]
+    if workload == "real":
+        return common
+    return common + [
+        "env.image_size=32", "policy.hidden=32", "learner.epochs=1",
+        f"env.latency_median_ms={preset['sim_ms']}", f"env.latency_sigma={preset['sigma']}",
+        f"emulate.inference_ms={preset['inf_a_ms']}",
+        f"emulate.inference_ms_per_env={preset['inf_b_ms']}",
+        f"emulate.learner_ms_per_micro_batch={preset['learn_ms']}"]
+
+
+def ideal_bound(mode, cfg, preset, gpus) -> float:
+    """Env steps/s no schedule can beat, from the emulated costs (module docstring)."""
+    E, H, T = cfg.env.envs_per_simulator, cfg.env.chunk_len, cfg.rollout.segment_len
+    latency = preset["sim_ms"] * math.exp(preset["sigma"] ** 2 / 2) / 1e3  # lognormal mean
+    micro, epochs = cfg.learner.micro_batch, cfg.learner.epochs
+    learn_s = preset["learn_ms"] / 1e3 * epochs
+    if mode == "sync-colocated":  # per rank: roll out a batch, then train it, one at a time
+        batch = micro * cfg.learner.micro_batches
+        infer_s = (preset["inf_a_ms"] + preset["inf_b_ms"] * E) / 1e3
+        rollout_s = batch / E * T * (latency + infer_s)
+        return gpus * batch * T * H / (rollout_s + cfg.learner.micro_batches * learn_s)
+    n_inf = n_learn = gpus // 2
+    cell = 2 * E
+    c_sim = 2 * n_inf * E * H / latency
+    c_inf = n_inf * cell * H / ((preset["inf_a_ms"] + preset["inf_b_ms"] * cell) / 1e3)
+    c_learn = n_learn * micro * T * H / learn_s
+    return min(c_sim, c_inf, c_learn)
+
+
+def _measured_bound(summary: dict) -> float:
+    """min over stages of steps / (busy seconds per rank of that stage)."""
+    steps, busy = summary["env_steps"], {}
+    for rank in summary["per_rank"]:
+        for stage, seconds in rank["busy_s"].items():
+            if stage in ("simulate", "infer", "train"):
+                busy.setdefault(stage, []).append(seconds)
+    caps = [steps / (sum(v) / len(v)) for v in busy.values() if sum(v) > 0]
+    return min(caps) if caps else float("nan")
+
+
+def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=16, updates=20,
+        json_path=None, modes=MODES, extra=()) -> dict:
+    from hpcvla.config import load_config
+
+    preset = PRESETS[preset_name]
+    results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,
+               "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
+               "envs_total": gpus * envs_per_gpu, "updates": updates, "modes": {}}
+    with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
+        for mode in modes:
+            ranks = gpus if mode == "sync-colocated" else 2 * gpus  # + CPU simulator ranks
+            overrides = [f"pipeline.mode={mode}", *_layout(mode, gpus),
+                         *_workload(workload, preset, envs_per_gpu, updates), *extra,
+                         f"run.root={tmp}", f"run.name={mode}"]
+            cmd = [sys.executable, "-m", "hpcvla", "train", "--ranks", str(ranks), *overrides]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if out.returncode != 0:
+                raise RuntimeError(f"mode {mode} failed:\n{out.stderr[-3000:]}")
+            (run_dir,) = Path(tmp).glob(f"{mode}-*")
+            summary = json.loads((run_dir / "summary.json").read_text())
+            cfg = load_config(run_dir / "config.yaml")
+            bound = ideal_bound(mode, cfg, preset, gpus) if workload == "emulated" \
+                else _measured_bound(summary)
+            results["modes"][mode] = {
+                "ranks": ranks, "env_steps": summary["env_steps"], "wall_s": summary["wall_s"],
+                "throughput": summary["env_steps_per_s"], "ideal_bound": bound,
+                "efficiency": summary["env_steps_per_s"] / bound,
+                "busy_fraction": summary["busy_fraction"],
+                "staleness_hist": summary["staleness_hist"],
+                "success_rate": summary["success_rate"]}
+            print(f"{mode:<20} {summary['env_steps_per_s']:>9.0f} steps/s  bound {bound:>9.0f}"
+                  f"  efficiency {summary['env_steps_per_s'] / bound:5.2f}", flush=True)
+    base = results["modes"].get("sync-colocated", {}).get("throughput")
+    if base:
+        results["speedup_vs_sync_colocated"] = {
+            m: r["throughput"] / base for m, r in results["modes"].items()}
+        print("speed-up over sync-colocated: " + ", ".join(
+            f"{m} {v:.2f}x" for m, v in results["speedup_vs_sync_colocated"].items()))
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return results
