@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
     bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
     bench.add_argument("--updates", type=int, default=20, help="modes: updates per mode")
+    bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
+                       help="modes: B_max x T_max grid for the streamer, or envs per "
+                            "simulator for streamer vs sync-colocated, instead of the ladder")
 
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -157,7 +160,7 @@ def cmd_bench(args) -> int:
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
-                  args.updates, json_path=args.json)
+                  args.updates, json_path=args.json, sweep=args.sweep)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.launch import run_world

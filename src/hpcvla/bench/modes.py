@@ -30,13 +30,19 @@ from pathlib import Path
 MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async", "streamer")
 
 # Stage costs (ms). `table3`: RL-VLA³ Table 3 (pi0 on LIBERO, 8 GPUs, colocated) spends
-# rollout:actor = 1950 s : 860 s; rollout split 2:1 between simulation and inference here.
+# rollout:actor = 1950 s : 860 s = 2.27. Here a colocated update rolls out 2 x 8 chunk-steps
+# at (60 ms * e^(0.8^2/2) + 10 + 0.6 * 16 ms) = 102 ms each = 1.63 s, and trains 2 micro-batches
+# of 360 ms = 0.72 s: the same 2.27.
 # `balanced`: the three stages have equal capacity in the disaggregated layout.
+# `balanced`: with the default sizes (16 envs per simulator, 2 simulators per cell, chunks of
+# 4, segments of 8, micro-batches of 16) every stage's capacity is ~3000 env steps/s per cell:
+# simulators 2*16*4 / (37.7 ms * e^(0.5^2/2)), inference 32*4 / (10.7 + 1.0*32) ms, learner
+# 16*8*4 / 170 ms.
 PRESETS = {
-    "balanced": {"sim_ms": 40.0, "sigma": 0.5, "inf_a_ms": 4.0, "inf_b_ms": 0.5,
-                 "learn_ms": 30.0},
+    "balanced": {"sim_ms": 37.7, "sigma": 0.5, "inf_a_ms": 10.7, "inf_b_ms": 1.0,
+                 "learn_ms": 170.0},
     "table3": {"sim_ms": 60.0, "sigma": 0.8, "inf_a_ms": 10.0, "inf_b_ms": 0.6,
-               "learn_ms": 25.0},
+               "learn_ms": 360.0},
 }
 
 
@@ -90,37 +96,54 @@ def _measured_bound(summary: dict) -> float:
     return min(caps) if caps else float("nan")
 
 
+def cases(sweep: str | None) -> list[tuple[str, str, list[str]]]:
+    """(label, mode, extra overrides) of each run: the five modes, or a sweep."""
+    if sweep is None:
+        return [(mode, mode, []) for mode in MODES]
+    if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer
+        return [(f"streamer B_max={b} T_max={t}ms", "streamer",
+                 [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"])
+                for b in (8, 16, 32) for t in (1, 5, 20)]
+    if sweep == "envs":  # D-VLA Fig. 7: environments per simulator rank
+        return [(f"{mode} E={e}", mode, [f"env.envs_per_simulator={e}",
+                                        f"learner.micro_batch={max(16, e)}",
+                                        f"learner.micro_batches={max(1, 32 // max(16, e))}"])
+                for e in (8, 16, 32) for mode in ("sync-colocated", "streamer")]
+    raise ValueError(f"--sweep {sweep!r}: expected batching or envs")
+
+
 def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=16, updates=20,
-        json_path=None, modes=MODES, extra=()) -> dict:
+        json_path=None, sweep=None) -> dict:
     from hpcvla.config import load_config
 
     preset = PRESETS[preset_name]
     results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,
                "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
-               "envs_total": gpus * envs_per_gpu, "updates": updates, "modes": {}}
+               "sweep": sweep, "updates": updates, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
-        for mode in modes:
+        for n, (label, mode, extra) in enumerate(cases(sweep)):
             ranks = gpus if mode == "sync-colocated" else 2 * gpus  # + CPU simulator ranks
             overrides = [f"pipeline.mode={mode}", *_layout(mode, gpus),
                          *_workload(workload, preset, envs_per_gpu, updates), *extra,
-                         f"run.root={tmp}", f"run.name={mode}"]
+                         f"run.root={tmp}", f"run.name=case{n}"]
             cmd = [sys.executable, "-m", "hpcvla", "train", "--ranks", str(ranks), *overrides]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             if out.returncode != 0:
-                raise RuntimeError(f"mode {mode} failed:\n{out.stderr[-3000:]}")
-            (run_dir,) = Path(tmp).glob(f"{mode}-*")
+                raise RuntimeError(f"{label} failed:\n{out.stderr[-3000:]}")
+            (run_dir,) = Path(tmp).glob(f"case{n}-*")
             summary = json.loads((run_dir / "summary.json").read_text())
             cfg = load_config(run_dir / "config.yaml")
             bound = ideal_bound(mode, cfg, preset, gpus) if workload == "emulated" \
                 else _measured_bound(summary)
-            results["modes"][mode] = {
-                "ranks": ranks, "env_steps": summary["env_steps"], "wall_s": summary["wall_s"],
+            results["modes"][label] = {
+                "mode": mode, "ranks": ranks, "overrides": extra,
+                "env_steps": summary["env_steps"], "wall_s": summary["wall_s"],
                 "throughput": summary["env_steps_per_s"], "ideal_bound": bound,
                 "efficiency": summary["env_steps_per_s"] / bound,
                 "busy_fraction": summary["busy_fraction"],
                 "staleness_hist": summary["staleness_hist"],
                 "success_rate": summary["success_rate"]}
-            print(f"{mode:<20} {summary['env_steps_per_s']:>9.0f} steps/s  bound {bound:>9.0f}"
+            print(f"{label:<32} {summary['env_steps_per_s']:>9.0f} steps/s  bound {bound:>9.0f}"
                   f"  efficiency {summary['env_steps_per_s'] / bound:5.2f}", flush=True)
     base = results["modes"].get("sync-colocated", {}).get("throughput")
     if base:

@@ -24,6 +24,10 @@ class DynamicBatcher:
     def add(self, slot: int, envs: int) -> None:
         self._queue[slot] = (envs, self.clock())
 
+    def queued(self) -> list[int]:
+        """Waiting slots, oldest first."""
+        return list(self._queue)
+
     def waiting_envs(self, eligible=None) -> int:
         return sum(n for s, (n, _) in self._queue.items() if eligible is None or s in eligible)
 

@@ -68,7 +68,7 @@ def run_inference(sched, policy, loader, exchange, ring, quota: int, envs_per_sh
             stats["weight_swaps"] += 1
         allowance = (loader.version + 1 + sched.max_staleness) * quota - stats["segments_started"]
         eligible = _eligible(batcher, builders, allowance, envs_per_shard)
-        held = [s for s in batcher._queue if s not in eligible and builders[s].full]
+        held = [s for s in batcher.queued() if s not in eligible and builders[s].full]
         if held:  # throttled at a segment boundary: still deliver the finished segments
             with timeline.span("assemble"):
                 _finish_segments(held, policy, exchange, builders, ring, obs_keys,
@@ -109,7 +109,8 @@ def run_inference(sched, policy, loader, exchange, ring, quota: int, envs_per_sh
                     group = builder.finish(value[part])
                     ring.put(records.encode(group), records.schema_of(group))
                     stats["segments_sent"] += envs_per_shard
-                if builder.t == 0:
+                if builder.t == 0:  # a segment starts: it belongs to learner batch c // quota
+                    builder.batch = stats["segments_started"] // quota
                     stats["segments_started"] += envs_per_shard
                 builder.add_step({k: v[part] for k, v in obs.items()}, actions[part],
                                  logprob[part], value[part], loader.version)
@@ -137,7 +138,7 @@ def _eligible(batcher, builders, allowance: int, envs_per_shard: int) -> set:
     """Queued slots that may be served now: those mid-segment, plus those starting a segment
     while the staleness quota lasts (in arrival order)."""
     eligible = set()
-    for slot in batcher._queue:
+    for slot in batcher.queued():
         starts = builders[slot].t == 0 or builders[slot].full
         if starts:
             if allowance < envs_per_shard:

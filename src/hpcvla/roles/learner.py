@@ -1,8 +1,8 @@
 """Learner rank: pull segment groups from the ring, train with DeepSpeed ZeRO on the learner
 communicator, publish every new policy version.
 
-Each optimizer step consumes one batch: `quota` segments from each of this learner's producers,
-oldest first (roles/modes.py explains why that bounds staleness), split into
+Each policy version trains one batch: the segments its producers assigned to it (`quota`
+from each; roles/modes.py explains why that bounds staleness), split into
 `micro_batches` micro-batches of `micro_batch` segments. The streamer runs forward/backward on
 a micro-batch as soon as it is there; the other modes wait for the whole batch first.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections import deque
+from collections import defaultdict, deque
 
 import numpy as np
 import torch
@@ -122,45 +122,40 @@ def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
 
 
 class SegmentQueues:
-    """Segment groups from the ring, per producer, first in first out; batches take at most
-    `quota` segments from each producer."""
+    """Segment groups from the ring, bucketed by the learner batch their producer assigned
+    at segment start (roles/modes.py): batch b is trained at version b, which is what bounds
+    staleness even when segments arrive out of start order."""
 
-    def __init__(self, ring, producers, quota: int, max_staleness: int, stats: dict):
-        self.ring, self.quota, self.max_staleness = ring, quota, max_staleness
-        self.queues = {p: deque() for p in producers}
-        self.taken = dict.fromkeys(producers, 0)
-        self.stats = stats
+    def __init__(self, ring, max_staleness: int, stats: dict):
+        self.ring, self.max_staleness, self.stats = ring, max_staleness, stats
+        self.buckets: dict[int, deque] = defaultdict(deque)
 
     def pump(self) -> None:
         for rec in self.ring.poll():
             group = records.decode(rec.data)  # copies out of the ring slot
-            self.queues[rec.producer].append(group)
+            self.buckets[int(group["meta"][4])].append(group)
         self.ring.release()
 
-    def available(self) -> int:
-        """Segments ready for the current batch."""
-        return sum(min(sum(int(g["meta"][3]) for g in q), self.quota - self.taken[p])
-                   for p, q in self.queues.items())
+    def available(self, batch: int) -> int:
+        return sum(int(g["meta"][3]) for g in self.buckets[batch])
 
-    def take(self, segments: int, version: int) -> list[dict]:
-        groups, got = [], 0
-        for p, q in self.queues.items():
-            while q and got < segments and self.taken[p] < self.quota:
-                group = q.popleft()
-                n = int(group["meta"][3])
-                self.taken[p] += n
-                staleness = version - int(group["version"][0])
-                hist = self.stats["staleness_hist"]
-                hist[staleness] = hist.get(staleness, 0) + n
-                if staleness > self.max_staleness:  # cannot happen with the quota; guard
-                    self.stats["dropped_stale"] += n
-                    continue
-                groups.append(group)
-                got += n
+    def take(self, segments: int, batch: int) -> list[dict]:
+        groups, got, bucket = [], 0, self.buckets[batch]
+        while got < segments:
+            group = bucket.popleft()
+            n = int(group["meta"][3])
+            staleness = batch - int(group["version"][0])
+            if staleness > self.max_staleness:  # the quota makes this impossible: a bug
+                raise RuntimeError(f"segment of policy version {int(group['version'][0])} "
+                                   f"in batch {batch}: staleness {staleness} exceeds "
+                                   f"max_staleness {self.max_staleness}")
+            hist = self.stats["staleness_hist"]
+            hist[staleness] = hist.get(staleness, 0) + n
+            groups.append(group)
+            got += n
+        if not bucket:
+            del self.buckets[batch]
         return groups
-
-    def next_batch(self) -> None:
-        self.taken = dict.fromkeys(self.taken, 0)
 
 
 def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_updates: int,
@@ -173,7 +168,7 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_update
         for _ in range(n_micro):
             with timeline.span("wait_data"):
                 queues.pump()
-                while queues.available() < need:
+                while queues.available(version) < need:
                     backoff.wait()
                     queues.pump()
                 backoff.reset()
@@ -182,7 +177,6 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_update
 
     for version in range(total_updates):
         learn(cfg, engine, arriving(version), version, timeline, progress)
-        queues.next_batch()
         with timeline.span("publish"):
             publish(version + 1)
         progress.on_update(version + 1)

@@ -14,10 +14,10 @@ same. `schedule_of(cfg)` turns `pipeline.mode` into the knobs the roles read:
 Staleness is enforced by a per-producer quota: a producer that feeds learner L gets
 `quota = segments per learner batch / producers of L` segments per policy version, and may
 start segment number c only while `c < (v + 1 + max_staleness) * quota`, v being the policy
-version it acts with. A learner trains its producers' segments first in, first out, `quota`
-from each per batch, so batch b (trained at version b) holds segments started at version
->= b - max_staleness: the bound holds by construction, and max_staleness = 0 makes rollout
-and training take turns.
+version it acts with; the segment is tagged for learner batch b = c // quota. The learner
+trains batch b at version b, whatever order segments arrive in, so every sample of batch b
+was started at version >= b - max_staleness: the bound holds by construction, and
+max_staleness = 0 makes rollout and training take turns.
 """
 
 from __future__ import annotations

@@ -121,10 +121,8 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
             state = full_state(engine)  # collective on the learners under ZeRO-3
             if rank == plan.weight_root:
                 plane.publish(version, manifest.flatten(state))
-        stats = {"staleness_hist": {}, "dropped_stale": 0}
-        queues = SegmentQueues(ring, plan.producers_of(rank), cfg.learner.micro_batch
-                               * cfg.learner.micro_batches // len(plan.producers_of(rank)),
-                               sched.max_staleness, stats)
+        stats = {"staleness_hist": {}}
+        queues = SegmentQueues(ring, sched.max_staleness, stats)
         publish(0)
         run_learner(cfg, sched, engine, queues, publish, cfg.pipeline.total_updates, timeline,
                     progress)
@@ -149,7 +147,7 @@ def _drain(ring, producers: int) -> int:
     unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
     while len(ring.stats.closed) < producers:
         got = ring.poll()
-        unused += sum(1 for _ in got)
+        unused += len(got)
         if not got:
             backoff.wait()
     ring.release()

@@ -12,7 +12,7 @@ together), as one record (see transport/records.py) with fields
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
     version          (T,) i8           policy version that acted at each step
     bootstrap_value  (n,) f4           value of the observation after the last step
-    meta             (4,) i8           producer rank, slot, group index, envs
+    meta             (5,) i8           producer rank, slot, group index, envs, learner batch
 
 `SegmentBuilder` is fed one step at a time: `record_outcome` (the reward/done the simulator
 reports with its next observation), then `add_step` after the policy acted; `add_step` returns
@@ -38,7 +38,7 @@ class SegmentBuilder:
                         success=np.zeros((T, n), bool),
                         episode_return=np.zeros((T, n), np.float32),
                         version=np.zeros(T, np.int64))
-        self.started = False  # a segment is open (its first step was acted)
+        self.batch = 0  # learner batch (= policy version) this segment belongs to, set at start
 
     def record_outcome(self, reward, done, success, episode_return) -> None:
         """Outcome of the previous step's action, reported with the new observation."""
@@ -56,7 +56,8 @@ class SegmentBuilder:
         """The completed group (copies), given V(next observation); starts a new group."""
         group = {k: v.copy() for k, v in self.buf.items()}
         group["bootstrap_value"] = np.asarray(bootstrap_value, np.float32).copy()
-        group["meta"] = np.array([self.producer, self.slot, self.groups, self.n], np.int64)
+        group["meta"] = np.array([self.producer, self.slot, self.groups, self.n, self.batch],
+                                 np.int64)
         self.groups += 1
         self.t = 0
         return group

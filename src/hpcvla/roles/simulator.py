@@ -56,11 +56,14 @@ def run_simulator(envs: list, exchange, timeline) -> int:
             if answer["stop"]:
                 running.discard(shard)
                 continue
-            with timeline.span("simulate"):
-                result = envs[shard].step(np.array(answer["actions"]))
+            begin = timeline.now()
+            result = envs[shard].step(np.array(answer["actions"]))
             steps[shard] += envs[shard].num_envs * chunk
-            held[shard] = (time.monotonic() + getattr(envs[shard], "last_latency_s", 0.0)
-                           if not getattr(envs[shard], "latency_sleep", True) else 0.0, result)
+            latency = 0.0 if getattr(envs[shard], "latency_sleep", True) else \
+                getattr(envs[shard], "last_latency_s", 0.0)
+            held[shard] = (time.monotonic() + latency, result)
+            # busy: the step's compute plus its emulated latency (shards may overlap)
+            timeline.record("simulate", begin, timeline.now() + latency)
     return sum(steps)
 
 
