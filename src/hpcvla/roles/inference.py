@@ -84,10 +84,8 @@ def run_inference(sched, policy, loader, exchange, ring, quota: int, envs_per_sh
         stats[f"fired_{reason}"] += 1
         with timeline.span("infer"):
             # One copy out of the shared slots: the batch tensor, and what the segments keep.
-            obs = {k: np.concatenate([exchange.request_obs(s)[k] for s in slots])
-                   for k in obs_keys}
-            outcome = {k: np.concatenate([exchange.request_obs(s)[k] for s in slots])
-                       for k in OUTCOME_FIELDS}
+            obs, outcome = _gather(exchange, slots, obs_keys), _gather(exchange, slots,
+                                                                       OUTCOME_FIELDS)
             with torch.no_grad():
                 out = policy.act(policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
@@ -118,11 +116,17 @@ def run_inference(sched, policy, loader, exchange, ring, quota: int, envs_per_sh
     return stats
 
 
+def _gather(exchange, slots, keys) -> dict:
+    """Fields of several requests, concatenated along the env axis (a copy out of the
+    shared slots, which the simulators reuse as soon as they are answered)."""
+    return {k: np.concatenate([exchange.request_obs(s)[k] for s in slots]) for k in keys}
+
+
 def _finish_segments(slots, policy, exchange, builders, ring, obs_keys, envs_per_shard,
                      stats) -> None:
     """Complete the full segments of requests that must wait: their last outcome is in the
     request and their bootstrap value needs only a forward pass, not an answer."""
-    obs = {k: np.concatenate([exchange.request_obs(s)[k] for s in slots]) for k in obs_keys}
+    obs = _gather(exchange, slots, obs_keys)
     with torch.no_grad():
         value = policy.act(policy.obs_to_tensors(obs, "cpu")).value.cpu().numpy()
     for i, slot in enumerate(slots):

@@ -22,12 +22,9 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, wait_until
+from hpcvla.transport.records import aligned
 
 HEADER_BYTES = 64
-
-
-def _aligned(n: int, to: int = 64) -> int:
-    return -(-n // to) * to
 
 
 class ObsActionExchange:
@@ -39,8 +36,8 @@ class ObsActionExchange:
         self.clients = [r for r in range(size) if r != server] or [server]
         self.n_slots = len(self.clients) * shards
         self._obs_at = HEADER_BYTES
-        self._act_at = HEADER_BYTES + _aligned(self.obs_dtype.itemsize)
-        self.slot_bytes = self._act_at + _aligned(self.action_dtype.itemsize)
+        self._act_at = HEADER_BYTES + aligned(self.obs_dtype.itemsize)
+        self.slot_bytes = self._act_at + aligned(self.action_dtype.itemsize)
         total = self.n_slots * self.slot_bytes if rank == server else 0
         self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)
         buf, _ = self.win.Shared_query(server)

@@ -38,7 +38,9 @@ class RecordError(ValueError):
     """A buffer that is not a valid record, or arrays that cannot be encoded as one."""
 
 
-def _align(n: int) -> int:
+def aligned(n: int) -> int:
+    """`n` rounded up to a multiple of 64 bytes (a cache line; the alignment of every field,
+    slot and weight tensor in the transport)."""
     return -(-n // ALIGN) * ALIGN
 
 
@@ -50,9 +52,9 @@ def schema_of(arrays: dict[str, np.ndarray]) -> int:
 
 
 def encoded_size(arrays: dict[str, np.ndarray]) -> int:
-    size = _align(RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize * len(arrays))
+    size = aligned(RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize * len(arrays))
     for a in arrays.values():
-        size += _align(np.asarray(a).nbytes)
+        size += aligned(np.asarray(a).nbytes)
     return size
 
 
@@ -68,7 +70,7 @@ def encode(arrays: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.n
     header = buf[:RECORD_HEADER.itemsize].view(RECORD_HEADER)[0]
     table = buf[RECORD_HEADER.itemsize:RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize
                 * len(arrays)].view(FIELD_ENTRY)
-    offset = _align(RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize * len(arrays))
+    offset = aligned(RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize * len(arrays))
     buf[RECORD_HEADER.itemsize + table.nbytes:offset] = 0
     for entry, (name, value) in zip(table, arrays.items()):
         a = np.asarray(value)
@@ -83,7 +85,7 @@ def encode(arrays: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.n
         entry["shape"] = list(a.shape) + [0] * (MAX_DIMS - a.ndim)
         entry["offset"], entry["nbytes"] = offset, a.nbytes
         buf[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        offset += _align(a.nbytes)
+        offset += aligned(a.nbytes)
     header["magic"], header["n_fields"], header["pad"], header["length"] = (
         MAGIC, len(arrays), 0, size)
     header["schema"] = schema_of(arrays)

@@ -28,8 +28,8 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
+from hpcvla.transport.records import aligned
 
-_ALIGN = 64
 # node window header, int64 words
 _SEQ0, _SEQ1, _VER0, _VER1, _CURRENT, _NEWEST, _FINISHED = range(7)
 _HEADER_BYTES = 64
@@ -53,15 +53,13 @@ class Manifest:
         for name, dtype, shape in self.entries:
             dt = np.dtype(dtype)
             out.append((name, dt, shape, offset))
-            offset += -(-dt.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
+            offset += aligned(dt.itemsize * math.prod(shape))
         return out
 
     @property
     def nbytes(self) -> int:
-        if not self.entries:
-            return 0
-        name, dt, shape, offset = self.offsets()[-1]
-        return offset + -(-dt.itemsize * math.prod(shape) // _ALIGN) * _ALIGN
+        return sum(aligned(np.dtype(dt).itemsize * math.prod(shape))
+                   for _, dt, shape in self.entries)
 
     @property
     def hash(self) -> int:
@@ -94,7 +92,7 @@ class WeightPlane:
         # leader (learner-only) allocate nothing.
         leader = node.allreduce(node.Get_rank() if is_leader else -1, op=MPI.MAX)
         self.has_window = leader >= 0
-        half = -(-self.nbytes // _ALIGN) * _ALIGN
+        half = aligned(self.nbytes)
         size = _HEADER_BYTES + 2 * half if is_leader else 0
         self.win = MPI.Win.Allocate_shared(size, 1, comm=node)
         if self.has_window:
