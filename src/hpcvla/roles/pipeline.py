@@ -24,7 +24,7 @@ from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.policies import make_policy
 from hpcvla.roles.colocated import run_colocated
-from hpcvla.roles.inference import WeightLoader, run_inference
+from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
 from hpcvla.roles.modes import envs_of_cell, producer_quota, schedule_of
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
@@ -112,10 +112,10 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
         for env in envs:
             env.close()
     elif INF in roles:
-        stats.update(run_inference(
+        stats.update(InferenceServer(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
             producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline, _emulated_inference(cfg)))
+            rank, timeline, _emulated_inference(cfg)).run())
     elif LEARN in roles:
         def publish(version):
             state = full_state(engine)  # collective on the learners under ZeRO-3
