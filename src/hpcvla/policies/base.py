@@ -47,6 +47,14 @@ class Policy(nn.Module, abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Score given action chunks: (logprob (B,), value (B,), entropy (B,)), differentiable."""
 
+    def load_arrays(self, arrays: dict) -> None:
+        """Copy named numpy arrays (a published weight version) into the parameters and
+        buffers, in place."""
+        with torch.no_grad():
+            state = self.state_dict()
+            for name, value in arrays.items():
+                state[name].copy_(torch.from_numpy(value))
+
     def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         """`evaluate`: training calls the DeepSpeed engine (`engine(obs, actions)`), whose
         forward hooks gather ZeRO-3 parameter shards."""

@@ -16,7 +16,7 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
     """Returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
     refreshed from the learner after every update (under ZeRO-3 the learner holds shards)."""
     policy, spec = actor, env.spec
-    _refresh(actor, engine)
+    actor.load_arrays(full_state(engine))  # collective under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
@@ -39,7 +39,7 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
                 groups, version = [], version + 1
                 progress.on_update(version)
                 with timeline.span("publish"):
-                    _refresh(actor, engine)
+                    actor.load_arrays(full_state(engine))
                 continue
         builder.add_step(obs, actions, logprob, value, version)
         with timeline.span("simulate"):
@@ -48,8 +48,3 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
         obs = result.obs
     return steps
 
-
-def _refresh(actor, engine) -> None:
-    with torch.no_grad():
-        for name, value in full_state(engine).items():  # collective under ZeRO-3
-            actor.state_dict()[name].copy_(torch.from_numpy(value))

@@ -32,10 +32,7 @@ class WeightLoader:
         if self.plane.latest_version() <= self.version:
             return False
         self.version = self.plane.read_into(self.flat)
-        with torch.no_grad():
-            params = self.policy.state_dict()
-            for name, view in self.manifest.views(self.flat).items():
-                params[name].copy_(torch.from_numpy(view))
+        self.policy.load_arrays(self.manifest.views(self.flat))
         return True
 
 

@@ -92,7 +92,5 @@ def producer_quota(cfg, plan: RankPlan, producer: int) -> int:
     return batch // len(plan.producers_of(plan.feeds[producer]))
 
 
-def envs_of_cell(cfg, plan: RankPlan, inference_rank: int) -> int:
-    cell = plan.cells[plan.ranks[inference_rank].cell]
-    return len(cell.simulators) * cfg.env.envs_per_simulator
-
+def envs_of_cell(cfg, plan: RankPlan, cell: int) -> int:
+    return len(plan.cells[cell].simulators) * cfg.env.envs_per_simulator

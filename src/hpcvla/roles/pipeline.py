@@ -89,8 +89,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
 def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
-    cell_envs = envs_of_cell(cfg, plan, plan.cells[plan.ranks[rank].cell].inference) \
-        if plan.ranks[rank].cell is not None else 1
+    cell = plan.ranks[rank].cell
+    cell_envs = envs_of_cell(cfg, plan, cell) if cell is not None else 1
     sched = schedule_of(cfg, cell_envs)
     per_shard = cfg.env.envs_per_simulator // sched.shards
     manifest = Manifest.of(policy.state_dict())
