@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpcvla.config import ConfigError, dump_config
 from hpcvla.topology.plan import PlanError
+from hpcvla.transport.backoff import idle_barrier
 
 
 def run_ranks(cfg, main, check=None) -> int:
@@ -38,6 +39,11 @@ def run_ranks(cfg, main, check=None) -> int:
     except (PlanError, ConfigError) as err:  # every rank reached the same verdict
         if rank == 0:
             print(f"hpcvla: cannot lay out this world: {err}", file=sys.stderr, flush=True)
+        # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
+        try:
+            idle_barrier(world, timeout=10.0)
+        except TimeoutError:
+            pass
         return 2
     try:
         main(cfg, plan, comms)
