@@ -1,13 +1,15 @@
 # hpcvla: the two commands a newcomer needs.
-#   make install   create .venv and install the pinned stack (CPU torch where there is no GPU)
+#   make install   create .venv and install the pinned stack (CPU torch where there is no GPU),
+#                  simulators included, plus the system libraries they render with (see system)
 #   make test      run the whole test suite, multi-rank MPI tests included
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
+SYSTEM ?= 1   # 0: leave the system's packages alone (then install what `system` lists yourself)
 
-.PHONY: install test clean
+.PHONY: install system test clean
 
-install:
+install: $(if $(filter 1,$(strip $(SYSTEM))),system)
 	$(PYTHON) -m venv $(VENV)
 	# torch alone first: a later bare requirement must not pull a multi-GB CUDA build.
 	$(BIN)/pip install $$(grep -E '^torch==' requirements.txt)
@@ -15,6 +17,26 @@ install:
 	DS_BUILD_OPS=0 $(BIN)/pip install -r requirements.txt
 	$(BIN)/pip install --no-deps -e .
 	$(BIN)/hpcvla --help > /dev/null
+
+# CPU rendering for the simulators: ManiSkill3 (SAPIEN) needs a Vulkan driver with
+# VK_KHR_external_semaphore_fd, i.e. Mesa >= 24.3 lavapipe (Debian 12 has 22.3: take Mesa from
+# bookworm-backports, on the mirror apt already uses); LIBERO's MuJoCo renders with EGL (or
+# OSMesa). Runs only as root with apt (Debian); elsewhere it prints what to install. On GPU
+# nodes the NVIDIA driver provides Vulkan and EGL instead.
+SYSTEM_PACKAGES = mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri libosmesa6
+system:
+	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get > /dev/null; then \
+	  echo "make system: not root with apt; the simulators need: $(SYSTEM_PACKAGES) (Mesa >= 24.3)"; \
+	  exit 0; fi; \
+	set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -q; \
+	. /etc/os-release; release=""; \
+	if [ "$$VERSION_CODENAME" = bookworm ]; then \
+	  uri=$$(apt-get indextargets --format '$$(REPO_URI)' 'Codename: bookworm' | head -n1); \
+	  [ -n "$$uri" ] || { echo "make system: no Debian bookworm source in apt"; exit 1; }; \
+	  printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+	    "$$uri" > /etc/apt/sources.list.d/hpcvla-backports.sources; \
+	  apt-get update -q; release="-t bookworm-backports"; fi; \
+	apt-get install -y -q --no-install-recommends $$release $(SYSTEM_PACKAGES)
 
 test:
 	$(BIN)/python -m pytest -q tests

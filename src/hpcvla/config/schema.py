@@ -97,8 +97,27 @@ class PipelineConfig:
 @dataclass
 class EnvConfig:
     name: str = setting("reach", "Simulator. `reach` is built in (numpy only, pixels + "
-                        "instruction); ManiSkill3 and LIBERO adapters plug in here.",
-                        choices=("reach",))
+                        "instruction, fast); `maniskill` (ManiSkill3, task env.task) and "
+                        "`libero` (suite env.suite) are real simulators: far slower per step "
+                        "(rendering on CPU), and a LIBERO env takes ~300 MB.",
+                        choices=("reach", "maniskill", "libero"))
+    task: str = setting(
+        "PickCube-v1", "ManiSkill3 task id (env.name=maniskill); the tasks that need no "
+        "asset download are listed in hpcvla/envs/maniskill.py (NO_DOWNLOAD_TASKS).")
+    suite: str = setting(
+        "libero_spatial", "LIBERO suite (env.name=libero).",
+        choices=("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90"))
+    suite_task: int = setting(
+        -1, "LIBERO task index within env.suite for every env; -1 spreads the envs over all "
+        "tasks of the suite (multi-task, but each task's renderer costs ~550 MB per rank).",
+        ge=-1)
+    wrist_image: bool = setting(
+        False, "Add the wrist camera (`wrist_image`) next to the third-person `image` "
+        "(maniskill, libero): a second render per step (~2x the rendering time).")
+    reward: str = setting(
+        "sparse", "maniskill: `sparse` (1 on success) or `dense` (the task's normalized dense "
+        "shaping, easier to learn, task-specific). libero has only sparse.",
+        choices=("sparse", "dense"))
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "
         "but make a synchronous step wait longer for its slowest env.", ge=1)
@@ -110,7 +129,8 @@ class EnvConfig:
         4, "Primitive actions per action chunk (one policy call per chunk). Longer chunks "
         "mean fewer policy calls but coarser feedback.", ge=1)
     max_episode_chunks: int = setting(
-        20, "Episode horizon in chunks; the episode is truncated after this many.", ge=1)
+        20, "Episode horizon in chunks; the episode is truncated after this many (the "
+        "simulators' own step limits are lifted: horizon = this x chunk_len steps).", ge=1)
     image_size: int = setting(
         64, "Camera image side in pixels: more detail, more bytes per step and a slower "
         "encoder.", ge=16, le=512)
@@ -118,7 +138,7 @@ class EnvConfig:
         True, "Include the low-dim state observation (learning is much faster with it; "
         "turn it off to learn from pixels and instruction alone).")
     latency_median_ms: float = setting(
-        0.0, "Emulated simulator cost: each env step sleeps for the slowest of per-env "
+        0.0, "reach only: emulated simulator cost: each env step sleeps for the slowest of per-env "
         "lognormal draws with this median (0 = off).", ge=0)
     latency_sigma: float = setting(
         0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)

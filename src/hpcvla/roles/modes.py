@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from hpcvla.config.loader import ConfigError
+from hpcvla.envs import check_env
 from hpcvla.topology.plan import RankPlan
 
 
@@ -84,6 +85,7 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
                 break
     if problems:
         raise ConfigError(problems, "pipeline configuration")
+    check_env(cfg)  # the simulator is installed and can run the task
 
 
 def producer_quota(cfg, plan: RankPlan, producer: int) -> int:

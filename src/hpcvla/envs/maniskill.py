@@ -1,0 +1,188 @@
+"""`maniskill`: ManiSkill3 tasks (`mani-skill` 3.0.1, SAPIEN 3) behind the VectorEnv interface.
+
+One ManiSkill env per slot (the CPU backend refuses num_envs > 1), stepped in this process by
+`SerialVectorEnv`. Each primitive step runs the task in `obs_mode="state"` (~3 ms); the cameras
+are rendered once per action chunk, after its last step (one 64 px camera ~30 ms on lavapipe,
+base + wrist ~100 ms), with exactly the pixels the task's `rgb` mode would give.
+
+Observation fields (per env):
+    image        (S, S, 3)  |u1  the task's third-person camera (`base_camera`), S = image_size
+    wrist_image  (S, S, 3)  |u1  only if wrist_image: the Panda hand camera (`panda_wristcam`)
+    state        (D,)       <f4  only if state: the task's flat `state` observation (robot qpos,
+                                 qvel, task extras such as goal and object poses: privileged)
+    instruction  (L,)       <i4  token ids of the task description (TASK_DESCRIPTIONS)
+
+Actions: `pd_ee_delta_pose`, 7-d per primitive step in [-1, 1] (clipped): end-effector
+translation (±0.1 m) and rotation (±0.1 rad) deltas, then the gripper (-1 open, 1 closed).
+Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
+`normalized_dense` reward (env.reward). An episode terminates on `info["success"]` and is
+truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
+for PickCube, is lifted). Initial states: ManiSkill's reset seed, drawn from each env's RNG, or
+the init_state_id itself (same id, same initial state).
+
+Tasks that need no asset download with mani-skill 3.0.1 (checked by making and stepping each
+one offline on CPU): NO_DOWNLOAD_TASKS. A task whose assets are missing fails at construction
+with the download command instead of prompting for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+
+import numpy as np
+
+from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.serial import SerialVectorEnv, require, vocab_of, words
+
+NO_DOWNLOAD_TASKS = (
+    "LiftPegUpright-v1", "PegInsertionSide-v1", "PickCube-v1", "PlaceSphere-v1",
+    "PlugCharger-v1", "PokeCube-v1", "PullCube-v1", "PullCubeTool-v1", "PushCube-v1",
+    "PushT-v1", "RollBall-v1", "StackCube-v1", "StackPyramid-v1",
+)
+TASK_DESCRIPTIONS = {
+    "PickCube-v1": "pick up the red cube and move it to the green goal",
+    "PushCube-v1": "push the cube to the red and white target",
+    "PullCube-v1": "pull the cube to the red and white target",
+    "StackCube-v1": "stack the red cube on top of the green cube",
+    "PegInsertionSide-v1": "insert the peg into the hole on the side of the box",
+    "PlugCharger-v1": "plug the charger into the receptacle",
+    "LiftPegUpright-v1": "lift the peg and stand it upright",
+    "PokeCube-v1": "use the peg to poke the cube to the goal",
+    "PlaceSphere-v1": "place the sphere into the bin",
+    "PullCubeTool-v1": "use the tool to pull the cube closer",
+    "PushT-v1": "push the t shaped block onto the target",
+    "RollBall-v1": "push the ball so it rolls to the goal",
+    "StackPyramid-v1": "stack the three cubes into a pyramid",
+}
+ACTION_DIM = 7
+CONTROL_MODE = "pd_ee_delta_pose"
+
+
+def describe(task: str) -> str:
+    """The instruction of a task: TASK_DESCRIPTIONS, else its id split into words."""
+    name = task.rsplit("-v", 1)[0]
+    return TASK_DESCRIPTIONS.get(task) or " ".join(
+        w.lower() for w in re.findall(r"[A-Z][a-z]+|[A-Z]+(?![a-z])|\d+", name))
+
+
+def missing_assets(task: str) -> list[str]:
+    """Asset ids the task declares and this machine lacks; raises ValueError if unknown."""
+    require("mani_skill.envs", "mani-skill", "maniskill")
+    from mani_skill.utils import assets
+    from mani_skill.utils.registration import REGISTERED_ENVS
+    if task not in REGISTERED_ENVS:
+        raise ValueError(f"unknown ManiSkill task {task!r}; tasks that need no download: "
+                         f"{', '.join(NO_DOWNLOAD_TASKS)}")
+    ids = REGISTERED_ENVS[task].asset_download_ids or []
+    return [a for a in ids if a in assets.DATA_GROUPS or not assets.is_data_source_downloaded(a)]
+
+
+def _download_error(task: str, detail: str) -> RuntimeError:
+    return RuntimeError(
+        f"ManiSkill task {task} needs assets that are not on this machine ({detail}). "
+        f"Download them once with `python -m mani_skill.utils.download_asset {task}` "
+        f"(needs internet), or pick a task that needs none: {', '.join(NO_DOWNLOAD_TASKS)}")
+
+
+class _Slot:
+    """One ManiSkill env (num_envs=1, CPU physics)."""
+
+    def __init__(self, task: str, image_size: int, wrist_image: bool, reward: str,
+                 horizon: int):
+        import gymnasium as gym
+        import torch
+        missing = missing_assets(task)
+        if missing:
+            raise _download_error(task, ", ".join(missing))
+        gpu = torch.cuda.is_available()
+        kwargs = dict(obs_mode="state", control_mode=CONTROL_MODE, num_envs=1,
+                      sim_backend="cpu", render_backend="gpu" if gpu else "cpu",
+                      reward_mode="sparse" if reward == "sparse" else "normalized_dense",
+                      sensor_configs=dict(width=image_size, height=image_size),
+                      max_episode_steps=horizon + 1)  # we truncate; ManiSkill never does first
+        if wrist_image:
+            kwargs["robot_uids"] = "panda_wristcam"
+        try:  # an empty stdin: ManiSkill's download prompt fails instead of waiting for "y"
+            with contextlib.redirect_stdout(sys.stderr), _no_stdin():
+                self.env = gym.make(task, **kwargs)
+        except (EOFError, FileNotFoundError) as err:
+            raise _download_error(task, f"{type(err).__name__}: {err}") from err
+        self.u = self.env.unwrapped
+        self.instruction = describe(task)
+        self.camera_names = list(self.u.scene.sensors)  # task cameras first, then the robot's
+
+    def reset(self, rng, init_state_id):
+        seed = int(rng.integers(2**31 - 1)) if init_state_id is None else int(init_state_id)
+        self.state, _ = self.env.reset(seed=seed)
+
+    def step(self, action):
+        self.state, reward, _, _, info = self.env.step(action[None])
+        return float(reward[0]), bool(info["success"][0])
+
+    def observe(self) -> dict:
+        """Render every camera once (what the `rgb` obs mode would return) plus the state."""
+        u = self.u
+        for obj in u._hidden_objects:  # e.g. goal markers, hidden from cameras as in `rgb` mode
+            obj.hide_visual()
+        u.scene.update_render(update_sensors=True, update_human_render_cameras=False)
+        images = []
+        for name in self.camera_names:
+            camera = u.scene.sensors[name]
+            camera.capture()
+            images.append(camera.get_obs(rgb=True, depth=False, position=False,
+                                         segmentation=False)["rgb"][0].cpu().numpy())
+        obs = {"image": images[0], "state": self.state[0].cpu().numpy()}
+        if len(images) > 1:
+            obs["wrist_image"] = images[-1]
+        return obs
+
+    def close(self):
+        self.env.close()
+
+
+@contextlib.contextmanager
+def _no_stdin():
+    saved, sys.stdin = sys.stdin, io.StringIO("")
+    try:
+        yield
+    finally:
+        sys.stdin = saved
+
+
+class ManiSkillEnv(SerialVectorEnv):
+    """`num_envs` copies of one ManiSkill3 task; see the module docstring."""
+
+    def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
+                 image_size: int = 64, wrist_image: bool = False, state: bool = True,
+                 reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
+                 first_env: int = 0):
+        if reward not in ("sparse", "dense"):
+            raise ValueError(f"ManiSkillEnv: reward must be sparse or dense, got {reward!r}")
+        horizon = chunk_len * max_episode_chunks
+
+        def make_slot(_i):
+            return _Slot(task, image_size, wrist_image, reward, horizon)
+
+        first = make_slot(0)  # the state size depends on the task
+        try:
+            first.reset(np.random.default_rng(0), None)
+            if wrist_image and len(first.camera_names) < 2:
+                raise ValueError(f"ManiSkill task {task} has no wrist camera")
+        except BaseException:
+            first.close()
+            raise
+        img = ((image_size, image_size, 3), "|u1")
+        instruction = describe(task)
+        obs = {"image": img, **({"wrist_image": img} if wrist_image else {}),
+               "instruction": ((len(words(instruction)),), "<i4")}
+        if state:
+            obs["state"] = ((int(first.state.shape[-1]),), "<f4")
+        spec = EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
+                       max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]))
+        self.task = task
+        super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
+                         name=f"maniskill {task}", first_slot=first)
+

@@ -1,0 +1,205 @@
+"""Vectorizing simulators that run one environment per instance (ManiSkill3 on CPU, LIBERO).
+
+`SerialVectorEnv` holds `num_envs` single environments ("slots") in this process and steps
+them one after the other; a simulator rank is one core, and the MPI ranks are the parallelism.
+Measured here (Debian 12, 2 cores): an extra in-process ManiSkill env costs ~5 MB and an extra
+LIBERO env ~300 MB (its renderer is shared per task), while a worker subprocess would cost a
+second interpreter with torch and the simulator (~800 MB for ManiSkill) and could not run any
+faster on cores the ranks already fill. In-process is therefore the default and only mode.
+
+A slot implements:
+    instruction: str                     the language instruction of its current episode
+    reset(rng, init_state_id) -> None    new episode: from `rng`, or a pure function of the id
+    step(action (action_dim,)) -> (reward, success)   one primitive action
+    observe() -> dict                    per-env observation with every spec field but
+                                         "instruction"; rendered once per chunk, not per step
+    close() -> None
+
+The base class executes action chunks (clipped to [-1, 1], the controllers' normalized range;
+a chunk stops early on success or at the horizon), sums rewards over the chunk, truncates at
+`max_episode_chunks`, auto-resets finished envs, tokenizes instructions, and isolates failures:
+a slot that raises is reported with its env id on stderr and in `failures`, rebuilt and reset
+(its episode ends truncated, without success), while the other envs go on. A slot that cannot
+be rebuilt is retired: it returns zero observations and a truncated step from then on.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Callable
+
+import numpy as np
+
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
+
+_STREAM = 0x51_0E  # mixed into per-env seeds so they differ from other envs' streams
+
+
+def words(text: str) -> list[str]:
+    """Lower-case words of an instruction, punctuation dropped."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def vocab_of(texts) -> tuple[str, ...]:
+    """Token vocabulary of a set of instructions: "" (padding, id 0), then the sorted words."""
+    return ("", *sorted({w for t in texts for w in words(t)}))
+
+
+def tokenize(text: str, vocab: tuple[str, ...], length: int) -> np.ndarray:
+    """(length,) int32 token ids of `text`, padded with 0; unknown words are dropped."""
+    index = {w: i for i, w in enumerate(vocab)}
+    ids = [index[w] for w in words(text) if w in index][:length]
+    return np.array(ids + [0] * (length - len(ids)), dtype=np.int32)
+
+
+def require(module: str, package: str, env_name: str):
+    """Import `module`, or fail saying which package is missing and how to install it."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(
+            f"env.name={env_name} needs the Python package `{package}` (import {module!r} "
+            f"failed: {err}). Install the simulators with `make install` (see README.md), "
+            f"or `pip install -r requirements.txt` in {sys.prefix}.") from err
+
+
+class SerialVectorEnv(VectorEnv):
+    """`num_envs` single-env slots stepped in turn; see the module docstring."""
+
+    def __init__(self, num_envs: int, seed: int, spec: EnvSpec, instruction_len: int,
+                 make_slot: Callable[[int], object], first_env: int = 0, name: str = "env",
+                 first_slot=None):
+        if num_envs < 1 or spec.chunk_len < 1 or spec.max_episode_chunks < 1:
+            raise ValueError(f"{name}: num_envs, chunk_len and max_episode_chunks must be >= 1")
+        self.num_envs, self.spec, self.name = num_envs, spec, name
+        self.instruction_len, self.first_env = instruction_len, first_env
+        self._make_slot = make_slot
+        self._rngs = [np.random.default_rng([seed + i, _STREAM]) for i in range(num_envs)]
+        self.failures: list[tuple[int, str]] = []  # (env id, error) of every failure so far
+        self.retired: set[int] = set()  # slot indices that could not be rebuilt
+        self._chunks = np.zeros(num_envs, dtype=np.int32)
+        self._return = np.zeros(num_envs, dtype=np.float32)
+        self._obs = {k: np.zeros((num_envs, *shape), dtype=dt)
+                     for k, (shape, dt) in spec.obs.items()}
+        self._slots: list = [first_slot] if first_slot is not None else []  # built already
+        try:
+            for i in range(len(self._slots), num_envs):
+                self._slots.append(make_slot(i))
+        except BaseException:
+            self.close()
+            raise
+        self.reset()
+
+    # ---- failures ---------------------------------------------------------------------
+
+    def _guarded(self, i: int, what: str, call: Callable):
+        """`call()`, or None after reporting and replacing a slot that raised."""
+        if i in self.retired:
+            return None
+        try:
+            return call()
+        except Exception as err:  # noqa: BLE001 - one env's failure must not stop the rest
+            self._replace(i, what, err)
+            return None
+
+    def _replace(self, i: int, what: str, err: Exception) -> None:
+        env_id = self.first_env + i
+        self.failures.append((env_id, f"{what}: {err!r}"))
+        print(f"hpcvla: {self.name} env {env_id} failed in {what}: {err!r}; rebuilding it "
+              "(the other envs go on)", file=sys.stderr, flush=True)
+        try:
+            self._slots[i].close()
+        except Exception:  # noqa: BLE001 - it is broken already
+            pass
+        try:
+            self._slots[i] = self._make_slot(i)
+            self._slots[i].reset(self._rngs[i], None)
+            self._write_obs(i)
+        except Exception as again:  # noqa: BLE001
+            self.retired.add(i)
+            self.failures.append((env_id, f"rebuild: {again!r}"))
+            print(f"hpcvla: {self.name} env {env_id} could not be rebuilt ({again!r}); it is "
+                  "retired and returns empty observations", file=sys.stderr, flush=True)
+            for field in self._obs.values():
+                field[i] = 0
+
+    # ---- episodes ---------------------------------------------------------------------
+
+    def _write_obs(self, i: int) -> None:
+        slot = self._slots[i]
+        obs = slot.observe()  # may hold more than the spec asks for (e.g. state when off)
+        for key, field in self._obs.items():
+            if key != "instruction":
+                field[i] = obs[key]
+        if "instruction" in self._obs:
+            self._obs["instruction"][i] = tokenize(slot.instruction, self.spec.vocab,
+                                                   self.instruction_len)
+
+    def _start_episode(self, i: int, init_state_id: int | None = None) -> None:
+        self._chunks[i], self._return[i] = 0, 0.0
+        self._guarded(i, "reset", lambda: (self._slots[i].reset(self._rngs[i], init_state_id),
+                                           self._write_obs(i)))
+
+    def _batch(self) -> dict[str, np.ndarray]:
+        return {k: v.copy() for k, v in self._obs.items()}
+
+    def reset(self, seeds: np.ndarray | None = None,
+              init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        for name, arr in (("seeds", seeds), ("init_state_ids", init_state_ids)):
+            if arr is not None and np.shape(arr) != (self.num_envs,):
+                raise ValueError(f"reset: {name} must have shape ({self.num_envs},), "
+                                 f"got {np.shape(arr)}")
+        if seeds is not None:
+            self._rngs = [np.random.default_rng([int(s), _STREAM]) for s in seeds]
+        for i in range(self.num_envs):
+            self._start_episode(i, None if init_state_ids is None else int(init_state_ids[i]))
+        return self._batch()
+
+    def instructions(self) -> list[str]:
+        return [slot.instruction for slot in self._slots]
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        n, chunk, dim = self.num_envs, self.spec.chunk_len, self.spec.action_dim
+        actions = np.asarray(actions, dtype=np.float32)
+        if actions.shape != (n, chunk, dim):
+            raise ValueError(f"step: actions must have shape ({n}, {chunk}, {dim}), "
+                             f"got {actions.shape}")
+        actions = np.clip(np.nan_to_num(actions), -1.0, 1.0)
+        reward = np.zeros(n, dtype=np.float32)
+        success = np.zeros(n, dtype=bool)
+        failed = np.zeros(n, dtype=bool)
+        for i in range(n):
+            def run_chunk(i=i):
+                for t in range(chunk):
+                    r, ok = self._slots[i].step(actions[i, t])
+                    reward[i] += r
+                    if ok:
+                        success[i] = True
+                        break
+                self._write_obs(i)
+                return True
+            failed[i] = self._guarded(i, "step", run_chunk) is None
+        self._chunks += 1
+        self._return += reward
+        terminated = success & ~failed
+        truncated = ~terminated & (failed | (self._chunks >= self.spec.max_episode_chunks))
+        done = terminated | truncated
+        episode_return = np.where(done, self._return, 0.0).astype(np.float32)
+        episode_length = np.where(done, self._chunks, 0).astype(np.int32)
+        for i in np.flatnonzero(done):
+            if failed[i]:  # rebuilt and reset already
+                self._chunks[i], self._return[i] = 0, 0.0
+            else:
+                self._start_episode(i)
+        return StepResult(self._batch(), reward, terminated, truncated, terminated.copy(),
+                          episode_return, episode_length)
+
+    def close(self) -> None:
+        for slot in self._slots:
+            try:
+                slot.close()
+            except Exception:  # noqa: BLE001 - closing must not raise over another error
+                pass
+        self._slots = []

@@ -1,0 +1,161 @@
+"""ManiSkill3 and LIBERO behind the VectorEnv interface, stepped for real: spec conformance,
+instructions, actions, success, truncation, auto-reset, initial-state ids, one failing env,
+clear errors for what cannot run here, and a short `hpcvla train` on each simulator."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hpcvla.config import ConfigError, load_config
+from hpcvla.envs import check_env, make_env
+from hpcvla.envs.serial import require, words
+from test_mpi_world import ROOT, hpcvla
+
+N, CHUNK, HORIZON = 3, 4, 3  # envs, primitive steps per chunk, chunks per episode
+SETTINGS = {
+    "maniskill": dict(task="PickCube-v1", reward="sparse"),
+    "libero": dict(suite="libero_spatial", task=0),
+}
+GRIPPER_OPEN = -1.0
+
+
+def build(name, num_envs=N, **extra):
+    return make_env(name, num_envs, seed=0, image_size=32, wrist_image=True, chunk_len=CHUNK,
+                    max_episode_chunks=HORIZON, **SETTINGS[name], **extra)
+
+
+@pytest.fixture(scope="module", params=["maniskill", "libero"])
+def env(request):
+    env = build(request.param)
+    yield env
+    env.close()
+
+
+def still(env, moves=None):
+    """A chunk holding every arm still (gripper open); `moves` {env: action} overrides."""
+    actions = np.zeros((env.num_envs, CHUNK, 7), dtype=np.float32)
+    actions[..., 6] = GRIPPER_OPEN
+    for i, action in (moves or {}).items():
+        actions[i] = action
+    return actions
+
+
+def place_at_goal(env, i):
+    """Put env i's object where its task counts as solved (PickCube: the cube at the goal;
+    LIBERO-Spatial task 0: the black bowl on the plate), in the real simulator."""
+    slot = env._slots[i]
+    if hasattr(slot, "u"):  # ManiSkill
+        slot.u.cube.set_pose(slot.u.goal_site.pose)
+        return
+    sim = slot.env.sim
+    plate = sim.data.body_xpos[sim.model.body_name2id("plate_1_main")]
+    sim.data.set_joint_qpos("akita_black_bowl_1_joint0",
+                            np.concatenate([plate + [0, 0, 0.02], [1, 0, 0, 0]]))
+    sim.forward()
+
+
+def test_observations_match_spec_with_instruction(env):
+    obs = env.reset()
+    assert set(obs) == {"image", "wrist_image", "state", "instruction"} == set(env.spec.obs)
+    for name, (shape, dtype) in env.spec.obs.items():
+        assert obs[name].shape == (N, *shape) and obs[name].dtype == np.dtype(dtype), name
+    assert env.spec.obs["image"][0] == (32, 32, 3) and env.spec.action_dim == 7
+    assert obs["image"].std() > 5 and obs["wrist_image"].std() > 5  # real renders, not blank
+    for tokens, text in zip(obs["instruction"], env.instructions()):
+        real = tokens[tokens != 0]
+        assert [env.spec.vocab[t] for t in real] == words(text) and len(real) > 3
+        assert (tokens[len(real):] == 0).all()  # padding only at the end
+
+
+def test_actions_move_the_robot(env):
+    env.reset(init_state_ids=np.array([4, 4, 4]))
+    push = np.zeros((CHUNK, 7), dtype=np.float32)
+    push[:, 0], push[:, 6] = 1.0, GRIPPER_OPEN  # full speed along +x, gripper open
+    result = env.step(still(env, {0: push}))
+    state, image = result.obs["state"], result.obs["image"]
+    assert np.abs(state[0] - state[1]).max() > 0.01  # the pushed arm moved
+    assert np.array_equal(state[1], state[2])  # identical still arms stay identical
+    assert np.abs(image[0].astype(int) - image[1]).sum() > 0
+
+
+def test_success_terminates_with_reward_and_auto_resets(env):
+    env.reset(init_state_ids=np.array([1, 2, 3]))
+    place_at_goal(env, 1)
+    result = env.step(still(env))
+    assert result.success.tolist() == [False, True, False]
+    assert result.terminated.tolist() == [False, True, False] and not result.truncated.any()
+    assert result.reward[1] == 1.0 and result.episode_return[1] == 1.0  # sparse: 1 at success
+    assert result.episode_length.tolist() == [0, 1, 0]
+    assert env._chunks.tolist() == [1, 0, 1]  # env 1 already started its next episode
+
+
+def test_truncation_at_horizon_then_auto_reset(env):
+    env.reset()
+    for chunk in range(1, HORIZON + 1):
+        result = env.step(still(env))
+        assert result.truncated.all() == (chunk == HORIZON) and not result.terminated.any()
+    assert result.episode_length.tolist() == [HORIZON] * N
+    assert not result.success.any() and env._chunks.tolist() == [0] * N
+    result = env.step(still(env))  # the new episodes run on
+    assert not result.truncated.any() and env._chunks.tolist() == [1] * N
+
+
+def test_same_init_state_id_same_initial_observation(env):
+    first = env.reset(init_state_ids=np.array([7, 7, 8]))
+    for key in ("image", "wrist_image", "state"):
+        assert np.array_equal(first[key][0], first[key][1]), key
+    assert not np.array_equal(first["image"][0], first["image"][2])
+    env.step(still(env))
+    again = env.reset(init_state_ids=np.array([8, 7, 7]))
+    for key in ("image", "wrist_image", "state"):
+        assert np.array_equal(again[key][0], first[key][2]), key
+        assert np.array_equal(again[key][2], first[key][0]), key
+    seeded = [env.reset(seeds=np.array([3, 4, 5]))["state"] for _ in range(2)]
+    assert np.array_equal(*seeded)  # seeds make the random episode starts repeatable
+
+
+@pytest.mark.parametrize("name", ["maniskill", "libero"])
+def test_failing_env_is_reported_by_id_and_the_others_go_on(name, capfd):
+    env = build(name, num_envs=2, first_env=10)
+    try:
+        env.reset()
+        env._slots[1].env.close()  # the simulator under env 11 is gone: its next step raises
+        result = env.step(still(env))
+        assert result.truncated.tolist() == [False, True] and not result.success.any()
+        assert [env_id for env_id, _ in env.failures] == [11] and not env.retired
+        assert "env 11 failed in step" in capfd.readouterr().err
+        result = env.step(still(env))  # env 10 went on; env 11 was rebuilt and steps again
+        assert not result.truncated.any() and env._chunks.tolist() == [2, 1]
+    finally:
+        env.close()
+
+
+def test_what_cannot_run_here_fails_clearly():
+    with pytest.raises(RuntimeError, match="download_asset PickClutterYCB-v1"):
+        make_env("maniskill", 1, seed=0, task="PickClutterYCB-v1")  # needs YCB: no prompt
+    with pytest.raises(ValueError, match="unknown ManiSkill task 'NoSuchTask-v1'.*PickCube"):
+        make_env("maniskill", 1, seed=0, task="NoSuchTask-v1")
+    cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["env.reward=dense",
+                                                             "env.suite_task=10"])
+    with pytest.raises(ConfigError) as err:
+        check_env(cfg)
+    assert "env.reward = 'dense'" in str(err.value) and "env.suite_task = 10" in str(err.value)
+    with pytest.raises(ImportError, match="`not-installed-sim`.*make install"):
+        require("not_installed_sim_module", "not-installed-sim", "sim")
+
+
+@pytest.mark.parametrize("config", ["maniskill_pickcube.yaml", "libero_spatial.yaml"])
+def test_train_runs_on_each_simulator(tmp_path, config):
+    out = hpcvla("train", ROOT / "configs" / config, "--ranks", 4, f"run.root={tmp_path}",
+                 "pipeline.total_updates=2", "env.envs_per_simulator=2", "env.shards=2",
+                 "env.image_size=32", "env.max_episode_chunks=3", "learner.micro_batch=2",
+                 "learner.micro_batches=1", "learner.epochs=1", "rollout.segment_len=2",
+                 timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "[hpcvla] update 2/2" in out.stdout
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    sims = [r for r in summary["per_rank"] if r["role"] == "simulator"]
+    assert len(sims) == 2 and all(r["env_steps"] > 0 for r in sims)
+    assert sum(summary["staleness_hist"].values()) == 2 * 2  # updates x learner batch
