@@ -57,7 +57,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     roles = plan.ranks[rank].roles
     torch.set_num_threads(1)
     np.random.seed(cfg.run.seed + rank)
-    spec = env_spec(cfg.env)
+    # one rank works the spec out (a real simulator builds an env for it) and tells the rest
+    spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)
     policy = build_policy(cfg, spec)
     role = "+".join(roles)
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
