@@ -60,8 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
     bench.add_argument("--ranks-per-node", type=int, default=4,
                        help="transport: emulated node size for the weight plane (default 4)")
-    bench.add_argument("--workload", choices=["emulated", "real"], default="emulated",
-                       help="modes: calibrated stage delays, or the real env/policy/learner")
+    bench.add_argument("--workload", choices=["emulated", "real", "maniskill", "libero"],
+                       default="emulated",
+                       help="modes: calibrated stage delays, the real reach env/policy/learner, "
+                            "or a real simulator (rendered observations, tiny policy)")
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
     bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")

@@ -16,6 +16,9 @@ Workloads:
   n_learn * micro * T * H / (epochs * c). Colocated is bounded by its serial sum per rank.
 * `real`: the reach env, the default policy and DeepSpeed as configured; the bound comes from
   the measured busy time of each stage (capacity = steps / mean busy seconds of its ranks).
+* `maniskill`, `libero`: the same with a real simulator (ManiSkill3 PickCube-v1, LIBERO-Spatial
+  task 0) rendering 64 px cameras on CPU, a tiny default policy and small learner batches
+  (SIM_WORKLOADS); 4 envs per simulator rank unless told otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +49,18 @@ PRESETS = {
 }
 
 
+# Real simulators: rendered observations, a tiny policy, batches small enough that a few
+# updates take seconds on CPU (a LIBERO env-chunk costs ~0.2-0.5 s here).
+SIM_COMMON = ["env.image_size=64", "policy.hidden=32", "learner.micro_batch=4",
+              "learner.micro_batches=1", "learner.epochs=1", "rollout.segment_len=4"]
+SIM_WORKLOADS = {
+    "maniskill": ["env.name=maniskill", "env.task=PickCube-v1", "env.reward=dense",
+                  "env.chunk_len=5", "env.max_episode_chunks=16", *SIM_COMMON],
+    "libero": ["env.name=libero", "env.suite=libero_spatial", "env.suite_task=0",
+               "env.chunk_len=10", "env.max_episode_chunks=48", *SIM_COMMON],
+}
+
+
 def _layout(mode: str, gpus: int) -> list[str]:
     if mode == "sync-colocated":
         return ["placement.mode=colocated"]
@@ -58,6 +73,8 @@ def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int) -> l
               "pipeline.progress_every_s=1000"]
     if workload == "real":
         return common
+    if workload in SIM_WORKLOADS:
+        return common + SIM_WORKLOADS[workload]
     return common + [
         "env.image_size=32", "policy.hidden=32", "learner.epochs=1",
         f"env.latency_median_ms={preset['sim_ms']}", f"env.latency_sigma={preset['sigma']}",
@@ -112,9 +129,12 @@ def cases(sweep: str | None) -> list[tuple[str, str, list[str]]]:
     raise ValueError(f"--sweep {sweep!r}: expected batching or envs")
 
 
-def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=16, updates=20,
+def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, updates=20,
         json_path=None, sweep=None) -> dict:
     from hpcvla.config import load_config
+
+    if envs_per_gpu is None:
+        envs_per_gpu = 4 if workload in SIM_WORKLOADS else 16
 
     preset = PRESETS[preset_name]
     results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,

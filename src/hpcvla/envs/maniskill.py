@@ -12,8 +12,9 @@ Observation fields (per env):
                                  qvel, task extras such as goal and object poses: privileged)
     instruction  (L,)       <i4  token ids of the task description (TASK_DESCRIPTIONS)
 
-Actions: `pd_ee_delta_pose`, 7-d per primitive step in [-1, 1] (clipped): end-effector
-translation (±0.1 m) and rotation (±0.1 rad) deltas, then the gripper (-1 open, 1 closed).
+Actions: `pd_ee_delta_pose` per primitive step in [-1, 1] (clipped): end-effector translation
+(±0.1 m) and rotation (±0.1 rad) deltas, then, for the Panda gripper, -1 open / 1 closed (7-d;
+the stick-holding Panda of PushT and DrawTriangle has no gripper: 6-d).
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
 `normalized_dense` reward (env.reward). An episode terminates on `info["success"]` and is
 truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
@@ -37,10 +38,11 @@ import numpy as np
 from hpcvla.envs.base import EnvSpec
 from hpcvla.envs.serial import SerialVectorEnv, require, vocab_of, words
 
-NO_DOWNLOAD_TASKS = (
-    "LiftPegUpright-v1", "PegInsertionSide-v1", "PickCube-v1", "PlaceSphere-v1",
-    "PlugCharger-v1", "PokeCube-v1", "PullCube-v1", "PullCubeTool-v1", "PushCube-v1",
-    "PushT-v1", "RollBall-v1", "StackCube-v1", "StackPyramid-v1",
+NO_DOWNLOAD_TASKS = (  # one robot, pd_ee_delta_pose, a success flag; made and stepped offline
+    "DrawTriangle-v1", "FMBAssembly1Easy-v1", "LiftPegUpright-v1", "PegInsertionSide-v1",
+    "PickCube-v1", "PlaceSphere-v1", "PlugCharger-v1", "PokeCube-v1", "PullCube-v1",
+    "PullCubeTool-v1", "PushCube-v1", "PushT-v1", "RollBall-v1", "StackCube-v1",
+    "StackPyramid-v1",
 )
 TASK_DESCRIPTIONS = {
     "PickCube-v1": "pick up the red cube and move it to the green goal",
@@ -56,8 +58,9 @@ TASK_DESCRIPTIONS = {
     "PushT-v1": "push the t shaped block onto the target",
     "RollBall-v1": "push the ball so it rolls to the goal",
     "StackPyramid-v1": "stack the three cubes into a pyramid",
+    "DrawTriangle-v1": "draw the triangle on the table",
+    "FMBAssembly1Easy-v1": "insert the part into the assembly board",
 }
-ACTION_DIM = 7
 CONTROL_MODE = "pd_ee_delta_pose"
 
 
@@ -171,6 +174,10 @@ class ManiSkillEnv(SerialVectorEnv):
             first.reset(np.random.default_rng(0), None)
             if wrist_image and len(first.camera_names) < 2:
                 raise ValueError(f"ManiSkill task {task} has no wrist camera")
+            shape = getattr(first.env.action_space, "shape", None)
+            if not shape or "success" not in first.u.evaluate():
+                raise ValueError(f"ManiSkill task {task} is not a single-robot task with a "
+                                 f"success flag; tasks that work: {', '.join(NO_DOWNLOAD_TASKS)}")
         except BaseException:
             first.close()
             raise
@@ -180,7 +187,7 @@ class ManiSkillEnv(SerialVectorEnv):
                "instruction": ((len(words(instruction)),), "<i4")}
         if state:
             obs["state"] = ((int(first.state.shape[-1]),), "<f4")
-        spec = EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
+        spec = EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                        max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]))
         self.task = task
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
