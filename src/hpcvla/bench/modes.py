@@ -50,9 +50,10 @@ PRESETS = {
 
 
 # Real simulators: rendered observations, a tiny policy, batches small enough that a few
-# updates take seconds on CPU (a LIBERO env-chunk costs ~0.2-0.5 s here).
+# updates take seconds on CPU (a LIBERO env-chunk costs ~0.2-0.5 s here). The learner batch
+# (4 x 2 segments) equals the envs of a cell (2 x 4): the synchronous modes stall on less.
 SIM_COMMON = ["env.image_size=64", "policy.hidden=32", "learner.micro_batch=4",
-              "learner.micro_batches=1", "learner.epochs=1", "rollout.segment_len=4"]
+              "learner.micro_batches=2", "learner.epochs=1", "rollout.segment_len=4"]
 SIM_WORKLOADS = {
     "maniskill": ["env.name=maniskill", "env.task=PickCube-v1", "env.reward=dense",
                   "env.chunk_len=5", "env.max_episode_chunks=16", *SIM_COMMON],

@@ -16,8 +16,8 @@ A slot implements:
     close() -> None
 
 The base class executes action chunks (clipped to [-1, 1], the controllers' normalized range;
-a chunk stops early on success or at the horizon), sums rewards over the chunk, truncates at
-`max_episode_chunks`, auto-resets finished envs, tokenizes instructions, and isolates failures:
+a chunk stops early on success), sums rewards over the chunk, truncates after
+`max_episode_chunks` chunks, auto-resets finished envs, tokenizes instructions, and isolates failures:
 a slot that raises is reported with its env id on stderr and in `failures`, rebuilt and reset
 (its episode ends truncated, without success), while the other envs go on. A slot that cannot
 be rebuilt is retired: it returns zero observations and a truncated step from then on.
