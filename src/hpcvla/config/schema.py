@@ -36,6 +36,11 @@ class RunConfig:
         "file system on a cluster so every node's rank 0 sees the same path.")
     seed: int = setting(
         0, "Base random seed; each rank derives its own from it and its rank.", ge=0)
+    resume: str = setting(
+        "", "Continue the run in this run directory from its newest checkpoint (weights, "
+        "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "
+        "writes on into that directory. Empty: a new run. Trajectories in flight when the "
+        "checkpoint was written are not resumed (they were never trained).")
 
 
 @dataclass
@@ -193,6 +198,12 @@ class LearnerConfig:
         4, "Passes over each batch (PPO epochs): the first streams micro-batches as they "
         "arrive, later ones replay them. More reuse each sample more (sample efficiency) at "
         "more learner time per version.", ge=1)
+    checkpoint_every: int = setting(
+        0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
+        "policy versions; 0: only at the end. Each gathers the full weights and writes "
+        "weights + optimizer: more often loses less to a crash, costs learner time.", ge=0)
+    checkpoint_keep: int = setting(
+        2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
     ring_slots: int = setting(
         32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
     ring_slot_kib: int = setting(
@@ -251,6 +262,20 @@ class Config:
         if self.placement.learner_nodes and self.placement.mode != "disaggregated":
             problems.append(("placement.learner_nodes", self.placement.learner_nodes,
                              "0 unless placement.mode is disaggregated"))
+        if self.run.resume:
+            from hpcvla.checkpoint import CheckpointError, latest, read_state
+            path = latest(self.run.resume)
+            try:
+                version = read_state(path)["version"] if path else None
+            except CheckpointError as err:
+                problems.append(("run.resume", self.run.resume, f"a readable checkpoint: {err}"))
+                version = -1
+            if version is None:
+                problems.append(("run.resume", self.run.resume, "a run directory holding a "
+                                 "complete checkpoint (checkpoints/v*/state.json)"))
+            elif version >= self.pipeline.total_updates:
+                problems.append(("pipeline.total_updates", self.pipeline.total_updates,
+                                 f"more than the resumed checkpoint's version {version}"))
         if self.env.envs_per_simulator % self.env.shards:
             problems.append(("env.shards", self.env.shards,
                              f"a divisor of env.envs_per_simulator ({self.env.envs_per_simulator})"))

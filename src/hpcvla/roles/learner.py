@@ -158,8 +158,9 @@ class SegmentQueues:
         return groups
 
 
-def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_updates: int,
-                timeline, progress) -> dict:
+def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
+                total_updates: int, timeline, progress) -> dict:
+    """Train policy versions first+1 .. total_updates, publishing each."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     backoff = Backoff(cap=DATA_POLL_CAP)
 
@@ -175,7 +176,7 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_update
             yield queues.take(micro, version)
             need = micro
 
-    for version in range(total_updates):
+    for version in range(first, total_updates):
         learn(cfg, engine, arriving(version), version, timeline, progress)
         with timeline.span("publish"):
             publish(version + 1)
