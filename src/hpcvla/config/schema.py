@@ -123,8 +123,8 @@ class EnvConfig:
         True, "Include the low-dim state observation (learning is much faster with it; "
         "turn it off to learn from pixels and instruction alone).")
     latency_median_ms: float = setting(
-        0.0, "Emulated simulator cost: each env step sleeps for the slowest of per-env "
-        "lognormal draws with this median (0 = off).", ge=0)
+        0.0, "Emulated simulator cost: each env step lasts the slowest of per-env "
+        "lognormal draws with this median, its real compute included (0 = off).", ge=0)
     latency_sigma: float = setting(
         0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)
 
@@ -213,13 +213,14 @@ class LearnerConfig:
 @dataclass
 class EmulateConfig:
     inference_ms: float = setting(
-        0.0, "Emulated accelerator time of every forward pass on an inference rank, added "
-        "as a sleep (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
+        0.0, "Emulated accelerator time of every forward pass on an inference rank: the pass "
+        "lasts at least this long, the real (tiny) forward running inside it, a sleep "
+        "padding the rest (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
     inference_ms_per_env: float = setting(
         0.0, "Emulated forward-pass time per env in the batch (cost = a + b x batch).", ge=0)
     learner_ms_per_micro_batch: float = setting(
-        0.0, "Emulated accelerator time of every learner forward/backward, added as a sleep "
-        "(e.g. a deliberately slow learner).", ge=0)
+        0.0, "Emulated accelerator time of every learner forward/backward (padded with a "
+        "sleep like the forward pass; e.g. a deliberately slow learner).", ge=0)
 
 
 @dataclass

@@ -99,13 +99,15 @@ class InferenceServer:
         """One forward pass for `slots`: answer the simulators first, then assemble."""
         n, exchange = self.n, self.exchange
         with self.timeline.span("infer"):
+            begin = time.monotonic()
             obs, outcome = _gather(exchange, slots, self.obs_keys), \
                 _gather(exchange, slots, OUTCOME_FIELDS)
             with torch.no_grad():
                 out = self.policy.act(self.policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
-            if self.emulate_ms:
-                time.sleep(self.emulate_ms(len(slots) * n) / 1e3)
+            if self.emulate_ms:  # the emulated cost is the whole forward pass
+                cost = self.emulate_ms(len(slots) * n) / 1e3
+                time.sleep(max(0.0, begin + cost - time.monotonic()))
             for i, slot in enumerate(slots):
                 exchange.request_actions(slot)["actions"][...] = actions[i * n:(i + 1) * n]
                 exchange.request_actions(slot)["stop"] = 0

@@ -113,11 +113,13 @@ def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
 
 def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
     with timeline.span("train"):
+        begin = time.monotonic()
         loss, stats, logprob = ppo_loss(cfg, engine, batch, proximal)
         engine.backward(loss)
         engine.step()
-        if cfg.emulate.learner_ms_per_micro_batch:
-            time.sleep(cfg.emulate.learner_ms_per_micro_batch / 1e3)
+        if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
+            cost = cfg.emulate.learner_ms_per_micro_batch / 1e3
+            time.sleep(max(0.0, begin + cost - time.monotonic()))
     return logprob.detach() if proximal is None else proximal, stats
 
 
