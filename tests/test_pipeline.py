@@ -225,3 +225,22 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     second = json.loads((run_dir / "summary.json").read_text())
     assert not second["preempted"] and sum(second["staleness_hist"].values()) == 2 * per_version
+
+
+def test_sync_batch_smaller_than_the_cell_does_not_stall(tmp_path):
+    """A version's batch (32 segments) covers half of a 64-env cell: the synchronous batcher
+    serves the half the quota lets through instead of waiting for the held-back half."""
+    out, summary, _ = run_train(tmp_path, "pipeline.mode=sync-disaggregated",
+                                "env.envs_per_simulator=32", "learner.micro_batch=32",
+                                "learner.micro_batches=1", "pipeline.total_updates=3",
+                                "env.image_size=32", "policy.hidden=32")
+    assert sum(summary["staleness_hist"].values()) == 3 * 32
+    assert set(summary["staleness_hist"]) == {"0"}
+
+
+def test_stuck_simulators_stop_the_job_loudly(tmp_path):
+    start = time.monotonic()
+    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
+                 "env.latency_median_ms=600000", "pipeline.stall_timeout_s=3", timeout=120)
+    assert out.returncode != 0 and time.monotonic() - start < 90
+    assert "no trajectory for 3 s" in out.stderr and "(learner)" in out.stderr

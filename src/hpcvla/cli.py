@@ -53,7 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes"], help="what to measure")
+    bench.add_argument("target", choices=["transport", "modes", "learning"],
+                       help="what to measure; `learning` also takes key=value overrides for "
+                            "every run (e.g. policy.name=...)")
+    bench.set_defaults(overrides=[])
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks here (default: the current MPI world)")
@@ -65,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
     bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
-    bench.add_argument("--updates", type=int, default=20, help="modes: updates per mode")
+    bench.add_argument("--updates", type=int, default=None,
+                       help="modes: updates per mode (default 20); learning: per run (200)")
+    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per mode")
     bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
                        help="modes: B_max x T_max grid for the streamer, or envs per "
                             "simulator for streamer vs sync-colocated, instead of the ladder")
@@ -160,7 +165,13 @@ def cmd_bench(args) -> int:
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
-                  args.updates, json_path=args.json, sweep=args.sweep)
+                  args.updates or 20, json_path=args.json, sweep=args.sweep)
+        return 0
+    if args.target == "learning":  # starts one world per run itself
+        from hpcvla.bench import learning
+        learning.run(seeds=2 if args.quick else args.seeds,
+                     updates=3 if args.quick else args.updates or 200, json_path=args.json,
+                     overrides=args.overrides)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.launch import run_world

@@ -97,6 +97,10 @@ class PipelineConfig:
     progress_every_s: float = setting(
         5.0, "Seconds between progress lines on the weight root (steps/s, success, "
         "staleness, ETA).", ge=0.1)
+    stall_timeout_s: float = setting(
+        300.0, "A learner that receives no trajectory for this long stops the job, naming "
+        "what it waits for (a stuck simulator or a layout that cannot fill a batch), "
+        "instead of hanging. Longer than the slowest segment can take to produce.", ge=1)
 
 
 @dataclass

@@ -5,7 +5,9 @@ per micro-batch.
              staleness 0.6 | ETA 2m10s
 
 Success and return come from episodes that ended inside trained segments (the last `window`
-of them); staleness from the policy versions the learner trained on.
+of them); staleness from the policy versions the learner trained on. Trained env steps count
+all learners: each trains an equal share of every version, so the root's count times the
+number of learners.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import numpy as np
 
 class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
-                 enabled: bool, window: int = 200):
+                 enabled: bool, window: int = 200, learners: int = 1):
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
+        self.learners = learners
         self.successes: deque = deque(maxlen=window)
         self.returns: deque = deque(maxlen=window)
         self.staleness: deque = deque(maxlen=window)
@@ -41,7 +44,7 @@ class Progress:
         self.successes.extend(batch["success"][done].tolist())
         self.returns.extend(batch["episode_return"][done].tolist())
         self.staleness.append(staleness)
-        self.steps += done.size * self.chunk_len
+        self.steps += done.size * self.chunk_len * self.learners
         self.micro_batches += 1
         if self._file:
             record = {"time": round(time.monotonic() - self.start, 3), "update": self.updates,

@@ -172,9 +172,18 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
         for _ in range(n_micro):
             with timeline.span("wait_data"):
                 queues.pump()
-                while queues.available(version) < need:
+                last, have = time.monotonic(), queues.available(version)
+                while have < need:
                     backoff.wait()
                     queues.pump()
+                    if queues.available(version) != have:
+                        last, have = time.monotonic(), queues.available(version)
+                    elif time.monotonic() - last > cfg.pipeline.stall_timeout_s:
+                        raise RuntimeError(
+                            f"no trajectory for {cfg.pipeline.stall_timeout_s:g} s while "
+                            f"training version {version + 1}: have {have} of {need} segments "
+                            f"of batch {version}; a producer is stuck or the layout cannot "
+                            f"fill a batch (pipeline.stall_timeout_s)")
                 backoff.reset()
             yield queues.take(micro, version)
             need = micro

@@ -62,7 +62,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
-                        cfg.pipeline.progress_every_s, enabled=is_root)
+                        cfg.pipeline.progress_every_s, enabled=is_root,
+                        learners=len(plan.learners))
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     first = checkpoint.read_state(resume)["version"] if resume else 0
     summary = {"rank": rank, "role": role, "env_steps": 0, "first_version": first}
