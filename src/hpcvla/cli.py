@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes"], help="what to measure")
+    bench.add_argument("target", choices=["transport", "modes", "policies"],
+                       help="what to measure")
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks here (default: the current MPI world)")
@@ -157,6 +158,10 @@ def cmd_launch(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.target == "policies":  # one process: parameter counts and step times
+        from hpcvla.bench import policies
+        policies.run(quick=args.quick, json_path=args.json)
+        return 0
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
