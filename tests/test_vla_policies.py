@@ -325,3 +325,17 @@ def test_zero3_training_of_each_family(tmp_path, overrides):
     assert "[hpcvla] update 2/2" in out.stdout
     assert summary["staleness_hist"] == {"0": 4 * 2 * 32}
     assert summary["env_steps"] > 0 and summary["success_rate"] is not None
+
+
+def test_policies_benchmark_quick(tmp_path):
+    """CI's short run of `hpcvla bench policies`: counts for every preset, times for tiny."""
+    from test_mpi_world import hpcvla
+
+    out = hpcvla("bench", "policies", "--quick", "--json", tmp_path / "p.json", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "p.json").read_text())["policies"]
+    assert set(rows) == {f"{f}/{s}" for f in ("flow", "tokens") for s in ("tiny", "small", "full")}
+    for family in ("flow", "tokens"):
+        assert rows[f"{family}/tiny"]["act_ms"] > 0 and rows[f"{family}/tiny"]["train_step_ms"] > 0
+        assert rows[f"{family}/tiny"]["parameters"] < rows[f"{family}/small"]["parameters"] \
+            < rows[f"{family}/full"]["parameters"]
