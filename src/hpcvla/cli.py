@@ -53,9 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes", "learning"],
+    bench.add_argument("target", choices=["transport", "modes", "learning", "policies"],
                        help="what to measure; `learning` also takes key=value overrides for "
-                            "every run (e.g. policy.name=...)")
+                            "every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--ranks", type=int, default=None,
@@ -162,6 +162,10 @@ def cmd_launch(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.target == "policies":  # one process: parameter counts and step times
+        from hpcvla.bench import policies
+        policies.run(quick=args.quick, json_path=args.json)
+        return 0
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else

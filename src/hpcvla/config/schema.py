@@ -137,10 +137,32 @@ class EnvConfig:
 class PolicyConfig:
     name: str = setting(
         "default", "Policy family: `default` is a small CNN + instruction encoder with a "
-        "Gaussian action-chunk head and a value head.", choices=("default",))
+        "Gaussian action-chunk head and a value head. `flow`: π0-style VLA, a "
+        "SigLIP+Gemma prefix and a Gemma action expert that denoises the chunk (flow "
+        "matching; RL log-probs through a noisy last denoising step). `tokens`: "
+        "OpenVLA-OFT-style VLA, a SigLIP+Llama model decoding 256-bin action tokens in "
+        "one pass. Both built from transformers configs with random weights.",
+        choices=("default", "flow", "tokens"))
     hidden: int = setting(
-        128, "Width of the policy's feature trunk: wider learns more, costs more per step.",
-        ge=8)
+        128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
+        "more per step.", ge=8)
+    size: str = setting(
+        "tiny", "`flow`/`tokens`: size preset. `tiny` (~0.2M parameters) trains on a CPU; "
+        "`small` (~5-10M) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
+        "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA), for GPUs with "
+        "learner.zero_stage 3.", choices=("tiny", "small", "full"))
+    denoise_steps: int = setting(
+        4, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
+        "at proportionally more expert passes per act and per training step.", ge=1)
+    train_expert_only: bool = setting(
+        False, "`flow`: freeze the vision-language prefix and train only the action "
+        "expert, value head and exploration std: cheaper backward, keeps pretrained VLM "
+        "features intact, adapts less.")
+    logprob_granularity: str = setting(
+        "chunk", "`flow`/`tokens`: unit of the PPO ratio and its clip: one per chunk, per "
+        "action or per token (action dim). Finer units clip each part separately (fewer "
+        "samples fully clipped) but ignore correlations inside the chunk.",
+        choices=("chunk", "action", "token"))
 
 
 @dataclass
@@ -158,6 +180,9 @@ class AlgorithmConfig:
     clip: float = setting(
         0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
         "updates.", ge=0)
+    value_clip: bool = setting(
+        True, "Clip the value update around the recorded value (within `clip`), as "
+        "CleanRL: steadier critic, slower to follow large return changes.")
     value_coef: float = setting(
         0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
     entropy_coef: float = setting(

@@ -72,7 +72,8 @@ def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict
            for k, v in batch.items() if k.startswith("obs.")}
     actions = torch.as_tensor(batch["actions"]).reshape(T * N, *batch["actions"].shape[2:])
     logprob, value, entropy = model(obs, actions)
-    logprob, value, entropy = (x.reshape(T, N) for x in (logprob, value, entropy))
+    # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
+    logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))
     old_value = torch.as_tensor(batch["value"])
     advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
                               torch.as_tensor(batch["done"]),
@@ -85,7 +86,8 @@ def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict
     pg_loss, stats = decoupled_ppo_loss(logprob, proximal,
                                         torch.as_tensor(batch["logprob"]), advantages,
                                         cfg.algorithm.clip, cfg.algorithm.max_behaviour_weight)
-    v_loss = value_loss(value, old_value, returns, cfg.algorithm.clip)
+    v_loss = value_loss(value, old_value, returns,
+                        cfg.algorithm.clip if cfg.algorithm.value_clip else None)
     loss = pg_loss + cfg.algorithm.value_coef * v_loss - cfg.algorithm.entropy_coef * entropy.mean()
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
                  entropy=float(entropy.mean().detach()))

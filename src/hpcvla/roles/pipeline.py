@@ -23,7 +23,7 @@ from hpcvla import checkpoint, preempt
 from hpcvla.envs import make_env
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
-from hpcvla.policies import make_policy
+from hpcvla.policies import make_policy, policy_kwargs
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
@@ -46,7 +46,7 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True):
 def build_policy(cfg, spec):
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                       len(spec.vocab), hidden=cfg.policy.hidden)
+                       len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
 
 
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:
