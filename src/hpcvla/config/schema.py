@@ -36,6 +36,15 @@ class RunConfig:
         "file system on a cluster so every node's rank 0 sees the same path.")
     seed: int = setting(
         0, "Base random seed; each rank derives its own from it and its rank.", ge=0)
+    dump_trajectories: bool = setting(
+        False, "Write every episode the producer (inference) ranks send to the learners to "
+        "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
+        "layout (`hpcvla inspect FILE`). Costs disk (~1 KB per step at 64 px, gzip) and "
+        "producer time (the `dump` stage of the timeline).")
+    dump_flush_s: float = setting(
+        10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
+        "died, sees everything up to the last one. Shorter: fresher files, more file opens.",
+        ge=0.1)
 
 
 @dataclass

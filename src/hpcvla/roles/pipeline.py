@@ -17,8 +17,10 @@ from collections import Counter
 
 import numpy as np
 import torch
+import yaml
 from mpi4py import MPI
 
+from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import make_env
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
@@ -66,15 +68,18 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
 
     if plan.mode == "colocated":
         engine = init_deepspeed(cfg, policy, comms.learners)
-        env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank)
+        env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank))
+        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: colocated_seed(cfg, rank))
         idle_barrier(world)
         start = time.monotonic()
         summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env,
-                                             cfg.pipeline.total_updates, timeline, progress)
+                                             cfg.pipeline.total_updates, timeline, progress,
+                                             dump)
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
-        start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress)
+        start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
+                                          run_dir)
         summary.update(stats)
     summary["wall_s"] = time.monotonic() - start
     summary["busy_s"] = dict(timeline.busy)
@@ -86,7 +91,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     return _report(world, summary, cfg, run_dir)
 
 
-def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
+def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_dir):
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     cell = plan.ranks[rank].cell
@@ -106,16 +111,19 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
-        envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard,
-                          latency_sleep=False) for shard in range(sched.shards)]
+        envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False)
+                for shard in range(sched.shards)]
         stats["env_steps"] = run_simulator(envs, exchange, timeline)
         for env in envs:
             env.close()
     elif INF in roles:
+        sims = sorted(plan.cells[cell].simulators)  # the exchange's slot order
+        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: shard_seed(
+            cfg, sims[slot // sched.shards], slot % sched.shards))
         stats.update(InferenceServer(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
             producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline, _emulated_inference(cfg)).run())
+            rank, timeline, _emulated_inference(cfg), dump).run())
     elif LEARN in roles:
         def publish(version):
             state = full_state(engine)  # collective on the learners under ZeRO-3
@@ -135,6 +143,26 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
             piece.free()
     plane.close()
     return start, stats
+
+
+def shard_seed(cfg, rank: int, shard: int) -> int:
+    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
+    return cfg.run.seed * 10007 + rank * 101 + shard
+
+
+def colocated_seed(cfg, rank: int) -> int:
+    return cfg.run.seed * 10007 + rank
+
+
+def _trajectory_dump(cfg, spec, rank, run_dir, seed_of_slot):
+    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for."""
+    if not cfg.run.dump_trajectories:
+        return None
+    from hpcvla.metrics.dump import TrajectoryDump
+    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, list(spec.obs),
+                          spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
+                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                          cfg.run.dump_flush_s)
 
 
 def _emulated_inference(cfg):
