@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcvla.launch import _remove_orphaned_shm, _shm_files
+
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "qsub", "srun")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -39,6 +42,7 @@ PLUGIN_DIR = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")
 
 SLURM_CONF = """\
 ClusterName=hpcvla-test
+FirstJobId={first_job}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
@@ -131,6 +135,7 @@ class LocalSlurm:
                              "`make install-cluster` (as root) to install the Debian packages")
         if os.geteuid() != 0:
             raise SlurmError("starting munged/slurmctld/slurmd needs root (as in CI)")
+        self.shm_before = _shm_files()
         self.base = Path(tempfile.mkdtemp(prefix="hpcvla-slurm-"))
         self.base.chmod(0o755)  # munged (user munge) must reach its directory inside
         base = self.base
@@ -144,8 +149,11 @@ class LocalSlurm:
         prolog.write_text(TASK_PROLOG.format(base=base))
         prolog.chmod(0o755)
         conf = base / "slurm.conf"
+        # Job ids unlike any earlier instance's: MPICH names its shared-memory segments after
+        # job and step id, and a segment a killed rank left would be joined by a new job 1.
+        first_job = random.randrange(10 ** 5, 6 * 10 ** 7)  # MaxJobId is 67043328
         conf.write_text(SLURM_CONF.format(base=base, cpus=self.cpus, ctld_port=_free_port(),
-                                          slurmd_port=_free_port()))
+                                          slurmd_port=_free_port(), first_job=first_job))
         self.env = {**os.environ, "SLURM_CONF": str(conf)}
         self.procs["slurmctld"] = self._daemon(["/usr/sbin/slurmctld", "-D", "-c", "-f", conf],
                                                "slurmctld")
@@ -172,6 +180,7 @@ class LocalSlurm:
                 proc.wait(5)
         self._kill_leftover_steps()
         if self.base is not None:
+            _remove_orphaned_shm(self.shm_before)  # what killed ranks of our jobs left
             shutil.rmtree(self.base, ignore_errors=True)
             self.base = None
 

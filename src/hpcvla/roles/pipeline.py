@@ -60,7 +60,10 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     probe.close()
     policy = build_policy(cfg, spec)
     role = "+".join(roles)
-    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
+    # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
+    # node agree; across nodes as far as the nodes' clocks do).
+    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
+                        t0=world.bcast(time.time(), root=0))
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root)
