@@ -153,3 +153,34 @@ def test_modes_benchmark_runs_every_mode(tmp_path):
         assert any(k.endswith(":simulate") or k.endswith("+learner:simulate")
                    for k in r["busy_fraction"]), r["busy_fraction"]
     assert results["speedup_vs_sync_colocated"]["sync-colocated"] == 1.0
+
+
+@pytest.mark.parametrize("config,ranks,extra", [
+    ("configs/default.yaml", 4, ["learner.zero_stage=1"]),
+    ("configs/colocated.yaml", 2, ["learner.zero_stage=3"])])
+def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, extra):
+    """Checkpoints land in the run directory; a resumed run picks up the policy version,
+    optimizer and counters, trains exactly the remaining versions, and writes on there."""
+    out, first, run_dir = run_train(tmp_path, "pipeline.total_updates=3",
+                                    "learner.checkpoint_every=1", *extra, config=config,
+                                    ranks=ranks)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000002", "v000003"]
+    lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
+                 "pipeline.total_updates=5", "learner.checkpoint_every=0", *extra, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resuming from" in out.stdout and "update 5/5" in out.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000003", "v000005"]
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert {r["first_version"] for r in second["per_rank"]} == {3}
+    learners = sum("learner" in r["role"] for r in second["per_rank"])
+    assert sum(second["staleness_hist"].values()) == 2 * 32 * learners  # versions 4, 5 once
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) > lines and records[lines]["trained_env_steps"] > \
+        records[lines - 1]["trained_env_steps"]  # counters continue, not restart
+    assert list(run_dir.glob("config.resume-*.yaml"))
+
+
+def test_resume_refused_before_ranks_start(tmp_path):
+    with pytest.raises(ConfigError, match="run.resume"):
+        load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"])

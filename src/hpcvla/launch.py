@@ -125,9 +125,16 @@ def _shm_files() -> set[Path]:
 def _remove_orphaned_shm(before: set[Path]) -> None:
     """An aborted or killed MPICH world leaves its shared-memory segments in /dev/shm. Remove
     those that appeared during this run and that no live process still maps."""
+    for path in orphaned_shm(before):
+        path.unlink(missing_ok=True)
+
+
+def orphaned_shm(before: set[Path]) -> set[Path]:
+    """MPICH segments that appeared since `before` and that no live process maps (other
+    worlds running beside this one still map theirs)."""
     new = _shm_files() - before
     if not new:
-        return
+        return set()
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
@@ -135,8 +142,7 @@ def _remove_orphaned_shm(before: set[Path]) -> None:
                           if "/dev/shm/" in line)
         except OSError:  # the process ended, or is not ours to read
             continue
-    for path in new - {Path(m) for m in mapped}:
-        path.unlink(missing_ok=True)
+    return new - {Path(m) for m in mapped}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -29,20 +29,23 @@ from pathlib import Path
 
 MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async", "streamer")
 
-# Stage costs (ms). `table3`: RL-VLA³ Table 3 (pi0 on LIBERO, 8 GPUs, colocated) spends
-# rollout:actor = 1950 s : 860 s = 2.27. Here a colocated update rolls out 2 x 8 chunk-steps
-# at (60 ms * e^(0.8^2/2) + 10 + 0.6 * 16 ms) = 102 ms each = 1.63 s, and trains 2 micro-batches
+# Stage costs (ms) and sizes. An emulated cost is a stage's whole duration (the tiny real
+# compute runs inside it). `envs` are per accelerator rank (colocated) = per simulator rank.
+# `balanced`: with 32 envs per simulator, 2 simulators per cell, chunks of 4, segments of 8,
+# micro-batches of 16, every stage of a cell can do ~3000 env steps/s when half the cell's
+# envs step while the other half is served: inference 32 x 4 / (10.7 + 1.0 x 32) ms, learner
+# 16 x 8 x 4 / 170 ms, and the 64 envs in their closed loop, each stepping (mean
+# 37.7 x e^(0.5^2/2) = 42.7 ms) then waiting for a forward pass of 32 (42.7 ms):
+# 64 x 4 / 85.4 ms.
+# `table3`: RL-VLA³ Table 3 (pi0 on LIBERO, 8 GPUs, colocated) spends rollout:actor =
+# 1950 s : 860 s = 2.27. Here a colocated update rolls out 2 x 8 chunk-steps of 16 envs at
+# (60 ms x e^(0.8^2/2) + 10 + 0.6 x 16 ms) = 102 ms each = 1.63 s, and trains 2 micro-batches
 # of 360 ms = 0.72 s: the same 2.27.
-# `balanced`: the three stages have equal capacity in the disaggregated layout.
-# `balanced`: with the default sizes (16 envs per simulator, 2 simulators per cell, chunks of
-# 4, segments of 8, micro-batches of 16) every stage's capacity is ~3000 env steps/s per cell:
-# simulators 2*16*4 / (37.7 ms * e^(0.5^2/2)), inference 32*4 / (10.7 + 1.0*32) ms, learner
-# 16*8*4 / 170 ms.
 PRESETS = {
     "balanced": {"sim_ms": 37.7, "sigma": 0.5, "inf_a_ms": 10.7, "inf_b_ms": 1.0,
-                 "learn_ms": 170.0},
+                 "learn_ms": 170.0, "envs": 32},
     "table3": {"sim_ms": 60.0, "sigma": 0.8, "inf_a_ms": 10.0, "inf_b_ms": 0.6,
-               "learn_ms": 360.0},
+               "learn_ms": 360.0, "envs": 16},
 }
 
 
@@ -58,8 +61,10 @@ def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int) -> l
               "pipeline.progress_every_s=1000"]
     if workload == "real":
         return common
+    # async modes serve one simulator's envs (half a cell) while the other half steps
     return common + [
-        "env.image_size=32", "policy.hidden=32", "learner.epochs=1",
+        f"rollout.batch_max={envs_per_gpu}", "env.image_size=32", "policy.hidden=32",
+        "learner.epochs=1",
         f"env.latency_median_ms={preset['sim_ms']}", f"env.latency_sigma={preset['sigma']}",
         f"emulate.inference_ms={preset['inf_a_ms']}",
         f"emulate.inference_ms_per_env={preset['inf_b_ms']}",
@@ -79,8 +84,10 @@ def ideal_bound(mode, cfg, preset, gpus) -> float:
         return gpus * batch * T * H / (rollout_s + cfg.learner.micro_batches * learn_s)
     n_inf = n_learn = gpus // 2
     cell = 2 * E
-    c_sim = 2 * n_inf * E * H / latency
-    c_inf = n_inf * cell * H / ((preset["inf_a_ms"] + preset["inf_b_ms"] * cell) / 1e3)
+    a, b = preset["inf_a_ms"] / 1e3, preset["inf_b_ms"] / 1e3
+    # closed loop: each env step is a simulator step plus at least a forward pass of one env
+    c_sim = 2 * n_inf * E * H / (latency + a + b)
+    c_inf = n_inf * cell * H / (a + b * cell)
     c_learn = n_learn * micro * T * H / learn_s
     return min(c_sim, c_inf, c_learn)
 
@@ -117,6 +124,8 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=16, up
     from hpcvla.config import load_config
 
     preset = PRESETS[preset_name]
+    if workload == "emulated":
+        envs_per_gpu = preset["envs"]
     results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,
                "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
                "sweep": sweep, "updates": updates, "modes": {}}

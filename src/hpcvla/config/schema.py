@@ -36,6 +36,11 @@ class RunConfig:
         "file system on a cluster so every node's rank 0 sees the same path.")
     seed: int = setting(
         0, "Base random seed; each rank derives its own from it and its rank.", ge=0)
+    resume: str = setting(
+        "", "Continue the run in this run directory from its newest checkpoint (weights, "
+        "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "
+        "writes on into that directory. Empty: a new run. Trajectories in flight when the "
+        "checkpoint was written are not resumed (they were never trained).")
     dump_trajectories: bool = setting(
         False, "Write every episode the producer (inference) ranks send to the learners to "
         "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
@@ -127,8 +132,8 @@ class EnvConfig:
         True, "Include the low-dim state observation (learning is much faster with it; "
         "turn it off to learn from pixels and instruction alone).")
     latency_median_ms: float = setting(
-        0.0, "Emulated simulator cost: each env step sleeps for the slowest of per-env "
-        "lognormal draws with this median (0 = off).", ge=0)
+        0.0, "Emulated simulator cost: each env step lasts the slowest of per-env "
+        "lognormal draws with this median, its real compute included (0 = off).", ge=0)
     latency_sigma: float = setting(
         0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)
 
@@ -202,6 +207,12 @@ class LearnerConfig:
         4, "Passes over each batch (PPO epochs): the first streams micro-batches as they "
         "arrive, later ones replay them. More reuse each sample more (sample efficiency) at "
         "more learner time per version.", ge=1)
+    checkpoint_every: int = setting(
+        0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
+        "policy versions; 0: only at the end. Each gathers the full weights and writes "
+        "weights + optimizer: more often loses less to a crash, costs learner time.", ge=0)
+    checkpoint_keep: int = setting(
+        2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
     ring_slots: int = setting(
         32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
     ring_slot_kib: int = setting(
@@ -211,13 +222,14 @@ class LearnerConfig:
 @dataclass
 class EmulateConfig:
     inference_ms: float = setting(
-        0.0, "Emulated accelerator time of every forward pass on an inference rank, added "
-        "as a sleep (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
+        0.0, "Emulated accelerator time of every forward pass on an inference rank: the pass "
+        "lasts at least this long, the real (tiny) forward running inside it, a sleep "
+        "padding the rest (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
     inference_ms_per_env: float = setting(
         0.0, "Emulated forward-pass time per env in the batch (cost = a + b x batch).", ge=0)
     learner_ms_per_micro_batch: float = setting(
-        0.0, "Emulated accelerator time of every learner forward/backward, added as a sleep "
-        "(e.g. a deliberately slow learner).", ge=0)
+        0.0, "Emulated accelerator time of every learner forward/backward (padded with a "
+        "sleep like the forward pass; e.g. a deliberately slow learner).", ge=0)
 
 
 @dataclass
@@ -260,6 +272,20 @@ class Config:
         if self.placement.learner_nodes and self.placement.mode != "disaggregated":
             problems.append(("placement.learner_nodes", self.placement.learner_nodes,
                              "0 unless placement.mode is disaggregated"))
+        if self.run.resume:
+            from hpcvla.checkpoint import CheckpointError, latest, read_state
+            path = latest(self.run.resume)
+            try:
+                version = read_state(path)["version"] if path else None
+            except CheckpointError as err:
+                problems.append(("run.resume", self.run.resume, f"a readable checkpoint: {err}"))
+                version = -1
+            if version is None:
+                problems.append(("run.resume", self.run.resume, "a run directory holding a "
+                                 "complete checkpoint (checkpoints/v*/state.json)"))
+            elif version >= self.pipeline.total_updates:
+                problems.append(("pipeline.total_updates", self.pipeline.total_updates,
+                                 f"more than the resumed checkpoint's version {version}"))
         if self.env.envs_per_simulator % self.env.shards:
             problems.append(("env.shards", self.env.shards,
                              f"a divisor of env.envs_per_simulator ({self.env.envs_per_simulator})"))

@@ -27,8 +27,14 @@ class Progress:
         self.returns: deque = deque(maxlen=window)
         self.staleness: deque = deque(maxlen=window)
         self.updates = self.steps = self.micro_batches = 0
+        self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
         self.start = self.last_print = time.monotonic()
         self._file = open(path, "a") if (enabled and path) else None
+
+    def resume(self, updates: int, trained_env_steps: int) -> None:
+        """Counters continue from a checkpoint."""
+        self.updates = self.first_update = updates
+        self.steps = self.first_steps = trained_env_steps
 
     def on_micro_batch(self, batch: dict, stats: dict, staleness: float = 0.0) -> None:
         done = batch["done"]
@@ -49,8 +55,9 @@ class Progress:
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
             self.last_print = now
             elapsed = now - self.start
-            eta = elapsed / max(updates, 1) * (self.total - updates)
-            print(f"[hpcvla] update {updates}/{self.total} | {self.steps / elapsed:.0f} trained "
+            eta = elapsed / max(updates - self.first_update, 1) * (self.total - updates)
+            rate = (self.steps - self.first_steps) / elapsed
+            print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {self.success_rate:.2f} (last {len(self.successes)} eps) "
                   f"| return {self.mean_return:.2f} | staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | ETA "

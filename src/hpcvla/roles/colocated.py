@@ -12,10 +12,11 @@ from hpcvla.roles.learner import full_state, learn
 from hpcvla.roles.segments import SegmentBuilder
 
 
-def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progress,
-                  dump=None) -> int:
-    """Returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
-    refreshed from the learner after every update (under ZeRO-3 the learner holds shards).
+def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
+                  save, dump=None) -> int:
+    """Train versions first+1 .. total_updates; returns the env steps this rank took. `actor`
+    is this rank's acting copy of the policy, refreshed from the learner after every update
+    (under ZeRO-3 the learner holds shards); `save(version, weights)` checkpoints when due;
     `dump` (metrics/dump.py), if given, gets every segment group."""
     policy, spec = actor, env.spec
     actor.load_arrays(full_state(engine))  # collective under ZeRO-3
@@ -23,7 +24,7 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
     builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
     obs, result, groups, steps = env.reset(), None, [], 0
-    version = 0
+    version = first
     while version < total_updates:
         with timeline.span("infer"):
             with torch.no_grad():
@@ -45,7 +46,9 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
                 groups, version = [], version + 1
                 progress.on_update(version)
                 with timeline.span("publish"):
-                    actor.load_arrays(full_state(engine))
+                    weights = full_state(engine)
+                    actor.load_arrays(weights)
+                save(version, weights)
                 continue
         builder.add_step(obs, actions, logprob, value, version)
         with timeline.span("simulate"):

@@ -113,11 +113,13 @@ def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
 
 def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
     with timeline.span("train"):
+        begin = time.monotonic()
         loss, stats, logprob = ppo_loss(cfg, engine, batch, proximal)
         engine.backward(loss)
         engine.step()
-        if cfg.emulate.learner_ms_per_micro_batch:
-            time.sleep(cfg.emulate.learner_ms_per_micro_batch / 1e3)
+        if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
+            cost = cfg.emulate.learner_ms_per_micro_batch / 1e3
+            time.sleep(max(0.0, begin + cost - time.monotonic()))
     return logprob.detach() if proximal is None else proximal, stats
 
 
@@ -158,8 +160,9 @@ class SegmentQueues:
         return groups
 
 
-def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_updates: int,
-                timeline, progress) -> dict:
+def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
+                total_updates: int, timeline, progress) -> dict:
+    """Train policy versions first+1 .. total_updates, publishing each."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     backoff = Backoff(cap=DATA_POLL_CAP)
 
@@ -175,7 +178,7 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_update
             yield queues.take(micro, version)
             need = micro
 
-    for version in range(total_updates):
+    for version in range(first, total_updates):
         learn(cfg, engine, arriving(version), version, timeline, progress)
         with timeline.span("publish"):
             publish(version + 1)

@@ -20,6 +20,7 @@ import torch
 import yaml
 from mpi4py import MPI
 
+from hpcvla import checkpoint
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import make_env
 from hpcvla.metrics.progress import Progress
@@ -67,22 +68,27 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root)
-    summary = {"rank": rank, "role": role, "env_steps": 0}
+    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
+    first = checkpoint.read_state(resume)["version"] if resume else 0
+    summary = {"rank": rank, "role": role, "env_steps": 0, "first_version": first}
+    if resume and is_root:
+        print(f"[hpcvla] resuming from {resume} (policy version {first})", flush=True)
 
     if plan.mode == "colocated":
-        engine = init_deepspeed(cfg, policy, comms.learners)
+        engine = _start_learner(cfg, policy, comms.learners, resume, progress)
+        save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
         env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank))
         dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: colocated_seed(cfg, rank))
         idle_barrier(world)
         start = time.monotonic()
-        summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env,
+        summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env, first,
                                              cfg.pipeline.total_updates, timeline, progress,
-                                             dump)
+                                             save, dump)
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
         start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
-                                          run_dir)
+                                          run_dir, resume, first)
         summary.update(stats)
     summary["wall_s"] = time.monotonic() - start
     summary["busy_s"] = dict(timeline.busy)
@@ -94,7 +100,33 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     return _report(world, summary, cfg, run_dir)
 
 
-def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_dir):
+def _start_learner(cfg, policy, learners, resume, progress):
+    """This learner's DeepSpeed engine; resuming, the weights are loaded before DeepSpeed
+    partitions them and the optimizer partition after."""
+    if resume is None:
+        return init_deepspeed(cfg, policy, learners)
+    policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
+    engine = init_deepspeed(cfg, policy, learners)
+    state = checkpoint.load_optimizer(resume, engine, learners)
+    progress.resume(state["version"], state["counters"]["trained_env_steps"])
+    return engine
+
+
+def _checkpointer(cfg, engine, learners, run_dir, progress, timeline):
+    """save(version, full weights): a checkpoint when one is due (collective on learners)."""
+    def save(version, weights):
+        last = version == cfg.pipeline.total_updates
+        every = cfg.learner.checkpoint_every
+        if last or (every and version % every == 0):
+            with timeline.span("checkpoint"):
+                checkpoint.save(run_dir, engine, weights, version,
+                                {"trained_env_steps": progress.steps}, learners,
+                                keep=cfg.learner.checkpoint_keep)
+    return save
+
+
+def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_dir, resume,
+                       first):
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     cell = plan.ranks[rank].cell
@@ -110,7 +142,8 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         if comms.feed != MPI.COMM_NULL else None
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
     stats: dict = {}
-    engine = init_deepspeed(cfg, policy, comms.learners) if LEARN in roles else None
+    engine = _start_learner(cfg, policy, comms.learners, resume, progress) \
+        if LEARN in roles else None
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
@@ -126,17 +159,21 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         stats.update(InferenceServer(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
             producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline, _emulated_inference(cfg), dump).run())
+            rank, timeline, _emulated_inference(cfg), first, dump).run())
     elif LEARN in roles:
+        save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
+
         def publish(version):
             state = full_state(engine)  # collective on the learners under ZeRO-3
             if rank == plan.weight_root:
                 plane.publish(version, manifest.flatten(state))
+            if version > first:
+                save(version, state)
         stats = {"staleness_hist": {}}
         queues = SegmentQueues(ring, sched.max_staleness, stats)
-        publish(0)
-        run_learner(cfg, sched, engine, queues, publish, cfg.pipeline.total_updates, timeline,
-                    progress)
+        publish(first)
+        run_learner(cfg, sched, engine, queues, publish, first, cfg.pipeline.total_updates,
+                    timeline, progress)
         plane.stop()
         stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
         stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
