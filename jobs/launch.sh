@@ -2,7 +2,7 @@
 # Start an hpcvla command on every rank of the current Slurm or PBS job (the one launch
 # script all job scripts in jobs/slurm and jobs/pbs exec).
 #
-#   jobs/launch.sh train configs/default.yaml pipeline.total_updates=100 [--resume RUN_DIR]
+#   jobs/launch.sh train configs/default.yaml pipeline.total_updates=100
 #   jobs/launch.sh bench modes --workload emulated --json bench.json
 #
 # `train` runs one rank per allocated task: `srun --mpi=pmi2` under Slurm, `mpiexec` with
@@ -15,7 +15,8 @@
 # thread pool size per rank, run the ranks, and pass the scheduler's signals on to them as
 # SIGTERM (ranks stop cleanly). SIGUSR1 is the time-limit warning of the Slurm scripts
 # (`#SBATCH --signal=B:USR1@<grace>`): with HPCVLA_REQUEUE=1 the job then requeues itself
-# (`scontrol requeue`) once the ranks have exited, and the next start resumes the run.
+# (`scontrol requeue`) once the ranks have exited with a checkpoint, and the next start
+# continues the run.
 #
 # Settings (environment):
 #   HPCVLA_VENV       venv to activate (default: <repo>/.venv when it exists)
@@ -27,7 +28,8 @@
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train: run root of this job (run.root); when it already holds a run
-#                     directory (the job was requeued/rerun) that run is resumed (--resume)
+#                     with a checkpoint short of its end (the job was requeued or rerun),
+#                     that run is continued (run.resume)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1)
 #   HPCVLA_DRY_RUN    1: print the environment and command, run nothing
 set -euo pipefail
@@ -123,27 +125,37 @@ fi
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
 
 # ---- the command ---------------------------------------------------------------------------
+# The run of this job that a restart continues: the newest run directory under $1 whose
+# newest checkpoint is short of the run's total_updates (nothing if there is none).
+resumable_run() {
+    "$PYTHON" - "$1" << 'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+from hpcvla.checkpoint import latest, read_state
+
+configs = sorted(Path(sys.argv[1]).glob("*/config.yaml"), key=lambda p: p.stat().st_mtime)
+if configs:
+    run, point = configs[-1].parent, latest(configs[-1].parent)
+    total = yaml.safe_load(configs[-1].read_text())["pipeline"]["total_updates"]
+    if point is not None and read_state(point)["version"] < total:
+        print(run)
+PY
+}
+
 ARGS=("$@")
 if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
-    # The job's own run root: a requeued (Slurm) or rerun (PBS) job finds the run directory
-    # its earlier start made there, and resumes it.
-    last=""
-    for dir in "$HPCVLA_JOB_RUNS"/*/; do
-        if [[ -d $dir && ( -z $last || $dir -nt $last ) ]]; then last=${dir%/}; fi
-    done
+    # The job's own run root: a requeued (Slurm) or rerun (PBS) job finds the run its earlier
+    # start made there and continues it from its checkpoint.
     ARGS+=("run.root=$HPCVLA_JOB_RUNS")
-    if [[ -n $last ]]; then ARGS+=(--resume "$last"); fi
-fi
-for i in "${!ARGS[@]}"; do
-    if [[ $1 == train && ${ARGS[i]} == --resume ]] &&
-            ! "$PYTHON" -m hpcvla train --help | grep -q -- --resume; then
-        say "warning: this hpcvla has no \`train --resume\`: ${ARGS[i+1]:-} is not resumed," \
-            "the run starts afresh"
-        unset 'ARGS[i]' 'ARGS[i+1]'
-        ARGS=("${ARGS[@]}")
-        break
+    RESUME=$(resumable_run "$HPCVLA_JOB_RUNS")
+    if [[ -n $RESUME ]]; then
+        say "continuing $RESUME from its newest checkpoint"
+        ARGS+=("run.resume=$RESUME")
     fi
-done
+fi
 COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
 CLEAN_ENV=()
 if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
@@ -225,7 +237,8 @@ trap - TERM INT USR1
 
 if [[ -n $SIGNALLED ]]; then
     say "ranks exited with status $status after SIG$SIGNALLED"
-    if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm ]]; then
+    if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&
+            -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         scontrol requeue "$SLURM_JOB_ID"
     fi

@@ -2,6 +2,10 @@
 decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -184,3 +188,40 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
 def test_resume_refused_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="run.resume"):
         load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"])
+
+
+@pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
+                                          ("configs/colocated.yaml", 2)])
+def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
+    """A scheduler's SIGTERM (here to `hpcvla train`, which hands it to mpiexec and every
+    rank) stops the run after a whole version with a checkpoint; resuming trains exactly the
+    versions that are left, each batch once."""
+    cmd = [sys.executable, "-m", "hpcvla", "train", config, "--ranks", str(ranks),
+           f"run.root={tmp_path / 'runs'}", "pipeline.total_updates=1000",
+           "pipeline.progress_every_s=0.1"]
+    with open(tmp_path / "stderr.txt", "w+") as errors:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            for line in proc.stdout:  # progress lines; a world that dies ends the loop
+                if "update 2/" in line:
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        errors.seek(0)
+        err = errors.read()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    first = json.loads((run_dir / "summary.json").read_text())
+    (ckpt,) = (run_dir / "checkpoints").iterdir()
+    stopped_at = int(ckpt.name[1:])
+    assert first["preempted"] and "run.resume=" in out and 2 <= stopped_at < 1000
+    per_version = sum(first["staleness_hist"].values()) // stopped_at
+    assert per_version * stopped_at == sum(first["staleness_hist"].values())
+
+    out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
+                 f"pipeline.total_updates={stopped_at + 2}", timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert not second["preempted"] and sum(second["staleness_hist"].values()) == 2 * per_version

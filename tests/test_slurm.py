@@ -117,18 +117,12 @@ def test_pbs_multinode_job_through_qsub(slurm, tmp_path):
     assert summary["ranks"] == 8 and sum(summary["staleness_hist"].values()) == 2 * 2 * 32
 
 
-@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
-def test_bench_job_runs_every_mode(slurm, tmp_path, scheduler):
+def test_bench_job_runs_every_mode(slurm, tmp_path):
     """`bench modes` inside a 1-task job starts its own 2- and 4-rank worlds."""
     log, result = tmp_path / "bench.out", tmp_path / "bench.json"
-    env = job_env(tmp_path, HPCVLA_BENCH_JSON=str(result))
-    if scheduler == "slurm":
-        job = slurm.sbatch(ROOT / "jobs/slurm/bench.sbatch", "--workload", "emulated",
-                           "--updates", "1", options=["--output", log], env=env, cwd=ROOT)
-    else:
-        env["BENCH_ARGS"] = "--workload emulated --updates 1"
-        job = slurm.qsub(ROOT / "jobs/pbs/bench.pbs", options=["-V", "-o", log, "-j", "oe"],
-                         env=env, cwd=ROOT)
+    job = slurm.sbatch(ROOT / "jobs/slurm/bench.sbatch", "--workload", "emulated",
+                       "--updates", "1", options=["--output", log], cwd=ROOT,
+                       env=job_env(tmp_path, HPCVLA_BENCH_JSON=str(result)))
     finished(slurm, job, log, timeout=900)
     modes = json.loads(result.read_text())["modes"]
     assert list(modes) == ["sync-colocated", "sync-disaggregated", "train-async",
@@ -145,10 +139,22 @@ def test_bench_job_runs_every_mode(slurm, tmp_path, scheduler):
     assert (tmp_path / "report" / "bench.png").exists()
 
 
-def test_time_limit_warning_stops_ranks_and_requeues(slurm, tmp_path):
+def test_pbs_bench_job_reaches_the_benchmark(slurm, tmp_path):
+    """The PBS bench script through qsub, up to the command it would run (the benchmark
+    itself runs in the Slurm job above: the same command)."""
+    log = tmp_path / "bench-pbs.out"
+    env = job_env(tmp_path, BENCH_ARGS="--workload real --updates 2", HPCVLA_DRY_RUN="1")
+    job = slurm.qsub(ROOT / "jobs/pbs/bench.pbs", options=["-V", "-o", log, "-j", "oe"],
+                     env=env, cwd=ROOT)
+    text = finished(slurm, job, log)
+    assert "scheduler pbs" in text and "1 rank(s) on 1 node(s)" in text
+    assert f"-m hpcvla bench modes --json bench-{job}.json --workload real --updates 2" in text
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
-    SIGUSR1, the ranks get SIGTERM, the job requeues itself; its next start finds the run
-    directory of the first (passed on as --resume once `train` accepts it) and finishes."""
+    SIGUSR1, the ranks get SIGTERM and stop with a checkpoint, the job requeues itself, and
+    its next start continues the same run from that checkpoint to the end."""
     log = tmp_path / "requeue.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=30", "pipeline.progress_every_s=0.1",
@@ -163,9 +169,11 @@ def test_time_limit_warning_stops_ranks_and_requeues(slurm, tmp_path):
     assert slurm.job(job)["Restarts"] == "1"
     first, second = text.split("requeueing job", 1)
     assert "received SIGUSR1: sending SIGTERM to the ranks" in first
-    assert "[hpcvla] done" not in first  # stopped before the end
-    assert "--resume" in second or "is not resumed" in second
-    assert "[hpcvla] update 30/30" in second and "[hpcvla] done" in second
-    runs = sorted((tmp_path / "runs" / f"hpcvla-demo-{job}").iterdir())
-    assert len(runs) == 2 and not (runs[0] / "summary.json").exists()
-    assert (runs[1] / "summary.json").exists()
+    assert "[hpcvla] update 30/30" not in first  # stopped before the end
+    (run_dir,) = (tmp_path / "runs" / f"hpcvla-demo-{job}").iterdir()
+    assert f"continuing {run_dir} from its newest checkpoint" in second
+    assert "[hpcvla] resuming from" in second and "[hpcvla] update 30/30" in second
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
+    assert 0 < learner["first_version"] < 30
+    assert (run_dir / "checkpoints" / "v000030" / "state.json").exists()

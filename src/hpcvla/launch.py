@@ -99,6 +99,10 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
 def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
     # Own process group, so a timeout or Ctrl-C takes down mpiexec and every rank with it.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
+    # run checkpoints and ends (hpcvla.preempt); we keep waiting for it.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while proc.poll() is None:

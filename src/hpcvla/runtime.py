@@ -27,8 +27,11 @@ def run_ranks(cfg, main, check=None) -> int:
                                        real_ranks_per_node)
     from hpcvla.topology.plan import plan_from_config
 
+    from hpcvla import preempt
+
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    preempt.install()  # SIGTERM/SIGUSR1: stop after the next version, with a checkpoint
     try:
         if cfg.launch.check_scheduler:
             check_scheduler_world(world.Get_size())

@@ -11,6 +11,7 @@ One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
     /data/demo_<i>     one finished episode of one env, in order of completion; attrs:
                        num_samples, env_id ("p<producer>/s<slot>/e<env>"), producer_rank,
                        slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`),
+                       episode (of that env, counted from the (re)start of the run),
                        instruction (text), policy_version (at the first step), staleness
                        (most over its steps), success, return
         obs/<key>          (T, *shape)  observation the action was chosen for
@@ -24,7 +25,8 @@ One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
 A step is one action chunk (chunk_len env steps). Datasets are chunked and gzip-compressed.
 The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
 opening, writing and closing the file, so between flushes the file is closed and
-consistent: readable while the run goes on, and after a crash up to the last flush.
+consistent: readable while the run goes on, and after a crash up to the last flush. A run
+resumed from a checkpoint (run.resume) appends to the dump of its first start.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ class TrajectoryDump:
         self.last_flush = time.monotonic()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         import h5py
+        if self.path.exists():  # a resumed run (run.resume) appends to its dump
+            with open_dump(self.path) as f:
+                self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
+                self.total = int(f["data"].attrs["total"])
+            with h5py.File(self.path, "a") as f:
+                f.attrs["complete"] = False
+            return
         with h5py.File(self.path, "w") as f:
             f.attrs.update(format=FORMAT, producer_rank=producer, env=env,
                            chunk_len=chunk_len, config=config_yaml, complete=False,

@@ -13,11 +13,12 @@ from hpcvla.roles.segments import SegmentBuilder
 
 
 def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
-                  save, dump=None) -> int:
-    """Train versions first+1 .. total_updates; returns the env steps this rank took. `actor`
-    is this rank's acting copy of the policy, refreshed from the learner after every update
-    (under ZeRO-3 the learner holds shards); `save(version, weights)` checkpoints when due;
-    `dump` (metrics/dump.py), if given, gets every segment group."""
+                  save, stop, dump=None) -> int:
+    """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
+    returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
+    refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
+    `save(version, weights, last)` checkpoints when due; `dump` (metrics/dump.py), if given,
+    gets every segment group."""
     policy, spec = actor, env.spec
     actor.load_arrays(full_state(engine))  # collective under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
@@ -25,7 +26,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                              cfg.rollout.segment_len, producer=0, slot=0)
     obs, result, groups, steps = env.reset(), None, [], 0
     version = first
-    while version < total_updates:
+    while True:
         with timeline.span("infer"):
             with torch.no_grad():
                 out = policy.act(policy.obs_to_tensors(obs, "cpu"))
@@ -48,7 +49,10 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                 with timeline.span("publish"):
                     weights = full_state(engine)
                     actor.load_arrays(weights)
-                save(version, weights)
+                last = version == total_updates or stop()
+                save(version, weights, last)
+                if last:
+                    break
                 continue
         builder.add_step(obs, actions, logprob, value, version)
         with timeline.span("simulate"):

@@ -161,8 +161,9 @@ class SegmentQueues:
 
 
 def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
-                total_updates: int, timeline, progress) -> dict:
-    """Train policy versions first+1 .. total_updates, publishing each."""
+                total_updates: int, timeline, progress, stop) -> dict:
+    """Train policy versions first+1 .. total_updates, publishing each with
+    `publish(version, last)`; end early, after a whole version, when `stop()` says so."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     backoff = Backoff(cap=DATA_POLL_CAP)
 
@@ -180,7 +181,10 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
 
     for version in range(first, total_updates):
         learn(cfg, engine, arriving(version), version, timeline, progress)
+        last = version + 1 == total_updates or stop()
         with timeline.span("publish"):
-            publish(version + 1)
+            publish(version + 1, last)
         progress.on_update(version + 1)
+        if last:
+            break
     return queues.stats

@@ -20,7 +20,7 @@ import torch
 import yaml
 from mpi4py import MPI
 
-from hpcvla import checkpoint
+from hpcvla import checkpoint, preempt
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import make_env
 from hpcvla.metrics.progress import Progress
@@ -83,7 +83,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         start = time.monotonic()
         summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env, first,
                                              cfg.pipeline.total_updates, timeline, progress,
-                                             save, dump)
+                                             save, stop=lambda: preempt.agreed(comms.learners),
+                                             dump=dump)
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
@@ -91,6 +92,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
                                           run_dir, resume, first)
         summary.update(stats)
     summary["wall_s"] = time.monotonic() - start
+    summary["preempted"] = preempt.requested()
     summary["busy_s"] = dict(timeline.busy)
     if is_root:
         summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
@@ -113,9 +115,9 @@ def _start_learner(cfg, policy, learners, resume, progress):
 
 
 def _checkpointer(cfg, engine, learners, run_dir, progress, timeline):
-    """save(version, full weights): a checkpoint when one is due (collective on learners)."""
-    def save(version, weights):
-        last = version == cfg.pipeline.total_updates
+    """save(version, full weights, last): a checkpoint when one is due or the run ends
+    (collective on the learners)."""
+    def save(version, weights, last):
         every = cfg.learner.checkpoint_every
         if last or (every and version % every == 0):
             with timeline.span("checkpoint"):
@@ -163,17 +165,17 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     elif LEARN in roles:
         save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
 
-        def publish(version):
+        def publish(version, last=False):
             state = full_state(engine)  # collective on the learners under ZeRO-3
             if rank == plan.weight_root:
                 plane.publish(version, manifest.flatten(state))
             if version > first:
-                save(version, state)
+                save(version, state, last)
         stats = {"staleness_hist": {}}
         queues = SegmentQueues(ring, sched.max_staleness, stats)
         publish(first)
         run_learner(cfg, sched, engine, queues, publish, first, cfg.pipeline.total_updates,
-                    timeline, progress)
+                    timeline, progress, stop=lambda: preempt.agreed(comms.learners))
         plane.stop()
         stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
         stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
@@ -245,7 +247,11 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
         "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
         "per_rank": everyone,
     }
+    result["preempted"] = any(s["preempted"] for s in everyone)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    if result["preempted"]:
+        print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
+              f"`hpcvla train run.resume={run_dir}`", flush=True)
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {result['success_rate']} | staleness {result['staleness_hist']}",
           flush=True)
