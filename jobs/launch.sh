@@ -24,7 +24,7 @@
 #   HPCVLA_LAUNCHER   srun | mpiexec (default: srun under Slurm, mpiexec under PBS)
 #   HPCVLA_SRUN_MPI   srun's PMI plugin (default pmi2: MPICH; use pmix for Open MPI)
 #   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
-#                     node's cores / ranks per node, at least 1)
+#                     node's allocated (or all) cores / ranks per node, at least 1)
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train: run root of this job (run.root); when it already holds a run
@@ -85,7 +85,6 @@ export MASTER_ADDR=${MASTER_ADDR:-${HOSTS[0]}}
 JOB_ID=${SLURM_JOB_ID:-${PBS_JOBID:-0}}
 JOB_NUMBER=${JOB_ID%%[!0-9]*}  # PBS ids look like 1234.server
 export MASTER_PORT=${MASTER_PORT:-$(( 20000 + 10#${JOB_NUMBER:-0} % 20000 ))}
-export HPCVLA_SCHEDULER=$SCHEDULER
 
 # ---- environment ---------------------------------------------------------------------------
 activate() {  # activation scripts read unset variables: not under `set -u`
@@ -116,6 +115,8 @@ if [[ -n ${HPCVLA_THREADS:-} ]]; then
     THREADS=$HPCVLA_THREADS
 elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_PER_TASK:-} ]]; then
     THREADS=$SLURM_CPUS_PER_TASK
+elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_ON_NODE:-} ]]; then  # this node's share
+    THREADS=$(( SLURM_CPUS_ON_NODE / PER_NODE ))
 elif [[ $SCHEDULER == pbs && -n ${NCPUS:-} ]]; then  # PBS Pro: ncpus of this chunk
     THREADS=$(( NCPUS / PER_NODE ))
 else
@@ -160,11 +161,14 @@ COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
 CLEAN_ENV=()
 if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
     LAUNCH=()
+    COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
 elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo srun || echo mpiexec)} == srun ]]; then
     # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
     # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
+    # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
     LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-pmi2}" --kill-on-bad-exit=1 --ntasks="$NP"
-            --ntasks-per-node="$PER_NODE" --distribution=block --cpus-per-task="$THREADS")
+            --ntasks-per-node="$PER_NODE" --distribution=block
+            ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"})
 else
     MPIEXEC=$(command -v mpiexec) || die "no mpiexec on PATH (module load mpi?)"
     HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")

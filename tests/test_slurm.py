@@ -120,8 +120,8 @@ def test_pbs_multinode_job_through_qsub(slurm, tmp_path):
 def test_bench_job_runs_every_mode(slurm, tmp_path):
     """`bench modes` inside a 1-task job starts its own 2- and 4-rank worlds."""
     log, result = tmp_path / "bench.out", tmp_path / "bench.json"
-    job = slurm.sbatch(ROOT / "jobs/slurm/bench.sbatch", "--workload", "emulated",
-                       "--updates", "1", options=["--output", log], cwd=ROOT,
+    job = slurm.sbatch(ROOT / "jobs/slurm/bench.sbatch", "--workload", "real", "--updates",
+                       "1", options=["--output", log], cwd=ROOT,
                        env=job_env(tmp_path, HPCVLA_BENCH_JSON=str(result)))
     finished(slurm, job, log, timeout=900)
     modes = json.loads(result.read_text())["modes"]

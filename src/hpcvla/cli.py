@@ -204,4 +204,5 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-COMMANDS = {"inspect": cmd_inspect, "train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch}
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch,
+            "inspect": cmd_inspect}
