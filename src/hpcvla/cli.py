@@ -4,6 +4,7 @@
     hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
+    hpcvla inspect FILE|RUN_DIR ... [--json]          summarise HDF5 trajectory dumps
 
 Config errors and impossible layouts are reported here, in the launching process, before any
 MPI rank starts. Only `train` without --ranks (i.e. inside srun/mpirun) initialises MPI.
@@ -75,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="modes: B_max x T_max grid for the streamer, or envs per "
                             "simulator for streamer vs sync-colocated, instead of the ladder")
 
+    inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
+                                              "(run.dump_trajectories=true)")
+    inspect.add_argument("paths", nargs="+", metavar="FILE|RUN_DIR",
+                         help="dump files, or run directories (all their dumps)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
     launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
@@ -128,6 +135,9 @@ def cmd_train(args) -> int:
     from hpcvla.roles.modes import check_pipeline
     check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.launch import run_world
+    # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
+    # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
+    os.environ["HPCVLA_LOCAL_WORLD"] = "1"
     config = [args.config] if args.config else []
     return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec)
 
@@ -187,4 +197,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch}
+def cmd_inspect(args) -> int:
+    from pathlib import Path
+
+    from hpcvla.metrics.dump import DumpError, describe, summarize
+    files = []
+    for path in map(Path, args.paths):
+        found = sorted((path / "trajectories").glob("rank*.h5")) if path.is_dir() else [path]
+        if not found:
+            print(f"hpcvla inspect: {path} holds no trajectories/rank*.h5 (was the run "
+                  "started with run.dump_trajectories=true?)", file=sys.stderr)
+            return 2
+        files += found
+    try:
+        summaries = [summarize(f) for f in files]
+    except DumpError as err:
+        print(f"hpcvla inspect: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summaries, indent=1) if args.json else
+          "\n".join(describe(s) for s in summaries))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch,
+            "inspect": cmd_inspect}

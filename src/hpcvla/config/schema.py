@@ -41,6 +41,15 @@ class RunConfig:
         "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "
         "writes on into that directory. Empty: a new run. Trajectories in flight when the "
         "checkpoint was written are not resumed (they were never trained).")
+    dump_trajectories: bool = setting(
+        False, "Write every episode the producer (inference) ranks send to the learners to "
+        "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
+        "layout (`hpcvla inspect FILE`). Costs disk (~1 KB per step at 64 px, gzip) and "
+        "producer time (the `dump` stage of the timeline).")
+    dump_flush_s: float = setting(
+        10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
+        "died, sees everything up to the last one. Shorter: fresher files, more file opens.",
+        ge=0.1)
 
 
 @dataclass

@@ -13,11 +13,12 @@ from hpcvla.roles.segments import SegmentBuilder
 
 
 def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
-                  save, stop) -> int:
+                  save, stop, dump=None) -> int:
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
     refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
-    `save(version, weights, last)` checkpoints when due."""
+    `save(version, weights, last)` checkpoints when due; `dump` (metrics/dump.py), if given,
+    gets every segment group."""
     policy, spec = actor, env.spec
     actor.load_arrays(full_state(engine))  # collective under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
@@ -34,7 +35,11 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
             builder.record_outcome(result.reward, result.terminated | result.truncated,
                                    result.success, result.episode_return)
         if builder.full:
+            builder.batch = version  # trained in update `version`: staleness 0
             groups.append(builder.finish(value))
+            if dump:
+                with timeline.span("dump"):
+                    dump.add_segment(groups[-1])
             if len(groups) * env.num_envs >= micro * n_micro:
                 per_micro = micro // env.num_envs  # train, then act again with new weights
                 learn(cfg, engine, [groups[i * per_micro:(i + 1) * per_micro]
@@ -54,5 +59,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
             result = env.step(actions)
         steps += env.num_envs * spec.chunk_len
         obs = result.obs
+    if dump:
+        dump.close()
     return steps
 

@@ -42,11 +42,11 @@ class InferenceServer:
 
     def __init__(self, sched, policy, loader, exchange, ring, quota: int, envs_per_shard: int,
                  obs_keys: list, segment_len: int, producer: int, timeline, emulate_ms=None,
-                 first_version: int = 0):
+                 first_version: int = 0, dump=None):
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring
         self.quota, self.n, self.obs_keys, self.timeline = quota, envs_per_shard, obs_keys, \
             timeline
-        self.max_staleness, self.emulate_ms = sched.max_staleness, emulate_ms
+        self.max_staleness, self.emulate_ms, self.dump = sched.max_staleness, emulate_ms, dump
         shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                   for k in obs_keys}
         self.builders = [SegmentBuilder(shapes, envs_per_shard, policy.chunk_len,
@@ -93,6 +93,8 @@ class InferenceServer:
             stats[f"fired_{reason}"] += 1
             self._serve(batcher.take(eligible))
         self.ring.close()
+        if self.dump:
+            self.dump.close()
         return stats
 
     def _serve(self, slots: list[int]) -> None:
@@ -142,6 +144,9 @@ class InferenceServer:
     def _send(self, group: dict) -> None:
         self.ring.put(records.encode(group), records.schema_of(group))
         self.stats["segments_sent"] += self.n
+        if self.dump:  # after the learner has it: the dump is off the data path's clock
+            with self.timeline.span("dump"):
+                self.dump.add_segment(group)
 
     def _eligible(self) -> set:
         """Queued slots that may be served now: those mid-segment, plus those starting a

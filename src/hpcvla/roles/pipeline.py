@@ -17,9 +17,11 @@ from collections import Counter
 
 import numpy as np
 import torch
+import yaml
 from mpi4py import MPI
 
 from hpcvla import checkpoint, preempt
+from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import make_env
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
@@ -59,7 +61,10 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     probe.close()
     policy = build_policy(cfg, spec)
     role = "+".join(roles)
-    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
+    # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
+    # node agree; across nodes as far as the nodes' clocks do).
+    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
+                        t0=world.bcast(time.time(), root=0))
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root,
@@ -73,12 +78,14 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     if plan.mode == "colocated":
         engine = _start_learner(cfg, policy, comms.learners, resume, progress)
         save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
-        env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank)
+        env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank))
+        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: colocated_seed(cfg, rank))
         idle_barrier(world)
         start = time.monotonic()
         summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env, first,
                                              cfg.pipeline.total_updates, timeline, progress,
-                                             save, stop=lambda: preempt.agreed(comms.learners))
+                                             save, stop=lambda: preempt.agreed(comms.learners),
+                                             dump=dump)
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
@@ -143,16 +150,19 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
-        envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard,
-                          latency_sleep=False) for shard in range(sched.shards)]
+        envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False)
+                for shard in range(sched.shards)]
         stats["env_steps"] = run_simulator(envs, exchange, timeline)
         for env in envs:
             env.close()
     elif INF in roles:
+        sims = sorted(plan.cells[cell].simulators)  # the exchange's slot order
+        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: shard_seed(
+            cfg, sims[slot // sched.shards], slot % sched.shards))
         stats.update(InferenceServer(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
             producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline, _emulated_inference(cfg), first).run())
+            rank, timeline, _emulated_inference(cfg), first, dump).run())
     elif LEARN in roles:
         save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
 
@@ -176,6 +186,26 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
             piece.free()
     plane.close()
     return start, stats
+
+
+def shard_seed(cfg, rank: int, shard: int) -> int:
+    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
+    return cfg.run.seed * 10007 + rank * 101 + shard
+
+
+def colocated_seed(cfg, rank: int) -> int:
+    return cfg.run.seed * 10007 + rank
+
+
+def _trajectory_dump(cfg, spec, rank, run_dir, seed_of_slot):
+    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for."""
+    if not cfg.run.dump_trajectories:
+        return None
+    from hpcvla.metrics.dump import TrajectoryDump
+    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, list(spec.obs),
+                          spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
+                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                          cfg.run.dump_flush_s)
 
 
 def _emulated_inference(cfg):
