@@ -13,7 +13,7 @@ Writes into --out (default `report/`):
     staleness.png        fraction of trained segments per policy-version lag, per run
 
 A run directory is what `hpcvla train` writes (summary.json, metrics.jsonl, config.yaml,
-plan.json, timeline.rank<R>.jsonl, optional trajectories/). Charts are drawn by raster.py
+plan.json, timeline.rank<R>.jsonl, optional trajectories/). Charts are drawn by hpcvla.metrics.raster
 (numpy + zlib; matplotlib is not needed).
 """
 
@@ -25,8 +25,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from raster import PALETTE, bar_chart, line_chart, swimlane  # noqa: E402
+from hpcvla.metrics.raster import PALETTE, bar_chart, line_chart, swimlane
 
 STAGE_COLORS = {"simulate": (44, 160, 44), "infer": (31, 119, 180), "assemble": (23, 190, 207),
                 "dump": (148, 103, 189), "train": (214, 39, 40), "wait_data": (200, 200, 200),

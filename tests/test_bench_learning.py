@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hpcvla.bench.learning import welch_interval
+from hpcvla.metrics.raster import read_png
 from test_mpi_world import hpcvla
 
 
@@ -32,5 +33,7 @@ def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
         assert [r["seed"] for r in mode["runs"]] == [0, 1]
         for run in mode["runs"]:
             assert len(run["curve"]) == len(grid) and 0 <= run["final_success"] <= 1
+    png = read_png(tmp_path / "learning.png")  # the overlaid curves, next to the JSON
+    assert png.shape[2] == 3 and png.std() > 0
     low, high = results["difference"]["ci95"]
     assert low <= results["difference"]["streamer_minus_colocated"] <= high

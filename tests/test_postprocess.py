@@ -10,7 +10,7 @@ import pytest
 from test_mpi_world import ROOT, hpcvla
 
 sys.path.insert(0, str(ROOT / "postprocess"))
-from raster import nice_ticks, read_png  # noqa: E402
+from hpcvla.metrics.raster import nice_ticks, read_png  # noqa: E402
 from report import STAGE_COLORS  # noqa: E402
 
 
