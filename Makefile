@@ -1,15 +1,19 @@
 # hpcvla: the two commands a newcomer needs.
 #   make install   create .venv and install the pinned stack (CPU torch where there is no GPU),
-#                  simulators included, plus the system libraries they render with (see system)
+#                  plus the Debian packages of the cluster tests (install-cluster) and
+#                  the libraries the simulators render with on CPU (install-sims)
 #   make test      run the whole test suite, multi-rank MPI tests included
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
-SYSTEM ?= 1   # 0: leave the system's packages alone (then install what `system` lists yourself)
 
-.PHONY: install system test clean
+# A single-node Slurm with its PBS wrappers (qsub/qstat), munge, and shellcheck: what
+# tests/test_slurm.py runs the job scripts in jobs/ with. Needs root (CI is root).
+CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck
 
-install: $(if $(filter 1,$(strip $(SYSTEM))),system)
+.PHONY: install install-cluster install-sims test clean
+
+install: install-cluster install-sims
 	$(PYTHON) -m venv $(VENV)
 	# torch alone first: a later bare requirement must not pull a multi-GB CUDA build.
 	$(BIN)/pip install $$(grep -E '^torch==' requirements.txt)
@@ -18,25 +22,36 @@ install: $(if $(filter 1,$(strip $(SYSTEM))),system)
 	$(BIN)/pip install --no-deps -e .
 	$(BIN)/hpcvla --help > /dev/null
 
+install-cluster:
+	@if dpkg -s $(CLUSTER_PACKAGES) > /dev/null 2>&1; then \
+	    echo "install-cluster: $(CLUSTER_PACKAGES) already installed"; \
+	elif [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	        --no-install-recommends $(CLUSTER_PACKAGES); \
+	else \
+	    echo "install-cluster: not root, cannot apt-get install $(CLUSTER_PACKAGES);" \
+	         "tests/test_slurm.py will fail until they are installed" >&2; \
+	fi
+
 # CPU rendering for the simulators: ManiSkill3 (SAPIEN) needs a Vulkan driver with
 # VK_KHR_external_semaphore_fd, i.e. Mesa >= 24.3 lavapipe (Debian 12 has 22.3: take Mesa from
 # bookworm-backports, on the mirror apt already uses); LIBERO's MuJoCo renders with EGL (or
 # OSMesa). Runs only as root with apt (Debian); elsewhere it prints what to install. On GPU
 # nodes the NVIDIA driver provides Vulkan and EGL instead.
-SYSTEM_PACKAGES = mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri libosmesa6
-system:
+SIM_PACKAGES = mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgl1-mesa-dri libosmesa6
+install-sims:
 	@if [ "$$(id -u)" != 0 ] || ! command -v apt-get > /dev/null; then \
-	  echo "make system: not root with apt; the simulators need: $(SYSTEM_PACKAGES) (Mesa >= 24.3)"; \
+	  echo "install-sims: not root with apt; the simulators need: $(SIM_PACKAGES) (Mesa >= 24.3)"; \
 	  exit 0; fi; \
 	set -e; export DEBIAN_FRONTEND=noninteractive; apt-get update -q; \
 	. /etc/os-release; release=""; \
 	if [ "$$VERSION_CODENAME" = bookworm ]; then \
 	  uri=$$(apt-get indextargets --format '$$(REPO_URI)' 'Codename: bookworm' | head -n1); \
-	  [ -n "$$uri" ] || { echo "make system: no Debian bookworm source in apt"; exit 1; }; \
+	  [ -n "$$uri" ] || { echo "install-sims: no Debian bookworm source in apt"; exit 1; }; \
 	  printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
 	    "$$uri" > /etc/apt/sources.list.d/hpcvla-backports.sources; \
 	  apt-get update -q; release="-t bookworm-backports"; fi; \
-	apt-get install -y -q --no-install-recommends $$release $(SYSTEM_PACKAGES)
+	apt-get install -y -q --no-install-recommends $$release $(SIM_PACKAGES)
 
 test:
 	$(BIN)/python -m pytest -q tests

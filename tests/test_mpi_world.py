@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 from hpcvla.config import load_config
+from hpcvla.launch import orphaned_shm
 
 ROOT = Path(__file__).resolve().parents[1]
 MPI_DIR = ROOT / "tests" / "mpi"
 
 
-SHM = Path("/dev/shm")
+SHM = Path("/dev/shm")  # MPICH's shared-memory segments live here
 
 
 def hpcvla(*args, env=None, timeout=180):
@@ -25,7 +26,7 @@ def hpcvla(*args, env=None, timeout=180):
     before = set(SHM.glob("mpich_*"))
     out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    left = set(SHM.glob("mpich_*")) - before
+    left = orphaned_shm(before)
     assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
     return out
 

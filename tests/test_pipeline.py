@@ -2,6 +2,10 @@
 decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -153,3 +157,90 @@ def test_modes_benchmark_runs_every_mode(tmp_path):
         assert any(k.endswith(":simulate") or k.endswith("+learner:simulate")
                    for k in r["busy_fraction"]), r["busy_fraction"]
     assert results["speedup_vs_sync_colocated"]["sync-colocated"] == 1.0
+
+
+@pytest.mark.parametrize("config,ranks,extra", [
+    ("configs/default.yaml", 4, ["learner.zero_stage=1"]),
+    ("configs/colocated.yaml", 2, ["learner.zero_stage=3"])])
+def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, extra):
+    """Checkpoints land in the run directory; a resumed run picks up the policy version,
+    optimizer and counters, trains exactly the remaining versions, and writes on there."""
+    out, first, run_dir = run_train(tmp_path, "pipeline.total_updates=3",
+                                    "learner.checkpoint_every=1", *extra, config=config,
+                                    ranks=ranks)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000002", "v000003"]
+    lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
+                 "pipeline.total_updates=5", "learner.checkpoint_every=0", *extra, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "resuming from" in out.stdout and "update 5/5" in out.stdout
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000003", "v000005"]
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert {r["first_version"] for r in second["per_rank"]} == {3}
+    learners = sum("learner" in r["role"] for r in second["per_rank"])
+    assert sum(second["staleness_hist"].values()) == 2 * 32 * learners  # versions 4, 5 once
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) > lines and records[lines]["trained_env_steps"] > \
+        records[lines - 1]["trained_env_steps"]  # counters continue, not restart
+    assert list(run_dir.glob("config.resume-*.yaml"))
+
+
+def test_resume_refused_before_ranks_start(tmp_path):
+    with pytest.raises(ConfigError, match="run.resume"):
+        load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"])
+
+
+@pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
+                                          ("configs/colocated.yaml", 2)])
+def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
+    """A scheduler's SIGTERM (here to `hpcvla train`, which hands it to mpiexec and every
+    rank) stops the run after a whole version with a checkpoint; resuming trains exactly the
+    versions that are left, each batch once."""
+    cmd = [sys.executable, "-m", "hpcvla", "train", config, "--ranks", str(ranks),
+           f"run.root={tmp_path / 'runs'}", "pipeline.total_updates=1000",
+           "pipeline.progress_every_s=0.1"]
+    with open(tmp_path / "stderr.txt", "w+") as errors:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
+        try:
+            for line in proc.stdout:  # progress lines; a world that dies ends the loop
+                if "update 2/" in line:
+                    proc.send_signal(signal.SIGTERM)
+                    break
+            out, _ = proc.communicate(timeout=120)
+        finally:
+            proc.kill()
+        errors.seek(0)
+        err = errors.read()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    first = json.loads((run_dir / "summary.json").read_text())
+    (ckpt,) = (run_dir / "checkpoints").iterdir()
+    stopped_at = int(ckpt.name[1:])
+    assert first["preempted"] and "run.resume=" in out and 2 <= stopped_at < 1000
+    per_version = sum(first["staleness_hist"].values()) // stopped_at
+    assert per_version * stopped_at == sum(first["staleness_hist"].values())
+
+    out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
+                 f"pipeline.total_updates={stopped_at + 2}", timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    second = json.loads((run_dir / "summary.json").read_text())
+    assert not second["preempted"] and sum(second["staleness_hist"].values()) == 2 * per_version
+
+
+def test_sync_batch_smaller_than_the_cell_does_not_stall(tmp_path):
+    """A version's batch (32 segments) covers half of a 64-env cell: the synchronous batcher
+    serves the half the quota lets through instead of waiting for the held-back half."""
+    out, summary, _ = run_train(tmp_path, "pipeline.mode=sync-disaggregated",
+                                "env.envs_per_simulator=32", "learner.micro_batch=32",
+                                "learner.micro_batches=1", "pipeline.total_updates=3",
+                                "env.image_size=32", "policy.hidden=32")
+    assert sum(summary["staleness_hist"].values()) == 3 * 32
+    assert set(summary["staleness_hist"]) == {"0"}
+
+
+def test_stuck_simulators_stop_the_job_loudly(tmp_path):
+    start = time.monotonic()
+    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
+                 "env.latency_median_ms=600000", "pipeline.stall_timeout_s=3", timeout=120)
+    assert out.returncode != 0 and time.monotonic() - start < 90
+    assert "no trajectory for 3 s" in out.stderr and "(learner)" in out.stderr

@@ -4,6 +4,7 @@
     hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
+    hpcvla inspect FILE|RUN_DIR ... [--json]          summarise HDF5 trajectory dumps
 
 Config errors and impossible layouts are reported here, in the launching process, before any
 MPI rank starts. Only `train` without --ranks (i.e. inside srun/mpirun) initialises MPI.
@@ -53,7 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes"], help="what to measure")
+    bench.add_argument("target", choices=["transport", "modes", "learning", "policies"],
+                       help="what to measure; `learning` also takes key=value overrides for "
+                            "every run (e.g. policy.name=flow)")
+    bench.set_defaults(overrides=[])
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks here (default: the current MPI world)")
@@ -67,10 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
     bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
-    bench.add_argument("--updates", type=int, default=20, help="modes: updates per mode")
+    bench.add_argument("--updates", type=int, default=None,
+                       help="modes: updates per mode (default 20); learning: per run (200)")
+    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per mode")
     bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
                        help="modes: B_max x T_max grid for the streamer, or envs per "
                             "simulator for streamer vs sync-colocated, instead of the ladder")
+
+    inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
+                                              "(run.dump_trajectories=true)")
+    inspect.add_argument("paths", nargs="+", metavar="FILE|RUN_DIR",
+                         help="dump files, or run directories (all their dumps)")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -125,6 +137,9 @@ def cmd_train(args) -> int:
     from hpcvla.roles.modes import check_pipeline
     check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.launch import run_world
+    # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
+    # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
+    os.environ["HPCVLA_LOCAL_WORLD"] = "1"
     config = [args.config] if args.config else []
     return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec)
 
@@ -159,10 +174,20 @@ def cmd_launch(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.target == "policies":  # one process: parameter counts and step times
+        from hpcvla.bench import policies
+        policies.run(quick=args.quick, json_path=args.json)
+        return 0
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
-                  args.updates, json_path=args.json, sweep=args.sweep)
+                  args.updates or 20, json_path=args.json, sweep=args.sweep)
+        return 0
+    if args.target == "learning":  # starts one world per run itself
+        from hpcvla.bench import learning
+        learning.run(seeds=2 if args.quick else args.seeds,
+                     updates=3 if args.quick else args.updates or 200, json_path=args.json,
+                     overrides=args.overrides)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.launch import run_world
@@ -174,4 +199,27 @@ def cmd_bench(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch}
+def cmd_inspect(args) -> int:
+    from pathlib import Path
+
+    from hpcvla.metrics.dump import DumpError, describe, summarize
+    files = []
+    for path in map(Path, args.paths):
+        found = sorted((path / "trajectories").glob("rank*.h5")) if path.is_dir() else [path]
+        if not found:
+            print(f"hpcvla inspect: {path} holds no trajectories/rank*.h5 (was the run "
+                  "started with run.dump_trajectories=true?)", file=sys.stderr)
+            return 2
+        files += found
+    try:
+        summaries = [summarize(f) for f in files]
+    except DumpError as err:
+        print(f"hpcvla inspect: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summaries, indent=1) if args.json else
+          "\n".join(describe(s) for s in summaries))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch,
+            "inspect": cmd_inspect}

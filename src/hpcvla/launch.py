@@ -99,6 +99,10 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
 def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
     # Own process group, so a timeout or Ctrl-C takes down mpiexec and every rank with it.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
+    # run checkpoints and ends (hpcvla.preempt); we keep waiting for it.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while proc.poll() is None:
@@ -125,9 +129,16 @@ def _shm_files() -> set[Path]:
 def _remove_orphaned_shm(before: set[Path]) -> None:
     """An aborted or killed MPICH world leaves its shared-memory segments in /dev/shm. Remove
     those that appeared during this run and that no live process still maps."""
+    for path in orphaned_shm(before):
+        path.unlink(missing_ok=True)
+
+
+def orphaned_shm(before: set[Path]) -> set[Path]:
+    """MPICH segments that appeared since `before` and that no live process maps (other
+    worlds running beside this one still map theirs)."""
     new = _shm_files() - before
     if not new:
-        return
+        return set()
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
@@ -135,8 +146,7 @@ def _remove_orphaned_shm(before: set[Path]) -> None:
                           if "/dev/shm/" in line)
         except OSError:  # the process ended, or is not ours to read
             continue
-    for path in new - {Path(m) for m in mapped}:
-        path.unlink(missing_ok=True)
+    return new - {Path(m) for m in mapped}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

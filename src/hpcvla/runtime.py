@@ -27,8 +27,11 @@ def run_ranks(cfg, main, check=None) -> int:
                                        real_ranks_per_node)
     from hpcvla.topology.plan import plan_from_config
 
+    from hpcvla import preempt
+
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
+    preempt.install()  # SIGTERM/SIGUSR1: stop after the next version, with a checkpoint
     try:
         if cfg.launch.check_scheduler:
             check_scheduler_world(world.Get_size())
@@ -60,7 +63,10 @@ def run_ranks(cfg, main, check=None) -> int:
 
 
 def create_run_dir(cfg, world) -> Path:
-    """Rank 0 makes `<root>/<name>-<time>` (unique); every rank gets the same path back."""
+    """Rank 0 makes `<root>/<name>-<time>` (unique), or takes the run being resumed; every
+    rank gets the same path back."""
+    if cfg.run.resume:
+        return Path(cfg.run.resume).resolve()
     path = None
     if world.Get_rank() == 0:
         base = Path(cfg.run.root) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -83,7 +89,10 @@ def train_main(cfg, plan, comms) -> None:
     world = comms.world
     run_dir = create_run_dir(cfg, world)
     if world.Get_rank() == 0:
-        dump_config(cfg, run_dir / "config.yaml")
+        # a resumed run keeps the config it started with and adds the one it resumed with
+        name = f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml" if cfg.run.resume \
+            else "config.yaml"
+        dump_config(cfg, run_dir / name)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(plan.table(), flush=True)
         print(f"run directory: {run_dir}", flush=True)

@@ -16,11 +16,16 @@ involved:
 The trust region is taken around the proximal policy (ratio current/proximal, clipped), and
 the off-policyness between proximal and behaviour is corrected by a detached, truncated
 importance weight. When proximal == behaviour the weight is 1 and this is exactly PPO-clip.
+
+Log-probs may be finer than chunks (algorithms/granularity.py): the ratio is then taken per
+unit (action or token) while the recorded behaviour log-prob and the advantage stay per chunk.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hpcvla.algorithms.granularity import expand_like, sum_to
 
 
 def gae(
@@ -54,6 +59,25 @@ def gae(
     return advantages, advantages + values
 
 
+def unit_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor,
+             bootstrap_value: torch.Tensor, gamma: float,
+             lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over units in time order: rewards (T, N, U); values (T, N) per chunk (repeated
+    over its units) or (T, N, U); dones (T, N) end the episode after a chunk's last unit;
+    bootstrap_value (N,). `gamma` and `lam` are per unit. Returns (advantages, returns),
+    (T, N, U). With U = 1 this is chunk-level GAE."""
+    T, N, U = rewards.shape
+    if values.ndim == 2:
+        values = values[..., None].expand(T, N, U)
+    unit_dones = torch.zeros(T, U, N, dtype=torch.bool, device=rewards.device)
+    unit_dones[:, -1] = dones.bool()
+    flat = lambda x: x.permute(0, 2, 1).reshape(T * U, N)  # noqa: E731 (time-major)
+    adv, ret = gae(flat(rewards), flat(values), unit_dones.reshape(T * U, N), bootstrap_value,
+                   gamma, lam)
+    back = lambda x: x.reshape(T, U, N).permute(0, 2, 1)  # noqa: E731
+    return back(adv), back(ret)
+
+
 def decoupled_ppo_loss(
     logprob: torch.Tensor,
     proximal_logprob: torch.Tensor,
@@ -61,40 +85,57 @@ def decoupled_ppo_loss(
     advantages: torch.Tensor,
     clip: float = 0.2,
     max_behaviour_weight: float = 2.0,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO-clip loss (to minimise) and diagnostics.
 
     loss = -mean(w * min(r * A, clip(r, 1 - clip, 1 + clip) * A)) with
     r = exp(logprob - proximal_logprob) and w = min(exp(proximal - behaviour), max_behaviour_weight)
     (detached). Truncating w bounds the variance that very stale samples can inject.
+
+    `logprob` and `proximal_logprob` share one shape, (B,) per chunk or finer, (B, *units).
+    `behaviour_logprob` and `advantages` may be per chunk, (B,), when those are finer: every
+    unit then uses its chunk's advantage, and w is the chunk's weight, exp(sum of the
+    proximal unit log-probs - behaviour), the exact correction for the chunk the behaviour
+    policy sampled. `mask` (B,) or like `logprob`, 0/1 or bool: the mean runs over the
+    included units only (GRPO drops degenerate groups this way).
     """
     proximal_logprob = proximal_logprob.detach()
-    advantages = advantages.detach()
+    behaviour_logprob = behaviour_logprob.detach()
+    advantages = expand_like(advantages.detach(), logprob)
     log_ratio = logprob - proximal_logprob
     ratio = log_ratio.exp()
     surrogate = torch.min(ratio * advantages, ratio.clamp(1.0 - clip, 1.0 + clip) * advantages)
-    weight = (proximal_logprob - behaviour_logprob.detach()).exp().clamp(max=max_behaviour_weight)
-    loss = -(weight * surrogate).mean()
+    weight = (sum_to(proximal_logprob, behaviour_logprob.ndim) - behaviour_logprob).exp() \
+        .clamp(max=max_behaviour_weight)
+    weight = expand_like(weight, logprob)
+    include = torch.ones_like(ratio) if mask is None else expand_like(mask.to(ratio.dtype), ratio)
+    count = include.sum().clamp(min=1.0)
+    loss = -(include * weight * surrogate).sum() / count
 
     with torch.no_grad():
         stats = {
-            "clip_fraction": ((ratio - 1.0).abs() > clip).float().mean().item(),
+            "clip_fraction": (include * ((ratio - 1.0).abs() > clip)).sum().item() / count.item(),
             # k3 estimator of KL(proximal || current): unbiased and always >= 0.
-            "approx_kl": ((ratio - 1.0) - log_ratio).mean().item(),
+            "approx_kl": (include * ((ratio - 1.0) - log_ratio)).sum().item() / count.item(),
             "behaviour_weight_mean": weight.mean().item(),
             "behaviour_weight_max": weight.max().item(),
         }
     return loss, stats
 
 
-def value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor, clip: float = 0.2) -> torch.Tensor:
+def value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,
+               clip: float | None = 0.2) -> torch.Tensor:
     """Clipped value loss (CleanRL): 0.5 * mean(max((v - R)^2, (v_clipped - R)^2)).
 
     v_clipped keeps the new value within ``clip`` of the value recorded with the data.
+    ``clip=None`` turns clipping off: 0.5 * mean((v - R)^2).
     """
     old_value = old_value.detach()
     returns = returns.detach()
     unclipped = (value - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped.mean()
     clipped = (old_value + (value - old_value).clamp(-clip, clip) - returns) ** 2
     return 0.5 * torch.max(unclipped, clipped).mean()
 

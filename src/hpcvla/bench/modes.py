@@ -32,20 +32,24 @@ from pathlib import Path
 
 MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async", "streamer")
 
-# Stage costs (ms). `table3`: RL-VLA³ Table 3 (pi0 on LIBERO, 8 GPUs, colocated) spends
-# rollout:actor = 1950 s : 860 s = 2.27. Here a colocated update rolls out 2 x 8 chunk-steps
-# at (60 ms * e^(0.8^2/2) + 10 + 0.6 * 16 ms) = 102 ms each = 1.63 s, and trains 2 micro-batches
+# Stage costs (ms) and sizes. An emulated cost is a stage's whole duration (the tiny real
+# compute runs inside it). `envs` are per accelerator rank (colocated) = per simulator rank.
+# `balanced`: with 32 envs per simulator, 2 simulators per cell, chunks of 4, segments of 8,
+# micro-batches of 16, every stage of a cell can do ~3000 env steps/s when half the cell's
+# envs step while the other half is served: inference 32 x 4 / (10.7 + 1.0 x 32) ms, learner
+# 16 x 8 x 4 / 170 ms, and the 64 envs in their closed loop, each stepping (mean
+# 37.7 x e^(0.5^2/2) = 42.7 ms) then waiting for a forward pass of 32 (42.7 ms):
+# 64 x 4 / 85.4 ms.
+# `table3`: RL-VLA³ Table 3 (pi0 on LIBERO, 8 GPUs, colocated) spends rollout:actor =
+# 1950 s : 860 s = 2.27. Here a colocated update rolls out 2 x 8 chunk-steps of 16 envs at
+# (60 ms x e^(0.8^2/2) + 10 + 0.6 x 16 ms) = 102 ms each = 1.63 s, and trains 2 micro-batches
 # of 360 ms = 0.72 s: the same 2.27.
-# `balanced`: the three stages have equal capacity in the disaggregated layout.
-# `balanced`: with the default sizes (16 envs per simulator, 2 simulators per cell, chunks of
-# 4, segments of 8, micro-batches of 16) every stage's capacity is ~3000 env steps/s per cell:
-# simulators 2*16*4 / (37.7 ms * e^(0.5^2/2)), inference 32*4 / (10.7 + 1.0*32) ms, learner
-# 16*8*4 / 170 ms.
+# The learner's cost is per segment trained (a micro-batch of 16 costs 16x that).
 PRESETS = {
     "balanced": {"sim_ms": 37.7, "sigma": 0.5, "inf_a_ms": 10.7, "inf_b_ms": 1.0,
-                 "learn_ms": 170.0},
+                 "learn_ms_per_segment": 170.0 / 16, "envs": 32},
     "table3": {"sim_ms": 60.0, "sigma": 0.8, "inf_a_ms": 10.0, "inf_b_ms": 0.6,
-               "learn_ms": 360.0},
+               "learn_ms_per_segment": 360.0 / 16, "envs": 16},
 }
 
 
@@ -69,19 +73,29 @@ def _layout(mode: str, gpus: int) -> list[str]:
             "placement.per_node={simulator: 2, inference: 1, learner: 1}"]
 
 
-def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int) -> list[str]:
+def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
+              mode: str) -> list[str]:
+    # Learner batch: 32 segments per learner and version in micro-batches of 16, where a
+    # micro-batch may be smaller than a whole unsharded simulator (the sharded modes).
+    micro = 16 if mode in ("rollout-async", "streamer") else math.lcm(16, envs_per_gpu)
     common = [f"pipeline.total_updates={updates}", f"env.envs_per_simulator={envs_per_gpu}",
+              f"learner.micro_batch={micro}", f"learner.micro_batches={max(1, 32 // micro)}",
               "pipeline.progress_every_s=1000"]
     if workload == "real":
         return common
     if workload in SIM_WORKLOADS:
         return common + SIM_WORKLOADS[workload]
+    # The async modes' knobs (the sync modes ignore them): a forward pass serves up to one
+    # simulator's envs (half a cell) while the other half steps, waiting up to 20 ms to fill;
+    # shards of 4 envs (a shard waits for its slowest env); producers may run 2 versions ahead.
     return common + [
+        f"rollout.batch_max={envs_per_gpu}", "rollout.wait_max_ms=20",
+        f"env.shards={max(1, envs_per_gpu // 4)}", "pipeline.max_staleness=2",
         "env.image_size=32", "policy.hidden=32", "learner.epochs=1",
         f"env.latency_median_ms={preset['sim_ms']}", f"env.latency_sigma={preset['sigma']}",
         f"emulate.inference_ms={preset['inf_a_ms']}",
         f"emulate.inference_ms_per_env={preset['inf_b_ms']}",
-        f"emulate.learner_ms_per_micro_batch={preset['learn_ms']}"]
+        f"emulate.learner_ms_per_micro_batch={preset['learn_ms_per_segment'] * micro}"]
 
 
 def ideal_bound(mode, cfg, preset, gpus) -> float:
@@ -89,7 +103,7 @@ def ideal_bound(mode, cfg, preset, gpus) -> float:
     E, H, T = cfg.env.envs_per_simulator, cfg.env.chunk_len, cfg.rollout.segment_len
     latency = preset["sim_ms"] * math.exp(preset["sigma"] ** 2 / 2) / 1e3  # lognormal mean
     micro, epochs = cfg.learner.micro_batch, cfg.learner.epochs
-    learn_s = preset["learn_ms"] / 1e3 * epochs
+    learn_s = preset["learn_ms_per_segment"] * micro / 1e3 * epochs  # per micro-batch
     if mode == "sync-colocated":  # per rank: roll out a batch, then train it, one at a time
         batch = micro * cfg.learner.micro_batches
         infer_s = (preset["inf_a_ms"] + preset["inf_b_ms"] * E) / 1e3
@@ -97,8 +111,10 @@ def ideal_bound(mode, cfg, preset, gpus) -> float:
         return gpus * batch * T * H / (rollout_s + cfg.learner.micro_batches * learn_s)
     n_inf = n_learn = gpus // 2
     cell = 2 * E
-    c_sim = 2 * n_inf * E * H / latency
-    c_inf = n_inf * cell * H / ((preset["inf_a_ms"] + preset["inf_b_ms"] * cell) / 1e3)
+    a, b = preset["inf_a_ms"] / 1e3, preset["inf_b_ms"] / 1e3
+    # closed loop: each env step is a simulator step plus at least a forward pass of one env
+    c_sim = 2 * n_inf * E * H / (latency + a + b)
+    c_inf = n_inf * cell * H / (a + b * cell)
     c_learn = n_learn * micro * T * H / learn_s
     return min(c_sim, c_inf, c_learn)
 
@@ -114,19 +130,18 @@ def _measured_bound(summary: dict) -> float:
     return min(caps) if caps else float("nan")
 
 
-def cases(sweep: str | None) -> list[tuple[str, str, list[str]]]:
-    """(label, mode, extra overrides) of each run: the five modes, or a sweep."""
+def cases(sweep: str | None, envs: int) -> list[tuple[str, str, int, list[str]]]:
+    """(label, mode, envs per simulator, extra overrides) of each run: the five modes, or a
+    sweep."""
     if sweep is None:
-        return [(mode, mode, []) for mode in MODES]
+        return [(mode, mode, envs, []) for mode in MODES]
     if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer
-        return [(f"streamer B_max={b} T_max={t}ms", "streamer",
+        return [(f"streamer B_max={b} T_max={t}ms", "streamer", envs,
                  [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"])
                 for b in (8, 16, 32) for t in (1, 5, 20)]
     if sweep == "envs":  # D-VLA Fig. 7: environments per simulator rank
-        return [(f"{mode} E={e}", mode, [f"env.envs_per_simulator={e}",
-                                        f"learner.micro_batch={max(16, e)}",
-                                        f"learner.micro_batches={max(1, 32 // max(16, e))}"])
-                for e in (8, 16, 32) for mode in ("sync-colocated", "streamer")]
+        return [(f"{mode} E={e}", mode, e, []) for e in (16, 32, 64)
+                for mode in ("sync-colocated", "streamer")]
     raise ValueError(f"--sweep {sweep!r}: expected batching or envs")
 
 
@@ -138,14 +153,16 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
         envs_per_gpu = 4 if workload in SIM_WORKLOADS else 16
 
     preset = PRESETS[preset_name]
+    if workload == "emulated":
+        envs_per_gpu = preset["envs"]
     results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,
                "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
                "sweep": sweep, "updates": updates, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
-        for n, (label, mode, extra) in enumerate(cases(sweep)):
+        for n, (label, mode, envs, extra) in enumerate(cases(sweep, envs_per_gpu)):
             ranks = gpus if mode == "sync-colocated" else 2 * gpus  # + CPU simulator ranks
             overrides = [f"pipeline.mode={mode}", *_layout(mode, gpus),
-                         *_workload(workload, preset, envs_per_gpu, updates), *extra,
+                         *_workload(workload, preset, envs, updates, mode), *extra,
                          f"run.root={tmp}", f"run.name=case{n}"]
             cmd = [sys.executable, "-m", "hpcvla", "train", "--ranks", str(ranks), *overrides]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

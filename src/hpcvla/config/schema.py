@@ -36,6 +36,20 @@ class RunConfig:
         "file system on a cluster so every node's rank 0 sees the same path.")
     seed: int = setting(
         0, "Base random seed; each rank derives its own from it and its rank.", ge=0)
+    resume: str = setting(
+        "", "Continue the run in this run directory from its newest checkpoint (weights, "
+        "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "
+        "writes on into that directory. Empty: a new run. Trajectories in flight when the "
+        "checkpoint was written are not resumed (they were never trained).")
+    dump_trajectories: bool = setting(
+        False, "Write every episode the producer (inference) ranks send to the learners to "
+        "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
+        "layout (`hpcvla inspect FILE`). Costs disk (~1 KB per step at 64 px, gzip) and "
+        "producer time (the `dump` stage of the timeline).")
+    dump_flush_s: float = setting(
+        10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
+        "died, sees everything up to the last one. Shorter: fresher files, more file opens.",
+        ge=0.1)
 
 
 @dataclass
@@ -92,6 +106,10 @@ class PipelineConfig:
     progress_every_s: float = setting(
         5.0, "Seconds between progress lines on the weight root (steps/s, success, "
         "staleness, ETA).", ge=0.1)
+    stall_timeout_s: float = setting(
+        300.0, "A learner that receives no trajectory for this long stops the job, naming "
+        "what it waits for (a stuck simulator or a layout that cannot fill a batch), "
+        "instead of hanging. Longer than the slowest segment can take to produce.", ge=1)
 
 
 @dataclass
@@ -138,8 +156,8 @@ class EnvConfig:
         True, "Include the low-dim state observation (learning is much faster with it; "
         "turn it off to learn from pixels and instruction alone).")
     latency_median_ms: float = setting(
-        0.0, "reach only: emulated simulator cost: each env step sleeps for the slowest of per-env "
-        "lognormal draws with this median (0 = off).", ge=0)
+        0.0, "reach only: emulated simulator cost: a step lasts the slowest of per-env "
+        "lognormal draws with this median, its real compute included (0 = off).", ge=0)
     latency_sigma: float = setting(
         0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)
 
@@ -148,10 +166,32 @@ class EnvConfig:
 class PolicyConfig:
     name: str = setting(
         "default", "Policy family: `default` is a small CNN + instruction encoder with a "
-        "Gaussian action-chunk head and a value head.", choices=("default",))
+        "Gaussian action-chunk head and a value head. `flow`: π0-style VLA, a "
+        "SigLIP+Gemma prefix and a Gemma action expert that denoises the chunk (flow "
+        "matching; RL log-probs through a noisy last denoising step). `tokens`: "
+        "OpenVLA-OFT-style VLA, a SigLIP+Llama model decoding 256-bin action tokens in "
+        "one pass. Both built from transformers configs with random weights.",
+        choices=("default", "flow", "tokens"))
     hidden: int = setting(
-        128, "Width of the policy's feature trunk: wider learns more, costs more per step.",
-        ge=8)
+        128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
+        "more per step.", ge=8)
+    size: str = setting(
+        "tiny", "`flow`/`tokens`: size preset. `tiny` (~0.2M parameters) trains on a CPU; "
+        "`small` (~5-10M) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
+        "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA), for GPUs with "
+        "learner.zero_stage 3.", choices=("tiny", "small", "full"))
+    denoise_steps: int = setting(
+        4, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
+        "at proportionally more expert passes per act and per training step.", ge=1)
+    train_expert_only: bool = setting(
+        False, "`flow`: freeze the vision-language prefix and train only the action "
+        "expert, value head and exploration std: cheaper backward, keeps pretrained VLM "
+        "features intact, adapts less.")
+    logprob_granularity: str = setting(
+        "chunk", "`flow`/`tokens`: unit of the PPO ratio and its clip: one per chunk, per "
+        "action or per token (action dim). Finer units clip each part separately (fewer "
+        "samples fully clipped) but ignore correlations inside the chunk.",
+        choices=("chunk", "action", "token"))
 
 
 @dataclass
@@ -169,6 +209,9 @@ class AlgorithmConfig:
     clip: float = setting(
         0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
         "updates.", ge=0)
+    value_clip: bool = setting(
+        True, "Clip the value update around the recorded value (within `clip`), as "
+        "CleanRL: steadier critic, slower to follow large return changes.")
     value_coef: float = setting(
         0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
     entropy_coef: float = setting(
@@ -213,6 +256,12 @@ class LearnerConfig:
         4, "Passes over each batch (PPO epochs): the first streams micro-batches as they "
         "arrive, later ones replay them. More reuse each sample more (sample efficiency) at "
         "more learner time per version.", ge=1)
+    checkpoint_every: int = setting(
+        0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
+        "policy versions; 0: only at the end. Each gathers the full weights and writes "
+        "weights + optimizer: more often loses less to a crash, costs learner time.", ge=0)
+    checkpoint_keep: int = setting(
+        2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
     ring_slots: int = setting(
         32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
     ring_slot_kib: int = setting(
@@ -222,13 +271,14 @@ class LearnerConfig:
 @dataclass
 class EmulateConfig:
     inference_ms: float = setting(
-        0.0, "Emulated accelerator time of every forward pass on an inference rank, added "
-        "as a sleep (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
+        0.0, "Emulated accelerator time of every forward pass on an inference rank: the pass "
+        "lasts at least this long, the real (tiny) forward running inside it, a sleep "
+        "padding the rest (so many 'GPUs' can be studied on a few cores). 0 = off.", ge=0)
     inference_ms_per_env: float = setting(
         0.0, "Emulated forward-pass time per env in the batch (cost = a + b x batch).", ge=0)
     learner_ms_per_micro_batch: float = setting(
-        0.0, "Emulated accelerator time of every learner forward/backward, added as a sleep "
-        "(e.g. a deliberately slow learner).", ge=0)
+        0.0, "Emulated accelerator time of every learner forward/backward (padded with a "
+        "sleep like the forward pass; e.g. a deliberately slow learner).", ge=0)
 
 
 @dataclass
@@ -271,6 +321,20 @@ class Config:
         if self.placement.learner_nodes and self.placement.mode != "disaggregated":
             problems.append(("placement.learner_nodes", self.placement.learner_nodes,
                              "0 unless placement.mode is disaggregated"))
+        if self.run.resume:
+            from hpcvla.checkpoint import CheckpointError, latest, read_state
+            path = latest(self.run.resume)
+            try:
+                version = read_state(path)["version"] if path else None
+            except CheckpointError as err:
+                problems.append(("run.resume", self.run.resume, f"a readable checkpoint: {err}"))
+                version = -1
+            if version is None:
+                problems.append(("run.resume", self.run.resume, "a run directory holding a "
+                                 "complete checkpoint (checkpoints/v*/state.json)"))
+            elif version >= self.pipeline.total_updates:
+                problems.append(("pipeline.total_updates", self.pipeline.total_updates,
+                                 f"more than the resumed checkpoint's version {version}"))
         if self.env.envs_per_simulator % self.env.shards:
             problems.append(("env.shards", self.env.shards,
                              f"a divisor of env.envs_per_simulator ({self.env.envs_per_simulator})"))

@@ -30,7 +30,7 @@ Initial states (effector start, object positions and colours, target) come from 
 `np.random.Generator` seeded with seed + env index, or from `reset(seeds=...)`;
 `reset(init_state_ids=...)` makes the layout a pure function of the id instead (RL groups can
 restart from one state). An optional lognormal latency model emulates slow simulators: each
-step sleeps for the slowest of num_envs draws, from a separate RNG (with latency_sleep=False it
+step lasts the slowest of num_envs draws, from a separate RNG (with latency_sleep=False it
 only reports the draw in `last_latency_s`, so a caller can keep several shards in flight, as
 one-process-per-env simulators do).
 
@@ -228,7 +228,7 @@ class ReachEnv(VectorEnv):
     # ---- dynamics ------------------------------------------------------------------------
 
     def step(self, actions: np.ndarray) -> StepResult:
-        n = self.num_envs
+        begin, n = time.monotonic(), self.num_envs
         actions = np.asarray(actions, dtype=np.float64)
         if actions.shape != (n, self.chunk_len, 2):
             raise ValueError(f"step: actions must have shape ({n}, {self.chunk_len}, 2), "
@@ -259,11 +259,13 @@ class ReachEnv(VectorEnv):
         for i in np.flatnonzero(done):  # auto-reset with each env's own RNG
             self._reset_env(i, self._rngs[i])
         obs = self._observe()
-        self._sleep_latency()
+        self._sleep_latency(begin)
         return StepResult(obs, reward, terminated, truncated, success.copy(),
                           episode_return, episode_length)
 
-    def _sleep_latency(self) -> None:
+    def _sleep_latency(self, begin: float) -> None:
+        """The emulated latency is the step's whole duration: the numpy work done since
+        `begin` counts towards it."""
         if self.latency_median_ms <= 0:
             self.last_latency_s = 0.0
             return
@@ -272,7 +274,7 @@ class ReachEnv(VectorEnv):
                                             self.latency_sigma, size=self.num_envs)
         self.last_latency_s = float(draws.max())
         if self.latency_sleep:  # else the caller holds the result back (shards in flight)
-            time.sleep(self.last_latency_s)
+            time.sleep(max(0.0, begin + self.last_latency_s - time.monotonic()))
 
     def close(self) -> None:
         pass  # nothing to release

@@ -5,7 +5,9 @@ per micro-batch.
              staleness 0.6 | ETA 2m10s
 
 Success and return come from episodes that ended inside trained segments (the last `window`
-of them); staleness from the policy versions the learner trained on.
+of them); staleness from the policy versions the learner trained on. Trained env steps count
+all learners: each trains an equal share of every version, so the root's count times the
+number of learners.
 """
 
 from __future__ import annotations
@@ -20,22 +22,29 @@ import numpy as np
 
 class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
-                 enabled: bool, window: int = 200):
+                 enabled: bool, window: int = 200, learners: int = 1):
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
+        self.learners = learners
         self.successes: deque = deque(maxlen=window)
         self.returns: deque = deque(maxlen=window)
         self.staleness: deque = deque(maxlen=window)
         self.updates = self.steps = self.micro_batches = 0
+        self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
         self.start = self.last_print = time.monotonic()
         self._file = open(path, "a") if (enabled and path) else None
+
+    def resume(self, updates: int, trained_env_steps: int) -> None:
+        """Counters continue from a checkpoint."""
+        self.updates = self.first_update = updates
+        self.steps = self.first_steps = trained_env_steps
 
     def on_micro_batch(self, batch: dict, stats: dict, staleness: float = 0.0) -> None:
         done = batch["done"]
         self.successes.extend(batch["success"][done].tolist())
         self.returns.extend(batch["episode_return"][done].tolist())
         self.staleness.append(staleness)
-        self.steps += done.size * self.chunk_len
+        self.steps += done.size * self.chunk_len * self.learners
         self.micro_batches += 1
         if self._file:
             record = {"time": round(time.monotonic() - self.start, 3), "update": self.updates,
@@ -49,8 +58,9 @@ class Progress:
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
             self.last_print = now
             elapsed = now - self.start
-            eta = elapsed / max(updates, 1) * (self.total - updates)
-            print(f"[hpcvla] update {updates}/{self.total} | {self.steps / elapsed:.0f} trained "
+            eta = elapsed / max(updates - self.first_update, 1) * (self.total - updates)
+            rate = (self.steps - self.first_steps) / elapsed
+            print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {self.success_rate:.2f} (last {len(self.successes)} eps) "
                   f"| return {self.mean_return:.2f} | staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | ETA "

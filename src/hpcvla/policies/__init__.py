@@ -1,13 +1,19 @@
-"""Policies: the `Policy` interface, the default small policy, and a by-name factory."""
+"""Policies: the `Policy` interface, the default small policy, the two VLA families (flow
+matching, action tokens), and a by-name factory."""
 
 from __future__ import annotations
 
 from hpcvla.policies.base import ActOutput, Policy
 from hpcvla.policies.default import DefaultPolicy, count_parameters
+from hpcvla.policies.flow import FlowPolicy
+from hpcvla.policies.tokens import ActionTokenPolicy
+from hpcvla.policies.vla import load_pretrained, save_pretrained
 
 # name -> class; every class takes (obs_spec, action_dim, chunk_len, vocab_size, **kwargs).
 POLICIES: dict[str, type[Policy]] = {
     "default": DefaultPolicy,
+    "flow": FlowPolicy,
+    "tokens": ActionTokenPolicy,
 }
 
 
@@ -20,4 +26,12 @@ def make_policy(name: str, obs_spec: dict, action_dim: int, chunk_len: int, voca
     return cls(obs_spec, action_dim, chunk_len, vocab_size, **kwargs)
 
 
-__all__ = ["ActOutput", "Policy", "DefaultPolicy", "POLICIES", "make_policy", "count_parameters"]
+def policy_kwargs(name: str, policy_config) -> dict:
+    """The constructor arguments of policy `name` taken from a PolicyConfig section (each
+    class lists the fields it reads in `config_fields`)."""
+    return {field: getattr(policy_config, field) for field in POLICIES[name].config_fields}
+
+
+__all__ = ["ActOutput", "Policy", "DefaultPolicy", "FlowPolicy", "ActionTokenPolicy", "POLICIES",
+           "make_policy", "policy_kwargs", "count_parameters", "save_pretrained",
+           "load_pretrained"]

@@ -42,6 +42,8 @@ class DefaultPolicy(Policy):
         init_log_std: initial value of the (state-independent) log standard deviation.
     """
 
+    config_fields = ("hidden",)  # PolicyConfig fields the pipeline passes
+
     def __init__(
         self,
         obs_spec: dict,

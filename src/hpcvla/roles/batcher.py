@@ -33,12 +33,14 @@ class DynamicBatcher:
 
     def fire_reason(self, eligible=None) -> str | None:
         """'batch_max' or 'wait_max' if a forward pass should start now, else None.
-        `eligible` (a set of slots) restricts the decision to requests allowed to proceed."""
+        `eligible` (a set of slots) are the requests allowed to proceed; the others (held
+        back by the staleness quota) still count towards `batch_max`: they cannot be served
+        before the learner moves on, so waiting for them would stall a synchronous batch."""
         queued = [(s, n, t) for s, (n, t) in self._queue.items()
                   if eligible is None or s in eligible]
         if not queued:
             return None
-        if sum(n for _, n, _ in queued) >= self.batch_max:
+        if self.waiting_envs() >= self.batch_max:
             return "batch_max"
         if self.clock() - queued[0][2] >= self.wait_max:
             return "wait_max"

@@ -12,17 +12,21 @@ from hpcvla.roles.learner import full_state, learn
 from hpcvla.roles.segments import SegmentBuilder
 
 
-def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progress) -> int:
-    """Returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
-    refreshed from the learner after every update (under ZeRO-3 the learner holds shards)."""
+def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
+                  save, stop, dump=None) -> int:
+    """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
+    returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
+    refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
+    `save(version, weights, last)` checkpoints when due; `dump` (metrics/dump.py), if given,
+    gets every segment group."""
     policy, spec = actor, env.spec
     actor.load_arrays(full_state(engine))  # collective under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
     obs, result, groups, steps = env.reset(), None, [], 0
-    version = 0
-    while version < total_updates:
+    version = first
+    while True:
         with timeline.span("infer"):
             with torch.no_grad():
                 out = policy.act(policy.obs_to_tensors(obs, "cpu"))
@@ -31,7 +35,11 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
             builder.record_outcome(result.reward, result.terminated | result.truncated,
                                    result.success, result.episode_return)
         if builder.full:
+            builder.batch = version  # trained in update `version`: staleness 0
             groups.append(builder.finish(value))
+            if dump:
+                with timeline.span("dump"):
+                    dump.add_segment(groups[-1])
             if len(groups) * env.num_envs >= micro * n_micro:
                 per_micro = micro // env.num_envs  # train, then act again with new weights
                 learn(cfg, engine, [groups[i * per_micro:(i + 1) * per_micro]
@@ -39,12 +47,19 @@ def run_colocated(cfg, engine, actor, env, total_updates: int, timeline, progres
                 groups, version = [], version + 1
                 progress.on_update(version)
                 with timeline.span("publish"):
-                    actor.load_arrays(full_state(engine))
+                    weights = full_state(engine)
+                    actor.load_arrays(weights)
+                last = version == total_updates or stop()
+                save(version, weights, last)
+                if last:
+                    break
                 continue
         builder.add_step(obs, actions, logprob, value, version)
         with timeline.span("simulate"):
             result = env.step(actions)
         steps += env.num_envs * spec.chunk_len
         obs = result.obs
+    if dump:
+        dump.close()
     return steps
 

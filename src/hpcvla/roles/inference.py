@@ -41,25 +41,30 @@ class InferenceServer:
     shard), the batcher, the ring to its learner and the staleness quota."""
 
     def __init__(self, sched, policy, loader, exchange, ring, quota: int, envs_per_shard: int,
-                 obs_keys: list, segment_len: int, producer: int, timeline, emulate_ms=None):
+                 obs_keys: list, segment_len: int, producer: int, timeline, emulate_ms=None,
+                 first_version: int = 0, dump=None):
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring
         self.quota, self.n, self.obs_keys, self.timeline = quota, envs_per_shard, obs_keys, \
             timeline
-        self.max_staleness, self.emulate_ms = sched.max_staleness, emulate_ms
+        self.max_staleness, self.emulate_ms, self.dump = sched.max_staleness, emulate_ms, dump
         shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                   for k in obs_keys}
         self.builders = [SegmentBuilder(shapes, envs_per_shard, policy.chunk_len,
                                         policy.action_dim, segment_len, producer, slot)
                          for slot in range(exchange.n_slots)]
         self.batcher = DynamicBatcher(sched.batch_max, sched.wait_max_s)
+        self.first_version = first_version
         self.stats = {"forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0,
-                      "fired_wait_max": 0, "segments_started": 0, "segments_sent": 0,
-                      "throttled_s": 0.0, "weight_swaps": 0}
+                      "fired_wait_max": 0, "segments_sent": 0, "throttled_s": 0.0,
+                      "weight_swaps": 0,
+                      # segment counter c: segment c belongs to learner batch c // quota
+                      "segments_started": first_version * quota}
 
     def run(self) -> dict:
         """Serve until the learners finish (the weight plane says so), then stop every shard."""
         exchange, batcher, loader, stats = self.exchange, self.batcher, self.loader, self.stats
-        loader.plane.wait_for(0, timeout=600)  # the learner root publishes version 0 first
+        # the learner root publishes its first version (0, or the one resumed) first
+        loader.plane.wait_for(self.first_version, timeout=600)
         loader.refresh()
         stopped, backoff = set(), Backoff(cap=DATA_POLL_CAP)
         while len(stopped) < exchange.n_slots:
@@ -88,19 +93,23 @@ class InferenceServer:
             stats[f"fired_{reason}"] += 1
             self._serve(batcher.take(eligible))
         self.ring.close()
+        if self.dump:
+            self.dump.close()
         return stats
 
     def _serve(self, slots: list[int]) -> None:
         """One forward pass for `slots`: answer the simulators first, then assemble."""
         n, exchange = self.n, self.exchange
         with self.timeline.span("infer"):
+            begin = time.monotonic()
             obs, outcome = _gather(exchange, slots, self.obs_keys), \
                 _gather(exchange, slots, OUTCOME_FIELDS)
             with torch.no_grad():
                 out = self.policy.act(self.policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
-            if self.emulate_ms:
-                time.sleep(self.emulate_ms(len(slots) * n) / 1e3)
+            if self.emulate_ms:  # the emulated cost is the whole forward pass
+                cost = self.emulate_ms(len(slots) * n) / 1e3
+                time.sleep(max(0.0, begin + cost - time.monotonic()))
             for i, slot in enumerate(slots):
                 exchange.request_actions(slot)["actions"][...] = actions[i * n:(i + 1) * n]
                 exchange.request_actions(slot)["stop"] = 0
@@ -135,6 +144,9 @@ class InferenceServer:
     def _send(self, group: dict) -> None:
         self.ring.put(records.encode(group), records.schema_of(group))
         self.stats["segments_sent"] += self.n
+        if self.dump:  # after the learner has it: the dump is off the data path's clock
+            with self.timeline.span("dump"):
+                self.dump.add_segment(group)
 
     def _eligible(self) -> set:
         """Queued slots that may be served now: those mid-segment, plus those starting a

@@ -72,7 +72,8 @@ def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict
            for k, v in batch.items() if k.startswith("obs.")}
     actions = torch.as_tensor(batch["actions"]).reshape(T * N, *batch["actions"].shape[2:])
     logprob, value, entropy = model(obs, actions)
-    logprob, value, entropy = (x.reshape(T, N) for x in (logprob, value, entropy))
+    # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
+    logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))
     old_value = torch.as_tensor(batch["value"])
     advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
                               torch.as_tensor(batch["done"]),
@@ -85,7 +86,8 @@ def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict
     pg_loss, stats = decoupled_ppo_loss(logprob, proximal,
                                         torch.as_tensor(batch["logprob"]), advantages,
                                         cfg.algorithm.clip, cfg.algorithm.max_behaviour_weight)
-    v_loss = value_loss(value, old_value, returns, cfg.algorithm.clip)
+    v_loss = value_loss(value, old_value, returns,
+                        cfg.algorithm.clip if cfg.algorithm.value_clip else None)
     loss = pg_loss + cfg.algorithm.value_coef * v_loss - cfg.algorithm.entropy_coef * entropy.mean()
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
                  entropy=float(entropy.mean().detach()))
@@ -113,11 +115,13 @@ def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
 
 def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
     with timeline.span("train"):
+        begin = time.monotonic()
         loss, stats, logprob = ppo_loss(cfg, engine, batch, proximal)
         engine.backward(loss)
         engine.step()
-        if cfg.emulate.learner_ms_per_micro_batch:
-            time.sleep(cfg.emulate.learner_ms_per_micro_batch / 1e3)
+        if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
+            cost = cfg.emulate.learner_ms_per_micro_batch / 1e3
+            time.sleep(max(0.0, begin + cost - time.monotonic()))
     return logprob.detach() if proximal is None else proximal, stats
 
 
@@ -158,8 +162,10 @@ class SegmentQueues:
         return groups
 
 
-def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_updates: int,
-                timeline, progress) -> dict:
+def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
+                total_updates: int, timeline, progress, stop) -> dict:
+    """Train policy versions first+1 .. total_updates, publishing each with
+    `publish(version, last)`; end early, after a whole version, when `stop()` says so."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     backoff = Backoff(cap=DATA_POLL_CAP)
 
@@ -168,16 +174,28 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, total_update
         for _ in range(n_micro):
             with timeline.span("wait_data"):
                 queues.pump()
-                while queues.available(version) < need:
+                last, have = time.monotonic(), queues.available(version)
+                while have < need:
                     backoff.wait()
                     queues.pump()
+                    if queues.available(version) != have:
+                        last, have = time.monotonic(), queues.available(version)
+                    elif time.monotonic() - last > cfg.pipeline.stall_timeout_s:
+                        raise RuntimeError(
+                            f"no trajectory for {cfg.pipeline.stall_timeout_s:g} s while "
+                            f"training version {version + 1}: have {have} of {need} segments "
+                            f"of batch {version}; a producer is stuck or the layout cannot "
+                            f"fill a batch (pipeline.stall_timeout_s)")
                 backoff.reset()
             yield queues.take(micro, version)
             need = micro
 
-    for version in range(total_updates):
+    for version in range(first, total_updates):
         learn(cfg, engine, arriving(version), version, timeline, progress)
+        last = version + 1 == total_updates or stop()
         with timeline.span("publish"):
-            publish(version + 1)
+            publish(version + 1, last)
         progress.on_update(version + 1)
+        if last:
+            break
     return queues.stats

@@ -17,12 +17,15 @@ from collections import Counter
 
 import numpy as np
 import torch
+import yaml
 from mpi4py import MPI
 
+from hpcvla import checkpoint, preempt
+from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
-from hpcvla.policies import make_policy
+from hpcvla.policies import make_policy, policy_kwargs
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
@@ -49,7 +52,7 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
 def build_policy(cfg, spec):
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
     return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                       len(spec.vocab), hidden=cfg.policy.hidden)
+                       len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
 
 
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:
@@ -61,26 +64,40 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)
     policy = build_policy(cfg, spec)
     role = "+".join(roles)
-    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role)
+    # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
+    # node agree; across nodes as far as the nodes' clocks do).
+    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
+                        t0=world.bcast(time.time(), root=0))
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
-                        cfg.pipeline.progress_every_s, enabled=is_root)
-    summary = {"rank": rank, "role": role, "env_steps": 0}
+                        cfg.pipeline.progress_every_s, enabled=is_root,
+                        learners=len(plan.learners))
+    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
+    first = checkpoint.read_state(resume)["version"] if resume else 0
+    summary = {"rank": rank, "role": role, "env_steps": 0, "first_version": first}
+    if resume and is_root:
+        print(f"[hpcvla] resuming from {resume} (policy version {first})", flush=True)
 
     if plan.mode == "colocated":
-        engine = init_deepspeed(cfg, policy, comms.learners)
-        env = make_envs(cfg, cfg.env.envs_per_simulator, cfg.run.seed * 10007 + rank,
+        engine = _start_learner(cfg, policy, comms.learners, resume, progress)
+        save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
+        env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
                         first_env=rank * cfg.env.envs_per_simulator)
+        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: colocated_seed(cfg, rank))
         idle_barrier(world)
         start = time.monotonic()
-        summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env,
-                                             cfg.pipeline.total_updates, timeline, progress)
+        summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env, first,
+                                             cfg.pipeline.total_updates, timeline, progress,
+                                             save, stop=lambda: preempt.agreed(comms.learners),
+                                             dump=dump)
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
-        start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress)
+        start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
+                                          run_dir, resume, first)
         summary.update(stats)
     summary["wall_s"] = time.monotonic() - start
+    summary["preempted"] = preempt.requested()
     summary["busy_s"] = dict(timeline.busy)
     if is_root:
         summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
@@ -90,7 +107,33 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     return _report(world, summary, cfg, run_dir)
 
 
-def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
+def _start_learner(cfg, policy, learners, resume, progress):
+    """This learner's DeepSpeed engine; resuming, the weights are loaded before DeepSpeed
+    partitions them and the optimizer partition after."""
+    if resume is None:
+        return init_deepspeed(cfg, policy, learners)
+    policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
+    engine = init_deepspeed(cfg, policy, learners)
+    state = checkpoint.load_optimizer(resume, engine, learners)
+    progress.resume(state["version"], state["counters"]["trained_env_steps"])
+    return engine
+
+
+def _checkpointer(cfg, engine, learners, run_dir, progress, timeline):
+    """save(version, full weights, last): a checkpoint when one is due or the run ends
+    (collective on the learners)."""
+    def save(version, weights, last):
+        every = cfg.learner.checkpoint_every
+        if last or (every and version % every == 0):
+            with timeline.span("checkpoint"):
+                checkpoint.save(run_dir, engine, weights, version,
+                                {"trained_env_steps": progress.steps}, learners,
+                                keep=cfg.learner.checkpoint_keep)
+    return save
+
+
+def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_dir, resume,
+                       first):
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     cell = plan.ranks[rank].cell
@@ -106,10 +149,10 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
         if comms.feed != MPI.COMM_NULL else None
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
     stats: dict = {}
-    engine = init_deepspeed(cfg, policy, comms.learners) if LEARN in roles else None
+    engine = _start_learner(cfg, policy, comms.learners, resume, progress) \
+        if LEARN in roles else None
     # simulators are built before the clock starts (a real one takes seconds per env)
-    envs = [make_envs(cfg, per_shard, cfg.run.seed * 10007 + rank * 101 + shard,
-                      latency_sleep=False,
+    envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
                       first_env=rank * cfg.env.envs_per_simulator + shard * per_shard)
             for shard in range(sched.shards)] if SIM in roles else []
     idle_barrier(world)
@@ -119,20 +162,27 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
         for env in envs:
             env.close()
     elif INF in roles:
+        sims = sorted(plan.cells[cell].simulators)  # the exchange's slot order
+        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: shard_seed(
+            cfg, sims[slot // sched.shards], slot % sched.shards))
         stats.update(InferenceServer(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
             producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline, _emulated_inference(cfg)).run())
+            rank, timeline, _emulated_inference(cfg), first, dump).run())
     elif LEARN in roles:
-        def publish(version):
+        save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
+
+        def publish(version, last=False):
             state = full_state(engine)  # collective on the learners under ZeRO-3
             if rank == plan.weight_root:
                 plane.publish(version, manifest.flatten(state))
+            if version > first:
+                save(version, state, last)
         stats = {"staleness_hist": {}}
         queues = SegmentQueues(ring, sched.max_staleness, stats)
-        publish(0)
-        run_learner(cfg, sched, engine, queues, publish, cfg.pipeline.total_updates, timeline,
-                    progress)
+        publish(first)
+        run_learner(cfg, sched, engine, queues, publish, first, cfg.pipeline.total_updates,
+                    timeline, progress, stop=lambda: preempt.agreed(comms.learners))
         plane.stop()
         stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
         stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
@@ -142,6 +192,26 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress):
             piece.free()
     plane.close()
     return start, stats
+
+
+def shard_seed(cfg, rank: int, shard: int) -> int:
+    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
+    return cfg.run.seed * 10007 + rank * 101 + shard
+
+
+def colocated_seed(cfg, rank: int) -> int:
+    return cfg.run.seed * 10007 + rank
+
+
+def _trajectory_dump(cfg, spec, rank, run_dir, seed_of_slot):
+    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for."""
+    if not cfg.run.dump_trajectories:
+        return None
+    from hpcvla.metrics.dump import TrajectoryDump
+    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, list(spec.obs),
+                          spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
+                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                          cfg.run.dump_flush_s)
 
 
 def _emulated_inference(cfg):
@@ -184,7 +254,11 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
         "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
         "per_rank": everyone,
     }
+    result["preempted"] = any(s["preempted"] for s in everyone)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    if result["preempted"]:
+        print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
+              f"`hpcvla train run.resume={run_dir}`", flush=True)
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {result['success_rate']} | staleness {result['staleness_hist']}",
           flush=True)

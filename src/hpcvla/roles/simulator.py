@@ -56,14 +56,14 @@ def run_simulator(envs: list, exchange, timeline) -> int:
             if answer["stop"]:
                 running.discard(shard)
                 continue
-            begin = timeline.now()
+            begin, started = timeline.now(), time.monotonic()
             result = envs[shard].step(np.array(answer["actions"]))
             steps[shard] += envs[shard].num_envs * chunk
             latency = 0.0 if getattr(envs[shard], "latency_sleep", True) else \
                 getattr(envs[shard], "last_latency_s", 0.0)
-            held[shard] = (time.monotonic() + latency, result)
-            # busy: the step's compute plus its emulated latency (shards may overlap)
-            timeline.record("simulate", begin, timeline.now() + latency)
+            # the emulated latency is the whole step (its compute runs inside); shards overlap
+            held[shard] = (started + latency, result)
+            timeline.record("simulate", begin, max(timeline.now(), begin + latency))
     return sum(steps)
 
 

@@ -99,7 +99,10 @@ def build_communicators(plan: RankPlan, world: MPI.Comm = MPI.COMM_WORLD) -> Com
 
 
 def scheduler_world_size(environ=os.environ) -> tuple[str, int] | None:
-    """(where it came from, ranks the batch scheduler allocated), or None outside a job."""
+    """(where it came from, ranks the batch scheduler allocated), or None outside a job or
+    in a world `hpcvla train --ranks` started on purpose inside one."""
+    if environ.get("HPCVLA_LOCAL_WORLD"):
+        return None
     if environ.get("SLURM_JOB_ID") and environ.get("SLURM_NTASKS"):
         return "SLURM_NTASKS", int(environ["SLURM_NTASKS"])
     nodefile = environ.get("PBS_NODEFILE")

@@ -1,0 +1,250 @@
+#!/usr/bin/env bash
+# Start an hpcvla command on every rank of the current Slurm or PBS job (the one launch
+# script all job scripts in jobs/slurm and jobs/pbs exec).
+#
+#   jobs/launch.sh train configs/default.yaml pipeline.total_updates=100
+#   jobs/launch.sh bench modes --workload emulated --json bench.json
+#
+# `train` runs one rank per allocated task: `srun --mpi=pmi2` under Slurm, `mpiexec` with
+# the node file under PBS. Every other command (`bench modes` starts its own MPI worlds) runs
+# as one process on the first node.
+#
+# What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
+# hosts, check that every node holds the same number of ranks (the rank plan needs it),
+# export MASTER_ADDR/MASTER_PORT, activate the Python environment, set one BLAS/OpenMP
+# thread pool size per rank, run the ranks, and pass the scheduler's signals on to them as
+# SIGTERM (ranks stop cleanly). SIGUSR1 is the time-limit warning of the Slurm scripts
+# (`#SBATCH --signal=B:USR1@<grace>`): with HPCVLA_REQUEUE=1 the job then requeues itself
+# (`scontrol requeue`) once the ranks have exited with a checkpoint, and the next start
+# continues the run.
+#
+# Settings (environment):
+#   HPCVLA_VENV       venv to activate (default: <repo>/.venv when it exists)
+#   HPCVLA_CONDA_ENV  conda environment (name or prefix) to activate instead
+#   HPCVLA_LAUNCHER   srun | mpiexec (default: srun under Slurm, mpiexec under PBS)
+#   HPCVLA_SRUN_MPI   srun's PMI plugin (default pmi2: MPICH; use pmix for Open MPI)
+#   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
+#                     node's allocated (or all) cores / ranks per node, at least 1)
+#   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
+#                     allocation decides
+#   HPCVLA_JOB_RUNS   train: run root of this job (run.root); when it already holds a run
+#                     with a checkpoint short of its end (the job was requeued or rerun),
+#                     that run is continued (run.resume)
+#   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1)
+#   HPCVLA_DRY_RUN    1: print the environment and command, run nothing
+set -euo pipefail
+
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+say() { echo "launch.sh: $*" >&2; }
+
+HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+export HPCVLA_ROOT
+[[ $# -ge 1 ]] || die "usage: launch.sh COMMAND [ARGS...]   (e.g. train configs/default.yaml)"
+
+# ---- scheduler, hosts, ranks ---------------------------------------------------------------
+if [[ -n ${PBS_JOBID:-} && -n ${PBS_NODEFILE:-} ]]; then
+    SCHEDULER=pbs
+elif [[ -n ${SLURM_JOB_ID:-} ]]; then
+    SCHEDULER=slurm
+elif [[ -n ${PBS_JOBID:-} ]]; then
+    die "PBS job $PBS_JOBID has no PBS_NODEFILE: cannot tell which nodes to use"
+else
+    SCHEDULER=none
+fi
+
+case $SCHEDULER in
+    slurm)
+        mapfile -t HOSTS < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
+        [[ -n ${SLURM_NTASKS:-} ]] || die "Slurm job without a task count: ask for tasks, " \
+            "e.g. #SBATCH --ntasks-per-node=4"
+        NP=$SLURM_NTASKS
+        # SLURM_TASKS_PER_NODE is "8(x3)" when uniform; "8(x2),7" means uneven nodes.
+        [[ ${SLURM_TASKS_PER_NODE:-$NP} =~ ^[0-9]+(\(x[0-9]+\))?$ ]] || die "nodes hold " \
+            "different numbers of tasks (SLURM_TASKS_PER_NODE=$SLURM_TASKS_PER_NODE): ask " \
+            "for --ntasks-per-node instead of --ntasks"
+        ;;
+    pbs)
+        [[ -r $PBS_NODEFILE ]] || die "PBS_NODEFILE=$PBS_NODEFILE is not readable"
+        mapfile -t HOSTS < <(awk 'NF && !seen[$1]++ {print $1}' "$PBS_NODEFILE")
+        NP=$(awk 'NF' "$PBS_NODEFILE" | wc -l)
+        counts=$(awk 'NF {n[$1]++} END {for (h in n) print n[h]}' "$PBS_NODEFILE" | sort -u)
+        [[ $counts =~ ^[0-9]+$ ]] || die "nodes hold different numbers of ranks in " \
+            "$PBS_NODEFILE: ask for the same mpiprocs on every chunk (select=N:mpiprocs=M)"
+        ;;
+    none)
+        HOSTS=("$(hostname)")
+        NP=${HPCVLA_RANKS:-4}
+        ;;
+esac
+NODES=${#HOSTS[@]}
+(( NODES >= 1 && NP >= NODES && NP % NODES == 0 )) || die "$NP ranks cannot be spread " \
+    "evenly over $NODES node(s) (${HOSTS[*]})"
+PER_NODE=$(( NP / NODES ))
+
+export MASTER_ADDR=${MASTER_ADDR:-${HOSTS[0]}}
+JOB_ID=${SLURM_JOB_ID:-${PBS_JOBID:-0}}
+JOB_NUMBER=${JOB_ID%%[!0-9]*}  # PBS ids look like 1234.server
+export MASTER_PORT=${MASTER_PORT:-$(( 20000 + 10#${JOB_NUMBER:-0} % 20000 ))}
+
+# ---- environment ---------------------------------------------------------------------------
+activate() {  # activation scripts read unset variables: not under `set -u`
+    set +u
+    # shellcheck disable=SC1090,SC1091
+    source "$@"
+    set -u
+}
+if [[ -n ${HPCVLA_CONDA_ENV:-} ]]; then
+    command -v conda > /dev/null || die "HPCVLA_CONDA_ENV=$HPCVLA_CONDA_ENV but no conda " \
+        "on PATH (module load conda?)"
+    set +u
+    eval "$(conda shell.bash hook)"
+    conda activate "$HPCVLA_CONDA_ENV"
+    set -u
+elif [[ -n ${HPCVLA_VENV:-} ]]; then
+    [[ -f $HPCVLA_VENV/bin/activate ]] || die "HPCVLA_VENV=$HPCVLA_VENV is not a venv"
+    activate "$HPCVLA_VENV/bin/activate"
+elif [[ -f $HPCVLA_ROOT/.venv/bin/activate ]]; then
+    activate "$HPCVLA_ROOT/.venv/bin/activate"
+fi
+PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
+"$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
+    "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
+
+# ---- threads per rank ----------------------------------------------------------------------
+if [[ -n ${HPCVLA_THREADS:-} ]]; then
+    THREADS=$HPCVLA_THREADS
+elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+    THREADS=$SLURM_CPUS_PER_TASK
+elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_ON_NODE:-} ]]; then  # this node's share
+    THREADS=$(( SLURM_CPUS_ON_NODE / PER_NODE ))
+elif [[ $SCHEDULER == pbs && -n ${NCPUS:-} ]]; then  # PBS Pro: ncpus of this chunk
+    THREADS=$(( NCPUS / PER_NODE ))
+else
+    THREADS=$(( $(nproc) / PER_NODE ))
+fi
+(( THREADS >= 1 )) || THREADS=1
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
+
+# ---- the command ---------------------------------------------------------------------------
+# The run of this job that a restart continues: the newest run directory under $1 whose
+# newest checkpoint is short of the run's total_updates (nothing if there is none).
+resumable_run() {
+    "$PYTHON" - "$1" << 'PY'
+import sys
+from pathlib import Path
+
+import yaml
+
+from hpcvla.checkpoint import latest, read_state
+
+configs = sorted(Path(sys.argv[1]).glob("*/config.yaml"), key=lambda p: p.stat().st_mtime)
+if configs:
+    run, point = configs[-1].parent, latest(configs[-1].parent)
+    total = yaml.safe_load(configs[-1].read_text())["pipeline"]["total_updates"]
+    if point is not None and read_state(point)["version"] < total:
+        print(run)
+PY
+}
+
+ARGS=("$@")
+if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
+    # The job's own run root: a requeued (Slurm) or rerun (PBS) job finds the run its earlier
+    # start made there and continues it from its checkpoint.
+    ARGS+=("run.root=$HPCVLA_JOB_RUNS")
+    RESUME=$(resumable_run "$HPCVLA_JOB_RUNS")
+    if [[ -n $RESUME ]]; then
+        say "continuing $RESUME from its newest checkpoint"
+        ARGS+=("run.resume=$RESUME")
+    fi
+fi
+COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
+CLEAN_ENV=()
+if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
+    LAUNCH=()
+    COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
+elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo srun || echo mpiexec)} == srun ]]; then
+    # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
+    # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
+    # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
+    LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-pmi2}" --kill-on-bad-exit=1 --ntasks="$NP"
+            --ntasks-per-node="$PER_NODE" --distribution=block
+            ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"})
+else
+    MPIEXEC=$(command -v mpiexec) || die "no mpiexec on PATH (module load mpi?)"
+    HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")
+    trap 'rm -f "$HOSTFILE"' EXIT
+    if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
+        for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
+        LAUNCH=("$MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node")
+    else  # MPICH's Hydra (and derivatives): host:ranks, filled in block order
+        for host in "${HOSTS[@]}"; do echo "$host:$PER_NODE"; done > "$HOSTFILE"
+        LAUNCH=("$MPIEXEC" -n "$NP" -f "$HOSTFILE")
+    fi
+    if [[ $SCHEDULER == pbs ]]; then
+        # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
+        # in the job: Hydra would then start its proxies as 1-task srun steps, and the ranks
+        # would check themselves against Slurm's counts. A PBS job's ranks see PBS only.
+        mapfile -t slurm_vars < <(compgen -e | grep '^SLURM_' || true)
+        CLEAN_ENV=(env "${slurm_vars[@]/#/--unset=}")
+    fi
+fi
+
+say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
+    "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank, MASTER_ADDR=$MASTER_ADDR"
+say "python: $PYTHON"
+say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
+if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
+    exit 0
+fi
+
+# ---- run, forwarding the scheduler's signals -----------------------------------------------
+if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
+    # A requeued job's steps get the ids of the killed ones again, and MPICH names its
+    # shared-memory segments after them: a segment a killed rank left behind would be
+    # joined by the new ranks (they hang or abort in MPI_Init). Remove this user's
+    # segments that no process maps any more, on every node.
+    # shellcheck disable=SC2016  # expanded by the remote bash
+    srun --ntasks="$NODES" --ntasks-per-node=1 --mpi=none bash -c '
+        for f in /dev/shm/mpich_*; do
+            [[ -O $f ]] && ! grep -qsF "$f" /proc/[0-9]*/maps && rm -f "$f"
+        done; true'
+fi
+
+# The batch shell gets the signals; the ranks must get SIGTERM to stop cleanly, and as long
+# as they need: under srun it goes to the job's steps only (`scancel --signal`; signalling
+# srun itself would make it kill the step after KillWait), mpiexec forwards it itself.
+# SIGUSR1 is the time-limit warning (#SBATCH --signal=B:USR1@<grace>): after it the job
+# requeues itself (HPCVLA_REQUEUE=1) to resume later. SIGTERM/SIGINT (scancel, qdel,
+# preemption, which requeues on its own) only stop the ranks.
+SIGNALLED=""
+# shellcheck disable=SC2317  # called from the traps below
+forward() {
+    SIGNALLED=$1
+    say "received SIG$1: sending SIGTERM to the ranks"
+    if [[ ${LAUNCH[0]:-} == srun ]]; then
+        scancel --signal=TERM "$SLURM_JOB_ID" || true
+    else
+        kill -TERM "$STEP" 2> /dev/null || true
+    fi
+}
+"${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${COMMAND[@]}" &
+STEP=$!
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+trap 'forward USR1' USR1
+status=0
+while true; do  # `wait` returns early when a trapped signal arrives: wait again
+    wait "$STEP" && status=0 || status=$?
+    kill -0 "$STEP" 2> /dev/null || break
+done
+trap - TERM INT USR1
+
+if [[ -n $SIGNALLED ]]; then
+    say "ranks exited with status $status after SIG$SIGNALLED"
+    if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&
+            -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
+        say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
+        scontrol requeue "$SLURM_JOB_ID"
+    fi
+fi
+exit "$status"

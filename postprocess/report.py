@@ -1,0 +1,236 @@
+"""Tables and charts from hpcvla run directories and `hpcvla bench modes --json` files.
+
+    python postprocess/report.py runs/default-* [--bench bench.json ...] [--out report]
+
+Writes into --out (default `report/`):
+    report.md            throughput table across modes and rank ratios (RL-VLA³ Tables 1, 3
+                         and 4: throughput, wall time, per-stage busy seconds), benchmark
+                         tables, busy fractions, staleness, trajectory dumps, and the charts:
+    throughput.png       env steps/s per run (and per benchmark case, with its ideal bound)
+    timeline-<run>.png   swimlanes: one lane per rank, a coloured bar per busy span of each
+                         stage, white = idle; `-zoom` shows two seconds mid-run
+    success.png          success rate against trained env steps, one curve per run
+    staleness.png        fraction of trained segments per policy-version lag, per run
+
+A run directory is what `hpcvla train` writes (summary.json, metrics.jsonl, config.yaml,
+plan.json, timeline.rank<R>.jsonl, optional trajectories/). Charts are drawn by hpcvla.metrics.raster
+(numpy + zlib; matplotlib is not needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+from hpcvla.metrics.raster import PALETTE, bar_chart, line_chart, swimlane
+
+STAGE_COLORS = {"simulate": (44, 160, 44), "infer": (31, 119, 180), "assemble": (23, 190, 207),
+                "dump": (148, 103, 189), "train": (214, 39, 40), "wait_data": (200, 200, 200),
+                "publish": (255, 127, 14)}
+
+
+class ReportError(ValueError):
+    pass
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_run(path) -> dict:
+    """Everything a report uses from one run directory."""
+    path = Path(path)
+    if not (path / "summary.json").exists():
+        raise ReportError(f"{path}: no summary.json (not a run directory, or the run did not "
+                          "finish)")
+    summary = json.loads((path / "summary.json").read_text())
+    plan = json.loads((path / "plan.json").read_text()) if (path / "plan.json").exists() \
+        else {}
+    roles = Counter(role for r in plan.get("ranks", []) for role in r["roles"])
+    spans = {}
+    for file in sorted(path.glob("timeline.rank*.jsonl")):
+        for s in _jsonl(file):
+            spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"],
+                                                                 s["stage"]))
+    metrics = _jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").exists() else []
+    return {"name": path.name, "path": path, "summary": summary, "plan": plan,
+            "ratio": "colocated" if plan.get("mode") == "colocated" else
+                     f"{roles['inference']}:{roles['learner']}",
+            "spans": spans, "metrics": metrics,
+            "dumps": sorted((path / "trajectories").glob("rank*.h5"))}
+
+
+def stage_seconds(run: dict, stage: str) -> float | None:
+    """Mean busy seconds of `stage` over the ranks that ran it (RL-VLA³'s Rollout/Actor)."""
+    values = [r["busy_s"][stage] for r in run["summary"]["per_rank"] if stage in r["busy_s"]]
+    return sum(values) / len(values) if values else None
+
+
+def _fmt(v, digits=1) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
+def throughput_table(runs: list[dict]) -> str:
+    base = next((r for r in runs if r["summary"]["mode"] == "sync-colocated"), None) or \
+        next((r for r in runs if r["summary"]["mode"] == "sync-disaggregated"), None)
+    base_tp = base["summary"]["env_steps_per_s"] if base else None
+    lines = [f"| run | mode | ranks | inference:learner | env steps | time (s) | env steps/s | "
+             f"vs {base['summary']['mode'] if base else 'baseline'} | simulate (s) | "
+             "infer (s) | train (s) | learner wait (s) | success |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["ratio"], r["summary"]["ranks"])):
+        s = r["summary"]
+        gain = f"{(s['env_steps_per_s'] / base_tp - 1) * 100:+.1f}%" if base_tp else "—"
+        lines.append(
+            f"| {r['name']} | {s['mode']} | {s['ranks']} | {r['ratio']} | {s['env_steps']} | "
+            f"{s['wall_s']:.1f} | {s['env_steps_per_s']:.0f} | {gain} | "
+            f"{_fmt(stage_seconds(r, 'simulate'))} | {_fmt(stage_seconds(r, 'infer'))} | "
+            f"{_fmt(stage_seconds(r, 'train'))} | {_fmt(stage_seconds(r, 'wait_data'))} | "
+            f"{_fmt(s.get('success_rate'), 3)} |")
+    return "\n".join(lines)
+
+
+def bench_table(bench: dict) -> str:
+    speedup = bench.get("speedup_vs_sync_colocated", {})
+    lines = ["| case | mode | ranks | env steps/s | ideal bound | efficiency | "
+             "vs sync-colocated | success |", "|---|---|---|---|---|---|---|---|"]
+    for label, r in bench["modes"].items():
+        lines.append(f"| {label} | {r['mode']} | {r['ranks']} | {r['throughput']:.0f} | "
+                     f"{r['ideal_bound']:.0f} | {r['efficiency']:.2f} | "
+                     f"{_fmt(speedup.get(label), 2)}{'x' if label in speedup else ''} | "
+                     f"{_fmt(r.get('success_rate'), 3)} |")
+    return "\n".join(lines)
+
+
+def busy_table(run: dict) -> str:
+    rows = ["| role:stage | busy fraction |", "|---|---|"]
+    rows += [f"| {k} | {v:.3f} |" for k, v in run["summary"]["busy_fraction"].items()]
+    return "\n".join(rows)
+
+
+def staleness_of(run: dict) -> dict[int, float]:
+    hist = {int(k): v for k, v in run["summary"]["staleness_hist"].items()}
+    total = sum(hist.values()) or 1
+    return {k: v / total for k, v in sorted(hist.items())}
+
+
+def dump_table(runs: list[dict]) -> str:
+    from hpcvla.metrics.dump import DumpError, summarize
+    lines = ["| run | file | episodes | steps | success | mean return | policy versions | "
+             "complete |", "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for path in run["dumps"]:
+            try:
+                d = summarize(path)
+            except DumpError as err:
+                lines.append(f"| {run['name']} | {path.name} | unreadable: {err} ||||||")
+                continue
+            versions = "—" if d["policy_versions"] is None else \
+                f"{d['policy_versions'][0]}..{d['policy_versions'][1]}"
+            lines.append(f"| {run['name']} | {path.name} | {d['episodes']} | {d['steps']} | "
+                         f"{_fmt(d['success_rate'], 3)} | {_fmt(d['mean_return'], 2)} | "
+                         f"{versions} | {d['complete']} |")
+    return "\n".join(lines)
+
+
+def lanes_of(run: dict) -> list:
+    return [(f"r{rank} {role}", spans) for (rank, role), spans in sorted(run["spans"].items())]
+
+
+def stage_colors(runs: list[dict]) -> dict:
+    stages = sorted({stage for r in runs for spans in r["spans"].values()
+                     for _, _, stage in spans})
+    extra = iter(PALETTE[5:])
+    return {s: STAGE_COLORS.get(s) or next(extra) for s in stages}
+
+
+def write_report(run_dirs, bench_files=(), out="report") -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [load_run(p) for p in run_dirs]
+    benches = [(Path(p).name, json.loads(Path(p).read_text())) for p in bench_files]
+    if not runs and not benches:
+        raise ReportError("nothing to report: give run directories and/or --bench files")
+    md = ["# hpcvla report", ""]
+    if runs:
+        md += ["Runs: " + ", ".join(f"`{r['path']}`" for r in runs), "",
+               "## Throughput", "",
+               "Env steps per second over the run (RL-VLA³ Eq. 2); stage columns are the mean "
+               "busy seconds of the ranks running that stage (RL-VLA³ Tables 3, 4: rollout = "
+               "simulate + infer, actor = train).", "", throughput_table(runs), "",
+               "![throughput](throughput.png)", ""]
+        names = [r["name"] for r in runs]
+        bar_chart(out / "throughput.png", [f"{r['summary']['mode']}" for r in runs],
+                  {"env steps/s": [r["summary"]["env_steps_per_s"] for r in runs]},
+                  "Throughput per run", "env steps/s")
+    for name, bench in benches:
+        md += [f"## Benchmark `{name}` ({bench.get('workload')} workload, "
+               f"{bench.get('gpus')} accelerator ranks, {bench.get('updates')} updates)", "",
+               bench_table(bench), "", f"![{name}]({Path(name).stem}.png)", ""]
+        cases = list(bench["modes"])
+        bar_chart(out / f"{Path(name).stem}.png", cases,
+                  {"env steps/s": [bench["modes"][c]["throughput"] for c in cases]},
+                  f"Benchmark {Path(name).stem}", "env steps/s",
+                  markers={"ideal bound": [bench["modes"][c]["ideal_bound"] for c in cases]})
+    if runs:
+        colors = stage_colors(runs)
+        md += ["## Timelines", "",
+               "One lane per rank; a coloured bar per busy span of a stage, white is idle "
+               "(`wait_data`: a learner waiting for trajectories).", ""]
+        for run in runs:
+            lanes = lanes_of(run)
+            if not lanes:
+                continue
+            swimlane(out / f"timeline-{run['name']}.png", lanes, colors,
+                     f"{run['name']} ({run['summary']['mode']})")
+            begin = min(s for _, spans in lanes for s, _, _ in spans)
+            middle = (begin + max(e for _, spans in lanes for _, e, _ in spans)) / 2
+            window = (max(begin, middle - 1.0), middle + 1.0)
+            swimlane(out / f"timeline-{run['name']}-zoom.png", lanes, colors,
+                     f"{run['name']}: {window[0]:.1f}-{window[1]:.1f} s", window=window)
+            md += [f"### {run['name']}", "", f"![timeline](timeline-{run['name']}.png)", "",
+                   f"![timeline zoom](timeline-{run['name']}-zoom.png)", "", busy_table(run),
+                   ""]
+        curves = {n: ([m["trained_env_steps"] for m in r["metrics"]],
+                      [m["success_rate"] for m in r["metrics"]]) for n, r in zip(names, runs)}
+        line_chart(out / "success.png", curves, "Success rate (last 200 episodes)",
+                   "trained env steps", "success", ylim=(0, 1))
+        lags = sorted({k for r in runs for k in staleness_of(r)})
+        bar_chart(out / "staleness.png", [f"lag {k}" for k in lags],
+                  {n: [staleness_of(r).get(k) for k in lags] for n, r in zip(names, runs)},
+                  "Staleness of trained segments", "fraction of segments")
+        md += ["## Success", "", "![success](success.png)", "",
+               "## Staleness", "",
+               "Policy versions between the one that acted and the one that trained on it.",
+               "", "| run | " + " | ".join(f"lag {k}" for k in lags) + " |",
+               "|---|" + "---|" * len(lags)]
+        md += [f"| {r['name']} | " + " | ".join(_fmt(staleness_of(r).get(k), 3) for k in lags)
+               + " |" for r in runs]
+        md += ["", "![staleness](staleness.png)", ""]
+        if any(r["dumps"] for r in runs):
+            md += ["## Trajectory dumps", "", dump_table(runs), ""]
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    return out / "report.md"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", help="run directories (hpcvla train output)")
+    parser.add_argument("--bench", nargs="*", default=[], help="hpcvla bench modes JSON files")
+    parser.add_argument("--out", default="report", help="output directory (default report/)")
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.runs, args.bench, args.out)
+    except (ReportError, OSError, json.JSONDecodeError) as err:
+        print(f"report: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {path} and its charts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

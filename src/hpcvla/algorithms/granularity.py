@@ -1,0 +1,67 @@
+"""Granularity of log-probs and rewards: chunk, action or token.
+
+A policy emits an action chunk of H actions of D dims. Its log-prob factorises over the H x D
+*tokens* (one per action dim: a bin for the token policy, a Gaussian coordinate for the flow
+policy), so it can be scored at three granularities:
+
+* chunk:  one log-prob per chunk, the sum over all tokens         (B,)
+* action: one per action of the chunk, the sum over its D tokens  (B, H)
+* token:  one per token                                           (B, H, D)
+
+PPO at a finer granularity takes the ratio (and its clip) per unit and averages the clipped
+surrogate over units, each unit using the advantage of its chunk (`expand_like`); the
+behaviour policy's log-prob that rollouts record stays per chunk (ppo.decoupled_ppo_loss
+explains how the staleness weight then uses it).
+
+Rewards come per chunk from the simulators. `unit_rewards` places them on units, so that
+returns and advantages can be computed per action or per token with `unit_gae` (the chunk's
+value standing for every unit of it, since units share one observation; ppo.unit_gae).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GRANULARITIES = ("chunk", "action", "token")
+
+
+def reduce_units(terms: torch.Tensor, granularity: str) -> torch.Tensor:
+    """Per-token terms (B, H, D) -> (B,) chunk, (B, H) action or (B, H, D) token sums."""
+    if granularity == "chunk":
+        return terms.sum(dim=(-2, -1))
+    if granularity == "action":
+        return terms.sum(dim=-1)
+    if granularity == "token":
+        return terms
+    raise ValueError(f"granularity {granularity!r}: expected one of {', '.join(GRANULARITIES)}")
+
+
+def expand_like(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Broadcast `x`, whose shape is a leading part of target's, over target's extra
+    (unit) dims: a per-chunk advantage applied to each of the chunk's units."""
+    if target.shape[:x.ndim] != x.shape:
+        raise ValueError(f"shape {tuple(x.shape)} is not a leading part of "
+                         f"{tuple(target.shape)}")
+    return x.reshape(*x.shape, *([1] * (target.ndim - x.ndim))).expand_as(target)
+
+
+def sum_to(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Sum the trailing dims of `x` away until it has `ndim` dims (units -> chunk)."""
+    return x.sum(dim=tuple(range(ndim, x.ndim))) if x.ndim > ndim else x
+
+
+def unit_rewards(rewards: torch.Tensor, units: int, how: str = "last") -> torch.Tensor:
+    """Chunk rewards (T, N) -> unit rewards (T, N, units). "last": the whole reward on the
+    chunk's last unit (nothing is claimed about when inside the chunk it was earned; with
+    gamma = 1 every unit's return is then the chunk's); "spread": split evenly."""
+    out = torch.zeros(*rewards.shape, units, dtype=torch.float32, device=rewards.device)
+    if how == "last":
+        out[..., -1] = rewards
+    elif how == "spread":
+        out[...] = (rewards.float() / units)[..., None]
+    else:
+        raise ValueError(f"how {how!r}: expected 'last' or 'spread'")
+    return out
+
+
+__all__ = ["GRANULARITIES", "reduce_units", "expand_like", "sum_to", "unit_rewards"]

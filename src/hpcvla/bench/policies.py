@@ -1,0 +1,70 @@
+"""`hpcvla bench policies`: parameter counts and step times of the VLA policy presets.
+
+For every family (flow, tokens) and size: the parameter count (counted on the meta device, so
+the `full` sizes cost no memory), and for the sizes that fit this machine (`tiny`, `small`;
+`full` needs a GPU) the median wall time over a few repeats of `act` and of one learner step
+(evaluate + backward) on a batch of reach observations (64 px, chunk 4 x 2), with
+torch on one thread (the learner of a CPU rank), float32.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from hpcvla.envs import make_env
+from hpcvla.policies import Policy, make_policy
+from hpcvla.policies.vla import SIZE_NAMES, count_preset_parameters
+
+FAMILIES = ("flow", "tokens")
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run(quick: bool = False, batch: int = 16, json_path=None) -> dict:
+    torch.set_num_threads(1)
+    env = make_env("reach", batch, 0)
+    spec, obs_np = env.spec, env.reset()
+    env.close()
+    obs = Policy.obs_to_tensors(obs_np, "cpu")
+    args = (spec.obs, spec.action_dim, spec.chunk_len, len(spec.vocab))
+    results = {"batch": batch, "threads": 1, "image": list(spec.obs["image"][0]),
+               "chunk": [spec.chunk_len, spec.action_dim], "policies": {}}
+    print(f"{'policy':8} {'size':6} {'params':>15} {'act ms':>9} {'train ms':>9}")
+    for family in FAMILIES:
+        for size in SIZE_NAMES:
+            row = {"parameters": count_preset_parameters(family, size, *args)}
+            if size != "full" and not (quick and size == "small"):
+                torch.manual_seed(0)
+                policy = make_policy(family, *args, size=size, dtype="float32")
+                actions = policy.act(obs).actions
+
+                def train_step():
+                    logprob, value, entropy = policy.evaluate(obs, actions)
+                    (logprob.mean() + value.pow(2).mean() + entropy.mean()).backward()
+
+                repeats = 3 if quick else 7
+                row["act_ms"] = _median_ms(lambda: policy.act(obs), repeats)
+                row["train_step_ms"] = _median_ms(train_step, repeats)
+            results["policies"][f"{family}/{size}"] = row
+            print(f"{family:8} {size:6} {row['parameters']:>15,} "
+                  f"{row.get('act_ms', float('nan')):>9.1f} "
+                  f"{row.get('train_step_ms', float('nan')):>9.1f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+__all__ = ["run"]

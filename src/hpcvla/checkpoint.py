@@ -1,0 +1,196 @@
+"""Checkpoints: what the learners need to continue a run, as safetensors + JSON (never pickle).
+
+    <run_dir>/checkpoints/v000120/          the state after policy version 120 was trained
+        model.safetensors                   full weights (ZeRO-3 shards gathered): what
+                                            inference, evaluation and other layouts load
+        optimizer.rank<r>.safetensors       learner r's optimizer partition + its torch RNG
+        state.json                          version, counters, layout, sha256 of every file
+
+A checkpoint is written into `v000120.partial/` and renamed when complete, so a job killed
+mid-write leaves no directory that looks finished. Optimizer partitions are saved as the
+torch optimizer under DeepSpeed holds them (ZeRO's flat fp32 partitions): restoring them needs
+the same number of learners and ZeRO stage; the weights alone restore anywhere. Training is
+fp32, so the weights are also the master copy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file as load_numpy
+from safetensors.numpy import save_file as save_numpy
+from safetensors.torch import load_file, save_file
+
+FORMAT = 1
+MODEL = "model.safetensors"
+STATE = "state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupted or made for another layout."""
+
+
+def checkpoint_dir(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"v{version:06d}"
+
+
+def latest(path: Path) -> Path | None:
+    """The newest complete checkpoint in a run directory (or `path` itself if it is one)."""
+    path = Path(path)
+    if (path / STATE).is_file():
+        return path
+    done = sorted(p for p in (path / "checkpoints").glob("v[0-9]*")
+                  if p.suffix != ".partial" and (p / STATE).is_file())
+    return done[-1] if done else None
+
+
+def save(run_dir: Path, engine, weights: dict[str, np.ndarray] | None, version: int,
+         counters: dict, learners, keep: int = 2) -> Path | None:
+    """Collective on the learner communicator. `weights` (the full state, from learner 0)
+    go to model.safetensors; every learner writes its optimizer partition. Returns the
+    checkpoint directory on learner 0. Keeps the newest `keep` checkpoints."""
+    rank = learners.Get_rank()
+    final = checkpoint_dir(run_dir, version)
+    partial = final.with_name(final.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    learners.Barrier()
+    tensors, groups = _optimizer_tensors(engine)
+    tensors["rng.torch_cpu"] = torch.get_rng_state()
+    name = f"optimizer.rank{rank}.safetensors"
+    save_file(tensors, str(partial / name))
+    mine = {"file": name, "sha256": _sha256(partial / name), "param_groups": groups}
+    everyone = learners.gather(mine, root=0)
+    if rank != 0:
+        learners.Barrier()
+        return None
+    save_numpy({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(partial / MODEL))
+    state = {"format": FORMAT, "version": version, "counters": counters,
+             "learners": learners.Get_size(), "zero_stage": engine.zero_optimization_stage(),
+             "model_sha256": _sha256(partial / MODEL), "optimizer": everyone}
+    (partial / STATE).write_text(json.dumps(state, indent=1))
+    _fsync_dir(partial)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)  # the checkpoint exists completely or not at all
+    for old in sorted(p for p in final.parent.glob("v[0-9]*") if p.suffix != ".partial")[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    learners.Barrier()
+    return final
+
+
+def read_state(path: Path) -> dict:
+    """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
+    wrong."""
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {STATE}; not a complete hpcvla checkpoint") from None
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path / STATE}: format {state.get('format')!r}, this hpcvla "
+                              f"reads format {FORMAT}")
+    return state
+
+
+def load_weights(path: Path, expected: dict | None = None) -> dict[str, np.ndarray]:
+    """model.safetensors of a checkpoint, its checksum verified; with `expected` (a state
+    dict), names and shapes must match it."""
+    path = Path(path)
+    state = read_state(path)
+    _verify(path / MODEL, state["model_sha256"])
+    weights = load_numpy(str(path / MODEL))
+    if expected is not None:
+        want = {k: tuple(v.shape) for k, v in expected.items()}
+        have = {k: tuple(v.shape) for k, v in weights.items()}
+        if want != have:
+            diff = sorted(set(want.items()) ^ set(have.items()))[:6]
+            raise CheckpointError(f"{path / MODEL}: weights do not fit this policy (name, "
+                                  f"shape) differences: {diff}; was it written with another "
+                                  f"policy config?")
+    return weights
+
+
+def load_optimizer(path: Path, engine, learners) -> dict:
+    """Restore this learner's optimizer partition and RNG; returns state.json. Call after
+    `deepspeed.initialize` on a model that already holds the checkpoint's weights."""
+    state = read_state(path)
+    if state["learners"] != learners.Get_size() or \
+            state["zero_stage"] != engine.zero_optimization_stage():
+        raise CheckpointError(
+            f"{path}: written by {state['learners']} learners at ZeRO stage "
+            f"{state['zero_stage']}, this run has {learners.Get_size()} at stage "
+            f"{engine.zero_optimization_stage()}; resume with the same learner layout and "
+            f"learner.zero_stage")
+    mine = state["optimizer"][learners.Get_rank()]
+    _verify(Path(path) / mine["file"], mine["sha256"])
+    tensors = load_file(str(Path(path) / mine["file"]))
+    torch.set_rng_state(tensors.pop("rng.torch_cpu"))
+    per_param: dict[int, dict] = {}
+    for key, value in tensors.items():
+        _, index, name = key.split(".", 2)
+        per_param.setdefault(int(index), {})[name] = value
+    with _base_optimizer(engine) as optimizer:
+        optimizer.load_state_dict({"state": per_param, "param_groups": mine["param_groups"]})
+    return state
+
+
+@contextmanager
+def _base_optimizer(engine):
+    """The torch optimizer itself (ZeRO wraps it; stage 0 hands it over as is). ZeRO-3 lends
+    it its fp32 partitions only during a step; they are put in place meanwhile, as
+    DeepSpeed's own (pickle) checkpoints do."""
+    zero = engine.optimizer
+    stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")
+    if stage3:
+        zero._set_fp32_optimizer_param_groups()
+    try:
+        yield getattr(zero, "optimizer", zero)
+    finally:
+        if stage3:
+            zero._clear_fp32_optimizer_param_groups()
+
+
+def _optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list]:
+    if engine.bfloat16_enabled() or engine.fp16_enabled():
+        raise NotImplementedError("checkpoints of mixed-precision learners also need the fp32 "
+                                  "master partitions; not written yet")
+    with _base_optimizer(engine) as optimizer:
+        sd = optimizer.state_dict()
+    tensors = {f"state.{index}.{name}": value.detach().cpu().contiguous()
+               for index, entry in sd["state"].items() for name, value in entry.items()}
+    return tensors, sd["param_groups"]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verify(path: Path, sha256: str) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    if _sha256(path) != sha256:
+        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupted (use an "
+                              f"older checkpoint in {path.parent.parent})")
+
+
+def _fsync_dir(path: Path) -> None:
+    for item in [*path.iterdir(), path]:
+        fd = os.open(item, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,257 @@
+"""HDF5 trajectory dumps: every episode a producer rank sends to the learners, on disk in the
+robomimic/LIBERO layout, for offline analysis (`hpcvla inspect FILE`, postprocess/).
+
+One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
+
+    /                  attrs: format, producer_rank, env, chunk_len, config (YAML),
+                              complete (False until the run closed it), segments (segment
+                              groups received), open_episode_steps (steps of episodes still
+                              running at close, not written)
+    /data              attrs: total (steps in all demos), env_args (JSON, robomimic style)
+    /data/demo_<i>     one finished episode of one env, in order of completion; attrs:
+                       num_samples, env_id ("p<producer>/s<slot>/e<env>"), producer_rank,
+                       slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`),
+                       episode (of that env, counted from the (re)start of the run),
+                       instruction (text), policy_version (at the first step), staleness
+                       (most over its steps), success, return
+        obs/<key>          (T, *shape)  observation the action was chosen for
+        actions            (T, H, A) f4 the action chunk (H primitive actions)
+        rewards            (T,) f4      reward of each chunk
+        dones              (T,) u1      1 at the last step only
+        logprobs, values   (T,) f4      behaviour policy log-prob and value
+        policy_versions    (T,) i8      policy version that acted
+        staleness          (T,) i8      learner batch of the step's segment - policy version
+
+A step is one action chunk (chunk_len env steps). Datasets are chunked and gzip-compressed.
+The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
+opening, writing and closing the file, so between flushes the file is closed and
+consistent: readable while the run goes on, and after a crash up to the last flush. A run
+resumed from a checkpoint (run.resume) appends to the dump of its first start.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "hpcvla-trajectories-1"
+STEP_FIELDS = {  # segment field -> dataset name in a demo
+    "actions": "actions", "reward": "rewards", "done": "dones", "logprob": "logprobs",
+    "value": "values", "version": "policy_versions", "staleness": "staleness"}
+DEMO_DATASETS = tuple(STEP_FIELDS.values())
+COMPRESSION = {"compression": "gzip", "compression_opts": 1}  # fast; images shrink ~10x
+
+
+class DumpError(ValueError):
+    """A file that is not a readable hpcvla trajectory dump."""
+
+
+class TrajectoryDump:
+    """Cuts the segment groups one producer sends (roles/segments.py) into per-env episodes
+    and writes the finished ones to HDF5.
+
+    `shard_seed(slot)` is the seed of the env shard behind `slot` (the `seed` attribute);
+    `vocab` turns instruction tokens into text."""
+
+    def __init__(self, path, producer: int, obs_keys, vocab, shard_seed, env: str,
+                 chunk_len: int, config_yaml: str = "", flush_s: float = 10.0):
+        self.path, self.producer, self.obs_keys = Path(path), producer, list(obs_keys)
+        self.vocab, self.shard_seed, self.flush_s = vocab, shard_seed, flush_s
+        self.open: dict[tuple[int, int], list[dict]] = {}  # (slot, env) -> step pieces
+        self.episodes: dict[tuple[int, int], int] = Counter()
+        self.pending: list[tuple[dict, dict]] = []          # finished, not yet written
+        self.segments = self.written = self.total = 0
+        self.last_flush = time.monotonic()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        import h5py
+        if self.path.exists():  # a resumed run (run.resume) appends to its dump
+            with open_dump(self.path) as f:
+                self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
+                self.total = int(f["data"].attrs["total"])
+            with h5py.File(self.path, "a") as f:
+                f.attrs["complete"] = False
+            return
+        with h5py.File(self.path, "w") as f:
+            f.attrs.update(format=FORMAT, producer_rank=producer, env=env,
+                           chunk_len=chunk_len, config=config_yaml, complete=False,
+                           segments=0, open_episode_steps=0)
+            data = f.create_group("data")
+            data.attrs.update(total=0, env_args=json.dumps(
+                {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))
+
+    def add_segment(self, group: dict) -> None:
+        """One segment group as sent to a learner: T steps of the n envs of one slot."""
+        slot, batch = int(group["meta"][1]), int(group["meta"][4])
+        done = group["done"]
+        T = done.shape[0]
+        version = np.broadcast_to(group["version"][:, None], done.shape)
+        steps = {f"obs/{k}": group[f"obs.{k}"] for k in self.obs_keys}
+        steps.update(actions=group["actions"], reward=group["reward"], done=done,
+                     logprob=group["logprob"], value=group["value"], version=version,
+                     staleness=batch - version, success=group["success"],
+                     episode_return=group["episode_return"])
+        for env in range(done.shape[1]):
+            pieces, start = self.open.setdefault((slot, env), []), 0
+            for end in np.flatnonzero(done[:, env]) + 1:  # an episode ends at step end - 1
+                pieces.append({k: v[start:end, env] for k, v in steps.items()})
+                self._finish(slot, env)
+                pieces, start = self.open.setdefault((slot, env), []), end
+            if start < T:
+                pieces.append({k: v[start:, env] for k, v in steps.items()})
+        self.segments += 1
+        if time.monotonic() - self.last_flush >= self.flush_s:
+            self.flush()
+
+    def _finish(self, slot: int, env: int) -> None:
+        pieces = self.open.pop((slot, env))
+        steps = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+        tokens = steps.get("obs/instruction")
+        attrs = {"num_samples": len(steps["reward"]), "env_id": f"p{self.producer}/s{slot}/e{env}",
+                 "producer_rank": self.producer, "slot": slot, "env_index": env,
+                 "seed": int(self.shard_seed(slot)), "episode": self.episodes[(slot, env)],
+                 "instruction": "" if tokens is None else
+                 " ".join(self.vocab[t] for t in tokens[0] if t),
+                 "policy_version": int(steps["version"][0]),
+                 "staleness": int(steps["staleness"].max()),
+                 "success": bool(steps["success"][-1]),
+                 "return": float(steps["episode_return"][-1])}
+        self.episodes[(slot, env)] += 1
+        self.pending.append((steps, attrs))
+
+    def flush(self) -> None:
+        """Append the finished episodes (open, write, close: consistent between flushes)."""
+        import h5py
+        self.last_flush = time.monotonic()
+        with h5py.File(self.path, "a") as f:
+            data = f["data"]
+            for steps, attrs in self.pending:
+                demo = data.create_group(f"demo_{self.written}")
+                demo.attrs.update(attrs)
+                for key in self.obs_keys:
+                    _dataset(demo, f"obs/{key}", steps[f"obs/{key}"])
+                for field, name in STEP_FIELDS.items():
+                    value = steps[field]
+                    _dataset(demo, name, value.astype(np.uint8) if field == "done" else value)
+                self.written += 1
+                self.total += attrs["num_samples"]
+            data.attrs["total"] = self.total
+            f.attrs["segments"] = self.segments
+        self.pending.clear()
+
+    def close(self) -> None:
+        """Write what is finished; record the steps of episodes still open and mark the
+        file complete."""
+        self.flush()
+        import h5py
+        with h5py.File(self.path, "a") as f:
+            f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
+                                                self.open.values() for p in pieces)
+            f.attrs["complete"] = True
+
+
+def _dataset(group, name: str, value: np.ndarray) -> None:
+    value = np.ascontiguousarray(value)
+    chunks = (min(len(value), 64), *value.shape[1:]) if value.ndim else None
+    group.create_dataset(name, data=value, chunks=chunks, shuffle=value.itemsize > 1,
+                         **COMPRESSION)
+
+
+# ---------------------------------------------------------------------------- reading
+
+def open_dump(path):
+    """The dump at `path` opened read-only (an h5py.File), after checking it is one."""
+    import h5py
+    path = Path(path)
+    if not path.exists():
+        raise DumpError(f"{path}: no such file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as err:
+        raise DumpError(f"{path}: not a readable HDF5 file (truncated, corrupted, or being "
+                        f"written right now?): {err}") from None
+    if f.attrs.get("format") != FORMAT or "data" not in f:
+        f.close()
+        raise DumpError(f"{path}: not an hpcvla trajectory dump (format attribute "
+                        f"{FORMAT!r} and a /data group expected)")
+    return f
+
+
+def demos(f):
+    """The demo groups of an open dump in write order, each checked for completeness."""
+    names = sorted(f["data"], key=lambda n: int(n.rsplit("_", 1)[-1]))
+    for name in names:
+        demo = f["data"][name]
+        missing = [d for d in DEMO_DATASETS if d not in demo] + ([] if "obs" in demo else ["obs"])
+        if missing:
+            raise DumpError(f"{f.filename}: {name} lacks {', '.join(missing)}")
+        n = int(demo.attrs.get("num_samples", -1))
+        lengths = {d: demo[d].shape[0] for d in DEMO_DATASETS}
+        lengths.update({f"obs/{k}": v.shape[0] for k, v in demo["obs"].items()})
+        wrong = {k: v for k, v in lengths.items() if v != n}
+        if wrong:
+            raise DumpError(f"{f.filename}: {name} has num_samples={n} but "
+                            + ", ".join(f"{k} {v} steps" for k, v in wrong.items()))
+        yield name, demo
+
+
+def summarize(path) -> dict:
+    """What `hpcvla inspect` prints: episodes, steps, keys and shapes, success, versions."""
+    with open_dump(path) as f:
+        lengths, success, returns, versions = [], [], [], []
+        staleness = Counter()
+        keys = {}
+        for name, demo in demos(f):
+            lengths.append(int(demo.attrs["num_samples"]))
+            success.append(bool(demo.attrs["success"]))
+            returns.append(float(demo.attrs["return"]))
+            v = demo["policy_versions"][()]
+            versions += [int(v.min()), int(v.max())]
+            staleness.update(demo["staleness"][()].tolist())
+            if not keys:
+                def visit(key, item, demo=demo):
+                    if hasattr(item, "shape"):
+                        keys[key] = {"shape": ["T", *item.shape[1:]], "dtype": str(item.dtype),
+                                     "compression": item.compression}
+                demo.visititems(visit)
+        attrs = dict(f.attrs)
+        return {
+            "file": str(path), "producer_rank": int(attrs["producer_rank"]),
+            "env": str(attrs["env"]), "chunk_len": int(attrs["chunk_len"]),
+            "complete": bool(attrs["complete"]), "segments": int(attrs["segments"]),
+            "episodes": len(lengths), "steps": int(sum(lengths)),
+            "env_steps": int(sum(lengths)) * int(attrs["chunk_len"]),
+            "open_episode_steps": int(attrs["open_episode_steps"]),
+            "mean_length": float(np.mean(lengths)) if lengths else 0.0,
+            "success_rate": float(np.mean(success)) if success else None,
+            "mean_return": float(np.mean(returns)) if returns else None,
+            "policy_versions": [min(versions), max(versions)] if versions else None,
+            "staleness_hist": dict(sorted(staleness.items())),
+            "keys": keys,
+        }
+
+
+def describe(summary: dict) -> str:
+    """`summarize`'s result as the lines `hpcvla inspect` prints."""
+    s = summary
+    state = "complete" if s["complete"] else "still being written, or the run died (read " \
+        "up to the last flush)"
+    lines = [f"{s['file']}: hpcvla trajectory dump, producer rank {s['producer_rank']}, "
+             f"env {s['env']}, {state}",
+             f"  episodes {s['episodes']} | steps {s['steps']} (x{s['chunk_len']} = "
+             f"{s['env_steps']} env steps) | mean length {s['mean_length']:.1f} | segments "
+             f"{s['segments']} | open at close {s['open_episode_steps']} steps"]
+    if s["episodes"]:
+        lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
+                     f" | policy versions {s['policy_versions'][0]}..{s['policy_versions'][1]}"
+                     f" | staleness (steps) {s['staleness_hist']}")
+    width = max((len(k) for k in s["keys"]), default=0)
+    for key, info in s["keys"].items():
+        shape = "(" + ", ".join(map(str, info["shape"])) + ("," if len(info["shape"]) == 1
+                                                             else "") + ")"
+        lines.append(f"    {key:<{width}}  {shape:<18} {info['dtype']:<8} "
+                     f"{info['compression'] or ''}")
+    return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""Flow-matching action expert (π0 / π0.5 style) with RL log-probs through noisy denoising.
+
+Architecture (π0): a PaliGemma-style prefix (SigLIP patches + Gemma over the instruction, see
+vla.py) runs once per observation and leaves its keys/values (PrefixCache); a small Gemma
+*action expert* of the same depth attends to them layer by layer. Its tokens are [state;
+H action tokens]: the state token (optional, `state_proj`) sees the prefix and itself, the
+action tokens see everything; an action token is `action_time_mlp(action_in_proj(x_t),
+sinusoidal(t))` and its output goes through `action_out_proj` to a velocity. Denoising runs
+t = 1 (noise) -> 0 (action) in K Euler steps of size 1/K: x <- x - v(x, t) / K (π0's
+convention x_t = t * noise + (1 - t) * action, v = noise - action).
+
+RL needs a likelihood, which an ODE sampler does not have. Each denoising step is made a
+Gaussian transition x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injection, as
+ReinFlow, Flow-GRPO and πRL's flow-noise/flow-SDE do), sigma = exp(log_std) learnable per
+(h, d), clamped to [MIN_LOG_STD, MAX_LOG_STD]. Two modes decide which steps are noisy:
+
+* "last_step" (default; what the pipeline runs): x_0 = 0 (the prior's mode) and steps
+  0..K-2 are deterministic, only the last step is noisy with std sigma. x_{K-1} is then a
+  function of the observation alone, so the chunk log-prob is log N(a; mu, sigma^2) with mu
+  the last step's mean: `evaluate(obs, a)` recomputes it from the final chunk `a` only
+  (re-running the K-1 deterministic steps with gradients). Exact, needs nothing but what
+  rollouts already record; the price is that the exploration is Gaussian around the
+  denoised mean (no multi-modal sampling from the prior during RL).
+* "chain": x_0 ~ N(0, I) and every step is noisy with std sigma / sqrt(K) (an SDE with total
+  injected variance sigma^2). The chunk log-prob is the sum over the K transitions of the
+  Gaussian step log-probs (x_0's prior term does not depend on the weights and is left
+  out), which needs the whole chain: `sample(obs)` returns it as extras["flow_chain"]
+  (B, K, H, D) = x_0..x_{K-1} (x_K is the returned chunk), and `evaluate` reads it from
+  obs["flow_chain"]. A pipeline that records the extras as observation fields gets chain
+  log-probs without any other change; the current pipeline records only actions, so it
+  runs "last_step". In this mode evaluate scores all K steps in one expert pass (the
+  states are given).
+
+In both modes `act` returns `actions` = x_K, the executed chunk (unclipped: the env clips),
+logprob = sum over (h, d) of the per-token terms, and `deterministic=True` gives x_0 = 0
+with no noise (the same chunk in both modes). Entropy: of the noisy step(s)' Gaussians,
+per token (the chain's is the sum of its steps' conditional entropies).
+
+Value: an MLP on the mean of the prefix's last hidden states, concatenated with the expert's
+output at the state token (which depends on neither t nor x). `train_expert_only` freezes
+the prefix (vision tower, projector, language model): the expert, its projections, the
+value head and log_std train.
+
+HF key map (checkpoint folders, vla.py): names follow LeRobot's π0 (the openpi port), so a
+converted π0 checkpoint's tensors map by name (shapes must match the preset; π0 pads action
+and state dims to 32, ours are the env's). The RL heads have their own `rl.` names.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
+                                 masked_mean, resolve_size, sinusoidal, value_mlp)
+
+MIN_LOG_STD, MAX_LOG_STD = -5.0, 2.0
+LOGPROB_MODES = ("last_step", "chain")
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+_PI0 = "model.paligemma_with_expert."
+
+
+class FlowPolicy(VLAPolicy):
+    """π0-style flow-matching VLA; see the module docstring.
+
+    Args (beyond the Policy ones):
+        size: "tiny" | "small" | "full" (vla.SIZES) or a resolved dict of configs.
+        denoise_steps: K, Euler steps per chunk (π0 uses 10; RL fine-tuning uses fewer).
+        logprob_mode: "last_step" or "chain" (module docstring).
+        train_expert_only: freeze the vision-language prefix.
+        logprob_granularity: "chunk" | "action" | "token", the shape evaluate returns.
+        init_log_std: initial log of the exploration std.
+        dtype: "auto" (bf16 on CUDA, float32 on CPU), "float32" or "bfloat16".
+    """
+
+    family = "flow"
+    config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity")
+    HF_KEY_MAP = (  # transformers 5 dropped SiglipVisionModel's `vision_model.` level; files keep it
+        ("prefix.vision_tower.", _PI0 + "paligemma.model.vision_tower.vision_model."),
+        ("prefix.", _PI0 + "paligemma.model."),
+        ("gemma_expert.", _PI0 + "gemma_expert.model."),
+        ("value_head.", "rl.value_head."),
+        ("log_std", "rl.log_std"),
+        ("", "model."),  # state_proj, action_in_proj, action_time_mlp_*, action_out_proj
+    )
+
+    def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
+                 denoise_steps: int = 4, logprob_mode: str = "last_step",
+                 train_expert_only: bool = False, logprob_granularity: str = "chunk",
+                 init_log_std: float = -0.7, dtype: str = "auto"):
+        super().__init__()
+        if logprob_mode not in LOGPROB_MODES:
+            raise ValueError(f"logprob_mode {logprob_mode!r}: expected one of {LOGPROB_MODES}")
+        if denoise_steps < 1:
+            raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
+        parts = resolve_size("flow", size, obs_spec, vocab_size)
+        self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
+                    dict(size=parts, denoise_steps=denoise_steps, logprob_mode=logprob_mode,
+                         train_expert_only=train_expert_only,
+                         logprob_granularity=logprob_granularity, init_log_std=init_log_std,
+                         dtype=dtype))
+        self.denoise_steps, self.logprob_mode = int(denoise_steps), logprob_mode
+        self.train_expert_only = bool(train_expert_only)
+
+        from transformers import GemmaConfig, GemmaModel
+
+        self.prefix = VisionLanguagePrefix(parts, "gemma")
+        self.expert_config = GemmaConfig(**parts["expert"], vocab_size=1, pad_token_id=None,
+                                         bos_token_id=None, eos_token_id=None)
+        text = self.prefix.text_config
+        for key in ("num_hidden_layers", "num_key_value_heads", "head_dim"):
+            if getattr(self.expert_config, key) != getattr(text, key):
+                raise ValueError(f"flow size: expert {key} {getattr(self.expert_config, key)} "
+                                 f"must equal the language model's {getattr(text, key)} (the "
+                                 f"expert attends to its keys/values layer by layer)")
+        self.gemma_expert = GemmaModel(self.expert_config)
+        self.gemma_expert.embed_tokens = None  # the expert reads embeddings, never token ids
+        width = self.expert_config.hidden_size
+        if self.has_state:
+            self.state_proj = nn.Linear(obs_spec["state"][0][0], width)
+        self.action_in_proj = nn.Linear(self.action_dim, width)
+        self.action_time_mlp_in = nn.Linear(2 * width, width)
+        self.action_time_mlp_out = nn.Linear(width, width)
+        self.action_out_proj = nn.Linear(width, self.action_dim)
+        value_in = text.hidden_size + (width if self.has_state else 0)
+        self.value_head = value_mlp(value_in, min(256, value_in))
+        self.log_std = nn.Parameter(torch.full((self.chunk_len, self.action_dim),
+                                               float(init_log_std)))
+        if self.train_expert_only:
+            self.prefix.requires_grad_(False)
+        self.to(self.compute_dtype)
+
+    # --------------------------------------------------------------------- network pieces
+    def _encode(self, obs):
+        """Prefix keys/values (PrefixCache), its padding mask and its pooled output."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.train_expert_only):
+            embeds, pad = self.prefix.embed(obs)
+            blocks = torch.zeros(pad.shape[1], dtype=torch.long, device=pad.device)
+            cache = PrefixCache()
+            hidden = self.prefix(embeds, pad, blocks, cache)
+        return cache.freeze(), pad, masked_mean(hidden, pad)
+
+    def _velocity(self, cache, pad, state, x, t):
+        """One expert pass: velocity (B, H, D) at x (B, H, D), times t (B,); and the output
+        at the state token (B, W) (None without state)."""
+        B, H, _ = x.shape
+        dtype = self.action_in_proj.weight.dtype
+        time = sinusoidal(t, self.expert_config.hidden_size)[:, None].expand(B, H, -1)
+        tokens = self.action_time_mlp_out(torch.nn.functional.silu(self.action_time_mlp_in(
+            torch.cat([self.action_in_proj(x.to(dtype)), time.to(dtype)], dim=-1))))
+        blocks = [2] * H
+        if state is not None:
+            tokens = torch.cat([self.state_proj(state.to(dtype))[:, None], tokens], dim=1)
+            blocks = [1] + blocks
+        S = tokens.shape[1]
+        suffix_blocks = torch.tensor(blocks, device=x.device)
+        key_pad = torch.cat([pad, torch.ones(B, S, dtype=torch.bool, device=x.device)], dim=1)
+        key_blocks = torch.cat([torch.zeros(pad.shape[1], dtype=torch.long, device=x.device),
+                                suffix_blocks])
+        positions = pad.long().sum(dim=1, keepdim=True) + torch.arange(S, device=x.device)
+        out = self.gemma_expert(inputs_embeds=tokens, position_ids=positions,
+                                attention_mask=block_mask(key_pad, key_blocks, suffix_blocks,
+                                                          tokens.dtype),
+                                past_key_values=cache, use_cache=False).last_hidden_state
+        velocity = self.action_out_proj(out[:, S - H:]).float()
+        return velocity, (out[:, 0] if state is not None else None)
+
+    def _value(self, pooled, state_out):
+        features = pooled if state_out is None else torch.cat([pooled, state_out], dim=-1)
+        return self.value_head(features).squeeze(-1).float()
+
+    def _sigma(self):
+        return self.log_std.float().clamp(MIN_LOG_STD, MAX_LOG_STD)
+
+    def _times(self, B, device):
+        return [torch.full((B,), 1.0 - k / self.denoise_steps, device=device)
+                for k in range(self.denoise_steps)]
+
+    # --------------------------------------------------------------------- act / evaluate
+    def _sample(self, obs, deterministic):
+        cache, pad, pooled = self._encode(obs)
+        state = obs.get("state")
+        B, K = pad.shape[0], self.denoise_steps
+        log_std = self._sigma()
+        if self.logprob_mode == "chain":
+            log_std = log_std - 0.5 * math.log(K)
+        x = torch.zeros(B, self.chunk_len, self.action_dim, device=pad.device)
+        if self.logprob_mode == "chain" and not deterministic:
+            x = torch.randn_like(x)
+        chain, terms, state_out = [], torch.zeros_like(x), None
+        for k, t in enumerate(self._times(B, pad.device)):
+            velocity, out = self._velocity(cache, pad, state, x, t)
+            state_out = out if k == 0 else state_out
+            chain.append(x)
+            mean = x - velocity / K
+            noisy = self.logprob_mode == "chain" or k == K - 1
+            x = mean + log_std.exp() * torch.randn_like(mean) \
+                if noisy and not deterministic else mean
+            if noisy:
+                terms = terms + _gaussian(x, mean, log_std)
+        extras = {"flow_chain": torch.stack(chain, dim=1)} if self.logprob_mode == "chain" else {}
+        return x, terms, self._value(pooled, state_out), extras
+
+    def _score(self, obs, actions):
+        cache, pad, pooled = self._encode(obs)
+        state = obs.get("state")
+        B, K = pad.shape[0], self.denoise_steps
+        actions = actions.float()
+        log_std = self._sigma()
+        if self.logprob_mode == "last_step":
+            x = torch.zeros_like(actions)
+            for k, t in enumerate(self._times(B, pad.device)):
+                velocity, out = self._velocity(cache, pad, state, x, t)
+                state_out = out if k == 0 else state_out
+                x = x - velocity / K
+            terms = _gaussian(actions, x, log_std)
+        else:
+            if "flow_chain" not in obs:
+                raise KeyError("logprob_mode='chain' scores the denoising chain: pass "
+                               "obs['flow_chain'] (B, K, H, D) as sample() returned it in "
+                               "extras, or use logprob_mode='last_step'")
+            chain = obs["flow_chain"].float()  # x_0 .. x_{K-1}
+            log_std = log_std - 0.5 * math.log(K)
+            # all K steps in one expert pass: the chain's states are given
+            t = torch.stack(self._times(B, pad.device), dim=1).reshape(B * K)
+            velocity, out = self._velocity(cache.repeat(K), pad.repeat_interleave(K, dim=0),
+                                           None if state is None else
+                                           state.repeat_interleave(K, dim=0),
+                                           chain.reshape(B * K, *chain.shape[2:]), t)
+            state_out = None if out is None else out.reshape(B, K, -1)[:, 0]
+            means = chain - velocity.reshape(chain.shape) / K
+            targets = torch.cat([chain[:, 1:], actions[:, None]], dim=1)
+            terms = _gaussian(targets, means, log_std).sum(dim=1)
+        steps = K if self.logprob_mode == "chain" else 1
+        entropy = (steps * (log_std + 0.5 + _LOG_SQRT_2PI)).expand_as(terms)
+        return terms, entropy, self._value(pooled, state_out)
+
+
+def _gaussian(x, mean, log_std):
+    """Elementwise log N(x; mean, exp(log_std)^2)."""
+    return -0.5 * ((x - mean) * torch.exp(-log_std)) ** 2 - log_std - _LOG_SQRT_2PI
+
+
+__all__ = ["FlowPolicy", "LOGPROB_MODES"]

@@ -1,0 +1,196 @@
+"""HDF5 trajectory dumps (metrics/dump.py): episodes cut from real segments, read back with
+plain h5py; readable during a run and after a crash; clear errors for bad files; a training
+run's dumps hold what its learner trained."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcvla.envs import make_env
+from hpcvla.metrics.dump import DumpError, TrajectoryDump, describe, summarize
+from hpcvla.roles.segments import SegmentBuilder
+from test_mpi_world import ROOT, hpcvla
+
+TESTS = ROOT / "tests"
+
+
+def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
+    """Segment groups as an inference rank builds them, from the real `reach` env acting
+    with random actions; the policy version goes up every 2 groups, batch = version + 1."""
+    env = make_env("reach", n_envs, seed, image_size=16, chunk_len=2, max_episode_chunks=4)
+    spec, rng = env.spec, np.random.default_rng(seed)
+    builder = SegmentBuilder(spec.obs, n_envs, spec.chunk_len, spec.action_dim, T, producer=7,
+                             slot=1)
+    obs, groups = env.reset(), []
+    while len(groups) < n_groups:
+        version = len(groups) // 2
+        value = rng.normal(size=n_envs).astype(np.float32)
+        if builder.full:
+            groups.append(builder.finish(value))
+        if builder.t == 0:
+            builder.batch = version + 1
+        actions = rng.uniform(-1, 1, (n_envs, spec.chunk_len, spec.action_dim)).astype(
+            np.float32)
+        builder.add_step(obs, actions, rng.normal(size=n_envs).astype(np.float32), value,
+                         version)
+        result = env.step(actions)
+        builder.record_outcome(result.reward, result.terminated | result.truncated,
+                               result.success, result.episode_return)
+        obs = result.obs
+    env.close()
+    return groups, spec
+
+
+def writer(path, spec, flush_s=10.0):
+    return TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
+                          "reach", spec.chunk_len, "run: {name: test}\n", flush_s)
+
+
+def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
+    groups, spec = reach_segments(6)
+    dump = writer(tmp_path / "d.h5", spec)
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    # The expected episodes, from the segments alone: each env's steps end to end, cut
+    # after every done.
+    expected = {}
+    for env in range(4):
+        steps = {k: np.concatenate([g[k][:, env] for g in groups])
+                 for k in ("obs.image", "obs.instruction", "actions", "reward", "done")}
+        steps["version"] = np.concatenate([g["version"] for g in groups])
+        steps["batch"] = np.concatenate([np.full(5, g["meta"][4]) for g in groups])
+        ends = np.flatnonzero(steps["done"]) + 1
+        expected[env] = [{k: v[a:b] for k, v in steps.items()}
+                         for a, b in zip([0, *ends[:-1]], ends)]
+    with h5py.File(tmp_path / "d.h5", "r") as f:
+        assert f.attrs["complete"] and f.attrs["segments"] == 6
+        demos = [f["data"][f"demo_{i}"] for i in range(len(f["data"]))]
+        assert len(demos) == sum(len(e) for e in expected.values()) > 4
+        assert f["data"].attrs["total"] == sum(d.attrs["num_samples"] for d in demos)
+        open_steps = sum(30 - sum(len(e["reward"]) for e in episodes)
+                         for episodes in expected.values())
+        assert f.attrs["open_episode_steps"] == open_steps
+        assert json.loads(f["data"].attrs["env_args"])["env_name"] == "reach"
+        for demo in demos:
+            want = expected[demo.attrs["env_index"]][demo.attrs["episode"]]
+            assert demo.attrs["env_id"] == f"p7/s1/e{demo.attrs['env_index']}"
+            assert demo.attrs["seed"] == 1001 and demo.attrs["policy_version"] == \
+                want["version"][0]
+            np.testing.assert_array_equal(demo["obs/image"][()], want["obs.image"])
+            np.testing.assert_array_equal(demo["actions"][()], want["actions"])
+            np.testing.assert_array_equal(demo["rewards"][()], want["reward"])
+            np.testing.assert_array_equal(demo["dones"][()], want["done"].astype(np.uint8))
+            np.testing.assert_array_equal(demo["policy_versions"][()], want["version"])
+            np.testing.assert_array_equal(demo["staleness"][()],
+                                          want["batch"] - want["version"])
+            words = demo.attrs["instruction"].split()
+            assert words[:2] == ["reach", "the"] and words[3] == "object"
+            assert demo["obs/image"].compression == "gzip" and demo["obs/image"].chunks
+            assert demo.attrs["return"] == pytest.approx(float(want["reward"].sum()), abs=1e-4)
+
+
+WRITER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_dump import reach_segments, writer
+groups, spec = reach_segments(8)
+dump = writer({path!r}, spec, flush_s=0.0)
+for group in groups[:4]:
+    dump.add_segment(group)          # flushes after every segment (flush_s=0)
+print("flushed", dump.written, flush=True)
+dump.flush_s = 1e9                   # the rest stays in memory: lost in the crash
+for group in groups[4:]:
+    dump.add_segment(group)
+time.sleep(600)
+"""
+
+
+def test_dump_readable_during_the_run_and_after_a_crash(tmp_path):
+    path = tmp_path / "rank7.h5"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER.format(tests=str(TESTS),
+                                                                 path=str(path))],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("flushed"), line
+        written = int(line.split()[1])
+        time.sleep(0.5)
+        with h5py.File(path, "r") as f:  # while the writer lives
+            assert len(f["data"]) == written > 0 and not f.attrs["complete"]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    summary = summarize(path)  # after the crash: everything up to the last flush
+    assert summary["episodes"] == written and summary["complete"] is False
+    assert "the run died" in describe(summary)
+
+
+def test_bad_files_give_clear_errors(tmp_path):
+    groups, spec = reach_segments(4)
+    good = tmp_path / "good.h5"
+    dump = writer(good, spec, flush_s=0.0)
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    assert summarize(good)["episodes"] > 0
+    with pytest.raises(DumpError, match="no such file"):
+        summarize(tmp_path / "missing.h5")
+    truncated = tmp_path / "truncated.h5"
+    truncated.write_bytes(good.read_bytes()[:os.path.getsize(good) // 3])
+    with pytest.raises(DumpError, match="not a readable HDF5 file"):
+        summarize(truncated)
+    foreign = tmp_path / "foreign.h5"
+    with h5py.File(foreign, "w") as f:
+        f["x"] = np.zeros(3)
+    with pytest.raises(DumpError, match="not an hpcvla trajectory dump"):
+        summarize(foreign)
+    with h5py.File(good, "a") as f:
+        del f["data/demo_0/actions"]
+    with pytest.raises(DumpError, match="demo_0 lacks actions"):
+        summarize(good)
+    out = hpcvla("inspect", truncated)
+    assert out.returncode == 2 and "not a readable HDF5 file" in out.stderr
+
+
+@pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
+                                          ("configs/colocated.yaml", 2)])
+def test_training_run_dump_matches_what_the_learner_trained(tmp_path, config, ranks):
+    out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}",
+                 "run.dump_trajectories=true", "run.dump_flush_s=0.5",
+                 "pipeline.total_updates=3", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    files = sorted((run_dir / "trajectories").glob("rank*.h5"))
+    producers = [r for r in summary["per_rank"] if r["role"] in ("inference",
+                                                                 "simulator+inference+learner")]
+    assert [f.name for f in files] == [f"rank{r['rank']}.h5" for r in producers]
+    # The learner's success rate and mean return are over the episodes that ended in the
+    # segments it trained: batches 0..2 (segments tagged for later batches were not used).
+    trained = []
+    for path in files:
+        with h5py.File(path, "r") as f:
+            assert f.attrs["complete"]
+            for demo in f["data"].values():
+                batch = int(demo["staleness"][-1] + demo["policy_versions"][-1])
+                if batch < 3:
+                    trained.append((demo.attrs["success"], demo.attrs["return"]))
+                if ranks == 2:
+                    assert demo.attrs["staleness"] == 0
+    if ranks == 4:  # one learner: the root's window covers all it trained
+        assert summary["success_rate"] == pytest.approx(np.mean([s for s, _ in trained]))
+        assert summary["mean_return"] == pytest.approx(np.mean([r for _, r in trained]))
+        (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
+        with h5py.File(files[0], "r") as f:  # every segment group the learner received
+            assert f.attrs["segments"] == learner["ring"]["records"]
+    inspect = hpcvla("inspect", run_dir)
+    assert inspect.returncode == 0 and "hpcvla trajectory dump" in inspect.stdout
+    assert "obs/image" in inspect.stdout and "complete" in inspect.stdout

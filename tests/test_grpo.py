@@ -1,0 +1,181 @@
+"""GRPO (group-relative advantages, degenerate-group filtering, episodes in (T, N) steps, the
+masked decoupled loss), the granularity helpers, unit-level GAE and the value-clip option."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcvla.algorithms import (decoupled_ppo_loss, episodes_of, expand_like, gae,
+                               group_advantages, grpo_loss, per_episode, reduce_units, sum_to,
+                               unit_gae, unit_rewards, value_loss)
+
+# ----------------------------------------------------------------------------- GRPO
+
+
+def test_group_advantages_hand_computed_and_degenerate_groups_filtered():
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 2.0, 0.0, 1.0])
+    groups = torch.tensor([7, 7, 7, 7, 3, 3, 3, 5, 5, 9, 9, 9])
+    out = group_advantages(scores, groups)
+    # group 7: mean .5, std .5 -> +-1; groups 3 (all success) and 5 (all fail): filtered;
+    # group 9: mean 1, std sqrt(2/3)
+    s9 = math.sqrt(2 / 3)
+    expected = [1, -1, 1, -1, 0, 0, 0, 0, 0, 1 / s9, -1 / s9, 0]
+    torch.testing.assert_close(out.advantages, torch.tensor(expected, dtype=torch.float32))
+    assert out.keep.tolist() == [True] * 4 + [False] * 5 + [True] * 3
+    assert out.groups == 4 and out.degenerate_groups == 2
+
+    centred = group_advantages(scores, groups, normalize_std=False)
+    torch.testing.assert_close(centred.advantages[:4], torch.tensor([0.5, -0.5, 0.5, -0.5]))
+    torch.testing.assert_close(centred.advantages[9:], torch.tensor([1.0, -1.0, 0.0]))
+
+
+def test_invalid_episodes_stay_out_of_their_group():
+    scores = torch.tensor([1.0, 0.0, 1.0, 5.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    valid = torch.tensor([True, True, True, False])  # e.g. still running at window end
+    out = group_advantages(scores, groups, valid=valid)
+    # group 1 has one valid episode left: degenerate; the invalid one is never kept
+    assert out.keep.tolist() == [True, True, False, False]
+    assert out.groups == 2 and out.degenerate_groups == 1
+    torch.testing.assert_close(out.advantages, torch.tensor([1.0, -1.0, 0.0, 0.0]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.sampled_from([0.0, 1.0, 0.5, 3.0])),
+                min_size=1, max_size=30),
+       st.floats(0.1, 10.0), st.floats(-5.0, 5.0))
+def test_group_advantage_properties(members, scale, shift):
+    groups = torch.tensor([g for g, _ in members])
+    scores = torch.tensor([s for _, s in members], dtype=torch.float64)
+    out = group_advantages(scores, groups)
+    degenerate = 0
+    for g in groups.unique():
+        member = groups == g
+        adv, keep = out.advantages[member].double(), out.keep[member]
+        if scores[member].unique().numel() == 1:  # all equal (incl. a lone episode)
+            degenerate += 1
+            assert not keep.any() and (adv == 0).all()
+        else:  # centred, unit population std
+            assert keep.all()
+            assert abs(adv.sum().item()) < 1e-4
+            assert abs(adv.pow(2).mean().item() - 1.0) < 1e-4
+    assert out.degenerate_groups == degenerate and out.groups == groups.unique().numel()
+    # invariant to a positive affine change of the scores
+    moved = group_advantages(scores * scale + shift, groups)
+    torch.testing.assert_close(moved.advantages, out.advantages, atol=1e-4, rtol=1e-4)
+    assert torch.equal(moved.keep, out.keep)
+
+
+def test_episodes_in_chunk_steps():
+    dones = torch.tensor([[0, 1],
+                          [1, 0],
+                          [0, 0],
+                          [0, 1]], dtype=torch.bool)
+    index, complete = episodes_of(dones)
+    # column 0: episode 0 (t 0-1), 1 (t 2-3, unfinished); column 1: 2 (t 0), 3 (t 1-3)
+    assert index.tolist() == [[0, 2], [0, 3], [1, 3], [1, 3]]
+    assert complete.tolist() == [True, False, True, True]
+    success = torch.tensor([[0, 1], [1, 0], [0, 0], [0, 0]], dtype=torch.float32)
+    assert per_episode(success, index, 4).tolist() == [1, 0, 1, 0]
+    init_ids = torch.tensor([[11, 20], [11, 21], [12, 21], [12, 21]])
+    assert per_episode(init_ids, index, 4, reduce="first").tolist() == [11, 12, 20, 21]
+
+
+def test_grpo_loss_masks_filtered_episodes():
+    dones = torch.tensor([[0, 0], [1, 1], [0, 1]], dtype=torch.bool)
+    index, complete = episodes_of(dones)  # ep 0: col 0 t0-1, ep 1: col 0 t2 (open),
+    assert index.tolist() == [[0, 2], [0, 2], [1, 3]]  # ep 2: col 1 t0-1, ep 3: col 1 t2
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    groups = torch.tensor([4, 4, 4, 8])  # ep 3 alone: degenerate; ep 1 unfinished
+    episodes = group_advantages(scores, groups, valid=complete)
+    assert episodes.keep.tolist() == [True, False, True, False]
+    torch.testing.assert_close(episodes.advantages, torch.tensor([1.0, 0.0, -1.0, 0.0]))
+
+    proximal = torch.zeros(3, 2)
+    logprob = torch.log(torch.tensor([[1.5, 0.5], [1.1, 0.9], [3.0, 3.0]]))
+    loss, stats = grpo_loss(logprob, proximal, proximal, episodes, index)
+    # kept steps: (0,0) (1,0) with A=+1: min(r, clip(r)) = 1.2, 1.1; (0,1) (1,1) with A=-1:
+    # min(-r, -clip(r)) = -0.8, -0.9; the open and the lone episode's steps are left out
+    assert loss.item() == pytest.approx(-(1.2 + 1.1 - 0.8 - 0.9) / 4, rel=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(2 / 4)
+
+
+# ----------------------------------------------------------------------------- granularity
+
+
+def test_reduce_expand_and_sum():
+    terms = torch.arange(24, dtype=torch.float32).view(2, 3, 4)
+    assert reduce_units(terms, "token") is terms
+    torch.testing.assert_close(reduce_units(terms, "action"), terms.sum(-1))
+    torch.testing.assert_close(reduce_units(terms, "chunk"), terms.sum((1, 2)))
+    with pytest.raises(ValueError, match="chunk, action, token"):
+        reduce_units(terms, "episode")
+    adv = torch.tensor([1.0, -2.0])
+    assert expand_like(adv, terms)[1].eq(-2.0).all()
+    assert torch.equal(sum_to(terms, 1), terms.sum((1, 2))) and sum_to(adv, 1) is adv
+    with pytest.raises(ValueError, match="leading part"):
+        expand_like(torch.zeros(3), terms)
+
+
+def test_decoupled_loss_per_token_with_chunk_behaviour_hand_computed():
+    # one chunk of 2 tokens; per-token ratios 1.5 (clipped to 1.2) and 0.9; A = 2
+    proximal = torch.tensor([[-1.0, -2.0]])
+    logprob = proximal + torch.log(torch.tensor([[1.5, 0.9]]))
+    behaviour = torch.tensor([-3.5])  # chunk weight exp(-3 - (-3.5)) = e^0.5
+    loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour, torch.tensor([2.0]),
+                                     clip=0.2, max_behaviour_weight=2.0)
+    w = math.exp(0.5)
+    assert loss.item() == pytest.approx(-w * (1.2 * 2 + 0.9 * 2) / 2, rel=1e-6)
+    assert stats["behaviour_weight_max"] == pytest.approx(w, rel=1e-6)
+    assert stats["clip_fraction"] == pytest.approx(0.5)
+    # a per-chunk loss of the same numbers: the ratio is the product 1.35, clipped to 1.2
+    chunk_loss, _ = decoupled_ppo_loss(logprob.sum(-1), proximal.sum(-1), behaviour,
+                                       torch.tensor([2.0]), clip=0.2)
+    assert chunk_loss.item() == pytest.approx(-w * 1.2 * 2, rel=1e-6)
+
+
+def test_unit_rewards_and_unit_gae():
+    rewards = torch.tensor([[1.0, 2.0], [3.0, 0.0], [0.5, 1.0]])
+    last = unit_rewards(rewards, 4)
+    assert last.shape == (3, 2, 4) and torch.equal(last.sum(-1), rewards)
+    assert (last[..., :3] == 0).all()
+    torch.testing.assert_close(unit_rewards(rewards, 4, "spread").sum(-1), rewards)
+
+    values = torch.tensor([[0.1, 0.2], [0.3, -0.4], [0.0, 0.6]])
+    dones = torch.tensor([[0, 0], [1, 0], [0, 0]], dtype=torch.bool)
+    boot = torch.tensor([0.7, -0.2])
+    # one unit per chunk is chunk-level GAE
+    for a, b in zip(unit_gae(rewards[..., None], values, dones, boot, 0.9, 0.8),
+                    gae(rewards, values, dones, boot, 0.9, 0.8)):
+        torch.testing.assert_close(a[..., 0], b)
+    # gamma = lam = 1, reward on the last unit: every unit's return is the chunk's return
+    adv, ret = unit_gae(last, values, dones, boot, 1.0, 1.0)
+    _, chunk_ret = gae(rewards, values, dones, boot, 1.0, 1.0)
+    torch.testing.assert_close(ret, chunk_ret[..., None].expand_as(ret))
+    # matches a plain loop over the flattened units of each column
+    adv, ret = unit_gae(last, values, dones, boot, 0.95, 0.9)
+    for n in range(2):
+        r = last[:, n].reshape(-1).numpy()
+        v = values[:, n].repeat_interleave(4).numpy()
+        d = np.zeros(12, bool)
+        d[3::4] = dones[:, n].numpy()
+        running, ref = 0.0, np.zeros(12)
+        for t in reversed(range(12)):
+            next_v = 0.0 if d[t] else (boot[n].item() if t == 11 else v[t + 1])
+            running = r[t] + 0.95 * next_v - v[t] + (0.0 if d[t] else 0.95 * 0.9 * running)
+            ref[t] = running
+        np.testing.assert_allclose(adv[:, n].reshape(-1).numpy(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_value_loss_without_clipping():
+    value = torch.tensor([1.0, 0.0, 2.0])
+    old = torch.tensor([0.5, 0.1, 2.0])
+    ret = torch.tensor([2.0, 1.0, 2.5])
+    assert value_loss(value, old, ret, clip=None).item() == pytest.approx(0.5 * 2.25 / 3)
+    assert value_loss(value, old, ret, clip=0.2).item() > value_loss(value, old, ret, None).item()

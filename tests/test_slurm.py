@@ -1,0 +1,179 @@
+"""The job scripts in jobs/ submitted for real: a single-node Slurm from the Debian packages
+(tests/local_slurm.py; `make install` installs them), Slurm scripts through sbatch, PBS
+scripts through Slurm's PBS layer (qsub, #PBS directives, PBS_* variables, a node file).
+Nothing is skipped: without Slurm these tests fail and say how to install it."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+from local_slurm import LocalSlurm
+from test_mpi_world import ROOT
+
+SCRIPTS = sorted([ROOT / "jobs" / "launch.sh", *(ROOT / "jobs" / "slurm").glob("*.sbatch"),
+                  *(ROOT / "jobs" / "pbs").glob("*.pbs")])
+VENV = Path(sys.executable).parent.parent  # the environment the job scripts activate
+
+
+@pytest.fixture
+def slurm():
+    with LocalSlurm() as cluster:
+        yield cluster
+
+
+def job_env(tmp_path, **extra) -> dict:
+    return {"HPCVLA_VENV": str(VENV), "HPCVLA_RUNS": str(tmp_path / "runs"), **extra}
+
+
+def finished(slurm, job, log: Path, timeout=600) -> str:
+    """Wait for the job; assert it completed with exit code 0; its log."""
+    info = slurm.wait(job, timeout)
+    text = log.read_text() if log.exists() else "(no log)"
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), \
+        f"{info['JobState']} {info['ExitCode']}\n{text[-4000:]}"
+    return text
+
+
+def the_run(runs: Path) -> Path:
+    (job_runs,) = runs.iterdir()       # <job name>-<job id>
+    (run_dir,) = job_runs.iterdir()    # <run name>-<time>
+    return run_dir
+
+
+def test_job_scripts_pass_bash_n_and_shellcheck():
+    assert len(SCRIPTS) == 7, SCRIPTS
+    assert shutil.which("shellcheck"), "shellcheck missing: run `make install-cluster`"
+    for script in SCRIPTS:
+        out = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
+        assert out.returncode == 0, f"{script}: {out.stderr}"
+    out = subprocess.run(["shellcheck", "--severity=style", *SCRIPTS], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout
+
+
+def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
+    log = tmp_path / "demo.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                       "pipeline.total_updates=3", "run.dump_trajectories=true",
+                       options=["--output", log], env=job_env(tmp_path), cwd=ROOT)
+    text = finished(slurm, job, log)
+    assert "scheduler slurm" in text and "srun --mpi=pmi2 --kill-on-bad-exit=1" in text
+    assert "4 rank(s) on 1 node(s)" in text and "[hpcvla] update 3/3" in text
+    run_dir = the_run(tmp_path / "runs")
+    assert run_dir.parent.name == f"hpcvla-demo-{job}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 3 * 32
+    with h5py.File(run_dir / "trajectories" / "rank0.h5", "r") as dump:
+        assert dump.attrs["complete"] and len(dump["data"]) > 0
+
+
+def test_slurm_multinode_job_with_a_learner_node(slurm, tmp_path):
+    """3 emulated nodes of 2 ranks: two rollout nodes (a cell each), one node of 2 ZeRO
+    learners; the script's node count and sizes overridden on the command line."""
+    log = tmp_path / "multinode.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",
+                       "placement.ranks_per_node=2", "placement.per_node.simulator=1",
+                       "placement.per_node.inference=1", "pipeline.total_updates=2",
+                       options=["--output", log, "--nodes=1", "--ntasks-per-node=6",
+                                "--cpus-per-task=1"], env=job_env(tmp_path), cwd=ROOT)
+    text = finished(slurm, job, log)
+    assert "6 rank(s) on 1 node(s)" in text and "3 node(s) of 2" in text
+    summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
+    learners = [r for r in summary["per_rank"] if r["role"] == "learner"]
+    assert len(learners) == 2 and sum(summary["staleness_hist"].values()) == 2 * 2 * 32
+
+
+def test_pbs_demo_job_through_qsub(slurm, tmp_path):
+    log = tmp_path / "demo-pbs.out"
+    env = job_env(tmp_path, CONFIG="configs/default.yaml",
+                  OVERRIDES="pipeline.total_updates=2 learner.zero_stage=2")
+    job = slurm.qsub(ROOT / "jobs/pbs/demo.pbs", options=["-V", "-o", log, "-j", "oe"],
+                     env=env, cwd=ROOT)
+    text = finished(slurm, job, log)
+    # launch.sh took the PBS road: ranks from PBS_NODEFILE, started by mpiexec
+    assert "scheduler pbs" in text and "/mpiexec -n 4 -f" in text, text[-3000:]
+    run_dir = the_run(tmp_path / "runs")
+    assert run_dir.parent.name == f"hpcvla-demo-{job}"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 2 * 32
+
+
+def test_pbs_multinode_job_through_qsub(slurm, tmp_path):
+    log = tmp_path / "multinode-pbs.out"
+    env = job_env(tmp_path, CONFIG="configs/default.yaml",
+                  OVERRIDES="placement.ranks_per_node=4 pipeline.total_updates=2")
+    job = slurm.qsub(ROOT / "jobs/pbs/multinode.pbs", env=env, cwd=ROOT, options=[
+        "-V", "-o", log, "-j", "oe", "-l", "select=1:ncpus=8:mpiprocs=8"])
+    text = finished(slurm, job, log)
+    assert "scheduler pbs" in text and "8 rank(s) on 1 node(s)" in text
+    summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
+    assert summary["ranks"] == 8 and sum(summary["staleness_hist"].values()) == 2 * 2 * 32
+
+
+def test_bench_job_runs_every_mode(slurm, tmp_path):
+    """`bench modes` inside a 1-task job starts its own 2- and 4-rank worlds."""
+    log, result = tmp_path / "bench.out", tmp_path / "bench.json"
+    job = slurm.sbatch(ROOT / "jobs/slurm/bench.sbatch", "--workload", "real", "--updates",
+                       "1", options=["--output", log], cwd=ROOT,
+                       env=job_env(tmp_path, HPCVLA_BENCH_JSON=str(result)))
+    finished(slurm, job, log, timeout=900)
+    modes = json.loads(result.read_text())["modes"]
+    assert list(modes) == ["sync-colocated", "sync-disaggregated", "train-async",
+                           "rollout-async", "streamer"]
+    assert all(r["throughput"] > 0 for r in modes.values())
+    # ... and postprocess/ turns it into the benchmark table and chart
+    out = subprocess.run([sys.executable, ROOT / "postprocess/report.py", "--bench", result,
+                          "--out", tmp_path / "report"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "report" / "report.md").read_text()
+    streamer = modes["streamer"]
+    assert f"| streamer | streamer | {streamer['ranks']} | {streamer['throughput']:.0f} | " \
+           f"{streamer['ideal_bound']:.0f} | {streamer['efficiency']:.2f} |" in md
+    assert (tmp_path / "report" / "bench.png").exists()
+
+
+def test_pbs_bench_job_reaches_the_benchmark(slurm, tmp_path):
+    """The PBS bench script through qsub, up to the command it would run (the benchmark
+    itself runs in the Slurm job above: the same command)."""
+    log = tmp_path / "bench-pbs.out"
+    env = job_env(tmp_path, BENCH_ARGS="--workload real --updates 2", HPCVLA_DRY_RUN="1")
+    job = slurm.qsub(ROOT / "jobs/pbs/bench.pbs", options=["-V", "-o", log, "-j", "oe"],
+                     env=env, cwd=ROOT)
+    text = finished(slurm, job, log)
+    assert "scheduler pbs" in text and "1 rank(s) on 1 node(s)" in text
+    assert f"-m hpcvla bench modes --json bench-{job}.json --workload real --updates 2" in text
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
+    """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
+    SIGUSR1, the ranks get SIGTERM and stop with a checkpoint, the job requeues itself, and
+    its next start continues the same run from that checkpoint to the end."""
+    log = tmp_path / "requeue.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                       "pipeline.total_updates=30", "pipeline.progress_every_s=0.1",
+                       options=["--output", log], env=job_env(tmp_path), cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while "[hpcvla] update" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), log.read_text()
+        time.sleep(0.5)
+    slurm.signal_batch_shell(job, signal.SIGUSR1)
+    text = finished(slurm, job, log, timeout=600)
+    assert slurm.job(job)["Restarts"] == "1"
+    first, second = text.split("requeueing job", 1)
+    assert "received SIGUSR1: sending SIGTERM to the ranks" in first
+    assert "[hpcvla] update 30/30" not in first  # stopped before the end
+    (run_dir,) = (tmp_path / "runs" / f"hpcvla-demo-{job}").iterdir()
+    assert f"continuing {run_dir} from its newest checkpoint" in second
+    assert "[hpcvla] resuming from" in second and "[hpcvla] update 30/30" in second
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
+    assert 0 < learner["first_version"] < 30
+    assert (run_dir / "checkpoints" / "v000030" / "state.json").exists()

@@ -1,0 +1,341 @@
+"""The VLA policy families (flow matching, action tokens): interface, log-probs against
+independent computations, granularities, gradients and freezing, checkpoint folders, PPO on a
+fixed batch, and short real DeepSpeed ZeRO-3 runs of each."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch.distributions import Categorical, Normal
+
+from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
+from hpcvla.policies import (POLICIES, ActionTokenPolicy, ActOutput, FlowPolicy, Policy,
+                             load_pretrained, make_policy, save_pretrained)
+from hpcvla.policies.tokens import BINS, bin_centres, bins_of
+from hpcvla.policies.vla import count_preset_parameters, load_weights
+from test_pipeline import run_train
+
+VOCAB, ACTION_DIM, CHUNK = 12, 3, 4
+SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
+SPEC_NO_STATE = {k: v for k, v in SPEC.items() if k != "state"}
+FAMILIES = {  # id -> (registry name, constructor kwargs)
+    "flow": ("flow", {}),
+    "flow-chain": ("flow", {"logprob_mode": "chain"}),
+    "tokens": ("tokens", {}),
+}
+
+
+def make_obs(spec, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    obs = {"image": rng.integers(0, 256, (batch, *spec["image"][0]), dtype=np.uint8),
+           "instruction": rng.integers(1, VOCAB, (batch, *spec["instruction"][0]))
+           .astype(np.int32)}
+    obs["instruction"][:, 3:] = 0  # padding tail
+    obs["instruction"][0] = 0  # a fully padded instruction still works
+    if "state" in spec:
+        obs["state"] = rng.standard_normal((batch, *spec["state"][0])).astype(np.float32)
+    return Policy.obs_to_tensors(obs, "cpu")
+
+
+def make(family="flow", spec=SPEC, seed=0, **kwargs):
+    name, base = FAMILIES[family]
+    torch.manual_seed(seed)
+    return make_policy(name, spec, ACTION_DIM, CHUNK, VOCAB, **{**base, **kwargs})
+
+
+def sample(policy, obs, deterministic=False):
+    """act's output, and obs extended with the extras evaluate needs (flow's chain)."""
+    out, extras = policy.sample(obs, deterministic)
+    return out, {**obs, **extras}
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPEC_NO_STATE], ids=["state", "no_state"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_act_shapes_and_evaluate_recomputes_its_logprob(family, spec):
+    policy = make(family, spec)
+    assert isinstance(policy, POLICIES[FAMILIES[family][0]])
+    obs = make_obs(spec, 6)
+    out, scored = sample(policy, obs)
+    assert isinstance(out, ActOutput)
+    assert out.actions.shape == (6, CHUNK, ACTION_DIM)
+    assert out.logprob.shape == (6,) and out.value.shape == (6,)
+    for t in out:
+        assert t.dtype == torch.float32 and not t.requires_grad and torch.isfinite(t).all()
+    logprob, value, entropy = policy.evaluate(scored, out.actions)
+    assert logprob.requires_grad and entropy.shape == (6,)
+    torch.testing.assert_close(logprob.detach(), out.logprob, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(value.detach(), out.value, atol=1e-5, rtol=1e-5)
+    # a different chunk scores differently
+    assert not torch.allclose(policy.evaluate(scored, out.actions.flip(0))[0], logprob)
+
+
+def test_flow_last_step_logprob_is_gaussian_around_the_deterministic_chunk():
+    """Independent computation: in last_step mode the deterministic chunk is the mean of
+    the noisy last step, so log p(a) = sum log N(a; det, sigma^2) with torch.distributions."""
+    policy = make("flow", denoise_steps=3)
+    with torch.no_grad():
+        policy.log_std.copy_(torch.linspace(-1.5, 0.3, CHUNK * ACTION_DIM).view(CHUNK, -1))
+    obs = make_obs(SPEC, 5)
+    mean = policy.act(obs, deterministic=True).actions
+    out = policy.act(obs)
+    assert not torch.allclose(out.actions, mean)
+    ref = Normal(mean, policy.log_std.detach().exp()).log_prob(out.actions).sum(dim=(1, 2))
+    torch.testing.assert_close(out.logprob, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(policy.evaluate(obs, out.actions)[0].detach(), ref,
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_flow_chain_logprob_matches_stepwise_gaussians():
+    """Independent computation of the chain log-prob: K sequential expert passes (evaluate
+    uses one batched pass) and a Normal per transition with std sigma / sqrt(K)."""
+    K = 3
+    policy = make("flow-chain", denoise_steps=K)
+    obs = make_obs(SPEC, 4)
+    out, scored = sample(policy, obs)
+    chain = scored["flow_chain"]
+    assert chain.shape == (4, K, CHUNK, ACTION_DIM)
+    states = torch.cat([chain, out.actions[:, None]], dim=1)
+    std = policy.log_std.detach().exp() / K ** 0.5
+    ref = torch.zeros(4)
+    with torch.no_grad():
+        cache, pad, _ = policy._encode(obs)
+        for k in range(K):
+            t = torch.full((4,), 1.0 - k / K)
+            velocity, _ = policy._velocity(cache, pad, obs["state"], states[:, k], t)
+            ref += Normal(states[:, k] - velocity / K, std).log_prob(states[:, k + 1]).sum((1, 2))
+    torch.testing.assert_close(out.logprob, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(policy.evaluate(scored, out.actions)[0].detach(), ref,
+                               atol=1e-4, rtol=1e-5)
+    with pytest.raises(KeyError, match="flow_chain"):
+        policy.evaluate(obs, out.actions)
+
+
+def test_flow_deterministic_chunk_is_the_same_in_both_modes():
+    obs = make_obs(SPEC, 3)
+    a = make("flow").act(obs, deterministic=True).actions
+    b = make("flow-chain").act(obs, deterministic=True).actions  # same seed, same weights
+    torch.testing.assert_close(a, b)
+
+
+def test_tokens_logprob_is_a_sum_of_categoricals_over_bins():
+    policy = make("tokens")
+    obs = make_obs(SPEC, 5)
+    out = policy.act(obs)
+    centres = bin_centres()
+    assert torch.isin(out.actions, centres).all()  # every value is a bin centre...
+    torch.testing.assert_close(centres[bins_of(out.actions)], out.actions)  # ...recovered
+    assert centres[0] == -1 + 1 / BINS and bins_of(torch.tensor([-5.0, 5.0])).tolist() == [0, 255]
+    with torch.no_grad():
+        logits, _ = policy._logits_and_value(obs)
+    ref = Categorical(logits=logits).log_prob(bins_of(out.actions)).sum((1, 2))
+    torch.testing.assert_close(out.logprob, ref, atol=1e-4, rtol=1e-5)
+    det = policy.act(obs, deterministic=True).actions
+    torch.testing.assert_close(det, centres[logits.argmax(-1)])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_granularities_agree(family):
+    obs = make_obs(SPEC, 5)
+    chunk = make(family)
+    out, scored = sample(chunk, obs)
+    terms = chunk.unit_logprobs(scored, out.actions).detach()
+    assert terms.shape == (5, CHUNK, ACTION_DIM)
+    results = {}
+    for g in ("chunk", "action", "token"):
+        policy = make(family, logprob_granularity=g)
+        policy.load_state_dict(chunk.state_dict())
+        results[g] = [x.detach() for x in policy.evaluate(scored, out.actions)]
+    (lc, vc, ec), (la, va, ea), (lt, vt, et) = (results[g] for g in ("chunk", "action", "token"))
+    assert lc.shape == (5,) and la.shape == (5, CHUNK) and lt.shape == (5, CHUNK, ACTION_DIM)
+    torch.testing.assert_close(lt, terms)
+    torch.testing.assert_close(la, lt.sum(-1))
+    torch.testing.assert_close(lc, la.sum(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(lc, out.logprob, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ec, et.sum((1, 2)), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ea, et.sum(-1))
+    torch.testing.assert_close(vc, vt)
+
+
+@pytest.mark.parametrize("family", ["flow", "flow-chain", "tokens"])
+def test_gradients_reach_every_trainable_parameter(family):
+    policy = make(family)
+    obs = make_obs(SPEC, 6)
+    out, scored = sample(policy, obs)
+    logprob, value, entropy = policy.evaluate(scored, out.actions)
+    (-logprob.mean() + value.pow(2).mean() - 0.01 * entropy.mean()).backward()
+    for name, p in policy.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_train_expert_only_freezes_the_prefix():
+    policy = make("flow", train_expert_only=True)
+    obs = make_obs(SPEC, 6)
+    out = policy.act(obs)
+    logprob, value, _ = policy.evaluate(obs, out.actions)
+    (-logprob.mean() + value.pow(2).mean()).backward()
+    prefix = dict(policy.prefix.named_parameters())
+    assert prefix and all(not p.requires_grad and p.grad is None for p in prefix.values())
+    trainable = {n: p for n, p in policy.named_parameters() if not n.startswith("prefix.")}
+    assert any(n.startswith("gemma_expert.") for n in trainable)
+    for name, p in trainable.items():
+        assert p.requires_grad and p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("family", ["flow", "tokens"])
+def test_bfloat16_runs_and_scores_in_float32(family):
+    policy = make(family, dtype="bfloat16")
+    assert next(policy.parameters()).dtype == torch.bfloat16
+    obs = make_obs(SPEC, 4)
+    out = policy.act(obs)
+    assert out.actions.dtype == out.logprob.dtype == torch.float32
+    logprob, value, _ = policy.evaluate(obs, out.actions)
+    assert logprob.dtype == torch.float32 and torch.isfinite(logprob).all()
+    torch.testing.assert_close(logprob.detach(), out.logprob, atol=0.5, rtol=0.05)
+
+
+def test_size_presets_and_their_checks():
+    counts = {(name, size): count_preset_parameters(name, size, SPEC, ACTION_DIM, CHUNK, VOCAB)
+              for name in ("flow", "tokens") for size in ("tiny", "full")}
+    assert 1e5 < counts["flow", "tiny"] < 2e6 and 1e5 < counts["tokens", "tiny"] < 2e6
+    assert 3.0e9 < counts["flow", "full"] < 3.5e9  # π0: PaliGemma-3B + 300M expert
+    assert 6.8e9 < counts["tokens", "full"] < 7.4e9  # Llama-2-7B + SigLIP so400m
+    with pytest.raises(ValueError, match="presets: tiny, small, full"):
+        make("flow", size="huge")
+    with pytest.raises(ValueError, match="logprob_granularity"):
+        make("tokens", logprob_granularity="word")
+    with pytest.raises(ValueError, match="flow policy needs observation .image."):
+        make_policy("flow", {"state": ((3,), "<f4")}, ACTION_DIM, CHUNK, VOCAB)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("family", ["flow", "tokens"])
+def test_hf_folder_round_trip_is_exact(tmp_path, family):
+    policy = make(family, logprob_granularity="action")
+    with torch.no_grad():  # weights unlike any fresh init
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    folder = save_pretrained(policy, tmp_path / "ckpt")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["hpcvla_policy"] == family and config["kwargs"]["logprob_granularity"] == "action"
+    keys = set(load_file(str(folder / "model.safetensors")))
+    if family == "flow":  # LeRobot π0 names
+        assert "model.paligemma_with_expert.gemma_expert.model.layers.0.self_attn.q_proj.weight" \
+            in keys
+        assert "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model." \
+            "embeddings.patch_embedding.weight" in keys and "model.action_in_proj.weight" in keys
+    else:  # OpenVLA names for the language model
+        assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys
+    assert "rl.value_head.0.weight" in keys
+
+    loaded = load_pretrained(folder)
+    assert type(loaded) is type(policy)
+    ours, theirs = policy.state_dict(), loaded.state_dict()
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        assert ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]), k
+    obs = make_obs(SPEC, 3)
+    torch.testing.assert_close(policy.act(obs, deterministic=True), loaded.act(obs, True),
+                               rtol=0, atol=0)
+    save_pretrained(loaded, tmp_path / "again")  # and back: the same tensors, names, config
+    again = load_file(str(tmp_path / "again/model.safetensors"))
+    first = load_file(str(folder / "model.safetensors"))
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+    assert json.loads((tmp_path / "again/config.json").read_text()) == config
+
+
+def test_loading_names_missing_and_misshaped_tensors(tmp_path):
+    policy = make("flow")
+    folder = save_pretrained(policy, tmp_path / "ckpt")
+    tensors = load_file(str(folder / "model.safetensors"))
+    expert_q = "model.paligemma_with_expert.gemma_expert.model.layers.1.self_attn.q_proj.weight"
+    broken = dict(tensors)
+    del broken[expert_q]
+    broken["model.action_out_proj.weight"] = torch.zeros(5, 5)
+    broken["model.extra.weight"] = torch.zeros(1)
+    save_file(broken, folder / "model.safetensors")
+    with pytest.raises(ValueError) as err:
+        load_pretrained(folder)
+    message = str(err.value)
+    assert f"missing {expert_q}" in message
+    assert "misshaped model.action_out_proj.weight: file (5, 5), model (3, 32)" in message
+    assert "unexpected model.extra.weight" in message
+
+    # a VLA checkpoint without the RL heads loads; the heads keep their initial values
+    vla_only = {k: v for k, v in tensors.items() if not k.startswith("rl.")}
+    save_file(vla_only, tmp_path / "vla.safetensors")
+    fresh = make("flow", seed=1)
+    head = fresh.value_head[0].weight.detach().clone()
+    assert set(load_weights(fresh, tmp_path / "vla.safetensors")) == \
+        {"log_std", "value_head.0.weight", "value_head.0.bias", "value_head.2.weight",
+         "value_head.2.bias"}
+    assert torch.equal(fresh.value_head[0].weight, head)
+    assert torch.equal(fresh.action_out_proj.weight, policy.action_out_proj.weight)
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+@pytest.mark.parametrize("family,granularity", [("flow", "chunk"), ("flow-chain", "token"),
+                                                ("tokens", "chunk"), ("tokens", "token")])
+def test_ppo_steps_on_a_fixed_batch_lower_the_loss(family, granularity):
+    policy = make(family, logprob_granularity=granularity)
+    obs = make_obs(SPEC, 16, seed=2)
+    out, scored = sample(policy, obs)
+    reward = -(out.actions - 0.3).pow(2).sum((1, 2))  # prefer chunks near 0.3
+    adv, ret = gae(reward[None], out.value[None], torch.ones(1, 16, dtype=torch.bool),
+                   torch.zeros(16), gamma=0.99, lam=0.95)
+    adv, ret = normalize_advantages(adv[0]), ret[0]
+    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+
+    def loss_fn():
+        logprob, value, _ = policy.evaluate(scored, out.actions)
+        proximal = policy.unit_logprobs(scored, out.actions).detach() if granularity == "token" \
+            else out.logprob
+        pg, _ = decoupled_ppo_loss(logprob, proximal, out.logprob, adv)
+        return pg + 0.5 * value_loss(value, out.value, ret)
+
+    losses = []
+    for _ in range(6):
+        loss = loss_fn()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert loss_fn().item() < losses[0] - 0.05, losses
+
+
+# ----------------------------------------------------------------------------- DeepSpeed
+
+
+@pytest.mark.parametrize("overrides", [
+    ["policy.name=flow", "policy.train_expert_only=true", "policy.logprob_granularity=action"],
+    ["policy.name=tokens", "policy.logprob_granularity=token"],
+], ids=["flow", "tokens"])
+def test_zero3_training_of_each_family(tmp_path, overrides):
+    """Every rank learns (colocated), ZeRO-3 shards parameters over the 4 learners: the
+    learner's engine(obs, actions) gathers them in forward hooks; weights reach the actors."""
+    out, summary, _ = run_train(tmp_path, *overrides, "learner.zero_stage=3",
+                                "pipeline.total_updates=2", config="configs/colocated.yaml")
+    assert "[hpcvla] update 2/2" in out.stdout
+    assert summary["staleness_hist"] == {"0": 4 * 2 * 32}
+    assert summary["env_steps"] > 0 and summary["success_rate"] is not None
+
+
+def test_policies_benchmark_quick(tmp_path):
+    """CI's short run of `hpcvla bench policies`: counts for every preset, times for tiny."""
+    from test_mpi_world import hpcvla
+
+    out = hpcvla("bench", "policies", "--quick", "--json", tmp_path / "p.json", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "p.json").read_text())["policies"]
+    assert set(rows) == {f"{f}/{s}" for f in ("flow", "tokens") for s in ("tiny", "small", "full")}
+    for family in ("flow", "tokens"):
+        assert rows[f"{family}/tiny"]["act_ms"] > 0 and rows[f"{family}/tiny"]["train_step_ms"] > 0
+        assert rows[f"{family}/tiny"]["parameters"] < rows[f"{family}/small"]["parameters"] \
+            < rows[f"{family}/full"]["parameters"]
