@@ -6,6 +6,8 @@ rollout resumes with the new weights. Nothing overlaps, so no sample is ever sta
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hpcvla.roles.learner import full_state, learn
@@ -13,12 +15,13 @@ from hpcvla.roles.segments import SegmentBuilder
 
 
 def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
-                  save, stop, dump=None) -> int:
+                  save, stop, dump=None, emulate_ms=None) -> int:
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
     refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
     `save(version, weights, last)` checkpoints when due; `dump` (metrics/dump.py), if given,
-    gets every segment group."""
+    gets every segment group; `emulate_ms(envs)`, if given, is the emulated forward-pass
+    time (as on an inference rank)."""
     policy, spec = actor, env.spec
     actor.load_arrays(full_state(engine))  # collective under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
@@ -28,9 +31,12 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
     version = first
     while True:
         with timeline.span("infer"):
+            begin = time.monotonic()
             with torch.no_grad():
                 out = policy.act(policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
+            if emulate_ms:  # the emulated cost is the whole forward pass
+                time.sleep(max(0.0, begin + emulate_ms(env.num_envs) / 1e3 - time.monotonic()))
         if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
             builder.record_outcome(result.reward, result.terminated | result.truncated,
                                    result.success, result.episode_return)

@@ -89,7 +89,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env, first,
                                              cfg.pipeline.total_updates, timeline, progress,
                                              save, stop=lambda: preempt.agreed(comms.learners),
-                                             dump=dump)
+                                             dump=dump, emulate_ms=_emulated_inference(cfg))
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         env.close()
     else:
