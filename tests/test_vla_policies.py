@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributions import Categorical, Normal
 
 from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
-from hpcvla.policies import (POLICIES, ActionTokenPolicy, ActOutput, FlowPolicy, Policy,
-                             load_pretrained, make_policy, save_pretrained)
+from hpcvla.policies import (POLICIES, ActOutput, Policy, load_pretrained, make_policy,
+                             save_pretrained)
 from hpcvla.policies.tokens import BINS, bin_centres, bins_of
 from hpcvla.policies.vla import count_preset_parameters, load_weights
 from test_pipeline import run_train

@@ -28,6 +28,8 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, save_file
 
+from hpcvla.transport.backoff import idle_barrier
+
 FORMAT = 1
 MODEL = "model.safetensors"
 STATE = "state.json"
@@ -62,7 +64,7 @@ def save(run_dir: Path, engine, weights: dict[str, np.ndarray] | None, version: 
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    learners.Barrier()
+    idle_barrier(learners)  # a blocking barrier spins while learner 0 writes
     tensors, groups = _optimizer_tensors(engine)
     tensors["rng.torch_cpu"] = torch.get_rng_state()
     name = f"optimizer.rank{rank}.safetensors"
@@ -70,7 +72,7 @@ def save(run_dir: Path, engine, weights: dict[str, np.ndarray] | None, version: 
     mine = {"file": name, "sha256": _sha256(partial / name), "param_groups": groups}
     everyone = learners.gather(mine, root=0)
     if rank != 0:
-        learners.Barrier()
+        idle_barrier(learners)
         return None
     save_numpy({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(partial / MODEL))
     state = {"format": FORMAT, "version": version, "counters": counters,
@@ -82,7 +84,7 @@ def save(run_dir: Path, engine, weights: dict[str, np.ndarray] | None, version: 
     os.replace(partial, final)  # the checkpoint exists completely or not at all
     for old in sorted(p for p in final.parent.glob("v[0-9]*") if p.suffix != ".partial")[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    learners.Barrier()
+    idle_barrier(learners)
     return final
 
 

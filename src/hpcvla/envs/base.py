@@ -65,6 +65,14 @@ class VectorEnv(abc.ABC):
         """Release simulator resources."""
 
 
+def check_reset_args(num_envs: int, seeds, init_state_ids) -> None:
+    """`VectorEnv.reset`'s per-env arrays must have one entry per env."""
+    for name, arr in (("seeds", seeds), ("init_state_ids", init_state_ids)):
+        if arr is not None and np.shape(arr) != (num_envs,):
+            raise ValueError(f"reset: {name} must have shape ({num_envs},), "
+                             f"got {np.shape(arr)}")
+
+
 def obs_dtype(spec: EnvSpec, num_envs: int) -> np.dtype:
     """A structured dtype with one (num_envs, *shape) field per observation entry.
 

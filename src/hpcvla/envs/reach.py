@@ -46,7 +46,8 @@ import time
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
+from hpcvla.emulate import pad
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
 
 PALETTE = {  # name -> RGB; all far from the table colour and from white
     "red": (220, 40, 40),
@@ -153,10 +154,7 @@ class ReachEnv(VectorEnv):
 
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        for name, arr in (("seeds", seeds), ("init_state_ids", init_state_ids)):
-            if arr is not None and np.shape(arr) != (self.num_envs,):
-                raise ValueError(f"reset: {name} must have shape ({self.num_envs},), "
-                                 f"got {np.shape(arr)}")
+        check_reset_args(self.num_envs, seeds, init_state_ids)
         if seeds is not None:
             self._rngs = [np.random.default_rng(int(s)) for s in seeds]
         for i in range(self.num_envs):
@@ -274,7 +272,7 @@ class ReachEnv(VectorEnv):
                                             self.latency_sigma, size=self.num_envs)
         self.last_latency_s = float(draws.max())
         if self.latency_sleep:  # else the caller holds the result back (shards in flight)
-            time.sleep(max(0.0, begin + self.last_latency_s - time.monotonic()))
+            pad(begin, self.last_latency_s)
 
     def close(self) -> None:
         pass  # nothing to release

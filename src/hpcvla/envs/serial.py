@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
 
 _STREAM = 0x51_0E  # mixed into per-env seeds so they differ from other envs' streams
 
@@ -147,10 +147,7 @@ class SerialVectorEnv(VectorEnv):
 
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        for name, arr in (("seeds", seeds), ("init_state_ids", init_state_ids)):
-            if arr is not None and np.shape(arr) != (self.num_envs,):
-                raise ValueError(f"reset: {name} must have shape ({self.num_envs},), "
-                                 f"got {np.shape(arr)}")
+        check_reset_args(self.num_envs, seeds, init_state_ids)
         if seeds is not None:
             self._rngs = [np.random.default_rng([int(s), _STREAM]) for s in seeds]
         for i in range(self.num_envs):

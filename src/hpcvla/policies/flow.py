@@ -193,7 +193,8 @@ class FlowPolicy(VLAPolicy):
         chain, terms, state_out = [], torch.zeros_like(x), None
         for k, t in enumerate(self._times(B, pad.device)):
             velocity, out = self._velocity(cache, pad, state, x, t)
-            state_out = out if k == 0 else state_out
+            if k == 0:  # the value head reads the state features of the first step
+                state_out = out
             chain.append(x)
             mean = x - velocity / K
             noisy = self.logprob_mode == "chain" or k == K - 1
@@ -214,7 +215,8 @@ class FlowPolicy(VLAPolicy):
             x = torch.zeros_like(actions)
             for k, t in enumerate(self._times(B, pad.device)):
                 velocity, out = self._velocity(cache, pad, state, x, t)
-                state_out = out if k == 0 else state_out
+                if k == 0:  # the value head reads the state features of the first step
+                    state_out = out
                 x = x - velocity / K
             terms = _gaussian(actions, x, log_std)
         else:

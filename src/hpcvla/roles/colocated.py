@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from hpcvla.emulate import pad
 from hpcvla.roles.learner import full_state, learn
 from hpcvla.roles.segments import SegmentBuilder
 
@@ -36,7 +37,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                 out = policy.act(policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
             if emulate_ms:  # the emulated cost is the whole forward pass
-                time.sleep(max(0.0, begin + emulate_ms(env.num_envs) / 1e3 - time.monotonic()))
+                pad(begin, emulate_ms(env.num_envs) / 1e3)
         if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
             builder.record_outcome(result.reward, result.terminated | result.truncated,
                                    result.success, result.episode_return)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.segments import SegmentBuilder
 from hpcvla.roles.simulator import OUTCOME_FIELDS
@@ -108,8 +109,7 @@ class InferenceServer:
                 out = self.policy.act(self.policy.obs_to_tensors(obs, "cpu"))
             actions, logprob, value = (t.cpu().numpy() for t in out)
             if self.emulate_ms:  # the emulated cost is the whole forward pass
-                cost = self.emulate_ms(len(slots) * n) / 1e3
-                time.sleep(max(0.0, begin + cost - time.monotonic()))
+                pad(begin, self.emulate_ms(len(slots) * n) / 1e3)
             for i, slot in enumerate(slots):
                 exchange.request_actions(slot)["actions"][...] = actions[i * n:(i + 1) * n]
                 exchange.request_actions(slot)["stop"] = 0

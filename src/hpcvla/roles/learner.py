@@ -17,6 +17,7 @@ from collections import defaultdict, deque
 import numpy as np
 import torch
 
+from hpcvla.emulate import pad
 from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
@@ -120,8 +121,7 @@ def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
         engine.backward(loss)
         engine.step()
         if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
-            cost = cfg.emulate.learner_ms_per_micro_batch / 1e3
-            time.sleep(max(0.0, begin + cost - time.monotonic()))
+            pad(begin, cfg.emulate.learner_ms_per_micro_batch / 1e3)
     return logprob.detach() if proximal is None else proximal, stats
 
 
@@ -178,8 +178,9 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
                 while have < need:
                     backoff.wait()
                     queues.pump()
-                    if queues.available(version) != have:
-                        last, have = time.monotonic(), queues.available(version)
+                    now_have = queues.available(version)
+                    if now_have != have:
+                        last, have = time.monotonic(), now_have
                     elif time.monotonic() - last > cfg.pipeline.stall_timeout_s:
                         raise RuntimeError(
                             f"no trajectory for {cfg.pipeline.stall_timeout_s:g} s while "
