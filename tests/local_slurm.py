@@ -279,9 +279,18 @@ class LocalSlurm:
             raise SlurmError(f"qsub gave no job id:\n{out.stdout}{out.stderr}")
         return job
 
+    def _query(self, argv, attempts=3) -> subprocess.CompletedProcess:
+        """A read-only command, retried: on a loaded machine munged may time a slow client
+        out and close its socket, and the client then dies of SIGPIPE (CI saw exit -13)."""
+        for attempt in range(1, attempts + 1):
+            out = self._run(argv, check=attempt == attempts)
+            if out.returncode == 0:
+                return out
+            time.sleep(1.0)
+
     def job(self, job_id: str) -> dict:
         """`scontrol show job` as a dict of its Key=Value fields."""
-        out = self._run(["scontrol", "show", "job", "--oneliner", job_id])
+        out = self._query(["scontrol", "show", "job", "--oneliner", job_id])
         fields = {}
         for item in out.stdout.split():
             key, _, value = item.partition("=")
@@ -303,7 +312,7 @@ class LocalSlurm:
     def signal_batch_shell(self, job_id: str, sig: int) -> None:
         """Signal the batch shell alone, as `#SBATCH --signal=B:<sig>@<time>` does before the
         time limit (`scancel --batch` would also signal its children, srun included)."""
-        out = self._run(["scontrol", "listpids", job_id]).stdout.split("\n")[1:]
+        out = self._query(["scontrol", "listpids", job_id]).stdout.split("\n")[1:]
         batch = {int(line.split()[0]) for line in out if line.split()[2:3] == ["batch"]}
 
         def parent(pid):
