@@ -11,9 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcvla.algorithms import (decoupled_ppo_loss, episodes_of, expand_like, gae,
-                               group_advantages, grpo_loss, per_episode, reduce_units, sum_to,
-                               unit_gae, unit_rewards, value_loss)
+from hpcvla.algorithms import (decoupled_ppo_loss, episodes_of, expand_like,
+                               first_episode_advantages, gae, group_advantages, grpo_loss,
+                               per_episode, reduce_units, sum_to, unit_gae, unit_rewards,
+                               value_loss)
+from hpcvla.config import ConfigError, load_config
+from hpcvla.envs import make_env
+from hpcvla.envs.groups import GroupedRestarts
+from hpcvla.roles.modes import check_pipeline
+from hpcvla.topology.plan import plan_from_config
+from test_mpi_world import ROOT
 
 # ----------------------------------------------------------------------------- GRPO
 
@@ -85,6 +92,52 @@ def test_episodes_in_chunk_steps():
     assert per_episode(success, index, 4).tolist() == [1, 0, 1, 0]
     init_ids = torch.tensor([[11, 20], [11, 21], [12, 21], [12, 21]])
     assert per_episode(init_ids, index, 4, reduce="first").tolist() == [11, 12, 20, 21]
+
+
+def test_first_episode_advantages_score_only_each_columns_first_episode():
+    # 4 columns in groups of 2, T = 4. Column 0 succeeds at t=1 then starts a second episode
+    # (auto-reset) that also succeeds: only the first counts. Column 1 fails (truncated at
+    # t=3). Group 1 (columns 2, 3): both fail -> degenerate.
+    done = torch.tensor([[0, 0, 0, 0], [1, 0, 0, 1], [0, 0, 1, 0], [1, 1, 0, 0]]).bool()
+    success = torch.tensor([[0, 0, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]]).bool()
+    episodes, index = first_episode_advantages(done, success, group_size=2)
+    first = index[0]
+    # group 0: scores 1, 0 -> +1, -1 (mean .5, std .5)
+    torch.testing.assert_close(episodes.advantages[first], torch.tensor([1.0, -1.0, 0.0, 0.0]))
+    assert episodes.keep[first].tolist() == [True, True, False, False]
+    assert episodes.keep.sum() == 2  # later episodes of columns 0, 2, 3 are not kept
+    assert episodes.groups == 2 and episodes.degenerate_groups == 1
+    # every step of column 0 after its first episode carries no advantage
+    assert episodes.keep[index[:, 0]].tolist() == [True, True, False, False]
+
+
+def test_grouped_restarts_share_initial_states_and_restart_every_segment():
+    env = GroupedRestarts(make_env("reach", 8, seed=3, max_episode_chunks=5), every=5,
+                          group_size=4, seed=11)
+    image = env.reset()["image"]
+    assert all((image[g * 4] == image[g * 4 + i]).all() for g in range(2) for i in range(4))
+    assert not (image[0] == image[4]).all()  # the two groups start from different states
+    rng = np.random.default_rng(0)
+    ended = np.zeros(8, bool)
+    for step in range(1, 11):
+        result = env.step(rng.uniform(-1, 1, (8, env.spec.chunk_len, env.spec.action_dim)))
+        ended |= result.terminated | result.truncated
+        if step % 5 == 0:  # the horizon: every env's first episode of the segment ended ...
+            assert ended.all()
+            ended[:] = False
+            restart = result.obs["image"]  # ... and the next observation is a grouped restart
+            assert all((restart[g * 4] == restart[g * 4 + i]).all()
+                       for g in range(2) for i in range(4))
+            assert not (restart == image).all()  # fresh initial states each segment
+    env.close()
+
+
+def test_grpo_settings_checked_before_ranks_start():
+    with pytest.raises(ConfigError, match="rollout.segment_len = 8: expected env.max_episode"):
+        load_config(ROOT / "configs/default.yaml", ["algorithm.name=grpo"])
+    cfg = load_config(ROOT / "configs/reach_grpo.yaml", ["algorithm.group_size=3"])
+    with pytest.raises(ConfigError, match="algorithm.group_size = 3: expected a divisor"):
+        check_pipeline(cfg, plan_from_config(cfg.placement, 4))
 
 
 def test_grpo_loss_masks_filtered_episodes():

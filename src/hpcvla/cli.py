@@ -84,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
                          help="dump files, or run directories (all their dumps)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
 
+    evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
+                                           "of its untrained policy) on fixed initial states")
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    evaluate.add_argument("--episodes", type=int, default=128, help="episodes (default 128)")
+    evaluate.add_argument("--untrained", action="store_true",
+                          help="the policy as the run's config initialises it")
+    evaluate.add_argument("--json", action="store_true", help="machine-readable output")
+
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
     launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
@@ -221,5 +229,28 @@ def cmd_inspect(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from pathlib import Path
+
+    from hpcvla.checkpoint import CheckpointError
+    from hpcvla.evaluate import checkpoint_weights, evaluate
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+        return 2
+    cfg = load_config(run_dir / "config.yaml")
+    try:
+        weights, version = (None, 0) if args.untrained else checkpoint_weights(run_dir)
+    except CheckpointError as err:
+        print(f"hpcvla eval: {err}", file=sys.stderr)
+        return 2
+    result = {"run_dir": str(run_dir), "version": version,
+              **evaluate(cfg, weights, episodes=args.episodes, seed=cfg.run.seed)}
+    print(json.dumps(result) if args.json else
+          f"policy version {version}: success {result['success_rate']:.3f} over "
+          f"{result['episodes']} episodes, mean return {result['mean_return']:.2f}")
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch,
-            "inspect": cmd_inspect}
+            "inspect": cmd_inspect, "eval": cmd_eval}

@@ -90,6 +90,25 @@ def per_episode(values: torch.Tensor, index: torch.Tensor, episodes: int,
     raise ValueError(f"reduce {reduce!r}: expected 'sum' or 'first'")
 
 
+def first_episode_advantages(done: torch.Tensor, step_scores: torch.Tensor, group_size: int,
+                             normalize_std: bool = True) -> tuple[GroupAdvantages, torch.Tensor]:
+    """GRPO advantages of (T, N) segments whose every column starts a grouped episode at
+    t = 0 (envs/groups.py restarts them so): column c belongs to group c // group_size, its
+    first episode is scored by summing `step_scores` (success flags or rewards) over it;
+    later (auto-reset) episodes and unfinished ones are not kept. Returns the advantages
+    and the episode index of each step, as `grpo_loss` takes them."""
+    index, complete = episodes_of(done)
+    episodes = complete.numel()
+    first = torch.zeros(episodes, dtype=torch.bool)
+    first[index[0]] = True
+    column_group = torch.div(torch.arange(done.shape[1]), group_size,
+                             rounding_mode="floor").expand_as(index)
+    groups = per_episode(column_group, index, episodes, reduce="first")
+    scores = per_episode(step_scores.double(), index, episodes, reduce="sum")
+    return group_advantages(scores, groups, valid=complete & first,
+                            normalize_std=normalize_std), index
+
+
 def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvantages,
               index: torch.Tensor, clip: float = 0.2, max_behaviour_weight: float = 2.0):
     """GRPO's policy loss over (T, N) chunk-steps (or finer units, (T, N, *units)): each
@@ -101,4 +120,5 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
                               mask=episodes.keep[index])
 
 
-__all__ = ["GroupAdvantages", "group_advantages", "episodes_of", "per_episode", "grpo_loss"]
+__all__ = ["GroupAdvantages", "group_advantages", "episodes_of", "per_episode",
+           "first_episode_advantages", "grpo_loss"]

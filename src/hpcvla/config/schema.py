@@ -197,8 +197,20 @@ class PolicyConfig:
 @dataclass
 class AlgorithmConfig:
     name: str = setting(
-        "ppo", "RL algorithm: PPO with chunk-level GAE and the decoupled (staleness-aware) "
-        "objective.", choices=("ppo",))
+        "ppo", "RL algorithm, both with the decoupled (staleness-aware) objective. `ppo`: "
+        "actor-critic, chunk-level GAE. `grpo`: critic-free, each episode's advantage is its "
+        "score against its group's (episodes from one initial state; envs restart in groups "
+        "every segment, so rollout.segment_len must equal env.max_episode_chunks).",
+        choices=("ppo", "grpo"))
+    group_size: int = setting(
+        8, "GRPO: episodes per group (consecutive envs of a shard, so it must divide the envs "
+        "per shard). Larger groups: better baselines, fewer distinct initial states.", ge=2)
+    group_score: str = setting(
+        "success", "GRPO: what an episode is scored by: `success` (0/1, the papers' sparse "
+        "reward) or `return` (summed reward).", choices=("success", "return"))
+    group_normalize_std: bool = setting(
+        True, "GRPO: divide advantages by the group's std (false: only centre them, as Dr. "
+        "GRPO argues, so easy and hard groups weigh alike).")
     lr: float = setting(3e-4, "Adam learning rate: faster learning vs. stability.", ge=0)
     gamma: float = setting(
         0.99, "Discount per action chunk: higher values look further ahead, with noisier "
@@ -335,6 +347,11 @@ class Config:
             elif version >= self.pipeline.total_updates:
                 problems.append(("pipeline.total_updates", self.pipeline.total_updates,
                                  f"more than the resumed checkpoint's version {version}"))
+        if self.algorithm.name == "grpo" and \
+                self.rollout.segment_len != self.env.max_episode_chunks:
+            problems.append(("rollout.segment_len", self.rollout.segment_len,
+                             f"env.max_episode_chunks ({self.env.max_episode_chunks}) for "
+                             "algorithm.name=grpo: a segment holds one grouped episode per env"))
         if self.env.envs_per_simulator % self.env.shards:
             problems.append(("env.shards", self.env.shards,
                              f"a divisor of env.envs_per_simulator ({self.env.envs_per_simulator})"))

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from hpcvla.emulate import pad
-from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
+from hpcvla.algorithms import (decoupled_ppo_loss, first_episode_advantages, gae, grpo_loss,
+                               normalize_advantages, value_loss)
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -65,9 +66,9 @@ def full_state(engine) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
 
-def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
-    """The PPO loss of a micro-batch of segment groups, stacked along the env axis. `model`
-    is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate."""
+def policy_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The PPO or GRPO loss of a micro-batch of segment groups, stacked along the env axis.
+    `model` is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate."""
     T, N = batch["logprob"].shape
     obs = {k[4:]: torch.as_tensor(v).reshape(T * N, *v.shape[2:])
            for k, v in batch.items() if k.startswith("obs.")}
@@ -75,21 +76,31 @@ def ppo_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict
     logprob, value, entropy = model(obs, actions)
     # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
     logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))
-    old_value = torch.as_tensor(batch["value"])
-    advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
-                              torch.as_tensor(batch["done"]),
-                              torch.as_tensor(batch["bootstrap_value"]),
-                              cfg.algorithm.gamma, cfg.algorithm.gae_lambda)
-    advantages = normalize_advantages(advantages)
+    behaviour = torch.as_tensor(batch["logprob"])
     # Decoupled PPO (AReaL): clip around the proximal policy (the learner's weights when this
     # version's training began), importance-weight to the behaviour policy that acted.
     proximal = logprob.detach() if proximal is None else proximal
-    pg_loss, stats = decoupled_ppo_loss(logprob, proximal,
-                                        torch.as_tensor(batch["logprob"]), advantages,
-                                        cfg.algorithm.clip, cfg.algorithm.max_behaviour_weight)
-    v_loss = value_loss(value, old_value, returns,
-                        cfg.algorithm.clip if cfg.algorithm.value_clip else None)
-    loss = pg_loss + cfg.algorithm.value_coef * v_loss - cfg.algorithm.entropy_coef * entropy.mean()
+    alg = cfg.algorithm
+    if alg.name == "grpo":  # critic-free: the value head is not trained
+        scores = batch["success" if alg.group_score == "success" else "reward"]
+        episodes, index = first_episode_advantages(torch.as_tensor(batch["done"]),
+                                                   torch.as_tensor(scores), alg.group_size,
+                                                   alg.group_normalize_std)
+        pg_loss, stats = grpo_loss(logprob, proximal, behaviour, episodes, index, alg.clip,
+                                   alg.max_behaviour_weight)
+        v_loss = torch.zeros(())
+        stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))
+    else:
+        old_value = torch.as_tensor(batch["value"])
+        advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
+                                  torch.as_tensor(batch["done"]),
+                                  torch.as_tensor(batch["bootstrap_value"]), alg.gamma,
+                                  alg.gae_lambda)
+        pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour,
+                                            normalize_advantages(advantages), alg.clip,
+                                            alg.max_behaviour_weight)
+        v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None)
+    loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy.mean()
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
                  entropy=float(entropy.mean().detach()))
     return loss, stats, logprob
@@ -107,17 +118,25 @@ def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
         batch["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
         proximal, stats = _train_micro_batch(cfg, engine, batch, timeline)
         staleness = float(np.mean([version - g["version"][0] for g in groups]))
-        progress.on_micro_batch(batch, stats, staleness)
+        progress.on_micro_batch(_scored(cfg, batch), stats, staleness)
         seen.append((batch, proximal))
     for _ in range(1, cfg.learner.epochs):
         for batch, proximal in seen:
             _train_micro_batch(cfg, engine, batch, timeline, proximal)
 
 
+def _scored(cfg, batch: dict) -> dict:
+    """The episodes that count in the success metrics: under GRPO only each column's first
+    (grouped) episode; later ones are cut short by the next restart (envs/groups.py)."""
+    if cfg.algorithm.name != "grpo":
+        return batch
+    return dict(batch, done=batch["done"] & (np.cumsum(batch["done"], axis=0) == 1))
+
+
 def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
     with timeline.span("train"):
         begin = time.monotonic()
-        loss, stats, logprob = ppo_loss(cfg, engine, batch, proximal)
+        loss, stats, logprob = policy_loss(cfg, engine, batch, proximal)
         engine.backward(loss)
         engine.step()
         if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass

@@ -72,6 +72,10 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
         problems.append(("learner.micro_batch", cfg.learner.micro_batch,
                          f"a multiple of the envs per shard ({envs_per_shard} = "
                          f"env.envs_per_simulator / {shards} shard(s) in this mode)"))
+    if cfg.algorithm.name == "grpo" and envs_per_shard % cfg.algorithm.group_size:
+        problems.append(("algorithm.group_size", cfg.algorithm.group_size,
+                         f"a divisor of the envs per shard ({envs_per_shard}): a group's "
+                         "episodes restart together"))
     if not colocated and not problems:
         batch = cfg.learner.micro_batch * cfg.learner.micro_batches
         for learner in plan.learners:

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from hpcvla import checkpoint, preempt
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import env_kwargs, env_spec, make_env
+from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.policies import make_policy, policy_kwargs
@@ -46,7 +47,10 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
         kwargs["latency_sleep"] = latency_sleep
     else:
         kwargs["first_env"] = first_env
-    return make_env(cfg.env.name, n, seed, **kwargs)
+    env = make_env(cfg.env.name, n, seed, **kwargs)
+    if cfg.algorithm.name == "grpo":  # GRPO compares episodes started from one state
+        env = GroupedRestarts(env, cfg.rollout.segment_len, cfg.algorithm.group_size, seed)
+    return env
 
 
 def build_policy(cfg, spec):

@@ -1,0 +1,59 @@
+"""Episode groups for GRPO: every `every` chunk-steps, all envs restart together, each group
+of `group_size` consecutive envs from one shared initial state.
+
+GRPO compares episodes that started from the same state (algorithms/grpo.py). The pipeline
+ships fixed-length trajectory segments, so with `every` = segment length = the task horizon
+(`max_episode_chunks`), each segment column starts with a fresh grouped episode that ends
+inside the segment (success or truncation); what an env does after its episode ended (it
+auto-resets) is masked out by the learner. The restart replaces the observation of the
+segment's last step: GRPO needs no bootstrap value, so nothing is lost.
+
+Initial state ids come from this wrapper's own generator (seeded per shard), so groups of
+different shards and of successive segments start from different states.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcvla.envs.base import StepResult, VectorEnv
+
+_GROUP_STREAM = 0x6E0  # mixed into the seed: ids differ from the env's own seed stream
+
+
+class GroupedRestarts(VectorEnv):
+    def __init__(self, env: VectorEnv, every: int, group_size: int, seed: int):
+        if env.num_envs % group_size:
+            raise ValueError(f"group_size {group_size} must divide num_envs {env.num_envs}")
+        self.env, self.every, self.group_size = env, every, group_size
+        self.num_envs, self.spec = env.num_envs, env.spec
+        self.rng = np.random.default_rng([seed, _GROUP_STREAM])
+        self.steps = 0
+
+    def __getattr__(self, name):  # latency_sleep, last_latency_s, failures, ... of the env
+        return getattr(self.env, name)
+
+    def grouped_ids(self) -> np.ndarray:
+        """One fresh initial state id per group, repeated for its members."""
+        ids = self.rng.integers(0, 2 ** 31 - 1, self.num_envs // self.group_size)
+        return np.repeat(ids, self.group_size)
+
+    def reset(self, seeds=None, init_state_ids=None) -> dict[str, np.ndarray]:
+        self.steps = 0
+        if init_state_ids is None:
+            init_state_ids = self.grouped_ids()
+        return self.env.reset(seeds=seeds, init_state_ids=init_state_ids)
+
+    def step(self, actions: np.ndarray) -> StepResult:
+        result = self.env.step(actions)
+        self.steps += 1
+        if self.steps % self.every:
+            return result
+        # the outcome of this step stands; the next observation is a grouped restart
+        return result._replace(obs=self.env.reset(init_state_ids=self.grouped_ids()))
+
+    def instructions(self) -> list[str]:
+        return self.env.instructions()
+
+    def close(self) -> None:
+        self.env.close()

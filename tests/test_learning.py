@@ -1,0 +1,40 @@
+"""Learning smoke tests: each policy family and algorithm, trained briefly by the real
+pipeline (streamer, 4 ranks, DeepSpeed), beats its own untrained policy on the same 128
+initial states of `reach`. No timing asserts; the budgets are in env steps (updates x 32
+segments x segment_len chunks x 4 steps)."""
+
+import json
+
+import pytest
+
+from hpcvla.config import load_config
+from hpcvla.evaluate import checkpoint_weights, evaluate
+from test_mpi_world import hpcvla
+from test_pipeline import run_train
+
+MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81, flow 0.84, tokens 0.26
+
+
+@pytest.mark.parametrize("config,updates", [
+    ("configs/default.yaml", 40),      # CNN actor-critic, PPO
+    ("configs/reach_grpo.yaml", 50),   # CNN, GRPO (critic-free, grouped restarts)
+    ("configs/reach_flow.yaml", 80),   # π0-style flow-matching expert, PPO
+    ("configs/reach_tokens.yaml", 120),  # OpenVLA-OFT-style parallel action tokens, PPO
+])
+def test_training_beats_the_untrained_policy(tmp_path, config, updates):
+    _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}",
+                                    config=config)
+    cfg = load_config(run_dir / "config.yaml")
+    weights, version = checkpoint_weights(run_dir)
+    assert version == updates
+    untrained = evaluate(cfg, None)
+    trained = evaluate(cfg, weights)
+    assert trained["episodes"] == untrained["episodes"] == 128
+    assert trained["success_rate"] >= untrained["success_rate"] + MARGIN, (untrained, trained)
+    assert trained["mean_return"] > untrained["mean_return"]
+    if config == "configs/default.yaml":  # the CLI says the same (evaluation is seeded)
+        out = hpcvla("eval", run_dir, "--json")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["success_rate"] == trained["success_rate"]
+        out = hpcvla("eval", tmp_path)
+        assert out.returncode == 2 and "not a run directory" in out.stderr
