@@ -35,5 +35,6 @@ def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
             assert len(run["curve"]) == len(grid) and 0 <= run["final_success"] <= 1
     png = read_png(tmp_path / "learning.png")  # the overlaid curves, next to the JSON
     assert png.shape[2] == 3 and png.std() > 0
-    low, high = results["difference"]["ci95"]
-    assert low <= results["difference"]["streamer_minus_colocated"] <= high
+    for name in ("difference", "curve_difference"):
+        low, high = results[name]["ci95"]
+        assert low <= results[name]["streamer_minus_colocated"] <= high
