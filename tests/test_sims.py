@@ -145,7 +145,7 @@ def test_what_cannot_run_here_fails_clearly():
         require("not_installed_sim_module", "not-installed-sim", "sim")
 
 
-@pytest.mark.parametrize("config", ["maniskill_pickcube.yaml", "libero_spatial.yaml"])
+@pytest.mark.parametrize("config", ["maniskill_pickcube_tokens.yaml", "libero10_flow.yaml"])
 def test_train_runs_on_each_simulator(tmp_path, config):
     out = hpcvla("train", ROOT / "configs" / config, "--ranks", 4, f"run.root={tmp_path}",
                  "pipeline.total_updates=2", "env.envs_per_simulator=2", "env.shards=2",

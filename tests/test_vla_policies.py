@@ -73,6 +73,24 @@ def test_act_shapes_and_evaluate_recomputes_its_logprob(family, spec):
     assert not torch.allclose(policy.evaluate(scored, out.actions.flip(0))[0], logprob)
 
 
+@pytest.mark.parametrize("family", ["flow", "tokens"])
+def test_the_wrist_camera_joins_the_prefix(family):
+    spec = {**SPEC, "wrist_image": ((32, 32, 3), "|u1")}
+    policy = make(family, spec)
+    obs = make_obs(spec, 4)
+    obs["wrist_image"] = torch.as_tensor(np.random.default_rng(1).integers(
+        0, 256, (4, 32, 32, 3), dtype=np.uint8))
+    embeds, _ = policy.prefix.embed(obs)
+    one_camera, _ = policy.prefix.embed({k: v for k, v in obs.items() if k != "wrist_image"})
+    assert embeds.shape[1] == one_camera.shape[1] + (32 // 16) ** 2  # + the wrist's patches
+    out, scored = sample(policy, obs, deterministic=True)
+    torch.testing.assert_close(policy.evaluate(scored, out.actions)[0].detach(), out.logprob,
+                               atol=1e-4, rtol=1e-5)
+    moved = sample(policy, {**obs, "wrist_image": obs["wrist_image"].flip(1)},
+                   deterministic=True)[0]
+    assert not torch.allclose(moved.actions, out.actions)  # what the wrist sees matters
+
+
 def test_flow_last_step_logprob_is_gaussian_around_the_deterministic_chunk():
     """Independent computation: in last_step mode the deterministic chunk is the mean of
     the noisy last step, so log p(a) = sum log N(a; det, sigma^2) with torch.distributions."""
@@ -339,3 +357,26 @@ def test_policies_benchmark_quick(tmp_path):
         assert rows[f"{family}/tiny"]["act_ms"] > 0 and rows[f"{family}/tiny"]["train_step_ms"] > 0
         assert rows[f"{family}/tiny"]["parameters"] < rows[f"{family}/small"]["parameters"] \
             < rows[f"{family}/full"]["parameters"]
+
+
+def test_runs_start_from_a_pretrained_folder(tmp_path):
+    from hpcvla.config import ConfigError, load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.roles.pipeline import build_policy
+    from test_mpi_world import ROOT
+
+    cfg = load_config(ROOT / "configs/reach_flow.yaml")
+    spec = env_spec(cfg.env)
+    trained = build_policy(cfg, spec)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))  # weights no random init gives
+    save_pretrained(trained, tmp_path / "weights")
+    cfg = load_config(ROOT / "configs/reach_flow.yaml", [f"policy.pretrained={tmp_path}/weights"])
+    loaded = build_policy(cfg, spec)  # what every rank of such a run starts from
+    for (name, a), b in zip(trained.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="policy.pretrained = .*a folder holding model"):
+        load_config(ROOT / "configs/reach_flow.yaml", [f"policy.pretrained={tmp_path}"])
+    with pytest.raises(ConfigError, match="policy.pretrained = .*empty for policy.name=default"):
+        load_config(ROOT / "configs/default.yaml", [f"policy.pretrained={tmp_path}/weights"])

@@ -11,6 +11,7 @@ numeric bounds `ge`/`le`. Checks that involve several fields live in `Config.che
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -192,6 +193,11 @@ class PolicyConfig:
         "action or per token (action dim). Finer units clip each part separately (fewer "
         "samples fully clipped) but ignore correlations inside the chunk.",
         choices=("chunk", "action", "token"))
+    pretrained: str = setting(
+        "", "`flow`/`tokens`: a Hugging Face-style folder (model.safetensors with the "
+        "checkpoint names `policies/flow.py`/`tokens.py` map; e.g. written by "
+        "`hpcvla.policies.save_pretrained`) loaded into the configured policy on every rank "
+        "before training; every missing or misshaped tensor is named. Empty: random init.")
 
 
 @dataclass
@@ -347,6 +353,13 @@ class Config:
             elif version >= self.pipeline.total_updates:
                 problems.append(("pipeline.total_updates", self.pipeline.total_updates,
                                  f"more than the resumed checkpoint's version {version}"))
+        if self.policy.pretrained:
+            if self.policy.name == "default":
+                problems.append(("policy.pretrained", self.policy.pretrained,
+                                 "empty for policy.name=default (only flow/tokens load folders)"))
+            elif not (Path(self.policy.pretrained) / "model.safetensors").is_file():
+                problems.append(("policy.pretrained", self.policy.pretrained,
+                                 "a folder holding model.safetensors"))
         if self.algorithm.name == "grpo" and \
                 self.rollout.segment_len != self.env.max_episode_chunks:
             problems.append(("rollout.segment_len", self.rollout.segment_len,

@@ -171,6 +171,9 @@ class PrefixCache:
         return out
 
 
+CAMERAS = ("image", "wrist_image")  # observation keys the prefix sees, in token order
+
+
 class MultiModalProjector(nn.Module):
     """PaliGemma's projector (one linear layer); keeps its checkpoint name `linear`."""
 
@@ -203,15 +206,19 @@ class VisionLanguagePrefix(nn.Module):
         self.width = self.text_config.hidden_size
 
     def embed(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prefix embeddings (B, P, W) and their padding mask (B, P) (True = a real token)."""
-        image = obs["image"].permute(0, 3, 1, 2).float().div(127.5).sub(1.0)  # SigLIP's [-1, 1]
+        """Prefix embeddings (B, P, W) and their padding mask (B, P) (True = a real token).
+        Every camera (`image`, and `wrist_image` when the env gives one) goes through the
+        same vision tower, in one batch; their patch tokens come one camera after another,
+        as in π0."""
+        cameras = [obs[k] for k in CAMERAS if k in obs]
+        image = torch.cat(cameras).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)  # [-1, 1]
         side = self.vision_config.image_size
         if image.shape[-2:] != (side, side):
             image = F.interpolate(image, size=(side, side), mode="bilinear", antialias=True,
                                   align_corners=False)
         dtype = self.multi_modal_projector.linear.weight.dtype
         patches = self.vision_tower(pixel_values=image.to(dtype)).last_hidden_state
-        image_tokens = self.multi_modal_projector(patches)
+        image_tokens = torch.cat(self.multi_modal_projector(patches).chunk(len(cameras)), dim=1)
         tokens = obs["instruction"].long()
         text_tokens = self.language_model.embed_tokens(tokens)  # Gemma's scaled embedding
         pad = torch.cat([torch.ones(image_tokens.shape[:2], dtype=torch.bool,

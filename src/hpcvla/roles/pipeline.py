@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.policies import make_policy, policy_kwargs
+from hpcvla.policies.vla import load_weights
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
@@ -55,8 +57,11 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
 
 def build_policy(cfg, spec):
     torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                       len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
+    policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                         len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
+    if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
+        load_weights(policy, Path(cfg.policy.pretrained) / "model.safetensors")
+    return policy
 
 
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:
