@@ -101,10 +101,17 @@ def run(seeds=3, updates=200, json_path=None, overrides=()) -> dict:
 
 
 def _plot(results: dict, path: Path) -> None:
-    """Overlaid success curves, one colour per mode (drawn without matplotlib)."""
+    """Overlaid success curves, blues for the streamer's seeds, reds for sync-colocated's
+    (drawn without matplotlib)."""
     from hpcvla.metrics.raster import line_chart
 
-    series = {f"{mode} seed {r['seed']}": (results["grid_env_steps"], r["curve"])
-              for mode, m in results["modes"].items() for r in m["runs"]}
+    shades = {"streamer": [(31, 119, 180), (90, 160, 220), (20, 70, 130)],
+              "sync-colocated": [(214, 39, 40), (240, 110, 100), (140, 25, 25)]}
+    series, colors = {}, {}
+    for mode, m in results["modes"].items():
+        for i, r in enumerate(m["runs"]):
+            label = f"{mode} seed {r['seed']}"
+            series[label] = (results["grid_env_steps"], r["curve"])
+            colors[label] = shades[mode][i % len(shades[mode])]
     line_chart(path, series, "success rate vs trained env steps (same budget per mode)",
-               "trained env steps", "success rate", ylim=(0, 1))
+               "trained env steps", "success rate", ylim=(0, 1), colors=colors)

@@ -224,8 +224,8 @@ def legend(canvas: Canvas, x: int, y: int, entries) -> None:
 
 
 def line_chart(path, series: dict, title: str, xlabel: str, ylabel: str, ylim=None,
-               width: int = 900, height: int = 420) -> None:
-    """series: label -> (xs, ys)."""
+               width: int = 900, height: int = 420, colors: dict | None = None) -> None:
+    """series: label -> (xs, ys); `colors` (label -> RGB) overrides the palette."""
     xs = [x for sx, _ in series.values() for x in sx] or [0, 1]
     ys = [y for _, sy in series.values() for y in sy] or [0, 1]
     c = Canvas(width, height)
@@ -234,7 +234,7 @@ def line_chart(path, series: dict, title: str, xlabel: str, ylabel: str, ylim=No
     ax.frame(title, xlabel, ylabel)
     entries = []
     for i, (label, (sx, sy)) in enumerate(series.items()):
-        color = PALETTE[i % len(PALETTE)]
+        color = (colors or {}).get(label, PALETTE[i % len(PALETTE)])
         points = [(ax.x(x), ax.y(y)) for x, y in zip(sx, sy)]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
             c.line(x0, y0, x1, y1, color)
