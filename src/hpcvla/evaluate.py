@@ -19,36 +19,33 @@ from hpcvla.envs import env_kwargs, make_env
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
              deterministic: bool = False) -> dict:
-    """Run `episodes` episodes (`envs` at a time, each env one episode from its own initial
-    state); returns success rate, mean return and episodes. `weights` None: untrained."""
+    """Run `episodes` episodes, `envs` at a time, each env one episode from its own initial
+    state; returns success rate, mean return and episodes. `weights` None: untrained."""
     from hpcvla.roles.pipeline import build_policy  # the policy exactly as training builds it
+    env = make_env(cfg.env.name, envs, seed, **env_kwargs(cfg.env))
+    policy = build_policy(cfg, env.spec)
+    if weights is not None:
+        policy.load_arrays(weights)
     torch.manual_seed(seed)
     successes, returns = [], []
-    env = None
     try:
-        while len(successes) < episodes:
-            n = min(envs, episodes - len(successes))
-            if env is None or env.num_envs != n:
-                env = env.close() if env else None
-                env = make_env(cfg.env.name, n, seed, **env_kwargs(cfg.env))
-                policy = build_policy(cfg, env.spec)
-                if weights is not None:
-                    policy.load_arrays(weights)
-                policy.eval()
-            obs = env.reset(init_state_ids=np.arange(len(successes), len(successes) + n))
-            running = np.ones(n, bool)
+        for first in range(0, episodes, envs):
+            obs = env.reset(init_state_ids=np.arange(first, first + envs))
+            running = np.ones(envs, bool)
+            success, ret = np.zeros(envs, bool), np.zeros(envs, np.float32)
             while running.any():  # each env's first episode; auto-reset ones are ignored
                 with torch.no_grad():
                     actions = policy.act(policy.obs_to_tensors(obs), deterministic).actions
                 result = env.step(actions.numpy())
                 ended = running & (result.terminated | result.truncated)
-                successes += result.success[ended].tolist()
-                returns += result.episode_return[ended].tolist()
+                success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
                 running &= ~ended
                 obs = result.obs
+            keep = min(envs, episodes - first)  # the last batch may run more than needed
+            successes += success[:keep].tolist()
+            returns += ret[:keep].tolist()
     finally:
-        if env is not None:
-            env.close()
+        env.close()
     return {"episodes": len(successes), "success_rate": float(np.mean(successes)),
             "mean_return": float(np.mean(returns))}
 
