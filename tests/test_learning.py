@@ -12,14 +12,15 @@ from hpcvla.evaluate import checkpoint_weights, evaluate
 from test_mpi_world import hpcvla
 from test_pipeline import run_train
 
-MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81, flow 0.84, tokens 0.26
+MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81, flow 0.84; tokens learns
+# later and less evenly (0.26 at 60 and 0.23 at 120 updates in one CI run, 0.97 at 160)
 
 
 @pytest.mark.parametrize("config,updates", [
     ("configs/default.yaml", 40),      # CNN actor-critic, PPO
     ("configs/reach_grpo.yaml", 50),   # CNN, GRPO (critic-free, grouped restarts)
     ("configs/reach_flow.yaml", 80),   # π0-style flow-matching expert, PPO
-    ("configs/reach_tokens.yaml", 120),  # OpenVLA-OFT-style parallel action tokens, PPO
+    ("configs/reach_tokens.yaml", 200),  # OpenVLA-OFT-style parallel action tokens, PPO
 ])
 def test_training_beats_the_untrained_policy(tmp_path, config, updates):
     _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}",
