@@ -2,6 +2,8 @@
 decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -244,3 +246,24 @@ def test_stuck_simulators_stop_the_job_loudly(tmp_path):
                  "env.latency_median_ms=600000", "pipeline.stall_timeout_s=3", timeout=120)
     assert out.returncode != 0 and time.monotonic() - start < 90
     assert "no trajectory for 3 s" in out.stderr and "(learner)" in out.stderr
+
+
+def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):
+    # torch's JIT build waits forever for a lock file an interrupted build left behind
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from hpcvla.extensions import STALE_AFTER_S, clear_stale_build_locks
+    ext = tmp_path / "extensions"
+    shutil.copytree(_get_build_directory("deepspeed_shm_comm", False),
+                    ext / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
+    lock = ext / "deepspeed_shm_comm" / "lock"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    lock.touch()  # a build in progress: left alone
+    assert clear_stale_build_locks() == [] and lock.exists()
+    old = time.time() - STALE_AFTER_S - 60
+    os.utime(lock, (old, old))  # the leftover of a killed build
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    out, summary, _ = run_train(runs, "pipeline.total_updates=2")
+    assert not lock.exists() and "removed" in out.stderr and str(lock) in out.stderr
+    assert summary["env_steps"] > 0

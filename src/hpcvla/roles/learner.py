@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hpcvla.emulate import pad
+from hpcvla.extensions import clear_stale_build_locks
 from hpcvla.algorithms import (decoupled_ppo_loss, first_episode_advantages, gae, grpo_loss,
                                normalize_advantages, value_loss)
 from hpcvla.transport import records
@@ -31,6 +32,7 @@ def init_deepspeed(cfg, policy, learners_comm):
     import deepspeed
 
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
+    clear_stale_build_locks(rank=rank)  # else a killed op build hangs every later run
     address = None
     if rank == 0:
         with socket.socket() as probe:
