@@ -274,6 +274,10 @@ class LearnerConfig:
         4, "Passes over each batch (PPO epochs): the first streams micro-batches as they "
         "arrive, later ones replay them. More reuse each sample more (sample efficiency) at "
         "more learner time per version.", ge=1)
+    max_nonfinite_steps: int = setting(
+        10, "Optimizer steps in a row whose gradient may be NaN/Inf (each skipped, weights "
+        "and optimizer state untouched, counted in the summary) before the run stops: "
+        "higher rides out rare bad batches, lower stops a diverged run sooner.", ge=1)
     checkpoint_every: int = setting(
         0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
         "policy versions; 0: only at the end. Each gathers the full weights and writes "

@@ -19,6 +19,7 @@ import torch
 
 from hpcvla.emulate import pad
 from hpcvla.extensions import clear_stale_build_locks
+from hpcvla.roles.nonfinite import SkipNonfinite
 from hpcvla.algorithms import (decoupled_ppo_loss, first_episode_advantages, gae, grpo_loss,
                                normalize_advantages, value_loss)
 from hpcvla.transport import records
@@ -54,7 +55,7 @@ def init_deepspeed(cfg, policy, learners_comm):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.algorithm.lr, eps=1e-5,
                                   weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
-    return engine
+    return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
 
 
 def full_state(engine) -> dict[str, np.ndarray]:

@@ -100,6 +100,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
                                              save, stop=lambda: preempt.agreed(comms.learners),
                                              dump=dump, emulate_ms=_emulated_inference(cfg))
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
+        summary["nonfinite_steps_skipped"] = engine.skipped
         env.close()
     else:
         start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
@@ -193,6 +194,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         run_learner(cfg, sched, engine, queues, publish, first, cfg.pipeline.total_updates,
                     timeline, progress, stop=lambda: preempt.agreed(comms.learners))
         plane.stop()
+        stats["nonfinite_steps_skipped"] = engine.skipped
         stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
         stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
                          "lost_records": ring.stats.lost_records}

@@ -1,0 +1,62 @@
+"""Optimizer steps whose gradient is not finite are skipped, counted, and stopped when they
+repeat.
+
+A NaN or Inf in a loss (a simulator's NaN reward, an exploding log-prob ratio) reaches the
+gradient. DeepSpeed's ZeRO stages 1 to 3 already check the global gradient norm at every
+optimizer step (fp32 too, clipping on or off) and skip a non-finite one, leaving the
+weights and the Adam moments untouched (`engine.skipped_steps` counts them). Stage 0 does not:
+it would write NaN into every weight. There, at the accumulation boundary (the gradients are
+averaged over the learners by then, so every learner decides alike), this wrapper lets the
+engine's step run without the optimizer's. Either way the skip is counted; `limit`
+consecutive skipped steps stop the run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SkipNonfinite:
+    """The DeepSpeed engine, with `step()` guarded; everything else is the engine's."""
+
+    def __init__(self, engine, limit: int):
+        self.engine, self.limit = engine, limit
+        self.skipped = self.consecutive = 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def step(self) -> None:
+        engine = self.engine
+        if not engine.is_gradient_accumulation_boundary():
+            engine.step()  # only counts the micro-step
+            return
+        dropped = engine.zero_optimization_stage() == 0 and not self._finite_gradients()
+        skipped_by_deepspeed = engine.skipped_steps
+        if dropped:  # the engine's step runs (its counters, clipping, zero_grad), the
+            optimizer = engine.optimizer  # optimizer's does not
+            optimizer.step = lambda *args, **kwargs: None  # shadows the method, this once
+            try:
+                engine.step()
+            finally:
+                del optimizer.step
+        else:
+            engine.step()
+        if dropped or engine.skipped_steps > skipped_by_deepspeed:
+            self.skipped += 1
+            self.consecutive += 1
+            if self.consecutive >= self.limit:
+                raise FloatingPointError(
+                    f"{self.consecutive} optimizer steps in a row skipped: the gradient was "
+                    f"not finite every time (NaN/Inf in the loss: check the env's rewards and "
+                    f"observations, lower algorithm.lr; learner.max_nonfinite_steps="
+                    f"{self.limit})")
+        else:
+            self.consecutive = 0
+
+    def _finite_gradients(self) -> bool:
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        return bool(torch.stack([g.isfinite().all() for g in grads]).all()) if grads else True

@@ -1,0 +1,77 @@
+"""Run under MPI with every rank a learner (colocated): real segments from `reach`, trained by
+the learner's own micro-batch step. A NaN reward on learner 1 only poisons the averaged
+gradient: every learner skips that optimizer step, weights stay bit-identical, the skip is
+counted; a good batch trains again; `learner.max_nonfinite_steps` bad steps in a row stop.
+
+    mpiexec -n 2 python -m mpi4py tests/mpi/nonfinite.py CONFIG [key=value ...]
+"""
+
+import sys
+
+import numpy as np
+import torch
+
+from hpcvla.config import load_config
+from hpcvla.envs import make_env
+from hpcvla.metrics.timeline import Timeline
+from hpcvla.roles.learner import _train_micro_batch, full_state, init_deepspeed
+from hpcvla.roles.pipeline import build_policy
+from hpcvla.roles.segments import SegmentBuilder
+from hpcvla.runtime import run_ranks
+
+
+def segments(cfg, policy, seed: int) -> dict:
+    """One segment group of micro_batch envs, rolled out by `policy`, as the learner sees it."""
+    env = make_env("reach", cfg.learner.micro_batch, seed=seed, image_size=cfg.env.image_size)
+    spec = env.spec
+    builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
+                             cfg.rollout.segment_len, producer=seed, slot=0)
+    obs, result = env.reset(), None
+    while True:
+        with torch.no_grad():
+            actions, logprob, value = (t.numpy() for t in policy.act(policy.obs_to_tensors(obs)))
+        if result is not None:
+            builder.record_outcome(result.reward, result.terminated | result.truncated,
+                                   result.success, result.episode_return)
+        if builder.full:
+            group = builder.finish(value)
+            return {k: v for k, v in group.items() if k not in ("version", "meta")}
+        builder.add_step(obs, actions, logprob, value, 0)
+        result = env.step(actions)
+        obs = result.obs
+
+
+def main(cfg, plan, comms):
+    rank = comms.learners.Get_rank()
+    spec = make_env("reach", 1, seed=0, image_size=cfg.env.image_size).spec
+    engine = init_deepspeed(cfg, build_policy(cfg, spec), comms.learners)
+    good = segments(cfg, build_policy(cfg, spec), seed=rank)
+    bad = dict(good, reward=good["reward"].copy())
+    if rank == 1:
+        bad["reward"][0, 0] = np.nan  # e.g. a simulator's broken reward
+    timeline = Timeline(None, rank, "learner")
+
+    def step(batch):
+        before = {k: v.copy() for k, v in full_state(engine).items()}  # (views below ZeRO-3)
+        _train_micro_batch(cfg, engine, batch, timeline)
+        after = full_state(engine)
+        assert all(np.isfinite(v).all() for v in after.values()), "NaN reached the weights"
+        return not all(np.array_equal(before[k], after[k]) for k in before)
+
+    assert step(good) and engine.skipped == 0
+    assert not step(bad) and engine.skipped == 1  # skipped on every learner, weights identical
+    assert step(good) and engine.consecutive == 0  # and training goes on
+    for _ in range(cfg.learner.max_nonfinite_steps - 1):
+        assert not step(bad)
+    try:
+        step(bad)
+    except FloatingPointError as err:
+        if rank == 0:
+            print(f"ZeRO stage {cfg.learner.zero_stage}: skipped {engine.skipped} steps, "
+                  f"then stopped: {err}", flush=True)
+        return
+    raise AssertionError("repeated non-finite steps did not stop the run")
+
+
+if __name__ == "__main__":
+    sys.exit(run_ranks(load_config(sys.argv[1], sys.argv[2:]), main))
