@@ -56,6 +56,7 @@ def test_failing_rank_takes_world_down_naming_rank_and_role():
     assert out.returncode not in (0, 124), out.stderr  # failed by itself, not by our timeout
     assert elapsed < 30
     assert "rank 2 (simulator) on node 0" in out.stderr and "injected failure" in out.stderr
+    assert "died first" not in out.stderr  # the others' deaths that follow are no news
 
 
 def test_train_writes_resolved_config_and_plan(tmp_path):

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from hpcvla.deathwatch import DeathWatch
+
 
 class LaunchError(RuntimeError):
     pass
@@ -97,6 +99,19 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
 
 
 def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
+    watch = DeathWatch()  # names a rank that dies without a word (kill -9, OOM)
+    try:
+        code = _watched(cmd, {**env, **watch.env()}, timeout, watch)
+        if code not in (0, 124, 130):
+            report = watch.report(time.monotonic())
+            if report:
+                print(report, file=sys.stderr, flush=True)
+        return code
+    finally:
+        watch.close()
+
+
+def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
     # Own process group, so a timeout or Ctrl-C takes down mpiexec and every rank with it.
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
@@ -111,7 +126,7 @@ def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
                       file=sys.stderr, flush=True)
                 _kill_group(proc)
                 return 124
-            time.sleep(0.2)
+            watch.wait(0.2)
     except KeyboardInterrupt:
         _kill_group(proc)
         return 130

@@ -12,6 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
+from hpcvla import deathwatch
 from hpcvla.config import ConfigError, dump_config
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier
@@ -39,6 +40,8 @@ def run_ranks(cfg, main, check=None) -> int:
         if check is not None:
             check(cfg, plan)
         comms = build_communicators(plan, world)
+        deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
+                            MPI.Get_processor_name())
     except (PlanError, ConfigError) as err:  # every rank reached the same verdict
         if rank == 0:
             print(f"hpcvla: cannot lay out this world: {err}", file=sys.stderr, flush=True)
@@ -57,6 +60,7 @@ def run_ranks(cfg, main, check=None) -> int:
         print(f"hpcvla: rank {rank} ({'+'.join(info.roles)}) on node {info.node} "
               f"(host {MPI.Get_processor_name()}) failed: {err!r}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
+        deathwatch.said_why(rank)
         world.Abort(1)
     comms.free()
     return 0
@@ -96,4 +100,5 @@ def train_main(cfg, plan, comms) -> None:
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(plan.table(), flush=True)
         print(f"run directory: {run_dir}", flush=True)
+        deathwatch.register_run_dir(run_dir)
     run_pipeline(cfg, plan, comms, run_dir)

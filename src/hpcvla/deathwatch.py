@@ -1,0 +1,118 @@
+"""Which rank died first, when one dies without a word (kill -9, the OOM killer, a segfault).
+
+A rank that raises says who it is before it aborts the world (runtime.py). One killed outright
+says nothing, and mpiexec then only reports an exit code and some pid. So every rank registers
+itself (rank, roles, node, host, pid) in a directory the launcher passes down
+(`HPCVLA_RANK_DIR`); the launcher holds a pidfd per rank, notes the first to exit, and when the
+world ends badly names it, with the run's last progress (the newest line of metrics.jsonl).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+ENV = "HPCVLA_RANK_DIR"
+
+
+def register(rank: int, roles: str, node: int, host: str) -> None:
+    """Rank side: leave this rank's card for the launcher (nothing without a launcher)."""
+    folder = os.environ.get(ENV)
+    if folder:
+        card = {"rank": rank, "roles": roles, "node": node, "host": host, "pid": os.getpid()}
+        tmp = Path(folder) / f".rank{rank}.json"
+        tmp.write_text(json.dumps(card))
+        tmp.rename(tmp.with_name(f"rank{rank}.json"))  # atomic: never read half-written
+
+
+def said_why(rank: int) -> None:
+    """Rank side, before it aborts the world: it failed and explained itself, so the others'
+    deaths that follow are not news."""
+    folder = os.environ.get(ENV)
+    if folder:
+        (Path(folder) / f"failed.rank{rank}").touch()
+
+
+def register_run_dir(run_dir: Path) -> None:
+    """Rank 0 side: where the run's metrics are, for the last progress."""
+    folder = os.environ.get(ENV)
+    if folder:
+        (Path(folder) / "run_dir").write_text(str(run_dir))
+
+
+class DeathWatch:
+    """Launcher side: `env()` for the world, `wait(seconds)` instead of sleeping while it
+    runs, `report()` after it ended badly."""
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="hpcvla-ranks-"))
+        self.poller = select.poll()
+        self.watched: dict[int, dict] = {}  # pidfd -> card
+        self.known: set[str] = set()
+        self.first: tuple[dict, float] | None = None  # card, time of death
+
+    def env(self) -> dict:
+        return {ENV: str(self.dir)}
+
+    def wait(self, seconds: float) -> None:
+        self._discover()
+        for fd, _ in self.poller.poll(seconds * 1000):
+            self.poller.unregister(fd)
+            os.close(fd)
+            self._died(self.watched.pop(fd))
+
+    def _discover(self) -> None:
+        for path in self.dir.glob("rank*.json"):
+            if path.name in self.known:
+                continue
+            self.known.add(path.name)
+            card = json.loads(path.read_text())
+            try:
+                fd = os.pidfd_open(card["pid"])
+            except ProcessLookupError:  # gone before we looked
+                self._died(card)
+                continue
+            except OSError:  # no pidfds here (old kernel): no watch, no harm
+                continue
+            self.watched[fd] = card
+            self.poller.register(fd, select.POLLIN)
+
+    def _died(self, card: dict) -> None:
+        if self.first is None:
+            self.first = (card, time.monotonic())
+
+    def report(self, ended: float) -> str | None:
+        """Who died first, how long before the world ended (`ended`, monotonic), and the
+        run's last progress; None if no rank was seen to die."""
+        self.wait(0)
+        if self.first is None or any(self.dir.glob("failed.rank*")):
+            return None  # nobody died, or the failing rank said why itself
+        card, when = self.first
+        text = (f"hpcvla: rank {card['rank']} ({card['roles']}) on node {card['node']} (host "
+                f"{card['host']}, pid {card['pid']}) died first, {max(ended - when, 0):.1f} s "
+                f"before the world ended")
+        return text + "; " + _last_progress(self.dir / "run_dir")
+
+    def close(self) -> None:
+        for fd in self.watched:
+            os.close(fd)
+        self.watched.clear()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _last_progress(run_dir_file: Path) -> str:
+    try:
+        metrics = Path(run_dir_file.read_text()) / "metrics.jsonl"
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return "no progress recorded"
+    if not lines:
+        return f"no progress recorded yet ({metrics})"
+    last = json.loads(lines[-1])
+    return (f"last progress: policy version {last['update']}, {last['trained_env_steps']} "
+            f"trained env steps, {last['time']:.0f} s into training ({metrics})")

@@ -1,0 +1,72 @@
+"""A rank killed outright (kill -9: no handler runs) takes the whole job down within 30 s,
+and `hpcvla train` names the rank, its role, node, host and pid, and the run's last
+progress; no rank and no shared-memory segment is left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcvla.launch import orphaned_shm
+
+ROOT = Path(__file__).resolve().parents[2]
+SHM = Path("/dev/shm")
+
+
+def rank_pids(run_root: Path) -> dict[int, int]:
+    """MPI rank -> pid of this run's rank processes (MPICH puts PMI_RANK in their env)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or str(run_root) not in \
+                    (proc / "cmdline").read_text().replace("\0", " "):
+                continue
+            env = dict(item.split("=", 1) for item in
+                       (proc / "environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if "PMI_RANK" in env:
+            pids[int(env["PMI_RANK"])] = int(proc.name)
+    return pids
+
+
+def until(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        time.sleep(0.2)
+    return value
+
+
+@pytest.mark.parametrize("role", ["simulator", "inference", "learner"])
+def test_a_killed_rank_takes_the_job_down_and_is_named(tmp_path, role):
+    shm_before = set(SHM.glob("mpich_*"))
+    job = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "--ranks", "4",
+                            f"run.root={tmp_path}", "pipeline.total_updates=100000"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = until(lambda: next(tmp_path.glob("*/metrics.jsonl"), None), 180,
+                        "training")
+        until(lambda: metrics.stat().st_size > 0, 120, "a first progress record")
+        plan = json.loads((metrics.parent / "plan.json").read_text())
+        rank = next(r["rank"] for r in plan["ranks"] if r["roles"] == [role])
+        pid = until(lambda: rank_pids(tmp_path).get(rank), 30, "the rank's process")
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0 and took < 30, (took, err[-2000:])
+    assert f"hpcvla: rank {rank} ({role}) on node 0 (host " in err and f"pid {pid}) died first" \
+        in err, err[-3000:]
+    assert "last progress: policy version" in err
+    assert not rank_pids(tmp_path), "ranks left running"
+    assert not orphaned_shm(shm_before)
+    print(f"{role}: job down {took:.1f} s after kill -9")
