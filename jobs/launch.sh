@@ -227,6 +227,12 @@ forward() {
         kill -TERM "$STEP" 2> /dev/null || true
     fi
 }
+if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
+    # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
+    # word (kill -9, OOM), srun names its task number and the cards say what it was.
+    export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
+    rm -rf "$HPCVLA_RANK_DIR" && mkdir -p "$HPCVLA_RANK_DIR"
+fi
 "${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${COMMAND[@]}" &
 STEP=$!
 trap 'forward TERM' TERM
@@ -239,6 +245,9 @@ while true; do  # `wait` returns early when a trapped signal arrives: wait again
 done
 trap - TERM INT USR1
 
+if [[ $status != 0 && -z $SIGNALLED && -n ${HPCVLA_RANK_DIR:-} ]]; then
+    "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+fi
 if [[ -n $SIGNALLED ]]; then
     say "ranks exited with status $status after SIG$SIGNALLED"
     if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&

@@ -4,6 +4,7 @@ scripts through Slurm's PBS layer (qsub, #PBS directives, PBS_* variables, a nod
 Nothing is skipped: without Slurm these tests fail and say how to install it."""
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -43,7 +44,7 @@ def finished(slurm, job, log: Path, timeout=600) -> str:
 
 def the_run(runs: Path) -> Path:
     (job_runs,) = runs.iterdir()       # <job name>-<job id>
-    (run_dir,) = job_runs.iterdir()    # <run name>-<time>
+    (run_dir,) = [p for p in job_runs.iterdir() if not p.name.startswith(".")]  # <run>-<time>
     return run_dir
 
 
@@ -177,3 +178,27 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
     assert 0 < learner["first_version"] < 30
     assert (run_dir / "checkpoints" / "v000030" / "state.json").exists()
+
+
+def test_a_rank_killed_in_a_slurm_job_ends_it_and_is_named(slurm, tmp_path):
+    from faults.test_rank_death import rank_pids
+    log = tmp_path / "killed.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                       "pipeline.total_updates=100000", options=["--output", log],
+                       env=job_env(tmp_path), cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not any(m.stat().st_size for m in (tmp_path / "runs").glob("*/*/metrics.jsonl")) \
+            or not rank_pids(tmp_path, "SLURM_PROCID").get(1):  # trains, rank 1 is there
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.5)
+    pid = rank_pids(tmp_path, "SLURM_PROCID")[1]  # a simulator in the default layout
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    info = slurm.wait(job, 120)
+    took = time.monotonic() - killed
+    text = log.read_text()
+    assert info["JobState"] == "FAILED" and took < 30, (info["JobState"], took, text[-3000:])
+    assert "task 1" in text  # srun names the task (= MPI rank) ...
+    assert "rank 1: simulator on node 0 (host" in text and f"pid {pid})" in text  # ... we, what
+    assert "last progress: policy version" in text  # it was, and how far the run got
+    assert not rank_pids(tmp_path, "SLURM_PROCID"), "ranks left running"

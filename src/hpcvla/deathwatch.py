@@ -116,3 +116,19 @@ def _last_progress(run_dir_file: Path) -> str:
     last = json.loads(lines[-1])
     return (f"last progress: policy version {last['update']}, {last['trained_env_steps']} "
             f"trained env steps, {last['time']:.0f} s into training ({metrics})")
+
+
+def describe(folder: Path) -> str:
+    """Every registered rank and the run's last progress: what a job script prints after
+    its launcher (srun, which names the failed task = rank) ended the world badly."""
+    cards = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")),
+                   key=lambda card: card["rank"])
+    lines = [f"hpcvla: the world ended badly; its ranks ({len(cards)} registered):"]
+    lines += [f"  rank {c['rank']}: {c['roles']} on node {c['node']} (host {c['host']}, pid "
+              f"{c['pid']})" for c in cards]
+    return "\n".join(lines + ["  " + _last_progress(folder / "run_dir")])
+
+
+if __name__ == "__main__":  # python -m hpcvla.deathwatch RANK_DIR (jobs/launch.sh)
+    import sys
+    print(describe(Path(sys.argv[1])), file=sys.stderr, flush=True)
