@@ -155,6 +155,15 @@ class SegmentQueues:
     def __init__(self, ring, max_staleness: int, stats: dict):
         self.ring, self.max_staleness, self.stats = ring, max_staleness, stats
         self.buckets: dict[int, deque] = defaultdict(deque)
+        self.trained: dict[tuple[int, int], set] = defaultdict(set)  # (producer, slot) -> groups
+
+    def ledger(self) -> dict:
+        """Per producer/slot: groups trained and their index range. A slot's groups go to
+        batches in order, so a complete run trains 0..last of each, every one once:
+        `missing` counts the holes."""
+        return {f"{p}/{s}": {"groups": len(g), "first": min(g), "last": max(g),
+                             "missing": max(g) + 1 - min(g) - len(g)}
+                for (p, s), g in sorted(self.trained.items())}
 
     def pump(self) -> None:
         for rec in self.ring.poll():
@@ -175,6 +184,11 @@ class SegmentQueues:
                 raise RuntimeError(f"segment of policy version {int(group['version'][0])} "
                                    f"in batch {batch}: staleness {staleness} exceeds "
                                    f"max_staleness {self.max_staleness}")
+            producer, slot, index = (int(x) for x in group["meta"][:3])
+            if index in self.trained[producer, slot]:  # the ring delivers exactly once
+                raise RuntimeError(f"segment group {index} of producer {producer} slot "
+                                   f"{slot} arrived twice; it would be trained twice")
+            self.trained[producer, slot].add(index)
             hist = self.stats["staleness_hist"]
             hist[staleness] = hist.get(staleness, 0) + n
             groups.append(group)

@@ -195,6 +195,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
                     timeline, progress, stop=lambda: preempt.agreed(comms.learners))
         plane.stop()
         stats["nonfinite_steps_skipped"] = engine.skipped
+        stats["trained_groups"] = queues.ledger()
         stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
         stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
                          "lost_records": ring.stats.lost_records}
