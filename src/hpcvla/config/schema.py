@@ -161,6 +161,15 @@ class EnvConfig:
         "lognormal draws with this median, its real compute included (0 = off).", ge=0)
     latency_sigma: float = setting(
         0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)
+    step_timeout_s: float = setting(
+        300.0, "A simulator rank whose env step (one chunk of one shard) has not returned "
+        "after this many seconds (a MuJoCo/EGL deadlock) prints its stacks and exits; the "
+        "launcher names it and stops the job, so a checkpointed run can be resumed instead of "
+        "hanging. Must exceed the slowest legitimate step (resets included). 0 = no watchdog.",
+        ge=0)
+    hang_at_step: int = setting(
+        0, "`reach`, fault injection: every env's step number N never returns (tests the "
+        "step watchdog). 0 = never.", ge=0)
 
 
 @dataclass

@@ -42,6 +42,7 @@ of 64 envs is ~2 ms). Rendering touches only a small window around each shape.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numpy as np
@@ -95,7 +96,8 @@ class ReachEnv(VectorEnv):
                  chunk_len: int = 4, max_episode_chunks: int = 20, state: bool = True,
                  max_delta: float = 0.05, success_radius: float = 0.07,
                  progress_scale: float = 10.0, latency_median_ms: float = 0.0,
-                 latency_sigma: float = 0.5, latency_sleep: bool = True):
+                 latency_sigma: float = 0.5, latency_sleep: bool = True,
+                 hang_at_step: int = 0):
         checks = {
             "num_envs": num_envs >= 1,
             "image_size": image_size >= 8,
@@ -118,6 +120,7 @@ class ReachEnv(VectorEnv):
         self.latency_median_ms, self.latency_sigma = latency_median_ms, latency_sigma
         self.last_latency_s = 0.0
         self.latency_sleep = latency_sleep
+        self.hang_at_step, self._steps_taken = hang_at_step, 0
 
         obs = {"image": ((image_size, image_size, 3), "|u1"),
                "instruction": ((INSTRUCTION_LEN,), "<i4")}
@@ -226,6 +229,9 @@ class ReachEnv(VectorEnv):
     # ---- dynamics ------------------------------------------------------------------------
 
     def step(self, actions: np.ndarray) -> StepResult:
+        self._steps_taken += 1
+        if self._steps_taken == self.hang_at_step:  # fault injection: a step that never returns
+            threading.Event().wait()
         begin, n = time.monotonic(), self.num_envs
         actions = np.asarray(actions, dtype=np.float64)
         if actions.shape != (n, self.chunk_len, 2):

@@ -168,7 +168,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
-        stats["env_steps"] = run_simulator(envs, exchange, timeline)
+        stats["env_steps"] = run_simulator(envs, exchange, timeline, cfg.env.step_timeout_s)
         for env in envs:
             env.close()
     elif INF in roles:

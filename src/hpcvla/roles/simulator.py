@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+from hpcvla.watchdog import deadline
 
 OUTCOME_FIELDS = {"reward": ((), "<f4"), "done": ((), "|b1"), "success": ((), "|b1"),
                   "episode_return": ((), "<f4")}
@@ -27,7 +28,7 @@ def slot_dtypes(spec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
     return np.dtype(obs), np.dtype(action)
 
 
-def run_simulator(envs: list, exchange, timeline) -> int:
+def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -> int:
     """Step the shards until the inference rank says stop; returns env steps taken
     (primitive steps: chunks x chunk_len x envs). A shard's emulated latency
     (`env.last_latency_s`, when the env does not sleep itself) delays only that shard's
@@ -57,7 +58,8 @@ def run_simulator(envs: list, exchange, timeline) -> int:
                 running.discard(shard)
                 continue
             begin, started = timeline.now(), time.monotonic()
-            result = envs[shard].step(np.array(answer["actions"]))
+            with deadline(step_timeout_s):  # a step that never returns stops the job loudly
+                result = envs[shard].step(np.array(answer["actions"]))
             steps[shard] += envs[shard].num_envs * chunk
             latency = 0.0 if getattr(envs[shard], "latency_sleep", True) else \
                 getattr(envs[shard], "last_latency_s", 0.0)

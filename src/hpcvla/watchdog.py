@@ -1,0 +1,27 @@
+"""A watchdog for calls that may never return (a simulator step caught in a MuJoCo/EGL
+deadlock): if the guarded call has not returned after `timeout_s`, the process prints every
+thread's stack ("Timeout (h:mm:ss)!", the stuck line on top) and exits; the launcher then
+names the rank, its role and the run's last progress and tears the world down (deathwatch.py).
+
+It is `faulthandler`'s timer: a C thread that needs no GIL, so it fires even when the stuck
+call holds it. Re-arming costs microseconds, so it can guard every step.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+from contextlib import contextmanager
+
+
+@contextmanager
+def deadline(timeout_s: float):
+    """Guard the block: exit the process with every stack if it runs past `timeout_s` (0: no
+    guard)."""
+    if not timeout_s:
+        yield
+        return
+    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
