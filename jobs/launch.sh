@@ -245,8 +245,11 @@ while true; do  # `wait` returns early when a trapped signal arrives: wait again
 done
 trap - TERM INT USR1
 
-if [[ $status != 0 && -z $SIGNALLED && -n ${HPCVLA_RANK_DIR:-} ]]; then
-    "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
+    if [[ $status != 0 && -z $SIGNALLED ]]; then
+        "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+    fi
+    rm -rf "$HPCVLA_RANK_DIR"
 fi
 if [[ -n $SIGNALLED ]]; then
     say "ranks exited with status $status after SIG$SIGNALLED"

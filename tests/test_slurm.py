@@ -171,7 +171,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     first, second = text.split("requeueing job", 1)
     assert "received SIGUSR1: sending SIGTERM to the ranks" in first
     assert "[hpcvla] update 30/30" not in first  # stopped before the end
-    (run_dir,) = (tmp_path / "runs" / f"hpcvla-demo-{job}").iterdir()
+    run_dir = the_run(tmp_path / "runs")
     assert f"continuing {run_dir} from its newest checkpoint" in second
     assert "[hpcvla] resuming from" in second and "[hpcvla] update 30/30" in second
     summary = json.loads((run_dir / "summary.json").read_text())
