@@ -22,7 +22,10 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     """Run `episodes` episodes, `envs` at a time, each env one episode from its own initial
     state; returns success rate, mean return and episodes. `weights` None: untrained."""
     from hpcvla.roles.pipeline import build_policy  # the policy exactly as training builds it
-    env = make_env(cfg.env.name, envs, seed, **env_kwargs(cfg.env))
+    kwargs = env_kwargs(cfg.env)
+    if cfg.env.name == "reach":  # no emulated latency, no injected faults
+        kwargs.update(latency_median_ms=0.0, hang_at_step=0)
+    env = make_env(cfg.env.name, envs, seed, **kwargs)
     policy = build_policy(cfg, env.spec)
     if weights is not None:
         policy.load_arrays(weights)
