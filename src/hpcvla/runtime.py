@@ -102,3 +102,7 @@ def train_main(cfg, plan, comms) -> None:
         print(f"run directory: {run_dir}", flush=True)
         deathwatch.register_run_dir(run_dir)
     run_pipeline(cfg, plan, comms, run_dir)
+    import torch.distributed as dist
+    if dist.is_initialized():  # the learners' gloo/NCCL threads end before anyone exits:
+        dist.destroy_process_group()  # a rank leaving while a peer's still talk to it
+    idle_barrier(world)  # ends in std::terminate (seen in CI with a test world)

@@ -59,6 +59,8 @@ def main(cfg, plan, comms):
     if learners.Get_rank() == 0:
         print(f"resume bit-identical at ZeRO stage {cfg.learner.zero_stage}: "
               f"{len(continued)} tensors", flush=True)
+    learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -69,8 +69,12 @@ def main(cfg, plan, comms):
         if rank == 0:
             print(f"ZeRO stage {cfg.learner.zero_stage}: skipped {engine.skipped} steps, "
                   f"then stopped: {err}", flush=True)
-        return
-    raise AssertionError("repeated non-finite steps did not stop the run")
+    else:
+        raise AssertionError("repeated non-finite steps did not stop the run")
+    # Leave together and close gloo first: a rank exiting while its peer's gloo threads
+    # still talk to it ends in std::terminate (seen once in CI, exit code 6).
+    comms.learners.Barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
