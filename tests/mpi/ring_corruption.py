@@ -1,6 +1,7 @@
 """Run under MPI on 2 ranks: rank 1 writes good records and, by hand following the documented
 slot layout, a corrupted, a torn and a stale slot. Rank 0 must deliver only the good records,
-count the bad slots and the lost sequence numbers, and report each.
+count the bad slots and the lost sequence numbers, and report each. A close that arrives
+after the last record ends the consumer's wait (get returns no records).
 
     mpiexec -n 2 python -m mpi4py tests/mpi/ring_corruption.py
 """
@@ -52,15 +53,18 @@ def main():
         ring._seq = 4
         comm.Barrier()                           # consumer drains, freeing the slots
         ring.put(payload)                        # seq 4: good
-        ring.close()
+        comm.Barrier()                           # consumer has seq 4
+        ring.close()                             # a close alone ends the consumer's get
     else:
         delivered = []
         while ring.occupancy()[0] < SLOTS:
             pass
         delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.poll()]
         comm.Barrier()
-        while 1 not in ring.stats.closed:
+        while len(delivered) < 2:
             delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.get(timeout=30)]
+        comm.Barrier()
+        assert ring.get(timeout=30) == [] and 1 in ring.stats.closed
         s = ring.stats
         assert delivered == [(0, True), (4, True)], delivered
         assert (s.bad_slots, s.lost_records, s.records) == (3, 3, 2), s

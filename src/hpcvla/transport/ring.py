@@ -212,12 +212,15 @@ class TrajectoryRing:
         self.win.Flush(self.root)
 
     def get(self, timeout: float | None = None) -> list[Record]:
-        """At least one record, waiting with back-off (WaitTimeout past `timeout`)."""
+        """At least one record, waiting with back-off (WaitTimeout past `timeout`); or none if
+        a producer closed meanwhile, so a consumer waiting for the last close never waits for
+        a record that will not come."""
         backoff = Backoff(timeout=timeout, cap=self.poll_cap,
                           what="a record in the trajectory ring")
+        closed = len(self.stats.closed)
         while True:
             records = self.poll()
-            if records:
+            if records or len(self.stats.closed) > closed:
                 return records
             backoff.wait()
 
