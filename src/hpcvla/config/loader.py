@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,7 @@ def _build(cls, data: Any, prefix: str, problems: list):
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f" (did you mean `{close[0]}`?)" if close else ""
-            problems.append((prefix + str(key), data[key],
+            problems.append((prefix + (str(key) or "''"), data[key],
                              f"no such setting{hint}; valid: {', '.join(fields)}"))
     values = {}
     for name, f in fields.items():
@@ -127,7 +128,13 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
         problems.append((name, value, _a(kind.__name__)))
         return None
     if kind is float:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # an int beyond any float
+            value = math.inf
+        if not math.isfinite(value):  # YAML's .nan/.inf pass every bound check
+            problems.append((name, value, "a finite number"))
+            return None
     if meta.get("choices") and value not in meta["choices"]:
         problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"))
         return None

