@@ -148,3 +148,14 @@ def test_fuzzed_yaml_text_is_accepted_or_named(tmp_path_factory, text):
     st.text(max_size=20)), max_size=3))
 def test_fuzzed_overrides_are_accepted_or_named(overrides):
     accepted_or_named(lambda: load_config(None, overrides))
+
+
+def test_torch_files_are_read_with_weights_only():
+    """Checkpoints are safetensors + JSON; any torch file read anywhere must not unpickle
+    arbitrary objects. (The pinned LIBERO reads its initial states with numpy, no pickle.)"""
+    calls = [(path, line) for folder in ("src", "postprocess", "jobs")
+             for path in (ROOT / folder).rglob("*.py")
+             for line in path.read_text().splitlines() if "torch.load(" in line]
+    unsafe = [(str(path), line.strip()) for path, line in calls
+              if "weights_only=True" not in line]
+    assert not unsafe, unsafe
