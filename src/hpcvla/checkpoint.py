@@ -33,6 +33,8 @@ from hpcvla.transport.backoff import idle_barrier
 FORMAT = 1
 MODEL = "model.safetensors"
 STATE = "state.json"
+STATE_KEYS = ("format", "version", "counters", "learners", "zero_stage", "model_sha256",
+              "optimizer")
 
 
 class CheckpointError(ValueError):
@@ -96,11 +98,19 @@ def read_state(path: Path) -> dict:
         state = json.loads((path / STATE).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no {STATE}; not a complete hpcvla checkpoint") from None
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # JSON syntax, or bytes that are not even UTF-8
         raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
-    if state.get("format") != FORMAT:
-        raise CheckpointError(f"{path / STATE}: format {state.get('format')!r}, this hpcvla "
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
                               f"reads format {FORMAT}")
+    missing = sorted(set(STATE_KEYS) - set(state))
+    if missing:
+        raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "
+                              f"damaged (use an older checkpoint in {path.parent})")
+    for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
+        if not (path / name).is_file():  # cheap here; contents are checked when loaded
+            raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete")
     return state
 
 

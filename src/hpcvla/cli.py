@@ -4,7 +4,7 @@
     hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
-    hpcvla inspect FILE|RUN_DIR ... [--json]          summarise HDF5 trajectory dumps
+    hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
 
 Config errors and impossible layouts are reported here, in the launching process, before any
 MPI rank starts. Only `train` without --ranks (i.e. inside srun/mpirun) initialises MPI.
@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("paths", nargs="+", metavar="FILE|RUN_DIR",
                          help="dump files, or run directories (all their dumps)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--verify", action="store_true",
+                         help="also read every dataset, checking each chunk's checksum")
 
     evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
                                            "of its untrained policy) on fixed initial states")
@@ -210,7 +212,7 @@ def cmd_bench(args) -> int:
 def cmd_inspect(args) -> int:
     from pathlib import Path
 
-    from hpcvla.metrics.dump import DumpError, describe, summarize
+    from hpcvla.metrics.dump import DumpError, describe, summarize, verify
     files = []
     for path in map(Path, args.paths):
         found = sorted((path / "trajectories").glob("rank*.h5")) if path.is_dir() else [path]
@@ -221,6 +223,9 @@ def cmd_inspect(args) -> int:
         files += found
     try:
         summaries = [summarize(f) for f in files]
+        if args.verify:  # reads everything: slower, catches a corrupted chunk anywhere
+            for f in files:
+                verify(f)
     except DumpError as err:
         print(f"hpcvla inspect: {err}", file=sys.stderr)
         return 2

@@ -22,7 +22,11 @@ One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
         policy_versions    (T,) i8      policy version that acted
         staleness          (T,) i8      learner batch of the step's segment - policy version
 
-A step is one action chunk (chunk_len env steps). Datasets are chunked and gzip-compressed.
+A step is one action chunk (chunk_len env steps). Datasets are chunked, gzip-compressed and
+checksummed (HDF5's Fletcher-32 filter, and the HDF5 1.10 file format, whose object headers
+and chunk indexes carry checksums too): a damaged file fails to read, naming the file, instead
+of returning wrong numbers (attributes in HDF5's dense storage are not covered);
+`hpcvla inspect --verify` reads every chunk.
 The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
 opening, writing and closing the file, so between flushes the file is closed and
 consistent: readable while the run goes on, and after a crash up to the last flush. A run
@@ -34,6 +38,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +48,9 @@ STEP_FIELDS = {  # segment field -> dataset name in a demo
     "actions": "actions", "reward": "rewards", "done": "dones", "logprob": "logprobs",
     "value": "values", "version": "policy_versions", "staleness": "staleness"}
 DEMO_DATASETS = tuple(STEP_FIELDS.values())
-COMPRESSION = {"compression": "gzip", "compression_opts": 1}  # fast; images shrink ~10x
+COMPRESSION = {"compression": "gzip", "compression_opts": 1,  # fast; images shrink ~10x
+               "fletcher32": True}  # a checksum per chunk, verified on every read
+LIBVER = "v110"  # the HDF5 1.10 file format: object headers and chunk indexes checksummed too
 
 
 class DumpError(ValueError):
@@ -72,10 +79,10 @@ class TrajectoryDump:
             with open_dump(self.path) as f:
                 self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
                 self.total = int(f["data"].attrs["total"])
-            with h5py.File(self.path, "a") as f:
+            with h5py.File(self.path, "a", libver=LIBVER) as f:
                 f.attrs["complete"] = False
             return
-        with h5py.File(self.path, "w") as f:
+        with h5py.File(self.path, "w", libver=LIBVER) as f:
             f.attrs.update(format=FORMAT, producer_rank=producer, env=env,
                            chunk_len=chunk_len, config=config_yaml, complete=False,
                            segments=0, open_episode_steps=0)
@@ -126,7 +133,7 @@ class TrajectoryDump:
         """Append the finished episodes (open, write, close: consistent between flushes)."""
         import h5py
         self.last_flush = time.monotonic()
-        with h5py.File(self.path, "a") as f:
+        with h5py.File(self.path, "a", libver=LIBVER) as f:
             data = f["data"]
             for steps, attrs in self.pending:
                 demo = data.create_group(f"demo_{self.written}")
@@ -147,7 +154,7 @@ class TrajectoryDump:
         file complete."""
         self.flush()
         import h5py
-        with h5py.File(self.path, "a") as f:
+        with h5py.File(self.path, "a", libver=LIBVER) as f:
             f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
                                                 self.open.values() for p in pieces)
             f.attrs["complete"] = True
@@ -173,7 +180,13 @@ def open_dump(path):
     except OSError as err:
         raise DumpError(f"{path}: not a readable HDF5 file (truncated, corrupted, or being "
                         f"written right now?): {err}") from None
-    if f.attrs.get("format") != FORMAT or "data" not in f:
+    try:
+        with _reading(path):  # a damaged root group fails here
+            ours = f.attrs.get("format") == FORMAT and "data" in f
+    except DumpError:
+        f.close()
+        raise
+    if not ours:
         f.close()
         raise DumpError(f"{path}: not an hpcvla trajectory dump (format attribute "
                         f"{FORMAT!r} and a /data group expected)")
@@ -190,7 +203,10 @@ def demos(f):
             raise DumpError(f"{f.filename}: {name} lacks {', '.join(missing)}")
         n = int(demo.attrs.get("num_samples", -1))
         lengths = {d: demo[d].shape[0] for d in DEMO_DATASETS}
-        lengths.update({f"obs/{k}": v.shape[0] for k, v in demo["obs"].items()})
+        for key, value in demo["obs"].items():
+            if value is None:  # h5py's answer for a link it cannot follow
+                raise DumpError(f"{f.filename}: {name}/obs/{key} is a broken link")
+            lengths[f"obs/{key}"] = value.shape[0]
         wrong = {k: v for k, v in lengths.items() if v != n}
         if wrong:
             raise DumpError(f"{f.filename}: {name} has num_samples={n} but "
@@ -198,9 +214,39 @@ def demos(f):
         yield name, demo
 
 
+@contextmanager
+def _reading(path):
+    """HDF5 read failures of a damaged file (a checksum, decompression or B-tree error
+    deep in the file) as a DumpError naming the file."""
+    try:
+        yield
+    except DumpError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError) as err:
+        raise DumpError(f"{path}: corrupted, a part of the file cannot be read "
+                        f"({type(err).__name__}: {err})") from None
+
+
+def verify(path) -> int:
+    """Read every dataset of the dump, so every chunk's checksum is checked; returns the
+    bytes read. Raises DumpError naming the file and the first dataset that fails."""
+    nbytes = 0
+    with open_dump(path) as f, _reading(path):
+        for name, demo in demos(f):
+            datasets = []
+            demo.visititems(lambda key, item: datasets.append(key) if hasattr(item, "shape")
+                            else None)
+            for key in datasets:
+                try:
+                    nbytes += demo[key][()].nbytes
+                except (OSError, RuntimeError, ValueError) as err:
+                    raise DumpError(f"{path}: {name}/{key} is corrupted: {err}") from None
+    return nbytes
+
+
 def summarize(path) -> dict:
     """What `hpcvla inspect` prints: episodes, steps, keys and shapes, success, versions."""
-    with open_dump(path) as f:
+    with open_dump(path) as f, _reading(path):
         lengths, success, returns, versions = [], [], [], []
         staleness = Counter()
         keys = {}

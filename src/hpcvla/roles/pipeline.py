@@ -267,6 +267,7 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
         "per_rank": everyone,
     }
     result["preempted"] = any(s["preempted"] for s in everyone)
+    result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     if result["preempted"]:
         print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "

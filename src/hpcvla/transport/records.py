@@ -3,8 +3,8 @@
 A record (e.g. one trajectory segment) is encoded into one contiguous little-endian byte
 buffer:
 
-    offset 0   RecordHeader   magic "HVR1" (u4), field count (u4), schema (u4), pad (u4),
-                              total length in bytes (u8)
+    offset 0   RecordHeader   magic "HVR1" (u4), field count (u4), schema (u4),
+                              metadata CRC-32 (u4), total length in bytes (u8)
     offset 24  FieldEntry[n]  name (32 bytes, UTF-8, NUL padded), dtype (8 bytes, numpy
                               `dtype.str`, e.g. "<f4", "|u1"), ndim (u4), pad (u4),
                               shape (6 x u8), offset of the data from the record start (u8),
@@ -13,8 +13,10 @@ buffer:
 
 `schema` is a CRC-32 of the field names, dtypes and trailing shapes (everything but each
 field's leading dimension), so a consumer can tell records of the same kind apart from others
-without decoding them. Only plain numeric/bool dtypes are accepted: object arrays (which would
-need pickle) are refused.
+without decoding them. The metadata CRC-32 covers the header and the field table, so damaged
+metadata is refused instead of read as wrong shapes or offsets (the payload is guarded where
+it travels: the trajectory ring checksums every slot). Only plain numeric/bool dtypes are
+accepted: object arrays (which would need pickle) are refused.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ MAX_DIMS = 6
 ALIGN = 64
 
 RECORD_HEADER = np.dtype([("magic", "<u4"), ("n_fields", "<u4"), ("schema", "<u4"),
-                          ("pad", "<u4"), ("length", "<u8")])
+                          ("meta_crc", "<u4"), ("length", "<u8")])
 FIELD_ENTRY = np.dtype([("name", "S32"), ("dtype", "S8"), ("ndim", "<u4"), ("pad", "<u4"),
                         ("shape", "<u8", (MAX_DIMS,)), ("offset", "<u8"), ("nbytes", "<u8")])
 
@@ -86,10 +88,18 @@ def encode(arrays: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.n
         entry["offset"], entry["nbytes"] = offset, a.nbytes
         buf[offset:offset + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         offset += aligned(a.nbytes)
-    header["magic"], header["n_fields"], header["pad"], header["length"] = (
-        MAGIC, len(arrays), 0, size)
+    header["magic"], header["n_fields"], header["length"] = MAGIC, len(arrays), size
     header["schema"] = schema_of(arrays)
+    header["meta_crc"] = _meta_crc(buf, len(arrays))
     return buf
+
+
+def _meta_crc(buf: np.ndarray, n_fields: int) -> int:
+    """CRC-32 of the header (but its own field) and the field table."""
+    crc_at = RECORD_HEADER.fields["meta_crc"][1]
+    crc = zlib.crc32(buf[:crc_at].tobytes())
+    return zlib.crc32(buf[crc_at + 4:RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize
+                          * n_fields].tobytes(), crc)
 
 
 def decode(buf: np.ndarray, copy: bool = True) -> dict[str, np.ndarray]:
@@ -105,6 +115,8 @@ def decode(buf: np.ndarray, copy: bool = True) -> dict[str, np.ndarray]:
     if length > buf.nbytes or table_end > length:
         raise RecordError(f"record claims {length} bytes and {n} fields; buffer has "
                           f"{buf.nbytes} bytes")
+    if int(header["meta_crc"]) != _meta_crc(buf, n):
+        raise RecordError("metadata checksum mismatch: the header or field table is damaged")
     out = {}
     for entry in buf[RECORD_HEADER.itemsize:table_end].view(FIELD_ENTRY):
         ndim = int(entry["ndim"])

@@ -1,0 +1,159 @@
+"""Data integrity: damaged ring slots never reach training (that every accepted group is
+trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 dumps and records are checked when read, with errors naming the file
+(or field) and the problem."""
+
+import json
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from test_dump import reach_segments, writer  # noqa: E402
+from test_mpi_world import ROOT, hpcvla  # noqa: E402
+
+from hpcvla import checkpoint  # noqa: E402
+from hpcvla.metrics.dump import DumpError, summarize, verify  # noqa: E402
+from hpcvla.transport import records  # noqa: E402
+
+FAULTS = ROOT / "tests" / "faults"
+
+
+# ------------------------------------------------------------------ the trajectory ring
+
+def test_damaged_ring_slots_are_dropped_counted_reported_never_trained():
+    out = hpcvla("launch", "-n", 2, "--timeout", 90, "--", FAULTS / "integrity_world.py")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "2 of 4 segment groups damaged in the ring: dropped, counted (bad_slots 2, " \
+           "lost_records 2), reported, never trained" in out.stdout
+
+
+# ------------------------------------------------------------------ HDF5 trajectory dumps
+
+@pytest.fixture(scope="module")
+def dump_bytes(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dump") / "rank7.h5"
+    groups, spec = reach_segments(4)
+    dump = writer(path, spec, flush_s=0.0)
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    return path.read_bytes()
+
+
+def test_dump_with_a_corrupted_chunk_fails_naming_file_and_dataset(tmp_path, dump_bytes):
+    path = tmp_path / "rank7.h5"
+    path.write_bytes(dump_bytes)
+    assert verify(path) > 0
+    with h5py.File(path, "r") as f:
+        info = f["data/demo_0/actions"].id.get_chunk_info(0)
+    data = bytearray(dump_bytes)
+    data[info.byte_offset + info.size // 2] ^= 0x01  # one bit of one compressed chunk
+    path.write_bytes(bytes(data))
+    with pytest.raises(DumpError, match=r"rank7\.h5: demo_0/actions is corrupted"):
+        verify(path)
+    out = hpcvla("inspect", "--verify", path)
+    assert out.returncode == 2, out.stdout
+    assert str(path) in out.stderr and "demo_0/actions is corrupted" in out.stderr
+
+
+@pytest.mark.parametrize("fraction", [0.02, 0.3, 0.6, 0.95, 0.999])
+def test_truncated_dump_fails_naming_the_file(tmp_path, dump_bytes, fraction):
+    path = tmp_path / "rank7.h5"
+    path.write_bytes(dump_bytes[:int(len(dump_bytes) * fraction)])
+    with pytest.raises(DumpError, match=r"rank7\.h5: "):
+        summarize(path)
+        verify(path)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_dump_with_a_flipped_bit_reads_or_raises_dump_error(tmp_path_factory, dump_bytes, data):
+    """Wherever the damage is: a DumpError naming the file, or a successful read (the bit
+    was in unused space or in dense attribute storage, which HDF5 does not checksum)."""
+    where = data.draw(st.integers(0, len(dump_bytes) - 1))
+    bit = data.draw(st.integers(0, 7))
+    damaged = bytearray(dump_bytes)
+    damaged[where] ^= 1 << bit
+    path = tmp_path_factory.mktemp("flip") / "rank7.h5"
+    path.write_bytes(bytes(damaged))
+    try:
+        summarize(path)
+        verify(path)
+    except DumpError as err:
+        assert str(path) in str(err)
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def fake_checkpoint(path: Path, **state) -> Path:
+    """A checkpoint directory as checkpoint.save lays it out (files' contents are checked
+    only when loaded, against the sha256 in state.json)."""
+    path.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.rank0.safetensors"):
+        (path / name).write_bytes(b"x")
+    full = {"format": 1, "version": 2, "counters": {}, "learners": 1, "zero_stage": 1,
+            "model_sha256": "0" * 64, "optimizer": [{"file": "optimizer.rank0.safetensors",
+                                                     "sha256": "0" * 64}]}
+    full.update(state)
+    (path / "state.json").write_text(json.dumps({k: v for k, v in full.items()
+                                                 if v is not None}))
+    return path
+
+
+def test_damaged_checkpoint_state_is_named(tmp_path):
+    ok = fake_checkpoint(tmp_path / "ok")
+    assert checkpoint.read_state(ok)["version"] == 2
+    with pytest.raises(checkpoint.CheckpointError, match="lacks model_sha256, optimizer"):
+        checkpoint.read_state(fake_checkpoint(tmp_path / "keys", model_sha256=None,
+                                              optimizer=None))
+    path = fake_checkpoint(tmp_path / "gone")
+    (path / "optimizer.rank0.safetensors").unlink()
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"optimizer\.rank0\.safetensors: missing; the checkpoint is "):
+        checkpoint.read_state(path)
+    path = fake_checkpoint(tmp_path / "binary")
+    (path / "state.json").write_bytes(b"\xff\xfe{\x00garbage")
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: not valid JSON"):
+        checkpoint.read_state(path)
+    (path / "state.json").write_text("[1, 2]")
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: format 'list'"):
+        checkpoint.read_state(path)
+
+
+# ------------------------------------------------------------------ records
+
+def sample_record():
+    rng = np.random.default_rng(0)
+    return {"obs.image": rng.integers(0, 255, (3, 2, 8, 8, 3), dtype=np.uint8),
+            "actions": rng.standard_normal((3, 2, 4, 7)).astype(np.float32),
+            "done": np.array([[False, True]] * 3), "version": np.arange(3, dtype=np.int64),
+            "meta": np.array([5, 0, 17, 2, 3], np.int64)}
+
+
+RECORD = records.encode(sample_record())
+META_END = records.RECORD_HEADER.itemsize + records.FIELD_ENTRY.itemsize * 5
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.integers(0, META_END - 1), st.integers(1, 255))
+def test_any_damaged_metadata_byte_is_refused(where, xor):
+    """Header and field table are checksummed: damage there is a RecordError, never arrays
+    with wrong shapes, dtypes or offsets."""
+    damaged = RECORD.copy()
+    damaged[where] ^= xor
+    with pytest.raises(records.RecordError):
+        records.decode(damaged)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=2 * RECORD.nbytes))
+def test_random_bytes_are_refused(noise):
+    """Arbitrary bytes (or a record's bytes cut short) never decode."""
+    for buf in (np.frombuffer(noise, np.uint8), RECORD[:len(noise) % RECORD.nbytes]):
+        with pytest.raises(records.RecordError):
+            records.decode(buf)
