@@ -9,6 +9,7 @@ import pytest
 
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import check_env, make_env
+from hpcvla.envs.isolated import IsolatedEnv
 from hpcvla.envs.serial import require, words
 from test_mpi_world import ROOT, hpcvla
 
@@ -127,6 +128,28 @@ def test_failing_env_is_reported_by_id_and_the_others_go_on(name, capfd):
         assert "env 11 failed in step" in capfd.readouterr().err
         result = env.step(still(env))  # env 10 went on; env 11 was rebuilt and steps again
         assert not result.truncated.any() and env._chunks.tolist() == [2, 1]
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("name", ["maniskill", "libero"])
+def test_killed_simulator_process_is_restarted(name, capfd):
+    """env.isolation=process with the real simulator: a worker killed outright (a segfault,
+    the OOM killer) is replaced, its envs' episodes end truncated, the shard steps on."""
+    kwargs = dict(image_size=32, wrist_image=False, chunk_len=CHUNK, max_episode_chunks=HORIZON,
+                  first_env=4, **SETTINGS[name])
+    env = IsolatedEnv(name, 2, 0, kwargs, timeout_s=300, max_restarts=1, first_env=4,
+                      owner="rank 3 (simulator)")
+    try:
+        env.reset()
+        assert not env.step(still(env)).truncated.any()
+        env._proc.kill()
+        result = env.step(still(env))
+        assert result.truncated.all() and env.restarts == 1
+        assert f"rank 3 (simulator), {name} envs 4-5: step: the worker died (killed by " \
+               "SIGKILL)" in capfd.readouterr().err
+        result = env.step(still(env))
+        assert not result.truncated.any() and result.obs["image"].shape == (2, 32, 32, 3)
     finally:
         env.close()
 

@@ -4,7 +4,9 @@ thread's stack ("Timeout (h:mm:ss)!", the stuck line on top) and exits; the laun
 names the rank, its role and the run's last progress and tears the world down (deathwatch.py).
 
 It is `faulthandler`'s timer: a C thread that needs no GIL, so it fires even when the stuck
-call holds it. Re-arming costs microseconds, so it can guard every step.
+call holds it. Re-arming costs microseconds, so it can guard every step. With
+`env.isolation=process` the envs run in workers the rank times out and restarts itself
+(envs/isolated.py), so this rank-wide guard is off.
 """
 
 from __future__ import annotations
@@ -25,3 +27,8 @@ def deadline(timeout_s: float):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def step_deadline_s(env_cfg) -> float:
+    """The deadline to guard a rank's env steps with (0: none; isolated envs have their own)."""
+    return env_cfg.step_timeout_s if env_cfg.isolation == "inline" else 0.0

@@ -1,6 +1,6 @@
 """Data integrity: damaged ring slots never reach training (that every accepted group is
-trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 dumps and records are checked when read, with errors naming the file
-(or field) and the problem."""
+trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 dumps and
+records are checked when read, with errors naming the file (or field) and the problem."""
 
 import json
 import sys

@@ -161,15 +161,31 @@ class EnvConfig:
         "lognormal draws with this median, its real compute included (0 = off).", ge=0)
     latency_sigma: float = setting(
         0.5, "Log-space spread of the emulated step latency (long tail).", ge=0)
+    isolation: str = setting(
+        "inline", "Where a simulator rank runs its env shards. `inline`: in the rank's own "
+        "process (no extra process or copy). `process`: each shard in a worker subprocess "
+        "(hpcvla/envs/isolated.py), so a hung or crashed simulator (deadlock, segfault, OOM "
+        "kill) costs a restarted worker and the shard's current episodes, not the job; "
+        "costs one process per shard and a copy of every observation.",
+        choices=("inline", "process"))
     step_timeout_s: float = setting(
-        300.0, "A simulator rank whose env step (one chunk of one shard) has not returned "
-        "after this many seconds (a MuJoCo/EGL deadlock) prints its stacks and exits; the "
-        "launcher names it and stops the job, so a checkpointed run can be resumed instead of "
-        "hanging. Must exceed the slowest legitimate step (resets included). 0 = no watchdog.",
+        300.0, "A simulator step (one chunk of one shard) that has not returned after this "
+        "many seconds is a hang (a MuJoCo/EGL deadlock). env.isolation=process: the shard's "
+        "worker is killed and restarted and the run goes on. inline: the rank prints its "
+        "stacks and exits; the launcher names it and stops the job, so a checkpointed run "
+        "can be resumed instead of hanging. Must exceed the slowest legitimate step (resets "
+        "and, with process isolation, building a worker's envs included). 0 = no watchdog.",
+        ge=0)
+    max_restarts: int = setting(
+        5, "env.isolation=process: restarts of one shard's worker after which the rank "
+        "gives up and stops the job (a fault that always recurs is a bug, not bad luck).",
         ge=0)
     hang_at_step: int = setting(
         0, "`reach`, fault injection: every env's step number N never returns (tests the "
         "step watchdog). 0 = never.", ge=0)
+    crash_at_step: int = setting(
+        0, "`reach`, fault injection: the process running the envs is killed (SIGKILL, as "
+        "a segfault or the OOM killer would) at step number N. 0 = never.", ge=0)
 
 
 @dataclass

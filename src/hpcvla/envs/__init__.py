@@ -31,7 +31,8 @@ def env_kwargs(env_cfg) -> dict:
                   max_episode_chunks=env_cfg.max_episode_chunks, state=env_cfg.state)
     if env_cfg.name == "reach":
         return dict(common, latency_median_ms=env_cfg.latency_median_ms,
-                    latency_sigma=env_cfg.latency_sigma, hang_at_step=env_cfg.hang_at_step)
+                    latency_sigma=env_cfg.latency_sigma, hang_at_step=env_cfg.hang_at_step,
+                    crash_at_step=env_cfg.crash_at_step)
     if env_cfg.name == "maniskill":
         return dict(common, task=env_cfg.task, wrist_image=env_cfg.wrist_image,
                     reward=env_cfg.reward)

@@ -42,6 +42,8 @@ of 64 envs is ~2 ms). Rendering touches only a small window around each shape.
 from __future__ import annotations
 
 import math
+import os
+import signal
 import threading
 import time
 
@@ -97,7 +99,7 @@ class ReachEnv(VectorEnv):
                  max_delta: float = 0.05, success_radius: float = 0.07,
                  progress_scale: float = 10.0, latency_median_ms: float = 0.0,
                  latency_sigma: float = 0.5, latency_sleep: bool = True,
-                 hang_at_step: int = 0):
+                 hang_at_step: int = 0, crash_at_step: int = 0):
         checks = {
             "num_envs": num_envs >= 1,
             "image_size": image_size >= 8,
@@ -120,7 +122,8 @@ class ReachEnv(VectorEnv):
         self.latency_median_ms, self.latency_sigma = latency_median_ms, latency_sigma
         self.last_latency_s = 0.0
         self.latency_sleep = latency_sleep
-        self.hang_at_step, self._steps_taken = hang_at_step, 0
+        self.hang_at_step, self.crash_at_step = hang_at_step, crash_at_step
+        self._steps_taken = 0
 
         obs = {"image": ((image_size, image_size, 3), "|u1"),
                "instruction": ((INSTRUCTION_LEN,), "<i4")}
@@ -232,6 +235,8 @@ class ReachEnv(VectorEnv):
         self._steps_taken += 1
         if self._steps_taken == self.hang_at_step:  # fault injection: a step that never returns
             threading.Event().wait()
+        if self._steps_taken == self.crash_at_step:  # fault injection: the process dies (SEGV)
+            os.kill(os.getpid(), signal.SIGKILL)
         begin, n = time.monotonic(), self.num_envs
         actions = np.asarray(actions, dtype=np.float64)
         if actions.shape != (n, self.chunk_len, 2):

@@ -13,7 +13,7 @@ import torch
 from hpcvla.emulate import pad
 from hpcvla.roles.learner import full_state, learn
 from hpcvla.roles.segments import SegmentBuilder
-from hpcvla.watchdog import deadline
+from hpcvla.watchdog import deadline, step_deadline_s
 
 
 def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
@@ -64,7 +64,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                 continue
         builder.add_step(obs, actions, logprob, value, version)
         with timeline.span("simulate"):
-            with deadline(cfg.env.step_timeout_s):  # a step that never returns: loud stop
+            with deadline(step_deadline_s(cfg.env)):  # a step that never returns: loud stop
                 result = env.step(actions)
         steps += env.num_envs * spec.chunk_len
         obs = result.obs

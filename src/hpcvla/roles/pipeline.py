@@ -25,6 +25,7 @@ from hpcvla import checkpoint, preempt
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.envs.groups import GroupedRestarts
+from hpcvla.envs.isolated import IsolatedEnv
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.policies import make_policy, policy_kwargs
@@ -39,20 +40,32 @@ from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.weights import Manifest, WeightPlane
+from hpcvla.watchdog import step_deadline_s
 
 
-def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0):
+def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0,
+              owner: str = "this rank"):
     """`n` envs as configured; `first_env` is the run-wide index of the first (simulators
-    spread tasks and report failures by it)."""
+    spread tasks and report failures by it); `owner` names the rank in failure reports."""
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":
         kwargs["latency_sleep"] = latency_sleep
     else:
         kwargs["first_env"] = first_env
-    env = make_env(cfg.env.name, n, seed, **kwargs)
+    if cfg.env.isolation == "process":  # a worker process per shard, restarted on faults
+        env = IsolatedEnv(cfg.env.name, n, seed, kwargs, cfg.env.step_timeout_s,
+                          cfg.env.max_restarts, first_env, owner)
+    else:
+        env = make_env(cfg.env.name, n, seed, **kwargs)
     if cfg.algorithm.name == "grpo":  # GRPO compares episodes started from one state
         env = GroupedRestarts(env, cfg.rollout.segment_len, cfg.algorithm.group_size, seed)
     return env
+
+
+def env_failures(envs) -> list:
+    """Every env fault so far, (env id, what happened), from inline slots (envs/serial.py)
+    and isolated workers (envs/isolated.py)."""
+    return [f for env in envs for f in getattr(env, "failures", [])]
 
 
 def build_policy(cfg, spec):
@@ -91,7 +104,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         engine = _start_learner(cfg, policy, comms.learners, resume, progress)
         save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
         env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
-                        first_env=rank * cfg.env.envs_per_simulator)
+                        first_env=rank * cfg.env.envs_per_simulator,
+                        owner=f"rank {rank} (colocated)")
         dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: colocated_seed(cfg, rank))
         idle_barrier(world)
         start = time.monotonic()
@@ -101,6 +115,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
                                              dump=dump, emulate_ms=_emulated_inference(cfg))
         summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
         summary["nonfinite_steps_skipped"] = engine.skipped
+        summary["env_failures"] = env_failures([env])
         env.close()
     else:
         start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
@@ -163,12 +178,14 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         if LEARN in roles else None
     # simulators are built before the clock starts (a real one takes seconds per env)
     envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
-                      first_env=rank * cfg.env.envs_per_simulator + shard * per_shard)
+                      first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
+                      owner=f"rank {rank} (simulator)")
             for shard in range(sched.shards)] if SIM in roles else []
     idle_barrier(world)
     start = time.monotonic()
     if SIM in roles:
-        stats["env_steps"] = run_simulator(envs, exchange, timeline, cfg.env.step_timeout_s)
+        stats["env_steps"] = run_simulator(envs, exchange, timeline, step_deadline_s(cfg.env))
+        stats["env_failures"] = env_failures(envs)
         for env in envs:
             env.close()
     elif INF in roles:
@@ -268,6 +285,7 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
     }
     result["preempted"] = any(s["preempted"] for s in everyone)
     result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
+    result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     if result["preempted"]:
         print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "

@@ -1,0 +1,210 @@
+"""A vector env in a worker subprocess, restarted when it hangs or dies (`env.isolation=process`).
+
+A simulator can fail in ways no Python `except` catches: a step caught in a MuJoCo/EGL
+deadlock never returns, a segfault or the OOM killer ends the process. In-process
+(`env.isolation=inline`, the default) such a fault takes its rank down and the step watchdog
+(hpcvla/watchdog.py) stops the job loudly. `IsolatedEnv` runs the shard's vector env in a
+worker process of its own instead, so the rank can wait for each call with a deadline and
+replace the worker:
+
+    parent (simulator rank)                    worker (python -m hpcvla.envs.isolated FD)
+    step(actions) --- ("step", actions) --->   env.step(actions)
+                  <-- ("ok", result, ...) ---
+    no answer within `timeout_s`, the socket closed (the worker died), or an exception
+    escaped the vector env: kill the worker, log it with the rank and env ids, start a
+    new one, reset it; the shard's episodes end truncated (no success) and the run goes on.
+
+More than `max_restarts` restarts of one shard raise (a fault that always recurs is a bug to
+fix, not to retry). The worker imports no MPI and no torch; it dies with its rank (Linux
+PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM, which are its rank's to handle. Cost: one
+more process per shard (~30 MB with `reach`, a simulator's own footprint with the others),
+and a pickled observation batch per step over a local socket (~0.1 ms for 8 64-px images).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from hpcvla.envs.base import StepResult, VectorEnv
+
+# fault-injection settings of the envs (reach): they fire in a worker's first life only, as a
+# transient fault would; a restarted worker is built without them
+INJECTED_FAULTS = ("hang_at_step", "crash_at_step")
+
+
+class EnvWorkerFailed(RuntimeError):
+    """The worker hung, died or raised; the message says which and how."""
+
+
+class IsolatedEnv(VectorEnv):
+    def __init__(self, name: str, num_envs: int, seed: int, kwargs: dict, timeout_s: float,
+                 max_restarts: int, first_env: int = 0, owner: str = "this rank"):
+        self.name, self.num_envs, self.seed, self.kwargs = name, num_envs, seed, dict(kwargs)
+        self.timeout_s, self.max_restarts = timeout_s or None, max_restarts
+        self.where = f"{owner}, {name} envs {first_env}-{first_env + num_envs - 1}"
+        self.latency_sleep = kwargs.get("latency_sleep", True)
+        self.last_latency_s = 0.0
+        self.failures: list[tuple[int, str]] = []  # (first env id, what happened) per fault
+        self.restarts = 0
+        self.first_env = first_env
+        self._chunks = np.zeros(num_envs, np.int32)  # for the lengths of cut-short episodes
+        self._return = np.zeros(num_envs, np.float32)
+        self._proc = self._conn = None
+        self.spec = self._start(self.kwargs, seed)
+
+    # ---- the worker ---------------------------------------------------------------------
+
+    def _start(self, kwargs: dict, seed: int):
+        parent, child = socket.socketpair()
+        env = {k: v for k, v in os.environ.items()  # not an MPI process: no PMI handshake
+               if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_"))}
+        self._proc = subprocess.Popen([sys.executable, "-m", "hpcvla.envs.isolated",
+                                       str(child.fileno()), str(os.getpid())],
+                                      pass_fds=[child.fileno()], env=env)
+        child.close()
+        self._conn = Connection(parent.detach())
+        return self._call("init", self.name, self.num_envs, seed, kwargs)
+
+    def _call(self, *message):
+        """Send one request and wait for its answer; EnvWorkerFailed on hang, death or error."""
+        try:
+            self._conn.send(message)
+            if not self._conn.poll(self.timeout_s):
+                raise EnvWorkerFailed(f"{message[0]} did not return within "
+                                      f"{self.timeout_s:g} s (env.step_timeout_s)")
+            status, *answer = self._conn.recv()
+        except (EOFError, OSError):
+            raise EnvWorkerFailed(f"{message[0]}: the worker died ({self._exit_status()})") \
+                from None
+        if status == "error":
+            raise EnvWorkerFailed(f"{message[0]} raised {answer[0]}")
+        new_failures, self.last_latency_s, value = answer
+        self.failures += new_failures  # slots the vector env isolated itself (envs/serial.py)
+        return value
+
+    def _exit_status(self) -> str:
+        try:
+            code = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return "exit status unknown"
+        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+    def _stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if self._conn is not None:
+            self._conn.close()
+
+    def _restart(self, error: EnvWorkerFailed) -> dict:
+        """Replace the worker (again, if the new one fails too); returns its first
+        observations."""
+        begin = time.monotonic()
+        while True:
+            self.failures.append((self.first_env, str(error)))
+            self._stop()
+            if self.restarts >= self.max_restarts:
+                raise EnvWorkerFailed(f"{self.where}: {error}; restarted {self.restarts} "
+                                      f"times already (env.max_restarts={self.max_restarts}), "
+                                      "giving up")
+            self.restarts += 1
+            print(f"hpcvla: {self.where}: {error}; restarting the worker ({self.restarts}/"
+                  f"{self.max_restarts}); their episodes end truncated", file=sys.stderr,
+                  flush=True)
+            kwargs = {k: v for k, v in self.kwargs.items() if k not in INJECTED_FAULTS}
+            try:  # a fresh seed: the new worker does not replay the run's first episodes
+                self._start(kwargs, self.seed + 100_003 * self.restarts)
+                obs = self._call("reset", None, None)
+            except EnvWorkerFailed as again:
+                error = again
+                continue
+            print(f"hpcvla: {self.where}: worker restarted in {time.monotonic() - begin:.1f} s",
+                  file=sys.stderr, flush=True)
+            return obs
+
+    # ---- VectorEnv ----------------------------------------------------------------------
+
+    def reset(self, seeds=None, init_state_ids=None):
+        self._chunks[:], self._return[:] = 0, 0.0
+        try:
+            return self._call("reset", seeds, init_state_ids)
+        except EnvWorkerFailed as error:
+            return self._restart(error)
+
+    def step(self, actions) -> StepResult:
+        try:
+            result = self._call("step", np.asarray(actions))
+        except EnvWorkerFailed as error:  # every episode of the shard ends here, truncated
+            obs, n = self._restart(error), self.num_envs
+            result = StepResult(obs, np.zeros(n, np.float32), np.zeros(n, bool),
+                                np.ones(n, bool), np.zeros(n, bool), self._return.copy(),
+                                self._chunks.copy())
+            self._chunks[:], self._return[:] = 0, 0.0
+            return result
+        done = result.terminated | result.truncated
+        self._chunks = np.where(done, 0, self._chunks + 1).astype(np.int32)
+        self._return = np.where(done, 0.0, self._return + result.reward).astype(np.float32)
+        return result
+
+    def instructions(self) -> list[str]:
+        return self._call("instructions")
+
+    def close(self) -> None:
+        try:
+            self._conn.send(("close",))
+            self._proc.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+        self._stop()
+
+
+def _serve(conn: Connection) -> None:
+    """The worker: build the env on "init", then answer calls until "close" or EOF."""
+    from hpcvla.envs import make_env
+    env, reported = None, 0
+    while True:
+        try:
+            method, *args = conn.recv()
+        except EOFError:  # the rank is gone
+            break
+        if method == "close":
+            break
+        try:
+            if method == "init":
+                env = make_env(*args[:3], **args[3])
+                value = env.spec
+            elif method == "instructions":
+                value = env.instructions()
+            else:
+                value = getattr(env, method)(*args)
+        except Exception as err:  # noqa: BLE001 - the rank decides: restart or give up
+            conn.send(("error", repr(err)))
+            continue
+        failures = getattr(env, "failures", [])
+        conn.send(("ok", failures[reported:], getattr(env, "last_latency_s", 0.0), value))
+        reported = len(failures)
+    if env is not None:
+        env.close()
+
+
+def _main(fd: int, rank_pid: int) -> None:
+    if sys.platform.startswith("linux"):  # die with the rank, even when stuck in C
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != rank_pid:  # the rank died before the line above took effect
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the rank's to handle (checkpoint, stop)
+        signal.signal(sig, signal.SIG_IGN)
+    _serve(Connection(fd))
+
+
+if __name__ == "__main__":
+    _main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,127 @@
+"""Simulator faults under `env.isolation=process` (envs/isolated.py): a step that never
+returns (`env.hang_at_step`) and a simulator process killed outright (`env.crash_at_step`,
+SIGKILL as a segfault or the OOM killer) cost the shard's worker and its current episodes,
+not the job: the worker is restarted within `env.step_timeout_s` (+ its start-up), the
+fault is logged with the rank and env ids and counted in the summary, and the run finishes
+with every update. A fault that always recurs stops the rank after `env.max_restarts`."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
+from test_mpi_world import hpcvla  # noqa: E402
+
+from hpcvla.envs import make_env  # noqa: E402
+from hpcvla.envs.isolated import EnvWorkerFailed, IsolatedEnv  # noqa: E402
+
+REACH = dict(image_size=16, chunk_len=2, max_episode_chunks=5)
+
+
+def actions(rng, env):
+    return rng.uniform(-1, 1, (env.num_envs, env.spec.chunk_len, env.spec.action_dim))
+
+
+def test_isolated_env_steps_exactly_like_the_inline_one():
+    inline = make_env("reach", 4, seed=3, **REACH)
+    isolated = IsolatedEnv("reach", 4, 3, REACH, timeout_s=30, max_restarts=0)
+    try:
+        assert isolated.spec == inline.spec
+        a, b = inline.reset(), isolated.reset()
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+        rng = np.random.default_rng(0)
+        for _ in range(12):  # across episode ends (auto-reset after 5 chunks)
+            act = actions(rng, inline)
+            x, y = inline.step(act), isolated.step(act)
+            for field in x._fields:
+                want, got = getattr(x, field), getattr(y, field)
+                if field == "obs":
+                    assert all(np.array_equal(want[k], got[k]) for k in want)
+                else:
+                    assert np.array_equal(want, got), field
+        assert isolated.instructions() == inline.instructions()
+        assert isolated.failures == [] and isolated.restarts == 0
+    finally:
+        inline.close()
+        isolated.close()
+    assert isolated._proc.poll() is not None  # the worker is gone after close
+
+
+@pytest.mark.parametrize("fault,why", [
+    ("hang_at_step", "step did not return within 2 s"),
+    ("crash_at_step", "step: the worker died (killed by SIGKILL)")])
+def test_a_hung_or_killed_worker_is_restarted_and_its_episodes_end_truncated(fault, why,
+                                                                              capfd):
+    env = IsolatedEnv("reach", 3, 0, dict(REACH, **{fault: 3}), timeout_s=2, max_restarts=2,
+                      first_env=6, owner="rank 5 (simulator)")
+    try:
+        env.reset()
+        rng = np.random.default_rng(1)
+        for _ in range(2):
+            assert not env.step(actions(rng, env)).truncated.any()
+        old_worker = env._proc.pid
+        begin = time.monotonic()
+        result = env.step(actions(rng, env))  # the faulty step
+        took = time.monotonic() - begin
+        assert result.truncated.all() and not result.success.any()
+        assert result.episode_length.tolist() == [2, 2, 2]  # two chunks done before the fault
+        assert env._proc.pid != old_worker and env.restarts == 1
+        assert len(env.failures) == 1 and why in env.failures[0][1], env.failures
+        err = capfd.readouterr().err
+        assert "rank 5 (simulator), reach envs 6-8: " + why in err, err
+        assert "restarting the worker (1/2)" in err and "worker restarted in" in err, err
+        for _ in range(6):  # the new worker runs on (injected faults fire once)
+            result = env.step(actions(rng, env))
+        assert env.restarts == 1
+        print(f"{fault}: shard back {took:.1f} s after the faulty step began")
+    finally:
+        env.close()
+
+
+def test_a_fault_that_recurs_gives_up_after_max_restarts():
+    env = IsolatedEnv("reach", 2, 0, REACH, timeout_s=5, max_restarts=1, first_env=0,
+                      owner="rank 1 (simulator)")
+    try:
+        env.reset()
+        env._proc.kill()  # killed twice: once restarted, then given up
+        env.step(np.zeros((2, 2, 2)))
+        env._proc.kill()
+        with pytest.raises(EnvWorkerFailed, match=r"rank 1 \(simulator\), reach envs 0-1: "
+                           r"step: the worker died .*env.max_restarts=1"):
+            env.step(np.zeros((2, 2, 2)))
+    finally:
+        env.close()
+
+
+def test_an_env_that_cannot_be_built_fails_at_start_naming_the_error():
+    with pytest.raises(EnvWorkerFailed, match="init raised ValueError.*image_size"):
+        IsolatedEnv("reach", 2, 0, dict(REACH, image_size=4), timeout_s=30, max_restarts=3)
+
+
+@pytest.mark.parametrize("config,ranks,fault", [
+    ("configs/default.yaml", 4, "env.hang_at_step=8"),
+    ("configs/default.yaml", 4, "env.crash_at_step=8"),
+    ("configs/colocated.yaml", 2, "env.crash_at_step=8")])
+def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
+    updates = 4
+    out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}",
+                 f"pipeline.total_updates={updates}", "env.isolation=process",
+                 "env.step_timeout_s=5", fault, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    sims = [r for r in summary["per_rank"] if "env_failures" in r]
+    shards = sum(len({f[0] for f in r["env_failures"]}) for r in sims)
+    assert summary["env_failures"] >= 1 and shards >= 1, summary["env_failures"]
+    what = "did not return within 5 s" if "hang" in fault else "killed by SIGKILL"
+    assert all(what in f[1] for r in sims for f in r["env_failures"]), sims
+    assert "restarting the worker (1/5)" in out.stderr and what in out.stderr
+    learner = next(r for r in summary["per_rank"] if "staleness_hist" in r)
+    assert sum(learner["staleness_hist"].values()) > 0
+    assert "done:" in out.stdout
+    print(f"{config} {fault}: {summary['env_failures']} env faults survived, "
+          f"{summary['wall_s']:.0f} s")
