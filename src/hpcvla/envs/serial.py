@@ -5,7 +5,9 @@ them one after the other; a simulator rank is one core, and the MPI ranks are th
 Measured here (Debian 12, 2 cores): an extra in-process ManiSkill env costs ~5 MB and an extra
 LIBERO env ~300 MB (its renderer is shared per task), while a worker subprocess would cost a
 second interpreter with torch and the simulator (~800 MB for ManiSkill) and could not run any
-faster on cores the ranks already fill. In-process is therefore the default and only mode.
+faster on cores the ranks already fill. In-process is therefore how slots run; a whole
+vector env (a shard) can still be put in a worker process for fault isolation
+(`env.isolation=process`, envs/isolated.py), which is what a hang or a crash needs.
 
 A slot implements:
     instruction: str                     the language instruction of its current episode
