@@ -3,7 +3,7 @@ returns (`env.hang_at_step`) and a simulator process killed outright (`env.crash
 SIGKILL as a segfault or the OOM killer) cost the shard's worker and its current episodes,
 not the job: the worker is restarted within `env.step_timeout_s` (+ its start-up), the
 fault is logged with the rank and env ids and counted in the summary, and the run finishes
-with every update. A fault that always recurs stops the rank after `env.max_restarts`."""
+with every update, every segment group sent trained exactly once or drained unused. A fault that always recurs stops the rank after `env.max_restarts`."""
 
 import json
 import sys
@@ -121,7 +121,13 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
     assert all(what in f[1] for r in sims for f in r["env_failures"]), sims
     assert "restarting the worker (1/5)" in out.stderr and what in out.stderr
     learner = next(r for r in summary["per_rank"] if "staleness_hist" in r)
-    assert sum(learner["staleness_hist"].values()) > 0
+    assert sum(learner["staleness_hist"].values()) == updates * 32  # every update, full
+    if "trained_groups" in learner:  # disaggregated: nothing lost, nothing trained twice
+        ledger = learner["trained_groups"]
+        assert all(e["first"] == 0 and e["missing"] == 0 for e in ledger.values()), ledger
+        (inference,) = [r for r in summary["per_rank"] if r["role"] == "inference"]
+        trained = sum(e["groups"] for e in ledger.values())
+        assert inference["segments_sent"] == (trained + learner["unused_segments"]) * 8
     assert "done:" in out.stdout
     print(f"{config} {fault}: {summary['env_failures']} env faults survived, "
           f"{summary['wall_s']:.0f} s")
