@@ -58,7 +58,11 @@ class IsolatedEnv(VectorEnv):
         self._chunks = np.zeros(num_envs, np.int32)  # for the lengths of cut-short episodes
         self._return = np.zeros(num_envs, np.float32)
         self._proc = self._conn = None
-        self.spec = self._start(self.kwargs, seed)
+        try:
+            self.spec = self._start(self.kwargs, seed)
+        except BaseException:  # a worker that cannot build its envs must not linger
+            self._stop()
+            raise
 
     # ---- the worker ---------------------------------------------------------------------
 
@@ -95,7 +99,12 @@ class IsolatedEnv(VectorEnv):
             code = self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             return "exit status unknown"
-        return f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        if code >= 0:
+            return f"exit code {code}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
 
     def _stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
