@@ -161,6 +161,19 @@ def test_modes_benchmark_runs_every_mode(tmp_path):
     assert results["speedup_vs_sync_colocated"]["sync-colocated"] == 1.0
 
 
+def test_shards_benchmark_measures_both_ways_side_by_side(tmp_path):
+    """CI's short run of `hpcvla bench shards`: the same worker processes stepped one after
+    another and concurrently; the ratio is the ratio of the two measured throughputs."""
+    out = hpcvla("bench", "shards", "--workload", "emulated", "--quick", "--json",
+                 tmp_path / "shards.json", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads((tmp_path / "shards.json").read_text())
+    assert (r["shards"], r["rounds"]) == (2, 4) and "concurrent / sequential" in out.stdout
+    assert r["throughput"]["sequential"] > 0 and r["throughput"]["concurrent"] > 0
+    assert r["concurrent_over_sequential"] == pytest.approx(
+        r["throughput"]["concurrent"] / r["throughput"]["sequential"])
+
+
 @pytest.mark.parametrize("config,ranks,extra", [
     ("configs/default.yaml", 4, ["learner.zero_stage=1"]),
     ("configs/colocated.yaml", 2, ["learner.zero_stage=3"])])

@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes", "learning", "policies"],
+    bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards"],
                        help="what to measure; `learning` also takes key=value overrides for "
                             "every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
@@ -66,14 +66,17 @@ def _parser() -> argparse.ArgumentParser:
                        help="transport: emulated node size for the weight plane (default 4)")
     bench.add_argument("--workload", choices=["emulated", "real", "maniskill", "libero"],
                        default="emulated",
-                       help="modes: calibrated stage delays, the real reach env/policy/learner, "
-                            "or a real simulator (rendered observations, tiny policy)")
+                       help="modes, shards: calibrated stage delays, the real reach "
+                            "env/policy/learner, or a real simulator (rendered observations, "
+                            "tiny policy)")
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
     bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per mode")
+    bench.add_argument("--shards", type=int, default=2,
+                       help="shards: env shards (worker processes) of one simulator rank")
     bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
                        help="modes: B_max x T_max grid for the streamer, or envs per "
                             "simulator for streamer vs sync-colocated, instead of the ladder")
@@ -192,6 +195,11 @@ def cmd_bench(args) -> int:
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
                   args.updates or 20, json_path=args.json, sweep=args.sweep)
+        return 0
+    if args.target == "shards":  # one process and its env workers
+        from hpcvla.bench import shards
+        shards.run(args.workload, args.shards, rounds=4 if args.quick else 20,
+                   json_path=args.json)
         return 0
     if args.target == "learning":  # starts one world per run itself
         from hpcvla.bench import learning

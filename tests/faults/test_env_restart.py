@@ -82,6 +82,36 @@ def test_a_hung_or_killed_worker_is_restarted_and_its_episodes_end_truncated(fau
         env.close()
 
 
+def test_a_hung_shard_does_not_hold_up_the_other_shards_of_its_rank():
+    """The simulator loop starts every ready shard before collecting any (step_async /
+    step_wait): while one shard's worker hangs, the others step on and give results equal to
+    plain `step`s of their own inline twin."""
+    hung = IsolatedEnv("reach", 2, 0, dict(REACH, hang_at_step=2), timeout_s=6,
+                       max_restarts=1, owner="rank 1 (simulator)")
+    other = IsolatedEnv("reach", 2, 1, REACH, timeout_s=4, max_restarts=0, first_env=2)
+    twin = make_env("reach", 2, seed=1, **REACH)
+    try:
+        hung.reset()
+        first, want = other.reset(), twin.reset()
+        assert all(np.array_equal(first[k], want[k]) for k in want)
+        rng = np.random.default_rng(2)
+        hung.step(actions(rng, hung))
+        hung.step_async(actions(rng, hung))  # this step never returns
+        for _ in range(5):  # meanwhile the other shard steps, and steps right
+            act = actions(rng, other)
+            other.step_async(act)
+            got, want = other.step_wait(), twin.step(act)
+            assert np.array_equal(got.reward, want.reward)
+            assert all(np.array_equal(got.obs[k], want.obs[k]) for k in want.obs)
+        assert not hung.step_ready()  # still hanging, not yet overdue
+        result = hung.step_wait()  # collected at its deadline: restarted, episodes truncated
+        assert result.truncated.all() and hung.restarts == 1
+        assert other.failures == [] and other.restarts == 0
+    finally:
+        for env in (hung, other, twin):
+            env.close()
+
+
 def test_a_fault_that_recurs_gives_up_after_max_restarts():
     env = IsolatedEnv("reach", 2, 0, REACH, timeout_s=5, max_restarts=1, first_env=0,
                       owner="rank 1 (simulator)")

@@ -165,8 +165,9 @@ class EnvConfig:
         "inline", "Where a simulator rank runs its env shards. `inline`: in the rank's own "
         "process (no extra process or copy). `process`: each shard in a worker subprocess "
         "(hpcvla/envs/isolated.py), so a hung or crashed simulator (deadlock, segfault, OOM "
-        "kill) costs a restarted worker and the shard's current episodes, not the job; "
-        "costs one process per shard and a copy of every observation.",
+        "kill) costs a restarted worker and the shard's current episodes, not the job, and "
+        "the shards of a rank step concurrently (up to one core each: give the rank as many "
+        "cores as shards); costs one process per shard and a copy of every observation.",
         choices=("inline", "process"))
     step_timeout_s: float = setting(
         300.0, "A simulator step (one chunk of one shard) that has not returned after this "

@@ -56,6 +56,22 @@ class VectorEnv(abc.ABC):
     def step(self, actions: np.ndarray) -> StepResult:
         """Execute one action chunk, `actions` of shape (num_envs, chunk_len, action_dim)."""
 
+    # Split step (gym's vector API): a simulator rank starts every shard whose actions are in,
+    # then collects the ones that finished. In-process envs do the work in step_wait, so this
+    # is `step`; envs in worker processes (envs/isolated.py) step concurrently in between.
+    def step_async(self, actions: np.ndarray) -> None:
+        """Start a step of `actions`; collect it with `step_wait`."""
+        self._pending_actions = actions
+
+    def step_ready(self) -> bool:
+        """True when `step_wait` would not wait (always, in-process)."""
+        return True
+
+    def step_wait(self) -> StepResult:
+        """The outcome of the step `step_async` started."""
+        actions, self._pending_actions = self._pending_actions, None
+        return self.step(actions)
+
     @abc.abstractmethod
     def instructions(self) -> list[str]:
         """The current language instruction of every env."""

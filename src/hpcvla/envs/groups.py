@@ -45,7 +45,18 @@ class GroupedRestarts(VectorEnv):
         return self.env.reset(seeds=seeds, init_state_ids=init_state_ids)
 
     def step(self, actions: np.ndarray) -> StepResult:
-        result = self.env.step(actions)
+        return self._regroup(self.env.step(actions))
+
+    def step_async(self, actions: np.ndarray) -> None:
+        self.env.step_async(actions)
+
+    def step_ready(self) -> bool:
+        return self.env.step_ready()
+
+    def step_wait(self) -> StepResult:
+        return self._regroup(self.env.step_wait())
+
+    def _regroup(self, result: StepResult) -> StepResult:
         self.steps += 1
         if self.steps % self.every:
             return result

@@ -14,6 +14,10 @@ replace the worker:
     escaped the vector env: kill the worker, log it with the rank and env ids, start a
     new one, reset it; the shard's episodes end truncated (no success) and the run goes on.
 
+`step_async` / `step_wait` split a step (envs/base.py): the simulator loop starts every shard
+whose actions are in, then collects them, so a rank's workers step concurrently, one core each
+(`hpcvla bench shards` measures it), and a hung shard holds up only itself.
+
 More than `max_restarts` restarts of one shard raise (a fault that always recurs is a bug to
 fix, not to retry). The worker imports no MPI and no torch; it dies with its rank (Linux
 PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM, which are its rank's to handle. Cost: one
@@ -58,6 +62,7 @@ class IsolatedEnv(VectorEnv):
         self._chunks = np.zeros(num_envs, np.int32)  # for the lengths of cut-short episodes
         self._return = np.zeros(num_envs, np.float32)
         self._proc = self._conn = None
+        self._method, self._sent_at = None, 0.0  # the request in flight
         try:
             self.spec = self._start(self.kwargs, seed)
         except BaseException:  # a worker that cannot build its envs must not linger
@@ -79,17 +84,31 @@ class IsolatedEnv(VectorEnv):
 
     def _call(self, *message):
         """Send one request and wait for its answer; EnvWorkerFailed on hang, death or error."""
+        self._send(message)
+        return self._receive()
+
+    def _send(self, message: tuple) -> None:
+        self._method, self._sent_at = message[0], time.monotonic()
         try:
             self._conn.send(message)
-            if not self._conn.poll(self.timeout_s):
-                raise EnvWorkerFailed(f"{message[0]} did not return within "
+        except OSError:  # the worker is gone; _receive says how
+            pass
+
+    def _receive(self):
+        """The answer to the request `_send` sent, waiting until its deadline."""
+        method, wait = self._method, None
+        if self.timeout_s is not None:
+            wait = max(0.0, self.timeout_s - (time.monotonic() - self._sent_at))
+        try:
+            if not self._conn.poll(wait):
+                raise EnvWorkerFailed(f"{method} did not return within "
                                       f"{self.timeout_s:g} s (env.step_timeout_s)")
             status, *answer = self._conn.recv()
         except (EOFError, OSError):
-            raise EnvWorkerFailed(f"{message[0]}: the worker died ({self._exit_status()})") \
+            raise EnvWorkerFailed(f"{method}: the worker died ({self._exit_status()})") \
                 from None
         if status == "error":
-            raise EnvWorkerFailed(f"{message[0]} raised {answer[0]}")
+            raise EnvWorkerFailed(f"{method} raised {answer[0]}")
         new_failures, self.last_latency_s, value = answer
         self.failures += new_failures  # slots the vector env isolated itself (envs/serial.py)
         return value
@@ -149,8 +168,23 @@ class IsolatedEnv(VectorEnv):
             return self._restart(error)
 
     def step(self, actions) -> StepResult:
+        self.step_async(actions)
+        return self.step_wait()
+
+    def step_async(self, actions) -> None:
+        self._send(("step", np.asarray(actions)))  # the worker steps while the rank goes on
+
+    def step_ready(self) -> bool:
+        overdue = self.timeout_s is not None and \
+            time.monotonic() - self._sent_at >= self.timeout_s
+        try:  # an answer, or EOF from a dead worker
+            return overdue or self._conn.poll(0)
+        except OSError:
+            return True
+
+    def step_wait(self) -> StepResult:
         try:
-            result = self._call("step", np.asarray(actions))
+            result = self._receive()
         except EnvWorkerFailed as error:  # every episode of the shard ends here, truncated
             obs, n = self._restart(error), self.num_envs
             result = StepResult(obs, np.zeros(n, np.float32), np.zeros(n, bool),

@@ -30,15 +30,18 @@ def slot_dtypes(spec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
 
 def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -> int:
     """Step the shards until the inference rank says stop; returns env steps taken
-    (primitive steps: chunks x chunk_len x envs). A shard's emulated latency
-    (`env.last_latency_s`, when the env does not sleep itself) delays only that shard's
-    observation: shards stay in flight together, as one-process-per-env simulators do."""
+    (primitive steps: chunks x chunk_len x envs). Every shard whose actions are in is started
+    before any is collected, so shards in worker processes (env.isolation=process) step
+    concurrently. A shard's emulated latency (`env.last_latency_s`, when the env does not
+    sleep itself) delays only that shard's observation: shards stay in flight together, as
+    one-process-per-env simulators do."""
     steps = [0] * len(envs)
     chunk = envs[0].spec.chunk_len
     for shard, env in enumerate(envs):
         _write(exchange.obs(shard), env.reset(), None, steps[shard])
         exchange.submit(shard)
-    running, held = set(range(len(envs))), {}  # held: shard -> (release time, result)
+    running = set(range(len(envs)))
+    stepping, held = {}, {}  # shard -> (timeline start, start); shard -> (release, result)
     backoff = Backoff(cap=DATA_POLL_CAP)
     while running:
         now = time.monotonic()
@@ -47,25 +50,30 @@ def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -
                 del held[shard]
                 _write(exchange.obs(shard), result.obs, result, steps[shard])
                 exchange.submit(shard)
-        ready = [s for s in sorted(running - set(held)) if exchange.actions_ready(s)]
-        if not ready:
-            backoff.wait()
-            continue
-        backoff.reset()
+        ready = [s for s in sorted(running - held.keys() - stepping.keys())
+                 if exchange.actions_ready(s)]
         for shard in ready:
             answer = exchange.actions(shard)
             if answer["stop"]:
                 running.discard(shard)
                 continue
-            begin, started = timeline.now(), time.monotonic()
+            stepping[shard] = (timeline.now(), time.monotonic())
+            envs[shard].step_async(np.array(answer["actions"]))
+        finished = [s for s in stepping if envs[s].step_ready()]
+        for shard in finished:
+            begin, started = stepping.pop(shard)
             with deadline(step_timeout_s):  # a step that never returns stops the job loudly
-                result = envs[shard].step(np.array(answer["actions"]))
+                result = envs[shard].step_wait()
             steps[shard] += envs[shard].num_envs * chunk
             latency = 0.0 if getattr(envs[shard], "latency_sleep", True) else \
                 getattr(envs[shard], "last_latency_s", 0.0)
             # the emulated latency is the whole step (its compute runs inside); shards overlap
             held[shard] = (started + latency, result)
             timeline.record("simulate", begin, max(timeline.now(), begin + latency))
+        if ready or finished:
+            backoff.reset()
+        else:
+            backoff.wait()
     return sum(steps)
 
 
