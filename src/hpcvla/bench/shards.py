@@ -34,9 +34,11 @@ WORKLOAD_OVERRIDES = {"emulated": ["env.latency_median_ms=20"], "real": [], **{
 def run(workload: str = "emulated", shards: int = 2, envs_per_shard: int = 4, rounds: int = 20,
         json_path=None) -> dict:
     from hpcvla.config import load_config
+    from hpcvla.envs import check_env
     from hpcvla.roles.pipeline import make_envs
 
     cfg = load_config(None, [*WORKLOAD_OVERRIDES[workload], "env.isolation=process"])
+    check_env(cfg)  # a missing simulator is named before any worker starts
     envs = [make_envs(cfg, envs_per_shard, cfg.run.seed + k, first_env=k * envs_per_shard,
                       owner="bench") for k in range(shards)]
     spec, rng = envs[0].spec, np.random.default_rng(0)
