@@ -23,7 +23,9 @@ MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81, flow 0.84; to
     ("configs/reach_tokens.yaml", 200),  # OpenVLA-OFT-style parallel action tokens, PPO
 ])
 def test_training_beats_the_untrained_policy(tmp_path, config, updates):
-    _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}",
+    every = ["learner.checkpoint_every=20", "learner.checkpoint_keep=5"] \
+        if config == "configs/default.yaml" else []  # for `eval --all` below
+    _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}", *every,
                                     config=config)
     cfg = load_config(run_dir / "config.yaml")
     weights, version = checkpoint_weights(run_dir)
@@ -39,3 +41,10 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
         assert json.loads(out.stdout)["success_rate"] == trained["success_rate"]
         out = hpcvla("eval", tmp_path)
         assert out.returncode == 2 and "not a run directory" in out.stderr
+        # the learning curve over every kept checkpoint, from the untrained policy on
+        out = hpcvla("eval", run_dir, "--all", "--untrained", "--json")
+        assert out.returncode == 0, out.stderr
+        curve = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [c["version"] for c in curve] == [0, 20, 40]
+        assert curve[0]["success_rate"] == untrained["success_rate"]
+        assert curve[-1]["success_rate"] == trained["success_rate"]

