@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="the policy as the run's config initialises it (with --all: "
                                "first, as version 0)")
     evaluate.add_argument("--all", action="store_true",
-                          help="every checkpoint the run kept, oldest first: an unbiased "
-                               "learning curve (keep more with learner.checkpoint_keep)")
+                          help="every checkpoint the run kept, oldest first: a learning curve "
+                               "on fixed initial states (keep more: learner.checkpoint_keep)")
     evaluate.add_argument("--json", action="store_true", help="machine-readable output "
                                                                "(a JSON line per policy)")
 
