@@ -9,7 +9,9 @@ Writes into --out (default `report/`):
     throughput.png       env steps/s per run (and per benchmark case, with its ideal bound)
     timeline-<run>.png   swimlanes: one lane per rank, a coloured bar per busy span of each
                          stage, white = idle; `-zoom` shows two seconds mid-run
-    success.png          success rate against trained env steps, one curve per run
+    success.png          success rate against trained env steps, one curve per run (the
+                         training's last 200 episodes), and one per run that has an
+                         eval.jsonl (`hpcvla eval RUN --all`: fixed initial states)
     staleness.png        fraction of trained segments per policy-version lag, per run
 
 A run directory is what `hpcvla train` writes (summary.json, metrics.jsonl, config.yaml,
@@ -56,10 +58,11 @@ def load_run(path) -> dict:
             spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"],
                                                                  s["stage"]))
     metrics = _jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").exists() else []
+    evals = _jsonl(path / "eval.jsonl") if (path / "eval.jsonl").exists() else []
     return {"name": path.name, "path": path, "summary": summary, "plan": plan,
             "ratio": "colocated" if plan.get("mode") == "colocated" else
                      f"{roles['inference']}:{roles['learner']}",
-            "spans": spans, "metrics": metrics,
+            "spans": spans, "metrics": metrics, "evals": evals,
             "dumps": sorted((path / "trajectories").glob("rank*.h5"))}
 
 
@@ -196,14 +199,22 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
                    ""]
         curves = {n: ([m["trained_env_steps"] for m in r["metrics"]],
                       [m["success_rate"] for m in r["metrics"]]) for n, r in zip(names, runs)}
-        line_chart(out / "success.png", curves, "Success rate (last 200 episodes)",
-                   "trained env steps", "success", ylim=(0, 1))
+        curves.update({f"{n} (hpcvla eval)": ([e["trained_env_steps"] for e in r["evals"]],
+                                              [e["success_rate"] for e in r["evals"]])
+                       for n, r in zip(names, runs) if r["evals"]})
+        line_chart(out / "success.png", curves, "Success rate: last 200 training episodes, "
+                   "and hpcvla eval", "trained env steps", "success",
+                   ylim=(0, 1))
         lags = sorted({k for r in runs for k in staleness_of(r)})
         bar_chart(out / "staleness.png", [f"lag {k}" for k in lags],
                   {n: [staleness_of(r).get(k) for k in lags] for n, r in zip(names, runs)},
                   "Staleness of trained segments", "fraction of segments")
-        md += ["## Success", "", "![success](success.png)", "",
-               "## Staleness", "",
+        md += ["## Success", "", "![success](success.png)", ""]
+        for r in runs:
+            if r["evals"]:  # hpcvla eval --all: one policy per point, fixed initial states
+                md += [f"`hpcvla eval --all` of {r['name']}: " + ", ".join(
+                    f"v{e['version']} {e['success_rate']:.3f}" for e in r["evals"]), ""]
+        md += ["## Staleness", "",
                "Policy versions between the one that acted and the one that trained on it.",
                "", "| run | " + " | ".join(f"lag {k}" for k in lags) + " |",
                "|---|" + "---|" * len(lags)]

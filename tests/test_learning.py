@@ -12,6 +12,10 @@ from hpcvla.evaluate import checkpoint_weights, evaluate
 from test_mpi_world import hpcvla
 from test_pipeline import run_train
 
+def _jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
 MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81, flow 0.84; tokens learns
 # later and less evenly (0.26 at 60 and 0.23 at 120 updates in one CI run, 0.97 at 160)
 
@@ -28,8 +32,8 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
     _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}", *every,
                                     config=config)
     cfg = load_config(run_dir / "config.yaml")
-    weights, version = checkpoint_weights(run_dir)
-    assert version == updates
+    weights, state = checkpoint_weights(run_dir)
+    assert state["version"] == updates
     untrained = evaluate(cfg, None)
     trained = evaluate(cfg, weights)
     assert trained["episodes"] == untrained["episodes"] == 128
@@ -46,5 +50,7 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
         assert out.returncode == 0, out.stderr
         curve = [json.loads(line) for line in out.stdout.splitlines()]
         assert [c["version"] for c in curve] == [0, 20, 40]
+        assert [c["trained_env_steps"] for c in curve] == [0, 20 * 1024, 40 * 1024]
+        assert _jsonl(run_dir / "eval.jsonl") == curve  # kept with the run, for reports
         assert curve[0]["success_rate"] == untrained["success_rate"]
         assert curve[-1]["success_rate"] == trained["success_rate"]

@@ -31,6 +31,8 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
                          "pipeline.total_updates=3", "run.dump_trajectories=true")
     colocated, s2 = train(tmp_path / "b", "configs/colocated.yaml", "--ranks", 2,
                           "pipeline.total_updates=2")
+    out = hpcvla("eval", streamer, "--all", "--episodes", 32)  # writes its eval.jsonl
+    assert out.returncode == 0, out.stderr
     out = report(streamer, colocated, "--out", tmp_path / "report")
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "report" / "report.md").read_text()
@@ -45,6 +47,8 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     assert f"| {streamer.name} | {s1['staleness_hist']['0'] / total:.3f} | " \
            f"{s1['staleness_hist']['1'] / total:.3f} |" in md
     assert "## Trajectory dumps" in md and "| rank0.h5 |" in md
+    assert f"`hpcvla eval --all` of {streamer.name}: v3 0." in md  # beside training's curve
+    assert f"hpcvla eval --all` of {colocated.name}" not in md
     for name in ("throughput", "success", "staleness", f"timeline-{streamer.name}",
                  f"timeline-{streamer.name}-zoom", f"timeline-{colocated.name}"):
         assert f"({name}.png)" in md

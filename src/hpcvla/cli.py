@@ -266,18 +266,24 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
               file=sys.stderr)
         return 2
+    curve = []
     for path in policies:
         try:
-            weights, version = (None, 0) if path is None else checkpoint_weights(path)
+            weights, state = (None, {"version": 0}) if path is None else \
+                checkpoint_weights(path)
         except checkpoint.CheckpointError as err:
             print(f"hpcvla eval: {err}", file=sys.stderr)
             return 2
-        result = {"run_dir": str(run_dir), "version": version,
+        result = {"run_dir": str(run_dir), "version": state["version"],
+                  "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
                   **evaluate(cfg, weights, episodes=args.episodes, seed=cfg.run.seed)}
+        curve.append(result)
         print(json.dumps(result) if args.json else
-              f"policy version {version}: success {result['success_rate']:.3f} over "
-              f"{result['episodes']} episodes, mean return {result['mean_return']:.2f}",
+              f"policy version {result['version']}: success {result['success_rate']:.3f} "
+              f"over {result['episodes']} episodes, mean return {result['mean_return']:.2f}",
               flush=True)
+    if args.all:  # kept with the run: postprocess/report.py draws it beside the training curve
+        (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
     return 0
 
 

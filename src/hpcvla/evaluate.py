@@ -53,10 +53,11 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
             "mean_return": float(np.mean(returns))}
 
 
-def checkpoint_weights(run_dir: Path) -> tuple[dict, int]:
-    """The newest checkpoint's weights of a run directory, and its policy version."""
+def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:
+    """The newest checkpoint's weights of a run directory (or of a checkpoint directory), and
+    its state (policy `version`, `counters` such as trained_env_steps)."""
     path = checkpoint.latest(run_dir)
     if path is None:
         raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint "
                                          "(checkpoints/v*/state.json)")
-    return checkpoint.load_weights(path), checkpoint.read_state(path)["version"]
+    return checkpoint.load_weights(path), checkpoint.read_state(path)
