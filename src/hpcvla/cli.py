@@ -259,13 +259,14 @@ def cmd_eval(args) -> int:
     cfg = load_config(run_dir / "config.yaml")
     policies = [None] if args.untrained else []  # None: the untrained policy
     if args.all:
-        policies += checkpoint.complete(run_dir)
+        kept = checkpoint.complete(run_dir)
+        if not kept:
+            print(f"hpcvla eval: {run_dir}: no complete checkpoint "
+                  "(checkpoints/v*/state.json)", file=sys.stderr)
+            return 2
+        policies += kept
     elif not args.untrained:
         policies.append(run_dir)  # its newest checkpoint
-    if args.all and policies in ([], [None]):
-        print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
-              file=sys.stderr)
-        return 2
     curve = []
     for path in policies:
         try:
