@@ -106,6 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
     launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
     launch.add_argument("--mpiexec", default="auto", help="mpiexec to use (default: auto)")
+    launch.add_argument("--mpi", default="auto", choices=("auto", "mpich", "openmpi"),
+                        help="MPI to run under (default: the launcher beside this Python)")
     launch.add_argument("program", nargs=argparse.REMAINDER,
                         help="an hpcvla subcommand or a .py script, with its arguments")
     return parser
@@ -159,7 +161,8 @@ def cmd_train(args) -> int:
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"
     config = [args.config] if args.config else []
-    return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec)
+    return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec,
+                     mpi=cfg.launch.mpi)
 
 
 def cmd_plan(args) -> int:
@@ -185,7 +188,7 @@ def cmd_launch(args) -> int:
     from hpcvla.launch import LaunchError, run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
-        return run_world(args.n, program, args.mpiexec, args.timeout)
+        return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
     except LaunchError as err:
         print(f"hpcvla launch: {err}", file=sys.stderr)
         return 2

@@ -3,17 +3,19 @@
     hpcvla launch -n 6 -- train configs/default.yaml     # an hpcvla subcommand on 6 ranks
     hpcvla launch -n 4 -- my_script.py --flag            # any Python script on 4 ranks
 
+    hpcvla launch -n 4 --mpi openmpi -- train       # the same world under Open MPI
+
 Every rank runs under `python -m mpi4py`, so an uncaught exception in one rank aborts the whole
-world instead of leaving the others waiting. The launcher adds what this machine needs (Open
-MPI: oversubscription and run-as-root; both MPIs: one BLAS/OpenMP thread per rank when ranks
-outnumber cores), forwards the exit status, and kills the world on a timeout.
+world instead of leaving the others waiting. The launcher adds what the MPI needs
+(mpi_select.py: Open MPI's library for mpi4py, its one-sided components, oversubscription and
+run-as-root; both MPIs: one BLAS/OpenMP thread per rank when ranks outnumber cores), forwards
+the exit status, and kills the world on a timeout.
 Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec) instead.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,46 +23,17 @@ import time
 from pathlib import Path
 
 from hpcvla.deathwatch import DeathWatch
+from hpcvla.mpi_select import MpiSelectError, select_mpi
 
 
 class LaunchError(RuntimeError):
     pass
 
 
-def find_mpiexec(choice: str = "auto") -> str:
-    """The mpiexec to use: an explicit path, else the one next to this Python, else PATH's."""
-    if choice != "auto":
-        found = shutil.which(choice)
-        if not found:
-            raise LaunchError(f"launch.mpiexec = {choice!r} is not an executable; give a path "
-                              "to mpiexec/mpirun or `auto`")
-        return found
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec") or shutil.which("mpirun")
-    if not found:
-        raise LaunchError("no mpiexec found: run `make install` (it installs MPICH from PyPI) or "
-                          "load your site's MPI module")
-    return found
-
-
-def mpi_flavour(mpiexec: str) -> str:
-    """'mpich', 'openmpi' or 'unknown', from `mpiexec --version`."""
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
-                             timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    if "HYDRA" in out or "MPICH" in out:
-        return "mpich"
-    if "Open MPI" in out or "OpenRTE" in out or "open-mpi" in out:
-        return "openmpi"
-    return "unknown"
-
-
-def world_command(n: int, program: list[str], mpiexec: str = "auto") -> tuple[list[str], dict]:
-    """The argv and environment that start `program` on `n` ranks of this machine.
+def world_command(n: int, program: list[str], mpiexec: str = "auto",
+                  mpi: str = "auto") -> tuple[list[str], dict]:
+    """The argv and environment that start `program` on `n` ranks of this machine, under
+    `mpi` (mpich, openmpi or auto: mpi_select.py says what each needs).
 
     `program` is an hpcvla subcommand (`["train", "cfg.yaml"]`) or a script (`["x.py", ...]`).
     """
@@ -68,29 +41,31 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto") -> tuple[li
         raise LaunchError(f"-n {n}: need at least one rank")
     if not program:
         raise LaunchError("nothing to launch: give an hpcvla subcommand or a script after --")
-    exe = find_mpiexec(mpiexec)
-    cmd, env = [exe, "-n", str(n)], dict(os.environ)
-    if mpi_flavour(exe) == "openmpi":
-        cmd.append("--oversubscribe")
-        if os.geteuid() == 0:
-            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        env.setdefault("OMPI_MCA_osc", "^ucx")  # avoids a harmless per-rank UCX error
+    try:
+        install = select_mpi(mpi, mpiexec)
+    except MpiSelectError as err:
+        raise LaunchError(str(err)) from None
+    cmd = [install.mpiexec, "-n", str(n), *install.args]
+    env = {**os.environ, **install.env}
     if n >= (os.cpu_count() or 1):
         # Oversubscribed ranks must not each spin up a thread per core.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
-    target = program[0]
-    if target.endswith(".py"):
-        cmd += [sys.executable, "-m", "mpi4py", *program]
-    else:
-        cmd += [sys.executable, "-m", "mpi4py", "-m", "hpcvla", *program]
-    return cmd, env
+    return cmd + rank_program(program), env
+
+
+def rank_program(program: list[str]) -> list[str]:
+    """What each rank runs: under `python -m mpi4py`, so an uncaught exception in one rank
+    aborts the world."""
+    if program[0].endswith(".py"):
+        return [sys.executable, "-m", "mpi4py", *program]
+    return [sys.executable, "-m", "mpi4py", "-m", "hpcvla", *program]
 
 
 def run_world(n: int, program: list[str], mpiexec: str = "auto",
-              timeout: float | None = None) -> int:
+              timeout: float | None = None, mpi: str = "auto") -> int:
     """Run the world to completion; its exit status, or 124 after killing it on timeout."""
-    cmd, env = world_command(n, program, mpiexec)
+    cmd, env = world_command(n, program, mpiexec, mpi)
     shm_before = _shm_files()
     code = _run(cmd, env, timeout)
     if code != 0:  # a clean exit frees its own segments; tests check that it does

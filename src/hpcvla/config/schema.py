@@ -314,6 +314,12 @@ class LearnerConfig:
         32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
     ring_slot_kib: int = setting(
         1024, "Slot size in KiB; larger records are split over several slots.", ge=4)
+    ring_progress: str = setting(
+        "auto", "Who completes producers' writes into a learner's ring when they come from "
+        "other hosts (over TCP the target's MPI does): `auto` a progress thread on the learner "
+        "when its producers sit on other hosts, `thread` always, `poll` only the learner's "
+        "polls (remote producers then wait out every training step). transport/progress.py.",
+        choices=("auto", "thread", "poll"))
 
 
 @dataclass
@@ -337,6 +343,10 @@ class LaunchConfig:
     mpiexec: str = setting(
         "auto", "mpiexec used by `hpcvla launch`/`train --ranks`. `auto`: the one installed "
         "beside this Python (the MPI mpi4py runs on), else the first on PATH.")
+    mpi: str = setting(
+        "auto", "MPI of `hpcvla launch`/`train --ranks`: `mpich`, `openmpi` (mpi4py is pointed "
+        "at its library, one-sided components `sm,ucx`; see hpcvla/mpi_select.py) or `auto` "
+        "(the launcher beside this Python, else PATH's).", choices=("auto", "mpich", "openmpi"))
     check_scheduler: bool = setting(
         True, "Stop at start-up unless the MPI world size equals what Slurm (SLURM_NTASKS) "
         "or PBS (PBS_NODEFILE) allocated: a wrong PMI silently starts N one-rank worlds.")

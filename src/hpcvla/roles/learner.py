@@ -152,8 +152,9 @@ class SegmentQueues:
     at segment start (roles/modes.py): batch b is trained at version b, which is what bounds
     staleness even when segments arrive out of start order."""
 
-    def __init__(self, ring, max_staleness: int, stats: dict):
+    def __init__(self, ring, max_staleness: int, stats: dict, producers=()):
         self.ring, self.max_staleness, self.stats = ring, max_staleness, stats
+        self.producers = tuple(producers)  # world ranks feeding this ring, for stall reports
         self.buckets: dict[int, deque] = defaultdict(deque)
         self.trained: dict[tuple[int, int], set] = defaultdict(set)  # (producer, slot) -> groups
 
@@ -221,8 +222,8 @@ def run_learner(cfg, sched, engine, queues: SegmentQueues, publish, first: int,
                         raise RuntimeError(
                             f"no trajectory for {cfg.pipeline.stall_timeout_s:g} s while "
                             f"training version {version + 1}: have {have} of {need} segments "
-                            f"of batch {version}; a producer is stuck or the layout cannot "
-                            f"fill a batch (pipeline.stall_timeout_s)")
+                            f"of batch {version} (pipeline.stall_timeout_s). "
+                            f"{queues.ring.diagnose(queues.producers)}")
                 backoff.reset()
             yield queues.take(micro, version)
             need = micro

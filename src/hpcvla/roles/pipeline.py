@@ -170,7 +170,8 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     # Collective set-up, same order everywhere: exchange (cell), ring (feed), plane (node).
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
         if comms.cell != MPI.COMM_NULL else None
-    ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024) \
+    ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,
+                          progress=cfg.learner.ring_progress) \
         if comms.feed != MPI.COMM_NULL else None
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
     stats: dict = {}
@@ -206,7 +207,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
             if version > first:
                 save(version, state, last)
         stats = {"staleness_hist": {}}
-        queues = SegmentQueues(ring, sched.max_staleness, stats)
+        queues = SegmentQueues(ring, sched.max_staleness, stats, plan.producers_of(rank))
         publish(first)
         run_learner(cfg, sched, engine, queues, publish, first, cfg.pipeline.total_updates,
                     timeline, progress, stop=lambda: preempt.agreed(comms.learners))

@@ -1,8 +1,14 @@
 """Trajectory ring: many producers write records into one learner's memory, one-sidedly.
 
 The learner (rank `root` of the ring's communicator, usually its feed communicator) hosts a
-window from `Win.Allocate`, so producers' RMA completes while the learner computes without
-calling MPI. Layout (byte displacements):
+window from `Win.Allocate`. Producers on the learner's host write it through shared memory and
+complete while the learner computes without calling MPI. Producers on other hosts need the
+learner's MPI progress engine to run (over TCP, and for atomics on many fabrics, the target
+completes one-sided operations): every `poll` drives it once, and when the ring spans hosts a
+`ProgressAgent` thread (transport/progress.py) drives it every millisecond between polls, so
+a remote put completes in milliseconds even while the learner is inside a long training step
+(`progress`: auto = the thread only when the ring spans hosts; thread; poll = never a thread).
+Layout (byte displacements):
 
     0                      control: ticket counter (i8), 56 bytes reserved
     64 + i * slot_bytes    slot i: SLOT_HEADER (64 bytes) + payload (slot_bytes - 64)
@@ -25,6 +31,7 @@ its producer closed.
 from __future__ import annotations
 
 import sys
+import time
 import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -33,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, wait_until
+from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 
 CONTROL_BYTES = 64
 SLOT_HEADER = np.dtype([
@@ -76,6 +84,8 @@ class RingStats:
     dropped_records: int = 0    # partially received records discarded
     lost_records: int = 0       # gaps in producers' sequences (records never delivered)
     closed: set = field(default_factory=set)
+    # per producer: (records delivered, time.monotonic() of the last one), for stall reports
+    delivered: dict = field(default_factory=dict)
 
 
 class TrajectoryRing:
@@ -83,10 +93,12 @@ class TrajectoryRing:
 
     def __init__(self, comm: MPI.Comm, n_slots: int, slot_bytes: int, root: int = 0,
                  producer_id: int | None = None, report=None,
-                 poll_cap: float = DATA_POLL_CAP):
+                 poll_cap: float = DATA_POLL_CAP, progress: str = "auto"):
         if slot_bytes % 64 or slot_bytes <= SLOT_HEADER.itemsize or n_slots < 1:
             raise ValueError(f"ring of {n_slots} slots of {slot_bytes} bytes: need >= 1 slot "
                              "and a slot size that is a multiple of 64 and > 64")
+        if progress not in MODES:
+            raise ValueError(f"ring progress {progress!r}: one of {', '.join(MODES)}")
         self.comm, self.root, self.n_slots, self.slot_bytes = comm, root, n_slots, slot_bytes
         self.poll_cap = poll_cap  # longest sleep between polls (see backoff.DATA_POLL_CAP)
         self.capacity = slot_bytes - SLOT_HEADER.itemsize
@@ -100,6 +112,11 @@ class TrajectoryRing:
             self._ticket_counter = memory[:8].view(np.int64)
             self._slots = memory[CONTROL_BYTES:].reshape(n_slots, slot_bytes)
             self._states = self._slots[:, :8].view(np.int64)[:, 0]
+        # collective: whether producers sit on other hosts, and the progress communicator
+        self.spans_hosts = spans_hosts(comm)
+        self.progress = ProgressAgent(comm)
+        if self.is_root and (progress == "thread" or (progress == "auto" and self.spans_hosts)):
+            self.progress.start()
         comm.Barrier()  # zeroed before anyone writes
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # producer state
@@ -170,6 +187,7 @@ class TrajectoryRing:
         """
         self.release()
         out: list[Record] = []
+        self.progress.poke()  # completes what remote producers have in flight
         self.win.Sync()
         while limit is None or len(out) < limit:
             ticket = self._next_ticket
@@ -233,6 +251,33 @@ class TrajectoryRing:
         taken = int(self._ticket_counter[0]) - self._next_ticket
         return published, max(0, taken - self.n_slots)
 
+    def diagnose(self, producers=()) -> str:
+        """Why nothing arrives, for a stall message: what each producer delivered and when,
+        and whether tickets were taken but never published (their payloads are stuck in
+        transit: a progress or network problem) or nothing was even claimed (the producers
+        are stuck upstream)."""
+        self.win.Sync()
+        now = time.monotonic()
+        taken = int(self._ticket_counter[0])
+        seen = sorted(set(producers) | set(self.stats.delivered))
+        per = "; ".join(
+            f"producer {p}: {n} records, last {now - t:.0f} s ago" if n else
+            f"producer {p}: nothing" for p, (n, t) in
+            ((p, self.stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
+        closed = f"; closed: {sorted(self.stats.closed)}" if self.stats.closed else ""
+        if taken > self._next_ticket:
+            state = int(self._states[self._next_ticket % self.n_slots])
+            cause = (f"{taken - self._next_ticket} ticket(s) taken but not published (next "
+                     f"ticket {self._next_ticket}, its slot state {state}): writes into this "
+                     f"ring are in flight and not completing, a progress or network problem "
+                     f"between producer and learner hosts")
+        else:
+            cause = (f"no ticket taken since ticket {taken}: no producer has tried to write "
+                     f"(stuck upstream: simulators, inference, the layout), or their first "
+                     f"request never reached this host (network)")
+        return f"ring ({'spans hosts' if self.spans_hosts else 'one host'}, progress " \
+               f"{'thread' if self.progress.running else 'on poll'}): {cause}. {per}{closed}"
+
     def _check(self, header: np.ndarray, ticket: int, slot: np.ndarray) -> str | None:
         h = header[0]
         length, nparts, part = int(h["length"]), int(h["nparts"]), int(h["part"])
@@ -278,6 +323,8 @@ class TrajectoryRing:
             self.stats.lost_records += seq - expected
             self.report(f"producer {producer}: records {expected}..{seq - 1} lost")
         self._expected_seq[producer] = seq + 1
+        count = self.stats.delivered.get(producer, (0, 0.0))[0]
+        self.stats.delivered[producer] = (count + 1, time.monotonic())
         self.stats.records += 1
         self.stats.bytes += buf.nbytes
         return Record(producer, seq, schema, buf)
@@ -286,6 +333,7 @@ class TrajectoryRing:
     def free(self) -> None:
         """Collective: release the window."""
         if self.win != MPI.WIN_NULL:
+            self.progress.free()
             self.win.Unlock_all()
             self.win.Free()
 

@@ -1,0 +1,166 @@
+"""Which MPI runs the ranks, and what it needs set: MPICH and Open MPI, one mpi4py build.
+
+    install = select_mpi("openmpi")        # or "mpich", or "auto"
+    install.mpiexec, install.args, install.env
+
+    python -m hpcvla.mpi_select openmpi     # the same as shell `export` lines (jobs/launch.sh)
+
+The mpi4py wheel loads its MPI library at import time, so one environment runs under either
+MPI without a rebuild: MPICH (the PyPI wheel `make install` puts beside Python, or a site's)
+is mpi4py's default; Open MPI is selected with `MPI4PY_LIBMPI=<its libmpi.so.40>`.
+
+What each MPI needs, and why:
+* Open MPI's one-sided components. Its default on hosts without UCX devices is `osc/pt2pt`,
+  which refuses windows under `MPI_THREAD_MULTIPLE` across hosts (`MPI_ERR_WIN: invalid
+  window`; the ring and weight plane need that thread level); `osc/ucx` alone cannot make a
+  shared-memory window (`MPI_ERR_INTERN` in `Win.Allocate_shared`). `sm,ucx` works on one host
+  and across hosts, over TCP as over InfiniBand/RoCE (UCX picks the fabric; restrict it with
+  `UCX_NET_DEVICES=mlx5_0:1` or `UCX_TLS`). Without a UCX build (Open MPI 5 with `osc/rdma`):
+  `sm,rdma`. A value the user exported is kept.
+* Open MPI as root (containers, CI) needs `OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)`, and
+  `--oversubscribe` to start more ranks than cores on a workstation.
+* Under srun, Open MPI wires up through PMIx (`srun --mpi=pmix`), MPICH through PMI-2
+  (`--mpi=pmi2`; with pmix it silently starts N singletons).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FLAVOURS = ("auto", "mpich", "openmpi")
+
+
+class MpiSelectError(RuntimeError):
+    pass
+
+
+@dataclass
+class MpiInstall:
+    flavour: str                                 # mpich | openmpi
+    mpiexec: str                                 # its launcher
+    env: dict = field(default_factory=dict)      # what the ranks' environment needs
+    args: list = field(default_factory=list)     # launcher flags for a workstation
+    srun_mpi: str = "pmi2"                       # srun --mpi plugin for this MPI
+
+
+def flavour_of(mpiexec: str) -> str:
+    """'mpich', 'openmpi' or 'unknown', from `mpiexec --version`."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    if "HYDRA" in out or "MPICH" in out:
+        return "mpich"
+    if "Open MPI" in out or "OpenRTE" in out or "open-mpi" in out:
+        return "openmpi"
+    return "unknown"
+
+
+def _candidates(flavour: str) -> list[str]:
+    beside = Path(sys.executable).parent
+    names = {"mpich": ["mpiexec", "mpiexec.hydra", "mpiexec.mpich"],
+             "openmpi": ["mpirun.openmpi", "mpirun", "mpiexec"]}[flavour]
+    found = [str(beside / n) for n in names if (beside / n).exists()]
+    found += [p for p in (shutil.which(n) for n in names) if p]
+    return list(dict.fromkeys(found))
+
+
+def select_mpi(choice: str = "auto", mpiexec: str = "auto") -> MpiInstall:
+    """The MPI to start ranks with: `choice` mpich/openmpi, or `auto` (the launcher beside
+    this Python, else PATH's). `mpiexec` names the launcher explicitly."""
+    if choice not in FLAVOURS:
+        raise MpiSelectError(f"--mpi {choice!r}: one of {', '.join(FLAVOURS)}")
+    if mpiexec != "auto":
+        exe = shutil.which(mpiexec)
+        if not exe:
+            raise MpiSelectError(f"launch.mpiexec = {mpiexec!r} is not an executable; give a "
+                                 "path to mpiexec/mpirun or `auto`")
+        launchers = [exe]
+    elif choice == "auto":
+        launchers = _candidates("mpich")[:1] or _candidates("openmpi")[:1]
+    else:
+        launchers = _candidates(choice)
+    for exe in launchers:
+        flavour = flavour_of(exe)
+        if choice in ("auto", flavour):
+            return _install(flavour, exe)
+    if choice == "auto" and not launchers:
+        raise MpiSelectError("no mpiexec found: run `make install` (it installs MPICH from "
+                             "PyPI) or load your site's MPI module")
+    hint = {"mpich": "`make install` puts MPICH's mpiexec beside the venv's Python",
+            "openmpi": "install Open MPI (Debian: `apt-get install openmpi-bin`) or load "
+                       "the site's module"}.get(choice, "")
+    raise MpiSelectError(f"no {choice} launcher found (looked at {launchers or 'PATH'}); "
+                         f"{hint}")
+
+
+def _install(flavour: str, exe: str) -> MpiInstall:
+    if flavour != "openmpi":
+        return MpiInstall(flavour, exe)
+    env = {"MPI4PY_LIBMPI": openmpi_library(exe),
+           "OMPI_MCA_osc": os.environ.get("OMPI_MCA_osc") or openmpi_osc(exe)}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix")
+
+
+def _ompi_info(exe: str, *args) -> str:
+    info = Path(exe).parent / "ompi_info"
+    info = str(info) if info.exists() else shutil.which("ompi_info") or "ompi_info"
+    try:
+        return subprocess.run([info, *args], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def openmpi_library(exe: str) -> str:
+    """Open MPI's libmpi.so.40 for the launcher `exe` (what MPI4PY_LIBMPI must name)."""
+    dirs = []
+    for line in _ompi_info(exe, "--parsable", "--path", "libdir").splitlines():
+        if line.startswith("path:libdir:"):
+            libdir = Path(line.split(":", 2)[2])
+            dirs += [libdir, libdir.parent, libdir.parent.parent]
+    prefix = Path(exe).resolve().parent.parent
+    dirs += [prefix / "lib", prefix / "lib64", Path("/usr/lib/x86_64-linux-gnu")]
+    for d in dirs:
+        if (d / "libmpi.so.40").exists():
+            return str(d / "libmpi.so.40")
+    raise MpiSelectError(f"cannot find Open MPI's libmpi.so.40 for {exe} (looked in "
+                         f"{', '.join(map(str, dirs))}): set MPI4PY_LIBMPI to it")
+
+
+def openmpi_osc(exe: str) -> str:
+    """The one-sided components to use (module docstring): sm + ucx, else sm + rdma."""
+    info = _ompi_info(exe, "--parsable")
+    have = {line.split(":")[2] for line in info.splitlines()
+            if line.startswith("mca:osc:") and line.count(":") >= 3}
+    for pair in (("sm", "ucx"), ("sm", "rdma")):
+        if set(pair) <= have:
+            return ",".join(pair)
+    return ""
+
+
+def main(argv: list[str]) -> int:
+    """`export` lines for jobs/launch.sh: the selected MPI's environment and launcher."""
+    try:
+        install = select_mpi(argv[0] if argv else "auto")
+    except MpiSelectError as err:
+        print(f"echo 'launch.sh: error: {err}' >&2; exit 2")
+        return 2
+    lines = {**{k: v for k, v in install.env.items() if v},
+             "HPCVLA_MPI_FLAVOUR": install.flavour, "HPCVLA_MPIEXEC": install.mpiexec,
+             "HPCVLA_SRUN_MPI_DEFAULT": install.srun_mpi}
+    for key, value in lines.items():
+        print(f"export {key}='{value}'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,90 @@
+"""Progress of one-sided transfers that target this rank.
+
+Inside a host, MPI completes a `Put`/`Fetch_and_op`/`Accumulate` into a `Win.Allocate` window
+in shared memory: the target needs to do nothing. Across hosts without hardware RMA (TCP, and
+InfiniBand for atomics in some MPIs) the *target's* progress engine completes them, and it
+runs only while the target is inside an MPI call. A learner that reads its ring with
+`Win.Sync()` and plain loads, or that spends a minute in a training step, leaves every remote
+producer waiting (measured: 0 of 16 puts from another host during a 4 s compute; on the
+learner's own host 16 of 16).
+
+So a ring target drives progress itself, two ways:
+
+* **on every poll**: one `Iprobe` on a private duplicate of the ring's communicator (it never
+  matches a message; its only effect is a pass of the progress engine), so a polling consumer
+  serves remote producers at its polling rate;
+* **between polls**, a `ProgressAgent` thread does the same every `interval` seconds (sleeping
+  in between), so producers on other hosts complete within milliseconds while the learner is
+  inside a training step. The thread holds the GIL only for the `Iprobe` (torch and numpy
+  release it while they compute); mpi4py initialises MPI with `MPI_THREAD_MULTIPLE`.
+
+The alternatives, measured (see the README's transport section for the numbers): MPI's own
+asynchronous progress (`MPICH_ASYNC_PROGRESS=1`) spins a core per rank and made every MPI
+call 10-60x slower when ranks share cores; a helper rank would hold a core and cannot progress
+another process's window. The agent is started only where it is needed: when the window's
+producers are on other hosts (`spans_hosts`), or always with `mode="thread"`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mpi4py import MPI
+
+MODES = ("auto", "thread", "poll")
+# One progress pass per millisecond: a remote fragment takes ~4 round trips to the target
+# (ticket, payload, publish, flushes), so a put completes in a few ms while the target
+# computes; 1000 short wake-ups a second cost a fraction of a percent of a core.
+DEFAULT_INTERVAL = 1e-3
+
+
+def spans_hosts(comm: MPI.Comm) -> bool:
+    """Collective: whether `comm`'s ranks sit on more than one shared-memory node."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_size() < comm.Get_size()
+    finally:
+        node.Free()
+
+
+class ProgressAgent:
+    """Drives this process's MPI progress engine on a private communicator: `poke()` once,
+    or `start()` a thread that pokes every `interval` seconds until `stop()`."""
+
+    def __init__(self, comm: MPI.Comm, interval: float = DEFAULT_INTERVAL):
+        self.comm = comm.Dup()  # collective; no message is ever sent on it
+        self.interval = interval
+        self.pokes = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def poke(self) -> None:
+        self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+
+    def start(self) -> "ProgressAgent":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="hpcvla-rma-progress",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def _serve(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poke()
+            self.pokes += 1
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def free(self) -> None:
+        """Collective over the communicator it was made on."""
+        self.stop()
+        if self.comm != MPI.COMM_NULL:
+            self.comm.Free()
