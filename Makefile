@@ -7,9 +7,12 @@ PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 
-# A single-node Slurm with its PBS wrappers (qsub/qstat), munge, and shellcheck: what
-# tests/test_slurm.py runs the job scripts in jobs/ with. Needs root (CI is root).
-CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck
+# A local Slurm with its PBS wrappers (qsub/qstat), munge, and shellcheck: what
+# tests/test_slurm.py runs the job scripts in jobs/ with; Open MPI (the tests run every
+# multi-host world under it and under the venv's MPICH) and iproute2 (network namespaces: the
+# emulated hosts of tests/multihost). Needs root (CI is root).
+CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
+                   openmpi-bin iproute2 iputils-ping
 
 .PHONY: install install-cluster install-sims test clean
 

@@ -21,8 +21,12 @@
 # Settings (environment):
 #   HPCVLA_VENV       venv to activate (default: <repo>/.venv when it exists)
 #   HPCVLA_CONDA_ENV  conda environment (name or prefix) to activate instead
+#   HPCVLA_MPI        mpich | openmpi | auto (default auto: the mpiexec beside the
+#                     environment's Python, else PATH's). openmpi points mpi4py at Open MPI's
+#                     libmpi (MPI4PY_LIBMPI) and picks one-sided components that work on one
+#                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/mpi_select.py)
 #   HPCVLA_LAUNCHER   srun | mpiexec (default: srun under Slurm, mpiexec under PBS)
-#   HPCVLA_SRUN_MPI   srun's PMI plugin (default pmi2: MPICH; use pmix for Open MPI)
+#   HPCVLA_SRUN_MPI   srun's PMI plugin (default: pmi2 for MPICH, pmix for Open MPI)
 #   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
 #                     node's allocated (or all) cores / ranks per node, at least 1)
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
@@ -109,6 +113,9 @@ fi
 PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 "$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
     "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
+# The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
+# HPCVLA_MPIEXEC and HPCVLA_SRUN_MPI_DEFAULT; exits naming the problem when none is found.
+eval "$("$PYTHON" -m hpcvla.mpi_select "${HPCVLA_MPI:-auto}")"
 
 # ---- threads per rank ----------------------------------------------------------------------
 if [[ -n ${HPCVLA_THREADS:-} ]]; then
@@ -166,14 +173,14 @@ elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo srun || echo mpie
     # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
     # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
     # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
-    LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-pmi2}" --kill-on-bad-exit=1 --ntasks="$NP"
+    LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-$HPCVLA_SRUN_MPI_DEFAULT}" --kill-on-bad-exit=1 --ntasks="$NP"
             --ntasks-per-node="$PER_NODE" --distribution=block
             ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"})
 else
-    MPIEXEC=$(command -v mpiexec) || die "no mpiexec on PATH (module load mpi?)"
+    MPIEXEC=$HPCVLA_MPIEXEC
     HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")
     trap 'rm -f "$HOSTFILE"' EXIT
-    if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
+    if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
         for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
         LAUNCH=("$MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node")
     else  # MPICH's Hydra (and derivatives): host:ranks, filled in block order
@@ -191,7 +198,7 @@ fi
 
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank, MASTER_ADDR=$MASTER_ADDR"
-say "python: $PYTHON"
+say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
 say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0

@@ -4,6 +4,8 @@ carry over between machines).
 
 * ring: records of 64 KiB and 1 MiB from 1 and 7 producers into rank 0's TrajectoryRing,
   against the same bytes as raw `Put`+`Flush` into a window on rank 0 (no slots, no checks);
+  when the world spans hosts, also from one producer on another host (`ring_*_remote_1p`):
+  the ring's progress thread against a raw target that sits in a barrier (driving progress);
 * exchange: observations a simulator writes into its ObsActionExchange slot (one copy, as an
   env rendering in place) and the inference rank then reads in place (zero copy), with the
   request/response flags and 2 shards pipelined, against one plain memcpy of the same bytes:
@@ -46,9 +48,11 @@ def _timed(comm, fn) -> float:
 
 
 def _participants(world, count):
-    """The first `count` ranks' communicator; the others get COMM_NULL and wait for them in
-    a sleeping barrier, so they do not spin on the cores the measured ranks need."""
-    comm = world.Split(0 if world.Get_rank() < count else MPI.UNDEFINED, world.Get_rank())
+    """The communicator of the first `count` ranks (or of the world ranks listed in `count`);
+    the others get COMM_NULL and wait for them in a sleeping barrier, so they do not spin on
+    the cores the measured ranks need."""
+    chosen = range(count) if isinstance(count, int) else count
+    comm = world.Split(0 if world.Get_rank() in chosen else MPI.UNDEFINED, world.Get_rank())
     if comm == MPI.COMM_NULL:
         idle_barrier(world, cap=5e-3)
     return comm
@@ -68,12 +72,13 @@ def _median_pair(comm, a, b, repeats):
     return statistics.median(times_a), statistics.median(times_b)
 
 
-def bench_ring(world, record_bytes, producers, total_bytes, repeats):
-    """(ring GB/s, raw Put+Flush GB/s) for `producers` ranks writing to rank 0."""
-    rank = world.Get_rank()
-    comm = _participants(world, producers + 1)
+def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=None):
+    """(ring GB/s, raw Put+Flush GB/s) for `producers` ranks writing to rank 0: world ranks
+    1..producers, or the world ranks `members` (rank 0 first)."""
+    comm = _participants(world, members or producers + 1)
     if comm == MPI.COMM_NULL:
         return None
+    rank = comm.Get_rank()
     per_producer = max(4, total_bytes // record_bytes // producers)
     n_slots = 16
     ring = TrajectoryRing(comm, n_slots, record_bytes + 64)
@@ -186,7 +191,10 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
     if size < 2:
         raise SystemExit("hpcvla bench transport needs at least 2 ranks (8 for 7 producers)")
     repeats = 1 if quick else 3
+    hosts = world.allgather(MPI.Get_processor_name())
+    remote = next((r for r, h in enumerate(hosts) if h != hosts[0]), None)
     results: dict = {"world_size": size, "host": socket.gethostname(), "quick": quick,
+                     "hosts": len(set(hosts)),
                      "mpi": MPI.Get_library_version().splitlines()[0].strip(),
                      "repeats": repeats, "targets": TARGETS, "time": time.time()}
     rows = []
@@ -199,12 +207,21 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
                 results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
                 results[f"{key}_ratio"] = res[0] / res[1]
                 rows.append((f"ring {label} x {producers} producer(s)", *res))
+        if remote is not None:  # one producer on another host: the network path
+            res = bench_ring(world, record_bytes, 1, (8 if quick else 64) * MiB, repeats,
+                             members=[0, remote])
+            if rank == 0:
+                key = f"ring_{label}_remote_1p"
+                results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
+                results[f"{key}_ratio"] = res[0] / res[1]
+                rows.append((f"ring {label} x 1 producer on {hosts[remote]}", *res))
     ex = bench_exchange(world, 4 * MiB, 50 if quick else 400, repeats)
     if rank == 0:
         results["exchange_GBps"], results["exchange_memcpy_GBps"] = ex
         results["exchange_ratio"] = ex[0] / ex[1]
         rows.append(("exchange 4 MiB obs vs memcpy", *ex))
-    rpn = ranks_per_node if size % ranks_per_node == 0 else size
+    rpn = hosts.count(hosts[0]) if remote is not None else \
+        ranks_per_node if size % ranks_per_node == 0 else size  # real hosts: their size
     t_pub, t_bcast = bench_weights(world, (16 if quick else 100) * 1000 * 1000, rpn, repeats)
     if rank == 0:
         results["weights_bytes"] = (16 if quick else 100) * 1000 * 1000
