@@ -12,7 +12,7 @@ BIN     = $(VENV)/bin
 # multi-host world under it and under the venv's MPICH) and iproute2 (network namespaces: the
 # emulated hosts of tests/multihost). Needs root (CI is root).
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
-                   openmpi-bin iproute2 iputils-ping
+                   openmpi-bin iproute2
 
 .PHONY: install install-cluster install-sims test clean
 
