@@ -96,7 +96,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
                         learners=len(plan.learners))
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     first = checkpoint.read_state(resume)["version"] if resume else 0
-    summary = {"rank": rank, "role": role, "env_steps": 0, "first_version": first}
+    summary = {"rank": rank, "role": role, "host": MPI.Get_processor_name(), "env_steps": 0,
+               "first_version": first}
     if resume and is_root:
         print(f"[hpcvla] resuming from {resume} (policy version {first})", flush=True)
 
@@ -286,6 +287,7 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
     }
     result["preempted"] = any(s["preempted"] for s in everyone)
     result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
+    result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
     result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     if result["preempted"]:
