@@ -259,6 +259,9 @@ def test_stuck_simulators_stop_the_job_loudly(tmp_path):
                  "env.latency_median_ms=600000", "pipeline.stall_timeout_s=3", timeout=120)
     assert out.returncode != 0 and time.monotonic() - start < 90
     assert "no trajectory for 3 s" in out.stderr and "(learner)" in out.stderr
+    # the cause, named: the producers never tried to write (not a transport problem)
+    assert "no producer has tried to write since (stuck upstream" in out.stderr, out.stderr
+    assert "producer rank 0: nothing" in out.stderr, out.stderr
 
 
 def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):

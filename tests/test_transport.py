@@ -101,6 +101,21 @@ def test_ring_many_producers_slow_consumer_exactly_once_in_order():
     assert "ring full (8/8 slots)" in out.stdout
 
 
+def test_ring_progresses_without_shared_memory():
+    """The cross-host hang, reproduced on one host: MPICH told not to use shared memory
+    (MPIR_CVAR_NOLOCAL=1) completes one-sided writes only when the target's MPI progresses;
+    the consumer's polls drive it (before, this waited out its 150 s timeout)."""
+    out = hpcvla("launch", "-n", 4, "--timeout", 150, "--", MPI_DIR / "ring_exactly_once.py",
+                 30, 4, 8192, env={"MPIR_CVAR_NOLOCAL": "1"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "from 3 producers, each exactly once and in order" in out.stdout
+
+
+def test_ring_stall_report_names_the_cause():
+    out = run_clean("launch", "-n", 3, "--timeout", 60, "--", MPI_DIR / "ring_stall.py")
+    assert "before: " in out.stdout and "after: " in out.stdout
+
+
 def test_ring_detects_corrupted_torn_and_stale_slots():
     out = run_clean("launch", "-n", 2, "--timeout", 60, "--", MPI_DIR / "ring_corruption.py")
     assert "never delivered" in out.stdout

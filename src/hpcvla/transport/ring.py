@@ -261,8 +261,8 @@ class TrajectoryRing:
         taken = int(self._ticket_counter[0])
         seen = sorted(set(producers) | set(self.stats.delivered))
         per = "; ".join(
-            f"producer {p}: {n} records, last {now - t:.0f} s ago" if n else
-            f"producer {p}: nothing" for p, (n, t) in
+            f"producer rank {p}: {n} records, last {now - t:.0f} s ago" if n else
+            f"producer rank {p}: nothing" for p, (n, t) in
             ((p, self.stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
         closed = f"; closed: {sorted(self.stats.closed)}" if self.stats.closed else ""
         if taken > self._next_ticket:
@@ -272,9 +272,9 @@ class TrajectoryRing:
                      f"ring are in flight and not completing, a progress or network problem "
                      f"between producer and learner hosts")
         else:
-            cause = (f"no ticket taken since ticket {taken}: no producer has tried to write "
-                     f"(stuck upstream: simulators, inference, the layout), or their first "
-                     f"request never reached this host (network)")
+            cause = (f"all {taken} ticket(s) taken were delivered and no producer has tried "
+                     f"to write since (stuck upstream: simulators, inference, the layout), or "
+                     f"their first request never reached this host (network)")
         return f"ring ({'spans hosts' if self.spans_hosts else 'one host'}, progress " \
                f"{'thread' if self.progress.running else 'on poll'}): {cause}. {per}{closed}"
 
