@@ -1,8 +1,12 @@
-"""A real single-node Slurm cluster for tests, from the Debian packages (`make install-cluster`).
+"""A real Slurm cluster for tests, from the Debian packages (`make install-cluster`): one node,
+or several nodes that are separate hosts (tests/multihost/hosts.py).
 
-    with LocalSlurm(tmp_dir) as slurm:
+    with LocalSlurm() as slurm:                    # one node, `localhost`
         job = slurm.sbatch("jobs/slurm/demo.sbatch", "configs/default.yaml")
         info = slurm.wait(job, timeout=300)        # scontrol's fields: JobState, ExitCode, ...
+
+    with LocalSlurm(nodes=3) as slurm:             # nodes h0, h1, h2 on three emulated hosts
+        ...                                        # (or LocalSlurm(hosts=EmulatedHosts(3)))
 
 No systemd: munged, slurmctld and slurmd are started here as plain processes (munged as user
 munge, the Slurm daemons as root), each with its own socket, ports, state and spool
@@ -15,9 +19,20 @@ site gives a job and Slurm does not: a TaskProlog writes `$PBS_NODEFILE` (one li
 rank) next to the PBS_* variables that Slurm's `spank_pbs` plugin sets. PBS job scripts are
 submitted with Slurm's `qsub` wrapper (slurm-wlm-torque); sbatch reads their `#PBS` lines.
 
+Several nodes: each node is an emulated host (its own network namespace, address 10.77.0.<i+1>
+and host name h<i>; tests/multihost/hosts.py). slurmctld runs on h0 (SlurmctldHost=h0), one
+`slurmd -N h<i>` on every host, so job steps run in that host's namespaces under its name and
+MPI ranks on different nodes talk TCP. The filesystem is shared, as on a cluster: one munged
+(its socket is a file) serves every host. Slurm's commands reach slurmctld only from inside
+the hosts: `sbatch`, `qsub`, `scontrol`, ... run on h0 (`scontrol listpids` on the job's batch
+host). Jobs find an `ssh` on PATH that runs its command on the named host (the hosts' remote
+shell stand-in), as a cluster's passwordless ssh between nodes: MPICH's Hydra under PBS starts
+its proxies on the other nodes through it.
+
 Everything started is stopped, and the private directory removed, by `stop()` (or leaving the
-`with` block), also when start-up fails halfway. Start-up failures raise `SlurmError` with the
-daemon logs: a test that needs Slurm fails loudly, it never skips.
+`with` block), also when start-up fails halfway; with several nodes also the hosts, when
+LocalSlurm made them, and every process left on them. Start-up failures raise `SlurmError` with
+the daemon logs: a test that needs Slurm fails loudly, it never skips.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +59,7 @@ PLUGIN_DIR = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")
 SLURM_CONF = """\
 ClusterName=hpcvla-test
 FirstJobId={first_job}
-SlurmctldHost=localhost(127.0.0.1)
+SlurmctldHost={ctld_host}
 SlurmUser=root
 SlurmdUser=root
 SlurmctldPort={ctld_port}
@@ -52,11 +68,11 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={base}/munge/munge.socket,cred_expire=10
 StateSaveLocation={base}/state
-SlurmdSpoolDir={base}/spool
+SlurmdSpoolDir={base}/spool{node_dir}
 SlurmctldPidFile={base}/slurmctld.pid
-SlurmdPidFile={base}/slurmd.pid
+SlurmdPidFile={base}/slurmd{node_suffix}.pid
 SlurmctldLogFile={base}/slurmctld.log
-SlurmdLogFile={base}/slurmd.log
+SlurmdLogFile={base}/slurmd{node_suffix}.log
 PlugStackConfig={base}/plugstack.conf
 TaskProlog={base}/task_prolog.sh
 ProctrackType=proctrack/linuxproc
@@ -72,10 +88,11 @@ ReturnToService=2
 MinJobAge=3600
 KillWait=10
 SchedulerParameters=sched_interval=2
-NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN
-PartitionName=batch Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-PartitionName=pbs Nodes=localhost MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+{node_lines}\
+PartitionName=batch Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+PartitionName=pbs Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
+NODE_LINE = "NodeName={name} NodeAddr={addr} CPUs={cpus} State=UNKNOWN\n"
 
 # What a PBS MOM provides and Slurm does not: the node file, one line per rank (PBS Pro:
 # per mpiprocs), for jobs in the `pbs` partition, written once per job by slurm-wlm-torque's
@@ -108,11 +125,25 @@ def _free_port() -> int:
 
 
 class LocalSlurm:
-    def __init__(self, cpus: int = 64, start_timeout: float = 60.0):
+    def __init__(self, cpus: int = 64, start_timeout: float = 60.0, nodes: int = 1,
+                 hosts=None):
+        """One node (`localhost`), or `nodes` > 1 nodes h0.. on emulated hosts that this
+        instance makes and removes; or the nodes of `hosts` (an EmulatedHosts, started here
+        and stopped again if it was not started yet)."""
         self.cpus, self.start_timeout = cpus, start_timeout
+        self.hosts = hosts
+        self.nodes = hosts.n if hosts is not None else nodes
+        if self.nodes < 1:
+            raise SlurmError(f"{self.nodes} nodes: need at least 1")
+        self.multihost = self.nodes > 1 or hosts is not None
+        self._own_hosts = False
         self.base: Path | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.env: dict[str, str] = {}
+
+    @property
+    def node_names(self) -> list[str]:
+        return list(self.hosts.names) if self.multihost else ["localhost"]
 
     # -- life cycle ----------------------------------------------------------------------------
 
@@ -142,6 +173,8 @@ class LocalSlurm:
         for sub in ("state", "spool", "nodefiles"):
             (base / sub).mkdir()
         (base / "nodefiles").chmod(0o1777)
+        if self.multihost:
+            self._start_hosts()
         self._start_munge()
         (base / "plugstack.conf").write_text(
             f"required {PLUGIN_DIR / 'spank_pbs.so'}\n")
@@ -152,23 +185,63 @@ class LocalSlurm:
         # Job ids unlike any earlier instance's: MPICH names its shared-memory segments after
         # job and step id, and a segment a killed rank left would be joined by a new job 1.
         first_job = random.randrange(10 ** 5, 6 * 10 ** 7)  # MaxJobId is 67043328
-        conf.write_text(SLURM_CONF.format(base=base, cpus=self.cpus, ctld_port=_free_port(),
-                                          slurmd_port=_free_port(), first_job=first_job))
+        if self.multihost:  # per-node spool, pid and log files: %n is the node's name
+            names, addrs = self.hosts.names, [self.hosts.addresses[h] for h in self.hosts.names]
+            ctld_host, node_dir, node_suffix = f"{names[0]}({addrs[0]})", "/%n", "-%n"
+        else:
+            names, addrs = ["localhost"], ["127.0.0.1"]
+            ctld_host, node_dir, node_suffix = "localhost(127.0.0.1)", "", ""
+        node_lines = "".join(NODE_LINE.format(name=name, addr=addr, cpus=self.cpus)
+                             for name, addr in zip(names, addrs))
+        conf.write_text(SLURM_CONF.format(
+            base=base, cpus=self.cpus, ctld_port=_free_port(), slurmd_port=_free_port(),
+            first_job=first_job, ctld_host=ctld_host, node_dir=node_dir,
+            node_suffix=node_suffix, node_lines=node_lines))
         self.env = {**os.environ, "SLURM_CONF": str(conf)}
+        if self.multihost:
+            for name in names:
+                (base / "spool" / name).mkdir()
+            # `ip netns exec` mounts a fresh /sys for the host: no cgroup hierarchy under it,
+            # and slurmd (22.05) refuses to start when the autodetected plugin finds none.
+            # Nothing here uses cgroups (proctrack/linuxproc, task/none): name a version.
+            (base / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupAutomount=no\n")
+            # the nodes' remote shell, for jobs (Hydra's proxies under PBS)
+            (base / "bin").mkdir()
+            (base / "bin" / "ssh").symlink_to(self.hosts.standin)
+            self.env["PATH"] = f"{base / 'bin'}:{self.env.get('PATH', os.defpath)}"
         self.procs["slurmctld"] = self._daemon(["/usr/sbin/slurmctld", "-D", "-c", "-f", conf],
-                                               "slurmctld")
+                                               "slurmctld", host=names[0])
         self._until(lambda: self._run(["scontrol", "ping"], check=False).returncode == 0,
                     "slurmctld answers `scontrol ping`")
-        self.procs["slurmd"] = self._daemon(["/usr/sbin/slurmd", "-D", "-N", "localhost",
-                                             "-f", conf], "slurmd")
-        self._until(self._node_ready, "node localhost is idle in `sinfo`")
+        for name in names:
+            daemon = f"slurmd-{name}" if self.multihost else "slurmd"
+            self.procs[daemon] = self._daemon(["/usr/sbin/slurmd", "-D", "-N", name, "-f", conf],
+                                              daemon, host=name if self.multihost else None)
+        self._until(self._nodes_ready, f"node(s) {','.join(names)} are idle in `sinfo`")
+
+    def _start_hosts(self) -> None:
+        """The emulated hosts the nodes run on (made here unless given started)."""
+        if self.hosts is None:
+            sys.path.insert(0, str(Path(__file__).parent / "multihost"))
+            try:
+                from hosts import EmulatedHosts
+            finally:
+                sys.path.pop(0)
+            self.hosts = EmulatedHosts(self.nodes)
+        if self.hosts.base is None:
+            self._own_hosts = True
+            try:
+                self.hosts.start()
+            except Exception as err:  # HostsError: no root, no `ip`, a namespace refused
+                raise SlurmError(f"cannot make {self.nodes} emulated hosts: {err}") from err
 
     def stop(self) -> None:
         """Cancel jobs, stop the daemons (TERM, then KILL), remove the private directory."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self._run(["scancel", "--full", "--user", "root"], check=False, timeout=10)
             self._wait_no_steps(timeout=20)
-        for name in ("slurmd", "slurmctld", "munged"):
+        slurmds = sorted(name for name in self.procs if name.startswith("slurmd"))
+        for name in (*slurmds, "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
@@ -179,6 +252,9 @@ class LocalSlurm:
                 proc.kill()
                 proc.wait(5)
         self._kill_leftover_steps()
+        if self._own_hosts:  # kills what is left on the hosts (ranks, Hydra proxies), too
+            self.hosts.stop()
+            self._own_hosts = False
         if self.base is not None:
             _remove_orphaned_shm(self.shm_before)  # what killed ranks of our jobs left
             shutil.rmtree(self.base, ignore_errors=True)
@@ -199,7 +275,10 @@ class LocalSlurm:
             "munged", **as_munge)
         self._until(lambda: (munge / "munge.socket").exists(), "munged creates its socket")
 
-    def _daemon(self, argv, name, **user) -> subprocess.Popen:
+    def _daemon(self, argv, name, host=None, **user) -> subprocess.Popen:
+        """Start a daemon (on `host`'s namespaces with several nodes); it dies with us."""
+        if host is not None and self.multihost:
+            argv = self.hosts.on(host, argv)  # ip netns exec + unshare + sh: all exec, no fork
         with open(self.base / f"{name}.stdout", "wb") as log:
             return subprocess.Popen([str(a) for a in argv], stdout=log, stderr=subprocess.STDOUT,
                                     env=self.env or None, start_new_session=True,
@@ -218,9 +297,10 @@ class LocalSlurm:
         raise SlurmError(f"timed out after {self.start_timeout:g} s waiting until {what}\n"
                          f"{self.logs()}")
 
-    def _node_ready(self) -> bool:
-        out = self._run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.split()
-        return out[:2] == ["localhost", "idle"]
+    def _nodes_ready(self) -> bool:
+        out = self._run(["sinfo", "-h", "-N", "-p", "batch", "-o", "%N %t"], check=False)
+        states = dict(line.split()[:2] for line in out.stdout.splitlines() if line.strip())
+        return states == {name: "idle" for name in self.node_names}
 
     def logs(self, tail: int = 40) -> str:
         """The last lines of every daemon log (for failure messages)."""
@@ -257,11 +337,17 @@ class LocalSlurm:
 
     # -- jobs ----------------------------------------------------------------------------------
 
-    def _run(self, argv, check=True, timeout=60, **kwargs) -> subprocess.CompletedProcess:
+    def _run(self, argv, check=True, timeout=60, host=None, **kwargs
+             ) -> subprocess.CompletedProcess:
+        """A Slurm command; with several nodes run on `host` (default h0), where slurmctld
+        can be reached."""
+        shown = argv
+        if self.multihost:
+            argv = self.hosts.on(host or self.hosts.names[0], argv)
         out = subprocess.run([str(a) for a in argv], env={**self.env, **kwargs.pop("env", {})},
                              capture_output=True, text=True, timeout=timeout, **kwargs)
         if check and out.returncode != 0:
-            raise SlurmError(f"{' '.join(map(str, argv))} failed ({out.returncode}):\n"
+            raise SlurmError(f"{' '.join(map(str, shown))} failed ({out.returncode}):\n"
                              f"{out.stdout}{out.stderr}\n{self.logs()}")
         return out
 
@@ -279,11 +365,11 @@ class LocalSlurm:
             raise SlurmError(f"qsub gave no job id:\n{out.stdout}{out.stderr}")
         return job
 
-    def _query(self, argv, attempts=3) -> subprocess.CompletedProcess:
+    def _query(self, argv, attempts=3, host=None) -> subprocess.CompletedProcess:
         """A read-only command, retried: on a loaded machine munged may time a slow client
         out and close its socket, and the client then dies of SIGPIPE (CI saw exit -13)."""
         for attempt in range(1, attempts + 1):
-            out = self._run(argv, check=attempt == attempts)
+            out = self._run(argv, check=attempt == attempts, host=host)
             if out.returncode == 0:
                 return out
             time.sleep(1.0)
@@ -312,7 +398,9 @@ class LocalSlurm:
     def signal_batch_shell(self, job_id: str, sig: int) -> None:
         """Signal the batch shell alone, as `#SBATCH --signal=B:<sig>@<time>` does before the
         time limit (`scancel --batch` would also signal its children, srun included)."""
-        out = self._query(["scontrol", "listpids", job_id]).stdout.split("\n")[1:]
+        # listpids asks the slurmstepds of the node it runs on: the batch shell's node
+        host = self.job(job_id).get("BatchHost") if self.multihost else None
+        out = self._query(["scontrol", "listpids", job_id], host=host).stdout.split("\n")[1:]
         batch = {int(line.split()[0]) for line in out if line.split()[2:3] == ["batch"]}
 
         def parent(pid):

@@ -1,6 +1,8 @@
-"""The job scripts in jobs/ submitted for real: a single-node Slurm from the Debian packages
+"""The job scripts in jobs/ submitted for real: a Slurm from the Debian packages
 (tests/local_slurm.py; `make install` installs them), Slurm scripts through sbatch, PBS
 scripts through Slurm's PBS layer (qsub, #PBS directives, PBS_* variables, a node file).
+Single-node jobs run on a one-node Slurm; the multi-node scripts on a Slurm of 3 nodes that
+are separate hosts (network namespaces, TCP between them: tests/multihost/hosts.py).
 Nothing is skipped: without Slurm these tests fail and say how to install it."""
 
 import json
@@ -26,6 +28,13 @@ VENV = Path(sys.executable).parent.parent  # the environment the job scripts act
 @pytest.fixture
 def slurm():
     with LocalSlurm() as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def slurm3():
+    """Nodes h0, h1, h2: each its own host (network namespace, address, host name)."""
+    with LocalSlurm(nodes=3) as cluster:
         yield cluster
 
 
@@ -75,20 +84,71 @@ def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
         assert dump.attrs["complete"] and len(dump["data"]) > 0
 
 
-def test_slurm_multinode_job_with_a_learner_node(slurm, tmp_path):
-    """3 emulated nodes of 2 ranks: two rollout nodes (a cell each), one node of 2 ZeRO
-    learners; the script's node count and sizes overridden on the command line."""
-    log = tmp_path / "multinode.out"
-    job = slurm.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",
-                       "placement.ranks_per_node=2", "placement.per_node.simulator=1",
-                       "placement.per_node.inference=1", "pipeline.total_updates=2",
-                       options=["--output", log, "--nodes=1", "--ntasks-per-node=6",
-                                "--cpus-per-task=1"], env=job_env(tmp_path), cwd=ROOT)
-    text = finished(slurm, job, log)
-    assert "6 rank(s) on 1 node(s)" in text and "3 node(s) of 2" in text
-    summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
+def first_update(slurm, job, log: Path, timeout=300) -> str:
+    """Wait until the job's log shows a training update; the log."""
+    deadline = time.monotonic() + timeout
+    while "[hpcvla] update" not in (text := log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline, text or "no log"
+        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), text
+        time.sleep(0.5)
+    return text
+
+
+def where_ranks_run(slurm, job_runs: Path) -> dict:
+    """rank -> (roles, host name, emulated host whose network namespace holds the process),
+    from the cards the running ranks leave for launch.sh (deathwatch) and /proc."""
+    ranks = {}
+    for card in map(json.loads, map(Path.read_text, job_runs.glob(".ranks/rank*.json"))):
+        netns = subprocess.run(["ip", "netns", "identify", str(card["pid"])],
+                               capture_output=True, text=True).stdout.strip()
+        host = next((h for h in slurm.hosts.names if slurm.hosts.ns(h) == netns), netns)
+        ranks[card["rank"]] = (card["roles"], card["host"], host)
+    return ranks
+
+
+def assert_learner_node_layout(ranks: dict, text: str) -> None:
+    """6 ranks, 2 per host: cells on h0 and h1, the 2 learners alone on h2."""
+    assert sorted(ranks) == list(range(6)), ranks
+    hosts = {rank: host for rank, (_, host, _) in ranks.items()}
+    assert all(host == netns for _, host, netns in ranks.values()), ranks  # really there
+    assert [hosts[r] for r in range(6)] == ["h0", "h0", "h1", "h1", "h2", "h2"], ranks
+    assert {hosts[r] for r, (roles, _, _) in ranks.items() if roles == "learner"} == {"h2"}
+    assert {roles for roles, host, _ in ranks.values() if host == "h2"} == {"learner"}, ranks
+    # MPI itself saw 3 nodes of 2 ranks (no placement.ranks_per_node: real nodes)
+    assert "6 ranks on 3 node(s) of 2; 2 cell(s), 2 learner(s)" in text, text[-3000:]
+
+
+def test_slurm_multinode_job_on_three_hosts_requeues_and_resumes(slurm3, tmp_path):
+    """jobs/slurm/multinode.sbatch on 3 nodes that are separate hosts, 2 ranks each: two
+    rollout nodes (a cell each) and a node of 2 ZeRO learners, every trajectory crossing the
+    network. At the time-limit warning (`--signal=B:USR1@...`: USR1 to the batch shell) the
+    ranks checkpoint, the job requeues itself, and its next start continues to the end."""
+    updates, log = 12, tmp_path / "multinode.out"
+    job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",
+                        "placement.per_node.simulator=1", "placement.per_node.inference=1",
+                        f"pipeline.total_updates={updates}", "pipeline.progress_every_s=0.1",
+                        options=["--output", log, "--ntasks-per-node=2", "--cpus-per-task=1"],
+                        env=job_env(tmp_path), cwd=ROOT)
+    first_update(slurm3, job, log)
+    ranks = where_ranks_run(slurm3, tmp_path / "runs" / f"hpcvla-multinode-{job}")
+    slurm3.signal_batch_shell(job, signal.SIGUSR1)
+    text = finished(slurm3, job, log)
+    assert_learner_node_layout(ranks, text)
+    assert "6 rank(s) on 3 node(s) (h0 h1 h2), 2 per node" in text
+    assert "srun --mpi=pmi2 --kill-on-bad-exit=1 --ntasks=6 --ntasks-per-node=2" in text
+    assert slurm3.job(job)["Restarts"] == "1"
+    first, second = text.split("requeueing job", 1)
+    assert "received SIGUSR1: sending SIGTERM to the ranks" in first
+    assert f"[hpcvla] update {updates}/{updates}" not in first  # stopped before the end
+    run_dir = the_run(tmp_path / "runs")
+    assert f"continuing {run_dir} from its newest checkpoint" in second
+    assert "[hpcvla] resuming from" in second and f"[hpcvla] update {updates}/{updates}" in second
+    summary = json.loads((run_dir / "summary.json").read_text())
     learners = [r for r in summary["per_rank"] if r["role"] == "learner"]
-    assert len(learners) == 2 and sum(summary["staleness_hist"].values()) == 2 * 2 * 32
+    assert len(learners) == 2 and 0 < learners[0]["first_version"] < updates
+    resumed = updates - learners[0]["first_version"]
+    assert sum(summary["staleness_hist"].values()) == resumed * 2 * 32
+    assert (run_dir / "checkpoints" / f"v{updates:06d}" / "state.json").exists()
 
 
 def test_pbs_demo_job_through_qsub(slurm, tmp_path):
@@ -106,16 +166,22 @@ def test_pbs_demo_job_through_qsub(slurm, tmp_path):
     assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 2 * 32
 
 
-def test_pbs_multinode_job_through_qsub(slurm, tmp_path):
-    log = tmp_path / "multinode-pbs.out"
-    env = job_env(tmp_path, CONFIG="configs/default.yaml",
-                  OVERRIDES="placement.ranks_per_node=4 pipeline.total_updates=2")
-    job = slurm.qsub(ROOT / "jobs/pbs/multinode.pbs", env=env, cwd=ROOT, options=[
-        "-V", "-o", log, "-j", "oe", "-l", "select=1:ncpus=8:mpiprocs=8"])
-    text = finished(slurm, job, log)
-    assert "scheduler pbs" in text and "8 rank(s) on 1 node(s)" in text
+def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path):
+    """jobs/pbs/multinode.pbs on 3 hosts: launch.sh's mpiexec (Hydra) starts its proxies on
+    the other nodes through the nodes' ssh, from PBS_NODEFILE."""
+    log, updates = tmp_path / "multinode-pbs.out", 6
+    env = job_env(tmp_path, OVERRIDES="placement.per_node.simulator=1 "
+                  f"placement.per_node.inference=1 pipeline.total_updates={updates} "
+                  "pipeline.progress_every_s=0.1")
+    job = slurm3.qsub(ROOT / "jobs/pbs/multinode.pbs", env=env, cwd=ROOT, options=[
+        "-V", "-o", log, "-j", "oe", "-l", "select=3:ncpus=2:mpiprocs=2"])
+    first_update(slurm3, job, log)
+    ranks = where_ranks_run(slurm3, tmp_path / "runs" / f"hpcvla-multinode-{job}")
+    text = finished(slurm3, job, log)
+    assert "scheduler pbs" in text and "6 rank(s) on 3 node(s) (h0 h1 h2)" in text
+    assert_learner_node_layout(ranks, text)
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
-    assert summary["ranks"] == 8 and sum(summary["staleness_hist"].values()) == 2 * 2 * 32
+    assert sum(summary["staleness_hist"].values()) == updates * 2 * 32
 
 
 def test_bench_job_runs_every_mode(slurm, tmp_path):
@@ -160,11 +226,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=30", "pipeline.progress_every_s=0.1",
                        options=["--output", log], env=job_env(tmp_path), cwd=ROOT)
-    deadline = time.monotonic() + 300
-    while "[hpcvla] update" not in (log.read_text() if log.exists() else ""):
-        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
-        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), log.read_text()
-        time.sleep(0.5)
+    first_update(slurm, job, log)
     slurm.signal_batch_shell(job, signal.SIGUSR1)
     text = finished(slurm, job, log, timeout=600)
     assert slurm.job(job)["Restarts"] == "1"
