@@ -23,6 +23,7 @@ test that needs hosts fails loudly, it never skips.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -33,6 +34,7 @@ from pathlib import Path
 
 SUBNET = "10.77.0"  # host i is SUBNET.(i + 1); private, and only inside our namespaces
 MPICH_ENV_STRIP = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")
+_INSTANCES = itertools.count()  # several sets of hosts alive in one process get distinct tags
 
 
 class HostsError(RuntimeError):
@@ -53,7 +55,10 @@ class EmulatedHosts:
         if not 1 <= n <= 200:
             raise HostsError(f"{n} hosts: need 1..200")
         self.n = n
-        self.tag = tag or f"hv{os.getpid() % 100000}"  # unique per test process
+        if tag is None:  # unique per test process and instance (the first keeps hv<pid>)
+            instance = next(_INSTANCES)
+            tag = f"hv{os.getpid() % 100000}" + (f"x{instance}" if instance else "")
+        self.tag = tag
         self.names = [f"h{i}" for i in range(n)]
         self.addresses = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(self.names)}
         self.bridge_ns = f"{self.tag}-br"
