@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 SUBNET = "10.77.0"  # host i is SUBNET.(i + 1); private, and only inside our namespaces
-MPICH_ENV_STRIP = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")
 _INSTANCES = itertools.count()  # several sets of hosts alive in one process get distinct tags
 
 

@@ -3,9 +3,7 @@ started the way a cluster starts them, under MPICH and under Open MPI. Nothing i
 without root or iproute2 the fixture fails and says why."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

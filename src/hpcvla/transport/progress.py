@@ -54,7 +54,6 @@ class ProgressAgent:
     def __init__(self, comm: MPI.Comm, interval: float = DEFAULT_INTERVAL):
         self.comm = comm.Dup()  # collective; no message is ever sent on it
         self.interval = interval
-        self.pokes = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -75,7 +74,6 @@ class ProgressAgent:
     def _serve(self) -> None:
         while not self._stop.wait(self.interval):
             self.poke()
-            self.pokes += 1
 
     def stop(self) -> None:
         if self._thread is not None:
