@@ -56,8 +56,10 @@ install-sims:
 	  apt-get update -q; release="-t bookworm-backports"; fi; \
 	apt-get install -y -q --no-install-recommends $$release $(SIM_PACKAGES)
 
+# The venv's bin first on PATH: every rank and DeepSpeed's JIT build then use one ninja (the
+# venv's and Debian's alternating made DeepSpeed rebuild its ops each time).
 test:
-	$(BIN)/python -m pytest -q tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
