@@ -15,7 +15,7 @@ import pytest
 
 from hpcvla.envs import make_env
 from hpcvla.metrics.dump import DumpError, TrajectoryDump, describe, summarize
-from hpcvla.roles.segments import SegmentBuilder
+from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from test_mpi_world import ROOT, hpcvla
 
 TESTS = ROOT / "tests"
@@ -41,8 +41,7 @@ def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
         builder.add_step(obs, actions, rng.normal(size=n_envs).astype(np.float32), value,
                          version)
         result = env.step(actions)
-        builder.record_outcome(result.reward, result.terminated | result.truncated,
-                               result.success, result.episode_return)
+        builder.record_outcome(outcome_of(result))
         obs = result.obs
     env.close()
     return groups, spec

@@ -232,3 +232,16 @@ def test_value_loss_without_clipping():
     ret = torch.tensor([2.0, 1.0, 2.5])
     assert value_loss(value, old, ret, clip=None).item() == pytest.approx(0.5 * 2.25 / 3)
     assert value_loss(value, old, ret, clip=0.2).item() > value_loss(value, old, ret, None).item()
+
+
+def test_an_episode_a_fault_ended_is_not_in_its_group():
+    # columns 0-2 form one group; column 2's episode was ended by an env fault at t=1: it
+    # is neither a failure in the group's statistics nor trained (keep False)
+    done = torch.tensor([[0, 0, 0], [1, 1, 1]]).bool()
+    success = torch.tensor([[0, 0, 0], [1, 0, 0]]).bool()
+    faults = torch.tensor([[0, 0, 0], [0, 0, 1]]).bool()
+    episodes, index = first_episode_advantages(done, success, group_size=3, faults=faults)
+    torch.testing.assert_close(episodes.advantages[index[0]], torch.tensor([1.0, -1.0, 0.0]))
+    assert episodes.keep[index[0]].tolist() == [True, True, False]
+    unmasked, _ = first_episode_advantages(done, success, group_size=3)  # as a failure
+    assert unmasked.keep[index[0]].tolist() == [True, True, True]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import h5py
+import numpy as np
 import pytest
 
 from hpcvla.config import ConfigError, load_config
@@ -111,11 +113,22 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
 
 
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
-    out, summary, _ = run_train(tmp_path, "pipeline.total_updates=3", "learner.zero_stage=3",
-                                config="configs/colocated.yaml", ranks=4)
+    out, summary, run_dir = run_train(tmp_path, "pipeline.total_updates=3",
+                                      "learner.zero_stage=3", "run.dump_trajectories=true",
+                                      config="configs/colocated.yaml", ranks=4)
     assert summary["mode"] == "sync-colocated" and summary["ranks"] == 4
     assert summary["staleness_hist"] == {"0": 4 * 3 * 32}
     assert summary["env_steps"] == sum(r["env_steps"] for r in summary["per_rank"])
+    # every rank explores with its own noise: with one shared stream the Gaussian policy's
+    # behaviour log-probs (a function of the noise alone) repeat across ranks step for step
+    seeds = json.loads((run_dir / "rng_seeds.json").read_text())["ranks"]
+    assert len({s["torch"] for s in seeds.values()}) == len(seeds) == 4
+    logprobs = []
+    for rank in range(4):
+        with h5py.File(run_dir / "trajectories" / f"rank{rank}.h5") as f:
+            logprobs.append(np.concatenate([d["logprobs"][()] for d in f["data"].values()]))
+    shared = set(logprobs[0].tolist()) & set(logprobs[1].tolist())
+    assert len(shared) < 0.01 * len(logprobs[0]), len(shared)
 
 
 @pytest.mark.parametrize("mode,bound", [("streamer", 1), ("streamer", 2),

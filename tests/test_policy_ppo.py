@@ -166,6 +166,24 @@ def test_gae_matches_reference_loop():
     np.testing.assert_allclose(adv1.numpy(), ref_adv[:, 1], rtol=1e-5, atol=1e-5)
 
 
+def test_gae_truncates_before_a_faulted_step():
+    """An env fault at step 2 (done there): that step gets advantage 0 and return V(s_2);
+    step 1 bootstraps from V(s_2) instead of seeing the fault as a 0-reward failure."""
+    rewards = torch.tensor([1.0, 0.5, 0.0, 2.0])
+    values = torch.tensor([0.3, 0.4, 0.9, 0.1])
+    dones = torch.tensor([False, False, True, False])
+    faults = torch.tensor([False, False, True, False])
+    g, lam = 0.9, 0.8
+    adv, ret = gae(rewards, values, dones, torch.tensor(0.7), g, lam, faults)
+    d1 = 0.5 + g * 0.9 - 0.4  # bootstrap V(s_2), nothing of the faulted step's outcome
+    d0 = 1.0 + g * 0.4 - 0.3
+    d3 = 2.0 + g * 0.7 - 0.1
+    torch.testing.assert_close(adv, torch.tensor([d0 + g * lam * d1, d1, 0.0, d3]))
+    assert ret[2].item() == pytest.approx(0.9)
+    plain, _ = gae(rewards, values, dones, torch.tensor(0.7), g, lam)  # a 0-reward failure
+    assert plain[1].item() == pytest.approx(d1 + g * lam * (0.0 - 0.9))
+
+
 # ----------------------------------------------------------------------------- losses
 
 
@@ -230,6 +248,17 @@ def test_normalize_advantages():
     assert n.mean().abs() < 1e-6
     assert n.std().item() == pytest.approx(1.0, rel=1e-5)
     assert normalize_advantages(torch.tensor([5.0])).item() == 0.0
+    # statistics over the masked-in elements only: the outlier does not shift them
+    masked = normalize_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0, 100.0]),
+                                  torch.tensor([True, True, True, True, False]))
+    torch.testing.assert_close(masked[:4], n)
+
+
+def test_value_loss_mask():
+    value, ret = torch.tensor([1.0, 0.0, 5.0]), torch.tensor([2.0, 2.0, 0.0])
+    mask = torch.tensor([True, True, False])
+    assert value_loss(value, value, ret, clip=None, mask=mask).item() == \
+        pytest.approx(0.5 * (1.0 + 4.0) / 2)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -263,3 +292,51 @@ def test_ppo_moves_bandit_mean_toward_target():
             opt.step()
     end = mean_dist()
     assert end < 0.25 * start, (start, end)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
+    """Through the learner's `policy_loss`: whatever a faulted step recorded (reward, action,
+    success) changes nothing; the same step unflagged is trained as a failure."""
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.roles.learner import policy_loss
+    from hpcvla.roles.pipeline import build_policy
+
+    cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}",
+                                               "algorithm.group_size=2", "env.max_episode_chunks=8"])
+    spec = env_spec(cfg.env)
+    policy = build_policy(cfg, spec)
+    T, N, rng = 4, 4, np.random.default_rng(0)
+    obs = {k: rng.integers(0, 200, (T * N, *shape)).astype(dt) if dt != "<f4"
+           else rng.standard_normal((T * N, *shape)).astype(dt) for k, (shape, dt) in spec.obs.items()}
+    obs["instruction"] = np.ones_like(obs["instruction"])
+    with torch.no_grad():
+        out = policy.act({k: torch.as_tensor(v) for k, v in obs.items()})
+    batch = {f"obs.{k}": v.reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+    batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
+                 logprob=out.logprob.numpy().reshape(T, N), value=out.value.numpy().reshape(T, N),
+                 reward=rng.standard_normal((T, N)).astype(np.float32),
+                 done=np.zeros((T, N), bool), env_fault=np.zeros((T, N), bool),
+                 success=np.zeros((T, N), bool), bootstrap_value=np.zeros(N, np.float32))
+    batch["done"][-1] = True  # every column's episode ends at the last step...
+    batch["success"][-1, :2] = [True, False]
+    batch["success"][-1, 2:] = [True, False]
+    batch["env_fault"][-1, 3] = True  # ...column 3's by an env fault
+
+    batch["logprob"] += 0.1 * rng.standard_normal((T, N)).astype(np.float32)  # stale data
+
+    def loss_of(b):
+        loss, stats, _ = policy_loss(cfg, policy, b)
+        return loss.item(), stats
+
+    base, stats = loss_of(batch)
+    scrambled = {k: v.copy() for k, v in batch.items()}
+    scrambled["reward"][-1, 3] = 100.0
+    scrambled["success"][-1, 3] = True
+    scrambled["actions"][-1, 3] = -scrambled["actions"][-1, 3]
+    assert loss_of(scrambled)[0] == pytest.approx(base, rel=1e-6)
+    unflagged = dict(batch, env_fault=np.zeros((T, N), bool))
+    assert loss_of(unflagged)[0] != pytest.approx(base, rel=1e-3)
+    if algorithm == "ppo":
+        assert {"explained_variance", "return_std", "value_mean"} <= stats.keys()

@@ -284,8 +284,12 @@ def cmd_eval(args) -> int:
         curve.append(result)
         print(json.dumps(result) if args.json else
               f"policy version {result['version']}: success {result['success_rate']:.3f} "
-              f"over {result['episodes']} episodes, mean return {result['mean_return']:.2f}",
+              f"over {result['episodes']} episodes, mean return {result['mean_return']:.2f}"
+              + (f" ({result['env_faults']} left out: env faults)" if result['env_faults'] else ""),
               flush=True)
+        if not args.json and len(result["per_task"]) > 1:
+            for task, r in result["per_task"].items():
+                print(f"  {r['success_rate']:.3f} over {r['episodes']:>3}  {task}", flush=True)
     if args.all:  # kept with the run: postprocess/report.py draws it beside the training curve
         (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
     return 0

@@ -1,13 +1,17 @@
 """`hpcvla eval`: the success rate of a policy (a run's checkpoint, or the untrained policy
 its config builds) on a fixed set of initial states of the configured env, in this process.
 
-Episodes start from init_state_ids 0, 1, 2, ...: two policies evaluated with the same
-`episodes` see the same tasks, so their success rates compare directly (the policy still
-samples its actions, as it does in training, unless `deterministic`).
+The env names the states (`VectorEnv.evaluation_states`): ids 0, 1, 2, ... where every id is
+its own initial state (reach, ManiSkill), the suite's (task, fixed state) pairs taken task by
+task in turn for LIBERO. Two policies evaluated with the same `episodes` see the same states,
+so their success rates compare directly (the policy still samples its actions, as it does in
+training, unless `deterministic`). An episode the env ended by a fault (`env_fault`) is no
+verdict on the policy: it is left out and counted.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +23,9 @@ from hpcvla.envs import env_kwargs, make_env
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
              deterministic: bool = False) -> dict:
-    """Run `episodes` episodes, `envs` at a time, each env one episode from its own initial
-    state; returns success rate, mean return and episodes. `weights` None: untrained."""
+    """Run the env's first `episodes` evaluation states, `envs` at a time, one episode each;
+    returns success rate, mean return, episodes, faults and success per task.
+    `weights` None: the untrained policy."""
     from hpcvla.roles.pipeline import build_policy  # the policy exactly as training builds it
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
@@ -30,27 +35,38 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     if weights is not None:
         policy.load_arrays(weights)
     torch.manual_seed(seed)
-    successes, returns = [], []
+    ids, tasks = env.evaluation_states(episodes)
+    per_task, returns, faults = defaultdict(list), [], 0
     try:
-        for first in range(0, episodes, envs):
-            obs = env.reset(init_state_ids=np.arange(first, first + envs))
+        for first in range(0, len(ids), envs):
+            batch = ids[first:first + envs]
+            keep = len(batch)  # the last batch pads with repeats, whose outcomes are dropped
+            obs = env.reset(init_state_ids=np.resize(batch, envs))
             running = np.ones(envs, bool)
             success, ret = np.zeros(envs, bool), np.zeros(envs, np.float32)
+            fault = np.zeros(envs, bool)
             while running.any():  # each env's first episode; auto-reset ones are ignored
                 with torch.no_grad():
                     actions = policy.act(policy.obs_to_tensors(obs), deterministic).actions
                 result = env.step(actions.numpy())
                 ended = running & (result.terminated | result.truncated)
                 success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
+                fault[ended] = result.env_fault[ended]
                 running &= ~ended
                 obs = result.obs
-            keep = min(envs, episodes - first)  # the last batch may run more than needed
-            successes += success[:keep].tolist()
-            returns += ret[:keep].tolist()
+            for i in range(keep):
+                if fault[i]:
+                    faults += 1
+                    continue
+                per_task[tasks[first + i]].append(bool(success[i]))
+                returns.append(float(ret[i]))
     finally:
         env.close()
-    return {"episodes": len(successes), "success_rate": float(np.mean(successes)),
-            "mean_return": float(np.mean(returns))}
+    outcomes = [s for task in per_task.values() for s in task]
+    return {"episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
+            "mean_return": float(np.mean(returns)), "env_faults": faults,
+            "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s))}
+                         for task, s in per_task.items()}}
 
 
 def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from hpcvla.envs import make_env
 from hpcvla.roles.learner import SegmentQueues
-from hpcvla.roles.segments import SegmentBuilder
+from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.transport import records
 from hpcvla.transport.ring import SLOT_HEADER, TrajectoryRing
 
@@ -35,8 +35,7 @@ def segment_groups():
             np.float32)
         builder.add_step(obs, actions, rng.normal(size=N_ENVS).astype(np.float32), value, 0)
         result = env.step(actions)
-        builder.record_outcome(result.reward, result.terminated | result.truncated,
-                               result.success, result.episode_return)
+        builder.record_outcome(outcome_of(result))
         obs = result.obs
     env.close()
     return groups

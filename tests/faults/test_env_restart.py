@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -68,6 +69,7 @@ def test_a_hung_or_killed_worker_is_restarted_and_its_episodes_end_truncated(fau
         result = env.step(actions(rng, env))  # the faulty step
         took = time.monotonic() - begin
         assert result.truncated.all() and not result.success.any()
+        assert result.env_fault.all() and not result.terminated.any()
         assert result.episode_length.tolist() == [2, 2, 2]  # two chunks done before the fault
         assert env._proc.pid != old_worker and env.restarts == 1
         assert len(env.failures) == 1 and why in env.failures[0][1], env.failures
@@ -140,7 +142,7 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
     updates = 4
     out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}",
                  f"pipeline.total_updates={updates}", "env.isolation=process",
-                 "env.step_timeout_s=5", fault, timeout=600)
+                 "env.step_timeout_s=5", "run.dump_trajectories=true", fault, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -159,5 +161,16 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
         trained = sum(e["groups"] for e in ledger.values())
         assert inference["segments_sent"] == (trained + learner["unused_segments"]) * 8
     assert "done:" in out.stdout
+    # the episodes the fault ended: truncated by an env fault, not failures of the policy;
+    # the learners saw them (masked, roles/learner.py) and left them out of the success rate
+    faulted = 0
+    for path in (run_dir / "trajectories").glob("rank*.h5"):
+        with h5py.File(path) as f:
+            for demo in f["data"].values():
+                if demo.attrs["env_fault"]:
+                    faulted += 1
+                    assert demo["truncated"][-1] and demo["env_fault"][-1]
+                    assert not demo["terminated"][-1] and not demo.attrs["success"]
+    assert faulted and summary["env_fault_episodes"] >= 1, summary["env_fault_episodes"]
     print(f"{config} {fault}: {summary['env_failures']} env faults survived, "
           f"{summary['wall_s']:.0f} s")

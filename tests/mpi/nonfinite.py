@@ -16,7 +16,7 @@ from hpcvla.envs import make_env
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.learner import _train_micro_batch, full_state, init_deepspeed
 from hpcvla.roles.pipeline import build_policy
-from hpcvla.roles.segments import SegmentBuilder
+from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.runtime import run_ranks
 
 
@@ -31,8 +31,7 @@ def segments(cfg, policy, seed: int) -> dict:
         with torch.no_grad():
             actions, logprob, value = (t.numpy() for t in policy.act(policy.obs_to_tensors(obs)))
         if result is not None:
-            builder.record_outcome(result.reward, result.terminated | result.truncated,
-                                   result.success, result.episode_return)
+            builder.record_outcome(outcome_of(result))
         if builder.full:
             group = builder.finish(value)
             return {k: v for k, v in group.items() if k not in ("version", "meta")}

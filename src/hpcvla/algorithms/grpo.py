@@ -91,12 +91,14 @@ def per_episode(values: torch.Tensor, index: torch.Tensor, episodes: int,
 
 
 def first_episode_advantages(done: torch.Tensor, step_scores: torch.Tensor, group_size: int,
-                             normalize_std: bool = True) -> tuple[GroupAdvantages, torch.Tensor]:
+                             normalize_std: bool = True, faults: torch.Tensor | None = None
+                             ) -> tuple[GroupAdvantages, torch.Tensor]:
     """GRPO advantages of (T, N) segments whose every column starts a grouped episode at
     t = 0 (envs/groups.py restarts them so): column c belongs to group c // group_size, its
     first episode is scored by summing `step_scores` (success flags or rewards) over it;
-    later (auto-reset) episodes and unfinished ones are not kept. Returns the advantages
-    and the episode index of each step, as `grpo_loss` takes them."""
+    later (auto-reset) episodes, unfinished ones and those an env fault ended (`faults`,
+    (T, N)) are not kept, nor counted in their group. Returns the advantages and the episode
+    index of each step, as `grpo_loss` takes them."""
     index, complete = episodes_of(done)
     episodes = complete.numel()
     first = torch.zeros(episodes, dtype=torch.bool)
@@ -105,7 +107,10 @@ def first_episode_advantages(done: torch.Tensor, step_scores: torch.Tensor, grou
                              rounding_mode="floor").expand_as(index)
     groups = per_episode(column_group, index, episodes, reduce="first")
     scores = per_episode(step_scores.double(), index, episodes, reduce="sum")
-    return group_advantages(scores, groups, valid=complete & first,
+    valid = complete & first
+    if faults is not None:
+        valid &= per_episode(faults.long(), index, episodes, reduce="sum") == 0
+    return group_advantages(scores, groups, valid=valid,
                             normalize_std=normalize_std), index
 
 

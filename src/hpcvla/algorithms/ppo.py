@@ -35,6 +35,7 @@ def gae(
     bootstrap_value: torch.Tensor,
     gamma: float,
     lam: float,
+    faults: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over one segment: returns (advantages, returns).
 
@@ -43,17 +44,22 @@ def gae(
             step t, so nothing is bootstrapped across it.
         bootstrap_value: (N,) or scalar, V of the observation after the last step (ignored
             where ``dones[-1]`` is true).
+        faults: like dones, or None; ``faults[t]``: the env failed in step t (it must be done
+            too), so its outcome says nothing of the policy. The step gets advantage 0 and
+            return V(s_t), and the steps before it bootstrap from V(s_t): the episode is
+            truncated *before* the failed step, not failed.
     No gradients flow through the result (targets are constants).
     """
     rewards = rewards.detach().float()
     values = values.detach().float()
+    valid = torch.ones_like(values) if faults is None else 1.0 - faults.detach().float()
     not_done = 1.0 - dones.detach().float()
     next_value = torch.as_tensor(bootstrap_value, device=values.device).detach().float().expand_as(values[0])
     advantages = torch.zeros_like(values)
     last = torch.zeros_like(values[0])
     for t in reversed(range(values.shape[0])):
         delta = rewards[t] + gamma * next_value * not_done[t] - values[t]
-        last = delta + gamma * lam * not_done[t] * last
+        last = (delta + gamma * lam * not_done[t] * last) * valid[t]
         advantages[t] = last
         next_value = values[t]
     return advantages, advantages + values
@@ -125,23 +131,34 @@ def decoupled_ppo_loss(
 
 
 def value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tensor,
-               clip: float | None = 0.2) -> torch.Tensor:
+               clip: float | None = 0.2, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Clipped value loss (CleanRL): 0.5 * mean(max((v - R)^2, (v_clipped - R)^2)).
 
     v_clipped keeps the new value within ``clip`` of the value recorded with the data.
-    ``clip=None`` turns clipping off: 0.5 * mean((v - R)^2).
+    ``clip=None`` turns clipping off: 0.5 * mean((v - R)^2). `mask`: the steps to include.
     """
     old_value = old_value.detach()
     returns = returns.detach()
-    unclipped = (value - returns) ** 2
-    if clip is None:
-        return 0.5 * unclipped.mean()
-    clipped = (old_value + (value - old_value).clamp(-clip, clip) - returns) ** 2
-    return 0.5 * torch.max(unclipped, clipped).mean()
+    error = (value - returns) ** 2
+    if clip is not None:
+        error = torch.max(error, (old_value + (value - old_value).clamp(-clip, clip)
+                                  - returns) ** 2)
+    return 0.5 * masked_mean(error, mask)
 
 
-def normalize_advantages(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Zero-mean, unit-std advantages (per minibatch). A single element is only centred."""
-    if adv.numel() < 2:  # std of one sample is undefined
-        return adv - adv.mean()
-    return (adv - adv.mean()) / (adv.std() + eps)
+def masked_mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of `x` over the elements where `mask` (like x, or a leading part of it) holds."""
+    if mask is None:
+        return x.mean()
+    include = expand_like(mask.to(x.dtype), x)
+    return (x * include).sum() / include.sum().clamp(min=1.0)
+
+
+def normalize_advantages(adv: torch.Tensor, mask: torch.Tensor | None = None,
+                         eps: float = 1e-8) -> torch.Tensor:
+    """Zero-mean, unit-std advantages (per minibatch), statistics over the `mask`ed-in
+    elements only. A single element is only centred."""
+    kept = adv if mask is None else adv[mask.bool()]
+    if kept.numel() < 2:  # std of one sample is undefined
+        return adv - (kept.mean() if kept.numel() else 0.0)
+    return (adv - kept.mean()) / (kept.std() + eps)

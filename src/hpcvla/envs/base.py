@@ -38,6 +38,9 @@ class StepResult(NamedTuple):
     success: np.ndarray  # bool, the episode that just ended was a success (False when not done)
     episode_return: np.ndarray  # float32, return of the episode that just ended (0 when not done)
     episode_length: np.ndarray  # int32, chunks in the episode that just ended (0 when not done)
+    # bool, the env failed (crashed, hung, retired): the episode ended truncated, and not by
+    # anything the policy did, so learners mask the step out and success counts skip it
+    env_fault: np.ndarray
 
 
 class VectorEnv(abc.ABC):
@@ -71,6 +74,11 @@ class VectorEnv(abc.ABC):
         """The outcome of the step `step_async` started."""
         actions, self._pending_actions = self._pending_actions, None
         return self.step(actions)
+
+    def evaluation_states(self, episodes: int) -> tuple[np.ndarray, list[str]]:
+        """`episodes` init_state_ids that `hpcvla eval` runs, and the task of each (for per
+        task results). Default: ids 0, 1, 2, ..., each its own initial state of one task."""
+        return np.arange(episodes), ["all"] * episodes
 
     @abc.abstractmethod
     def instructions(self) -> list[str]:

@@ -12,7 +12,8 @@ replace the worker:
                   <-- ("ok", result, ...) ---
     no answer within `timeout_s`, the socket closed (the worker died), or an exception
     escaped the vector env: kill the worker, log it with the rank and env ids, start a
-    new one, reset it; the shard's episodes end truncated (no success) and the run goes on.
+    new one, reset it; the shard's episodes end truncated, flagged `env_fault` (no success, not
+    trained), and the run goes on.
 
 `step_async` / `step_wait` split a step (envs/base.py): the simulator loop starts every shard
 whose actions are in, then collects them, so a rank's workers step concurrently, one core each
@@ -189,7 +190,7 @@ class IsolatedEnv(VectorEnv):
             obs, n = self._restart(error), self.num_envs
             result = StepResult(obs, np.zeros(n, np.float32), np.zeros(n, bool),
                                 np.ones(n, bool), np.zeros(n, bool), self._return.copy(),
-                                self._chunks.copy())
+                                self._chunks.copy(), env_fault=np.ones(n, bool))
             self._chunks[:], self._return[:] = 0, 0.0
             return result
         done = result.terminated | result.truncated

@@ -182,7 +182,7 @@ class LiberoEnv(SerialVectorEnv):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
                             max_episode_chunks, tasks)
-        self.suite = tasks
+        self.suite, self.task = tasks, task
 
         def make_slot(i):
             slot_task = task if task >= 0 else (first_env + i) % tasks.n_tasks
@@ -190,6 +190,16 @@ class LiberoEnv(SerialVectorEnv):
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
                          first_env, name=f"libero {suite}")
+
+    def evaluation_states(self, episodes: int) -> tuple[np.ndarray, list[str]]:
+        """(task, fixed initial state) pairs, taking the tasks in turn (env.suite_task=-1: all
+        of the suite's; else that one), each pair at most once: `episodes` = 10 x 50 covers
+        libero_spatial whole."""
+        tasks = range(self.suite.n_tasks) if self.task < 0 else [self.task]
+        per_task = len(self.suite.init_states(tasks[0]))  # 50 in every LIBERO suite
+        pairs = [(t, s) for s in range(per_task) for t in tasks][:episodes]
+        return (np.array([t * per_task + s for t, s in pairs]),
+                [f"task {t}: {self.suite.instructions[t]}" for t, _ in pairs])
 
     @staticmethod
     def spec_of(suite: str = "libero_spatial", task: int = -1, image_size: int = 64,

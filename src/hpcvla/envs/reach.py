@@ -270,7 +270,7 @@ class ReachEnv(VectorEnv):
         obs = self._observe()
         self._sleep_latency(begin)
         return StepResult(obs, reward, terminated, truncated, success.copy(),
-                          episode_return, episode_length)
+                          episode_return, episode_length, np.zeros(n, bool))
 
     def _sleep_latency(self, begin: float) -> None:
         """The emulated latency is the step's whole duration: the numpy work done since

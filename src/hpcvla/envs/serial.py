@@ -21,8 +21,9 @@ The base class executes action chunks (clipped to [-1, 1], the controllers' norm
 a chunk stops early on success), sums rewards over the chunk, truncates after
 `max_episode_chunks` chunks, auto-resets finished envs, tokenizes instructions, and isolates failures:
 a slot that raises is reported with its env id on stderr and in `failures`, rebuilt and reset
-(its episode ends truncated, without success), while the other envs go on. A slot that cannot
-be rebuilt is retired: it returns zero observations and a truncated step from then on.
+(its episode ends truncated, flagged `env_fault`), while the other envs go on. A slot that cannot
+be rebuilt is retired: it returns zero observations and a truncated, faulted step from then on,
+so learners train nothing of it and success counts skip it.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ class SerialVectorEnv(VectorEnv):
             else:
                 self._start_episode(i)
         return StepResult(self._batch(), reward, terminated, truncated, terminated.copy(),
-                          episode_return, episode_length)
+                          episode_return, episode_length, failed)
 
     def close(self) -> None:
         for slot in self._slots:

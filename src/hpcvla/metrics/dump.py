@@ -13,11 +13,14 @@ One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
                        slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`),
                        episode (of that env, counted from the (re)start of the run),
                        instruction (text), policy_version (at the first step), staleness
-                       (most over its steps), success, return
+                       (most over its steps), success, return, env_fault
         obs/<key>          (T, *shape)  observation the action was chosen for
         actions            (T, H, A) f4 the action chunk (H primitive actions)
         rewards            (T,) f4      reward of each chunk
         dones              (T,) u1      1 at the last step only
+        terminated, truncated, env_fault
+                           (T,) u1      how it ended (last step only): by the task, by the
+                                        horizon or a fault; env_fault: the env failed
         logprobs, values   (T,) f4      behaviour policy log-prob and value
         policy_versions    (T,) i8      policy version that acted
         staleness          (T,) i8      learner batch of the step's segment - policy version
@@ -45,7 +48,8 @@ import numpy as np
 
 FORMAT = "hpcvla-trajectories-1"
 STEP_FIELDS = {  # segment field -> dataset name in a demo
-    "actions": "actions", "reward": "rewards", "done": "dones", "logprob": "logprobs",
+    "actions": "actions", "reward": "rewards", "done": "dones", "terminated": "terminated",
+    "truncated": "truncated", "env_fault": "env_fault", "logprob": "logprobs",
     "value": "values", "version": "policy_versions", "staleness": "staleness"}
 DEMO_DATASETS = tuple(STEP_FIELDS.values())
 COMPRESSION = {"compression": "gzip", "compression_opts": 1,  # fast; images shrink ~10x
@@ -98,6 +102,8 @@ class TrajectoryDump:
         version = np.broadcast_to(group["version"][:, None], done.shape)
         steps = {f"obs/{k}": group[f"obs.{k}"] for k in self.obs_keys}
         steps.update(actions=group["actions"], reward=group["reward"], done=done,
+                     terminated=group["terminated"], truncated=group["truncated"],
+                     env_fault=group["env_fault"],
                      logprob=group["logprob"], value=group["value"], version=version,
                      staleness=batch - version, success=group["success"],
                      episode_return=group["episode_return"])
@@ -125,7 +131,8 @@ class TrajectoryDump:
                  "policy_version": int(steps["version"][0]),
                  "staleness": int(steps["staleness"].max()),
                  "success": bool(steps["success"][-1]),
-                 "return": float(steps["episode_return"][-1])}
+                 "return": float(steps["episode_return"][-1]),
+                 "env_fault": bool(steps["env_fault"][-1])}
         self.episodes[(slot, env)] += 1
         self.pending.append((steps, attrs))
 
@@ -142,7 +149,7 @@ class TrajectoryDump:
                     _dataset(demo, f"obs/{key}", steps[f"obs/{key}"])
                 for field, name in STEP_FIELDS.items():
                     value = steps[field]
-                    _dataset(demo, name, value.astype(np.uint8) if field == "done" else value)
+                    _dataset(demo, name, value.astype(np.uint8) if value.dtype == bool else value)
                 self.written += 1
                 self.total += attrs["num_samples"]
             data.attrs["total"] = self.total
@@ -247,13 +254,16 @@ def verify(path) -> int:
 def summarize(path) -> dict:
     """What `hpcvla inspect` prints: episodes, steps, keys and shapes, success, versions."""
     with open_dump(path) as f, _reading(path):
-        lengths, success, returns, versions = [], [], [], []
+        lengths, success, returns, versions, faults = [], [], [], [], 0
         staleness = Counter()
         keys = {}
         for name, demo in demos(f):
             lengths.append(int(demo.attrs["num_samples"]))
-            success.append(bool(demo.attrs["success"]))
-            returns.append(float(demo.attrs["return"]))
+            if demo.attrs.get("env_fault", False):  # ended by the env failing: no verdict
+                faults += 1
+            else:
+                success.append(bool(demo.attrs["success"]))
+                returns.append(float(demo.attrs["return"]))
             v = demo["policy_versions"][()]
             versions += [int(v.min()), int(v.max())]
             staleness.update(demo["staleness"][()].tolist())
@@ -274,6 +284,7 @@ def summarize(path) -> dict:
             "mean_length": float(np.mean(lengths)) if lengths else 0.0,
             "success_rate": float(np.mean(success)) if success else None,
             "mean_return": float(np.mean(returns)) if returns else None,
+            "env_fault_episodes": faults,
             "policy_versions": [min(versions), max(versions)] if versions else None,
             "staleness_hist": dict(sorted(staleness.items())),
             "keys": keys,
@@ -290,8 +301,9 @@ def describe(summary: dict) -> str:
              f"  episodes {s['episodes']} | steps {s['steps']} (x{s['chunk_len']} = "
              f"{s['env_steps']} env steps) | mean length {s['mean_length']:.1f} | segments "
              f"{s['segments']} | open at close {s['open_episode_steps']} steps"]
-    if s["episodes"]:
+    if s["success_rate"] is not None:
         lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
+                     f" (env faults: {s['env_fault_episodes']} episodes, not counted)"
                      f" | policy versions {s['policy_versions'][0]}..{s['policy_versions'][1]}"
                      f" | staleness (steps) {s['staleness_hist']}")
     width = max((len(k) for k in s["keys"]), default=0)

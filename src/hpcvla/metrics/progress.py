@@ -5,7 +5,9 @@ per micro-batch.
              staleness 0.6 | ETA 2m10s
 
 Success and return come from episodes that ended inside trained segments (the last `window`
-of them); staleness from the policy versions the learner trained on. Trained env steps count
+of them; env faults left out); staleness from the policy versions the learner trained on. The
+JSONL records hold the loss statistics of each micro-batch's last epoch: clip fraction, KL,
+explained variance of the critic, return and value scale. Trained env steps count
 all learners: each trains an equal share of every version, so the root's count times the
 number of learners.
 """
@@ -29,7 +31,7 @@ class Progress:
         self.successes: deque = deque(maxlen=window)
         self.returns: deque = deque(maxlen=window)
         self.staleness: deque = deque(maxlen=window)
-        self.updates = self.steps = self.micro_batches = 0
+        self.updates = self.steps = self.micro_batches = self.fault_episodes = 0
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
         self.start = self.last_print = time.monotonic()
         self._file = open(path, "a") if (enabled and path) else None
@@ -39,13 +41,19 @@ class Progress:
         self.updates = self.first_update = updates
         self.steps = self.first_steps = trained_env_steps
 
-    def on_micro_batch(self, batch: dict, stats: dict, staleness: float = 0.0) -> None:
-        done = batch["done"]
-        self.successes.extend(batch["success"][done].tolist())
-        self.returns.extend(batch["episode_return"][done].tolist())
+    def on_segments(self, batch: dict, staleness: float = 0.0) -> None:
+        """A micro-batch's segments arrived: count their steps and finished episodes (not
+        those an env fault ended: they say nothing of the policy)."""
+        ended = batch["done"] & ~batch["env_fault"]
+        self.fault_episodes += int((batch["done"] & batch["env_fault"]).sum())
+        self.successes.extend(batch["success"][ended].tolist())
+        self.returns.extend(batch["episode_return"][ended].tolist())
         self.staleness.append(staleness)
-        self.steps += done.size * self.chunk_len * self.learners
+        self.steps += batch["done"].size * self.chunk_len * self.learners
         self.micro_batches += 1
+
+    def on_micro_batch(self, stats: dict) -> None:
+        """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
         if self._file:
             record = {"time": round(time.monotonic() - self.start, 3), "update": self.updates,
                       "trained_env_steps": self.steps, "success_rate": self.success_rate,

@@ -20,6 +20,12 @@ import torch
 from torch import nn
 
 
+def is_critic(name: str) -> bool:
+    """A parameter of the value function: every policy names its critic modules `value_*`
+    (the learner gives them algorithm.critic_lr)."""
+    return name.split(".", 1)[0].startswith("value_")
+
+
 class ActOutput(NamedTuple):
     """What `Policy.act` returns; every tensor is detached."""
 

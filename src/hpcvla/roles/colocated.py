@@ -12,7 +12,7 @@ import torch
 
 from hpcvla.emulate import pad
 from hpcvla.roles.learner import full_state, learn
-from hpcvla.roles.segments import SegmentBuilder
+from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.watchdog import deadline, step_deadline_s
 
 
@@ -40,8 +40,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
             if emulate_ms:  # the emulated cost is the whole forward pass
                 pad(begin, emulate_ms(env.num_envs) / 1e3)
         if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
-            builder.record_outcome(result.reward, result.terminated | result.truncated,
-                                   result.success, result.episode_return)
+            builder.record_outcome(outcome_of(result))
         if builder.full:
             builder.batch = version  # trained in update `version`: staleness 0
             groups.append(builder.finish(value))

@@ -15,8 +15,7 @@ import torch
 
 from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
-from hpcvla.roles.segments import SegmentBuilder
-from hpcvla.roles.simulator import OUTCOME_FIELDS
+from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -119,7 +118,7 @@ class InferenceServer:
         with self.timeline.span("assemble"):
             for i, slot in enumerate(slots):
                 part, builder = slice(i * n, (i + 1) * n), self.builders[slot]
-                builder.record_outcome(*(outcome[k][part] for k in OUTCOME_FIELDS))
+                builder.record_outcome({k: v[part] for k, v in outcome.items()})
                 if builder.full:
                     self._send(builder.finish(value[part]))
                 if builder.t == 0:  # a segment starts: it belongs to learner batch c // quota
@@ -137,7 +136,7 @@ class InferenceServer:
                 value = self.policy.act(self.policy.obs_to_tensors(obs, "cpu")).value
             for i, slot in enumerate(slots):
                 request = self.exchange.request_obs(slot)
-                self.builders[slot].record_outcome(*(request[k] for k in OUTCOME_FIELDS))
+                self.builders[slot].record_outcome(request)
                 self._send(self.builders[slot].finish(
                     value[i * self.n:(i + 1) * self.n].cpu().numpy()))
 

@@ -22,6 +22,8 @@ from hpcvla.extensions import clear_stale_build_locks
 from hpcvla.roles.nonfinite import SkipNonfinite
 from hpcvla.algorithms import (decoupled_ppo_loss, first_episode_advantages, gae, grpo_loss,
                                normalize_advantages, value_loss)
+from hpcvla.algorithms.ppo import masked_mean
+from hpcvla.policies.base import is_critic
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -52,7 +54,11 @@ def init_deepspeed(cfg, policy, learners_comm):
         "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
     }
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.algorithm.lr, eps=1e-5,
+    alg = cfg.algorithm  # the critic learns at its own rate (algorithm.critic_lr)
+    named = list(policy.named_parameters())
+    groups = [{"params": [p for n, p in named if not is_critic(n)], "lr": alg.lr},
+              {"params": [p for n, p in named if is_critic(n)], "lr": alg.critic_lr or alg.lr}]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], eps=1e-5,
                                   weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
     return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
@@ -84,11 +90,14 @@ def policy_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, d
     # version's training began), importance-weight to the behaviour policy that acted.
     proximal = logprob.detach() if proximal is None else proximal
     alg = cfg.algorithm
+    # a step whose env failed (env_fault) is no outcome of the policy: masked out everywhere
+    faults = torch.as_tensor(batch["env_fault"])
+    mask = ~faults
     if alg.name == "grpo":  # critic-free: the value head is not trained
         scores = batch["success" if alg.group_score == "success" else "reward"]
         episodes, index = first_episode_advantages(torch.as_tensor(batch["done"]),
                                                    torch.as_tensor(scores), alg.group_size,
-                                                   alg.group_normalize_std)
+                                                   alg.group_normalize_std, faults)
         pg_loss, stats = grpo_loss(logprob, proximal, behaviour, episodes, index, alg.clip,
                                    alg.max_behaviour_weight)
         v_loss = torch.zeros(())
@@ -98,34 +107,54 @@ def policy_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, d
         advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
                                   torch.as_tensor(batch["done"]),
                                   torch.as_tensor(batch["bootstrap_value"]), alg.gamma,
-                                  alg.gae_lambda)
+                                  alg.gae_lambda, faults)
         pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour,
-                                            normalize_advantages(advantages), alg.clip,
-                                            alg.max_behaviour_weight)
-        v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None)
-    loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy.mean()
+                                            normalize_advantages(advantages, mask), alg.clip,
+                                            alg.max_behaviour_weight, mask)
+        v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None,
+                            mask)
+        stats.update(critic_health(old_value[mask], returns[mask]))
+    entropy = masked_mean(entropy, mask)
+    loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
-                 entropy=float(entropy.mean().detach()))
+                 entropy=float(entropy.detach()))
     return loss, stats, logprob
+
+
+def critic_health(values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+    """How well the values the behaviour policy recorded predicted the returns: explained
+    variance 1 - Var(R - V) / Var(R) (1 perfect, 0 a constant baseline, < 0 worse than
+    one), and both scales."""
+    var = float(returns.var()) if returns.numel() > 1 else 0.0
+    residual = float((returns - values).var()) if returns.numel() > 1 else 0.0
+    return {"explained_variance": 1.0 - residual / var if var > 0 else 0.0,
+            "return_mean": float(returns.mean()) if returns.numel() else 0.0,
+            "return_std": var ** 0.5, "value_mean": float(values.mean()) if values.numel() else 0.0}
 
 
 def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
     """One policy version. Epoch 0 trains each micro-batch (a list of segment groups) as the
     iterable yields it, which is what lets the streamer start before the batch is complete;
     further `learner.epochs` replay them against the proximal log-probs of epoch 0.
-    DeepSpeed applies an optimizer step after every `micro_batches` forward/backward passes."""
-    seen = []
+    DeepSpeed applies an optimizer step after every `micro_batches` forward/backward passes.
+    The episodes count when they arrive; the loss statistics logged are the last epoch's
+    (in epoch 0 the policy is still the proximal one: clip fraction and KL are 0 there)."""
+    seen, last = [], cfg.learner.epochs - 1
     for groups in micro_batches:
         batch = {k: np.concatenate([g[k] for g in groups], axis=1)
                  for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
         batch["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
         proximal, stats = _train_micro_batch(cfg, engine, batch, timeline)
         staleness = float(np.mean([version - g["version"][0] for g in groups]))
-        progress.on_micro_batch(_scored(cfg, batch), stats, staleness)
+        progress.on_segments(_scored(cfg, batch), staleness)
+        if last == 0:
+            progress.on_micro_batch(stats)
         seen.append((batch, proximal))
-    for _ in range(1, cfg.learner.epochs):
+    for epoch in range(1, cfg.learner.epochs):
         for batch, proximal in seen:
-            _train_micro_batch(cfg, engine, batch, timeline, proximal)
+            _, stats = _train_micro_batch(cfg, engine, batch, timeline, proximal)
+            if epoch == last:
+                progress.on_micro_batch(stats)
 
 
 def _scored(cfg, batch: dict) -> dict:

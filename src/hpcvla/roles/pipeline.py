@@ -69,9 +69,12 @@ def env_failures(envs) -> list:
 
 
 def build_policy(cfg, spec):
-    torch.manual_seed(cfg.run.seed)  # identical initial weights on every rank
-    policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                         len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
+    """The configured policy, with the same initial weights on every rank (drawn from
+    run.seed on a forked RNG: the caller's own stream is left as it was)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                             len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
         load_weights(policy, Path(cfg.policy.pretrained) / "model.safetensors")
     return policy
@@ -81,7 +84,9 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     torch.set_num_threads(1)
-    np.random.seed(cfg.run.seed + rank)
+    seed_rank(cfg, rank)  # each rank explores with its own noise
+    if rank == 0:
+        write_rng_seeds(cfg, plan, run_dir)
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)
     policy = build_policy(cfg, spec)
@@ -127,7 +132,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     summary["busy_s"] = dict(timeline.busy)
     if is_root:
         summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
-                       trained_env_steps=progress.steps)
+                       trained_env_steps=progress.steps,
+                       env_fault_episodes=progress.fault_episodes)
     timeline.close()
     progress.close()
     return _report(world, summary, cfg, run_dir)
@@ -225,6 +231,34 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     return start, stats
 
 
+def rank_seeds(cfg, rank: int) -> dict[str, int]:
+    """The seeds of `rank`'s torch and numpy global streams: independent across ranks and
+    runs (numpy's SeedSequence of (run.seed, rank)), a pure function of both."""
+    torch_seed, numpy_seed = np.random.SeedSequence([cfg.run.seed, rank]).generate_state(2)
+    return {"torch": int(torch_seed), "numpy": int(numpy_seed)}
+
+
+def seed_rank(cfg, rank: int) -> None:
+    seeds = rank_seeds(cfg, rank)
+    torch.manual_seed(seeds["torch"])  # the policy's action sampling
+    np.random.seed(seeds["numpy"])
+
+
+def write_rng_seeds(cfg, plan, run_dir) -> None:
+    """rng_seeds.json in the run directory: every rank's RNG seeds and its env shards'."""
+    shards = schedule_of(cfg, 1).shards  # per simulator rank, in this mode
+    ranks = {}
+    for r, placed in enumerate(plan.ranks):
+        entry = rank_seeds(cfg, r)
+        if plan.mode == "colocated":
+            entry["env_shards"] = [colocated_seed(cfg, r)]
+        elif SIM in placed.roles:
+            entry["env_shards"] = [shard_seed(cfg, r, s) for s in range(shards)]
+        ranks[str(r)] = entry
+    (run_dir / "rng_seeds.json").write_text(json.dumps(
+        {"run.seed": cfg.run.seed, "ranks": ranks}, indent=1))
+
+
 def shard_seed(cfg, rank: int, shard: int) -> int:
     """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
     return cfg.run.seed * 10007 + rank * 101 + shard
@@ -281,6 +315,8 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
         "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
         "env_steps": steps, "env_steps_per_s": steps / wall,
         "success_rate": root.get("success_rate"), "mean_return": root.get("mean_return"),
+        # trained episodes an env fault ended: not in success_rate, not trained on
+        "env_fault_episodes": root.get("env_fault_episodes"),
         "staleness_hist": dict(sorted(staleness.items())),
         "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
         "per_rank": everyone,

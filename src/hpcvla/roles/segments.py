@@ -7,21 +7,36 @@ together), as one record (see transport/records.py) with fields
     actions          (T, n, H, A) f4   the action chunk
     logprob, value   (T, n) f4         behaviour policy log-prob and value
     reward           (T, n) f4         reward of the chunk
-    done             (T, n) bool       the episode ended with this chunk (no bootstrap across)
-    success          (T, n) bool       ...and it was a success
+    done             (T, n) bool       the episode ended with this chunk (no bootstrap across):
+                                       terminated | truncated
+    terminated       (T, n) bool       ...by the task (success)
+    truncated        (T, n) bool       ...by the horizon or a fault
+    env_fault        (T, n) bool       ...because the env failed: masked out of training and
+                                       of the success counts (roles/learner.py)
+    success          (T, n) bool       the episode that ended was a success
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
     version          (T,) i8           policy version that acted at each step
     bootstrap_value  (n,) f4           value of the observation after the last step
     meta             (5,) i8           producer rank, slot, group index, envs, learner batch
 
-`SegmentBuilder` is fed one step at a time: `record_outcome` (the reward/done the simulator
-reports with its next observation), then `add_step` after the policy acted; `add_step` returns
-the finished group when the next step's value (the bootstrap) is known.
+`SegmentBuilder` is fed one step at a time: `record_outcome` (the OUTCOME_FIELDS the simulator
+reports with its next observation), then `add_step` after the policy acted; `finish` returns
+the group once the next step's value (the bootstrap) is known.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+# What a simulator reports of an action chunk with the next observation (StepResult fields)
+OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated": ((), "|b1"),
+                  "env_fault": ((), "|b1"), "success": ((), "|b1"),
+                  "episode_return": ((), "<f4")}
+
+
+def outcome_of(result) -> dict:
+    """The OUTCOME_FIELDS of a StepResult."""
+    return {k: getattr(result, k) for k in OUTCOME_FIELDS}
 
 
 class SegmentBuilder:
@@ -34,19 +49,19 @@ class SegmentBuilder:
                     in obs_spec.items()}
         self.buf.update(actions=np.zeros((T, n, chunk_len, action_dim), np.float32),
                         logprob=np.zeros((T, n), np.float32), value=np.zeros((T, n), np.float32),
-                        reward=np.zeros((T, n), np.float32), done=np.zeros((T, n), bool),
-                        success=np.zeros((T, n), bool),
-                        episode_return=np.zeros((T, n), np.float32),
-                        version=np.zeros(T, np.int64))
+                        done=np.zeros((T, n), bool), version=np.zeros(T, np.int64))
+        self.buf.update({k: np.zeros((T, n), dt) for k, (_, dt) in OUTCOME_FIELDS.items()})
         self.batch = 0  # learner batch (= policy version) this segment belongs to, set at start
 
-    def record_outcome(self, reward, done, success, episode_return) -> None:
-        """Outcome of the previous step's action, reported with the new observation."""
+    def record_outcome(self, outcome) -> None:
+        """Outcome of the previous step's action (OUTCOME_FIELDS, a mapping), reported with
+        the new observation."""
         if self.t == 0:
             return  # nothing acted yet in this group (outcomes were stored before emission)
         b, i = self.buf, self.t - 1
-        b["reward"][i], b["done"][i] = reward, done
-        b["success"][i], b["episode_return"][i] = success, episode_return
+        for key in OUTCOME_FIELDS:
+            b[key][i] = outcome[key]
+        b["done"][i] = b["terminated"][i] | b["truncated"][i]
 
     @property
     def full(self) -> bool:

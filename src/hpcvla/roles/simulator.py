@@ -1,8 +1,8 @@
 """Simulator rank: E envs in K shards; a shard steps and asks for actions on its own.
 
 Each shard owns one slot of its cell's ObsActionExchange. The observation slot carries the
-env observation plus the outcome of the previous action (reward, done, success, episode
-return) and the shard's env-step count; the action slot carries the chunk and a stop flag.
+env observation plus the outcome of the previous action (segments.OUTCOME_FIELDS: reward,
+terminated, truncated, env_fault, success, episode return) and the shard's env-step count; the action slot carries the chunk and a stop flag.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import time
 
 import numpy as np
 
+from hpcvla.roles.segments import OUTCOME_FIELDS, outcome_of
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 from hpcvla.watchdog import deadline
-
-OUTCOME_FIELDS = {"reward": ((), "<f4"), "done": ((), "|b1"), "success": ((), "|b1"),
-                  "episode_return": ((), "<f4")}
 
 
 def slot_dtypes(spec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
@@ -85,8 +83,6 @@ def _write(slot, obs: dict, result, env_steps: int) -> None:
         for key in OUTCOME_FIELDS:
             slot[key][...] = 0
     else:
-        slot["reward"][...] = result.reward
-        slot["done"][...] = result.terminated | result.truncated
-        slot["success"][...] = result.success
-        slot["episode_return"][...] = result.episode_return
+        for key, value in outcome_of(result).items():
+            slot[key][...] = value
     slot["env_steps"] = env_steps
