@@ -1,4 +1,5 @@
-"""`hpcvla bench learning`: the statistics, and a short real run of both modes."""
+"""`hpcvla bench learning`: the statistics, and a short real run of both modes, compared on
+`hpcvla eval` of their final checkpoints."""
 
 import json
 import math
@@ -29,12 +30,15 @@ def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
     assert list(results["modes"]) == ["streamer", "sync-colocated"]
     grid = results["grid_env_steps"]
     assert grid[-1] == results["env_step_budget"] == 3 * 32 * 8 * 4
+    assert results["eval_episodes"] == 32
     for mode in results["modes"].values():
         assert [r["seed"] for r in mode["runs"]] == [0, 1]
         for run in mode["runs"]:
             assert len(run["curve"]) == len(grid) and 0 <= run["final_success"] <= 1
+            assert 0 <= run["eval_success"] <= 1  # hpcvla eval of the final checkpoint
+            assert run["explained_variance"] <= 1  # the critic's, logged per micro-batch
     png = read_png(tmp_path / "learning.png")  # the overlaid curves, next to the JSON
     assert png.shape[2] == 3 and png.std() > 0
-    for name in ("difference", "curve_difference"):
+    for name in ("difference", "rolling_difference", "curve_difference"):
         low, high = results[name]["ci95"]
-        assert low <= results[name]["streamer_minus_colocated"] <= high
+        assert low <= results[name]["streamer_minus_sync-colocated"] <= high

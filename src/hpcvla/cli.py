@@ -74,7 +74,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200)")
-    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per mode")
+    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
+    bench.add_argument("--arms", choices=["modes", "critic"], default="modes",
+                       help="learning: streamer vs sync-colocated, or the critic's own "
+                            "learning rate vs the policy's (hpcvla/bench/learning.py)")
+    bench.add_argument("--eval-episodes", type=int, default=256,
+                       help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
                        help="shards: env shards (worker processes) of one simulator rank")
     bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
@@ -213,7 +218,8 @@ def cmd_bench(args) -> int:
         from hpcvla.bench import learning
         learning.run(seeds=2 if args.quick else args.seeds,
                      updates=3 if args.quick else args.updates or 200, json_path=args.json,
-                     overrides=args.overrides)
+                     overrides=args.overrides, arms=args.arms,
+                     eval_episodes=32 if args.quick else args.eval_episodes)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.launch import run_world

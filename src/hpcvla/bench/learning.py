@@ -1,15 +1,23 @@
-"""`hpcvla bench learning`: does asynchrony cost sample efficiency?
+"""`hpcvla bench learning`: compare two training set-ups ("arms") on one task, seeds each.
 
-`streamer` (4 ranks: 2 simulators, 1 inference, 1 learner; samples up to
-`pipeline.max_staleness` versions old, corrected by the decoupled PPO objective) against
-`sync-colocated` (2 ranks in lock-step, never stale), several seeds each, on the same task
-with the same env-step budget and the same learner batch per policy version (32 segments of
-8 chunks; colocated: 2 learners x 16). Every run is a real `hpcvla train`.
+Arm sets (`--arms`):
 
-Reported: per run the success curve against trained env steps (success over the last 200
-finished episodes, from metrics.jsonl) on a common grid; per mode the final success of every
-seed and their mean, and the mean of the curve over the budget (how early it learns); the
-differences of the means (streamer - colocated) with 95 % Welch confidence intervals. A PNG of the overlaid curves goes next to the JSON.
+* `modes` (default): does asynchrony cost sample efficiency? `streamer` (4 ranks: 2
+  simulators, 1 inference, 1 learner; samples up to `pipeline.max_staleness` versions old,
+  corrected by the decoupled PPO objective) against `sync-colocated` (2 ranks in lock-step,
+  never stale; 2 learners x 16 segments), the same learner batch per version.
+* `critic`: the critic's own learning rate (`algorithm.critic_lr`, the default) against the
+  critic at the policy's rate (`algorithm.critic_lr=0`, as before issue 14), both streamer.
+
+Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
+per version); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
+run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for every arm
+and seed, not the rolling training success (which counts episodes of several policy
+versions, sampled on the training states). Reported: per run the eval success, the rolling
+success curve against trained env steps (on a common grid) and the mean explained variance
+of the critic from update 30 on; per arm the means; the differences of the means (first arm -
+second) with 95 % Welch confidence intervals. A PNG of the overlaid curves goes next to the
+JSON.
 """
 
 from __future__ import annotations
@@ -23,11 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-# Each mode's layout; both train 32 segments x 8 chunks per policy version.
-MODES = {
-    "streamer": ["configs/default.yaml", "--ranks", "4", "pipeline.mode=streamer"],
-    "sync-colocated": ["configs/colocated.yaml", "--ranks", "2", "learner.micro_batches=1"],
+# Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version.
+STREAMER = ["configs/default.yaml", "--ranks", "4", "pipeline.mode=streamer"]
+ARMS = {
+    "modes": {"streamer": STREAMER,
+              "sync-colocated": ["configs/colocated.yaml", "--ranks", "2",
+                                 "learner.micro_batches=1"]},
+    "critic": {"critic_lr": STREAMER, "shared_lr": STREAMER + ["algorithm.critic_lr=0"]},
 }
+EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # two-sided 97.5 % quantiles of Student's t, by degrees of freedom (1..30; normal beyond)
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
@@ -47,53 +59,88 @@ def welch_interval(a, b) -> tuple[float, float, float]:
     return diff, diff - t * se, diff + t * se
 
 
-def curve(run_dir: Path, grid: np.ndarray) -> list[float]:
-    """Success rate against trained env steps, sampled on `grid` (last value held)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
-               if line]
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
+            if line]
+
+
+def curve(records: list[dict], grid: np.ndarray) -> list[float]:
+    """Rolling success rate against trained env steps, sampled on `grid` (last value held)."""
     steps = np.array([r["trained_env_steps"] for r in records], float)
     success = np.array([r["success_rate"] for r in records], float)
     return np.interp(grid, steps, success).round(4).tolist()
 
 
-def run(seeds=3, updates=200, json_path=None, overrides=()) -> dict:
+def late_explained_variance(records: list[dict], from_update: int = 30) -> float | None:
+    """Mean explained variance of the critic over the micro-batches from `from_update` on
+    (None under GRPO, which has no critic; the last half of the run when it is shorter)."""
+    ev = [(r["update"], r["explained_variance"]) for r in records if "explained_variance" in r]
+    if not ev:
+        return None
+    start = min(from_update, ev[-1][0] // 2)
+    return float(np.mean([e for u, e in ev if u >= start]))
+
+
+def train_and_eval(cmd: list[str], root: Path, eval_episodes: int) -> dict:
+    """One `hpcvla train`, then `hpcvla eval` of its final checkpoint (in this process)."""
+    from hpcvla.config import load_config
+    from hpcvla.evaluate import checkpoint_weights, evaluate
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    (run_dir,) = root.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    weights, _ = checkpoint_weights(run_dir)
+    result = evaluate(load_config(run_dir / "config.yaml"), weights, episodes=eval_episodes,
+                      seed=EVAL_SEED)
+    return {"run_dir": run_dir, "summary": summary, "eval": result,
+            "metrics": metrics(run_dir)}
+
+
+def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
+        eval_episodes=256) -> dict:
     per_version = 32 * 8 * 4  # segments x chunks x chunk_len: trained env steps per version
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
-    results = {"seeds": seeds, "updates": updates, "env_step_budget": budget,
+    results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
+               "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
-        for mode, layout in MODES.items():
+        for arm, layout in ARMS[arms].items():
             runs = []
             for seed in range(seeds):
-                root = Path(tmp) / f"{mode}-{seed}"
+                root = Path(tmp) / f"{arm}-{seed}"
                 cmd = [sys.executable, "-m", "hpcvla", "train", *layout, f"run.seed={seed}",
                        f"pipeline.total_updates={updates}", f"run.root={root}",
                        "pipeline.progress_every_s=1000", *overrides]
-                out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-                if out.returncode != 0:
-                    raise RuntimeError(f"{mode} seed {seed} failed:\n{out.stderr[-3000:]}")
-                (run_dir,) = root.iterdir()
-                summary = json.loads((run_dir / "summary.json").read_text())
-                runs.append({"seed": seed, "final_success": summary["success_rate"],
+                done = train_and_eval(cmd, root, eval_episodes)
+                summary = done["summary"]
+                runs.append({"seed": seed, "eval_success": done["eval"]["success_rate"],
+                             "final_success": summary["success_rate"],
+                             "explained_variance": late_explained_variance(done["metrics"]),
                              "wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
-                             "curve": curve(run_dir, grid)})
-                print(f"{mode:<15} seed {seed}: final success {summary['success_rate']:.3f} "
-                      f"in {summary['wall_s']:.0f} s", flush=True)
-            results["modes"][mode] = {
-                "runs": runs, "final_mean": float(np.mean([r["final_success"] for r in runs])),
+                             "curve": curve(done["metrics"], grid)})
+                ev = runs[-1]["explained_variance"]
+                print(f"{arm:<15} seed {seed}: eval success {runs[-1]['eval_success']:.3f} "
+                      f"(rolling {summary['success_rate']:.3f}), explained variance "
+                      f"{'-' if ev is None else f'{ev:.2f}'}, {summary['wall_s']:.0f} s",
+                      flush=True)
+            results["modes"][arm] = {
+                "runs": runs, "eval_mean": float(np.mean([r["eval_success"] for r in runs])),
+                "final_mean": float(np.mean([r["final_success"] for r in runs])),
                 "curve_mean": float(np.mean([np.mean(r["curve"]) for r in runs]))}
-    # final success, and the curve's mean over the budget (area under the curve: how early
-    # the policy learns per env step), streamer - colocated with a 95 % Welch interval
-    for name, of_run in (("difference", lambda r: r["final_success"]),
+    # eval success (the verdict), rolling final success and the curve's mean over the budget
+    # (how early it learns per env step): first arm - second, with a 95 % Welch interval
+    first, second = list(ARMS[arms])
+    for name, of_run in (("difference", lambda r: r["eval_success"]),
+                         ("rolling_difference", lambda r: r["final_success"]),
                          ("curve_difference", lambda r: float(np.mean(r["curve"])))):
-        a = [of_run(r) for r in results["modes"]["streamer"]["runs"]]
-        b = [of_run(r) for r in results["modes"]["sync-colocated"]["runs"]]
+        a = [of_run(r) for r in results["modes"][first]["runs"]]
+        b = [of_run(r) for r in results["modes"][second]["runs"]]
         diff, low, high = welch_interval(a, b) if seeds > 1 else (np.mean(a) - np.mean(b),) * 3
-        results[name] = {"streamer_minus_colocated": diff, "ci95": [low, high]}
-        print(f"{'final success' if name == 'difference' else 'mean of the curve'}: streamer "
-              f"{np.mean(a):.3f}, sync-colocated {np.mean(b):.3f}; difference {diff:+.3f} "
-              f"(95 % CI {low:+.3f} .. {high:+.3f})", flush=True)
+        results[name] = {f"{first}_minus_{second}": diff, "ci95": [low, high]}
+        print(f"{name.replace('_', ' ')}: {first} {np.mean(a):.3f}, {second} {np.mean(b):.3f}; "
+              f"difference {diff:+.3f} (95 % CI {low:+.3f} .. {high:+.3f})", flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
         _plot(results, Path(json_path).with_suffix(".png"))
@@ -101,17 +148,17 @@ def run(seeds=3, updates=200, json_path=None, overrides=()) -> dict:
 
 
 def _plot(results: dict, path: Path) -> None:
-    """Overlaid success curves, blues for the streamer's seeds, reds for sync-colocated's
-    (drawn without matplotlib)."""
+    """Overlaid rolling success curves, blues for the first arm's seeds, reds for the
+    second's (drawn without matplotlib)."""
     from hpcvla.metrics.raster import line_chart
 
-    shades = {"streamer": [(31, 119, 180), (90, 160, 220), (20, 70, 130)],
-              "sync-colocated": [(214, 39, 40), (240, 110, 100), (140, 25, 25)]}
+    shades = [[(31, 119, 180), (90, 160, 220), (20, 70, 130)],  # blues: the first arm
+              [(214, 39, 40), (240, 110, 100), (140, 25, 25)]]  # reds: the second
     series, colors = {}, {}
-    for mode, m in results["modes"].items():
+    for arm, (mode, m) in enumerate(results["modes"].items()):
         for i, r in enumerate(m["runs"]):
             label = f"{mode} seed {r['seed']}"
             series[label] = (results["grid_env_steps"], r["curve"])
-            colors[label] = shades[mode][i % len(shades[mode])]
+            colors[label] = shades[arm][i % len(shades[arm])]
     line_chart(path, series, "success rate vs trained env steps (same budget per mode)",
                "trained env steps", "success rate", ylim=(0, 1), colors=colors)

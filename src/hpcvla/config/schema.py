@@ -265,7 +265,8 @@ class AlgorithmConfig:
     value_coef: float = setting(
         0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
     entropy_coef: float = setting(
-        0.0, "Weight of the entropy bonus: more exploration, slower convergence.", ge=0)
+        0.0, "Weight of the entropy bonus (the entropy of the whole action chunk, at every "
+        "`policy.logprob_granularity`): more exploration, slower convergence.", ge=0)
     max_behaviour_weight: float = setting(
         2.0, "Cap of the importance weight proximal/behaviour policy for stale samples "
         "(higher corrects more, with more variance).", ge=1)

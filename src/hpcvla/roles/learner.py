@@ -22,6 +22,7 @@ from hpcvla.extensions import clear_stale_build_locks
 from hpcvla.roles.nonfinite import SkipNonfinite
 from hpcvla.algorithms import (decoupled_ppo_loss, first_episode_advantages, gae, grpo_loss,
                                normalize_advantages, value_loss)
+from hpcvla.algorithms.granularity import sum_to
 from hpcvla.algorithms.ppo import masked_mean
 from hpcvla.policies.base import is_critic
 from hpcvla.transport import records
@@ -114,7 +115,9 @@ def policy_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, d
         v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None,
                             mask)
         stats.update(critic_health(old_value[mask], returns[mask]))
-    entropy = masked_mean(entropy, mask)
+    # the bonus is the chunk's entropy at every log-prob granularity (units summed), so one
+    # entropy_coef means the same with chunk, action or token ratios
+    entropy = masked_mean(sum_to(entropy, 2), mask)
     loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
                  entropy=float(entropy.detach()))
