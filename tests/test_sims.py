@@ -116,6 +116,15 @@ def test_same_init_state_id_same_initial_observation(env):
     assert np.array_equal(*seeded)  # seeds make the random episode starts repeatable
 
 
+def test_evaluation_states_are_each_initial_state_once(env):
+    ids, tasks = env.evaluation_states(128)
+    if hasattr(env, "suite"):  # LIBERO, task 0: its 50 fixed states
+        assert len(ids) == len(set(ids.tolist())) == 50, ids
+        assert set(tasks) == {f"task 0: {env.suite.instructions[0]}"}
+    else:  # ManiSkill: every id its own initial state
+        assert ids.tolist() == list(range(128)) and len(set(tasks)) == 1
+
+
 @pytest.mark.parametrize("name", ["maniskill", "libero"])
 def test_failing_env_is_reported_by_id_and_the_others_go_on(name, capfd):
     env = build(name, num_envs=2, first_env=10)
@@ -182,3 +191,10 @@ def test_train_runs_on_each_simulator(tmp_path, config):
     sims = [r for r in summary["per_rank"] if r["role"] == "simulator"]
     assert len(sims) == 2 and all(r["env_steps"] > 0 for r in sims)
     assert sum(summary["staleness_hist"].values()) == 2 * 2  # updates x learner batch
+    if "libero" in config:  # trained on task 0, evaluated on all 10 tasks of libero_10
+        out = hpcvla("eval", run_dir, "env.suite_task=-1", "--episodes", 10, "--envs", 2,
+                     "--json", timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        assert result["episodes"] == 10 and len(result["per_task"]) == 10, result
+        assert {t.split(":")[0] for t in result["per_task"]} == {f"task {i}" for i in range(10)}

@@ -97,7 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
                                            "of its untrained policy) on fixed initial states")
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="settings changed for the evaluation, e.g. env.suite_task=-1 "
+                               "(every task of the suite) for a policy trained on one task")
     evaluate.add_argument("--episodes", type=int, default=128, help="episodes (default 128)")
+    evaluate.add_argument("--envs", type=int, default=32,
+                          help="envs stepped together (default 32, at most --episodes)")
     evaluate.add_argument("--untrained", action="store_true",
                           help="the policy as the run's config initialises it (with --all: "
                                "first, as version 0)")
@@ -265,7 +270,11 @@ def cmd_eval(args) -> int:
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
         return 2
-    cfg = load_config(run_dir / "config.yaml")
+    try:
+        cfg = load_config(run_dir / "config.yaml", args.overrides)
+    except ConfigError as err:
+        print(f"hpcvla eval: {err}", file=sys.stderr)
+        return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
     if args.all:
         kept = checkpoint.complete(run_dir)
@@ -286,7 +295,8 @@ def cmd_eval(args) -> int:
             return 2
         result = {"run_dir": str(run_dir), "version": state["version"],
                   "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
-                  **evaluate(cfg, weights, episodes=args.episodes, seed=cfg.run.seed)}
+                  **evaluate(cfg, weights, episodes=args.episodes, envs=args.envs,
+                             seed=cfg.run.seed)}
         curve.append(result)
         print(json.dumps(result) if args.json else
               f"policy version {result['version']}: success {result['success_rate']:.3f} "

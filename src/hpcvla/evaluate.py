@@ -30,6 +30,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
+    envs = max(1, min(envs, episodes))
     env = make_env(cfg.env.name, envs, seed, **kwargs)
     policy = build_policy(cfg, env.spec)
     if weights is not None:
