@@ -340,3 +340,34 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     assert loss_of(unflagged)[0] != pytest.approx(base, rel=1e-3)
     if algorithm == "ppo":
         assert {"explained_variance", "return_std", "value_mean"} <= stats.keys()
+
+
+def test_critic_passes_move_the_critic_alone():
+    """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside
+    `actor_frozen` (the value-only passes) an optimizer step leaves every actor weight as it
+    was and moves the critic."""
+    from types import SimpleNamespace
+
+    from hpcvla.config import load_config
+    from hpcvla.roles.learner import actor_frozen, param_groups
+
+    cfg = load_config("configs/default.yaml", ["algorithm.critic_lr=0.01"])
+    policy = make_policy("default", SPEC, 7, 4, 10)
+    groups = param_groups(policy, cfg.algorithm)
+    assert [(g["name"], g["lr"]) for g in groups] == [("actor", 3e-4), ("critic", 0.01)]
+    critic = {id(p) for p in groups[1]["params"]}
+    assert critic == {id(p) for n, p in policy.named_parameters() if n.startswith("value_")}
+    engine = SimpleNamespace(optimizer=torch.optim.AdamW(groups))
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    obs = {"image": torch.randint(0, 255, (8, 32, 32, 3), dtype=torch.uint8),
+           "instruction": torch.ones(8, 5, dtype=torch.int32), "state": torch.randn(8, 7)}
+    for _ in range(2):  # the actor's Adam state is warm, as after PPO epochs
+        _, value, entropy = policy.evaluate(obs, torch.zeros(8, 4, 7))
+        engine.optimizer.zero_grad()
+        ((value - 1.0) ** 2).mean().add(-entropy.mean()).backward()
+        with actor_frozen(engine):
+            engine.optimizer.step()
+    assert [g["lr"] for g in engine.optimizer.param_groups] == [3e-4, 0.01]  # restored
+    for name, p in policy.named_parameters():
+        moved = not torch.equal(p.detach(), before[name])
+        assert moved == (id(p) in critic), name

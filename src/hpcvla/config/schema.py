@@ -259,6 +259,11 @@ class AlgorithmConfig:
     clip: float = setting(
         0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
         "updates.", ge=0)
+    critic_epochs: int = setting(
+        0, "PPO: value-only passes over each batch after the `learner.epochs` PPO passes, "
+        "one optimizer step each with the policy's learning rate at 0 (the critic needs ~200 "
+        "Adam steps to fit reach's returns; PPO passes give it `learner.epochs` per version). "
+        "Each costs a forward/backward of the micro-batches.", ge=0)
     value_clip: bool = setting(
         True, "Clip the value update around the recorded value (within `clip`), as "
         "CleanRL: steadier critic, slower to follow large return changes.")

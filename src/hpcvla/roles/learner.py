@@ -13,6 +13,7 @@ import os
 import socket
 import time
 from collections import defaultdict, deque
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -55,14 +56,20 @@ def init_deepspeed(cfg, policy, learners_comm):
         "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
     }
-    alg = cfg.algorithm  # the critic learns at its own rate (algorithm.critic_lr)
-    named = list(policy.named_parameters())
-    groups = [{"params": [p for n, p in named if not is_critic(n)], "lr": alg.lr},
-              {"params": [p for n, p in named if is_critic(n)], "lr": alg.critic_lr or alg.lr}]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], eps=1e-5,
+    optimizer = torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5,
                                   weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
     return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
+
+
+def param_groups(policy, alg) -> list[dict]:
+    """The optimizer's groups: the actor (and shared encoders) at `algorithm.lr`, the critic
+    (`value_*` modules) at `algorithm.critic_lr`, each named for `actor_frozen`."""
+    named = list(policy.named_parameters())
+    groups = [{"params": [p for n, p in named if not is_critic(n)], "lr": alg.lr, "name": "actor"},
+              {"params": [p for n, p in named if is_critic(n)], "lr": alg.critic_lr or alg.lr,
+               "name": "critic"}]
+    return [g for g in groups if g["params"]]
 
 
 def full_state(engine) -> dict[str, np.ndarray]:
@@ -76,9 +83,11 @@ def full_state(engine) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
 
 
-def policy_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def policy_loss(cfg, model, batch: dict, proximal=None,
+                value_only: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The PPO or GRPO loss of a micro-batch of segment groups, stacked along the env axis.
-    `model` is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate."""
+    `model` is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate.
+    `value_only`: PPO's value loss alone (the critic's extra passes)."""
     T, N = batch["logprob"].shape
     obs = {k[4:]: torch.as_tensor(v).reshape(T * N, *v.shape[2:])
            for k, v in batch.items() if k.startswith("obs.")}
@@ -115,6 +124,8 @@ def policy_loss(cfg, model, batch: dict, proximal=None) -> tuple[torch.Tensor, d
         v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None,
                             mask)
         stats.update(critic_health(old_value[mask], returns[mask]))
+        if value_only:
+            return alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss)), logprob
     # the bonus is the chunk's entropy at every log-prob granularity (units summed), so one
     # entropy_coef means the same with chunk, action or token ratios
     entropy = masked_mean(sum_to(entropy, 2), mask)
@@ -158,6 +169,27 @@ def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
             _, stats = _train_micro_batch(cfg, engine, batch, timeline, proximal)
             if epoch == last:
                 progress.on_micro_batch(stats)
+    if cfg.algorithm.name == "ppo" and cfg.algorithm.critic_epochs:
+        with actor_frozen(engine):  # value-only optimizer steps: the critic catches up
+            for _ in range(cfg.algorithm.critic_epochs):
+                for batch, proximal in seen:
+                    _train_micro_batch(cfg, engine, batch, timeline, proximal, value_only=True)
+
+
+@contextmanager
+def actor_frozen(engine):
+    """Every optimizer param group but the critic's (init_deepspeed names them) at learning
+    rate 0: steps inside move the critic only."""
+    groups = engine.optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        if g.get("name") != "critic":
+            g["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for g, lr in zip(groups, saved):
+            g["lr"] = lr
 
 
 def _scored(cfg, batch: dict) -> dict:
@@ -168,10 +200,10 @@ def _scored(cfg, batch: dict) -> dict:
     return dict(batch, done=batch["done"] & (np.cumsum(batch["done"], axis=0) == 1))
 
 
-def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None):
+def _train_micro_batch(cfg, engine, batch: dict, timeline, proximal=None, value_only=False):
     with timeline.span("train"):
         begin = time.monotonic()
-        loss, stats, logprob = policy_loss(cfg, engine, batch, proximal)
+        loss, stats, logprob = policy_loss(cfg, engine, batch, proximal, value_only)
         engine.backward(loss)
         engine.step()
         if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
