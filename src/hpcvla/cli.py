@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="modes: updates per mode (default 20); learning: per run (200)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", choices=["modes", "critic"], default="modes",
-                       help="learning: streamer vs sync-colocated, or the critic's own "
-                            "learning rate vs the policy's (hpcvla/bench/learning.py)")
+                       help="learning: streamer vs sync-colocated, or the critic's schedule "
+                            "vs the one before issue 14 (hpcvla/bench/learning.py)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,

@@ -6,8 +6,9 @@ Arm sets (`--arms`):
   simulators, 1 inference, 1 learner; samples up to `pipeline.max_staleness` versions old,
   corrected by the decoupled PPO objective) against `sync-colocated` (2 ranks in lock-step,
   never stale; 2 learners x 16 segments), the same learner batch per version.
-* `critic`: the critic's own learning rate (`algorithm.critic_lr`, the default) against the
-  critic at the policy's rate (`algorithm.critic_lr=0`, as before issue 14), both streamer.
+* `critic`: the critic's schedule of issue 14 (the defaults: `algorithm.critic_lr` 10x the
+  policy's, no value clip, 8 epochs) against the one before (the policy's rate, clipped, 4
+  epochs), both streamer.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
@@ -37,7 +38,9 @@ ARMS = {
     "modes": {"streamer": STREAMER,
               "sync-colocated": ["configs/colocated.yaml", "--ranks", "2",
                                  "learner.micro_batches=1"]},
-    "critic": {"critic_lr": STREAMER, "shared_lr": STREAMER + ["algorithm.critic_lr=0"]},
+    "critic": {"critic": STREAMER,  # issue 14's critic: its own rate, unclipped, 8 epochs
+               "before": STREAMER + ["algorithm.critic_lr=0", "algorithm.value_clip=true",
+                                     "learner.epochs=4"]},
 }
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # two-sided 97.5 % quantiles of Student's t, by degrees of freedom (1..30; normal beyond)

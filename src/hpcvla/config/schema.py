@@ -247,9 +247,12 @@ class AlgorithmConfig:
                         "stability.", ge=0)
     critic_lr: float = setting(
         3e-3, "Adam learning rate of the value function (the policy's `value_*` modules; 0 = "
-        "`lr`). A version trains `learner.epochs` optimizer steps, so at the policy's rate the "
-        "critic barely moves (explained variance ~0.05 on reach); 10x `lr` tracks the returns "
-        "(explained variance ~0.6). PPO only.", ge=0)
+        "`lr`). A version gives the critic `learner.epochs` optimizer steps; reach's returns "
+        "take ~200 Adam steps to fit (held-out explained variance 0.89 after 200 at 3e-3, "
+        "0.04 after 64). Measured on the default reach run (60 versions, explained variance "
+        "of the recorded values, versions 30-45 / 45-60): `lr` for both, 4 epochs, value "
+        "clip: -0.02 / -0.01; 3e-3: 0.05 / 0.17; 3e-3 unclipped: 0.09 / 0.37; 3e-3 "
+        "unclipped with 8 epochs (the default now): 0.73 / 0.90. PPO only.", ge=0)
     gamma: float = setting(
         0.99, "Discount per action chunk: higher values look further ahead, with noisier "
         "returns.", ge=0, le=1)
@@ -261,12 +264,15 @@ class AlgorithmConfig:
         "updates.", ge=0)
     critic_epochs: int = setting(
         0, "PPO: value-only passes over each batch after the `learner.epochs` PPO passes, "
-        "one optimizer step each with the policy's learning rate at 0 (the critic needs ~200 "
-        "Adam steps to fit reach's returns; PPO passes give it `learner.epochs` per version). "
-        "Each costs a forward/backward of the micro-batches.", ge=0)
+        "one optimizer step each with the policy's learning rate at 0: more critic steps "
+        "without moving the policy further, where PPO epochs are costly or unstable. Each "
+        "costs a forward/backward of the micro-batches. On reach (4 epochs, 3e-3, "
+        "unclipped) explained variance at versions 30-45 / 45-60: 4 passes 0.28 / 0.52, 12 "
+        "passes 0.48 / 0.71, at 2.6x the learner time of 8 PPO epochs (0.73 / 0.90).", ge=0)
     value_clip: bool = setting(
-        True, "Clip the value update around the recorded value (within `clip`), as "
-        "CleanRL: steadier critic, slower to follow large return changes.")
+        False, "Clip the value update around the recorded value (within `clip`, in return "
+        "units), as CleanRL: steadier critic, slower to follow large return changes (off: "
+        "it held the critic back on reach, see `critic_lr`).")
     value_coef: float = setting(
         0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
     entropy_coef: float = setting(
@@ -309,9 +315,11 @@ class LearnerConfig:
         2, "Micro-batches accumulated per optimizer step on each learner; the global batch "
         "is micro_batch x micro_batches x learners segments.", ge=1)
     epochs: int = setting(
-        4, "Passes over each batch (PPO epochs): the first streams micro-batches as they "
-        "arrive, later ones replay them. More reuse each sample more (sample efficiency) at "
-        "more learner time per version.", ge=1)
+        8, "Passes over each batch (PPO epochs), one optimizer step each: the first streams "
+        "micro-batches as they arrive, later ones replay them. More reuse each sample more "
+        "(sample efficiency) and give the critic the steps it needs (see "
+        "`algorithm.critic_lr`; 4 left reach's critic near a constant), at more learner time "
+        "per version. The papers' configs set 4.", ge=1)
     max_nonfinite_steps: int = setting(
         10, "Optimizer steps in a row whose gradient may be NaN/Inf (each skipped, weights "
         "and optimizer state untouched, counted in the summary) before the run stops: "

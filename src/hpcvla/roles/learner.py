@@ -125,7 +125,7 @@ def policy_loss(cfg, model, batch: dict, proximal=None,
                             mask)
         stats.update(critic_health(old_value[mask], returns[mask]))
         if value_only:
-            return alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss)), logprob
+            return alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss.detach())), logprob
     # the bonus is the chunk's entropy at every log-prob granularity (units summed), so one
     # entropy_coef means the same with chunk, action or token ratios
     entropy = masked_mean(sum_to(entropy, 2), mask)
