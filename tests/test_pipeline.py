@@ -112,6 +112,12 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     if mode == "sync-disaggregated":
         assert set(summary["staleness_hist"]) == {"0"}
     assert (run_dir / "timeline.rank0.jsonl").exists() and (run_dir / "metrics.jsonl").exists()
+    # the loss statistics are the last epoch's: the policy has moved from the proximal one
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    assert len(records) == 4 * 2  # updates x micro-batches
+    assert any(r["clip_fraction"] > 0 for r in records) and all(r["approx_kl"] > 0
+                                                                 for r in records)
+    assert all(-10 < r["explained_variance"] <= 1 and r["return_std"] > 0 for r in records)
 
 
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):

@@ -174,3 +174,46 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
     assert faulted and summary["env_fault_episodes"] >= 1, summary["env_fault_episodes"]
     print(f"{config} {fault}: {summary['env_failures']} env faults survived, "
           f"{summary['wall_s']:.0f} s")
+
+
+def test_a_slot_that_cannot_be_rebuilt_is_retired_and_every_step_of_it_is_a_fault(capfd):
+    """SerialVectorEnv (ManiSkill's and LIBERO's vectorizer) with slots that follow its slot
+    interface: slot 1 dies in a step and cannot be rebuilt. From then on its steps come
+    back truncated and flagged env_fault (the learners mask them, success counts skip them),
+    never as failed episodes; slot 0 goes on."""
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.envs.serial import SerialVectorEnv
+
+    class Slot:
+        instruction = "reach the red object"
+
+        def __init__(self, i):
+            if i == 1 and built[1]:
+                raise RuntimeError("no simulator for env 1")
+            built[i] = True
+            self.dies = i == 1
+
+        def reset(self, rng, init_state_id):
+            pass
+
+        def step(self, action):
+            if self.dies:
+                raise RuntimeError("simulator gone")
+            return 0.1, False
+
+        def observe(self):
+            return {"state": np.ones(2, np.float32)}
+
+        def close(self):
+            pass
+
+    built = {0: False, 1: False}
+    spec = EnvSpec(obs={"state": ((2,), "<f4")}, action_dim=2, chunk_len=2,
+                   max_episode_chunks=5, vocab=("",))
+    env = SerialVectorEnv(2, 0, spec, 0, Slot, name="test")
+    for _ in range(3):
+        result = env.step(np.zeros((2, 2, 2), np.float32))
+        assert result.env_fault.tolist() == [False, True]
+        assert result.truncated.tolist() == [False, True] and not result.success.any()
+        assert result.obs["state"][1].tolist() == [0.0, 0.0]  # a retired slot shows zeros
+    assert env.retired == {1} and "could not be rebuilt" in capfd.readouterr().err
