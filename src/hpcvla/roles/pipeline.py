@@ -35,6 +35,7 @@ from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
 from hpcvla.roles.modes import envs_of_cell, producer_quota, schedule_of
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
+from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
 from hpcvla.topology.plan import INF, LEARN, SIM
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
 from hpcvla.transport.exchange import ObsActionExchange
@@ -229,43 +230,6 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
             piece.free()
     plane.close()
     return start, stats
-
-
-def rank_seeds(cfg, rank: int) -> dict[str, int]:
-    """The seeds of `rank`'s torch and numpy global streams: independent across ranks and
-    runs (numpy's SeedSequence of (run.seed, rank)), a pure function of both."""
-    torch_seed, numpy_seed = np.random.SeedSequence([cfg.run.seed, rank]).generate_state(2)
-    return {"torch": int(torch_seed), "numpy": int(numpy_seed)}
-
-
-def seed_rank(cfg, rank: int) -> None:
-    seeds = rank_seeds(cfg, rank)
-    torch.manual_seed(seeds["torch"])  # the policy's action sampling
-    np.random.seed(seeds["numpy"])
-
-
-def write_rng_seeds(cfg, plan, run_dir) -> None:
-    """rng_seeds.json in the run directory: every rank's RNG seeds and its env shards'."""
-    shards = schedule_of(cfg, 1).shards  # per simulator rank, in this mode
-    ranks = {}
-    for r, placed in enumerate(plan.ranks):
-        entry = rank_seeds(cfg, r)
-        if plan.mode == "colocated":
-            entry["env_shards"] = [colocated_seed(cfg, r)]
-        elif SIM in placed.roles:
-            entry["env_shards"] = [shard_seed(cfg, r, s) for s in range(shards)]
-        ranks[str(r)] = entry
-    (run_dir / "rng_seeds.json").write_text(json.dumps(
-        {"run.seed": cfg.run.seed, "ranks": ranks}, indent=1))
-
-
-def shard_seed(cfg, rank: int, shard: int) -> int:
-    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
-    return cfg.run.seed * 10007 + rank * 101 + shard
-
-
-def colocated_seed(cfg, rank: int) -> int:
-    return cfg.run.seed * 10007 + rank
 
 
 def _trajectory_dump(cfg, spec, rank, run_dir, seed_of_slot):
