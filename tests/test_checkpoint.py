@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from hpcvla import checkpoint
 from test_mpi_world import MPI_DIR, hpcvla
@@ -12,9 +13,10 @@ from test_mpi_world import MPI_DIR, hpcvla
 SMALL = ["env.image_size=32", "policy.hidden=32"]
 
 
-def resume(run_dir, stage):
+def resume(run_dir, stage, *extra):
     out = hpcvla("launch", "-n", 2, "--timeout", 240, "--", MPI_DIR / "checkpoint_resume.py",
-                 "configs/colocated.yaml", run_dir, f"learner.zero_stage={stage}", *SMALL)
+                 "configs/colocated.yaml", run_dir, f"learner.zero_stage={stage}", *SMALL,
+                 *extra)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"resume bit-identical at ZeRO stage {stage}" in out.stdout
     return checkpoint.latest(run_dir)
@@ -30,10 +32,18 @@ def test_resume_is_bit_identical(tmp_path, stage):
         "state.json"]
 
 
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path, stage):
+    """A bf16 learner (DeepSpeed's bf16 mode: stage 0 and ZeRO wrap different optimizers)
+    resumes exactly: the checkpoint holds its fp32 masters, not only the rounded weights."""
+    path = resume(tmp_path, stage, "policy.name=flow", "policy.dtype=bfloat16")
+    assert all(v.dtype == torch.bfloat16 for v in checkpoint.load_weights(path).values())
+
+
 def test_damaged_checkpoints_fail_clearly(tmp_path):
     path = resume(tmp_path, 1)
     weights = checkpoint.load_weights(path)
-    assert weights and all(isinstance(v, np.ndarray) for v in weights.values())
+    assert weights and all(isinstance(v, torch.Tensor) for v in weights.values())
 
     wrong = {k: np.zeros((1, *v.shape)) for k, v in weights.items()}
     with pytest.raises(checkpoint.CheckpointError, match="do not fit this policy"):

@@ -16,7 +16,8 @@ from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, val
 from hpcvla.policies import (POLICIES, ActOutput, Policy, load_pretrained, make_policy,
                              save_pretrained)
 from hpcvla.policies.tokens import BINS, bin_centres, bins_of
-from hpcvla.policies.vla import count_preset_parameters, load_weights
+from hpcvla.policies.folders import load_weights
+from hpcvla.policies.vla import count_preset_parameters
 from test_pipeline import run_train
 
 VOCAB, ACTION_DIM, CHUNK = 12, 3, 4
@@ -296,6 +297,62 @@ def test_loading_names_missing_and_misshaped_tensors(tmp_path):
     assert torch.equal(fresh.action_out_proj.weight, policy.action_out_proj.weight)
 
 
+PALI = "model.paligemma_with_expert.paligemma."
+EMBED, LM_HEAD = PALI + "model.language_model.embed_tokens.weight", PALI + "lm_head.weight"
+
+
+def test_published_pi0_layouts_load(tmp_path):
+    """π0 folders as they are published: hub files keep lm_head and drop the tied
+    embed_tokens (and carry the expert's unused lm_head); openpi's converted files have no
+    `model.` prefix; big ones are sharded with an index. Each loads exactly."""
+    policy = make("flow")
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    tensors = load_file(str(save_pretrained(policy, tmp_path / "ours") / "model.safetensors"))
+    hub = {k: v for k, v in tensors.items() if k != EMBED}
+    hub[LM_HEAD] = tensors[EMBED].clone()
+    hub["model.paligemma_with_expert.gemma_expert.lm_head.weight"] = torch.zeros(3, 32)
+    openpi = {k.removeprefix("model."): v for k, v in tensors.items()}
+    names = sorted(tensors)
+    folders = {"hub": {"model.safetensors": hub}, "openpi": {"model.safetensors": openpi},
+               "sharded": {"model-00001-of-00002.safetensors": {k: tensors[k] for k in names[::2]},
+                           "model-00002-of-00002.safetensors": {k: tensors[k] for k in names[1::2]}}}
+    for layout, files in folders.items():
+        (tmp_path / layout).mkdir()
+        for name, content in files.items():
+            save_file(content, tmp_path / layout / name)
+        if layout == "sharded":
+            weight_map = {k: name for name, part in files.items() for k in part}
+            (tmp_path / layout / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": weight_map}))
+        fresh = make("flow", seed=1)
+        assert load_weights(fresh, tmp_path / layout) == [], layout
+        for k, v in policy.state_dict().items():
+            assert torch.equal(fresh.state_dict()[k], v), (layout, k)
+
+
+def test_published_layouts_that_do_not_fit_are_named(tmp_path):
+    policy = make("flow")
+    tensors = load_file(str(save_pretrained(policy, tmp_path / "ours") / "model.safetensors"))
+    untied = dict(tensors, **{LM_HEAD: tensors[EMBED] + 1})
+    save_file(untied, tmp_path / "untied.safetensors")
+    with pytest.raises(ValueError, match="lm_head.weight differ, but this model ties them"):
+        load_weights(make("flow"), tmp_path / "untied.safetensors")
+    padded = dict(tensors, **{"model.action_in_proj.weight": torch.zeros(32, 32)})
+    save_file(padded, tmp_path / "padded.safetensors")  # π0 pads actions to 32 dims
+    with pytest.raises(ValueError, match=r"misshaped model.action_in_proj.weight: file \(32, 32\)"):
+        load_weights(make("flow"), tmp_path / "padded.safetensors")
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {EMBED: "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="names shard model-00001-of-00002.safetensors, which "
+                                         "is missing"):
+        load_weights(make("flow"), tmp_path / "shards")
+    with pytest.raises(ValueError, match="neither model.safetensors nor"):
+        load_weights(make("flow"), tmp_path)
+
+
 # ----------------------------------------------------------------------------- learning
 
 
@@ -380,3 +437,79 @@ def test_runs_start_from_a_pretrained_folder(tmp_path):
         load_config(ROOT / "configs/reach_flow.yaml", [f"policy.pretrained={tmp_path}"])
     with pytest.raises(ConfigError, match="policy.pretrained = .*empty for policy.name=default"):
         load_config(ROOT / "configs/default.yaml", [f"policy.pretrained={tmp_path}/weights"])
+
+
+def test_flow_policy_in_bf16_through_the_whole_pipeline(tmp_path):
+    """policy.dtype=bfloat16 end to end on CPU: the weight plane carries bf16 (no numpy round
+    trip), the learner trains under DeepSpeed's bf16 mode with fp32 masters, checkpoints hold
+    bf16 weights and the fp32 masters; every rank reports the device and dtype it ran."""
+    from safetensors import safe_open
+
+    out, summary, run_dir = run_train(tmp_path, "policy.name=flow", "policy.dtype=bfloat16",
+                                      "pipeline.total_updates=2", "learner.zero_stage=1",
+                                      "learner.checkpoint_every=1", "pipeline.mode=streamer")
+    assert "[hpcvla] update 2/2" in out.stdout
+    ranks = summary["per_rank"]
+    assert {(r["device"], r["dtype"]) for r in ranks} == {("cpu", "bfloat16")}
+    assert [r["weight_swaps"] for r in ranks if r["role"] == "inference"][0] >= 1
+    (latest,) = [p for p in (run_dir / "checkpoints").iterdir() if p.name == "v000002"]
+    with safe_open(latest / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    with safe_open(latest / "optimizer.rank0.safetensors", "pt") as f:
+        masters = [k for k in f.keys() if k.startswith("master.")]
+        assert masters and {f.get_slice(k).get_dtype() for k in masters} == {"F32"}
+
+
+def test_a_padded_long_horizon_checkpoint_runs_the_env_chunk(tmp_path):
+    """π0's layout: a horizon of 6 actions of 5 (padded) dims, a state padded to 8; the env
+    executes its chunk of actions of its dims. The dims come from the checkpoint; the executed
+    part is sampled and scored consistently (the log-prob act records is evaluate's)."""
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec, make_env
+    from hpcvla.roles.pipeline import build_policy
+    from test_mpi_world import ROOT
+
+    cfg = load_config(ROOT / "configs/reach_flow.yaml", ["env.image_size=32"])
+    spec = env_spec(cfg.env)
+    state_dim = spec.obs["state"][0][0]
+    dims = {"horizon": 6, "action_dim": 5, "state_dim": state_dim + 3}
+    padded = make_policy("flow", spec.obs, spec.action_dim, spec.chunk_len, len(spec.vocab),
+                         model_dims=dims)
+    assert padded.action_in_proj.weight.shape[1] == 5 and padded.log_std.shape == (4, 2)
+    save_pretrained(padded, tmp_path / "padded")
+    cfg = load_config(ROOT / "configs/reach_flow.yaml", ["env.image_size=32",
+                                                        f"policy.pretrained={tmp_path}/padded"])
+    policy = build_policy(cfg, spec)  # what every rank of a run starts from
+    assert policy.model_horizon == 6 and policy.model_state_dim == state_dim + 3
+    env = make_env("reach", 3, 0, image_size=32)
+    obs = Policy.obs_to_tensors(env.reset())
+    env.close()
+    torch.manual_seed(0)
+    out = policy.act(obs)
+    assert out.actions.shape == (3, spec.chunk_len, spec.action_dim)
+    logprob, _, _ = policy.evaluate(obs, out.actions)
+    torch.testing.assert_close(logprob, out.logprob, rtol=1e-5, atol=1e-4)
+    with pytest.raises(ValueError, match="chain.*must then be the env's"):
+        make_policy("flow", spec.obs, spec.action_dim, spec.chunk_len, len(spec.vocab),
+                    logprob_mode="chain", model_dims=dims)
+
+
+def test_chain_mode_records_the_denoising_chain_through_the_pipeline(tmp_path):
+    """logprob_mode=chain end to end: the inference rank records each step's denoising chain
+    (segments, ring, dump) and the learner scores its K transitions (the log-prob a step
+    recorded is what the learner recomputes before its first update: behaviour weight 1)."""
+    import h5py
+
+    out, summary, run_dir = run_train(tmp_path, "policy.name=flow", "policy.logprob_mode=chain",
+                                      "policy.denoise_steps=3", "pipeline.total_updates=2",
+                                      "run.dump_trajectories=true", "pipeline.max_staleness=0",
+                                      "pipeline.mode=sync-disaggregated")
+    assert "[hpcvla] update 2/2" in out.stdout
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = [r for r in records if r.get("update") == 0 and "behaviour_weight_max" in r]
+    assert first and all(abs(r["behaviour_weight_max"] - 1) < 1e-3 for r in first), first
+    (dump,) = (run_dir / "trajectories").glob("rank*.h5")
+    with h5py.File(dump) as f:
+        demo = f["data"][sorted(f["data"])[0]]
+        chain = demo["obs/flow_chain"]
+        assert chain.shape[1:] == (3, 4, 2) and np.isfinite(chain[...]).all()

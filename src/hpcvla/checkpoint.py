@@ -9,8 +9,11 @@
 A checkpoint is written into `v000120.partial/` and renamed when complete, so a job killed
 mid-write leaves no directory that looks finished. Optimizer partitions are saved as the
 torch optimizer under DeepSpeed holds them (ZeRO's flat fp32 partitions): restoring them needs
-the same number of learners and ZeRO stage; the weights alone restore anywhere. Training is
-fp32, so the weights are also the master copy.
+the same number of learners and ZeRO stage; the weights alone restore anywhere. Weights are
+saved in the dtype the learners train in (bf16 stays bf16: safetensors holds it, numpy could
+not). A bf16 learner's optimizer keeps fp32 master weights, which the bf16 weights only
+round: they go into its optimizer file too (`master.<group>.<i>`), so a resumed run goes on
+from the exact masters.
 """
 
 from __future__ import annotations
@@ -22,10 +25,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.numpy import load_file as load_numpy
-from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import load_file, save_file
 
 from hpcvla.transport.backoff import idle_barrier
@@ -60,7 +60,7 @@ def latest(path: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save(run_dir: Path, engine, weights: dict[str, np.ndarray] | None, version: int,
+def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
     """Collective on the learner communicator. `weights` (the full state, from learner 0)
     go to model.safetensors; every learner writes its optimizer partition. Returns the
@@ -81,7 +81,8 @@ def save(run_dir: Path, engine, weights: dict[str, np.ndarray] | None, version: 
     if rank != 0:
         idle_barrier(learners)
         return None
-    save_numpy({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(partial / MODEL))
+    save_file({k: torch.as_tensor(v).contiguous() for k, v in weights.items()},
+              str(partial / MODEL))
     state = {"format": FORMAT, "version": version, "counters": counters,
              "learners": learners.Get_size(), "zero_stage": engine.zero_optimization_stage(),
              "model_sha256": _sha256(partial / MODEL), "optimizer": everyone}
@@ -119,13 +120,13 @@ def read_state(path: Path) -> dict:
     return state
 
 
-def load_weights(path: Path, expected: dict | None = None) -> dict[str, np.ndarray]:
+def load_weights(path: Path, expected: dict | None = None) -> dict[str, torch.Tensor]:
     """model.safetensors of a checkpoint, its checksum verified; with `expected` (a state
     dict), names and shapes must match it."""
     path = Path(path)
     state = read_state(path)
     _verify(path / MODEL, state["model_sha256"])
-    weights = load_numpy(str(path / MODEL))
+    weights = load_file(str(path / MODEL))
     if expected is not None:
         want = {k: tuple(v.shape) for k, v in expected.items()}
         have = {k: tuple(v.shape) for k, v in weights.items()}
@@ -153,11 +154,15 @@ def load_optimizer(path: Path, engine, learners) -> dict:
     tensors = load_file(str(Path(path) / mine["file"]))
     torch.set_rng_state(tensors.pop("rng.torch_cpu"))
     per_param: dict[int, dict] = {}
+    masters = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("master.")]}
     for key, value in tensors.items():
         _, index, name = key.split(".", 2)
         per_param.setdefault(int(index), {})[name] = value
     with _base_optimizer(engine) as optimizer:
         optimizer.load_state_dict({"state": per_param, "param_groups": mine["param_groups"]})
+        with torch.no_grad():
+            for key, master in _masters(optimizer, bool(masters)).items():
+                master.copy_(masters[key])
     return state
 
 
@@ -178,14 +183,23 @@ def _base_optimizer(engine):
 
 
 def _optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list]:
-    if engine.bfloat16_enabled() or engine.fp16_enabled():
-        raise NotImplementedError("checkpoints of mixed-precision learners also need the fp32 "
-                                  "master partitions; not written yet")
+    mixed = engine.bfloat16_enabled() or engine.fp16_enabled()
     with _base_optimizer(engine) as optimizer:
         sd = optimizer.state_dict()
-    tensors = {f"state.{index}.{name}": value.detach().cpu().contiguous()
-               for index, entry in sd["state"].items() for name, value in entry.items()}
+        tensors = {k: v.detach().cpu().clone() for k, v in _masters(optimizer, mixed).items()}
+    tensors.update({f"state.{index}.{name}": value.detach().cpu().contiguous()
+                    for index, entry in sd["state"].items() for name, value in entry.items()})
     return tensors, sd["param_groups"]
+
+
+def _masters(optimizer, mixed: bool) -> dict[str, torch.Tensor]:
+    """The fp32 master weights a mixed-precision learner's torch optimizer steps (under
+    DeepSpeed its parameters are them), by `master.<group>.<i>`; none for fp32 training,
+    where the model's weights are the masters."""
+    if not mixed:
+        return {}
+    return {f"master.{g}.{i}": p for g, group in enumerate(optimizer.param_groups)
+            for i, p in enumerate(group["params"])}
 
 
 def _sha256(path: Path) -> str:

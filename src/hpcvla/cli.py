@@ -54,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards"],
+    bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
+                                          "gpu"],
                        help="what to measure; `learning` also takes key=value overrides for "
                             "every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
@@ -71,13 +72,15 @@ def _parser() -> argparse.ArgumentParser:
                             "tiny policy)")
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
-    bench.add_argument("--gpus", type=int, default=2, help="modes: accelerator ranks (even)")
+    bench.add_argument("--gpus", type=int, default=2,
+                       help="modes: accelerator ranks (even, or 1: one GPU shared)")
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
-    bench.add_argument("--arms", choices=["modes", "critic"], default="modes",
-                       help="learning: streamer vs sync-colocated, or the critic's schedule "
-                            "vs the one before issue 14 (hpcvla/bench/learning.py)")
+    bench.add_argument("--arms", choices=["modes", "critic", "flow-noise"], default="modes",
+                       help="learning: streamer vs sync-colocated, the critic's schedule "
+                            "vs the one before issue 14, or flow last_step vs chain from a "
+                            "pretrained checkpoint (hpcvla/bench/learning.py)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -180,7 +183,16 @@ def cmd_plan(args) -> int:
     if args.ranks_per_node is not None:
         cfg.placement.ranks_per_node = args.ranks_per_node
     plan = plan_from_config(cfg.placement, args.world)
-    print(json.dumps(plan.to_dict(), indent=1) if args.json else plan.table())
+    from hpcvla.devices import plan_devices, visible_gpus
+    from hpcvla.envs import env_uses_gpu
+    gpus = cfg.placement.gpus_per_node
+    gpus = gpus if gpus >= 0 else len(visible_gpus())  # this host's, unless previewing
+    devices = plan_devices(plan, gpus, env_uses_gpu(cfg.env))
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "devices": {str(r): d for r, d in devices.items()}},
+                         indent=1))
+    else:
+        print(plan.table(devices))
     return 0
 
 
@@ -208,6 +220,10 @@ def cmd_bench(args) -> int:
     if args.target == "policies":  # one process: parameter counts and step times
         from hpcvla.bench import policies
         policies.run(quick=args.quick, json_path=args.json)
+        return 0
+    if args.target == "gpu":  # one process; starts the training worlds itself
+        from hpcvla.bench import gpu
+        gpu.run(quick=args.quick, json_path=args.json)
         return 0
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes

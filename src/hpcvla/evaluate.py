@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hpcvla import checkpoint
+from hpcvla.devices import local_device
 from hpcvla.envs import env_kwargs, make_env
 
 
@@ -25,14 +26,15 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
              deterministic: bool = False) -> dict:
     """Run the env's first `episodes` evaluation states, `envs` at a time, one episode each;
     returns success rate, mean return, episodes, faults and success per task.
-    `weights` None: the untrained policy."""
+    `weights` None: the untrained policy. The policy runs on the first visible GPU when
+    there is one (placement.gpus_per_node=0: the CPU)."""
     from hpcvla.roles.pipeline import build_policy  # the policy exactly as training builds it
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
     envs = max(1, min(envs, episodes))
     env = make_env(cfg.env.name, envs, seed, **kwargs)
-    policy = build_policy(cfg, env.spec)
+    policy = build_policy(cfg, env.spec, local_device(cfg.placement.gpus_per_node))
     if weights is not None:
         policy.load_arrays(weights)
     torch.manual_seed(seed)
@@ -48,8 +50,9 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
             fault = np.zeros(envs, bool)
             while running.any():  # each env's first episode; auto-reset ones are ignored
                 with torch.no_grad():
-                    actions = policy.act(policy.obs_to_tensors(obs), deterministic).actions
-                result = env.step(actions.numpy())
+                    actions = policy.act(policy.obs_to_tensors(obs, policy.device),
+                                         deterministic).actions
+                result = env.step(actions.cpu().numpy())
                 ended = running & (result.terminated | result.truncated)
                 success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
                 fault[ended] = result.env_fault[ended]
@@ -66,6 +69,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     outcomes = [s for task in per_task.values() for s in task]
     return {"episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
             "mean_return": float(np.mean(returns)), "env_faults": faults,
+            "device": str(policy.device),
             "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s))}
                          for task, s in per_task.items()}}
 

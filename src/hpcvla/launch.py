@@ -100,13 +100,28 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
                 print(f"hpcvla launch: world still running after {timeout:g} s; killing it",
                       file=sys.stderr, flush=True)
                 _kill_group(proc)
+                _wait_until_gone(proc.pid)
                 return 124
             watch.wait(0.2)
     except KeyboardInterrupt:
         _kill_group(proc)
         return 130
     code = proc.returncode
+    if code != 0:  # ranks of an aborted world outlive mpiexec a moment, mapping their segments
+        _wait_until_gone(proc.pid)
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+def _wait_until_gone(group: int, grace_s: float = 5.0) -> None:
+    """Wait (a few seconds at most) until no process of the world's process group is left,
+    so that the segments they mapped can be told orphaned."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
 
 
 SHM_DIR = Path("/dev/shm")

@@ -55,10 +55,11 @@ def main(cfg, plan, comms):
         train_step(engine2, obs, actions)
     resumed = full_state(engine2)
     for name in continued:
-        assert np.array_equal(continued[name], resumed[name]), f"{name} differs after resume"
+        assert torch.equal(continued[name], resumed[name]), f"{name} differs after resume"
     if learners.Get_rank() == 0:
+        dtype = next(iter(continued.values())).dtype
         print(f"resume bit-identical at ZeRO stage {cfg.learner.zero_stage}: "
-              f"{len(continued)} tensors", flush=True)
+              f"{len(continued)} tensors ({dtype})", flush=True)
     learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
     torch.distributed.destroy_process_group()
 

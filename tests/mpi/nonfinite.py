@@ -51,7 +51,7 @@ def main(cfg, plan, comms):
     timeline = Timeline(None, rank, "learner")
 
     def step(batch):
-        before = {k: v.copy() for k, v in full_state(engine).items()}  # (views below ZeRO-3)
+        before = {k: v.clone() for k, v in full_state(engine).items()}  # (views below ZeRO-3)
         _train_micro_batch(cfg, engine, batch, timeline)
         after = full_state(engine)
         assert all(np.isfinite(v).all() for v in after.values()), "NaN reached the weights"

@@ -10,21 +10,24 @@ import sys
 import time
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from hpcvla.config import load_config
 from hpcvla.runtime import run_ranks
 from hpcvla.transport.weights import Manifest, WeightPlane
 
-MANIFEST = Manifest((("encoder.w", "<f4", (300, 257)), ("head.b", "<f8", (33,)),
-                     ("steps", "<i8", ()), ("mask", "|b1", (5, 7))))
+MANIFEST = Manifest((("encoder.w", "float32", (300, 257)), ("head.b", "float64", (33,)),
+                     ("steps", "int64", ()), ("mask", "bool", (5, 7)),
+                     ("expert.w", "bfloat16", (17, 9))))  # numpy has no bf16: bits kept
 
 
 def weights_of(version):
     rng = np.random.default_rng(version)
-    return {"encoder.w": rng.standard_normal((300, 257), dtype=np.float32),
-            "head.b": rng.standard_normal(33), "steps": np.int64(version),
-            "mask": rng.random((5, 7)) > 0.5}
+    return {"encoder.w": torch.from_numpy(rng.standard_normal((300, 257), dtype=np.float32)),
+            "head.b": torch.from_numpy(rng.standard_normal(33)), "steps": torch.tensor(version),
+            "mask": torch.from_numpy(rng.random((5, 7)) > 0.5),
+            "expert.w": torch.from_numpy(rng.standard_normal((17, 9))).to(torch.bfloat16)}
 
 
 def main(cfg, plan, comms):
@@ -47,7 +50,7 @@ def main(cfg, plan, comms):
             if version >= 0:
                 assert not seen or version >= seen[-1], f"version went back: {seen[-1]}->{version}"
                 for name, value in MANIFEST.views(out).items():
-                    assert np.array_equal(value, weights_of(version)[name]), (version, name)
+                    assert torch.equal(value, weights_of(version)[name]), (version, name)
                 seen.append(version)
                 assert plane.latest_version() >= version
             time.sleep(rng.random() * 0.005)

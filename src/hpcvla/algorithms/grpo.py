@@ -119,10 +119,13 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
     """GRPO's policy loss over (T, N) chunk-steps (or finer units, (T, N, *units)): each
     step takes its episode's advantage (`index` from `episodes_of`); steps of episodes not
     kept (degenerate group, or not valid, e.g. unfinished) are masked out. Same decoupled
-    objective and diagnostics as PPO."""
+    objective and diagnostics as PPO. The advantages may live on the CPU (they are index
+    bookkeeping); they follow `logprob` to its device."""
+    device = logprob.device
+    index = index.to(device)
     return decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
-                              episodes.advantages[index], clip, max_behaviour_weight,
-                              mask=episodes.keep[index])
+                              episodes.advantages.to(device)[index], clip,
+                              max_behaviour_weight, mask=episodes.keep.to(device)[index])
 
 
 __all__ = ["GroupAdvantages", "group_advantages", "episodes_of", "per_episode",

@@ -9,6 +9,11 @@ Arm sets (`--arms`):
 * `critic`: the critic's schedule of issue 14 (the defaults: `algorithm.critic_lr` 10x the
   policy's, no value clip, 8 epochs) against the one before (the policy's rate, clipped, 4
   epochs), both streamer.
+* `flow-noise`: RL from a pretrained flow policy, as from a π0 checkpoint: `reach_flow`
+  first trained for `PRETRAIN_UPDATES` (seed 1000) and saved as a checkpoint folder
+  (`save_pretrained`), then both arms start from it (`policy.pretrained`): `last_step`
+  (x_0 = 0, one noisy last step) against `chain` (x_0 ~ N(0, I), noise at every step as
+  πRL's flow-noise; the pretrained sampler's own distribution). policies/flow.py.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
@@ -42,6 +47,10 @@ ARMS = {
                "before": STREAMER + ["algorithm.critic_lr=0", "algorithm.value_clip=true",
                                      "learner.epochs=4"]},
 }
+FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
+ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
+PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
+PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # two-sided 97.5 % quantiles of Student's t, by degrees of freedom (1..30; normal beyond)
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
@@ -100,6 +109,27 @@ def train_and_eval(cmd: list[str], root: Path, eval_episodes: int) -> dict:
             "metrics": metrics(run_dir)}
 
 
+def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | tuple[None, None]:
+    """The arm set's starting checkpoint folder (`PRETRAIN`), and its eval; none for most."""
+    if arms not in PRETRAIN:
+        return None, None
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.policies import save_pretrained
+    from hpcvla.roles.pipeline import build_policy
+    runs = root / "pretrain"
+    done = train_and_eval([sys.executable, "-m", "hpcvla", "train", *PRETRAIN[arms],
+                           f"pipeline.total_updates={PRETRAIN_UPDATES}", f"run.root={runs}",
+                           "pipeline.progress_every_s=1000"], runs, eval_episodes)
+    from hpcvla.evaluate import checkpoint_weights
+    cfg = load_config(done["run_dir"] / "config.yaml")
+    policy = build_policy(cfg, env_spec(cfg.env))
+    policy.load_arrays(checkpoint_weights(done["run_dir"])[0])
+    print(f"pretrained {PRETRAIN_UPDATES} updates: eval success "
+          f"{done['eval']['success_rate']:.3f}", flush=True)
+    return save_pretrained(policy, root / "pretrained"), done["eval"]
+
+
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         eval_episodes=256) -> dict:
     per_version = 32 * 8 * 4  # segments x chunks x chunk_len: trained env steps per version
@@ -109,8 +139,11 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
+        pretrained, start = pretrain(arms, Path(tmp), eval_episodes)
+        if start is not None:
+            results["pretrained_eval_success"] = start["success_rate"]
         for arm, layout in ARMS[arms].items():
-            runs = []
+            runs, layout = [], [part.format(pretrained=pretrained) for part in layout]
             for seed in range(seeds):
                 root = Path(tmp) / f"{arm}-{seed}"
                 cmd = [sys.executable, "-m", "hpcvla", "train", *layout, f"run.seed={seed}",

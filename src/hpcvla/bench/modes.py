@@ -69,8 +69,16 @@ SIM_WORKLOADS = {
 def _layout(mode: str, gpus: int) -> list[str]:
     if mode == "sync-colocated":
         return ["placement.mode=colocated"]
+    if gpus == 1:  # one GPU: its inference rank and its learner share it (devices.py)
+        return ["placement.mode=disaggregated", "placement.ranks_per_node=3",
+                "placement.per_node={simulator: 1, inference: 1, learner: 1}"]
     return ["placement.mode=disaggregated", "placement.ranks_per_node=4",  # a cell per node
             "placement.per_node={simulator: 2, inference: 1, learner: 1}"]
+
+
+def _ranks(mode: str, gpus: int) -> int:
+    """Colocated: a rank per accelerator; otherwise as many CPU simulator ranks again."""
+    return gpus if mode == "sync-colocated" else 3 if gpus == 1 else 2 * gpus
 
 
 def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
@@ -162,7 +170,7 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                "sweep": sweep, "updates": updates, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra) in enumerate(cases(sweep, envs_per_gpu)):
-            ranks = gpus if mode == "sync-colocated" else 2 * gpus  # + CPU simulator ranks
+            ranks = _ranks(mode, gpus)
             overrides = [f"pipeline.mode={mode}", *_layout(mode, gpus),
                          *_workload(workload, preset, envs, updates, mode), *extra,
                          f"run.root={tmp}", f"run.name=case{n}"]

@@ -22,14 +22,33 @@ from hpcvla.policies.vla import SIZE_NAMES, count_preset_parameters
 FAMILIES = ("flow", "tokens")
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
+def median_ms(fn, repeats: int, device=None) -> float:
+    """Median wall time of fn() in ms after a warm-up; on a GPU the queue is drained around
+    each call, so the time is the work's, not its launch's."""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    fn()  # warm-up (kernels, allocator)
     times = []
     for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def step_ms(policy, obs, repeats: int, device=None) -> dict[str, float]:
+    """Median ms of `act` and of one learner step (evaluate + backward) on `obs`."""
+    actions = policy.act(obs).actions
+
+    def train_step():
+        logprob, value, entropy = policy.evaluate(obs, actions)
+        (logprob.mean() + value.pow(2).mean() + entropy.mean()).backward()
+
+    return {"act_ms": median_ms(lambda: policy.act(obs), repeats, device),
+            "train_step_ms": median_ms(train_step, repeats, device)}
 
 
 def run(quick: bool = False, batch: int = 16, json_path=None) -> dict:
@@ -48,15 +67,7 @@ def run(quick: bool = False, batch: int = 16, json_path=None) -> dict:
             if size != "full" and not (quick and size == "small"):
                 torch.manual_seed(0)
                 policy = make_policy(family, *args, size=size, dtype="float32")
-                actions = policy.act(obs).actions
-
-                def train_step():
-                    logprob, value, entropy = policy.evaluate(obs, actions)
-                    (logprob.mean() + value.pow(2).mean() + entropy.mean()).backward()
-
-                repeats = 3 if quick else 7
-                row["act_ms"] = _median_ms(lambda: policy.act(obs), repeats)
-                row["train_step_ms"] = _median_ms(train_step, repeats)
+                row.update(step_ms(policy, obs, 3 if quick else 7))
             results["policies"][f"{family}/{size}"] = row
             print(f"{family:8} {size:6} {row['parameters']:>15,} "
                   f"{row.get('act_ms', float('nan')):>9.1f} "
@@ -67,4 +78,4 @@ def run(quick: bool = False, batch: int = 16, json_path=None) -> dict:
     return results
 
 
-__all__ = ["run"]
+__all__ = ["run", "median_ms", "step_ms"]

@@ -163,7 +163,7 @@ def bench_weights(world, nbytes, ranks_per_node, repeats):
     """(publish s, raw Bcast s) for `nbytes` of weights reaching every rank."""
     plan = build_plan(world.Get_size(), ranks_per_node, "colocated")
     comms = build_communicators(plan, world)
-    manifest = Manifest((("flat", "|u1", (nbytes,)),))
+    manifest = Manifest((("flat", "uint8", (nbytes,)),))
     plane = WeightPlane(comms.control, comms.node, world.Get_rank() in plan.node_leaders,
                         manifest)
     weights = np.random.default_rng(1).integers(0, 255, manifest.nbytes, dtype=np.uint8)

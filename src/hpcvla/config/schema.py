@@ -2,27 +2,20 @@
 
 A section is a dataclass; a setting is a field declared with `setting(...)`, whose `doc` says
 what the value means and what raising or lowering it costs (the style of Sample Factory's
-flags). `hpcvla config --doc` prints this file's documentation as a table.
+flags). `hpcvla config --doc` prints every setting's documentation as a table. The policy and
+algorithm sections live in config/learning.py.
 
 Fields are checked by `hpcvla.config.loader`: types from the annotations, `choices`, and the
-numeric bounds `ge`/`le`. Checks that involve several fields live in `Config.check`.
+numeric bounds `ge`/`le`. Checks that involve several fields live in `Config.check`
+(config/checks.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-
-def setting(default: Any, doc: str, *, choices: tuple | None = None,
-            ge: float | None = None, le: float | None = None) -> Any:
-    """A documented config field. Mutable defaults (dicts) are copied per instance."""
-    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
+from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
 
 ROLES = ("simulator", "inference", "learner")
 PLACEMENT_MODES = ("colocated", "disaggregated", "hybrid")
@@ -79,6 +72,12 @@ class PlacementConfig:
         0, "Disaggregated only: this many nodes at the end of the allocation hold only "
         "learners (every rank a learner), keeping gradient traffic off the rollout nodes. "
         "0 = learners live on the rollout nodes as per_node says.", ge=0)
+    gpus_per_node: int = setting(
+        -1, "GPUs the ranks of a node may use. -1 = detect (CUDA_VISIBLE_DEVICES, or every GPU "
+        "torch sees); 0 = CPU only; k = the first k visible (`hpcvla plan` previews a GPU "
+        "node with it). Inference and learner ranks get a GPU each, never two learners one "
+        "GPU; simulators one where their simulator renders or simulates on it (devices.py).",
+        ge=-1)
 
 
 PIPELINE_MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async",
@@ -123,6 +122,19 @@ class EnvConfig:
     task: str = setting(
         "PickCube-v1", "ManiSkill3 task id (env.name=maniskill); the tasks that need no "
         "asset download are listed in hpcvla/envs/maniskill.py (NO_DOWNLOAD_TASKS).")
+    sim_backend: str = setting(
+        "cpu", "env.name=maniskill: where the physics runs. `cpu`: one single-env ManiSkill "
+        "scene per env, stepped one after the other by the rank (PhysX on the CPU; cameras "
+        "render on the rank's GPU if it has one). `gpu`: each shard (env.envs_per_simulator / "
+        "env.shards envs) is ONE ManiSkill env whose envs PhysX steps together on the rank's "
+        "GPU and renders there in one batch: for large shards (ManiSkill steps hundreds of envs "
+        "per GPU at once); the same observations, rewards and episodes (but other initial "
+        "object poses per init state id than `cpu`). Needs CUDA and PhysX GPU on the "
+        "simulator nodes (SAPIEN's PhysX GPU library in ~/.sapien, downloaded on first use: "
+        "fetch it beforehand where nodes have no internet). A GPU simulation cannot drop one "
+        "failing env: a fault ends every episode of its shard (with env.isolation=process the "
+        "shard's worker restarts).",
+        choices=("cpu", "gpu"))
     suite: str = setting(
         "libero_spatial", "LIBERO suite (env.name=libero).",
         choices=("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90"))
@@ -156,6 +168,13 @@ class EnvConfig:
     state: bool = setting(
         True, "Include the low-dim state observation (learning is much faster with it; "
         "turn it off to learn from pixels and instruction alone).")
+    state_format: str = setting(
+        "quaternion", "libero only: the end-effector orientation in the state. `quaternion`: "
+        "9-d state (position 3, xyzw quaternion 4, gripper 2). `axis_angle`: 8-d state, the "
+        "quaternion as robosuite's axis-angle vector (3), as openpi's LIBERO example (pi0, "
+        "pi0.5) and OpenVLA-OFT feed it: use it with their checkpoints (policy.pretrained), "
+        "whose state normalization expects 8 values.",
+        choices=("quaternion", "axis_angle"))
     latency_median_ms: float = setting(
         0.0, "reach only: emulated simulator cost: a step lasts the slowest of per-env "
         "lognormal draws with this median, its real compute included (0 = off).", ge=0)
@@ -187,104 +206,6 @@ class EnvConfig:
     crash_at_step: int = setting(
         0, "`reach`, fault injection: the process running the envs is killed (SIGKILL, as "
         "a segfault or the OOM killer would) at step number N. 0 = never.", ge=0)
-
-
-@dataclass
-class PolicyConfig:
-    name: str = setting(
-        "default", "Policy family: `default` is a small CNN + instruction encoder with a "
-        "Gaussian action-chunk head and a value head. `flow`: π0-style VLA, a "
-        "SigLIP+Gemma prefix and a Gemma action expert that denoises the chunk (flow "
-        "matching; RL log-probs through a noisy last denoising step). `tokens`: "
-        "OpenVLA-OFT-style VLA, a SigLIP+Llama model decoding 256-bin action tokens in "
-        "one pass. Both built from transformers configs with random weights.",
-        choices=("default", "flow", "tokens"))
-    hidden: int = setting(
-        128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
-        "more per step.", ge=8)
-    size: str = setting(
-        "tiny", "`flow`/`tokens`: size preset. `tiny` (~0.2M parameters) trains on a CPU; "
-        "`small` (~5-10M) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
-        "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA), for GPUs with "
-        "learner.zero_stage 3.", choices=("tiny", "small", "full"))
-    denoise_steps: int = setting(
-        4, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
-        "at proportionally more expert passes per act and per training step.", ge=1)
-    train_expert_only: bool = setting(
-        False, "`flow`: freeze the vision-language prefix and train only the action "
-        "expert, value head and exploration std: cheaper backward, keeps pretrained VLM "
-        "features intact, adapts less.")
-    logprob_granularity: str = setting(
-        "chunk", "`flow`/`tokens`: unit of the PPO ratio and its clip: one per chunk, per "
-        "action or per token (action dim). Finer units clip each part separately (fewer "
-        "samples fully clipped) but ignore correlations inside the chunk.",
-        choices=("chunk", "action", "token"))
-    pretrained: str = setting(
-        "", "`flow`/`tokens`: a Hugging Face-style folder (model.safetensors with the "
-        "checkpoint names `policies/flow.py`/`tokens.py` map; e.g. written by "
-        "`hpcvla.policies.save_pretrained`) loaded into the configured policy on every rank "
-        "before training; every missing or misshaped tensor is named. Empty: random init.")
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = setting(
-        "ppo", "RL algorithm, both with the decoupled (staleness-aware) objective. `ppo`: "
-        "actor-critic, chunk-level GAE. `grpo`: critic-free, each episode's advantage is its "
-        "score against its group's (episodes from one initial state; envs restart in groups "
-        "every segment, so rollout.segment_len must equal env.max_episode_chunks).",
-        choices=("ppo", "grpo"))
-    group_size: int = setting(
-        8, "GRPO: episodes per group (consecutive envs of a shard, so it must divide the envs "
-        "per shard). Larger groups: better baselines, fewer distinct initial states.", ge=2)
-    group_score: str = setting(
-        "success", "GRPO: what an episode is scored by: `success` (0/1, the papers' sparse "
-        "reward) or `return` (summed reward).", choices=("success", "return"))
-    group_normalize_std: bool = setting(
-        True, "GRPO: divide advantages by the group's std (false: only centre them, as Dr. "
-        "GRPO argues, so easy and hard groups weigh alike).")
-    lr: float = setting(3e-4, "Adam learning rate of the policy: faster learning vs. "
-                        "stability.", ge=0)
-    critic_lr: float = setting(
-        3e-3, "Adam learning rate of the value function (the policy's `value_*` modules; 0 = "
-        "`lr`). A version gives the critic `learner.epochs` optimizer steps; reach's returns "
-        "take ~200 Adam steps to fit (held-out explained variance 0.89 after 200 at 3e-3, "
-        "0.04 after 64). Measured on the default reach run (60 versions, explained variance "
-        "of the recorded values, versions 30-45 / 45-60): `lr` for both, 4 epochs, value "
-        "clip: -0.02 / -0.01; 3e-3: 0.05 / 0.17; 3e-3 unclipped: 0.09 / 0.37; 3e-3 "
-        "unclipped with 8 epochs (the default now): 0.73 / 0.90; side by side over 4 seeds "
-        "(`hpcvla bench learning --arms critic`) 0.56-0.89 vs ~0, and `hpcvla eval` success "
-        "at 60 versions 0.94 vs 0.80. PPO only.", ge=0)
-    gamma: float = setting(
-        0.99, "Discount per action chunk: higher values look further ahead, with noisier "
-        "returns.", ge=0, le=1)
-    gae_lambda: float = setting(
-        0.95, "GAE lambda: 1 = Monte Carlo (unbiased, noisy), 0 = one-step TD (biased, "
-        "smooth).", ge=0, le=1)
-    clip: float = setting(
-        0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
-        "updates.", ge=0)
-    critic_epochs: int = setting(
-        0, "PPO: value-only passes over each batch after the `learner.epochs` PPO passes, "
-        "one optimizer step each with the policy's learning rate at 0: more critic steps "
-        "without moving the policy further, where PPO epochs are costly or unstable. Each "
-        "costs a forward/backward of the micro-batches. On reach (4 epochs, 3e-3, "
-        "unclipped) explained variance at versions 30-45 / 45-60: 4 passes 0.28 / 0.52, 12 "
-        "passes 0.48 / 0.71, at 2.6x the learner time of 8 PPO epochs (0.73 / 0.90).", ge=0)
-    value_clip: bool = setting(
-        False, "Clip the value update around the recorded value (within `clip`, in return "
-        "units), as CleanRL: steadier critic, slower to follow large return changes (off: "
-        "it held the critic back on reach, see `critic_lr`).")
-    value_coef: float = setting(
-        0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
-    entropy_coef: float = setting(
-        0.0, "Weight of the entropy bonus (the entropy of the whole action chunk, at every "
-        "`policy.logprob_granularity`): more exploration, slower convergence.", ge=0)
-    max_behaviour_weight: float = setting(
-        2.0, "Cap of the importance weight proximal/behaviour policy for stale samples "
-        "(higher corrects more, with more variance).", ge=1)
-    max_grad_norm: float = setting(
-        0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)
 
 
 @dataclass
@@ -388,46 +309,7 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def check(self) -> list[tuple[str, Any, str]]:
-        """Cross-field problems as (field, value, what would be valid); empty when fine."""
-        problems = []
-        per_node = self.placement.per_node
-        unknown = sorted(set(per_node) - set(ROLES))
-        if unknown:
-            problems.append(("placement.per_node", per_node,
-                             f"keys among {', '.join(ROLES)} (got {', '.join(unknown)})"))
-        for role, count in per_node.items():
-            if role in ROLES and count < 0:
-                problems.append((f"placement.per_node.{role}", count, "a count >= 0"))
-        if self.placement.learner_nodes and self.placement.mode != "disaggregated":
-            problems.append(("placement.learner_nodes", self.placement.learner_nodes,
-                             "0 unless placement.mode is disaggregated"))
-        if self.run.resume:
-            from hpcvla.checkpoint import CheckpointError, latest, read_state
-            path = latest(self.run.resume)
-            try:
-                version = read_state(path)["version"] if path else None
-            except CheckpointError as err:
-                problems.append(("run.resume", self.run.resume, f"a readable checkpoint: {err}"))
-                version = -1
-            if version is None:
-                problems.append(("run.resume", self.run.resume, "a run directory holding a "
-                                 "complete checkpoint (checkpoints/v*/state.json)"))
-            elif version >= self.pipeline.total_updates:
-                problems.append(("pipeline.total_updates", self.pipeline.total_updates,
-                                 f"more than the resumed checkpoint's version {version}"))
-        if self.policy.pretrained:
-            if self.policy.name == "default":
-                problems.append(("policy.pretrained", self.policy.pretrained,
-                                 "empty for policy.name=default (only flow/tokens load folders)"))
-            elif not (Path(self.policy.pretrained) / "model.safetensors").is_file():
-                problems.append(("policy.pretrained", self.policy.pretrained,
-                                 "a folder holding model.safetensors"))
-        if self.algorithm.name == "grpo" and \
-                self.rollout.segment_len != self.env.max_episode_chunks:
-            problems.append(("rollout.segment_len", self.rollout.segment_len,
-                             f"env.max_episode_chunks ({self.env.max_episode_chunks}) for "
-                             "algorithm.name=grpo: a segment holds one grouped episode per env"))
-        if self.env.envs_per_simulator % self.env.shards:
-            problems.append(("env.shards", self.env.shards,
-                             f"a divisor of env.envs_per_simulator ({self.env.envs_per_simulator})"))
-        return problems
+        """Cross-field problems as (field, value, what would be valid); empty when fine
+        (config/checks.py)."""
+        from hpcvla.config.checks import cross_field_problems
+        return cross_field_problems(self)

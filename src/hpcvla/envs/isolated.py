@@ -76,6 +76,8 @@ class IsolatedEnv(VectorEnv):
         parent, child = socket.socketpair()
         env = {k: v for k, v in os.environ.items()  # not an MPI process: no PMI handshake
                if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_"))}
+        if "HPCVLA_GPU" in env:  # the rank's GPU (devices.py) is the worker's only one
+            env["CUDA_VISIBLE_DEVICES"] = env["HPCVLA_GPU"]
         self._proc = subprocess.Popen([sys.executable, "-m", "hpcvla.envs.isolated",
                                        str(child.fileno()), str(os.getpid())],
                                       pass_fds=[child.fileno()], env=env)

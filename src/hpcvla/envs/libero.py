@@ -12,8 +12,13 @@ Observation fields (per env):
     image        (S, S, 3)  |u1  `agentview`, S = image_size, rotated by 180 degrees as
                                  OpenVLA/openpi feed LIBERO images to their models
     wrist_image  (S, S, 3)  |u1  only if wrist_image: `robot0_eye_in_hand`, likewise
-    state        (9,)       <f4  only if state: end-effector position (3), quaternion (4),
-                                 gripper finger positions (2)
+    state        (9,)       <f4  only if state, state_format=quaternion (the default):
+                                 end-effector position (3), quaternion (4, xyzw as robosuite
+                                 gives it), gripper finger positions (2)
+                 (8,)       <f4  only if state, state_format=axis_angle: the same with the
+                                 quaternion as an axis-angle vector (3, robosuite's
+                                 quat2axisangle), as openpi's LIBERO example (pi0, pi0.5) and
+                                 OpenVLA-OFT feed their models
     instruction  (L,)       <i4  token ids of the task's language instruction; the vocabulary
                                  is every word of the suite's instructions
 
@@ -43,6 +48,7 @@ from hpcvla.envs.serial import SerialVectorEnv, require, vocab_of, words
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 CAMERAS = ("agentview", "robot0_eye_in_hand")
 STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
+STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
 ACTION_DIM = 7
 
 # MuJoCo picks its OpenGL backend when first imported (ManiSkill's dependencies import it
@@ -86,8 +92,9 @@ class _Slot:
     """One LIBERO env; reloads when an init_state_id names another task."""
 
     def __init__(self, suite: Suite, task: int, image_size: int, wrist_image: bool,
-                 fixed_task: bool):
+                 fixed_task: bool, state_format: str = "quaternion"):
         self.suite, self.size, self.fixed_task = suite, image_size, fixed_task
+        self.state_format = state_format
         self.cameras = CAMERAS if wrist_image else CAMERAS[:1]
         self.env = self.renderer_key = None
         self._load(task)
@@ -136,8 +143,7 @@ class _Slot:
             # the renderer's image is upright; LIBERO's observations are upside down and VLA
             # models are fed them rotated by 180 degrees, i.e. this one mirrored left-right
             images.append(self.renderer.render()[:, ::-1])
-        obs = {"image": images[0],
-               "state": np.concatenate([self.obs[k] for k in STATE_KEYS]).astype(np.float32)}
+        obs = {"image": images[0], "state": state_of(self.obs, self.state_format)}
         if len(images) > 1:
             obs["wrist_image"] = images[1]
         return obs
@@ -149,6 +155,17 @@ class _Slot:
         env, self.env = self.env, None
         if env is not None:
             env.close()
+
+
+def state_of(obs: dict, state_format: str = "quaternion") -> np.ndarray:
+    """The `state` observation of a LIBERO observation dict: eef position, eef orientation
+    (robosuite's xyzw quaternion, or with axis_angle robosuite's quat2axisangle of it, as
+    openpi's LIBERO example and OpenVLA-OFT compute it), gripper finger positions."""
+    pos, quat, gripper = (np.asarray(obs[k], dtype=np.float64) for k in STATE_KEYS)
+    if state_format == "axis_angle":
+        from robosuite.utils.transform_utils import quat2axisangle
+        quat = quat2axisangle(quat.copy())  # it clips the quaternion's w in place
+    return np.concatenate([pos, quat, gripper]).astype(np.float32)
 
 
 def _acquire_renderer(key, model):
@@ -178,15 +195,17 @@ class LiberoEnv(SerialVectorEnv):
     def __init__(self, num_envs: int, seed: int = 0, suite: str = "libero_spatial",
                  task: int = -1, image_size: int = 64, wrist_image: bool = False,
                  state: bool = True, reward: str = "sparse", chunk_len: int = 10,
-                 max_episode_chunks: int = 48, first_env: int = 0):
+                 max_episode_chunks: int = 48, first_env: int = 0,
+                 state_format: str = "quaternion"):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
-                            max_episode_chunks, tasks)
+                            max_episode_chunks, tasks, state_format=state_format)
         self.suite, self.task = tasks, task
 
         def make_slot(i):
             slot_task = task if task >= 0 else (first_env + i) % tasks.n_tasks
-            return _Slot(tasks, slot_task, image_size, wrist_image, fixed_task=task >= 0)
+            return _Slot(tasks, slot_task, image_size, wrist_image, fixed_task=task >= 0,
+                         state_format=state_format)
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
                          first_env, name=f"libero {suite}")
@@ -205,10 +224,13 @@ class LiberoEnv(SerialVectorEnv):
     def spec_of(suite: str = "libero_spatial", task: int = -1, image_size: int = 64,
                 wrist_image: bool = False, state: bool = True, reward: str = "sparse",
                 chunk_len: int = 10, max_episode_chunks: int = 48, tasks: Suite | None = None,
-                **_) -> EnvSpec:
+                state_format: str = "quaternion", **_) -> EnvSpec:
         """The EnvSpec of these settings, without building a simulator."""
         if reward != "sparse":
             raise ValueError("LIBERO has only a sparse reward (env.reward=sparse)")
+        if state_format not in STATE_DIMS:
+            raise ValueError(f"unknown LIBERO state_format {state_format!r}; valid: "
+                             f"{', '.join(STATE_DIMS)}")
         tasks = tasks or Suite(suite)
         if not -1 <= task < tasks.n_tasks:
             raise ValueError(f"{suite} has tasks 0..{tasks.n_tasks - 1} (or -1 for all), "
@@ -218,7 +240,7 @@ class LiberoEnv(SerialVectorEnv):
         obs = {"image": img, **({"wrist_image": img} if wrist_image else {}),
                "instruction": ((length,), "<i4")}
         if state:
-            obs["state"] = ((9,), "<f4")
+            obs["state"] = ((STATE_DIMS[state_format],), "<f4")
         return EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
                        max_episode_chunks=max_episode_chunks,
                        vocab=vocab_of(tasks.instructions))

@@ -4,6 +4,8 @@ One ManiSkill env per slot (the CPU backend refuses num_envs > 1), stepped in th
 `SerialVectorEnv`. Each primitive step runs the task in `obs_mode="state"` (~3 ms); the cameras
 are rendered once per action chunk, after its last step (one 64 px camera ~30 ms on lavapipe,
 base + wrist ~100 ms), with exactly the pixels the task's `rgb` mode would give.
+`env.sim_backend=gpu` runs a whole shard as one GPU-batched ManiSkill env instead, with the
+same fields, actions and episodes (maniskill_gpu.py).
 
 Observation fields (per env):
     image        (S, S, 3)  |u1  the task's third-person camera (`base_camera`), S = image_size
@@ -90,32 +92,73 @@ def _download_error(task: str, detail: str) -> RuntimeError:
         f"(needs internet), or pick a task that needs none: {', '.join(NO_DOWNLOAD_TASKS)}")
 
 
+def make_task_env(task: str, num_envs: int, sim_backend: str, render_backend: str,
+                  image_size: int, wrist_image: bool, reward: str, horizon: int):
+    """`gym.make` of a task with `num_envs` parallel envs (1 on CPU physics) in `obs_mode="state"`
+    (cameras are rendered by `render_cameras`); fails with the download command, never prompts."""
+    import gymnasium as gym
+    missing = missing_assets(task)
+    if missing:
+        raise _download_error(task, ", ".join(missing))
+    kwargs = dict(obs_mode="state", control_mode=CONTROL_MODE, num_envs=num_envs,
+                  sim_backend=sim_backend, render_backend=render_backend,
+                  reward_mode="sparse" if reward == "sparse" else "normalized_dense",
+                  sensor_configs=dict(width=image_size, height=image_size),
+                  max_episode_steps=horizon + 1)  # we truncate; ManiSkill never does first
+    if wrist_image:
+        kwargs["robot_uids"] = "panda_wristcam"
+    try:  # an empty stdin: ManiSkill's download prompt fails instead of waiting for "y"
+        with contextlib.redirect_stdout(sys.stderr), _no_stdin():
+            return gym.make(task, **kwargs)
+    except (EOFError, FileNotFoundError) as err:
+        raise _download_error(task, f"{type(err).__name__}: {err}") from err
+
+
+def render_cameras(u) -> list:
+    """Every camera of the (unwrapped) env rendered once, as the `rgb` obs mode would: one
+    (num_envs, S, S, 3) uint8 tensor per camera, task cameras first, then the robot's."""
+    for obj in u._hidden_objects:  # e.g. goal markers, hidden from cameras as in `rgb` mode
+        obj.hide_visual()
+    u.scene.update_render(update_sensors=True, update_human_render_cameras=False)
+    cameras = list(u.scene.sensors.values())
+    for camera in cameras:
+        camera.capture()
+    return [camera.get_obs(rgb=True, depth=False, position=False, segmentation=False)["rgb"]
+            for camera in cameras]
+
+
+def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
+              chunk_len: int, max_episode_chunks: int) -> EnvSpec:
+    """The EnvSpec of a made task env (either backend); ValueError if we cannot run the task."""
+    u = env.unwrapped
+    if wrist_image and len(u.scene.sensors) < 2:
+        raise ValueError(f"ManiSkill task {task} has no wrist camera")
+    shape = getattr(env.action_space, "shape", None)
+    if not shape or "success" not in u.evaluate():
+        raise ValueError(f"ManiSkill task {task} is not a single-robot task with a "
+                         f"success flag; tasks that work: {', '.join(NO_DOWNLOAD_TASKS)}")
+    img = ((image_size, image_size, 3), "|u1")
+    instruction = describe(task)
+    obs = {"image": img, **({"wrist_image": img} if wrist_image else {}),
+           "instruction": ((len(words(instruction)),), "<i4")}
+    if state:
+        obs["state"] = ((int(u.get_obs().shape[-1]),), "<f4")
+    return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
+                   max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]))
+
+
 class _Slot:
     """One ManiSkill env (num_envs=1, CPU physics)."""
 
     def __init__(self, task: str, image_size: int, wrist_image: bool, reward: str,
                  horizon: int):
-        import gymnasium as gym
         import torch
-        missing = missing_assets(task)
-        if missing:
-            raise _download_error(task, ", ".join(missing))
-        gpu = torch.cuda.is_available()
-        kwargs = dict(obs_mode="state", control_mode=CONTROL_MODE, num_envs=1,
-                      sim_backend="cpu", render_backend="gpu" if gpu else "cpu",
-                      reward_mode="sparse" if reward == "sparse" else "normalized_dense",
-                      sensor_configs=dict(width=image_size, height=image_size),
-                      max_episode_steps=horizon + 1)  # we truncate; ManiSkill never does first
-        if wrist_image:
-            kwargs["robot_uids"] = "panda_wristcam"
-        try:  # an empty stdin: ManiSkill's download prompt fails instead of waiting for "y"
-            with contextlib.redirect_stdout(sys.stderr), _no_stdin():
-                self.env = gym.make(task, **kwargs)
-        except (EOFError, FileNotFoundError) as err:
-            raise _download_error(task, f"{type(err).__name__}: {err}") from err
+        # render on the rank's GPU (devices.py bound it), not SAPIEN's default one
+        render = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        self.env = make_task_env(task, 1, "cpu", render, image_size, wrist_image, reward,
+                                 horizon)
         self.u = self.env.unwrapped
         self.instruction = describe(task)
-        self.camera_names = list(self.u.scene.sensors)  # task cameras first, then the robot's
 
     def reset(self, rng, init_state_id):
         seed = int(rng.integers(2**31 - 1)) if init_state_id is None else int(init_state_id)
@@ -126,17 +169,8 @@ class _Slot:
         return float(reward[0]), bool(info["success"][0])
 
     def observe(self) -> dict:
-        """Render every camera once (what the `rgb` obs mode would return) plus the state."""
-        u = self.u
-        for obj in u._hidden_objects:  # e.g. goal markers, hidden from cameras as in `rgb` mode
-            obj.hide_visual()
-        u.scene.update_render(update_sensors=True, update_human_render_cameras=False)
-        images = []
-        for name in self.camera_names:
-            camera = u.scene.sensors[name]
-            camera.capture()
-            images.append(camera.get_obs(rgb=True, depth=False, position=False,
-                                         segmentation=False)["rgb"][0].cpu().numpy())
+        """Every camera rendered once (what the `rgb` obs mode would return) plus the state."""
+        images = [image[0].cpu().numpy() for image in render_cameras(self.u)]
         obs = {"image": images[0], "state": self.state[0].cpu().numpy()}
         if len(images) > 1:
             obs["wrist_image"] = images[-1]
@@ -169,26 +203,15 @@ class ManiSkillEnv(SerialVectorEnv):
         def make_slot(_i):
             return _Slot(task, image_size, wrist_image, reward, horizon)
 
-        first = make_slot(0)  # the state size depends on the task
+        first = make_slot(0)
         try:
             first.reset(np.random.default_rng(0), None)
-            if wrist_image and len(first.camera_names) < 2:
-                raise ValueError(f"ManiSkill task {task} has no wrist camera")
-            shape = getattr(first.env.action_space, "shape", None)
-            if not shape or "success" not in first.u.evaluate():
-                raise ValueError(f"ManiSkill task {task} is not a single-robot task with a "
-                                 f"success flag; tasks that work: {', '.join(NO_DOWNLOAD_TASKS)}")
+            spec = task_spec(first.env, task, image_size, wrist_image, state, chunk_len,
+                             max_episode_chunks)
         except BaseException:
             first.close()
             raise
-        img = ((image_size, image_size, 3), "|u1")
         instruction = describe(task)
-        obs = {"image": img, **({"wrist_image": img} if wrist_image else {}),
-               "instruction": ((len(words(instruction)),), "<i4")}
-        if state:
-            obs["state"] = ((int(first.state.shape[-1]),), "<f4")
-        spec = EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
-                       max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]))
         self.task = task
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
                          name=f"maniskill {task}", first_slot=first)

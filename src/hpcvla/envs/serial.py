@@ -41,7 +41,7 @@ _STREAM = 0x51_0E  # mixed into per-env seeds so they differ from other envs' st
 
 def words(text: str) -> list[str]:
     """Lower-case words of an instruction, punctuation dropped."""
-    return re.findall(r"[a-z0-9]+", text.lower())
+    return re.findall(r"[a-z0-9_]+", text.lower())
 
 
 def vocab_of(texts) -> tuple[str, ...]:
@@ -56,6 +56,11 @@ def tokenize(text: str, vocab: tuple[str, ...], length: int) -> np.ndarray:
     return np.array(ids + [0] * (length - len(ids)), dtype=np.int32)
 
 
+def detokenize(ids, vocab: tuple[str, ...]) -> str:
+    """The words of `tokenize`'s ids (padding dropped), joined by spaces."""
+    return " ".join(vocab[i] for i in ids if i)
+
+
 def require(module: str, package: str, env_name: str):
     """Import `module`, or fail saying which package is missing and how to install it."""
     import importlib
@@ -66,6 +71,16 @@ def require(module: str, package: str, env_name: str):
             f"env.name={env_name} needs the Python package `{package}` (import {module!r} "
             f"failed: {err}). Install the simulators with `make install` (see README.md), "
             f"or `pip install -r requirements.txt` in {sys.prefix}.") from err
+
+
+def chunk_actions(actions, num_envs: int, spec) -> np.ndarray:
+    """A step's (num_envs, chunk_len, action_dim) actions, checked, as float32 clipped to
+    [-1, 1] (NaN as 0): what every simulator's controller takes."""
+    shape = (num_envs, spec.chunk_len, spec.action_dim)
+    actions = np.asarray(actions, dtype=np.float32)
+    if actions.shape != shape:
+        raise ValueError(f"step: actions must have shape {shape}, got {actions.shape}")
+    return np.clip(np.nan_to_num(actions), -1.0, 1.0)
 
 
 class SerialVectorEnv(VectorEnv):
@@ -161,12 +176,8 @@ class SerialVectorEnv(VectorEnv):
         return [slot.instruction for slot in self._slots]
 
     def step(self, actions: np.ndarray) -> StepResult:
-        n, chunk, dim = self.num_envs, self.spec.chunk_len, self.spec.action_dim
-        actions = np.asarray(actions, dtype=np.float32)
-        if actions.shape != (n, chunk, dim):
-            raise ValueError(f"step: actions must have shape ({n}, {chunk}, {dim}), "
-                             f"got {actions.shape}")
-        actions = np.clip(np.nan_to_num(actions), -1.0, 1.0)
+        n, chunk = self.num_envs, self.spec.chunk_len
+        actions = chunk_actions(actions, n, self.spec)
         reward = np.zeros(n, dtype=np.float32)
         success = np.zeros(n, dtype=bool)
         failed = np.zeros(n, dtype=bool)

@@ -7,7 +7,7 @@ from hpcvla.policies.base import ActOutput, Policy
 from hpcvla.policies.default import DefaultPolicy, count_parameters
 from hpcvla.policies.flow import FlowPolicy
 from hpcvla.policies.tokens import ActionTokenPolicy
-from hpcvla.policies.vla import load_pretrained, save_pretrained
+from hpcvla.policies.folders import load_pretrained, save_pretrained
 
 # name -> class; every class takes (obs_spec, action_dim, chunk_len, vocab_size, **kwargs).
 POLICIES: dict[str, type[Policy]] = {

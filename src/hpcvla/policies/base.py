@@ -53,13 +53,27 @@ class Policy(nn.Module, abc.ABC):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Score given action chunks: (logprob (B,), value (B,), entropy (B,)), differentiable."""
 
+    def extra_fields(self) -> dict[str, tuple[tuple, str]]:
+        """Fields `sample` returns besides the action, name -> (shape per env, dtype), which
+        `evaluate` reads back as observation fields: rollouts record them with every step
+        (e.g. the flow family's denoising chain in chain mode). None by default."""
+        return {}
+
+    def sample(self, obs, deterministic: bool = False) -> tuple[ActOutput, dict]:
+        """`act` plus the `extra_fields` (tensors, batch first)."""
+        return self.act(obs, deterministic), {}
+
     def load_arrays(self, arrays: dict) -> None:
-        """Copy named numpy arrays (a published weight version) into the parameters and
-        buffers, in place."""
+        """Copy named tensors (a published weight version, a checkpoint; numpy arrays too)
+        into the parameters and buffers, in place: onto their device, in their dtype."""
         with torch.no_grad():
             state = self.state_dict()
             for name, value in arrays.items():
-                state[name].copy_(torch.from_numpy(value))
+                state[name].copy_(torch.as_tensor(value), non_blocking=True)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
 
     def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
         """`evaluate`: training calls the DeepSpeed engine (`engine(obs, actions)`), whose

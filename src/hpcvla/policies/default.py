@@ -42,7 +42,7 @@ class DefaultPolicy(Policy):
         init_log_std: initial value of the (state-independent) log standard deviation.
     """
 
-    config_fields = ("hidden",)  # PolicyConfig fields the pipeline passes
+    config_fields = ("hidden", "init_log_std")  # PolicyConfig fields the pipeline passes
 
     def __init__(
         self,

@@ -26,15 +26,35 @@ ReinFlow, Flow-GRPO and πRL's flow-noise/flow-SDE do), sigma = exp(log_std) lea
   Gaussian step log-probs (x_0's prior term does not depend on the weights and is left
   out), which needs the whole chain: `sample(obs)` returns it as extras["flow_chain"]
   (B, K, H, D) = x_0..x_{K-1} (x_K is the returned chunk), and `evaluate` reads it from
-  obs["flow_chain"]. A pipeline that records the extras as observation fields gets chain
-  log-probs without any other change; the current pipeline records only actions, so it
-  runs "last_step". In this mode evaluate scores all K steps in one expert pass (the
-  states are given).
+  obs["flow_chain"]. The pipeline records the extras with every step (segments, ring,
+  dumps), so chain mode trains end to end. In this mode evaluate scores all K steps in one
+  expert pass (the states are given).
+
+Published π0/π0.5 folders (policies/folders.py, `policy.pretrained`): the variant, padded
+dims, horizon and every size (`paligemma_size`) come from the checkpoint; its prompt and
+normalization are policies/processor.py's, so `act` then returns the env's units and
+`evaluate` maps recorded actions back to the model's space before scoring.
 
 In both modes `act` returns `actions` = x_K, the executed chunk (unclipped: the env clips),
 logprob = sum over (h, d) of the per-token terms, and `deterministic=True` gives x_0 = 0
 with no noise (the same chunk in both modes). Entropy: of the noisy step(s)' Gaussians,
 per token (the chain's is the sum of its steps' conditional entropies).
+
+π0.5 (`variant="pi05"`): the expert is conditioned on the flow time through adaptive RMS norms
+(policies/adarms.py) fed by `time_mlp_out(silu(time_mlp_in(sinusoidal(t))))` (then silu),
+and its tokens are the H actions alone (`action_in_proj(x_t)`, no state token, no
+`action_time_mlp_*`): π0.5 reads the state as discrete tokens in its prompt. Its value head
+reads the prefix alone.
+
+Model dimensions (`model_dims`, read from a checkpoint by policies/folders.py): a published
+π0 predicts a horizon of H_m actions (50) of D_m padded dims (32) and reads a state padded
+to 32; the env executes the first chunk_len actions' first action_dim dims (RLinf: 5 of 50).
+The state is zero-padded in; the denoising runs on the whole (H_m, D_m) chunk; in last_step
+mode only the executed part's last step is noisy and scored: the step is Gaussian per entry,
+so the executed part's log-prob is exactly its marginal, and the unexecuted tail and padded
+dims are the deterministic mean, never executed, sampled or scored (they still move with the
+shared weights RL trains). Chain mode scores every entry of every step, so it needs model
+dims equal to the env's.
 
 Value: an MLP on the mean of the prefix's last hidden states, concatenated with the expert's
 output at the state token (which depends on neither t nor x). `train_expert_only` freezes
@@ -53,11 +73,13 @@ import math
 import torch
 from torch import nn
 
+from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
 MIN_LOG_STD, MAX_LOG_STD = -5.0, 2.0
 LOGPROB_MODES = ("last_step", "chain")
+VARIANTS = ("pi0", "pi05")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 _PI0 = "model.paligemma_with_expert."
@@ -77,7 +99,8 @@ class FlowPolicy(VLAPolicy):
     """
 
     family = "flow"
-    config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity")
+    config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity",
+                     "dtype", "logprob_mode", "init_log_std", "variant")
     HF_KEY_MAP = (  # transformers 5 dropped SiglipVisionModel's `vision_model.` level; files keep it
         ("prefix.vision_tower.", _PI0 + "paligemma.model.vision_tower.vision_model."),
         ("prefix.", _PI0 + "paligemma.model."),
@@ -86,22 +109,35 @@ class FlowPolicy(VLAPolicy):
         ("log_std", "rl.log_std"),
         ("", "model."),  # state_proj, action_in_proj, action_time_mlp_*, action_out_proj
     )
+    HF_LAYOUT = {  # published π0 folders (policies/folders.py)
+        "root": "model.",  # openpi's converted PyTorch files leave it out
+        "tied": ((_PI0 + "paligemma.model.language_model.embed_tokens.weight",
+                  _PI0 + "paligemma.lm_head.weight"),),  # hub files keep only lm_head
+        "unused": (_PI0 + "gemma_expert.lm_head.weight",),  # the expert outputs no tokens
+    }
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = 4, logprob_mode: str = "last_step",
                  train_expert_only: bool = False, logprob_granularity: str = "chunk",
-                 init_log_std: float = -0.7, dtype: str = "auto"):
+                 init_log_std: float = -0.7, dtype: str = "auto", model_dims: dict | None = None,
+                 variant: str = "pi0"):
         super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"flow variant {variant!r}: expected one of {VARIANTS}")
         if logprob_mode not in LOGPROB_MODES:
             raise ValueError(f"logprob_mode {logprob_mode!r}: expected one of {LOGPROB_MODES}")
         if denoise_steps < 1:
             raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
         parts = resolve_size("flow", size, obs_spec, vocab_size)
+        dims = self._model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode)
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                     dict(size=parts, denoise_steps=denoise_steps, logprob_mode=logprob_mode,
                          train_expert_only=train_expert_only,
                          logprob_granularity=logprob_granularity, init_log_std=init_log_std,
-                         dtype=dtype))
+                         dtype=dtype, model_dims=dims, variant=variant))
+        self.variant = variant
+        self.model_horizon, self.model_action_dim = dims["horizon"], dims["action_dim"]
+        self.model_state_dim = dims["state_dim"]
         self.denoise_steps, self.logprob_mode = int(denoise_steps), logprob_mode
         self.train_expert_only = bool(train_expert_only)
 
@@ -119,13 +155,19 @@ class FlowPolicy(VLAPolicy):
         self.gemma_expert = GemmaModel(self.expert_config)
         self.gemma_expert.embed_tokens = None  # the expert reads embeddings, never token ids
         width = self.expert_config.hidden_size
-        if self.has_state:
-            self.state_proj = nn.Linear(obs_spec["state"][0][0], width)
-        self.action_in_proj = nn.Linear(self.action_dim, width)
-        self.action_time_mlp_in = nn.Linear(2 * width, width)
-        self.action_time_mlp_out = nn.Linear(width, width)
-        self.action_out_proj = nn.Linear(width, self.action_dim)
-        value_in = text.hidden_size + (width if self.has_state else 0)
+        self.action_in_proj = nn.Linear(self.model_action_dim, width)
+        if variant == "pi05":  # the time conditions every expert norm (adaRMS)
+            self.time_mlp_in = nn.Linear(width, width)
+            self.time_mlp_out = nn.Linear(width, width)
+            self.condition = make_adaptive(self.gemma_expert)
+        else:  # π0: the time joins each action token, the state is a token of its own
+            if self.has_state:
+                self.state_proj = nn.Linear(self.model_state_dim, width)
+            self.action_time_mlp_in = nn.Linear(2 * width, width)
+            self.action_time_mlp_out = nn.Linear(width, width)
+        self.action_out_proj = nn.Linear(width, self.model_action_dim)
+        self.state_token = variant == "pi0" and self.has_state
+        value_in = text.hidden_size + (width if self.state_token else 0)
         self.value_head = value_mlp(value_in, min(256, value_in))
         self.log_std = nn.Parameter(torch.full((self.chunk_len, self.action_dim),
                                                float(init_log_std)))
@@ -133,7 +175,51 @@ class FlowPolicy(VLAPolicy):
             self.prefix.requires_grad_(False)
         self.to(self.compute_dtype)
 
+    @staticmethod
+    def _model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode) -> dict:
+        """The model's horizon, action and state dims (module docstring): the env's unless
+        `model_dims` pads them."""
+        env = {"horizon": chunk_len, "action_dim": action_dim,
+               "state_dim": obs_spec["state"][0][0] if "state" in obs_spec else 0}
+        dims = {k: int((model_dims or {}).get(k) or v) for k, v in env.items()}
+        for key, value in env.items():
+            if dims[key] < value:
+                raise ValueError(f"flow model_dims: {key} {dims[key]} is smaller than the "
+                                 f"env's {value}; the model must cover what the env uses")
+        if logprob_mode == "chain" and dims != env:
+            raise ValueError(f"flow logprob_mode='chain' scores every entry of the model's "
+                             f"chunk, which must then be the env's: model {dims}, env {env}")
+        return dims
+
+    def extra_fields(self) -> dict[str, tuple[tuple, str]]:
+        """Chain mode: the denoising chain x_0 .. x_{K-1} that `evaluate` scores."""
+        if self.logprob_mode != "chain":
+            return {}
+        return {"flow_chain": ((self.denoise_steps, self.model_horizon, self.model_action_dim),
+                               "<f4")}
+
+    @classmethod
+    def checkpoint_kwargs(cls, shapes: dict, config: dict) -> dict:
+        """What a checkpoint fixes (HF names -> shapes, and its config.json): the variant
+        (π0.5 has `time_mlp_*`), padded dims from its projections, the horizon from its
+        config (ours, LeRobot's `chunk_size` or openpi's `action_horizon`; else the env's)."""
+        dims = {"action_dim": shapes["model.action_in_proj.weight"][1]}
+        if "model.state_proj.weight" in shapes:
+            dims["state_dim"] = shapes["model.state_proj.weight"][1]
+        horizon = config.get("kwargs", {}).get("model_dims", {}).get("horizon") or \
+            config.get("chunk_size") or config.get("action_horizon")  # LeRobot, openpi
+        size = config.get("kwargs", {}).get("size")  # ours: the resolved configs
+        return {"model_dims": dict(dims, horizon=horizon) if horizon else dims,
+                "variant": "pi05" if "model.time_mlp_in.weight" in shapes else "pi0",
+                "size": size if isinstance(size, dict) else paligemma_size(shapes)}
+
     # --------------------------------------------------------------------- network pieces
+    def _padded_state(self, obs):
+        state = obs.get("state")
+        if state is None or state.shape[-1] == self.model_state_dim:
+            return state
+        return torch.nn.functional.pad(state.float(), (0, self.model_state_dim - state.shape[-1]))
+
     def _encode(self, obs):
         """Prefix keys/values (PrefixCache), its padding mask and its pooled output."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and not self.train_expert_only):
@@ -148,11 +234,16 @@ class FlowPolicy(VLAPolicy):
         at the state token (B, W) (None without state)."""
         B, H, _ = x.shape
         dtype = self.action_in_proj.weight.dtype
-        time = sinusoidal(t, self.expert_config.hidden_size)[:, None].expand(B, H, -1)
-        tokens = self.action_time_mlp_out(torch.nn.functional.silu(self.action_time_mlp_in(
-            torch.cat([self.action_in_proj(x.to(dtype)), time.to(dtype)], dim=-1))))
+        silu = torch.nn.functional.silu
+        time = sinusoidal(t, self.expert_config.hidden_size).to(dtype)
+        if self.variant == "pi05":
+            tokens = self.action_in_proj(x.to(dtype))
+            self.condition.value = silu(self.time_mlp_out(silu(self.time_mlp_in(time))))
+        else:
+            tokens = self.action_time_mlp_out(silu(self.action_time_mlp_in(torch.cat(
+                [self.action_in_proj(x.to(dtype)), time[:, None].expand(B, H, -1)], dim=-1))))
         blocks = [2] * H
-        if state is not None:
+        if self.state_token:
             tokens = torch.cat([self.state_proj(state.to(dtype))[:, None], tokens], dim=1)
             blocks = [1] + blocks
         S = tokens.shape[1]
@@ -166,7 +257,7 @@ class FlowPolicy(VLAPolicy):
                                                           tokens.dtype),
                                 past_key_values=cache, use_cache=False).last_hidden_state
         velocity = self.action_out_proj(out[:, S - H:]).float()
-        return velocity, (out[:, 0] if state is not None else None)
+        return velocity, (out[:, 0] if self.state_token else None)
 
     def _value(self, pooled, state_out):
         features = pooled if state_out is None else torch.cat([pooled, state_out], dim=-1)
@@ -182,21 +273,23 @@ class FlowPolicy(VLAPolicy):
     # --------------------------------------------------------------------- act / evaluate
     def _sample(self, obs, deterministic):
         cache, pad, pooled = self._encode(obs)
-        state = obs.get("state")
-        B, K = pad.shape[0], self.denoise_steps
+        state = self._padded_state(obs)
+        B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
         log_std = self._sigma()
         if self.logprob_mode == "chain":
             log_std = log_std - 0.5 * math.log(K)
-        x = torch.zeros(B, self.chunk_len, self.action_dim, device=pad.device)
+        x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
         if self.logprob_mode == "chain" and not deterministic:
             x = torch.randn_like(x)
-        chain, terms, state_out = [], torch.zeros_like(x), None
+        chain, terms, state_out = [], torch.zeros(B, H, D, device=pad.device), None
         for k, t in enumerate(self._times(B, pad.device)):
             velocity, out = self._velocity(cache, pad, state, x, t)
             if k == 0:  # the value head reads the state features of the first step
                 state_out = out
             chain.append(x)
             mean = x - velocity / K
+            if k == K - 1:  # what the env executes (the whole chunk unless padded)
+                mean = mean[:, :H, :D]
             noisy = self.logprob_mode == "chain" or k == K - 1
             x = mean + log_std.exp() * torch.randn_like(mean) \
                 if noisy and not deterministic else mean
@@ -207,18 +300,18 @@ class FlowPolicy(VLAPolicy):
 
     def _score(self, obs, actions):
         cache, pad, pooled = self._encode(obs)
-        state = obs.get("state")
-        B, K = pad.shape[0], self.denoise_steps
+        state = self._padded_state(obs)
+        B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
         actions = actions.float()
         log_std = self._sigma()
         if self.logprob_mode == "last_step":
-            x = torch.zeros_like(actions)
+            x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
             for k, t in enumerate(self._times(B, pad.device)):
                 velocity, out = self._velocity(cache, pad, state, x, t)
                 if k == 0:  # the value head reads the state features of the first step
                     state_out = out
                 x = x - velocity / K
-            terms = _gaussian(actions, x, log_std)
+            terms = _gaussian(actions, x[:, :H, :D], log_std)
         else:
             if "flow_chain" not in obs:
                 raise KeyError("logprob_mode='chain' scores the denoising chain: pass "
@@ -241,9 +334,41 @@ class FlowPolicy(VLAPolicy):
         return terms, entropy, self._value(pooled, state_out)
 
 
+def paligemma_size(shapes: dict) -> dict[str, dict]:
+    """The transformers configs of a published π0/π0.5 from its tensors' shapes (HF names):
+    widths, depths, MLP widths, vocabulary, patch and image size. Head counts are not in the
+    shapes: Gemma's 8 query heads (π0's, at every size; LeRobot hard-codes them) and SigLIP
+    So400m's head width 72 give them."""
+    def layers(prefix):
+        return len({k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)})
+
+    def gemma(prefix):
+        q_rows, width = shapes[prefix + "layers.0.self_attn.q_proj.weight"]
+        head_dim = q_rows // 8
+        return dict(hidden_size=width, num_hidden_layers=layers(prefix + "layers."),
+                    intermediate_size=shapes[prefix + "layers.0.mlp.gate_proj.weight"][0],
+                    num_attention_heads=8, head_dim=head_dim, num_key_value_heads=shapes[
+                        prefix + "layers.0.self_attn.k_proj.weight"][0] // head_dim)
+
+    vision = _PI0 + "paligemma.model.vision_tower.vision_model."
+    width, _, patch, _ = shapes[vision + "embeddings.patch_embedding.weight"]
+    if width % 72:
+        raise ValueError(f"the checkpoint's SigLIP tower is {width} wide, not a multiple of "
+                         "So400m's head width 72: its head count is unknown")
+    positions = shapes[vision + "embeddings.position_embedding.weight"][0]
+    text = gemma(_PI0 + "paligemma.model.language_model.")
+    text["vocab_size"] = shapes.get(_PI0 + "paligemma.lm_head.weight", shapes.get(
+        _PI0 + "paligemma.model.language_model.embed_tokens.weight"))[0]
+    return {"vision": dict(hidden_size=width, num_attention_heads=width // 72, patch_size=patch,
+                           num_hidden_layers=layers(vision + "encoder.layers."),
+                           intermediate_size=shapes[vision + "encoder.layers.0.mlp.fc1.weight"][0],
+                           image_size=patch * math.isqrt(positions)),
+            "text": text, "expert": gemma(_PI0 + "gemma_expert.model.")}
+
+
 def _gaussian(x, mean, log_std):
     """Elementwise log N(x; mean, exp(log_std)^2)."""
     return -0.5 * ((x - mean) * torch.exp(-log_std)) ** 2 - log_std - _LOG_SQRT_2PI
 
 
-__all__ = ["FlowPolicy", "LOGPROB_MODES"]
+__all__ = ["FlowPolicy", "LOGPROB_MODES", "VARIANTS", "paligemma_size"]

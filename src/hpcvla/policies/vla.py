@@ -2,8 +2,9 @@
 masks, the per-unit log-prob reduction, and Hugging Face-style checkpoint folders.
 
 Both families (policies/flow.py, policies/tokens.py) read an observation as a *prefix* of
-tokens: SigLIP patch tokens of the camera image projected to the language model's width
-(PaliGemma's layout), then the instruction's token embeddings (id 0 = padding, masked out).
+tokens: SigLIP patch tokens of the camera image (resized with padding to the tower's size,
+as openpi and LeRobot do) projected to the language model's width (PaliGemma's layout),
+then the instruction's token embeddings (id 0 = padding, masked out).
 Prefix tokens attend to each other bidirectionally (PaliGemma's prefix-LM); what follows the
 prefix (the action expert's tokens, or the action queries) sees the prefix but is not seen
 by it. Masks are built here as 4D additive float masks, which transformers uses as given.
@@ -13,22 +14,16 @@ granularity (algorithms/granularity.py): `evaluate` returns logprob and entropy 
 (B,) for "chunk", (B, H) for "action", (B, H, D) for "token"; `act` always returns the chunk
 log-prob (B,), the sum of the units, which is what rollouts record.
 
-Checkpoint folders: `save_pretrained(policy, folder)` writes `config.json` (the family, the
-observation spec, the constructor arguments with the size resolved into full transformers
-configs) and `model.safetensors` (every parameter and buffer of the state dict, renamed by
-the family's HF_KEY_MAP, see `to_hf_key`); `load_pretrained(folder)` rebuilds the policy and
-loads it exactly. `load_weights(policy, file)` loads a safetensors file into an existing
-policy: tensors missing, unexpected or misshaped are named in the error; only the RL heads
-(`rl.*`: value head, exploration std) may be missing, they then keep their initial values
-(a VLA checkpoint trained by imitation has none).
+Checkpoint folders (policies/folders.py): a family names its tensors as the model it follows
+(`HF_KEY_MAP`, see `to_hf_key`) and declares the published layout's variants (`HF_LAYOUT`);
+`config_json` records what rebuilds the policy (the family, the observation spec, the
+constructor arguments with the size resolved into full transformers configs).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +132,20 @@ def sinusoidal(t: torch.Tensor, dim: int, min_period: float = 4e-3,
     return torch.cat([angle.sin(), angle.cos()], dim=-1).float()
 
 
+def resize_with_pad(image: torch.Tensor, side: int) -> torch.Tensor:
+    """(B, C, H, W) in [0, 1] to (B, C, side, side): bilinear without antialiasing to fit the
+    longer edge, then centred black padding (openpi's and LeRobot's resize_with_pad)."""
+    height, width = image.shape[-2:]
+    if (height, width) == (side, side):
+        return image
+    ratio = max(height / side, width / side)
+    new_h, new_w = int(height / ratio), int(width / ratio)
+    image = F.interpolate(image, size=(new_h, new_w), mode="bilinear",
+                          align_corners=False).clamp(0.0, 1.0)
+    top, left = (side - new_h) // 2, (side - new_w) // 2
+    return F.pad(image, (left, side - new_w - left, top, side - new_h - top))
+
+
 class PrefixCache:
     """A minimal stand-in for a transformers `Cache` (the `update` the attention layers call).
 
@@ -211,11 +220,8 @@ class VisionLanguagePrefix(nn.Module):
         same vision tower, in one batch; their patch tokens come one camera after another,
         as in π0."""
         cameras = [obs[k] for k in CAMERAS if k in obs]
-        image = torch.cat(cameras).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)  # [-1, 1]
-        side = self.vision_config.image_size
-        if image.shape[-2:] != (side, side):
-            image = F.interpolate(image, size=(side, side), mode="bilinear", antialias=True,
-                                  align_corners=False)
+        image = resize_with_pad(torch.cat(cameras).permute(0, 3, 1, 2).float().div(255.0),
+                                self.vision_config.image_size) * 2.0 - 1.0  # SigLIP: [-1, 1]
         dtype = self.multi_modal_projector.linear.weight.dtype
         patches = self.vision_tower(pixel_values=image.to(dtype)).last_hidden_state
         image_tokens = torch.cat(self.multi_modal_projector(patches).chunk(len(cameras)), dim=1)
@@ -261,7 +267,8 @@ class VLAPolicy(Policy):
 
     family: str
     HF_KEY_MAP: tuple[tuple[str, str], ...] = ()  # (our prefix, checkpoint prefix); first wins
-    config_fields = ("size", "logprob_granularity")  # PolicyConfig fields the pipeline passes
+    HF_LAYOUT: dict = {}  # published variants: root prefix, tied and unused tensors (folders.py)
+    config_fields = ("size", "logprob_granularity", "dtype", "init_log_std")  # from PolicyConfig
 
     def _setup(self, obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                init_args: dict):
@@ -276,9 +283,18 @@ class VLAPolicy(Policy):
         self.compute_dtype = resolve_dtype(dtype)
         self.init_args = init_args  # what config.json records to rebuild this policy
 
+    processor = None  # a published checkpoint's inputs and outputs (policies/processor.py)
+
     def _inputs(self, obs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.processor is not None:
+            obs = self.processor.inputs(obs)
         device = self.device
         return {k: v.to(device, non_blocking=True) for k, v in obs.items()}
+
+    def _model_actions(self, actions: torch.Tensor) -> torch.Tensor:
+        """Recorded (env) actions -> the model's space, where they are scored."""
+        actions = actions.to(self.device)
+        return actions if self.processor is None else self.processor.actions_in(actions)
 
     @property
     def device(self) -> torch.device:
@@ -291,17 +307,19 @@ class VLAPolicy(Policy):
         """`act` plus the family's extras (flow's denoising chain in chain mode)."""
         with torch.no_grad():
             actions, terms, value, extras = self._sample(self._inputs(obs), deterministic)
+        if self.processor is not None:  # the env's units (the log-prob stays the model's)
+            actions = self.processor.actions_out(actions)
         return ActOutput(actions.float(), terms.sum(dim=(1, 2)), value.float()), extras
 
     def evaluate(self, obs, actions):
-        terms, entropy, value = self._score(self._inputs(obs), actions.to(self.device))
+        terms, entropy, value = self._score(self._inputs(obs), self._model_actions(actions))
         g = self.logprob_granularity
         return reduce_units(terms, g), value.float(), reduce_units(entropy, g)
 
     def unit_logprobs(self, obs, actions) -> torch.Tensor:
         """Differentiable log-probs per token (B, H, D), whatever the granularity; their
         sums over D (action) and over H and D (chunk) are the coarser log-probs."""
-        return self._score(self._inputs(obs), actions.to(self.device))[0]
+        return self._score(self._inputs(obs), self._model_actions(actions))[0]
 
     # ------------------------------------------------------------------ checkpoint folders
     @classmethod
@@ -325,66 +343,6 @@ class VLAPolicy(Policy):
                 "vocab_size": self.vocab_size, "kwargs": self.init_args}
 
 
-RL_HEAD_PREFIX = "rl."  # checkpoint names of the RL-only tensors (may be absent)
-
-
-def save_pretrained(policy: VLAPolicy, folder) -> Path:
-    """Write `config.json` + `model.safetensors` (HF names); returns the folder."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {policy.to_hf_key(k): v.detach().cpu().contiguous()
-               for k, v in policy.state_dict().items()}
-    save_file(tensors, folder / "model.safetensors",
-              metadata={"format": "pt", "hpcvla_policy": policy.family})
-    (folder / "config.json").write_text(json.dumps(policy.config_json(), indent=1))
-    return folder
-
-
-def load_weights(policy: VLAPolicy, file) -> list[str]:
-    """Load a safetensors file (HF names) into `policy`, exactly. Raises naming every
-    missing, unexpected or misshaped tensor; returns the RL-head names that were absent
-    (kept at their initial values)."""
-    from safetensors.torch import load_file
-
-    loaded = {policy.from_hf_key(k): v for k, v in load_file(str(file)).items()}
-    state = policy.state_dict()
-    missing = [k for k in state if k not in loaded]
-    fresh = [k for k in missing if policy.to_hf_key(k).startswith(RL_HEAD_PREFIX)]
-    problems = [f"missing {policy.to_hf_key(k)} {tuple(state[k].shape)}"
-                for k in missing if k not in fresh]
-    problems += [f"unexpected {policy.to_hf_key(k)}" for k in loaded if k not in state]
-    problems += [f"misshaped {policy.to_hf_key(k)}: file {tuple(v.shape)}, model "
-                 f"{tuple(state[k].shape)}" for k, v in loaded.items()
-                 if k in state and v.shape != state[k].shape]
-    if problems:
-        raise ValueError(f"{file}: {len(problems)} tensor(s) do not fit the "
-                         f"{policy.family} policy: " + "; ".join(problems))
-    with torch.no_grad():
-        for k, v in loaded.items():
-            state[k].copy_(v)
-    return fresh
-
-
-def load_pretrained(folder, **overrides) -> VLAPolicy:
-    """Rebuild the policy `config.json` describes and load `model.safetensors` into it.
-    `overrides` replace constructor arguments (e.g. logprob_granularity, train_expert_only)."""
-    from hpcvla.policies import POLICIES
-
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    name = config.get("hpcvla_policy")
-    if name not in POLICIES:
-        raise ValueError(f"{folder / 'config.json'}: hpcvla_policy {name!r} is not one of "
-                         f"{sorted(POLICIES)}")
-    obs_spec = {k: (tuple(s), dt) for k, (s, dt) in config["obs_spec"].items()}
-    policy = POLICIES[name](obs_spec, config["action_dim"], config["chunk_len"],
-                            config["vocab_size"], **{**config["kwargs"], **overrides})
-    load_weights(policy, folder / "model.safetensors")
-    return policy
-
-
 def count_preset_parameters(name: str, size: str, obs_spec: dict, action_dim: int,
                             chunk_len: int, vocab_size: int) -> int:
     """Parameters of a preset, counted on the meta device (no memory is allocated)."""
@@ -397,5 +355,4 @@ def count_preset_parameters(name: str, size: str, obs_spec: dict, action_dim: in
 
 
 __all__ = ["SIZES", "SIZE_NAMES", "VLAPolicy", "VisionLanguagePrefix", "PrefixCache",
-           "block_mask", "save_pretrained", "load_pretrained", "load_weights",
-           "count_preset_parameters"]
+           "block_mask", "count_preset_parameters"]

@@ -27,7 +27,8 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
     policy, spec = actor, env.spec
     actor.load_arrays(full_state(engine))  # collective under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
-    builder = SegmentBuilder(spec.obs, env.num_envs, spec.chunk_len, spec.action_dim,
+    builder = SegmentBuilder({**spec.obs, **policy.extra_fields()}, env.num_envs,
+                             spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
     obs, result, groups, steps = env.reset(), None, [], 0
     version = first
@@ -35,8 +36,9 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
         with timeline.span("infer"):
             begin = time.monotonic()
             with torch.no_grad():
-                out = policy.act(policy.obs_to_tensors(obs, "cpu"))
+                out, extras = policy.sample(policy.obs_to_tensors(obs, policy.device))
             actions, logprob, value = (t.cpu().numpy() for t in out)
+            recorded = {**obs, **{k: v.cpu().numpy() for k, v in extras.items()}}
             if emulate_ms:  # the emulated cost is the whole forward pass
                 pad(begin, emulate_ms(env.num_envs) / 1e3)
         if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
@@ -61,7 +63,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                 if last:
                     break
                 continue
-        builder.add_step(obs, actions, logprob, value, version)
+        builder.add_step(recorded, actions, logprob, value, version)
         with timeline.span("simulate"):
             with deadline(step_deadline_s(cfg.env)):  # a step that never returns: loud stop
                 result = env.step(actions)

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import torch
 
+from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
@@ -21,11 +22,13 @@ from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
 
 class WeightLoader:
-    """Copies the newest published weights into a local policy."""
+    """Copies the newest published weights into a local policy (on a GPU, from a
+    page-locked host copy straight into its parameters)."""
 
     def __init__(self, policy, plane, manifest):
         self.policy, self.plane, self.manifest = policy, plane, manifest
-        self.flat = np.empty(manifest.nbytes, np.uint8)
+        flat = torch.empty(manifest.nbytes, dtype=torch.uint8)
+        self.flat = (flat.pin_memory() if policy.device.type == "cuda" else flat).numpy()
         self.version = -1
 
     def refresh(self) -> bool:
@@ -33,6 +36,8 @@ class WeightLoader:
             return False
         self.version = self.plane.read_into(self.flat)
         self.policy.load_arrays(self.manifest.views(self.flat))
+        if self.policy.device.type == "cuda":  # the copies read `flat`, rewritten next time
+            torch.cuda.current_stream(self.policy.device).synchronize()
         return True
 
 
@@ -49,10 +54,12 @@ class InferenceServer:
         self.max_staleness, self.emulate_ms, self.dump = sched.max_staleness, emulate_ms, dump
         shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                   for k in obs_keys}
+        shapes.update(policy.extra_fields())  # recorded with every step, as observations
         self.builders = [SegmentBuilder(shapes, envs_per_shard, policy.chunk_len,
                                         policy.action_dim, segment_len, producer, slot)
                          for slot in range(exchange.n_slots)]
         self.batcher = DynamicBatcher(sched.batch_max, sched.wait_max_s)
+        self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
         self.stats = {"forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0,
                       "fired_wait_max": 0, "segments_sent": 0, "throttled_s": 0.0,
@@ -102,11 +109,12 @@ class InferenceServer:
         n, exchange = self.n, self.exchange
         with self.timeline.span("infer"):
             begin = time.monotonic()
-            obs, outcome = _gather(exchange, slots, self.obs_keys), \
+            obs, outcome = _gather(exchange, slots, self.obs_keys, self.staging), \
                 _gather(exchange, slots, OUTCOME_FIELDS)
             with torch.no_grad():
-                out = self.policy.act(self.policy.obs_to_tensors(obs, "cpu"))
+                out, extras = self.policy.sample(self.staging.to_device(obs))
             actions, logprob, value = (t.cpu().numpy() for t in out)
+            obs.update({k: v.cpu().numpy() for k, v in extras.items()})
             if self.emulate_ms:  # the emulated cost is the whole forward pass
                 pad(begin, self.emulate_ms(len(slots) * n) / 1e3)
             for i, slot in enumerate(slots):
@@ -131,9 +139,9 @@ class InferenceServer:
         """Complete the full segments of requests that must wait: their last outcome is in
         the request and their bootstrap value needs only a forward pass, not an answer."""
         with self.timeline.span("assemble"):
-            obs = _gather(self.exchange, slots, self.obs_keys)
+            obs = _gather(self.exchange, slots, self.obs_keys, self.staging)
             with torch.no_grad():
-                value = self.policy.act(self.policy.obs_to_tensors(obs, "cpu")).value
+                value = self.policy.act(self.staging.to_device(obs)).value
             for i, slot in enumerate(slots):
                 request = self.exchange.request_obs(slot)
                 self.builders[slot].record_outcome(request)
@@ -162,7 +170,10 @@ class InferenceServer:
         return eligible
 
 
-def _gather(exchange, slots, keys) -> dict:
+def _gather(exchange, slots, keys, staging=None) -> dict:
     """Fields of several requests, concatenated along the env axis (a copy out of the
-    shared slots, which the simulators reuse as soon as they are answered)."""
-    return {k: np.concatenate([exchange.request_obs(s)[k] for s in slots]) for k in keys}
+    shared slots, which the simulators reuse as soon as they are answered), into
+    `staging`'s buffers when given."""
+    if staging is None:
+        return {k: np.concatenate([exchange.request_obs(s)[k] for s in slots]) for k in keys}
+    return {k: staging.gather(k, [exchange.request_obs(s)[k] for s in slots]) for k in keys}

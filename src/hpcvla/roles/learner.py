@@ -30,10 +30,16 @@ from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
 
-def init_deepspeed(cfg, policy, learners_comm):
+def init_deepspeed(cfg, policy, learners_comm, device: torch.device | None = None):
     """DeepSpeed on the learner communicator only (initialising torch.distributed on all
-    ranks makes ZeRO-3 barrier the whole world): learner 0 picks a port, all join by gloo
-    (NCCL where CUDA is there)."""
+    ranks makes ZeRO-3 barrier the whole world): learner 0 picks a port, all join by NCCL
+    when the learners are on GPUs, by gloo on CPUs. `device` is this rank's (devices.py):
+    DeepSpeed puts the model on GPU LOCAL_RANK, so LOCAL_RANK is that GPU's index, whatever
+    the launcher's own variables say. A bf16 policy trains under DeepSpeed's `bf16` section:
+    fp32 master weights in the optimizer at every ZeRO stage."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed moves it to a GPU
     import deepspeed
 
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
@@ -44,21 +50,26 @@ def init_deepspeed(cfg, policy, learners_comm):
             probe.bind(("", 0))
             address = (socket.gethostname(), probe.getsockname()[1])
     host, port = learners_comm.bcast(address, root=0)
+    local = str(device.index or 0)
     os.environ.update(MASTER_ADDR=host if size > 1 else "127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(size),
-                      LOCAL_RANK=os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+                      RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=local)
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:  # DeepSpeed asserts the two agree; the
+        os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = local  # device map, not Open MPI, decides
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               auto_mpi_discovery=False)
+    bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters())
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg.learner.micro_batch,
         "gradient_accumulation_steps": cfg.learner.micro_batches,
         "zero_optimization": {"stage": cfg.learner.zero_stage},
+        "bf16": {"enabled": bf16},
         "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
     }
     optimizer = torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5,
                                   weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=policy, optimizer=optimizer, config=ds_config)
+    engine, *_ = deepspeed.initialize(model=policy.to(device), optimizer=optimizer,
+                                      config=ds_config)
     return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
 
 
@@ -72,15 +83,17 @@ def param_groups(policy, alg) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-def full_state(engine) -> dict[str, np.ndarray]:
-    """Full weights as numpy arrays (ZeRO-3 gathers its shards: collective on the learners)."""
+def full_state(engine) -> dict[str, torch.Tensor]:
+    """Full weights as host tensors in the module's dtype (bf16 stays bf16; ZeRO-3 gathers
+    its shards: collective on the learners). On a CPU learner below ZeRO-3 they share the
+    parameters' memory: copy them out before the next step."""
     import deepspeed
 
     module = engine.module
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):
-            return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
-    return {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
 
 
 def policy_loss(cfg, model, batch: dict, proximal=None,
@@ -89,34 +102,35 @@ def policy_loss(cfg, model, batch: dict, proximal=None,
     `model` is the DeepSpeed engine (or a policy): model(obs, actions) = policy.evaluate.
     `value_only`: PPO's value loss alone (the critic's extra passes)."""
     T, N = batch["logprob"].shape
-    obs = {k[4:]: torch.as_tensor(v).reshape(T * N, *v.shape[2:])
+    batch = {k: torch.as_tensor(v).to(model.device, non_blocking=True) for k, v in batch.items()}
+    obs = {k[4:]: v.reshape(T * N, *v.shape[2:])
            for k, v in batch.items() if k.startswith("obs.")}
-    actions = torch.as_tensor(batch["actions"]).reshape(T * N, *batch["actions"].shape[2:])
+    actions = batch["actions"].reshape(T * N, *batch["actions"].shape[2:])
     logprob, value, entropy = model(obs, actions)
     # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
     logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))
-    behaviour = torch.as_tensor(batch["logprob"])
+    behaviour = batch["logprob"]
     # Decoupled PPO (AReaL): clip around the proximal policy (the learner's weights when this
     # version's training began), importance-weight to the behaviour policy that acted.
     proximal = logprob.detach() if proximal is None else proximal
     alg = cfg.algorithm
     # a step whose env failed (env_fault) is no outcome of the policy: masked out everywhere
-    faults = torch.as_tensor(batch["env_fault"])
+    faults = batch["env_fault"]
     mask = ~faults
     if alg.name == "grpo":  # critic-free: the value head is not trained
         scores = batch["success" if alg.group_score == "success" else "reward"]
-        episodes, index = first_episode_advantages(torch.as_tensor(batch["done"]),
-                                                   torch.as_tensor(scores), alg.group_size,
-                                                   alg.group_normalize_std, faults)
+        episodes, index = first_episode_advantages(  # bookkeeping: on the CPU
+            batch["done"].cpu(), scores.cpu(), alg.group_size, alg.group_normalize_std,
+            faults.cpu())
         pg_loss, stats = grpo_loss(logprob, proximal, behaviour, episodes, index, alg.clip,
                                    alg.max_behaviour_weight)
-        v_loss = torch.zeros(())
+        v_loss = torch.zeros((), device=logprob.device)
         stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))
     else:
-        old_value = torch.as_tensor(batch["value"])
-        advantages, returns = gae(torch.as_tensor(batch["reward"]), old_value,
-                                  torch.as_tensor(batch["done"]),
-                                  torch.as_tensor(batch["bootstrap_value"]), alg.gamma,
+        old_value = batch["value"]
+        advantages, returns = gae(batch["reward"], old_value,
+                                  batch["done"],
+                                  batch["bootstrap_value"], alg.gamma,
                                   alg.gae_lambda, faults)
         pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour,
                                             normalize_advantages(advantages, mask), alg.clip,

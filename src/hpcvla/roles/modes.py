@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 
 from hpcvla.config.loader import ConfigError
-from hpcvla.envs import check_env
-from hpcvla.topology.plan import RankPlan
+from hpcvla.envs import check_env, env_uses_gpu
+from hpcvla.topology.plan import PlanError, RankPlan
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,12 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
                                  f"into equal parts for its {producers} producer(s), each a "
                                  f"multiple of {envs_per_shard} envs per shard"))
                 break
+    if cfg.placement.gpus_per_node > 0:  # a GPU count given: the device map must work
+        from hpcvla.devices import plan_devices
+        try:
+            plan_devices(plan, cfg.placement.gpus_per_node, env_uses_gpu(cfg.env))
+        except PlanError as err:
+            problems.append(("placement.gpus_per_node", cfg.placement.gpus_per_node, str(err)))
     if problems:
         raise ConfigError(problems, "pipeline configuration")
     check_env(cfg)  # the simulator is installed and can run the task

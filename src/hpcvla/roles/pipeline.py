@@ -1,6 +1,10 @@
 """The main job on every rank: build the shared pieces, run this rank's role, tear down,
 report. The role loops live in simulator.py, inference.py, learner.py and colocated.py.
 
+Every rank first binds its device (devices.py: inference and learner ranks a GPU each where
+there are GPUs) and builds the policy there, in one dtype on every rank (policy.dtype);
+simulator ranks build it on the meta device, for the weight manifest only.
+
 Collective set-up happens in one order on every rank (cell exchange, learner ring, weight
 plane), each rank skipping what it is not part of, so no two ranks wait on each other in
 different collectives. Shutdown: the learners finish their updates; the weight root stops the
@@ -14,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,13 +26,15 @@ from mpi4py import MPI
 
 from hpcvla import checkpoint, preempt
 from hpcvla.config.loader import config_to_dict
+from hpcvla.devices import bind_rank_device
 from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
-from hpcvla.policies import make_policy, policy_kwargs
-from hpcvla.policies.vla import load_weights
+from hpcvla.policies import POLICIES, make_policy, policy_kwargs
+from hpcvla.policies.folders import checkpoint_kwargs, load_weights
+from hpcvla.policies.processor import CheckpointProcessor
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
@@ -69,16 +74,34 @@ def env_failures(envs) -> list:
     return [f for env in envs for f in getattr(env, "failures", [])]
 
 
-def build_policy(cfg, spec):
-    """The configured policy, with the same initial weights on every rank (drawn from
-    run.seed on a forked RNG: the caller's own stream is left as it was)."""
+def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
+    """The configured policy on `device`, with the same initial weights on every rank (drawn
+    from run.seed on a forked RNG: the caller's own stream is left as it was). On the "meta"
+    device it has names, dtypes and shapes but no memory (what a simulator rank needs).
+    `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
+    whether `device` is one."""
+    kwargs = policy_kwargs(cfg.policy.name, cfg.policy)
+    if cfg.policy.pretrained:  # e.g. π0's variant, padded action/state dims and horizon
+        kwargs.update(checkpoint_kwargs(POLICIES[cfg.policy.name], cfg.policy.pretrained))
+    if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
+        on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
+        kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
+    if str(device) == "meta":
+        with torch.device("meta"):
+            return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                               len(spec.vocab), **kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
         policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                             len(spec.vocab), **policy_kwargs(cfg.policy.name, cfg.policy))
+                             len(spec.vocab), **kwargs)
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
-        load_weights(policy, Path(cfg.policy.pretrained) / "model.safetensors")
-    return policy
+        load_weights(policy, cfg.policy.pretrained)
+        # a published folder's prompt, tokenizer and normalization (None for our own)
+        policy.processor = CheckpointProcessor.from_folder(
+            cfg.policy.pretrained, cfg.policy.tokenizer, getattr(policy, "variant", ""),
+            spec.vocab, spec.obs["state"][0][0] if "state" in spec.obs else 0,
+            spec.action_dim)
+    return policy.to(device)
 
 
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:
@@ -88,9 +111,12 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     seed_rank(cfg, rank)  # each rank explores with its own noise
     if rank == 0:
         write_rng_seeds(cfg, plan, run_dir)
+    device = bind_rank_device(cfg, plan, world)  # inference and learner ranks: a GPU each
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)
-    policy = build_policy(cfg, spec)
+    on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)
+    # a simulator needs only the policy's names, dtypes and shapes (the weight manifest)
+    policy = build_policy(cfg, spec, device if roles != (SIM,) else "meta", on_gpus)
     role = "+".join(roles)
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
     # node agree; across nodes as far as the nodes' clocks do).
@@ -103,20 +129,23 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     first = checkpoint.read_state(resume)["version"] if resume else 0
     summary = {"rank": rank, "role": role, "host": MPI.Get_processor_name(), "env_steps": 0,
-               "first_version": first}
+               "first_version": first, "device": str(device),
+               "dtype": str(next(policy.parameters()).dtype).removeprefix("torch.")}
     if resume and is_root:
         print(f"[hpcvla] resuming from {resume} (policy version {first})", flush=True)
 
     if plan.mode == "colocated":
-        engine = _start_learner(cfg, policy, comms.learners, resume, progress)
+        engine = _start_learner(cfg, policy, comms.learners, resume, progress, device)
         save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
         env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
                         first_env=rank * cfg.env.envs_per_simulator,
                         owner=f"rank {rank} (colocated)")
-        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: colocated_seed(cfg, rank))
+        dump = _trajectory_dump(cfg, spec, policy, rank, run_dir,
+                                lambda slot: colocated_seed(cfg, rank))
         idle_barrier(world)
         start = time.monotonic()
-        summary["env_steps"] = run_colocated(cfg, engine, build_policy(cfg, spec), env, first,
+        actor = build_policy(cfg, spec, device, on_gpus)  # ZeRO-3 shards the learner's copy
+        summary["env_steps"] = run_colocated(cfg, engine, actor, env, first,
                                              cfg.pipeline.total_updates, timeline, progress,
                                              save, stop=lambda: preempt.agreed(comms.learners),
                                              dump=dump, emulate_ms=_emulated_inference(cfg))
@@ -126,7 +155,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         env.close()
     else:
         start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
-                                          run_dir, resume, first)
+                                          run_dir, resume, first, device)
         summary.update(stats)
     summary["wall_s"] = time.monotonic() - start
     summary["preempted"] = preempt.requested()
@@ -140,13 +169,13 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     return _report(world, summary, cfg, run_dir)
 
 
-def _start_learner(cfg, policy, learners, resume, progress):
+def _start_learner(cfg, policy, learners, resume, progress, device):
     """This learner's DeepSpeed engine; resuming, the weights are loaded before DeepSpeed
     partitions them and the optimizer partition after."""
     if resume is None:
-        return init_deepspeed(cfg, policy, learners)
+        return init_deepspeed(cfg, policy, learners, device)
     policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
-    engine = init_deepspeed(cfg, policy, learners)
+    engine = init_deepspeed(cfg, policy, learners, device)
     state = checkpoint.load_optimizer(resume, engine, learners)
     progress.resume(state["version"], state["counters"]["trained_env_steps"])
     return engine
@@ -166,7 +195,7 @@ def _checkpointer(cfg, engine, learners, run_dir, progress, timeline):
 
 
 def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_dir, resume,
-                       first):
+                       first, device):
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     cell = plan.ranks[rank].cell
@@ -183,7 +212,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         if comms.feed != MPI.COMM_NULL else None
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
     stats: dict = {}
-    engine = _start_learner(cfg, policy, comms.learners, resume, progress) \
+    engine = _start_learner(cfg, policy, comms.learners, resume, progress, device) \
         if LEARN in roles else None
     # simulators are built before the clock starts (a real one takes seconds per env)
     envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
@@ -199,7 +228,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
             env.close()
     elif INF in roles:
         sims = sorted(plan.cells[cell].simulators)  # the exchange's slot order
-        dump = _trajectory_dump(cfg, spec, rank, run_dir, lambda slot: shard_seed(
+        dump = _trajectory_dump(cfg, spec, policy, rank, run_dir, lambda slot: shard_seed(
             cfg, sims[slot // sched.shards], slot % sched.shards))
         stats.update(InferenceServer(
             sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
@@ -232,12 +261,14 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     return start, stats
 
 
-def _trajectory_dump(cfg, spec, rank, run_dir, seed_of_slot):
-    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for."""
+def _trajectory_dump(cfg, spec, policy, rank, run_dir, seed_of_slot):
+    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
+    It holds the observations and what the policy records beside them (extra_fields)."""
     if not cfg.run.dump_trajectories:
         return None
     from hpcvla.metrics.dump import TrajectoryDump
-    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, list(spec.obs),
+    keys = list(spec.obs) + list(policy.extra_fields())
+    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, keys,
                           spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
                           cfg.run.dump_flush_s)

@@ -25,6 +25,7 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
@@ -38,43 +39,45 @@ _STOP = -1
 
 @dataclass(frozen=True)
 class Manifest:
-    """Names, dtypes and shapes of the tensors in a flat weight buffer, in order, each at a
-    64-byte aligned offset."""
+    """Names, dtypes (torch's names: float32, bfloat16, ...) and shapes of the tensors in a
+    flat weight buffer, in order, each at a 64-byte aligned offset. Torch, not numpy, reads
+    and writes it: numpy has no bfloat16, the dtype GPU policies train and act in, and a
+    GPU tensor copies to and from the host buffer directly."""
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
 
     @classmethod
-    def of(cls, arrays: dict) -> "Manifest":
-        return cls(tuple((name, np.dtype(a.dtype).str if not hasattr(a, "numpy")
-                          else a.detach().cpu().numpy().dtype.str, tuple(a.shape))
-                         for name, a in arrays.items()))
+    def of(cls, tensors: dict) -> "Manifest":
+        return cls(tuple((name, str(torch.as_tensor(t).dtype).removeprefix("torch."),
+                          tuple(t.shape)) for name, t in tensors.items()))
 
-    def offsets(self) -> list[tuple[str, np.dtype, tuple, int]]:
+    def offsets(self) -> list[tuple[str, torch.dtype, tuple, int]]:
         out, offset = [], 0
         for name, dtype, shape in self.entries:
-            dt = np.dtype(dtype)
+            dt = getattr(torch, dtype)
             out.append((name, dt, shape, offset))
             offset += aligned(dt.itemsize * math.prod(shape))
         return out
 
     @property
     def nbytes(self) -> int:
-        return sum(aligned(np.dtype(dt).itemsize * math.prod(shape))
+        return sum(aligned(getattr(torch, dt).itemsize * math.prod(shape))
                    for _, dt, shape in self.entries)
 
     @property
     def hash(self) -> int:
         return zlib.crc32(repr(self.entries).encode())
 
-    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
-        """Arrays viewing `flat` (uint8, at least nbytes long), by name."""
-        return {name: flat[off:off + dt.itemsize * math.prod(shape)]
+    def views(self, flat: np.ndarray) -> dict[str, torch.Tensor]:
+        """Tensors viewing `flat` (uint8, at least nbytes long), by name."""
+        return {name: torch.from_numpy(flat[off:off + dt.itemsize * math.prod(shape)])
                 .view(dt).reshape(shape) for name, dt, shape, off in self.offsets()}
 
-    def flatten(self, arrays: dict, out: np.ndarray | None = None) -> np.ndarray:
+    def flatten(self, tensors: dict, out: np.ndarray | None = None) -> np.ndarray:
+        """Copy `tensors` (on any device; numpy arrays too) into a flat host buffer."""
         out = np.zeros(self.nbytes, np.uint8) if out is None else out
-        for name, view in self.views(out).items():
-            a = arrays[name]
-            view[...] = a.detach().cpu().numpy() if hasattr(a, "detach") else a
+        with torch.no_grad():
+            for name, view in self.views(out).items():
+                view.copy_(torch.as_tensor(tensors[name]))
         return out
 
 

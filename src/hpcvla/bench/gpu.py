@@ -1,0 +1,189 @@
+"""`hpcvla bench gpu`: what each rank of a node would compute on, and the GPU paths measured.
+
+Sections of the JSON (each says `skipped` and why when it cannot run here):
+
+* `devices`: the device map (devices.py) of `configs/reach_flow.yaml`'s layout on this node's
+  visible GPUs, rank by rank, as `hpcvla plan` prints it.
+* `presets`: one act and one learner step (evaluate + backward) of each VLA preset whose
+  training state fits the free GPU memory (bf16 weights and gradients, fp32 masters and Adam
+  moments: 16 bytes per parameter, plus a quarter for activations), batch 8, bf16.
+* `flow_inference`: `act` of the flow policy (`small`; batch 32) on the CPU (float32, every
+  core torch uses) and on the GPU (bf16), side by side: `gpu_speedup` = CPU ms / GPU ms.
+* `reach_training`: `hpcvla train configs/reach_flow.yaml`, 20 updates, 4 ranks: success rate,
+  wall time, and the device and dtype every rank reported.
+* `maniskill_gpu_sim`: env steps/s of one ManiSkill GPU-simulated shard (env.sim_backend=gpu,
+  PickCube-v1, 64 px camera) at 1, 64 and 512 envs.
+* `modes_real`: `hpcvla bench modes --workload real` on the GPUs (2 per pair of accelerator
+  ranks; one GPU: inference and learner share it).
+
+On a machine without CUDA the GPU sections are skipped and the CPU side still runs, so the
+check itself is tested by the CPU suite (`--quick`: tiny sizes, 2 updates).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hpcvla.bench.policies import FAMILIES, step_ms
+from hpcvla.envs import make_env
+from hpcvla.policies import Policy, make_policy
+from hpcvla.policies.vla import SIZE_NAMES, count_preset_parameters
+
+ROOT = Path(__file__).resolve().parents[3]
+NO_CUDA = "no CUDA device visible (torch.cuda.is_available() is False)"
+
+
+def _reach_batch(batch: int):
+    env = make_env("reach", batch, 0)
+    spec, obs = env.spec, env.reset()
+    env.close()
+    return spec, obs
+
+
+def _policy_times(family, size, device, batch, repeats) -> dict:
+    """act and learner-step ms of one preset on `device` (bf16 on a GPU)."""
+    spec, obs_np = _reach_batch(batch)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    torch.manual_seed(0)
+    policy = make_policy(family, spec.obs, spec.action_dim, spec.chunk_len, len(spec.vocab),
+                         size=size, dtype=dtype).to(device)
+    obs = Policy.obs_to_tensors(obs_np, device)
+    row = {"device": str(device), "dtype": dtype,
+           **step_ms(policy, obs, repeats, device)}
+    if device.type == "cuda":
+        row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    del policy
+    return row
+
+
+def presets(device, quick: bool) -> dict:
+    spec, _ = _reach_batch(1)
+    args = (spec.obs, spec.action_dim, spec.chunk_len, len(spec.vocab))
+    out = {}
+    for family in FAMILIES:
+        for size in SIZE_NAMES:
+            key, params = f"{family}/{size}", count_preset_parameters(family, size, *args)
+            need_gib = params * 16 * 1.25 / 2 ** 30
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                free_gib = torch.cuda.mem_get_info(device)[0] / 2 ** 30
+            else:
+                free_gib = None
+            if device.type != "cuda" and size != "tiny":
+                out[key] = {"parameters": params, "skipped": f"{NO_CUDA}; the CPU runs tiny"}
+            elif quick and size != "tiny":
+                out[key] = {"parameters": params, "skipped": "--quick: tiny only"}
+            elif free_gib is not None and need_gib > free_gib:
+                out[key] = {"parameters": params, "skipped": f"needs ~{need_gib:.0f} GiB to "
+                            f"train, {free_gib:.0f} GiB free (learner.zero_stage=3 over "
+                            "several GPUs shards it)"}
+            else:
+                out[key] = {"parameters": params,
+                            **_policy_times(family, size, device, 8, 3 if quick else 10)}
+            print(f"preset {key:12} {json.dumps(out[key])}", flush=True)
+    return out
+
+
+def flow_inference(gpu, quick: bool) -> dict:
+    size, batch = ("tiny", 8) if quick else ("small", 32)
+    out = {"size": size, "batch": batch, "cpu_threads": torch.get_num_threads(),
+           "cpu": _policy_times("flow", size, torch.device("cpu"), batch, 3 if quick else 10)}
+    if gpu is None:
+        out["gpu"] = {"skipped": NO_CUDA}
+    else:
+        out["gpu"] = _policy_times("flow", size, gpu, batch, 3 if quick else 10)
+        out["gpu_speedup"] = out["cpu"]["act_ms"] / out["gpu"]["act_ms"]
+    print(f"flow inference {json.dumps(out)}", flush=True)
+    return out
+
+
+def _hpcvla(*args, timeout=1800) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"hpcvla {' '.join(map(str, args))} failed:\n{out.stderr[-3000:]}")
+    return out
+
+
+def reach_training(quick: bool) -> dict:
+    updates = 2 if quick else 20
+    with tempfile.TemporaryDirectory(prefix="hpcvla-gpu-") as tmp:
+        _hpcvla("train", "configs/reach_flow.yaml", "--ranks", 4, f"run.root={tmp}",
+                f"pipeline.total_updates={updates}", "pipeline.progress_every_s=1000")
+        (run_dir,) = Path(tmp).iterdir()
+        summary = json.loads((run_dir / "summary.json").read_text())
+    out = {"updates": updates, "wall_s": summary["wall_s"],
+           "env_steps_per_s": summary["env_steps_per_s"],
+           "success_rate": summary["success_rate"],
+           "ranks": {r["rank"]: f"{r['role']} {r['device']} {r['dtype']}"
+                     for r in summary["per_rank"]}}
+    print(f"reach training {json.dumps(out)}", flush=True)
+    return out
+
+
+def maniskill_gpu_sim(quick: bool) -> dict:
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_kwargs
+
+    cfg = load_config(None, ["env.name=maniskill", "env.task=PickCube-v1", "env.image_size=64",
+                             "env.sim_backend=gpu", "env.chunk_len=5"])
+    out, chunks = {}, 2 if quick else 10
+    for envs in ((1, 4) if quick else (1, 64, 512)):
+        env = make_env("maniskill", envs, 0, **env_kwargs(cfg.env))
+        try:
+            env.reset()
+            actions = torch.zeros(envs, env.spec.chunk_len, env.spec.action_dim).numpy()
+            env.step(actions)  # warm-up
+            start = time.perf_counter()
+            for _ in range(chunks):
+                env.step(actions)
+            seconds = time.perf_counter() - start
+        finally:
+            env.close()
+        out[str(envs)] = {"env_steps_per_s": envs * env.spec.chunk_len * chunks / seconds}
+        print(f"maniskill gpu sim {envs:4} envs: {out[str(envs)]['env_steps_per_s']:.0f} "
+              "env steps/s", flush=True)
+    return out
+
+
+def modes_real(gpus: int, quick: bool) -> dict:
+    accel = 1 if gpus == 1 else min(8, gpus - gpus % 2)
+    with tempfile.TemporaryDirectory(prefix="hpcvla-gpu-") as tmp:
+        _hpcvla("bench", "modes", "--workload", "real", "--gpus", accel,
+                *(["--quick"] if quick else []), "--json", f"{tmp}/modes.json", timeout=3600)
+        return json.loads(Path(f"{tmp}/modes.json").read_text())
+
+
+def run(quick: bool = False, json_path=None) -> dict:
+    from hpcvla.config import load_config
+    from hpcvla.devices import plan_devices, visible_gpus
+    from hpcvla.envs import env_uses_gpu
+    from hpcvla.topology.plan import plan_from_config
+
+    gpus = len(visible_gpus())
+    gpu = torch.device("cuda", 0) if gpus else None
+    cfg = load_config(ROOT / "configs/reach_flow.yaml")
+    plan = plan_from_config(cfg.placement, 4)
+    results = {"gpus": gpus, "gpu_name": torch.cuda.get_device_name(0) if gpus else None,
+               "torch": torch.__version__, "quick": quick,
+               "devices": plan_devices(plan, gpus, env_uses_gpu(cfg.env))}
+    print(plan.table(results["devices"]), flush=True)
+    results["presets"] = presets(gpu or torch.device("cpu"), quick)
+    results["flow_inference"] = flow_inference(gpu, quick)
+    results["reach_training"] = reach_training(quick)
+    results["maniskill_gpu_sim"] = maniskill_gpu_sim(quick) if gpus else {"skipped": NO_CUDA}
+    results["modes_real"] = modes_real(gpus, quick) if gpus else \
+        {"skipped": f"{NO_CUDA}; on CPU run `hpcvla bench modes --workload real`"}
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+__all__ = ["run"]

@@ -1,0 +1,147 @@
+"""The settings of what is trained and how: the policy (`policy.*`) and the RL algorithm
+(`algorithm.*`); the other sections are in schema.py, which documents the conventions.
+`setting` declares a documented field (used by every section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def setting(default: Any, doc: str, *, choices: tuple | None = None,
+            ge: float | None = None, le: float | None = None) -> Any:
+    """A documented config field. Mutable defaults (dicts) are copied per instance."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le}
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class PolicyConfig:
+    name: str = setting(
+        "default", "Policy family: `default` is a small CNN + instruction encoder with a "
+        "Gaussian action-chunk head and a value head. `flow`: π0-style VLA, a "
+        "SigLIP+Gemma prefix and a Gemma action expert that denoises the chunk (flow "
+        "matching; RL log-probs through a noisy last denoising step). `tokens`: "
+        "OpenVLA-OFT-style VLA, a SigLIP+Llama model decoding 256-bin action tokens in "
+        "one pass. Both built from transformers configs with random weights.",
+        choices=("default", "flow", "tokens"))
+    hidden: int = setting(
+        128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
+        "more per step.", ge=8)
+    size: str = setting(
+        "tiny", "`flow`/`tokens`: size preset. `tiny` (~0.2M parameters) trains on a CPU; "
+        "`small` (~5-10M) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
+        "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA), for GPUs with "
+        "learner.zero_stage 3. `flow` with a `pretrained` folder takes the checkpoint's "
+        "sizes instead (from its tensors).", choices=("tiny", "small", "full"))
+    denoise_steps: int = setting(
+        4, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
+        "at proportionally more expert passes per act and per training step.", ge=1)
+    train_expert_only: bool = setting(
+        False, "`flow`: freeze the vision-language prefix and train only the action "
+        "expert, value head and exploration std: cheaper backward, keeps pretrained VLM "
+        "features intact, adapts less.")
+    variant: str = setting(
+        "pi0", "`flow`: `pi0` (the time joins each action token; the state is a token of its "
+        "own) or `pi05` (π0.5: the time conditions every expert norm, adaRMS; the state "
+        "belongs in the prompt). A `pretrained` folder sets it from its tensors.",
+        choices=("pi0", "pi05"))
+    logprob_mode: str = setting(
+        "last_step", "`flow`: which denoising steps are noisy, i.e. what RL explores with and "
+        "scores. `last_step`: only the last (x_0 = 0; a Gaussian around the denoised mean; "
+        "exact, cheap). `chain`: every step, from x_0 ~ N(0, I), as πRL's flow-SDE/ReinFlow: "
+        "the policy samples like the pretrained sampler, the pipeline records the whole "
+        "denoising chain with every step (segments, ring, dumps: K x H x D floats per env "
+        "and step) and scores all K transitions.", choices=("last_step", "chain"))
+    init_log_std: float = setting(
+        -0.7, "Initial log of the exploration std (learned): per action entry (`default`, "
+        "`flow` last_step; `tokens`: the spread of its initial bins); `flow` chain: the "
+        "total noise injected over the chain (each of K steps gets std / sqrt(K)). Lower "
+        "starts closer to a pretrained policy's own actions, explores less.")
+    logprob_granularity: str = setting(
+        "chunk", "`flow`/`tokens`: unit of the PPO ratio and its clip: one per chunk, per "
+        "action or per token (action dim). Finer units clip each part separately (fewer "
+        "samples fully clipped) but ignore correlations inside the chunk.",
+        choices=("chunk", "action", "token"))
+    dtype: str = setting(
+        "auto", "`flow`/`tokens`: the dtype the policy holds and computes in. `auto`: "
+        "bfloat16 when the run's inference/learner ranks are on GPUs, float32 on CPUs (CPU "
+        "bf16 matmuls are slow). Learners in bf16 keep fp32 master weights in the optimizer "
+        "(DeepSpeed's bf16 mode), checkpointed with them; the weight plane carries bf16.",
+        choices=("auto", "float32", "bfloat16"))
+    pretrained: str = setting(
+        "", "`flow`/`tokens`: a Hugging Face-style folder (model.safetensors with the "
+        "checkpoint names `policies/flow.py`/`tokens.py` map; e.g. written by "
+        "`hpcvla.policies.save_pretrained`) loaded into the configured policy on every rank "
+        "before training; every missing or misshaped tensor is named. Empty: random init. "
+        "A published π0/π0.5 folder (LeRobot's, or openpi's converted PyTorch one) fixes the "
+        "variant, sizes and padded dims, and brings its normalization statistics; its "
+        "prompts need `tokenizer` (policies/processor.py).")
+    tokenizer: str = setting(
+        "", "`flow` with a published `pretrained` folder: a local folder holding the "
+        "checkpoint's tokenizer (PaliGemma's: tokenizer.json / tokenizer.model, read by "
+        "transformers.AutoTokenizer; gated on the hub, so download it once). Unused "
+        "otherwise: built-in policies read the env's instruction ids.")
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = setting(
+        "ppo", "RL algorithm, both with the decoupled (staleness-aware) objective. `ppo`: "
+        "actor-critic, chunk-level GAE. `grpo`: critic-free, each episode's advantage is its "
+        "score against its group's (episodes from one initial state; envs restart in groups "
+        "every segment, so rollout.segment_len must equal env.max_episode_chunks).",
+        choices=("ppo", "grpo"))
+    group_size: int = setting(
+        8, "GRPO: episodes per group (consecutive envs of a shard, so it must divide the envs "
+        "per shard). Larger groups: better baselines, fewer distinct initial states.", ge=2)
+    group_score: str = setting(
+        "success", "GRPO: what an episode is scored by: `success` (0/1, the papers' sparse "
+        "reward) or `return` (summed reward).", choices=("success", "return"))
+    group_normalize_std: bool = setting(
+        True, "GRPO: divide advantages by the group's std (false: only centre them, as Dr. "
+        "GRPO argues, so easy and hard groups weigh alike).")
+    lr: float = setting(3e-4, "Adam learning rate of the policy: faster learning vs. "
+                        "stability.", ge=0)
+    critic_lr: float = setting(
+        3e-3, "Adam learning rate of the value function (the policy's `value_*` modules; 0 = "
+        "`lr`). A version gives the critic `learner.epochs` optimizer steps; reach's returns "
+        "take ~200 Adam steps to fit (held-out explained variance 0.89 after 200 at 3e-3, "
+        "0.04 after 64). Measured on the default reach run (60 versions, explained variance "
+        "of the recorded values, versions 30-45 / 45-60): `lr` for both, 4 epochs, value "
+        "clip: -0.02 / -0.01; 3e-3: 0.05 / 0.17; 3e-3 unclipped: 0.09 / 0.37; 3e-3 "
+        "unclipped with 8 epochs (the default now): 0.73 / 0.90; side by side over 4 seeds "
+        "(`hpcvla bench learning --arms critic`) 0.56-0.89 vs ~0, and `hpcvla eval` success "
+        "at 60 versions 0.94 vs 0.80. PPO only.", ge=0)
+    gamma: float = setting(
+        0.99, "Discount per action chunk: higher values look further ahead, with noisier "
+        "returns.", ge=0, le=1)
+    gae_lambda: float = setting(
+        0.95, "GAE lambda: 1 = Monte Carlo (unbiased, noisy), 0 = one-step TD (biased, "
+        "smooth).", ge=0, le=1)
+    clip: float = setting(
+        0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
+        "updates.", ge=0)
+    critic_epochs: int = setting(
+        0, "PPO: value-only passes over each batch after the `learner.epochs` PPO passes, "
+        "one optimizer step each with the policy's learning rate at 0: more critic steps "
+        "without moving the policy further, where PPO epochs are costly or unstable. Each "
+        "costs a forward/backward of the micro-batches. On reach (4 epochs, 3e-3, "
+        "unclipped) explained variance at versions 30-45 / 45-60: 4 passes 0.28 / 0.52, 12 "
+        "passes 0.48 / 0.71, at 2.6x the learner time of 8 PPO epochs (0.73 / 0.90).", ge=0)
+    value_clip: bool = setting(
+        False, "Clip the value update around the recorded value (within `clip`, in return "
+        "units), as CleanRL: steadier critic, slower to follow large return changes (off: "
+        "it held the critic back on reach, see `critic_lr`).")
+    value_coef: float = setting(
+        0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
+    entropy_coef: float = setting(
+        0.0, "Weight of the entropy bonus (the entropy of the whole action chunk, at every "
+        "`policy.logprob_granularity`): more exploration, slower convergence.", ge=0)
+    max_behaviour_weight: float = setting(
+        2.0, "Cap of the importance weight proximal/behaviour policy for stale samples "
+        "(higher corrects more, with more variance).", ge=1)
+    max_grad_norm: float = setting(
+        0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)

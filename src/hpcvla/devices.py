@@ -1,0 +1,176 @@
+"""Which device each rank computes on, and getting data onto it.
+
+    assign_node(roles, visible, sim_gpu)   # pure: a node's ranks -> GPU ids (or None)
+    plan_devices(plan, gpus, sim_gpu)      # pure: every rank of a plan -> "cuda:i" | "cpu"
+    bind_rank_device(cfg, plan, world)     # at run time: this rank's torch.device, bound
+    HostStaging(device)                    # pinned host buffers for batches bound to a GPU
+
+The map (RLinf and verl do the same): inference and learner ranks get a GPU each; a rank that
+is both (hybrid, colocated) shares its GPU across the roles; simulator ranks get a GPU only
+when their simulator renders or simulates on it (`envs.env_uses_gpu`), and several may share
+one. No two learners ever share a GPU (ZeRO's collectives and memory assume one each): a node
+with more learner ranks than GPUs is an error naming the fix. Where there are fewer GPUs than
+inference + learner ranks, inference ranks share the least loaded ones.
+
+What a rank can see: the GPUs CUDA shows it (`CUDA_VISIBLE_DEVICES`), told apart by UUID.
+When the launcher binds GPUs per task (Slurm `--gpus-per-task`, `--gpu-bind`, Open MPI
+rankfiles), ranks of a node see different sets (each maybe as its cuda:0); the same greedy
+rule then picks from each rank's own set, so a bound layout is kept as it is. `placement.gpus_per_node`: -1 detects, 0 runs on CPU only,
+k > 0 uses the first k visible GPUs (and lets `hpcvla plan` preview a GPU node anywhere).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+
+from hpcvla.topology.plan import INF, LEARN, SIM, PlanError
+
+
+def assign_node(roles: list[tuple[str, ...]], visible: list[tuple[str, ...]],
+                sim_gpu: bool) -> list[str | None]:
+    """The GPU (an id from the rank's own `visible` list) each rank of one node computes on,
+    or None for the CPU. Learners first, then the other inference ranks, then simulators
+    that use a GPU; each takes its least loaded visible GPU (ties: the lowest in its list)."""
+    load: dict[str, int] = {}
+    learner_gpus: set[str] = set()
+    out: list[str | None] = [None] * len(roles)
+    wants = [0 if LEARN in r else 1 if INF in r else 2 if (SIM in r and sim_gpu) else None
+             for r in roles]
+    for tier in (0, 1, 2):
+        for local, rank_roles in enumerate(roles):
+            if wants[local] != tier or not visible[local]:
+                continue
+            choices = visible[local]
+            if tier == 0:  # a learner never shares with another learner
+                choices = tuple(g for g in choices if g not in learner_gpus)
+                if not choices:
+                    raise PlanError(
+                        f"node-local rank {local} ({'+'.join(rank_roles)}) finds no GPU that "
+                        f"another learner does not use: the node has "
+                        f"{sum(w == 0 for w in wants)} learner ranks and "
+                        f"{len({g for v in visible for g in v})} GPU(s). Use at most one learner "
+                        "rank per GPU (placement.per_node / ranks per node), bind one GPU per task "
+                        "(srun --gpus-per-task=1), or train on CPU (placement.gpus_per_node=0)")
+            gpu = min(choices, key=lambda g: (load.get(g, 0), choices.index(g)))
+            load[gpu] = load.get(gpu, 0) + 1
+            if tier == 0:
+                learner_gpus.add(gpu)
+            out[local] = gpu
+    return out
+
+
+def plan_devices(plan, gpus_per_node: int, sim_gpu: bool) -> dict[int, str]:
+    """Every rank's device for nodes of `gpus_per_node` GPUs that all ranks see (what
+    `hpcvla plan` shows; a run detects what each rank really sees)."""
+    visible = tuple(str(i) for i in range(gpus_per_node))
+    out = {}
+    for node in range(plan.num_nodes):
+        infos = [i for i in plan.ranks if i.node == node]
+        gpus = assign_node([i.roles for i in infos], [visible] * len(infos), sim_gpu)
+        out.update({i.rank: "cpu" if g is None else f"cuda:{g}" for i, g in zip(infos, gpus)})
+    return out
+
+
+def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
+    """Identities of the GPUs this process may use, in torch's order (cuda:0, cuda:1, ...):
+    their UUIDs, so that ranks which each see their own GPU as cuda:0 (Slurm's
+    `--gpus-per-task` under device cgroups) are told apart. Cut to `gpus_per_node` >= 0."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus_per_node > count:
+        raise PlanError(f"placement.gpus_per_node = {gpus_per_node}, but this rank sees "
+                        f"{count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                        f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set it to -1 (detect) "
+                        "or ask the scheduler for the GPUs")
+    n = count if gpus_per_node < 0 else gpus_per_node
+    return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", i)) for i in range(n))
+
+
+def _system_gpu(index: int) -> str:
+    """How the system names torch's cuda:index: its CUDA_VISIBLE_DEVICES entry (or index)."""
+    listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+              if x.strip()]
+    return listed[index] if index < len(listed) else str(index)
+
+
+def bind_rank_device(cfg, plan, world) -> torch.device:
+    """This rank's device, from the roles and visible GPUs of every rank on its real node
+    (collective on `world`; every rank reaches the same verdict). Binds CUDA to it; its env
+    worker processes see only it, and MuJoCo's EGL renders on it."""
+    from mpi4py import MPI
+
+    from hpcvla.envs import env_uses_gpu
+
+    rank = world.Get_rank()
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    error, mine = None, None
+    try:
+        visible = visible_gpus(cfg.placement.gpus_per_node)
+    except PlanError as err:
+        error, visible = str(err), ()
+    members = node.allgather((rank, visible))
+    node.Free()
+    if error is None:
+        try:
+            gpus = assign_node([plan.ranks[r].roles for r, _ in members],
+                               [v for _, v in members], env_uses_gpu(cfg.env))
+            mine = gpus[[r for r, _ in members].index(rank)]
+        except PlanError as err:
+            error = f"host {MPI.Get_processor_name()}: {err}"
+    # learners share one collective backend (NCCL or gloo): all on GPUs or all on CPUs
+    learner = LEARN in plan.ranks[rank].roles
+    everyone = world.allgather((error, learner, mine is not None))
+    errors = [e for e, _, _ in everyone if e]
+    if not errors and len({gpu for _, is_learner, gpu in everyone if is_learner}) > 1:
+        errors = ["some learner ranks see a GPU and some do not (CUDA_VISIBLE_DEVICES): they "
+                  "must all train on GPUs or all on CPUs (placement.gpus_per_node=0)"]
+    if errors:
+        raise PlanError(errors[0])
+    if mine is None:
+        return torch.device("cpu")
+    index = visible.index(mine)
+    torch.cuda.set_device(index)
+    os.environ["HPCVLA_GPU"] = _system_gpu(index)  # env workers' CUDA_VISIBLE_DEVICES
+    if _system_gpu(index).isdigit():  # EGL numbers physical GPUs (a UUID: MuJoCo's default)
+        os.environ["MUJOCO_EGL_DEVICE_ID"] = _system_gpu(index)
+    return torch.device("cuda", index)
+
+
+def local_device(gpus_per_node: int = -1) -> torch.device:
+    """A single process's device (`hpcvla eval`, benchmarks): the first visible GPU, else CPU."""
+    return torch.device("cuda", 0) if visible_gpus(gpus_per_node) else torch.device("cpu")
+
+
+class HostStaging:
+    """Host buffers that batches are gathered into before they go to `device`: page-locked
+    when the device is a GPU (the copy then runs by DMA, asynchronously), plain numpy on the
+    CPU. A buffer is reused for the next batch, so a batch must have been consumed (the
+    forward pass synchronises when its outputs come back to the host) before the next."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.pinned = self.device.type == "cuda"
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def gather(self, key: str, parts: list[np.ndarray]) -> np.ndarray:
+        """`parts` concatenated along axis 0, into this key's staging buffer."""
+        if not self.pinned:
+            return np.concatenate(parts)
+        rows = sum(len(p) for p in parts)
+        shape, dtype = (rows, *parts[0].shape[1:]), parts[0].dtype
+        need = int(np.prod(shape)) * dtype.itemsize
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < need:
+            buf = self._buffers[key] = torch.empty(need, dtype=torch.uint8).pin_memory()
+        out = buf[:need].numpy().view(dtype).reshape(shape)
+        return np.concatenate(parts, out=out)
+
+    def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """Tensors on the device (CPU: sharing the arrays' memory)."""
+        with warnings.catch_warnings():  # read-only received arrays: never written to
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            return {k: torch.as_tensor(a).to(self.device, non_blocking=self.pinned)
+                    for k, a in arrays.items()}

@@ -1,0 +1,169 @@
+"""Hugging Face-style checkpoint folders of the VLA policies, in the layouts they are published in.
+
+    save_pretrained(policy, folder)      # config.json + model.safetensors (HF names)
+    load_pretrained(folder)              # rebuild from config.json, load exactly
+    load_weights(policy, folder_or_file) # load into an existing policy, strictly
+    read_tensors(folder_or_file)         # the tensors of a folder, sharded or not
+    checkpoint_kwargs(policy_cls, folder)  # what the family reads from the checkpoint
+
+Names: each family maps its module names to the checkpoint names of the model it follows
+(`HF_KEY_MAP`, e.g. LeRobot's π0 for the flow family); the RL heads have `rl.*` names. What a
+published folder holds besides that, and how it is read:
+
+* Sharded weights: `model.safetensors.index.json` (transformers' `weight_map`) and its shard
+  files, read as one dict; a plain `model.safetensors` otherwise.
+* Layout variants (`HF_LAYOUT` of the family): a `root` every key of the reference layout
+  starts with, which some writers leave out (openpi's converted PyTorch π0 files have no
+  `model.` prefix): added back when no key has it. `tied` pairs (target, source) whose target
+  the writer may have dropped because the model ties it to the source (π0's hub files keep
+  PaliGemma's `lm_head` and drop the tied `embed_tokens`): the target is taken from the
+  source; when both are there they must be equal, and the source, which this model has no
+  module for, is then dropped. `unused`: tensors of the reference this model does not have by
+  design (the action expert's `lm_head`), dropped.
+
+Everything else is strict: a tensor missing, unexpected or misshaped is named in the error,
+except the RL heads (`rl.*`), which a checkpoint trained by imitation does not have; they keep
+their initial values.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+RL_HEAD_PREFIX = "rl."  # checkpoint names of the RL-only tensors (may be absent)
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def _files(path) -> tuple[list[Path], dict | None]:
+    """The safetensors files of a checkpoint, and its index's weight_map when sharded."""
+    path = Path(path)
+    if path.is_file():
+        return [path], None
+    if (path / INDEX).is_file():
+        weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{path / INDEX}: no `weight_map` (tensor name -> shard file)")
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise ValueError(f"{path / INDEX} names shard {shard}, which is missing")
+        return [path / shard for shard in sorted(set(weight_map.values()))], weight_map
+    if (path / WEIGHTS).is_file():
+        return [path / WEIGHTS], None
+    raise ValueError(f"{path}: neither {WEIGHTS} nor {INDEX} (a checkpoint folder holds one)")
+
+
+def read_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint: a safetensors file, or a folder holding
+    `model.safetensors` or a sharded `model.safetensors.index.json`."""
+    from safetensors.torch import load_file
+
+    files, weight_map = _files(path)
+    tensors = {}
+    for file in files:
+        tensors.update(load_file(str(file)))
+    missing = sorted(set(weight_map or ()) - set(tensors))
+    if missing:
+        raise ValueError(f"{Path(path) / INDEX}: {len(missing)} tensor(s) of the weight_map "
+                         f"are in no shard, e.g. {missing[0]}")
+    return tensors
+
+
+def checkpoint_kwargs(policy_cls, path) -> dict:
+    """The constructor arguments a family reads from a checkpoint (`checkpoint_kwargs`, e.g.
+    π0's variant, padded action and state dims and horizon), from the files' headers only."""
+    from safetensors import safe_open
+
+    if not hasattr(policy_cls, "checkpoint_kwargs"):
+        return {}
+    shapes = {}
+    for file in _files(path)[0]:
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    shapes = from_layout(shapes, {"root": policy_cls.HF_LAYOUT.get("root", "")}, path)
+    config = Path(path) / "config.json"
+    return policy_cls.checkpoint_kwargs(
+        shapes, json.loads(config.read_text()) if config.is_file() else {})
+
+
+def from_layout(tensors: dict[str, torch.Tensor], layout: dict, where) -> dict:
+    """`tensors` in the reference layout (`HF_LAYOUT`, module docstring): root prefix added
+    back, tied tensors filled in, unused ones dropped."""
+    root = layout.get("root", "")
+    if root and tensors and not any(k.startswith(root) for k in tensors):
+        tensors = {k if k.startswith(RL_HEAD_PREFIX) else root + k: v
+                   for k, v in tensors.items()}
+    tensors = dict(tensors)
+    for target, source in layout.get("tied", ()):
+        if source not in tensors:
+            continue
+        if target not in tensors:
+            tensors[target] = tensors[source]
+        elif not torch.equal(tensors[target], tensors[source]):
+            raise ValueError(f"{where}: {target} and {source} differ, but this model ties them "
+                             "(one matrix for both): was the checkpoint trained untied?")
+        del tensors[source]
+    for name in layout.get("unused", ()):
+        tensors.pop(name, None)
+    return tensors
+
+
+def load_weights(policy, path) -> list[str]:
+    """Load a checkpoint (file or folder, module docstring) into `policy`, exactly. Raises
+    naming every missing, unexpected or misshaped tensor; returns the RL-head names that were
+    absent (kept at their initial values)."""
+    tensors = from_layout(read_tensors(path), getattr(policy, "HF_LAYOUT", {}), path)
+    loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
+    state = policy.state_dict()
+    missing = [k for k in state if k not in loaded]
+    fresh = [k for k in missing if policy.to_hf_key(k).startswith(RL_HEAD_PREFIX)]
+    problems = [f"missing {policy.to_hf_key(k)} {tuple(state[k].shape)}"
+                for k in missing if k not in fresh]
+    problems += [f"unexpected {policy.to_hf_key(k)}" for k in loaded if k not in state]
+    problems += [f"misshaped {policy.to_hf_key(k)}: file {tuple(v.shape)}, model "
+                 f"{tuple(state[k].shape)}" for k, v in loaded.items()
+                 if k in state and v.shape != state[k].shape]
+    if problems:
+        raise ValueError(f"{path}: {len(problems)} tensor(s) do not fit the "
+                         f"{policy.family} policy: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, v in loaded.items():
+            state[k].copy_(v)
+    return fresh
+
+
+def save_pretrained(policy, folder) -> Path:
+    """Write `config.json` + `model.safetensors` (HF names); returns the folder."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {policy.to_hf_key(k): v.detach().cpu().contiguous()
+               for k, v in policy.state_dict().items()}
+    save_file(tensors, folder / WEIGHTS, metadata={"format": "pt", "hpcvla_policy": policy.family})
+    (folder / "config.json").write_text(json.dumps(policy.config_json(), indent=1))
+    return folder
+
+
+def load_pretrained(folder, **overrides):
+    """Rebuild the policy `config.json` describes and load its weights into it.
+    `overrides` replace constructor arguments (e.g. logprob_granularity, train_expert_only)."""
+    from hpcvla.policies import POLICIES
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    name = config.get("hpcvla_policy")
+    if name not in POLICIES:
+        raise ValueError(f"{folder / 'config.json'}: hpcvla_policy {name!r} is not one of "
+                         f"{sorted(POLICIES)}")
+    obs_spec = {k: (tuple(s), dt) for k, (s, dt) in config["obs_spec"].items()}
+    policy = POLICIES[name](obs_spec, config["action_dim"], config["chunk_len"],
+                            config["vocab_size"], **{**config["kwargs"], **overrides})
+    load_weights(policy, folder)
+    return policy
+
+
+__all__ = ["RL_HEAD_PREFIX", "read_tensors", "checkpoint_kwargs", "from_layout", "load_weights", "save_pretrained",
+           "load_pretrained"]

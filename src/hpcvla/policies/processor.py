@@ -1,0 +1,271 @@
+"""A published checkpoint's inputs and outputs: raw env observations become the model inputs
+it was trained on, its actions go back to the env's units.
+
+    processor = CheckpointProcessor.from_folder(folder, tokenizer_folder, variant, vocab)
+    model_obs = processor.inputs(obs)          # prompt ids, normalized state
+    env_actions = processor.actions_out(a)     # model (normalized) -> env units
+    a = processor.actions_in(env_actions)      # and back, for scoring
+
+Built-in policies and folders written by `save_pretrained` (config.json with `hpcvla_policy`)
+read the env's observations as they are: `from_folder` gives None for them. A LeRobot or
+openpi π0/π0.5 folder needs three things the weights do not hold:
+
+* **Prompt** (tokenizer from a local folder, `transformers.AutoTokenizer`: PaliGemma's is gated
+  on the hub, users bring it). The env's instruction ids are decoded back to their words
+  (envs/serial.py's vocabulary: lower-case words, which LIBERO's instructions are). π0 as
+  LeRobot: BOS + task + "\\n"; π0 as openpi: the task cleaned (strip, `_` and newlines to
+  spaces), then "\\n" encoded apart; π0.5 (both): "Task: {cleaned}, State: {bins};\\nAction: ",
+  bins = the normalized state digitized into 256 bins over [-1, 1] (np.digitize - 1, so -1
+  below the range). Right-padded with id 0 (the model's padding) to 48 (π0) / 200 (π0.5)
+  tokens, or LeRobot's `tokenizer_max_length`; longer prompts are cut there.
+* **Normalization** of the state in and the actions out. LeRobot: the normalizer steps of
+  `policy_preprocessor.json` / `policy_postprocessor.json` and their safetensors
+  (`observation.state.<stat>`, `action.<stat>`), modes MEAN_STD, QUANTILES, MIN_MAX, IDENTITY
+  and eps as written there. openpi: `assets/<asset id>/norm_stats.json`, mean/std for π0 and
+  q01/q99 for π0.5, with openpi's 1e-6. Statistics longer than the env's dims (openpi's older
+  32-d padded ones) are cut to them.
+* **Images**: the prefix resizes with padding (policies/vla.py), as both do. The env's `image`
+  is the checkpoint's first camera, `wrist_image` its second; cameras the env lacks are left
+  out, which is what the references' masked empty cameras amount to (no token attends to
+  them and positions count only real tokens).
+
+Actions: RL samples and scores in the model's (normalized) space; what the policy returns and
+the pipeline records is the env's action (`actions_out`), and scoring maps it back. The map is
+affine, so PPO's ratios and gradients are those of the model space.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpcvla.envs.serial import detokenize
+
+PROMPT_TOKENS = {"pi0": 48, "pi05": 200}  # openpi's max_token_len; LeRobot's defaults
+OPENPI_EPS, STATE_BINS = 1e-6, 256
+
+
+@dataclass
+class Affine:
+    """x -> (x - offset) / scale_in - shift, and back with scale_out (the references differ
+    from the exact inverse by their eps)."""
+    offset: torch.Tensor
+    scale_in: torch.Tensor
+    shift: float
+    scale_out: torch.Tensor
+
+    def forward(self, x):
+        return (x - self.offset.to(x)) / self.scale_in.to(x) - self.shift
+
+    def inverse(self, y):
+        return (y + self.shift) * self.scale_out.to(y) + self.offset.to(y)
+
+
+def affine(mode: str, stats: dict, eps: float, openpi: bool, dim: int, where) -> Affine:
+    """The normalization `mode` with statistics `stats` (name -> tensor), cut to `dim`."""
+    def stat(name):
+        if name not in stats:
+            raise ValueError(f"{where}: {mode} normalization needs the statistic {name!r}; "
+                             f"the file has {sorted(stats)}")
+        value = torch.as_tensor(stats[name], dtype=torch.float32).flatten()
+        if value.numel() < dim:
+            raise ValueError(f"{where}: statistic {name!r} has {value.numel()} entries, the "
+                             f"env's data {dim} (LIBERO: π0/OFT statistics are of the 8-d "
+                             "state, env.state_format=axis_angle)")
+        return value[:dim]
+
+    if mode == "IDENTITY":
+        zero, one = torch.zeros(dim), torch.ones(dim)
+        return Affine(zero, one, 0.0, one)
+    if mode == "MEAN_STD":
+        mean, std = stat("mean"), stat("std")
+        return Affine(mean, std + eps, 0.0, std + eps if openpi else std)
+    if mode not in ("QUANTILES", "MIN_MAX"):
+        raise ValueError(f"{where}: normalization mode {mode!r} is not supported (MEAN_STD, "
+                         "QUANTILES, MIN_MAX, IDENTITY)")
+    low, high = {"QUANTILES": ("q01", "q99"), "MIN_MAX": ("min", "max")}[mode]
+    low, high = stat(low), stat(high)
+    span = high - low + eps if openpi else torch.where(high == low, eps, high - low)
+    return Affine(low, span / 2, 1.0, span / 2)
+
+
+class CheckpointProcessor:
+    """See the module docstring."""
+
+    def __init__(self, tokenizer, prompt: str, max_tokens: int, state: Affine | None,
+                 action: Affine, vocab):
+        if tokenizer.pad_token_id != 0:
+            raise ValueError(f"the tokenizer's padding id is {tokenizer.pad_token_id}; the "
+                             "model reads id 0 as padding (PaliGemma's tokenizer)")
+        self.tokenizer, self.prompt, self.max_tokens = tokenizer, prompt, int(max_tokens)
+        self.state, self.action, self.vocab = state, action, tuple(vocab)
+
+    @classmethod
+    def from_folder(cls, folder, tokenizer_folder, variant: str, vocab, state_dim: int,
+                    action_dim: int) -> "CheckpointProcessor | None":
+        folder = Path(folder)
+        if is_hpcvla_folder(folder):
+            return None
+        tokenizer = load_tokenizer(tokenizer_folder, folder)
+        if (folder / "policy_preprocessor.json").is_file():
+            stats, steps = lerobot_steps(folder)
+            eps, modes = steps["normalizer_processor"]
+            max_tokens = steps.get("tokenizer_processor") or PROMPT_TOKENS[variant]
+            state = affine(modes.get("STATE", "IDENTITY"), stats["observation.state"], eps,
+                           False, state_dim, folder) if state_dim else None
+            action = affine(modes.get("ACTION", "IDENTITY"), stats["action"], eps, False,
+                            action_dim, folder)
+            prompt = variant
+        else:
+            stats, where = openpi_stats(folder)
+            mode = "MEAN_STD" if variant == "pi0" else "QUANTILES"
+            state = affine(mode, stats["state"], OPENPI_EPS, True, state_dim, where) \
+                if state_dim else None
+            action = affine(mode, stats["actions"], OPENPI_EPS, True, action_dim, where)
+            max_tokens = PROMPT_TOKENS[variant]
+            prompt = "openpi_pi0" if variant == "pi0" else variant  # π0.5: the same prompt
+        if variant == "pi05" and state is None:
+            raise ValueError("π0.5 reads the state in its prompt: the env must give one "
+                             "(env.state)")
+        return cls(tokenizer, prompt, max_tokens, state, action, vocab)
+
+    # ------------------------------------------------------------------ observations
+    def texts(self, instruction: torch.Tensor) -> list[str]:
+        """The env's instruction ids (B, L) back to their words."""
+        return [detokenize(row, self.vocab) for row in instruction.tolist()]
+
+    def prompts(self, texts: list[str], state: torch.Tensor | None) -> list[list[int]]:
+        encode = self.tokenizer.encode
+        if self.prompt == "pi05":
+            bins = np.digitize(state.float().cpu().numpy(),
+                               np.linspace(-1, 1, STATE_BINS + 1)[:-1]) - 1
+            return [encode(f"Task: {clean(t)}, State: {' '.join(map(str, b))};\nAction: ")
+                    for t, b in zip(texts, bins)]
+        if self.prompt == "openpi_pi0":
+            return [encode(clean(t)) + encode("\n", add_special_tokens=False) for t in texts]
+        return [encode(t if t.endswith("\n") else t + "\n") for t in texts]  # LeRobot π0
+
+    def inputs(self, obs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(obs)
+        if self.state is not None:
+            out["state"] = self.state.forward(obs["state"].float())
+        ids = self.prompts(self.texts(obs["instruction"]), out.get("state"))
+        tokens = torch.zeros(len(ids), self.max_tokens, dtype=torch.long)
+        for row, seq in zip(tokens, ids):
+            seq = seq[:self.max_tokens]
+            row[:len(seq)] = torch.tensor(seq)
+        out["instruction"] = tokens
+        return out
+
+    # ------------------------------------------------------------------ actions
+    def actions_out(self, actions: torch.Tensor) -> torch.Tensor:
+        return self.action.inverse(actions.float())
+
+    def actions_in(self, actions: torch.Tensor) -> torch.Tensor:
+        return self.action.forward(actions.float())
+
+
+def check_folder(folder, tokenizer_folder) -> list[tuple[str, str, str]]:
+    """What a published folder lacks besides its weights, as config problems (field, value,
+    what it should be), before any rank starts."""
+    folder = Path(folder)
+    if is_hpcvla_folder(folder):
+        return []
+    problems = []
+    try:
+        load_tokenizer(tokenizer_folder, folder)
+    except (ValueError, OSError) as err:
+        problems.append(("policy.tokenizer", tokenizer_folder, str(err).split(": ", 1)[-1]))
+    try:
+        if (folder / "policy_preprocessor.json").is_file():
+            lerobot_steps(folder)
+        else:
+            openpi_stats(folder)
+    except (ValueError, OSError) as err:
+        problems.append(("policy.pretrained", str(folder), f"a checkpoint with its "
+                         f"normalization statistics: {err}"))
+    return problems
+
+
+def clean(text: str) -> str:
+    """openpi's (and LeRobot π0.5's) task cleaning."""
+    return text.strip().replace("_", " ").replace("\n", " ")
+
+
+def is_hpcvla_folder(folder) -> bool:
+    config = Path(folder) / "config.json"
+    return config.is_file() and "hpcvla_policy" in json.loads(config.read_text())
+
+
+def load_tokenizer(tokenizer_folder, checkpoint):
+    """`transformers.AutoTokenizer` from a local folder, or an error saying how to get one."""
+    from transformers import AutoTokenizer
+
+    hint = ("PaliGemma's tokenizer (google/paligemma-3b-pt-224 on the Hugging Face hub, "
+            "gated): download it once on a login node, e.g. `hf download "
+            "google/paligemma-3b-pt-224 tokenizer.json tokenizer.model tokenizer_config.json "
+            "--local-dir <folder>`")
+    if not tokenizer_folder:
+        raise ValueError(f"policy.tokenizer: {checkpoint} is a published π0/π0.5 folder whose "
+                         f"prompts need {hint}, then set policy.tokenizer=<folder>")
+    folder = Path(tokenizer_folder)
+    if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        raise ValueError(f"policy.tokenizer: {folder} holds no tokenizer.json or "
+                         f"tokenizer.model; it should hold {hint}")
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def lerobot_steps(folder: Path) -> tuple[dict, dict]:
+    """LeRobot's processor pipelines: the statistics (feature -> stat -> tensor; actions from
+    the post-processor, which unnormalizes them), and per step what we read: the normalizer's
+    (eps, norm_map), the tokenizer's max_length."""
+    from safetensors.torch import load_file
+
+    stats, steps = {}, {}
+    for name, feature in (("policy_preprocessor.json", "observation.state"),
+                          ("policy_postprocessor.json", "action")):
+        path = folder / name
+        if not path.is_file():
+            raise ValueError(f"{folder}: {name} is missing (LeRobot writes it beside the "
+                             "weights; it names the normalization statistics)")
+        for step in json.loads(path.read_text()).get("steps", []):
+            config = step.get("config", {})
+            if step.get("registry_name") == "tokenizer_processor":
+                steps["tokenizer_processor"] = config.get("max_length")
+            if step.get("registry_name") in ("normalizer_processor",
+                                             "unnormalizer_processor") and "state_file" in step:
+                steps.setdefault("normalizer_processor", (config.get("eps", 1e-8),
+                                                          config.get("norm_map", {})))
+                tensors = load_file(str(folder / step["state_file"]))
+                prefix = feature + "."
+                found = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+                if not found:
+                    raise ValueError(f"{folder / step['state_file']}: no {feature} statistics")
+                stats[feature] = found
+    if "normalizer_processor" not in steps or len(stats) < 2:
+        raise ValueError(f"{folder}: the processor files hold no normalizer step with "
+                         "statistics for observation.state and action")
+    return stats, steps
+
+
+def openpi_stats(folder: Path) -> tuple[dict, Path]:
+    """openpi's `assets/<asset id>/norm_stats.json` (exactly one)."""
+    found = sorted(folder.glob("assets/**/norm_stats.json"))
+    if len(found) != 1:
+        raise ValueError(f"{folder}: {'no' if not found else len(found)} assets/*/"
+                         f"norm_stats.json {[str(f) for f in found] if found else ''} (openpi "
+                         "keeps one per checkpoint; neither LeRobot's processor files either): "
+                         "the checkpoint's normalization statistics are needed")
+    stats = json.loads(found[0].read_text()).get("norm_stats", {})
+    for key in ("state", "actions"):
+        if key not in stats:
+            raise ValueError(f"{found[0]}: no {key!r} statistics")
+    return stats, found[0]
+
+
+__all__ = ["CheckpointProcessor", "PROMPT_TOKENS", "check_folder", "is_hpcvla_folder",
+           "load_tokenizer"]

@@ -1,0 +1,133 @@
+"""The device map (devices.py): every inference and learner rank on a GPU of its own node, no
+two learners on one GPU, simulators on a GPU only when their simulator uses one; launcher
+bindings kept; and the CPU path (staging buffers, `hpcvla plan`'s device column)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcvla.cli import main as hpcvla_main
+from hpcvla.devices import HostStaging, assign_node, plan_devices, visible_gpus
+from hpcvla.topology.plan import INF, LEARN, SIM, PlanError, build_plan
+
+
+@st.composite
+def layouts(draw):
+    """A plan that builds, and a GPU count that has room for its learners."""
+    mode = draw(st.sampled_from(["disaggregated", "hybrid", "colocated"]))
+    nodes = draw(st.integers(1, 3))
+    inf = draw(st.integers(1, 4))
+    sims = draw(st.integers(inf, 12))
+    learn = 0 if mode == "hybrid" else draw(st.integers(0 if nodes > 1 else 1, 4))
+    per_node = {SIM: sims, INF: inf, LEARN: learn}
+    learner_nodes = draw(st.integers(0, nodes - 1)) if mode == "disaggregated" else 0
+    if mode == "disaggregated" and not learn and not learner_nodes:
+        learner_nodes = 1 if nodes > 1 else 0
+        per_node[LEARN] = 0 if learner_nodes else 1
+    rpn = sum(per_node.values())
+    try:
+        plan = build_plan(nodes * rpn, rpn, mode, per_node, learner_nodes)
+    except PlanError:
+        plan = build_plan(nodes * rpn, rpn, "colocated")
+    most_learners = max(sum(LEARN in i.roles for i in plan.ranks if i.node == n)
+                        for n in range(plan.num_nodes))
+    gpus = draw(st.integers(max(1, most_learners), most_learners + 12))
+    return plan, gpus, draw(st.booleans())
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_every_inference_and_learner_rank_gets_a_gpu_and_learners_never_share(layout):
+    plan, gpus, sim_gpu = layout
+    devices = plan_devices(plan, gpus, sim_gpu)
+    learner_gpus = [(i.node, devices[i.rank]) for i in plan.ranks if LEARN in i.roles]
+    assert len(set(learner_gpus)) == len(learner_gpus), "two learners on one GPU"
+    for node in range(plan.num_nodes):
+        infos = [i for i in plan.ranks if i.node == node]
+        compute = [devices[i.rank] for i in infos if INF in i.roles or LEARN in i.roles]
+        assert all(d.startswith("cuda:") and int(d[5:]) < gpus for d in compute)
+        if len(compute) <= gpus:  # room for everyone: nobody shares
+            assert len(set(compute)) == len(compute)
+        for info in infos:
+            if info.roles == (SIM,):
+                assert devices[info.rank].startswith("cuda:") == sim_gpu
+
+
+def test_two_nodes_of_eight_gpus_disaggregated_and_hybrid(capsys):
+    """The acceptance layouts, through `hpcvla plan`: one GPU per inference and learner rank."""
+    for mode, per_node in (("disaggregated", ("12", "2", "2")), ("hybrid", ("8", "8", "0"))):
+        code = hpcvla_main(["plan", "configs/default.yaml", "--world", "32", "--ranks-per-node",
+                            "16", "placement.gpus_per_node=8", f"placement.mode={mode}",
+                            f"placement.per_node.simulator={per_node[0]}",
+                            f"placement.per_node.inference={per_node[1]}",
+                            f"placement.per_node.learner={per_node[2]}"])
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+        assert code == 0 and len(rows) == 32
+        gpu_rows = [(r[1], r[6]) for r in rows if "inference" in r[3] or "learner" in r[3]]
+        assert len(gpu_rows) == 2 * 4 if mode == "disaggregated" else 2 * 8
+        assert len(set(gpu_rows)) == len(gpu_rows), f"{mode}: a GPU serves two ranks"
+        assert all(device == "cpu" for r in rows if r[3] == "simulator" for device in [r[6]])
+
+
+def test_more_learners_than_gpus_names_the_fix():
+    with pytest.raises(PlanError, match="placement.gpus_per_node=0"):
+        assign_node([(LEARN,)] * 3, [("0", "1")] * 3, sim_gpu=False)
+
+
+def test_inference_ranks_share_what_learners_leave():
+    roles = [(INF,), (SIM,), (INF,), (SIM,), (LEARN,), (LEARN,)]
+    got = assign_node(roles, [("0", "1", "2")] * 6, sim_gpu=False)
+    assert got[4:] == ["0", "1"] and got[0] == "2" and got[2] in ("0", "1")
+    assert got[1] is None and got[3] is None
+
+
+def test_a_launcher_binding_is_kept():
+    """srun --gpus-per-task=1: each rank sees only its own GPU, and keeps it."""
+    roles = [(INF,), (SIM,), (LEARN,), (LEARN,)]
+    assert assign_node(roles, [("5",), (), ("6",), ("7",)], sim_gpu=True) == \
+        ["5", None, "6", "7"]
+    with pytest.raises(PlanError, match="another learner"):
+        assign_node([(LEARN,), (LEARN,)], [("3",), ("3",)], sim_gpu=False)
+
+
+def test_no_gpus_means_cpu_everywhere():
+    plan = build_plan(8, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 1})
+    assert set(plan_devices(plan, 0, sim_gpu=True).values()) == {"cpu"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_asking_for_gpus_a_machine_lacks_is_an_error():
+    assert visible_gpus(-1) == () and visible_gpus(0) == ()
+    with pytest.raises(PlanError, match="placement.gpus_per_node = 2"):
+        visible_gpus(2)
+
+
+def test_host_staging_on_cpu_is_a_plain_concatenation():
+    staging = HostStaging(torch.device("cpu"))
+    parts = [np.arange(6, dtype=np.uint8).reshape(2, 3), np.ones((1, 3), np.uint8)]
+    out = staging.gather("image", parts)
+    assert np.array_equal(out, np.concatenate(parts))
+    tensors = staging.to_device({"image": out})
+    assert tensors["image"].device.type == "cpu"
+    assert tensors["image"].data_ptr() == out.ctypes.data  # no copy on the CPU
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA side is tests/gpu/")
+def test_the_gpu_check_runs_its_cpu_side_and_says_why_it_skipped_the_rest(tmp_path):
+    from test_mpi_world import hpcvla
+
+    out = hpcvla("bench", "gpu", "--quick", "--json", tmp_path / "gpu.json", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["gpus"] == 0 and set(result["devices"].values()) == {"cpu"}
+    assert result["presets"]["flow/tiny"]["train_step_ms"] > 0
+    assert "no CUDA" in result["presets"]["flow/full"]["skipped"]
+    assert result["flow_inference"]["cpu"]["act_ms"] > 0
+    assert "no CUDA" in result["flow_inference"]["gpu"]["skipped"]
+    assert set(result["reach_training"]["ranks"].values()) >= {"learner cpu float32"}
+    assert "no CUDA" in result["maniskill_gpu_sim"]["skipped"]
+    assert "no CUDA" in result["modes_real"]["skipped"]

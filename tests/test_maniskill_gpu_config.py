@@ -1,0 +1,58 @@
+"""env.sim_backend without a GPU: the config accepts `gpu` for maniskill on a login node, refuses
+it for the other simulators, and an env built where CUDA or the PhysX GPU library is missing
+fails naming env.sim_backend and the fix. Stepping the GPU env itself: tests/gpu."""
+
+import pytest
+import torch
+
+from hpcvla import envs
+from hpcvla.config import ConfigError, load_config
+from hpcvla.envs import check_env, env_uses_gpu, make_env
+
+
+def test_gpu_backend_loads_without_cuda_for_maniskill_only():
+    cfg = load_config(None, ["env.name=maniskill", "env.sim_backend=gpu"])  # a login node
+    assert cfg.env.sim_backend == "gpu" and load_config().env.sim_backend == "cpu"
+    for name in ("reach", "libero"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"env.name={name}", "env.sim_backend=gpu"])
+        assert [p[0] for p in err.value.problems] == ["env.sim_backend"]
+        assert "env.sim_backend=cpu" in str(err.value) and f"env.name={name}" in str(err.value)
+
+
+def test_gpu_env_without_cuda_names_the_setting_and_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"env\.sim_backend = 'gpu'.*env\.sim_backend=cpu"):
+        make_env("maniskill", 4, seed=0, sim_backend="gpu", task="PickCube-v1")  # the GPU env
+    with pytest.raises(ValueError, match="env.sim_backend=cpu"):
+        make_env("reach", 4, seed=0, sim_backend="gpu")
+
+
+def test_missing_physx_gpu_library_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))  # SAPIEN looks in ~/.sapien/physx/<version>
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    library = envs.maniskill_gpu.physx_gpu_library()
+    assert library.is_relative_to(tmp_path)
+    with pytest.raises(ConfigError, match=r"env\.sim_backend.*libPhysXGpu_64\.so"):
+        make_env("maniskill", 4, seed=0, sim_backend="gpu")  # fails before touching CUDA
+    cfg = load_config(None, ["env.name=maniskill", "env.sim_backend=gpu"])
+    with pytest.raises(ConfigError) as err:
+        check_env(cfg)  # before any rank starts: no CUDA needed, only the file
+    assert err.value.problems[0][0] == "env.sim_backend" and str(library) in str(err.value)
+    library.parent.mkdir(parents=True)
+    library.touch()
+    check_env(cfg)
+    check_env(load_config(None, ["env.name=maniskill"]))  # cpu needs no library
+
+
+def test_env_uses_gpu(monkeypatch):
+    cfg = load_config()
+    assert env_uses_gpu(cfg.env) is False  # reach
+    for backend in ("cpu", "gpu"):
+        cfg.env.name, cfg.env.sim_backend = "maniskill", backend
+        assert env_uses_gpu(cfg.env) is True
+    cfg.env.name, cfg.env.sim_backend = "libero", "cpu"
+    monkeypatch.setenv("MUJOCO_GL", "egl")
+    assert env_uses_gpu(cfg.env) is True
+    monkeypatch.setenv("MUJOCO_GL", "osmesa")
+    assert env_uses_gpu(cfg.env) is False

@@ -1,0 +1,177 @@
+"""Published π0/π0.5 folders through the public path: `policy.pretrained=<folder>` and
+`policy.tokenizer=<folder>` build the policy as every rank does (roles/pipeline.build_policy),
+and from LeRobot's raw observation (camera images, raw state, task string as the env's
+instruction ids) the prompt, the normalized state and the unnormalized action chunk are
+LeRobot 0.6.1's own (tests/fixtures/pi0, made by its code). Sizes, variant and padded dims come
+from the checkpoint; what a folder lacks is refused before any rank starts, by name."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from hpcvla.config import ConfigError, load_config
+from hpcvla.envs import env_kwargs, env_spec, make_env
+from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.serial import tokenize, vocab_of
+from hpcvla.roles.pipeline import build_policy
+from test_mpi_world import hpcvla
+from test_pipeline import run_train
+
+FIXTURES = Path(__file__).parent / "fixtures" / "pi0"
+TOKENIZER = FIXTURES / "tokenizer"
+EXECUTED, STEPS = 5, 10  # LeRobot's n_action_steps and denoising steps in the fixtures
+
+
+def config(folder, tokenizer=TOKENIZER, **extra):
+    overrides = [f"policy.pretrained={folder}", f"policy.tokenizer={tokenizer}",
+                 f"policy.denoise_steps={STEPS}", "policy.dtype=float32",
+                 *(f"{k}={v}" for k, v in extra.items())]
+    return load_config("configs/reach_flow.yaml", overrides)
+
+
+def raw_observation(io, tasks):
+    """LeRobot's raw batch as env fields: HWC images on the 0-255 scale (not square: the
+    prefix resizes with padding), the raw 8-d state, the tasks as the env's instruction ids."""
+    vocab = vocab_of(tasks)
+    length = 24  # words
+    obs = {"image": io["raw.observation.images.base_0_rgb"].permute(0, 2, 3, 1) * 255,
+           "wrist_image": io["raw.observation.images.left_wrist_0_rgb"].permute(0, 2, 3, 1) * 255,
+           "state": io["raw.observation.state"],
+           "instruction": torch.from_numpy(
+               np.stack([tokenize(t, vocab, length) for t in tasks]))}
+    spec = EnvSpec(obs={"image": ((24, 40, 3), "|u1"), "wrist_image": ((24, 40, 3), "|u1"),
+                        "state": ((8,), "<f4"), "instruction": ((length,), "<i4")},
+                   action_dim=7, chunk_len=EXECUTED, max_episode_chunks=8, vocab=vocab)
+    return obs, spec
+
+
+def fixture(family):
+    io = load_file(str(FIXTURES / family / "io.safetensors"))
+    with safe_open(str(FIXTURES / family / "io.safetensors"), "pt") as f:
+        tasks = json.loads(f.metadata()["fixture"])["tasks"]
+    return io, tasks
+
+
+@pytest.mark.parametrize("family", ["pi0", "pi05"])
+@pytest.mark.parametrize("layout", ["lerobot", "lerobot_sharded", "openpi"])
+def test_raw_observation_to_the_reference_action_chunk(family, layout):
+    io, tasks = fixture(family)
+    obs, spec = raw_observation(io, tasks)
+    policy = build_policy(config(FIXTURES / family / layout), spec)
+    assert policy.variant == family and policy.model_action_dim == 32
+    model = policy.processor.inputs(obs)
+    torch.testing.assert_close(model["state"], io["pre.observation.state"], rtol=0, atol=1e-5)
+    reference = io["pre.observation.language.tokens"] * io["pre.observation.language.attention_mask"]
+    same = [0, 1]  # the samples whose prompt is LeRobot's
+    if layout == "openpi" and family == "pi0":  # openpi cleans the task (`_` -> space)
+        same = [0]
+        text = policy.processor.tokenizer.decode(model["instruction"][1], skip_special_tokens=True)
+        assert text == tasks[1].replace("_", " ") + "\n"
+    assert torch.equal(model["instruction"][same], reference[same])
+    actions = policy.act(obs, deterministic=True).actions  # no exploration noise: x_0 = 0
+    torch.testing.assert_close(actions[same],
+                               io["sample_zero.actions_unnormalized"][same, :EXECUTED],
+                               rtol=0, atol=1e-5)
+    # scoring maps the env's actions back to the model's space: the same log-prob
+    sampled = policy.act(obs)
+    logprob = policy.evaluate(obs, sampled.actions)[0]
+    torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-3)
+
+
+def test_sizes_come_from_the_checkpoint():
+    io, tasks = fixture("pi0")
+    _, spec = raw_observation(io, tasks)
+    policy = build_policy(config(FIXTURES / "pi0" / "lerobot_tied", **{"policy.size": "full"}),
+                          spec)
+    summary = json.loads((FIXTURES / "pi0" / "summary.json").read_text())["tiny_dims"]
+    assert policy.prefix.vision_config.hidden_size == summary["vision"]["hidden_size"]
+    assert policy.prefix.text_config.hidden_size == summary["vlm"]["width"]
+    assert policy.expert_config.intermediate_size == summary["expert"]["mlp_dim"]
+    assert policy.prefix.text_config.vocab_size == summary["vocab_size"]
+
+
+def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
+    folder = FIXTURES / "pi0" / "lerobot"
+    with pytest.raises(ConfigError) as err:
+        config(folder, tokenizer="")
+    assert "policy.tokenizer" in str(err.value) and "paligemma" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        config(folder, tokenizer=tmp_path)
+    assert "policy.tokenizer" in str(err.value) and "tokenizer.json" in str(err.value)
+    bare = tmp_path / "bare"
+    shutil.copytree(FIXTURES / "pi0" / "openpi", bare)
+    shutil.rmtree(bare / "assets")
+    with pytest.raises(ConfigError) as err:
+        config(bare)
+    assert "policy.pretrained" in str(err.value) and "norm_stats.json" in str(err.value)
+    lerobot = tmp_path / "lerobot"
+    shutil.copytree(folder, lerobot)
+    (lerobot / "policy_postprocessor.json").unlink()
+    with pytest.raises(ConfigError) as err:
+        config(lerobot)
+    assert "policy_postprocessor.json is missing" in str(err.value)
+
+
+@pytest.mark.parametrize("family", ["pi0", "pi05"])
+def test_libero_first_action_is_the_references(family):
+    """The first action for LIBERO's observation (libero_spatial task 0, fixed state 0, as
+    the env renders it: tests/fixtures/pi0/export_libero_obs.py) is the unnormalized chunk
+    LeRobot computed for it, through configs/libero_<family>.yaml's policy."""
+    cfg = load_config(f"configs/libero_{family}.yaml", ["policy.dtype=float32"])
+    spec = env_spec(cfg.env)
+    with safe_open(str(FIXTURES / "libero_obs.safetensors"), "np") as f:
+        task = f.metadata()["task"]
+        exported = {k: f.get_tensor(k) for k in f.keys()}
+    env = make_env("libero", 1, seed=0, **env_kwargs(cfg.env))
+    try:
+        obs = env.reset(init_state_ids=np.array([0]))
+        assert env.instructions()[0] == task
+    finally:
+        env.close()
+    np.testing.assert_allclose(obs["state"], exported["state"], atol=1e-5)
+    for camera in ("image", "wrist_image"):  # OpenGL drivers may differ in a few pixels
+        assert (obs[camera] != exported[camera]).mean() < 0.02
+    exported["instruction"] = obs["instruction"]
+    policy = build_policy(cfg, spec)
+    actions = policy.act({k: torch.from_numpy(v) for k, v in exported.items()},
+                         deterministic=True).actions
+    io = load_file(str(FIXTURES / family / "io.safetensors"))
+    assert cfg.env.chunk_len == EXECUTED
+    torch.testing.assert_close(actions, io["libero.actions_unnormalized"][:, :EXECUTED],
+                               rtol=0, atol=1e-5)
+
+
+def test_libero_training_starts_from_the_checkpoint(tmp_path):
+    """`hpcvla train` on LIBERO from the π0 fixture with its tokenizer and statistics: the
+    first actions sent to the simulators are the pretrained policy's (their recorded log-probs
+    are its log-probs at version 0), it trains, and `hpcvla eval` runs the trained one."""
+    import h5py
+
+    out, _, run_dir = run_train(
+        tmp_path, "pipeline.total_updates=2", "env.max_episode_chunks=2",
+        "rollout.segment_len=2", "run.dump_trajectories=true", "pipeline.max_staleness=0",
+        "pipeline.mode=sync-disaggregated", config="configs/libero_pi0.yaml")
+    assert "[hpcvla] update 2/2" in out.stdout
+    cfg = load_config(run_dir / "config.yaml")
+    policy = build_policy(cfg, env_spec(cfg.env)).eval()
+    assert policy.processor is not None and policy.variant == "pi0"
+    dumps = sorted((run_dir / "trajectories").glob("rank*.h5"))
+    with h5py.File(dumps[0]) as f:
+        demo = f["data"][sorted(f["data"])[0]]
+        assert demo.attrs["policy_version"] == 0
+        obs = {k: torch.from_numpy(demo["obs"][k][:1]) for k in demo["obs"]}
+        actions = torch.from_numpy(demo["actions"][:1])
+        recorded = float(demo["logprobs"][0])
+    assert obs["state"].shape == (1, 8)  # the axis-angle state π0's statistics expect
+    with torch.no_grad():
+        logprob = float(policy.evaluate(obs, actions)[0])
+    assert abs(logprob - recorded) < 1e-3 * max(1.0, abs(recorded)), (logprob, recorded)
+    out = hpcvla("eval", run_dir, "--json", "--episodes", "2", "--envs", "2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["episodes"] == 2
