@@ -16,14 +16,16 @@ def _jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81, flow 0.84; tokens learns
-# later and less evenly (0.26 at 60 and 0.23 at 120 updates in one CI run, 0.97 at 160)
+MARGIN = 0.25  # measured gaps: PPO 0.66 at 60 updates, GRPO 0.81; flow's take-off varies with
+# the seed and the async timing (80 updates: 0.61, 0.83, 0.04, 0.76 over seeds 1-4 and 0.01 in one
+# CI run; 120: 0.77, 0.82, 0.74 over seeds 3, 0, 7); tokens learns later and less evenly (0.26 at
+# 60 and 0.23 at 120 updates in one CI run, 0.97 at 160)
 
 
 @pytest.mark.parametrize("config,updates", [
     ("configs/default.yaml", 40),      # CNN actor-critic, PPO
     ("configs/reach_grpo.yaml", 50),   # CNN, GRPO (critic-free, grouped restarts)
-    ("configs/reach_flow.yaml", 80),   # π0-style flow-matching expert, PPO
+    ("configs/reach_flow.yaml", 120),  # π0-style flow-matching expert, PPO
     ("configs/reach_tokens.yaml", 200),  # OpenVLA-OFT-style parallel action tokens, PPO
 ])
 def test_training_beats_the_untrained_policy(tmp_path, config, updates):
