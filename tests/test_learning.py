@@ -9,6 +9,7 @@ import pytest
 
 from hpcvla.config import load_config
 from hpcvla.evaluate import checkpoint_weights, evaluate
+from hpcvla.metrics.tensorboard import read_scalars
 from test_mpi_world import hpcvla
 from test_pipeline import run_train
 
@@ -56,3 +57,13 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
         assert _jsonl(run_dir / "eval.jsonl") == curve  # kept with the run, for reports
         assert curve[0]["success_rate"] == untrained["success_rate"]
         assert curve[-1]["success_rate"] == trained["success_rate"]
+        # TensorBoard's own reader sees the run: live training scalars, busy fractions, eval
+        board = read_scalars(run_dir)
+        for tag in ("train/pg_loss", "train/approx_kl", "train/clip_fraction",
+                    "train/explained_variance", "rollout/success_rate", "rollout/mean_return",
+                    "perf/trained_env_steps_per_s", "perf/staleness"):
+            assert board.get(tag), (tag, sorted(board))
+        assert board["train/pg_loss"][-1][0] == 40 * 1024  # x axis: trained env steps
+        assert any(tag.startswith("busy/simulator/") for tag in board), sorted(board)
+        assert [(s, round(v, 6)) for s, v in board["eval/success_rate"]] == \
+            [(c["trained_env_steps"], round(c["success_rate"], 6)) for c in curve]

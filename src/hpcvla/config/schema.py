@@ -44,6 +44,11 @@ class RunConfig:
         10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
         "died, sees everything up to the last one. Shorter: fresher files, more file opens.",
         ge=0.1)
+    tensorboard: bool = setting(
+        True, "Write TensorBoard event files to `<run dir>/tensorboard/` as the run goes "
+        "(the weight root's losses, KL, clip fraction, success, return, throughput, "
+        "staleness; every role's busy fractions at the end; `hpcvla eval --all`'s curve): "
+        "`tensorboard --logdir <run.root>` on a login node watches every run under it.")
 
 
 @dataclass

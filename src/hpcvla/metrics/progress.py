@@ -9,7 +9,8 @@ of them; env faults left out); staleness from the policy versions the learner tr
 JSONL records hold the loss statistics of each micro-batch's last epoch: clip fraction, KL,
 explained variance of the critic, return and value scale. Trained env steps count
 all learners: each trains an equal share of every version, so the root's count times the
-number of learners.
+number of learners. The same numbers go to TensorBoard (`metrics/tensorboard.py`) when a
+board is given: the records as they come, throughput and staleness at every printed line.
 """
 
 from __future__ import annotations
@@ -21,10 +22,13 @@ from collections import deque
 
 import numpy as np
 
+from hpcvla.metrics.tensorboard import RunBoard
+
 
 class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
-                 enabled: bool, window: int = 200, learners: int = 1):
+                 enabled: bool, window: int = 200, learners: int = 1,
+                 board: RunBoard | None = None):
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
         self.learners = learners
@@ -35,6 +39,7 @@ class Progress:
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
         self.start = self.last_print = time.monotonic()
         self._file = open(path, "a") if (enabled and path) else None
+        self.board = board if enabled else None
 
     def resume(self, updates: int, trained_env_steps: int) -> None:
         """Counters continue from a checkpoint."""
@@ -59,6 +64,8 @@ class Progress:
                       "trained_env_steps": self.steps, "success_rate": self.success_rate,
                       **{k: round(float(v), 6) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
+        if self.board:
+            self.board.scalars({"success_rate": self.success_rate, **stats}, self.steps)
 
     def on_update(self, updates: int) -> None:
         self.updates = updates
@@ -75,6 +82,12 @@ class Progress:
                   f"{int(eta // 60)}m{int(eta % 60):02d}s", file=sys.stdout, flush=True)
             if self._file:
                 self._file.flush()
+            if self.board:
+                staleness = np.mean(self.staleness) if self.staleness else 0.0
+                self.board.scalars({"trained_env_steps_per_s": rate, "staleness": staleness,
+                                    "update": updates}, self.steps, group="perf")
+                self.board.scalars({"mean_return": self.mean_return}, self.steps)
+                self.board.flush()
 
     @property
     def success_rate(self) -> float:
@@ -88,3 +101,5 @@ class Progress:
         if self._file:
             self._file.close()
             self._file = None
+        if self.board:
+            self.board.close()

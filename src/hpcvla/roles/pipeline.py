@@ -31,6 +31,7 @@ from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
 from hpcvla.metrics.progress import Progress
+from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.policies import POLICIES, make_policy, policy_kwargs
 from hpcvla.policies.folders import checkpoint_kwargs, load_weights
@@ -125,7 +126,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root,
-                        learners=len(plan.learners))
+                        learners=len(plan.learners),
+                        board=RunBoard(run_dir, cfg.run.tensorboard) if is_root else None)
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     first = checkpoint.read_state(resume)["version"] if resume else 0
     summary = {"rank": rank, "role": role, "host": MPI.Get_processor_name(), "env_steps": 0,
@@ -321,6 +323,10 @@ def _report(world, summary: dict, cfg, run_dir) -> dict:
     result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
     result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    board = RunBoard(run_dir, cfg.run.tensorboard)  # the whole run's busy fractions, once
+    board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
+                  root.get("trained_env_steps", 0))
+    board.close()
     if result["preempted"]:
         print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
               f"`hpcvla train run.resume={run_dir}`", flush=True)
