@@ -6,7 +6,8 @@ Writes into --out (default `report/`):
     report.md            throughput table across modes and rank ratios (RL-VLA³ Tables 1, 3
                          and 4: throughput, wall time, per-stage busy seconds), benchmark
                          tables, busy fractions, staleness, trajectory dumps, and the charts:
-    throughput.png       env steps/s per run (and per benchmark case, with its ideal bound)
+    throughput.png       env steps/s per run
+    <bench>.png          env steps/s per case of each --bench file, its ideal bound a line
     timeline-<run>.png   swimlanes: one lane per rank, a coloured bar per busy span of each
                          stage, white = idle; `-zoom` shows two seconds mid-run
     success.png          success rate against trained env steps, one curve per run (the
@@ -15,8 +16,10 @@ Writes into --out (default `report/`):
     staleness.png        fraction of trained segments per policy-version lag, per run
 
 A run directory is what `hpcvla train` writes (summary.json, metrics.jsonl, config.yaml,
-plan.json, timeline.rank<R>.jsonl, optional trajectories/). Charts are drawn by hpcvla.metrics.raster
-(numpy + zlib; matplotlib is not needed).
+plan.json, timeline.rank<R>.jsonl, optional trajectories/). Charts are drawn by
+hpcvla.metrics.charts (matplotlib, Agg backend): stages keep one colour in every report,
+benchmark bars carry their ideal bound as a black line, and bar charts whose values span two
+decades or more get a log axis.
 """
 
 from __future__ import annotations
@@ -27,11 +30,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from hpcvla.metrics.raster import PALETTE, bar_chart, line_chart, swimlane
-
-STAGE_COLORS = {"simulate": (44, 160, 44), "infer": (31, 119, 180), "assemble": (23, 190, 207),
-                "dump": (148, 103, 189), "train": (214, 39, 40), "wait_data": (200, 200, 200),
-                "publish": (255, 127, 14)}
+from hpcvla.metrics.charts import bar_chart, line_chart, swimlane
 
 
 class ReportError(ValueError):
@@ -143,13 +142,6 @@ def lanes_of(run: dict) -> list:
     return [(f"r{rank} {role}", spans) for (rank, role), spans in sorted(run["spans"].items())]
 
 
-def stage_colors(runs: list[dict]) -> dict:
-    stages = sorted({stage for r in runs for spans in r["spans"].values()
-                     for _, _, stage in spans})
-    extra = iter(PALETTE[5:])
-    return {s: STAGE_COLORS.get(s) or next(extra) for s in stages}
-
-
 def write_report(run_dirs, bench_files=(), out="report") -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,7 +171,6 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
                   f"Benchmark {Path(name).stem}", "env steps/s",
                   markers={"ideal bound": [bench["modes"][c]["ideal_bound"] for c in cases]})
     if runs:
-        colors = stage_colors(runs)
         md += ["## Timelines", "",
                "One lane per rank; a coloured bar per busy span of a stage, white is idle "
                "(`wait_data`: a learner waiting for trajectories).", ""]
@@ -187,12 +178,12 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
             lanes = lanes_of(run)
             if not lanes:
                 continue
-            swimlane(out / f"timeline-{run['name']}.png", lanes, colors,
+            swimlane(out / f"timeline-{run['name']}.png", lanes,
                      f"{run['name']} ({run['summary']['mode']})")
             begin = min(s for _, spans in lanes for s, _, _ in spans)
             middle = (begin + max(e for _, spans in lanes for _, e, _ in spans)) / 2
             window = (max(begin, middle - 1.0), middle + 1.0)
-            swimlane(out / f"timeline-{run['name']}-zoom.png", lanes, colors,
+            swimlane(out / f"timeline-{run['name']}-zoom.png", lanes,
                      f"{run['name']}: {window[0]:.1f}-{window[1]:.1f} s", window=window)
             md += [f"### {run['name']}", "", f"![timeline](timeline-{run['name']}.png)", "",
                    f"![timeline zoom](timeline-{run['name']}-zoom.png)", "", busy_table(run),
@@ -208,7 +199,7 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
         lags = sorted({k for r in runs for k in staleness_of(r)})
         bar_chart(out / "staleness.png", [f"lag {k}" for k in lags],
                   {n: [staleness_of(r).get(k) for k in lags] for n, r in zip(names, runs)},
-                  "Staleness of trained segments", "fraction of segments")
+                  "Staleness of trained segments", "fraction of segments", logy=False)
         md += ["## Success", "", "![success](success.png)", ""]
         for r in runs:
             if r["evals"]:  # hpcvla eval --all: one policy per point, fixed initial states

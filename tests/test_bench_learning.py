@@ -7,8 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from hpcvla.bench.learning import welch_interval
-from hpcvla.metrics.raster import read_png
+from matplotlib.image import imread
+
+from hpcvla.bench.learning import _plot, welch_interval
 from test_mpi_world import hpcvla
 
 
@@ -37,8 +38,23 @@ def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
             assert len(run["curve"]) == len(grid) and 0 <= run["final_success"] <= 1
             assert 0 <= run["eval_success"] <= 1  # hpcvla eval of the final checkpoint
             assert run["explained_variance"] <= 1  # the critic's, logged per micro-batch
-    png = read_png(tmp_path / "learning.png")  # the overlaid curves, next to the JSON
-    assert png.shape[2] == 3 and png.std() > 0
+    png = imread(tmp_path / "learning.png")  # the curves per seed and mean, next to the JSON
+    assert png.shape[:2] == (460, 900) and png.std() > 0
     for name in ("difference", "rolling_difference", "curve_difference"):
         low, high = results[name]["ci95"]
         assert low <= results[name]["streamer_minus_sync-colocated"] <= high
+
+
+def test_learning_chart_shades_the_interval_across_seeds(tmp_path):
+    grid = np.linspace(1024, 10240, 10).tolist()
+    rng = np.random.default_rng(0)
+    results = {"grid_env_steps": grid, "modes": {
+        mode: {"runs": [{"seed": s, "curve": np.clip(np.linspace(0, top, 10) +
+                                                     rng.normal(0, 0.05, 10), 0, 1).tolist()}
+                        for s in range(3)]} for mode, top in (("streamer", 0.9),
+                                                              ("sync-colocated", 0.6))}}
+    _plot(results, tmp_path / "learning.png")
+    rgb = (imread(tmp_path / "learning.png")[..., :3] * 255).round().astype(np.uint8)
+    assert rgb.shape == (460, 900, 3)
+    # lines, their translucent bands and the bands' overlap: many colours, not a blank image
+    assert len(np.unique(rgb.reshape(-1, 3), axis=0)) > 50

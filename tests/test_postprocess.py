@@ -5,13 +5,19 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
+from matplotlib.colors import to_rgb
+from matplotlib.image import imread
 
+from hpcvla.metrics.charts import STAGE_COLORS, stage_color
 from test_mpi_world import ROOT, hpcvla
 
 sys.path.insert(0, str(ROOT / "postprocess"))
-from hpcvla.metrics.raster import nice_ticks, read_png  # noqa: E402
-from report import STAGE_COLORS  # noqa: E402
+from report import lanes_of, load_run  # noqa: E402
+
+
+def read_png(path) -> np.ndarray:
+    """RGB pixels (uint8) of a PNG, read back by matplotlib."""
+    return (imread(path)[..., :3] * 255).round().astype(np.uint8)
 
 
 def report(*args):
@@ -49,16 +55,21 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     assert "## Trajectory dumps" in md and "| rank0.h5 |" in md
     assert f"`hpcvla eval --all` of {streamer.name}: v3 0." in md  # beside training's curve
     assert f"hpcvla eval --all` of {colocated.name}" not in md
-    for name in ("throughput", "success", "staleness", f"timeline-{streamer.name}",
-                 f"timeline-{streamer.name}-zoom", f"timeline-{colocated.name}"):
+    lanes = {r: len(lanes_of(load_run(r))) for r in (streamer, colocated)}  # (rank, role)s
+    assert lanes[streamer] >= 4
+    for name, shape in (("throughput", (420, 900)), ("success", (420, 900)),
+                        ("staleness", (420, 900)),
+                        *((f"timeline-{r.name}{zoom}", (130 + 22 * n, 1000))
+                          for r, n in lanes.items() for zoom in ("", "-zoom"))):
         assert f"({name}.png)" in md
         pixels = read_png(tmp_path / "report" / f"{name}.png")
-        assert pixels.shape[2] == 3 and len(np.unique(pixels.reshape(-1, 3), axis=0)) > 3
-    # the swimlanes show each stage in its colour: simulators, inference, learner
-    lanes = read_png(tmp_path / "report" / f"timeline-{streamer.name}.png").reshape(-1, 3)
-    colours = {tuple(c) for c in np.unique(lanes, axis=0)}
+        assert pixels.shape == (*shape, 3), name
+        assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 20, name  # not blank
+    # the swimlanes show each stage in its fixed colour: simulators, inference, learner
+    pixels = read_png(tmp_path / "report" / f"timeline-{streamer.name}.png").reshape(-1, 3)
+    colours = {tuple(c) for c in np.unique(pixels, axis=0)}
     for stage in ("simulate", "infer", "train"):
-        assert STAGE_COLORS[stage] in colours, stage
+        assert tuple(round(v * 255) for v in to_rgb(STAGE_COLORS[stage])) in colours, stage
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path):
@@ -66,11 +77,24 @@ def test_report_refuses_what_is_not_a_run(tmp_path):
     assert out.returncode == 2 and "no summary.json" in out.stderr
 
 
-@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 3456.0), (-2.5, 7), (0.001, 0.004)])
-def test_ticks_are_round_and_cover_the_range(lo, hi):
-    ticks = nice_ticks(lo, hi)
-    assert 2 <= len(ticks) <= 12 and ticks[0] >= lo - 1e-9 and ticks[-1] <= hi + 1e-9
-    steps = np.diff(ticks)
-    assert np.allclose(steps, steps[0]) and hi - ticks[-1] < steps[0] + 1e-9
-    mantissa = steps[0] / 10 ** np.floor(np.log10(steps[0]))
-    assert round(mantissa, 6) in (1, 2, 5)
+
+def test_stage_colours_are_fixed_and_unknown_stages_stable():
+    assert stage_color("train") == STAGE_COLORS["train"]
+    assert stage_color("no-such-stage") == stage_color("no-such-stage")  # crc32, not hash()
+    assert stage_color("no-such-stage") not in STAGE_COLORS.values()
+    assert len(set(STAGE_COLORS.values())) == len(STAGE_COLORS)
+
+
+def test_benchmark_bars_draw_the_ideal_bound(tmp_path):
+    bench = {"workload": "emulated", "gpus": 2, "updates": 3, "modes": {
+        m: {"mode": m, "ranks": 2, "throughput": tp, "ideal_bound": bound,
+            "efficiency": tp / bound} for m, tp, bound in
+        (("sync-colocated", 500.0, 600.0), ("streamer", 1200.0, 1500.0))}}
+    (tmp_path / "b.json").write_text(json.dumps(bench))
+    out = report("--bench", tmp_path / "b.json", "--out", tmp_path / "r")
+    assert out.returncode == 0, out.stderr
+    pixels = read_png(tmp_path / "r" / "b.png")
+    assert pixels.shape == (420, 900, 3)
+    # the bounds: a black line across each bar (at two heights; the frame spans the width)
+    black = (pixels == 0).all(axis=2).sum(axis=1)
+    assert ((black > 100) & (black < 400)).sum() >= 2

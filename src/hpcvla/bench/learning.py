@@ -184,17 +184,11 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
 
 
 def _plot(results: dict, path: Path) -> None:
-    """Overlaid rolling success curves, blues for the first arm's seeds, reds for the
-    second's (drawn without matplotlib)."""
-    from hpcvla.metrics.raster import line_chart
+    """Rolling success per arm against trained env steps: each seed thin, the mean across
+    seeds thick with its 95 % t interval shaded (hpcvla.metrics.charts.seed_curves)."""
+    from hpcvla.metrics.charts import seed_curves
 
-    shades = [[(31, 119, 180), (90, 160, 220), (20, 70, 130)],  # blues: the first arm
-              [(214, 39, 40), (240, 110, 100), (140, 25, 25)]]  # reds: the second
-    series, colors = {}, {}
-    for arm, (mode, m) in enumerate(results["modes"].items()):
-        for i, r in enumerate(m["runs"]):
-            label = f"{mode} seed {r['seed']}"
-            series[label] = (results["grid_env_steps"], r["curve"])
-            colors[label] = shades[arm][i % len(shades[arm])]
-    line_chart(path, series, "success rate vs trained env steps (same budget per mode)",
-               "trained env steps", "success rate", ylim=(0, 1), colors=colors)
+    seed_curves(path, results["grid_env_steps"],
+                {mode: [r["curve"] for r in m["runs"]] for mode, m in results["modes"].items()},
+                "success rate vs trained env steps (same budget per mode)",
+                "trained env steps", "success rate", ylim=(0, 1))
