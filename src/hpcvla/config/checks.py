@@ -8,6 +8,12 @@ from typing import Any
 
 from hpcvla.config.schema import ROLES
 
+# Values the schema names but this version refuses, with the reason and what to use instead.
+REFUSED = {
+    ("learner.backend", "horovod"): "deepspeed (Horovod 0.28.1 builds and runs here, but it is "
+    "not yet wired into the learners: hpcvla would train with DeepSpeed anyway)",
+}
+
 
 def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     """Cross-field problems of `cfg` as (field, value, what would be valid); empty when fine."""
@@ -20,6 +26,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     for role, count in per_node.items():
         if role in ROLES and count < 0:
             problems.append((f"placement.per_node.{role}", count, "a count >= 0"))
+    for (field, value), valid in REFUSED.items():
+        section, name = field.split(".")
+        if getattr(getattr(cfg, section), name) == value:
+            problems.append((field, value, valid))
     if cfg.placement.learner_nodes and cfg.placement.mode != "disaggregated":
         problems.append(("placement.learner_nodes", cfg.placement.learner_nodes,
                          "0 unless placement.mode is disaggregated"))
@@ -40,12 +50,18 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.pretrained:
         if cfg.policy.name == "default":
             problems.append(("policy.pretrained", cfg.policy.pretrained,
-                             "empty for policy.name=default (only flow/tokens load folders)"))
+                             "empty for policy.name=default (only flow/tokens/oft load folders)"))
         elif not any((Path(cfg.policy.pretrained) / name).is_file()
                      for name in ("model.safetensors", "model.safetensors.index.json")):
             problems.append(("policy.pretrained", cfg.policy.pretrained,
                              "a folder holding model.safetensors (or a sharded "
                              "model.safetensors.index.json)"))
+        elif cfg.policy.name == "oft":  # OFT's folder: config, statistics, tokenizer
+            from hpcvla.policies.oft_checkpoint import check_folder
+            from hpcvla.policies.processor import is_hpcvla_folder
+            if not is_hpcvla_folder(cfg.policy.pretrained):
+                problems += check_folder(cfg.policy.pretrained, cfg.policy.tokenizer,
+                                         cfg.policy.unnorm_key)
         else:  # a published folder: its tokenizer and normalization statistics
             from hpcvla.policies.processor import check_folder
             problems += check_folder(cfg.policy.pretrained, cfg.policy.tokenizer)

@@ -230,8 +230,10 @@ class RolloutConfig:
 @dataclass
 class LearnerConfig:
     backend: str = setting(
-        "deepspeed", "Data-parallel engine of the learner group. `horovod` only where the "
-        "site provides it.", choices=("deepspeed", "horovod"))
+        "deepspeed", "Data-parallel engine of the learner group. `horovod` is refused for "
+        "now: Horovod 0.28.1 builds and runs here (MPI controller, no Gloo) but is not yet "
+        "the learners' engine, and a setting that nothing honours is worse than none.",
+        choices=("deepspeed", "horovod"))
     zero_stage: int = setting(
         1, "DeepSpeed ZeRO stage. 0: plain data parallel (fastest, every learner holds "
         "everything). 1: shard optimizer state. 2: + gradients. 3: + parameters (least "
