@@ -25,16 +25,20 @@ class PolicyConfig:
         "SigLIP+Gemma prefix and a Gemma action expert that denoises the chunk (flow "
         "matching; RL log-probs through a noisy last denoising step). `tokens`: "
         "OpenVLA-OFT-style VLA, a SigLIP+Llama model decoding 256-bin action tokens in "
-        "one pass. Both built from transformers configs with random weights.",
-        choices=("default", "flow", "tokens"))
+        "one pass. Both built from transformers configs with random weights. `oft`: "
+        "OpenVLA-OFT as published (DINOv2+SigLIP, Llama-2, action tokens in its vocabulary), "
+        "loading OFT's checkpoint folders (`pretrained`) and sampling/scoring as RLinf's RL "
+        "(policies/oft.py).",
+        choices=("default", "flow", "tokens", "oft"))
     hidden: int = setting(
         128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
         "more per step.", ge=8)
     size: str = setting(
-        "tiny", "`flow`/`tokens`: size preset. `tiny` (~0.2M parameters) trains on a CPU; "
-        "`small` (~5-10M) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
-        "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA), for GPUs with "
-        "learner.zero_stage 3. `flow` with a `pretrained` folder takes the checkpoint's "
+        "tiny", "`flow`/`tokens`/`oft`: size preset. `tiny` (~0.2M parameters; oft ~1.1M, "
+        "mostly its 32064-row vocabulary) trains on a CPU; `small` (~5-10M, not oft) for one "
+        "GPU; `full` is the real size (flow: PaliGemma-3B + 300M expert like π0; tokens: "
+        "Llama-2-7B + SigLIP like OpenVLA; oft: OpenVLA-7B), for GPUs with "
+        "learner.zero_stage 3. `flow`/`oft` with a `pretrained` folder take the checkpoint's "
         "sizes instead (from its tensors).", choices=("tiny", "small", "full"))
     denoise_steps: int = setting(
         4, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
@@ -61,12 +65,12 @@ class PolicyConfig:
         "total noise injected over the chain (each of K steps gets std / sqrt(K)). Lower "
         "starts closer to a pretrained policy's own actions, explores less.")
     logprob_granularity: str = setting(
-        "chunk", "`flow`/`tokens`: unit of the PPO ratio and its clip: one per chunk, per "
+        "chunk", "`flow`/`tokens`/`oft`: unit of the PPO ratio and its clip: one per chunk, per "
         "action or per token (action dim). Finer units clip each part separately (fewer "
         "samples fully clipped) but ignore correlations inside the chunk.",
         choices=("chunk", "action", "token"))
     dtype: str = setting(
-        "auto", "`flow`/`tokens`: the dtype the policy holds and computes in. `auto`: "
+        "auto", "`flow`/`tokens`/`oft`: the dtype the policy holds and computes in. `auto`: "
         "bfloat16 when the run's inference/learner ranks are on GPUs, float32 on CPUs (CPU "
         "bf16 matmuls are slow). Learners in bf16 keep fp32 master weights in the optimizer "
         "(DeepSpeed's bf16 mode), checkpointed with them; the weight plane carries bf16.",
@@ -78,12 +82,29 @@ class PolicyConfig:
         "before training; every missing or misshaped tensor is named. Empty: random init. "
         "A published π0/π0.5 folder (LeRobot's, or openpi's converted PyTorch one) fixes the "
         "variant, sizes and padded dims, and brings its normalization statistics; its "
-        "prompts need `tokenizer` (policies/processor.py).")
+        "prompts need `tokenizer` (policies/processor.py). `oft`: an OpenVLA-OFT folder "
+        "(config.json, sharded weights, dataset_statistics.json, tokenizer, optional "
+        "proprio projector .pt) fixes the sizes and brings its statistics and tokenizer.")
     tokenizer: str = setting(
         "", "`flow` with a published `pretrained` folder: a local folder holding the "
         "checkpoint's tokenizer (PaliGemma's: tokenizer.json / tokenizer.model, read by "
-        "transformers.AutoTokenizer; gated on the hub, so download it once). Unused "
-        "otherwise: built-in policies read the env's instruction ids.")
+        "transformers.AutoTokenizer; gated on the hub, so download it once). `oft`: empty "
+        "reads the one the checkpoint folder ships. Unused otherwise: built-in policies "
+        "read the env's instruction ids.")
+    temperature: float = setting(
+        1.6, "`oft`: divides the action-token logits when sampling and scoring (RLinf's "
+        "LIBERO configs: 1.6). Higher explores more (flatter bins) and lowers the log-probs "
+        "PPO ratios are taken of; deterministic acting (eval) takes the argmax either way.",
+        ge=0.01)
+    unnorm_key: str = setting(
+        "", "`oft` with a `pretrained` folder: the dataset key of its dataset_statistics.json "
+        "whose q01/q99 unnormalize the actions (and normalize the state), e.g. "
+        "`libero_spatial_no_noops`; empty: the file's only key.")
+    max_prompt_length: int = setting(
+        128, "`oft` with a `pretrained` folder: prompts are left-padded to this many tokens "
+        "(RLinf's max_prompt_length; longer ones lengthen the batch). Padding is masked and "
+        "positions skip it, so it changes only shapes: more costs compute, fewer varies "
+        "them.", ge=1)
 
 
 @dataclass

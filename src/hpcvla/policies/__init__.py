@@ -1,5 +1,5 @@
-"""Policies: the `Policy` interface, the default small policy, the two VLA families (flow
-matching, action tokens), and a by-name factory."""
+"""Policies: the `Policy` interface, the default small policy, the VLA families (flow
+matching, action tokens, the published OpenVLA-OFT), and a by-name factory."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from hpcvla.policies.base import ActOutput, Policy
 from hpcvla.policies.default import DefaultPolicy, count_parameters
 from hpcvla.policies.flow import FlowPolicy
 from hpcvla.policies.tokens import ActionTokenPolicy
+from hpcvla.policies.oft import OFTPolicy
 from hpcvla.policies.folders import load_pretrained, save_pretrained
 
 # name -> class; every class takes (obs_spec, action_dim, chunk_len, vocab_size, **kwargs).
@@ -14,6 +15,7 @@ POLICIES: dict[str, type[Policy]] = {
     "default": DefaultPolicy,
     "flow": FlowPolicy,
     "tokens": ActionTokenPolicy,
+    "oft": OFTPolicy,
 }
 
 
@@ -32,6 +34,7 @@ def policy_kwargs(name: str, policy_config) -> dict:
     return {field: getattr(policy_config, field) for field in POLICIES[name].config_fields}
 
 
-__all__ = ["ActOutput", "Policy", "DefaultPolicy", "FlowPolicy", "ActionTokenPolicy", "POLICIES",
+__all__ = ["ActOutput", "Policy", "DefaultPolicy", "FlowPolicy", "ActionTokenPolicy", "OFTPolicy",
+           "POLICIES",
            "make_policy", "policy_kwargs", "count_parameters", "save_pretrained",
            "load_pretrained"]

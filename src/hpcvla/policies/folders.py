@@ -76,6 +76,8 @@ def checkpoint_kwargs(policy_cls, path) -> dict:
     π0's variant, padded action and state dims and horizon), from the files' headers only."""
     from safetensors import safe_open
 
+    if hasattr(policy_cls, "folder_kwargs"):  # a family that reads its reference's folder
+        return policy_cls.folder_kwargs(path)
     if not hasattr(policy_cls, "checkpoint_kwargs"):
         return {}
     shapes = {}
@@ -113,7 +115,12 @@ def from_layout(tensors: dict[str, torch.Tensor], layout: dict, where) -> dict:
 def load_weights(policy, path) -> list[str]:
     """Load a checkpoint (file or folder, module docstring) into `policy`, exactly. Raises
     naming every missing, unexpected or misshaped tensor; returns the RL-head names that were
-    absent (kept at their initial values)."""
+    absent (kept at their initial values). A family whose published folders need more than
+    renaming (`load_published`, e.g. oft's timm towers) reads them itself."""
+    config = Path(path) / "config.json"
+    if hasattr(policy, "load_published") and Path(path).is_dir() and not (
+            config.is_file() and "hpcvla_policy" in json.loads(config.read_text())):
+        return policy.load_published(path)
     tensors = from_layout(read_tensors(path), getattr(policy, "HF_LAYOUT", {}), path)
     loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
     state = policy.state_dict()

@@ -98,10 +98,14 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
         load_weights(policy, cfg.policy.pretrained)
         # a published folder's prompt, tokenizer and normalization (None for our own)
-        policy.processor = CheckpointProcessor.from_folder(
-            cfg.policy.pretrained, cfg.policy.tokenizer, getattr(policy, "variant", ""),
-            spec.vocab, spec.obs["state"][0][0] if "state" in spec.obs else 0,
-            spec.action_dim)
+        if hasattr(policy, "make_processor"):  # a family with its own (oft)
+            policy.processor = policy.make_processor(cfg.policy.pretrained,
+                                                     cfg.policy.tokenizer, spec.vocab)
+        else:
+            policy.processor = CheckpointProcessor.from_folder(
+                cfg.policy.pretrained, cfg.policy.tokenizer, getattr(policy, "variant", ""),
+                spec.vocab, spec.obs["state"][0][0] if "state" in spec.obs else 0,
+                spec.action_dim)
     return policy.to(device)
 
 

@@ -1,0 +1,272 @@
+"""OpenVLA-OFT as published: loads OFT's checkpoint folders and runs RLinf's RL path.
+
+Architecture (tests/fixtures/oft/README.md): a fused DINOv2 + SigLIP vision backbone
+(policies/oft_vision.py; transformers modules, as timm is not installable beside this
+project's CPU torch), OFT's 3-layer GELU projector, a Llama-2 (`transformers.LlamaModel` +
+an untied 32064-row `lm_head`, rms_norm_eps 1e-6) that attends **bidirectionally** to every
+non-padding token (OFT's fork of transformers changes only that), and the discrete action
+head: the last 256 ids of the Llama-2 vocabulary (31744..31999) are action tokens, id ->
+bin `clip(32000 - id - 1, 0, 254)` -> one of the 255 centres of linspace(-1, 1, 256).
+
+RL sequence (RLinf's `implement_version: rlinf`, what `act`/`evaluate` run):
+`[BOS] + patches (+ proprio token) + pads + prompt[1:] + H x D zero embeddings`, positions
+`cumsum(mask) - 1`; the logits at the last prompt token ("▁") and the first H x D - 1 action
+positions give the H x D action tokens (index = step x D + dim), restricted to the 256 action
+ids and divided by `temperature`; sampling draws from that, `deterministic` takes the argmax.
+`predict_action_reference` is OFT's own `predict_action` instead (no padding, a STOP token
+after the actions, argmax over the whole vocabulary): with bidirectional attention the two
+give different logits, and published OFT evaluations use that one.
+
+Scoring a recorded action: each (normalized) value maps to its nearest bin centre and its
+log-prob is that of the *value*, the logsumexp over the ids that decode to it. This equals
+RLinf's token log-prob except for bin 254, which ids 31744 and 31745 both decode to (RLinf
+scores the drawn id alone). The entropy is RLinf's, over the 256 ids. Value (RLinf's PPO
+head): on the last layer's normed hidden state at the last prompt token, hidden -> 512 -> 128
+-> 8 (GELU, no final bias; one value per decoded step, RLinf's `action_level`); the chunk's
+value is their mean, as the pipeline's GAE works per chunk.
+
+The model always decodes `DECODED_CHUNK` (8, OFT's LIBERO chunk) steps, the number of action
+positions a checkpoint was trained with; the env's `chunk_len` (<= 8) first of them are the
+actions, scored alone. Cameras: `image`, and `wrist_image` when the env gives it (OFT's second
+image); `state`: one proprio token when the env gives it and (for a checkpoint) the folder has
+a proprio projector.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
+from hpcvla.policies.oft_vision import FusedVisionBackbone, Projector, ProprioProjector, \
+    pixel_values
+
+ACTION_BEGIN, N_BINS, LLM_VOCAB = 31744, 256, 32000  # action ids: [31744, 32000)
+BOS, STOP = 1, 2
+DECODED_CHUNK = 8
+
+_LLAMA = dict(vocab_size=32064, rms_norm_eps=1e-6, rope_theta=10000.0,
+              max_position_embeddings=2048)
+SIZES = {
+    # the reference fixtures' tiny model (tests/fixtures/oft): CPU tests and reach runs
+    "tiny": dict(image_size=56, patch_size=14,
+                 dino=dict(hidden_size=20, num_hidden_layers=3, intermediate_size=80),
+                 siglip=dict(hidden_size=36, num_hidden_layers=4, intermediate_size=134),
+                 llm=dict(hidden_size=16, intermediate_size=44, num_hidden_layers=3,
+                          num_attention_heads=2, num_key_value_heads=2, **_LLAMA)),
+    # OpenVLA-7B: DINOv2 ViT-L/14 reg4 + SigLIP so400m/14 at 224 px, Llama-2 7B
+    "full": dict(image_size=224, patch_size=14,
+                 dino=dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096),
+                 siglip=dict(hidden_size=1152, num_hidden_layers=27, intermediate_size=4304),
+                 llm=dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                          num_attention_heads=32, num_key_value_heads=32, **_LLAMA)),
+}
+
+
+def bin_centres(device=None) -> torch.Tensor:
+    edges = torch.linspace(-1.0, 1.0, N_BINS, dtype=torch.float64)
+    return ((edges[:-1] + edges[1:]) / 2).float().to(device)
+
+
+def bins_of(actions: torch.Tensor) -> torch.Tensor:
+    """Nearest bin centre (0..254) of normalized action values."""
+    return ((actions.float() + 1.0) * ((N_BINS - 1) / 2) - 0.5).round().clamp(0, N_BINS - 2).long()
+
+
+def column_bins(columns: torch.Tensor) -> torch.Tensor:
+    """Action-id columns (id - 31744) -> bins, as OFT decodes: clip(32000 - id - 1, 0, 254)."""
+    return (N_BINS - 1 - columns).clamp(0, N_BINS - 2)
+
+
+def value_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Log-probs over the 256 action-id columns -> over the 255 values (bin d = column
+    255 - d; columns 0 and 1 are both bin 254)."""
+    flipped = logp.flip(-1)[..., :N_BINS - 1].clone()
+    flipped[..., -1] = torch.logaddexp(logp[..., 0], logp[..., 1])
+    return flipped
+
+
+class OFTPolicy(VLAPolicy):
+    """See the module docstring.
+
+    Args (beyond the Policy ones):
+        size: "tiny" | "full" (SIZES) or a resolved dict (a checkpoint's, oft_checkpoint.py).
+        temperature: divides the action logits when sampling and scoring (RLinf's LIBERO
+            configs: 1.6); deterministic acting takes the argmax.
+        use_proprio: read the env's `state` as a proprio token (when the env gives one).
+        unnorm_key, max_prompt_length: a published folder's processor (oft_processor.py).
+    """
+
+    family = "oft"
+    HF_KEY_MAP = (("value_head.", "rl.value_head."),)  # our own folders: the RL head may be fresh
+    config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
+                     "max_prompt_length")
+
+    def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
+                 logprob_granularity: str = "chunk", dtype: str = "auto",
+                 temperature: float = 1.6, use_proprio: bool = True, unnorm_key: str = "",
+                 max_prompt_length: int = 128):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaModel
+
+        if isinstance(size, str) and size not in SIZES:
+            raise ValueError(f"unknown oft size {size!r}; presets: {', '.join(SIZES)}")
+        dims = copy.deepcopy(SIZES[size] if isinstance(size, str) else size)
+        if "image" not in obs_spec:
+            raise ValueError(f"the oft policy needs observation 'image'; got {sorted(obs_spec)}")
+        if not 1 <= chunk_len <= DECODED_CHUNK:
+            raise ValueError(f"the oft policy decodes {DECODED_CHUNK} steps per call: "
+                             f"env.chunk_len must be 1..{DECODED_CHUNK}, got {chunk_len}")
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
+                    dict(size=dims, logprob_granularity=logprob_granularity, dtype=dtype,
+                         temperature=temperature, use_proprio=use_proprio,
+                         unnorm_key=unnorm_key, max_prompt_length=max_prompt_length))
+        self.temperature, self.unnorm_key = float(temperature), unnorm_key
+        self.max_prompt_length = int(max_prompt_length)
+        self.cameras = [k for k in CAMERAS if k in obs_spec]
+        self.use_proprio = bool(use_proprio) and self.has_state
+        self.n_tokens = DECODED_CHUNK * self.action_dim
+
+        self.vision_backbone = FusedVisionBackbone(dims)
+        self.llm_config = LlamaConfig(**dims["llm"], pad_token_id=LLM_VOCAB,
+                                      bos_token_id=BOS, eos_token_id=STOP)
+        width = self.llm_config.hidden_size
+        self.projector = Projector(self.vision_backbone.width, width)
+        if self.use_proprio:
+            self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], width)
+        self.language_model = LlamaModel(self.llm_config)
+        self.lm_head = nn.Linear(width, self.llm_config.vocab_size, bias=False)
+        self.value_head = nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, 128),
+                                        nn.GELU(), nn.Linear(128, DECODED_CHUNK, bias=False))
+        for layer in self.value_head[:3:2]:  # RLinf's fresh init
+            nn.init.kaiming_normal_(layer.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
+        nn.init.normal_(self.value_head[4].weight, std=0.02)
+        self.to(self.compute_dtype)
+
+    # ------------------------------------------------------------------ checkpoint folders
+    @classmethod
+    def folder_kwargs(cls, folder) -> dict:
+        """A published folder's sizes (from its tensors) and whether it has a proprio
+        projector; an hpcvla folder's recorded size."""
+        from hpcvla.policies.oft_checkpoint import folder_dims, proprio_file, read_config
+
+        config = read_config(folder)
+        if "hpcvla_policy" in config:
+            if config["hpcvla_policy"] != cls.family:
+                raise ValueError(f"{folder}: a {config['hpcvla_policy']} policy's folder, "
+                                 f"not an {cls.family} one")
+            kwargs = config["kwargs"]
+            return {"size": kwargs["size"], "use_proprio": kwargs.get("use_proprio", True)}
+        return {"size": folder_dims(folder), "use_proprio": proprio_file(folder) is not None}
+
+    def load_published(self, folder) -> list[str]:
+        from hpcvla.policies.oft_checkpoint import load_published
+        return load_published(self, folder)
+
+    def make_processor(self, folder, tokenizer_folder, vocab):
+        """The published folder's prompt/normalization; None for an hpcvla folder."""
+        from hpcvla.policies.oft_checkpoint import read_config
+        from hpcvla.policies.oft_processor import OFTProcessor
+
+        if "hpcvla_policy" in read_config(folder):
+            return None
+        state_dim = self.obs_spec["state"][0][0] if self.use_proprio else 0
+        return OFTProcessor.from_folder(folder, tokenizer_folder, self.unnorm_key, vocab,
+                                        self.action_dim, state_dim, self.max_prompt_length)
+
+    # ------------------------------------------------------------------ the model
+    def _prompt(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prompt ids and mask: the processor's, or (random init) BOS + the env's ids,
+        left-aligned like RLinf's (0 = padding)."""
+        if "input_ids" in obs:
+            return obs["input_ids"].long(), obs["prompt_mask"].bool()
+        ids = obs["instruction"].long()
+        real = ids != 0
+        order = torch.sort(real.int(), dim=1, stable=True).indices  # pads first
+        ids, real = ids.gather(1, order), real.gather(1, order)
+        ones = real.new_ones(ids.shape[0], 1)
+        return torch.cat([ids.new_full((ids.shape[0], 1), BOS), ids], 1), torch.cat([ones, real], 1)
+
+    def _prefix(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Vision (+ proprio) token embeddings (B, P, W), given pixel values or images."""
+        pixels = obs.get("pixel_values")
+        if pixels is None:
+            pixels = pixel_values([obs[k] for k in self.cameras], self.vision_backbone.image_size)
+        tokens = self.projector(self.vision_backbone(pixels.to(self.device)))
+        if self.use_proprio:
+            state = self.proprio_projector(obs["state"].to(tokens.dtype))
+            tokens = torch.cat([tokens, state[:, None]], dim=1)
+        return tokens
+
+    def _hidden(self, obs, stop: bool) -> torch.Tensor:
+        """Last-layer (normed) hidden states at the last prompt token and the action
+        positions but the last: (B, 1 + n_tokens - 1, W), the rows that give the tokens."""
+        ids, prompt_mask = self._prompt(obs)
+        prefix = self._prefix(obs)
+        embed = self.language_model.embed_tokens
+        B, dtype = ids.shape[0], prefix.dtype
+        parts = [embed(ids[:, :1]).to(dtype), prefix, embed(ids[:, 1:]).to(dtype),
+                 prefix.new_zeros(B, self.n_tokens, prefix.shape[-1])]  # placeholders: zeros
+        mask = [prompt_mask[:, :1], prompt_mask.new_ones(prefix.shape[:2]), prompt_mask[:, 1:],
+                prompt_mask.new_ones(B, self.n_tokens)]
+        if stop:  # OFT's predict_action: a STOP token after the actions, seen by every token
+            parts.append(embed(ids.new_full((B, 1), STOP)).to(dtype))
+            mask.append(prompt_mask.new_ones(B, 1))
+        embeds, mask = torch.cat(parts, dim=1), torch.cat(mask, dim=1).to(self.device)
+        positions = mask.long().cumsum(dim=1) - 1
+        everything = torch.zeros(mask.shape[1], dtype=torch.long, device=mask.device)
+        hidden = self.language_model(
+            inputs_embeds=embeds, position_ids=positions, use_cache=False,
+            attention_mask=block_mask(mask, everything, everything, dtype)).last_hidden_state
+        start = 1 + prefix.shape[1] + ids.shape[1] - 2  # the last prompt token
+        return hidden[:, start:start + self.n_tokens]
+
+    def action_logits(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """RLinf's action logits (B, n_tokens, 256) float32, before the temperature, and the
+        per-step values (B, 8)."""
+        hidden = self._hidden(obs, stop=False)
+        logits = self.lm_head(hidden)[..., ACTION_BEGIN:ACTION_BEGIN + N_BINS].float()
+        return logits, self.value_head(hidden[:, 0]).float()
+
+    @torch.no_grad()
+    def predict_action_reference(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+        """OFT's `predict_action` on one prompt without padding (obs `input_ids` ending in
+        29871, `prompt_mask` all true): logits over the whole vocabulary (B, n_tokens, 32064)
+        and the argmax's normalized actions (B, 8, D)."""
+        obs = {k: v.to(self.device) for k, v in obs.items()}  # the prompt as given
+        logits = self.lm_head(self._hidden(obs, stop=True)).float()
+        bins = (LLM_VOCAB - 1 - logits.argmax(dim=-1)).clamp(0, N_BINS - 2)
+        return logits, bin_centres(logits.device)[bins].view(-1, DECODED_CHUNK, self.action_dim)
+
+    # ------------------------------------------------------------------ RL
+    def _distribution(self, obs):
+        logits, values = self.action_logits(obs)
+        B, H, D = logits.shape[0], self.chunk_len, self.action_dim
+        logits = logits.view(B, DECODED_CHUNK, D, N_BINS)[:, :H]
+        return torch.log_softmax(logits / self.temperature, dim=-1), values.mean(dim=-1)
+
+    def _sample(self, obs, deterministic):
+        logp, value = self._distribution(obs)
+        if deterministic:
+            columns = logp.argmax(dim=-1)
+        else:
+            columns = torch.multinomial(logp.exp().reshape(-1, N_BINS), 1).view(logp.shape[:-1])
+        bins = column_bins(columns)
+        terms = value_logprobs(logp).gather(-1, bins[..., None]).squeeze(-1)
+        return bin_centres(logp.device)[bins], terms, value, {}
+
+    def _score(self, obs, actions):
+        logp, value = self._distribution(obs)
+        terms = value_logprobs(logp).gather(-1, bins_of(actions)[..., None]).squeeze(-1)
+        entropy = -(logp.exp() * logp).sum(dim=-1)
+        return terms, entropy, value
+
+
+__all__ = ["OFTPolicy", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of", "column_bins",
+           "value_logprobs"]

@@ -1,0 +1,303 @@
+"""OpenVLA-OFT's published ("prismatic" HF) checkpoint folder, read into the `oft` policy.
+
+What the folder holds (tests/fixtures/oft/README.md has the full description):
+
+* `config.json` (model_type "openvla"): `image_sizes`, `text_config` with only the Llama
+  fields that differ from LlamaConfig's defaults. It names the full-size timm ids whatever the
+  towers' sizes, so the vision sizes come from the tensors (heads: oft_vision.VISION_HEADS).
+* `model.safetensors.index.json` + shards (bf16; upcast to the policy's dtype on load), timm
+  names under `vision_backbone.{featurizer,fused_featurizer}.`, `projector.fc{1,2,3}.`,
+  `language_model.model.` and the untied `language_model.lm_head.weight`.
+* `dataset_statistics.json` (action/proprio q01, q99, mask per dataset key),
+  `*proprio_projector*checkpoint*.pt` (a DDP state dict: `module.` stripped), the tokenizer
+  and `preprocessor_config.json` (read by policies/oft_processor.py).
+
+timm -> transformers: the fused `attn.qkv` is split into q/k/v (and fused back); LayerScale
+`ls{1,2}.scale_factor` (OFT's name for timm's gamma) is `layer_scale{1,2}.lambda1`; DINOv2's
+`pos_embed` covers the patches only (timm's no_embed_class), HF's position table has a cls row
+first: it is zero on load, and folded into the cls token when writing back. SigLIP's
+`attn_pool.*` (the MAP head, 13 tensors) exists in the checkpoint but OFT never runs it (it
+reads an intermediate block): documented as unused and dropped. Everything else is strict:
+missing, unexpected and misshaped tensors are named, in the checkpoint's names. The RL value
+head is optional (`value_head.mlp.{0,2,4}.*`, RLinf's names; fresh when absent).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from hpcvla.policies.folders import _files, read_tensors
+
+DINO, SIGLIP = "vision_backbone.featurizer.", "vision_backbone.fused_featurizer."
+OUR_SIGLIP = SIGLIP  # transformers 5: SiglipVisionModel holds the embeddings itself
+UNUSED = (SIGLIP + "attn_pool.",)  # SigLIP's MAP head: in timm's model, never run by OFT
+STATISTICS, CONFIG = "dataset_statistics.json", "config.json"
+
+# (our name, published name); {i} a block index, {p} weight|bias
+_PAIRS = [
+    (DINO + "embeddings.patch_embeddings.projection.{p}", DINO + "patch_embed.proj.{p}"),
+    (DINO + "embeddings.register_tokens", DINO + "reg_token"),
+    (DINO + "encoder.layer.{i}.norm1.{p}", DINO + "blocks.{i}.norm1.{p}"),
+    (DINO + "encoder.layer.{i}.attention.o_proj.{p}", DINO + "blocks.{i}.attn.proj.{p}"),
+    (DINO + "encoder.layer.{i}.layer_scale1.lambda1", DINO + "blocks.{i}.ls1.scale_factor"),
+    (DINO + "encoder.layer.{i}.layer_scale2.lambda1", DINO + "blocks.{i}.ls2.scale_factor"),
+    (DINO + "encoder.layer.{i}.norm2.{p}", DINO + "blocks.{i}.norm2.{p}"),
+    (DINO + "encoder.layer.{i}.mlp.fc1.{p}", DINO + "blocks.{i}.mlp.fc1.{p}"),
+    (DINO + "encoder.layer.{i}.mlp.fc2.{p}", DINO + "blocks.{i}.mlp.fc2.{p}"),
+    (DINO + "layernorm.{p}", DINO + "norm.{p}"),
+    (OUR_SIGLIP + "embeddings.patch_embedding.{p}", SIGLIP + "patch_embed.proj.{p}"),
+    (OUR_SIGLIP + "encoder.layers.{i}.layer_norm1.{p}", SIGLIP + "blocks.{i}.norm1.{p}"),
+    (OUR_SIGLIP + "encoder.layers.{i}.self_attn.out_proj.{p}", SIGLIP + "blocks.{i}.attn.proj.{p}"),
+    (OUR_SIGLIP + "encoder.layers.{i}.layer_norm2.{p}", SIGLIP + "blocks.{i}.norm2.{p}"),
+    (OUR_SIGLIP + "encoder.layers.{i}.mlp.fc1.{p}", SIGLIP + "blocks.{i}.mlp.fc1.{p}"),
+    (OUR_SIGLIP + "encoder.layers.{i}.mlp.fc2.{p}", SIGLIP + "blocks.{i}.mlp.fc2.{p}"),
+    (OUR_SIGLIP + "post_layernorm.{p}", SIGLIP + "norm.{p}"),
+    ("projector.fc{i}.{p}", "projector.fc{i}.{p}"),
+    ("language_model.{rest}", "language_model.model.{rest}"),
+    ("lm_head.weight", "language_model.lm_head.weight"),
+    ("value_head.{i}.{p}", "value_head.mlp.{i}.{p}"),  # RLinf's value head (optional)
+]
+# fused qkv (published) <-> q/k/v (ours)
+_QKV = [(DINO + "encoder.layer.{i}.attention.{x}_proj.{p}", DINO + "blocks.{i}.attn.qkv.{p}"),
+        (OUR_SIGLIP + "encoder.layers.{i}.self_attn.{x}_proj.{p}", SIGLIP + "blocks.{i}.attn.qkv.{p}")]
+_GROUPS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "rest": r"(?P<rest>.+)",
+           "x": r"(?P<x>[qkv])"}
+
+
+def _regex(template: str) -> re.Pattern:
+    return re.compile(re.sub(r"\\\{(\w+)\\\}", lambda m: _GROUPS[m.group(1)],
+                             re.escape(template)) + "$")
+
+
+_OURS = [(_regex(o), p) for o, p in _PAIRS]
+_THEIRS = [(_regex(p), o) for o, p in _PAIRS]
+_QKV_OURS = [(_regex(o), p) for o, p in _QKV]
+_QKV_THEIRS = [(_regex(p), o) for o, p in _QKV]
+_SPECIAL = {DINO + "embeddings.cls_token", DINO + "embeddings.position_embeddings",
+            OUR_SIGLIP + "embeddings.position_embedding.weight"}
+
+
+def _rename(key: str, rules, **fill) -> str | None:
+    for pattern, template in rules:
+        match = pattern.match(key)
+        if match:
+            return template.format(**match.groupdict(), **fill)
+    return None
+
+
+def to_published(state: dict) -> dict:
+    """Our tensors -> the published layout's (meta tensors give just names and shapes). The
+    proprio projector is not in it (its own .pt file)."""
+    out = {}
+    for key, value in state.items():
+        if key.startswith("proprio_projector.") or key in _SPECIAL:
+            continue
+        qkv = _rename(key, _QKV_OURS)
+        if qkv is not None:
+            if ".q_proj." in key:
+                out[qkv] = torch.cat([state[key.replace(".q_proj.", f".{x}_proj.")]
+                                      for x in "qkv"])
+            continue
+        name = _rename(key, _OURS)
+        if name is None:
+            raise ValueError(f"no published name for the oft policy's tensor {key}")
+        out[name] = value
+    pos = state[DINO + "embeddings.position_embeddings"]
+    out[DINO + "pos_embed"] = pos[:, 1:]  # timm's no_embed_class: patches only
+    out[DINO + "cls_token"] = state[DINO + "embeddings.cls_token"] + pos[:, :1]
+    out[SIGLIP + "pos_embed"] = state[OUR_SIGLIP + "embeddings.position_embedding.weight"][None]
+    return out
+
+
+def from_published(tensors: dict) -> dict:
+    """Published tensors (names checked by `load_published`) -> our names."""
+    out = {}
+    for key, value in tensors.items():
+        if key == DINO + "pos_embed":
+            out[DINO + "embeddings.position_embeddings"] = torch.cat(
+                [value.new_zeros(1, 1, value.shape[-1]), value], dim=1)
+        elif key == DINO + "cls_token":
+            out[DINO + "embeddings.cls_token"] = value
+        elif key == SIGLIP + "pos_embed":
+            out[OUR_SIGLIP + "embeddings.position_embedding.weight"] = value[0]
+        elif _rename(key, _QKV_THEIRS, x="q") is not None:
+            for x, part in zip("qkv", value.chunk(3)):
+                out[_rename(key, _QKV_THEIRS, x=x)] = part
+        else:
+            out[_rename(key, _THEIRS)] = value
+    return out
+
+
+def tensor_shapes(folder) -> dict[str, tuple]:
+    """Names and shapes of a checkpoint's tensors, from the files' headers only."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for file in _files(folder)[0]:
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    return shapes
+
+
+def read_config(folder) -> dict:
+    path = Path(folder) / CONFIG
+    if not path.is_file():
+        raise ValueError(f"{folder}: {CONFIG} is missing (OFT writes it beside the weights)")
+    return json.loads(path.read_text())
+
+
+def folder_dims(folder) -> dict:
+    """The architecture's sizes (oft.SIZES' format) from the tensors and config.json."""
+    shapes, config = tensor_shapes(folder), read_config(folder)
+
+    def shape(key):
+        if key not in shapes:
+            raise ValueError(f"{folder}: tensor {key} is missing (an OpenVLA-OFT checkpoint "
+                             "has it)")
+        return shapes[key]
+
+    def depth(prefix):
+        return 1 + max((int(m.group(1)) for k in shapes
+                        for m in [re.match(re.escape(prefix) + r"blocks\.(\d+)\.", k)] if m),
+                       default=-1)
+
+    patch = shape(DINO + "patch_embed.proj.weight")[-1]
+    side = int(round(shape(DINO + "pos_embed")[1] ** 0.5)) * patch
+    sizes = config.get("image_sizes") or [side]
+    if any(s != side for s in sizes):
+        raise ValueError(f"{folder}: config.json image_sizes {sizes}, but the position "
+                         f"tables are for {side} px")
+    text = config.get("text_config", {})
+    heads = text.get("num_attention_heads", 32)  # LlamaConfig's defaults (Llama-2 7B)
+    embed = shape("language_model.model.embed_tokens.weight")
+    return {
+        "image_size": side, "patch_size": patch,
+        "dino": dict(hidden_size=shape(DINO + "cls_token")[-1], num_hidden_layers=depth(DINO),
+                     intermediate_size=shape(DINO + "blocks.0.mlp.fc1.weight")[0]),
+        "siglip": dict(hidden_size=shape(SIGLIP + "pos_embed")[-1],
+                       num_hidden_layers=depth(SIGLIP),
+                       intermediate_size=shape(SIGLIP + "blocks.0.mlp.fc1.weight")[0]),
+        "llm": dict(hidden_size=embed[1], vocab_size=embed[0],
+                    intermediate_size=shape("language_model.model.layers.0.mlp.gate_proj.weight")[0],
+                    num_hidden_layers=1 + max(int(k.split(".")[3]) for k in shapes
+                                              if k.startswith("language_model.model.layers.")),
+                    num_attention_heads=heads,
+                    num_key_value_heads=text.get("num_key_value_heads", heads),
+                    rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+                    rope_theta=text.get("rope_theta", 10000.0),
+                    max_position_embeddings=text.get("max_position_embeddings", 2048)),
+    }
+
+
+def proprio_file(folder) -> Path | None:
+    """OFT's proprio projector checkpoint (`*proprio_projector*checkpoint*.pt`), if any."""
+    found = sorted(p for p in Path(folder).glob("*.pt")
+                   if "proprio_projector" in p.name and "checkpoint" in p.name)
+    if len(found) > 1:
+        raise ValueError(f"{folder}: {len(found)} proprio projector files "
+                         f"{[p.name for p in found]}; OFT reads one")
+    return found[0] if found else None
+
+
+def read_statistics(folder, unnorm_key: str = "") -> tuple[str, dict]:
+    """`dataset_statistics.json`'s entry for `unnorm_key` (may be empty when it holds one)."""
+    path = Path(folder) / STATISTICS
+    if not path.is_file():
+        raise ValueError(f"{folder}: {STATISTICS} is missing (OFT's fine-tuning writes it "
+                         "beside the weights; it holds the action and proprio statistics)")
+    stats = json.loads(path.read_text())
+    if not unnorm_key:
+        if len(stats) != 1:
+            raise ValueError(f"{path} holds {sorted(stats)}: set policy.unnorm_key to one")
+        unnorm_key = next(iter(stats))
+    if unnorm_key not in stats:
+        raise ValueError(f"{path}: no statistics for unnorm_key {unnorm_key!r}; it has "
+                         f"{sorted(stats)}")
+    entry = stats[unnorm_key]
+    if "action" not in entry:
+        raise ValueError(f"{path}: {unnorm_key} has no action statistics")
+    return unnorm_key, entry
+
+
+def load_published(policy, folder) -> list[str]:
+    """Load an OFT folder into `policy`, strictly; returns the tensors left at their initial
+    values (the value head when the folder has none)."""
+    folder = Path(folder)
+    tensors = {k: v for k, v in read_tensors(folder).items() if not k.startswith(UNUSED)}
+    state = policy.state_dict()
+    meta = {k: torch.empty(v.shape, device="meta") for k, v in state.items()}
+    expected = {k: tuple(v.shape) for k, v in to_published(meta).items()}
+    optional = [k for k in expected if k.startswith("value_head.")]
+    problems = [f"missing {k} {expected[k]}" for k in expected
+                if k not in tensors and k not in optional]
+    problems += [f"unexpected {k}" for k in tensors if k not in expected]
+    problems += [f"misshaped {k}: file {tuple(v.shape)}, model {expected[k]}"
+                 for k, v in tensors.items() if k in expected and tuple(v.shape) != expected[k]]
+    if getattr(policy, "use_proprio", False):
+        file = proprio_file(folder)
+        if file is None:
+            problems.append("missing the proprio projector file (*proprio_projector*"
+                            "checkpoint*.pt) for the env's state")
+        else:
+            projector = {k.removeprefix("module."): v for k, v in
+                         torch.load(file, map_location="cpu", weights_only=True).items()}
+            ours = {k.removeprefix("proprio_projector."): v for k, v in state.items()
+                    if k.startswith("proprio_projector.")}
+            problems += [f"{file.name}: missing {k}" for k in ours if k not in projector]
+            problems += [f"{file.name}: unexpected {k}" for k in projector if k not in ours]
+            problems += [f"{file.name}: misshaped {k}: file {tuple(v.shape)}, model "
+                         f"{tuple(ours[k].shape)}" for k, v in projector.items()
+                         if k in ours and v.shape != ours[k].shape]
+            tensors.update({f"proprio_projector.{k}": v for k, v in projector.items()})
+    if problems:
+        raise ValueError(f"{folder}: {len(problems)} tensor(s) do not fit the oft policy: "
+                         + "; ".join(problems))
+    proprio = {k: tensors.pop(k) for k in list(tensors) if k.startswith("proprio_projector.")}
+    loaded = {**from_published(tensors), **proprio}
+    with torch.no_grad():
+        for key, value in loaded.items():
+            state[key].copy_(value)
+    return [k for k in state if k not in loaded]
+
+
+def load_value_head(policy, file) -> None:
+    """RLinf's value head (`value_head.mlp.{0,2,4}.*`, a safetensors file) into `policy`."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(file))
+    state = policy.state_dict()
+    ours = {_rename(k, _THEIRS): v for k, v in tensors.items()}
+    wanted = {k for k in state if k.startswith("value_head.")}
+    if set(ours) != wanted or any(state[k].shape != v.shape for k, v in ours.items()):
+        raise ValueError(f"{file}: value head tensors {sorted(tensors)} do not fit "
+                         f"{sorted(wanted)} with their shapes")
+    with torch.no_grad():
+        for key, value in ours.items():
+            state[key].copy_(value)
+
+
+def check_folder(folder, tokenizer_folder, unnorm_key) -> list[tuple[str, str, str]]:
+    """What an OFT folder lacks besides its weights, as config problems, before any rank
+    starts."""
+    folder, problems = Path(folder), []
+    try:
+        read_config(folder)
+        read_statistics(folder, unnorm_key)
+    except (ValueError, OSError) as err:
+        field = "policy.unnorm_key" if "unnorm_key" in str(err) else "policy.pretrained"
+        problems.append((field, str(folder) if field == "policy.pretrained" else unnorm_key,
+                         f"an OpenVLA-OFT folder: {err}"))
+    tokenizer = Path(tokenizer_folder or folder)
+    if not any((tokenizer / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        problems.append(("policy.tokenizer" if tokenizer_folder else "policy.pretrained",
+                         str(tokenizer), "a folder holding the checkpoint's Llama tokenizer "
+                         "(tokenizer.json or tokenizer.model; OFT checkpoints ship it)"))
+    return problems
+
+
+__all__ = ["to_published", "from_published", "folder_dims", "load_published",
+           "load_value_head", "read_statistics", "proprio_file", "check_folder", "UNUSED"]

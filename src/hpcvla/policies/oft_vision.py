@@ -1,0 +1,131 @@
+"""OpenVLA-OFT's fused vision backbone and projectors, on transformers modules.
+
+OFT builds its two towers with timm (`vit_large_patch14_reg4_dinov2.lvd142m`,
+`vit_so400m_patch14_siglip_224`); timm cannot be installed beside this project's CPU torch
+(PyPI's torchvision links a CUDA libtorch), so the same architectures are transformers'
+`Dinov2WithRegistersModel` (cls + 4 registers, LayerScale) and `SiglipVisionModel` (no head),
+with the timm tensors converted on load (policies/oft_checkpoint.py). What OFT reads from each
+tower is the output of block `depth - 2` (timm's `get_intermediate_layers(n={depth - 2})`):
+the last block and the final norm are never run (they stay in the module, frozen, so a folder
+round-trips), and the prefix tokens (cls + registers) are dropped. The DINOv2 features come
+first in the channel concatenation.
+
+Images: "resize-naive" (no crop, no letterbox) to the towers' size on the 0-255 scale, rounded
+back to integers as RLinf's uint8 `TVF.resize(bicubic, antialias=True)` does (torch's bicubic
+antialiased interpolate on float then round/clamp gives the same pixels), then /255 and each
+tower's normalization: channels 0-2 DINOv2's (ImageNet mean/std), 3-5 SigLIP's (0.5/0.5).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DINO_MEAN, DINO_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
+REGISTERS = 4
+# Heads are not in the tensors, and config.json names only timm ids: heads by tower width.
+# 1024/1152: the published towers (16 heads each); 20/36: the tiny preset, which is the
+# reference fixtures' tiny model (tests/fixtures/oft/summary.json tiny_dims).
+VISION_HEADS = {("dino", 1024): 16, ("siglip", 1152): 16, ("dino", 20): 2, ("siglip", 36): 3}
+
+
+def heads_of(tower: str, width: int) -> int:
+    try:
+        return VISION_HEADS[(tower, width)]
+    except KeyError:
+        raise ValueError(f"no known {tower} tower of width {width} (the checkpoint names only "
+                         f"timm ids; known widths: {sorted(VISION_HEADS)})") from None
+
+
+def pixel_values(cameras: list[torch.Tensor], side: int) -> torch.Tensor:
+    """Camera images (B, H, W, 3) on the 0-255 scale -> (B, 6 x cameras, side, side)."""
+    out = []
+    for image in cameras:
+        x = image.permute(0, 3, 1, 2).float()
+        if tuple(x.shape[-2:]) != (side, side):
+            x = F.interpolate(x, size=(side, side), mode="bicubic", antialias=True,
+                              align_corners=False).round().clamp(0.0, 255.0)
+        x = x / 255.0
+        for mean, std in ((DINO_MEAN, DINO_STD), (SIGLIP_MEAN, SIGLIP_STD)):
+            out.append((x - x.new_tensor(mean)[:, None, None]) / x.new_tensor(std)[:, None, None])
+    return torch.cat(out, dim=1)
+
+
+class FusedVisionBackbone(nn.Module):
+    """DINOv2-with-registers (`featurizer`) + SigLIP (`fused_featurizer`), OFT's names."""
+
+    def __init__(self, dims: dict):
+        super().__init__()
+        from transformers import (Dinov2WithRegistersConfig, Dinov2WithRegistersModel,
+                                  SiglipVisionConfig, SiglipVisionModel)
+
+        dino, siglip = dims["dino"], dims["siglip"]
+        if dino["intermediate_size"] % dino["hidden_size"]:  # transformers takes an int ratio
+            raise ValueError(f"DINOv2 MLP width {dino['intermediate_size']} is not a multiple "
+                             f"of its width {dino['hidden_size']}")
+        common = dict(image_size=dims["image_size"], patch_size=dims["patch_size"],
+                      hidden_act="gelu", layer_norm_eps=1e-6)
+        self.featurizer = Dinov2WithRegistersModel(Dinov2WithRegistersConfig(
+            hidden_size=dino["hidden_size"], num_hidden_layers=dino["num_hidden_layers"],
+            num_attention_heads=heads_of("dino", dino["hidden_size"]),
+            mlp_ratio=dino["intermediate_size"] // dino["hidden_size"],
+            num_register_tokens=REGISTERS, **common))
+        self.fused_featurizer = SiglipVisionModel(SiglipVisionConfig(
+            hidden_size=siglip["hidden_size"], intermediate_size=siglip["intermediate_size"],
+            num_hidden_layers=siglip["num_hidden_layers"],
+            num_attention_heads=heads_of("siglip", siglip["hidden_size"]),
+            vision_use_head=False, **common))
+        # timm has no mask token (it is only for masked pre-training): not part of the model
+        del self.featurizer.embeddings.mask_token
+        for unused in (self.featurizer.encoder.layer[-1], self.featurizer.layernorm,
+                       self.fused_featurizer.encoder.layers[-1],
+                       self.fused_featurizer.post_layernorm):
+            unused.requires_grad_(False)  # never run: features come from block depth - 2
+        self.width = dino["hidden_size"] + siglip["hidden_size"]
+        self.image_size = dims["image_size"]
+        self.patches = (dims["image_size"] // dims["patch_size"]) ** 2
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 6 n, S, S) -> (B, n x patches, dino + siglip width): the images' patch
+        features one image after another."""
+        dtype = self.featurizer.embeddings.cls_token.dtype
+        features = []
+        for image in pixels.to(dtype).split(6, dim=1):
+            dino = self.featurizer.embeddings(image[:, :3])
+            for layer in self.featurizer.encoder.layer[:-1]:
+                dino = layer(dino, None)
+            siglip = self.fused_featurizer.embeddings(image[:, 3:])
+            for layer in self.fused_featurizer.encoder.layers[:-1]:
+                siglip = layer(siglip, None)
+            features.append(torch.cat([dino[:, 1 + REGISTERS:], siglip], dim=-1))
+        return torch.cat(features, dim=1)
+
+
+class Projector(nn.Module):
+    """OFT's fused-GELU MLP projector: vision width -> 4x -> LLM width -> LLM width."""
+
+    def __init__(self, vision_width: int, llm_width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(vision_width, 4 * vision_width)
+        self.fc2 = nn.Linear(4 * vision_width, llm_width)
+        self.fc3 = nn.Linear(llm_width, llm_width)
+
+    def forward(self, x):
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+class ProprioProjector(nn.Module):
+    """OFT's state token: the normalized state -> LLM width (fc1, GELU, fc2)."""
+
+    def __init__(self, state_dim: int, llm_width: int):
+        super().__init__()
+        self.fc1 = nn.Linear(state_dim, llm_width)
+        self.fc2 = nn.Linear(llm_width, llm_width)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+__all__ = ["FusedVisionBackbone", "Projector", "ProprioProjector", "pixel_values", "heads_of"]

@@ -1,0 +1,263 @@
+"""The `oft` policy against OpenVLA-OFT's and RLinf's own outputs (tests/fixtures/oft, made by
+their code): the published folder goes through the public path (`policy.name=oft`,
+`policy.pretrained=<folder>`, roles/pipeline.build_policy), from the env's raw observation
+(camera image, raw state, task as the env's instruction ids).
+
+Tolerances: the vision features, values, pixels, prompts, state and actions agree to
+<= 1e-5 (1e-6 for pixels and state). The action logits (magnitude ~10) agree to LOGIT_TOL
+only: the tiny reference model is ill-conditioned in float32 (its q/k projections are drawn 5x
+larger so that its attention is sharp), and float32 rounding alone moves its logits by up to
+~1e-3: the same model in float64 is 4e-4..1.2e-3 away from the reference's float32 logits and
+3e-4..1e-3 from ours (which are 1e-4..1.6e-3 from the reference's), and our own eager and SDPA
+attention differ by 5e-4. Log-probs and entropies (logits / 1.6) inherit that tolerance.
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from hpcvla.config import ConfigError, load_config
+from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.serial import tokenize, vocab_of
+from hpcvla.policies import OFTPolicy
+from hpcvla.policies.folders import read_tensors
+from hpcvla.policies.oft_checkpoint import UNUSED, from_published, load_value_head, to_published
+from hpcvla.policies.oft_processor import PROMPT
+from hpcvla.policies.oft_vision import pixel_values
+from hpcvla.roles.pipeline import build_policy
+
+FIXTURES = Path(__file__).parent / "fixtures" / "oft"
+CHECKPOINT = FIXTURES / "checkpoint"
+LOGIT_TOL = 2e-3  # float32 rounding of an ill-conditioned tiny model: module docstring
+SAMPLES = {"s0": 0, "s1": 1, "libero": 0}
+
+
+@pytest.fixture(scope="module")
+def io():
+    tensors = load_file(str(FIXTURES / "io.safetensors"))
+    with safe_open(str(FIXTURES / "io.safetensors"), "pt") as f:
+        tensors["meta"] = json.loads(f.metadata()["fixture"])
+    return tensors
+
+
+def config(folder=CHECKPOINT, **extra):
+    overrides = ["policy.name=oft", f"policy.pretrained={folder}", "policy.dtype=float32",
+                 "policy.unnorm_key=libero_spatial_no_noops", "policy.max_prompt_length=40",
+                 *(f"{k}={v}" for k, v in extra.items())]
+    return load_config("configs/reach_tokens.yaml", overrides)
+
+
+def env_obs(io, sample="raw", tasks=None, wrist=False, state=False):
+    """The env's fields for the fixture's raw batch (`raw`) or the LIBERO one (`libero`)."""
+    tasks = tasks or (io["meta"]["tasks"] if sample == "raw" else [io["meta"]["libero_task"]])
+    vocab, length = vocab_of(tasks), 24
+    obs = {"image": io[f"{sample}.raw.full_image" if sample == "libero" else "raw.full_image"],
+           "instruction": torch.from_numpy(np.stack([tokenize(t, vocab, length) for t in tasks]))}
+    if wrist:
+        obs["wrist_image"] = io["libero.raw.wrist_image" if sample == "libero" else "raw.wrist_image"]
+    if state:
+        obs["state"] = io["libero.raw.state" if sample == "libero" else "raw.state"]
+    spec = EnvSpec(obs={k: (tuple(v.shape[1:]), "|u1" if v.dtype == torch.uint8 else "<f4")
+                        for k, v in obs.items()},
+                   action_dim=7, chunk_len=8, max_episode_chunks=8, vocab=vocab)
+    return obs, spec
+
+
+@pytest.fixture(scope="module")
+def rl(io):
+    """RLinf's setting: 1 image, no proprio, its value head, per-token log-probs."""
+    obs, spec = env_obs(io)
+    policy = build_policy(config(**{"policy.logprob_granularity": "token"}), spec)
+    load_value_head(policy, FIXTURES / "rlinf_value_head.safetensors")
+    return policy.eval(), obs
+
+
+def test_prompts_and_pixels_are_the_references(io, rl):
+    policy, obs = rl
+    inputs = policy.processor.inputs(obs)
+    assert torch.equal(inputs["input_ids"], io["rlinf.input_ids"])
+    assert torch.equal(inputs["prompt_mask"], io["rlinf.attention_mask"])
+    pixels = pixel_values([obs["image"]], policy.vision_backbone.image_size)
+    torch.testing.assert_close(pixels, io["rlinf.pixel_values"], rtol=0, atol=1e-6)
+    tasks = io["meta"]["tasks"] + [io["meta"]["libero_task"]]
+    for name, task in zip(SAMPLES, tasks):  # OFT's prompt: the same text, unpadded
+        ids = policy.processor.tokenizer.encode(PROMPT.format(task=task.lower()))
+        assert ids == io[f"oft.{name}.input_ids"][0].tolist()
+
+
+def test_vision_features_are_the_references(io, rl):
+    policy = rl[0]
+    with torch.no_grad():
+        for name, pixels in (("vision", io["oft.s0.pixel_values"]),
+                             ("vision_2img", io["oft_proprio.s0.pixel_values"])):
+            features = policy.vision_backbone(pixels)
+            torch.testing.assert_close(features, io[f"{name}.s0.features"], rtol=0, atol=1e-5)
+            torch.testing.assert_close(policy.projector(features), io[f"{name}.s0.projected"],
+                                       rtol=0, atol=1e-5)
+
+
+def test_rlinf_logits_values_and_greedy_actions(io, rl):
+    policy, obs = rl
+    with torch.no_grad():
+        logits, values = policy.action_logits(policy._inputs(obs))
+    torch.testing.assert_close(logits, io["rlinf.action_logits"], rtol=0, atol=LOGIT_TOL)
+    torch.testing.assert_close(values, io["rlinf.train.values"], rtol=0, atol=1e-5)
+    tokens = 31744 + logits.argmax(dim=-1)
+    assert torch.equal(tokens.view(2, 8, 7), io["rlinf.greedy.action_tokens"])
+    out = policy.act(obs, deterministic=True)
+    torch.testing.assert_close(out.actions.double(), io["rlinf.greedy.actions"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.value, io["rlinf.train.values"].mean(dim=1), rtol=0, atol=1e-5)
+
+
+def reference_terms(io, run, tokens, temperature):
+    """RLinf's token log-probs; where the token is 31744 or 31745 (both bin 254) the policy
+    scores the value, i.e. both tokens' probability: computed from the reference logits."""
+    logp = torch.log_softmax(io["rlinf.action_logits"] / temperature, dim=-1)
+    merged = torch.logaddexp(logp[..., 0], logp[..., 1])
+    flat = tokens.reshape(2, -1)
+    return torch.where(flat <= 31745, merged, io[f"rlinf.{run}.logprobs"]).view(2, 8, 7)
+
+
+@pytest.mark.parametrize("run,tokens", [("train", "greedy"), ("train_sample", "sample")])
+def test_rlinf_logprobs_entropy_and_values_of_given_tokens(io, rl, run, tokens):
+    policy, obs = rl
+    actions = io[f"rlinf.{tokens}.actions"].float()  # the env's units
+    logprob, value, entropy = policy.evaluate(obs, actions)
+    expected = reference_terms(io, run, io[f"rlinf.{tokens}.action_tokens"], 1.6)
+    torch.testing.assert_close(logprob, expected, rtol=0, atol=LOGIT_TOL)
+    torch.testing.assert_close(entropy, io[f"rlinf.{run}.entropy"].view(2, 8, 7), rtol=0,
+                               atol=LOGIT_TOL)
+    torch.testing.assert_close(value, io[f"rlinf.{run}.values"].mean(dim=1), rtol=0, atol=1e-5)
+
+
+def test_greedy_rollout_logprobs_at_temperature_one(io):
+    obs, spec = env_obs(io)
+    policy = build_policy(config(**{"policy.temperature": 1.0,
+                                    "policy.logprob_granularity": "token"}), spec)
+    logprob = policy.evaluate(obs, io["rlinf.greedy.actions"].float())[0]
+    tokens = io["rlinf.greedy.action_tokens"]
+    assert not (tokens <= 31745).any()  # pure token log-probs here
+    torch.testing.assert_close(logprob, io["rlinf.greedy.prev_logprobs"].view(2, 8, 7), rtol=0,
+                               atol=LOGIT_TOL)
+    sampled = policy.act(obs)  # scoring recovers what sampling recorded
+    torch.testing.assert_close(policy.evaluate(obs, sampled.actions)[0].sum(dim=(1, 2)),
+                               sampled.logprob, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("proprio", [False, True], ids=["oft", "oft_proprio"])
+def test_oft_predict_action_is_the_references(io, proprio):
+    """OFT's inference sequence (STOP token, no padding, argmax over the whole vocabulary) on
+    OFT's own (PIL-resized) pixel values; proprio: 2 images and the state token."""
+    run = "oft_proprio" if proprio else "oft"
+    for name, row in SAMPLES.items():
+        sample = "libero" if name == "libero" else "raw"
+        tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
+        obs, spec = env_obs(io, sample, tasks, wrist=proprio, state=proprio)
+        obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
+        policy = build_policy(config(), spec)
+        assert policy.use_proprio == proprio
+        model = policy.processor.inputs(obs)
+        ids = io[f"{run}.{name}.input_ids"]
+        assert torch.equal(model["input_ids"][:, -ids.shape[1] + 1:], ids[:, 1:])
+        reference = {"pixel_values": io[f"{run}.{name}.pixel_values"], "input_ids": ids,
+                     "prompt_mask": torch.ones_like(ids, dtype=torch.bool)}
+        if proprio:
+            torch.testing.assert_close(model["state"][0].double(),
+                                       io[f"{run}.{name}.proprio_normalized"], rtol=0, atol=1e-6)
+            reference["state"] = io[f"{run}.{name}.proprio_normalized"][None].float()
+        logits, actions = policy.predict_action_reference(reference)
+        torch.testing.assert_close(logits[0, :, 31744:32000], io[f"{run}.{name}.action_logits"],
+                                   rtol=0, atol=LOGIT_TOL)
+        assert torch.equal(logits[0].argmax(dim=-1).view(8, 7),
+                           io[f"{run}.{name}.action_token_ids"])
+        torch.testing.assert_close(policy.processor.actions_out(actions[0]).double(),
+                                   io[f"{run}.{name}.actions"], rtol=0, atol=1e-5)
+
+
+def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
+    _, spec = env_obs(io)
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    gone = "vision_backbone.featurizer.blocks.0.ls1.scale_factor"
+    shard = folder / index["weight_map"].pop(gone)
+    tensors = load_file(str(shard))
+    del tensors[gone]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"missing {gone}"):
+        build_policy(config(folder), spec)
+    (folder / "dataset_statistics.json").unlink()
+    with pytest.raises(ConfigError) as err:
+        config(folder)
+    assert "policy.pretrained" in str(err.value) and "dataset_statistics.json" in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        config(**{"policy.unnorm_key": "bridge_orig"})
+    assert "policy.unnorm_key" in str(err.value) and "libero_spatial_no_noops" in str(err.value)
+
+
+def test_published_conversion_round_trips_exactly():
+    tensors = {k: v for k, v in read_tensors(CHECKPOINT).items() if not k.startswith(UNUSED)}
+    back = to_published(from_published(tensors))
+    assert back.keys() == tensors.keys()
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_full_size_layout_covers_the_published_checkpoint():
+    """The full-size preset, on the meta device: every tensor of a published OpenVLA-OFT
+    checkpoint (summary.json's full-size key list + the proprio projector) has its module,
+    with its shape; SigLIP's attention-pool head is the only documented unused part."""
+    summary = json.loads((FIXTURES / "summary.json").read_text())
+    spec = {"image": ((224, 224, 3), "|u1"), "state": ((8,), "<f4"),
+            "instruction": ((24,), "<i4")}
+    with torch.device("meta"):
+        policy = OFTPolicy(spec, 7, 8, 10, size="full", dtype="float32")
+    ours = {k: tuple(v.shape) for k, v in to_published(policy.state_dict()).items()
+            if not k.startswith("value_head.")}
+    published = {k: tuple(v) for k, v in summary["keys_full_size"].items()}
+    unused = [k for k in published if k.startswith(UNUSED)]
+    missing = [k for k in published if k not in ours and k not in unused]
+    assert (len(published), len(unused), missing) == (982, 13, [])
+    assert ours == {k: v for k, v in published.items() if k not in unused}
+    proprio = {k.removeprefix("proprio_projector."): tuple(v.shape)
+               for k, v in policy.state_dict().items() if k.startswith("proprio_projector.")}
+    assert proprio == {k.removeprefix("module."): tuple(v) for k, v in
+                       summary["keys_full_size_proprio_projector"].items()}
+    assert len(ours) + len(proprio) == 973  # loaded: 986 - the 13 unused
+    # parameters: the published ones (less the unused) + proprio projector + DINOv2's zero
+    # cls position row (HF's table has one, timm's not) + RLinf's value head
+    parameters = sum(p.numel() for p in policy.parameters())
+    value_head = sum(p.numel() for p in policy.value_head.parameters())
+    size = sum(int(np.prod(v)) for k, v in published.items() if k not in unused)
+    assert (parameters, value_head) == (7_544_982_384, 2_164_352)
+    assert parameters == size + sum(map(np.prod, proprio.values())) + 1024 + value_head
+
+
+def test_tiny_random_init_acts_learns_and_round_trips(tmp_path):
+    """Without a checkpoint (the `tiny` preset, the env's instruction ids as the prompt):
+    scoring recovers sampling's log-prob, gradients reach every trainable tensor, and an
+    hpcvla folder reloads exactly."""
+    from hpcvla.policies import load_pretrained, make_policy, save_pretrained
+
+    spec = {"image": ((32, 32, 3), "|u1"), "state": ((3,), "<f4"), "instruction": ((6,), "<i4")}
+    policy = make_policy("oft", spec, 2, 4, 10, dtype="float32")
+    obs = {"image": torch.randint(0, 256, (3, 32, 32, 3), dtype=torch.uint8),
+           "state": torch.randn(3, 3),
+           "instruction": torch.tensor([[4, 2, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [5, 6, 7, 8, 9, 3]])}
+    out = policy.act(obs)
+    assert out.actions.shape == (3, 4, 2) and out.actions.abs().max() < 1
+    logprob, value, entropy = policy.evaluate(obs, out.actions)
+    torch.testing.assert_close(logprob, out.logprob, rtol=0, atol=1e-5)
+    (logprob.sum() + value.sum() + entropy.sum()).backward()
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert [n for n, p in policy.named_parameters() if p.requires_grad and p.grad is None] == []
+    assert any(n.startswith("proprio_projector.") for n in trainable)
+    loaded = load_pretrained(save_pretrained(policy, tmp_path / "oft"))
+    assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(),
+                                                 loaded.state_dict().values()))
