@@ -14,7 +14,7 @@ BIN     = $(VENV)/bin
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
                    openmpi-bin iproute2
 
-.PHONY: install install-cluster install-sims test clean
+.PHONY: install install-cluster install-sims install-horovod test clean
 
 install: install-cluster install-sims
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,21 @@ install-sims:
 	    "$$uri" > /etc/apt/sources.list.d/hpcvla-backports.sources; \
 	  apt-get update -q; release="-t bookworm-backports"; fi; \
 	apt-get install -y -q --no-install-recommends $$release $(SIM_PACKAGES)
+
+# Optional: Horovod 0.28.1 (learner.backend=horovod) built from source into the venv against
+# the pinned torch, no edits of its sources. The MPI controller with the venv's MPICH (first on
+# PATH: the libmpi mpi4py loads); no Gloo (its bundled copy clashes with torch's); PyTorch only.
+# Horovod's CMake asks for -std=c++14 after any CXXFLAGS, and torch >= 2.1's headers need
+# C++17: a compiler wrapper raises it. ~10 minutes on 2 cores.
+HOROVOD_FLAGS = HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
+                HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI
+install-horovod:
+	printf '#!/bin/sh\nfor a; do shift; [ "$$a" = -std=c++14 ] && a=-std=c++17; set -- "$$@" "$$a"; done\nexec $${HPCVLA_CXX:-g++} "$$@"\n' \
+	  > $(BIN)/cxx17 && chmod +x $(BIN)/cxx17
+	$(BIN)/pip install cffi cloudpickle psutil packaging
+	PATH="$(abspath $(BIN)):$$PATH" CXX="$(abspath $(BIN))/cxx17" $(HOROVOD_FLAGS) \
+	  $(BIN)/pip install --no-deps --no-build-isolation --no-binary horovod horovod==0.28.1
+	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
 
 # The venv's bin first on PATH: every rank and DeepSpeed's JIT build then use one ninja (the
 # venv's and Debian's alternating made DeepSpeed rebuild its ops each time).

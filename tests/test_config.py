@@ -55,13 +55,27 @@ def test_resolved_config_round_trips(tmp_path):
     (["run.seed"], "override", "section.field=value"),
     (["placement.mode=hybrid", "placement.learner_nodes=1"], "placement.learner_nodes",
      "0 unless placement.mode is disaggregated"),
-    (["learner.backend=horovod"], "learner.backend", "not yet wired into the learners"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "configs/default.yaml", overrides)
     message = str(err.value)
     assert f"  {field} = " in message and valid in message, message
+
+
+def test_horovod_backend_is_accepted_only_where_it_can_run():
+    from hpcvla.roles.horovod_engine import horovod_available
+
+    missing = horovod_available()
+    if missing:  # refused before any rank starts, saying how to get it
+        with pytest.raises(ConfigError, match="make install-horovod"):
+            load_config(ROOT / "configs/default.yaml", ["learner.backend=horovod"])
+    else:
+        assert load_config(ROOT / "configs/default.yaml",
+                           ["learner.backend=horovod"]).learner.backend == "horovod"
+    with pytest.raises(ConfigError, match="no fp32 masters"):
+        load_config(ROOT / "configs/reach_flow.yaml",
+                    ["learner.backend=horovod", "policy.dtype=bfloat16"])
 
 
 def test_all_problems_reported_at_once():

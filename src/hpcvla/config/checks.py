@@ -8,13 +8,6 @@ from typing import Any
 
 from hpcvla.config.schema import ROLES
 
-# Values the schema names but this version refuses, with the reason and what to use instead.
-REFUSED = {
-    ("learner.backend", "horovod"): "deepspeed (Horovod 0.28.1 builds and runs here, but it is "
-    "not yet wired into the learners: hpcvla would train with DeepSpeed anyway)",
-}
-
-
 def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     """Cross-field problems of `cfg` as (field, value, what would be valid); empty when fine."""
     problems = []
@@ -26,10 +19,18 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     for role, count in per_node.items():
         if role in ROLES and count < 0:
             problems.append((f"placement.per_node.{role}", count, "a count >= 0"))
-    for (field, value), valid in REFUSED.items():
-        section, name = field.split(".")
-        if getattr(getattr(cfg, section), name) == value:
-            problems.append((field, value, valid))
+    if cfg.learner.backend == "horovod":
+        import torch
+
+        from hpcvla.policies.vla import resolve_dtype
+        from hpcvla.roles.horovod_engine import horovod_available
+        missing = horovod_available()
+        if missing:
+            problems.append(("learner.backend", "horovod", f"deepspeed, or Horovod installed: "
+                             f"{missing}"))
+        if cfg.policy.name != "default" and resolve_dtype(cfg.policy.dtype) != torch.float32:
+            problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
+                             "learner.backend=horovod (no fp32 masters for bf16 weights)"))
     if cfg.placement.learner_nodes and cfg.placement.mode != "disaggregated":
         problems.append(("placement.learner_nodes", cfg.placement.learner_nodes,
                          "0 unless placement.mode is disaggregated"))

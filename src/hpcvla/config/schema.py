@@ -230,9 +230,9 @@ class RolloutConfig:
 @dataclass
 class LearnerConfig:
     backend: str = setting(
-        "deepspeed", "Data-parallel engine of the learner group. `horovod` is refused for "
-        "now: Horovod 0.28.1 builds and runs here (MPI controller, no Gloo) but is not yet "
-        "the learners' engine, and a setting that nothing honours is worse than none.",
+        "deepspeed", "Data-parallel engine of the learner group: `deepspeed` (ZeRO, "
+        "`zero_stage`) or `horovod` (MPI allreduce on the learner communicator, every learner "
+        "holds everything, float32 policies; where installed: `make install-horovod`).",
         choices=("deepspeed", "horovod"))
     zero_stage: int = setting(
         1, "DeepSpeed ZeRO stage. 0: plain data parallel (fastest, every learner holds "

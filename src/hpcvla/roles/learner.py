@@ -1,5 +1,5 @@
-"""Learner rank: pull segment groups from the ring, train with DeepSpeed ZeRO on the learner
-communicator, publish every new policy version.
+"""Learner rank: pull segment groups from the ring, train with DeepSpeed ZeRO (or Horovod,
+`learner.backend`) on the learner communicator, publish every new policy version.
 
 Each policy version trains one batch: the segments its producers assigned to it (`quota`
 from each; roles/modes.py explains why that bounds staleness), split into
@@ -66,11 +66,25 @@ def init_deepspeed(cfg, policy, learners_comm, device: torch.device | None = Non
         "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
     }
-    optimizer = torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5,
-                                  weight_decay=0.0)
-    engine, *_ = deepspeed.initialize(model=policy.to(device), optimizer=optimizer,
+    engine, *_ = deepspeed.initialize(model=policy.to(device), optimizer=_adamw(cfg, policy),
                                       config=ds_config)
     return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
+
+
+def init_engine(cfg, policy, learners_comm, device: torch.device | None = None):
+    """The learners' data-parallel engine, `learner.backend`: DeepSpeed ZeRO, or Horovod
+    (roles/horovod_engine.py) where it is installed; both behind the non-finite guard."""
+    if cfg.learner.backend == "horovod":
+        from hpcvla.roles.horovod_engine import init_horovod
+
+        device = torch.device("cpu") if device is None else torch.device(device)
+        engine = init_horovod(cfg, policy, learners_comm, _adamw(cfg, policy), device)
+        return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
+    return init_deepspeed(cfg, policy, learners_comm, device)
+
+
+def _adamw(cfg, policy):
+    return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0)
 
 
 def param_groups(policy, alg) -> list[dict]:

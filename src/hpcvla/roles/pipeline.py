@@ -38,7 +38,7 @@ from hpcvla.policies.folders import checkpoint_kwargs, load_weights
 from hpcvla.policies.processor import CheckpointProcessor
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
-from hpcvla.roles.learner import SegmentQueues, full_state, init_deepspeed, run_learner
+from hpcvla.roles.learner import SegmentQueues, full_state, init_engine, run_learner
 from hpcvla.roles.modes import envs_of_cell, producer_quota, schedule_of
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
@@ -179,9 +179,9 @@ def _start_learner(cfg, policy, learners, resume, progress, device):
     """This learner's DeepSpeed engine; resuming, the weights are loaded before DeepSpeed
     partitions them and the optimizer partition after."""
     if resume is None:
-        return init_deepspeed(cfg, policy, learners, device)
+        return init_engine(cfg, policy, learners, device)
     policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
-    engine = init_deepspeed(cfg, policy, learners, device)
+    engine = init_engine(cfg, policy, learners, device)
     state = checkpoint.load_optimizer(resume, engine, learners)
     progress.resume(state["version"], state["counters"]["trained_env_steps"])
     return engine
