@@ -4,12 +4,12 @@ their code): the published folder goes through the public path (`policy.name=oft
 (camera image, raw state, task as the env's instruction ids).
 
 Tolerances: the vision features, values, pixels, prompts, state and actions agree to
-<= 1e-5 (1e-6 for pixels and state). The action logits (magnitude ~10) agree to LOGIT_TOL
-only: the tiny reference model is ill-conditioned in float32 (its q/k projections are drawn 5x
+<= 1e-5 (1e-6 for pixels and state). In float32 the action logits (magnitude ~10) agree to
+LOGIT_TOL only: the tiny reference model is ill-conditioned (its q/k projections are drawn 5x
 larger so that its attention is sharp), and float32 rounding alone moves its logits by up to
-~1e-3: the same model in float64 is 4e-4..1.2e-3 away from the reference's float32 logits and
-3e-4..1e-3 from ours (which are 1e-4..1.6e-3 from the reference's), and our own eager and SDPA
-attention differ by 5e-4. Log-probs and entropies (logits / 1.6) inherit that tolerance.
+~1e-3 (the reference's own float32 and float64 runs differ by 1.2e-3, summary.json
+`self_checks`). So logits, log-probs and entropies are also checked in float64, against the
+reference's float64 rerun of the same weights (`f64.*`), to 1e-5.
 """
 
 import json
@@ -178,6 +178,49 @@ def test_oft_predict_action_is_the_references(io, proprio):
                            io[f"{run}.{name}.action_token_ids"])
         torch.testing.assert_close(policy.processor.actions_out(actions[0]).double(),
                                    io[f"{run}.{name}.actions"], rtol=0, atol=1e-5)
+
+
+def test_logits_logprobs_and_values_in_float64_to_1e5(io):
+    """The same public path with the policy in float64, against the references' float64
+    reruns: RLinf's logits, values, log-probs and entropies of given tokens, and OFT's
+    `predict_action` logits (one image; two images and the proprio token). The policy hands
+    its outputs over in float32 (what the pipeline records); 1e-5 is far above that rounding."""
+    obs, spec = env_obs(io)
+    policy = build_policy(config(**{"policy.logprob_granularity": "token"}), spec)
+    load_value_head(policy, FIXTURES / "rlinf_value_head.safetensors")
+    policy = policy.double().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(policy.vision_backbone(io["oft.s0.pixel_values"].double()),
+                                   io["f64.vision.s0.features"], rtol=0, atol=1e-5, check_dtype=False)
+        logits, values = policy.action_logits(policy._inputs(obs))
+        torch.testing.assert_close(logits, io["f64.rlinf.action_logits"], rtol=0, atol=1e-5, check_dtype=False)
+        torch.testing.assert_close(values, io["f64.rlinf.train.values"], rtol=0, atol=1e-5, check_dtype=False)
+        for run, tokens in (("train", "greedy"), ("train_sample", "sample")):
+            logprob, _, entropy = policy.evaluate(obs, io[f"rlinf.{tokens}.actions"].float())
+            logp = torch.log_softmax(io["f64.rlinf.action_logits"] / 1.6, dim=-1)
+            flat = io[f"rlinf.{tokens}.action_tokens"].reshape(2, -1)
+            expected = torch.where(flat <= 31745, torch.logaddexp(logp[..., 0], logp[..., 1]),
+                                   io[f"f64.rlinf.{run}.logprobs"]).view(2, 8, 7)
+            torch.testing.assert_close(logprob, expected, rtol=0, atol=1e-5, check_dtype=False)
+            torch.testing.assert_close(entropy, io[f"f64.rlinf.{run}.entropy"].view(2, 8, 7),
+                                       rtol=0, atol=1e-5, check_dtype=False)
+        for run in ("oft", "oft_proprio"):
+            proprio = run == "oft_proprio"  # 2 images and the state token
+            spec = env_obs(io, wrist=proprio, state=proprio)[1]
+            oft = build_policy(config(), spec).double().eval()
+            for name in SAMPLES:
+                ids = io[f"{run}.{name}.input_ids"]
+                reference = {"pixel_values": io[f"{run}.{name}.pixel_values"].double(),
+                             "input_ids": ids, "prompt_mask": torch.ones_like(ids, dtype=torch.bool)}
+                if proprio:  # OFT rounds the normalized state to float32 first
+                    reference["state"] = io[f"{run}.{name}.proprio_normalized"][None].float().double()
+                logits = oft.predict_action_reference(reference)[0]
+                torch.testing.assert_close(logits[0, :, 31744:32000],
+                                           io[f"f64.{run}.{name}.action_logits"], rtol=0,
+                                           atol=1e-5, check_dtype=False)
+                torch.testing.assert_close(torch.logsumexp(logits[0].double(), dim=-1),
+                                           io[f"f64.{run}.{name}.logsumexp_full"], rtol=0,
+                                           atol=1e-5)
 
 
 def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
