@@ -1,18 +1,49 @@
-"""`hpcvla train` from the OpenVLA-OFT reference fixture (tests/fixtures/oft/checkpoint) on
-LIBERO with configs/libero_oft.yaml (RLinf's LIBERO setup: one camera, no proprio, 8-step
-chunks, token-level log-probs at temperature 1.6): the actions recorded at version 0 are the
-pretrained policy's (their log-probs are its log-probs), it trains, and `hpcvla eval` runs the
-trained policy."""
+"""The OpenVLA-OFT reference fixture (tests/fixtures/oft/checkpoint) on LIBERO with
+configs/libero_oft.yaml (RLinf's LIBERO setup: one camera, no proprio, 8-step chunks,
+token-level log-probs at temperature 1.6): the first action for the env's observation is
+RLinf's, and `hpcvla train` starts from the checkpoint (the actions recorded at version 0 have
+its log-probs), trains, and `hpcvla eval` runs the trained policy."""
 
 import json
+from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from hpcvla.config import load_config
-from hpcvla.envs import env_spec
+from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.roles.pipeline import build_policy
 from test_mpi_world import hpcvla
 from test_pipeline import run_train
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_libero_first_action_is_rlinfs():
+    """For LIBERO's observation (libero_spatial task 0, fixed state 0, as the env renders it:
+    tests/fixtures/pi0/export_libero_obs.py) the deterministic chunk, unnormalized, is RLinf's
+    greedy one for the same observation, through configs/libero_oft.yaml's policy."""
+    cfg = load_config("configs/libero_oft.yaml", ["policy.dtype=float32"])
+    with safe_open(str(FIXTURES / "pi0" / "libero_obs.safetensors"), "np") as f:
+        task = f.metadata()["task"]
+        exported = {k: f.get_tensor(k) for k in f.keys()}
+    env = make_env("libero", 1, seed=0, **env_kwargs(cfg.env))
+    try:
+        obs = env.reset(init_state_ids=np.array([0]))
+        assert env.instructions()[0] == task
+    finally:
+        env.close()
+    assert sorted(obs) == ["image", "instruction"]  # RLinf's inputs: one camera and the task
+    assert (obs["image"] != exported["image"]).mean() < 0.02  # OpenGL drivers: a few pixels
+    policy = build_policy(cfg, env_spec(cfg.env))
+    actions = policy.act({"image": torch.from_numpy(exported["image"]),
+                          "instruction": torch.from_numpy(obs["instruction"])},
+                         deterministic=True).actions
+    expected = load_file(str(FIXTURES / "oft" / "io.safetensors"))["rlinf_libero.greedy.actions"]
+    torch.testing.assert_close(actions.double(), expected[:, :cfg.env.chunk_len], rtol=0, atol=1e-5)
 
 
 def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
