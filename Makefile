@@ -60,7 +60,7 @@ install-sims:
 # the pinned torch, no edits of its sources. The MPI controller with the venv's MPICH (first on
 # PATH: the libmpi mpi4py loads); no Gloo (its bundled copy clashes with torch's); PyTorch only.
 # Horovod's CMake asks for -std=c++14 after any CXXFLAGS, and torch >= 2.1's headers need
-# C++17: a compiler wrapper raises it. ~10 minutes on 2 cores.
+# C++17: a compiler wrapper raises it. ~4 minutes on 2 cores.
 HOROVOD_FLAGS = HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
                 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI
 install-horovod:
