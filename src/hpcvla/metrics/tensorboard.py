@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SUBDIR = "tensorboard"
-GROUPS = {"success_rate": "rollout", "mean_return": "rollout", "return_mean": "train",
-          "return_std": "train", "value_mean": "train"}  # the rest of a record is train/*
+GROUPS = {"success_rate": "rollout", "mean_return": "rollout"}  # the rest of a record: train/*
 
 
 class RunBoard:
