@@ -214,9 +214,11 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
         if comms.cell != MPI.COMM_NULL else None
     ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,
-                          progress=cfg.learner.ring_progress) \
+                          progress=cfg.learner.ring_progress, start_progress=False) \
         if comms.feed != MPI.COMM_NULL else None
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
+    if ring is not None:  # its progress thread only once every window exists (ring.py)
+        ring.start_progress()
     stats: dict = {}
     engine = _start_learner(cfg, policy, comms.learners, resume, progress, device) \
         if LEARN in roles else None

@@ -93,7 +93,8 @@ class TrajectoryRing:
 
     def __init__(self, comm: MPI.Comm, n_slots: int, slot_bytes: int, root: int = 0,
                  producer_id: int | None = None, report=None,
-                 poll_cap: float = DATA_POLL_CAP, progress: str = "auto"):
+                 poll_cap: float = DATA_POLL_CAP, progress: str = "auto",
+                 start_progress: bool = True):
         if slot_bytes % 64 or slot_bytes <= SLOT_HEADER.itemsize or n_slots < 1:
             raise ValueError(f"ring of {n_slots} slots of {slot_bytes} bytes: need >= 1 slot "
                              "and a slot size that is a multiple of 64 and > 64")
@@ -115,8 +116,10 @@ class TrajectoryRing:
         # collective: whether producers sit on other hosts, and the progress communicator
         self.spans_hosts = spans_hosts(comm)
         self.progress = ProgressAgent(comm)
-        if self.is_root and (progress == "thread" or (progress == "auto" and self.spans_hosts)):
-            self.progress.start()
+        self._wants_thread = self.is_root and (
+            progress == "thread" or (progress == "auto" and self.spans_hosts))
+        if start_progress:
+            self.start_progress()
         comm.Barrier()  # zeroed before anyone writes
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # producer state
@@ -143,6 +146,15 @@ class TrajectoryRing:
             fragment = data[part * self.capacity:(part + 1) * self.capacity]
             self._put_fragment(fragment, schema, part, nparts, data.nbytes, timeout)
         self._seq += 1
+
+    def start_progress(self) -> None:
+        """Start the progress thread where this ring needs one. A caller that creates more
+        windows afterwards starts it after them (`start_progress=False`): MPICH's PMI client
+        is not thread-safe, and a thread in MPI while `Win.Allocate_shared` exchanges its
+        segment through Slurm's pmi2 interleaves their messages ("mpi/pmi2: value not
+        properly terminated in client request" on the 3-host Slurm test)."""
+        if self._wants_thread:
+            self.progress.start()
 
     def close(self) -> None:
         """Tell the consumer this producer is done (after all its records)."""
