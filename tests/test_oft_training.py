@@ -7,15 +7,14 @@ its log-probs), trains, and `hpcvla eval` runs the trained policy."""
 import json
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hpcvla.config import load_config
-from hpcvla.envs import env_kwargs, env_spec, make_env
+from hpcvla.envs import env_spec
 from hpcvla.roles.pipeline import build_policy
 from test_mpi_world import hpcvla
+from test_pi0_pretrained import libero_fixture_observation
 from test_pipeline import run_train
 
 
@@ -27,15 +26,7 @@ def test_libero_first_action_is_rlinfs():
     tests/fixtures/pi0/export_libero_obs.py) the deterministic chunk, unnormalized, is RLinf's
     greedy one for the same observation, through configs/libero_oft.yaml's policy."""
     cfg = load_config("configs/libero_oft.yaml", ["policy.dtype=float32"])
-    with safe_open(str(FIXTURES / "pi0" / "libero_obs.safetensors"), "np") as f:
-        task = f.metadata()["task"]
-        exported = {k: f.get_tensor(k) for k in f.keys()}
-    env = make_env("libero", 1, seed=0, **env_kwargs(cfg.env))
-    try:
-        obs = env.reset(init_state_ids=np.array([0]))
-        assert env.instructions()[0] == task
-    finally:
-        env.close()
+    obs, exported = libero_fixture_observation(cfg)
     assert sorted(obs) == ["image", "instruction"]  # RLinf's inputs: one camera and the task
     assert (obs["image"] != exported["image"]).mean() < 0.02  # OpenGL drivers: a few pixels
     policy = build_policy(cfg, env_spec(cfg.env))

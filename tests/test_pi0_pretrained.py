@@ -118,13 +118,9 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     assert "policy_postprocessor.json is missing" in str(err.value)
 
 
-@pytest.mark.parametrize("family", ["pi0", "pi05"])
-def test_libero_first_action_is_the_references(family):
-    """The first action for LIBERO's observation (libero_spatial task 0, fixed state 0, as
-    the env renders it: tests/fixtures/pi0/export_libero_obs.py) is the unnormalized chunk
-    LeRobot computed for it, through configs/libero_<family>.yaml's policy."""
-    cfg = load_config(f"configs/libero_{family}.yaml", ["policy.dtype=float32"])
-    spec = env_spec(cfg.env)
+def libero_fixture_observation(cfg) -> tuple[dict, dict]:
+    """The env's render of LIBERO's fixture observation (libero_spatial task 0, fixed state 0)
+    and the exported one (tests/fixtures/pi0/libero_obs.safetensors), same task asserted."""
     with safe_open(str(FIXTURES / "libero_obs.safetensors"), "np") as f:
         task = f.metadata()["task"]
         exported = {k: f.get_tensor(k) for k in f.keys()}
@@ -134,6 +130,17 @@ def test_libero_first_action_is_the_references(family):
         assert env.instructions()[0] == task
     finally:
         env.close()
+    return obs, exported
+
+
+@pytest.mark.parametrize("family", ["pi0", "pi05"])
+def test_libero_first_action_is_the_references(family):
+    """The first action for LIBERO's observation (libero_spatial task 0, fixed state 0, as
+    the env renders it: tests/fixtures/pi0/export_libero_obs.py) is the unnormalized chunk
+    LeRobot computed for it, through configs/libero_<family>.yaml's policy."""
+    cfg = load_config(f"configs/libero_{family}.yaml", ["policy.dtype=float32"])
+    spec = env_spec(cfg.env)
+    obs, exported = libero_fixture_observation(cfg)
     np.testing.assert_allclose(obs["state"], exported["state"], atol=1e-5)
     for camera in ("image", "wrist_image"):  # OpenGL drivers may differ in a few pixels
         assert (obs[camera] != exported[camera]).mean() < 0.02
