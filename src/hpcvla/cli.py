@@ -2,6 +2,8 @@
 
     hpcvla train CONFIG [key=value ...] [--ranks N]   the main job (--ranks: start N ranks here)
     hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
+    hpcvla plan --auto CONFIG --world N --ranks-per-node M [--costs C] [--json]
+                                                      best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
     hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
@@ -48,6 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--ranks-per-node", type=int, default=None,
                       help="ranks per node (default: placement.ranks_per_node, else --world)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--auto", action="store_true",
+                      help="search per-node role counts, shards, B_max/T_max and "
+                           "micro-batching with the scale model (hpcvla/scale/) and print the "
+                           "best layout as overrides, its predicted env steps/s and bottleneck")
+    plan.add_argument("--costs", default="config",
+                      choices=["config", "balanced", "table3", "pi0-libero"],
+                      help="--auto: stage costs: the config's emulated delays or, without, "
+                           "the reach env probed here (config); an emulated preset; or "
+                           "RL-VLA³'s pi0 on LIBERO")
 
     config = sub.add_parser("config", help="print the resolved config or the settings' docs")
     _config_args(config, required=False)
@@ -55,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
     bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
-                                          "gpu"],
+                                          "gpu", "scale"],
                        help="what to measure; `learning` also takes key=value overrides for "
                             "every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
@@ -88,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
                        help="modes: B_max x T_max grid for the streamer, or envs per "
                             "simulator for streamer vs sync-colocated, instead of the ladder")
+
+    bench.add_argument("--chart", default=None,
+                       help="scale: draw the 8 -> 256 GPU prediction here (PNG)")
+    bench.add_argument("--validate", action="store_true",
+                       help="scale: run emulated layouts for real and compare the model's "
+                            "predictions (hpcvla/scale/validate.py)")
 
     inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
                                               "(run.dump_trajectories=true)")
@@ -180,6 +197,9 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
+        from hpcvla.scale.autoplan import print_auto_plan
+        return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json)
     if args.ranks_per_node is not None:
         cfg.placement.ranks_per_node = args.ranks_per_node
     plan = plan_from_config(cfg.placement, args.world)
@@ -229,6 +249,15 @@ def cmd_bench(args) -> int:
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
                   args.updates or 20, json_path=args.json, sweep=args.sweep)
+        return 0
+    if args.target == "scale":  # the scale model; --validate starts one world per case
+        if args.validate:
+            from hpcvla.scale import validate
+            validate.run(args.preset, updates=5 if args.quick else args.updates or 10,
+                         json_path=args.json)
+        else:
+            from hpcvla.scale import predict
+            predict.run(json_path=args.json, chart_path=args.chart)
         return 0
     if args.target == "shards":  # one process and its env workers
         from hpcvla.bench import shards

@@ -1,0 +1,196 @@
+"""`hpcvla plan --auto`: search the layouts of a world with the scale model.
+
+Knobs searched (everything else, including pipeline.mode, envs per simulator rank and the
+batch each learner trains per version, stays as the config says):
+
+* placement.per_node: every (simulator, inference, learner) split of the ranks of a node with
+  >= 1 inference rank, >= 1 simulator per inference rank, >= 1 learner and at least as many
+  inference ranks as learners (each learner needs a producer);
+* env.shards (envs per shard = envs / shards): the divisors of the envs per simulator;
+* rollout.batch_max (B_max): the whole cell, half or a quarter of it; rollout.wait_max_ms
+  (T_max): 1, 5 or 20 ms;
+* learner.micro_batch: the divisors of the learner batch that are multiples of the envs per
+  shard (learner.micro_batches = batch / micro_batch).
+
+The search is coordinate descent: starting from the config (or the first valid layout),
+each knob in turn is set to its best value with the others held, until a round changes
+nothing. Each layout is scored by the model's steady env steps/s (same random draws for
+every layout). A layout the pipeline would refuse (roles/modes.py check_pipeline's rules)
+is skipped. Returns the best and the runner-ups (the next best layouts seen, those that
+predict another throughput than the ones listed first).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from hpcvla.scale.model import Layout, Network, Prediction, StageCosts, predict
+from hpcvla.topology.plan import PlanError, build_plan
+
+OVERLAP = ("rollout-async", "streamer")
+
+
+def per_node_options(ranks_per_node: int) -> list[dict]:
+    out = []
+    for inf in range(1, ranks_per_node):
+        for learn in range(1, inf + 1):
+            sims = ranks_per_node - inf - learn
+            if sims >= inf:
+                out.append({"simulator": sims, "inference": inf, "learner": learn})
+    return out
+
+
+def problem(lay: Layout) -> str | None:
+    """Why the pipeline would refuse `lay` (None: it runs)."""
+    shards = lay.shards if lay.mode in OVERLAP else 1
+    if lay.envs % shards:
+        return f"env.shards={shards} does not divide env.envs_per_simulator={lay.envs}"
+    e = lay.envs // shards
+    if lay.micro_batch % e:
+        return f"learner.micro_batch={lay.micro_batch} is not a multiple of {e} envs per shard"
+    if lay.mode == "sync-colocated":
+        return None
+    try:
+        plan = build_plan(lay.world, lay.ranks_per_node, "disaggregated", lay.per_node)
+    except PlanError as err:
+        return str(err)
+    batch = lay.micro_batch * lay.micro_batches
+    for learner in plan.learners:
+        producers = len(plan.producers_of(learner))
+        if batch % producers or (batch // producers) % e:
+            return (f"learner batch {batch} does not split into multiples of {e} for "
+                    f"{producers} producers")
+    return None
+
+
+def _values(knob: str, lay: Layout) -> list:
+    e = lay.envs // (lay.shards if lay.mode in OVERLAP else 1)
+    if knob == "per_node":
+        return per_node_options(lay.ranks_per_node)
+    if knob == "shards":
+        return [s for s in range(1, lay.envs + 1) if lay.envs % s == 0]
+    if knob == "batch_max":
+        cell = lay.envs * max(1, lay.per_node["simulator"] // lay.per_node["inference"])
+        return sorted({0, *(b for b in (cell // 2, cell // 4) if b >= e)})
+    if knob == "wait_max_s":
+        return [0.001, 0.005, 0.02]
+    if knob == "micro_batch":
+        batch = lay.micro_batch * lay.micro_batches
+        return [m for m in range(e, batch + 1, e) if batch % m == 0]
+    raise ValueError(knob)
+
+
+def _set(lay: Layout, knob: str, value) -> Layout:
+    if knob == "micro_batch":
+        batch = lay.micro_batch * lay.micro_batches
+        return replace(lay, micro_batch=value, micro_batches=batch // value)
+    return replace(lay, **{knob: value})
+
+
+def knobs(mode: str) -> list[str]:
+    if mode == "sync-colocated":
+        return ["micro_batch"]
+    if mode in OVERLAP:
+        return ["per_node", "shards", "batch_max", "wait_max_s", "micro_batch"]
+    return ["per_node", "micro_batch"]
+
+
+def _start(base: Layout) -> Layout:
+    """The config's layout if it runs, else the first that does (per_node, shards, micro)."""
+    if problem(base) is None:
+        return base
+    tried = [base]
+    for knob in knobs(base.mode):
+        tried = [_set(lay, knob, v) for lay in tried for v in _values(knob, lay)] + tried
+        for lay in tried:
+            if problem(lay) is None:
+                return lay
+    raise PlanError(f"no layout of {base.world} ranks in nodes of {base.ranks_per_node} runs "
+                    f"pipeline.mode={base.mode} with {base.envs} envs per simulator and a "
+                    f"learner batch of {base.micro_batch * base.micro_batches}: "
+                    f"{problem(base)}")
+
+
+def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds: int = 3,
+           runner_ups: int = 4) -> list[tuple[Layout, Prediction]]:
+    """[(layout, prediction)], best first: the best then up to `runner_ups` others."""
+    check_world(base.world, base.ranks_per_node, base.mode)
+    seen: dict[tuple, tuple[Layout, Prediction]] = {}
+
+    def score(lay: Layout) -> float:
+        key = tuple(lay.overrides())
+        if key not in seen:
+            seen[key] = (lay, predict(lay, costs, network, updates=None))
+        return seen[key][1].env_steps_per_s
+
+    best = _start(base)
+    score(best)
+    for _ in range(rounds):
+        before = best
+        for knob in knobs(best.mode):
+            options = [_set(best, knob, v) for v in _values(knob, best)]
+            options = [lay for lay in options if problem(lay) is None] + [best]
+            best = max(options, key=score)
+        if best == before:
+            break
+    ranked = sorted(seen.values(), key=lambda lp: -lp[1].env_steps_per_s)
+    # runner-ups: layouts that predict something else first (ties tell a reader nothing)
+    distinct, ties = ranked[:1], []
+    for lay, pred in ranked[1:]:
+        same = any(abs(pred.env_steps_per_s / p.env_steps_per_s - 1) < 1e-3 for _, p in distinct)
+        (ties if same else distinct).append((lay, pred))
+    return (distinct + ties)[:1 + runner_ups]
+
+
+def check_world(world: int, ranks_per_node: int, mode: str) -> None:
+    """Clear errors, naming the flag, for worlds no layout can fit."""
+    if world < 1:
+        raise PlanError(f"--world {world}: the world needs at least one rank")
+    if ranks_per_node < 1:
+        raise PlanError(f"--ranks-per-node {ranks_per_node}: a node needs at least one rank")
+    if world % ranks_per_node:
+        raise PlanError(f"--world {world} is not a multiple of --ranks-per-node "
+                        f"{ranks_per_node}: every node holds the same number of ranks")
+    if mode != "sync-colocated" and not per_node_options(ranks_per_node):
+        raise PlanError(f"--ranks-per-node {ranks_per_node}: pipeline.mode={mode} needs at "
+                        "least 3 ranks per node (a simulator, an inference rank, a learner)")
+
+
+def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,
+                    as_json: bool) -> int:
+    """`hpcvla plan --auto`: probe or look up the stage costs, search, print the best layout
+    as config overrides with its predicted env steps/s and bottleneck, then the runner-ups."""
+    from hpcvla.scale.probe import describe, named_costs  # the probe imports torch and sims
+    rpn = ranks_per_node or cfg.placement.ranks_per_node or world
+    check_world(world, rpn, cfg.pipeline.mode)  # before probing anything
+    try:
+        costs, details = named_costs(costs_name, cfg)
+    except ValueError as err:
+        raise PlanError(f"--costs {costs_name}: {err}") from None
+    base = Layout(cfg.pipeline.mode, world, rpn, dict(cfg.placement.per_node),
+                  cfg.env.envs_per_simulator, cfg.env.shards, cfg.rollout.batch_max,
+                  cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len, cfg.rollout.segment_len,
+                  cfg.learner.micro_batch, cfg.learner.micro_batches, cfg.learner.epochs,
+                  cfg.pipeline.max_staleness)
+    rows = [{"overrides": lay.overrides(), "env_steps_per_s": p.env_steps_per_s,
+             "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in search(base, costs)]
+    best = rows[0]
+    if as_json:
+        print(json.dumps({"world": world, "ranks_per_node": rpn, "mode": base.mode,
+                          "costs": {**costs.__dict__, "source": details.get("source")},
+                          "best": best, "runner_ups": rows[1:]}, indent=1))
+        return 0
+    print(f"auto plan: {world} ranks, {world // rpn} node(s) of {rpn}, "
+          f"pipeline.mode={base.mode}\ncosts ({details.get('source')}): {describe(costs)}")
+    print(f"predicted {best['env_steps_per_s']:,.0f} env steps/s; bottleneck: "
+          f"{best['bottleneck']} (busy " + ", ".join(
+              f"{k} {v:.2f}" for k, v in best["busy"].items()) + ")")
+    print("overrides:\n  " + " \\\n  ".join(f"'{o}'" if " " in o else o
+                                            for o in best["overrides"]))
+    print("runner-ups:")
+    for n, row in enumerate(rows[1:], 1):
+        changed = [o for o in row["overrides"] if o not in best["overrides"]]
+        print(f"  {n}. {row['env_steps_per_s']:>9,.0f} env steps/s ({row['bottleneck']}): "
+              + (" ".join(changed) or "same"))
+    return 0

@@ -1,0 +1,125 @@
+"""The scale model (hpcvla/scale/): closed-form limits, the auto-planner and `plan --auto`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from hpcvla.cli import main
+from hpcvla.config import load_config
+from hpcvla.roles.modes import check_pipeline
+from hpcvla.scale.autoplan import problem, search
+from hpcvla.scale.model import Layout, Network, StageCosts, predict
+from hpcvla.topology.plan import PlanError, plan_from_config
+
+CELL = {"simulator": 2, "inference": 1, "learner": 1}
+
+
+def costs(sim=0.01, a=0.001, b=0.0, learn=0.0001, sigma=0.0) -> StageCosts:
+    return StageCosts(sim_median_s=sim, sim_sigma=sigma, inf_a_s=a, inf_b_s=b,
+                      learn_s_per_segment=learn)
+
+
+def near(x, y, rel=0.03):
+    return abs(x / y - 1) <= rel
+
+
+def test_learner_bound():
+    """A learner far slower than rollout: throughput = its capacity."""
+    lay = Layout("streamer", 4, 4, CELL, envs=16, shards=4, micro_batch=16, micro_batches=2,
+                 epochs=2, max_staleness=2)
+    c = costs(learn=0.05)
+    capacity = lay.micro_batch * lay.segment_len * lay.chunk_len / (
+        lay.micro_batch * c.learn_s_per_segment * lay.epochs)
+    pred = predict(lay, c)
+    assert near(pred.env_steps_per_s, capacity) and pred.bottleneck == "train"
+
+
+def test_inference_bound():
+    """Forward passes far slower than stepping: each cell serves B_max envs per a + b B."""
+    lay = Layout("streamer", 8, 4, CELL, envs=16, shards=16, batch_max=8, wait_max_s=0.001,
+                 max_staleness=4)
+    c = costs(sim=0.001, a=0.02, b=0.002)
+    capacity = 2 * 8 * lay.chunk_len / (c.inf_a_s + c.inf_b_s * 8)  # 2 cells
+    pred = predict(lay, c)
+    assert near(pred.env_steps_per_s, capacity) and pred.bottleneck == "infer"
+
+
+def test_closed_loop_littles_law():
+    """Fast learner, one shard per simulator, the batcher waits for the whole cell: the N envs
+    of a cell cycle through step + forward pass, so X = N / R (Little's law)."""
+    lay = Layout("train-async", 4, 4, CELL, envs=16, micro_batch=16, micro_batches=2,
+                 max_staleness=8)
+    c = costs(sim=0.04, a=0.005, b=0.0005)
+    n = 2 * lay.envs
+    cycle = c.sim_median_s + c.inf_a_s + c.inf_b_s * n
+    pred = predict(lay, c)
+    assert near(pred.env_steps_per_s, n * lay.chunk_len / cycle)
+
+
+def test_colocated_closed_form():
+    lay = Layout("sync-colocated", 2, 2, envs=16, micro_batch=16, micro_batches=2, epochs=1)
+    c = costs(sim=0.03, a=0.004, b=0.001, learn=0.002)
+    groups = 2
+    infer = c.inf_a_s + c.inf_b_s * 16
+    version = groups * lay.segment_len * (c.sim_median_s + infer) + infer + \
+        2 * 16 * c.learn_s_per_segment
+    steps = 2 * groups * lay.segment_len * 16 * lay.chunk_len
+    assert near(predict(lay, c, updates=5).env_steps_per_s, steps / version, rel=1e-6)
+
+
+def test_network_costs():
+    net = Network()
+    assert net.broadcast_s(1e9, 1) == 0 and net.allreduce_s(1e9, 1, 1) == 0
+    assert math.isclose(net.broadcast_s(25e9, 2), 2.0 + 2e-6)
+    # the inter-node part tends to 2 x bytes / link bandwidth
+    assert net.allreduce_s(25e9, 64, 64) == pytest.approx(2 * 63 / 64 + 2 * 63 * 2e-6)
+
+
+def test_autoplan_picks_more_learners_when_training_is_the_bottleneck():
+    base = Layout("streamer", 8, 8, {"simulator": 6, "inference": 1, "learner": 1},
+                  envs=16, shards=4, micro_batch=16, micro_batches=2)
+    ranked = search(base, costs(learn=0.05))
+    best, pred = ranked[0]
+    assert best.per_node["learner"] == 2 and pred.bottleneck == "train"
+    assert all(p.env_steps_per_s <= pred.env_steps_per_s for _, p in ranked[1:])
+    assert problem(best) is None
+
+
+def test_autoplan_layout_is_a_valid_config():
+    base = Layout("streamer", 8, 4, CELL, envs=16, shards=2, micro_batch=16, micro_batches=2)
+    best, _ = search(base, costs(sigma=0.5))[0]
+    cfg = load_config(None, best.overrides())
+    check_pipeline(cfg, plan_from_config(cfg.placement, 8))
+
+
+def test_cli_plan_auto(capsys):
+    argv = ["plan", "--auto", "configs/default.yaml", "--world", "8", "--ranks-per-node",
+            "4", "--costs", "balanced"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world"] == 8 and out["ranks_per_node"] == 4
+    assert out["best"]["env_steps_per_s"] > 0 and out["best"]["bottleneck"] in (
+        "simulate", "infer", "train")
+    assert any(o.startswith("placement.per_node=") for o in out["best"]["overrides"])
+    assert isinstance(out["runner_ups"], list) and out["runner_ups"]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "env steps/s" in text and "bottleneck" in text and "runner-ups" in text
+
+
+@pytest.mark.parametrize("world,rpn,field", [(10, 4, "--world"), (4, 2, "--ranks-per-node"),
+                                             (0, 4, "--world")])
+def test_cli_plan_auto_bad_input(capsys, world, rpn, field):
+    assert main(["plan", "--auto", "configs/default.yaml", "--world", str(world),
+                 "--ranks-per-node", str(rpn), "--costs", "balanced"]) == 2
+    assert field in capsys.readouterr().err
+
+
+def test_bad_layout_is_refused():
+    with pytest.raises(PlanError):
+        predict(Layout("streamer", 6, 4), costs())
+    assert "micro_batch" in problem(Layout("streamer", 4, 4, CELL, envs=16, shards=1,
+                                           micro_batch=8))
