@@ -123,3 +123,26 @@ def test_bad_layout_is_refused():
         predict(Layout("streamer", 6, 4), costs())
     assert "micro_batch" in problem(Layout("streamer", 4, 4, CELL, envs=16, shards=1,
                                            micro_batch=8))
+
+
+def test_bench_modes_auto_sweep_runs_each_mode_at_its_planned_layout():
+    """`bench modes --sweep auto`: the overrides it starts each mode with are the planner's
+    best layout, with the emulated learner's delay following the planned micro-batch; the
+    ideal bound reads the layout's role counts."""
+    from hpcvla.bench import modes
+    from hpcvla.config import load_config
+    preset = modes.PRESETS["balanced"]
+    for mode in ("sync-colocated", "streamer"):
+        base = [f"pipeline.mode={mode}", *modes._layout(mode, 2),
+                *modes._workload("emulated", preset, preset["envs"], 10, mode)]
+        extra = modes.auto_layout(mode, base, "balanced", preset, 2)
+        cfg = load_config(None, base + extra)
+        assert cfg.pipeline.mode == mode
+        assert cfg.emulate.learner_ms_per_micro_batch == pytest.approx(
+            preset["learn_ms_per_segment"] * cfg.learner.micro_batch)
+        assert cfg.learner.micro_batch * cfg.learner.micro_batches == 32  # batch kept
+    cfg = load_config(None, ["pipeline.mode=streamer", *modes._layout("streamer", 4),
+                             *modes._workload("emulated", preset, 32, 10, "streamer")])
+    # 2 nodes of (2 simulators, 1 inference, 1 learner): the learner bound, 2 x 16 x 8 x 4
+    # steps per 170 ms micro-batch
+    assert modes.ideal_bound("streamer", cfg, preset, 4) == pytest.approx(2 * 16 * 32 / 0.17)

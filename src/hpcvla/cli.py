@@ -96,9 +96,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
                        help="shards: env shards (worker processes) of one simulator rank")
-    bench.add_argument("--sweep", choices=["batching", "envs"], default=None,
-                       help="modes: B_max x T_max grid for the streamer, or envs per "
-                            "simulator for streamer vs sync-colocated, instead of the ladder")
+    bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
+                       help="modes: B_max x T_max grid for the streamer, envs per simulator "
+                            "for streamer vs sync-colocated, or each of the two at the layout "
+                            "`plan --auto` picks for it, instead of the ladder")
 
     bench.add_argument("--chart", default=None,
                        help="scale: draw the 8 -> 256 GPU prediction here (PNG)")

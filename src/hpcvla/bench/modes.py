@@ -119,11 +119,12 @@ def ideal_bound(mode, cfg, preset, gpus) -> float:
         infer_s = (preset["inf_a_ms"] + preset["inf_b_ms"] * E) / 1e3
         rollout_s = batch / E * T * (latency + infer_s)
         return gpus * batch * T * H / (rollout_s + cfg.learner.micro_batches * learn_s)
-    n_inf = n_learn = gpus // 2
-    cell = 2 * E
+    per_node, nodes = cfg.placement.per_node, _ranks(mode, gpus) // cfg.placement.ranks_per_node
+    n_sim, n_inf, n_learn = (nodes * per_node[r] for r in ("simulator", "inference", "learner"))
+    cell = E * n_sim // n_inf
     a, b = preset["inf_a_ms"] / 1e3, preset["inf_b_ms"] / 1e3
     # closed loop: each env step is a simulator step plus at least a forward pass of one env
-    c_sim = 2 * n_inf * E * H / (latency + a + b)
+    c_sim = n_sim * E * H / (latency + a + b)
     c_inf = n_inf * cell * H / (a + b * cell)
     c_learn = n_learn * micro * T * H / learn_s
     return min(c_sim, c_inf, c_learn)
@@ -149,10 +150,34 @@ def cases(sweep: str | None, envs: int) -> list[tuple[str, str, int, list[str]]]
         return [(f"streamer B_max={b} T_max={t}ms", "streamer", envs,
                  [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"])
                 for b in (8, 16, 32) for t in (1, 5, 20)]
+    if sweep == "auto":  # each mode at the layout `hpcvla plan --auto` picks for it
+        return [(f"{mode} (plan --auto)", mode, envs, None)
+                for mode in ("sync-colocated", "streamer")]
     if sweep == "envs":  # D-VLA Fig. 7: environments per simulator rank
         return [(f"{mode} E={e}", mode, e, []) for e in (16, 32, 64)
                 for mode in ("sync-colocated", "streamer")]
-    raise ValueError(f"--sweep {sweep!r}: expected batching or envs")
+    raise ValueError(f"--sweep {sweep!r}: expected batching, envs or auto")
+
+
+def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
+                gpus: int) -> list[str]:
+    """The overrides of the layout the scale model predicts fastest for this mode and
+    accelerator count (scale/autoplan.py, the preset's costs), with the emulated learner's
+    delay following the micro-batch it picks."""
+    from hpcvla.config import load_config
+    from hpcvla.scale.autoplan import search
+    from hpcvla.scale.model import Layout
+    from hpcvla.scale.probe import named_costs
+    cfg = load_config(None, base)
+    best, _ = search(Layout(mode, _ranks(mode, gpus), cfg.placement.ranks_per_node or
+                            _ranks(mode, gpus), dict(cfg.placement.per_node),
+                            cfg.env.envs_per_simulator, cfg.env.shards, cfg.rollout.batch_max,
+                            cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len,
+                            cfg.rollout.segment_len, cfg.learner.micro_batch,
+                            cfg.learner.micro_batches, cfg.learner.epochs,
+                            cfg.pipeline.max_staleness), named_costs(preset_name)[0])[0]
+    return best.overrides() + ["emulate.learner_ms_per_micro_batch="
+                               f"{preset['learn_ms_per_segment'] * best.micro_batch}"]
 
 
 def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, updates=20,
@@ -171,9 +196,14 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra) in enumerate(cases(sweep, envs_per_gpu)):
             ranks = _ranks(mode, gpus)
-            overrides = [f"pipeline.mode={mode}", *_layout(mode, gpus),
-                         *_workload(workload, preset, envs, updates, mode), *extra,
-                         f"run.root={tmp}", f"run.name=case{n}"]
+            base = [f"pipeline.mode={mode}", *_layout(mode, gpus),
+                    *_workload(workload, preset, envs, updates, mode)]
+            if extra is None:
+                if workload != "emulated":
+                    raise ValueError("--sweep auto: the emulated workload only (the planner "
+                                     "takes its stage costs from the preset)")
+                extra = auto_layout(mode, base, preset_name, preset, gpus)
+            overrides = [*base, *extra, f"run.root={tmp}", f"run.name=case{n}"]
             cmd = [sys.executable, "-m", "hpcvla", "train", "--ranks", str(ranks), *overrides]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             if out.returncode != 0:
