@@ -146,3 +146,18 @@ def test_bench_modes_auto_sweep_runs_each_mode_at_its_planned_layout():
     # 2 nodes of (2 simulators, 1 inference, 1 learner): the learner bound, 2 x 16 x 8 x 4
     # steps per 170 ms micro-batch
     assert modes.ideal_bound("streamer", cfg, preset, 4) == pytest.approx(2 * 16 * 32 / 0.17)
+
+
+def test_search_envs_adds_envs_only_while_they_pay():
+    """`plan --auto --search-envs`: a closed loop too small for its stages gets more envs; once
+    the learner is the bottleneck, the fewest envs within 2 % of the best (8, not 16-32)."""
+    lay = Layout("streamer", 4, 4, CELL, envs=8, shards=8, micro_batch=16, micro_batches=2,
+                 max_staleness=2)
+    loop_bound = costs(sim=0.04, a=0.001, learn=0.002)  # 8 envs: 1,561 steps/s, learner 16,000
+    fixed, grown = search(lay, loop_bound)[0], search(lay, loop_bound, search_envs=True)[0]
+    assert fixed[0].envs == 8 and grown[0].envs >= 32
+    assert grown[1].env_steps_per_s > 3 * fixed[1].env_steps_per_s
+    learner_bound = costs(sim=0.04, a=0.001, learn=0.04)  # 800 steps/s from 8 envs on
+    (best, pred), *others = search(lay, learner_bound, search_envs=True)
+    assert best.envs == 8 and near(pred.env_steps_per_s, 800, rel=0.01)
+    assert any(lay.envs > 8 and near(p.env_steps_per_s, 800, rel=0.01) for lay, p in others)

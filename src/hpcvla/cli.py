@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="search per-node role counts, shards, B_max/T_max and "
                            "micro-batching with the scale model (hpcvla/scale/) and print the "
                            "best layout as overrides, its predicted env steps/s and bottleneck")
+    plan.add_argument("--search-envs", action="store_true",
+                      help="--auto: also pick env.envs_per_simulator (the fewest within 2 %% "
+                           "of the best throughput)")
     plan.add_argument("--costs", default="config",
                       choices=["config", "balanced", "table3", "pi0-libero"],
                       help="--auto: stage costs: the config's emulated delays or, without, "
@@ -200,7 +203,8 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
         from hpcvla.scale.autoplan import print_auto_plan
-        return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json)
+        return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json,
+                               args.search_envs)
     if args.ranks_per_node is not None:
         cfg.placement.ranks_per_node = args.ranks_per_node
     plan = plan_from_config(cfg.placement, args.world)

@@ -1,7 +1,7 @@
 """`hpcvla plan --auto`: search the layouts of a world with the scale model.
 
-Knobs searched (everything else, including pipeline.mode, envs per simulator rank and the
-batch each learner trains per version, stays as the config says):
+Knobs searched (everything else, including pipeline.mode and the batch each learner trains
+per version, stays as the config says):
 
 * placement.per_node: every (simulator, inference, learner) split of the ranks of a node with
   >= 1 inference rank, >= 1 simulator per inference rank, >= 1 learner and at least as many
@@ -11,6 +11,10 @@ batch each learner trains per version, stays as the config says):
   (T_max): 1, 5 or 20 ms;
 * learner.micro_batch: the divisors of the learner batch that are multiples of the envs per
   shard (learner.micro_batches = batch / micro_batch).
+
+* env.envs_per_simulator, only when asked (`--search-envs`): half, the same, 2x or 4x the
+  config's; the fewest envs within 2 % of the best throughput (more envs only add staleness
+  and memory once another stage is the bottleneck).
 
 The search is coordinate descent: starting from the config (or the first valid layout),
 each knob in turn is set to its best value with the others held, until a round changes
@@ -23,6 +27,7 @@ predict another throughput than the ones listed first).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 from hpcvla.scale.model import Layout, Network, Prediction, StageCosts, predict
@@ -78,6 +83,8 @@ def _values(knob: str, lay: Layout) -> list:
     if knob == "micro_batch":
         batch = lay.micro_batch * lay.micro_batches
         return [m for m in range(e, batch + 1, e) if batch % m == 0]
+    if knob == "envs":
+        return sorted({n for n in (lay.envs // 2, lay.envs, 2 * lay.envs, 4 * lay.envs) if n})
     raise ValueError(knob)
 
 
@@ -85,15 +92,18 @@ def _set(lay: Layout, knob: str, value) -> Layout:
     if knob == "micro_batch":
         batch = lay.micro_batch * lay.micro_batches
         return replace(lay, micro_batch=value, micro_batches=batch // value)
+    if knob == "envs":  # keep the shards dividing the envs
+        return replace(lay, envs=value, shards=math.gcd(lay.shards, value))
     return replace(lay, **{knob: value})
 
 
-def knobs(mode: str) -> list[str]:
+def knobs(mode: str, envs: bool = False) -> list[str]:
+    first = ["envs"] if envs else []
     if mode == "sync-colocated":
-        return ["micro_batch"]
+        return first + ["micro_batch"]
     if mode in OVERLAP:
-        return ["per_node", "shards", "batch_max", "wait_max_s", "micro_batch"]
-    return ["per_node", "micro_batch"]
+        return first + ["per_node", "shards", "batch_max", "wait_max_s", "micro_batch"]
+    return first + ["per_node", "micro_batch"]
 
 
 def _start(base: Layout) -> Layout:
@@ -113,7 +123,7 @@ def _start(base: Layout) -> Layout:
 
 
 def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds: int = 3,
-           runner_ups: int = 4) -> list[tuple[Layout, Prediction]]:
+           runner_ups: int = 4, search_envs: bool = False) -> list[tuple[Layout, Prediction]]:
     """[(layout, prediction)], best first: the best then up to `runner_ups` others."""
     check_world(base.world, base.ranks_per_node, base.mode)
     seen: dict[tuple, tuple[Layout, Prediction]] = {}
@@ -128,13 +138,20 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
     score(best)
     for _ in range(rounds):
         before = best
-        for knob in knobs(best.mode):
+        for knob in knobs(best.mode, search_envs):
             options = [_set(best, knob, v) for v in _values(knob, best)]
             options = [lay for lay in options if problem(lay) is None] + [best]
-            best = max(options, key=score)
+            if knob == "envs":
+                top = max(map(score, options))
+                best = min((lay for lay in options if score(lay) >= 0.98 * top),
+                           key=lambda lay: lay.envs)
+            else:
+                best = max(options, key=score)
         if best == before:
             break
-    ranked = sorted(seen.values(), key=lambda lp: -lp[1].env_steps_per_s)
+    chosen = seen[tuple(best.overrides())]  # first, though a layout with more envs may edge it
+    ranked = [chosen] + sorted((lp for lp in seen.values() if lp is not chosen),
+                               key=lambda lp: -lp[1].env_steps_per_s)
     # runner-ups: layouts that predict something else first (ties tell a reader nothing)
     distinct, ties = ranked[:1], []
     for lay, pred in ranked[1:]:
@@ -158,7 +175,7 @@ def check_world(world: int, ranks_per_node: int, mode: str) -> None:
 
 
 def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,
-                    as_json: bool) -> int:
+                    as_json: bool, search_envs: bool = False) -> int:
     """`hpcvla plan --auto`: probe or look up the stage costs, search, print the best layout
     as config overrides with its predicted env steps/s and bottleneck, then the runner-ups."""
     from hpcvla.scale.probe import describe, named_costs  # the probe imports torch and sims
@@ -174,7 +191,7 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
                   cfg.learner.micro_batch, cfg.learner.micro_batches, cfg.learner.epochs,
                   cfg.pipeline.max_staleness)
     rows = [{"overrides": lay.overrides(), "env_steps_per_s": p.env_steps_per_s,
-             "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in search(base, costs)]
+             "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in search(base, costs, search_envs=search_envs)]
     best = rows[0]
     if as_json:
         print(json.dumps({"world": world, "ranks_per_node": rpn, "mode": base.mode,
