@@ -33,14 +33,16 @@ Other assumptions:
 * A second series replaces the tree broadcast of the weights by a sequential sync (the root
   sends each remote inference rank its copy in turn over its one link), the kind of
   per-worker communication RL-VLA³ blames for its sublinear scaling beyond 128 GPUs.
+* RL-VLA³'s own curve (Figure 3, pi0.5 on LIBERO+) is published without numbers; what it
+  states is its shape (near-linear 8 -> 24 GPUs, moderating to 128, degrading to 256), which
+  the chart's two series are read against.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from hpcvla.scale.model import Layout, Network, StageCosts, predict
 
