@@ -9,22 +9,19 @@ after the last record ends the consumer's wait (get returns no records).
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.ring import CONTROL_BYTES, SLOT_HEADER, TrajectoryRing, _slot_checksum
+from hpcvla.transport.ring import SLOT_HEADER, TrajectoryRing, _slot_checksum
 
 SLOTS, SLOT_BYTES = 4, 4096
 
 
 def publish_by_hand(ring, seq, payload, damage):
-    """The producer protocol of ring.py, with one step damaged."""
-    win, one, got = ring.win, np.ones(1, np.int64), np.zeros(1, np.int64)
-    win.Fetch_and_op([one, MPI.INT64_T], [got, MPI.INT64_T], 0, 0, MPI.SUM)
-    win.Flush(0)
-    ticket = int(got[0])
-    assert ticket < SLOTS  # fresh slots: no need to wait for the consumer here
-    disp = CONTROL_BYTES + ticket * SLOT_BYTES
+    """The producer protocol of ring.py (its lane's next fragment), with one step damaged."""
+    win, f = ring.win, ring._fragment
+    assert f < SLOTS  # fresh slots: no need to wait for the consumer here
+    disp = ring.slot_disp(ring.lane, f)
     header = np.zeros(1, SLOT_HEADER)
     h = header[0]
-    h["ticket"], h["producer"], h["seq"], h["part"], h["nparts"] = ticket, 1, seq, 0, 1
+    h["ticket"], h["producer"], h["seq"], h["part"], h["nparts"] = f, 1, seq, 0, 1
     h["length"] = h["record_length"] = payload.nbytes
     h["checksum"] = _slot_checksum(header, payload)
     sent = payload.copy()
@@ -36,9 +33,9 @@ def publish_by_hand(ring, seq, payload, damage):
         win.Put(header.view(np.uint8)[8:], 0, (disp + 8, 56, MPI.BYTE))
         win.Put(sent, 0, (disp + 64, sent.nbytes, MPI.BYTE))
     win.Flush(0)
-    win.Accumulate([np.array([ticket + 1], np.int64), MPI.INT64_T], 0, (disp, 1, MPI.INT64_T),
-                   MPI.REPLACE)
+    win.Put([np.array([f + 1], np.int64), MPI.INT64_T], 0, (disp, 1, MPI.INT64_T))
     win.Flush(0)
+    ring._fragment = f + 1
 
 
 def main():

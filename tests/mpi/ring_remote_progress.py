@@ -2,7 +2,7 @@
 
 Rank 0 hosts the ring and then computes for COMPUTE_S seconds without calling MPI (numpy
 matrix products, as a training step would). Every other rank waits until that compute has
-begun, then puts RECORDS records 50 ms apart, timing each put (ticket, payload, publish, all
+begun, then puts RECORDS records 50 ms apart, timing each put (payload, publish, all
 flushed: the record is in the learner's memory when `put` returns). After its compute rank 0
 counts what is already in its memory, takes the rest, checks every record arrived exactly
 once, gathers the producers' timings and prints, per producer host, the slowest and median

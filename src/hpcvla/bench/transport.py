@@ -3,16 +3,18 @@ is built on, measured side by side in the same run (ratios, not absolute numbers
 carry over between machines).
 
 * ring: records of 64 KiB and 1 MiB from 1 and 7 producers into rank 0's TrajectoryRing,
-  against the same bytes as raw `Put`+`Flush` into a window on rank 0 (no slots, no checks);
+  against the same bytes as raw `Put`+`Flush` into a window on rank 0 (no slots, no checks)
+  of the same size (16 slots per producer);
   when the world spans hosts, also from one producer on another host (`ring_*_remote_1p`):
   the ring's progress thread against a raw target that sits in a barrier (driving progress);
 * exchange: observations a simulator writes into its ObsActionExchange slot (one copy, as an
   env rendering in place) and the inference rank then reads in place (zero copy), with the
   request/response flags and 2 shards pipelined, against one plain memcpy of the same bytes:
   the ratio is what the signalling and waiting cost on top of the copy;
-* weights: a ~100 MB WeightPlane publish until every rank holds a copy (root copy, one
-  broadcast per node leader, node-shared store, each reader's copy), against one raw
-  `Bcast` of the same buffer to every rank.
+* weights: a ~100 MB WeightPlane publish until every rank holds a copy (the root's one copy
+  into its node's store, one broadcast per other node's leader into that node's store, each
+  other rank's copy out of it; the root holds the source, as Bcast's root does), against one
+  raw `Bcast` of the same buffer to every rank.
 
 Each pair runs `repeats` times alternating; the median time is reported.
 """
@@ -29,14 +31,15 @@ from mpi4py import MPI
 
 from hpcvla.topology.comms import build_communicators
 from hpcvla.topology.plan import build_plan
-from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.backoff import idle_barrier, wait_until
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.weights import Manifest, WeightPlane
 
 KiB, MiB = 1 << 10, 1 << 20
-TARGETS = {"ring_1MiB_ratio": ">= 0.70", "exchange_ratio": ">= 0.80",
-           "weights_ratio": "<= 1.3"}
+TARGETS = {"ring_1MiB_ratio": ">= 0.70", "ring_1MiB_7p_ratio": ">= 0.70",
+           "ring_64KiB_1p_ratio": ">= 0.40", "ring_64KiB_7p_ratio": ">= 0.40",
+           "exchange_ratio": ">= 0.80", "weights_ratio": "<= 1.3"}
 
 
 def _timed(comm, fn) -> float:
@@ -81,7 +84,8 @@ def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=Non
     rank = comm.Get_rank()
     per_producer = max(4, total_bytes // record_bytes // producers)
     n_slots = 16
-    ring = TrajectoryRing(comm, n_slots, record_bytes + 64)
+    # the same memory as the raw window: 16 slots per producer
+    ring = TrajectoryRing(comm, n_slots * producers, record_bytes + 64)
     raw = MPI.Win.Allocate(n_slots * record_bytes * producers if rank == 0 else 0, 1, comm=comm)
     raw.Lock_all(MPI.MODE_NOCHECK)
     payload = np.random.default_rng(rank).integers(0, 255, record_bytes, dtype=np.uint8)
@@ -172,8 +176,12 @@ def bench_weights(world, nbytes, ranks_per_node, repeats):
 
     def publish_run():
         version[0] += 1
-        if world.Get_rank() == plan.weight_root:
+        if world.Get_rank() == plan.weight_root:  # the source holds them, as Bcast's root
             plane.publish(version[0], weights)
+            # wait as a learner computes (asleep), not in the spinning Barrier: it would
+            # contend for MPI with the thread that sends
+            wait_until(plane.sent, "the weights to be sent", 120, cap=5e-4)
+            return
         plane.wait_for(version[0], timeout=120)
         assert plane.read_into(out) >= version[0]
 
@@ -230,9 +238,9 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
         # headline ratios the targets refer to: 1 MiB, single producer
         results["ring_1MiB_ratio"] = results["ring_1MiB_1p_ratio"]
         results["targets_met"] = {
-            "ring_1MiB_ratio": results["ring_1MiB_ratio"] >= 0.70,
-            "exchange_ratio": results["exchange_ratio"] >= 0.80,
-            "weights_ratio": results["weights_ratio"] <= 1.3}
+            key: (results[key] >= float(goal[3:]) if goal.startswith(">=")
+                  else results[key] <= float(goal[3:]))
+            for key, goal in TARGETS.items() if key in results}
         print(f"{'pair':<36} {'mechanism':>12} {'baseline':>12} {'ratio':>7}")
         for name, mine, base in rows:
             print(f"{name:<36} {mine:>9.2f} GB/s {base:>9.2f} GB/s {mine / base:>7.2f}")

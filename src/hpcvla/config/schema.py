@@ -261,7 +261,9 @@ class LearnerConfig:
     checkpoint_keep: int = setting(
         2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
     ring_slots: int = setting(
-        32, "Slots of each learner's trajectory ring; producers wait when it is full.", ge=2)
+        32, "Slots of each learner's trajectory ring, split evenly into one lane per "
+        "producer (at least one slot each); a producer waits while its lane is full: more "
+        "rides out longer training steps, costs learner memory (slots x ring_slot_kib).", ge=2)
     ring_slot_kib: int = setting(
         1024, "Slot size in KiB; larger records are split over several slots.", ge=4)
     ring_progress: str = setting(

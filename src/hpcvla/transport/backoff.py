@@ -8,6 +8,7 @@ when it is not). `MPI.Win.Sync` or any MPI call between polls keeps MPI's progre
 
 from __future__ import annotations
 
+import os
 import time
 
 
@@ -15,6 +16,11 @@ import time
 # against a transfer or an env step, long enough that waiting ranks leave the cores to
 # working ones. Idle waits (next weight version, sitting out a benchmark) sleep longer.
 DATA_POLL_CAP = 2e-4
+# How long a latency-critical wait (a simulator waiting for its actions, the server for the
+# next request) yields instead of sleeping: a sleep costs ~50-100 us of timer slack and
+# wake-up, longer than the answer usually takes; `sched_yield` hands the core to any rank
+# that needs it, so the short spin does not starve oversubscribed ones.
+DATA_SPIN = 5e-5
 
 
 class WaitTimeout(TimeoutError):
@@ -23,16 +29,23 @@ class WaitTimeout(TimeoutError):
 
 class Backoff:
     def __init__(self, first: float = 20e-6, cap: float = 2e-3, timeout: float | None = None,
-                 what: str = "a condition"):
+                 what: str = "a condition", spin: float = 0.0):
         self.first, self.cap, self.what = first, cap, what
         self.delay = first
-        self.deadline = None if timeout is None else time.monotonic() + timeout
+        now = time.monotonic()
+        self.deadline = None if timeout is None else now + timeout
+        self.spin_until = now + spin if spin else 0.0
         self.timeout = timeout
 
     def wait(self) -> None:
-        """Sleep once, a little longer than last time; raise WaitTimeout past the deadline."""
-        if self.deadline is not None and time.monotonic() > self.deadline:
+        """Sleep once, a little longer than last time (yield instead during the first `spin`
+        seconds); raise WaitTimeout past the deadline."""
+        now = time.monotonic()
+        if self.deadline is not None and now > self.deadline:
             raise WaitTimeout(f"waited more than {self.timeout:g} s for {self.what}")
+        if now < self.spin_until:
+            os.sched_yield()
+            return
         time.sleep(self.delay)
         self.delay = min(self.delay * 2, self.cap)
 
@@ -40,9 +53,10 @@ class Backoff:
         self.delay = self.first
 
 
-def wait_until(ready, what: str, timeout: float | None = None, cap: float = 2e-3):
+def wait_until(ready, what: str, timeout: float | None = None, cap: float = 2e-3,
+               spin: float = 0.0):
     """Poll `ready()` with back-off until it returns a truthy value, which is returned."""
-    backoff = Backoff(cap=cap, timeout=timeout, what=what)
+    backoff = Backoff(cap=cap, timeout=timeout, what=what, spin=spin)
     while True:
         value = ready()
         if value:

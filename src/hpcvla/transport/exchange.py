@@ -13,7 +13,9 @@ The simulator writes its observation straight into the slot (`obs(shard)` is a v
 bumps `request`; the server finds pending slots by scanning the request/response words,
 reads observations in place, writes actions in place and sets `response = request`.
 Each word has one writer, so plain aligned stores suffice; `Win.Sync` orders payload and
-flag accesses. Waiting polls with back-off (sleeps), so it does not burn a core.
+flag accesses. Waiting polls with back-off: it yields the core for the first DATA_SPIN
+seconds (an answer usually comes sooner than a sleep wakes up), then sleeps, so it does
+not burn a core.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import DATA_POLL_CAP, wait_until
+from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, wait_until
 from hpcvla.transport.records import aligned
 
 HEADER_BYTES = 64
@@ -75,7 +77,7 @@ class ObsActionExchange:
     def actions(self, shard: int, timeout: float | None = None) -> np.ndarray:
         """Wait (back-off) for the answer to this shard's request; a view of the actions."""
         wait_until(lambda: self.actions_ready(shard), f"actions for shard {shard}", timeout,
-                   cap=DATA_POLL_CAP)
+                   cap=DATA_POLL_CAP, spin=DATA_SPIN)
         self.win.Sync()
         return self._act_view(self.slot_of(shard))
 
@@ -89,7 +91,8 @@ class ObsActionExchange:
         return new.tolist()
 
     def wait_pending(self, timeout: float | None = None) -> list[int]:
-        return wait_until(self.pending, "an observation request", timeout, cap=DATA_POLL_CAP)
+        return wait_until(self.pending, "an observation request", timeout, cap=DATA_POLL_CAP,
+                          spin=DATA_SPIN)
 
     def request_obs(self, slot: int) -> np.ndarray:
         return self._obs_view(slot)

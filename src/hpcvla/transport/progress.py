@@ -5,8 +5,11 @@ in shared memory: the target needs to do nothing. Across hosts without hardware 
 InfiniBand for atomics in some MPIs) the *target's* progress engine completes them, and it
 runs only while the target is inside an MPI call. A learner that reads its ring with
 `Win.Sync()` and plain loads, or that spends a minute in a training step, leaves every remote
-producer waiting (measured: 0 of 16 puts from another host during a 4 s compute; on the
-learner's own host 16 of 16).
+producer waiting (measured with the ring's old atomics: 0 of 16 puts from another host
+during a 4 s compute; on the learner's own host 16 of 16). The ring now avoids atomics (a lane
+per producer), and over TCP both MPIs here complete its plain `Put`s without the target (8 of
+8 during a 3 s compute, tests/multihost); fabrics and MPIs that route `Put` through the target
+still need this module.
 
 So a ring target drives progress itself, two ways:
 
@@ -32,8 +35,8 @@ import threading
 from mpi4py import MPI
 
 MODES = ("auto", "thread", "poll")
-# One progress pass per millisecond: a remote fragment takes ~4 round trips to the target
-# (ticket, payload, publish, flushes), so a put completes in a few ms while the target
+# One progress pass per millisecond: a remote fragment takes ~2 round trips to the target
+# (payload, publish, flushes), so a put completes in a few ms while the target
 # computes; 1000 short wake-ups a second cost a fraction of a percent of a core.
 DEFAULT_INTERVAL = 1e-3
 

@@ -8,18 +8,30 @@ completes one-sided operations): every `poll` drives it once, and when the ring 
 `ProgressAgent` thread (transport/progress.py) drives it every millisecond between polls, so
 a remote put completes in milliseconds even while the learner is inside a long training step
 (`progress`: auto = the thread only when the ring spans hosts; thread; poll = never a thread).
-Layout (byte displacements):
 
-    0                      control: ticket counter (i8), 56 bytes reserved
-    64 + i * slot_bytes    slot i: SLOT_HEADER (64 bytes) + payload (slot_bytes - 64)
+Layout (byte displacements): one lane per producing rank (every rank of `comm` but `root`;
+a one-rank ring's root produces itself), n_slots split between lanes as evenly as they go:
 
-Producer, per fragment: take a ticket t with an atomic fetch-and-add on the counter; slot
-t % n_slots; wait (back-off) until the slot's state word says ticket t - n_slots was consumed;
-`Put` header fields and payload; `Flush`; then publish by atomically replacing the state word
-with t + 1 and flushing. The learner reads tickets in order from its own memory: a slot is
-ready when its state is t + 1; it checks the header (ticket, lengths, checksum over header and
-payload), copies the payload out, and frees the slot by writing -(t + 1). So a full ring makes
-producers wait, memory stays bounded, and nothing is overwritten before it was read.
+    0                      control: per lane, freed (i8, written by the learner) and started
+                           (i8, by the producer), padded to a multiple of 64 bytes
+    control + i * slot     slot i: SLOT_HEADER (64 bytes) + payload (slot_bytes - 64); lane
+                           l owns slots first[l] .. first[l] + size[l] - 1
+
+A producer writes its f-th fragment into slot first + f % size of its own lane. No shared
+ticket counter: an MPI atomic costs several `Put`s in shared memory, and with one ticket
+order a descheduled producer held back everyone's records. The lane's freed word W (its
+fragments below W were consumed and their slots handed back) only grows, so the value last
+read is a safe lower bound: the producer re-reads it (`Get`, back-off) only while
+f - size >= W, so a lane that is not full costs no round trip. Per fragment: `Put` header
+fields and payload (and, per record, the started word, for stall reports), `Flush`, then
+publish with a `Put` of f + 1 into the slot's state word, `Flush`. Every word has one
+writer and is an aligned 8-byte store, read whole. The learner reads each lane in order
+from its own memory: a slot is ready when its state is f + 1; it checks the header (lane
+fragment number, lengths, checksum over header and payload), hands the payload out, and
+frees slots in batches: once per `poll`/`release` it stores, per lane, W = the oldest
+fragment it still holds. So a full lane makes its producer wait, memory stays bounded, and
+nothing is overwritten before it was read. The price of lanes: a producer cannot borrow
+another's idle slots.
 
 A record larger than a slot's payload is split into fragments (`part`/`nparts`), reassembled
 per producer; each producer's records arrive in the order it wrote them. A slot that fails a
@@ -39,13 +51,12 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, wait_until
+from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_until
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 
-CONTROL_BYTES = 64
 SLOT_HEADER = np.dtype([
-    ("state", "<i8"),          # publish word: t + 1 published, -(t + 1) consumed, 0 never used
-    ("ticket", "<i8"),         # ticket this content belongs to (detects stale/torn slots)
+    ("state", "<i8"),          # publish word: f + 1 once fragment f is in, 0 never used
+    ("ticket", "<i8"),         # lane fragment number f of this content (stale/torn slots)
     ("producer", "<i4"),       # producer id (its world rank)
     ("schema", "<u4"),         # record schema id (see records.schema_of), 0 = raw bytes
     ("seq", "<i8"),            # per-producer record sequence number, from 0
@@ -55,8 +66,11 @@ SLOT_HEADER = np.dtype([
     ("record_length", "<u8"),  # bytes of the whole record
     ("checksum", "<u8"),       # checksum64(payload) + crc32(header bytes 8..56), mod 2**64
 ])
+# Both sides handle the header as its 8 little-endian words (a structured-array assignment
+# costs more than the rest of a small put): state, ticket, producer | schema << 32, seq,
+# part | nparts << 32, length, record_length, checksum.
 assert SLOT_HEADER.itemsize == 64
-_MASK = (1 << 64) - 1
+_MASK, _LOW = (1 << 64) - 1, (1 << 32) - 1
 
 
 def checksum64(payload: np.ndarray) -> int:
@@ -64,9 +78,11 @@ def checksum64(payload: np.ndarray) -> int:
     changed word or bit, a torn (half old, half new) or truncated payload changes it; it is not
     cryptographic. One pass at memory bandwidth, so it costs a fraction of the Put it guards."""
     n = payload.nbytes
-    words = payload[: n - n % 8].view(np.uint64)
-    tail = int.from_bytes(payload[n - n % 8:].tobytes(), "little")
-    return (int(words.sum(dtype=np.uint64)) + tail + n) & _MASK
+    cut = n - n % 8
+    total = int(np.add.reduce(payload[:cut].view(np.uint64))) + n
+    if cut < n:
+        total += int.from_bytes(payload[cut:].tobytes(), "little")
+    return total & _MASK
 
 
 class Record(NamedTuple):
@@ -89,7 +105,7 @@ class RingStats:
 
 
 class TrajectoryRing:
-    """Create collectively on `comm`; rank `root` consumes, any rank may produce."""
+    """Create collectively on `comm`; rank `root` consumes, every other rank may produce."""
 
     def __init__(self, comm: MPI.Comm, n_slots: int, slot_bytes: int, root: int = 0,
                  producer_id: int | None = None, report=None,
@@ -100,19 +116,31 @@ class TrajectoryRing:
                              "and a slot size that is a multiple of 64 and > 64")
         if progress not in MODES:
             raise ValueError(f"ring progress {progress!r}: one of {', '.join(MODES)}")
+        size = comm.Get_size()
+        self.producers = [r for r in range(size) if r != root] or [root]  # lane l's comm rank
+        lanes = len(self.producers)
+        self.lane_size = [max(1, n_slots // lanes + (lane < n_slots % lanes))
+                          for lane in range(lanes)]
+        self.lane_first = np.cumsum([0] + self.lane_size[:-1]).tolist()
+        n_slots = sum(self.lane_size)  # more than asked only with fewer slots than lanes
         self.comm, self.root, self.n_slots, self.slot_bytes = comm, root, n_slots, slot_bytes
         self.poll_cap = poll_cap  # longest sleep between polls (see backoff.DATA_POLL_CAP)
+        self.spin = DATA_SPIN  # get() yields rather than sleeps this long first (backoff.py)
         self.capacity = slot_bytes - SLOT_HEADER.itemsize
         self.is_root = comm.Get_rank() == root
         self.producer_id = MPI.COMM_WORLD.Get_rank() if producer_id is None else producer_id
-        size = CONTROL_BYTES + n_slots * slot_bytes if self.is_root else 0
-        self.win = MPI.Win.Allocate(size, 1, comm=comm)
+        self.control_bytes = -(-16 * lanes // 64) * 64
+        nbytes = self.control_bytes + n_slots * slot_bytes if self.is_root else 0
+        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
         if self.is_root:
             memory = np.frombuffer(self.win.tomemory(), np.uint8)
             memory[:] = 0
-            self._ticket_counter = memory[:8].view(np.int64)
-            self._slots = memory[CONTROL_BYTES:].reshape(n_slots, slot_bytes)
+            control = memory[:16 * lanes].view(np.int64)
+            self._freed_words, self._started_words = control[0::2], control[1::2]
+            self._slots = memory[self.control_bytes:].reshape(n_slots, slot_bytes)
             self._states = self._slots[:, :8].view(np.int64)[:, 0]
+            self._words = self._slots[:, :SLOT_HEADER.itemsize].view("<u8")  # (n_slots, 8)
+            self._slot_lane = np.repeat(np.arange(lanes), self.lane_size)
         # collective: whether producers sit on other hosts, and the progress communicator
         self.spans_hosts = spans_hosts(comm)
         self.progress = ProgressAgent(comm)
@@ -122,23 +150,29 @@ class TrajectoryRing:
             self.start_progress()
         comm.Barrier()  # zeroed before anyone writes
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        # producer state
+        # producer state: this rank's lane, its next fragment, the freed word as last read
+        rank = comm.Get_rank()
+        self.lane = self.producers.index(rank) if rank in self.producers else None
         self._seq = 0
-        self._header = np.zeros(1, SLOT_HEADER)
-        self._one = np.ones(1, np.int64)
-        self._fetched = np.zeros(1, np.int64)
-        # consumer state
-        self._next_ticket = 0
+        self._fragment = 0
+        self._freed = 0
+        self._header = np.zeros(8, "<u8")
+        self._word = np.zeros(1, np.int64)     # the state word being written
+        self._started = np.zeros(1, np.int64)  # the started word being written
+        self._read = np.zeros(1, np.int64)     # the freed word, as read
+        # consumer state, per lane: next fragment, fragments handed back (the freed word)
+        self._next = [0] * lanes
+        self._handed = [0] * lanes
         self._partial: dict[int, tuple[np.ndarray, int, int]] = {}  # producer -> (buf, seq, parts)
         self._expected_seq: dict[int, int] = {}
-        self._held: list[int] = []  # tickets whose slots back records handed out by poll()
+        self._held: list[tuple[int, int]] = []  # (lane, fragment) of records handed out by poll()
         self.stats = RingStats()
         self.report = report or (lambda msg: print(f"hpcvla ring: {msg}", file=sys.stderr,
                                                    flush=True))
 
     # ---------------------------------------------------------------- producer side
     def put(self, record, schema: int = 0, timeout: float | None = None) -> None:
-        """Write one record (bytes-like or uint8 array); blocks while the ring is full."""
+        """Write one record (bytes-like or uint8 array); blocks while this lane is full."""
         data = np.frombuffer(record, np.uint8) if not isinstance(record, np.ndarray) \
             else record.reshape(-1).view(np.uint8)
         nparts = max(1, -(-data.nbytes // self.capacity))
@@ -160,35 +194,43 @@ class TrajectoryRing:
         """Tell the consumer this producer is done (after all its records)."""
         self._put_fragment(np.zeros(0, np.uint8), 0, 0, 0, 0, None)
 
+    def slot_disp(self, lane: int, fragment: int) -> int:
+        """Window displacement of the slot that lane `lane`'s fragment `fragment` goes to."""
+        slot = self.lane_first[lane] + fragment % self.lane_size[lane]
+        return self.control_bytes + slot * self.slot_bytes
+
+    def _read_freed(self) -> int:
+        self.win.Get([self._read, MPI.INT64_T], self.root, (16 * self.lane, 1, MPI.INT64_T))
+        self.win.Flush(self.root)
+        self._freed = max(self._freed, int(self._read[0]))
+        return self._freed
+
     def _put_fragment(self, fragment, schema, part, nparts, record_length, timeout) -> None:
-        win, root = self.win, self.root
-        win.Fetch_and_op([self._one, MPI.INT64_T], [self._fetched, MPI.INT64_T], root, 0,
-                         MPI.SUM)
-        win.Flush(root)
-        ticket = int(self._fetched[0])
-        disp = CONTROL_BYTES + (ticket % self.n_slots) * self.slot_bytes
-        freed = -(ticket - self.n_slots + 1)  # state once ticket - n_slots was consumed
-        if ticket >= self.n_slots:
-            wait_until(lambda: self._state(disp) == freed,
-                       f"ring slot {ticket % self.n_slots} to be freed", timeout,
+        if self.lane is None:
+            raise RuntimeError("the ring's consumer cannot write into its own ring")
+        win, root, f = self.win, self.root, self._fragment
+        size = self.lane_size[self.lane]
+        if f - size >= self._freed:  # the slot's previous fragment not known to be freed
+            wait_until(lambda: self._read_freed() > f - size,
+                       f"ring lane {self.lane} slot {f % size} to be freed", timeout,
                        cap=self.poll_cap)
-        self._header[0] = (0, ticket, self.producer_id, schema, self._seq, part, nparts,
-                           fragment.nbytes, record_length, 0)
-        self._header[0]["checksum"] = _slot_checksum(self._header, fragment)
-        raw = self._header.view(np.uint8)
+        disp = self.slot_disp(self.lane, f)
+        header = self._header
+        header[1:7] = (f, (self.producer_id & _LOW) | (schema << 32), self._seq,
+                       part | (nparts << 32), fragment.nbytes, record_length)
+        raw = header.view(np.uint8)
+        header[7] = (checksum64(fragment) + zlib.crc32(raw[8:56])) & _MASK
+        if part == 0:  # for stall reports: the fragments of this record are under way
+            self._started[0] = f + max(nparts, 1)
+            win.Put([self._started, MPI.INT64_T], root, (16 * self.lane + 8, 1, MPI.INT64_T))
         win.Put(raw[8:], root, (disp + 8, 56, MPI.BYTE))
         if fragment.nbytes:
             win.Put(fragment, root, (disp + SLOT_HEADER.itemsize, fragment.nbytes, MPI.BYTE))
         win.Flush(root)  # payload complete at the target before it is published
-        win.Accumulate([np.array([ticket + 1], np.int64), MPI.INT64_T], root,
-                       (disp, 1, MPI.INT64_T), MPI.REPLACE)
+        self._word[0] = f + 1
+        win.Put([self._word, MPI.INT64_T], root, (disp, 1, MPI.INT64_T))
         win.Flush(root)
-
-    def _state(self, disp: int) -> int:
-        self.win.Fetch_and_op([self._one, MPI.INT64_T], [self._fetched, MPI.INT64_T],
-                              self.root, disp, MPI.NO_OP)
-        self.win.Flush(self.root)
-        return int(self._fetched[0])
+        self._fragment = f + 1
 
     # ---------------------------------------------------------------- consumer side
     def poll(self, limit: int | None = None) -> list[Record]:
@@ -197,55 +239,68 @@ class TrajectoryRing:
         Zero copy: a record that fits one slot is a view into the window, valid until the next
         `poll`/`get`/`release`, which hand its slot back to the producers. Copy what you keep.
         """
-        self.release()
+        self._held.clear()  # handed back with the freed words below
         out: list[Record] = []
         self.progress.poke()  # completes what remote producers have in flight
         self.win.Sync()
-        while limit is None or len(out) < limit:
-            ticket = self._next_ticket
-            slot = self._slots[ticket % self.n_slots]
-            state = int(slot[:8].view(np.int64)[0])
-            if state != ticket + 1:
-                break
-            self.win.Sync()  # read the payload only after seeing the state
-            header = slot[:SLOT_HEADER.itemsize].copy().view(SLOT_HEADER)
-            problem = self._check(header, ticket, slot)
-            fragment = None if problem else \
-                slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + int(header[0]["length"])]
-            record = None
-            if problem:
-                self.stats.bad_slots += 1
-                self.report(f"dropped slot of ticket {ticket} (claims producer "
-                            f"{int(header[0]['producer'])}, seq {int(header[0]['seq'])}): "
-                            f"{problem}")
-            else:
-                record = self._assemble(header[0], fragment)
-            self._next_ticket += 1
-            if record is not None and int(header[0]["nparts"]) == 1:
-                self._held.append(ticket)  # a view of this slot: freed by the next poll
-            else:
-                self._free_slot(ticket)
-            if record is not None:
-                out.append(record)
+        runs = []  # per lane, the run of consecutive published fragments
+        for lane, first in enumerate(self._next):
+            size, base, f = self.lane_size[lane], self.lane_first[lane], first
+            while f - first < size and int(self._states[base + f % size]) == f + 1:
+                f += 1
+            if f > first:
+                runs.append((lane, first, f))
+        if runs:
+            self.win.Sync()  # read the payloads only after seeing their states
+        for lane, first, end in runs:
+            for f in range(first, end):
+                if limit is not None and len(out) >= limit:
+                    break
+                self._next[lane] = f + 1
+                record = self._consume(lane, f)
+                if record is not None:
+                    out.append(record)
+        self._hand_back()
         return out
+
+    def _consume(self, lane: int, f: int) -> Record | None:
+        slot_index = self.lane_first[lane] + f % self.lane_size[lane]
+        slot, words = self._slots[slot_index], self._words[slot_index].tolist()
+        problem = self._check(words, f, slot)
+        if problem:
+            self.stats.bad_slots += 1
+            self.report(f"dropped slot {slot_index} (lane of comm rank {self.producers[lane]}, "
+                        f"fragment {f}; claims producer {_signed32(words[2] & _LOW)}, seq "
+                        f"{_signed64(words[3])}): {problem}")
+            return None
+        record = self._assemble(words, slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + words[5]])
+        if record is not None and words[4] >> 32 == 1:
+            self._held.append((lane, f))  # a view of this slot: freed by the next poll
+        return record
 
     def release(self) -> None:
         """Hand the slots of the records returned by the last poll back to the producers."""
-        for ticket in self._held:
-            self._free_slot(ticket)
         self._held.clear()
+        self._hand_back()
 
-    def _free_slot(self, ticket: int) -> None:
-        self.win.Accumulate([np.array([-(ticket + 1)], np.int64), MPI.INT64_T], self.root,
-                            (CONTROL_BYTES + (ticket % self.n_slots) * self.slot_bytes, 1,
-                             MPI.INT64_T), MPI.REPLACE)
-        self.win.Flush(self.root)
+    def _hand_back(self) -> None:
+        """Per lane, store the oldest fragment still held (or the next unread) into the freed
+        word: one store frees every slot of the lane consumed since the last one."""
+        freed = list(self._next)
+        for lane, f in self._held:
+            freed[lane] = min(freed[lane], f)
+        changed = [(lane, w) for lane, w in enumerate(freed) if w > self._handed[lane]]
+        if changed:
+            self.win.Sync()  # done reading those slots before producers may overwrite them
+            for lane, w in changed:
+                self._freed_words[lane] = self._handed[lane] = w
+            self.win.Sync()
 
     def get(self, timeout: float | None = None) -> list[Record]:
         """At least one record, waiting with back-off (WaitTimeout past `timeout`); or none if
         a producer closed meanwhile, so a consumer waiting for the last close never waits for
         a record that will not come."""
-        backoff = Backoff(timeout=timeout, cap=self.poll_cap,
+        backoff = Backoff(timeout=timeout, cap=self.poll_cap, spin=self.spin,
                           what="a record in the trajectory ring")
         closed = len(self.stats.closed)
         while True:
@@ -255,65 +310,65 @@ class TrajectoryRing:
             backoff.wait()
 
     def occupancy(self) -> tuple[int, int]:
-        """(slots holding published records not yet consumed, producers' tickets waiting for
-        a slot). The first is at most n_slots: memory is bounded, a full ring makes producers
-        wait."""
+        """(slots holding published records not yet freed, lanes that are full: their
+        producers wait for the learner). The first is at most n_slots: memory is bounded."""
         self.win.Sync()
-        published = int(np.count_nonzero(self._states > 0))
-        taken = int(self._ticket_counter[0]) - self._next_ticket
-        return published, max(0, taken - self.n_slots)
+        used = self._states > np.asarray(self._handed)[self._slot_lane]  # f + 1 with f >= W
+        per_lane = np.bincount(self._slot_lane[used], minlength=len(self.producers))
+        return int(used.sum()), int(np.count_nonzero(per_lane == np.asarray(self.lane_size)))
 
     def diagnose(self, producers=()) -> str:
         """Why nothing arrives, for a stall message: what each producer delivered and when,
-        and whether tickets were taken but never published (their payloads are stuck in
-        transit: a progress or network problem) or nothing was even claimed (the producers
+        and whether fragments were started but never published (their payloads are stuck in
+        transit: a progress or network problem) or nothing was even started (the producers
         are stuck upstream)."""
         self.win.Sync()
         now = time.monotonic()
-        taken = int(self._ticket_counter[0])
         seen = sorted(set(producers) | set(self.stats.delivered))
         per = "; ".join(
             f"producer rank {p}: {n} records, last {now - t:.0f} s ago" if n else
             f"producer rank {p}: nothing" for p, (n, t) in
             ((p, self.stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
         closed = f"; closed: {sorted(self.stats.closed)}" if self.stats.closed else ""
-        if taken > self._next_ticket:
-            state = int(self._states[self._next_ticket % self.n_slots])
-            cause = (f"{taken - self._next_ticket} ticket(s) taken but not published (next "
-                     f"ticket {self._next_ticket}, its slot state {state}): writes into this "
-                     f"ring are in flight and not completing, a progress or network problem "
-                     f"between producer and learner hosts")
+        stuck = [(self.producers[lane], int(started) - self._next[lane])
+                 for lane, started in enumerate(self._started_words)
+                 if started > self._next[lane]]
+        if stuck:
+            cause = (f"{sum(n for _, n in stuck)} fragment(s) started but not published ("
+                     + ", ".join(f"{n} in the lane of comm rank {r}" for r, n in stuck)
+                     + "): writes into this ring are in flight and not completing, a "
+                     "progress or network problem between producer and learner hosts")
         else:
-            cause = (f"all {taken} ticket(s) taken were delivered and no producer has tried "
-                     f"to write since (stuck upstream: simulators, inference, the layout), or "
-                     f"their first request never reached this host (network)")
+            cause = (f"all {sum(self._next)} fragment(s) started were delivered and no "
+                     f"producer has tried to write since (stuck upstream: simulators, "
+                     f"inference, the layout), or their first request never reached this "
+                     f"host (network)")
         return f"ring ({'spans hosts' if self.spans_hosts else 'one host'}, progress " \
                f"{'thread' if self.progress.running else 'on poll'}): {cause}. {per}{closed}"
 
-    def _check(self, header: np.ndarray, ticket: int, slot: np.ndarray) -> str | None:
-        h = header[0]
-        length, nparts, part = int(h["length"]), int(h["nparts"]), int(h["part"])
-        if int(h["ticket"]) != ticket:
-            return f"holds ticket {int(h['ticket'])} (stale or torn)"
+    def _check(self, words: list, fragment: int, slot: np.ndarray) -> str | None:
+        length, part, nparts = words[5], words[4] & _LOW, words[4] >> 32
+        if words[1] != fragment:
+            return f"holds fragment {_signed64(words[1])} (stale or torn)"
         if length > self.capacity:
             return f"length {length} exceeds the slot payload {self.capacity}"
-        if nparts and (part >= nparts or length != min(self.capacity, int(h["record_length"])
+        if nparts and (part >= nparts or length != min(self.capacity, words[6]
                                                       - part * self.capacity)):
             return f"fragment {part}/{nparts} of length {length} does not fit its record"
         payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + length]
-        if _slot_checksum(header, payload) != int(h["checksum"]):
+        if (checksum64(payload) + zlib.crc32(slot[8:56])) & _MASK != words[7]:
             return "checksum mismatch (corrupted or torn)"
         return None
 
-    def _assemble(self, h, fragment: np.ndarray) -> Record | None:
-        producer, seq, part, nparts = int(h["producer"]), int(h["seq"]), int(h["part"]), \
-            int(h["nparts"])
+    def _assemble(self, words: list, fragment: np.ndarray) -> Record | None:
+        producer, schema = _signed32(words[2] & _LOW), words[2] >> 32
+        seq, part, nparts = _signed64(words[3]), words[4] & _LOW, words[4] >> 32
         if nparts == 0:
             self.stats.closed.add(producer)
             return None
         partial = self._partial.pop(producer, None)
         if nparts == 1 and partial is None:  # zero copy: a view of the slot
-            return self._deliver(producer, seq, int(h["schema"]), fragment)
+            return self._deliver(producer, seq, schema, fragment)
         if partial is not None and (partial[1] != seq or partial[2] != part):
             self.stats.dropped_records += 1
             self.report(f"discarded incomplete record {partial[1]} of producer {producer}")
@@ -321,13 +376,13 @@ class TrajectoryRing:
         if partial is None:
             if part != 0:
                 return None  # the start of this record was dropped; already reported
-            partial = (np.empty(int(h["record_length"]), np.uint8), seq, 0)
+            partial = (np.empty(words[6], np.uint8), seq, 0)
         buf = partial[0]
         buf[part * self.capacity:part * self.capacity + fragment.nbytes] = fragment
         if part + 1 < nparts:
             self._partial[producer] = (buf, seq, part + 1)
             return None
-        return self._deliver(producer, seq, int(h["schema"]), buf)
+        return self._deliver(producer, seq, schema, buf)
 
     def _deliver(self, producer: int, seq: int, schema: int, buf: np.ndarray) -> Record:
         expected = self._expected_seq.get(producer, 0)
@@ -351,5 +406,13 @@ class TrajectoryRing:
 
 
 def _slot_checksum(header: np.ndarray, payload: np.ndarray) -> int:
-    meta = zlib.crc32(header.view(np.uint8)[8:56].tobytes())
-    return (checksum64(payload) + meta) & _MASK
+    """The checksum word of a slot holding `header` (a SLOT_HEADER item) and `payload`."""
+    return (checksum64(payload) + zlib.crc32(header.view(np.uint8)[8:56])) & _MASK
+
+
+def _signed64(word: int) -> int:
+    return word - (1 << 64) if word >> 63 else word
+
+
+def _signed32(word: int) -> int:
+    return word - (1 << 32) if word >> 31 else word

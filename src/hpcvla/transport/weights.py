@@ -14,6 +14,8 @@ communicator), then flips the "current" index. Readers copy the current half und
 per-half sequence lock (odd while being written), retrying if it changed underneath, so a
 reader never sees a half-written update. Versions only go up; a publish that finds the
 previous one still in flight replaces the pending one (readers want the newest, not all).
+(Copying straight into the root node's spare half and broadcasting from there saves a copy
+but measured slower: a broadcast out of the shared window, racing that node's readers.)
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class WeightPlane:
         self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, nbytes
         self._lock = threading.Condition()
         self._pending: int | None = None   # version waiting in _staging
+        self._in_flight = False  # the root's thread is sending (or storing) a version
         self._stopping = False
         self._last_published = -1
         self._error: BaseException | None = None
@@ -153,6 +156,7 @@ class WeightPlane:
                 else:
                     version, self._pending = self._pending, None
                     self._staging, self._sending = self._sending, self._staging
+                    self._in_flight = True
             self._header[:] = (version, self.manifest.hash, self.nbytes)
             # Ibcast: leaders wait for headers with a nonblocking broadcast, and a nonblocking
             # collective only matches a nonblocking one.
@@ -164,6 +168,15 @@ class WeightPlane:
             self._control.Bcast(self._sending, root=0)
             if self.is_leader:  # the root's own node
                 self._store(version, lambda half: np.copyto(half, self._sending))
+            with self._lock:
+                self._in_flight = False
+
+    def sent(self) -> bool:
+        """Root: whether every version published so far reached every node leader (a
+        learner that must not race ahead waits on this asleep); never blocks."""
+        self._raise_thread_error()
+        with self._lock:
+            return self._pending is None and not self._in_flight
 
     # ------------------------------------------------------------ node leaders
     def _receive_loop(self) -> None:
