@@ -112,9 +112,9 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 
 
-def _wait_until_gone(group: int, grace_s: float = 5.0) -> None:
-    """Wait (a few seconds at most) until no process of the world's process group is left,
-    so that the segments they mapped can be told orphaned."""
+def _wait_until_gone(group: int, grace_s: float = 15.0) -> None:
+    """Wait (15 s at most: a loaded node is slow to reap) until no process of the world's
+    process group is left, so that the segments they mapped can be told orphaned."""
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         try:
