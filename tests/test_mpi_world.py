@@ -59,6 +59,15 @@ def test_failing_rank_takes_world_down_naming_rank_and_role():
     assert "died first" not in out.stderr  # the others' deaths that follow are no news
 
 
+def test_an_aborted_worlds_segments_go_even_when_a_process_outlives_mpiexec():
+    # MPICH starts every rank in a session of its own; a process of the world that outlives
+    # mpiexec (here a rank's child, on a loaded node a rank slow to die) still maps the
+    # world's segments. The launcher adopts it, waits for it, then removes the segments:
+    # `hpcvla` below fails the test if any is left.
+    out = hpcvla("launch", "-n", 2, "--timeout", 60, "--", MPI_DIR / "fail_leaving_a_child.py")
+    assert out.returncode not in (0, 124) and "injected failure" in out.stderr, out.stderr
+
+
 def test_train_writes_resolved_config_and_plan(tmp_path):
     overrides = [f"run.root={tmp_path}", "learner.zero_stage=2", "pipeline.total_updates=2"]
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, *overrides)

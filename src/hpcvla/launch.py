@@ -15,6 +15,7 @@ Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec)
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -88,6 +89,7 @@ def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
 
 def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
     # Own process group, so a timeout or Ctrl-C takes down mpiexec and every rank with it.
+    _adopt_orphans()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
     # run checkpoints and ends (hpcvla.preempt); we keep waiting for it.
@@ -100,28 +102,70 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
                 print(f"hpcvla launch: world still running after {timeout:g} s; killing it",
                       file=sys.stderr, flush=True)
                 _kill_group(proc)
-                _wait_until_gone(proc.pid)
+                _wait_until_gone(grace_s=5.0)
                 return 124
             watch.wait(0.2)
     except KeyboardInterrupt:
         _kill_group(proc)
         return 130
     code = proc.returncode
-    if code != 0:  # ranks of an aborted world outlive mpiexec a moment, mapping their segments
-        _wait_until_gone(proc.pid)
+    _wait_until_gone()  # ranks of an aborted world outlive mpiexec a moment, mapping segments
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
 
 
-def _wait_until_gone(group: int, grace_s: float = 15.0) -> None:
-    """Wait (15 s at most: a loaded node is slow to reap) until no process of the world's
-    process group is left, so that the segments they mapped can be told orphaned."""
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _adopt_orphans() -> bool:
+    """Make this process the reaper of the world's orphans. MPICH's proxy starts every rank in
+    a session of its own, so the ranks are neither in mpiexec's process group nor, once mpiexec
+    has exited, anyone's children we could wait for; as subreaper we inherit them (Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):  # not Linux: fall back to waiting for mpiexec alone
+        return False
+
+
+def _wait_until_gone(grace_s: float = 15.0) -> None:
+    """Reap every process the world left behind (ranks adopted after mpiexec ended), so that
+    the segments they mapped can be told orphaned. Those still alive after `grace_s` (a loaded
+    node is slow to reap) are killed."""
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    killed = False
+    while True:
         try:
-            os.killpg(group, 0)
-        except (ProcessLookupError, PermissionError):
-            return
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # no child left
+        if pid:
+            continue
+        if time.monotonic() > deadline:
+            if killed:
+                return  # unkillable (D state): leave it to the node's epilogue
+            for child in _children():
+                _signal(child, signal.SIGKILL)
+            killed, deadline = True, time.monotonic() + 5
         time.sleep(0.05)
+
+
+def _children() -> list[int]:
+    me, children = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == me:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 SHM_DIR = Path("/dev/shm")
