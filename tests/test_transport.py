@@ -136,6 +136,14 @@ def test_weight_versions_bit_exact_and_monotone(config):
     assert "weights exact on every read" in out.stdout
 
 
+def test_frozen_weights_cross_once_and_readers_keep_them():
+    # the root changes the frozen tensors in every version: readers must still hold version
+    # 1's, so only the trainable places crossed after it
+    out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
+                    ROOT / "configs/default.yaml", 30, "--frozen", "placement.ranks_per_node=4")
+    assert "weights exact on every read" in out.stdout, out.stderr
+
+
 def test_transport_benchmark_runs_and_writes_ratios(tmp_path):
     """The short mode CI runs: it must run and report every pair, not meet targets here."""
     import json

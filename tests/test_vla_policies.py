@@ -402,6 +402,27 @@ def test_zero3_training_of_each_family(tmp_path, overrides):
     assert summary["env_steps"] > 0 and summary["success_rate"] is not None
 
 
+def test_a_frozen_prefix_crosses_the_weight_plane_once(tmp_path):
+    """π0's usual RL set-up (prefix frozen, ZeRO-3): versions after the first carry only the
+    trainable tensors, and inference acts with each new one."""
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.roles.pipeline import build_policy
+    from test_mpi_world import ROOT
+
+    overrides = ["policy.name=flow", "policy.train_expert_only=true"]
+    out, summary, _ = run_train(tmp_path, *overrides, "learner.zero_stage=3",
+                                "pipeline.total_updates=3", "pipeline.mode=streamer")
+    assert "[hpcvla] update 3/3" in out.stdout and "frozen parameters cross once" in out.stdout
+    policy = build_policy(load_config(ROOT / "configs/default.yaml", overrides),
+                          env_spec(load_config(ROOT / "configs/default.yaml").env))
+    frozen = sum(p.nbytes for p in policy.parameters() if not p.requires_grad)
+    (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
+    sent = learner["weight_bytes"]
+    assert frozen > 0 and sent["per_version"] <= sent["first_version"] - frozen
+    assert [r["weight_swaps"] for r in summary["per_rank"] if r["role"] == "inference"][0] >= 1
+
+
 def test_policies_benchmark_quick(tmp_path):
     """CI's short run of `hpcvla bench policies`: counts for every preset, times for tiny."""
     from test_mpi_world import hpcvla

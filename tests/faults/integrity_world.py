@@ -15,7 +15,8 @@ from hpcvla.envs import make_env
 from hpcvla.roles.learner import SegmentQueues
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.transport import records
-from hpcvla.transport.ring import SLOT_HEADER, TrajectoryRing
+from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.slots import SLOT_HEADER
 
 GROUPS, N_ENVS, SLOTS, SLOT_BYTES = 4, 4, 8, 64 * 1024
 
@@ -44,7 +45,8 @@ def segment_groups():
 def main():
     comm = MPI.COMM_WORLD
     reports = []
-    ring = TrajectoryRing(comm, SLOTS, SLOT_BYTES, report=reports.append)
+    # payload checksums on one host too (their default: only across hosts)
+    ring = TrajectoryRing(comm, SLOTS, SLOT_BYTES, report=reports.append, checksum="always")
     groups = segment_groups()
     if comm.Get_rank() == 1:
         for group in groups:

@@ -9,7 +9,8 @@ after the last record ends the consumer's wait (get returns no records).
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.ring import SLOT_HEADER, TrajectoryRing, _slot_checksum
+from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.slots import SLOT_HEADER, slot_checksum
 
 SLOTS, SLOT_BYTES = 4, 4096
 
@@ -23,7 +24,7 @@ def publish_by_hand(ring, seq, payload, damage):
     h = header[0]
     h["ticket"], h["producer"], h["seq"], h["part"], h["nparts"] = f, 1, seq, 0, 1
     h["length"] = h["record_length"] = payload.nbytes
-    h["checksum"] = _slot_checksum(header, payload)
+    h["checksum"] = slot_checksum(header, payload)
     sent = payload.copy()
     if damage == "flipped":
         sent[100] ^= 0x10
@@ -41,7 +42,7 @@ def publish_by_hand(ring, seq, payload, damage):
 def main():
     comm = MPI.COMM_WORLD
     reports = []
-    ring = TrajectoryRing(comm, SLOTS, SLOT_BYTES, report=reports.append)
+    ring = TrajectoryRing(comm, SLOTS, SLOT_BYTES, report=reports.append, checksum="always")
     payload = np.arange(2000, dtype=np.uint16).view(np.uint8)[:3000].copy()
     if comm.Get_rank() == 1:
         ring.put(payload)                        # seq 0: good

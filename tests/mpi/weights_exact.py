@@ -3,7 +3,11 @@ random pauses, bursts that coalesce), then stops; every inference rank reads unt
 says finished. Each read must be bit-exact for the version it reports, versions must never go
 backwards, and the last version must be there once finished.
 
-    mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [key=value ...]
+With --frozen, two tensors are frozen: the root still changes them in every version, and
+every read must show them as in version 1 (the only one that carries them), the others as in
+the version read; readers read whole once, then only the trainable places.
+
+    mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [--frozen] [key=value ...]
 """
 
 import sys
@@ -20,6 +24,7 @@ from hpcvla.transport.weights import Manifest, WeightPlane
 MANIFEST = Manifest((("encoder.w", "float32", (300, 257)), ("head.b", "float64", (33,)),
                      ("steps", "int64", ()), ("mask", "bool", (5, 7)),
                      ("expert.w", "bfloat16", (17, 9))))  # numpy has no bf16: bits kept
+FROZEN = Manifest(MANIFEST.entries, frozenset({"encoder.w", "mask"}))
 
 
 def weights_of(version):
@@ -30,13 +35,18 @@ def weights_of(version):
             "expert.w": torch.from_numpy(rng.standard_normal((17, 9))).to(torch.bfloat16)}
 
 
+def expected(manifest, version, name):
+    return weights_of(1 if name in manifest.frozen else version)[name]
+
+
 def main(cfg, plan, comms):
     rank, n_versions = comms.world.Get_rank(), int(sys.argv[2])
-    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, MANIFEST)
+    manifest = FROZEN if "--frozen" in sys.argv else MANIFEST
+    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
     rng = np.random.default_rng(rank)
     if rank == plan.weight_root:
         for version in range(1, n_versions + 1):
-            plane.publish(version, MANIFEST.flatten(weights_of(version)))
+            plane.publish(version, weights_of(version))
             if rng.random() < 0.5:
                 time.sleep(rng.random() * 0.02)
         plane.stop()  # everything published reaches the nodes before they see "finished"
@@ -46,11 +56,11 @@ def main(cfg, plan, comms):
         finished = False
         while not finished:
             finished = plane.finished()  # checked before the read: that read is the last
-            version = plane.read_into(out)
+            version = plane.read_into(out, trainable_only=bool(seen))
             if version >= 0:
                 assert not seen or version >= seen[-1], f"version went back: {seen[-1]}->{version}"
-                for name, value in MANIFEST.views(out).items():
-                    assert torch.equal(value, weights_of(version)[name]), (version, name)
+                for name, value in manifest.views(out).items():
+                    assert torch.equal(value, expected(manifest, version, name)), (version, name)
                 seen.append(version)
                 assert plane.latest_version() >= version
             time.sleep(rng.random() * 0.005)
@@ -64,4 +74,5 @@ def main(cfg, plan, comms):
 
 
 if __name__ == "__main__":
-    sys.exit(run_ranks(load_config(sys.argv[1], sys.argv[3:]), main))
+    sys.exit(run_ranks(load_config(sys.argv[1], [a for a in sys.argv[3:] if a != "--frozen"]),
+                       main))

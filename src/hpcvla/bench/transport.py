@@ -4,7 +4,9 @@ carry over between machines).
 
 * ring: records of 64 KiB and 1 MiB from 1 and 7 producers into rank 0's TrajectoryRing,
   against the same bytes as raw `Put`+`Flush` into a window on rank 0 (no slots, no checks)
-  of the same size (16 slots per producer);
+  of the same size (16 slots per producer), with the ring's default checks (payload
+  checksums only across hosts), and once more for 1 producer with `checksum="always"`
+  (`ring_*_1p_checked`: what payload checksums cost on one host);
   when the world spans hosts, also from one producer on another host (`ring_*_remote_1p`):
   the ring's progress thread against a raw target that sits in a barrier (driving progress);
 * exchange: observations a simulator writes into its ObsActionExchange slot (one copy, as an
@@ -14,7 +16,9 @@ carry over between machines).
 * weights: a ~100 MB WeightPlane publish until every rank holds a copy (the root's one copy
   into its node's store, one broadcast per other node's leader into that node's store, each
   other rank's copy out of it; the root holds the source, as Bcast's root does), against one
-  raw `Bcast` of the same buffer to every rank.
+  raw `Bcast` of the same buffer to every rank; then the same with 90 % of the bytes a frozen
+  prefix (`weights_frozen90_ratio`, no target: the plane sends the other 10 % after the
+  first version, the Bcast all of it);
 
 Each pair runs `repeats` times alternating; the median time is reported.
 """
@@ -27,6 +31,7 @@ import statistics
 import time
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from hpcvla.topology.comms import build_communicators
@@ -75,7 +80,8 @@ def _median_pair(comm, a, b, repeats):
     return statistics.median(times_a), statistics.median(times_b)
 
 
-def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=None):
+def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=None,
+               checksum="auto"):
     """(ring GB/s, raw Put+Flush GB/s) for `producers` ranks writing to rank 0: world ranks
     1..producers, or the world ranks `members` (rank 0 first)."""
     comm = _participants(world, members or producers + 1)
@@ -85,7 +91,7 @@ def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=Non
     per_producer = max(4, total_bytes // record_bytes // producers)
     n_slots = 16
     # the same memory as the raw window: 16 slots per producer
-    ring = TrajectoryRing(comm, n_slots * producers, record_bytes + 64)
+    ring = TrajectoryRing(comm, n_slots * producers, record_bytes + 64, checksum=checksum)
     raw = MPI.Win.Allocate(n_slots * record_bytes * producers if rank == 0 else 0, 1, comm=comm)
     raw.Lock_all(MPI.MODE_NOCHECK)
     payload = np.random.default_rng(rank).integers(0, 255, record_bytes, dtype=np.uint8)
@@ -163,27 +169,32 @@ def bench_exchange(world, obs_bytes, iterations, repeats):
     return moved / t_ex, moved / t_copy
 
 
-def bench_weights(world, nbytes, ranks_per_node, repeats):
-    """(publish s, raw Bcast s) for `nbytes` of weights reaching every rank."""
+def bench_weights(world, nbytes, ranks_per_node, repeats, frozen=0.0):
+    """(publish s, raw Bcast s) for `nbytes` of weights reaching every rank; with `frozen`,
+    that fraction of them is a frozen prefix (sent with the first version only), and the
+    Bcast still moves all of them, as a plane that knew nothing frozen would."""
     plan = build_plan(world.Get_size(), ranks_per_node, "colocated")
     comms = build_communicators(plan, world)
-    manifest = Manifest((("flat", "uint8", (nbytes,)),))
+    cut = int(nbytes * frozen) // 64 * 64
+    manifest = Manifest((("prefix", "uint8", (cut,)), ("expert", "uint8", (nbytes - cut,))),
+                        frozenset({"prefix"} if frozen else ()))
     plane = WeightPlane(comms.control, comms.node, world.Get_rank() in plan.node_leaders,
                         manifest)
     weights = np.random.default_rng(1).integers(0, 255, manifest.nbytes, dtype=np.uint8)
+    tensors = manifest.views(weights)
     out = np.empty(manifest.nbytes, np.uint8)
     version = [0]
 
     def publish_run():
         version[0] += 1
         if world.Get_rank() == plan.weight_root:  # the source holds them, as Bcast's root
-            plane.publish(version[0], weights)
+            plane.publish(version[0], tensors)
             # wait as a learner computes (asleep), not in the spinning Barrier: it would
             # contend for MPI with the thread that sends
             wait_until(plane.sent, "the weights to be sent", 120, cap=5e-4)
             return
         plane.wait_for(version[0], timeout=120)
-        assert plane.read_into(out) >= version[0]
+        assert plane.read_into(out, trainable_only=version[0] > 1) >= version[0]
 
     def bcast_run():
         world.Bcast(out if world.Get_rank() else weights, root=0)
@@ -215,6 +226,14 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
                 results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
                 results[f"{key}_ratio"] = res[0] / res[1]
                 rows.append((f"ring {label} x {producers} producer(s)", *res))
+        # payloads checksummed on one host too (learner.ring_checksum=always): the price
+        res = bench_ring(world, record_bytes, 1, (16 if quick else 256) * MiB, repeats,
+                         checksum="always")
+        if rank == 0:
+            key = f"ring_{label}_1p_checked"
+            results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
+            results[f"{key}_ratio"] = res[0] / res[1]
+            rows.append((f"  ... checksum always", *res))
         if remote is not None:  # one producer on another host: the network path
             res = bench_ring(world, record_bytes, 1, (8 if quick else 64) * MiB, repeats,
                              members=[0, remote])
@@ -231,10 +250,14 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
     rpn = hosts.count(hosts[0]) if remote is not None else \
         ranks_per_node if size % ranks_per_node == 0 else size  # real hosts: their size
     t_pub, t_bcast = bench_weights(world, (16 if quick else 100) * 1000 * 1000, rpn, repeats)
+    t_frozen, t_whole = bench_weights(world, (16 if quick else 100) * 1000 * 1000, rpn, repeats,
+                                      frozen=0.9)
     if rank == 0:
         results["weights_bytes"] = (16 if quick else 100) * 1000 * 1000
         results["weights_publish_s"], results["weights_bcast_s"] = t_pub, t_bcast
         results["weights_ratio"] = t_pub / t_bcast
+        results["weights_frozen90_publish_s"], results["weights_frozen90_ratio"] = \
+            t_frozen, t_frozen / t_whole  # 90 % frozen: 1/10 of the bytes cross after v1
         # headline ratios the targets refer to: 1 MiB, single producer
         results["ring_1MiB_ratio"] = results["ring_1MiB_1p_ratio"]
         results["targets_met"] = {
@@ -246,6 +269,8 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
             print(f"{name:<36} {mine:>9.2f} GB/s {base:>9.2f} GB/s {mine / base:>7.2f}")
         print(f"{'weights publish vs Bcast (s)':<36} {t_pub:>12.4f} {t_bcast:>12.4f} "
               f"{t_pub / t_bcast:>7.2f}")
+        print(f"{'  90 % frozen vs Bcast of all (s)':<36} {t_frozen:>12.4f} {t_whole:>12.4f} "
+              f"{t_frozen / t_whole:>7.2f}")
         print(f"targets met: {results['targets_met']}")
         if json_path:
             with open(json_path, "w") as handle:

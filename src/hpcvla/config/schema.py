@@ -272,6 +272,12 @@ class LearnerConfig:
         "when its producers sit on other hosts, `thread` always, `poll` only the learner's "
         "polls (remote producers then wait out every training step). transport/progress.py.",
         choices=("auto", "thread", "poll"))
+    ring_checksum: str = setting(
+        "auto", "Checksum every ring slot's payload: `auto` when the learner's producers sit "
+        "on other hosts (a transport fault could publish a slot before its payload lands), "
+        "`always` on one host too (two extra passes over every record: about half the ring's "
+        "speed for MiB records). Slot headers are checksummed either way. transport/ring.py.",
+        choices=("auto", "always"))
 
 
 @dataclass

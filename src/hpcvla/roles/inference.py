@@ -32,10 +32,13 @@ class WeightLoader:
         self.version = -1
 
     def refresh(self) -> bool:
+        """Load the newest version if there is one: whole the first time, then only what
+        training changes (the frozen tensors are already in place)."""
         if self.plane.latest_version() <= self.version:
             return False
-        self.version = self.plane.read_into(self.flat)
-        self.policy.load_arrays(self.manifest.views(self.flat))
+        names = None if self.version < 0 else self.manifest.trainable
+        self.version = self.plane.read_into(self.flat, trainable_only=names is not None)
+        self.policy.load_arrays(self.manifest.views(self.flat, names))
         if self.policy.device.type == "cuda":  # the copies read `flat`, rewritten next time
             torch.cuda.current_stream(self.policy.device).synchronize()
         return True

@@ -208,15 +208,20 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
     cell_envs = envs_of_cell(cfg, plan, cell) if cell is not None else 1
     sched = schedule_of(cfg, cell_envs)
     per_shard = cfg.env.envs_per_simulator // sched.shards
-    manifest = Manifest.of(policy.state_dict())
+    manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
     obs_dtype, action_dtype = slot_dtypes(spec, per_shard)
     # Collective set-up, same order everywhere: exchange (cell), ring (feed), plane (node).
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
         if comms.cell != MPI.COMM_NULL else None
     ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,
-                          progress=cfg.learner.ring_progress, start_progress=False) \
+                          progress=cfg.learner.ring_progress, start_progress=False,
+                          checksum=cfg.learner.ring_checksum) \
         if comms.feed != MPI.COMM_NULL else None
     plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
+    if rank == plan.weight_root and manifest.frozen:
+        print(f"[hpcvla] weights: {plane.bytes_per_version / 1e6:.1f} MB per version, "
+              f"{plane.nbytes / 1e6:.1f} MB the first (frozen parameters cross once)",
+              flush=True)
     if ring is not None:  # its progress thread only once every window exists (ring.py)
         ring.start_progress()
     stats: dict = {}
@@ -248,7 +253,7 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         def publish(version, last=False):
             state = full_state(engine)  # collective on the learners under ZeRO-3
             if rank == plan.weight_root:
-                plane.publish(version, manifest.flatten(state))
+                plane.publish(version, state)
             if version > first:
                 save(version, state, last)
         stats = {"staleness_hist": {}}
@@ -262,6 +267,8 @@ def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_d
         stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
         stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
                          "lost_records": ring.stats.lost_records}
+        stats["weight_bytes"] = {"first_version": plane.nbytes,
+                                 "per_version": plane.bytes_per_version}
     for piece in (exchange, ring):
         if piece is not None:
             piece.free()

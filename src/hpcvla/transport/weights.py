@@ -2,9 +2,10 @@
 crossing the network once per node (D-VLA section 3.3).
 
     plane = WeightPlane(comms.control, comms.node, is_leader, manifest)
-    plane.publish(version, flat)        # learner root: returns at once, a thread sends it
+    plane.publish(version, tensors)     # learner root: returns at once, a thread sends it
     plane.latest_version()              # any rank on a node with a leader: never blocks
     version = plane.read_into(out)      # a consistent copy of the newest version
+    version = plane.read_into(out, trainable_only=True)   # ... of what training changes
 
 Path of one version: the root's background thread broadcasts (version, manifest hash, flat
 buffer) on its own duplicate of the control communicator (root + one leader per node), so a
@@ -16,6 +17,15 @@ reader never sees a half-written update. Versions only go up; a publish that fin
 previous one still in flight replaces the pending one (readers want the newest, not all).
 (Copying straight into the root node's spare half and broadcasting from there saves a copy
 but measured slower: a broadcast out of the shared window, racing that node's readers.)
+
+Frozen parameters (a π0 whose vision-language prefix is frozen: most of its bytes) cross the
+network once: the manifest names them (`frozen`), the first version a plane publishes is
+whole, and every later one carries only the other tensors, as one broadcast of an MPI
+indexed datatype over their places in the flat layout (no packing on either side; RLinf's
+patch syncer sends only trained parameters too). Both halves of a node's double buffer
+(and both of the root's buffers) receive the whole first version, so a half being rewritten
+always holds the frozen bytes, and readers copy only the trainable places after their first
+read. A publish that replaces a pending whole version keeps it whole.
 """
 
 from __future__ import annotations
@@ -46,11 +56,38 @@ class Manifest:
     and writes it: numpy has no bfloat16, the dtype GPU policies train and act in, and a
     GPU tensor copies to and from the host buffer directly."""
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
+    frozen: frozenset = frozenset()  # names training never changes: sent with version 1 only
 
     @classmethod
-    def of(cls, tensors: dict) -> "Manifest":
+    def of(cls, tensors: dict, frozen=()) -> "Manifest":
         return cls(tuple((name, str(torch.as_tensor(t).dtype).removeprefix("torch."),
-                          tuple(t.shape)) for name, t in tensors.items()))
+                          tuple(t.shape)) for name, t in tensors.items()), frozenset(frozen))
+
+    @classmethod
+    def of_policy(cls, policy: torch.nn.Module) -> "Manifest":
+        """The policy's state dict, its parameters that do not require a gradient frozen."""
+        frozen = {name for name, p in policy.named_parameters(remove_duplicate=False)
+                  if not p.requires_grad}
+        return cls.of(policy.state_dict(), frozen)
+
+    @property
+    def trainable(self) -> list[str]:
+        return [name for name, _, _ in self.entries if name not in self.frozen]
+
+    def regions(self, names=None) -> list[tuple[int, int]]:
+        """(offset, bytes) of the named tensors (all by default) in the flat layout, adjacent
+        ones merged."""
+        wanted = None if names is None else set(names)
+        out: list[list[int]] = []
+        for name, dt, shape, off in self.offsets():
+            if wanted is not None and name not in wanted:
+                continue
+            n = dt.itemsize * math.prod(shape)
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1][1] = off + n - out[-1][0]
+            elif n:
+                out.append([off, n])
+        return [tuple(r) for r in out]
 
     def offsets(self) -> list[tuple[str, torch.dtype, tuple, int]]:
         out, offset = [], 0
@@ -67,18 +104,21 @@ class Manifest:
 
     @property
     def hash(self) -> int:
-        return zlib.crc32(repr(self.entries).encode())
+        return zlib.crc32(repr((self.entries, sorted(self.frozen))).encode())
 
-    def views(self, flat: np.ndarray) -> dict[str, torch.Tensor]:
-        """Tensors viewing `flat` (uint8, at least nbytes long), by name."""
+    def views(self, flat: np.ndarray, names=None) -> dict[str, torch.Tensor]:
+        """Tensors viewing `flat` (uint8, at least nbytes long), by name (all by default)."""
+        wanted = None if names is None else set(names)
         return {name: torch.from_numpy(flat[off:off + dt.itemsize * math.prod(shape)])
-                .view(dt).reshape(shape) for name, dt, shape, off in self.offsets()}
+                .view(dt).reshape(shape) for name, dt, shape, off in self.offsets()
+                if wanted is None or name in wanted}
 
-    def flatten(self, tensors: dict, out: np.ndarray | None = None) -> np.ndarray:
-        """Copy `tensors` (on any device; numpy arrays too) into a flat host buffer."""
+    def flatten(self, tensors: dict, out: np.ndarray | None = None, names=None) -> np.ndarray:
+        """Copy `tensors` (on any device; numpy arrays too; those named, all by default) into
+        their places in a flat host buffer."""
         out = np.zeros(self.nbytes, np.uint8) if out is None else out
         with torch.no_grad():
-            for name, view in self.views(out).items():
+            for name, view in self.views(out, names).items():
                 view.copy_(torch.as_tensor(tensors[name]))
         return out
 
@@ -113,9 +153,18 @@ class WeightPlane:
         node.Barrier()
 
         self._control = control.Dup() if control != MPI.COMM_NULL else MPI.COMM_NULL
-        self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, nbytes
+        self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, whole?
+        # the trainable places of the flat layout, as one MPI datatype (None: nothing frozen)
+        self._regions = manifest.regions(manifest.trainable)
+        self._trainable = MPI.BYTE.Create_hindexed([n for _, n in self._regions],
+                                                   [o for o, _ in self._regions]).Commit() \
+            if manifest.frozen and self._regions else None
+        # what one version after the first moves (the first moves nbytes)
+        self.bytes_per_version = sum(n for _, n in self._regions) if self._trainable \
+            else self.nbytes
         self._lock = threading.Condition()
         self._pending: int | None = None   # version waiting in _staging
+        self._pending_whole = False  # it carries every tensor (the plane's first version)
         self._in_flight = False  # the root's thread is sending (or storing) a version
         self._stopping = False
         self._last_published = -1
@@ -131,18 +180,22 @@ class WeightPlane:
             self._thread.start()
 
     # ------------------------------------------------------------ learner root
-    def publish(self, version: int, flat: np.ndarray) -> None:
-        """Queue `flat` (uint8, manifest.nbytes) as `version`; returns after one local copy."""
+    def publish(self, version: int, tensors: dict) -> None:
+        """Queue `tensors` (the manifest's names, on any device) as `version`; returns after
+        one copy into a host buffer: of every tensor the first time, then of the trainable."""
         self._raise_thread_error()
         if not self.is_root:
             raise RuntimeError("only the weight root (learner 0) publishes weights")
         if version <= self._last_published:
             raise ValueError(f"version {version} after {self._last_published}: versions must "
                              "increase")
-        if flat.nbytes != self.nbytes:
-            raise ValueError(f"flat weights of {flat.nbytes} bytes, manifest says {self.nbytes}")
+        whole = self._last_published < 0
         with self._lock:  # the sender only holds the lock to swap buffers, never while sending
-            self._staging[...] = flat.reshape(-1).view(np.uint8)
+            self.manifest.flatten(tensors, self._staging,
+                                  None if whole else self.manifest.trainable)
+            if whole:  # the frozen bytes, in the buffer the sender hands back next
+                np.copyto(self._sending, self._staging)
+            self._pending_whole = whole or (self._pending is not None and self._pending_whole)
             self._pending = version
             self._last_published = version
             self._lock.notify()
@@ -155,9 +208,10 @@ class WeightPlane:
                     version = _STOP
                 else:
                     version, self._pending = self._pending, None
+                    whole, self._pending_whole = self._pending_whole, False
                     self._staging, self._sending = self._sending, self._staging
                     self._in_flight = True
-            self._header[:] = (version, self.manifest.hash, self.nbytes)
+            self._header[:] = (version, self.manifest.hash, whole)
             # Ibcast: leaders wait for headers with a nonblocking broadcast, and a nonblocking
             # collective only matches a nonblocking one.
             self._control.Ibcast(self._header, root=0).Wait()
@@ -165,9 +219,9 @@ class WeightPlane:
                 if self.is_leader:
                     self._mark_finished()
                 return
-            self._control.Bcast(self._sending, root=0)
+            self._control.Bcast(self._message(self._sending, whole), root=0)
             if self.is_leader:  # the root's own node
-                self._store(version, lambda half: np.copyto(half, self._sending))
+                self._store(version, whole, lambda half: self._copy(half, self._sending, whole))
             with self._lock:
                 self._in_flight = False
 
@@ -185,24 +239,42 @@ class WeightPlane:
             backoff = Backoff(cap=5e-4, what="the next weight version")
             while not request.Test():  # idle wait that does not burn a core
                 backoff.wait()
-            version, digest, nbytes = (int(x) for x in self._header)
+            version, digest, whole = (int(x) for x in self._header)
             if version == _STOP:
                 self._mark_finished()
                 return
-            if digest != self.manifest.hash or nbytes != self.nbytes:
-                raise RuntimeError(f"weight manifest mismatch: root sends {nbytes} bytes, hash "
-                                   f"{digest:#x}; this rank expects {self.nbytes}, "
-                                   f"{self.manifest.hash:#x}")
-            self._store(version, lambda half: self._control.Bcast(half, root=0))
+            if digest != self.manifest.hash:
+                raise RuntimeError(f"weight manifest mismatch: root sends hash {digest:#x}, "
+                                   f"this rank expects {self.manifest.hash:#x} (the same "
+                                   f"policy, dtype and frozen parameters on every rank)")
+            self._store(version, whole, lambda half: self._control.Bcast(
+                self._message(half, whole), root=0))
 
-    def _store(self, version: int, fill) -> None:
-        """Fill the spare half under its sequence lock, then make it current."""
+    def _message(self, flat: np.ndarray, whole: bool):
+        """What one version's broadcast moves of `flat`: all of it, or its trainable places."""
+        return flat if whole or self._trainable is None else [flat, 1, self._trainable]
+
+    def _copy(self, out: np.ndarray, flat: np.ndarray, whole: bool) -> None:
+        if whole or self._trainable is None:
+            np.copyto(out, flat)
+        else:
+            for offset, n in self._regions:
+                out[offset:offset + n] = flat[offset:offset + n]
+
+    def _store(self, version: int, whole: bool, fill) -> None:
+        """Fill the spare half under its sequence lock, then make it current. The first
+        version fills both halves: later ones rewrite only the trainable places."""
         words = self._words
+        first = words[_CURRENT] < 0
+        if first and not whole and self._trainable is not None:  # publish() rules it out
+            raise RuntimeError("the first weight version on this node lacks the frozen tensors")
         spare = 0 if words[_CURRENT] != 0 else 1
         seq = _SEQ0 + spare
         words[seq] += 1            # odd: being written
         self.win.Sync()
         fill(self._halves[spare])
+        if first:  # nobody reads yet
+            np.copyto(self._halves[1 - spare], self._halves[spare])
         self.win.Sync()
         words[_VER0 + spare] = version
         words[seq] += 1            # even: consistent
@@ -231,8 +303,9 @@ class WeightPlane:
         self.win.Sync()
         return int(self._words[_NEWEST])
 
-    def read_into(self, out: np.ndarray) -> int:
-        """Copy the newest version into `out` (uint8, nbytes); returns its version, -1 if none."""
+    def read_into(self, out: np.ndarray, trainable_only: bool = False) -> int:
+        """Copy the newest version into `out` (uint8, nbytes), or only its trainable places
+        (`out` holds the frozen ones from an earlier read); returns its version, -1 if none."""
         out = out.view(np.uint8)
         while True:
             self.win.Sync()
@@ -243,7 +316,7 @@ class WeightPlane:
             if before % 2 == 0:
                 self.win.Sync()
                 version = int(self._words[_VER0 + current])
-                np.copyto(out, self._halves[current])
+                self._copy(out, self._halves[current], not trainable_only)
                 self.win.Sync()
                 if int(self._words[_SEQ0 + current]) == before:
                     return version
@@ -274,6 +347,9 @@ class WeightPlane:
         idle_barrier(self.node)  # nobody reads the window any more
         self.win.Unlock_all()
         self.win.Free()
+        if self._trainable is not None:
+            self._trainable.Free()
+            self._trainable = None
 
     def _guard(self, loop) -> None:
         """A failed control-plane thread takes the job down: peers would wait for it forever."""
