@@ -111,6 +111,16 @@ def test_ring_progresses_without_shared_memory():
     assert "from 3 producers, each exactly once and in order" in out.stdout
 
 
+@pytest.mark.parametrize("checksum", ["auto", "always"])
+def test_ring_packs_small_records_exactly_once_in_order(checksum):
+    out = run_clean("launch", "-n", 3, "--timeout", 90, "--", MPI_DIR / "ring_packed.py",
+                    checksum)
+    assert f"ring packed ({checksum}): 2 x 300 records in order and exact" in out.stdout, \
+        out.stderr[-3000:]
+    if checksum == "always":
+        assert "damaged packed slot: bad_slots 1, lost 3, reported" in out.stdout
+
+
 def test_ring_stall_report_names_the_cause():
     out = run_clean("launch", "-n", 3, "--timeout", 60, "--", MPI_DIR / "ring_stall.py")
     assert "before: " in out.stdout and "after: " in out.stdout
@@ -149,7 +159,8 @@ def test_transport_benchmark_runs_and_writes_ratios(tmp_path):
     import json
     out = run_clean("bench", "transport", "--ranks", 8, "--quick", "--json", tmp_path / "b.json")
     results = json.loads((tmp_path / "b.json").read_text())
-    for key in ("ring_64KiB_1p", "ring_64KiB_7p", "ring_1MiB_1p", "ring_1MiB_7p"):
+    for key in ("ring_64KiB_1p", "ring_64KiB_7p", "ring_1MiB_1p", "ring_1MiB_7p",
+                "ring_64KiB_1p_packed4", "ring_64KiB_7p_packed4", "ring_1MiB_1p_checked"):
         assert results[f"{key}_GBps"] > 0 and results[f"{key}_raw_GBps"] > 0
         assert results[f"{key}_ratio"] == pytest.approx(
             results[f"{key}_GBps"] / results[f"{key}_raw_GBps"])

@@ -4,9 +4,10 @@ carry over between machines).
 
 * ring: records of 64 KiB and 1 MiB from 1 and 7 producers into rank 0's TrajectoryRing,
   against the same bytes as raw `Put`+`Flush` into a window on rank 0 (no slots, no checks)
-  of the same size (16 slots per producer), with the ring's default checks (payload
+  of the same size (16 records per producer), with the ring's default checks (payload
   checksums only across hosts), and once more for 1 producer with `checksum="always"`
-  (`ring_*_1p_checked`: what payload checksums cost on one host);
+  (`ring_*_1p_checked`: what payload checksums cost on one host); 64 KiB records also
+  handed over 4 at a time with `put_many`, packed 4 to a slot (`ring_64KiB_*_packed4`);
   when the world spans hosts, also from one producer on another host (`ring_*_remote_1p`):
   the ring's progress thread against a raw target that sits in a barrier (driving progress);
 * exchange: observations a simulator writes into its ObsActionExchange slot (one copy, as an
@@ -42,8 +43,10 @@ from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.weights import Manifest, WeightPlane
 
 KiB, MiB = 1 << 10, 1 << 20
+# 64 KiB records are the small ones the issue asks to batch: their targets are for put_many
+# of 4 at a time (`*_packed4`); one put per record is reported beside them
 TARGETS = {"ring_1MiB_ratio": ">= 0.70", "ring_1MiB_7p_ratio": ">= 0.70",
-           "ring_64KiB_1p_ratio": ">= 0.40", "ring_64KiB_7p_ratio": ">= 0.40",
+           "ring_64KiB_1p_packed4_ratio": ">= 0.40", "ring_64KiB_7p_packed4_ratio": ">= 0.40",
            "exchange_ratio": ">= 0.80", "weights_ratio": "<= 1.3"}
 
 
@@ -81,17 +84,19 @@ def _median_pair(comm, a, b, repeats):
 
 
 def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=None,
-               checksum="auto"):
+               checksum="auto", packed=1):
     """(ring GB/s, raw Put+Flush GB/s) for `producers` ranks writing to rank 0: world ranks
-    1..producers, or the world ranks `members` (rank 0 first)."""
+    1..producers, or the world ranks `members` (rank 0 first). With `packed` > 1, producers
+    hand the ring that many records at a time (`put_many`), into slots that hold as many."""
     comm = _participants(world, members or producers + 1)
     if comm == MPI.COMM_NULL:
         return None
     rank = comm.Get_rank()
-    per_producer = max(4, total_bytes // record_bytes // producers)
+    per_producer = max(4, total_bytes // record_bytes // producers) // packed * packed
     n_slots = 16
-    # the same memory as the raw window: 16 slots per producer
-    ring = TrajectoryRing(comm, n_slots * producers, record_bytes + 64, checksum=checksum)
+    # the same memory as the raw window: 16 records per producer (+ headers, packing tables)
+    ring = TrajectoryRing(comm, n_slots // packed * producers,
+                          packed * record_bytes + 128, checksum=checksum)
     raw = MPI.Win.Allocate(n_slots * record_bytes * producers if rank == 0 else 0, 1, comm=comm)
     raw.Lock_all(MPI.MODE_NOCHECK)
     payload = np.random.default_rng(rank).integers(0, 255, record_bytes, dtype=np.uint8)
@@ -102,6 +107,9 @@ def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=Non
             while received < per_producer * producers:
                 received += len(ring.get(timeout=120))
             ring.release()
+        elif packed > 1:
+            for _ in range(per_producer // packed):
+                ring.put_many([(payload, 0)] * packed)
         else:
             for _ in range(per_producer):
                 ring.put(payload)
@@ -226,6 +234,13 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
                 results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
                 results[f"{key}_ratio"] = res[0] / res[1]
                 rows.append((f"ring {label} x {producers} producer(s)", *res))
+            if record_bytes < MiB:  # small records, 4 per put_many and per slot
+                res = bench_ring(world, record_bytes, producers, total, repeats, packed=4)
+                if rank == 0:
+                    key = f"ring_{label}_{producers}p_packed4"
+                    results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
+                    results[f"{key}_ratio"] = res[0] / res[1]
+                    rows.append(("  ... put_many, 4 per slot", *res))
         # payloads checksummed on one host too (learner.ring_checksum=always): the price
         res = bench_ring(world, record_bytes, 1, (16 if quick else 256) * MiB, repeats,
                          checksum="always")

@@ -127,16 +127,18 @@ class InferenceServer:
         self.stats["forward_passes"] += 1
         self.stats["batch_envs"] += len(slots) * n
         with self.timeline.span("assemble"):
+            finished = []
             for i, slot in enumerate(slots):
                 part, builder = slice(i * n, (i + 1) * n), self.builders[slot]
                 builder.record_outcome({k: v[part] for k, v in outcome.items()})
                 if builder.full:
-                    self._send(builder.finish(value[part]))
+                    finished.append(builder.finish(value[part]))
                 if builder.t == 0:  # a segment starts: it belongs to learner batch c // quota
                     builder.batch = self.stats["segments_started"] // self.quota
                     self.stats["segments_started"] += n
                 builder.add_step({k: v[part] for k, v in obs.items()}, actions[part],
                                  logprob[part], value[part], self.loader.version)
+            self._send(finished)
 
     def _finish_segments(self, slots: list[int]) -> None:
         """Complete the full segments of requests that must wait: their last outcome is in
@@ -145,18 +147,23 @@ class InferenceServer:
             obs = _gather(self.exchange, slots, self.obs_keys, self.staging)
             with torch.no_grad():
                 value = self.policy.act(self.staging.to_device(obs)).value
+            finished = []
             for i, slot in enumerate(slots):
                 request = self.exchange.request_obs(slot)
                 self.builders[slot].record_outcome(request)
-                self._send(self.builders[slot].finish(
+                finished.append(self.builders[slot].finish(
                     value[i * self.n:(i + 1) * self.n].cpu().numpy()))
+            self._send(finished)
 
-    def _send(self, group: dict) -> None:
-        self.ring.put(records.encode(group), records.schema_of(group))
-        self.stats["segments_sent"] += self.n
+    def _send(self, groups: list[dict]) -> None:
+        """Hand this pass's finished segment groups to the learner, small ones packed into
+        shared ring slots."""
+        self.ring.put_many([(records.encode(g), records.schema_of(g)) for g in groups])
+        self.stats["segments_sent"] += self.n * len(groups)
         if self.dump:  # after the learner has it: the dump is off the data path's clock
             with self.timeline.span("dump"):
-                self.dump.add_segment(group)
+                for group in groups:
+                    self.dump.add_segment(group)
 
     def _eligible(self) -> set:
         """Queued slots that may be served now: those mid-segment, plus those starting a

@@ -39,7 +39,10 @@ A record larger than a slot's payload is split into fragments (`part`/`nparts`),
 per producer; each producer's records arrive in the order it wrote them. A slot that fails a
 check is dropped, counted and reported; the record it belonged to is never delivered and the
 gap in that producer's sequence is counted as lost. A fragment with nparts = 0 announces that
-its producer closed.
+its producer closed. Small records handed over together (`put_many`) share slots: one header,
+`Flush` and publish per slot and one `Put` per record (slots.py has the packed layout); the
+learner gets each as its own view. Per record, a `Put`+`Flush` pair costs ~1.8 us of MPI
+and Python each side another few: for records of tens of KiB that is most of the time.
 
 Payload checksums (`checksum`): `auto` checks payloads only when the ring spans hosts, where
 a transport that reorders a publish before its payload would otherwise go unseen; between
@@ -54,35 +57,16 @@ from __future__ import annotations
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_until
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
-from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, SLOT_HEADER, checksum64, signed32,
-                                    signed64)
-
-
-class Record(NamedTuple):
-    producer: int
-    seq: int
-    schema: int
-    data: np.ndarray  # uint8, the record's bytes
-
-
-@dataclass
-class RingStats:
-    records: int = 0            # delivered
-    bytes: int = 0              # delivered payload bytes
-    bad_slots: int = 0          # slots dropped by a failed check
-    dropped_records: int = 0    # partially received records discarded
-    lost_records: int = 0       # gaps in producers' sequences (records never delivered)
-    closed: set = field(default_factory=set)
-    # per producer: (records delivered, time.monotonic() of the last one), for stall reports
-    delivered: dict = field(default_factory=dict)
+from hpcvla.transport.ring_stall import describe_stall
+from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Record,
+                                    RingStats, checksum64, packed_layout, packed_size,
+                                    signed32, signed64, unpack)
 
 
 class TrajectoryRing:
@@ -157,13 +141,40 @@ class TrajectoryRing:
     # ---------------------------------------------------------------- producer side
     def put(self, record, schema: int = 0, timeout: float | None = None) -> None:
         """Write one record (bytes-like or uint8 array); blocks while this lane is full."""
-        data = np.frombuffer(record, np.uint8) if not isinstance(record, np.ndarray) \
-            else record.reshape(-1).view(np.uint8)
+        data = _as_bytes(record)
         nparts = max(1, -(-data.nbytes // self.capacity))
         for part in range(nparts):
             fragment = data[part * self.capacity:(part + 1) * self.capacity]
-            self._put_fragment(fragment, schema, part, nparts, data.nbytes, timeout)
+            self._put_fragment([(0, fragment)], schema, part, nparts, data.nbytes,
+                               fragment.nbytes, timeout)
         self._seq += 1
+
+    def put_many(self, records, timeout: float | None = None) -> None:
+        """Write [(record, schema)] in order, small ones packed together: one header, `Flush`
+        and publish per slot, one `Put` per record (those too large to share go as `put`)."""
+        batch: list = []
+        for record, schema in records:
+            data = _as_bytes(record)
+            if batch and packed_size([d.nbytes for d, _ in batch] + [data.nbytes]) \
+                    > self.capacity:
+                self._put_packed(batch, timeout)
+                batch = []
+            if packed_size([data.nbytes]) > self.capacity:
+                self.put(data, schema, timeout)
+            else:
+                batch.append((data, schema))
+        if batch:
+            self._put_packed(batch, timeout)
+
+    def _put_packed(self, batch: list, timeout) -> None:
+        if len(batch) == 1:  # nothing to share the slot with: the plain format
+            self.put(*batch[0], timeout=timeout)
+            return
+        table, offsets, used = packed_layout(batch)
+        pieces = [(0, table.reshape(-1).view(np.uint8))] + [
+            (at, d) for at, (d, _) in zip(offsets, batch)]
+        self._put_fragment(pieces, PACKED, 0, 1, len(batch), used, timeout)
+        self._seq += len(batch)
 
     def start_progress(self) -> None:
         """Start the progress thread where this ring needs one. A caller that creates more
@@ -176,7 +187,7 @@ class TrajectoryRing:
 
     def close(self) -> None:
         """Tell the consumer this producer is done (after all its records)."""
-        self._put_fragment(np.zeros(0, np.uint8), 0, 0, 0, 0, None)
+        self._put_fragment([], 0, 0, 0, 0, 0, None)
 
     def slot_disp(self, lane: int, fragment: int) -> int:
         """Window displacement of the slot that lane `lane`'s fragment `fragment` goes to."""
@@ -189,7 +200,9 @@ class TrajectoryRing:
         self._freed = max(self._freed, int(self._read[0]))
         return self._freed
 
-    def _put_fragment(self, fragment, schema, part, nparts, record_length, timeout) -> None:
+    def _put_fragment(self, pieces, schema, part, nparts, record_length, length,
+                      timeout) -> None:
+        """Write one slot: `pieces` [(payload offset, uint8 array)], `length` payload bytes."""
         if self.lane is None:
             raise RuntimeError("the ring's consumer cannot write into its own ring")
         win, root, f = self.win, self.root, self._fragment
@@ -201,16 +214,18 @@ class TrajectoryRing:
         disp = self.slot_disp(self.lane, f)
         header = self._header
         header[1:7] = (f, (self.producer_id & LOW) | (schema << 32), self._seq,
-                       part | (nparts << 32), fragment.nbytes, record_length)
+                       part | (nparts << 32), length, record_length)
         raw = header.view(np.uint8)
-        header[7] = (self._payload_sum(fragment) + zlib.crc32(raw[8:56])) & MASK
+        header[7] = (self._payload_sum(piece for _, piece in pieces)
+                     + zlib.crc32(raw[8:56])) & MASK
         if part == 0 and self.spans_hosts:  # for stall reports: these fragments are under
             # way (a Put to a ring on this host completes before the publish, never lingers)
             self._started[0] = f + max(nparts, 1)
             win.Put([self._started, MPI.INT64_T], root, (16 * self.lane + 8, 1, MPI.INT64_T))
         win.Put(raw[8:], root, (disp + 8, 56, MPI.BYTE))
-        if fragment.nbytes:
-            win.Put(fragment, root, (disp + SLOT_HEADER.itemsize, fragment.nbytes, MPI.BYTE))
+        for at, piece in pieces:
+            if piece.nbytes:
+                win.Put(piece, root, (disp + SLOT_HEADER.itemsize + at, piece.nbytes, MPI.BYTE))
         win.Flush(root)  # payload complete at the target before it is published
         self._word[0] = f + 1
         win.Put([self._word, MPI.INT64_T], root, (disp, 1, MPI.INT64_T))
@@ -242,26 +257,30 @@ class TrajectoryRing:
                 if limit is not None and len(out) >= limit:
                     break
                 self._next[lane] = f + 1
-                record = self._consume(lane, f)
-                if record is not None:
-                    out.append(record)
+                out += self._consume(lane, f)
         self._hand_back()
         return out
 
-    def _consume(self, lane: int, f: int) -> Record | None:
+    def _consume(self, lane: int, f: int) -> list[Record]:
         slot_index = self.lane_first[lane] + f % self.lane_size[lane]
         slot, words = self._slots[slot_index], self._words[slot_index].tolist()
-        problem = self._check(words, f, slot)
+        payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + words[5]]
+        packed = unpack(payload, words[6]) if words[2] >> 32 == PACKED else None
+        problem = packed if isinstance(packed, str) else self._check(words, f, slot, packed)
         if problem:
             self.stats.bad_slots += 1
             self.report(f"dropped slot {slot_index} (lane of comm rank {self.producers[lane]}, "
                         f"fragment {f}; claims producer {signed32(words[2] & LOW)}, seq "
                         f"{signed64(words[3])}): {problem}")
-            return None
-        record = self._assemble(words, slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + words[5]])
-        if record is not None and words[4] >> 32 == 1:
-            self._held.append((lane, f))  # a view of this slot: freed by the next poll
-        return record
+            return []
+        if packed is not None:
+            records = self._unpacked(words, payload, packed)
+        else:
+            record = self._assemble(words, payload)
+            records = [] if record is None else [record]
+        if records and words[4] >> 32 == 1:
+            self._held.append((lane, f))  # views of this slot: freed by the next poll
+        return records
 
     def release(self) -> None:
         """Hand the slots of the records returned by the last poll back to the producers."""
@@ -303,50 +322,47 @@ class TrajectoryRing:
         return int(used.sum()), int(np.count_nonzero(per_lane == np.asarray(self.lane_size)))
 
     def diagnose(self, producers=()) -> str:
-        """Why nothing arrives, for a stall message: what each producer delivered and when,
-        and whether fragments were started but never published (their payloads are stuck in
-        transit: a progress or network problem) or nothing was even started (the producers
-        are stuck upstream)."""
-        self.win.Sync()
-        now = time.monotonic()
-        seen = sorted(set(producers) | set(self.stats.delivered))
-        per = "; ".join(
-            f"producer rank {p}: {n} records, last {now - t:.0f} s ago" if n else
-            f"producer rank {p}: nothing" for p, (n, t) in
-            ((p, self.stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
-        closed = f"; closed: {sorted(self.stats.closed)}" if self.stats.closed else ""
-        stuck = [(self.producers[lane], int(started) - self._next[lane])
-                 for lane, started in enumerate(self._started_words)
-                 if started > self._next[lane]]
-        if stuck:
-            cause = (f"{sum(n for _, n in stuck)} fragment(s) started but not published ("
-                     + ", ".join(f"{n} in the lane of comm rank {r}" for r, n in stuck)
-                     + "): writes into this ring are in flight and not completing, a "
-                     "progress or network problem between producer and learner hosts")
-        else:
-            cause = (f"all {sum(self._next)} fragment(s) started were delivered and no "
-                     f"producer has tried to write since (stuck upstream: simulators, "
-                     f"inference, the layout), or their first request never reached this "
-                     f"host (network)")
-        return f"ring ({'spans hosts' if self.spans_hosts else 'one host'}, progress " \
-               f"{'thread' if self.progress.running else 'on poll'}): {cause}. {per}{closed}"
+        """Why nothing arrives, for a stall message (ring_stall.py)."""
+        return describe_stall(self, producers)
 
-    def _check(self, words: list, fragment: int, slot: np.ndarray) -> str | None:
+    def _check(self, words: list, fragment: int, slot: np.ndarray, packed) -> str | None:
         length, part, nparts = words[5], words[4] & LOW, words[4] >> 32
         if words[1] != fragment:
             return f"holds fragment {signed64(words[1])} (stale or torn)"
         if length > self.capacity:
             return f"length {length} exceeds the slot payload {self.capacity}"
-        if nparts and (part >= nparts or length != min(self.capacity, words[6]
-                                                      - part * self.capacity)):
+        if packed is not None and (part, nparts) != (0, 1):
+            return f"a packed slot claims fragment {part}/{nparts}"
+        if packed is None and nparts and (part >= nparts or length != min(
+                self.capacity, words[6] - part * self.capacity)):
             return f"fragment {part}/{nparts} of length {length} does not fit its record"
         payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + length]
-        if (self._payload_sum(payload) + zlib.crc32(slot[8:56])) & MASK != words[7]:
+        pieces = [payload] if packed is None else [payload[:16 * words[6]]] + [
+            payload[at:at + n] for at, n, _ in packed]
+        if (self._payload_sum(pieces) + zlib.crc32(slot[8:56])) & MASK != words[7]:
             return "checksum mismatch (corrupted or torn)"
         return None
 
-    def _payload_sum(self, payload: np.ndarray) -> int:
-        return checksum64(payload) if self.checks_payload else 0
+    def _payload_sum(self, pieces) -> int:
+        return sum(map(checksum64, pieces)) if self.checks_payload else 0
+
+    def _unpacked(self, words: list, payload: np.ndarray, packed: list) -> list[Record]:
+        producer, seq = signed32(words[2] & LOW), signed64(words[3])
+        partial = self._partial.pop(producer, None)
+        if partial is not None:
+            self.stats.dropped_records += 1
+            self.report(f"discarded incomplete record {partial[1]} of producer {producer}")
+        at, n, schema = packed[0]
+        first = self._deliver(producer, seq, schema, payload[at:at + n])
+        rest = [Record(producer, seq + i, schema, payload[at:at + n])
+                for i, (at, n, schema) in enumerate(packed[1:], 1)]
+        # the rest follow the first in sequence: counted at once (per record costs here)
+        self._expected_seq[producer] = seq + len(packed)
+        self.stats.delivered[producer] = (self.stats.delivered[producer][0] + len(rest),
+                                          self.stats.delivered[producer][1])
+        self.stats.records += len(rest)
+        self.stats.bytes += sum(n for _, n, _ in packed[1:])
+        return [first, *rest]
 
     def _assemble(self, words: list, fragment: np.ndarray) -> Record | None:
         producer, schema = signed32(words[2] & LOW), words[2] >> 32
@@ -391,3 +407,8 @@ class TrajectoryRing:
             self.progress.free()
             self.win.Unlock_all()
             self.win.Free()
+
+
+def _as_bytes(record) -> np.ndarray:
+    return np.frombuffer(record, np.uint8) if not isinstance(record, np.ndarray) \
+        else record.reshape(-1).view(np.uint8)

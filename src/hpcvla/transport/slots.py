@@ -1,15 +1,21 @@
 """The trajectory ring's slot format (ring.py): a 64-byte header of eight little-endian words
-before each slot's payload, and the checksums that guard them.
+before each slot's payload, the checksums that guard them, packed slots, and what the ring
+hands out (Record) and counts (RingStats).
 
-Slot checksum word = checksum64(payload) + crc32(header bytes 8..56), mod 2**64; a ring that
-does not check payloads (`learner.ring_checksum=auto` on one host) stores the crc32 alone.
+Slot checksum word = checksum64(payload) + crc32(header bytes 8..56), mod 2**64 (a packed
+slot: the sum of checksum64 over its table and over each record); a ring that does not check
+payloads (`learner.ring_checksum=auto` on one host) stores the crc32 alone.
 """
 
 from __future__ import annotations
 
 import zlib
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+
+from hpcvla.transport.records import aligned
 
 SLOT_HEADER = np.dtype([
     ("state", "<i8"),          # publish word: f + 1 once fragment f is in, 0 never used
@@ -20,7 +26,7 @@ SLOT_HEADER = np.dtype([
     ("part", "<u4"),           # fragment index
     ("nparts", "<u4"),         # fragments in the record; 0 = producer closed
     ("length", "<u8"),         # payload bytes in this slot
-    ("record_length", "<u8"),  # bytes of the whole record
+    ("record_length", "<u8"),  # bytes of the whole record (packed slot: records in it)
     ("checksum", "<u8"),       # checksum64(payload) + crc32(header bytes 8..56), mod 2**64
 ])                             # (without payload checks: the crc32 alone)
 CHECKSUMS = ("auto", "always")
@@ -29,6 +35,25 @@ CHECKSUMS = ("auto", "always")
 # part | nparts << 32, length, record_length, checksum.
 assert SLOT_HEADER.itemsize == 64
 MASK, LOW = (1 << 64) - 1, (1 << 32) - 1
+
+
+class Record(NamedTuple):
+    producer: int
+    seq: int
+    schema: int
+    data: np.ndarray  # uint8, the record's bytes
+
+
+@dataclass
+class RingStats:
+    records: int = 0            # delivered
+    bytes: int = 0              # delivered payload bytes
+    bad_slots: int = 0          # slots dropped by a failed check
+    dropped_records: int = 0    # partially received records discarded
+    lost_records: int = 0       # gaps in producers' sequences (records never delivered)
+    closed: set = field(default_factory=set)
+    # per producer: (records delivered, time.monotonic() of the last one), for stall reports
+    delivered: dict = field(default_factory=dict)
 
 
 def checksum64(payload: np.ndarray) -> int:
@@ -54,3 +79,40 @@ def signed64(word: int) -> int:
 
 def signed32(word: int) -> int:
     return word - (1 << 32) if word >> 31 else word
+
+
+# A slot may pack several small records (TrajectoryRing.put_many): its header's schema is
+# PACKED, seq the first record's, record_length their count; its payload is a table of
+# (length, schema) u64 pairs, then each record at the next 64-byte aligned offset.
+PACKED = LOW
+
+
+def packed_layout(records: list) -> tuple[np.ndarray, list[int], int]:
+    """(table, offset of each record, payload bytes used) for [(uint8 array, schema)]."""
+    table = np.array([(data.nbytes, schema) for data, schema in records], "<u8")
+    offsets, at = [], aligned(table.nbytes)
+    for data, _ in records:
+        offsets.append(at)
+        at = aligned(at + data.nbytes)
+    return table, offsets, offsets[-1] + records[-1][0].nbytes
+
+
+def packed_size(nbytes: list[int]) -> int:
+    """Payload bytes a slot needs to pack records of these sizes."""
+    return aligned(16 * len(nbytes)) + sum(aligned(n) for n in nbytes[:-1]) + nbytes[-1]
+
+
+def unpack(payload: np.ndarray, count: int) -> list[tuple[int, int, int]] | str:
+    """[(offset, length, schema)] of the records packed in `payload`, or what is wrong."""
+    if count < 1 or aligned(16 * count) > payload.nbytes:
+        return f"a table of {count} packed records does not fit {payload.nbytes} bytes"
+    out, at, end = [], aligned(16 * count), 0
+    for length, schema in payload[:16 * count].view("<u8").reshape(count, 2).tolist():
+        end = at + length
+        if end > payload.nbytes:
+            return f"packed record of {length} bytes at {at} overruns the slot's {payload.nbytes}"
+        out.append((at, length, schema))
+        at = aligned(end)
+    if end != payload.nbytes:
+        return f"packed records end at {end}, the slot says {payload.nbytes}"
+    return out
