@@ -32,7 +32,6 @@ import statistics
 import time
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from hpcvla.topology.comms import build_communicators
@@ -225,38 +224,29 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
                      "mpi": MPI.Get_library_version().splitlines()[0].strip(),
                      "repeats": repeats, "targets": TARGETS, "time": time.time()}
     rows = []
-    for record_bytes, label in ((64 * KiB, "64KiB"), (MiB, "1MiB")):
-        for producers in sorted({1, min(7, size - 1)}):
-            total = (16 if quick else 256) * MiB
-            res = bench_ring(world, record_bytes, producers, total, repeats)
-            if rank == 0:
-                key = f"ring_{label}_{producers}p"
-                results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
-                results[f"{key}_ratio"] = res[0] / res[1]
-                rows.append((f"ring {label} x {producers} producer(s)", *res))
-            if record_bytes < MiB:  # small records, 4 per put_many and per slot
-                res = bench_ring(world, record_bytes, producers, total, repeats, packed=4)
-                if rank == 0:
-                    key = f"ring_{label}_{producers}p_packed4"
-                    results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
-                    results[f"{key}_ratio"] = res[0] / res[1]
-                    rows.append(("  ... put_many, 4 per slot", *res))
-        # payloads checksummed on one host too (learner.ring_checksum=always): the price
-        res = bench_ring(world, record_bytes, 1, (16 if quick else 256) * MiB, repeats,
-                         checksum="always")
+
+    def ring_pair(key, row, *args, **kwargs):  # collective; rank 0 records the pair
+        res = bench_ring(world, *args, repeats, **kwargs)
         if rank == 0:
-            key = f"ring_{label}_1p_checked"
             results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
             results[f"{key}_ratio"] = res[0] / res[1]
-            rows.append((f"  ... checksum always", *res))
+            rows.append((row, *res))
+
+    total = (16 if quick else 256) * MiB
+    for record_bytes, label in ((64 * KiB, "64KiB"), (MiB, "1MiB")):
+        for producers in sorted({1, min(7, size - 1)}):
+            ring_pair(f"ring_{label}_{producers}p", f"ring {label} x {producers} producer(s)",
+                      record_bytes, producers, total)
+            if record_bytes < MiB:  # small records, 4 per put_many and per slot
+                ring_pair(f"ring_{label}_{producers}p_packed4", "  ... put_many, 4 per slot",
+                          record_bytes, producers, total, packed=4)
+        # payloads checksummed on one host too (learner.ring_checksum=always): the price
+        ring_pair(f"ring_{label}_1p_checked", "  ... checksum always", record_bytes, 1, total,
+                  checksum="always")
         if remote is not None:  # one producer on another host: the network path
-            res = bench_ring(world, record_bytes, 1, (8 if quick else 64) * MiB, repeats,
-                             members=[0, remote])
-            if rank == 0:
-                key = f"ring_{label}_remote_1p"
-                results[f"{key}_GBps"], results[f"{key}_raw_GBps"] = res
-                results[f"{key}_ratio"] = res[0] / res[1]
-                rows.append((f"ring {label} x 1 producer on {hosts[remote]}", *res))
+            ring_pair(f"ring_{label}_remote_1p", f"ring {label} x 1 producer on "
+                      f"{hosts[remote]}", record_bytes, 1, (8 if quick else 64) * MiB,
+                      members=[0, remote])
     ex = bench_exchange(world, 4 * MiB, 50 if quick else 400, repeats)
     if rank == 0:
         results["exchange_GBps"], results["exchange_memcpy_GBps"] = ex
@@ -264,11 +254,11 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
         rows.append(("exchange 4 MiB obs vs memcpy", *ex))
     rpn = hosts.count(hosts[0]) if remote is not None else \
         ranks_per_node if size % ranks_per_node == 0 else size  # real hosts: their size
-    t_pub, t_bcast = bench_weights(world, (16 if quick else 100) * 1000 * 1000, rpn, repeats)
-    t_frozen, t_whole = bench_weights(world, (16 if quick else 100) * 1000 * 1000, rpn, repeats,
-                                      frozen=0.9)
+    weights_bytes = (16 if quick else 100) * 1000 * 1000
+    t_pub, t_bcast = bench_weights(world, weights_bytes, rpn, repeats)
+    t_frozen, t_whole = bench_weights(world, weights_bytes, rpn, repeats, frozen=0.9)
     if rank == 0:
-        results["weights_bytes"] = (16 if quick else 100) * 1000 * 1000
+        results["weights_bytes"] = weights_bytes
         results["weights_publish_s"], results["weights_bcast_s"] = t_pub, t_bcast
         results["weights_ratio"] = t_pub / t_bcast
         results["weights_frozen90_publish_s"], results["weights_frozen90_ratio"] = \

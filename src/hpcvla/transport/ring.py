@@ -65,7 +65,7 @@ from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_unt
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Record,
-                                    RingStats, checksum64, packed_layout, packed_size,
+                                    RingStats, checksum64, packed_offsets, packed_table,
                                     signed32, signed64, unpack)
 
 
@@ -155,11 +155,11 @@ class TrajectoryRing:
         batch: list = []
         for record, schema in records:
             data = _as_bytes(record)
-            if batch and packed_size([d.nbytes for d, _ in batch] + [data.nbytes]) \
-                    > self.capacity:
+            sizes = [d.nbytes for d, _ in batch]
+            if batch and packed_offsets(sizes + [data.nbytes])[1] > self.capacity:
                 self._put_packed(batch, timeout)
                 batch = []
-            if packed_size([data.nbytes]) > self.capacity:
+            if packed_offsets([data.nbytes])[1] > self.capacity:
                 self.put(data, schema, timeout)
             else:
                 batch.append((data, schema))
@@ -170,7 +170,8 @@ class TrajectoryRing:
         if len(batch) == 1:  # nothing to share the slot with: the plain format
             self.put(*batch[0], timeout=timeout)
             return
-        table, offsets, used = packed_layout(batch)
+        table = packed_table(batch)
+        offsets, used = packed_offsets([d.nbytes for d, _ in batch])
         pieces = [(0, table.reshape(-1).view(np.uint8))] + [
             (at, d) for at, (d, _) in zip(offsets, batch)]
         self._put_fragment(pieces, PACKED, 0, 1, len(batch), used, timeout)
@@ -352,17 +353,9 @@ class TrajectoryRing:
         if partial is not None:
             self.stats.dropped_records += 1
             self.report(f"discarded incomplete record {partial[1]} of producer {producer}")
-        at, n, schema = packed[0]
-        first = self._deliver(producer, seq, schema, payload[at:at + n])
-        rest = [Record(producer, seq + i, schema, payload[at:at + n])
-                for i, (at, n, schema) in enumerate(packed[1:], 1)]
-        # the rest follow the first in sequence: counted at once (per record costs here)
-        self._expected_seq[producer] = seq + len(packed)
-        self.stats.delivered[producer] = (self.stats.delivered[producer][0] + len(rest),
-                                          self.stats.delivered[producer][1])
-        self.stats.records += len(rest)
-        self.stats.bytes += sum(n for _, n, _ in packed[1:])
-        return [first, *rest]
+        self._count(producer, seq, len(packed), sum(n for _, n, _ in packed))
+        return [Record(producer, seq + i, schema, payload[at:at + n])
+                for i, (at, n, schema) in enumerate(packed)]
 
     def _assemble(self, words: list, fragment: np.ndarray) -> Record | None:
         producer, schema = signed32(words[2] & LOW), words[2] >> 32
@@ -389,16 +382,21 @@ class TrajectoryRing:
         return self._deliver(producer, seq, schema, buf)
 
     def _deliver(self, producer: int, seq: int, schema: int, buf: np.ndarray) -> Record:
+        self._count(producer, seq, 1, buf.nbytes)
+        return Record(producer, seq, schema, buf)
+
+    def _count(self, producer: int, seq: int, records: int, nbytes: int) -> None:
+        """Account for `records` records of `producer` from `seq` on (a packed slot's at
+        once): a gap before `seq` is counted as lost."""
         expected = self._expected_seq.get(producer, 0)
         if seq != expected:
             self.stats.lost_records += seq - expected
             self.report(f"producer {producer}: records {expected}..{seq - 1} lost")
-        self._expected_seq[producer] = seq + 1
+        self._expected_seq[producer] = seq + records
         count = self.stats.delivered.get(producer, (0, 0.0))[0]
-        self.stats.delivered[producer] = (count + 1, time.monotonic())
-        self.stats.records += 1
-        self.stats.bytes += buf.nbytes
-        return Record(producer, seq, schema, buf)
+        self.stats.delivered[producer] = (count + records, time.monotonic())
+        self.stats.records += records
+        self.stats.bytes += nbytes
 
     # ---------------------------------------------------------------- both
     def free(self) -> None:

@@ -87,32 +87,27 @@ def signed32(word: int) -> int:
 PACKED = LOW
 
 
-def packed_layout(records: list) -> tuple[np.ndarray, list[int], int]:
-    """(table, offset of each record, payload bytes used) for [(uint8 array, schema)]."""
-    table = np.array([(data.nbytes, schema) for data, schema in records], "<u8")
-    offsets, at = [], aligned(table.nbytes)
-    for data, _ in records:
+def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Where records of these sizes start in a packed slot's payload, and the payload bytes
+    they use: the table first, then each record at the next 64-byte aligned offset."""
+    offsets, at = [], aligned(16 * len(sizes))
+    for n in sizes:
         offsets.append(at)
-        at = aligned(at + data.nbytes)
-    return table, offsets, offsets[-1] + records[-1][0].nbytes
+        at = aligned(at + n)
+    return offsets, offsets[-1] + sizes[-1] if sizes else at
 
 
-def packed_size(nbytes: list[int]) -> int:
-    """Payload bytes a slot needs to pack records of these sizes."""
-    return aligned(16 * len(nbytes)) + sum(aligned(n) for n in nbytes[:-1]) + nbytes[-1]
+def packed_table(records: list) -> np.ndarray:
+    """The (length, schema) table of [(uint8 array, schema)] packed in one slot."""
+    return np.array([(data.nbytes, schema) for data, schema in records], "<u8")
 
 
 def unpack(payload: np.ndarray, count: int) -> list[tuple[int, int, int]] | str:
     """[(offset, length, schema)] of the records packed in `payload`, or what is wrong."""
     if count < 1 or aligned(16 * count) > payload.nbytes:
         return f"a table of {count} packed records does not fit {payload.nbytes} bytes"
-    out, at, end = [], aligned(16 * count), 0
-    for length, schema in payload[:16 * count].view("<u8").reshape(count, 2).tolist():
-        end = at + length
-        if end > payload.nbytes:
-            return f"packed record of {length} bytes at {at} overruns the slot's {payload.nbytes}"
-        out.append((at, length, schema))
-        at = aligned(end)
-    if end != payload.nbytes:
-        return f"packed records end at {end}, the slot says {payload.nbytes}"
-    return out
+    table = payload[:16 * count].view("<u8").reshape(count, 2).tolist()
+    offsets, used = packed_offsets([length for length, _ in table])
+    if used != payload.nbytes:
+        return f"packed records end at {used}, the slot says {payload.nbytes}"
+    return [(at, length, schema) for at, (length, schema) in zip(offsets, table)]
