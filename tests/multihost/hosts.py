@@ -17,14 +17,16 @@ stand-in (`ssh_standin.sh`) drops ssh's options and runs the command on the name
 
 Needs root (CI is root). Every namespace and file made is removed by `stop()` (or leaving the
 `with` block), also when start-up fails halfway or the test failed; the processes left in a
-namespace are killed first. Without root or `ip`, start-up raises `HostsError` naming why: a
-test that needs hosts fails loudly, it never skips.
+namespace are killed first; what a run killed before `stop()` left is removed by the next
+start (tags carry the test process's pid). Without root or `ip`, start-up raises `HostsError`
+naming why: a test that needs hosts fails loudly, it never skips.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -49,6 +51,47 @@ def _sh(*argv, check=True, timeout=30) -> subprocess.CompletedProcess:
     return out
 
 
+def _remove_ns(ns: str) -> None:
+    """Kill what runs in namespace `ns`, then remove it and its /etc/netns files."""
+    for _ in range(3):
+        pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.2)
+    _sh("ip", "netns", "del", ns, check=False)
+    shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+def _remove_stale() -> None:
+    """Remove what earlier runs killed before `stop()` left: namespaces and temporary folders
+    tagged hv<pid> whose test process is gone (a live run's are never touched)."""
+    names = _sh("ip", "netns", "list", check=False).stdout.split()
+    folders = list(Path(tempfile.gettempdir()).glob("hpcvla-hv*"))
+    for item in names + [f.name.removeprefix("hpcvla-") for f in folders]:
+        tag = re.match(r"hv(\d+)(x\d+)?-", item)
+        if tag is None or _alive(int(tag.group(1))):
+            continue
+        if item in names:
+            _remove_ns(item)
+        else:
+            shutil.rmtree(Path(tempfile.gettempdir()) / f"hpcvla-{item}", ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class EmulatedHosts:
     def __init__(self, n: int, tag: str | None = None):
         if not 1 <= n <= 200:
@@ -56,7 +99,7 @@ class EmulatedHosts:
         self.n = n
         if tag is None:  # unique per test process and instance (the first keeps hv<pid>)
             instance = next(_INSTANCES)
-            tag = f"hv{os.getpid() % 100000}" + (f"x{instance}" if instance else "")
+            tag = f"hv{os.getpid()}" + (f"x{instance}" if instance else "")
         self.tag = tag
         self.names = [f"h{i}" for i in range(n)]
         self.addresses = {name: f"{SUBNET}.{i + 1}" for i, name in enumerate(self.names)}
@@ -85,6 +128,7 @@ class EmulatedHosts:
         for tool in ("ip", "unshare"):
             if shutil.which(tool) is None:
                 raise HostsError(f"`{tool}` not found: install iproute2 / util-linux")
+        _remove_stale()
         self.base = Path(tempfile.mkdtemp(prefix=f"hpcvla-{self.tag}-"))
         self.base.chmod(0o755)
         self._add_ns(self.bridge_ns)
@@ -118,26 +162,11 @@ class EmulatedHosts:
 
     def stop(self) -> None:
         for ns in reversed(self._made):
-            self._kill_processes(ns)
-            _sh("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+            _remove_ns(ns)
         self._made.clear()
         if self.base is not None:
             shutil.rmtree(self.base, ignore_errors=True)
             self.base = None
-
-    @staticmethod
-    def _kill_processes(ns: str) -> None:
-        for _ in range(3):
-            pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            time.sleep(0.2)
 
     # ---------------------------------------------------------------- processes
     def on(self, host: str, argv: list) -> list[str]:
