@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcvla.transport import records
+from hpcvla.transport import records, slots
 from test_mpi_world import ROOT, hpcvla
 
 MPI_DIR = ROOT / "tests" / "mpi"
@@ -90,6 +90,24 @@ def test_every_metadata_byte_changed_decodes_or_raises_record_error():
                 records.decode(bad)
             except records.RecordError:
                 pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=40), st.integers(2, 80))
+def test_packed_groups_fill_slots_in_order_and_never_overflow(sizes, lines):
+    """put_many's grouping: runs cover the records in order; a run of several fits its slot
+    by packed_offsets (the consumer's layout); a run stops only where the next record would
+    not fit; a record alone is one that could not share."""
+    capacity = 64 * lines
+    groups = slots.packed_groups(sizes, capacity)
+    assert [i for first, end in groups for i in range(first, end)] == list(range(len(sizes)))
+    for k, (first, end) in enumerate(groups):
+        run = sizes[first:end]
+        if len(run) > 1:
+            assert slots.packed_offsets(run)[1] <= capacity
+        if k + 1 < len(groups) and slots.table_bytes(1) + run[-1] <= capacity and \
+                slots.table_bytes(1) + sizes[end] <= capacity:
+            assert slots.packed_offsets(run + [sizes[end]])[1] > capacity
 
 
 # ------------------------------------------------------------------ MPI worlds

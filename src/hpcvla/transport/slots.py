@@ -90,24 +90,44 @@ PACKED = LOW
 def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
     """Where records of these sizes start in a packed slot's payload, and the payload bytes
     they use: the table first, then each record at the next 64-byte aligned offset."""
-    offsets, at = [], aligned(16 * len(sizes))
-    for n in sizes:
+    offsets, at, end = [], table_bytes(len(sizes)), 0
+    for n in sizes:  # (aligned() inlined: this runs per record on both sides)
         offsets.append(at)
-        at = aligned(at + n)
-    return offsets, offsets[-1] + sizes[-1] if sizes else at
+        end = at + n
+        at = (end + 63) & -64
+    return offsets, end if sizes else at
 
 
-def packed_table(records: list) -> np.ndarray:
-    """The (length, schema) table of [(uint8 array, schema)] packed in one slot."""
-    return np.array([(data.nbytes, schema) for data, schema in records], "<u8")
+def table_bytes(count: int) -> int:
+    """Bytes a packed slot's table of `count` records takes, padding to the first record."""
+    return aligned(16 * count)
+
+
+def packed_groups(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
+    """Split records of these sizes, in order, into runs [first, end) that share a slot of
+    `capacity` payload bytes (packed_offsets' layout, kept as it goes); a record too large to
+    share one is a run of its own (sent in the plain format, fragmented if need be)."""
+    groups, first, end = [], 0, 0  # end: where the run's records end, past its table
+    for i, n in enumerate(sizes):
+        if i > first and table_bytes(i - first + 1) + ((end + 63) & -64) + n > capacity:
+            groups.append((first, i))
+            first = i
+        end = n if i == first else ((end + 63) & -64) + n
+        if i == first and table_bytes(1) + n > capacity:
+            groups.append((i, i + 1))
+            first = i + 1
+    if first < len(sizes):
+        groups.append((first, len(sizes)))
+    return groups
 
 
 def unpack(payload: np.ndarray, count: int) -> list[tuple[int, int, int]] | str:
     """[(offset, length, schema)] of the records packed in `payload`, or what is wrong."""
-    if count < 1 or aligned(16 * count) > payload.nbytes:
+    if count < 1 or table_bytes(count) > payload.nbytes:
         return f"a table of {count} packed records does not fit {payload.nbytes} bytes"
-    table = payload[:16 * count].view("<u8").reshape(count, 2).tolist()
-    offsets, used = packed_offsets([length for length, _ in table])
+    table = payload[:16 * count].view("<u8").tolist()  # length, schema, length, ...
+    lengths = table[0::2]
+    offsets, used = packed_offsets(lengths)
     if used != payload.nbytes:
         return f"packed records end at {used}, the slot says {payload.nbytes}"
-    return [(at, length, schema) for at, (length, schema) in zip(offsets, table)]
+    return list(zip(offsets, lengths, table[1::2]))
