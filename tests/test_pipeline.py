@@ -153,6 +153,8 @@ def test_staleness_bounded_with_slow_learner(tmp_path, mode, bound):
     assert sum(hist.values()) == 6 * 32  # every batch complete
     inference = [r for r in summary["per_rank"] if r["role"] == "inference"]
     assert sum(r["throttled_s"] for r in inference) > 0  # producers were held back
+    # ...and the segments they had finished still went out, valued by passes serving others
+    assert sum(r["held_valued"] for r in inference) > 0
 
 
 def test_two_nodes_two_learners_zero3_streamer(tmp_path):

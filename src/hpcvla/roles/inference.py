@@ -66,7 +66,7 @@ class InferenceServer:
         self.first_version = first_version
         self.stats = {"forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0,
                       "fired_wait_max": 0, "segments_sent": 0, "throttled_s": 0.0,
-                      "weight_swaps": 0,
+                      "weight_swaps": 0, "value_passes": 0, "held_valued": 0,
                       # segment counter c: segment c belongs to learner batch c // quota
                       "segments_started": first_version * quota}
 
@@ -90,69 +90,63 @@ class InferenceServer:
             if loader.refresh():  # between batches only
                 stats["weight_swaps"] += 1
             eligible = self._eligible()
+            # throttled at a segment boundary: their finished segments still go to the
+            # learner (it may be waiting for them), valued by the next pass, or by a pass of
+            # their own when no other is coming
             held = [s for s in batcher.queued() if s not in eligible and self.builders[s].full]
-            if held:  # throttled at a segment boundary: still deliver the finished segments
-                self._finish_segments(held)
             reason = batcher.fire_reason(eligible)
             if reason is None:
+                if held and not eligible:
+                    self._serve([], held)
                 if batcher.waiting_envs() and not eligible:
                     stats["throttled_s"] += backoff.delay
                 backoff.wait()
                 continue
             backoff.reset()
             stats[f"fired_{reason}"] += 1
-            self._serve(batcher.take(eligible))
+            self._serve(batcher.take(eligible), held)
         self.ring.close()
         if self.dump:
             self.dump.close()
         return stats
 
-    def _serve(self, slots: list[int]) -> None:
-        """One forward pass for `slots`: answer the simulators first, then assemble."""
-        n, exchange = self.n, self.exchange
+    def _serve(self, slots: list[int], held: list[int] = ()) -> None:
+        """One forward pass for `slots`: answer the simulators first, then assemble. `held`
+        requests (full segments the staleness quota holds back) ride along unanswered: the
+        pass values their next observation, which finishes their segments (a pass of their
+        own would cost its fixed overhead again)."""
+        n, exchange, every = self.n, self.exchange, [*slots, *held]
         with self.timeline.span("infer"):
             begin = time.monotonic()
-            obs, outcome = _gather(exchange, slots, self.obs_keys, self.staging), \
-                _gather(exchange, slots, OUTCOME_FIELDS)
+            obs, outcome = _gather(exchange, every, self.obs_keys, self.staging), \
+                _gather(exchange, every, OUTCOME_FIELDS)
             with torch.no_grad():
                 out, extras = self.policy.sample(self.staging.to_device(obs))
             actions, logprob, value = (t.cpu().numpy() for t in out)
             obs.update({k: v.cpu().numpy() for k, v in extras.items()})
             if self.emulate_ms:  # the emulated cost is the whole forward pass
-                pad(begin, self.emulate_ms(len(slots) * n) / 1e3)
+                pad(begin, self.emulate_ms(len(every) * n) / 1e3)
             for i, slot in enumerate(slots):
                 exchange.request_actions(slot)["actions"][...] = actions[i * n:(i + 1) * n]
                 exchange.request_actions(slot)["stop"] = 0
                 exchange.respond(slot)
-        self.stats["forward_passes"] += 1
-        self.stats["batch_envs"] += len(slots) * n
+        self.stats["forward_passes" if slots else "value_passes"] += 1
+        self.stats["batch_envs"] += len(slots) * n  # answered env steps
+        self.stats["held_valued"] += len(held) * n
         with self.timeline.span("assemble"):
             finished = []
-            for i, slot in enumerate(slots):
+            for i, slot in enumerate(every):
                 part, builder = slice(i * n, (i + 1) * n), self.builders[slot]
                 builder.record_outcome({k: v[part] for k, v in outcome.items()})
                 if builder.full:
                     finished.append(builder.finish(value[part]))
+                if i >= len(slots):
+                    continue  # held: its next segment starts once the quota allows
                 if builder.t == 0:  # a segment starts: it belongs to learner batch c // quota
                     builder.batch = self.stats["segments_started"] // self.quota
                     self.stats["segments_started"] += n
                 builder.add_step({k: v[part] for k, v in obs.items()}, actions[part],
                                  logprob[part], value[part], self.loader.version)
-            self._send(finished)
-
-    def _finish_segments(self, slots: list[int]) -> None:
-        """Complete the full segments of requests that must wait: their last outcome is in
-        the request and their bootstrap value needs only a forward pass, not an answer."""
-        with self.timeline.span("assemble"):
-            obs = _gather(self.exchange, slots, self.obs_keys, self.staging)
-            with torch.no_grad():
-                value = self.policy.act(self.staging.to_device(obs)).value
-            finished = []
-            for i, slot in enumerate(slots):
-                request = self.exchange.request_obs(slot)
-                self.builders[slot].record_outcome(request)
-                finished.append(self.builders[slot].finish(
-                    value[i * self.n:(i + 1) * self.n].cpu().numpy()))
             self._send(finished)
 
     def _send(self, groups: list[dict]) -> None:
