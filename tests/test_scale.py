@@ -141,6 +141,11 @@ def test_bench_modes_auto_sweep_runs_each_mode_at_its_planned_layout():
         assert cfg.emulate.learner_ms_per_micro_batch == pytest.approx(
             preset["learn_ms_per_segment"] * cfg.learner.micro_batch)
         assert cfg.learner.micro_batch * cfg.learner.micro_batches == 32  # batch kept
+    # --max-staleness: the bound the async modes run under, which the planner keeps
+    base = ["pipeline.mode=streamer", *modes._layout("streamer", 2),
+            *modes._workload("emulated", preset, preset["envs"], 10, "streamer", staleness=4)]
+    cfg = load_config(None, base + modes.auto_layout("streamer", base, "balanced", preset, 2))
+    assert cfg.pipeline.max_staleness == 4
     cfg = load_config(None, ["pipeline.mode=streamer", *modes._layout("streamer", 4),
                              *modes._workload("emulated", preset, 32, 10, "streamer")])
     # 2 nodes of (2 simulators, 1 inference, 1 learner): the learner bound, 2 x 16 x 8 x 4

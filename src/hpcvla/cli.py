@@ -102,8 +102,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
                        help="modes: B_max x T_max grid for the streamer, envs per simulator "
                             "for streamer vs sync-colocated, or each of the two at the layout "
-                            "`plan --auto` picks for it, instead of the ladder")
+                            "`plan --auto --search-envs` picks for it, instead of the ladder")
 
+    bench.add_argument("--max-staleness", type=int, default=2,
+                       help="modes, emulated: the staleness bound the async modes run under "
+                            "(pipeline.max_staleness; the planner uses it whole)")
     bench.add_argument("--chart", default=None,
                        help="scale: draw the 8 -> 256 GPU prediction here (PNG)")
     bench.add_argument("--validate", action="store_true",
@@ -253,7 +256,8 @@ def cmd_bench(args) -> int:
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
-                  args.updates or 20, json_path=args.json, sweep=args.sweep)
+                  args.updates or 20, json_path=args.json, sweep=args.sweep,
+                  staleness=args.max_staleness)
         return 0
     if args.target == "scale":  # the scale model; --validate starts one world per case
         if args.validate:

@@ -82,7 +82,7 @@ def _ranks(mode: str, gpus: int) -> int:
 
 
 def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
-              mode: str) -> list[str]:
+              mode: str, staleness: int = 2) -> list[str]:
     # Learner batch: 32 segments per learner and version in micro-batches of 16, where a
     # micro-batch may be smaller than a whole unsharded simulator (the sharded modes).
     micro = 16 if mode in ("rollout-async", "streamer") else math.lcm(16, envs_per_gpu)
@@ -95,12 +95,12 @@ def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
         return common + SIM_WORKLOADS[workload]
     # The async modes' knobs (the sync modes ignore them): every env its own shard (a shard
     # waits for its slowest env), a forward pass serves up to one simulator's envs (half a
-    # cell) and waits at most 2 ms to fill, producers may run 2 versions ahead. Against shards
-    # of 4 envs and 20 ms, the streamer went 1,900 -> 2,313 env steps/s on balanced and
-    # 653 -> 1,196 on table3 (its long tail, sigma 0.8, made shards wait most).
+    # cell) and waits at most 2 ms to fill, producers may run `staleness` (2) versions ahead.
+    # Against shards of 4 envs and 20 ms, the streamer went 1,900 -> 2,313 env steps/s on
+    # balanced and 653 -> 1,196 on table3 (its long tail, sigma 0.8, made shards wait most).
     return common + [
         f"rollout.batch_max={envs_per_gpu}", "rollout.wait_max_ms=2",
-        f"env.shards={envs_per_gpu}", "pipeline.max_staleness=2",
+        f"env.shards={envs_per_gpu}", f"pipeline.max_staleness={staleness}",
         "env.image_size=32", "policy.hidden=32", "learner.epochs=1",
         f"env.latency_median_ms={preset['sim_ms']}", f"env.latency_sigma={preset['sigma']}",
         f"emulate.inference_ms={preset['inf_a_ms']}",
@@ -162,8 +162,8 @@ def cases(sweep: str | None, envs: int) -> list[tuple[str, str, int, list[str]]]
 def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
                 gpus: int) -> list[str]:
     """The overrides of the layout the scale model predicts fastest for this mode and
-    accelerator count (scale/autoplan.py, the preset's costs), with the emulated learner's
-    delay following the micro-batch it picks."""
+    accelerator count (scale/autoplan.py, the preset's costs, envs per simulator searched
+    too), with the emulated learner's delay following the micro-batch it picks."""
     from hpcvla.config import load_config
     from hpcvla.scale.autoplan import search
     from hpcvla.scale.model import Layout
@@ -175,13 +175,14 @@ def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
                             cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len,
                             cfg.rollout.segment_len, cfg.learner.micro_batch,
                             cfg.learner.micro_batches, cfg.learner.epochs,
-                            cfg.pipeline.max_staleness), named_costs(preset_name)[0])[0]
+                            cfg.pipeline.max_staleness), named_costs(preset_name)[0],
+                     search_envs=True)[0]
     return best.overrides() + ["emulate.learner_ms_per_micro_batch="
                                f"{preset['learn_ms_per_segment'] * best.micro_batch}"]
 
 
 def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, updates=20,
-        json_path=None, sweep=None) -> dict:
+        json_path=None, sweep=None, staleness=2) -> dict:
     from hpcvla.config import load_config
 
     if envs_per_gpu is None:
@@ -192,12 +193,12 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
         envs_per_gpu = preset["envs"]
     results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,
                "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
-               "sweep": sweep, "updates": updates, "modes": {}}
+               "sweep": sweep, "updates": updates, "max_staleness": staleness, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra) in enumerate(cases(sweep, envs_per_gpu)):
             ranks = _ranks(mode, gpus)
             base = [f"pipeline.mode={mode}", *_layout(mode, gpus),
-                    *_workload(workload, preset, envs, updates, mode)]
+                    *_workload(workload, preset, envs, updates, mode, staleness)]
             if extra is None:
                 if workload != "emulated":
                     raise ValueError("--sweep auto: the emulated workload only (the planner "
@@ -223,7 +224,8 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                 "success_rate": summary["success_rate"]}
             print(f"{label:<32} {summary['env_steps_per_s']:>9.0f} steps/s  bound {bound:>9.0f}"
                   f"  efficiency {summary['env_steps_per_s'] / bound:5.2f}", flush=True)
-    base = results["modes"].get("sync-colocated", {}).get("throughput")
+    base = next((r["throughput"] for r in results["modes"].values()
+                 if r["mode"] == "sync-colocated"), None)
     if base:
         results["speedup_vs_sync_colocated"] = {
             m: r["throughput"] / base for m, r in results["modes"].items()}
