@@ -19,7 +19,8 @@ a second for any world size:
   would start a new segment are held while the staleness quota is used up: a producer
   feeding a learner with P producers may start segment number c only while
   c < (v + 1 + max_staleness) * quota, quota = learner batch / P, v the newest weight
-  version on its node (roles/modes.py).
+  version on its node (roles/modes.py). A held request's finished segment rides along the
+  next pass, which values its bootstrap (b per env), or a pass of its own when none comes.
 * Segments of T chunks are streamed to the learner. A learner trains its batch of
   micro_batch x micro_batches segments per version: the streamer starts each micro-batch as
   soon as it has arrived, the other modes wait for the whole batch; epoch 0 then epochs - 1
@@ -267,10 +268,8 @@ class _Cell:
                 self.busy += sl.local_copy_s
                 self.version = self.pending_version
             eligible = self._eligible()
-            for shard, _ in self.queue:   # held at a boundary: deliver the finished segment
-                if shard not in eligible and self.t[shard] == T:
-                    self.learner.deliver(self.batch_of[shard], self.e)
-                    self.t[shard] = 0
+            # held at a boundary: the next pass values (and so delivers) the finished segment
+            held = [s for s, _ in self.queue if s not in eligible and self.t[s] == T]
             waiting = [(s, t0) for s, t0 in self.queue if s in eligible]
             fire, timeout = False, None
             if waiting:
@@ -279,22 +278,25 @@ class _Cell:
                 else:
                     left = waiting[0][1] + sl.wait_max_s - env.now
                     fire, timeout = left <= 1e-12, left
-            if not fire:
+            if not fire and not (held and not waiting):  # (no pass coming: one of their own)
                 self.wake = env.event()
                 yield self.wake if timeout is None or math.isinf(timeout) else \
                     self.wake | env.timeout(timeout)
                 continue
             batch = []
-            for s, _ in waiting:
+            for s, _ in waiting if fire else ():
                 if batch and (len(batch) + 1) * self.e > self.batch_max:
                     break
                 batch.append(s)
             self.queue = [(s, t0) for s, t0 in self.queue if s not in batch]
-            c = sl.costs
-            dt = c.inf_a_s + c.inf_b_s * len(batch) * self.e + c.inf_per_request_s * len(batch)
+            c, rows = sl.costs, len(batch) + len(held)
+            dt = c.inf_a_s + c.inf_b_s * rows * self.e + c.inf_per_request_s * rows
             self.busy_until = env.now + dt
             yield env.timeout(dt)
             self.busy += dt
+            for s in held:
+                self.learner.deliver(self.batch_of[s], self.e)
+                self.t[s] = 0
             for s in batch:
                 if self.t[s] == T:
                     self.learner.deliver(self.batch_of[s], self.e)
