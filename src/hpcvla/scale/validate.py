@@ -47,6 +47,10 @@ CASES = [
     Layout("streamer", 6, 6, {"simulator": 4, "inference": 1, "learner": 1},
            envs=16, shards=16, batch_max=64, wait_max_s=0.02, micro_batch=16,
            micro_batches=4, max_staleness=1),
+    # more envs than the staleness quota lets run: segments held at their boundary
+    Layout("streamer", 4, 4, {"simulator": 2, "inference": 1, "learner": 1},
+           envs=64, shards=64, batch_max=64, wait_max_s=0.001, micro_batch=8,
+           micro_batches=4, max_staleness=2),
 ]
 
 
