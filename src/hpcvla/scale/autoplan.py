@@ -191,7 +191,8 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
                   cfg.learner.micro_batch, cfg.learner.micro_batches, cfg.learner.epochs,
                   cfg.pipeline.max_staleness)
     rows = [{"overrides": lay.overrides(), "env_steps_per_s": p.env_steps_per_s,
-             "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in search(base, costs, search_envs=search_envs)]
+             "bottleneck": p.bottleneck, "busy": p.busy}
+            for lay, p in search(base, costs, search_envs=search_envs)]
     best = rows[0]
     if as_json:
         print(json.dumps({"world": world, "ranks_per_node": rpn, "mode": base.mode,

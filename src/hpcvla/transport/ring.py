@@ -67,8 +67,8 @@ from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_unt
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Record,
-                                    RingStats, checksum64, packed_groups, packed_offsets, signed32,
-                                    signed64, unpack)
+                                    RingStats, checksum64, packed_groups, packed_offsets,
+                                    signed32, signed64, unpack)
 
 
 class TrajectoryRing:
@@ -212,9 +212,9 @@ class TrajectoryRing:
         struct.pack_into(f"<6Q8x{len(table)}Q", stage, 8, f,
                          (self.producer_id & LOW) | (schema << 32), self._seq,
                          part | (nparts << 32), length, record_length, *table)
-        checked = self._payload_sum(
-            ([np.frombuffer(stage, np.uint8, 8 * len(table), 64)] if table else [])
-            + [piece for _, piece in pieces]) if self.checks_payload else 0
+        checked = sum(map(checksum64, ([np.frombuffer(stage, np.uint8, 8 * len(table), 64)]
+                                       if table else []) + [piece for _, piece in pieces])) \
+            if self.checks_payload else 0
         struct.pack_into("<Q", stage, 56, (checked + zlib.crc32(stage[8:56])) & MASK)
         if part == 0 and self.spans_hosts:  # for stall reports: these fragments are under
             # way (a Put to a ring on this host completes before the publish, never lingers)
@@ -337,14 +337,11 @@ class TrajectoryRing:
         checked = 0
         if self.checks_payload:
             payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + length]
-            checked = self._payload_sum([payload] if packed is None else [
-                payload[:16 * words[6]]] + [payload[at:at + n] for at, n, _ in packed])
+            checked = sum(map(checksum64, [payload] if packed is None else [
+                payload[:16 * words[6]]] + [payload[at:at + n] for at, n, _ in packed]))
         if (checked + zlib.crc32(slot[8:56])) & MASK != words[7]:
             return "checksum mismatch (corrupted or torn)"
         return None
-
-    def _payload_sum(self, pieces) -> int:
-        return sum(map(checksum64, pieces)) if self.checks_payload else 0
 
     def _unpacked(self, words: list, payload: np.ndarray, packed: list) -> list[Record]:
         producer, seq = signed32(words[2] & LOW), signed64(words[3])
