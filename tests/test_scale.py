@@ -10,7 +10,7 @@ import pytest
 from hpcvla.cli import main
 from hpcvla.config import load_config
 from hpcvla.roles.modes import check_pipeline
-from hpcvla.scale.autoplan import problem, search
+from hpcvla.scale.autoplan import looser_staleness, problem, search
 from hpcvla.scale.model import Layout, Network, StageCosts, predict
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -108,6 +108,22 @@ def test_cli_plan_auto(capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "env steps/s" in text and "bottleneck" in text and "runner-ups" in text
+    assert [row["max_staleness"] for row in out["looser_staleness"]] == [2, 3]  # default 1
+    assert "under a looser staleness bound" in text
+
+
+def test_a_tight_staleness_bound_caps_the_plan_and_the_planner_says_what_a_looser_gives():
+    """More envs than the quota lets run, and segments that take longer to roll out than the
+    learner's versions: the looser bounds predict more (never less), sync modes have none."""
+    base = Layout("streamer", 4, 4, CELL, envs=64, shards=64, micro_batch=8, micro_batches=4,
+                  max_staleness=1)
+    slow_loop = costs(sim=0.08, a=0.01, b=0.001, learn=0.002, sigma=0.5)
+    best, pred = search(base, slow_loop)[0]
+    looser = looser_staleness(best, slow_loop)
+    assert [bound for bound, _ in looser] == [2, 3]
+    assert pred.env_steps_per_s < looser[0][1].env_steps_per_s <= looser[1][1].env_steps_per_s
+    assert looser[1][1].env_steps_per_s > 1.2 * pred.env_steps_per_s
+    assert looser_staleness(Layout("sync-disaggregated", 4, 4, CELL, envs=16), slow_loop) == []
 
 
 @pytest.mark.parametrize("world,rpn,field", [(10, 4, "--world"), (4, 2, "--ranks-per-node"),

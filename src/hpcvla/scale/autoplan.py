@@ -22,6 +22,10 @@ nothing. Each layout is scored by the model's steady env steps/s (same random dr
 every layout). A layout the pipeline would refuse (roles/modes.py check_pipeline's rules)
 is skipped. Returns the best and the runner-ups (the next best layouts seen, those that
 predict another throughput than the ones listed first).
+
+pipeline.max_staleness is the user's bound, never searched: for the async modes the plan
+also prints the best prediction under bounds one and two versions looser, what the bound
+costs in throughput.
 """
 
 from __future__ import annotations
@@ -160,6 +164,22 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
     return (distinct + ties)[:1 + runner_ups]
 
 
+def looser_staleness(best: Layout, costs: StageCosts, search_envs: bool = False,
+                     steps: int = 2) -> list[tuple[int, Prediction]]:
+    """[(max_staleness, best prediction)] one and two versions above the bound of `best` (the
+    search's pick), for the modes it limits: a tight bound caps throughput (a version cannot
+    take less than the rollout time of a segment over the bound, README), which no other knob
+    undoes. Each search starts from the previous pick, so a looser bound never predicts less."""
+    if best.mode not in ("train-async", *OVERLAP):
+        return []
+    out = []
+    for bound in range(best.max_staleness + 1, best.max_staleness + 1 + steps):
+        best, pred = search(replace(best, max_staleness=bound), costs, runner_ups=0,
+                            search_envs=search_envs)[0]
+        out.append((bound, pred))
+    return out
+
+
 def check_world(world: int, ranks_per_node: int, mode: str) -> None:
     """Clear errors, naming the flag, for worlds no layout can fit."""
     if world < 1:
@@ -190,14 +210,17 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
                   cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len, cfg.rollout.segment_len,
                   cfg.learner.micro_batch, cfg.learner.micro_batches, cfg.learner.epochs,
                   cfg.pipeline.max_staleness)
+    ranked = search(base, costs, search_envs=search_envs)
     rows = [{"overrides": lay.overrides(), "env_steps_per_s": p.env_steps_per_s,
-             "bottleneck": p.bottleneck, "busy": p.busy}
-            for lay, p in search(base, costs, search_envs=search_envs)]
+             "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in ranked]
     best = rows[0]
+    looser = [{"max_staleness": s, "env_steps_per_s": p.env_steps_per_s}
+              for s, p in looser_staleness(ranked[0][0], costs, search_envs)]
     if as_json:
         print(json.dumps({"world": world, "ranks_per_node": rpn, "mode": base.mode,
                           "costs": {**costs.__dict__, "source": details.get("source")},
-                          "best": best, "runner_ups": rows[1:]}, indent=1))
+                          "best": best, "runner_ups": rows[1:], "looser_staleness": looser},
+                         indent=1))
         return 0
     print(f"auto plan: {world} ranks, {world // rpn} node(s) of {rpn}, "
           f"pipeline.mode={base.mode}\ncosts ({details.get('source')}): {describe(costs)}")
@@ -211,4 +234,9 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
         changed = [o for o in row["overrides"] if o not in best["overrides"]]
         print(f"  {n}. {row['env_steps_per_s']:>9,.0f} env steps/s ({row['bottleneck']}): "
               + (" ".join(changed) or "same"))
+    if looser:  # what the staleness bound costs: the user's trade-off, not a knob we turn
+        print("under a looser staleness bound (best layout for each): " + ", ".join(
+            f"pipeline.max_staleness={row['max_staleness']} "
+            f"{row['env_steps_per_s']:,.0f} env steps/s "
+            f"({row['env_steps_per_s'] / best['env_steps_per_s'] - 1:+.0%})" for row in looser))
     return 0
