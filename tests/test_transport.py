@@ -110,6 +110,28 @@ def test_packed_groups_fill_slots_in_order_and_never_overflow(sizes, lines):
             assert slots.packed_offsets(run + [sizes[end]])[1] > capacity
 
 
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 2**32 - 2)), max_size=30),
+       st.integers(2, 60))
+def test_packed_plan_is_what_the_consumer_unpacks(records, lines):
+    """The producer's cached plan (put_many) and the consumer's cached layout (poll) agree:
+    each packed slot's table, as sent, unpacks to the plan's offsets, lengths and schemas."""
+    sizes, schemas = tuple(n for n, _ in records), tuple(s for _, s in records)
+    plan = slots.packed_plan(sizes, schemas, 64 * lines)
+    assert [(first, end) for first, end, *_ in plan] == slots.packed_groups(list(sizes),
+                                                                            64 * lines)
+    for first, end, offsets, used, table in plan:
+        if offsets is None:
+            assert end == first + 1
+            continue
+        payload = np.zeros(used, np.uint8)
+        payload[:8 * len(table)] = np.frombuffer(np.array(table, "<u8").tobytes(), np.uint8)
+        packed = slots.unpack(payload, end - first)
+        assert packed.records == tuple(zip(offsets, sizes[first:end], schemas[first:end]))
+        assert packed.nbytes == sum(sizes[first:end]) and used <= 64 * lines
+
+
 # ------------------------------------------------------------------ MPI worlds
 
 def test_ring_many_producers_slow_consumer_exactly_once_in_order():

@@ -42,8 +42,9 @@ gap in that producer's sequence is counted as lost. A fragment with nparts = 0 a
 its producer closed. Small records handed over together (`put_many`) share slots: one `Put`
 of header and table, one `Flush` and publish per slot and one `Put` per record (slots.py has
 the packed layout); the learner gets each as its own view. For 64 KiB records a raw
-`Put`+`Flush` costs ~1.9 us; the ring's MPI calls ~2.2 us per record packed 4 to a slot,
-and its Python ~1.3 us on each side (per slot: ~5 us producer, ~5 us learner).
+`Put`+`Flush` costs ~1.9 us; the ring's MPI calls ~1.7 us per record packed 4 to a slot,
+and its Python per slot ~3 us producer, ~4 us learner (both sides cache the packed layout
+per shape of records: slots.packed_plan, slots.unpack).
 
 Payload checksums (`checksum`): `auto` checks payloads only when the ring spans hosts, where
 a transport that reorders a publish before its payload would otherwise go unseen; between
@@ -66,8 +67,8 @@ from mpi4py import MPI
 from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_until
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.ring_stall import describe_stall
-from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Record,
-                                    RingStats, checksum64, packed_groups, packed_offsets,
+from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Packed,
+                                    Record, RingStats, checksum64, header_struct, packed_plan,
                                     signed32, signed64, unpack)
 
 
@@ -155,16 +156,15 @@ class TrajectoryRing:
         """Write [(record, schema)] in order, small ones packed together: one header, `Flush`
         and publish per slot, one `Put` per record (those too large to share go as `put`)."""
         records = [(_as_bytes(record), schema) for record, schema in records]
-        for first, end in packed_groups([data.nbytes for data, _ in records], self.capacity):
-            if end - first == 1:  # nothing to share the slot with: the plain format
+        for first, end, offsets, used, table in packed_plan(
+                tuple([data.nbytes for data, _ in records]),
+                tuple([schema for _, schema in records]), self.capacity):
+            if offsets is None:  # nothing to share the slot with: the plain format
                 self.put(*records[first], timeout=timeout)
                 continue
-            batch = records[first:end]
-            offsets, used = packed_offsets([data.nbytes for data, _ in batch])
-            table = [word for data, schema in batch for word in (data.nbytes, schema)]
-            self._put_fragment([(at, data) for at, (data, _) in zip(offsets, batch)], PACKED,
-                               0, 1, len(batch), used, timeout, table)
-            self._seq += len(batch)
+            self._put_fragment(list(zip(offsets, [data for data, _ in records[first:end]])),
+                               PACKED, 0, 1, end - first, used, timeout, table)
+            self._seq += end - first
 
     def start_progress(self) -> None:
         """Start the progress thread where this ring needs one. A caller that creates more
@@ -203,15 +203,14 @@ class TrajectoryRing:
                        f"ring lane {self.lane} slot {f % size} to be freed", timeout,
                        cap=self.poll_cap)
         disp = self.slot_disp(self.lane, f)
-        # header words 1..6 (struct, not numpy: a numpy assignment costs more than the Put),
-        # the checksum word, then the table: one contiguous Put from header byte 8 on
+        # header words 1..6, the checksum word, then the table: one Put from header byte 8 on
         head = SLOT_HEADER.itemsize + 8 * len(table)
         if len(self._stage) < head:
             self._stage = bytearray(head)
         stage = self._stage
-        struct.pack_into(f"<6Q8x{len(table)}Q", stage, 8, f,
-                         (self.producer_id & LOW) | (schema << 32), self._seq,
-                         part | (nparts << 32), length, record_length, *table)
+        header_struct(len(table)).pack_into(
+            stage, 8, f, (self.producer_id & LOW) | (schema << 32), self._seq,
+            part | (nparts << 32), length, record_length, *table)
         checked = sum(map(checksum64, ([np.frombuffer(stage, np.uint8, 8 * len(table), 64)]
                                        if table else []) + [piece for _, piece in pieces])) \
             if self.checks_payload else 0
@@ -338,20 +337,20 @@ class TrajectoryRing:
         if self.checks_payload:
             payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + length]
             checked = sum(map(checksum64, [payload] if packed is None else [
-                payload[:16 * words[6]]] + [payload[at:at + n] for at, n, _ in packed]))
+                payload[:16 * words[6]]] + [payload[at:at + n] for at, n, _ in packed.records]))
         if (checked + zlib.crc32(slot[8:56])) & MASK != words[7]:
             return "checksum mismatch (corrupted or torn)"
         return None
 
-    def _unpacked(self, words: list, payload: np.ndarray, packed: list) -> list[Record]:
+    def _unpacked(self, words: list, payload: np.ndarray, packed: Packed) -> list[Record]:
         producer, seq = signed32(words[2] & LOW), signed64(words[3])
         partial = self._partial.pop(producer, None)
         if partial is not None:
             self.stats.dropped_records += 1
             self.report(f"discarded incomplete record {partial[1]} of producer {producer}")
-        self._count(producer, seq, len(packed), sum(n for _, n, _ in packed))
+        self._count(producer, seq, len(packed.records), packed.nbytes)
         return [_record((producer, seq + i, schema, payload[at:at + n]))
-                for i, (at, n, schema) in enumerate(packed)]
+                for i, (at, n, schema) in enumerate(packed.records)]
 
     def _assemble(self, words: list, fragment: np.ndarray) -> Record | None:
         producer, schema = signed32(words[2] & LOW), words[2] >> 32

@@ -9,8 +9,10 @@ payloads (`learner.ring_checksum=auto` on one host) stores the crc32 alone.
 
 from __future__ import annotations
 
+import struct
 import zlib
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import NamedTuple
 
 import numpy as np
@@ -55,6 +57,14 @@ class RingStats:
     # per producer: (records delivered, time.monotonic() of the last one), for stall reports
     delivered: dict = field(default_factory=dict)
 
+
+
+@lru_cache(maxsize=64)
+def header_struct(table_words: int) -> struct.Struct:
+    """How a producer writes header words 1..6, the checksum word's gap, then a packed slot's
+    table of `table_words` words (struct, not numpy: a numpy assignment costs more than the
+    Put that sends it)."""
+    return struct.Struct(f"<6Q8x{table_words}Q")
 
 def checksum64(payload: np.ndarray) -> int:
     """Sum of the payload's little-endian 64-bit words, plus its length, mod 2**64. Any single
@@ -121,13 +131,40 @@ def packed_groups(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
     return groups
 
 
-def unpack(payload: np.ndarray, count: int) -> list[tuple[int, int, int]] | str:
-    """[(offset, length, schema)] of the records packed in `payload`, or what is wrong."""
+@lru_cache(maxsize=256)
+def packed_plan(sizes: tuple, schemas: tuple, capacity: int) -> tuple:
+    """put_many's slots for records of these sizes and schemas, in order: per slot (first,
+    end, offsets, payload bytes used, table words), offsets None for a record that goes alone
+    in the plain format. Cached: a producer hands over records of the same shapes again and
+    again, and working this out in Python cost as much as a slot's MPI calls."""
+    plan = []
+    for first, end in packed_groups(list(sizes), capacity):
+        if end - first == 1:
+            plan.append((first, end, None, 0, ()))
+            continue
+        offsets, used = packed_offsets(list(sizes[first:end]))
+        table = tuple(w for pair in zip(sizes[first:end], schemas[first:end]) for w in pair)
+        plan.append((first, end, tuple(offsets), used, table))
+    return tuple(plan)
+
+
+class Packed(NamedTuple):
+    records: tuple  # ((offset, length, schema), ...) of the records in a packed payload
+    nbytes: int     # their lengths' sum
+
+
+def unpack(payload: np.ndarray, count: int) -> Packed | str:
+    """Where the records packed in `payload` are, or what is wrong."""
     if count < 1 or table_bytes(count) > payload.nbytes:
         return f"a table of {count} packed records does not fit {payload.nbytes} bytes"
-    table = payload[:16 * count].view("<u8").tolist()  # length, schema, length, ...
-    lengths = table[0::2]
+    return _layout(payload[:16 * count].tobytes(), payload.nbytes)
+
+
+@lru_cache(maxsize=256)  # the consumer's side of packed_plan's cache: same tables, same answer
+def _layout(table: bytes, nbytes: int) -> Packed | str:
+    words = struct.unpack(f"<{len(table) // 8}Q", table)  # length, schema, length, ...
+    lengths = words[0::2]
     offsets, used = packed_offsets(lengths)
-    if used != payload.nbytes:
-        return f"packed records end at {used}, the slot says {payload.nbytes}"
-    return list(zip(offsets, lengths, table[1::2]))
+    if used != nbytes:
+        return f"packed records end at {used}, the slot says {nbytes}"
+    return Packed(tuple(zip(offsets, lengths, words[1::2])), sum(lengths))
