@@ -349,7 +349,8 @@ class TrajectoryRing:
             self.stats.dropped_records += 1
             self.report(f"discarded incomplete record {partial[1]} of producer {producer}")
         self._count(producer, seq, len(packed.records), packed.nbytes)
-        return [_record((producer, seq + i, schema, payload[at:at + n]))
+        new = tuple.__new__  # NamedTuple's own __new__ is Python, a call per record
+        return [new(Record, (producer, seq + i, schema, payload[at:at + n]))
                 for i, (at, n, schema) in enumerate(packed.records)]
 
     def _assemble(self, words: list, fragment: np.ndarray) -> Record | None:
@@ -400,10 +401,6 @@ class TrajectoryRing:
             self.progress.free()
             self.win.Unlock_all()
             self.win.Free()
-
-
-def _record(fields: tuple) -> Record:  # tuple.__new__: NamedTuple's own __new__ is Python
-    return tuple.__new__(Record, fields)
 
 
 def _as_bytes(record) -> np.ndarray:
