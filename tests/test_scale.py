@@ -151,8 +151,9 @@ def test_bench_modes_auto_sweep_runs_each_mode_at_its_planned_layout():
     for mode in ("sync-colocated", "streamer"):
         base = [f"pipeline.mode={mode}", *modes._layout(mode, 2),
                 *modes._workload("emulated", preset, preset["envs"], 10, mode)]
-        extra = modes.auto_layout(mode, base, "balanced", preset, 2)
+        extra, predicted = modes.auto_layout(mode, base, "balanced", preset, 2)
         cfg = load_config(None, base + extra)
+        assert predicted > 0
         assert cfg.pipeline.mode == mode
         assert cfg.emulate.learner_ms_per_micro_batch == pytest.approx(
             preset["learn_ms_per_segment"] * cfg.learner.micro_batch)
@@ -160,8 +161,11 @@ def test_bench_modes_auto_sweep_runs_each_mode_at_its_planned_layout():
     # --max-staleness: the bound the async modes run under, which the planner keeps
     base = ["pipeline.mode=streamer", *modes._layout("streamer", 2),
             *modes._workload("emulated", preset, preset["envs"], 10, "streamer", staleness=4)]
-    cfg = load_config(None, base + modes.auto_layout("streamer", base, "balanced", preset, 2))
+    cfg = load_config(None, base + modes.auto_layout("streamer", base, "balanced", preset, 2)[0])
     assert cfg.pipeline.max_staleness == 4
+    # the auto sweep: both modes at the bench's bound, the streamer also one and two looser
+    assert [(mode, s) for _, mode, _, extra, s in modes.cases("auto", 32, 2)] == [
+        ("sync-colocated", 2), ("streamer", 2), ("streamer", 3), ("streamer", 4)]
     cfg = load_config(None, ["pipeline.mode=streamer", *modes._layout("streamer", 4),
                              *modes._workload("emulated", preset, 32, 10, "streamer")])
     # 2 nodes of (2 simulators, 1 inference, 1 learner): the learner bound, 2 x 16 x 8 x 4

@@ -141,35 +141,39 @@ def _measured_bound(summary: dict) -> float:
     return min(caps) if caps else float("nan")
 
 
-def cases(sweep: str | None, envs: int) -> list[tuple[str, str, int, list[str]]]:
-    """(label, mode, envs per simulator, extra overrides) of each run: the five modes, or a
-    sweep."""
+def cases(sweep: str | None, envs: int, staleness: int = 2) -> list[tuple]:
+    """(label, mode, envs per simulator, extra overrides, max_staleness) of each run: the five
+    modes, or a sweep. Extra overrides None: the layout `plan --auto` picks."""
     if sweep is None:
-        return [(mode, mode, envs, []) for mode in MODES]
+        return [(mode, mode, envs, [], staleness) for mode in MODES]
     if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer
         return [(f"streamer B_max={b} T_max={t}ms", "streamer", envs,
-                 [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"])
+                 [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"], staleness)
                 for b in (8, 16, 32) for t in (1, 5, 20)]
-    if sweep == "auto":  # each mode at the layout `hpcvla plan --auto` picks for it
-        return [(f"{mode} (plan --auto)", mode, envs, None)
-                for mode in ("sync-colocated", "streamer")]
+    if sweep == "auto":  # each mode at the layout `hpcvla plan --auto` picks for it; the
+        # streamer also under the looser bounds plan --auto predicts for (it never loosens one)
+        return [(f"{mode} (plan --auto)", mode, envs, None, staleness)
+                for mode in ("sync-colocated", "streamer")] + [
+                (f"streamer (plan --auto) S={s}", "streamer", envs, None, s)
+                for s in (staleness + 1, staleness + 2)]
     if sweep == "envs":  # D-VLA Fig. 7: environments per simulator rank
-        return [(f"{mode} E={e}", mode, e, []) for e in (16, 32, 64)
+        return [(f"{mode} E={e}", mode, e, [], staleness) for e in (16, 32, 64)
                 for mode in ("sync-colocated", "streamer")]
     raise ValueError(f"--sweep {sweep!r}: expected batching, envs or auto")
 
 
 def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
-                gpus: int) -> list[str]:
+                gpus: int) -> tuple[list[str], float]:
     """The overrides of the layout the scale model predicts fastest for this mode and
     accelerator count (scale/autoplan.py, the preset's costs, envs per simulator searched
-    too), with the emulated learner's delay following the micro-batch it picks."""
+    too), with the emulated learner's delay following the micro-batch it picks; and the env
+    steps/s it predicts there."""
     from hpcvla.config import load_config
     from hpcvla.scale.autoplan import search
     from hpcvla.scale.model import Layout
     from hpcvla.scale.probe import named_costs
     cfg = load_config(None, base)
-    best, _ = search(Layout(mode, _ranks(mode, gpus), cfg.placement.ranks_per_node or
+    best, predicted = search(Layout(mode, _ranks(mode, gpus), cfg.placement.ranks_per_node or
                             _ranks(mode, gpus), dict(cfg.placement.per_node),
                             cfg.env.envs_per_simulator, cfg.env.shards, cfg.rollout.batch_max,
                             cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len,
@@ -178,7 +182,8 @@ def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
                             cfg.pipeline.max_staleness), named_costs(preset_name)[0],
                      search_envs=True)[0]
     return best.overrides() + ["emulate.learner_ms_per_micro_batch="
-                               f"{preset['learn_ms_per_segment'] * best.micro_batch}"]
+                               f"{preset['learn_ms_per_segment'] * best.micro_batch}"], \
+        predicted.env_steps_per_s
 
 
 def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, updates=20,
@@ -195,15 +200,17 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
                "sweep": sweep, "updates": updates, "max_staleness": staleness, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
-        for n, (label, mode, envs, extra) in enumerate(cases(sweep, envs_per_gpu)):
+        for n, (label, mode, envs, extra, bound_s) in enumerate(
+                cases(sweep, envs_per_gpu, staleness)):
             ranks = _ranks(mode, gpus)
             base = [f"pipeline.mode={mode}", *_layout(mode, gpus),
-                    *_workload(workload, preset, envs, updates, mode, staleness)]
+                    *_workload(workload, preset, envs, updates, mode, bound_s)]
+            predicted = None
             if extra is None:
                 if workload != "emulated":
                     raise ValueError("--sweep auto: the emulated workload only (the planner "
                                      "takes its stage costs from the preset)")
-                extra = auto_layout(mode, base, preset_name, preset, gpus)
+                extra, predicted = auto_layout(mode, base, preset_name, preset, gpus)
             overrides = [*base, *extra, f"run.root={tmp}", f"run.name=case{n}"]
             cmd = [sys.executable, "-m", "hpcvla", "train", "--ranks", str(ranks), *overrides]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -216,14 +223,17 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                 else _measured_bound(summary)
             results["modes"][label] = {
                 "mode": mode, "ranks": ranks, "overrides": extra,
+                "max_staleness": cfg.pipeline.max_staleness, "predicted": predicted,
                 "env_steps": summary["env_steps"], "wall_s": summary["wall_s"],
                 "throughput": summary["env_steps_per_s"], "ideal_bound": bound,
                 "efficiency": summary["env_steps_per_s"] / bound,
                 "busy_fraction": summary["busy_fraction"],
                 "staleness_hist": summary["staleness_hist"],
                 "success_rate": summary["success_rate"]}
-            print(f"{label:<32} {summary['env_steps_per_s']:>9.0f} steps/s  bound {bound:>9.0f}"
-                  f"  efficiency {summary['env_steps_per_s'] / bound:5.2f}", flush=True)
+            print(f"{label:<36} {summary['env_steps_per_s']:>9.0f} steps/s  bound {bound:>9.0f}"
+                  f"  efficiency {summary['env_steps_per_s'] / bound:5.2f}"
+                  + (f"  (plan --auto predicted {predicted:.0f})" if predicted else ""),
+                  flush=True)
     base = next((r["throughput"] for r in results["modes"].values()
                  if r["mode"] == "sync-colocated"), None)
     if base:
