@@ -58,13 +58,13 @@ class RingStats:
     delivered: dict = field(default_factory=dict)
 
 
-
 @lru_cache(maxsize=64)
 def header_struct(table_words: int) -> struct.Struct:
     """How a producer writes header words 1..6, the checksum word's gap, then a packed slot's
     table of `table_words` words (struct, not numpy: a numpy assignment costs more than the
     Put that sends it)."""
     return struct.Struct(f"<6Q8x{table_words}Q")
+
 
 def checksum64(payload: np.ndarray) -> int:
     """Sum of the payload's little-endian 64-bit words, plus its length, mod 2**64. Any single
