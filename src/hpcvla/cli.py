@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
                        help="modes: B_max x T_max grid for the streamer, envs per simulator "
                             "for streamer vs sync-colocated, or each of the two at the layout "
-                            "`plan --auto --search-envs` picks for it, instead of the ladder")
+                            "`plan --auto --search-envs` picks for it (the streamer also under "
+                            "bounds S+1 and S+2), instead of the ladder")
 
     bench.add_argument("--max-staleness", type=int, default=2,
                        help="modes, emulated: the staleness bound the async modes run under "
