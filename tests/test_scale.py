@@ -164,7 +164,7 @@ def test_bench_modes_auto_sweep_runs_each_mode_at_its_planned_layout():
     cfg = load_config(None, base + modes.auto_layout("streamer", base, "balanced", preset, 2)[0])
     assert cfg.pipeline.max_staleness == 4
     # the auto sweep: both modes at the bench's bound, the streamer also one and two looser
-    assert [(mode, s) for _, mode, _, extra, s in modes.cases("auto", 32, 2)] == [
+    assert [(mode, s) for _, mode, _, _, s in modes.cases("auto", 32, 2)] == [
         ("sync-colocated", 2), ("streamer", 2), ("streamer", 3), ("streamer", 4)]
     cfg = load_config(None, ["pipeline.mode=streamer", *modes._layout("streamer", 4),
                              *modes._workload("emulated", preset, 32, 10, "streamer")])

@@ -110,7 +110,6 @@ def test_packed_groups_fill_slots_in_order_and_never_overflow(sizes, lines):
             assert slots.packed_offsets(run + [sizes[end]])[1] > capacity
 
 
-
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 2**32 - 2)), max_size=30),
        st.integers(2, 60))

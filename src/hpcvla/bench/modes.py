@@ -173,14 +173,13 @@ def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
     from hpcvla.scale.model import Layout
     from hpcvla.scale.probe import named_costs
     cfg = load_config(None, base)
-    best, predicted = search(Layout(mode, _ranks(mode, gpus), cfg.placement.ranks_per_node or
-                            _ranks(mode, gpus), dict(cfg.placement.per_node),
-                            cfg.env.envs_per_simulator, cfg.env.shards, cfg.rollout.batch_max,
-                            cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len,
-                            cfg.rollout.segment_len, cfg.learner.micro_batch,
-                            cfg.learner.micro_batches, cfg.learner.epochs,
-                            cfg.pipeline.max_staleness), named_costs(preset_name)[0],
-                     search_envs=True)[0]
+    ranks = _ranks(mode, gpus)
+    layout = Layout(mode, ranks, cfg.placement.ranks_per_node or ranks,
+                    dict(cfg.placement.per_node), cfg.env.envs_per_simulator, cfg.env.shards,
+                    cfg.rollout.batch_max, cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len,
+                    cfg.rollout.segment_len, cfg.learner.micro_batch,
+                    cfg.learner.micro_batches, cfg.learner.epochs, cfg.pipeline.max_staleness)
+    best, predicted = search(layout, named_costs(preset_name)[0], search_envs=True)[0]
     return best.overrides() + ["emulate.learner_ms_per_micro_batch="
                                f"{preset['learn_ms_per_segment'] * best.micro_batch}"], \
         predicted.env_steps_per_s
