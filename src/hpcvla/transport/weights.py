@@ -250,6 +250,8 @@ class WeightPlane:
                 raise RuntimeError(f"weight manifest mismatch: root sends hash {digest:#x}, "
                                    f"this rank expects {self.manifest.hash:#x} (the same "
                                    f"policy, dtype and frozen parameters on every rank)")
+            # Ibcast, not Bcast: the root's is nonblocking, and MPI matches a nonblocking
+            # collective only with nonblocking ones
             self._store(version, whole, lambda half: self._control.Ibcast(
                 self._message(half, whole), root=0).Wait())
 
