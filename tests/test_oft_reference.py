@@ -30,7 +30,7 @@ from hpcvla.policies.folders import read_tensors
 from hpcvla.policies.oft_checkpoint import UNUSED, from_published, load_value_head, to_published
 from hpcvla.policies.oft_processor import PROMPT
 from hpcvla.policies.oft_vision import pixel_values
-from hpcvla.roles.pipeline import build_policy
+from hpcvla.factory import build_policy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oft"
 CHECKPOINT = FIXTURES / "checkpoint"

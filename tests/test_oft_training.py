@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from hpcvla.config import load_config
 from hpcvla.envs import env_spec
-from hpcvla.roles.pipeline import build_policy
+from hpcvla.factory import build_policy
 from test_mpi_world import hpcvla
 from test_pi0_pretrained import libero_fixture_observation
 from test_pipeline import run_train

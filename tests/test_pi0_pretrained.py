@@ -19,7 +19,7 @@ from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_kwargs, env_spec, make_env
 from hpcvla.envs.base import EnvSpec
 from hpcvla.envs.serial import tokenize, vocab_of
-from hpcvla.roles.pipeline import build_policy
+from hpcvla.factory import build_policy
 from test_mpi_world import hpcvla
 from test_pipeline import run_train
 

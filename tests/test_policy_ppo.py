@@ -301,7 +301,7 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
     from hpcvla.roles.learner import policy_loss
-    from hpcvla.roles.pipeline import build_policy
+    from hpcvla.factory import build_policy
 
     cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}",
                                                "algorithm.group_size=2", "env.max_episode_chunks=8"])

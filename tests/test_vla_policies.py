@@ -407,7 +407,7 @@ def test_a_frozen_prefix_crosses_the_weight_plane_once(tmp_path):
     trainable tensors, and inference acts with each new one."""
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
-    from hpcvla.roles.pipeline import build_policy
+    from hpcvla.factory import build_policy
     from test_mpi_world import ROOT
 
     overrides = ["policy.name=flow", "policy.train_expert_only=true"]
@@ -440,7 +440,7 @@ def test_policies_benchmark_quick(tmp_path):
 def test_runs_start_from_a_pretrained_folder(tmp_path):
     from hpcvla.config import ConfigError, load_config
     from hpcvla.envs import env_spec
-    from hpcvla.roles.pipeline import build_policy
+    from hpcvla.factory import build_policy
     from test_mpi_world import ROOT
 
     cfg = load_config(ROOT / "configs/reach_flow.yaml")
@@ -487,7 +487,7 @@ def test_a_padded_long_horizon_checkpoint_runs_the_env_chunk(tmp_path):
     part is sampled and scored consistently (the log-prob act records is evaluate's)."""
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec, make_env
-    from hpcvla.roles.pipeline import build_policy
+    from hpcvla.factory import build_policy
     from test_mpi_world import ROOT
 
     cfg = load_config(ROOT / "configs/reach_flow.yaml", ["env.image_size=32"])

@@ -28,7 +28,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     returns success rate, mean return, episodes, faults and success per task.
     `weights` None: the untrained policy. The policy runs on the first visible GPU when
     there is one (placement.gpus_per_node=0: the CPU)."""
-    from hpcvla.roles.pipeline import build_policy  # the policy exactly as training builds it
+    from hpcvla.factory import build_policy  # the policy exactly as training builds it
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)

@@ -15,7 +15,7 @@ from hpcvla import checkpoint
 from hpcvla.config import load_config
 from hpcvla.envs import make_env
 from hpcvla.roles.learner import full_state, init_deepspeed
-from hpcvla.roles.pipeline import build_policy
+from hpcvla.factory import build_policy
 from hpcvla.runtime import run_ranks
 
 

@@ -15,7 +15,7 @@ from hpcvla.config import load_config
 from hpcvla.envs import make_env
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.learner import _train_micro_batch, full_state, init_deepspeed
-from hpcvla.roles.pipeline import build_policy
+from hpcvla.factory import build_policy
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.runtime import run_ranks
 

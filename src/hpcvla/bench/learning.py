@@ -116,7 +116,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | t
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
     from hpcvla.policies import save_pretrained
-    from hpcvla.roles.pipeline import build_policy
+    from hpcvla.factory import build_policy
     runs = root / "pretrain"
     done = train_and_eval([sys.executable, "-m", "hpcvla", "train", *PRETRAIN[arms],
                            f"pipeline.total_updates={PRETRAIN_UPDATES}", f"run.root={runs}",

@@ -27,15 +27,11 @@ from mpi4py import MPI
 from hpcvla import checkpoint, preempt
 from hpcvla.config.loader import config_to_dict
 from hpcvla.devices import bind_rank_device
-from hpcvla.envs import env_kwargs, env_spec, make_env
-from hpcvla.envs.groups import GroupedRestarts
-from hpcvla.envs.isolated import IsolatedEnv
+from hpcvla.envs import env_spec
+from hpcvla.factory import build_policy, env_failures, make_envs
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
-from hpcvla.policies import POLICIES, make_policy, policy_kwargs
-from hpcvla.policies.folders import checkpoint_kwargs, load_weights
-from hpcvla.policies.processor import CheckpointProcessor
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import SegmentQueues, full_state, init_engine, run_learner
@@ -48,65 +44,6 @@ from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.weights import Manifest, WeightPlane
 from hpcvla.watchdog import step_deadline_s
-
-
-def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0,
-              owner: str = "this rank"):
-    """`n` envs as configured; `first_env` is the run-wide index of the first (simulators
-    spread tasks and report failures by it); `owner` names the rank in failure reports."""
-    kwargs = env_kwargs(cfg.env)
-    if cfg.env.name == "reach":
-        kwargs["latency_sleep"] = latency_sleep
-    else:
-        kwargs["first_env"] = first_env
-    if cfg.env.isolation == "process":  # a worker process per shard, restarted on faults
-        env = IsolatedEnv(cfg.env.name, n, seed, kwargs, cfg.env.step_timeout_s,
-                          cfg.env.max_restarts, first_env, owner)
-    else:
-        env = make_env(cfg.env.name, n, seed, **kwargs)
-    if cfg.algorithm.name == "grpo":  # GRPO compares episodes started from one state
-        env = GroupedRestarts(env, cfg.rollout.segment_len, cfg.algorithm.group_size, seed)
-    return env
-
-
-def env_failures(envs) -> list:
-    """Every env fault so far, (env id, what happened), from inline slots (envs/serial.py)
-    and isolated workers (envs/isolated.py)."""
-    return [f for env in envs for f in getattr(env, "failures", [])]
-
-
-def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
-    """The configured policy on `device`, with the same initial weights on every rank (drawn
-    from run.seed on a forked RNG: the caller's own stream is left as it was). On the "meta"
-    device it has names, dtypes and shapes but no memory (what a simulator rank needs).
-    `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
-    whether `device` is one."""
-    kwargs = policy_kwargs(cfg.policy.name, cfg.policy)
-    if cfg.policy.pretrained:  # e.g. π0's variant, padded action/state dims and horizon
-        kwargs.update(checkpoint_kwargs(POLICIES[cfg.policy.name], cfg.policy.pretrained))
-    if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
-        on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
-        kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
-    if str(device) == "meta":
-        with torch.device("meta"):
-            return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                               len(spec.vocab), **kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.run.seed)
-        policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                             len(spec.vocab), **kwargs)
-    if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
-        load_weights(policy, cfg.policy.pretrained)
-        # a published folder's prompt, tokenizer and normalization (None for our own)
-        if hasattr(policy, "make_processor"):  # a family with its own (oft)
-            policy.processor = policy.make_processor(cfg.policy.pretrained,
-                                                     cfg.policy.tokenizer, spec.vocab)
-        else:
-            policy.processor = CheckpointProcessor.from_folder(
-                cfg.policy.pretrained, cfg.policy.tokenizer, getattr(policy, "variant", ""),
-                spec.vocab, spec.obs["state"][0][0] if "state" in spec.obs else 0,
-                spec.action_dim)
-    return policy.to(device)
 
 
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:

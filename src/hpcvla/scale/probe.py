@@ -89,7 +89,7 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
 
     from hpcvla.envs import env_spec
     from hpcvla.roles.learner import policy_loss
-    from hpcvla.roles.pipeline import build_policy, make_envs
+    from hpcvla.factory import build_policy, make_envs
     from hpcvla.roles.segments import SegmentBuilder, outcome_of
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec, "cpu")
