@@ -11,7 +11,7 @@ NAMED = re.compile(r"`make ([a-z][\w-]*)|^\s*#?\s*make ([a-z][\w-]*)", re.MULTIL
 
 def _documents():
     yield from (ROOT / name for name in ("README.md", "environment.yml", "requirements.txt"))
-    for folder in ("jobs", "configs", "postprocess", ".ci", "tests/fixtures"):
+    for folder in ("docs", "jobs", "configs", "postprocess", ".ci", "tests/fixtures"):
         yield from (p for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in
                     ("", ".sh", ".md", ".yaml", ".yml", ".py", ".pbs", ".slurm", ".txt"))
 
