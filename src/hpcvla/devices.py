@@ -6,11 +6,12 @@
     HostStaging(device)                    # pinned host buffers for batches bound to a GPU
 
 The map (RLinf and verl do the same): inference and learner ranks get a GPU each; a rank that
-is both (hybrid, colocated) shares its GPU across the roles; simulator ranks get a GPU only
-when their simulator renders or simulates on it (`envs.env_uses_gpu`), and several may share
-one. No two learners ever share a GPU (ZeRO's collectives and memory assume one each): a node
-with more learner ranks than GPUs is an error naming the fix. Where there are fewer GPUs than
-inference + learner ranks, inference ranks share the least loaded ones.
+is both (colocated, or the plan-only hybrid) shares its GPU across the roles; simulator ranks
+get a GPU only when their simulator renders or simulates on it (`envs.env_uses_gpu`), and
+several may share one. No two learners ever share a GPU (ZeRO's collectives and memory
+assume one each): a node with more learner ranks than GPUs is an error naming the fix. Where
+there are fewer GPUs than inference + learner ranks, inference ranks share the least loaded
+ones.
 
 What a rank can see: the GPUs CUDA shows it (`CUDA_VISIBLE_DEVICES`), told apart by UUID.
 When the launcher binds GPUs per task (Slurm `--gpus-per-task`, `--gpu-bind`, Open MPI

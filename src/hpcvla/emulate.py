@@ -1,7 +1,7 @@
 """Emulated stage costs: calibrated delays that let a few cores stand in for slow simulators
-and many accelerators (DESIGN.md section 8). An emulated cost is the stage's whole duration:
-the real (tiny) compute runs inside it and a sleep pads the rest, so the delays, not the
-cores, set the pace."""
+and many accelerators (docs/architecture.md, "Emulated costs"). An emulated cost is the
+stage's whole duration: the real (tiny) compute runs inside it and a sleep pads the rest, so
+the delays, not the cores, set the pace."""
 
 from __future__ import annotations
 

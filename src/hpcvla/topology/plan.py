@@ -1,6 +1,6 @@
 """RankPlan: who does what in the MPI world. A pure function of (world, ranks per node, placement).
 
-Vocabulary (DESIGN.md section 3):
+Vocabulary (docs/architecture.md, "Vocabulary: ranks, nodes, cells"):
 
 * node: `ranks_per_node` consecutive world ranks (block placement, as `srun --distribution=block`
   and `mpiexec` give by default; the MPI side checks that the real layout agrees).
@@ -14,7 +14,8 @@ Vocabulary (DESIGN.md section 3):
 
 Layout of a rollout node (disaggregated/hybrid): each cell's inference rank followed by its
 simulators, cells one after another, then the node's learners. Colocated: every rank has every
-role and is a cell of its own.
+role and is a cell of its own. Hybrid (inference ranks also learn) is plan-only: it is laid out
+here and by `hpcvla plan`, but `hpcvla train` refuses it.
 """
 
 from __future__ import annotations
