@@ -91,7 +91,7 @@ def test_autoplan_picks_more_learners_when_training_is_the_bottleneck():
 def test_autoplan_layout_is_a_valid_config():
     base = Layout("streamer", 8, 4, CELL, envs=16, shards=2, micro_batch=16, micro_batches=2)
     best, _ = search(base, costs(sigma=0.5))[0]
-    cfg = load_config(None, best.overrides())
+    cfg = load_config(None, best.to_overrides())
     check_pipeline(cfg, plan_from_config(cfg.placement, 8))
 
 

@@ -1,7 +1,7 @@
 """Seeds: every rank's RNG streams and its env shards', a pure function of run.seed and the
 rank, so that ranks explore independently and a run can be replayed.
 
-The policy's initial weights come from run.seed alone (roles/pipeline.build_policy, on a
+The policy's initial weights come from run.seed alone (factory.build_policy, on a
 forked RNG: identical on every rank); each rank's global torch and numpy streams (action
 sampling) come from numpy's SeedSequence of (run.seed, rank); each env shard has its own
 seed (its envs derive theirs from it). `rng_seeds.json` in the run directory lists them all.
@@ -14,7 +14,7 @@ import json
 import numpy as np
 import torch
 
-from hpcvla.roles.modes import schedule_of
+from hpcvla.schedule import shards_of
 from hpcvla.topology.plan import SIM
 
 
@@ -33,7 +33,7 @@ def seed_rank(cfg, rank: int) -> None:
 
 def write_rng_seeds(cfg, plan, run_dir) -> None:
     """rng_seeds.json in the run directory: every rank's RNG seeds and its env shards'."""
-    shards = schedule_of(cfg, 1).shards  # per simulator rank, in this mode
+    shards = shards_of(cfg)  # per simulator rank, in this mode
     ranks = {}
     for r, placed in enumerate(plan.ranks):
         entry = rank_seeds(cfg, r)

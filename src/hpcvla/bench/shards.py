@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcvla.bench.modes import SIM_WORKLOADS
+from hpcvla.scale.presets import SIM_WORKLOADS
 
 WORKLOAD_OVERRIDES = {"emulated": ["env.latency_median_ms=20"], "real": [], **{
     name: [o for o in overrides if o.startswith("env.")]

@@ -2,7 +2,7 @@
 the policy version, assemble trajectory segments and stream them to the learner's ring.
 
 Weights are swapped only between forward passes. A request that would start a new segment
-is held back while the producer's staleness quota is used up (see roles/modes.py); its shard
+is held back while the producer's staleness quota is used up (see hpcvla/schedule.py); its shard
 then waits, which is what throttles the simulators.
 """
 
@@ -17,6 +17,7 @@ from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
+from hpcvla.schedule import eligible
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -161,17 +162,11 @@ class InferenceServer:
 
     def _eligible(self) -> set:
         """Queued slots that may be served now: those mid-segment, plus those starting a
-        segment while the staleness quota lasts (in arrival order)."""
-        allowance = (self.loader.version + 1 + self.max_staleness) * self.quota \
-            - self.stats["segments_started"]
-        eligible = set()
-        for slot in self.batcher.queued():
-            if self.builders[slot].t == 0 or self.builders[slot].full:  # starts a segment
-                if allowance < self.n:
-                    continue
-                allowance -= self.n
-            eligible.add(slot)
-        return eligible
+        segment while the staleness quota lasts (in arrival order; schedule.eligible)."""
+        builders = self.builders
+        return eligible(self.batcher.queued(), lambda s: builders[s].t == 0 or builders[s].full,
+                        self.n, self.loader.version, self.max_staleness, self.quota,
+                        self.stats["segments_started"])
 
 
 def _gather(exchange, slots, keys, staging=None) -> dict:

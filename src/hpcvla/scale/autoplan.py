@@ -19,8 +19,8 @@ per version, stays as the config says):
 The search is coordinate descent: starting from the config (or the first valid layout),
 each knob in turn is set to its best value with the others held, until a round changes
 nothing. Each layout is scored by the model's steady env steps/s (same random draws for
-every layout). A layout the pipeline would refuse (roles/modes.py check_pipeline's rules)
-is skipped. Returns the best and the runner-ups (the next best layouts seen, those that
+every layout). A layout the pipeline would refuse (schedule.layout_problems, the rules
+`hpcvla train` checks) is skipped. Returns the best and the runner-ups (the next best layouts seen, those that
 predict another throughput than the ones listed first).
 
 pipeline.max_staleness is the user's bound, never searched: for the async modes the plan
@@ -34,10 +34,11 @@ import json
 import math
 from dataclasses import replace
 
-from hpcvla.scale.model import Layout, Network, Prediction, StageCosts, predict
-from hpcvla.topology.plan import PlanError, build_plan
+from hpcvla.scale.model import Network, Prediction, StageCosts, predict
+from hpcvla.schedule import Layout, layout_problem, traits
+from hpcvla.topology.plan import PlanError
 
-OVERLAP = ("rollout-async", "streamer")
+problem = layout_problem  # why the pipeline would refuse a Layout (None: it runs)
 
 
 def per_node_options(ranks_per_node: int) -> list[dict]:
@@ -50,31 +51,8 @@ def per_node_options(ranks_per_node: int) -> list[dict]:
     return out
 
 
-def problem(lay: Layout) -> str | None:
-    """Why the pipeline would refuse `lay` (None: it runs)."""
-    shards = lay.shards if lay.mode in OVERLAP else 1
-    if lay.envs % shards:
-        return f"env.shards={shards} does not divide env.envs_per_simulator={lay.envs}"
-    e = lay.envs // shards
-    if lay.micro_batch % e:
-        return f"learner.micro_batch={lay.micro_batch} is not a multiple of {e} envs per shard"
-    if lay.mode == "sync-colocated":
-        return None
-    try:
-        plan = build_plan(lay.world, lay.ranks_per_node, "disaggregated", lay.per_node)
-    except PlanError as err:
-        return str(err)
-    batch = lay.micro_batch * lay.micro_batches
-    for learner in plan.learners:
-        producers = len(plan.producers_of(learner))
-        if batch % producers or (batch // producers) % e:
-            return (f"learner batch {batch} does not split into multiples of {e} for "
-                    f"{producers} producers")
-    return None
-
-
 def _values(knob: str, lay: Layout) -> list:
-    e = lay.envs // (lay.shards if lay.mode in OVERLAP else 1)
+    e = lay.envs_per_shard
     if knob == "per_node":
         return per_node_options(lay.ranks_per_node)
     if knob == "shards":
@@ -102,12 +80,15 @@ def _set(lay: Layout, knob: str, value) -> Layout:
 
 
 def knobs(mode: str, envs: bool = False) -> list[str]:
-    first = ["envs"] if envs else []
-    if mode == "sync-colocated":
-        return first + ["micro_batch"]
-    if mode in OVERLAP:
-        return first + ["per_node", "shards", "batch_max", "wait_max_s", "micro_batch"]
-    return first + ["per_node", "micro_batch"]
+    t = traits(mode)
+    out = ["envs"] if envs else []
+    if not t.colocated:
+        out.append("per_node")
+    if t.sharded:
+        out.append("shards")
+    if t.dynamic_batcher:
+        out += ["batch_max", "wait_max_s"]
+    return out + ["micro_batch"]
 
 
 def _start(base: Layout) -> Layout:
@@ -133,7 +114,7 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
     seen: dict[tuple, tuple[Layout, Prediction]] = {}
 
     def score(lay: Layout) -> float:
-        key = tuple(lay.overrides())
+        key = tuple(lay.to_overrides())
         if key not in seen:
             seen[key] = (lay, predict(lay, costs, network, updates=None))
         return seen[key][1].env_steps_per_s
@@ -153,7 +134,7 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
                 best = max(options, key=score)
         if best == before:
             break
-    chosen = seen[tuple(best.overrides())]  # first, though a layout with more envs may edge it
+    chosen = seen[tuple(best.to_overrides())]  # first, though a layout with more envs may edge it
     ranked = [chosen] + sorted((lp for lp in seen.values() if lp is not chosen),
                                key=lambda lp: -lp[1].env_steps_per_s)
     # runner-ups: layouts that predict something else first (ties tell a reader nothing)
@@ -170,7 +151,7 @@ def looser_staleness(best: Layout, costs: StageCosts, search_envs: bool = False,
     search's pick), for the modes it limits: a tight bound caps throughput (a version cannot
     take less than the rollout time of a segment over the bound, README), which no other knob
     undoes. Each search starts from the previous pick, so a looser bound never predicts less."""
-    if best.mode not in ("train-async", *OVERLAP):
+    if not best.traits.bounded_staleness:
         return []
     out = []
     for bound in range(best.max_staleness + 1, best.max_staleness + 1 + steps):
@@ -189,7 +170,7 @@ def check_world(world: int, ranks_per_node: int, mode: str) -> None:
     if world % ranks_per_node:
         raise PlanError(f"--world {world} is not a multiple of --ranks-per-node "
                         f"{ranks_per_node}: every node holds the same number of ranks")
-    if mode != "sync-colocated" and not per_node_options(ranks_per_node):
+    if not traits(mode).colocated and not per_node_options(ranks_per_node):
         raise PlanError(f"--ranks-per-node {ranks_per_node}: pipeline.mode={mode} needs at "
                         "least 3 ranks per node (a simulator, an inference rank, a learner)")
 
@@ -205,13 +186,9 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
         costs, details = named_costs(costs_name, cfg)
     except ValueError as err:
         raise PlanError(f"--costs {costs_name}: {err}") from None
-    base = Layout(cfg.pipeline.mode, world, rpn, dict(cfg.placement.per_node),
-                  cfg.env.envs_per_simulator, cfg.env.shards, cfg.rollout.batch_max,
-                  cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len, cfg.rollout.segment_len,
-                  cfg.learner.micro_batch, cfg.learner.micro_batches, cfg.learner.epochs,
-                  cfg.pipeline.max_staleness)
+    base = Layout.from_config(cfg, world, rpn)
     ranked = search(base, costs, search_envs=search_envs)
-    rows = [{"overrides": lay.overrides(), "env_steps_per_s": p.env_steps_per_s,
+    rows = [{"overrides": lay.to_overrides(), "env_steps_per_s": p.env_steps_per_s,
              "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in ranked]
     best = rows[0]
     looser = [{"max_staleness": s, "env_steps_per_s": p.env_steps_per_s}

@@ -19,7 +19,7 @@ a second for any world size:
   would start a new segment are held while the staleness quota is used up: a producer
   feeding a learner with P producers may start segment number c only while
   c < (v + 1 + max_staleness) * quota, quota = learner batch / P, v the newest weight
-  version on its node (roles/modes.py). A held request's finished segment rides along the
+  version on its node (hpcvla/schedule.py). A held request's finished segment rides along the
   next pass, which values its bootstrap (b per env), or a pass of its own when none comes.
 * Segments of T chunks are streamed to the learner. A learner trains its batch of
   micro_batch x micro_batches segments per version: the streamer starts each micro-batch as
@@ -53,11 +53,12 @@ time), and the bottleneck: the busiest stage.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import simpy
 
+from hpcvla.schedule import Layout, eligible
 from hpcvla.topology.plan import build_plan
 
 
@@ -109,44 +110,6 @@ class Network:
         return local + 2 * (nodes - 1) * (nbytes / nodes / self.bandwidth_Bps + self.latency_s)
 
 
-@dataclass(frozen=True)
-class Layout:
-    """What a config decides: mode, rank roles and the schedule's knobs."""
-    mode: str = "streamer"            # pipeline.mode
-    world: int = 4
-    ranks_per_node: int = 4
-    per_node: dict = field(default_factory=lambda: {"simulator": 2, "inference": 1,
-                                                    "learner": 1})
-    envs: int = 16                    # env.envs_per_simulator
-    shards: int = 2                   # env.shards
-    batch_max: int = 0                # rollout.batch_max (0: the envs of a cell)
-    wait_max_s: float = 0.005         # rollout.wait_max_ms / 1e3
-    chunk_len: int = 4                # H
-    segment_len: int = 8              # T
-    micro_batch: int = 16
-    micro_batches: int = 2
-    epochs: int = 1
-    max_staleness: int = 1
-
-    def overrides(self) -> list[str]:
-        """The layout as `hpcvla train` overrides."""
-        out = [f"pipeline.mode={self.mode}", f"placement.ranks_per_node={self.ranks_per_node}",
-               f"env.envs_per_simulator={self.envs}", f"env.chunk_len={self.chunk_len}",
-               f"rollout.segment_len={self.segment_len}",
-               f"learner.micro_batch={self.micro_batch}",
-               f"learner.micro_batches={self.micro_batches}", f"learner.epochs={self.epochs}"]
-        if self.mode == "sync-colocated":
-            return ["placement.mode=colocated"] + out
-        pn = ", ".join(f"{k}: {v}" for k, v in self.per_node.items())
-        out = ["placement.mode=disaggregated", f"placement.per_node={{{pn}}}"] + out
-        if self.mode in ("rollout-async", "streamer"):
-            out += [f"env.shards={self.shards}", f"rollout.batch_max={self.batch_max}",
-                    f"rollout.wait_max_ms={self.wait_max_s * 1e3:g}"]
-        if self.mode != "sync-disaggregated":
-            out.append(f"pipeline.max_staleness={self.max_staleness}")
-        return out
-
-
 @dataclass
 class Prediction:
     env_steps_per_s: float
@@ -163,7 +126,7 @@ def predict(layout: Layout, costs: StageCosts, network: Network = Network(),
             updates: int | None = None, seed: int = 0) -> Prediction:
     """Simulate `layout` with `costs`; `updates` versions from the start (as a run measures
     it), or None: the steady rate (versions 3..13 of 14)."""
-    if layout.mode == "sync-colocated":
+    if layout.traits.colocated:
         return _colocated(layout, costs, network, updates, seed)
     return _World(layout, costs, network, seed).run(updates)
 
@@ -250,15 +213,9 @@ class _Cell:
             self.steps += self.e * sl.lay.chunk_len
 
     def _eligible(self) -> set:
-        allowance = (self.version + 1 + self.sl.max_staleness) * self.quota - self.started
-        ok = set()
-        for shard, _ in self.queue:
-            if self.t[shard] in (0, self.sl.lay.segment_len):   # starts a segment
-                if allowance < self.e:
-                    continue
-                allowance -= self.e
-            ok.add(shard)
-        return ok
+        T = self.sl.lay.segment_len
+        return eligible((s for s, _ in self.queue), lambda s: self.t[s] in (0, T), self.e,
+                        self.version, self.sl.max_staleness, self.quota, self.started)
 
     def _serve(self):
         env, sl, T = self.env, self.sl, self.sl.lay.segment_len
@@ -329,7 +286,7 @@ class _Learner:
         per_micro = w.costs.learn_fixed_s + lay.micro_batch * w.costs.learn_s_per_segment
         taken = 0
         for m in range(lay.micro_batches):
-            need = lay.micro_batch if lay.mode == "streamer" or m else w.batch
+            need = lay.micro_batch if lay.traits.streamed or m else w.batch
             while self.arrived.get(version, 0) - taken < need:
                 self.wake = env.event()
                 yield self.wake
@@ -348,11 +305,11 @@ class _World:
                  slices: int = 8):
         self.lay, self.costs, self.net = lay, costs, net
         self.env, self.rng = simpy.Environment(), np.random.default_rng(seed)
-        overlap = lay.mode in ("rollout-async", "streamer")
-        self.shards = lay.shards if overlap else 1
-        self.batch_max = lay.batch_max if overlap else 0
-        self.wait_max_s = lay.wait_max_s if overlap else math.inf
-        self.max_staleness = 0 if lay.mode == "sync-disaggregated" else lay.max_staleness
+        t = lay.traits
+        self.shards = lay.effective_shards
+        self.batch_max = lay.batch_max if t.dynamic_batcher else 0
+        self.wait_max_s = lay.wait_max_s if t.dynamic_batcher else math.inf
+        self.max_staleness = lay.max_staleness if t.bounded_staleness else 0
         plan = build_plan(lay.world, lay.ranks_per_node, "disaggregated", lay.per_node)
         self.n_learners, nodes = len(plan.learners), plan.num_nodes
         self.batch = lay.micro_batch * lay.micro_batches

@@ -1,6 +1,6 @@
 """Stage costs on this hardware, in seconds, for the scale model (model.StageCosts).
 
-* `emulated_costs(preset)`: the emulated workload's costs are the preset's (bench/modes.py);
+* `emulated_costs(preset)`: the emulated workload's costs are the preset's (scale/presets.py);
   the probe still times a few calls to confirm the delays hold on this machine (an emulated
   step sleeps the slowest of its envs' draws, a forward pass is padded to a + b * B), and
   measures the one cost the preset does not set: the inference rank's own bookkeeping per
@@ -65,9 +65,9 @@ def _request_overhead(cfg, envs_per_shard: int, repeats: int = 50) -> float:
 
 def emulated_costs(preset_name: str = "balanced", confirm: bool = True
                    ) -> tuple[StageCosts, dict]:
-    from hpcvla.bench.modes import PRESETS
     from hpcvla.config import load_config
     from hpcvla.emulate import pad
+    from hpcvla.scale.presets import PRESETS
     p = PRESETS[preset_name]
     cfg = load_config(None, ["env.image_size=32"])
     details = {"preset": preset_name, "inf_per_request_s": _request_overhead(cfg, 1)}
@@ -88,8 +88,8 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
     import torch
 
     from hpcvla.envs import env_spec
-    from hpcvla.roles.learner import policy_loss
     from hpcvla.factory import build_policy, make_envs
+    from hpcvla.algorithms.objective import policy_loss
     from hpcvla.roles.segments import SegmentBuilder, outcome_of
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec, "cpu")
