@@ -3,6 +3,7 @@
 #                  plus the Debian packages of the cluster tests (install-cluster) and
 #                  the libraries the simulators render with on CPU (install-sims)
 #   make test      run the whole test suite, multi-rank MPI tests included
+#   make test-fast the quick tier for the edit-test loop (unit tests and small MPI worlds)
 PYTHON ?= python3.11
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -14,7 +15,7 @@ BIN     = $(VENV)/bin
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
                    openmpi-bin iproute2
 
-.PHONY: install install-cluster install-sims install-horovod test clean
+.PHONY: install install-cluster install-sims install-horovod test test-fast clean
 
 install: install-cluster install-sims
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +76,12 @@ install-horovod:
 # venv's and Debian's alternating made DeepSpeed rebuild its ops each time).
 test:
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q tests
+
+# The tiers are pytest markers (tests/conftest.py): this leaves out the slow MPI runs, learning,
+# benchmarks, the cluster tests (Slurm, emulated hosts) and the GPU tests.
+FAST = not (slow or learning or bench or cluster or gpu)
+test-fast:
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q -m "$(FAST)" tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

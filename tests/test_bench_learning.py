@@ -10,7 +10,7 @@ import pytest
 from matplotlib.image import imread
 
 from hpcvla.bench.learning import _plot, welch_interval
-from test_mpi_world import hpcvla
+from helpers import hpcvla
 
 
 def test_welch_interval_matches_the_textbook_formula():
@@ -23,6 +23,10 @@ def test_welch_interval_matches_the_textbook_formula():
     assert welch_interval([0.5, 0.5], [0.5, 0.5]) == (0.0, 0.0, 0.0)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.learning
+@pytest.mark.bench
 def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
     out = hpcvla("bench", "learning", "--quick", "--json", tmp_path / "learning.json",
                  timeout=900)

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from hpcvla import checkpoint
-from test_mpi_world import MPI_DIR, hpcvla
+from helpers import MPI_DIR, hpcvla
+
+pytestmark = pytest.mark.mpi
 
 SMALL = ["env.image_size=32", "policy.hidden=32"]
 

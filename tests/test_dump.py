@@ -13,43 +13,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcvla.envs import make_env
-from hpcvla.metrics.dump import DumpError, TrajectoryDump, describe, summarize
-from hpcvla.roles.segments import SegmentBuilder, outcome_of
-from test_mpi_world import ROOT, hpcvla
-
-TESTS = ROOT / "tests"
-
-
-def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
-    """Segment groups as an inference rank builds them, from the real `reach` env acting
-    with random actions; the policy version goes up every 2 groups, batch = version + 1."""
-    env = make_env("reach", n_envs, seed, image_size=16, chunk_len=2, max_episode_chunks=4)
-    spec, rng = env.spec, np.random.default_rng(seed)
-    builder = SegmentBuilder(spec.obs, n_envs, spec.chunk_len, spec.action_dim, T, producer=7,
-                             slot=1)
-    obs, groups = env.reset(), []
-    while len(groups) < n_groups:
-        version = len(groups) // 2
-        value = rng.normal(size=n_envs).astype(np.float32)
-        if builder.full:
-            groups.append(builder.finish(value))
-        if builder.t == 0:
-            builder.batch = version + 1
-        actions = rng.uniform(-1, 1, (n_envs, spec.chunk_len, spec.action_dim)).astype(
-            np.float32)
-        builder.add_step(obs, actions, rng.normal(size=n_envs).astype(np.float32), value,
-                         version)
-        result = env.step(actions)
-        builder.record_outcome(outcome_of(result))
-        obs = result.obs
-    env.close()
-    return groups, spec
-
-
-def writer(path, spec, flush_s=10.0):
-    return TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
-                          "reach", spec.chunk_len, "run: {name: test}\n", flush_s)
+from hpcvla.metrics.dump import DumpError, describe, summarize
+from helpers import TESTS, hpcvla, reach_segments, writer
 
 
 def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
@@ -99,7 +64,7 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
 WRITER = """
 import sys, time
 sys.path.insert(0, {tests!r})
-from test_dump import reach_segments, writer
+from helpers import reach_segments, writer
 groups, spec = reach_segments(8)
 dump = writer({path!r}, spec, flush_s=0.0)
 for group in groups[:4]:
@@ -132,6 +97,7 @@ def test_dump_readable_during_the_run_and_after_a_crash(tmp_path):
     assert "the run died" in describe(summary)
 
 
+@pytest.mark.mpi
 def test_bad_files_give_clear_errors(tmp_path):
     groups, spec = reach_segments(4)
     good = tmp_path / "good.h5"
@@ -159,6 +125,7 @@ def test_bad_files_give_clear_errors(tmp_path):
     assert out.returncode == 2 and "not a readable HDF5 file" in out.stderr
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
                                           ("configs/colocated.yaml", 2)])
 def test_training_run_dump_matches_what_the_learner_trained(tmp_path, config, ranks):

@@ -20,7 +20,7 @@ from hpcvla.envs import make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.roles.modes import check_pipeline
 from hpcvla.topology.plan import plan_from_config
-from test_mpi_world import ROOT
+from helpers import ROOT
 
 # ----------------------------------------------------------------------------- GRPO
 

@@ -11,27 +11,11 @@ import pytest
 from hpcvla.config import load_config
 from hpcvla.evaluate import checkpoint_weights, evaluate
 from hpcvla.metrics.tensorboard import read_scalars
-from test_mpi_world import hpcvla
-from test_pipeline import run_train
+from helpers import MIN_Z, hpcvla, improvement_z, run_train
+
 
 def _jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-MIN_Z = 3.5  # success must rise by a margin chance gives a non-learning policy with p < 3e-4
-# (one-sided two-proportion z over 128 episodes each: from 0.06 untrained, about +0.17).
-# Measured gaps (trained - untrained success): PPO 0.66 at 60 updates, GRPO 0.81. Flow's
-# take-off varies with the seed and the async timing: at 120 updates 0.74-0.82 over seeds 0, 3,
-# 7, 11, 12 on a loaded machine, but seed 0 on an idle one (CI) gave 0.22 and 0.01 (return
-# -2.17 -> -0.64), so it trains 300 updates (~99 % in the issue 5 runs). Tokens learns later
-# and less evenly (0.26 at 60 and 0.23 at 120 updates in one CI run, 0.97 at 160).
-
-
-def improvement_z(before: float, after: float, n: int) -> float:
-    """One-sided two-proportion z statistic of a success rate rising from `before` to `after`,
-    each over n episodes."""
-    pooled = (before + after) / 2
-    return (after - before) / max(1e-12, (pooled * (1 - pooled) * 2 / n) ** 0.5)
 
 
 def test_improvement_z_tells_learning_from_chance():
@@ -39,6 +23,14 @@ def test_improvement_z_tells_learning_from_chance():
     assert improvement_z(0.06, 0.07, 128) < 1 and improvement_z(0.5, 0.4, 128) < 0
 
 
+# The budgets. Measured gaps (trained - untrained success): PPO 0.66 at 60 updates, GRPO 0.81.
+# Flow's take-off varies with the seed and the async timing: at 120 updates 0.74-0.82 over seeds
+# 0, 3, 7, 11, 12 on a loaded machine, but 0.22 and 0.01 for seed 0 on an idle one (return
+# -2.17 -> -0.64), so it trains 300 updates (~99 % success). Tokens learns later and less
+# evenly (0.26 at 60 and 0.23 at 120 updates in one run, 0.97 at 160).
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.learning
 @pytest.mark.parametrize("config,updates", [
     ("configs/default.yaml", 40),      # CNN actor-critic, PPO
     ("configs/reach_grpo.yaml", 50),   # CNN, GRPO (critic-free, grouped restarts)

@@ -1,5 +1,5 @@
 """Every `make` target the docs, job scripts and environment.yml tell people to run exists in
-the Makefile (environment.yml once named a `make system` that never existed)."""
+the Makefile."""
 
 import re
 from pathlib import Path

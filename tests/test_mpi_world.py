@@ -1,34 +1,14 @@
 """Real MPI worlds (mpiexec from the installed MPICH), each under a timeout."""
 
-import os
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from hpcvla.config import load_config
-from hpcvla.launch import orphaned_shm
+from helpers import MPI_DIR, ROOT, hpcvla
 
-ROOT = Path(__file__).resolve().parents[1]
-MPI_DIR = ROOT / "tests" / "mpi"
-
-
-SHM = Path("/dev/shm")  # MPICH's shared-memory segments live here
-
-
-def hpcvla(*args, env=None, timeout=180):
-    """Run the `hpcvla` CLI as a user would; the outer timeout guards against any hang.
-    Whatever the outcome, the world must leave no shared-memory files behind."""
-    full_env = {**os.environ, **(env or {})}
-    before = set(SHM.glob("mpich_*"))
-    out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
-                         env=full_env, capture_output=True, text=True, timeout=timeout)
-    left = orphaned_shm(before)
-    assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
-    return out
+pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("n,config,overrides", [

@@ -7,15 +7,14 @@ its log-probs), trains, and `hpcvla eval` runs the trained policy."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from hpcvla.config import load_config
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from test_mpi_world import hpcvla
-from test_pi0_pretrained import libero_fixture_observation
-from test_pipeline import run_train
+from helpers import hpcvla, libero_fixture_observation, run_train
 
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -37,6 +36,8 @@ def test_libero_first_action_is_rlinfs():
     torch.testing.assert_close(actions.double(), expected[:, :cfg.env.chunk_len], rtol=0, atol=1e-5)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
     import h5py
 

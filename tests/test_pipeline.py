@@ -17,7 +17,7 @@ from hpcvla.config import ConfigError, load_config
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.modes import check_pipeline, schedule_of
 from hpcvla.topology.plan import plan_from_config
-from test_mpi_world import ROOT, hpcvla
+from helpers import ROOT, hpcvla, run_train
 
 
 class Clock:
@@ -84,14 +84,7 @@ def test_pipeline_sizes_checked_before_ranks_start():
         check_pipeline(cfg, plan_from_config(cfg.placement, 4))
 
 
-def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4):
-    out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}", *overrides,
-                 timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (run_dir,) = tmp_path.iterdir()
-    return out, json.loads((run_dir / "summary.json").read_text()), run_dir
-
-
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode", ["sync-disaggregated", "train-async", "rollout-async",
                                   "streamer"])
 def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
@@ -120,6 +113,7 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     assert all(-10 < r["explained_variance"] <= 1 and r["return_std"] > 0 for r in records)
 
 
+@pytest.mark.mpi
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
     out, summary, run_dir = run_train(tmp_path, "pipeline.total_updates=3",
                                       "learner.zero_stage=3", "run.dump_trajectories=true",
@@ -139,6 +133,7 @@ def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
     assert len(shared) < 0.01 * len(logprobs[0]), len(shared)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("mode,bound", [("streamer", 1), ("streamer", 2),
                                         ("rollout-async", 1)])
 def test_staleness_bounded_with_slow_learner(tmp_path, mode, bound):
@@ -157,6 +152,7 @@ def test_staleness_bounded_with_slow_learner(tmp_path, mode, bound):
     assert sum(r["held_valued"] for r in inference) > 0
 
 
+@pytest.mark.mpi
 def test_two_nodes_two_learners_zero3_streamer(tmp_path):
     """Two emulated nodes, a cell and a learner on each: ZeRO-3 across the learners, weights
     crossing to each node's leader once, the staleness bound over both feeds."""
@@ -168,6 +164,9 @@ def test_two_nodes_two_learners_zero3_streamer(tmp_path):
     assert max(int(k) for k in summary["staleness_hist"]) <= 1
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.bench
 def test_modes_benchmark_runs_every_mode(tmp_path):
     """CI's short run of `hpcvla bench modes`: every mode measured with its bound; no targets."""
     out = hpcvla("bench", "modes", "--workload", "emulated", "--quick", "--json",
@@ -184,6 +183,9 @@ def test_modes_benchmark_runs_every_mode(tmp_path):
     assert results["speedup_vs_sync_colocated"]["sync-colocated"] == 1.0
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.bench
 def test_shards_benchmark_measures_both_ways_side_by_side(tmp_path):
     """CI's short run of `hpcvla bench shards`: the same worker processes stepped one after
     another and concurrently; the ratio is the ratio of the two measured throughputs."""
@@ -197,6 +199,7 @@ def test_shards_benchmark_measures_both_ways_side_by_side(tmp_path):
         r["throughput"]["concurrent"] / r["throughput"]["sequential"])
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("config,ranks,extra", [
     ("configs/default.yaml", 4, ["learner.zero_stage=1"]),
     ("configs/colocated.yaml", 2, ["learner.zero_stage=3"])])
@@ -228,6 +231,7 @@ def test_resume_refused_before_ranks_start(tmp_path):
         load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"])
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
                                           ("configs/colocated.yaml", 2)])
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
@@ -265,6 +269,7 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     assert not second["preempted"] and sum(second["staleness_hist"].values()) == 2 * per_version
 
 
+@pytest.mark.mpi
 def test_sync_batch_smaller_than_the_cell_does_not_stall(tmp_path):
     """A version's batch (32 segments) covers half of a 64-env cell: the synchronous batcher
     serves the half the quota lets through instead of waiting for the held-back half."""
@@ -276,6 +281,7 @@ def test_sync_batch_smaller_than_the_cell_does_not_stall(tmp_path):
     assert set(summary["staleness_hist"]) == {"0"}
 
 
+@pytest.mark.mpi
 def test_stuck_simulators_stop_the_job_loudly(tmp_path):
     start = time.monotonic()
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
@@ -287,6 +293,7 @@ def test_stuck_simulators_stop_the_job_loudly(tmp_path):
     assert "producer rank 0: nothing" in out.stderr, out.stderr
 
 
+@pytest.mark.mpi
 def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):
     # torch's JIT build waits forever for a lock file an interrupted build left behind
     from torch.utils.cpp_extension import _get_build_directory

@@ -5,13 +5,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from hpcvla.metrics.charts import STAGE_COLORS, stage_color
-from test_mpi_world import ROOT, hpcvla
+from helpers import ROOT, hpcvla
 
-sys.path.insert(0, str(ROOT / "postprocess"))
+sys.path.insert(0, str(ROOT / "postprocess"))  # postprocess/report.py is a script, not a package
 from report import lanes_of, load_run  # noqa: E402
 
 
@@ -32,6 +33,7 @@ def train(root, *args):
     return run_dir, json.loads((run_dir / "summary.json").read_text())
 
 
+@pytest.mark.mpi
 def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     streamer, s1 = train(tmp_path / "a", "configs/default.yaml", "--ranks", 4,
                          "pipeline.total_updates=3", "run.dump_trajectories=true")

@@ -18,7 +18,10 @@ import h5py
 import pytest
 
 from local_slurm import LocalSlurm
-from test_mpi_world import ROOT
+from helpers import ROOT
+
+# A local Slurm (its daemons, munge, network-namespace nodes): root and `make install-cluster`.
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
 
 SCRIPTS = sorted([ROOT / "jobs" / "launch.sh", *(ROOT / "jobs" / "slurm").glob("*.sbatch"),
                   *(ROOT / "jobs" / "pbs").glob("*.pbs")])

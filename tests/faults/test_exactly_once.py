@@ -3,11 +3,12 @@ for by (producer, slot, sequence number): trained exactly once, or drained unuse
 under long-tail simulators and a slow learner (segments arrive out of order)."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test helpers
-from test_mpi_world import hpcvla  # noqa: E402
+import pytest
+
+from helpers import hpcvla
+
+pytestmark = pytest.mark.mpi
 
 
 def test_every_sent_group_is_trained_once_or_left_unused(tmp_path):

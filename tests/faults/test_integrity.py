@@ -3,7 +3,6 @@ trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 du
 records are checked when read, with errors naming the file (or field) and the problem."""
 
 import json
-import sys
 from pathlib import Path
 
 import h5py
@@ -12,19 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
-from test_dump import reach_segments, writer  # noqa: E402
-from test_mpi_world import ROOT, hpcvla  # noqa: E402
-
-from hpcvla import checkpoint  # noqa: E402
-from hpcvla.metrics.dump import DumpError, summarize, verify  # noqa: E402
-from hpcvla.transport import records  # noqa: E402
+from hpcvla import checkpoint
+from hpcvla.metrics.dump import DumpError, summarize, verify
+from hpcvla.transport import records
+from helpers import ROOT, hpcvla, reach_segments, writer
 
 FAULTS = ROOT / "tests" / "faults"
 
 
 # ------------------------------------------------------------------ the trajectory ring
 
+@pytest.mark.mpi
 def test_damaged_ring_slots_are_dropped_counted_reported_never_trained():
     out = hpcvla("launch", "-n", 2, "--timeout", 90, "--", FAULTS / "integrity_world.py")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -45,6 +42,7 @@ def dump_bytes(tmp_path_factory):
     return path.read_bytes()
 
 
+@pytest.mark.mpi
 def test_dump_with_a_corrupted_chunk_fails_naming_file_and_dataset(tmp_path, dump_bytes):
     path = tmp_path / "rank7.h5"
     path.write_bytes(dump_bytes)

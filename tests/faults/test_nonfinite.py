@@ -1,13 +1,11 @@
 """Numerical faults: a NaN in the loss skips the optimizer step on every learner (weights
 bit-identical, counted); repeated ones stop the run with a message naming the setting."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared test helpers
-from test_mpi_world import MPI_DIR, hpcvla  # noqa: E402
+from helpers import MPI_DIR, hpcvla
+
+pytestmark = pytest.mark.mpi
 
 SMALL = ["env.image_size=32", "learner.micro_batch=8", "learner.micro_batches=1",
          "rollout.segment_len=4", "learner.max_nonfinite_steps=3"]

@@ -14,6 +14,8 @@ import pytest
 
 from hpcvla.launch import orphaned_shm
 
+pytestmark = pytest.mark.mpi
+
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
 

@@ -2,15 +2,15 @@
 the GPU faster than on the CPU, a bf16 run trains with every GPU rank on its GPU."""
 
 import json
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_mpi_world import hpcvla  # noqa: E402
+from helpers import hpcvla
 
 
+@pytest.mark.mpi
+@pytest.mark.bench
 def test_the_gpu_check_measures_every_gpu_path(tmp_path):
     out = hpcvla("bench", "gpu", "--quick", "--json", tmp_path / "gpu.json", timeout=1800)
     assert out.returncode == 0, out.stderr[-3000:]

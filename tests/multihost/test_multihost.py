@@ -10,6 +10,9 @@ import pytest
 
 from hosts import EmulatedHosts
 
+# Hosts emulated by network namespaces: root, iproute2 and Open MPI (`make install-cluster`).
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
+
 ROOT = Path(__file__).resolve().parents[2]
 MPI_DIR = ROOT / "tests" / "mpi"
 MPIS = ["mpich", "openmpi"]
@@ -62,8 +65,8 @@ def test_remote_put_completes_while_the_learner_computes(hosts, mpi):
 @pytest.mark.parametrize("mpi", MPIS)
 def test_without_the_progress_thread_lane_puts_still_complete_during_the_compute(hosts, mpi):
     """Lanes need no atomics, and plain `Put`/`Flush` across hosts complete without the
-    target's MPI progress under both MPIs here (the atomics of the ticket design before did
-    not: with progress only on poll its remote puts waited out the whole compute, > 1 s)."""
+    target's MPI progress under both MPIs here (MPI atomics would not: with progress only on
+    poll, remote atomics wait out the whole compute, > 1 s)."""
     result = last_json(hosts.mpiexec(mpi, 4, [MPI_DIR / "ring_remote_progress.py", 4, 3.0,
                                               "poll"], per_host=2, timeout=120))
     remote = result["producer_hosts"]["h1"]

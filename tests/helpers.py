@@ -1,0 +1,113 @@
+"""What several test files share: the repository's paths, running the `hpcvla` CLI as a user
+would, one training run, the learning statistic, and a few fixtures built from real envs.
+
+Test files import from here (`from helpers import hpcvla`); no test file imports another.
+tests/conftest.py puts this folder on sys.path, so tests in sub-folders import it the same way.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcvla.launch import orphaned_shm
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+MPI_DIR = TESTS / "mpi"  # the worker scripts the MPI tests launch
+FIXTURES = TESTS / "fixtures"
+
+SHM = Path("/dev/shm")  # MPICH's shared-memory segments live here
+
+
+def hpcvla(*args, env=None, timeout=180):
+    """Run the `hpcvla` CLI as a user would; the outer timeout guards against any hang.
+    Whatever the outcome, the world must leave no shared-memory files behind."""
+    full_env = {**os.environ, **(env or {})}
+    before = set(SHM.glob("mpich_*"))
+    out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
+                         env=full_env, capture_output=True, text=True, timeout=timeout)
+    left = orphaned_shm(before)
+    assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
+    return out
+
+
+def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4):
+    """`hpcvla train` into tmp_path; asserts it succeeded. Returns the completed process, the
+    run's summary.json and its run folder."""
+    out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}", *overrides,
+                 timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    return out, json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+MIN_Z = 3.5  # success must rise by a margin chance gives a non-learning policy with p < 3e-4
+# (one-sided two-proportion z over 128 episodes each: from 0.06 untrained, about +0.17).
+
+
+def improvement_z(before: float, after: float, n: int) -> float:
+    """One-sided two-proportion z statistic of a success rate rising from `before` to `after`,
+    each over n episodes."""
+    pooled = (before + after) / 2
+    return (after - before) / max(1e-12, (pooled * (1 - pooled) * 2 / n) ** 0.5)
+
+
+def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
+    """Segment groups as an inference rank builds them, from the real `reach` env acting
+    with random actions; the policy version goes up every 2 groups, batch = version + 1."""
+    import numpy as np
+
+    from hpcvla.envs import make_env
+    from hpcvla.roles.segments import SegmentBuilder, outcome_of
+
+    env = make_env("reach", n_envs, seed, image_size=16, chunk_len=2, max_episode_chunks=4)
+    spec, rng = env.spec, np.random.default_rng(seed)
+    builder = SegmentBuilder(spec.obs, n_envs, spec.chunk_len, spec.action_dim, T, producer=7,
+                             slot=1)
+    obs, groups = env.reset(), []
+    while len(groups) < n_groups:
+        version = len(groups) // 2
+        value = rng.normal(size=n_envs).astype(np.float32)
+        if builder.full:
+            groups.append(builder.finish(value))
+        if builder.t == 0:
+            builder.batch = version + 1
+        actions = rng.uniform(-1, 1, (n_envs, spec.chunk_len, spec.action_dim)).astype(
+            np.float32)
+        builder.add_step(obs, actions, rng.normal(size=n_envs).astype(np.float32), value,
+                         version)
+        result = env.step(actions)
+        builder.record_outcome(outcome_of(result))
+        obs = result.obs
+    env.close()
+    return groups, spec
+
+
+def writer(path, spec, flush_s=10.0):
+    """A trajectory dump of producer 7 for `reach_segments`' groups."""
+    from hpcvla.metrics.dump import TrajectoryDump
+
+    return TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
+                          "reach", spec.chunk_len, "run: {name: test}\n", flush_s)
+
+
+def libero_fixture_observation(cfg) -> tuple[dict, dict]:
+    """The env's render of LIBERO's fixture observation (libero_spatial task 0, fixed state 0)
+    and the exported one (tests/fixtures/pi0/libero_obs.safetensors), same task asserted."""
+    import numpy as np
+    from safetensors import safe_open
+
+    from hpcvla.envs import env_kwargs, make_env
+
+    with safe_open(str(FIXTURES / "pi0" / "libero_obs.safetensors"), "np") as f:
+        task = f.metadata()["task"]
+        exported = {k: f.get_tensor(k) for k in f.keys()}
+    env = make_env("libero", 1, seed=0, **env_kwargs(cfg.env))
+    try:
+        obs = env.reset(init_state_ids=np.array([0]))
+        assert env.instructions()[0] == task
+    finally:
+        env.close()
+    return obs, exported
