@@ -1,0 +1,180 @@
+"""The architecture, as a test: hpcvla is built in floors, and a module imports only from its
+own floor or the floors below it.
+
+    8  cli, __main__                      the commands
+    7  bench                              benchmarks: run the layers below and measure them
+    6  runtime, evaluate, scale, launch,  a whole job: start the world, train, evaluate,
+       trainrun, runs                     plan a scale-out, read a run folder
+    5  roles                              the per-rank loops: simulator, inference, learner
+    4  factory, engine, engines,          build what a role runs (envs, policies, engines);
+       preflight                          check files, packages and checkpoints before a run
+    3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
+       metrics, devices, checkpoint       devices, checkpoints
+    2  transport, seeds, mpi_select,      the process machinery: rings and records over MPI,
+       deathwatch, watchdog, preempt,     seeds, liveness, signals, extensions
+       extensions
+    1  config, topology, schedule         what a run is: settings, the rank plan, the modes'
+                                          schedules (pure: no MPI, no torch)
+    0  hpcvla (the package), text,        leaves
+       emulate
+
+A module's floor is that of its top-level name under hpcvla (hpcvla.roles.learner is on
+`roles`' floor 5). The rules, checked on every module under src/hpcvla, function-local
+(lazy) imports included:
+  * no import of a higher floor;
+  * no import cycle between modules. `from a.b import c` depends on the module a.b.c if there
+    is one, else on a.b (for a package: its __init__); a package's __init__ is one module;
+  * no module over 420 lines.
+A new top-level module or package needs a floor here before it can be imported anywhere.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+FLOORS = {
+    0: ("hpcvla", "text", "emulate"),
+    1: ("config", "topology", "schedule"),
+    2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
+    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint"),
+    4: ("factory", "engine", "engines", "preflight"),
+    5: ("roles",),
+    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "runs"),
+    7: ("bench",),
+    8: ("cli", "__main__"),
+}
+FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
+MAX_LINES = 420
+
+SRC = ROOT / "src"
+PACKAGE = SRC / "hpcvla"
+
+
+def module_of(path: Path) -> str:
+    """src/hpcvla/roles/learner.py -> hpcvla.roles.learner; a package's __init__.py -> the
+    package's name."""
+    parts = path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_of(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def top_name(module: str) -> str:
+    """hpcvla.roles.learner -> roles; the package itself -> hpcvla."""
+    return module.split(".")[1] if "." in module else module
+
+
+def imports_of(module: str) -> list[tuple[int, str]]:
+    """(line, hpcvla module) of every import in the module's file, at any depth."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: from the package, `level` - 1 packages up
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                found.append((node.lineno, submodule if submodule in MODULES else source))
+    return sorted({(line, target) for line, target in found
+                   if target == "hpcvla" or target.startswith("hpcvla.")})
+
+
+def where(module: str, line: int) -> str:
+    return f"{MODULES[module].relative_to(ROOT)}:{line}"
+
+
+def edges() -> list[tuple[str, int, str]]:
+    """(importer, line, imported) over the whole package; an imported name that is not a module
+    of its own resolves to the module that defines it."""
+    out = []
+    for module in MODULES:
+        for line, target in imports_of(module):
+            while target not in MODULES and "." in target:  # hpcvla.x.name -> hpcvla.x
+                target = target.rpartition(".")[0]
+            if target != module:
+                out.append((module, line, target))
+    return out
+
+
+def test_every_module_has_a_floor():
+    unknown = sorted({top_name(m) for m in MODULES} - set(FLOOR_OF))
+    if unknown:
+        pytest.fail(f"no floor for hpcvla.{', hpcvla.'.join(unknown)}: give each one in "
+                    "tests/test_layers.py's FLOORS (and the picture in its docstring)",
+                    pytrace=False)
+
+
+def test_no_module_imports_a_higher_floor():
+    upward = [f"{where(a, line)}: {a} (floor {FLOOR_OF[top_name(a)]}) imports {b} "
+              f"(floor {FLOOR_OF[top_name(b)]})"
+              for a, line, b in edges()
+              if top_name(a) in FLOOR_OF and top_name(b) in FLOOR_OF
+              and FLOOR_OF[top_name(b)] > FLOOR_OF[top_name(a)]]
+    if upward:
+        pytest.fail("imports of a higher floor (move the code down, or pass the value in):\n"
+                    + "\n".join(upward), pytrace=False)
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one module, or one that imports
+    itself."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph[v]:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    all_edges = edges()
+    graph = {module: set() for module in MODULES}
+    for a, _, b in all_edges:
+        graph[a].add(b)
+    cycles = []
+    for component in strongly_connected(graph):
+        inside = [f"    {where(a, line)}: {a} imports {b}"
+                  for a, line, b in all_edges if a in component and b in component]
+        cycles.append(f"{' <-> '.join(component)}:\n" + "\n".join(inside))
+    if cycles:
+        pytest.fail("import cycles (lazy imports included):\n" + "\n".join(cycles),
+                    pytrace=False)
+
+
+def test_no_module_is_over_420_lines():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    if long:
+        pytest.fail(f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(long),
+                    pytrace=False)
