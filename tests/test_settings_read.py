@@ -1,10 +1,13 @@
 """No dead knobs: every setting of the schema is read by the code that runs, and every value a
 setting offers (`choices`) is acted on somewhere, not accepted and ignored.
 
-A static walk: a field counts as read when some module outside the schema definitions
-accesses it as an attribute (`cfg.learner.backend`, `alg.critic_lr`) or as a string key (the
-job scripts and `getattr`/`policy_kwargs` paths); a choice counts as acted on when its string
-appears outside the schema (a dispatch table, a comparison, a job script, a refusal)."""
+A static walk over src/hpcvla (but the schema definitions) and jobs/. A setting
+`section.field` counts as read where code reads that field of that section: `cfg.learner.backend`,
+`learner.backend`, `learner_cfg.backend`, `alg.critic_lr` (ALIASES: the names code gives a
+section), the dotted name as a string ("learner.backend": job scripts, getattr paths), or for
+`policy.*` a policy family's `config_fields` (the PolicyConfig fields it is built with). A bare
+`.size` on anything does not count. A choice counts as acted on when its string appears outside
+the schema (a dispatch table, a comparison, a job script, a refusal)."""
 
 import dataclasses
 import re
@@ -36,6 +39,18 @@ def _settings(cls=Config, prefix=""):
 
 SETTINGS = dict(_settings())
 SOURCES = _sources()
+ALIASES = {"algorithm": ("alg",)}
+# every name in a `config_fields = (...)` tuple: the PolicyConfig fields a policy family takes
+CONFIG_FIELDS = {name for text in SOURCES.values()
+                 for group in re.findall(r"config_fields\s*=\s*\(([^)]*)\)", text)
+                 for name in re.findall(r"[\"'](\w+)[\"']", group)}
+
+
+def _reads(name: str) -> re.Pattern:
+    section, _, field = name.rpartition(".")
+    owner = section.split(".")[-1]
+    owners = "|".join((owner, *ALIASES.get(owner, ())))
+    return re.compile(rf"\b(?:{owners})(?:_cfg)?\.{field}\b|[\"']{re.escape(name)}[\"']")
 
 
 def test_the_walk_sees_the_whole_schema():
@@ -44,14 +59,14 @@ def test_the_walk_sees_the_whole_schema():
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_every_setting_is_read(name):
-    field = SETTINGS[name].name
-    read = re.compile(rf"\.{field}\b|[\"']{field}[\"']")
-    assert any(read.search(text) for text in SOURCES.values()), \
+    read = _reads(name)
+    assert any(read.search(text) for text in SOURCES.values()) or \
+        (name.startswith("policy.") and SETTINGS[name].name in CONFIG_FIELDS), \
         f"{name}: no code reads it (remove it, or make the code honour it)"
 
 
 # the default is what the code does when nothing dispatches on the field; every other choice
-# must be acted on (or refused, config/checks.py REFUSED)
+# must be acted on, or refused by name before any rank starts
 CHOICES = [(name, choice) for name, f in sorted(SETTINGS.items())
            for choice in (f.metadata.get("choices") or ()) if choice != f.default]
 
