@@ -300,7 +300,7 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     success) changes nothing; the same step unflagged is trained as a failure."""
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
-    from hpcvla.roles.learner import policy_loss
+    from hpcvla.algorithms.objective import policy_loss
     from hpcvla.factory import build_policy
 
     cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}",
@@ -349,7 +349,8 @@ def test_critic_passes_move_the_critic_alone():
     from types import SimpleNamespace
 
     from hpcvla.config import load_config
-    from hpcvla.roles.learner import actor_frozen, param_groups
+    from hpcvla.engines import param_groups
+    from hpcvla.roles.learner import actor_frozen
 
     cfg = load_config("configs/default.yaml", ["algorithm.critic_lr=0.01"])
     policy = make_policy("default", SPEC, 7, 4, 10)

@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.envs import make_env
-from hpcvla.roles.learner import SegmentQueues
+from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.transport import records
 from hpcvla.transport.ring import TrajectoryRing

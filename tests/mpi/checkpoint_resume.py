@@ -14,7 +14,7 @@ import torch
 from hpcvla import checkpoint
 from hpcvla.config import load_config
 from hpcvla.envs import make_env
-from hpcvla.roles.learner import full_state, init_deepspeed
+from hpcvla.engines import full_state, init_engine
 from hpcvla.factory import build_policy
 from hpcvla.runtime import run_ranks
 
@@ -32,7 +32,7 @@ def main(cfg, plan, comms):
     actions = torch.randn(env.num_envs, env.spec.chunk_len, env.spec.action_dim,
                           generator=torch.Generator().manual_seed(learners.Get_rank()))
     policy = build_policy(cfg, env.spec)
-    engine = init_deepspeed(cfg, policy, learners)
+    engine = init_engine(cfg, policy, learners)
     steps = cfg.learner.micro_batches  # DeepSpeed steps the optimizer after this many
     for _ in range(2 * steps):
         train_step(engine, obs, actions)
@@ -48,7 +48,7 @@ def main(cfg, plan, comms):
     torch.manual_seed(1234)  # a different initialisation: everything must come from disk
     fresh = build_policy(cfg, env.spec)
     fresh.load_arrays(checkpoint.load_weights(path, fresh.state_dict()))
-    engine2 = init_deepspeed(cfg, fresh, learners)
+    engine2 = init_engine(cfg, fresh, learners)
     state = checkpoint.load_optimizer(path, engine2, learners)
     assert state["version"] == 2 and state["counters"] == {"env_steps": 7}, state
     for _ in range(steps):

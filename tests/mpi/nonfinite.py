@@ -14,7 +14,8 @@ import torch
 from hpcvla.config import load_config
 from hpcvla.envs import make_env
 from hpcvla.metrics.timeline import Timeline
-from hpcvla.roles.learner import _train_micro_batch, full_state, init_deepspeed
+from hpcvla.engines import full_state, init_engine
+from hpcvla.roles.learner import MicroBatch, train_micro_batch
 from hpcvla.factory import build_policy
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.runtime import run_ranks
@@ -43,7 +44,7 @@ def segments(cfg, policy, seed: int) -> dict:
 def main(cfg, plan, comms):
     rank = comms.learners.Get_rank()
     spec = make_env("reach", 1, seed=0, image_size=cfg.env.image_size).spec
-    engine = init_deepspeed(cfg, build_policy(cfg, spec), comms.learners)
+    engine = init_engine(cfg, build_policy(cfg, spec), comms.learners)
     good = segments(cfg, build_policy(cfg, spec), seed=rank)
     bad = dict(good, reward=good["reward"].copy())
     if rank == 1:
@@ -52,7 +53,7 @@ def main(cfg, plan, comms):
 
     def step(batch):
         before = {k: v.clone() for k, v in full_state(engine).items()}  # (views below ZeRO-3)
-        _train_micro_batch(cfg, engine, batch, timeline)
+        train_micro_batch(cfg, engine, MicroBatch.arrived(cfg, [batch], engine.device), timeline)
         after = full_state(engine)
         assert all(np.isfinite(v).all() for v in after.values()), "NaN reached the weights"
         return not all(np.array_equal(before[k], after[k]) for k in before)

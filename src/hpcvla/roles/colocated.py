@@ -11,7 +11,8 @@ import time
 import torch
 
 from hpcvla.emulate import pad
-from hpcvla.roles.learner import full_state, learn
+from hpcvla.engines import full_state
+from hpcvla.roles.learner import learn
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.watchdog import deadline, step_deadline_s
 

@@ -1,32 +1,33 @@
-"""The main job on every rank: build the shared pieces, run this rank's role, tear down,
-report. The role loops live in simulator.py, inference.py, learner.py and colocated.py.
+"""The main job on every rank: one shared prologue, this rank's role, tear down, report. The
+role loops live in simulator.py, inference.py, learner.py and colocated.py; what the run writes
+(checkpoints, dumps, summary.json) in outputs.py.
 
-Every rank first binds its device (devices.py: inference and learner ranks a GPU each where
-there are GPUs) and builds the policy there, in one dtype on every rank (policy.dtype);
-simulator ranks build it on the meta device, for the weight manifest only.
+The prologue (`_prologue`): every rank binds its device (devices.py: inference and learner
+ranks a GPU each where there are GPUs) and builds the policy there, in one dtype on every rank
+(policy.dtype); simulator ranks build it on the meta device, for the weight manifest only.
 
-Collective set-up happens in one order on every rank (cell exchange, learner ring, weight
-plane), each rank skipping what it is not part of, so no two ranks wait on each other in
-different collectives. Shutdown: the learners finish their updates; the weight root stops the
-weight plane, which marks every node "finished"; inference ranks answer their shards with a
-stop flag and close their ring writers; learners drain their rings until every producer has
-closed (no producer is left blocked on a full ring); then everything is freed collectively.
+Collective set-up happens in one order on every rank: the prologue's broadcasts, then
+(`_links`) cell exchange, learner ring, weight plane, each rank skipping what it is not part
+of, so no two ranks wait on each other in different collectives; then the learners' engine,
+then one idle barrier that starts every rank's clock. Shutdown: the learners finish their
+updates; the weight root stops the weight plane, which marks every node "finished"; inference
+ranks answer their shards with a stop flag and close their ring writers; learners drain their
+rings until every producer has closed (no producer is left blocked on a full ring); then
+everything is freed collectively and rank 0 gathers the report.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from collections import Counter
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
-import yaml
 from mpi4py import MPI
 
 from hpcvla import checkpoint, preempt
-from hpcvla.config.loader import config_to_dict
 from hpcvla.devices import bind_rank_device
+from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy, env_failures, make_envs
 from hpcvla.metrics.progress import Progress
@@ -34,8 +35,10 @@ from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
-from hpcvla.roles.learner import SegmentQueues, full_state, init_engine, run_learner
-from hpcvla.roles.modes import envs_of_cell, producer_quota, schedule_of
+from hpcvla.roles.learner import run_learner
+from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
+from hpcvla.roles.outputs import checkpointer, trajectory_dump, write_report
+from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
 from hpcvla.topology.plan import INF, LEARN, SIM
@@ -46,24 +49,73 @@ from hpcvla.transport.weights import Manifest, WeightPlane
 from hpcvla.watchdog import step_deadline_s
 
 
+@dataclass
+class _Rank:
+    """What the prologue set up on this rank, for its role."""
+    cfg: Any
+    plan: Any
+    comms: Any
+    run_dir: Any
+    rank: int
+    spec: Any
+    policy: Any
+    device: torch.device
+    on_gpus: bool
+    timeline: Timeline
+    progress: Progress
+    resume: Any  # the checkpoint resumed from, or None
+    first: int  # the policy version training starts from
+    summary: dict
+
+
+class _Links(NamedTuple):
+    """A disaggregated rank's transport: the cell's exchange, the learner's ring (None where
+    the rank is in neither) and the weight plane."""
+    sched: Any
+    cell: int | None
+    per_shard: int
+    exchange: ObsActionExchange | None
+    ring: TrajectoryRing | None
+    plane: WeightPlane
+    manifest: Manifest
+
+
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:
+    me = _prologue(cfg, plan, comms, run_dir)
+    if plan.mode == "colocated":
+        start, stats = _colocated_rank(me)
+    else:
+        links = _links(me)
+        roles = plan.ranks[me.rank].roles
+        role = _simulator_rank if SIM in roles else _inference_rank if INF in roles \
+            else _learner_rank
+        start, stats = role(me, links)
+        for piece in (links.exchange, links.ring):
+            if piece is not None:
+                piece.free()  # [dist]
+        links.plane.close()  # [dist]
+    me.summary.update(stats)
+    return _epilogue(me, start)
+
+
+def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     torch.set_num_threads(1)
     seed_rank(cfg, rank)  # each rank explores with its own noise
     if rank == 0:
         write_rng_seeds(cfg, plan, run_dir)
-    device = bind_rank_device(cfg, plan, world)  # inference and learner ranks: a GPU each
+    device = bind_rank_device(cfg, plan, world)  # [dist] inference and learner ranks: a GPU each
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
-    spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)
-    on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)
+    spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
+    on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)  # [dist]
     # a simulator needs only the policy's names, dtypes and shapes (the weight manifest)
     policy = build_policy(cfg, spec, device if roles != (SIM,) else "meta", on_gpus)
     role = "+".join(roles)
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
     # node agree; across nodes as far as the nodes' clocks do).
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
-                        t0=world.bcast(time.time(), root=0))
+                        t0=world.bcast(time.time(), root=0))  # [dist]
     is_root = rank == plan.weight_root
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root,
@@ -76,154 +128,147 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
                "dtype": str(next(policy.parameters()).dtype).removeprefix("torch.")}
     if resume and is_root:
         print(f"[hpcvla] resuming from {resume} (policy version {first})", flush=True)
-
-    if plan.mode == "colocated":
-        engine = _start_learner(cfg, policy, comms.learners, resume, progress, device)
-        save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
-        env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
-                        first_env=rank * cfg.env.envs_per_simulator,
-                        owner=f"rank {rank} (colocated)")
-        dump = _trajectory_dump(cfg, spec, policy, rank, run_dir,
-                                lambda slot: colocated_seed(cfg, rank))
-        idle_barrier(world)
-        start = time.monotonic()
-        actor = build_policy(cfg, spec, device, on_gpus)  # ZeRO-3 shards the learner's copy
-        summary["env_steps"] = run_colocated(cfg, engine, actor, env, first,
-                                             cfg.pipeline.total_updates, timeline, progress,
-                                             save, stop=lambda: preempt.agreed(comms.learners),
-                                             dump=dump, emulate_ms=_emulated_inference(cfg))
-        summary["staleness_hist"] = {0: progress.micro_batches * cfg.learner.micro_batch}
-        summary["nonfinite_steps_skipped"] = engine.skipped
-        summary["env_failures"] = env_failures([env])
-        env.close()
-    else:
-        start, stats = _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress,
-                                          run_dir, resume, first, device)
-        summary.update(stats)
-    summary["wall_s"] = time.monotonic() - start
-    summary["preempted"] = preempt.requested()
-    summary["busy_s"] = dict(timeline.busy)
-    if is_root:
-        summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
-                       trained_env_steps=progress.steps,
-                       env_fault_episodes=progress.fault_episodes)
-    timeline.close()
-    progress.close()
-    return _report(world, summary, cfg, run_dir)
+    return _Rank(cfg, plan, comms, run_dir, rank, spec, policy, device, on_gpus, timeline,
+                 progress, resume, first, summary)
 
 
-def _start_learner(cfg, policy, learners, resume, progress, device):
-    """This learner's DeepSpeed engine; resuming, the weights are loaded before DeepSpeed
-    partitions them and the optimizer partition after."""
-    if resume is None:
-        return init_engine(cfg, policy, learners, device)
-    policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
-    engine = init_engine(cfg, policy, learners, device)
-    state = checkpoint.load_optimizer(resume, engine, learners)
-    progress.resume(state["version"], state["counters"]["trained_env_steps"])
-    return engine
-
-
-def _checkpointer(cfg, engine, learners, run_dir, progress, timeline):
-    """save(version, full weights, last): a checkpoint when one is due or the run ends
-    (collective on the learners)."""
-    def save(version, weights, last):
-        every = cfg.learner.checkpoint_every
-        if last or (every and version % every == 0):
-            with timeline.span("checkpoint"):
-                checkpoint.save(run_dir, engine, weights, version,
-                                {"trained_env_steps": progress.steps}, learners,
-                                keep=cfg.learner.checkpoint_keep)
-    return save
-
-
-def _run_disaggregated(cfg, plan, comms, spec, policy, timeline, progress, run_dir, resume,
-                       first, device):
-    world, rank = comms.world, comms.world.Get_rank()
-    roles = plan.ranks[rank].roles
-    cell = plan.ranks[rank].cell
-    cell_envs = envs_of_cell(cfg, plan, cell) if cell is not None else 1
-    sched = schedule_of(cfg, cell_envs)
+def _links(me: _Rank) -> _Links:
+    """The transport, set up collectively in the same order everywhere: exchange (cell), ring
+    (feed), plane (node)."""
+    cfg, plan, comms = me.cfg, me.plan, me.comms
+    cell = plan.ranks[me.rank].cell
+    sched = schedule_of(cfg, envs_of_cell(cfg, plan, cell) if cell is not None else 1)
     per_shard = cfg.env.envs_per_simulator // sched.shards
-    manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
-    obs_dtype, action_dtype = slot_dtypes(spec, per_shard)
-    # Collective set-up, same order everywhere: exchange (cell), ring (feed), plane (node).
+    manifest = Manifest.of_policy(me.policy)  # frozen parameters cross the network once
+    obs_dtype, action_dtype = slot_dtypes(me.spec, per_shard)
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
-        if comms.cell != MPI.COMM_NULL else None
+        if comms.cell != MPI.COMM_NULL else None  # [dist]
     ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,
                           progress=cfg.learner.ring_progress, start_progress=False,
                           checksum=cfg.learner.ring_checksum) \
-        if comms.feed != MPI.COMM_NULL else None
-    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
-    if rank == plan.weight_root and manifest.frozen:
+        if comms.feed != MPI.COMM_NULL else None  # [dist]
+    plane = WeightPlane(comms.control, comms.node, me.rank in plan.node_leaders,  # [dist]
+                        manifest)
+    if me.rank == plan.weight_root and manifest.frozen:
         print(f"[hpcvla] weights: {plane.bytes_per_version / 1e6:.1f} MB per version, "
               f"{plane.nbytes / 1e6:.1f} MB the first (frozen parameters cross once)",
               flush=True)
     if ring is not None:  # its progress thread only once every window exists (ring.py)
         ring.start_progress()
-    stats: dict = {}
-    engine = _start_learner(cfg, policy, comms.learners, resume, progress, device) \
-        if LEARN in roles else None
-    # simulators are built before the clock starts (a real one takes seconds per env)
+    return _Links(sched, cell, per_shard, exchange, ring, plane, manifest)
+
+
+def _start_clock(me: _Rank) -> float:
+    """Every rank set up (a real simulator takes seconds per env): the clocks start together."""
+    idle_barrier(me.comms.world)  # [dist]
+    return time.monotonic()
+
+
+def _simulator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+    cfg, rank, per_shard = me.cfg, me.rank, links.per_shard
     envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
                       first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
                       owner=f"rank {rank} (simulator)")
-            for shard in range(sched.shards)] if SIM in roles else []
-    idle_barrier(world)
-    start = time.monotonic()
-    if SIM in roles:
-        stats["env_steps"] = run_simulator(envs, exchange, timeline, step_deadline_s(cfg.env))
-        stats["env_failures"] = env_failures(envs)
-        for env in envs:
-            env.close()
-    elif INF in roles:
-        sims = sorted(plan.cells[cell].simulators)  # the exchange's slot order
-        dump = _trajectory_dump(cfg, spec, policy, rank, run_dir, lambda slot: shard_seed(
-            cfg, sims[slot // sched.shards], slot % sched.shards))
-        stats.update(InferenceServer(
-            sched, policy, WeightLoader(policy, plane, manifest), exchange, ring,
-            producer_quota(cfg, plan, rank), per_shard, list(spec.obs), cfg.rollout.segment_len,
-            rank, timeline, _emulated_inference(cfg), first, dump).run())
-    elif LEARN in roles:
-        save = _checkpointer(cfg, engine, comms.learners, run_dir, progress, timeline)
-
-        def publish(version, last=False):
-            state = full_state(engine)  # collective on the learners under ZeRO-3
-            if rank == plan.weight_root:
-                plane.publish(version, state)
-            if version > first:
-                save(version, state, last)
-        stats = {"staleness_hist": {}}
-        queues = SegmentQueues(ring, sched.max_staleness, stats, plan.producers_of(rank))
-        publish(first)
-        run_learner(cfg, sched, engine, queues, publish, first, cfg.pipeline.total_updates,
-                    timeline, progress, stop=lambda: preempt.agreed(comms.learners))
-        plane.stop()
-        stats["nonfinite_steps_skipped"] = engine.skipped
-        stats["trained_groups"] = queues.ledger()
-        stats["unused_segments"] = _drain(ring, len(plan.producers_of(rank)))
-        stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
-                         "lost_records": ring.stats.lost_records}
-        stats["weight_bytes"] = {"first_version": plane.nbytes,
-                                 "per_version": plane.bytes_per_version}
-    for piece in (exchange, ring):
-        if piece is not None:
-            piece.free()
-    plane.close()
+            for shard in range(links.sched.shards)]
+    start = _start_clock(me)
+    stats = {"env_steps": run_simulator(envs, links.exchange, me.timeline,
+                                        step_deadline_s(cfg.env)),
+             "env_failures": env_failures(envs)}
+    for env in envs:
+        env.close()
     return start, stats
 
 
-def _trajectory_dump(cfg, spec, policy, rank, run_dir, seed_of_slot):
-    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
-    It holds the observations and what the policy records beside them (extra_fields)."""
-    if not cfg.run.dump_trajectories:
-        return None
-    from hpcvla.metrics.dump import TrajectoryDump
-    keys = list(spec.obs) + list(policy.extra_fields())
-    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, keys,
-                          spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
-                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                          cfg.run.dump_flush_s)
+def _inference_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+    cfg, plan, sched = me.cfg, me.plan, links.sched
+    start = _start_clock(me)
+    sims = sorted(plan.cells[links.cell].simulators)  # the exchange's slot order
+    dump = trajectory_dump(cfg, me.spec, me.policy, me.rank, me.run_dir, lambda slot: shard_seed(
+        cfg, sims[slot // sched.shards], slot % sched.shards))
+    server = InferenceServer(
+        sched, me.policy, WeightLoader(me.policy, links.plane, links.manifest), links.exchange,
+        links.ring, producer_quota(cfg, plan, me.rank), links.per_shard, list(me.spec.obs),
+        cfg.rollout.segment_len, me.rank, me.timeline, _emulated_inference(cfg), me.first, dump)
+    return start, server.run()
+
+
+def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+    cfg, plan, ring, plane = me.cfg, me.plan, links.ring, links.plane
+    engine = _start_engine(me)
+    start = _start_clock(me)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
+
+    def publish(version, last=False):
+        state = full_state(engine)  # [dist] on the learners under ZeRO-3
+        if me.rank == plan.weight_root:
+            plane.publish(version, state)
+        if version > me.first:
+            save(version, state, last)
+    stats = {"staleness_hist": {}}
+    queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
+    publish(me.first)
+    run_learner(cfg, links.sched, engine, queues, publish, me.first,
+                cfg.pipeline.total_updates, me.timeline, me.progress,
+                stop=lambda: preempt.agreed(me.comms.learners))  # [dist]
+    plane.stop()
+    stats["nonfinite_steps_skipped"] = engine.skipped
+    stats["trained_groups"] = queues.ledger()
+    stats["unused_segments"] = _drain(ring, len(plan.producers_of(me.rank)))
+    stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
+                     "lost_records": ring.stats.lost_records}
+    stats["weight_bytes"] = {"first_version": plane.nbytes,
+                             "per_version": plane.bytes_per_version}
+    return start, stats
+
+
+def _colocated_rank(me: _Rank) -> tuple[float, dict]:
+    cfg, rank = me.cfg, me.rank
+    engine = _start_engine(me)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
+    env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
+                    first_env=rank * cfg.env.envs_per_simulator,
+                    owner=f"rank {rank} (colocated)")
+    dump = trajectory_dump(cfg, me.spec, me.policy, rank, me.run_dir,
+                           lambda slot: colocated_seed(cfg, rank))
+    start = _start_clock(me)
+    actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
+    env_steps = run_colocated(cfg, engine, actor, env, me.first, cfg.pipeline.total_updates,
+                              me.timeline, me.progress, save,
+                              stop=lambda: preempt.agreed(me.comms.learners),  # [dist]
+                              dump=dump, emulate_ms=_emulated_inference(cfg))
+    stats = {"env_steps": env_steps,
+             "staleness_hist": {0: me.progress.micro_batches * cfg.learner.micro_batch},
+             "nonfinite_steps_skipped": engine.skipped, "env_failures": env_failures([env])}
+    env.close()
+    return start, stats
+
+
+def _epilogue(me: _Rank, start: float) -> dict:
+    summary = me.summary
+    summary["wall_s"] = time.monotonic() - start
+    summary["preempted"] = preempt.requested()
+    summary["busy_s"] = dict(me.timeline.busy)
+    if me.rank == me.plan.weight_root:
+        progress = me.progress
+        summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
+                       trained_env_steps=progress.steps,
+                       env_fault_episodes=progress.fault_episodes)
+    me.timeline.close()
+    me.progress.close()
+    return write_report(me.comms.world, summary, me.cfg, me.run_dir)  # [dist]
+
+
+def _start_engine(me: _Rank):
+    """This learner's engine (engines/: DeepSpeed or Horovod); resuming, the weights are
+    loaded before the engine partitions them and the optimizer partition after."""
+    cfg, policy, learners = me.cfg, me.policy, me.comms.learners
+    if me.resume is None:
+        return init_engine(cfg, policy, learners, me.device)  # [dist]
+    policy.load_arrays(checkpoint.load_weights(me.resume, policy.state_dict()))
+    engine = init_engine(cfg, policy, learners, me.device)  # [dist]
+    state = checkpoint.load_optimizer(me.resume, engine, learners)  # [dist]
+    me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
+    return engine
 
 
 def _emulated_inference(cfg):
@@ -241,46 +286,3 @@ def _drain(ring, producers: int) -> int:
             backoff.wait()
     ring.release()
     return unused
-
-
-def _report(world, summary: dict, cfg, run_dir) -> dict:
-    """Gather every rank's summary on rank 0; write summary.json; print the headline."""
-    everyone = world.gather(summary, root=0)
-    if world.Get_rank() != 0:
-        return summary
-    wall = max(s["wall_s"] for s in everyone)
-    steps = sum(s["env_steps"] for s in everyone)
-    staleness = Counter()
-    for s in everyone:
-        staleness.update({int(k): v for k, v in s.get("staleness_hist", {}).items()})
-    root = next((s for s in everyone if "success_rate" in s), {})
-    busy = {}
-    for s in everyone:
-        for stage, seconds in s["busy_s"].items():
-            busy.setdefault(f"{s['role']}:{stage}", []).append(seconds / s["wall_s"])
-    result = {
-        "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
-        "env_steps": steps, "env_steps_per_s": steps / wall,
-        "success_rate": root.get("success_rate"), "mean_return": root.get("mean_return"),
-        # trained episodes an env fault ended: not in success_rate, not trained on
-        "env_fault_episodes": root.get("env_fault_episodes"),
-        "staleness_hist": dict(sorted(staleness.items())),
-        "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
-        "per_rank": everyone,
-    }
-    result["preempted"] = any(s["preempted"] for s in everyone)
-    result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
-    result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
-    result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
-    (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
-    board = RunBoard(run_dir, cfg.run.tensorboard)  # the whole run's busy fractions, once
-    board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
-                  root.get("trained_env_steps", 0))
-    board.close()
-    if result["preempted"]:
-        print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
-              f"`hpcvla train run.resume={run_dir}`", flush=True)
-    print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
-          f"success {result['success_rate']} | staleness {result['staleness_hist']}",
-          flush=True)
-    return result

@@ -1,7 +1,8 @@
 """Horovod as the learners' data-parallel engine (`learner.backend: horovod`), where a site has
-it: the learner loop, checkpoints and the non-finite guard talk to the part of DeepSpeed's
-engine interface below, so Horovod plugs in beside it. Every learner holds the whole model and
-optimizer (DeepSpeed's ZeRO stage 0); gradients are averaged by MPI allreduce.
+it: `HorovodEngine` implements the engine interface (engines/base.Engine, the part of
+DeepSpeed's that the learner loop, checkpoints and the non-finite guard use), so Horovod plugs
+in beside DeepSpeed. Every learner holds the whole model and optimizer (DeepSpeed's ZeRO
+stage 0); gradients are averaged by MPI allreduce.
 
     hvd.init(comm=learners)                    # Horovod on the learner communicator only   [dist]
     hvd.DistributedOptimizer(..., backward_passes_per_step=micro_batches)  # allreduce hooks [dist]
@@ -30,8 +31,7 @@ def horovod_available() -> str:
 
 
 class HorovodEngine:
-    """The DeepSpeed-engine methods hpcvla uses (module, device, optimizer, backward, step,
-    the accumulation boundary, the ZeRO stage), on Horovod."""
+    """engines/base.Engine on Horovod."""
 
     def __init__(self, module: torch.nn.Module, optimizer, micro_batches: int,
                  max_grad_norm: float, device: torch.device):

@@ -15,19 +15,50 @@ from __future__ import annotations
 
 import torch
 
+from hpcvla.engines.base import Engine
+
 
 class SkipNonfinite:
-    """The DeepSpeed engine, with `step()` guarded; everything else is the engine's."""
+    """An engine (engines/base.Engine) with `step()` guarded; the rest is the engine's.
+    `skipped` counts the skipped optimizer steps."""
 
-    def __init__(self, engine, limit: int):
+    def __init__(self, engine: Engine, limit: int):
         self.engine, self.limit = engine, limit
         self.skipped = self.consecutive = 0
 
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def optimizer(self):
+        return self.engine.optimizer
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.engine.skipped_steps
 
     def __call__(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.bfloat16_enabled()
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.fp16_enabled()
 
     def step(self) -> None:
         engine = self.engine

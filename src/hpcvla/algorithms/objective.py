@@ -1,0 +1,113 @@
+"""The learner's objective over a micro-batch of segment groups (roles/segments.py fields,
+stacked along the env axis): first its advantages, then the loss that scores the current
+policy against them.
+
+The advantages depend only on what was recorded (rewards, the behaviour policy's values, done
+and fault flags), never on the weights being trained, so they are computed once, when the
+micro-batch arrives, and every epoch reuses them (as CleanRL computes GAE once per batch):
+
+    adv = advantages_of(cfg, batch, device)        # PPO: GAE, normalised; GRPO: group scores
+    loss, stats, logprob = policy_loss(cfg, model, batch, adv, proximal)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from hpcvla.algorithms.granularity import sum_to
+from hpcvla.algorithms.grpo import GroupAdvantages, first_episode_advantages, grpo_loss
+from hpcvla.algorithms.ppo import (decoupled_ppo_loss, gae, masked_mean, normalize_advantages,
+                                   value_loss)
+
+
+class Advantages(NamedTuple):
+    """A micro-batch's advantages. PPO: `advantages` (T, N), normalised over the steps no env
+    fault ended, and the GAE `returns` (T, N), both on the learner's device. GRPO: `episodes`,
+    the group-relative advantage of each episode, and `index` (T, N), the episode of each
+    step (bookkeeping, on the CPU)."""
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    episodes: GroupAdvantages | None = None
+    index: torch.Tensor | None = None
+
+
+def _on(device, batch: dict, keys=None) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v).to(device, non_blocking=True)
+            for k, v in batch.items() if keys is None or k in keys}
+
+
+def advantages_of(cfg, batch: dict, device) -> Advantages:
+    """The advantages of a micro-batch (arrays or tensors) under `cfg.algorithm`. A step whose
+    env failed (env_fault) is no outcome of the policy: it gets none (masked out)."""
+    alg = cfg.algorithm
+    if alg.name == "grpo":  # critic-free: each grouped episode scored against its group
+        score = "success" if alg.group_score == "success" else "reward"
+        b = _on(device, batch, ("done", score, "env_fault"))
+        episodes, index = first_episode_advantages(  # bookkeeping: on the CPU
+            b["done"].cpu(), b[score].cpu(), alg.group_size, alg.group_normalize_std,
+            b["env_fault"].cpu())
+        return Advantages(episodes=episodes, index=index)
+    b = _on(device, batch, ("reward", "value", "done", "bootstrap_value", "env_fault"))
+    faults = b["env_fault"]
+    advantages, returns = gae(b["reward"], b["value"], b["done"], b["bootstrap_value"],
+                              alg.gamma, alg.gae_lambda, faults)
+    return Advantages(advantages=normalize_advantages(advantages, ~faults), returns=returns)
+
+
+def policy_loss(cfg, model, batch: dict, advantages: Advantages | None = None, proximal=None,
+                value_only: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor]:
+    """The PPO or GRPO loss of a micro-batch of segment groups, stacked along the env axis,
+    given its `advantages` (advantages_of; computed here when None, for one-off callers).
+    `model` is the engine (or a policy): model(obs, actions) = policy.evaluate.
+    `value_only`: PPO's value loss alone (the critic's extra passes)."""
+    T, N = batch["logprob"].shape
+    if advantages is None:
+        advantages = advantages_of(cfg, batch, model.device)
+    batch = _on(model.device, batch)
+    obs = {k[4:]: v.reshape(T * N, *v.shape[2:])
+           for k, v in batch.items() if k.startswith("obs.")}
+    actions = batch["actions"].reshape(T * N, *batch["actions"].shape[2:])
+    logprob, value, entropy = model(obs, actions)
+    # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
+    logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))
+    behaviour = batch["logprob"]
+    # Decoupled PPO (AReaL): clip around the proximal policy (the learner's weights when this
+    # version's training began), importance-weight to the behaviour policy that acted.
+    proximal = logprob.detach() if proximal is None else proximal
+    alg = cfg.algorithm
+    mask = ~batch["env_fault"]  # a failed env's step is masked out everywhere
+    if alg.name == "grpo":  # critic-free: the value head is not trained
+        pg_loss, stats = grpo_loss(logprob, proximal, behaviour, advantages.episodes,
+                                   advantages.index, alg.clip, alg.max_behaviour_weight)
+        v_loss = torch.zeros((), device=logprob.device)
+        episodes = advantages.episodes
+        stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))
+    else:
+        old_value, returns = batch["value"], advantages.returns
+        pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour, advantages.advantages,
+                                            alg.clip, alg.max_behaviour_weight, mask)
+        v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None,
+                            mask)
+        stats.update(critic_health(old_value[mask], returns[mask]))
+        if value_only:
+            return alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss.detach())), logprob
+    # the bonus is the chunk's entropy at every log-prob granularity (units summed), so one
+    # entropy_coef means the same with chunk, action or token ratios
+    entropy = masked_mean(sum_to(entropy, 2), mask)
+    loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy
+    stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
+                 entropy=float(entropy.detach()))
+    return loss, stats, logprob
+
+
+def critic_health(values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+    """How well the values the behaviour policy recorded predicted the returns: explained
+    variance 1 - Var(R - V) / Var(R) (1 perfect, 0 a constant baseline, < 0 worse than
+    one), and both scales."""
+    var = float(returns.var()) if returns.numel() > 1 else 0.0
+    residual = float((returns - values).var()) if returns.numel() > 1 else 0.0
+    return {"explained_variance": 1.0 - residual / var if var > 0 else 0.0,
+            "return_mean": float(returns.mean()) if returns.numel() else 0.0,
+            "return_std": var ** 0.5, "value_mean": float(values.mean()) if values.numel() else 0.0}

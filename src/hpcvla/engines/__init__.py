@@ -1,0 +1,28 @@
+"""The learners' data-parallel engine (`learner.backend`): DeepSpeed ZeRO (zero.py) or Horovod
+(horovod.py) where it is installed, both behind the non-finite guard (nonfinite.py) and both
+speaking the `Engine` interface (base.py) that the learner loop and the checkpoints use."""
+
+from __future__ import annotations
+
+import torch
+
+from hpcvla.engines.base import Engine, adamw, full_state, param_groups
+from hpcvla.engines.nonfinite import SkipNonfinite
+
+
+def init_engine(cfg, policy, learners_comm, device: torch.device | None = None) -> SkipNonfinite:
+    """The configured engine over `policy` on the learner communicator (collective there),
+    wrapped in the non-finite guard."""
+    if cfg.learner.backend == "horovod":
+        from hpcvla.engines.horovod import init_horovod
+
+        device = torch.device("cpu") if device is None else torch.device(device)
+        engine = init_horovod(cfg, policy, learners_comm, adamw(cfg, policy), device)  # [dist]
+    else:
+        from hpcvla.engines.zero import deepspeed_engine
+
+        engine = deepspeed_engine(cfg, policy, learners_comm, device)  # [dist]
+    return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
+
+
+__all__ = ["Engine", "SkipNonfinite", "full_state", "init_engine", "param_groups"]

@@ -1,0 +1,67 @@
+"""The engine interface the learner trains through, and what every engine shares: the
+optimizer's parameter groups and the full weights gathered for publishing."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from hpcvla.policies.base import is_critic
+
+
+class Engine(Protocol):
+    """A data-parallel training engine over one policy, on the learner communicator: the part
+    of DeepSpeed's engine interface that the learner loop, the checkpoints and the non-finite
+    guard use. DeepSpeed's engine has it; engines/horovod.py implements it; engines/nonfinite.py
+    wraps either (and adds `skipped`)."""
+
+    module: torch.nn.Module  # the policy
+    optimizer: Any  # its param_groups are the ones param_groups() names
+    device: torch.device
+    skipped_steps: int  # optimizer steps the engine itself skipped (non-finite gradient)
+
+    def __call__(self, obs: dict, actions: torch.Tensor) -> tuple:
+        """policy.evaluate: (log-prob, value, entropy)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of one micro-batch (averaged over the learners by the
+        accumulation boundary)."""
+
+    def step(self) -> None:
+        """One micro-step; at the accumulation boundary the optimizer steps."""
+
+    def is_gradient_accumulation_boundary(self) -> bool: ...
+
+    def zero_optimization_stage(self) -> int: ...
+
+    def bfloat16_enabled(self) -> bool: ...
+
+    def fp16_enabled(self) -> bool: ...
+
+
+def param_groups(policy, alg) -> list[dict]:
+    """The optimizer's groups: the actor (and shared encoders) at `algorithm.lr`, the critic
+    (`value_*` modules) at `algorithm.critic_lr`, each named for `actor_frozen`."""
+    named = list(policy.named_parameters())
+    groups = [{"params": [p for n, p in named if not is_critic(n)], "lr": alg.lr, "name": "actor"},
+              {"params": [p for n, p in named if is_critic(n)], "lr": alg.critic_lr or alg.lr,
+               "name": "critic"}]
+    return [g for g in groups if g["params"]]
+
+
+def adamw(cfg, policy) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0)
+
+
+def full_state(engine: Engine) -> dict[str, torch.Tensor]:
+    """Full weights as host tensors in the module's dtype (bf16 stays bf16; ZeRO-3 gathers
+    its shards: collective on the learners). On a CPU learner below ZeRO-3 they share the
+    parameters' memory: copy them out before the next step."""
+    import deepspeed
+
+    module = engine.module
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):  # [dist]
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}

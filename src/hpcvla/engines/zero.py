@@ -1,0 +1,52 @@
+"""DeepSpeed ZeRO as the learners' data-parallel engine (`learner.backend: deepspeed`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from hpcvla.engines.base import adamw
+from hpcvla.extensions import clear_stale_build_locks
+
+
+def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = None):
+    """DeepSpeed's engine on the learner communicator only (initialising torch.distributed on
+    all ranks makes ZeRO-3 barrier the whole world): learner 0 picks a port, all join by NCCL
+    when the learners are on GPUs, by gloo on CPUs. `device` is this rank's (devices.py):
+    DeepSpeed puts the model on GPU LOCAL_RANK, so LOCAL_RANK is that GPU's index, whatever
+    the launcher's own variables say. A bf16 policy trains under DeepSpeed's `bf16` section:
+    fp32 master weights in the optimizer at every ZeRO stage."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if device.type == "cpu" and torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed moves it to a GPU
+    import deepspeed
+
+    rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
+    clear_stale_build_locks(rank=rank)  # else a killed op build hangs every later run
+    address = None
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            address = (socket.gethostname(), probe.getsockname()[1])
+    host, port = learners_comm.bcast(address, root=0)  # [dist]
+    local = str(device.index or 0)
+    os.environ.update(MASTER_ADDR=host if size > 1 else "127.0.0.1", MASTER_PORT=str(port),
+                      RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=local)
+    if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:  # DeepSpeed asserts the two agree; the
+        os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = local  # device map, not Open MPI, decides
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                               auto_mpi_discovery=False)  # [dist]
+    bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters())
+    ds_config = {
+        "train_micro_batch_size_per_gpu": cfg.learner.micro_batch,
+        "gradient_accumulation_steps": cfg.learner.micro_batches,
+        "zero_optimization": {"stage": cfg.learner.zero_stage},
+        "bf16": {"enabled": bf16},
+        "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
+        "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+    }
+    engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
+                                      optimizer=adamw(cfg, policy), config=ds_config)
+    return engine

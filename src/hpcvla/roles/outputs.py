@@ -1,0 +1,84 @@
+"""What a training run writes besides its metrics: checkpoints when due, the optional HDF5
+trajectory dump of a producer, and at the end `summary.json` with the whole run's busy
+fractions in TensorBoard (gathered on rank 0)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import yaml
+
+from hpcvla import checkpoint
+from hpcvla.config.loader import config_to_dict
+from hpcvla.metrics.tensorboard import RunBoard
+
+
+def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
+    """save(version, full weights, last): a checkpoint when one is due or the run ends
+    (collective on the learners)."""
+    def save(version, weights, last):
+        every = cfg.learner.checkpoint_every
+        if last or (every and version % every == 0):
+            with timeline.span("checkpoint"):
+                checkpoint.save(run_dir, engine, weights, version,  # [dist] the learners
+                                {"trained_env_steps": progress.steps}, learners,
+                                keep=cfg.learner.checkpoint_keep)
+    return save
+
+
+def trajectory_dump(cfg, spec, policy, rank, run_dir, seed_of_slot):
+    """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
+    It holds the observations and what the policy records beside them (extra_fields)."""
+    if not cfg.run.dump_trajectories:
+        return None
+    from hpcvla.metrics.dump import TrajectoryDump
+    keys = list(spec.obs) + list(policy.extra_fields())
+    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, keys,
+                          spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
+                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                          cfg.run.dump_flush_s)
+
+
+def write_report(world, summary: dict, cfg, run_dir) -> dict:
+    """Gather every rank's summary on rank 0; write summary.json; print the headline."""
+    everyone = world.gather(summary, root=0)  # [dist]
+    if world.Get_rank() != 0:
+        return summary
+    wall = max(s["wall_s"] for s in everyone)
+    steps = sum(s["env_steps"] for s in everyone)
+    staleness = Counter()
+    for s in everyone:
+        staleness.update({int(k): v for k, v in s.get("staleness_hist", {}).items()})
+    root = next((s for s in everyone if "success_rate" in s), {})
+    busy = {}
+    for s in everyone:
+        for stage, seconds in s["busy_s"].items():
+            busy.setdefault(f"{s['role']}:{stage}", []).append(seconds / s["wall_s"])
+    result = {
+        "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
+        "env_steps": steps, "env_steps_per_s": steps / wall,
+        "success_rate": root.get("success_rate"), "mean_return": root.get("mean_return"),
+        # trained episodes an env fault ended: not in success_rate, not trained on
+        "env_fault_episodes": root.get("env_fault_episodes"),
+        "staleness_hist": dict(sorted(staleness.items())),
+        "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
+        "per_rank": everyone,
+    }
+    result["preempted"] = any(s["preempted"] for s in everyone)
+    result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
+    result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
+    result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
+    (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    board = RunBoard(run_dir, cfg.run.tensorboard)  # the whole run's busy fractions, once
+    board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
+                  root.get("trained_env_steps", 0))
+    board.close()
+    if result["preempted"]:
+        print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
+              f"`hpcvla train run.resume={run_dir}`", flush=True)
+    print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
+          f"success {result['success_rate']} | staleness {result['staleness_hist']}",
+          flush=True)
+    return result

@@ -1,0 +1,61 @@
+"""The learner's side of the data plane: segment groups from its trajectory ring, bucketed by
+learner batch, each trained exactly once."""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from hpcvla.roles.segments import SegmentMeta
+from hpcvla.transport import records
+
+
+class SegmentQueues:
+    """Segment groups from the ring, bucketed by the learner batch their producer assigned
+    at segment start (schedule.py): batch b is trained at version b, which is what bounds
+    staleness even when segments arrive out of start order."""
+
+    def __init__(self, ring, max_staleness: int, stats: dict, producers=()):
+        self.ring, self.max_staleness, self.stats = ring, max_staleness, stats
+        self.producers = tuple(producers)  # world ranks feeding this ring, for stall reports
+        self.buckets: dict[int, deque] = defaultdict(deque)
+        self.trained: dict[tuple[int, int], set] = defaultdict(set)  # (producer, slot) -> groups
+
+    def ledger(self) -> dict:
+        """Per producer/slot: groups trained and their index range. A slot's groups go to
+        batches in order, so a complete run trains 0..last of each, every one once:
+        `missing` counts the holes."""
+        return {f"{p}/{s}": {"groups": len(g), "first": min(g), "last": max(g),
+                             "missing": max(g) + 1 - min(g) - len(g)}
+                for (p, s), g in sorted(self.trained.items())}
+
+    def pump(self) -> None:
+        for rec in self.ring.poll():
+            group = records.decode(rec.data)  # copies out of the ring slot
+            self.buckets[SegmentMeta.of(group).batch].append(group)
+        self.ring.release()
+
+    def available(self, batch: int) -> int:
+        return sum(SegmentMeta.of(g).envs for g in self.buckets[batch])
+
+    def take(self, segments: int, batch: int) -> list[dict]:
+        groups, got, bucket = [], 0, self.buckets[batch]
+        while got < segments:
+            group = bucket.popleft()
+            meta = SegmentMeta.of(group)
+            staleness = batch - int(group["version"][0])
+            if staleness > self.max_staleness:  # the quota makes this impossible: a bug
+                raise RuntimeError(f"segment of policy version {int(group['version'][0])} "
+                                   f"in batch {batch}: staleness {staleness} exceeds "
+                                   f"max_staleness {self.max_staleness}")
+            trained = self.trained[meta.producer, meta.slot]
+            if meta.group in trained:  # the ring delivers exactly once
+                raise RuntimeError(f"segment group {meta.group} of producer {meta.producer} "
+                                   f"slot {meta.slot} arrived twice; it would be trained twice")
+            trained.add(meta.group)
+            hist = self.stats["staleness_hist"]
+            hist[staleness] = hist.get(staleness, 0) + meta.envs
+            groups.append(group)
+            got += meta.envs
+        if not bucket:
+            del self.buckets[batch]
+        return groups
