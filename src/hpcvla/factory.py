@@ -9,9 +9,8 @@ import torch
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
-from hpcvla.policies import POLICIES, make_policy, policy_kwargs
+from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
 from hpcvla.policies.folders import checkpoint_kwargs, load_weights
-from hpcvla.policies.processor import CheckpointProcessor
 
 
 def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0,
@@ -36,7 +35,7 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
 def env_failures(envs) -> list:
     """Every env fault so far, (env id, what happened), from inline slots (envs/serial.py)
     and isolated workers (envs/isolated.py)."""
-    return [f for env in envs for f in getattr(env, "failures", [])]
+    return [f for env in envs for f in env.failures]
 
 
 def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
@@ -62,12 +61,6 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
         load_weights(policy, cfg.policy.pretrained)
         # a published folder's prompt, tokenizer and normalization (None for our own)
-        if hasattr(policy, "make_processor"):  # a family with its own (oft)
-            policy.processor = policy.make_processor(cfg.policy.pretrained,
-                                                     cfg.policy.tokenizer, spec.vocab)
-        else:
-            policy.processor = CheckpointProcessor.from_folder(
-                cfg.policy.pretrained, cfg.policy.tokenizer, getattr(policy, "variant", ""),
-                spec.vocab, spec.obs["state"][0][0] if "state" in spec.obs else 0,
-                spec.action_dim)
+        policy.processor = policy.make_processor(cfg.policy.pretrained, cfg.policy.tokenizer,
+                                                 spec)
     return policy.to(device)

@@ -34,7 +34,8 @@ import torch
 from hpcvla.bench.policies import FAMILIES, step_ms
 from hpcvla.envs import make_env
 from hpcvla.policies import Policy, make_policy
-from hpcvla.policies.vla import SIZE_NAMES, count_preset_parameters
+from hpcvla.policies.registry import count_preset_parameters
+from hpcvla.policies.vla import SIZE_NAMES
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_CUDA = "no CUDA device visible (torch.cuda.is_available() is False)"

@@ -17,7 +17,8 @@ import torch
 
 from hpcvla.envs import make_env
 from hpcvla.policies import Policy, make_policy
-from hpcvla.policies.vla import SIZE_NAMES, count_preset_parameters
+from hpcvla.policies.registry import count_preset_parameters
+from hpcvla.policies.vla import SIZE_NAMES
 
 FAMILIES = ("flow", "tokens")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -44,10 +44,19 @@ class StepResult(NamedTuple):
 
 
 class VectorEnv(abc.ABC):
-    """`num_envs` copies of a task stepped together, with auto-reset."""
+    """`num_envs` copies of a task stepped together, with auto-reset.
+
+    Optional hooks, with defaults here (an env overrides what applies to it):
+    `failures`, the (env id, what happened) of every env fault so far (envs/serial.py,
+    envs/isolated.py); `latency_sleep` and `last_latency_s`, an emulated step latency (envs/
+    reach.py): with latency_sleep False the env does not sleep it but reports the last step's
+    in last_latency_s, and the simulator rank holds that step's observation back as long."""
 
     num_envs: int
     spec: EnvSpec
+    failures: Sequence[tuple[int, str]] = ()  # an env that records faults sets its own list
+    latency_sleep: bool = True
+    last_latency_s: float = 0.0
 
     @abc.abstractmethod
     def reset(self, seeds: np.ndarray | None = None,

@@ -30,8 +30,20 @@ class GroupedRestarts(VectorEnv):
         self.rng = np.random.default_rng([seed, _GROUP_STREAM])
         self.steps = 0
 
-    def __getattr__(self, name):  # latency_sleep, last_latency_s, failures, ... of the env
+    def __getattr__(self, name):  # whatever else the wrapped env has
         return getattr(self.env, name)
+
+    @property
+    def failures(self):
+        return self.env.failures
+
+    @property
+    def latency_sleep(self) -> bool:
+        return self.env.latency_sleep
+
+    @property
+    def last_latency_s(self) -> float:
+        return self.env.last_latency_s
 
     def grouped_ids(self) -> np.ndarray:
         """One fresh initial state id per group, repeated for its members."""

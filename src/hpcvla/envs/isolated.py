@@ -214,7 +214,7 @@ class IsolatedEnv(VectorEnv):
 
 def _serve(conn: Connection) -> None:
     """The worker: build the env on "init", then answer calls until "close" or EOF."""
-    from hpcvla.envs import make_env
+    from hpcvla.envs.registry import make_env
     env, reported = None, 0
     while True:
         try:
@@ -234,8 +234,8 @@ def _serve(conn: Connection) -> None:
         except Exception as err:  # noqa: BLE001 - the rank decides: restart or give up
             conn.send(("error", repr(err)))
             continue
-        failures = getattr(env, "failures", [])
-        conn.send(("ok", failures[reported:], getattr(env, "last_latency_s", 0.0), value))
+        failures = env.failures
+        conn.send(("ok", failures[reported:], env.last_latency_s, value))
         reported = len(failures)
     if env is not None:
         env.close()

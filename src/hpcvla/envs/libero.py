@@ -43,7 +43,8 @@ import sys
 import numpy as np
 
 from hpcvla.envs.base import EnvSpec
-from hpcvla.envs.serial import SerialVectorEnv, require, vocab_of, words
+from hpcvla.envs.serial import SerialVectorEnv, require
+from hpcvla.text import vocab_of, words
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 CAMERAS = ("agentview", "robot0_eye_in_hand")

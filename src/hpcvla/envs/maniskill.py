@@ -38,7 +38,8 @@ import sys
 import numpy as np
 
 from hpcvla.envs.base import EnvSpec
-from hpcvla.envs.serial import SerialVectorEnv, require, vocab_of, words
+from hpcvla.envs.serial import SerialVectorEnv, require
+from hpcvla.text import vocab_of, words
 
 NO_DOWNLOAD_TASKS = (  # one robot, pd_ee_delta_pose, a success flag; made and stepped offline
     "DrawTriangle-v1", "FMBAssembly1Easy-v1", "LiftPegUpright-v1", "PegInsertionSide-v1",

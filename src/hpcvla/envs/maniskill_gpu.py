@@ -46,7 +46,8 @@ import numpy as np
 
 from hpcvla.envs.base import StepResult, VectorEnv, check_reset_args
 from hpcvla.envs.maniskill import describe, make_task_env, render_cameras, task_spec
-from hpcvla.envs.serial import _STREAM, chunk_actions, require, tokenize, words
+from hpcvla.envs.serial import _STREAM, chunk_actions, require
+from hpcvla.text import tokenize, words
 
 
 def physx_gpu_library() -> Path:

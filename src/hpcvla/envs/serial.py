@@ -28,37 +28,15 @@ so learners train nothing of it and success counts skip it.
 
 from __future__ import annotations
 
-import re
 import sys
 from typing import Callable
 
 import numpy as np
 
 from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
+from hpcvla.text import tokenize
 
 _STREAM = 0x51_0E  # mixed into per-env seeds so they differ from other envs' streams
-
-
-def words(text: str) -> list[str]:
-    """Lower-case words of an instruction, punctuation dropped."""
-    return re.findall(r"[a-z0-9_]+", text.lower())
-
-
-def vocab_of(texts) -> tuple[str, ...]:
-    """Token vocabulary of a set of instructions: "" (padding, id 0), then the sorted words."""
-    return ("", *sorted({w for t in texts for w in words(t)}))
-
-
-def tokenize(text: str, vocab: tuple[str, ...], length: int) -> np.ndarray:
-    """(length,) int32 token ids of `text`, padded with 0; unknown words are dropped."""
-    index = {w: i for i, w in enumerate(vocab)}
-    ids = [index[w] for w in words(text) if w in index][:length]
-    return np.array(ids + [0] * (length - len(ids)), dtype=np.int32)
-
-
-def detokenize(ids, vocab: tuple[str, ...]) -> str:
-    """The words of `tokenize`'s ids (padding dropped), joined by spaces."""
-    return " ".join(vocab[i] for i in ids if i)
 
 
 def require(module: str, package: str, env_name: str):

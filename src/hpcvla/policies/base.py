@@ -1,8 +1,10 @@
 """The policy interface every hpcvla policy implements.
 
 A policy maps a dict of batched observation tensors to an *action chunk*
-(B, chunk_len, action_dim) and scores chunks as a whole: the log-probability, value and
-entropy are one number per batch element (chunk level), which is the unit PPO works on.
+(B, chunk_len, action_dim) and scores it: the value is one number per batch element; the
+log-probability and entropy are too (chunk level, the unit PPO works on) unless the policy
+scores finer units (`policy.logprob_granularity`, policies/vla.py): action, (B, chunk_len),
+or token, (B, chunk_len, action_dim). `act` reports the chunk's log-prob, (B,), either way.
 
 `act` is what rollout workers call (no autograd graph); `evaluate` is what the learner calls
 (differentiable). Keeping the two apart lets rollout code run under inference settings while
@@ -39,6 +41,20 @@ class Policy(nn.Module, abc.ABC):
 
     action_dim: int
     chunk_len: int
+    # Published checkpoints (policies/folders.py, factory.build_policy); the defaults are a
+    # family that has none:
+    variant: str = ""  # which published model the weights are (flow: "pi0" or "pi05")
+    HF_LAYOUT: dict = {}  # their root prefix, tied and unused tensors (policies/folders.py)
+    processor = None  # a published folder's prompt, tokenizer and normalization, once loaded
+
+    def make_processor(self, folder, tokenizer_folder, spec):
+        """The processor of the published checkpoint `folder` for the env `spec` (EnvSpec),
+        None for one of hpcvla's own. Default: processor.CheckpointProcessor for `variant`."""
+        from hpcvla.policies.processor import CheckpointProcessor
+
+        return CheckpointProcessor.from_folder(
+            folder, tokenizer_folder, self.variant, spec.vocab,
+            spec.obs["state"][0][0] if "state" in spec.obs else 0, spec.action_dim)
 
     @abc.abstractmethod
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> ActOutput:
@@ -51,7 +67,9 @@ class Policy(nn.Module, abc.ABC):
     def evaluate(
         self, obs: dict[str, torch.Tensor], actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Score given action chunks: (logprob (B,), value (B,), entropy (B,)), differentiable."""
+        """Score given action chunks: (logprob, value (B,), entropy), differentiable;
+        logprob and entropy are (B,) per chunk, or (B, H) / (B, H, D) per action / token
+        (module docstring)."""
 
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
         """Fields `sample` returns besides the action, name -> (shape per env, dtype), which

@@ -1,7 +1,7 @@
 """Hugging Face-style checkpoint folders of the VLA policies, in the layouts they are published in.
 
     save_pretrained(policy, folder)      # config.json + model.safetensors (HF names)
-    load_pretrained(folder)              # rebuild from config.json, load exactly
+    load_pretrained(folder)              # rebuild from config.json, load exactly (registry.py)
     load_weights(policy, folder_or_file) # load into an existing policy, strictly
     read_tensors(folder_or_file)         # the tensors of a folder, sharded or not
     checkpoint_kwargs(policy_cls, folder)  # what the family reads from the checkpoint
@@ -121,7 +121,7 @@ def load_weights(policy, path) -> list[str]:
     if hasattr(policy, "load_published") and Path(path).is_dir() and not (
             config.is_file() and "hpcvla_policy" in json.loads(config.read_text())):
         return policy.load_published(path)
-    tensors = from_layout(read_tensors(path), getattr(policy, "HF_LAYOUT", {}), path)
+    tensors = from_layout(read_tensors(path), policy.HF_LAYOUT, path)
     loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
     state = policy.state_dict()
     missing = [k for k in state if k not in loaded]
@@ -154,23 +154,5 @@ def save_pretrained(policy, folder) -> Path:
     return folder
 
 
-def load_pretrained(folder, **overrides):
-    """Rebuild the policy `config.json` describes and load its weights into it.
-    `overrides` replace constructor arguments (e.g. logprob_granularity, train_expert_only)."""
-    from hpcvla.policies import POLICIES
-
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
-    name = config.get("hpcvla_policy")
-    if name not in POLICIES:
-        raise ValueError(f"{folder / 'config.json'}: hpcvla_policy {name!r} is not one of "
-                         f"{sorted(POLICIES)}")
-    obs_spec = {k: (tuple(s), dt) for k, (s, dt) in config["obs_spec"].items()}
-    policy = POLICIES[name](obs_spec, config["action_dim"], config["chunk_len"],
-                            config["vocab_size"], **{**config["kwargs"], **overrides})
-    load_weights(policy, folder)
-    return policy
-
-
-__all__ = ["RL_HEAD_PREFIX", "read_tensors", "checkpoint_kwargs", "from_layout", "load_weights", "save_pretrained",
-           "load_pretrained"]
+__all__ = ["RL_HEAD_PREFIX", "read_tensors", "checkpoint_kwargs", "from_layout", "load_weights",
+           "save_pretrained"]

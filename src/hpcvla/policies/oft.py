@@ -169,7 +169,7 @@ class OFTPolicy(VLAPolicy):
         from hpcvla.policies.oft_checkpoint import load_published
         return load_published(self, folder)
 
-    def make_processor(self, folder, tokenizer_folder, vocab):
+    def make_processor(self, folder, tokenizer_folder, spec):
         """The published folder's prompt/normalization; None for an hpcvla folder."""
         from hpcvla.policies.oft_checkpoint import read_config
         from hpcvla.policies.oft_processor import OFTProcessor
@@ -177,7 +177,7 @@ class OFTPolicy(VLAPolicy):
         if "hpcvla_policy" in read_config(folder):
             return None
         state_dim = self.obs_spec["state"][0][0] if self.use_proprio else 0
-        return OFTProcessor.from_folder(folder, tokenizer_folder, self.unnorm_key, vocab,
+        return OFTProcessor.from_folder(folder, tokenizer_folder, self.unnorm_key, spec.vocab,
                                         self.action_dim, state_dim, self.max_prompt_length)
 
     # ------------------------------------------------------------------ the model

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from hpcvla.envs.serial import detokenize
+from hpcvla.text import detokenize
 from hpcvla.policies.oft_checkpoint import read_statistics
 
 PROMPT = "In: What action should the robot take to {task}?\nOut: "

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcvla.envs.serial import detokenize
+from hpcvla.text import detokenize
 
 PROMPT_TOKENS = {"pi0": 48, "pi05": 200}  # openpi's max_token_len; LeRobot's defaults
 OPENPI_EPS, STATE_BINS = 1e-6, 256

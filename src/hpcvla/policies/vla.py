@@ -267,7 +267,6 @@ class VLAPolicy(Policy):
 
     family: str
     HF_KEY_MAP: tuple[tuple[str, str], ...] = ()  # (our prefix, checkpoint prefix); first wins
-    HF_LAYOUT: dict = {}  # published variants: root prefix, tied and unused tensors (folders.py)
     config_fields = ("size", "logprob_granularity", "dtype", "init_log_std")  # from PolicyConfig
 
     def _setup(self, obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
@@ -282,8 +281,6 @@ class VLAPolicy(Policy):
         self.logprob_granularity = logprob_granularity
         self.compute_dtype = resolve_dtype(dtype)
         self.init_args = init_args  # what config.json records to rebuild this policy
-
-    processor = None  # a published checkpoint's inputs and outputs (policies/processor.py)
 
     def _inputs(self, obs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.processor is not None:
@@ -343,16 +340,5 @@ class VLAPolicy(Policy):
                 "vocab_size": self.vocab_size, "kwargs": self.init_args}
 
 
-def count_preset_parameters(name: str, size: str, obs_spec: dict, action_dim: int,
-                            chunk_len: int, vocab_size: int) -> int:
-    """Parameters of a preset, counted on the meta device (no memory is allocated)."""
-    from hpcvla.policies import POLICIES
-
-    with torch.device("meta"):
-        policy = POLICIES[name](obs_spec, action_dim, chunk_len, vocab_size, size=size,
-                                dtype="float32")
-    return sum(p.numel() for p in policy.parameters())
-
-
 __all__ = ["SIZES", "SIZE_NAMES", "VLAPolicy", "VisionLanguagePrefix", "PrefixCache",
-           "block_mask", "count_preset_parameters"]
+           "block_mask"]

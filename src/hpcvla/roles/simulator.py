@@ -63,8 +63,7 @@ def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -
             with deadline(step_timeout_s):  # a step that never returns stops the job loudly
                 result = envs[shard].step_wait()
             steps[shard] += envs[shard].num_envs * chunk
-            latency = 0.0 if getattr(envs[shard], "latency_sleep", True) else \
-                getattr(envs[shard], "last_latency_s", 0.0)
+            latency = 0.0 if envs[shard].latency_sleep else envs[shard].last_latency_s
             # the emulated latency is the whole step (its compute runs inside); shards overlap
             held[shard] = (started + latency, result)
             timeline.record("simulate", begin, max(timeline.now(), begin + latency))
