@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hpcvla.config import ConfigError, load_config
+from hpcvla.preflight import check_config
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.modes import check_pipeline, schedule_of
 from hpcvla.topology.plan import plan_from_config
@@ -228,7 +229,7 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
 
 def test_resume_refused_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="run.resume"):
-        load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"])
+        check_config(load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"]))
 
 
 @pytest.mark.mpi

@@ -85,16 +85,17 @@ def _parser() -> argparse.ArgumentParser:
                             "env/policy/learner, or a real simulator (rendered observations, "
                             "tiny policy)")
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
-                       help="modes, emulated: stage costs (see hpcvla/bench/modes.py)")
+                       help="modes, emulated: stage costs (see hpcvla/scale/presets.py)")
     bench.add_argument("--gpus", type=int, default=2,
                        help="modes: accelerator ranks (even, or 1: one GPU shared)")
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", choices=["modes", "critic", "flow-noise"], default="modes",
-                       help="learning: streamer vs sync-colocated, the critic's schedule "
-                            "vs the one before issue 14, or flow last_step vs chain from a "
-                            "pretrained checkpoint (hpcvla/bench/learning.py)")
+                       help="learning: streamer vs sync-colocated, the critic's own schedule "
+                            "(its rate, unclipped, 8 epochs) vs the policy's (clipped, 4 "
+                            "epochs), or flow last_step vs chain from a pretrained checkpoint "
+                            "(hpcvla/bench/learning.py)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -185,15 +186,15 @@ def cmd_train(args) -> int:
         args.overrides.insert(0, args.config)
         args.config = None
     cfg = load_config(args.config, args.overrides)
+    from hpcvla import preflight  # packages, files and devices this config needs
+    preflight.check_config(cfg, "built-in defaults" if args.config is None else str(args.config))
     if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
-        from hpcvla.roles.modes import check_pipeline
         from hpcvla.runtime import run_ranks, train_main
-        return run_ranks(cfg, train_main, check_pipeline)
+        return run_ranks(cfg, train_main, preflight.check_pipeline)
     # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
-    from hpcvla.roles.modes import check_pipeline
-    check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
+    preflight.check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.launch import run_world
     # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
@@ -327,7 +328,9 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
         return 2
     try:
+        from hpcvla.preflight import check_config
         cfg = load_config(run_dir / "config.yaml", args.overrides)
+        check_config(cfg, str(run_dir / "config.yaml"))
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from hpcvla.config.checks import cross_field_problems
 from hpcvla.config.schema import Config
 
 
@@ -54,7 +55,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         _apply_override(data, item, problems)
     cfg = _build(Config, data, "", problems)
     if not problems:
-        problems.extend(cfg.check())
+        problems.extend(cross_field_problems(cfg))
     if problems:
         raise ConfigError(problems, source)
     return cfg

@@ -6,14 +6,12 @@ flags). `hpcvla config --doc` prints every setting's documentation as a table. T
 algorithm sections live in config/learning.py.
 
 Fields are checked by `hpcvla.config.loader`: types from the annotations, `choices`, and the
-numeric bounds `ge`/`le`. Checks that involve several fields live in `Config.check`
-(config/checks.py).
+numeric bounds `ge`/`le`; then the checks that involve several fields (config/checks.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
 
@@ -57,9 +55,10 @@ class PlacementConfig:
         "disaggregated",
         "How ranks get roles. `colocated`: every rank simulates, infers and learns in turn "
         "(no extra ranks, but stages cannot overlap on one rank). `disaggregated`: each rank "
-        "has one role (stages overlap; needs enough ranks per stage). `hybrid`: simulators "
-        "have their own ranks, every inference rank also learns (RLinf's hybrid: the GPU is "
-        "shared by inference and training, simulator CPU work overlaps both).",
+        "has one role (stages overlap; needs enough ranks per stage). `hybrid` is plan-only "
+        "(`hpcvla plan` and the transport tests; `hpcvla train` refuses it): simulators have "
+        "their own ranks, every inference rank also learns (RLinf's hybrid: the GPU shared "
+        "by inference and training, simulator CPU work overlapping both).",
         choices=PLACEMENT_MODES)
     ranks_per_node: int = setting(
         0, "Ranks per node. 0 = the real node size (ranks sharing memory, as MPI reports). "
@@ -322,9 +321,3 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-
-    def check(self) -> list[tuple[str, Any, str]]:
-        """Cross-field problems as (field, value, what would be valid); empty when fine
-        (config/checks.py)."""
-        from hpcvla.config.checks import cross_field_problems
-        return cross_field_problems(self)

@@ -1,0 +1,102 @@
+"""Pre-flight checks: what a config needs of this machine, before any rank starts.
+
+config/checks.py judges the settings alone; these look further: the installed packages
+(Horovod, the simulator), the device the policy's dtype resolves to, the checkpoint a run
+resumes, the pretrained folder it loads, and whether the rank plan fits the node's GPUs.
+`hpcvla train` runs them in the launching process (and on every rank of a world someone
+else started), `hpcvla eval` before it loads a policy. Each problem is (field, value, what
+would be valid), reported together as one ConfigError.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpcvla.config import ConfigError
+from hpcvla.envs import check_env, env_uses_gpu
+from hpcvla.schedule import config_layout_problems
+from hpcvla.topology.plan import PlanError, RankPlan
+
+
+def config_problems(cfg) -> list[tuple[str, Any, str]]:
+    """Problems of `cfg` on this machine (packages, devices, files); empty when fine."""
+    problems = []
+    if cfg.learner.backend == "horovod":
+        import torch
+
+        from hpcvla.engines.horovod import horovod_available
+        from hpcvla.policies.vla import resolve_dtype
+        missing = horovod_available()
+        if missing:
+            problems.append(("learner.backend", "horovod", f"deepspeed, or Horovod installed: "
+                             f"{missing}"))
+        # (bfloat16 itself is refused by config/checks.py; `auto` is bf16 where CUDA is)
+        if cfg.policy.name != "default" and cfg.policy.dtype != "bfloat16" and \
+                resolve_dtype(cfg.policy.dtype) != torch.float32:
+            problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
+                             "learner.backend=horovod (no fp32 masters for bf16 weights)"))
+    if cfg.run.resume:
+        from hpcvla.checkpoint import CheckpointError, latest, read_state
+        path = latest(cfg.run.resume)
+        try:
+            version = read_state(path)["version"] if path else None
+        except CheckpointError as err:
+            problems.append(("run.resume", cfg.run.resume, f"a readable checkpoint: {err}"))
+            version = -1
+        if version is None:
+            problems.append(("run.resume", cfg.run.resume, "a run directory holding a "
+                             "complete checkpoint (checkpoints/v*/state.json)"))
+        elif version >= cfg.pipeline.total_updates:
+            problems.append(("pipeline.total_updates", cfg.pipeline.total_updates,
+                             f"more than the resumed checkpoint's version {version}"))
+    if cfg.policy.pretrained and cfg.policy.name != "default":
+        problems += _pretrained_problems(cfg.policy)
+    return problems
+
+
+def _pretrained_problems(policy) -> list[tuple[str, Any, str]]:
+    """A pretrained folder's weights, and its tokenizer and statistics."""
+    folder = policy.pretrained
+    if not any((Path(folder) / name).is_file()
+               for name in ("model.safetensors", "model.safetensors.index.json")):
+        return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
+                 "sharded model.safetensors.index.json)")]
+    if policy.name == "oft":  # OFT's folder: config, statistics, tokenizer
+        from hpcvla.policies.oft_checkpoint import check_folder
+        from hpcvla.policies.processor import is_hpcvla_folder
+        if is_hpcvla_folder(folder):
+            return []
+        return check_folder(folder, policy.tokenizer, policy.unnorm_key)
+    from hpcvla.policies.processor import check_folder  # a published folder
+    return check_folder(folder, policy.tokenizer)
+
+
+def check_config(cfg, source: str = "config"):
+    """`cfg` if config_problems finds nothing, else they raise as one ConfigError (`source`:
+    the config file, as the loader names it)."""
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
+
+
+def pipeline_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
+    """The layout rules (schedule.layout_problems) and the device map on `plan`."""
+    problems = config_layout_problems(cfg, plan)
+    if cfg.placement.gpus_per_node > 0:  # a GPU count given: the device map must work
+        from hpcvla.devices import plan_devices
+        try:
+            plan_devices(plan, cfg.placement.gpus_per_node, env_uses_gpu(cfg.env))
+        except PlanError as err:
+            problems.append(("placement.gpus_per_node", cfg.placement.gpus_per_node, str(err)))
+    return problems
+
+
+def check_pipeline(cfg, plan: RankPlan) -> None:
+    """Refuse, as one ConfigError, a pipeline `plan` cannot run; then check that the
+    simulator is installed and can run the task (envs.check_env)."""
+    problems = pipeline_problems(cfg, plan)
+    if problems:
+        raise ConfigError(problems, "pipeline configuration")
+    check_env(cfg)
