@@ -13,8 +13,7 @@ from hypothesis import strategies as st
 
 from hpcvla.algorithms import (decoupled_ppo_loss, episodes_of, expand_like,
                                first_episode_advantages, gae, group_advantages, grpo_loss,
-                               per_episode, reduce_units, sum_to, unit_gae, unit_rewards,
-                               value_loss)
+                               per_episode, reduce_units, sum_to, value_loss)
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import make_env
 from hpcvla.envs.groups import GroupedRestarts
@@ -191,39 +190,6 @@ def test_decoupled_loss_per_token_with_chunk_behaviour_hand_computed():
     chunk_loss, _ = decoupled_ppo_loss(logprob.sum(-1), proximal.sum(-1), behaviour,
                                        torch.tensor([2.0]), clip=0.2)
     assert chunk_loss.item() == pytest.approx(-w * 1.2 * 2, rel=1e-6)
-
-
-def test_unit_rewards_and_unit_gae():
-    rewards = torch.tensor([[1.0, 2.0], [3.0, 0.0], [0.5, 1.0]])
-    last = unit_rewards(rewards, 4)
-    assert last.shape == (3, 2, 4) and torch.equal(last.sum(-1), rewards)
-    assert (last[..., :3] == 0).all()
-    torch.testing.assert_close(unit_rewards(rewards, 4, "spread").sum(-1), rewards)
-
-    values = torch.tensor([[0.1, 0.2], [0.3, -0.4], [0.0, 0.6]])
-    dones = torch.tensor([[0, 0], [1, 0], [0, 0]], dtype=torch.bool)
-    boot = torch.tensor([0.7, -0.2])
-    # one unit per chunk is chunk-level GAE
-    for a, b in zip(unit_gae(rewards[..., None], values, dones, boot, 0.9, 0.8),
-                    gae(rewards, values, dones, boot, 0.9, 0.8)):
-        torch.testing.assert_close(a[..., 0], b)
-    # gamma = lam = 1, reward on the last unit: every unit's return is the chunk's return
-    adv, ret = unit_gae(last, values, dones, boot, 1.0, 1.0)
-    _, chunk_ret = gae(rewards, values, dones, boot, 1.0, 1.0)
-    torch.testing.assert_close(ret, chunk_ret[..., None].expand_as(ret))
-    # matches a plain loop over the flattened units of each column
-    adv, ret = unit_gae(last, values, dones, boot, 0.95, 0.9)
-    for n in range(2):
-        r = last[:, n].reshape(-1).numpy()
-        v = values[:, n].repeat_interleave(4).numpy()
-        d = np.zeros(12, bool)
-        d[3::4] = dones[:, n].numpy()
-        running, ref = 0.0, np.zeros(12)
-        for t in reversed(range(12)):
-            next_v = 0.0 if d[t] else (boot[n].item() if t == 11 else v[t + 1])
-            running = r[t] + 0.95 * next_v - v[t] + (0.0 if d[t] else 0.95 * 0.9 * running)
-            ref[t] = running
-        np.testing.assert_allclose(adv[:, n].reshape(-1).numpy(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_value_loss_without_clipping():

@@ -11,11 +11,8 @@ policy), so it can be scored at three granularities:
 PPO at a finer granularity takes the ratio (and its clip) per unit and averages the clipped
 surrogate over units, each unit using the advantage of its chunk (`expand_like`); the
 behaviour policy's log-prob that rollouts record stays per chunk (ppo.decoupled_ppo_loss
-explains how the staleness weight then uses it).
-
-Rewards come per chunk from the simulators. `unit_rewards` places them on units, so that
-returns and advantages can be computed per action or per token with `unit_gae` (the chunk's
-value standing for every unit of it, since units share one observation; ppo.unit_gae).
+explains how the staleness weight then uses it). Rewards, values and advantages stay per
+chunk: the simulators reward chunks, and a chunk's units share one observation.
 """
 
 from __future__ import annotations
@@ -50,18 +47,4 @@ def sum_to(x: torch.Tensor, ndim: int) -> torch.Tensor:
     return x.sum(dim=tuple(range(ndim, x.ndim))) if x.ndim > ndim else x
 
 
-def unit_rewards(rewards: torch.Tensor, units: int, how: str = "last") -> torch.Tensor:
-    """Chunk rewards (T, N) -> unit rewards (T, N, units). "last": the whole reward on the
-    chunk's last unit (nothing is claimed about when inside the chunk it was earned; with
-    gamma = 1 every unit's return is then the chunk's); "spread": split evenly."""
-    out = torch.zeros(*rewards.shape, units, dtype=torch.float32, device=rewards.device)
-    if how == "last":
-        out[..., -1] = rewards
-    elif how == "spread":
-        out[...] = (rewards.float() / units)[..., None]
-    else:
-        raise ValueError(f"how {how!r}: expected 'last' or 'spread'")
-    return out
-
-
-__all__ = ["GRANULARITIES", "reduce_units", "expand_like", "sum_to", "unit_rewards"]
+__all__ = ["GRANULARITIES", "reduce_units", "expand_like", "sum_to"]

@@ -65,25 +65,6 @@ def gae(
     return advantages, advantages + values
 
 
-def unit_gae(rewards: torch.Tensor, values: torch.Tensor, dones: torch.Tensor,
-             bootstrap_value: torch.Tensor, gamma: float,
-             lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over units in time order: rewards (T, N, U); values (T, N) per chunk (repeated
-    over its units) or (T, N, U); dones (T, N) end the episode after a chunk's last unit;
-    bootstrap_value (N,). `gamma` and `lam` are per unit. Returns (advantages, returns),
-    (T, N, U). With U = 1 this is chunk-level GAE."""
-    T, N, U = rewards.shape
-    if values.ndim == 2:
-        values = values[..., None].expand(T, N, U)
-    unit_dones = torch.zeros(T, U, N, dtype=torch.bool, device=rewards.device)
-    unit_dones[:, -1] = dones.bool()
-    flat = lambda x: x.permute(0, 2, 1).reshape(T * U, N)  # noqa: E731 (time-major)
-    adv, ret = gae(flat(rewards), flat(values), unit_dones.reshape(T * U, N), bootstrap_value,
-                   gamma, lam)
-    back = lambda x: x.reshape(T, U, N).permute(0, 2, 1)  # noqa: E731
-    return back(adv), back(ret)
-
-
 def decoupled_ppo_loss(
     logprob: torch.Tensor,
     proximal_logprob: torch.Tensor,
