@@ -36,6 +36,7 @@ from hpcvla.envs import make_env
 from hpcvla.policies import Policy, make_policy
 from hpcvla.policies.registry import count_preset_parameters
 from hpcvla.policies.vla import SIZE_NAMES
+from hpcvla.trainrun import train_run
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_CUDA = "no CUDA device visible (torch.cuda.is_available() is False)"
@@ -116,10 +117,9 @@ def _hpcvla(*args, timeout=1800) -> subprocess.CompletedProcess:
 def reach_training(quick: bool) -> dict:
     updates = 2 if quick else 20
     with tempfile.TemporaryDirectory(prefix="hpcvla-gpu-") as tmp:
-        _hpcvla("train", "configs/reach_flow.yaml", "--ranks", 4, f"run.root={tmp}",
-                f"pipeline.total_updates={updates}", "pipeline.progress_every_s=1000")
-        (run_dir,) = Path(tmp).iterdir()
-        summary = json.loads((run_dir / "summary.json").read_text())
+        _, summary = train_run(["configs/reach_flow.yaml", "--ranks", 4,
+                                f"pipeline.total_updates={updates}",
+                                "pipeline.progress_every_s=1000"], Path(tmp), cwd=ROOT)
     out = {"updates": updates, "wall_s": summary["wall_s"],
            "env_steps_per_s": summary["env_steps_per_s"],
            "success_rate": summary["success_rate"],

@@ -6,9 +6,9 @@ Arm sets (`--arms`):
   simulators, 1 inference, 1 learner; samples up to `pipeline.max_staleness` versions old,
   corrected by the decoupled PPO objective) against `sync-colocated` (2 ranks in lock-step,
   never stale; 2 learners x 16 segments), the same learner batch per version.
-* `critic`: the critic's schedule of issue 14 (the defaults: `algorithm.critic_lr` 10x the
-  policy's, no value clip, 8 epochs) against the one before (the policy's rate, clipped, 4
-  epochs), both streamer.
+* `critic`: the critic's own schedule (the defaults: `algorithm.critic_lr` 10x the policy's,
+  no value clip, 8 epochs) against the policy's (its rate, clipped, 4 epochs), both
+  streamer.
 * `flow-noise`: RL from a pretrained flow policy, as from a π0 checkpoint: `reach_flow`
   first trained for `PRETRAIN_UPDATES` (seed 1000) and saved as a checkpoint folder
   (`save_pretrained`), then both arms start from it (`policy.pretrained`): `last_step`
@@ -29,13 +29,13 @@ JSON.
 from __future__ import annotations
 
 import json
-import math
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from hpcvla.metrics.stats import welch_interval
+from hpcvla.trainrun import train_run
 
 # Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version.
 STREAMER = ["configs/default.yaml", "--ranks", "4", "pipeline.mode=streamer"]
@@ -43,7 +43,7 @@ ARMS = {
     "modes": {"streamer": STREAMER,
               "sync-colocated": ["configs/colocated.yaml", "--ranks", "2",
                                  "learner.micro_batches=1"]},
-    "critic": {"critic": STREAMER,  # issue 14's critic: its own rate, unclipped, 8 epochs
+    "critic": {"critic": STREAMER,  # the defaults: its own rate, unclipped, 8 epochs
                "before": STREAMER + ["algorithm.critic_lr=0", "algorithm.value_clip=true",
                                      "learner.epochs=4"]},
 }
@@ -52,23 +52,6 @@ ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=c
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
-# two-sided 97.5 % quantiles of Student's t, by degrees of freedom (1..30; normal beyond)
-T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-        2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-
-
-def welch_interval(a, b) -> tuple[float, float, float]:
-    """mean(a) - mean(b) and its 95 % Welch confidence interval."""
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    diff = a.mean() - b.mean()
-    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return diff, diff, diff
-    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    t = T975[min(int(df), 30) - 1] if df < 31 else 1.96
-    return diff, diff - t * se, diff + t * se
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -93,15 +76,12 @@ def late_explained_variance(records: list[dict], from_update: int = 30) -> float
     return float(np.mean([e for u, e in ev if u >= start]))
 
 
-def train_and_eval(cmd: list[str], root: Path, eval_episodes: int) -> dict:
-    """One `hpcvla train`, then `hpcvla eval` of its final checkpoint (in this process)."""
+def train_and_eval(args: list[str], root: Path, eval_episodes: int) -> dict:
+    """One `hpcvla train *args` under `root`, then `hpcvla eval` of its final checkpoint (in
+    this process)."""
     from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights, evaluate
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    (run_dir,) = root.iterdir()
-    summary = json.loads((run_dir / "summary.json").read_text())
+    run_dir, summary = train_run(args, root, timeout=3600)
     weights, _ = checkpoint_weights(run_dir)
     result = evaluate(load_config(run_dir / "config.yaml"), weights, episodes=eval_episodes,
                       seed=EVAL_SEED)
@@ -115,11 +95,10 @@ def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | t
         return None, None
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
-    from hpcvla.policies import save_pretrained
     from hpcvla.factory import build_policy
+    from hpcvla.policies import save_pretrained
     runs = root / "pretrain"
-    done = train_and_eval([sys.executable, "-m", "hpcvla", "train", *PRETRAIN[arms],
-                           f"pipeline.total_updates={PRETRAIN_UPDATES}", f"run.root={runs}",
+    done = train_and_eval([*PRETRAIN[arms], f"pipeline.total_updates={PRETRAIN_UPDATES}",
                            "pipeline.progress_every_s=1000"], runs, eval_episodes)
     from hpcvla.evaluate import checkpoint_weights
     cfg = load_config(done["run_dir"] / "config.yaml")
@@ -146,10 +125,10 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
             runs, layout = [], [part.format(pretrained=pretrained) for part in layout]
             for seed in range(seeds):
                 root = Path(tmp) / f"{arm}-{seed}"
-                cmd = [sys.executable, "-m", "hpcvla", "train", *layout, f"run.seed={seed}",
-                       f"pipeline.total_updates={updates}", f"run.root={root}",
-                       "pipeline.progress_every_s=1000", *overrides]
-                done = train_and_eval(cmd, root, eval_episodes)
+                done = train_and_eval([*layout, f"run.seed={seed}",
+                                       f"pipeline.total_updates={updates}",
+                                       "pipeline.progress_every_s=1000", *overrides],
+                                      root, eval_episodes)
                 summary = done["summary"]
                 runs.append({"seed": seed, "eval_success": done["eval"]["success_rate"],
                              "final_success": summary["success_rate"],

@@ -18,6 +18,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from hpcvla.metrics.stats import T975
+
 # matplotlib's tab10, as hex: series colours in order.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
            "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
@@ -95,7 +97,6 @@ def seed_curves(path, xs, groups: dict, title: str, xlabel: str, ylabel: str, yl
     across seeds thick, with its 95 % Student-t interval shaded: mean ± t(0.975, n-1) · sd /
     sqrt(n). t rather than 1.96 because n is a handful of seeds (t = 4.30 at n = 3); one seed
     gets no band."""
-    from hpcvla.bench.learning import T975  # the critical values the bench's CIs use
     fig = _figure(size)
     ax = fig.add_subplot()
     xs = np.asarray(xs, float)
