@@ -39,7 +39,7 @@ def run_ranks(cfg, main, check=None) -> int:
         plan = plan_from_config(cfg.placement, world.Get_size(), real_ranks_per_node(world))
         if check is not None:
             check(cfg, plan)
-        comms = build_communicators(plan, world)
+        comms = build_communicators(plan, world)  # [dist]
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
     except (PlanError, ConfigError) as err:  # every rank reached the same verdict
@@ -47,7 +47,7 @@ def run_ranks(cfg, main, check=None) -> int:
             print(f"hpcvla: cannot lay out this world: {err}", file=sys.stderr, flush=True)
         # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
         try:
-            idle_barrier(world, timeout=10.0)
+            idle_barrier(world, timeout=10.0)  # [dist]
         except TimeoutError:
             pass
         return 2
@@ -83,7 +83,7 @@ def create_run_dir(cfg, world) -> Path:
                 n += 1
                 path = base.with_name(f"{base.name}-{n}")
         path = str(path.resolve())
-    return Path(world.bcast(path, root=0))
+    return Path(world.bcast(path, root=0))  # [dist]
 
 
 def train_main(cfg, plan, comms) -> None:
@@ -103,6 +103,8 @@ def train_main(cfg, plan, comms) -> None:
         deathwatch.register_run_dir(run_dir)
     run_pipeline(cfg, plan, comms, run_dir)
     import torch.distributed as dist
-    if dist.is_initialized():  # the learners' gloo/NCCL threads end before anyone exits:
-        dist.destroy_process_group()  # a rank leaving while a peer's still talk to it
-    idle_barrier(world)  # ends in std::terminate (seen in CI with a test world)
+    # The learners' gloo/NCCL threads end before anyone exits: a rank leaving while a peer's
+    # still talk to it ends in std::terminate (seen in CI with a test world).
+    if dist.is_initialized():
+        dist.destroy_process_group()  # [dist]
+    idle_barrier(world)  # [dist]

@@ -52,10 +52,10 @@ TARGETS = {"ring_1MiB_ratio": ">= 0.70", "ring_1MiB_7p_ratio": ">= 0.70",
 
 
 def _timed(comm, fn) -> float:
-    comm.Barrier()
+    comm.Barrier()  # [dist]
     start = MPI.Wtime()
     fn()
-    comm.Barrier()
+    comm.Barrier()  # [dist]
     return MPI.Wtime() - start
 
 
@@ -64,15 +64,16 @@ def _participants(world, count):
     the others get COMM_NULL and wait for them in a sleeping barrier, so they do not spin on
     the cores the measured ranks need."""
     chosen = range(count) if isinstance(count, int) else count
-    comm = world.Split(0 if world.Get_rank() in chosen else MPI.UNDEFINED, world.Get_rank())
+    color = 0 if world.Get_rank() in chosen else MPI.UNDEFINED
+    comm = world.Split(color, world.Get_rank())  # [dist]
     if comm == MPI.COMM_NULL:
-        idle_barrier(world, cap=5e-3)
+        idle_barrier(world, cap=5e-3)  # [dist]
     return comm
 
 
 def _done(world, comm):
-    comm.Free()
-    idle_barrier(world, cap=5e-3)
+    comm.Free()  # [dist]
+    idle_barrier(world, cap=5e-3)  # [dist]
 
 
 def _median_pair(comm, a, b, repeats):
@@ -96,9 +97,10 @@ def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=Non
     per_producer = max(4, total_bytes // record_bytes // producers) // packed * packed
     n_slots = 16
     # the same memory as the raw window: 16 records per producer (+ headers, packing tables)
-    ring = TrajectoryRing(comm, n_slots // packed * producers,
+    ring = TrajectoryRing(comm, n_slots // packed * producers,  # [dist]
                           packed * record_bytes + 128, checksum=checksum)
-    raw = MPI.Win.Allocate(n_slots * record_bytes * producers if rank == 0 else 0, 1, comm=comm)
+    raw_bytes = n_slots * record_bytes * producers if rank == 0 else 0
+    raw = MPI.Win.Allocate(raw_bytes, 1, comm=comm)  # [dist]
     raw.Lock_all(MPI.MODE_NOCHECK)
     payload = np.random.default_rng(rank).integers(0, 255, record_bytes, dtype=np.uint8)
 
@@ -125,8 +127,8 @@ def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=Non
 
     t_ring, t_raw = _median_pair(comm, ring_run, raw_run, repeats)
     raw.Unlock_all()
-    raw.Free()
-    ring.free()
+    raw.Free()  # [dist]
+    ring.free()  # [dist]
     _done(world, comm)
     moved = per_producer * producers * record_bytes / 1e9
     return moved / t_ring, moved / t_raw
@@ -141,7 +143,7 @@ def bench_exchange(world, obs_bytes, iterations, repeats):
     obs_dtype = np.dtype([("pixels", "u1", (obs_bytes,))])
     act_dtype = np.dtype([("chunk", "<f4", (64, 7))])
     shards = 2
-    ex = ObsActionExchange(comm, shards, obs_dtype, act_dtype)
+    ex = ObsActionExchange(comm, shards, obs_dtype, act_dtype)  # [dist]
     source = np.random.default_rng(0).integers(0, 255, obs_bytes, dtype=np.uint8)
     batch = np.empty(obs_bytes, np.uint8)
 
@@ -172,7 +174,7 @@ def bench_exchange(world, obs_bytes, iterations, repeats):
                 np.copyto(batch, source)
 
     t_ex, t_copy = _median_pair(comm, exchange_run, memcpy_run, repeats)
-    ex.free()
+    ex.free()  # [dist]
     _done(world, comm)
     moved = iterations * obs_bytes / 1e9
     return moved / t_ex, moved / t_copy
@@ -183,12 +185,12 @@ def bench_weights(world, nbytes, ranks_per_node, repeats, frozen=0.0):
     that fraction of them is a frozen prefix (sent with the first version only), and the
     Bcast still moves all of them, as a plane that knew nothing frozen would."""
     plan = build_plan(world.Get_size(), ranks_per_node, "colocated")
-    comms = build_communicators(plan, world)
+    comms = build_communicators(plan, world)  # [dist]
     cut = int(nbytes * frozen) // 64 * 64
     manifest = Manifest((("prefix", "uint8", (cut,)), ("expert", "uint8", (nbytes - cut,))),
                         frozenset({"prefix"} if frozen else ()))
-    plane = WeightPlane(comms.control, comms.node, world.Get_rank() in plan.node_leaders,
-                        manifest)
+    plane = WeightPlane(comms.control, comms.node,  # [dist]
+                        world.Get_rank() in plan.node_leaders, manifest)
     weights = np.random.default_rng(1).integers(0, 255, manifest.nbytes, dtype=np.uint8)
     tensors = manifest.views(weights)
     out = np.empty(manifest.nbytes, np.uint8)
@@ -206,11 +208,11 @@ def bench_weights(world, nbytes, ranks_per_node, repeats, frozen=0.0):
         assert plane.read_into(out, trainable_only=version[0] > 1) >= version[0]
 
     def bcast_run():
-        world.Bcast(out if world.Get_rank() else weights, root=0)
+        world.Bcast(out if world.Get_rank() else weights, root=0)  # [dist]
 
     t_publish, t_bcast = _median_pair(world, publish_run, bcast_run, repeats)
-    plane.close()
-    comms.free()
+    plane.close()  # [dist]
+    comms.free()  # [dist]
     return t_publish, t_bcast
 
 
@@ -219,7 +221,7 @@ def run(world=MPI.COMM_WORLD, quick=False, ranks_per_node=4, json_path=None) -> 
     if size < 2:
         raise SystemExit("hpcvla bench transport needs at least 2 ranks (8 for 7 producers)")
     repeats = 1 if quick else 5
-    hosts = world.allgather(MPI.Get_processor_name())
+    hosts = world.allgather(MPI.Get_processor_name())  # [dist]
     remote = next((r for r, h in enumerate(hosts) if h != hosts[0]), None)
     results: dict = {"world_size": size, "host": socket.gethostname(), "quick": quick,
                      "hosts": len(set(hosts)),

@@ -20,8 +20,8 @@ The search is coordinate descent: starting from the config (or the first valid l
 each knob in turn is set to its best value with the others held, until a round changes
 nothing. Each layout is scored by the model's steady env steps/s (same random draws for
 every layout). A layout the pipeline would refuse (schedule.layout_problems, the rules
-`hpcvla train` checks) is skipped. Returns the best and the runner-ups (the next best layouts seen, those that
-predict another throughput than the ones listed first).
+`hpcvla train` checks) is skipped. Returns the best and the runner-ups (the next best
+layouts seen, those that predict another throughput than the ones listed first).
 
 pipeline.max_staleness is the user's bound, never searched: for the async modes the plan
 also prints the best prediction under bounds one and two versions looser, what the bound
