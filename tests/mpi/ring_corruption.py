@@ -6,13 +6,21 @@ after the last record ends the consumer's wait (get returns no records).
     mpiexec -n 2 python -m mpi4py tests/mpi/ring_corruption.py
 """
 
+import zlib
+
 import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.ring import TrajectoryRing
-from hpcvla.transport.slots import SLOT_HEADER, slot_checksum
+from hpcvla.transport.slots import MASK, SLOT_HEADER, checksum64
 
 SLOTS, SLOT_BYTES = 4, 4096
+
+
+def slot_checksum(header: np.ndarray, payload: np.ndarray) -> int:
+    """The checksum word of a slot holding `header` (a SLOT_HEADER item) and `payload`
+    (slots.py's formula)."""
+    return (checksum64(payload) + zlib.crc32(header.view(np.uint8)[8:56])) & MASK
 
 
 def publish_by_hand(ring, seq, payload, damage):
@@ -22,7 +30,7 @@ def publish_by_hand(ring, seq, payload, damage):
     disp = ring.slot_disp(ring.lane, f)
     header = np.zeros(1, SLOT_HEADER)
     h = header[0]
-    h["ticket"], h["producer"], h["seq"], h["part"], h["nparts"] = f, 1, seq, 0, 1
+    h["fragment"], h["producer"], h["seq"], h["part"], h["nparts"] = f, 1, seq, 0, 1
     h["length"] = h["record_length"] = payload.nbytes
     h["checksum"] = slot_checksum(header, payload)
     sent = payload.copy()

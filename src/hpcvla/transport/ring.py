@@ -17,23 +17,21 @@ a one-rank ring's root produces itself), n_slots split between lanes as evenly a
     control + i * slot     slot i: SLOT_HEADER (64 bytes) + payload (slot_bytes - 64); lane
                            l owns slots first[l] .. first[l] + size[l] - 1
 
-A producer writes its f-th fragment into slot first + f % size of its own lane. No shared
-ticket counter: an MPI atomic costs several `Put`s in shared memory, and with one ticket
-order a descheduled producer held back everyone's records. The lane's freed word W (its
-fragments below W were consumed and their slots handed back) only grows, so the value last
-read is a safe lower bound: the producer re-reads it (`Get`, back-off) only while
-f - size >= W, so a lane that is not full costs no round trip. Per fragment: `Put` header
-fields and payload (and, per record, the started word, for stall reports, when the ring
-spans hosts), `Flush`, then
-publish with a `Put` of f + 1 into the slot's state word, `Flush`. Every word has one
-writer and is an aligned 8-byte store, read whole. The learner reads each lane in order
-from its own memory: a slot is ready when its state is f + 1; it checks the header (lane
-fragment number, lengths, checksum over the header and, where checked, the payload), hands
-the payload out, and
-frees slots in batches: once per `poll`/`release` it stores, per lane, W = the oldest
-fragment it still holds. So a full lane makes its producer wait, memory stays bounded, and
-nothing is overwritten before it was read. The price of lanes: a producer cannot borrow
-another's idle slots.
+A producer writes its f-th fragment into slot first + f % size of its own lane. Lanes rather
+than one shared counter of slots: an MPI atomic costs several `Put`s in shared memory, and
+with one order for all a descheduled producer would hold back everyone's records. The lane's
+freed word W (its fragments below W were consumed and their slots handed back) only grows, so
+the value last read is a safe lower bound: the producer re-reads it (`Get`, back-off) only
+while f - size >= W, so a lane that is not full costs no round trip. Per fragment: `Put`
+header fields and payload (and, per record, the started word, for stall reports, when the
+ring spans hosts), `Flush`, then publish with a `Put` of f + 1 into the slot's state word,
+`Flush`. Every word has one writer and is an aligned 8-byte store, read whole. The learner
+reads each lane in order from its own memory: a slot is ready when its state is f + 1; it
+checks the header (lane fragment number, lengths, checksum over the header and, where
+checked, the payload), hands the payload out, and frees slots in batches: once per
+`poll`/`release` it stores, per lane, W = the oldest fragment it still holds. So a full lane
+makes its producer wait, memory stays bounded, and nothing is overwritten before it was read.
+The price of lanes: a producer cannot borrow another's idle slots.
 
 A record larger than a slot's payload is split into fragments (`part`/`nparts`), reassembled
 per producer; each producer's records arrive in the order it wrote them. A slot that fails a
@@ -41,17 +39,14 @@ check is dropped, counted and reported; the record it belonged to is never deliv
 gap in that producer's sequence is counted as lost. A fragment with nparts = 0 announces that
 its producer closed. Small records handed over together (`put_many`) share slots: one `Put`
 of header and table, one `Flush` and publish per slot and one `Put` per record (slots.py has
-the packed layout); the learner gets each as its own view. For 64 KiB records a raw
-`Put`+`Flush` costs ~1.9 us; the ring's MPI calls ~1.7 us per record packed 4 to a slot,
-and its Python per slot ~3 us producer, ~4 us learner (both sides cache the packed layout
-per shape of records: slots.packed_plan, slots.unpack).
+the packed layout, which both sides cache per shape of records); the learner gets each as its
+own view.
 
 Payload checksums (`checksum`): `auto` checks payloads only when the ring spans hosts, where
 a transport that reorders a publish before its payload would otherwise go unseen; between
 ranks of one host a Put is a store into the same memory, completed by the Flush before the
-publish, and two passes over every payload (producer and learner) would cost more than the
-copy itself (0.49 of raw Put+Flush for 1 MiB records, against 0.7+ without). `always` checks
-them everywhere. The header (fragment number, lengths, identity) is checksummed always.
+publish, and two passes over every payload would cost more than the copy itself. `always`
+checks them everywhere. The header (fragment number, lengths, identity) is checksummed always.
 """
 
 from __future__ import annotations
@@ -68,8 +63,8 @@ from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_unt
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Packed,
-                                    Record, RingStats, checksum64, header_struct, packed_plan,
-                                    signed32, signed64, unpack)
+                                    Record, RingStats, SlotHeader, checksum64, header_struct,
+                                    as_bytes, packed_plan, signed64, unpack)
 
 
 class TrajectoryRing:
@@ -101,7 +96,7 @@ class TrajectoryRing:
         self.producer_id = MPI.COMM_WORLD.Get_rank() if producer_id is None else producer_id
         self.control_bytes = -(-16 * lanes // 64) * 64
         nbytes = self.control_bytes + n_slots * slot_bytes if self.is_root else 0
-        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)
+        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)  # [dist]
         if self.is_root:
             memory = np.frombuffer(self.win.tomemory(), np.uint8)
             memory[:] = 0
@@ -112,14 +107,14 @@ class TrajectoryRing:
             self._words = self._slots[:, :SLOT_HEADER.itemsize].view("<u8")  # (n_slots, 8)
             self._slot_lane = np.repeat(np.arange(lanes), self.lane_size)
         # collective: whether producers sit on other hosts, and the progress communicator
-        self.spans_hosts = spans_hosts(comm)
+        self.spans_hosts = spans_hosts(comm)  # [dist]
         self.checks_payload = checksum == "always" or self.spans_hosts  # the same everywhere
-        self.progress = ProgressAgent(comm)
+        self.progress = ProgressAgent(comm)  # [dist]
         self._wants_thread = self.is_root and (
             progress == "thread" or (progress == "auto" and self.spans_hosts))
         if start_progress:
             self.start_progress()
-        comm.Barrier()  # zeroed before anyone writes
+        comm.Barrier()  # [dist] zeroed before anyone writes
         self.win.Lock_all(MPI.MODE_NOCHECK)
         # producer state: this rank's lane, its next fragment, the freed word as last read
         rank = comm.Get_rank()
@@ -144,7 +139,7 @@ class TrajectoryRing:
     # ---------------------------------------------------------------- producer side
     def put(self, record, schema: int = 0, timeout: float | None = None) -> None:
         """Write one record (bytes-like or uint8 array); blocks while this lane is full."""
-        data = _as_bytes(record)
+        data = as_bytes(record)
         nparts = max(1, -(-data.nbytes // self.capacity))
         for part in range(nparts):
             fragment = data[part * self.capacity:(part + 1) * self.capacity]
@@ -155,7 +150,7 @@ class TrajectoryRing:
     def put_many(self, records, timeout: float | None = None) -> None:
         """Write [(record, schema)] in order, small ones packed together: one header, `Flush`
         and publish per slot, one `Put` per record (those too large to share go as `put`)."""
-        records = [(_as_bytes(record), schema) for record, schema in records]
+        records = [(as_bytes(record), schema) for record, schema in records]
         for first, end, offsets, used, table in packed_plan(
                 tuple([data.nbytes for data, _ in records]),
                 tuple([schema for _, schema in records]), self.capacity):
@@ -260,22 +255,21 @@ class TrajectoryRing:
 
     def _consume(self, lane: int, f: int) -> list[Record]:
         slot_index = self.lane_first[lane] + f % self.lane_size[lane]
-        slot, words = self._slots[slot_index], self._words[slot_index].tolist()
-        payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + words[5]]
-        packed = unpack(payload, words[6]) if words[2] >> 32 == PACKED else None
-        problem = packed if isinstance(packed, str) else self._check(words, f, slot, packed)
+        slot, h = self._slots[slot_index], SlotHeader.of(self._words[slot_index].tolist())
+        payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + h.length]
+        packed = unpack(payload, h.record_length) if h.schema == PACKED else None
+        problem = packed if isinstance(packed, str) else self._check(h, f, slot, packed)
         if problem:
             self.stats.bad_slots += 1
             self.report(f"dropped slot {slot_index} (lane of comm rank {self.producers[lane]}, "
-                        f"fragment {f}; claims producer {signed32(words[2] & LOW)}, seq "
-                        f"{signed64(words[3])}): {problem}")
+                        f"fragment {f}; claims producer {h.producer}, seq {h.seq}): {problem}")
             return []
         if packed is not None:
-            records = self._unpacked(words, payload, packed)
+            records = self._unpacked(h, payload, packed)
         else:
-            record = self._assemble(words, payload)
+            record = self._assemble(h, payload)
             records = [] if record is None else [record]
-        if records and words[4] >> 32 == 1:
+        if records and h.nparts == 1:
             self._held.append((lane, f))  # views of this slot: freed by the next poll
         return records
 
@@ -322,28 +316,29 @@ class TrajectoryRing:
         """Why nothing arrives, for a stall message (ring_stall.py)."""
         return describe_stall(self, producers)
 
-    def _check(self, words: list, fragment: int, slot: np.ndarray, packed) -> str | None:
-        length, part, nparts = words[5], words[4] & LOW, words[4] >> 32
-        if words[1] != fragment:
-            return f"holds fragment {signed64(words[1])} (stale or torn)"
+    def _check(self, h: SlotHeader, fragment: int, slot: np.ndarray, packed) -> str | None:
+        length, part, nparts = h.length, h.part, h.nparts
+        if h.fragment != fragment:
+            return f"holds fragment {signed64(h.fragment)} (stale or torn)"
         if length > self.capacity:
             return f"length {length} exceeds the slot payload {self.capacity}"
         if packed is not None and (part, nparts) != (0, 1):
             return f"a packed slot claims fragment {part}/{nparts}"
         if packed is None and nparts and (part >= nparts or length != min(
-                self.capacity, words[6] - part * self.capacity)):
+                self.capacity, h.record_length - part * self.capacity)):
             return f"fragment {part}/{nparts} of length {length} does not fit its record"
         checked = 0
         if self.checks_payload:
             payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + length]
             checked = sum(map(checksum64, [payload] if packed is None else [
-                payload[:16 * words[6]]] + [payload[at:at + n] for at, n, _ in packed.records]))
-        if (checked + zlib.crc32(slot[8:56])) & MASK != words[7]:
+                payload[:16 * h.record_length]] + [payload[at:at + n]
+                                                   for at, n, _ in packed.records]))
+        if (checked + zlib.crc32(slot[8:56])) & MASK != h.checksum:
             return "checksum mismatch (corrupted or torn)"
         return None
 
-    def _unpacked(self, words: list, payload: np.ndarray, packed: Packed) -> list[Record]:
-        producer, seq = signed32(words[2] & LOW), signed64(words[3])
+    def _unpacked(self, h: SlotHeader, payload: np.ndarray, packed: Packed) -> list[Record]:
+        producer, seq = h.producer, h.seq
         partial = self._partial.pop(producer, None)
         if partial is not None:
             self.stats.dropped_records += 1
@@ -353,9 +348,8 @@ class TrajectoryRing:
         return [new(Record, (producer, seq + i, schema, payload[at:at + n]))
                 for i, (at, n, schema) in enumerate(packed.records)]
 
-    def _assemble(self, words: list, fragment: np.ndarray) -> Record | None:
-        producer, schema = signed32(words[2] & LOW), words[2] >> 32
-        seq, part, nparts = signed64(words[3]), words[4] & LOW, words[4] >> 32
+    def _assemble(self, h: SlotHeader, fragment: np.ndarray) -> Record | None:
+        producer, schema, seq, part, nparts = h.producer, h.schema, h.seq, h.part, h.nparts
         if nparts == 0:
             self.stats.closed.add(producer)
             return None
@@ -369,7 +363,7 @@ class TrajectoryRing:
         if partial is None:
             if part != 0:
                 return None  # the start of this record was dropped; already reported
-            partial = (np.empty(words[6], np.uint8), seq, 0)
+            partial = (np.empty(h.record_length, np.uint8), seq, 0)
         buf = partial[0]
         buf[part * self.capacity:part * self.capacity + fragment.nbytes] = fragment
         if part + 1 < nparts:
@@ -398,13 +392,7 @@ class TrajectoryRing:
     def free(self) -> None:
         """Collective: release the window."""
         if self.win != MPI.WIN_NULL:
-            self.progress.free()
+            self.progress.free()  # [dist]
             self.win.Unlock_all()
-            self.win.Free()
+            self.win.Free()  # [dist]
 
-
-def _as_bytes(record) -> np.ndarray:
-    if type(record) is np.ndarray and record.dtype == np.uint8 and record.ndim == 1:
-        return record  # what encode() gives: no view to make
-    return np.frombuffer(record, np.uint8) if not isinstance(record, np.ndarray) \
-        else record.reshape(-1).view(np.uint8)

@@ -10,7 +10,6 @@ payloads (`learner.ring_checksum=auto` on one host) stores the crc32 alone.
 from __future__ import annotations
 
 import struct
-import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import NamedTuple
@@ -21,7 +20,7 @@ from hpcvla.transport.records import aligned
 
 SLOT_HEADER = np.dtype([
     ("state", "<i8"),          # publish word: f + 1 once fragment f is in, 0 never used
-    ("ticket", "<i8"),         # lane fragment number f of this content (stale/torn slots)
+    ("fragment", "<i8"),       # lane fragment number f of this content (stale/torn slots)
     ("producer", "<i4"),       # producer id (its world rank)
     ("schema", "<u4"),         # record schema id (see records.schema_of), 0 = raw bytes
     ("seq", "<i8"),            # per-producer record sequence number, from 0
@@ -33,10 +32,34 @@ SLOT_HEADER = np.dtype([
 ])                             # (without payload checks: the crc32 alone)
 CHECKSUMS = ("auto", "always")
 # Both sides handle the header as its 8 little-endian words (a structured-array assignment
-# costs more than the rest of a small put): state, ticket, producer | schema << 32, seq,
-# part | nparts << 32, length, record_length, checksum.
+# costs more than the rest of a small put): state, fragment, producer | schema << 32, seq,
+# part | nparts << 32, length, record_length, checksum. The learner reads them by name
+# (SlotHeader.of); a producer packs words 1..6 with header_struct.
 assert SLOT_HEADER.itemsize == 64
 MASK, LOW = (1 << 64) - 1, (1 << 32) - 1
+
+
+class SlotHeader(NamedTuple):
+    """A slot header's fields, from its 8 words (SLOT_HEADER)."""
+    state: int
+    fragment: int  # unsigned, as stored
+    producer: int
+    schema: int
+    seq: int
+    part: int
+    nparts: int
+    length: int
+    record_length: int
+    checksum: int
+
+    @staticmethod
+    def of(words: list[int]) -> "SlotHeader":
+        """The fields of the header words `words` (8 ints)."""
+        producer, part = words[2], words[4]
+        # tuple.__new__: NamedTuple's own __new__ is Python, this runs once per slot
+        return tuple.__new__(SlotHeader, (
+            words[0], words[1], signed32(producer & LOW), producer >> 32, signed64(words[3]),
+            part & LOW, part >> 32, words[5], words[6], words[7]))
 
 
 class Record(NamedTuple):
@@ -76,11 +99,6 @@ def checksum64(payload: np.ndarray) -> int:
     if cut < n:
         total += int.from_bytes(payload[cut:].tobytes(), "little")
     return total & MASK
-
-
-def slot_checksum(header: np.ndarray, payload: np.ndarray) -> int:
-    """The checksum word of a slot holding `header` (a SLOT_HEADER item) and `payload`."""
-    return (checksum64(payload) + zlib.crc32(header.view(np.uint8)[8:56])) & MASK
 
 
 def signed64(word: int) -> int:
@@ -168,3 +186,11 @@ def _layout(table: bytes, nbytes: int) -> Packed | str:
     if used != nbytes:
         return f"packed records end at {used}, the slot says {nbytes}"
     return Packed(tuple(zip(offsets, lengths, words[1::2])), sum(lengths))
+
+
+def as_bytes(record) -> np.ndarray:
+    """A record (bytes-like or array) as a flat uint8 array, without a copy."""
+    if type(record) is np.ndarray and record.dtype == np.uint8 and record.ndim == 1:
+        return record  # what encode() gives: no view to make
+    return np.frombuffer(record, np.uint8) if not isinstance(record, np.ndarray) \
+        else record.reshape(-1).view(np.uint8)
