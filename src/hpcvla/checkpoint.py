@@ -71,15 +71,15 @@ def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    idle_barrier(learners)  # a blocking barrier spins while learner 0 writes
+    idle_barrier(learners)  # [dist] a blocking barrier spins while learner 0 writes
     tensors, groups = _optimizer_tensors(engine)
     tensors["rng.torch_cpu"] = torch.get_rng_state()
     name = f"optimizer.rank{rank}.safetensors"
     save_file(tensors, str(partial / name))
     mine = {"file": name, "sha256": _sha256(partial / name), "param_groups": groups}
-    everyone = learners.gather(mine, root=0)
+    everyone = learners.gather(mine, root=0)  # [dist]
     if rank != 0:
-        idle_barrier(learners)
+        idle_barrier(learners)  # [dist]
         return None
     save_file({k: torch.as_tensor(v).contiguous() for k, v in weights.items()},
               str(partial / MODEL))
@@ -92,7 +92,7 @@ def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version
     os.replace(partial, final)  # the checkpoint exists completely or not at all
     for old in sorted(p for p in final.parent.glob("v[0-9]*") if p.suffix != ".partial")[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    idle_barrier(learners)
+    idle_barrier(learners)  # [dist]
     return final
 
 

@@ -32,4 +32,4 @@ def agreed(comm) -> bool:
     """Collective on `comm`: did any member get a stop signal?"""
     from mpi4py import MPI
 
-    return comm.allreduce(_requested.is_set(), op=MPI.LOR)
+    return comm.allreduce(_requested.is_set(), op=MPI.LOR)  # [dist]

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask

@@ -25,7 +25,8 @@ POLICIES: dict[str, type[Policy]] = {
 }
 
 
-def make_policy(name: str, obs_spec: dict, action_dim: int, chunk_len: int, vocab_size: int, **kwargs) -> Policy:
+def make_policy(name: str, obs_spec: dict, action_dim: int, chunk_len: int, vocab_size: int,
+                **kwargs) -> Policy:
     """Build the policy registered under `name`; extra kwargs go to its constructor."""
     try:
         cls = POLICIES[name]

@@ -25,23 +25,16 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
     `save(version, weights, last)` checkpoints when due; `dump` (metrics/dump.py), if given,
     gets every segment group; `emulate_ms(envs)`, if given, is the emulated forward-pass
     time (as on an inference rank)."""
-    policy, spec = actor, env.spec
-    actor.load_arrays(full_state(engine))  # collective under ZeRO-3
+    spec = env.spec
+    actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
-    builder = SegmentBuilder({**spec.obs, **policy.extra_fields()}, env.num_envs,
+    builder = SegmentBuilder({**spec.obs, **actor.extra_fields()}, env.num_envs,
                              spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
     obs, result, groups, steps = env.reset(), None, [], 0
     version = first
     while True:
-        with timeline.span("infer"):
-            begin = time.monotonic()
-            with torch.no_grad():
-                out, extras = policy.sample(policy.obs_to_tensors(obs, policy.device))
-            actions, logprob, value = (t.cpu().numpy() for t in out)
-            recorded = {**obs, **{k: v.cpu().numpy() for k, v in extras.items()}}
-            if emulate_ms:  # the emulated cost is the whole forward pass
-                pad(begin, emulate_ms(env.num_envs) / 1e3)
+        actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)
         if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
             builder.record_outcome(outcome_of(result))
         if builder.full:
@@ -52,15 +45,12 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                     dump.add_segment(groups[-1])
             if len(groups) * env.num_envs >= micro * n_micro:
                 per_micro = micro // env.num_envs  # train, then act again with new weights
-                learn(cfg, engine, [groups[i * per_micro:(i + 1) * per_micro]
-                                    for i in range(n_micro)], version, timeline, progress)
+                weights = _update(cfg, engine, actor, [groups[i * per_micro:(i + 1) * per_micro]
+                                                       for i in range(n_micro)],
+                                  version, timeline, progress)
                 groups, version = [], version + 1
-                progress.on_update(version)
-                with timeline.span("publish"):
-                    weights = full_state(engine)
-                    actor.load_arrays(weights)
                 last = version == total_updates or stop()
-                save(version, weights, last)
+                save(version, weights, last)  # [dist] checkpoint.save when due
                 if last:
                     break
                 continue
@@ -73,4 +63,28 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
     if dump:
         dump.close()
     return steps
+
+
+def _act(policy, obs, envs: int, timeline, emulate_ms):
+    """The policy's chunk for `obs`: (actions, logprob, value, what to record beside it)."""
+    with timeline.span("infer"):
+        begin = time.monotonic()
+        with torch.no_grad():
+            out, extras = policy.sample(policy.obs_to_tensors(obs, policy.device))
+        actions, logprob, value = (t.cpu().numpy() for t in out)
+        recorded = {**obs, **{k: v.cpu().numpy() for k, v in extras.items()}}
+        if emulate_ms:  # the emulated cost is the whole forward pass
+            pad(begin, emulate_ms(envs) / 1e3)
+    return actions, logprob, value, recorded
+
+
+def _update(cfg, engine, actor, micro_batches, version: int, timeline, progress) -> dict:
+    """Train version `version` + 1 on this rank's micro-batches (data-parallel with the other
+    ranks) and load the new weights into the acting copy; returns them."""
+    learn(cfg, engine, micro_batches, version, timeline, progress)
+    progress.on_update(version + 1)
+    with timeline.span("publish"):
+        weights = full_state(engine)  # [dist] under ZeRO-3
+        actor.load_arrays(weights)
+    return weights
 

@@ -41,7 +41,7 @@ from hpcvla.roles.outputs import checkpointer, trajectory_dump, write_report
 from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
-from hpcvla.topology.plan import INF, LEARN, SIM
+from hpcvla.topology.plan import INF, SIM
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
@@ -81,6 +81,8 @@ class _Links(NamedTuple):
 
 
 def run_pipeline(cfg, plan, comms, run_dir) -> dict:
+    """This rank's part of the run: prologue, transport (disaggregated), role, teardown, then
+    the report. Returns this rank's summary; rank 0's is the whole run's (summary.json)."""
     me = _prologue(cfg, plan, comms, run_dir)
     if plan.mode == "colocated":
         start, stats = _colocated_rank(me)

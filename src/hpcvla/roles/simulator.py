@@ -2,7 +2,8 @@
 
 Each shard owns one slot of its cell's ObsActionExchange. The observation slot carries the
 env observation plus the outcome of the previous action (segments.OUTCOME_FIELDS: reward,
-terminated, truncated, env_fault, success, episode return) and the shard's env-step count; the action slot carries the chunk and a stop flag.
+terminated, truncated, env_fault, success, episode return) and the shard's env-step count;
+the action slot carries the chunk and a stop flag.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""How data moves between ranks (DESIGN.md section 2). Each mechanism stands on its own:
+"""How data moves between ranks (docs/architecture.md describes the planes). Each mechanism
+stands on its own:
 
 * `records`: the fixed binary layout of a record (named numpy arrays, never pickle);
 * `ring`: the trajectory ring, producers -> one learner through one-sided RMA (data plane);
 * `exchange`: node-local observation/action slots in a shared-memory window (data plane);
-* `weights`: versioned, topology-aware weight broadcast (control plane).
+* `weights`: versioned, topology-aware weight broadcast (control plane);
+* `slots`, `progress`, `backoff`, `ring_stall`: the ring's slot format, MPI progress for
+  remote producers, sleeping waits, and stall reports.
 
 `ring`, `exchange` and `weights` import mpi4py; import them only inside MPI ranks.
 """

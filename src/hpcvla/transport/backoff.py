@@ -74,4 +74,4 @@ def wait_request(request, what: str = "an MPI request", timeout: float | None = 
 
 def idle_barrier(comm, timeout: float | None = None, cap: float = 1e-4) -> None:
     """A barrier that sleeps while it waits (`Ibarrier` + sleeping `Test`)."""
-    wait_request(comm.Ibarrier(), "a barrier", timeout, cap)
+    wait_request(comm.Ibarrier(), "a barrier", timeout, cap)  # [dist]

@@ -41,7 +41,7 @@ class ObsActionExchange:
         self._act_at = HEADER_BYTES + aligned(self.obs_dtype.itemsize)
         self.slot_bytes = self._act_at + aligned(self.action_dtype.itemsize)
         total = self.n_slots * self.slot_bytes if rank == server else 0
-        self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)
+        self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)  # [dist]
         buf, _ = self.win.Shared_query(server)
         memory = np.frombuffer(buf, np.uint8).reshape(self.n_slots, self.slot_bytes)
         if rank == server:
@@ -51,7 +51,7 @@ class ObsActionExchange:
         self._request, self._response = flags[:, 0], flags[:, 1]
         self._served = np.zeros(self.n_slots, np.int64)  # server: request handed out last
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        comm.Barrier()
+        comm.Barrier()  # [dist]
 
     def slot_of(self, shard: int, rank: int | None = None) -> int:
         rank = self.comm.Get_rank() if rank is None else rank
@@ -120,4 +120,4 @@ class ObsActionExchange:
         if self.win != MPI.WIN_NULL:
             self._memory = self._request = self._response = None
             self.win.Unlock_all()
-            self.win.Free()
+            self.win.Free()  # [dist]

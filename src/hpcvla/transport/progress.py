@@ -4,12 +4,10 @@ Inside a host, MPI completes a `Put`/`Fetch_and_op`/`Accumulate` into a `Win.All
 in shared memory: the target needs to do nothing. Across hosts without hardware RMA (TCP, and
 InfiniBand for atomics in some MPIs) the *target's* progress engine completes them, and it
 runs only while the target is inside an MPI call. A learner that reads its ring with
-`Win.Sync()` and plain loads, or that spends a minute in a training step, leaves every remote
-producer waiting (measured with the ring's old atomics: 0 of 16 puts from another host
-during a 4 s compute; on the learner's own host 16 of 16). The ring now avoids atomics (a lane
-per producer), and over TCP both MPIs here complete its plain `Put`s without the target (8 of
-8 during a 3 s compute, tests/multihost); fabrics and MPIs that route `Put` through the target
-still need this module.
+`Win.Sync()` and plain loads, or that spends a minute in a training step, would leave such
+remote producers waiting. The ring uses no atomics (a lane per producer), and over TCP both
+MPIs tested complete its plain `Put`s without the target (tests/multihost); fabrics and MPIs
+that route `Put` through the target need this module (docs/results.md has the measurements).
 
 So a ring target drives progress itself, two ways:
 
@@ -21,9 +19,9 @@ So a ring target drives progress itself, two ways:
   inside a training step. The thread holds the GIL only for the `Iprobe` (torch and numpy
   release it while they compute); mpi4py initialises MPI with `MPI_THREAD_MULTIPLE`.
 
-The alternatives, measured (see the README's transport section for the numbers): MPI's own
-asynchronous progress (`MPICH_ASYNC_PROGRESS=1`) spins a core per rank and made every MPI
-call 10-60x slower when ranks share cores; a helper rank would hold a core and cannot progress
+The alternatives, measured (docs/results.md): MPI's own asynchronous progress
+(`MPICH_ASYNC_PROGRESS=1`) spins a core per rank and made every MPI call 10-60x slower when
+ranks share cores; a helper rank would hold a core and cannot progress
 another process's window. The agent is started only where it is needed: when the window's
 producers are on other hosts (`spans_hosts`), or always with `mode="thread"`.
 """
@@ -43,11 +41,11 @@ DEFAULT_INTERVAL = 1e-3
 
 def spans_hosts(comm: MPI.Comm) -> bool:
     """Collective: whether `comm`'s ranks sit on more than one shared-memory node."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)  # [dist]
     try:
         return node.Get_size() < comm.Get_size()
     finally:
-        node.Free()
+        node.Free()  # [dist]
 
 
 class ProgressAgent:
@@ -55,7 +53,7 @@ class ProgressAgent:
     or `start()` a thread that pokes every `interval` seconds until `stop()`."""
 
     def __init__(self, comm: MPI.Comm, interval: float = DEFAULT_INTERVAL):
-        self.comm = comm.Dup()  # collective; no message is ever sent on it
+        self.comm = comm.Dup()  # [dist] no message is ever sent on it
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -88,4 +86,4 @@ class ProgressAgent:
         """Collective over the communicator it was made on."""
         self.stop()
         if self.comm != MPI.COMM_NULL:
-            self.comm.Free()
+            self.comm.Free()  # [dist]

@@ -12,8 +12,8 @@ buffer) on its own duplicate of the control communicator (root + one leader per 
 publish never blocks the data plane; each node leader's thread receives it straight into the
 spare half of a double buffer in a node-shared window (`Win.Allocate_shared` on the node
 communicator), then flips the "current" index. The root copies the version into its own
-node's half while the broadcast is under way (an `Ibcast`, waited for after the copy: 1.20
--> 1.02 of one `Bcast`, medians of 12 runs of 8 ranks). Readers copy the current half under
+node's half while the broadcast is under way (an `Ibcast`, waited for after the copy, so the
+copy hides behind the broadcast). Readers copy the current half under
 a per-half sequence lock (odd while being written), retrying if it changed underneath, so a
 reader never sees a half-written update. Versions only go up; a publish that finds the
 previous one still in flight replaces the pending one (readers want the newest, not all).
@@ -137,11 +137,11 @@ class WeightPlane:
         self.node = node
         # Node window: the leader allocates the header and both halves; nodes without a
         # leader (learner-only) allocate nothing.
-        leader = node.allreduce(node.Get_rank() if is_leader else -1, op=MPI.MAX)
+        leader = node.allreduce(node.Get_rank() if is_leader else -1, op=MPI.MAX)  # [dist]
         self.has_window = leader >= 0
         half = aligned(self.nbytes)
         size = _HEADER_BYTES + 2 * half if is_leader else 0
-        self.win = MPI.Win.Allocate_shared(size, 1, comm=node)
+        self.win = MPI.Win.Allocate_shared(size, 1, comm=node)  # [dist]
         if self.has_window:
             buf, _ = self.win.Shared_query(leader)
             memory = np.frombuffer(buf, np.uint8)
@@ -152,9 +152,9 @@ class WeightPlane:
                 self._words[:] = 0
                 self._words[_CURRENT] = self._words[_NEWEST] = -1
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        node.Barrier()
+        node.Barrier()  # [dist]
 
-        self._control = control.Dup() if control != MPI.COMM_NULL else MPI.COMM_NULL
+        self._control = control.Dup() if control != MPI.COMM_NULL else MPI.COMM_NULL  # [dist]
         self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, whole?
         # the trainable places of the flat layout, as one MPI datatype (None: nothing frozen)
         self._regions = manifest.regions(manifest.trainable)
@@ -216,12 +216,12 @@ class WeightPlane:
             self._header[:] = (version, self.manifest.hash, whole)
             # Ibcast: leaders wait for headers with a nonblocking broadcast, and a nonblocking
             # collective only matches a nonblocking one.
-            self._control.Ibcast(self._header, root=0).Wait()
+            self._control.Ibcast(self._header, root=0).Wait()  # [dist]
             if version == _STOP:
                 if self.is_leader:
                     self._mark_finished()
                 return
-            request = self._control.Ibcast(self._message(self._sending, whole), root=0)
+            request = self._control.Ibcast(self._message(self._sending, whole), root=0)  # [dist]
             if self.is_leader:  # the root's own node, while the leaders receive
                 self._store(version, whole, lambda half: self._copy(half, self._sending, whole))
             request.Wait()
@@ -238,7 +238,7 @@ class WeightPlane:
     # ------------------------------------------------------------ node leaders
     def _receive_loop(self) -> None:
         while True:
-            request = self._control.Ibcast(self._header, root=0)
+            request = self._control.Ibcast(self._header, root=0)  # [dist]
             backoff = Backoff(cap=5e-4, what="the next weight version")
             while not request.Test():  # idle wait that does not burn a core
                 backoff.wait()
@@ -252,7 +252,7 @@ class WeightPlane:
                                    f"policy, dtype and frozen parameters on every rank)")
             # Ibcast, not Bcast: the root's is nonblocking, and MPI matches a nonblocking
             # collective only with nonblocking ones
-            self._store(version, whole, lambda half: self._control.Ibcast(
+            self._store(version, whole, lambda half: self._control.Ibcast(  # [dist]
                 self._message(half, whole), root=0).Wait())
 
     def _message(self, flat: np.ndarray, whole: bool):
@@ -346,12 +346,12 @@ class WeightPlane:
         self.stop()
         if self._thread is not None:
             self._thread.join()
-            self._control.Free()
+            self._control.Free()  # [dist]
             self._thread = None
         self._raise_thread_error()
-        idle_barrier(self.node)  # nobody reads the window any more
+        idle_barrier(self.node)  # [dist] nobody reads the window any more
         self.win.Unlock_all()
-        self.win.Free()
+        self.win.Free()  # [dist]
         if self._trainable is not None:
             self._trainable.Free()
             self._trainable = None
