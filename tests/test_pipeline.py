@@ -16,7 +16,7 @@ import pytest
 from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import check_config
 from hpcvla.roles.batcher import DynamicBatcher
-from hpcvla.roles.modes import check_pipeline, schedule_of
+from hpcvla.schedule import check_pipeline, schedule_of
 from hpcvla.topology.plan import plan_from_config
 from helpers import ROOT, hpcvla, run_train
 
@@ -86,6 +86,7 @@ def test_pipeline_sizes_checked_before_ranks_start():
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync-disaggregated", "train-async", "rollout-async",
                                   "streamer"])
 def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
@@ -115,6 +116,7 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
     out, summary, run_dir = run_train(tmp_path, "pipeline.total_updates=3",
                                       "learner.zero_stage=3", "run.dump_trajectories=true",
@@ -135,6 +137,7 @@ def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,bound", [("streamer", 1), ("streamer", 2),
                                         ("rollout-async", 1)])
 def test_staleness_bounded_with_slow_learner(tmp_path, mode, bound):
@@ -154,6 +157,7 @@ def test_staleness_bounded_with_slow_learner(tmp_path, mode, bound):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_two_nodes_two_learners_zero3_streamer(tmp_path):
     """Two emulated nodes, a cell and a learner on each: ZeRO-3 across the learners, weights
     crossing to each node's leader once, the staleness bound over both feeds."""
@@ -201,6 +205,7 @@ def test_shards_benchmark_measures_both_ways_side_by_side(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("config,ranks,extra", [
     ("configs/default.yaml", 4, ["learner.zero_stage=1"]),
     ("configs/colocated.yaml", 2, ["learner.zero_stage=3"])])
@@ -233,6 +238,7 @@ def test_resume_refused_before_ranks_start(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
                                           ("configs/colocated.yaml", 2)])
 def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
@@ -271,6 +277,7 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_sync_batch_smaller_than_the_cell_does_not_stall(tmp_path):
     """A version's batch (32 segments) covers half of a 64-env cell: the synchronous batcher
     serves the half the quota lets through instead of waiting for the held-back half."""
@@ -283,6 +290,7 @@ def test_sync_batch_smaller_than_the_cell_does_not_stall(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_stuck_simulators_stop_the_job_loudly(tmp_path):
     start = time.monotonic()
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
@@ -295,6 +303,7 @@ def test_stuck_simulators_stop_the_job_loudly(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):
     # torch's JIT build waits forever for a lock file an interrupted build left behind
     from torch.utils.cpp_extension import _get_build_directory

@@ -147,7 +147,7 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                   + (f"  (plan --auto predicted {predicted:.0f})" if predicted else ""),
                   flush=True)
     base = next((r["throughput"] for r in results["modes"].values()
-                 if r["mode"] == "sync-colocated"), None)
+                 if traits(r["mode"]).colocated), None)
     if base:
         results["speedup_vs_sync_colocated"] = {
             m: r["throughput"] / base for m, r in results["modes"].items()}
