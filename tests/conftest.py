@@ -1,16 +1,17 @@
 """The suite's tiers and its CPU pinning.
 
 Tiers (registered in pyproject.toml, `--strict-markers`; a test may carry several):
-  unit      in-process, seconds. Given by this file to every test that carries no other tier.
+  unit      in-process. Given by this file to every test that carries none of the kinds below.
   mpi       starts an MPI world or runs the `hpcvla` CLI in a subprocess
-  slow      an MPI test of a minute or more (long runs, many ranks): left out of `make test-fast`
   learning  trains until a policy measurably learns (minutes)
   bench     a benchmark's smoke run (`hpcvla bench ... --quick`)
   cluster   needs root, a local Slurm, Open MPI or network namespaces (tests/test_slurm.py,
             tests/multihost/): `make install` provides them where it runs as root
   gpu       needs a CUDA GPU: every test under tests/gpu/ (skipped, saying so, without one)
+and, across them,
+  slow      takes more than ~10 s on 2 cores (a training run, many ranks, a big model)
 Test files mark themselves (`pytestmark` or a decorator); `make test` runs every tier,
-`make test-fast` the unit tier and the MPI tests that are not slow.
+`make test-fast` the unit and mpi tests that are not slow (the Makefile's FAST).
 
 CPU pinning: a test outside tests/gpu/ must behave the same on a machine with GPUs. Each such
 test runs with CUDA_VISIBLE_DEVICES="" (inherited by every rank, job and process it starts:
@@ -31,7 +32,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))  # `from helpers import ...` from every folder of the suite
 
-TIERS = ("mpi", "slow", "learning", "bench", "cluster", "gpu")
+KINDS = ("mpi", "learning", "bench", "cluster", "gpu")  # a test with none of them is `unit`
 
 # What a test that is left `unit` must not do: start the CLI (and so maybe a world) itself.
 STARTS_THE_CLI = re.compile(r"\b(hpcvla|run_train)\(|\"-m\", \"hpcvla\"|LocalSlurm|EmulatedHosts")
@@ -44,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if item.get_closest_marker("gpu"):
             gpu_tests = True
-        if not any(item.get_closest_marker(tier) for tier in TIERS):
+        if not any(item.get_closest_marker(kind) for kind in KINDS):
             function = getattr(item, "function", None)
             if function and STARTS_THE_CLI.search(inspect.getsource(function)):
                 raise pytest.UsageError(

@@ -10,7 +10,7 @@ import torch
 from hpcvla import checkpoint
 from helpers import MPI_DIR, hpcvla
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 SMALL = ["env.image_size=32", "policy.hidden=32"]
 

@@ -126,6 +126,7 @@ def test_bad_files_give_clear_errors(tmp_path):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
                                           ("configs/colocated.yaml", 2)])
 def test_training_run_dump_matches_what_the_learner_trained(tmp_path, config, ranks):

@@ -34,6 +34,7 @@ def train(root, *args):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     streamer, s1 = train(tmp_path / "a", "configs/default.yaml", "--ranks", 4,
                          "pipeline.total_updates=3", "run.dump_trajectories=true")

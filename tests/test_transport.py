@@ -203,7 +203,9 @@ def test_exchange_answers_every_request_in_place(config):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("config", ["default.yaml", "colocated.yaml", "hybrid.yaml"])
+@pytest.mark.parametrize("config", ["default.yaml",
+                                    pytest.param("colocated.yaml", marks=pytest.mark.slow),
+                                    pytest.param("hybrid.yaml", marks=pytest.mark.slow)])
 def test_weight_versions_bit_exact_and_monotone(config):
     out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
                     ROOT / "configs" / config, 30, "placement.ranks_per_node=4")

@@ -80,6 +80,7 @@ def test_a_hung_or_killed_worker_is_restarted_and_its_episodes_end_truncated(fau
         env.close()
 
 
+@pytest.mark.slow
 def test_a_hung_shard_does_not_hold_up_the_other_shards_of_its_rank():
     """The simulator loop starts every ready shard before collecting any (step_async /
     step_wait): while one shard's worker hangs, the others step on and give results equal to

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import hpcvla
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 
 def test_every_sent_group_is_trained_once_or_left_unused(tmp_path):

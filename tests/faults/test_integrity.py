@@ -68,6 +68,7 @@ def test_truncated_dump_fails_naming_the_file(tmp_path, dump_bytes, fraction):
         verify(path)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_dump_with_a_flipped_bit_reads_or_raises_dump_error(tmp_path_factory, dump_bytes, data):

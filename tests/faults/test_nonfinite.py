@@ -5,7 +5,7 @@ import pytest
 
 from helpers import MPI_DIR, hpcvla
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 SMALL = ["env.image_size=32", "learner.micro_batch=8", "learner.micro_batches=1",
          "rollout.segment_len=4", "learner.max_nonfinite_steps=3"]

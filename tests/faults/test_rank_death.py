@@ -14,7 +14,7 @@ import pytest
 
 from hpcvla.launch import orphaned_shm
 
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
