@@ -5,11 +5,15 @@
     hpcvla plan --auto CONFIG --world N --ranks-per-node M [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
+    hpcvla eval RUN_DIR [key=value ...] [--all]       success rate of a run's checkpoints
+    hpcvla bench TARGET [options]                     transport, modes, learning, policies,
+                                                      shards, gpu, scale; a table and JSON
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
     hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
 
-Config errors and impossible layouts are reported here, in the launching process, before any
-MPI rank starts. Only `train` without --ranks (i.e. inside srun/mpirun) initialises MPI.
+Config errors, impossible layouts and what the config needs of this machine (preflight.py)
+are reported here, in the launching process, before any MPI rank starts. Only `train`
+without --ranks (i.e. inside srun/mpirun) initialises MPI.
 """
 
 from __future__ import annotations
