@@ -97,8 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", choices=["modes", "critic", "flow-noise"], default="modes",
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
-                            "(its rate, unclipped, 8 epochs) vs the policy's (clipped, 4 "
-                            "epochs), or flow last_step vs chain from a pretrained checkpoint "
+                            "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
+                            "rate, clipped, 4 epochs), or flow last_step vs chain from a pretrained checkpoint "
                             "(hpcvla/bench/learning.py)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")

@@ -6,9 +6,9 @@ Arm sets (`--arms`):
   simulators, 1 inference, 1 learner; samples up to `pipeline.max_staleness` versions old,
   corrected by the decoupled PPO objective) against `sync-colocated` (2 ranks in lock-step,
   never stale; 2 learners x 16 segments), the same learner batch per version.
-* `critic`: the critic's own schedule (the defaults: `algorithm.critic_lr` 10x the policy's,
-  no value clip, 8 epochs) against the policy's (its rate, clipped, 4 epochs), both
-  streamer.
+* `critic`: the critic's own schedule (`critic`, the defaults: `algorithm.critic_lr` 10x the
+  policy's, no value clip, 8 epochs) against a shared one (`shared`: the policy's rate,
+  clipped, 4 epochs), both streamer.
 * `flow-noise`: RL from a pretrained flow policy, as from a π0 checkpoint: `reach_flow`
   first trained for `PRETRAIN_UPDATES` (seed 1000) and saved as a checkpoint folder
   (`save_pretrained`), then both arms start from it (`policy.pretrained`): `last_step`
@@ -44,7 +44,7 @@ ARMS = {
               "sync-colocated": ["configs/colocated.yaml", "--ranks", "2",
                                  "learner.micro_batches=1"]},
     "critic": {"critic": STREAMER,  # the defaults: its own rate, unclipped, 8 epochs
-               "before": STREAMER + ["algorithm.critic_lr=0", "algorithm.value_clip=true",
+               "shared": STREAMER + ["algorithm.critic_lr=0", "algorithm.value_clip=true",
                                      "learner.epochs=4"]},
 }
 FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
