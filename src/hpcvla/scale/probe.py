@@ -23,7 +23,7 @@ import numpy as np
 from hpcvla.scale.model import StageCosts
 
 
-def _best(fn, repeats: int = 5) -> float:
+def _median_s(fn, repeats: int = 5) -> float:
     """Median seconds of `fn()` over `repeats` calls, after one warm-up call."""
     fn()
     times = []
@@ -60,7 +60,7 @@ def _request_overhead(cfg, envs_per_shard: int, repeats: int = 50) -> float:
         if builder.full:
             records.encode(builder.finish(zeros))
         builder.add_step(gathered, actions, zeros, zeros, 0)
-    return _best(lambda: [one() for _ in range(repeats)]) / repeats
+    return _median_s(lambda: [one() for _ in range(repeats)]) / repeats
 
 
 def emulated_costs(preset_name: str = "balanced", confirm: bool = True
@@ -73,7 +73,7 @@ def emulated_costs(preset_name: str = "balanced", confirm: bool = True
     details = {"preset": preset_name, "inf_per_request_s": _request_overhead(cfg, 1)}
     if confirm:  # the delays hold: a padded forward of 16 envs, the pad's overshoot
         want = (p["inf_a_ms"] + p["inf_b_ms"] * 16) / 1e3
-        details["forward16_s"] = {"want": want, "got": _best(
+        details["forward16_s"] = {"want": want, "got": _median_s(
             lambda: pad(time.monotonic(), want), repeats=3)}
     costs = StageCosts(sim_median_s=p["sim_ms"] / 1e3, sim_sigma=p["sigma"],
                        inf_a_s=p["inf_a_ms"] / 1e3, inf_b_s=p["inf_b_ms"] / 1e3,
@@ -101,14 +101,14 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
     for n in shard_sizes:
         env = make_envs(cfg, n, seed=0)
         env.reset()
-        details["env_step_s"][n] = _best(lambda: env.step(actions(n)))
+        details["env_step_s"][n] = _median_s(lambda: env.step(actions(n)))
         env.close()
     env = make_envs(cfg, max(batch_sizes), seed=0)
     obs = env.reset()
     for n in batch_sizes:
         part = policy.obs_to_tensors({k: v[:n] for k, v in obs.items()}, "cpu")
         with torch.no_grad():
-            details["forward_s"][n] = _best(lambda: policy.sample(part))
+            details["forward_s"][n] = _median_s(lambda: policy.sample(part))
     # a learner micro-batch: `micro_batch` segments of T real steps, loss + backward + step
     T = cfg.rollout.segment_len
     builder = SegmentBuilder({**spec.obs, **policy.extra_fields()}, max(batch_sizes),
@@ -139,7 +139,7 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
             optim.zero_grad()
             loss.backward()
             optim.step()
-        details["learner_micro_batch_s"][m] = _best(update, repeats=3)
+        details["learner_micro_batch_s"][m] = _median_s(update, repeats=3)
     details["weight_bytes"] = int(sum(p.numel() * p.element_size()
                                       for p in policy.parameters()))
     sim_fixed, sim_per_env = _fit(list(details["env_step_s"]), details["env_step_s"].values())
