@@ -46,6 +46,14 @@ class Policy(nn.Module, abc.ABC):
     variant: str = ""  # which published model the weights are (flow: "pi0" or "pi05")
     HF_LAYOUT: dict = {}  # their root prefix, tied and unused tensors (policies/folders.py)
     processor = None  # a published folder's prompt, tokenizer and normalization, once loaded
+    # Optional, None where a family has none (policies/folders.py):
+    #   classmethod folder_kwargs(folder) -> dict: constructor arguments it reads from a
+    #     published folder itself (oft);
+    #   classmethod checkpoint_kwargs(shapes, config) -> dict: those a checkpoint's tensor
+    #     shapes and config.json fix (flow: π0's variant, padded dims);
+    #   load_published(folder) -> list[str]: loads a published folder that needs more than
+    #     renaming (oft's timm towers); returns the RL-head names left fresh.
+    folder_kwargs = checkpoint_kwargs = load_published = None
 
     def make_processor(self, folder, tokenizer_folder, spec):
         """The processor of the published checkpoint `folder` for the env `spec` (EnvSpec),

@@ -76,9 +76,9 @@ def checkpoint_kwargs(policy_cls, path) -> dict:
     π0's variant, padded action and state dims and horizon), from the files' headers only."""
     from safetensors import safe_open
 
-    if hasattr(policy_cls, "folder_kwargs"):  # a family that reads its reference's folder
+    if policy_cls.folder_kwargs is not None:  # a family that reads its reference's folder
         return policy_cls.folder_kwargs(path)
-    if not hasattr(policy_cls, "checkpoint_kwargs"):
+    if policy_cls.checkpoint_kwargs is None:
         return {}
     shapes = {}
     for file in _files(path)[0]:
@@ -118,7 +118,7 @@ def load_weights(policy, path) -> list[str]:
     absent (kept at their initial values). A family whose published folders need more than
     renaming (`load_published`, e.g. oft's timm towers) reads them itself."""
     config = Path(path) / "config.json"
-    if hasattr(policy, "load_published") and Path(path).is_dir() and not (
+    if policy.load_published is not None and Path(path).is_dir() and not (
             config.is_file() and "hpcvla_policy" in json.loads(config.read_text())):
         return policy.load_published(path)
     tensors = from_layout(read_tensors(path), policy.HF_LAYOUT, path)
