@@ -44,7 +44,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from hpcvla.scale.model import Layout, Network, StageCosts, predict
+from hpcvla.scale.model import Network, StageCosts, predict
+from hpcvla.schedule import Layout
 
 PI0_SEGMENT_LEN = 8  # chunks per segment: the learner's 18 ms per chunk sample x 8
 PI0_LIBERO = StageCosts(sim_median_s=1.2, sim_sigma=0.5, inf_a_s=0.060, inf_b_s=0.005,
