@@ -55,11 +55,13 @@ class SlotHeader(NamedTuple):
     @staticmethod
     def of(words: list[int]) -> "SlotHeader":
         """The fields of the header words `words` (8 ints)."""
-        producer, part = words[2], words[4]
-        # tuple.__new__: NamedTuple's own __new__ is Python, this runs once per slot
+        state, fragment, ids, seq, parts, length, record_length, checksum = words
+        producer = ids & LOW
+        # inline signed32/signed64, and tuple.__new__ (NamedTuple's own __new__ is Python):
+        # this runs once per slot on the learner
         return tuple.__new__(SlotHeader, (
-            words[0], words[1], signed32(producer & LOW), producer >> 32, signed64(words[3]),
-            part & LOW, part >> 32, words[5], words[6], words[7]))
+            state, fragment, producer - (producer >> 31 << 32), ids >> 32,
+            seq - (seq >> 63 << 64), parts & LOW, parts >> 32, length, record_length, checksum))
 
 
 class Record(NamedTuple):
