@@ -64,12 +64,13 @@ def test_bad_values_name_field_value_and_fix(overrides, field, valid):
 
 
 def test_horovod_backend_is_accepted_only_where_it_can_run():
-    from hpcvla.roles.horovod_engine import horovod_available
+    from hpcvla.engines.horovod import horovod_available
+    from hpcvla.preflight import check_config
 
     missing = horovod_available()
     if missing:  # refused before any rank starts, saying how to get it
         with pytest.raises(ConfigError, match="make install-horovod"):
-            load_config(ROOT / "configs/default.yaml", ["learner.backend=horovod"])
+            check_config(load_config(ROOT / "configs/default.yaml", ["learner.backend=horovod"]))
     else:
         assert load_config(ROOT / "configs/default.yaml",
                            ["learner.backend=horovod"]).learner.backend == "horovod"
@@ -124,6 +125,7 @@ def test_fuzzed_values_are_accepted_or_named(name, value):
                 for p in err.problems if p[0].count(".")), err
 
 
+@pytest.mark.mpi
 def test_cli_rejects_bad_config_before_any_rank_starts():
     out = subprocess.run([sys.executable, "-m", "hpcvla", "train", str(ROOT / "configs/default.yaml"),
                           "learner.zero_stage=7", "--ranks", "4"],

@@ -1,4 +1,4 @@
-"""learner.backend=horovod (roles/horovod_engine.py): 2 learners train reach through the real
+"""learner.backend=horovod (engines/horovod.py): 2 learners train reach through the real
 pipeline with Horovod's MPI allreduce, checkpoint and resume. Runs where Horovod is installed
 (`make install-horovod`); elsewhere it is skipped with the reason (it is optional: `make
 install` does not build it)."""
@@ -9,14 +9,13 @@ from safetensors.torch import load_file
 
 from hpcvla.config import load_config
 from hpcvla.evaluate import checkpoint_weights, evaluate
-from hpcvla.roles.horovod_engine import horovod_available
-from test_learning import MIN_Z, improvement_z
-from test_mpi_world import hpcvla
-from test_pipeline import run_train
+from hpcvla.engines.horovod import horovod_available
+from helpers import MIN_Z, hpcvla, improvement_z, run_train
 
 COLOCATED = "configs/colocated.yaml"  # 2 ranks: each simulates, infers and learns
 MISSING = horovod_available()
-pytestmark = pytest.mark.skipif(bool(MISSING), reason=MISSING)
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.learning,
+              pytest.mark.skipif(bool(MISSING), reason=MISSING)]
 TWO_LEARNERS = ["learner.backend=horovod", "learner.checkpoint_every=20"]
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_kwargs, env_spec, make_env
-from test_mpi_world import ROOT
+from helpers import ROOT
 
 SETTINGS = dict(suite="libero_spatial", task=0, image_size=16, chunk_len=1,
                 max_episode_chunks=2)
@@ -25,6 +25,7 @@ def test_state_format_setting_reaches_libero_only():
         load_config(ROOT / "configs/libero_spatial.yaml", ["env.state_format=euler"])
 
 
+@pytest.mark.slow
 def test_axis_angle_state_is_robosuites_conversion_of_the_quaternion():
     # robosuite imports MuJoCo: only after hpcvla.envs.libero chose its GL backend (EGL)
     from robosuite.utils.transform_utils import quat2axisangle
@@ -57,7 +58,7 @@ def test_every_instruction_survives_the_env_vocabulary():
     """A published checkpoint's prompt is rebuilt from the env's instruction ids
     (policies/processor.py): every LIBERO instruction must come back word for word."""
     from hpcvla.envs.libero import SUITES, Suite
-    from hpcvla.envs.serial import detokenize, tokenize, vocab_of
+    from hpcvla.text import detokenize, tokenize, vocab_of
     for suite in SUITES:
         instructions = Suite(suite).instructions
         vocab = vocab_of(instructions)

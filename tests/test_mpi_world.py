@@ -74,6 +74,7 @@ def test_singleton_from_wrong_pmi_is_named():
     assert "1-rank world" in out.stderr and "--mpi=pmi2" in out.stderr
 
 
+@pytest.mark.slow  # a training run
 def test_world_size_must_match_pbs_nodefile(tmp_path):
     nodefile = tmp_path / "nodes"
     nodefile.write_text(f"{socket.gethostname()}\n" * 3)  # mpiexec reads it too

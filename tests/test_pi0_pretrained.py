@@ -16,12 +16,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from hpcvla.config import ConfigError, load_config
-from hpcvla.envs import env_kwargs, env_spec, make_env
+from hpcvla.preflight import check_config
+from hpcvla.envs import env_spec
 from hpcvla.envs.base import EnvSpec
-from hpcvla.envs.serial import tokenize, vocab_of
+from hpcvla.text import tokenize, vocab_of
 from hpcvla.factory import build_policy
-from test_mpi_world import hpcvla
-from test_pipeline import run_train
+from helpers import hpcvla, libero_fixture_observation, run_train
 
 FIXTURES = Path(__file__).parent / "fixtures" / "pi0"
 TOKENIZER = FIXTURES / "tokenizer"
@@ -32,7 +32,7 @@ def config(folder, tokenizer=TOKENIZER, **extra):
     overrides = [f"policy.pretrained={folder}", f"policy.tokenizer={tokenizer}",
                  f"policy.denoise_steps={STEPS}", "policy.dtype=float32",
                  *(f"{k}={v}" for k, v in extra.items())]
-    return load_config("configs/reach_flow.yaml", overrides)
+    return check_config(load_config("configs/reach_flow.yaml", overrides))
 
 
 def raw_observation(io, tasks):
@@ -118,21 +118,6 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     assert "policy_postprocessor.json is missing" in str(err.value)
 
 
-def libero_fixture_observation(cfg) -> tuple[dict, dict]:
-    """The env's render of LIBERO's fixture observation (libero_spatial task 0, fixed state 0)
-    and the exported one (tests/fixtures/pi0/libero_obs.safetensors), same task asserted."""
-    with safe_open(str(FIXTURES / "libero_obs.safetensors"), "np") as f:
-        task = f.metadata()["task"]
-        exported = {k: f.get_tensor(k) for k in f.keys()}
-    env = make_env("libero", 1, seed=0, **env_kwargs(cfg.env))
-    try:
-        obs = env.reset(init_state_ids=np.array([0]))
-        assert env.instructions()[0] == task
-    finally:
-        env.close()
-    return obs, exported
-
-
 @pytest.mark.parametrize("family", ["pi0", "pi05"])
 def test_libero_first_action_is_the_references(family):
     """The first action for LIBERO's observation (libero_spatial task 0, fixed state 0, as
@@ -154,6 +139,8 @@ def test_libero_first_action_is_the_references(family):
                                rtol=0, atol=1e-5)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_libero_training_starts_from_the_checkpoint(tmp_path):
     """`hpcvla train` on LIBERO from the π0 fixture with its tokenizer and statistics: the
     first actions sent to the simulators are the pretrained policy's (their recorded log-probs

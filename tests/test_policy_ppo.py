@@ -264,6 +264,7 @@ def test_value_loss_mask():
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_ppo_moves_bandit_mean_toward_target():
     """1-step bandit, reward = -||chunk - target||^2: PPO must pull the mean to the target."""
     torch.manual_seed(0)

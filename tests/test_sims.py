@@ -10,8 +10,11 @@ import pytest
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import check_env, make_env
 from hpcvla.envs.isolated import IsolatedEnv
-from hpcvla.envs.serial import require, words
-from test_mpi_world import ROOT, hpcvla
+from hpcvla.envs.serial import require
+from hpcvla.text import words
+from helpers import ROOT, hpcvla
+
+pytestmark = pytest.mark.slow  # ManiSkill and LIBERO take 10-30 s to start
 
 N, CHUNK, HORIZON = 3, 4, 3  # envs, primitive steps per chunk, chunks per episode
 SETTINGS = {
@@ -177,6 +180,7 @@ def test_what_cannot_run_here_fails_clearly():
         require("not_installed_sim_module", "not-installed-sim", "sim")
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("config", ["maniskill_pickcube_tokens.yaml", "libero10_flow.yaml"])
 def test_train_runs_on_each_simulator(tmp_path, config):
     out = hpcvla("train", ROOT / "configs" / config, "--ranks", 4, f"run.root={tmp_path}",

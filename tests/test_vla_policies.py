@@ -17,8 +17,8 @@ from hpcvla.policies import (POLICIES, ActOutput, Policy, load_pretrained, make_
                              save_pretrained)
 from hpcvla.policies.tokens import BINS, bin_centres, bins_of
 from hpcvla.policies.folders import load_weights
-from hpcvla.policies.vla import count_preset_parameters
-from test_pipeline import run_train
+from hpcvla.policies.registry import count_preset_parameters
+from helpers import ROOT, hpcvla, run_train
 
 VOCAB, ACTION_DIM, CHUNK = 12, 3, 4
 SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
@@ -356,6 +356,7 @@ def test_published_layouts_that_do_not_fit_are_named(tmp_path):
 # ----------------------------------------------------------------------------- learning
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,granularity", [("flow", "chunk"), ("flow-chain", "token"),
                                                 ("tokens", "chunk"), ("tokens", "token")])
 def test_ppo_steps_on_a_fixed_batch_lower_the_loss(family, granularity):
@@ -388,6 +389,8 @@ def test_ppo_steps_on_a_fixed_batch_lower_the_loss(family, granularity):
 # ----------------------------------------------------------------------------- DeepSpeed
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["policy.name=flow", "policy.train_expert_only=true", "policy.logprob_granularity=action"],
     ["policy.name=tokens", "policy.logprob_granularity=token"],
@@ -402,14 +405,14 @@ def test_zero3_training_of_each_family(tmp_path, overrides):
     assert summary["env_steps"] > 0 and summary["success_rate"] is not None
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_a_frozen_prefix_crosses_the_weight_plane_once(tmp_path):
     """π0's usual RL set-up (prefix frozen, ZeRO-3): versions after the first carry only the
     trainable tensors, and inference acts with each new one."""
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
-    from test_mpi_world import ROOT
-
     overrides = ["policy.name=flow", "policy.train_expert_only=true"]
     out, summary, _ = run_train(tmp_path, *overrides, "learner.zero_stage=3",
                                 "pipeline.total_updates=3", "pipeline.mode=streamer")
@@ -423,10 +426,11 @@ def test_a_frozen_prefix_crosses_the_weight_plane_once(tmp_path):
     assert [r["weight_swaps"] for r in summary["per_rank"] if r["role"] == "inference"][0] >= 1
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.bench
 def test_policies_benchmark_quick(tmp_path):
     """CI's short run of `hpcvla bench policies`: counts for every preset, times for tiny."""
-    from test_mpi_world import hpcvla
-
     out = hpcvla("bench", "policies", "--quick", "--json", tmp_path / "p.json", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "p.json").read_text())["policies"]
@@ -439,10 +443,9 @@ def test_policies_benchmark_quick(tmp_path):
 
 def test_runs_start_from_a_pretrained_folder(tmp_path):
     from hpcvla.config import ConfigError, load_config
+    from hpcvla.preflight import check_config
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
-    from test_mpi_world import ROOT
-
     cfg = load_config(ROOT / "configs/reach_flow.yaml")
     spec = env_spec(cfg.env)
     trained = build_policy(cfg, spec)
@@ -455,11 +458,13 @@ def test_runs_start_from_a_pretrained_folder(tmp_path):
     for (name, a), b in zip(trained.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     with pytest.raises(ConfigError, match="policy.pretrained = .*a folder holding model"):
-        load_config(ROOT / "configs/reach_flow.yaml", [f"policy.pretrained={tmp_path}"])
+        check_config(load_config(ROOT / "configs/reach_flow.yaml", [f"policy.pretrained={tmp_path}"]))
     with pytest.raises(ConfigError, match="policy.pretrained = .*empty for policy.name=default"):
         load_config(ROOT / "configs/default.yaml", [f"policy.pretrained={tmp_path}/weights"])
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_flow_policy_in_bf16_through_the_whole_pipeline(tmp_path):
     """policy.dtype=bfloat16 end to end on CPU: the weight plane carries bf16 (no numpy round
     trip), the learner trains under DeepSpeed's bf16 mode with fp32 masters, checkpoints hold
@@ -488,8 +493,6 @@ def test_a_padded_long_horizon_checkpoint_runs_the_env_chunk(tmp_path):
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec, make_env
     from hpcvla.factory import build_policy
-    from test_mpi_world import ROOT
-
     cfg = load_config(ROOT / "configs/reach_flow.yaml", ["env.image_size=32"])
     spec = env_spec(cfg.env)
     state_dim = spec.obs["state"][0][0]
@@ -515,6 +518,8 @@ def test_a_padded_long_horizon_checkpoint_runs_the_env_chunk(tmp_path):
                     logprob_mode="chain", model_dims=dims)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
 def test_chain_mode_records_the_denoising_chain_through_the_pipeline(tmp_path):
     """logprob_mode=chain end to end: the inference rank records each step's denoising chain
     (segments, ring, dump) and the learner scores its K transitions (the log-prob a step
