@@ -18,8 +18,9 @@ test runs with CUDA_VISIBLE_DEVICES="" (inherited by every rank, job and process
 devices.visible_gpus then finds none and every rank binds the CPU) and with torch.cuda
 reporting no device in this process. The pinning is per test, not for the session, so that
 tests/gpu/ still sees the GPUs when the whole suite runs in one process: CUDA reads
-CUDA_VISIBLE_DEVICES once, when this process first asks it for devices, and that happens with
-the real value (below, before any test runs). Which GPU tests see is the machine's setting.
+CUDA_VISIBLE_DEVICES once, when this process first asks it for devices, and when GPU tests are
+collected that happens below, with the real value, before any test runs. What the GPU tests see
+is the machine's setting.
 """
 
 import inspect
