@@ -3,7 +3,8 @@
 scripts through Slurm's PBS layer (qsub, #PBS directives, PBS_* variables, a node file).
 Single-node jobs run on a one-node Slurm; the multi-node scripts on a Slurm of 3 nodes that
 are separate hosts (network namespaces, TCP between them: tests/multihost/hosts.py).
-Nothing is skipped: without Slurm these tests fail and say how to install it."""
+Nothing is skipped: without Slurm these tests fail and say how to install it. They are the
+`cluster` tier: `pytest -m "not cluster"` (and `make test-fast`) leaves them out."""
 
 import json
 import os

@@ -1,6 +1,7 @@
 """Worlds that span real hosts (network namespaces, TCP between them: tests/multihost/hosts.py),
 started the way a cluster starts them, under MPICH and under Open MPI. Nothing is skipped:
-without root or iproute2 the fixture fails and says why."""
+without root or iproute2 the fixture fails and says why. They are the `cluster` tier:
+`pytest -m "not cluster"` (and `make test-fast`) leaves them out."""
 
 import json
 import subprocess
