@@ -13,8 +13,8 @@ own floor or the floors below it.
     2  transport, seeds, mpi_select,      the process machinery: rings and records over MPI,
        deathwatch, watchdog, preempt,     seeds, liveness, signals, extensions
        extensions
-    1  config, topology, schedule         what a run is: settings, the rank plan, the modes'
-                                          schedules (pure: no MPI, no torch)
+    1  config, topology, schedule         what a run is: settings, the rank plan and its
+                                          communicators, the modes' schedules
     0  hpcvla (the package), text,        leaves
        emulate
 
