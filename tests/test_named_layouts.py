@@ -13,8 +13,7 @@ def test_slot_header_reads_every_field_of_the_layout():
                   nparts=4, length=4000, record_length=15000, checksum=2 ** 64 - 2)
     for name, value in fields.items():
         header[0][name] = value
-    words = header.view("<u8").tolist()
-    assert SlotHeader.of(words)._asdict() == fields
+    assert SlotHeader.read(header.view(np.uint8))._asdict() == fields
 
 
 def test_segment_meta_names_what_the_builder_wrote():

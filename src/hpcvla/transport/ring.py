@@ -64,7 +64,7 @@ from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Packed,
                                     Record, RingStats, SlotHeader, checksum64, header_struct,
-                                    as_bytes, packed_plan, signed64, unpack)
+                                    as_bytes, packed_plan, unpack)
 
 
 class TrajectoryRing:
@@ -255,7 +255,8 @@ class TrajectoryRing:
 
     def _consume(self, lane: int, f: int) -> list[Record]:
         slot_index = self.lane_first[lane] + f % self.lane_size[lane]
-        slot, h = self._slots[slot_index], SlotHeader.of(self._words[slot_index].tolist())
+        slot = self._slots[slot_index]
+        h = SlotHeader.read(slot)
         payload = slot[SLOT_HEADER.itemsize:SLOT_HEADER.itemsize + h.length]
         packed = unpack(payload, h.record_length) if h.schema == PACKED else None
         problem = packed if isinstance(packed, str) else self._check(h, f, slot, packed)
@@ -319,7 +320,7 @@ class TrajectoryRing:
     def _check(self, h: SlotHeader, fragment: int, slot: np.ndarray, packed) -> str | None:
         length, part, nparts = h.length, h.part, h.nparts
         if h.fragment != fragment:
-            return f"holds fragment {signed64(h.fragment)} (stale or torn)"
+            return f"holds fragment {h.fragment} (stale or torn)"
         if length > self.capacity:
             return f"length {length} exceeds the slot payload {self.capacity}"
         if packed is not None and (part, nparts) != (0, 1):

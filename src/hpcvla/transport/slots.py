@@ -31,18 +31,20 @@ SLOT_HEADER = np.dtype([
     ("checksum", "<u8"),       # checksum64(payload) + crc32(header bytes 8..56), mod 2**64
 ])                             # (without payload checks: the crc32 alone)
 CHECKSUMS = ("auto", "always")
-# Both sides handle the header as its 8 little-endian words (a structured-array assignment
-# costs more than the rest of a small put): state, fragment, producer | schema << 32, seq,
-# part | nparts << 32, length, record_length, checksum. The learner reads them by name
-# (SlotHeader.of); a producer packs words 1..6 with header_struct.
+# Both sides handle the header with struct (a structured-array assignment costs more than the
+# rest of a small put): a producer packs words 1..6 (header_struct: fragment, producer |
+# schema << 32, seq, part | nparts << 32, length, record_length), the learner reads the
+# header by name (SlotHeader.read, one unpack).
 assert SLOT_HEADER.itemsize == 64
 MASK, LOW = (1 << 64) - 1, (1 << 32) - 1
+_HEADER = struct.Struct("<qqiIqIIQQQ")  # SLOT_HEADER's fields, in order
+assert _HEADER.size == SLOT_HEADER.itemsize
 
 
 class SlotHeader(NamedTuple):
-    """A slot header's fields, from its 8 words (SLOT_HEADER)."""
+    """A slot header's fields (SLOT_HEADER)."""
     state: int
-    fragment: int  # unsigned, as stored
+    fragment: int
     producer: int
     schema: int
     seq: int
@@ -53,15 +55,10 @@ class SlotHeader(NamedTuple):
     checksum: int
 
     @staticmethod
-    def of(words: list[int]) -> "SlotHeader":
-        """The fields of the header words `words` (8 ints)."""
-        state, fragment, ids, seq, parts, length, record_length, checksum = words
-        producer = ids & LOW
-        # inline signed32/signed64, and tuple.__new__ (NamedTuple's own __new__ is Python):
-        # this runs once per slot on the learner
-        return tuple.__new__(SlotHeader, (
-            state, fragment, producer - (producer >> 31 << 32), ids >> 32,
-            seq - (seq >> 63 << 64), parts & LOW, parts >> 32, length, record_length, checksum))
+    def read(slot) -> "SlotHeader":
+        """The header at the start of `slot` (a buffer: the slot's bytes)."""
+        # tuple.__new__: NamedTuple's own __new__ is Python, and this runs once per slot
+        return tuple.__new__(SlotHeader, _HEADER.unpack_from(slot))
 
 
 class Record(NamedTuple):
@@ -101,14 +98,6 @@ def checksum64(payload: np.ndarray) -> int:
     if cut < n:
         total += int.from_bytes(payload[cut:].tobytes(), "little")
     return total & MASK
-
-
-def signed64(word: int) -> int:
-    return word - (1 << 64) if word >> 63 else word
-
-
-def signed32(word: int) -> int:
-    return word - (1 << 32) if word >> 31 else word
 
 
 # A slot may pack several small records (TrajectoryRing.put_many): its header's schema is
