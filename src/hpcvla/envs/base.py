@@ -57,6 +57,9 @@ class VectorEnv(abc.ABC):
     failures: Sequence[tuple[int, str]] = ()  # an env that records faults sets its own list
     latency_sleep: bool = True
     last_latency_s: float = 0.0
+    # Optional: a static method spec_of(**constructor kwargs) -> EnvSpec, for an env whose
+    # spec is known without building a simulator (libero); env_spec builds one otherwise.
+    spec_of = None
 
     @abc.abstractmethod
     def reset(self, seeds: np.ndarray | None = None,

@@ -51,7 +51,7 @@ def env_spec(env_cfg) -> EnvSpec:
     GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs."""
     cls, kwargs = ENVS[env_cfg.name], env_kwargs(env_cfg)
     kwargs.pop("sim_backend", None)
-    if hasattr(cls, "spec_of"):
+    if cls.spec_of is not None:
         return cls.spec_of(**kwargs)
     probe = cls(1, seed=0, **kwargs)
     probe.close()
