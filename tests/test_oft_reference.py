@@ -23,8 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hpcvla.config import ConfigError, load_config
+from hpcvla.preflight import check_config
 from hpcvla.envs.base import EnvSpec
-from hpcvla.envs.serial import tokenize, vocab_of
+from hpcvla.text import tokenize, vocab_of
 from hpcvla.policies import OFTPolicy
 from hpcvla.policies.folders import read_tensors
 from hpcvla.policies.oft_checkpoint import UNUSED, from_published, load_value_head, to_published
@@ -50,7 +51,7 @@ def config(folder=CHECKPOINT, **extra):
     overrides = ["policy.name=oft", f"policy.pretrained={folder}", "policy.dtype=float32",
                  "policy.unnorm_key=libero_spatial_no_noops", "policy.max_prompt_length=40",
                  *(f"{k}={v}" for k, v in extra.items())]
-    return load_config("configs/reach_tokens.yaml", overrides)
+    return check_config(load_config("configs/reach_tokens.yaml", overrides))
 
 
 def env_obs(io, sample="raw", tasks=None, wrist=False, state=False):
