@@ -17,7 +17,7 @@ from hpcvla.algorithms import (decoupled_ppo_loss, episodes_of, expand_like,
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import make_env
 from hpcvla.envs.groups import GroupedRestarts
-from hpcvla.schedule import check_pipeline
+from hpcvla.preflight import check_pipeline
 from hpcvla.topology.plan import plan_from_config
 from helpers import ROOT
 

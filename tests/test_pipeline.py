@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from hpcvla.config import ConfigError, load_config
-from hpcvla.preflight import check_config
+from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
-from hpcvla.schedule import check_pipeline, schedule_of
+from hpcvla.schedule import schedule_of
 from hpcvla.topology.plan import plan_from_config
 from helpers import ROOT, hpcvla, run_train
 

@@ -11,7 +11,7 @@ from hpcvla.cli import main
 from hpcvla.config import load_config
 from hpcvla.scale.autoplan import looser_staleness, problem, search
 from hpcvla.scale.model import Layout, Network, StageCosts, predict
-from hpcvla.schedule import check_pipeline
+from hpcvla.preflight import check_pipeline
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 CELL = {"simulator": 2, "inference": 1, "learner": 1}

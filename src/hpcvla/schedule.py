@@ -228,15 +228,6 @@ def config_layout_problems(cfg, plan: RankPlan) -> list[tuple[str, object, str]]
                            cfg.algorithm.group_size if cfg.algorithm.name == "grpo" else 0)
 
 
-def check_pipeline(cfg, plan: RankPlan) -> None:
-    """The settings rules of running `cfg`'s pipeline on `plan`, as one ConfigError (before
-    ranks start). preflight.check_pipeline adds the device map and the simulator."""
-    from hpcvla.config.loader import ConfigError
-    problems = config_layout_problems(cfg, plan)
-    if problems:
-        raise ConfigError(problems, "pipeline configuration")
-
-
 def layout_problem(lay: Layout) -> str | None:
     """Why the pipeline would refuse `lay` (None: it runs), in one line."""
     plan = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
+from hpcvla.schedule import MODES
 
 ROLES = ("simulator", "inference", "learner")
 PLACEMENT_MODES = ("colocated", "disaggregated", "hybrid")
@@ -84,8 +85,7 @@ class PlacementConfig:
         ge=-1)
 
 
-PIPELINE_MODES = ("sync-colocated", "sync-disaggregated", "train-async", "rollout-async",
-                  "streamer")
+PIPELINE_MODES = MODES  # the modes and their traits: hpcvla/schedule.py
 
 
 @dataclass
