@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hpcvla.metrics.dump import DumpError, describe, summarize
+from hpcvla.transport.segment_meta import SegmentMeta
 from helpers import TESTS, hpcvla, reach_segments, writer
 
 
@@ -30,7 +31,7 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
         steps = {k: np.concatenate([g[k][:, env] for g in groups])
                  for k in ("obs.image", "obs.instruction", "actions", "reward", "done")}
         steps["version"] = np.concatenate([g["version"] for g in groups])
-        steps["batch"] = np.concatenate([np.full(5, g["meta"][4]) for g in groups])
+        steps["batch"] = np.concatenate([np.full(5, SegmentMeta.of(g).batch) for g in groups])
         ends = np.flatnonzero(steps["done"]) + 1
         expected[env] = [{k: v[a:b] for k, v in steps.items()}
                          for a, b in zip([0, *ends[:-1]], ends)]

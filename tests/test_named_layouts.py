@@ -1,9 +1,10 @@
 """The fixed layouts read by name: a ring slot's header words (transport/slots.SlotHeader) and
-a segment group's meta array (roles/segments.SegmentMeta) give back what was written."""
+a segment group's meta array (transport/segment_meta.SegmentMeta) give back what was written."""
 
 import numpy as np
 
-from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder, SegmentMeta
+from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
+from hpcvla.transport.segment_meta import SegmentMeta
 from hpcvla.transport.slots import SLOT_HEADER, SlotHeader
 
 

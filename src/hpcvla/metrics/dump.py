@@ -46,6 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.transport.segment_meta import SegmentMeta
+
 FORMAT = "hpcvla-trajectories-1"
 STEP_FIELDS = {  # segment field -> dataset name in a demo
     "actions": "actions", "reward": "rewards", "done": "dones", "terminated": "terminated",
@@ -96,7 +98,8 @@ class TrajectoryDump:
 
     def add_segment(self, group: dict) -> None:
         """One segment group as sent to a learner: T steps of the n envs of one slot."""
-        slot, batch = int(group["meta"][1]), int(group["meta"][4])
+        meta = SegmentMeta.of(group)
+        slot, batch = meta.slot, meta.batch
         done = group["done"]
         T = done.shape[0]
         version = np.broadcast_to(group["version"][:, None], done.shape)

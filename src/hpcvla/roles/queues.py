@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from hpcvla.roles.segments import SegmentMeta
+from hpcvla.transport.segment_meta import SegmentMeta
 from hpcvla.transport import records
 
 

@@ -18,7 +18,7 @@ together), as one record (see transport/records.py) with fields
     version          (T,) i8           policy version that acted at each step
     bootstrap_value  (n,) f4           value of the observation after the last step
     meta             (5,) i8           producer rank, slot, group index, envs, learner batch
-                                       (SegmentMeta.of(group) names them)
+                                       (transport/segment_meta.py names them)
 
 `SegmentBuilder` is fed one step at a time: `record_outcome` (the OUTCOME_FIELDS the simulator
 reports with its next observation), then `add_step` after the policy acted; `finish` returns
@@ -27,27 +27,14 @@ the group once the next step's value (the bootstrap) is known.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
+
+from hpcvla.transport.segment_meta import SegmentMeta
 
 # What a simulator reports of an action chunk with the next observation (StepResult fields)
 OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated": ((), "|b1"),
                   "env_fault": ((), "|b1"), "success": ((), "|b1"),
                   "episode_return": ((), "<f4")}
-
-
-class SegmentMeta(NamedTuple):
-    """A segment group's `meta` array, by name."""
-    producer: int  # world rank of the inference rank (or colocated rank) that assembled it
-    slot: int  # the env shard's slot at that producer
-    group: int  # index of the group among that slot's, from 0
-    envs: int  # envs (columns) in the group
-    batch: int  # learner batch (= policy version) it is trained in, set at segment start
-
-    @classmethod
-    def of(cls, group: dict) -> "SegmentMeta":
-        return cls(*(int(x) for x in group["meta"]))
 
 
 def outcome_of(result) -> dict:
