@@ -4,10 +4,10 @@ own floor or the floors below it.
     8  cli, __main__                      the commands
     7  bench                              benchmarks: run the layers below and measure them
     6  runtime, evaluate, scale, launch,  a whole job: start the world, train, evaluate,
-       trainrun, runs                     plan a scale-out, read a run folder
+       trainrun                           plan a scale-out, run a training world
     5  roles                              the per-rank loops: simulator, inference, learner
-    4  factory, engine, engines,          build what a role runs (envs, policies, engines);
-       preflight                          check files, packages and checkpoints before a run
+    4  factory, engines, preflight        build what a role runs (envs, policies, engines);
+                                          check files, packages and checkpoints before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint       devices, checkpoints
     2  transport, seeds, mpi_select,      the process machinery: rings and records over MPI,
@@ -40,9 +40,9 @@ FLOORS = {
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint"),
-    4: ("factory", "engine", "engines", "preflight"),
+    4: ("factory", "engines", "preflight"),
     5: ("roles",),
-    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "runs"),
+    6: ("runtime", "evaluate", "scale", "launch", "trainrun"),
     7: ("bench",),
     8: ("cli", "__main__"),
 }
