@@ -36,10 +36,10 @@ from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import run_learner
-from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
 from hpcvla.roles.outputs import checkpointer, trajectory_dump, write_report
 from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
+from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
 from hpcvla.topology.plan import INF, SIM
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
