@@ -9,7 +9,8 @@ own floor or the floors below it.
     4  factory, engines, preflight        build what a role runs (envs, policies, engines);
                                           check files, packages and checkpoints before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
-       metrics, devices, checkpoint       devices, checkpoints
+       metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
+       demonstrations
     2  transport, seeds, mpi_select,      the process machinery: rings and records over MPI,
        deathwatch, watchdog, preempt,     seeds, liveness, signals, extensions
        extensions
@@ -39,7 +40,7 @@ FLOORS = {
     0: ("hpcvla", "text", "emulate"),
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
-    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint"),
+    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
     4: ("factory", "engines", "preflight"),
     5: ("roles",),
     6: ("runtime", "evaluate", "scale", "launch", "trainrun"),

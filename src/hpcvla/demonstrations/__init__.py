@@ -1,0 +1,196 @@
+"""Demonstrations for supervised fine-tuning: HDF5 files of three layouts read into one set of
+(observation, action chunk) samples shaped by an env's EnvSpec.
+
+Layouts, told apart by what the file holds (each module documents its layout, where it is
+written, and how the env's fields are made from it):
+
+* hpcvla_dump.py: this project's trajectory dumps and `hpcvla demos` files (root attribute
+  format = metrics.dump.FORMAT), one row per action chunk;
+* libero.py: LIBERO's `<task>_demo.hdf5` (scripts/create_dataset.py; /data attribute
+  problem_info), one row per primitive step;
+* maniskill.py: ManiSkill3 `RecordEpisode` files (traj_<i> groups and the sibling .json), one
+  row per primitive step.
+
+Per-step layouts give one sample per step: its observation and the chunk of spec.chunk_len
+actions the demonstrator executed from it, the last action repeated past the episode's end
+(common.chunks says why; `pad` marks those entries). `demonstration_problems` opens the files
+and reads attributes and dataset shapes only, for the pre-launch check;
+`read_demonstrations` runs the same checks first and raises DemonstrationError (a ValueError)
+with the same lines.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from hpcvla.demonstrations import hpcvla_dump, libero, maniskill
+from hpcvla.demonstrations.common import DemonstrationError, Episode, Problem, Problems
+from hpcvla.envs.base import EnvSpec
+from hpcvla.text import tokenize, words
+
+__all__ = ["Demonstrations", "DemonstrationError", "read_demonstrations",
+           "demonstration_problems", "LAYOUTS"]
+
+LAYOUTS = (hpcvla_dump, libero, maniskill)  # detection order: the first that matches
+SUFFIXES = (".h5", ".hdf5")
+
+
+@dataclass
+class Demonstrations:
+    """Samples for SFT, in file order, episode order, step order."""
+
+    obs: dict[str, np.ndarray]  # per spec field: (N, *shape), the spec's dtype
+    actions: np.ndarray         # (N, chunk_len, action_dim) float32: the executed chunk
+    episode: np.ndarray         # (N,) int64: index into `task` of the sample's demonstration
+    task: list[str]             # per demonstration: its instruction
+    source: str                 # files and layouts read, for logs
+    # (N, chunk_len) bool: True where the chunk ran past the episode's end and repeats its
+    # last action (a loss may leave these out); all False for chunk-per-row dumps
+    pad: np.ndarray | None = field(default=None)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+def _files(paths) -> list[Path]:
+    """`paths` (one or a list; a folder stands for its .h5/.hdf5 files) as files in order."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            files += sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
+        else:
+            files.append(path)
+    return files
+
+
+def _scan(paths, spec: EnvSpec, per_task):
+    """Every file's episodes and layout, and every problem found without bulk reads."""
+    import h5py
+    problems, found = Problems(), []
+    files = _files(paths)
+    if not files:
+        problems.add(paths, "", None, "at least one .h5/.hdf5 demonstration file (a file, a "
+                     "list of files or a folder holding them)")
+    for path in files:
+        try:
+            f = h5py.File(path, "r")
+        except (OSError, ValueError) as err:
+            problems.add(path, "", None, "a readable HDF5 file: " + (
+                "no such file" if not path.exists() else f"{type(err).__name__}: {err}"))
+            continue
+        with f:
+            layout = next((m for m in LAYOUTS if m.matches(f)), None)
+            if layout is None:
+                problems.add(path, "/", sorted(f)[:6], _unknown_layout())
+                continue
+            try:
+                found.append((path, layout, layout.scan(path, f, spec, problems)))
+            except (KeyError, ValueError, TypeError, OSError) as err:
+                problems.add(path, "/", None, f"a readable {layout.NAME} file "
+                             f"({type(err).__name__}: {err})")
+    _check_instructions(spec, [e for _, _, eps in found for e in eps], problems)
+    if per_task is not None:
+        _check_per_task(per_task, [e for _, _, eps in found for e in eps], problems)
+    return found, problems
+
+
+def _unknown_layout() -> str:
+    return ("one of the demonstration layouts: an hpcvla dump (root attribute format="
+            f"{hpcvla_dump.FORMAT!r} and /data), a LIBERO dataset (/data with attribute "
+            "problem_info and demo_<i>/obs groups, as LIBERO's scripts/create_dataset.py "
+            "writes), or a ManiSkill3 RecordEpisode file (traj_<i> groups and the .json beside "
+            "it); convert the file to one of them")
+
+
+def _check_instructions(spec: EnvSpec, episodes: list[Episode], problems: Problems) -> None:
+    vocab, length = set(spec.vocab), spec.obs.get("instruction", ((0,), ""))[0][0]
+    for e in {(e.path, e.instruction): e for e in episodes}.values():
+        unknown = sorted({w for w in words(e.instruction) if w not in vocab})
+        if "instruction" in spec.obs and unknown:
+            problems.add(e.path, e.instruction_key, e.instruction,
+                         f"only words of the env's vocabulary (the policy's comes from the "
+                         f"env; unknown: {', '.join(unknown)}): demonstrations of the env's "
+                         "own tasks, or env settings whose tasks include this one")
+        elif "instruction" in spec.obs and len(words(e.instruction)) > length:
+            problems.add(e.path, e.instruction_key, e.instruction,
+                         f"at most {length} words (the spec's instruction length)")
+        elif "instruction" in spec.obs and not words(e.instruction):
+            problems.add(e.path, e.instruction_key, e.instruction, "an instruction")
+
+
+def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> None:
+    if not isinstance(per_task, int) or per_task < 1:
+        problems.add("per_task", "", per_task, "a number of demonstrations per task >= 1, or "
+                     "None for all")
+        return
+    counts = Counter(e.instruction for e in episodes)
+    for task, count in counts.items():
+        if count < per_task:
+            first = next(e for e in episodes if e.instruction == task)
+            problems.add(first.path, first.instruction_key, task,
+                         f"at least per_task={per_task} demonstrations of this task (the "
+                         f"files hold {count}); lower per_task or add demonstrations")
+
+
+def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None) -> list[Problem]:
+    """What stops `read_demonstrations(paths, spec, per_task)`, as (where "FILE:key", value,
+    what is expected and the fix); empty when nothing does. Opens the files and reads
+    attributes, dataset shapes and single elements only."""
+    return _scan(paths, spec, per_task)[1].listed()
+
+
+def _select(found, per_task, successful_only):
+    taken, chosen = Counter(), []
+    for path, layout, episodes in found:
+        for e in episodes:
+            if successful_only and not e.success:
+                continue
+            if per_task is not None and taken[e.instruction] >= per_task:
+                continue
+            taken[e.instruction] += 1
+            chosen.append((path, layout, e))
+    return chosen
+
+
+def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
+                        successful_only: bool = False) -> Demonstrations:
+    """The samples of every demonstration in `paths` for `spec`.
+
+    `per_task`: only the first K demonstrations of each task (by instruction; file order, then
+    episode order), after `successful_only` dropped the failed ones. Raises DemonstrationError
+    (a ValueError) naming every problem `demonstration_problems` finds, or when no
+    demonstration is left."""
+    import h5py
+    found, problems = _scan(paths, spec, per_task)
+    if problems:
+        raise DemonstrationError(problems.listed())
+    chosen = _select(found, per_task, successful_only)
+    if not chosen:
+        raise DemonstrationError([(", ".join(str(p) for p, _, _ in found), None,
+                                   "at least one successful demonstration (successful_only)")])
+    length = spec.obs.get("instruction", ((0,), ""))[0][0]
+    parts, tasks, used = [], [], Counter()
+    for path, layout, e in chosen:
+        with h5py.File(path, "r") as f:
+            obs, actions, pad = layout.load(f, e, spec)
+        if "instruction" in spec.obs:
+            obs["instruction"] = np.broadcast_to(tokenize(e.instruction, spec.vocab, length),
+                                                 (len(actions), length))
+        parts.append((obs, actions, pad, np.full(len(actions), len(tasks), np.int64)))
+        tasks.append(e.instruction)
+        used[(str(path), layout.NAME)] += 1
+    return Demonstrations(
+        obs={k: np.concatenate([p[0][k] for p in parts]).astype(np.dtype(dt), copy=False)
+             for k, (_, dt) in spec.obs.items()},
+        actions=np.concatenate([p[1] for p in parts]),
+        episode=np.concatenate([p[3] for p in parts]),
+        task=tasks,
+        source="; ".join(f"{path} ({name}, {n} demonstrations)"
+                         for (path, name), n in used.items()),
+        pad=np.concatenate([p[2] for p in parts]))

@@ -1,0 +1,87 @@
+"""This project's own HDF5 trajectory dumps (metrics/dump.py documents the layout; `hpcvla demos`
+writes expert demonstrations in it too): one row per action chunk, /data/demo_<i>/obs/<field>
+(T, *shape) named as the env's fields, actions (T, H, A).
+
+The rows are already what SFT wants: the observation the chunk was chosen for and the whole
+chunk the env executed. The chunk length is the file's root attribute `chunk_len`; a file
+written with another one is refused (its observations exist only at its own chunk
+boundaries). The instruction is re-tokenized from each demo's `instruction` attribute with the
+spec's vocabulary, not copied from obs/instruction, whose ids index the vocabulary of the run
+that wrote the file."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hpcvla.demonstrations.common import Episode, Problems, attr_text, fit_images, is_image
+from hpcvla.metrics.dump import FORMAT
+
+NAME = "hpcvla trajectory dump"
+
+
+def matches(f) -> bool:
+    return str(f.attrs.get("format", "")) == FORMAT and "data" in f
+
+
+def _demo_names(f) -> list[str]:
+    return sorted((n for n in f["data"] if n.startswith("demo_")),
+                  key=lambda n: int(n.rsplit("_", 1)[-1]))
+
+
+def scan(path, f, spec, problems: Problems) -> list[Episode]:
+    """The demos of an open dump, and what stops reading them for `spec` (shapes only)."""
+    chunk_len = int(f.attrs.get("chunk_len", -1))
+    if chunk_len != spec.chunk_len:
+        problems.add(path, "/.attrs[chunk_len]", chunk_len,
+                     f"chunk_len {spec.chunk_len}, the spec's (env.chunk_len): dump rows hold "
+                     "one observation per chunk, so re-chunking is impossible; set "
+                     f"env.chunk_len={chunk_len} or use a dump written with "
+                     f"chunk_len={spec.chunk_len}")
+    episodes = []
+    for name in _demo_names(f):
+        demo, key = f["data"][name], f"/data/{name}"
+        for field, (shape, _) in spec.obs.items():
+            if field == "instruction":
+                continue
+            dataset = demo.get(f"obs/{field}")
+            if dataset is None:
+                problems.add(path, f"{key}/obs/{field}", None,
+                             f"the spec's observation field {field!r} (the file has obs/"
+                             f"{', obs/'.join(demo['obs']) if 'obs' in demo else ' nothing'});"
+                             " record the dump with an env that observes it, or drop the field "
+                             "from the env settings")
+            elif not _fits(dataset.shape[1:], spec.obs[field]):
+                problems.add(path, f"{key}/obs/{field}", tuple(dataset.shape[1:]),
+                             f"shape {tuple(shape)} for {field!r} as the spec has it (images may "
+                             "differ in size only); use a dump of the same env settings")
+        actions = demo.get("actions")
+        if actions is None:
+            problems.add(path, f"{key}/actions", None, "an actions dataset (T, H, A)")
+        elif actions.ndim != 3 or actions.shape[2] != spec.action_dim:
+            problems.add(path, f"{key}/actions", tuple(actions.shape),
+                         f"(T, {spec.chunk_len}, {spec.action_dim}): action_dim "
+                         f"{spec.action_dim} of the spec; the dump is of another env")
+        episodes.append(Episode(str(path), key, attr_text(demo.attrs.get("instruction", "")),
+                                f"{key}.attrs[instruction]",
+                                bool(demo.attrs.get("success", False))))
+    return episodes
+
+
+def _fits(have, entry) -> bool:
+    """The spec's shape, or an image of another size (resized on reading)."""
+    return tuple(have) == tuple(entry[0]) or (
+        is_image(entry) and len(have) == 3 and have[2] == entry[0][2])
+
+
+def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(obs fields but the instruction, (T, H, A) float32 actions, (T, H) padding mask)."""
+    demo = f[episode.key]
+    obs = {}
+    for field, (shape, dtype) in spec.obs.items():
+        if field == "instruction":
+            continue
+        value = demo[f"obs/{field}"][()]
+        obs[field] = (fit_images(value, shape) if is_image(spec.obs[field])
+                      else value).astype(np.dtype(dtype), copy=False)
+    actions = demo["actions"][()].astype(np.float32)
+    return obs, actions, np.zeros(actions.shape[:2], dtype=bool)

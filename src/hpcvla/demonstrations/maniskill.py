@@ -1,0 +1,138 @@
+"""ManiSkill3 trajectory files as mani_skill's `RecordEpisode` wrapper writes them
+(mani_skill/utils/wrappers/record.py, mani-skill 3.0.1; the same layout as ManiSkill's
+published demos after `python -m mani_skill.trajectory.replay_trajectory`):
+
+    <name>.h5      traj_<episode_id>: actions (T, A) f4, terminated, truncated (T,),
+                   success (T,) (if the task defines it), rewards (T,), env_states (T+1, ..),
+                   obs (T+1, ..) if observations were recorded: one flat array with
+                   obs_mode=state, else a group (sensor_data/<camera>/rgb, ..., and `state`,
+                   the flat state vector, when the obs mode includes "+state")
+    <name>.json    env_info {env_id, env_kwargs {obs_mode, control_mode, ...},
+                   max_episode_steps}, episodes [{episode_id, episode_seed, control_mode,
+                   elapsed_steps, reset_kwargs, success}], source_type, source_desc
+
+How the fields of the project's ManiSkill env (envs/maniskill.py) are made from it: `state`
+is the task's flat obs_mode="state" vector, which is the recorded obs itself with obs_mode
+state and obs/state with obs_mode rgb+state (the same numbers: ManiSkill flattens the same
+agent and extra dicts); `image` is the base camera's rgb (obs/sensor_data/base_camera/rgb),
+`wrist_image` the panda_wristcam's (obs/sensor_data/hand_camera/rgb), resized to the spec's
+size when they differ; the instruction is the task's description (envs.maniskill.describe of
+env_id). Actions must be pd_ee_delta_pose, this project's controller: other control modes are
+refused with the replay_trajectory command that converts them. obs has one row more than
+actions (the scene after the last action); sample t is obs[t] with actions[t:t+H]."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from hpcvla.demonstrations.common import Episode, Problems, chunks, fit_images
+
+NAME = "ManiSkill3 RecordEpisode trajectories"
+CAMERAS = {"image": "base_camera", "wrist_image": "hand_camera"}
+
+
+def matches(f) -> bool:
+    return any(name.startswith("traj_") for name in f) and "data" not in f
+
+
+def _meta_path(path) -> Path:
+    return Path(str(path).replace(".h5", ".json")) if str(path).endswith(".h5") \
+        else Path(path).with_suffix(".json")
+
+
+def _convert(path, obs_mode: str) -> str:
+    return (f"convert the file with `python -m mani_skill.trajectory.replay_trajectory "
+            f"--traj-path {path} -c pd_ee_delta_pose -o {obs_mode} --save-traj`")
+
+
+def _state_of(traj):
+    """The flat state vector's dataset in a trajectory group, or None."""
+    obs = traj.get("obs")
+    if obs is None:
+        return None
+    if hasattr(obs, "shape"):  # obs_mode=state: obs is the vector
+        return obs
+    return obs.get("state")
+
+
+def scan(path, f, spec, problems: Problems) -> list[Episode]:
+    from hpcvla.envs.maniskill import CONTROL_MODE, describe
+    meta_path = _meta_path(path)
+    try:
+        meta = json.loads(meta_path.read_text())
+        env_info = meta["env_info"]
+        env_id, kwargs = env_info["env_id"], env_info.get("env_kwargs", {})
+        by_id = {int(e["episode_id"]): e for e in meta["episodes"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        problems.add(meta_path, "env_info", None, "the JSON RecordEpisode writes beside the "
+                     f".h5 (env_info.env_id, episodes): {type(err).__name__}: {err}")
+        return []
+    obs_mode = "rgb+state" if any(k != "state" and k in spec.obs for k in CAMERAS) else "state"
+    mode = kwargs.get("control_mode")
+    if mode != CONTROL_MODE:  # unset: the robot's default controller, not ours
+        problems.add(meta_path, "env_info.env_kwargs.control_mode", mode,
+                     f"{CONTROL_MODE} (this project's actions); {_convert(path, obs_mode)}")
+    instruction = describe(env_id)
+    episodes = []
+    for name in sorted((n for n in f if n.startswith("traj_")),
+                       key=lambda n: int(n.rsplit("_", 1)[-1])):
+        traj, episode_id = f[name], int(name.rsplit("_", 1)[-1])
+        info = by_id.get(episode_id, {})
+        if info.get("control_mode", mode) != CONTROL_MODE:  # same fix: reported once
+            problems.add(meta_path, f"episodes[episode_id={episode_id}].control_mode",
+                         info.get("control_mode", mode), f"{CONTROL_MODE} (this project's "
+                         f"actions); {_convert(path, obs_mode)}")
+        if "state" in spec.obs:
+            state = _state_of(traj)
+            if state is None:
+                problems.add(path, f"{name}/obs/state", None,
+                             "the flat state observation for the spec's 'state' field (the "
+                             f"file was recorded with obs_mode={kwargs.get('obs_mode')!r}); "
+                             + _convert(path, obs_mode))
+            elif state.shape[1:] != tuple(spec.obs["state"][0]):
+                problems.add(path, f"{name}/obs/state", tuple(state.shape[1:]),
+                             f"shape {tuple(spec.obs['state'][0])} of the spec's 'state' "
+                             f"({env_id}'s obs is another size: another task or robot?)")
+        for field, camera in CAMERAS.items():
+            if field in spec.obs and f"obs/sensor_data/{camera}/rgb" not in traj:
+                problems.add(path, f"{name}/obs/sensor_data/{camera}/rgb", None,
+                             f"the {camera} rgb images for the spec's {field!r} field (the "
+                             f"file was recorded with obs_mode={kwargs.get('obs_mode')!r}"
+                             + (", robot panda_wristcam" if field == "wrist_image" else "")
+                             + f"); {_convert(path, obs_mode)}")
+        unknown = sorted(set(spec.obs) - {*CAMERAS, "state", "instruction"})
+        if unknown:
+            problems.add(path, name, unknown, "only image, wrist_image, state and "
+                         "instruction fields in the spec: the project's ManiSkill env has no "
+                         "others")
+        actions = traj.get("actions")
+        if actions is None or not hasattr(actions, "shape"):
+            problems.add(path, f"{name}/actions", None, "a (T, A) actions dataset")
+        elif actions.ndim != 2 or actions.shape[1] != spec.action_dim:
+            problems.add(path, f"{name}/actions", tuple(actions.shape),
+                         f"(T, {spec.action_dim}) actions: action_dim {spec.action_dim} of "
+                         f"the spec ({env_id} under {mode} has {actions.shape[-1]})")
+        success = traj.get("success")
+        episodes.append(Episode(str(path), name, instruction, f"{meta_path}:env_info.env_id",
+                                bool(success[-1]) if success is not None and len(success)
+                                else bool(info.get("success", False))))
+    return episodes
+
+
+def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Obs rows 0..T-1 mapped to the spec's fields (the last, after the final action, is
+    dropped), and their chunks."""
+    traj = f[episode.key]
+    actions, pad = chunks(traj["actions"][()], spec.chunk_len)
+    steps = len(actions)
+    obs = {}
+    if "state" in spec.obs:
+        obs["state"] = _state_of(traj)[:steps].astype(np.dtype(spec.obs["state"][1]))
+    for field, camera in CAMERAS.items():
+        if field in spec.obs:
+            images = traj[f"obs/sensor_data/{camera}/rgb"][:steps]
+            obs[field] = fit_images(images, spec.obs[field][0])
+    return obs, actions, pad

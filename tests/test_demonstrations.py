@@ -1,0 +1,268 @@
+"""Reading SFT demonstrations (src/hpcvla/demonstrations/): ManiSkill3 files recorded by
+mani_skill's own RecordEpisode, LIBERO files written as LIBERO's create_dataset.py writes them
+from a real LIBERO env (tests/fixtures/demonstrations/), and this project's own dumps written
+by metrics/dump.py from the real `reach` env; each refusal names the file and the key."""
+
+import json
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcvla.demonstrations import DemonstrationError, demonstration_problems, read_demonstrations
+from hpcvla.demonstrations.common import axis_angle_to_quat
+from hpcvla.demonstrations.libero import instruction_of
+from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.libero import LiberoEnv, Suite, state_of
+from hpcvla.envs.maniskill import describe
+from hpcvla.text import tokenize, vocab_of, words
+from helpers import FIXTURES, reach_segments, writer
+
+DEMOS = FIXTURES / "demonstrations"
+MS = DEMOS / "maniskill"
+MS_MAIN = MS / "pushcube.rgb+state.pd_ee_delta_pose.h5"  # push (success), random, push
+LIBERO = DEMOS / "libero"
+LIBERO_TASK0 = next(LIBERO.glob("pick_up_the_black_bowl_between*_demo.hdf5"))  # 2 demos
+
+
+def maniskill_spec(image_size=16, chunk_len=4, state=True, action_dim=7, wrist=False):
+    """PushCube-v1's EnvSpec as envs/maniskill.py task_spec builds it (state: the task's
+    35-d obs_mode=state vector), without a simulator."""
+    instruction = describe("PushCube-v1")
+    img = ((image_size, image_size, 3), "|u1")
+    obs = {"image": img, **({"wrist_image": img} if wrist else {}),
+           "instruction": ((len(words(instruction)),), "<i4")}
+    if state:
+        obs["state"] = ((35,), "<f4")
+    return EnvSpec(obs=obs, action_dim=action_dim, chunk_len=chunk_len, max_episode_chunks=8,
+                   vocab=vocab_of([instruction]))
+
+
+def libero_spec(state_format="quaternion", image_size=16, chunk_len=4, wrist=True):
+    return LiberoEnv.spec_of(suite="libero_spatial", image_size=image_size, wrist_image=wrist,
+                             state_format=state_format, chunk_len=chunk_len)
+
+
+def refused(paths, spec, *fragments, **kwargs):
+    """The problems of `paths`, checked to name every fragment, and read_demonstrations
+    refusing with the same lines."""
+    problems = demonstration_problems(paths, spec, kwargs.get("per_task"))
+    text = "\n".join(f"{w} = {v!r}: {m}" for w, v, m in problems)
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+    with pytest.raises(ValueError) as err:
+        read_demonstrations(paths, spec, **kwargs)
+    assert isinstance(err.value, DemonstrationError)
+    for where, _, message in problems:
+        assert where in str(err.value) and message in str(err.value)
+    return text
+
+
+# ------------------------------------------------------------------------------ ManiSkill3
+
+def test_maniskill_file_reads_into_the_spec():
+    spec = maniskill_spec()
+    assert demonstration_problems(MS_MAIN, spec) == []
+    demos = read_demonstrations(MS_MAIN, spec)
+    with h5py.File(MS_MAIN) as f:
+        lengths = [f[f"traj_{i}/actions"].shape[0] for i in range(3)]
+        actions0 = f["traj_0/actions"][()]
+        state0 = f["traj_0/obs/state"][()]
+    n = sum(lengths)  # one sample per step; the obs after the last action is dropped
+    assert demos.actions.shape == (n, 4, 7) and demos.actions.dtype == np.float32
+    assert demos.obs["image"].shape == (n, 16, 16, 3) and demos.obs["image"].dtype == np.uint8
+    assert demos.obs["state"].shape == (n, 35) and demos.obs["state"].dtype == np.float32
+    assert demos.obs["instruction"].shape == (n, 9)
+    assert (demos.obs["instruction"] == tokenize(describe("PushCube-v1"), spec.vocab, 9)).all()
+    assert demos.episode.tolist() == sum(([i] * k for i, k in enumerate(lengths)), [])
+    assert demos.task == [describe("PushCube-v1")] * 3 and "RecordEpisode" in demos.source
+    np.testing.assert_array_equal(demos.obs["state"][:lengths[0]], state0[:-1])
+    np.testing.assert_array_equal(demos.actions[:lengths[0], 0], actions0)
+    np.testing.assert_array_equal(demos.actions[5, 2], actions0[7])
+
+
+def test_maniskill_state_mode_file_gives_the_same_state():
+    """obs_mode=state (obs is the flat vector) and rgb+state (obs/state) are the same vector:
+    the same seed and scripted actions recorded both ways."""
+    spec = maniskill_spec()
+    spec = EnvSpec({k: v for k, v in spec.obs.items() if k != "image"}, 7, 4, 8, spec.vocab)
+    flat = read_demonstrations(MS / "pushcube.state.pd_ee_delta_pose.h5", spec)
+    both = read_demonstrations(MS_MAIN, spec, per_task=1)
+    np.testing.assert_array_equal(flat.obs["state"], both.obs["state"])
+    np.testing.assert_array_equal(flat.actions, both.actions)
+
+
+def test_action_chunks_repeat_the_last_action_past_the_end():
+    spec = maniskill_spec(chunk_len=6)
+    demos = read_demonstrations(MS_MAIN, spec, per_task=1)
+    with h5py.File(MS_MAIN) as f:
+        actions = f["traj_0/actions"][()]
+    T = len(actions)
+    for back in range(1, 7):  # the last rows: `back` real actions, then the last repeated
+        row = demos.actions[T - back]
+        np.testing.assert_array_equal(row[:back], actions[T - back:])
+        np.testing.assert_array_equal(row[back:], np.repeat(actions[-1:], 6 - back, 0))
+        assert demos.pad[T - back].tolist() == [False] * back + [True] * (6 - back)
+    assert not demos.pad[:T - 5].any()
+
+
+def test_successful_only_and_per_task():
+    spec = maniskill_spec()
+    with open(MS_MAIN.with_suffix(".json")) as f:
+        success = [e["success"] for e in json.load(f)["episodes"]]
+    assert success == [True, False, True]
+    ok = read_demonstrations(MS_MAIN, spec, successful_only=True)
+    assert len(ok.task) == 2
+    every = read_demonstrations(MS_MAIN, spec)
+    np.testing.assert_array_equal(ok.actions, every.actions[every.episode != 1])
+    first = read_demonstrations(MS_MAIN, spec, per_task=1, successful_only=True)
+    assert len(first.task) == 1 and len(first) == (every.episode == 0).sum()
+    two = read_demonstrations(MS_MAIN, spec, per_task=2, successful_only=True)
+    np.testing.assert_array_equal(two.actions, ok.actions)
+
+
+def test_maniskill_control_mode_refused_naming_the_json_key():
+    text = refused(MS / "pushcube.state.pd_joint_delta_pos.h5", maniskill_spec(),
+                   "pushcube.state.pd_joint_delta_pos.json:env_info.env_kwargs.control_mode",
+                   "'pd_joint_delta_pos'", "replay_trajectory", "-c pd_ee_delta_pose")
+    assert "traj_0/actions = (4, 8)" in text  # and its 8-d joint actions
+
+
+def test_maniskill_without_obs_refused_naming_the_key():
+    refused(MS / "pushcube.none.pd_ee_delta_pose.h5", maniskill_spec(),
+            "pushcube.none.pd_ee_delta_pose.h5:traj_0/obs/state", "obs_mode='none'",
+            "pushcube.none.pd_ee_delta_pose.h5:traj_0/obs/sensor_data/base_camera/rgb")
+
+
+def test_maniskill_missing_wrist_camera_and_action_dim_refused():
+    refused(MS_MAIN, maniskill_spec(wrist=True),
+            f"{MS_MAIN}:traj_0/obs/sensor_data/hand_camera/rgb", "panda_wristcam")
+    refused(MS_MAIN, maniskill_spec(action_dim=6), f"{MS_MAIN}:traj_0/actions = (29, 7)",
+            "action_dim 6")
+
+
+def test_unknown_words_refused_naming_them():
+    spec = maniskill_spec()
+    other = EnvSpec(spec.obs, 7, 4, 8, vocab_of(["pick up the red cube"]))
+    refused(MS_MAIN, other, "pushcube.rgb+state.pd_ee_delta_pose.json:env_info.env_id",
+            "unknown: and, push, target, to, white")
+
+
+# ------------------------------------------------------------------------------ LIBERO
+
+@pytest.mark.parametrize("state_format", ["quaternion", "axis_angle"])
+def test_libero_file_reads_into_the_env_fields(state_format):
+    spec = libero_spec(state_format)
+    assert demonstration_problems(LIBERO, spec) == []
+    demos = read_demonstrations(LIBERO, spec)
+    with h5py.File(LIBERO_TASK0) as f:
+        demo = f["data/demo_0"]
+        T = demo["actions"].shape[0]
+        agent, wrist = demo["obs/agentview_rgb"][()], demo["obs/eye_in_hand_rgb"][()]
+        actions, robot = demo["actions"][()], demo["robot_states"][()]
+        assert f["data"].attrs["macros_image_convention"] == "opengl"
+    n = T - 1  # obs[k] is the scene AFTER actions[k]: the last has no executed chunk
+    assert (demos.episode == 0).sum() == n and len(demos.task) == 3
+    assert demos.actions.shape[1:] == (4, 7) and demos.actions.dtype == np.float32
+    np.testing.assert_allclose(demos.actions[0], actions[1:5].astype(np.float32))
+    for field, images in (("image", agent), ("wrist_image", wrist)):
+        got = demos.obs[field][:n]
+        assert got.shape == (n, 16, 16, 3) and got.dtype == np.uint8
+    # 32 px fixture at the spec's 32 px: exactly the stored image rotated by 180 degrees
+    same = read_demonstrations(LIBERO_TASK0, libero_spec(state_format, image_size=32),
+                               per_task=1)
+    np.testing.assert_array_equal(same.obs["image"], agent[:-1, ::-1, ::-1])
+    np.testing.assert_array_equal(same.obs["wrist_image"], wrist[:-1, ::-1, ::-1])
+    # the state the env would build from the same robosuite observation (robot_states holds
+    # its gripper qpos, eef pos and eef quat, recorded beside ee_pos / ee_ori)
+    expected = np.stack([state_of({"robot0_gripper_qpos": r[:2], "robot0_eef_pos": r[2:5],
+                                   "robot0_eef_quat": r[5:9]}, state_format)
+                         for r in robot[:-1]])
+    assert demos.obs["state"].shape == (len(demos), 9 if state_format == "quaternion" else 8)
+    np.testing.assert_allclose(demos.obs["state"][:n], expected, atol=1e-6)
+    task = Suite("libero_spatial").instructions[0]
+    assert demos.task[0] == task
+    assert (demos.obs["instruction"][0] == tokenize(task, spec.vocab, 19)).all()
+
+
+def test_axis_angle_to_quat_undoes_robosuites_quat2axisangle():
+    from robosuite.utils.transform_utils import axisangle2quat, quat2axisangle
+    rng = np.random.default_rng(0)
+    quats = rng.normal(size=(200, 4))
+    quats /= np.linalg.norm(quats, axis=1, keepdims=True)  # both signs of w
+    vectors = np.stack([quat2axisangle(q.copy()) for q in quats])
+    np.testing.assert_allclose(axis_angle_to_quat(vectors), quats, atol=1e-12)
+    np.testing.assert_allclose(axis_angle_to_quat(vectors),
+                               np.stack([axisangle2quat(v) for v in vectors]), atol=1e-12)
+    assert axis_angle_to_quat(np.zeros(3)).tolist() == [0, 0, 0, 1]
+
+
+def test_libero_instruction_is_the_benchmarks_task_language():
+    """Every task of every suite: the instruction from the BDDL file name is the one LIBERO's
+    benchmark (and the env) gives the task."""
+    for name in ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90"):
+        suite = Suite(name)
+        assert [instruction_of(path) for path in suite.bddl] == suite.instructions
+
+
+def test_libero_per_task_counts_by_instruction():
+    demos = read_demonstrations(LIBERO, libero_spec(), per_task=1)
+    assert len(demos.task) == 2 and len(set(demos.task)) == 2
+    refused(LIBERO, libero_spec(), f"{LIBERO.name}/pick_up_the_black_bowl_next_to",
+            "at least per_task=2 demonstrations of this task (the files hold 1)", per_task=2)
+
+
+def test_libero_missing_wrist_camera_refused(tmp_path):
+    path = tmp_path / LIBERO_TASK0.name
+    shutil.copy(LIBERO_TASK0, path)
+    with h5py.File(path, "a") as f:
+        for name in f["data"]:
+            del f[f"data/{name}/obs/eye_in_hand_rgb"]
+    text = refused(path, libero_spec(), f"{path}:/data/demo_0/obs/eye_in_hand_rgb",
+                   "'wrist_image'", "(and in 1 more place")
+    assert read_demonstrations(path, libero_spec(wrist=False)).obs.keys() == {
+        "image", "instruction", "state"}, text
+
+
+def test_libero_refusals_name_file_and_key():
+    refused(LIBERO_TASK0, maniskill_spec(), f"{LIBERO_TASK0}:/data.attrs[bddl_file_name]",
+            "unknown: between, black, bowl", "obs/state = 35")
+    refused(LIBERO_TASK0, EnvSpec(libero_spec().obs, 6, 4, 8, libero_spec().vocab),
+            f"{LIBERO_TASK0}:/data/demo_0/actions = (10, 7)", "action_dim 6")
+
+
+# ------------------------------------------------------------------------------ own dumps
+
+def test_hpcvla_dump_reads_chunk_rows(tmp_path):
+    groups, spec = reach_segments(6)
+    dump = writer(tmp_path / "rank0.h5", spec)
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    assert demonstration_problems(tmp_path / "rank0.h5", spec) == []
+    demos = read_demonstrations(tmp_path / "rank0.h5", spec)
+    with h5py.File(tmp_path / "rank0.h5") as f:
+        demo = f["data/demo_0"]
+        T = demo["actions"].shape[0]
+        np.testing.assert_array_equal(demos.actions[:T], demo["actions"][()])
+        np.testing.assert_array_equal(demos.obs["image"][:T], demo["obs/image"][()])
+        np.testing.assert_array_equal(demos.obs["instruction"][:T],
+                                      demo["obs/instruction"][()])
+        successes = [bool(f[f"data/{n}"].attrs["success"]) for n in f["data"]]
+    assert not demos.pad.any() and len(demos.task) == len(successes)
+    assert {k: v.dtype.str for k, v in demos.obs.items()} == {
+        k: dt for k, (_, dt) in spec.obs.items()}
+    if any(successes):
+        ok = read_demonstrations(tmp_path / "rank0.h5", spec, successful_only=True)
+        assert len(ok.task) == sum(successes)
+    other = EnvSpec(spec.obs, spec.action_dim, spec.chunk_len + 1, 4, spec.vocab)
+    refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
+
+
+def test_unknown_layout_refused(tmp_path):
+    path = tmp_path / "other.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("images", data=np.zeros((2, 4, 4, 3), np.uint8))
+    refused(path, maniskill_spec(), f"{path}:/", "problem_info", "traj_<i>", "format=")
+    refused(tmp_path / "missing.h5", maniskill_spec(), "missing.h5", "no such file")
