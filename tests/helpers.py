@@ -94,8 +94,9 @@ def writer(path, spec, flush_s=10.0):
 
 
 def libero_fixture_observation(cfg) -> tuple[dict, dict]:
-    """The env's render of LIBERO's fixture observation (libero_spatial task 0, fixed state 0)
-    and the exported one (tests/fixtures/pi0/libero_obs.safetensors), same task asserted."""
+    """The env's render of LIBERO's fixture observation (libero_spatial task 0, fixed state 0,
+    as set: no settle steps) and the exported one (tests/fixtures/pi0/libero_obs.safetensors),
+    same task asserted."""
     import numpy as np
     from safetensors import safe_open
 
@@ -104,7 +105,7 @@ def libero_fixture_observation(cfg) -> tuple[dict, dict]:
     with safe_open(str(FIXTURES / "pi0" / "libero_obs.safetensors"), "np") as f:
         task = f.metadata()["task"]
         exported = {k: f.get_tensor(k) for k in f.keys()}
-    env = make_env("libero", 1, seed=0, **env_kwargs(cfg.env))
+    env = make_env("libero", 1, seed=0, settle_steps=0, **env_kwargs(cfg.env))
     try:
         obs = env.reset(init_state_ids=np.array([0]))
         assert env.instructions()[0] == task

@@ -2,6 +2,7 @@
 instructions, actions, success, truncation, auto-reset, initial-state ids, one failing env,
 clear errors for what cannot run here, and a short `hpcvla train` on each simulator."""
 
+import itertools
 import json
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import check_env, make_env
+from hpcvla.envs.base import EVAL_STATE_IDS
 from hpcvla.envs.isolated import IsolatedEnv
 from hpcvla.envs.serial import require
 from hpcvla.text import words
@@ -126,6 +128,35 @@ def test_evaluation_states_are_each_initial_state_once(env):
         assert set(tasks) == {f"task 0: {env.suite.instructions[0]}"}
     else:  # ManiSkill: every id its own initial state
         assert ids.tolist() == list(range(128)) and len(set(tasks)) == 1
+
+
+def object_xy(env) -> list:
+    """Every LIBERO env's object positions on the table (x, y of each free joint)."""
+    model = env._slots[0].env.sim.model
+    xy = [a + k for j, a in enumerate(model.jnt_qposadr) if model.jnt_type[j] == 0
+          for k in (0, 1)]
+    return xy, [slot.env.sim.data.qpos[xy].copy() for slot in env._slots]
+
+
+def test_training_never_starts_from_an_evaluation_state(env):
+    env.reset()  # random starts, as training's auto-resets
+    if hasattr(env, "suite"):  # LIBERO: the task's sampler placements, none a fixed state
+        xy, free = object_xy(env)
+        fixed = env.suite.init_states(0)[:, 1 + np.array(xy)]  # flat state: time, qpos, qvel
+        group_id = np.full(N, EVAL_STATE_IDS + 5)  # a GRPO group's training id
+        env.reset(init_state_ids=group_id)
+        _, group = object_xy(env)
+        env.step(still(env))
+        env.reset(init_state_ids=group_id)
+        _, again = object_xy(env)
+        assert min(np.abs(a - b).max() for a, b in itertools.combinations(free, 2)) > 1e-3
+        assert all(np.array_equal(g, group[0]) for g in (*group, *again))  # same id, same state
+        for placement in (*free, group[0]):
+            assert np.abs(fixed - placement).max(axis=1).min() > 1e-3
+    else:  # ManiSkill: reset seeds from the training split; an id is the seed itself
+        assert all(slot.u._episode_seed[0] >= EVAL_STATE_IDS for slot in env._slots)
+        env.reset(init_state_ids=np.array([1, 2, EVAL_STATE_IDS + 1]))
+        assert [int(slot.u._episode_seed[0]) for slot in env._slots] == [1, 2, EVAL_STATE_IDS + 1]
 
 
 @pytest.mark.parametrize("name", ["maniskill", "libero"])

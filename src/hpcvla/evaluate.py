@@ -3,7 +3,9 @@ its config builds) on a fixed set of initial states of the configured env, in th
 
 The env names the states (`VectorEnv.evaluation_states`): ids 0, 1, 2, ... where every id is
 its own initial state (reach, ManiSkill), the suite's (task, fixed state) pairs taken task by
-task in turn for LIBERO. Two policies evaluated with the same `episodes` see the same states,
+task in turn for LIBERO. They are all of the evaluation split, ids below EVAL_STATE_IDS,
+which training never starts from (envs/base.py); the result names the split, the id range
+and what the states are. Two policies evaluated with the same `episodes` see the same states,
 so their success rates compare directly (the policy still samples its actions, as it does in
 training, unless `deterministic`). An episode the env ended by a fault (`env_fault`) is no
 verdict on the policy: it is left out and counted.
@@ -20,6 +22,7 @@ import torch
 from hpcvla import checkpoint
 from hpcvla.devices import local_device
 from hpcvla.envs import env_kwargs, make_env
+from hpcvla.envs.base import is_evaluation_state
 
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
@@ -39,6 +42,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         policy.load_arrays(weights)
     torch.manual_seed(seed)
     ids, tasks = env.evaluation_states(episodes)
+    assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
     per_task, returns, faults = defaultdict(list), [], 0
     try:
         for first in range(0, len(ids), envs):
@@ -67,7 +71,9 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     finally:
         env.close()
     outcomes = [s for task in per_task.values() for s in task]
-    return {"episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
+    return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
+            "states": env.evaluation_kind,
+            "episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
             "mean_return": float(np.mean(returns)), "env_faults": faults,
             "device": str(policy.device),
             "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s))}

@@ -1,10 +1,26 @@
-"""Seeds: every rank's RNG streams and its env shards', a pure function of run.seed and the
-rank, so that ranks explore independently and a run can be replayed.
+"""Seeds: every rank's RNG streams and every env's, a pure function of run.seed and where the
+stream is used, so that ranks and envs explore independently and a run can be replayed.
 
 The policy's initial weights come from run.seed alone (factory.build_policy, on a
 forked RNG: identical on every rank); each rank's global torch and numpy streams (action
-sampling) come from numpy's SeedSequence of (run.seed, rank); each env shard has its own
-seed (its envs derive theirs from it). `rng_seeds.json` in the run directory lists them all.
+sampling) come from numpy's SeedSequence of (run.seed, rank). Envs:
+
+* an env shard's seed is the SeedSequence of (run.seed, rank, shard); a colocated rank's
+  envs are shard 0 of that rank (`colocated_seed`);
+* each env of a shard has its own seed, the SeedSequence of (shard seed, env index)
+  (`env_seeds`), and draws its random episode starts from `env_rng(env seed)`.
+
+The parts are hashed together, never added: with sums (seed + rank + shard + env) the
+envs of neighbouring shards and ranks would land on the same numbers and replay the same
+episodes. Seeds are 63-bit (they fit an int64: HDF5 attributes, numpy arrays). Two
+distinct tuples give distinct SeedSequence entropy, so distinct streams; the seeds
+themselves are then distinct but for a 63-bit hash collision (tests/test_seeds.py checks
+every layout's). `rng_seeds.json` in the run directory lists every rank's and env's seed.
+
+Stream tags keep streams of different uses apart even where their numbers meet: the
+entropy of `env_rng` (env seed, _ENV_RNG) never equals that of `state_rng` (id,
+_STATE_RNG), the initial state an init_state_id names, so a training env's random starts
+are never an evaluation state's stream (envs/base.py: the evaluation split).
 """
 
 from __future__ import annotations
@@ -16,6 +32,15 @@ import torch
 
 from hpcvla.schedule import shards_of
 from hpcvla.topology.plan import SIM
+
+_SHARD, _ENV, _RESTART = 0x5A4D, 0xE4F, 0x4E57  # what a derived seed is for
+_ENV_RNG, _STATE_RNG = 0x51_0E, 0x5EAC4  # entropy tags of the env streams (module docstring)
+
+
+def _seed(*parts: int) -> int:
+    """A 63-bit seed from numpy's SeedSequence of `parts`."""
+    word = np.random.SeedSequence(list(parts)).generate_state(1, np.uint64)[0]
+    return int(word >> np.uint64(1))
 
 
 def rank_seeds(cfg, rank: int) -> dict[str, int]:
@@ -31,25 +56,53 @@ def seed_rank(cfg, rank: int) -> None:
     np.random.seed(seeds["numpy"])
 
 
+def shard_seed(cfg, rank: int, shard: int) -> int:
+    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
+    return _seed(cfg.run.seed, rank, shard, _SHARD)
+
+
+def colocated_seed(cfg, rank: int) -> int:
+    """Seed of a colocated rank's envs: it simulates one shard, shard 0 of its rank."""
+    return shard_seed(cfg, rank, 0)
+
+
+def env_seeds(shard_seed: int, num_envs: int) -> list[int]:
+    """The seed of each env of a shard: SeedSequence of (shard seed, env index)."""
+    return [_seed(shard_seed, i, _ENV) for i in range(num_envs)]
+
+
+def env_rng(env_seed: int) -> np.random.Generator:
+    """An env's own stream: its random episode starts (every env implementation's)."""
+    return np.random.default_rng([int(env_seed), _ENV_RNG])
+
+
+def state_rng(init_state_id: int) -> np.random.Generator:
+    """The stream an init_state_id names (same id, same initial state, whatever the env)."""
+    return np.random.default_rng([int(init_state_id), _STATE_RNG])
+
+
+def restart_seed(shard_seed: int, restarts: int) -> int:
+    """Seed of a shard's worker after its `restarts`-th restart (envs/isolated.py): a fresh
+    one, so the new worker does not replay the shard's first episodes."""
+    return _seed(shard_seed, restarts, _RESTART)
+
+
 def write_rng_seeds(cfg, plan, run_dir) -> None:
-    """rng_seeds.json in the run directory: every rank's RNG seeds and its env shards'."""
-    shards = shards_of(cfg)  # per simulator rank, in this mode
+    """rng_seeds.json in the run directory: every rank's RNG seeds, its env shards' seeds
+    and each of their envs' seeds."""
     ranks = {}
     for r, placed in enumerate(plan.ranks):
         entry = rank_seeds(cfg, r)
         if plan.mode == "colocated":
-            entry["env_shards"] = [colocated_seed(cfg, r)]
+            shards = [colocated_seed(cfg, r)]
         elif SIM in placed.roles:
-            entry["env_shards"] = [shard_seed(cfg, r, s) for s in range(shards)]
+            shards = [shard_seed(cfg, r, s) for s in range(shards_of(cfg))]
+        else:
+            shards = []
+        if shards:
+            per_shard = cfg.env.envs_per_simulator // len(shards)
+            entry["env_shards"] = [{"seed": s, "envs": env_seeds(s, per_shard)}
+                                   for s in shards]
         ranks[str(r)] = entry
     (run_dir / "rng_seeds.json").write_text(json.dumps(
         {"run.seed": cfg.run.seed, "ranks": ranks}, indent=1))
-
-
-def shard_seed(cfg, rank: int, shard: int) -> int:
-    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
-    return cfg.run.seed * 10007 + rank * 101 + shard
-
-
-def colocated_seed(cfg, rank: int) -> int:
-    return cfg.run.seed * 10007 + rank

@@ -36,10 +36,11 @@ def run(workload: str = "emulated", shards: int = 2, envs_per_shard: int = 4, ro
     from hpcvla.config import load_config
     from hpcvla.envs import check_env
     from hpcvla.factory import make_envs
+    from hpcvla.seeds import shard_seed
 
     cfg = load_config(None, [*WORKLOAD_OVERRIDES[workload], "env.isolation=process"])
     check_env(cfg)  # a missing simulator is named before any worker starts
-    envs = [make_envs(cfg, envs_per_shard, cfg.run.seed + k, first_env=k * envs_per_shard,
+    envs = [make_envs(cfg, envs_per_shard, shard_seed(cfg, 0, k), first_env=k * envs_per_shard,
                       owner="bench") for k in range(shards)]
     spec, rng = envs[0].spec, np.random.default_rng(0)
     shape = (envs_per_shard, spec.chunk_len, spec.action_dim)

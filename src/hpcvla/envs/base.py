@@ -6,6 +6,16 @@ vision-language-action policy. Observations are dicts of batched numpy arrays wh
 shapes and dtypes are declared up front in an `EnvSpec`, so a simulator process can lay them
 out in shared memory (`obs_dtype`) before the first step. Episodes auto-reset: the caller
 never resets an individual env.
+
+Initial states are split in two, and this module is the rule's home: init_state_ids below
+EVAL_STATE_IDS are the evaluation split (`hpcvla eval` runs ids 0, 1, 2, ...:
+`VectorEnv.evaluation_states`), and training never starts from one. Training starts come
+from `training_state_ids`, in [EVAL_STATE_IDS, STATE_IDS): GRPO's grouped restarts
+(envs/groups.py), and the random starts of envs whose simulator is seeded by a number
+(ManiSkill's reset seed, LIBERO's placement samplers). reach draws its random starts from
+each env's own stream instead, which is never an id's stream (seeds.py). What an id
+means is each env's: a layout's stream (reach), ManiSkill's reset seed, a LIBERO fixed
+initial state (evaluation) or a sampler placement (training).
 """
 
 from __future__ import annotations
@@ -15,6 +25,19 @@ from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
+
+EVAL_STATE_IDS = 2 ** 20  # init_state_ids below this are the evaluation split
+STATE_IDS = 2 ** 31  # every init_state_id is below this (ManiSkill's reset seeds are int32)
+
+
+def training_state_ids(rng: np.random.Generator, n: int | None = None):
+    """One init_state_id (n None) or `n` of them from the training split, drawn from `rng`."""
+    ids = rng.integers(EVAL_STATE_IDS, STATE_IDS, n)
+    return int(ids) if n is None else ids
+
+
+def is_evaluation_state(init_state_id: int) -> bool:
+    return 0 <= init_state_id < EVAL_STATE_IDS
 
 
 @dataclass(frozen=True)
@@ -60,6 +83,8 @@ class VectorEnv(abc.ABC):
     # Optional: a static method spec_of(**constructor kwargs) -> EnvSpec, for an env whose
     # spec is known without building a simulator (libero); env_spec builds one otherwise.
     spec_of = None
+    # what an evaluation state is, for `hpcvla eval`'s report
+    evaluation_kind = "one initial state per init_state_id"
 
     @abc.abstractmethod
     def reset(self, seeds: np.ndarray | None = None,
@@ -89,7 +114,10 @@ class VectorEnv(abc.ABC):
 
     def evaluation_states(self, episodes: int) -> tuple[np.ndarray, list[str]]:
         """`episodes` init_state_ids that `hpcvla eval` runs, and the task of each (for per
-        task results). Default: ids 0, 1, 2, ..., each its own initial state of one task."""
+        task results), all from the evaluation split (module docstring). Default: ids 0, 1,
+        2, ..., each its own initial state of one task."""
+        if episodes > EVAL_STATE_IDS:
+            raise ValueError(f"at most {EVAL_STATE_IDS} evaluation states, not {episodes}")
         return np.arange(episodes), ["all"] * episodes
 
     @abc.abstractmethod

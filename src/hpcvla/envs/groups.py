@@ -9,14 +9,15 @@ auto-resets) is masked out by the learner. The restart replaces the observation 
 segment's last step: GRPO needs no bootstrap value, so nothing is lost.
 
 Initial state ids come from this wrapper's own generator (seeded per shard), so groups of
-different shards and of successive segments start from different states.
+different shards and of successive segments start from different states, and from the
+training split (envs/base.py): a group never starts from an evaluation state.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from hpcvla.envs.base import StepResult, VectorEnv
+from hpcvla.envs.base import StepResult, VectorEnv, training_state_ids
 
 _GROUP_STREAM = 0x6E0  # mixed into the seed: ids differ from the env's own seed stream
 
@@ -47,7 +48,7 @@ class GroupedRestarts(VectorEnv):
 
     def grouped_ids(self) -> np.ndarray:
         """One fresh initial state id per group, repeated for its members."""
-        ids = self.rng.integers(0, 2 ** 31 - 1, self.num_envs // self.group_size)
+        ids = training_state_ids(self.rng, self.num_envs // self.group_size)
         return np.repeat(ids, self.group_size)
 
     def reset(self, seeds=None, init_state_ids=None) -> dict[str, np.ndarray]:

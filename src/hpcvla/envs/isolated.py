@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from hpcvla.envs.base import StepResult, VectorEnv
+from hpcvla.seeds import restart_seed
 
 # fault-injection settings of the envs (reach): they fire in a worker's first life only, as a
 # transient fault would; a restarted worker is built without them
@@ -152,7 +153,7 @@ class IsolatedEnv(VectorEnv):
                   flush=True)
             kwargs = {k: v for k, v in self.kwargs.items() if k not in INJECTED_FAULTS}
             try:  # a fresh seed: the new worker does not replay the run's first episodes
-                self._start(kwargs, self.seed + 100_003 * self.restarts)
+                self._start(kwargs, restart_seed(self.seed, self.restarts))
                 obs = self._call("reset", None, None)
             except EnvWorkerFailed as again:
                 error = again

@@ -29,9 +29,36 @@ terminates at success and is truncated after max_episode_chunks chunks (LIBERO's
 limit, past which it raises, is switched off).
 
 Tasks: env.task picks one task of the suite for every env, or -1 spreads the envs over the
-suite's tasks (env k of the run gets task k mod n_tasks). Initial states are the suite's fixed
-ones (50 per task): a random one per episode from each env's RNG, or from an init_state_id:
-state id mod 50, and with env.task=-1 task (id // 50) mod n_tasks (the env loads that task).
+suite's tasks (env k of the run gets task k mod n_tasks).
+
+Initial states, split as envs/base.py rules:
+  - evaluation (init_state_id < EVAL_STATE_IDS): the suite's fixed initial states, 50 per task,
+    as LIBERO's benchmark defines them: state id mod 50 of task (id // 50) mod n_tasks with
+    env.task=-1 (the env loads that task), else of env.task;
+  - training: fresh placements from the task's own samplers (LIBERO's placement initializers,
+    which robosuite runs at every env.reset(), on numpy's global RNG, seeded here from a
+    training id and restored after): a random start draws the id from the env's RNG and keeps
+    the env's task; a training init_state_id (GRPO's groups) is the id itself, same id same
+    state, on task id mod n_tasks with env.task=-1. A policy therefore never trains on the
+    states it is evaluated on.
+Every reset then holds the arm still for `settle_steps` physics steps (SETTLE_STEPS; the objects
+drop onto the table), as LIBERO's standard evaluation does, before the episode's first
+observation (settle_steps=0: the state exactly as set, what tests/fixtures/pi0 exported).
+
+Against the standard LIBERO evaluation (openpi examples/libero/main.py, OpenVLA's
+experiments/robot/libero/run_libero_eval.py, OpenVLA-OFT's, which follows OpenVLA's):
+  - same: `env.reset()` then the fixed state; 10 settle steps with the dummy action (zeros,
+    gripper open) that count against no horizon; images rotated by 180 degrees; success ends
+    the episode; `hpcvla eval --episodes 500` with env.suite_task=-1 runs the 10 x 50 trials
+    of a 10-task suite, in task-major order per state instead of task by task;
+  - differs: the horizon is the config's (env.max_episode_chunks x env.chunk_len), not the
+    per-suite limit of those scripts (spatial 220, object 280, goal 300, libero_10 520,
+    libero_90 400 steps): configs/libero_pi0.yaml, libero_pi05.yaml and libero_oft.yaml
+    keep 220-224 on libero_spatial, libero_spatial.yaml trains and evaluates with RL-VLA³'s
+    480. Fixtures (cabinets, stoves) are placed from a seed of (task, state), not from the
+    scripts' global seed 7 in episode order, so the same fixed state may put a fixture
+    elsewhere than they do. Cameras render at env.image_size, not at 256 px resized to 224
+    (a policy's processor resizes, policies/processor.py).
 """
 
 from __future__ import annotations
@@ -42,7 +69,7 @@ import sys
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
 
@@ -51,6 +78,9 @@ CAMERAS = ("agentview", "robot0_eye_in_hand")
 STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
 ACTION_DIM = 7
+SETTLE_STEPS = 10  # num_steps_wait of the standard LIBERO evaluation scripts
+SETTLE_ACTION = np.array([0.0] * 6 + [-1.0])  # their dummy action: arm still, gripper open
+_FIXTURES, _PLACEMENT = 0x11B, 0x9A5  # numpy global seeds: fixed states' fixtures, placements
 
 # MuJoCo picks its OpenGL backend when first imported (ManiSkill's dependencies import it
 # too): headless EGL unless the user chose (`osmesa` also renders on CPU).
@@ -93,8 +123,10 @@ class _Slot:
     """One LIBERO env; reloads when an init_state_id names another task."""
 
     def __init__(self, suite: Suite, task: int, image_size: int, wrist_image: bool,
-                 fixed_task: bool, state_format: str = "quaternion"):
+                 fixed_task: bool, state_format: str = "quaternion",
+                 settle_steps: int = SETTLE_STEPS):
         self.suite, self.size, self.fixed_task = suite, image_size, fixed_task
+        self.settle_steps = settle_steps
         self.state_format = state_format
         self.cameras = CAMERAS if wrist_image else CAMERAS[:1]
         self.env = self.renderer_key = None
@@ -113,24 +145,37 @@ class _Slot:
                                                              self.env.sim.model._model)
 
     def reset(self, rng, init_state_id):
-        states = self.suite.init_states(self.task)
-        if init_state_id is None:
-            index = int(rng.integers(len(states)))
+        if init_state_id is None:  # a random start on this env's task
+            self._place(training_state_ids(rng))
+        elif is_evaluation_state(init_state_id):
+            states = self.suite.init_states(self.task)
+            self._use_task(init_state_id // len(states))
+            self._fixed(init_state_id % len(states))
         else:
-            index = init_state_id % len(states)
-            task = init_state_id // len(states) % self.suite.n_tasks
-            if not self.fixed_task and task != self.task:
-                self._load(task)
-                states = self.suite.init_states(task)
-        # The fixed states hold the objects; fixtures (cabinets, stoves) are placed again at
-        # every reset from numpy's global RNG: seed it from the same choice, restore it after.
-        saved = np.random.get_state()
-        np.random.seed([self.task, index, 0x11B])
-        try:
+            self._use_task(init_state_id)
+            self._place(init_state_id)
+        for _ in range(self.settle_steps):
+            self.obs, *_ = self.env.step(SETTLE_ACTION)
+
+    def _use_task(self, task: int) -> None:
+        """Load task `task` mod n_tasks, unless this env runs one fixed task."""
+        task %= self.suite.n_tasks
+        if not self.fixed_task and task != self.task:
+            self._load(task)
+
+    def _fixed(self, index: int) -> None:
+        """Fixed initial state `index` of the task (evaluation). The state holds the objects;
+        fixtures (cabinets, stoves) are placed again by env.reset() from numpy's global RNG:
+        seeded from the same choice."""
+        with _global_seed([self.task, index, _FIXTURES]):
             self.env.reset()
-        finally:
-            np.random.set_state(saved)
-        self.obs = self.env.set_init_state(states[index])
+        self.obs = self.env.set_init_state(self.suite.init_states(self.task)[index])
+
+    def _place(self, state_id: int) -> None:
+        """A fresh placement of every object and fixture by the task's samplers (training),
+        a pure function of the task and `state_id`."""
+        with _global_seed([state_id, _PLACEMENT]):
+            self.obs = self.env.reset()
 
     def step(self, action):
         self.obs, reward, success, _ = self.env.step(action)
@@ -156,6 +201,18 @@ class _Slot:
         env, self.env = self.env, None
         if env is not None:
             env.close()
+
+
+@contextlib.contextmanager
+def _global_seed(seed):
+    """numpy's global RNG (what LIBERO's and robosuite's samplers draw from) seeded with
+    `seed` for the block, and restored after, so nothing else's draws move."""
+    saved = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(saved)
 
 
 def state_of(obs: dict, state_format: str = "quaternion") -> np.ndarray:
@@ -197,7 +254,7 @@ class LiberoEnv(SerialVectorEnv):
                  task: int = -1, image_size: int = 64, wrist_image: bool = False,
                  state: bool = True, reward: str = "sparse", chunk_len: int = 10,
                  max_episode_chunks: int = 48, first_env: int = 0,
-                 state_format: str = "quaternion"):
+                 state_format: str = "quaternion", settle_steps: int = SETTLE_STEPS):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
                             max_episode_chunks, tasks, state_format=state_format)
@@ -206,10 +263,12 @@ class LiberoEnv(SerialVectorEnv):
         def make_slot(i):
             slot_task = task if task >= 0 else (first_env + i) % tasks.n_tasks
             return _Slot(tasks, slot_task, image_size, wrist_image, fixed_task=task >= 0,
-                         state_format=state_format)
+                         state_format=state_format, settle_steps=settle_steps)
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
                          first_env, name=f"libero {suite}")
+
+    evaluation_kind = "the suite's fixed init states (task, state)"
 
     def evaluation_states(self, episodes: int) -> tuple[np.ndarray, list[str]]:
         """(task, fixed initial state) pairs, taking the tasks in turn (env.suite_task=-1: all

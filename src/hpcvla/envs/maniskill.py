@@ -20,8 +20,9 @@ the stick-holding Panda of PushT and DrawTriangle has no gripper: 6-d).
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
 `normalized_dense` reward (env.reward). An episode terminates on `info["success"]` and is
 truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
-for PickCube, is lifted). Initial states: ManiSkill's reset seed, drawn from each env's RNG, or
-the init_state_id itself (same id, same initial state).
+for PickCube, is lifted). Initial states: ManiSkill's reset seed is the init_state_id itself
+(same id, same initial state), or for a random start a training id drawn from the env's RNG
+(envs/base.py), so no random start is an evaluation state.
 
 Tasks that need no asset download with mani-skill 3.0.1 (checked by making and stepping each
 one offline on CPU): NO_DOWNLOAD_TASKS. A task whose assets are missing fails at construction
@@ -37,7 +38,7 @@ import sys
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec
+from hpcvla.envs.base import EnvSpec, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
 
@@ -162,7 +163,7 @@ class _Slot:
         self.instruction = describe(task)
 
     def reset(self, rng, init_state_id):
-        seed = int(rng.integers(2**31 - 1)) if init_state_id is None else int(init_state_id)
+        seed = training_state_ids(rng) if init_state_id is None else int(init_state_id)
         self.state, _ = self.env.reset(seed=seed)
 
     def step(self, action):

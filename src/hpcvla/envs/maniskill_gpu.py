@@ -21,6 +21,8 @@ and goals with torch on the sim device, seeding torch with the first seed of a r
     whatever the env and its neighbours (GRPO groups, `hpcvla eval`), at one reset call per env;
   - random starts (auto resets, reset() without ids): one reset call for all envs that need one,
     seeded from their RNGs: reproducible from the env seeds, not a function of one env's alone.
+    The seeds are training ids (envs/base.py), so the robot draws and the torch seed of a
+    random start are never those of an evaluation state.
 ManiSkill's own seeded reset builds two numpy RNGs for every env of the batch on each call
 (~0.1-0.2 ms each: 50-100 ms per call at 256 envs), so `_reset` seeds what it would seed, for
 the reset envs only. The same id gives the same robot pose as on CPU (numpy draws) but other object
@@ -44,9 +46,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcvla.envs.base import StepResult, VectorEnv, check_reset_args
+from hpcvla.envs.base import StepResult, VectorEnv, check_reset_args, training_state_ids
 from hpcvla.envs.maniskill import describe, make_task_env, render_cameras, task_spec
-from hpcvla.envs.serial import _STREAM, chunk_actions, require
+from hpcvla.envs.serial import chunk_actions, require
+from hpcvla.seeds import env_rng, env_seeds
 from hpcvla.text import tokenize, words
 
 
@@ -96,7 +99,7 @@ class ManiSkillGPUEnv(VectorEnv):
         self.num_envs, self.task, self.first_env = num_envs, task, first_env
         self.device = self.u.device
         self.instruction = describe(task)
-        self._rngs = [np.random.default_rng([seed + i, _STREAM]) for i in range(num_envs)]
+        self._rngs = [env_rng(s) for s in env_seeds(seed, num_envs)]
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._return = np.zeros(num_envs, dtype=np.float32)
         try:
@@ -133,7 +136,7 @@ class ManiSkillGPUEnv(VectorEnv):
         from seeds drawn from their RNGs."""
         self._chunks[envs], self._return[envs] = 0, 0.0
         if init_state_ids is None:
-            self._reset(envs, [int(self._rngs[i].integers(2**31 - 1)) for i in envs])
+            self._reset(envs, [training_state_ids(self._rngs[i]) for i in envs])
         else:
             for i, state_id in zip(envs, init_state_ids, strict=True):
                 self._reset(np.array([i]), [int(state_id)])
@@ -150,7 +153,7 @@ class ManiSkillGPUEnv(VectorEnv):
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         check_reset_args(self.num_envs, seeds, init_state_ids)
         if seeds is not None:
-            self._rngs = [np.random.default_rng([int(s), _STREAM]) for s in seeds]
+            self._rngs = [env_rng(s) for s in seeds]
         self._start_episodes(np.arange(self.num_envs), init_state_ids)
         return self._observe()
 

@@ -26,13 +26,17 @@ primitive steps are ignored) as soon as the target is reached. Reward per chunk:
 executed primitive steps of (previous distance - new distance) * progress_scale, plus 1.0 on
 success. Truncation after `max_episode_chunks` chunks. Finished envs auto-reset.
 
-Initial states (effector start, object positions and colours, target) come from a per-env
-`np.random.Generator` seeded with seed + env index, or from `reset(seeds=...)`;
-`reset(init_state_ids=...)` makes the layout a pure function of the id instead (RL groups can
-restart from one state). An optional lognormal latency model emulates slow simulators: each
-step lasts the slowest of num_envs draws, from a separate RNG (with latency_sleep=False it
-only reports the draw in `last_latency_s`, so a caller can keep several shards in flight, as
-one-process-per-env simulators do).
+Initial states (effector start, object positions and colours, target) come from each env's
+own stream (`seeds.env_rng` of the env's seed: `seeds.env_seeds` of the shard seed, or
+`reset(seeds=...)`); `reset(init_state_ids=...)` makes the layout a pure function of the id
+instead (`seeds.state_rng`: RL groups restart from one state, `hpcvla eval` runs ids 0, 1,
+...). An env's stream is never an id's stream (seeds.py), so training's random layouts are not
+evaluation layouts, and GRPO's grouped ids come from the training split (envs/base.py).
+
+An optional lognormal latency model emulates slow simulators: each step lasts the slowest of
+num_envs draws, from a separate RNG (with latency_sleep=False it only reports the draw in
+`last_latency_s`, so a caller can keep several shards in flight, as one-process-per-env
+simulators do).
 
 Speed (one CPU core, numpy 2.4, 64 envs, 64x64 images, chunk_len 4, incl. auto-resets):
 ~1.1 ms per step() with random actions, ~1.5 ms with the oracle (more resets; a full reset()
@@ -51,6 +55,7 @@ import numpy as np
 
 from hpcvla.emulate import pad
 from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
+from hpcvla.seeds import env_rng, env_seeds, state_rng
 
 PALETTE = {  # name -> RGB; all far from the table colour and from white
     "red": (220, 40, 40),
@@ -71,8 +76,7 @@ OBJECT_RADIUS = 0.06
 MIN_OBJECT_SEPARATION = 2.5 * OBJECT_RADIUS  # centre-to-centre: discs never touch
 EFFECTOR_CLEARANCE = 0.25  # objects start this far from the effector: no free successes
 EFFECTOR_ARM = 0.04  # half-length of the cross arms
-_LAYOUT_STREAM = 0x5EAC4  # mixed into init_state_id seeds, so they differ from env seeds
-_LATENCY_STREAM = 0x1A7E  # same for the latency RNG
+_LATENCY_STREAM = 0x1A7E  # mixed into the shard seed: the latency draws' own stream
 
 
 def _sample_layout(rng: np.random.Generator, num_objects: int):
@@ -138,7 +142,7 @@ class ReachEnv(VectorEnv):
         self._background = np.tile(TABLE_RGB, (image_size, image_size, 1))
 
         n, k = num_envs, num_objects
-        self._rngs = [np.random.default_rng(seed + i) for i in range(n)]
+        self._rngs = [env_rng(s) for s in env_seeds(seed, n)]
         self._latency_rng = np.random.default_rng([seed, _LATENCY_STREAM])
         self._ee = np.zeros((n, 2))
         self._obj = np.zeros((n, k, 2))
@@ -162,10 +166,10 @@ class ReachEnv(VectorEnv):
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         check_reset_args(self.num_envs, seeds, init_state_ids)
         if seeds is not None:
-            self._rngs = [np.random.default_rng(int(s)) for s in seeds]
+            self._rngs = [env_rng(s) for s in seeds]
         for i in range(self.num_envs):
             rng = (self._rngs[i] if init_state_ids is None
-                   else np.random.default_rng([int(init_state_ids[i]), _LAYOUT_STREAM]))
+                   else state_rng(init_state_ids[i]))
             self._reset_env(i, rng)
         return self._observe()
 

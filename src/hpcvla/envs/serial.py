@@ -12,6 +12,8 @@ vector env (a shard) can still be put in a worker process for fault isolation
 A slot implements:
     instruction: str                     the language instruction of its current episode
     reset(rng, init_state_id) -> None    new episode: from `rng`, or a pure function of the id
+                                         (training draws from `rng` stay out of the
+                                         evaluation split: envs/base.py)
     step(action (action_dim,)) -> (reward, success)   one primitive action
     observe() -> dict                    per-env observation with every spec field but
                                          "instruction"; rendered once per chunk, not per step
@@ -34,9 +36,8 @@ from typing import Callable
 import numpy as np
 
 from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
+from hpcvla.seeds import env_rng, env_seeds
 from hpcvla.text import tokenize
-
-_STREAM = 0x51_0E  # mixed into per-env seeds so they differ from other envs' streams
 
 
 def require(module: str, package: str, env_name: str):
@@ -72,7 +73,7 @@ class SerialVectorEnv(VectorEnv):
         self.num_envs, self.spec, self.name = num_envs, spec, name
         self.instruction_len, self.first_env = instruction_len, first_env
         self._make_slot = make_slot
-        self._rngs = [np.random.default_rng([seed + i, _STREAM]) for i in range(num_envs)]
+        self._rngs = [env_rng(s) for s in env_seeds(seed, num_envs)]
         self.failures: list[tuple[int, str]] = []  # (env id, error) of every failure so far
         self.retired: set[int] = set()  # slot indices that could not be rebuilt
         self._chunks = np.zeros(num_envs, dtype=np.int32)
@@ -145,7 +146,7 @@ class SerialVectorEnv(VectorEnv):
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
         check_reset_args(self.num_envs, seeds, init_state_ids)
         if seeds is not None:
-            self._rngs = [np.random.default_rng([int(s), _STREAM]) for s in seeds]
+            self._rngs = [env_rng(s) for s in seeds]
         for i in range(self.num_envs):
             self._start_episode(i, None if init_state_ids is None else int(init_state_ids[i]))
         return self._batch()

@@ -10,7 +10,8 @@ One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
     /data              attrs: total (steps in all demos), env_args (JSON, robomimic style)
     /data/demo_<i>     one finished episode of one env, in order of completion; attrs:
                        num_samples, env_id ("p<producer>/s<slot>/e<env>"), producer_rank,
-                       slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`),
+                       slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`;
+                       the env's own is seeds.env_seeds(seed, n)[env_index]),
                        episode (of that env, counted from the (re)start of the run),
                        instruction (text), policy_version (at the first step), staleness
                        (most over its steps), success, return, env_fault

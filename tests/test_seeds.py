@@ -1,0 +1,81 @@
+"""Every env of a run has its own random stream (seeds.py), in every placement and mode, and
+training never starts from an evaluation state (envs/base.py's split)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hpcvla.config import load_config
+from hpcvla.envs.base import EVAL_STATE_IDS, STATE_IDS, is_evaluation_state, training_state_ids
+from hpcvla.envs.groups import GroupedRestarts
+from hpcvla.envs.reach import ReachEnv
+from hpcvla.seeds import env_rng, env_seeds, shard_seed, state_rng, write_rng_seeds
+from hpcvla.topology.plan import plan_from_config
+from helpers import ROOT
+
+LAYOUTS = [  # (config, overrides, world): every placement and pipeline mode
+    *[("default.yaml", [f"pipeline.mode={mode}"], 4)
+      for mode in ("streamer", "rollout-async", "train-async", "sync-disaggregated")],
+    ("default.yaml", ["env.shards=16"], 4),  # one env per shard
+    ("colocated.yaml", [], 4),
+    ("hybrid.yaml", ["placement.ranks_per_node=4"], 8),
+    ("learner_nodes.yaml", ["placement.ranks_per_node=8"], 24),
+]
+
+
+@pytest.mark.parametrize("config,overrides,world", LAYOUTS)
+def test_every_env_of_a_run_has_its_own_seed(tmp_path, config, overrides, world):
+    cfg = load_config(ROOT / "configs" / config, overrides)
+    plan = plan_from_config(cfg.placement, world)
+    write_rng_seeds(cfg, plan, tmp_path)
+    ranks = json.loads((tmp_path / "rng_seeds.json").read_text())["ranks"]
+    shards = [s for r in ranks.values() for s in r.get("env_shards", [])]
+    seeds = [e for s in shards for e in s["envs"]]
+    sims = sum(1 for r in ranks.values() if "env_shards" in r)
+    assert sims > 1 and len(seeds) == sims * cfg.env.envs_per_simulator
+    assert len(set(seeds)) == len(seeds)
+    assert len({s["seed"] for s in shards}) == len(shards)
+    assert all(0 <= s < 2 ** 63 for s in seeds)  # fits an int64 (HDF5 attributes, numpy)
+
+
+def test_envs_of_neighbouring_shards_start_apart():
+    cfg = load_config(ROOT / "configs/default.yaml", [])
+    first = [ReachEnv(2, seed=shard_seed(cfg, rank, shard)).reset()
+             for rank, shard in ((1, 0), (1, 1), (2, 0))]
+    images = [img.tobytes() for obs in first for img in obs["image"]]
+    assert len(set(images)) == len(images) == 6
+
+
+def test_training_layouts_are_not_evaluation_layouts():
+    # reach: an env's own stream is never the stream of an init_state_id; seeding an env with
+    # an evaluation id's number still gives other layouts than that id
+    evaluation = ReachEnv(8).reset(init_state_ids=np.arange(8))["image"]
+    training = ReachEnv(8).reset(seeds=np.arange(8))["image"]
+    assert not any(np.array_equal(t, e) for t in training for e in evaluation)
+    assert env_rng(3).integers(2 ** 62) != state_rng(3).integers(2 ** 62)
+
+
+def test_grouped_restarts_draw_training_ids_only():
+    env = GroupedRestarts(ReachEnv(8), every=2, group_size=4, seed=shard_seed(
+        load_config(ROOT / "configs/reach_grpo.yaml", []), 1, 0))
+    ids = np.concatenate([env.grouped_ids() for _ in range(500)])
+    assert not any(is_evaluation_state(int(i)) for i in ids)
+    assert ids.min() >= EVAL_STATE_IDS and ids.max() < STATE_IDS
+    assert (ids.reshape(-1, 4) == ids[::4, None]).all()  # one id per group
+    assert env.evaluation_states(128)[0].max() < EVAL_STATE_IDS
+
+
+def test_random_start_ids_are_training_ids():
+    # the id a ManiSkill (CPU and GPU: its reset seed) or LIBERO env (its placement's seed)
+    # draws for a random start; tests/test_sims.py checks the real simulators
+    rngs = [env_rng(s) for s in env_seeds(shard_seed(load_config(None, []), 1, 0), 16)]
+    draws = [training_state_ids(rng) for rng in rngs for _ in range(200)]
+    assert min(draws) >= EVAL_STATE_IDS and max(draws) < STATE_IDS
+
+
+def test_eval_says_which_split_it_measured():
+    from hpcvla.evaluate import evaluate
+    result = evaluate(load_config(None, []), None, episodes=6, envs=3)
+    assert result["split"] == "evaluation" and result["init_state_ids"] == [0, 5]
+    assert result["episodes"] == 6 and "initial state" in result["states"]
