@@ -364,7 +364,9 @@ def cmd_eval(args) -> int:
         print(json.dumps(result) if args.json else
               f"policy version {result['version']}: success {result['success_rate']:.3f} "
               f"over {result['episodes']} episodes, mean return {result['mean_return']:.2f}"
-              + (f" ({result['env_faults']} left out: env faults)" if result['env_faults'] else ""),
+              + (f" ({result['env_faults']} left out: env faults)" if result['env_faults'] else "")
+              + "\n  {split} split: init_state_ids {ids[0]}..{ids[1]}, {states}".format(
+                  ids=result["init_state_ids"], **result),
               flush=True)
         if not args.json and len(result["per_task"]) > 1:
             for task, r in result["per_task"].items():
