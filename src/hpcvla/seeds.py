@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import torch
 
 from hpcvla.schedule import shards_of
 from hpcvla.topology.plan import SIM
@@ -51,6 +50,7 @@ def rank_seeds(cfg, rank: int) -> dict[str, int]:
 
 
 def seed_rank(cfg, rank: int) -> None:
+    import torch  # here: the envs import this module, and env workers import no torch
     seeds = rank_seeds(cfg, rank)
     torch.manual_seed(seeds["torch"])  # the policy's action sampling
     np.random.seed(seeds["numpy"])
