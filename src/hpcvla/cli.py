@@ -1,6 +1,8 @@
 """The `hpcvla` command.
 
     hpcvla train CONFIG [key=value ...] [--ranks N]   the main job (--ranks: start N ranks here)
+    hpcvla sft CONFIG sft.demos=F [key=value ...] [--ranks N]
+                                                      supervised fine-tuning on demonstrations
     hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
     hpcvla plan --auto CONFIG --world N --ranks-per-node M [--costs C] [--json]
                                                       best layout by the scale model
@@ -12,8 +14,8 @@
     hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
-are reported here, in the launching process, before any MPI rank starts. Only `train`
-without --ranks (i.e. inside srun/mpirun) initialises MPI.
+are reported here, in the launching process, before any MPI rank starts. Only `train` and
+`sft` without --ranks (inside srun/mpirun; `sft` alone: a world of one) initialise MPI.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import sys
 
 import yaml
 
+from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import ConfigError, describe_settings, load_config
 from hpcvla.config.loader import config_to_dict
 from hpcvla.topology.plan import PlanError, plan_from_config
@@ -47,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks on this machine (default: run in the "
                             "current MPI world, as under srun/mpirun)")
+
+    sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (sft.demos): "
+                                     "the imitation start RL post-trains")
+    _config_args(sft)
+    sft.add_argument("--ranks", type=int, default=None,
+                     help="start this many learner ranks on this machine (default: the "
+                          "current MPI world, as under srun/mpirun; alone: one rank)")
 
     plan = sub.add_parser("plan", help="print the rank map of a config, or why it cannot work")
     _config_args(plan)
@@ -71,53 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(config, required=False)
     config.add_argument("--doc", action="store_true", help="document every setting")
 
-    bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
-    bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
-                                          "gpu", "scale"],
-                       help="what to measure; `learning` also takes key=value overrides for "
-                            "every run (e.g. policy.name=flow)")
-    bench.set_defaults(overrides=[])
-    bench.add_argument("--json", default=None, help="write the results here")
-    bench.add_argument("--ranks", type=int, default=None,
-                       help="start this many ranks here (default: the current MPI world)")
-    bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
-    bench.add_argument("--ranks-per-node", type=int, default=4,
-                       help="transport: emulated node size for the weight plane (default 4)")
-    bench.add_argument("--workload", choices=["emulated", "real", "maniskill", "libero"],
-                       default="emulated",
-                       help="modes, shards: calibrated stage delays, the real reach "
-                            "env/policy/learner, or a real simulator (rendered observations, "
-                            "tiny policy)")
-    bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
-                       help="modes, emulated: stage costs (see hpcvla/scale/presets.py)")
-    bench.add_argument("--gpus", type=int, default=2,
-                       help="modes: accelerator ranks (even, or 1: one GPU shared)")
-    bench.add_argument("--updates", type=int, default=None,
-                       help="modes: updates per mode (default 20); learning: per run (200)")
-    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
-    bench.add_argument("--arms", choices=["modes", "critic", "flow-noise"], default="modes",
-                       help="learning: streamer vs sync-colocated, the critic's own schedule "
-                            "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
-                            "rate, clipped, 4 epochs), or flow last_step vs chain from a pretrained checkpoint "
-                            "(hpcvla/bench/learning.py)")
-    bench.add_argument("--eval-episodes", type=int, default=256,
-                       help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
-    bench.add_argument("--shards", type=int, default=2,
-                       help="shards: env shards (worker processes) of one simulator rank")
-    bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
-                       help="modes: B_max x T_max grid for the streamer, envs per simulator "
-                            "for streamer vs sync-colocated, or each of the two at the layout "
-                            "`plan --auto --search-envs` picks for it (the streamer also under "
-                            "bounds S+1 and S+2), instead of the ladder")
-
-    bench.add_argument("--max-staleness", type=int, default=2,
-                       help="modes, emulated: the staleness bound the async modes run under "
-                            "(pipeline.max_staleness; the planner uses it whole)")
-    bench.add_argument("--chart", default=None,
-                       help="scale: draw the 8 -> 256 GPU prediction here (PNG)")
-    bench.add_argument("--validate", action="store_true",
-                       help="scale: run emulated layouts for real and compare the model's "
-                            "predictions (hpcvla/scale/validate.py)")
+    add_bench_parser(sub)
 
     inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
                                               "(run.dump_trajectories=true)")
@@ -208,6 +172,19 @@ def cmd_train(args) -> int:
                      mpi=cfg.launch.mpi)
 
 
+def cmd_sft(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
+    preflight.check_sft(cfg, str(args.config))
+    if args.ranks is None:  # a rank of a world someone started, or a world of one
+        from hpcvla.sft import run_sft
+        return run_sft(cfg)
+    from hpcvla.launch import run_world
+    os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
+    return run_world(args.ranks, ["sft", args.config, *args.overrides], cfg.launch.mpiexec,
+                     mpi=cfg.launch.mpi)
+
+
 def cmd_plan(args) -> int:
     cfg = load_config(args.config, args.overrides)
     if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
@@ -248,52 +225,6 @@ def cmd_launch(args) -> int:
     except LaunchError as err:
         print(f"hpcvla launch: {err}", file=sys.stderr)
         return 2
-
-
-def cmd_bench(args) -> int:
-    if args.target == "policies":  # one process: parameter counts and step times
-        from hpcvla.bench import policies
-        policies.run(quick=args.quick, json_path=args.json)
-        return 0
-    if args.target == "gpu":  # one process; starts the training worlds itself
-        from hpcvla.bench import gpu
-        gpu.run(quick=args.quick, json_path=args.json)
-        return 0
-    if args.target == "modes":  # starts one world per mode itself
-        from hpcvla.bench import modes
-        modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
-                  args.updates or 20, json_path=args.json, sweep=args.sweep,
-                  staleness=args.max_staleness)
-        return 0
-    if args.target == "scale":  # the scale model; --validate starts one world per case
-        if args.validate:
-            from hpcvla.scale import validate
-            validate.run(args.preset, updates=5 if args.quick else args.updates or 10,
-                         json_path=args.json)
-        else:
-            from hpcvla.scale import predict
-            predict.run(json_path=args.json, chart_path=args.chart)
-        return 0
-    if args.target == "shards":  # one process and its env workers
-        from hpcvla.bench import shards
-        shards.run(args.workload, args.shards, rounds=4 if args.quick else 20,
-                   json_path=args.json)
-        return 0
-    if args.target == "learning":  # starts one world per run itself
-        from hpcvla.bench import learning
-        learning.run(seeds=2 if args.quick else args.seeds,
-                     updates=3 if args.quick else args.updates or 200, json_path=args.json,
-                     overrides=args.overrides, arms=args.arms,
-                     eval_episodes=32 if args.quick else args.eval_episodes)
-        return 0
-    if args.ranks is not None:  # start the world here, then run this command inside it
-        from hpcvla.launch import run_world
-        inner = ["bench", args.target, "--ranks-per-node", str(args.ranks_per_node)]
-        inner += (["--json", args.json] if args.json else []) + (["--quick"] if args.quick else [])
-        return run_world(args.ranks, inner)
-    from hpcvla.bench import transport
-    transport.run(quick=args.quick, ranks_per_node=args.ranks_per_node, json_path=args.json)
-    return 0
 
 
 def cmd_inspect(args) -> int:
@@ -381,5 +312,6 @@ def cmd_eval(args) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "bench": cmd_bench, "plan": cmd_plan, "config": cmd_config, "launch": cmd_launch,
+COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
+            "config": cmd_config, "launch": cmd_launch,
             "inspect": cmd_inspect, "eval": cmd_eval}

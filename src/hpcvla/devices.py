@@ -2,7 +2,7 @@
 
     assign_node(roles, visible, sim_gpu)   # pure: a node's ranks -> GPU ids (or None)
     plan_devices(plan, gpus, sim_gpu)      # pure: every rank of a plan -> "cuda:i" | "cpu"
-    bind_rank_device(cfg, plan, world)     # at run time: this rank's torch.device, bound
+    bind_rank_device(cfg, roles, world)    # at run time: this rank's torch.device, bound
     HostStaging(device)                    # pinned host buffers for batches bound to a GPU
 
 The map (RLinf and verl do the same): inference and learner ranks get a GPU each; a rank that
@@ -97,10 +97,11 @@ def _system_gpu(index: int) -> str:
     return listed[index] if index < len(listed) else str(index)
 
 
-def bind_rank_device(cfg, plan, world) -> torch.device:
-    """This rank's device, from the roles and visible GPUs of every rank on its real node
-    (collective on `world`; every rank reaches the same verdict). Binds CUDA to it; its env
-    worker processes see only it, and MuJoCo's EGL renders on it."""
+def bind_rank_device(cfg, roles, world) -> torch.device:
+    """This rank's device, from the roles (`roles[r]`: world rank r's, a tuple) and visible
+    GPUs of every rank on its real node (collective on `world`; every rank reaches the same
+    verdict). Binds CUDA to it; its env worker processes see only it, and MuJoCo's EGL
+    renders on it."""
     from mpi4py import MPI
 
     from hpcvla.envs import env_uses_gpu
@@ -116,13 +117,13 @@ def bind_rank_device(cfg, plan, world) -> torch.device:
     node.Free()
     if error is None:
         try:
-            gpus = assign_node([plan.ranks[r].roles for r, _ in members],
+            gpus = assign_node([roles[r] for r, _ in members],
                                [v for _, v in members], env_uses_gpu(cfg.env))
             mine = gpus[[r for r, _ in members].index(rank)]
         except PlanError as err:
             error = f"host {MPI.Get_processor_name()}: {err}"
     # learners share one collective backend (NCCL or gloo): all on GPUs or all on CPUs
-    learner = LEARN in plan.ranks[rank].roles
+    learner = LEARN in roles[rank]
     everyone = world.allgather((error, learner, mine is not None))
     errors = [e for e, _, _ in everyone if e]
     if not errors and len({gpu for _, is_learner, gpu in everyone if is_learner}) > 1:

@@ -10,6 +10,7 @@ would be valid), reported together as one ConfigError.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ def config_problems(cfg) -> list[tuple[str, Any, str]]:
         elif version >= cfg.pipeline.total_updates:
             problems.append(("pipeline.total_updates", cfg.pipeline.total_updates,
                              f"more than the resumed checkpoint's version {version}"))
-    if cfg.policy.pretrained and cfg.policy.name != "default":
+    if cfg.policy.pretrained:
         problems += _pretrained_problems(cfg.policy)
     return problems
 
@@ -62,14 +63,36 @@ def _pretrained_problems(policy) -> list[tuple[str, Any, str]]:
                for name in ("model.safetensors", "model.safetensors.index.json")):
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)")]
+    from hpcvla.policies.processor import is_hpcvla_folder
+    if is_hpcvla_folder(folder):  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
+        family = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
+        return [] if family == policy.name else [
+            ("policy.name", policy.name, f"{family}: the family {folder} was saved from")]
+    if policy.name == "default":
+        return [("policy.pretrained", folder, "a folder written by `hpcvla sft` (its "
+                 "`policy/`) or save_pretrained: the default policy has no published weights")]
     if policy.name == "oft":  # OFT's folder: config, statistics, tokenizer
         from hpcvla.policies.oft_checkpoint import check_folder
-        from hpcvla.policies.processor import is_hpcvla_folder
-        if is_hpcvla_folder(folder):
-            return []
         return check_folder(folder, policy.tokenizer, policy.unnorm_key)
     from hpcvla.policies.processor import check_folder  # a published folder
     return check_folder(folder, policy.tokenizer)
+
+
+def check_sft(cfg, source: str = "config") -> None:
+    """`hpcvla sft`'s checks: the config's (check_config) and its demonstrations against the
+    observations and actions of the configured env (the env's spec), before any rank starts."""
+    from hpcvla.config.learning import demo_paths
+    from hpcvla.demonstrations import demonstration_problems
+    from hpcvla.envs import env_spec
+
+    check_config(cfg, source)
+    paths = demo_paths(cfg.sft)
+    if not paths:
+        raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files, "
+                            "comma-separated (e.g. written by `hpcvla demos`)")], source)
+    problems = demonstration_problems(paths, env_spec(cfg.env), cfg.sft.per_task or None)
+    if problems:
+        raise ConfigError(problems, f"{source}: sft.demos")
 
 
 def check_config(cfg, source: str = "config"):

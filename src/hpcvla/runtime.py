@@ -51,19 +51,40 @@ def run_ranks(cfg, main, check=None) -> int:
         except TimeoutError:
             pass
         return 2
+    info = plan.ranks[rank]
+    _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
+    comms.free()
+    return 0
+
+
+def run_guarded(world, role: str, main) -> int:
+    """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
+    learners): a rank that raises aborts the world, as in run_ranks."""
+    from mpi4py import MPI
+
+    hosts = world.allgather(MPI.Get_processor_name())  # [dist]
+    node = sorted(set(hosts), key=hosts.index).index(hosts[world.Get_rank()])
+    deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
+    _or_abort(world, role, node, main)
+    return 0
+
+
+def _or_abort(world, role: str, node: int, main) -> None:
+    """`main()`; if it raises, print this rank's rank, role, node and host with the error and
+    abort the world (every rank goes down within seconds, deathwatch.py)."""
+    from mpi4py import MPI
+
+    rank = world.Get_rank()
     try:
-        main(cfg, plan, comms)
+        main()
     except BaseException as err:  # noqa: BLE001 - any failure must take the world down
         if isinstance(err, SystemExit) and not err.code:
             raise
-        info = plan.ranks[rank]
-        print(f"hpcvla: rank {rank} ({'+'.join(info.roles)}) on node {info.node} "
+        print(f"hpcvla: rank {rank} ({role}) on node {node} "
               f"(host {MPI.Get_processor_name()}) failed: {err!r}\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)
         deathwatch.said_why(rank)
         world.Abort(1)
-    comms.free()
-    return 0
 
 
 def create_run_dir(cfg, world) -> Path:

@@ -28,10 +28,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.placement.learner_nodes and cfg.placement.mode != "disaggregated":
         problems.append(("placement.learner_nodes", cfg.placement.learner_nodes,
                          "0 unless placement.mode is disaggregated"))
-    if cfg.policy.pretrained and cfg.policy.name == "default":
-        problems.append(("policy.pretrained", cfg.policy.pretrained,
-                         "empty for policy.name=default (only flow/tokens/oft load folders)"))
-    elif cfg.policy.tokenizer and not cfg.policy.pretrained:
+    if cfg.policy.tokenizer and not cfg.policy.pretrained:
         problems.append(("policy.tokenizer", cfg.policy.tokenizer, "empty without "
                          "policy.pretrained (built-in policies read the env's instruction ids)"))
     if cfg.algorithm.name == "grpo" and \

@@ -1,6 +1,7 @@
-"""The settings of what is trained and how: the policy (`policy.*`) and the RL algorithm
-(`algorithm.*`); the other sections are in schema.py, which documents the conventions.
-`setting` declares a documented field (used by every section)."""
+"""The settings of what is trained and how: the policy (`policy.*`), the RL algorithm
+(`algorithm.*`) and supervised fine-tuning (`sft.*`, `hpcvla sft`); the other sections are in
+schema.py, which documents the conventions. `setting` declares a documented field (used by
+every section)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,36 @@ class AlgorithmConfig:
         "(higher corrects more, with more variance).", ge=1)
     max_grad_norm: float = setting(
         0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)
+
+
+@dataclass
+class SFTConfig:
+    demos: str = setting(
+        "", "`hpcvla sft`: the HDF5 demonstration files (comma-separated) it fine-tunes on: "
+        "this project's trajectory dumps and `hpcvla demos` files, LIBERO's (robomimic) "
+        "datasets, ManiSkill3 trajectory files (`hpcvla/demonstrations/` reads them; the "
+        "layout is detected per file). Checked against the env's observations and actions "
+        "before any rank starts.")
+    per_task: int = setting(
+        0, "Few-shot: at most this many demonstrations of each task (instruction), the first "
+        "ones in file order; 0: all.", ge=0)
+    successful_only: bool = setting(
+        False, "Only episodes that succeeded (this project's dumps record `success` per "
+        "episode; ManiSkill's files too). Off: every episode, failures included.")
+    steps: int = setting(
+        1000, "Optimizer steps of `hpcvla sft`, each on `batch_size` chunks per learner "
+        "(epochs over the data = steps x batch_size x learners / samples).", ge=1)
+    batch_size: int = setting(
+        64, "Demonstrated chunks per learner per optimizer step: larger is smoother and "
+        "slower per step.", ge=1)
+    lr: float = setting(
+        1e-3, "Adam learning rate of `hpcvla sft` (every parameter; the critic gets no "
+        "gradient from imitation and stays as initialised).", ge=0)
+    checkpoint_every: int = setting(
+        0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` goes on "
+        "from the newest); 0: only at the end.", ge=0)
+
+
+def demo_paths(sft: SFTConfig) -> list[str]:
+    """The files `sft.demos` names."""
+    return [path.strip() for path in sft.demos.split(",") if path.strip()]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
+from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, SFTConfig, setting
 from hpcvla.schedule import MODES
 
 ROLES = ("simulator", "inference", "learner")
@@ -321,3 +321,4 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)

@@ -8,7 +8,11 @@ or token, (B, chunk_len, action_dim). `act` reports the chunk's log-prob, (B,), 
 
 `act` is what rollout workers call (no autograd graph); `evaluate` is what the learner calls
 (differentiable). Keeping the two apart lets rollout code run under inference settings while
-the learner recomputes everything it needs with gradients.
+the learner recomputes everything it needs with gradients. `imitation_loss` is what supervised
+fine-tuning (`hpcvla sft`) minimises on demonstrated chunks: by default the negative
+log-likelihood `evaluate` gives (behaviour cloning of the Gaussian chunk, cross-entropy of
+action tokens); a family whose likelihood is not its training objective overrides it (flow
+matching for the flow family).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class Policy(nn.Module, abc.ABC):
 
     action_dim: int
     chunk_len: int
+    family: str  # its name in the registry (policies/registry.py POLICIES)
     # Published checkpoints (policies/folders.py, factory.build_policy); the defaults are a
     # family that has none:
     variant: str = ""  # which published model the weights are (flow: "pi0" or "pi05")
@@ -101,10 +106,35 @@ class Policy(nn.Module, abc.ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor):
-        """`evaluate`: training calls the DeepSpeed engine (`engine(obs, actions)`), whose
-        forward hooks gather ZeRO-3 parameter shards."""
-        return self.evaluate(obs, actions)
+    def imitation_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
+        """The supervised loss of demonstrated chunks `actions` (B, chunk_len, action_dim), a
+        scalar: the mean negative log-likelihood per scored unit (chunk, action or token)."""
+        return -self.evaluate(obs, actions)[0].float().mean()
+
+    def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                imitation: bool = False):
+        """`evaluate` (or, with `imitation`, `imitation_loss`): training calls the DeepSpeed
+        engine (`engine(obs, actions)`), whose forward hooks gather ZeRO-3 parameter shards."""
+        return self.imitation_loss(obs, actions) if imitation else self.evaluate(obs, actions)
+
+    # Hugging Face-style folders (policies/folders.py): a family that follows a published
+    # model maps its names to that model's (VLAPolicy); built-in names are their own.
+    @classmethod
+    def to_hf_key(cls, key: str) -> str:
+        return key
+
+    @classmethod
+    def from_hf_key(cls, key: str) -> str:
+        return key
+
+    def config_json(self) -> dict:
+        """What rebuilds this policy (registry.load_pretrained): the family, the observation
+        spec and the constructor arguments (`obs_spec`, `vocab_size`, `init_args`, which
+        every family that can be saved records)."""
+        return {"hpcvla_policy": self.family, "architectures": [type(self).__name__],
+                "obs_spec": {k: [list(s), dt] for k, (s, dt) in self.obs_spec.items()},
+                "action_dim": self.action_dim, "chunk_len": self.chunk_len,
+                "vocab_size": self.vocab_size, "kwargs": self.init_args}
 
     @staticmethod
     def obs_to_tensors(obs: dict[str, np.ndarray], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:

@@ -6,7 +6,9 @@ provides one, a proprioceptive state vector, and emits a whole action chunk
 (chunk_len x action_dim) from one Gaussian with a state-independent learnable log-std.
 
 Log-probability and entropy are summed over every dimension of the chunk, so the chunk is
-one PPO "action". Sampled actions are not squashed: the environment clips.
+one PPO "action". Sampled actions are not squashed: the environment clips. Behaviour cloning
+(`imitation_loss`, `hpcvla sft`) maximises the same Gaussian's likelihood of the demonstrated
+chunks, so the std it ends with is the demonstrations' spread: the exploration RL starts from.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class DefaultPolicy(Policy):
         init_log_std: initial value of the (state-independent) log standard deviation.
     """
 
+    family = "default"
     config_fields = ("hidden", "init_log_std")  # PolicyConfig fields the pipeline passes
 
     def __init__(
@@ -54,6 +57,10 @@ class DefaultPolicy(Policy):
         init_log_std: float = -0.7,
     ):
         super().__init__()
+        # what config.json records to rebuild it (policies/folders.save_pretrained)
+        self.obs_spec = {k: (tuple(shape), dt) for k, (shape, dt) in obs_spec.items()}
+        self.vocab_size = int(vocab_size)
+        self.init_args = {"hidden": int(hidden), "init_log_std": float(init_log_std)}
         self.action_dim = int(action_dim)
         self.chunk_len = int(chunk_len)
         self.has_image = "image" in obs_spec
@@ -139,6 +146,11 @@ class DefaultPolicy(Policy):
         logprob = dist.log_prob(flat).sum(-1)
         entropy = dist.entropy().sum(-1)
         return logprob, value, entropy
+
+    def imitation_loss(self, obs, actions):
+        """Negative log-likelihood per action dimension (the chunk's sum divided by its
+        size, so the scale does not grow with chunk_len x action_dim)."""
+        return -self.evaluate(obs, actions)[0].mean() / (self.chunk_len * self.action_dim)
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -271,6 +271,24 @@ class FlowPolicy(VLAPolicy):
                 for k in range(self.denoise_steps)]
 
     # --------------------------------------------------------------------- act / evaluate
+    def imitation_loss(self, obs, actions):
+        """Flow matching, π0's training objective (supervised fine-tuning, `hpcvla sft`): at a
+        time t ~ Beta(1.5, 1) (π0's emphasis on the noisy end), the expert's velocity at
+        x_t = t·noise + (1 - t)·actions must be noise - actions, which is the direction the
+        Euler steps of `_sample` integrate from t = 1 to 0. Mean squared error over the
+        chunk's real steps and dims (the model's padding is left out)."""
+        inputs = self._inputs(obs)
+        target = self._model_actions(actions).float()
+        cache, pad, _ = self._encode(inputs)
+        B, H, D = target.shape[0], self.chunk_len, self.action_dim
+        clean = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
+        clean[:, :H, :D] = target
+        noise = torch.randn_like(clean)
+        t = torch.distributions.Beta(1.5, 1.0).sample((B,)).to(pad.device) * 0.999 + 0.001
+        x = t[:, None, None] * noise + (1 - t[:, None, None]) * clean
+        velocity, _ = self._velocity(cache, pad, self._padded_state(inputs), x, t)
+        return (velocity - (noise - clean))[:, :H, :D].pow(2).mean()
+
     def _sample(self, obs, deterministic):
         cache, pad, pooled = self._encode(obs)
         state = self._padded_state(obs)

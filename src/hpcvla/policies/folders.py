@@ -141,14 +141,16 @@ def load_weights(policy, path) -> list[str]:
     return fresh
 
 
-def save_pretrained(policy, folder) -> Path:
-    """Write `config.json` + `model.safetensors` (HF names); returns the folder."""
+def save_pretrained(policy, folder, state: dict | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` (HF names) of `policy`, with the weights
+    `state` (its own state_dict by default; the gathered full state of a ZeRO-3 learner,
+    whose parameters are shards); returns the folder."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {policy.to_hf_key(k): v.detach().cpu().contiguous()
-               for k, v in policy.state_dict().items()}
+    state = policy.state_dict() if state is None else state
+    tensors = {policy.to_hf_key(k): v.detach().cpu().contiguous() for k, v in state.items()}
     save_file(tensors, folder / WEIGHTS, metadata={"format": "pt", "hpcvla_policy": policy.family})
     (folder / "config.json").write_text(json.dumps(policy.config_json(), indent=1))
     return folder

@@ -333,12 +333,6 @@ class VLAPolicy(Policy):
                 return ours + key[len(theirs):]
         return key
 
-    def config_json(self) -> dict:
-        return {"hpcvla_policy": self.family, "architectures": [type(self).__name__],
-                "obs_spec": {k: [list(s), dt] for k, (s, dt) in self.obs_spec.items()},
-                "action_dim": self.action_dim, "chunk_len": self.chunk_len,
-                "vocab_size": self.vocab_size, "kwargs": self.init_args}
-
 
 __all__ = ["SIZES", "SIZE_NAMES", "VLAPolicy", "VisionLanguagePrefix", "PrefixCache",
            "block_mask"]

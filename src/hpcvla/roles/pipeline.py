@@ -107,7 +107,7 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     seed_rank(cfg, rank)  # each rank explores with its own noise
     if rank == 0:
         write_rng_seeds(cfg, plan, run_dir)
-    device = bind_rank_device(cfg, plan, world)  # [dist] inference and learner ranks: a GPU each
+    device = bind_rank_device(cfg, [r.roles for r in plan.ranks], world)  # [dist] a GPU each
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
     on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)  # [dist]

@@ -1,0 +1,102 @@
+"""`hpcvla bench TARGET`: the benchmarks' command line (its parser and dispatch), kept with
+the benchmarks so the top-level command (cli.py) stays a table of commands."""
+
+from __future__ import annotations
+
+
+def add_bench_parser(sub) -> None:
+    """The `bench` subcommand and its options, on the top-level parser's subparsers."""
+    bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
+    bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
+                                          "gpu", "scale"],
+                       help="what to measure; `learning` also takes key=value overrides for "
+                            "every run (e.g. policy.name=flow)")
+    bench.set_defaults(overrides=[])
+    bench.add_argument("--json", default=None, help="write the results here")
+    bench.add_argument("--ranks", type=int, default=None,
+                       help="start this many ranks here (default: the current MPI world)")
+    bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
+    bench.add_argument("--ranks-per-node", type=int, default=4,
+                       help="transport: emulated node size for the weight plane (default 4)")
+    bench.add_argument("--workload", choices=["emulated", "real", "maniskill", "libero"],
+                       default="emulated",
+                       help="modes, shards: calibrated stage delays, the real reach "
+                            "env/policy/learner, or a real simulator (rendered observations, "
+                            "tiny policy)")
+    bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
+                       help="modes, emulated: stage costs (see hpcvla/scale/presets.py)")
+    bench.add_argument("--gpus", type=int, default=2,
+                       help="modes: accelerator ranks (even, or 1: one GPU shared)")
+    bench.add_argument("--updates", type=int, default=None,
+                       help="modes: updates per mode (default 20); learning: per run (200)")
+    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
+    bench.add_argument("--arms", choices=["modes", "critic", "flow-noise"], default="modes",
+                       help="learning: streamer vs sync-colocated, the critic's own schedule "
+                            "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
+                            "rate, clipped, 4 epochs), or flow last_step vs chain from a pretrained checkpoint "
+                            "(hpcvla/bench/learning.py)")
+    bench.add_argument("--eval-episodes", type=int, default=256,
+                       help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
+    bench.add_argument("--shards", type=int, default=2,
+                       help="shards: env shards (worker processes) of one simulator rank")
+    bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
+                       help="modes: B_max x T_max grid for the streamer, envs per simulator "
+                            "for streamer vs sync-colocated, or each of the two at the layout "
+                            "`plan --auto --search-envs` picks for it (the streamer also under "
+                            "bounds S+1 and S+2), instead of the ladder")
+
+    bench.add_argument("--max-staleness", type=int, default=2,
+                       help="modes, emulated: the staleness bound the async modes run under "
+                            "(pipeline.max_staleness; the planner uses it whole)")
+    bench.add_argument("--chart", default=None,
+                       help="scale: draw the 8 -> 256 GPU prediction here (PNG)")
+    bench.add_argument("--validate", action="store_true",
+                       help="scale: run emulated layouts for real and compare the model's "
+                            "predictions (hpcvla/scale/validate.py)")
+
+
+def bench_command(args) -> int:
+    """Run the benchmark `args.target` names."""
+    if args.target == "policies":  # one process: parameter counts and step times
+        from hpcvla.bench import policies
+        policies.run(quick=args.quick, json_path=args.json)
+        return 0
+    if args.target == "gpu":  # one process; starts the training worlds itself
+        from hpcvla.bench import gpu
+        gpu.run(quick=args.quick, json_path=args.json)
+        return 0
+    if args.target == "modes":  # starts one world per mode itself
+        from hpcvla.bench import modes
+        modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
+                  args.updates or 20, json_path=args.json, sweep=args.sweep,
+                  staleness=args.max_staleness)
+        return 0
+    if args.target == "scale":  # the scale model; --validate starts one world per case
+        if args.validate:
+            from hpcvla.scale import validate
+            validate.run(args.preset, updates=5 if args.quick else args.updates or 10,
+                         json_path=args.json)
+        else:
+            from hpcvla.scale import predict
+            predict.run(json_path=args.json, chart_path=args.chart)
+        return 0
+    if args.target == "shards":  # one process and its env workers
+        from hpcvla.bench import shards
+        shards.run(args.workload, args.shards, rounds=4 if args.quick else 20,
+                   json_path=args.json)
+        return 0
+    if args.target == "learning":  # starts one world per run itself
+        from hpcvla.bench import learning
+        learning.run(seeds=2 if args.quick else args.seeds,
+                     updates=3 if args.quick else args.updates or 200, json_path=args.json,
+                     overrides=args.overrides, arms=args.arms,
+                     eval_episodes=32 if args.quick else args.eval_episodes)
+        return 0
+    if args.ranks is not None:  # start the world here, then run this command inside it
+        from hpcvla.launch import run_world
+        inner = ["bench", args.target, "--ranks-per-node", str(args.ranks_per_node)]
+        inner += (["--json", args.json] if args.json else []) + (["--quick"] if args.quick else [])
+        return run_world(args.ranks, inner)
+    from hpcvla.bench import transport
+    transport.run(quick=args.quick, ranks_per_node=args.ranks_per_node, json_path=args.json)
+    return 0

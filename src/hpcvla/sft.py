@@ -1,0 +1,177 @@
+"""`hpcvla sft`: supervised fine-tuning of a policy on demonstrations, the imitation start that
+RL post-training begins from.
+
+Every rank of the world is a learner: the same engine as `hpcvla train`'s learners (DeepSpeed
+ZeRO at `learner.zero_stage`, or Horovod), the same checkpoints (`run.resume` goes on from the
+newest), progress line and TensorBoard. The loss is the family's `imitation_loss`
+(policies/base.py): behaviour cloning for `default`, flow matching for `flow`, the action
+tokens' cross-entropy for `tokens`/`oft`. The demonstrations (`sft.demos`, read by
+demonstrations/) are turned into the observations the configured env gives and the action
+chunks it executes, so what is learnt is what the env will ask for.
+
+    hpcvla sft CONFIG sft.demos=demos.h5 sft.steps=500 --ranks 2
+    hpcvla eval <sft run dir>                                   # success of the SFT policy
+    hpcvla train CONFIG policy.pretrained=<sft run dir>/policy   # RL from it
+
+Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
+sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
+takes its batch_size of them: every sample is trained once per epoch, on one learner, and a
+resumed run goes on at the exact next chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpcvla import checkpoint
+from hpcvla.config import dump_config
+from hpcvla.config.learning import demo_paths
+from hpcvla.demonstrations import read_demonstrations
+from hpcvla.devices import bind_rank_device
+from hpcvla.engines import full_state, init_engine
+from hpcvla.envs import env_spec
+from hpcvla.factory import build_policy
+from hpcvla.metrics.tensorboard import RunBoard
+from hpcvla.policies.folders import save_pretrained
+from hpcvla.runtime import create_run_dir
+from hpcvla.seeds import seed_rank
+from hpcvla.topology.comms import check_scheduler_world
+from hpcvla.topology.plan import LEARN
+from hpcvla.transport.backoff import idle_barrier
+
+POLICY_FOLDER = "policy"  # in the run directory: what `policy.pretrained` loads
+
+
+def engine_config(cfg):
+    """The learners' settings for imitation: one chunk batch per optimizer step at sft.lr."""
+    return replace(cfg, learner=replace(cfg.learner, micro_batch=cfg.sft.batch_size,
+                                        micro_batches=1),
+                   algorithm=replace(cfg.algorithm, lr=cfg.sft.lr, critic_lr=cfg.sft.lr))
+
+
+def batch_indices(samples: int, batch_size: int, learners: int, step: int, rank: int,
+                  seed: int) -> np.ndarray:
+    """Learner `rank`'s sample indices at `step` (module docstring)."""
+    size = batch_size * learners
+    first = step * size + rank * batch_size
+    positions = np.arange(first, first + batch_size)
+    epochs, offsets = np.divmod(positions, samples)
+    out = np.empty(batch_size, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        order = np.random.default_rng([seed, int(epoch), 0x5F7]).permutation(samples)
+        out[epochs == epoch] = order[offsets[epochs == epoch]]
+    return out
+
+
+def sft_main(cfg, world) -> None:
+    """Every rank: read the demonstrations, fine-tune, checkpoint, save `policy/`."""
+    rank, learners = world.Get_rank(), world.Get_size()
+    if cfg.launch.check_scheduler:
+        check_scheduler_world(learners)
+    torch.set_num_threads(max(1, torch.get_num_threads() // _ranks_on_this_host(world)))
+    seed_rank(cfg, rank)
+    if not cfg.run.resume:
+        cfg.run.name = f"{cfg.run.name}-sft"
+    run_dir = create_run_dir(cfg, world)
+    device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
+    spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
+    demos = read_demonstrations(demo_paths(cfg.sft), spec, cfg.sft.per_task or None,
+                                cfg.sft.successful_only)
+    samples = len(demos.actions)
+    on_gpus = device.type == "cuda"
+    policy = build_policy(cfg, spec, device, on_gpus)
+    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
+    if resume is not None:
+        policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
+    engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
+    first = checkpoint.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
+    board = None
+    if rank == 0:
+        name = "config.resume-%s.yaml" % time.strftime("%Y%m%d-%H%M%S") if resume else "config.yaml"
+        dump_config(cfg, run_dir / name)
+        board = RunBoard(run_dir, cfg.run.tensorboard)
+        print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
+              f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
+              f"; run directory: {run_dir}", flush=True)
+    losses = _train(cfg, engine, demos, first, world, board, run_dir)
+    _finish(cfg, engine, policy, run_dir, world, losses, len(demos.task), samples)
+    if board is not None:
+        board.close()
+
+
+def _ranks_on_this_host(world) -> int:
+    """Ranks sharing this host's cores (they split its threads between them)."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())  # [dist]
+    size = node.Get_size()
+    node.Free()
+    return size
+
+
+def _train(cfg, engine, demos, first: int, world, board, run_dir) -> list[float]:
+    """Steps first .. sft.steps; the mean loss over the learners of every step."""
+    rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
+    samples, losses = len(demos.actions), []
+    start = last_print = time.monotonic()
+    for step in range(first, sft.steps):
+        index = batch_indices(samples, sft.batch_size, learners, step, rank, cfg.run.seed)
+        obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
+        actions = torch.from_numpy(demos.actions[index]).to(engine.device)
+        loss = engine(obs, actions, imitation=True)
+        engine.backward(loss)
+        engine.step()
+        losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
+        done = step + 1
+        if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
+            _checkpoint(cfg, engine, run_dir, done, world, samples)
+        now = time.monotonic()
+        if rank == 0 and (now - last_print >= cfg.pipeline.progress_every_s or
+                          done == sft.steps):
+            rate = (done - first) * sft.batch_size * learners / max(now - start, 1e-9)
+            eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
+            print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | "
+                  f"{rate:.0f} chunks/s | epoch {done * sft.batch_size * learners / samples:.1f}"
+                  f" | eta {eta:.0f} s", flush=True)
+            last_print = now
+        if board is not None:
+            board.scalars({"loss": losses[-1]}, done, group="sft")
+    return losses
+
+
+def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int) -> dict:
+    """A checkpoint after `step` steps (collective); returns the full weights (learner 0)."""
+    weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
+    trained = step * cfg.sft.batch_size * world.Get_size()
+    checkpoint.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
+                    {"sft_chunks": trained, "sft_samples": samples}, world,
+                    keep=cfg.learner.checkpoint_keep)
+    return weights
+
+
+def _finish(cfg, engine, policy, run_dir: Path, world, losses: list[float], demos: int,
+            samples: int) -> None:
+    """The last checkpoint, the policy folder `policy.pretrained` loads, summary.json."""
+    weights = _checkpoint(cfg, engine, run_dir, cfg.sft.steps, world, samples)
+    if world.Get_rank() == 0:
+        folder = save_pretrained(policy, run_dir / POLICY_FOLDER, weights)
+        summary = {"steps": cfg.sft.steps, "learners": world.Get_size(), "demonstrations": demos,
+                   "samples": samples, "first_loss": losses[0] if losses else None,
+                   "last_loss": losses[-1] if losses else None,
+                   "device": str(engine.device), "policy": str(folder)}
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(f"[hpcvla sft] done: loss {summary['first_loss']} -> {summary['last_loss']}; "
+              f"RL from it: policy.pretrained={folder}", flush=True)
+    idle_barrier(world)  # [dist]
+
+
+def run_sft(cfg) -> int:
+    """`hpcvla sft` on every rank of the world: the job, failing loudly (runtime.py)."""
+    from hpcvla.runtime import run_guarded
+
+    return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD))
