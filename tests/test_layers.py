@@ -4,7 +4,8 @@ own floor or the floors below it.
     8  cli, __main__                      the commands
     7  bench                              benchmarks: run the layers below and measure them
     6  runtime, evaluate, scale, launch,  a whole job: start the world, train, evaluate,
-       trainrun, sft                      plan a scale-out, run a training world, fine-tune
+       trainrun, sft, recording           plan a scale-out, run a training world, fine-tune,
+                                          record an expert's demonstrations
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight        build what a role runs (envs, policies, engines);
                                           check files, packages and checkpoints before a run
@@ -43,7 +44,7 @@ FLOORS = {
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
     4: ("factory", "engines", "preflight"),
     5: ("roles",),
-    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft"),
+    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording"),
     7: ("bench",),
     8: ("cli", "__main__"),
 }

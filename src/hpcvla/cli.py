@@ -12,6 +12,8 @@
                                                       shards, gpu, scale; a table and JSON
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
     hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
+    hpcvla demos CONFIG [key=value ...] --episodes N --out FILE [--noise S] [--successful-only]
+                                                      record a scripted expert's demonstrations
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
 are reported here, in the launching process, before any MPI rank starts. Only `train` and
@@ -82,6 +84,16 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", action="store_true", help="document every setting")
 
     add_bench_parser(sub)
+
+    demos = sub.add_parser("demos", help="record demonstrations of a ManiSkill task's "
+                                          "scripted expert in the dump layout (recording.py)")
+    _config_args(demos)
+    demos.add_argument("--episodes", type=int, required=True, help="episodes to write")
+    demos.add_argument("--out", required=True, help="the HDF5 file to write (must not exist)")
+    demos.add_argument("--noise", type=float, default=0.0,
+                       help="std of Gaussian noise on the expert's arm actions (default 0)")
+    demos.add_argument("--successful-only", action="store_true",
+                       help="write only successful episodes, until --episodes of them")
 
     inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
                                               "(run.dump_trajectories=true)")
@@ -227,6 +239,18 @@ def cmd_launch(args) -> int:
         return 2
 
 
+def cmd_demos(args) -> int:
+    from hpcvla.recording import RecordingError, record, summary_line
+    cfg = load_config(args.config, args.overrides)
+    try:
+        summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only)
+    except RecordingError as err:
+        print(f"hpcvla demos: {err}", file=sys.stderr)
+        return 2
+    print(summary_line(summary), flush=True)
+    return 0
+
+
 def cmd_inspect(args) -> int:
     from pathlib import Path
 
@@ -314,4 +338,4 @@ def cmd_eval(args) -> int:
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
             "config": cmd_config, "launch": cmd_launch,
-            "inspect": cmd_inspect, "eval": cmd_eval}
+            "inspect": cmd_inspect, "eval": cmd_eval, "demos": cmd_demos}

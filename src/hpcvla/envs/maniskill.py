@@ -15,7 +15,7 @@ Observation fields (per env):
     instruction  (L,)       <i4  token ids of the task description (TASK_DESCRIPTIONS)
 
 Actions: `pd_ee_delta_pose` per primitive step in [-1, 1] (clipped): end-effector translation
-(±0.1 m) and rotation (±0.1 rad) deltas, then, for the Panda gripper, -1 open / 1 closed (7-d;
+(±0.1 m) and rotation (±0.1 rad) deltas, then, for the Panda gripper, -1 closed / 1 open (7-d;
 the stick-holding Panda of PushT and DrawTriangle has no gripper: 6-d).
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
 `normalized_dense` reward (env.reward). An episode terminates on `info["success"]` and is
@@ -218,3 +218,9 @@ class ManiSkillEnv(SerialVectorEnv):
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
                          name=f"maniskill {task}", first_slot=first)
 
+    def privileged_envs(self) -> list:
+        """The unwrapped ManiSkill env of every slot (one env each, batch dimension 1): the
+        privileged state a scripted expert reads (object poses, goals, contacts;
+        envs/experts.py), which a policy never sees. Read it; stepping or resetting it
+        behind this env's back would desynchronize the episodes."""
+        return [slot.u for slot in self._slots]

@@ -1,9 +1,12 @@
 """HDF5 trajectory dumps: every episode a producer rank sends to the learners, on disk in the
 robomimic/LIBERO layout, for offline analysis (`hpcvla inspect FILE`, postprocess/).
 
-One file per producer rank, `<run dir>/trajectories/rank<R>.h5`:
+One file per producer rank, `<run dir>/trajectories/rank<R>.h5`; `hpcvla demos` writes the
+same layout from a scripted expert (recording.py: producer_rank -1, policy version -1, and
+each demo's seed is its init_state_id).
 
-    /                  attrs: format, producer_rank, env, chunk_len, config (YAML),
+    /                  attrs: format, source ("run", or what recorded the file), producer_rank,
+                              env, chunk_len, config (YAML),
                               complete (False until the run closed it), segments (segment
                               groups received), open_episode_steps (steps of episodes still
                               running at close, not written)
@@ -72,7 +75,8 @@ class TrajectoryDump:
     `vocab` turns instruction tokens into text."""
 
     def __init__(self, path, producer: int, obs_keys, vocab, shard_seed, env: str,
-                 chunk_len: int, config_yaml: str = "", flush_s: float = 10.0):
+                 chunk_len: int, config_yaml: str = "", flush_s: float = 10.0,
+                 source: str = "run"):
         self.path, self.producer, self.obs_keys = Path(path), producer, list(obs_keys)
         self.vocab, self.shard_seed, self.flush_s = vocab, shard_seed, flush_s
         self.open: dict[tuple[int, int], list[dict]] = {}  # (slot, env) -> step pieces
@@ -90,7 +94,7 @@ class TrajectoryDump:
                 f.attrs["complete"] = False
             return
         with h5py.File(self.path, "w", libver=LIBVER) as f:
-            f.attrs.update(format=FORMAT, producer_rank=producer, env=env,
+            f.attrs.update(format=FORMAT, source=source, producer_rank=producer, env=env,
                            chunk_len=chunk_len, config=config_yaml, complete=False,
                            segments=0, open_episode_steps=0)
             data = f.create_group("data")
@@ -138,7 +142,18 @@ class TrajectoryDump:
                  "return": float(steps["episode_return"][-1]),
                  "env_fault": bool(steps["env_fault"][-1])}
         self.episodes[(slot, env)] += 1
-        self.pending.append((steps, attrs))
+        self.add_episode(steps, attrs)
+
+    def add_episode(self, steps: dict, attrs: dict) -> None:
+        """Queue one finished episode for the next flush: `steps` holds `obs/<key>` for every
+        obs key and every STEP_FIELDS field, T rows each; `attrs` the demo's attributes
+        (num_samples is set here). For episodes that come from elsewhere than a producer's
+        segments, such as a scripted expert's (recording.py)."""
+        missing = [k for k in [f"obs/{k}" for k in self.obs_keys] + list(STEP_FIELDS)
+                   if k not in steps]
+        if missing:
+            raise ValueError(f"add_episode: steps lack {', '.join(missing)}")
+        self.pending.append((steps, {**attrs, "num_samples": len(steps["reward"])}))
 
     def flush(self) -> None:
         """Append the finished episodes (open, write, close: consistent between flushes)."""
@@ -279,7 +294,8 @@ def summarize(path) -> dict:
                 demo.visititems(visit)
         attrs = dict(f.attrs)
         return {
-            "file": str(path), "producer_rank": int(attrs["producer_rank"]),
+            "file": str(path), "source": str(attrs.get("source", "run")),
+            "producer_rank": int(attrs["producer_rank"]),
             "env": str(attrs["env"]), "chunk_len": int(attrs["chunk_len"]),
             "complete": bool(attrs["complete"]), "segments": int(attrs["segments"]),
             "episodes": len(lengths), "steps": int(sum(lengths)),
@@ -300,8 +316,9 @@ def describe(summary: dict) -> str:
     s = summary
     state = "complete" if s["complete"] else "still being written, or the run died (read " \
         "up to the last flush)"
-    lines = [f"{s['file']}: hpcvla trajectory dump, producer rank {s['producer_rank']}, "
-             f"env {s['env']}, {state}",
+    origin = f"producer rank {s['producer_rank']}" if s["source"] == "run" else \
+        f"recorded by {s['source']}"
+    lines = [f"{s['file']}: hpcvla trajectory dump, {origin}, env {s['env']}, {state}",
              f"  episodes {s['episodes']} | steps {s['steps']} (x{s['chunk_len']} = "
              f"{s['env_steps']} env steps) | mean length {s['mean_length']:.1f} | segments "
              f"{s['segments']} | open at close {s['open_episode_steps']} steps"]

@@ -1,0 +1,144 @@
+"""`hpcvla demos`: demonstrations of a scripted expert (envs/experts.py) in the configured
+ManiSkill task, in this process, written in the trajectory dump layout (metrics/dump.py) by
+its one writer, for `hpcvla sft` to imitate before RL post-training.
+
+    hpcvla demos configs/maniskill_pickcube.yaml env.task=PushCube-v1 --episodes 100 \
+        --out demos.h5 [--noise 0.1] [--successful-only]
+
+Initial states come from the training split only (`training_state_ids`, at or above
+EVAL_STATE_IDS: envs/base.py), never from the ids `hpcvla eval` measures (0, 1, 2, ...), so
+an imitation start is evaluated on states it has not been shown. Each id is the ManiSkill
+reset seed of its episode, recorded as the demo's `seed`: `env.reset(init_state_ids=[seed])`
+gives the same initial state back.
+
+One env, one episode at a time: on CPU physics ManiSkill steps one env per slot in this
+process anyway (envs/serial.py), so a batch would be no faster, and the envs of a batch that
+finish early would auto-reset into episodes that are not recorded.
+
+What a demo holds beyond a run's dump: `actions` is the chunk the expert gave for `obs` (noise
+included, clipped to [-1, 1], what the env executed; a chunk that succeeded early stopped
+there); `policy_versions` and the `policy_version` attribute are EXPERT_VERSION (-1: a scripted
+expert, no policy); `logprobs` and `values` are NaN (an expert has neither); `staleness` is 0.
+Attributes: seed (the init_state_id), episode (the attempt's number: with --successful-only,
+the failed ones are missing), instruction, success, return, env_fault, env_id "expert/e0".
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from hpcvla.config.loader import config_to_dict
+from hpcvla.envs import check_env, env_kwargs, make_env
+from hpcvla.envs.base import training_state_ids
+from hpcvla.envs.experts import EXPERTS, make_expert
+from hpcvla.metrics.dump import TrajectoryDump
+
+EXPERT_VERSION = -1  # policy_versions of a scripted expert's steps
+_STREAM = 0xDE_305  # the init_state_id stream, apart from the run's other uses of run.seed
+ATTEMPTS_PER_EPISODE = 4  # --successful-only gives up after this many attempts per episode
+
+
+class RecordingError(ValueError):
+    """Demonstrations cannot be recorded as asked; the message names the setting."""
+
+
+def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = False) -> dict:
+    """Record `episodes` episodes of the configured task's expert to `out` (with
+    `successful_only`: that many successful ones); returns what the command prints."""
+    expert = _expert(cfg, noise)
+    out = Path(out)
+    if episodes < 1:
+        raise RecordingError(f"--episodes {episodes}: at least 1")
+    if out.exists():
+        raise RecordingError(f"--out {out}: exists; remove it or name another file")
+    check_env(cfg)
+    env = make_env("maniskill", 1, cfg.run.seed, **dict(env_kwargs(cfg.env), sim_backend="cpu"))
+    dump = TrajectoryDump(out, -1, list(env.spec.obs), env.spec.vocab, None,
+                          f"maniskill {cfg.env.task}", env.spec.chunk_len,
+                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                          flush_s=30.0, source=f"scripted expert {cfg.env.task}, noise {noise}")
+    rng = np.random.default_rng([cfg.run.seed, _STREAM])
+    start, seen, attempts, successes, steps = time.monotonic(), set(), 0, 0, 0
+    written = 0
+    try:
+        while written < episodes:
+            if successful_only and attempts >= ATTEMPTS_PER_EPISODE * episodes:
+                raise RecordingError(
+                    f"--successful-only: {written} successful episodes in {attempts} attempts "
+                    f"(expert success {successes / attempts:.2f}); ask for fewer --episodes or "
+                    "less --noise")
+            init_state_id = training_state_ids(rng)
+            if init_state_id in seen:
+                continue
+            seen.add(init_state_id)
+            demo, attrs = _episode(env, expert, init_state_id, attempts)
+            attempts += 1
+            successes += attrs["success"]
+            if attrs["success"] or not successful_only:
+                dump.add_episode(demo, attrs)
+                written += 1
+                steps += len(demo["reward"])
+    finally:
+        dump.close()
+        env.close()
+    return {"file": str(out), "task": cfg.env.task, "episodes": written,
+            "attempts": attempts, "expert_success_rate": successes / attempts, "steps": steps,
+            "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len, "seconds": time.monotonic() - start}
+
+
+def _expert(cfg, noise: float):
+    """The expert of the configured env, or a RecordingError naming the setting."""
+    if cfg.env.name != "maniskill":
+        raise RecordingError(f"env.name={cfg.env.name}: demonstrations come from a ManiSkill "
+                             f"task with a scripted expert (env.name=maniskill, env.task one of "
+                             f"{', '.join(sorted(EXPERTS))})")
+    if noise < 0:
+        raise RecordingError(f"--noise {noise}: a standard deviation, >= 0")
+    try:
+        return make_expert(cfg.env.task, cfg.env.chunk_len, noise, seed=cfg.run.seed)
+    except ValueError as err:
+        raise RecordingError(str(err)) from None
+
+
+def _episode(env, expert, init_state_id: int, number: int) -> tuple[dict, dict]:
+    """One episode from `init_state_id`: its steps in the dump's fields, and its attributes."""
+    obs = env.reset(init_state_ids=np.array([init_state_id]))
+    instruction = env.instructions()[0]
+    rows = []
+    while True:
+        actions = expert.act(env)
+        result = env.step(actions)
+        rows.append((obs, actions[0], result))
+        if result.terminated[0] or result.truncated[0]:
+            break
+        obs = result.obs
+    T = len(rows)
+    demo = {f"obs/{key}": np.stack([o[key][0] for o, _, _ in rows]) for key in env.spec.obs}
+    demo["actions"] = np.stack([a for _, a, _ in rows]).astype(np.float32)
+    demo["reward"] = np.array([r.reward[0] for _, _, r in rows], dtype=np.float32)
+    for field in ("terminated", "truncated", "env_fault"):
+        demo[field] = np.array([getattr(r, field)[0] for _, _, r in rows], dtype=bool)
+    demo["done"] = np.arange(T) == T - 1
+    demo["logprob"] = np.full(T, np.nan, dtype=np.float32)
+    demo["value"] = np.full(T, np.nan, dtype=np.float32)
+    demo["version"] = np.full(T, EXPERT_VERSION, dtype=np.int64)
+    demo["staleness"] = np.zeros(T, dtype=np.int64)
+    last = rows[-1][2]
+    attrs = {"env_id": "expert/e0", "producer_rank": -1, "slot": 0, "env_index": 0,
+             "seed": init_state_id, "episode": number, "instruction": instruction,
+             "policy_version": EXPERT_VERSION, "staleness": 0,
+             "success": bool(last.success[0]), "return": float(last.episode_return[0]),
+             "env_fault": bool(last.env_fault[0])}
+    return demo, attrs
+
+
+def summary_line(s: dict) -> str:
+    """The one line `hpcvla demos` prints."""
+    return (f"hpcvla demos: {s['episodes']} episodes of {s['task']} to {s['file']} | expert "
+            f"success {s['expert_success_rate']:.3f} over {s['attempts']} attempts | "
+            f"{s['steps']} steps (x{s['chunk_len']} = {s['env_steps']} env steps) | "
+            f"{s['seconds']:.1f} s")

@@ -1,0 +1,73 @@
+"""The scripted ManiSkill experts (envs/experts.py) in real ManiSkill envs, and `hpcvla demos`
+(recording.py): its file is a trajectory dump that `hpcvla inspect` reads, recorded from
+training initial states only, and a task without an expert is refused naming the setting."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+from helpers import hpcvla
+
+from hpcvla.envs.base import EVAL_STATE_IDS
+from hpcvla.envs.experts import make_expert
+from hpcvla.envs.maniskill import ManiSkillEnv
+
+CONFIG = "configs/maniskill_pickcube.yaml"
+SMALL = ("env.task=PushCube-v1", "env.image_size=16")
+
+
+def test_push_cube_expert_succeeds_from_training_states():
+    env = ManiSkillEnv(1, task="PushCube-v1", image_size=16, state=False)
+    expert = make_expert("PushCube-v1", env.spec.chunk_len)
+    successes = 0
+    try:
+        for init_state_id in range(EVAL_STATE_IDS, EVAL_STATE_IDS + 8):
+            env.reset(init_state_ids=np.array([init_state_id]))
+            for _ in range(env.spec.max_episode_chunks):
+                result = env.step(expert.act(env))
+                if result.terminated[0] or result.truncated[0]:
+                    break
+            successes += bool(result.success[0])
+    finally:
+        env.close()
+    assert successes >= 7, f"the PushCube expert succeeded in {successes} of 8 episodes"
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_demos_writes_a_dump_that_inspect_reads(tmp_path):
+    out = tmp_path / "demos.h5"
+    done = hpcvla("demos", CONFIG, *SMALL, "--episodes", 2, "--noise", 0.05, "--out", out)
+    assert done.returncode == 0, done.stderr
+    assert "hpcvla demos: 2 episodes of PushCube-v1" in done.stdout
+    shown = hpcvla("inspect", out, "--json")
+    assert shown.returncode == 0, shown.stderr
+    summary = json.loads(shown.stdout)[0]
+    assert summary["episodes"] == 2 and summary["complete"]
+    assert summary["policy_versions"] == [-1, -1]  # the expert, not a policy
+    keys = summary["keys"]
+    assert {k for k in keys if k.startswith("obs/")} == {
+        "obs/image", "obs/state", "obs/instruction"}
+    assert keys["obs/image"]["shape"] == ["T", 16, 16, 3]
+    assert keys["actions"]["shape"] == ["T", 5, 7]
+    with h5py.File(out, "r") as f:
+        demos = [f["data"][name] for name in sorted(f["data"])]
+        for demo in demos:
+            assert demo.attrs["seed"] >= EVAL_STATE_IDS  # a training initial state
+            assert demo.attrs["success"] == bool(demo["terminated"][-1])
+            assert demo.attrs["instruction"] == "push the cube to the red and white target"
+            actions = demo["actions"][()]
+            assert np.abs(actions).max() <= 1.0 and actions.std() > 0
+        assert demos[0].attrs["seed"] != demos[1].attrs["seed"]
+
+
+@pytest.mark.mpi
+def test_demos_refuses_a_task_without_an_expert(tmp_path):
+    out = tmp_path / "demos.h5"
+    done = hpcvla("demos", CONFIG, "env.task=StackCube-v1", "--episodes", 1, "--out", out)
+    assert done.returncode == 2
+    assert ("env.task=StackCube-v1: no scripted expert; tasks with one: PickCube-v1, "
+            "PushCube-v1") in done.stderr
+    assert not out.exists()
