@@ -18,6 +18,7 @@ CONFIG = "configs/maniskill_pickcube.yaml"
 SMALL = ("env.task=PushCube-v1", "env.image_size=16")
 
 
+@pytest.mark.slow  # building a ManiSkill env and rendering: ~20 s on 2 busy cores
 def test_push_cube_expert_succeeds_from_training_states():
     env = ManiSkillEnv(1, task="PushCube-v1", image_size=16, state=False)
     expert = make_expert("PushCube-v1", env.spec.chunk_len)
