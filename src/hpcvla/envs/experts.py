@@ -75,16 +75,17 @@ class Expert:
     gripper)`: where the TCP should go, how far to turn the gripper about the vertical, and
     the gripper command; `carry(state, moved)` moves what the TCP moves in the nominal model.
     The base class turns a plan into one primitive action, keeping the gripper pointing down,
-    and predicts the TCP after it. `noise` is the std of Gaussian noise added to every arm action
-    (translation, rotation; then clipped to [-1, 1]) so the demonstrations visit states off the expert's path, and
-    the recovery from them."""
+    and predicts the TCP after it. `noise` is the std of Gaussian noise added to every arm
+    action (translation, rotation; then clipped to [-1, 1]) so the demonstrations visit states
+    off the expert's path, and the recovery from them."""
 
     task = ""
 
     def __init__(self, chunk_len: int, noise: float = 0.0, seed: int = 0):
         self.chunk_len, self.noise = chunk_len, noise
         self.rng = np.random.default_rng(seed)
-        self._previous: dict[int, np.ndarray] = {}  # env -> translation it was last sent
+        # env -> the last translation it was sent: its lag carries into the next chunk
+        self._previous: dict[int, np.ndarray] = {}
 
     def act(self, env) -> np.ndarray:
         """The action chunks (num_envs, chunk_len, 7) for the env's current states."""
