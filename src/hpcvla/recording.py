@@ -87,7 +87,8 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
         env.close()
     return {"file": str(out), "task": cfg.env.task, "episodes": written,
             "attempts": attempts, "expert_success_rate": successes / attempts, "steps": steps,
-            "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len, "seconds": time.monotonic() - start}
+            "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len,
+            "seconds": time.monotonic() - start}
 
 
 def _expert(cfg, noise: float):
