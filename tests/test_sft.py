@@ -4,6 +4,8 @@ policy folder is what `policy.pretrained` loads."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from hpcvla.config import load_config
 from hpcvla.factory import build_policy
 from hpcvla.policies import Policy, make_policy, save_pretrained
 from hpcvla.sft import batch_indices
+from helpers import hpcvla
 
 VOCAB, ACTION_DIM, CHUNK = 12, 3, 4
 SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
@@ -90,3 +93,56 @@ def test_a_saved_default_policy_loads_as_pretrained(tmp_path):
     loaded = build_policy(cfg, spec)
     for (name, a), b in zip(trained.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+LIBERO_DEMOS = "tests/fixtures/demonstrations/libero"  # LIBERO's create_dataset.py layout
+
+
+def _sft(tmp_path, config, *overrides, steps=6):
+    """`hpcvla sft` on one rank into tmp_path; its run directory and summary.json."""
+    out = hpcvla("sft", config, f"sft.demos={LIBERO_DEMOS}", f"sft.steps={steps}",
+                 "sft.batch_size=8", f"run.root={tmp_path}", *overrides, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    return run_dir, json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("config, overrides", [
+    ("configs/libero_spatial.yaml", ["policy.name=flow"]),  # π0-style: flow matching
+    ("configs/libero_oft.yaml", []),  # a published OFT folder: its action tokens
+], ids=["flow", "oft"])
+def test_sft_on_a_libero_file_learns_and_its_checkpoint_loads(tmp_path, config, overrides):
+    run_dir, summary = _sft(tmp_path, config, *overrides)
+    losses = summary["losses"]
+    assert len(losses) == summary["steps"] == 6 and summary["demonstrations"] == 3
+    assert np.mean(losses[-2:]) < np.mean(losses[:2]), losses
+    # what every training rank builds with policy.checkpoint: the SFT weights, exactly
+    cfg = load_config(config, [*overrides, f"policy.checkpoint={run_dir}"])
+    from hpcvla import preflight
+    from hpcvla.envs import env_spec
+    from hpcvla.evaluate import checkpoint_weights
+    preflight.check_config(cfg)
+    policy = build_policy(cfg, env_spec(cfg.env))
+    weights, state = checkpoint_weights(run_dir)
+    assert state["version"] == 6
+    for name, value in policy.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    if overrides:  # and `hpcvla eval` runs it in the real LIBERO env (one short episode)
+        out = hpcvla("eval", run_dir, "--episodes", 1, "--envs", 1,
+                     "env.max_episode_chunks=1", "--json")
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads(out.stdout.splitlines()[-1])["split"] == "evaluation"
+
+
+@pytest.mark.mpi
+def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
+    out = hpcvla("sft", "configs/libero_spatial.yaml", f"run.root={tmp_path}")
+    assert out.returncode == 2 and "sft.demos" in out.stderr
+    bad = "tests/fixtures/demonstrations/maniskill/pushcube.state.pd_ee_delta_pose.h5"
+    out = hpcvla("sft", "configs/libero_spatial.yaml", f"sft.demos={bad}",
+                 f"run.root={tmp_path}")
+    assert out.returncode == 2 and "pushcube.state.pd_ee_delta_pose.h5" in out.stderr, \
+        out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # no run directory: nothing started

@@ -4,8 +4,11 @@ shard and the policy, built exactly as a training rank builds them. Below roles/
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from hpcvla import checkpoint
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
@@ -63,4 +66,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         # a published folder's prompt, tokenizer and normalization (None for our own)
         policy.processor = policy.make_processor(cfg.policy.pretrained, cfg.policy.tokenizer,
                                                  spec)
+    if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
+        path = checkpoint.latest(Path(cfg.policy.checkpoint))
+        policy.load_arrays(checkpoint.load_weights(path, policy.state_dict()))
     return policy.to(device)

@@ -20,8 +20,10 @@ from hpcvla.schedule import config_layout_problems
 from hpcvla.topology.plan import PlanError, RankPlan
 
 
-def config_problems(cfg) -> list[tuple[str, Any, str]]:
-    """Problems of `cfg` on this machine (packages, devices, files); empty when fine."""
+def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str, Any, str]]:
+    """Problems of `cfg` on this machine (packages, devices, files); empty when fine.
+    `last`: the setting a resumed checkpoint's version must stay below, and its value
+    (None: pipeline.total_updates; `hpcvla sft` counts steps)."""
     problems = []
     if cfg.learner.backend == "horovod":
         import torch
@@ -48,11 +50,17 @@ def config_problems(cfg) -> list[tuple[str, Any, str]]:
         if version is None:
             problems.append(("run.resume", cfg.run.resume, "a run directory holding a "
                              "complete checkpoint (checkpoints/v*/state.json)"))
-        elif version >= cfg.pipeline.total_updates:
-            problems.append(("pipeline.total_updates", cfg.pipeline.total_updates,
-                             f"more than the resumed checkpoint's version {version}"))
+        elif version >= (cfg.pipeline.total_updates if last[1] is None else last[1]):
+            problems.append((last[0], cfg.pipeline.total_updates if last[1] is None
+                             else last[1], f"more than the resumed checkpoint's {version}"))
     if cfg.policy.pretrained:
         problems += _pretrained_problems(cfg.policy)
+    if cfg.policy.checkpoint:
+        from hpcvla.checkpoint import latest
+        if latest(cfg.policy.checkpoint) is None:
+            problems.append(("policy.checkpoint", cfg.policy.checkpoint, "a run directory "
+                             "holding a complete checkpoint (checkpoints/v*/state.json), e.g. "
+                             "an `hpcvla sft` run's"))
     return problems
 
 
@@ -85,7 +93,7 @@ def check_sft(cfg, source: str = "config") -> None:
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
 
-    check_config(cfg, source)
+    check_config(cfg, source, ("sft.steps", cfg.sft.steps))
     paths = demo_paths(cfg.sft)
     if not paths:
         raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files, "
@@ -95,10 +103,10 @@ def check_sft(cfg, source: str = "config") -> None:
         raise ConfigError(problems, f"{source}: sft.demos")
 
 
-def check_config(cfg, source: str = "config"):
+def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None)):
     """`cfg` if config_problems finds nothing, else they raise as one ConfigError (`source`:
     the config file, as the loader names it)."""
-    problems = config_problems(cfg)
+    problems = config_problems(cfg, last)
     if problems:
         raise ConfigError(problems, source)
     return cfg

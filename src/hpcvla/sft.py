@@ -10,8 +10,8 @@ demonstrations/) are turned into the observations the configured env gives and t
 chunks it executes, so what is learnt is what the env will ask for.
 
     hpcvla sft CONFIG sft.demos=demos.h5 sft.steps=500 --ranks 2
-    hpcvla eval <sft run dir>                                   # success of the SFT policy
-    hpcvla train CONFIG policy.pretrained=<sft run dir>/policy   # RL from it
+    hpcvla eval <sft run dir>                                     # success of the SFT policy
+    hpcvla train CONFIG policy.checkpoint=<sft run dir>           # RL from it
 
 Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
 sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
@@ -39,15 +39,11 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.metrics.tensorboard import RunBoard
-from hpcvla.policies.folders import save_pretrained
 from hpcvla.runtime import create_run_dir
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
 from hpcvla.transport.backoff import idle_barrier
-
-POLICY_FOLDER = "policy"  # in the run directory: what `policy.pretrained` loads
-
 
 def engine_config(cfg):
     """The learners' settings for imitation: one chunk batch per optimizer step at sft.lr."""
@@ -71,7 +67,7 @@ def batch_indices(samples: int, batch_size: int, learners: int, step: int, rank:
 
 
 def sft_main(cfg, world) -> None:
-    """Every rank: read the demonstrations, fine-tune, checkpoint, save `policy/`."""
+    """Every rank: read the demonstrations, fine-tune, checkpoint."""
     rank, learners = world.Get_rank(), world.Get_size()
     if cfg.launch.check_scheduler:
         check_scheduler_world(learners)
@@ -101,7 +97,7 @@ def sft_main(cfg, world) -> None:
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
     losses = _train(cfg, engine, demos, first, world, board, run_dir)
-    _finish(cfg, engine, policy, run_dir, world, losses, len(demos.task), samples)
+    _finish(cfg, engine, run_dir, world, losses, len(demos.task), samples)
     if board is not None:
         board.close()
 
@@ -144,29 +140,25 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir) -> list[float]
     return losses
 
 
-def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int) -> dict:
-    """A checkpoint after `step` steps (collective); returns the full weights (learner 0)."""
+def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int) -> None:
+    """A checkpoint after `step` steps (collective on the learners)."""
     weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
     trained = step * cfg.sft.batch_size * world.Get_size()
     checkpoint.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
                     {"sft_chunks": trained, "sft_samples": samples}, world,
                     keep=cfg.learner.checkpoint_keep)
-    return weights
 
 
-def _finish(cfg, engine, policy, run_dir: Path, world, losses: list[float], demos: int,
+def _finish(cfg, engine, run_dir: Path, world, losses: list[float], demos: int,
             samples: int) -> None:
-    """The last checkpoint, the policy folder `policy.pretrained` loads, summary.json."""
-    weights = _checkpoint(cfg, engine, run_dir, cfg.sft.steps, world, samples)
+    """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load), summary.json."""
+    _checkpoint(cfg, engine, run_dir, cfg.sft.steps, world, samples)
     if world.Get_rank() == 0:
-        folder = save_pretrained(policy, run_dir / POLICY_FOLDER, weights)
         summary = {"steps": cfg.sft.steps, "learners": world.Get_size(), "demonstrations": demos,
-                   "samples": samples, "first_loss": losses[0] if losses else None,
-                   "last_loss": losses[-1] if losses else None,
-                   "device": str(engine.device), "policy": str(folder)}
+                   "samples": samples, "device": str(engine.device), "losses": losses}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"[hpcvla sft] done: loss {summary['first_loss']} -> {summary['last_loss']}; "
-              f"RL from it: policy.pretrained={folder}", flush=True)
+        print(f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
+              "[hpcvla sft] done", f"| RL from it: policy.checkpoint={run_dir}", flush=True)
     idle_barrier(world)  # [dist]
 
 

@@ -86,6 +86,13 @@ class PolicyConfig:
         "prompts need `tokenizer` (policies/processor.py). `oft`: an OpenVLA-OFT folder "
         "(config.json, sharded weights, dataset_statistics.json, tokenizer, optional "
         "proprio projector .pt) fixes the sizes and brings its statistics and tokenizer.")
+    checkpoint: str = setting(
+        "", "A run directory (or one of its checkpoints/v*/) whose newest weights replace "
+        "the initial ones on every rank, after the policy is built (and `pretrained` loaded: "
+        "its sizes, tokenizer and normalization stay): RL from an `hpcvla sft` run is "
+        "`hpcvla train CONFIG policy.checkpoint=<sft run dir>`, with the config the SFT ran "
+        "(same family, env and `pretrained`). Shapes must match exactly. Continuing a run "
+        "is `run.resume` instead (optimizer, counters).")
     tokenizer: str = setting(
         "", "`flow` with a published `pretrained` folder: a local folder holding the "
         "checkpoint's tokenizer (PaliGemma's: tokenizer.json / tokenizer.model, read by "
