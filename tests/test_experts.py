@@ -21,7 +21,7 @@ SMALL = ("env.task=PushCube-v1", "env.image_size=16")
 @pytest.mark.slow  # building a ManiSkill env and rendering: ~20 s on 2 busy cores
 def test_push_cube_expert_succeeds_from_training_states():
     env = ManiSkillEnv(1, task="PushCube-v1", image_size=16, state=False)
-    expert = make_expert("PushCube-v1", env.spec.chunk_len)
+    expert = make_expert("maniskill", "PushCube-v1", env.spec.chunk_len)
     successes = 0
     try:
         for init_state_id in range(EVAL_STATE_IDS, EVAL_STATE_IDS + 8):

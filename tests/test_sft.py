@@ -146,3 +146,31 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
     assert out.returncode == 2 and "pushcube.state.pd_ee_delta_pose.h5" in out.stderr, \
         out.stderr[-2000:]
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
+
+
+@pytest.mark.mpi
+@pytest.mark.learning
+@pytest.mark.slow
+def test_sft_lifts_success_above_the_untrained_policy_and_rl_starts_from_it(tmp_path):
+    """reach: the oracle's noisy demonstrations (training states), SFT, then `hpcvla eval`'s
+    held-out states: success must rise as tests/test_learning.py requires of RL."""
+    demos = tmp_path / "demos.h5"
+    out = hpcvla("demos", "configs/default.yaml", "--episodes", 64, "--noise", 0.2,
+                 "--out", demos)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = hpcvla("sft", "configs/default.yaml", f"sft.demos={demos}", "sft.steps=300",
+                 f"run.root={tmp_path / 'sft'}", timeout=400)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (sft_run,) = (tmp_path / "sft").iterdir()
+    from hpcvla.evaluate import checkpoint_weights, evaluate
+    from helpers import MIN_Z, improvement_z, run_train
+    cfg = load_config(sft_run / "config.yaml")
+    untrained, imitated = evaluate(cfg, None), evaluate(cfg, checkpoint_weights(sft_run)[0])
+    assert untrained["split"] == imitated["split"] == "evaluation"
+    z = improvement_z(untrained["success_rate"], imitated["success_rate"], 128)
+    assert z >= MIN_Z, (z, untrained, imitated)
+    # RL starts from it: the run's untrained policy is the SFT one
+    _, summary, rl_run = run_train(tmp_path / "rl", f"policy.checkpoint={sft_run}",
+                                   "pipeline.total_updates=2")
+    start = evaluate(load_config(rl_run / "config.yaml"), None)
+    assert start["success_rate"] == imitated["success_rate"]

@@ -1,5 +1,5 @@
 """`hpcvla demos`: demonstrations of a scripted expert (envs/experts.py) in the configured
-ManiSkill task, in this process, written in the trajectory dump layout (metrics/dump.py) by
+ManiSkill task (or `reach`, by its oracle), in this process, written in the trajectory dump layout (metrics/dump.py) by
 its one writer, for `hpcvla sft` to imitate before RL post-training.
 
     hpcvla demos configs/maniskill_pickcube.yaml env.task=PushCube-v1 --episodes 100 \
@@ -34,7 +34,7 @@ import yaml
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import check_env, env_kwargs, make_env
 from hpcvla.envs.base import training_state_ids
-from hpcvla.envs.experts import EXPERTS, make_expert
+from hpcvla.envs.experts import make_expert
 from hpcvla.metrics.dump import TrajectoryDump
 
 EXPERT_VERSION = -1  # policy_versions of a scripted expert's steps
@@ -56,11 +56,11 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
     if out.exists():
         raise RecordingError(f"--out {out}: exists; remove it or name another file")
     check_env(cfg)
-    env = make_env("maniskill", 1, cfg.run.seed, **dict(env_kwargs(cfg.env), sim_backend="cpu"))
+    env, task = _env(cfg)
     dump = TrajectoryDump(out, -1, list(env.spec.obs), env.spec.vocab, None,
-                          f"maniskill {cfg.env.task}", env.spec.chunk_len,
+                          f"{cfg.env.name} {task}", env.spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                          flush_s=30.0, source=f"scripted expert {cfg.env.task}, noise {noise}")
+                          flush_s=30.0, source=f"scripted expert {task}, noise {noise}")
     rng = np.random.default_rng([cfg.run.seed, _STREAM])
     start, seen, attempts, successes, steps = time.monotonic(), set(), 0, 0, 0
     written = 0
@@ -85,7 +85,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
     finally:
         dump.close()
         env.close()
-    return {"file": str(out), "task": cfg.env.task, "episodes": written,
+    return {"file": str(out), "task": task, "episodes": written,
             "attempts": attempts, "expert_success_rate": successes / attempts, "steps": steps,
             "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len,
             "seconds": time.monotonic() - start}
@@ -93,16 +93,25 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
 
 def _expert(cfg, noise: float):
     """The expert of the configured env, or a RecordingError naming the setting."""
-    if cfg.env.name != "maniskill":
-        raise RecordingError(f"env.name={cfg.env.name}: demonstrations come from a ManiSkill "
-                             f"task with a scripted expert (env.name=maniskill, env.task one of "
-                             f"{', '.join(sorted(EXPERTS))})")
     if noise < 0:
         raise RecordingError(f"--noise {noise}: a standard deviation, >= 0")
     try:
-        return make_expert(cfg.env.task, cfg.env.chunk_len, noise, seed=cfg.run.seed)
+        return make_expert(cfg.env.name, cfg.env.task, cfg.env.chunk_len, noise,
+                           seed=cfg.run.seed)
     except ValueError as err:
         raise RecordingError(str(err)) from None
+
+
+def _env(cfg):
+    """One env of the configured simulator, and the task's name: ManiSkill on CPU physics
+    (the experts read its privileged state there), reach without its emulated latency and
+    injected faults (as `hpcvla eval` runs it)."""
+    kwargs = env_kwargs(cfg.env)
+    if cfg.env.name == "maniskill":
+        return make_env("maniskill", 1, cfg.run.seed, **dict(kwargs, sim_backend="cpu")), \
+            cfg.env.task
+    kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
+    return make_env(cfg.env.name, 1, cfg.run.seed, **kwargs), cfg.env.name
 
 
 def _episode(env, expert, init_state_id: int, number: int) -> tuple[dict, dict]:

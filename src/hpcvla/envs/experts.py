@@ -1,4 +1,4 @@
-"""Scripted experts for ManiSkill3 tasks: controllers that read each env's privileged state
+"""Scripted experts for ManiSkill3 tasks (and `reach`'s oracle): controllers that read each env's privileged state
 (object poses, the goal, the TCP pose, contacts) and return action chunks, for recording
 imitation demonstrations (`hpcvla demos`, recording.py).
 
@@ -223,11 +223,33 @@ class PickCubeExpert(Expert):
             state["cube"] = state["cube"] + moved
 
 
+class ReachExpert:
+    """`reach`: straight to the named target at full speed (envs/reach.oracle_actions, success
+    1.0), plus Gaussian `noise` on every action."""
+
+    def __init__(self, chunk_len: int, noise: float = 0.0, seed: int = 0):
+        self.noise, self.rng = noise, np.random.default_rng(seed)
+
+    def act(self, env) -> np.ndarray:
+        from hpcvla.envs.reach import oracle_actions
+
+        actions = oracle_actions(env)
+        if self.noise > 0:
+            actions = actions + self.rng.normal(0.0, self.noise, actions.shape)
+        return np.clip(actions, -1.0, 1.0).astype(np.float32)
+
+
 EXPERTS = {cls.task: cls for cls in (PickCubeExpert, PushCubeExpert)}
 
 
-def make_expert(task: str, chunk_len: int, noise: float = 0.0, seed: int = 0) -> Expert:
-    """The scripted expert of a ManiSkill task; ValueError naming the tasks that have one."""
+def make_expert(env: str, task: str, chunk_len: int, noise: float = 0.0, seed: int = 0):
+    """The scripted expert of env `env` (its ManiSkill `task`); ValueError naming those that
+    have one."""
+    if env == "reach":
+        return ReachExpert(chunk_len, noise, seed)
+    if env != "maniskill":
+        raise ValueError(f"env.name={env}: no scripted expert; envs with one: reach, maniskill "
+                         f"(env.task one of {', '.join(sorted(EXPERTS))})")
     if task not in EXPERTS:
         raise ValueError(f"env.task={task}: no scripted expert; tasks with one: "
                          f"{', '.join(sorted(EXPERTS))}")
