@@ -1,6 +1,6 @@
 """`hpcvla demos`: demonstrations of a scripted expert (envs/experts.py) in the configured
-ManiSkill task (or `reach`, by its oracle), in this process, written in the trajectory dump layout (metrics/dump.py) by
-its one writer, for `hpcvla sft` to imitate before RL post-training.
+ManiSkill task (or `reach`, by its oracle), in this process, written in the trajectory dump
+layout (metrics/dump.py) by its one writer, for `hpcvla sft` to imitate before RL.
 
     hpcvla demos configs/maniskill_pickcube.yaml env.task=PushCube-v1 --episodes 100 \
         --out demos.h5 [--noise 0.1] [--successful-only]

@@ -30,11 +30,13 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
-    bench.add_argument("--arms", choices=["modes", "critic", "flow-noise"], default="modes",
+    bench.add_argument("--arms", choices=["modes", "critic", "flow-noise", "imitation"],
+                       default="modes",
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
-                            "rate, clipped, 4 epochs), or flow last_step vs chain from a pretrained checkpoint "
-                            "(hpcvla/bench/learning.py)")
+                            "rate, clipped, 4 epochs), flow last_step vs chain from a "
+                            "pretrained checkpoint, or streamer vs sync-colocated on ManiSkill "
+                            "PushCube from an SFT start (hpcvla/bench/learning.py)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,

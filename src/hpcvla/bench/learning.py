@@ -14,9 +14,14 @@ Arm sets (`--arms`):
   (`save_pretrained`), then both arms start from it (`policy.pretrained`): `last_step`
   (x_0 = 0, one noisy last step) against `chain` (x_0 ~ N(0, I), noise at every step as
   πRL's flow-noise; the pretrained sampler's own distribution). policies/flow.py.
+* `imitation`: `modes` on a real task from an imitation start, as VLA users post-train:
+  ManiSkill PushCube-v1 (configs/maniskill_pushcube.yaml), `IMITATION_DEMOS` scripted-expert
+  demonstrations (`hpcvla demos`, training states), `hpcvla sft` on them, then both arms from
+  that SFT run (`policy.checkpoint`): streamer (4 ranks) against sync-colocated (2 ranks, 2
+  learners x 8 segments), 16 segments of 8 chunks per version each.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
-per version); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
+per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
 run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for every arm
 and seed, not the rolling training success (which counts episodes of several policy
 versions, sampled on the training states). Reported: per run the eval success, the rolling
@@ -51,6 +56,14 @@ FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretraine
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
+PUSH = ["configs/maniskill_pushcube.yaml", "policy.checkpoint={pretrained}"]
+ARMS["imitation"] = {
+    "streamer": PUSH + ["--ranks", "4"],
+    "sync-colocated": PUSH + ["--ranks", "2", "placement.mode=colocated",
+                              "pipeline.mode=sync-colocated", "env.shards=1",
+                              "learner.micro_batches=1"]}
+IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
+PER_VERSION = {"imitation": 16 * 8 * 5}  # trained env steps per version; reach: 32 x 8 x 4
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 
 
@@ -90,7 +103,10 @@ def train_and_eval(args: list[str], root: Path, eval_episodes: int) -> dict:
 
 
 def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | tuple[None, None]:
-    """The arm set's starting checkpoint folder (`PRETRAIN`), and its eval; none for most."""
+    """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation`), and
+    its eval; none for most."""
+    if arms == "imitation":
+        return imitation_start(root, eval_episodes)
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -109,9 +125,29 @@ def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | t
     return save_pretrained(policy, root / "pretrained"), done["eval"]
 
 
+def imitation_start(root: Path, eval_episodes: int) -> tuple[Path, dict]:
+    """`hpcvla demos` then `hpcvla sft` with configs/maniskill_pushcube.yaml: the SFT run
+    directory every `imitation` arm starts from, and its eval."""
+    import subprocess
+    import sys
+
+    from hpcvla.config import load_config
+    from hpcvla.evaluate import checkpoint_weights, evaluate
+    config, demos = ARMS["imitation"]["streamer"][0], root / "demos.h5"
+    for command in (["demos", config, "--episodes", str(IMITATION_DEMOS), "--noise", "0.1",
+                     "--out", str(demos)],
+                    ["sft", config, f"sft.demos={demos}", f"run.root={root / 'sft'}"]):
+        subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
+    (run_dir,) = (root / "sft").iterdir()
+    result = evaluate(load_config(run_dir / "config.yaml"), checkpoint_weights(run_dir)[0],
+                      episodes=eval_episodes, seed=EVAL_SEED)
+    print(f"imitation start (sft): eval success {result['success_rate']:.3f}", flush=True)
+    return run_dir, result
+
+
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         eval_episodes=256) -> dict:
-    per_version = 32 * 8 * 4  # segments x chunks x chunk_len: trained env steps per version
+    per_version = PER_VERSION.get(arms, 32 * 8 * 4)  # segments x chunks x chunk_len
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
