@@ -93,6 +93,16 @@ def writer(path, spec, flush_s=10.0):
                           "reach", spec.chunk_len, "run: {name: test}\n", flush_s)
 
 
+def reach_dump(path, n_groups=6):
+    """`reach_segments(n_groups)` written through `writer` to `path`; the groups and spec."""
+    groups, spec = reach_segments(n_groups)
+    dump = writer(path, spec)
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    return groups, spec
+
+
 def libero_fixture_observation(cfg) -> tuple[dict, dict]:
     """The env's render of LIBERO's fixture observation (libero_spatial task 0, fixed state 0,
     as set: no settle steps) and the exported one (tests/fixtures/pi0/libero_obs.safetensors),

@@ -17,7 +17,7 @@ from hpcvla.envs.base import EnvSpec
 from hpcvla.envs.libero import LiberoEnv, Suite, state_of
 from hpcvla.envs.maniskill import describe
 from hpcvla.text import tokenize, vocab_of, words
-from helpers import FIXTURES, reach_segments, writer
+from helpers import FIXTURES, reach_dump
 
 DEMOS = FIXTURES / "demonstrations"
 MS = DEMOS / "maniskill"
@@ -235,11 +235,7 @@ def test_libero_refusals_name_file_and_key():
 # ------------------------------------------------------------------------------ own dumps
 
 def test_hpcvla_dump_reads_chunk_rows(tmp_path):
-    groups, spec = reach_segments(6)
-    dump = writer(tmp_path / "rank0.h5", spec)
-    for group in groups:
-        dump.add_segment(group)
-    dump.close()
+    groups, spec = reach_dump(tmp_path / "rank0.h5")
     assert demonstration_problems(tmp_path / "rank0.h5", spec) == []
     demos = read_demonstrations(tmp_path / "rank0.h5", spec)
     with h5py.File(tmp_path / "rank0.h5") as f:

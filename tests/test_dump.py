@@ -15,15 +15,11 @@ import pytest
 
 from hpcvla.metrics.dump import DumpError, describe, summarize
 from hpcvla.transport.segment_meta import SegmentMeta
-from helpers import TESTS, hpcvla, reach_segments, writer
+from helpers import TESTS, hpcvla, reach_dump, reach_segments, writer
 
 
 def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
-    groups, spec = reach_segments(6)
-    dump = writer(tmp_path / "d.h5", spec)
-    for group in groups:
-        dump.add_segment(group)
-    dump.close()
+    groups, spec = reach_dump(tmp_path / "d.h5")
     # The expected episodes, from the segments alone: each env's steps end to end, cut
     # after every done.
     expected = {}
