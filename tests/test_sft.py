@@ -174,3 +174,36 @@ def test_sft_lifts_success_above_the_untrained_policy_and_rl_starts_from_it(tmp_
                                    "pipeline.total_updates=2")
     start = evaluate(load_config(rl_run / "config.yaml"), None)
     assert start["success_rate"] == imitated["success_rate"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from helpers import ROOT
+    demos = tmp_path / "demos.h5"
+    assert hpcvla("demos", "configs/default.yaml", "--episodes", 8, "--out", demos).returncode == 0
+    args = ["configs/default.yaml", f"sft.demos={demos}", "sft.batch_size=8",
+            "pipeline.progress_every_s=0.1", f"run.root={tmp_path / 'runs'}"]
+    job = subprocess.Popen([sys.executable, "-m", "hpcvla", "sft", *args, "sft.steps=100000"],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in job.stdout:  # training: signal it as Slurm would
+        if "[hpcvla sft] step" in line:
+            job.send_signal(signal.SIGTERM)
+            break
+    deadline = time.monotonic() + 120
+    output = job.communicate(timeout=max(1, deadline - time.monotonic()))[0]
+    assert job.returncode == 0, output[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["preempted"] and 0 < summary["steps"] < 100000
+    stopped = summary["steps"]
+    out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == stopped + 3 and len(summary["losses"]) == 3
+    assert not summary["preempted"]

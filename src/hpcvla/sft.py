@@ -13,6 +13,9 @@ chunks it executes, so what is learnt is what the env will ask for.
     hpcvla eval <sft run dir>                                     # success of the SFT policy
     hpcvla train CONFIG policy.checkpoint=<sft run dir>           # RL from it
 
+A stop signal (Slurm's, PBS's, `scancel`: preempt.py) ends the run after the current step
+with a checkpoint; `run.resume` goes on from it.
+
 Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
 sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
 takes its batch_size of them: every sample is trained once per epoch, on one learner, and a
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcvla import checkpoint
+from hpcvla import checkpoint, preempt
 from hpcvla.config import dump_config
 from hpcvla.config.learning import demo_paths
 from hpcvla.demonstrations import read_demonstrations
@@ -96,8 +99,8 @@ def sft_main(cfg, world) -> None:
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
-    losses = _train(cfg, engine, demos, first, world, board, run_dir)
-    _finish(cfg, engine, run_dir, world, losses, len(demos.task), samples)
+    losses, done = _train(cfg, engine, demos, first, world, board, run_dir)
+    _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples)
     if board is not None:
         board.close()
 
@@ -110,11 +113,13 @@ def _ranks_on_this_host(world) -> int:
     return size
 
 
-def _train(cfg, engine, demos, first: int, world, board, run_dir) -> list[float]:
-    """Steps first .. sft.steps; the mean loss over the learners of every step."""
+def _train(cfg, engine, demos, first: int, world, board, run_dir) -> tuple[list[float], int]:
+    """Steps first .. sft.steps, or until a stop signal (preempt.py: all learners stop after
+    the same step); the mean loss over the learners of every step, and the steps done."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
     samples, losses = len(demos.actions), []
     start = last_print = time.monotonic()
+    done = first
     for step in range(first, sft.steps):
         index = batch_indices(samples, sft.batch_size, learners, step, rank, cfg.run.seed)
         obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
@@ -137,7 +142,9 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir) -> list[float]
             last_print = now
         if board is not None:
             board.scalars({"loss": losses[-1]}, done, group="sft")
-    return losses
+        if preempt.agreed(world):  # [dist]
+            break
+    return losses, done
 
 
 def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int) -> None:
@@ -149,13 +156,15 @@ def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int) -> N
                     keep=cfg.learner.checkpoint_keep)
 
 
-def _finish(cfg, engine, run_dir: Path, world, losses: list[float], demos: int,
+def _finish(cfg, engine, run_dir: Path, world, losses: list[float], done: int, demos: int,
             samples: int) -> None:
-    """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load), summary.json."""
-    _checkpoint(cfg, engine, run_dir, cfg.sft.steps, world, samples)
+    """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
+    `run.resume` goes on from after a stop signal), summary.json."""
+    _checkpoint(cfg, engine, run_dir, done, world, samples)
     if world.Get_rank() == 0:
-        summary = {"steps": cfg.sft.steps, "learners": world.Get_size(), "demonstrations": demos,
-                   "samples": samples, "device": str(engine.device), "losses": losses}
+        summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
+                   "samples": samples, "device": str(engine.device), "losses": losses,
+                   "preempted": done < cfg.sft.steps}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
               "[hpcvla sft] done", f"| RL from it: policy.checkpoint={run_dir}", flush=True)
@@ -166,4 +175,5 @@ def run_sft(cfg) -> int:
     """`hpcvla sft` on every rank of the world: the job, failing loudly (runtime.py)."""
     from hpcvla.runtime import run_guarded
 
+    preempt.install()  # SIGTERM/SIGUSR1: stop after the current step, with a checkpoint
     return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD))
