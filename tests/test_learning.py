@@ -55,6 +55,12 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
         out = hpcvla("eval", run_dir, "--json")
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout)["success_rate"] == trained["success_rate"]
+        out = hpcvla("eval", run_dir, "--json", "--deterministic")  # the Gaussian's mean
+        assert out.returncode == 0, out.stderr
+        greedy = json.loads(out.stdout)
+        assert greedy["actions"] == "deterministic" and trained["actions"] == "sampled"
+        assert greedy["success_rate"] == \
+            evaluate(cfg, weights, deterministic=True)["success_rate"]
         out = hpcvla("eval", tmp_path)
         assert out.returncode == 2 and "not a run directory" in out.stderr
         # the learning curve over every kept checkpoint, from the untrained policy on

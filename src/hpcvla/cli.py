@@ -115,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--untrained", action="store_true",
                           help="the policy as the run's config initialises it (with --all: "
                                "first, as version 0)")
+    evaluate.add_argument("--deterministic", action="store_true",
+                          help="act with each policy's deterministic action (the Gaussian's "
+                               "mean, the top token, the flow from zero noise) instead of "
+                               "sampling as training does; ManiSkill's PPO baseline "
+                               "evaluates this way")
     evaluate.add_argument("--all", action="store_true",
                           help="every checkpoint the run kept, oldest first: a learning curve "
                                "on fixed initial states (keep more: learner.checkpoint_keep)")
@@ -314,11 +319,12 @@ def cmd_eval(args) -> int:
         result = {"run_dir": str(run_dir), "version": state["version"],
                   "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
                   **evaluate(cfg, weights, episodes=args.episodes, envs=args.envs,
-                             seed=cfg.run.seed)}
+                             seed=cfg.run.seed, deterministic=args.deterministic)}
         curve.append(result)
         print(json.dumps(result) if args.json else
               f"policy version {result['version']}: success {result['success_rate']:.3f} "
-              f"over {result['episodes']} episodes, mean return {result['mean_return']:.2f}"
+              f"over {result['episodes']} episodes ({result['actions']} actions), "
+              f"mean return {result['mean_return']:.2f}"
               + (f" ({result['env_faults']} left out: env faults)" if result['env_faults'] else "")
               + "\n  {split} split: init_state_ids {ids[0]}..{ids[1]}, {states}".format(
                   ids=result["init_state_ids"], **result),

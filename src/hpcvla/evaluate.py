@@ -73,6 +73,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     outcomes = [s for task in per_task.values() for s in task]
     return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
             "states": env.evaluation_kind,
+            "actions": "deterministic" if deterministic else "sampled",
             "episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
             "mean_return": float(np.mean(returns)), "env_faults": faults,
             "device": str(policy.device),
