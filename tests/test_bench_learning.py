@@ -41,10 +41,12 @@ def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
         for run in mode["runs"]:
             assert len(run["curve"]) == len(grid) and 0 <= run["final_success"] <= 1
             assert 0 <= run["eval_success"] <= 1  # hpcvla eval of the final checkpoint
+            assert 0 <= run["eval_success_deterministic"] <= 1  # and of its mean action
             assert run["explained_variance"] <= 1  # the critic's, logged per micro-batch
     png = imread(tmp_path / "learning.png")  # the curves per seed and mean, next to the JSON
     assert png.shape[:2] == (460, 900) and png.std() > 0
-    for name in ("difference", "rolling_difference", "curve_difference"):
+    for name in ("difference", "deterministic_difference", "rolling_difference",
+                 "curve_difference"):
         low, high = results[name]["ci95"]
         assert low <= results[name]["streamer_minus_sync-colocated"] <= high
 

@@ -24,7 +24,9 @@ Every run is a real `hpcvla train` with the same env-step budget (32 segments of
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
 run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for every arm
 and seed, not the rolling training success (which counts episodes of several policy
-versions, sampled on the training states). Reported: per run the eval success, the rolling
+versions, sampled on the training states); each checkpoint twice, acting as training does
+(sampled) and with its deterministic action (as ManiSkill's baselines evaluate). Reported:
+per run both eval successes, the rolling
 success curve against trained env steps (on a common grid) and the mean explained variance
 of the critic from update 30 on; per arm the means; the differences of the means (first arm -
 second) with 95 % Welch confidence intervals. A PNG of the overlaid curves goes next to the
@@ -63,8 +65,18 @@ ARMS["imitation"] = {
                               "pipeline.mode=sync-colocated", "env.shards=1",
                               "learner.micro_batches=1"]}
 IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
-PER_VERSION = {"imitation": 16 * 8 * 5}  # trained env steps per version; reach: 32 x 8 x 4
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
+
+
+def env_steps_per_version(arms: str) -> int:
+    """Trained env steps per version (segments x chunks x chunk_len), equal for both arms of a
+    set: reach's 32 x 8 x 4, or what configs/maniskill_pushcube.yaml trains."""
+    if arms != "imitation":
+        return 32 * 8 * 4
+    from hpcvla.config import load_config
+    cfg = load_config(PUSH[0])
+    return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len \
+        * cfg.env.chunk_len
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -93,13 +105,20 @@ def train_and_eval(args: list[str], root: Path, eval_episodes: int) -> dict:
     """One `hpcvla train *args` under `root`, then `hpcvla eval` of its final checkpoint (in
     this process)."""
     from hpcvla.config import load_config
-    from hpcvla.evaluate import checkpoint_weights, evaluate
+    from hpcvla.evaluate import checkpoint_weights
     run_dir, summary = train_run(args, root, timeout=3600)
     weights, _ = checkpoint_weights(run_dir)
-    result = evaluate(load_config(run_dir / "config.yaml"), weights, episodes=eval_episodes,
-                      seed=EVAL_SEED)
-    return {"run_dir": run_dir, "summary": summary, "eval": result,
-            "metrics": metrics(run_dir)}
+    return {"run_dir": run_dir, "summary": summary, "metrics": metrics(run_dir),
+            **both_evals(load_config(run_dir / "config.yaml"), weights, eval_episodes)}
+
+
+def both_evals(cfg, weights, eval_episodes: int) -> dict:
+    """`hpcvla eval` with sampled actions (as training acts) and with deterministic ones
+    (as ManiSkill's baselines evaluate), on the same fixed states."""
+    from hpcvla.evaluate import evaluate
+    return {key: evaluate(cfg, weights, episodes=eval_episodes, seed=EVAL_SEED,
+                          deterministic=deterministic)
+            for key, deterministic in (("eval", False), ("eval_deterministic", True))}
 
 
 def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | tuple[None, None]:
@@ -122,7 +141,8 @@ def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | t
     policy.load_arrays(checkpoint_weights(done["run_dir"])[0])
     print(f"pretrained {PRETRAIN_UPDATES} updates: eval success "
           f"{done['eval']['success_rate']:.3f}", flush=True)
-    return save_pretrained(policy, root / "pretrained"), done["eval"]
+    return save_pretrained(policy, root / "pretrained"), \
+        {key: done[key] for key in ("eval", "eval_deterministic")}
 
 
 def imitation_start(root: Path, eval_episodes: int) -> tuple[Path, dict]:
@@ -132,22 +152,23 @@ def imitation_start(root: Path, eval_episodes: int) -> tuple[Path, dict]:
     import sys
 
     from hpcvla.config import load_config
-    from hpcvla.evaluate import checkpoint_weights, evaluate
+    from hpcvla.evaluate import checkpoint_weights
     config, demos = ARMS["imitation"]["streamer"][0], root / "demos.h5"
     for command in (["demos", config, "--episodes", str(IMITATION_DEMOS), "--noise", "0.1",
                      "--out", str(demos)],
                     ["sft", config, f"sft.demos={demos}", f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
     (run_dir,) = (root / "sft").iterdir()
-    result = evaluate(load_config(run_dir / "config.yaml"), checkpoint_weights(run_dir)[0],
-                      episodes=eval_episodes, seed=EVAL_SEED)
-    print(f"imitation start (sft): eval success {result['success_rate']:.3f}", flush=True)
+    result = both_evals(load_config(run_dir / "config.yaml"), checkpoint_weights(run_dir)[0],
+                        eval_episodes)
+    print(f"imitation start (sft): eval success {result['eval']['success_rate']:.3f} "
+          f"(deterministic {result['eval_deterministic']['success_rate']:.3f})", flush=True)
     return run_dir, result
 
 
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         eval_episodes=256) -> dict:
-    per_version = PER_VERSION.get(arms, 32 * 8 * 4)  # segments x chunks x chunk_len
+    per_version = env_steps_per_version(arms)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
@@ -156,7 +177,9 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
         pretrained, start = pretrain(arms, Path(tmp), eval_episodes)
         if start is not None:
-            results["pretrained_eval_success"] = start["success_rate"]
+            results["pretrained_eval_success"] = start["eval"]["success_rate"]
+            results["pretrained_eval_success_deterministic"] = \
+                start["eval_deterministic"]["success_rate"]
         for arm, layout in ARMS[arms].items():
             runs, layout = [], [part.format(pretrained=pretrained) for part in layout]
             for seed in range(seeds):
@@ -167,23 +190,28 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                                       root, eval_episodes)
                 summary = done["summary"]
                 runs.append({"seed": seed, "eval_success": done["eval"]["success_rate"],
+                             "eval_success_deterministic":
+                                 done["eval_deterministic"]["success_rate"],
                              "final_success": summary["success_rate"],
                              "explained_variance": late_explained_variance(done["metrics"]),
                              "wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
                              "curve": curve(done["metrics"], grid)})
                 ev = runs[-1]["explained_variance"]
                 print(f"{arm:<15} seed {seed}: eval success {runs[-1]['eval_success']:.3f} "
-                      f"(rolling {summary['success_rate']:.3f}), explained variance "
+                      f"(deterministic {runs[-1]['eval_success_deterministic']:.3f}; rolling {summary['success_rate']:.3f}), explained variance "
                       f"{'-' if ev is None else f'{ev:.2f}'}, {summary['wall_s']:.0f} s",
                       flush=True)
             results["modes"][arm] = {
                 "runs": runs, "eval_mean": float(np.mean([r["eval_success"] for r in runs])),
+                "eval_mean_deterministic": float(np.mean([r["eval_success_deterministic"]
+                                                          for r in runs])),
                 "final_mean": float(np.mean([r["final_success"] for r in runs])),
                 "curve_mean": float(np.mean([np.mean(r["curve"]) for r in runs]))}
     # eval success (the verdict), rolling final success and the curve's mean over the budget
     # (how early it learns per env step): first arm - second, with a 95 % Welch interval
     first, second = list(ARMS[arms])
     for name, of_run in (("difference", lambda r: r["eval_success"]),
+                         ("deterministic_difference", lambda r: r["eval_success_deterministic"]),
                          ("rolling_difference", lambda r: r["final_success"]),
                          ("curve_difference", lambda r: float(np.mean(r["curve"])))):
         a = [of_run(r) for r in results["modes"][first]["runs"]]
