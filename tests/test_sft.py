@@ -31,6 +31,10 @@ def _demonstrations(batch=16, seed=0):
     return Policy.obs_to_tensors(obs, "cpu"), torch.as_tensor(actions, dtype=torch.float32)
 
 
+def _all_real(actions):
+    return torch.ones(actions.shape[:2], dtype=torch.bool)
+
+
 @pytest.mark.parametrize("family", ["default", "flow", "tokens"])
 def test_imitation_loss_falls_on_demonstrations(family):
     torch.manual_seed(0)
@@ -40,7 +44,7 @@ def test_imitation_loss_falls_on_demonstrations(family):
     losses = []
     for _ in range(40):
         torch.manual_seed(1)  # flow matching's noise and time: the same draws every step
-        loss = policy(obs, actions, imitation=True)  # what the engine's forward calls
+        loss = policy(obs, actions, _all_real(actions))  # what the engine's forward calls
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -52,6 +56,29 @@ def test_imitation_loss_falls_on_demonstrations(family):
                for n, p in policy.named_parameters() if n.startswith("value_"))
 
 
+@pytest.mark.parametrize("family", ["default", "flow", "tokens"])
+def test_padding_past_the_episode_end_is_no_part_of_the_loss(family):
+    """A chunk that runs past its episode's end repeats a padding value: what is there must
+    not move the loss. `flow`'s expert attends across the whole chunk both ways (as π0
+    trains, LeRobot's action_is_pad masks only the loss), so there a chunk with no real step
+    is what adds nothing; the others score each step apart from the later ones."""
+    torch.manual_seed(0)
+    policy = make_policy(family, SPEC, ACTION_DIM, CHUNK, VOCAB)
+    obs, actions = _demonstrations(batch=6)
+    real = _all_real(actions)
+    real[0, 0 if family == "flow" else 2:] = False  # the first chunk's padding
+    other = actions.clone()
+    other[0, 0 if family == "flow" else 2:] = -0.9  # another padding value
+    losses = []
+    for acts in (actions, other):
+        torch.manual_seed(1)  # flow matching's noise and time
+        losses.append(policy.imitation_loss(obs, acts, real).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    torch.manual_seed(1)
+    with_all = policy.imitation_loss(obs, other, _all_real(actions)).item()
+    assert with_all != pytest.approx(losses[1], rel=1e-6)  # the mask is what left it out
+
+
 def test_behaviour_cloning_moves_the_mean_to_the_demonstrations():
     torch.manual_seed(0)
     policy = make_policy("default", SPEC, ACTION_DIM, CHUNK, VOCAB)
@@ -59,7 +86,7 @@ def test_behaviour_cloning_moves_the_mean_to_the_demonstrations():
     optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
     before = float((policy.act(obs, deterministic=True).actions - actions).abs().mean())
     for _ in range(200):
-        loss = policy.imitation_loss(obs, actions)
+        loss = policy.imitation_loss(obs, actions, _all_real(actions))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

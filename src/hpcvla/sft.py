@@ -124,7 +124,8 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir) -> tuple[list[
         index = batch_indices(samples, sft.batch_size, learners, step, rank, cfg.run.seed)
         obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
         actions = torch.from_numpy(demos.actions[index]).to(engine.device)
-        loss = engine(obs, actions, imitation=True)
+        real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: no loss
+        loss = engine(obs, actions, real)
         engine.backward(loss)
         engine.step()
         losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]

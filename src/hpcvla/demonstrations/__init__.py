@@ -22,7 +22,7 @@ with the same lines.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +49,8 @@ class Demonstrations:
     task: list[str]             # per demonstration: its instruction
     source: str                 # files and layouts read, for logs
     # (N, chunk_len) bool: True where the chunk ran past the episode's end and repeats its
-    # last action (a loss may leave these out); all False for chunk-per-row dumps
-    pad: np.ndarray | None = field(default=None)
+    # last action (hpcvla sft leaves these out of the loss); all False for chunk-per-row dumps
+    pad: np.ndarray
 
     def __len__(self) -> int:
         return len(self.actions)

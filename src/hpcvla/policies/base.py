@@ -106,16 +106,20 @@ class Policy(nn.Module, abc.ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
-    def imitation_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor) -> torch.Tensor:
+    @abc.abstractmethod
+    def imitation_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
+                       real: torch.Tensor) -> torch.Tensor:
         """The supervised loss of demonstrated chunks `actions` (B, chunk_len, action_dim), a
-        scalar: the mean negative log-likelihood per scored unit (chunk, action or token)."""
-        return -self.evaluate(obs, actions)[0].float().mean()
+        scalar averaged over the real steps only: `real` (B, chunk_len) is False where a chunk
+        runs past its episode's end and `actions` only repeats a padding value."""
 
     def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
-                imitation: bool = False):
-        """`evaluate` (or, with `imitation`, `imitation_loss`): training calls the DeepSpeed
-        engine (`engine(obs, actions)`), whose forward hooks gather ZeRO-3 parameter shards."""
-        return self.imitation_loss(obs, actions) if imitation else self.evaluate(obs, actions)
+                real: torch.Tensor | None = None):
+        """`evaluate`, or with the `real` steps mask `imitation_loss`: training calls the
+        DeepSpeed engine (`engine(obs, actions)`), whose forward hooks gather ZeRO-3 shards."""
+        if real is None:
+            return self.evaluate(obs, actions)
+        return self.imitation_loss(obs, actions, real)
 
     # Hugging Face-style folders (policies/folders.py): a family that follows a published
     # model maps its names to that model's (VLAPolicy); built-in names are their own.
@@ -151,3 +155,9 @@ class Policy(nn.Module, abc.ABC):
             for name, arr in obs.items():
                 out[name] = torch.as_tensor(arr, device=device)
         return out
+
+
+def real_steps_mean(terms: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Mean of per-step terms (B, H, ...) over the steps where `real` (B, H) is True."""
+    weight = real.to(terms.dtype).view(*real.shape, *([1] * (terms.dim() - 2)))
+    return (terms * weight).sum() / (weight.expand_as(terms).sum().clamp(min=1))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributions import Normal
 
-from hpcvla.policies.base import ActOutput, Policy
+from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 
 INSTRUCTION_EMBED_DIM = 32
 
@@ -147,10 +147,13 @@ class DefaultPolicy(Policy):
         entropy = dist.entropy().sum(-1)
         return logprob, value, entropy
 
-    def imitation_loss(self, obs, actions):
-        """Negative log-likelihood per action dimension (the chunk's sum divided by its
-        size, so the scale does not grow with chunk_len x action_dim)."""
-        return -self.evaluate(obs, actions)[0].mean() / (self.chunk_len * self.action_dim)
+    def imitation_loss(self, obs, actions, real):
+        """Negative log-likelihood per action dimension of the real steps (so the scale does
+        not grow with chunk_len x action_dim)."""
+        dist, _ = self._dist_and_value(obs)
+        flat = actions.reshape(actions.shape[0], -1).to(dist.mean.dtype)
+        nll = -dist.log_prob(flat).view(-1, self.chunk_len, self.action_dim)
+        return real_steps_mean(nll, real)
 
 
 def count_parameters(module: nn.Module) -> int:

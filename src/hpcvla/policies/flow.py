@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from hpcvla.policies.adarms import make_adaptive
+from hpcvla.policies.base import real_steps_mean
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
@@ -271,12 +272,12 @@ class FlowPolicy(VLAPolicy):
                 for k in range(self.denoise_steps)]
 
     # --------------------------------------------------------------------- act / evaluate
-    def imitation_loss(self, obs, actions):
+    def imitation_loss(self, obs, actions, real):
         """Flow matching, π0's training objective (supervised fine-tuning, `hpcvla sft`): at a
         time t ~ Beta(1.5, 1) (π0's emphasis on the noisy end), the expert's velocity at
         x_t = t·noise + (1 - t)·actions must be noise - actions, which is the direction the
         Euler steps of `_sample` integrate from t = 1 to 0. Mean squared error over the
-        chunk's real steps and dims (the model's padding is left out)."""
+        chunk's real steps and dims (the model's padding and the episode's end are left out)."""
         inputs = self._inputs(obs)
         target = self._model_actions(actions).float()
         cache, pad, _ = self._encode(inputs)
@@ -287,7 +288,7 @@ class FlowPolicy(VLAPolicy):
         t = torch.distributions.Beta(1.5, 1.0).sample((B,)).to(pad.device) * 0.999 + 0.001
         x = t[:, None, None] * noise + (1 - t[:, None, None]) * clean
         velocity, _ = self._velocity(cache, pad, self._padded_state(inputs), x, t)
-        return (velocity - (noise - clean))[:, :H, :D].pow(2).mean()
+        return real_steps_mean((velocity - (noise - clean))[:, :H, :D].pow(2), real)
 
     def _sample(self, obs, deterministic):
         cache, pad, pooled = self._encode(obs)

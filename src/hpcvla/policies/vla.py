@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcvla.algorithms.granularity import GRANULARITIES, reduce_units
-from hpcvla.policies.base import ActOutput, Policy
+from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 
 # --------------------------------------------------------------------------- size presets
 # Each preset: transformers config kwargs for the SigLIP vision tower ("vision"), the
@@ -312,6 +312,10 @@ class VLAPolicy(Policy):
         terms, entropy, value = self._score(self._inputs(obs), self._model_actions(actions))
         g = self.logprob_granularity
         return reduce_units(terms, g), value.float(), reduce_units(entropy, g)
+
+    def imitation_loss(self, obs, actions, real):
+        """Negative log-likelihood per action token (cross-entropy) of the real steps."""
+        return real_steps_mean(-self.unit_logprobs(obs, actions).float(), real)
 
     def unit_logprobs(self, obs, actions) -> torch.Tensor:
         """Differentiable log-probs per token (B, H, D), whatever the granularity; their
