@@ -198,7 +198,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                              "curve": curve(done["metrics"], grid)})
                 ev = runs[-1]["explained_variance"]
                 print(f"{arm:<15} seed {seed}: eval success {runs[-1]['eval_success']:.3f} "
-                      f"(deterministic {runs[-1]['eval_success_deterministic']:.3f}; rolling {summary['success_rate']:.3f}), explained variance "
+                      f"(deterministic {runs[-1]['eval_success_deterministic']:.3f}; "
+                      f"rolling {summary['success_rate']:.3f}), explained variance "
                       f"{'-' if ev is None else f'{ev:.2f}'}, {summary['wall_s']:.0f} s",
                       flush=True)
             results["modes"][arm] = {

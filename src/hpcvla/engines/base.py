@@ -21,8 +21,9 @@ class Engine(Protocol):
     device: torch.device
     skipped_steps: int  # optimizer steps the engine itself skipped (non-finite gradient)
 
-    def __call__(self, obs: dict, actions: torch.Tensor) -> tuple:
-        """policy.evaluate: (log-prob, value, entropy)."""
+    def __call__(self, obs: dict, actions: torch.Tensor, real: torch.Tensor | None = None):
+        """The policy's forward: evaluate's (log-prob, value, entropy), or with the real-steps
+        mask (hpcvla sft) its imitation loss."""
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate the gradient of one micro-batch (averaged over the learners by the
