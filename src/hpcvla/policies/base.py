@@ -9,10 +9,10 @@ or token, (B, chunk_len, action_dim). `act` reports the chunk's log-prob, (B,), 
 `act` is what rollout workers call (no autograd graph); `evaluate` is what the learner calls
 (differentiable). Keeping the two apart lets rollout code run under inference settings while
 the learner recomputes everything it needs with gradients. `imitation_loss` is what supervised
-fine-tuning (`hpcvla sft`) minimises on demonstrated chunks: by default the negative
-log-likelihood `evaluate` gives (behaviour cloning of the Gaussian chunk, cross-entropy of
-action tokens); a family whose likelihood is not its training objective overrides it (flow
-matching for the flow family).
+fine-tuning (`hpcvla sft`) minimises on demonstrated chunks, over their real steps only (a chunk
+that runs past its episode's end is padded): the negative log-likelihood per step and dim of the
+Gaussian chunk (default), the cross-entropy per action token (tokens, OFT: policies/vla.py), or
+flow matching, π0's objective (flow).
 """
 
 from __future__ import annotations
