@@ -66,15 +66,16 @@ ARMS["imitation"] = {
                               "learner.micro_batches=1"]}
 IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
+# Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
+EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
 
 
 def env_steps_per_version(arms: str) -> int:
     """Trained env steps per version (segments x chunks x chunk_len), equal for both arms of a
-    set: reach's 32 x 8 x 4, or what configs/maniskill_pushcube.yaml trains."""
-    if arms != "imitation":
-        return 32 * 8 * 4
+    set: what the set's first arm, one learner, trains (reach: 16 x 2 x 8 x 4)."""
     from hpcvla.config import load_config
-    cfg = load_config(PUSH[0])
+    config, *args = ARMS[arms][next(iter(ARMS[arms]))]
+    cfg = load_config(config, [a for a in args if "=" in a and "{" not in a])
     return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len \
         * cfg.env.chunk_len
 
@@ -118,7 +119,7 @@ def both_evals(cfg, weights, eval_episodes: int) -> dict:
     from hpcvla.evaluate import evaluate
     return {key: evaluate(cfg, weights, episodes=eval_episodes, seed=EVAL_SEED,
                           deterministic=deterministic)
-            for key, deterministic in (("eval", False), ("eval_deterministic", True))}
+            for key, deterministic in zip(EVALS, (False, True))}
 
 
 def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | tuple[None, None]:
@@ -142,7 +143,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | t
     print(f"pretrained {PRETRAIN_UPDATES} updates: eval success "
           f"{done['eval']['success_rate']:.3f}", flush=True)
     return save_pretrained(policy, root / "pretrained"), \
-        {key: done[key] for key in ("eval", "eval_deterministic")}
+        {key: done[key] for key in EVALS}
 
 
 def imitation_start(root: Path, eval_episodes: int) -> tuple[Path, dict]:
@@ -177,9 +178,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
         pretrained, start = pretrain(arms, Path(tmp), eval_episodes)
         if start is not None:
-            results["pretrained_eval_success"] = start["eval"]["success_rate"]
-            results["pretrained_eval_success_deterministic"] = \
-                start["eval_deterministic"]["success_rate"]
+            results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
+                            for key, suffix in EVALS.items()})
         for arm, layout in ARMS[arms].items():
             runs, layout = [], [part.format(pretrained=pretrained) for part in layout]
             for seed in range(seeds):
@@ -189,9 +189,9 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                                        "pipeline.progress_every_s=1000", *overrides],
                                       root, eval_episodes)
                 summary = done["summary"]
-                runs.append({"seed": seed, "eval_success": done["eval"]["success_rate"],
-                             "eval_success_deterministic":
-                                 done["eval_deterministic"]["success_rate"],
+                runs.append({"seed": seed,
+                             **{f"eval_success{suffix}": done[key]["success_rate"]
+                                for key, suffix in EVALS.items()},
                              "final_success": summary["success_rate"],
                              "explained_variance": late_explained_variance(done["metrics"]),
                              "wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
@@ -203,9 +203,10 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                       f"{'-' if ev is None else f'{ev:.2f}'}, {summary['wall_s']:.0f} s",
                       flush=True)
             results["modes"][arm] = {
-                "runs": runs, "eval_mean": float(np.mean([r["eval_success"] for r in runs])),
-                "eval_mean_deterministic": float(np.mean([r["eval_success_deterministic"]
-                                                          for r in runs])),
+                "runs": runs,
+                **{f"eval_mean{suffix}": float(np.mean([r[f"eval_success{suffix}"]
+                                                        for r in runs]))
+                   for suffix in EVALS.values()},
                 "final_mean": float(np.mean([r["final_success"] for r in runs])),
                 "curve_mean": float(np.mean([np.mean(r["curve"]) for r in runs]))}
     # eval success (the verdict), rolling final success and the curve's mean over the budget
