@@ -5,8 +5,9 @@
 #   jobs/launch.sh train configs/default.yaml pipeline.total_updates=100
 #   jobs/launch.sh bench modes --workload emulated --json bench.json
 #
-# `train` runs one rank per allocated task: `srun --mpi=pmi2` under Slurm, `mpiexec` with
-# the node file under PBS. Every other command (`bench modes` starts its own MPI worlds) runs
+# `train` runs one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node list, its
+# proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for Open MPI
+# under Slurm. Every other command (`bench modes` starts its own MPI worlds) runs
 # as one process on the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
@@ -25,7 +26,9 @@
 #                     environment's Python, else PATH's). openmpi points mpi4py at Open MPI's
 #                     libmpi (MPI4PY_LIBMPI) and picks one-sided components that work on one
 #                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/mpi_select.py)
-#   HPCVLA_LAUNCHER   srun | mpiexec (default: srun under Slurm, mpiexec under PBS)
+#   HPCVLA_LAUNCHER   srun | mpiexec (default: mpiexec, but srun for Open MPI under Slurm;
+#                     srun with MPICH wires up through Slurm's PMI-2 server, which breaks
+#                     MPI_Init on nodes with many network devices: src/hpcvla/mpi_select.py)
 #   HPCVLA_SRUN_MPI   srun's PMI plugin (default: pmi2 for MPICH, pmix for Open MPI)
 #   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
 #                     node's allocated (or all) cores / ranks per node, at least 1)
@@ -84,6 +87,11 @@ NODES=${#HOSTS[@]}
 (( NODES >= 1 && NP >= NODES && NP % NODES == 0 )) || die "$NP ranks cannot be spread " \
     "evenly over $NODES node(s) (${HOSTS[*]})"
 PER_NODE=$(( NP / NODES ))
+if [[ $SCHEDULER != none ]]; then
+    # What each rank checks its MPI world against: inside Hydra's proxy steps SLURM_NTASKS
+    # counts the proxies, not the job's tasks.
+    export HPCVLA_JOB_RANKS=$NP
+fi
 
 export MASTER_ADDR=${MASTER_ADDR:-${HOSTS[0]}}
 JOB_ID=${SLURM_JOB_ID:-${PBS_JOBID:-0}}
@@ -114,7 +122,8 @@ PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 "$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
     "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
 # The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
-# HPCVLA_MPIEXEC and HPCVLA_SRUN_MPI_DEFAULT; exits naming the problem when none is found.
+# HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
+# the problem when none is found.
 eval "$("$PYTHON" -m hpcvla.mpi_select "${HPCVLA_MPI:-auto}")"
 
 # ---- threads per rank ----------------------------------------------------------------------
@@ -169,7 +178,8 @@ CLEAN_ENV=()
 if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
     LAUNCH=()
     COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
-elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo srun || echo mpiexec)} == srun ]]; then
+elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo "$HPCVLA_SLURM_LAUNCHER_DEFAULT" ||
+        echo mpiexec)} == srun ]]; then
     # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
     # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
     # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
@@ -187,7 +197,13 @@ else
         for host in "${HOSTS[@]}"; do echo "$host:$PER_NODE"; done > "$HOSTFILE"
         LAUNCH=("$MPIEXEC" -n "$NP" -f "$HOSTFILE")
     fi
-    if [[ $SCHEDULER == pbs ]]; then
+    if [[ $SCHEDULER == slurm ]]; then
+        # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that
+        # node's ranks: the step must hold the node's CPUs (srun would give it one per task),
+        # and sbatch's tasks-per-node would contradict its 1 task per node.
+        LAUNCH=(env -u SLURM_NTASKS_PER_NODE
+                "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
+    elif [[ $SCHEDULER == pbs ]]; then
         # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
         # in the job: Hydra would then start its proxies as 1-task srun steps, and the ranks
         # would check themselves against Slurm's counts. A PBS job's ranks see PBS only.

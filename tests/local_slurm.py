@@ -126,11 +126,12 @@ def _free_port() -> int:
 
 class LocalSlurm:
     def __init__(self, cpus: int = 64, start_timeout: float = 60.0, nodes: int = 1,
-                 hosts=None):
+                 hosts=None, fabric_ports: int = 0):
         """One node (`localhost`), or `nodes` > 1 nodes h0.. on emulated hosts that this
-        instance makes and removes; or the nodes of `hosts` (an EmulatedHosts, started here
-        and stopped again if it was not started yet)."""
-        self.cpus, self.start_timeout = cpus, start_timeout
+        instance makes (with `fabric_ports` more interfaces each) and removes; or the nodes
+        of `hosts` (an EmulatedHosts, started here and stopped again if it was not started
+        yet)."""
+        self.cpus, self.start_timeout, self.fabric_ports = cpus, start_timeout, fabric_ports
         self.hosts = hosts
         self.nodes = hosts.n if hosts is not None else nodes
         if self.nodes < 1:
@@ -227,7 +228,7 @@ class LocalSlurm:
                 from hosts import EmulatedHosts
             finally:
                 sys.path.pop(0)
-            self.hosts = EmulatedHosts(self.nodes)
+            self.hosts = EmulatedHosts(self.nodes, fabric_ports=self.fabric_ports)
         if self.hosts.base is None:
             self._own_hosts = True
             try:

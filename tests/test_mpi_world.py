@@ -66,6 +66,17 @@ def test_world_size_must_match_slurm_allocation():
     assert "MPI world has 4 ranks but SLURM_NTASKS says 6" in out.stderr
 
 
+def test_ranks_check_against_the_jobs_count_not_the_proxy_step():
+    """Under Hydra in a Slurm job the ranks run inside its proxies' srun step (one task per
+    node): SLURM_NTASKS there counts nodes, so they check against launch.sh's count."""
+    from hpcvla.topology.plan import PlanError
+    from hpcvla.topology.comms import check_scheduler_world
+    inside_proxies = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "3", "HPCVLA_JOB_RANKS": "6"}
+    check_scheduler_world(6, inside_proxies)
+    with pytest.raises(PlanError, match="MPI world has 3 ranks but the job's allocation"):
+        check_scheduler_world(3, inside_proxies)
+
+
 def test_singleton_from_wrong_pmi_is_named():
     # What a PMI mismatch looks like: srun starts N processes that each see a 1-rank world.
     out = hpcvla("train", "configs/colocated.yaml", env={

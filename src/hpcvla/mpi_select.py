@@ -19,8 +19,14 @@ What each MPI needs, and why:
   `sm,rdma`. A value the user exported is kept.
 * Open MPI as root (containers, CI) needs `OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)`, and
   `--oversubscribe` to start more ranks than cores on a workstation.
-* Under srun, Open MPI wires up through PMIx (`srun --mpi=pmix`), MPICH through PMI-2
-  (`--mpi=pmi2`; with pmix it silently starts N singletons).
+* In a Slurm job MPICH starts its ranks with its own `mpiexec` (Hydra; it starts one proxy
+  per node with srun), not with srun: under srun MPICH wires up through Slurm's PMI-2 server
+  (`--mpi=pmi2`; with pmix it silently starts N singletons), and MPI_Init then fails once a
+  rank's UCX address is longer than one PMI value ("mpi/pmi2: value not properly terminated",
+  "UCX ERROR failed to unpack address"; pmodels/mpich#6924). How long the address is depends
+  on the node's network devices: on the test cluster 8 interfaces per host pass and 10 fail,
+  and an 8-GPU node's InfiniBand adapters lie past that. `HPCVLA_LAUNCHER=srun` still
+  chooses srun. Open MPI under srun wires up through PMIx (`srun --mpi=pmix`).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ class MpiInstall:
     env: dict = field(default_factory=dict)      # what the ranks' environment needs
     args: list = field(default_factory=list)     # launcher flags for a workstation
     srun_mpi: str = "pmi2"                       # srun --mpi plugin for this MPI
+    slurm_launcher: str = "mpiexec"              # what starts the ranks in a Slurm job
 
 
 def flavour_of(mpiexec: str) -> str:
@@ -107,7 +114,8 @@ def _install(flavour: str, exe: str) -> MpiInstall:
            "OMPI_MCA_osc": os.environ.get("OMPI_MCA_osc") or openmpi_osc(exe)}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix")
+    return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix",
+                      slurm_launcher="srun")
 
 
 def _ompi_info(exe: str, *args) -> str:
@@ -156,7 +164,8 @@ def main(argv: list[str]) -> int:
         return 2
     lines = {**{k: v for k, v in install.env.items() if v},
              "HPCVLA_MPI_FLAVOUR": install.flavour, "HPCVLA_MPIEXEC": install.mpiexec,
-             "HPCVLA_SRUN_MPI_DEFAULT": install.srun_mpi}
+             "HPCVLA_SRUN_MPI_DEFAULT": install.srun_mpi,
+             "HPCVLA_SLURM_LAUNCHER_DEFAULT": install.slurm_launcher}
     for key, value in lines.items():
         print(f"export {key}='{value}'")
     return 0

@@ -5,7 +5,9 @@
         hosts.mpiexec("mpich", 12, [python, "-m", "mpi4py", "prog.py"])  # 4 ranks per host
 
 Each host is a network namespace with its own `eth0` (a veth pair whose other end sits on a
-bridge in one more namespace), an address in a private /24 and a loopback; every process
+bridge in one more namespace), an address in a private /24 and a loopback; with
+`fabric_ports=K` also `fab0`..`fab<K-1>`, port j of every host on subnet 10.78.j (a multi-rail
+fabric's many devices, which lengthen every rank's UCX address); every process
 started on a host also gets its own UTS namespace carrying the host's name. MPI then sees
 separate nodes (`COMM_TYPE_SHARED` splits by host name, `Get_processor_name` differs) and talks
 TCP between them: no shared memory, no loopback shortcut. Names resolve through
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 SUBNET = "10.77.0"  # host i is SUBNET.(i + 1); private, and only inside our namespaces
+FABRIC = "10.78"    # fabric port j of host i is FABRIC.j.(i + 1)
 _INSTANCES = itertools.count()  # several sets of hosts alive in one process get distinct tags
 
 
@@ -93,10 +96,12 @@ def _alive(pid: int) -> bool:
 
 
 class EmulatedHosts:
-    def __init__(self, n: int, tag: str | None = None):
+    def __init__(self, n: int, tag: str | None = None, fabric_ports: int = 0):
         if not 1 <= n <= 200:
             raise HostsError(f"{n} hosts: need 1..200")
-        self.n = n
+        if not 0 <= fabric_ports <= 64:
+            raise HostsError(f"{fabric_ports} fabric ports: need 0..64")
+        self.n, self.fabric_ports = n, fabric_ports
         if tag is None:  # unique per test process and instance (the first keeps hv<pid>)
             instance = next(_INSTANCES)
             tag = f"hv{os.getpid()}" + (f"x{instance}" if instance else "")
@@ -143,14 +148,19 @@ class EmulatedHosts:
             etc.mkdir(parents=True, exist_ok=True)
             (etc / "hosts").write_text(hosts_file)
             (etc / "hostname").write_text(name + "\n")
-            peer = f"v{self.tag[-6:]}{i}"  # interface names are at most 15 characters
-            _sh("ip", "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            _sh("ip", "link", "set", peer, "netns", self.bridge_ns)
-            _sh("ip", "netns", "exec", self.bridge_ns, "ip", "link", "set", peer,
-                "master", "br0", "up")
-            for cmd in (["ip", "addr", "add", f"{self.addresses[name]}/24", "dev", "eth0"],
-                        ["ip", "link", "set", "eth0", "up"], ["ip", "link", "set", "lo", "up"]):
-                _sh("ip", "netns", "exec", ns, *cmd)
+            ports = [("eth0", f"{self.addresses[name]}/24", f"v{self.tag[-6:]}{i}")]
+            ports += [(f"fab{j}", f"{FABRIC}.{j}.{i + 1}/24", f"f{self.tag[-6:]}{i}x{j}")
+                      for j in range(self.fabric_ports)]
+            for port, address, peer in ports:  # interface names: at most 15 characters
+                _sh("ip", "link", "add", peer, "type", "veth", "peer", "name", port,
+                    "netns", ns)
+                _sh("ip", "link", "set", peer, "netns", self.bridge_ns)
+                _sh("ip", "netns", "exec", self.bridge_ns, "ip", "link", "set", peer,
+                    "master", "br0", "up")
+                for cmd in (["ip", "addr", "add", address, "dev", port],
+                            ["ip", "link", "set", port, "up"]):
+                    _sh("ip", "netns", "exec", ns, *cmd)
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
         self.standin = self.base / "ssh_standin.sh"
         self.standin.write_text(STANDIN.format(tag=self.tag))
         self.standin.chmod(0o755)

@@ -103,6 +103,9 @@ def scheduler_world_size(environ=os.environ) -> tuple[str, int] | None:
     in a world `hpcvla train --ranks` started on purpose inside one."""
     if environ.get("HPCVLA_LOCAL_WORLD"):
         return None
+    if environ.get("HPCVLA_JOB_RANKS"):
+        return "the job's allocation (HPCVLA_JOB_RANKS, jobs/launch.sh)", \
+            int(environ["HPCVLA_JOB_RANKS"])
     if environ.get("SLURM_JOB_ID") and environ.get("SLURM_NTASKS"):
         return "SLURM_NTASKS", int(environ["SLURM_NTASKS"])
     nodefile = environ.get("PBS_NODEFILE")
@@ -119,7 +122,8 @@ def check_scheduler_world(world_size: int, environ=os.environ) -> None:
         return
     source, count = expected
     hint = (" Every rank started as its own 1-rank world: the launcher and MPI disagree on "
-            "PMI (e.g. use srun --mpi=pmi2 for MPICH, --mpi=pmix for Open MPI)."
+            "PMI (e.g. MPICH's mpiexec or srun --mpi=pmi2, Open MPI's mpirun or "
+            "srun --mpi=pmix)."
             if world_size == 1 else "")
     raise PlanError(f"MPI world has {world_size} ranks but {source} says {count}.{hint} "
                     "Launch as many ranks as allocated, or set launch.check_scheduler=false "
