@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcvla.cli import main as hpcvla_main
-from hpcvla.devices import HostStaging, assign_node, plan_devices, visible_gpus
+from hpcvla.devices import (HostStaging, assign_node, granted_gpus, missing_gpus_problem,
+                            plan_devices, visible_gpus)
 from hpcvla.topology.plan import INF, LEARN, SIM, PlanError, build_plan
 from helpers import hpcvla
 
@@ -105,6 +106,33 @@ def test_asking_for_gpus_a_machine_lacks_is_an_error():
     assert visible_gpus(-1) == () and visible_gpus(0) == ()
     with pytest.raises(PlanError, match="placement.gpus_per_node = 2"):
         visible_gpus(2)
+
+
+def test_what_says_gpus_were_given():
+    assert granted_gpus({"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "0,1"}) == \
+        "SLURM_GPUS_ON_NODE=8"
+    assert granted_gpus({"CUDA_VISIBLE_DEVICES": "0"}) == "CUDA_VISIBLE_DEVICES=0"
+    assert granted_gpus({"SLURM_JOB_GPUS": "2,3"}) == "SLURM_JOB_GPUS=2,3"
+    for hidden in ({}, {"CUDA_VISIBLE_DEVICES": ""}, {"CUDA_VISIBLE_DEVICES": "-1"},
+                   {"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, {"SLURM_GPUS_ON_NODE": "0"}):
+        assert granted_gpus(hidden) is None, hidden
+    # torch sees no GPU on this machine: detecting would mean the CPU, choosing it is fine
+    assert "SLURM_GPUS_ON_NODE=8" in missing_gpus_problem(-1, {"SLURM_GPUS_ON_NODE": "8"})
+    assert missing_gpus_problem(0, {"SLURM_GPUS_ON_NODE": "8"}) is None
+    assert missing_gpus_problem(-1, {"CUDA_VISIBLE_DEVICES": ""}) is None
+
+
+@pytest.mark.mpi  # the CLI, refusing before it would start a world
+def test_a_gpu_node_whose_gpus_torch_cannot_see_is_refused_before_any_rank():
+    # A GPU list that names no device, so torch sees none on a GPU host too (on this CPU
+    # machine `SLURM_GPUS_ON_NODE=8 CUDA_VISIBLE_DEVICES=0,1 hpcvla train` is the same case).
+    nothing = "GPU-00000000-0000-0000-0000-000000000000"
+    out = hpcvla("train", "configs/default.yaml", "pipeline.total_updates=1",
+                 env={"SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": nothing})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "placement.gpus_per_node" in out.stderr and "SLURM_GPUS_ON_NODE=8" in out.stderr
+    assert "sees none" in out.stderr and "gpus_per_node=0" in out.stderr
+    assert "run directory" not in out.stdout  # no rank started
 
 
 def test_host_staging_on_cpu_is_a_plain_concatenation():

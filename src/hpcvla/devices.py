@@ -90,6 +90,32 @@ def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
     return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", i)) for i in range(n))
 
 
+def granted_gpus(environ=os.environ) -> str | None:
+    """What says this process was given GPUs ("SLURM_GPUS_ON_NODE=8", ...), or None: the
+    scheduler's per-node count or list, else a non-empty CUDA_VISIBLE_DEVICES (empty, -1
+    and Slurm's NoDevFiles hide every GPU)."""
+    for var in ("SLURM_GPUS_ON_NODE", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS",
+                "CUDA_VISIBLE_DEVICES"):
+        value = environ.get(var, "").strip()
+        none = ("", "-1", "NoDevFiles", *(("0",) if var == "SLURM_GPUS_ON_NODE" else ()))
+        if value not in none:
+            return f"{var}={value}"
+    return None
+
+
+def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
+    """Why detecting GPUs (`placement.gpus_per_node=-1`) would silently mean the CPU here:
+    the job was given GPUs that torch cannot see. None when torch sees one, when none were
+    given, or when the CPU was chosen (0)."""
+    granted = granted_gpus(environ)
+    if gpus_per_node != -1 or granted is None or torch.cuda.device_count() > 0:
+        return None
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return (f"GPUs torch can see: this node was given GPUs ({granted}) but torch "
+            f"{torch.__version__} ({build}) sees none. Install a torch that matches the node's "
+            "driver, or set placement.gpus_per_node=0 to train on the CPU on purpose")
+
+
 def _system_gpu(index: int) -> str:
     """How the system names torch's cuda:index: its CUDA_VISIBLE_DEVICES entry (or index)."""
     listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")

@@ -24,7 +24,11 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
     """Problems of `cfg` on this machine (packages, devices, files); empty when fine.
     `last`: the setting a resumed checkpoint's version must stay below, and its value
     (None: pipeline.total_updates; `hpcvla sft` counts steps)."""
+    from hpcvla.devices import missing_gpus_problem
     problems = []
+    missing_gpus = missing_gpus_problem(cfg.placement.gpus_per_node)
+    if missing_gpus:
+        problems.append(("placement.gpus_per_node", cfg.placement.gpus_per_node, missing_gpus))
     if cfg.learner.backend == "horovod":
         import torch
 
