@@ -3,6 +3,7 @@ decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -12,6 +13,7 @@ import time
 import h5py
 import numpy as np
 import pytest
+import yaml
 
 from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import check_config, check_pipeline
@@ -265,15 +267,20 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     first = json.loads((run_dir / "summary.json").read_text())
     (ckpt,) = (run_dir / "checkpoints").iterdir()
     stopped_at = int(ckpt.name[1:])
-    assert first["preempted"] and "run.resume=" in out and 2 <= stopped_at < 1000
+    assert first["preempted"] and 2 <= stopped_at < 1000
     per_version = sum(first["staleness_hist"].values()) // stopped_at
     assert per_version * stopped_at == sum(first["staleness_hist"].values())
 
-    out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
-                 f"pipeline.total_updates={stopped_at + 2}", timeout=400)
+    # the command it printed, as printed (no config: the run's own), and 2 more versions
+    printed = re.search(r"continue with `hpcvla (train [^`]*)`", out).group(1).split()
+    assert printed == ["train", f"run.resume={run_dir}", "--ranks", str(ranks)], printed
+    out = hpcvla(*printed, f"pipeline.total_updates={stopped_at + 2}", timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     second = json.loads((run_dir / "summary.json").read_text())
     assert not second["preempted"] and sum(second["staleness_hist"].values()) == 2 * per_version
+    (resumed,) = run_dir.glob("config.resume-*.yaml")
+    assert yaml.safe_load(resumed.read_text())["placement"] == \
+        yaml.safe_load((run_dir / "config.yaml").read_text())["placement"]
 
 
 @pytest.mark.mpi

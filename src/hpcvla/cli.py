@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -47,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="run the main job (no config: the built-in default)")
+    train = sub.add_parser("train", help="run the main job (no config: the built-in default, "
+                                         "or with run.resume=DIR the resumed run's own config)")
     _config_args(train, required=False)
     train.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks on this machine (default: run in the "
@@ -170,6 +172,8 @@ def cmd_train(args) -> int:
     if args.config is not None and "=" in args.config:  # `hpcvla train key=value ...`
         args.overrides.insert(0, args.config)
         args.config = None
+    if args.config is None:  # resuming without a config: the run's own, overrides on top
+        args.config = resumed_run_config(args.overrides)
     cfg = load_config(args.config, args.overrides)
     from hpcvla import preflight  # packages, files and devices this config needs
     preflight.check_config(cfg, "built-in defaults" if args.config is None else str(args.config))
@@ -187,6 +191,17 @@ def cmd_train(args) -> int:
     config = [args.config] if args.config else []
     return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)
+
+
+def resumed_run_config(overrides: list[str]) -> str | None:
+    """The config a run resumed by `run.resume=DIR` last ran with (its newest
+    config.resume-*.yaml, else config.yaml), or None without run.resume."""
+    resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("run.resume=")]
+    if not resumes or not resumes[-1] or resumes[-1] in ("null", "None"):
+        return None
+    run_dir = Path(resumes[-1])
+    configs = sorted(run_dir.glob("config.resume-*.yaml")) or [run_dir / "config.yaml"]
+    return str(configs[-1]) if configs[-1].is_file() else None
 
 
 def cmd_sft(args) -> int:

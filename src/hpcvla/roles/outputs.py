@@ -77,7 +77,9 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
     board.close()
     if result["preempted"]:
         print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
-              f"`hpcvla train run.resume={run_dir}`", flush=True)
+              f"`hpcvla train run.resume={run_dir} --ranks {len(everyone)}` (it loads the "
+              "run's own config; under srun/mpiexec start the same ranks with run.resume=)",
+              flush=True)
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {result['success_rate']} | staleness {result['staleness_hist']}",
           flush=True)
