@@ -21,12 +21,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (ManiSkill PhysX GPU simulation); this machine has none",
                 allow_module_level=True)
 
-from hpcvla.envs.maniskill_gpu import physx_gpu_library  # noqa: E402 - needs mani-skill
+from hpcvla.bench.gpu import maniskill_gpu_unavailable  # noqa: E402
 
-if not physx_gpu_library().is_file():
-    pytest.skip(f"needs SAPIEN's PhysX GPU library at {physx_gpu_library()} (SAPIEN downloads "
-                "it on first use; fetch it where there is internet: python -c 'import "
-                "sapien.physx as p; p.enable_gpu()')", allow_module_level=True)
+if maniskill_gpu_unavailable():
+    pytest.skip(maniskill_gpu_unavailable(), allow_module_level=True)
 
 N, CHUNK, HORIZON = 4, 4, 3  # envs, primitive steps per chunk, chunks per episode
 SETTINGS = dict(task="PickCube-v1", image_size=64, wrist_image=True, reward="sparse",
