@@ -79,3 +79,22 @@ def test_eval_says_which_split_it_measured():
     result = evaluate(load_config(None, []), None, episodes=6, envs=3)
     assert result["split"] == "evaluation" and result["init_state_ids"] == [0, 5]
     assert result["episodes"] == 6 and "initial state" in result["states"]
+
+
+def test_building_the_policy_leaves_the_ranks_streams_as_they_were(monkeypatch):
+    """Every rank builds the same initial weights from run.seed after seeding its own streams
+    (seeds.seed_rank): the build must not reseed the CUDA generators, or every GPU rank would
+    sample the same noise (tests/gpu checks the draws themselves)."""
+    import torch
+
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    from hpcvla.seeds import seed_rank
+    cuda_reseeds = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", cuda_reseeds.append)
+    cfg = load_config(None, [])
+    seed_rank(cfg, 3)
+    assert len(cuda_reseeds) == 1  # the rank's own seed reaches CUDA
+    cpu = torch.random.get_rng_state()
+    build_policy(cfg, env_spec(cfg.env))
+    assert cuda_reseeds[1:] == [] and torch.equal(torch.random.get_rng_state(), cpu)

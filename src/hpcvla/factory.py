@@ -43,7 +43,8 @@ def env_failures(envs) -> list:
 
 def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     """The configured policy on `device`, with the same initial weights on every rank (drawn
-    from run.seed on a forked RNG: the caller's own stream is left as it was). On the "meta"
+    from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
+    they were). On the "meta"
     device it has names, dtypes and shapes but no memory (what a simulator rank needs).
     `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
     whether `device` is one."""
@@ -57,8 +58,10 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         with torch.device("meta"):
             return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
                                len(spec.vocab), **kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.run.seed)
+    with torch.random.fork_rng(devices=[]):  # built on the CPU: only its generator is used
+        # (torch.manual_seed would also reseed every CUDA generator, which fork_rng(devices=[])
+        # does not restore: every GPU rank would then sample the same noise)
+        torch.random.default_generator.manual_seed(cfg.run.seed)
         policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
                              len(spec.vocab), **kwargs)
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
