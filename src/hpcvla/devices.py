@@ -127,7 +127,7 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
     """This rank's device, from the roles (`roles[r]`: world rank r's, a tuple) and visible
     GPUs of every rank on its real node (collective on `world`; every rank reaches the same
     verdict). Binds CUDA to it; its env worker processes see only it, and MuJoCo's EGL
-    renders on it."""
+    renders on it (envs/egl.py)."""
     from mpi4py import MPI
 
     from hpcvla.envs import env_uses_gpu
@@ -161,9 +161,8 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
         return torch.device("cpu")
     index = visible.index(mine)
     torch.cuda.set_device(index)
-    os.environ["HPCVLA_GPU"] = _system_gpu(index)  # env workers' CUDA_VISIBLE_DEVICES
-    if _system_gpu(index).isdigit():  # EGL numbers physical GPUs (a UUID: MuJoCo's default)
-        os.environ["MUJOCO_EGL_DEVICE_ID"] = _system_gpu(index)
+    # env workers' CUDA_VISIBLE_DEVICES, and the GPU MuJoCo's EGL renders on (envs/egl.py)
+    os.environ["HPCVLA_GPU"] = _system_gpu(index)
     return torch.device("cuda", index)
 
 

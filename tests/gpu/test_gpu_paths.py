@@ -43,6 +43,12 @@ def test_ranks_sample_their_own_cuda_noise_after_building_the_policy():
     assert not torch.equal(*draws), draws
 
 
+def test_egl_lists_the_cuda_device_mujoco_renders_on():
+    from hpcvla.envs.egl import egl_cuda_ordinals, egl_device
+    ordinals = egl_cuda_ordinals()
+    assert 0 <= egl_device(ordinals, 0) < len(ordinals), ordinals
+
+
 def test_flow_inference_is_faster_on_the_gpu():
     from hpcvla.bench.gpu import flow_inference
     result = flow_inference(torch.device("cuda", 0), quick=False)
