@@ -268,6 +268,7 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     (ckpt,) = (run_dir / "checkpoints").iterdir()
     stopped_at = int(ckpt.name[1:])
     assert first["preempted"] and 2 <= stopped_at < 1000
+    assert "feeds  device  notes" in out  # the start-up rank map says where each rank computes
     per_version = sum(first["staleness_hist"].values()) // stopped_at
     assert per_version * stopped_at == sum(first["staleness_hist"].values())
 

@@ -119,8 +119,7 @@ def train_main(cfg, plan, comms) -> None:
             else "config.yaml"
         dump_config(cfg, run_dir / name)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
-        print(plan.table(), flush=True)
-        print(f"run directory: {run_dir}", flush=True)
+        print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
     run_pipeline(cfg, plan, comms, run_dir)
     import torch.distributed as dist
