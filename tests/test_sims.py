@@ -4,6 +4,8 @@ clear errors for what cannot run here, and a short `hpcvla train` on each simula
 
 import itertools
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -233,3 +235,17 @@ def test_train_runs_on_each_simulator(tmp_path, config):
         result = json.loads(out.stdout.strip().splitlines()[-1])
         assert result["episodes"] == 10 and len(result["per_task"]) == 10, result
         assert {t.split(":")[0] for t in result["per_task"]} == {f"task {i}" for i in range(10)}
+
+
+@pytest.mark.slow  # a ManiSkill env built in a worker process: ~15 s
+def test_the_spec_probe_of_gpu_simulation_builds_no_physx_scene_here():
+    """SAPIEN refuses GPU simulation in a process that made a CPU PhysX scene; rank 0 probes
+    the spec and may then simulate on the GPU: the probe's CPU env lives in a worker."""
+    code = ("import sys; from hpcvla.config import load_config; from hpcvla.envs import env_spec;"
+            "cfg = load_config(None, ['env.name=maniskill', 'env.task=PushCube-v1', "
+            "'env.sim_backend=gpu', 'env.image_size=32']); spec = env_spec(cfg.env); "
+            "print(spec.action_dim, 'sapien' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["7", "False"], out.stdout

@@ -48,11 +48,18 @@ def env_kwargs(env_cfg) -> dict:
 
 def env_spec(env_cfg) -> EnvSpec:
     """The EnvSpec of the configured env, building as little of a simulator as it can. A
-    GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs."""
+    GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs (and
+    runs it in a worker process, leaving this one free to simulate on the GPU)."""
     cls, kwargs = ENVS[env_cfg.name], env_kwargs(env_cfg)
-    kwargs.pop("sim_backend", None)
+    gpu_simulated = kwargs.pop("sim_backend", "cpu") == "gpu"
     if cls.spec_of is not None:
         return cls.spec_of(**kwargs)
-    probe = cls(1, seed=0, **kwargs)
+    if gpu_simulated:  # SAPIEN cannot simulate on the GPU in a process that made a CPU
+        # PhysX scene: the CPU probe is built in a worker process of its own
+        from hpcvla.envs.isolated import IsolatedEnv
+        probe = IsolatedEnv(env_cfg.name, 1, 0, kwargs, timeout_s=600, max_restarts=0,
+                            owner="the spec probe")
+    else:
+        probe = cls(1, seed=0, **kwargs)
     probe.close()
     return probe.spec
