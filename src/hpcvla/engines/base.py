@@ -55,14 +55,17 @@ def adamw(cfg, policy) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0)
 
 
-def full_state(engine: Engine) -> dict[str, torch.Tensor]:
+def full_state(engine: Engine, wanted: bool = True) -> dict[str, torch.Tensor] | None:
     """Full weights as host tensors in the module's dtype (bf16 stays bf16; ZeRO-3 gathers
     its shards: collective on the learners). On a CPU learner below ZeRO-3 they share the
-    parameters' memory: copy them out before the next step."""
+    parameters' memory: copy them out before the next step. A learner that does not want
+    them (not the one that publishes or checkpoints) gets None, without copying the model to
+    host memory, and still takes part in ZeRO-3's gather."""
     import deepspeed
 
     module = engine.module
     if engine.zero_optimization_stage() == 3:
         with deepspeed.zero.GatheredParameters(list(module.parameters())):  # [dist]
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} \
+                if wanted else None
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()} if wanted else None

@@ -203,8 +203,11 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     start = _start_clock(me)
     save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
 
+    # the weights go to host memory only where they are published or checkpointed
+    wanted = me.rank == plan.weight_root or me.comms.learners.Get_rank() == 0
+
     def publish(version, last=False):
-        state = full_state(engine)  # [dist] on the learners under ZeRO-3
+        state = full_state(engine, wanted)  # [dist] on the learners under ZeRO-3
         if me.rank == plan.weight_root:
             plane.publish(version, state)
         if version > me.first:
