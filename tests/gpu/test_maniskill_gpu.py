@@ -33,16 +33,32 @@ IDS = np.array([7, 8])
 ATOL = 1e-5  # the same state in two envs of one GPU scene (see the module docstring)
 
 
+CPU_SIDE = """
+import pickle, sys
+import numpy as np
+from hpcvla.envs import make_env
+env = make_env("maniskill", {n}, seed=0, **{settings!r})
+obs = env.reset(init_state_ids=np.array({ids!r}))
+qpos = np.stack([s.u.agent.robot.get_qpos()[0].cpu().numpy() for s in env._slots])
+with open(sys.argv[1], "wb") as out:
+    pickle.dump(dict(spec=env.spec, obs=obs, qpos=qpos, instructions=env.instructions()), out)
+env.close()
+"""
+
+
 @pytest.fixture(scope="module")
-def cpu():
-    """What the CPU backend gives for IDS, built and closed before any GPU simulation starts."""
-    env = make_env("maniskill", len(IDS), seed=0, **SETTINGS)
-    try:
-        obs = env.reset(init_state_ids=IDS)
-        qpos = np.stack([s.u.agent.robot.get_qpos()[0].cpu().numpy() for s in env._slots])
-        return dict(spec=env.spec, obs=obs, qpos=qpos, instructions=env.instructions())
-    finally:
-        env.close()
+def cpu(tmp_path_factory):
+    """What the CPU backend gives for IDS, from a process of its own: SAPIEN refuses GPU
+    simulation in a process that made a CPU PhysX scene."""
+    import pickle
+    import subprocess
+    import sys
+    out = tmp_path_factory.mktemp("cpu") / "cpu.pkl"
+    code = CPU_SIDE.format(n=len(IDS), settings=SETTINGS, ids=IDS.tolist())
+    done = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return pickle.loads(out.read_bytes())
 
 
 @pytest.fixture(scope="module")
