@@ -84,6 +84,17 @@ def test_raw_observation_to_the_reference_action_chunk(family, layout):
     torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("layout,steps", [("lerobot", 0), ("openpi", 0), ("lerobot", 6)])
+def test_the_sampler_steps_are_the_folders_unless_the_config_sets_them(layout, steps):
+    """LeRobot records num_inference_steps in config.json; openpi samples with 10 and does not
+    record it; policy.denoise_steps > 0 is the user's choice and wins."""
+    io, tasks = fixture("pi0")
+    _, spec = raw_observation(io, tasks)
+    policy = build_policy(config(FIXTURES / "pi0" / layout, **{"policy.denoise_steps": steps}),
+                          spec)
+    assert policy.denoise_steps == (steps or STEPS)
+
+
 def test_sizes_come_from_the_checkpoint():
     io, tasks = fixture("pi0")
     _, spec = raw_observation(io, tasks)

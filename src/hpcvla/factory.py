@@ -12,6 +12,7 @@ from hpcvla import checkpoint
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
+from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
 from hpcvla.policies.folders import checkpoint_kwargs, load_weights
 
@@ -50,7 +51,12 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     whether `device` is one."""
     kwargs = policy_kwargs(cfg.policy.name, cfg.policy)
     if cfg.policy.pretrained:  # e.g. π0's variant, padded action/state dims and horizon
-        kwargs.update(checkpoint_kwargs(POLICIES[cfg.policy.name], cfg.policy.pretrained))
+        found = checkpoint_kwargs(POLICIES[cfg.policy.name], cfg.policy.pretrained)
+        if kwargs.get("denoise_steps"):  # chosen in the config: it wins over the folder's
+            found.pop("denoise_steps", None)
+        kwargs.update(found)
+    if kwargs.get("denoise_steps") == 0:  # no folder's sampler to follow
+        kwargs["denoise_steps"] = DEFAULT_DENOISE_STEPS
     if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
         on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"

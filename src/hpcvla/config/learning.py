@@ -42,8 +42,10 @@ class PolicyConfig:
         "learner.zero_stage 3. `flow`/`oft` with a `pretrained` folder take the checkpoint's "
         "sizes instead (from its tensors).", choices=("tiny", "small", "full"))
     denoise_steps: int = setting(
-        4, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
-        "at proportionally more expert passes per act and per training step.", ge=1)
+        0, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
+        "at proportionally more expert passes per act and per training step. 0 = the "
+        "pretrained folder's own sampler (LeRobot's `num_inference_steps` in config.json, "
+        "openpi's 10), else 4.", ge=0)
     train_expert_only: bool = setting(
         False, "`flow`: freeze the vision-language prefix and train only the action "
         "expert, value head and exploration std: cheaper backward, keeps pretrained VLM "

@@ -84,6 +84,8 @@ VARIANTS = ("pi0", "pi05")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 _PI0 = "model.paligemma_with_expert."
+DEFAULT_DENOISE_STEPS = 4  # Euler steps when neither the config nor a folder says
+OPENPI_SAMPLE_STEPS = 10  # openpi's sample_actions(num_steps=10): its folders do not record it
 
 
 class FlowPolicy(VLAPolicy):
@@ -118,7 +120,7 @@ class FlowPolicy(VLAPolicy):
     }
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
-                 denoise_steps: int = 4, logprob_mode: str = "last_step",
+                 denoise_steps: int = DEFAULT_DENOISE_STEPS, logprob_mode: str = "last_step",
                  train_expert_only: bool = False, logprob_granularity: str = "chunk",
                  init_log_std: float = -0.7, dtype: str = "auto", model_dims: dict | None = None,
                  variant: str = "pi0"):
@@ -203,16 +205,22 @@ class FlowPolicy(VLAPolicy):
     def checkpoint_kwargs(cls, shapes: dict, config: dict) -> dict:
         """What a checkpoint fixes (HF names -> shapes, and its config.json): the variant
         (π0.5 has `time_mlp_*`), padded dims from its projections, the horizon from its
-        config (ours, LeRobot's `chunk_size` or openpi's `action_horizon`; else the env's)."""
+        config (ours, LeRobot's `chunk_size` or openpi's `action_horizon`; else the env's),
+        and the sampler's steps (ours, LeRobot's `num_inference_steps`, openpi's default),
+        which policy.denoise_steps > 0 overrides."""
         dims = {"action_dim": shapes["model.action_in_proj.weight"][1]}
         if "model.state_proj.weight" in shapes:
             dims["state_dim"] = shapes["model.state_proj.weight"][1]
         horizon = config.get("kwargs", {}).get("model_dims", {}).get("horizon") or \
             config.get("chunk_size") or config.get("action_horizon")  # LeRobot, openpi
         size = config.get("kwargs", {}).get("size")  # ours: the resolved configs
+        steps = config.get("kwargs", {}).get("denoise_steps") or \
+            config.get("num_inference_steps") or \
+            (OPENPI_SAMPLE_STEPS if "paligemma_variant" in config else None)  # LeRobot, openpi
         return {"model_dims": dict(dims, horizon=horizon) if horizon else dims,
                 "variant": "pi05" if "model.time_mlp_in.weight" in shapes else "pi0",
-                "size": size if isinstance(size, dict) else paligemma_size(shapes)}
+                "size": size if isinstance(size, dict) else paligemma_size(shapes),
+                **({"denoise_steps": int(steps)} if steps else {})}
 
     # --------------------------------------------------------------------- network pieces
     def _padded_state(self, obs):
