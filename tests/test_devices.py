@@ -135,14 +135,6 @@ def test_a_gpu_node_whose_gpus_torch_cannot_see_is_refused_before_any_rank():
     assert "run directory" not in out.stdout  # no rank started
 
 
-def test_maniskill_gpu_simulation_without_physx_gpu_library_says_how_to_get_it(monkeypatch,
-                                                                              tmp_path):
-    from hpcvla.bench.gpu import maniskill_gpu_unavailable
-    monkeypatch.setenv("HOME", str(tmp_path))  # SAPIEN looks for it under ~/.sapien
-    why = maniskill_gpu_unavailable()
-    assert f"{tmp_path}/.sapien/physx/" in why and "enable_gpu()" in why, why
-
-
 def test_host_staging_on_cpu_is_a_plain_concatenation():
     staging = HostStaging(torch.device("cpu"))
     parts = [np.arange(6, dtype=np.uint8).reshape(2, 3), np.ones((1, 3), np.uint8)]

@@ -39,6 +39,7 @@ def test_missing_physx_gpu_library_is_named(monkeypatch, tmp_path):
     with pytest.raises(ConfigError) as err:
         check_env(cfg)  # before any rank starts: no CUDA needed, only the file
     assert err.value.problems[0][0] == "env.sim_backend" and str(library) in str(err.value)
+    assert "enable_gpu()" in envs.maniskill_gpu.physx_gpu_missing()  # bench gpu's skip says how
     library.parent.mkdir(parents=True)
     library.touch()
     check_env(cfg)

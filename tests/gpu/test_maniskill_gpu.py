@@ -21,10 +21,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (ManiSkill PhysX GPU simulation); this machine has none",
                 allow_module_level=True)
 
-from hpcvla.bench.gpu import maniskill_gpu_unavailable  # noqa: E402
+from hpcvla.envs.maniskill_gpu import physx_gpu_missing  # noqa: E402
 
-if maniskill_gpu_unavailable():
-    pytest.skip(maniskill_gpu_unavailable(), allow_module_level=True)
+if physx_gpu_missing():
+    pytest.skip(f"needs {physx_gpu_missing()}", allow_module_level=True)
 
 N, CHUNK, HORIZON = 4, 4, 3  # envs, primitive steps per chunk, chunks per episode
 SETTINGS = dict(task="PickCube-v1", image_size=64, wrist_image=True, reward="sparse",

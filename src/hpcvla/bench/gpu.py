@@ -129,26 +129,12 @@ def reach_training(quick: bool) -> dict:
     return out
 
 
-def maniskill_gpu_unavailable() -> str | None:
-    """Why ManiSkill cannot simulate on this GPU node, or None: the package, or SAPIEN's
-    PhysX GPU library (downloaded on first use; GPU nodes often have no internet)."""
-    from hpcvla.envs.maniskill_gpu import physx_gpu_library
-    try:
-        library = physx_gpu_library()
-    except ImportError as err:
-        return str(err)
-    if not library.is_file():
-        return (f"SAPIEN's PhysX GPU library is not at {library}: fetch it where there is "
-                "internet (python -c 'import sapien.physx as p; p.enable_gpu()') and copy "
-                "~/.sapien to the node")
-    return None
-
-
 def maniskill_gpu_sim(quick: bool) -> dict:
     from hpcvla.config import load_config
     from hpcvla.envs import env_kwargs
 
-    unavailable = maniskill_gpu_unavailable()
+    from hpcvla.envs.maniskill_gpu import physx_gpu_missing
+    unavailable = physx_gpu_missing()
     if unavailable:
         print(f"maniskill gpu sim: skipped: {unavailable}", flush=True)
         return {"skipped": unavailable}

@@ -7,12 +7,27 @@ from hpcvla.envs.libero import LiberoEnv
 from hpcvla.envs.maniskill import ManiSkillEnv
 from hpcvla.envs.maniskill_gpu import ManiSkillGPUEnv
 from hpcvla.envs.reach import ReachEnv, oracle_actions
-from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_kwargs, env_spec,
-                                  make_env)
+from hpcvla.envs.isolated import IsolatedEnv
+from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_kwargs, make_env,
+                                  probe_spec)
 
 __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
            "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_spec",
            "env_uses_gpu", "make_env", "obs_dtype", "oracle_actions"]
+
+
+def env_spec(env_cfg) -> EnvSpec:
+    """The EnvSpec of the configured env (registry.probe_spec). SAPIEN cannot simulate on the
+    GPU in a process that made a CPU PhysX scene, and rank 0 probes and may then simulate: a
+    GPU-simulated config's CPU probe is built in a worker process of its own."""
+    if env_cfg.name not in GPU_ENVS or env_cfg.sim_backend != "gpu":
+        return probe_spec(env_cfg)
+    kwargs = env_kwargs(env_cfg)
+    kwargs.pop("sim_backend")
+    probe = IsolatedEnv(env_cfg.name, 1, 0, kwargs, timeout_s=600, max_restarts=0,
+                        owner="the spec probe")
+    probe.close()
+    return probe.spec
 
 
 def env_uses_gpu(env_cfg) -> bool:
@@ -51,13 +66,10 @@ def check_env(cfg) -> None:
                              (f"; or download {', '.join(missing)} first with `python -m "
                               f"mani_skill.utils.download_asset {env.task}`" if missing else "")))
     if not problems and env.name == "maniskill" and env.sim_backend == "gpu":
-        from hpcvla.envs.maniskill_gpu import physx_gpu_library  # CUDA is checked on the nodes
-        library = physx_gpu_library()
-        if not library.is_file():
-            problems.append(("env.sim_backend", env.sim_backend, "cpu, or SAPIEN's PhysX GPU "
-                             f"library at {library} (SAPIEN downloads it on first use, which "
-                             "fails without internet); fetch it once where there is internet: "
-                             "python -c 'import sapien.physx as p; p.enable_gpu()'"))
+        from hpcvla.envs.maniskill_gpu import physx_gpu_missing  # CUDA is checked on the nodes
+        missing = physx_gpu_missing()
+        if missing:
+            problems.append(("env.sim_backend", env.sim_backend, f"cpu, or {missing}"))
     if env.name == "libero":
         tasks = 90 if env.suite == "libero_90" else 10
         if env.suite_task >= tasks:

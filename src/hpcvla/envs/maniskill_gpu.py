@@ -59,6 +59,20 @@ def physx_gpu_library() -> Path:
     return Path.home() / ".sapien" / "physx" / physx.version() / "libPhysXGpu_64.so"
 
 
+def physx_gpu_missing() -> str | None:
+    """Why ManiSkill cannot simulate on a GPU here (the package, or SAPIEN's PhysX GPU library,
+    which SAPIEN downloads on first use and GPU nodes often cannot), or None."""
+    try:
+        library = physx_gpu_library()
+    except ImportError as err:
+        return str(err)
+    if library.is_file():
+        return None
+    return (f"SAPIEN's PhysX GPU library at {library} (SAPIEN downloads it on first use, which "
+            "fails without internet); fetch it once where there is internet: python -c "
+            "'import sapien.physx as p; p.enable_gpu()', and copy ~/.sapien to the nodes")
+
+
 def gpu_sim_device() -> int:
     """The CUDA device to simulate on, or a ConfigError naming env.sim_backend and the fix."""
     import torch
@@ -69,11 +83,9 @@ def gpu_sim_device() -> int:
                             "ManiSkill's PhysX GPU simulation needs one and torch sees none "
                             "here. Set env.sim_backend=cpu, or run the simulators on GPU nodes")],
                           "env configuration")
-    library = physx_gpu_library()
-    if not library.is_file():
-        raise ConfigError([("env.sim_backend", "gpu", "cpu, or SAPIEN's PhysX GPU library at "
-                            f"{library}, which is missing; fetch it once where there is "
-                            "internet: python -c 'import sapien.physx as p; p.enable_gpu()'")],
+    missing = physx_gpu_missing()
+    if missing:
+        raise ConfigError([("env.sim_backend", "gpu", f"cpu, or {missing}")],
                           "env configuration")
     return torch.cuda.current_device()
 

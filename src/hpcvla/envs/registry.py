@@ -46,20 +46,14 @@ def env_kwargs(env_cfg) -> dict:
                 state_format=env_cfg.state_format)
 
 
-def env_spec(env_cfg) -> EnvSpec:
-    """The EnvSpec of the configured env, building as little of a simulator as it can. A
-    GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs (and
-    runs it in a worker process, leaving this one free to simulate on the GPU)."""
+def probe_spec(env_cfg) -> EnvSpec:
+    """The EnvSpec of the configured env, building as little of a simulator as it can, here.
+    A GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs
+    (envs.env_spec runs it in a worker process where this one will simulate on the GPU)."""
     cls, kwargs = ENVS[env_cfg.name], env_kwargs(env_cfg)
-    gpu_simulated = kwargs.pop("sim_backend", "cpu") == "gpu"
+    kwargs.pop("sim_backend", None)
     if cls.spec_of is not None:
         return cls.spec_of(**kwargs)
-    if gpu_simulated:  # SAPIEN cannot simulate on the GPU in a process that made a CPU
-        # PhysX scene: the CPU probe is built in a worker process of its own
-        from hpcvla.envs.isolated import IsolatedEnv
-        probe = IsolatedEnv(env_cfg.name, 1, 0, kwargs, timeout_s=600, max_restarts=0,
-                            owner="the spec probe")
-    else:
-        probe = cls(1, seed=0, **kwargs)
+    probe = cls(1, seed=0, **kwargs)
     probe.close()
     return probe.spec
