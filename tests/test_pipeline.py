@@ -253,11 +253,14 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     with open(tmp_path / "stderr.txt", "w+") as errors:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
         try:
+            head = []
             for line in proc.stdout:  # progress lines; a world that dies ends the loop
+                head.append(line)
                 if "update 2/" in line:
                     proc.send_signal(signal.SIGTERM)
                     break
             out, _ = proc.communicate(timeout=120)
+            out = "".join(head) + out
         finally:
             proc.kill()
         errors.seek(0)
