@@ -161,8 +161,10 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
         return torch.device("cpu")
     index = visible.index(mine)
     torch.cuda.set_device(index)
-    # env workers' CUDA_VISIBLE_DEVICES, and the GPU MuJoCo's EGL renders on (envs/egl.py)
-    os.environ["HPCVLA_GPU"] = _system_gpu(index)
+    os.environ["HPCVLA_GPU"] = _system_gpu(index)  # env workers' CUDA_VISIBLE_DEVICES
+    if cfg.env.name == "libero":  # before MuJoCo is imported: it opens its EGL display then
+        from hpcvla.envs.egl import choose_egl_device
+        choose_egl_device()  # the rank's GPU as EGL numbers it; its env workers inherit it
     return torch.device("cuda", index)
 
 

@@ -5,8 +5,11 @@ CUDA's: its order can differ from CUDA's (and nvidia-smi's), and a device that
 CUDA_VISIBLE_DEVICES hides is listed without a CUDA ordinal (seen on an H100 node). So the
 system GPU id is no index into it. The index is found by asking EGL for each device's CUDA
 ordinal (`EGL_CUDA_DEVICE_NV`) and taking the one that is this process's CUDA device for the
-rank's GPU: an isolated env worker sees only that GPU (its CUDA device 0); a rank sees the
-node's GPUs as CUDA_VISIBLE_DEVICES lists them. No torch here: env workers do not import it.
+rank's GPU (the rank sees the node's GPUs as CUDA_VISIBLE_DEVICES lists them). The rank
+chooses when it is bound to its GPU (devices.bind_rank_device), before MuJoCo is imported;
+its isolated env workers inherit the choice: EGL lists every device whatever
+CUDA_VISIBLE_DEVICES hides, so an EGL index means the same GPU in every process of a node.
+No torch here.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def egl_cuda_ordinals() -> list[int | None]:
 
 def choose_egl_device(environ=os.environ) -> None:
     """Point MuJoCo's EGL at the rank's GPU (HPCVLA_GPU, set by the device map), unless the
-    user chose a device or no GPU was given; call before MuJoCo is imported."""
+    user chose a device, EGL does not render, or no GPU was given; before MuJoCo's import."""
     if environ.get("MUJOCO_GL", "egl") != "egl" or "MUJOCO_EGL_DEVICE_ID" in environ \
             or not environ.get("HPCVLA_GPU"):
         return

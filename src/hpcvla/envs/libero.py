@@ -70,7 +70,6 @@ import sys
 import numpy as np
 
 from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
-from hpcvla.envs.egl import choose_egl_device
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
 
@@ -87,7 +86,6 @@ _FIXTURES, _PLACEMENT = 0x11B, 0x9A5  # numpy global seeds: fixed states' fixtur
 # too): headless EGL unless the user chose (`osmesa` also renders on CPU).
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
-choose_egl_device()  # the rank's GPU, as EGL numbers it (envs/egl.py)
 _renderers: dict = {}  # (bddl file, image size) -> [mujoco.Renderer, scene option, users]
 
 
