@@ -26,9 +26,10 @@ ACTION_DIM, EXECUTED, STEPS = 7, 5, 10  # LeRobot: action 7-d, n_action_steps 5,
 def pi0(layout: str, family: str = "pi0") -> FlowPolicy:
     folder = FIXTURES / family / layout
     obs = dict(OBS, instruction=((PROMPT[family],), "<i4"))
-    policy = FlowPolicy(obs, ACTION_DIM, EXECUTED, 320, denoise_steps=STEPS, dtype="float32",
+    policy = FlowPolicy(obs, ACTION_DIM, EXECUTED, 320, dtype="float32",
                         **checkpoint_kwargs(FlowPolicy, folder))  # sizes from the tensors
     assert policy.variant == family
+    assert policy.denoise_steps == STEPS  # the folder's sampler (LeRobot's config, openpi's 10)
     fresh = load_weights(policy, folder)
     assert sorted(fresh) == ["log_std", "value_head.0.bias", "value_head.0.weight",
                              "value_head.2.bias", "value_head.2.weight"]  # RL heads only
