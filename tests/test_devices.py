@@ -163,24 +163,16 @@ def test_the_gpu_check_runs_its_cpu_side_and_says_why_it_skipped_the_rest(tmp_pa
 
 
 def test_mujoco_renders_on_the_ranks_gpu_as_egl_numbers_it():
-    from hpcvla.envs.egl import choose_egl_device, cuda_index, egl_cuda_ordinals, egl_device
-    # the rank's GPU in this process's CUDA numbering
-    assert cuda_index("5", {}) == 5
-    assert cuda_index("5", {"CUDA_VISIBLE_DEVICES": "4,5"}) == 1
-    assert cuda_index("5", {"CUDA_VISIBLE_DEVICES": "5"}) == 0  # an isolated env worker
-    assert cuda_index("GPU-ab", {"CUDA_VISIBLE_DEVICES": "GPU-cd,GPU-ab"}) == 1
-    with pytest.raises(RuntimeError, match="not among CUDA_VISIBLE_DEVICES"):
-        cuda_index("5", {"CUDA_VISIBLE_DEVICES": "0,1"})
+    from hpcvla.envs.egl import choose_egl_device, egl_cuda_ordinals, egl_device
     # EGL's order is its own; devices CUDA cannot see have no ordinal
     assert egl_device([1, 0], 0) == 1
     assert egl_device([None, None, 0, None], 0) == 2
     with pytest.raises(RuntimeError, match="MUJOCO_GL=osmesa"):
         egl_device([None], 0)
-    # set only where a GPU was given, EGL renders, and the user chose no device
-    for environ in ({}, {"HPCVLA_GPU": "3", "MUJOCO_GL": "osmesa"},
-                    {"HPCVLA_GPU": "3", "MUJOCO_EGL_DEVICE_ID": "1"}):
+    # set only where EGL renders and the user chose no device
+    for environ in ({"MUJOCO_GL": "osmesa"}, {"MUJOCO_EGL_DEVICE_ID": "1"}):
         before = dict(environ)
-        choose_egl_device(environ)
+        choose_egl_device(3, environ)
         assert environ == before
     assert isinstance(egl_cuda_ordinals(), list)  # this machine's EGL, if any: no CUDA here
     assert all(o is None for o in egl_cuda_ordinals())

@@ -164,7 +164,7 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
     os.environ["HPCVLA_GPU"] = _system_gpu(index)  # env workers' CUDA_VISIBLE_DEVICES
     if cfg.env.name == "libero":  # before MuJoCo is imported: it opens its EGL display then
         from hpcvla.envs.egl import choose_egl_device
-        choose_egl_device()  # the rank's GPU as EGL numbers it; its env workers inherit it
+        choose_egl_device(index)  # the rank's GPU as EGL numbers it; env workers inherit it
     return torch.device("cuda", index)
 
 

@@ -45,8 +45,8 @@ def env_failures(envs) -> list:
 def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     """The configured policy on `device`, with the same initial weights on every rank (drawn
     from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
-    they were). On the "meta"
-    device it has names, dtypes and shapes but no memory (what a simulator rank needs).
+    they were). On the "meta" device it has names, dtypes and shapes but no memory (what a
+    simulator rank needs).
     `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
     whether `device` is one."""
     kwargs = policy_kwargs(cfg.policy.name, cfg.policy)

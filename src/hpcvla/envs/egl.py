@@ -4,12 +4,11 @@ MuJoCo takes an index into EGL's device list (`MUJOCO_EGL_DEVICE_ID`), and that 
 CUDA's: its order can differ from CUDA's (and nvidia-smi's), and a device that
 CUDA_VISIBLE_DEVICES hides is listed without a CUDA ordinal (seen on an H100 node). So the
 system GPU id is no index into it. The index is found by asking EGL for each device's CUDA
-ordinal (`EGL_CUDA_DEVICE_NV`) and taking the one that is this process's CUDA device for the
-rank's GPU (the rank sees the node's GPUs as CUDA_VISIBLE_DEVICES lists them). The rank
-chooses when it is bound to its GPU (devices.bind_rank_device), before MuJoCo is imported;
-its isolated env workers inherit the choice: EGL lists every device whatever
-CUDA_VISIBLE_DEVICES hides, so an EGL index means the same GPU in every process of a node.
-No torch here.
+ordinal (`EGL_CUDA_DEVICE_NV`, in this process's CUDA numbering) and taking the one that is
+the rank's CUDA device. The rank chooses when the device map binds it to its GPU
+(devices.bind_rank_device), before MuJoCo is imported; its isolated env workers inherit the
+choice: EGL lists every device whatever CUDA_VISIBLE_DEVICES hides, so an EGL index means the
+same GPU in every process of a node. No torch here.
 """
 
 from __future__ import annotations
@@ -19,18 +18,6 @@ import ctypes.util
 import os
 
 EGL_CUDA_DEVICE_NV = 0x323A
-
-
-def cuda_index(system_gpu: str, environ=os.environ) -> int:
-    """This process's CUDA ordinal of the GPU the system calls `system_gpu` (an index or a
-    UUID, as CUDA_VISIBLE_DEVICES lists it)."""
-    listed = [x.strip() for x in environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-              if x.strip()]
-    if system_gpu in listed:
-        return listed.index(system_gpu)
-    if listed or not system_gpu.isdigit():
-        raise RuntimeError(f"GPU {system_gpu} is not among CUDA_VISIBLE_DEVICES={listed}")
-    return int(system_gpu)
 
 
 def egl_device(ordinals: list[int | None], cuda: int) -> int:
@@ -72,11 +59,10 @@ def egl_cuda_ordinals() -> list[int | None]:
     return ordinals
 
 
-def choose_egl_device(environ=os.environ) -> None:
-    """Point MuJoCo's EGL at the rank's GPU (HPCVLA_GPU, set by the device map), unless the
-    user chose a device, EGL does not render, or no GPU was given; before MuJoCo's import."""
-    if environ.get("MUJOCO_GL", "egl") != "egl" or "MUJOCO_EGL_DEVICE_ID" in environ \
-            or not environ.get("HPCVLA_GPU"):
+def choose_egl_device(cuda: int, environ=os.environ) -> None:
+    """Point MuJoCo's EGL at CUDA device `cuda` of this process (the rank's GPU, as the device
+    map bound it), unless the user chose a device or EGL does not render; before MuJoCo's
+    import."""
+    if environ.get("MUJOCO_GL", "egl") != "egl" or "MUJOCO_EGL_DEVICE_ID" in environ:
         return
-    environ["MUJOCO_EGL_DEVICE_ID"] = str(egl_device(egl_cuda_ordinals(),
-                                                     cuda_index(environ["HPCVLA_GPU"], environ)))
+    environ["MUJOCO_EGL_DEVICE_ID"] = str(egl_device(egl_cuda_ordinals(), cuda))
