@@ -12,9 +12,8 @@
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
 # hosts, check that every node holds the same number of ranks (the rank plan needs it),
-# export MASTER_ADDR/MASTER_PORT, activate the Python environment, set one BLAS/OpenMP
-# thread pool size per rank, run the ranks, and pass the scheduler's signals on to them as
-# SIGTERM (ranks stop cleanly). SIGUSR1 is the time-limit warning of the Slurm scripts
+# activate the Python environment, set one BLAS/OpenMP thread pool size per rank, run the
+# ranks, and pass the scheduler's signals on to them as SIGTERM (ranks stop cleanly). SIGUSR1 is the time-limit warning of the Slurm scripts
 # (`#SBATCH --signal=B:USR1@<grace>`): with HPCVLA_REQUEUE=1 the job then requeues itself
 # (`scontrol requeue`) once the ranks have exited with a checkpoint, and the next start
 # continues the run.
@@ -93,10 +92,7 @@ if [[ $SCHEDULER != none ]]; then
     export HPCVLA_JOB_RANKS=$NP
 fi
 
-export MASTER_ADDR=${MASTER_ADDR:-${HOSTS[0]}}
 JOB_ID=${SLURM_JOB_ID:-${PBS_JOBID:-0}}
-JOB_NUMBER=${JOB_ID%%[!0-9]*}  # PBS ids look like 1234.server
-export MASTER_PORT=${MASTER_PORT:-$(( 20000 + 10#${JOB_NUMBER:-0} % 20000 ))}
 
 # ---- environment ---------------------------------------------------------------------------
 activate() {  # activation scripts read unset variables: not under `set -u`
@@ -213,7 +209,7 @@ else
 fi
 
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
-    "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank, MASTER_ADDR=$MASTER_ADDR"
+    "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
 say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
 say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then

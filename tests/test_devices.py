@@ -176,3 +176,28 @@ def test_mujoco_renders_on_the_ranks_gpu_as_egl_numbers_it():
         assert environ == before
     assert isinstance(egl_cuda_ordinals(), list)  # this machine's EGL, if any: no CUDA here
     assert all(o is None for o in egl_cuda_ordinals())
+
+
+def test_learner_zero_publishes_the_address_its_peers_route_to(monkeypatch):
+    """DeepSpeed's rendezvous address: the source address of the route to a learner on
+    another host (a hostname may resolve to 127.0.1.1 or a management network), the
+    hostname when every learner shares it or a peer's name does not resolve, and
+    HPCVLA_LEARNER_ADDR above all."""
+    from hpcvla.engines.zero import rendezvous_host
+    monkeypatch.delenv("HPCVLA_LEARNER_ADDR", raising=False)
+    assert rendezvous_host("node0", []) == "node0"
+    assert rendezvous_host("node0", ["node0", "node0"]) == "node0"
+    assert rendezvous_host("node0", ["node0", "127.0.0.1"]) == "127.0.0.1"
+    assert rendezvous_host("node0", ["no-such-host.invalid"]) == "node0"
+    monkeypatch.setenv("HPCVLA_LEARNER_ADDR", "10.0.0.7")
+    assert rendezvous_host("node0", ["127.0.0.1"]) == "10.0.0.7"
+
+
+def test_only_ranks_that_compute_on_their_gpu_open_a_cuda_context():
+    """A LIBERO simulator rank renders through EGL and needs no CUDA context; a simulator
+    that shares its rank with inference, or ManiSkill's (SAPIEN renders through CUDA), does."""
+    from hpcvla.devices import renders_only
+    assert renders_only((SIM,), "libero")
+    assert not renders_only((SIM, INF), "libero")
+    assert not renders_only((SIM,), "maniskill")
+    assert not renders_only((INF,), "libero") and not renders_only((LEARN,), "libero")

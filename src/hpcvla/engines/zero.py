@@ -25,11 +25,12 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
 
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
     clear_stale_build_locks(rank=rank)  # else a killed op build hangs every later run
+    hosts = learners_comm.allgather(socket.gethostname())  # [dist]
     address = None
     if rank == 0:
         with socket.socket() as probe:
             probe.bind(("", 0))
-            address = (socket.gethostname(), probe.getsockname()[1])
+            address = (rendezvous_host(hosts[0], hosts[1:]), probe.getsockname()[1])
     host, port = learners_comm.bcast(address, root=0)  # [dist]
     local = str(device.index or 0)
     os.environ.update(MASTER_ADDR=host if size > 1 else "127.0.0.1", MASTER_PORT=str(port),
@@ -50,3 +51,24 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
                                       optimizer=adamw(cfg, policy), config=ds_config)
     return engine
+
+
+def rendezvous_host(own: str, peers: list[str]) -> str:
+    """The address the other learners reach learner 0 at (torch.distributed's TCP store):
+    $HPCVLA_LEARNER_ADDR when set (an address or name of this host on the fabric the
+    learners share); else the local address of the route to the first learner on another
+    host (a UDP socket's connect sends nothing), which a hostname resolving to a management
+    network or to Debian's 127.0.1.1 would not be; else `own`, the hostname."""
+    override = os.environ.get("HPCVLA_LEARNER_ADDR", "").strip()
+    if override:
+        return override
+    for peer in peers:
+        if peer == own:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as route:
+                route.connect((peer, 9))
+                return route.getsockname()[0]
+        except OSError:  # the peer's name does not resolve here: the hostname it is
+            break
+    return own
