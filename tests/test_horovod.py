@@ -41,3 +41,14 @@ def test_two_horovod_learners_train_average_and_resume(tmp_path):
                  f"run.resume={run_dir}", *TWO_LEARNERS, timeout=400)  # writes on in run_dir
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming from" in out.stdout and checkpoint_weights(run_dir)[1]["version"] == 44
+
+
+def test_gpu_learners_need_a_horovod_built_with_gpu_operations():
+    """`make install-horovod` builds MPI operations only: GPU learners would hand its MPI
+    allreduce CUDA pointers, so such a build is refused for them, naming the rebuild."""
+    import horovod.torch as hvd
+    assert horovod_available(on_gpus=False) == ""
+    if hvd.nccl_built() or hvd.cuda_built():
+        assert horovod_available(on_gpus=True) == ""
+    else:
+        assert "HOROVOD_GPU_OPERATIONS=NCCL" in horovod_available(on_gpus=True)

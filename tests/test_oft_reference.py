@@ -177,7 +177,7 @@ def test_oft_predict_action_is_the_references(io, proprio):
                                    rtol=0, atol=LOGIT_TOL)
         assert torch.equal(logits[0].argmax(dim=-1).view(8, 7),
                            io[f"{run}.{name}.action_token_ids"])
-        torch.testing.assert_close(policy.processor.actions_out(actions[0]).double(),
+        torch.testing.assert_close(policy.processor.actions_out(actions[0], {}).double(),
                                    io[f"{run}.{name}.actions"], rtol=0, atol=1e-5)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import check_config
@@ -127,6 +127,46 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         config(lerobot)
     assert "policy_postprocessor.json is missing" in str(err.value)
+
+
+@pytest.mark.parametrize("layout", ["lerobot", "openpi"])
+def test_env_dims_other_than_the_checkpoints_are_refused_naming_which(layout):
+    """The folders were trained on a 7-d action and an 8-d state (LeRobot's config.json
+    features; openpi's statistics): the model pads either to 32, so a smaller env would run
+    silently on dims that mean something else."""
+    io, tasks = fixture("pi0")
+    _, spec = raw_observation(io, tasks)
+    cfg = config(FIXTURES / "pi0" / layout)
+    fewer_actions = EnvSpec(**{**spec.__dict__, "action_dim": 6})
+    with pytest.raises(ValueError, match="acts in 7 dims, the env takes 6-d actions"):
+        build_policy(cfg, fewer_actions)
+    more_state = EnvSpec(**{**spec.__dict__, "obs": {**spec.obs, "state": ((9,), "<f4")}})
+    with pytest.raises(ValueError, match="reads a 8-d state, the env gives a 9-d one"):
+        build_policy(cfg, more_state)
+
+
+def test_a_libero_env_the_checkpoint_does_not_fit_is_refused_before_any_rank():
+    """configs/libero_pi0.yaml with LIBERO's 9-d quaternion state: the launcher refuses it,
+    naming the env and the state format the checkpoint needs."""
+    from hpcvla.preflight import pretrained_env_problems
+    cfg = load_config("configs/libero_pi0.yaml", ["env.state_format=quaternion"])
+    [(field, value, why)] = pretrained_env_problems(cfg)
+    assert (field, value) == ("env", "libero")
+    assert "reads a 8-d state, the env gives a 9-d one" in why and "axis_angle" in why
+    assert pretrained_env_problems(load_config("configs/libero_pi0.yaml")) == []
+
+
+def test_a_siglip_width_the_loader_cannot_read_is_refused_before_any_rank(tmp_path):
+    folder = tmp_path / "lerobot"
+    shutil.copytree(FIXTURES / "pi0" / "lerobot", folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    patch = "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model." \
+        "embeddings.patch_embedding.weight"
+    tensors[patch] = torch.zeros(40, 3, 8, 8)
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ConfigError) as err:
+        config(folder)
+    assert "policy.pretrained" in str(err.value) and "SigLIP tower is 40 wide" in str(err.value)
 
 
 @pytest.mark.parametrize("family", ["pi0", "pi05"])

@@ -332,13 +332,21 @@ def test_published_pi0_layouts_load(tmp_path):
             assert torch.equal(fresh.state_dict()[k], v), (layout, k)
 
 
-def test_published_layouts_that_do_not_fit_are_named(tmp_path):
+def test_a_fine_tune_that_untied_lm_head_loads_the_embedding_pi0_computes_with(tmp_path):
+    """LeRobot saves embed_tokens and lm_head apart and its training moves only embed_tokens
+    (π0 never decodes tokens): the loader keeps embed_tokens, whichever order they come in."""
     policy = make("flow")
     tensors = load_file(str(save_pretrained(policy, tmp_path / "ours") / "model.safetensors"))
     untied = dict(tensors, **{LM_HEAD: tensors[EMBED] + 1})
     save_file(untied, tmp_path / "untied.safetensors")
-    with pytest.raises(ValueError, match="lm_head.weight differ, but this model ties them"):
-        load_weights(make("flow"), tmp_path / "untied.safetensors")
+    fresh = make("flow", seed=1)
+    assert load_weights(fresh, tmp_path / "untied.safetensors") == []
+    assert torch.equal(fresh.prefix.language_model.embed_tokens.weight, tensors[EMBED])
+
+
+def test_published_layouts_that_do_not_fit_are_named(tmp_path):
+    policy = make("flow")
+    tensors = load_file(str(save_pretrained(policy, tmp_path / "ours") / "model.safetensors"))
     padded = dict(tensors, **{"model.action_in_proj.weight": torch.zeros(32, 32)})
     save_file(padded, tmp_path / "padded.safetensors")  # π0 pads actions to 32 dims
     with pytest.raises(ValueError, match=r"misshaped model.action_in_proj.weight: file \(32, 32\)"):

@@ -183,7 +183,7 @@ def cmd_train(args) -> int:
         from hpcvla.runtime import run_ranks, train_main
         return run_ranks(cfg, train_main, preflight.check_pipeline)
     # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
-    preflight.check_pipeline(cfg, plan_from_config(cfg.placement, args.ranks))
+    preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.launch import run_world
     # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).

@@ -74,7 +74,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         load_weights(policy, cfg.policy.pretrained)
         # a published folder's prompt, tokenizer and normalization (None for our own)
         policy.processor = policy.make_processor(cfg.policy.pretrained, cfg.policy.tokenizer,
-                                                 spec)
+                                                 spec, cfg.policy.delta_action_dims)
     if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
         path = checkpoint.latest(Path(cfg.policy.checkpoint))
         policy.load_arrays(checkpoint.load_weights(path, policy.state_dict()))

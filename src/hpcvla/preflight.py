@@ -34,7 +34,8 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
 
         from hpcvla.engines.horovod import horovod_available
         from hpcvla.policies.vla import resolve_dtype
-        missing = horovod_available()
+        missing = horovod_available(on_gpus=cfg.placement.gpus_per_node != 0 and
+                                    torch.cuda.is_available())  # the learners' GPUs
         if missing:
             problems.append(("learner.backend", "horovod", f"deepspeed, or Horovod installed: "
                              f"{missing}"))
@@ -86,8 +87,36 @@ def _pretrained_problems(policy) -> list[tuple[str, Any, str]]:
     if policy.name == "oft":  # OFT's folder: config, statistics, tokenizer
         from hpcvla.policies.oft_checkpoint import check_folder
         return check_folder(folder, policy.tokenizer, policy.unnorm_key)
-    from hpcvla.policies.processor import check_folder  # a published folder
-    return check_folder(folder, policy.tokenizer)
+    from hpcvla.policies.folders import checkpoint_kwargs  # a published folder
+    from hpcvla.policies.processor import check_folder
+    from hpcvla.policies.registry import POLICIES
+    problems = check_folder(folder, policy.tokenizer)
+    try:  # the sizes the loader reads from the tensors' shapes
+        checkpoint_kwargs(POLICIES[policy.name], folder)
+    except (ValueError, KeyError) as err:
+        problems.append(("policy.pretrained", folder, f"a {policy.name} checkpoint whose "
+                         f"sizes the loader can read: {err}"))
+    return problems
+
+
+def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
+    """A published π0/π0.5 folder against the configured env's state and action dims
+    (processor.dims_problems). Builds the env's probe, so the launching process runs it, not
+    the ranks (whose simulators must not load before their device is bound); a rank
+    building the policy refuses the same mismatch."""
+    from hpcvla.policies.processor import dims_problems, is_hpcvla_folder, trained_dims
+    if cfg.policy.name != "flow" or not cfg.policy.pretrained or \
+            is_hpcvla_folder(cfg.policy.pretrained):
+        return []
+    from hpcvla.envs import env_spec
+    from hpcvla.policies.folders import checkpoint_kwargs
+    from hpcvla.policies.registry import POLICIES
+    padded = checkpoint_kwargs(POLICIES["flow"], cfg.policy.pretrained)["model_dims"]
+    spec = env_spec(cfg.env)
+    return [("env", cfg.env.name, f"an env {cfg.policy.pretrained} fits: {problem}")
+            for problem in dims_problems(cfg.policy.pretrained, trained_dims(
+                cfg.policy.pretrained, padded), spec.obs["state"][0][0]
+                if "state" in spec.obs else 0, spec.action_dim)]
 
 
 def check_sft(cfg, source: str = "config") -> None:
@@ -135,3 +164,12 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
     if problems:
         raise ConfigError(problems, "pipeline configuration")
     check_env(cfg)
+
+
+def check_launch(cfg, plan: RankPlan) -> None:
+    """What the launching process checks before it starts any rank: check_pipeline, then a
+    published folder against the env (pretrained_env_problems)."""
+    check_pipeline(cfg, plan)
+    problems = pretrained_env_problems(cfg)
+    if problems:
+        raise ConfigError(problems, "policy.pretrained")

@@ -31,6 +31,11 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.tokenizer and not cfg.policy.pretrained:
         problems.append(("policy.tokenizer", cfg.policy.tokenizer, "empty without "
                          "policy.pretrained (built-in policies read the env's instruction ids)"))
+    if cfg.policy.delta_action_dims != -1 and (cfg.policy.name != "flow" or
+                                               not cfg.policy.pretrained):
+        problems.append(("policy.delta_action_dims", cfg.policy.delta_action_dims, "-1 "
+                         "unless policy.name=flow with a published policy.pretrained folder "
+                         "(the relative actions of its checkpoint)"))
     if cfg.algorithm.name == "grpo" and \
             cfg.rollout.segment_len != cfg.env.max_episode_chunks:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,

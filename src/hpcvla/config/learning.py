@@ -101,6 +101,14 @@ class PolicyConfig:
         "transformers.AutoTokenizer; gated on the hub, so download it once). `oft`: empty "
         "reads the one the checkpoint folder ships. Unused otherwise: built-in policies "
         "read the env's instruction ids.")
+    delta_action_dims: int = setting(
+        -1, "`flow` with a published `pretrained` folder: how many leading action dims the "
+        "checkpoint predicts relative to the state (it acts `action - state` there; the "
+        "state is added back before the env steps). -1: what the folder records (LeRobot's "
+        "`relative_actions_processor` and its joint mask; openpi's folders record nothing: "
+        "absolute). 0: absolute. N: the first N dims, e.g. 6 for openpi π0 LIBERO "
+        "checkpoints trained with its `extra_delta_transform` (configs/libero_pi0.yaml).",
+        ge=-1)
     temperature: float = setting(
         1.6, "`oft`: divides the action-token logits when sampling and scoring (RLinf's "
         "LIBERO configs: 1.6). Higher explores more (flatter bins) and lowers the log-probs "

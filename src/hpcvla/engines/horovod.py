@@ -18,15 +18,20 @@ from __future__ import annotations
 import torch
 
 
-def horovod_available() -> str:
-    """'' when `horovod.torch` imports and was built with MPI, else why not (for errors and
-    test skips)."""
+def horovod_available(on_gpus: bool = False) -> str:
+    """'' when `horovod.torch` imports and was built with MPI (and, for learners `on_gpus`,
+    with GPU operations), else why not (for errors and test skips)."""
     try:
         import horovod.torch as hvd
     except ImportError as err:
         return f"horovod is not installed ({err}); `make install-horovod` builds it"
     if not hvd.mpi_built():
         return "this horovod was built without MPI; rebuild it with `make install-horovod`"
+    if on_gpus and not (hvd.nccl_built() or hvd.cuda_built()):
+        # its MPI allreduce would be handed CUDA pointers: an error or a crash in MPI
+        return ("this horovod was built without GPU operations (no NCCL or CUDA), and the "
+                "learners are on GPUs: rebuild it with HOROVOD_GPU_OPERATIONS=NCCL, or train "
+                "on CPUs (placement.gpus_per_node=0)")
     return ""
 
 
@@ -93,6 +98,9 @@ def init_horovod(cfg, policy, learners_comm, optimizer, device: torch.device) ->
         raise ValueError("learner.backend=horovod trains float32 policies only (no fp32 "
                          "master weights for bf16): set policy.dtype=float32, or use "
                          "learner.backend=deepspeed")
+    missing = horovod_available(on_gpus=device.type == "cuda")
+    if missing:
+        raise ValueError(f"learner.backend=horovod: {missing}")
     hvd.init(comm=learners_comm)  # [dist] this communicator, not the whole world
     return HorovodEngine(policy.to(device), optimizer, cfg.learner.micro_batches,
                          cfg.algorithm.max_grad_norm, device)

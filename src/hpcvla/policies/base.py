@@ -60,14 +60,11 @@ class Policy(nn.Module, abc.ABC):
     #     renaming (oft's timm towers); returns the RL-head names left fresh.
     folder_kwargs = checkpoint_kwargs = load_published = None
 
-    def make_processor(self, folder, tokenizer_folder, spec):
+    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
         """The processor of the published checkpoint `folder` for the env `spec` (EnvSpec),
-        None for one of hpcvla's own. Default: processor.CheckpointProcessor for `variant`."""
-        from hpcvla.policies.processor import CheckpointProcessor
-
-        return CheckpointProcessor.from_folder(
-            folder, tokenizer_folder, self.variant, spec.vocab,
-            spec.obs["state"][0][0] if "state" in spec.obs else 0, spec.action_dim)
+        None for one of hpcvla's own; `delta_action_dims`: policy.delta_action_dims (flow).
+        Default: None (a family without published folders)."""
+        return None
 
     @abc.abstractmethod
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> ActOutput:

@@ -194,6 +194,16 @@ class FlowPolicy(VLAPolicy):
                              f"chunk, which must then be the env's: model {dims}, env {env}")
         return dims
 
+    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
+        """A LeRobot or openpi folder's processor (processor.CheckpointProcessor); the model's
+        padded widths tell openpi's padded statistics apart."""
+        from hpcvla.policies.processor import CheckpointProcessor
+        return CheckpointProcessor.from_folder(
+            folder, tokenizer_folder, self.variant, spec.vocab,
+            spec.obs["state"][0][0] if "state" in spec.obs else 0, spec.action_dim,
+            {"state_dim": self.model_state_dim, "action_dim": self.model_action_dim},
+            delta_action_dims)
+
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
         """Chain mode: the denoising chain x_0 .. x_{K-1} that `evaluate` scores."""
         if self.logprob_mode != "chain":
@@ -287,7 +297,7 @@ class FlowPolicy(VLAPolicy):
         Euler steps of `_sample` integrate from t = 1 to 0. Mean squared error over the
         chunk's real steps and dims (the model's padding and the episode's end are left out)."""
         inputs = self._inputs(obs)
-        target = self._model_actions(actions).float()
+        target = self._model_actions(actions, obs).float()
         cache, pad, _ = self._encode(inputs)
         B, H, D = target.shape[0], self.chunk_len, self.action_dim
         clean = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)

@@ -16,10 +16,12 @@ published folder holds besides that, and how it is read:
   starts with, which some writers leave out (openpi's converted PyTorch π0 files have no
   `model.` prefix): added back when no key has it. `tied` pairs (target, source) whose target
   the writer may have dropped because the model ties it to the source (π0's hub files keep
-  PaliGemma's `lm_head` and drop the tied `embed_tokens`): the target is taken from the
-  source; when both are there they must be equal, and the source, which this model has no
-  module for, is then dropped. `unused`: tensors of the reference this model does not have by
-  design (the action expert's `lm_head`), dropped.
+  PaliGemma's `lm_head` and drop the tied `embed_tokens`): the target is then taken from the
+  source. When both are there the target is kept and the source, which this model has no
+  module for, dropped: a fine-tune may have trained them apart (LeRobot saves both, and its
+  training moves only `embed_tokens`, the one π0 computes with; its reload reads that one).
+  `unused`: tensors of the reference this model does not have by design (the action
+  expert's `lm_head`), dropped.
 
 Everything else is strict: a tensor missing, unexpected or misshaped is named in the error,
 except the RL heads (`rl.*`), which a checkpoint trained by imitation does not have; they keep
@@ -99,14 +101,9 @@ def from_layout(tensors: dict[str, torch.Tensor], layout: dict, where) -> dict:
                    for k, v in tensors.items()}
     tensors = dict(tensors)
     for target, source in layout.get("tied", ()):
-        if source not in tensors:
-            continue
-        if target not in tensors:
-            tensors[target] = tensors[source]
-        elif not torch.equal(tensors[target], tensors[source]):
-            raise ValueError(f"{where}: {target} and {source} differ, but this model ties them "
-                             "(one matrix for both): was the checkpoint trained untied?")
-        del tensors[source]
+        if source in tensors:
+            tensors.setdefault(target, tensors[source])
+            del tensors[source]
     for name in layout.get("unused", ()):
         tensors.pop(name, None)
     return tensors

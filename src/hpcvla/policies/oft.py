@@ -168,7 +168,7 @@ class OFTPolicy(VLAPolicy):
         from hpcvla.policies.oft_checkpoint import load_published
         return load_published(self, folder)
 
-    def make_processor(self, folder, tokenizer_folder, spec):
+    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
         """The published folder's prompt/normalization; None for an hpcvla folder."""
         from hpcvla.policies.oft_checkpoint import read_config
         from hpcvla.policies.oft_processor import OFTProcessor

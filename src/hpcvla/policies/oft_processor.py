@@ -2,8 +2,8 @@
 
     processor = OFTProcessor.from_folder(folder, tokenizer_folder, unnorm_key, vocab, ...)
     model_obs = processor.inputs(obs)      # + input_ids / prompt_mask, normalized state
-    env_actions = processor.actions_out(a) # bin centres in [-1, 1] -> the dataset's units
-    a = processor.actions_in(env_actions)  # and back, for scoring
+    env_actions = processor.actions_out(a, obs)  # bin centres in [-1, 1] -> the dataset's units
+    a = processor.actions_in(env_actions, obs)   # and back, for scoring
 
 * **Prompt**: `In: What action should the robot take to {task.lower()}?\\nOut: ` (the trailing
   space encodes as 29871, the id OFT's `predict_action` appends), with the Llama tokenizer the
@@ -103,10 +103,10 @@ class OFTProcessor:
         return out
 
     # ------------------------------------------------------------------ actions
-    def actions_out(self, actions: torch.Tensor) -> torch.Tensor:
+    def actions_out(self, actions: torch.Tensor, obs: dict) -> torch.Tensor:
         return self.action.unnormalize(actions)
 
-    def actions_in(self, actions: torch.Tensor) -> torch.Tensor:
+    def actions_in(self, actions: torch.Tensor, obs: dict) -> torch.Tensor:
         return self.action.normalize(actions)
 
 

@@ -3,8 +3,8 @@ it was trained on, its actions go back to the env's units.
 
     processor = CheckpointProcessor.from_folder(folder, tokenizer_folder, variant, vocab)
     model_obs = processor.inputs(obs)          # prompt ids, normalized state
-    env_actions = processor.actions_out(a)     # model (normalized) -> env units
-    a = processor.actions_in(env_actions)      # and back, for scoring
+    env_actions = processor.actions_out(a, obs)  # model (normalized) -> env units
+    a = processor.actions_in(env_actions, obs)   # and back, for scoring
 
 Built-in policies and folders written by `save_pretrained` (config.json with `hpcvla_policy`)
 read the env's observations as they are: `from_folder` gives None for them. A LeRobot or
@@ -22,8 +22,15 @@ openpi π0/π0.5 folder needs three things the weights do not hold:
   `policy_preprocessor.json` / `policy_postprocessor.json` and their safetensors
   (`observation.state.<stat>`, `action.<stat>`), modes MEAN_STD, QUANTILES, MIN_MAX, IDENTITY
   and eps as written there. openpi: `assets/<asset id>/norm_stats.json`, mean/std for π0 and
-  q01/q99 for π0.5, with openpi's 1e-6. Statistics longer than the env's dims (openpi's older
-  32-d padded ones) are cut to them.
+  q01/q99 for π0.5, with openpi's 1e-6. The env's state and action dims must be the ones
+  the checkpoint was trained on (`trained_dims`: LeRobot's config.json features, the length
+  of openpi's statistics), not just fit in the model's padding; openpi's older statistics,
+  padded to the model's width, are cut to the env's dims.
+* **Relative actions**: a checkpoint trained on `action - state` in some leading dims
+  (LeRobot's `relative_actions_processor`, recorded in its folder; openpi's
+  `extra_delta_transform`, which its folders do not record: policy.delta_action_dims) acts
+  relative to the raw state of the observation; the state is added back to its unnormalized
+  action for every step of the chunk, and taken off again for scoring.
 * **Images**: the prefix resizes with padding (policies/vla.py), as both do. The env's `image`
   is the checkpoint's first camera, `wrist_image` its second; cameras the env lacks are left
   out, which is what the references' masked empty cameras amount to (no token attends to
@@ -31,7 +38,8 @@ openpi π0/π0.5 folder needs three things the weights do not hold:
 
 Actions: RL samples and scores in the model's (normalized) space; what the policy returns and
 the pipeline records is the env's action (`actions_out`), and scoring maps it back. The map is
-affine, so PPO's ratios and gradients are those of the model space.
+affine (the state offset is fixed by the observation), so PPO's ratios and gradients are those
+of the model space.
 """
 
 from __future__ import annotations
@@ -65,17 +73,18 @@ class Affine:
         return (y + self.shift) * self.scale_out.to(y) + self.offset.to(y)
 
 
-def affine(mode: str, stats: dict, eps: float, openpi: bool, dim: int, where) -> Affine:
-    """The normalization `mode` with statistics `stats` (name -> tensor), cut to `dim`."""
+def affine(mode: str, stats: dict, eps: float, openpi: bool, dim: int, where,
+           feature: str) -> Affine:
+    """The normalization `mode` of `feature` (state or action) with statistics `stats`
+    (name -> tensor), cut to `dim`."""
     def stat(name):
         if name not in stats:
             raise ValueError(f"{where}: {mode} normalization needs the statistic {name!r}; "
                              f"the file has {sorted(stats)}")
         value = torch.as_tensor(stats[name], dtype=torch.float32).flatten()
         if value.numel() < dim:
-            raise ValueError(f"{where}: statistic {name!r} has {value.numel()} entries, the "
-                             f"env's data {dim} (LIBERO: π0/OFT statistics are of the 8-d "
-                             "state, env.state_format=axis_angle)")
+            raise ValueError(f"{where}: {feature} statistic {name!r} has {value.numel()} "
+                             f"entries, the env's {feature} {dim}")
         return value[:dim]
 
     if mode == "IDENTITY":
@@ -97,41 +106,56 @@ class CheckpointProcessor:
     """See the module docstring."""
 
     def __init__(self, tokenizer, prompt: str, max_tokens: int, state: Affine | None,
-                 action: Affine, vocab):
+                 action: Affine, vocab, delta: torch.Tensor | None = None):
         if tokenizer.pad_token_id != 0:
             raise ValueError(f"the tokenizer's padding id is {tokenizer.pad_token_id}; the "
                              "model reads id 0 as padding (PaliGemma's tokenizer)")
         self.tokenizer, self.prompt, self.max_tokens = tokenizer, prompt, int(max_tokens)
         self.state, self.action, self.vocab = state, action, tuple(vocab)
+        self.delta = delta  # which leading action dims are relative to the raw state
 
     @classmethod
     def from_folder(cls, folder, tokenizer_folder, variant: str, vocab, state_dim: int,
-                    action_dim: int) -> "CheckpointProcessor | None":
+                    action_dim: int, padded: dict | None = None,
+                    delta_action_dims: int = -1) -> "CheckpointProcessor | None":
+        """`state_dim`, `action_dim`: the env's (0: no state); `padded`: the model's widths
+        ({"state_dim", "action_dim"}), which tell openpi's padded statistics apart;
+        `delta_action_dims`: policy.delta_action_dims."""
         folder = Path(folder)
         if is_hpcvla_folder(folder):
             return None
+        mismatch = dims_problems(folder, trained_dims(folder, padded or {}), state_dim,
+                                 action_dim)
+        if mismatch:
+            raise ValueError(f"{folder}: " + "; ".join(mismatch))
         tokenizer = load_tokenizer(tokenizer_folder, folder)
+        delta = delta_mask(folder, delta_action_dims, action_dim)
+        if delta is not None and len(delta) > state_dim:
+            raise ValueError(f"{folder}: its first {len(delta)} action dims are relative to "
+                             f"the state, but the env gives a {state_dim}-d state: "
+                             "policy.delta_action_dims=0 if the checkpoint acts absolutely")
         if (folder / "policy_preprocessor.json").is_file():
             stats, steps = lerobot_steps(folder)
             eps, modes = steps["normalizer_processor"]
             max_tokens = steps.get("tokenizer_processor") or PROMPT_TOKENS[variant]
             state = affine(modes.get("STATE", "IDENTITY"), stats["observation.state"], eps,
-                           False, state_dim, folder) if state_dim else None
+                           False, state_dim, folder, "state") if state_dim else None
             action = affine(modes.get("ACTION", "IDENTITY"), stats["action"], eps, False,
-                            action_dim, folder)
+                            action_dim, folder, "action")
             prompt = variant
         else:
             stats, where = openpi_stats(folder)
             mode = "MEAN_STD" if variant == "pi0" else "QUANTILES"
-            state = affine(mode, stats["state"], OPENPI_EPS, True, state_dim, where) \
-                if state_dim else None
-            action = affine(mode, stats["actions"], OPENPI_EPS, True, action_dim, where)
+            state = affine(mode, stats["state"], OPENPI_EPS, True, state_dim, where,
+                           "state") if state_dim else None
+            action = affine(mode, stats["actions"], OPENPI_EPS, True, action_dim, where,
+                            "action")
             max_tokens = PROMPT_TOKENS[variant]
             prompt = "openpi_pi0" if variant == "pi0" else variant  # π0.5: the same prompt
         if variant == "pi05" and state is None:
             raise ValueError("π0.5 reads the state in its prompt: the env must give one "
                              "(env.state)")
-        return cls(tokenizer, prompt, max_tokens, state, action, vocab)
+        return cls(tokenizer, prompt, max_tokens, state, action, vocab, delta)
 
     # ------------------------------------------------------------------ observations
     def texts(self, instruction: torch.Tensor) -> list[str]:
@@ -162,11 +186,22 @@ class CheckpointProcessor:
         return out
 
     # ------------------------------------------------------------------ actions
-    def actions_out(self, actions: torch.Tensor) -> torch.Tensor:
-        return self.action.inverse(actions.float())
+    def actions_out(self, actions: torch.Tensor, obs: dict) -> torch.Tensor:
+        """Model actions (B, H, D) for the raw observations `obs` -> the env's."""
+        return self.action.inverse(actions.float()) + self._offset(actions, obs)
 
-    def actions_in(self, actions: torch.Tensor) -> torch.Tensor:
-        return self.action.forward(actions.float())
+    def actions_in(self, actions: torch.Tensor, obs: dict) -> torch.Tensor:
+        return self.action.forward(actions.float() - self._offset(actions, obs))
+
+    def _offset(self, actions, obs):
+        """What relative dims add to the model's unnormalized action: the raw state there,
+        the same for every step of the chunk (0 for absolute checkpoints)."""
+        if self.delta is None:
+            return 0.0
+        n = len(self.delta)
+        offset = torch.zeros(actions.shape[0], actions.shape[-1], device=actions.device)
+        offset[:, :n] = obs["state"][:, :n].to(offset) * self.delta.to(offset)
+        return offset[:, None, :]
 
 
 def check_folder(folder, tokenizer_folder) -> list[tuple[str, str, str]]:
@@ -188,6 +223,65 @@ def check_folder(folder, tokenizer_folder) -> list[tuple[str, str, str]]:
     except (ValueError, OSError) as err:
         problems.append(("policy.pretrained", str(folder), f"a checkpoint with its "
                          f"normalization statistics: {err}"))
+    return problems
+
+
+def trained_dims(folder, padded: dict) -> dict[str, int | None]:
+    """The state and action dims a published folder was trained on, before the model pads
+    them: LeRobot's config.json features (`observation.state`, `action`); for openpi the
+    length of its statistics, unless that is the model's padded width (`padded`, older openpi
+    statistics were saved padded): None where unknown."""
+    folder = Path(folder)
+    if (folder / "policy_preprocessor.json").is_file():
+        config = json.loads((folder / "config.json").read_text()) \
+            if (folder / "config.json").is_file() else {}
+        features = {**config.get("input_features", {}), **config.get("output_features", {})}
+        shape = {key: (features.get(name) or {}).get("shape") or [None]
+                 for key, name in (("state_dim", "observation.state"), ("action_dim", "action"))}
+        return {key: value[0] for key, value in shape.items()}
+    stats = openpi_stats(folder)[0]
+    found = {key: len(stats[name].get("mean") or stats[name].get("q01") or ())
+             for key, name in (("state_dim", "state"), ("action_dim", "actions"))}
+    return {key: None if not n or n == padded.get(key) else n for key, n in found.items()}
+
+
+def delta_mask(folder, delta_action_dims: int, action_dim: int) -> torch.Tensor | None:
+    """Which leading action dims the checkpoint predicts relative to the state (bool, None
+    for none): `delta_action_dims` > 0 the first N, 0 none, -1 as the folder records it
+    (LeRobot's relative_actions_processor: every dim but the joints its `exclude_joints`
+    name among `action_names`, all when it has no names)."""
+    if delta_action_dims >= 0:
+        if delta_action_dims > action_dim:
+            raise ValueError(f"policy.delta_action_dims={delta_action_dims}: the env's "
+                             f"actions have {action_dim} dims")
+        return torch.ones(delta_action_dims, dtype=torch.bool) if delta_action_dims else None
+    path = Path(folder) / "policy_preprocessor.json"
+    steps = json.loads(path.read_text()).get("steps", []) if path.is_file() else []
+    config = next((s.get("config", {}) for s in steps
+                   if s.get("registry_name") == "relative_actions_processor"), {})
+    if not config.get("enabled"):
+        return None
+    names, excluded = config.get("action_names"), config.get("exclude_joints") or []
+    if not names or not excluded:
+        return torch.ones(action_dim, dtype=torch.bool)
+    excluded = [str(e).lower() for e in excluded if e]
+    return torch.tensor([not any(e in str(name).lower() for e in excluded)
+                         for name in names[:action_dim]] + [True] * (action_dim - len(names)))
+
+
+def dims_problems(folder, trained: dict, state_dim: int, action_dim: int) -> list[str]:
+    """Where the env's state and action dims differ from those the folder was trained on:
+    the model would read a state, or act in dims, that mean something else."""
+    problems = []
+    if trained.get("action_dim") not in (None, action_dim):
+        problems.append(f"the checkpoint acts in {trained['action_dim']} dims, the env takes "
+                        f"{action_dim}-d actions: use an env whose actions are the ones it "
+                        "was trained on (or a checkpoint trained on this env's)")
+    if trained.get("state_dim") not in (None, state_dim):
+        problems.append(f"the checkpoint reads a {trained['state_dim']}-d state, the env gives "
+                        + (f"a {state_dim}-d one" if state_dim else "none") + " (LIBERO: the "
+                        "published π0/OFT checkpoints read the 8-d state, "
+                        "env.state_format=axis_angle)")
     return problems
 
 
@@ -267,5 +361,5 @@ def openpi_stats(folder: Path) -> tuple[dict, Path]:
     return stats, found[0]
 
 
-__all__ = ["CheckpointProcessor", "PROMPT_TOKENS", "check_folder", "is_hpcvla_folder",
-           "load_tokenizer"]
+__all__ = ["CheckpointProcessor", "PROMPT_TOKENS", "check_folder", "dims_problems",
+           "is_hpcvla_folder", "load_tokenizer", "trained_dims"]

@@ -288,10 +288,11 @@ class VLAPolicy(Policy):
         device = self.device
         return {k: v.to(device, non_blocking=True) for k, v in obs.items()}
 
-    def _model_actions(self, actions: torch.Tensor) -> torch.Tensor:
-        """Recorded (env) actions -> the model's space, where they are scored."""
+    def _model_actions(self, actions: torch.Tensor, obs) -> torch.Tensor:
+        """Recorded (env) actions of the raw observations `obs` -> the model's space, where
+        they are scored."""
         actions = actions.to(self.device)
-        return actions if self.processor is None else self.processor.actions_in(actions)
+        return actions if self.processor is None else self.processor.actions_in(actions, obs)
 
     @property
     def device(self) -> torch.device:
@@ -305,11 +306,11 @@ class VLAPolicy(Policy):
         with torch.no_grad():
             actions, terms, value, extras = self._sample(self._inputs(obs), deterministic)
         if self.processor is not None:  # the env's units (the log-prob stays the model's)
-            actions = self.processor.actions_out(actions)
+            actions = self.processor.actions_out(actions, obs)
         return ActOutput(actions.float(), terms.sum(dim=(1, 2)), value.float()), extras
 
     def evaluate(self, obs, actions):
-        terms, entropy, value = self._score(self._inputs(obs), self._model_actions(actions))
+        terms, entropy, value = self._score(self._inputs(obs), self._model_actions(actions, obs))
         g = self.logprob_granularity
         return reduce_units(terms, g), value.float(), reduce_units(entropy, g)
 
@@ -320,7 +321,7 @@ class VLAPolicy(Policy):
     def unit_logprobs(self, obs, actions) -> torch.Tensor:
         """Differentiable log-probs per token (B, H, D), whatever the granularity; their
         sums over D (action) and over H and D (chunk) are the coarser log-probs."""
-        return self._score(self._inputs(obs), self._model_actions(actions))[0]
+        return self._score(self._inputs(obs), self._model_actions(actions, obs))[0]
 
     # ------------------------------------------------------------------ checkpoint folders
     @classmethod
