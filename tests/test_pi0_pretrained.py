@@ -145,6 +145,26 @@ def test_env_dims_other_than_the_checkpoints_are_refused_naming_which(layout):
         build_policy(cfg, more_state)
 
 
+def test_openpi_delta_actions_are_relative_to_the_state_in_their_first_dims():
+    """openpi's extra_delta_transform (not recorded in its folders) as policy.delta_action_dims:
+    openpi's AbsoluteActions adds the raw state to the first N unnormalized action dims of
+    every step of the chunk; scoring takes it off again (the same log-prob)."""
+    io, tasks = fixture("pi0")
+    obs, spec = raw_observation(io, tasks)
+    folder = FIXTURES / "pi0" / "openpi"
+    absolute = build_policy(config(folder), spec).act(obs, deterministic=True).actions
+    policy = build_policy(config(folder, **{"policy.delta_action_dims": 6}), spec)
+    relative = policy.act(obs, deterministic=True).actions
+    expected = absolute.clone()
+    expected[..., :6] += obs["state"][:, None, :6]
+    torch.testing.assert_close(relative, expected, rtol=0, atol=1e-5)
+    sampled = policy.act(obs)
+    torch.testing.assert_close(policy.evaluate(obs, sampled.actions)[0], sampled.logprob,
+                               rtol=0, atol=1e-3)
+    with pytest.raises(ConfigError, match="policy.delta_action_dims"):
+        check_config(load_config("configs/reach_flow.yaml", ["policy.delta_action_dims=6"]))
+
+
 def test_a_libero_env_the_checkpoint_does_not_fit_is_refused_before_any_rank():
     """configs/libero_pi0.yaml with LIBERO's 9-d quaternion state: the launcher refuses it,
     naming the env and the state format the checkpoint needs."""
