@@ -246,6 +246,34 @@ def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
     assert "policy.unnorm_key" in str(err.value) and "libero_spatial_no_noops" in str(err.value)
 
 
+def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
+    """OFT's own LIBERO recipe (its continuous action head, `action_head--<step>_checkpoint.pt`
+    as OFT's fine-tuning names it), another platform's chunk, or another image count than the
+    env's are refused before any rank starts; a dataset key without OFT's `_no_noops` suffix
+    is found as OFT's and RLinf's evaluation find it."""
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(CHECKPOINT, folder)
+    assert config(folder, **{"policy.unnorm_key": "libero_spatial"})
+    torch.save({}, folder / "action_head--100_checkpoint.pt")
+    with pytest.raises(ConfigError) as err:
+        config(folder)
+    assert "action_head--100_checkpoint.pt" in str(err.value) and \
+        "continuous action head" in str(err.value)
+    (folder / "action_head--100_checkpoint.pt").unlink()
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**settings, "num_images_in_input": 2}))
+    with pytest.raises(ConfigError) as err:
+        config(folder)
+    assert "num_images_in_input" in str(err.value) and "env.wrist_image=true" in str(err.value)
+    assert config(folder, **{"env.wrist_image": "true"})
+    statistics = json.loads((folder / "dataset_statistics.json").read_text())
+    statistics["bridge_orig"] = statistics["libero_spatial_no_noops"]
+    (folder / "dataset_statistics.json").write_text(json.dumps(statistics))
+    with pytest.raises(ConfigError) as err:
+        config(folder, **{"env.wrist_image": "true", "policy.unnorm_key": "bridge_orig"})
+    assert "OFT chunk is 5 steps" in str(err.value)
+
+
 def test_published_conversion_round_trips_exactly():
     tensors = {k: v for k, v in read_tensors(CHECKPOINT).items() if not k.startswith(UNUSED)}
     back = to_published(from_published(tensors))

@@ -214,6 +214,8 @@ def read_statistics(folder, unnorm_key: str = "") -> tuple[str, dict]:
         if len(stats) != 1:
             raise ValueError(f"{path} holds {sorted(stats)}: set policy.unnorm_key to one")
         unnorm_key = next(iter(stats))
+    if unnorm_key not in stats and unnorm_key + "_no_noops" in stats:
+        unnorm_key += "_no_noops"  # as OFT's and RLinf's evaluation scripts append it
     if unnorm_key not in stats:
         raise ValueError(f"{path}: no statistics for unnorm_key {unnorm_key!r}; it has "
                          f"{sorted(stats)}")
@@ -280,13 +282,45 @@ def load_value_head(policy, file) -> None:
             state[key].copy_(value)
 
 
-def check_folder(folder, tokenizer_folder, unnorm_key) -> list[tuple[str, str, str]]:
-    """What an OFT folder lacks besides its weights, as config problems, before any rank
-    starts."""
+# OFT's action chunk per platform (its prismatic/vla/constants.py), told by the dataset key
+PLATFORM_CHUNKS = {"aloha": 25, "bridge": 5, "libero": 8}
+
+
+def recipe_problems(folder, config: dict, key: str, cameras: int) -> list[str]:
+    """What of an OFT folder's recipe the `oft` policy (RLinf's: discrete action tokens, a
+    chunk of 8) cannot run as trained; `cameras`: the env's images (1, 2 with the wrist)."""
+    problems = []
+    heads = sorted(p.name for p in Path(folder).glob("*.pt") if p.name.startswith(
+        ("action_head--", "noisy_action_projector--")))
+    if heads:
+        problems.append(f"it was fine-tuned with OFT's continuous action head ({heads[0]}: "
+                        "L1 regression or diffusion, OFT's own LIBERO recipe), which this "
+                        "policy does not run: it acts from the action tokens of `lm_head`, "
+                        "and would act wrong without a word. Use a checkpoint fine-tuned "
+                        "with the discrete token head (RLinf's OpenVLA-OFT ones)")
+    chunk = next((n for name, n in PLATFORM_CHUNKS.items() if name in key.lower()), 8)
+    if chunk != 8:
+        problems.append(f"its statistics are {key!r}, a platform whose OFT chunk is {chunk} "
+                        "steps; the oft policy decodes OFT's LIBERO chunk of 8")
+    images = config.get("num_images_in_input")
+    if images is not None and images != cameras:
+        problems.append(f"it reads {images} image(s) per step (config.json "
+                        f"num_images_in_input), the env gives {cameras}: set env.wrist_image="
+                        f"{'true' if images == 2 else 'false'}")
+    return problems
+
+
+def check_folder(folder, tokenizer_folder, unnorm_key, cameras: int = 1
+                 ) -> list[tuple[str, str, str]]:
+    """What an OFT folder lacks besides its weights, or holds that the policy cannot run
+    (recipe_problems), as config problems, before any rank starts."""
     folder, problems = Path(folder), []
     try:
-        read_config(folder)
-        read_statistics(folder, unnorm_key)
+        config = read_config(folder)
+        key = read_statistics(folder, unnorm_key)[0]
+        problems += [("policy.pretrained", str(folder), f"an OpenVLA-OFT folder the oft "
+                      f"policy runs as trained: {why}")
+                     for why in recipe_problems(folder, config, key, cameras)]
     except (ValueError, OSError) as err:
         field = "policy.unnorm_key" if "unnorm_key" in str(err) else "policy.pretrained"
         problems.append((field, str(folder) if field == "policy.pretrained" else unnorm_key,
@@ -300,4 +334,5 @@ def check_folder(folder, tokenizer_folder, unnorm_key) -> list[tuple[str, str, s
 
 
 __all__ = ["to_published", "from_published", "folder_dims", "load_published",
-           "load_value_head", "read_statistics", "proprio_file", "check_folder", "UNUSED"]
+           "load_value_head", "read_statistics", "proprio_file", "check_folder",
+           "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]
