@@ -145,6 +145,34 @@ def test_env_dims_other_than_the_checkpoints_are_refused_naming_which(layout):
         build_policy(cfg, more_state)
 
 
+@pytest.mark.parametrize("variant", ["finetuned", "relative", "steps6"])
+def test_folders_as_users_fine_tune_them_act_as_lerobot_does(variant):
+    """LeRobot-made folders (tests/fixtures/pi0/make_variants.py): one LeRobot training step
+    (embed_tokens and lm_head saved untied), relative actions (the gripper kept absolute by
+    LeRobot's default exclude_joints), a 6-step sampler. Through `policy.pretrained` with
+    the folder's own sampler, the deterministic chunk is LeRobot's, in env units; scoring
+    maps the env's actions back (the same log-prob)."""
+    io, tasks = fixture("pi0")
+    obs, spec = raw_observation(io, tasks)
+    folder = FIXTURES / "variants" / variant
+    policy = build_policy(config(folder, **{"policy.denoise_steps": 0}), spec)
+    assert policy.denoise_steps == (6 if variant == "steps6" else STEPS)
+    reference = load_file(str(FIXTURES / "variants" / "io.safetensors"))
+    torch.testing.assert_close(obs["state"], reference["raw.observation.state"])
+    actions = policy.act(obs, deterministic=True).actions
+    torch.testing.assert_close(actions, reference[f"{variant}.actions"][:, :EXECUTED],
+                               rtol=0, atol=1e-5)
+    sampled = policy.act(obs)
+    torch.testing.assert_close(policy.evaluate(obs, sampled.actions)[0], sampled.logprob,
+                               rtol=0, atol=1e-3)
+    if variant == "relative":  # taken as absolute, the chunk is off by the state
+        absolute = build_policy(config(folder, **{"policy.delta_action_dims": 0}), spec)
+        off = absolute.act(obs, deterministic=True).actions - actions
+        torch.testing.assert_close(off[..., :6], -obs["state"][:, None, :6].expand_as(off[..., :6]),
+                                   rtol=0, atol=1e-5)
+        assert off[..., 6].abs().max() < 1e-5  # the gripper is absolute
+
+
 def test_openpi_delta_actions_are_relative_to_the_state_in_their_first_dims():
     """openpi's extra_delta_transform (not recorded in its folders) as policy.delta_action_dims:
     openpi's AbsoluteActions adds the raw state to the first N unnormalized action dims of

@@ -248,19 +248,23 @@ def trained_dims(folder, padded: dict) -> dict[str, int | None]:
 def delta_mask(folder, delta_action_dims: int, action_dim: int) -> torch.Tensor | None:
     """Which leading action dims the checkpoint predicts relative to the state (bool, None
     for none): `delta_action_dims` > 0 the first N, 0 none, -1 as the folder records it
-    (LeRobot's relative_actions_processor: every dim but the joints its `exclude_joints`
-    name among `action_names`, all when it has no names)."""
+    (LeRobot's absolute_actions_processor when enabled, with the mask of its paired
+    relative_actions_processor: every dim but the joints its `exclude_joints` name among
+    `action_names`, all when it has no names)."""
     if delta_action_dims >= 0:
         if delta_action_dims > action_dim:
             raise ValueError(f"policy.delta_action_dims={delta_action_dims}: the env's "
                              f"actions have {action_dim} dims")
         return torch.ones(delta_action_dims, dtype=torch.bool) if delta_action_dims else None
-    path = Path(folder) / "policy_preprocessor.json"
-    steps = json.loads(path.read_text()).get("steps", []) if path.is_file() else []
-    config = next((s.get("config", {}) for s in steps
-                   if s.get("registry_name") == "relative_actions_processor"), {})
-    if not config.get("enabled"):
-        return None
+
+    def step(file, name):
+        path = Path(folder) / file
+        steps = json.loads(path.read_text()).get("steps", []) if path.is_file() else []
+        return next((s.get("config", {}) for s in steps if s.get("registry_name") == name), {})
+
+    if not step("policy_postprocessor.json", "absolute_actions_processor").get("enabled"):
+        return None  # the post-processor adds the state back only where this step is on
+    config = step("policy_preprocessor.json", "relative_actions_processor")  # its mask
     names, excluded = config.get("action_names"), config.get("exclude_joints") or []
     if not names or not excluded:
         return torch.ones(action_dim, dtype=torch.bool)
