@@ -37,6 +37,8 @@ FIXTURES = Path(__file__).parent / "fixtures" / "oft"
 CHECKPOINT = FIXTURES / "checkpoint"
 LOGIT_TOL = 2e-3  # float32 rounding of an ill-conditioned tiny model: module docstring
 SAMPLES = {"s0": 0, "s1": 1, "libero": 0}
+# OFT's own recipe: its proprio token and second image, read in its own sequence
+OFFICIAL_PROPRIO = {"env.state": "true", "env.wrist_image": "true", "policy.sequence": "official"}
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +52,7 @@ def io():
 def config(folder=CHECKPOINT, **extra):
     overrides = ["policy.name=oft", f"policy.pretrained={folder}", "policy.dtype=float32",
                  "policy.unnorm_key=libero_spatial_no_noops", "policy.max_prompt_length=40",
+                 "env.state=false",  # RLinf's recipe; OFT's proprio needs its own sequence
                  *(f"{k}={v}" for k, v in extra.items())]
     return check_config(load_config("configs/reach_tokens.yaml", overrides))
 
@@ -161,7 +164,7 @@ def test_oft_predict_action_is_the_references(io, proprio):
         tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
         obs, spec = env_obs(io, sample, tasks, wrist=proprio, state=proprio)
         obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
-        policy = build_policy(config(), spec)
+        policy = build_policy(config(**(OFFICIAL_PROPRIO if proprio else {})), spec)
         assert policy.use_proprio == proprio
         model = policy.processor.inputs(obs)
         ids = io[f"{run}.{name}.input_ids"]
@@ -179,6 +182,28 @@ def test_oft_predict_action_is_the_references(io, proprio):
                            io[f"{run}.{name}.action_token_ids"])
         torch.testing.assert_close(policy.processor.actions_out(actions[0], {}).double(),
                                    io[f"{run}.{name}.actions"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("proprio", [False, True], ids=["oft", "oft_proprio"])
+def test_the_official_sequence_acts_as_ofts_predict_action(io, proprio):
+    """policy.sequence=official through the public path (the env's observation, the prompt
+    padded as in a batch, OFT's pixel values): the deterministic chunk is OFT's
+    predict_action's; RLinf's sequence acts otherwise."""
+    run = "oft_proprio" if proprio else "oft"
+    for name, row in SAMPLES.items():
+        sample = "libero" if name == "libero" else "raw"
+        tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
+        obs, spec = env_obs(io, sample, tasks, wrist=proprio, state=proprio)
+        obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
+        obs["pixel_values"] = io[f"{run}.{name}.pixel_values"]
+        official = {**(OFFICIAL_PROPRIO if proprio else {}), "policy.sequence": "official"}
+        policy = build_policy(config(**official), spec).eval()
+        actions = policy.act(obs, deterministic=True).actions
+        torch.testing.assert_close(actions[0].double(), io[f"{run}.{name}.actions"],
+                                   rtol=0, atol=1e-5)
+    if not proprio:
+        rlinf = build_policy(config(), spec).eval().act(obs, deterministic=True).actions
+        assert (rlinf - actions).abs().max() > 0.1
 
 
 def test_logits_logprobs_and_values_in_float64_to_1e5(io):
@@ -208,7 +233,8 @@ def test_logits_logprobs_and_values_in_float64_to_1e5(io):
         for run in ("oft", "oft_proprio"):
             proprio = run == "oft_proprio"  # 2 images and the state token
             spec = env_obs(io, wrist=proprio, state=proprio)[1]
-            oft = build_policy(config(), spec).double().eval()
+            oft = build_policy(config(**(OFFICIAL_PROPRIO if proprio else {})),
+                               spec).double().eval()
             for name in SAMPLES:
                 ids = io[f"{run}.{name}.input_ids"]
                 reference = {"pixel_values": io[f"{run}.{name}.pixel_values"].double(),
@@ -248,12 +274,15 @@ def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
 
 def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
     """OFT's own LIBERO recipe (its continuous action head, `action_head--<step>_checkpoint.pt`
-    as OFT's fine-tuning names it), another platform's chunk, or another image count than the
-    env's are refused before any rank starts; a dataset key without OFT's `_no_noops` suffix
+    as OFT's fine-tuning names it), its proprio token in RLinf's sequence, another platform's
+    chunk, or another image count than the env's are refused before any rank starts; a dataset key without OFT's `_no_noops` suffix
     is found as OFT's and RLinf's evaluation find it."""
     folder = tmp_path / "checkpoint"
     shutil.copytree(CHECKPOINT, folder)
     assert config(folder, **{"policy.unnorm_key": "libero_spatial"})
+    with pytest.raises(ConfigError) as err:  # OFT's proprio projector in RLinf's sequence
+        config(folder, **{"env.state": "true"})
+    assert "set policy.sequence=official" in str(err.value)
     torch.save({}, folder / "action_head--100_checkpoint.pt")
     with pytest.raises(ConfigError) as err:
         config(folder)

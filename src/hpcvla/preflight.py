@@ -59,7 +59,7 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
             problems.append((last[0], cfg.pipeline.total_updates if last[1] is None
                              else last[1], f"more than the resumed checkpoint's {version}"))
     if cfg.policy.pretrained:
-        problems += _pretrained_problems(cfg.policy, cameras=1 + cfg.env.wrist_image)
+        problems += _pretrained_problems(cfg.policy, cfg.env)
     if cfg.policy.checkpoint:
         from hpcvla.checkpoint import latest
         if latest(cfg.policy.checkpoint) is None:
@@ -69,9 +69,9 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
     return problems
 
 
-def _pretrained_problems(policy, cameras: int) -> list[tuple[str, Any, str]]:
-    """A pretrained folder's weights, and its tokenizer and statistics (`cameras`: the
-    images per step the env gives)."""
+def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
+    """A pretrained folder's weights, its tokenizer and statistics, and (oft) whether the
+    configured env and policy run it as it was trained."""
     folder = policy.pretrained
     if not any((Path(folder) / name).is_file()
                for name in ("model.safetensors", "model.safetensors.index.json")):
@@ -87,7 +87,7 @@ def _pretrained_problems(policy, cameras: int) -> list[tuple[str, Any, str]]:
                  "`policy/`) or save_pretrained: the default policy has no published weights")]
     if policy.name == "oft":  # OFT's folder: config, statistics, tokenizer
         from hpcvla.policies.oft_checkpoint import check_folder
-        return check_folder(folder, policy.tokenizer, policy.unnorm_key, cameras)
+        return check_folder(folder, policy, env)
     from hpcvla.policies.folders import checkpoint_kwargs  # a published folder
     from hpcvla.policies.processor import check_folder
     from hpcvla.policies.registry import POLICIES

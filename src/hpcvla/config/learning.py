@@ -118,6 +118,13 @@ class PolicyConfig:
         "", "`oft` with a `pretrained` folder: the dataset key of its dataset_statistics.json "
         "whose q01/q99 unnormalize the actions (and normalize the state), e.g. "
         "`libero_spatial_no_noops`; empty: the file's only key.")
+    sequence: str = setting(
+        "rlinf", "`oft`: the token sequence the model reads, which must be the one its "
+        "checkpoint was fine-tuned with. `rlinf`: RLinf's (its OpenVLA-OFT RL checkpoints; "
+        "no STOP token after the action positions). `official`: OpenVLA-OFT's own "
+        "`predict_action` (a STOP token after them), for folders fine-tuned by OFT's "
+        "repository with the discrete token head; with the env's state as a proprio token, "
+        "only `official` matches a reference.", choices=("rlinf", "official"))
     max_prompt_length: int = setting(
         128, "`oft` with a `pretrained` folder: prompts are left-padded to this many tokens "
         "(RLinf's max_prompt_length; longer ones lengthen the batch). Padding is masked and "

@@ -8,14 +8,17 @@ non-padding token (OFT's fork of transformers changes only that), and the discre
 head: the last 256 ids of the Llama-2 vocabulary (31744..31999) are action tokens, id ->
 bin `clip(32000 - id - 1, 0, 254)` -> one of the 255 centres of linspace(-1, 1, 256).
 
-RL sequence (RLinf's `implement_version: rlinf`, what `act`/`evaluate` run):
+RL sequence (`sequence="rlinf"`, RLinf's `implement_version: rlinf`, what `act`/`evaluate` run):
 `[BOS] + patches (+ proprio token) + pads + prompt[1:] + H x D zero embeddings`, positions
 `cumsum(mask) - 1`; the logits at the last prompt token ("▁") and the first H x D - 1 action
 positions give the H x D action tokens (index = step x D + dim), restricted to the 256 action
 ids and divided by `temperature`; sampling draws from that, `deterministic` takes the argmax.
 `predict_action_reference` is OFT's own `predict_action` instead (no padding, a STOP token
 after the actions, argmax over the whole vocabulary): with bidirectional attention the two
-give different logits, and published OFT evaluations use that one.
+give different logits, and published OFT evaluations use that one. `sequence="official"`
+acts and scores on OFT's sequence (the STOP token appended; padding is masked, so only the
+restriction to the 256 action ids differs from predict_action), for checkpoints fine-tuned
+by OFT's repository.
 
 Scoring a recorded action: each (normalized) value maps to its nearest bin centre and its
 log-prob is that of the *value*, the logsumexp over the ids that decode to it. This equals
@@ -45,6 +48,7 @@ from hpcvla.policies.oft_vision import FusedVisionBackbone, Projector, ProprioPr
 
 ACTION_BEGIN, N_BINS, LLM_VOCAB = 31744, 256, 32000  # action ids: [31744, 32000)
 BOS, STOP = 1, 2
+SEQUENCES = ("rlinf", "official")  # RLinf's RL sequence, OFT's predict_action (docstring)
 DECODED_CHUNK = 8
 
 _LLAMA = dict(vocab_size=32064, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -102,12 +106,12 @@ class OFTPolicy(VLAPolicy):
     family = "oft"
     HF_KEY_MAP = (("value_head.", "rl.value_head."),)  # our own folders: the RL head may be fresh
     config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
-                     "max_prompt_length")
+                     "max_prompt_length", "sequence")
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  logprob_granularity: str = "chunk", dtype: str = "auto",
                  temperature: float = 1.6, use_proprio: bool = True, unnorm_key: str = "",
-                 max_prompt_length: int = 128):
+                 max_prompt_length: int = 128, sequence: str = "rlinf"):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel
 
@@ -124,7 +128,11 @@ class OFTPolicy(VLAPolicy):
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                     dict(size=dims, logprob_granularity=logprob_granularity, dtype=dtype,
                          temperature=temperature, use_proprio=use_proprio,
-                         unnorm_key=unnorm_key, max_prompt_length=max_prompt_length))
+                         unnorm_key=unnorm_key, max_prompt_length=max_prompt_length,
+                         sequence=sequence))
+        if sequence not in SEQUENCES:
+            raise ValueError(f"oft sequence {sequence!r}: expected one of {SEQUENCES}")
+        self.sequence = sequence
         self.temperature, self.unnorm_key = float(temperature), unnorm_key
         self.max_prompt_length = int(max_prompt_length)
         self.cameras = [k for k in CAMERAS if k in obs_spec]
@@ -229,7 +237,7 @@ class OFTPolicy(VLAPolicy):
     def action_logits(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """RLinf's action logits (B, n_tokens, 256) float32, before the temperature, and the
         per-step values (B, 8)."""
-        hidden = self._hidden(obs, stop=False)
+        hidden = self._hidden(obs, stop=self.sequence == "official")
         logits = self.lm_head(hidden)[..., ACTION_BEGIN:ACTION_BEGIN + N_BINS].float()
         return logits, self.value_head(hidden[:, 0]).float()
 
@@ -267,5 +275,5 @@ class OFTPolicy(VLAPolicy):
         return terms, entropy, value
 
 
-__all__ = ["OFTPolicy", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of", "column_bins",
+__all__ = ["OFTPolicy", "SEQUENCES", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of", "column_bins",
            "value_logprobs"]

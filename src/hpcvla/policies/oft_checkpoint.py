@@ -286,10 +286,17 @@ def load_value_head(policy, file) -> None:
 PLATFORM_CHUNKS = {"aloha": 25, "bridge": 5, "libero": 8}
 
 
-def recipe_problems(folder, config: dict, key: str, cameras: int) -> list[str]:
-    """What of an OFT folder's recipe the `oft` policy (RLinf's: discrete action tokens, a
-    chunk of 8) cannot run as trained; `cameras`: the env's images (1, 2 with the wrist)."""
+def recipe_problems(folder, config: dict, key: str, cameras: int, proprio: bool,
+                    sequence: str) -> list[str]:
+    """What of an OFT folder's recipe the `oft` policy (discrete action tokens, a chunk of 8)
+    cannot run as trained; `cameras`: the env's images (1, 2 with the wrist); `proprio`:
+    whether the env's state will be read (the folder has a projector for it); `sequence`:
+    policy.sequence."""
     problems = []
+    if proprio and sequence == "rlinf":
+        problems.append("its proprio projector is OFT's, read in OFT's own sequence; RLinf's "
+                        "has no proprio token: set policy.sequence=official (or env.state="
+                        "false to act without the state)")
     heads = sorted(p.name for p in Path(folder).glob("*.pt") if p.name.startswith(
         ("action_head--", "noisy_action_projector--")))
     if heads:
@@ -310,17 +317,20 @@ def recipe_problems(folder, config: dict, key: str, cameras: int) -> list[str]:
     return problems
 
 
-def check_folder(folder, tokenizer_folder, unnorm_key, cameras: int = 1
-                 ) -> list[tuple[str, str, str]]:
+def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
     """What an OFT folder lacks besides its weights, or holds that the policy cannot run
-    (recipe_problems), as config problems, before any rank starts."""
+    (recipe_problems), as config problems, before any rank starts (`policy`, `env`: the
+    config's sections)."""
     folder, problems = Path(folder), []
+    tokenizer_folder, unnorm_key = policy.tokenizer, policy.unnorm_key
     try:
         config = read_config(folder)
         key = read_statistics(folder, unnorm_key)[0]
         problems += [("policy.pretrained", str(folder), f"an OpenVLA-OFT folder the oft "
                       f"policy runs as trained: {why}")
-                     for why in recipe_problems(folder, config, key, cameras)]
+                     for why in recipe_problems(folder, config, key, 1 + env.wrist_image,
+                                                env.state and proprio_file(folder) is not None,
+                                                policy.sequence)]
     except (ValueError, OSError) as err:
         field = "policy.unnorm_key" if "unnorm_key" in str(err) else "policy.pretrained"
         problems.append((field, str(folder) if field == "policy.pretrained" else unnorm_key,
