@@ -37,6 +37,11 @@ def main(cfg, plan, comms):
     for _ in range(2 * steps):
         train_step(engine, obs, actions)
     weights = full_state(engine)
+    # only the learner that publishes or checkpoints copies the model to host memory; the
+    # others still join ZeRO-3's gather (else this one would wait forever)
+    mine = full_state(engine, wanted=learners.Get_rank() == 0)
+    assert (mine is None) == (learners.Get_rank() != 0)
+    assert mine is None or all(torch.equal(mine[k], weights[k]) for k in weights)
     saved = checkpoint.save(run_dir, engine, weights, version=2, counters={"env_steps": 7},
                             learners=learners)
     for _ in range(steps):
