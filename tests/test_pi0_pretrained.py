@@ -201,7 +201,7 @@ def test_a_libero_env_the_checkpoint_does_not_fit_is_refused_before_any_rank():
     [(field, value, why)] = pretrained_env_problems(cfg)
     assert (field, value) == ("env", "libero")
     assert "reads a 8-d state, the env gives a 9-d one" in why and "axis_angle" in why
-    assert pretrained_env_problems(load_config("configs/libero_pi0.yaml")) == []
+    # (the config as it is passes: test_libero_training_starts_from_the_checkpoint launches it)
 
 
 def test_a_siglip_width_the_loader_cannot_read_is_refused_before_any_rank(tmp_path):
