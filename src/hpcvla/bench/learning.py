@@ -122,11 +122,13 @@ def both_evals(cfg, weights, eval_episodes: int) -> dict:
             for key, deterministic in zip(EVALS, (False, True))}
 
 
-def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | tuple[None, None]:
-    """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation`), and
-    its eval; none for most."""
+def pretrain(arms: str, root: Path, eval_episodes: int, overrides=()
+             ) -> tuple[Path, dict] | tuple[None, None]:
+    """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation`, which
+    takes the bench's `overrides` too: the demonstrations, SFT and RL see one env and
+    policy), and its eval; none for most."""
     if arms == "imitation":
-        return imitation_start(root, eval_episodes)
+        return imitation_start(root, eval_episodes, overrides)
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -146,18 +148,20 @@ def pretrain(arms: str, root: Path, eval_episodes: int) -> tuple[Path, dict] | t
         {key: done[key] for key in EVALS}
 
 
-def imitation_start(root: Path, eval_episodes: int) -> tuple[Path, dict]:
-    """`hpcvla demos` then `hpcvla sft` with configs/maniskill_pushcube.yaml: the SFT run
-    directory every `imitation` arm starts from, and its eval."""
+def imitation_start(root: Path, eval_episodes: int, overrides=()) -> tuple[Path, dict]:
+    """`hpcvla demos` then `hpcvla sft` with configs/maniskill_pushcube.yaml and `overrides`
+    (e.g. env.camera=false): the SFT run directory every `imitation` arm starts from, and its
+    eval."""
     import subprocess
     import sys
 
     from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights
     config, demos = ARMS["imitation"]["streamer"][0], root / "demos.h5"
-    for command in (["demos", config, "--episodes", str(IMITATION_DEMOS), "--noise", "0.1",
-                     "--out", str(demos)],
-                    ["sft", config, f"sft.demos={demos}", f"run.root={root / 'sft'}"]):
+    for command in (["demos", config, *overrides, "--episodes", str(IMITATION_DEMOS),
+                     "--noise", "0.1", "--out", str(demos)],
+                    ["sft", config, *overrides, f"sft.demos={demos}",
+                     f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
     (run_dir,) = (root / "sft").iterdir()
     result = both_evals(load_config(run_dir / "config.yaml"), checkpoint_weights(run_dir)[0],
@@ -176,7 +180,7 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
-        pretrained, start = pretrain(arms, Path(tmp), eval_episodes)
+        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides)
         if start is not None:
             results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
                             for key, suffix in EVALS.items()})

@@ -44,6 +44,12 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.env.envs_per_simulator % cfg.env.shards:
         problems.append(("env.shards", cfg.env.shards,
                          f"a divisor of env.envs_per_simulator ({cfg.env.envs_per_simulator})"))
+    if not cfg.env.camera and (cfg.env.name != "maniskill" or cfg.env.sim_backend != "cpu" or
+                               cfg.env.wrist_image or not cfg.env.state or
+                               cfg.policy.name != "default"):
+        problems.append(("env.camera", cfg.env.camera, "true, except for env.name=maniskill "
+                         "with env.sim_backend=cpu, env.state=true, env.wrist_image=false and "
+                         "policy.name=default (the state-only setup)"))
     if cfg.env.sim_backend == "gpu" and cfg.env.name != "maniskill":
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "

@@ -169,6 +169,11 @@ class EnvConfig:
     image_size: int = setting(
         64, "Camera image side in pixels: more detail, more bytes per step and a slower "
         "encoder.", ge=16, le=512)
+    camera: bool = setting(
+        True, "maniskill (CPU simulation) only: render the third-person camera (`image`). "
+        "false: state-only observations, nothing rendered (several times the env steps per "
+        "second on CPUs); for the `default` policy, which then reads the state and the "
+        "instruction; VLA policies read the camera.")
     state: bool = setting(
         True, "Include the low-dim state observation (learning is much faster with it; "
         "turn it off to learn from pixels and instruction alone).")

@@ -8,7 +8,8 @@ base + wrist ~100 ms), with exactly the pixels the task's `rgb` mode would give.
 same fields, actions and episodes (maniskill_gpu.py).
 
 Observation fields (per env):
-    image        (S, S, 3)  |u1  the task's third-person camera (`base_camera`), S = image_size
+    image        (S, S, 3)  |u1  the task's third-person camera (`base_camera`), S = image_size;
+                                 not with camera=False (env.camera: state-only, nothing rendered)
     wrist_image  (S, S, 3)  |u1  only if wrist_image: the Panda hand camera (`panda_wristcam`)
     state        (D,)       <f4  only if state: the task's flat `state` observation (robot qpos,
                                  qvel, task extras such as goal and object poses: privileged)
@@ -130,8 +131,9 @@ def render_cameras(u) -> list:
 
 
 def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
-              chunk_len: int, max_episode_chunks: int) -> EnvSpec:
-    """The EnvSpec of a made task env (either backend); ValueError if we cannot run the task."""
+              chunk_len: int, max_episode_chunks: int, camera: bool = True) -> EnvSpec:
+    """The EnvSpec of a made task env (either backend); ValueError if we cannot run the task.
+    `camera` False: no `image` (state-only)."""
     u = env.unwrapped
     if wrist_image and len(u.scene.sensors) < 2:
         raise ValueError(f"ManiSkill task {task} has no wrist camera")
@@ -141,7 +143,7 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
                          f"success flag; tasks that work: {', '.join(NO_DOWNLOAD_TASKS)}")
     img = ((image_size, image_size, 3), "|u1")
     instruction = describe(task)
-    obs = {"image": img, **({"wrist_image": img} if wrist_image else {}),
+    obs = {**({"image": img} if camera else {}), **({"wrist_image": img} if wrist_image else {}),
            "instruction": ((len(words(instruction)),), "<i4")}
     if state:
         obs["state"] = ((int(u.get_obs().shape[-1]),), "<f4")
@@ -153,7 +155,7 @@ class _Slot:
     """One ManiSkill env (num_envs=1, CPU physics)."""
 
     def __init__(self, task: str, image_size: int, wrist_image: bool, reward: str,
-                 horizon: int):
+                 horizon: int, camera: bool = True):
         import torch
         # render on the rank's GPU (devices.py bound it), not SAPIEN's default one
         render = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
@@ -161,6 +163,7 @@ class _Slot:
                                  horizon)
         self.u = self.env.unwrapped
         self.instruction = describe(task)
+        self.camera = camera
 
     def reset(self, rng, init_state_id):
         seed = training_state_ids(rng) if init_state_id is None else int(init_state_id)
@@ -171,9 +174,13 @@ class _Slot:
         return float(reward[0]), bool(info["success"][0])
 
     def observe(self) -> dict:
-        """Every camera rendered once (what the `rgb` obs mode would return) plus the state."""
+        """Every camera rendered once (what the `rgb` obs mode would return) plus the state;
+        the state alone without the camera."""
+        obs = {"state": self.state[0].cpu().numpy()}
+        if not self.camera:
+            return obs
         images = [image[0].cpu().numpy() for image in render_cameras(self.u)]
-        obs = {"image": images[0], "state": self.state[0].cpu().numpy()}
+        obs["image"] = images[0]
         if len(images) > 1:
             obs["wrist_image"] = images[-1]
         return obs
@@ -197,19 +204,19 @@ class ManiSkillEnv(SerialVectorEnv):
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
-                 first_env: int = 0):
+                 first_env: int = 0, camera: bool = True):
         if reward not in ("sparse", "dense"):
             raise ValueError(f"ManiSkillEnv: reward must be sparse or dense, got {reward!r}")
         horizon = chunk_len * max_episode_chunks
 
         def make_slot(_i):
-            return _Slot(task, image_size, wrist_image, reward, horizon)
+            return _Slot(task, image_size, wrist_image, reward, horizon, camera)
 
         first = make_slot(0)
         try:
             first.reset(np.random.default_rng(0), None)
             spec = task_spec(first.env, task, image_size, wrist_image, state, chunk_len,
-                             max_episode_chunks)
+                             max_episode_chunks, camera)
         except BaseException:
             first.close()
             raise

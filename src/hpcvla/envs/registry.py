@@ -40,7 +40,8 @@ def env_kwargs(env_cfg) -> dict:
                     crash_at_step=env_cfg.crash_at_step)
     if env_cfg.name == "maniskill":
         return dict(common, task=env_cfg.task, wrist_image=env_cfg.wrist_image,
-                    reward=env_cfg.reward, sim_backend=env_cfg.sim_backend)
+                    reward=env_cfg.reward, sim_backend=env_cfg.sim_backend,
+                    **({} if env_cfg.camera else {"camera": False}))  # CPU env only
     return dict(common, suite=env_cfg.suite, task=env_cfg.suite_task,
                 wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
                 state_format=env_cfg.state_format)
