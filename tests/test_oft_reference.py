@@ -157,14 +157,17 @@ def test_greedy_rollout_logprobs_at_temperature_one(io):
 @pytest.mark.parametrize("proprio", [False, True], ids=["oft", "oft_proprio"])
 def test_oft_predict_action_is_the_references(io, proprio):
     """OFT's inference sequence (STOP token, no padding, argmax over the whole vocabulary) on
-    OFT's own (PIL-resized) pixel values; proprio: 2 images and the state token."""
+    OFT's own (PIL-resized) pixel values; proprio: 2 images and the state token. Through the
+    public path with policy.sequence=official (the env's observation, the prompt padded as
+    in a batch), the deterministic chunk is predict_action's; RLinf's sequence acts otherwise."""
     run = "oft_proprio" if proprio else "oft"
     for name, row in SAMPLES.items():
         sample = "libero" if name == "libero" else "raw"
         tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
         obs, spec = env_obs(io, sample, tasks, wrist=proprio, state=proprio)
         obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
-        policy = build_policy(config(**(OFFICIAL_PROPRIO if proprio else {})), spec)
+        official = {**(OFFICIAL_PROPRIO if proprio else {}), "policy.sequence": "official"}
+        policy = build_policy(config(**official), spec).eval()
         assert policy.use_proprio == proprio
         model = policy.processor.inputs(obs)
         ids = io[f"{run}.{name}.input_ids"]
@@ -182,28 +185,14 @@ def test_oft_predict_action_is_the_references(io, proprio):
                            io[f"{run}.{name}.action_token_ids"])
         torch.testing.assert_close(policy.processor.actions_out(actions[0], {}).double(),
                                    io[f"{run}.{name}.actions"], rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("proprio", [False, True], ids=["oft", "oft_proprio"])
-def test_the_official_sequence_acts_as_ofts_predict_action(io, proprio):
-    """policy.sequence=official through the public path (the env's observation, the prompt
-    padded as in a batch, OFT's pixel values): the deterministic chunk is OFT's
-    predict_action's; RLinf's sequence acts otherwise."""
-    run = "oft_proprio" if proprio else "oft"
-    for name, row in SAMPLES.items():
-        sample = "libero" if name == "libero" else "raw"
-        tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
-        obs, spec = env_obs(io, sample, tasks, wrist=proprio, state=proprio)
-        obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
-        obs["pixel_values"] = io[f"{run}.{name}.pixel_values"]
-        official = {**(OFFICIAL_PROPRIO if proprio else {}), "policy.sequence": "official"}
-        policy = build_policy(config(**official), spec).eval()
-        actions = policy.act(obs, deterministic=True).actions
-        torch.testing.assert_close(actions[0].double(), io[f"{run}.{name}.actions"],
+        acted = policy.act({**obs, "pixel_values": reference["pixel_values"]},
+                           deterministic=True).actions
+        torch.testing.assert_close(acted[0].double(), io[f"{run}.{name}.actions"],
                                    rtol=0, atol=1e-5)
     if not proprio:
-        rlinf = build_policy(config(), spec).eval().act(obs, deterministic=True).actions
-        assert (rlinf - actions).abs().max() > 0.1
+        rlinf = build_policy(config(), spec).eval()
+        assert (rlinf.act({**obs, "pixel_values": reference["pixel_values"]},
+                          deterministic=True).actions - acted).abs().max() > 0.1
 
 
 def test_logits_logprobs_and_values_in_float64_to_1e5(io):
