@@ -55,6 +55,7 @@ def test_resolved_config_round_trips(tmp_path):
     (["run.seed"], "override", "section.field=value"),
     (["placement.mode=hybrid", "placement.learner_nodes=1"], "placement.learner_nodes",
      "0 unless placement.mode is disaggregated"),
+    (["env.camera=false"], "env.camera", "true, except for env.name=maniskill"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

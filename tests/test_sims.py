@@ -199,6 +199,20 @@ def test_killed_simulator_process_is_restarted(name, capfd):
         env.close()
 
 
+def test_a_maniskill_env_without_its_camera_observes_the_state_alone():
+    """env.camera=false: nothing rendered; the state and instruction as with the camera."""
+    with_camera = make_env("maniskill", 1, seed=0, task="PushCube-v1")
+    state_only = make_env("maniskill", 1, seed=0, task="PushCube-v1", camera=False)
+    try:
+        assert set(with_camera.spec.obs) - set(state_only.spec.obs) == {"image"}
+        first, second = with_camera.reset(), state_only.reset()
+        assert set(second) == set(state_only.spec.obs)
+        np.testing.assert_array_equal(first["state"], second["state"])
+    finally:
+        with_camera.close()
+        state_only.close()
+
+
 def test_what_cannot_run_here_fails_clearly():
     with pytest.raises(RuntimeError, match="download_asset PickClutterYCB-v1"):
         make_env("maniskill", 1, seed=0, task="PickClutterYCB-v1")  # needs YCB: no prompt
