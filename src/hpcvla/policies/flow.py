@@ -75,6 +75,8 @@ from torch import nn
 
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.base import real_steps_mean
+from hpcvla.policies.paligemma import PI0_PREFIX as _PI0
+from hpcvla.policies.paligemma import paligemma_size
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
@@ -82,8 +84,6 @@ MIN_LOG_STD, MAX_LOG_STD = -5.0, 2.0
 LOGPROB_MODES = ("last_step", "chain")
 VARIANTS = ("pi0", "pi05")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
-
-_PI0 = "model.paligemma_with_expert."
 DEFAULT_DENOISE_STEPS = 4  # Euler steps when neither the config nor a folder says
 OPENPI_SAMPLE_STEPS = 10  # openpi's sample_actions(num_steps=10): its folders do not record it
 
@@ -371,41 +371,9 @@ class FlowPolicy(VLAPolicy):
         return terms, entropy, self._value(pooled, state_out)
 
 
-def paligemma_size(shapes: dict) -> dict[str, dict]:
-    """The transformers configs of a published π0/π0.5 from its tensors' shapes (HF names):
-    widths, depths, MLP widths, vocabulary, patch and image size. Head counts are not in the
-    shapes: Gemma's 8 query heads (π0's, at every size; LeRobot hard-codes them) and SigLIP
-    So400m's head width 72 give them."""
-    def layers(prefix):
-        return len({k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)})
-
-    def gemma(prefix):
-        q_rows, width = shapes[prefix + "layers.0.self_attn.q_proj.weight"]
-        head_dim = q_rows // 8
-        return dict(hidden_size=width, num_hidden_layers=layers(prefix + "layers."),
-                    intermediate_size=shapes[prefix + "layers.0.mlp.gate_proj.weight"][0],
-                    num_attention_heads=8, head_dim=head_dim, num_key_value_heads=shapes[
-                        prefix + "layers.0.self_attn.k_proj.weight"][0] // head_dim)
-
-    vision = _PI0 + "paligemma.model.vision_tower.vision_model."
-    width, _, patch, _ = shapes[vision + "embeddings.patch_embedding.weight"]
-    if width % 72:
-        raise ValueError(f"the checkpoint's SigLIP tower is {width} wide, not a multiple of "
-                         "So400m's head width 72: its head count is unknown")
-    positions = shapes[vision + "embeddings.position_embedding.weight"][0]
-    text = gemma(_PI0 + "paligemma.model.language_model.")
-    text["vocab_size"] = shapes.get(_PI0 + "paligemma.lm_head.weight", shapes.get(
-        _PI0 + "paligemma.model.language_model.embed_tokens.weight"))[0]
-    return {"vision": dict(hidden_size=width, num_attention_heads=width // 72, patch_size=patch,
-                           num_hidden_layers=layers(vision + "encoder.layers."),
-                           intermediate_size=shapes[vision + "encoder.layers.0.mlp.fc1.weight"][0],
-                           image_size=patch * math.isqrt(positions)),
-            "text": text, "expert": gemma(_PI0 + "gemma_expert.model.")}
-
-
 def _gaussian(x, mean, log_std):
     """Elementwise log N(x; mean, exp(log_std)^2)."""
     return -0.5 * ((x - mean) * torch.exp(-log_std)) ** 2 - log_std - _LOG_SQRT_2PI
 
 
-__all__ = ["FlowPolicy", "LOGPROB_MODES", "VARIANTS", "paligemma_size"]
+__all__ = ["FlowPolicy", "LOGPROB_MODES", "VARIANTS"]
