@@ -13,10 +13,10 @@
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
 # hosts, check that every node holds the same number of ranks (the rank plan needs it),
 # activate the Python environment, set one BLAS/OpenMP thread pool size per rank, run the
-# ranks, and pass the scheduler's signals on to them as SIGTERM (ranks stop cleanly). SIGUSR1 is the time-limit warning of the Slurm scripts
-# (`#SBATCH --signal=B:USR1@<grace>`): with HPCVLA_REQUEUE=1 the job then requeues itself
-# (`scontrol requeue`) once the ranks have exited with a checkpoint, and the next start
-# continues the run.
+# ranks, and pass the scheduler's signals on to them as SIGTERM (ranks stop cleanly). SIGUSR1
+# is the time-limit warning of the Slurm scripts (`#SBATCH --signal=B:USR1@<grace>`): with
+# HPCVLA_REQUEUE=1 the job then requeues itself (`scontrol requeue`) once the ranks have
+# exited with a checkpoint, and the next start continues the run.
 #
 # Settings (environment):
 #   HPCVLA_VENV       venv to activate (default: <repo>/.venv when it exists)

@@ -116,8 +116,7 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
     spec = env_spec(cfg.env)
     return [("env", cfg.env.name, f"an env {cfg.policy.pretrained} fits: {problem}")
             for problem in dims_problems(cfg.policy.pretrained, trained_dims(
-                cfg.policy.pretrained, padded), spec.obs["state"][0][0]
-                if "state" in spec.obs else 0, spec.action_dim)]
+                cfg.policy.pretrained, padded), spec.state_dim, spec.action_dim)]
 
 
 def check_sft(cfg, source: str = "config") -> None:

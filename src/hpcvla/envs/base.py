@@ -50,6 +50,11 @@ class EnvSpec:
     max_episode_chunks: int  # truncation horizon, in chunks
     vocab: tuple[str, ...]  # instruction vocabulary; token id = index; id 0 is padding ""
 
+    @property
+    def state_dim(self) -> int:
+        """Dims of the `state` observation, 0 when the env gives none."""
+        return self.obs["state"][0][0] if "state" in self.obs else 0
+
 
 class StepResult(NamedTuple):
     """What `VectorEnv.step` returns; every array has leading dimension num_envs."""

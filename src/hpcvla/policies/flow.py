@@ -200,7 +200,7 @@ class FlowPolicy(VLAPolicy):
         from hpcvla.policies.processor import CheckpointProcessor
         return CheckpointProcessor.from_folder(
             folder, tokenizer_folder, self.variant, spec.vocab,
-            spec.obs["state"][0][0] if "state" in spec.obs else 0, spec.action_dim,
+            spec.state_dim, spec.action_dim,
             {"state_dim": self.model_state_dim, "action_dim": self.model_action_dim},
             delta_action_dims)
 

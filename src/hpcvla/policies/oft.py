@@ -275,5 +275,5 @@ class OFTPolicy(VLAPolicy):
         return terms, entropy, value
 
 
-__all__ = ["OFTPolicy", "SEQUENCES", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of", "column_bins",
-           "value_logprobs"]
+__all__ = ["OFTPolicy", "SEQUENCES", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of",
+           "column_bins", "value_logprobs"]

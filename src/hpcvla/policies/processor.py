@@ -129,11 +129,7 @@ class CheckpointProcessor:
         if mismatch:
             raise ValueError(f"{folder}: " + "; ".join(mismatch))
         tokenizer = load_tokenizer(tokenizer_folder, folder)
-        delta = delta_mask(folder, delta_action_dims, action_dim)
-        if delta is not None and len(delta) > state_dim:
-            raise ValueError(f"{folder}: its first {len(delta)} action dims are relative to "
-                             f"the state, but the env gives a {state_dim}-d state: "
-                             "policy.delta_action_dims=0 if the checkpoint acts absolutely")
+        steps = {}  # LeRobot's processor steps (openpi's folders have none)
         if (folder / "policy_preprocessor.json").is_file():
             stats, steps = lerobot_steps(folder)
             eps, modes = steps["normalizer_processor"]
@@ -155,6 +151,11 @@ class CheckpointProcessor:
         if variant == "pi05" and state is None:
             raise ValueError("π0.5 reads the state in its prompt: the env must give one "
                              "(env.state)")
+        delta = delta_mask(steps, delta_action_dims, action_dim)
+        if delta is not None and len(delta) > state_dim:
+            raise ValueError(f"{folder}: its first {len(delta)} action dims are relative to "
+                             f"the state, but the env gives a {state_dim}-d state: "
+                             "policy.delta_action_dims=0 if the checkpoint acts absolutely")
         return cls(tokenizer, prompt, max_tokens, state, action, vocab, delta)
 
     # ------------------------------------------------------------------ observations
@@ -245,26 +246,20 @@ def trained_dims(folder, padded: dict) -> dict[str, int | None]:
     return {key: None if not n or n == padded.get(key) else n for key, n in found.items()}
 
 
-def delta_mask(folder, delta_action_dims: int, action_dim: int) -> torch.Tensor | None:
+def delta_mask(steps: dict, delta_action_dims: int, action_dim: int) -> torch.Tensor | None:
     """Which leading action dims the checkpoint predicts relative to the state (bool, None
-    for none): `delta_action_dims` > 0 the first N, 0 none, -1 as the folder records it
-    (LeRobot's absolute_actions_processor when enabled, with the mask of its paired
-    relative_actions_processor: every dim but the joints its `exclude_joints` name among
-    `action_names`, all when it has no names)."""
+    for none): `delta_action_dims` > 0 the first N, 0 none, -1 as the folder's LeRobot
+    processor `steps` (lerobot_steps) record it: its absolute_actions_processor when enabled,
+    with the mask of its paired relative_actions_processor: every dim but the joints its
+    `exclude_joints` name among `action_names`, all when it has no names."""
     if delta_action_dims >= 0:
         if delta_action_dims > action_dim:
             raise ValueError(f"policy.delta_action_dims={delta_action_dims}: the env's "
                              f"actions have {action_dim} dims")
         return torch.ones(delta_action_dims, dtype=torch.bool) if delta_action_dims else None
-
-    def step(file, name):
-        path = Path(folder) / file
-        steps = json.loads(path.read_text()).get("steps", []) if path.is_file() else []
-        return next((s.get("config", {}) for s in steps if s.get("registry_name") == name), {})
-
-    if not step("policy_postprocessor.json", "absolute_actions_processor").get("enabled"):
+    if not steps.get("absolute_actions_processor", {}).get("enabled"):
         return None  # the post-processor adds the state back only where this step is on
-    config = step("policy_preprocessor.json", "relative_actions_processor")  # its mask
+    config = steps.get("relative_actions_processor", {})  # the pre-processor's: its mask
     names, excluded = config.get("action_names"), config.get("exclude_joints") or []
     if not names or not excluded:
         return torch.ones(action_dim, dtype=torch.bool)
@@ -320,7 +315,8 @@ def load_tokenizer(tokenizer_folder, checkpoint):
 def lerobot_steps(folder: Path) -> tuple[dict, dict]:
     """LeRobot's processor pipelines: the statistics (feature -> stat -> tensor; actions from
     the post-processor, which unnormalizes them), and per step what we read: the normalizer's
-    (eps, norm_map), the tokenizer's max_length."""
+    (eps, norm_map), the tokenizer's max_length, the relative and absolute action steps'
+    configs."""
     from safetensors.torch import load_file
 
     stats, steps = {}, {}
@@ -334,6 +330,9 @@ def lerobot_steps(folder: Path) -> tuple[dict, dict]:
             config = step.get("config", {})
             if step.get("registry_name") == "tokenizer_processor":
                 steps["tokenizer_processor"] = config.get("max_length")
+            if step.get("registry_name") in ("relative_actions_processor",
+                                             "absolute_actions_processor"):
+                steps[step["registry_name"]] = config
             if step.get("registry_name") in ("normalizer_processor",
                                              "unnormalizer_processor") and "state_file" in step:
                 steps.setdefault("normalizer_processor", (config.get("eps", 1e-8),
