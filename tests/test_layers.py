@@ -7,8 +7,9 @@ own floor or the floors below it.
        trainrun, sft, recording           plan a scale-out, run a training world, fine-tune,
                                           record an expert's demonstrations
     5  roles                              the per-rank loops: simulator, inference, learner
-    4  factory, engines, preflight        build what a role runs (envs, policies, engines);
-                                          check files, packages and checkpoints before a run
+    4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
+       memory                             check files, packages, checkpoints and memory
+                                          before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
        demonstrations
@@ -42,7 +43,7 @@ FLOORS = {
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
-    4: ("factory", "engines", "preflight"),
+    4: ("factory", "engines", "preflight", "memory"),
     5: ("roles",),
     6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording"),
     7: ("bench",),

@@ -231,12 +231,18 @@ def cmd_plan(args) -> int:
     gpus = cfg.placement.gpus_per_node
     gpus = gpus if gpus >= 0 else len(visible_gpus())  # this host's, unless previewing
     devices = plan_devices(plan, gpus, env_uses_gpu(cfg.env))
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import plan_memory
+    memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))
     if args.json:
-        print(json.dumps({**plan.to_dict(), "devices": {str(r): d for r, d in devices.items()}},
-                         indent=1))
+        print(json.dumps({**plan.to_dict(), "devices": {str(r): d for r, d in devices.items()},
+                          "memory": memory.to_dict()}, indent=1))
     else:
-        print(plan.table(devices))
-    return 0
+        print(plan.table(devices, memory.columns()))
+        print(memory.summary())
+    for name, value, text in memory.problems:
+        print(f"hpcvla plan: does not fit: {name} = {value!r}: expected {text}", file=sys.stderr)
+    return 2 if memory.problems else 0
 
 
 def cmd_config(args) -> int:

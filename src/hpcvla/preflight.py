@@ -167,9 +167,27 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
 
 
 def check_launch(cfg, plan: RankPlan) -> None:
-    """What the launching process checks before it starts any rank: check_pipeline, then a
-    published folder against the env (pretrained_env_problems)."""
+    """What the launching process checks before it starts any rank: check_pipeline, a
+    published folder against the env (pretrained_env_problems), and whether the layout fits
+    its GPUs' memory (memory_problems)."""
     check_pipeline(cfg, plan)
     problems = pretrained_env_problems(cfg)
     if problems:
         raise ConfigError(problems, "policy.pretrained")
+    problems = memory_problems(cfg, plan)
+    if problems:
+        raise ConfigError(problems, "memory plan (hpcvla plan shows it)")
+
+
+def memory_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
+    """The GPUs the layout overfills (memory/layout.py), where it puts ranks on GPUs."""
+    from hpcvla.devices import plan_devices, visible_gpus
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import plan_memory
+
+    gpus = cfg.placement.gpus_per_node
+    devices = plan_devices(plan, gpus if gpus >= 0 else len(visible_gpus()),
+                           env_uses_gpu(cfg.env))
+    if not any(d.startswith("cuda") for d in devices.values()):
+        return []
+    return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems

@@ -8,7 +8,7 @@ def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
     bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
-                                          "gpu", "scale"],
+                                          "gpu", "scale", "memory"],
                        help="what to measure; `learning` also takes key=value overrides for "
                             "every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
@@ -62,6 +62,10 @@ def bench_command(args) -> int:
     if args.target == "policies":  # one process: parameter counts and step times
         from hpcvla.bench import policies
         policies.run(quick=args.quick, json_path=args.json)
+        return 0
+    if args.target == "memory":  # one process per measured learner
+        from hpcvla.bench import memory
+        memory.run(quick=args.quick, json_path=args.json)
         return 0
     if args.target == "gpu":  # one process; starts the training worlds itself
         from hpcvla.bench import gpu

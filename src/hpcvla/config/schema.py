@@ -83,6 +83,11 @@ class PlacementConfig:
         "node with it). Inference and learner ranks get a GPU each, never two learners one "
         "GPU; simulators one where their simulator renders or simulates on it (devices.py).",
         ge=-1)
+    gpu_memory_gb: float = setting(
+        0.0, "Memory of one GPU in GiB, for the memory plan (hpcvla/memory/): a layout whose "
+        "ranks need more on any GPU is refused before launch (`hpcvla plan` shows the "
+        "figures). 0 = the first GPU this host's torch sees; unknown, so nothing refused, "
+        "where it sees none (preview a cluster's GPUs from a login node with e.g. 80).", ge=0)
 
 
 PIPELINE_MODES = MODES  # the modes and their traits: hpcvla/schedule.py

@@ -83,17 +83,21 @@ class RankPlan:
                    control_plane=list(self.control_plane))
         return out
 
-    def table(self, devices: dict[int, str] | None = None) -> str:
+    def table(self, devices: dict[int, str] | None = None,
+              columns: dict[str, dict[int, str]] | None = None) -> str:
         """A map a person can read: one summary line, then one row per rank (with its device
-        when `devices`, rank -> "cuda:i" | "cpu", is given)."""
-        devices = devices or {}
+        when `devices`, rank -> "cuda:i" | "cpu", is given, and `columns`: heading -> rank ->
+        text, before the notes)."""
+        devices, columns = devices or {}, columns or {}
+        extra = {h: max([len(h), *map(len, col.values())]) for h, col in columns.items()}
         n_inf, n_learn = len(self.with_role(INF)), len(self.learners)
         lines = [
             f"mode {self.mode}: {self.world_size} ranks on {self.num_nodes} node(s) of "
             f"{self.ranks_per_node}; {len(self.cells)} cell(s), {n_learn} learner(s), "
             f"inference:learner = {n_inf}:{n_learn}, weight root rank {self.weight_root}",
             f"{'rank':>5} {'node':>4} {'local':>5}  {'roles':<28} {'cell':>4} {'feeds':>5}  "
-            + (f"{'device':<7} " if devices else "") + "notes",
+            + (f"{'device':<7} " if devices else "")
+            + "".join(f"{h:>{w}}  " for h, w in extra.items()) + "notes",
         ]
         for info in self.ranks:
             notes = []
@@ -104,6 +108,7 @@ class RankPlan:
             cell = "-" if info.cell is None else str(info.cell)
             feeds = str(self.feeds[info.rank]) if info.rank in self.feeds else "-"
             device = f"{devices[info.rank]:<7} " if devices else ""
+            device += "".join(f"{columns[h].get(info.rank, '-'):>{w}}  " for h, w in extra.items())
             lines.append(f"{info.rank:>5} {info.node:>4} {info.local_rank:>5}  "
                          f"{'+'.join(info.roles):<28} {cell:>4} {feeds:>5}  {device}"
                          f"{', '.join(notes)}".rstrip())

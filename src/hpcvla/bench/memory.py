@@ -1,0 +1,164 @@
+"""`hpcvla bench memory`: the memory model (hpcvla/memory/) against what it models, side by
+side in one run.
+
+* Learner peaks on this machine: for each case (a policy, a ZeRO stage, a micro-batch), a
+  fresh process builds the policy, trains two steps under DeepSpeed (one learner, gloo) and
+  reports its peak resident memory above what it held before the engine started (sampled
+  every 0.5 ms); the model predicts the same difference: the learner's figure less the
+  weights, which the process held already. CPU: no CUDA context, untouched pages are free.
+* Model states at full size (π0, OpenVLA-OFT in bf16, parameters counted on the meta device)
+  against DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`, no offload),
+  per learner for 8 and 64 learners."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+# name -> (config, overrides, ZeRO stage, observations per micro-batch)
+CASES = {
+    "flow-small-z0": ("configs/reach_flow.yaml", ["policy.size=small"], 0, 64),
+    "flow-small-z1": ("configs/reach_flow.yaml", ["policy.size=small"], 1, 64),
+    "flow-small-z2": ("configs/reach_flow.yaml", ["policy.size=small"], 2, 64),
+    "flow-small-z3": ("configs/reach_flow.yaml", ["policy.size=small"], 3, 64),
+    "flow-small-bf16-z0": ("configs/reach_flow.yaml", ["policy.size=small",
+                                                       "policy.dtype=bfloat16"], 0, 64),
+    "flow-small-bf16-z2": ("configs/reach_flow.yaml", ["policy.size=small",
+                                                       "policy.dtype=bfloat16"], 2, 64),
+    "tokens-small-z0": ("configs/reach_tokens.yaml", ["policy.size=small"], 0, 32),
+    "tokens-small-z1": ("configs/reach_tokens.yaml", ["policy.size=small"], 1, 32),
+    "tokens-small-z3": ("configs/reach_tokens.yaml", ["policy.size=small"], 3, 32),
+}
+QUICK = ("flow-small-z0", "tokens-small-z1")
+FULL_SIZE = {"pi0": ("configs/libero_pi0.yaml", ["policy.pretrained=", "policy.tokenizer=",
+                                                 "policy.size=full", "env.image_size=224"]),
+             "oft": ("configs/libero_oft.yaml", ["policy.pretrained=", "policy.size=full",
+                                                 "env.image_size=224"])}
+
+# The child: build, warm up the kernels' own memory with a 1-observation step, then measure.
+MEASURE = r"""
+import gc, json, os, sys, threading, time
+import torch
+from hpcvla.config import load_config
+from hpcvla.engines.base import adamw
+from hpcvla.envs import env_spec
+from hpcvla.factory import build_policy
+from hpcvla.memory.footprint import observation_batch
+torch.set_num_threads(1)
+config, overrides, stage, n = json.loads(sys.argv[1])
+cfg = load_config(config, overrides)
+spec = env_spec(cfg.env)
+policy = build_policy(cfg, spec)
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import deepspeed
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")
+deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+obs = observation_batch(spec, policy.extra_fields(), n)
+actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
+def step(forward, o, a):
+    logprob, value, entropy = forward(o, a)
+    return logprob.float().mean() + value.float().mean() + entropy.float().mean()
+step(policy, {k: v[:1] for k, v in obs.items()}, actions[:1]).backward()
+policy.zero_grad(set_to_none=True)
+gc.collect()
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+base = rss(); peak = [base]; done = threading.Event()
+def watch():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss()); time.sleep(0.0005)
+watcher = threading.Thread(target=watch, daemon=True); watcher.start()
+bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters())
+engine, *_ = deepspeed.initialize(model=policy, optimizer=adamw(cfg, policy), config={
+    "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+    "gradient_clipping": 0.5, "steps_per_print": 10 ** 9})
+for _ in range(2):
+    engine.backward(step(engine, obs, actions)); engine.step()
+done.set(); watcher.join()
+print("MEASURED", peak[0] - base)
+"""
+
+
+def measure(config: str, overrides: list[str], stage: int, n: int, port: int) -> int:
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([config, overrides, stage,
+                                                                     n]), str(port)],
+                         capture_output=True, text=True, timeout=900)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("MEASURED")]
+    if out.returncode or not lines:
+        raise RuntimeError(f"measuring {config} {overrides} at ZeRO-{stage} failed:\n"
+                           f"{out.stderr[-3000:]}")
+    return int(lines[-1].split()[1])
+
+
+def predict(config: str, overrides: list[str], stage: int, n: int) -> dict:
+    """The model's figure for what `measure` sees, and its parts."""
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.footprint import policy_footprint
+    from hpcvla.memory.states import learner_bytes
+    cfg = load_config(config, overrides)
+    fp = policy_footprint(cfg, env_spec(cfg.env), n, 1, on_gpus=False)
+    parts = learner_bytes(fp, stage, 1, on_gpu=False)
+    return {"predicted": sum(parts.values()) - fp.weight_bytes, "parts": parts,
+            "params": fp.params}
+
+
+def peaks(names) -> dict:
+    out = {}
+    for i, name in enumerate(names):
+        config, overrides, stage, n = CASES[name]
+        row = predict(config, overrides, stage, n)
+        row["measured"] = measure(config, overrides, stage, n, 29600 + i)
+        row["predicted_over_measured"] = row["predicted"] / row["measured"]
+        out[name] = row
+        print(f"{name:<20} measured {row['measured'] / 2 ** 20:7.0f} MiB  predicted "
+              f"{row['predicted'] / 2 ** 20:7.0f} MiB  ratio {row['predicted_over_measured']:.2f}",
+              flush=True)
+    return out
+
+
+def full_size_states(learners=(8, 64)) -> dict:
+    """Model states per learner at full size vs DeepSpeed's estimators (ZeRO-2 and -3)."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    from hpcvla.memory.footprint import Footprint, parameter_counts
+    from hpcvla.memory.states import model_states
+    out = {}
+    for name, (config, overrides) in FULL_SIZE.items():
+        cfg = load_config(config, overrides + ["policy.dtype=bfloat16"])
+        meta = build_policy(cfg, env_spec(cfg.env), device="meta")
+        params, trainable, b, largest = parameter_counts(meta)
+        weights = sum(t.numel() * t.element_size() for t in [*meta.parameters(),
+                                                               *meta.buffers()])
+        fp = Footprint(params, trainable, weights, b, largest, 0, 0, 0, 0)
+        for n in learners:
+            for stage in (2, 3):
+                ours = model_states(fp, stage, n)
+                ours = sum(ours.values()) - ours["gradient bucket"]  # not in DeepSpeed's
+                if stage == 2:
+                    _, theirs = estimate_zero2_model_states_mem_needs(
+                        params, num_gpus_per_node=n, cpu_offload=False)
+                else:
+                    _, theirs, _ = estimate_zero3_model_states_mem_needs(
+                        params, largest, num_gpus_per_node=n, cpu_offload=False,
+                        cpu_offload_params=False)
+                key = f"{name} ZeRO-{stage} x{n}"
+                out[key] = {"ours": ours, "deepspeed": theirs, "ratio": ours / theirs,
+                            "params": params}
+                print(f"{key:<20} ours {ours / 2 ** 30:6.2f} GiB  DeepSpeed "
+                      f"{theirs / 2 ** 30:6.2f} GiB  ratio {ours / theirs:.3f}", flush=True)
+    return out
+
+
+def run(quick: bool = False, json_path: str | None = None) -> dict:
+    result = {"learner_peaks": peaks(QUICK if quick else CASES),
+              "full_size_model_states": full_size_states()}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    return result

@@ -1,0 +1,172 @@
+"""A layout's memory: every GPU's bytes (the ranks on it, states.py) and every node's host
+bytes, and the problems of a layout that does not fit, each naming the rank, the figure and
+the settings that would make it fit. `hpcvla plan` prints the figures; the launcher refuses
+what does not fit (preflight.check_launch). docs/memory.md."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, size
+
+INF, LEARN = "inference", "learner"
+
+
+@dataclass
+class LayoutMemory:
+    gpu: dict[int, dict[str, int]]  # rank -> part -> bytes on its GPU (GPU ranks only)
+    host: dict[int, dict[str, int]]  # node -> part -> bytes of host memory at its peak
+    device: dict[int, str]  # rank -> "cuda:i" | "cpu"
+    node: dict[int, int]  # rank -> node
+    capacity_gib: float  # one GPU's memory (0: unknown)
+    dtype_bytes: int  # of the trained parameters
+    problems: list[tuple[str, object, str]] = field(default_factory=list)
+
+    def sharing(self) -> dict[tuple[int, str], list[int]]:
+        """(node, device) -> the ranks on that GPU."""
+        out: dict[tuple[int, str], list[int]] = {}
+        for rank in self.gpu:
+            out.setdefault((self.node[rank], self.device[rank]), []).append(rank)
+        return out
+
+    def columns(self) -> dict[str, dict[int, str]]:
+        """The plan table's column: each GPU rank's peak in GiB."""
+        if not self.gpu:
+            return {}
+        return {"GPU GiB": {r: f"{sum(parts.values()) / GIB:.1f}" for r, parts in self.gpu.items()}}
+
+    def summary(self) -> str:
+        """Lines under the plan table: each GPU's total against its capacity, the largest
+        parts of the busiest GPU, and every node's host memory."""
+        capacity = f"{self.capacity_gib:g} GiB" if self.capacity_gib else "unknown"
+        lines = [f"memory (hpcvla/memory/; GPU capacity {capacity}):"]
+        totals = {key: sum(sum(self.gpu[r].values()) for r in ranks)
+                  for key, ranks in self.sharing().items()}
+        if totals:
+            (node, device), top = max(totals.items(), key=lambda kv: kv[1])
+            ranks = self.sharing()[(node, device)]
+            parts: dict[str, int] = {}
+            for r in ranks:
+                for k, v in self.gpu[r].items():
+                    add(parts, k, v)
+            lines.append(f"  busiest GPU: node {node} {device} (rank(s) "
+                         f"{', '.join(map(str, ranks))}) {size(top)} = " + " + ".join(
+                             f"{k} {size(v)}" for k, v in parts.items() if v))
+        for node, parts in self.host.items():
+            lines.append(f"  node {node} host memory {size(sum(parts.values()))} = "
+                         + " + ".join(f"{k} {size(v)}" for k, v in parts.items()))
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {"gpu_capacity_gib": self.capacity_gib,
+                "gpu": {str(r): parts for r, parts in self.gpu.items()},
+                "host": {str(n): parts for n, parts in self.host.items()},
+                "problems": [f"{k} = {v!r}: expected {text}" for k, v, text in self.problems]}
+
+
+def plan_memory(cfg, plan, devices: dict[int, str], spec) -> LayoutMemory:
+    """The memory of `plan` as configured: the policy's footprint at the learner's micro-batch
+    (learner.micro_batch segments of rollout.segment_len observations) and at the largest
+    cell's batch (every env it serves), on `devices` (devices.plan_devices)."""
+    from hpcvla.memory.footprint import policy_footprint
+    on_gpus = any(d.startswith("cuda") for d in devices.values())
+    envs = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
+    fp = policy_footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len,
+                          envs, on_gpus)
+    return layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement))
+
+
+def gpu_capacity_gib(placement) -> float:
+    """placement.gpu_memory_gb, else the first GPU torch sees here, else 0 (unknown)."""
+    if placement.gpu_memory_gb > 0:
+        return placement.gpu_memory_gb
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GIB
+    return 0.0
+
+
+def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -> LayoutMemory:
+    """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
+    (footprint.policy_footprint at the config's micro-batch and inference batch)."""
+    learners = len(plan.learners)
+    gpu, host = {}, {n: {} for n in range(plan.num_nodes)}
+    node = {info.rank: info.node for info in plan.ranks}
+    for info in plan.ranks:
+        on_gpu = devices.get(info.rank, "cpu").startswith("cuda")
+        parts: dict[str, int] = {}
+        if LEARN in info.roles:
+            parts = learner_bytes(fp, cfg.learner.zero_stage, learners, on_gpu)
+        if INF in info.roles:  # colocated: the same weights; the larger of the two batches
+            alone = inference_bytes(fp, on_gpu)
+            parts = {k: max(parts.get(k, 0), v) for k, v in alone.items()} | \
+                {k: v for k, v in parts.items() if k not in alone}
+        if parts and on_gpu:
+            gpu[info.rank] = parts
+        if INF in info.roles or LEARN in info.roles:
+            add(host[info.node], "policy builds", build_bytes(fp))
+            if not on_gpu:
+                add(host[info.node], "cpu ranks' working memory", sum(parts.values()))
+        if LEARN in info.roles:
+            add(host[info.node], "trajectory rings",
+                cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
+        if info.rank == plan.weight_root:
+            add(host[info.node], "weight root staging", 2 * fp.weight_bytes)
+    for leader in plan.node_leaders:
+        add(host[node[leader]], "node weight window", 2 * fp.weight_bytes)
+    out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
+                       dtype_bytes=fp.dtype_bytes)
+    out.problems = fit_problems(cfg, out)
+    return out
+
+
+def build_bytes(fp) -> int:
+    """Host memory of one rank building the policy: policies are built in float32 on the CPU
+    and then cast to their dtype (both copies alive for the cast)."""
+    fp32 = 4 * fp.params
+    return fp32 + (fp.weight_bytes if fp.dtype_bytes < 4 else 0)
+
+
+def add(parts: dict[str, int], name: str, nbytes: int) -> None:
+    parts[name] = parts.get(name, 0) + nbytes
+
+
+def fit_problems(cfg, memory: LayoutMemory) -> list[tuple[str, object, str]]:
+    """One problem per GPU the layout overfills, (the setting to change, its value, what
+    fits): its ranks, the figure, the largest parts and the settings that shrink them."""
+    if memory.capacity_gib <= 0:
+        return []
+    out = []
+    for (node, device), ranks in memory.sharing().items():
+        parts: dict[str, int] = {}
+        for r in ranks:
+            for k, v in memory.gpu[r].items():
+                add(parts, k, v)
+        total = sum(parts.values())
+        if total <= memory.capacity_gib * GIB:
+            continue
+        biggest = ", ".join(f"{k} {size(v)}" for k, v in
+                            sorted(parts.items(), key=lambda kv: -kv[1])[:3])
+        learns = "moments" in parts
+        field, value = (("learner.micro_batch", cfg.learner.micro_batch) if learns else
+                        ("env.envs_per_simulator", cfg.env.envs_per_simulator))
+        out.append((field, value, f"a layout that fits: rank(s) {', '.join(map(str, ranks))} "
+                    f"on node {node} {device} need {size(total)} > placement.gpu_memory_gb = "
+                    f"{memory.capacity_gib:g} (largest: {biggest}). {knobs(cfg, learns, memory)}"))
+    return out
+
+
+def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
+    """The settings that shrink what a GPU's ranks hold, largest lever first."""
+    if not learns:
+        return ("Fit it with fewer envs per inference rank (env.envs_per_simulator, or fewer "
+                "simulators per cell in placement.per_node).")
+    obs = cfg.learner.micro_batch * cfg.rollout.segment_len
+    out = [f"a smaller learner.micro_batch ({cfg.learner.micro_batch} segments x "
+           f"rollout.segment_len {cfg.rollout.segment_len} = {obs} observations per "
+           "forward/backward)"]
+    if cfg.learner.zero_stage < 3:
+        out.append(f"learner.zero_stage={cfg.learner.zero_stage + 1} with more learners")
+    if memory.dtype_bytes == 4:
+        out.append("policy.dtype=bfloat16")
+    return "Fit it with " + "; or ".join(out) + "."

@@ -1,0 +1,61 @@
+"""The memory plan (hpcvla/memory/): the model against DeepSpeed, measured and estimated, and
+`hpcvla plan` / the launcher refusing what does not fit. The whole comparison is
+`hpcvla bench memory` (docs/memory.md)."""
+
+import pytest
+
+from hpcvla.bench import memory as bench
+from hpcvla.cli import main
+from hpcvla.config import load_config
+from hpcvla.preflight import memory_problems
+from hpcvla.topology.plan import plan_from_config
+
+PI0_FULL = ["configs/libero_pi0.yaml", "policy.pretrained=", "policy.tokenizer=",
+            "policy.size=full", "env.image_size=224"]
+
+
+@pytest.mark.slow
+def test_model_states_at_full_size_are_deepspeeds_estimates():
+    """π0 and OpenVLA-OFT in bf16, 8 learners, ZeRO-2 and -3: within 5 % of DeepSpeed's
+    own estimators (bench.full_size_states leaves out the gradient bucket, which they omit)."""
+    states = bench.full_size_states(learners=(8,))
+    assert set(states) == {f"{p} ZeRO-{s} x8" for p in ("pi0", "oft") for s in (2, 3)}
+    assert states["pi0 ZeRO-2 x8"]["params"] > 3e9 and states["oft ZeRO-2 x8"]["params"] > 7e9
+    for key, row in states.items():
+        assert 0.95 <= row["ratio"] <= 1.05, (key, row)
+
+
+@pytest.mark.slow
+def test_the_model_predicts_a_deepspeed_learners_measured_peak():
+    """A real DeepSpeed learner (ZeRO-0, the small flow policy, 64 observations) in a fresh
+    process: its measured peak above the weights is within 15 % of the model's."""
+    row = bench.peaks(["flow-small-z0"])["flow-small-z0"]
+    assert row["measured"] > 500 * 2 ** 20, row  # the activations dominate: a real peak
+    assert 0.85 <= row["predicted_over_measured"] <= 1.15, row
+
+
+@pytest.mark.slow
+def test_plan_shows_memory_and_refuses_a_micro_batch_that_does_not_fit(capsys):
+    """π0 at full size on an 8-GPU node of 80 GiB: 128 segments of 4 observations per
+    backward do not fit; the refusal names the learner ranks, the figure and the knobs."""
+    node = ["--world", "8", "--ranks-per-node", "8",
+            "placement.per_node={simulator: 4, inference: 2, learner: 2}",
+            "placement.gpus_per_node=8", "placement.gpu_memory_gb=80"]
+    assert main(["plan", *PI0_FULL, *node, "learner.micro_batch=128"]) == 2
+    out, err = capsys.readouterr()
+    assert "GPU GiB" in out and "host memory" in out and "busiest GPU" in out, out
+    assert "learner.micro_batch = 128: expected a layout that fits: rank(s) 6 on node 0" in err
+    assert "learner.zero_stage=2" in err and "512 observations" in err, err
+
+
+def test_the_launch_check_refuses_gpus_it_would_overfill():
+    """memory_problems (preflight.check_launch) on a GPU layout that overfills its GPUs, and
+    nothing on a CPU-only one."""
+    overrides = ["placement.gpus_per_node=4", "placement.gpu_memory_gb=1.4"]  # the inference rank fits
+    cfg = load_config("configs/default.yaml", overrides)
+    plan = plan_from_config(cfg.placement, 4)
+    problems = memory_problems(cfg, plan)
+    assert [p[0] for p in problems] == ["learner.micro_batch"], problems
+    assert "rank(s) 3 on node 0 cuda:0" in problems[0][2] and "cuda context" in problems[0][2]
+    cfg = load_config("configs/default.yaml", ["placement.gpus_per_node=0"])
+    assert memory_problems(cfg, plan) == []
