@@ -51,7 +51,8 @@ def test_plan_shows_memory_and_refuses_a_micro_batch_that_does_not_fit(capsys):
 def test_the_launch_check_refuses_gpus_it_would_overfill():
     """memory_problems (preflight.check_launch) on a GPU layout that overfills its GPUs, and
     nothing on a CPU-only one."""
-    overrides = ["placement.gpus_per_node=4", "placement.gpu_memory_gb=1.4"]  # the inference rank fits
+    # 1.4 GiB: the inference rank (CUDA context 1.0 + a small policy) fits, the learner not
+    overrides = ["placement.gpus_per_node=4", "placement.gpu_memory_gb=1.4"]
     cfg = load_config("configs/default.yaml", overrides)
     plan = plan_from_config(cfg.placement, 4)
     problems = memory_problems(cfg, plan)
