@@ -226,13 +226,10 @@ def cmd_plan(args) -> int:
     if args.ranks_per_node is not None:
         cfg.placement.ranks_per_node = args.ranks_per_node
     plan = plan_from_config(cfg.placement, args.world)
-    from hpcvla.devices import plan_devices, visible_gpus
-    from hpcvla.envs import env_uses_gpu
-    gpus = cfg.placement.gpus_per_node
-    gpus = gpus if gpus >= 0 else len(visible_gpus())  # this host's, unless previewing
-    devices = plan_devices(plan, gpus, env_uses_gpu(cfg.env))
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import plan_memory
+    from hpcvla.preflight import layout_devices
+    devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others
     memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))
     if args.json:
         print(json.dumps({**plan.to_dict(), "devices": {str(r): d for r, d in devices.items()},

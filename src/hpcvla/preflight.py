@@ -179,15 +179,21 @@ def check_launch(cfg, plan: RankPlan) -> None:
         raise ConfigError(problems, "memory plan (hpcvla plan shows it)")
 
 
+def layout_devices(cfg, plan: RankPlan) -> dict[int, str]:
+    """Every rank's device (devices.plan_devices) on nodes of placement.gpus_per_node GPUs,
+    or, where it is -1, of as many as this host's torch sees."""
+    from hpcvla.devices import plan_devices, visible_gpus
+
+    gpus = cfg.placement.gpus_per_node
+    return plan_devices(plan, gpus if gpus >= 0 else len(visible_gpus()), env_uses_gpu(cfg.env))
+
+
 def memory_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
     """The GPUs the layout overfills (memory/layout.py), where it puts ranks on GPUs."""
-    from hpcvla.devices import plan_devices, visible_gpus
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import plan_memory
 
-    gpus = cfg.placement.gpus_per_node
-    devices = plan_devices(plan, gpus if gpus >= 0 else len(visible_gpus()),
-                           env_uses_gpu(cfg.env))
+    devices = layout_devices(cfg, plan)
     if not any(d.startswith("cuda") for d in devices.values()):
         return []
     return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems

@@ -22,11 +22,14 @@ class LayoutMemory:
     dtype_bytes: int  # of the trained parameters
     problems: list[tuple[str, object, str]] = field(default_factory=list)
 
-    def sharing(self) -> dict[tuple[int, str], list[int]]:
-        """(node, device) -> the ranks on that GPU."""
-        out: dict[tuple[int, str], list[int]] = {}
-        for rank in self.gpu:
-            out.setdefault((self.node[rank], self.device[rank]), []).append(rank)
+    def per_gpu(self) -> dict[tuple[int, str], tuple[list[int], dict[str, int]]]:
+        """(node, device) -> the ranks on that GPU and their parts added up."""
+        out: dict[tuple[int, str], tuple[list[int], dict[str, int]]] = {}
+        for rank, parts in self.gpu.items():
+            ranks, total = out.setdefault((self.node[rank], self.device[rank]), ([], {}))
+            ranks.append(rank)
+            for name, nbytes in parts.items():
+                add(total, name, nbytes)
         return out
 
     def columns(self) -> dict[str, dict[int, str]]:
@@ -40,18 +43,13 @@ class LayoutMemory:
         parts of the busiest GPU, and every node's host memory."""
         capacity = f"{self.capacity_gib:g} GiB" if self.capacity_gib else "unknown"
         lines = [f"memory (hpcvla/memory/; GPU capacity {capacity}):"]
-        totals = {key: sum(sum(self.gpu[r].values()) for r in ranks)
-                  for key, ranks in self.sharing().items()}
-        if totals:
-            (node, device), top = max(totals.items(), key=lambda kv: kv[1])
-            ranks = self.sharing()[(node, device)]
-            parts: dict[str, int] = {}
-            for r in ranks:
-                for k, v in self.gpu[r].items():
-                    add(parts, k, v)
+        gpus = self.per_gpu()
+        if gpus:
+            (node, device), (ranks, parts) = max(gpus.items(),
+                                                 key=lambda kv: sum(kv[1][1].values()))
             lines.append(f"  busiest GPU: node {node} {device} (rank(s) "
-                         f"{', '.join(map(str, ranks))}) {size(top)} = " + " + ".join(
-                             f"{k} {size(v)}" for k, v in parts.items() if v))
+                         f"{', '.join(map(str, ranks))}) {size(sum(parts.values()))} = "
+                         + " + ".join(f"{k} {size(v)}" for k, v in parts.items() if v))
         for node, parts in self.host.items():
             lines.append(f"  node {node} host memory {size(sum(parts.values()))} = "
                          + " + ".join(f"{k} {size(v)}" for k, v in parts.items()))
@@ -137,11 +135,7 @@ def fit_problems(cfg, memory: LayoutMemory) -> list[tuple[str, object, str]]:
     if memory.capacity_gib <= 0:
         return []
     out = []
-    for (node, device), ranks in memory.sharing().items():
-        parts: dict[str, int] = {}
-        for r in ranks:
-            for k, v in memory.gpu[r].items():
-                add(parts, k, v)
+    for (node, device), (ranks, parts) in memory.per_gpu().items():
         total = sum(parts.values())
         if total <= memory.capacity_gib * GIB:
             continue

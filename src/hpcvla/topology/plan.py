@@ -108,9 +108,9 @@ class RankPlan:
             cell = "-" if info.cell is None else str(info.cell)
             feeds = str(self.feeds[info.rank]) if info.rank in self.feeds else "-"
             device = f"{devices[info.rank]:<7} " if devices else ""
-            device += "".join(f"{columns[h].get(info.rank, '-'):>{w}}  " for h, w in extra.items())
+            added = "".join(f"{columns[h].get(info.rank, '-'):>{w}}  " for h, w in extra.items())
             lines.append(f"{info.rank:>5} {info.node:>4} {info.local_rank:>5}  "
-                         f"{'+'.join(info.roles):<28} {cell:>4} {feeds:>5}  {device}"
+                         f"{'+'.join(info.roles):<28} {cell:>4} {feeds:>5}  {device}{added}"
                          f"{', '.join(notes)}".rstrip())
         return "\n".join(lines)
 
