@@ -34,11 +34,13 @@ def test_resume_is_bit_identical(tmp_path, stage):
         "state.json"]
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path, stage):
+@pytest.mark.parametrize("stage,extra", [(0, []), (2, ["learner.gradient_checkpointing=true"])],
+                         ids=["0", "2-checkpointing"])
+def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path, stage, extra):
     """A bf16 learner (DeepSpeed's bf16 mode: stage 0 and ZeRO wrap different optimizers)
-    resumes exactly: the checkpoint holds its fp32 masters, not only the rounded weights."""
-    path = resume(tmp_path, stage, "policy.name=flow", "policy.dtype=bfloat16")
+    resumes exactly: the checkpoint holds its fp32 masters, not only the rounded weights;
+    with gradient checkpointing too (the learner that resumes recomputes its layers)."""
+    path = resume(tmp_path, stage, "policy.name=flow", "policy.dtype=bfloat16", *extra)
     assert all(v.dtype == torch.bfloat16 for v in checkpoint.load_weights(path).values())
 
 

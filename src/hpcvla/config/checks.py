@@ -36,6 +36,9 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("policy.delta_action_dims", cfg.policy.delta_action_dims, "-1 "
                          "unless policy.name=flow with a published policy.pretrained folder "
                          "(the relative actions of its checkpoint)"))
+    if cfg.learner.gradient_checkpointing and cfg.policy.name == "default":
+        problems.append(("learner.gradient_checkpointing", True, "false for policy.name="
+                         "default (a small network: no transformer layers to recompute)"))
     if cfg.algorithm.name == "grpo" and \
             cfg.rollout.segment_len != cfg.env.max_episode_chunks:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,

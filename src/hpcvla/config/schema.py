@@ -253,6 +253,12 @@ class LearnerConfig:
     micro_batches: int = setting(
         2, "Micro-batches accumulated per optimizer step on each learner; the global batch "
         "is micro_batch x micro_batches x learners segments.", ge=1)
+    gradient_checkpointing: bool = setting(
+        False, "Recompute activations in the backward pass instead of keeping them from the "
+        "forward (the VLA families: each layer of the vision towers and the language model, "
+        "each pass of π0's action expert): activation memory per observation falls several "
+        "fold (`hpcvla plan` shows it) for about one more forward of learner compute. Not "
+        "for policy.name=default.")
     epochs: int = setting(
         8, "Passes over each batch (PPO epochs), one optimizer step each: the first streams "
         "micro-batches as they arrive, later ones replay them. More reuse each sample more "

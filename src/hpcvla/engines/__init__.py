@@ -12,7 +12,10 @@ from hpcvla.engines.nonfinite import SkipNonfinite
 
 def init_engine(cfg, policy, learners_comm, device: torch.device | None = None) -> SkipNonfinite:
     """The configured engine over `policy` on the learner communicator (collective there),
-    wrapped in the non-finite guard."""
+    wrapped in the non-finite guard. The learner's copy of the policy recomputes its
+    activations in the backward pass under learner.gradient_checkpointing."""
+    if cfg.learner.gradient_checkpointing:
+        policy.enable_gradient_checkpointing()
     if cfg.learner.backend == "horovod":
         from hpcvla.engines.horovod import init_horovod
 

@@ -52,7 +52,11 @@ def param_groups(policy, alg) -> list[dict]:
 
 
 def adamw(cfg, policy) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0)
+    """AdamW over `param_groups`, fused on a GPU: torch's default there, the multi-tensor
+    step, allocates a copy of every parameter it updates at its peak (4 bytes per parameter
+    with fp32 masters: 12 GiB for π0, measured), which the fused kernel does not."""
+    return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0,
+                             fused=policy.device.type == "cuda")
 
 
 def full_state(engine: Engine, wanted: bool = True) -> dict[str, torch.Tensor] | None:

@@ -87,6 +87,8 @@ def policy_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool) -> 
     `on_gpus` gives `policy.dtype=auto`) for a learner micro-batch of `train_obs` and an
     inference batch of `act_obs` observations."""
     meta = build_policy(cfg, spec, device="meta", on_gpus=on_gpus)
+    if cfg.learner.gradient_checkpointing:  # as engines.init_engine sets the learner's copy
+        meta.enable_gradient_checkpointing()
     params, trainable, dtype_bytes, largest = parameter_counts(meta)
     validate = torch.distributions.Distribution._validate_args  # checks read values: off
     torch.distributions.Distribution.set_default_validate_args(False)

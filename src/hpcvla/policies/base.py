@@ -103,6 +103,13 @@ class Policy(nn.Module, abc.ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    def enable_gradient_checkpointing(self) -> None:
+        """learner.gradient_checkpointing: the learner's copy recomputes its activations in the
+        backward pass instead of keeping them. A family without layers worth recomputing has
+        none to offer (the config checks refuse the setting for it first)."""
+        raise ValueError(f"learner.gradient_checkpointing: the {self.family} policy has no "
+                         f"transformer layers to recompute")
+
     @abc.abstractmethod
     def imitation_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
                        real: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,7 @@ import math
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.base import real_steps_mean
@@ -143,6 +144,7 @@ class FlowPolicy(VLAPolicy):
         self.model_state_dim = dims["state_dim"]
         self.denoise_steps, self.logprob_mode = int(denoise_steps), logprob_mode
         self.train_expert_only = bool(train_expert_only)
+        self.checkpoint_passes = False  # enable_gradient_checkpointing
 
         from transformers import GemmaConfig, GemmaModel
 
@@ -233,6 +235,23 @@ class FlowPolicy(VLAPolicy):
                 **({"denoise_steps": int(steps)} if steps else {})}
 
     # --------------------------------------------------------------------- network pieces
+    def enable_gradient_checkpointing(self) -> None:
+        """The prefix's layers (SigLIP, the VLM) recompute in the backward pass, recording
+        the PrefixCache again (which keeps its first tensors); the expert recomputes each of
+        its passes whole (`_expert_pass`): π0.5's norms read the pass's time from state the
+        passes share, which a recompute layer by layer would find changed."""
+        self.prefix.vision_tower.activation_checkpointing_enable()
+        self.prefix.language_model.activation_checkpointing_enable()
+        for layer in self.prefix.language_model.layers:
+            layer._can_checkpoint_with_cache = True  # transformers' switch for such caches
+        self.checkpoint_passes = True
+
+    def _expert_pass(self, cache, pad, state, x, t):
+        """`_velocity`, recomputed in the backward pass under gradient checkpointing."""
+        if self.checkpoint_passes and torch.is_grad_enabled():
+            return checkpoint(self._velocity, cache, pad, state, x, t, use_reentrant=False)
+        return self._velocity(cache, pad, state, x, t)
+
     def _padded_state(self, obs):
         state = obs.get("state")
         if state is None or state.shape[-1] == self.model_state_dim:
@@ -305,7 +324,7 @@ class FlowPolicy(VLAPolicy):
         noise = torch.randn_like(clean)
         t = torch.distributions.Beta(1.5, 1.0).sample((B,)).to(pad.device) * 0.999 + 0.001
         x = t[:, None, None] * noise + (1 - t[:, None, None]) * clean
-        velocity, _ = self._velocity(cache, pad, self._padded_state(inputs), x, t)
+        velocity, _ = self._expert_pass(cache, pad, self._padded_state(inputs), x, t)
         return real_steps_mean((velocity - (noise - clean))[:, :H, :D].pow(2), real)
 
     def _sample(self, obs, deterministic):
@@ -344,7 +363,7 @@ class FlowPolicy(VLAPolicy):
         if self.logprob_mode == "last_step":
             x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
             for k, t in enumerate(self._times(B, pad.device)):
-                velocity, out = self._velocity(cache, pad, state, x, t)
+                velocity, out = self._expert_pass(cache, pad, state, x, t)
                 if k == 0:  # the value head reads the state features of the first step
                     state_out = out
                 x = x - velocity / K
@@ -358,10 +377,10 @@ class FlowPolicy(VLAPolicy):
             log_std = log_std - 0.5 * math.log(K)
             # all K steps in one expert pass: the chain's states are given
             t = torch.stack(self._times(B, pad.device), dim=1).reshape(B * K)
-            velocity, out = self._velocity(cache.repeat(K), pad.repeat_interleave(K, dim=0),
-                                           None if state is None else
-                                           state.repeat_interleave(K, dim=0),
-                                           chain.reshape(B * K, *chain.shape[2:]), t)
+            velocity, out = self._expert_pass(cache.repeat(K), pad.repeat_interleave(K, dim=0),
+                                              None if state is None else
+                                              state.repeat_interleave(K, dim=0),
+                                              chain.reshape(B * K, *chain.shape[2:]), t)
             state_out = None if out is None else out.reshape(B, K, -1)[:, 0]
             means = chain - velocity.reshape(chain.shape) / K
             targets = torch.cat([chain[:, 1:], actions[:, None]], dim=1)

@@ -149,35 +149,39 @@ def resize_with_pad(image: torch.Tensor, side: int) -> torch.Tensor:
 class PrefixCache:
     """A minimal stand-in for a transformers `Cache` (the `update` the attention layers call).
 
-    Recording: the prefix forward stores each layer's keys/values. Serving (after
-    `freeze()`): a later forward (the action expert) attends to [prefix; its own tokens]
-    without the cache growing, so one prefix serves every denoising step. Keys and values
-    keep their autograd graph: gradients reach the prefix through them.
+    Recording: the prefix forward stores each layer's keys/values; a layer recomputed in the
+    backward pass (learner.gradient_checkpointing) records again, which keeps the first
+    tensors, the ones later passes attended to. Serving (`freeze()` returns a serving view):
+    a later forward (the action expert) attends to [prefix; its own tokens] without the cache
+    growing, so one prefix serves every denoising step. Keys and values keep their autograd
+    graph: gradients reach the prefix through them.
     """
 
-    def __init__(self):
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.serving = False
+    serving = False
+
+    def __init__(self, keys: dict | None = None, values: dict | None = None):
+        self.keys: dict[int, torch.Tensor] = {} if keys is None else keys
+        self.values: dict[int, torch.Tensor] = {} if values is None else values
 
     def update(self, key, value, layer_idx, *args, **kwargs):
         if not self.serving:
-            self.keys[layer_idx], self.values[layer_idx] = key, value
+            self.keys.setdefault(layer_idx, key)
+            self.values.setdefault(layer_idx, value)
             return key, value
         return (torch.cat([self.keys[layer_idx], key], dim=-2),
                 torch.cat([self.values[layer_idx], value], dim=-2))
 
     def freeze(self) -> "PrefixCache":
-        self.serving = True
-        return self
+        """A serving view of the recorded keys/values (this cache goes on recording)."""
+        out = PrefixCache(self.keys, self.values)
+        out.serving = True
+        return out
 
     def repeat(self, n: int) -> "PrefixCache":
-        """Each batch element's keys/values repeated n times (consecutively)."""
-        out = PrefixCache().freeze()
-        for layer in self.keys:
-            out.keys[layer] = self.keys[layer].repeat_interleave(n, dim=0)
-            out.values[layer] = self.values[layer].repeat_interleave(n, dim=0)
-        return out
+        """Each batch element's keys/values repeated n times (consecutively), serving."""
+        def repeated(tensors):
+            return {layer: t.repeat_interleave(n, dim=0) for layer, t in tensors.items()}
+        return PrefixCache(repeated(self.keys), repeated(self.values)).freeze()
 
 
 CAMERAS = ("image", "wrist_image")  # observation keys the prefix sees, in token order
@@ -313,6 +317,14 @@ class VLAPolicy(Policy):
         terms, entropy, value = self._score(self._inputs(obs), self._model_actions(actions, obs))
         g = self.logprob_granularity
         return reduce_units(terms, g), value.float(), reduce_units(entropy, g)
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Each transformers model of the policy (vision towers, language model) recomputes
+        its layers in the backward pass (transformers' non-reentrant checkpointing)."""
+        from transformers import PreTrainedModel
+        for module in self.modules():
+            if isinstance(module, PreTrainedModel):
+                module.activation_checkpointing_enable()
 
     def imitation_loss(self, obs, actions, real):
         """Negative log-likelihood per action token (cross-entropy) of the real steps."""
