@@ -5,14 +5,19 @@ side in one run.
   fresh process builds the policy, trains two steps under DeepSpeed (one learner, gloo) and
   reports its peak resident memory above what it held before the engine started (sampled
   every 0.5 ms); the model predicts the same difference: the learner's figure less the
-  weights, which the process held already. CPU: no CUDA context, untouched pages are free.
+  weights, which the process held already. CPU: no CUDA context, untouched pages are free;
+  the child runs with glibc's `MALLOC_MMAP_THRESHOLD_=65536`, so every tensor's pages go back
+  to the system when it is freed and the resident memory follows the bytes alive, as a GPU
+  allocator's statistics do (with glibc's sliding threshold, freed tensors under 32 MiB stay
+  resident and the peak counts buffers that are never alive together).
 * Model states at full size (π0, OpenVLA-OFT in bf16, parameters counted on the meta device)
   against DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`, no offload),
-  per learner for 8 and 64 learners."""
+  per learner for 8 and 64 learners, all states at once as the estimators count them."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -84,7 +89,8 @@ print("MEASURED", peak[0] - base)
 def measure(config: str, overrides: list[str], stage: int, n: int, port: int) -> int:
     out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([config, overrides, stage,
                                                                      n]), str(port)],
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     lines = [line for line in out.stdout.splitlines() if line.startswith("MEASURED")]
     if out.returncode or not lines:
         raise RuntimeError(f"measuring {config} {overrides} at ZeRO-{stage} failed:\n"
@@ -139,7 +145,10 @@ def full_size_states(learners=(8, 64)) -> dict:
         for n in learners:
             for stage in (2, 3):
                 ours = model_states(fp, stage, n)
-                ours = sum(ours.values()) - ours["gradient bucket"]  # not in DeepSpeed's
+                # buffers DeepSpeed allocates that its estimators leave out: the gradient
+                # bucket, and at ZeRO-3 the gradient partition (stage3's flat buffer)
+                ours = sum(ours.values()) - ours["gradient bucket"] - \
+                    (ours["gradients"] if stage == 3 else 0)
                 if stage == 2:
                     _, theirs = estimate_zero2_model_states_mem_needs(
                         params, num_gpus_per_node=n, cpu_offload=False)

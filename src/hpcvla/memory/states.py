@@ -12,42 +12,66 @@ CUDA_CONTEXT_BYTES = int(1.0 * GIB)
 NCCL_BYTES = int(0.5 * GIB)
 # The caching allocator's rounding and fragmentation, over the activations' peak.
 ALLOCATOR_SLACK = 0.10
-# DeepSpeed's defaults (zero/config.py): the gradient bucket's elements, and what ZeRO-3
-# prefetches ahead of the layer it computes.
+# DeepSpeed's defaults (zero/config.py): the gradient bucket's elements, what ZeRO-3
+# prefetches ahead of the layer it computes, and the sub-group ZeRO-3 steps at a time.
 REDUCE_BUCKET = 500_000_000
 PREFETCH_BUCKET = 50_000_000
+SUB_GROUP = 1_000_000_000
+
+
+def engine_states(fp, zero_stage: int, learners: int) -> tuple[dict, dict, dict]:
+    """What one of `learners` data-parallel learners keeps under DeepSpeed at `zero_stage`,
+    with AdamW (fused on GPUs) and DeepSpeed's default buckets, as engines/zero.py configures
+    it, in bytes by part, grouped by when the parts are alive: (`kept` the whole step,
+    `backward` beside the micro-batch's activations, `step` during the optimizer's step).
+
+    kept: the weights in the policy's dtype (ZeRO-3: 1/N, plus what it gathers at a time);
+    fp32 master weights where the policy is bf16 or ZeRO partitions the optimizer; AdamW's two
+    fp32 moments (1/N from ZeRO-1); bf16 at stage 0 (DeepSpeed's BF16_Optimizer) its fp32
+    gradients, and ZeRO-3 its gradient partition (1/N), both allocated once.
+    backward: the gradients in the policy's dtype (1/N from ZeRO-2) and, from ZeRO-1, the
+    contiguous bucket they are reduced through. step: those gradients and, from ZeRO-1, the
+    fp32 gradient partition the optimizer steps on (ZeRO-3: one sub-group of it at a time).
+    Measured on an H200 (docs/memory.md), DeepSpeed does not hold them all at once, which its
+    estimators assume."""
+    n, b, trained = learners, fp.dtype_bytes, fp.trainable
+    share = (lambda nbytes, stage: nbytes // n if zero_stage >= stage else nbytes)
+    kept = {"weights": share(fp.weight_bytes, 3), "moments": share(8 * trained, 1)}
+    if b < 4 or zero_stage >= 1:
+        kept["masters"] = share(4 * trained, 1)
+    gradients = share(b * trained, 2)
+    backward, step = {"gradients": gradients}, {"gradients": gradients}
+    if zero_stage >= 1:
+        backward["gradient bucket"] = b * min(REDUCE_BUCKET, trained)
+        step["fp32 gradients"] = share(4 * trained, 1)
+    if zero_stage == 0 and b < 4:
+        kept["fp32 gradients"] = 4 * trained
+    if zero_stage == 3:  # its gradient partition is allocated once
+        kept["gradients"] = gradients
+        del backward["gradients"], step["gradients"]
+        kept["gathered"] = b * min(fp.params, PREFETCH_BUCKET + 2 * fp.largest_layer)
+        step["fp32 gradients"] = 4 * min(SUB_GROUP, trained // n)
+    return kept, backward, step
 
 
 def model_states(fp, zero_stage: int, learners: int) -> dict[str, int]:
-    """What one of `learners` data-parallel learners keeps around a step under DeepSpeed at
-    `zero_stage`, with AdamW and DeepSpeed's default buckets, as engines/zero.py configures it
-    (bytes, by part): the weights in the policy's dtype (ZeRO-3: 1/N, plus what it gathers at
-    a time, `gathered`); the gradients in that dtype (1/N from ZeRO-2) and, from ZeRO-1, the
-    contiguous gradient bucket they are reduced through; where the policy is bf16 or ZeRO
-    partitions the optimizer, fp32 master weights and an fp32 gradient partition; AdamW's two
-    fp32 moments (1/N from ZeRO-1). In bf16 this is DeepSpeed's own estimate plus the bucket:
-    2 + 18/N bytes per parameter at ZeRO-2; 18/N and the largest layer twice at ZeRO-3 (and
-    the prefetch bucket)."""
-    n, b, trained = learners, fp.dtype_bytes, fp.trainable
-    share = (lambda nbytes, stage: nbytes // n if zero_stage >= stage else nbytes)
-    out = {"weights": share(fp.weight_bytes, 3),
-           "gradients": share(trained * b, 2) if zero_stage < 3 else 0,
-           "gradient bucket": b * min(REDUCE_BUCKET, trained) if zero_stage >= 1 else 0,
-           "masters": 0, "fp32 gradients": 0,
-           "moments": share(8 * trained, 1),
-           "gathered": b * min(fp.params, PREFETCH_BUCKET + 2 * fp.largest_layer)
-           if zero_stage == 3 else 0}
-    if b < 4 or zero_stage >= 1:
-        out["masters"] = share(4 * trained, 1)
-        out["fp32 gradients"] = share(4 * trained, 1)
+    """Every state of `engine_states` counted at once, as DeepSpeed's estimators count them
+    (`estimate_zero2/3_model_states_mem_needs`: bf16, 2 + 18/N bytes per parameter at ZeRO-2,
+    18/N and the largest layer at ZeRO-3); ZeRO-3's fp32 gradients whole, as they count it."""
+    kept, backward, step = engine_states(fp, zero_stage, learners)
+    out = {**step, **backward, **kept}
+    if zero_stage == 3:
+        out["fp32 gradients"] = 4 * fp.trainable // learners
     return out
 
 
 def learner_bytes(fp, zero_stage: int, learners: int, on_gpu: bool) -> dict[str, int]:
-    """A learner's peak: its model states, one micro-batch's forward and backward with the
-    allocator's slack, and on a GPU the CUDA context and NCCL's buffers."""
-    out = dict(model_states(fp, zero_stage, learners))
-    out["activations"] = int(fp.train_bytes * (1 + ALLOCATOR_SLACK))
+    """A learner's peak, by part: what its engine keeps, and then the larger of its backward
+    (one micro-batch's activations with the allocator's slack, the gradients) and its
+    optimizer step; on a GPU the CUDA context and NCCL's buffers."""
+    kept, backward, step = engine_states(fp, zero_stage, learners)
+    backward["activations"] = int(fp.train_bytes * (1 + ALLOCATOR_SLACK))
+    out = {**kept, **max(backward, step, key=lambda phase: sum(phase.values()))}
     if on_gpu:
         out["cuda context"] = CUDA_CONTEXT_BYTES + NCCL_BYTES
     return out

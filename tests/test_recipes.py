@@ -1,0 +1,58 @@
+"""Every command a shipped config's comment gives is a layout that fits the hardware it names,
+by `hpcvla plan`: the 2-core recipes as shipped (`hpcvla train ... --ranks N`, planned as a
+world of N here) and the cluster recipes (`hpcvla plan ...` on nodes of 8 GPUs with their
+memory: the memory model at full size). A command with a placeholder for the user's own
+folder (`<...>`) is left out: the config's `hpcvla plan` line plans that scale with the sizes
+such a folder gives (policy.size=full)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from hpcvla.cli import main
+from helpers import ROOT
+
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def commands(path: Path) -> list[list[str]]:
+    """The `hpcvla train|plan` commands in a config's comments (continuation lines joined),
+    as `hpcvla plan` arguments; those with a placeholder left out."""
+    out, line = [], ""
+    for raw in path.read_text().splitlines():
+        if not raw.startswith("#"):
+            continue
+        line += raw[1:].strip()
+        if line.endswith("\\"):
+            line = line[:-1] + " "
+            continue
+        words = shlex.split(line) if line.startswith(("hpcvla train", "hpcvla plan")) else []
+        line = ""
+        if words and not any("<" in w for w in words):
+            args = ["--world" if w == "--ranks" else w for w in words[2:]]
+            out.append(args)
+    return out
+
+
+RECIPES = [(path.name, args) for path in CONFIGS for args in commands(path)]
+
+
+def test_every_cluster_config_names_a_recipe_that_plan_checks():
+    """The configs that scale to GPU nodes each give the `hpcvla plan` line of that scale."""
+    named = {name for name, args in RECIPES if "placement.gpu_memory_gb=80" in args}
+    assert {"libero10_flow.yaml", "libero_pi0.yaml", "libero_pi05.yaml", "libero_oft.yaml",
+            "libero_spatial.yaml", "maniskill_pickcube.yaml", "maniskill_pickcube_oft.yaml",
+            "maniskill_pickcube_tokens.yaml"} <= named, named
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,args", RECIPES, ids=[f"{n}:{i}" for i, (n, _) in
+                                                     enumerate(RECIPES)])
+def test_the_recipe_fits_its_hardware(name, args, capsys):
+    assert main(["plan", *args]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    if "placement.gpu_memory_gb=80" in args:
+        assert "GPU capacity 80 GiB" in out and "busiest GPU" in out, out
