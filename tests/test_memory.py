@@ -2,6 +2,8 @@
 `hpcvla plan` / the launcher refusing what does not fit. The whole comparison is
 `hpcvla bench memory` (docs/memory.md)."""
 
+import json
+
 import pytest
 
 from hpcvla.bench import memory as bench
@@ -60,3 +62,33 @@ def test_the_launch_check_refuses_gpus_it_would_overfill():
     assert "rank(s) 3 on node 0 cuda:0" in problems[0][2] and "cuda context" in problems[0][2]
     cfg = load_config("configs/default.yaml", ["placement.gpus_per_node=0"])
     assert memory_problems(cfg, plan) == []
+
+
+SMALL_FLOW_ON_4_GPUS = ["configs/reach_flow.yaml", "--world", "4", "placement.gpus_per_node=4",
+                        "policy.size=small", "learner.micro_batches=2"]
+
+
+def learner_gib(capsys, *overrides) -> float:
+    """The learner GPU's figure (rank 3) of `hpcvla plan --json`."""
+    assert main(["plan", *SMALL_FLOW_ON_4_GPUS, "--json", "placement.gpu_memory_gb=80",
+                 *overrides]) == 0
+    return sum(json.loads(capsys.readouterr().out)["memory"]["gpu"]["3"].values()) / 2 ** 30
+
+
+@pytest.mark.slow
+def test_plan_auto_chooses_only_layouts_that_fit_and_turns_the_memory_knobs(capsys):
+    """On GPUs too small for the config's micro-batch even at the smallest one the search can
+    set (one segment), but not with gradient checkpointing: `plan --auto` turns it on, says
+    so, and what it prints fits by `hpcvla plan`."""
+    smallest = ["learner.micro_batch=1", "env.shards=16"]
+    plain = learner_gib(capsys, *smallest)
+    checkpointed = learner_gib(capsys, *smallest, "learner.gradient_checkpointing=true")
+    assert checkpointed < plain
+    capacity = f"placement.gpu_memory_gb={(plain + checkpointed) / 2:.4f}"
+    assert main(["plan", *SMALL_FLOW_ON_4_GPUS, "--auto", "--json", "--costs", "balanced",
+                 "learner.micro_batch=32", capacity]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["memory_levers"] == ["learner.gradient_checkpointing=true"]
+    best = found["best"]["overrides"]
+    assert "learner.gradient_checkpointing=true" in best
+    assert main(["plan", *SMALL_FLOW_ON_4_GPUS, capacity, *best]) == 0, capsys.readouterr()

@@ -16,6 +16,11 @@ per version, stays as the config says):
   config's; the fewest envs within 2 % of the best throughput (more envs only add staleness
   and memory once another stage is the bottleneck).
 
+On GPU nodes only layouts whose ranks fit their GPUs are chosen (the memory model,
+scale/memory_fit.py); where none fits at the config's memory settings, the search turns on
+learner.gradient_checkpointing (VLA families), then raises learner.zero_stage, one at a time,
+and prints what it turned.
+
 The search is coordinate descent: starting from the config (or the first valid layout),
 each knob in turn is set to its best value with the others held, until a round changes
 nothing. Each layout is scored by the model's steady env steps/s (same random draws for
@@ -91,27 +96,32 @@ def knobs(mode: str, envs: bool = False) -> list[str]:
     return out + ["micro_batch"]
 
 
-def _start(base: Layout) -> Layout:
-    """The config's layout if it runs, else the first that does (per_node, shards, micro)."""
-    if problem(base) is None:
+def _start(base: Layout, fits) -> Layout:
+    """The config's layout if it runs and fits, else the first that does (per_node, shards,
+    micro)."""
+    if problem(base) is None and fits(base) is None:
         return base
     tried = [base]
     for knob in knobs(base.mode):
         tried = [_set(lay, knob, v) for lay in tried for v in _values(knob, lay)] + tried
         for lay in tried:
-            if problem(lay) is None:
+            if problem(lay) is None and fits(lay) is None:
                 return lay
     raise PlanError(f"no layout of {base.world} ranks in nodes of {base.ranks_per_node} runs "
                     f"pipeline.mode={base.mode} with {base.envs} envs per simulator and a "
                     f"learner batch of {base.micro_batch * base.micro_batches}: "
-                    f"{problem(base)}")
+                    f"{problem(base) or fits(base)}")
 
 
 def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds: int = 3,
-           runner_ups: int = 4, search_envs: bool = False) -> list[tuple[Layout, Prediction]]:
-    """[(layout, prediction)], best first: the best then up to `runner_ups` others."""
+           runner_ups: int = 4, search_envs: bool = False,
+           fits=lambda lay: None) -> list[tuple[Layout, Prediction]]:
+    """[(layout, prediction)], best first: the best then up to `runner_ups` others. `fits`
+    (scale/memory_fit.MemoryFit): None where a layout fits its GPUs, else why not; asked only
+    of the layouts that would be chosen, best first (it may cost seconds)."""
     check_world(base.world, base.ranks_per_node, base.mode)
     seen: dict[tuple, tuple[Layout, Prediction]] = {}
+    fitting: dict[tuple, bool] = {}
 
     def score(lay: Layout) -> float:
         key = tuple(lay.to_overrides())
@@ -119,7 +129,13 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
             seen[key] = (lay, predict(lay, costs, network, updates=None))
         return seen[key][1].env_steps_per_s
 
-    best = _start(base)
+    def fit(lay: Layout) -> bool:
+        key = tuple(lay.to_overrides())
+        if key not in fitting:
+            fitting[key] = fits(lay) is None
+        return fitting[key]
+
+    best = _start(base, fits)
     score(best)
     for _ in range(rounds):
         before = best
@@ -127,26 +143,29 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
             options = [_set(best, knob, v) for v in _values(knob, best)]
             options = [lay for lay in options if problem(lay) is None] + [best]
             if knob == "envs":
+                options = [lay for lay in options if fit(lay)]
                 top = max(map(score, options))
                 best = min((lay for lay in options if score(lay) >= 0.98 * top),
                            key=lambda lay: lay.envs)
             else:
-                best = max(options, key=score)
+                best = next(lay for lay in sorted(options, key=score, reverse=True) if fit(lay))
         if best == before:
             break
     chosen = seen[tuple(best.to_overrides())]  # first, though a layout with more envs may edge it
     ranked = [chosen] + sorted((lp for lp in seen.values() if lp is not chosen),
                                key=lambda lp: -lp[1].env_steps_per_s)
-    # runner-ups: layouts that predict something else first (ties tell a reader nothing)
+    # runner-ups: layouts that fit and predict something else first (ties tell a reader nothing)
     distinct, ties = ranked[:1], []
     for lay, pred in ranked[1:]:
+        if len(distinct) > runner_ups or not fit(lay):
+            continue
         same = any(abs(pred.env_steps_per_s / p.env_steps_per_s - 1) < 1e-3 for _, p in distinct)
         (ties if same else distinct).append((lay, pred))
     return (distinct + ties)[:1 + runner_ups]
 
 
 def looser_staleness(best: Layout, costs: StageCosts, search_envs: bool = False,
-                     steps: int = 2) -> list[tuple[int, Prediction]]:
+                     steps: int = 2, fits=lambda lay: None) -> list[tuple[int, Prediction]]:
     """[(max_staleness, best prediction)] one and two versions above the bound of `best` (the
     search's pick), for the modes it limits: a tight bound caps throughput (a version cannot
     take less than the rollout time of a segment over the bound, README), which no other knob
@@ -156,7 +175,7 @@ def looser_staleness(best: Layout, costs: StageCosts, search_envs: bool = False,
     out = []
     for bound in range(best.max_staleness + 1, best.max_staleness + 1 + steps):
         best, pred = search(replace(best, max_staleness=bound), costs, runner_ups=0,
-                            search_envs=search_envs)[0]
+                            search_envs=search_envs, fits=fits)[0]
         out.append((bound, pred))
     return out
 
@@ -175,6 +194,25 @@ def check_world(world: int, ranks_per_node: int, mode: str) -> None:
                         "least 3 ranks per node (a simulator, an inference rank, a learner)")
 
 
+def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
+    """search() among the layouts that fit the GPUs; where none does, with the memory
+    settings turned one more at a time (scale/memory_fit.py). Returns the ranking, the fit
+    check and the settings turned, as overrides."""
+    from hpcvla.envs import env_spec
+    from hpcvla.scale.memory_fit import MemoryFit, memory_levers, override, turned
+    spec, levers, chosen = env_spec(cfg.env), memory_levers(cfg), []
+    while True:
+        fits = MemoryFit(cfg, spec)
+        try:
+            return search(base, costs, search_envs=search_envs, fits=fits), fits, chosen
+        except PlanError:
+            if not levers:
+                raise
+            field, value = levers.pop(0)
+            cfg = turned(cfg, field, value)
+            chosen.append(override(field, value))
+
+
 def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,
                     as_json: bool, search_envs: bool = False) -> int:
     """`hpcvla plan --auto`: probe or look up the stage costs, search, print the best layout
@@ -187,18 +225,21 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
     except ValueError as err:
         raise PlanError(f"--costs {costs_name}: {err}") from None
     base = Layout.from_config(cfg, world, rpn)
-    ranked = search(base, costs, search_envs=search_envs)
-    rows = [{"overrides": lay.to_overrides(), "env_steps_per_s": p.env_steps_per_s,
+    ranked, fits, levers = fitting_search(cfg, base, costs, search_envs)
+    rows = [{"overrides": lay.to_overrides() + levers, "env_steps_per_s": p.env_steps_per_s,
              "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in ranked]
     best = rows[0]
     looser = [{"max_staleness": s, "env_steps_per_s": p.env_steps_per_s}
-              for s, p in looser_staleness(ranked[0][0], costs, search_envs)]
+              for s, p in looser_staleness(ranked[0][0], costs, search_envs, fits=fits)]
     if as_json:
         print(json.dumps({"world": world, "ranks_per_node": rpn, "mode": base.mode,
                           "costs": {**costs.__dict__, "source": details.get("source")},
-                          "best": best, "runner_ups": rows[1:], "looser_staleness": looser},
-                         indent=1))
+                          "best": best, "runner_ups": rows[1:], "looser_staleness": looser,
+                          "memory_levers": levers}, indent=1))
         return 0
+    if levers:
+        print("no layout fits the GPUs at the config's memory settings; turned: "
+              + " ".join(levers))
     print(f"auto plan: {world} ranks, {world // rpn} node(s) of {rpn}, "
           f"pipeline.mode={base.mode}\ncosts ({details.get('source')}): {describe(costs)}")
     print(f"predicted {best['env_steps_per_s']:,.0f} env steps/s; bottleneck: "

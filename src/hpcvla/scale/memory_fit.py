@@ -1,0 +1,75 @@
+"""`hpcvla plan --auto` on GPU nodes: which layouts of the search fit the GPUs (the memory
+model, hpcvla/memory/), and the memory settings the search turns when none does at the
+config's. docs/memory.md."""
+
+from __future__ import annotations
+
+import copy
+
+from hpcvla.memory.footprint import policy_footprint
+from hpcvla.memory.layout import gpu_capacity_gib, layout_memory
+from hpcvla.preflight import layout_devices
+from hpcvla.schedule import Layout
+from hpcvla.topology.plan import plan_from_config
+
+
+def configured(cfg, lay: Layout):
+    """`cfg` with the settings a scale-model Layout decides (Layout.to_overrides)."""
+    out = copy.deepcopy(cfg)
+    out.placement.mode = "colocated" if lay.traits.colocated else "disaggregated"
+    out.placement.per_node = dict(lay.per_node)
+    out.placement.ranks_per_node = lay.ranks_per_node
+    out.env.envs_per_simulator, out.env.shards = lay.envs, lay.shards
+    out.rollout.batch_max, out.rollout.segment_len = lay.batch_max, lay.segment_len
+    out.learner.micro_batch, out.learner.micro_batches = lay.micro_batch, lay.micro_batches
+    return out
+
+
+class MemoryFit:
+    """Called with a Layout: None where its ranks fit their GPUs (or it puts none on a GPU),
+    else what overfills one. The policy's footprint is measured once per micro-batch and
+    inference batch the search asks about (a fake-tensor run each: seconds at full size)."""
+
+    def __init__(self, cfg, spec):
+        self.cfg, self.spec = cfg, spec
+        self.footprints: dict[tuple[int, int], object] = {}
+
+    def __call__(self, lay: Layout) -> str | None:
+        cfg = configured(self.cfg, lay)
+        plan = plan_from_config(cfg.placement, lay.world)
+        devices = layout_devices(cfg, plan)
+        if not any(d.startswith("cuda") for d in devices.values()):
+            return None
+        train = cfg.learner.micro_batch * cfg.rollout.segment_len
+        act = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
+        if (train, act) not in self.footprints:
+            self.footprints[train, act] = policy_footprint(cfg, self.spec, train, act, True)
+        memory = layout_memory(cfg, plan, devices, self.footprints[train, act],
+                               gpu_capacity_gib(cfg.placement))
+        return memory.problems[0][2] if memory.problems else None
+
+
+def memory_levers(cfg) -> list[tuple[str, object]]:
+    """The settings (field, value) the search may turn, in order, when no layout fits at the
+    config's: gradient checkpointing (the VLA families), then each higher ZeRO stage."""
+    out = []
+    if cfg.policy.name != "default" and not cfg.learner.gradient_checkpointing:
+        out.append(("learner.gradient_checkpointing", True))
+    if cfg.learner.backend == "deepspeed":
+        out += [("learner.zero_stage", s) for s in range(cfg.learner.zero_stage + 1, 4)]
+    return out
+
+
+def turned(cfg, field: str, value):
+    """`cfg` with one of memory_levers set."""
+    out = copy.deepcopy(cfg)
+    section, name = field.split(".")
+    setattr(getattr(out, section), name, value)
+    return out
+
+
+def override(field: str, value) -> str:
+    return f"{field}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+__all__ = ["MemoryFit", "configured", "memory_levers", "override", "turned"]
