@@ -34,6 +34,10 @@ CASES = {
     "tokens-small-z0": ("configs/reach_tokens.yaml", ["policy.size=small"], 0, 32),
     "tokens-small-z1": ("configs/reach_tokens.yaml", ["policy.size=small"], 1, 32),
     "tokens-small-z3": ("configs/reach_tokens.yaml", ["policy.size=small"], 3, 32),
+    "flow-small-checkpointed-z0": ("configs/reach_flow.yaml", [
+        "policy.size=small", "learner.gradient_checkpointing=true"], 0, 64),
+    "tokens-small-checkpointed-z1": ("configs/reach_tokens.yaml", [
+        "policy.size=small", "learner.gradient_checkpointing=true"], 1, 32),
 }
 QUICK = ("flow-small-z0", "tokens-small-z1")
 FULL_SIZE = {"pi0": ("configs/libero_pi0.yaml", ["policy.pretrained=", "policy.tokenizer=",
@@ -55,6 +59,8 @@ config, overrides, stage, n = json.loads(sys.argv[1])
 cfg = load_config(config, overrides)
 spec = env_spec(cfg.env)
 policy = build_policy(cfg, spec)
+if cfg.learner.gradient_checkpointing:  # as engines.init_engine does
+    policy.enable_gradient_checkpointing()
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1",

@@ -15,7 +15,7 @@ INF, LEARN = "inference", "learner"
 @dataclass
 class LayoutMemory:
     gpu: dict[int, dict[str, int]]  # rank -> part -> bytes on its GPU (GPU ranks only)
-    host: dict[int, dict[str, int]]  # node -> part -> bytes of host memory at its peak
+    host: dict[int, dict[str, int]]  # rank -> part -> bytes of host memory at its peak
     device: dict[int, str]  # rank -> "cuda:i" | "cpu"
     node: dict[int, int]  # rank -> node
     capacity_gib: float  # one GPU's memory (0: unknown)
@@ -32,11 +32,21 @@ class LayoutMemory:
                 add(total, name, nbytes)
         return out
 
+    def per_node_host(self) -> dict[int, dict[str, int]]:
+        """node -> part -> host bytes of its ranks added up (every node, even an empty one)."""
+        out: dict[int, dict[str, int]] = {n: {} for n in sorted(set(self.node.values()))}
+        for rank, parts in self.host.items():
+            for name, nbytes in parts.items():
+                add(out[self.node[rank]], name, nbytes)
+        return out
+
     def columns(self) -> dict[str, dict[int, str]]:
-        """The plan table's column: each GPU rank's peak in GiB."""
-        if not self.gpu:
-            return {}
-        return {"GPU GiB": {r: f"{sum(parts.values()) / GIB:.1f}" for r, parts in self.gpu.items()}}
+        """The plan table's columns: each GPU rank's peak and each rank's host peak, GiB
+        (simulators' host memory is not modelled: `-`)."""
+        def gib(by_rank):
+            return {r: f"{sum(parts.values()) / GIB:.1f}" for r, parts in by_rank.items()
+                    if parts}
+        return ({"GPU GiB": gib(self.gpu)} if self.gpu else {}) | {"host GiB": gib(self.host)}
 
     def summary(self) -> str:
         """Lines under the plan table: each GPU's total against its capacity, the largest
@@ -50,7 +60,7 @@ class LayoutMemory:
             lines.append(f"  busiest GPU: node {node} {device} (rank(s) "
                          f"{', '.join(map(str, ranks))}) {size(sum(parts.values()))} = "
                          + " + ".join(f"{k} {size(v)}" for k, v in parts.items() if v))
-        for node, parts in self.host.items():
+        for node, parts in self.per_node_host().items():
             lines.append(f"  node {node} host memory {size(sum(parts.values()))} = "
                          + " + ".join(f"{k} {size(v)}" for k, v in parts.items()))
         return "\n".join(lines)
@@ -58,7 +68,8 @@ class LayoutMemory:
     def to_dict(self) -> dict:
         return {"gpu_capacity_gib": self.capacity_gib,
                 "gpu": {str(r): parts for r, parts in self.gpu.items()},
-                "host": {str(n): parts for n, parts in self.host.items()},
+                "host": {str(n): parts for n, parts in self.per_node_host().items()},
+                "host_by_rank": {str(r): parts for r, parts in self.host.items()},
                 "problems": [f"{k} = {v!r}: expected {text}" for k, v, text in self.problems]}
 
 
@@ -88,7 +99,7 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
     """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
     (footprint.policy_footprint at the config's micro-batch and inference batch)."""
     learners = len(plan.learners)
-    gpu, host = {}, {n: {} for n in range(plan.num_nodes)}
+    gpu, host = {}, {info.rank: {} for info in plan.ranks}
     node = {info.rank: info.node for info in plan.ranks}
     for info in plan.ranks:
         on_gpu = devices.get(info.rank, "cpu").startswith("cuda")
@@ -102,16 +113,16 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
         if parts and on_gpu:
             gpu[info.rank] = parts
         if INF in info.roles or LEARN in info.roles:
-            add(host[info.node], "policy builds", build_bytes(fp))
+            add(host[info.rank], "policy builds", build_bytes(fp))
             if not on_gpu:
-                add(host[info.node], "cpu ranks' working memory", sum(parts.values()))
+                add(host[info.rank], "cpu ranks' working memory", sum(parts.values()))
         if LEARN in info.roles:
-            add(host[info.node], "trajectory rings",
+            add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
         if info.rank == plan.weight_root:
-            add(host[info.node], "weight root staging", 2 * fp.weight_bytes)
+            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes)
     for leader in plan.node_leaders:
-        add(host[node[leader]], "node weight window", 2 * fp.weight_bytes)
+        add(host[leader], "node weight window", 2 * fp.weight_bytes)  # the leader allocates it
     out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
                        dtype_bytes=fp.dtype_bytes)
     out.problems = fit_problems(cfg, out)
