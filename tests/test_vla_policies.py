@@ -403,12 +403,13 @@ def test_ppo_steps_on_a_fixed_batch_lower_the_loss(family, granularity):
     ["policy.name=flow", "policy.variant=pi05", "policy.train_expert_only=true",
      "policy.logprob_granularity=action", "learner.gradient_checkpointing=true"],
     ["policy.name=tokens", "policy.logprob_granularity=token"],
-    ["policy.name=oft", "learner.gradient_checkpointing=true"],
-], ids=["pi05-checkpointing", "tokens", "oft-checkpointing"])
+    ["policy.name=oft", "learner.gradient_checkpointing=true", "policy.lora_rank=4"],
+], ids=["pi05-checkpointing", "tokens", "oft-checkpointing-lora"])
 def test_zero3_training_of_each_family(tmp_path, overrides):
     """Every rank learns (colocated), ZeRO-3 shards parameters over the 4 learners: the
     learner's engine(obs, actions) gathers them in forward hooks; weights reach the actors.
-    With gradient checkpointing the recomputed layers gather their shards again."""
+    With gradient checkpointing the recomputed layers gather their shards again; with LoRA
+    only the adapters and heads have optimizer state."""
     out, summary, _ = run_train(tmp_path, *overrides, "learner.zero_stage=3",
                                 "pipeline.total_updates=2", config="configs/colocated.yaml")
     assert "[hpcvla] update 2/2" in out.stdout

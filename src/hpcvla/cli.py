@@ -128,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="machine-readable output "
                                                                "(a JSON line per policy)")
 
+    export = sub.add_parser("export", help="a run's newest checkpoint as a Hugging Face-style "
+                                           "folder (policy.pretrained reads it), LoRA merged")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    export.add_argument("out", metavar="FOLDER", help="the folder to write")
+
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
     launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
@@ -360,6 +365,24 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from pathlib import Path
+
+    from hpcvla.checkpoint import CheckpointError
+    from hpcvla.evaluate import export_policy
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+        done = export_policy(cfg, run_dir, Path(args.out))
+    except (ConfigError, CheckpointError) as err:
+        print(f"hpcvla export: {err}", file=sys.stderr)
+        return 2
+    print(f"policy version {done['version']} written to {done['folder']}"
+          + (f" ({done['merged_lora_layers']} LoRA layers merged)"
+             if done["merged_lora_layers"] else ""))
+    return 0
+
+
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
             "config": cmd_config, "launch": cmd_launch,
-            "inspect": cmd_inspect, "eval": cmd_eval, "demos": cmd_demos}
+            "inspect": cmd_inspect, "eval": cmd_eval, "demos": cmd_demos, "export": cmd_export}

@@ -9,6 +9,8 @@ and what the states are. Two policies evaluated with the same `episodes` see the
 so their success rates compare directly (the policy still samples its actions, as it does in
 training, unless `deterministic`). An episode the env ended by a fault (`env_fault`) is no
 verdict on the policy: it is left out and counted.
+
+`hpcvla export`: a run's newest checkpoint as a Hugging Face-style folder (`export_policy`).
 """
 
 from __future__ import annotations
@@ -89,3 +91,19 @@ def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:
         raise checkpoint.CheckpointError(f"{run_dir}: no complete checkpoint "
                                          "(checkpoints/v*/state.json)")
     return checkpoint.load_weights(path), checkpoint.read_state(path)
+
+
+def export_policy(cfg, run_dir: Path, out: Path) -> dict:
+    """The newest checkpoint of the run `cfg` configured, as a folder `policy.pretrained` and
+    `policies.load_pretrained` read (policies.save_pretrained), LoRA adapters merged into the
+    weights (policies/lora.py); returns its version, merged layers and folder."""
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    from hpcvla.policies import save_pretrained
+    from hpcvla.policies.lora import merge_lora
+    policy = build_policy(cfg, env_spec(cfg.env))
+    weights, state = checkpoint_weights(run_dir)
+    policy.load_arrays(weights)
+    merged = merge_lora(policy) if cfg.policy.lora_rank else 0
+    save_pretrained(policy, out)
+    return {"version": state["version"], "merged_lora_layers": merged, "folder": str(out)}

@@ -15,6 +15,7 @@ from hpcvla.envs.isolated import IsolatedEnv
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
 from hpcvla.policies.folders import checkpoint_kwargs, load_weights
+from hpcvla.policies.lora import add_lora
 
 
 def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0,
@@ -62,8 +63,11 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
     if str(device) == "meta":
         with torch.device("meta"):
-            return make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                               len(spec.vocab), **kwargs)
+            policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                                 len(spec.vocab), **kwargs)
+            if cfg.policy.lora_rank:
+                add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
+        return policy
     with torch.random.fork_rng(devices=[]):  # built on the CPU: only its generator is used
         # (torch.manual_seed would also reseed every CUDA generator, which fork_rng(devices=[])
         # does not restore: every GPU rank would then sample the same noise)
@@ -75,6 +79,10 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         # a published folder's prompt, tokenizer and normalization (None for our own)
         policy.processor = policy.make_processor(cfg.policy.pretrained, cfg.policy.tokenizer,
                                                  spec, cfg.policy.delta_action_dims)
+    if cfg.policy.lora_rank:  # on the loaded weights; the same adapters on every rank
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(cfg.run.seed + 1)
+            add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
     if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
         path = checkpoint.latest(Path(cfg.policy.checkpoint))
         policy.load_arrays(checkpoint.load_weights(path, policy.state_dict()))

@@ -39,6 +39,9 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.learner.gradient_checkpointing and cfg.policy.name == "default":
         problems.append(("learner.gradient_checkpointing", True, "false for policy.name="
                          "default (a small network: no transformer layers to recompute)"))
+    if cfg.policy.lora_rank and cfg.policy.name == "default":
+        problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 for policy.name=default "
+                         "(a small network: no language model to adapt)"))
     if cfg.algorithm.name == "grpo" and \
             cfg.rollout.segment_len != cfg.env.max_episode_chunks:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,

@@ -50,6 +50,15 @@ class PolicyConfig:
         False, "`flow`: freeze the vision-language prefix and train only the action "
         "expert, value head and exploration std: cheaper backward, keeps pretrained VLM "
         "features intact, adapts less.")
+    lora_rank: int = setting(
+        0, "`flow`/`tokens`/`oft`: >0 puts LoRA adapters of this rank (peft) on the language "
+        "models' attention and MLP projections (π0's expert too) and freezes every pretrained "
+        "weight: only the adapters and the heads train, get optimizer state and cross the "
+        "weight plane each version (far less learner memory and network; adapts less than a "
+        "full fine-tune). 0: off. `hpcvla export` merges them into the weights.", ge=0)
+    lora_alpha: float = setting(
+        16.0, "LoRA's scale numerator: the adapters' update is scaled by lora_alpha / "
+        "lora_rank (higher: larger steps for the same learning rate).", ge=0.001)
     variant: str = setting(
         "pi0", "`flow`: `pi0` (the time joins each action token; the state is a token of its "
         "own) or `pi05` (π0.5: the time conditions every expert norm, adaRMS; the state "

@@ -172,6 +172,8 @@ def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
            "forward/backward)"]
     if not cfg.learner.gradient_checkpointing and cfg.policy.name != "default":
         out.append("learner.gradient_checkpointing=true (activations recomputed in backward)")
+    if not cfg.policy.lora_rank and cfg.policy.name != "default":
+        out.append("policy.lora_rank=16 (LoRA: optimizer state for the adapters only)")
     if cfg.learner.zero_stage < 3:
         out.append(f"learner.zero_stage={cfg.learner.zero_stage + 1} with more learners")
     if memory.dtype_bytes == 4:

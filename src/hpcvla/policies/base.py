@@ -103,6 +103,11 @@ class Policy(nn.Module, abc.ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    def lora_models(self) -> list[nn.Module]:
+        """The language models that take LoRA adapters (policy.lora_rank, policies/lora.py);
+        a family without one has none (the config checks refuse the setting for it)."""
+        return []
+
     def enable_gradient_checkpointing(self) -> None:
         """learner.gradient_checkpointing: the learner's copy recomputes its activations in the
         backward pass instead of keeping them. A family without layers worth recomputing has

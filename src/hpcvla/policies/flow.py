@@ -235,6 +235,12 @@ class FlowPolicy(VLAPolicy):
                 **({"denoise_steps": int(steps)} if steps else {})}
 
     # --------------------------------------------------------------------- network pieces
+    def lora_models(self):
+        """The expert, and the prefix's language model unless it is frozen (its forward
+        runs without gradients then)."""
+        return [self.gemma_expert] + ([] if self.train_expert_only else
+                                      [self.prefix.language_model])
+
     def enable_gradient_checkpointing(self) -> None:
         """The prefix's layers (SigLIP, the VLM) recompute in the backward pass, recording
         the PrefixCache again (which keeps its first tensors); the expert recomputes each of

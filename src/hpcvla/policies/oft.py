@@ -156,6 +156,9 @@ class OFTPolicy(VLAPolicy):
         nn.init.normal_(self.value_head[4].weight, std=0.02)
         self.to(self.compute_dtype)
 
+    def lora_models(self):
+        return [self.language_model]
+
     # ------------------------------------------------------------------ checkpoint folders
     @classmethod
     def folder_kwargs(cls, folder) -> dict:

@@ -97,6 +97,9 @@ class ActionTokenPolicy(VLAPolicy):
         self.value_head = value_mlp(width, min(256, width))
         self.to(self.compute_dtype)
 
+    def lora_models(self):
+        return [self.prefix.language_model]
+
     def _logits_and_value(self, obs):
         """Bin logits (B, H, D, 256) float32 and value (B,)."""
         embeds, pad = self.prefix.embed(obs)
