@@ -38,6 +38,10 @@ CASES = {
         "policy.size=small", "learner.gradient_checkpointing=true"], 0, 64),
     "tokens-small-checkpointed-z1": ("configs/reach_tokens.yaml", [
         "policy.size=small", "learner.gradient_checkpointing=true"], 1, 32),
+    "flow-small-lora-z1": ("configs/reach_flow.yaml", ["policy.size=small",
+                                                       "policy.lora_rank=8"], 1, 64),
+    "tokens-small-lora-z2": ("configs/reach_tokens.yaml", ["policy.size=small",
+                                                           "policy.lora_rank=8"], 2, 32),
 }
 QUICK = ("flow-small-z0", "tokens-small-z1")
 FULL_SIZE = {"pi0": ("configs/libero_pi0.yaml", ["policy.pretrained=", "policy.tokenizer=",
