@@ -34,12 +34,14 @@ def test_resume_is_bit_identical(tmp_path, stage):
         "state.json"]
 
 
-@pytest.mark.parametrize("stage,extra", [(0, []), (2, ["learner.gradient_checkpointing=true"])],
-                         ids=["0", "2-checkpointing"])
+@pytest.mark.parametrize("stage,extra", [(0, []), (2, ["learner.gradient_checkpointing=true"]),
+                                         (3, ["learner.offload_optimizer=true"])],
+                         ids=["0", "2-checkpointing", "3-offload"])
 def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path, stage, extra):
     """A bf16 learner (DeepSpeed's bf16 mode: stage 0 and ZeRO wrap different optimizers)
     resumes exactly: the checkpoint holds its fp32 masters, not only the rounded weights;
-    with gradient checkpointing too (the learner that resumes recomputes its layers)."""
+    with gradient checkpointing too (the learner that resumes recomputes its layers), and with
+    the optimizer state offloaded to host memory (ZeRO-Offload, torch's fused CPU AdamW)."""
     path = resume(tmp_path, stage, "policy.name=flow", "policy.dtype=bfloat16", *extra)
     assert all(v.dtype == torch.bfloat16 for v in checkpoint.load_weights(path).values())
 

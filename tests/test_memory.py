@@ -8,7 +8,7 @@ import pytest
 
 from hpcvla.bench import memory as bench
 from hpcvla.cli import main
-from hpcvla.config import load_config
+from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import memory_problems
 from hpcvla.topology.plan import plan_from_config
 
@@ -92,3 +92,21 @@ def test_plan_auto_chooses_only_layouts_that_fit_and_turns_the_memory_knobs(caps
     best = found["best"]["overrides"]
     assert "learner.gradient_checkpointing=true" in best
     assert main(["plan", *SMALL_FLOW_ON_4_GPUS, capacity, *best]) == 0, capsys.readouterr()
+
+
+def test_offloading_moves_the_optimizer_state_to_host_memory(capsys):
+    """learner.offload_optimizer: the learner GPU sheds its masters and moments (plan's GPU
+    figure), its host memory takes them; refused where ZeRO does not partition them."""
+    figures = {}
+    for offload in ("false", "true"):
+        assert main(["plan", *SMALL_FLOW_ON_4_GPUS, "--json", "placement.gpu_memory_gb=80",
+                     f"learner.offload_optimizer={offload}"]) == 0
+        memory = json.loads(capsys.readouterr().out)["memory"]
+        figures[offload] = memory["gpu"]["3"], memory["host_by_rank"]["3"]
+    (gpu, host), (gpu_off, host_off) = figures["false"], figures["true"]
+    assert "moments" in gpu and "moments" not in gpu_off and "masters" not in gpu_off
+    assert host_off["offloaded moments"] == gpu["moments"] and "offloaded masters" in host_off
+    assert sum(gpu_off.values()) < sum(gpu.values()) - gpu["moments"] + 1
+    with pytest.raises(ConfigError, match="learner.offload_optimizer"):
+        load_config("configs/default.yaml", ["learner.offload_optimizer=true",
+                                             "learner.zero_stage=0"])

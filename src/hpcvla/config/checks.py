@@ -36,6 +36,11 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("policy.delta_action_dims", cfg.policy.delta_action_dims, "-1 "
                          "unless policy.name=flow with a published policy.pretrained folder "
                          "(the relative actions of its checkpoint)"))
+    if cfg.learner.offload_optimizer and (cfg.learner.zero_stage < 1 or
+                                          cfg.learner.backend != "deepspeed"):
+        problems.append(("learner.offload_optimizer", True, "false unless learner.backend="
+                         "deepspeed with learner.zero_stage >= 1 (ZeRO offloads the optimizer "
+                         "state it partitions)"))
     if cfg.learner.gradient_checkpointing and cfg.policy.name == "default":
         problems.append(("learner.gradient_checkpointing", True, "false for policy.name="
                          "default (a small network: no transformer layers to recompute)"))

@@ -253,6 +253,13 @@ class LearnerConfig:
     micro_batches: int = setting(
         2, "Micro-batches accumulated per optimizer step on each learner; the global batch "
         "is micro_batch x micro_batches x learners segments.", ge=1)
+    offload_optimizer: bool = setting(
+        False, "DeepSpeed ZeRO-Offload: the fp32 master weights, fp32 gradients and AdamW "
+        "moments live in (pinned) host memory and the optimizer steps there (torch's fused "
+        "AdamW on the CPU): a learner GPU keeps only the weights, gradients and "
+        "activations, 16 of the 18 bytes per trained parameter off it, for a CPU step and the "
+        "gradients' trip over PCIe each optimizer step. Needs learner.zero_stage >= 1 and "
+        "learner.backend=deepspeed.")
     gradient_checkpointing: bool = setting(
         False, "Recompute activations in the backward pass instead of keeping them from the "
         "forward (the VLA families: each layer of the vision towers and the language model, "

@@ -54,9 +54,12 @@ def param_groups(policy, alg) -> list[dict]:
 def adamw(cfg, policy) -> torch.optim.AdamW:
     """AdamW over `param_groups`, fused on a GPU: torch's default there, the multi-tensor
     step, allocates a copy of every parameter it updates at its peak (4 bytes per parameter
-    with fp32 masters: 12 GiB for π0, measured), which the fused kernel does not."""
+    with fp32 masters: 12 GiB for π0, measured), which the fused kernel does not; and fused
+    under learner.offload_optimizer, where it steps the host's fp32 state (torch's fused CPU
+    kernel: DeepSpeedCPUAdam would be as fast, but its bias correction, kept incrementally,
+    differs in the last bits after a resume, which then is not exact)."""
     return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0,
-                             fused=policy.device.type == "cuda")
+                             fused=policy.device.type == "cuda" or cfg.learner.offload_optimizer)
 
 
 def full_state(engine: Engine, wanted: bool = True) -> dict[str, torch.Tensor] | None:

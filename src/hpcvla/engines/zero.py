@@ -43,10 +43,13 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg.learner.micro_batch,
         "gradient_accumulation_steps": cfg.learner.micro_batches,
-        "zero_optimization": {"stage": cfg.learner.zero_stage},
+        "zero_optimization": {"stage": cfg.learner.zero_stage, **(
+            {"offload_optimizer": {"device": "cpu", "pin_memory": device.type == "cuda"}}
+            if cfg.learner.offload_optimizer else {})},
         "bf16": {"enabled": bf16},
         "gradient_clipping": cfg.algorithm.max_grad_norm,  # DeepSpeed's default is 1.0
         "steps_per_print": 10 ** 9, "wall_clock_breakdown": False,
+        "zero_force_ds_cpu_optimizer": False,  # offload steps torch's fused AdamW (base.adamw)
     }
     engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
                                       optimizer=adamw(cfg, policy), config=ds_config)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, size
+from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
 
 INF, LEARN = "inference", "learner"
 
@@ -105,7 +105,10 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
         on_gpu = devices.get(info.rank, "cpu").startswith("cuda")
         parts: dict[str, int] = {}
         if LEARN in info.roles:
-            parts = learner_bytes(fp, cfg.learner.zero_stage, learners, on_gpu)
+            parts = learner_bytes(fp, cfg.learner.zero_stage, learners, on_gpu,
+                                  cfg.learner.offload_optimizer)
+            if cfg.learner.offload_optimizer:
+                host[info.rank].update(offloaded_bytes(fp, cfg.learner.zero_stage, learners))
         if INF in info.roles:  # colocated: the same weights; the larger of the two batches
             alone = inference_bytes(fp, on_gpu)
             parts = {k: max(parts.get(k, 0), v) for k, v in alone.items()} | \
@@ -176,6 +179,8 @@ def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
         out.append("policy.lora_rank=16 (LoRA: optimizer state for the adapters only)")
     if cfg.learner.zero_stage < 3:
         out.append(f"learner.zero_stage={cfg.learner.zero_stage + 1} with more learners")
+    if cfg.learner.zero_stage >= 1 and not cfg.learner.offload_optimizer:
+        out.append("learner.offload_optimizer=true (optimizer state in host memory)")
     if memory.dtype_bytes == 4:
         out.append("policy.dtype=bfloat16")
     return "Fit it with " + "; or ".join(out) + "."

@@ -65,11 +65,27 @@ def model_states(fp, zero_stage: int, learners: int) -> dict[str, int]:
     return out
 
 
-def learner_bytes(fp, zero_stage: int, learners: int, on_gpu: bool) -> dict[str, int]:
+OFFLOADED = ("masters", "moments", "fp32 gradients")  # learner.offload_optimizer: in host memory
+
+
+def offloaded_bytes(fp, zero_stage: int, learners: int) -> dict[str, int]:
+    """What learner.offload_optimizer keeps in a learner's (pinned) host memory instead: its
+    fp32 masters, moments and fp32 gradient partition, whole (DeepSpeed's CPU buffers)."""
+    parts = model_states(fp, zero_stage, learners)
+    return {f"offloaded {k}": parts[k] for k in OFFLOADED if parts.get(k)}
+
+
+def learner_bytes(fp, zero_stage: int, learners: int, on_gpu: bool,
+                  offload: bool = False) -> dict[str, int]:
     """A learner's peak, by part: what its engine keeps, and then the larger of its backward
     (one micro-batch's activations with the allocator's slack, the gradients) and its
-    optimizer step; on a GPU the CUDA context and NCCL's buffers."""
+    optimizer step; on a GPU the CUDA context and NCCL's buffers. `offload`: without the
+    parts ZeRO-Offload keeps in host memory (offloaded_bytes)."""
     kept, backward, step = engine_states(fp, zero_stage, learners)
+    if offload:
+        for phase in (kept, step):
+            for name in OFFLOADED:
+                phase.pop(name, None)
     backward["activations"] = int(fp.train_bytes * (1 + ALLOCATOR_SLACK))
     out = {**kept, **max(backward, step, key=lambda phase: sum(phase.values()))}
     if on_gpu:

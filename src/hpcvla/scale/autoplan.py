@@ -18,8 +18,8 @@ per version, stays as the config says):
 
 On GPU nodes only layouts whose ranks fit their GPUs are chosen (the memory model,
 scale/memory_fit.py); where none fits at the config's memory settings, the search turns on
-learner.gradient_checkpointing (VLA families), then raises learner.zero_stage, one at a time,
-and prints what it turned.
+learner.gradient_checkpointing (VLA families), then raises learner.zero_stage, then offloads
+the optimizer state (learner.offload_optimizer), one at a time, and prints what it turned.
 
 The search is coordinate descent: starting from the config (or the first valid layout),
 each knob in turn is set to its best value with the others held, until a round changes

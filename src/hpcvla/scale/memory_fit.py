@@ -51,12 +51,15 @@ class MemoryFit:
 
 def memory_levers(cfg) -> list[tuple[str, object]]:
     """The settings (field, value) the search may turn, in order, when no layout fits at the
-    config's: gradient checkpointing (the VLA families), then each higher ZeRO stage."""
+    config's: gradient checkpointing (the VLA families), then each higher ZeRO stage, then
+    the optimizer state offloaded to host memory. (LoRA changes what trains: the user's.)"""
     out = []
     if cfg.policy.name != "default" and not cfg.learner.gradient_checkpointing:
         out.append(("learner.gradient_checkpointing", True))
     if cfg.learner.backend == "deepspeed":
-        out += [("learner.zero_stage", s) for s in range(cfg.learner.zero_stage + 1, 4)]
+        out += [("learner.zero_stage", s) for s in range(max(1, cfg.learner.zero_stage + 1), 4)]
+        if not cfg.learner.offload_optimizer:
+            out.append(("learner.offload_optimizer", True))
     return out
 
 
