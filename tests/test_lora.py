@@ -1,7 +1,8 @@
-"""LoRA (policy.lora_rank, policies/lora.py): the pretrained weights frozen and the adapters and
-heads trained, for every VLA family; merging folds the adapters in (same actions, plain names,
-a folder that loads without LoRA); a real run where only adapters and heads cross the weight
-plane per version, that resumes, and that `hpcvla export` merges. OFT with LoRA under ZeRO-3: tests/test_vla_policies.py."""
+"""LoRA (policy.lora_rank, policies/lora.py): the pretrained weights frozen and the adapters
+and heads trained, for every VLA family; merging folds the adapters in (same actions, plain
+names, a folder that loads without LoRA); a real run where only adapters and heads cross the
+weight plane per version, that resumes, and that `hpcvla export` merges. OFT with LoRA under
+ZeRO-3: tests/test_vla_policies.py."""
 
 from __future__ import annotations
 

@@ -148,7 +148,7 @@ class FlowPolicy(VLAPolicy):
 
         from transformers import GemmaConfig, GemmaModel
 
-        self.prefix = VisionLanguagePrefix(parts, "gemma")
+        self.prefix = VisionLanguagePrefix(parts, "gemma", self.compute_dtype)
         self.expert_config = GemmaConfig(**parts["expert"], vocab_size=1, pad_token_id=None,
                                          bos_token_id=None, eos_token_id=None)
         text = self.prefix.text_config
@@ -157,7 +157,7 @@ class FlowPolicy(VLAPolicy):
                 raise ValueError(f"flow size: expert {key} {getattr(self.expert_config, key)} "
                                  f"must equal the language model's {getattr(text, key)} (the "
                                  f"expert attends to its keys/values layer by layer)")
-        self.gemma_expert = GemmaModel(self.expert_config)
+        self.gemma_expert = GemmaModel._from_config(self.expert_config, dtype=self.compute_dtype)
         self.gemma_expert.embed_tokens = None  # the expert reads embeddings, never token ids
         width = self.expert_config.hidden_size
         self.action_in_proj = nn.Linear(self.model_action_dim, width)

@@ -139,14 +139,14 @@ class OFTPolicy(VLAPolicy):
         self.use_proprio = bool(use_proprio) and self.has_state
         self.n_tokens = DECODED_CHUNK * self.action_dim
 
-        self.vision_backbone = FusedVisionBackbone(dims)
+        self.vision_backbone = FusedVisionBackbone(dims, self.compute_dtype)
         self.llm_config = LlamaConfig(**dims["llm"], pad_token_id=LLM_VOCAB,
                                       bos_token_id=BOS, eos_token_id=STOP)
         width = self.llm_config.hidden_size
         self.projector = Projector(self.vision_backbone.width, width)
         if self.use_proprio:
             self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], width)
-        self.language_model = LlamaModel(self.llm_config)
+        self.language_model = LlamaModel._from_config(self.llm_config, dtype=self.compute_dtype)
         self.lm_head = nn.Linear(width, self.llm_config.vocab_size, bias=False)
         self.value_head = nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, 128),
                                         nn.GELU(), nn.Linear(128, DECODED_CHUNK, bias=False))

@@ -54,9 +54,10 @@ def pixel_values(cameras: list[torch.Tensor], side: int) -> torch.Tensor:
 
 
 class FusedVisionBackbone(nn.Module):
-    """DINOv2-with-registers (`featurizer`) + SigLIP (`fused_featurizer`), OFT's names."""
+    """DINOv2-with-registers (`featurizer`) + SigLIP (`fused_featurizer`), OFT's names, built
+    in `dtype`."""
 
-    def __init__(self, dims: dict):
+    def __init__(self, dims: dict, dtype: torch.dtype = torch.float32):
         super().__init__()
         from transformers import (Dinov2WithRegistersConfig, Dinov2WithRegistersModel,
                                   SiglipVisionConfig, SiglipVisionModel)
@@ -67,16 +68,16 @@ class FusedVisionBackbone(nn.Module):
                              f"of its width {dino['hidden_size']}")
         common = dict(image_size=dims["image_size"], patch_size=dims["patch_size"],
                       hidden_act="gelu", layer_norm_eps=1e-6)
-        self.featurizer = Dinov2WithRegistersModel(Dinov2WithRegistersConfig(
+        self.featurizer = Dinov2WithRegistersModel._from_config(Dinov2WithRegistersConfig(
             hidden_size=dino["hidden_size"], num_hidden_layers=dino["num_hidden_layers"],
             num_attention_heads=heads_of("dino", dino["hidden_size"]),
             mlp_ratio=dino["intermediate_size"] // dino["hidden_size"],
-            num_register_tokens=REGISTERS, **common))
-        self.fused_featurizer = SiglipVisionModel(SiglipVisionConfig(
+            num_register_tokens=REGISTERS, **common), dtype=dtype)
+        self.fused_featurizer = SiglipVisionModel._from_config(SiglipVisionConfig(
             hidden_size=siglip["hidden_size"], intermediate_size=siglip["intermediate_size"],
             num_hidden_layers=siglip["num_hidden_layers"],
             num_attention_heads=heads_of("siglip", siglip["hidden_size"]),
-            vision_use_head=False, **common))
+            vision_use_head=False, **common), dtype=dtype)
         # timm has no mask token (it is only for masked pre-training): not part of the model
         del self.featurizer.embeddings.mask_token
         for unused in (self.featurizer.encoder.layer[-1], self.featurizer.layernorm,

@@ -82,7 +82,7 @@ class ActionTokenPolicy(VLAPolicy):
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                     dict(size=parts, logprob_granularity=logprob_granularity,
                          init_log_std=init_log_std, dtype=dtype))
-        self.prefix = VisionLanguagePrefix(parts, "llama")
+        self.prefix = VisionLanguagePrefix(parts, "llama", self.compute_dtype)
         width = self.prefix.width
         if self.has_state:
             self.proprio_projector = nn.Linear(obs_spec["state"][0][0], width)

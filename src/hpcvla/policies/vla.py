@@ -200,9 +200,11 @@ class MultiModalProjector(nn.Module):
 
 class VisionLanguagePrefix(nn.Module):
     """SigLIP vision tower + projector + a decoder language model (Gemma or Llama) over
-    [image patches; instruction tokens; extra tokens the caller appends]."""
+    [image patches; instruction tokens; extra tokens the caller appends]. The transformers
+    models are built in `dtype` directly (a bf16 π0 never holds a float32 copy)."""
 
-    def __init__(self, parts: dict[str, dict], text_family: str):
+    def __init__(self, parts: dict[str, dict], text_family: str,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         from transformers import (GemmaConfig, GemmaModel, LlamaConfig, LlamaModel,
                                   SiglipVisionConfig, SiglipVisionModel)
@@ -212,10 +214,10 @@ class VisionLanguagePrefix(nn.Module):
                                  "llama": (LlamaConfig, LlamaModel)}[text_family]
         self.text_config = config_cls(**parts["text"], pad_token_id=0, bos_token_id=None,
                                       eos_token_id=None)
-        self.vision_tower = SiglipVisionModel(self.vision_config)
+        self.vision_tower = SiglipVisionModel._from_config(self.vision_config, dtype=dtype)
         self.multi_modal_projector = MultiModalProjector(self.vision_config.hidden_size,
                                                          self.text_config.hidden_size)
-        self.language_model = model_cls(self.text_config)
+        self.language_model = model_cls._from_config(self.text_config, dtype=dtype)
         self.width = self.text_config.hidden_size
 
     def embed(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
