@@ -12,7 +12,9 @@ side in one run.
   resident and the peak counts buffers that are never alive together).
 * Model states at full size (π0, OpenVLA-OFT in bf16, parameters counted on the meta device)
   against DeepSpeed's own estimators (`estimate_zero2/3_model_states_mem_needs`, no offload),
-  per learner for 8 and 64 learners, all states at once as the estimators count them."""
+  per learner for 8 and 64 learners, all states at once as the estimators count them.
+* A simulator rank's envs (ManiSkill, LIBERO) in a fresh process: resident memory gained
+  making them and stepping, against memory/simulators.py."""
 
 from __future__ import annotations
 
@@ -96,6 +98,52 @@ print("MEASURED", peak[0] - base)
 """
 
 
+# A simulator rank's envs: resident memory gained making them, a reset and three steps.
+SIMULATE = r"""
+import json, sys
+import numpy as np
+from hpcvla.config import load_config
+from hpcvla.factory import make_envs
+config, overrides = json.loads(sys.argv[1])
+cfg = load_config(config, overrides)
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+base = rss()
+env = make_envs(cfg, cfg.env.envs_per_simulator, 0)
+env.reset()
+for _ in range(3):
+    env.step(np.zeros((env.num_envs, env.spec.chunk_len, env.spec.action_dim), np.float32))
+print("MEASURED", rss() - base)
+"""
+SIMULATORS = {  # inline: the envs in the measuring process itself
+    "maniskill-4-envs": ("configs/maniskill_pickcube.yaml", ["env.envs_per_simulator=4",
+                                                             "env.isolation=inline"]),
+    "libero-2-envs-2-tasks": ("configs/libero_spatial.yaml", [
+        "env.envs_per_simulator=2", "env.shards=1", "env.suite_task=-1",
+        "env.isolation=inline"]),
+}
+
+
+def simulators(names=tuple(SIMULATORS)) -> dict:
+    """Measured vs modelled host memory of a simulator rank's envs (memory/simulators.py)."""
+    from hpcvla.config import load_config
+    from hpcvla.memory.simulators import simulator_bytes
+    out = {}
+    for name in names:
+        config, overrides = SIMULATORS[name]
+        run = subprocess.run([sys.executable, "-c", SIMULATE, json.dumps([config, overrides])],
+                             capture_output=True, text=True, timeout=900)
+        lines = [line for line in run.stdout.splitlines() if line.startswith("MEASURED")]
+        if run.returncode or not lines:
+            raise RuntimeError(f"measuring {name} failed:\n{run.stderr[-3000:]}")
+        measured = int(lines[-1].split()[1])
+        predicted = simulator_bytes(load_config(config, overrides).env)
+        out[name] = {"measured": measured, "predicted": predicted,
+                     "predicted_over_measured": predicted / measured}
+        print(f"{name:<22} measured {measured / 2 ** 20:7.0f} MiB  predicted "
+              f"{predicted / 2 ** 20:7.0f} MiB  ratio {predicted / measured:.2f}", flush=True)
+    return out
+
+
 def measure(config: str, overrides: list[str], stage: int, n: int, port: int) -> int:
     out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([config, overrides, stage,
                                                                      n]), str(port)],
@@ -176,7 +224,8 @@ def full_size_states(learners=(8, 64)) -> dict:
 
 def run(quick: bool = False, json_path: str | None = None) -> dict:
     result = {"learner_peaks": peaks(QUICK if quick else CASES),
-              "full_size_model_states": full_size_states()}
+              "full_size_model_states": full_size_states(),
+              "simulators": simulators(SIMULATORS if not quick else ("maniskill-4-envs",))}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)

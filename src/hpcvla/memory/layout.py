@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
 
-INF, LEARN = "inference", "learner"
+INF, LEARN, SIM = "inference", "learner", "simulator"
 
 
 @dataclass
@@ -42,7 +43,7 @@ class LayoutMemory:
 
     def columns(self) -> dict[str, dict[int, str]]:
         """The plan table's columns: each GPU rank's peak and each rank's host peak, GiB
-        (simulators' host memory is not modelled: `-`)."""
+        (`-` where nothing is modelled: a simulator of ManiSkill's GPU simulation)."""
         def gib(by_rank):
             return {r: f"{sum(parts.values()) / GIB:.1f}" for r, parts in by_rank.items()
                     if parts}
@@ -119,6 +120,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
             add(host[info.rank], "policy builds", build_bytes(fp))
             if not on_gpu:
                 add(host[info.rank], "cpu ranks' working memory", sum(parts.values()))
+        if SIM in info.roles and simulator_bytes(cfg.env):
+            add(host[info.rank], "simulator envs", simulator_bytes(cfg.env))
         if LEARN in info.roles:
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
