@@ -64,13 +64,13 @@ def test_the_launch_check_refuses_gpus_it_would_overfill():
     assert memory_problems(cfg, plan) == []
 
 
-SMALL_FLOW_ON_4_GPUS = ["configs/reach_flow.yaml", "--world", "4", "placement.gpus_per_node=4",
-                        "policy.size=small", "learner.micro_batches=2"]
+TINY_FLOW_ON_4_GPUS = ["configs/reach_flow.yaml", "--world", "4", "placement.gpus_per_node=4",
+                        "policy.size=tiny", "learner.micro_batches=2"]
 
 
 def learner_gib(capsys, *overrides) -> float:
     """The learner GPU's figure (rank 3) of `hpcvla plan --json`."""
-    assert main(["plan", *SMALL_FLOW_ON_4_GPUS, "--json", "placement.gpu_memory_gb=80",
+    assert main(["plan", *TINY_FLOW_ON_4_GPUS, "--json", "placement.gpu_memory_gb=80",
                  *overrides]) == 0
     return sum(json.loads(capsys.readouterr().out)["memory"]["gpu"]["3"].values()) / 2 ** 30
 
@@ -85,13 +85,13 @@ def test_plan_auto_chooses_only_layouts_that_fit_and_turns_the_memory_knobs(caps
     checkpointed = learner_gib(capsys, *smallest, "learner.gradient_checkpointing=true")
     assert checkpointed < plain
     capacity = f"placement.gpu_memory_gb={(plain + checkpointed) / 2:.4f}"
-    assert main(["plan", *SMALL_FLOW_ON_4_GPUS, "--auto", "--json", "--costs", "balanced",
+    assert main(["plan", *TINY_FLOW_ON_4_GPUS, "--auto", "--json", "--costs", "balanced",
                  "learner.micro_batch=32", capacity]) == 0
     found = json.loads(capsys.readouterr().out)
     assert found["memory_levers"] == ["learner.gradient_checkpointing=true"]
     best = found["best"]["overrides"]
     assert "learner.gradient_checkpointing=true" in best
-    assert main(["plan", *SMALL_FLOW_ON_4_GPUS, capacity, *best]) == 0, capsys.readouterr()
+    assert main(["plan", *TINY_FLOW_ON_4_GPUS, capacity, *best]) == 0, capsys.readouterr()
 
 
 def test_offloading_moves_the_optimizer_state_to_host_memory(capsys):
@@ -99,7 +99,7 @@ def test_offloading_moves_the_optimizer_state_to_host_memory(capsys):
     figure), its host memory takes them; refused where ZeRO does not partition them."""
     figures = {}
     for offload in ("false", "true"):
-        assert main(["plan", *SMALL_FLOW_ON_4_GPUS, "--json", "placement.gpu_memory_gb=80",
+        assert main(["plan", *TINY_FLOW_ON_4_GPUS, "--json", "placement.gpu_memory_gb=80",
                      f"learner.offload_optimizer={offload}"]) == 0
         memory = json.loads(capsys.readouterr().out)["memory"]
         figures[offload] = memory["gpu"]["3"], memory["host_by_rank"]["3"]
