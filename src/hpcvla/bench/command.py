@@ -47,6 +47,9 @@ def add_bench_parser(sub) -> None:
                             "`plan --auto --search-envs` picks for it (the streamer also under "
                             "bounds S+1 and S+2), instead of the ladder")
 
+    bench.add_argument("--modes", default=None,
+                       help="modes: only these execution modes, comma-separated (default: all "
+                            "five), e.g. sync-colocated,streamer")
     bench.add_argument("--max-staleness", type=int, default=2,
                        help="modes, emulated: the staleness bound the async modes run under "
                             "(pipeline.max_staleness; the planner uses it whole)")
@@ -75,7 +78,8 @@ def bench_command(args) -> int:
         from hpcvla.bench import modes
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
                   args.updates or 20, json_path=args.json, sweep=args.sweep,
-                  staleness=args.max_staleness)
+                  staleness=args.max_staleness,
+                  only=args.modes.split(",") if args.modes else None)
         return 0
     if args.target == "scale":  # the scale model; --validate starts one world per case
         if args.validate:

@@ -104,8 +104,14 @@ def auto_layout(mode: str, base: list[str], preset_name: str, preset: dict,
 
 
 def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, updates=20,
-        json_path=None, sweep=None, staleness=2) -> dict:
+        json_path=None, sweep=None, staleness=2, only=None) -> dict:
+    """Each case of `cases` (the five modes, or a sweep) as a training world; `only`: the
+    execution modes to run (default all)."""
     from hpcvla.config import load_config
+
+    unknown = sorted(set(only or ()) - set(MODES))
+    if unknown:
+        raise ValueError(f"--modes: unknown mode(s) {', '.join(unknown)}")
 
     if envs_per_gpu is None:
         envs_per_gpu = 4 if workload in SIM_WORKLOADS else 16
@@ -119,6 +125,8 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra, bound_s) in enumerate(
                 cases(sweep, envs_per_gpu, staleness)):
+            if only and mode not in only:
+                continue
             ranks = ranks_for(mode, gpus)
             base = [f"pipeline.mode={mode}", *_layout(mode, gpus),
                     *_workload(workload, preset, envs, updates, mode, bound_s)]
