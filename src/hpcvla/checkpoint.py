@@ -156,8 +156,8 @@ def load_optimizer(path: Path, engine, learners) -> dict:
     per_param: dict[int, dict] = {}
     masters = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("master.")]}
     for key, value in tensors.items():
-        kind, index, name = key.split(".", 2)
-        per_param.setdefault(int(index), {})[name] = value.item() if kind == "scalar" else value
+        _, index, name = key.split(".", 2)
+        per_param.setdefault(int(index), {})[name] = value
     with _base_optimizer(engine) as optimizer:
         optimizer.load_state_dict({"state": per_param, "param_groups": mine["param_groups"]})
         with torch.no_grad():
@@ -187,10 +187,8 @@ def _optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list]:
     with _base_optimizer(engine) as optimizer:
         sd = optimizer.state_dict()
         tensors = {k: v.detach().cpu().clone() for k, v in _masters(optimizer, mixed).items()}
-    for index, entry in sd["state"].items():
-        for name, value in entry.items():  # DeepSpeedCPUAdam counts its steps in a plain int
-            tensors[f"state.{index}.{name}" if torch.is_tensor(value) else
-                    f"scalar.{index}.{name}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    tensors.update({f"state.{index}.{name}": value.detach().cpu().contiguous()
+                    for index, entry in sd["state"].items() for name, value in entry.items()})
     return tensors, sd["param_groups"]
 
 
