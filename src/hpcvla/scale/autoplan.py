@@ -198,11 +198,10 @@ def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
     """search() among the layouts that fit the GPUs; where none does, with the memory
     settings turned one more at a time (scale/memory_fit.py). Returns the ranking, the fit
     check and the settings turned, as overrides."""
-    from hpcvla.envs import env_spec
     from hpcvla.scale.memory_fit import MemoryFit, memory_levers, override, turned
-    spec, levers, chosen = env_spec(cfg.env), memory_levers(cfg), []
+    levers, chosen = memory_levers(cfg), []
     while True:
-        fits = MemoryFit(cfg, spec)
+        fits = MemoryFit(cfg)
         try:
             return search(base, costs, search_envs=search_envs, fits=fits), fits, chosen
         except PlanError:

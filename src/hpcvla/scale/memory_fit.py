@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint
 from hpcvla.memory.layout import gpu_capacity_gib, layout_memory
 from hpcvla.preflight import layout_devices
@@ -28,10 +29,11 @@ def configured(cfg, lay: Layout):
 class MemoryFit:
     """Called with a Layout: None where its ranks fit their GPUs (or it puts none on a GPU),
     else what overfills one. The policy's footprint is measured once per micro-batch and
-    inference batch the search asks about (a fake-tensor run each: seconds at full size)."""
+    inference batch the search asks about (a fake-tensor run each: seconds at full size), and
+    the env's spec probed only then."""
 
-    def __init__(self, cfg, spec):
-        self.cfg, self.spec = cfg, spec
+    def __init__(self, cfg):
+        self.cfg, self.spec = cfg, None
         self.footprints: dict[tuple[int, int], object] = {}
 
     def __call__(self, lay: Layout) -> str | None:
@@ -43,6 +45,8 @@ class MemoryFit:
         train = cfg.learner.micro_batch * cfg.rollout.segment_len
         act = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
         if (train, act) not in self.footprints:
+            if self.spec is None:
+                self.spec = env_spec(cfg.env)
             self.footprints[train, act] = policy_footprint(cfg, self.spec, train, act, True)
         memory = layout_memory(cfg, plan, devices, self.footprints[train, act],
                                gpu_capacity_gib(cfg.placement))
