@@ -13,9 +13,6 @@ names (a folder that loads without LoRA: `hpcvla export`).
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
 # Llama/Gemma decoder projections (the language models and π0's expert)
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -45,7 +42,7 @@ def merge_lora(policy) -> int:
     merged = 0
     for parent in list(policy.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, LoraLayer) and isinstance(child, nn.Module):
+            if isinstance(child, LoraLayer):
                 child.merge()
                 setattr(parent, name, child.get_base_layer())
                 merged += 1
