@@ -74,15 +74,17 @@ class LayoutMemory:
                 "problems": [f"{k} = {v!r}: expected {text}" for k, v, text in self.problems]}
 
 
-def plan_memory(cfg, plan, devices: dict[int, str], spec) -> LayoutMemory:
+def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> LayoutMemory:
     """The memory of `plan` as configured: the policy's footprint at the learner's micro-batch
     (learner.micro_batch segments of rollout.segment_len observations) and at the largest
-    cell's batch (every env it serves), on `devices` (devices.plan_devices)."""
-    from hpcvla.memory.footprint import policy_footprint
+    cell's batch (every env it serves), on `devices` (devices.plan_devices). `footprint`:
+    a stand-in for footprint.policy_footprint (`plan --auto` passes one that remembers each
+    batch's)."""
+    if footprint is None:
+        from hpcvla.memory.footprint import policy_footprint as footprint
     on_gpus = any(d.startswith("cuda") for d in devices.values())
     envs = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
-    fp = policy_footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len,
-                          envs, on_gpus)
+    fp = footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len, envs, on_gpus)
     return layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement))
 
 

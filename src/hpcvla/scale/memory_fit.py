@@ -8,7 +8,7 @@ import copy
 
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint
-from hpcvla.memory.layout import gpu_capacity_gib, layout_memory
+from hpcvla.memory.layout import plan_memory
 from hpcvla.preflight import layout_devices
 from hpcvla.schedule import Layout
 from hpcvla.topology.plan import plan_from_config
@@ -34,7 +34,7 @@ class MemoryFit:
 
     def __init__(self, cfg):
         self.cfg, self.spec = cfg, None
-        self.footprints: dict[tuple[int, int], object] = {}
+        self.footprints: dict[tuple[int, int, bool], object] = {}
 
     def __call__(self, lay: Layout) -> str | None:
         cfg = configured(self.cfg, lay)
@@ -42,15 +42,17 @@ class MemoryFit:
         devices = layout_devices(cfg, plan)
         if not any(d.startswith("cuda") for d in devices.values()):
             return None
-        train = cfg.learner.micro_batch * cfg.rollout.segment_len
-        act = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
-        if (train, act) not in self.footprints:
-            if self.spec is None:
-                self.spec = env_spec(cfg.env)
-            self.footprints[train, act] = policy_footprint(cfg, self.spec, train, act, True)
-        memory = layout_memory(cfg, plan, devices, self.footprints[train, act],
-                               gpu_capacity_gib(cfg.placement))
-        return memory.problems[0][2] if memory.problems else None
+        if self.spec is None:
+            self.spec = env_spec(cfg.env)
+        problems = plan_memory(cfg, plan, devices, self.spec, self._footprint).problems
+        return problems[0][2] if problems else None
+
+    def _footprint(self, cfg, spec, train_obs: int, act_obs: int, on_gpus: bool):
+        """policy_footprint, once per batch (the policy is the same in every layout)."""
+        key = (train_obs, act_obs, on_gpus)
+        if key not in self.footprints:
+            self.footprints[key] = policy_footprint(cfg, spec, train_obs, act_obs, on_gpus)
+        return self.footprints[key]
 
 
 def memory_levers(cfg) -> list[tuple[str, object]]:
