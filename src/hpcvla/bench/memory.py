@@ -100,13 +100,13 @@ print("MEASURED", peak[0] - base)
 
 # A simulator rank's envs: resident memory gained making them, a reset and three steps.
 SIMULATE = r"""
-import json, sys
+import json, os, sys
 import numpy as np
 from hpcvla.config import load_config
 from hpcvla.factory import make_envs
 config, overrides = json.loads(sys.argv[1])
 cfg = load_config(config, overrides)
-rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 base = rss()
 env = make_envs(cfg, cfg.env.envs_per_simulator, 0)
 env.reset()
@@ -130,12 +130,7 @@ def simulators(names=tuple(SIMULATORS)) -> dict:
     out = {}
     for name in names:
         config, overrides = SIMULATORS[name]
-        run = subprocess.run([sys.executable, "-c", SIMULATE, json.dumps([config, overrides])],
-                             capture_output=True, text=True, timeout=900)
-        lines = [line for line in run.stdout.splitlines() if line.startswith("MEASURED")]
-        if run.returncode or not lines:
-            raise RuntimeError(f"measuring {name} failed:\n{run.stderr[-3000:]}")
-        measured = int(lines[-1].split()[1])
+        measured = child_measurement(SIMULATE, [json.dumps([config, overrides])], name)
         predicted = simulator_bytes(load_config(config, overrides).env)
         out[name] = {"measured": measured, "predicted": predicted,
                      "predicted_over_measured": predicted / measured}
@@ -144,16 +139,20 @@ def simulators(names=tuple(SIMULATORS)) -> dict:
     return out
 
 
-def measure(config: str, overrides: list[str], stage: int, n: int, port: int) -> int:
-    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps([config, overrides, stage,
-                                                                     n]), str(port)],
-                         capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+def child_measurement(script: str, args: list[str], what: str, env: dict | None = None) -> int:
+    """Run a measuring `script` in a fresh Python process; the bytes its MEASURED line gives."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                         timeout=900, env={**os.environ, **(env or {})})
     lines = [line for line in out.stdout.splitlines() if line.startswith("MEASURED")]
     if out.returncode or not lines:
-        raise RuntimeError(f"measuring {config} {overrides} at ZeRO-{stage} failed:\n"
-                           f"{out.stderr[-3000:]}")
+        raise RuntimeError(f"measuring {what} failed:\n{out.stderr[-3000:]}")
     return int(lines[-1].split()[1])
+
+
+def measure(config: str, overrides: list[str], stage: int, n: int, port: int) -> int:
+    return child_measurement(MEASURE, [json.dumps([config, overrides, stage, n]), str(port)],
+                             f"{config} {overrides} at ZeRO-{stage}",
+                             env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def predict(config: str, overrides: list[str], stage: int, n: int) -> dict:
