@@ -1,5 +1,6 @@
 """What several test files share: the repository's paths, running the `hpcvla` CLI as a user
-would, one training run, the learning statistic, and a few fixtures built from real envs.
+would, one training run, the learning statistic, a few fixtures built from real envs, and
+each VLA family's config with a batch for its env.
 
 Test files import from here (`from helpers import hpcvla`); no test file imports another.
 tests/conftest.py puts this folder on sys.path, so tests in sub-folders import it the same way.
@@ -122,3 +123,31 @@ def libero_fixture_observation(cfg) -> tuple[dict, dict]:
     finally:
         env.close()
     return obs, exported
+
+
+VLA_CASES = {  # id -> (config, overrides): every VLA family and flow mode, tiny, on CPU envs
+    "pi0": ("configs/reach_flow.yaml", []),
+    "pi0-chain": ("configs/reach_flow.yaml", ["policy.logprob_mode=chain"]),
+    "pi0-expert-only": ("configs/reach_flow.yaml", ["policy.train_expert_only=true"]),
+    "pi05": ("configs/reach_flow.yaml", ["policy.variant=pi05"]),
+    "tokens": ("configs/reach_tokens.yaml", []),
+    "oft": ("configs/maniskill_pickcube_oft.yaml", ["policy.pretrained=", "policy.tokenizer="]),
+}
+
+
+def policy_batch(spec, n=3):
+    """`n` random observations of the env `spec` (images, instruction ids in its vocabulary,
+    states) and action chunks in [-1, 1], as tensors; the same on every call."""
+    import numpy as np
+    import torch
+    rng = np.random.default_rng(1)
+    obs = {}
+    for key, (shape, dtype) in spec.obs.items():
+        if dtype == "|u1":
+            obs[key] = torch.from_numpy(rng.integers(0, 256, (n, *shape), dtype=np.uint8))
+        elif "i" in dtype:
+            obs[key] = torch.from_numpy(rng.integers(1, len(spec.vocab), (n, *shape))).int()
+        else:
+            obs[key] = torch.from_numpy(rng.standard_normal((n, *shape))).float()
+    actions = torch.from_numpy(rng.uniform(-1, 1, (n, spec.chunk_len, spec.action_dim)))
+    return obs, actions.float()

@@ -6,7 +6,6 @@ tests/test_checkpoint.py (resume)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -14,36 +13,13 @@ from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.memory.footprint import policy_footprint
-
-CASES = {  # id -> (config, overrides)
-    "pi0": ("configs/reach_flow.yaml", []),
-    "pi0-chain": ("configs/reach_flow.yaml", ["policy.logprob_mode=chain"]),
-    "pi0-expert-only": ("configs/reach_flow.yaml", ["policy.train_expert_only=true"]),
-    "pi05": ("configs/reach_flow.yaml", ["policy.variant=pi05"]),
-    "tokens": ("configs/reach_tokens.yaml", []),
-    "oft": ("configs/maniskill_pickcube_oft.yaml", ["policy.pretrained=", "policy.tokenizer="]),
-}
-
-
-def batch(spec, n=3):
-    rng = np.random.default_rng(1)
-    obs = {}
-    for key, (shape, dtype) in spec.obs.items():
-        if dtype == "|u1":
-            obs[key] = torch.from_numpy(rng.integers(0, 256, (n, *shape), dtype=np.uint8))
-        elif "i" in dtype:
-            obs[key] = torch.from_numpy(rng.integers(1, len(spec.vocab), (n, *shape))).int()
-        else:
-            obs[key] = torch.from_numpy(rng.standard_normal((n, *shape))).float()
-    actions = torch.from_numpy(rng.uniform(-1, 1, (n, spec.chunk_len, spec.action_dim)))
-    return obs, actions.float()
-
+from helpers import VLA_CASES, policy_batch
 
 def gradients(cfg, spec, checkpointing: bool, supervised: bool):
     policy = build_policy(cfg, spec)
     if checkpointing:
         policy.enable_gradient_checkpointing()
-    obs, actions = batch(spec)
+    obs, actions = policy_batch(spec)
     if policy.extra_fields():  # flow's chain mode scores the recorded denoising chain
         torch.manual_seed(3)
         obs.update(policy.sample(obs)[1])
@@ -57,12 +33,12 @@ def gradients(cfg, spec, checkpointing: bool, supervised: bool):
     return {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(VLA_CASES))
 def test_checkpointed_gradients_are_the_same_to_the_bit(case):
     """PPO's evaluate and SFT's loss: every parameter that gets a gradient without
     checkpointing gets the same one with it (a dropped prefix cache or a norm reading
     another pass's time would change them or fail)."""
-    config, overrides = CASES[case]
+    config, overrides = VLA_CASES[case]
     cfg = load_config(config, overrides)
     spec = env_spec(cfg.env)
     for supervised in (False, True):

@@ -13,16 +13,16 @@ from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.policies.lora import adapter_parameters, merge_lora
-from helpers import ROOT, hpcvla, run_train
-from test_gradient_checkpointing import CASES, batch
+from helpers import ROOT, VLA_CASES, hpcvla, policy_batch, run_train
 
 FAMILIES = ["pi0", "pi05", "tokens", "oft"]
 
 
 def lora_policy(case, *extra):
-    config, overrides = CASES[case]
+    config, overrides = VLA_CASES[case]
     cfg = load_config(config, [*overrides, "policy.lora_rank=4", *extra])
-    return cfg, env_spec(cfg.env), build_policy(cfg, env_spec(cfg.env))
+    spec = env_spec(cfg.env)
+    return cfg, spec, build_policy(cfg, spec)
 
 
 @pytest.mark.parametrize("case", FAMILIES)
@@ -36,7 +36,7 @@ def test_lora_trains_adapters_and_heads_and_freezes_the_pretrained_weights(case)
             assert all("lora_" in n for n in trained), trained
     heads = [n for n, p in policy.named_parameters() if p.requires_grad and "lora_" not in n]
     assert any(n.startswith("value_head") for n in heads), heads
-    obs, actions = batch(spec)
+    obs, actions = policy_batch(spec)
     logprob, value, entropy = policy.evaluate(obs, actions)
     (logprob.mean() + value.pow(2).mean()).backward()
     graded = {n for n, p in policy.named_parameters() if p.grad is not None}
@@ -54,13 +54,13 @@ def test_merging_folds_the_adapters_into_a_policy_without_lora(case):
         for name, param in policy.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
-    obs, actions = batch(spec)
+    obs, actions = policy_batch(spec)
     with torch.no_grad():
         before = policy.evaluate(obs, actions)[0]
         assert merge_lora(policy) > 0
         after = policy.evaluate(obs, actions)[0]
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
-    plain = build_policy(load_config(*CASES[case][:1], CASES[case][1]), spec)
+    plain = build_policy(load_config(*VLA_CASES[case]), spec)
     assert list(plain.state_dict()) == list(policy.state_dict())
     plain.load_arrays(policy.state_dict())
     with torch.no_grad():
@@ -102,7 +102,7 @@ def test_only_adapters_and_heads_cross_the_weight_plane_and_the_run_resumes(tmp_
     policy.load_arrays(checkpoint_weights(run_dir)[0])
     merged = load_pretrained(tmp_path / "merged")
     assert adapter_parameters(merged) == 0
-    obs, actions = batch(env_spec(cfg.env))
+    obs, actions = policy_batch(env_spec(cfg.env))
     with torch.no_grad():
         torch.testing.assert_close(merged.evaluate(obs, actions)[0],
                                    policy.evaluate(obs, actions)[0], rtol=1e-4, atol=1e-4)

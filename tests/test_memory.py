@@ -19,7 +19,8 @@ PI0_FULL = ["configs/libero_pi0.yaml", "policy.pretrained=", "policy.tokenizer="
 @pytest.mark.slow
 def test_model_states_at_full_size_are_deepspeeds_estimates():
     """π0 and OpenVLA-OFT in bf16, 8 learners, ZeRO-2 and -3: within 5 % of DeepSpeed's
-    own estimators (bench.full_size_states leaves out the gradient bucket, which they omit)."""
+    own estimators (bench.full_size_states leaves out what they omit: the gradient bucket and
+    ZeRO-3's gradient partition)."""
     states = bench.full_size_states(learners=(8,))
     assert set(states) == {f"{p} ZeRO-{s} x8" for p in ("pi0", "oft") for s in (2, 3)}
     assert states["pi0 ZeRO-2 x8"]["params"] > 3e9 and states["oft ZeRO-2 x8"]["params"] > 7e9
