@@ -12,7 +12,7 @@ own floor or the floors below it.
                                           before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
-       demonstrations
+       optimizer_state, demonstrations
     2  transport, seeds, mpi_select,      the process machinery: rings and records over MPI,
        deathwatch, watchdog, preempt,     seeds, liveness, signals, extensions
        extensions
@@ -42,7 +42,8 @@ FLOORS = {
     0: ("hpcvla", "text", "emulate"),
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
-    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
+    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "optimizer_state",
+        "demonstrations"),
     4: ("factory", "engines", "preflight", "memory"),
     5: ("roles",),
     6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording"),

@@ -3,17 +3,19 @@
     <run_dir>/checkpoints/v000120/          the state after policy version 120 was trained
         model.safetensors                   full weights (ZeRO-3 shards gathered): what
                                             inference, evaluation and other layouts load
-        optimizer.rank<r>.safetensors       learner r's optimizer partition + its torch RNG
-        state.json                          version, counters, layout, sha256 of every file
+        optimizer.rank<r>.safetensors       learner r's ranges of the fp32 master weights and
+                                            optimizer moments, by parameter, + its torch RNG
+        state.json                          version, counters, layout, the ranges each file
+                                            holds, sha256 of every file
 
 A checkpoint is written into `v000120.partial/` and renamed when complete, so a job killed
-mid-write leaves no directory that looks finished. Optimizer partitions are saved as the
-torch optimizer under DeepSpeed holds them (ZeRO's flat fp32 partitions): restoring them needs
-the same number of learners and ZeRO stage; the weights alone restore anywhere. Weights are
-saved in the dtype the learners train in (bf16 stays bf16: safetensors holds it, numpy could
-not). A bf16 learner's optimizer keeps fp32 master weights, which the bf16 weights only
-round: they go into its optimizer file too (`master.<group>.<i>`), so a resumed run goes on
-from the exact masters.
+mid-write leaves no directory that looks finished. The optimizer state is stored by parameter
+name and range (optimizer_state.py), not as ZeRO's flat partitions: any learner count and any
+ZeRO stage resumes from it, each learner reading the ranges its new partition needs; the
+resumed state equals the saved one, re-partitioned. Weights are saved in the dtype the
+learners train in (bf16 stays bf16: safetensors holds it, numpy could not); the fp32 masters a
+bf16 learner steps are in the optimizer files, so a resumed run goes on from the exact masters.
+On the same learner count each learner also gets its RNG back, and the resume is bit-exact.
 """
 
 from __future__ import annotations
@@ -22,15 +24,17 @@ import hashlib
 import json
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from hpcvla import optimizer_state
+from hpcvla.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
 
-FORMAT = 1
+FORMAT = 2
 MODEL = "model.safetensors"
 STATE = "state.json"
 STATE_KEYS = ("format", "version", "counters", "learners", "zero_stage", "model_sha256",
@@ -72,11 +76,22 @@ def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     idle_barrier(learners)  # [dist] a blocking barrier spins while learner 0 writes
-    tensors, groups = _optimizer_tensors(engine)
+    tensors, fragments, steps = {}, {}, {}
+    keys: list[str] = []
+    for fragment in optimizer_state.fragments(engine, rank):
+        if fragment.replicated and rank != 0:
+            continue
+        state = fragment.state()
+        keys = [k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
+        for key in (MASTER, *keys):
+            tensors[f"{fragment.name}/{key}"] = fragment.tensor(key).float().cpu().clone()
+        fragments[fragment.name] = [fragment.start, fragment.numel]
+        steps[fragment.name] = float(state["step"])
     tensors["rng.torch_cpu"] = torch.get_rng_state()
     name = f"optimizer.rank{rank}.safetensors"
     save_file(tensors, str(partial / name))
-    mine = {"file": name, "sha256": _sha256(partial / name), "param_groups": groups}
+    mine = {"file": name, "sha256": _sha256(partial / name), "fragments": fragments,
+            "steps": steps, "keys": keys}
     everyone = learners.gather(mine, root=0)  # [dist]
     if rank != 0:
         idle_barrier(learners)  # [dist]
@@ -139,67 +154,61 @@ def load_weights(path: Path, expected: dict | None = None) -> dict[str, torch.Te
 
 
 def load_optimizer(path: Path, engine, learners) -> dict:
-    """Restore this learner's optimizer partition and RNG; returns state.json. Call after
-    `deepspeed.initialize` on a model that already holds the checkpoint's weights."""
+    """Restore this learner's optimizer state, in this run's layout (any learner count, any
+    ZeRO stage), and, on the same learner count, its RNG; returns state.json. Call after the
+    engine is built on a model that already holds the checkpoint's weights."""
     state = read_state(path)
-    if state["learners"] != learners.Get_size() or \
-            state["zero_stage"] != engine.zero_optimization_stage():
-        raise CheckpointError(
-            f"{path}: written by {state['learners']} learners at ZeRO stage "
-            f"{state['zero_stage']}, this run has {learners.Get_size()} at stage "
-            f"{engine.zero_optimization_stage()}; resume with the same learner layout and "
-            f"learner.zero_stage")
-    mine = state["optimizer"][learners.Get_rank()]
-    _verify(Path(path) / mine["file"], mine["sha256"])
-    tensors = load_file(str(Path(path) / mine["file"]))
-    torch.set_rng_state(tensors.pop("rng.torch_cpu"))
-    per_param: dict[int, dict] = {}
-    masters = {k: tensors.pop(k) for k in [k for k in tensors if k.startswith("master.")]}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        per_param.setdefault(int(index), {})[name] = value
-    with _base_optimizer(engine) as optimizer:
-        optimizer.load_state_dict({"state": per_param, "param_groups": mine["param_groups"]})
-        with torch.no_grad():
-            for key, master in _masters(optimizer, bool(masters)).items():
-                master.copy_(masters[key])
+    rank, saved = learners.Get_rank(), state["optimizer"]
+    reader = _FragmentReader(Path(path), saved)
+    optimizer_state.ensure_state(engine, reader.keys)
+    for fragment in optimizer_state.fragments(engine, rank):
+        for key in (MASTER, *reader.keys):
+            fragment.write(key, reader.read(fragment.name, key, fragment.start, fragment.numel))
+        fragment.state()["step"].fill_(reader.step(fragment.name))
+    if state["learners"] == learners.Get_size():  # else each learner keeps its seeded stream
+        torch.set_rng_state(reader.tensor(saved[rank], "rng.torch_cpu"))
     return state
 
 
-@contextmanager
-def _base_optimizer(engine):
-    """The torch optimizer itself (ZeRO wraps it; stage 0 hands it over as is). ZeRO-3 lends
-    it its fp32 partitions only during a step; they are put in place meanwhile, as
-    DeepSpeed's own (pickle) checkpoints do."""
-    zero = engine.optimizer
-    stage3 = hasattr(zero, "_set_fp32_optimizer_param_groups")
-    if stage3:
-        zero._set_fp32_optimizer_param_groups()
-    try:
-        yield getattr(zero, "optimizer", zero)
-    finally:
-        if stage3:
-            zero._clear_fp32_optimizer_param_groups()
+class _FragmentReader:
+    """The saved fragments of every learner, by parameter name: assembles any range of a
+    parameter from whichever saved ranges overlap it (files checksummed when first read)."""
 
+    def __init__(self, path: Path, saved: list[dict]):
+        self.path, self.files = path, {}
+        self.keys = next((entry["keys"] for entry in saved if entry["keys"]), [])
+        self.ranges: dict[str, list] = {}
+        for entry in saved:
+            for name, (start, numel) in entry["fragments"].items():
+                self.ranges.setdefault(name, []).append((entry, start, numel))
 
-def _optimizer_tensors(engine) -> tuple[dict[str, torch.Tensor], list]:
-    mixed = engine.bfloat16_enabled() or engine.fp16_enabled()
-    with _base_optimizer(engine) as optimizer:
-        sd = optimizer.state_dict()
-        tensors = {k: v.detach().cpu().clone() for k, v in _masters(optimizer, mixed).items()}
-    tensors.update({f"state.{index}.{name}": value.detach().cpu().contiguous()
-                    for index, entry in sd["state"].items() for name, value in entry.items()})
-    return tensors, sd["param_groups"]
+    def tensor(self, entry: dict, key: str, lo: int = 0, hi: int | None = None):
+        if entry["file"] not in self.files:
+            _verify(self.path / entry["file"], entry["sha256"])
+            self.files[entry["file"]] = safe_open(str(self.path / entry["file"]), "pt")
+        whole = self.files[entry["file"]].get_slice(key)
+        return whole[lo:hi] if hi is not None else whole[:]
 
+    def read(self, name: str, key: str, start: int, numel: int) -> torch.Tensor:
+        out, covered = torch.empty(numel, dtype=torch.float32), 0
+        for entry, first, count in self.ranges.get(name, []):
+            lo, hi = max(start, first), min(start + numel, first + count)
+            if lo < hi:
+                out[lo - start:hi - start] = self.tensor(entry, f"{name}/{key}",
+                                                         lo - first, hi - first)
+                covered += hi - lo
+        if covered != numel:
+            raise CheckpointError(f"{self.path}: the optimizer state of {name} covers "
+                                  f"{covered} of the {numel} values this learner needs from "
+                                  f"offset {start}; was it written with another policy config?")
+        return out
 
-def _masters(optimizer, mixed: bool) -> dict[str, torch.Tensor]:
-    """The fp32 master weights a mixed-precision learner's torch optimizer steps (under
-    DeepSpeed its parameters are them), by `master.<group>.<i>`; none for fp32 training,
-    where the model's weights are the masters."""
-    if not mixed:
-        return {}
-    return {f"master.{g}.{i}": p for g, group in enumerate(optimizer.param_groups)
-            for i, p in enumerate(group["params"])}
+    def step(self, name: str) -> float:
+        steps = {entry["steps"][name] for entry, _, _ in self.ranges.get(name, [])}
+        if len(steps) != 1:
+            raise CheckpointError(f"{self.path}: optimizer steps {sorted(steps)} for {name}; "
+                                  f"the file is damaged")
+        return steps.pop()
 
 
 def _sha256(path: Path) -> str:
