@@ -234,6 +234,26 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
     assert list(run_dir.glob("config.resume-*.yaml"))
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_resume_on_fewer_learners_at_another_zero_stage(tmp_path):
+    """A run of 4 learners at ZeRO-3 goes on with 2 at ZeRO-1, then with 1 at stage 0: the
+    optimizer state is re-partitioned (tests/test_checkpoint.py checks it exact), each
+    remaining version trained once."""
+    small = ["env.image_size=32", "policy.hidden=32"]
+    _, _, run_dir = run_train(tmp_path, "pipeline.total_updates=2", "learner.zero_stage=3",
+                              *small, config="configs/colocated.yaml", ranks=4)
+    for ranks, stage, updates in ((2, 1, 3), (1, 0, 4)):
+        out = hpcvla("train", "configs/colocated.yaml", "--ranks", ranks,
+                     f"run.resume={run_dir}", f"learner.zero_stage={stage}",
+                     f"pipeline.total_updates={updates}", *small, timeout=400)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert f"re-partitioned onto {ranks} at ZeRO-{stage}" in out.stdout, out.stdout
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert {r["first_version"] for r in summary["per_rank"]} == {updates - 1}
+        assert sum(summary["staleness_hist"].values()) == 32 * ranks  # one version, once
+
+
 def test_resume_refused_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="run.resume"):
         check_config(load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"]))

@@ -170,6 +170,14 @@ def load_optimizer(path: Path, engine, learners) -> dict:
     return state
 
 
+def layout_change(state: dict, learners: int, zero_stage: int) -> str:
+    """How a resume moves the optimizer state, for the log: 'same layout' or what changes."""
+    if (state["learners"], state["zero_stage"]) == (learners, zero_stage):
+        return f"same layout: {learners} learners at ZeRO-{zero_stage}"
+    return (f"written by {state['learners']} learners at ZeRO-{state['zero_stage']}, "
+            f"re-partitioned onto {learners} at ZeRO-{zero_stage}")
+
+
 class _FragmentReader:
     """The saved fragments of every learner, by parameter name: assembles any range of a
     parameter from whichever saved ranges overlap it (files checksummed when first read)."""

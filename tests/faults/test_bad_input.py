@@ -14,6 +14,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpcvla import checkpoint
 from hpcvla.config import Config, ConfigError, describe_settings, load_config
 from helpers import ROOT
 
@@ -38,9 +39,10 @@ def checkpoint_dir(run_dir: Path) -> Path:
     for name in ("model.safetensors", "optimizer.rank0.safetensors"):
         (path / name).write_bytes(b"x")
     (path / "state.json").write_text(json.dumps({
-        "format": 1, "version": 2, "counters": {"trained_env_steps": 0}, "learners": 1,
-        "zero_stage": 1, "model_sha256": "0" * 64,
-        "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64}]}))
+        "format": checkpoint.FORMAT, "version": 2, "counters": {"trained_env_steps": 0},
+        "learners": 1, "zero_stage": 1, "model_sha256": "0" * 64,
+        "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64,
+                       "fragments": {}, "steps": {}, "keys": []}]}))
     return path
 
 

@@ -127,12 +127,15 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
                         learners=len(plan.learners),
                         board=RunBoard(run_dir, cfg.run.tensorboard) if is_root else None)
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
-    first = checkpoint.read_state(resume)["version"] if resume else 0
+    saved = checkpoint.read_state(resume) if resume else {"version": 0}
+    first = saved["version"]
     summary = {"rank": rank, "role": role, "host": MPI.Get_processor_name(), "env_steps": 0,
                "first_version": first, "device": str(device),
                "dtype": str(next(policy.parameters()).dtype).removeprefix("torch.")}
     if resume and is_root:
-        print(f"[hpcvla] resuming from {resume} (policy version {first})", flush=True)
+        stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
+        print(f"[hpcvla] resuming from {resume} (policy version {first}; "
+              f"{checkpoint.layout_change(saved, len(plan.learners), stage)})", flush=True)
     return _Rank(cfg, plan, comms, run_dir, rank, spec, policy, device, on_gpus, timeline,
                  progress, resume, first, summary)
 
