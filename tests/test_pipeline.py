@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
+from hpcvla import checkpoint
 from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
@@ -218,6 +219,11 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
                                     "learner.checkpoint_every=1", *extra, config=config,
                                     ranks=ranks)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000002", "v000003"]
+    for path in checkpoint.complete(run_dir):  # written in the background while training
+        state = checkpoint.verify(path)  # every file there, its checksum right
+        assert state["version"] == int(path.name[1:])
+        assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", *(
+            f"optimizer.rank{r}.safetensors" for r in range(state["learners"])), "state.json"]
     lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
     out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
                  "pipeline.total_updates=5", "learner.checkpoint_every=0", *extra, timeout=400)

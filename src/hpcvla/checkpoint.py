@@ -24,6 +24,8 @@ import hashlib
 import json
 import os
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -66,16 +68,77 @@ def latest(path: Path) -> Path | None:
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
-    """Collective on the learner communicator. `weights` (the full state, from learner 0)
-    go to model.safetensors; every learner writes its optimizer partition. Returns the
-    checkpoint directory on learner 0. Keeps the newest `keep` checkpoints."""
-    rank = learners.Get_rank()
-    final = checkpoint_dir(run_dir, version)
-    partial = final.with_name(final.name + ".partial")
-    if rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    idle_barrier(learners)  # [dist] a blocking barrier spins while learner 0 writes
+    """A checkpoint, written before this returns (Writer writes in the background).
+    Collective on the learner communicator; returns the directory on learner 0."""
+    writer = Writer()
+    writer.save(run_dir, engine, weights, version, counters, learners, keep)
+    return writer.wait()
+
+
+class Writer:
+    """Checkpoints written in the background. `save` takes the snapshot, collective on the
+    learners: each copies its optimizer ranges (and learner 0 the full weights) to host
+    memory, which is all training waits for. A thread then writes the files and checksums
+    them; learner 0's thread, once every learner's file is on disk, writes state.json and
+    renames the directory into place. One checkpoint is in flight at most: `save` and `wait`
+    first wait for the one before, and raise what its writing raised."""
+
+    def __init__(self):
+        self._thread: threading.Thread | None = None
+        self._outcome: list = [None, None]  # [directory, exception]
+
+    def save(self, run_dir: Path, engine, weights: dict[str, torch.Tensor] | None,
+             version: int, counters: dict, learners, keep: int) -> None:
+        """`weights`: the full state, from learner 0 (None elsewhere)."""
+        self.wait()
+        rank, size = learners.Get_rank(), learners.Get_size()
+        final = checkpoint_dir(run_dir, version)
+        partial = final.with_name(final.name + ".partial")
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        idle_barrier(learners)  # [dist] the directory exists before anyone writes into it
+        tensors, mine = _optimizer_snapshot(engine, rank)
+        state = None
+        if rank == 0:  # its own copy: on a CPU learner the weights are the parameters
+            tensors[MODEL] = {k: torch.as_tensor(v).detach().clone().contiguous()
+                              for k, v in weights.items()}
+            state = {"format": FORMAT, "version": version, "counters": counters,
+                     "learners": size, "zero_stage": engine.zero_optimization_stage()}
+        self._thread = threading.Thread(
+            target=self._write, args=(partial, final, rank, size, tensors, mine, state, keep),
+            name=f"checkpoint v{version}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Path | None:
+        """Wait for the checkpoint in flight; its directory on learner 0 (else None)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        final, error = self._outcome
+        self._outcome = [None, None]
+        if error is not None:
+            raise CheckpointError(f"writing the checkpoint failed: {error!r}") from error
+        return final
+
+    def _write(self, partial, final, rank, size, tensors, mine, state, keep):
+        try:
+            model = tensors.pop(MODEL, None)
+            save_file(tensors, str(partial / mine["file"]))
+            mine["sha256"] = _sha256(partial / mine["file"])
+            _write_json(partial / _sidecar(rank), mine)
+            if rank == 0:
+                save_file(model, str(partial / MODEL))
+                state["model_sha256"] = _sha256(partial / MODEL)
+                state["optimizer"] = [_await_json(partial / _sidecar(r)) for r in range(size)]
+                _publish(partial, final, state, size, keep)
+                self._outcome[0] = final
+        except Exception as err:  # raised in the training thread by wait()
+            self._outcome[1] = err
+
+
+def _optimizer_snapshot(engine, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """This learner's optimizer ranges and RNG as host tensors, and their index."""
     tensors, fragments, steps = {}, {}, {}
     keys: list[str] = []
     for fragment in optimizer_state.fragments(engine, rank):
@@ -88,27 +151,39 @@ def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version
         fragments[fragment.name] = [fragment.start, fragment.numel]
         steps[fragment.name] = float(state["step"])
     tensors["rng.torch_cpu"] = torch.get_rng_state()
-    name = f"optimizer.rank{rank}.safetensors"
-    save_file(tensors, str(partial / name))
-    mine = {"file": name, "sha256": _sha256(partial / name), "fragments": fragments,
-            "steps": steps, "keys": keys}
-    everyone = learners.gather(mine, root=0)  # [dist]
-    if rank != 0:
-        idle_barrier(learners)  # [dist]
-        return None
-    save_file({k: torch.as_tensor(v).contiguous() for k, v in weights.items()},
-              str(partial / MODEL))
-    state = {"format": FORMAT, "version": version, "counters": counters,
-             "learners": learners.Get_size(), "zero_stage": engine.zero_optimization_stage(),
-             "model_sha256": _sha256(partial / MODEL), "optimizer": everyone}
+    return tensors, {"file": f"optimizer.rank{rank}.safetensors", "fragments": fragments,
+                     "steps": steps, "keys": keys}
+
+
+def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) -> None:
+    """state.json, then the rename that makes the checkpoint exist, completely or not at
+    all; the oldest beyond `keep` go."""
+    for r in range(learners):
+        (partial / _sidecar(r)).unlink()
     (partial / STATE).write_text(json.dumps(state, indent=1))
     _fsync_dir(partial)
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)  # the checkpoint exists completely or not at all
+    os.replace(partial, final)
     for old in sorted(p for p in final.parent.glob("v[0-9]*") if p.suffix != ".partial")[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    idle_barrier(learners)  # [dist]
-    return final
+
+
+def _sidecar(rank: int) -> str:
+    """Where learner `rank` says its optimizer file is written (name, sha256, ranges)."""
+    return f"optimizer.rank{rank}.json"
+
+
+def _write_json(path: Path, value) -> None:
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(value))
+    os.replace(temporary, path)  # readers never see half a file
+
+
+def _await_json(path: Path, poll_s: float = 0.02):
+    """A learner's sidecar, once it exists (a learner that fails takes the world down)."""
+    while not path.exists():
+        time.sleep(poll_s)
+    return json.loads(path.read_text())
 
 
 def read_state(path: Path) -> dict:
@@ -132,6 +207,15 @@ def read_state(path: Path) -> dict:
     for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
         if not (path / name).is_file():  # cheap here; contents are checked when loaded
             raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete")
+    return state
+
+
+def verify(path: Path) -> dict:
+    """state.json of a checkpoint, every file's sha256 checked; raises CheckpointError."""
+    state = read_state(path)
+    for name, sha256 in [(MODEL, state["model_sha256"]),
+                         *((e["file"], e["sha256"]) for e in state["optimizer"])]:
+        _verify(Path(path) / name, sha256)
     return state
 
 

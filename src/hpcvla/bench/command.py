@@ -8,9 +8,9 @@ def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
     bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
-                                          "gpu", "scale", "memory"],
-                       help="what to measure; `learning` also takes key=value overrides for "
-                            "every run (e.g. policy.name=flow)")
+                                          "gpu", "scale", "memory", "checkpoint"],
+                       help="what to measure; `learning` and `checkpoint` also take key=value "
+                            "overrides for every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
     bench.add_argument("--json", default=None, help="write the results here")
     bench.add_argument("--ranks", type=int, default=None,
@@ -28,7 +28,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--gpus", type=int, default=2,
                        help="modes: accelerator ranks (even, or 1: one GPU shared)")
     bench.add_argument("--updates", type=int, default=None,
-                       help="modes: updates per mode (default 20); learning: per run (200)")
+                       help="modes: updates per mode (default 20); learning: per run (200); "
+                            "checkpoint: per run (8)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", choices=["modes", "critic", "flow-noise", "imitation"],
                        default="modes",
@@ -94,6 +95,12 @@ def bench_command(args) -> int:
         from hpcvla.bench import shards
         shards.run(args.workload, args.shards, rounds=4 if args.quick else 20,
                    json_path=args.json)
+        return 0
+    if args.target == "checkpoint":  # starts one world per run itself
+        from hpcvla.bench import checkpoint
+        checkpoint.run(updates=3 if args.quick else args.updates or 8,
+                       repeats=1 if args.quick else 2, overrides=args.overrides,
+                       json_path=args.json)
         return 0
     if args.target == "learning":  # starts one world per run itself
         from hpcvla.bench import learning

@@ -278,10 +278,16 @@ class LearnerConfig:
         "higher rides out rare bad batches, lower stops a diverged run sooner.", ge=1)
     checkpoint_every: int = setting(
         0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
-        "policy versions; 0: only at the end. Each gathers the full weights and writes "
-        "weights + optimizer: more often loses less to a crash, costs learner time.", ge=0)
+        "policy versions; 0: only at the end. More often loses less to a crash; what it "
+        "costs the learners: `hpcvla bench checkpoint`.", ge=0)
     checkpoint_keep: int = setting(
         2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
+    checkpoint_background: bool = setting(
+        True, "Write checkpoints in a background thread: training waits only while each "
+        "learner copies its optimizer ranges (learner 0 also the weights) to host memory, "
+        "which holds that copy until the files are written (a second checkpoint due before "
+        "then waits for the first). false: training waits for the files (no extra host "
+        "memory).")
     ring_slots: int = setting(
         32, "Slots of each learner's trajectory ring, split evenly into one lane per "
         "producer (at least one slot each); a producer waits while its lane is full: more "

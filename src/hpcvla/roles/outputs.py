@@ -17,14 +17,22 @@ from hpcvla.metrics.tensorboard import RunBoard
 
 def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
     """save(version, full weights, last): a checkpoint when one is due or the run ends
-    (collective on the learners)."""
+    (collective on the learners). With learner.checkpoint_background it is written in the
+    background (checkpoint.Writer): training waits only for the snapshot, and for the
+    previous checkpoint if that is still being written. The last one is complete when save
+    returns."""
+    writer = checkpoint.Writer()
+
     def save(version, weights, last):
         every = cfg.learner.checkpoint_every
         if last or (every and version % every == 0):
             with timeline.span("checkpoint"):
-                checkpoint.save(run_dir, engine, weights, version,  # [dist] the learners
-                                {"trained_env_steps": progress.steps}, learners,
-                                keep=cfg.learner.checkpoint_keep)
+                writer.save(run_dir, engine, weights, version,  # [dist] the learners
+                            {"trained_env_steps": progress.steps}, learners,
+                            keep=cfg.learner.checkpoint_keep)
+        if last or not cfg.learner.checkpoint_background:
+            with timeline.span("checkpoint"):
+                writer.wait()
     return save
 
 

@@ -1,0 +1,64 @@
+"""`hpcvla bench checkpoint`: what a checkpoint every version costs the learners.
+
+Three arms of the same training run, side by side (interleaved over `repeats` rounds, so load
+on the machine falls on all of them alike):
+* `none`: `learner.checkpoint_every=0` (one checkpoint, at the end);
+* `foreground`: a checkpoint after every version, training waits for the files
+  (`learner.checkpoint_background=false`);
+* `background`: the same checkpoints, written by a thread while the next version trains
+  (checkpoint.Writer; the default).
+Reported per arm: wall seconds per version (the run's wall clock over its versions) and the
+learners' seconds per version inside checkpointing (the timeline's `checkpoint` spans: the
+snapshot, plus any wait for files); and each arm's wall per version over `none`'s.
+
+The default workload is the colocated reach run with a wider policy (`policy.hidden=1024`,
+~8 M parameters, ~100 MB per checkpoint): big enough that writing shows; pass overrides for
+another (e.g. a flow policy).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from hpcvla.trainrun import train_run
+
+ARMS = {"none": ["learner.checkpoint_every=0"],
+        "foreground": ["learner.checkpoint_every=1", "learner.checkpoint_background=false"],
+        "background": ["learner.checkpoint_every=1", "learner.checkpoint_background=true"]}
+WORKLOAD = ["configs/colocated.yaml", "--ranks", 2, "policy.hidden=1024"]
+
+
+def run(updates: int = 8, repeats: int = 2, overrides=(), json_path=None) -> dict:
+    samples: dict[str, list] = {arm: [] for arm in ARMS}
+    for n in range(repeats):
+        for arm in ARMS if n % 2 == 0 else reversed(ARMS):
+            with tempfile.TemporaryDirectory(prefix=f"bench-checkpoint-{arm}-") as root:
+                _, summary = train_run([*WORKLOAD, f"pipeline.total_updates={updates}",
+                                        *ARMS[arm], *overrides], Path(root), label=arm)
+            samples[arm].append(_per_version(summary, updates))
+    results = {"workload": [*map(str, WORKLOAD), *overrides], "updates": updates,
+               "repeats": repeats, "arms": {}}
+    for arm, runs in samples.items():
+        results["arms"][arm] = {
+            "wall_s_per_version": statistics.median(r[0] for r in runs),
+            "checkpoint_s_per_version": statistics.median(r[1] for r in runs), "runs": runs}
+    base = results["arms"]["none"]["wall_s_per_version"]
+    for arm, result in results["arms"].items():
+        result["wall_over_none"] = result["wall_s_per_version"] / base
+        print(f"{arm:>10}: {result['wall_s_per_version']:.3f} s per version "
+              f"({result['wall_over_none']:.2f}x none), learners in checkpointing "
+              f"{result['checkpoint_s_per_version']:.3f} s per version")
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _per_version(summary: dict, updates: int) -> tuple[float, float]:
+    """(wall seconds, the learners' mean checkpoint seconds) per version of one run."""
+    wall = summary["wall_s"]
+    learners = [r for r in summary["per_rank"] if "learner" in r["role"]]
+    checkpointing = statistics.mean(r["busy_s"].get("checkpoint", 0.0) for r in learners)
+    return wall / updates, checkpointing / updates
