@@ -37,6 +37,10 @@
 #                     with a checkpoint short of its end (the job was requeued or rerun),
 #                     that run is continued (run.resume)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1)
+#   HPCVLA_RESTARTS   train: when the world fails (a rank or a node died), start it again
+#                     inside the allocation up to this many times (default 0): on the nodes
+#                     that still start a process, from the newest checkpoint (Slurm jobs need
+#                     --no-kill to keep their allocation when a node fails)
 #   HPCVLA_DRY_RUN    1: print the environment and command, run nothing
 set -euo pipefail
 
@@ -143,71 +147,96 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 resumable_run() {
     "$PYTHON" - "$1" << 'PY'
 import sys
-from pathlib import Path
 
 import yaml
 
 from hpcvla.checkpoint import latest, read_state
+from hpcvla.restarts import newest_run
 
-configs = sorted(Path(sys.argv[1]).glob("*/config.yaml"), key=lambda p: p.stat().st_mtime)
-if configs:
-    run, point = configs[-1].parent, latest(configs[-1].parent)
-    total = yaml.safe_load(configs[-1].read_text())["pipeline"]["total_updates"]
-    if point is not None and read_state(point)["version"] < total:
+run = newest_run(sys.argv[1])
+point = latest(run) if run is not None else None
+if point is not None:
+    total = yaml.safe_load((run / "config.yaml").read_text())["pipeline"]["total_updates"]
+    if read_state(point)["version"] < total:
         print(run)
 PY
 }
 
-ARGS=("$@")
-if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
-    # The job's own run root: a requeued (Slurm) or rerun (PBS) job finds the run its earlier
-    # start made there and continues it from its checkpoint.
-    ARGS+=("run.root=$HPCVLA_JOB_RUNS")
-    RESUME=$(resumable_run "$HPCVLA_JOB_RUNS")
-    if [[ -n $RESUME ]]; then
-        say "continuing $RESUME from its newest checkpoint"
-        ARGS+=("run.resume=$RESUME")
-    fi
-fi
-COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
-CLEAN_ENV=()
-if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
-    LAUNCH=()
-    COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
-elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo "$HPCVLA_SLURM_LAUNCHER_DEFAULT" ||
-        echo mpiexec)} == srun ]]; then
-    # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
-    # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
-    # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
-    LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-$HPCVLA_SRUN_MPI_DEFAULT}" --kill-on-bad-exit=1 --ntasks="$NP"
-            --ntasks-per-node="$PER_NODE" --distribution=block
-            ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"})
-else
-    MPIEXEC=$HPCVLA_MPIEXEC
-    HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")
-    trap 'rm -f "$HOSTFILE"' EXIT
-    if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
-        for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
-        LAUNCH=("$MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node")
-    else  # MPICH's Hydra (and derivatives): host:ranks, filled in block order
-        for host in "${HOSTS[@]}"; do echo "$host:$PER_NODE"; done > "$HOSTFILE"
-        LAUNCH=("$MPIEXEC" -n "$NP" -f "$HOSTFILE")
-    fi
-    if [[ $SCHEDULER == slurm ]]; then
-        # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that
-        # node's ranks: the step must hold the node's CPUs (srun would give it one per task),
-        # and sbatch's tasks-per-node would contradict its 1 task per node.
-        LAUNCH=(env -u SLURM_NTASKS_PER_NODE
-                "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
-    elif [[ $SCHEDULER == pbs ]]; then
-        # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
-        # in the job: Hydra would then start its proxies as 1-task srun steps, and the ranks
-        # would check themselves against Slurm's counts. A PBS job's ranks see PBS only.
-        mapfile -t slurm_vars < <(compgen -e | grep '^SLURM_' || true)
-        CLEAN_ENV=(env "${slurm_vars[@]/#/--unset=}")
-    fi
-fi
+# The nodes of HOSTS that start a process within 30 s (a restart leaves out the others).
+usable_hosts() {
+    local host
+    for host in "${HOSTS[@]}"; do
+        case $SCHEDULER in
+            slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$host" \
+                       --mpi=none true > /dev/null 2>&1 ;;
+            pbs) timeout 30 ssh "$host" true > /dev/null 2>&1 ;;
+            none) true ;;
+        esac && echo "$host"
+    done
+}
 
+ARGS=("$@")
+COMMAND_ARGS=("$@")
+set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumable run
+    ARGS=("${COMMAND_ARGS[@]}")
+    if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
+        # The job's own run root: a requeued (Slurm) or rerun (PBS) job, or a restart after a
+        # failure, finds the run an earlier start made there and continues it from its
+        # checkpoint.
+        ARGS+=("run.root=$HPCVLA_JOB_RUNS")
+        RESUME=$(resumable_run "$HPCVLA_JOB_RUNS")
+        if [[ -n $RESUME ]]; then
+            say "continuing $RESUME from its newest checkpoint"
+            ARGS+=("run.resume=$RESUME")
+        fi
+    fi
+    COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
+    [[ $1 == train ]] || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
+}
+
+set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
+    CLEAN_ENV=()
+    if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
+        LAUNCH=()
+    elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo "$HPCVLA_SLURM_LAUNCHER_DEFAULT" ||
+            echo mpiexec)} == srun ]]; then
+        # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
+        # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
+        # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
+        local nodes
+        nodes=$(IFS=,; echo "${HOSTS[*]}")
+        LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-$HPCVLA_SRUN_MPI_DEFAULT}" --kill-on-bad-exit=1 --ntasks="$NP"
+                --ntasks-per-node="$PER_NODE" --distribution=block --nodes="$NODES" --nodelist="$nodes"
+                ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"})
+    else
+        local host
+        if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
+            for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
+            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node")
+        else  # MPICH's Hydra (and derivatives): host:ranks, filled in block order
+            for host in "${HOSTS[@]}"; do echo "$host:$PER_NODE"; done > "$HOSTFILE"
+            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" -f "$HOSTFILE")
+        fi
+        if [[ $SCHEDULER == slurm ]]; then
+            # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that
+            # node's ranks: the step must hold the node's CPUs (srun would give it one per
+            # task), and sbatch's tasks-per-node would contradict its 1 task per node.
+            LAUNCH=(env -u SLURM_NTASKS_PER_NODE
+                    "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
+        elif [[ $SCHEDULER == pbs ]]; then
+            # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
+            # in the job: Hydra would then start its proxies as 1-task srun steps, and the ranks
+            # would check themselves against Slurm's counts. A PBS job's ranks see PBS only.
+            mapfile -t slurm_vars < <(compgen -e | grep '^SLURM_' || true)
+            CLEAN_ENV=(env "${slurm_vars[@]/#/--unset=}")
+        fi
+    fi
+}
+
+HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")
+trap 'rm -f "$HOSTFILE"' EXIT
+set_command "$1"
+set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
 say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
@@ -246,30 +275,88 @@ forward() {
         kill -TERM "$STEP" 2> /dev/null || true
     fi
 }
-if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
-    # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
-    # word (kill -9, OOM), srun names its task number and the cards say what it was.
-    export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
-    rm -rf "$HPCVLA_RANK_DIR" && mkdir -p "$HPCVLA_RANK_DIR"
-fi
-"${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${COMMAND[@]}" &
-STEP=$!
-trap 'forward TERM' TERM
-trap 'forward INT' INT
-trap 'forward USR1' USR1
-status=0
-while true; do  # `wait` returns early when a trapped signal arrives: wait again
-    wait "$STEP" && status=0 || status=$?
-    kill -0 "$STEP" 2> /dev/null || break
-done
-trap - TERM INT USR1
-
-if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
-    if [[ $status != 0 && -z $SIGNALLED ]]; then
-        "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+run_world() {  # start the ranks, forward signals while they run; sets `status`
+    if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
+        # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
+        # word (kill -9, OOM), srun names its task number and the cards say what it was.
+        export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
+        rm -rf "$HPCVLA_RANK_DIR" && mkdir -p "$HPCVLA_RANK_DIR"
     fi
-    rm -rf "$HPCVLA_RANK_DIR"
-fi
+    "${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${COMMAND[@]}" &
+    STEP=$!
+    trap 'forward TERM' TERM
+    trap 'forward INT' INT
+    trap 'forward USR1' USR1
+    status=0
+    while true; do  # `wait` returns early when a trapped signal arrives: wait again
+        wait "$STEP" && status=0 || status=$?
+        kill -0 "$STEP" 2> /dev/null || break
+    done
+    trap - TERM INT USR1
+    if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
+        if [[ $status != 0 && -z $SIGNALLED ]]; then
+            "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+        fi
+        rm -rf "$HPCVLA_RANK_DIR"
+    fi
+}
+
+# A failed world (a rank or a node died; not a signal) is started again inside the allocation
+# up to HPCVLA_RESTARTS times: on the nodes that still start a process, with as many ranks per
+# node as before, if the config's placement fits them (`hpcvla plan`), continuing from the
+# newest checkpoint (any learner count and ZeRO stage resumes it). Not when the failure
+# recurs before a newer checkpoint exists: that is no node failure, and trying again would
+# not end.
+restarts_left=${HPCVLA_RESTARTS:-0}
+failed_at=""
+while true; do
+    run_world "$1"
+    [[ $status != 0 && -z $SIGNALLED && $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]] || break
+    if (( restarts_left <= 0 )); then
+        (( ${HPCVLA_RESTARTS:-0} == 0 )) || say "the world failed (status $status); no" \
+            "restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
+        break
+    fi
+    version=$("$PYTHON" -c 'import sys; from hpcvla.restarts import newest_version
+print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
+    if [[ $version == "$failed_at" ]]; then
+        say "the world failed again before a checkpoint newer than policy version $version:" \
+            "not restarting"
+        break
+    fi
+    failed_at=$version
+    say "the world failed (status $status) at $(date -u +%H:%M:%S); checking the nodes"
+    mapfile -t usable < <(usable_hosts)
+    dropped=()
+    for host in "${HOSTS[@]}"; do
+        [[ " ${usable[*]} " == *" $host "* ]] || dropped+=("$host")
+    done
+    if (( ${#usable[@]} == 0 )); then
+        say "no node of the job starts a process: not restarting"
+        break
+    fi
+    HOSTS=("${usable[@]}")
+    NODES=${#HOSTS[@]}
+    NP=$(( NODES * PER_NODE ))
+    export HPCVLA_JOB_RANKS=$NP
+    if ! layout=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" --world "$NP" \
+            --ranks-per-node "$PER_NODE" 2>&1); then
+        say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
+        printf '%s\n' "$layout" >&2
+        break
+    fi
+    restarts_left=$(( restarts_left - 1 ))
+    say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
+        "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
+        "from policy version $version"
+    say "restart record: $("$PYTHON" -m hpcvla.restarts "$HPCVLA_JOB_RUNS" "$status" \
+        "${dropped[*]}" "${HOSTS[*]}" "$NP")"
+    printf '%s\n' "$layout" | head -n 3 >&2
+    set_command "$1"
+    set_launch "$1"
+    say "running: ${LAUNCH[*]} ${COMMAND[*]}"
+done
+
 if [[ -n $SIGNALLED ]]; then
     say "ranks exited with status $status after SIG$SIGNALLED"
     if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&

@@ -8,8 +8,8 @@ own floor or the floors below it.
                                           record an expert's demonstrations
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
-       memory                             check files, packages, checkpoints and memory
-                                          before a run
+       memory, restarts                   check files, packages, checkpoints and memory
+                                          before a run; record what a restart lost
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
        optimizer_state, demonstrations
@@ -44,7 +44,7 @@ FLOORS = {
     2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "optimizer_state",
         "demonstrations"),
-    4: ("factory", "engines", "preflight", "memory"),
+    4: ("factory", "engines", "preflight", "memory", "restarts"),
     5: ("roles",),
     6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording"),
     7: ("bench",),

@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import yaml
 
-from hpcvla import checkpoint
+from hpcvla import checkpoint, restarts
 from hpcvla.config.loader import config_to_dict
 from hpcvla.metrics.tensorboard import RunBoard
 
@@ -78,6 +78,7 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
     result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
     result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
     result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
+    result["restarts"] = restarts.recorded(run_dir)  # inside the allocation (jobs/launch.sh)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     board = RunBoard(run_dir, cfg.run.tensorboard)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
