@@ -207,7 +207,7 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
         nodes=$(IFS=,; echo "${HOSTS[*]}")
         LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-$HPCVLA_SRUN_MPI_DEFAULT}" --kill-on-bad-exit=1 --ntasks="$NP"
                 --ntasks-per-node="$PER_NODE" --distribution=block --nodes="$NODES" --nodelist="$nodes"
-                ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"})
+                ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"} ${OVERLAP:+--overlap})
     else
         local host
         if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
@@ -221,7 +221,7 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
             # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that
             # node's ranks: the step must hold the node's CPUs (srun would give it one per
             # task), and sbatch's tasks-per-node would contradict its 1 task per node.
-            LAUNCH=(env -u SLURM_NTASKS_PER_NODE
+            LAUNCH=(env -u SLURM_NTASKS_PER_NODE ${OVERLAP:+HYDRA_LAUNCHER_EXTRA_ARGS=--overlap}
                     "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
         elif [[ $SCHEDULER == pbs ]]; then
             # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
@@ -235,6 +235,9 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
 
 HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")
 trap 'rm -f "$HOSTFILE"' EXIT
+# After a node failure the failed world's step never completes (its dead node cannot say so)
+# and holds its CPUs on the nodes left: a restart's steps must share them (srun --overlap).
+OVERLAP=""
 set_command "$1"
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
@@ -346,6 +349,7 @@ print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
         break
     fi
     restarts_left=$(( restarts_left - 1 ))
+    OVERLAP=1
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
         "from policy version $version"

@@ -261,6 +261,42 @@ class LocalSlurm:
             shutil.rmtree(self.base, ignore_errors=True)
             self.base = None
 
+    def fail_node(self, host: str) -> None:
+        """A node failure as a job sees it: every process on emulated host `host` is killed
+        at once, its slurmd included (`restore_node` brings the node back)."""
+        ns = self.hosts.ns(host)
+        for _ in range(5):
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            time.sleep(0.2)
+        self.procs.pop(f"slurmd-{host}").wait(10)
+
+    def restore_node(self, host: str, wait: bool = True) -> None:
+        """Start the slurmd of a node `fail_node` killed; with `wait`, until every node is
+        idle (a job that held the node completes only once its slurmd is back)."""
+        daemon = f"slurmd-{host}"
+        self.procs[daemon] = self._daemon(
+            ["/usr/sbin/slurmd", "-D", "-N", host, "-f", self.base / "slurm.conf"], daemon,
+            host=host)
+        self._run(["scontrol", "update", f"nodename={host}", "state=resume"], check=False)
+        if wait:
+            self.wait_idle()
+
+    def wait_idle(self) -> None:
+        """Until every node is idle (no job holds one, none is down)."""
+        self._until(self._nodes_ready, "every node is idle in `sinfo`")
+
+    def cancel(self, job_id: str) -> None:
+        """scancel, whatever the job's state."""
+        self._run(["scancel", job_id], check=False)
+
     def _start_munge(self) -> None:
         munge = self.base / "munge"
         munge.mkdir()

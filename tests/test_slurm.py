@@ -158,6 +158,58 @@ def test_slurm_multinode_job_on_three_hosts_requeues_and_resumes(slurm3, tmp_pat
     assert (run_dir / "checkpoints" / f"v{updates:06d}" / "state.json").exists()
 
 
+def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
+    """jobs/slurm/multinode.sbatch (--no-kill, HPCVLA_RESTARTS) on 3 nodes of a cell and a ZeRO
+    learner each; every process of node h2 (slurmd included) is killed after a checkpoint.
+    The job goes on inside its allocation on h0 and h1, with 2 learners instead of 3 (the
+    optimizer state re-partitioned), from the newest checkpoint, and finishes; the log and
+    summary.json name the dropped node, the new layout and the work lost; no batch is trained
+    twice."""
+    updates, log = 12, tmp_path / "restart.out"
+    job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/default.yaml",
+                        "placement.per_node.simulator=1", f"pipeline.total_updates={updates}",
+                        "learner.checkpoint_every=2", "pipeline.progress_every_s=0.1",
+                        options=["--output", log, "--ntasks-per-node=3", "--cpus-per-task=1"],
+                        env=job_env(tmp_path, HPCVLA_RESTARTS="1"), cwd=ROOT)
+    first_update(slurm3, job, log)
+    runs = tmp_path / "runs" / f"hpcvla-multinode-{job}"
+    deadline = time.monotonic() + 300
+    while not list(runs.glob("*/checkpoints/v*/state.json")):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    slurm3.fail_node("h2")
+    failed = time.monotonic()
+    try:
+        while "[hpcvla] update" not in log.read_text().partition("[hpcvla] resuming from")[2]:
+            assert time.monotonic() < deadline + 300, log.read_text()[-4000:]
+            assert slurm3.job(job)["JobState"] == "RUNNING", log.read_text()[-4000:]
+            time.sleep(0.2)
+        print(f"from the node failure to the first update after the restart: "
+              f"{time.monotonic() - failed:.1f} s")
+        # the node comes back (the job ends only once its slurmd says the dead step is gone)
+        slurm3.restore_node("h2", wait=False)
+        text = finished(slurm3, job, log)
+    finally:  # the nodes as the module's other tests expect them
+        if "slurmd-h2" not in slurm3.procs:
+            slurm3.restore_node("h2", wait=False)
+        slurm3.cancel(job)
+        slurm3.wait_idle()
+    assert "dropped node(s): h2; 6 rank(s) on 2 node(s) (h0 h1)" in text, text[-4000:]
+    second = text.split("restart 1/1", 1)[1]
+    assert "6 ranks on 2 node(s) of 3; 2 cell(s), 2 learner(s)" in second, second[-4000:]
+    assert "written by 3 learners at ZeRO-1, re-partitioned onto 2 at ZeRO-1" in second
+    assert f"[hpcvla] update {updates}/{updates}" in second
+    run_dir = the_run(tmp_path / "runs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (restart,) = summary["restarts"]
+    assert restart["dropped_nodes"] == ["h2"] and restart["nodes"] == ["h0", "h1"]
+    learners = [r for r in summary["per_rank"] if r["role"] == "learner"]
+    assert sorted(r["host"] for r in learners) == ["h0", "h1"]
+    resumed = restart["resumed_from_version"]
+    assert {r["first_version"] for r in learners} == {resumed} and resumed >= 2
+    assert sum(summary["staleness_hist"].values()) == (updates - resumed) * 2 * 32
+
+
 def test_pbs_demo_job_through_qsub(slurm, tmp_path):
     log = tmp_path / "demo-pbs.out"
     env = job_env(tmp_path, CONFIG="configs/default.yaml",
