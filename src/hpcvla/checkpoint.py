@@ -36,7 +36,8 @@ from hpcvla import optimizer_state
 from hpcvla.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
 
-FORMAT = 2
+FORMAT = 2  # 1: optimizer state as ZeRO's flat partitions (its weights still load)
+READABLE = (1, 2)
 MODEL = "model.safetensors"
 STATE = "state.json"
 STATE_KEYS = ("format", "version", "counters", "learners", "zero_stage", "model_sha256",
@@ -100,8 +101,9 @@ class Writer:
         idle_barrier(learners)  # [dist] the directory exists before anyone writes into it
         tensors, mine = _optimizer_snapshot(engine, rank)
         state = None
-        if rank == 0:  # its own copy: on a CPU learner the weights are the parameters
-            tensors[MODEL] = {k: torch.as_tensor(v).detach().clone().contiguous()
+        if rank == 0:  # a copy of its own where they are the parameters (engines.full_state)
+            shared = engine.device.type == "cpu" and engine.zero_optimization_stage() < 3
+            tensors[MODEL] = {k: (v.detach().clone() if shared else v).contiguous()
                               for k, v in weights.items()}
             state = {"format": FORMAT, "version": version, "counters": counters,
                      "learners": size, "zero_stage": engine.zero_optimization_stage()}
@@ -196,10 +198,10 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"{path}: no {STATE}; not a complete hpcvla checkpoint") from None
     except ValueError as err:  # JSON syntax, or bytes that are not even UTF-8
         raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in READABLE:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
-                              f"reads format {FORMAT}")
+                              f"reads formats {', '.join(map(str, READABLE))}")
     missing = sorted(set(STATE_KEYS) - set(state))
     if missing:
         raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "
@@ -242,6 +244,11 @@ def load_optimizer(path: Path, engine, learners) -> dict:
     ZeRO stage), and, on the same learner count, its RNG; returns state.json. Call after the
     engine is built on a model that already holds the checkpoint's weights."""
     state = read_state(path)
+    if state["format"] != FORMAT:
+        raise CheckpointError(f"{path}: format {state['format']} (an older hpcvla) holds the "
+                              f"optimizer state as ZeRO's flat partitions, which this one "
+                              f"does not resume; start a run from its weights instead "
+                              f"(policy.checkpoint={path})")
     rank, saved = learners.Get_rank(), state["optimizer"]
     reader = _FragmentReader(Path(path), saved)
     optimizer_state.ensure_state(engine, reader.keys)

@@ -107,6 +107,9 @@ def fake_checkpoint(path: Path, **state) -> Path:
 def test_damaged_checkpoint_state_is_named(tmp_path):
     ok = fake_checkpoint(tmp_path / "ok")
     assert checkpoint.read_state(ok)["version"] == 2
+    # format 1 (an older hpcvla): its weights load, its optimizer state is refused, named
+    with pytest.raises(checkpoint.CheckpointError, match=r"format 1 .*policy\.checkpoint="):
+        checkpoint.load_optimizer(ok, engine=None, learners=None)
     with pytest.raises(checkpoint.CheckpointError, match="lacks model_sha256, optimizer"):
         checkpoint.read_state(fake_checkpoint(tmp_path / "keys", model_sha256=None,
                                               optimizer=None))
@@ -120,7 +123,8 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: not valid JSON"):
         checkpoint.read_state(path)
     (path / "state.json").write_text("[1, 2]")
-    with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: format 'list'"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"state\.json: format 'list', this "
+                       r"hpcvla reads formats 1, 2"):
         checkpoint.read_state(path)
 
 
