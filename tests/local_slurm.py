@@ -264,18 +264,12 @@ class LocalSlurm:
     def fail_node(self, host: str) -> None:
         """A node failure as a job sees it: every process on emulated host `host` is killed
         at once, its slurmd included (`restore_node` brings the node back)."""
-        ns = self.hosts.ns(host)
-        for _ in range(5):
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                  text=True).stdout.split()
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            time.sleep(0.2)
+        sys.path.insert(0, str(Path(__file__).parent / "multihost"))
+        try:
+            from hosts import kill_namespace
+        finally:
+            sys.path.pop(0)
+        kill_namespace(self.hosts.ns(host), rounds=5)
         self.procs.pop(f"slurmd-{host}").wait(10)
 
     def restore_node(self, host: str, wait: bool = True) -> None:

@@ -54,9 +54,9 @@ def _sh(*argv, check=True, timeout=30) -> subprocess.CompletedProcess:
     return out
 
 
-def _remove_ns(ns: str) -> None:
-    """Kill what runs in namespace `ns`, then remove it and its /etc/netns files."""
-    for _ in range(3):
+def kill_namespace(ns: str, rounds: int = 3) -> None:
+    """SIGKILL every process in network namespace `ns` (again, for what was forked meanwhile)."""
+    for _ in range(rounds):
         pids = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
         if not pids:
             break
@@ -66,6 +66,11 @@ def _remove_ns(ns: str) -> None:
             except (ProcessLookupError, ValueError):
                 pass
         time.sleep(0.2)
+
+
+def _remove_ns(ns: str) -> None:
+    """Kill what runs in namespace `ns`, then remove it and its /etc/netns files."""
+    kill_namespace(ns)
     _sh("ip", "netns", "del", ns, check=False)
     shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 

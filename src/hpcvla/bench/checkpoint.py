@@ -11,9 +11,9 @@ Reported per arm: wall seconds per version (the run's wall clock over its versio
 learners' seconds per version inside checkpointing (the timeline's `checkpoint` spans: the
 snapshot, plus any wait for files); and each arm's wall per version over `none`'s.
 
-The default workload is the colocated reach run with a wider policy (`policy.hidden=1024`,
-~8 M parameters, ~100 MB per checkpoint): big enough that writing shows; pass overrides for
-another (e.g. a flow policy).
+The default workload is the colocated reach run on 2 ranks with a wider policy
+(`policy.hidden=1024`: 7.6 M parameters, 121 MB of weights, fp32 masters and Adam moments per
+checkpoint): big enough that writing shows; pass overrides for another (e.g. a flow policy).
 """
 
 from __future__ import annotations
