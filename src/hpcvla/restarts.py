@@ -48,9 +48,12 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
     kept = state["counters"].get("trained_env_steps", 0)
     trained = kept
     metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        lines = metrics.read_text().splitlines()
-        trained = json.loads(lines[-1]).get("trained_env_steps", kept) if lines else kept
+    for line in reversed(metrics.read_text().splitlines() if metrics.exists() else []):
+        try:  # the world may have died in the middle of the last line
+            trained = json.loads(line)["trained_env_steps"]
+            break
+        except (ValueError, KeyError):
+            continue
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "exit_status": status,
              "dropped_nodes": dropped, "nodes": nodes, "ranks": ranks,
              "resumed_from_version": state["version"], "trained_env_steps": trained,
