@@ -4,6 +4,10 @@ per micro-batch.
     [hpcvla] update 12/200 | 812 trained steps/s | success 0.45 (last 200 eps) | return 3.1 |
              staleness 0.6 | ETA 2m10s
 
+The ETA is the remaining versions at the rate of the recent ones (the last few version
+boundaries), not of the whole run: start-up and the first, slower versions would make it fall
+for minutes. It shows `--` until three versions have ended.
+
 Success and return come from episodes that ended inside trained segments (the last `window`
 of them; env faults left out); staleness from the policy versions the learner trained on. The
 JSONL records hold the loss statistics of each micro-batch's last epoch: clip fraction, KL,
@@ -25,6 +29,9 @@ import numpy as np
 from hpcvla.metrics.tensorboard import RunBoard
 
 
+RECENT_VERSIONS = 8  # version boundaries the ETA's rate spans (at least 3)
+
+
 class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
                  enabled: bool, window: int = 200, learners: int = 1,
@@ -38,6 +45,7 @@ class Progress:
         self.updates = self.steps = self.micro_batches = self.fault_episodes = 0
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
         self.start = self.last_print = time.monotonic()
+        self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
         self._file = open(path, "a") if (enabled and path) else None
         self.board = board if enabled else None
 
@@ -70,16 +78,17 @@ class Progress:
     def on_update(self, updates: int) -> None:
         self.updates = updates
         now = time.monotonic()
+        self.recent.append((now, updates))
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
             self.last_print = now
-            elapsed = now - self.start
-            eta = elapsed / max(updates - self.first_update, 1) * (self.total - updates)
-            rate = (self.steps - self.first_steps) / elapsed
+            rate = (self.steps - self.first_steps) / (now - self.start)
+            eta = self.eta_s()
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {self.success_rate:.2f} (last {len(self.successes)} eps) "
                   f"| return {self.mean_return:.2f} | staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | ETA "
-                  f"{int(eta // 60)}m{int(eta % 60):02d}s", file=sys.stdout, flush=True)
+                  + (f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta is not None else "--"),
+                  file=sys.stdout, flush=True)
             if self._file:
                 self._file.flush()
             if self.board:
@@ -88,6 +97,16 @@ class Progress:
                                     "update": updates}, self.steps, group="perf")
                 self.board.scalars({"mean_return": self.mean_return}, self.steps)
                 self.board.flush()
+
+    def eta_s(self) -> float | None:
+        """Seconds to the last version at the recent versions' rate; None before three
+        versions have ended."""
+        if self.updates >= self.total:
+            return 0.0
+        if len(self.recent) < 3:
+            return None
+        (first, begun), (last, done) = self.recent[0], self.recent[-1]
+        return (last - first) / (done - begun) * (self.total - done)
 
     @property
     def success_rate(self) -> float:
