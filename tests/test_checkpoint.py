@@ -96,3 +96,18 @@ def test_damaged_checkpoints_fail_clearly(tmp_path):
         checkpoint.read_state(path)
     # a directory without state.json (e.g. killed mid-write) is never "latest"
     assert checkpoint.latest(tmp_path) is None
+
+
+@pytest.mark.bench
+def test_checkpoint_benchmark_runs_its_three_arms(tmp_path):
+    """CI's short run of `hpcvla bench checkpoint` (a small policy): none, foreground and
+    background, one run each, side by side."""
+    out = hpcvla("bench", "checkpoint", "--quick", "--json", tmp_path / "c.json",
+                 "policy.hidden=64", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads((tmp_path / "c.json").read_text())
+    assert r["updates"] == 3 and list(r["arms"]) == ["none", "foreground", "background"]
+    for arm in r["arms"].values():
+        assert len(arm["runs"]) == 1 and arm["wall_s_per_version"] > 0
+        assert arm["checkpoint_s_per_version"] > 0  # the last checkpoint, at least
+    assert r["arms"]["none"]["wall_over_none"] == 1.0 and "background:" in out.stdout
