@@ -34,6 +34,24 @@ def hpcvla(*args, env=None, timeout=180):
     return out
 
 
+def fake_checkpoint(path: Path, **state) -> Path:
+    """A complete-looking checkpoint directory as checkpoint.save lays it out, one learner
+    (the files' contents are checked only when loaded, against the sha256 in state.json).
+    `state` overrides state.json's fields; a field given as None is left out."""
+    from hpcvla.checkpoint import FORMAT
+
+    path.mkdir(parents=True)
+    for name in ("model.safetensors", "optimizer.rank0.safetensors"):
+        (path / name).write_bytes(b"x")
+    full = {"format": FORMAT, "version": 2, "counters": {"trained_env_steps": 0},
+            "learners": 1, "zero_stage": 1, "model_sha256": "0" * 64,
+            "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64,
+                           "fragments": {}, "steps": {}, "keys": []}], **state}
+    (path / "state.json").write_text(json.dumps({k: v for k, v in full.items()
+                                                 if v is not None}))
+    return path
+
+
 def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4):
     """`hpcvla train` into tmp_path; asserts it succeeded. Returns the completed process, the
     run's summary.json and its run folder."""

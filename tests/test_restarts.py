@@ -6,20 +6,13 @@ runs in tests/test_slurm.py."""
 import json
 
 from hpcvla import checkpoint, restarts
+from helpers import fake_checkpoint
 
 
 def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path):
     run = tmp_path / "default-1"
-    point = checkpoint.checkpoint_dir(run, 2)
-    point.mkdir(parents=True)
+    fake_checkpoint(checkpoint.checkpoint_dir(run, 2), counters={"trained_env_steps": 2048})
     (run / "config.yaml").write_text("run: {name: default}\n")
-    for name in ("model.safetensors", "optimizer.rank0.safetensors"):
-        (point / name).write_bytes(b"x")
-    (point / "state.json").write_text(json.dumps({
-        "format": checkpoint.FORMAT, "version": 2, "counters": {"trained_env_steps": 2048},
-        "learners": 1, "zero_stage": 1, "model_sha256": "0" * 64,
-        "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64,
-                       "fragments": {}, "steps": {}, "keys": []}]}))
     (run / "metrics.jsonl").write_text(
         json.dumps({"update": 3, "trained_env_steps": 3072}) + '\n{"update": 3, "trained_en')
     assert restarts.newest_version(tmp_path) == 2

@@ -3,7 +3,6 @@ missing or damaged checkpoints are refused by `hpcvla train` in the launching pr
 any rank starts, with an error naming the problem; fuzzed configs and overrides give either a
 valid config or a ConfigError naming fields, never another exception."""
 
-import json
 import re
 import subprocess
 import sys
@@ -14,9 +13,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcvla import checkpoint
 from hpcvla.config import Config, ConfigError, describe_settings, load_config
-from helpers import ROOT
+from helpers import ROOT, fake_checkpoint
 
 SETTINGS = [name for name, *_ in describe_settings()]
 SECTIONS = sorted({name.split(".")[0] for name in SETTINGS})
@@ -33,17 +31,7 @@ def train(*args, hide=None):
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
-    """A complete-looking checkpoint as checkpoint.save lays it out."""
-    path = run_dir / "checkpoints" / "v000002"
-    path.mkdir(parents=True)
-    for name in ("model.safetensors", "optimizer.rank0.safetensors"):
-        (path / name).write_bytes(b"x")
-    (path / "state.json").write_text(json.dumps({
-        "format": checkpoint.FORMAT, "version": 2, "counters": {"trained_env_steps": 0},
-        "learners": 1, "zero_stage": 1, "model_sha256": "0" * 64,
-        "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64,
-                       "fragments": {}, "steps": {}, "keys": []}]}))
-    return path
+    return fake_checkpoint(run_dir / "checkpoints" / "v000002")
 
 
 def bad_yaml(tmp):

@@ -3,7 +3,6 @@ trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 du
 records are checked when read, with errors naming the file (or field) and the problem."""
 
 import json
-from pathlib import Path
 
 import h5py
 import numpy as np
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 from hpcvla import checkpoint
 from hpcvla.metrics.dump import DumpError, summarize, verify
 from hpcvla.transport import records
-from helpers import ROOT, hpcvla, reach_segments, writer
+from helpers import ROOT, fake_checkpoint, hpcvla, reach_segments, writer
 
 FAULTS = ROOT / "tests" / "faults"
 
@@ -89,23 +88,9 @@ def test_dump_with_a_flipped_bit_reads_or_raises_dump_error(tmp_path_factory, du
 
 # ------------------------------------------------------------------ checkpoints
 
-def fake_checkpoint(path: Path, **state) -> Path:
-    """A checkpoint directory as checkpoint.save lays it out (files' contents are checked
-    only when loaded, against the sha256 in state.json)."""
-    path.mkdir(parents=True)
-    for name in ("model.safetensors", "optimizer.rank0.safetensors"):
-        (path / name).write_bytes(b"x")
-    full = {"format": 1, "version": 2, "counters": {}, "learners": 1, "zero_stage": 1,
-            "model_sha256": "0" * 64, "optimizer": [{"file": "optimizer.rank0.safetensors",
-                                                     "sha256": "0" * 64}]}
-    full.update(state)
-    (path / "state.json").write_text(json.dumps({k: v for k, v in full.items()
-                                                 if v is not None}))
-    return path
-
-
 def test_damaged_checkpoint_state_is_named(tmp_path):
-    ok = fake_checkpoint(tmp_path / "ok")
+    ok = fake_checkpoint(tmp_path / "ok", format=1, counters={},
+                         optimizer=[{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64}])
     assert checkpoint.read_state(ok)["version"] == 2
     # format 1 (an older hpcvla): its weights load, its optimizer state is refused, named
     with pytest.raises(checkpoint.CheckpointError, match=r"format 1 .*policy\.checkpoint="):
