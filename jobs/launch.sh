@@ -342,18 +342,31 @@ print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
     NODES=${#HOSTS[@]}
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
-    if ! layout=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" --world "$NP" \
+    # the same placement rules on the nodes left: fewer cells, and fewer learners (the others
+    # spare) where there are fewer producers than learner ranks; then the whole plan's check
+    if ! fit=$("$PYTHON" -m hpcvla.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
             --ranks-per-node "$PER_NODE" 2>&1); then
+        say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
+        printf '%s\n' "$fit" >&2
+        break
+    fi
+    read -ra fit_overrides <<< "$fit"
+    if ! layout=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" "${fit_overrides[@]}" \
+            --world "$NP" --ranks-per-node "$PER_NODE" 2>&1); then
         say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
         printf '%s\n' "$layout" >&2
         break
+    fi
+    if [[ -n $fit ]]; then  # the restarts after this one start from it
+        COMMAND_ARGS+=("${fit_overrides[@]}")
+        say "fewer producers than learner ranks on the nodes left: $fit"
     fi
     restarts_left=$(( restarts_left - 1 ))
     OVERLAP=1
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
         "from policy version $version"
-    say "restart record: $("$PYTHON" -m hpcvla.restarts "$HPCVLA_JOB_RUNS" "$status" \
+    say "restart record: $("$PYTHON" -m hpcvla.restarts record "$HPCVLA_JOB_RUNS" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
     printf '%s\n' "$layout" | head -n 3 >&2
     set_command "$1"

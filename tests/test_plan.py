@@ -6,12 +6,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcvla.topology.plan import INF, LEARN, SIM, PlanError, build_plan
+from hpcvla.topology.plan import INF, LEARN, SIM, SPARE, PlanError, build_plan
 
 ALL_ROLES = {SIM, INF, LEARN}
 
 
-def feasible(world, rpn, mode, per_node, learner_nodes):
+def layout_learners(world, rpn, mode, per_node, learner_nodes, cap):
+    """The learner count the documented rules give (before checking the producers)."""
+    rollout_nodes = world // rpn - learner_nodes
+    if mode == "hybrid":
+        return rollout_nodes * per_node[INF]
+    learners = rollout_nodes * per_node[LEARN] + learner_nodes * rpn
+    return min(learners, cap) if cap and mode == "disaggregated" else learners
+
+
+def feasible(world, rpn, mode, per_node, learner_nodes, cap):
     """The documented feasibility rules, restated independently of build_plan."""
     if world < 1 or rpn < 1 or world % rpn:
         return False
@@ -23,10 +32,8 @@ def feasible(world, rpn, mode, per_node, learner_nodes):
         return False
     if s + i + l != rpn or i < 1 or s < i or learner_nodes >= nodes:
         return False
-    rollout_nodes = nodes - learner_nodes
-    producers = rollout_nodes * i
-    learners = producers if mode == "hybrid" else rollout_nodes * l + learner_nodes * rpn
-    return 1 <= learners <= producers
+    producers = (nodes - learner_nodes) * i
+    return 1 <= layout_learners(world, rpn, mode, per_node, learner_nodes, cap) <= producers
 
 
 layouts = st.integers(1, 12).flatmap(lambda rpn: st.tuples(
@@ -35,20 +42,21 @@ layouts = st.integers(1, 12).flatmap(lambda rpn: st.tuples(
     st.sampled_from(["colocated", "disaggregated", "hybrid"]),
     st.fixed_dictionaries({SIM: st.integers(0, rpn), INF: st.integers(0, rpn),
                            LEARN: st.integers(0, rpn)}),
-    st.integers(0, 3)))
+    st.integers(0, 3),
+    st.integers(0, 4)))
 
 
 @settings(max_examples=600, deadline=None)
 @given(layouts)
 def test_plan_invariants_or_documented_error(layout):
-    world, rpn, mode, per_node, learner_nodes = layout
+    world, rpn, mode, per_node, learner_nodes, cap = layout
     if mode == "colocated":
         learner_nodes = 0
-    if not feasible(world, rpn, mode, per_node, learner_nodes):
+    if not feasible(world, rpn, mode, per_node, learner_nodes, cap):
         with pytest.raises(PlanError):
-            build_plan(world, rpn, mode, per_node, learner_nodes)
+            build_plan(world, rpn, mode, per_node, learner_nodes, cap)
         return
-    plan = build_plan(world, rpn, mode, per_node, learner_nodes)
+    plan = build_plan(world, rpn, mode, per_node, learner_nodes, cap)
 
     # every rank once, in order, on the node its block says
     assert [r.rank for r in plan.ranks] == list(range(world))
@@ -94,9 +102,12 @@ def test_plan_invariants_or_documented_error(layout):
         rollout_nodes = nodes - learner_nodes
         assert len(plan.with_role(SIM)) == rollout_nodes * per_node[SIM]
         assert len(producers) == len(plan.cells) == rollout_nodes * per_node[INF]
-        expected_learners = (len(producers) if mode == "hybrid"
-                             else rollout_nodes * per_node[LEARN] + learner_nodes * rpn)
-        assert len(plan.learners) == expected_learners
+        learners = layout_learners(world, rpn, mode, per_node, learner_nodes, cap)
+        assert len(plan.learners) == learners
+        # a cap leaves the last learner ranks of the layout spare
+        uncapped = layout_learners(world, rpn, mode, per_node, learner_nodes, 0)
+        assert len(plan.with_role(SPARE)) == uncapped - learners
+        assert all(s > r for s in plan.with_role(SPARE) for r in plan.learners)
 
     # weight plane: one leader per node that runs inference, the lowest such rank
     for node in range(nodes):
@@ -141,3 +152,14 @@ def test_layout_of_a_node_is_cells_then_learners():
 def test_infeasible_layouts_say_why(args, needle):
     with pytest.raises(PlanError, match=needle):
         build_plan(*args)
+
+
+def test_a_learner_cap_leaves_the_learner_nodes_other_ranks_spare():
+    """A learner_nodes layout that lost a rollout node: 2 producers, 4 learner ranks."""
+    per_node = {SIM: 2, INF: 2, LEARN: 0}
+    with pytest.raises(PlanError, match=r"placement.learners=2 leaves the others spare"):
+        build_plan(8, 4, "disaggregated", per_node, 1)
+    plan = build_plan(8, 4, "disaggregated", per_node, 1, 2)
+    assert plan.learners == (4, 5) and plan.with_role(SPARE) == (6, 7)
+    assert [plan.ranks[r].cell for r in (6, 7)] == [None, None]
+    assert "2 learner(s), 2 spare, inference:learner = 2:2" in plan.table()

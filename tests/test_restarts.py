@@ -1,12 +1,19 @@
 """What a restart inside the allocation records (hpcvla.restarts, called by jobs/launch.sh):
 the version it resumes from and the env steps trained since that checkpoint, read from a
 metrics.jsonl whose last line the dying world may have left half-written. The restart itself
-runs in tests/test_slurm.py."""
+runs in tests/test_slurm.py. And how it fits the run to the nodes left: fewer cells, and fewer
+learners (the rest spare) where the learners would outnumber the producers left."""
 
 import json
+import subprocess
+import sys
+
+import pytest
 
 from hpcvla import checkpoint, restarts
-from helpers import fake_checkpoint
+from hpcvla.config import load_config
+from hpcvla.topology.plan import PlanError
+from helpers import ROOT, fake_checkpoint
 
 
 def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path):
@@ -25,3 +32,25 @@ def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path):
 def test_no_run_yet_records_nothing(tmp_path):
     assert restarts.newest_version(tmp_path) == -1
     assert restarts.record(tmp_path, 9, [], ["h0"], 4) is None
+
+
+def test_a_restart_fits_the_placement_to_the_nodes_left():
+    nodes_of = {"placement.per_node={simulator: 2, inference: 2, learner: 0}": 4}
+    learner_nodes = load_config(ROOT / "configs/learner_nodes.yaml", list(nodes_of)).placement
+    assert restarts.fitting_overrides(learner_nodes, 12, 4) == []  # 2 rollout nodes, 4 cells
+    # a rollout node lost: 2 cells cannot feed the learner node's 4 ranks; 2 of them learn
+    assert restarts.fitting_overrides(learner_nodes, 8, 4) == ["placement.learners=2"]
+    with pytest.raises(PlanError, match="leaves no rollout node"):  # the last node left
+        restarts.fitting_overrides(learner_nodes, 4, 4)
+    per_node = load_config(ROOT / "configs/default.yaml", ["placement.per_node.simulator=1"])
+    assert restarts.fitting_overrides(per_node.placement, 6, 3) == []  # a cell, a learner each
+
+
+def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
+    """What jobs/launch.sh calls."""
+    fit = [sys.executable, "-m", "hpcvla.restarts", "fit", ROOT / "configs/learner_nodes.yaml",
+           "placement.per_node={simulator: 2, inference: 2, learner: 0}", "--ranks-per-node=4"]
+    out = subprocess.run([*fit, "--world=8"], capture_output=True, text=True)
+    assert (out.returncode, out.stdout.strip()) == (0, "placement.learners=2"), out.stderr
+    out = subprocess.run([*fit, "--world=4"], capture_output=True, text=True)
+    assert out.returncode == 1 and "leaves no rollout node" in out.stderr

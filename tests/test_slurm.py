@@ -158,18 +158,36 @@ def test_slurm_multinode_job_on_three_hosts_requeues_and_resumes(slurm3, tmp_pat
     assert (run_dir / "checkpoints" / f"v{updates:06d}" / "state.json").exists()
 
 
-def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
-    """jobs/slurm/multinode.sbatch (--no-kill, HPCVLA_RESTARTS) on 3 nodes of a cell and a ZeRO
-    learner each; every process of node h2 (slurmd included) is killed after a checkpoint.
-    The job goes on inside its allocation on h0 and h1, with 2 learners instead of 3 (the
-    optimizer state re-partitioned), from the newest checkpoint, and finishes; the log and
-    summary.json name the dropped node, the new layout and the work lost; no batch is trained
-    twice."""
+# (config and overrides, ranks per node, node killed, layout after the restart)
+NODE_FAILURES = {
+    # a cell and a ZeRO-1 learner on every node: 3 learners become 2
+    "cell-and-learner": (["configs/default.yaml", "placement.per_node.simulator=1"], 3, "h2",
+                         "6 ranks on 2 node(s) of 3; 2 cell(s), 2 learner(s), "
+                         "inference:learner = 2:2"),
+    # the multinode script's own layout: 2 rollout nodes of 2 cells and a learner node of 4;
+    # the learner node is lost, h1 becomes the learner node: its 2 producers feed 2 learners
+    "learner-node": (["configs/learner_nodes.yaml",
+                      "placement.per_node={simulator: 2, inference: 2, learner: 0}",
+                      "env.envs_per_simulator=4", "learner.micro_batch=8"], 4, "h2",
+                     "8 ranks on 2 node(s) of 4; 2 cell(s), 2 learner(s), 2 spare, "
+                     "inference:learner = 2:2"),
+}
+
+
+@pytest.mark.parametrize("case", NODE_FAILURES)
+def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path, case):
+    """jobs/slurm/multinode.sbatch (--no-kill, HPCVLA_RESTARTS) on 3 nodes; every process of
+    one node (slurmd included) is killed after a checkpoint. The job goes on inside its
+    allocation on the 2 nodes left, with fewer learners (the optimizer state re-partitioned),
+    from the newest checkpoint, and finishes; the log and summary.json name the dropped node,
+    the new layout and the work lost; no batch is trained twice."""
+    args, per_node, dead, layout = NODE_FAILURES[case]
     updates, log = 12, tmp_path / "restart.out"
-    job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/default.yaml",
-                        "placement.per_node.simulator=1", f"pipeline.total_updates={updates}",
-                        "learner.checkpoint_every=2", "pipeline.progress_every_s=0.1",
-                        options=["--output", log, "--ntasks-per-node=3", "--cpus-per-task=1"],
+    job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", *args,
+                        f"pipeline.total_updates={updates}", "learner.checkpoint_every=2",
+                        "pipeline.progress_every_s=0.1",
+                        options=["--output", log, f"--ntasks-per-node={per_node}",
+                                 "--cpus-per-task=1"],
                         env=job_env(tmp_path, HPCVLA_RESTARTS="1"), cwd=ROOT)
     first_update(slurm3, job, log)
     runs = tmp_path / "runs" / f"hpcvla-multinode-{job}"
@@ -177,37 +195,44 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
     while not list(runs.glob("*/checkpoints/v*/state.json")):
         assert time.monotonic() < deadline, log.read_text()
         time.sleep(0.2)
-    slurm3.fail_node("h2")
+    slurm3.fail_node(dead)
     failed = time.monotonic()
     try:
         while "[hpcvla] update" not in log.read_text().partition("[hpcvla] resuming from")[2]:
             assert time.monotonic() < deadline + 300, log.read_text()[-4000:]
             assert slurm3.job(job)["JobState"] == "RUNNING", log.read_text()[-4000:]
             time.sleep(0.2)
-        print(f"from the node failure to the first update after the restart: "
+        print(f"{case}: from the node failure to the first update after the restart: "
               f"{time.monotonic() - failed:.1f} s")
         # the node comes back (the job ends only once its slurmd says the dead step is gone)
-        slurm3.restore_node("h2", wait=False)
+        slurm3.restore_node(dead, wait=False)
         text = finished(slurm3, job, log)
     finally:  # the nodes as the module's other tests expect them
-        if "slurmd-h2" not in slurm3.procs:
-            slurm3.restore_node("h2", wait=False)
+        if f"slurmd-{dead}" not in slurm3.procs:
+            slurm3.restore_node(dead, wait=False)
         slurm3.cancel(job)
         slurm3.wait_idle()
-    assert "dropped node(s): h2; 6 rank(s) on 2 node(s) (h0 h1)" in text, text[-4000:]
+    left = [h for h in ("h0", "h1", "h2") if h != dead]
+    assert f"dropped node(s): {dead}; {2 * per_node} rank(s) on 2 node(s) ({' '.join(left)})" \
+        in text, text[-4000:]
     second = text.split("restart 1/1", 1)[1]
-    assert "6 ranks on 2 node(s) of 3; 2 cell(s), 2 learner(s)" in second, second[-4000:]
-    assert "written by 3 learners at ZeRO-1, re-partitioned onto 2 at ZeRO-1" in second
+    assert layout in second, second[-4000:]
+    learners = 3 if case == "cell-and-learner" else 4
+    assert f"written by {learners} learners at ZeRO-1, re-partitioned onto 2 at ZeRO-1" \
+        in second, second[-4000:]
     assert f"[hpcvla] update {updates}/{updates}" in second
     run_dir = the_run(tmp_path / "runs")
     summary = json.loads((run_dir / "summary.json").read_text())
     (restart,) = summary["restarts"]
-    assert restart["dropped_nodes"] == ["h2"] and restart["nodes"] == ["h0", "h1"]
+    print(f"{case}: {restart}")
+    assert restart["dropped_nodes"] == [dead] and restart["nodes"] == left
+    roles = [r["role"] for r in summary["per_rank"]]
+    assert roles.count("learner") == 2 and roles.count("spare") == 2 * per_node - 6
     learners = [r for r in summary["per_rank"] if r["role"] == "learner"]
-    assert sorted(r["host"] for r in learners) == ["h0", "h1"]
     resumed = restart["resumed_from_version"]
     assert {r["first_version"] for r in learners} == {resumed} and resumed >= 2
-    assert sum(summary["staleness_hist"].values()) == (updates - resumed) * 2 * 32
+    batch = 32 if case == "cell-and-learner" else 16  # micro-batches x micro_batch
+    assert sum(summary["staleness_hist"].values()) == (updates - resumed) * 2 * batch
 
 
 def test_pbs_demo_job_through_qsub(slurm, tmp_path):

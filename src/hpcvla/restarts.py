@@ -9,17 +9,27 @@ which appends one line to the run's `restarts.jsonl` and prints it: when, the ex
 nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
 the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
 restart from fresh trajectories (those in flight are dropped, none is trained twice).
-summary.json carries the list (`restarts`).
+summary.json carries the list (`restarts`). Before that,
+
+    python -m hpcvla.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
+
+prints what the restart adds to the run's overrides for its placement to fit the nodes left
+(`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
+where the learners would outnumber the producers left (learner nodes keep their ranks; those
+beyond are spare).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
 from hpcvla.checkpoint import latest, read_state
+from hpcvla.config import ConfigError, load_config
+from hpcvla.topology.plan import PlanError, plan_from_config
 
 FILE = "restarts.jsonl"
 
@@ -69,7 +79,51 @@ def recorded(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
+    """The overrides that make `placement` fit `world` ranks in nodes of `ranks_per_node`:
+    none when it fits as it is; `placement.learners=P` when only the learners outnumbering the
+    P producers stand in the way. Raises the plan's PlanError when neither fits."""
+    placement = dataclasses.replace(placement, ranks_per_node=ranks_per_node)
+    try:
+        plan_from_config(placement, world)
+        return []
+    except PlanError as err:
+        if placement.mode != "disaggregated":
+            raise
+        reason = err
+    try:  # as many learners as there are producers, if that is what is missing
+        cells = len(plan_from_config(dataclasses.replace(placement, learners=1), world).cells)
+        plan_from_config(dataclasses.replace(placement, learners=cells), world)
+    except PlanError:
+        raise reason from None
+    return [f"placement.learners={cells}"]
+
+
+def _main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m hpcvla.restarts")
+    sub = parser.add_subparsers(dest="what", required=True)
+    rec = sub.add_parser("record", help="append this restart to the run's restarts.jsonl")
+    rec.add_argument("run_root", type=Path)
+    rec.add_argument("status", type=int)
+    rec.add_argument("dropped", help="the nodes dropped, space-separated")
+    rec.add_argument("nodes", help="the nodes left, space-separated")
+    rec.add_argument("ranks", type=int)
+    fit = sub.add_parser("fit", help="the overrides that fit the run to the nodes left")
+    fit.add_argument("config")
+    fit.add_argument("overrides", nargs="*")
+    fit.add_argument("--world", type=int, required=True)
+    fit.add_argument("--ranks-per-node", type=int, required=True)
+    args = parser.parse_args(argv)
+    if args.what == "record":
+        print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
+                                args.nodes.split(), args.ranks)))
+        return
+    try:
+        cfg = load_config(args.config, args.overrides)
+        print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
+    except (ConfigError, PlanError) as err:
+        raise SystemExit(f"hpcvla.restarts fit: {err}")
+
+
 if __name__ == "__main__":
-    root, status, dropped, nodes, ranks = sys.argv[1:6]
-    print(json.dumps(record(Path(root), int(status), dropped.split(), nodes.split(),
-                            int(ranks))))
+    _main()

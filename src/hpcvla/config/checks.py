@@ -25,9 +25,11 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
             cfg.policy.dtype == "bfloat16":  # `auto` is judged on the machine (preflight.py)
         problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                          "learner.backend=horovod (no fp32 masters for bf16 weights)"))
-    if cfg.placement.learner_nodes and cfg.placement.mode != "disaggregated":
-        problems.append(("placement.learner_nodes", cfg.placement.learner_nodes,
-                         "0 unless placement.mode is disaggregated"))
+    for name in ("learner_nodes", "learners"):
+        value = getattr(cfg.placement, name)
+        if value and cfg.placement.mode != "disaggregated":
+            problems.append((f"placement.{name}", value,
+                             "0 unless placement.mode is disaggregated"))
     if cfg.policy.tokenizer and not cfg.policy.pretrained:
         problems.append(("policy.tokenizer", cfg.policy.tokenizer, "empty without "
                          "policy.pretrained (built-in policies read the env's instruction ids)"))

@@ -77,6 +77,13 @@ class PlacementConfig:
         0, "Disaggregated only: this many nodes at the end of the allocation hold only "
         "learners (every rank a learner), keeping gradient traffic off the rollout nodes. "
         "0 = learners live on the rollout nodes as per_node says.", ge=0)
+    learners: int = setting(
+        0, "Disaggregated only: at most this many learner ranks; the ranks beyond (the last "
+        "learner ranks of the layout) are spare: they take part in start-up and the report, "
+        "hold no GPU and compute nothing. 0 = every learner rank of the layout. Every learner "
+        "needs its own producer (an inference rank), so a layout with fewer inference ranks "
+        "than learner ranks needs it; a restart on fewer rollout nodes sets it "
+        "(jobs/launch.sh).", ge=0)
     gpus_per_node: int = setting(
         -1, "GPUs the ranks of a node may use. -1 = detect (CUDA_VISIBLE_DEVICES, or every GPU "
         "torch sees); 0 = CPU only; k = the first k visible (`hpcvla plan` previews a GPU "

@@ -41,7 +41,7 @@ from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
-from hpcvla.topology.plan import INF, SIM
+from hpcvla.topology.plan import INF, LEARN, SIM, SPARE
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
@@ -90,7 +90,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         links = _links(me)
         roles = plan.ranks[me.rank].roles
         role = _simulator_rank if SIM in roles else _inference_rank if INF in roles \
-            else _learner_rank
+            else _learner_rank if LEARN in roles else _spare_rank
         start, stats = role(me, links)
         for piece in (links.exchange, links.ring):
             if piece is not None:
@@ -114,8 +114,9 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
     on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)  # [dist]
-    # a simulator needs only the policy's names, dtypes and shapes (the weight manifest)
-    policy = build_policy(cfg, spec, device if roles != (SIM,) else "meta", on_gpus)
+    # a simulator or a spare rank needs only the policy's names, dtypes and shapes (the weight
+    # manifest, for the node's weight window)
+    policy = build_policy(cfg, spec, "meta" if roles in ((SIM,), (SPARE,)) else device, on_gpus)
     role = "+".join(roles)
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
     # node agree; across nodes as far as the nodes' clocks do).
@@ -230,6 +231,11 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     stats["weight_bytes"] = {"first_version": plane.nbytes,
                              "per_version": plane.bytes_per_version}
     return start, stats
+
+
+def _spare_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+    """No role (placement.learners): it starts the clock with the others and reports."""
+    return _start_clock(me), {}
 
 
 def _colocated_rank(me: _Rank) -> tuple[float, dict]:

@@ -11,6 +11,10 @@ Vocabulary (docs/architecture.md, "Vocabulary: ranks, nodes, cells"):
 * node leader: the lowest inference rank of a node; the weight control plane sends each new
   policy version once to every node leader, which shares it with the node's inference ranks.
 * weight root: learner 0, which publishes weights.
+* spare: a rank with no role, where `placement.learners` caps the learners below what the
+  nodes' ranks would give (the last learner ranks are spare). It takes part in start-up and the
+  report and computes nothing; a restart on fewer rollout nodes leaves the learner nodes' extra
+  ranks spare, since every learner needs a producer of its own.
 
 Layout of a rollout node (disaggregated/hybrid): each cell's inference rank followed by its
 simulators, cells one after another, then the node's learners. Colocated: every rank has every
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SIM, INF, LEARN = "simulator", "inference", "learner"
+SIM, INF, LEARN, SPARE = "simulator", "inference", "learner", "spare"
 
 
 class PlanError(ValueError):
@@ -34,7 +38,8 @@ class RankInfo:
     rank: int
     node: int
     local_rank: int
-    roles: tuple[str, ...]          # subset of (simulator, inference, learner), in that order
+    roles: tuple[str, ...]          # subset of (simulator, inference, learner), in that order;
+                                    # (spare,) for a rank with none
     cell: int | None                # cell id for simulators and inference ranks
 
 
@@ -91,10 +96,11 @@ class RankPlan:
         devices, columns = devices or {}, columns or {}
         extra = {h: max([len(h), *map(len, col.values())]) for h, col in columns.items()}
         n_inf, n_learn = len(self.with_role(INF)), len(self.learners)
+        n_spare = len(self.with_role(SPARE))
         lines = [
             f"mode {self.mode}: {self.world_size} ranks on {self.num_nodes} node(s) of "
             f"{self.ranks_per_node}; {len(self.cells)} cell(s), {n_learn} learner(s), "
-            f"inference:learner = {n_inf}:{n_learn}, weight root rank {self.weight_root}",
+            + (f"{n_spare} spare, " if n_spare else "") + f"inference:learner = {n_inf}:{n_learn}, weight root rank {self.weight_root}",
             f"{'rank':>5} {'node':>4} {'local':>5}  {'roles':<28} {'cell':>4} {'feeds':>5}  "
             + (f"{'device':<7} " if devices else "")
             + "".join(f"{h:>{w}}  " for h, w in extra.items()) + "notes",
@@ -116,8 +122,10 @@ class RankPlan:
 
 
 def build_plan(world_size: int, ranks_per_node: int, mode: str,
-               per_node: dict[str, int] | None = None, learner_nodes: int = 0) -> RankPlan:
-    """Lay out the world. Raises PlanError (with what would fit) if the layout is impossible."""
+               per_node: dict[str, int] | None = None, learner_nodes: int = 0,
+               max_learners: int = 0) -> RankPlan:
+    """Lay out the world. `max_learners` > 0 caps the learners (the ones beyond are spare).
+    Raises PlanError (with what would fit) if the layout is impossible."""
     per_node = {SIM: 0, INF: 0, LEARN: 0, **(per_node or {})}
     if world_size < 1 or ranks_per_node < 1:
         raise PlanError(f"world size ({world_size}) and ranks per node ({ranks_per_node}) "
@@ -167,13 +175,19 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
                   for i in range(local, ranks_per_node)]
 
     learners = tuple(r.rank for r in ranks if LEARN in r.roles)
+    if mode == "disaggregated" and 0 < max_learners < len(learners):
+        spare = set(learners[max_learners:])
+        ranks = [RankInfo(r.rank, r.node, r.local_rank, (SPARE,), None) if r.rank in spare
+                 else r for r in ranks]
+        learners = learners[:max_learners]
     producers = [c.inference for c in cells]
     if not learners:
         raise PlanError("no learner rank: set per_node.learner >= 1 or learner_nodes >= 1")
     if len(producers) < len(learners):
         raise PlanError(f"{len(producers)} inference rank(s) cannot feed {len(learners)} "
                         "learners: every learner needs at least one producer; add inference "
-                        "ranks or remove learners")
+                        f"ranks, remove learners or cap them (placement.learners="
+                        f"{len(producers)} leaves the others spare)")
     if mode == "hybrid":
         feeds = {p: p for p in producers}
     else:  # contiguous blocks: balanced within one, and neighbouring producers share a learner
@@ -208,4 +222,4 @@ def plan_from_config(placement, world_size: int, real_ranks_per_node: int | None
         raise PlanError(f"placement.ranks_per_node = {rpn} does not divide the real node size "
                         f"{real_ranks_per_node}: emulated nodes must not straddle real ones")
     return build_plan(world_size, rpn, placement.mode, placement.per_node,
-                      placement.learner_nodes)
+                      placement.learner_nodes, placement.learners)
