@@ -1,32 +1,68 @@
-"""Nothing lost, nothing trained twice: every segment group the producers sent is accounted
-for by (producer, slot, sequence number): trained exactly once, or drained unused at the end,
-under long-tail simulators and a slow learner (segments arrive out of order)."""
+"""Nothing lost, nothing trained twice, across a restart: every segment group the producers of
+a world sent is accounted for by (producer, slot, sequence number): trained exactly once, or
+drained unused at the end, under long-tail simulators and a slow learner (segments arrive out
+of order); and when a rank dies, the world that jobs/launch.sh starts again from the newest
+checkpoint trains nothing of the dead world's: what its learner trained is exactly what its
+own producer sent, less what was left unused, from sequence number 0 on."""
 
 import json
+import os
+import signal
+import subprocess
+import time
 
 import pytest
 
-from helpers import hpcvla
+from helpers import ROOT
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 
-def test_every_sent_group_is_trained_once_or_left_unused(tmp_path):
-    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
-                 "pipeline.total_updates=6", "emulate.learner_ms_per_micro_batch=100",
-                 "env.latency_median_ms=20", "env.latency_sigma=0.8", timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    (run_dir,) = tmp_path.iterdir()
+def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_path):
+    runs, updates = tmp_path / "runs", 6
+    env = {**os.environ, "HPCVLA_JOB_RUNS": str(runs), "HPCVLA_RESTARTS": "1",
+           "HPCVLA_RANKS": "4"}
+    cmd = [ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
+           f"pipeline.total_updates={updates}", "learner.checkpoint_every=2",
+           "emulate.learner_ms_per_micro_batch=100", "env.latency_median_ms=20",
+           "env.latency_sigma=0.8", "pipeline.progress_every_s=0.1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:  # the first world: kill its learner after the checkpoint
+            log.append(line)
+            if line.startswith("[hpcvla] update 3/"):
+                break
+        cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
+        (learner,) = [c for c in cards if c["roles"] == "learner"]
+        os.kill(learner["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        log += proc.stdout.readlines()
+        assert proc.wait(timeout=400) == 0, "".join(log)[-5000:]
+    finally:
+        proc.kill()
+    text = "".join(log)
+    assert "restart 1/1" in text, text[-5000:]
+    print(f"killed -> end of the restarted run: {time.monotonic() - killed:.1f} s")
+
+    (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
     summary = json.loads((run_dir / "summary.json").read_text())
+    (restart,) = summary["restarts"]
+    resumed = restart["resumed_from_version"]
+    assert resumed >= 2
     (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
     (inference,) = [r for r in summary["per_rank"] if r["role"] == "inference"]
+    assert learner["first_version"] == resumed
     ledger = learner["trained_groups"]
     assert len(ledger) == 4  # 1 producer x 4 slots (2 simulators x 2 shards)
     for slot, entry in ledger.items():
         assert entry["first"] == 0 and entry["missing"] == 0, (slot, entry)  # no holes
     per_group = 8  # envs per shard: 16 envs per simulator in 2 shards
     trained = sum(e["groups"] for e in ledger.values())
-    assert trained * per_group == 6 * 32 == sum(summary["staleness_hist"].values())
-    # what the producer sent = trained + drained unused at the end
+    # the versions left, each batch once, and nothing else
+    assert trained * per_group == (updates - resumed) * 32 == \
+        sum(summary["staleness_hist"].values())
+    # what this world's producer sent = trained + drained unused at the end
     assert inference["segments_sent"] == (trained + learner["unused_segments"]) * per_group
     assert learner["ring"]["bad_slots"] == 0 and learner["ring"]["lost_records"] == 0
