@@ -41,6 +41,10 @@
 #                     inside the allocation up to this many times (default 0): on the nodes
 #                     that still start a process, from the newest checkpoint (Slurm jobs need
 #                     --no-kill to keep their allocation when a node fails)
+#   HPCVLA_AUTOPLAN   train: lay the run out as `hpcvla plan --auto --costs COSTS` finds best
+#                     for the job's nodes (the scale model; its overrides follow the config's),
+#                     at the start and at every restart. COSTS: config (the reach env probed,
+#                     or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DRY_RUN    1: print the environment and command, run nothing
 set -euo pipefail
 
@@ -190,6 +194,17 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
             ARGS+=("run.resume=$RESUME")
         fi
     fi
+    if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then
+        local best
+        best=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" --auto --json --world "$NP" \
+                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN" | "$PYTHON" -c '
+import json, sys
+print("\n".join(json.load(sys.stdin)["best"]["overrides"]))') ||
+            die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
+        mapfile -t AUTO <<< "$best"
+        ARGS+=("${AUTO[@]}")
+        say "auto plan ($HPCVLA_AUTOPLAN costs) for $NP rank(s) on $NODES node(s): ${AUTO[*]}"
+    fi
     COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
     [[ $1 == train ]] || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
 }
@@ -304,14 +319,36 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     fi
 }
 
+# The overrides (FIT) that lay the run out on the NP ranks of the nodes left by the config's
+# placement rules: fewer cells, and fewer learners (the others spare) where there are fewer
+# producers than learner ranks; then the whole plan checked (`hpcvla plan`, memory included:
+# LAYOUT). False, saying why, when nothing fits.
+fit_to_nodes() {
+    local fit
+    FIT=()
+    LAYOUT=""
+    if ! fit=$("$PYTHON" -m hpcvla.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
+            --ranks-per-node "$PER_NODE" 2>&1); then
+        printf '%s\n' "$fit" >&2
+        return 1
+    fi
+    read -ra FIT <<< "$fit"
+    if ! LAYOUT=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" "${FIT[@]}" \
+            --world "$NP" --ranks-per-node "$PER_NODE" 2>&1); then
+        printf '%s\n' "$LAYOUT" >&2
+        return 1
+    fi
+}
+
 # A failed world (a rank or a node died; not a signal) is started again inside the allocation
 # up to HPCVLA_RESTARTS times: on the nodes that still start a process, with as many ranks per
-# node as before, if the config's placement fits them (`hpcvla plan`), continuing from the
+# node as before, laid out on them (fit_to_nodes, or the auto plan), continuing from the
 # newest checkpoint (any learner count and ZeRO stage resumes it). Not when the failure
 # recurs before a newer checkpoint exists: that is no node failure, and trying again would
 # not end.
 restarts_left=${HPCVLA_RESTARTS:-0}
 failed_at=""
+LAYOUT=""
 while true; do
     run_world "$1"
     [[ $status != 0 && -z $SIGNALLED && $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]] || break
@@ -342,24 +379,15 @@ print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
     NODES=${#HOSTS[@]}
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
-    # the same placement rules on the nodes left: fewer cells, and fewer learners (the others
-    # spare) where there are fewer producers than learner ranks; then the whole plan's check
-    if ! fit=$("$PYTHON" -m hpcvla.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
-            --ranks-per-node "$PER_NODE" 2>&1); then
-        say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
-        printf '%s\n' "$fit" >&2
-        break
-    fi
-    read -ra fit_overrides <<< "$fit"
-    if ! layout=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" "${fit_overrides[@]}" \
-            --world "$NP" --ranks-per-node "$PER_NODE" 2>&1); then
-        say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
-        printf '%s\n' "$layout" >&2
-        break
-    fi
-    if [[ -n $fit ]]; then  # the restarts after this one start from it
-        COMMAND_ARGS+=("${fit_overrides[@]}")
-        say "fewer producers than learner ranks on the nodes left: $fit"
+    if [[ -z ${HPCVLA_AUTOPLAN:-} ]]; then  # (else set_command lays the nodes out afresh)
+        if ! fit_to_nodes; then
+            say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
+            break
+        fi
+        if (( ${#FIT[@]} )); then  # the restarts after this one start from it
+            COMMAND_ARGS+=("${FIT[@]}")
+            say "fewer producers than learner ranks on the nodes left: ${FIT[*]}"
+        fi
     fi
     restarts_left=$(( restarts_left - 1 ))
     OVERLAP=1
@@ -368,7 +396,7 @@ print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
         "from policy version $version"
     say "restart record: $("$PYTHON" -m hpcvla.restarts record "$HPCVLA_JOB_RUNS" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
-    printf '%s\n' "$layout" | head -n 3 >&2
+    [[ -z $LAYOUT ]] || printf '%s\n' "$LAYOUT" | head -n 3 >&2
     set_command "$1"
     set_launch "$1"
     say "running: ${LAUNCH[*]} ${COMMAND[*]}"

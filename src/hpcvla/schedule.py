@@ -166,7 +166,10 @@ class Layout:
         if t.colocated:
             return ["placement.mode=colocated"] + out
         pn = ", ".join(f"{k}: {v}" for k, v in self.per_node.items())
-        out = ["placement.mode=disaggregated", f"placement.per_node={{{pn}}}"] + out
+        # the layout's learners sit beside the cells, per_node says how many: none on nodes
+        # of their own, no cap
+        out = ["placement.mode=disaggregated", f"placement.per_node={{{pn}}}",
+               "placement.learner_nodes=0", "placement.learners=0"] + out
         if t.sharded:
             out.append(f"env.shards={self.shards}")
         if t.dynamic_batcher:

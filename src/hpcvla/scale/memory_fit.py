@@ -19,6 +19,7 @@ def configured(cfg, lay: Layout):
     out = copy.deepcopy(cfg)
     out.placement.mode = "colocated" if lay.traits.colocated else "disaggregated"
     out.placement.per_node = dict(lay.per_node)
+    out.placement.learner_nodes = out.placement.learners = 0
     out.placement.ranks_per_node = lay.ranks_per_node
     out.env.envs_per_simulator, out.env.shards = lay.envs, lay.shards
     out.rollout.batch_max, out.rollout.segment_len = lay.batch_max, lay.segment_len
