@@ -169,3 +169,36 @@ def policy_batch(spec, n=3):
             obs[key] = torch.from_numpy(rng.standard_normal((n, *shape))).float()
     actions = torch.from_numpy(rng.uniform(-1, 1, (n, spec.chunk_len, spec.action_dim)))
     return obs, actions.float()
+
+
+def wandb_offline_history(run_dir: Path) -> tuple[list[dict], dict]:
+    """The history rows and the config of a run's W&B offline runs, read back from their
+    `run-*.wandb` files with the protobuf schema wandb ships (`Record`). The files are
+    LevelDB-style logs: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of
+    chunks (crc32, length, type: 1 whole, 2 first, 3 middle, 4 last)."""
+    from wandb.proto.wandb_internal_pb2 import Record
+
+    rows, config = [], {}
+    for path in sorted(Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")):
+        data, record, pos = path.read_bytes(), b"", 7
+        assert data[:4] == b":W&B", path
+        while pos + 7 <= len(data):
+            room = 32768 - pos % 32768
+            if room < 7:  # a block's tail too short for a chunk header is padding
+                pos += room
+                continue
+            length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            if kind == 0:
+                break
+            record += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):
+                parsed = Record()
+                parsed.ParseFromString(record)
+                record = b""
+                if parsed.HasField("history"):
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                 for i in parsed.history.item})
+                for update in (parsed.config.update, parsed.run.config.update):
+                    config.update({i.key: json.loads(i.value_json) for i in update})
+    return rows, config

@@ -11,7 +11,7 @@ import pytest
 from hpcvla.config import load_config
 from hpcvla.evaluate import checkpoint_weights, evaluate
 from hpcvla.metrics.tensorboard import read_scalars
-from helpers import MIN_Z, hpcvla, improvement_z, run_train
+from helpers import MIN_Z, hpcvla, improvement_z, run_train, wandb_offline_history
 
 
 def _jsonl(path):
@@ -38,8 +38,8 @@ def test_improvement_z_tells_learning_from_chance():
     ("configs/reach_tokens.yaml", 200),  # OpenVLA-OFT-style parallel action tokens, PPO
 ])
 def test_training_beats_the_untrained_policy(tmp_path, config, updates):
-    every = ["learner.checkpoint_every=20", "learner.checkpoint_keep=5"] \
-        if config == "configs/default.yaml" else []  # for `eval --all` below
+    every = ["learner.checkpoint_every=20", "learner.checkpoint_keep=5", "run.wandb=offline"] \
+        if config == "configs/default.yaml" else []  # for `eval --all` and W&B below
     _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}", *every,
                                     config=config)
     cfg = load_config(run_dir / "config.yaml")
@@ -82,3 +82,17 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
         assert any(tag.startswith("busy/simulator/") for tag in board), sorted(board)
         assert [(s, round(v, 6)) for s, v in board["eval/success_rate"]] == \
             [(c["trained_env_steps"], round(c["success_rate"], 6)) for c in curve]
+        # W&B offline (run.wandb): the same series, against trained_env_steps, and the config
+        rows, wandb_config = wandb_offline_history(run_dir)
+        assert wandb_config["run"]["wandb"] == "offline" and \
+            wandb_config["pipeline"]["total_updates"] == updates
+        logged = {}
+        for row in rows:
+            for tag, value in row.items():
+                if "/" in tag:
+                    logged.setdefault(tag, []).append((row["trained_env_steps"], value))
+        assert sorted(logged) == sorted(board)
+        for tag, series in board.items():  # TensorBoard holds float32
+            assert [s for s, _ in logged[tag]] == [s for s, _ in series], tag
+            assert [v for _, v in logged[tag]] == pytest.approx([v for _, v in series],
+                                                                rel=1e-6, abs=1e-7), tag

@@ -357,7 +357,7 @@ def cmd_eval(args) -> int:
                 print(f"  {r['success_rate']:.3f} over {r['episodes']:>3}  {task}", flush=True)
     if args.all:  # kept with the run: postprocess/report.py draws it beside the training curve
         (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
-        board = RunBoard(run_dir, cfg.run.tensorboard)  # beside the training's curves
+        board = RunBoard(run_dir, cfg.run)  # beside the training's curves
         for r in curve:
             board.scalars({"success_rate": r["success_rate"], "mean_return": r["mean_return"]},
                           r["trained_env_steps"], group="eval")

@@ -16,6 +16,7 @@ from typing import Any
 
 from hpcvla.config import ConfigError
 from hpcvla.envs import check_env, env_uses_gpu
+from hpcvla.metrics.tensorboard import wandb_problems
 from hpcvla.schedule import config_layout_problems
 from hpcvla.topology.plan import PlanError, RankPlan
 
@@ -58,6 +59,7 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
         elif version >= (cfg.pipeline.total_updates if last[1] is None else last[1]):
             problems.append((last[0], cfg.pipeline.total_updates if last[1] is None
                              else last[1], f"more than the resumed checkpoint's {version}"))
+    problems += wandb_problems(cfg.run)
     if cfg.policy.pretrained:
         problems += _pretrained_problems(cfg.policy, cfg.env)
     if cfg.policy.checkpoint:

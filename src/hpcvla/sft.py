@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +95,7 @@ def sft_main(cfg, world) -> None:
     if rank == 0:
         name = "config.resume-%s.yaml" % time.strftime("%Y%m%d-%H%M%S") if resume else "config.yaml"
         dump_config(cfg, run_dir / name)
-        board = RunBoard(run_dir, cfg.run.tensorboard)
+        board = RunBoard(run_dir, cfg.run, asdict(cfg))
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)

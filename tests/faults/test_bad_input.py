@@ -3,6 +3,7 @@ missing or damaged checkpoints are refused by `hpcvla train` in the launching pr
 any rank starts, with an error naming the problem; fuzzed configs and overrides give either a
 valid config or a ConfigError naming fields, never another exception."""
 
+import os
 import re
 import subprocess
 import sys
@@ -20,14 +21,14 @@ SETTINGS = [name for name, *_ in describe_settings()]
 SECTIONS = sorted({name.split(".")[0] for name in SETTINGS})
 
 
-def train(*args, hide=None):
+def train(*args, hide=None, env=None):
     """`hpcvla train ... --ranks 4` as a user runs it; `hide` makes a package uninstalled
     for that process (as on a machine without it)."""
     code = "import sys\n" + (f"sys.modules[{hide!r}] = None\n" if hide else "") + \
         "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "train", *map(str, args),
                            "--ranks", "4"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -80,6 +81,19 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path, case):
     assert out.stderr.startswith("hpcvla: "), out.stderr  # the launcher said it, once
     assert "rank" not in out.stdout.lower()  # no world was started (no plan table)
     assert re.search(message, out.stderr), out.stderr
+
+
+@pytest.mark.mpi
+def test_wandb_where_it_cannot_work_is_refused(tmp_path):
+    """run.wandb=online without a W&B login (no WANDB_API_KEY, no ~/.netrc entry), and W&B
+    without the package."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    out = train("configs/default.yaml", "run.wandb=online", env={**env, "HOME": str(tmp_path)})
+    assert out.returncode == 2 and "run.wandb = 'online': expected offline where there is " \
+        "no W&B login" in out.stderr, out.stderr
+    out = train("configs/default.yaml", "run.wandb=offline", hide="wandb")
+    assert out.returncode == 2 and "run.wandb = 'offline': expected disabled, or wandb " \
+        "installed" in out.stderr, out.stderr
 
 
 @pytest.mark.mpi

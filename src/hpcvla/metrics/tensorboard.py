@@ -1,6 +1,7 @@
-"""TensorBoard event files of a run, written by the standard writer
+"""The scalars of a run: TensorBoard event files, written by the standard writer
 (`torch.utils.tensorboard.SummaryWriter`, the `tensorboard` package), so that
-`tensorboard --logdir runs/` on a login node shows every run under `runs/` live.
+`tensorboard --logdir runs/` on a login node shows every run under `runs/` live; and, with
+`run.wandb`, the same scalars to Weights & Biases (`wandb`, offline on compute nodes).
 
 One writer per run directory, on the rank that owns the learning progress (the weight root)
 and in `hpcvla eval --all`. The x axis is trained env steps (all learners), as Sample Factory
@@ -18,23 +19,28 @@ GROUPS = {"success_rate": "rollout", "mean_return": "rollout"}  # the rest of a 
 
 
 class RunBoard:
-    """Scalars of one run into `<run_dir>/tensorboard/` (nothing when disabled)."""
+    """Scalars of one run into `<run_dir>/tensorboard/` and, where `run.wandb` asks, W&B
+    (nothing where both are off). `run` is the config's `run` section."""
 
-    def __init__(self, run_dir, enabled: bool = True):
-        self.writer = None
-        if enabled:
+    def __init__(self, run_dir, run, config: dict | None = None):
+        self.writer = self.wandb = None
+        if run.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / SUBDIR))
+        if run.wandb != "disabled":
+            self.wandb = wandb_run(Path(run_dir), run.name, run.wandb, config)
 
     def scalars(self, values: dict, step: int, group: str | None = None) -> None:
         """`values` name -> number at `step`; each under `group/` (or its GROUPS entry,
         default `train`)."""
-        if self.writer is None:
-            return
-        for name, value in values.items():
-            tag = name if "/" in name else f"{group or GROUPS.get(name, 'train')}/{name}"
-            self.writer.add_scalar(tag, float(value), global_step=int(step))
+        tags = {name if "/" in name else f"{group or GROUPS.get(name, 'train')}/{name}":
+                float(value) for name, value in values.items()}
+        if self.writer is not None:
+            for tag, value in tags.items():
+                self.writer.add_scalar(tag, value, global_step=int(step))
+        if self.wandb is not None:  # W&B's own step only grows: the x axis is a scalar
+            self.wandb.log({**tags, STEP: int(step)})
 
     def flush(self) -> None:
         if self.writer is not None:
@@ -44,6 +50,57 @@ class RunBoard:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+
+
+STEP = "trained_env_steps"
+
+
+def wandb_run(run_dir: Path, group: str, mode: str, config: dict | None):
+    """The W&B run of a run directory: one id per directory (its name and a hash of its
+    path), resumed by every writer of the run (the training's, the report's, `eval --all`'s;
+    offline, each writes its own offline-run folder, and `wandb sync` puts them together)."""
+    import hashlib
+    import os
+
+    import wandb
+
+    path = str(run_dir.resolve())
+    run = wandb.init(
+        mode=mode, dir=path, project=os.environ.get("WANDB_PROJECT", "hpcvla"),
+        id=f"{run_dir.name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}", name=run_dir.name,
+        group=group, config=config, resume="allow",
+        settings=wandb.Settings(console="off", quiet=True, x_disable_stats=True))
+    run.define_metric(STEP)
+    run.define_metric("*", step_metric=STEP)
+    if mode == "offline" and config is not None:  # the training's writer says it once
+        print(f"[hpcvla] W&B offline run in {path}/wandb: from a login node, "
+              f"`wandb sync {path}/wandb/offline-run-*` uploads it", flush=True)
+    return run
+
+
+def wandb_problems(run) -> list[tuple[str, object, str]]:
+    """Why `run.wandb` cannot work on this machine (pre-flight, before any rank starts)."""
+    if run.wandb == "disabled":
+        return []
+    try:
+        import wandb  # noqa: F401
+    except ImportError as err:
+        return [("run.wandb", run.wandb, f"disabled, or wandb installed ({err}; make install)")]
+    if run.wandb == "online":
+        import netrc
+        import os
+
+        try:
+            logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+        except (OSError, netrc.NetrcParseError):
+            logged_in = False
+        if not (os.environ.get("WANDB_API_KEY") or logged_in):
+            return [("run.wandb", "online", "offline where there is no W&B login (no "
+                     "WANDB_API_KEY, no `wandb login`): `wandb sync` the run from a login node")]
+    return []
 
 
 def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -57,4 +114,4 @@ def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
             for tag in board.Tags()["scalars"]}
 
 
-__all__ = ["RunBoard", "read_scalars", "SUBDIR"]
+__all__ = ["RunBoard", "read_scalars", "SUBDIR", "wandb_problems"]

@@ -80,7 +80,7 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
     result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
     result["restarts"] = restarts.recorded(run_dir)  # inside the allocation (jobs/launch.sh)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
-    board = RunBoard(run_dir, cfg.run.tensorboard)  # the whole run's busy fractions, once
+    board = RunBoard(run_dir, cfg.run)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
                   root.get("trained_env_steps", 0))
     board.close()

@@ -19,7 +19,7 @@ everything is freed collectively and rank 0 gathers the report.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -126,7 +126,7 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root,
                         learners=len(plan.learners),
-                        board=RunBoard(run_dir, cfg.run.tensorboard) if is_root else None)
+                        board=RunBoard(run_dir, cfg.run, asdict(cfg)) if is_root else None)
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     saved = checkpoint.read_state(resume) if resume else {"version": 0}
     first = saved["version"]
