@@ -24,6 +24,7 @@ install: install-cluster install-sims
 	# DeepSpeed builds no C++ ops at install time; it JIT-compiles what it uses.
 	DS_BUILD_OPS=0 $(BIN)/pip install -r requirements.txt
 	$(BIN)/pip install --no-deps -e .
+	$(MAKE) install-horovod
 	$(BIN)/hpcvla --help > /dev/null
 
 install-cluster:
@@ -57,17 +58,20 @@ install-sims:
 	  apt-get update -q; release="-t bookworm-backports"; fi; \
 	apt-get install -y -q --no-install-recommends $$release $(SIM_PACKAGES)
 
-# Optional: Horovod 0.28.1 (learner.backend=horovod) built from source into the venv against
-# the pinned torch, no edits of its sources. The MPI controller with the venv's MPICH (first on
-# PATH: the libmpi mpi4py loads); no Gloo (its bundled copy clashes with torch's); PyTorch only.
-# Horovod's CMake asks for -std=c++14 after any CXXFLAGS, and torch >= 2.1's headers need
-# C++17: a compiler wrapper raises it. ~4 minutes on 2 cores.
+# Horovod 0.28.1 (learner.backend=horovod; part of `make install`) built from source into the
+# venv against the pinned torch, no edits of its sources. The MPI controller with the venv's
+# MPICH (first on PATH: the libmpi mpi4py loads); no Gloo (its bundled copy clashes with
+# torch's); PyTorch only. Horovod's CMake asks for -std=c++14 after any CXXFLAGS, and torch >=
+# 2.1's headers need C++17: a compiler wrapper raises it. ~2-4 minutes on 2 cores. GPU sites
+# build with NCCL (learners on GPUs refuse a build without GPU operations, preflight.py):
+#   make install-horovod HOROVOD_GPU=NCCL  (HOROVOD_NCCL_HOME=... where NCCL is not in CUDA's)
+HOROVOD_GPU ?=
 HOROVOD_FLAGS = HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
-                HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI
+                HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
+                $(if $(HOROVOD_GPU),HOROVOD_GPU_OPERATIONS=$(HOROVOD_GPU))
 install-horovod:
 	printf '#!/bin/sh\nfor a; do shift; [ "$$a" = -std=c++14 ] && a=-std=c++17; set -- "$$@" "$$a"; done\nexec $${HPCVLA_CXX:-g++} "$$@"\n' \
 	  > $(BIN)/cxx17 && chmod +x $(BIN)/cxx17
-	$(BIN)/pip install cffi cloudpickle psutil packaging
 	PATH="$(abspath $(BIN)):$$PATH" CXX="$(abspath $(BIN))/cxx17" $(HOROVOD_FLAGS) \
 	  $(BIN)/pip install --no-deps --no-build-isolation --no-binary horovod horovod==0.28.1
 	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"

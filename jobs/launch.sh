@@ -45,6 +45,7 @@
 #                     for the job's nodes (the scale model; its overrides follow the config's),
 #                     at the start and at every restart. COSTS: config (the reach env probed,
 #                     or the config's emulate.*), balanced, table3, pi0-libero; unset: off
+#   HPCVLA_DOCTOR     train, sft: 0 skips `hpcvla doctor` on the first node (default 1)
 #   HPCVLA_DRY_RUN    1: print the environment and command, run nothing
 set -euo pipefail
 
@@ -261,6 +262,12 @@ say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
 say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0
+fi
+# A node that lacks what the job needs fails it here, in seconds, saying why (this node: the
+# job's first; the others answer the restart probes).
+if [[ ($1 == train || $1 == sft) && ${HPCVLA_DOCTOR:-1} == 1 ]]; then
+    "$PYTHON" -m hpcvla doctor "${COMMAND_ARGS[@]:1}" >&2 ||
+        die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
 fi
 
 # ---- run, forwarding the scheduler's signals -----------------------------------------------

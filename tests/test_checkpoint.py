@@ -111,3 +111,12 @@ def test_checkpoint_benchmark_runs_its_three_arms(tmp_path):
         assert len(arm["runs"]) == 1 and arm["wall_s_per_version"] > 0
         assert arm["checkpoint_s_per_version"] > 0  # the last checkpoint, at least
     assert r["arms"]["none"]["wall_over_none"] == 1.0 and "background:" in out.stdout
+
+
+def test_a_replicated_optimizer_state_is_saved_once_only_where_the_learners_agree():
+    """Stage 0 and Horovod: learner 0 saves the state every learner holds whole, after a
+    collective check that the copies agree (a learner that diverged is named)."""
+    out = hpcvla("launch", "-n", 2, "--timeout", 120, "--", MPI_DIR / "replicas.py")
+    assert out.returncode == 0, out.stdout + out.stderr
+    for r in (0, 1):
+        assert f"rank {r}: differing replicas refused" in out.stdout, out.stdout

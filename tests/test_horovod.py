@@ -1,10 +1,8 @@
 """learner.backend=horovod (engines/horovod.py): 2 learners train reach through the real
-pipeline with Horovod's MPI allreduce, checkpoint and resume. Runs where Horovod is installed
-(`make install-horovod`); elsewhere it is skipped with the reason (it is optional: `make
-install` does not build it)."""
+pipeline with Horovod's MPI allreduce, checkpoint and resume. `make install` builds Horovod
+(its install-horovod step): without it these tests fail, saying so."""
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from hpcvla.config import load_config
@@ -13,9 +11,13 @@ from hpcvla.engines.horovod import horovod_available
 from helpers import MIN_Z, hpcvla, improvement_z, run_train
 
 COLOCATED = "configs/colocated.yaml"  # 2 ranks: each simulates, infers and learns
-MISSING = horovod_available()
-pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.learning,
-              pytest.mark.skipif(bool(MISSING), reason=MISSING)]
+pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.learning]
+
+
+@pytest.fixture(autouse=True)
+def horovod_installed():
+    missing = horovod_available()
+    assert not missing, missing
 TWO_LEARNERS = ["learner.backend=horovod", "learner.checkpoint_every=20"]
 
 
@@ -23,14 +25,13 @@ def test_two_horovod_learners_train_average_and_resume(tmp_path):
     out, summary, run_dir = run_train(tmp_path / "a", "pipeline.total_updates=40",
                                       *TWO_LEARNERS, config=COLOCATED, ranks=2)
     assert summary["lost_records"] == 0
-    # each learner keeps its own Adam moments: equal only if both stepped on the same
-    # (allreduced) gradients, though they trained on different segments
+    # each learner keeps its own Adam moments, equal only if both stepped on the same
+    # (allreduced) gradients, though they trained on different segments: every checkpoint
+    # checked that (optimizer_state.replicas_agree), then learner 0 saved them for both
     final = sorted((run_dir / "checkpoints").glob("v*"))[-1]
     moments = [load_file(str(final / f"optimizer.rank{r}.safetensors")) for r in (0, 1)]
-    assert moments[0].keys() == moments[1].keys() and len(moments[0]) > 2
-    for key in moments[0]:
-        if key.startswith("state."):
-            torch.testing.assert_close(moments[0][key], moments[1][key], rtol=0, atol=0)
+    assert {k.rsplit("/", 1)[-1] for k in moments[0]} >= {"master", "exp_avg", "exp_avg_sq"}
+    assert list(moments[1]) == ["rng.torch_cpu"]
     cfg = load_config(run_dir / "config.yaml")
     weights, state = checkpoint_weights(run_dir)
     assert state["version"] == 40

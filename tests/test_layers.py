@@ -4,8 +4,8 @@ own floor or the floors below it.
     8  cli, __main__                      the commands
     7  bench                              benchmarks: run the layers below and measure them
     6  runtime, evaluate, scale, launch,  a whole job: start the world, train, evaluate,
-       trainrun, sft, recording           plan a scale-out, run a training world, fine-tune,
-                                          record an expert's demonstrations
+       trainrun, sft, recording, doctor   plan a scale-out, run a training world, fine-tune,
+                                          record an expert's demonstrations, check a node
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
        memory, restarts                   check files, packages, checkpoints and memory
@@ -46,7 +46,7 @@ FLOORS = {
         "demonstrations"),
     4: ("factory", "engines", "preflight", "memory", "restarts"),
     5: ("roles",),
-    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording"),
+    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording", "doctor"),
     7: ("bench",),
     8: ("cli", "__main__"),
 }

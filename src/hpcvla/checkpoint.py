@@ -99,6 +99,7 @@ class Writer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         idle_barrier(learners)  # [dist] the directory exists before anyone writes into it
+        optimizer_state.replicas_agree(engine, learners)  # [dist] learner 0 saves for all
         tensors, mine = _optimizer_snapshot(engine, rank)
         state = None
         if rank == 0:  # a copy of its own where they are the parameters (engines.full_state)

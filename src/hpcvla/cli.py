@@ -7,6 +7,7 @@
     hpcvla plan --auto CONFIG --world N --ranks-per-node M [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
+    hpcvla doctor [CONFIG] [key=value ...] [--json]   does this node have what the job needs?
     hpcvla eval RUN_DIR [key=value ...] [--all]       success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
                                                       shards, gpu, scale; a table and JSON
@@ -84,6 +85,12 @@ def _parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print the resolved config or the settings' docs")
     _config_args(config, required=False)
     config.add_argument("--doc", action="store_true", help="document every setting")
+
+    doctor = sub.add_parser("doctor", help="check this node for what a job of CONFIG needs "
+                            "(MPI, /dev/shm, GPUs, NCCL, rendering, files, disk); exit 1 on "
+                            "any failure")
+    _config_args(doctor, required=False)
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
     add_bench_parser(sub)
 
@@ -257,6 +264,11 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from hpcvla.doctor import main as doctor
+    return doctor(load_config(args.config, args.overrides), args.json)
+
+
 def cmd_launch(args) -> int:
     from hpcvla.launch import LaunchError, run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
@@ -384,5 +396,5 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
-            "config": cmd_config, "launch": cmd_launch,
+            "config": cmd_config, "doctor": cmd_doctor, "launch": cmd_launch,
             "inspect": cmd_inspect, "eval": cmd_eval, "demos": cmd_demos, "export": cmd_export}

@@ -81,6 +81,28 @@ def fragments(engine, rank: int) -> list[Fragment]:
     return out
 
 
+def replicas_agree(engine, learners) -> None:
+    """Learner 0 alone saves the state every learner holds whole (stage 0, Horovod): check,
+    collectively, that the learners' copies agree (each learner's float64 sum and sum of
+    squares of every replicated tensor) before it stands for all of them."""
+    if learners.Get_size() == 1:
+        return
+    digest = []
+    for fragment in fragments(engine, learners.Get_rank()):
+        if fragment.replicated:
+            state = fragment.state()
+            for key in (MASTER, *(k for k, v in state.items()
+                                  if k != "step" and torch.is_tensor(v))):
+                value = fragment.tensor(key).double()
+                digest += [value.sum().item(), value.square().sum().item()]
+    everyone = learners.allgather(digest)  # [dist]
+    if any(other != everyone[0] for other in everyone):
+        differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
+        raise RuntimeError(f"learners {differ} hold optimizer states (weights, moments) that "
+                           "differ from learner 0's, which should be replicas: the learners "
+                           "did not step on the same averaged gradients")
+
+
 def ensure_state(engine, keys: list[str]) -> None:
     """Give an engine that has not stepped yet its optimizer state (zeros, step 0) so that
     fragments can be written into it: torch creates Adam's state at the first step."""

@@ -1,0 +1,208 @@
+"""`hpcvla doctor [CONFIG]`: does this node have what a job of CONFIG needs? Checked for real
+where it is cheap (a 2-rank MPI world, a tiny render), one line per check, each failure with
+its fix; exit status 1 when any fails. jobs/launch.sh runs it on the job's first node before
+starting the ranks, so a broken node fails the job in seconds, saying why.
+
+Checks: the MPI launcher starts one world with the library mpi4py loads (and, for Open MPI,
+its one-sided components); /dev/shm has room for the node's shared windows; the GPUs torch sees
+against what the scheduler granted, and NCCL where there are GPUs; the simulator's renderer
+(EGL for LIBERO's MuJoCo, Vulkan for ManiSkill's SAPIEN) draws a tiny scene; the PhysX GPU
+library for ManiSkill's GPU simulation; the config's files (checkpoints, pretrained folders,
+tokenizers), packages and logins (preflight.config_problems); free disk under run.root for
+the checkpoints kept.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    found: str       # what the check saw
+    fix: str = ""    # what to do, when it failed
+
+    def line(self) -> str:
+        head = f"{'ok' if self.ok else 'FAIL':<5}{self.name:<12}{self.found}"
+        return head if self.ok else f"{head}\n{'':17}fix: {self.fix}"
+
+
+def run_checks(cfg) -> list[Check]:
+    """Every check for a job of `cfg` on this node, in the order a job needs them."""
+    from hpcvla.preflight import config_problems
+
+    problems = [p for p in config_problems(cfg) if p[0] != "placement.gpus_per_node"]  # gpus
+    unbuilt = []
+    try:
+        weights = _weight_bytes(cfg)
+    except Exception as err:  # noqa: BLE001  said below; the sizes go on without the policy
+        weights = 0
+        if not problems:
+            unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
+                             "`hpcvla config CONFIG` shows what the config resolves to")]
+    checks = [_mpi(cfg), _shared_memory(cfg, weights), *_gpus(cfg), *_renderer(cfg), *unbuilt]
+    checks.append(Check("config", not problems, "the config's files, packages and logins: "
+                        + ("fine" if not problems else f"{len(problems)} problem(s)"),
+                        "; ".join(f"{name} = {value!r}: expected {text}"
+                                  for name, value, text in problems)))
+    checks.append(_disk(cfg, weights))
+    return checks
+
+
+def _python(code: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python, where a crash cannot take us down; `env` is added to
+    this process's environment."""
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, **env})
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess([], 124, "", f"no answer within {timeout:.0f} s")
+
+
+def _last_line(out: subprocess.CompletedProcess) -> str:
+    lines = (out.stderr or out.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {out.returncode}"
+
+
+def _mpi(cfg) -> Check:
+    """The launcher starts 2 ranks that see one world of 2, with the library mpi4py loads."""
+    from hpcvla.mpi_select import MpiSelectError, select_mpi
+    try:  # the MPI jobs/launch.sh chose, else the config's
+        install = select_mpi(os.environ.get("HPCVLA_MPI_FLAVOUR", cfg.launch.mpi),
+                             os.environ.get("HPCVLA_MPIEXEC", cfg.launch.mpiexec))
+    except MpiSelectError as err:
+        return Check("mpi", False, str(err), "`make install` (MPICH from PyPI), or load the "
+                     "site's MPI module and set launch.mpi/launch.mpiexec")
+    if install.flavour == "openmpi" and not install.env.get("OMPI_MCA_osc"):
+        return Check("mpi", False, f"Open MPI ({install.mpiexec}) has neither the ucx nor the "
+                     "rdma one-sided component (ompi_info: mca:osc)", "an Open MPI built with "
+                     "UCX (the site's module for InfiniBand), or HPCVLA_MPI=mpich")
+    code = ("from mpi4py import MPI; w = MPI.COMM_WORLD; n = w.allreduce(1)\n"
+            "if w.rank == 0: print(n, MPI.Get_library_version().splitlines()[0].strip())")
+    # on this node only: without the scheduler's variables the launcher starts them here
+    env = {k: v for k, v in {**os.environ, **install.env}.items()
+           if not k.startswith(("SLURM_", "PBS_"))}
+    try:
+        out = subprocess.run([install.mpiexec, "-n", "2", *install.args, sys.executable, "-c",
+                              code], capture_output=True, text=True, timeout=60, env=env)
+    except subprocess.TimeoutExpired:
+        out = subprocess.CompletedProcess([], 124, "", "no answer within 60 s")
+    words = out.stdout.split(maxsplit=1)
+    if out.returncode != 0 or not words or words[0] != "2":
+        found = (f"`{install.mpiexec} -n 2` started "
+                 + ("two 1-rank worlds" if words and words[0] == "1" else "no world of 2")
+                 + f": {_last_line(out)}")
+        return Check("mpi", False, found, "mpi4py must load the library of this launcher "
+                     "(MPI4PY_LIBMPI for Open MPI); check `mpiexec -n 2 hostname` works here")
+    return Check("mpi", True, f"{install.flavour}: {install.mpiexec} -n 2 starts one world "
+                 f"of 2 ({' '.join(words[1].split())[:60]})")
+
+
+def _shared_memory(cfg, weights: int) -> Check:
+    """Room in /dev/shm for a node's weight window (two halves) and a learner's ring."""
+    need = 2 * weights + cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024 + 64 * MiB
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError as err:
+        return Check("/dev/shm", False, f"cannot be read: {err}", "a node with a /dev/shm "
+                     "tmpfs (MPI's shared-memory windows live there)")
+    found = f"{free / MiB:,.1f} MiB free, a node's windows need >= {need / MiB:,.1f} MiB"
+    return Check("/dev/shm", free >= need, found, "a larger /dev/shm (e.g. `mount -o "
+                 "remount,size=...`; containers: --shm-size), or smaller learner.ring_slots")
+
+
+def _gpus(cfg) -> list[Check]:
+    import torch
+
+    from hpcvla.devices import granted_gpus, missing_gpus_problem
+    missing = missing_gpus_problem(cfg.placement.gpus_per_node)
+    count = torch.cuda.device_count()
+    found = f"torch sees {count} GPU(s); granted: {granted_gpus() or 'none'}"
+    checks = [Check("gpus", missing is None, found, missing or "")]
+    if count:
+        try:
+            version = ".".join(map(str, torch.cuda.nccl.version()))
+            checks.append(Check("nccl", True, f"NCCL {version}"))
+        except (RuntimeError, AttributeError) as err:
+            checks.append(Check("nccl", False, f"torch has no NCCL: {err}", "a CUDA build "
+                                "of torch with NCCL (the learners' collectives on GPUs)"))
+    return checks
+
+
+RENDER = {  # a tiny scene drawn the way the simulator draws (MuJoCo's EGL, SAPIEN's Vulkan)
+    "libero": ("EGL (MuJoCo)", "import mujoco\n"
+               "m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><light pos=\"0 0 1\"/>"
+               "<geom size=\".1\"/></worldbody></mujoco>')\n"
+               "d = mujoco.MjData(m); mujoco.mj_forward(m, d)\n"
+               "r = mujoco.Renderer(m, 16, 16); r.update_scene(d); assert r.render().max() > 0",
+               "EGL for headless rendering: the NVIDIA driver's libEGL_nvidia on GPU nodes, "
+               "Mesa's EGL elsewhere (`make install-sims`); or MUJOCO_GL=osmesa (CPU)"),
+    "maniskill": ("Vulkan (SAPIEN)", "import sapien\n"
+                  "s = sapien.Scene(); s.set_ambient_light([0.5, 0.5, 0.5])\n"
+                  "b = s.create_actor_builder(); b.add_box_visual(half_size=[0.1] * 3)\n"
+                  "b.build_kinematic(); c = s.add_camera('doctor', 16, 16, 1.0, 0.01, 10.0)\n"
+                  "c.set_entity_pose(sapien.Pose([-1, 0, 0])); s.update_render()\n"
+                  "c.take_picture(); assert c.get_picture('Color')[..., :3].max() > 0",
+                  "a Vulkan driver: the NVIDIA driver's ICD (nvidia_icd.json) on GPU nodes, "
+                  "Mesa's lavapipe elsewhere (`make install-sims`)"),
+}
+
+
+def _renderer(cfg) -> list[Check]:
+    if cfg.env.name not in RENDER:
+        return [Check("renderer", True, f"env.name={cfg.env.name} renders nothing")]
+    what, code, fix = RENDER[cfg.env.name]
+    env = {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env["MUJOCO_GL"])
+    out = _python(code, env)
+    checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
+        "drew a 16x16 scene" if out.returncode == 0 else f"failed: {_last_line(out)}"), fix)]
+    if cfg.env.name == "maniskill" and cfg.env.sim_backend == "gpu":
+        libs = glob.glob(str(Path.home() / ".sapien" / "physx" / "*" / "libPhysXGpu_64.so"))
+        checks.append(Check("physx-gpu", bool(libs), ", ".join(libs) or "no libPhysXGpu_64.so "
+                            "under ~/.sapien/physx", "run one GPU simulation where the node "
+                            "can download it (SAPIEN fetches it on first use), or copy "
+                            "~/.sapien/physx from such a machine"))
+    return checks
+
+
+def _weight_bytes(cfg) -> int:
+    """The policy's parameters in bytes, built on the meta device (nothing allocated)."""
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    policy = build_policy(cfg, env_spec(cfg.env), "meta", False)
+    return sum(p.numel() * p.element_size() for p in policy.parameters())
+
+
+def _disk(cfg, weights: int) -> Check:
+    """Room under run.root for the checkpoints kept (and the one being written): per
+    parameter its weight plus the fp32 master and two Adam moments."""
+    root = Path(cfg.run.root).resolve()
+    existing = next((p for p in (root, *root.parents) if p.exists()), Path("/"))
+    params = weights // 4 or 1
+    need = (cfg.learner.checkpoint_keep + 1) * (weights + 12 * params)
+    free = shutil.disk_usage(existing).free
+    found = (f"{free / MiB:,.0f} MiB free under {existing}, {cfg.learner.checkpoint_keep} + 1 "
+             f"checkpoints need ~{need / MiB:,.0f} MiB")
+    return Check("disk", free >= need, found, "a run.root on a larger (scratch) file system, "
+                 "or a smaller learner.checkpoint_keep")
+
+
+def main(cfg, as_json: bool) -> int:
+    checks = run_checks(cfg)
+    if as_json:
+        import json
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        print("\n".join(c.line() for c in checks))
+    return 0 if all(c.ok for c in checks) else 1

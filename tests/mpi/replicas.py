@@ -1,0 +1,34 @@
+"""Under MPI (2 ranks), every rank a stage-0 learner whose optimizer state is replicated:
+`optimizer_state.replicas_agree` passes where the ranks stepped the same model on the same
+gradients, and raises on every rank, naming the learner, where one rank's copy differs.
+
+    mpiexec -n 2 python -m mpi4py tests/mpi/replicas.py
+"""
+
+from types import SimpleNamespace
+
+import torch
+from mpi4py import MPI
+
+from hpcvla.optimizer_state import replicas_agree
+
+
+def learner(seed: int) -> SimpleNamespace:
+    """A replicated learner as the Horovod engine holds it: the module and its torch Adam."""
+    torch.manual_seed(seed)
+    module = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    module(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return SimpleNamespace(module=module, optimizer=optimizer)
+
+
+world = MPI.COMM_WORLD
+replicas_agree(learner(0), world)  # the same model stepped the same way: replicas
+try:
+    replicas_agree(learner(world.rank), world)  # learner 1 started from other weights
+except RuntimeError as err:
+    assert "learners [1]" in str(err), err
+    print(f"rank {world.rank}: differing replicas refused", flush=True)
+else:
+    raise SystemExit("differing replicas were not noticed")

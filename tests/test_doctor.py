@@ -1,0 +1,68 @@
+"""`hpcvla doctor`: passes on this machine, and a setup broken in one way at a time fails with
+that cause named (the check, what it saw, the fix), exit status 1. Broken for real: a /dev/shm
+of 1 MiB (a tmpfs mounted over it in a mount namespace of its own), a tokenizer folder that
+does not exist, GPUs the scheduler granted that torch cannot see, an EGL with no vendor
+library."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT
+
+pytestmark = pytest.mark.mpi  # the CLI, and a 2-rank world
+
+
+def doctor(*args, env=None, wrap=()):
+    out = subprocess.run([*wrap, sys.executable, "-m", "hpcvla", "doctor", *map(str, args),
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **(env or {})})
+    checks = {c["name"]: c for c in json.loads(out.stdout)} if out.stdout.strip() else {}
+    return out, checks
+
+
+def test_this_machine_passes_every_check():
+    for config in ("configs/default.yaml", "configs/libero_spatial.yaml"):
+        out, checks = doctor(config)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert {"mpi", "/dev/shm", "gpus", "renderer", "config", "disk"} <= set(checks)
+        assert all(c["ok"] for c in checks.values()), checks
+    assert "starts one world of 2" in checks["mpi"]["found"]
+    assert checks["renderer"]["found"] == "EGL (MuJoCo): drew a 16x16 scene"
+
+
+BROKEN = {  # what is broken: (args, environment, the check that fails, words of its report)
+    "tokenizer folder missing": (
+        ["configs/reach_flow.yaml", f"policy.pretrained={ROOT}/tests/fixtures/pi0/pi0/lerobot",
+         "policy.tokenizer=/nonexistent/tokenizer"], {}, "config", "policy.tokenizer"),
+    "granted GPUs torch cannot see": (
+        ["configs/default.yaml"], {"SLURM_GPUS_ON_NODE": "2"}, "gpus",
+        "this node was given GPUs (SLURM_GPUS_ON_NODE=2) but torch"),
+    "no EGL": (["configs/libero_spatial.yaml"],
+               {"__EGL_VENDOR_LIBRARY_FILENAMES": "/nonexistent/egl_vendor.json"}, "renderer",
+               "EGL (MuJoCo): failed"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_broken_setup_fails_naming_its_cause(case):
+    args, env, name, words = BROKEN[case]
+    out, checks = doctor(*args, env=env)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert [n for n, c in checks.items() if not c["ok"]] == [name], checks
+    assert words in checks[name]["found"] + checks[name]["fix"], checks[name]
+    assert checks[name]["fix"]
+
+
+@pytest.mark.cluster  # root: a mount namespace
+def test_a_full_dev_shm_fails_naming_it():
+    wrap = ["unshare", "--mount", "sh", "-c",
+            'mount -t tmpfs -o size=1m tmpfs /dev/shm && exec "$@"', "sh"]
+    out, checks = doctor("configs/default.yaml", wrap=wrap)
+    assert out.returncode == 1, out.stdout + out.stderr
+    shm = checks["/dev/shm"]
+    assert not shm["ok"] and float(shm["found"].split()[0]) <= 1.0, shm
+    assert "larger /dev/shm" in shm["fix"]
