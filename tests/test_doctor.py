@@ -13,7 +13,7 @@ import pytest
 
 from helpers import ROOT
 
-pytestmark = pytest.mark.mpi  # the CLI, and a 2-rank world
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # the CLI and a 2-rank world per call: ~5 s each
 
 
 def doctor(*args, env=None, wrap=()):

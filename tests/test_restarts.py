@@ -58,6 +58,7 @@ def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
 
 
 @pytest.mark.mpi  # the CLI and the job script, no world
+@pytest.mark.slow  # plan --auto twice: ~10 s
 def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
     """HPCVLA_AUTOPLAN=COSTS: jobs/launch.sh appends `hpcvla plan --auto`'s best layout for
     the job's ranks (here a dry run: the command it would start), learners beside the cells
