@@ -44,9 +44,9 @@ def run_checks(cfg) -> list[Check]:
     problems = [p for p in config_problems(cfg) if p[0] != "placement.gpus_per_node"]  # gpus
     unbuilt = []
     try:
-        weights = _weight_bytes(cfg)
+        weights, params = _policy_size(cfg)
     except Exception as err:  # noqa: BLE001  said below; the sizes go on without the policy
-        weights = 0
+        weights = params = 0
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
@@ -55,7 +55,7 @@ def run_checks(cfg) -> list[Check]:
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
                                   for name, value, text in problems)))
-    checks.append(_disk(cfg, weights))
+    checks.append(_disk(cfg, weights, params))
     return checks
 
 
@@ -176,20 +176,21 @@ def _renderer(cfg) -> list[Check]:
     return checks
 
 
-def _weight_bytes(cfg) -> int:
-    """The policy's parameters in bytes, built on the meta device (nothing allocated)."""
+def _policy_size(cfg) -> tuple[int, int]:
+    """The policy's parameters, in bytes and in number, built on the meta device (nothing
+    allocated)."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     policy = build_policy(cfg, env_spec(cfg.env), "meta", False)
-    return sum(p.numel() * p.element_size() for p in policy.parameters())
+    params = list(policy.parameters())
+    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
 
 
-def _disk(cfg, weights: int) -> Check:
+def _disk(cfg, weights: int, params: int) -> Check:
     """Room under run.root for the checkpoints kept (and the one being written): per
     parameter its weight plus the fp32 master and two Adam moments."""
     root = Path(cfg.run.root).resolve()
     existing = next((p for p in (root, *root.parents) if p.exists()), Path("/"))
-    params = weights // 4 or 1
     need = (cfg.learner.checkpoint_keep + 1) * (weights + 12 * params)
     free = shutil.disk_usage(existing).free
     found = (f"{free / MiB:,.0f} MiB free under {existing}, {cfg.learner.checkpoint_keep} + 1 "
