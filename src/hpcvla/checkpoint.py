@@ -99,8 +99,9 @@ class Writer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
         idle_barrier(learners)  # [dist] the directory exists before anyone writes into it
-        optimizer_state.replicas_agree(engine, learners)  # [dist] learner 0 saves for all
-        tensors, mine = _optimizer_snapshot(engine, rank)
+        parts = optimizer_state.fragments(engine, rank)
+        optimizer_state.replicas_agree(parts, learners)  # [dist] learner 0 saves for all
+        tensors, mine = _optimizer_snapshot(parts, rank)
         state = None
         if rank == 0:  # a copy of its own where they are the parameters (engines.full_state)
             shared = engine.device.type == "cpu" and engine.zero_optimization_stage() < 3
@@ -140,11 +141,12 @@ class Writer:
             self._outcome[1] = err
 
 
-def _optimizer_snapshot(engine, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """This learner's optimizer ranges and RNG as host tensors, and their index."""
+def _optimizer_snapshot(parts, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """This learner's optimizer ranges (`parts`: its fragments) and RNG as host tensors, and
+    their index."""
     tensors, fragments, steps = {}, {}, {}
     keys: list[str] = []
-    for fragment in optimizer_state.fragments(engine, rank):
+    for fragment in parts:
         if fragment.replicated and rank != 0:
             continue
         state = fragment.state()

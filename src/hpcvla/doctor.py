@@ -59,12 +59,13 @@ def run_checks(cfg) -> list[Check]:
     return checks
 
 
-def _python(code: str, env: dict, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh Python, where a crash cannot take us down; `env` is added to
-    this process's environment."""
+def _python(code: str, env: dict, timeout: float = 120,
+            launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh Python (under `launcher`), where a crash cannot take us down,
+    with the environment `env`."""
     try:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, **env})
+        return subprocess.run([*launcher, sys.executable, "-c", code], capture_output=True,
+                              text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return subprocess.CompletedProcess([], 124, "", f"no answer within {timeout:.0f} s")
 
@@ -92,11 +93,7 @@ def _mpi(cfg) -> Check:
     # on this node only: without the scheduler's variables the launcher starts them here
     env = {k: v for k, v in {**os.environ, **install.env}.items()
            if not k.startswith(("SLURM_", "PBS_"))}
-    try:
-        out = subprocess.run([install.mpiexec, "-n", "2", *install.args, sys.executable, "-c",
-                              code], capture_output=True, text=True, timeout=60, env=env)
-    except subprocess.TimeoutExpired:
-        out = subprocess.CompletedProcess([], 124, "", "no answer within 60 s")
+    out = _python(code, env, 60, (install.mpiexec, "-n", "2", *install.args))
     words = out.stdout.split(maxsplit=1)
     if out.returncode != 0 or not words or words[0] != "2":
         found = (f"`{install.mpiexec} -n 2` started "
@@ -164,7 +161,7 @@ def _renderer(cfg) -> list[Check]:
     what, code, fix = RENDER[cfg.env.name]
     env = {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env["MUJOCO_GL"])
-    out = _python(code, env)
+    out = _python(code, {**os.environ, **env})
     checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
         "drew a 16x16 scene" if out.returncode == 0 else f"failed: {_last_line(out)}"), fix)]
     if cfg.env.name == "maniskill" and cfg.env.sim_backend == "gpu":

@@ -81,26 +81,37 @@ def fragments(engine, rank: int) -> list[Fragment]:
     return out
 
 
-def replicas_agree(engine, learners) -> None:
+def replicas_agree(parts: list[Fragment], learners) -> None:
     """Learner 0 alone saves the state every learner holds whole (stage 0, Horovod): check,
     collectively, that the learners' copies agree (each learner's float64 sum and sum of
-    squares of every replicated tensor) before it stands for all of them."""
+    squares of every replicated tensor) before it stands for all of them. `parts`: this
+    learner's fragments."""
     if learners.Get_size() == 1:
         return
     digest = []
-    for fragment in fragments(engine, learners.Get_rank()):
+    for fragment in parts:
         if fragment.replicated:
             state = fragment.state()
             for key in (MASTER, *(k for k, v in state.items()
                                   if k != "step" and torch.is_tensor(v))):
-                value = fragment.tensor(key).double()
-                digest += [value.sum().item(), value.square().sum().item()]
+                digest += _sums(fragment.tensor(key))
     everyone = learners.allgather(digest)  # [dist]
     if any(other != everyone[0] for other in everyone):
         differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
         raise RuntimeError(f"learners {differ} hold optimizer states (weights, moments) that "
                            "differ from learner 0's, which should be replicas: the learners "
                            "did not step on the same averaged gradients")
+
+
+def _sums(value: torch.Tensor, chunk: int = 1 << 24) -> list[float]:
+    """Sum and sum of squares in float64, a chunk at a time: a whole float64 copy of a
+    billion-parameter tensor would not fit beside it on a GPU."""
+    total = squares = 0.0
+    for part in value.split(chunk):
+        part = part.double()
+        total += part.sum().item()
+        squares += part.square().sum().item()
+    return [total, squares]
 
 
 def ensure_state(engine, keys: list[str]) -> None:

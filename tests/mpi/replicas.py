@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from mpi4py import MPI
 
-from hpcvla.optimizer_state import replicas_agree
+from hpcvla.optimizer_state import fragments, replicas_agree
 
 
 def learner(seed: int) -> SimpleNamespace:
@@ -24,9 +24,11 @@ def learner(seed: int) -> SimpleNamespace:
 
 
 world = MPI.COMM_WORLD
-replicas_agree(learner(0), world)  # the same model stepped the same way: replicas
+# the same model stepped the same way: replicas
+replicas_agree(fragments(learner(0), world.rank), world)
 try:
-    replicas_agree(learner(world.rank), world)  # learner 1 started from other weights
+    # learner 1 started from other weights
+    replicas_agree(fragments(learner(world.rank), world.rank), world)
 except RuntimeError as err:
     assert "learners [1]" in str(err), err
     print(f"rank {world.rank}: differing replicas refused", flush=True)

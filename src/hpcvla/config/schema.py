@@ -49,8 +49,8 @@ class RunConfig:
         "staleness; every role's busy fractions at the end; `hpcvla eval --all`'s curve): "
         "`tensorboard --logdir <run.root>` on a login node watches every run under it.")
     wandb: str = setting(
-        "disabled", "Weights & Biases (its own modes): the same scalars as TensorBoard, against the scalar "
-        "`trained_env_steps`, with the resolved config, in `<run dir>/wandb/`. `offline` for "
+        "disabled", "Weights & Biases (its own modes): the same scalars as TensorBoard, "
+        "against the scalar `trained_env_steps`, with the resolved config, in `<run dir>/wandb/`. `offline` for "
         "compute nodes without internet: `wandb sync <run dir>/wandb/offline-run-*` on a "
         "login node uploads them (into one W&B run per run directory); `online` streams "
         "(needs WANDB_API_KEY; WANDB_PROJECT, default hpcvla, and WANDB_ENTITY as W&B reads "
