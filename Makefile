@@ -11,9 +11,10 @@ BIN     = $(VENV)/bin
 # A local Slurm with its PBS wrappers (qsub/qstat), munge, and shellcheck: what
 # tests/test_slurm.py runs the job scripts in jobs/ with; Open MPI (the tests run every
 # multi-host world under it and under the venv's MPICH) and iproute2 (network namespaces: the
-# emulated hosts of tests/multihost). Needs root (CI is root).
+# emulated hosts of tests/multihost), and cmake and g++ (Horovod's build, install-horovod).
+# Needs root (CI is root).
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
-                   openmpi-bin iproute2
+                   openmpi-bin iproute2 cmake g++
 
 .PHONY: install install-cluster install-sims install-horovod test test-fast clean
 
