@@ -23,7 +23,8 @@ def test_improvement_z_tells_learning_from_chance():
     assert improvement_z(0.06, 0.07, 128) < 1 and improvement_z(0.5, 0.4, 128) < 0
 
 
-# The budgets. Measured gaps (trained - untrained success): PPO 0.66 at 60 updates, GRPO 0.81.
+# The budgets. The default (1 epoch, 32 px): rolling success 0.65-0.73 at 100 updates over
+# seeds 0-3. GRPO (8 epochs): gap (trained - untrained success) 0.81 at 60 updates.
 # Flow's take-off varies with the seed and the async timing: at 120 updates 0.74-0.82 over seeds
 # 0, 3, 7, 11, 12 on a loaded machine, but 0.22 and 0.01 for seed 0 on an idle one (return
 # -2.17 -> -0.64), so it trains 300 updates (~99 % success). Tokens learns later and less
@@ -32,13 +33,13 @@ def test_improvement_z_tells_learning_from_chance():
 @pytest.mark.slow
 @pytest.mark.learning
 @pytest.mark.parametrize("config,updates", [
-    ("configs/default.yaml", 40),      # CNN actor-critic, PPO
+    ("configs/default.yaml", 100),     # CNN actor-critic, PPO
     ("configs/reach_grpo.yaml", 50),   # CNN, GRPO (critic-free, grouped restarts)
     ("configs/reach_flow.yaml", 300),  # π0-style flow-matching expert, PPO
     ("configs/reach_tokens.yaml", 200),  # OpenVLA-OFT-style parallel action tokens, PPO
 ])
 def test_training_beats_the_untrained_policy(tmp_path, config, updates):
-    every = ["learner.checkpoint_every=20", "learner.checkpoint_keep=5", "run.wandb=offline"] \
+    every = ["learner.checkpoint_every=50", "learner.checkpoint_keep=5", "run.wandb=offline"] \
         if config == "configs/default.yaml" else []  # for `eval --all` and W&B below
     _, summary, run_dir = run_train(tmp_path, f"pipeline.total_updates={updates}", *every,
                                     config=config)
@@ -67,8 +68,8 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
         out = hpcvla("eval", run_dir, "--all", "--untrained", "--json")
         assert out.returncode == 0, out.stderr
         curve = [json.loads(line) for line in out.stdout.splitlines()]
-        assert [c["version"] for c in curve] == [0, 20, 40]
-        assert [c["trained_env_steps"] for c in curve] == [0, 20 * 1024, 40 * 1024]
+        assert [c["version"] for c in curve] == [0, 50, 100]
+        assert [c["trained_env_steps"] for c in curve] == [0, 50 * 1024, 100 * 1024]
         assert _jsonl(run_dir / "eval.jsonl") == curve  # kept with the run, for reports
         assert curve[0]["success_rate"] == untrained["success_rate"]
         assert curve[-1]["success_rate"] == trained["success_rate"]
@@ -78,7 +79,7 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates):
                     "train/explained_variance", "rollout/success_rate", "rollout/mean_return",
                     "perf/trained_env_steps_per_s", "perf/staleness"):
             assert board.get(tag), (tag, sorted(board))
-        assert board["train/pg_loss"][-1][0] == 40 * 1024  # x axis: trained env steps
+        assert board["train/pg_loss"][-1][0] == 100 * 1024  # x axis: trained env steps
         assert any(tag.startswith("busy/simulator/") for tag in board), sorted(board)
         assert [(s, round(v, 6)) for s, v in board["eval/success_rate"]] == \
             [(c["trained_env_steps"], round(c["success_rate"], 6)) for c in curve]

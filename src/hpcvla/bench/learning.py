@@ -7,7 +7,7 @@ Arm sets (`--arms`):
   corrected by the decoupled PPO objective) against `sync-colocated` (2 ranks in lock-step,
   never stale; 2 learners x 16 segments), the same learner batch per version.
 * `critic`: the critic's own schedule (`critic`, the defaults: `algorithm.critic_lr` 10x the
-  policy's, no value clip, 8 epochs) against a shared one (`shared`: the policy's rate,
+  policy's, no value clip; 8 epochs) against a shared one (`shared`: the policy's rate,
   clipped, 4 epochs), both streamer.
 * `flow-noise`: RL from a pretrained flow policy, as from a π0 checkpoint: `reach_flow`
   first trained for `PRETRAIN_UPDATES` (seed 1000) and saved as a checkpoint folder
@@ -45,12 +45,15 @@ from hpcvla.metrics.stats import welch_interval
 from hpcvla.trainrun import train_run
 
 # Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version.
-STREAMER = ["configs/default.yaml", "--ranks", "4", "pipeline.mode=streamer"]
+# `modes` and `critic` run reach with 64 px images and 8 PPO epochs per version (the default
+# job's 32 px and 1 epoch would be a different, learner-light comparison).
+REACH = ["env.image_size=64", "learner.epochs=8"]
+STREAMER = ["configs/default.yaml", "--ranks", "4", "pipeline.mode=streamer", *REACH]
 ARMS = {
     "modes": {"streamer": STREAMER,
               "sync-colocated": ["configs/colocated.yaml", "--ranks", "2",
-                                 "learner.micro_batches=1"]},
-    "critic": {"critic": STREAMER,  # the defaults: its own rate, unclipped, 8 epochs
+                                 "learner.micro_batches=1", *REACH]},
+    "critic": {"critic": STREAMER,  # the default critic: its own rate, unclipped
                "shared": STREAMER + ["algorithm.critic_lr=0", "algorithm.value_clip=true",
                                      "learner.epochs=4"]},
 }
