@@ -13,7 +13,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcvla.metrics.dump import DumpError, describe, summarize
+from hpcvla.metrics.dump import DumpError, attr_text, describe, summarize
 from hpcvla.transport.segment_meta import SegmentMeta
 from helpers import TESTS, hpcvla, reach_dump, reach_segments, writer
 
@@ -40,9 +40,15 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
                          for episodes in expected.values())
         assert f.attrs["open_episode_steps"] == open_steps
         assert json.loads(f["data"].attrs["env_args"])["env_name"] == "reach"
+        # text is stored inline (fixed length), never in the global heap (metrics/dump.py)
+        texts = [(o, k) for o in (f, f["data"], *demos) for k in o.attrs
+                 if o.attrs.get_id(k).get_type().get_class() == h5py.h5t.STRING]
+        assert len(texts) == 5 + 2 * len(demos)  # format source env config env_args; env_id
+        # and instruction of each demo
+        assert not any(o.attrs.get_id(k).get_type().is_variable_str() for o, k in texts)
         for demo in demos:
             want = expected[demo.attrs["env_index"]][demo.attrs["episode"]]
-            assert demo.attrs["env_id"] == f"p7/s1/e{demo.attrs['env_index']}"
+            assert attr_text(demo.attrs["env_id"]) == f"p7/s1/e{demo.attrs['env_index']}"
             assert demo.attrs["seed"] == 1001 and demo.attrs["policy_version"] == \
                 want["version"][0]
             np.testing.assert_array_equal(demo["obs/image"][()], want["obs.image"])
@@ -52,7 +58,7 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
             np.testing.assert_array_equal(demo["policy_versions"][()], want["version"])
             np.testing.assert_array_equal(demo["staleness"][()],
                                           want["batch"] - want["version"])
-            words = demo.attrs["instruction"].split()
+            words = attr_text(demo.attrs["instruction"]).split()
             assert words[:2] == ["reach", "the"] and words[3] == "object"
             assert demo["obs/image"].compression == "gzip" and demo["obs/image"].chunks
             assert demo.attrs["return"] == pytest.approx(float(want["reward"].sum()), abs=1e-4)

@@ -2,6 +2,7 @@
 trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 dumps and
 records are checked when read, with errors naming the file (or field) and the problem."""
 
+import faulthandler
 import json
 
 import h5py
@@ -79,11 +80,16 @@ def test_dump_with_a_flipped_bit_reads_or_raises_dump_error(tmp_path_factory, du
     damaged[where] ^= 1 << bit
     path = tmp_path_factory.mktemp("flip") / "rank7.h5"
     path.write_bytes(bytes(damaged))
+    # A hang inside libhdf5 holds the GIL, where pytest-timeout's signal cannot act: this
+    # watchdog thread ends the whole session, with the stack, after 60 s of one example.
+    faulthandler.dump_traceback_later(60, exit=True)
     try:
         summarize(path)
         verify(path)
     except DumpError as err:
         assert str(path) in str(err)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -104,6 +104,3 @@ def is_image(entry) -> bool:
     return len(shape) == 3 and shape[2] == 3 and np.dtype(dtype) == np.uint8
 
 
-def attr_text(value) -> str:
-    """An HDF5 string attribute as str (h5py returns bytes for fixed-length strings)."""
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from hpcvla.demonstrations.common import Episode, Problems, attr_text, fit_images, is_image
-from hpcvla.metrics.dump import FORMAT
+from hpcvla.demonstrations.common import Episode, Problems, fit_images, is_image
+from hpcvla.metrics.dump import FORMAT, attr_text
 
 NAME = "hpcvla trajectory dump"
 
 
 def matches(f) -> bool:
-    return str(f.attrs.get("format", "")) == FORMAT and "data" in f
+    return attr_text(f.attrs.get("format", "")) == FORMAT and "data" in f
 
 
 def _demo_names(f) -> list[str]:

@@ -47,8 +47,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from hpcvla.demonstrations.common import (Episode, Problems, attr_text, axis_angle_to_quat,
-                                          fit_images)
+from hpcvla.demonstrations.common import Episode, Problems, axis_angle_to_quat, fit_images
+from hpcvla.metrics.dump import attr_text
 
 NAME = "LIBERO dataset (scripts/create_dataset.py)"
 CAMERAS = {"image": "agentview_rgb", "wrist_image": "eye_in_hand_rgb"}

@@ -32,7 +32,9 @@ each demo's seed is its init_state_id).
 A step is one action chunk (chunk_len env steps). Datasets are chunked, gzip-compressed and
 checksummed (HDF5's Fletcher-32 filter, and the HDF5 1.10 file format, whose object headers
 and chunk indexes carry checksums too): a damaged file fails to read, naming the file, instead
-of returning wrong numbers (attributes in HDF5's dense storage are not covered);
+of returning wrong numbers (attributes in HDF5's dense storage are not covered). Text
+attributes are fixed-length UTF-8 (`text_attrs`), never variable-length: those live in HDF5's
+global heap, which has no checksum, and libhdf5 1.14 loops forever decoding a damaged one;
 `hpcvla inspect --verify` reads every chunk.
 The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
 opening, writing and closing the file, so between flushes the file is closed and
@@ -94,12 +96,13 @@ class TrajectoryDump:
                 f.attrs["complete"] = False
             return
         with h5py.File(self.path, "w", libver=LIBVER) as f:
-            f.attrs.update(format=FORMAT, source=source, producer_rank=producer, env=env,
-                           chunk_len=chunk_len, config=config_yaml, complete=False,
-                           segments=0, open_episode_steps=0)
+            f.attrs.update(text_attrs(dict(
+                format=FORMAT, source=source, producer_rank=producer, env=env,
+                chunk_len=chunk_len, config=config_yaml, complete=False, segments=0,
+                open_episode_steps=0)))
             data = f.create_group("data")
-            data.attrs.update(total=0, env_args=json.dumps(
-                {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))
+            data.attrs.update(text_attrs(dict(total=0, env_args=json.dumps(
+                {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))))
 
     def add_segment(self, group: dict) -> None:
         """One segment group as sent to a learner: T steps of the n envs of one slot."""
@@ -163,7 +166,7 @@ class TrajectoryDump:
             data = f["data"]
             for steps, attrs in self.pending:
                 demo = data.create_group(f"demo_{self.written}")
-                demo.attrs.update(attrs)
+                demo.attrs.update(text_attrs(attrs))
                 for key in self.obs_keys:
                     _dataset(demo, f"obs/{key}", steps[f"obs/{key}"])
                 for field, name in STEP_FIELDS.items():
@@ -184,6 +187,18 @@ class TrajectoryDump:
             f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
                                                 self.open.values() for p in pieces)
             f.attrs["complete"] = True
+
+
+def text_attrs(attrs: dict) -> dict:
+    """`attrs` with every str as fixed-length UTF-8 (np.bytes_), stored in the object header
+    itself, where h5py would put a str in the global heap (see the module's docstring)."""
+    return {k: np.bytes_(v.encode()) if isinstance(v, str) else v for k, v in attrs.items()}
+
+
+def attr_text(value) -> str:
+    """A string attribute as str: h5py returns bytes for fixed-length strings (these dumps,
+    LIBERO's files) and str for variable-length ones."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _dataset(group, name: str, value: np.ndarray) -> None:
@@ -208,7 +223,7 @@ def open_dump(path):
                         f"written right now?): {err}") from None
     try:
         with _reading(path):  # a damaged root group fails here
-            ours = f.attrs.get("format") == FORMAT and "data" in f
+            ours = attr_text(f.attrs.get("format", "")) == FORMAT and "data" in f
     except DumpError:
         f.close()
         raise
@@ -294,9 +309,9 @@ def summarize(path) -> dict:
                 demo.visititems(visit)
         attrs = dict(f.attrs)
         return {
-            "file": str(path), "source": str(attrs.get("source", "run")),
+            "file": str(path), "source": attr_text(attrs.get("source", "run")),
             "producer_rank": int(attrs["producer_rank"]),
-            "env": str(attrs["env"]), "chunk_len": int(attrs["chunk_len"]),
+            "env": attr_text(attrs["env"]), "chunk_len": int(attrs["chunk_len"]),
             "complete": bool(attrs["complete"]), "segments": int(attrs["segments"]),
             "episodes": len(lengths), "steps": int(sum(lengths)),
             "env_steps": int(sum(lengths)) * int(attrs["chunk_len"]),
