@@ -158,7 +158,9 @@ class ReachEnv(VectorEnv):
     def _reset_env(self, i: int, rng: np.random.Generator) -> None:
         self._ee[i], self._obj[i], self._colours[i], self._target[i] = _sample_layout(
             rng, self.num_objects)
-        self._dist[i] = np.linalg.norm(self._ee[i] - self._obj[i, self._target[i]])
+        # np.hypot as in step(): a norm there would differ in the last bit on some CPUs, and
+        # standing still would earn a reward of +-1e-16 instead of 0
+        self._dist[i] = np.hypot(*(self._ee[i] - self._obj[i, self._target[i]]))
         self._chunks[i] = 0
         self._return[i] = 0.0
 
