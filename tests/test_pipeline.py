@@ -95,7 +95,7 @@ def test_pipeline_sizes_checked_before_ranks_start():
 def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     out, summary, run_dir = run_train(tmp_path, f"pipeline.mode={mode}",
                                       "pipeline.total_updates=4", "learner.zero_stage=2",
-                                      "learner.epochs=2",  # a replay epoch: see the end
+                                      "learner.epochs=8",  # replay epochs: see the end
                                       *(["algorithm.critic_epochs=1"] if mode == "streamer"
                                         else []))
     assert summary["mode"] == mode and summary["env_steps"] > 0
