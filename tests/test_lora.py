@@ -15,7 +15,7 @@ from hpcvla.factory import build_policy
 from hpcvla.policies.lora import adapter_parameters, merge_lora
 from helpers import ROOT, VLA_CASES, hpcvla, policy_batch, run_train
 
-FAMILIES = ["pi0", "pi05", "tokens", "oft"]
+FAMILIES = ["pi0", "pi05", "tokens", pytest.param("oft", marks=pytest.mark.slow)]  # OFT: ~9 s
 
 
 def lora_policy(case, *extra):
@@ -47,7 +47,7 @@ def test_lora_trains_adapters_and_heads_and_freezes_the_pretrained_weights(case)
                                                  again.state_dict().values()))
 
 
-@pytest.mark.parametrize("case", ["pi0", "oft"])
+@pytest.mark.parametrize("case", ["pi0", pytest.param("oft", marks=pytest.mark.slow)])
 def test_merging_folds_the_adapters_into_a_policy_without_lora(case):
     cfg, spec, policy = lora_policy(case)
     with torch.no_grad():  # trained adapters: B is no longer zero

@@ -48,6 +48,7 @@ def test_an_aborted_worlds_segments_go_even_when_a_process_outlives_mpiexec():
     assert out.returncode not in (0, 124) and "injected failure" in out.stderr, out.stderr
 
 
+@pytest.mark.slow
 def test_train_writes_resolved_config_and_plan(tmp_path):
     overrides = [f"run.root={tmp_path}", "learner.zero_stage=2", "pipeline.total_updates=2"]
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, *overrides)

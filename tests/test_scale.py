@@ -95,6 +95,7 @@ def test_autoplan_layout_is_a_valid_config():
     check_pipeline(cfg, plan_from_config(cfg.placement, 8))
 
 
+@pytest.mark.slow
 def test_cli_plan_auto(capsys):
     argv = ["plan", "--auto", "configs/default.yaml", "--world", "8", "--ranks-per-node",
             "4", "--costs", "balanced"]

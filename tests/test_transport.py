@@ -213,6 +213,7 @@ def test_weight_versions_bit_exact_and_monotone(config):
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_frozen_weights_cross_once_and_readers_keep_them():
     # the root changes the frozen tensors in every version: readers must still hold version
     # 1's, so only the trainable places crossed after it
