@@ -6,10 +6,11 @@ their code): the published folder goes through the public path (`policy.name=oft
 Tolerances: the vision features, values, pixels, prompts, state and actions agree to
 <= 1e-5 (1e-6 for pixels and state). In float32 the action logits (magnitude ~10) agree to
 LOGIT_TOL only: the tiny reference model is ill-conditioned (its q/k projections are drawn 5x
-larger so that its attention is sharp), and float32 rounding alone moves its logits by up to
+larger so that its attention is sharp), and float32 rounding alone moves its logits by
 ~1e-3 (the reference's own float32 and float64 runs differ by 1.2e-3, summary.json
-`self_checks`; ours by 2.2e-3 on an AMD EPYC, whose BLAS kernels sum in another order). So logits, log-probs and entropies are also checked in float64, against the
-reference's float64 rerun of the same weights (`f64.*`), to 1e-5.
+`self_checks`; ours differ from the reference's float32 by up to 2.2e-3 on an AMD EPYC, whose
+BLAS kernels sum in another order). So logits, log-probs and entropies are also checked in
+float64, against the reference's float64 rerun of the same weights (`f64.*`), to 1e-5.
 """
 
 import json
