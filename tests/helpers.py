@@ -8,6 +8,7 @@ tests/conftest.py puts this folder on sys.path, so tests in sub-folders import i
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,14 @@ def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     return out, json.loads((run_dir / "summary.json").read_text()), run_dir
+
+
+def progress_version(line: str) -> int | None:
+    """The version a progress line (`[hpcvla] update V/N | ...`) reports; None for any other
+    line. Lines come every pipeline.progress_every_s, not at every version: wait for a version
+    at or past V, never for V exactly."""
+    match = re.match(r"\[hpcvla\] update (\d+)/", line)
+    return int(match.group(1)) if match else None
 
 
 MIN_Z = 3.5  # success must rise by a margin chance gives a non-learning policy with p < 3e-4

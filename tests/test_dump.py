@@ -41,11 +41,11 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
         assert f.attrs["open_episode_steps"] == open_steps
         assert json.loads(f["data"].attrs["env_args"])["env_name"] == "reach"
         # text is stored inline (fixed length), never in the global heap (metrics/dump.py)
-        texts = [(o, k) for o in (f, f["data"], *demos) for k in o.attrs
-                 if o.attrs.get_id(k).get_type().get_class() == h5py.h5t.STRING]
+        types = [o.attrs.get_id(k).get_type() for o in (f, f["data"], *demos) for k in o.attrs]
+        texts = [t for t in types if t.get_class() == h5py.h5t.STRING]
         assert len(texts) == 5 + 2 * len(demos)  # format source env config env_args; env_id
         # and instruction of each demo
-        assert not any(o.attrs.get_id(k).get_type().is_variable_str() for o, k in texts)
+        assert not any(t.is_variable_str() for t in texts)
         for demo in demos:
             want = expected[demo.attrs["env_index"]][demo.attrs["episode"]]
             assert attr_text(demo.attrs["env_id"]) == f"p7/s1/e{demo.attrs['env_index']}"

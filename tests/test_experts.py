@@ -59,7 +59,8 @@ def test_demos_writes_a_dump_that_inspect_reads(tmp_path):
         for demo in demos:
             assert demo.attrs["seed"] >= EVAL_STATE_IDS  # a training initial state
             assert demo.attrs["success"] == bool(demo["terminated"][-1])
-            assert attr_text(demo.attrs["instruction"]) == "push the cube to the red and white target"
+            assert attr_text(demo.attrs["instruction"]) == \
+                "push the cube to the red and white target"
             actions = demo["actions"][()]
             assert np.abs(actions).max() <= 1.0 and actions.std() > 0
         assert demos[0].attrs["seed"] != demos[1].attrs["seed"]

@@ -21,7 +21,7 @@ from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.schedule import schedule_of
 from hpcvla.topology.plan import plan_from_config
-from helpers import ROOT, hpcvla, run_train
+from helpers import ROOT, hpcvla, progress_version, run_train
 
 
 class Clock:
@@ -283,8 +283,7 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
             head = []
             for line in proc.stdout:  # progress lines; a world that dies ends the loop
                 head.append(line)
-                update = re.search(r"update (\d+)/", line)  # a line each 0.1 s, not each version
-                if update and int(update.group(1)) >= 2:
+                if (progress_version(line) or 0) >= 2:
                     proc.send_signal(signal.SIGTERM)
                     break
             out, _ = proc.communicate(timeout=120)

@@ -7,14 +7,13 @@ own producer sent, less what was left unused, from sequence number 0 on."""
 
 import json
 import os
-import re
 import signal
 import subprocess
 import time
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, progress_version
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
@@ -33,8 +32,7 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
     try:
         for line in proc.stdout:  # the first world: kill its learner after the checkpoint
             log.append(line)
-            update = re.match(r"\[hpcvla\] update (\d+)/", line)  # a line each 0.1 s
-            if update and int(update.group(1)) >= 3:
+            if (progress_version(line) or 0) >= 3:
                 break
         cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
         (learner,) = [c for c in cards if c["roles"] == "learner"]

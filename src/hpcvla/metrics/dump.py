@@ -34,8 +34,8 @@ checksummed (HDF5's Fletcher-32 filter, and the HDF5 1.10 file format, whose obj
 and chunk indexes carry checksums too): a damaged file fails to read, naming the file, instead
 of returning wrong numbers (attributes in HDF5's dense storage are not covered). Text
 attributes are fixed-length UTF-8 (`text_attrs`), never variable-length: those live in HDF5's
-global heap, which has no checksum, and libhdf5 1.14 loops forever decoding a damaged one;
-`hpcvla inspect --verify` reads every chunk.
+global heap, which has no checksum, and libhdf5 (2.0.0, in h5py 3.16) loops forever decoding a
+damaged one. `hpcvla inspect --verify` reads every chunk.
 The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
 opening, writing and closing the file, so between flushes the file is closed and
 consistent: readable while the run goes on, and after a crash up to the last flush. A run
