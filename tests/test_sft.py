@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpcvla import checkpoint
 from hpcvla.config import load_config
 from hpcvla.factory import build_policy
 from hpcvla.policies import Policy, make_policy, save_pretrained
@@ -215,7 +216,8 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     demos = tmp_path / "demos.h5"
     assert hpcvla("demos", "configs/default.yaml", "--episodes", 8, "--out", demos).returncode == 0
     args = ["configs/default.yaml", f"sft.demos={demos}", "sft.batch_size=8",
-            "pipeline.progress_every_s=0.1", f"run.root={tmp_path / 'runs'}"]
+            "sft.checkpoint_every=1", "pipeline.progress_every_s=0.1",
+            f"run.root={tmp_path / 'runs'}"]
     job = subprocess.Popen([sys.executable, "-m", "hpcvla", "sft", *args, "sft.steps=100000"],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in job.stdout:  # training: signal it as Slurm would
@@ -229,6 +231,11 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] and 0 < summary["steps"] < 100000
     stopped = summary["steps"]
+    # a checkpoint every step, written in the background while the next steps trained: the
+    # two kept are complete (checksums verified) and the newest is the stop's
+    kept = checkpoint.complete(run_dir)
+    assert [checkpoint.verify(path)["version"] for path in kept] == \
+        list(range(max(1, stopped - 1), stopped + 1))
     out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -99,8 +99,9 @@ def sft_main(cfg, world) -> None:
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
-    losses, done = _train(cfg, engine, demos, first, world, board, run_dir)
-    _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples)
+    writer = checkpoint.Writer()
+    losses, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
+    _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples, writer)
     if board is not None:
         board.close()
 
@@ -113,9 +114,12 @@ def _ranks_on_this_host(world) -> int:
     return size
 
 
-def _train(cfg, engine, demos, first: int, world, board, run_dir) -> tuple[list[float], int]:
+def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
+           ) -> tuple[list[float], int]:
     """Steps first .. sft.steps, or until a stop signal (preempt.py: all learners stop after
-    the same step); the mean loss over the learners of every step, and the steps done."""
+    the same step); the mean loss over the learners of every step, and the steps done.
+    Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background with
+    learner.checkpoint_background, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
     samples, losses = len(demos.actions), []
     start = last_print = time.monotonic()
@@ -131,7 +135,9 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir) -> tuple[list[
         losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
         done = step + 1
         if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
-            _checkpoint(cfg, engine, run_dir, done, world, samples)
+            _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
+            if not cfg.learner.checkpoint_background:
+                writer.wait()
         now = time.monotonic()
         if rank == 0 and (now - last_print >= cfg.pipeline.progress_every_s or
                           done == sft.steps):
@@ -148,20 +154,22 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir) -> tuple[list[
     return losses, done
 
 
-def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int) -> None:
-    """A checkpoint after `step` steps (collective on the learners)."""
+def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writer) -> None:
+    """A checkpoint after `step` steps handed to `writer` (collective on the learners; it
+    is complete once `writer.wait()` returns)."""
     weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
     trained = step * cfg.sft.batch_size * world.Get_size()
-    checkpoint.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
-                    {"sft_chunks": trained, "sft_samples": samples}, world,
-                    keep=cfg.learner.checkpoint_keep)
+    writer.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
+                {"sft_chunks": trained, "sft_samples": samples}, world,
+                keep=cfg.learner.checkpoint_keep)
 
 
 def _finish(cfg, engine, run_dir: Path, world, losses: list[float], done: int, demos: int,
-            samples: int) -> None:
+            samples: int, writer) -> None:
     """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
     `run.resume` goes on from after a stop signal), summary.json."""
-    _checkpoint(cfg, engine, run_dir, done, world, samples)
+    _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
+    writer.wait()
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), "losses": losses,

@@ -228,7 +228,8 @@ class SFTConfig:
         "gradient from imitation and stays as initialised).", ge=0)
     checkpoint_every: int = setting(
         0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` goes on "
-        "from the newest); 0: only at the end.", ge=0)
+        "from the newest), written in the background as `train`'s "
+        "(learner.checkpoint_background); 0: only at the end.", ge=0)
 
 
 def demo_paths(sft: SFTConfig) -> list[str]:
