@@ -17,8 +17,9 @@ Arm sets (`--arms`):
 * `imitation`: `modes` on a real task from an imitation start, as VLA users post-train:
   ManiSkill PushCube-v1 (configs/maniskill_pushcube.yaml), `IMITATION_DEMOS` scripted-expert
   demonstrations (`hpcvla demos`, training states), `hpcvla sft` on them, then both arms from
-  that SFT run (`policy.checkpoint`): streamer (4 ranks) against sync-colocated (2 ranks, 2
-  learners x 8 segments), 16 segments of 8 chunks per version each.
+  that SFT run (`policy.checkpoint`): streamer (4 ranks, 1 learner x 16 segments) against
+  sync-colocated (2 ranks, 2 learners x 8 segments), 16 segments of 10 chunks per version
+  each.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
@@ -66,7 +67,7 @@ ARMS["imitation"] = {
     "streamer": PUSH + ["--ranks", "4"],
     "sync-colocated": PUSH + ["--ranks", "2", "placement.mode=colocated",
                               "pipeline.mode=sync-colocated", "env.shards=1",
-                              "learner.micro_batches=1"]}
+                              "learner.micro_batch=8"]}
 IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
