@@ -361,3 +361,17 @@ def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):
     out, summary, _ = run_train(runs, "pipeline.total_updates=2")
     assert not lock.exists() and "removed" in out.stderr and str(lock) in out.stderr
     assert summary["env_steps"] > 0
+
+
+def test_the_op_builds_use_the_environments_ninja(monkeypatch):
+    """Open MPI puts its prefix's bin (here /usr/bin, with Debian's ninja) first on the PATH of
+    the ranks it starts on other hosts; the learners still build with the environment's ninja,
+    whose `.ninja_log` hashes the op's build directory was built with."""
+    from pathlib import Path
+
+    from hpcvla.extensions import use_the_environments_ninja
+    here = Path(sys.executable).parent
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", os.environ["PATH"]]))
+    use_the_environments_ninja()
+    assert Path(shutil.which("ninja")) == here / "ninja"
+    assert os.environ["PATH"].split(os.pathsep).count(str(here)) == 1

@@ -8,7 +8,7 @@ import socket
 import torch
 
 from hpcvla.engines.base import adamw
-from hpcvla.extensions import clear_stale_build_locks
+from hpcvla.extensions import clear_stale_build_locks, use_the_environments_ninja
 
 
 def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = None):
@@ -25,6 +25,7 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
 
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
     clear_stale_build_locks(rank=rank)  # else a killed op build hangs every later run
+    use_the_environments_ninja()  # else another ninja on PATH rebuilds the ops
     hosts = learners_comm.allgather(socket.gethostname())  # [dist]
     address = None
     if rank == 0:
