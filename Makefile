@@ -77,8 +77,8 @@ install-horovod:
 	  $(BIN)/pip install --no-deps --no-build-isolation --no-binary horovod horovod==0.28.1
 	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
 
-# The venv's bin first on PATH: every rank and DeepSpeed's JIT build then use one ninja (the
-# venv's and Debian's alternating made DeepSpeed rebuild its ops each time).
+# The venv's bin first on PATH: its mpiexec and tools for the tests (the learners put the venv's
+# ninja first themselves, for DeepSpeed's op builds: extensions.py).
 test:
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q tests
 
