@@ -207,6 +207,7 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path, cas
         # the node comes back (the job ends only once its slurmd says the dead step is gone)
         slurm3.restore_node(dead, wait=False)
         text = finished(slurm3, job, log)
+        print(f"{case}: the job ended {time.monotonic() - failed:.1f} s after the node failure")
     finally:  # the nodes as the module's other tests expect them
         if f"slurmd-{dead}" not in slurm3.procs:
             slurm3.restore_node(dead, wait=False)
