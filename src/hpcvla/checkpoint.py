@@ -82,9 +82,11 @@ class Writer:
     memory, which is all training waits for. A thread then writes the files and checksums
     them; learner 0's thread, once every learner's file is on disk, writes state.json and
     renames the directory into place. One checkpoint is in flight at most: `save` and `wait`
-    first wait for the one before, and raise what its writing raised."""
+    first wait for the one before, and raise what its writing raised. With `background`
+    false (learner.checkpoint_background) `save` returns only once the files are written."""
 
-    def __init__(self):
+    def __init__(self, background: bool = True):
+        self.background = background
         self._thread: threading.Thread | None = None
         self._outcome: list = [None, None]  # [directory, exception]
 
@@ -113,6 +115,8 @@ class Writer:
             target=self._write, args=(partial, final, rank, size, tensors, mine, state, keep),
             name=f"checkpoint v{version}", daemon=True)
         self._thread.start()
+        if not self.background:
+            self.wait()
 
     def wait(self) -> Path | None:
         """Wait for the checkpoint in flight; its directory on learner 0 (else None)."""

@@ -99,7 +99,7 @@ def sft_main(cfg, world) -> None:
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
-    writer = checkpoint.Writer()
+    writer = checkpoint.Writer(cfg.learner.checkpoint_background)
     losses, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
     _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples, writer)
     if board is not None:
@@ -118,8 +118,8 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
            ) -> tuple[list[float], int]:
     """Steps first .. sft.steps, or until a stop signal (preempt.py: all learners stop after
     the same step); the mean loss over the learners of every step, and the steps done.
-    Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background with
-    learner.checkpoint_background, as `train`'s)."""
+    Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
+    unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
     samples, losses = len(demos.actions), []
     start = last_print = time.monotonic()
@@ -136,8 +136,6 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
         done = step + 1
         if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
             _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
-            if not cfg.learner.checkpoint_background:
-                writer.wait()
         now = time.monotonic()
         if rank == 0 and (now - last_print >= cfg.pipeline.progress_every_s or
                           done == sft.steps):

@@ -21,7 +21,7 @@ def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
     background (checkpoint.Writer): training waits only for the snapshot, and for the
     previous checkpoint if that is still being written. The last one is complete when save
     returns."""
-    writer = checkpoint.Writer()
+    writer = checkpoint.Writer(cfg.learner.checkpoint_background)
 
     def save(version, weights, last):
         every = cfg.learner.checkpoint_every
@@ -30,9 +30,8 @@ def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
                 writer.save(run_dir, engine, weights, version,  # [dist] the learners
                             {"trained_env_steps": progress.steps}, learners,
                             keep=cfg.learner.checkpoint_keep)
-        if last or not cfg.learner.checkpoint_background:
-            with timeline.span("checkpoint"):
-                writer.wait()
+                if last:
+                    writer.wait()
     return save
 
 
