@@ -159,6 +159,7 @@ def test_the_gpu_check_runs_its_cpu_side_and_says_why_it_skipped_the_rest(tmp_pa
     assert "no CUDA" in result["flow_inference"]["gpu"]["skipped"]
     assert set(result["reach_training"]["ranks"].values()) >= {"learner cpu float32"}
     assert "no CUDA" in result["maniskill_gpu_sim"]["skipped"]
+    assert "no CUDA" in result["memory_model"]["skipped"]
     assert "no CUDA" in result["modes_real"]["skipped"]
 
 

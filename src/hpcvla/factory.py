@@ -43,15 +43,12 @@ def env_failures(envs) -> list:
     return [f for env in envs for f in env.failures]
 
 
-def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
-    """The configured policy on `device`, with the same initial weights on every rank (drawn
-    from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
-    they were). On the "meta" device it has names, dtypes and shapes but no memory (what a
-    simulator rank needs).
-    `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
-    whether `device` is one."""
+def constructor_kwargs(cfg, on_gpus: bool) -> dict:
+    """The configured policy's constructor arguments: its config section's, then what a
+    pretrained folder fixes (e.g. π0's variant, padded action/state dims and horizon), and the
+    dtype `auto` means where the run acts and learns on GPUs (`on_gpus`: bf16) or not."""
     kwargs = policy_kwargs(cfg.policy.name, cfg.policy)
-    if cfg.policy.pretrained:  # e.g. π0's variant, padded action/state dims and horizon
+    if cfg.policy.pretrained:
         found = checkpoint_kwargs(POLICIES[cfg.policy.name], cfg.policy.pretrained)
         if kwargs.get("denoise_steps"):  # chosen in the config: it wins over the folder's
             found.pop("denoise_steps", None)
@@ -59,8 +56,19 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     if kwargs.get("denoise_steps") == 0:  # no folder's sampler to follow
         kwargs["denoise_steps"] = DEFAULT_DENOISE_STEPS
     if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
-        on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
+    return kwargs
+
+
+def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
+    """The configured policy on `device`, with the same initial weights on every rank (drawn
+    from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
+    they were). On the "meta" device it has names, dtypes and shapes but no memory (what a
+    simulator rank needs).
+    `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
+    whether `device` is one."""
+    on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
+    kwargs = constructor_kwargs(cfg, on_gpus)
     if str(device) == "meta":
         with torch.device("meta"):
             policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,

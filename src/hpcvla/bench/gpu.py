@@ -9,6 +9,10 @@ Sections of the JSON (each says `skipped` and why when it cannot run here):
   moments: 16 bytes per parameter, plus a quarter for activations), batch 8, bf16.
 * `flow_inference`: `act` of the flow policy (`small`; batch 32) on the CPU (float32, every
   core torch uses) and on the GPU (bf16), side by side: `gpu_speedup` = CPU ms / GPU ms.
+* `memory_model`: π0 at full size in bf16 on LIBERO's shapes (224 px, two cameras), built on
+  the GPU: the memory model's footprint (hpcvla/memory: weights, a micro-batch's forward and
+  backward, one `act`; a FakeTensor run on the meta device, as `hpcvla plan` computes it)
+  against CUDA's allocator peaks of the same steps, with and without gradient checkpointing.
 * `reach_training`: `hpcvla train configs/reach_flow.yaml`, 20 updates, 4 ranks: success rate,
   wall time, and the device and dtype every rank reported.
 * `maniskill_gpu_sim`: env steps/s of one ManiSkill GPU-simulated shard (env.sim_backend=gpu,
@@ -106,6 +110,83 @@ def flow_inference(gpu, quick: bool) -> dict:
     return out
 
 
+# name -> (overrides of configs/libero_pi0.yaml, observations per micro-batch)
+PI0_CASES = {"pi0-full-checkpointed": (["learner.gradient_checkpointing=true"], 16),
+             "pi0-full": ([], 8)}
+PI0_FULL = ["policy.pretrained=", "policy.tokenizer=", "policy.size=full",
+            "policy.dtype=bfloat16", "env.image_size=224"]
+ACT_OBS = 8
+
+
+def memory_model(gpu, quick: bool) -> dict:
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.footprint import policy_footprint
+    out = {}
+    for name, (overrides, train_obs) in list(PI0_CASES.items())[:1 if quick else None]:
+        cfg = load_config(ROOT / "configs/libero_pi0.yaml", PI0_FULL + overrides)
+        try:
+            spec = env_spec(cfg.env)
+        except ImportError as err:  # LIBERO's tasks give the instruction length
+            return {"skipped": str(err)}
+        fp = policy_footprint(cfg, spec, train_obs, ACT_OBS, on_gpus=True)
+        predicted = {"weights": fp.weight_bytes, "train": fp.train_bytes, "act": fp.act_bytes}
+        measured = _cuda_footprint(cfg, spec, gpu, train_obs)
+        out[name] = {"params": fp.params, "train_obs": train_obs, "act_obs": ACT_OBS,
+                     "predicted_gib": {k: v / 2 ** 30 for k, v in predicted.items()},
+                     "measured_gib": {k: v / 2 ** 30 for k, v in measured.items()},
+                     "predicted_over_measured": {k: predicted[k] / measured[k]
+                                                 for k in predicted}}
+        print(f"memory model {name} {json.dumps(out[name])}", flush=True)
+    return out
+
+
+def _cuda_footprint(cfg, spec, gpu, train_obs: int) -> dict[str, int]:
+    """What footprint._fake_run counts, from CUDA's allocator: the weights, the peak above
+    them of one micro-batch's forward and backward (gradients dropped as they come: the
+    engine's are modelled apart), and of one `act`."""
+    from hpcvla.factory import constructor_kwargs
+    from hpcvla.memory.footprint import observation_batch
+
+    def peak_above_now(step) -> int:
+        torch.cuda.synchronize(gpu)
+        base = torch.cuda.memory_allocated(gpu)
+        torch.cuda.reset_peak_memory_stats(gpu)
+        step()
+        torch.cuda.synchronize(gpu)
+        return torch.cuda.max_memory_allocated(gpu) - base
+
+    def observations(n):
+        return {k: v.to(gpu) for k, v in observation_batch(spec, policy.extra_fields(),
+                                                            n).items()}
+
+    def train():
+        actions = torch.zeros((train_obs, spec.chunk_len, spec.action_dim), device=gpu)
+        logprob, value, entropy = policy.evaluate(observations(train_obs), actions)
+        (logprob.float().mean() + value.float().mean() + entropy.float().mean()).backward()
+
+    def act():
+        with torch.no_grad():
+            policy.act(observations(ACT_OBS))
+
+    before = torch.cuda.memory_allocated(gpu)
+    with torch.device(gpu):  # initialised there: 3 B parameters on the CPU take minutes
+        policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                             len(spec.vocab), **constructor_kwargs(cfg, on_gpus=True))
+    if cfg.learner.gradient_checkpointing:
+        policy.enable_gradient_checkpointing()
+    for p in policy.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    torch.cuda.synchronize(gpu)
+    try:
+        return {"weights": torch.cuda.memory_allocated(gpu) - before,
+                "train": peak_above_now(train), "act": peak_above_now(act)}
+    finally:
+        del policy
+        torch.cuda.empty_cache()
+
+
 def _hpcvla(*args, timeout=1800) -> subprocess.CompletedProcess:
     out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
                          capture_output=True, text=True, timeout=timeout)
@@ -184,6 +265,7 @@ def run(quick: bool = False, json_path=None) -> dict:
     print(plan.table(results["devices"]), flush=True)
     results["presets"] = presets(gpu or torch.device("cpu"), quick)
     results["flow_inference"] = flow_inference(gpu, quick)
+    results["memory_model"] = memory_model(gpu, quick) if gpus else {"skipped": NO_CUDA}
     results["reach_training"] = reach_training(quick)
     results["maniskill_gpu_sim"] = maniskill_gpu_sim(quick) if gpus else {"skipped": NO_CUDA}
     results["modes_real"] = modes_real(gpus, quick) if gpus else \
