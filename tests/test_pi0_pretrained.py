@@ -58,6 +58,26 @@ def fixture(family):
     return io, tasks
 
 
+
+def test_a_pretrained_build_leaves_the_backbones_init_to_the_folder(monkeypatch):
+    """The transformers backbones (SigLIP, Gemma, the expert) skip their random init when a
+    folder will overwrite them (π0's 3.2 B parameters take minutes on a node's CPU); the RL
+    heads the folder lacks are still drawn from run.seed, the same on every rank."""
+    from transformers import PreTrainedModel
+    inits = []
+    init_weights = PreTrainedModel.init_weights
+    monkeypatch.setattr(PreTrainedModel, "init_weights",
+                        lambda model: inits.append(type(model).__name__) or init_weights(model))
+    io, tasks = fixture("pi0")
+    _, spec = raw_observation(io, tasks)
+    builds = [build_policy(config(FIXTURES / "pi0" / "lerobot"), spec) for _ in range(2)]
+    assert inits == []
+    first, second = (b.state_dict() for b in builds)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert torch.isfinite(first["value_head.0.weight"]).all()
+    build_policy(load_config("configs/reach_flow.yaml", ["policy.size=tiny"]), spec)
+    assert sorted(inits) == ["GemmaModel", "GemmaModel", "SiglipVisionModel"]
+
 @pytest.mark.parametrize("family", ["pi0", "pi05"])
 @pytest.mark.parametrize("layout", ["lerobot", "lerobot_sharded", "openpi"])
 def test_raw_observation_to_the_reference_action_chunk(family, layout):

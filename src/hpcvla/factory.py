@@ -12,6 +12,7 @@ from hpcvla import checkpoint
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
+from hpcvla.policies.backbones import backbones_from_folder
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
 from hpcvla.policies.folders import checkpoint_kwargs, load_weights
@@ -80,8 +81,9 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         # (torch.manual_seed would also reseed every CUDA generator, which fork_rng(devices=[])
         # does not restore: every GPU rank would then sample the same noise)
         torch.random.default_generator.manual_seed(cfg.run.seed)
-        policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
-                             len(spec.vocab), **kwargs)
+        with backbones_from_folder(bool(cfg.policy.pretrained)):  # no init the folder replaces
+            policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
+                                 len(spec.vocab), **kwargs)
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
         load_weights(policy, cfg.policy.pretrained)
         # a published folder's prompt, tokenizer and normalization (None for our own)

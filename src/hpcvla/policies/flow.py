@@ -75,6 +75,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcvla.policies.adarms import make_adaptive
+from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
 from hpcvla.policies.paligemma import PI0_PREFIX as _PI0
 from hpcvla.policies.paligemma import paligemma_size
@@ -157,7 +158,7 @@ class FlowPolicy(VLAPolicy):
                 raise ValueError(f"flow size: expert {key} {getattr(self.expert_config, key)} "
                                  f"must equal the language model's {getattr(text, key)} (the "
                                  f"expert attends to its keys/values layer by layer)")
-        self.gemma_expert = GemmaModel._from_config(self.expert_config, dtype=self.compute_dtype)
+        self.gemma_expert = backbone(GemmaModel, self.expert_config, self.compute_dtype)
         self.gemma_expert.embed_tokens = None  # the expert reads embeddings, never token ids
         width = self.expert_config.hidden_size
         self.action_in_proj = nn.Linear(self.model_action_dim, width)

@@ -42,6 +42,7 @@ import copy
 import torch
 from torch import nn
 
+from hpcvla.policies.backbones import backbone
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
 from hpcvla.policies.oft_vision import FusedVisionBackbone, Projector, ProprioProjector, \
     pixel_values
@@ -146,7 +147,7 @@ class OFTPolicy(VLAPolicy):
         self.projector = Projector(self.vision_backbone.width, width)
         if self.use_proprio:
             self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], width)
-        self.language_model = LlamaModel._from_config(self.llm_config, dtype=self.compute_dtype)
+        self.language_model = backbone(LlamaModel, self.llm_config, self.compute_dtype)
         self.lm_head = nn.Linear(width, self.llm_config.vocab_size, bias=False)
         self.value_head = nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, 128),
                                         nn.GELU(), nn.Linear(128, DECODED_CHUNK, bias=False))

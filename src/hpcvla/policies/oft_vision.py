@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcvla.policies.backbones import backbone
+
 DINO_MEAN, DINO_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 REGISTERS = 4
@@ -68,12 +70,12 @@ class FusedVisionBackbone(nn.Module):
                              f"of its width {dino['hidden_size']}")
         common = dict(image_size=dims["image_size"], patch_size=dims["patch_size"],
                       hidden_act="gelu", layer_norm_eps=1e-6)
-        self.featurizer = Dinov2WithRegistersModel._from_config(Dinov2WithRegistersConfig(
+        self.featurizer = backbone(Dinov2WithRegistersModel, Dinov2WithRegistersConfig(
             hidden_size=dino["hidden_size"], num_hidden_layers=dino["num_hidden_layers"],
             num_attention_heads=heads_of("dino", dino["hidden_size"]),
             mlp_ratio=dino["intermediate_size"] // dino["hidden_size"],
             num_register_tokens=REGISTERS, **common), dtype=dtype)
-        self.fused_featurizer = SiglipVisionModel._from_config(SiglipVisionConfig(
+        self.fused_featurizer = backbone(SiglipVisionModel, SiglipVisionConfig(
             hidden_size=siglip["hidden_size"], intermediate_size=siglip["intermediate_size"],
             num_hidden_layers=siglip["num_hidden_layers"],
             num_attention_heads=heads_of("siglip", siglip["hidden_size"]),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hpcvla.algorithms.granularity import GRANULARITIES, reduce_units
+from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 
 # --------------------------------------------------------------------------- size presets
@@ -214,10 +215,10 @@ class VisionLanguagePrefix(nn.Module):
                                  "llama": (LlamaConfig, LlamaModel)}[text_family]
         self.text_config = config_cls(**parts["text"], pad_token_id=0, bos_token_id=None,
                                       eos_token_id=None)
-        self.vision_tower = SiglipVisionModel._from_config(self.vision_config, dtype=dtype)
+        self.vision_tower = backbone(SiglipVisionModel, self.vision_config, dtype)
         self.multi_modal_projector = MultiModalProjector(self.vision_config.hidden_size,
                                                          self.text_config.hidden_size)
-        self.language_model = model_cls._from_config(self.text_config, dtype=dtype)
+        self.language_model = backbone(model_cls, self.text_config, dtype)
         self.width = self.text_config.hidden_size
 
     def embed(self, obs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
