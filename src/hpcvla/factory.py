@@ -81,7 +81,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         # (torch.manual_seed would also reseed every CUDA generator, which fork_rng(devices=[])
         # does not restore: every GPU rank would then sample the same noise)
         torch.random.default_generator.manual_seed(cfg.run.seed)
-        with backbones_from_folder(bool(cfg.policy.pretrained)):  # no init the folder replaces
+        with backbones_from_folder(bool(cfg.policy.pretrained)):  # the folder sets them
             policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
                                  len(spec.vocab), **kwargs)
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
