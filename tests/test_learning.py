@@ -25,10 +25,11 @@ def test_improvement_z_tells_learning_from_chance():
 
 # The budgets. The default (1 epoch, 32 px): rolling success 0.65-0.73 at 100 updates over
 # seeds 0-3. GRPO (8 epochs) at 32 px: held-out success 0.04 untrained, 0.64 / 0.73 / 0.62 /
-# 0.67 after 30 updates over seeds 0-3 (z 9.9-11.4). The VLA families run at 32 px (4 image patches of their tiny towers, not their configs' 16),
-# which learns sooner and costs a third of the time: flow after 150 updates 0.90 / 0.34 / 0.77 /
-# 0.94 over seeds 0-3 (z 5.1-14.5; at 64 px its take-off varied with the seed and the async
-# timing, 0.01-0.92 at 120 updates); tokens after 120 updates 1.0 / 1.0 / 0.99 over seeds 0-2.
+# 0.67 after 30 updates over seeds 0-3 (z 9.9-11.4). The VLA families run at 32 px (4 image
+# patches of their tiny towers, not their configs' 16), which learns sooner and costs a third
+# of the time: flow after 150 updates 0.90 / 0.34 / 0.77 / 0.94 over seeds 0-3 (z 5.1-14.5; at
+# 64 px its take-off varied with the seed and the async timing, 0.01-0.92 at 120 updates);
+# tokens after 120 updates 1.0 / 1.0 / 0.99 over seeds 0-2.
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.learning

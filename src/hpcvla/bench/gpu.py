@@ -146,7 +146,7 @@ def _cuda_footprint(cfg, spec, gpu, train_obs: int) -> dict[str, int]:
     them of one micro-batch's forward and backward (gradients dropped as they come: the
     engine's are modelled apart), and of one `act`."""
     from hpcvla.factory import constructor_kwargs
-    from hpcvla.memory.footprint import observation_batch
+    from hpcvla.memory.footprint import drop_gradients, observation_batch, step_loss
 
     def peak_above_now(step) -> int:
         torch.cuda.synchronize(gpu)
@@ -162,8 +162,8 @@ def _cuda_footprint(cfg, spec, gpu, train_obs: int) -> dict[str, int]:
 
     def train():
         actions = torch.zeros((train_obs, spec.chunk_len, spec.action_dim), device=gpu)
-        logprob, value, entropy = policy.evaluate(observations(train_obs), actions)
-        (logprob.float().mean() + value.float().mean() + entropy.float().mean()).backward()
+        outputs = policy.evaluate(observations(train_obs), actions)
+        step_loss(outputs).backward()
 
     def act():
         with torch.no_grad():
@@ -175,9 +175,7 @@ def _cuda_footprint(cfg, spec, gpu, train_obs: int) -> dict[str, int]:
                              len(spec.vocab), **constructor_kwargs(cfg, on_gpus=True))
     if cfg.learner.gradient_checkpointing:
         policy.enable_gradient_checkpointing()
-    for p in policy.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    drop_gradients(policy)
     torch.cuda.synchronize(gpu)
     try:
         return {"weights": torch.cuda.memory_allocated(gpu) - before,

@@ -59,7 +59,7 @@ from hpcvla.config import load_config
 from hpcvla.engines.base import adamw
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.memory.footprint import observation_batch
+from hpcvla.memory.footprint import observation_batch, step_loss
 torch.set_num_threads(1)
 config, overrides, stage, n = json.loads(sys.argv[1])
 cfg = load_config(config, overrides)
@@ -74,10 +74,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WO
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 obs = observation_batch(spec, policy.extra_fields(), n)
 actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
-def step(forward, o, a):
-    logprob, value, entropy = forward(o, a)
-    return logprob.float().mean() + value.float().mean() + entropy.float().mean()
-step(policy, {k: v[:1] for k, v in obs.items()}, actions[:1]).backward()
+step_loss(policy({k: v[:1] for k, v in obs.items()}, actions[:1])).backward()
 policy.zero_grad(set_to_none=True)
 gc.collect()
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -92,7 +89,7 @@ engine, *_ = deepspeed.initialize(model=policy, optimizer=adamw(cfg, policy), co
     "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
     "gradient_clipping": 0.5, "steps_per_print": 10 ** 9})
 for _ in range(2):
-    engine.backward(step(engine, obs, actions)); engine.step()
+    engine.backward(step_loss(engine(obs, actions))); engine.step()
 done.set(); watcher.join()
 print("MEASURED", peak[0] - base)
 """

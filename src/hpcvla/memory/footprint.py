@@ -111,24 +111,37 @@ def parameter_counts(policy) -> tuple[int, int, int, int]:
             trained[0].element_size() if trained else 4, largest)
 
 
+def step_loss(outputs) -> torch.Tensor:
+    """The scalar a measured micro-batch backpropagates, from every output (log-probs, values,
+    entropies) of a policy's `evaluate` or of an engine: the model and what checks it run the
+    same."""
+    logprob, value, entropy = outputs
+    return logprob.float().mean() + value.float().mean() + entropy.float().mean()
+
+
+def drop_gradients(policy) -> None:
+    """Free each trained parameter's gradient as it lands: a learner's gradients are its
+    engine's, modelled apart (states.py)."""
+    for p in policy.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+
+
 def _fake_run(meta, spec, train_obs: int, act_obs: int) -> tuple[int, int, int]:
     """(peak of a micro-batch's forward + backward, peak of `act`, weights), bytes."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         policy = meta.to_empty(device="cpu")
-        for p in policy.parameters():  # the learner's gradients are the engine's (states.py)
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        drop_gradients(policy)
         live = LiveBytes()
         with live:
             live.adopt([*policy.parameters(), *policy.buffers()])
             weights = live.now
             obs = observation_batch(spec, policy.extra_fields(), train_obs)
             actions = torch.zeros((train_obs, spec.chunk_len, spec.action_dim))
-            logprob, value, entropy = policy.evaluate(obs, actions)
-            loss = logprob.float().mean() + value.float().mean() + entropy.float().mean()
-            loss.backward()
+            outputs = policy.evaluate(obs, actions)
+            step_loss(outputs).backward()
             train = live.peak - weights
-            del obs, actions, logprob, value, entropy, loss
+            del obs, actions, outputs
             live.reset_peak()
             base = live.now
             with torch.no_grad():
