@@ -149,6 +149,32 @@ def test_packed_plan_is_what_the_consumer_unpacks(records, lines):
         assert packed.nbytes == sum(sizes[first:end]) and used <= 64 * lines
 
 
+# ------------------------------------------------------------ pieces of messages (no MPI)
+
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), max_size=12),
+       st.integers(1, 64))
+def test_batches_cover_every_region_once_in_order_within_the_limit(gaps_and_sizes, limit):
+    from hpcvla.transport.pieces import batches
+    regions, at = [], 0
+    for gap, n in gaps_and_sizes:
+        regions.append((at + gap, n))
+        at += gap + n
+    out = batches(regions, limit)
+    assert all(0 < sum(n for _, n in batch) <= limit for batch in out)
+    assert all(sum(n for _, n in batch) == limit for batch in out[:-1])  # only the last short
+    covered = [b for offset, n in (r for batch in out for r in batch)
+               for b in range(offset, offset + n)]
+    assert covered == [b for offset, n in regions for b in range(offset, offset + n)]
+
+
+def test_pieces_of_a_message_are_consecutive_and_at_most_the_limit():
+    from hpcvla.transport.pieces import MAX_MESSAGE, pieces
+    assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert pieces(0, 4) == []
+    six_gb = pieces(6_476_000_000)  # a full-size π0 version in bf16
+    assert len(six_gb) == 7 and max(n for _, n in six_gb) == MAX_MESSAGE < 2**31
+
+
 # ------------------------------------------------------------------ MPI worlds
 
 @pytest.mark.mpi
@@ -216,10 +242,29 @@ def test_weight_versions_bit_exact_and_monotone(config):
 @pytest.mark.slow
 def test_frozen_weights_cross_once_and_readers_keep_them():
     # the root changes the frozen tensors in every version: readers must still hold version
-    # 1's, so only the trainable places crossed after it
+    # 1's, so only the trainable places crossed after it. Broadcasts in pieces of at most
+    # 4000 bytes (transport/pieces.py): the first version's 309,184 in 78
     out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
-                    ROOT / "configs/default.yaml", 30, "--frozen", "placement.ranks_per_node=4")
+                    ROOT / "configs/default.yaml", 30, "--frozen", "--max-message=4000",
+                    "placement.ranks_per_node=4")
     assert "weights exact on every read" in out.stdout, out.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("mpi", ["mpich", pytest.param("openmpi", marks=pytest.mark.cluster)])
+def test_weight_versions_larger_than_one_mpi_call_arrive_bit_exact(mpi):
+    """A whole version and a trainable one of over 2^31 bytes each, root and leader on two
+    nodes: Open MPI 4.1 refuses one broadcast of that size (MPI_ERR_ARG), so the plane sends
+    pieces. About 6.5 GB per rank."""
+    import json
+    out = run_clean("launch", "-n", 2, "--mpi", mpi, "--timeout", 300, "--",
+                    MPI_DIR / "weights_large.py")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bit_exact"], result
+    assert result["whole_bytes"] > 2**31 and result["trainable_bytes"] > 2**31, result
+    assert ("Open MPI" if mpi == "openmpi" else "MPICH") in result["library"], result
+    print(f"\n{mpi}: {result}")
 
 
 @pytest.mark.mpi

@@ -7,7 +7,11 @@ With --frozen, two tensors are frozen: the root still changes them in every vers
 every read must show them as in version 1 (the only one that carries them), the others as in
 the version read; readers read whole once, then only the trainable places.
 
-    mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [--frozen] [key=value ...]
+With --max-message=B every broadcast goes in pieces of at most B bytes (transport/pieces.py;
+the real limit, 1 GiB, needs versions of GBs: weights_large.py).
+
+    mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [--frozen]
+        [--max-message=B] [key=value ...]
 """
 
 import sys
@@ -19,6 +23,7 @@ from mpi4py import MPI
 
 from hpcvla.config import load_config
 from hpcvla.runtime import run_ranks
+from hpcvla.transport.pieces import MAX_MESSAGE
 from hpcvla.transport.weights import Manifest, WeightPlane
 
 MANIFEST = Manifest((("encoder.w", "float32", (300, 257)), ("head.b", "float64", (33,)),
@@ -42,7 +47,9 @@ def expected(manifest, version, name):
 def main(cfg, plan, comms):
     rank, n_versions = comms.world.Get_rank(), int(sys.argv[2])
     manifest = FROZEN if "--frozen" in sys.argv else MANIFEST
-    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest)
+    limit = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--max-message=")),
+                 MAX_MESSAGE)
+    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest, limit)
     rng = np.random.default_rng(rank)
     if rank == plan.weight_root:
         for version in range(1, n_versions + 1):
@@ -74,5 +81,5 @@ def main(cfg, plan, comms):
 
 
 if __name__ == "__main__":
-    sys.exit(run_ranks(load_config(sys.argv[1], [a for a in sys.argv[3:] if a != "--frozen"]),
-                       main))
+    sys.exit(run_ranks(load_config(sys.argv[1], [a for a in sys.argv[3:]
+                                                 if not a.startswith("--")]), main))

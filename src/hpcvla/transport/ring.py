@@ -60,6 +60,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, Backoff, wait_until
+from hpcvla.transport.pieces import pieces as message_pieces
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.slots import (CHECKSUMS, LOW, MASK, PACKED, SLOT_HEADER, Packed,
@@ -215,9 +216,10 @@ class TrajectoryRing:
             self._started[0] = f + max(nparts, 1)
             win.Put([self._started, MPI.INT64_T], root, (16 * self.lane + 8, 1, MPI.INT64_T))
         win.Put(memoryview(stage)[8:head], root, (disp + 8, head - 8, MPI.BYTE))
-        for at, piece in pieces:
-            if piece.nbytes:
-                win.Put(piece, root, (disp + SLOT_HEADER.itemsize + at, piece.nbytes, MPI.BYTE))
+        for at, piece in pieces:  # a slot may pass what one MPI call moves (pieces.py)
+            for start, n in message_pieces(piece.nbytes):
+                win.Put(piece[start:start + n], root,
+                        (disp + SLOT_HEADER.itemsize + at + start, n, MPI.BYTE))
         win.Flush(root)  # payload complete at the target before it is published
         self._word[0] = f + 1
         win.Put([self._word, MPI.INT64_T], root, (disp, 1, MPI.INT64_T))

@@ -22,9 +22,11 @@ but measured slower: a broadcast out of the shared window, racing that node's re
 
 Frozen parameters (a π0 whose vision-language prefix is frozen: most of its bytes) cross the
 network once: the manifest names them (`frozen`), the first version a plane publishes is
-whole, and every later one carries only the other tensors, as one broadcast of an MPI
-indexed datatype over their places in the flat layout (no packing on either side; RLinf's
-patch syncer sends only trained parameters too). Both halves of a node's double buffer
+whole, and every later one carries only the other tensors, as broadcasts of MPI indexed
+datatypes over their places in the flat layout (no packing on either side; RLinf's patch
+syncer sends only trained parameters too). Every broadcast goes in pieces of at most
+`max_message` bytes (pieces.py: MPI-3 libraries count in C ints, and Open MPI 4.1 refuses a
+2^31-byte broadcast), all posted at once. Both halves of a node's double buffer
 (and both of the root's buffers) receive the whole first version, so a half being rewritten
 always holds the frozen bytes, and readers copy only the trainable places after their first
 read. A publish that replaces a pending whole version keeps it whole.
@@ -42,6 +44,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcvla.transport import pieces
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
 from hpcvla.transport.records import aligned
 
@@ -128,9 +131,11 @@ class Manifest:
 class WeightPlane:
     """Create collectively on every rank: `control` is the control-plane communicator (root =
     rank 0; COMM_NULL elsewhere), `node` this rank's node communicator, `is_leader` whether
-    this rank is its node's leader (receives for the node)."""
+    this rank is its node's leader (receives for the node). `max_message`: the most bytes
+    one broadcast call moves (pieces.py; tests make it small)."""
 
-    def __init__(self, control: MPI.Comm, node: MPI.Comm, is_leader: bool, manifest: Manifest):
+    def __init__(self, control: MPI.Comm, node: MPI.Comm, is_leader: bool, manifest: Manifest,
+                 max_message: int = pieces.MAX_MESSAGE):
         self.manifest, self.nbytes = manifest, manifest.nbytes
         self.is_root = control != MPI.COMM_NULL and control.Get_rank() == 0
         self.is_leader = is_leader
@@ -156,10 +161,11 @@ class WeightPlane:
 
         self._control = control.Dup() if control != MPI.COMM_NULL else MPI.COMM_NULL  # [dist]
         self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, whole?
-        # the trainable places of the flat layout, as one MPI datatype (None: nothing frozen)
+        self._max_message = max_message
+        # the trainable places of the flat layout, as MPI datatypes of at most max_message
+        # bytes each (None: nothing frozen)
         self._regions = manifest.regions(manifest.trainable)
-        self._trainable = MPI.BYTE.Create_hindexed([n for _, n in self._regions],
-                                                   [o for o, _ in self._regions]).Commit() \
+        self._trainable = pieces.indexed_types(self._regions, max_message) \
             if manifest.frozen and self._regions else None
         # what one version after the first moves (the first moves nbytes)
         self.bytes_per_version = sum(n for _, n in self._regions) if self._trainable \
@@ -221,10 +227,10 @@ class WeightPlane:
                 if self.is_leader:
                     self._mark_finished()
                 return
-            request = self._control.Ibcast(self._message(self._sending, whole), root=0)  # [dist]
+            requests = self._broadcast(self._sending, whole)  # [dist]
             if self.is_leader:  # the root's own node, while the leaders receive
                 self._store(version, whole, lambda half: self._copy(half, self._sending, whole))
-            request.Wait()
+            MPI.Request.Waitall(requests)
             with self._lock:
                 self._in_flight = False
 
@@ -252,12 +258,14 @@ class WeightPlane:
                                    f"policy, dtype and frozen parameters on every rank)")
             # Ibcast, not Bcast: the root's is nonblocking, and MPI matches a nonblocking
             # collective only with nonblocking ones
-            self._store(version, whole, lambda half: self._control.Ibcast(  # [dist]
-                self._message(half, whole), root=0).Wait())
+            self._store(version, whole, lambda half: MPI.Request.Waitall(
+                self._broadcast(half, whole)))  # [dist]
 
-    def _message(self, flat: np.ndarray, whole: bool):
-        """What one version's broadcast moves of `flat`: all of it, or its trainable places."""
-        return flat if whole or self._trainable is None else [flat, 1, self._trainable]
+    def _broadcast(self, flat: np.ndarray, whole: bool) -> list[MPI.Request]:
+        """Post one version's broadcast of `flat`, all of it or its trainable places, in
+        pieces of at most max_message bytes (the same pieces on every rank)."""
+        types = None if whole or self._trainable is None else self._trainable
+        return pieces.ibcast(self._control, flat, 0, types, self._max_message)  # [dist]
 
     def _copy(self, out: np.ndarray, flat: np.ndarray, whole: bool) -> None:
         if whole or self._trainable is None:
@@ -352,9 +360,9 @@ class WeightPlane:
         idle_barrier(self.node)  # [dist] nobody reads the window any more
         self.win.Unlock_all()
         self.win.Free()  # [dist]
-        if self._trainable is not None:
-            self._trainable.Free()
-            self._trainable = None
+        for datatype in self._trainable or ():
+            datatype.Free()
+        self._trainable = None
 
     def _guard(self, loop) -> None:
         """A failed control-plane thread takes the job down: peers would wait for it forever."""

@@ -1,0 +1,87 @@
+"""Run under MPI on 2 ranks: weight versions larger than one MPI call may move (2^31 bytes), as
+a full-size π0's are (6.5 GB). Rank 0 is the weight root on a node of its own, rank 1 the
+leader of another node (each rank's node communicator is COMM_SELF), so every byte crosses the
+control communicator. Version 1 is whole (2^31 + 25 KiB), version 2 the trainable places only
+(2^31 + 8 KiB around a frozen tensor, an indexed datatype); both must arrive bit-exact, the
+frozen tensor as in version 1. Memory: about 6.5 GB per rank.
+
+    mpiexec -n 2 python -m mpi4py tests/mpi/weights_large.py
+"""
+
+import json
+import time
+import zlib
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from hpcvla.transport.weights import Manifest, WeightPlane
+
+N_A, N_FROZEN, N_B = (1 << 28) + 17, 4099, (1 << 29) + 4096
+MANIFEST = Manifest((("a", "int32", (N_A,)), ("frozen", "float32", (N_FROZEN,)),
+                     ("b", "int16", (N_B,))), frozenset({"frozen"}))
+
+
+def randomize(tensors: dict, version: int) -> dict:
+    """Random bytes in every tensor, a stream per version: each place and version differs."""
+    generator = torch.Generator().manual_seed(version)
+    for value in tensors.values():
+        value.view(torch.uint8).random_(generator=generator)
+    return tensors
+
+
+def digests(tensors: dict) -> dict[str, int]:
+    """crc32 of each tensor's bytes: what the root sent against what the leader holds,
+    without a second copy of GBs on either side."""
+    return {name: zlib.crc32(value.view(torch.uint8).numpy()) for name, value in tensors.items()}
+
+
+def wait_sent(plane) -> None:
+    while not plane.sent():  # asleep, as a learner computes: the plane's thread sends
+        time.sleep(0.01)
+
+
+def main():
+    world = MPI.COMM_WORLD
+    rank = world.Get_rank()
+    assert world.Get_size() == 2, "run on 2 ranks"
+    plane = WeightPlane(world, MPI.COMM_SELF, rank == 1, MANIFEST)
+    report = {"whole_bytes": plane.nbytes, "trainable_bytes": plane.bytes_per_version}
+    assert min(report.values()) > 1 << 31, report
+    if rank == 0:
+        tensors = randomize({n: torch.empty(s, dtype=getattr(torch, d))
+                             for n, d, s in MANIFEST.entries}, 1)
+        for version in (1, 2):
+            if version == 2:  # the frozen tensor changes too: it must not cross again
+                randomize(tensors, 2)
+            sent = digests(tensors)
+            t0 = time.monotonic()
+            plane.publish(version, tensors)
+            wait_sent(plane)
+            report[f"version_{version}_s"] = round(time.monotonic() - t0, 2)
+            world.bcast(sent, root=0)
+            world.Barrier()  # the leader has checked this version
+        plane.stop()
+    else:
+        out, frozen = np.empty(MANIFEST.nbytes, np.uint8), {}
+        for version in (1, 2):
+            sent = world.bcast(None, root=0)
+            first = version == 1
+            if first:  # what the frozen tensor must stay
+                frozen = {n: sent[n] for n in MANIFEST.frozen}
+            plane.wait_for(version, timeout=300)
+            assert plane.read_into(out, trainable_only=not first) == version
+            held = digests(MANIFEST.views(out))
+            assert held == {**sent, **frozen}, (version, held, sent, frozen)
+            world.Barrier()
+        del out
+    plane.close()
+    report = world.bcast(report, root=0)
+    if rank == 1:
+        print(json.dumps({"bit_exact": True, "library": MPI.Get_library_version().split("\n")[0],
+                          **report}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
