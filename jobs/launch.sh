@@ -307,6 +307,9 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
         export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
         rm -rf "$HPCVLA_RANK_DIR" && mkdir -p "$HPCVLA_RANK_DIR"
     fi
+    # the ranks time their start and stop from here (summary.json's phases_s)
+    HPCVLA_LAUNCHED_AT=$(date +%s.%N)
+    export HPCVLA_LAUNCHED_AT
     "${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${COMMAND[@]}" &
     STEP=$!
     trap 'forward TERM' TERM

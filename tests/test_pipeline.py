@@ -278,12 +278,14 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
            f"run.root={tmp_path / 'runs'}", "pipeline.total_updates=1000",
            "pipeline.progress_every_s=0.1"]
     with open(tmp_path / "stderr.txt", "w+") as errors:
+        launched = time.time()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=errors, text=True)
         try:
             head = []
             for line in proc.stdout:  # progress lines; a world that dies ends the loop
                 head.append(line)
                 if (progress_version(line) or 0) >= 2:
+                    signalled = time.time()
                     proc.send_signal(signal.SIGTERM)
                     break
             out, _ = proc.communicate(timeout=120)
@@ -301,6 +303,18 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     assert "feeds  device  notes" in out  # the start-up rank map says where each rank computes
     per_version = sum(first["staleness_hist"].values()) // stopped_at
     assert per_version * stopped_at == sum(first["staleness_hist"].values())
+    # the start and the stop, in seconds since `hpcvla train` started (the slowest rank's)
+    steps = first["phases_s"]
+    order = ["imports", "communicators", "policy_built", "transport_ready", "engine_ready",
+             "all_ranks_ready", "first_act", "first_version_trained", "stop_signal",
+             "last_checkpoint_written", "finished"]
+    order = [s for s in order if s != "transport_ready" or ranks > 2]  # colocated: none
+    assert [steps[s] for s in order] == sorted(steps[s] for s in order), steps
+    assert abs(steps["stop_signal"] - (signalled - launched)) < 1.0, (steps, signalled - launched)
+    assert "peak memory, GiB" in out and "start and stop, s since launch" in out
+    for rank in first["per_rank"]:  # each rank's own steps and peak memory
+        assert 0 < rank["phases_s"]["imports"] <= rank["phases_s"]["finished"], rank
+        assert 50e6 < rank["peak_memory"]["host_rss"] < 8e9, rank
 
     # the command it printed, as printed (no config: the run's own), and 2 more versions
     printed = re.search(r"continue with `hpcvla (train [^`]*)`", out).group(1).split()

@@ -200,6 +200,8 @@ def cmd_train(args) -> int:
     # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"
+    from hpcvla.metrics import phases  # the ranks time their start from this command's
+    os.environ.setdefault(phases.LAUNCHED_AT, str(phases.launched_at()))
     config = [args.config] if args.config else []
     return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)

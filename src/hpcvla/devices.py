@@ -181,6 +181,18 @@ def local_device(gpus_per_node: int = -1) -> torch.device:
     return torch.device("cuda", 0) if visible_gpus(gpus_per_node) else torch.device("cpu")
 
 
+def peak_memory(device: torch.device) -> dict[str, int]:
+    """This process's memory peaks so far, bytes: its host resident set (the kernel's
+    ru_maxrss: every page it touched, a node's shared weight window included) and, on a GPU,
+    the CUDA caching allocator's peaks of allocated and of reserved memory."""
+    import resource
+    out = {"host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB
+    if device.type == "cuda":
+        out["gpu_allocated"] = torch.cuda.max_memory_allocated(device)
+        out["gpu_reserved"] = torch.cuda.max_memory_reserved(device)
+    return out
+
+
 class HostStaging:
     """Host buffers that batches are gathered into before they go to `device`: page-locked
     when the device is a GPU (the copy then runs by DMA, asynchronously), plain numpy on the

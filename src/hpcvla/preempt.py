@@ -13,19 +13,32 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _requested = threading.Event()
+_first_at: list[float] = []  # epoch time of the first signal
 
 
 def install() -> None:
     """Catch SIGTERM/SIGUSR1 in this process (main thread only, as Python requires)."""
     for sig in SIGNALS:
-        signal.signal(sig, lambda signum, frame: _requested.set())
+        signal.signal(sig, _on_signal)
+
+
+def _on_signal(signum, frame) -> None:
+    if not _first_at:
+        _first_at.append(time.time())
+    _requested.set()
 
 
 def requested() -> bool:
     return _requested.is_set()
+
+
+def requested_at() -> float | None:
+    """Epoch time of the first stop signal this process got (None: none)."""
+    return _first_at[0] if _first_at else None
 
 
 def agreed(comm) -> bool:

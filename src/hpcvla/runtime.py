@@ -14,6 +14,7 @@ from pathlib import Path
 
 from hpcvla import deathwatch
 from hpcvla.config import ConfigError, dump_config
+from hpcvla.metrics import phases
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier
 
@@ -22,6 +23,7 @@ def run_ranks(cfg, main, check=None) -> int:
     """Run `main(cfg, plan, comms)` on this rank. A rank that raises aborts the world after
     printing its rank, roles, node and host; a layout that cannot work (or fails
     `check(cfg, plan)`) stops every rank with one message."""
+    phases.mark("imports")
     from mpi4py import MPI
 
     from hpcvla.topology.comms import (build_communicators, check_scheduler_world,
@@ -40,6 +42,7 @@ def run_ranks(cfg, main, check=None) -> int:
         if check is not None:
             check(cfg, plan)
         comms = build_communicators(plan, world)  # [dist]
+        phases.mark("communicators")
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
     except (PlanError, ConfigError) as err:  # every rank reached the same verdict

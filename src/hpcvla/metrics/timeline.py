@@ -26,6 +26,8 @@ class Timeline:
         self.t0 = time.time() if t0 is None else t0
         self.busy = defaultdict(float)   # stage -> seconds
         self.counts = defaultdict(int)   # stage -> spans
+        self.first: dict[str, tuple[float, float]] = {}  # stage -> its first span
+        self.last_end: dict[str, float] = {}  # stage -> the end of its last span
         self._file = open(path, "a") if path else None
         self._lines: list[str] = []
         self._flush_every = flush_every
@@ -44,6 +46,8 @@ class Timeline:
     def record(self, stage: str, start: float, end: float) -> None:
         self.busy[stage] += end - start
         self.counts[stage] += 1
+        self.first.setdefault(stage, (start, end))
+        self.last_end[stage] = end
         if self._file:
             self._lines.append(json.dumps({"rank": self.rank, "role": self.role, "stage": stage,
                                            "start": round(start, 6), "end": round(end, 6)}))

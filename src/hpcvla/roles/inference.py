@@ -88,7 +88,9 @@ class InferenceServer:
                     stopped.add(slot)
                 backoff.wait()
                 continue
+            begin = self.timeline.now()
             if loader.refresh():  # between batches only
+                self.timeline.record("load_weights", begin, self.timeline.now())
                 stats["weight_swaps"] += 1
             eligible = self._eligible()
             # throttled at a segment boundary: their finished segments still go to the

@@ -1,6 +1,7 @@
 """What a training run writes besides its metrics: checkpoints when due, the optional HDF5
 trajectory dump of a producer, and at the end `summary.json` with the whole run's busy
-fractions in TensorBoard (gathered on rank 0)."""
+fractions in TensorBoard, its start and stop (metrics/phases.py) and every rank's peak memory
+beside the memory model's figure (gathered on rank 0)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,11 @@ import yaml
 
 from hpcvla import checkpoint, restarts
 from hpcvla.config.loader import config_to_dict
+from hpcvla.memory.states import GIB
+from hpcvla.metrics import phases
 from hpcvla.metrics.tensorboard import RunBoard
+
+MEMORY_PLAN = "memory.json"  # the memory model's figures for the run (GPU runs: pipeline.py)
 
 
 def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
@@ -78,6 +83,8 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
     result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
     result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
     result["restarts"] = restarts.recorded(run_dir)  # inside the allocation (jobs/launch.sh)
+    result["phases_s"] = phases.slowest([s["phases_s"] for s in everyone])
+    _add_planned_memory(everyone, run_dir / MEMORY_PLAN)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     board = RunBoard(run_dir, cfg.run)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
@@ -88,7 +95,40 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
               f"`hpcvla train run.resume={run_dir} --ranks {len(everyone)}` (it loads the "
               "run's own config; under srun/mpiexec start the same ranks with run.resume=)",
               flush=True)
+    print("[hpcvla] start and stop, s since launch (slowest rank): " + " | ".join(
+        f"{step} {seconds:.1f}" for step, seconds in result["phases_s"].items()))
+    print(memory_table(everyone), flush=True)
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {result['success_rate']} | staleness {result['staleness_hist']}",
           flush=True)
     return result
+
+
+def _add_planned_memory(everyone: list[dict], path) -> None:
+    """Each rank's figures of the memory model (memory.json, where the run wrote one), bytes,
+    beside the peaks it measured."""
+    if not path.is_file():
+        return
+    planned = json.loads(path.read_text())
+    for s in everyone:
+        rank = str(s["rank"])
+        s["planned_memory"] = {"gpu": sum(planned["gpu"].get(rank, {}).values()),
+                               "host": sum(planned["host_by_rank"].get(rank, {}).values())}
+
+
+def memory_table(everyone: list[dict]) -> str:
+    """Every rank's peak memory (GiB) as it measured it, and the memory model's figure where
+    the run has one (GPU runs); columns nobody has are left out."""
+    columns = {"GPU allocated": lambda s: s["peak_memory"].get("gpu_allocated"),
+               "GPU reserved": lambda s: s["peak_memory"].get("gpu_reserved"),
+               "GPU planned": lambda s: s.get("planned_memory", {}).get("gpu"),
+               "host RSS": lambda s: s["peak_memory"]["host_rss"],
+               "host planned": lambda s: s.get("planned_memory", {}).get("host")}
+    columns = {k: f for k, f in columns.items() if any(f(s) is not None for s in everyone)}
+    lines = ["[hpcvla] peak memory, GiB (measured by each rank; planned: the memory model):",
+             f"{'rank':>4} {'role':<30} {'device':<7} " + " ".join(f"{k:>13}" for k in columns)]
+    for s in everyone:
+        values = [f(s) for f in columns.values()]
+        lines.append(f"{s['rank']:>4} {s['role']:<30} {s['device']:<7} " + " ".join(
+            f"{'-' if v is None else f'{v / GIB:.2f}':>13}" for v in values))
+    return "\n".join(lines)

@@ -18,6 +18,7 @@ everything is freed collectively and rank 0 gathers the report.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -26,17 +27,19 @@ import torch
 from mpi4py import MPI
 
 from hpcvla import checkpoint, preempt
-from hpcvla.devices import bind_rank_device
+from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy, env_failures, make_envs
+from hpcvla.memory.layout import plan_memory
+from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import run_learner
-from hpcvla.roles.outputs import checkpointer, trajectory_dump, write_report
+from hpcvla.roles.outputs import MEMORY_PLAN, checkpointer, trajectory_dump, write_report
 from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
@@ -114,9 +117,14 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
     on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)  # [dist]
+    if rank == 0 and on_gpus:  # the memory model's figures, beside each rank's peaks at the end
+        memory = plan_memory(cfg, plan, dict(enumerate(devices)), spec)
+        (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
+        phases.mark("memory_planned")
     # a simulator or a spare rank needs only the policy's names, dtypes and shapes (the weight
     # manifest, for the node's weight window)
     policy = build_policy(cfg, spec, "meta" if roles in ((SIM,), (SPARE,)) else device, on_gpus)
+    phases.mark("policy_built")
     role = "+".join(roles)
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
     # node agree; across nodes as far as the nodes' clocks do).
@@ -164,12 +172,14 @@ def _links(me: _Rank) -> _Links:
               flush=True)
     if ring is not None:  # its progress thread only once every window exists (ring.py)
         ring.start_progress()
+    phases.mark("transport_ready")
     return _Links(sched, cell, per_shard, exchange, ring, plane, manifest)
 
 
 def _start_clock(me: _Rank) -> float:
     """Every rank set up (a real simulator takes seconds per env): the clocks start together."""
     idle_barrier(me.comms.world)  # [dist]
+    phases.mark("all_ranks_ready")
     return time.monotonic()
 
 
@@ -264,6 +274,11 @@ def _epilogue(me: _Rank, start: float) -> dict:
     summary = me.summary
     summary["wall_s"] = time.monotonic() - start
     summary["preempted"] = preempt.requested()
+    if preempt.requested_at() is not None:
+        phases.mark("stop_signal", preempt.requested_at())
+    phases.mark("finished")
+    summary["phases_s"] = phases.of_rank(me.timeline)
+    summary["peak_memory"] = peak_memory(me.device)
     summary["busy_s"] = dict(me.timeline.busy)
     if me.rank == me.plan.weight_root:
         progress = me.progress
@@ -280,11 +295,13 @@ def _start_engine(me: _Rank):
     loaded before the engine partitions them and the optimizer partition after."""
     cfg, policy, learners = me.cfg, me.policy, me.comms.learners
     if me.resume is None:
-        return init_engine(cfg, policy, learners, me.device)  # [dist]
-    policy.load_arrays(checkpoint.load_weights(me.resume, policy.state_dict()))
-    engine = init_engine(cfg, policy, learners, me.device)  # [dist]
-    state = checkpoint.load_optimizer(me.resume, engine, learners)  # [dist]
-    me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
+        engine = init_engine(cfg, policy, learners, me.device)  # [dist]
+    else:
+        policy.load_arrays(checkpoint.load_weights(me.resume, policy.state_dict()))
+        engine = init_engine(cfg, policy, learners, me.device)  # [dist]
+        state = checkpoint.load_optimizer(me.resume, engine, learners)  # [dist]
+        me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
+    phases.mark("engine_ready")
     return engine
 
 
