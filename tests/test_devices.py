@@ -14,7 +14,7 @@ from hpcvla.cli import main as hpcvla_main
 from hpcvla.devices import (HostStaging, assign_node, granted_gpus, missing_gpus_problem,
                             plan_devices, visible_gpus)
 from hpcvla.topology.plan import INF, LEARN, SIM, PlanError, build_plan
-from helpers import hpcvla
+from helpers import ROOT, hpcvla
 
 
 @st.composite
@@ -161,6 +161,40 @@ def test_the_gpu_check_runs_its_cpu_side_and_says_why_it_skipped_the_rest(tmp_pa
     assert "no CUDA" in result["maniskill_gpu_sim"]["skipped"]
     assert "no CUDA" in result["memory_model"]["skipped"]
     assert "no CUDA" in result["modes_real"]["skipped"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.bench
+def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
+    """jobs/validate_gpu.sh at the tiny sizes on the CPU (HPCVLA_VALIDATE_QUICK=1): every
+    kind of step of `hpcvla bench fullsize` (the pretrained folders, the timed plan, a training
+    run, the stop by SIGTERM, OFT with LoRA), the logs in OUT, the results in fullsize.json.
+    The sync, LoRA and Open MPI steps are the streamer's run with other overrides, each mode
+    tested elsewhere: left out to keep the suite's time."""
+    import os
+    import subprocess
+    env = {**os.environ, "HPCVLA_VALIDATE_QUICK": "1",
+           "HPCVLA_VALIDATE_STEPS": "plan,streamer,sigterm,oft"}
+    out = subprocess.run([ROOT / "jobs/validate_gpu.sh", tmp_path], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert {"validate.log", "doctor.log", "fullsize.log", "inventory.log"} <= \
+        {p.name for p in tmp_path.iterdir()}
+    results = json.loads((tmp_path / "fullsize" / "fullsize.json").read_text())
+    assert results["size"] == "tiny" and results["pi0_folder"]["parameters"] > 0
+    assert results["plan"]["wall_s"] > 0 and results["plan"]["memory"]["host_by_rank"]
+    for step in ("streamer", "sigterm", "oft"):
+        run = results[step]
+        assert run["phases_s"]["first_version_trained"] > run["phases_s"]["all_ranks_ready"]
+        assert run["env_steps_per_s"] > 0
+        assert all(r["peak"]["host_rss"] > 0 for r in run["ranks"]), run["ranks"]
+    # learner.checkpoint_every=-1: the runs measured write no checkpoint; the stopped one does
+    assert not list((tmp_path / "fullsize" / "streamer").glob("*/checkpoints/v*"))
+    stop = results["sigterm"]
+    assert 0 <= stop["signal_to_checkpoint_s"] < stop["signal_to_exit_s"] < 60, stop
+    assert stop["checkpoint_bytes"] > 0
+    assert "SIGTERM to checkpoint" in (tmp_path / "fullsize.log").read_text()
 
 
 def test_mujoco_renders_on_the_ranks_gpu_as_egl_numbers_it():

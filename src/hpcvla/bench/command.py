@@ -8,11 +8,16 @@ def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
     bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
-                                          "gpu", "scale", "memory", "checkpoint"],
+                                          "gpu", "scale", "memory", "checkpoint", "fullsize"],
                        help="what to measure; `learning` and `checkpoint` also take key=value "
                             "overrides for every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
     bench.add_argument("--json", default=None, help="write the results here")
+    bench.add_argument("--out", default="runs/bench-fullsize",
+                       help="fullsize: the folder for its logs, runs and pretrained folders")
+    bench.add_argument("--steps", default=None,
+                       help="fullsize: only these steps, comma-separated (plan, streamer, sync, "
+                            "lora, openmpi, sigterm, oft; default all)")
     bench.add_argument("--ranks", type=int, default=None,
                        help="start this many ranks here (default: the current MPI world)")
     bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
@@ -29,7 +34,7 @@ def add_bench_parser(sub) -> None:
                        help="modes: accelerator ranks (even, or 1: one GPU shared)")
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200); "
-                            "checkpoint: per run (8)")
+                            "checkpoint: per run (8); fullsize: per run (20)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", choices=["modes", "critic", "flow-noise", "imitation"],
                        default="modes",
@@ -96,6 +101,11 @@ def bench_command(args) -> int:
         shards.run(args.workload, args.shards, rounds=4 if args.quick else 20,
                    json_path=args.json)
         return 0
+    if args.target == "fullsize":  # starts one world per run itself
+        from hpcvla.bench import fullsize
+        return fullsize.run(args.out, quick=args.quick, json_path=args.json,
+                            updates=args.updates or (2 if args.quick else 20),
+                            steps=args.steps.split(",") if args.steps else fullsize.STEPS)
     if args.target == "checkpoint":  # starts one world per run itself
         from hpcvla.bench import checkpoint
         checkpoint.run(updates=3 if args.quick else args.updates or 8,

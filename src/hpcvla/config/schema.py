@@ -293,8 +293,9 @@ class LearnerConfig:
         "higher rides out rare bad batches, lower stops a diverged run sooner.", ge=1)
     checkpoint_every: int = setting(
         0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
-        "policy versions; 0: only at the end. More often loses less to a crash; what it "
-        "costs the learners: `hpcvla bench checkpoint`.", ge=0)
+        "policy versions; 0: only at the end (and on a stop signal); -1: never (benchmarks: "
+        "a full-size π0's is ~45 GB). More often loses less to a crash; what it costs the "
+        "learners: `hpcvla bench checkpoint`.", ge=-1)
     checkpoint_keep: int = setting(
         2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
     checkpoint_background: bool = setting(

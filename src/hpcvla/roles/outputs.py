@@ -30,7 +30,7 @@ def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
 
     def save(version, weights, last):
         every = cfg.learner.checkpoint_every
-        if last or (every and version % every == 0):
+        if every >= 0 and (last or (every and version % every == 0)):
             with timeline.span("checkpoint"):
                 writer.save(run_dir, engine, weights, version,  # [dist] the learners
                             {"trained_env_steps": progress.steps}, learners,
@@ -90,7 +90,9 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
                   root.get("trained_env_steps", 0))
     board.close()
-    if result["preempted"]:
+    if result["preempted"] and cfg.learner.checkpoint_every < 0:
+        print("[hpcvla] stopped by a signal; no checkpoint (learner.checkpoint_every=-1)")
+    elif result["preempted"]:
         print(f"[hpcvla] stopped by a signal after a checkpoint; continue with "
               f"`hpcvla train run.resume={run_dir} --ranks {len(everyone)}` (it loads the "
               "run's own config; under srun/mpiexec start the same ranks with run.resume=)",

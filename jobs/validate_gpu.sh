@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+#SBATCH --job-name=hpcvla-validate-gpu
+#SBATCH --nodes=1
+#SBATCH --ntasks=1
+#SBATCH --gpus=1
+#SBATCH --cpus-per-task=16
+#SBATCH --time=00:30:00
+#PBS -N hpcvla-validate-gpu
+#PBS -l select=1:ncpus=16:ngpus=1
+#PBS -l walltime=00:30:00
+#
+# The GPU validation job: the users' job at its real size on one GPU, through `hpcvla train` as
+# a user runs it (`hpcvla bench fullsize`: π0 at 3.3 B from a pretrained folder, streamer vs
+# sync-disaggregated, LoRA, a SIGTERM stop, OpenVLA-OFT at 7.5 B with LoRA; then the π0
+# streamer under Open MPI). Every step writes its log into OUT as it goes and runs under
+# `timeout -k`, so a job cut by its limit keeps what it did. docs/cluster.md, "Validating a
+# GPU node".
+#
+#   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch / qsub it, with OUT and WHEELS set)
+#
+#   OUT     the output folder (logs, runs, fullsize.json, the pretrained folders)
+#   WHEELS  a folder of wheels to install first, on a bare node without the project's
+#           environment (`pip download --no-deps --only-binary=:all: ...`): MPICH's wheel is
+#           installed by --prefix (pip --target drops its lib/), and mpi4py is pointed at its
+#           libmpi (MPI4PY_LIBMPI), else it loads whatever libmpi the system has.
+# Environment:
+#   HPCVLA_VALIDATE_STEPS    fullsize steps, comma-separated (default: all; e.g.
+#                            streamer,sync to split the job over two short calls)
+#   HPCVLA_VALIDATE_UPDATES  policy versions per run (default 20)
+#   HPCVLA_VALIDATE_QUICK=1  the dry run: the same steps at the tiny sizes on the CPU
+#   HPCVLA_VALIDATE_LIMIT_S  seconds each step may take (default 900)
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${1:-${OUT:-}}
+WHEELS=${2:-${WHEELS:-}}
+[[ -n $OUT ]] || { echo "usage: $0 OUT [WHEELS]" >&2; exit 2; }
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+LIMIT=${HPCVLA_VALIDATE_LIMIT_S:-900}
+log() { echo "[validate_gpu $(date +%T)] $*" | tee -a "$OUT/validate.log"; }
+step() {  # step NAME COMMAND...: run under timeout -k, its output into OUT/NAME.log as it comes
+    local name=$1 status
+    shift
+    log "$name: $*"
+    timeout -k 20 "$LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"
+    status=${PIPESTATUS[0]}
+    log "$name: exit $status"
+    return "$status"
+}
+
+if [[ -n $WHEELS ]]; then  # a bare node: the image's Python, the carried wheels
+    PYTHON=${HPCVLA_PYTHON:-python3}
+    mpich=("$WHEELS"/mpich-*.whl)
+    others=()
+    for wheel in "$WHEELS"/*.whl; do [[ $wheel == "${mpich[0]}" ]] || others+=("$wheel"); done
+    step install-wheels "$PYTHON" -m pip install --no-deps --no-index "${others[@]}" || exit 1
+    if [[ -f ${mpich[0]} ]]; then
+        step install-mpich "$PYTHON" -m pip install --no-deps --no-index \
+            --prefix "$OUT/mpich" "${mpich[0]}" || exit 1
+        export PATH="$OUT/mpich/bin:$PATH" MPI4PY_LIBMPI="$OUT/mpich/lib/libmpi.so.12"
+    fi
+    export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+else
+    PYTHON=${HPCVLA_PYTHON:-$ROOT/.venv/bin/python}
+    PATH="$(dirname "$PYTHON"):$PATH"  # its mpiexec (MPICH's wheel) first
+    export PATH
+fi
+cd "$ROOT" || exit 1
+
+{ command -v nvidia-smi > /dev/null && nvidia-smi; "$PYTHON" -c "import torch, mpi4py;
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'mpi4py', mpi4py.__version__)"
+} > "$OUT/inventory.log" 2>&1
+step doctor "$PYTHON" -m hpcvla doctor configs/reach_flow.yaml
+
+quick=()
+[[ ${HPCVLA_VALIDATE_QUICK:-0} == 1 ]] && quick=(--quick)
+steps=()
+[[ -n ${HPCVLA_VALIDATE_STEPS:-} ]] && steps=(--steps "$HPCVLA_VALIDATE_STEPS")
+step fullsize "$PYTHON" -m hpcvla bench fullsize --out "$OUT/fullsize" "${quick[@]}" \
+    "${steps[@]}" ${HPCVLA_VALIDATE_UPDATES:+--updates "$HPCVLA_VALIDATE_UPDATES"}
+status=$?
+log "done (exit $status): $OUT/fullsize/fullsize.json"
+exit "$status"
