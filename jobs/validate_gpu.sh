@@ -17,6 +17,9 @@
 # GPU node".
 #
 #   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch / qsub it, with OUT and WHEELS set)
+#   jobs/validate_gpu.sh --download-wheels WHEELS [PYTHON_VERSION]
+#                                            on a machine with the project's venv and an index:
+#                                            the wheels a bare GPU image lacks (~32 MB)
 #
 #   OUT     the output folder (logs, runs, fullsize.json, the pretrained folders)
 #   WHEELS  a folder of wheels to install first, on a bare node without the project's
@@ -32,6 +35,29 @@
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+
+if [[ ${1:-} == --download-wheels ]]; then
+    # What a bare GPU image (torch, transformers, h5py, numpy, psutil, a system Open MPI) lacks:
+    # MPICH and mpi4py, DeepSpeed (pure Python: built here) and its pydantic and hjson, the
+    # pinned transformers (older ones lack activation_checkpointing_enable), simpy. Versions:
+    # requirements.txt's pins, else this venv's.
+    dir=${2:?usage: $0 --download-wheels DIR [PYTHON_VERSION]}
+    venv=$ROOT/.venv/bin
+    pinned() { grep -E "^$1==" "$ROOT/requirements.txt" ||
+               "$venv/pip" freeze | grep -iE "^$1==" || echo "$1"; }
+    mkdir -p "$dir"
+    specs=()
+    for name in mpich mpi4py transformers simpy hjson pydantic pydantic-core annotated-types \
+                typing-inspection; do
+        specs+=("$(pinned "$name")")
+    done
+    "$venv/pip" download --no-deps --only-binary=:all: --python-version "${3:-3.12}" \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$dir" "${specs[@]}" &&
+        DS_BUILD_OPS=0 "$venv/pip" wheel --no-deps --no-build-isolation -w "$dir" \
+            "$(pinned deepspeed)"
+    exit
+fi
 OUT=${1:-${OUT:-}}
 WHEELS=${2:-${WHEELS:-}}
 [[ -n $OUT ]] || { echo "usage: $0 OUT [WHEELS]" >&2; exit 2; }
@@ -54,13 +80,15 @@ if [[ -n $WHEELS ]]; then  # a bare node: the image's Python, the carried wheels
     mpich=("$WHEELS"/mpich-*.whl)
     others=()
     for wheel in "$WHEELS"/*.whl; do [[ $wheel == "${mpich[0]}" ]] || others+=("$wheel"); done
-    step install-wheels "$PYTHON" -m pip install --no-deps --no-index "${others[@]}" || exit 1
+    # into a folder of their own, first on PYTHONPATH: the image's packages stay as they are
+    step install-wheels "$PYTHON" -m pip install --no-deps --no-index --target "$OUT/site" \
+        "${others[@]}" || exit 1
     if [[ -f ${mpich[0]} ]]; then
         step install-mpich "$PYTHON" -m pip install --no-deps --no-index \
             --prefix "$OUT/mpich" "${mpich[0]}" || exit 1
         export PATH="$OUT/mpich/bin:$PATH" MPI4PY_LIBMPI="$OUT/mpich/lib/libmpi.so.12"
     fi
-    export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+    export PYTHONPATH="$ROOT/src:$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
 else
     PYTHON=${HPCVLA_PYTHON:-$ROOT/.venv/bin/python}
     PATH="$(dirname "$PYTHON"):$PATH"  # its mpiexec (MPICH's wheel) first

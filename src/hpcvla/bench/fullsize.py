@@ -119,7 +119,8 @@ def make_folder(folder: Path, job: list) -> dict:
     saved = time.monotonic()
     parameters = sum(p.numel() for p in policy.parameters())
     del policy
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if torch.cuda.is_available():  # the runs that follow need the GPU whole
+        torch.cuda.empty_cache()
     return {"parameters": parameters, "build_s": built - begin, "save_s": saved - built,
             "bytes": sum(f.stat().st_size for f in folder.iterdir())}
 
