@@ -8,7 +8,7 @@ every read must show them as in version 1 (the only one that carries them), the 
 the version read; readers read whole once, then only the trainable places.
 
 With --max-message=B every broadcast goes in pieces of at most B bytes (transport/pieces.py;
-the real limit, 1 GiB, needs versions of GBs: weights_large.py).
+the real limit, 1 GiB, needs versions of GBs: large_transfers.py).
 
     mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [--frozen]
         [--max-message=B] [key=value ...]

@@ -1,11 +1,17 @@
-"""Run under MPI on 2 ranks: weight versions larger than one MPI call may move (2^31 bytes), as
-a full-size π0's are (6.5 GB). Rank 0 is the weight root on a node of its own, rank 1 the
-leader of another node (each rank's node communicator is COMM_SELF), so every byte crosses the
-control communicator. Version 1 is whole (2^31 + 25 KiB), version 2 the trainable places only
-(2^31 + 8 KiB around a frozen tensor, an indexed datatype); both must arrive bit-exact, the
-frozen tensor as in version 1. Memory: about 6.5 GB per rank.
+"""Run under MPI on 2 ranks: transfers larger than one MPI call may move (2^31 bytes), as a
+full-size π0's weight versions are (6.5 GB).
 
-    mpiexec -n 2 python -m mpi4py tests/mpi/weights_large.py
+* Weight plane: rank 0 is the weight root on a node of its own, rank 1 the leader of another
+  node (each rank's node communicator is COMM_SELF), so every byte crosses the control
+  communicator. Version 1 is whole (2^31 + 25 KiB), version 2 the trainable places only
+  (2^31 + 8 KiB around a frozen tensor, an indexed datatype); both must arrive bit-exact, the
+  frozen tensor as in version 1.
+* Trajectory ring: rank 1 puts one record of 2^31 + 4 KiB into rank 0's ring, a slot that
+  holds it whole (one fragment: its payload goes in pieces); it must arrive bit-exact.
+
+Memory: 6.5 to 8.6 GB per rank (MPICH packs the indexed datatype).
+
+    mpiexec -n 2 python -m mpi4py tests/mpi/large_transfers.py
 """
 
 import json
@@ -16,6 +22,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.slots import SLOT_HEADER
 from hpcvla.transport.weights import Manifest, WeightPlane
 
 N_A, N_FROZEN, N_B = (1 << 28) + 17, 4099, (1 << 29) + 4096
@@ -44,8 +52,17 @@ def wait_sent(plane) -> None:
 
 def main():
     world = MPI.COMM_WORLD
-    rank = world.Get_rank()
     assert world.Get_size() == 2, "run on 2 ranks"
+    report = weight_versions(world)
+    report["ring_record_bytes"] = ring_record(world)
+    report = world.bcast(report, root=0)
+    if world.Get_rank() == 1:
+        print(json.dumps({"bit_exact": True, "library": MPI.Get_library_version().split("\n")[0],
+                          **report}), flush=True)
+
+
+def weight_versions(world) -> dict:
+    rank = world.Get_rank()
     plane = WeightPlane(world, MPI.COMM_SELF, rank == 1, MANIFEST)
     report = {"whole_bytes": plane.nbytes, "trainable_bytes": plane.bytes_per_version}
     assert min(report.values()) > 1 << 31, report
@@ -77,10 +94,28 @@ def main():
             world.Barrier()
         del out
     plane.close()
-    report = world.bcast(report, root=0)
-    if rank == 1:
-        print(json.dumps({"bit_exact": True, "library": MPI.Get_library_version().split("\n")[0],
-                          **report}), flush=True)
+    return report
+
+
+def ring_record(world) -> int:
+    """One record of 2^31 + 4 KiB from rank 1 into rank 0's ring; its size."""
+    n = (1 << 31) + 4096
+    ring = TrajectoryRing(world, 1, -(-(n + SLOT_HEADER.itemsize) // 64) * 64)
+    if world.Get_rank() == 1:
+        record = torch.empty(n, dtype=torch.uint8).random_(
+            generator=torch.Generator().manual_seed(3)).numpy()
+        world.bcast(zlib.crc32(record), root=1)
+        ring.put(record)
+        ring.close()
+        del record
+    else:
+        sent = world.bcast(None, root=1)
+        (got,) = ring.get(timeout=300)
+        assert got.data.nbytes == n and zlib.crc32(got.data) == sent, "the record differs"
+        ring.get(timeout=300)  # the producer's close
+        ring.release()
+    ring.free()
+    return n
 
 
 if __name__ == "__main__":
