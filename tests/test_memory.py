@@ -9,6 +9,8 @@ import pytest
 from hpcvla.bench import memory as bench
 from hpcvla.cli import main
 from hpcvla.config import ConfigError, load_config
+from hpcvla.envs import env_spec
+from hpcvla.memory.footprint import shallow_footprint, whole_footprint
 from hpcvla.preflight import memory_problems
 from hpcvla.topology.plan import plan_from_config
 
@@ -63,6 +65,34 @@ def test_the_launch_check_refuses_gpus_it_would_overfill():
     assert "rank(s) 3 on node 0 cuda:0" in problems[0][2] and "cuda context" in problems[0][2]
     cfg = load_config("configs/default.yaml", ["placement.gpus_per_node=0"])
     assert memory_problems(cfg, plan) == []
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("configs/reach_flow.yaml", ["policy.size=small", "learner.gradient_checkpointing=true"]),
+    ("configs/reach_tokens.yaml", ["policy.size=small"]),
+    ("configs/reach_flow.yaml", ["policy.name=oft", "policy.size=tiny"]),  # towers skip a layer
+])
+def test_shallow_copies_give_the_whole_policys_figures(config, overrides):
+    """A VLA measured as shallow copies of itself on meta tensors, extrapolated to its depths
+    phase by phase (memory/depths.py), has the figures of the whole policy run on CPU fake
+    tensors, to the byte (bf16: the CPU's layer-norm dtypes; its flash attention)."""
+    cfg = load_config(config, overrides)
+    spec = env_spec(cfg.env)
+    shallow = shallow_footprint(cfg, spec, 8, 4, on_gpus=True)
+    assert shallow is not None and shallow == whole_footprint(cfg, spec, 8, 4, on_gpus=True)
+
+
+@pytest.mark.slow
+def test_shallow_copies_give_full_size_pi0s_figures():
+    """π0 at full size (27 SigLIP, 18 Gemma and 18 expert layers; copies of 2 and 3): the
+    figures of the whole policy on fake tensors, though the micro-batch's largest phase
+    changes with depth (the Gemma backward in the copies, the expert's at full depth: an
+    extrapolation of the copies' peaks alone would be 3 % short)."""
+    cfg = load_config("configs/reach_flow.yaml", ["policy.size=full", "env.image_size=224"])
+    spec = env_spec(cfg.env)
+    whole = whole_footprint(cfg, spec, 32, 16, on_gpus=True)
+    shallow = shallow_footprint(cfg, spec, 32, 16, on_gpus=True)
+    assert shallow is not None and shallow == whole and whole.params > 3e9
 
 
 TINY_FLOW_ON_4_GPUS = ["configs/reach_flow.yaml", "--world", "4", "placement.gpus_per_node=4",
