@@ -21,7 +21,8 @@
 #                                            on a machine with the project's venv and an index:
 #                                            the wheels a bare GPU image lacks (~32 MB)
 #
-#   OUT     the output folder (logs, runs, fullsize.json, the pretrained folders)
+#   OUT     the output folder: validate.log, each step's log, fullsize.json, runs.tgz (the
+#           runs' summaries, metrics and logs)
 #   WHEELS  a folder of wheels to install first, on a bare node without the project's
 #           environment (`pip download --no-deps --only-binary=:all: ...`): MPICH's wheel is
 #           installed by --prefix (pip --target drops its lib/), and mpi4py is pointed at its
@@ -32,6 +33,8 @@
 #   HPCVLA_VALIDATE_UPDATES  policy versions per run (default 20)
 #   HPCVLA_VALIDATE_QUICK=1  the dry run: the same steps at the tiny sizes on the CPU
 #   HPCVLA_VALIDATE_LIMIT_S  seconds each step may take (default 900)
+#   HPCVLA_VALIDATE_WORK     where the runs and the pretrained folders go (default OUT/work;
+#                            ~25 GB at full size)
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -105,8 +108,12 @@ quick=()
 [[ ${HPCVLA_VALIDATE_QUICK:-0} == 1 ]] && quick=(--quick)
 steps=()
 [[ -n ${HPCVLA_VALIDATE_STEPS:-} ]] && steps=(--steps "$HPCVLA_VALIDATE_STEPS")
-step fullsize "$PYTHON" -m hpcvla bench fullsize --out "$OUT/fullsize" "${quick[@]}" \
+WORK=${HPCVLA_VALIDATE_WORK:-$OUT/work}
+step fullsize "$PYTHON" -m hpcvla bench fullsize --out "$WORK" "${quick[@]}" \
     "${steps[@]}" ${HPCVLA_VALIDATE_UPDATES:+--updates "$HPCVLA_VALIDATE_UPDATES"}
 status=$?
-log "done (exit $status): $OUT/fullsize/fullsize.json"
+# the results and the runs' small files beside the logs (not the folders' GBs)
+cp "$WORK/fullsize.json" "$OUT/" 2> /dev/null
+tar -czf "$OUT/runs.tgz" -C "$WORK" --exclude='*.safetensors' --exclude='*-folder' . 2> /dev/null
+log "done (exit $status): $OUT/fullsize.json"
 exit "$status"

@@ -179,9 +179,9 @@ def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
     out = subprocess.run([ROOT / "jobs/validate_gpu.sh", tmp_path], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert {"validate.log", "doctor.log", "fullsize.log", "inventory.log"} <= \
-        {p.name for p in tmp_path.iterdir()}
-    results = json.loads((tmp_path / "fullsize" / "fullsize.json").read_text())
+    assert {"validate.log", "doctor.log", "fullsize.log", "inventory.log", "fullsize.json",
+            "runs.tgz"} <= {p.name for p in tmp_path.iterdir()}
+    results = json.loads((tmp_path / "fullsize.json").read_text())
     assert results["size"] == "tiny" and results["pi0_folder"]["parameters"] > 0
     assert results["plan"]["wall_s"] > 0 and results["plan"]["memory"]["host_by_rank"]
     for step in ("streamer", "sigterm", "oft"):
@@ -190,11 +190,12 @@ def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
         assert run["env_steps_per_s"] > 0
         assert all(r["peak"]["host_rss"] > 0 for r in run["ranks"]), run["ranks"]
     # learner.checkpoint_every=-1: the runs measured write no checkpoint; the stopped one does
-    assert not list((tmp_path / "fullsize" / "streamer").glob("*/checkpoints/v*"))
+    assert not list((tmp_path / "work" / "streamer").glob("*/checkpoints/v*"))
     stop = results["sigterm"]
     assert 0 <= stop["signal_to_checkpoint_s"] < stop["signal_to_exit_s"] < 60, stop
-    assert stop["checkpoint_bytes"] > 0
-    assert "SIGTERM to checkpoint" in (tmp_path / "fullsize.log").read_text()
+    assert stop["checkpoint_bytes"] > 0  # measured, then removed (45 GB at full size)
+    log = (tmp_path / "fullsize.log").read_text()
+    assert "SIGTERM to checkpoint" in log and "[fullsize] oft: {" in log
 
 
 def test_mujoco_renders_on_the_ranks_gpu_as_egl_numbers_it():

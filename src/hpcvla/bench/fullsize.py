@@ -87,6 +87,7 @@ def run(out: Path, quick: bool = False, updates: int = 20, steps=STEPS, json_pat
                 results[f"{folder}_folder"] = make_folder(out / f"{folder}-folder",
                                                           oft if name == "oft" else job)
             results[name] = commands[name]()
+            print(f"[fullsize] {name}: {json.dumps(_headline(results[name]))}", flush=True)
         except Exception as err:  # noqa: BLE001 - recorded; the job's other steps still run
             results[name] = {"error": repr(err)[-3000:]}
             print(f"hpcvla bench fullsize: {name} failed: {err}", file=sys.stderr, flush=True)
@@ -166,15 +167,29 @@ def stop_by_signal(out: Path, job: list) -> dict:
     (run_dir,) = root.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = summary["phases_s"]
+    written = sum(f.stat().st_size for f in (run_dir / "checkpoints").glob("*/*"))
+    shutil.rmtree(run_dir / "checkpoints")  # ~45 GB at full size: the disk is for the others
     return {**_figures(summary), "signal_to_exit_s": exited - signalled,
             "signal_to_checkpoint_s": steps["last_checkpoint_written"] - steps["stop_signal"],
-            "checkpoint_bytes": sum(f.stat().st_size for f in (run_dir / "checkpoints")
-                                    .glob("*/*"))}
+            "checkpoint_bytes": written}
 
 
 def _trained(root: Path) -> bool:
     """Whether the run under `root` has trained a version (its metrics.jsonl has a line)."""
     return any(p.stat().st_size for p in root.glob("*/metrics.jsonl"))
+
+
+def _headline(result: dict) -> dict:
+    """A step's figures in one line of the log (the whole in fullsize.json)."""
+    keep = ("wall_s", "env_steps_per_s", "signal_to_checkpoint_s", "signal_to_exit_s",
+            "checkpoint_bytes")
+    line = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()
+            if k in keep}
+    phases = result.get("phases_s", {})
+    line.update({k: phases[k] for k in ("first_act", "first_version_trained") if k in phases})
+    for r in result.get("ranks", []):
+        line[f"rank{r['rank']}_peak_gib"] = {k: round(v / 2**30, 2) for k, v in r["peak"].items()}
+    return line
 
 
 def _figures(summary: dict) -> dict:
