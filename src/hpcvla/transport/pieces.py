@@ -5,9 +5,9 @@ MPI-3 libraries take at most 2^31 - 1 elements per call, and some refuse less: O
 fails an `Ibcast` of 2^31 + 1024 bytes with MPI_ERR_ARG, and a full-size π0 version is 6.5 GB.
 So every transfer that can pass MAX_MESSAGE bytes goes as several calls of at most that
 much: the weight plane's versions (whole, and the indexed datatypes of the trainable places)
-and the ring's puts (a slot may be larger). Nonblocking collectives posted
-in the same order on every rank match in that order, so a broadcast in pieces is still one
-pipelined transfer (all pieces posted, then waited for).
+and the ring's puts (a slot may be larger). Nonblocking collectives posted in the same order
+on every rank match in that order, so a broadcast in pieces is still one pipelined transfer
+(all pieces posted, then waited for).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ Frozen parameters (a π0 whose vision-language prefix is frozen: most of its byt
 network once: the manifest names them (`frozen`), the first version a plane publishes is
 whole, and every later one carries only the other tensors, as broadcasts of MPI indexed
 datatypes over their places in the flat layout (no packing on either side; RLinf's patch
-syncer sends only trained parameters too). Every broadcast goes in pieces of at most
+syncer sends only trained parameters too; at 1 GiB such a broadcast measured 7x (Open MPI)
+to 26x (MPICH) slower than a contiguous one of the same bytes, docs/results.md). Every broadcast goes in pieces of at most
 `max_message` bytes (pieces.py: MPI-3 libraries count in C ints, and Open MPI 4.1 refuses a
 2^31-byte broadcast), all posted at once. Both halves of a node's double buffer
 (and both of the root's buffers) receive the whole first version, so a half being rewritten
