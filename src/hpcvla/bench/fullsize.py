@@ -155,11 +155,14 @@ def stop_by_signal(out: Path, job: list) -> dict:
     cmd = [sys.executable, "-m", "hpcvla", "train", *job, f"run.root={root}"]
     with open(out / "sigterm.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None and not _trained(root):
-            time.sleep(0.5)
-        signalled = time.time()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=1800)
+        try:
+            while proc.poll() is None and not _trained(root):
+                time.sleep(0.5)
+            signalled = time.time()
+            proc.send_signal(signal.SIGTERM)  # nothing if it already ended
+            proc.wait(timeout=1800)
+        finally:  # a run that does not stop is not left behind
+            proc.kill()
     exited = time.time()
     if proc.returncode != 0:
         raise RuntimeError(f"the stopped run failed (exit {proc.returncode}): "
