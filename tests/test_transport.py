@@ -151,22 +151,6 @@ def test_packed_plan_is_what_the_consumer_unpacks(records, lines):
 
 # ------------------------------------------------------------ pieces of messages (no MPI)
 
-@given(st.lists(st.tuples(st.integers(0, 50), st.integers(0, 40)), max_size=12),
-       st.integers(1, 64))
-def test_batches_cover_every_region_once_in_order_within_the_limit(gaps_and_sizes, limit):
-    from hpcvla.transport.pieces import batches
-    regions, at = [], 0
-    for gap, n in gaps_and_sizes:
-        regions.append((at + gap, n))
-        at += gap + n
-    out = batches(regions, limit)
-    assert all(0 < sum(n for _, n in batch) <= limit for batch in out)
-    assert all(sum(n for _, n in batch) == limit for batch in out[:-1])  # only the last short
-    covered = [b for offset, n in (r for batch in out for r in batch)
-               for b in range(offset, offset + n)]
-    assert covered == [b for offset, n in regions for b in range(offset, offset + n)]
-
-
 def test_pieces_of_a_message_are_consecutive_and_at_most_the_limit():
     from hpcvla.transport.pieces import MAX_MESSAGE, pieces
     assert pieces(10, 4) == [(0, 4), (4, 4), (8, 2)]

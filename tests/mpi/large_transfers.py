@@ -4,12 +4,13 @@ full-size π0's weight versions are (6.5 GB).
 * Weight plane: rank 0 is the weight root on a node of its own, rank 1 the leader of another
   node (each rank's node communicator is COMM_SELF), so every byte crosses the control
   communicator. Version 1 is whole (2^31 + 25 KiB), version 2 the trainable places only
-  (2^31 + 8 KiB around a frozen tensor, an indexed datatype); both must arrive bit-exact, the
+  (2^31 + 8 KiB around a frozen tensor, packed by the root); both must arrive bit-exact, the
   frozen tensor as in version 1.
 * Trajectory ring: rank 1 puts one record of 2^31 + 4 KiB into rank 0's ring, a slot that
   holds it whole (one fragment: its payload goes in pieces); it must arrive bit-exact.
 
-Memory: 6.5 to 8.6 GB per rank (MPICH packs the indexed datatype).
+Memory: about 8.7 GB per rank (the weight window's two halves and the packed buffer, or the
+root's two buffers, its packed one and the tensors).
 
     mpiexec -n 2 python -m mpi4py tests/mpi/large_transfers.py
 """

@@ -102,6 +102,9 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
     """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
     (footprint.policy_footprint at the config's micro-batch and inference batch)."""
     learners = len(plan.learners)
+    # where parameters are frozen, versions after the first cross packed (transport/weights.py):
+    # a buffer of the trainable bytes on the root and on every node leader
+    packed = fp.trainable * fp.dtype_bytes if fp.trainable < fp.params else 0
     gpu, host = {}, {info.rank: {} for info in plan.ranks}
     node = {info.rank: info.node for info in plan.ranks}
     for info in plan.ranks:
@@ -128,9 +131,9 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
         if info.rank == plan.weight_root:
-            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes)
-    for leader in plan.node_leaders:
-        add(host[leader], "node weight window", 2 * fp.weight_bytes)  # the leader allocates it
+            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes + packed)
+    for leader in plan.node_leaders:  # the leader allocates the window, and receives
+        add(host[leader], "node weight window", 2 * fp.weight_bytes + packed)
     out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
                        dtype_bytes=fp.dtype_bytes)
     out.problems = fit_problems(cfg, out)

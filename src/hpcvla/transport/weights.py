@@ -22,12 +22,12 @@ but measured slower: a broadcast out of the shared window, racing that node's re
 
 Frozen parameters (a π0 whose vision-language prefix is frozen: most of its bytes) cross the
 network once: the manifest names them (`frozen`), the first version a plane publishes is
-whole, and every later one carries only the other tensors, as broadcasts of MPI indexed
-datatypes over their places in the flat layout (no packing on either side; RLinf's patch
-syncer sends only trained parameters too; at 1 GiB such a broadcast measured 7x (Open MPI)
-to 26x (MPICH) slower than a contiguous one of the same bytes, docs/results.md). Every broadcast goes in pieces of at most
-`max_message` bytes (pieces.py: MPI-3 libraries count in C ints, and Open MPI 4.1 refuses a
-2^31-byte broadcast), all posted at once. Both halves of a node's double buffer
+whole, and every later one carries only the other tensors (RLinf's patch syncer sends only
+trained parameters too): the root packs their places in the flat layout into one contiguous
+buffer and each leader unpacks it into its half: two memcpys, 2.5x (Open MPI) to 8x (MPICH)
+faster per GiB than a broadcast of an MPI indexed datatype over the places (docs/results.md). Every broadcast goes in pieces of at
+most `max_message` bytes (pieces.py: MPI-3 libraries count in C ints, and Open MPI 4.1 refuses
+a 2^31-byte broadcast), all posted at once. Both halves of a node's double buffer
 (and both of the root's buffers) receive the whole first version, so a half being rewritten
 always holds the frozen bytes, and readers copy only the trainable places after their first
 read. A publish that replaces a pending whole version keeps it whole.
@@ -163,14 +163,15 @@ class WeightPlane:
         self._control = control.Dup() if control != MPI.COMM_NULL else MPI.COMM_NULL  # [dist]
         self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, whole?
         self._max_message = max_message
-        # the trainable places of the flat layout, as MPI datatypes of at most max_message
-        # bytes each (None: nothing frozen)
+        # the trainable places of the flat layout, packed for versions after the first
+        # (nothing frozen: every version is whole)
         self._regions = manifest.regions(manifest.trainable)
-        self._trainable = pieces.indexed_types(self._regions, max_message) \
-            if manifest.frozen and self._regions else None
+        self._packs = bool(manifest.frozen and self._regions)
         # what one version after the first moves (the first moves nbytes)
-        self.bytes_per_version = sum(n for _, n in self._regions) if self._trainable \
+        self.bytes_per_version = sum(n for _, n in self._regions) if self._packs \
             else self.nbytes
+        self._packed = np.empty(self.bytes_per_version if self._packs and
+                                control != MPI.COMM_NULL else 0, np.uint8)
         self._lock = threading.Condition()
         self._pending: int | None = None   # version waiting in _staging
         self._pending_whole = False  # it carries every tensor (the plane's first version)
@@ -257,19 +258,38 @@ class WeightPlane:
                 raise RuntimeError(f"weight manifest mismatch: root sends hash {digest:#x}, "
                                    f"this rank expects {self.manifest.hash:#x} (the same "
                                    f"policy, dtype and frozen parameters on every rank)")
-            # Ibcast, not Bcast: the root's is nonblocking, and MPI matches a nonblocking
-            # collective only with nonblocking ones
-            self._store(version, whole, lambda half: MPI.Request.Waitall(
-                self._broadcast(half, whole)))  # [dist]
+            self._store(version, whole, lambda half: self._receive(half, whole))
 
     def _broadcast(self, flat: np.ndarray, whole: bool) -> list[MPI.Request]:
-        """Post one version's broadcast of `flat`, all of it or its trainable places, in
-        pieces of at most max_message bytes (the same pieces on every rank)."""
-        types = None if whole or self._trainable is None else self._trainable
-        return pieces.ibcast(self._control, flat, 0, types, self._max_message)  # [dist]
+        """Root: post one version's broadcast of `flat`, all of it or its trainable places
+        packed, in pieces of at most max_message bytes (the same pieces on every rank)."""
+        if whole or not self._packs:
+            return pieces.ibcast(self._control, flat, 0, self._max_message)  # [dist]
+        self._move(self._packed, flat, pack=True)
+        return pieces.ibcast(self._control, self._packed, 0, self._max_message)  # [dist]
+
+    def _receive(self, half: np.ndarray, whole: bool) -> None:
+        """Leader: one version into `half`, all of it or its trainable places. Ibcast, not
+        Bcast: the root's is nonblocking, and MPI matches a nonblocking collective only with
+        nonblocking ones."""
+        packed = not whole and self._packs
+        MPI.Request.Waitall(pieces.ibcast(self._control, self._packed if packed else half, 0,
+                                          self._max_message))  # [dist]
+        if packed:
+            self._move(self._packed, half, pack=False)
+
+    def _move(self, packed: np.ndarray, flat: np.ndarray, pack: bool) -> None:
+        """Copy the trainable places of `flat` into `packed`, one after another, or back."""
+        at = 0
+        for offset, n in self._regions:
+            if pack:
+                packed[at:at + n] = flat[offset:offset + n]
+            else:
+                flat[offset:offset + n] = packed[at:at + n]
+            at += n
 
     def _copy(self, out: np.ndarray, flat: np.ndarray, whole: bool) -> None:
-        if whole or self._trainable is None:
+        if whole or not self._packs:
             np.copyto(out, flat)
         else:
             for offset, n in self._regions:
@@ -280,7 +300,7 @@ class WeightPlane:
         version fills both halves: later ones rewrite only the trainable places."""
         words = self._words
         first = words[_CURRENT] < 0
-        if first and not whole and self._trainable is not None:  # publish() rules it out
+        if first and not whole and self._packs:  # publish() rules it out
             raise RuntimeError("the first weight version on this node lacks the frozen tensors")
         spare = 0 if words[_CURRENT] != 0 else 1
         seq = _SEQ0 + spare
@@ -361,9 +381,6 @@ class WeightPlane:
         idle_barrier(self.node)  # [dist] nobody reads the window any more
         self.win.Unlock_all()
         self.win.Free()  # [dist]
-        for datatype in self._trainable or ():
-            datatype.Free()
-        self._trainable = None
 
     def _guard(self, loop) -> None:
         """A failed control-plane thread takes the job down: peers would wait for it forever."""
