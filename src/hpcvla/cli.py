@@ -10,7 +10,8 @@
     hpcvla doctor [CONFIG] [key=value ...] [--json]   does this node have what the job needs?
     hpcvla eval RUN_DIR [key=value ...] [--all]       success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
-                                                      shards, gpu, scale; a table and JSON
+                                                      shards, gpu, fullsize, scale, memory,
+                                                      checkpoint; a table and JSON
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
     hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
     hpcvla demos CONFIG [key=value ...] --episodes N --out FILE [--noise S] [--successful-only]
