@@ -111,13 +111,15 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     if rank == 0:
         write_rng_seeds(cfg, plan, run_dir)
     device = bind_rank_device(cfg, [r.roles for r in plan.ranks], world)  # [dist] a GPU each
-    devices = world.gather(str(device), root=0)  # [dist]
+    devices = world.allgather(str(device))  # [dist]
     if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
         print(plan.table(dict(enumerate(devices))), flush=True)
     # one rank works the spec out (a real simulator builds an env for it) and tells the rest
     spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
     on_gpus = world.allreduce(device.type == "cuda", op=MPI.LOR)  # [dist]
-    if rank == 0 and on_gpus:  # the memory model's figures, beside each rank's peaks at the end
+    # the memory model's figures, beside each rank's peaks at the end; worked out by the weight
+    # root on its GPU (a simulator rank 0 asking CUDA for the capacity would open a context)
+    if rank == plan.weight_root and device.type == "cuda":
         memory = plan_memory(cfg, plan, dict(enumerate(devices)), spec)
         (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
         phases.mark("memory_planned")
