@@ -10,13 +10,21 @@ from pathlib import Path
 
 
 def train_run(args: list, root: Path, label: str | None = None, timeout: float = 1800,
-              cwd=None) -> tuple[Path, dict]:
+              cwd=None, log: Path | None = None) -> tuple[Path, dict]:
     """`python -m hpcvla train *args run.root=<root>` (`args`: a config, `--ranks N`,
     overrides); returns the run directory it made under `root` (which must hold no other)
-    and its summary.json. Raises RuntimeError with the end of its stderr if it fails."""
+    and its summary.json. With `log`, its output goes there as it comes (a job cut by its time
+    limit keeps it). Raises RuntimeError with the end of its stderr (or log) if it fails."""
     cmd = [sys.executable, "-m", "hpcvla", "train", *map(str, args), f"run.root={root}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
-    if out.returncode != 0:
-        raise RuntimeError(f"{label or ' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
+    if log is None:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        code, errors = out.returncode, out.stderr
+    else:
+        with open(log, "w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                                  cwd=cwd).returncode
+        errors = Path(log).read_text()
+    if code != 0:
+        raise RuntimeError(f"{label or ' '.join(cmd)} failed:\n{errors[-3000:]}")
     (run_dir,) = Path(root).iterdir()
     return run_dir, json.loads((run_dir / "summary.json").read_text())

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from hpcvla.trainrun import train_run
+
 JOB = {"full": ["configs/reach_flow.yaml", "--ranks", "4", "policy.size=full",
                 "policy.dtype=bfloat16", "env.image_size=224", "env.envs_per_simulator=8",
                 "rollout.segment_len=4", "learner.micro_batch=8", "learner.epochs=1",
@@ -138,13 +140,11 @@ def plan(out: Path, job: list) -> dict:
 
 
 def train(out: Path, name: str, job: list) -> dict:
-    """One `hpcvla train` run into out/name: its summary's figures."""
+    """One `hpcvla train` run into out/name, its log out/name.log: its summary's figures."""
     root = out / name
     shutil.rmtree(root, ignore_errors=True)
-    _run([sys.executable, "-m", "hpcvla", "train", *job, f"run.root={root}"],
-         out / f"{name}.log", 1800)
-    (run_dir,) = root.iterdir()
-    return _figures(json.loads((run_dir / "summary.json").read_text()))
+    _, summary = train_run(job, root, label=f"hpcvla train ({name})", log=out / f"{name}.log")
+    return _figures(summary)
 
 
 def stop_by_signal(out: Path, job: list) -> dict:
