@@ -131,7 +131,9 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
         if info.rank == plan.weight_root:
-            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes + packed)
+            # its packed buffer counted below where it is also a node leader (one per rank)
+            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes +
+                (0 if info.rank in plan.node_leaders else packed))
     for leader in plan.node_leaders:  # the leader allocates the window, and receives
         add(host[leader], "node weight window", 2 * fp.weight_bytes + packed)
     out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
