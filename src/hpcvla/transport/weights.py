@@ -25,12 +25,13 @@ network once: the manifest names them (`frozen`), the first version a plane publ
 whole, and every later one carries only the other tensors (RLinf's patch syncer sends only
 trained parameters too): the root packs their places in the flat layout into one contiguous
 buffer and each leader unpacks it into its half: two memcpys, 2.5x (Open MPI) to 8x (MPICH)
-faster per GiB than a broadcast of an MPI indexed datatype over the places (docs/results.md). Every broadcast goes in pieces of at
-most `max_message` bytes (pieces.py: MPI-3 libraries count in C ints, and Open MPI 4.1 refuses
-a 2^31-byte broadcast), all posted at once. Both halves of a node's double buffer
-(and both of the root's buffers) receive the whole first version, so a half being rewritten
-always holds the frozen bytes, and readers copy only the trainable places after their first
-read. A publish that replaces a pending whole version keeps it whole.
+faster per GiB than a broadcast of an MPI indexed datatype over the places (docs/results.md).
+Every broadcast goes in pieces of at most `max_message` bytes (pieces.py: MPI-3 libraries
+count in C ints, and Open MPI 4.1 refuses a 2^31-byte broadcast), all posted at once. Both
+halves of a node's double buffer (and both of the root's buffers) receive the whole first
+version, so a half being rewritten always holds the frozen bytes, and readers copy only the
+trainable places after their first read. A publish that replaces a pending whole version
+keeps it whole.
 """
 
 from __future__ import annotations
