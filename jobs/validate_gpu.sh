@@ -26,7 +26,8 @@
 #   WHEELS  a folder of wheels to install first, on a bare node without the project's
 #           environment (`pip download --no-deps --only-binary=:all: ...`): MPICH's wheel is
 #           installed by --prefix (pip --target drops its lib/), and mpi4py is pointed at its
-#           libmpi (MPI4PY_LIBMPI), else it loads whatever libmpi the system has.
+#           libmpi (MPI4PY_LIBMPI), else it loads whatever libmpi the system has. They go
+#           into WORK/env, once: a job split over calls on one machine installs them once.
 # Environment:
 #   HPCVLA_VALIDATE_STEPS    fullsize steps, comma-separated (default: all; e.g.
 #                            streamer,sync to split the job over two short calls)
@@ -72,26 +73,35 @@ step() {  # step NAME COMMAND...: run under timeout -k, its output into OUT/NAME
     local name=$1 status
     shift
     log "$name: $*"
-    timeout -k 20 "$LIMIT" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 20 "$LIMIT" "$@" 2>&1 | tee -a "$OUT/$name.log"
     status=${PIPESTATUS[0]}
     log "$name: exit $status"
     return "$status"
 }
 
+WORK=${HPCVLA_VALIDATE_WORK:-$OUT/work}
+mkdir -p "$WORK"
 if [[ -n $WHEELS ]]; then  # a bare node: the image's Python, the carried wheels
     PYTHON=${HPCVLA_PYTHON:-python3}
-    mpich=("$WHEELS"/mpich-*.whl)
-    others=()
-    for wheel in "$WHEELS"/*.whl; do [[ $wheel == "${mpich[0]}" ]] || others+=("$wheel"); done
-    # into a folder of their own, first on PYTHONPATH: the image's packages stay as they are
-    step install-wheels "$PYTHON" -m pip install --no-deps --no-index --target "$OUT/site" \
-        "${others[@]}" || exit 1
-    if [[ -f ${mpich[0]} ]]; then
-        step install-mpich "$PYTHON" -m pip install --no-deps --no-index \
-            --prefix "$OUT/mpich" "${mpich[0]}" || exit 1
-        export PATH="$OUT/mpich/bin:$PATH" MPI4PY_LIBMPI="$OUT/mpich/lib/libmpi.so.12"
+    # into WORK/env, first on PYTHONPATH (the image's packages stay as they are; OUT keeps only
+    # logs and results), once: a second call on the same machine finds them there
+    ENVDIR=$WORK/env
+    if [[ ! -f $ENVDIR/installed ]]; then
+        mpich=("$WHEELS"/mpich-*.whl)
+        others=()
+        for wheel in "$WHEELS"/*.whl; do [[ $wheel == "${mpich[0]}" ]] || others+=("$wheel"); done
+        step install "$PYTHON" -m pip install --no-deps --no-index --target "$ENVDIR/site" \
+            "${others[@]}" || exit 1
+        if [[ -f ${mpich[0]} ]]; then  # pip --target drops MPICH's lib/: by --prefix
+            step install "$PYTHON" -m pip install --no-deps --no-index --prefix "$ENVDIR/mpich" \
+                "${mpich[0]}" || exit 1
+        fi
+        touch "$ENVDIR/installed"
     fi
-    export PYTHONPATH="$ROOT/src:$OUT/site${PYTHONPATH:+:$PYTHONPATH}"
+    if [[ -d $ENVDIR/mpich ]]; then
+        export PATH="$ENVDIR/mpich/bin:$PATH" MPI4PY_LIBMPI="$ENVDIR/mpich/lib/libmpi.so.12"
+    fi
+    export PYTHONPATH="$ROOT/src:$ENVDIR/site${PYTHONPATH:+:$PYTHONPATH}"
 else
     PYTHON=${HPCVLA_PYTHON:-$ROOT/.venv/bin/python}
     PATH="$(dirname "$PYTHON"):$PATH"  # its mpiexec (MPICH's wheel) first
@@ -108,12 +118,12 @@ quick=()
 [[ ${HPCVLA_VALIDATE_QUICK:-0} == 1 ]] && quick=(--quick)
 steps=()
 [[ -n ${HPCVLA_VALIDATE_STEPS:-} ]] && steps=(--steps "$HPCVLA_VALIDATE_STEPS")
-WORK=${HPCVLA_VALIDATE_WORK:-$OUT/work}
 step fullsize "$PYTHON" -m hpcvla bench fullsize --out "$WORK" "${quick[@]}" \
     "${steps[@]}" ${HPCVLA_VALIDATE_UPDATES:+--updates "$HPCVLA_VALIDATE_UPDATES"}
 status=$?
 # the results and the runs' small files beside the logs (not the folders' GBs)
 cp "$WORK/fullsize.json" "$OUT/" 2> /dev/null
-tar -czf "$OUT/runs.tgz" -C "$WORK" --exclude='*.safetensors' --exclude='*-folder' . 2> /dev/null
+tar -czf "$OUT/runs.tgz" -C "$WORK" --exclude='*.safetensors' --exclude='*-folder' \
+    --exclude=./env . 2> /dev/null
 log "done (exit $status): $OUT/fullsize.json"
 exit "$status"
