@@ -3,12 +3,14 @@ mani_skill's own RecordEpisode, LIBERO files written as LIBERO's create_dataset.
 from a real LIBERO env (tests/fixtures/demonstrations/), and this project's own dumps written
 by metrics/dump.py from the real `reach` env; each refusal names the file and the key."""
 
+import dataclasses
 import json
 import shutil
 
 import h5py
 import numpy as np
 import pytest
+import yaml
 
 from hpcvla.demonstrations import DemonstrationError, demonstration_problems, read_demonstrations
 from hpcvla.demonstrations.common import axis_angle_to_quat
@@ -127,6 +129,19 @@ def test_maniskill_control_mode_refused_naming_the_json_key():
                    "pushcube.state.pd_joint_delta_pos.json:env_info.env_kwargs.control_mode",
                    "'pd_joint_delta_pos'", "replay_trajectory", "-c pd_ee_delta_pose")
     assert "traj_0/actions = (4, 8)" in text  # and its 8-d joint actions
+
+
+def test_maniskill_file_of_the_envs_control_mode_is_read():
+    """env.control_mode=pd_joint_delta_pos: ManiSkill's joint-delta file fits, 8-d actions."""
+    path = MS / "pushcube.state.pd_joint_delta_pos.h5"
+    spec = maniskill_spec(action_dim=8)  # state only, as the file was recorded
+    spec = dataclasses.replace(spec, controller="pd_joint_delta_pos",
+                               obs={k: v for k, v in spec.obs.items() if k != "image"})
+    demos = read_demonstrations(path, spec)
+    with h5py.File(path) as f:
+        np.testing.assert_array_equal(demos.actions[0], f["traj_0/actions"][:spec.chunk_len])
+    refused(MS_MAIN, spec, "env_info.env_kwargs.control_mode = 'pd_ee_delta_pose'",
+            "-c pd_joint_delta_pos", "or set env.control_mode=pd_ee_delta_pose")
 
 
 def test_maniskill_without_obs_refused_naming_the_key():
@@ -254,6 +269,23 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
         assert len(ok.task) == sum(successes)
     other = EnvSpec(spec.obs, spec.action_dim, spec.chunk_len + 1, 4, spec.vocab)
     refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
+
+
+def test_a_dump_recorded_in_another_control_mode_is_refused(tmp_path):
+    """Two ManiSkill modes can share an action size (pd_ee_delta_pose and its target variant:
+    7-d) and mean different things: the file's resolved config says which it was."""
+    _, spec = reach_dump(tmp_path / "rank0.h5")
+    target = dataclasses.replace(spec, controller="pd_ee_target_delta_pose")
+    for env in ({"name": "maniskill", "control_mode": "pd_ee_delta_pose"},
+                {"name": "maniskill"}):  # written before the setting: the one mode there was
+        with h5py.File(tmp_path / "rank0.h5", "a") as f:
+            f.attrs["config"] = yaml.safe_dump({"env": env})
+        refused(tmp_path / "rank0.h5", target,
+                "rank0.h5:/.attrs[config].env.control_mode = 'pd_ee_delta_pose'",
+                "set env.control_mode=pd_ee_delta_pose or record the demos with "
+                "env.control_mode=pd_ee_target_delta_pose")
+    assert demonstration_problems(tmp_path / "rank0.h5",
+                                  dataclasses.replace(spec, controller="pd_ee_delta_pose")) == []
 
 
 def test_unknown_layout_refused(tmp_path):

@@ -66,6 +66,14 @@ def test_demos_writes_a_dump_that_inspect_reads(tmp_path):
         assert demos[0].attrs["seed"] != demos[1].attrs["seed"]
 
 
+def test_the_experts_refuse_a_control_mode_they_do_not_plan_in():
+    for mode in ("pd_joint_delta_pos", "pd_ee_target_delta_pose"):
+        with pytest.raises(ValueError, match=f"env.control_mode={mode}: the scripted "
+                                             "PushCube-v1 expert acts in pd_ee_delta_pose"):
+            make_expert("maniskill", "PushCube-v1", 5, control_mode=mode)
+    make_expert("maniskill", "PushCube-v1", 5, control_mode="pd_ee_delta_pose")
+
+
 @pytest.mark.mpi
 def test_demos_refuses_a_task_without_an_expert(tmp_path):
     out = tmp_path / "demos.h5"

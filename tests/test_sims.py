@@ -213,6 +213,44 @@ def test_a_maniskill_env_without_its_camera_observes_the_state_alone():
         state_only.close()
 
 
+@pytest.mark.parametrize("mode,dim,moves", [
+    ("pd_joint_delta_pos", 8, "qpos"), ("pd_joint_target_delta_pos", 8, "qpos"),
+    ("pd_joint_vel", 8, "qpos"), ("pd_joint_delta_pos_vel", 15, "qpos"),
+    ("pd_ee_delta_pos", 4, "tcp"), ("pd_ee_target_delta_pos", 4, "tcp"),
+    ("pd_ee_target_delta_pose", 7, "tcp")])
+def test_each_maniskill_control_mode_steps_in_its_own_action_space(mode, dim, moves):
+    """env.control_mode: the spec's action size and controller are ManiSkill's for the mode,
+    and a positive first action moves what the mode controls (the first joint's angle, or
+    the TCP along x) the way ManiSkill's controller does."""
+    env = make_env("maniskill", 1, seed=0, task="PushCube-v1", camera=False, chunk_len=2,
+                   control_mode=mode)
+    try:
+        assert env.spec.action_dim == dim and env.spec.controller == mode
+        u = env.privileged_envs()[0]
+        before = (u.agent.robot.get_qpos()[0, 0] if moves == "qpos"
+                  else u.agent.tcp.pose.p[0, 0]).item()
+        actions = np.zeros((1, 2, dim), np.float32)
+        actions[..., 0] = 1.0
+        result = env.step(actions)
+        after = (u.agent.robot.get_qpos()[0, 0] if moves == "qpos"
+                 else u.agent.tcp.pose.p[0, 0]).item()
+        assert after - before > 0.005, (mode, before, after)
+        assert result.obs["state"].shape == (1, env.spec.state_dim)
+    finally:
+        env.close()
+
+
+def test_a_control_mode_the_project_cannot_drive_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"env.control_mode='pd_joint_pos': one of .*"
+                                         r"pd_joint_delta_pos"):  # absolute: not [-1, 1]
+        make_env("maniskill", 1, seed=0, task="PushCube-v1", control_mode="pd_joint_pos")
+    with pytest.raises(ConfigError, match="env.control_mode = 'pd_ee_pose'.*normalized"):
+        check_env(load_config(ROOT / "configs/maniskill_pushcube.yaml",
+                              ["env.control_mode=pd_ee_pose"]))
+    with pytest.raises(ConfigError, match="only maniskill has a choice of controllers"):
+        load_config(ROOT / "configs/default.yaml", ["env.control_mode=pd_joint_delta_pos"])
+
+
 def test_what_cannot_run_here_fails_clearly():
     with pytest.raises(RuntimeError, match="download_asset PickClutterYCB-v1"):
         make_env("maniskill", 1, seed=0, task="PickClutterYCB-v1")  # needs YCB: no prompt

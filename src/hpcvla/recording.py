@@ -97,7 +97,7 @@ def _expert(cfg, noise: float):
         raise RecordingError(f"--noise {noise}: a standard deviation, >= 0")
     try:
         return make_expert(cfg.env.name, cfg.env.task, cfg.env.chunk_len, noise,
-                           seed=cfg.run.seed)
+                           seed=cfg.run.seed, control_mode=cfg.env.control_mode)
     except ValueError as err:
         raise RecordingError(str(err)) from None
 

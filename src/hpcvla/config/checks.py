@@ -63,6 +63,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.camera", cfg.env.camera, "true, except for env.name=maniskill "
                          "with env.sim_backend=cpu, env.state=true, env.wrist_image=false and "
                          "policy.name=default (the state-only setup)"))
+    if cfg.env.control_mode != "pd_ee_delta_pose" and cfg.env.name != "maniskill":
+        problems.append(("env.control_mode", cfg.env.control_mode,
+                         f"pd_ee_delta_pose for env.name={cfg.env.name}: only maniskill has "
+                         "a choice of controllers"))
     if cfg.env.sim_backend == "gpu" and cfg.env.name != "maniskill":
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "

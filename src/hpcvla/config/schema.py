@@ -158,6 +158,14 @@ class EnvConfig:
         "failing env: a fault ends every episode of its shard (with env.isolation=process the "
         "shard's worker restarts).",
         choices=("cpu", "gpu"))
+    control_mode: str = setting(
+        "pd_ee_delta_pose", "env.name=maniskill: the robot's controller, which says what an "
+        "action is (ManiSkill3's control modes): `pd_ee_delta_pose` end-effector translation "
+        "and rotation deltas + gripper (7-d; what VLA checkpoints and the scripted experts "
+        "use), `pd_joint_delta_pos` joint-angle deltas + gripper (8-d; what ManiSkill's own "
+        "PPO/SAC baselines train), or another mode whose actions are normalized to [-1, 1] "
+        "(envs/maniskill.py CONTROL_MODES, checked before launch). Demonstrations must have "
+        "been recorded in the same mode.")
     suite: str = setting(
         "libero_spatial", "LIBERO suite (env.name=libero).",
         choices=("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90"))

@@ -12,6 +12,7 @@ that wrote the file."""
 from __future__ import annotations
 
 import numpy as np
+import yaml
 
 from hpcvla.demonstrations.common import Episode, Problems, fit_images, is_image
 from hpcvla.metrics.dump import FORMAT, attr_text
@@ -37,6 +38,12 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                      "one observation per chunk, so re-chunking is impossible; set "
                      f"env.chunk_len={chunk_len} or use a dump written with "
                      f"chunk_len={spec.chunk_len}")
+    recorded = _controller(f)
+    if spec.controller and recorded and recorded != spec.controller:
+        problems.add(path, "/.attrs[config].env.control_mode", recorded,
+                     f"{spec.controller}, the env's (env.control_mode): its actions mean "
+                     f"something else; set env.control_mode={recorded} or record the demos "
+                     f"with env.control_mode={spec.controller}")
     episodes = []
     for name in _demo_names(f):
         demo, key = f["data"][name], f"/data/{name}"
@@ -65,6 +72,19 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                                 f"{key}.attrs[instruction]",
                                 bool(demo.attrs.get("success", False))))
     return episodes
+
+
+def _controller(f) -> str:
+    """The control mode the file's actions were recorded in ("" unknown or not maniskill):
+    its resolved config's env.control_mode, pd_ee_delta_pose for files from before the
+    setting (the one mode there was)."""
+    try:
+        env = yaml.safe_load(attr_text(f.attrs.get("config", ""))).get("env", {})
+    except (yaml.YAMLError, AttributeError):
+        return ""
+    if env.get("name") != "maniskill":
+        return ""
+    return env.get("control_mode", "pd_ee_delta_pose")
 
 
 def _fits(have, entry) -> bool:

@@ -17,9 +17,10 @@ state and obs/state with obs_mode rgb+state (the same numbers: ManiSkill flatten
 agent and extra dicts); `image` is the base camera's rgb (obs/sensor_data/base_camera/rgb),
 `wrist_image` the panda_wristcam's (obs/sensor_data/hand_camera/rgb), resized to the spec's
 size when they differ; the instruction is the task's description (envs.maniskill.describe of
-env_id). Actions must be pd_ee_delta_pose, this project's controller: other control modes are
-refused with the replay_trajectory command that converts them. obs has one row more than
-actions (the scene after the last action); sample t is obs[t] with actions[t:t+H]."""
+env_id). Actions must be in the env's control mode (env.control_mode, the spec's
+`controller`): a file recorded in another is refused with the replay_trajectory command that
+converts it. obs has one row more than actions (the scene after the last action); sample t is
+obs[t] with actions[t:t+H]."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def _meta_path(path) -> Path:
         else Path(path).with_suffix(".json")
 
 
-def _convert(path, obs_mode: str) -> str:
+def _convert(path, obs_mode: str, control_mode: str) -> str:
     return (f"convert the file with `python -m mani_skill.trajectory.replay_trajectory "
-            f"--traj-path {path} -c pd_ee_delta_pose -o {obs_mode} --save-traj`")
+            f"--traj-path {path} -c {control_mode} -o {obs_mode} --save-traj`")
 
 
 def _state_of(traj):
@@ -59,7 +60,7 @@ def _state_of(traj):
 
 
 def scan(path, f, spec, problems: Problems) -> list[Episode]:
-    from hpcvla.envs.maniskill import CONTROL_MODE, describe
+    from hpcvla.envs.maniskill import describe
     meta_path = _meta_path(path)
     try:
         meta = json.loads(meta_path.read_text())
@@ -71,27 +72,28 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                      f".h5 (env_info.env_id, episodes): {type(err).__name__}: {err}")
         return []
     obs_mode = "rgb+state" if any(k != "state" and k in spec.obs for k in CAMERAS) else "state"
-    mode = kwargs.get("control_mode")
-    if mode != CONTROL_MODE:  # unset: the robot's default controller, not ours
+    mode, want = kwargs.get("control_mode"), spec.controller or "pd_ee_delta_pose"
+    convert = _convert(path, obs_mode, want)
+    if mode != want:  # unset: the robot's default controller, not necessarily the env's
         problems.add(meta_path, "env_info.env_kwargs.control_mode", mode,
-                     f"{CONTROL_MODE} (this project's actions); {_convert(path, obs_mode)}")
+                     f"{want} (env.control_mode); {convert}, or set env.control_mode={mode}")
     instruction = describe(env_id)
     episodes = []
     for name in sorted((n for n in f if n.startswith("traj_")),
                        key=lambda n: int(n.rsplit("_", 1)[-1])):
         traj, episode_id = f[name], int(name.rsplit("_", 1)[-1])
         info = by_id.get(episode_id, {})
-        if info.get("control_mode", mode) != CONTROL_MODE:  # same fix: reported once
+        if info.get("control_mode", mode) != want:  # same fix: reported once
             problems.add(meta_path, f"episodes[episode_id={episode_id}].control_mode",
-                         info.get("control_mode", mode), f"{CONTROL_MODE} (this project's "
-                         f"actions); {_convert(path, obs_mode)}")
+                         info.get("control_mode", mode), f"{want} (env.control_mode); "
+                         f"{convert}, or set env.control_mode={info.get('control_mode', mode)}")
         if "state" in spec.obs:
             state = _state_of(traj)
             if state is None:
                 problems.add(path, f"{name}/obs/state", None,
                              "the flat state observation for the spec's 'state' field (the "
                              f"file was recorded with obs_mode={kwargs.get('obs_mode')!r}); "
-                             + _convert(path, obs_mode))
+                             + convert)
             elif state.shape[1:] != tuple(spec.obs["state"][0]):
                 problems.add(path, f"{name}/obs/state", tuple(state.shape[1:]),
                              f"shape {tuple(spec.obs['state'][0])} of the spec's 'state' "
@@ -102,7 +104,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                              f"the {camera} rgb images for the spec's {field!r} field (the "
                              f"file was recorded with obs_mode={kwargs.get('obs_mode')!r}"
                              + (", robot panda_wristcam" if field == "wrist_image" else "")
-                             + f"); {_convert(path, obs_mode)}")
+                             + f"); {convert}")
         unknown = sorted(set(spec.obs) - {*CAMERAS, "state", "instruction"})
         if unknown:
             problems.add(path, name, unknown, "only image, wrist_image, state and "

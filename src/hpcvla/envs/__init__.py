@@ -54,6 +54,13 @@ def check_env(cfg) -> None:
         if find_spec(module) is None:
             problems.append(("env.name", env.name, f"a simulator installed here: package "
                              f"`{package}` is missing; run `make install` (README.md)"))
+    if env.name == "maniskill":
+        from hpcvla.envs.maniskill import CONTROL_MODES
+        if env.control_mode not in CONTROL_MODES:
+            problems.append(("env.control_mode", env.control_mode, f"one of "
+                             f"{', '.join(CONTROL_MODES)} (ManiSkill's control modes whose "
+                             "actions are normalized to [-1, 1]; the absolute ones take "
+                             "joint angles and metres)"))
     if not problems and env.name == "maniskill":
         from hpcvla.envs.maniskill import NO_DOWNLOAD_TASKS, missing_assets
         try:

@@ -49,6 +49,9 @@ class EnvSpec:
     chunk_len: int  # primitive steps executed per env.step() call (an action chunk)
     max_episode_chunks: int  # truncation horizon, in chunks
     vocab: tuple[str, ...]  # instruction vocabulary; token id = index; id 0 is padding ""
+    # what an action means where the simulator has a choice (ManiSkill's control mode);
+    # "" for an env with one controller. Demonstrations are checked against it.
+    controller: str = ""
 
     @property
     def state_dim(self) -> int:

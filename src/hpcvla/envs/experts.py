@@ -240,11 +240,15 @@ class ReachExpert:
 
 
 EXPERTS = {cls.task: cls for cls in (PickCubeExpert, PushCubeExpert)}
+# The control modes the ManiSkill experts' actions are in: their arm model (TRACKING, LAG,
+# ROTATION) was measured under this controller, and a plan is end-effector deltas
+EXPERT_CONTROL_MODES = ("pd_ee_delta_pose",)
 
 
-def make_expert(env: str, task: str, chunk_len: int, noise: float = 0.0, seed: int = 0):
-    """The scripted expert of env `env` (its ManiSkill `task`); ValueError naming those that
-    have one."""
+def make_expert(env: str, task: str, chunk_len: int, noise: float = 0.0, seed: int = 0,
+                control_mode: str = "pd_ee_delta_pose"):
+    """The scripted expert of env `env` (its ManiSkill `task`, in `control_mode`); ValueError
+    naming those that have one."""
     if env == "reach":
         return ReachExpert(chunk_len, noise, seed)
     if env != "maniskill":
@@ -253,4 +257,10 @@ def make_expert(env: str, task: str, chunk_len: int, noise: float = 0.0, seed: i
     if task not in EXPERTS:
         raise ValueError(f"env.task={task}: no scripted expert; tasks with one: "
                          f"{', '.join(sorted(EXPERTS))}")
+    if control_mode not in EXPERT_CONTROL_MODES:
+        raise ValueError(f"env.control_mode={control_mode}: the scripted {task} expert acts in "
+                         f"{', '.join(EXPERT_CONTROL_MODES)} only (end-effector deltas on an "
+                         "arm model measured under that controller); record the demonstrations "
+                         "with env.control_mode=pd_ee_delta_pose, or convert ManiSkill's own "
+                         "with its replay_trajectory -c <mode>")
     return EXPERTS[task](chunk_len, noise, seed)

@@ -15,9 +15,14 @@ Observation fields (per env):
                                  qvel, task extras such as goal and object poses: privileged)
     instruction  (L,)       <i4  token ids of the task description (TASK_DESCRIPTIONS)
 
-Actions: `pd_ee_delta_pose` per primitive step in [-1, 1] (clipped): end-effector translation
-(±0.1 m) and rotation (±0.1 rad) deltas, then, for the Panda gripper, -1 closed / 1 open (7-d;
-the stick-holding Panda of PushT and DrawTriangle has no gripper: 6-d).
+Actions: one per primitive step in [-1, 1] (clipped), in the controller `control_mode` names
+(ManiSkill's normalized control modes, CONTROL_MODES). The default,
+`pd_ee_delta_pose`: end-effector translation (±0.1 m) and rotation (±0.1 rad) deltas, then,
+for the Panda gripper, -1 closed / 1 open (7-d; the stick-holding Panda of PushT and
+DrawTriangle has no gripper: 6-d). `pd_joint_delta_pos`: the 7 joint angles' deltas (±0.1
+rad) + the gripper (8-d), ManiSkill's baselines' mode. The spec names the mode
+(`EnvSpec.controller`); a mode the task's robot lacks, or whose actions are not normalized,
+is refused at construction.
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
 `normalized_dense` reward (env.reward). An episode terminates on `info["success"]` and is
 truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
@@ -49,6 +54,12 @@ NO_DOWNLOAD_TASKS = (  # one robot, pd_ee_delta_pose, a success flag; made and s
     "PullCubeTool-v1", "PushCube-v1", "PushT-v1", "RollBall-v1", "StackCube-v1",
     "StackPyramid-v1",
 )
+# The Panda's controllers (mani-skill 3.0.1) whose actions are normalized to [-1, 1], the range
+# every simulator here clips a policy's actions to (env.control_mode); the absolute ones
+# (pd_joint_pos, pd_ee_pose, pd_joint_pos_vel) take joint angles and metres and are left out
+CONTROL_MODES = ("pd_ee_delta_pose", "pd_ee_delta_pos", "pd_ee_target_delta_pose",
+                 "pd_ee_target_delta_pos", "pd_joint_delta_pos", "pd_joint_target_delta_pos",
+                 "pd_joint_vel", "pd_joint_delta_pos_vel")
 TASK_DESCRIPTIONS = {
     "PickCube-v1": "pick up the red cube and move it to the green goal",
     "PushCube-v1": "push the cube to the red and white target",
@@ -66,7 +77,6 @@ TASK_DESCRIPTIONS = {
     "DrawTriangle-v1": "draw the triangle on the table",
     "FMBAssembly1Easy-v1": "insert the part into the assembly board",
 }
-CONTROL_MODE = "pd_ee_delta_pose"
 
 
 def describe(task: str) -> str:
@@ -96,14 +106,19 @@ def _download_error(task: str, detail: str) -> RuntimeError:
 
 
 def make_task_env(task: str, num_envs: int, sim_backend: str, render_backend: str,
-                  image_size: int, wrist_image: bool, reward: str, horizon: int):
+                  image_size: int, wrist_image: bool, reward: str, horizon: int,
+                  control_mode: str = "pd_ee_delta_pose"):
     """`gym.make` of a task with `num_envs` parallel envs (1 on CPU physics) in `obs_mode="state"`
-    (cameras are rendered by `render_cameras`); fails with the download command, never prompts."""
+    (cameras are rendered by `render_cameras`); fails with the download command, never prompts,
+    and refuses a control mode the robot lacks naming env.control_mode."""
     import gymnasium as gym
+    if control_mode not in CONTROL_MODES:
+        raise ValueError(f"env.control_mode={control_mode!r}: one of {', '.join(CONTROL_MODES)} "
+                         "(ManiSkill's control modes with actions normalized to [-1, 1])")
     missing = missing_assets(task)
     if missing:
         raise _download_error(task, ", ".join(missing))
-    kwargs = dict(obs_mode="state", control_mode=CONTROL_MODE, num_envs=num_envs,
+    kwargs = dict(obs_mode="state", control_mode=control_mode, num_envs=num_envs,
                   sim_backend=sim_backend, render_backend=render_backend,
                   reward_mode="sparse" if reward == "sparse" else "normalized_dense",
                   sensor_configs=dict(width=image_size, height=image_size),
@@ -115,6 +130,11 @@ def make_task_env(task: str, num_envs: int, sim_backend: str, render_backend: st
             return gym.make(task, **kwargs)
     except (EOFError, FileNotFoundError) as err:
         raise _download_error(task, f"{type(err).__name__}: {err}") from err
+    except AssertionError as err:  # ManiSkill asserts the mode is among its robot's
+        if control_mode in str(err):
+            raise ValueError(f"env.control_mode={control_mode}: ManiSkill task {task}'s robot "
+                             f"has no such controller ({err})") from err
+        raise
 
 
 def render_cameras(u) -> list:
@@ -137,10 +157,15 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
     u = env.unwrapped
     if wrist_image and len(u.scene.sensors) < 2:
         raise ValueError(f"ManiSkill task {task} has no wrist camera")
-    shape = getattr(env.action_space, "shape", None)
+    space = env.action_space
+    shape = getattr(space, "shape", None)
     if not shape or "success" not in u.evaluate():
         raise ValueError(f"ManiSkill task {task} is not a single-robot task with a "
                          f"success flag; tasks that work: {', '.join(NO_DOWNLOAD_TASKS)}")
+    if not (np.all(space.low == -1) and np.all(space.high == 1)):  # the range actions clip to
+        raise ValueError(f"env.control_mode={u.control_mode}: ManiSkill task {task} takes "
+                         f"actions in [{space.low.min()}, {space.high.max()}], not [-1, 1]; "
+                         f"choose a normalized mode ({', '.join(CONTROL_MODES)})")
     img = ((image_size, image_size, 3), "|u1")
     instruction = describe(task)
     obs = {**({"image": img} if camera else {}), **({"wrist_image": img} if wrist_image else {}),
@@ -148,19 +173,20 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
     if state:
         obs["state"] = ((int(u.get_obs().shape[-1]),), "<f4")
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
-                   max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]))
+                   max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
+                   controller=u.control_mode)
 
 
 class _Slot:
     """One ManiSkill env (num_envs=1, CPU physics)."""
 
     def __init__(self, task: str, image_size: int, wrist_image: bool, reward: str,
-                 horizon: int, camera: bool = True):
+                 horizon: int, camera: bool = True, control_mode: str = "pd_ee_delta_pose"):
         import torch
         # render on the rank's GPU (devices.py bound it), not SAPIEN's default one
         render = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         self.env = make_task_env(task, 1, "cpu", render, image_size, wrist_image, reward,
-                                 horizon)
+                                 horizon, control_mode)
         self.u = self.env.unwrapped
         self.instruction = describe(task)
         self.camera = camera
@@ -204,13 +230,14 @@ class ManiSkillEnv(SerialVectorEnv):
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
-                 first_env: int = 0, camera: bool = True):
+                 first_env: int = 0, camera: bool = True,
+                 control_mode: str = "pd_ee_delta_pose"):
         if reward not in ("sparse", "dense"):
             raise ValueError(f"ManiSkillEnv: reward must be sparse or dense, got {reward!r}")
         horizon = chunk_len * max_episode_chunks
 
         def make_slot(_i):
-            return _Slot(task, image_size, wrist_image, reward, horizon, camera)
+            return _Slot(task, image_size, wrist_image, reward, horizon, camera, control_mode)
 
         first = make_slot(0)
         try:

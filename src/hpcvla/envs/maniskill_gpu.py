@@ -97,7 +97,7 @@ class ManiSkillGPUEnv(VectorEnv):
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
-                 first_env: int = 0):
+                 first_env: int = 0, control_mode: str = "pd_ee_delta_pose"):
         if reward not in ("sparse", "dense"):
             raise ValueError(f"ManiSkillGPUEnv: reward must be sparse or dense, got {reward!r}")
         if num_envs < 1 or chunk_len < 1 or max_episode_chunks < 1:
@@ -106,7 +106,7 @@ class ManiSkillGPUEnv(VectorEnv):
         gpu = gpu_sim_device()
         self.env = make_task_env(task, num_envs, f"physx_cuda:{gpu}", f"cuda:{gpu}",
                                  image_size, wrist_image, reward,
-                                 chunk_len * max_episode_chunks)
+                                 chunk_len * max_episode_chunks, control_mode)
         self.u = self.env.unwrapped
         self.num_envs, self.task, self.first_env = num_envs, task, first_env
         self.device = self.u.device

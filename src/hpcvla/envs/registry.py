@@ -41,6 +41,7 @@ def env_kwargs(env_cfg) -> dict:
     if env_cfg.name == "maniskill":
         return dict(common, task=env_cfg.task, wrist_image=env_cfg.wrist_image,
                     reward=env_cfg.reward, sim_backend=env_cfg.sim_backend,
+                    control_mode=env_cfg.control_mode,
                     **({} if env_cfg.camera else {"camera": False}))  # CPU env only
     return dict(common, suite=env_cfg.suite, task=env_cfg.suite_task,
                 wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
