@@ -37,6 +37,42 @@ def test_push_cube_expert_succeeds_from_training_states():
     assert successes >= 7, f"the PushCube expert succeeded in {successes} of 8 episodes"
 
 
+def test_maniskill_episodes_run_to_the_horizon_for_its_conventions():
+    """`run_to_horizon` (ManiSkill's ignore_terminations, as `hpcvla eval` runs it): the same
+    expert episodes as when success ends them, but they go on to the horizon; `success` is
+    success_once, `success_at_end` whether the cube is still on the goal at the last step:
+    both arms hold still after their success, and env 1's cube is put back where it started
+    (through the privileged env, as a knock would)."""
+    ids = np.array([EVAL_STATE_IDS + 3, EVAL_STATE_IDS + 5])
+    env = ManiSkillEnv(2, task="PushCube-v1", camera=False, max_episode_chunks=8)
+    expert = make_expert("maniskill", "PushCube-v1", env.spec.chunk_len)
+    try:
+        env.reset(init_state_ids=ids)
+        ended = np.zeros(2, int)
+        for chunk in range(1, 9):
+            result = env.step(expert.act(env))
+            ended[(ended == 0) & result.terminated] = chunk
+        assert (ended > 0).all() and (result.success_at_end is not None)
+        env.run_to_horizon = True
+        env.reset(init_state_ids=ids)
+        u = env.privileged_envs()[1]
+        start = u.obj.pose
+        for chunk in range(1, 9):
+            actions = expert.act(env)
+            actions[chunk > ended] = 0.0  # both arms hold still after their success
+            if chunk == ended[1] + 1:
+                u.obj.set_pose(start)  # off the goal
+            result = env.step(actions)
+            assert not result.terminated.any()
+            if chunk < 8:
+                assert not result.truncated.any()
+        assert result.truncated.all() and (result.episode_length == 8).all()
+        assert result.success.all()  # success_once: as when the success ended the episode
+        assert result.success_at_end.tolist() == [True, False]
+    finally:
+        env.close()
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_demos_writes_a_dump_that_inspect_reads(tmp_path):

@@ -213,6 +213,19 @@ def test_a_maniskill_env_without_its_camera_observes_the_state_alone():
         state_only.close()
 
 
+def test_eval_of_a_maniskill_task_reports_its_own_conventions_too():
+    """`hpcvla eval` of a ManiSkill task: success_once (= the success rate: the same steps up
+    to the first success) and success_at_end, its episodes run to the horizon."""
+    from hpcvla.evaluate import evaluate
+    cfg = load_config(ROOT / "configs/maniskill_pushcube.yaml",
+                      ["env.camera=false", "env.max_episode_chunks=3", "rollout.segment_len=3"])
+    result = evaluate(cfg, None, episodes=4, envs=4)
+    assert result["success_once"] == result["success_rate"] and result["episodes"] == 4
+    assert 0.0 <= result["success_at_end"] <= result["success_once"]
+    reach = evaluate(load_config(ROOT / "configs/default.yaml"), None, episodes=2, envs=2)
+    assert "success_at_end" not in reach  # reach has one convention: success ends it
+
+
 @pytest.mark.parametrize("mode,dim,moves", [
     ("pd_joint_delta_pos", 8, "qpos"), ("pd_joint_target_delta_pos", 8, "qpos"),
     ("pd_joint_vel", 8, "qpos"), ("pd_joint_delta_pos_vel", 15, "qpos"),

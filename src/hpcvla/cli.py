@@ -364,6 +364,9 @@ def cmd_eval(args) -> int:
               f"over {result['episodes']} episodes ({result['actions']} actions), "
               f"mean return {result['mean_return']:.2f}"
               + (f" ({result['env_faults']} left out: env faults)" if result['env_faults'] else "")
+              + (f"\n  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
+                 f"success_at_end {result['success_at_end']:.3f}"
+                 if "success_at_end" in result else "")
               + "\n  {split} split: init_state_ids {ids[0]}..{ids[1]}, {states}".format(
                   ids=result["init_state_ids"], **result),
               flush=True)
@@ -374,8 +377,8 @@ def cmd_eval(args) -> int:
         (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
         board = RunBoard(run_dir, cfg.run)  # beside the training's curves
         for r in curve:
-            board.scalars({"success_rate": r["success_rate"], "mean_return": r["mean_return"]},
-                          r["trained_env_steps"], group="eval")
+            board.scalars({k: r[k] for k in ("success_rate", "mean_return", "success_at_end")
+                           if k in r}, r["trained_env_steps"], group="eval")
         board.close()
     return 0
 

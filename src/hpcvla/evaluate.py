@@ -10,6 +10,13 @@ so their success rates compare directly (the policy still samples its actions, a
 training, unless `deterministic`). An episode the env ended by a fault (`env_fault`) is no
 verdict on the policy: it is left out and counted.
 
+ManiSkill's evaluation conventions are reported beside this one: its evaluation runs every
+episode to the horizon (ignore_terminations) and reports `success_once` (the task done at any
+step) and `success_at_end` (done at the last step). For a ManiSkill env the episodes here run
+the same way (`VectorEnv.run_to_horizon`): `success_rate` is then success_once, the same
+outcome as an episode that ends at its first success (the same steps up to it), and
+`success_at_end` is measured too.
+
 `hpcvla export`: a run's newest checkpoint as a Hugging Face-style folder (`export_policy`).
 """
 
@@ -39,13 +46,14 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
     envs = max(1, min(envs, episodes))
     env = make_env(cfg.env.name, envs, seed, **kwargs)
+    env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions (docstring)
     policy = build_policy(cfg, env.spec, local_device(cfg.placement.gpus_per_node))
     if weights is not None:
         policy.load_arrays(weights)
     torch.manual_seed(seed)
     ids, tasks = env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
-    per_task, returns, faults = defaultdict(list), [], 0
+    per_task, returns, faults, at_end = defaultdict(list), [], 0, []
     try:
         for first in range(0, len(ids), envs):
             batch = ids[first:first + envs]
@@ -53,7 +61,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
             obs = env.reset(init_state_ids=np.resize(batch, envs))
             running = np.ones(envs, bool)
             success, ret = np.zeros(envs, bool), np.zeros(envs, np.float32)
-            fault = np.zeros(envs, bool)
+            fault, success_at_end = np.zeros(envs, bool), np.zeros(envs, bool)
             while running.any():  # each env's first episode; auto-reset ones are ignored
                 with torch.no_grad():
                     actions = policy.act(policy.obs_to_tensors(obs, policy.device),
@@ -62,6 +70,8 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
                 ended = running & (result.terminated | result.truncated)
                 success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
                 fault[ended] = result.env_fault[ended]
+                if result.success_at_end is not None:
+                    success_at_end[ended] = result.success_at_end[ended]
                 running &= ~ended
                 obs = result.obs
             for i in range(keep):
@@ -70,6 +80,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
                     continue
                 per_task[tasks[first + i]].append(bool(success[i]))
                 returns.append(float(ret[i]))
+                at_end.append(bool(success_at_end[i]))
     finally:
         env.close()
     outcomes = [s for task in per_task.values() for s in task]
@@ -79,6 +90,8 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
             "episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
             "mean_return": float(np.mean(returns)), "env_faults": faults,
             "device": str(policy.device),
+            **({"success_once": float(np.mean(outcomes)),
+                "success_at_end": float(np.mean(at_end))} if env.run_to_horizon else {}),
             "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s))}
                          for task, s in per_task.items()}}
 

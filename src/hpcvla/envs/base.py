@@ -72,6 +72,10 @@ class StepResult(NamedTuple):
     # bool, the env failed (crashed, hung, retired): the episode ended truncated, and not by
     # anything the policy did, so learners mask the step out and success counts skip it
     env_fault: np.ndarray
+    # bool, the task was done at the last step of the episode that just ended (ManiSkill's
+    # success_at_end): `success` itself where episodes end at success; None from an env that
+    # cannot run episodes past success (`run_to_horizon`)
+    success_at_end: np.ndarray | None = None
 
 
 class VectorEnv(abc.ABC):
@@ -81,13 +85,19 @@ class VectorEnv(abc.ABC):
     `failures`, the (env id, what happened) of every env fault so far (envs/serial.py,
     envs/isolated.py); `latency_sleep` and `last_latency_s`, an emulated step latency (envs/
     reach.py): with latency_sleep False the env does not sleep it but reports the last step's
-    in last_latency_s, and the simulator rank holds that step's observation back as long."""
+    in last_latency_s, and the simulator rank holds that step's observation back as long;
+    `run_to_horizon` (envs/serial.py, envs/maniskill_gpu.py), set by `hpcvla eval` for
+    ManiSkill's conventions: an episode does not end at success but at its horizon, as
+    ManiSkill's evaluation runs it (ignore_terminations); `success` is then whether the task
+    was done at any step (success_once) and `success_at_end` whether at the last. Rewards
+    after the first success do not count, as in training's episodes."""
 
     num_envs: int
     spec: EnvSpec
     failures: Sequence[tuple[int, str]] = ()  # an env that records faults sets its own list
     latency_sleep: bool = True
     last_latency_s: float = 0.0
+    run_to_horizon: bool = False
     # Optional: a static method spec_of(**constructor kwargs) -> EnvSpec, for an env whose
     # spec is known without building a simulator (libero); env_spec builds one otherwise.
     spec_of = None

@@ -114,6 +114,7 @@ class ManiSkillGPUEnv(VectorEnv):
         self._rngs = [env_rng(s) for s in env_seeds(seed, num_envs)]
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._return = np.zeros(num_envs, dtype=np.float32)
+        self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
         try:
             self.spec = task_spec(self.env, task, image_size, wrist_image, state, chunk_len,
                                   max_episode_chunks)
@@ -146,7 +147,7 @@ class ManiSkillGPUEnv(VectorEnv):
     def _start_episodes(self, envs: np.ndarray, init_state_ids=None) -> None:
         """New episodes for `envs`: each alone from its init_state_id, or all in one call
         from seeds drawn from their RNGs."""
-        self._chunks[envs], self._return[envs] = 0, 0.0
+        self._chunks[envs], self._return[envs], self._done_once[envs] = 0, 0.0, False
         if init_state_ids is None:
             self._reset(envs, [training_state_ids(self._rngs[i]) for i in envs])
         else:
@@ -178,26 +179,37 @@ class ManiSkillGPUEnv(VectorEnv):
         actions = chunk_actions(actions, n, self.spec).swapaxes(0, 1)  # (chunk, n, dim)
         actions = torch.as_tensor(np.ascontiguousarray(actions), device=self.device)
         reward = torch.zeros(n, device=self.device)
-        success = torch.zeros(n, dtype=torch.bool, device=self.device)
+        success = torch.tensor(self._done_once, device=self.device)  # done at some step
+        at_end = torch.zeros(n, dtype=torch.bool, device=self.device)  # at the last step
         for t in range(chunk):
             self._state, r, _, _, info = self.env.step(actions[t])
             reward += torch.where(success, 0.0, r.float())  # nothing counts after success
             success |= info["success"]
-            if t + 1 < chunk and bool(success.all()):
+            at_end = info["success"]
+            if not self.run_to_horizon and t + 1 < chunk and bool(success.all()):
                 break
-        reward, success = torch.stack([reward, success.float()]).cpu().numpy()
-        success = success > 0.5
+        reward, success, at_end = torch.stack([reward, success.float(),
+                                               at_end.float()]).cpu().numpy()
+        success, at_end = success > 0.5, at_end > 0.5
         self._chunks += 1
         self._return += reward
-        terminated = success
-        truncated = ~terminated & (self._chunks >= self.spec.max_episode_chunks)
+        horizon = self._chunks >= self.spec.max_episode_chunks
+        if self.run_to_horizon:  # envs/base.py
+            self._done_once = success
+            terminated, truncated = np.zeros(n, dtype=bool), horizon
+            success = success & horizon
+        else:
+            terminated = success
+            truncated = ~terminated & horizon
+            success, at_end = terminated.copy(), terminated.copy()
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         if done.any():
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,
-                          terminated.copy(), episode_return, episode_length, np.zeros(n, bool))
+                          success, episode_return, episode_length, np.zeros(n, bool),
+                          at_end & done)
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None

@@ -19,13 +19,14 @@ A slot implements:
                                          "instruction"; rendered once per chunk, not per step
     close() -> None
 
-The base class executes action chunks (clipped to [-1, 1], the controllers' normalized range;
-a chunk stops early on success), sums rewards over the chunk, truncates after
-`max_episode_chunks` chunks, auto-resets finished envs, tokenizes instructions, and isolates failures:
-a slot that raises is reported with its env id on stderr and in `failures`, rebuilt and reset
-(its episode ends truncated, flagged `env_fault`), while the other envs go on. A slot that cannot
-be rebuilt is retired: it returns zero observations and a truncated, faulted step from then on,
-so learners train nothing of it and success counts skip it.
+The base class executes action chunks (clipped to [-1, 1], the controllers' normalized range; a
+chunk stops early on success, unless `run_to_horizon`: envs/base.py), sums rewards over the
+chunk, truncates after `max_episode_chunks` chunks, auto-resets finished envs, tokenizes
+instructions, and isolates failures: a slot that raises is reported with its env id on stderr
+and in `failures`, rebuilt and reset (its episode ends truncated, flagged `env_fault`), while
+the other envs go on. A slot that cannot be rebuilt is retired: it returns zero observations
+and a truncated, faulted step from then on, so learners train nothing of it and success counts
+skip it.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class SerialVectorEnv(VectorEnv):
         self.retired: set[int] = set()  # slot indices that could not be rebuilt
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._return = np.zeros(num_envs, dtype=np.float32)
+        self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
         self._obs = {k: np.zeros((num_envs, *shape), dtype=dt)
                      for k, (shape, dt) in spec.obs.items()}
         self._slots: list = [first_slot] if first_slot is not None else []  # built already
@@ -135,7 +137,7 @@ class SerialVectorEnv(VectorEnv):
                                                    self.instruction_len)
 
     def _start_episode(self, i: int, init_state_id: int | None = None) -> None:
-        self._chunks[i], self._return[i] = 0, 0.0
+        self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
         self._guarded(i, "reset", lambda: (self._slots[i].reset(self._rngs[i], init_state_id),
                                            self._write_obs(i)))
 
@@ -158,33 +160,42 @@ class SerialVectorEnv(VectorEnv):
         n, chunk = self.num_envs, self.spec.chunk_len
         actions = chunk_actions(actions, n, self.spec)
         reward = np.zeros(n, dtype=np.float32)
-        success = np.zeros(n, dtype=bool)
+        success = np.zeros(n, dtype=bool)  # done at some step of the chunk
+        at_end = np.zeros(n, dtype=bool)  # done at the chunk's last step
         failed = np.zeros(n, dtype=bool)
         for i in range(n):
             def run_chunk(i=i):
                 for t in range(chunk):
                     r, ok = self._slots[i].step(actions[i, t])
-                    reward[i] += r
+                    reward[i] += 0.0 if self._done_once[i] else r
+                    at_end[i] = ok
                     if ok:
-                        success[i] = True
-                        break
+                        success[i] = self._done_once[i] = True
+                        if not self.run_to_horizon:
+                            break
                 self._write_obs(i)
                 return True
             failed[i] = self._guarded(i, "step", run_chunk) is None
         self._chunks += 1
         self._return += reward
-        terminated = success & ~failed
-        truncated = ~terminated & (failed | (self._chunks >= self.spec.max_episode_chunks))
+        horizon = failed | (self._chunks >= self.spec.max_episode_chunks)
+        if self.run_to_horizon:
+            terminated, truncated = np.zeros(n, dtype=bool), horizon
+            success = self._done_once & horizon & ~failed
+        else:
+            terminated = success & ~failed
+            truncated = ~terminated & horizon
+            success = terminated.copy()
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         for i in np.flatnonzero(done):
             if failed[i]:  # rebuilt and reset already
-                self._chunks[i], self._return[i] = 0, 0.0
+                self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
             else:
                 self._start_episode(i)
-        return StepResult(self._batch(), reward, terminated, truncated, terminated.copy(),
-                          episode_return, episode_length, failed)
+        return StepResult(self._batch(), reward, terminated, truncated, success,
+                          episode_return, episode_length, failed, at_end & done & ~failed)
 
     def close(self) -> None:
         for slot in self._slots:
