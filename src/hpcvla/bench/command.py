@@ -43,6 +43,10 @@ def add_bench_parser(sub) -> None:
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
                             "pretrained checkpoint, or streamer vs sync-colocated on ManiSkill "
                             "PushCube from an SFT start (hpcvla/bench/learning.py)")
+    bench.add_argument("--config", default=None,
+                       help="learning --arms imitation: the task recipe its demonstrations, SFT "
+                            "and both arms run (default configs/maniskill_pushcube.yaml; e.g. "
+                            "configs/maniskill_pushcube_flow.yaml)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -116,7 +120,7 @@ def bench_command(args) -> int:
         from hpcvla.bench import learning
         learning.run(seeds=2 if args.quick else args.seeds,
                      updates=3 if args.quick else args.updates or 200, json_path=args.json,
-                     overrides=args.overrides, arms=args.arms,
+                     overrides=args.overrides, arms=args.arms, config=args.config,
                      eval_episodes=32 if args.quick else args.eval_episodes)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it

@@ -62,23 +62,30 @@ FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretraine
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
-PUSH = ["configs/maniskill_pushcube.yaml", "policy.checkpoint={pretrained}"]
-ARMS["imitation"] = {
-    "streamer": PUSH + ["--ranks", "4"],
-    "sync-colocated": PUSH + ["--ranks", "2", "placement.mode=colocated",
-                              "pipeline.mode=sync-colocated", "env.shards=1",
-                              "learner.micro_batch=8"]}
+IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
+
+
+def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
+    """The `imitation` arm set on a task recipe `config` (its demos, SFT and RL settings)."""
+    push = [config, "policy.checkpoint={pretrained}"]
+    return {"streamer": push + ["--ranks", "4"],
+            "sync-colocated": push + ["--ranks", "2", "placement.mode=colocated",
+                                      "pipeline.mode=sync-colocated", "env.shards=1",
+                                      "learner.micro_batch=8"]}
+
+
+ARMS["imitation"] = imitation_arms()
 IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
 
 
-def env_steps_per_version(arms: str) -> int:
+def env_steps_per_version(arm_set: dict) -> int:
     """Trained env steps per version (segments x chunks x chunk_len), equal for both arms of a
     set: what the set's first arm, one learner, trains (reach: 16 x 2 x 8 x 4)."""
     from hpcvla.config import load_config
-    config, *args = ARMS[arms][next(iter(ARMS[arms]))]
+    config, *args = arm_set[next(iter(arm_set))]
     cfg = load_config(config, [a for a in args if "=" in a and "{" not in a])
     return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len \
         * cfg.env.chunk_len
@@ -126,13 +133,13 @@ def both_evals(cfg, weights, eval_episodes: int) -> dict:
             for key, deterministic in zip(EVALS, (False, True))}
 
 
-def pretrain(arms: str, root: Path, eval_episodes: int, overrides=()
+def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG
              ) -> tuple[Path, dict] | tuple[None, None]:
-    """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation`, which
-    takes the bench's `overrides` too: the demonstrations, SFT and RL see one env and
-    policy), and its eval; none for most."""
+    """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
+    recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
+    see one env and policy), and its eval; none for most."""
     if arms == "imitation":
-        return imitation_start(root, eval_episodes, overrides)
+        return imitation_start(root, eval_episodes, overrides, config)
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -152,16 +159,17 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=()
         {key: done[key] for key in EVALS}
 
 
-def imitation_start(root: Path, eval_episodes: int, overrides=()) -> tuple[Path, dict]:
-    """`hpcvla demos` then `hpcvla sft` with configs/maniskill_pushcube.yaml and `overrides`
-    (e.g. env.camera=false): the SFT run directory every `imitation` arm starts from, and its
+def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG
+                    ) -> tuple[Path, dict]:
+    """`hpcvla demos` then `hpcvla sft` with the recipe `config` and `overrides` (e.g.
+    env.camera=false): the SFT run directory every `imitation` arm starts from, and its
     eval."""
     import subprocess
     import sys
 
     from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights
-    config, demos = ARMS["imitation"]["streamer"][0], root / "demos.h5"
+    demos = root / "demos.h5"
     for command in (["demos", config, *overrides, "--episodes", str(IMITATION_DEMOS),
                      "--noise", "0.1", "--out", str(demos)],
                     ["sft", config, *overrides, f"sft.demos={demos}",
@@ -176,19 +184,23 @@ def imitation_start(root: Path, eval_episodes: int, overrides=()) -> tuple[Path,
 
 
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
-        eval_episodes=256) -> dict:
-    per_version = env_steps_per_version(arms)
+        eval_episodes=256, config=None) -> dict:
+    """The arm set `arms` (`config`: the imitation set's recipe instead of IMITATION_CONFIG)."""
+    config = config or IMITATION_CONFIG
+    arm_set = imitation_arms(config) if arms == "imitation" else ARMS[arms]
+    per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
-               "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {}}
+               "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {},
+               **({"config": config} if arms == "imitation" else {})}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
-        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides)
+        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config)
         if start is not None:
             results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
                             for key, suffix in EVALS.items()})
-        for arm, layout in ARMS[arms].items():
+        for arm, layout in arm_set.items():
             runs, layout = [], [part.format(pretrained=pretrained) for part in layout]
             for seed in range(seeds):
                 root = Path(tmp) / f"{arm}-{seed}"
@@ -219,7 +231,7 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                 "curve_mean": float(np.mean([np.mean(r["curve"]) for r in runs]))}
     # eval success (the verdict), rolling final success and the curve's mean over the budget
     # (how early it learns per env step): first arm - second, with a 95 % Welch interval
-    first, second = list(ARMS[arms])
+    first, second = list(arm_set)
     for name, of_run in (("difference", lambda r: r["eval_success"]),
                          ("deterministic_difference", lambda r: r["eval_success_deterministic"]),
                          ("rolling_difference", lambda r: r["final_success"]),
