@@ -66,12 +66,17 @@ IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another
 
 
 def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
-    """The `imitation` arm set on a task recipe `config` (its demos, SFT and RL settings)."""
+    """The `imitation` arm set on a task recipe `config` (its demos, SFT and RL settings):
+    the recipe's layout, and sync-colocated's 2 learners taking half its batch each."""
+    from hpcvla.config import load_config
+    learner = load_config(config).learner
+    half = learner.micro_batch * learner.micro_batches // 2
     push = [config, "policy.checkpoint={pretrained}"]
     return {"streamer": push + ["--ranks", "4"],
             "sync-colocated": push + ["--ranks", "2", "placement.mode=colocated",
                                       "pipeline.mode=sync-colocated", "env.shards=1",
-                                      "learner.micro_batch=8"]}
+                                      f"learner.micro_batch={half}",
+                                      "learner.micro_batches=1"]}
 
 
 ARMS["imitation"] = imitation_arms()
