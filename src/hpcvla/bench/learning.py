@@ -63,6 +63,7 @@ ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=c
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
+# (the `imitation` arm set is built from its recipe when run: imitation_arms)
 
 
 def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
@@ -79,7 +80,6 @@ def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
                                       "learner.micro_batches=1"]}
 
 
-ARMS["imitation"] = imitation_arms()
 IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures

@@ -78,6 +78,21 @@ class StepResult(NamedTuple):
     success_at_end: np.ndarray | None = None
 
 
+def episode_ends(success: np.ndarray, done_once: np.ndarray, at_end: np.ndarray,
+                 horizon: np.ndarray, failed: np.ndarray, run_to_horizon: bool):
+    """How a chunk step's episodes end, for every env: (terminated, truncated, success,
+    success_at_end) of StepResult from the chunk's `success` (done at some step of it),
+    `done_once` (done at some step of the episode so far), `at_end` (done at the chunk's last
+    step), `horizon` (max_episode_chunks reached) and `failed` (an env fault). Success ends an
+    episode, unless `run_to_horizon` (VectorEnv), when only the horizon or a fault does."""
+    if run_to_horizon:
+        terminated, truncated = np.zeros_like(success), horizon | failed
+        ended = truncated & ~failed
+        return terminated, truncated, done_once & ended, at_end & ended
+    terminated = success & ~failed
+    return terminated, ~terminated & (horizon | failed), terminated.copy(), terminated.copy()
+
+
 class VectorEnv(abc.ABC):
     """`num_envs` copies of a task stepped together, with auto-reset.
 

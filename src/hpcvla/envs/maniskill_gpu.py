@@ -46,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcvla.envs.base import StepResult, VectorEnv, check_reset_args, training_state_ids
+from hpcvla.envs.base import (StepResult, VectorEnv, check_reset_args, episode_ends,
+                              training_state_ids)
 from hpcvla.envs.maniskill import describe, make_task_env, render_cameras, task_spec
 from hpcvla.envs.serial import chunk_actions, require
 from hpcvla.seeds import env_rng, env_seeds
@@ -193,23 +194,17 @@ class ManiSkillGPUEnv(VectorEnv):
         success, at_end = success > 0.5, at_end > 0.5
         self._chunks += 1
         self._return += reward
-        horizon = self._chunks >= self.spec.max_episode_chunks
-        if self.run_to_horizon:  # envs/base.py
-            self._done_once = success
-            terminated, truncated = np.zeros(n, dtype=bool), horizon
-            success = success & horizon
-        else:
-            terminated = success
-            truncated = ~terminated & horizon
-            success, at_end = terminated.copy(), terminated.copy()
+        self._done_once = success  # the chunk's success includes the episode's before it
+        terminated, truncated, success, at_end = episode_ends(
+            success, self._done_once, at_end, self._chunks >= self.spec.max_episode_chunks,
+            np.zeros(n, bool), self.run_to_horizon)
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         if done.any():
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,
-                          success, episode_return, episode_length, np.zeros(n, bool),
-                          at_end & done)
+                          success, episode_return, episode_length, np.zeros(n, bool), at_end)
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None

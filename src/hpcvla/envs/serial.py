@@ -36,7 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
+from hpcvla.envs.base import (EnvSpec, StepResult, VectorEnv, check_reset_args,
+                              episode_ends)
 from hpcvla.seeds import env_rng, env_seeds
 from hpcvla.text import tokenize
 
@@ -178,14 +179,9 @@ class SerialVectorEnv(VectorEnv):
             failed[i] = self._guarded(i, "step", run_chunk) is None
         self._chunks += 1
         self._return += reward
-        horizon = failed | (self._chunks >= self.spec.max_episode_chunks)
-        if self.run_to_horizon:
-            terminated, truncated = np.zeros(n, dtype=bool), horizon
-            success = self._done_once & horizon & ~failed
-        else:
-            terminated = success & ~failed
-            truncated = ~terminated & horizon
-            success = terminated.copy()
+        terminated, truncated, success, at_end = episode_ends(
+            success, self._done_once, at_end, self._chunks >= self.spec.max_episode_chunks,
+            failed, self.run_to_horizon)
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
@@ -195,7 +191,7 @@ class SerialVectorEnv(VectorEnv):
             else:
                 self._start_episode(i)
         return StepResult(self._batch(), reward, terminated, truncated, success,
-                          episode_return, episode_length, failed, at_end & done & ~failed)
+                          episode_return, episode_length, failed, at_end)
 
     def close(self) -> None:
         for slot in self._slots:
