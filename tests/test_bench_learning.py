@@ -65,3 +65,17 @@ def test_learning_chart_shades_the_interval_across_seeds(tmp_path):
     assert rgb.shape == (460, 900, 3)
     # lines, their translucent bands and the bands' overlap: many colours, not a blank image
     assert len(np.unique(rgb.reshape(-1, 3), axis=0)) > 50
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_the_imitation_start_learns_from_as_many_demonstrations_as_asked(tmp_path):
+    """`bench learning --arms imitation --demos N`: a recipe that needs more demonstrations
+    than the default's 64 (configs/maniskill_pushcube_tokens.yaml: 256) gets them."""
+    from hpcvla.bench.learning import imitation_start
+    small = ["env.camera=false", "sft.steps=2", "sft.per_task=0"]
+    run_dir, start = imitation_start(tmp_path, 4, small, "configs/maniskill_pushcube.yaml", 3)
+    shown = hpcvla("inspect", tmp_path / "demos.h5", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)[0]["episodes"] == 3
+    assert start["eval"]["episodes"] == 4 and (run_dir / "config.yaml").exists()

@@ -47,6 +47,10 @@ def add_bench_parser(sub) -> None:
                        help="learning --arms imitation: the task recipe its demonstrations, SFT "
                             "and both arms run (default configs/maniskill_pushcube.yaml; e.g. "
                             "configs/maniskill_pushcube_flow.yaml)")
+    bench.add_argument("--demos", type=int, default=None,
+                       help="learning --arms imitation: scripted-expert demonstrations the SFT "
+                            "start learns from (default 64; the recipe's comment gives its "
+                            "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -121,7 +125,7 @@ def bench_command(args) -> int:
         learning.run(seeds=2 if args.quick else args.seeds,
                      updates=3 if args.quick else args.updates or 200, json_path=args.json,
                      overrides=args.overrides, arms=args.arms, config=args.config,
-                     eval_episodes=32 if args.quick else args.eval_episodes)
+                     eval_episodes=32 if args.quick else args.eval_episodes, demos=args.demos)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.launch import run_world

@@ -80,7 +80,7 @@ def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
                                       "learner.micro_batches=1"]}
 
 
-IMITATION_DEMOS = 64  # of which sft.per_task (16) are used: a few-shot start, ~0.2 success
+IMITATION_DEMOS = 64  # the default recipe's: sft.per_task (16) of them are used, ~0.2 success
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
@@ -138,13 +138,13 @@ def both_evals(cfg, weights, eval_episodes: int) -> dict:
             for key, deterministic in zip(EVALS, (False, True))}
 
 
-def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG
-             ) -> tuple[Path, dict] | tuple[None, None]:
+def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
+             demos=IMITATION_DEMOS) -> tuple[Path, dict] | tuple[None, None]:
     """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
     recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
     see one env and policy), and its eval; none for most."""
     if arms == "imitation":
-        return imitation_start(root, eval_episodes, overrides, config)
+        return imitation_start(root, eval_episodes, overrides, config, demos)
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -164,9 +164,9 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
         {key: done[key] for key in EVALS}
 
 
-def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG
-                    ) -> tuple[Path, dict]:
-    """`hpcvla demos` then `hpcvla sft` with the recipe `config` and `overrides` (e.g.
+def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
+                    episodes=IMITATION_DEMOS) -> tuple[Path, dict]:
+    """`hpcvla demos` (`episodes` of them) then `hpcvla sft` with the recipe `config` and `overrides` (e.g.
     env.camera=false): the SFT run directory every `imitation` arm starts from, and its
     eval."""
     import subprocess
@@ -175,7 +175,7 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights
     demos = root / "demos.h5"
-    for command in (["demos", config, *overrides, "--episodes", str(IMITATION_DEMOS),
+    for command in (["demos", config, *overrides, "--episodes", str(episodes),
                      "--noise", "0.1", "--out", str(demos)],
                     ["sft", config, *overrides, f"sft.demos={demos}",
                      f"run.root={root / 'sft'}"]):
@@ -189,9 +189,10 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
 
 
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
-        eval_episodes=256, config=None) -> dict:
-    """The arm set `arms` (`config`: the imitation set's recipe instead of IMITATION_CONFIG)."""
-    config = config or IMITATION_CONFIG
+        eval_episodes=256, config=None, demos=None) -> dict:
+    """The arm set `arms` (`config`: the imitation set's recipe instead of IMITATION_CONFIG,
+    started from `demos` demonstrations instead of IMITATION_DEMOS)."""
+    config, demos = config or IMITATION_CONFIG, demos or IMITATION_DEMOS
     arm_set = imitation_arms(config) if arms == "imitation" else ARMS[arms]
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
@@ -199,9 +200,9 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {},
-               **({"config": config} if arms == "imitation" else {})}
+               **({"config": config, "demos": demos} if arms == "imitation" else {})}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
-        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config)
+        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config, demos)
         if start is not None:
             results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
                             for key, suffix in EVALS.items()})
