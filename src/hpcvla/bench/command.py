@@ -3,6 +3,8 @@ the benchmarks so the top-level command (cli.py) stays a table of commands."""
 
 from __future__ import annotations
 
+import sys
+
 
 def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
@@ -122,6 +124,14 @@ def bench_command(args) -> int:
         return 0
     if args.target == "learning":  # starts one world per run itself
         from hpcvla.bench import learning
+        problem = ""  # refused before any run starts
+        if args.arms != "imitation" and (args.config or args.demos is not None):
+            problem = "--config and --demos set the imitation start: add --arms imitation"
+        elif args.demos is not None and args.demos < 1:
+            problem = f"--demos must be >= 1, got {args.demos}"
+        if problem:
+            print(f"hpcvla bench learning: {problem}", file=sys.stderr)
+            return 2
         learning.run(seeds=2 if args.quick else args.seeds,
                      updates=3 if args.quick else args.updates or 200, json_path=args.json,
                      overrides=args.overrides, arms=args.arms, config=args.config,

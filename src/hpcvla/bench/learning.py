@@ -166,9 +166,9 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
 
 def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
                     episodes=IMITATION_DEMOS) -> tuple[Path, dict]:
-    """`hpcvla demos` (`episodes` of them) then `hpcvla sft` with the recipe `config` and `overrides` (e.g.
-    env.camera=false): the SFT run directory every `imitation` arm starts from, and its
-    eval."""
+    """`hpcvla demos` (`episodes` of them) then `hpcvla sft` with the recipe `config` and
+    `overrides` (e.g. env.camera=false): the SFT run directory every `imitation` arm starts
+    from, and its eval."""
     import subprocess
     import sys
 
@@ -192,7 +192,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         eval_episodes=256, config=None, demos=None) -> dict:
     """The arm set `arms` (`config`: the imitation set's recipe instead of IMITATION_CONFIG,
     started from `demos` demonstrations instead of IMITATION_DEMOS)."""
-    config, demos = config or IMITATION_CONFIG, demos or IMITATION_DEMOS
+    config = config or IMITATION_CONFIG
+    demos = IMITATION_DEMOS if demos is None else demos
     arm_set = imitation_arms(config) if arms == "imitation" else ARMS[arms]
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
