@@ -5,9 +5,9 @@
 #   jobs/launch.sh train configs/default.yaml pipeline.total_updates=100
 #   jobs/launch.sh bench modes --workload emulated --json bench.json
 #
-# `train` runs one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node list, its
-# proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for Open MPI
-# under Slurm. Every other command (`bench modes` starts its own MPI worlds) runs
+# `train` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node
+# list, its proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for
+# Open MPI under Slurm. Every other command (`bench modes` starts its own MPI worlds) runs
 # as one process on the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
@@ -207,12 +207,12 @@ print("\n".join(json.load(sys.stdin)["best"]["overrides"]))') ||
         say "auto plan ($HPCVLA_AUTOPLAN costs) for $NP rank(s) on $NODES node(s): ${AUTO[*]}"
     fi
     COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
-    [[ $1 == train ]] || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
+    [[ $1 == train || $1 == eval ]] || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
 }
 
 set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
     CLEAN_ENV=()
-    if [[ $1 != train ]]; then  # starts its own worlds (bench modes) or needs no MPI
+    if [[ $1 != train && $1 != eval ]]; then  # starts its own worlds (bench modes) or no MPI
         LAUNCH=()
     elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo "$HPCVLA_SLURM_LAUNCHER_DEFAULT" ||
             echo mpiexec)} == srun ]]; then

@@ -19,7 +19,7 @@ import h5py
 import pytest
 
 from local_slurm import LocalSlurm
-from helpers import ROOT
+from helpers import ROOT, hpcvla
 
 # A local Slurm (its daemons, munge, network-namespace nodes): root and `make install-cluster`.
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
@@ -64,7 +64,7 @@ def the_run(runs: Path) -> Path:
 
 
 def test_job_scripts_pass_bash_n_and_shellcheck():
-    assert len(SCRIPTS) == 7, SCRIPTS
+    assert len(SCRIPTS) == 9, SCRIPTS
     assert shutil.which("shellcheck"), "shellcheck missing: run `make install-cluster`"
     for script in SCRIPTS:
         out = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
@@ -267,6 +267,30 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path):
     assert_learner_node_layout(ranks, text)
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
     assert sum(summary["staleness_hist"].values()) == updates * 2 * 32
+
+
+def test_eval_job_shares_the_states_among_ranks_on_three_hosts(slurm3, tmp_path):
+    """jobs/slurm/eval.sbatch on 3 hosts, 2 ranks each: every host evaluates its share of the
+    states, and each episode's outcome is the one a single process gives."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    out = hpcvla("config", "configs/default.yaml")
+    (run_dir / "config.yaml").write_text(out.stdout)
+    log, args = tmp_path / "eval.out", [run_dir, "--untrained", "--deterministic", "--json",
+                                        "--episodes", "24", "--envs", "2"]
+    job = slurm3.sbatch(ROOT / "jobs/slurm/eval.sbatch", *args, env=job_env(tmp_path),
+                        options=["--output", log, "--nodes=3", "--ntasks-per-node=2"], cwd=ROOT)
+    text = finished(slurm3, job, log)
+    assert "6 rank(s) on 3 node(s) (h0 h1 h2)" in text, text[-3000:]
+    (line,) = [line for line in text.splitlines() if line.startswith("{")]
+    shared = json.loads(line)
+    assert shared["ranks"] == 6 and len(shared["hosts"]) == 3, shared
+    out = hpcvla("eval", *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    alone = json.loads(out.stdout.splitlines()[-1])
+    assert [e["success"] for e in shared["per_episode"]] == \
+        [e["success"] for e in alone["per_episode"]]
+    assert shared["success_rate"] == alone["success_rate"]
 
 
 def test_bench_job_runs_the_benchmark_in_worlds_of_its_own(slurm, tmp_path):

@@ -8,7 +8,8 @@
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla doctor [CONFIG] [key=value ...] [--json]   does this node have what the job needs?
-    hpcvla eval RUN_DIR [key=value ...] [--all]       success rate of a run's checkpoints
+    hpcvla eval RUN_DIR [key=value ...] [--all] [--ranks N]
+                                                      success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
                                                       shards, gpu, fullsize, scale, memory,
                                                       checkpoint; a table and JSON
@@ -18,8 +19,8 @@
                                                       record a scripted expert's demonstrations
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
-are reported here, in the launching process, before any MPI rank starts. Only `train` and
-`sft` without --ranks (inside srun/mpirun; `sft` alone: a world of one) initialise MPI.
+are reported here, in the launching process, before any MPI rank starts. Only `train`, `sft`
+and `eval` without --ranks inside srun/mpirun (`sft` alone: a world of one) initialise MPI.
 """
 
 from __future__ import annotations
@@ -135,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                                "on fixed initial states (keep more: learner.checkpoint_keep)")
     evaluate.add_argument("--json", action="store_true", help="machine-readable output "
                                                                "(a JSON line per policy)")
+    evaluate.add_argument("--ranks", type=int, default=None,
+                          help="start this many evaluator ranks on this machine, the states "
+                               "shared among them (default: one process, or the ranks of the "
+                               "srun/mpirun world this runs in)")
 
     export = sub.add_parser("export", help="a run's newest checkpoint as a Hugging Face-style "
                                            "folder (policy.pretrained reads it), LoRA merged")
@@ -323,8 +328,7 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from hpcvla import checkpoint
-    from hpcvla.evaluate import checkpoint_weights, evaluate
-    from hpcvla.metrics.tensorboard import RunBoard
+    from hpcvla.evaluate import describe, evaluate_policies, write_curve
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
@@ -336,51 +340,49 @@ def cmd_eval(args) -> int:
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
+    from hpcvla.envs.base import EVAL_STATE_IDS
+    for flag, value, low, high in (("--episodes", args.episodes, 1, EVAL_STATE_IDS),
+                                   ("--envs", args.envs, 1, None),
+                                   ("--ranks", 1 if args.ranks is None else args.ranks, 1, None)):
+        if value < low or high is not None and value > high:
+            print(f"hpcvla eval: {flag} {value}: give {low} or more"
+                  + (f", at most {high} (the evaluation split's states)" if high else ""),
+                  file=sys.stderr)
+            return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
-    if args.all:
-        kept = checkpoint.complete(run_dir)
-        if not kept:
-            print(f"hpcvla eval: {run_dir}: no complete checkpoint "
-                  "(checkpoints/v*/state.json)", file=sys.stderr)
-            return 2
-        policies += kept
-    elif not args.untrained:
-        policies.append(run_dir)  # its newest checkpoint
-    curve = []
-    for path in policies:
-        try:
-            weights, state = (None, {"version": 0}) if path is None else \
-                checkpoint_weights(path)
-        except checkpoint.CheckpointError as err:
-            print(f"hpcvla eval: {err}", file=sys.stderr)
-            return 2
-        result = {"run_dir": str(run_dir), "version": state["version"],
-                  "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
-                  **evaluate(cfg, weights, episodes=args.episodes, envs=args.envs,
-                             seed=cfg.run.seed, deterministic=args.deterministic)}
-        curve.append(result)
-        print(json.dumps(result) if args.json else
-              f"policy version {result['version']}: success {result['success_rate']:.3f} "
-              f"over {result['episodes']} episodes ({result['actions']} actions), "
-              f"mean return {result['mean_return']:.2f}"
-              + (f" ({result['env_faults']} left out: env faults)" if result['env_faults'] else "")
-              + (f"\n  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
-                 f"success_at_end {result['success_at_end']:.3f}"
-                 if "success_at_end" in result else "")
-              + "\n  {split} split: init_state_ids {ids[0]}..{ids[1]}, {states}".format(
-                  ids=result["init_state_ids"], **result),
-              flush=True)
-        if not args.json and len(result["per_task"]) > 1:
-            for task, r in result["per_task"].items():
-                print(f"  {r['success_rate']:.3f} over {r['episodes']:>3}  {task}", flush=True)
-    if args.all:  # kept with the run: postprocess/report.py draws it beside the training curve
-        (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
-        board = RunBoard(run_dir, cfg.run)  # beside the training's curves
-        for r in curve:
-            board.scalars({k: r[k] for k in ("success_rate", "mean_return", "success_at_end")
-                           if k in r}, r["trained_env_steps"], group="eval")
-        board.close()
-    return 0
+    kept = checkpoint.complete(run_dir) if args.all or not args.untrained else []
+    policies += kept if args.all else kept[-1:]  # every one, or the newest
+    if not kept and (args.all or not args.untrained):
+        print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
+              file=sys.stderr)
+        return 2
+    if args.ranks is not None:  # start the world here; its ranks come back to this function
+        from hpcvla.launch import run_world
+        os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
+        flags = [f"--episodes={args.episodes}", f"--envs={args.envs}"] + \
+            [f"--{f}" for f in ("untrained", "deterministic", "all", "json") if getattr(args, f)]
+        return run_world(args.ranks, ["eval", str(run_dir), *flags, *args.overrides],
+                         cfg.launch.mpiexec, mpi=cfg.launch.mpi)
+
+    def report(world) -> None:
+        curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,
+                                  args.deterministic, world)
+        if world is not None and world.Get_rank() != 0:
+            return
+        for result in curve:
+            print(json.dumps(result) if args.json else describe(result), flush=True)
+        if args.all:  # kept with the run: postprocess/report.py draws it beside training's
+            write_curve(cfg, run_dir, curve)
+    if _launcher_rank() is None:  # one process
+        report(None)
+        return 0
+    from mpi4py import MPI
+
+    from hpcvla.runtime import run_guarded
+    from hpcvla.topology.comms import check_scheduler_world
+    if cfg.launch.check_scheduler:  # N 1-rank worlds would each evaluate every state
+        check_scheduler_world(MPI.COMM_WORLD.Get_size())
+    return run_guarded(MPI.COMM_WORLD, "evaluator", lambda: report(MPI.COMM_WORLD))
 
 
 def cmd_export(args) -> int:

@@ -17,11 +17,19 @@ the same way (`VectorEnv.run_to_horizon`): `success_rate` is then success_once, 
 outcome as an episode that ends at its first success (the same steps up to it), and
 `success_at_end` is measured too.
 
+On several ranks (`hpcvla eval --ranks N`, or srun/mpirun in jobs/slurm/eval.sbatch) the
+states go out in batches of `envs`, batch b to rank b mod N, every rank an env batch and the
+policy (a simulator and an inference role in one process, on a GPU of its node where there
+are GPUs); the outcomes are gathered on every rank. A batch is the same states in the same
+env slots whatever N is, and its sampling generator is seeded from (seed, batch), so the same
+states and seed give the same per-episode outcomes on 1 rank and on N.
+
 `hpcvla export`: a run's newest checkpoint as a Hugging Face-style folder (`export_policy`).
 """
 
 from __future__ import annotations
 
+import socket
 from collections import defaultdict
 from pathlib import Path
 
@@ -29,71 +37,143 @@ import numpy as np
 import torch
 
 from hpcvla import checkpoint
-from hpcvla.devices import local_device
+from hpcvla.devices import bind_rank_device, local_device
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
+from hpcvla.topology.plan import INF, SIM
 
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
-             deterministic: bool = False) -> dict:
+             deterministic: bool = False, world=None) -> dict:
     """Run the env's first `episodes` evaluation states, `envs` at a time, one episode each;
-    returns success rate, mean return, episodes, faults and success per task.
-    `weights` None: the untrained policy. The policy runs on the first visible GPU when
-    there is one (placement.gpus_per_node=0: the CPU)."""
+    returns success rate, mean return, episodes, faults, success per task and per episode.
+    `weights` None: the untrained policy. `world` (an MPI communicator, collective): its
+    ranks share the batches (module docstring) and all return the whole result. The policy
+    runs on a GPU where there is one (placement.gpus_per_node=0: the CPU)."""
     from hpcvla.factory import build_policy  # the policy exactly as training builds it
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
     envs = max(1, min(envs, episodes))
+    rank, ranks = (0, 1) if world is None else (world.Get_rank(), world.Get_size())
+    device = local_device(cfg.placement.gpus_per_node) if world is None else \
+        bind_rank_device(cfg, [(SIM, INF)] * ranks, world)  # [dist] before any simulator
     env = make_env(cfg.env.name, envs, seed, **kwargs)
     env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions (docstring)
-    policy = build_policy(cfg, env.spec, local_device(cfg.placement.gpus_per_node))
+    policy = build_policy(cfg, env.spec, device)
     if weights is not None:
         policy.load_arrays(weights)
-    torch.manual_seed(seed)
     ids, tasks = env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
-    per_task, returns, faults, at_end = defaultdict(list), [], 0, []
+    mine = []  # (position in ids, success, return, env fault, success at end)
     try:
-        for first in range(0, len(ids), envs):
-            batch = ids[first:first + envs]
-            keep = len(batch)  # the last batch pads with repeats, whose outcomes are dropped
-            obs = env.reset(init_state_ids=np.resize(batch, envs))
-            running = np.ones(envs, bool)
-            success, ret = np.zeros(envs, bool), np.zeros(envs, np.float32)
-            fault, success_at_end = np.zeros(envs, bool), np.zeros(envs, bool)
-            while running.any():  # each env's first episode; auto-reset ones are ignored
-                with torch.no_grad():
-                    actions = policy.act(policy.obs_to_tensors(obs, policy.device),
-                                         deterministic).actions
-                result = env.step(actions.cpu().numpy())
-                ended = running & (result.terminated | result.truncated)
-                success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
-                fault[ended] = result.env_fault[ended]
-                if result.success_at_end is not None:
-                    success_at_end[ended] = result.success_at_end[ended]
-                running &= ~ended
-                obs = result.obs
-            for i in range(keep):
-                if fault[i]:
-                    faults += 1
-                    continue
-                per_task[tasks[first + i]].append(bool(success[i]))
-                returns.append(float(ret[i]))
-                at_end.append(bool(success_at_end[i]))
+        for first in range(rank * envs, len(ids), ranks * envs):
+            torch.manual_seed(int(np.random.SeedSequence([seed, first]).generate_state(1)[0]))
+            mine += _run_batch(env, policy, ids[first:first + envs], deterministic, first)
     finally:
         env.close()
-    outcomes = [s for task in per_task.values() for s in task]
+    episodes_run = sorted(mine if world is None else
+                          [e for part in world.allgather(mine) for e in part])  # [dist]
+    where = (socket.gethostname(), str(device))  # the hosts and devices it ran on
+    where = [where] if world is None else world.allgather(where)  # [dist]
+    return {**_result(episodes_run, ids, tasks, env, deterministic),
+            "ranks": ranks, "hosts": sorted({h for h, _ in where}),
+            "device": ", ".join(sorted({d for _, d in where}))}
+
+
+def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int) -> list:
+    """One episode from each state of `batch` (the env's first len(batch) slots; the others
+    repeat states, and their outcomes are dropped); returns (position, success, return,
+    env fault, success at end) of each."""
+    n = env.num_envs
+    obs = env.reset(init_state_ids=np.resize(batch, n))
+    running = np.ones(n, bool)
+    success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
+    fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
+    while running.any():  # each env's first episode; auto-reset ones are ignored
+        with torch.no_grad():
+            actions = policy.act(policy.obs_to_tensors(obs, policy.device),
+                                 deterministic).actions
+        result = env.step(actions.cpu().numpy())
+        ended = running & (result.terminated | result.truncated)
+        success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
+        fault[ended] = result.env_fault[ended]
+        if result.success_at_end is not None:
+            success_at_end[ended] = result.success_at_end[ended]
+        running &= ~ended
+        obs = result.obs
+    return [(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
+             bool(success_at_end[i])) for i in range(len(batch))]
+
+
+def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
+    """The report of the gathered episodes (position order): an episode the env ended by a
+    fault is left out and counted."""
+    kept = [e for e in episodes if not e[3]]
+    per_task = defaultdict(list)
+    for position, success, *_ in kept:
+        per_task[tasks[position]].append(success)
+    outcomes = [e[1] for e in kept]
     return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
             "states": env.evaluation_kind,
             "actions": "deterministic" if deterministic else "sampled",
-            "episodes": len(outcomes), "success_rate": float(np.mean(outcomes)),
-            "mean_return": float(np.mean(returns)), "env_faults": faults,
-            "device": str(policy.device),
+            "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
+            "mean_return": float(np.mean([e[2] for e in kept])),
+            "env_faults": len(episodes) - len(kept),
             **({"success_once": float(np.mean(outcomes)),
-                "success_at_end": float(np.mean(at_end))} if env.run_to_horizon else {}),
+                "success_at_end": float(np.mean([e[4] for e in kept]))}
+               if env.run_to_horizon else {}),
             "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s))}
-                         for task, s in per_task.items()}}
+                         for task, s in per_task.items()},
+            "per_episode": [{"init_state_id": int(ids[p]), "task": tasks[p], "success": s,
+                             "return": r, "env_fault": f} for p, s, r, f, _ in episodes]}
+
+
+def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: int,
+                      deterministic: bool, world=None) -> list[dict]:
+    """`hpcvla eval`: each of `policies` (a checkpoint directory, or None: the untrained
+    policy) on the same states, with its version and trained env steps."""
+    curve = []
+    for path in policies:
+        weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)
+        curve.append({"run_dir": str(run_dir), "version": state["version"],
+                      "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
+                      **evaluate(cfg, weights, episodes=episodes, envs=envs, seed=cfg.run.seed,
+                                 deterministic=deterministic, world=world)})
+    return curve
+
+
+def describe(result: dict) -> str:
+    """A result as `hpcvla eval` prints it."""
+    lines = [f"policy version {result['version']}: success {result['success_rate']:.3f} over "
+             f"{result['episodes']} episodes ({result['actions']} actions), mean return "
+             f"{result['mean_return']:.2f}"
+             + (f" ({result['env_faults']} left out: env faults)" if result["env_faults"] else "")]
+    if "success_at_end" in result:
+        lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
+                     f"success_at_end {result['success_at_end']:.3f}")
+    ids = result["init_state_ids"]
+    lines.append(f"  {result['split']} split: init_state_ids {ids[0]}..{ids[1]}, "
+                 f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "
+                 f"host(s), {result['device']}")
+    if len(result["per_task"]) > 1:
+        lines += [f"  {r['success_rate']:.3f} over {r['episodes']:>3}  {task}"
+                  for task, r in result["per_task"].items()]
+    return "\n".join(lines)
+
+
+def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
+    """An evaluation of every kept checkpoint, kept with the run: eval.jsonl (which
+    postprocess/report.py draws beside the training curve) and TensorBoard's `eval` group."""
+    import json
+
+    from hpcvla.metrics.tensorboard import RunBoard
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
+    board = RunBoard(run_dir, cfg.run)
+    for r in curve:
+        board.scalars({k: r[k] for k in ("success_rate", "mean_return", "success_at_end")
+                       if k in r}, r["trained_env_steps"], group="eval")
+    board.close()
 
 
 def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:

@@ -1,0 +1,64 @@
+"""`hpcvla eval` as an MPI job: the evaluation states shared among ranks give the outcomes one
+process gives, episode by episode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import ROOT, hpcvla
+
+
+def _run_dir(tmp_path, config: str, *overrides: str):
+    """A run directory that holds only its config: `hpcvla eval --untrained` evaluates the
+    policy that config initialises, as on a run that has not trained yet."""
+    out = hpcvla("config", ROOT / "configs" / config, *overrides)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (tmp_path / "config.yaml").write_text(out.stdout)
+    return tmp_path
+
+
+def _eval(run_dir, *args, timeout=300) -> dict:
+    out = hpcvla("eval", run_dir, "--untrained", "--json", *args, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("config,overrides,ranks,actions", [
+    # reach: 6 batches of 4 on 4 ranks (two ranks run two): sampled and deterministic
+    ("default.yaml", (), 4, ()),
+    ("default.yaml", (), 4, ("--deterministic",)),
+    # a real simulator, the dense reward (a return per episode to compare), 3 batches on 2 ranks
+    ("maniskill_pushcube.yaml", ("env.camera=false", "env.reward=dense",
+                                 "env.max_episode_chunks=3", "rollout.segment_len=3"), 2,
+     ("--deterministic",)),
+])
+def test_eval_on_n_ranks_gives_each_episode_the_outcome_of_one_process(
+        tmp_path, config, overrides, ranks, actions):
+    run_dir = _run_dir(tmp_path, config, *overrides)
+    episodes, envs = (24, 4) if config == "default.yaml" else (6, 2)
+    size = ("--episodes", episodes, "--envs", envs)
+    alone = _eval(run_dir, *size, *actions)
+    shared = _eval(run_dir, *size, *actions, "--ranks", ranks)
+    assert (alone["ranks"], shared["ranks"]) == (1, ranks)
+    assert [e["init_state_id"] for e in shared["per_episode"]] == list(range(episodes))
+    # the same outcome of every episode; its return to float32 rounding (one process uses
+    # two BLAS threads, four ranks on two cores one each: sums in another order)
+    assert [{**e, "return": pytest.approx(e["return"], rel=1e-5, abs=1e-6)}
+            for e in alone["per_episode"]] == shared["per_episode"]
+    assert len({round(e["return"], 3) for e in alone["per_episode"]}) > 1  # they differ
+    for key in ("success_rate", "episodes", "per_task", "init_state_ids"):
+        assert shared[key] == alone[key], key
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("flags,named", [
+    (("--episodes", 10 ** 9), "--episodes"), (("--envs", 0), "--envs"),
+    (("--ranks", 0), "--ranks")])
+def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, named):
+    run_dir = _run_dir(tmp_path, "default.yaml")
+    out = hpcvla("eval", run_dir, "--untrained", *flags, timeout=60)
+    assert out.returncode == 2 and named in out.stderr, out.stderr[-2000:]
+    assert not out.stdout  # nothing ran
