@@ -62,3 +62,35 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
     out = hpcvla("eval", run_dir, "--untrained", *flags, timeout=60)
     assert out.returncode == 2 and named in out.stderr, out.stderr[-2000:]
     assert not out.stdout  # nothing ran
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("config,overrides,chunks", [
+    ("default.yaml", ("env.max_episode_chunks=4",), 4),
+    ("maniskill_pushcube_flow.yaml", ("env.image_size=32", "env.max_episode_chunks=3",
+                                      "rollout.segment_len=3"), 3)])
+def test_eval_writes_videos_of_the_first_episodes_that_decode_back(tmp_path, config,
+                                                                   overrides, chunks):
+    """--video 2 on 3 states: two MP4s named by state and outcome, each a frame per chunk
+    the episode ran plus its outcome frame, the camera scaled up above a caption."""
+    from hpcvla.metrics.video import MIN_SIDE, read_video
+    run_dir = _run_dir(tmp_path, config, *overrides)
+    result = _eval(run_dir, "--episodes", 3, "--envs", 3, "--video", 2, "--deterministic")
+    assert len(result["videos"]) == 2
+    for episode, path in zip(result["per_episode"], result["videos"]):
+        outcome = "success" if episode["success"] else "failure"
+        assert path.endswith(f"-state{episode['init_state_id']}-{outcome}.mp4"), path
+        assert "videos/v000000-deterministic/" in path
+        frames = read_video(path)
+        # every chunk to the horizon (untrained: no success), then the outcome frame
+        assert len(frames) == chunks + 1 or episode["success"], (len(frames), episode)
+        assert frames.shape[2] >= MIN_SIDE and frames.shape[1] > frames.shape[2]  # + caption
+        assert frames.shape[1] % 16 == frames.shape[2] % 16 == 0
+        assert frames[0].std() > 5  # a picture, not a blank frame
+
+
+@pytest.mark.mpi
+def test_video_needs_a_camera(tmp_path):
+    run_dir = _run_dir(tmp_path, "maniskill_pushcube.yaml", "env.camera=false")
+    out = hpcvla("eval", run_dir, "--untrained", "--video", 1, timeout=60)
+    assert out.returncode == 2 and "env.camera=false" in out.stderr, out.stderr[-2000:]

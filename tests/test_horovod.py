@@ -22,7 +22,7 @@ TWO_LEARNERS = ["learner.backend=horovod", "learner.checkpoint_every=20"]
 
 
 def test_two_horovod_learners_train_average_and_resume(tmp_path):
-    out, summary, run_dir = run_train(tmp_path / "a", "pipeline.total_updates=40",
+    out, summary, run_dir = run_train(tmp_path / "a", "pipeline.total_updates=80",
                                       *TWO_LEARNERS, config=COLOCATED, ranks=2)
     assert summary["lost_records"] == 0
     # each learner keeps its own Adam moments, equal only if both stepped on the same
@@ -34,14 +34,14 @@ def test_two_horovod_learners_train_average_and_resume(tmp_path):
     assert list(moments[1]) == ["rng.torch_cpu"]
     cfg = load_config(run_dir / "config.yaml")
     weights, state = checkpoint_weights(run_dir)
-    assert state["version"] == 40
+    assert state["version"] == 80
     untrained, trained = evaluate(cfg, None), evaluate(cfg, weights)
     z = improvement_z(untrained["success_rate"], trained["success_rate"], 128)
     assert z >= MIN_Z, (z, untrained, trained)
-    out = hpcvla("train", COLOCATED, "--ranks", 2, "pipeline.total_updates=44",
+    out = hpcvla("train", COLOCATED, "--ranks", 2, "pipeline.total_updates=84",
                  f"run.resume={run_dir}", *TWO_LEARNERS, timeout=400)  # writes on in run_dir
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "resuming from" in out.stdout and checkpoint_weights(run_dir)[1]["version"] == 44
+    assert "resuming from" in out.stdout and checkpoint_weights(run_dir)[1]["version"] == 84
 
 
 def test_gpu_learners_need_a_horovod_built_with_gpu_operations():

@@ -136,6 +136,10 @@ def _parser() -> argparse.ArgumentParser:
                                "on fixed initial states (keep more: learner.checkpoint_keep)")
     evaluate.add_argument("--json", action="store_true", help="machine-readable output "
                                                                "(a JSON line per policy)")
+    evaluate.add_argument("--video", type=int, default=0, metavar="K",
+                          help="also write the first K episodes of every task as MP4 (the "
+                               "camera each chunk was chosen from, captioned) to "
+                               "RUN_DIR/videos/ (default 0: none)")
     evaluate.add_argument("--ranks", type=int, default=None,
                           help="start this many evaluator ranks on this machine, the states "
                                "shared among them (default: one process, or the ranks of the "
@@ -343,12 +347,16 @@ def cmd_eval(args) -> int:
     from hpcvla.envs.base import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", args.episodes, 1, EVAL_STATE_IDS),
                                    ("--envs", args.envs, 1, None),
+                                   ("--video", args.video, 0, None),
                                    ("--ranks", 1 if args.ranks is None else args.ranks, 1, None)):
         if value < low or high is not None and value > high:
             print(f"hpcvla eval: {flag} {value}: give {low} or more"
                   + (f", at most {high} (the evaluation split's states)" if high else ""),
                   file=sys.stderr)
             return 2
+    if args.video and not cfg.env.camera:
+        print("hpcvla eval: --video needs a camera: the run has env.camera=false", file=sys.stderr)
+        return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
     kept = checkpoint.complete(run_dir) if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
@@ -359,14 +367,15 @@ def cmd_eval(args) -> int:
     if args.ranks is not None:  # start the world here; its ranks come back to this function
         from hpcvla.launch import run_world
         os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
-        flags = [f"--episodes={args.episodes}", f"--envs={args.envs}"] + \
+        flags = [f"--episodes={args.episodes}", f"--envs={args.envs}",
+                 f"--video={args.video}"] + \
             [f"--{f}" for f in ("untrained", "deterministic", "all", "json") if getattr(args, f)]
         return run_world(args.ranks, ["eval", str(run_dir), *flags, *args.overrides],
                          cfg.launch.mpiexec, mpi=cfg.launch.mpi)
 
     def report(world) -> None:
         curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,
-                                  args.deterministic, world)
+                                  args.deterministic, world, args.video)
         if world is not None and world.Get_rank() != 0:
             return
         for result in curve:

@@ -29,6 +29,7 @@ states and seed give the same per-episode outcomes on 1 rank and on N.
 
 from __future__ import annotations
 
+import re
 import socket
 from collections import defaultdict
 from pathlib import Path
@@ -44,12 +45,14 @@ from hpcvla.topology.plan import INF, SIM
 
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
-             deterministic: bool = False, world=None) -> dict:
+             deterministic: bool = False, world=None, video: int = 0,
+             video_dir: Path | None = None) -> dict:
     """Run the env's first `episodes` evaluation states, `envs` at a time, one episode each;
     returns success rate, mean return, episodes, faults, success per task and per episode.
     `weights` None: the untrained policy. `world` (an MPI communicator, collective): its
     ranks share the batches (module docstring) and all return the whole result. The policy
-    runs on a GPU where there is one (placement.gpus_per_node=0: the CPU)."""
+    runs on a GPU where there is one (placement.gpus_per_node=0: the CPU). `video` K: the
+    first K episodes of every task also go to `video_dir` as MP4 (`_write_video`)."""
     from hpcvla.factory import build_policy  # the policy exactly as training builds it
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
@@ -65,45 +68,99 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         policy.load_arrays(weights)
     ids, tasks = env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
-    mine = []  # (position in ids, success, return, env fault, success at end)
+    filmed = {p for p, n in enumerate(_ordinals(tasks)) if n < video}  # positions in ids
+    mine, videos = [], []  # (position in ids, success, return, env fault, success at end)
     try:
         for first in range(rank * envs, len(ids), ranks * envs):
             torch.manual_seed(int(np.random.SeedSequence([seed, first]).generate_state(1)[0]))
-            mine += _run_batch(env, policy, ids[first:first + envs], deterministic, first)
+            outcomes, frames = _run_batch(env, policy, ids[first:first + envs], deterministic,
+                                          first, filmed)
+            mine += outcomes
+            videos += [_write_video(video_dir, *frames[o[0]], ids[o[0]], tasks[o[0]], o[1])
+                       for o in outcomes if o[0] in frames]
     finally:
         env.close()
     episodes_run = sorted(mine if world is None else
                           [e for part in world.allgather(mine) for e in part])  # [dist]
     where = (socket.gethostname(), str(device))  # the hosts and devices it ran on
     where = [where] if world is None else world.allgather(where)  # [dist]
+    if world is not None:
+        videos = [v for part in world.allgather(videos) for v in part]  # [dist]
     return {**_result(episodes_run, ids, tasks, env, deterministic),
             "ranks": ranks, "hosts": sorted({h for h, _ in where}),
-            "device": ", ".join(sorted({d for _, d in where}))}
+            "device": ", ".join(sorted({d for _, d in where})),
+            **({"videos": sorted(videos)} if video else {})}
 
 
-def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int) -> list:
+def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
+               filmed: set) -> tuple[list, dict]:
     """One episode from each state of `batch` (the env's first len(batch) slots; the others
     repeat states, and their outcomes are dropped); returns (position, success, return,
-    env fault, success at end) of each."""
+    env fault, success at end) of each, and for those in `filmed` their instruction and
+    frames (position -> (instruction, [(step, image)])): the camera observation each chunk
+    was chosen from, and (step, None) when the episode ended."""
     n = env.num_envs
     obs = env.reset(init_state_ids=np.resize(batch, n))
     running = np.ones(n, bool)
     success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
     fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
+    said = env.instructions()
+    frames = {first + i: (said[i], []) for i in range(len(batch)) if first + i in filmed}
+    step = 0
     while running.any():  # each env's first episode; auto-reset ones are ignored
+        for position, (_, film) in frames.items():
+            if running[position - first]:
+                film.append((step, _camera(obs, position - first)))
         with torch.no_grad():
             actions = policy.act(policy.obs_to_tensors(obs, policy.device),
                                  deterministic).actions
         result = env.step(actions.cpu().numpy())
+        step += env.spec.chunk_len
         ended = running & (result.terminated | result.truncated)
         success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
         fault[ended] = result.env_fault[ended]
         if result.success_at_end is not None:
             success_at_end[ended] = result.success_at_end[ended]
+        for position, (_, film) in frames.items():
+            if ended[position - first]:  # the episode's length, for the last caption
+                film.append((step, None))
         running &= ~ended
         obs = result.obs
     return [(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
-             bool(success_at_end[i])) for i in range(len(batch))]
+             bool(success_at_end[i])) for i in range(len(batch))], frames
+
+
+def _camera(obs: dict, i: int) -> np.ndarray:
+    """Env i's camera images side by side (the third-person camera, then the wrist's)."""
+    return np.concatenate([obs[k][i] for k in ("image", "wrist_image") if k in obs], axis=1)
+
+
+def _ordinals(tasks: list) -> list[int]:
+    """Each state's index among the states of its task."""
+    seen = defaultdict(int)
+    out = []
+    for task in tasks:
+        out.append(seen[task])
+        seen[task] += 1
+    return out
+
+
+def _write_video(video_dir: Path, instruction: str, film: list, state_id, task: str,
+                 success: bool) -> str:
+    """One episode's frames as `<task>-state<id>-<success|failure>.mp4`: every frame captioned
+    with the state, the step it was seen at and the instruction, and the last frame again
+    with the outcome."""
+    from hpcvla.metrics.video import caption_frame, write_video
+    outcome = "success" if success else "failure"
+    seen = [(step, image) for step, image in film if image is not None]
+    end = film[-1][0]
+    frames = [caption_frame(image, [f"state {state_id} | step {step}", instruction])
+              for step, image in seen]
+    frames.append(caption_frame(seen[-1][1], [f"state {state_id} | {outcome} at step {end}",
+                                              instruction]))
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", task).strip("_")[:60] or "task"
+    return str(write_video(Path(video_dir) / f"{slug}-state{int(state_id)}-{outcome}.mp4",
+                           frames))
 
 
 def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
@@ -130,16 +187,20 @@ def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
 
 
 def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: int,
-                      deterministic: bool, world=None) -> list[dict]:
+                      deterministic: bool, world=None, video: int = 0) -> list[dict]:
     """`hpcvla eval`: each of `policies` (a checkpoint directory, or None: the untrained
-    policy) on the same states, with its version and trained env steps."""
+    policy) on the same states, with its version and trained env steps; `video` K: K
+    episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>/."""
     curve = []
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)
+        actions = "deterministic" if deterministic else "sampled"
         curve.append({"run_dir": str(run_dir), "version": state["version"],
                       "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
                       **evaluate(cfg, weights, episodes=episodes, envs=envs, seed=cfg.run.seed,
-                                 deterministic=deterministic, world=world)})
+                                 deterministic=deterministic, world=world, video=video,
+                                 video_dir=run_dir / "videos" /
+                                 f"v{state['version']:06d}-{actions}")})
     return curve
 
 
@@ -156,6 +217,9 @@ def describe(result: dict) -> str:
     lines.append(f"  {result['split']} split: init_state_ids {ids[0]}..{ids[1]}, "
                  f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "
                  f"host(s), {result['device']}")
+    if result.get("videos"):
+        lines.append(f"  {len(result['videos'])} video(s) in "
+                     f"{Path(result['videos'][0]).parent}")
     if len(result["per_task"]) > 1:
         lines += [f"  {r['success_rate']:.3f} over {r['episodes']:>3}  {task}"
                   for task, r in result["per_task"].items()]
