@@ -94,3 +94,11 @@ def test_video_needs_a_camera(tmp_path):
     run_dir = _run_dir(tmp_path, "maniskill_pushcube.yaml", "env.camera=false")
     out = hpcvla("eval", run_dir, "--untrained", "--video", 1, timeout=60)
     assert out.returncode == 2 and "env.camera=false" in out.stderr, out.stderr[-2000:]
+
+
+def test_wilson_interval_matches_the_score_formula():
+    from hpcvla.metrics.stats import wilson_interval
+    assert wilson_interval(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson_interval(50, 50) == pytest.approx((0.9287, 1.0), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)

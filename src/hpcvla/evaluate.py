@@ -41,6 +41,7 @@ from hpcvla import checkpoint
 from hpcvla.devices import bind_rank_device, local_device
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
+from hpcvla.metrics.stats import wilson_interval
 from hpcvla.topology.plan import INF, SIM
 
 
@@ -163,6 +164,10 @@ def _write_video(video_dir: Path, instruction: str, film: list, state_id, task: 
                            frames))
 
 
+def _wilson(outcomes: list[bool]) -> list[float]:
+    return [round(x, 4) for x in wilson_interval(sum(outcomes), len(outcomes))]
+
+
 def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
     """The report of the gathered episodes (position order): an episode the env ended by a
     fault is left out and counted."""
@@ -175,13 +180,14 @@ def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
             "states": env.evaluation_kind,
             "actions": "deterministic" if deterministic else "sampled",
             "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
+            "success_ci95": _wilson(outcomes),
             "mean_return": float(np.mean([e[2] for e in kept])),
             "env_faults": len(episodes) - len(kept),
             **({"success_once": float(np.mean(outcomes)),
                 "success_at_end": float(np.mean([e[4] for e in kept]))}
                if env.run_to_horizon else {}),
-            "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s))}
-                         for task, s in per_task.items()},
+            "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s)),
+                                "success_ci95": _wilson(s)} for task, s in per_task.items()},
             "per_episode": [{"init_state_id": int(ids[p]), "task": tasks[p], "success": s,
                              "return": r, "env_fault": f} for p, s, r, f, _ in episodes]}
 
@@ -206,7 +212,9 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
 
 def describe(result: dict) -> str:
     """A result as `hpcvla eval` prints it."""
-    lines = [f"policy version {result['version']}: success {result['success_rate']:.3f} over "
+    low, high = result["success_ci95"]
+    lines = [f"policy version {result['version']}: success {result['success_rate']:.3f} "
+             f"(95 % {low:.3f}-{high:.3f}) over "
              f"{result['episodes']} episodes ({result['actions']} actions), mean return "
              f"{result['mean_return']:.2f}"
              + (f" ({result['env_faults']} left out: env faults)" if result["env_faults"] else "")]
@@ -220,8 +228,10 @@ def describe(result: dict) -> str:
     if result.get("videos"):
         lines.append(f"  {len(result['videos'])} video(s) in "
                      f"{Path(result['videos'][0]).parent}")
-    if len(result["per_task"]) > 1:
-        lines += [f"  {r['success_rate']:.3f} over {r['episodes']:>3}  {task}"
+    if len(result["per_task"]) > 1:  # a markdown table
+        lines += ["", "| task | episodes | success | 95 % (Wilson) |", "|---|---:|---:|---|"]
+        lines += [f"| {task} | {r['episodes']} | {r['success_rate']:.3f} | "
+                  f"{r['success_ci95'][0]:.3f}-{r['success_ci95'][1]:.3f} |"
                   for task, r in result["per_task"].items()]
     return "\n".join(lines)
 

@@ -1,5 +1,5 @@
-"""Small-sample statistics for comparing seeds: Student-t critical values and Welch's
-interval for a difference of means."""
+"""Small-sample statistics: Student-t critical values and Welch's interval for a difference
+of means (comparing seeds), Wilson's interval for a success rate (evaluation)."""
 
 from __future__ import annotations
 
@@ -24,3 +24,16 @@ def welch_interval(a, b) -> tuple[float, float, float]:
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
     t = T975[min(int(df), 30) - 1] if df < 31 else 1.96
     return diff, diff - t * se, diff + t * se
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The 95 % Wilson score interval of a success rate (successes of n): unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or n successes, which per
+    task success rates of 50 episodes often are."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    scale = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / scale
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / scale
+    return max(0.0, centre - half), min(1.0, centre + half)
