@@ -102,3 +102,26 @@ def test_wilson_interval_matches_the_score_formula():
     assert wilson_interval(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert wilson_interval(50, 50) == pytest.approx((0.9287, 1.0), abs=1e-4)
     assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # ~50 s: 10 LIBERO episodes of 220 steps with the tiny π0
+def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(tmp_path):
+    """eval.protocol=libero with the tiny π0 fixture (configs/libero_pi0.yaml): tasks 0 and 1
+    of libero_spatial, 5 fixed states each, task by task; every (failing) episode runs the
+    suite's 220 steps; the result names the protocol, and per task its Wilson interval."""
+    run_dir = _run_dir(tmp_path, "libero_pi0.yaml")
+    result = _eval(run_dir, "--deterministic", "--envs", 5, "--ranks", 2, "eval.protocol=libero",
+                   "eval.tasks=0,1", "eval.states_per_task=5", timeout=600)
+    protocol = result["protocol"]
+    assert protocol == {**protocol, "name": "libero", "suite": "libero_spatial", "tasks": [0, 1],
+                        "states_per_task": 5, "step_limit": 220, "steps": 220,
+                        "settle_steps": 10}, protocol
+    assert [e["init_state_id"] for e in result["per_episode"]] == \
+        [*range(5), *range(50, 55)]  # task 0's first 5 fixed states, then task 1's
+    assert [t.split(":")[0] for t in result["per_task"]] == ["task 0", "task 1"]
+    for episode in result["per_episode"]:
+        assert episode["steps"] == 220 or episode["success"], episode
+    for task in result["per_task"].values():
+        low, high = task["success_ci95"]
+        assert task["episodes"] == 5 and low <= task["success_rate"] <= high

@@ -29,6 +29,7 @@ states and seed give the same per-episode outcomes on 1 rank and on N.
 
 from __future__ import annotations
 
+import copy
 import re
 import socket
 from collections import defaultdict
@@ -55,6 +56,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     runs on a GPU where there is one (placement.gpus_per_node=0: the CPU). `video` K: the
     first K episodes of every task also go to `video_dir` as MP4 (`_write_video`)."""
     from hpcvla.factory import build_policy  # the policy exactly as training builds it
+    cfg, protocol = _protocol(cfg)
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
@@ -67,10 +69,10 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     policy = build_policy(cfg, env.spec, device)
     if weights is not None:
         policy.load_arrays(weights)
-    ids, tasks = env.evaluation_states(episodes)
+    ids, tasks = protocol.pop("states") if protocol else env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
     filmed = {p for p, n in enumerate(_ordinals(tasks)) if n < video}  # positions in ids
-    mine, videos = [], []  # (position in ids, success, return, env fault, success at end)
+    mine, videos = [], []  # (position in ids, success, return, env fault, success at end, steps)
     try:
         for first in range(rank * envs, len(ids), ranks * envs):
             torch.manual_seed(int(np.random.SeedSequence([seed, first]).generate_state(1)[0]))
@@ -90,14 +92,37 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     return {**_result(episodes_run, ids, tasks, env, deterministic),
             "ranks": ranks, "hosts": sorted({h for h, _ in where}),
             "device": ", ".join(sorted({d for _, d in where})),
+            "protocol": protocol or {"name": "hpcvla", "steps": cfg.env.max_episode_chunks *
+                                     cfg.env.chunk_len},
             **({"videos": sorted(videos)} if video else {})}
+
+
+def _protocol(cfg) -> tuple:
+    """The config an evaluation runs and, for eval.protocol=libero, what its protocol
+    fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
+    the suite's step limit; STEP_LIMITS of envs/libero.py) and its states; else None."""
+    if cfg.eval.protocol != "libero":
+        return cfg, None
+    from hpcvla.config.learning import eval_tasks
+    from hpcvla.envs.libero import SETTLE_STEPS, STEP_LIMITS, benchmark_states
+    cfg = copy.deepcopy(cfg)
+    limit = STEP_LIMITS[cfg.env.suite]
+    cfg.env.suite_task = -1  # the env loads each state's task
+    cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # whole chunks: >= the limit
+    ids, labels, tasks = benchmark_states(cfg.env.suite, eval_tasks(cfg.eval),
+                                          cfg.eval.states_per_task)
+    return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
+                 "states_per_task": cfg.eval.states_per_task, "step_limit": limit,
+                 "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len,
+                 "settle_steps": SETTLE_STEPS, "success": "the task done at any step (it "
+                 "ends the episode)", "states": (ids, labels)}
 
 
 def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
                filmed: set) -> tuple[list, dict]:
     """One episode from each state of `batch` (the env's first len(batch) slots; the others
     repeat states, and their outcomes are dropped); returns (position, success, return,
-    env fault, success at end) of each, and for those in `filmed` their instruction and
+    env fault, success at end, steps) of each, and for those in `filmed` their instruction and
     frames (position -> (instruction, [(step, image)])): the camera observation each chunk
     was chosen from, and (step, None) when the episode ended."""
     n = env.num_envs
@@ -105,6 +130,7 @@ def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
     running = np.ones(n, bool)
     success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
     fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
+    steps = np.zeros(n, np.int64)
     said = env.instructions()
     frames = {first + i: (said[i], []) for i in range(len(batch)) if first + i in filmed}
     step = 0
@@ -120,6 +146,7 @@ def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
         ended = running & (result.terminated | result.truncated)
         success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
         fault[ended] = result.env_fault[ended]
+        steps[ended] = result.episode_length[ended] * env.spec.chunk_len
         if result.success_at_end is not None:
             success_at_end[ended] = result.success_at_end[ended]
         for position, (_, film) in frames.items():
@@ -128,7 +155,7 @@ def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
         running &= ~ended
         obs = result.obs
     return [(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
-             bool(success_at_end[i])) for i in range(len(batch))], frames
+             bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
 
 
 def _camera(obs: dict, i: int) -> np.ndarray:
@@ -189,7 +216,8 @@ def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
             "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s)),
                                 "success_ci95": _wilson(s)} for task, s in per_task.items()},
             "per_episode": [{"init_state_id": int(ids[p]), "task": tasks[p], "success": s,
-                             "return": r, "env_fault": f} for p, s, r, f, _ in episodes]}
+                             "return": r, "steps": n, "env_fault": f}
+                            for p, s, r, f, _, n in episodes]}
 
 
 def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: int,
@@ -225,6 +253,12 @@ def describe(result: dict) -> str:
     lines.append(f"  {result['split']} split: init_state_ids {ids[0]}..{ids[1]}, "
                  f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "
                  f"host(s), {result['device']}")
+    protocol = result.get("protocol", {})
+    if protocol.get("name") == "libero":
+        lines.append(f"  LIBERO protocol: {protocol['suite']} tasks {protocol['tasks']}, "
+                     f"{protocol['states_per_task']} fixed states each, step limit "
+                     f"{protocol['step_limit']} ({protocol['steps']} run: whole chunks), "
+                     f"{protocol['settle_steps']} settle steps, success: {protocol['success']}")
     if result.get("videos"):
         lines.append(f"  {len(result['videos'])} video(s) in "
                      f"{Path(result['videos'][0]).parent}")

@@ -5,6 +5,7 @@ preflight.py."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from hpcvla.config.schema import ROLES
@@ -63,6 +64,11 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.camera", cfg.env.camera, "true, except for env.name=maniskill "
                          "with env.sim_backend=cpu, env.state=true, env.wrist_image=false and "
                          "policy.name=default (the state-only setup)"))
+    if cfg.eval.protocol == "libero" and cfg.env.name != "libero":
+        problems.append(("eval.protocol", cfg.eval.protocol,
+                         f"hpcvla for env.name={cfg.env.name}: `libero` is LIBERO's benchmark"))
+    if cfg.eval.tasks and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", cfg.eval.tasks):
+        problems.append(("eval.tasks", cfg.eval.tasks, "task indices, comma-separated (0,1)"))
     if cfg.env.control_mode != "pd_ee_delta_pose" and cfg.env.name != "maniskill":
         problems.append(("env.control_mode", cfg.env.control_mode,
                          f"pd_ee_delta_pose for env.name={cfg.env.name}: only maniskill has "

@@ -232,6 +232,29 @@ class SFTConfig:
         "(learner.checkpoint_background); 0: only at the end.", ge=0)
 
 
+@dataclass
+class EvalConfig:
+    protocol: str = setting(
+        "hpcvla", "`hpcvla eval`'s protocol. `hpcvla`: the env's first --episodes evaluation "
+        "states at the config's horizon. `libero` (env.name=libero): LIBERO's benchmark as "
+        "its and openpi's evaluation scripts run it: every task of env.suite (or eval.tasks) "
+        "in turn, its fixed initial states (eval.states_per_task of 50), the suite's step "
+        "limit (spatial 220, object 280, goal 300, libero_10 520, libero_90 400), 10 settle "
+        "steps, success when the task is first done; --episodes is then ignored.",
+        choices=("hpcvla", "libero"))
+    states_per_task: int = setting(
+        50, "eval.protocol=libero: the first this many fixed initial states of every task "
+        "(LIBERO's 50: the published numbers).", ge=1)
+    tasks: str = setting(
+        "", "eval.protocol=libero: the suite's tasks evaluated, comma-separated indices "
+        "(e.g. `0,1`); empty: every task (the published numbers).")
+
+
+def eval_tasks(cfg: EvalConfig) -> list[int] | None:
+    """The task indices `eval.tasks` names; None: every task."""
+    return [int(t) for t in cfg.tasks.split(",") if t.strip()] or None
+
+
 def demo_paths(sft: SFTConfig) -> list[str]:
     """The files `sft.demos` names."""
     return [path.strip() for path in sft.demos.split(",") if path.strip()]

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, SFTConfig, setting
+from hpcvla.config.learning import (AlgorithmConfig, EvalConfig, PolicyConfig, SFTConfig,
+                                     setting)
 from hpcvla.schedule import MODES
 
 ROLES = ("simulator", "inference", "learner")
@@ -375,3 +376,4 @@ class Config:
     emulate: EmulateConfig = field(default_factory=EmulateConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)

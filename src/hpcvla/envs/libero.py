@@ -52,10 +52,11 @@ experiments/robot/libero/run_libero_eval.py, OpenVLA-OFT's, which follows OpenVL
     the episode; `hpcvla eval --episodes 500` with env.suite_task=-1 runs the 10 x 50 trials
     of a 10-task suite, in task-major order per state instead of task by task;
   - differs: the horizon is the config's (env.max_episode_chunks x env.chunk_len), not the
-    per-suite limit of those scripts (spatial 220, object 280, goal 300, libero_10 520,
-    libero_90 400 steps): configs/libero_pi0.yaml, libero_pi05.yaml and libero_oft.yaml
-    keep 220-224 on libero_spatial, libero_spatial.yaml trains and evaluates with RL-VLA³'s
-    480. Fixtures (cabinets, stoves) are placed from a seed of (task, state), not from the
+    per-suite limit of those scripts (STEP_LIMITS), except under `hpcvla eval`'s
+    eval.protocol=libero (benchmark_states), which runs whole chunks up to the limit (past it
+    when env.chunk_len does not divide it: the scripts stop mid-chunk) and the tasks one after
+    another; configs/libero_pi0.yaml, libero_pi05.yaml and libero_oft.yaml keep 220-224 on
+    libero_spatial, libero_spatial.yaml trains and evaluates with RL-VLA³'s 480. Fixtures (cabinets, stoves) are placed from a seed of (task, state), not from the
     scripts' global seed 7 in episode order, so the same fixed state may put a fixture
     elsewhere than they do. Cameras render at env.image_size, not at 256 px resized to 224
     (a policy's processor resizes, policies/processor.py).
@@ -79,6 +80,10 @@ STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
 ACTION_DIM = 7
 SETTLE_STEPS = 10  # num_steps_wait of the standard LIBERO evaluation scripts
+# max_steps per suite of the standard evaluation scripts (openpi examples/libero/main.py,
+# OpenVLA's experiments/robot/libero/run_libero_eval.py): `hpcvla eval`'s eval.protocol=libero
+STEP_LIMITS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300,
+               "libero_10": 520, "libero_90": 400}
 SETTLE_ACTION = np.array([0.0] * 6 + [-1.0])  # their dummy action: arm still, gripper open
 _FIXTURES, _PLACEMENT = 0x11B, 0x9A5  # numpy global seeds: fixed states' fixtures, placements
 
@@ -117,6 +122,24 @@ class Suite:
         if task not in self._init_states:
             self._init_states[task] = np.asarray(self.suite.get_task_init_states(task))
         return self._init_states[task]
+
+
+def benchmark_states(suite: str, tasks: list[int] | None, per_task: int
+                     ) -> tuple[np.ndarray, list[str], list[int]]:
+    """The (task, fixed initial state) pairs of LIBERO's benchmark, task by task as its
+    scripts run them: the first `per_task` states of each of `tasks` (None: every task), as
+    the init_state_ids of an env with task -1, each one's task label, and the tasks."""
+    tasks_of = Suite(suite)
+    tasks = list(range(tasks_of.n_tasks)) if tasks is None else tasks
+    bad = [t for t in tasks if not 0 <= t < tasks_of.n_tasks]
+    if bad:
+        raise ValueError(f"eval.tasks {bad}: {suite} has tasks 0..{tasks_of.n_tasks - 1}")
+    states = len(tasks_of.init_states(tasks[0]))  # 50 in every LIBERO suite
+    if per_task > states:
+        raise ValueError(f"eval.states_per_task {per_task}: {suite} has {states} per task")
+    return (np.array([t * states + s for t in tasks for s in range(per_task)]),
+            [f"task {t}: {tasks_of.instructions[t]}" for t in tasks for _ in range(per_task)],
+            tasks)
 
 
 class _Slot:
