@@ -58,10 +58,10 @@ def test_every_instruction_survives_the_env_vocabulary():
     """A published checkpoint's prompt is rebuilt from the env's instruction ids
     (policies/processor.py): every LIBERO instruction must come back word for word."""
     from hpcvla.envs.libero import SUITES, Suite
-    from hpcvla.text import detokenize, tokenize, vocab_of
-    for suite in SUITES:
-        instructions = Suite(suite).instructions
-        vocab = vocab_of(instructions)
+    from hpcvla.text import detokenize, tokenize
+    for suite in SUITES:  # LIBERO-PRO's perturbed ones too
+        tasks = Suite(suite)
+        instructions, vocab = tasks.instructions, tasks.vocab
         for text in instructions:
             ids = tokenize(text, vocab, 64)
             assert detokenize(ids, vocab) == text.strip(), (suite, text)

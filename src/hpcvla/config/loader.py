@@ -125,6 +125,8 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
             value = float(value)
         except ValueError:
             pass
+    if kind is str and _is_type(value, int):  # PyYAML reads `0` (eval.tasks=0) as an int
+        value = str(value)
     if not _is_type(value, kind):
         problems.append((name, value, _a(kind.__name__)))
         return None

@@ -70,11 +70,12 @@ import sys
 
 import numpy as np
 
+from hpcvla.config.schema import LIBERO_PRO_SUITES, LIBERO_SUITES
 from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
 
-SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+SUITES = (*LIBERO_SUITES, *LIBERO_PRO_SUITES)
 CAMERAS = ("agentview", "robot0_eye_in_hand")
 STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
@@ -84,6 +85,7 @@ SETTLE_STEPS = 10  # num_steps_wait of the standard LIBERO evaluation scripts
 # OpenVLA's experiments/robot/libero/run_libero_eval.py): `hpcvla eval`'s eval.protocol=libero
 STEP_LIMITS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300,
                "libero_10": 520, "libero_90": 400}
+STEP_LIMITS.update({pro: STEP_LIMITS[base] for pro, base in LIBERO_PRO_SUITES.items()})
 SETTLE_ACTION = np.array([0.0] * 6 + [-1.0])  # their dummy action: arm still, gripper open
 _FIXTURES, _PLACEMENT = 0x11B, 0x9A5  # numpy global seeds: fixed states' fixtures, placements
 
@@ -114,6 +116,12 @@ class Suite:
         self.name, self.n_tasks = name, self.suite.n_tasks
         self.tasks = [self.suite.get_task(i) for i in range(self.n_tasks)]
         self.instructions = [t.language for t in self.tasks]
+        # A perturbed suite keeps its base suite's token ids and appends its own new words,
+        # so a policy trained on the base suite reads it (a reworded instruction's new words
+        # are tokens it never trained on; a published checkpoint's tokenizer gets every word)
+        base = vocab_of(Suite(LIBERO_PRO_SUITES[name]).instructions) \
+            if name in LIBERO_PRO_SUITES else ("",)
+        self.vocab = (*base, *sorted(set(vocab_of(self.instructions)) - set(base)))
         root = get_libero_path("bddl_files")
         self.bddl = [os.path.join(root, t.problem_folder, t.bddl_file) for t in self.tasks]
         self._init_states: dict[int, np.ndarray] = {}
@@ -326,4 +334,4 @@ class LiberoEnv(SerialVectorEnv):
             obs["state"] = ((STATE_DIMS[state_format],), "<f4")
         return EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
                        max_episode_chunks=max_episode_chunks,
-                       vocab=vocab_of(tasks.instructions))
+                       vocab=tasks.vocab)
