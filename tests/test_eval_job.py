@@ -140,3 +140,25 @@ def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path):
     assert result["protocol"]["step_limit"] == 220  # libero_spatial's
     assert result["episodes"] == 2 and result["env_faults"] == 0
     assert all(e["steps"] == 220 or e["success"] for e in result["per_episode"])
+
+
+@pytest.mark.mpi
+def test_inspect_writes_videos_of_a_dumps_episodes(tmp_path):
+    """`hpcvla inspect FILE --video K`: K episodes of a dump (here `hpcvla demos`' on reach) as
+    MP4 beside it, a frame per recorded step plus the outcome frame."""
+    import h5py
+
+    from hpcvla.metrics.video import read_video
+    demos = tmp_path / "reach.h5"
+    out = hpcvla("demos", ROOT / "configs/default.yaml", "--episodes", 3, "--out", demos)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = hpcvla("inspect", demos, "--video", 2, "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    (summary,) = json.loads(out.stdout)
+    assert len(summary["videos"]) == 2
+    with h5py.File(demos) as f:
+        for path, name in zip(summary["videos"], ("demo_0", "demo_1")):
+            demo = f["data"][name]
+            outcome = "success" if demo.attrs["success"] else "failure"
+            assert path == str(tmp_path / "reach-videos" / f"{name}-{outcome}.mp4")
+            assert len(read_video(path)) == len(demo["rewards"]) + 1

@@ -14,7 +14,8 @@
                                                       shards, gpu, fullsize, scale, memory,
                                                       checkpoint; a table and JSON
     hpcvla launch -n N [--timeout S] -- PROGRAM ...   any hpcvla subcommand or script on N ranks
-    hpcvla inspect FILE|RUN_DIR ... [--json] [--verify]  summarise HDF5 trajectory dumps
+    hpcvla inspect FILE|RUN_DIR ... [--json] [--verify] [--video K]
+                                                      summarise HDF5 trajectory dumps
     hpcvla demos CONFIG [key=value ...] --episodes N --out FILE [--noise S] [--successful-only]
                                                       record a scripted expert's demonstrations
 
@@ -111,6 +112,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("paths", nargs="+", metavar="FILE|RUN_DIR",
                          help="dump files, or run directories (all their dumps)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument("--video", type=int, default=0, metavar="K",
+                         help="also write the first K episodes of each file as MP4, to "
+                              "<file>-videos/ beside it (default 0: none)")
     inspect.add_argument("--verify", action="store_true",
                          help="also read every dataset, checking each chunk's checksum")
 
@@ -320,11 +324,16 @@ def cmd_inspect(args) -> int:
         if args.verify:  # reads everything: slower, catches a corrupted chunk anywhere
             for f in files:
                 verify(f)
-    except DumpError as err:
+        if args.video > 0:
+            from hpcvla.metrics.video import dump_videos
+            for f, summary in zip(files, summaries):
+                summary["videos"] = dump_videos(f, args.video, f.with_name(f.stem + "-videos"))
+    except (DumpError, ValueError) as err:
         print(f"hpcvla inspect: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summaries, indent=1) if args.json else
-          "\n".join(describe(s) for s in summaries))
+          "\n".join(describe(s) + "".join(f"\n  video {v}" for v in s.get("videos", []))
+                    for s in summaries))
     return 0
 
 
@@ -332,30 +341,22 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from hpcvla import checkpoint
-    from hpcvla.evaluate import describe, evaluate_policies, write_curve
+    from hpcvla.evaluate import describe, evaluate_policies, flag_problem, write_curve
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
         return 2
     try:
-        from hpcvla.preflight import check_config
+        from hpcvla.preflight import check_config, check_env
         cfg = load_config(run_dir / "config.yaml", args.overrides)
         check_config(cfg, str(run_dir / "config.yaml"))
+        check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
-    from hpcvla.envs.base import EVAL_STATE_IDS
-    for flag, value, low, high in (("--episodes", args.episodes, 1, EVAL_STATE_IDS),
-                                   ("--envs", args.envs, 1, None),
-                                   ("--video", args.video, 0, None),
-                                   ("--ranks", 1 if args.ranks is None else args.ranks, 1, None)):
-        if value < low or high is not None and value > high:
-            print(f"hpcvla eval: {flag} {value}: give {low} or more"
-                  + (f", at most {high} (the evaluation split's states)" if high else ""),
-                  file=sys.stderr)
-            return 2
-    if args.video and not cfg.env.camera:
-        print("hpcvla eval: --video needs a camera: the run has env.camera=false", file=sys.stderr)
+    problem = flag_problem(cfg, args.episodes, args.envs, args.video, args.ranks)
+    if problem:
+        print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
     kept = checkpoint.complete(run_dir) if args.all or not args.untrained else []

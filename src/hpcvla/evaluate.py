@@ -68,7 +68,15 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions (docstring)
     policy = build_policy(cfg, env.spec, device)
     if weights is not None:
-        policy.load_arrays(weights)
+        try:
+            policy.load_arrays(weights)
+        except RuntimeError as err:  # e.g. a word vocabulary that grew: its embedding
+            raise ValueError(
+                f"the checkpoint does not fit the policy this config builds for env "
+                f"{cfg.env.name} ({err}); a built-in policy reads its training env's word "
+                "vocabulary, which a LIBERO-PRO suite with new words (env.suite=*_lan, "
+                "*_task) extends: evaluate those with a tokenizer of its own "
+                "(policy.tokenizer, a published checkpoint)") from None
     ids, tasks = protocol.pop("states") if protocol else env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
     filmed = {p for p, n in enumerate(_ordinals(tasks)) if n < video}  # positions in ids
@@ -175,20 +183,14 @@ def _ordinals(tasks: list) -> list[int]:
 
 def _write_video(video_dir: Path, instruction: str, film: list, state_id, task: str,
                  success: bool) -> str:
-    """One episode's frames as `<task>-state<id>-<success|failure>.mp4`: every frame captioned
-    with the state, the step it was seen at and the instruction, and the last frame again
-    with the outcome."""
-    from hpcvla.metrics.video import caption_frame, write_video
+    """One episode's frames as `<task>-state<id>-<success|failure>.mp4` (video.episode_video)."""
+    from hpcvla.metrics.video import episode_video
     outcome = "success" if success else "failure"
     seen = [(step, image) for step, image in film if image is not None]
-    end = film[-1][0]
-    frames = [caption_frame(image, [f"state {state_id} | step {step}", instruction])
-              for step, image in seen]
-    frames.append(caption_frame(seen[-1][1], [f"state {state_id} | {outcome} at step {end}",
-                                              instruction]))
     slug = re.sub(r"[^A-Za-z0-9]+", "_", task).strip("_")[:60] or "task"
-    return str(write_video(Path(video_dir) / f"{slug}-state{int(state_id)}-{outcome}.mp4",
-                           frames))
+    return episode_video(Path(video_dir) / f"{slug}-state{int(state_id)}-{outcome}.mp4",
+                         [image for _, image in seen], [step for step, _ in seen],
+                         f"state {state_id}", instruction, outcome, film[-1][0])
 
 
 def _wilson(outcomes: list[bool]) -> list[float]:
@@ -218,6 +220,20 @@ def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
             "per_episode": [{"init_state_id": int(ids[p]), "task": tasks[p], "success": s,
                              "return": r, "steps": n, "env_fault": f}
                             for p, s, r, f, _, n in episodes]}
+
+
+def flag_problem(cfg, episodes: int, envs: int, video: int, ranks: int | None) -> str | None:
+    """What is wrong with `hpcvla eval`'s flags for this config, before any rank starts."""
+    from hpcvla.envs.base import EVAL_STATE_IDS
+    for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
+                                   ("--envs", envs, 1, None), ("--video", video, 0, None),
+                                   ("--ranks", 1 if ranks is None else ranks, 1, None)):
+        if value < low or high is not None and value > high:
+            return (f"{flag} {value}: give {low} or more"
+                    + (f", at most {high} (the evaluation split's states)" if high else ""))
+    if video and not cfg.env.camera:
+        return "--video needs a camera: the run has env.camera=false"
+    return None
 
 
 def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: int,

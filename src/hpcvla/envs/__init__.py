@@ -78,6 +78,9 @@ def check_env(cfg) -> None:
         if missing:
             problems.append(("env.sim_backend", env.sim_backend, f"cpu, or {missing}"))
     if env.name == "libero":
+        from hpcvla.envs.libero import SUITES
+        if env.suite not in SUITES:
+            problems.append(("env.suite", env.suite, f"one of {', '.join(SUITES)}"))
         tasks = 90 if env.suite == "libero_90" else 10
         if env.suite_task >= tasks:
             problems.append(("env.suite_task", env.suite_task,

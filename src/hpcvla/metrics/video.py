@@ -45,6 +45,45 @@ def write_video(path: Path, frames: list[np.ndarray], fps: int = 4) -> Path:
     return path
 
 
+def episode_video(path: Path, images: list[np.ndarray], steps: list[int], header: str,
+                  instruction: str, outcome: str, end: int) -> str:
+    """One episode as an MP4: each image captioned with `header`, the step it was seen at and
+    the instruction, then the last image again with the outcome and the step it ended at."""
+    frames = [caption_frame(image, [f"{header} | step {step}", instruction])
+              for image, step in zip(images, steps)]
+    frames.append(caption_frame(images[-1], [f"{header} | {outcome} at step {end}",
+                                             instruction]))
+    return str(write_video(path, frames))
+
+
+def dump_videos(path: Path, count: int, out_dir: Path) -> list[str]:
+    """The first `count` episodes of an HDF5 trajectory dump (metrics/dump.py) as MP4 in
+    `out_dir`, `demo_<i>-<success|failure>.mp4`: the camera (and wrist camera) each chunk
+    was chosen from."""
+    import h5py
+
+    from hpcvla.metrics.dump import attr_text
+    written = []
+    with h5py.File(path, "r") as f:
+        chunk = int(f.attrs.get("chunk_len", 1))
+        names = sorted(f["data"], key=lambda n: int(n.split("_")[-1]))[:count]
+        for name in names:
+            demo = f["data"][name]
+            if "image" not in demo["obs"]:
+                raise ValueError(f"{path}: no camera in its observations (env.camera=false)")
+            cameras = [demo["obs"][k][()] for k in ("image", "wrist_image") if k in demo["obs"]]
+            images = list(np.concatenate(cameras, axis=2))
+            a = demo.attrs
+            outcome = "success" if a["success"] else "failure"
+            header = (f"{attr_text(a['env_id'])} episode {a['episode']}, "
+                      f"policy v{a['policy_version']}")
+            written.append(episode_video(
+                Path(out_dir) / f"{name}-{outcome}.mp4", images,
+                [t * chunk for t in range(len(images))], header, attr_text(a["instruction"]),
+                outcome, len(images) * chunk))
+    return written
+
+
 def read_video(path: Path) -> np.ndarray:
     """An MP4 decoded back: (frames, H, W, 3) uint8."""
     import imageio.v2 as imageio
