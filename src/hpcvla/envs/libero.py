@@ -56,10 +56,11 @@ experiments/robot/libero/run_libero_eval.py, OpenVLA-OFT's, which follows OpenVL
     eval.protocol=libero (benchmark_states), which runs whole chunks up to the limit (past it
     when env.chunk_len does not divide it: the scripts stop mid-chunk) and the tasks one after
     another; configs/libero_pi0.yaml, libero_pi05.yaml and libero_oft.yaml keep 220-224 on
-    libero_spatial, libero_spatial.yaml trains and evaluates with RL-VLA³'s 480. Fixtures (cabinets, stoves) are placed from a seed of (task, state), not from the
-    scripts' global seed 7 in episode order, so the same fixed state may put a fixture
-    elsewhere than they do. Cameras render at env.image_size, not at 256 px resized to 224
-    (a policy's processor resizes, policies/processor.py).
+    libero_spatial, libero_spatial.yaml trains and evaluates with RL-VLA³'s 480. Fixtures
+    (cabinets, stoves) are placed from a seed of (task, state), not from the scripts' global
+    seed 7 in episode order, so the same fixed state may put a fixture elsewhere than they
+    do. Cameras render at env.image_size, not at 256 px resized to 224 (a policy's processor
+    resizes, policies/processor.py).
 """
 
 from __future__ import annotations
