@@ -1,8 +1,8 @@
 """Episode videos: the camera frames a policy acted on, one per action chunk, as H.264 MP4
 through imageio's ffmpeg plugin (its own ffmpeg binary: nothing from the system). Each frame
 is scaled up to at least MIN_SIDE pixels (simulator cameras are 32-256 px; nearest neighbour,
-so the pixels the policy saw stay visible) above a caption bar: the step, the outcome so far
-and the instruction."""
+so the pixels the policy saw stay visible) above a caption bar: which episode, the step and
+the instruction; a last frame repeats the last image with the outcome."""
 
 from __future__ import annotations
 
