@@ -162,3 +162,16 @@ def test_inspect_writes_videos_of_a_dumps_episodes(tmp_path):
             outcome = "success" if demo.attrs["success"] else "failure"
             assert path == str(tmp_path / "reach-videos" / f"{name}-{outcome}.mp4")
             assert len(read_video(path)) == len(demo["rewards"]) + 1
+
+
+@pytest.mark.mpi
+def test_a_built_in_policy_is_refused_an_env_with_other_instruction_words(tmp_path):
+    """A built-in policy's instruction embedding is its training env's word vocabulary:
+    LIBERO-PRO's reworded libero_spatial (`_lan`) has new words and is refused before any rank
+    starts, naming them; the `_swap` suite has the same words and runs (test above)."""
+    run_dir = _run_dir(tmp_path, "libero10_flow.yaml", "env.suite=libero_spatial")
+    out = hpcvla("eval", run_dir, "--untrained", "env.suite=libero_spatial_lan", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "another instruction vocabulary" in out.stderr and "lift" in out.stderr, \
+        out.stderr[-2000:]
+    assert not out.stdout

@@ -341,7 +341,7 @@ def cmd_eval(args) -> int:
     from pathlib import Path
 
     from hpcvla import checkpoint
-    from hpcvla.evaluate import describe, evaluate_policies, flag_problem, write_curve
+    from hpcvla.evaluate import describe, eval_problem, evaluate_policies, write_curve
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
@@ -354,7 +354,8 @@ def cmd_eval(args) -> int:
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
-    problem = flag_problem(cfg, args.episodes, args.envs, args.video, args.ranks)
+    problem = eval_problem(cfg, load_config(run_dir / "config.yaml"), args.episodes, args.envs,
+                           args.video, args.ranks)
     if problem:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2

@@ -68,15 +68,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions (docstring)
     policy = build_policy(cfg, env.spec, device)
     if weights is not None:
-        try:
-            policy.load_arrays(weights)
-        except RuntimeError as err:  # e.g. a word vocabulary that grew: its embedding
-            raise ValueError(
-                f"the checkpoint does not fit the policy this config builds for env "
-                f"{cfg.env.name} ({err}); a built-in policy reads its training env's word "
-                "vocabulary, which a LIBERO-PRO suite with new words (env.suite=*_lan, "
-                "*_task) extends: evaluate those with a tokenizer of its own "
-                "(policy.tokenizer, a published checkpoint)") from None
+        policy.load_arrays(weights)
     ids, tasks = protocol.pop("states") if protocol else env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
     filmed = {p for p, n in enumerate(_ordinals(tasks)) if n < video}  # positions in ids
@@ -222,8 +214,10 @@ def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
                             for p, s, r, f, _, n in episodes]}
 
 
-def flag_problem(cfg, episodes: int, envs: int, video: int, ranks: int | None) -> str | None:
-    """What is wrong with `hpcvla eval`'s flags for this config, before any rank starts."""
+def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
+                 ranks: int | None) -> str | None:
+    """What is wrong with `hpcvla eval`'s flags, or with evaluating the run configured as
+    `trained` in the env `cfg` configures, before any rank starts."""
     from hpcvla.envs.base import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
                                    ("--envs", envs, 1, None), ("--video", video, 0, None),
@@ -233,7 +227,27 @@ def flag_problem(cfg, episodes: int, envs: int, video: int, ranks: int | None) -
                     + (f", at most {high} (the evaluation split's states)" if high else ""))
     if video and not cfg.env.camera:
         return "--video needs a camera: the run has env.camera=false"
-    return None
+    return vocabulary_problem(cfg, trained)
+
+
+def vocabulary_problem(cfg, trained) -> str | None:
+    """Why the policy `trained` (the run's own config) built cannot read the instructions of
+    the env `cfg` evaluates on, before any rank starts: a built-in policy's instruction
+    embedding is its training env's word vocabulary, so another env must have the very same
+    one (a LIBERO-PRO `_object`/`_swap` suite does; `_lan`/`_task` ones and other tasks
+    mostly do not). A published checkpoint (policy.pretrained) tokenizes the words itself."""
+    from hpcvla.envs import env_spec
+    if cfg.policy.pretrained or cfg.env == trained.env:
+        return None
+    have, want = env_spec(trained.env).vocab, env_spec(cfg.env).vocab
+    if have == want:
+        return None
+    new = sorted(set(want) - set(have))
+    return (f"env {cfg.env.name} here has another instruction vocabulary than the run trained "
+            f"with ({len(want)} words against {len(have)}"
+            + (f"; new: {', '.join(new[:8])}{' ...' if len(new) > 8 else ''}" if new else "")
+            + "): a built-in policy reads only its training env's words; evaluate it where "
+            "they are the same, or a checkpoint with its own tokenizer (policy.pretrained)")
 
 
 def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: int,
