@@ -378,15 +378,16 @@ def cmd_eval(args) -> int:
     def report(world) -> None:
         curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,
                                   args.deterministic, world, args.video)
-        if world is not None and world.Get_rank() != 0:
-            return
-        for result in curve:
-            print(json.dumps(result) if args.json else describe(result), flush=True)
-        if args.all:  # kept with the run: postprocess/report.py draws it beside training's
-            write_curve(cfg, run_dir, curve)
-    if _launcher_rank() is None:  # one process
-        report(None)
-        return 0
+        if world is None or world.Get_rank() == 0:
+            print("\n".join(json.dumps(r) if args.json else describe(r) for r in curve))
+            if args.all:  # kept with the run: postprocess/report.py draws it with training's
+                write_curve(cfg, run_dir, curve)
+    if _launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
+        try:
+            return report(None) or 0
+        except checkpoint.CheckpointError as err:
+            print(f"hpcvla eval: {err}", file=sys.stderr)
+            return 2
     from mpi4py import MPI
 
     from hpcvla.runtime import run_guarded

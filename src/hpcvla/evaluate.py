@@ -34,6 +34,7 @@ import re
 import socket
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -46,6 +47,16 @@ from hpcvla.metrics.stats import wilson_interval
 from hpcvla.topology.plan import INF, SIM
 
 
+class Episode(NamedTuple):
+    """One evaluation episode's outcome; `position` is its state's index in the states run."""
+    position: int
+    success: bool
+    ret: float
+    env_fault: bool
+    success_at_end: bool
+    steps: int
+
+
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
              deterministic: bool = False, world=None, video: int = 0,
              video_dir: Path | None = None) -> dict:
@@ -56,7 +67,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     runs on a GPU where there is one (placement.gpus_per_node=0: the CPU). `video` K: the
     first K episodes of every task also go to `video_dir` as MP4 (`_write_video`)."""
     from hpcvla.factory import build_policy  # the policy exactly as training builds it
-    cfg, protocol = _protocol(cfg)
+    cfg, protocol, states = _protocol(cfg)
     kwargs = env_kwargs(cfg.env)
     if cfg.env.name == "reach":  # no emulated latency, no injected faults
         kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
@@ -69,40 +80,41 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
     policy = build_policy(cfg, env.spec, device)
     if weights is not None:
         policy.load_arrays(weights)
-    ids, tasks = protocol.pop("states") if protocol else env.evaluation_states(episodes)
+    ids, tasks = states or env.evaluation_states(episodes)
     assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
     filmed = {p for p, n in enumerate(_ordinals(tasks)) if n < video}  # positions in ids
-    mine, videos = [], []  # (position in ids, success, return, env fault, success at end, steps)
+    mine, videos = [], []  # Episode records, paths
     try:
         for first in range(rank * envs, len(ids), ranks * envs):
             torch.manual_seed(int(np.random.SeedSequence([seed, first]).generate_state(1)[0]))
             outcomes, frames = _run_batch(env, policy, ids[first:first + envs], deterministic,
                                           first, filmed)
             mine += outcomes
-            videos += [_write_video(video_dir, *frames[o[0]], ids[o[0]], tasks[o[0]], o[1])
-                       for o in outcomes if o[0] in frames]
+            videos += [_write_video(video_dir, *frames[e.position], ids[e.position],
+                                    tasks[e.position], e.success)
+                       for e in outcomes if e.position in frames]
     finally:
         env.close()
-    episodes_run = sorted(mine if world is None else
-                          [e for part in world.allgather(mine) for e in part])  # [dist]
-    where = (socket.gethostname(), str(device))  # the hosts and devices it ran on
-    where = [where] if world is None else world.allgather(where)  # [dist]
+    # every rank's episodes and videos, and the host and device it ran on
+    parts = [(mine, videos, socket.gethostname(), str(device))]
     if world is not None:
-        videos = [v for part in world.allgather(videos) for v in part]  # [dist]
-    return {**_result(episodes_run, ids, tasks, env, deterministic),
-            "ranks": ranks, "hosts": sorted({h for h, _ in where}),
-            "device": ", ".join(sorted({d for _, d in where})),
+        parts = world.allgather(parts[0])  # [dist]
+    return {**_result(sorted(e for part in parts for e in part[0]), ids, tasks, env,
+                      deterministic),
+            "ranks": ranks, "hosts": sorted({part[2] for part in parts}),
+            "device": ", ".join(sorted({part[3] for part in parts})),
             "protocol": protocol or {"name": "hpcvla", "steps": cfg.env.max_episode_chunks *
                                      cfg.env.chunk_len},
-            **({"videos": sorted(videos)} if video else {})}
+            **({"videos": sorted(v for part in parts for v in part[1])} if video else {})}
 
 
 def _protocol(cfg) -> tuple:
     """The config an evaluation runs and, for eval.protocol=libero, what its protocol
     fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
-    the suite's step limit; STEP_LIMITS of envs/libero.py) and its states; else None."""
+    the suite's step limit; STEP_LIMITS of envs/libero.py), and its (ids, task labels);
+    else None and None."""
     if cfg.eval.protocol != "libero":
-        return cfg, None
+        return cfg, None, None
     from hpcvla.config.learning import eval_tasks
     from hpcvla.envs.libero import SETTLE_STEPS, STEP_LIMITS, benchmark_states
     cfg = copy.deepcopy(cfg)
@@ -115,14 +127,13 @@ def _protocol(cfg) -> tuple:
                  "states_per_task": cfg.eval.states_per_task, "step_limit": limit,
                  "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len,
                  "settle_steps": SETTLE_STEPS, "success": "the task done at any step (it "
-                 "ends the episode)", "states": (ids, labels)}
+                 "ends the episode)"}, (ids, labels)
 
 
 def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
                filmed: set) -> tuple[list, dict]:
     """One episode from each state of `batch` (the env's first len(batch) slots; the others
-    repeat states, and their outcomes are dropped); returns (position, success, return,
-    env fault, success at end, steps) of each, and for those in `filmed` their instruction and
+    repeat states, and their outcomes are dropped); returns the Episode of each, and for those in `filmed` their instruction and
     frames (position -> (instruction, [(step, image)])): the camera observation each chunk
     was chosen from, and (step, None) when the episode ended."""
     n = env.num_envs
@@ -154,8 +165,8 @@ def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
                 film.append((step, None))
         running &= ~ended
         obs = result.obs
-    return [(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
-             bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
+    return [Episode(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
+                    bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
 
 
 def _camera(obs: dict, i: int) -> np.ndarray:
@@ -192,26 +203,26 @@ def _wilson(outcomes: list[bool]) -> list[float]:
 def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
     """The report of the gathered episodes (position order): an episode the env ended by a
     fault is left out and counted."""
-    kept = [e for e in episodes if not e[3]]
+    kept = [e for e in episodes if not e.env_fault]
     per_task = defaultdict(list)
-    for position, success, *_ in kept:
-        per_task[tasks[position]].append(success)
-    outcomes = [e[1] for e in kept]
+    for e in kept:
+        per_task[tasks[e.position]].append(e.success)
+    outcomes = [e.success for e in kept]
     return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
             "states": env.evaluation_kind,
             "actions": "deterministic" if deterministic else "sampled",
             "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
             "success_ci95": _wilson(outcomes),
-            "mean_return": float(np.mean([e[2] for e in kept])),
+            "mean_return": float(np.mean([e.ret for e in kept])),
             "env_faults": len(episodes) - len(kept),
             **({"success_once": float(np.mean(outcomes)),
-                "success_at_end": float(np.mean([e[4] for e in kept]))}
+                "success_at_end": float(np.mean([e.success_at_end for e in kept]))}
                if env.run_to_horizon else {}),
             "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s)),
                                 "success_ci95": _wilson(s)} for task, s in per_task.items()},
-            "per_episode": [{"init_state_id": int(ids[p]), "task": tasks[p], "success": s,
-                             "return": r, "steps": n, "env_fault": f}
-                            for p, s, r, f, _, n in episodes]}
+            "per_episode": [{"init_state_id": int(ids[e.position]), "task": tasks[e.position],
+                             "success": e.success, "return": e.ret, "steps": e.steps,
+                             "env_fault": e.env_fault} for e in episodes]}
 
 
 def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
