@@ -56,6 +56,14 @@ def test_resolved_config_round_trips(tmp_path):
     (["placement.mode=hybrid", "placement.learner_nodes=1"], "placement.learner_nodes",
      "0 unless placement.mode is disaggregated"),
     (["env.camera=false"], "env.camera", "true, except for env.name=maniskill"),
+    # held-out evaluation during training: where it runs, what it films
+    (["eval.every=5"], "placement.evaluators", "1 with eval.every > 0 in a disaggregated"),
+    (["placement.evaluators=1"], "placement.evaluators", "0 unless eval.every > 0"),
+    (["placement.evaluators=2", "eval.every=5"], "placement.evaluators", "<= 1"),
+    (["placement.mode=colocated", "placement.evaluators=1", "eval.every=5"],
+     "placement.evaluators", "0 unless placement.mode is disaggregated"),
+    (["placement.evaluators=1", "eval.every=5", "eval.video_every=7"], "eval.video_every",
+     "a multiple of eval.every (5; > 0)"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

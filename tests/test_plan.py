@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcvla.topology.plan import INF, LEARN, SIM, SPARE, PlanError, build_plan
+from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, SPARE, PlanError, build_plan
 
 ALL_ROLES = {SIM, INF, LEARN}
 
@@ -152,6 +152,18 @@ def test_layout_of_a_node_is_cells_then_learners():
 def test_infeasible_layouts_say_why(args, needle):
     with pytest.raises(PlanError, match=needle):
         build_plan(*args)
+
+
+def test_an_evaluator_takes_the_last_learner_rank_of_the_rollout_nodes():
+    """It reads its node's weight copy, so it must be on a node with an inference rank."""
+    plan = build_plan(12, 6, "disaggregated", {SIM: 2, INF: 2, LEARN: 2}, evaluators=1)
+    assert plan.with_role(EVAL) == (11,) and plan.learners == (4, 5, 10)
+    assert plan.ranks[11].node == 1 and 1 in {plan.ranks[r].node for r in plan.node_leaders}
+    assert "evaluator" in plan.table()
+    with pytest.raises(PlanError, match="the rollout nodes hold 0 learner rank"):
+        build_plan(8, 4, "disaggregated", {SIM: 3, INF: 1, LEARN: 0}, 1, evaluators=1)
+    with pytest.raises(PlanError, match="no learner rank"):  # it took the only one
+        build_plan(4, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 1}, evaluators=1)
 
 
 def test_a_learner_cap_leaves_the_learner_nodes_other_ranks_spare():

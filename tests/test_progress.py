@@ -26,3 +26,28 @@ def test_the_eta_follows_the_recent_rate_not_the_start_up(monkeypatch, capsys):
     clock[0] += 1.0
     line.on_update(20)
     assert capsys.readouterr().out.splitlines()[-1].endswith("ETA 0m00s")
+
+
+def test_a_held_out_evaluation_is_logged_at_the_trained_steps_of_its_version(tmp_path, capsys):
+    """A report may arrive versions after the one it evaluated: its record and its point on the
+    curve carry that version's trained env steps, and the progress lines show it after."""
+    import json
+
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=9, chunk_len=4, every_s=0,
+                    enabled=True)
+    for version, steps in ((1, 100), (2, 200), (3, 300)):
+        line.steps = steps
+        line.on_update(version)
+    report = {"success_rate": 0.25, "success_ci95": [0.1, 0.5], "mean_return": 1.5,
+              "episodes": 16, "actions": "deterministic", "env_faults": 0}
+    line.on_held_out(2, report)
+    line.on_update(4)
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2].startswith("[hpcvla] held-out evaluation of version 2: success 0.250 "
+                              "(95 % 0.100-0.500) over 16 episodes (deterministic actions)")
+    assert "| held-out 0.25 (v2) | ETA" in out[-1]
+    line.close()
+    (record,) = [json.loads(r)["held_out"] for r in (tmp_path / "metrics.jsonl").open()]
+    assert record == {"version": 2, "trained_env_steps": 200, "success_rate": 0.25,
+                      "mean_return": 1.5, "success_ci95": [0.1, 0.5], "episodes": 16,
+                      "actions": "deterministic", "env_faults": 0}

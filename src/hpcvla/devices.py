@@ -28,19 +28,20 @@ import warnings
 import numpy as np
 import torch
 
-from hpcvla.topology.plan import INF, LEARN, SIM, PlanError
+from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, PlanError
 
 
 def assign_node(roles: list[tuple[str, ...]], visible: list[tuple[str, ...]],
                 sim_gpu: bool) -> list[str | None]:
     """The GPU (an id from the rank's own `visible` list) each rank of one node computes on,
-    or None for the CPU. Learners first, then the other inference ranks, then simulators
-    that use a GPU; each takes its least loaded visible GPU (ties: the lowest in its list)."""
+    or None for the CPU. Learners first, then the other inference ranks (and evaluators),
+    then simulators that use a GPU; each takes its least loaded visible GPU (ties: the lowest
+    in its list)."""
     load: dict[str, int] = {}
     learner_gpus: set[str] = set()
     out: list[str | None] = [None] * len(roles)
-    wants = [0 if LEARN in r else 1 if INF in r else 2 if (SIM in r and sim_gpu) else None
-             for r in roles]
+    wants = [0 if LEARN in r else 1 if (INF in r or EVAL in r) else
+             2 if (SIM in r and sim_gpu) else None for r in roles]
     for tier in (0, 1, 2):
         for local, rank_roles in enumerate(roles):
             if wants[local] != tier or not visible[local]:

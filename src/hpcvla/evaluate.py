@@ -1,228 +1,57 @@
 """`hpcvla eval`: the success rate of a policy (a run's checkpoint, or the untrained policy
-its config builds) on a fixed set of initial states of the configured env, in this process.
-
-The env names the states (`VectorEnv.evaluation_states`): ids 0, 1, 2, ... where every id is
-its own initial state (reach, ManiSkill), the suite's (task, fixed state) pairs taken task by
-task in turn for LIBERO. They are all of the evaluation split, ids below EVAL_STATE_IDS,
-which training never starts from (envs/base.py); the result names the split, the id range
-and what the states are. Two policies evaluated with the same `episodes` see the same states,
-so their success rates compare directly (the policy still samples its actions, as it does in
-training, unless `deterministic`). An episode the env ended by a fault (`env_fault`) is no
-verdict on the policy: it is left out and counted.
-
-ManiSkill's evaluation conventions are reported beside this one: its evaluation runs every
-episode to the horizon (ignore_terminations) and reports `success_once` (the task done at any
-step) and `success_at_end` (done at the last step). For a ManiSkill env the episodes here run
-the same way (`VectorEnv.run_to_horizon`): `success_rate` is then success_once, the same
-outcome as an episode that ends at its first success (the same steps up to it), and
-`success_at_end` is measured too.
+its config builds) on a fixed set of initial states of the configured env: the held-out
+states of roles/heldout.py (which says what they are and how episodes count), the result
+naming the split, the id range and what the states are. Two policies evaluated with the same
+`episodes` see the same states, so their success rates compare directly (the policy still
+samples its actions, as it does in training, unless `deterministic`).
 
 On several ranks (`hpcvla eval --ranks N`, or srun/mpirun in jobs/slurm/eval.sbatch) the
 states go out in batches of `envs`, batch b to rank b mod N, every rank an env batch and the
 policy (a simulator and an inference role in one process, on a GPU of its node where there
-are GPUs); the outcomes are gathered on every rank. A batch is the same states in the same
-env slots whatever N is, and its sampling generator is seeded from (seed, batch), so the same
-states and seed give the same per-episode outcomes on 1 rank and on N.
+are GPUs); the outcomes are gathered on every rank, and 1 rank and N give the same
+per-episode outcomes.
 
 `hpcvla export`: a run's newest checkpoint as a Hugging Face-style folder (`export_policy`).
 """
 
 from __future__ import annotations
 
-import copy
-import re
 import socket
-from collections import defaultdict
 from pathlib import Path
-from typing import NamedTuple
-
-import numpy as np
-import torch
 
 from hpcvla import checkpoint
 from hpcvla.devices import bind_rank_device, local_device
-from hpcvla.envs import env_kwargs, make_env
-from hpcvla.envs.base import is_evaluation_state
-from hpcvla.metrics.stats import wilson_interval
+from hpcvla.roles.heldout import HeldOut
 from hpcvla.topology.plan import INF, SIM
-
-
-class Episode(NamedTuple):
-    """One evaluation episode's outcome; `position` is its state's index in the states run."""
-    position: int
-    success: bool
-    ret: float
-    env_fault: bool
-    success_at_end: bool
-    steps: int
 
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
              deterministic: bool = False, world=None, video: int = 0,
              video_dir: Path | None = None) -> dict:
-    """Run the env's first `episodes` evaluation states, `envs` at a time, one episode each;
-    returns success rate, mean return, episodes, faults, success per task and per episode.
-    `weights` None: the untrained policy. `world` (an MPI communicator, collective): its
-    ranks share the batches (module docstring) and all return the whole result. The policy
-    runs on a GPU where there is one (placement.gpus_per_node=0: the CPU). `video` K: the
-    first K episodes of every task also go to `video_dir` as MP4 (`_write_video`)."""
-    from hpcvla.factory import build_policy  # the policy exactly as training builds it
-    cfg, protocol, states = _protocol(cfg)
-    kwargs = env_kwargs(cfg.env)
-    if cfg.env.name == "reach":  # no emulated latency, no injected faults
-        kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
-    envs = max(1, min(envs, episodes))
+    """Run the env's first `episodes` evaluation states (roles/heldout.py), `envs` at a
+    time, one episode each; returns success rate, mean return, episodes, faults, success per
+    task and per episode. `weights` None: the untrained policy. `world` (an MPI communicator,
+    collective): its ranks share the batches and all return the whole result. The policy runs
+    on a GPU where there is one (placement.gpus_per_node=0: the CPU). `video` K: the first K
+    episodes of every task also go to `video_dir` as MP4."""
     rank, ranks = (0, 1) if world is None else (world.Get_rank(), world.Get_size())
     device = local_device(cfg.placement.gpus_per_node) if world is None else \
         bind_rank_device(cfg, [(SIM, INF)] * ranks, world)  # [dist] before any simulator
-    env = make_env(cfg.env.name, envs, seed, **kwargs)
-    env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions (docstring)
-    policy = build_policy(cfg, env.spec, device)
+    held_out = HeldOut(cfg, episodes, envs, seed, device, video=video)
     if weights is not None:
-        policy.load_arrays(weights)
-    ids, tasks = states or env.evaluation_states(episodes)
-    assert all(is_evaluation_state(int(i)) for i in ids), "evaluation states only"
-    filmed = {p for p, n in enumerate(_ordinals(tasks)) if n < video}  # positions in ids
-    mine, videos = [], []  # Episode records, paths
+        held_out.policy.load_arrays(weights)
     try:
-        for first in range(rank * envs, len(ids), ranks * envs):
-            torch.manual_seed(int(np.random.SeedSequence([seed, first]).generate_state(1)[0]))
-            outcomes, frames = _run_batch(env, policy, ids[first:first + envs], deterministic,
-                                          first, filmed)
-            mine += outcomes
-            videos += [_write_video(video_dir, *frames[e.position], ids[e.position],
-                                    tasks[e.position], e.success)
-                       for e in outcomes if e.position in frames]
+        mine, videos = held_out.run(deterministic, rank, ranks, video_dir if video else None)
+        # every rank's episodes and videos, and the host and device it ran on
+        parts = [(mine, videos, socket.gethostname(), str(device))]
+        if world is not None:
+            parts = world.allgather(parts[0])  # [dist]
+        return {**held_out.report([e for part in parts for e in part[0]], deterministic),
+                "ranks": ranks, "hosts": sorted({part[2] for part in parts}),
+                "device": ", ".join(sorted({part[3] for part in parts})),
+                **({"videos": sorted(v for part in parts for v in part[1])} if video else {})}
     finally:
-        env.close()
-    # every rank's episodes and videos, and the host and device it ran on
-    parts = [(mine, videos, socket.gethostname(), str(device))]
-    if world is not None:
-        parts = world.allgather(parts[0])  # [dist]
-    return {**_result(sorted(e for part in parts for e in part[0]), ids, tasks, env,
-                      deterministic),
-            "ranks": ranks, "hosts": sorted({part[2] for part in parts}),
-            "device": ", ".join(sorted({part[3] for part in parts})),
-            "protocol": protocol or {"name": "hpcvla", "steps": cfg.env.max_episode_chunks *
-                                     cfg.env.chunk_len},
-            **({"videos": sorted(v for part in parts for v in part[1])} if video else {})}
-
-
-def _protocol(cfg) -> tuple:
-    """The config an evaluation runs and, for eval.protocol=libero, what its protocol
-    fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
-    the suite's step limit; STEP_LIMITS of envs/libero.py), and its (ids, task labels);
-    else None and None."""
-    if cfg.eval.protocol != "libero":
-        return cfg, None, None
-    from hpcvla.config.learning import eval_tasks
-    from hpcvla.envs.libero import SETTLE_STEPS, STEP_LIMITS, benchmark_states
-    cfg = copy.deepcopy(cfg)
-    limit = STEP_LIMITS[cfg.env.suite]
-    cfg.env.suite_task = -1  # the env loads each state's task
-    cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # whole chunks: >= the limit
-    ids, labels, tasks = benchmark_states(cfg.env.suite, eval_tasks(cfg.eval),
-                                          cfg.eval.states_per_task)
-    return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
-                 "states_per_task": cfg.eval.states_per_task, "step_limit": limit,
-                 "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len,
-                 "settle_steps": SETTLE_STEPS, "success": "the task done at any step (it "
-                 "ends the episode)"}, (ids, labels)
-
-
-def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
-               filmed: set) -> tuple[list, dict]:
-    """One episode from each state of `batch` (the env's first len(batch) slots; the others
-    repeat states, and their outcomes are dropped); returns the Episode of each, and for those in `filmed` their instruction and
-    frames (position -> (instruction, [(step, image)])): the camera observation each chunk
-    was chosen from, and (step, None) when the episode ended."""
-    n = env.num_envs
-    obs = env.reset(init_state_ids=np.resize(batch, n))
-    running = np.ones(n, bool)
-    success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
-    fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
-    steps = np.zeros(n, np.int64)
-    said = env.instructions()
-    frames = {first + i: (said[i], []) for i in range(len(batch)) if first + i in filmed}
-    step = 0
-    while running.any():  # each env's first episode; auto-reset ones are ignored
-        for position, (_, film) in frames.items():
-            if running[position - first]:
-                film.append((step, _camera(obs, position - first)))
-        with torch.no_grad():
-            actions = policy.act(policy.obs_to_tensors(obs, policy.device),
-                                 deterministic).actions
-        result = env.step(actions.cpu().numpy())
-        step += env.spec.chunk_len
-        ended = running & (result.terminated | result.truncated)
-        success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
-        fault[ended] = result.env_fault[ended]
-        steps[ended] = result.episode_length[ended] * env.spec.chunk_len
-        if result.success_at_end is not None:
-            success_at_end[ended] = result.success_at_end[ended]
-        for position, (_, film) in frames.items():
-            if ended[position - first]:  # the episode's length, for the last caption
-                film.append((step, None))
-        running &= ~ended
-        obs = result.obs
-    return [Episode(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
-                    bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
-
-
-def _camera(obs: dict, i: int) -> np.ndarray:
-    """Env i's camera images side by side (the third-person camera, then the wrist's)."""
-    return np.concatenate([obs[k][i] for k in ("image", "wrist_image") if k in obs], axis=1)
-
-
-def _ordinals(tasks: list) -> list[int]:
-    """Each state's index among the states of its task."""
-    seen = defaultdict(int)
-    out = []
-    for task in tasks:
-        out.append(seen[task])
-        seen[task] += 1
-    return out
-
-
-def _write_video(video_dir: Path, instruction: str, film: list, state_id, task: str,
-                 success: bool) -> str:
-    """One episode's frames as `<task>-state<id>-<success|failure>.mp4` (video.episode_video)."""
-    from hpcvla.metrics.video import episode_video
-    outcome = "success" if success else "failure"
-    seen = [(step, image) for step, image in film if image is not None]
-    slug = re.sub(r"[^A-Za-z0-9]+", "_", task).strip("_")[:60] or "task"
-    return episode_video(Path(video_dir) / f"{slug}-state{int(state_id)}-{outcome}.mp4",
-                         [image for _, image in seen], [step for step, _ in seen],
-                         f"state {state_id}", instruction, outcome, film[-1][0])
-
-
-def _wilson(outcomes: list[bool]) -> list[float]:
-    return [round(x, 4) for x in wilson_interval(sum(outcomes), len(outcomes))]
-
-
-def _result(episodes: list, ids, tasks, env, deterministic) -> dict:
-    """The report of the gathered episodes (position order): an episode the env ended by a
-    fault is left out and counted."""
-    kept = [e for e in episodes if not e.env_fault]
-    per_task = defaultdict(list)
-    for e in kept:
-        per_task[tasks[e.position]].append(e.success)
-    outcomes = [e.success for e in kept]
-    return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
-            "states": env.evaluation_kind,
-            "actions": "deterministic" if deterministic else "sampled",
-            "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
-            "success_ci95": _wilson(outcomes),
-            "mean_return": float(np.mean([e.ret for e in kept])),
-            "env_faults": len(episodes) - len(kept),
-            **({"success_once": float(np.mean(outcomes)),
-                "success_at_end": float(np.mean([e.success_at_end for e in kept]))}
-               if env.run_to_horizon else {}),
-            "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s)),
-                                "success_ci95": _wilson(s)} for task, s in per_task.items()},
-            "per_episode": [{"init_state_id": int(ids[e.position]), "task": tasks[e.position],
-                             "success": e.success, "return": e.ret, "steps": e.steps,
-                             "env_fault": e.env_fault} for e in episodes]}
+        held_out.close()
 
 
 def eval_problem(cfg, trained, episodes: int, envs: int, video: int,

@@ -26,7 +26,8 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
             cfg.policy.dtype == "bfloat16":  # `auto` is judged on the machine (preflight.py)
         problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                          "learner.backend=horovod (no fp32 masters for bf16 weights)"))
-    for name in ("learner_nodes", "learners"):
+    problems += _held_out_problems(cfg)
+    for name in ("learner_nodes", "learners", "evaluators"):
         value = getattr(cfg.placement, name)
         if value and cfg.placement.mode != "disaggregated":
             problems.append((f"placement.{name}", value,
@@ -77,4 +78,24 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "
                          "simulation (set env.sim_backend=cpu, or env.name=maniskill)"))
+    return problems
+
+
+def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
+    """Held-out evaluation during training (eval.every): where it runs and what it films."""
+    ev, problems = cfg.eval, []
+    disaggregated = cfg.placement.mode == "disaggregated"
+    if ev.every and disaggregated and not cfg.placement.evaluators:
+        problems.append(("placement.evaluators", 0, "1 with eval.every > 0 in a disaggregated "
+                         "mode (a rank set aside evaluates; the last learner rank of the "
+                         "rollout nodes becomes it), or eval.every=0"))
+    if cfg.placement.evaluators and not ev.every:
+        problems.append(("placement.evaluators", cfg.placement.evaluators,
+                         "0 unless eval.every > 0 (an evaluator rank with nothing to do)"))
+    if ev.video_every and (not ev.every or ev.video_every % ev.every):
+        problems.append(("eval.video_every", ev.video_every,
+                         f"a multiple of eval.every ({ev.every}; > 0), or 0"))
+    if ev.video_every and not cfg.env.camera:
+        problems.append(("eval.video_every", ev.video_every, "0 with env.camera=false (no "
+                         "camera to film)"))
     return problems

@@ -248,6 +248,25 @@ class EvalConfig:
     tasks: str = setting(
         "", "eval.protocol=libero: the suite's tasks evaluated, comma-separated indices "
         "(e.g. `0,1`); empty: every task (the published numbers).")
+    every: int = setting(
+        0, "Held-out evaluation during training: every this many policy versions (and the "
+        "last), the newest weights on the env's evaluation states (eval.episodes of them, or "
+        "eval.protocol's), into metrics.jsonl, TensorBoard/W&B (`heldout/*`) and the "
+        "progress line. Disaggregated modes evaluate on a rank set aside "
+        "(placement.evaluators=1), while training goes on; colocated ones between versions, "
+        "every rank a share of the states. 0: off (`hpcvla eval` afterwards).", ge=0)
+    episodes: int = setting(
+        32, "eval.every: the first this many evaluation states, one episode each.", ge=1,
+        le=2 ** 20)
+    envs: int = setting(
+        8, "eval.every: the evaluation's env batch (on each evaluating rank).", ge=1)
+    deterministic: bool = setting(
+        True, "eval.every: the policy's deterministic action (its mean) rather than a sample.")
+    video_every: int = setting(
+        0, "eval.every: also film one episode per task every this many versions (a multiple "
+        "of eval.every; the first evaluation too; an evaluator that skipped the version films "
+        "the next one it evaluates), as MP4 in RUN_DIR/videos/v<version>-heldout/ and as a "
+        "video in TensorBoard (`heldout/video`, an animated GIF) and W&B. 0: none.", ge=0)
 
 
 def eval_tasks(cfg: EvalConfig) -> list[int] | None:

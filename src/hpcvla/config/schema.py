@@ -93,6 +93,13 @@ class PlacementConfig:
         "needs its own producer (an inference rank), so a layout with fewer inference ranks "
         "than learner ranks needs it; a restart on fewer rollout nodes sets it "
         "(jobs/launch.sh).", ge=0)
+    evaluators: int = setting(
+        0, "Disaggregated only: ranks set aside to evaluate held-out states while training "
+        "runs (eval.every > 0 needs one): the last learner rank of the rollout nodes becomes "
+        "the evaluator. It reads each version from its node's weight copy, as inference ranks "
+        "do, runs its own env batch and policy (a GPU where there are GPUs), and never holds "
+        "the learners up. One evaluator evaluates every version it is given, whole; 1 at "
+        "most.", ge=0, le=1)
     gpus_per_node: int = setting(
         -1, "GPUs the ranks of a node may use. -1 = detect (CUDA_VISIBLE_DEVICES, or every GPU "
         "torch sees); 0 = CPU only; k = the first k visible (`hpcvla plan` previews a GPU "

@@ -5,12 +5,12 @@ what does not fit (preflight.check_launch). docs/memory.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
 
-INF, LEARN, SIM = "inference", "learner", "simulator"
+from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
 
 @dataclass
@@ -115,18 +115,22 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
                                   cfg.learner.offload_optimizer)
             if cfg.learner.offload_optimizer:
                 host[info.rank].update(offloaded_bytes(fp, cfg.learner.zero_stage, learners))
-        if INF in info.roles:  # colocated: the same weights; the larger of the two batches
+        if INF in info.roles or EVAL in info.roles:  # colocated: the same weights; the larger
+            # of the two batches (an evaluator's counted at the inference batch)
             alone = inference_bytes(fp, on_gpu)
             parts = {k: max(parts.get(k, 0), v) for k, v in alone.items()} | \
                 {k: v for k, v in parts.items() if k not in alone}
         if parts and on_gpu:
             gpu[info.rank] = parts
-        if INF in info.roles or LEARN in info.roles:
+        if INF in info.roles or LEARN in info.roles or EVAL in info.roles:
             add(host[info.rank], "policy builds", build_bytes(fp))
             if not on_gpu:
                 add(host[info.rank], "cpu ranks' working memory", sum(parts.values()))
         if SIM in info.roles and simulator_bytes(cfg.env):
             add(host[info.rank], "simulator envs", simulator_bytes(cfg.env))
+        held_out_envs = replace(cfg.env, envs_per_simulator=cfg.eval.envs, shards=1)
+        if EVAL in info.roles and simulator_bytes(held_out_envs):
+            add(host[info.rank], "held-out envs", simulator_bytes(held_out_envs))
         if LEARN in info.roles:
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)

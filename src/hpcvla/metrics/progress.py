@@ -2,7 +2,9 @@
 per micro-batch.
 
     [hpcvla] update 12/200 | 812 trained steps/s | success 0.45 (last 200 eps) | return 3.1 |
-             staleness 0.6 | ETA 2m10s
+             staleness 0.6 | held-out 0.41 (v10) | ETA 2m10s
+
+(`held-out`: the newest evaluation on held-out states during training, eval.every.)
 
 The ETA is the remaining versions at the rate of the recent ones (the last few version
 boundaries), not of the whole run: start-up and the first, slower versions would make it fall
@@ -46,6 +48,8 @@ class Progress:
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
         self.start = self.last_print = time.monotonic()
         self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
+        self.steps_at: dict[int, int] = {0: 0}  # version -> trained env steps at its end
+        self.held_out: tuple[int, float] | None = None  # the newest (version, success)
         self._file = open(path, "a") if (enabled and path) else None
         self.board = board if enabled else None
 
@@ -53,6 +57,7 @@ class Progress:
         """Counters continue from a checkpoint."""
         self.updates = self.first_update = updates
         self.steps = self.first_steps = trained_env_steps
+        self.steps_at[updates] = trained_env_steps
 
     def on_segments(self, batch: dict, staleness: float = 0.0) -> None:
         """A micro-batch's segments arrived: count their steps and finished episodes (not
@@ -75,8 +80,41 @@ class Progress:
         if self.board:
             self.board.scalars({"success_rate": self.success_rate, **stats}, self.steps)
 
+    def on_held_out(self, version: int, report: dict, video: str | None = None) -> None:
+        """A held-out evaluation of policy `version` (roles/evaluator.py): a line now, a
+        metrics.jsonl record (under `held_out`; per task where there are several), TensorBoard's `heldout/*` at the trained env
+        steps of that version (and its video), and the figure on every progress line after."""
+        if not self.enabled:
+            return
+        steps = self.steps_at.get(version, self.steps)
+        self.held_out = (version, report["success_rate"])
+        low, high = report["success_ci95"]
+        print(f"[hpcvla] held-out evaluation of version {version}: success "
+              f"{report['success_rate']:.3f} (95 % {low:.3f}-{high:.3f}) over "
+              f"{report['episodes']} episodes ({report['actions']} actions), mean return "
+              f"{report['mean_return']:.2f}" + (f"; video {video}" if video else ""),
+              file=sys.stdout, flush=True)
+        scalars = {k: report[k] for k in ("success_rate", "mean_return", "success_at_end")
+                   if k in report}
+        if self._file:
+            record = {"time": round(time.monotonic() - self.start, 3), "update": self.updates,
+                      "trained_env_steps": self.steps,
+                      "held_out": {"version": version, "trained_env_steps": steps, **scalars,
+                                   **{k: report[k] for k in ("success_ci95", "episodes",
+                                                             "actions", "env_faults")},
+                                   **({"per_task": report["per_task"]}
+                                      if len(report.get("per_task", ())) > 1 else {})}}
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self.board:
+            self.board.scalars(scalars, steps, group="heldout")
+            if video:
+                self.board.video("heldout/video", video, steps)
+            self.board.flush()
+
     def on_update(self, updates: int) -> None:
         self.updates = updates
+        self.steps_at[updates] = self.steps
         now = time.monotonic()
         self.recent.append((now, updates))
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
@@ -86,7 +124,9 @@ class Progress:
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {self.success_rate:.2f} (last {len(self.successes)} eps) "
                   f"| return {self.mean_return:.2f} | staleness "
-                  f"{np.mean(self.staleness) if self.staleness else 0:.2f} | ETA "
+                  f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
+                  + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "
+                     if self.held_out else "") + "ETA "
                   + (f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta is not None else "--"),
                   file=sys.stdout, flush=True)
             if self._file:

@@ -7,7 +7,9 @@ One writer per run directory, on the rank that owns the learning progress (the w
 and in `hpcvla eval --all`. The x axis is trained env steps (all learners), as Sample Factory
 and CleanRL plot it, so runs with different batch sizes line up. Tags are grouped by what they
 measure: `train/*` (loss statistics of each micro-batch's last epoch), `rollout/*` (episodes
-inside trained segments), `perf/*` (throughput, staleness, busy fractions), `eval/*`.
+inside trained segments), `perf/*` (throughput, staleness, busy fractions), `eval/*`
+(`hpcvla eval --all`) and `heldout/*` (evaluation during training, eval.every; its videos in
+the image tab).
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ class RunBoard:
                 self.writer.add_scalar(tag, value, global_step=int(step))
         if self.wandb is not None:  # W&B's own step only grows: the x axis is a scalar
             self.wandb.log({**tags, STEP: int(step)})
+
+    def video(self, tag: str, path, step: int) -> None:
+        """The MP4 at `path` (metrics/video.py) at `step`: in TensorBoard as an animated GIF
+        in its image tab, in W&B as the video itself."""
+        if self.writer is not None:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            from hpcvla.metrics.video import gif_bytes, read_video
+            frames = read_video(path)
+            image = Summary.Image(height=frames.shape[1], width=frames.shape[2], colorspace=3,
+                                  encoded_image_string=gif_bytes(frames))
+            # the writer's own event file, as its add_video writes one (which needs moviepy)
+            self.writer._get_file_writer().add_summary(
+                Summary(value=[Summary.Value(tag=tag, image=image)]), int(step))
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Video(str(path), format="mp4"), STEP: int(step)})
 
     def flush(self) -> None:
         if self.writer is not None:

@@ -90,3 +90,12 @@ def read_video(path: Path) -> np.ndarray:
 
     with imageio.get_reader(path, format="FFMPEG") as reader:
         return np.stack([frame for frame in reader])  # its length is unknown (inf)
+
+
+def gif_bytes(frames: np.ndarray, fps: int = 4) -> bytes:
+    """Frames (N, H, W, 3) uint8 as an animated GIF that loops (TensorBoard's image plugin
+    plays one: its `add_video` would need moviepy for the same bytes)."""
+    import imageio.v3 as iio
+
+    return iio.imwrite("<bytes>", np.asarray(frames, np.uint8), extension=".gif",
+                       duration=1000 / fps, loop=0)

@@ -22,7 +22,8 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
     refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
-    `save(version, weights, last)` checkpoints when due; `dump` (metrics/dump.py), if given,
+    `save(version, weights, last)` runs after every version (a checkpoint when due, the
+    held-out evaluation when due: roles/evaluator.py); `dump` (metrics/dump.py), if given,
     gets every segment group; `emulate_ms(envs)`, if given, is the emulated forward-pass
     time (as on an inference rank)."""
     spec = env.spec

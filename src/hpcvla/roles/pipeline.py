@@ -37,6 +37,7 @@ from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.colocated import run_colocated
+from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import run_learner
 from hpcvla.roles.outputs import MEMORY_PLAN, checkpointer, trajectory_dump, write_report
@@ -44,7 +45,7 @@ from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
-from hpcvla.topology.plan import INF, LEARN, SIM, SPARE
+from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, SPARE
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
@@ -93,7 +94,8 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
         links = _links(me)
         roles = plan.ranks[me.rank].roles
         role = _simulator_rank if SIM in roles else _inference_rank if INF in roles \
-            else _learner_rank if LEARN in roles else _spare_rank
+            else _learner_rank if LEARN in roles else _evaluator_rank if EVAL in roles \
+            else _spare_rank
         start, stats = role(me, links)
         for piece in (links.exchange, links.ring):
             if piece is not None:
@@ -221,6 +223,9 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
 
     # the weights go to host memory only where they are published or checkpointed
     wanted = me.rank == plan.weight_root or me.comms.learners.Get_rank() == 0
+    # the evaluator's reports (eval.every), logged by the weight root as they come
+    inbox = HeldOutInbox(me.comms.world, plan.with_role(EVAL)[0], me.progress) \
+        if plan.with_role(EVAL) and me.rank == plan.weight_root else None
 
     def publish(version, last=False):
         state = full_state(engine, wanted)  # [dist] on the learners under ZeRO-3
@@ -228,6 +233,8 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
             plane.publish(version, state)
         if version > me.first:
             save(version, state, last)
+        if inbox:
+            inbox.poll()
     stats = {"staleness_hist": {}}
     queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
     publish(me.first)
@@ -238,11 +245,25 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     stats["nonfinite_steps_skipped"] = engine.skipped
     stats["trained_groups"] = queues.ledger()
     stats["unused_segments"] = _drain(ring, len(plan.producers_of(me.rank)))
+    if inbox:
+        inbox.wait_last()
     stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
                      "lost_records": ring.stats.lost_records}
     stats["weight_bytes"] = {"first_version": plane.nbytes,
                              "per_version": plane.bytes_per_version}
     return start, stats
+
+
+def _evaluator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+    """Held-out evaluation while training runs (roles/evaluator.py)."""
+    held_out = held_out_of(me.cfg, me.device, me.policy)
+    start = _start_clock(me)
+    try:
+        return start, run_evaluator(
+            me.cfg, held_out, WeightLoader(me.policy, links.plane, links.manifest), links.plane,
+            me.comms.world, me.plan.weight_root, me.run_dir, me.first, me.timeline)
+    finally:
+        held_out.close()
 
 
 def _spare_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
@@ -259,12 +280,25 @@ def _colocated_rank(me: _Rank) -> tuple[float, dict]:
                     owner=f"rank {rank} (colocated)")
     dump = trajectory_dump(cfg, me.spec, me.policy, rank, me.run_dir,
                            lambda slot: colocated_seed(cfg, rank))
-    start = _start_clock(me)
     actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
+    held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None
+    start = _start_clock(me)
+    after_version = save
+    if held_out:  # eval.every: between versions, every rank a share, the start's included
+        evaluate = between_versions(cfg, held_out, me.comms.learners, me.progress,
+                                    me.run_dir, me.timeline)
+        actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
+        evaluate(me.first, False)  # [dist]
+
+        def after_version(version, weights, last):
+            save(version, weights, last)  # [dist]
+            evaluate(version, last)  # [dist]
     env_steps = run_colocated(cfg, engine, actor, env, me.first, cfg.pipeline.total_updates,
-                              me.timeline, me.progress, save,
+                              me.timeline, me.progress, after_version,
                               stop=lambda: preempt.agreed(me.comms.learners),  # [dist]
                               dump=dump, emulate_ms=_emulated_inference(cfg))
+    if held_out:
+        held_out.close()
     stats = {"env_steps": env_steps,
              "staleness_hist": {0: me.progress.micro_batches * cfg.learner.micro_batch},
              "nonfinite_steps_skipped": engine.skipped, "env_failures": env_failures([env])}

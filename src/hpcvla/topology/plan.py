@@ -11,6 +11,9 @@ Vocabulary (docs/architecture.md, "Vocabulary: ranks, nodes, cells"):
 * node leader: the lowest inference rank of a node; the weight control plane sends each new
   policy version once to every node leader, which shares it with the node's inference ranks.
 * weight root: learner 0, which publishes weights.
+* evaluator: a rank set aside (placement.evaluators) that evaluates held-out states during
+  training: the last learner rank of the rollout nodes, where it can read its node's weight
+  copy as inference ranks do.
 * spare: a rank with no role, where `placement.learners` caps the learners below what the
   nodes' ranks would give (the last learner ranks are spare). It takes part in start-up and the
   report and computes nothing; a restart on fewer rollout nodes leaves the learner nodes' extra
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-SIM, INF, LEARN, SPARE = "simulator", "inference", "learner", "spare"
+SIM, INF, LEARN, EVAL, SPARE = "simulator", "inference", "learner", "evaluator", "spare"
 
 
 class PlanError(ValueError):
@@ -39,7 +42,7 @@ class RankInfo:
     node: int
     local_rank: int
     roles: tuple[str, ...]          # subset of (simulator, inference, learner), in that order;
-                                    # (spare,) for a rank with none
+                                    # (evaluator,) or (spare,) for a rank with neither
     cell: int | None                # cell id for simulators and inference ranks
 
 
@@ -123,9 +126,10 @@ class RankPlan:
 
 def build_plan(world_size: int, ranks_per_node: int, mode: str,
                per_node: dict[str, int] | None = None, learner_nodes: int = 0,
-               max_learners: int = 0) -> RankPlan:
-    """Lay out the world. `max_learners` > 0 caps the learners (the ones beyond are spare).
-    Raises PlanError (with what would fit) if the layout is impossible."""
+               max_learners: int = 0, evaluators: int = 0) -> RankPlan:
+    """Lay out the world. `evaluators`: the last this many learner ranks of the rollout
+    nodes evaluate instead; `max_learners` > 0 then caps the learners (the ones beyond are
+    spare). Raises PlanError (with what would fit) if the layout is impossible."""
     per_node = {SIM: 0, INF: 0, LEARN: 0, **(per_node or {})}
     if world_size < 1 or ranks_per_node < 1:
         raise PlanError(f"world size ({world_size}) and ranks per node ({ranks_per_node}) "
@@ -174,6 +178,8 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
         ranks += [RankInfo(base + i, node, i, (LEARN,), None)
                   for i in range(local, ranks_per_node)]
 
+    if evaluators:
+        ranks = _set_aside_evaluators(ranks, evaluators, num_nodes - learner_nodes)
     learners = tuple(r.rank for r in ranks if LEARN in r.roles)
     if mode == "disaggregated" and 0 < max_learners < len(learners):
         spare = set(learners[max_learners:])
@@ -195,6 +201,19 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
                  for k, p in enumerate(producers)}
     return RankPlan(mode, world_size, ranks_per_node, tuple(ranks), tuple(cells), learners,
                     feeds, _node_leaders(cells))
+
+
+def _set_aside_evaluators(ranks: list, evaluators: int, rollout_nodes: int) -> list:
+    """The last `evaluators` learner ranks of the rollout nodes as evaluators."""
+    candidates = [r.rank for r in ranks if LEARN in r.roles and r.node < rollout_nodes]
+    if len(candidates) < evaluators:
+        raise PlanError(f"placement.evaluators = {evaluators}, but the rollout nodes hold "
+                        f"{len(candidates)} learner rank(s): an evaluator reads its node's "
+                        "weight copy, so it takes a learner rank of a rollout node (add one "
+                        "to per_node.learner)")
+    taken = set(candidates[-evaluators:])
+    return [RankInfo(r.rank, r.node, r.local_rank, (EVAL,), None) if r.rank in taken else r
+            for r in ranks]
 
 
 def _colocated(world_size: int, ranks_per_node: int) -> RankPlan:
@@ -222,4 +241,4 @@ def plan_from_config(placement, world_size: int, real_ranks_per_node: int | None
         raise PlanError(f"placement.ranks_per_node = {rpn} does not divide the real node size "
                         f"{real_ranks_per_node}: emulated nodes must not straddle real ones")
     return build_plan(world_size, rpn, placement.mode, placement.per_node,
-                      placement.learner_nodes, placement.learners)
+                      placement.learner_nodes, placement.learners, placement.evaluators)

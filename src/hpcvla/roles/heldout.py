@@ -1,0 +1,216 @@
+"""Held-out episodes: an env batch and a policy on the env's evaluation states, built once and
+run as often as asked: by `hpcvla eval` (evaluate.py) and, during training, by the evaluator
+rank or between versions (evaluator.py).
+
+The env names the states (`VectorEnv.evaluation_states`): ids 0, 1, 2, ... where every id is
+its own initial state (reach, ManiSkill), the suite's (task, fixed state) pairs taken task by
+task in turn for LIBERO. They are all of the evaluation split, ids below EVAL_STATE_IDS,
+which training never starts from (envs/base.py). An episode the env ended by a fault
+(`env_fault`) is no verdict on the policy: it is left out and counted.
+
+ManiSkill's evaluation conventions are reported beside this one: its evaluation runs every
+episode to the horizon (ignore_terminations) and reports `success_once` (the task done at any
+step) and `success_at_end` (done at the last step). For a ManiSkill env the episodes here run
+the same way (`VectorEnv.run_to_horizon`): `success_rate` is then success_once, the same
+outcome as an episode that ends at its first success (the same steps up to it), and
+`success_at_end` is measured too.
+
+Several ranks share the states in batches of `envs`: batch b on rank b mod N. A batch is the
+same states in the same env slots whatever N is, and its sampling generator is seeded from
+(seed, batch) inside a forked torch generator (a training rank's own exploration noise goes on
+untouched), so the same states and seed give the same per-episode outcomes on 1 rank and on N.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hpcvla.envs import env_kwargs, make_env
+from hpcvla.envs.base import is_evaluation_state
+from hpcvla.metrics.stats import wilson_interval
+from hpcvla.watchdog import deadline, step_deadline_s
+
+
+class Episode(NamedTuple):
+    """One evaluation episode's outcome; `position` is its state's index in the states run."""
+    position: int
+    success: bool
+    ret: float
+    env_fault: bool
+    success_at_end: bool
+    steps: int
+
+
+class HeldOut:
+    """The env's first `episodes` evaluation states (or eval.protocol's), `envs` at a time,
+    one episode each, with `policy` (or the policy the config builds on `device`). `video` K:
+    the first K episodes of every task are filmed."""
+
+    def __init__(self, cfg, episodes: int, envs: int, seed: int, device, policy=None,
+                 video: int = 0):
+        from hpcvla.factory import build_policy  # the policy exactly as training builds it
+        cfg, self.protocol, states = protocol_of(cfg)
+        kwargs = env_kwargs(cfg.env)
+        if cfg.env.name == "reach":  # no emulated latency, no injected faults
+            kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
+        self.seed, self.envs = seed, max(1, min(envs, episodes))
+        self.step_deadline_s = step_deadline_s(cfg.env)  # a step that never returns: loud
+        self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
+        self.env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions
+        self.policy = policy if policy is not None else build_policy(cfg, self.env.spec, device)
+        self.ids, self.tasks = states or self.env.evaluation_states(episodes)
+        assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"
+        self.filmed = {p for p, n in enumerate(_ordinals(self.tasks)) if n < video}
+        self.protocol = self.protocol or {"name": "hpcvla", "steps": cfg.env.max_episode_chunks
+                                          * cfg.env.chunk_len}
+
+    def run(self, deterministic: bool, rank: int = 0, ranks: int = 1,
+            video_dir: Path | None = None) -> tuple[list[Episode], list[str]]:
+        """This rank's batches, one episode per state: their Episodes and the videos written
+        (to `video_dir`, where the batch holds a filmed state)."""
+        mine, videos = [], []
+        devices = [self.policy.device] if self.policy.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for first in range(rank * self.envs, len(self.ids), ranks * self.envs):
+                torch.manual_seed(int(np.random.SeedSequence([self.seed, first])
+                                      .generate_state(1)[0]))
+                outcomes, frames = _run_batch(self.env, self.policy,
+                                              self.ids[first:first + self.envs],
+                                              deterministic, first,
+                                              self.filmed if video_dir else set(),
+                                              self.step_deadline_s)
+                mine += outcomes
+                videos += [_write_video(video_dir, *frames[e.position], self.ids[e.position],
+                                        self.tasks[e.position], e.success)
+                           for e in outcomes if e.position in frames]
+        return mine, videos
+
+    def report(self, episodes: list[Episode], deterministic: bool) -> dict:
+        """The result of every rank's episodes: success with its 95 % (Wilson) interval,
+        per task and per episode; an episode the env ended by a fault is left out, counted."""
+        episodes = sorted(episodes)
+        kept = [e for e in episodes if not e.env_fault]
+        per_task = defaultdict(list)
+        for e in kept:
+            per_task[self.tasks[e.position]].append(e.success)
+        outcomes, ids = [e.success for e in kept], self.ids
+        return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
+                "states": self.env.evaluation_kind,
+                "actions": "deterministic" if deterministic else "sampled",
+                "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
+                "success_ci95": _wilson(outcomes),
+                "mean_return": float(np.mean([e.ret for e in kept])),
+                "env_faults": len(episodes) - len(kept),
+                **({"success_once": float(np.mean(outcomes)),
+                    "success_at_end": float(np.mean([e.success_at_end for e in kept]))}
+                   if self.env.run_to_horizon else {}),
+                "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s)),
+                                    "success_ci95": _wilson(s)} for task, s in per_task.items()},
+                "per_episode": [{"init_state_id": int(ids[e.position]),
+                                 "task": self.tasks[e.position], "success": e.success,
+                                 "return": e.ret, "steps": e.steps, "env_fault": e.env_fault}
+                                for e in episodes],
+                "protocol": self.protocol}
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def protocol_of(cfg) -> tuple:
+    """The config an evaluation runs and, for eval.protocol=libero, what its protocol
+    fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
+    the suite's step limit; STEP_LIMITS of envs/libero.py), and its (ids, task labels);
+    else None and None."""
+    if cfg.eval.protocol != "libero":
+        return cfg, None, None
+    from hpcvla.config.learning import eval_tasks
+    from hpcvla.envs.libero import SETTLE_STEPS, STEP_LIMITS, benchmark_states
+    cfg = copy.deepcopy(cfg)
+    limit = STEP_LIMITS[cfg.env.suite]
+    cfg.env.suite_task = -1  # the env loads each state's task
+    cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # whole chunks: >= the limit
+    ids, labels, tasks = benchmark_states(cfg.env.suite, eval_tasks(cfg.eval),
+                                          cfg.eval.states_per_task)
+    return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
+                 "states_per_task": cfg.eval.states_per_task, "step_limit": limit,
+                 "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len,
+                 "settle_steps": SETTLE_STEPS, "success": "the task done at any step (it "
+                 "ends the episode)"}, (ids, labels)
+
+
+def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
+               filmed: set, step_deadline: float = 0.0) -> tuple[list, dict]:
+    """One episode from each state of `batch` (the env's first len(batch) slots; the others
+    repeat states, and their outcomes are dropped); returns the Episode of each, and for those
+    in `filmed` their instruction and frames (position -> (instruction, [(step, image)])): the
+    camera observation each chunk was chosen from, and (step, None) when the episode ended."""
+    n = env.num_envs
+    obs = env.reset(init_state_ids=np.resize(batch, n))
+    running = np.ones(n, bool)
+    success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
+    fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
+    steps = np.zeros(n, np.int64)
+    said = env.instructions()
+    frames = {first + i: (said[i], []) for i in range(len(batch)) if first + i in filmed}
+    step = 0
+    while running.any():  # each env's first episode; auto-reset ones are ignored
+        for position, (_, film) in frames.items():
+            if running[position - first]:
+                film.append((step, _camera(obs, position - first)))
+        with torch.no_grad():
+            actions = policy.act(policy.obs_to_tensors(obs, policy.device),
+                                 deterministic).actions
+        with deadline(step_deadline):
+            result = env.step(actions.cpu().numpy())
+        step += env.spec.chunk_len
+        ended = running & (result.terminated | result.truncated)
+        success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
+        fault[ended] = result.env_fault[ended]
+        steps[ended] = result.episode_length[ended] * env.spec.chunk_len
+        if result.success_at_end is not None:
+            success_at_end[ended] = result.success_at_end[ended]
+        for position, (_, film) in frames.items():
+            if ended[position - first]:  # the episode's length, for the last caption
+                film.append((step, None))
+        running &= ~ended
+        obs = result.obs
+    return [Episode(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
+                    bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
+
+
+def _camera(obs: dict, i: int) -> np.ndarray:
+    """Env i's camera images side by side (the third-person camera, then the wrist's)."""
+    return np.concatenate([obs[k][i] for k in ("image", "wrist_image") if k in obs], axis=1)
+
+
+def _ordinals(tasks: list) -> list[int]:
+    """Each state's index among the states of its task."""
+    seen = defaultdict(int)
+    out = []
+    for task in tasks:
+        out.append(seen[task])
+        seen[task] += 1
+    return out
+
+
+def _write_video(video_dir: Path, instruction: str, film: list, state_id, task: str,
+                 success: bool) -> str:
+    """One episode's frames as `<task>-state<id>-<success|failure>.mp4` (video.episode_video)."""
+    from hpcvla.metrics.video import episode_video
+    outcome = "success" if success else "failure"
+    seen = [(step, image) for step, image in film if image is not None]
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", task).strip("_")[:60] or "task"
+    return episode_video(Path(video_dir) / f"{slug}-state{int(state_id)}-{outcome}.mp4",
+                         [image for _, image in seen], [step for step, _ in seen],
+                         f"state {state_id}", instruction, outcome, film[-1][0])
+
+
+def _wilson(outcomes: list[bool]) -> list[float]:
+    return [round(x, 4) for x in wilson_interval(sum(outcomes), len(outcomes))]

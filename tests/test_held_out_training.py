@@ -1,0 +1,71 @@
+"""Held-out evaluation during training (eval.every): on a rank set aside while the streamer
+trains, and between versions in sync-colocated, into metrics.jsonl, TensorBoard (with a
+video) and the progress line; the last version's figure is `hpcvla eval`'s of the last
+checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import hpcvla, run_train
+
+EVERY, VIDEO_EVERY, VERSIONS, EPISODES, ENVS = 3, 6, 7, 16, 4
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("ranks,layout", [
+    (5, ("placement.per_node={simulator: 2, inference: 1, learner: 2}",
+         "placement.evaluators=1")),
+    (2, ("placement.mode=colocated", "pipeline.mode=sync-colocated")),
+], ids=["evaluator-rank", "colocated"])
+def test_training_evaluates_the_held_out_states_every_few_versions(tmp_path, ranks, layout):
+    from hpcvla.metrics.tensorboard import read_scalars
+    from hpcvla.metrics.video import read_video
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, summary, run_dir = run_train(
+        tmp_path, *layout, f"eval.every={EVERY}", f"eval.video_every={VIDEO_EVERY}",
+        f"eval.episodes={EPISODES}", f"eval.envs={ENVS}", f"pipeline.total_updates={VERSIONS}",
+        "run.tensorboard=true", ranks=ranks)
+    records = [json.loads(line)["held_out"] for line in
+               (run_dir / "metrics.jsonl").read_text().splitlines() if '"held_out"' in line]
+    versions = [r["version"] for r in records]
+    if ranks == 2:  # between versions: exactly the multiples and the last
+        assert versions == [0, 3, 6, 7]
+    else:  # the evaluator takes the newest version when it is free: the start and the end
+        assert versions[0] == 0 and versions[-1] == VERSIONS and versions == sorted(set(versions))
+        (evaluator,) = [r for r in summary["per_rank"] if r["role"] == "evaluator"]
+        assert evaluator["held_out_versions"] == versions and evaluator["busy_s"]["evaluate"] > 0
+    assert all(r["episodes"] == EPISODES and r["actions"] == "deterministic" for r in records)
+    steps = [r["trained_env_steps"] for r in records]
+    (root,) = [r for r in summary["per_rank"] if "trained_env_steps" in r]
+    assert steps[0] == 0 and steps == sorted(steps) and steps[-1] == root["trained_env_steps"]
+    assert "held-out evaluation of version 7" in out.stdout
+
+    # the evaluation of the last version is `hpcvla eval`'s of the checkpoint it ended with
+    ev = hpcvla("eval", run_dir, "--deterministic", "--episodes", EPISODES, "--envs", ENVS,
+                "--json")
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    final = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert final["version"] == VERSIONS
+    assert final["success_rate"] == records[-1]["success_rate"]
+    assert final["mean_return"] == pytest.approx(records[-1]["mean_return"], rel=1e-4)
+
+    # TensorBoard: the held-out curve at the versions' trained env steps, the videos beside it
+    curve = read_scalars(run_dir)["heldout/success_rate"]
+    assert [(s, round(v, 6)) for s, v in curve] == \
+        [(s, round(r["success_rate"], 6)) for s, r in zip(steps, records)]
+    board = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"images": 0})
+    board.Reload()
+    gifs = board.Images("heldout/video")
+    filmed = sorted(run_dir.glob("videos/v*-heldout/*.mp4"))
+    if ranks == 2:  # the first evaluation and version 6
+        assert [e.step for e in gifs] == [0, steps[versions.index(6)]]
+    assert len(gifs) == len(filmed) >= 1
+    assert all(e.encoded_image_string[:6] == b"GIF89a" for e in gifs)
+    assert filmed[0].parent.name == "v000000-heldout"
+    frames = read_video(filmed[0])
+    assert frames.shape[0] >= 2 and (frames.shape[2], frames.shape[1]) == (gifs[0].width,
+                                                                          gifs[0].height)
