@@ -144,3 +144,15 @@ def test_cli_rejects_bad_config_before_any_rank_starts():
     out = subprocess.run([sys.executable, "-m", "hpcvla", "train", str(ROOT / "configs/default.yaml"),
                           "--ranks", "6"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "sum to the ranks per node" in out.stderr
+
+
+def test_the_traits_tables_and_the_registries_name_the_same_families_and_simulators():
+    """config/families.py sits below the implementations (the config checks read it before
+    any package is imported): the registries above must agree with it."""
+    from hpcvla.config.families import FAMILIES, SIMULATORS
+    from hpcvla.envs.registry import ENVS, GPU_ENVS
+    from hpcvla.policies.registry import POLICIES
+
+    assert set(FAMILIES) == set(POLICIES) and set(SIMULATORS) == set(ENVS)
+    assert {n for n, t in SIMULATORS.items() if t.gpu_simulation} == set(GPU_ENVS)
+    assert all(POLICIES[n].family == n for n in POLICIES)

@@ -31,6 +31,7 @@ A module's floor is that of its top-level name under hpcvla (hpcvla.roles.learne
 A new top-level module or package needs a floor here before it can be imported anywhere.
 """
 
+import re
 import ast
 from pathlib import Path
 
@@ -182,3 +183,16 @@ def test_no_module_is_over_420_lines():
     if long:
         pytest.fail(f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(long),
                     pytrace=False)
+
+
+# A policy family or a simulator is asked for its traits (config/families.py) or its code
+# (policies/registry.py, envs/registry.py: the class registered under the name), never
+# compared by name: a new family is its module plus a row in each of the two.
+NAME_CHECK = re.compile(r"\b(policy|env|env_cfg)\.name\s*(==|!=)|\benv_name\s*(==|!=)")
+
+
+def test_no_module_branches_on_a_family_or_simulator_name():
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+             for path in MODULES.values()
+             for n, line in enumerate(path.read_text().splitlines(), 1) if NAME_CHECK.search(line)]
+    assert not found, "ask config/families.py or the registry instead:\n" + "\n".join(found)

@@ -28,6 +28,7 @@ import warnings
 import numpy as np
 import torch
 
+from hpcvla.config.families import simulator
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, PlanError
 
 
@@ -164,7 +165,7 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
     if not renders_only(roles[rank], cfg.env.name):
         torch.cuda.set_device(index)  # creates this process's CUDA context there
     os.environ["HPCVLA_GPU"] = _system_gpu(index)  # env workers' CUDA_VISIBLE_DEVICES
-    if cfg.env.name == "libero":  # before MuJoCo is imported: it opens its EGL display then
+    if simulator(cfg.env.name).egl:  # before MuJoCo is imported: it opens its EGL display then
         from hpcvla.envs.egl import choose_egl_device
         choose_egl_device(index)  # the rank's GPU as EGL numbers it; env workers inherit it
     return torch.device("cuda", index)
@@ -174,7 +175,7 @@ def renders_only(roles, env_name: str) -> bool:
     """Whether a rank uses its GPU only to render through EGL (a simulator-only rank of
     LIBERO's MuJoCo): it then opens no CUDA context, which would hold ~0.5 GB of the GPU and
     fail on GPUs in EXCLUSIVE_PROCESS mode, where the inference rank sharing it holds one."""
-    return tuple(roles) == (SIM,) and env_name == "libero"
+    return tuple(roles) == (SIM,) and simulator(env_name).egl
 
 
 def local_device(gpus_per_node: int = -1) -> torch.device:

@@ -164,7 +164,7 @@ def _renderer(cfg) -> list[Check]:
     out = _python(code, {**os.environ, **env})
     checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
         "drew a 16x16 scene" if out.returncode == 0 else f"failed: {_last_line(out)}"), fix)]
-    if cfg.env.name == "maniskill" and cfg.env.sim_backend == "gpu":
+    if cfg.env.sim_backend == "gpu":  # (config/checks.py: a simulator with a GPU variant)
         libs = glob.glob(str(Path.home() / ".sapien" / "physx" / "*" / "libPhysXGpu_64.so"))
         checks.append(Check("physx-gpu", bool(libs), ", ".join(libs) or "no libPhysXGpu_64.so "
                             "under ~/.sapien/physx", "run one GPU simulation where the node "

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hpcvla import checkpoint
+from hpcvla.config.families import simulator
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.isolated import IsolatedEnv
@@ -24,7 +25,7 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
     """`n` envs as configured; `first_env` is the run-wide index of the first (simulators
     spread tasks and report failures by it); `owner` names the rank in failure reports."""
     kwargs = env_kwargs(cfg.env)
-    if cfg.env.name == "reach":
+    if simulator(cfg.env.name).emulated:
         kwargs["latency_sleep"] = latency_sleep
     else:
         kwargs["first_env"] = first_env

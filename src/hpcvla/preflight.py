@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcvla.config import ConfigError
+from hpcvla.config.families import family
 from hpcvla.envs import check_env, env_uses_gpu
 from hpcvla.metrics.tensorboard import wandb_problems
 from hpcvla.schedule import config_layout_problems
@@ -41,7 +42,7 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
             problems.append(("learner.backend", "horovod", f"deepspeed, or Horovod installed: "
                              f"{missing}"))
         # (bfloat16 itself is refused by config/checks.py; `auto` is bf16 where CUDA is)
-        if cfg.policy.name != "default" and cfg.policy.dtype != "bfloat16" and \
+        if family(cfg.policy.name).vla and cfg.policy.dtype != "bfloat16" and \
                 resolve_dtype(cfg.policy.dtype) != torch.float32:
             problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                              "learner.backend=horovod (no fp32 masters for bf16 weights)"))
@@ -81,25 +82,11 @@ def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
                  "sharded model.safetensors.index.json)")]
     from hpcvla.policies.processor import is_hpcvla_folder
     if is_hpcvla_folder(folder):  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
-        family = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
-        return [] if family == policy.name else [
-            ("policy.name", policy.name, f"{family}: the family {folder} was saved from")]
-    if policy.name == "default":
-        return [("policy.pretrained", folder, "a folder written by `hpcvla sft` (its "
-                 "`policy/`) or save_pretrained: the default policy has no published weights")]
-    if policy.name == "oft":  # OFT's folder: config, statistics, tokenizer
-        from hpcvla.policies.oft_checkpoint import check_folder
-        return check_folder(folder, policy, env)
-    from hpcvla.policies.folders import checkpoint_kwargs  # a published folder
-    from hpcvla.policies.processor import check_folder
-    from hpcvla.policies.registry import POLICIES
-    problems = check_folder(folder, policy.tokenizer)
-    try:  # the sizes the loader reads from the tensors' shapes
-        checkpoint_kwargs(POLICIES[policy.name], folder)
-    except (ValueError, KeyError) as err:
-        problems.append(("policy.pretrained", folder, f"a {policy.name} checkpoint whose "
-                         f"sizes the loader can read: {err}"))
-    return problems
+        saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
+        return [] if saved == policy.name else [
+            ("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
+    from hpcvla.policies.registry import POLICIES  # a published folder: its family judges it
+    return POLICIES[policy.name].folder_problems(folder, policy, env)
 
 
 def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
@@ -107,18 +94,14 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
     (processor.dims_problems). Builds the env's probe, so the launching process runs it, not
     the ranks (whose simulators must not load before their device is bound); a rank
     building the policy refuses the same mismatch."""
-    from hpcvla.policies.processor import dims_problems, is_hpcvla_folder, trained_dims
-    if cfg.policy.name != "flow" or not cfg.policy.pretrained or \
-            is_hpcvla_folder(cfg.policy.pretrained):
+    from hpcvla.policies.processor import is_hpcvla_folder
+    if not cfg.policy.pretrained or is_hpcvla_folder(cfg.policy.pretrained):
         return []
     from hpcvla.envs import env_spec
-    from hpcvla.policies.folders import checkpoint_kwargs
     from hpcvla.policies.registry import POLICIES
-    padded = checkpoint_kwargs(POLICIES["flow"], cfg.policy.pretrained)["model_dims"]
-    spec = env_spec(cfg.env)
     return [("env", cfg.env.name, f"an env {cfg.policy.pretrained} fits: {problem}")
-            for problem in dims_problems(cfg.policy.pretrained, trained_dims(
-                cfg.policy.pretrained, padded), spec.state_dim, spec.action_dim)]
+            for problem in POLICIES[cfg.policy.name].env_fit_problems(
+                cfg.policy.pretrained, lambda: env_spec(cfg.env))]
 
 
 def check_sft(cfg, source: str = "config") -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from hpcvla.config.families import simulator
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import check_env, env_kwargs, make_env
 from hpcvla.envs.base import training_state_ids
@@ -107,11 +108,11 @@ def _env(cfg):
     (the experts read its privileged state there), reach without its emulated latency and
     injected faults (as `hpcvla eval` runs it)."""
     kwargs = env_kwargs(cfg.env)
-    if cfg.env.name == "maniskill":
-        return make_env("maniskill", 1, cfg.run.seed, **dict(kwargs, sim_backend="cpu")), \
-            cfg.env.task
-    kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
-    return make_env(cfg.env.name, 1, cfg.run.seed, **kwargs), cfg.env.name
+    if simulator(cfg.env.name).emulated:
+        kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
+        return make_env(cfg.env.name, 1, cfg.run.seed, **kwargs), cfg.env.name
+    return make_env(cfg.env.name, 1, cfg.run.seed, **dict(kwargs, sim_backend="cpu")), \
+        cfg.env.task
 
 
 def _episode(env, expert, init_state_id: int, number: int) -> tuple[dict, dict]:

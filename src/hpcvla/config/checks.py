@@ -8,12 +8,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from hpcvla.config.families import family, simulator
 from hpcvla.config.schema import ROLES
 
 
 def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     """Cross-field problems of `cfg` as (field, value, what would be valid); empty when fine."""
     problems = []
+    vla, sim = family(cfg.policy.name).vla, simulator(cfg.env.name)
     per_node = cfg.placement.per_node
     unknown = sorted(set(per_node) - set(ROLES))
     if unknown:
@@ -22,8 +24,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     for role, count in per_node.items():
         if role in ROLES and count < 0:
             problems.append((f"placement.per_node.{role}", count, "a count >= 0"))
-    if cfg.learner.backend == "horovod" and cfg.policy.name != "default" and \
-            cfg.policy.dtype == "bfloat16":  # `auto` is judged on the machine (preflight.py)
+    if cfg.learner.backend == "horovod" and vla and cfg.policy.dtype == "bfloat16":  # `auto` is judged on the machine (preflight.py)
         problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                          "learner.backend=horovod (no fp32 masters for bf16 weights)"))
     problems += _held_out_problems(cfg)
@@ -35,8 +36,8 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.tokenizer and not cfg.policy.pretrained:
         problems.append(("policy.tokenizer", cfg.policy.tokenizer, "empty without "
                          "policy.pretrained (built-in policies read the env's instruction ids)"))
-    if cfg.policy.delta_action_dims != -1 and (cfg.policy.name != "flow" or
-                                               not cfg.policy.pretrained):
+    if cfg.policy.delta_action_dims != -1 and (
+            not family(cfg.policy.name).relative_actions or not cfg.policy.pretrained):
         problems.append(("policy.delta_action_dims", cfg.policy.delta_action_dims, "-1 "
                          "unless policy.name=flow with a published policy.pretrained folder "
                          "(the relative actions of its checkpoint)"))
@@ -45,10 +46,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("learner.offload_optimizer", True, "false unless learner.backend="
                          "deepspeed with learner.zero_stage >= 1 (ZeRO offloads the optimizer "
                          "state it partitions)"))
-    if cfg.learner.gradient_checkpointing and cfg.policy.name == "default":
+    if cfg.learner.gradient_checkpointing and not vla:
         problems.append(("learner.gradient_checkpointing", True, "false for policy.name="
                          "default (a small network: no transformer layers to recompute)"))
-    if cfg.policy.lora_rank and cfg.policy.name == "default":
+    if cfg.policy.lora_rank and not vla:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 for policy.name=default "
                          "(a small network: no language model to adapt)"))
     if cfg.algorithm.name == "grpo" and \
@@ -59,22 +60,22 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.env.envs_per_simulator % cfg.env.shards:
         problems.append(("env.shards", cfg.env.shards,
                          f"a divisor of env.envs_per_simulator ({cfg.env.envs_per_simulator})"))
-    if not cfg.env.camera and (cfg.env.name != "maniskill" or cfg.env.sim_backend != "cpu" or
-                               cfg.env.wrist_image or not cfg.env.state or
-                               cfg.policy.name != "default"):
+    if not cfg.env.camera and (not sim.state_only or cfg.env.sim_backend != "cpu" or
+                               cfg.env.wrist_image or not cfg.env.state or vla):
         problems.append(("env.camera", cfg.env.camera, "true, except for env.name=maniskill "
                          "with env.sim_backend=cpu, env.state=true, env.wrist_image=false and "
                          "policy.name=default (the state-only setup)"))
-    if cfg.eval.protocol == "libero" and cfg.env.name != "libero":
+    if cfg.eval.protocol not in ("hpcvla", sim.benchmark):
         problems.append(("eval.protocol", cfg.eval.protocol,
-                         f"hpcvla for env.name={cfg.env.name}: `libero` is LIBERO's benchmark"))
+                         f"hpcvla for env.name={cfg.env.name}: `{cfg.eval.protocol}` is "
+                         "another simulator's benchmark"))
     if cfg.eval.tasks and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", cfg.eval.tasks):
         problems.append(("eval.tasks", cfg.eval.tasks, "task indices, comma-separated (0,1)"))
-    if cfg.env.control_mode != "pd_ee_delta_pose" and cfg.env.name != "maniskill":
+    if cfg.env.control_mode != "pd_ee_delta_pose" and not sim.controllers:
         problems.append(("env.control_mode", cfg.env.control_mode,
                          f"pd_ee_delta_pose for env.name={cfg.env.name}: only maniskill has "
                          "a choice of controllers"))
-    if cfg.env.sim_backend == "gpu" and cfg.env.name != "maniskill":
+    if cfg.env.sim_backend == "gpu" and not sim.gpu_simulation:
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "
                          "simulation (set env.sim_backend=cpu, or env.name=maniskill)"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcvla.config.families import FAMILIES
+
 
 def setting(default: Any, doc: str, *, choices: tuple | None = None,
             ge: float | None = None, le: float | None = None) -> Any:
@@ -30,7 +32,7 @@ class PolicyConfig:
         "OpenVLA-OFT as published (DINOv2+SigLIP, Llama-2, action tokens in its vocabulary), "
         "loading OFT's checkpoint folders (`pretrained`) and sampling/scoring as RLinf's RL "
         "(policies/oft.py).",
-        choices=("default", "flow", "tokens", "oft"))
+        choices=tuple(FAMILIES))
     hidden: int = setting(
         128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
         "more per step.", ge=8)

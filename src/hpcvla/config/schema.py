@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hpcvla.config.families import SIMULATORS
 from hpcvla.config.learning import (AlgorithmConfig, EvalConfig, PolicyConfig, SFTConfig,
                                      setting)
 from hpcvla.schedule import MODES
@@ -150,7 +151,7 @@ class EnvConfig:
                         "instruction, fast); `maniskill` (ManiSkill3, task env.task) and "
                         "`libero` (suite env.suite) are real simulators: far slower per step "
                         "(rendering on CPU), and a LIBERO env takes ~300 MB.",
-                        choices=("reach", "maniskill", "libero"))
+                        choices=tuple(SIMULATORS))
     task: str = setting(
         "PickCube-v1", "ManiSkill3 task id (env.name=maniskill); the tasks that need no "
         "asset download are listed in hpcvla/envs/maniskill.py (NO_DOWNLOAD_TASKS).")

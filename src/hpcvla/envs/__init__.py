@@ -8,8 +8,8 @@ from hpcvla.envs.maniskill import ManiSkillEnv
 from hpcvla.envs.maniskill_gpu import ManiSkillGPUEnv
 from hpcvla.envs.reach import ReachEnv, oracle_actions
 from hpcvla.envs.isolated import IsolatedEnv
-from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_kwargs, make_env,
-                                  probe_spec)
+from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_class, env_kwargs,
+                                  make_env, probe_spec)
 
 __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
            "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_spec",
@@ -32,15 +32,9 @@ def env_spec(env_cfg) -> EnvSpec:
 
 def env_uses_gpu(env_cfg) -> bool:
     """Whether the configured simulator renders or simulates on a GPU where there is one
-    (the device map gives its ranks one, devices.py): ManiSkill renders with SAPIEN on the
-    GPU (and simulates there with env.sim_backend=gpu); LIBERO's MuJoCo renders through EGL
-    on a GPU unless MUJOCO_GL says otherwise (osmesa renders on the CPU); reach runs on CPU."""
-    import os
-    if env_cfg.name == "maniskill":
-        return True
-    if env_cfg.name == "libero":
-        return os.environ.get("MUJOCO_GL", "egl") == "egl"
-    return False
+    (the device map gives its ranks one, devices.py); each env class says
+    (VectorEnv.uses_gpu)."""
+    return ENVS[env_cfg.name].uses_gpu(env_cfg)
 
 
 def check_env(cfg) -> None:
@@ -54,38 +48,7 @@ def check_env(cfg) -> None:
         if find_spec(module) is None:
             problems.append(("env.name", env.name, f"a simulator installed here: package "
                              f"`{package}` is missing; run `make install` (README.md)"))
-    if env.name == "maniskill":
-        from hpcvla.envs.maniskill import CONTROL_MODES
-        if env.control_mode not in CONTROL_MODES:
-            problems.append(("env.control_mode", env.control_mode, f"one of "
-                             f"{', '.join(CONTROL_MODES)} (ManiSkill's control modes whose "
-                             "actions are normalized to [-1, 1]; the absolute ones take "
-                             "joint angles and metres)"))
-    if not problems and env.name == "maniskill":
-        from hpcvla.envs.maniskill import NO_DOWNLOAD_TASKS, missing_assets
-        try:
-            missing = missing_assets(env.task)
-        except ValueError:
-            missing = None
-        if missing is None or missing:
-            problems.append(("env.task", env.task, "a ManiSkill3 task whose assets are here "
-                             f"(no download needed: {', '.join(NO_DOWNLOAD_TASKS)})" +
-                             (f"; or download {', '.join(missing)} first with `python -m "
-                              f"mani_skill.utils.download_asset {env.task}`" if missing else "")))
-    if not problems and env.name == "maniskill" and env.sim_backend == "gpu":
-        from hpcvla.envs.maniskill_gpu import physx_gpu_missing  # CUDA is checked on the nodes
-        missing = physx_gpu_missing()
-        if missing:
-            problems.append(("env.sim_backend", env.sim_backend, f"cpu, or {missing}"))
-    if env.name == "libero":
-        from hpcvla.envs.libero import SUITES
-        if env.suite not in SUITES:
-            problems.append(("env.suite", env.suite, f"one of {', '.join(SUITES)}"))
-        tasks = 90 if env.suite == "libero_90" else 10
-        if env.suite_task >= tasks:
-            problems.append(("env.suite_task", env.suite_task,
-                             f"-1 (all tasks) or a task index below {tasks} for {env.suite}"))
-        if env.reward != "sparse":
-            problems.append(("env.reward", env.reward, "sparse (LIBERO has no dense reward)"))
+    if not problems:  # the package is there: what the simulator itself needs
+        problems += env_class(env).config_problems(env)
     if problems:
         raise ConfigError(problems, "env configuration")

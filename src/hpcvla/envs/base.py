@@ -119,6 +119,25 @@ class VectorEnv(abc.ABC):
     # what an evaluation state is, for `hpcvla eval`'s report
     evaluation_kind = "one initial state per init_state_id"
 
+    # What the configured env (the config's `env` section) needs, asked of its class before
+    # any env is built (envs/registry.py): each simulator answers for itself.
+    @classmethod
+    def config_kwargs(cls, env_cfg) -> dict:
+        """Its constructor arguments from the env section, beyond the ones every env takes."""
+        return {}
+
+    @classmethod
+    def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
+        """What pre-flight refuses (field, value, what would be valid): the task or suite it
+        cannot run here. Its package is checked first (registry.SIMULATOR_PACKAGES)."""
+        return []
+
+    @classmethod
+    def uses_gpu(cls, env_cfg) -> bool:
+        """Whether it renders or simulates on a GPU where there is one (devices.py gives its
+        ranks one)."""
+        return False
+
     @abc.abstractmethod
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:

@@ -303,6 +303,32 @@ def _release_renderer(key) -> None:
 class LiberoEnv(SerialVectorEnv):
     """`num_envs` LIBERO envs of one suite; see the module docstring."""
 
+    @classmethod
+    def config_kwargs(cls, env_cfg) -> dict:
+        return dict(suite=env_cfg.suite, task=env_cfg.suite_task,
+                    wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
+                    state_format=env_cfg.state_format)
+
+    @classmethod
+    def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
+        problems = []
+        if env_cfg.suite not in SUITES:
+            problems.append(("env.suite", env_cfg.suite, f"one of {', '.join(SUITES)}"))
+        tasks = 90 if env_cfg.suite == "libero_90" else 10
+        if env_cfg.suite_task >= tasks:
+            problems.append(("env.suite_task", env_cfg.suite_task,
+                             f"-1 (all tasks) or a task index below {tasks} for "
+                             f"{env_cfg.suite}"))
+        if env_cfg.reward != "sparse":
+            problems.append(("env.reward", env_cfg.reward, "sparse (LIBERO has no dense reward)"))
+        return problems
+
+    @classmethod
+    def uses_gpu(cls, env_cfg) -> bool:
+        """MuJoCo renders through EGL on a GPU unless MUJOCO_GL says otherwise (osmesa: the
+        CPU)."""
+        return os.environ.get("MUJOCO_GL", "egl") == "egl"
+
     def __init__(self, num_envs: int, seed: int = 0, suite: str = "libero_spatial",
                  task: int = -1, image_size: int = 64, wrist_image: bool = False,
                  state: bool = True, reward: str = "sparse", chunk_len: int = 10,

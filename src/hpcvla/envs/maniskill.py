@@ -227,6 +227,34 @@ def _no_stdin():
 class ManiSkillEnv(SerialVectorEnv):
     """`num_envs` copies of one ManiSkill3 task; see the module docstring."""
 
+    @classmethod
+    def config_kwargs(cls, env_cfg) -> dict:
+        return dict(task=env_cfg.task, wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
+                    sim_backend=env_cfg.sim_backend, control_mode=env_cfg.control_mode,
+                    **({} if env_cfg.camera else {"camera": False}))  # CPU env only
+
+    @classmethod
+    def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
+        """A control mode of CONTROL_MODES and a task whose assets are here."""
+        if env_cfg.control_mode not in CONTROL_MODES:
+            return [("env.control_mode", env_cfg.control_mode, f"one of "
+                     f"{', '.join(CONTROL_MODES)} (ManiSkill's control modes whose actions are "
+                     "normalized to [-1, 1]; the absolute ones take joint angles and metres)")]
+        try:
+            missing = missing_assets(env_cfg.task)
+        except ValueError:
+            missing = None
+        if missing is None or missing:
+            return [("env.task", env_cfg.task, "a ManiSkill3 task whose assets are here (no "
+                     f"download needed: {', '.join(NO_DOWNLOAD_TASKS)})" +
+                     (f"; or download {', '.join(missing)} first with `python -m "
+                      f"mani_skill.utils.download_asset {env_cfg.task}`" if missing else ""))]
+        return []
+
+    @classmethod
+    def uses_gpu(cls, env_cfg) -> bool:
+        return True  # SAPIEN renders on the GPU (and simulates there with sim_backend=gpu)
+
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,

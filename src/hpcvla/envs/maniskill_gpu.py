@@ -48,7 +48,8 @@ import numpy as np
 
 from hpcvla.envs.base import (StepResult, VectorEnv, check_reset_args, episode_ends,
                               training_state_ids)
-from hpcvla.envs.maniskill import describe, make_task_env, render_cameras, task_spec
+from hpcvla.envs.maniskill import (ManiSkillEnv, describe, make_task_env, render_cameras,
+                                   task_spec)
 from hpcvla.envs.serial import chunk_actions, require
 from hpcvla.seeds import env_rng, env_seeds
 from hpcvla.text import tokenize, words
@@ -94,6 +95,15 @@ def gpu_sim_device() -> int:
 class ManiSkillGPUEnv(VectorEnv):
     """`num_envs` copies of one ManiSkill3 task simulated together on a GPU; see the module
     docstring. Same constructor arguments as `ManiSkillEnv`."""
+
+    @classmethod
+    def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
+        """The CPU env's (ManiSkillEnv), then PhysX's GPU library (CUDA itself is checked on
+        the nodes)."""
+        problems = ManiSkillEnv.config_problems(env_cfg)
+        missing = None if problems else physx_gpu_missing()
+        return problems + ([("env.sim_backend", env_cfg.sim_backend, f"cpu, or {missing}")]
+                           if missing else [])
 
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,

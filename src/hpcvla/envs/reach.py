@@ -98,6 +98,12 @@ def _sample_layout(rng: np.random.Generator, num_objects: int):
 class ReachEnv(VectorEnv):
     """Vectorized "reach the <colour> object" task; see the module docstring."""
 
+    @classmethod
+    def config_kwargs(cls, env_cfg) -> dict:
+        return dict(latency_median_ms=env_cfg.latency_median_ms,
+                    latency_sigma=env_cfg.latency_sigma, hang_at_step=env_cfg.hang_at_step,
+                    crash_at_step=env_cfg.crash_at_step)
+
     def __init__(self, num_envs: int, seed: int = 0, image_size: int = 64, num_objects: int = 3,
                  chunk_len: int = 4, max_episode_chunks: int = 20, state: bool = True,
                  max_delta: float = 0.05, success_radius: float = 0.07,

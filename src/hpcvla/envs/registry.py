@@ -30,22 +30,18 @@ def make_env(name: str, num_envs: int, seed: int, sim_backend: str = "cpu",
     return cls(num_envs, seed=seed, **kwargs)
 
 
+def env_class(env_cfg) -> type[VectorEnv]:
+    """The class the configured env is built from (its GPU_ENVS variant with
+    env.sim_backend=gpu)."""
+    gpu = env_cfg.sim_backend == "gpu" and env_cfg.name in GPU_ENVS
+    return GPU_ENVS[env_cfg.name] if gpu else ENVS[env_cfg.name]
+
+
 def env_kwargs(env_cfg) -> dict:
     """Constructor arguments of the configured env (the `env` config section)."""
-    common = dict(image_size=env_cfg.image_size, chunk_len=env_cfg.chunk_len,
-                  max_episode_chunks=env_cfg.max_episode_chunks, state=env_cfg.state)
-    if env_cfg.name == "reach":
-        return dict(common, latency_median_ms=env_cfg.latency_median_ms,
-                    latency_sigma=env_cfg.latency_sigma, hang_at_step=env_cfg.hang_at_step,
-                    crash_at_step=env_cfg.crash_at_step)
-    if env_cfg.name == "maniskill":
-        return dict(common, task=env_cfg.task, wrist_image=env_cfg.wrist_image,
-                    reward=env_cfg.reward, sim_backend=env_cfg.sim_backend,
-                    control_mode=env_cfg.control_mode,
-                    **({} if env_cfg.camera else {"camera": False}))  # CPU env only
-    return dict(common, suite=env_cfg.suite, task=env_cfg.suite_task,
-                wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
-                state_format=env_cfg.state_format)
+    return dict(image_size=env_cfg.image_size, chunk_len=env_cfg.chunk_len,
+                max_episode_chunks=env_cfg.max_episode_chunks, state=env_cfg.state,
+                **ENVS[env_cfg.name].config_kwargs(env_cfg))
 
 
 def probe_spec(env_cfg) -> EnvSpec:

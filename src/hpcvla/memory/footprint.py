@@ -217,12 +217,10 @@ def _build_meta(cfg, spec, kwargs):
 def resolved_size(name: str, size, spec) -> dict | None:
     """A VLA policy's size as the configs its constructor resolves a preset name to (the
     env's image size and vocabulary); None for a policy without one."""
-    from hpcvla.policies import oft, vla
+    from hpcvla.policies.registry import POLICIES
     if size is None or isinstance(size, dict):
         return size
-    if name == "oft":
-        return oft.SIZES.get(size)
-    return vla.resolve_size(name, size, spec.obs, len(spec.vocab))
+    return POLICIES[name].resolved_size(size, spec.obs, len(spec.vocab))
 
 
 def parameter_counts(policy) -> tuple[int, int, int, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from hpcvla.config.families import family
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
 
@@ -187,9 +188,10 @@ def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
     out = [f"a smaller learner.micro_batch ({cfg.learner.micro_batch} segments x "
            f"rollout.segment_len {cfg.rollout.segment_len} = {obs} observations per "
            "forward/backward)"]
-    if not cfg.learner.gradient_checkpointing and cfg.policy.name != "default":
+    vla = family(cfg.policy.name).vla
+    if not cfg.learner.gradient_checkpointing and vla:
         out.append("learner.gradient_checkpointing=true (activations recomputed in backward)")
-    if not cfg.policy.lora_rank and cfg.policy.name != "default":
+    if not cfg.policy.lora_rank and vla:
         out.append("policy.lora_rank=16 (LoRA: optimizer state for the adapters only)")
     if cfg.learner.zero_stage < 3:
         out.append(f"learner.zero_stage={cfg.learner.zero_stage + 1} with more learners")

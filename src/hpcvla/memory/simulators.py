@@ -24,7 +24,7 @@ def simulator_bytes(env) -> int:
     processes = env.shards if env.isolation == "process" else 1
     envs = max(1, env.envs_per_simulator // processes)
     tasks = 1
-    if env.name == "libero" and env.suite_task < 0:  # a process's envs take the tasks in turn
+    if per_task and env.suite_task < 0:  # a process's envs take the suite's tasks in turn
         tasks = min(envs, SUITE_TASKS.get(env.suite, 10))
     return processes * (first + (envs - 1) * per_env + (tasks - 1) * per_task)
 

@@ -103,6 +103,34 @@ class Policy(nn.Module, abc.ABC):
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
+    # What pre-flight (preflight.py) and the memory model ask of a family, before any policy
+    # is built: each family answers for itself, so nothing outside the registry asks its name.
+    @classmethod
+    def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
+        """Config problems of a published folder (policy.pretrained) for this family: its
+        tokenizer and statistics, and the sizes the loader reads from its tensors' shapes."""
+        from hpcvla.policies.folders import checkpoint_kwargs
+        from hpcvla.policies.processor import check_folder
+        problems = check_folder(folder, policy_cfg.tokenizer)
+        try:
+            checkpoint_kwargs(cls, folder)
+        except (ValueError, KeyError) as err:
+            problems.append(("policy.pretrained", folder, f"a {cls.family} checkpoint whose "
+                             f"sizes the loader can read: {err}"))
+        return problems
+
+    @classmethod
+    def env_fit_problems(cls, folder, spec_of) -> list[str]:
+        """Why a published folder cannot act in the configured env (`spec_of()`: its EnvSpec,
+        built only when asked); none by default."""
+        return []
+
+    @classmethod
+    def resolved_size(cls, size: str, obs_spec: dict, vocab_size: int) -> dict | None:
+        """A size preset as the configs of its parts (memory/footprint.py); None for a family
+        without presets."""
+        return None
+
     def lora_models(self) -> list[nn.Module]:
         """The language models that take LoRA adapters (policy.lora_rank, policies/lora.py);
         a family without one has none (the config checks refuse the setting for it)."""

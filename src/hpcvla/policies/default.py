@@ -47,6 +47,11 @@ class DefaultPolicy(Policy):
     family = "default"
     config_fields = ("hidden", "init_log_std")  # PolicyConfig fields the pipeline passes
 
+    @classmethod
+    def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
+        return [("policy.pretrained", folder, "a folder written by `hpcvla sft` (its "
+                 "`policy/`) or save_pretrained: the default policy has no published weights")]
+
     def __init__(
         self,
         obs_spec: dict,

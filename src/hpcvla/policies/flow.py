@@ -104,6 +104,7 @@ class FlowPolicy(VLAPolicy):
     """
 
     family = "flow"
+
     config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity",
                      "dtype", "logprob_mode", "init_log_std", "variant")
     HF_KEY_MAP = (  # transformers 5 dropped SiglipVisionModel's `vision_model.` level; files keep it
@@ -120,6 +121,17 @@ class FlowPolicy(VLAPolicy):
                   _PI0 + "paligemma.lm_head.weight"),),  # hub files keep only lm_head
         "unused": (_PI0 + "gemma_expert.lm_head.weight",),  # the expert outputs no tokens
     }
+
+    @classmethod
+    def env_fit_problems(cls, folder, spec_of) -> list[str]:
+        """A published π0/π0.5 folder against the env's state and action dims
+        (processor.dims_problems): the dims it was trained on inside its padded ones."""
+        from hpcvla.policies.folders import checkpoint_kwargs
+        from hpcvla.policies.processor import dims_problems, trained_dims
+        padded = checkpoint_kwargs(cls, folder)["model_dims"]
+        spec = spec_of()
+        return dims_problems(folder, trained_dims(folder, padded), spec.state_dim,
+                             spec.action_dim)
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, logprob_mode: str = "last_step",

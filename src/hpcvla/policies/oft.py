@@ -109,6 +109,17 @@ class OFTPolicy(VLAPolicy):
     config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
                      "max_prompt_length", "sequence")
 
+    @classmethod
+    def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
+        """OFT's folder: its config, statistics and tokenizer, and whether the configured env
+        and policy run it as it was trained (oft_checkpoint.check_folder)."""
+        from hpcvla.policies.oft_checkpoint import check_folder
+        return check_folder(folder, policy_cfg, env_cfg)
+
+    @classmethod
+    def resolved_size(cls, size: str, obs_spec: dict, vocab_size: int) -> dict | None:
+        return SIZES.get(size)
+
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  logprob_granularity: str = "chunk", dtype: str = "auto",
                  temperature: float = 1.6, use_proprio: bool = True, unnorm_key: str = "",

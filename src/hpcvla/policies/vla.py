@@ -276,6 +276,10 @@ class VLAPolicy(Policy):
     HF_KEY_MAP: tuple[tuple[str, str], ...] = ()  # (our prefix, checkpoint prefix); first wins
     config_fields = ("size", "logprob_granularity", "dtype", "init_log_std")  # from PolicyConfig
 
+    @classmethod
+    def resolved_size(cls, size: str, obs_spec: dict, vocab_size: int) -> dict | None:
+        return resolve_size(cls.family, size, obs_spec, vocab_size)
+
     def _setup(self, obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                init_args: dict):
         if logprob_granularity not in GRANULARITIES:

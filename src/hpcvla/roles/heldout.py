@@ -32,6 +32,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from hpcvla.config.families import simulator
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.stats import wilson_interval
@@ -58,12 +59,13 @@ class HeldOut:
         from hpcvla.factory import build_policy  # the policy exactly as training builds it
         cfg, self.protocol, states = protocol_of(cfg)
         kwargs = env_kwargs(cfg.env)
-        if cfg.env.name == "reach":  # no emulated latency, no injected faults
+        traits = simulator(cfg.env.name)
+        if traits.emulated:  # no emulated latency, no injected faults
             kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
         self.seed, self.envs = seed, max(1, min(envs, episodes))
         self.step_deadline_s = step_deadline_s(cfg.env)  # a step that never returns: loud
         self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
-        self.env.run_to_horizon = cfg.env.name == "maniskill"  # ManiSkill's conventions
+        self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
         self.policy = policy if policy is not None else build_policy(cfg, self.env.spec, device)
         self.ids, self.tasks = states or self.env.evaluation_states(episodes)
         assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"

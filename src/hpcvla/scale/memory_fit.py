@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+from hpcvla.config.families import family
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint
 from hpcvla.memory.layout import plan_memory
@@ -61,7 +62,7 @@ def memory_levers(cfg) -> list[tuple[str, object]]:
     config's: gradient checkpointing (the VLA families), then each higher ZeRO stage, then
     the optimizer state offloaded to host memory. (LoRA changes what trains: the user's.)"""
     out = []
-    if cfg.policy.name != "default" and not cfg.learner.gradient_checkpointing:
+    if family(cfg.policy.name).vla and not cfg.learner.gradient_checkpointing:
         out.append(("learner.gradient_checkpointing", True))
     if cfg.learner.backend == "deepspeed":
         out += [("learner.zero_stage", s) for s in range(max(1, cfg.learner.zero_stage + 1), 4)]

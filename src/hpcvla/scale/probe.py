@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from hpcvla.config.families import simulator
 from hpcvla.scale.model import StageCosts
 
 
@@ -186,7 +187,7 @@ def config_costs(cfg) -> tuple[StageCosts, dict]:
                           learn_fixed_s=em.learner_ms_per_micro_batch / 1e3,
                           inf_per_request_s=overhead), \
             {"source": "emulate.* of the config", "inf_per_request_s": overhead}
-    if cfg.env.name != "reach":
+    if not simulator(cfg.env.name).emulated:
         raise ValueError(f"env.name={cfg.env.name}: the probe times the reach env only; "
                          "pass --costs balanced|table3|pi0-libero")
     costs, details = reach_costs(cfg)

@@ -1,0 +1,74 @@
+"""What the settings need to know of each policy family and each simulator: one row per
+family and per simulator, and the names `policy.name` and `env.name` accept. Everything else
+asks a row (`family(cfg.policy.name).vla`, `simulator(cfg.env.name).gpu_simulation`), or the
+class registered under the name (policies/registry.py, envs/registry.py: constructor
+arguments, folder and pre-flight checks, rendering), never compares a name (the layer test
+greps for it). A new family or simulator is its module, its registry entry and a row here.
+
+The rows sit with the settings, below the implementations: config/checks.py judges settings
+with them before any package is imported (docs/architecture.md, the floors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FamilyTraits:
+    # a vision-language-action model (transformer layers under a language model): policy.dtype,
+    # gradient checkpointing and LoRA apply, and its memory is worth the levers; the built-in
+    # `default` network is a few small layers in float32
+    vla: bool
+    # a published folder may hold relative actions (policy.delta_action_dims: π0's LIBERO)
+    relative_actions: bool
+
+
+FAMILIES = {
+    "default": FamilyTraits(vla=False, relative_actions=False),
+    "flow": FamilyTraits(vla=True, relative_actions=True),
+    "tokens": FamilyTraits(vla=True, relative_actions=False),
+    "oft": FamilyTraits(vla=True, relative_actions=False),
+}
+
+
+@dataclass(frozen=True)
+class SimulatorTraits:
+    # emulated: latency and injected faults from env.* settings, no simulator package (reach)
+    emulated: bool
+    # a choice of controllers (env.control_mode)
+    controllers: bool
+    # a GPU-batched variant (env.sim_backend=gpu)
+    gpu_simulation: bool
+    # runs without a camera on CPU physics, observing its state alone (env.camera=false)
+    state_only: bool
+    # renders through MuJoCo's EGL on the rank's GPU, which must be chosen before import
+    egl: bool
+    # its own evaluation conventions: every episode runs to the horizon, success once and at
+    # the end both reported (ManiSkill's)
+    evaluation_to_horizon: bool
+    # a benchmark protocol of its own, the eval.protocol value that names it ("" for none)
+    benchmark: str
+
+
+SIMULATORS = {
+    "reach": SimulatorTraits(emulated=True, controllers=False, gpu_simulation=False,
+                             state_only=False, egl=False,
+                             evaluation_to_horizon=False, benchmark=""),
+    "maniskill": SimulatorTraits(emulated=False, controllers=True, gpu_simulation=True,
+                                 state_only=True, egl=False,
+                                 evaluation_to_horizon=True, benchmark=""),
+    "libero": SimulatorTraits(emulated=False, controllers=False, gpu_simulation=False,
+                              state_only=False, egl=True,
+                              evaluation_to_horizon=False, benchmark="libero"),
+}
+
+
+def family(name: str) -> FamilyTraits:
+    return FAMILIES[name]
+
+
+def simulator(name: str) -> SimulatorTraits:
+    return SIMULATORS[name]
+
+
+__all__ = ["FAMILIES", "FamilyTraits", "SIMULATORS", "SimulatorTraits", "family", "simulator"]
