@@ -15,6 +15,7 @@ EVERY, VIDEO_EVERY, VERSIONS, EPISODES, ENVS = 3, 6, 7, 16, 4
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # a training run and `hpcvla eval` after it, ~15 s each case
 @pytest.mark.parametrize("ranks,layout", [
     (5, ("placement.per_node={simulator: 2, inference: 1, learner: 2}",
          "placement.evaluators=1")),

@@ -328,7 +328,7 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     batch["logprob"] += 0.1 * rng.standard_normal((T, N)).astype(np.float32)  # stale data
 
     def loss_of(b):
-        loss, stats, _ = policy_loss(cfg, policy, b)
+        loss, stats, _ = policy_loss(cfg.algorithm, policy, b)
         return loss.item(), stats
 
     base, stats = loss_of(batch)

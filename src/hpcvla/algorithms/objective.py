@@ -6,8 +6,10 @@ The advantages depend only on what was recorded (rewards, the behaviour policy's
 and fault flags), never on the weights being trained, so they are computed once, when the
 micro-batch arrives, and every epoch reuses them (as CleanRL computes GAE once per batch):
 
-    adv = advantages_of(cfg, batch, device)        # PPO: GAE, normalised; GRPO: group scores
-    loss, stats, logprob = policy_loss(cfg, model, batch, adv, proximal)
+    adv = advantages_of(alg, batch, device)        # PPO: GAE, normalised; GRPO: group scores
+    loss, stats, logprob = policy_loss(alg, model, batch, adv, proximal)
+
+`alg` is the config's `algorithm` section: nothing else of the run decides the objective.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ def _on(device, batch: dict, keys=None) -> dict[str, torch.Tensor]:
             for k, v in batch.items() if keys is None or k in keys}
 
 
-def advantages_of(cfg, batch: dict, device) -> Advantages:
-    """The advantages of a micro-batch (arrays or tensors) under `cfg.algorithm`. A step whose
-    env failed (env_fault) is no outcome of the policy: it gets none (masked out)."""
-    alg = cfg.algorithm
+def advantages_of(alg, batch: dict, device) -> Advantages:
+    """The advantages of a micro-batch (arrays or tensors) under the `algorithm` settings. A
+    step whose env failed (env_fault) is no outcome of the policy: it gets none (masked
+    out)."""
     if alg.name == "grpo":  # critic-free: each grouped episode scored against its group
         score = "success" if alg.group_score == "success" else "reward"
         b = _on(device, batch, ("done", score, "env_fault"))
@@ -56,7 +58,7 @@ def advantages_of(cfg, batch: dict, device) -> Advantages:
     return Advantages(advantages=normalize_advantages(advantages, ~faults), returns=returns)
 
 
-def policy_loss(cfg, model, batch: dict, advantages: Advantages | None = None, proximal=None,
+def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, proximal=None,
                 value_only: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """The PPO or GRPO loss of a micro-batch of segment groups, stacked along the env axis,
     given its `advantages` (advantages_of; computed here when None, for one-off callers).
@@ -64,7 +66,7 @@ def policy_loss(cfg, model, batch: dict, advantages: Advantages | None = None, p
     `value_only`: PPO's value loss alone (the critic's extra passes)."""
     T, N = batch["logprob"].shape
     if advantages is None:
-        advantages = advantages_of(cfg, batch, model.device)
+        advantages = advantages_of(alg, batch, model.device)
     batch = _on(model.device, batch)
     obs = {k[4:]: v.reshape(T * N, *v.shape[2:])
            for k, v in batch.items() if k.startswith("obs.")}
@@ -76,7 +78,6 @@ def policy_loss(cfg, model, batch: dict, advantages: Advantages | None = None, p
     # Decoupled PPO (AReaL): clip around the proximal policy (the learner's weights when this
     # version's training began), importance-weight to the behaviour policy that acted.
     proximal = logprob.detach() if proximal is None else proximal
-    alg = cfg.algorithm
     mask = ~batch["env_fault"]  # a failed env's step is masked out everywhere
     if alg.name == "grpo":  # critic-free: the value head is not trained
         pg_loss, stats = grpo_loss(logprob, proximal, behaviour, advantages.episodes,

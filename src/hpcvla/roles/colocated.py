@@ -14,18 +14,20 @@ from hpcvla.emulate import pad
 from hpcvla.engines import full_state
 from hpcvla.roles.learner import learn
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
+from hpcvla.roles.setup import RoleSetup
 from hpcvla.watchdog import deadline, step_deadline_s
 
 
-def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timeline, progress,
-                  save, stop, dump=None, emulate_ms=None) -> int:
+def run_colocated(setup: RoleSetup, *, engine, actor, env, after_version, stop,
+                  dump=None) -> int:
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
     refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
-    `save(version, weights, last)` runs after every version (a checkpoint when due, the
+    `after_version(version, weights, last)` runs after every version (a checkpoint when due, the
     held-out evaluation when due: roles/evaluator.py); `dump` (metrics/dump.py), if given,
-    gets every segment group; `emulate_ms(envs)`, if given, is the emulated forward-pass
-    time (as on an inference rank)."""
+    gets every segment group."""
+    cfg, timeline, progress = setup.cfg, setup.timeline, setup.progress
+    emulate_ms, total_updates = setup.emulated_inference_ms, setup.total_updates
     spec = env.spec
     actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
@@ -33,7 +35,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                              spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
     obs, result, groups, steps = env.reset(), None, [], 0
-    version = first
+    version = setup.first_version
     while True:
         actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)
         if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
@@ -51,7 +53,7 @@ def run_colocated(cfg, engine, actor, env, first: int, total_updates: int, timel
                                   version, timeline, progress)
                 groups, version = [], version + 1
                 last = version == total_updates or stop()
-                save(version, weights, last)  # [dist] checkpoint.save when due
+                after_version(version, weights, last)  # [dist] a checkpoint when due
                 if last:
                     break
                 continue

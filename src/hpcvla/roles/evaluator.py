@@ -22,6 +22,7 @@ from pathlib import Path
 
 from hpcvla import preempt
 from hpcvla.roles.heldout import HeldOut
+from hpcvla.roles.setup import RoleSetup
 from hpcvla.transport.backoff import Backoff
 
 HELD_OUT_TAG = 7201  # the evaluator's reports to the weight root, on COMM_WORLD
@@ -45,12 +46,14 @@ def video_dir(cfg, run_dir: Path, version: int, previous: int | None) -> Path | 
     return run_dir / "videos" / f"v{version:06d}-heldout" if films else None
 
 
-def run_evaluator(cfg, held_out: HeldOut, loader, plane, world, root: int, run_dir: Path,
-                  first: int, timeline) -> dict:
-    """The evaluator rank's loop (module docstring) until the weight plane finishes, from
-    policy version `first` (the run's start: the curve's first point where it is a multiple
-    of eval.every); returns what it evaluated. `loader` is its WeightLoader
-    (roles/inference.py)."""
+def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader, plane, world,
+                  root: int) -> dict:
+    """The evaluator rank's loop (module docstring) until the weight plane finishes, from the
+    run's first policy version (the curve's first point where it is a multiple of
+    eval.every); returns what it evaluated. `loader` is its WeightLoader (roles/inference.py),
+    `root` the weight root's world rank."""
+    cfg, run_dir, timeline, first = setup.cfg, setup.run_dir, setup.timeline, \
+        setup.first_version
     every, deterministic = cfg.eval.every, cfg.eval.deterministic
     evaluated, backoff = [], Backoff(cap=0.05)
     next_due = -(-first // every) * every
@@ -111,10 +114,12 @@ class HeldOutInbox:
         return message["last"]
 
 
-def between_versions(cfg, held_out: HeldOut, comm, progress, run_dir: Path, timeline):
+def between_versions(setup: RoleSetup, held_out: HeldOut, comm):
     """Colocated: `after(version, last)` evaluates every multiple of eval.every and the last
     version (not one a stop signal made last: the lead time is the checkpoint's), every rank
     of `comm` (the learners: all ranks) a share of the batches, logged on its rank 0."""
+    cfg, run_dir, timeline, progress = setup.cfg, setup.run_dir, setup.timeline, \
+        setup.progress
     deterministic, every = cfg.eval.deterministic, cfg.eval.every
     evaluated: list[int] = []
 

@@ -17,6 +17,7 @@ from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
+from hpcvla.roles.setup import RoleSetup
 from hpcvla.schedule import eligible
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
@@ -49,18 +50,20 @@ class InferenceServer:
     """The state of one inference rank: its cell's slots, one SegmentBuilder per slot (env
     shard), the batcher, the ring to its learner and the staleness quota."""
 
-    def __init__(self, sched, policy, loader, exchange, ring, quota: int, envs_per_shard: int,
-                 obs_keys: list, segment_len: int, producer: int, timeline, emulate_ms=None,
-                 first_version: int = 0, dump=None):
+    def __init__(self, setup: RoleSetup, *, sched, policy, loader: WeightLoader, exchange, ring,
+                 quota: int, envs_per_shard: int, obs_keys: list[str], dump=None):
+        """`quota`: segments per learner batch (schedule.producer_quota); `dump`: the rank's
+        HDF5 trajectory dump, if the run writes one."""
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring
-        self.quota, self.n, self.obs_keys, self.timeline = quota, envs_per_shard, obs_keys, \
-            timeline
-        self.max_staleness, self.emulate_ms, self.dump = sched.max_staleness, emulate_ms, dump
+        self.quota, self.n, self.obs_keys = quota, envs_per_shard, obs_keys
+        self.timeline, self.emulate_ms = setup.timeline, setup.emulated_inference_ms
+        self.max_staleness, self.dump = sched.max_staleness, dump
+        first_version, segment_len = setup.first_version, setup.cfg.rollout.segment_len
         shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                   for k in obs_keys}
         shapes.update(policy.extra_fields())  # recorded with every step, as observations
         self.builders = [SegmentBuilder(shapes, envs_per_shard, policy.chunk_len,
-                                        policy.action_dim, segment_len, producer, slot)
+                                        policy.action_dim, segment_len, setup.rank, slot)
                          for slot in range(exchange.n_slots)]
         self.batcher = DynamicBatcher(sched.batch_max, sched.wait_max_s)
         self.staging = HostStaging(policy.device)  # observations gather here, then go over

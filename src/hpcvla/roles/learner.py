@@ -25,6 +25,7 @@ import torch
 
 from hpcvla.algorithms.objective import Advantages, advantages_of, policy_loss
 from hpcvla.emulate import pad
+from hpcvla.roles.setup import RoleSetup
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
 
@@ -41,15 +42,16 @@ class MicroBatch:
         arrays = {k: np.concatenate([g[k] for g in groups], axis=1)
                   for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
         arrays["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
-        return cls(arrays, advantages_of(cfg, arrays, device))
+        return cls(arrays, advantages_of(cfg.algorithm, arrays, device))
 
 
-def run_learner(cfg, sched, engine, queues, publish, first: int, total_updates: int, timeline,
-                progress, stop) -> dict:
+def run_learner(setup: RoleSetup, *, sched, engine, queues, publish, stop) -> dict:
     """Train policy versions first+1 .. total_updates, publishing each with
     `publish(version, last)`; end early, after a whole version, when `stop()` says so.
     `queues` is this learner's SegmentQueues (roles/queues.py)."""
-    for version in range(first, total_updates):
+    cfg, timeline, progress = setup.cfg, setup.timeline, setup.progress
+    total_updates = setup.total_updates
+    for version in range(setup.first_version, total_updates):
         arriving = _arriving(cfg, sched, queues, version, timeline)
         learn(cfg, engine, arriving, version, timeline, progress)
         last = version + 1 == total_updates or stop()
@@ -93,7 +95,7 @@ def train_micro_batch(cfg, engine, micro: MicroBatch, timeline, value_only=False
     """One forward/backward pass and engine step; the first records the proximal log-probs."""
     with timeline.span("train"):
         begin = time.monotonic()
-        loss, stats, logprob = policy_loss(cfg, engine, micro.arrays, micro.advantages,
+        loss, stats, logprob = policy_loss(cfg.algorithm, engine, micro.arrays, micro.advantages,
                                            micro.proximal, value_only)
         engine.backward(loss)
         engine.step()

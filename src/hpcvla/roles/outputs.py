@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import yaml
@@ -18,6 +19,44 @@ from hpcvla.metrics import phases
 from hpcvla.metrics.tensorboard import RunBoard
 
 MEMORY_PLAN = "memory.json"  # the memory model's figures for the run (GPU runs: pipeline.py)
+
+
+@dataclass
+class RankSummary:
+    """One rank's report, an entry of summary.json's `per_rank`: the pipeline fills what
+    every rank has; the role adds what it counted (`counters`: env faults, the staleness
+    histogram, ring and forward-pass counts, ... by the names the role keeps them under)."""
+    rank: int
+    role: str
+    host: str
+    device: str
+    dtype: str
+    first_version: int
+    env_steps: int = 0
+    wall_s: float = 0.0
+    preempted: bool = False
+    phases_s: dict[str, float] = field(default_factory=dict)
+    peak_memory: dict[str, int] = field(default_factory=dict)
+    busy_s: dict[str, float] = field(default_factory=dict)
+    planned_memory: dict[str, int] | None = None  # the memory model's (GPU runs)
+    # the weight root's learning figures
+    success_rate: float | None = None
+    mean_return: float | None = None
+    trained_env_steps: int | None = None
+    env_fault_episodes: int | None = None
+    counters: dict = field(default_factory=dict)
+
+    def add(self, counted: dict) -> None:
+        """What a role returned: its env steps, and its counters."""
+        counted = dict(counted)
+        self.env_steps += counted.pop("env_steps", 0)
+        self.counters.update(counted)
+
+    def to_dict(self) -> dict:
+        """As summary.json holds it: the counters beside the fields, a field no one set
+        (None) left out."""
+        out = {k: v for k, v in asdict(self).items() if v is not None and k != "counters"}
+        return {**out, **self.counters}
 
 
 def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
@@ -53,42 +92,44 @@ def trajectory_dump(cfg, spec, policy, rank, run_dir, seed_of_slot):
                           cfg.run.dump_flush_s)
 
 
-def write_report(world, summary: dict, cfg, run_dir) -> dict:
-    """Gather every rank's summary on rank 0; write summary.json; print the headline."""
-    everyone = world.gather(summary, root=0)  # [dist]
+def write_report(world, summary: RankSummary, cfg, run_dir) -> dict:
+    """Gather every rank's summary on rank 0; write summary.json; print the headline.
+    Returns the run's summary on rank 0, this rank's own elsewhere."""
+    everyone: list[RankSummary] = world.gather(summary, root=0)  # [dist]
     if world.Get_rank() != 0:
-        return summary
-    wall = max(s["wall_s"] for s in everyone)
-    steps = sum(s["env_steps"] for s in everyone)
-    staleness = Counter()
+        return summary.to_dict()
+    wall = max(s.wall_s for s in everyone)
+    steps = sum(s.env_steps for s in everyone)
+    staleness: Counter = Counter()
     for s in everyone:
-        staleness.update({int(k): v for k, v in s.get("staleness_hist", {}).items()})
-    root = next((s for s in everyone if "success_rate" in s), {})
-    busy = {}
+        staleness.update({int(k): v for k, v in s.counters.get("staleness_hist", {}).items()})
+    root = next((s for s in everyone if s.success_rate is not None), None)
+    busy: dict[str, list[float]] = {}
     for s in everyone:
-        for stage, seconds in s["busy_s"].items():
-            busy.setdefault(f"{s['role']}:{stage}", []).append(seconds / s["wall_s"])
+        for stage, seconds in s.busy_s.items():
+            busy.setdefault(f"{s.role}:{stage}", []).append(seconds / s.wall_s)
+    rings = [s.counters["ring"] for s in everyone if "ring" in s.counters]
+    _add_planned_memory(everyone, run_dir / MEMORY_PLAN)
     result = {
         "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
         "env_steps": steps, "env_steps_per_s": steps / wall,
-        "success_rate": root.get("success_rate"), "mean_return": root.get("mean_return"),
+        "success_rate": root and root.success_rate, "mean_return": root and root.mean_return,
         # trained episodes an env fault ended: not in success_rate, not trained on
-        "env_fault_episodes": root.get("env_fault_episodes"),
+        "env_fault_episodes": root and root.env_fault_episodes,
         "staleness_hist": dict(sorted(staleness.items())),
         "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
-        "per_rank": everyone,
+        "per_rank": [s.to_dict() for s in everyone],
+        "preempted": any(s.preempted for s in everyone),
+        "bad_slots": sum(r["bad_slots"] for r in rings),
+        "lost_records": sum(r["lost_records"] for r in rings),
+        "env_failures": sum(len(s.counters.get("env_failures", [])) for s in everyone),
+        "restarts": restarts.recorded(run_dir),  # inside the allocation (jobs/launch.sh)
+        "phases_s": phases.slowest([s.phases_s for s in everyone]),
     }
-    result["preempted"] = any(s["preempted"] for s in everyone)
-    result["bad_slots"] = sum(s["ring"]["bad_slots"] for s in everyone if "ring" in s)
-    result["lost_records"] = sum(s["ring"]["lost_records"] for s in everyone if "ring" in s)
-    result["env_failures"] = sum(len(s.get("env_failures", [])) for s in everyone)
-    result["restarts"] = restarts.recorded(run_dir)  # inside the allocation (jobs/launch.sh)
-    result["phases_s"] = phases.slowest([s["phases_s"] for s in everyone])
-    _add_planned_memory(everyone, run_dir / MEMORY_PLAN)
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     board = RunBoard(run_dir, cfg.run)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
-                  root.get("trained_env_steps", 0))
+                  (root and root.trained_env_steps) or 0)
     board.close()
     if result["preempted"] and cfg.learner.checkpoint_every < 0:
         print("[hpcvla] stopped by a signal; no checkpoint (learner.checkpoint_every=-1)")
@@ -106,31 +147,31 @@ def write_report(world, summary: dict, cfg, run_dir) -> dict:
     return result
 
 
-def _add_planned_memory(everyone: list[dict], path) -> None:
+def _add_planned_memory(everyone: list[RankSummary], path) -> None:
     """Each rank's figures of the memory model (memory.json, where the run wrote one), bytes,
     beside the peaks it measured."""
     if not path.is_file():
         return
     planned = json.loads(path.read_text())
     for s in everyone:
-        rank = str(s["rank"])
-        s["planned_memory"] = {"gpu": sum(planned["gpu"].get(rank, {}).values()),
-                               "host": sum(planned["host_by_rank"].get(rank, {}).values())}
+        rank = str(s.rank)
+        s.planned_memory = {"gpu": sum(planned["gpu"].get(rank, {}).values()),
+                            "host": sum(planned["host_by_rank"].get(rank, {}).values())}
 
 
-def memory_table(everyone: list[dict]) -> str:
+def memory_table(everyone: list[RankSummary]) -> str:
     """Every rank's peak memory (GiB) as it measured it, and the memory model's figure where
     the run has one (GPU runs); columns nobody has are left out."""
-    columns = {"GPU allocated": lambda s: s["peak_memory"].get("gpu_allocated"),
-               "GPU reserved": lambda s: s["peak_memory"].get("gpu_reserved"),
-               "GPU planned": lambda s: s.get("planned_memory", {}).get("gpu"),
-               "host RSS": lambda s: s["peak_memory"]["host_rss"],
-               "host planned": lambda s: s.get("planned_memory", {}).get("host")}
+    columns = {"GPU allocated": lambda s: s.peak_memory.get("gpu_allocated"),
+               "GPU reserved": lambda s: s.peak_memory.get("gpu_reserved"),
+               "GPU planned": lambda s: (s.planned_memory or {}).get("gpu"),
+               "host RSS": lambda s: s.peak_memory["host_rss"],
+               "host planned": lambda s: (s.planned_memory or {}).get("host")}
     columns = {k: f for k, f in columns.items() if any(f(s) is not None for s in everyone)}
     lines = ["[hpcvla] peak memory, GiB (measured by each rank; planned: the memory model):",
              f"{'rank':>4} {'role':<30} {'device':<7} " + " ".join(f"{k:>13}" for k in columns)]
     for s in everyone:
         values = [f(s) for f in columns.values()]
-        lines.append(f"{s['rank']:>4} {s['role']:<30} {s['device']:<7} " + " ".join(
+        lines.append(f"{s.rank:>4} {s.role:<30} {s.device:<7} " + " ".join(
             f"{'-' if v is None else f'{v / GIB:.2f}':>13}" for v in values))
     return "\n".join(lines)

@@ -40,8 +40,10 @@ from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import run_learner
-from hpcvla.roles.outputs import MEMORY_PLAN, checkpointer, trajectory_dump, write_report
+from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, checkpointer, trajectory_dump,
+                                  write_report)
 from hpcvla.roles.queues import SegmentQueues
+from hpcvla.roles.setup import RoleSetup
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
 from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
@@ -69,7 +71,13 @@ class _Rank:
     progress: Progress
     resume: Any  # the checkpoint resumed from, or None
     first: int  # the policy version training starts from
-    summary: dict
+    summary: RankSummary
+
+    @property
+    def setup(self) -> RoleSetup:
+        """What the role loops are given."""
+        return RoleSetup(self.cfg, self.rank, self.run_dir, self.timeline, self.progress,
+                         self.first)
 
 
 class _Links(NamedTuple):
@@ -101,7 +109,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
             if piece is not None:
                 piece.free()  # [dist]
         links.plane.close()  # [dist]
-    me.summary.update(stats)
+    me.summary.add(stats)
     return _epilogue(me, start)
 
 
@@ -142,9 +150,9 @@ def _prologue(cfg, plan, comms, run_dir) -> _Rank:
     resume = checkpoint.latest(run_dir) if cfg.run.resume else None
     saved = checkpoint.read_state(resume) if resume else {"version": 0}
     first = saved["version"]
-    summary = {"rank": rank, "role": role, "host": MPI.Get_processor_name(), "env_steps": 0,
-               "first_version": first, "device": str(device),
-               "dtype": str(next(policy.parameters()).dtype).removeprefix("torch.")}
+    summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(),
+                          device=str(device), first_version=first,
+                          dtype=str(next(policy.parameters()).dtype).removeprefix("torch."))
     if resume and is_root:
         stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
@@ -209,9 +217,10 @@ def _inference_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     dump = trajectory_dump(cfg, me.spec, me.policy, me.rank, me.run_dir, lambda slot: shard_seed(
         cfg, sims[slot // sched.shards], slot % sched.shards))
     server = InferenceServer(
-        sched, me.policy, WeightLoader(me.policy, links.plane, links.manifest), links.exchange,
-        links.ring, producer_quota(cfg, plan, me.rank), links.per_shard, list(me.spec.obs),
-        cfg.rollout.segment_len, me.rank, me.timeline, _emulated_inference(cfg), me.first, dump)
+        me.setup, sched=sched, policy=me.policy,
+        loader=WeightLoader(me.policy, links.plane, links.manifest), exchange=links.exchange,
+        ring=links.ring, quota=producer_quota(cfg, plan, me.rank), envs_per_shard=links.per_shard,
+        obs_keys=list(me.spec.obs), dump=dump)
     return start, server.run()
 
 
@@ -238,8 +247,7 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     stats = {"staleness_hist": {}}
     queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
     publish(me.first)
-    run_learner(cfg, links.sched, engine, queues, publish, me.first,
-                cfg.pipeline.total_updates, me.timeline, me.progress,
+    run_learner(me.setup, sched=links.sched, engine=engine, queues=queues, publish=publish,
                 stop=lambda: preempt.agreed(me.comms.learners))  # [dist]
     plane.stop()
     stats["nonfinite_steps_skipped"] = engine.skipped
@@ -260,8 +268,9 @@ def _evaluator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     start = _start_clock(me)
     try:
         return start, run_evaluator(
-            me.cfg, held_out, WeightLoader(me.policy, links.plane, links.manifest), links.plane,
-            me.comms.world, me.plan.weight_root, me.run_dir, me.first, me.timeline)
+            me.setup, held_out=held_out, loader=WeightLoader(me.policy, links.plane,
+                                                             links.manifest),
+            plane=links.plane, world=me.comms.world, root=me.plan.weight_root)
     finally:
         held_out.close()
 
@@ -285,18 +294,17 @@ def _colocated_rank(me: _Rank) -> tuple[float, dict]:
     start = _start_clock(me)
     after_version = save
     if held_out:  # eval.every: between versions, every rank a share, the start's included
-        evaluate = between_versions(cfg, held_out, me.comms.learners, me.progress,
-                                    me.run_dir, me.timeline)
+        evaluate = between_versions(me.setup, held_out, me.comms.learners)
         actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
         evaluate(me.first, False)  # [dist]
 
         def after_version(version, weights, last):
             save(version, weights, last)  # [dist]
             evaluate(version, last)  # [dist]
-    env_steps = run_colocated(cfg, engine, actor, env, me.first, cfg.pipeline.total_updates,
-                              me.timeline, me.progress, after_version,
+    env_steps = run_colocated(me.setup, engine=engine, actor=actor, env=env,
+                              after_version=after_version,
                               stop=lambda: preempt.agreed(me.comms.learners),  # [dist]
-                              dump=dump, emulate_ms=_emulated_inference(cfg))
+                              dump=dump)
     if held_out:
         held_out.close()
     stats = {"env_steps": env_steps,
@@ -308,19 +316,19 @@ def _colocated_rank(me: _Rank) -> tuple[float, dict]:
 
 def _epilogue(me: _Rank, start: float) -> dict:
     summary = me.summary
-    summary["wall_s"] = time.monotonic() - start
-    summary["preempted"] = preempt.requested()
+    summary.wall_s = time.monotonic() - start
+    summary.preempted = preempt.requested()
     if preempt.requested_at() is not None:
         phases.mark("stop_signal", preempt.requested_at())
     phases.mark("finished")
-    summary["phases_s"] = phases.of_rank(me.timeline)
-    summary["peak_memory"] = peak_memory(me.device)
-    summary["busy_s"] = dict(me.timeline.busy)
+    summary.phases_s = phases.of_rank(me.timeline)
+    summary.peak_memory = peak_memory(me.device)
+    summary.busy_s = dict(me.timeline.busy)
     if me.rank == me.plan.weight_root:
         progress = me.progress
-        summary.update(success_rate=progress.success_rate, mean_return=progress.mean_return,
-                       trained_env_steps=progress.steps,
-                       env_fault_episodes=progress.fault_episodes)
+        summary.success_rate, summary.mean_return = progress.success_rate, progress.mean_return
+        summary.trained_env_steps = progress.steps
+        summary.env_fault_episodes = progress.fault_episodes
     me.timeline.close()
     me.progress.close()
     return write_report(me.comms.world, summary, me.cfg, me.run_dir)  # [dist]
@@ -339,11 +347,6 @@ def _start_engine(me: _Rank):
         me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
     phases.mark("engine_ready")
     return engine
-
-
-def _emulated_inference(cfg):
-    a, b = cfg.emulate.inference_ms, cfg.emulate.inference_ms_per_env
-    return (lambda envs: a + b * envs) if (a or b) else None
 
 
 def _drain(ring, producers: int) -> int:

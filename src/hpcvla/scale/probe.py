@@ -136,7 +136,7 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
         batch["bootstrap_value"] = group["bootstrap_value"][:m]
 
         def update():
-            loss, _, _ = policy_loss(cfg, policy, batch)
+            loss, _, _ = policy_loss(cfg.algorithm, policy, batch)
             optim.zero_grad()
             loss.backward()
             optim.step()
