@@ -53,11 +53,11 @@ def fake_checkpoint(path: Path, **state) -> Path:
     return path
 
 
-def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4):
+def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4, timeout=400):
     """`hpcvla train` into tmp_path; asserts it succeeded. Returns the completed process, the
     run's summary.json and its run folder."""
     out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}", *overrides,
-                 timeout=400)
+                 timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     return out, json.loads((run_dir / "summary.json").read_text()), run_dir

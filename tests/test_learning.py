@@ -63,7 +63,8 @@ def test_flow_sft_then_rl_lifts_held_out_deterministic_success_on_pushcube(tmp_p
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (sft_run,) = (tmp_path / "sft").iterdir()
     _, _, rl_run = run_train(tmp_path / "rl", f"policy.checkpoint={sft_run}", *short,
-                             "pipeline.total_updates=30", config=config)
+                             "pipeline.total_updates=30", config=config,
+                             timeout=900)  # ~280 s quiet; 16 of 30 versions in 350 s loaded
     cfg = load_config(rl_run / "config.yaml")
     imitated, trained = (evaluate(cfg, checkpoint_weights(run)[0], envs=16, deterministic=True)
                          for run in (sft_run, rl_run))
