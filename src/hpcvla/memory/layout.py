@@ -10,7 +10,6 @@ from dataclasses import dataclass, field, replace
 from hpcvla.config.families import family
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
-
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
 
@@ -129,9 +128,11 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
                 add(host[info.rank], "cpu ranks' working memory", sum(parts.values()))
         if SIM in info.roles and simulator_bytes(cfg.env):
             add(host[info.rank], "simulator envs", simulator_bytes(cfg.env))
-        held_out_envs = replace(cfg.env, envs_per_simulator=cfg.eval.envs, shards=1)
-        if EVAL in info.roles and simulator_bytes(held_out_envs):
-            add(host[info.rank], "held-out envs", simulator_bytes(held_out_envs))
+        if EVAL in info.roles:  # its own batch of eval.envs, in its process
+            held_out = simulator_bytes(replace(cfg.env, envs_per_simulator=cfg.eval.envs,
+                                               shards=1))
+            if held_out:
+                add(host[info.rank], "held-out envs", held_out)
         if LEARN in info.roles:
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)

@@ -82,8 +82,9 @@ class Progress:
 
     def on_held_out(self, version: int, report: dict, video: str | None = None) -> None:
         """A held-out evaluation of policy `version` (roles/evaluator.py): a line now, a
-        metrics.jsonl record (under `held_out`; per task where there are several), TensorBoard's `heldout/*` at the trained env
-        steps of that version (and its video), and the figure on every progress line after."""
+        metrics.jsonl record (under `held_out`; per task where there are several),
+        TensorBoard's `heldout/*` at the trained env steps of that version (and its video),
+        and the figure on every progress line after."""
         if not self.enabled:
             return
         steps = self.steps_at.get(version, self.steps)

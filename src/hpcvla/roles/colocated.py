@@ -22,14 +22,14 @@ def run_colocated(setup: RoleSetup, *, engine, actor, env, after_version, stop,
                   dump=None) -> int:
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
-    refreshed from the learner after every update (under ZeRO-3 the learner holds shards);
+    holding the learner's weights, refreshed from it after every update (under ZeRO-3 the
+    learner holds shards);
     `after_version(version, weights, last)` runs after every version (a checkpoint when due, the
     held-out evaluation when due: roles/evaluator.py); `dump` (metrics/dump.py), if given,
     gets every segment group."""
     cfg, timeline, progress = setup.cfg, setup.timeline, setup.progress
     emulate_ms, total_updates = setup.emulated_inference_ms, setup.total_updates
     spec = env.spec
-    actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     builder = SegmentBuilder({**spec.obs, **actor.extra_fields()}, env.num_envs,
                              spec.chunk_len, spec.action_dim,

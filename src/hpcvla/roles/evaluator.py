@@ -35,8 +35,6 @@ def held_out_of(cfg, device, policy=None) -> HeldOut:
                    video=1 if cfg.eval.video_every else 0)
 
 
-
-
 def video_dir(cfg, run_dir: Path, version: int, previous: int | None) -> Path | None:
     """Where the episodes of `version` are filmed, if its evaluation films any: the first
     evaluation, and each that passed a multiple of eval.video_every since the `previous` one

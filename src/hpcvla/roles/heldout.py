@@ -57,7 +57,7 @@ class HeldOut:
     def __init__(self, cfg, episodes: int, envs: int, seed: int, device, policy=None,
                  video: int = 0):
         from hpcvla.factory import build_policy  # the policy exactly as training builds it
-        cfg, self.protocol, states = protocol_of(cfg)
+        cfg, protocol, states = protocol_of(cfg)
         kwargs = env_kwargs(cfg.env)
         traits = simulator(cfg.env.name)
         if traits.emulated:  # no emulated latency, no injected faults
@@ -70,8 +70,8 @@ class HeldOut:
         self.ids, self.tasks = states or self.env.evaluation_states(episodes)
         assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"
         self.filmed = {p for p, n in enumerate(_ordinals(self.tasks)) if n < video}
-        self.protocol = self.protocol or {"name": "hpcvla", "steps": cfg.env.max_episode_chunks
-                                          * cfg.env.chunk_len}
+        self.protocol = protocol or {"name": "hpcvla",
+                                     "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len}
 
     def run(self, deterministic: bool, rank: int = 0, ranks: int = 1,
             video_dir: Path | None = None) -> tuple[list[Episode], list[str]]:

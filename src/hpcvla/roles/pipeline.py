@@ -292,10 +292,10 @@ def _colocated_rank(me: _Rank) -> tuple[float, dict]:
     actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
     held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None
     start = _start_clock(me)
+    actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
     after_version = save
     if held_out:  # eval.every: between versions, every rank a share, the start's included
         evaluate = between_versions(me.setup, held_out, me.comms.learners)
-        actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
         evaluate(me.first, False)  # [dist]
 
         def after_version(version, weights, last):
