@@ -78,9 +78,10 @@ install-horovod:
 	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
 
 # The venv's bin first on PATH: its mpiexec and tools for the tests (the learners put the venv's
-# ninja first themselves, for DeepSpeed's op builds: extensions.py).
+# ninja first themselves, for DeepSpeed's op builds: extensions.py). The 30 slowest tests are
+# listed at the end: CI's own figures for keeping the suite inside its time.
 test:
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q tests
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q --durations=30 tests
 
 # The tiers are pytest markers (tests/conftest.py): this leaves out the slow MPI runs, learning,
 # benchmarks, the cluster tests (Slurm, emulated hosts) and the GPU tests.

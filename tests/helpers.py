@@ -82,17 +82,6 @@ def improvement_z(before: float, after: float, n: int) -> float:
     return (after - before) / max(1e-12, (pooled * (1 - pooled) * 2 / n) ** 0.5)
 
 
-def paired_improvement_z(before: list[bool], after: list[bool]) -> float:
-    """McNemar's z of success rising from `before` to `after`, the outcomes of two policies
-    on the same states with deterministic actions (each state's two outcomes are a pair):
-    the states newly solved against those newly failed, which a policy no better than the
-    other makes equally likely."""
-    assert len(before) == len(after)
-    gained = sum(1 for b, a in zip(before, after) if a and not b)
-    lost = sum(1 for b, a in zip(before, after) if b and not a)
-    return (gained - lost) / max(1, gained + lost) ** 0.5
-
-
 def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
     """Segment groups as an inference rank builds them, from the real `reach` env acting
     with random actions; the policy version goes up every 2 groups, batch = version + 1."""
