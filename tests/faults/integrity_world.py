@@ -1,7 +1,7 @@
 """Run under MPI on 2 ranks: rank 1 produces real segment groups (the `reach` env, as an
 inference rank builds them) into rank 0's trajectory ring; rank 0 damages two published slots
 in its own memory (a flipped payload bit, a changed header field), then takes them in through
-the learner's own intake (roles/learner.SegmentQueues). The damaged groups must be dropped,
+the learner's own intake (roles/queues.SegmentQueues). The damaged groups must be dropped,
 counted and reported, never handed to training; the others must arrive intact, and the ledger
 must show exactly which groups were trained.
 
@@ -50,25 +50,25 @@ def main():
     groups = segment_groups()
     if comm.Get_rank() == 1:
         for group in groups:
-            ring.put(records.encode(group), records.schema_of(group), timeout=60)
-        ring.close()
+            ring.writer.put(records.encode(group), records.schema_of(group), timeout=60)
+        ring.writer.close()
     else:
-        while ring.occupancy()[0] < GROUPS + 1:  # every group and the close are published
+        while ring.reader.occupancy()[0] < GROUPS + 1:  # every group and the close are published
             pass
-        slots = ring._slots  # the learner's own window memory
+        slots = ring.reader.slots  # the learner's own window memory
         slots[1, SLOT_HEADER.itemsize + 5000] ^= 0x04                    # group 1: payload bit
         slots[2, SLOT_HEADER.fields["seq"][1]] ^= 0x01                   # group 2: header seq
         stats = {"staleness_hist": {}}
-        queues = SegmentQueues(ring, max_staleness=0, stats=stats)
+        queues = SegmentQueues(ring.reader, max_staleness=0, stats=stats)
         queues.pump()
-        assert 1 in ring.stats.closed
+        assert 1 in ring.reader.stats.closed
         have = queues.available(0)
         assert have == 2 * N_ENVS, have
         trained = queues.take(have, 0)
         for got, want in zip(trained, (groups[0], groups[3])):
             assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k])
                                                      for k in want)
-        s = ring.stats
+        s = ring.reader.stats
         assert (s.records, s.bad_slots, s.lost_records) == (2, 2, 2), s
         text = "\n".join(reports)
         assert text.count("checksum mismatch") == 2 and "records 1..2 lost" in text, text

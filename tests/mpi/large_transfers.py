@@ -106,15 +106,15 @@ def ring_record(world) -> int:
         record = torch.empty(n, dtype=torch.uint8).random_(
             generator=torch.Generator().manual_seed(3)).numpy()
         world.bcast(zlib.crc32(record), root=1)
-        ring.put(record)
-        ring.close()
+        ring.writer.put(record)
+        ring.writer.close()
         del record
     else:
         sent = world.bcast(None, root=1)
-        (got,) = ring.get(timeout=300)
+        (got,) = ring.reader.get(timeout=300)
         assert got.data.nbytes == n and zlib.crc32(got.data) == sent, "the record differs"
-        ring.get(timeout=300)  # the producer's close
-        ring.release()
+        ring.reader.get(timeout=300)  # the producer's close
+        ring.reader.release()
     ring.free()
     return n
 

@@ -25,9 +25,9 @@ def slot_checksum(header: np.ndarray, payload: np.ndarray) -> int:
 
 def publish_by_hand(ring, seq, payload, damage):
     """The producer protocol of ring.py (its lane's next fragment), with one step damaged."""
-    win, f = ring.win, ring._fragment
+    win, f = ring.win, ring.writer._fragment
     assert f < SLOTS  # fresh slots: no need to wait for the consumer here
-    disp = ring.slot_disp(ring.lane, f)
+    disp = ring.slot_disp(ring.writer.lane, f)
     header = np.zeros(1, SLOT_HEADER)
     h = header[0]
     h["fragment"], h["producer"], h["seq"], h["part"], h["nparts"] = f, 1, seq, 0, 1
@@ -44,7 +44,7 @@ def publish_by_hand(ring, seq, payload, damage):
     win.Flush(0)
     win.Put([np.array([f + 1], np.int64), MPI.INT64_T], 0, (disp, 1, MPI.INT64_T))
     win.Flush(0)
-    ring._fragment = f + 1
+    ring.writer._fragment = f + 1
 
 
 def main():
@@ -53,25 +53,26 @@ def main():
     ring = TrajectoryRing(comm, SLOTS, SLOT_BYTES, report=reports.append, checksum="always")
     payload = np.arange(2000, dtype=np.uint16).view(np.uint8)[:3000].copy()
     if comm.Get_rank() == 1:
-        ring.put(payload)                        # seq 0: good
+        ring.writer.put(payload)                        # seq 0: good
         for seq, damage in ((1, "flipped"), (2, "torn"), (3, "stale")):
             publish_by_hand(ring, seq, payload, damage)
-        ring._seq = 4
+        ring.writer._seq = 4
         comm.Barrier()                           # consumer drains, freeing the slots
-        ring.put(payload)                        # seq 4: good
+        ring.writer.put(payload)                        # seq 4: good
         comm.Barrier()                           # consumer has seq 4
-        ring.close()                             # a close alone ends the consumer's get
+        ring.writer.close()                             # a close alone ends the consumer's get
     else:
         delivered = []
-        while ring.occupancy()[0] < SLOTS:
+        while ring.reader.occupancy()[0] < SLOTS:
             pass
-        delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.poll()]
+        delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.reader.poll()]
         comm.Barrier()
         while len(delivered) < 2:
-            delivered += [(r.seq, np.array_equal(r.data, payload)) for r in ring.get(timeout=30)]
+            delivered += [(r.seq, np.array_equal(r.data, payload))
+                          for r in ring.reader.get(timeout=30)]
         comm.Barrier()
-        assert ring.get(timeout=30) == [] and 1 in ring.stats.closed
-        s = ring.stats
+        assert ring.reader.get(timeout=30) == [] and 1 in ring.reader.stats.closed
+        s = ring.reader.stats
         assert delivered == [(0, True), (4, True)], delivered
         assert (s.bad_slots, s.lost_records, s.records) == (3, 3, 2), s
         text = "\n".join(reports)

@@ -33,10 +33,10 @@ def main():
         got = {p: [] for p in range(1, comm.Get_size())}
         max_occupancy, max_waiting, t0 = 0, 0, time.monotonic()
         time.sleep(0.5)  # let producers fill the ring and block
-        while len(ring.stats.closed) < comm.Get_size() - 1:
-            occupied, waiting = ring.occupancy()
+        while len(ring.reader.stats.closed) < comm.Get_size() - 1:
+            occupied, waiting = ring.reader.occupancy()
             max_occupancy, max_waiting = max(max_occupancy, occupied), max(max_waiting, waiting)
-            for rec in ring.get(timeout=60):
+            for rec in ring.reader.get(timeout=60):
                 arrays = records.decode(rec.data)
                 assert rec.schema == records.schema_of(arrays)
                 expected = record_of(rec.producer, rec.seq)
@@ -45,7 +45,7 @@ def main():
             time.sleep(0.002)  # a slow consumer
         for producer, seqs in got.items():
             assert seqs == list(range(n_records)), (producer, seqs[:10])
-        s = ring.stats
+        s = ring.reader.stats
         assert (s.bad_slots, s.dropped_records, s.lost_records) == (0, 0, 0), s
         # every lane filled up (a lane per producer, at least one slot each: ring.n_slots may
         # exceed the slots asked for) and producers waited on their full lanes
@@ -58,8 +58,8 @@ def main():
     else:
         for seq in range(n_records):
             arrays = record_of(rank, seq)
-            ring.put(records.encode(arrays), schema=records.schema_of(arrays), timeout=60)
-        ring.close()
+            ring.writer.put(records.encode(arrays), schema=records.schema_of(arrays), timeout=60)
+        ring.writer.close()
     ring.free()
     assert ring.win == MPI.WIN_NULL
 

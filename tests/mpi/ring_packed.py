@@ -32,39 +32,39 @@ if rank:
     seq = 0
     while seq < N:
         batch = int(rng.integers(1, 9))
-        ring.put_many([record(rank, s) for s in range(seq, min(N, seq + batch))], timeout=60)
+        ring.writer.put_many([record(rank, s) for s in range(seq, min(N, seq + batch))], timeout=60)
         seq += batch
 else:
     got, packed_slots = {1: [], 2: []}, 0
     while sum(map(len, got.values())) < 2 * N:
-        packed_slots += int(np.count_nonzero(ring._words[:, 2] >> np.uint64(32) == PACKED))
-        for r in ring.get(timeout=60):
+        packed_slots += int(np.count_nonzero(ring.reader.words[:, 2] >> np.uint64(32) == PACKED))
+        for r in ring.reader.get(timeout=60):
             data, schema = record(r.producer, r.seq)
             assert r.schema == schema and np.array_equal(r.data, data), (r.producer, r.seq)
             got[r.producer].append(r.seq)
     assert got == {1: list(range(N)), 2: list(range(N))}
-    assert packed_slots > 0 and ring.stats.bad_slots == 0
+    assert packed_slots > 0 and ring.reader.stats.bad_slots == 0
     print(f"ring packed ({checksum}): 2 x {N} records in order and exact, {packed_slots} "
           f"packed slot sightings", flush=True)
 comm.Barrier()
 if checksum == "always":  # (auto, on one host, does not check payloads: ring.py)
     if rank == 1:  # three records packed into one slot, then one more
-        ring.put_many([(np.full(500, s % 251, np.uint8), 0) for s in range(3)], timeout=60)
+        ring.writer.put_many([(np.full(500, s % 251, np.uint8), 0) for s in range(3)], timeout=60)
         comm.Barrier()
         comm.Barrier()  # rank 0 damaged it
-        ring.put_many([(np.full(500, 3, np.uint8), 0)], timeout=60)
+        ring.writer.put_many([(np.full(500, 3, np.uint8), 0)], timeout=60)
     elif rank == 0:
         comm.Barrier()
-        while ring.occupancy()[0] < 1:
+        while ring.reader.occupancy()[0] < 1:
             pass
-        slot = ring.lane_first[0] + ring._next[0] % ring.lane_size[0]
-        ring._slots[slot, SLOT_HEADER.itemsize + 100] ^= 0x01  # in the table or a record
+        slot = ring.slot_index(0, ring.reader.next[0])
+        ring.reader.slots[slot, SLOT_HEADER.itemsize + 100] ^= 0x01  # in the table or a record
         comm.Barrier()
         late = []
         while not late:
-            late = ring.get(timeout=60)
+            late = ring.reader.get(timeout=60)
         assert [(r.producer, r.seq) for r in late] == [(1, N + 3)], late
-        s, text = ring.stats, "\n".join(reports)
+        s, text = ring.reader.stats, "\n".join(reports)
         caught = "checksum mismatch" in text or "packed" in text
         assert (s.bad_slots, s.lost_records) == (1, 3) and caught, (s, text)
         assert f"records {N}..{N + 2} lost" in text, text

@@ -38,20 +38,20 @@ def main():
         while time.time() - start < compute_s:  # no MPI call in here
             a = np.tanh(a @ a / 256)
         end = time.time()
-        got = [(r.producer, r.seq) for r in ring.poll()]
+        got = [(r.producer, r.seq) for r in ring.reader.poll()]
         in_memory_at_end = len(got)
-        while len(ring.stats.closed) < producers:
-            got += [(r.producer, r.seq) for r in ring.get(timeout=60)]
+        while len(ring.reader.stats.closed) < producers:
+            got += [(r.producer, r.seq) for r in ring.reader.get(timeout=60)]
         assert sorted(got) == [(p, s) for p in range(1, producers + 1)
                                for s in range(n_records)], got
     else:
         time.sleep(max(0.0, start + 0.3 - time.time()))  # well inside the compute
         for seq in range(n_records):
             t0 = time.time()
-            ring.put(np.full(512, seq, np.uint8), timeout=120)
+            ring.writer.put(np.full(512, seq, np.uint8), timeout=120)
             timings.append((t0, time.time()))
             time.sleep(0.05)
-        ring.close()
+        ring.writer.close()
     everything = comm.gather((host, timings), root=0)
     if rank == 0:
         result = {"mode": mode, "spans_hosts": ring.spans_hosts,

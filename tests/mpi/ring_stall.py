@@ -18,25 +18,26 @@ rank = comm.Get_rank()
 ring = TrajectoryRing(comm, 6, 4096)  # 3 slots per producer: rank 1 never waits
 if rank == 1:
     for seq in range(3):
-        ring.put(np.full(100, seq, np.uint8))
+        ring.writer.put(np.full(100, seq, np.uint8))
 comm.Barrier()
 if rank == 0:
     got = []
     while len(got) < 3:
-        got += [r.seq for r in ring.get(timeout=30)]
-    quiet = ring.diagnose(producers=(1, 2))
+        got += [r.seq for r in ring.reader.get(timeout=30)]
+    quiet = ring.reader.diagnose(producers=(1, 2))
     assert "all 3 fragment(s) started were delivered" in quiet, quiet
     assert "producer rank 1: 3 records, last" in quiet, quiet
     assert "producer rank 2: nothing" in quiet, quiet
     print(f"before: {quiet}", flush=True)
 comm.Barrier()
 if rank == 2:  # the first step of a put, then nothing: its slot is never published
-    ring.win.Put([np.ones(1, np.int64), MPI.INT64_T], 0, (16 * ring.lane + 8, 1, MPI.INT64_T))
+    ring.win.Put([np.ones(1, np.int64), MPI.INT64_T], 0,
+                 (16 * ring.writer.lane + 8, 1, MPI.INT64_T))
     ring.win.Flush(0)
 comm.Barrier()
 if rank == 0:
-    assert ring.poll() == []
-    stuck = ring.diagnose(producers=(1, 2))
+    assert ring.reader.poll() == []
+    stuck = ring.reader.diagnose(producers=(1, 2))
     assert "1 fragment(s) started but not published (1 in the lane of comm rank 2)" in stuck, \
         stuck
     assert "progress or network problem" in stuck, stuck

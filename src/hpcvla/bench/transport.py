@@ -108,14 +108,14 @@ def bench_ring(world, record_bytes, producers, total_bytes, repeats, members=Non
         if rank == 0:
             received = 0
             while received < per_producer * producers:
-                received += len(ring.get(timeout=120))
-            ring.release()
+                received += len(ring.reader.get(timeout=120))
+            ring.reader.release()
         elif packed > 1:
             for _ in range(per_producer // packed):
-                ring.put_many([(payload, 0)] * packed)
+                ring.writer.put_many([(payload, 0)] * packed)
         else:
             for _ in range(per_producer):
-                ring.put(payload)
+                ring.writer.put(payload)
 
     def raw_run():
         if rank:

@@ -21,6 +21,7 @@ from hpcvla.roles.setup import RoleSetup
 from hpcvla.schedule import eligible
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+from hpcvla.transport.ring_writer import RingWriter
 
 
 class WeightLoader:
@@ -50,8 +51,8 @@ class InferenceServer:
     """The state of one inference rank: its cell's slots, one SegmentBuilder per slot (env
     shard), the batcher, the ring to its learner and the staleness quota."""
 
-    def __init__(self, setup: RoleSetup, *, sched, policy, loader: WeightLoader, exchange, ring,
-                 quota: int, envs_per_shard: int, obs_keys: list[str], dump=None):
+    def __init__(self, setup: RoleSetup, *, sched, policy, loader: WeightLoader, exchange,
+                 ring: RingWriter, quota: int, envs_per_shard: int, obs_keys: list[str], dump=None):
         """`quota`: segments per learner batch (schedule.producer_quota); `dump`: the rank's
         HDF5 trajectory dump, if the run writes one."""
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring

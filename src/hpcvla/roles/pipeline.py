@@ -51,6 +51,7 @@ from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, SPARE
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.ring_reader import RingReader
 from hpcvla.transport.weights import Manifest, WeightPlane
 from hpcvla.watchdog import step_deadline_s
 
@@ -219,13 +220,13 @@ def _inference_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     server = InferenceServer(
         me.setup, sched=sched, policy=me.policy,
         loader=WeightLoader(me.policy, links.plane, links.manifest), exchange=links.exchange,
-        ring=links.ring, quota=producer_quota(cfg, plan, me.rank), envs_per_shard=links.per_shard,
-        obs_keys=list(me.spec.obs), dump=dump)
+        ring=links.ring.writer, quota=producer_quota(cfg, plan, me.rank),
+        envs_per_shard=links.per_shard, obs_keys=list(me.spec.obs), dump=dump)
     return start, server.run()
 
 
 def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
-    cfg, plan, ring, plane = me.cfg, me.plan, links.ring, links.plane
+    cfg, plan, ring, plane = me.cfg, me.plan, links.ring.reader, links.plane
     engine = _start_engine(me)
     start = _start_clock(me)
     save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
@@ -349,7 +350,7 @@ def _start_engine(me: _Rank):
     return engine
 
 
-def _drain(ring, producers: int) -> int:
+def _drain(ring: RingReader, producers: int) -> int:
     """Consume (and count) what producers still send until all of them closed."""
     unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
     while len(ring.stats.closed) < producers:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from hpcvla.transport.segment_meta import SegmentMeta
 from hpcvla.transport import records
+from hpcvla.transport.ring_reader import RingReader
+from hpcvla.transport.segment_meta import SegmentMeta
 
 
 class SegmentQueues:
@@ -14,7 +15,7 @@ class SegmentQueues:
     at segment start (schedule.py): batch b is trained at version b, which is what bounds
     staleness even when segments arrive out of start order."""
 
-    def __init__(self, ring, max_staleness: int, stats: dict, producers=()):
+    def __init__(self, ring: RingReader, max_staleness: int, stats: dict, producers=()):
         self.ring, self.max_staleness, self.stats = ring, max_staleness, stats
         self.producers = tuple(producers)  # world ranks feeding this ring, for stall reports
         self.buckets: dict[int, deque] = defaultdict(deque)

@@ -1,33 +1,34 @@
-"""What a learner's stall message says about its trajectory ring (ring.py)."""
+"""What a learner's stall message says about its trajectory ring (ring_reader.py)."""
 
 from __future__ import annotations
 
 import time
 
 
-def describe_stall(ring, producers=()) -> str:
+def describe_stall(reader, producers=()) -> str:
     """Why nothing arrives: what each producer delivered and when, and whether fragments were
     started but never published (their payloads are stuck in transit: a progress or network
     problem; producers mark them started only when the ring spans hosts) or nothing was even
     started (the producers are stuck upstream)."""
+    ring, stats = reader.ring, reader.stats
     ring.win.Sync()
     now = time.monotonic()
-    seen = sorted(set(producers) | set(ring.stats.delivered))
+    seen = sorted(set(producers) | set(stats.delivered))
     per = "; ".join(
         f"producer rank {p}: {n} records, last {now - t:.0f} s ago" if n else
         f"producer rank {p}: nothing" for p, (n, t) in
-        ((p, ring.stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
-    closed = f"; closed: {sorted(ring.stats.closed)}" if ring.stats.closed else ""
-    stuck = [(ring.producers[lane], int(started) - ring._next[lane])
-             for lane, started in enumerate(ring._started_words)
-             if started > ring._next[lane]]
+        ((p, stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
+    closed = f"; closed: {sorted(stats.closed)}" if stats.closed else ""
+    stuck = [(ring.producers[lane], int(started) - reader.next[lane])
+             for lane, started in enumerate(reader.started_words)
+             if started > reader.next[lane]]
     if stuck:
         cause = (f"{sum(n for _, n in stuck)} fragment(s) started but not published ("
                  + ", ".join(f"{n} in the lane of comm rank {r}" for r, n in stuck)
                  + "): writes into this ring are in flight and not completing, a "
                  "progress or network problem between producer and learner hosts")
     else:
-        cause = (f"all {sum(ring._next)} fragment(s) started were delivered and no "
+        cause = (f"all {sum(reader.next)} fragment(s) started were delivered and no "
                  f"producer has tried to write since (stuck upstream: simulators, "
                  f"inference, the layout), or their first request never reached this "
                  f"host (network)")

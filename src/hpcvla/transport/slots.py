@@ -100,7 +100,7 @@ def checksum64(payload: np.ndarray) -> int:
     return total & MASK
 
 
-# A slot may pack several small records (TrajectoryRing.put_many): its header's schema is
+# A slot may pack several small records (RingWriter.put_many): its header's schema is
 # PACKED, seq the first record's, record_length their count; its payload is a table of
 # (length, schema) u64 pairs, then each record at the next 64-byte aligned offset.
 PACKED = LOW
