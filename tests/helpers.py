@@ -1,6 +1,6 @@
 """What several test files share: the repository's paths, running the `hpcvla` CLI as a user
 would, one training run, the learning statistic, a few fixtures built from real envs, and
-each VLA family's config with a batch for its env.
+each VLA family's config with a batch for its env, and the PIDs of a run's ranks.
 
 Test files import from here (`from helpers import hpcvla`); no test file imports another.
 tests/conftest.py puts this folder on sys.path, so tests in sub-folders import it the same way.
@@ -211,3 +211,22 @@ def wandb_offline_history(run_dir: Path) -> tuple[list[dict], dict]:
                 for update in (parsed.config.update, parsed.run.config.update):
                     config.update({i.key: json.loads(i.value_json) for i in update})
     return rows, config
+
+
+def rank_pids(run_root: Path, variable: str = "PMI_RANK") -> dict[int, int]:
+    """MPI rank -> pid of the rank processes whose command line names `run_root` (mpiexec
+    puts PMI_RANK in their environment, srun SLURM_PROCID)."""
+    pids = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_text().split("\0") if proc.name.isdigit() else []
+            if not (argv and Path(argv[0]).name.startswith("python") and "mpi4py" in argv
+                    and any(str(run_root) in arg for arg in argv)):
+                continue  # not a rank of this run (mpiexec, srun, the launcher, others)
+            env = dict(item.split("=", 1) for item in
+                       (proc / "environ").read_text().split("\0") if "=" in item)
+        except OSError:
+            continue
+        if variable in env:
+            pids[int(env[variable])] = int(proc.name)
+    return pids

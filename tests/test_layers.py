@@ -27,7 +27,9 @@ A module's floor is that of its top-level name under hpcvla (hpcvla.roles.learne
   * no import of a higher floor;
   * no import cycle between modules. `from a.b import c` depends on the module a.b.c if there
     is one, else on a.b (for a package: its __init__); a package's __init__ is one module;
-  * no module over 420 lines.
+  * no module over 420 lines;
+  * none of the pairs in FORBIDDEN, though the floors allow them (same floor or downward);
+  * floor 1 is pure: no torch, and MPI (mpi4py) only where the communicators are built.
 A new top-level module or package needs a floor here before it can be imported anywhere.
 """
 
@@ -53,6 +55,19 @@ FLOORS = {
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}
 MAX_LINES = 420
+# (importer, imported): dependencies the floors allow and the design does not
+FORBIDDEN = {
+    ("envs", "transport"): "a simulator does not know how its data travels",
+    ("policies", "transport"): "a model runs the same in any process, without MPI",
+    ("algorithms", "transport"): "a loss is tensors in, tensors out, without MPI",
+    ("policies", "envs"): "a model meets a simulator only through the spec it is built for",
+    ("envs", "policies"): "a simulator meets a model only through the spec it is built for",
+    ("algorithms", "envs"): "a loss sees recorded segments, never a simulator",
+    ("algorithms", "policies"): "a loss is given the policy's outputs, not the model",
+    ("config", "topology"): "the settings are read before any rank plan exists",
+}
+# floor 1 describes a run; only topology/comms.py turns the plan into communicators
+PURE_EXCEPT = {"mpi4py": {"hpcvla.topology.comms"}, "torch": set()}
 
 SRC = ROOT / "src"
 PACKAGE = SRC / "hpcvla"
@@ -73,8 +88,9 @@ def top_name(module: str) -> str:
     return module.split(".")[1] if "." in module else module
 
 
-def imports_of(module: str) -> list[tuple[int, str]]:
-    """(line, hpcvla module) of every import in the module's file, at any depth."""
+def imports_of(module: str, package_prefix: str = "hpcvla") -> list[tuple[int, str]]:
+    """(line, module) of every import of `package_prefix`'s modules in the module's file, at
+    any depth."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
@@ -91,7 +107,7 @@ def imports_of(module: str) -> list[tuple[int, str]]:
                 submodule = f"{source}.{alias.name}"
                 found.append((node.lineno, submodule if submodule in MODULES else source))
     return sorted({(line, target) for line, target in found
-                   if target == "hpcvla" or target.startswith("hpcvla.")})
+                   if target == package_prefix or target.startswith(package_prefix + ".")})
 
 
 def where(module: str, line: int) -> str:
@@ -182,6 +198,24 @@ def test_no_module_is_over_420_lines():
             if (n := len(path.read_text().splitlines())) > MAX_LINES]
     if long:
         pytest.fail(f"modules over {MAX_LINES} lines (split them by job):\n" + "\n".join(long),
+                    pytrace=False)
+
+
+def test_no_forbidden_dependency():
+    found = [f"{where(a, line)}: {a} imports {b}: {FORBIDDEN[top_name(a), top_name(b)]}"
+             for a, line, b in edges() if (top_name(a), top_name(b)) in FORBIDDEN]
+    if found:
+        pytest.fail("dependencies the design forbids (pass the value in, or move the code):\n"
+                    + "\n".join(found), pytrace=False)
+
+
+def test_floor_one_imports_neither_torch_nor_mpi():
+    found = [f"{where(module, line)}: {module} imports {target}"
+             for module in MODULES if FLOOR_OF.get(top_name(module)) == 1
+             for package, allowed in PURE_EXCEPT.items() if module not in allowed
+             for line, target in imports_of(module, package)]
+    if found:
+        pytest.fail("floor 1 describes a run without torch or MPI:\n" + "\n".join(found),
                     pytrace=False)
 
 

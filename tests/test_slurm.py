@@ -19,7 +19,7 @@ import h5py
 import pytest
 
 from local_slurm import LocalSlurm
-from helpers import ROOT, hpcvla
+from helpers import ROOT, hpcvla, rank_pids
 
 # A local Slurm (its daemons, munge, network-namespace nodes): root and `make install-cluster`.
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
@@ -353,7 +353,6 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
 
 
 def test_a_rank_killed_in_a_slurm_job_ends_it_and_is_named(slurm, tmp_path):
-    from faults.test_rank_death import rank_pids
     log = tmp_path / "killed.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=100000", options=["--output", log],

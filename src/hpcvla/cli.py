@@ -18,6 +18,7 @@
                                                       summarise HDF5 trajectory dumps
     hpcvla demos CONFIG [key=value ...] --episodes N --out FILE [--noise S] [--successful-only]
                                                       record a scripted expert's demonstrations
+    hpcvla export RUN_DIR FOLDER                      the newest checkpoint as a policy folder
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
 are reported here, in the launching process, before any MPI rank starts. Only `train`, `sft`
@@ -338,8 +339,6 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from pathlib import Path
-
     from hpcvla import checkpoint
     from hpcvla.evaluate import describe, eval_problem, evaluate_policies, write_curve
     run_dir = Path(args.run_dir)

@@ -13,30 +13,12 @@ from pathlib import Path
 import pytest
 
 from hpcvla.launch import orphaned_shm
+from helpers import rank_pids
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SHM = Path("/dev/shm")
-
-
-def rank_pids(run_root: Path, variable: str = "PMI_RANK") -> dict[int, int]:
-    """MPI rank -> pid of the rank processes whose command line names `run_root` (mpiexec
-    puts PMI_RANK in their environment, srun SLURM_PROCID)."""
-    pids = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            argv = (proc / "cmdline").read_text().split("\0") if proc.name.isdigit() else []
-            if not (argv and Path(argv[0]).name.startswith("python") and "mpi4py" in argv
-                    and any(str(run_root) in arg for arg in argv)):
-                continue  # not a rank of this run (mpiexec, srun, the launcher, others)
-            env = dict(item.split("=", 1) for item in
-                       (proc / "environ").read_text().split("\0") if "=" in item)
-        except OSError:
-            continue
-        if variable in env:
-            pids[int(env[variable])] = int(proc.name)
-    return pids
 
 
 def until(condition, timeout: float, what: str):

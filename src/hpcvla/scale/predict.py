@@ -1,9 +1,9 @@
 """`hpcvla bench scale`: predicted throughput of pi0 on LIBERO from 8 to 256 GPUs.
 
-Stage costs come from RL-VLA³ (arXiv 2602.05765v1, /work/shared/papers/rl-vla3-v1-full.md),
-setup A (Table 2: pi0, LIBERO, 128 envs and a global batch of 2,048 chunk samples per 8-GPU
-node, 4 update epochs, micro-batches of 128, chunks of 10 steps, 480-step episodes) and
-Table 3 (seconds per training step):
+Stage costs come from RL-VLA³ (arXiv 2602.05765v1), setup A (Table 2: pi0, LIBERO, 128
+envs and a global batch of 2,048 chunk samples per 8-GPU node, 4 update epochs,
+micro-batches of 128, chunks of 10 steps, 480-step episodes) and Table 3 (seconds per
+training step):
 
 * Learner: 18 ms per chunk sample per epoch. Colocated on 8 GPUs the actor phase takes
   228.6 s for 128 envs x 480 steps / 10 x 4 rollout epochs = 24,576 chunk samples x 4
