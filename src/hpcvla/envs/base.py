@@ -26,6 +26,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from hpcvla.seeds import env_rng
+
 EVAL_STATE_IDS = 2 ** 20  # init_state_ids below this are the evaluation split
 STATE_IDS = 2 ** 31  # every init_state_id is below this (ManiSkill's reset seeds are int32)
 
@@ -144,6 +146,20 @@ class VectorEnv(abc.ABC):
         """Reset all envs. `seeds` (num_envs,) reseeds each env's RNG; `init_state_ids`
         (num_envs,) makes each initial state a pure function of its id."""
 
+    def _seed_envs(self, seeds) -> None:
+        """Each env's own stream of random episode starts, from its env seed."""
+        self._rngs = [env_rng(s) for s in seeds]
+
+    def _begin_reset(self, seeds, init_state_ids) -> None:
+        """What every `reset` does first: one entry per env in each per-env array, and the
+        envs' streams reseeded from `seeds` where given."""
+        for name, arr in (("seeds", seeds), ("init_state_ids", init_state_ids)):
+            if arr is not None and np.shape(arr) != (self.num_envs,):
+                raise ValueError(f"reset: {name} must have shape ({self.num_envs},), "
+                                 f"got {np.shape(arr)}")
+        if seeds is not None:
+            self._seed_envs(seeds)
+
     @abc.abstractmethod
     def step(self, actions: np.ndarray) -> StepResult:
         """Execute one action chunk, `actions` of shape (num_envs, chunk_len, action_dim)."""
@@ -179,14 +195,6 @@ class VectorEnv(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release simulator resources."""
-
-
-def check_reset_args(num_envs: int, seeds, init_state_ids) -> None:
-    """`VectorEnv.reset`'s per-env arrays must have one entry per env."""
-    for name, arr in (("seeds", seeds), ("init_state_ids", init_state_ids)):
-        if arr is not None and np.shape(arr) != (num_envs,):
-            raise ValueError(f"reset: {name} must have shape ({num_envs},), "
-                             f"got {np.shape(arr)}")
 
 
 def obs_dtype(spec: EnvSpec, num_envs: int) -> np.dtype:

@@ -46,12 +46,11 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcvla.envs.base import (StepResult, VectorEnv, check_reset_args, episode_ends,
-                              training_state_ids)
+from hpcvla.envs.base import StepResult, VectorEnv, episode_ends, training_state_ids
 from hpcvla.envs.maniskill import (ManiSkillEnv, describe, make_task_env, render_cameras,
                                    task_spec)
 from hpcvla.envs.serial import chunk_actions, require
-from hpcvla.seeds import env_rng, env_seeds
+from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize, words
 
 
@@ -122,7 +121,7 @@ class ManiSkillGPUEnv(VectorEnv):
         self.num_envs, self.task, self.first_env = num_envs, task, first_env
         self.device = self.u.device
         self.instruction = describe(task)
-        self._rngs = [env_rng(s) for s in env_seeds(seed, num_envs)]
+        self._seed_envs(env_seeds(seed, num_envs))
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._return = np.zeros(num_envs, dtype=np.float32)
         self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
@@ -175,9 +174,7 @@ class ManiSkillGPUEnv(VectorEnv):
 
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        check_reset_args(self.num_envs, seeds, init_state_ids)
-        if seeds is not None:
-            self._rngs = [env_rng(s) for s in seeds]
+        self._begin_reset(seeds, init_state_ids)
         self._start_episodes(np.arange(self.num_envs), init_state_ids)
         return self._observe()
 

@@ -54,8 +54,8 @@ import time
 import numpy as np
 
 from hpcvla.emulate import pad
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, check_reset_args
-from hpcvla.seeds import env_rng, env_seeds, state_rng
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
+from hpcvla.seeds import env_seeds, state_rng
 
 PALETTE = {  # name -> RGB; all far from the table colour and from white
     "red": (220, 40, 40),
@@ -148,7 +148,7 @@ class ReachEnv(VectorEnv):
         self._background = np.tile(TABLE_RGB, (image_size, image_size, 1))
 
         n, k = num_envs, num_objects
-        self._rngs = [env_rng(s) for s in env_seeds(seed, n)]
+        self._seed_envs(env_seeds(seed, n))
         self._latency_rng = np.random.default_rng([seed, _LATENCY_STREAM])
         self._ee = np.zeros((n, 2))
         self._obj = np.zeros((n, k, 2))
@@ -172,9 +172,7 @@ class ReachEnv(VectorEnv):
 
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        check_reset_args(self.num_envs, seeds, init_state_ids)
-        if seeds is not None:
-            self._rngs = [env_rng(s) for s in seeds]
+        self._begin_reset(seeds, init_state_ids)
         for i in range(self.num_envs):
             rng = (self._rngs[i] if init_state_ids is None
                    else state_rng(init_state_ids[i]))

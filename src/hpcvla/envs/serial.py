@@ -36,9 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from hpcvla.envs.base import (EnvSpec, StepResult, VectorEnv, check_reset_args,
-                              episode_ends)
-from hpcvla.seeds import env_rng, env_seeds
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, episode_ends
+from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize
 
 
@@ -75,7 +74,7 @@ class SerialVectorEnv(VectorEnv):
         self.num_envs, self.spec, self.name = num_envs, spec, name
         self.instruction_len, self.first_env = instruction_len, first_env
         self._make_slot = make_slot
-        self._rngs = [env_rng(s) for s in env_seeds(seed, num_envs)]
+        self._seed_envs(env_seeds(seed, num_envs))
         self.failures: list[tuple[int, str]] = []  # (env id, error) of every failure so far
         self.retired: set[int] = set()  # slot indices that could not be rebuilt
         self._chunks = np.zeros(num_envs, dtype=np.int32)
@@ -147,9 +146,7 @@ class SerialVectorEnv(VectorEnv):
 
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        check_reset_args(self.num_envs, seeds, init_state_ids)
-        if seeds is not None:
-            self._rngs = [env_rng(s) for s in seeds]
+        self._begin_reset(seeds, init_state_ids)
         for i in range(self.num_envs):
             self._start_episode(i, None if init_state_ids is None else int(init_state_ids[i]))
         return self._batch()
