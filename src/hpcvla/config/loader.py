@@ -61,6 +61,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with `key.sub=value` overrides applied, checked as `load_config`'s."""
+    data, problems = config_to_dict(cfg), []
+    for item in overrides:
+        _apply_override(data, item, problems)
+    out = _build(Config, data, "", problems)
+    problems.extend([] if problems else cross_field_problems(out))
+    if problems:
+        raise ConfigError(problems, "overrides of a config")
+    return out
+
+
 def _apply_override(data: dict, item: str, problems: list) -> None:
     key, sep, raw = item.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 
 from hpcvla.config.families import family
+from hpcvla.config.loader import with_overrides
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint
 from hpcvla.memory.layout import plan_memory
@@ -16,16 +17,8 @@ from hpcvla.topology.plan import plan_from_config
 
 
 def configured(cfg, lay: Layout):
-    """`cfg` with the settings a scale-model Layout decides (Layout.to_overrides)."""
-    out = copy.deepcopy(cfg)
-    out.placement.mode = "colocated" if lay.traits.colocated else "disaggregated"
-    out.placement.per_node = dict(lay.per_node)
-    out.placement.learner_nodes = out.placement.learners = 0
-    out.placement.ranks_per_node = lay.ranks_per_node
-    out.env.envs_per_simulator, out.env.shards = lay.envs, lay.shards
-    out.rollout.batch_max, out.rollout.segment_len = lay.batch_max, lay.segment_len
-    out.learner.micro_batch, out.learner.micro_batches = lay.micro_batch, lay.micro_batches
-    return out
+    """`cfg` with the settings a scale-model Layout decides."""
+    return with_overrides(cfg, lay.to_overrides())
 
 
 class MemoryFit:
