@@ -149,23 +149,7 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 # ---- the command ---------------------------------------------------------------------------
 # The run of this job that a restart continues: the newest run directory under $1 whose
 # newest checkpoint is short of the run's total_updates (nothing if there is none).
-resumable_run() {
-    "$PYTHON" - "$1" << 'PY'
-import sys
-
-import yaml
-
-from hpcvla.checkpoint import latest, read_state
-from hpcvla.restarts import newest_run
-
-run = newest_run(sys.argv[1])
-point = latest(run) if run is not None else None
-if point is not None:
-    total = yaml.safe_load((run / "config.yaml").read_text())["pipeline"]["total_updates"]
-    if read_state(point)["version"] < total:
-        print(run)
-PY
-}
+resumable_run() { "$PYTHON" -m hpcvla.restarts resumable "$1"; }
 
 # The nodes of HOSTS that start a process within 30 s (a restart leaves out the others).
 usable_hosts() {

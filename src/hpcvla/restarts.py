@@ -16,7 +16,11 @@ summary.json carries the list (`restarts`). Before that,
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
-beyond are spare).
+beyond are spare). And before any start of a job's world,
+
+    python -m hpcvla.restarts resumable JOB_RUN_ROOT
+
+prints the run that start continues (`resumable_run`), if there is one.
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ def newest_run(run_root: Path) -> Path | None:
     """The run directory a restart continues: the newest one under the job's run root."""
     configs = sorted(Path(run_root).glob("*/config.yaml"), key=lambda p: p.stat().st_mtime)
     return configs[-1].parent if configs else None
+
+
+def resumable_run(run_root: Path) -> Path | None:
+    """The run of a job that a (re)start continues: its newest run, if that run's newest
+    checkpoint is short of the run's total_updates."""
+    run = newest_run(run_root)
+    point = latest(run) if run is not None else None
+    if point is None:
+        return None
+    total = load_config(run / "config.yaml").pipeline.total_updates
+    return run if read_state(point)["version"] < total else None
 
 
 def newest_version(run_root: Path) -> int:
@@ -113,10 +128,16 @@ def _main(argv=None) -> None:
     fit.add_argument("overrides", nargs="*")
     fit.add_argument("--world", type=int, required=True)
     fit.add_argument("--ranks-per-node", type=int, required=True)
+    sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
+        "run_root", type=Path)
     args = parser.parse_args(argv)
     if args.what == "record":
         print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
                                 args.nodes.split(), args.ranks)))
+        return
+    if args.what == "resumable":
+        run = resumable_run(args.run_root)
+        print(run if run is not None else "")
         return
     try:
         cfg = load_config(args.config, args.overrides)
