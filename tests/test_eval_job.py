@@ -26,6 +26,7 @@ def _eval(run_dir, *args, timeout=300) -> dict:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # 11-18 s each: a world of 2-4 ranks and the same episodes in one process
 @pytest.mark.parametrize("config,overrides,ranks,actions", [
     # reach: 6 batches of 4 on 4 ranks (two ranks run two): sampled and deterministic
     ("default.yaml", (), 4, ()),
@@ -67,8 +68,8 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
 @pytest.mark.mpi
 @pytest.mark.parametrize("config,overrides,chunks", [
     ("default.yaml", ("env.max_episode_chunks=4",), 4),
-    ("maniskill_pushcube_flow.yaml", ("env.image_size=32", "env.max_episode_chunks=3",
-                                      "rollout.segment_len=3"), 3)])
+    pytest.param("maniskill_pushcube_flow.yaml", ("env.image_size=32", "env.max_episode_chunks=3",
+                 "rollout.segment_len=3"), 3, marks=pytest.mark.slow)])  # ~16 s: ManiSkill
 def test_eval_writes_videos_of_the_first_episodes_that_decode_back(tmp_path, config,
                                                                    overrides, chunks):
     """--video 2 on 3 states: two MP4s named by state and outcome, each a frame per chunk

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol, TypeVar
 
 from hpcvla.topology.plan import PlanError, RankPlan, build_plan
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,59 @@ class Schedule:
     stream_micro_batches: bool
 
 
-def schedule_of(cfg, envs_per_cell: int) -> Schedule:
+# ------------------------------------------------------------------ what a config gives
+# The settings read here, as protocols that the run's Config (config/schema.py) meets: the
+# config imports this module (its MODES), so this module cannot import the config.
+class _PipelineSettings(Protocol):
+    mode: str
+    max_staleness: int
+
+
+class _EnvSettings(Protocol):
+    envs_per_simulator: int
+    shards: int
+    chunk_len: int
+
+
+class _RolloutSettings(Protocol):
+    segment_len: int
+    batch_max: int
+    wait_max_ms: float
+
+
+class _LearnerSettings(Protocol):
+    micro_batch: int
+    micro_batches: int
+    epochs: int
+
+
+class _PlacementSettings(Protocol):
+    per_node: dict[str, int]
+
+
+class _AlgorithmSettings(Protocol):
+    name: str
+    group_size: int
+
+
+class ScheduleSettings(Protocol):
+    """What the schedule reads of a run's Config."""
+
+    @property
+    def pipeline(self) -> _PipelineSettings: ...
+    @property
+    def env(self) -> _EnvSettings: ...
+    @property
+    def rollout(self) -> _RolloutSettings: ...
+    @property
+    def learner(self) -> _LearnerSettings: ...
+    @property
+    def placement(self) -> _PlacementSettings: ...
+    @property
+    def algorithm(self) -> _AlgorithmSettings: ...
+
+
+def schedule_of(cfg: ScheduleSettings, envs_per_cell: int) -> Schedule:
     mode = cfg.pipeline.mode
     t = traits(mode)
     return Schedule(
@@ -79,7 +133,7 @@ def schedule_of(cfg, envs_per_cell: int) -> Schedule:
         stream_micro_batches=t.streamed)
 
 
-def shards_of(cfg) -> int:
+def shards_of(cfg: ScheduleSettings) -> int:
     """Env shards per simulator rank in the config's mode."""
     return schedule_of(cfg, 1).shards
 
@@ -90,12 +144,12 @@ def staleness_allowance(version: int, max_staleness: int, quota: int, started: i
     return (version + 1 + max_staleness) * quota - started
 
 
-def eligible(queued: Iterable, starts_segment: Callable[[object], bool], envs: int,
-             version: int, max_staleness: int, quota: int, started: int) -> set:
+def eligible(queued: Iterable[T], starts_segment: Callable[[T], bool], envs: int,
+             version: int, max_staleness: int, quota: int, started: int) -> set[T]:
     """The queued requests (in arrival order) that may be served now: those mid-segment, plus
     those starting a segment of `envs` envs while the staleness quota lasts."""
     allowance = staleness_allowance(version, max_staleness, quota, started)
-    ok = set()
+    ok: set[T] = set()
     for item in queued:
         if starts_segment(item):
             if allowance < envs:
@@ -105,13 +159,13 @@ def eligible(queued: Iterable, starts_segment: Callable[[object], bool], envs: i
     return ok
 
 
-def producer_quota(cfg, plan: RankPlan, producer: int) -> int:
+def producer_quota(cfg: ScheduleSettings, plan: RankPlan, producer: int) -> int:
     """Segments per policy version a producer contributes to its learner's batch."""
     batch = cfg.learner.micro_batch * cfg.learner.micro_batches
     return batch // len(plan.producers_of(plan.feeds[producer]))
 
 
-def envs_of_cell(cfg, plan: RankPlan, cell: int) -> int:
+def envs_of_cell(cfg: ScheduleSettings, plan: RankPlan, cell: int) -> int:
     return len(plan.cells[cell].simulators) * cfg.env.envs_per_simulator
 
 
@@ -122,7 +176,7 @@ class Layout:
     mode: str = "streamer"            # pipeline.mode
     world: int = 4
     ranks_per_node: int = 4
-    per_node: dict = field(default_factory=lambda: {"simulator": 2, "inference": 1,
+    per_node: dict[str, int] = field(default_factory=lambda: {"simulator": 2, "inference": 1,
                                                     "learner": 1})
     envs: int = 16                    # env.envs_per_simulator
     shards: int = 2                   # env.shards
@@ -136,7 +190,7 @@ class Layout:
     max_staleness: int = 1
 
     @classmethod
-    def from_config(cls, cfg, world: int, ranks_per_node: int) -> "Layout":
+    def from_config(cls, cfg: ScheduleSettings, world: int, ranks_per_node: int) -> "Layout":
         return cls(cfg.pipeline.mode, world, ranks_per_node, dict(cfg.placement.per_node),
                    cfg.env.envs_per_simulator, cfg.env.shards, cfg.rollout.batch_max,
                    cfg.rollout.wait_max_ms / 1e3, cfg.env.chunk_len, cfg.rollout.segment_len,
@@ -187,7 +241,7 @@ def layout_problems(mode: str, envs: int, shards: int, micro_batch: int, micro_b
     `group_size`: GRPO's group size (0: not GRPO); `plan`: the rank plan (colocated or
     disaggregated)."""
     t = traits(mode)
-    problems = []
+    problems: list[tuple[str, object, str]] = []
     if plan is not None:
         if t.colocated != (plan.mode == "colocated"):
             problems.append(("placement.mode", plan.mode,
@@ -224,7 +278,7 @@ def layout_problems(mode: str, envs: int, shards: int, micro_batch: int, micro_b
     return problems
 
 
-def config_layout_problems(cfg, plan: RankPlan) -> list[tuple[str, object, str]]:
+def config_layout_problems(cfg: ScheduleSettings, plan: RankPlan) -> list[tuple[str, object, str]]:
     """layout_problems of a config on `plan`."""
     return layout_problems(cfg.pipeline.mode, cfg.env.envs_per_simulator, cfg.env.shards,
                            cfg.learner.micro_batch, cfg.learner.micro_batches, plan,
@@ -246,6 +300,6 @@ def layout_problem(lay: Layout) -> str | None:
     return _one_line(problems[0]) if problems else None
 
 
-def _one_line(problem: tuple) -> str:
+def _one_line(problem: tuple[str, object, str]) -> str:
     name, value, valid = problem
     return f"{name}={value}: expected {valid}"

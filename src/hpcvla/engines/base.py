@@ -16,10 +16,15 @@ class Engine(Protocol):
     guard use. DeepSpeed's engine has it; engines/horovod.py implements it; engines/nonfinite.py
     wraps either (and adds `skipped`)."""
 
-    module: torch.nn.Module  # the policy
-    optimizer: Any  # its param_groups are the ones param_groups() names
-    device: torch.device
-    skipped_steps: int  # optimizer steps the engine itself skipped (non-finite gradient)
+    # Read-only here, so that a wrapper's properties (SkipNonfinite's) meet the interface too
+    @property
+    def module(self) -> torch.nn.Module: ...  # the policy
+    @property
+    def optimizer(self) -> Any: ...  # its param_groups are the ones param_groups() names
+    @property
+    def device(self) -> torch.device: ...
+    @property  # optimizer steps the engine itself skipped (non-finite gradient)
+    def skipped_steps(self) -> int: ...
 
     def __call__(self, obs: dict, actions: torch.Tensor, real: torch.Tensor | None = None):
         """The policy's forward: evaluate's (log-prob, value, entropy), or with the real-steps

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Container
 
 
 class DynamicBatcher:
-    def __init__(self, batch_max: float, wait_max: float, clock=time.monotonic):
+    def __init__(self, batch_max: float, wait_max: float,
+                 clock: Callable[[], float] = time.monotonic):
         if batch_max < 1 or wait_max < 0:
             raise ValueError(f"batch_max {batch_max} must be >= 1 and wait_max {wait_max} >= 0")
         self.batch_max, self.wait_max, self.clock = batch_max, wait_max, clock
@@ -28,10 +30,10 @@ class DynamicBatcher:
         """Waiting slots, oldest first."""
         return list(self._queue)
 
-    def waiting_envs(self, eligible=None) -> int:
+    def waiting_envs(self, eligible: Container[int] | None = None) -> int:
         return sum(n for s, (n, _) in self._queue.items() if eligible is None or s in eligible)
 
-    def fire_reason(self, eligible=None) -> str | None:
+    def fire_reason(self, eligible: Container[int] | None = None) -> str | None:
         """'batch_max' or 'wait_max' if a forward pass should start now, else None.
         `eligible` (a set of slots) are the requests allowed to proceed; the others (held
         back by the staleness quota) still count towards `batch_max`: they cannot be served
@@ -46,9 +48,10 @@ class DynamicBatcher:
             return "wait_max"
         return None
 
-    def take(self, eligible=None) -> list[int]:
+    def take(self, eligible: Container[int] | None = None) -> list[int]:
         """Pop the requests of the next batch (arrival order, up to batch_max envs)."""
-        batch, envs = [], 0
+        batch: list[int] = []
+        envs = 0
         for slot, (n, _) in list(self._queue.items()):
             if eligible is not None and slot not in eligible:
                 continue
@@ -59,7 +62,7 @@ class DynamicBatcher:
             del self._queue[slot]
         return batch
 
-    def time_to_deadline(self, eligible=None) -> float:
+    def time_to_deadline(self, eligible: Container[int] | None = None) -> float:
         """Seconds until the oldest eligible request reaches wait_max (inf if none)."""
         times = [t for s, (_, t) in self._queue.items() if eligible is None or s in eligible]
         return math.inf if not times else max(0.0, times[0] + self.wait_max - self.clock())

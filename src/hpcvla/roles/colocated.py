@@ -7,7 +7,10 @@ rollout resumes with the new weights. Nothing overlaps, so no sample is ever sta
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hpcvla.emulate import pad
@@ -17,9 +20,20 @@ from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.roles.setup import RoleSetup
 from hpcvla.watchdog import deadline, step_deadline_s
 
+if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
+    from hpcvla.engines import SkipNonfinite
+    from hpcvla.envs.base import StepResult, VectorEnv
+    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.progress import Progress
+    from hpcvla.metrics.timeline import Timeline
+    from hpcvla.policies.base import Policy
+    from hpcvla.roles.segments import SegmentGroup
 
-def run_colocated(setup: RoleSetup, *, engine, actor, env, after_version, stop,
-                  dump=None) -> int:
+
+def run_colocated(setup: RoleSetup, *, engine: SkipNonfinite, actor: Policy, env: VectorEnv,
+                  after_version: Callable[[int, dict[str, torch.Tensor], bool], None],
+                  stop: Callable[[], bool], dump: TrajectoryDump | None = None) -> int:
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
     holding the learner's weights, refreshed from it after every update (under ZeRO-3 the
@@ -34,7 +48,9 @@ def run_colocated(setup: RoleSetup, *, engine, actor, env, after_version, stop,
     builder = SegmentBuilder({**spec.obs, **actor.extra_fields()}, env.num_envs,
                              spec.chunk_len, spec.action_dim,
                              cfg.rollout.segment_len, producer=0, slot=0)
-    obs, result, groups, steps = env.reset(), None, [], 0
+    result: StepResult | None = None
+    groups: list[SegmentGroup] = []
+    obs, steps = env.reset(), 0
     version = setup.first_version
     while True:
         actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)
@@ -68,7 +84,9 @@ def run_colocated(setup: RoleSetup, *, engine, actor, env, after_version, stop,
     return steps
 
 
-def _act(policy, obs, envs: int, timeline, emulate_ms):
+def _act(policy: Policy, obs: dict[str, np.ndarray], envs: int, timeline: Timeline,
+         emulate_ms: Callable[[int], float] | None
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """The policy's chunk for `obs`: (actions, logprob, value, what to record beside it)."""
     with timeline.span("infer"):
         begin = time.monotonic()
@@ -81,13 +99,16 @@ def _act(policy, obs, envs: int, timeline, emulate_ms):
     return actions, logprob, value, recorded
 
 
-def _update(cfg, engine, actor, micro_batches, version: int, timeline, progress) -> dict:
+def _update(cfg: Config, engine: SkipNonfinite, actor: Policy,
+            micro_batches: list[list[SegmentGroup]], version: int, timeline: Timeline,
+            progress: Progress) -> dict[str, torch.Tensor]:
     """Train version `version` + 1 on this rank's micro-batches (data-parallel with the other
     ranks) and load the new weights into the acting copy; returns them."""
     learn(cfg, engine, micro_batches, version, timeline, progress)
     progress.on_update(version + 1)
     with timeline.span("publish"):
         weights = full_state(engine)  # [dist] under ZeRO-3
+        assert weights is not None  # full_state gathers them unless told not to
         actor.load_arrays(weights)
     return weights
 

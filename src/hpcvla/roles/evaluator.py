@@ -18,24 +18,45 @@ batches with its acting copy of the policy, gathered on rank 0; training waits f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Required, TypedDict
 
 from hpcvla import preempt
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.roles.setup import RoleSetup
 from hpcvla.transport.backoff import Backoff
 
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+    from hpcvla.config.schema import Config
+    from hpcvla.metrics.progress import Progress
+    from hpcvla.policies.base import Policy
+    from hpcvla.roles.inference import WeightLoader
+    from hpcvla.transport.weights import WeightPlane
+
 HELD_OUT_TAG = 7201  # the evaluator's reports to the weight root, on COMM_WORLD
 
 
-def held_out_of(cfg, device, policy=None) -> HeldOut:
+class HeldOutMessage(TypedDict, total=False):
+    """What the evaluator sends the weight root: a report, or only that it is done."""
+    version: int
+    report: dict[str, object]  # HeldOut.report, without per_episode
+    video: str | None
+    last: Required[bool]
+
+
+def held_out_of(cfg: Config, device: torch.device | str, policy: Policy | None = None
+                ) -> HeldOut:
     """The held-out states and env batch eval.* configures (one filmed episode per task where
     eval.video_every asks)."""
     return HeldOut(cfg, cfg.eval.episodes, cfg.eval.envs, cfg.run.seed, device, policy,
                    video=1 if cfg.eval.video_every else 0)
 
 
-def video_dir(cfg, run_dir: Path, version: int, previous: int | None) -> Path | None:
+def video_dir(cfg: Config, run_dir: Path, version: int, previous: int | None) -> Path | None:
     """Where the episodes of `version` are filmed, if its evaluation films any: the first
     evaluation, and each that passed a multiple of eval.video_every since the `previous` one
     (an evaluator that skipped the multiple itself films the next version it evaluates)."""
@@ -44,8 +65,8 @@ def video_dir(cfg, run_dir: Path, version: int, previous: int | None) -> Path | 
     return run_dir / "videos" / f"v{version:06d}-heldout" if films else None
 
 
-def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader, plane, world,
-                  root: int) -> dict:
+def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader: WeightLoader,
+                  plane: WeightPlane, world: MPI.Comm, root: int) -> dict[str, list[int]]:
     """The evaluator rank's loop (module docstring) until the weight plane finishes, from the
     run's first policy version (the curve's first point where it is a multiple of
     eval.every); returns what it evaluated. `loader` is its WeightLoader (roles/inference.py),
@@ -53,7 +74,8 @@ def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader, plane, world,
     cfg, run_dir, timeline, first = setup.cfg, setup.run_dir, setup.timeline, \
         setup.first_version
     every, deterministic = cfg.eval.every, cfg.eval.deterministic
-    evaluated, backoff = [], Backoff(cap=0.05)
+    evaluated: list[int] = []
+    backoff = Backoff(cap=0.05)
     next_due = -(-first // every) * every
 
     def evaluate_newest(last: bool) -> None:
@@ -87,7 +109,7 @@ def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader, plane, world,
 class HeldOutInbox:
     """The weight root's side: the evaluator's reports into the run's progress."""
 
-    def __init__(self, world, evaluator: int, progress):
+    def __init__(self, world: MPI.Comm, evaluator: int, progress: Progress):
         self.world, self.evaluator, self.progress = world, evaluator, progress
 
     def poll(self) -> bool:
@@ -106,13 +128,14 @@ class HeldOutInbox:
                                                  tag=HELD_OUT_TAG)):
                 pass
 
-    def _take(self, message: dict) -> bool:
+    def _take(self, message: HeldOutMessage) -> bool:
         if "report" in message:
             self.progress.on_held_out(message["version"], message["report"], message["video"])
         return message["last"]
 
 
-def between_versions(setup: RoleSetup, held_out: HeldOut, comm):
+def between_versions(setup: RoleSetup, held_out: HeldOut,
+                     comm: MPI.Comm) -> Callable[[int, bool], None]:
     """Colocated: `after(version, last)` evaluates every multiple of eval.every and the last
     version (not one a stop signal made last: the lead time is the checkpoint's), every rank
     of `comm` (the learners: all ranks) a share of the batches, logged on its rank 0."""
@@ -132,6 +155,7 @@ def between_versions(setup: RoleSetup, held_out: HeldOut, comm):
                                             films)
             parts = comm.gather((episodes, videos), root=0)  # [dist]
         if comm.Get_rank() == 0:
+            assert parts is not None  # the root's gather
             filmed = sorted(v for _, vs in parts for v in vs)
             progress.on_held_out(version, held_out.report(
                 [e for es, _ in parts for e in es], deterministic),

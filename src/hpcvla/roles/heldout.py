@@ -27,7 +27,7 @@ import copy
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 
 import numpy as np
 import torch
@@ -37,6 +37,14 @@ from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.stats import wilson_interval
 from hpcvla.watchdog import deadline, step_deadline_s
+
+if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
+    from hpcvla.envs.base import VectorEnv
+    from hpcvla.policies.base import Policy
+
+# An episode's film: (step, camera image) per chunk, then (step, None) when it ended
+Film: TypeAlias = list[tuple[int, np.ndarray | None]]
 
 
 class Episode(NamedTuple):
@@ -54,8 +62,8 @@ class HeldOut:
     one episode each, with `policy` (or the policy the config builds on `device`). `video` K:
     the first K episodes of every task are filmed."""
 
-    def __init__(self, cfg, episodes: int, envs: int, seed: int, device, policy=None,
-                 video: int = 0):
+    def __init__(self, cfg: Config, episodes: int, envs: int, seed: int,
+                 device: torch.device | str, policy: Policy | None = None, video: int = 0):
         from hpcvla.factory import build_policy  # the policy exactly as training builds it
         cfg, protocol, states = protocol_of(cfg)
         kwargs = env_kwargs(cfg.env)
@@ -77,7 +85,8 @@ class HeldOut:
             video_dir: Path | None = None) -> tuple[list[Episode], list[str]]:
         """This rank's batches, one episode per state: their Episodes and the videos written
         (to `video_dir`, where the batch holds a filmed state)."""
-        mine, videos = [], []
+        mine: list[Episode] = []
+        videos: list[str] = []
         devices = [self.policy.device] if self.policy.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             for first in range(rank * self.envs, len(self.ids), ranks * self.envs):
@@ -91,15 +100,15 @@ class HeldOut:
                 mine += outcomes
                 videos += [_write_video(video_dir, *frames[e.position], self.ids[e.position],
                                         self.tasks[e.position], e.success)
-                           for e in outcomes if e.position in frames]
+                           for e in outcomes if video_dir is not None and e.position in frames]
         return mine, videos
 
-    def report(self, episodes: list[Episode], deterministic: bool) -> dict:
+    def report(self, episodes: list[Episode], deterministic: bool) -> dict[str, object]:
         """The result of every rank's episodes: success with its 95 % (Wilson) interval,
         per task and per episode; an episode the env ended by a fault is left out, counted."""
         episodes = sorted(episodes)
         kept = [e for e in episodes if not e.env_fault]
-        per_task = defaultdict(list)
+        per_task: defaultdict[str, list[bool]] = defaultdict(list)
         for e in kept:
             per_task[self.tasks[e.position]].append(e.success)
         outcomes, ids = [e.success for e in kept], self.ids
@@ -125,7 +134,8 @@ class HeldOut:
         self.env.close()
 
 
-def protocol_of(cfg) -> tuple:
+def protocol_of(cfg: Config) -> tuple[Config, dict[str, object] | None,
+                                      tuple[np.ndarray, list[str]] | None]:
     """The config an evaluation runs and, for eval.protocol=libero, what its protocol
     fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
     the suite's step limit; STEP_LIMITS of envs/libero.py), and its (ids, task labels);
@@ -147,8 +157,9 @@ def protocol_of(cfg) -> tuple:
                  "ends the episode)"}, (ids, labels)
 
 
-def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
-               filmed: set, step_deadline: float = 0.0) -> tuple[list, dict]:
+def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic: bool,
+               first: int, filmed: set[int], step_deadline: float = 0.0
+               ) -> tuple[list[Episode], dict[int, tuple[str, Film]]]:
     """One episode from each state of `batch` (the env's first len(batch) slots; the others
     repeat states, and their outcomes are dropped); returns the Episode of each, and for those
     in `filmed` their instruction and frames (position -> (instruction, [(step, image)])): the
@@ -160,7 +171,8 @@ def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
     fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
     steps = np.zeros(n, np.int64)
     said = env.instructions()
-    frames = {first + i: (said[i], []) for i in range(len(batch)) if first + i in filmed}
+    frames: dict[int, tuple[str, Film]] = {first + i: (said[i], []) for i in range(len(batch))
+                                           if first + i in filmed}
     step = 0
     while running.any():  # each env's first episode; auto-reset ones are ignored
         for position, (_, film) in frames.items():
@@ -187,14 +199,14 @@ def _run_batch(env, policy, batch: np.ndarray, deterministic: bool, first: int,
                     bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
 
 
-def _camera(obs: dict, i: int) -> np.ndarray:
+def _camera(obs: dict[str, np.ndarray], i: int) -> np.ndarray:
     """Env i's camera images side by side (the third-person camera, then the wrist's)."""
     return np.concatenate([obs[k][i] for k in ("image", "wrist_image") if k in obs], axis=1)
 
 
-def _ordinals(tasks: list) -> list[int]:
+def _ordinals(tasks: list[str]) -> list[int]:
     """Each state's index among the states of its task."""
-    seen = defaultdict(int)
+    seen: defaultdict[str, int] = defaultdict(int)
     out = []
     for task in tasks:
         out.append(seen[task])
@@ -202,8 +214,8 @@ def _ordinals(tasks: list) -> list[int]:
     return out
 
 
-def _write_video(video_dir: Path, instruction: str, film: list, state_id, task: str,
-                 success: bool) -> str:
+def _write_video(video_dir: Path, instruction: str, film: Film, state_id: int | np.integer,
+                 task: str, success: bool) -> str:
     """One episode's frames as `<task>-state<id>-<success|failure>.mp4` (video.episode_video)."""
     from hpcvla.metrics.video import episode_video
     outcome = "success" if success else "failure"

@@ -9,6 +9,8 @@ then waits, which is what throttles the simulators.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,19 +18,25 @@ import torch
 from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
-from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
-from hpcvla.roles.setup import RoleSetup
-from hpcvla.schedule import eligible
+from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder, SegmentGroup
+from hpcvla.roles.setup import Counters, RoleSetup
+from hpcvla.schedule import Schedule, eligible
 from hpcvla.transport import records
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 from hpcvla.transport.ring_writer import RingWriter
+
+if TYPE_CHECKING:
+    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.policies.base import Policy
+    from hpcvla.transport.exchange import ObsActionExchange
+    from hpcvla.transport.weights import Manifest, WeightPlane
 
 
 class WeightLoader:
     """Copies the newest published weights into a local policy (on a GPU, from a
     page-locked host copy straight into its parameters)."""
 
-    def __init__(self, policy, plane, manifest):
+    def __init__(self, policy: Policy, plane: WeightPlane, manifest: Manifest):
         self.policy, self.plane, self.manifest = policy, plane, manifest
         flat = torch.empty(manifest.nbytes, dtype=torch.uint8)
         self.flat = (flat.pin_memory() if policy.device.type == "cuda" else flat).numpy()
@@ -51,8 +59,9 @@ class InferenceServer:
     """The state of one inference rank: its cell's slots, one SegmentBuilder per slot (env
     shard), the batcher, the ring to its learner and the staleness quota."""
 
-    def __init__(self, setup: RoleSetup, *, sched, policy, loader: WeightLoader, exchange,
-                 ring: RingWriter, quota: int, envs_per_shard: int, obs_keys: list[str], dump=None):
+    def __init__(self, setup: RoleSetup, *, sched: Schedule, policy: Policy,
+                 loader: WeightLoader, exchange: ObsActionExchange, ring: RingWriter, quota: int,
+                 envs_per_shard: int, obs_keys: list[str], dump: TrajectoryDump | None = None):
         """`quota`: segments per learner batch (schedule.producer_quota); `dump`: the rank's
         HDF5 trajectory dump, if the run writes one."""
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring
@@ -69,19 +78,21 @@ class InferenceServer:
         self.batcher = DynamicBatcher(sched.batch_max, sched.wait_max_s)
         self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
-        self.stats = {"forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0,
-                      "fired_wait_max": 0, "segments_sent": 0, "throttled_s": 0.0,
-                      "weight_swaps": 0, "value_passes": 0, "held_valued": 0,
-                      # segment counter c: segment c belongs to learner batch c // quota
-                      "segments_started": first_version * quota}
+        self.stats: Counters = {
+            "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
+            "segments_sent": 0, "throttled_s": 0.0, "weight_swaps": 0, "value_passes": 0,
+            "held_valued": 0,
+            # segment counter c: segment c belongs to learner batch c // quota
+            "segments_started": first_version * quota}
 
-    def run(self) -> dict:
+    def run(self) -> Counters:
         """Serve until the learners finish (the weight plane says so), then stop every shard."""
         exchange, batcher, loader, stats = self.exchange, self.batcher, self.loader, self.stats
         # the learner root publishes its first version (0, or the one resumed) first
         loader.plane.wait_for(self.first_version, timeout=600)
         loader.refresh()
-        stopped, backoff = set(), Backoff(cap=DATA_POLL_CAP)
+        stopped: set[int] = set()
+        backoff = Backoff(cap=DATA_POLL_CAP)
         while len(stopped) < exchange.n_slots:
             for slot in exchange.pending():
                 batcher.add(slot, self.n)
@@ -117,7 +128,7 @@ class InferenceServer:
             self.dump.close()
         return stats
 
-    def _serve(self, slots: list[int], held: list[int] = ()) -> None:
+    def _serve(self, slots: Sequence[int], held: Sequence[int] = ()) -> None:
         """One forward pass for `slots`: answer the simulators first, then assemble. `held`
         requests (full segments the staleness quota holds back) ride along unanswered: the
         pass values their next observation, which finishes their segments (a pass of their
@@ -156,7 +167,7 @@ class InferenceServer:
                                  logprob[part], value[part], self.loader.version)
             self._send(finished)
 
-    def _send(self, groups: list[dict]) -> None:
+    def _send(self, groups: list[SegmentGroup]) -> None:
         """Hand this pass's finished segment groups to the learner, small ones packed into
         shared ring slots."""
         self.ring.put_many([(records.encode(g), records.schema_of(g)) for g in groups])
@@ -166,7 +177,7 @@ class InferenceServer:
                 for group in groups:
                     self.dump.add_segment(group)
 
-    def _eligible(self) -> set:
+    def _eligible(self) -> set[int]:
         """Queued slots that may be served now: those mid-segment, plus those starting a
         segment while the staleness quota lasts (in arrival order; schedule.eligible)."""
         builders = self.builders
@@ -175,7 +186,8 @@ class InferenceServer:
                         self.stats["segments_started"])
 
 
-def _gather(exchange, slots, keys, staging=None) -> dict:
+def _gather(exchange: ObsActionExchange, slots: Sequence[int], keys: Iterable[str],
+            staging: HostStaging | None = None) -> dict[str, np.ndarray]:
     """Fields of several requests, concatenated along the env axis (a copy out of the
     shared slots, which the simulators reuse as soon as they are answered), into
     `staging`'s buffers when given."""

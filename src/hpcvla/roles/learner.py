@@ -17,16 +17,27 @@ version:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hpcvla.algorithms.objective import Advantages, advantages_of, policy_loss
 from hpcvla.emulate import pad
-from hpcvla.roles.setup import RoleSetup
+from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+
+if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
+    from hpcvla.engines import SkipNonfinite
+    from hpcvla.metrics.progress import Progress
+    from hpcvla.metrics.timeline import Timeline
+    from hpcvla.roles.queues import SegmentQueues
+    from hpcvla.roles.segments import SegmentGroup
+    from hpcvla.schedule import Schedule
 
 
 @dataclass
@@ -38,14 +49,17 @@ class MicroBatch:
     proximal: torch.Tensor | None = None
 
     @classmethod
-    def arrived(cls, cfg, groups: list[dict], device) -> "MicroBatch":
+    def arrived(cls, cfg: Config, groups: list[SegmentGroup],
+                device: torch.device) -> "MicroBatch":
         arrays = {k: np.concatenate([g[k] for g in groups], axis=1)
                   for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
         arrays["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
         return cls(arrays, advantages_of(cfg.algorithm, arrays, device))
 
 
-def run_learner(setup: RoleSetup, *, sched, engine, queues, publish, stop) -> dict:
+def run_learner(setup: RoleSetup, *, sched: Schedule, engine: SkipNonfinite,
+                queues: SegmentQueues, publish: Callable[[int, bool], None],
+                stop: Callable[[], bool]) -> Counters:
     """Train policy versions first+1 .. total_updates, publishing each with
     `publish(version, last)`; end early, after a whole version, when `stop()` says so.
     `queues` is this learner's SegmentQueues (roles/queues.py)."""
@@ -63,7 +77,8 @@ def run_learner(setup: RoleSetup, *, sched, engine, queues, publish, stop) -> di
     return queues.stats
 
 
-def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
+def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[SegmentGroup]],
+          version: int, timeline: Timeline, progress: Progress) -> None:
     """One policy version. Epoch 0 trains each micro-batch (a list of segment groups) as the
     iterable yields it, which is what lets the streamer start before the batch is complete;
     further `learner.epochs` replay them against the proximal log-probs of epoch 0.
@@ -91,7 +106,8 @@ def learn(cfg, engine, micro_batches, version: int, timeline, progress) -> None:
                     train_micro_batch(cfg, engine, micro, timeline, value_only=True)
 
 
-def train_micro_batch(cfg, engine, micro: MicroBatch, timeline, value_only=False) -> dict:
+def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, timeline: Timeline,
+                      value_only: bool = False) -> dict[str, float]:
     """One forward/backward pass and engine step; the first records the proximal log-probs."""
     with timeline.span("train"):
         begin = time.monotonic()
@@ -107,7 +123,7 @@ def train_micro_batch(cfg, engine, micro: MicroBatch, timeline, value_only=False
 
 
 @contextmanager
-def actor_frozen(engine):
+def actor_frozen(engine: SkipNonfinite) -> Iterator[None]:
     """Every optimizer param group but the critic's (engines/base.param_groups names them) at
     learning rate 0: steps inside move the critic only."""
     groups = engine.optimizer.param_groups
@@ -122,7 +138,7 @@ def actor_frozen(engine):
             g["lr"] = lr
 
 
-def _scored(cfg, batch: dict) -> dict:
+def _scored(cfg: Config, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The episodes that count in the success metrics: under GRPO only each column's first
     (grouped) episode; later ones are cut short by the next restart (envs/groups.py)."""
     if cfg.algorithm.name != "grpo":
@@ -130,7 +146,8 @@ def _scored(cfg, batch: dict) -> dict:
     return dict(batch, done=batch["done"] & (np.cumsum(batch["done"], axis=0) == 1))
 
 
-def _arriving(cfg, sched, queues, version: int, timeline):
+def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
+              timeline: Timeline) -> Iterator[list[SegmentGroup]]:
     """The micro-batches of this version's batch, each as soon as it is here (the streamer;
     the other modes wait for the whole batch before the first); a stall past
     `pipeline.stall_timeout_s` stops the run with the ring's diagnosis."""

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import yaml
@@ -17,6 +20,22 @@ from hpcvla.config.loader import config_to_dict
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases
 from hpcvla.metrics.tensorboard import RunBoard
+
+if TYPE_CHECKING:
+    import torch
+    from mpi4py import MPI
+
+    from hpcvla.config.schema import Config
+    from hpcvla.engines import SkipNonfinite
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.progress import Progress
+    from hpcvla.metrics.timeline import Timeline
+    from hpcvla.policies.base import Policy
+    from hpcvla.roles.setup import Counters
+
+    # save(version, full weights (None on the learners that do not hold them), last)
+    Save: TypeAlias = Callable[[int, dict[str, torch.Tensor] | None, bool], None]
 
 MEMORY_PLAN = "memory.json"  # the memory model's figures for the run (GPU runs: pipeline.py)
 
@@ -44,22 +63,23 @@ class RankSummary:
     mean_return: float | None = None
     trained_env_steps: int | None = None
     env_fault_episodes: int | None = None
-    counters: dict = field(default_factory=dict)
+    counters: Counters = field(default_factory=dict)
 
-    def add(self, counted: dict) -> None:
+    def add(self, counted: Counters) -> None:
         """What a role returned: its env steps, and its counters."""
         counted = dict(counted)
         self.env_steps += counted.pop("env_steps", 0)
         self.counters.update(counted)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> Counters:
         """As summary.json holds it: the counters beside the fields, a field no one set
         (None) left out."""
         out = {k: v for k, v in asdict(self).items() if v is not None and k != "counters"}
         return {**out, **self.counters}
 
 
-def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
+def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir: Path,
+                 progress: Progress, timeline: Timeline) -> Save:
     """save(version, full weights, last): a checkpoint when one is due or the run ends
     (collective on the learners). With learner.checkpoint_background it is written in the
     background (checkpoint.Writer): training waits only for the snapshot, and for the
@@ -67,7 +87,7 @@ def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
     returns."""
     writer = checkpoint.Writer(cfg.learner.checkpoint_background)
 
-    def save(version, weights, last):
+    def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
         every = cfg.learner.checkpoint_every
         if every >= 0 and (last or (every and version % every == 0)):
             with timeline.span("checkpoint"):
@@ -79,7 +99,8 @@ def checkpointer(cfg, engine, learners, run_dir, progress, timeline):
     return save
 
 
-def trajectory_dump(cfg, spec, policy, rank, run_dir, seed_of_slot):
+def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_dir: Path,
+                    seed_of_slot: Callable[[int], int]) -> TrajectoryDump | None:
     """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
     It holds the observations and what the policy records beside them (extra_fields)."""
     if not cfg.run.dump_trajectories:
@@ -92,15 +113,17 @@ def trajectory_dump(cfg, spec, policy, rank, run_dir, seed_of_slot):
                           cfg.run.dump_flush_s)
 
 
-def write_report(world, summary: RankSummary, cfg, run_dir) -> dict:
+def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
+                 run_dir: Path) -> Counters:
     """Gather every rank's summary on rank 0; write summary.json; print the headline.
     Returns the run's summary on rank 0, this rank's own elsewhere."""
-    everyone: list[RankSummary] = world.gather(summary, root=0)  # [dist]
+    everyone: list[RankSummary] | None = world.gather(summary, root=0)  # [dist]
     if world.Get_rank() != 0:
         return summary.to_dict()
+    assert everyone is not None  # the root's gather
     wall = max(s.wall_s for s in everyone)
     steps = sum(s.env_steps for s in everyone)
-    staleness: Counter = Counter()
+    staleness: Counter[int] = Counter()
     for s in everyone:
         staleness.update({int(k): v for k, v in s.counters.get("staleness_hist", {}).items()})
     root = next((s for s in everyone if s.success_rate is not None), None)
@@ -147,7 +170,7 @@ def write_report(world, summary: RankSummary, cfg, run_dir) -> dict:
     return result
 
 
-def _add_planned_memory(everyone: list[RankSummary], path) -> None:
+def _add_planned_memory(everyone: list[RankSummary], path: Path) -> None:
     """Each rank's figures of the memory model (memory.json, where the run wrote one), bytes,
     beside the peaks it measured."""
     if not path.is_file():
@@ -162,11 +185,12 @@ def _add_planned_memory(everyone: list[RankSummary], path) -> None:
 def memory_table(everyone: list[RankSummary]) -> str:
     """Every rank's peak memory (GiB) as it measured it, and the memory model's figure where
     the run has one (GPU runs); columns nobody has are left out."""
-    columns = {"GPU allocated": lambda s: s.peak_memory.get("gpu_allocated"),
-               "GPU reserved": lambda s: s.peak_memory.get("gpu_reserved"),
-               "GPU planned": lambda s: (s.planned_memory or {}).get("gpu"),
-               "host RSS": lambda s: s.peak_memory["host_rss"],
-               "host planned": lambda s: (s.planned_memory or {}).get("host")}
+    columns: dict[str, Callable[[RankSummary], int | None]] = {
+        "GPU allocated": lambda s: s.peak_memory.get("gpu_allocated"),
+        "GPU reserved": lambda s: s.peak_memory.get("gpu_reserved"),
+        "GPU planned": lambda s: (s.planned_memory or {}).get("gpu"),
+        "host RSS": lambda s: s.peak_memory["host_rss"],
+        "host planned": lambda s: (s.planned_memory or {}).get("host")}
     columns = {k: f for k, f in columns.items() if any(f(s) is not None for s in everyone)}
     lines = ["[hpcvla] peak memory, GiB (measured by each rank; planned: the memory model):",
              f"{'rank':>4} {'role':<30} {'device':<7} " + " ".join(f"{k:>13}" for k in columns)]

@@ -21,7 +21,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from mpi4py import MPI
@@ -43,9 +44,9 @@ from hpcvla.roles.learner import run_learner
 from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, checkpointer, trajectory_dump,
                                   write_report)
 from hpcvla.roles.queues import SegmentQueues
-from hpcvla.roles.setup import RoleSetup
+from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.roles.simulator import run_simulator, slot_dtypes
-from hpcvla.schedule import envs_of_cell, producer_quota, schedule_of
+from hpcvla.schedule import Schedule, envs_of_cell, producer_quota, schedule_of
 from hpcvla.seeds import colocated_seed, seed_rank, shard_seed, write_rng_seeds
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, SPARE
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, idle_barrier
@@ -55,22 +56,30 @@ from hpcvla.transport.ring_reader import RingReader
 from hpcvla.transport.weights import Manifest, WeightPlane
 from hpcvla.watchdog import step_deadline_s
 
+if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
+    from hpcvla.engines import SkipNonfinite
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.policies.base import Policy
+    from hpcvla.topology.comms import Communicators
+    from hpcvla.topology.plan import RankPlan
+
 
 @dataclass
 class _Rank:
     """What the prologue set up on this rank, for its role."""
-    cfg: Any
-    plan: Any
-    comms: Any
-    run_dir: Any
+    cfg: Config
+    plan: RankPlan
+    comms: Communicators
+    run_dir: Path
     rank: int
-    spec: Any
-    policy: Any
+    spec: EnvSpec
+    policy: Policy
     device: torch.device
     on_gpus: bool
     timeline: Timeline
     progress: Progress
-    resume: Any  # the checkpoint resumed from, or None
+    resume: Path | None  # the checkpoint resumed from
     first: int  # the policy version training starts from
     summary: RankSummary
 
@@ -84,7 +93,7 @@ class _Rank:
 class _Links(NamedTuple):
     """A disaggregated rank's transport: the cell's exchange, the learner's ring (None where
     the rank is in neither) and the weight plane."""
-    sched: Any
+    sched: Schedule
     cell: int | None
     per_shard: int
     exchange: ObsActionExchange | None
@@ -93,7 +102,7 @@ class _Links(NamedTuple):
     manifest: Manifest
 
 
-def run_pipeline(cfg, plan, comms, run_dir) -> dict:
+def run_pipeline(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> Counters:
     """This rank's part of the run: prologue, transport (disaggregated), role, teardown, then
     the report. Returns this rank's summary; rank 0's is the whole run's (summary.json)."""
     me = _prologue(cfg, plan, comms, run_dir)
@@ -114,7 +123,7 @@ def run_pipeline(cfg, plan, comms, run_dir) -> dict:
     return _epilogue(me, start)
 
 
-def _prologue(cfg, plan, comms, run_dir) -> _Rank:
+def _prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> _Rank:
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     torch.set_num_threads(1)
@@ -196,8 +205,9 @@ def _start_clock(me: _Rank) -> float:
     return time.monotonic()
 
 
-def _simulator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+def _simulator_rank(me: _Rank, links: _Links) -> tuple[float, Counters]:
     cfg, rank, per_shard = me.cfg, me.rank, links.per_shard
+    assert links.exchange is not None  # a simulator is in a cell
     envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
                       first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
                       owner=f"rank {rank} (simulator)")
@@ -211,8 +221,11 @@ def _simulator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     return start, stats
 
 
-def _inference_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+def _inference_rank(me: _Rank, links: _Links) -> tuple[float, Counters]:
     cfg, plan, sched = me.cfg, me.plan, links.sched
+    # an inference rank serves a cell and feeds a learner's ring
+    assert links.cell is not None and links.exchange is not None and links.ring is not None
+    assert links.ring.writer is not None
     start = _start_clock(me)
     sims = sorted(plan.cells[links.cell].simulators)  # the exchange's slot order
     dump = trajectory_dump(cfg, me.spec, me.policy, me.rank, me.run_dir, lambda slot: shard_seed(
@@ -225,7 +238,8 @@ def _inference_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     return start, server.run()
 
 
-def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+def _learner_rank(me: _Rank, links: _Links) -> tuple[float, Counters]:
+    assert links.ring is not None and links.ring.reader is not None  # its feed's root
     cfg, plan, ring, plane = me.cfg, me.plan, links.ring.reader, links.plane
     engine = _start_engine(me)
     start = _start_clock(me)
@@ -237,15 +251,16 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     inbox = HeldOutInbox(me.comms.world, plan.with_role(EVAL)[0], me.progress) \
         if plan.with_role(EVAL) and me.rank == plan.weight_root else None
 
-    def publish(version, last=False):
+    def publish(version: int, last: bool = False) -> None:
         state = full_state(engine, wanted)  # [dist] on the learners under ZeRO-3
         if me.rank == plan.weight_root:
+            assert state is not None  # the weight root wants them
             plane.publish(version, state)
         if version > me.first:
             save(version, state, last)
         if inbox:
             inbox.poll()
-    stats = {"staleness_hist": {}}
+    stats: Counters = {"staleness_hist": {}}
     queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
     publish(me.first)
     run_learner(me.setup, sched=links.sched, engine=engine, queues=queues, publish=publish,
@@ -263,7 +278,7 @@ def _learner_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
     return start, stats
 
 
-def _evaluator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+def _evaluator_rank(me: _Rank, links: _Links) -> tuple[float, Counters]:
     """Held-out evaluation while training runs (roles/evaluator.py)."""
     held_out = held_out_of(me.cfg, me.device, me.policy)
     start = _start_clock(me)
@@ -276,12 +291,12 @@ def _evaluator_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
         held_out.close()
 
 
-def _spare_rank(me: _Rank, links: _Links) -> tuple[float, dict]:
+def _spare_rank(me: _Rank, links: _Links) -> tuple[float, Counters]:
     """No role (placement.learners): it starts the clock with the others and reports."""
     return _start_clock(me), {}
 
 
-def _colocated_rank(me: _Rank) -> tuple[float, dict]:
+def _colocated_rank(me: _Rank) -> tuple[float, Counters]:
     cfg, rank = me.cfg, me.rank
     engine = _start_engine(me)
     save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
@@ -299,7 +314,8 @@ def _colocated_rank(me: _Rank) -> tuple[float, dict]:
         evaluate = between_versions(me.setup, held_out, me.comms.learners)
         evaluate(me.first, False)  # [dist]
 
-        def after_version(version, weights, last):
+        def after_version(version: int, weights: dict[str, torch.Tensor] | None,
+                          last: bool) -> None:
             save(version, weights, last)  # [dist]
             evaluate(version, last)  # [dist]
     env_steps = run_colocated(me.setup, engine=engine, actor=actor, env=env,
@@ -315,7 +331,7 @@ def _colocated_rank(me: _Rank) -> tuple[float, dict]:
     return start, stats
 
 
-def _epilogue(me: _Rank, start: float) -> dict:
+def _epilogue(me: _Rank, start: float) -> Counters:
     summary = me.summary
     summary.wall_s = time.monotonic() - start
     summary.preempted = preempt.requested()
@@ -335,7 +351,7 @@ def _epilogue(me: _Rank, start: float) -> dict:
     return write_report(me.comms.world, summary, me.cfg, me.run_dir)  # [dist]
 
 
-def _start_engine(me: _Rank):
+def _start_engine(me: _Rank) -> SkipNonfinite:
     """This learner's engine (engines/: DeepSpeed or Horovod); resuming, the weights are
     loaded before the engine partitions them and the optimizer partition after."""
     cfg, policy, learners = me.cfg, me.policy, me.comms.learners

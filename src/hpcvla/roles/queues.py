@@ -4,10 +4,16 @@ learner batch, each trained exactly once."""
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from hpcvla.transport import records
 from hpcvla.transport.ring_reader import RingReader
 from hpcvla.transport.segment_meta import SegmentMeta
+
+if TYPE_CHECKING:
+    from hpcvla.roles.segments import SegmentGroup
+    from hpcvla.roles.setup import Counters
 
 
 class SegmentQueues:
@@ -15,13 +21,15 @@ class SegmentQueues:
     at segment start (schedule.py): batch b is trained at version b, which is what bounds
     staleness even when segments arrive out of start order."""
 
-    def __init__(self, ring: RingReader, max_staleness: int, stats: dict, producers=()):
+    def __init__(self, ring: RingReader, max_staleness: int, stats: Counters,
+                 producers: Iterable[int] = ()):
         self.ring, self.max_staleness, self.stats = ring, max_staleness, stats
         self.producers = tuple(producers)  # world ranks feeding this ring, for stall reports
-        self.buckets: dict[int, deque] = defaultdict(deque)
-        self.trained: dict[tuple[int, int], set] = defaultdict(set)  # (producer, slot) -> groups
+        self.buckets: dict[int, deque[SegmentGroup]] = defaultdict(deque)
+        # (producer, slot) -> groups
+        self.trained: dict[tuple[int, int], set[int]] = defaultdict(set)
 
-    def ledger(self) -> dict:
+    def ledger(self) -> dict[str, dict[str, int]]:
         """Per producer/slot: groups trained and their index range. A slot's groups go to
         batches in order, so a complete run trains 0..last of each, every one once:
         `missing` counts the holes."""
@@ -38,7 +46,7 @@ class SegmentQueues:
     def available(self, batch: int) -> int:
         return sum(SegmentMeta.of(g).envs for g in self.buckets[batch])
 
-    def take(self, segments: int, batch: int) -> list[dict]:
+    def take(self, segments: int, batch: int) -> list[SegmentGroup]:
         groups, got, bucket = [], 0, self.buckets[batch]
         while got < segments:
             group = bucket.popleft()

@@ -27,9 +27,18 @@ the group once the next step's value (the bootstrap) is known.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeAlias
+
 import numpy as np
 
 from hpcvla.transport.segment_meta import SegmentMeta
+
+if TYPE_CHECKING:
+    from hpcvla.envs.base import StepResult
+
+# One segment group (a record): field name -> array, the fields above
+SegmentGroup: TypeAlias = dict[str, np.ndarray]
 
 # What a simulator reports of an action chunk with the next observation (StepResult fields)
 OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated": ((), "|b1"),
@@ -37,14 +46,14 @@ OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated":
                   "episode_return": ((), "<f4")}
 
 
-def outcome_of(result) -> dict:
+def outcome_of(result: StepResult) -> dict[str, np.ndarray]:
     """The OUTCOME_FIELDS of a StepResult."""
     return {k: getattr(result, k) for k in OUTCOME_FIELDS}
 
 
 class SegmentBuilder:
-    def __init__(self, obs_spec: dict, n_envs: int, chunk_len: int, action_dim: int,
-                 segment_len: int, producer: int, slot: int):
+    def __init__(self, obs_spec: Mapping[str, tuple[tuple[int, ...], str]], n_envs: int,
+                 chunk_len: int, action_dim: int, segment_len: int, producer: int, slot: int):
         self.T, self.n, self.t = segment_len, n_envs, 0
         self.producer, self.slot, self.groups = producer, slot, 0
         T, n = segment_len, n_envs
@@ -56,7 +65,7 @@ class SegmentBuilder:
         self.buf.update({k: np.zeros((T, n), dt) for k, (_, dt) in OUTCOME_FIELDS.items()})
         self.batch = 0  # learner batch (= policy version) this segment belongs to, set at start
 
-    def record_outcome(self, outcome) -> None:
+    def record_outcome(self, outcome: Mapping[str, np.ndarray]) -> None:
         """Outcome of the previous step's action (OUTCOME_FIELDS, a mapping), reported with
         the new observation."""
         if self.t == 0:
@@ -70,7 +79,7 @@ class SegmentBuilder:
     def full(self) -> bool:
         return self.t == self.T
 
-    def finish(self, bootstrap_value) -> dict:
+    def finish(self, bootstrap_value: np.ndarray) -> SegmentGroup:
         """The completed group (copies), given V(next observation); starts a new group."""
         group = {k: v.copy() for k, v in self.buf.items()}
         group["bootstrap_value"] = np.asarray(bootstrap_value, np.float32).copy()
@@ -80,7 +89,8 @@ class SegmentBuilder:
         self.t = 0
         return group
 
-    def add_step(self, obs: dict, actions, logprob, value, version: int) -> None:
+    def add_step(self, obs: Mapping[str, np.ndarray], actions: np.ndarray, logprob: np.ndarray,
+                 value: np.ndarray, version: int) -> None:
         b, t = self.buf, self.t
         for k, v in obs.items():
             b[f"obs.{k}"][t] = v

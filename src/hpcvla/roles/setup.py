@@ -6,15 +6,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.timeline import Timeline
 
+if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
+
+# What a role counts, by name, as summary.json holds it (RankSummary.add): numbers, and lists
+# and dicts of them, a different shape per counter
+Counters: TypeAlias = dict[str, Any]
+
 
 @dataclass(frozen=True)
 class RoleSetup:
-    cfg: Any  # the run's Config
+    cfg: Config
     rank: int  # world rank
     run_dir: Path
     timeline: Timeline  # this rank's busy spans

@@ -9,6 +9,8 @@ the action slot carries the chunk and a stop flag.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,18 +18,27 @@ from hpcvla.roles.segments import OUTCOME_FIELDS, outcome_of
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 from hpcvla.watchdog import deadline
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
-def slot_dtypes(spec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
+    from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
+    from hpcvla.metrics.timeline import Timeline
+    from hpcvla.transport.exchange import ObsActionExchange
+
+
+def slot_dtypes(spec: EnvSpec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
     """(observation slot dtype, action slot dtype) of one shard."""
     n = envs_per_shard
-    obs = [(k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
+    obs: list[tuple[str, DTypeLike] | tuple[str, DTypeLike, tuple[int, ...]]] = [
+        (k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
     obs += [(k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in OUTCOME_FIELDS.items()]
     obs.append(("env_steps", np.int64))
     action = [("actions", np.float32, (n, spec.chunk_len, spec.action_dim)), ("stop", np.int64)]
     return np.dtype(obs), np.dtype(action)
 
 
-def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -> int:
+def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: Timeline,
+                  step_timeout_s: float = 0.0) -> int:
     """Step the shards until the inference rank says stop; returns env steps taken
     (primitive steps: chunks x chunk_len x envs). Every shard whose actions are in is started
     before any is collected, so shards in worker processes (env.isolation=process) step
@@ -40,7 +51,8 @@ def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -
         _write(exchange.obs(shard), env.reset(), None, steps[shard])
         exchange.submit(shard)
     running = set(range(len(envs)))
-    stepping, held = {}, {}  # shard -> (timeline start, start); shard -> (release, result)
+    stepping: dict[int, tuple[float, float]] = {}  # shard -> (timeline start, start)
+    held: dict[int, tuple[float, StepResult]] = {}  # shard -> (release, result)
     backoff = Backoff(cap=DATA_POLL_CAP)
     while running:
         now = time.monotonic()
@@ -75,7 +87,8 @@ def run_simulator(envs: list, exchange, timeline, step_timeout_s: float = 0.0) -
     return sum(steps)
 
 
-def _write(slot, obs: dict, result, env_steps: int) -> None:
+def _write(slot: np.void, obs: Mapping[str, np.ndarray], result: StepResult | None,
+           env_steps: int) -> None:
     """Observation and the previous action's outcome, in place in the shared slot."""
     for key, value in obs.items():
         slot[key][...] = value

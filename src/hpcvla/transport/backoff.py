@@ -10,6 +10,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # for the annotations only: this module works without MPI
+    from mpi4py import MPI
+
+T = TypeVar("T")
 
 
 # Longest sleep between polls on the data plane (ring slots, observation/action flags): short
@@ -53,8 +60,8 @@ class Backoff:
         self.delay = self.first
 
 
-def wait_until(ready, what: str, timeout: float | None = None, cap: float = 2e-3,
-               spin: float = 0.0):
+def wait_until(ready: Callable[[], T], what: str, timeout: float | None = None,
+               cap: float = 2e-3, spin: float = 0.0) -> T:
     """Poll `ready()` with back-off until it returns a truthy value, which is returned."""
     backoff = Backoff(cap=cap, timeout=timeout, what=what, spin=spin)
     while True:
@@ -64,7 +71,7 @@ def wait_until(ready, what: str, timeout: float | None = None, cap: float = 2e-3
         backoff.wait()
 
 
-def wait_request(request, what: str = "an MPI request", timeout: float | None = None,
+def wait_request(request: MPI.Request, what: str = "an MPI request", timeout: float | None = None,
                  cap: float = 1e-4) -> None:
     """Complete a nonblocking MPI request by polling `Test` with sleeps. A blocking MPI wait
     (Barrier, Wait, Recv) busy-polls in MPICH and Open MPI, which starves the working ranks
@@ -72,6 +79,6 @@ def wait_request(request, what: str = "an MPI request", timeout: float | None = 
     wait_until(request.Test, what, timeout, cap=cap)
 
 
-def idle_barrier(comm, timeout: float | None = None, cap: float = 1e-4) -> None:
+def idle_barrier(comm: MPI.Comm, timeout: float | None = None, cap: float = 1e-4) -> None:
     """A barrier that sleeps while it waits (`Ibarrier` + sleeping `Test`)."""
     wait_request(comm.Ibarrier(), "a barrier", timeout, cap)  # [dist]

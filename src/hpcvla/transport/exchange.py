@@ -24,6 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, wait_until
+from hpcvla.transport.windows import window_bytes
 from hpcvla.transport.records import aligned
 
 HEADER_BYTES = 64
@@ -41,9 +42,10 @@ class ObsActionExchange:
         self._act_at = HEADER_BYTES + aligned(self.obs_dtype.itemsize)
         self.slot_bytes = self._act_at + aligned(self.action_dtype.itemsize)
         total = self.n_slots * self.slot_bytes if rank == server else 0
-        self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)  # [dist]
+        # mpi4py's stub types Split's communicators Comm; they are Intracomm
+        self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
         buf, _ = self.win.Shared_query(server)
-        memory = np.frombuffer(buf, np.uint8).reshape(self.n_slots, self.slot_bytes)
+        memory = window_bytes(buf).reshape(self.n_slots, self.slot_bytes)
         if rank == server:
             memory[:, :HEADER_BYTES] = 0
         self._memory = memory
@@ -58,7 +60,7 @@ class ObsActionExchange:
         return self.clients.index(rank) * self.shards + shard
 
     # ------------------------------------------------------------- simulator side
-    def obs(self, shard: int) -> np.ndarray:
+    def obs(self, shard: int) -> np.void:
         """This shard's observation slot, to be written in place (a structured scalar view)."""
         return self._obs_view(self.slot_of(shard))
 
@@ -72,9 +74,9 @@ class ObsActionExchange:
     def actions_ready(self, shard: int) -> bool:
         slot = self.slot_of(shard)
         self.win.Sync()
-        return self._response[slot] == self._request[slot]
+        return bool(self._response[slot] == self._request[slot])
 
-    def actions(self, shard: int, timeout: float | None = None) -> np.ndarray:
+    def actions(self, shard: int, timeout: float | None = None) -> np.void:
         """Wait (back-off) for the answer to this shard's request; a view of the actions."""
         wait_until(lambda: self.actions_ready(shard), f"actions for shard {shard}", timeout,
                    cap=DATA_POLL_CAP, spin=DATA_SPIN)
@@ -94,10 +96,10 @@ class ObsActionExchange:
         return wait_until(self.pending, "an observation request", timeout, cap=DATA_POLL_CAP,
                           spin=DATA_SPIN)
 
-    def request_obs(self, slot: int) -> np.ndarray:
+    def request_obs(self, slot: int) -> np.void:
         return self._obs_view(slot)
 
-    def request_actions(self, slot: int) -> np.ndarray:
+    def request_actions(self, slot: int) -> np.void:
         """The action slot to fill in place before `respond(slot)`."""
         return self._act_view(slot)
 
@@ -107,17 +109,19 @@ class ObsActionExchange:
         self.win.Sync()
 
     # ------------------------------------------------------------- both
-    def _obs_view(self, slot: int) -> np.ndarray:
+    def _obs_view(self, slot: int) -> np.void:
         raw = self._memory[slot, self._obs_at:self._obs_at + self.obs_dtype.itemsize]
-        return raw.view(self.obs_dtype)[0]
+        view: np.void = raw.view(self.obs_dtype)[0]  # a structured scalar, in place
+        return view
 
-    def _act_view(self, slot: int) -> np.ndarray:
+    def _act_view(self, slot: int) -> np.void:
         raw = self._memory[slot, self._act_at:self._act_at + self.action_dtype.itemsize]
-        return raw.view(self.action_dtype)[0]
+        view: np.void = raw.view(self.action_dtype)[0]
+        return view
 
     def free(self) -> None:
         """Collective: release the shared window."""
         if self.win != MPI.WIN_NULL:
-            self._memory = self._request = self._response = None
+            del self._memory, self._request, self._response  # no view outlives the window
             self.win.Unlock_all()
             self.win.Free()  # [dist]

@@ -96,7 +96,9 @@ def encode(arrays: dict[str, np.ndarray], out: np.ndarray | None = None) -> np.n
 
 def _meta_crc(buf: np.ndarray, n_fields: int) -> int:
     """CRC-32 of the header (but its own field) and the field table."""
-    crc_at = RECORD_HEADER.fields["meta_crc"][1]
+    fields = RECORD_HEADER.fields
+    assert fields is not None  # always, for a structured dtype (numpy's type allows None)
+    crc_at = fields["meta_crc"][1]
     crc = zlib.crc32(buf[:crc_at].tobytes())
     return zlib.crc32(buf[crc_at + 4:RECORD_HEADER.itemsize + FIELD_ENTRY.itemsize
                           * n_fields].tobytes(), crc)

@@ -57,6 +57,8 @@ reassembled, the counts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP
@@ -74,7 +76,7 @@ class TrajectoryRing(RingWindow):
     reader: RingReader | None
 
     def __init__(self, comm: MPI.Comm, n_slots: int, slot_bytes: int, root: int = 0,
-                 producer_id: int | None = None, report=None,
+                 producer_id: int | None = None, report: Callable[[str], None] | None = None,
                  poll_cap: float = DATA_POLL_CAP, progress: str = "auto",
                  start_progress: bool = True, checksum: str = "auto"):
         super().__init__(comm, n_slots, slot_bytes, root, poll_cap, progress,  # [dist]

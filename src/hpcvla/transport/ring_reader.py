@@ -7,10 +7,12 @@ from __future__ import annotations
 import sys
 import time
 import zlib
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from hpcvla.transport.backoff import DATA_SPIN, Backoff
+from hpcvla.transport.windows import window_bytes
 from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.ring_window import RingWindow
 from hpcvla.transport.slots import (MASK, PACKED, SLOT_HEADER, Packed, Record, RingStats,
@@ -20,10 +22,10 @@ from hpcvla.transport.slots import (MASK, PACKED, SLOT_HEADER, Packed, Record, R
 class RingReader:
     """Reads every lane of `ring` from the root's own memory, in order, and frees slots."""
 
-    def __init__(self, ring: RingWindow, report=None):
+    def __init__(self, ring: RingWindow, report: Callable[[str], None] | None = None):
         self.ring = ring
         lanes = len(ring.producers)
-        memory = np.frombuffer(ring.win.tomemory(), np.uint8)
+        memory = window_bytes(ring.win.tomemory())
         control = memory[:16 * lanes].view(np.int64)
         self.freed_words, self.started_words = control[0::2], control[1::2]
         self.slots = memory[ring.control_bytes:].reshape(ring.n_slots, ring.slot_bytes)
@@ -95,7 +97,7 @@ class RingReader:
         per_lane = np.bincount(self._slot_lane[used], minlength=len(self.ring.producers))
         return int(used.sum()), int(np.count_nonzero(per_lane == np.asarray(self.ring.lane_size)))
 
-    def diagnose(self, producers=()) -> str:
+    def diagnose(self, producers: Iterable[int] = ()) -> str:
         """Why nothing arrives, for a stall message (ring_stall.py)."""
         return describe_stall(self, producers)
 
@@ -125,7 +127,7 @@ class RingReader:
                         f"{self.ring.producers[lane]}, fragment {f}; claims producer "
                         f"{h.producer}, seq {h.seq}): {problem}")
             return []
-        if packed is not None:
+        if isinstance(packed, Packed):  # (a str is a problem, returned above)
             records = self._unpacked(h, payload, packed)
         else:
             record = self._assemble(h, payload)
@@ -134,7 +136,8 @@ class RingReader:
             self._held.append((lane, f))  # views of this slot: freed by the next poll
         return records
 
-    def _check(self, h: SlotHeader, fragment: int, slot: np.ndarray, packed) -> str | None:
+    def _check(self, h: SlotHeader, fragment: int, slot: np.ndarray,
+               packed: Packed | None) -> str | None:
         length, part, nparts, capacity = h.length, h.part, h.nparts, self.ring.capacity
         if h.fragment != fragment:
             return f"holds fragment {h.fragment} (stale or torn)"
@@ -151,7 +154,8 @@ class RingReader:
             checked = sum(map(checksum64, [payload] if packed is None else [
                 payload[:16 * h.record_length]] + [payload[at:at + n]
                                                    for at, n, _ in packed.records]))
-        if (checked + zlib.crc32(slot[8:56])) & MASK != h.checksum:
+        # numpy's stub gives ndarray the buffer protocol (__buffer__) on Python 3.12+ only
+        if (checked + zlib.crc32(slot[8:56])) & MASK != h.checksum:  # type: ignore[arg-type]
             return "checksum mismatch (corrupted or torn)"
         return None
 

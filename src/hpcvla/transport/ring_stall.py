@@ -3,9 +3,30 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from hpcvla.transport.ring_window import RingWindow
+    from hpcvla.transport.slots import RingStats
 
 
-def describe_stall(reader, producers=()) -> str:
+class StalledReader(Protocol):
+    """What a stall report reads of a RingReader (ring_reader.py, which imports this module)."""
+
+    @property
+    def ring(self) -> RingWindow: ...
+    @property
+    def stats(self) -> RingStats: ...
+    @property
+    def next(self) -> list[int]: ...  # per lane, the next fragment to read
+    @property
+    def started_words(self) -> np.ndarray: ...  # per lane, the started word
+
+
+def describe_stall(reader: StalledReader, producers: Iterable[int] = ()) -> str:
     """Why nothing arrives: what each producer delivered and when, and whether fragments were
     started but never published (their payloads are stuck in transit: a progress or network
     problem; producers mark them started only when the ring spans hosts) or nothing was even

@@ -7,6 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP
+from hpcvla.transport.windows import window_bytes
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.slots import CHECKSUMS, SLOT_HEADER
 
@@ -29,7 +30,7 @@ class RingWindow:
         lanes = len(self.producers)
         self.lane_size = [max(1, n_slots // lanes + (lane < n_slots % lanes))
                           for lane in range(lanes)]
-        self.lane_first = np.cumsum([0] + self.lane_size[:-1]).tolist()
+        self.lane_first: list[int] = np.cumsum([0] + self.lane_size[:-1]).tolist()
         n_slots = sum(self.lane_size)  # more than asked only with fewer slots than lanes
         self.comm, self.root, self.n_slots, self.slot_bytes = comm, root, n_slots, slot_bytes
         self.poll_cap = poll_cap  # longest sleep between polls (see backoff.DATA_POLL_CAP)
@@ -37,9 +38,10 @@ class RingWindow:
         self.is_root = comm.Get_rank() == root
         self.control_bytes = -(-16 * lanes // 64) * 64
         nbytes = self.control_bytes + n_slots * slot_bytes if self.is_root else 0
-        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)  # [dist]
+        # mpi4py's stub types Split's communicators Comm; they are Intracomm
+        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
         if self.is_root:
-            np.frombuffer(self.win.tomemory(), np.uint8)[:] = 0
+            window_bytes(self.win.tomemory())[:] = 0
         # collective: whether producers sit on other hosts, and the progress communicator
         self.spans_hosts = spans_hosts(comm)  # [dist]
         self.checks_payload = checksum == "always" or self.spans_hosts  # the same everywhere

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Iterable
 
 import numpy as np
 from mpi4py import MPI
@@ -12,8 +13,8 @@ from mpi4py import MPI
 from hpcvla.transport.backoff import wait_until
 from hpcvla.transport.pieces import pieces as message_pieces
 from hpcvla.transport.ring_window import RingWindow
-from hpcvla.transport.slots import (LOW, MASK, PACKED, SLOT_HEADER, as_bytes, checksum64,
-                                    header_struct, packed_plan)
+from hpcvla.transport.slots import (LOW, MASK, PACKED, SLOT_HEADER, RecordData, as_bytes,
+                                    checksum64, header_struct, packed_plan)
 
 
 class RingWriter:
@@ -30,7 +31,7 @@ class RingWriter:
         self._started = np.zeros(1, np.int64)  # the started word being written
         self._read = np.zeros(1, np.int64)     # the freed word, as read
 
-    def put(self, record, schema: int = 0, timeout: float | None = None) -> None:
+    def put(self, record: RecordData, schema: int = 0, timeout: float | None = None) -> None:
         """Write one record (bytes-like or uint8 array); blocks while this lane is full."""
         data = as_bytes(record)
         capacity = self.ring.capacity
@@ -41,17 +42,18 @@ class RingWriter:
                                fragment.nbytes, timeout)
         self._seq += 1
 
-    def put_many(self, records, timeout: float | None = None) -> None:
+    def put_many(self, records: Iterable[tuple[RecordData, int]],
+                 timeout: float | None = None) -> None:
         """Write [(record, schema)] in order, small ones packed together: one header, `Flush`
         and publish per slot, one `Put` per record (those too large to share go as `put`)."""
-        records = [(as_bytes(record), schema) for record, schema in records]
+        pairs = [(as_bytes(record), schema) for record, schema in records]
         for first, end, offsets, used, table in packed_plan(
-                tuple([data.nbytes for data, _ in records]),
-                tuple([schema for _, schema in records]), self.ring.capacity):
+                tuple([data.nbytes for data, _ in pairs]),
+                tuple([schema for _, schema in pairs]), self.ring.capacity):
             if offsets is None:  # nothing to share the slot with: the plain format
-                self.put(*records[first], timeout=timeout)
+                self.put(*pairs[first], timeout=timeout)
                 continue
-            self._put_fragment(list(zip(offsets, [data for data, _ in records[first:end]])),
+            self._put_fragment(list(zip(offsets, [data for data, _ in pairs[first:end]])),
                                PACKED, 0, 1, end - first, used, timeout, table)
             self._seq += end - first
 
@@ -66,8 +68,9 @@ class RingWriter:
         self._freed = max(self._freed, int(self._read[0]))
         return self._freed
 
-    def _put_fragment(self, pieces, schema, part, nparts, record_length, length,
-                      timeout, table=()) -> None:
+    def _put_fragment(self, pieces: list[tuple[int, np.ndarray]], schema: int, part: int,
+                      nparts: int, record_length: int, length: int, timeout: float | None,
+                      table: tuple[int, ...] = ()) -> None:
         """Write one slot: `pieces` [(payload offset, uint8 array)] and `table` (a packed
         slot's u64 words at the payload's start, sent with the header), `length` bytes."""
         ring, f, size = self.ring, self._fragment, self.size

@@ -6,7 +6,11 @@ segment through the ring."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class SegmentMeta(NamedTuple):
@@ -18,5 +22,5 @@ class SegmentMeta(NamedTuple):
     batch: int  # learner batch (= policy version) it is trained in, set at segment start
 
     @classmethod
-    def of(cls, group: dict) -> "SegmentMeta":
+    def of(cls, group: Mapping[str, np.ndarray]) -> "SegmentMeta":
         return cls(*(int(x) for x in group["meta"]))

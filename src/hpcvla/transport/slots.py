@@ -10,9 +10,10 @@ payloads (`learner.ring_checksum=auto` on one host) stores the crc32 alone.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 
@@ -55,10 +56,11 @@ class SlotHeader(NamedTuple):
     checksum: int
 
     @staticmethod
-    def read(slot) -> "SlotHeader":
+    def read(slot: np.ndarray) -> "SlotHeader":
         """The header at the start of `slot` (a buffer: the slot's bytes)."""
-        # tuple.__new__: NamedTuple's own __new__ is Python, and this runs once per slot
-        return tuple.__new__(SlotHeader, _HEADER.unpack_from(slot))
+        # tuple.__new__: NamedTuple's own __new__ is Python, and this runs once per slot.
+        # (numpy's stub gives ndarray the buffer protocol, __buffer__, on Python 3.12+ only)
+        return tuple.__new__(SlotHeader, _HEADER.unpack_from(slot))  # type: ignore[arg-type]
 
 
 class Record(NamedTuple):
@@ -75,9 +77,9 @@ class RingStats:
     bad_slots: int = 0          # slots dropped by a failed check
     dropped_records: int = 0    # partially received records discarded
     lost_records: int = 0       # gaps in producers' sequences (records never delivered)
-    closed: set = field(default_factory=set)
+    closed: set[int] = field(default_factory=set)
     # per producer: (records delivered, time.monotonic() of the last one), for stall reports
-    delivered: dict = field(default_factory=dict)
+    delivered: dict[int, tuple[int, float]] = field(default_factory=dict)
 
 
 @lru_cache(maxsize=64)
@@ -106,7 +108,7 @@ def checksum64(payload: np.ndarray) -> int:
 PACKED = LOW
 
 
-def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+def packed_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     """Where records of these sizes start in a packed slot's payload, and the payload bytes
     they use: the table first, then each record at the next 64-byte aligned offset."""
     offsets, at, end = [], table_bytes(len(sizes)), 0
@@ -140,13 +142,18 @@ def packed_groups(sizes: list[int], capacity: int) -> list[tuple[int, int]]:
     return groups
 
 
+# put_many's plan for one slot: (first, end, offsets or None, payload bytes used, table words)
+PackedSlot: TypeAlias = tuple[int, int, tuple[int, ...] | None, int, tuple[int, ...]]
+
+
 @lru_cache(maxsize=256)
-def packed_plan(sizes: tuple, schemas: tuple, capacity: int) -> tuple:
+def packed_plan(sizes: tuple[int, ...], schemas: tuple[int, ...],
+                capacity: int) -> tuple[PackedSlot, ...]:
     """put_many's slots for records of these sizes and schemas, in order: per slot (first,
     end, offsets, payload bytes used, table words), offsets None for a record that goes alone
     in the plain format. Cached: a producer hands over records of the same shapes again and
     again, and working this out in Python cost as much as a slot's MPI calls."""
-    plan = []
+    plan: list[PackedSlot] = []
     for first, end in packed_groups(list(sizes), capacity):
         if end - first == 1:
             plan.append((first, end, None, 0, ()))
@@ -158,7 +165,8 @@ def packed_plan(sizes: tuple, schemas: tuple, capacity: int) -> tuple:
 
 
 class Packed(NamedTuple):
-    records: tuple  # ((offset, length, schema), ...) of the records in a packed payload
+    # ((offset, length, schema), ...) of the records in a packed payload
+    records: tuple[tuple[int, int, int], ...]
     nbytes: int     # their lengths' sum
 
 
@@ -179,7 +187,11 @@ def _layout(table: bytes, nbytes: int) -> Packed | str:
     return Packed(tuple(zip(offsets, lengths, words[1::2])), sum(lengths))
 
 
-def as_bytes(record) -> np.ndarray:
+# A record as the ring takes it: bytes-like, or an array (records.encode gives uint8)
+RecordData: TypeAlias = np.ndarray | bytes | bytearray | memoryview
+
+
+def as_bytes(record: RecordData) -> np.ndarray:
     """A record (bytes-like or array) as a flat uint8 array, without a copy."""
     if type(record) is np.ndarray and record.dtype == np.uint8 and record.ndim == 1:
         return record  # what encode() gives: no view to make

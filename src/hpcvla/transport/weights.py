@@ -40,6 +40,7 @@ import math
 import sys
 import threading
 import zlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,6 +49,7 @@ from mpi4py import MPI
 
 from hpcvla.transport import pieces
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
+from hpcvla.transport.windows import window_bytes
 from hpcvla.transport.records import aligned
 
 # node window header, int64 words
@@ -63,10 +65,11 @@ class Manifest:
     and writes it: numpy has no bfloat16, the dtype GPU policies train and act in, and a
     GPU tensor copies to and from the host buffer directly."""
     entries: tuple[tuple[str, str, tuple[int, ...]], ...]
-    frozen: frozenset = frozenset()  # names training never changes: sent with version 1 only
+    frozen: frozenset[str] = frozenset()  # names training never changes: sent with version 1 only
 
     @classmethod
-    def of(cls, tensors: dict, frozen=()) -> "Manifest":
+    def of(cls, tensors: Mapping[str, torch.Tensor | np.ndarray],
+           frozen: Iterable[str] = ()) -> "Manifest":
         return cls(tuple((name, str(torch.as_tensor(t).dtype).removeprefix("torch."),
                           tuple(t.shape)) for name, t in tensors.items()), frozenset(frozen))
 
@@ -81,7 +84,7 @@ class Manifest:
     def trainable(self) -> list[str]:
         return [name for name, _, _ in self.entries if name not in self.frozen]
 
-    def regions(self, names=None) -> list[tuple[int, int]]:
+    def regions(self, names: Iterable[str] | None = None) -> list[tuple[int, int]]:
         """(offset, bytes) of the named tensors (all by default) in the flat layout, adjacent
         ones merged."""
         wanted = None if names is None else set(names)
@@ -94,12 +97,13 @@ class Manifest:
                 out[-1][1] = off + n - out[-1][0]
             elif n:
                 out.append([off, n])
-        return [tuple(r) for r in out]
+        return [(offset, n) for offset, n in out]
 
-    def offsets(self) -> list[tuple[str, torch.dtype, tuple, int]]:
-        out, offset = [], 0
+    def offsets(self) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
+        out: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        offset = 0
         for name, dtype, shape in self.entries:
-            dt = getattr(torch, dtype)
+            dt: torch.dtype = getattr(torch, dtype)
             out.append((name, dt, shape, offset))
             offset += aligned(dt.itemsize * math.prod(shape))
         return out
@@ -113,14 +117,17 @@ class Manifest:
     def hash(self) -> int:
         return zlib.crc32(repr((self.entries, sorted(self.frozen))).encode())
 
-    def views(self, flat: np.ndarray, names=None) -> dict[str, torch.Tensor]:
+    def views(self, flat: np.ndarray,
+              names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors viewing `flat` (uint8, at least nbytes long), by name (all by default)."""
         wanted = None if names is None else set(names)
         return {name: torch.from_numpy(flat[off:off + dt.itemsize * math.prod(shape)])
                 .view(dt).reshape(shape) for name, dt, shape, off in self.offsets()
                 if wanted is None or name in wanted}
 
-    def flatten(self, tensors: dict, out: np.ndarray | None = None, names=None) -> np.ndarray:
+    def flatten(self, tensors: Mapping[str, torch.Tensor | np.ndarray],
+                out: np.ndarray | None = None,
+                names: Iterable[str] | None = None) -> np.ndarray:
         """Copy `tensors` (on any device; numpy arrays too; those named, all by default) into
         their places in a flat host buffer."""
         out = np.zeros(self.nbytes, np.uint8) if out is None else out
@@ -148,10 +155,11 @@ class WeightPlane:
         self.has_window = leader >= 0
         half = aligned(self.nbytes)
         size = _HEADER_BYTES + 2 * half if is_leader else 0
-        self.win = MPI.Win.Allocate_shared(size, 1, comm=node)  # [dist]
+        # mpi4py's stub types Split's communicators Comm; they are Intracomm
+        self.win = MPI.Win.Allocate_shared(size, 1, comm=node)  # type: ignore[arg-type]  # [dist]
         if self.has_window:
             buf, _ = self.win.Shared_query(leader)
-            memory = np.frombuffer(buf, np.uint8)
+            memory = window_bytes(buf)
             self._words = memory[:_HEADER_BYTES].view(np.int64)
             self._halves = [memory[_HEADER_BYTES + i * half:_HEADER_BYTES + i * half
                                    + self.nbytes] for i in (0, 1)]
@@ -180,7 +188,7 @@ class WeightPlane:
         self._stopping = False
         self._last_published = -1
         self._error: BaseException | None = None
-        self._thread = None
+        self._thread: threading.Thread | None = None
         if self._control != MPI.COMM_NULL:
             target = self._send_loop if self.is_root else self._receive_loop
             if self.is_root:  # publish() fills one while the thread sends the other
@@ -191,7 +199,7 @@ class WeightPlane:
             self._thread.start()
 
     # ------------------------------------------------------------ learner root
-    def publish(self, version: int, tensors: dict) -> None:
+    def publish(self, version: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue `tensors` (the manifest's names, on any device) as `version`; returns after
         one copy into a host buffer: of every tensor the first time, then of the trainable."""
         self._raise_thread_error()
@@ -251,7 +259,8 @@ class WeightPlane:
             backoff = Backoff(cap=5e-4, what="the next weight version")
             while not request.Test():  # idle wait that does not burn a core
                 backoff.wait()
-            version, digest, whole = (int(x) for x in self._header)
+            version, digest = int(self._header[0]), int(self._header[1])
+            whole = bool(self._header[2])
             if version == _STOP:
                 self._mark_finished()
                 return
@@ -296,7 +305,7 @@ class WeightPlane:
             for offset, n in self._regions:
                 out[offset:offset + n] = flat[offset:offset + n]
 
-    def _store(self, version: int, whole: bool, fill) -> None:
+    def _store(self, version: int, whole: bool, fill: Callable[[np.ndarray], None]) -> None:
         """Fill the spare half under its sequence lock, then make it current. The first
         version fills both halves: later ones rewrite only the trainable places."""
         words = self._words
@@ -369,6 +378,7 @@ class WeightPlane:
             with self._lock:
                 self._stopping = True
                 self._lock.notify()
+            assert self._thread is not None  # the root's sender, started with the plane
             self._thread.join()
 
     def close(self) -> None:
@@ -383,7 +393,7 @@ class WeightPlane:
         self.win.Unlock_all()
         self.win.Free()  # [dist]
 
-    def _guard(self, loop) -> None:
+    def _guard(self, loop: Callable[[], None]) -> None:
         """A failed control-plane thread takes the job down: peers would wait for it forever."""
         try:
             loop()
