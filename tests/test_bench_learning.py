@@ -28,7 +28,9 @@ def test_welch_interval_matches_the_textbook_formula():
 @pytest.mark.learning
 @pytest.mark.bench
 def test_learning_bench_runs_both_modes_on_one_budget(tmp_path):
-    # the machinery, not the figures: the default job's 32 px and 1 epoch (overrides come last)
+    """The machinery, not the figures: the default job's 32 px and 1 epoch (overrides come
+    last). ~50-80 s: the smallest bench that has an interval, two modes x two seeds (four
+    training worlds) and their evaluations."""
     out = hpcvla("bench", "learning", "--quick", "--json", tmp_path / "learning.json",
                  "env.image_size=32", "learner.epochs=1", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]

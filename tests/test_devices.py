@@ -149,6 +149,9 @@ def test_host_staging_on_cpu_is_a_plain_concatenation():
 @pytest.mark.slow
 @pytest.mark.bench
 def test_the_gpu_check_runs_its_cpu_side_and_says_why_it_skipped_the_rest(tmp_path):
+    """`hpcvla bench gpu --quick` on a machine without CUDA: the CPU side of every step (the
+    tiny presets timed, a 4-rank reach run) and a reason for each GPU step. ~30-40 s: the
+    whole command as a GPU node runs it, a training world included."""
     out = hpcvla("bench", "gpu", "--quick", "--json", tmp_path / "gpu.json", timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "gpu.json").read_text())

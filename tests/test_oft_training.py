@@ -39,6 +39,8 @@ def test_libero_first_action_is_rlinfs():
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
+    """`hpcvla train` on LIBERO from the OFT fixture folder: the first action is the
+    checkpoint's. ~60 s: LIBERO's suites built in every simulator's env processes."""
     import h5py
 
     out, summary, run_dir = run_train(

@@ -145,8 +145,9 @@ def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
 @pytest.mark.parametrize("mode,bound", [("streamer", 1), ("streamer", 2),
                                         ("rollout-async", 1)])
 def test_staleness_bounded_with_slow_learner(tmp_path, mode, bound):
-    # Uneven simulators (long-tail latency) make segments arrive out of start order: the
-    # bound must still hold, with nothing dropped and no stall.
+    """Uneven simulators (long-tail latency) make segments arrive out of start order: the
+    bound must still hold, with nothing dropped and no stall. ~30 s: the learner is slowed on
+    purpose, so that producers run ahead of it for several versions."""
     out, summary, _ = run_train(tmp_path, f"pipeline.mode={mode}",
                                 f"pipeline.max_staleness={bound}", "pipeline.total_updates=6",
                                 "emulate.learner_ms_per_micro_batch=1200",  # x 1 epoch

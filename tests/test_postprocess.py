@@ -36,6 +36,8 @@ def train(root, *args):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
+    """postprocess/report.py over two real runs (a streamer one with its trajectory dump, a
+    colocated one). ~35 s: the two training worlds it reports on."""
     streamer, s1 = train(tmp_path / "a", "configs/default.yaml", "--ranks", 4,
                          "pipeline.total_updates=3", "run.dump_trajectories=true")
     colocated, s2 = train(tmp_path / "b", "configs/colocated.yaml", "--ranks", 2,

@@ -281,6 +281,9 @@ def test_what_cannot_run_here_fails_clearly():
 @pytest.mark.mpi
 @pytest.mark.parametrize("config", ["maniskill_pickcube_tokens.yaml", "libero10_flow.yaml"])
 def test_train_runs_on_each_simulator(tmp_path, config):
+    """Two versions of `hpcvla train` on each real simulator with a VLA family. 60-110 s:
+    building the ManiSkill scenes or the LIBERO suites in every simulator's env processes is
+    most of it."""
     out = hpcvla("train", ROOT / "configs" / config, "--ranks", 4, f"run.root={tmp_path}",
                  "pipeline.total_updates=2", "env.envs_per_simulator=2", "env.shards=2",
                  "env.image_size=32", "env.max_episode_chunks=3", "learner.micro_batch=2",

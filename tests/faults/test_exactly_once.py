@@ -19,6 +19,9 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 
 def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_path):
+    """The learner of a world killed (SIGKILL) after a checkpoint; jobs/launch.sh restarts
+    the world from it: every segment group a producer sent is trained once or counted as
+    unused, across both worlds. ~45 s: two training worlds and the restart between them."""
     runs, updates = tmp_path / "runs", 6
     env = {**os.environ, "HPCVLA_JOB_RUNS": str(runs), "HPCVLA_RESTARTS": "1",
            "HPCVLA_RANKS": "4"}
