@@ -133,6 +133,13 @@ def schedule_of(cfg: ScheduleSettings, envs_per_cell: int) -> Schedule:
         stream_micro_batches=t.streamed)
 
 
+def shards_problem(envs: int, shards: int) -> tuple[str, int, str] | None:
+    """A simulator's envs split evenly among its shards, or why not (field, value, fix)."""
+    if envs % shards:
+        return ("env.shards", shards, f"a divisor of env.envs_per_simulator ({envs})")
+    return None
+
+
 def shards_of(cfg: ScheduleSettings) -> int:
     """Env shards per simulator rank in the config's mode."""
     return schedule_of(cfg, 1).shards
@@ -253,8 +260,9 @@ def layout_problems(mode: str, envs: int, shards: int, micro_batch: int, micro_b
                              "colocated or disaggregated: hybrid is plan-only (`hpcvla plan` "
                              "and the transport tests), not a training mode"))
     shards = shards if t.sharded else 1
-    if envs % shards:
-        problems.append(("env.shards", shards, f"a divisor of env.envs_per_simulator ({envs})"))
+    uneven = shards_problem(envs, shards)
+    if uneven:
+        problems.append(uneven)
         return problems
     per_shard = envs // shards
     if micro_batch % per_shard:

@@ -10,6 +10,7 @@ from typing import Any
 
 from hpcvla.config.families import family, simulator
 from hpcvla.config.schema import ROLES
+from hpcvla.schedule import shards_problem
 
 
 def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
@@ -57,9 +58,9 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,
                          f"env.max_episode_chunks ({cfg.env.max_episode_chunks}) for "
                          "algorithm.name=grpo: a segment holds one grouped episode per env"))
-    if cfg.env.envs_per_simulator % cfg.env.shards:
-        problems.append(("env.shards", cfg.env.shards,
-                         f"a divisor of env.envs_per_simulator ({cfg.env.envs_per_simulator})"))
+    shards = shards_problem(cfg.env.envs_per_simulator, cfg.env.shards)
+    if shards:
+        problems.append(shards)
     if not cfg.env.camera and (not sim.state_only or cfg.env.sim_backend != "cpu" or
                                cfg.env.wrist_image or not cfg.env.state or vla):
         problems.append(("env.camera", cfg.env.camera, "true, except for env.name=maniskill "
