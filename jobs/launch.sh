@@ -50,7 +50,7 @@
 set -euo pipefail
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
-say() { echo "launch.sh: $*" >&2; }
+say() { echo "launch.sh $(date +%H:%M:%S): $*" >&2; }
 
 HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export HPCVLA_ROOT
