@@ -5,8 +5,8 @@ stands on its own:
 * `ring`: the trajectory ring, producers -> one learner through one-sided RMA (data plane);
 * `exchange`: node-local observation/action slots in a shared-memory window (data plane);
 * `weights`: versioned, topology-aware weight broadcast (control plane);
-* `slots`, `progress`, `backoff`, `ring_stall`, `windows`: the ring's slot format, MPI
-  progress for remote producers, sleeping waits, stall reports, and a window's memory as numpy.
+* `slots`, `progress`, `backoff`, `windows`: the ring's slot format, MPI progress for remote
+  producers, sleeping waits, and a window's memory as numpy.
 
 `ring`, `exchange` and `weights` import mpi4py; import them only inside MPI ranks.
 """

@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from hpcvla.transport.backoff import DATA_SPIN, Backoff
-from hpcvla.transport.windows import window_bytes
-from hpcvla.transport.ring_stall import describe_stall
 from hpcvla.transport.ring_window import RingWindow
 from hpcvla.transport.slots import (MASK, PACKED, SLOT_HEADER, Packed, Record, RingStats,
                                     SlotHeader, checksum64, unpack)
+from hpcvla.transport.windows import window_bytes
 
 
 class RingReader:
@@ -98,8 +97,34 @@ class RingReader:
         return int(used.sum()), int(np.count_nonzero(per_lane == np.asarray(self.ring.lane_size)))
 
     def diagnose(self, producers: Iterable[int] = ()) -> str:
-        """Why nothing arrives, for a stall message (ring_stall.py)."""
-        return describe_stall(self, producers)
+        """Why nothing arrives, for a stall message: what each producer delivered and when,
+        and whether fragments were started but never published (their payloads are stuck in
+        transit: a progress or network problem; producers mark them started only when the ring
+        spans hosts) or nothing was even started (the producers are stuck upstream)."""
+        ring, stats = self.ring, self.stats
+        ring.win.Sync()
+        now = time.monotonic()
+        seen = sorted(set(producers) | set(stats.delivered))
+        per = "; ".join(
+            f"producer rank {p}: {n} records, last {now - t:.0f} s ago" if n else
+            f"producer rank {p}: nothing" for p, (n, t) in
+            ((p, stats.delivered.get(p, (0, 0.0))) for p in seen)) or "no producer yet"
+        closed = f"; closed: {sorted(stats.closed)}" if stats.closed else ""
+        stuck = [(ring.producers[lane], int(started) - self.next[lane])
+                 for lane, started in enumerate(self.started_words)
+                 if started > self.next[lane]]
+        if stuck:
+            cause = (f"{sum(n for _, n in stuck)} fragment(s) started but not published ("
+                     + ", ".join(f"{n} in the lane of comm rank {r}" for r, n in stuck)
+                     + "): writes into this ring are in flight and not completing, a "
+                     "progress or network problem between producer and learner hosts")
+        else:
+            cause = (f"all {sum(self.next)} fragment(s) started were delivered and no "
+                     f"producer has tried to write since (stuck upstream: simulators, "
+                     f"inference, the layout), or their first request never reached this "
+                     f"host (network)")
+        return f"ring ({'spans hosts' if ring.spans_hosts else 'one host'}, progress " \
+               f"{'thread' if ring.progress.running else 'on poll'}): {cause}. {per}{closed}"
 
     def _hand_back(self) -> None:
         """Per lane, store the oldest fragment still held (or the next unread) into the freed
