@@ -50,6 +50,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                                 "well-formed YAML")], source) from None
         if not isinstance(data, dict):
             raise ConfigError([("top level", data, "a mapping of sections")], source)
+    return _checked(data, overrides, source)
+
+
+def with_overrides(cfg: Config, overrides: list[str]) -> Config:
+    """A copy of `cfg` with `key.sub=value` overrides applied, checked as `load_config`'s."""
+    return _checked(config_to_dict(cfg), overrides, "overrides of a config")
+
+
+def _checked(data: dict, overrides: list[str], source: str) -> Config:
+    """The Config of `data` with `overrides` applied; every problem raised at once."""
     problems: list = []
     for item in overrides:
         _apply_override(data, item, problems)
@@ -59,18 +69,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if problems:
         raise ConfigError(problems, source)
     return cfg
-
-
-def with_overrides(cfg: Config, overrides: list[str]) -> Config:
-    """A copy of `cfg` with `key.sub=value` overrides applied, checked as `load_config`'s."""
-    data, problems = config_to_dict(cfg), []
-    for item in overrides:
-        _apply_override(data, item, problems)
-    out = _build(Config, data, "", problems)
-    problems.extend([] if problems else cross_field_problems(out))
-    if problems:
-        raise ConfigError(problems, "overrides of a config")
-    return out
 
 
 def _apply_override(data: dict, item: str, problems: list) -> None:
