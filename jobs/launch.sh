@@ -41,6 +41,10 @@
 #                     inside the allocation up to this many times (default 0): on the nodes
 #                     that still start a process, from the newest checkpoint (Slurm jobs need
 #                     --no-kill to keep their allocation when a node fails)
+#   HPCVLA_END_GRACE_S  train: a world whose ranks on this node died without finishing is
+#                     ended this many seconds later if its launcher has not ended it (default
+#                     30; after a node failure mpiexec/srun wait for the scheduler to declare
+#                     the node down, minutes)
 #   HPCVLA_AUTOPLAN   train: lay the run out as `hpcvla plan --auto --costs COSTS` finds best
 #                     for the job's nodes (the scale model; its overrides follow the config's),
 #                     at the start and at every restart. COSTS: config (the reach env probed,
@@ -284,6 +288,19 @@ forward() {
         kill -TERM "$STEP" 2> /dev/null || true
     fi
 }
+# A world whose ranks here failed and that has not ended HPCVLA_END_GRACE_S later is ended:
+# after a node failure, mpiexec and srun wait for the dead node until the scheduler declares
+# it down (Slurm's SlurmdTimeout, 5 minutes by default) while the ranks left aborted long ago.
+end_a_failed_world() {  # PID of the world's launcher; run in the background
+    local failure grace=${HPCVLA_END_GRACE_S:-30}
+    failure=$("$PYTHON" -m hpcvla.deathwatch first-failure "$HPCVLA_RANK_DIR" "$1") || return 0
+    sleep "$grace"
+    kill -0 "$1" 2> /dev/null || return 0
+    say "$failure, and the world has not ended $grace s later: ending its launcher"
+    kill -TERM "$1" 2> /dev/null || true
+    sleep 5
+    kill -KILL "$1" 2> /dev/null || true
+}
 run_world() {  # start the ranks, forward signals while they run; sets `status`
     if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
         # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
@@ -299,15 +316,24 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     trap 'forward TERM' TERM
     trap 'forward INT' INT
     trap 'forward USR1' USR1
+    local ender=""
+    if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
+        end_a_failed_world "$STEP" &
+        ender=$!
+    fi
     status=0
     while true; do  # `wait` returns early when a trapped signal arrives: wait again
         wait "$STEP" && status=0 || status=$?
         kill -0 "$STEP" 2> /dev/null || break
     done
     trap - TERM INT USR1
+    if [[ -n $ender ]]; then
+        kill "$ender" 2> /dev/null || true  # its deathwatch sees the launcher gone and ends
+        wait "$ender" 2> /dev/null || true
+    fi
     if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
         if [[ $status != 0 && -z $SIGNALLED ]]; then
-            "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+            "$PYTHON" -m hpcvla.deathwatch describe "$HPCVLA_RANK_DIR" || true
         fi
         rm -rf "$HPCVLA_RANK_DIR"
     fi

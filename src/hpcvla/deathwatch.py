@@ -5,6 +5,12 @@ says nothing, and mpiexec then only reports an exit code and some pid. So every 
 itself (rank, roles, node, host, pid) in a directory the launcher passes down
 (`HPCVLA_RANK_DIR`); the launcher holds a pidfd per rank, notes the first to exit, and when the
 world ends badly names it, with the run's last progress (the newest line of metrics.jsonl).
+
+A rank that ends its work marks its card done. A job script's launcher (jobs/launch.sh) thus
+also learns that a world has failed while its launcher still runs: a rank of this host gone
+without that mark. After a node failure that is how the world ends in seconds: mpiexec and
+srun wait for the dead node's processes until the scheduler declares the node down (Slurm's
+SlurmdTimeout: minutes), though the ranks left aborted long before.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import json
 import os
 import select
 import shutil
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,6 +44,41 @@ def said_why(rank: int) -> None:
     folder = os.environ.get(ENV)
     if folder:
         (Path(folder) / f"failed.rank{rank}").touch()
+
+
+def finished(rank: int) -> None:
+    """Rank side, after its work: this rank's exit is no failure."""
+    folder = os.environ.get(ENV)
+    if folder:
+        (Path(folder) / f"done.rank{rank}").touch()
+
+
+def first_failure(folder: Path, launcher: int, poll_s: float = 1.0) -> str | None:
+    """Launcher side: wait while the process `launcher` runs until a rank says it failed or a
+    rank of this host is gone without finishing; say which. None if the launcher ended
+    first. Only this host's ranks: a pid means nothing on another host."""
+    host = socket.gethostname().split(".")[0]  # MPI may name hosts with or without domain
+    while _alive(launcher):
+        if said := sorted(folder.glob("failed.rank*")):
+            return f"rank {said[0].name.removeprefix('failed.rank')} failed"
+        for path in folder.glob("rank*.json"):
+            card = json.loads(path.read_text())
+            if (card["host"].split(".")[0] == host and not _alive(card["pid"])
+                    and not (folder / f"done.rank{card['rank']}").exists()):
+                return (f"rank {card['rank']} ({card['roles']}, pid {card['pid']}) is gone "
+                        f"without finishing")
+        time.sleep(poll_s)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: the pid was reused
+        return False
+    return True
 
 
 def register_run_dir(run_dir: Path) -> None:
@@ -129,6 +172,22 @@ def describe(folder: Path) -> str:
     return "\n".join(lines + ["  " + _last_progress(folder / "run_dir")])
 
 
-if __name__ == "__main__":  # python -m hpcvla.deathwatch RANK_DIR (jobs/launch.sh)
-    import sys
-    print(describe(Path(sys.argv[1])), file=sys.stderr, flush=True)
+def _main(argv: list[str]) -> int:
+    """python -m hpcvla.deathwatch describe RANK_DIR
+    python -m hpcvla.deathwatch first-failure RANK_DIR LAUNCHER_PID   (jobs/launch.sh)
+    first-failure prints the failure and exits 0, or exits 1 when the launcher ended first."""
+    if argv[:1] == ["describe"] and len(argv) == 2:
+        print(describe(Path(argv[1])), file=sys.stderr, flush=True)
+        return 0
+    if argv[:1] == ["first-failure"] and len(argv) == 3:
+        failure = first_failure(Path(argv[1]), int(argv[2]))
+        if failure is None:
+            return 1
+        print(failure, flush=True)
+        return 0
+    print(_main.__doc__, file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

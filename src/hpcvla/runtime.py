@@ -57,6 +57,7 @@ def run_ranks(cfg, main, check=None) -> int:
     info = plan.ranks[rank]
     _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
     comms.free()
+    deathwatch.finished(rank)
     return 0
 
 
@@ -69,6 +70,7 @@ def run_guarded(world, role: str, main) -> int:
     node = sorted(set(hosts), key=hosts.index).index(hosts[world.Get_rank()])
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
     _or_abort(world, role, node, main)
+    deathwatch.finished(world.Get_rank())
     return 0
 
 

@@ -3,7 +3,9 @@ a world sent is accounted for by (producer, slot, sequence number): trained exac
 drained unused at the end, under long-tail simulators and a slow learner (segments arrive out
 of order); and when a rank dies, the world that jobs/launch.sh starts again from the newest
 checkpoint trains nothing of the dead world's: what its learner trained is exactly what its
-own producer sent, less what was left unused, from sequence number 0 on."""
+own producer sent, less what was left unused, from sequence number 0 on. A launcher that does
+not end its failed world (mpiexec after a node failure waits for the dead node) is ended by
+jobs/launch.sh."""
 
 import json
 import os
@@ -19,12 +21,13 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 
 def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_path):
-    """The learner of a world killed (SIGKILL) after a checkpoint; jobs/launch.sh restarts
-    the world from it: every segment group a producer sent is trained once or counted as
+    """The learner of a world killed (SIGKILL) after a checkpoint, its launcher (mpiexec)
+    stopped so that it cannot end the world; jobs/launch.sh ends it and restarts the world
+    from the checkpoint: every segment group a producer sent is trained once or counted as
     unused, across both worlds. ~45 s: two training worlds and the restart between them."""
     runs, updates = tmp_path / "runs", 6
     env = {**os.environ, "HPCVLA_JOB_RUNS": str(runs), "HPCVLA_RESTARTS": "1",
-           "HPCVLA_RANKS": "4"}
+           "HPCVLA_RANKS": "4", "HPCVLA_END_GRACE_S": "2"}
     cmd = [ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
            f"pipeline.total_updates={updates}", "learner.checkpoint_every=2",
            "emulate.learner_ms_per_micro_batch=100", "env.latency_median_ms=20",
@@ -39,6 +42,9 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
                 break
         cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
         (learner,) = [c for c in cards if c["roles"] == "learner"]
+        (mpiexec,) = subprocess.run(["pgrep", "-P", str(proc.pid), "mpiexec"], text=True,
+                                    capture_output=True).stdout.split()
+        os.kill(int(mpiexec), signal.SIGSTOP)
         os.kill(learner["pid"], signal.SIGKILL)
         killed = time.monotonic()
         log += proc.stdout.readlines()
@@ -47,6 +53,9 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
         proc.kill()
     text = "".join(log)
     assert "restart 1/1" in text, text[-5000:]
+    # the first rank found gone: the learner, or one the node's MPI proxy ended after it
+    assert "is gone without finishing, and the world has not ended 2 s later: ending its " \
+        "launcher" in text and "the world failed (status 137)" in text, text[-5000:]
     print(f"killed -> end of the restarted run: {time.monotonic() - killed:.1f} s")
 
     (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
