@@ -18,15 +18,23 @@ When the launcher binds GPUs per task (Slurm `--gpus-per-task`, `--gpu-bind`, Op
 rankfiles), ranks of a node see different sets (each maybe as its cuda:0); the same greedy
 rule then picks from each rank's own set, so a bound layout is kept as it is. `placement.gpus_per_node`: -1 detects, 0 runs on CPU only,
 k > 0 uses the first k visible GPUs (and lets `hpcvla plan` preview a GPU node anywhere).
+
+torch is imported where a device is asked for, not with the module: the checks before launch
+(`missing_gpus_problem` on a node given no GPUs) and the launcher then start without it, ~2 s
+of CPU each.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 from hpcvla.config.families import simulator
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, PlanError
@@ -82,14 +90,26 @@ def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
     """Identities of the GPUs this process may use, in torch's order (cuda:0, cuda:1, ...):
     their UUIDs, so that ranks which each see their own GPU as cuda:0 (Slurm's
     `--gpus-per-task` under device cgroups) are told apart. Cut to `gpus_per_node` >= 0."""
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = 0
+    if _gpu_device_files():  # none: no driver to show torch a GPU (and torch is not imported)
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus_per_node > count:
         raise PlanError(f"placement.gpus_per_node = {gpus_per_node}, but this rank sees "
                         f"{count} GPU(s) (CUDA_VISIBLE_DEVICES="
                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}): set it to -1 (detect) "
                         "or ask the scheduler for the GPUs")
     n = count if gpus_per_node < 0 else gpus_per_node
+    if n == 0:
+        return ()
+    import torch
     return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", i)) for i in range(n))
+
+
+def _gpu_device_files() -> bool:
+    """Whether this host (or container) has the device files a GPU driver makes: NVIDIA's
+    /dev/nvidia0.., AMD's /dev/kfd (ROCm). Without them CUDA and HIP see no device."""
+    return Path("/dev/kfd").exists() or any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def granted_gpus(environ=os.environ) -> str | None:
@@ -110,7 +130,10 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     the job was given GPUs that torch cannot see. None when torch sees one, when none were
     given, or when the CPU was chosen (0)."""
     granted = granted_gpus(environ)
-    if gpus_per_node != -1 or granted is None or torch.cuda.device_count() > 0:
+    if gpus_per_node != -1 or granted is None:
+        return None
+    import torch
+    if torch.cuda.device_count() > 0:
         return None
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"GPUs torch can see: this node was given GPUs ({granted}) but torch "
@@ -130,6 +153,7 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
     GPUs of every rank on its real node (collective on `world`; every rank reaches the same
     verdict). Binds CUDA to it; its env worker processes see only it, and MuJoCo's EGL
     renders on it (envs/egl.py)."""
+    import torch
     from mpi4py import MPI
 
     from hpcvla.envs import env_uses_gpu
@@ -180,6 +204,7 @@ def renders_only(roles, env_name: str) -> bool:
 
 def local_device(gpus_per_node: int = -1) -> torch.device:
     """A single process's device (`hpcvla eval`, benchmarks): the first visible GPU, else CPU."""
+    import torch
     return torch.device("cuda", 0) if visible_gpus(gpus_per_node) else torch.device("cpu")
 
 
@@ -190,6 +215,7 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     import resource
     out = {"host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB
     if device.type == "cuda":
+        import torch
         out["gpu_allocated"] = torch.cuda.max_memory_allocated(device)
         out["gpu_reserved"] = torch.cuda.max_memory_reserved(device)
     return out
@@ -202,6 +228,7 @@ class HostStaging:
     forward pass synchronises when its outputs come back to the host) before the next."""
 
     def __init__(self, device: torch.device):
+        import torch
         self.device = torch.device(device)
         self.pinned = self.device.type == "cuda"
         self._buffers: dict[str, torch.Tensor] = {}
@@ -215,12 +242,14 @@ class HostStaging:
         need = int(np.prod(shape)) * dtype.itemsize
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < need:
+            import torch
             buf = self._buffers[key] = torch.empty(need, dtype=torch.uint8).pin_memory()
         out = buf[:need].numpy().view(dtype).reshape(shape)
         return np.concatenate(parts, out=out)
 
     def to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
         """Tensors on the device (CPU: sharing the arrays' memory)."""
+        import torch
         with warnings.catch_warnings():  # read-only received arrays: never written to
             warnings.filterwarnings("ignore", message=".*not writable.*")
             return {k: torch.as_tensor(a).to(self.device, non_blocking=self.pinned)

@@ -94,8 +94,10 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
     (processor.dims_problems). Builds the env's probe, so the launching process runs it, not
     the ranks (whose simulators must not load before their device is bound); a rank
     building the policy refuses the same mismatch."""
+    if not cfg.policy.pretrained:
+        return []
     from hpcvla.policies.processor import is_hpcvla_folder
-    if not cfg.policy.pretrained or is_hpcvla_folder(cfg.policy.pretrained):
+    if is_hpcvla_folder(cfg.policy.pretrained):
         return []
     from hpcvla.envs import env_spec
     from hpcvla.policies.registry import POLICIES
