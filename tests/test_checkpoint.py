@@ -69,8 +69,8 @@ def test_a_checkpoint_over_two_gib_resumes_bit_exact(tmp_path):
     """An optimizer state of 2.27 GB in one file (2 learners at ZeRO-0, learner 0 saves it)
     loads re-partitioned onto 2 ZeRO-1 learners bit for bit (tests/mpi/checkpoint_large.py;
     ~7 GB on learner 0; ~55 s: the bytes are the point). No tensor crosses MPI on this path
-    (each learner writes and reads its own ranges), so one MPI is enough: the transfers over
-    2^31 bytes are tested under both (test_transport.py)."""
+    (each learner writes and reads its own ranges), so one MPI is enough (the transfers over
+    2^31 bytes that cross MPI: test_transport.py)."""
     mpi = "mpich"
     out = hpcvla("launch", "-n", 2, "--mpi", mpi, "--timeout", 400, "--",
                  MPI_DIR / "checkpoint_large.py", tmp_path, timeout=420)
