@@ -108,8 +108,10 @@ def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
 
 def _gpu_device_files() -> bool:
     """Whether this host (or container) has the device files a GPU driver makes: NVIDIA's
-    /dev/nvidia0.., AMD's /dev/kfd (ROCm). Without them CUDA and HIP see no device."""
-    return Path("/dev/kfd").exists() or any(Path("/dev").glob("nvidia[0-9]*"))
+    /dev/nvidia0.., AMD's /dev/kfd (ROCm), WSL's /dev/dxg. Without them CUDA and HIP see no
+    device."""
+    return Path("/dev/kfd").exists() or Path("/dev/dxg").exists() or \
+        any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def granted_gpus(environ=os.environ) -> str | None:
