@@ -24,10 +24,10 @@
 #   HPCVLA_MPI        mpich | openmpi | auto (default auto: the mpiexec beside the
 #                     environment's Python, else PATH's). openmpi points mpi4py at Open MPI's
 #                     libmpi (MPI4PY_LIBMPI) and picks one-sided components that work on one
-#                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/mpi_select.py)
+#                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/process/mpi_select.py)
 #   HPCVLA_LAUNCHER   srun | mpiexec (default: mpiexec, but srun for Open MPI under Slurm;
 #                     srun with MPICH wires up through Slurm's PMI-2 server, which breaks
-#                     MPI_Init on nodes with many network devices: src/hpcvla/mpi_select.py)
+#                     MPI_Init on nodes with many network devices: src/hpcvla/process/mpi_select.py)
 #   HPCVLA_SRUN_MPI   srun's PMI plugin (default: pmi2 for MPICH, pmix for Open MPI)
 #   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
 #                     node's allocated (or all) cores / ranks per node, at least 1)
@@ -129,7 +129,7 @@ PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 # The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
 # HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
 # the problem when none is found.
-eval "$("$PYTHON" -m hpcvla.mpi_select "${HPCVLA_MPI:-auto}")"
+eval "$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}")"
 
 # ---- threads per rank ----------------------------------------------------------------------
 if [[ -n ${HPCVLA_THREADS:-} ]]; then
@@ -307,7 +307,7 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     trap - TERM INT USR1
     if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
         if [[ $status != 0 && -z $SIGNALLED ]]; then
-            "$PYTHON" -m hpcvla.deathwatch "$HPCVLA_RANK_DIR" || true
+            "$PYTHON" -m hpcvla.process.deathwatch "$HPCVLA_RANK_DIR" || true
         fi
         rm -rf "$HPCVLA_RANK_DIR"
     fi

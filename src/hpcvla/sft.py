@@ -13,7 +13,7 @@ chunks it executes, so what is learnt is what the env will ask for.
     hpcvla eval <sft run dir>                                     # success of the SFT policy
     hpcvla train CONFIG policy.checkpoint=<sft run dir>           # RL from it
 
-A stop signal (Slurm's, PBS's, `scancel`: preempt.py) ends the run after the current step
+A stop signal (Slurm's, PBS's, `scancel`: process/preempt.py) ends the run after the current step
 with a checkpoint; `run.resume` goes on from it.
 
 Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcvla import checkpoint, preempt
+from hpcvla import checkpoint
 from hpcvla.config import dump_config
 from hpcvla.config.learning import demo_paths
 from hpcvla.demonstrations import read_demonstrations
@@ -42,6 +42,7 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.metrics.tensorboard import RunBoard
+from hpcvla.process import preempt
 from hpcvla.runtime import create_run_dir
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
@@ -116,7 +117,7 @@ def _ranks_on_this_host(world) -> int:
 
 def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
            ) -> tuple[list[float], int]:
-    """Steps first .. sft.steps, or until a stop signal (preempt.py: all learners stop after
+    """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop after
     the same step); the mean loss over the learners of every step, and the steps done.
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""

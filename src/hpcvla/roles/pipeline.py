@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from mpi4py import MPI
 
-from hpcvla import checkpoint, preempt
+from hpcvla import checkpoint
 from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
@@ -37,6 +37,8 @@ from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
+from hpcvla.process import preempt
+from hpcvla.process.watchdog import step_deadline_s
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
@@ -54,7 +56,6 @@ from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.ring_reader import RingReader
 from hpcvla.transport.weights import Manifest, WeightPlane
-from hpcvla.watchdog import step_deadline_s
 
 if TYPE_CHECKING:
     from hpcvla.config.schema import Config

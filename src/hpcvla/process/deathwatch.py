@@ -129,6 +129,6 @@ def describe(folder: Path) -> str:
     return "\n".join(lines + ["  " + _last_progress(folder / "run_dir")])
 
 
-if __name__ == "__main__":  # python -m hpcvla.deathwatch RANK_DIR (jobs/launch.sh)
+if __name__ == "__main__":  # python -m hpcvla.process.deathwatch RANK_DIR (jobs/launch.sh)
     import sys
     print(describe(Path(sys.argv[1])), file=sys.stderr, flush=True)
