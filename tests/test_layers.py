@@ -13,8 +13,8 @@ own floor or the floors below it.
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
        optimizer_state, demonstrations
-    2  transport, seeds, process,         the process machinery: rings and records over MPI,
-       extensions                         seeds, which MPI, liveness, signals, extensions
+    2  transport, seeds, process          the process machinery: rings and records over MPI,
+                                          seeds, which MPI, liveness, signals
     1  config, topology, schedule         what a run is: settings, the rank plan and its
                                           communicators, the modes' schedules
     0  hpcvla (the package), text,        leaves
@@ -43,7 +43,7 @@ from helpers import ROOT
 FLOORS = {
     0: ("hpcvla", "text", "emulate"),
     1: ("config", "topology", "schedule"),
-    2: ("transport", "seeds", "process", "extensions"),
+    2: ("transport", "seeds", "process"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "optimizer_state",
         "demonstrations"),
     4: ("factory", "engines", "preflight", "memory", "restarts"),
