@@ -12,7 +12,7 @@ own floor or the floors below it.
                                           before a run; record what a restart lost
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
-       optimizer_state, demonstrations
+       demonstrations
     2  transport, seeds, process          the process machinery: rings and records over MPI,
                                           seeds, which MPI, liveness, signals
     1  config, topology, schedule         what a run is: settings, the rank plan and its
@@ -44,8 +44,7 @@ FLOORS = {
     0: ("hpcvla", "text", "emulate"),
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "process"),
-    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "optimizer_state",
-        "demonstrations"),
+    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
     4: ("factory", "engines", "preflight", "memory", "restarts"),
     5: ("roles",),
     6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording", "doctor"),

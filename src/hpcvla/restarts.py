@@ -31,7 +31,7 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint import latest, read_state
+from hpcvla.checkpoint.store import latest, read_state
 from hpcvla.config import ConfigError, load_config
 from hpcvla.topology.plan import PlanError, plan_from_config
 

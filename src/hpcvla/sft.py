@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config import dump_config
 from hpcvla.config.learning import demo_paths
 from hpcvla.demonstrations import read_demonstrations
@@ -87,11 +87,11 @@ def sft_main(cfg, world) -> None:
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
-    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
+    resume = store.latest(run_dir) if cfg.run.resume else None
     if resume is not None:
-        policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
+        policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
-    first = checkpoint.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
+    first = store.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
     board = None
     if rank == 0:
         name = "config.resume-%s.yaml" % time.strftime("%Y%m%d-%H%M%S") if resume else "config.yaml"
@@ -100,7 +100,7 @@ def sft_main(cfg, world) -> None:
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
-    writer = checkpoint.Writer(cfg.learner.checkpoint_background)
+    writer = store.Writer(cfg.learner.checkpoint_background)
     losses, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
     _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples, writer)
     if board is not None:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, TypeAlias
 import numpy as np
 import yaml
 
-from hpcvla import checkpoint, restarts
+from hpcvla import restarts
+from hpcvla.checkpoint import store
 from hpcvla.config.loader import config_to_dict
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases
@@ -82,10 +83,10 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
                  progress: Progress, timeline: Timeline) -> Save:
     """save(version, full weights, last): a checkpoint when one is due or the run ends
     (collective on the learners). With learner.checkpoint_background it is written in the
-    background (checkpoint.Writer): training waits only for the snapshot, and for the
-    previous checkpoint if that is still being written. The last one is complete when save
-    returns."""
-    writer = checkpoint.Writer(cfg.learner.checkpoint_background)
+    background (checkpoint/store.py's Writer): training waits only for the snapshot, and for
+    the previous checkpoint if that is still being written. The last one is complete when
+    save returns."""
+    writer = store.Writer(cfg.learner.checkpoint_background)
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
         every = cfg.learner.checkpoint_every
