@@ -14,6 +14,7 @@ import pytest
 from hpcvla import restarts
 from hpcvla.checkpoint import store
 from hpcvla.config import load_config
+from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError
 from helpers import ROOT, fake_checkpoint
 
@@ -28,7 +29,7 @@ def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path):
     entry = restarts.record(tmp_path, 255, ["h2"], ["h0", "h1"], 6)
     assert entry["resumed_from_version"] == 2 and entry["lost_env_steps"] == 1024
     assert entry["dropped_nodes"] == ["h2"] and entry["nodes"] == ["h0", "h1"]
-    assert restarts.recorded(run) == [entry]
+    assert restart_log.recorded(run) == [entry]
 
 
 def test_no_run_yet_records_nothing(tmp_path):

@@ -9,7 +9,7 @@ which appends one line to the run's `restarts.jsonl` and prints it: when, the ex
 nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
 the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
 restart from fresh trajectories (those in flight are dropped, none is trained twice).
-summary.json carries the list (`restarts`). Before that,
+summary.json carries the list (`restarts`, read by metrics/restart_log.py). Before that,
 
     python -m hpcvla.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
 
@@ -33,9 +33,8 @@ from pathlib import Path
 
 from hpcvla.checkpoint.store import latest, read_state
 from hpcvla.config import ConfigError, load_config
+from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config
-
-FILE = "restarts.jsonl"
 
 
 def newest_run(run_root: Path) -> Path | None:
@@ -83,15 +82,8 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
              "dropped_nodes": dropped, "nodes": nodes, "ranks": ranks,
              "resumed_from_version": state["version"], "trained_env_steps": trained,
              "lost_env_steps": max(0, trained - kept)}
-    with open(run_dir / FILE, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    restart_log.append(run_dir, entry)
     return entry
-
-
-def recorded(run_dir: Path) -> list[dict]:
-    """The restarts of a run so far (for summary.json)."""
-    path = Path(run_dir) / FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
