@@ -149,7 +149,7 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 # ---- the command ---------------------------------------------------------------------------
 # The run of this job that a restart continues: the newest run directory under $1 whose
 # newest checkpoint is short of the run's total_updates (nothing if there is none).
-resumable_run() { "$PYTHON" -m hpcvla.restarts resumable "$1"; }
+resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 
 # The nodes of HOSTS that start a process within 30 s (a restart leaves out the others).
 usable_hosts() {
@@ -321,7 +321,7 @@ fit_to_nodes() {
     local fit
     FIT=()
     LAYOUT=""
-    if ! fit=$("$PYTHON" -m hpcvla.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
+    if ! fit=$("$PYTHON" -m hpcvla.job.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
             --ranks-per-node "$PER_NODE" 2>&1); then
         printf '%s\n' "$fit" >&2
         return 1
@@ -351,7 +351,7 @@ while true; do
             "restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
         break
     fi
-    version=$("$PYTHON" -c 'import sys; from hpcvla.restarts import newest_version
+    version=$("$PYTHON" -c 'import sys; from hpcvla.job.restarts import newest_version
 print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
     if [[ $version == "$failed_at" ]]; then
         say "the world failed again before a checkpoint newer than policy version $version:" \
@@ -388,7 +388,7 @@ print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
         "from policy version $version"
-    say "restart record: $("$PYTHON" -m hpcvla.restarts record "$HPCVLA_JOB_RUNS" "$status" \
+    say "restart record: $("$PYTHON" -m hpcvla.job.restarts record "$HPCVLA_JOB_RUNS" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
     [[ -z $LAYOUT ]] || printf '%s\n' "$LAYOUT" | head -n 3 >&2
     set_command "$1"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcvla.launch import orphaned_shm
+from hpcvla.job.launch import orphaned_shm
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"

@@ -3,13 +3,13 @@ own floor or the floors below it.
 
     8  cli, __main__                      the commands
     7  bench                              benchmarks: run the layers below and measure them
-    6  runtime, evaluate, scale, launch,  a whole job: start the world, train, evaluate,
-       trainrun, sft, recording, doctor   plan a scale-out, run a training world, fine-tune,
-                                          record an expert's demonstrations, check a node
+    6  job, evaluate, scale, sft,         a whole job (start the world, run it, restart it),
+       recording, doctor                  evaluate, plan a scale-out, fine-tune, record an
+                                          expert's demonstrations, check a node
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
-       memory, restarts                   check files, packages, checkpoints and memory
-                                          before a run; record what a restart lost
+       memory                             check files, packages, checkpoints and memory
+                                          before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
        demonstrations
@@ -45,9 +45,9 @@ FLOORS = {
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "process"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
-    4: ("factory", "engines", "preflight", "memory", "restarts"),
+    4: ("factory", "engines", "preflight", "memory"),
     5: ("roles",),
-    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording", "doctor"),
+    6: ("job", "evaluate", "scale", "sft", "recording", "doctor"),
     7: ("bench",),
     8: ("cli", "__main__"),
 }

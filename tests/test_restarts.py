@@ -1,4 +1,4 @@
-"""What a restart inside the allocation records (hpcvla.restarts, called by jobs/launch.sh):
+"""What a restart inside the allocation records (hpcvla.job.restarts, called by jobs/launch.sh):
 the version it resumes from and the env steps trained since that checkpoint, read from a
 metrics.jsonl whose last line the dying world may have left half-written. The restart itself
 runs in tests/test_slurm.py. And how it fits the run to the nodes left: fewer cells, and fewer
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hpcvla import restarts
+from hpcvla.job import restarts
 from hpcvla.checkpoint import store
 from hpcvla.config import load_config
 from hpcvla.metrics import restart_log
@@ -51,7 +51,7 @@ def test_a_restart_fits_the_placement_to_the_nodes_left():
 
 def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
     """What jobs/launch.sh calls."""
-    fit = [sys.executable, "-m", "hpcvla.restarts", "fit", ROOT / "configs/learner_nodes.yaml",
+    fit = [sys.executable, "-m", "hpcvla.job.restarts", "fit", ROOT / "configs/learner_nodes.yaml",
            "placement.per_node={simulator: 2, inference: 2, learner: 0}", "--ranks-per-node=4"]
     out = subprocess.run([*fit, "--world=8"], capture_output=True, text=True)
     assert (out.returncode, out.stdout.strip()) == (0, "placement.learners=2"), out.stderr

@@ -207,11 +207,11 @@ def cmd_train(args) -> int:
     if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
-        from hpcvla.runtime import run_ranks, train_main
+        from hpcvla.job.runtime import run_ranks, train_main
         return run_ranks(cfg, train_main, preflight.check_pipeline)
     # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
     preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks))
-    from hpcvla.launch import run_world
+    from hpcvla.job.launch import run_world
     # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"
@@ -240,7 +240,7 @@ def cmd_sft(args) -> int:
     if args.ranks is None:  # a rank of a world someone started, or a world of one
         from hpcvla.sft import run_sft
         return run_sft(cfg)
-    from hpcvla.launch import run_world
+    from hpcvla.job.launch import run_world
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
     return run_world(args.ranks, ["sft", args.config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)
@@ -287,7 +287,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from hpcvla.launch import LaunchError, run_world
+    from hpcvla.job.launch import LaunchError, run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
         return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
@@ -366,7 +366,7 @@ def cmd_eval(args) -> int:
               file=sys.stderr)
         return 2
     if args.ranks is not None:  # start the world here; its ranks come back to this function
-        from hpcvla.launch import run_world
+        from hpcvla.job.launch import run_world
         os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
         flags = [f"--episodes={args.episodes}", f"--envs={args.envs}",
                  f"--video={args.video}"] + \
@@ -389,7 +389,7 @@ def cmd_eval(args) -> int:
             return 2
     from mpi4py import MPI
 
-    from hpcvla.runtime import run_guarded
+    from hpcvla.job.runtime import run_guarded
     from hpcvla.topology.comms import check_scheduler_world
     if cfg.launch.check_scheduler:  # N 1-rank worlds would each evaluate every state
         check_scheduler_world(MPI.COMM_WORLD.Get_size())

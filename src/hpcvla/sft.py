@@ -41,9 +41,9 @@ from hpcvla.devices import bind_rank_device
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
+from hpcvla.job.runtime import create_run_dir
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import preempt
-from hpcvla.runtime import create_run_dir
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
@@ -180,8 +180,8 @@ def _finish(cfg, engine, run_dir: Path, world, losses: list[float], done: int, d
 
 
 def run_sft(cfg) -> int:
-    """`hpcvla sft` on every rank of the world: the job, failing loudly (runtime.py)."""
-    from hpcvla.runtime import run_guarded
+    """`hpcvla sft` on every rank of the world: the job, failing loudly (job/runtime.py)."""
+    from hpcvla.job.runtime import run_guarded
 
     preempt.install()  # SIGTERM/SIGUSR1: stop after the current step, with a checkpoint
     return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD))

@@ -25,7 +25,7 @@ from hpcvla.engines import full_state as gathered
 from hpcvla.engines import init_engine
 from hpcvla.envs import make_env
 from hpcvla.factory import build_policy
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 from hpcvla.transport.backoff import idle_barrier
 
 ROOT = Path(__file__).resolve().parents[2]

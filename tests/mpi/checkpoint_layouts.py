@@ -22,7 +22,7 @@ from hpcvla.engines import full_state as gathered
 from hpcvla.engines import init_engine
 from hpcvla.envs import make_env
 from hpcvla.factory import build_policy
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 
 STAGES = (0, 1, 2, 3)
 KEYS = ("exp_avg", "exp_avg_sq")

@@ -16,7 +16,7 @@ from hpcvla.config import load_config
 from hpcvla.envs import make_env
 from hpcvla.engines import full_state, init_engine
 from hpcvla.factory import build_policy
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 
 
 def train_step(engine, obs, actions):

@@ -23,7 +23,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hpcvla.trainrun import train_run
+from hpcvla.job.trainrun import train_run
 
 ARMS = {"none": ["learner.checkpoint_every=0"],
         "foreground": ["learner.checkpoint_every=1", "learner.checkpoint_background=false"],

@@ -1,5 +1,5 @@
 """A run's restarts inside the allocation, one JSON line each in its `restarts.jsonl`: the
-file's one name, the append that `python -m hpcvla.restarts record` (jobs/launch.sh) writes
+file's one name, the append that `python -m hpcvla.job.restarts record` (jobs/launch.sh) writes
 with, and the reader that puts the list into summary.json (roles/outputs.py)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Which rank died first, when one dies without a word (kill -9, the OOM killer, a segfault).
 
-A rank that raises says who it is before it aborts the world (runtime.py). One killed outright
+A rank that raises says who it is before it aborts the world (job/runtime.py). One killed outright
 says nothing, and mpiexec then only reports an exit code and some pid. So every rank registers
 itself (rank, roles, node, host, pid) in a directory the launcher passes down
 (`HPCVLA_RANK_DIR`); the launcher holds a pidfd per rank, notes the first to exit, and when the

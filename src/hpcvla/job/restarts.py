@@ -3,7 +3,7 @@
 When a world fails, jobs/launch.sh starts it again on the nodes left (HPCVLA_RESTARTS), from
 the newest checkpoint. Before it does, it calls
 
-    python -m hpcvla.restarts JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
+    python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 
 which appends one line to the run's `restarts.jsonl` and prints it: when, the exit status, the
 nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
@@ -11,14 +11,14 @@ the learners had trained beyond that checkpoint (from metrics.jsonl), trained ag
 restart from fresh trajectories (those in flight are dropped, none is trained twice).
 summary.json carries the list (`restarts`, read by metrics/restart_log.py). Before that,
 
-    python -m hpcvla.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
+    python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
 
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
 beyond are spare). And before any start of a job's world,
 
-    python -m hpcvla.restarts resumable JOB_RUN_ROOT
+    python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
 
 prints the run that start continues (`resumable_run`), if there is one.
 """
@@ -107,7 +107,7 @@ def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
 
 
 def _main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hpcvla.restarts")
+    parser = argparse.ArgumentParser(prog="python -m hpcvla.job.restarts")
     sub = parser.add_subparsers(dest="what", required=True)
     rec = sub.add_parser("record", help="append this restart to the run's restarts.jsonl")
     rec.add_argument("run_root", type=Path)
@@ -135,7 +135,7 @@ def _main(argv=None) -> None:
         cfg = load_config(args.config, args.overrides)
         print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
     except (ConfigError, PlanError) as err:
-        raise SystemExit(f"hpcvla.restarts fit: {err}")
+        raise SystemExit(f"hpcvla.job.restarts fit: {err}")
 
 
 if __name__ == "__main__":
