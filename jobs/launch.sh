@@ -351,8 +351,7 @@ while true; do
             "restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
         break
     fi
-    version=$("$PYTHON" -c 'import sys; from hpcvla.job.restarts import newest_version
-print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
+    version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
     if [[ $version == "$failed_at" ]]; then
         say "the world failed again before a checkpoint newer than policy version $version:" \
             "not restarting"

@@ -19,13 +19,15 @@ from hpcvla.topology.plan import PlanError
 from helpers import ROOT, fake_checkpoint
 
 
-def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path):
+def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path, capsys):
     run = tmp_path / "default-1"
     fake_checkpoint(store.checkpoint_dir(run, 2), counters={"trained_env_steps": 2048})
     (run / "config.yaml").write_text("run: {name: default}\n")
     (run / "metrics.jsonl").write_text(
         json.dumps({"update": 3, "trained_env_steps": 3072}) + '\n{"update": 3, "trained_en')
     assert restarts.newest_version(tmp_path) == 2
+    restarts._main(["newest-version", str(tmp_path)])  # as jobs/launch.sh asks it
+    assert capsys.readouterr().out == "2\n"
     entry = restarts.record(tmp_path, 255, ["h2"], ["h0", "h1"], 6)
     assert entry["resumed_from_version"] == 2 and entry["lost_env_steps"] == 1024
     assert entry["dropped_nodes"] == ["h2"] and entry["nodes"] == ["h0", "h1"]

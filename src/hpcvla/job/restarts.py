@@ -1,26 +1,34 @@
-"""What a restart inside the allocation loses, recorded with the run.
+"""What jobs/launch.sh asks of a job's runs at each start of its world, and what a restart
+inside the allocation loses, recorded with the run: `python -m hpcvla.job.restarts WHAT`.
+
+Before any start of a job's world,
+
+    python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
+
+prints the run that start continues (`resumable_run`), if there is one.
 
 When a world fails, jobs/launch.sh starts it again on the nodes left (HPCVLA_RESTARTS), from
-the newest checkpoint. Before it does, it calls
+the newest checkpoint. First
 
-    python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
+    python -m hpcvla.job.restarts newest-version JOB_RUN_ROOT
 
-which appends one line to the run's `restarts.jsonl` and prints it: when, the exit status, the
-nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
-the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
-restart from fresh trajectories (those in flight are dropped, none is trained twice).
-summary.json carries the list (`restarts`, read by metrics/restart_log.py). Before that,
+prints the policy version of that checkpoint (`newest_version`, -1 when there is none): a
+world that fails again before a newer checkpoint exists is not started again. Then
 
     python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
 
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
-beyond are spare). And before any start of a job's world,
+beyond are spare). Last,
 
-    python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
+    python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 
-prints the run that start continues (`resumable_run`), if there is one.
+appends one line to the run's `restarts.jsonl` and prints it: when, the exit status, the
+nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
+the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
+restart from fresh trajectories (those in flight are dropped, none is trained twice).
+summary.json carries the list (`restarts`, read by metrics/restart_log.py).
 """
 
 from __future__ import annotations
@@ -122,6 +130,8 @@ def _main(argv=None) -> None:
     fit.add_argument("--ranks-per-node", type=int, required=True)
     sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
         "run_root", type=Path)
+    sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
+                   "job's run; -1 when there is none").add_argument("run_root", type=Path)
     args = parser.parse_args(argv)
     if args.what == "record":
         print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
@@ -130,6 +140,9 @@ def _main(argv=None) -> None:
     if args.what == "resumable":
         run = resumable_run(args.run_root)
         print(run if run is not None else "")
+        return
+    if args.what == "newest-version":
+        print(newest_version(args.run_root))
         return
     try:
         cfg = load_config(args.config, args.overrides)
