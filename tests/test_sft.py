@@ -14,7 +14,7 @@ from hpcvla.checkpoint import store
 from hpcvla.config import load_config
 from hpcvla.factory import build_policy
 from hpcvla.policies import Policy, make_policy, save_pretrained
-from hpcvla.sft import batch_indices
+from hpcvla.imitation.sft import batch_indices
 from helpers import hpcvla
 
 VOCAB, ACTION_DIM, CHUNK = 12, 3, 4

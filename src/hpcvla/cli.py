@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     demos = sub.add_parser("demos", help="record demonstrations of a ManiSkill task's "
-                                          "scripted expert in the dump layout (recording.py)")
+                                          "scripted expert in the dump layout "
+                                          "(imitation/recording.py)")
     _config_args(demos)
     demos.add_argument("--episodes", type=int, required=True, help="episodes to write")
     demos.add_argument("--out", required=True, help="the HDF5 file to write (must not exist)")
@@ -238,7 +239,7 @@ def cmd_sft(args) -> int:
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
     preflight.check_sft(cfg, str(args.config))
     if args.ranks is None:  # a rank of a world someone started, or a world of one
-        from hpcvla.sft import run_sft
+        from hpcvla.imitation.sft import run_sft
         return run_sft(cfg)
     from hpcvla.job.launch import run_world
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
@@ -297,7 +298,7 @@ def cmd_launch(args) -> int:
 
 
 def cmd_demos(args) -> int:
-    from hpcvla.recording import RecordingError, record, summary_line
+    from hpcvla.imitation.recording import RecordingError, record, summary_line
     cfg = load_config(args.config, args.overrides)
     try:
         summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only)

@@ -13,8 +13,8 @@ chunks it executes, so what is learnt is what the env will ask for.
     hpcvla eval <sft run dir>                                     # success of the SFT policy
     hpcvla train CONFIG policy.checkpoint=<sft run dir>           # RL from it
 
-A stop signal (Slurm's, PBS's, `scancel`: process/preempt.py) ends the run after the current step
-with a checkpoint; `run.resume` goes on from it.
+A stop signal (Slurm's, PBS's, `scancel`: process/preempt.py) ends the run after the current
+step with a checkpoint; `run.resume` goes on from it.
 
 Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
 sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
@@ -117,8 +117,8 @@ def _ranks_on_this_host(world) -> int:
 
 def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
            ) -> tuple[list[float], int]:
-    """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop after
-    the same step); the mean loss over the learners of every step, and the steps done.
+    """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop
+    after the same step); the mean loss over the learners of every step, and the steps done.
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
