@@ -181,10 +181,8 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
     fi
     if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then
         local best
-        best=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" --auto --json --world "$NP" \
-                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN" | "$PYTHON" -c '
-import json, sys
-print("\n".join(json.load(sys.stdin)["best"]["overrides"]))') ||
+        best=$("$PYTHON" -m hpcvla.job.restarts auto "${COMMAND_ARGS[@]:1}" --world "$NP" \
+                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN") ||
             die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
         mapfile -t AUTO <<< "$best"
         ARGS+=("${AUTO[@]}")

@@ -5,7 +5,14 @@ Before any start of a job's world,
 
     python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
 
-prints the run that start continues (`resumable_run`), if there is one.
+prints the run that start continues (`resumable_run`), if there is one; and with
+HPCVLA_AUTOPLAN=COSTS,
+
+    python -m hpcvla.job.restarts auto CONFIG [OVERRIDES...] --world M --ranks-per-node K \
+        --costs COSTS
+
+prints the scale model's best layout for the start's nodes (`hpcvla plan --auto`'s) as
+overrides, one a line.
 
 When a world fails, jobs/launch.sh starts it again on the nodes left (HPCVLA_RESTARTS), from
 the newest checkpoint. First
@@ -130,6 +137,13 @@ def _main(argv=None) -> None:
     fit.add_argument("--ranks-per-node", type=int, required=True)
     sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
         "run_root", type=Path)
+    auto = sub.add_parser("auto", help="the scale model's best layout for the nodes, as "
+                          "overrides, one a line (hpcvla plan --auto's)")
+    auto.add_argument("config")
+    auto.add_argument("overrides", nargs="*")
+    auto.add_argument("--world", type=int, required=True)
+    auto.add_argument("--ranks-per-node", type=int, required=True)
+    auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
     sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
                    "job's run; -1 when there is none").add_argument("run_root", type=Path)
     args = parser.parse_args(argv)
@@ -146,9 +160,14 @@ def _main(argv=None) -> None:
         return
     try:
         cfg = load_config(args.config, args.overrides)
-        print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
+        if args.what == "auto":
+            from hpcvla.scale.autoplan import print_auto_plan  # imports the scale model
+            print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,
+                            overrides_only=True)
+        else:
+            print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
     except (ConfigError, PlanError) as err:
-        raise SystemExit(f"hpcvla.job.restarts fit: {err}")
+        raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
 
 
 if __name__ == "__main__":
