@@ -78,8 +78,8 @@ install-horovod:
 	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
 
 # The venv's bin first on PATH: its mpiexec and tools for the tests (the learners put the venv's
-# ninja first themselves, for DeepSpeed's op builds: extensions.py). The 30 slowest tests are
-# listed at the end: CI's own figures for keeping the suite inside its time.
+# ninja first themselves, for DeepSpeed's op builds: engines/extensions.py). The 30 slowest
+# tests are listed at the end: CI's own figures for keeping the suite inside its time.
 test:
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q --durations=30 tests
 

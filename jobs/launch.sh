@@ -24,10 +24,10 @@
 #   HPCVLA_MPI        mpich | openmpi | auto (default auto: the mpiexec beside the
 #                     environment's Python, else PATH's). openmpi points mpi4py at Open MPI's
 #                     libmpi (MPI4PY_LIBMPI) and picks one-sided components that work on one
-#                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/mpi_select.py)
+#                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/process/mpi_select.py)
 #   HPCVLA_LAUNCHER   srun | mpiexec (default: mpiexec, but srun for Open MPI under Slurm;
 #                     srun with MPICH wires up through Slurm's PMI-2 server, which breaks
-#                     MPI_Init on nodes with many network devices: src/hpcvla/mpi_select.py)
+#                     MPI_Init on nodes with many network devices: src/hpcvla/process/mpi_select.py)
 #   HPCVLA_SRUN_MPI   srun's PMI plugin (default: pmi2 for MPICH, pmix for Open MPI)
 #   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
 #                     node's allocated (or all) cores / ranks per node, at least 1)
@@ -133,7 +133,7 @@ PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 # The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
 # HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
 # the problem when none is found.
-eval "$("$PYTHON" -m hpcvla.mpi_select "${HPCVLA_MPI:-auto}")"
+eval "$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}")"
 
 # ---- threads per rank ----------------------------------------------------------------------
 if [[ -n ${HPCVLA_THREADS:-} ]]; then
@@ -153,7 +153,7 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 # ---- the command ---------------------------------------------------------------------------
 # The run of this job that a restart continues: the newest run directory under $1 whose
 # newest checkpoint is short of the run's total_updates (nothing if there is none).
-resumable_run() { "$PYTHON" -m hpcvla.restarts resumable "$1"; }
+resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 
 # The nodes of HOSTS that start a process within 30 s (a restart leaves out the others).
 usable_hosts() {
@@ -185,10 +185,8 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
     fi
     if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then
         local best
-        best=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" --auto --json --world "$NP" \
-                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN" | "$PYTHON" -c '
-import json, sys
-print("\n".join(json.load(sys.stdin)["best"]["overrides"]))') ||
+        best=$("$PYTHON" -m hpcvla.job.restarts auto "${COMMAND_ARGS[@]:1}" --world "$NP" \
+                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN") ||
             die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
         mapfile -t AUTO <<< "$best"
         ARGS+=("${AUTO[@]}")
@@ -293,7 +291,7 @@ forward() {
 # it down (Slurm's SlurmdTimeout, 5 minutes by default) while the ranks left aborted long ago.
 end_a_failed_world() {  # PID of the world's launcher; run in the background
     local failure grace=${HPCVLA_END_GRACE_S:-30}
-    failure=$("$PYTHON" -m hpcvla.deathwatch first-failure "$HPCVLA_RANK_DIR" "$1") || return 0
+    failure=$("$PYTHON" -m hpcvla.process.deathwatch first-failure "$HPCVLA_RANK_DIR" "$1") || return 0
     sleep "$grace"
     kill -0 "$1" 2> /dev/null || return 0
     say "$failure, and the world has not ended $grace s later: ending its launcher"
@@ -333,7 +331,7 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     fi
     if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
         if [[ $status != 0 && -z $SIGNALLED ]]; then
-            "$PYTHON" -m hpcvla.deathwatch describe "$HPCVLA_RANK_DIR" || true
+            "$PYTHON" -m hpcvla.process.deathwatch describe "$HPCVLA_RANK_DIR" || true
         fi
         rm -rf "$HPCVLA_RANK_DIR"
     fi
@@ -347,7 +345,7 @@ fit_to_nodes() {
     local fit
     FIT=()
     LAYOUT=""
-    if ! fit=$("$PYTHON" -m hpcvla.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
+    if ! fit=$("$PYTHON" -m hpcvla.job.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
             --ranks-per-node "$PER_NODE" 2>&1); then
         printf '%s\n' "$fit" >&2
         return 1
@@ -377,8 +375,7 @@ while true; do
             "restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
         break
     fi
-    version=$("$PYTHON" -c 'import sys; from hpcvla.restarts import newest_version
-print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
+    version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
     if [[ $version == "$failed_at" ]]; then
         say "the world failed again before a checkpoint newer than policy version $version:" \
             "not restarting"
@@ -414,7 +411,7 @@ print(newest_version(sys.argv[1]))' "$HPCVLA_JOB_RUNS")
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
         "from policy version $version"
-    say "restart record: $("$PYTHON" -m hpcvla.restarts record "$HPCVLA_JOB_RUNS" "$status" \
+    say "restart record: $("$PYTHON" -m hpcvla.job.restarts record "$HPCVLA_JOB_RUNS" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
     [[ -z $LAYOUT ]] || printf '%s\n' "$LAYOUT" | head -n 3 >&2
     set_command "$1"

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcvla.launch import orphaned_shm
+from hpcvla.job.launch import orphaned_shm
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -36,10 +36,10 @@ def hpcvla(*args, env=None, timeout=180):
 
 
 def fake_checkpoint(path: Path, **state) -> Path:
-    """A complete-looking checkpoint directory as checkpoint.save lays it out, one learner
-    (the files' contents are checked only when loaded, against the sha256 in state.json).
+    """A complete-looking checkpoint directory as checkpoint/store.py's save lays it out, one
+    learner (the files' contents are checked only when loaded, against the sha256 in state.json).
     `state` overrides state.json's fields; a field given as None is left out."""
-    from hpcvla.checkpoint import FORMAT
+    from hpcvla.checkpoint.store import FORMAT
 
     path.mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.rank0.safetensors"):

@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcvla.launch import _remove_orphaned_shm, _shm_files
+from hpcvla.job.launch import _remove_orphaned_shm, _shm_files
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "qsub", "srun")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

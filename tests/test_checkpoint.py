@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from helpers import MPI_DIR, hpcvla
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
@@ -22,13 +22,13 @@ def resume(run_dir, stage, *extra):
                  *extra)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"resume bit-identical at ZeRO stage {stage}" in out.stdout
-    return checkpoint.latest(run_dir)
+    return store.latest(run_dir)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_is_bit_identical(tmp_path, stage):
     path = resume(tmp_path, stage)
-    state = checkpoint.read_state(path)
+    state = store.read_state(path)
     assert path.name == "v000002" and state["zero_stage"] == stage and state["learners"] == 2
     assert sorted(p.name for p in path.iterdir()) == [
         "model.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors",
@@ -44,7 +44,7 @@ def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path, stage, ext
     with gradient checkpointing too (the learner that resumes recomputes its layers), and with
     the optimizer state offloaded to host memory (ZeRO-Offload, torch's fused CPU AdamW)."""
     path = resume(tmp_path, stage, "policy.name=flow", "policy.dtype=bfloat16", *extra)
-    assert all(v.dtype == torch.bfloat16 for v in checkpoint.load_weights(path).values())
+    assert all(v.dtype == torch.bfloat16 for v in store.load_weights(path).values())
 
 
 @pytest.mark.parametrize("extra", [[], ["policy.name=flow", "policy.dtype=bfloat16"]],
@@ -82,35 +82,35 @@ def test_a_checkpoint_over_two_gib_resumes_bit_exact(tmp_path):
 
 def test_damaged_checkpoints_fail_clearly(tmp_path):
     path = resume(tmp_path, 1)
-    weights = checkpoint.load_weights(path)
+    weights = store.load_weights(path)
     assert weights and all(isinstance(v, torch.Tensor) for v in weights.values())
 
     wrong = {k: np.zeros((1, *v.shape)) for k, v in weights.items()}
-    with pytest.raises(checkpoint.CheckpointError, match="do not fit this policy"):
-        checkpoint.load_weights(path, wrong)
+    with pytest.raises(store.CheckpointError, match="do not fit this policy"):
+        store.load_weights(path, wrong)
 
     model = path / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[-5] ^= 0xFF
     model.write_bytes(bytes(data))
-    with pytest.raises(checkpoint.CheckpointError, match="checksum mismatch"):
-        checkpoint.load_weights(path)
+    with pytest.raises(store.CheckpointError, match="checksum mismatch"):
+        store.load_weights(path)
     model.unlink()
-    with pytest.raises(checkpoint.CheckpointError, match="missing"):
-        checkpoint.load_weights(path)
+    with pytest.raises(store.CheckpointError, match="missing"):
+        store.load_weights(path)
 
     state = path / "state.json"
     state.write_text(json.dumps({"format": 99}))
-    with pytest.raises(checkpoint.CheckpointError, match="format 99"):
-        checkpoint.read_state(path)
+    with pytest.raises(store.CheckpointError, match="format 99"):
+        store.read_state(path)
     state.write_text("{not json")
-    with pytest.raises(checkpoint.CheckpointError, match="not valid JSON"):
-        checkpoint.read_state(path)
+    with pytest.raises(store.CheckpointError, match="not valid JSON"):
+        store.read_state(path)
     state.unlink()
-    with pytest.raises(checkpoint.CheckpointError, match="not a complete"):
-        checkpoint.read_state(path)
+    with pytest.raises(store.CheckpointError, match="not a complete"):
+        store.read_state(path)
     # a directory without state.json (e.g. killed mid-write) is never "latest"
-    assert checkpoint.latest(tmp_path) is None
+    assert store.latest(tmp_path) is None
 
 
 @pytest.mark.bench

@@ -8,7 +8,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hpcvla import deathwatch
+from hpcvla.process import deathwatch
 
 
 def card(folder: Path, rank: int, pid: int, host: str | None = None) -> None:
@@ -55,7 +55,7 @@ def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(
         launcher.kill()
         launcher.wait()
     (tmp_path / "failed.rank3").unlink()
-    watch = subprocess.run([sys.executable, "-m", "hpcvla.deathwatch", "first-failure",
+    watch = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch", "first-failure",
                             str(tmp_path), str(launcher.pid)], capture_output=True, text=True,
                            timeout=30)
     assert watch.returncode == 1 and not watch.stdout, watch

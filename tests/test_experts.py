@@ -1,6 +1,7 @@
 """The scripted ManiSkill experts (envs/experts.py) in real ManiSkill envs, and `hpcvla demos`
-(recording.py): its file is a trajectory dump that `hpcvla inspect` reads, recorded from
-training initial states only, and a task without an expert is refused naming the setting."""
+(imitation/recording.py): its file is a trajectory dump that `hpcvla inspect` reads, recorded
+from training initial states only, and a task without an expert is refused naming the
+setting."""
 
 import json
 

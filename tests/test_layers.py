@@ -3,19 +3,18 @@ own floor or the floors below it.
 
     8  cli, __main__                      the commands
     7  bench                              benchmarks: run the layers below and measure them
-    6  runtime, evaluate, scale, launch,  a whole job: start the world, train, evaluate,
-       trainrun, sft, recording, doctor   plan a scale-out, run a training world, fine-tune,
-                                          record an expert's demonstrations, check a node
+    6  job, imitation, evaluate, scale,   a whole job: start the world, run it, restart it;
+       doctor                             record an expert's demonstrations, fine-tune on
+                                          them; evaluate, plan a scale-out, check a node
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
-       memory, restarts                   check files, packages, checkpoints and memory
-                                          before a run; record what a restart lost
+       memory                             check files, packages, checkpoints and memory
+                                          before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
-       optimizer_state, demonstrations
-    2  transport, seeds, mpi_select,      the process machinery: rings and records over MPI,
-       deathwatch, watchdog, preempt,     seeds, liveness, signals, extensions
-       extensions
+       demonstrations
+    2  transport, seeds, process          the process machinery: rings and records over MPI,
+                                          seeds, which MPI, liveness, signals
     1  config, topology, schedule         what a run is: settings, the rank plan and its
                                           communicators, the modes' schedules
     0  hpcvla (the package), text,        leaves
@@ -44,12 +43,11 @@ from helpers import ROOT
 FLOORS = {
     0: ("hpcvla", "text", "emulate"),
     1: ("config", "topology", "schedule"),
-    2: ("transport", "seeds", "mpi_select", "deathwatch", "watchdog", "preempt", "extensions"),
-    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "optimizer_state",
-        "demonstrations"),
-    4: ("factory", "engines", "preflight", "memory", "restarts"),
+    2: ("transport", "seeds", "process"),
+    3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
+    4: ("factory", "engines", "preflight", "memory"),
     5: ("roles",),
-    6: ("runtime", "evaluate", "scale", "launch", "trainrun", "sft", "recording", "doctor"),
+    6: ("job", "imitation", "evaluate", "scale", "doctor"),
     7: ("bench",),
     8: ("cli", "__main__"),
 }

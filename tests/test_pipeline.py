@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
@@ -221,8 +221,8 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
                                     "learner.checkpoint_every=1", *extra, config=config,
                                     ranks=ranks)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000002", "v000003"]
-    for path in checkpoint.complete(run_dir):  # written in the background while training
-        state = checkpoint.verify(path)  # every file there, its checksum right
+    for path in store.complete(run_dir):  # written in the background while training
+        state = store.verify(path)  # every file there, its checksum right
         assert state["version"] == int(path.name[1:])
         assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", *(
             f"optimizer.rank{r}.safetensors" for r in range(state["learners"])), "state.json"]
@@ -361,7 +361,7 @@ def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):
     # torch's JIT build waits forever for a lock file an interrupted build left behind
     from torch.utils.cpp_extension import _get_build_directory
 
-    from hpcvla.extensions import STALE_AFTER_S, clear_stale_build_locks
+    from hpcvla.engines.extensions import STALE_AFTER_S, clear_stale_build_locks
     ext = tmp_path / "extensions"
     shutil.copytree(_get_build_directory("deepspeed_shm_comm", False),
                     ext / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
@@ -384,7 +384,7 @@ def test_the_op_builds_use_the_environments_ninja(monkeypatch):
     whose `.ninja_log` hashes the op's build directory was built with."""
     from pathlib import Path
 
-    from hpcvla.extensions import use_the_environments_ninja
+    from hpcvla.engines.extensions import use_the_environments_ninja
     here = Path(sys.executable).parent
     monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", os.environ["PATH"]]))
     use_the_environments_ninja()

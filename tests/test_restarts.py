@@ -1,4 +1,4 @@
-"""What a restart inside the allocation records (hpcvla.restarts, called by jobs/launch.sh):
+"""What a restart inside the allocation records (hpcvla.job.restarts, called by jobs/launch.sh):
 the version it resumes from and the env steps trained since that checkpoint, read from a
 metrics.jsonl whose last line the dying world may have left half-written. The restart itself
 runs in tests/test_slurm.py. And how it fits the run to the nodes left: fewer cells, and fewer
@@ -11,23 +11,27 @@ import sys
 
 import pytest
 
-from hpcvla import checkpoint, restarts
+from hpcvla.job import restarts
+from hpcvla.checkpoint import store
 from hpcvla.config import load_config
+from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError
 from helpers import ROOT, fake_checkpoint
 
 
-def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path):
+def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path, capsys):
     run = tmp_path / "default-1"
-    fake_checkpoint(checkpoint.checkpoint_dir(run, 2), counters={"trained_env_steps": 2048})
+    fake_checkpoint(store.checkpoint_dir(run, 2), counters={"trained_env_steps": 2048})
     (run / "config.yaml").write_text("run: {name: default}\n")
     (run / "metrics.jsonl").write_text(
         json.dumps({"update": 3, "trained_env_steps": 3072}) + '\n{"update": 3, "trained_en')
     assert restarts.newest_version(tmp_path) == 2
+    restarts._main(["newest-version", str(tmp_path)])  # as jobs/launch.sh asks it
+    assert capsys.readouterr().out == "2\n"
     entry = restarts.record(tmp_path, 255, ["h2"], ["h0", "h1"], 6)
     assert entry["resumed_from_version"] == 2 and entry["lost_env_steps"] == 1024
     assert entry["dropped_nodes"] == ["h2"] and entry["nodes"] == ["h0", "h1"]
-    assert restarts.recorded(run) == [entry]
+    assert restart_log.recorded(run) == [entry]
 
 
 def test_no_run_yet_records_nothing(tmp_path):
@@ -49,7 +53,7 @@ def test_a_restart_fits_the_placement_to_the_nodes_left():
 
 def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
     """What jobs/launch.sh calls."""
-    fit = [sys.executable, "-m", "hpcvla.restarts", "fit", ROOT / "configs/learner_nodes.yaml",
+    fit = [sys.executable, "-m", "hpcvla.job.restarts", "fit", ROOT / "configs/learner_nodes.yaml",
            "placement.per_node={simulator: 2, inference: 2, learner: 0}", "--ranks-per-node=4"]
     out = subprocess.run([*fit, "--world=8"], capture_output=True, text=True)
     assert (out.returncode, out.stdout.strip()) == (0, "placement.learners=2"), out.stderr

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config import load_config
 from hpcvla.factory import build_policy
 from hpcvla.policies import Policy, make_policy, save_pretrained
-from hpcvla.sft import batch_indices
+from hpcvla.imitation.sft import batch_indices
 from helpers import hpcvla
 
 VOCAB, ACTION_DIM, CHUNK = 12, 3, 4
@@ -233,8 +233,8 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     stopped = summary["steps"]
     # a checkpoint every step, written in the background while the next steps trained: the
     # two kept are complete (checksums verified) and the newest is the stop's
-    kept = checkpoint.complete(run_dir)
-    assert [checkpoint.verify(path)["version"] for path in kept] == \
+    kept = store.complete(run_dir)
+    assert [store.verify(path)["version"] for path in kept] == \
         list(range(max(1, stopped - 1), stopped + 1))
     out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -39,7 +39,8 @@ def slurm():
 def slurm3():
     """Nodes h0, h1, h2: each its own host (network namespace, address, host name) with 12
     fabric ports, as a GPU node's several adapters: its ranks' UCX addresses are then too long
-    for Slurm's PMI-2 server (src/hpcvla/mpi_select.py), and MPICH must start them itself."""
+    for Slurm's PMI-2 server (src/hpcvla/process/mpi_select.py), and MPICH must start them
+    itself."""
     with LocalSlurm(nodes=3, fabric_ports=12) as cluster:
         yield cluster
 

@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     demos = sub.add_parser("demos", help="record demonstrations of a ManiSkill task's "
-                                          "scripted expert in the dump layout (recording.py)")
+                                          "scripted expert in the dump layout "
+                                          "(imitation/recording.py)")
     _config_args(demos)
     demos.add_argument("--episodes", type=int, required=True, help="episodes to write")
     demos.add_argument("--out", required=True, help="the HDF5 file to write (must not exist)")
@@ -207,11 +208,11 @@ def cmd_train(args) -> int:
     if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
-        from hpcvla.runtime import run_ranks, train_main
+        from hpcvla.job.runtime import run_ranks, train_main
         return run_ranks(cfg, train_main, preflight.check_pipeline)
     # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
     preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks))
-    from hpcvla.launch import run_world
+    from hpcvla.job.launch import run_world
     # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"
@@ -238,9 +239,9 @@ def cmd_sft(args) -> int:
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
     preflight.check_sft(cfg, str(args.config))
     if args.ranks is None:  # a rank of a world someone started, or a world of one
-        from hpcvla.sft import run_sft
+        from hpcvla.imitation.sft import run_sft
         return run_sft(cfg)
-    from hpcvla.launch import run_world
+    from hpcvla.job.launch import run_world
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
     return run_world(args.ranks, ["sft", args.config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)
@@ -287,7 +288,7 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from hpcvla.launch import LaunchError, run_world
+    from hpcvla.job.launch import LaunchError, run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     try:
         return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
@@ -297,7 +298,7 @@ def cmd_launch(args) -> int:
 
 
 def cmd_demos(args) -> int:
-    from hpcvla.recording import RecordingError, record, summary_line
+    from hpcvla.imitation.recording import RecordingError, record, summary_line
     cfg = load_config(args.config, args.overrides)
     try:
         summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only)
@@ -339,7 +340,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from hpcvla import checkpoint
+    from hpcvla.checkpoint import store
     from hpcvla.evaluate import describe, eval_problem, evaluate_policies, write_curve
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -359,14 +360,14 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
-    kept = checkpoint.complete(run_dir) if args.all or not args.untrained else []
+    kept = store.complete(run_dir) if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
               file=sys.stderr)
         return 2
     if args.ranks is not None:  # start the world here; its ranks come back to this function
-        from hpcvla.launch import run_world
+        from hpcvla.job.launch import run_world
         os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
         flags = [f"--episodes={args.episodes}", f"--envs={args.envs}",
                  f"--video={args.video}"] + \
@@ -384,12 +385,12 @@ def cmd_eval(args) -> int:
     if _launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
         try:
             return report(None) or 0
-        except checkpoint.CheckpointError as err:
+        except store.CheckpointError as err:
             print(f"hpcvla eval: {err}", file=sys.stderr)
             return 2
     from mpi4py import MPI
 
-    from hpcvla.runtime import run_guarded
+    from hpcvla.job.runtime import run_guarded
     from hpcvla.topology.comms import check_scheduler_world
     if cfg.launch.check_scheduler:  # N 1-rank worlds would each evaluate every state
         check_scheduler_world(MPI.COMM_WORLD.Get_size())
@@ -399,7 +400,7 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from hpcvla.checkpoint import CheckpointError
+    from hpcvla.checkpoint.store import CheckpointError
     from hpcvla.evaluate import export_policy
     run_dir = Path(args.run_dir)
     try:

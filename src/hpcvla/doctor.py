@@ -77,7 +77,7 @@ def _last_line(out: subprocess.CompletedProcess) -> str:
 
 def _mpi(cfg) -> Check:
     """The launcher starts 2 ranks that see one world of 2, with the library mpi4py loads."""
-    from hpcvla.mpi_select import MpiSelectError, select_mpi
+    from hpcvla.process.mpi_select import MpiSelectError, select_mpi
     try:  # the MPI jobs/launch.sh chose, else the config's
         install = select_mpi(os.environ.get("HPCVLA_MPI_FLAVOUR", cfg.launch.mpi),
                              os.environ.get("HPCVLA_MPIEXEC", cfg.launch.mpiexec))

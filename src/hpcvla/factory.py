@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config.families import simulator
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.groups import GroupedRestarts
@@ -95,6 +95,6 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
             torch.random.default_generator.manual_seed(cfg.run.seed + 1)
             add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
     if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
-        path = checkpoint.latest(Path(cfg.policy.checkpoint))
-        policy.load_arrays(checkpoint.load_weights(path, policy.state_dict()))
+        path = store.latest(Path(cfg.policy.checkpoint))
+        policy.load_arrays(store.load_weights(path, policy.state_dict()))
     return policy.to(device)

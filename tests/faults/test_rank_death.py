@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcvla.launch import orphaned_shm
+from hpcvla.job.launch import orphaned_shm
 from helpers import rank_pids
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs

@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.config import load_config
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 from hpcvla.topology.comms import members
 
 

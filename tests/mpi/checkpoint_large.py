@@ -19,13 +19,13 @@ from unittest import mock
 import torch
 
 from checkpoint_layouts import full_state
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config import load_config
 from hpcvla.engines import full_state as gathered
 from hpcvla.engines import init_engine
 from hpcvla.envs import make_env
 from hpcvla.factory import build_policy
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 from hpcvla.transport.backoff import idle_barrier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,19 +56,19 @@ def main(cfg, plan, comms):
         engine.step()
     saved = full_state(engine)
     t0 = time.monotonic()
-    checkpoint.save(root, engine, gathered(engine), version=2, counters={},
-                    learners=learners)  # [dist]
+    store.save(root, engine, gathered(engine), version=2, counters={},
+               learners=learners)  # [dist]
     idle_barrier(learners)  # [dist] learner 0 has published it
-    path = checkpoint.checkpoint_dir(root, 2)
+    path = store.checkpoint_dir(root, 2)
     times["save_s"] = round(time.monotonic() - t0, 1)
     del engine, policy
     gc.collect()
 
     cfg, _, policy = setup(stage=1, seed=1)  # another initialisation: all from disk
     t0 = time.monotonic()
-    policy.load_arrays(checkpoint.load_weights(path, policy.state_dict()))
+    policy.load_arrays(store.load_weights(path, policy.state_dict()))
     engine = init_engine(cfg, policy, learners)  # [dist]
-    checkpoint.load_optimizer(path, engine, learners)
+    store.load_optimizer(path, engine, learners)
     times["load_s"] = round(time.monotonic() - t0, 1)
     resumed = full_state(engine)  # [dist] ZeRO-1's partitions assembled
     assert resumed.keys() == saved.keys(), sorted(resumed.keys() ^ saved.keys())

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config import load_config
 from hpcvla.engines import full_state as gathered
 from hpcvla.engines import init_engine
 from hpcvla.envs import make_env
 from hpcvla.factory import build_policy
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 
 STAGES = (0, 1, 2, 3)
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -78,22 +78,22 @@ def write(learners, root: Path):
             engine.backward(-logprob.mean() + value.pow(2).mean() - 0.01 * entropy.mean())
             engine.step()
         reference = full_state(engine)
-        checkpoint.save(root / f"stage{stage}", engine, gathered(engine), version=3,
-                        counters={}, learners=learners)  # [dist]
+        store.save(root / f"stage{stage}", engine, gathered(engine), version=3,
+                   counters={}, learners=learners)  # [dist]
         if learners.Get_rank() == 0:
             save_file(reference, str(root / f"stage{stage}.reference.safetensors"))
 
 
 def read(learners, root: Path):
     for saved in STAGES:
-        path = checkpoint.latest(root / f"stage{saved}")
+        path = store.latest(root / f"stage{saved}")
         reference = load_file(str(root / f"stage{saved}.reference.safetensors"))
         for stage in STAGES:
             # another initialisation: everything must come from disk
             cfg, env, policy = setup(stage, seed=100 + stage)
-            policy.load_arrays(checkpoint.load_weights(path, policy.state_dict()))
+            policy.load_arrays(store.load_weights(path, policy.state_dict()))
             engine = init_engine(cfg, policy, learners)  # [dist]
-            checkpoint.load_optimizer(path, engine, learners)
+            store.load_optimizer(path, engine, learners)
             resumed = full_state(engine)
             assert resumed.keys() == reference.keys(), sorted(resumed.keys() ^ reference.keys())
             for key, value in reference.items():

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcvla import checkpoint
+from hpcvla.checkpoint import store
 from hpcvla.config import load_config
 from hpcvla.envs import make_env
 from hpcvla.engines import full_state, init_engine
 from hpcvla.factory import build_policy
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 
 
 def train_step(engine, obs, actions):
@@ -42,19 +42,19 @@ def main(cfg, plan, comms):
     mine = full_state(engine, wanted=learners.Get_rank() == 0)
     assert (mine is None) == (learners.Get_rank() != 0)
     assert mine is None or all(torch.equal(mine[k], weights[k]) for k in weights)
-    saved = checkpoint.save(run_dir, engine, weights, version=2, counters={"env_steps": 7},
-                            learners=learners)
+    saved = store.save(run_dir, engine, weights, version=2, counters={"env_steps": 7},
+                       learners=learners)
     for _ in range(steps):
         train_step(engine, obs, actions)
     continued = full_state(engine)
 
-    path = checkpoint.latest(run_dir)
+    path = store.latest(run_dir)
     assert learners.Get_rank() != 0 or saved == path, (saved, path)
     torch.manual_seed(1234)  # a different initialisation: everything must come from disk
     fresh = build_policy(cfg, env.spec)
-    fresh.load_arrays(checkpoint.load_weights(path, fresh.state_dict()))
+    fresh.load_arrays(store.load_weights(path, fresh.state_dict()))
     engine2 = init_engine(cfg, fresh, learners)
-    state = checkpoint.load_optimizer(path, engine2, learners)
+    state = store.load_optimizer(path, engine2, learners)
     assert state["version"] == 2 and state["counters"] == {"env_steps": 7}, state
     for _ in range(steps):
         train_step(engine2, obs, actions)

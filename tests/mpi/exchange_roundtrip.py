@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.config import load_config
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 from hpcvla.transport.exchange import ObsActionExchange
 
 ENVS, SHARDS = 4, 3

@@ -8,7 +8,7 @@ import sys
 import time
 
 from hpcvla.config import load_config
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 
 
 def main(cfg, plan, comms):

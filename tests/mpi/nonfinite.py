@@ -18,7 +18,7 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.roles.learner import MicroBatch, train_micro_batch
 from hpcvla.factory import build_policy
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 
 
 def segments(cfg, policy, seed: int) -> dict:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 from mpi4py import MPI
 
-from hpcvla.optimizer_state import fragments, replicas_agree
+from hpcvla.checkpoint.optimizer_state import fragments, replicas_agree
 
 
 def learner(seed: int) -> SimpleNamespace:

@@ -22,7 +22,7 @@ import torch
 from mpi4py import MPI
 
 from hpcvla.config import load_config
-from hpcvla.runtime import run_ranks
+from hpcvla.job.runtime import run_ranks
 from hpcvla.transport.pieces import MAX_MESSAGE
 from hpcvla.transport.weights import Manifest, WeightPlane
 

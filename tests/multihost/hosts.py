@@ -204,8 +204,8 @@ class EmulatedHosts:
         """argv (to run on h0) and environment that start `program` (an hpcvla subcommand or
         a script) on n ranks, in blocks of `per_host` over the hosts, through the remote-shell
         stand-in, as a cluster's mpiexec would; `mpi` is mpich or openmpi."""
-        from hpcvla.launch import rank_program
-        from hpcvla.mpi_select import select_mpi
+        from hpcvla.job.launch import rank_program
+        from hpcvla.process.mpi_select import select_mpi
 
         install = select_mpi(mpi)
         per_host = per_host or n // self.n

@@ -6,7 +6,7 @@ on the machine falls on all of them alike):
 * `foreground`: a checkpoint after every version, training waits for the files
   (`learner.checkpoint_background=false`);
 * `background`: the same checkpoints, written by a thread while the next version trains
-  (checkpoint.Writer; the default).
+  (checkpoint/store.py's Writer; the default).
 Reported per arm: wall seconds per version (the run's wall clock over its versions) and the
 learners' seconds per version inside checkpointing (the timeline's `checkpoint` spans: the
 snapshot, plus any wait for files); and each arm's wall per version over `none`'s.
@@ -23,7 +23,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hpcvla.trainrun import train_run
+from hpcvla.job.trainrun import train_run
 
 ARMS = {"none": ["learner.checkpoint_every=0"],
         "foreground": ["learner.checkpoint_every=1", "learner.checkpoint_background=false"],

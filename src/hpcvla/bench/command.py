@@ -138,7 +138,7 @@ def bench_command(args) -> int:
                      eval_episodes=32 if args.quick else args.eval_episodes, demos=args.demos)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
-        from hpcvla.launch import run_world
+        from hpcvla.job.launch import run_world
         inner = ["bench", args.target, "--ranks-per-node", str(args.ranks_per_node)]
         inner += (["--json", args.json] if args.json else []) + (["--quick"] if args.quick else [])
         return run_world(args.ranks, inner)

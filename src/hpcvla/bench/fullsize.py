@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from hpcvla.trainrun import train_run
+from hpcvla.job.trainrun import train_run
 
 JOB = {"full": ["configs/reach_flow.yaml", "--ranks", "4", "policy.size=full",
                 "policy.dtype=bfloat16", "env.image_size=224", "env.envs_per_simulator=8",

@@ -37,10 +37,10 @@ import torch
 
 from hpcvla.bench.policies import FAMILIES, step_ms
 from hpcvla.envs import make_env
+from hpcvla.job.trainrun import train_run
 from hpcvla.policies import Policy, make_policy
 from hpcvla.policies.registry import count_preset_parameters
 from hpcvla.policies.vla import SIZE_NAMES
-from hpcvla.trainrun import train_run
 
 ROOT = Path(__file__).resolve().parents[3]
 NO_CUDA = "no CUDA device visible (torch.cuda.is_available() is False)"

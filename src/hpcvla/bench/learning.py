@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.job.trainrun import train_run
 from hpcvla.metrics.stats import welch_interval
-from hpcvla.trainrun import train_run
 
 # Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version.
 # `modes` and `critic` run reach with 64 px images and 8 PPO epochs per version (the default

@@ -23,10 +23,10 @@ import math
 import tempfile
 from pathlib import Path
 
+from hpcvla.job.trainrun import train_run
 from hpcvla.scale.presets import (PRESETS, SIM_WORKLOADS, emulated_workload, ideal_bound,
                                   learner_delay, ranks_for)
 from hpcvla.schedule import MODES, Layout, traits
-from hpcvla.trainrun import train_run
 
 
 def _layout(mode: str, gpus: int) -> list[str]:

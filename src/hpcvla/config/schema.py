@@ -368,8 +368,9 @@ class LaunchConfig:
         "beside this Python (the MPI mpi4py runs on), else the first on PATH.")
     mpi: str = setting(
         "auto", "MPI of `hpcvla launch`/`train --ranks`: `mpich`, `openmpi` (mpi4py is pointed "
-        "at its library, one-sided components `sm,ucx`; see hpcvla/mpi_select.py) or `auto` "
-        "(the launcher beside this Python, else PATH's).", choices=("auto", "mpich", "openmpi"))
+        "at its library, one-sided components `sm,ucx`; see hpcvla/process/mpi_select.py) or "
+        "`auto` (the launcher beside this Python, else PATH's).",
+        choices=("auto", "mpich", "openmpi"))
     check_scheduler: bool = setting(
         True, "Stop at start-up unless the MPI world size equals what Slurm (SLURM_NTASKS) "
         "or PBS (PBS_NODEFILE) allocated: a wrong PMI silently starts N one-rank worlds.")

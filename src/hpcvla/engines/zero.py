@@ -8,7 +8,7 @@ import socket
 import torch
 
 from hpcvla.engines.base import adamw
-from hpcvla.extensions import clear_stale_build_locks, use_the_environments_ninja
+from hpcvla.engines.extensions import clear_stale_build_locks, use_the_environments_ninja
 
 
 def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = None):

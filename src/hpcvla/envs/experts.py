@@ -1,6 +1,6 @@
 """Scripted experts for ManiSkill3 tasks (and `reach`'s oracle): controllers that read each
 env's privileged state (object poses, the goal, the TCP pose, contacts) and return action
-chunks, for recording imitation demonstrations (`hpcvla demos`, recording.py).
+chunks, for recording imitation demonstrations (`hpcvla demos`, imitation/recording.py).
 
 Measured success (`hpcvla demos configs/maniskill_pickcube.yaml [env.task=PushCube-v1]
 --episodes 128`: 128 training initial states each, chunk_len 5, max_episode_chunks 16 = 80

@@ -3,7 +3,7 @@
 A simulator can fail in ways no Python `except` catches: a step caught in a MuJoCo/EGL
 deadlock never returns, a segfault or the OOM killer ends the process. In-process
 (`env.isolation=inline`, the default) such a fault takes its rank down and the step watchdog
-(hpcvla/watchdog.py) stops the job loudly. `IsolatedEnv` runs the shard's vector env in a
+(hpcvla/process/watchdog.py) stops the job loudly. `IsolatedEnv` runs the shard's vector env in a
 worker process of its own instead, so the rank can wait for each call with a deadline and
 replace the worker:
 

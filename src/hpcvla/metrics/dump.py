@@ -2,8 +2,8 @@
 robomimic/LIBERO layout, for offline analysis (`hpcvla inspect FILE`, postprocess/).
 
 One file per producer rank, `<run dir>/trajectories/rank<R>.h5`; `hpcvla demos` writes the
-same layout from a scripted expert (recording.py: producer_rank -1, policy version -1, and
-each demo's seed is its init_state_id).
+same layout from a scripted expert (imitation/recording.py: producer_rank -1, policy version
+-1, and each demo's seed is its init_state_id).
 
     /                  attrs: format, source ("run", or what recorded the file), producer_rank,
                               env, chunk_len, config (YAML),
@@ -151,7 +151,7 @@ class TrajectoryDump:
         """Queue one finished episode for the next flush: `steps` holds `obs/<key>` for every
         obs key and every STEP_FIELDS field, T rows each; `attrs` the demo's attributes
         (num_samples is set here). For episodes that come from elsewhere than a producer's
-        segments, such as a scripted expert's (recording.py)."""
+        segments, such as a scripted expert's (imitation/recording.py)."""
         missing = [k for k in [f"obs/{k}" for k in self.obs_keys] + list(STEP_FIELDS)
                    if k not in steps]
         if missing:

@@ -15,10 +15,10 @@ import torch
 
 from hpcvla.emulate import pad
 from hpcvla.engines import full_state
+from hpcvla.process.watchdog import deadline, step_deadline_s
 from hpcvla.roles.learner import learn
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.roles.setup import RoleSetup
-from hpcvla.watchdog import deadline, step_deadline_s
 
 if TYPE_CHECKING:
     from hpcvla.config.schema import Config

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Required, TypedDict
 
-from hpcvla import preempt
+from hpcvla.process import preempt
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.roles.setup import RoleSetup
 from hpcvla.transport.backoff import Backoff

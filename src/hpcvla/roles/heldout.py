@@ -36,7 +36,7 @@ from hpcvla.config.families import simulator
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.stats import wilson_interval
-from hpcvla.watchdog import deadline, step_deadline_s
+from hpcvla.process.watchdog import deadline, step_deadline_s
 
 if TYPE_CHECKING:
     from hpcvla.config.schema import Config

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, TypeAlias
 import numpy as np
 import yaml
 
-from hpcvla import checkpoint, restarts
+from hpcvla.checkpoint import store
 from hpcvla.config.loader import config_to_dict
 from hpcvla.memory.states import GIB
-from hpcvla.metrics import phases
+from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
 
 if TYPE_CHECKING:
@@ -82,10 +82,10 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
                  progress: Progress, timeline: Timeline) -> Save:
     """save(version, full weights, last): a checkpoint when one is due or the run ends
     (collective on the learners). With learner.checkpoint_background it is written in the
-    background (checkpoint.Writer): training waits only for the snapshot, and for the
-    previous checkpoint if that is still being written. The last one is complete when save
-    returns."""
-    writer = checkpoint.Writer(cfg.learner.checkpoint_background)
+    background (checkpoint/store.py's Writer): training waits only for the snapshot, and for
+    the previous checkpoint if that is still being written. The last one is complete when
+    save returns."""
+    writer = store.Writer(cfg.learner.checkpoint_background)
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
         every = cfg.learner.checkpoint_every
@@ -146,7 +146,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "bad_slots": sum(r["bad_slots"] for r in rings),
         "lost_records": sum(r["lost_records"] for r in rings),
         "env_failures": sum(len(s.counters.get("env_failures", [])) for s in everyone),
-        "restarts": restarts.recorded(run_dir),  # inside the allocation (jobs/launch.sh)
+        "restarts": restart_log.recorded(run_dir),  # inside the allocation (jobs/launch.sh)
         "phases_s": phases.slowest([s.phases_s for s in everyone]),
     }
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))

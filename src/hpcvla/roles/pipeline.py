@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from mpi4py import MPI
 
-from hpcvla import checkpoint, preempt
+from hpcvla.checkpoint import store
 from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
@@ -37,6 +37,8 @@ from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
+from hpcvla.process import preempt
+from hpcvla.process.watchdog import step_deadline_s
 from hpcvla.roles.colocated import run_colocated
 from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
@@ -54,7 +56,6 @@ from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.ring_reader import RingReader
 from hpcvla.transport.weights import Manifest, WeightPlane
-from hpcvla.watchdog import step_deadline_s
 
 if TYPE_CHECKING:
     from hpcvla.config.schema import Config
@@ -157,8 +158,8 @@ def _prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) 
                         cfg.pipeline.progress_every_s, enabled=is_root,
                         learners=len(plan.learners),
                         board=RunBoard(run_dir, cfg.run, asdict(cfg)) if is_root else None)
-    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
-    saved = checkpoint.read_state(resume) if resume else {"version": 0}
+    resume = store.latest(run_dir) if cfg.run.resume else None
+    saved = store.read_state(resume) if resume else {"version": 0}
     first = saved["version"]
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(),
                           device=str(device), first_version=first,
@@ -166,7 +167,7 @@ def _prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) 
     if resume and is_root:
         stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
-              f"{checkpoint.layout_change(saved, len(plan.learners), stage)})", flush=True)
+              f"{store.layout_change(saved, len(plan.learners), stage)})", flush=True)
     return _Rank(cfg, plan, comms, run_dir, rank, spec, policy, device, on_gpus, timeline,
                  progress, resume, first, summary)
 
@@ -358,9 +359,9 @@ def _start_engine(me: _Rank) -> SkipNonfinite:
     if me.resume is None:
         engine = init_engine(cfg, policy, learners, me.device)  # [dist]
     else:
-        policy.load_arrays(checkpoint.load_weights(me.resume, policy.state_dict()))
+        policy.load_arrays(store.load_weights(me.resume, policy.state_dict()))
         engine = init_engine(cfg, policy, learners, me.device)  # [dist]
-        state = checkpoint.load_optimizer(me.resume, engine, learners)  # [dist]
+        state = store.load_optimizer(me.resume, engine, learners)  # [dist]
         me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
     phases.mark("engine_ready")
     return engine

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hpcvla.process.watchdog import deadline
 from hpcvla.roles.segments import OUTCOME_FIELDS, outcome_of
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
-from hpcvla.watchdog import deadline
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike

@@ -213,9 +213,10 @@ def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
 
 
 def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,
-                    as_json: bool, search_envs: bool = False) -> int:
+                    as_json: bool, search_envs: bool = False, overrides_only: bool = False) -> int:
     """`hpcvla plan --auto`: probe or look up the stage costs, search, print the best layout
-    as config overrides with its predicted env steps/s and bottleneck, then the runner-ups."""
+    as config overrides with its predicted env steps/s and bottleneck, then the runner-ups.
+    `overrides_only`: the best layout's overrides alone, one a line (jobs/launch.sh)."""
     from hpcvla.scale.probe import describe, named_costs  # the probe imports torch and sims
     rpn = ranks_per_node or cfg.placement.ranks_per_node or world
     check_world(world, rpn, cfg.pipeline.mode)  # before probing anything
@@ -228,6 +229,9 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
     rows = [{"overrides": lay.to_overrides() + levers, "env_steps_per_s": p.env_steps_per_s,
              "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in ranked]
     best = rows[0]
+    if overrides_only:
+        print("\n".join(best["overrides"]))
+        return 0
     looser = [{"max_staleness": s, "env_steps_per_s": p.env_steps_per_s}
               for s, p in looser_staleness(ranked[0][0], costs, search_envs, fits=fits)]
     if as_json:

@@ -19,11 +19,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
+from hpcvla.job.trainrun import train_run
 from hpcvla.scale.model import predict
 from hpcvla.scale.presets import PRESETS, emulated_cost_overrides
 from hpcvla.scale.probe import emulated_costs
 from hpcvla.schedule import Layout
-from hpcvla.trainrun import train_run
 
 # 4 to 8 ranks, every mode, 1-3 nodes, 1-2 cells per node, 1-2 learners per node.
 CASES = [

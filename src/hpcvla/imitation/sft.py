@@ -13,8 +13,8 @@ chunks it executes, so what is learnt is what the env will ask for.
     hpcvla eval <sft run dir>                                     # success of the SFT policy
     hpcvla train CONFIG policy.checkpoint=<sft run dir>           # RL from it
 
-A stop signal (Slurm's, PBS's, `scancel`: preempt.py) ends the run after the current step
-with a checkpoint; `run.resume` goes on from it.
+A stop signal (Slurm's, PBS's, `scancel`: process/preempt.py) ends the run after the current
+step with a checkpoint; `run.resume` goes on from it.
 
 Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
 sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcvla import checkpoint, preempt
+from hpcvla.checkpoint import store
 from hpcvla.config import dump_config
 from hpcvla.config.learning import demo_paths
 from hpcvla.demonstrations import read_demonstrations
@@ -41,8 +41,9 @@ from hpcvla.devices import bind_rank_device
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
+from hpcvla.job.runtime import create_run_dir
 from hpcvla.metrics.tensorboard import RunBoard
-from hpcvla.runtime import create_run_dir
+from hpcvla.process import preempt
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
@@ -86,11 +87,11 @@ def sft_main(cfg, world) -> None:
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
-    resume = checkpoint.latest(run_dir) if cfg.run.resume else None
+    resume = store.latest(run_dir) if cfg.run.resume else None
     if resume is not None:
-        policy.load_arrays(checkpoint.load_weights(resume, policy.state_dict()))
+        policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
-    first = checkpoint.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
+    first = store.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
     board = None
     if rank == 0:
         name = "config.resume-%s.yaml" % time.strftime("%Y%m%d-%H%M%S") if resume else "config.yaml"
@@ -99,7 +100,7 @@ def sft_main(cfg, world) -> None:
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
-    writer = checkpoint.Writer(cfg.learner.checkpoint_background)
+    writer = store.Writer(cfg.learner.checkpoint_background)
     losses, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
     _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples, writer)
     if board is not None:
@@ -116,8 +117,8 @@ def _ranks_on_this_host(world) -> int:
 
 def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
            ) -> tuple[list[float], int]:
-    """Steps first .. sft.steps, or until a stop signal (preempt.py: all learners stop after
-    the same step); the mean loss over the learners of every step, and the steps done.
+    """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop
+    after the same step); the mean loss over the learners of every step, and the steps done.
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
@@ -179,8 +180,8 @@ def _finish(cfg, engine, run_dir: Path, world, losses: list[float], done: int, d
 
 
 def run_sft(cfg) -> int:
-    """`hpcvla sft` on every rank of the world: the job, failing loudly (runtime.py)."""
-    from hpcvla.runtime import run_guarded
+    """`hpcvla sft` on every rank of the world: the job, failing loudly (job/runtime.py)."""
+    from hpcvla.job.runtime import run_guarded
 
     preempt.install()  # SIGTERM/SIGUSR1: stop after the current step, with a checkpoint
     return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD))

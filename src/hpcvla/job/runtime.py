@@ -12,9 +12,9 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcvla import deathwatch
 from hpcvla.config import ConfigError, dump_config
 from hpcvla.metrics import phases
+from hpcvla.process import deathwatch
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier
 
@@ -26,11 +26,10 @@ def run_ranks(cfg, main, check=None) -> int:
     phases.mark("imports")
     from mpi4py import MPI
 
+    from hpcvla.process import preempt
     from hpcvla.topology.comms import (build_communicators, check_scheduler_world,
                                        real_ranks_per_node)
     from hpcvla.topology.plan import plan_from_config
-
-    from hpcvla import preempt
 
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
@@ -76,7 +75,7 @@ def run_guarded(world, role: str, main) -> int:
 
 def _or_abort(world, role: str, node: int, main) -> None:
     """`main()`; if it raises, print this rank's rank, role, node and host with the error and
-    abort the world (every rank goes down within seconds, deathwatch.py)."""
+    abort the world (every rank goes down within seconds, process/deathwatch.py)."""
     from mpi4py import MPI
 
     rank = world.Get_rank()

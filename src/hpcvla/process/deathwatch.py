@@ -1,6 +1,6 @@
 """Which rank died first, when one dies without a word (kill -9, the OOM killer, a segfault).
 
-A rank that raises says who it is before it aborts the world (runtime.py). One killed outright
+A rank that raises says who it is before it aborts the world (job/runtime.py). One killed outright
 says nothing, and mpiexec then only reports an exit code and some pid. So every rank registers
 itself (rank, roles, node, host, pid) in a directory the launcher passes down
 (`HPCVLA_RANK_DIR`); the launcher holds a pidfd per rank, notes the first to exit, and when the
@@ -173,8 +173,8 @@ def describe(folder: Path) -> str:
 
 
 def _main(argv: list[str]) -> int:
-    """python -m hpcvla.deathwatch describe RANK_DIR
-    python -m hpcvla.deathwatch first-failure RANK_DIR LAUNCHER_PID   (jobs/launch.sh)
+    """python -m hpcvla.process.deathwatch describe RANK_DIR
+    python -m hpcvla.process.deathwatch first-failure RANK_DIR LAUNCHER_PID   (jobs/launch.sh)
     first-failure prints the failure and exits 0, or exits 1 when the launcher ended first."""
     if argv[:1] == ["describe"] and len(argv) == 2:
         print(describe(Path(argv[1])), file=sys.stderr, flush=True)

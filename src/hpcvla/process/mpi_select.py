@@ -3,7 +3,8 @@
     install = select_mpi("openmpi")        # or "mpich", or "auto"
     install.mpiexec, install.args, install.env
 
-    python -m hpcvla.mpi_select openmpi     # the same as shell `export` lines (jobs/launch.sh)
+    python -m hpcvla.process.mpi_select openmpi   # the same as shell `export` lines
+                                                  # (jobs/launch.sh)
 
 The mpi4py wheel loads its MPI library at import time, so one environment runs under either
 MPI without a rebuild: MPICH (the PyPI wheel `make install` puts beside Python, or a site's)

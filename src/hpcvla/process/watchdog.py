@@ -1,7 +1,8 @@
 """A watchdog for calls that may never return (a simulator step caught in a MuJoCo/EGL
 deadlock): if the guarded call has not returned after `timeout_s`, the process prints every
 thread's stack ("Timeout (h:mm:ss)!", the stuck line on top) and exits; the launcher then
-names the rank, its role and the run's last progress and tears the world down (deathwatch.py).
+names the rank, its role and the run's last progress and tears the world down
+(process/deathwatch.py).
 
 It is `faulthandler`'s timer: a C thread that needs no GIL, so it fires even when the stuck
 call holds it. Re-arming costs microseconds, so it can guard every step. With

@@ -14,7 +14,7 @@ optimizer moment (Adam's `exp_avg`, `exp_avg_sq`), plus the optimizer's step cou
 
 Saving copies each learner's ranges out (no communication). Loading, a learner asks for its
 own ranges in the new layout and gets them assembled from whichever saved ranges overlap them:
-re-partitioning by address, exactly (checkpoint.py keeps the addresses in state.json).
+re-partitioning by address, exactly (store.py keeps the addresses in state.json).
 """
 
 from __future__ import annotations

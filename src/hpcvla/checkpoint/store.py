@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from hpcvla import optimizer_state
-from hpcvla.optimizer_state import MASTER
+from hpcvla.checkpoint import optimizer_state
+from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
 
 FORMAT = 2  # 1: optimizer state as ZeRO's flat partitions (its weights still load)

@@ -7,9 +7,9 @@
 
 Every rank runs under `python -m mpi4py`, so an uncaught exception in one rank aborts the whole
 world instead of leaving the others waiting. The launcher adds what the MPI needs
-(mpi_select.py: Open MPI's library for mpi4py, its one-sided components, oversubscription and
-run-as-root; both MPIs: one BLAS/OpenMP thread per rank when ranks outnumber cores), forwards
-the exit status, and kills the world on a timeout.
+(process/mpi_select.py: Open MPI's library for mpi4py, its one-sided components,
+oversubscription and run-as-root; both MPIs: one BLAS/OpenMP thread per rank when ranks
+outnumber cores), forwards the exit status, and kills the world on a timeout.
 Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec) instead.
 """
 
@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from hpcvla.deathwatch import DeathWatch
-from hpcvla.mpi_select import MpiSelectError, select_mpi
+from hpcvla.process.deathwatch import DeathWatch
+from hpcvla.process.mpi_select import MpiSelectError, select_mpi
 
 
 class LaunchError(RuntimeError):
@@ -34,7 +34,7 @@ class LaunchError(RuntimeError):
 def world_command(n: int, program: list[str], mpiexec: str = "auto",
                   mpi: str = "auto") -> tuple[list[str], dict]:
     """The argv and environment that start `program` on `n` ranks of this machine, under
-    `mpi` (mpich, openmpi or auto: mpi_select.py says what each needs).
+    `mpi` (mpich, openmpi or auto: process/mpi_select.py says what each needs).
 
     `program` is an hpcvla subcommand (`["train", "cfg.yaml"]`) or a script (`["x.py", ...]`).
     """
@@ -92,7 +92,7 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
     _adopt_orphans()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
-    # run checkpoints and ends (hpcvla.preempt); we keep waiting for it.
+    # run checkpoints and ends (hpcvla.process.preempt); we keep waiting for it.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -1,26 +1,41 @@
-"""What a restart inside the allocation loses, recorded with the run.
+"""What jobs/launch.sh asks of a job's runs at each start of its world, and what a restart
+inside the allocation loses, recorded with the run: `python -m hpcvla.job.restarts WHAT`.
+
+Before any start of a job's world,
+
+    python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
+
+prints the run that start continues (`resumable_run`), if there is one; and with
+HPCVLA_AUTOPLAN=COSTS,
+
+    python -m hpcvla.job.restarts auto CONFIG [OVERRIDES...] --world M --ranks-per-node K \
+        --costs COSTS
+
+prints the scale model's best layout for the start's nodes (`hpcvla plan --auto`'s) as
+overrides, one a line.
 
 When a world fails, jobs/launch.sh starts it again on the nodes left (HPCVLA_RESTARTS), from
-the newest checkpoint. Before it does, it calls
+the newest checkpoint. First
 
-    python -m hpcvla.restarts JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
+    python -m hpcvla.job.restarts newest-version JOB_RUN_ROOT
 
-which appends one line to the run's `restarts.jsonl` and prints it: when, the exit status, the
-nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
-the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
-restart from fresh trajectories (those in flight are dropped, none is trained twice).
-summary.json carries the list (`restarts`). Before that,
+prints the policy version of that checkpoint (`newest_version`, -1 when there is none): a
+world that fails again before a newer checkpoint exists is not started again. Then
 
-    python -m hpcvla.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
+    python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
 
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
-beyond are spare). And before any start of a job's world,
+beyond are spare). Last,
 
-    python -m hpcvla.restarts resumable JOB_RUN_ROOT
+    python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 
-prints the run that start continues (`resumable_run`), if there is one.
+appends one line to the run's `restarts.jsonl` and prints it: when, the exit status, the
+nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
+the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
+restart from fresh trajectories (those in flight are dropped, none is trained twice).
+summary.json carries the list (`restarts`, read by metrics/restart_log.py).
 """
 
 from __future__ import annotations
@@ -31,11 +46,10 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint import latest, read_state
+from hpcvla.checkpoint.store import latest, read_state
 from hpcvla.config import ConfigError, load_config
+from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config
-
-FILE = "restarts.jsonl"
 
 
 def newest_run(run_root: Path) -> Path | None:
@@ -83,15 +97,8 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
              "dropped_nodes": dropped, "nodes": nodes, "ranks": ranks,
              "resumed_from_version": state["version"], "trained_env_steps": trained,
              "lost_env_steps": max(0, trained - kept)}
-    with open(run_dir / FILE, "a") as f:
-        f.write(json.dumps(entry) + "\n")
+    restart_log.append(run_dir, entry)
     return entry
-
-
-def recorded(run_dir: Path) -> list[dict]:
-    """The restarts of a run so far (for summary.json)."""
-    path = Path(run_dir) / FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
@@ -115,7 +122,7 @@ def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
 
 
 def _main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hpcvla.restarts")
+    parser = argparse.ArgumentParser(prog="python -m hpcvla.job.restarts")
     sub = parser.add_subparsers(dest="what", required=True)
     rec = sub.add_parser("record", help="append this restart to the run's restarts.jsonl")
     rec.add_argument("run_root", type=Path)
@@ -130,6 +137,15 @@ def _main(argv=None) -> None:
     fit.add_argument("--ranks-per-node", type=int, required=True)
     sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
         "run_root", type=Path)
+    auto = sub.add_parser("auto", help="the scale model's best layout for the nodes, as "
+                          "overrides, one a line (hpcvla plan --auto's)")
+    auto.add_argument("config")
+    auto.add_argument("overrides", nargs="*")
+    auto.add_argument("--world", type=int, required=True)
+    auto.add_argument("--ranks-per-node", type=int, required=True)
+    auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
+    sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
+                   "job's run; -1 when there is none").add_argument("run_root", type=Path)
     args = parser.parse_args(argv)
     if args.what == "record":
         print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
@@ -139,11 +155,19 @@ def _main(argv=None) -> None:
         run = resumable_run(args.run_root)
         print(run if run is not None else "")
         return
+    if args.what == "newest-version":
+        print(newest_version(args.run_root))
+        return
     try:
         cfg = load_config(args.config, args.overrides)
-        print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
+        if args.what == "auto":
+            from hpcvla.scale.autoplan import print_auto_plan  # imports the scale model
+            print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,
+                            overrides_only=True)
+        else:
+            print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
     except (ConfigError, PlanError) as err:
-        raise SystemExit(f"hpcvla.restarts fit: {err}")
+        raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
 
 
 if __name__ == "__main__":
