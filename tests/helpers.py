@@ -39,7 +39,7 @@ def fake_checkpoint(path: Path, **state) -> Path:
     """A complete-looking checkpoint directory as checkpoint/store.py's save lays it out, one
     learner (the files' contents are checked only when loaded, against the sha256 in state.json).
     `state` overrides state.json's fields; a field given as None is left out."""
-    from hpcvla.checkpoint.store import FORMAT
+    from hpcvla.checkpoint.catalog import FORMAT
 
     path.mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.rank0.safetensors"):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from helpers import MPI_DIR, hpcvla
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
@@ -22,13 +22,13 @@ def resume(run_dir, stage, *extra):
                  *extra)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"resume bit-identical at ZeRO stage {stage}" in out.stdout
-    return store.latest(run_dir)
+    return catalog.latest(run_dir)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_is_bit_identical(tmp_path, stage):
     path = resume(tmp_path, stage)
-    state = store.read_state(path)
+    state = catalog.read_state(path)
     assert path.name == "v000002" and state["zero_stage"] == stage and state["learners"] == 2
     assert sorted(p.name for p in path.iterdir()) == [
         "model.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors",
@@ -86,31 +86,31 @@ def test_damaged_checkpoints_fail_clearly(tmp_path):
     assert weights and all(isinstance(v, torch.Tensor) for v in weights.values())
 
     wrong = {k: np.zeros((1, *v.shape)) for k, v in weights.items()}
-    with pytest.raises(store.CheckpointError, match="do not fit this policy"):
+    with pytest.raises(catalog.CheckpointError, match="do not fit this policy"):
         store.load_weights(path, wrong)
 
     model = path / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[-5] ^= 0xFF
     model.write_bytes(bytes(data))
-    with pytest.raises(store.CheckpointError, match="checksum mismatch"):
+    with pytest.raises(catalog.CheckpointError, match="checksum mismatch"):
         store.load_weights(path)
     model.unlink()
-    with pytest.raises(store.CheckpointError, match="missing"):
+    with pytest.raises(catalog.CheckpointError, match="missing"):
         store.load_weights(path)
 
     state = path / "state.json"
     state.write_text(json.dumps({"format": 99}))
-    with pytest.raises(store.CheckpointError, match="format 99"):
-        store.read_state(path)
+    with pytest.raises(catalog.CheckpointError, match="format 99"):
+        catalog.read_state(path)
     state.write_text("{not json")
-    with pytest.raises(store.CheckpointError, match="not valid JSON"):
-        store.read_state(path)
+    with pytest.raises(catalog.CheckpointError, match="not valid JSON"):
+        catalog.read_state(path)
     state.unlink()
-    with pytest.raises(store.CheckpointError, match="not a complete"):
-        store.read_state(path)
+    with pytest.raises(catalog.CheckpointError, match="not a complete"):
+        catalog.read_state(path)
     # a directory without state.json (e.g. killed mid-write) is never "latest"
-    assert store.latest(tmp_path) is None
+    assert catalog.latest(tmp_path) is None
 
 
 @pytest.mark.bench

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog
 from hpcvla.config import ConfigError, load_config
 from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
@@ -221,8 +221,8 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
                                     "learner.checkpoint_every=1", *extra, config=config,
                                     ranks=ranks)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000002", "v000003"]
-    for path in store.complete(run_dir):  # written in the background while training
-        state = store.verify(path)  # every file there, its checksum right
+    for path in catalog.complete(run_dir):  # written in the background while training
+        state = catalog.verify(path)  # every file there, its checksum right
         assert state["version"] == int(path.name[1:])
         assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", *(
             f"optimizer.rank{r}.safetensors" for r in range(state["learners"])), "state.json"]

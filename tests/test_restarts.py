@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from hpcvla.job import restarts
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog
 from hpcvla.config import load_config
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError
@@ -21,7 +21,7 @@ from helpers import ROOT, fake_checkpoint
 
 def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path, capsys):
     run = tmp_path / "default-1"
-    fake_checkpoint(store.checkpoint_dir(run, 2), counters={"trained_env_steps": 2048})
+    fake_checkpoint(catalog.checkpoint_dir(run, 2), counters={"trained_env_steps": 2048})
     (run / "config.yaml").write_text("run: {name: default}\n")
     (run / "metrics.jsonl").write_text(
         json.dumps({"update": 3, "trained_env_steps": 3072}) + '\n{"update": 3, "trained_en')

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog
 from hpcvla.config import load_config
 from hpcvla.factory import build_policy
 from hpcvla.policies import Policy, make_policy, save_pretrained
@@ -233,8 +233,8 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     stopped = summary["steps"]
     # a checkpoint every step, written in the background while the next steps trained: the
     # two kept are complete (checksums verified) and the newest is the stop's
-    kept = store.complete(run_dir)
-    assert [store.verify(path)["version"] for path in kept] == \
+    kept = catalog.complete(run_dir)
+    assert [catalog.verify(path)["version"] for path in kept] == \
         list(range(max(1, stopped - 1), stopped + 1))
     out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]

@@ -340,7 +340,7 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from hpcvla.checkpoint import store
+    from hpcvla.checkpoint import catalog
     from hpcvla.evaluate import describe, eval_problem, evaluate_policies, write_curve
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -360,7 +360,7 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
-    kept = store.complete(run_dir) if args.all or not args.untrained else []
+    kept = catalog.complete(run_dir) if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
@@ -385,7 +385,7 @@ def cmd_eval(args) -> int:
     if _launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
         try:
             return report(None) or 0
-        except store.CheckpointError as err:
+        except catalog.CheckpointError as err:
             print(f"hpcvla eval: {err}", file=sys.stderr)
             return 2
     from mpi4py import MPI
@@ -400,7 +400,7 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from hpcvla.checkpoint.store import CheckpointError
+    from hpcvla.checkpoint.catalog import CheckpointError
     from hpcvla.evaluate import export_policy
     run_dir = Path(args.run_dir)
     try:

@@ -2,7 +2,8 @@
 
     assign_node(roles, visible, sim_gpu)   # pure: a node's ranks -> GPU ids (or None)
     plan_devices(plan, gpus, sim_gpu)      # pure: every rank of a plan -> "cuda:i" | "cpu"
-    bind_rank_device(cfg, roles, world)    # at run time: this rank's torch.device, bound
+    rank_device(cfg, roles, world)         # at run time: this rank's device, bound ("cuda:i")
+    bind_rank_device(cfg, roles, world)    # the same as a torch.device
     HostStaging(device)                    # pinned host buffers for batches bound to a GPU
 
 The map (RLinf and verl do the same): inference and learner ranks get a GPU each; a rank that
@@ -151,11 +152,17 @@ def _system_gpu(index: int) -> str:
 
 
 def bind_rank_device(cfg, roles, world) -> torch.device:
-    """This rank's device, from the roles (`roles[r]`: world rank r's, a tuple) and visible
-    GPUs of every rank on its real node (collective on `world`; every rank reaches the same
-    verdict). Binds CUDA to it; its env worker processes see only it, and MuJoCo's EGL
-    renders on it (envs/egl.py)."""
+    """rank_device as a torch.device."""
     import torch
+    return torch.device(rank_device(cfg, roles, world))
+
+
+def rank_device(cfg, roles, world) -> str:
+    """This rank's device, "cpu" or "cuda:i", from the roles (`roles[r]`: world rank r's, a
+    tuple) and visible GPUs of every rank on its real node (collective on `world`; every
+    rank reaches the same verdict). Binds CUDA to it; its env worker processes see only it,
+    and MuJoCo's EGL renders on it (envs/egl.py). Imports torch only to bind CUDA (or, on a
+    host with a GPU driver, to list the GPUs): a simulator rank on a CPU needs none."""
     from mpi4py import MPI
 
     from hpcvla.envs import env_uses_gpu
@@ -186,15 +193,16 @@ def bind_rank_device(cfg, roles, world) -> torch.device:
     if errors:
         raise PlanError(errors[0])
     if mine is None:
-        return torch.device("cpu")
+        return "cpu"
     index = visible.index(mine)
     if not renders_only(roles[rank], cfg.env.name):
+        import torch
         torch.cuda.set_device(index)  # creates this process's CUDA context there
     os.environ["HPCVLA_GPU"] = _system_gpu(index)  # env workers' CUDA_VISIBLE_DEVICES
     if simulator(cfg.env.name).egl:  # before MuJoCo is imported: it opens its EGL display then
         from hpcvla.envs.egl import choose_egl_device
         choose_egl_device(index)  # the rank's GPU as EGL numbers it; env workers inherit it
-    return torch.device("cuda", index)
+    return f"cuda:{index}"
 
 
 def renders_only(roles, env_name: str) -> bool:
@@ -210,13 +218,13 @@ def local_device(gpus_per_node: int = -1) -> torch.device:
     return torch.device("cuda", 0) if visible_gpus(gpus_per_node) else torch.device("cpu")
 
 
-def peak_memory(device: torch.device) -> dict[str, int]:
+def peak_memory(device: torch.device | str) -> dict[str, int]:
     """This process's memory peaks so far, bytes: its host resident set (the kernel's
     ru_maxrss: every page it touched, a node's shared weight window included) and, on a GPU,
     the CUDA caching allocator's peaks of allocated and of reserved memory."""
     import resource
     out = {"host_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # KiB
-    if device.type == "cuda":
+    if str(device).startswith("cuda"):
         import torch
         out["gpu_allocated"] = torch.cuda.max_memory_allocated(device)
         out["gpu_reserved"] = torch.cuda.max_memory_reserved(device)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from hpcvla.devices import bind_rank_device, local_device
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.topology.plan import INF, SIM
@@ -157,11 +157,11 @@ def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
 def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:
     """The newest checkpoint's weights of a run directory (or of a checkpoint directory), and
     its state (policy `version`, `counters` such as trained_env_steps)."""
-    path = store.latest(run_dir)
+    path = catalog.latest(run_dir)
     if path is None:
-        raise store.CheckpointError(f"{run_dir}: no complete checkpoint "
+        raise catalog.CheckpointError(f"{run_dir}: no complete checkpoint "
                                     "(checkpoints/v*/state.json)")
-    return store.load_weights(path), store.read_state(path)
+    return store.load_weights(path), catalog.read_state(path)
 
 
 def export_policy(cfg, run_dir: Path, out: Path) -> dict:

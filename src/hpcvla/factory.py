@@ -1,6 +1,6 @@
-"""Factories shared by training, evaluation, the scale probe and the benches: the envs of a
-shard and the policy, built exactly as a training rank builds them. Below roles/: the roles,
-`evaluate`, `scale` and `bench` all import it, it imports none of them."""
+"""The policy as configured, built exactly as a training rank builds it, shared by training,
+evaluation, the scale probe and the benches (the envs: envs/build.py). Below roles/: the
+roles, `evaluate`, `scale` and `bench` all import it, it imports none of them."""
 
 from __future__ import annotations
 
@@ -8,41 +8,12 @@ from pathlib import Path
 
 import torch
 
-from hpcvla.checkpoint import store
-from hpcvla.config.families import simulator
-from hpcvla.envs import env_kwargs, make_env
-from hpcvla.envs.groups import GroupedRestarts
-from hpcvla.envs.isolated import IsolatedEnv
+from hpcvla.checkpoint import catalog, store
 from hpcvla.policies.backbones import backbones_from_folder
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
 from hpcvla.policies.folders import checkpoint_kwargs, load_weights
 from hpcvla.policies.lora import add_lora
-
-
-def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int = 0,
-              owner: str = "this rank"):
-    """`n` envs as configured; `first_env` is the run-wide index of the first (simulators
-    spread tasks and report failures by it); `owner` names the rank in failure reports."""
-    kwargs = env_kwargs(cfg.env)
-    if simulator(cfg.env.name).emulated:
-        kwargs["latency_sleep"] = latency_sleep
-    else:
-        kwargs["first_env"] = first_env
-    if cfg.env.isolation == "process":  # a worker process per shard, restarted on faults
-        env = IsolatedEnv(cfg.env.name, n, seed, kwargs, cfg.env.step_timeout_s,
-                          cfg.env.max_restarts, first_env, owner)
-    else:
-        env = make_env(cfg.env.name, n, seed, **kwargs)
-    if cfg.algorithm.name == "grpo":  # GRPO compares episodes started from one state
-        env = GroupedRestarts(env, cfg.rollout.segment_len, cfg.algorithm.group_size, seed)
-    return env
-
-
-def env_failures(envs) -> list:
-    """Every env fault so far, (env id, what happened), from inline slots (envs/serial.py)
-    and isolated workers (envs/isolated.py)."""
-    return [f for env in envs for f in env.failures]
 
 
 def constructor_kwargs(cfg, on_gpus: bool) -> dict:
@@ -65,8 +36,8 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
 def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     """The configured policy on `device`, with the same initial weights on every rank (drawn
     from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
-    they were). On the "meta" device it has names, dtypes and shapes but no memory (what a
-    simulator rank needs).
+    they were). On the "meta" device it has names, dtypes and shapes but no memory (what the
+    memory model and `hpcvla doctor` count).
     `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
     whether `device` is one."""
     on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
@@ -95,6 +66,6 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
             torch.random.default_generator.manual_seed(cfg.run.seed + 1)
             add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
     if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
-        path = store.latest(Path(cfg.policy.checkpoint))
+        path = catalog.latest(Path(cfg.policy.checkpoint))
         policy.load_arrays(store.load_weights(path, policy.state_dict()))
     return policy.to(device)

@@ -47,7 +47,7 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
             problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                              "learner.backend=horovod (no fp32 masters for bf16 weights)"))
     if cfg.run.resume:
-        from hpcvla.checkpoint.store import CheckpointError, latest, read_state
+        from hpcvla.checkpoint.catalog import CheckpointError, latest, read_state
         path = latest(cfg.run.resume)
         try:
             version = read_state(path)["version"] if path else None
@@ -64,7 +64,7 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
     if cfg.policy.pretrained:
         problems += _pretrained_problems(cfg.policy, cfg.env)
     if cfg.policy.checkpoint:
-        from hpcvla.checkpoint.store import latest
+        from hpcvla.checkpoint.catalog import latest
         if latest(cfg.policy.checkpoint) is None:
             problems.append(("policy.checkpoint", cfg.policy.checkpoint, "a run directory "
                              "holding a complete checkpoint (checkpoints/v*/state.json), e.g. "

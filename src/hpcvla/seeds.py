@@ -49,10 +49,12 @@ def rank_seeds(cfg, rank: int) -> dict[str, int]:
     return {"torch": int(torch_seed), "numpy": int(numpy_seed)}
 
 
-def seed_rank(cfg, rank: int) -> None:
-    import torch  # here: the envs import this module, and env workers import no torch
+def seed_rank(cfg, rank: int, with_torch: bool = True) -> None:
+    """Seed this rank's numpy and (`with_torch`: a rank that runs the policy) torch streams."""
     seeds = rank_seeds(cfg, rank)
-    torch.manual_seed(seeds["torch"])  # the policy's action sampling
+    if with_torch:
+        import torch  # here: the envs import this module, and env workers import no torch
+        torch.manual_seed(seeds["torch"])  # the policy's action sampling
     np.random.seed(seeds["numpy"])
 
 

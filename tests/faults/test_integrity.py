@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from hpcvla.metrics.dump import DumpError, summarize, verify
 from hpcvla.transport import records
 from helpers import ROOT, fake_checkpoint, hpcvla, reach_segments, writer
@@ -97,26 +97,26 @@ def test_dump_with_a_flipped_bit_reads_or_raises_dump_error(tmp_path_factory, du
 def test_damaged_checkpoint_state_is_named(tmp_path):
     ok = fake_checkpoint(tmp_path / "ok", format=1, counters={},
                          optimizer=[{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64}])
-    assert store.read_state(ok)["version"] == 2
+    assert catalog.read_state(ok)["version"] == 2
     # format 1 (an older hpcvla): its weights load, its optimizer state is refused, named
-    with pytest.raises(store.CheckpointError, match=r"format 1 .*policy\.checkpoint="):
+    with pytest.raises(catalog.CheckpointError, match=r"format 1 .*policy\.checkpoint="):
         store.load_optimizer(ok, engine=None, learners=None)
-    with pytest.raises(store.CheckpointError, match="lacks model_sha256, optimizer"):
-        store.read_state(fake_checkpoint(tmp_path / "keys", model_sha256=None,
+    with pytest.raises(catalog.CheckpointError, match="lacks model_sha256, optimizer"):
+        catalog.read_state(fake_checkpoint(tmp_path / "keys", model_sha256=None,
                                          optimizer=None))
     path = fake_checkpoint(tmp_path / "gone")
     (path / "optimizer.rank0.safetensors").unlink()
-    with pytest.raises(store.CheckpointError,
+    with pytest.raises(catalog.CheckpointError,
                        match=r"optimizer\.rank0\.safetensors: missing; the checkpoint is "):
-        store.read_state(path)
+        catalog.read_state(path)
     path = fake_checkpoint(tmp_path / "binary")
     (path / "state.json").write_bytes(b"\xff\xfe{\x00garbage")
-    with pytest.raises(store.CheckpointError, match=r"state\.json: not valid JSON"):
-        store.read_state(path)
+    with pytest.raises(catalog.CheckpointError, match=r"state\.json: not valid JSON"):
+        catalog.read_state(path)
     (path / "state.json").write_text("[1, 2]")
-    with pytest.raises(store.CheckpointError, match=r"state\.json: format 'list', this "
+    with pytest.raises(catalog.CheckpointError, match=r"state\.json: format 'list', this "
                        r"hpcvla reads formats 1, 2"):
-        store.read_state(path)
+        catalog.read_state(path)
 
 
 # ------------------------------------------------------------------ records

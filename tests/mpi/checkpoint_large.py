@@ -19,7 +19,7 @@ from unittest import mock
 import torch
 
 from checkpoint_layouts import full_state
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from hpcvla.config import load_config
 from hpcvla.engines import full_state as gathered
 from hpcvla.engines import init_engine
@@ -59,7 +59,7 @@ def main(cfg, plan, comms):
     store.save(root, engine, gathered(engine), version=2, counters={},
                learners=learners)  # [dist]
     idle_barrier(learners)  # [dist] learner 0 has published it
-    path = store.checkpoint_dir(root, 2)
+    path = catalog.checkpoint_dir(root, 2)
     times["save_s"] = round(time.monotonic() - t0, 1)
     del engine, policy
     gc.collect()

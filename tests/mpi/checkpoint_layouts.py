@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from hpcvla.config import load_config
 from hpcvla.engines import full_state as gathered
 from hpcvla.engines import init_engine
@@ -86,7 +86,7 @@ def write(learners, root: Path):
 
 def read(learners, root: Path):
     for saved in STAGES:
-        path = store.latest(root / f"stage{saved}")
+        path = catalog.latest(root / f"stage{saved}")
         reference = load_file(str(root / f"stage{saved}.reference.safetensors"))
         for stage in STAGES:
             # another initialisation: everything must come from disk

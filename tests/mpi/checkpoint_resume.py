@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from hpcvla.config import load_config
 from hpcvla.envs import make_env
 from hpcvla.engines import full_state, init_engine
@@ -48,7 +48,7 @@ def main(cfg, plan, comms):
         train_step(engine, obs, actions)
     continued = full_state(engine)
 
-    path = store.latest(run_dir)
+    path = catalog.latest(run_dir)
     assert learners.Get_rank() != 0 or saved == path, (saved, path)
     torch.manual_seed(1234)  # a different initialisation: everything must come from disk
     fresh = build_policy(cfg, env.spec)

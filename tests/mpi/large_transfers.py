@@ -25,7 +25,8 @@ from mpi4py import MPI
 
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.slots import SLOT_HEADER
-from hpcvla.transport.weights import Manifest, WeightPlane
+from hpcvla.transport.manifest import Manifest
+from hpcvla.transport.weights import WeightPlane
 
 N_A, N_FROZEN, N_B = (1 << 28) + 17, 4099, (1 << 29) + 4096
 MANIFEST = Manifest((("a", "int32", (N_A,)), ("frozen", "float32", (N_FROZEN,)),

@@ -24,7 +24,8 @@ from mpi4py import MPI
 from hpcvla.config import load_config
 from hpcvla.job.runtime import run_ranks
 from hpcvla.transport.pieces import MAX_MESSAGE
-from hpcvla.transport.weights import Manifest, WeightPlane
+from hpcvla.transport.manifest import Manifest
+from hpcvla.transport.weights import WeightPlane
 
 MANIFEST = Manifest((("encoder.w", "float32", (300, 257)), ("head.b", "float64", (33,)),
                      ("steps", "int64", ()), ("mask", "bool", (5, 7)),

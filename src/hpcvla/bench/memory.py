@@ -100,7 +100,7 @@ SIMULATE = r"""
 import json, os, sys
 import numpy as np
 from hpcvla.config import load_config
-from hpcvla.factory import make_envs
+from hpcvla.envs.build import make_envs
 config, overrides = json.loads(sys.argv[1])
 cfg = load_config(config, overrides)
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

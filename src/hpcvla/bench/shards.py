@@ -35,7 +35,7 @@ def run(workload: str = "emulated", shards: int = 2, envs_per_shard: int = 4, ro
         json_path=None) -> dict:
     from hpcvla.config import load_config
     from hpcvla.envs import check_env
-    from hpcvla.factory import make_envs
+    from hpcvla.envs.build import make_envs
     from hpcvla.seeds import shard_seed
 
     cfg = load_config(None, [*WORKLOAD_OVERRIDES[workload], "env.isolation=process"])

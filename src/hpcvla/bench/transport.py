@@ -41,7 +41,8 @@ from hpcvla.topology.plan import build_plan
 from hpcvla.transport.backoff import idle_barrier, wait_until
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
-from hpcvla.transport.weights import Manifest, WeightPlane
+from hpcvla.transport.manifest import Manifest
+from hpcvla.transport.weights import WeightPlane
 
 KiB, MiB = 1 << 10, 1 << 20
 # 64 KiB records are small enough to batch: their targets are for put_many

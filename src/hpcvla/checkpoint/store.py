@@ -20,7 +20,6 @@ On the same learner count each learner also gets its RNG back, and the resume is
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -33,39 +32,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from hpcvla.checkpoint import optimizer_state
+from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, checkpoint_dir,
+                                      complete, read_state, sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
-
-FORMAT = 2  # 1: optimizer state as ZeRO's flat partitions (its weights still load)
-READABLE = (1, 2)
-MODEL = "model.safetensors"
-STATE = "state.json"
-STATE_KEYS = ("format", "version", "counters", "learners", "zero_stage", "model_sha256",
-              "optimizer")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, incomplete, corrupted or made for another layout."""
-
-
-def checkpoint_dir(run_dir: Path, version: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"v{version:06d}"
-
-
-def complete(run_dir: Path) -> list[Path]:
-    """The complete checkpoints of a run directory, oldest first."""
-    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("v[0-9]*")
-                  if p.suffix != ".partial" and (p / STATE).is_file())
-
-
-def latest(path: Path) -> Path | None:
-    """The newest complete checkpoint in a run directory (or `path` itself if it is one)."""
-    path = Path(path)
-    if (path / STATE).is_file():
-        return path
-    done = complete(path)
-    return done[-1] if done else None
-
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
@@ -133,11 +103,11 @@ class Writer:
         try:
             model = tensors.pop(MODEL, None)
             save_file(tensors, str(partial / mine["file"]))
-            mine["sha256"] = _sha256(partial / mine["file"])
+            mine["sha256"] = sha256(partial / mine["file"])
             _write_json(partial / _sidecar(rank), mine)
             if rank == 0:
                 save_file(model, str(partial / MODEL))
-                state["model_sha256"] = _sha256(partial / MODEL)
+                state["model_sha256"] = sha256(partial / MODEL)
                 state["optimizer"] = [_await_json(partial / _sidecar(r)) for r in range(size)]
                 _publish(partial, final, state, size, keep)
                 self._outcome[0] = final
@@ -195,45 +165,12 @@ def _await_json(path: Path, poll_s: float = 0.02):
     return json.loads(path.read_text())
 
 
-def read_state(path: Path) -> dict:
-    """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
-    wrong."""
-    path = Path(path)
-    try:
-        state = json.loads((path / STATE).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {STATE}; not a complete hpcvla checkpoint") from None
-    except ValueError as err:  # JSON syntax, or bytes that are not even UTF-8
-        raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
-    if not isinstance(state, dict) or state.get("format") not in READABLE:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
-                              f"reads formats {', '.join(map(str, READABLE))}")
-    missing = sorted(set(STATE_KEYS) - set(state))
-    if missing:
-        raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "
-                              f"damaged (use an older checkpoint in {path.parent})")
-    for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
-        if not (path / name).is_file():  # cheap here; contents are checked when loaded
-            raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete")
-    return state
-
-
-def verify(path: Path) -> dict:
-    """state.json of a checkpoint, every file's sha256 checked; raises CheckpointError."""
-    state = read_state(path)
-    for name, sha256 in [(MODEL, state["model_sha256"]),
-                         *((e["file"], e["sha256"]) for e in state["optimizer"])]:
-        _verify(Path(path) / name, sha256)
-    return state
-
-
 def load_weights(path: Path, expected: dict | None = None) -> dict[str, torch.Tensor]:
     """model.safetensors of a checkpoint, its checksum verified; with `expected` (a state
     dict), names and shapes must match it."""
     path = Path(path)
     state = read_state(path)
-    _verify(path / MODEL, state["model_sha256"])
+    verify_file(path / MODEL, state["model_sha256"])
     weights = load_file(str(path / MODEL))
     if expected is not None:
         want = {k: tuple(v.shape) for k, v in expected.items()}
@@ -268,14 +205,6 @@ def load_optimizer(path: Path, engine, learners) -> dict:
     return state
 
 
-def layout_change(state: dict, learners: int, zero_stage: int) -> str:
-    """How a resume moves the optimizer state, for the log: 'same layout' or what changes."""
-    if (state["learners"], state["zero_stage"]) == (learners, zero_stage):
-        return f"same layout: {learners} learners at ZeRO-{zero_stage}"
-    return (f"written by {state['learners']} learners at ZeRO-{state['zero_stage']}, "
-            f"re-partitioned onto {learners} at ZeRO-{zero_stage}")
-
-
 class _FragmentReader:
     """The saved fragments of every learner, by parameter name: assembles any range of a
     parameter from whichever saved ranges overlap it (files checksummed when first read)."""
@@ -290,7 +219,7 @@ class _FragmentReader:
 
     def tensor(self, entry: dict, key: str, lo: int = 0, hi: int | None = None):
         if entry["file"] not in self.files:
-            _verify(self.path / entry["file"], entry["sha256"])
+            verify_file(self.path / entry["file"], entry["sha256"])
             self.files[entry["file"]] = safe_open(str(self.path / entry["file"]), "pt")
         whole = self.files[entry["file"]].get_slice(key)
         return whole[lo:hi] if hi is not None else whole[:]
@@ -315,22 +244,6 @@ class _FragmentReader:
             raise CheckpointError(f"{self.path}: optimizer steps {sorted(steps)} for {name}; "
                                   f"the file is damaged")
         return steps.pop()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _verify(path: Path, sha256: str) -> None:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
-    if _sha256(path) != sha256:
-        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupted (use an "
-                              f"older checkpoint in {path.parent.parent})")
 
 
 def _fsync_dir(path: Path) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcvla.checkpoint import store
+from hpcvla.checkpoint import catalog, store
 from hpcvla.config import dump_config
 from hpcvla.config.learning import demo_paths
 from hpcvla.demonstrations import read_demonstrations
@@ -87,7 +87,7 @@ def sft_main(cfg, world) -> None:
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
-    resume = store.latest(run_dir) if cfg.run.resume else None
+    resume = catalog.latest(run_dir) if cfg.run.resume else None
     if resume is not None:
         policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]

@@ -46,7 +46,7 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint.store import latest, read_state
+from hpcvla.checkpoint.catalog import latest, read_state
 from hpcvla.config import ConfigError, load_config
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config

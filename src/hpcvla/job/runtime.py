@@ -126,9 +126,10 @@ def train_main(cfg, plan, comms) -> None:
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
     run_pipeline(cfg, plan, comms, run_dir)
-    import torch.distributed as dist
     # The learners' gloo/NCCL threads end before anyone exits: a rank leaving while a peer's
-    # still talk to it ends in std::terminate (seen in CI with a test world).
-    if dist.is_initialized():
+    # still talk to it ends in std::terminate (seen in CI with a test world). A rank that
+    # never imported torch (a simulator) has no process group.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
         dist.destroy_process_group()  # [dist]
     idle_barrier(world)  # [dist]

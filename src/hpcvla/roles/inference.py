@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from hpcvla.metrics.dump import TrajectoryDump
     from hpcvla.policies.base import Policy
     from hpcvla.transport.exchange import ObsActionExchange
-    from hpcvla.transport.weights import Manifest, WeightPlane
+    from hpcvla.transport.manifest import Manifest
+    from hpcvla.transport.weights import WeightPlane
 
 
 class WeightLoader:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, TypeAlias
 import numpy as np
 import yaml
 
-from hpcvla.checkpoint import store
 from hpcvla.config.loader import config_to_dict
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases, restart_log
@@ -85,6 +84,7 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
     background (checkpoint/store.py's Writer): training waits only for the snapshot, and for
     the previous checkpoint if that is still being written. The last one is complete when
     save returns."""
+    from hpcvla.checkpoint import store  # torch: here, on the learners, not on every rank
     writer = store.Writer(cfg.learner.checkpoint_background)
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:

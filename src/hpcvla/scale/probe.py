@@ -89,7 +89,8 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
     import torch
 
     from hpcvla.envs import env_spec
-    from hpcvla.factory import build_policy, make_envs
+    from hpcvla.envs.build import make_envs
+    from hpcvla.factory import build_policy
     from hpcvla.algorithms.objective import policy_loss
     from hpcvla.roles.segments import SegmentBuilder, outcome_of
     spec = env_spec(cfg.env)

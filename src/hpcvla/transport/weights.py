@@ -36,105 +36,27 @@ keeps it whole.
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
-import zlib
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from mpi4py import MPI
 
 from hpcvla.transport import pieces
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
-from hpcvla.transport.windows import window_bytes
+from hpcvla.transport.manifest import Manifest
 from hpcvla.transport.records import aligned
+from hpcvla.transport.windows import window_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 # node window header, int64 words
 _SEQ0, _SEQ1, _VER0, _VER1, _CURRENT, _NEWEST, _FINISHED = range(7)
 _HEADER_BYTES = 64
 _STOP = -1
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """Names, dtypes (torch's names: float32, bfloat16, ...) and shapes of the tensors in a
-    flat weight buffer, in order, each at a 64-byte aligned offset. Torch, not numpy, reads
-    and writes it: numpy has no bfloat16, the dtype GPU policies train and act in, and a
-    GPU tensor copies to and from the host buffer directly."""
-    entries: tuple[tuple[str, str, tuple[int, ...]], ...]
-    frozen: frozenset[str] = frozenset()  # names training never changes: sent with version 1 only
-
-    @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor | np.ndarray],
-           frozen: Iterable[str] = ()) -> "Manifest":
-        return cls(tuple((name, str(torch.as_tensor(t).dtype).removeprefix("torch."),
-                          tuple(t.shape)) for name, t in tensors.items()), frozenset(frozen))
-
-    @classmethod
-    def of_policy(cls, policy: torch.nn.Module) -> "Manifest":
-        """The policy's state dict, its parameters that do not require a gradient frozen."""
-        frozen = {name for name, p in policy.named_parameters(remove_duplicate=False)
-                  if not p.requires_grad}
-        return cls.of(policy.state_dict(), frozen)
-
-    @property
-    def trainable(self) -> list[str]:
-        return [name for name, _, _ in self.entries if name not in self.frozen]
-
-    def regions(self, names: Iterable[str] | None = None) -> list[tuple[int, int]]:
-        """(offset, bytes) of the named tensors (all by default) in the flat layout, adjacent
-        ones merged."""
-        wanted = None if names is None else set(names)
-        out: list[list[int]] = []
-        for name, dt, shape, off in self.offsets():
-            if wanted is not None and name not in wanted:
-                continue
-            n = dt.itemsize * math.prod(shape)
-            if out and out[-1][0] + out[-1][1] == off:
-                out[-1][1] = off + n - out[-1][0]
-            elif n:
-                out.append([off, n])
-        return [(offset, n) for offset, n in out]
-
-    def offsets(self) -> list[tuple[str, torch.dtype, tuple[int, ...], int]]:
-        out: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
-        offset = 0
-        for name, dtype, shape in self.entries:
-            dt: torch.dtype = getattr(torch, dtype)
-            out.append((name, dt, shape, offset))
-            offset += aligned(dt.itemsize * math.prod(shape))
-        return out
-
-    @property
-    def nbytes(self) -> int:
-        return sum(aligned(getattr(torch, dt).itemsize * math.prod(shape))
-                   for _, dt, shape in self.entries)
-
-    @property
-    def hash(self) -> int:
-        return zlib.crc32(repr((self.entries, sorted(self.frozen))).encode())
-
-    def views(self, flat: np.ndarray,
-              names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Tensors viewing `flat` (uint8, at least nbytes long), by name (all by default)."""
-        wanted = None if names is None else set(names)
-        return {name: torch.from_numpy(flat[off:off + dt.itemsize * math.prod(shape)])
-                .view(dt).reshape(shape) for name, dt, shape, off in self.offsets()
-                if wanted is None or name in wanted}
-
-    def flatten(self, tensors: Mapping[str, torch.Tensor | np.ndarray],
-                out: np.ndarray | None = None,
-                names: Iterable[str] | None = None) -> np.ndarray:
-        """Copy `tensors` (on any device; numpy arrays too; those named, all by default) into
-        their places in a flat host buffer."""
-        out = np.zeros(self.nbytes, np.uint8) if out is None else out
-        with torch.no_grad():
-            for name, view in self.views(out, names).items():
-                view.copy_(torch.as_tensor(tensors[name]))
-        return out
 
 
 class WeightPlane:

@@ -1,0 +1,99 @@
+"""Where a run's checkpoints are and what each one says: the directory layout, the newest
+complete one, its state.json checked, its files' checksums. JSON and file names only, no
+tensors: a simulator rank that asks which version a run resumes from imports no torch
+(reading and writing the tensors: store.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT = 2  # 1: optimizer state as ZeRO's flat partitions (its weights still load)
+READABLE = (1, 2)
+MODEL = "model.safetensors"
+STATE = "state.json"
+STATE_KEYS = ("format", "version", "counters", "learners", "zero_stage", "model_sha256",
+              "optimizer")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete, corrupted or made for another layout."""
+
+
+def checkpoint_dir(run_dir: Path, version: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"v{version:06d}"
+
+
+def complete(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run directory, oldest first."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("v[0-9]*")
+                  if p.suffix != ".partial" and (p / STATE).is_file())
+
+
+def latest(path: Path) -> Path | None:
+    """The newest complete checkpoint in a run directory (or `path` itself if it is one)."""
+    path = Path(path)
+    if (path / STATE).is_file():
+        return path
+    done = complete(path)
+    return done[-1] if done else None
+
+
+def read_state(path: Path) -> dict:
+    """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
+    wrong."""
+    path = Path(path)
+    try:
+        state = json.loads((path / STATE).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {STATE}; not a complete hpcvla checkpoint") from None
+    except ValueError as err:  # JSON syntax, or bytes that are not even UTF-8
+        raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
+    if not isinstance(state, dict) or state.get("format") not in READABLE:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
+                              f"reads formats {', '.join(map(str, READABLE))}")
+    missing = sorted(set(STATE_KEYS) - set(state))
+    if missing:
+        raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "
+                              f"damaged (use an older checkpoint in {path.parent})")
+    for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
+        if not (path / name).is_file():  # cheap here; contents are checked when loaded
+            raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete")
+    return state
+
+
+def verify(path: Path) -> dict:
+    """state.json of a checkpoint, every file's sha256 checked; raises CheckpointError."""
+    state = read_state(path)
+    for name, expected in [(MODEL, state["model_sha256"]),
+                           *((e["file"], e["sha256"]) for e in state["optimizer"])]:
+        verify_file(Path(path) / name, expected)
+    return state
+
+
+def layout_change(state: dict, learners: int, zero_stage: int) -> str:
+    """How a resume moves the optimizer state, for the log: 'same layout' or what changes."""
+    if (state["learners"], state["zero_stage"]) == (learners, zero_stage):
+        return f"same layout: {learners} learners at ZeRO-{zero_stage}"
+    return (f"written by {state['learners']} learners at ZeRO-{state['zero_stage']}, "
+            f"re-partitioned onto {learners} at ZeRO-{zero_stage}")
+
+
+def sha256(path: Path) -> str:
+    """The hex sha256 of a file, read in 4 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_file(path: Path, expected: str) -> None:
+    """Raise CheckpointError unless `path` exists with the sha256 `expected`."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    if sha256(path) != expected:
+        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupted (use an "
+                              f"older checkpoint in {path.parent.parent})")

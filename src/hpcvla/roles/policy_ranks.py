@@ -1,0 +1,171 @@
+"""The ranks that run the policy, each around its loop: inference (inference.py), learner
+(learner.py), evaluator (evaluator.py), colocated (colocated.py). roles/pipeline.py imports
+this module only on such a rank: it brings torch and the engines."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from hpcvla.checkpoint import store
+from hpcvla.engines import full_state, init_engine
+from hpcvla.envs.build import env_failures, make_envs
+from hpcvla.factory import build_policy
+from hpcvla.metrics import phases
+from hpcvla.process import preempt
+from hpcvla.roles.colocated import run_colocated
+from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
+from hpcvla.roles.inference import InferenceServer, WeightLoader
+from hpcvla.roles.learner import run_learner
+from hpcvla.roles.outputs import checkpointer, trajectory_dump
+from hpcvla.roles.prologue import Links, Rank, start_clock
+from hpcvla.roles.queues import SegmentQueues
+from hpcvla.roles.setup import Counters
+from hpcvla.schedule import producer_quota
+from hpcvla.seeds import colocated_seed, shard_seed
+from hpcvla.topology.plan import EVAL
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+from hpcvla.transport.ring_reader import RingReader
+
+if TYPE_CHECKING:
+    from hpcvla.engines import SkipNonfinite
+    from hpcvla.policies.base import Policy
+
+
+def _policy(me: Rank) -> Policy:
+    assert me.policy is not None  # the prologue builds it on every rank that runs it
+    return me.policy
+
+
+def inference_rank(me: Rank, links: Links) -> tuple[float, Counters]:
+    cfg, plan, sched, policy = me.cfg, me.plan, links.sched, _policy(me)
+    # an inference rank serves a cell and feeds a learner's ring
+    assert links.cell is not None and links.exchange is not None and links.ring is not None
+    assert links.ring.writer is not None
+    start = start_clock(me)
+    sims = sorted(plan.cells[links.cell].simulators)  # the exchange's slot order
+    dump = trajectory_dump(cfg, me.spec, policy, me.rank, me.run_dir, lambda slot: shard_seed(
+        cfg, sims[slot // sched.shards], slot % sched.shards))
+    server = InferenceServer(
+        me.setup, sched=sched, policy=policy,
+        loader=WeightLoader(policy, links.plane, me.manifest), exchange=links.exchange,
+        ring=links.ring.writer, quota=producer_quota(cfg, plan, me.rank),
+        envs_per_shard=links.per_shard, obs_keys=list(me.spec.obs), dump=dump)
+    return start, server.run()
+
+
+def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
+    assert links.ring is not None and links.ring.reader is not None  # its feed's root
+    cfg, plan, ring, plane = me.cfg, me.plan, links.ring.reader, links.plane
+    engine = _start_engine(me)
+    start = start_clock(me)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
+
+    # the weights go to host memory only where they are published or checkpointed
+    wanted = me.rank == plan.weight_root or me.comms.learners.Get_rank() == 0
+    # the evaluator's reports (eval.every), logged by the weight root as they come
+    inbox = HeldOutInbox(me.comms.world, plan.with_role(EVAL)[0], me.progress) \
+        if plan.with_role(EVAL) and me.rank == plan.weight_root else None
+
+    def publish(version: int, last: bool = False) -> None:
+        state = full_state(engine, wanted)  # [dist] on the learners under ZeRO-3
+        if me.rank == plan.weight_root:
+            assert state is not None  # the weight root wants them
+            plane.publish(version, state)
+        if version > me.first:
+            save(version, state, last)
+        if inbox:
+            inbox.poll()
+    stats: Counters = {"staleness_hist": {}}
+    queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
+    publish(me.first)
+    run_learner(me.setup, sched=links.sched, engine=engine, queues=queues, publish=publish,
+                stop=lambda: preempt.agreed(me.comms.learners))  # [dist]
+    plane.stop()
+    stats["nonfinite_steps_skipped"] = engine.skipped
+    stats["trained_groups"] = queues.ledger()
+    stats["unused_segments"] = _drain(ring, len(plan.producers_of(me.rank)))
+    if inbox:
+        inbox.wait_last()
+    stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
+                     "lost_records": ring.stats.lost_records}
+    stats["weight_bytes"] = {"first_version": plane.nbytes,
+                             "per_version": plane.bytes_per_version}
+    return start, stats
+
+
+def evaluator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
+    """Held-out evaluation while training runs (roles/evaluator.py)."""
+    policy = _policy(me)
+    held_out = held_out_of(me.cfg, me.device, policy)
+    start = start_clock(me)
+    try:
+        return start, run_evaluator(
+            me.setup, held_out=held_out, loader=WeightLoader(policy, links.plane, me.manifest),
+            plane=links.plane, world=me.comms.world, root=me.plan.weight_root)
+    finally:
+        held_out.close()
+
+
+def colocated_rank(me: Rank) -> tuple[float, Counters]:
+    cfg, rank = me.cfg, me.rank
+    engine = _start_engine(me)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
+    env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
+                    first_env=rank * cfg.env.envs_per_simulator,
+                    owner=f"rank {rank} (colocated)")
+    dump = trajectory_dump(cfg, me.spec, _policy(me), rank, me.run_dir,
+                           lambda slot: colocated_seed(cfg, rank))
+    actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
+    held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None
+    start = start_clock(me)
+    actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
+    after_version = save
+    if held_out:  # eval.every: between versions, every rank a share, the start's included
+        evaluate = between_versions(me.setup, held_out, me.comms.learners)
+        evaluate(me.first, False)  # [dist]
+
+        def after_version(version: int, weights: dict[str, torch.Tensor] | None,
+                          last: bool) -> None:
+            save(version, weights, last)  # [dist]
+            evaluate(version, last)  # [dist]
+    env_steps = run_colocated(me.setup, engine=engine, actor=actor, env=env,
+                              after_version=after_version,
+                              stop=lambda: preempt.agreed(me.comms.learners),  # [dist]
+                              dump=dump)
+    if held_out:
+        held_out.close()
+    stats = {"env_steps": env_steps,
+             "staleness_hist": {0: me.progress.micro_batches * cfg.learner.micro_batch},
+             "nonfinite_steps_skipped": engine.skipped, "env_failures": env_failures([env])}
+    env.close()
+    return start, stats
+
+
+def _start_engine(me: Rank) -> SkipNonfinite:
+    """This learner's engine (engines/: DeepSpeed or Horovod); resuming, the weights are
+    loaded before the engine partitions them and the optimizer partition after."""
+    cfg, policy, learners = me.cfg, _policy(me), me.comms.learners
+    device = torch.device(me.device)
+    if me.resume is None:
+        engine = init_engine(cfg, policy, learners, device)  # [dist]
+    else:
+        policy.load_arrays(store.load_weights(me.resume, policy.state_dict()))
+        engine = init_engine(cfg, policy, learners, device)  # [dist]
+        state = store.load_optimizer(me.resume, engine, learners)  # [dist]
+        me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
+    phases.mark("engine_ready")
+    return engine
+
+
+def _drain(ring: RingReader, producers: int) -> int:
+    """Consume (and count) what producers still send until all of them closed."""
+    unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
+    while len(ring.stats.closed) < producers:
+        got = ring.poll()
+        unused += len(got)
+        if not got:
+            backoff.wait()
+    ring.release()
+    return unused

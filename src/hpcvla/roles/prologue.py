@@ -1,0 +1,184 @@
+"""What every rank of a training world sets up before its role (roles/pipeline.py), in one
+order on every rank: the device, the env spec, the policy, the weight manifest, the resumed
+version (`prologue`); then the transport (`connect`): cell exchange, learner ring, weight
+plane, each rank skipping what it is not part of, so no two ranks wait on each other in
+different collectives.
+
+Only the ranks that run the policy (inference, learner, evaluator, colocated) build it and
+import torch. A simulator or a spare rank holds the node's weight window and needs only the
+manifest (names, dtypes and shapes), which the weight root broadcasts: such a rank starts
+without torch (~2 s of CPU and ~0.2 GB of memory per process).
+
+A rank that is ready early waits in sleeping barriers (transport/backoff.py): a blocking MPI
+call would busy-poll and take the CPU from the ranks still building when ranks outnumber
+cores.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from mpi4py import MPI
+
+from hpcvla.checkpoint import catalog
+from hpcvla.devices import rank_device
+from hpcvla.envs import env_spec
+from hpcvla.memory.layout import plan_memory
+from hpcvla.metrics import phases
+from hpcvla.metrics.progress import Progress
+from hpcvla.metrics.tensorboard import RunBoard
+from hpcvla.metrics.timeline import Timeline
+from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
+from hpcvla.roles.setup import RoleSetup
+from hpcvla.roles.simulator import slot_dtypes
+from hpcvla.schedule import Schedule, envs_of_cell, schedule_of
+from hpcvla.seeds import seed_rank, write_rng_seeds
+from hpcvla.topology.plan import SIM, SPARE
+from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.exchange import ObsActionExchange
+from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.manifest import Manifest
+from hpcvla.transport.weights import WeightPlane
+
+if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.policies.base import Policy
+    from hpcvla.topology.comms import Communicators
+    from hpcvla.topology.plan import RankPlan
+
+
+@dataclass
+class Rank:
+    """What the prologue set up on this rank, for its role."""
+    cfg: Config
+    plan: RankPlan
+    comms: Communicators
+    run_dir: Path
+    rank: int
+    spec: EnvSpec
+    policy: Policy | None  # None on a rank that does not run it (simulator, spare)
+    manifest: Manifest  # the policy's tensors, as the weight plane moves them
+    device: str  # "cpu" or "cuda:i"
+    on_gpus: bool
+    timeline: Timeline
+    progress: Progress
+    resume: Path | None  # the checkpoint resumed from
+    first: int  # the policy version training starts from
+    summary: RankSummary
+
+    @property
+    def setup(self) -> RoleSetup:
+        """What the role loops are given."""
+        return RoleSetup(self.cfg, self.rank, self.run_dir, self.timeline, self.progress,
+                         self.first)
+
+
+class Links(NamedTuple):
+    """A disaggregated rank's transport: the cell's exchange, the learner's ring (None where
+    the rank is in neither) and the weight plane."""
+    sched: Schedule
+    cell: int | None
+    per_shard: int
+    exchange: ObsActionExchange | None
+    ring: TrajectoryRing | None
+    plane: WeightPlane
+
+
+def runs_policy(roles: tuple[str, ...]) -> bool:
+    """Whether a rank with these roles builds the policy (and imports torch)."""
+    return roles not in ((SIM,), (SPARE,))
+
+
+def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> Rank:
+    world, rank = comms.world, comms.world.Get_rank()
+    roles = plan.ranks[rank].roles
+    seed_rank(cfg, rank, with_torch=runs_policy(roles))  # each rank explores with its own noise
+    if rank == 0:
+        write_rng_seeds(cfg, plan, run_dir)
+    device = rank_device(cfg, [r.roles for r in plan.ranks], world)  # [dist] a GPU each
+    devices = world.allgather(device)  # [dist]
+    if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
+        print(plan.table(dict(enumerate(devices))), flush=True)
+    # one rank works the spec out (a real simulator builds an env for it) and tells the rest
+    spec = env_spec(cfg.env) if rank == 0 else None
+    idle_barrier(world)  # [dist]
+    spec = world.bcast(spec, root=0)  # [dist]
+    on_gpus = world.allreduce(device.startswith("cuda"), op=MPI.LOR)  # [dist]
+    # the memory model's figures, beside each rank's peaks at the end; worked out by the weight
+    # root on its GPU (a simulator rank 0 asking CUDA for the capacity would open a context)
+    if rank == plan.weight_root and device.startswith("cuda"):
+        memory = plan_memory(cfg, plan, dict(enumerate(devices)), spec)
+        (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
+        phases.mark("memory_planned")
+    policy, manifest, dtype = None, None, None
+    if runs_policy(roles):
+        import torch  # only where the policy runs
+
+        from hpcvla.factory import build_policy
+        torch.set_num_threads(1)  # one thread per rank: ranks share the node's cores
+        policy = build_policy(cfg, spec, device, on_gpus)
+        manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
+        dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+    idle_barrier(world)  # [dist] every policy built
+    # the weight root's manifest for the ranks that build no policy (its dtype, for the report)
+    root_manifest, root_dtype = world.bcast((manifest, dtype), root=plan.weight_root)  # [dist]
+    phases.mark("policy_built")
+    role = "+".join(roles)
+    # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
+    # node agree; across nodes as far as the nodes' clocks do).
+    timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
+                        t0=world.bcast(time.time(), root=0))  # [dist]
+    is_root = rank == plan.weight_root
+    progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
+                        cfg.pipeline.progress_every_s, enabled=is_root,
+                        learners=len(plan.learners),
+                        board=RunBoard(run_dir, cfg.run, asdict(cfg)) if is_root else None)
+    resume = catalog.latest(run_dir) if cfg.run.resume else None
+    saved = catalog.read_state(resume) if resume else {"version": 0}
+    first = saved["version"]
+    summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
+                          first_version=first, dtype=dtype or root_dtype)
+    if resume and is_root:
+        stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
+        print(f"[hpcvla] resuming from {resume} (policy version {first}; "
+              f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
+    return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
+                device, on_gpus, timeline, progress, resume, first, summary)
+
+
+def connect(me: Rank) -> Links:
+    """The transport, set up collectively in the same order everywhere: exchange (cell), ring
+    (feed), plane (node)."""
+    cfg, plan, comms = me.cfg, me.plan, me.comms
+    cell = plan.ranks[me.rank].cell
+    sched = schedule_of(cfg, envs_of_cell(cfg, plan, cell) if cell is not None else 1)
+    per_shard = cfg.env.envs_per_simulator // sched.shards
+    obs_dtype, action_dtype = slot_dtypes(me.spec, per_shard)
+    exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
+        if comms.cell != MPI.COMM_NULL else None  # [dist]
+    ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,
+                          progress=cfg.learner.ring_progress, start_progress=False,
+                          checksum=cfg.learner.ring_checksum) \
+        if comms.feed != MPI.COMM_NULL else None  # [dist]
+    plane = WeightPlane(comms.control, comms.node, me.rank in plan.node_leaders,  # [dist]
+                        me.manifest)
+    if me.rank == plan.weight_root and me.manifest.frozen:
+        print(f"[hpcvla] weights: {plane.bytes_per_version / 1e6:.1f} MB per version, "
+              f"{plane.nbytes / 1e6:.1f} MB the first (frozen parameters cross once)",
+              flush=True)
+    if ring is not None:  # its progress thread only once every window exists (ring.py)
+        ring.start_progress()
+    phases.mark("transport_ready")
+    return Links(sched, cell, per_shard, exchange, ring, plane)
+
+
+def start_clock(me: Rank) -> float:
+    """Every rank set up (a real simulator takes seconds per env): the clocks start together."""
+    idle_barrier(me.comms.world)  # [dist]
+    phases.mark("all_ranks_ready")
+    return time.monotonic()
