@@ -50,8 +50,12 @@ def test_a_killed_rank_takes_the_job_down_and_is_named(tmp_path, role):
         if job.poll() is None:
             job.kill()
     assert job.returncode != 0 and took < 30, (took, err[-2000:])
-    assert f"hpcvla: rank {rank} ({role}) on node 0 (host " in err and f"pid {pid}) died first" \
-        in err, err[-3000:]
+    # named alone, or among the ranks gone by the same check of the launcher (the MPI launcher
+    # kills the others within milliseconds; a loaded machine may check only after that)
+    named = next((line.partition(" died first")[0] for line in err.splitlines()
+                  if " died first" in line), "")
+    assert f"rank {rank} ({role}) on node 0 (host " in named and f"pid {pid})" in named, \
+        err[-3000:]
     assert "last progress: policy version" in err
     assert not rank_pids(tmp_path), "ranks left running"
     assert not orphaned_shm(shm_before)

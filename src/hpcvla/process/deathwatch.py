@@ -97,19 +97,25 @@ class DeathWatch:
         self.poller = select.poll()
         self.watched: dict[int, dict] = {}  # pidfd -> card
         self.known: set[str] = set()
-        self.first: tuple[dict, float] | None = None  # card, time of death
+        # the cards of the ranks seen dead in the first check that found any, and its time:
+        # ranks that die within one check cannot be told apart (a pidfd says not when)
+        self.first: tuple[list[dict], float] | None = None
 
     def env(self) -> dict:
         return {ENV: str(self.dir)}
 
     def wait(self, seconds: float) -> None:
-        self._discover()
+        dead = self._discover()
         for fd, _ in self.poller.poll(seconds * 1000):
             self.poller.unregister(fd)
             os.close(fd)
-            self._died(self.watched.pop(fd))
+            dead.append(self.watched.pop(fd))
+        if dead and self.first is None:
+            self.first = (sorted(dead, key=lambda card: card["rank"]), time.monotonic())
 
-    def _discover(self) -> None:
+    def _discover(self) -> list[dict]:
+        """Watch the ranks registered since the last check; the cards of those already gone."""
+        gone = []
         for path in self.dir.glob("rank*.json"):
             if path.name in self.known:
                 continue
@@ -118,16 +124,13 @@ class DeathWatch:
             try:
                 fd = os.pidfd_open(card["pid"])
             except ProcessLookupError:  # gone before we looked
-                self._died(card)
+                gone.append(card)
                 continue
             except OSError:  # no pidfds here (old kernel): no watch, no harm
                 continue
             self.watched[fd] = card
             self.poller.register(fd, select.POLLIN)
-
-    def _died(self, card: dict) -> None:
-        if self.first is None:
-            self.first = (card, time.monotonic())
+        return gone
 
     def report(self, ended: float) -> str | None:
         """Who died first, how long before the world ended (`ended`, monotonic), and the
@@ -135,10 +138,12 @@ class DeathWatch:
         self.wait(0)
         if self.first is None or any(self.dir.glob("failed.rank*")):
             return None  # nobody died, or the failing rank said why itself
-        card, when = self.first
-        text = (f"hpcvla: rank {card['rank']} ({card['roles']}) on node {card['node']} (host "
-                f"{card['host']}, pid {card['pid']}) died first, {max(ended - when, 0):.1f} s "
-                f"before the world ended")
+        cards, when = self.first
+        who = " or ".join(f"rank {c['rank']} ({c['roles']}) on node {c['node']} (host "
+                          f"{c['host']}, pid {c['pid']})" for c in cards)
+        tie = " (gone by the same check)" if len(cards) > 1 else ""
+        text = (f"hpcvla: {who} died first{tie}, {max(ended - when, 0):.1f} s before the world "
+                f"ended")
         return text + "; " + _last_progress(self.dir / "run_dir")
 
     def close(self) -> None:
