@@ -1,0 +1,235 @@
+"""Tests for the SAC losses (algorithms/sac.py) and the replay buffer (algorithms/replay.py),
+against values computed by hand on tiny tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hpcvla.algorithms.replay import ReplayBuffer, symmetric_sample
+from hpcvla.algorithms.sac import (actor_loss, critic_loss, default_target_entropy,
+                                   polyak_update, soft_target, temperature_loss)
+
+# ----------------------------------------------------------------------------- SAC losses
+
+
+def test_soft_target_bootstraps_unless_terminal():
+    reward = torch.tensor([1.0, 2.0])
+    next_q1, next_q2 = torch.tensor([10.0, 4.0]), torch.tensor([8.0, 6.0])
+    next_logprob = torch.tensor([-2.0, -1.0])
+    # row 0: min(10, 8) - 0.5 * (-2) = 9;  y = 1 + 0.9 * 9 = 9.1
+    # row 1: terminal, nothing bootstrapped: y = 2
+    y = soft_target(reward, torch.tensor([False, True]), next_q1, next_q2, next_logprob,
+                    alpha=0.5, discount=0.9)
+    torch.testing.assert_close(y, torch.tensor([9.1, 2.0]))
+    # not terminal (a truncation bootstraps): row 1 is min(4, 6) - 0.5 * (-1) = 4.5,
+    # y = 2 + 0.9 * 4.5 = 6.05
+    y = soft_target(reward, torch.tensor([0.0, 0.0]), next_q1, next_q2, next_logprob,
+                    alpha=0.5, discount=0.9)
+    torch.testing.assert_close(y, torch.tensor([9.1, 6.05]))
+
+
+def test_soft_target_per_transition_discount_and_finer_logprob():
+    # transitions of 2 and 3 chunks at gamma 0.9: discounts 0.81 and 0.729
+    # row 0: 1 + 0.81 * 9 = 8.29;  row 1: 2 + 0.729 * 4.5 = 5.2805
+    # next log-probs given per action, (-1.5, -0.5) and (-0.25, -0.75): sums -2 and -1
+    y = soft_target(torch.tensor([1.0, 2.0]), torch.tensor([False, False]),
+                    torch.tensor([10.0, 4.0]), torch.tensor([8.0, 6.0]),
+                    torch.tensor([[-1.5, -0.5], [-0.25, -0.75]]),
+                    alpha=torch.tensor(0.5, requires_grad=True),
+                    discount=torch.tensor([0.81, 0.729]))
+    torch.testing.assert_close(y, torch.tensor([8.29, 5.2805]))
+    assert not y.requires_grad
+
+
+def test_soft_target_takes_no_gradient():
+    next_q1 = torch.tensor([1.0], requires_grad=True)
+    y = soft_target(torch.tensor([0.0]), torch.tensor([False]), next_q1, next_q1 + 1,
+                    torch.tensor([0.0]), alpha=0.1, discount=0.99)
+    assert not y.requires_grad
+
+
+def test_critic_loss_is_the_sum_of_two_plain_mses():
+    q1 = torch.tensor([1.0, 2.0], requires_grad=True)
+    q2 = torch.tensor([0.0, 4.0], requires_grad=True)
+    target = torch.tensor([2.0, 2.0], requires_grad=True)
+    loss = critic_loss(q1, q2, target)
+    # q1: errors (-1, 0), MSE (1 + 0) / 2 = 0.5;  q2: errors (-2, 2), MSE (4 + 4) / 2 = 4
+    assert loss.item() == pytest.approx(4.5)  # MSE, not 0.5 * MSE (which would be 2.25)
+    loss.backward()
+    # d/dq1 = 2 * (q1 - y) / 2 = (-1, 0);  d/dq2 = (-2, 2);  the target gets none
+    torch.testing.assert_close(q1.grad, torch.tensor([-1.0, 0.0]))
+    torch.testing.assert_close(q2.grad, torch.tensor([-2.0, 2.0]))
+    assert target.grad is None
+
+
+def test_actor_loss_hand_computed():
+    logprob = torch.tensor([-1.0, -2.0], requires_grad=True)
+    q1, q2 = torch.tensor([3.0, 5.0]), torch.tensor([4.0, 1.0])
+    alpha = torch.tensor(0.2, requires_grad=True)
+    # min q = (3, 1);  alpha * logp = (-0.2, -0.4);  terms (-3.2, -1.4);  mean -2.3
+    loss = actor_loss(logprob, q1, q2, alpha)
+    assert loss.item() == pytest.approx(-2.3)
+    loss.backward()
+    torch.testing.assert_close(logprob.grad, torch.tensor([0.1, 0.1]))  # alpha / 2
+    assert alpha.grad is None  # the temperature is trained by its own loss
+    # per-action log-probs (-0.5, -0.5) and (-1.5, -0.5) sum to the same chunks
+    finer = torch.tensor([[-0.5, -0.5], [-1.5, -0.5]])
+    assert actor_loss(finer, q1, q2, 0.2).item() == pytest.approx(-2.3)
+
+
+def test_temperature_loss_and_its_gradient_sign():
+    target = default_target_entropy(action_dim=3, chunk_len=2)
+    assert target == -6.0  # -(2 * 3)
+    # entropy below target: logp (7, 9), entropy -8 < -6;  logp + target = (1, 3)
+    log_alpha = torch.tensor(0.5, requires_grad=True)
+    logprob = torch.tensor([7.0, 9.0], requires_grad=True)
+    loss = temperature_loss(log_alpha, logprob, target)
+    assert loss.item() == pytest.approx(-1.0)  # -(0.5 * 1 + 0.5 * 3) / 2
+    loss.backward()
+    assert log_alpha.grad.item() == pytest.approx(-2.0)  # -(1 + 3) / 2: descent raises alpha
+    assert logprob.grad is None
+    assert (log_alpha - 0.1 * log_alpha.grad).item() == pytest.approx(0.7)  # an SGD step
+    # entropy above target: logp (-1, -3), entropy 2 > -6;  logp + target = (-7, -9)
+    log_alpha = torch.tensor(0.0, requires_grad=True)
+    temperature_loss(log_alpha, torch.tensor([-1.0, -3.0]), target).backward()
+    assert log_alpha.grad.item() == pytest.approx(8.0)  # -(-7 - 9) / 2: alpha shrinks
+
+
+def test_default_target_entropy_rejects_empty_actions():
+    assert default_target_entropy(7) == -7.0
+    with pytest.raises(ValueError, match="action_dim 0"):
+        default_target_entropy(0, 4)
+
+
+def test_polyak_update_in_place():
+    target = [torch.nn.Parameter(torch.tensor([0.0, 2.0])), torch.nn.Parameter(torch.ones(1, 1))]
+    online = [torch.tensor([4.0, 4.0]), torch.tensor([[-1.0]])]
+    polyak_update(target, online, tau=0.5)
+    # 0.5 * (0, 2) + 0.5 * (4, 4) = (2, 3);  0.5 * 1 + 0.5 * (-1) = 0
+    torch.testing.assert_close(target[0].data, torch.tensor([2.0, 3.0]))
+    torch.testing.assert_close(target[1].data, torch.tensor([[0.0]]))
+    torch.testing.assert_close(online[0], torch.tensor([4.0, 4.0]))  # the online untouched
+    polyak_update(target[:1], online[:1], tau=0.25)  # 0.75 * (2, 3) + 0.25 * (4, 4)
+    torch.testing.assert_close(target[0].data, torch.tensor([2.5, 3.25]))
+    with pytest.raises(ValueError, match="tensor 0"):
+        polyak_update(target[:1], [torch.zeros(3)], tau=0.5)
+    with pytest.raises(ValueError):
+        polyak_update(target, online[:1], tau=0.5)
+    torch.testing.assert_close(target[0].data, torch.tensor([2.5, 3.25]))  # nothing moved
+    with pytest.raises(ValueError, match="tau"):
+        polyak_update(target, online, tau=1.5)
+
+
+# ----------------------------------------------------------------------------- replay buffer
+
+SPECS = {"obs": ((2,), np.float32), "step": ((), np.int64)}
+
+
+def batch(*steps: int) -> dict[str, np.ndarray]:
+    """Transitions numbered by `step`, each obs (step, -step), so a sample shows its origin."""
+    step = np.array(steps, dtype=np.int64)
+    return {"obs": np.stack([step, -step], axis=-1).astype(np.float32), "step": step}
+
+
+def held(buffer: ReplayBuffer) -> list[int]:
+    """The held transitions' numbers, oldest first."""
+    return buffer.state(contents=True)["data"]["step"].tolist()
+
+
+def test_ring_overwrites_oldest_first():
+    buffer = ReplayBuffer(SPECS, capacity=3)
+    assert buffer.nbytes == ReplayBuffer.nbytes_of(SPECS, 3) == 48  # 3 * (2 * 4 + 8)
+    buffer.add(batch(0, 1))
+    assert (buffer.size, buffer.position, held(buffer)) == (2, 2, [0, 1])
+    buffer.add(batch(2, 3))  # 3 overwrites 0
+    assert (buffer.size, buffer.position, held(buffer)) == (3, 4, [1, 2, 3])
+    buffer.add(batch(4))  # 4 overwrites 1
+    assert (buffer.size, buffer.position, held(buffer)) == (3, 5, [2, 3, 4])
+    buffer.add(batch(5, 6, 7, 8, 9))  # more than the capacity: the newest 3 stay
+    assert (buffer.size, buffer.position, held(buffer)) == (3, 10, [7, 8, 9])
+    buffer.add(batch())  # an empty batch changes nothing
+    assert (len(buffer), buffer.position) == (3, 10)
+
+
+def test_samples_come_only_from_held_transitions():
+    rng = np.random.default_rng(0)
+    buffer = ReplayBuffer(SPECS, capacity=5)
+    buffer.add(batch(10, 11))  # slots 2-4 are still unwritten zeros
+    out = buffer.sample(200, rng)
+    assert out["obs"].shape == (200, 2) and out["step"].shape == (200,)
+    assert out["obs"].dtype == np.float32 and out["step"].dtype == np.int64
+    assert set(out["step"].tolist()) == {10, 11}
+    np.testing.assert_array_equal(out["obs"][:, 0], out["step"])  # fields stay together
+    buffer.add(batch(*range(12, 19)))  # wraps: holds 14 ... 18
+    assert set(buffer.sample(200, rng)["step"].tolist()) == {14, 15, 16, 17, 18}
+
+
+def test_state_round_trip_continues_positions():
+    buffer = ReplayBuffer(SPECS, capacity=3)
+    buffer.add(batch(*range(10)))  # holds 7, 8, 9
+    state = buffer.state(contents=True)
+    assert (state["position"], state["size"]) == (10, 3)
+    resumed = ReplayBuffer(SPECS, capacity=3)
+    resumed.load_state(state)
+    assert (resumed.size, resumed.position, held(resumed)) == (3, 10, [7, 8, 9])
+    buffer.add(batch(10))
+    resumed.add(batch(10))  # 10 overwrites 7 in both
+    assert held(resumed) == held(buffer) == [8, 9, 10] and resumed.position == 11
+    smaller = ReplayBuffer(SPECS, capacity=2)  # a smaller buffer keeps the newest
+    smaller.load_state(state)
+    assert (smaller.size, smaller.position, held(smaller)) == (2, 10, [8, 9])
+    # without contents: the count continues, nothing is held
+    counted = ReplayBuffer(SPECS, capacity=3)
+    counted.load_state(buffer.state())
+    assert (counted.size, counted.position) == (0, 11)
+    with pytest.raises(ValueError, match="empty"):
+        counted.sample(1, np.random.default_rng(0))
+    counted.add(batch(11, 12))
+    assert (counted.size, counted.position, held(counted)) == (2, 13, [11, 12])
+    assert set(counted.sample(50, np.random.default_rng(0))["step"].tolist()) == {11, 12}
+
+
+def test_symmetric_sampling_counts():
+    rng = np.random.default_rng(0)
+    online, demos = ReplayBuffer(SPECS, 4), ReplayBuffer(SPECS, 4)
+    online.add(batch(1, 2, 3))
+    demos.add(batch(101, 102))
+    for n, from_online in ((4, 2), (5, 3), (1, 1), (0, 0)):  # the odd one online
+        out = symmetric_sample(online, demos, n, rng)
+        assert out["step"].shape == (n,) and out["obs"].shape == (n, 2)
+        assert all(s < 100 for s in out["step"][:from_online])
+        assert all(s > 100 for s in out["step"][from_online:])
+
+
+def test_symmetric_sampling_errors():
+    rng = np.random.default_rng(0)
+    full, empty = ReplayBuffer(SPECS, 2), ReplayBuffer(SPECS, 2)
+    full.add(batch(1))
+    with pytest.raises(ValueError, match="online replay buffer is empty"):
+        symmetric_sample(empty, full, 2, rng)
+    with pytest.raises(ValueError, match="demonstration replay buffer is empty"):
+        symmetric_sample(full, empty, 2, rng)
+    other = ReplayBuffer({"step": ((), np.int64)}, 2)
+    other.add({"step": np.array([1])})
+    with pytest.raises(ValueError, match="differ"):
+        symmetric_sample(full, other, 2, rng)
+
+
+def test_add_names_the_field_that_does_not_match():
+    buffer = ReplayBuffer(SPECS, 4)
+    with pytest.raises(ValueError, match=r"missing \['step'\]"):
+        buffer.add({"obs": batch(1)["obs"]})
+    with pytest.raises(ValueError, match=r"unexpected \['reward'\]"):
+        buffer.add({**batch(1), "reward": np.zeros(1, np.float32)})
+    with pytest.raises(ValueError, match=r"'obs': shape \(1, 3\), expected \(N, 2\)"):
+        buffer.add({**batch(1), "obs": np.zeros((1, 3), np.float32)})
+    with pytest.raises(ValueError, match="'obs': dtype float64, expected float32"):
+        buffer.add({**batch(1), "obs": np.zeros((1, 2), np.float64)})
+    with pytest.raises(ValueError, match="'step': 2 transitions"):
+        buffer.add({**batch(1), "step": np.array([1, 2])})
+    assert (buffer.size, buffer.position) == (0, 0)  # nothing half-added
+    for capacity in (0, -1):
+        with pytest.raises(ValueError, match="capacity"):
+            ReplayBuffer(SPECS, capacity)
