@@ -58,11 +58,13 @@ def first_failure(folder: Path, launcher: int, poll_s: float = 1.0) -> str | Non
     rank of this host is gone without finishing; say which. None if the launcher ended
     first. Only this host's ranks: a pid means nothing on another host."""
     host = socket.gethostname().split(".")[0]  # MPI may name hosts with or without domain
+    cards: dict[str, dict] = {}  # read once: a card never changes (the folder may be shared)
     while _alive(launcher):
         if said := sorted(folder.glob("failed.rank*")):
             return f"rank {said[0].name.removeprefix('failed.rank')} failed"
         for path in folder.glob("rank*.json"):
-            card = json.loads(path.read_text())
+            card = cards.get(path.name) or cards.setdefault(path.name,
+                                                            json.loads(path.read_text()))
             if (card["host"].split(".")[0] == host and not _alive(card["pid"])
                     and not (folder / f"done.rank{card['rank']}").exists()):
                 return (f"rank {card['rank']} ({card['roles']}, pid {card['pid']}) is gone "
@@ -74,9 +76,7 @@ def first_failure(folder: Path, launcher: int, poll_s: float = 1.0) -> str | Non
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: the pid was reused
+    except (ProcessLookupError, PermissionError):  # gone, or the pid reused by another user
         return False
     return True
 
