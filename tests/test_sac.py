@@ -1,5 +1,7 @@
 """Tests for the SAC losses (algorithms/sac.py) and the replay buffer (algorithms/replay.py),
-against values computed by hand on tiny tensors."""
+against values computed by hand on tiny tensors; transitions cut from segment groups
+(algorithms/transitions.py); SAC's objective on the default policy's critics
+(algorithms/off_policy.py, policies/soft_critics.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from hpcvla.algorithms.replay import ReplayBuffer, symmetric_sample
+from hpcvla.algorithms.transitions import transition_specs, transitions_of
 from hpcvla.algorithms.sac import (actor_loss, critic_loss, default_target_entropy,
                                    polyak_update, soft_target, temperature_loss)
 
@@ -233,3 +236,145 @@ def test_add_names_the_field_that_does_not_match():
     for capacity in (0, -1):
         with pytest.raises(ValueError, match="capacity"):
             ReplayBuffer(SPECS, capacity)
+
+
+# ----------------------------------------------------------------------------- transitions
+
+
+def _group(T=3, n=2):
+    """A segment group of T rows of n envs with a scalar observation 'x' = 10 * t + env."""
+    x = (10 * np.arange(T)[:, None] + np.arange(n)[None]).astype(np.float32)
+    zeros = np.zeros((T, n), bool)
+    return {"obs.x": x[..., None], "next_obs.x": (10 * T + np.arange(n))[:, None]
+            .astype(np.float32), "actions": np.ones((T, n, 2, 1), np.float32),
+            "reward": x.copy(), "terminated": zeros.copy(), "truncated": zeros.copy(),
+            "env_fault": zeros.copy()}
+
+
+def test_transitions_pair_each_row_with_the_next_and_the_last_with_next_obs():
+    group = _group()
+    out, dropped = transitions_of(group, ["x"])
+    assert dropped == 0
+    assert out["obs.x"][:, 0].tolist() == [0, 1, 10, 11, 20, 21]
+    assert out["next_obs.x"][:, 0].tolist() == [10, 11, 20, 21, 30, 31]
+    specs = transition_specs({"x": ((1,), "<f4")}, 2, 1)
+    ReplayBuffer(specs, 8).add(out)  # the layout a buffer holds
+
+
+def test_transitions_drop_faults_and_horizon_cuts_and_keep_terminals():
+    group = _group()
+    group["terminated"][0, 0] = True  # success: kept, no bootstrap
+    group["truncated"][1, 1] = True  # the horizon: its next observation is a reset one
+    group["env_fault"][2, 0] = group["truncated"][2, 0] = True  # a failed env
+    out, dropped = transitions_of(group, ["x"])
+    assert dropped == 2
+    assert out["obs.x"][:, 0].tolist() == [0, 1, 10, 21]
+    assert out["terminal"].tolist() == [True, False, False, False]
+
+
+# ----------------------------------------------------------------------------- the objective
+
+
+SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((4,), "<i4"), "state": ((3,), "<f4")}
+
+
+def _batch(n, rng):
+    obs = {"image": rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8),
+           "instruction": rng.integers(1, 9, (n, 4)).astype(np.int32),
+           "state": rng.standard_normal((n, 3)).astype(np.float32)}
+    batch = {f"obs.{k}": v for k, v in obs.items()}
+    batch.update({f"next_obs.{k}": v[::-1].copy() for k, v in obs.items()})
+    batch.update(actions=rng.standard_normal((n, 2, 2)).astype(np.float32),
+                 reward=rng.standard_normal(n).astype(np.float32),
+                 terminal=rng.random(n) < 0.3)
+    return {k: torch.as_tensor(v) for k, v in batch.items()}
+
+
+def _soft_policy(layer_norm=False):
+    from hpcvla.policies import make_policy
+    torch.manual_seed(0)
+    return make_policy("default", SPEC, 2, 2, 9, hidden=16, soft_critics=True,
+                       critic_layer_norm=layer_norm)
+
+
+def test_each_sac_loss_moves_only_what_it_is_meant_to():
+    """One backward of the summed losses: the critics and the encoders get the critic's
+    gradient, the actor head the actor's, the temperature its own; the targets none; and
+    the actor's loss alone leaves the critics and the encoder untouched."""
+    from hpcvla.algorithms.off_policy import soft_actor_critic_loss
+
+    class Alg:
+        gamma = 0.99
+    policy = _soft_policy(layer_norm=True)
+    batch = _batch(8, np.random.default_rng(0))
+    loss, stats = soft_actor_critic_loss(Alg, policy, batch, target_entropy=-4.0)
+    loss.backward()
+    grads = {n: p.grad for n, p in policy.named_parameters()}
+    for prefix in ("value_q.", "image_encoder.", "state_encoder.", "trunk.", "mean_head.",
+                   "log_std", "sac_log_alpha"):
+        assert any(n.startswith(prefix) and g is not None and g.abs().sum() > 0
+                   for n, g in grads.items()), prefix
+    assert all(g is None for n, g in grads.items() if n.startswith("value_q_target."))
+    assert all(g is None for n, g in grads.items() if n.startswith(("value_trunk.",
+                                                                    "value_head.")))
+    assert stats["alpha"] == 1.0 and np.isfinite(list(stats.values())).all()
+    # the actor's loss alone: no gradient to the critics or to the encoder
+    policy.zero_grad(set_to_none=True)
+    features = policy.features({k[4:]: v for k, v in batch.items() if k.startswith("obs.")})
+    actions, logprob = policy.soft_actions(features.detach())
+    actor_loss(logprob, *policy.soft_q(features.detach(), actions, frozen=True), 1.0).backward()
+    assert all(p.grad is None for n, p in policy.named_parameters()
+               if n.startswith(("value_q", "image_encoder.", "state_encoder.")))
+    assert policy.mean_head.weight.grad.abs().sum() > 0
+
+
+def test_sac_steps_move_a_bandits_mean_to_its_target():
+    """One-step episodes (terminal), reward -||a - target||^2 on a fixed batch of
+    observations: SAC's gradient steps on a buffer of the policy's own samples pull its
+    deterministic chunk toward the target, and the temperature follows the entropy."""
+    from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets
+
+    class Alg:
+        gamma = 0.99
+    policy = _soft_policy()
+    rng = np.random.default_rng(1)
+    batch = _batch(64, rng)
+    target = torch.tensor([0.5, -0.5, 0.3, -0.3])
+    obs = {k[4:]: v for k, v in batch.items() if k.startswith("obs.")}
+    opt = torch.optim.Adam(policy.parameters(), lr=3e-3)
+
+    def mean_distance():
+        with torch.no_grad():
+            return float((policy.act(obs, deterministic=True).actions.flatten(1) - target)
+                         .pow(2).sum(-1).mean())
+
+    start = mean_distance()
+    for _ in range(150):
+        with torch.no_grad():
+            flat = policy.act(obs).actions.flatten(1)
+        step = dict(batch, actions=flat.view(-1, 2, 2),
+                    reward=-(flat - target).pow(2).sum(-1), terminal=torch.ones(64, dtype=bool))
+        loss, stats = soft_actor_critic_loss(Alg, policy, step, target_entropy=-4.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        update_targets(policy, 0.05)
+    assert mean_distance() < 0.3 * start, (start, mean_distance())
+    assert stats["alpha"] < 0.8  # the entropy (~2.2) is above its target (-4): alpha falls
+    online, moved = policy.value_q.q1[0].weight, policy.value_q_target.q1[0].weight
+    assert not torch.equal(online, moved) and (online - moved).abs().max() < 0.5
+
+
+def test_a_soft_policy_acts_inside_the_action_box():
+    """SAC's actor squashes its chunk by tanh: samples and the deterministic chunk lie in
+    (-1, 1), their log-probs are finite, and a recorded chunk on the box's edge scores."""
+    policy = _soft_policy()
+    obs = {k[4:]: v for k, v in _batch(16, np.random.default_rng(2)).items()
+           if k.startswith("obs.")}
+    with torch.no_grad():
+        policy.log_std.fill_(1.0)  # wide: the Gaussian's samples reach far past the box
+        for deterministic in (False, True):
+            out = policy.act(obs, deterministic)
+            assert out.actions.abs().max() <= 1 and torch.isfinite(out.logprob).all()
+        logprob, _, entropy = policy.evaluate(obs, torch.ones(16, 2, 2))
+        assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()

@@ -28,6 +28,8 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
         kwargs.update(found)
     if kwargs.get("denoise_steps") == 0:  # no folder's sampler to follow
         kwargs["denoise_steps"] = DEFAULT_DENOISE_STEPS
+    if cfg.algorithm.off_policy:  # SAC's critics and squashed actor (policies/soft_critics.py)
+        kwargs.update(soft_critics=True, critic_layer_norm=cfg.algorithm.critic_layer_norm)
     if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
     return kwargs

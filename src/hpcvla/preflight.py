@@ -176,11 +176,13 @@ def layout_devices(cfg, plan: RankPlan) -> dict[int, str]:
 
 
 def memory_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
-    """The GPUs the layout overfills (memory/layout.py), where it puts ranks on GPUs."""
+    """The GPUs the layout overfills (memory/layout.py), where it puts ranks on GPUs, and the
+    nodes whose replay buffers (algorithm.name=sac) would not fit their host memory."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import plan_memory
 
     devices = layout_devices(cfg, plan)
-    if not any(d.startswith("cuda") for d in devices.values()):
+    if not any(d.startswith("cuda") for d in devices.values()) and \
+            not cfg.algorithm.off_policy:
         return []
     return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems

@@ -58,6 +58,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,
                          f"env.max_episode_chunks ({cfg.env.max_episode_chunks}) for "
                          "algorithm.name=grpo: a segment holds one grouped episode per env"))
+    problems += _off_policy_problems(cfg)
     shards = shards_problem(cfg.env.envs_per_simulator, cfg.env.shards)
     if shards:
         problems.append(shards)
@@ -80,6 +81,32 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "
                          "simulation (set env.sim_backend=cpu, or env.name=maniskill)"))
+    return problems
+
+
+def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
+    """algorithm.name=sac: what its learner (roles/off_policy.py) runs with."""
+    alg = cfg.algorithm
+    if not alg.off_policy:
+        return []
+    problems = []
+    if not family(cfg.policy.name).soft_critics:
+        problems.append(("policy.name", cfg.policy.name, "default with algorithm.name=sac (the "
+                         "family with SAC's critics and squashed actor)"))
+    if cfg.pipeline.mode != "sync-colocated":
+        problems.append(("pipeline.mode", cfg.pipeline.mode, "sync-colocated with "
+                         "algorithm.name=sac (its replay learner runs on the colocated ranks; "
+                         "configs/colocated_sac.yaml)"))
+    if cfg.learner.zero_stage == 3:
+        problems.append(("learner.zero_stage", 3, "0, 1 or 2 with algorithm.name=sac (its "
+                         "losses call the critics outside the engine's forward)"))
+    if alg.utd <= 0:
+        problems.append(("algorithm.utd", alg.utd, "> 0 gradient steps per transition with "
+                         "algorithm.name=sac (0 would never train)"))
+    if alg.learning_starts > alg.replay_capacity:
+        problems.append(("algorithm.learning_starts", alg.learning_starts,
+                         f"at most algorithm.replay_capacity ({alg.replay_capacity}): the "
+                         "buffer would never hold enough to start"))
     return problems
 
 

@@ -21,10 +21,12 @@ class FamilyTraits:
     vla: bool
     # a published folder may hold relative actions (policy.delta_action_dims: π0's LIBERO)
     relative_actions: bool
+    # SAC's critics and squashed actor (policies/soft_critics.py): algorithm.name=sac
+    soft_critics: bool = False
 
 
 FAMILIES = {
-    "default": FamilyTraits(vla=False, relative_actions=False),
+    "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True),
     "flow": FamilyTraits(vla=True, relative_actions=True),
     "tokens": FamilyTraits(vla=True, relative_actions=False),
     "oft": FamilyTraits(vla=True, relative_actions=False),

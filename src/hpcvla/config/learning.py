@@ -149,8 +149,12 @@ class AlgorithmConfig:
         "ppo", "RL algorithm, both with the decoupled (staleness-aware) objective. `ppo`: "
         "actor-critic, chunk-level GAE. `grpo`: critic-free, each episode's advantage is its "
         "score against its group's (episodes from one initial state; envs restart in groups "
-        "every segment, so rollout.segment_len must equal env.max_episode_chunks).",
-        choices=("ppo", "grpo"))
+        "every segment, so rollout.segment_len must equal env.max_episode_chunks). `sac`: "
+        "off-policy soft actor-critic (twin critics with targets, automatic entropy "
+        "temperature, a tanh-squashed actor) from a replay buffer every transition enters "
+        "once (algorithm.replay_capacity, utd, batch_size, tau, learning_starts); the "
+        "`default` policy in pipeline.mode=sync-colocated, learner.zero_stage < 3 "
+        "(roles/off_policy.py).", choices=("ppo", "grpo", "sac"))
     group_size: int = setting(
         8, "GRPO: episodes per group (consecutive envs of a shard, so it must divide the envs "
         "per shard). Larger groups: better baselines, fewer distinct initial states.", ge=2)
@@ -201,8 +205,35 @@ class AlgorithmConfig:
     max_behaviour_weight: float = setting(
         2.0, "Cap of the importance weight proximal/behaviour policy for stale samples "
         "(higher corrects more, with more variance).", ge=1)
+    replay_capacity: int = setting(
+        100_000, "`sac`: transitions (one env's chunk-step each) the replay buffer of each "
+        "learner holds in host memory, the oldest overwritten first; `hpcvla plan` counts "
+        "its bytes (observation and next observation, the chunk, reward, terminal).", ge=1)
+    batch_size: int = setting(
+        256, "`sac`: transitions sampled per pass; a gradient step is learner.micro_batches "
+        "passes on each learner.", ge=1)
+    utd: float = setting(
+        0.5, "`sac`: update-to-data ratio, gradient steps per transition a learner collects "
+        "(rounded up per version). Higher learns more per env step at more learner time and "
+        "risks the critics overfitting (critic_layer_norm helps).", ge=0)
+    tau: float = setting(
+        0.005, "`sac`: Polyak rate of the target critics per gradient step: smaller moves "
+        "the Bellman target more slowly and steadily.", ge=0, le=1)
+    learning_starts: int = setting(
+        1000, "`sac`: transitions a learner's buffer holds before its first gradient step "
+        "(until then the initial policy acts).", ge=0)
+    critic_layer_norm: bool = setting(
+        False, "`sac`: LayerNorm after each hidden layer of the critics (RLPD): bounds their "
+        "extrapolation to unseen actions, which high `utd` otherwise turns into divergence.")
     max_grad_norm: float = setting(
         0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)
+
+
+    @property
+    def off_policy(self) -> bool:
+        """Learns from a replay buffer (roles/off_policy.py) rather than each version's
+        fresh segments."""
+        return self.name == "sac"
 
 
 @dataclass

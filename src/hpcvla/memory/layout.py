@@ -85,7 +85,46 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
     on_gpus = any(d.startswith("cuda") for d in devices.values())
     envs = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
     fp = footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len, envs, on_gpus)
-    return layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement))
+    replay = replay_bytes(cfg.algorithm, spec)
+    memory = layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement), replay)
+    if replay:
+        memory.problems += replay_problems(cfg, memory, replay, host_bytes())
+    return memory
+
+
+def replay_bytes(alg, spec) -> int:
+    """One off-policy learner's replay buffer (algorithms/replay.py), 0 for the others."""
+    if not alg.off_policy:
+        return 0
+    from hpcvla.algorithms.replay import ReplayBuffer
+    from hpcvla.algorithms.transitions import transition_specs
+    return ReplayBuffer.nbytes_of(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
+                                  alg.replay_capacity)
+
+
+def host_bytes() -> int:
+    """This machine's memory (MemTotal): the nodes of a job are alike, as a cluster's are."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def replay_problems(cfg, memory: LayoutMemory, per_learner: int,
+                    capacity: int) -> list[tuple[str, object, str]]:
+    """A node whose learners' replay buffers (`per_learner` bytes each) alone would not fit in
+    its host memory (`capacity` bytes)."""
+    out = []
+    for node, parts in memory.per_node_host().items():
+        replay = parts.get("replay buffers", 0)
+        if capacity and replay > capacity:
+            out.append(("algorithm.replay_capacity", cfg.algorithm.replay_capacity,
+                        f"fewer transitions: node {node}'s learners' replay buffers take "
+                        f"{size(replay)}, more than its {size(capacity)} of host memory "
+                        f"(this machine's; {per_learner / cfg.algorithm.replay_capacity / 1024:.1f}"
+                        " KiB per transition and learner)"))
+    return out
 
 
 def gpu_capacity_gib(placement) -> float:
@@ -98,9 +137,11 @@ def gpu_capacity_gib(placement) -> float:
     return 0.0
 
 
-def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -> LayoutMemory:
+def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
+                  replay: int = 0) -> LayoutMemory:
     """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
-    (footprint.policy_footprint at the config's micro-batch and inference batch)."""
+    (footprint.policy_footprint at the config's micro-batch and inference batch); `replay`:
+    each learner's replay buffer (replay_bytes)."""
     learners = len(plan.learners)
     # where parameters are frozen, versions after the first cross packed (transport/weights.py):
     # a buffer of the trainable bytes on the root and on every node leader
@@ -136,6 +177,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float) -
         if LEARN in info.roles:
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
+            if replay:
+                add(host[info.rank], "replay buffers", replay)
         if info.rank == plan.weight_root:
             # its packed buffer counted below where it is also a node leader (one per rank)
             add(host[info.rank], "weight root staging", 2 * fp.weight_bytes +

@@ -17,9 +17,10 @@ import math
 
 import torch
 from torch import nn
-from torch.distributions import Normal
+from torch.distributions import Normal, TanhTransform, TransformedDistribution
 
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
+from hpcvla.policies.soft_critics import SoftCritics
 
 INSTRUCTION_EMBED_DIM = 32
 
@@ -31,7 +32,7 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
     return layer
 
 
-class DefaultPolicy(Policy):
+class DefaultPolicy(SoftCritics, Policy):
     """Actor-critic over (image, instruction, optional state) producing Gaussian action chunks.
 
     Args:
@@ -42,6 +43,10 @@ class DefaultPolicy(Policy):
         vocab_size: instruction token vocabulary size (id 0 is padding).
         hidden: width of the image projection, state projection and MLP trunk.
         init_log_std: initial value of the (state-independent) log standard deviation.
+        soft_critics: add SAC's twin critics, their targets and the temperature
+            (policies/soft_critics.py), for an off-policy learner; the value head stays
+            (PPO's, unused there).
+        critic_layer_norm: with soft_critics, LayerNorm in the critics (RLPD).
     """
 
     family = "default"
@@ -60,12 +65,16 @@ class DefaultPolicy(Policy):
         vocab_size: int,
         hidden: int = 128,
         init_log_std: float = -0.7,
+        soft_critics: bool = False,
+        critic_layer_norm: bool = False,
     ):
         super().__init__()
         # what config.json records to rebuild it (policies/folders.save_pretrained)
         self.obs_spec = {k: (tuple(shape), dt) for k, (shape, dt) in obs_spec.items()}
         self.vocab_size = int(vocab_size)
-        self.init_args = {"hidden": int(hidden), "init_log_std": float(init_log_std)}
+        self.init_args = {"hidden": int(hidden), "init_log_std": float(init_log_std),
+                          "soft_critics": bool(soft_critics),
+                          "critic_layer_norm": bool(critic_layer_norm)}
         self.action_dim = int(action_dim)
         self.chunk_len = int(chunk_len)
         self.has_image = "image" in obs_spec
@@ -110,6 +119,9 @@ class DefaultPolicy(Policy):
         self.mean_head = layer_init(nn.Linear(hidden, n_out), std=0.01)
         self.value_head = layer_init(nn.Linear(hidden, 1), std=1.0)
         self.log_std = nn.Parameter(torch.full((n_out,), float(init_log_std)))
+        self.squash = bool(soft_critics)  # SAC's actor acts in the box (actor_dist)
+        if soft_critics:
+            self.add_soft_critics(feat_dim, n_out, hidden, critic_layer_norm)
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Encode each present modality and concatenate: (B, feat_dim)."""
@@ -131,15 +143,30 @@ class DefaultPolicy(Policy):
     def _dist_and_value(self, obs: dict[str, torch.Tensor]) -> tuple[Normal, torch.Tensor]:
         """Flat Normal over chunk_len*action_dim dims, and the value (B,)."""
         h = self.features(obs)
-        mean = self.mean_head(self.trunk(h))
-        std = self.log_std.exp().expand_as(mean)
-        return Normal(mean, std), self.value_head(self.value_trunk(h)).squeeze(-1)
+        return self.actor_dist(h), self.value_head(self.value_trunk(h)).squeeze(-1)
+
+    def actor_dist(self, features: torch.Tensor) -> Normal | TransformedDistribution:
+        """The flat action distribution of encoded observations (`features`): a Normal, or
+        with soft critics a Normal squashed by tanh into the action box (SAC's actor: an
+        unbounded Gaussian whose entropy is rewarded would widen past the box and act at its
+        edges)."""
+        mean = self.mean_head(self.trunk(features))
+        normal = Normal(mean, self.log_std.exp().expand_as(mean))
+        return TransformedDistribution(normal, [TanhTransform(cache_size=1)]) \
+            if self.squash else normal
+
+    def soft_actions(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """SAC's reparameterised sample: flat chunks (B, chunk_len * action_dim) whose
+        gradient reaches the actor, and their log-probs (B,)."""
+        dist = self.actor_dist(features)
+        flat = dist.rsample()
+        return flat, dist.log_prob(flat).sum(-1)
 
     def act(self, obs: dict[str, torch.Tensor], deterministic: bool = False) -> ActOutput:
         with torch.no_grad():
             dist, value = self._dist_and_value(obs)
-            flat = dist.mean if deterministic else dist.sample()
-            logprob = dist.log_prob(flat).sum(-1)
+            flat = _mode(dist) if deterministic else dist.sample()
+            logprob = dist.log_prob(_inside(dist, flat)).sum(-1)
             actions = flat.view(-1, self.chunk_len, self.action_dim)
         return ActOutput(actions=actions, logprob=logprob, value=value)
 
@@ -147,18 +174,39 @@ class DefaultPolicy(Policy):
         self, obs: dict[str, torch.Tensor], actions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dist, value = self._dist_and_value(obs)
-        flat = actions.reshape(actions.shape[0], -1).to(dist.mean.dtype)
-        logprob = dist.log_prob(flat).sum(-1)
-        entropy = dist.entropy().sum(-1)
-        return logprob, value, entropy
+        logprob = dist.log_prob(self._flat(dist, actions)).sum(-1)
+        return logprob, value, _base(dist).entropy().sum(-1)  # squashed: the Gaussian's
 
     def imitation_loss(self, obs, actions, real):
         """Negative log-likelihood per action dimension of the real steps (so the scale does
         not grow with chunk_len x action_dim)."""
         dist, _ = self._dist_and_value(obs)
-        flat = actions.reshape(actions.shape[0], -1).to(dist.mean.dtype)
-        nll = -dist.log_prob(flat).view(-1, self.chunk_len, self.action_dim)
+        nll = -dist.log_prob(self._flat(dist, actions)).view(-1, self.chunk_len,
+                                                             self.action_dim)
         return real_steps_mean(nll, real)
+
+    def _flat(self, dist, actions: torch.Tensor) -> torch.Tensor:
+        """Recorded chunks (B, chunk_len, action_dim) as the distribution's flat samples."""
+        return _inside(dist, actions.reshape(actions.shape[0], -1).to(_base(dist).mean.dtype))
+
+
+def _base(dist: Normal | TransformedDistribution) -> Normal:
+    return dist.base_dist if isinstance(dist, TransformedDistribution) else dist
+
+
+def _mode(dist: Normal | TransformedDistribution) -> torch.Tensor:
+    """The deterministic action: the Gaussian's mean, squashed where the policy squashes."""
+    return torch.tanh(dist.base_dist.mean) if isinstance(dist, TransformedDistribution) \
+        else dist.mean
+
+
+def _inside(dist: Normal | TransformedDistribution, flat: torch.Tensor) -> torch.Tensor:
+    """A squashed policy scores only actions strictly inside (-1, 1): a demonstrated or
+    clipped chunk on the box's edge would have log-prob -inf (tanh never reaches it)."""
+    if isinstance(dist, TransformedDistribution):
+        edge = 1.0 - torch.finfo(flat.dtype).eps
+        return flat.clamp(-edge, edge)
+    return flat
 
 
 def count_parameters(module: nn.Module) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -21,27 +21,42 @@ from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.roles.setup import RoleSetup
 
 if TYPE_CHECKING:
-    from hpcvla.config.schema import Config
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import StepResult, VectorEnv
     from hpcvla.metrics.dump import TrajectoryDump
-    from hpcvla.metrics.progress import Progress
     from hpcvla.metrics.timeline import Timeline
     from hpcvla.policies.base import Policy
     from hpcvla.roles.segments import SegmentGroup
 
 
-def run_colocated(setup: RoleSetup, *, engine: SkipNonfinite, actor: Policy, env: VectorEnv,
+class VersionUpdate(Protocol):
+    """What trains one version from this rank's segment groups: `OnPolicyUpdate` (PPO, GRPO)
+    or the off-policy learner's (roles/off_policy.py); it loads the new weights into the
+    acting copy and returns them."""
+    needs_next_obs: bool  # the groups carry the observation after their last row
+
+    def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]: ...
+
+    def counters(self) -> dict[str, int]:
+        """What a checkpoint keeps beside the trained env steps, and a resume continues."""
+        ...
+
+    def summary(self) -> dict[str, int]:
+        """What the rank reports in summary.json."""
+        ...
+
+
+def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env: VectorEnv,
                   after_version: Callable[[int, dict[str, torch.Tensor], bool], None],
                   stop: Callable[[], bool], dump: TrajectoryDump | None = None) -> int:
     """Train versions first+1 .. total_updates (fewer if `stop()` says so after a version);
     returns the env steps this rank took. `actor` is this rank's acting copy of the policy,
-    holding the learner's weights, refreshed from it after every update (under ZeRO-3 the
-    learner holds shards);
+    holding the learner's weights, refreshed from it by `update` after every version (under
+    ZeRO-3 the learner holds shards);
     `after_version(version, weights, last)` runs after every version (a checkpoint when due, the
     held-out evaluation when due: roles/evaluator.py); `dump` (metrics/dump.py), if given,
     gets every segment group."""
-    cfg, timeline, progress = setup.cfg, setup.timeline, setup.progress
+    cfg, timeline = setup.cfg, setup.timeline
     emulate_ms, total_updates = setup.emulated_inference_ms, setup.total_updates
     spec = env.spec
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
@@ -58,15 +73,12 @@ def run_colocated(setup: RoleSetup, *, engine: SkipNonfinite, actor: Policy, env
             builder.record_outcome(outcome_of(result))
         if builder.full:
             builder.batch = version  # trained in update `version`: staleness 0
-            groups.append(builder.finish(value))
+            groups.append(builder.finish(value, obs if update.needs_next_obs else None))
             if dump:
                 with timeline.span("dump"):
                     dump.add_segment(groups[-1])
             if len(groups) * env.num_envs >= micro * n_micro:
-                per_micro = micro // env.num_envs  # train, then act again with new weights
-                weights = _update(cfg, engine, actor, [groups[i * per_micro:(i + 1) * per_micro]
-                                                       for i in range(n_micro)],
-                                  version, timeline, progress)
+                weights = update(groups, version)  # train, then act again with new weights
                 groups, version = [], version + 1
                 last = version == total_updates or stop()
                 after_version(version, weights, last)  # [dist] a checkpoint when due
@@ -99,16 +111,34 @@ def _act(policy: Policy, obs: dict[str, np.ndarray], envs: int, timeline: Timeli
     return actions, logprob, value, recorded
 
 
-def _update(cfg: Config, engine: SkipNonfinite, actor: Policy,
-            micro_batches: list[list[SegmentGroup]], version: int, timeline: Timeline,
-            progress: Progress) -> dict[str, torch.Tensor]:
-    """Train version `version` + 1 on this rank's micro-batches (data-parallel with the other
-    ranks) and load the new weights into the acting copy; returns them."""
-    learn(cfg, engine, micro_batches, version, timeline, progress)
-    progress.on_update(version + 1)
+class OnPolicyUpdate:
+    """PPO's or GRPO's version: this rank's groups as `learner.micro_batches` micro-batches,
+    trained data-parallel with the other ranks (roles/learner.learn)."""
+    needs_next_obs = False
+
+    def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy):
+        self.setup, self.engine, self.actor = setup, engine, actor
+
+    def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]:
+        cfg, timeline, progress = self.setup.cfg, self.setup.timeline, self.setup.progress
+        per_micro = len(groups) // cfg.learner.micro_batches
+        learn(cfg, self.engine, [groups[i * per_micro:(i + 1) * per_micro]
+                                 for i in range(cfg.learner.micro_batches)],
+              version, timeline, progress)
+        progress.on_update(version + 1)
+        return publish(self.engine, self.actor, timeline)
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def summary(self) -> dict[str, int]:
+        return {}
+
+
+def publish(engine: SkipNonfinite, actor: Policy, timeline: Timeline) -> dict[str, torch.Tensor]:
+    """The learner's new weights, loaded into the acting copy; returns them."""
     with timeline.span("publish"):
         weights = full_state(engine)  # [dist] under ZeRO-3
         assert weights is not None  # full_state gathers them unless told not to
         actor.load_arrays(weights)
     return weights
-

@@ -78,9 +78,11 @@ class RankSummary:
 
 
 def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir: Path,
-                 progress: Progress, timeline: Timeline) -> Save:
+                 progress: Progress, timeline: Timeline,
+                 counters: Callable[[], dict[str, int]] = dict) -> Save:
     """save(version, full weights, last): a checkpoint when one is due or the run ends
-    (collective on the learners). With learner.checkpoint_background it is written in the
+    (collective on the learners), with the trained env steps and what `counters()` adds
+    (the off-policy learner's replay position). With learner.checkpoint_background it is written in the
     background (checkpoint/store.py's Writer): training waits only for the snapshot, and for
     the previous checkpoint if that is still being written. The last one is complete when
     save returns."""
@@ -92,7 +94,7 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
         if every >= 0 and (last or (every and version % every == 0)):
             with timeline.span("checkpoint"):
                 writer.save(run_dir, engine, weights, version,  # [dist] the learners
-                            {"trained_env_steps": progress.steps}, learners,
+                            {"trained_env_steps": progress.steps, **counters()}, learners,
                             keep=cfg.learner.checkpoint_keep)
                 if last:
                     writer.wait()

@@ -14,7 +14,7 @@ from hpcvla.envs.build import env_failures, make_envs
 from hpcvla.factory import build_policy
 from hpcvla.metrics import phases
 from hpcvla.process import preempt
-from hpcvla.roles.colocated import run_colocated
+from hpcvla.roles.colocated import OnPolicyUpdate, VersionUpdate, run_colocated
 from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
 from hpcvla.roles.learner import run_learner
@@ -111,13 +111,15 @@ def evaluator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
 def colocated_rank(me: Rank) -> tuple[float, Counters]:
     cfg, rank = me.cfg, me.rank
     engine = _start_engine(me)
-    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
+    actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
+    update = _version_update(me, engine, actor)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline,
+                        update.counters)
     env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
                     first_env=rank * cfg.env.envs_per_simulator,
                     owner=f"rank {rank} (colocated)")
     dump = trajectory_dump(cfg, me.spec, _policy(me), rank, me.run_dir,
                            lambda slot: colocated_seed(cfg, rank))
-    actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
     held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None
     start = start_clock(me)
     actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
@@ -130,7 +132,7 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
                           last: bool) -> None:
             save(version, weights, last)  # [dist]
             evaluate(version, last)  # [dist]
-    env_steps = run_colocated(me.setup, engine=engine, actor=actor, env=env,
+    env_steps = run_colocated(me.setup, update=update, actor=actor, env=env,
                               after_version=after_version,
                               stop=lambda: preempt.agreed(me.comms.learners),  # [dist]
                               dump=dump)
@@ -138,9 +140,21 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
         held_out.close()
     stats = {"env_steps": env_steps,
              "staleness_hist": {0: me.progress.micro_batches * cfg.learner.micro_batch},
-             "nonfinite_steps_skipped": engine.skipped, "env_failures": env_failures([env])}
+             "nonfinite_steps_skipped": engine.skipped, "env_failures": env_failures([env]),
+             **update.summary()}
     env.close()
     return start, stats
+
+
+def _version_update(me: Rank, engine: SkipNonfinite, actor: Policy) -> VersionUpdate:
+    """What trains a colocated version: the on-policy learner's (PPO, GRPO), or SAC's replay
+    (its buffer position continued from the checkpoint resumed)."""
+    if me.cfg.algorithm.name != "sac":
+        return OnPolicyUpdate(me.setup, engine, actor)
+    from hpcvla.checkpoint.catalog import read_state
+    from hpcvla.roles.off_policy import SoftUpdate
+    done = read_state(me.resume)["counters"].get("replay_transitions", 0) if me.resume else 0
+    return SoftUpdate(me.setup, engine, actor, me.spec, me.comms.learners, done)
 
 
 def _start_engine(me: Rank) -> SkipNonfinite:

@@ -17,6 +17,8 @@ together), as one record (see transport/records.py) with fields
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
     version          (T,) i8           policy version that acted at each step
     bootstrap_value  (n,) f4           value of the observation after the last step
+    next_obs.<name>  (n, *shape)       that observation itself, for an off-policy learner
+                                       (algorithms/transitions.py); only where asked for
     meta             (5,) i8           producer rank, slot, group index, envs, learner batch
                                        (transport/segment_meta.py names them)
 
@@ -79,10 +81,14 @@ class SegmentBuilder:
     def full(self) -> bool:
         return self.t == self.T
 
-    def finish(self, bootstrap_value: np.ndarray) -> SegmentGroup:
-        """The completed group (copies), given V(next observation); starts a new group."""
+    def finish(self, bootstrap_value: np.ndarray,
+               next_obs: Mapping[str, np.ndarray] | None = None) -> SegmentGroup:
+        """The completed group (copies), given V(next observation) and, for an off-policy
+        learner, that observation (`next_obs`); starts a new group."""
         group = {k: v.copy() for k, v in self.buf.items()}
         group["bootstrap_value"] = np.asarray(bootstrap_value, np.float32).copy()
+        for k, v in (next_obs or {}).items():
+            group[f"next_obs.{k}"] = np.array(v)
         group["meta"] = np.array(SegmentMeta(self.producer, self.slot, self.groups, self.n,
                                              self.batch), np.int64)
         self.groups += 1

@@ -1,0 +1,77 @@
+"""What an off-policy learner (SAC, algorithms/sac.py) adds to a policy: twin Q critics over
+(features, flat action chunk), their target copies, and the entropy temperature.
+
+    class MyPolicy(SoftCritics, Policy): ...
+    policy.add_soft_critics(feature_dim, action_dims, hidden, layer_norm)
+    q1, q2 = policy.soft_q(features, flat_actions)                 # the critics
+    q1, q2 = policy.soft_q(features, flat_actions, frozen=True)    # no gradient to them
+    q1, q2 = policy.soft_q(features, flat_actions, target=True)    # the target copies
+
+The modules are the policy's own (`value_q`, `value_q_target`, `sac_log_alpha`), so they train
+in the learner's engine, checkpoint and resume with it: `value_*` names give the critics
+`algorithm.critic_lr` (engines/base.param_groups); the target copies take no gradient
+(requires_grad off: the weight plane sends them once, the actors never read them) and move
+only by Polyak averaging. `layer_norm` puts a LayerNorm after each hidden layer of the critics,
+as RLPD does: it bounds the critics' extrapolation to actions the data never shows, which a
+high update-to-data ratio otherwise turns into divergence.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+
+class TwinQ(nn.Module):
+    """Two independent MLP critics Q(features, action) -> (B,), (B,)."""
+
+    def __init__(self, in_dim: int, hidden: int, layer_norm: bool):
+        super().__init__()
+
+        def critic() -> nn.Sequential:
+            layers: list[nn.Module] = []
+            for width_in in (in_dim, hidden):
+                layers += [nn.Linear(width_in, hidden),
+                           *([nn.LayerNorm(hidden)] if layer_norm else []), nn.ReLU()]
+            return nn.Sequential(*layers, nn.Linear(hidden, 1))
+
+        self.q1, self.q2 = critic(), critic()
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q1(x).squeeze(-1), self.q2(x).squeeze(-1)
+
+
+class SoftCritics:
+    """A policy's SAC critics (mixed into an nn.Module policy with `features` and
+    `soft_actions`)."""
+
+    value_q: TwinQ
+    value_q_target: TwinQ
+    sac_log_alpha: nn.Parameter
+
+    def add_soft_critics(self, feature_dim: int, action_dims: int, hidden: int,
+                         layer_norm: bool) -> None:
+        """Twin critics over (the policy's features, a flat chunk of `action_dims`), their
+        target copies (equal at the start) and a log-temperature (alpha = 1 at the start)."""
+        self.value_q = TwinQ(feature_dim + action_dims, hidden, layer_norm)
+        self.value_q_target = copy.deepcopy(self.value_q).requires_grad_(False)
+        self.sac_log_alpha = nn.Parameter(torch.zeros(1))  # 1-d: DeepSpeed broadcasts bytes
+
+    def soft_q(self, features: torch.Tensor, flat_actions: torch.Tensor, *,
+               frozen: bool = False, target: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The twin critics at (features, flat action chunks). `frozen`: the online critics
+        with their parameters detached, so the actor's loss moves the actor through the
+        actions and never the critics; `target`: the target copies."""
+        x = torch.cat([features, flat_actions.to(features.dtype)], dim=-1)
+        if target:
+            return self.value_q_target(x)
+        if frozen:
+            params = {name: p.detach() for name, p in self.value_q.named_parameters()}
+            return functional_call(self.value_q, params, (x,))
+        return self.value_q(x)
+
+
+__all__ = ["TwinQ", "SoftCritics"]

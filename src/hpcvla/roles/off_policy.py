@@ -1,0 +1,105 @@
+"""The off-policy learner's version (SAC, algorithm.name=sac) in sync-colocated mode: every
+rank keeps its own replay buffer (algorithms/replay.py) of the transitions its envs made, and
+the ranks take SAC's gradient steps data-parallel.
+
+Per version, on every rank:
+
+    add the version's segment groups to the buffer      every transition enters it once
+    gradient steps: algorithm.utd x the transitions this rank collected (the same count on
+        every rank: they step in lock-step), each `learner.micro_batches` passes of
+        `algorithm.batch_size` sampled transitions, then the target critics' Polyak step;
+        none while the buffer holds fewer than algorithm.learning_starts
+    publish the new weights to the acting copy
+
+The transitions that entered the ranks' buffers, summed over the ranks, are checkpointed with
+the version as the counter `replay_transitions`, and a resumed run continues the count (on
+any number of ranks); the held transitions are not checkpointed: a resumed learner refills
+its buffer, training only once it again holds algorithm.learning_starts of them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets
+from hpcvla.algorithms.replay import ReplayBuffer
+from hpcvla.algorithms.sac import default_target_entropy
+from hpcvla.algorithms.transitions import transition_specs, transitions_of
+from hpcvla.roles.colocated import publish
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from hpcvla.engines import SkipNonfinite
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.policies.base import Policy
+    from hpcvla.roles.segments import SegmentGroup
+    from hpcvla.roles.setup import RoleSetup
+
+
+class SoftUpdate:
+    """SAC's version (module docstring), a roles/colocated.VersionUpdate."""
+    needs_next_obs = True
+
+    def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy, spec: EnvSpec,
+                 learners: MPI.Comm, resumed_transitions: int = 0):
+        self.setup, self.engine, self.actor, self.alg = setup, engine, actor, setup.cfg.algorithm
+        self.learners, self.resumed = learners, resumed_transitions
+        self.obs_names = list(spec.obs)
+        self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
+                                   self.alg.replay_capacity)
+        self.target_entropy = default_target_entropy(spec.action_dim, spec.chunk_len)
+        # each rank its own draws: the data-parallel ranks sample different transitions
+        self.rng = np.random.default_rng([setup.cfg.run.seed, setup.rank, resumed_transitions])
+        self.dropped = self.gradient_steps = 0
+
+    def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]:
+        setup, buffer = self.setup, self.buffer
+        collected = 0
+        for group in groups:
+            kept, dropped = transitions_of(group, self.obs_names)
+            buffer.add(kept)
+            self.dropped += dropped
+            collected += group["reward"].size
+            setup.progress.on_segments(group)
+        steps = math.ceil(self.alg.utd * collected) \
+            if buffer.size >= self.alg.learning_starts else 0
+        with setup.timeline.span("train"):
+            for _ in range(steps):
+                stats = self._gradient_step()
+        if steps:
+            setup.progress.on_micro_batch({**stats, "gradient_steps": steps,
+                                           "replay_size": buffer.size})
+        setup.progress.on_update(version + 1)
+        return publish(self.engine, self.actor, setup.timeline)
+
+    def _gradient_step(self) -> dict[str, float]:
+        """One optimizer step (learner.micro_batches sampled batches), then the targets'."""
+        engine, policy = self.engine, self.engine.module
+        for _ in range(self.setup.cfg.learner.micro_batches):
+            batch = {k: torch.as_tensor(v).to(engine.device, non_blocking=True)
+                     for k, v in self.buffer.sample(self.alg.batch_size, self.rng).items()}
+            loss, stats = soft_actor_critic_loss(self.alg, policy, batch, self.target_entropy)
+            engine.backward(loss)
+            engine.step()
+        update_targets(policy, self.alg.tau)
+        self.gradient_steps += 1
+        return stats
+
+    def counters(self) -> dict[str, int]:
+        """The checkpoint's (collective on the learners, as the checkpoint is): every
+        transition that entered a buffer of this run and of those it resumed."""
+        added = self.learners.allreduce(self.buffer.position)  # [dist]
+        return {"replay_transitions": self.resumed + added}
+
+    def summary(self) -> dict[str, int]:
+        """This rank's, in this world: the transitions its buffer took, holds and dropped."""
+        return {"replay_added": self.buffer.position, "replay_size": self.buffer.size,
+                "gradient_steps": self.gradient_steps, "transitions_dropped": self.dropped}
+
+
+__all__ = ["SoftUpdate"]

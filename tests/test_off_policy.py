@@ -1,0 +1,78 @@
+"""The off-policy learner (algorithm.name=sac, roles/off_policy.py) in real MPI worlds: it
+trains, checkpoints its replay position and resumes from it; what it cannot run, or a
+buffer that cannot fit, is refused before any rank starts. The losses are tested on tensors
+in tests/test_sac.py."""
+
+import json
+
+import pytest
+
+from hpcvla.config import load_config
+from hpcvla.config.loader import ConfigError
+from helpers import ROOT, hpcvla, run_train
+
+# small and quick: 32 px images, 16-transition batches, a gradient step every 8 transitions;
+# a version brings a rank 256 transitions (fewer kept): training starts at its second
+SMALL = ["env.image_size=32", "policy.hidden=32", "algorithm.batch_size=16",
+         "algorithm.utd=0.125", "algorithm.learning_starts=300", "algorithm.replay_capacity=300"]
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
+    """2 colocated ranks, 3 versions then 2 more after a resume: every transition a rank
+    collected enters its buffer once (the position counts them across the resume, the
+    capacity bounds what is held), gradient steps start once the buffer holds
+    learning_starts, the critics' statistics reach metrics.jsonl. ~30-40 s: two worlds."""
+    _, first, run_dir = run_train(tmp_path, "pipeline.total_updates=3", *SMALL,
+                                  config="configs/colocated_sac.yaml", ranks=2)
+    learner = load_config(run_dir / "config.yaml").learner  # a rank's transitions per version:
+    per_version = learner.micro_batch * learner.micro_batches * 8  # env segments x 8 steps
+    ranks = first["per_rank"]
+    for r in ranks:  # the horizon cuts are dropped (their next observation is a reset one)
+        assert r["replay_added"] + r["transitions_dropped"] == 3 * per_version, r
+        assert r["replay_size"] == min(r["replay_added"], 300)
+        assert r["gradient_steps"] == 2 * per_version // 8  # versions 2 and 3: 300 held
+    assert _replay_transitions(run_dir) == sum(r["replay_added"] for r in ranks)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
+               if line]
+    assert {"critic_loss", "actor_loss", "alpha", "q_mean"} <= set(records[-1])
+    out = hpcvla("train", "configs/colocated_sac.yaml", "--ranks", 2, f"run.resume={run_dir}",
+                 "pipeline.total_updates=5", *SMALL, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    second = json.loads((run_dir / "summary.json").read_text())
+    for r in second["per_rank"]:
+        assert r["first_version"] == 3
+        assert r["replay_added"] + r["transitions_dropped"] == 2 * per_version, r
+        assert r["replay_size"] == min(r["replay_added"], 300)  # refilled from empty
+        assert r["gradient_steps"] == per_version // 8  # version 5 only: 300 held again
+    assert _replay_transitions(run_dir) == sum(r["replay_added"] for r in ranks) + \
+        sum(r["replay_added"] for r in second["per_rank"])  # the count continued, once each
+
+
+def _replay_transitions(run_dir):
+    """The newest checkpoint's count of transitions that entered the buffers."""
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    return json.loads((newest / "state.json").read_text())["counters"]["replay_transitions"]
+
+
+def test_what_sac_cannot_run_is_refused_before_launch(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/colocated_sac.yaml",
+                    ["policy.name=tokens", "algorithm.utd=0", "learner.zero_stage=3",
+                     "algorithm.learning_starts=500", "algorithm.replay_capacity=400"])
+    for field in ("policy.name = 'tokens'", "algorithm.utd = 0.0", "learner.zero_stage = 3",
+                  "algorithm.learning_starts = 500"):
+        assert field in str(err.value), (field, str(err.value))
+    with pytest.raises(ConfigError, match="pipeline.mode = 'streamer'"):
+        load_config(ROOT / "configs/default.yaml", ["algorithm.name=sac"])
+
+
+@pytest.mark.mpi
+def test_a_replay_buffer_larger_than_the_host_is_refused_before_any_rank_starts(tmp_path):
+    out = hpcvla("train", "configs/colocated_sac.yaml", "--ranks", 2, f"run.root={tmp_path}",
+                 "algorithm.replay_capacity=1000000000")
+    assert out.returncode != 0
+    assert "algorithm.replay_capacity = 1000000000" in out.stderr and \
+        "KiB per transition and learner" in out.stderr, out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # no run folder: nothing started
