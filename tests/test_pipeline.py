@@ -177,14 +177,14 @@ def test_two_nodes_two_learners_zero3_streamer(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.bench
-def test_modes_benchmark_runs_every_mode(tmp_path):
-    """CI's short run of `hpcvla bench modes`: every mode measured with its bound; no targets."""
+def test_modes_benchmark_measures_modes_against_sync_colocated(tmp_path):
+    """CI's short run of `hpcvla bench modes`: the baseline and the streamer measured with
+    their bounds; no targets. Two worlds (~35 s): every mode trains in its own test above."""
     out = hpcvla("bench", "modes", "--workload", "emulated", "--quick", "--json",
-                 tmp_path / "modes.json", timeout=900)
+                 tmp_path / "modes.json", "--modes", "sync-colocated,streamer", timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "modes.json").read_text())
-    assert list(results["modes"]) == ["sync-colocated", "sync-disaggregated", "train-async",
-                                      "rollout-async", "streamer"]
+    assert list(results["modes"]) == ["sync-colocated", "streamer"]
     for mode, r in results["modes"].items():
         assert r["throughput"] > 0 and r["ideal_bound"] > 0, mode
         assert r["efficiency"] == pytest.approx(r["throughput"] / r["ideal_bound"])
