@@ -222,6 +222,12 @@ class AlgorithmConfig:
     learning_starts: int = setting(
         1000, "`sac`: transitions a learner's buffer holds before its first gradient step "
         "(until then the initial policy acts).", ge=0)
+    init_temperature: float = setting(
+        0.1, "`sac`: the entropy temperature alpha at the start; it then follows the entropy "
+        "target (minus the chunk's dimensions). Its scale is the reward's: alpha x the "
+        "chunk's entropy is added to every step's reward, so a task whose chunks earn little "
+        "(reach: ~0.05) needs a small start, or the entropy bonus is all the critics learn "
+        "until alpha has decayed.", ge=1e-8)
     critic_layer_norm: bool = setting(
         False, "`sac`: LayerNorm after each hidden layer of the critics (RLPD): bounds their "
         "extrapolation to unseen actions, which high `utd` otherwise turns into divergence.")

@@ -47,6 +47,7 @@ class DefaultPolicy(SoftCritics, Policy):
             (policies/soft_critics.py), for an off-policy learner; the value head stays
             (PPO's, unused there).
         critic_layer_norm: with soft_critics, LayerNorm in the critics (RLPD).
+        init_temperature: with soft_critics, SAC's entropy temperature at the start.
     """
 
     family = "default"
@@ -67,6 +68,7 @@ class DefaultPolicy(SoftCritics, Policy):
         init_log_std: float = -0.7,
         soft_critics: bool = False,
         critic_layer_norm: bool = False,
+        init_temperature: float = 1.0,
     ):
         super().__init__()
         # what config.json records to rebuild it (policies/folders.save_pretrained)
@@ -74,7 +76,8 @@ class DefaultPolicy(SoftCritics, Policy):
         self.vocab_size = int(vocab_size)
         self.init_args = {"hidden": int(hidden), "init_log_std": float(init_log_std),
                           "soft_critics": bool(soft_critics),
-                          "critic_layer_norm": bool(critic_layer_norm)}
+                          "critic_layer_norm": bool(critic_layer_norm),
+                          "init_temperature": float(init_temperature)}
         self.action_dim = int(action_dim)
         self.chunk_len = int(chunk_len)
         self.has_image = "image" in obs_spec
@@ -121,7 +124,7 @@ class DefaultPolicy(SoftCritics, Policy):
         self.log_std = nn.Parameter(torch.full((n_out,), float(init_log_std)))
         self.squash = bool(soft_critics)  # SAC's actor acts in the box (actor_dist)
         if soft_critics:
-            self.add_soft_critics(feat_dim, n_out, hidden, critic_layer_norm)
+            self.add_soft_critics(feat_dim, n_out, hidden, critic_layer_norm, init_temperature)
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Encode each present modality and concatenate: (B, feat_dim)."""

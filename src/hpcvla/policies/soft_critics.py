@@ -19,6 +19,7 @@ high update-to-data ratio otherwise turns into divergence.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 from torch import nn
@@ -53,12 +54,14 @@ class SoftCritics:
     sac_log_alpha: nn.Parameter
 
     def add_soft_critics(self, feature_dim: int, action_dims: int, hidden: int,
-                         layer_norm: bool) -> None:
+                         layer_norm: bool, init_temperature: float) -> None:
         """Twin critics over (the policy's features, a flat chunk of `action_dims`), their
-        target copies (equal at the start) and a log-temperature (alpha = 1 at the start)."""
+        target copies (equal at the start) and a log-temperature (alpha = init_temperature
+        at the start)."""
         self.value_q = TwinQ(feature_dim + action_dims, hidden, layer_norm)
         self.value_q_target = copy.deepcopy(self.value_q).requires_grad_(False)
-        self.sac_log_alpha = nn.Parameter(torch.zeros(1))  # 1-d: DeepSpeed broadcasts bytes
+        # 1-d: DeepSpeed broadcasts parameters as bytes, which a 0-d tensor cannot be viewed as
+        self.sac_log_alpha = nn.Parameter(torch.full((1,), math.log(init_temperature)))
 
     def soft_q(self, features: torch.Tensor, flat_actions: torch.Tensor, *,
                frozen: bool = False, target: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     from hpcvla.roles.setup import RoleSetup
 
 
+SCORED = ("done", "env_fault", "success", "episode_return")  # what the progress counts
+
+
 class SoftUpdate:
     """SAC's version (module docstring), a roles/colocated.VersionUpdate."""
     needs_next_obs = True
@@ -65,7 +68,12 @@ class SoftUpdate:
             buffer.add(kept)
             self.dropped += dropped
             collected += group["reward"].size
-            setup.progress.on_segments(group)
+        n_micro = setup.cfg.learner.micro_batches  # counted as the on-policy learner counts
+        per_micro = len(groups) // n_micro
+        for i in range(n_micro):
+            part = groups[i * per_micro:(i + 1) * per_micro]
+            setup.progress.on_segments({k: np.concatenate([g[k] for g in part], axis=1)
+                                        for k in SCORED})
         steps = math.ceil(self.alg.utd * collected) \
             if buffer.size >= self.alg.learning_starts else 0
         with setup.timeline.span("train"):
