@@ -20,6 +20,8 @@ Arm sets (`--arms`):
   (held-out success, 128 states): flow after 150 updates 0.90 / 0.34 / 0.77 / 0.94 over seeds
   0-3, tokens after 120 updates 1.0 / 1.0 / 0.99 over seeds 0-2; at 64 px flow's take-off
   varied with the seed and the async timing (0.01-0.92 at 120 updates).
+* `off-policy`: SAC against PPO on reach, both sync-colocated on 2 ranks with the same env
+  steps per version (configs/colocated_sac.yaml against configs/colocated.yaml).
 * `imitation`: `modes` on a real task from an imitation start, as VLA users post-train:
   ManiSkill PushCube-v1 (configs/maniskill_pushcube.yaml), `IMITATION_DEMOS` scripted-expert
   demonstrations (`hpcvla demos`, training states), `hpcvla sft` on them, then both arms from
@@ -66,6 +68,8 @@ ARMS = {
 }
 ARMS["families"] = {family: [f"configs/reach_{family}.yaml", "--ranks", "4", "env.image_size=32"]
                     for family in ("flow", "tokens")}
+ARMS["off-policy"] = {"sac": ["configs/colocated_sac.yaml", "--ranks", "2"],
+                      "ppo": ["configs/colocated.yaml", "--ranks", "2"]}
 FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
