@@ -23,8 +23,10 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     """2 colocated ranks, 3 versions then 2 more after a resume: every transition a rank
     collected enters its buffer once (the position counts them across the resume, the
     capacity bounds what is held), gradient steps start once the buffer holds
-    learning_starts, the critics' statistics reach metrics.jsonl. ~30-40 s: two worlds."""
-    _, first, run_dir = run_train(tmp_path, "pipeline.total_updates=3", *SMALL,
+    learning_starts, the critics' statistics reach metrics.jsonl. Then RLPD with the first
+    run's trajectory dump as its prior data. ~40-50 s: three worlds."""
+    _, first, run_dir = run_train(tmp_path / "sac", "pipeline.total_updates=3", *SMALL,
+                                  "run.dump_trajectories=true",
                                   config="configs/colocated_sac.yaml", ranks=2)
     learner = load_config(run_dir / "config.yaml").learner  # a rank's transitions per version:
     per_version = learner.micro_batch * learner.micro_batches * 8  # env segments x 8 steps
@@ -48,6 +50,13 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
         assert r["gradient_steps"] == per_version // 8  # version 5 only: 300 held again
     assert _replay_transitions(run_dir) == sum(r["replay_added"] for r in ranks) + \
         sum(r["replay_added"] for r in second["per_rank"])  # the count continued, once each
+    # RLPD from the run's own trajectory dump as prior data: half of every batch
+    dump = sorted((run_dir / "trajectories").glob("rank*.h5"))[0]
+    _, rlpd, _ = run_train(tmp_path / "rlpd", "pipeline.total_updates=2", *SMALL,
+                           "algorithm.name=rlpd", f"algorithm.demos={dump}",
+                           config="configs/colocated_sac.yaml", ranks=2)
+    for r in rlpd["per_rank"]:
+        assert 0 < r["prior_transitions"] < 3 * per_version and r["gradient_steps"] > 0, r
 
 
 def _replay_transitions(run_dir):
@@ -66,6 +75,24 @@ def test_what_sac_cannot_run_is_refused_before_launch(tmp_path):
         assert field in str(err.value), (field, str(err.value))
     with pytest.raises(ConfigError, match="pipeline.mode = 'streamer'"):
         load_config(ROOT / "configs/default.yaml", ["algorithm.name=sac"])
+    for overrides in (["algorithm.name=rlpd"], ["algorithm.demos=x.h5"],
+                      ["algorithm.name=ppo", "algorithm.demos=x.h5"]):
+        with pytest.raises(ConfigError, match="algorithm.demos"):
+            load_config(ROOT / "configs/colocated_sac.yaml", overrides)
+
+
+@pytest.mark.mpi
+def test_prior_data_without_rewards_is_refused_before_any_rank_starts(tmp_path):
+    """RLPD's demonstrations must record each chunk's reward and episode end: ManiSkill's
+    and LIBERO's files (read for `hpcvla sft`) are refused by name, before launch."""
+    demo = ROOT / "tests/fixtures/demonstrations/maniskill/pushcube.state.pd_ee_delta_pose.h5"
+    out = hpcvla("train", "configs/maniskill_pushcube.yaml", "--ranks", 2,
+                 f"run.root={tmp_path}", "algorithm.name=rlpd", f"algorithm.demos={demo}",
+                 "placement.mode=colocated", "pipeline.mode=sync-colocated")
+    assert out.returncode != 0
+    assert "algorithm.demos" in out.stderr and "read for `hpcvla sft` only" in out.stderr, \
+        out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.mpi

@@ -378,3 +378,33 @@ def test_a_soft_policy_acts_inside_the_action_box():
             assert out.actions.abs().max() <= 1 and torch.isfinite(out.logprob).all()
         logprob, _, entropy = policy.evaluate(obs, torch.ones(16, 2, 2))
         assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
+
+
+def test_a_dumps_episodes_become_transitions_each_last_row_only_if_terminal(tmp_path):
+    """A real trajectory dump (reach, random actions) read as prior data: within an episode
+    each row's next observation is the following row's; a last row is kept only where the
+    task ended the episode, and rewards and ends are the dump's."""
+    from helpers import reach_dump
+
+    from hpcvla.algorithms.transitions import demonstration_transitions
+    from hpcvla.demonstrations import read_demonstrations
+
+    _, spec = reach_dump(tmp_path / "dump.h5", n_groups=8)
+    demos = read_demonstrations(tmp_path / "dump.h5", spec, outcomes=True)
+    first_end = int(np.flatnonzero(demos.episode != demos.episode[0])[0]) - 1
+    assert demos.outcomes["truncated"][first_end]  # random actions: every episode cut
+    demos.outcomes["truncated"][first_end] = False  # as if the task had ended the first
+    demos.outcomes["terminated"][first_end] = True
+    out, dropped = demonstration_transitions(demos.obs, demos.actions, demos.outcomes,
+                                             demos.episode)
+    rows = len(demos.actions)
+    ends = np.r_[demos.episode[1:] != demos.episode[:-1], True]
+    assert len(out["reward"]) + dropped == rows
+    assert dropped == int((ends & ~demos.outcomes["terminated"].astype(bool)).sum())
+    assert out["terminal"].sum() == int(demos.outcomes["terminated"].sum()) == 1
+    assert out["reward"].sum() == pytest.approx(
+        demos.outcomes["rewards"][~(ends & ~demos.outcomes["terminated"].astype(bool))].sum())
+    kept_rows = np.flatnonzero(~(ends & ~demos.outcomes["terminated"].astype(bool)))
+    for i, row in enumerate(kept_rows):  # the next observation: the episode's next row
+        if not ends[row]:
+            assert np.array_equal(out["next_obs.image"][i], demos.obs["image"][row + 1])

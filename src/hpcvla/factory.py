@@ -29,7 +29,8 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
     if kwargs.get("denoise_steps") == 0:  # no folder's sampler to follow
         kwargs["denoise_steps"] = DEFAULT_DENOISE_STEPS
     if cfg.algorithm.off_policy:  # SAC's critics and squashed actor (policies/soft_critics.py)
-        kwargs.update(soft_critics=True, critic_layer_norm=cfg.algorithm.critic_layer_norm,
+        kwargs.update(soft_critics=True, critic_layer_norm=cfg.algorithm.critic_layer_norm or
+                      cfg.algorithm.name == "rlpd",
                       init_temperature=cfg.algorithm.init_temperature)
     if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"

@@ -106,6 +106,20 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
                 cfg.policy.pretrained, lambda: env_spec(cfg.env))]
 
 
+def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
+    """algorithm.name=rlpd: its demonstrations against the env's observations and actions,
+    each chunk's reward and episode end recorded (demonstrations/)."""
+    if cfg.algorithm.name != "rlpd":
+        return []
+    from hpcvla.config.learning import demo_paths
+    from hpcvla.demonstrations import demonstration_problems
+    from hpcvla.envs import env_spec
+
+    return [(f"algorithm.demos: {where}", value, fix) for where, value, fix in
+            demonstration_problems(demo_paths(cfg.algorithm), env_spec(cfg.env),
+                                   cfg.algorithm.demos_per_task or None, outcomes=True)]
+
+
 def check_sft(cfg, source: str = "config") -> None:
     """`hpcvla sft`'s checks: the config's (check_config) and its demonstrations against the
     observations and actions of the configured env (the env's spec), before any rank starts."""
@@ -155,12 +169,15 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
 
 def check_launch(cfg, plan: RankPlan) -> None:
     """What the launching process checks before it starts any rank: check_pipeline, a
-    published folder against the env (pretrained_env_problems), and whether the layout fits
-    its GPUs' memory (memory_problems)."""
+    published folder and prior data against the env (pretrained_env_problems,
+    prior_data_problems), and whether the layout fits its GPUs' memory (memory_problems)."""
     check_pipeline(cfg, plan)
     problems = pretrained_env_problems(cfg)
     if problems:
         raise ConfigError(problems, "policy.pretrained")
+    problems = prior_data_problems(cfg)
+    if problems:
+        raise ConfigError(problems, "algorithm.demos")
     problems = memory_problems(cfg, plan)
     if problems:
         raise ConfigError(problems, "memory plan (hpcvla plan shows it)")

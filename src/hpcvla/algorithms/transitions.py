@@ -55,4 +55,31 @@ def transitions_of(group: Mapping[str, np.ndarray], obs_names) -> tuple[dict[str
     return out, T * n - int(keep.sum())
 
 
-__all__ = ["NEXT", "transition_specs", "transitions_of"]
+def demonstration_transitions(obs: Mapping[str, np.ndarray], actions: np.ndarray,
+                              outcomes: Mapping[str, np.ndarray], episode: np.ndarray
+                              ) -> tuple[dict[str, np.ndarray], int]:
+    """The transitions of recorded episodes (prior data): chunk-step rows `obs` {field: (N,
+    ...)}, `actions` (N, H, A), `outcomes` (N,) each (rewards, terminated, truncated,
+    env_fault: demonstrations/hpcvla_dump.OUTCOMES), `episode` (N,) the episode of each row,
+    whose rows are consecutive. Cut as segment groups are (transitions_of); an episode's
+    last row has no next observation in the file, so it is kept only where the task ended
+    the episode (terminal: nothing is bootstrapped from it)."""
+    parts, dropped = [], 0
+    starts = np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]])
+    for first, end in zip(starts, np.r_[starts[1:], len(episode)]):
+        rows = slice(first, end)
+        terminated = outcomes["terminated"][rows, None].astype(bool)
+        truncated = outcomes["truncated"][rows, None].astype(bool)
+        truncated[-1] |= ~terminated[-1]  # no successor recorded: not bootstrapped from
+        group = {f"obs.{k}": v[rows, None] for k, v in obs.items()}
+        group.update({f"{NEXT}{k}": v[end - 1:end] for k, v in obs.items()})  # never read
+        group.update(actions=actions[rows, None], reward=outcomes["rewards"][rows, None],
+                     terminated=terminated, truncated=truncated,
+                     env_fault=outcomes["env_fault"][rows, None].astype(bool))
+        kept, lost = transitions_of(group, list(obs))
+        parts.append(kept)
+        dropped += lost
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, dropped
+
+
+__all__ = ["NEXT", "transition_specs", "transitions_of", "demonstration_transitions"]

@@ -85,11 +85,15 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
 
 
 def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
-    """algorithm.name=sac: what its learner (roles/off_policy.py) runs with."""
+    """algorithm.name=sac or rlpd: what its learner (roles/off_policy.py) runs with."""
     alg = cfg.algorithm
     if not alg.off_policy:
-        return []
+        return [("algorithm.demos", alg.demos, "empty unless algorithm.name=rlpd (prior data "
+                 "of the off-policy learner)")] if alg.demos else []
     problems = []
+    if (alg.name == "rlpd") != bool(alg.demos):
+        problems.append(("algorithm.demos", alg.demos, "demonstration files with "
+                         "algorithm.name=rlpd (its prior data), and empty otherwise"))
     if not family(cfg.policy.name).soft_critics:
         problems.append(("policy.name", cfg.policy.name, "default with algorithm.name=sac (the "
                          "family with SAC's critics and squashed actor)"))

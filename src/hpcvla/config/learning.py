@@ -154,7 +154,9 @@ class AlgorithmConfig:
         "temperature, a tanh-squashed actor) from a replay buffer every transition enters "
         "once (algorithm.replay_capacity, utd, batch_size, tau, learning_starts); the "
         "`default` policy in pipeline.mode=sync-colocated, learner.zero_stage < 3 "
-        "(roles/off_policy.py).", choices=("ppo", "grpo", "sac"))
+        "(roles/off_policy.py). `rlpd`: SAC with prior data (Ball et al. 2023): half of every "
+        "sampled batch from the demonstrations of `algorithm.demos`, half from the online "
+        "buffer, and layer-normed critics.", choices=("ppo", "grpo", "sac", "rlpd"))
     group_size: int = setting(
         8, "GRPO: episodes per group (consecutive envs of a shard, so it must divide the envs "
         "per shard). Larger groups: better baselines, fewer distinct initial states.", ge=2)
@@ -229,8 +231,17 @@ class AlgorithmConfig:
         "(reach: ~0.05) needs a small start, or the entropy bonus is all the critics learn "
         "until alpha has decayed.", ge=1e-8)
     critic_layer_norm: bool = setting(
-        False, "`sac`: LayerNorm after each hidden layer of the critics (RLPD): bounds their "
-        "extrapolation to unseen actions, which high `utd` otherwise turns into divergence.")
+        False, "`sac`: LayerNorm after each hidden layer of the critics (`rlpd` always has "
+        "it): bounds their extrapolation to unseen actions, which high `utd` otherwise turns "
+        "into divergence.")
+    demos: str = setting(
+        "", "`rlpd`: the prior data, HDF5 files (comma-separated) of this project's trajectory "
+        "dumps or `hpcvla demos` files, which record each chunk's reward and how its episode "
+        "ended; checked against the env's observations and actions before any rank starts. "
+        "Every learner holds all of them in host memory.")
+    demos_per_task: int = setting(
+        0, "`rlpd`: at most this many demonstrations of each task (instruction), the first in "
+        "file order; 0: all.", ge=0)
     max_grad_norm: float = setting(
         0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)
 
@@ -239,7 +250,7 @@ class AlgorithmConfig:
     def off_policy(self) -> bool:
         """Learns from a replay buffer (roles/off_policy.py) rather than each version's
         fresh segments."""
-        return self.name == "sac"
+        return self.name in ("sac", "rlpd")
 
 
 @dataclass
@@ -313,6 +324,6 @@ def eval_tasks(cfg: EvalConfig) -> list[int] | None:
     return [int(t) for t in cfg.tasks.split(",") if t.strip()] or None
 
 
-def demo_paths(sft: SFTConfig) -> list[str]:
-    """The files `sft.demos` names."""
-    return [path.strip() for path in sft.demos.split(",") if path.strip()]
+def demo_paths(section: SFTConfig | AlgorithmConfig) -> list[str]:
+    """The files `sft.demos` or `algorithm.demos` names."""
+    return [path.strip() for path in section.demos.split(",") if path.strip()]

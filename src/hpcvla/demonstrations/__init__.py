@@ -51,6 +51,9 @@ class Demonstrations:
     # (N, chunk_len) bool: True where the chunk ran past the episode's end and repeats its
     # last action (hpcvla sft leaves these out of the loss); all False for chunk-per-row dumps
     pad: np.ndarray
+    # read_demonstrations(outcomes=True): per sample its reward and how its episode ended
+    # there (hpcvla_dump.OUTCOMES: rewards, terminated, truncated, env_fault), (N,) each
+    outcomes: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.actions)
@@ -138,11 +141,24 @@ def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> No
                          f"files hold {count}); lower per_task or add demonstrations")
 
 
-def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None) -> list[Problem]:
-    """What stops `read_demonstrations(paths, spec, per_task)`, as (where "FILE:key", value,
-    what is expected and the fix); empty when nothing does. Opens the files and reads
-    attributes, dataset shapes and single elements only."""
-    return _scan(paths, spec, per_task)[1].listed()
+def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
+                           outcomes: bool = False) -> list[Problem]:
+    """What stops `read_demonstrations(paths, spec, per_task, outcomes=outcomes)`, as (where
+    "FILE:key", value, what is expected and the fix); empty when nothing does. Opens the
+    files and reads attributes, dataset shapes and single elements only."""
+    found, problems = _scan(paths, spec, per_task)
+    if outcomes:
+        _check_outcomes(found, problems)
+    return problems.listed()
+
+
+def _check_outcomes(found, problems: Problems) -> None:
+    """Rewards and episode ends per chunk-step: only the layouts that record them."""
+    for path, layout, _ in found:
+        if not hasattr(layout, "outcomes"):
+            problems.add(path, "/", layout.NAME, "a file with each chunk's reward and how its "
+                         "episode ended (this project's trajectory dumps and `hpcvla demos` "
+                         f"files); {layout.NAME} files are read for `hpcvla sft` only")
 
 
 def _select(found, per_task, successful_only):
@@ -159,15 +175,19 @@ def _select(found, per_task, successful_only):
 
 
 def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
-                        successful_only: bool = False) -> Demonstrations:
+                        successful_only: bool = False, outcomes: bool = False
+                        ) -> Demonstrations:
     """The samples of every demonstration in `paths` for `spec`.
 
     `per_task`: only the first K demonstrations of each task (by instruction; file order, then
-    episode order), after `successful_only` dropped the failed ones. Raises DemonstrationError
-    (a ValueError) naming every problem `demonstration_problems` finds, or when no
-    demonstration is left."""
+    episode order), after `successful_only` dropped the failed ones. `outcomes`: also each
+    sample's reward and episode end (`Demonstrations.outcomes`), for an off-policy learner.
+    Raises DemonstrationError (a ValueError) naming every problem `demonstration_problems`
+    finds, or when no demonstration is left."""
     import h5py
     found, problems = _scan(paths, spec, per_task)
+    if outcomes:
+        _check_outcomes(found, problems)
     if problems:
         raise DemonstrationError(problems.listed())
     chosen = _select(found, per_task, successful_only)
@@ -175,10 +195,12 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
         raise DemonstrationError([(", ".join(str(p) for p, _, _ in found), None,
                                    "at least one successful demonstration (successful_only)")])
     length = spec.obs.get("instruction", ((0,), ""))[0][0]
-    parts, tasks, used = [], [], Counter()
+    parts, tasks, used, ends = [], [], Counter(), []
     for path, layout, e in chosen:
         with h5py.File(path, "r") as f:
             obs, actions, pad = layout.load(f, e, spec)
+            if outcomes:
+                ends.append(layout.outcomes(f, e))
         if "instruction" in spec.obs:
             obs["instruction"] = np.broadcast_to(tokenize(e.instruction, spec.vocab, length),
                                                  (len(actions), length))
@@ -193,4 +215,6 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
         task=tasks,
         source="; ".join(f"{path} ({name}, {n} demonstrations)"
                          for (path, name), n in used.items()),
-        pad=np.concatenate([p[2] for p in parts]))
+        pad=np.concatenate([p[2] for p in parts]),
+        outcomes={k: np.concatenate([end[k] for end in ends]) for k in ends[0]}
+        if outcomes else None)

@@ -105,3 +105,16 @@ def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
                       else value).astype(np.dtype(dtype), copy=False)
     actions = demo["actions"][()].astype(np.float32)
     return obs, actions, np.zeros(actions.shape[:2], dtype=bool)
+
+
+OUTCOMES = {"rewards": np.float32, "terminated": bool, "truncated": bool, "env_fault": bool}
+
+
+def outcomes(f, episode: Episode) -> dict[str, np.ndarray]:
+    """Per row (chunk-step): its reward and how the episode ended there (the last row only);
+    what an off-policy learner's prior data needs beside the observations and actions."""
+    demo = f[episode.key]
+    missing = [name for name in OUTCOMES if name not in demo]
+    if missing:
+        raise KeyError(f"{episode.path}:{episode.key}: no {', '.join(missing)}")
+    return {name: demo[name][()].astype(dtype) for name, dtype in OUTCOMES.items()}

@@ -1,6 +1,8 @@
-"""The off-policy learner's version (SAC, algorithm.name=sac) in sync-colocated mode: every
-rank keeps its own replay buffer (algorithms/replay.py) of the transitions its envs made, and
-the ranks take SAC's gradient steps data-parallel.
+"""The off-policy learner's version (SAC, algorithm.name=sac or rlpd) in sync-colocated mode:
+every rank keeps its own replay buffer (algorithms/replay.py) of the transitions its envs
+made, and the ranks take SAC's gradient steps data-parallel. RLPD adds prior data: every rank
+holds the transitions of algorithm.demos too, and each sampled batch is half of those, half
+online (replay.symmetric_sample).
 
 Per version, on every rank:
 
@@ -26,14 +28,16 @@ import numpy as np
 import torch
 
 from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets
-from hpcvla.algorithms.replay import ReplayBuffer
+from hpcvla.algorithms.replay import ReplayBuffer, symmetric_sample
 from hpcvla.algorithms.sac import default_target_entropy
-from hpcvla.algorithms.transitions import transition_specs, transitions_of
+from hpcvla.algorithms.transitions import (demonstration_transitions, transition_specs,
+                                           transitions_of)
 from hpcvla.roles.colocated import publish
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from hpcvla.config.schema import Config
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import EnvSpec
     from hpcvla.policies.base import Policy
@@ -55,6 +59,7 @@ class SoftUpdate:
         self.obs_names = list(spec.obs)
         self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                                    self.alg.replay_capacity)
+        self.prior = prior_data(setup.cfg, spec) if self.alg.name == "rlpd" else None
         self.target_entropy = default_target_entropy(spec.action_dim, spec.chunk_len)
         # each rank its own draws: the data-parallel ranks sample different transitions
         self.rng = np.random.default_rng([setup.cfg.run.seed, setup.rank, resumed_transitions])
@@ -88,9 +93,12 @@ class SoftUpdate:
     def _gradient_step(self) -> dict[str, float]:
         """One optimizer step (learner.micro_batches sampled batches), then the targets'."""
         engine, policy = self.engine, self.engine.module
+        n = self.alg.batch_size
         for _ in range(self.setup.cfg.learner.micro_batches):
+            sampled = self.buffer.sample(n, self.rng) if self.prior is None else \
+                symmetric_sample(self.buffer, self.prior, n, self.rng)
             batch = {k: torch.as_tensor(v).to(engine.device, non_blocking=True)
-                     for k, v in self.buffer.sample(self.alg.batch_size, self.rng).items()}
+                     for k, v in sampled.items()}
             loss, stats = soft_actor_critic_loss(self.alg, policy, batch, self.target_entropy)
             engine.backward(loss)
             engine.step()
@@ -107,7 +115,25 @@ class SoftUpdate:
     def summary(self) -> dict[str, int]:
         """This rank's, in this world: the transitions its buffer took, holds and dropped."""
         return {"replay_added": self.buffer.position, "replay_size": self.buffer.size,
-                "gradient_steps": self.gradient_steps, "transitions_dropped": self.dropped}
+                "gradient_steps": self.gradient_steps, "transitions_dropped": self.dropped,
+                **({"prior_transitions": self.prior.size} if self.prior else {})}
+
+
+def prior_data(cfg: Config, spec: EnvSpec) -> ReplayBuffer:
+    """algorithm.demos as a buffer of transitions (checked before launch:
+    preflight.prior_data_problems), exactly as large as they are."""
+    from hpcvla.config.learning import demo_paths
+    from hpcvla.demonstrations import read_demonstrations
+
+    demos = read_demonstrations(demo_paths(cfg.algorithm), spec,
+                                cfg.algorithm.demos_per_task or None, outcomes=True)
+    assert demos.outcomes is not None  # asked for
+    kept, _ = demonstration_transitions(demos.obs, demos.actions, demos.outcomes,
+                                        demos.episode)
+    buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
+                          len(kept["reward"]))
+    buffer.add(kept)
+    return buffer
 
 
 __all__ = ["SoftUpdate"]

@@ -149,7 +149,7 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
 def _version_update(me: Rank, engine: SkipNonfinite, actor: Policy) -> VersionUpdate:
     """What trains a colocated version: the on-policy learner's (PPO, GRPO), or SAC's replay
     (its buffer position continued from the checkpoint resumed)."""
-    if me.cfg.algorithm.name != "sac":
+    if me.cfg.algorithm.name not in ("sac", "rlpd"):
         return OnPolicyUpdate(me.setup, engine, actor)
     from hpcvla.checkpoint.catalog import read_state
     from hpcvla.roles.off_policy import SoftUpdate
