@@ -222,8 +222,8 @@ class AlgorithmConfig:
         0.005, "`sac`: Polyak rate of the target critics per gradient step: smaller moves "
         "the Bellman target more slowly and steadily.", ge=0, le=1)
     learning_starts: int = setting(
-        1000, "`sac`: transitions a learner's buffer holds before its first gradient step "
-        "(until then the initial policy acts).", ge=0)
+        1000, "`sac`: transitions every learner's buffer holds before their first gradient "
+        "step (until then the initial policy acts).", ge=0)
     init_temperature: float = setting(
         0.1, "`sac`: the entropy temperature alpha at the start; it then follows the entropy "
         "target (minus the chunk's dimensions). Its scale is the reward's: alpha x the "

@@ -34,9 +34,9 @@ from hpcvla.algorithms.transitions import (demonstration_transitions, transition
                                            transitions_of)
 from hpcvla.roles.colocated import publish
 
-if TYPE_CHECKING:
-    from mpi4py import MPI
+from mpi4py import MPI
 
+if TYPE_CHECKING:
     from hpcvla.config.schema import Config
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import EnvSpec
@@ -79,8 +79,11 @@ class SoftUpdate:
             part = groups[i * per_micro:(i + 1) * per_micro]
             setup.progress.on_segments({k: np.concatenate([g[k] for g in part], axis=1)
                                         for k in SCORED})
-        steps = math.ceil(self.alg.utd * collected) \
-            if buffer.size >= self.alg.learning_starts else 0
+        # the ranks step together, so they start together, once every buffer holds enough
+        # (each rank drops other steps)
+        least_held = self.learners.allreduce(buffer.size, op=MPI.MIN)  # [dist]
+        ready = least_held >= self.alg.learning_starts
+        steps = math.ceil(self.alg.utd * collected) if ready else 0
         with setup.timeline.span("train"):
             for _ in range(steps):
                 stats = self._gradient_step()
@@ -116,7 +119,7 @@ class SoftUpdate:
         """This rank's, in this world: the transitions its buffer took, holds and dropped."""
         return {"replay_added": self.buffer.position, "replay_size": self.buffer.size,
                 "gradient_steps": self.gradient_steps, "transitions_dropped": self.dropped,
-                **({"prior_transitions": self.prior.size} if self.prior else {})}
+                **({"prior_transitions": self.prior.size} if self.prior is not None else {})}
 
 
 def prior_data(cfg: Config, spec: EnvSpec) -> ReplayBuffer:
@@ -130,6 +133,10 @@ def prior_data(cfg: Config, spec: EnvSpec) -> ReplayBuffer:
     assert demos.outcomes is not None  # asked for
     kept, _ = demonstration_transitions(demos.obs, demos.actions, demos.outcomes,
                                         demos.episode)
+    if not len(kept["reward"]):
+        raise ValueError(f"algorithm.demos = {cfg.algorithm.demos!r}: no transition in them "
+                         "(each episode a single chunk the horizon cut?); expected "
+                         "demonstrations of more than one chunk, or that end in success")
     buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                           len(kept["reward"]))
     buffer.add(kept)
