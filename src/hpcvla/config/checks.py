@@ -95,18 +95,19 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("algorithm.demos", alg.demos, "demonstration files with "
                          "algorithm.name=rlpd (its prior data), and empty otherwise"))
     if not family(cfg.policy.name).soft_critics:
-        problems.append(("policy.name", cfg.policy.name, "default with algorithm.name=sac (the "
-                         "family with SAC's critics and squashed actor)"))
+        problems.append(("policy.name", cfg.policy.name, "default with algorithm.name="
+                         f"{alg.name} (the family with SAC's critics and squashed actor)"))
     if cfg.pipeline.mode != "sync-colocated":
         problems.append(("pipeline.mode", cfg.pipeline.mode, "sync-colocated with "
-                         "algorithm.name=sac (its replay learner runs on the colocated ranks; "
-                         "configs/colocated_sac.yaml)"))
+                         f"algorithm.name={alg.name} (its replay learner runs on the colocated "
+                         "ranks; configs/colocated_sac.yaml)"))
     if cfg.learner.zero_stage == 3:
-        problems.append(("learner.zero_stage", 3, "0, 1 or 2 with algorithm.name=sac (its "
-                         "losses call the critics outside the engine's forward)"))
+        problems.append(("learner.zero_stage", 3, "0, 1 or 2 with algorithm.name="
+                         f"{alg.name} (its losses call the critics outside the engine's "
+                         "forward)"))
     if alg.utd <= 0:
         problems.append(("algorithm.utd", alg.utd, "> 0 gradient steps per transition with "
-                         "algorithm.name=sac (0 would never train)"))
+                         f"algorithm.name={alg.name} (0 would never train)"))
     if alg.learning_starts > alg.replay_capacity:
         problems.append(("algorithm.learning_starts", alg.learning_starts,
                          f"at most algorithm.replay_capacity ({alg.replay_capacity}): the "

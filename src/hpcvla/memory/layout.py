@@ -103,27 +103,24 @@ def replay_bytes(alg, spec) -> int:
 
 
 def host_bytes() -> int:
-    """This machine's memory (MemTotal): the nodes of a job are alike, as a cluster's are."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """This machine's memory: the nodes of a job are alike, as a cluster's are."""
+    import psutil
+    return int(psutil.virtual_memory().total)
 
 
 def replay_problems(cfg, memory: LayoutMemory, per_learner: int,
                     capacity: int) -> list[tuple[str, object, str]]:
     """A node whose learners' replay buffers (`per_learner` bytes each) alone would not fit in
     its host memory (`capacity` bytes)."""
-    out = []
+    out, per_transition = [], per_learner / cfg.algorithm.replay_capacity
     for node, parts in memory.per_node_host().items():
         replay = parts.get("replay buffers", 0)
-        if capacity and replay > capacity:
+        if replay > capacity:
             out.append(("algorithm.replay_capacity", cfg.algorithm.replay_capacity,
                         f"fewer transitions: node {node}'s learners' replay buffers take "
                         f"{size(replay)}, more than its {size(capacity)} of host memory "
-                        f"(this machine's; {per_learner / cfg.algorithm.replay_capacity / 1024:.1f}"
-                        " KiB per transition and learner)"))
+                        f"(this machine's; {per_transition / 1024:.1f} KiB per transition "
+                        "and learner)"))
     return out
 
 

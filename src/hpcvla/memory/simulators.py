@@ -3,8 +3,9 @@ resident memory a process gains making the envs, resetting them and taking three
 (docs/memory.md). An env family costs a first env (its libraries, renderer and first
 task's assets), each further env, and (LIBERO) each further task a process renders; a shard
 in a worker process (env.isolation=process) pays its own first env. A simulator rank imports
-no torch of its own, so a family whose simulator imports it (ManiSkill) pays it here. ManiSkill's GPU
-simulation keeps its scenes on the GPU and is not modelled (nothing counted)."""
+no torch of its own, so a family whose simulator imports it (ManiSkill) pays it here.
+ManiSkill's GPU simulation keeps its scenes on the GPU and is not modelled (nothing
+counted)."""
 
 from __future__ import annotations
 

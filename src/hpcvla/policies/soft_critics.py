@@ -2,7 +2,7 @@
 (features, flat action chunk), their target copies, and the entropy temperature.
 
     class MyPolicy(SoftCritics, Policy): ...
-    policy.add_soft_critics(feature_dim, action_dims, hidden, layer_norm)
+    policy.add_soft_critics(feature_dim, action_dims, hidden, layer_norm, init_temperature)
     q1, q2 = policy.soft_q(features, flat_actions)                 # the critics
     q1, q2 = policy.soft_q(features, flat_actions, frozen=True)    # no gradient to them
     q1, q2 = policy.soft_q(features, flat_actions, target=True)    # the target copies

@@ -82,10 +82,10 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
                  counters: Callable[[], dict[str, int]] = dict) -> Save:
     """save(version, full weights, last): a checkpoint when one is due or the run ends
     (collective on the learners), with the trained env steps and what `counters()` adds
-    (the off-policy learner's replay position). With learner.checkpoint_background it is written in the
-    background (checkpoint/store.py's Writer): training waits only for the snapshot, and for
-    the previous checkpoint if that is still being written. The last one is complete when
-    save returns."""
+    (the off-policy learner's count of transitions that entered its buffers). With
+    learner.checkpoint_background it is written in the background (checkpoint/store.py's
+    Writer): training waits only for the snapshot, and for the previous checkpoint if that is
+    still being written. The last one is complete when save returns."""
     from hpcvla.checkpoint import store  # torch: here, on the learners, not on every rank
     writer = store.Writer(cfg.learner.checkpoint_background)
 
