@@ -1,7 +1,7 @@
-"""The off-policy learner (algorithm.name=sac, roles/off_policy.py) in real MPI worlds: it
-trains, checkpoints its replay position and resumes from it; what it cannot run, or a
-buffer that cannot fit, is refused before any rank starts. The losses are tested on tensors
-in tests/test_sac.py."""
+"""The off-policy learner (algorithm.name=sac, roles/off_policy.py) in real MPI worlds,
+colocated and disaggregated (the ring as its replay stream): it trains, checkpoints its replay
+position and resumes from it; what it cannot run, or a buffer that cannot fit, is refused
+before any rank starts. The losses are tested on tensors in tests/test_sac.py."""
 
 import json
 
@@ -59,6 +59,33 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
         assert 0 < r["prior_transitions"] < 3 * per_version and r["gradient_steps"] > 0, r
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_sac_learns_from_the_ring_in_the_streamer(tmp_path):
+    """The default job's 4 ranks (inference, 2 simulators, learner) under SAC: the inference
+    rank sends each segment group with the observation after it, the learner adds every
+    transition it takes from the ring to its buffer once (the groups' ledger: none missing,
+    none twice) and trains on each micro-batch as it arrives; its buffer position is
+    checkpointed and a resume continues it. ~30 s: two worlds."""
+    sac = [*SMALL, "algorithm.name=sac", "algorithm.learning_starts=16"]
+    _, first, run_dir = run_train(tmp_path, "pipeline.total_updates=2", *sac)
+    cfg = load_config(run_dir / "config.yaml")
+    per_micro = cfg.learner.micro_batch * cfg.rollout.segment_len  # transitions
+    (learner,) = [r for r in first["per_rank"] if r["role"] == "learner"]
+    assert learner["replay_added"] + learner["transitions_dropped"] == \
+        learner["trained_env_steps"] // cfg.env.chunk_len == 2 * 2 * per_micro, learner
+    assert all(g["missing"] == 0 for g in learner["trained_groups"].values())
+    assert learner["gradient_steps"] == 2 * 2 * per_micro // 8  # every micro-batch: 16 held
+    assert _replay_transitions(run_dir) == learner["replay_added"]
+    out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.resume={run_dir}",
+                 "pipeline.total_updates=3", *sac, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (resumed,) = [r for r in json.loads((run_dir / "summary.json").read_text())["per_rank"]
+                  if r["role"] == "learner"]
+    assert resumed["first_version"] == 2 and resumed["gradient_steps"] == 2 * per_micro // 8
+    assert _replay_transitions(run_dir) == learner["replay_added"] + resumed["replay_added"]
+
+
 def _replay_transitions(run_dir):
     """The newest checkpoint's count of transitions that entered the buffers."""
     newest = sorted((run_dir / "checkpoints").iterdir())[-1]
@@ -73,8 +100,6 @@ def test_what_sac_cannot_run_is_refused_before_launch(tmp_path):
     for field in ("policy.name = 'tokens'", "algorithm.utd = 0.0", "learner.zero_stage = 3",
                   "algorithm.learning_starts = 500"):
         assert field in str(err.value), (field, str(err.value))
-    with pytest.raises(ConfigError, match="pipeline.mode = 'streamer'"):
-        load_config(ROOT / "configs/default.yaml", ["algorithm.name=sac"])
     for overrides in (["algorithm.name=rlpd"], ["algorithm.demos=x.h5"],
                       ["algorithm.name=ppo", "algorithm.demos=x.h5"]):
         with pytest.raises(ConfigError, match="algorithm.demos"):

@@ -97,10 +97,6 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
     if not family(cfg.policy.name).soft_critics:
         problems.append(("policy.name", cfg.policy.name, "default with algorithm.name="
                          f"{alg.name} (the family with SAC's critics and squashed actor)"))
-    if cfg.pipeline.mode != "sync-colocated":
-        problems.append(("pipeline.mode", cfg.pipeline.mode, "sync-colocated with "
-                         f"algorithm.name={alg.name} (its replay learner runs on the colocated "
-                         "ranks; configs/colocated_sac.yaml)"))
     if cfg.learner.zero_stage == 3:
         problems.append(("learner.zero_stage", 3, "0, 1 or 2 with algorithm.name="
                          f"{alg.name} (its losses call the critics outside the engine's "

@@ -153,8 +153,8 @@ class AlgorithmConfig:
         "off-policy soft actor-critic (twin critics with targets, automatic entropy "
         "temperature, a tanh-squashed actor) from a replay buffer every transition enters "
         "once (algorithm.replay_capacity, utd, batch_size, tau, learning_starts); the "
-        "`default` policy in pipeline.mode=sync-colocated, learner.zero_stage < 3 "
-        "(roles/off_policy.py). `rlpd`: SAC with prior data (Ball et al. 2023): half of every "
+        "`default` policy in any mode (disaggregated: the ring streams the transitions), "
+        "learner.zero_stage < 3 (roles/off_policy.py). `rlpd`: SAC with prior data (Ball et al. 2023): half of every "
         "sampled batch from the demonstrations of `algorithm.demos`, half from the online "
         "buffer, and layer-normed critics.", choices=("ppo", "grpo", "sac", "rlpd"))
     group_size: int = setting(
@@ -216,7 +216,8 @@ class AlgorithmConfig:
         "passes on each learner.", ge=1)
     utd: float = setting(
         0.5, "`sac`: update-to-data ratio, gradient steps per transition a learner collects "
-        "(rounded up per version). Higher learns more per env step at more learner time and "
+        "(rounded up per micro-batch; the weights are published after each version's). "
+        "Higher learns more per env step at more learner time and "
         "risks the critics overfitting (critic_layer_norm helps).", ge=0)
     tau: float = setting(
         0.005, "`sac`: Polyak rate of the target critics per gradient step: smaller moves "

@@ -69,6 +69,8 @@ class InferenceServer:
         self.quota, self.n, self.obs_keys = quota, envs_per_shard, obs_keys
         self.timeline, self.emulate_ms = setup.timeline, setup.emulated_inference_ms
         self.max_staleness, self.dump = sched.max_staleness, dump
+        # an off-policy learner's transitions need the observation after a group's last row
+        self.send_next_obs = setup.cfg.algorithm.off_policy
         first_version, segment_len = setup.first_version, setup.cfg.rollout.segment_len
         shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                   for k in obs_keys}
@@ -158,7 +160,9 @@ class InferenceServer:
                 part, builder = slice(i * n, (i + 1) * n), self.builders[slot]
                 builder.record_outcome({k: v[part] for k, v in outcome.items()})
                 if builder.full:
-                    finished.append(builder.finish(value[part]))
+                    next_obs = {k: obs[k][part] for k in self.obs_keys} \
+                        if self.send_next_obs else None
+                    finished.append(builder.finish(value[part], next_obs))
                 if i >= len(slots):
                     continue  # held: its next segment starts once the quota allows
                 if builder.t == 0:  # a segment starts: it belongs to learner batch c // quota

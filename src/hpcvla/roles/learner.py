@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import torch
@@ -57,17 +57,21 @@ class MicroBatch:
         return cls(arrays, advantages_of(cfg.algorithm, arrays, device))
 
 
-def run_learner(setup: RoleSetup, *, sched: Schedule, engine: SkipNonfinite,
+# What trains one version from its micro-batches (lists of segment groups) as they arrive:
+# `learn` below (PPO, GRPO) or the off-policy learner's (roles/off_policy.SoftUpdate.learn)
+TrainVersion: TypeAlias = Callable[[Iterable[list["SegmentGroup"]], int], None]
+
+
+def run_learner(setup: RoleSetup, *, sched: Schedule, train: TrainVersion,
                 queues: SegmentQueues, publish: Callable[[int, bool], None],
                 stop: Callable[[], bool]) -> Counters:
-    """Train policy versions first+1 .. total_updates, publishing each with
-    `publish(version, last)`; end early, after a whole version, when `stop()` says so.
-    `queues` is this learner's SegmentQueues (roles/queues.py)."""
+    """Train policy versions first+1 .. total_updates with `train(micro_batches, version)`,
+    publishing each with `publish(version, last)`; end early, after a whole version, when
+    `stop()` says so. `queues` is this learner's SegmentQueues (roles/queues.py)."""
     cfg, timeline, progress = setup.cfg, setup.timeline, setup.progress
     total_updates = setup.total_updates
     for version in range(setup.first_version, total_updates):
-        arriving = _arriving(cfg, sched, queues, version, timeline)
-        learn(cfg, engine, arriving, version, timeline, progress)
+        train(_arriving(cfg, sched, queues, version, timeline), version)
         last = version + 1 == total_updates or stop()
         with timeline.span("publish"):
             publish(version + 1, last)

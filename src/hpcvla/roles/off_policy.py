@@ -1,27 +1,35 @@
-"""The off-policy learner's version (SAC, algorithm.name=sac or rlpd) in sync-colocated mode:
-every rank keeps its own replay buffer (algorithms/replay.py) of the transitions its envs
-made, and the ranks take SAC's gradient steps data-parallel. RLPD adds prior data: every rank
-holds the transitions of algorithm.demos too, and each sampled batch is half of those, half
-online (replay.symmetric_sample).
+"""The off-policy learner (SAC, algorithm.name=sac or rlpd): every learner keeps its own replay
+buffer (algorithms/replay.py) of the transitions that reach it, and the learners take SAC's
+gradient steps data-parallel. RLPD adds prior data: every learner holds the transitions of
+algorithm.demos too, and each sampled batch is half of those, half online
+(replay.symmetric_sample).
 
-Per version, on every rank:
+What reaches a learner: in sync-colocated mode its own envs' segment groups; in the
+disaggregated modes the groups its inference ranks stream through its ring, each micro-batch
+as it is taken (roles/learner.run_learner): the ring is the replay stream. Per micro-batch:
 
-    add the version's segment groups to the buffer      every transition enters it once
-    gradient steps: algorithm.utd x the transitions this rank collected (the same count on
-        every rank: they step in lock-step), each `learner.micro_batches` passes of
-        `algorithm.batch_size` sampled transitions, then the target critics' Polyak step;
-        none while the buffer holds fewer than algorithm.learning_starts
-    publish the new weights to the acting copy
+    add its segment groups to the buffer                every transition enters it once
+    gradient steps: algorithm.utd x the transitions it brought (the same count on every
+        learner: each takes the same share of every version), each `learner.micro_batches`
+        passes of `algorithm.batch_size` sampled transitions, then the target critics'
+        Polyak step; none while any buffer holds fewer than algorithm.learning_starts
 
-The transitions that entered the ranks' buffers, summed over the ranks, are checkpointed with
-the version as the counter `replay_transitions`, and a resumed run continues the count (on
-any number of ranks); the held transitions are not checkpointed: a resumed learner refills
-its buffer, training only once it again holds algorithm.learning_starts of them.
+and after the version's last one, the new weights are published (to the acting copy, or
+through the weight plane: every utd x batch transitions' gradient steps). The staleness
+schedule (schedule.py) still paces the producers, as flow control: no transition is dropped
+or reweighted for its age, so pipeline.max_staleness may be raised to let acting run ahead.
+
+The transitions that entered the learners' buffers, summed over the learners, are
+checkpointed with the version as the counter `replay_transitions`, and a resumed run
+continues the count (on any number of learners); the held transitions are not checkpointed:
+a resumed learner refills its buffer, training only once it again holds
+algorithm.learning_starts of them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -49,11 +57,14 @@ SCORED = ("done", "env_fault", "success", "episode_return")  # what the progress
 
 
 class SoftUpdate:
-    """SAC's version (module docstring), a roles/colocated.VersionUpdate."""
+    """SAC's learner (module docstring): a colocated rank's roles/colocated.VersionUpdate, or
+    a learner rank's `train` (roles/learner.run_learner) by `learn`."""
     needs_next_obs = True
 
-    def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy, spec: EnvSpec,
-                 learners: MPI.Comm, resumed_transitions: int = 0):
+    def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy | None,
+                 spec: EnvSpec, learners: MPI.Comm, resumed_transitions: int = 0):
+        """`actor`: the colocated rank's acting copy (None on a learner rank, which publishes
+        through the weight plane)."""
         self.setup, self.engine, self.actor, self.alg = setup, engine, actor, setup.cfg.algorithm
         self.learners, self.resumed = learners, resumed_transitions
         self.obs_names = list(spec.obs)
@@ -66,32 +77,46 @@ class SoftUpdate:
         self.dropped = self.gradient_steps = 0
 
     def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]:
-        setup, buffer = self.setup, self.buffer
+        """A colocated version: this rank's groups, then publish to the acting copy."""
+        n_micro = self.setup.cfg.learner.micro_batches  # counted as the on-policy learner counts
+        per_micro = len(groups) // n_micro
+        self.learn([groups[i * per_micro:(i + 1) * per_micro] for i in range(n_micro)], version)
+        self.setup.progress.on_update(version + 1)
+        assert self.actor is not None  # a colocated rank's
+        return publish(self.engine, self.actor, self.setup.timeline)
+
+    def learn(self, micro_batches: Iterable[list[SegmentGroup]], version: int) -> None:
+        """One version's micro-batches (lists of segment groups), each into the buffer and
+        trained on as it comes (the learner's iterable yields them as they arrive)."""
+        for groups in micro_batches:
+            collected = self._add(groups)
+            staleness = float(np.mean([version - g["version"][0] for g in groups]))
+            self.setup.progress.on_segments({k: np.concatenate([g[k] for g in groups], axis=1)
+                                             for k in SCORED}, staleness)
+            self._train(collected)
+
+    def _add(self, groups: list[SegmentGroup]) -> int:
+        """The groups' transitions into the buffer; returns the env chunk-steps they held."""
         collected = 0
         for group in groups:
             kept, dropped = transitions_of(group, self.obs_names)
-            buffer.add(kept)
+            self.buffer.add(kept)
             self.dropped += dropped
             collected += group["reward"].size
-        n_micro = setup.cfg.learner.micro_batches  # counted as the on-policy learner counts
-        per_micro = len(groups) // n_micro
-        for i in range(n_micro):
-            part = groups[i * per_micro:(i + 1) * per_micro]
-            setup.progress.on_segments({k: np.concatenate([g[k] for g in part], axis=1)
-                                        for k in SCORED})
-        # the ranks step together, so they start together, once every buffer holds enough
-        # (each rank drops other steps)
-        least_held = self.learners.allreduce(buffer.size, op=MPI.MIN)  # [dist]
+        return collected
+
+    def _train(self, collected: int) -> None:
+        """algorithm.utd gradient steps per collected transition, once every buffer is ready."""
+        # the learners step together, so they start together, once every buffer holds enough
+        least_held = self.learners.allreduce(self.buffer.size, op=MPI.MIN)  # [dist]
         ready = least_held >= self.alg.learning_starts
         steps = math.ceil(self.alg.utd * collected) if ready else 0
-        with setup.timeline.span("train"):
+        with self.setup.timeline.span("train"):
             for _ in range(steps):
                 stats = self._gradient_step()
         if steps:
-            setup.progress.on_micro_batch({**stats, "gradient_steps": steps,
-                                           "replay_size": buffer.size})
-        setup.progress.on_update(version + 1)
-        return publish(self.engine, self.actor, setup.timeline)
+            self.setup.progress.on_micro_batch({**stats, "gradient_steps": steps,
+                                                "replay_size": self.buffer.size})
 
     def _gradient_step(self) -> dict[str, float]:
         """One optimizer step (learner.micro_batches sampled batches), then the targets'."""

@@ -4,6 +4,7 @@ this module only on such a rank: it brings torch and the engines."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,7 +18,7 @@ from hpcvla.process import preempt
 from hpcvla.roles.colocated import OnPolicyUpdate, VersionUpdate, run_colocated
 from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
-from hpcvla.roles.learner import run_learner
+from hpcvla.roles.learner import learn, run_learner
 from hpcvla.roles.outputs import checkpointer, trajectory_dump
 from hpcvla.roles.prologue import Links, Rank, start_clock
 from hpcvla.roles.queues import SegmentQueues
@@ -31,6 +32,7 @@ from hpcvla.transport.ring_reader import RingReader
 if TYPE_CHECKING:
     from hpcvla.engines import SkipNonfinite
     from hpcvla.policies.base import Policy
+    from hpcvla.roles.off_policy import SoftUpdate
 
 
 def _policy(me: Rank) -> Policy:
@@ -59,8 +61,10 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     assert links.ring is not None and links.ring.reader is not None  # its feed's root
     cfg, plan, ring, plane = me.cfg, me.plan, links.ring.reader, links.plane
     engine = _start_engine(me)
+    soft = _soft_update(me, engine) if cfg.algorithm.off_policy else None
     start = start_clock(me)
-    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline,
+                        soft.counters if soft else dict)
 
     # the weights go to host memory only where they are published or checkpointed
     wanted = me.rank == plan.weight_root or me.comms.learners.Get_rank() == 0
@@ -80,7 +84,9 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     stats: Counters = {"staleness_hist": {}}
     queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
     publish(me.first)
-    run_learner(me.setup, sched=links.sched, engine=engine, queues=queues, publish=publish,
+    train = soft.learn if soft else partial(learn, cfg, engine, timeline=me.timeline,
+                                            progress=me.progress)
+    run_learner(me.setup, sched=links.sched, train=train, queues=queues, publish=publish,
                 stop=lambda: preempt.agreed(me.comms.learners))  # [dist]
     plane.stop()
     stats["nonfinite_steps_skipped"] = engine.skipped
@@ -92,7 +98,7 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
                      "lost_records": ring.stats.lost_records}
     stats["weight_bytes"] = {"first_version": plane.nbytes,
                              "per_version": plane.bytes_per_version}
-    return start, stats
+    return start, {**stats, **(soft.summary() if soft else {})}
 
 
 def evaluator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
@@ -147,10 +153,15 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
 
 
 def _version_update(me: Rank, engine: SkipNonfinite, actor: Policy) -> VersionUpdate:
-    """What trains a colocated version: the on-policy learner's (PPO, GRPO), or SAC's replay
-    (its buffer position continued from the checkpoint resumed)."""
+    """What trains a colocated version: the on-policy learner's (PPO, GRPO), or SAC's replay."""
     if me.cfg.algorithm.name not in ("sac", "rlpd"):
         return OnPolicyUpdate(me.setup, engine, actor)
+    return _soft_update(me, engine, actor)
+
+
+def _soft_update(me: Rank, engine: SkipNonfinite, actor: Policy | None = None) -> SoftUpdate:
+    """The off-policy learner (roles/off_policy.py), its buffer position continued from the
+    checkpoint resumed; `actor`: the colocated rank's acting copy."""
     from hpcvla.checkpoint.catalog import read_state
     from hpcvla.roles.off_policy import SoftUpdate
     done = read_state(me.resume)["counters"].get("replay_transitions", 0) if me.resume else 0
