@@ -126,5 +126,5 @@ def test_a_replay_buffer_larger_than_the_host_is_refused_before_any_rank_starts(
                  "algorithm.replay_capacity=1000000000")
     assert out.returncode != 0
     assert "algorithm.replay_capacity = 1000000000" in out.stderr and \
-        "KiB per transition and learner" in out.stderr, out.stderr[-2000:]
+        "KiB per transition of its capacity" in out.stderr, out.stderr[-2000:]
     assert not list(tmp_path.iterdir())  # no run folder: nothing started

@@ -408,3 +408,22 @@ def test_a_dumps_episodes_become_transitions_each_last_row_only_if_terminal(tmp_
     for i, row in enumerate(kept_rows):  # the next observation: the episode's next row
         if not ends[row]:
             assert np.array_equal(out["next_obs.image"][i], demos.obs["image"][row + 1])
+
+
+def test_the_plan_counts_rlpds_prior_data_from_the_files_headers(tmp_path):
+    """`hpcvla plan`'s replay bytes of an RLPD learner: its online buffer and a buffer of as
+    many transitions as its demonstrations have rows (read from the dump's headers)."""
+    from helpers import ROOT, reach_dump
+
+    from hpcvla.config import load_config
+    from hpcvla.demonstrations import read_demonstrations
+    from hpcvla.memory.layout import replay_bytes
+
+    _, spec = reach_dump(tmp_path / "dump.h5", n_groups=8)
+    rows = len(read_demonstrations(tmp_path / "dump.h5", spec, outcomes=True).actions)
+    sac = load_config(ROOT / "configs/colocated_sac.yaml", []).algorithm
+    rlpd = load_config(ROOT / "configs/colocated_sac.yaml",
+                       ["algorithm.name=rlpd", f"algorithm.demos={tmp_path / 'dump.h5'}"]).algorithm
+    per_transition = replay_bytes(sac, spec) // sac.replay_capacity
+    assert rows > 0 and replay_bytes(rlpd, spec) - replay_bytes(sac, spec) == \
+        rows * per_transition

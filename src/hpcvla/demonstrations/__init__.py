@@ -33,7 +33,7 @@ from hpcvla.envs.base import EnvSpec
 from hpcvla.text import tokenize, words
 
 __all__ = ["Demonstrations", "DemonstrationError", "read_demonstrations",
-           "demonstration_problems", "LAYOUTS"]
+           "demonstration_problems", "demonstration_rows", "LAYOUTS"]
 
 LAYOUTS = (hpcvla_dump, libero, maniskill)  # detection order: the first that matches
 SUFFIXES = (".h5", ".hdf5")
@@ -150,6 +150,14 @@ def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
     if outcomes:
         _check_outcomes(found, problems)
     return problems.listed()
+
+
+def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int:
+    """The chunk rows `read_demonstrations(paths, spec, per_task)` would read, from the files'
+    headers (no bulk data read): an off-policy learner's prior transitions are at most these.
+    Counted in this project's own layout only, the one such prior data comes in."""
+    found, _ = _scan(paths, spec, per_task)
+    return sum(e.rows for _, _, e in _select(found, per_task, False))
 
 
 def _check_outcomes(found, problems: Problems) -> None:

@@ -70,7 +70,8 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                          f"{spec.action_dim} of the spec; the dump is of another env")
         episodes.append(Episode(str(path), key, attr_text(demo.attrs.get("instruction", "")),
                                 f"{key}.attrs[instruction]",
-                                bool(demo.attrs.get("success", False))))
+                                bool(demo.attrs.get("success", False)),
+                                0 if actions is None else len(actions)))
     return episodes
 
 

@@ -93,13 +93,21 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
 
 
 def replay_bytes(alg, spec) -> int:
-    """One off-policy learner's replay buffer (algorithms/replay.py), 0 for the others."""
+    """One off-policy learner's replay buffer (algorithms/replay.py) and, under RLPD, the buffer
+    of its prior data (as many transitions as algorithm.demos have chunk rows, at most); 0 for
+    the on-policy learners."""
     if not alg.off_policy:
         return 0
     from hpcvla.algorithms.replay import ReplayBuffer
     from hpcvla.algorithms.transitions import transition_specs
-    return ReplayBuffer.nbytes_of(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
-                                  alg.replay_capacity)
+    specs = transition_specs(spec.obs, spec.chunk_len, spec.action_dim)
+    prior = 0
+    if alg.name == "rlpd":
+        from hpcvla.config.learning import demo_paths
+        from hpcvla.demonstrations import demonstration_rows
+        prior = demonstration_rows(demo_paths(alg), spec, alg.demos_per_task or None)
+    return ReplayBuffer.nbytes_of(specs, alg.replay_capacity) + \
+        (ReplayBuffer.nbytes_of(specs, prior) if prior else 0)
 
 
 def host_bytes() -> int:
@@ -112,15 +120,16 @@ def replay_problems(cfg, memory: LayoutMemory, per_learner: int,
                     capacity: int) -> list[tuple[str, object, str]]:
     """A node whose learners' replay buffers (`per_learner` bytes each) alone would not fit in
     its host memory (`capacity` bytes)."""
-    out, per_transition = [], per_learner / cfg.algorithm.replay_capacity
+    out = []
     for node, parts in memory.per_node_host().items():
         replay = parts.get("replay buffers", 0)
         if replay > capacity:
             out.append(("algorithm.replay_capacity", cfg.algorithm.replay_capacity,
                         f"fewer transitions: node {node}'s learners' replay buffers take "
                         f"{size(replay)}, more than its {size(capacity)} of host memory "
-                        f"(this machine's; {per_transition / 1024:.1f} KiB per transition "
-                        "and learner)"))
+                        f"(this machine's; {size(per_learner)} per learner, "
+                        f"{per_learner / cfg.algorithm.replay_capacity / 1024:.1f} KiB per "
+                        "transition of its capacity, prior data included)"))
     return out
 
 
