@@ -9,8 +9,9 @@ import pytest
 
 from matplotlib.image import imread
 
-from hpcvla.bench.learning import _plot, welch_interval
-from helpers import hpcvla
+from hpcvla.bench.learning import ARMS, _plot, held_out_of, welch_interval
+from hpcvla.config import load_config
+from helpers import ROOT, hpcvla
 
 
 def test_welch_interval_matches_the_textbook_formula():
@@ -21,6 +22,30 @@ def test_welch_interval_matches_the_textbook_formula():
     assert (high - low) / 2 / se == pytest.approx(2.776, abs=0.6)  # t at ~4-5 dof
     assert low < diff < high
     assert welch_interval([0.5, 0.5], [0.5, 0.5]) == (0.0, 0.0, 0.0)
+
+
+def test_held_out_curves_give_the_env_steps_to_the_target_success():
+    records = [{"update": 1}, {"held_out": {"trained_env_steps": 100, "success_rate": 0.5}},
+               {"held_out": {"trained_env_steps": 200, "success_rate": 0.81}},
+               {"held_out": {"trained_env_steps": 300, "success_rate": 0.7}}]
+    assert held_out_of(records) == {"held_out": [[100, 0.5], [200, 0.81], [300, 0.7]],
+                                    "env_steps_to_0.8": 200}
+    assert held_out_of(records[:2])["env_steps_to_0.8"] is None
+    assert held_out_of(records[:1]) == {}  # no held-out evaluation while training
+
+
+def test_the_prior_data_arms_are_valid_runs_of_one_task_and_layout():
+    """RLPD from the demonstrations against PPO from their SFT: both configs load, with the
+    same env, layout and env steps per version, and evaluate held-out states while training."""
+    cfgs = {}
+    for arm, (config, *args) in ARMS["prior-data"].items():
+        args = [a.format(pretrained="sft-run", demos="demos.h5") for a in args if "=" in a]
+        cfgs[arm] = load_config(ROOT / config, args)
+    rlpd, ppo = cfgs["rlpd"], cfgs["ppo"]
+    assert (rlpd.algorithm.name, ppo.algorithm.name) == ("rlpd", "ppo")
+    assert rlpd.env == ppo.env and rlpd.placement == ppo.placement
+    assert rlpd.rollout == ppo.rollout and rlpd.learner.micro_batch == ppo.learner.micro_batch
+    assert rlpd.eval.every == ppo.eval.every > 0 and ppo.policy.checkpoint == "sft-run"
 
 
 @pytest.mark.mpi

@@ -28,6 +28,13 @@ Arm sets (`--arms`):
   that SFT run (`policy.checkpoint`): streamer (4 ranks, 1 learner x 16 segments) against
   sync-colocated (2 ranks, 2 learners x 8 segments), 16 segments of 10 chunks per version
   each.
+* `prior-data`: what off-policy RL gains from demonstrations, as the field's recipe for
+  robots uses them: ManiSkill PushCube-v1 from state (configs/maniskill_pushcube_sac.yaml),
+  `PRIOR_DEMOS` scripted-expert demonstrations; `rlpd` keeps them as prior data (half of
+  every sampled batch) from a fresh policy, `ppo` starts from `hpcvla sft` on the same
+  demonstrations with ManiSkill's PPO baseline's settings (PPO_BASELINE). Both evaluate the
+  held-out states every `PRIOR_EVAL_EVERY` versions while training (eval.every, deterministic
+  actions): each run's env steps to a held-out success of `TARGET_SUCCESS`.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
@@ -72,6 +79,17 @@ ARMS["off-policy"] = {"sac": ["configs/colocated_sac.yaml", "--ranks", "2"],
                       "ppo": ["configs/colocated.yaml", "--ranks", "2"]}
 FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
+PUSHCUBE_SAC = "configs/maniskill_pushcube_sac.yaml"
+PRIOR_DEMOS, PRIOR_EVAL_EVERY, TARGET_SUCCESS = 16, 10, 0.8
+# configs/maniskill_pushcube_baseline.yaml's PPO (ManiSkill's ppo.py settings) on this layout
+PPO_BASELINE = ["algorithm.name=ppo", "algorithm.gae_lambda=0.9", "algorithm.critic_lr=0",
+                "algorithm.clip=0.2", "algorithm.entropy_coef=0", "learner.epochs=8"]
+HELD_OUT = [f"eval.every={PRIOR_EVAL_EVERY}", "eval.episodes=64", "eval.deterministic=true"]
+ARMS["prior-data"] = {
+    "rlpd": [PUSHCUBE_SAC, "--ranks", "2", "algorithm.name=rlpd", "algorithm.demos={demos}",
+             *HELD_OUT],
+    "ppo": [PUSHCUBE_SAC, "--ranks", "2", *PPO_BASELINE, "policy.checkpoint={pretrained}",
+            *HELD_OUT]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
@@ -120,6 +138,18 @@ def curve(records: list[dict], grid: np.ndarray) -> list[float]:
     return np.interp(grid, steps, success).round(4).tolist()
 
 
+def held_out_of(records: list[dict]) -> dict:
+    """The held-out evaluations made while training (eval.every): their curve against trained
+    env steps and the env steps at which it first reached TARGET_SUCCESS (None: never); empty
+    for a run without them."""
+    held = [r["held_out"] for r in records if "held_out" in r]
+    if not held:
+        return {}
+    reached = [h["trained_env_steps"] for h in held if h["success_rate"] >= TARGET_SUCCESS]
+    return {"held_out": [[h["trained_env_steps"], h["success_rate"]] for h in held],
+            f"env_steps_to_{TARGET_SUCCESS:g}": reached[0] if reached else None}
+
+
 def late_explained_variance(records: list[dict], from_update: int = 30) -> float | None:
     """Mean explained variance of the critic over the micro-batches from `from_update` on
     (None under GRPO, which has no critic; the last half of the run when it is shorter)."""
@@ -157,6 +187,9 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     see one env and policy), and its eval; none for most."""
     if arms == "imitation":
         return imitation_start(root, eval_episodes, overrides, config, demos)
+    if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
+        return imitation_start(root, eval_episodes, overrides, PUSHCUBE_SAC, PRIOR_DEMOS,
+                               sft=[*PPO_BASELINE, f"sft.per_task={PRIOR_DEMOS}"])
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -177,10 +210,10 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
 
 
 def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
-                    episodes=IMITATION_DEMOS) -> tuple[Path, dict]:
-    """`hpcvla demos` (`episodes` of them) then `hpcvla sft` with the recipe `config` and
-    `overrides` (e.g. env.camera=false): the SFT run directory every `imitation` arm starts
-    from, and its eval."""
+                    episodes=IMITATION_DEMOS, sft=()) -> tuple[Path, dict]:
+    """`hpcvla demos` (`episodes` of them, into root/demos.h5) then `hpcvla sft` with the
+    recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own): the SFT
+    run directory every `imitation` arm starts from, and its eval."""
     import subprocess
     import sys
 
@@ -189,7 +222,7 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     demos = root / "demos.h5"
     for command in (["demos", config, *overrides, "--episodes", str(episodes),
                      "--noise", "0.1", "--out", str(demos)],
-                    ["sft", config, *overrides, f"sft.demos={demos}",
+                    ["sft", config, *overrides, *sft, f"sft.demos={demos}",
                      f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
     (run_dir,) = (root / "sft").iterdir()
@@ -220,7 +253,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
             results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
                             for key, suffix in EVALS.items()})
         for arm, layout in arm_set.items():
-            runs, layout = [], [part.format(pretrained=pretrained) for part in layout]
+            runs, layout = [], [part.format(pretrained=pretrained,
+                                            demos=Path(tmp) / "demos.h5") for part in layout]
             for seed in range(seeds):
                 root = Path(tmp) / f"{arm}-{seed}"
                 done = train_and_eval([*layout, f"run.seed={seed}",
@@ -234,7 +268,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                              "final_success": summary["success_rate"],
                              "explained_variance": late_explained_variance(done["metrics"]),
                              "wall_s": summary["wall_s"], "env_steps": summary["env_steps"],
-                             "curve": curve(done["metrics"], grid)})
+                             "curve": curve(done["metrics"], grid),
+                             **held_out_of(done["metrics"])})
                 ev = runs[-1]["explained_variance"]
                 print(f"{arm:<15} seed {seed}: eval success {runs[-1]['eval_success']:.3f} "
                       f"(deterministic {runs[-1]['eval_success_deterministic']:.3f}; "
