@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from hpcvla.checkpoint import catalog, store
+from hpcvla.config.families import family
 from hpcvla.policies.backbones import backbones_from_folder
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
@@ -32,6 +33,8 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
         kwargs.update(soft_critics=True, critic_layer_norm=cfg.algorithm.critic_layer_norm or
                       cfg.algorithm.name == "rlpd",
                       init_temperature=cfg.algorithm.init_temperature)
+        if family(cfg.policy.name).noise_actor:  # DSRL's (policies/noise_actor.py)
+            kwargs["noise_bound"] = cfg.algorithm.noise_bound
     if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
     return kwargs

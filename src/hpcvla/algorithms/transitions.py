@@ -37,11 +37,13 @@ def transition_specs(obs_spec: Mapping[str, tuple[tuple[int, ...], str]], chunk_
     return specs
 
 
-def transitions_of(group: Mapping[str, np.ndarray], obs_names) -> tuple[dict[str, np.ndarray],
-                                                                        int]:
+def transitions_of(group: Mapping[str, np.ndarray], obs_names, action_field: str = "actions"
+                   ) -> tuple[dict[str, np.ndarray], int]:
     """The kept transitions of a segment group (T rows of n envs) as {field: (N, ...)}, in the
     order of transition_specs, and how many of its T x n steps were dropped (module
-    docstring). `obs_names`: the observation fields (the env's, not a policy's extras)."""
+    docstring). `obs_names`: the observation fields (the env's, not a policy's extras);
+    `action_field`: the group's field that is SAC's action (a steered flow policy's is the
+    noise it recorded, policies/noise_actor.py)."""
     T, n = group["reward"].shape
     keep = ~(group["env_fault"] | (group["truncated"] & ~group["terminated"]))
     out: dict[str, np.ndarray] = {}
@@ -49,7 +51,7 @@ def transitions_of(group: Mapping[str, np.ndarray], obs_names) -> tuple[dict[str
         rows = group[f"obs.{name}"]
         following = np.concatenate([rows[1:], group[f"{NEXT}{name}"][None]])
         out[f"obs.{name}"], out[f"{NEXT}{name}"] = rows[keep], following[keep]
-    out["actions"] = group["actions"][keep].astype(np.float32, copy=False)
+    out["actions"] = group[action_field][keep].astype(np.float32, copy=False)
     out["reward"] = group["reward"][keep].astype(np.float32, copy=False)
     out["terminal"] = group["terminated"][keep]
     return out, T * n - int(keep.sum())

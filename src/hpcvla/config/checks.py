@@ -94,9 +94,16 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
     if (alg.name == "rlpd") != bool(alg.demos):
         problems.append(("algorithm.demos", alg.demos, "demonstration files with "
                          "algorithm.name=rlpd (its prior data), and empty otherwise"))
-    if not family(cfg.policy.name).soft_critics:
+    traits = family(cfg.policy.name)
+    if not traits.soft_critics and not (traits.noise_actor and alg.name == "sac"):
         problems.append(("policy.name", cfg.policy.name, "default with algorithm.name="
-                         f"{alg.name} (the family with SAC's critics and squashed actor)"))
+                         f"{alg.name} (the family with SAC's critics and squashed actor), or "
+                         "flow with algorithm.name=sac (DSRL: its demonstrations record "
+                         "actions, not the noise RLPD would need)"))
+    if traits.noise_actor and cfg.policy.lora_rank:
+        problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 with algorithm.name="
+                         f"{alg.name} on the flow family: DSRL trains the noise actor only, the "
+                         "flow policy and any adapter stay frozen"))
     if cfg.learner.zero_stage == 3:
         problems.append(("learner.zero_stage", 3, "0, 1 or 2 with algorithm.name="
                          f"{alg.name} (its losses call the critics outside the engine's "

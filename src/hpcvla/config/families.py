@@ -21,13 +21,16 @@ class FamilyTraits:
     vla: bool
     # a published folder may hold relative actions (policy.delta_action_dims: π0's LIBERO)
     relative_actions: bool
-    # SAC's critics and squashed actor (policies/soft_critics.py): algorithm.name=sac
+    # SAC's critics and squashed actor (policies/soft_critics.py): algorithm.name=sac or rlpd
     soft_critics: bool = False
+    # SAC steers the frozen policy through its sampler's noise (DSRL, policies/noise_actor.py):
+    # algorithm.name=sac, not rlpd (demonstrations record actions, not the noise behind them)
+    noise_actor: bool = False
 
 
 FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True),
-    "flow": FamilyTraits(vla=True, relative_actions=True),
+    "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True),
     "tokens": FamilyTraits(vla=True, relative_actions=False),
     "oft": FamilyTraits(vla=True, relative_actions=False),
 }

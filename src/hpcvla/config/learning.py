@@ -34,8 +34,9 @@ class PolicyConfig:
         "(policies/oft.py).",
         choices=tuple(FAMILIES))
     hidden: int = setting(
-        128, "`default` only: width of the policy's feature trunk: wider learns more, costs "
-        "more per step.", ge=8)
+        128, "`default`: width of the policy's feature trunk: wider learns more, costs more "
+        "per step. `flow` under algorithm.name=sac: the same for its noise actor and critics "
+        "(DSRL, policies/noise_actor.py).", ge=8)
     size: str = setting(
         "tiny", "`flow`/`tokens`/`oft`: size preset. `tiny` (~0.2M parameters; oft ~1.1M, "
         "mostly its 32064-row vocabulary) trains on a CPU; `small` (~5-10M, not oft) for one "
@@ -153,7 +154,8 @@ class AlgorithmConfig:
         "off-policy soft actor-critic (twin critics with targets, automatic entropy "
         "temperature, a tanh-squashed actor) from a replay buffer every transition enters "
         "once (algorithm.replay_capacity, utd, batch_size, tau, learning_starts); the "
-        "`default` policy in any mode (disaggregated: the ring streams the transitions), "
+        "`default` policy, or the `flow` family frozen and steered through its sampler's "
+        "noise by a small actor (DSRL, algorithm.noise_bound), in any mode (disaggregated: the ring streams the transitions), "
         "learner.zero_stage < 3 (roles/off_policy.py). `rlpd`: SAC with prior data (Ball et al. 2023): half of every "
         "sampled batch from the demonstrations of `algorithm.demos`, half from the online "
         "buffer, and layer-normed critics.", choices=("ppo", "grpo", "sac", "rlpd"))
@@ -235,6 +237,12 @@ class AlgorithmConfig:
         False, "`sac`: LayerNorm after each hidden layer of the critics (`rlpd` always has "
         "it): bounds their extrapolation to unseen actions, which high `utd` otherwise turns "
         "into divergence.")
+    noise_bound: float = setting(
+        1.5, "`sac` with the `flow` family (DSRL: SAC steers the frozen flow policy through "
+        "its sampler's initial noise): the noise actor's outputs lie in (-noise_bound, "
+        "noise_bound). The sampler was trained on N(0, 1) noise: a bound near 1-2 keeps it "
+        "where its training went; larger reaches further from the demonstrated behaviour.",
+        ge=0.01)
     demos: str = setting(
         "", "`rlpd`: the prior data, HDF5 files (comma-separated) of this project's trajectory "
         "dumps or `hpcvla demos` files, which record each chunk's reward and how its episode "

@@ -254,7 +254,9 @@ def _learn(policy, spec, n: int) -> None:
     obs = observation_batch(spec, policy.extra_fields(), n)
     actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
     outputs = policy.evaluate(obs, actions)  # alive through the backward
-    step_loss(outputs).backward()
+    loss = step_loss(outputs)
+    if loss.requires_grad:  # a steered flow policy (DSRL) trains none of what this runs:
+        loss.backward()     # its learner steps only the small noise actor (an over-count)
 
 
 def _act(policy, spec, n: int) -> None:

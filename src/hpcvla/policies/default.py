@@ -80,32 +80,7 @@ class DefaultPolicy(SoftCritics, Policy):
                           "init_temperature": float(init_temperature)}
         self.action_dim = int(action_dim)
         self.chunk_len = int(chunk_len)
-        self.has_image = "image" in obs_spec
-        self.has_instruction = "instruction" in obs_spec
-        self.has_state = "state" in obs_spec
-        if not (self.has_image or self.has_instruction or self.has_state):
-            raise ValueError(f"obs_spec has none of image/instruction/state: {sorted(obs_spec)}")
-
-        feat_dim = 0
-        if self.has_image:
-            h, w, c = obs_spec["image"][0]
-            convs = nn.Sequential(
-                layer_init(nn.Conv2d(c, 16, 5, stride=2)), nn.ReLU(),
-                layer_init(nn.Conv2d(16, 32, 3, stride=2)), nn.ReLU(),
-                layer_init(nn.Conv2d(32, 32, 3, stride=2)), nn.ReLU(),
-                nn.Flatten(),
-            )
-            with torch.no_grad():  # infer the flattened size instead of hand-computing it
-                n_flat = convs(torch.zeros(1, c, h, w)).shape[1]
-            self.image_encoder = nn.Sequential(convs, layer_init(nn.Linear(n_flat, hidden)), nn.ReLU())
-            feat_dim += hidden
-        if self.has_instruction:
-            self.token_embedding = nn.Embedding(vocab_size, INSTRUCTION_EMBED_DIM, padding_idx=0)
-            feat_dim += INSTRUCTION_EMBED_DIM
-        if self.has_state:
-            (state_dim,) = obs_spec["state"][0]
-            self.state_encoder = nn.Sequential(layer_init(nn.Linear(state_dim, hidden)), nn.Tanh())
-            feat_dim += hidden
+        feat_dim = add_encoders(self, obs_spec, vocab_size, hidden)
 
         # Separate actor and critic trunks over the shared encoders (as CleanRL's continuous
         # PPO): value-loss gradients, larger than policy ones, must not steer the actor.
@@ -128,20 +103,7 @@ class DefaultPolicy(SoftCritics, Policy):
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Encode each present modality and concatenate: (B, feat_dim)."""
-        parts = []
-        if self.has_image:
-            # uint8 HWC -> float CHW in [0, 1]; done here so callers can ship compact uint8.
-            img = obs["image"].permute(0, 3, 1, 2).float().div_(255.0)
-            parts.append(self.image_encoder(img))
-        if self.has_instruction:
-            tokens = obs["instruction"].long()
-            mask = (tokens != 0).unsqueeze(-1).float()
-            summed = (self.token_embedding(tokens) * mask).sum(dim=1)
-            # Mean over real tokens; an all-padding instruction gives a zero vector.
-            parts.append(summed / mask.sum(dim=1).clamp(min=1.0))
-        if self.has_state:
-            parts.append(self.state_encoder(obs["state"].float()))
-        return torch.cat(parts, dim=-1)
+        return encode(self, obs)
 
     def _dist_and_value(self, obs: dict[str, torch.Tensor]) -> tuple[Normal, torch.Tensor]:
         """Flat Normal over chunk_len*action_dim dims, and the value (B,)."""
@@ -193,6 +155,57 @@ class DefaultPolicy(SoftCritics, Policy):
         return _inside(dist, actions.reshape(actions.shape[0], -1).to(_base(dist).mean.dtype))
 
 
+def add_encoders(module: nn.Module, obs_spec: dict, vocab_size: int, hidden: int) -> int:
+    """The observation encoders of `module` (the default policy's, the flow family's noise
+    actor's): a small CNN for the image, a bag of token embeddings for the instruction, a
+    layer for the state, whichever `obs_spec` has; returns the width of their features."""
+    module.has_image = "image" in obs_spec
+    module.has_instruction = "instruction" in obs_spec
+    module.has_state = "state" in obs_spec
+    if not (module.has_image or module.has_instruction or module.has_state):
+        raise ValueError(f"obs_spec has none of image/instruction/state: {sorted(obs_spec)}")
+    feat_dim = 0
+    if module.has_image:
+        h, w, c = obs_spec["image"][0]
+        convs = nn.Sequential(
+            layer_init(nn.Conv2d(c, 16, 5, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(16, 32, 3, stride=2)), nn.ReLU(),
+            layer_init(nn.Conv2d(32, 32, 3, stride=2)), nn.ReLU(),
+            nn.Flatten(),
+        )
+        with torch.no_grad():  # infer the flattened size instead of hand-computing it
+            n_flat = convs(torch.zeros(1, c, h, w)).shape[1]
+        module.image_encoder = nn.Sequential(convs, layer_init(nn.Linear(n_flat, hidden)),
+                                             nn.ReLU())
+        feat_dim += hidden
+    if module.has_instruction:
+        module.token_embedding = nn.Embedding(vocab_size, INSTRUCTION_EMBED_DIM, padding_idx=0)
+        feat_dim += INSTRUCTION_EMBED_DIM
+    if module.has_state:
+        (state_dim,) = obs_spec["state"][0]
+        module.state_encoder = nn.Sequential(layer_init(nn.Linear(state_dim, hidden)), nn.Tanh())
+        feat_dim += hidden
+    return feat_dim
+
+
+def encode(module: nn.Module, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The features of `module`'s encoders (add_encoders) for a batch of observations."""
+    parts = []
+    if module.has_image:
+        # uint8 HWC -> float CHW in [0, 1]; done here so callers can ship compact uint8.
+        img = obs["image"].permute(0, 3, 1, 2).float().div_(255.0)
+        parts.append(module.image_encoder(img))
+    if module.has_instruction:
+        tokens = obs["instruction"].long()
+        mask = (tokens != 0).unsqueeze(-1).float()
+        summed = (module.token_embedding(tokens) * mask).sum(dim=1)
+        # Mean over real tokens; an all-padding instruction gives a zero vector.
+        parts.append(summed / mask.sum(dim=1).clamp(min=1.0))
+    if module.has_state:
+        parts.append(module.state_encoder(obs["state"].float()))
+    return torch.cat(parts, dim=-1)
+
+
 def _base(dist: Normal | TransformedDistribution) -> Normal:
     return dist.base_dist if isinstance(dist, TransformedDistribution) else dist
 
@@ -217,4 +230,4 @@ def count_parameters(module: nn.Module) -> int:
     return int(sum(p.numel() for p in module.parameters() if p.requires_grad))
 
 
-__all__ = ["DefaultPolicy", "count_parameters", "layer_init"]
+__all__ = ["DefaultPolicy", "add_encoders", "count_parameters", "encode", "layer_init"]

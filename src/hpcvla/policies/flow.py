@@ -61,9 +61,8 @@ output at the state token (which depends on neither t nor x). `train_expert_only
 the prefix (vision tower, projector, language model): the expert, its projections, the
 value head and log_std train.
 
-HF key map (checkpoint folders, vla.py): names follow LeRobot's π0 (the openpi port), so a
-converted π0 checkpoint's tensors map by name (shapes must match the preset; π0 pads action
-and state dims to 32, ours are the env's). The RL heads have their own `rl.` names.
+Published folders (their names, sizes, sampler and processor): policies/flow_folders.py.
+SAC steers a frozen flow policy through its sampler's noise: policies/noise_actor.py (DSRL).
 """
 
 from __future__ import annotations
@@ -77,8 +76,8 @@ from torch.utils.checkpoint import checkpoint
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
-from hpcvla.policies.paligemma import PI0_PREFIX as _PI0
-from hpcvla.policies.paligemma import paligemma_size
+from hpcvla.policies.noise_actor import NOISE, NoiseActor
+from hpcvla.policies.flow_folders import PublishedFlowFolders
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
@@ -87,10 +86,9 @@ LOGPROB_MODES = ("last_step", "chain")
 VARIANTS = ("pi0", "pi05")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 DEFAULT_DENOISE_STEPS = 4  # Euler steps when neither the config nor a folder says
-OPENPI_SAMPLE_STEPS = 10  # openpi's sample_actions(num_steps=10): its folders do not record it
 
 
-class FlowPolicy(VLAPolicy):
+class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
     """π0-style flow-matching VLA; see the module docstring.
 
     Args (beyond the Policy ones):
@@ -101,43 +99,22 @@ class FlowPolicy(VLAPolicy):
         logprob_granularity: "chunk" | "action" | "token", the shape evaluate returns.
         init_log_std: initial log of the exploration std.
         dtype: "auto" (bf16 on CUDA, float32 on CPU), "float32" or "bfloat16".
+        soft_critics: freeze the policy and add SAC's noise actor and critics (DSRL,
+            policies/noise_actor.py) of width `hidden`, its noise in (-noise_bound,
+            noise_bound); `critic_layer_norm` and `init_temperature` as the default policy's.
     """
 
     family = "flow"
 
     config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity",
-                     "dtype", "logprob_mode", "init_log_std", "variant")
-    HF_KEY_MAP = (  # transformers 5 dropped SiglipVisionModel's `vision_model.` level; files keep it
-        ("prefix.vision_tower.", _PI0 + "paligemma.model.vision_tower.vision_model."),
-        ("prefix.", _PI0 + "paligemma.model."),
-        ("gemma_expert.", _PI0 + "gemma_expert.model."),
-        ("value_head.", "rl.value_head."),
-        ("log_std", "rl.log_std"),
-        ("", "model."),  # state_proj, action_in_proj, action_time_mlp_*, action_out_proj
-    )
-    HF_LAYOUT = {  # published π0 folders (policies/folders.py)
-        "root": "model.",  # openpi's converted PyTorch files leave it out
-        "tied": ((_PI0 + "paligemma.model.language_model.embed_tokens.weight",
-                  _PI0 + "paligemma.lm_head.weight"),),  # hub files keep only lm_head
-        "unused": (_PI0 + "gemma_expert.lm_head.weight",),  # the expert outputs no tokens
-    }
-
-    @classmethod
-    def env_fit_problems(cls, folder, spec_of) -> list[str]:
-        """A published π0/π0.5 folder against the env's state and action dims
-        (processor.dims_problems): the dims it was trained on inside its padded ones."""
-        from hpcvla.policies.folders import checkpoint_kwargs
-        from hpcvla.policies.processor import dims_problems, trained_dims
-        padded = checkpoint_kwargs(cls, folder)["model_dims"]
-        spec = spec_of()
-        return dims_problems(folder, trained_dims(folder, padded), spec.state_dim,
-                             spec.action_dim)
-
+                     "dtype", "logprob_mode", "init_log_std", "variant", "hidden")
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, logprob_mode: str = "last_step",
                  train_expert_only: bool = False, logprob_granularity: str = "chunk",
                  init_log_std: float = -0.7, dtype: str = "auto", model_dims: dict | None = None,
-                 variant: str = "pi0"):
+                 variant: str = "pi0", hidden: int = 128, soft_critics: bool = False,
+                 critic_layer_norm: bool = False, init_temperature: float = 1.0,
+                 noise_bound: float = 1.5):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"flow variant {variant!r}: expected one of {VARIANTS}")
@@ -151,7 +128,9 @@ class FlowPolicy(VLAPolicy):
                     dict(size=parts, denoise_steps=denoise_steps, logprob_mode=logprob_mode,
                          train_expert_only=train_expert_only,
                          logprob_granularity=logprob_granularity, init_log_std=init_log_std,
-                         dtype=dtype, model_dims=dims, variant=variant))
+                         dtype=dtype, model_dims=dims, variant=variant, hidden=hidden,
+                         soft_critics=soft_critics, critic_layer_norm=critic_layer_norm,
+                         init_temperature=init_temperature, noise_bound=noise_bound))
         self.variant = variant
         self.model_horizon, self.model_action_dim = dims["horizon"], dims["action_dim"]
         self.model_state_dim = dims["state_dim"]
@@ -192,6 +171,10 @@ class FlowPolicy(VLAPolicy):
         if self.train_expert_only:
             self.prefix.requires_grad_(False)
         self.to(self.compute_dtype)
+        self.steered = bool(soft_critics)  # DSRL: the noise actor acts (float32)
+        if self.steered:
+            self.add_noise_actor(obs_spec, vocab_size, hidden, noise_bound, critic_layer_norm,
+                                 init_temperature)
 
     @staticmethod
     def _model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode) -> dict:
@@ -209,43 +192,21 @@ class FlowPolicy(VLAPolicy):
                              f"chunk, which must then be the env's: model {dims}, env {env}")
         return dims
 
-    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
-        """A LeRobot or openpi folder's processor (processor.CheckpointProcessor); the model's
-        padded widths tell openpi's padded statistics apart."""
-        from hpcvla.policies.processor import CheckpointProcessor
-        return CheckpointProcessor.from_folder(
-            folder, tokenizer_folder, self.variant, spec.vocab,
-            spec.state_dim, spec.action_dim,
-            {"state_dim": self.model_state_dim, "action_dim": self.model_action_dim},
-            delta_action_dims)
-
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
-        """Chain mode: the denoising chain x_0 .. x_{K-1} that `evaluate` scores."""
+        """Chain mode: the denoising chain x_0 .. x_{K-1} that `evaluate` scores; steered
+        (DSRL): the noise the actor chose, SAC's action."""
+        if self.steered:
+            return {NOISE: ((self.chunk_len, self.action_dim), "<f4")}
         if self.logprob_mode != "chain":
             return {}
         return {"flow_chain": ((self.denoise_steps, self.model_horizon, self.model_action_dim),
                                "<f4")}
 
-    @classmethod
-    def checkpoint_kwargs(cls, shapes: dict, config: dict) -> dict:
-        """What a checkpoint fixes (HF names -> shapes, and its config.json): the variant
-        (π0.5 has `time_mlp_*`), padded dims from its projections, the horizon from its
-        config (ours, LeRobot's `chunk_size` or openpi's `action_horizon`; else the env's),
-        and the sampler's steps (ours, LeRobot's `num_inference_steps`, openpi's default),
-        which policy.denoise_steps > 0 overrides."""
-        dims = {"action_dim": shapes["model.action_in_proj.weight"][1]}
-        if "model.state_proj.weight" in shapes:
-            dims["state_dim"] = shapes["model.state_proj.weight"][1]
-        horizon = config.get("kwargs", {}).get("model_dims", {}).get("horizon") or \
-            config.get("chunk_size") or config.get("action_horizon")  # LeRobot, openpi
-        size = config.get("kwargs", {}).get("size")  # ours: the resolved configs
-        steps = config.get("kwargs", {}).get("denoise_steps") or \
-            config.get("num_inference_steps") or \
-            (OPENPI_SAMPLE_STEPS if "paligemma_variant" in config else None)  # LeRobot, openpi
-        return {"model_dims": dict(dims, horizon=horizon) if horizon else dims,
-                "variant": "pi05" if "model.time_mlp_in.weight" in shapes else "pi0",
-                "size": size if isinstance(size, dict) else paligemma_size(shapes),
-                **({"denoise_steps": int(steps)} if steps else {})}
+    def sample(self, obs, deterministic: bool = False):
+        """VLAPolicy's; steered (DSRL), the noise actor's chunk (policies/noise_actor.py)."""
+        if self.steered:
+            return self.steered_sample(obs, deterministic)
+        return super().sample(obs, deterministic)
 
     # --------------------------------------------------------------------- network pieces
     def lora_models(self):
@@ -346,7 +307,9 @@ class FlowPolicy(VLAPolicy):
         velocity, _ = self._expert_pass(cache, pad, self._padded_state(inputs), x, t)
         return real_steps_mean((velocity - (noise - clean))[:, :H, :D].pow(2), real)
 
-    def _sample(self, obs, deterministic):
+    def _sample(self, obs, deterministic, x0=None):
+        """(chunk, log-prob terms, value, extras); from the initial noise `x0` (B, model
+        horizon, model action dims) where given (DSRL), else from the mode's."""
         cache, pad, pooled = self._encode(obs)
         state = self._padded_state(obs)
         B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
@@ -354,7 +317,9 @@ class FlowPolicy(VLAPolicy):
         if self.logprob_mode == "chain":
             log_std = log_std - 0.5 * math.log(K)
         x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
-        if self.logprob_mode == "chain" and not deterministic:
+        if x0 is not None:
+            x = x0.to(x)
+        elif self.logprob_mode == "chain" and not deterministic:
             x = torch.randn_like(x)
         chain, terms, state_out = [], torch.zeros(B, H, D, device=pad.device), None
         for k, t in enumerate(self._times(B, pad.device)):

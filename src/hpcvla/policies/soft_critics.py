@@ -52,6 +52,7 @@ class SoftCritics:
     value_q: TwinQ
     value_q_target: TwinQ
     sac_log_alpha: nn.Parameter
+    soft_action_field = "actions"  # the segment field SAC's critics take as the action
 
     def add_soft_critics(self, feature_dim: int, action_dims: int, hidden: int,
                          layer_norm: bool, init_temperature: float) -> None:

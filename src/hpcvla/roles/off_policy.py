@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import EnvSpec
     from hpcvla.policies.base import Policy
+    from hpcvla.policies.soft_critics import SoftCritics
     from hpcvla.roles.segments import SegmentGroup
     from hpcvla.roles.setup import RoleSetup
 
@@ -68,6 +69,8 @@ class SoftUpdate:
         self.setup, self.engine, self.actor, self.alg = setup, engine, actor, setup.cfg.algorithm
         self.learners, self.resumed = learners, resumed_transitions
         self.obs_names = list(spec.obs)
+        # SAC's action: the chunk, or what a steered policy chose it by (its noise)
+        self.action_field = cast("SoftCritics", engine.module).soft_action_field
         self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                                    self.alg.replay_capacity)
         self.prior = prior_data(setup.cfg, spec) if self.alg.name == "rlpd" else None
@@ -99,7 +102,7 @@ class SoftUpdate:
         """The groups' transitions into the buffer; returns the env chunk-steps they held."""
         collected = 0
         for group in groups:
-            kept, dropped = transitions_of(group, self.obs_names)
+            kept, dropped = transitions_of(group, self.obs_names, self.action_field)
             self.buffer.add(kept)
             self.dropped += dropped
             collected += group["reward"].size

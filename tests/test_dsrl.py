@@ -1,0 +1,93 @@
+"""SAC on the flow family (DSRL, policies/noise_actor.py): the flow policy frozen, a small actor
+choosing its sampler's initial noise; SAC's transitions take that noise as their action."""
+
+import numpy as np
+import pytest
+import torch
+
+from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets
+from hpcvla.algorithms.sac import default_target_entropy
+from hpcvla.algorithms.transitions import transitions_of
+from hpcvla.config import load_config
+from hpcvla.config.loader import ConfigError
+from hpcvla.envs import env_spec
+from hpcvla.envs.build import make_envs
+from hpcvla.factory import build_policy
+from helpers import ROOT
+
+STEERED = ["algorithm.name=sac", "env.image_size=32", "policy.hidden=32"]
+
+
+@pytest.fixture(scope="module")
+def steered():
+    cfg = load_config(ROOT / "configs/reach_flow.yaml", STEERED)
+    spec = env_spec(cfg.env)
+    env = make_envs(cfg, 4, seed=0)
+    obs = env.reset()
+    env.close()
+    return cfg, spec, build_policy(cfg, spec), obs
+
+
+def test_only_the_noise_actor_its_critics_and_the_temperature_train(steered):
+    _, _, policy, _ = steered
+    trained = {n.split(".")[0] for n, p in policy.named_parameters() if p.requires_grad}
+    assert trained == {"noise_encoder", "noise_trunk", "noise_mean", "noise_log_std",
+                       "value_q", "sac_log_alpha"}
+    assert not policy.value_q_target.q1[0].weight.requires_grad  # moved by Polyak only
+
+
+def test_the_chunk_is_the_noiseless_sampler_from_the_chosen_noise(steered):
+    _, spec, policy, obs = steered
+    tensors = policy.obs_to_tensors(obs)
+    out, extras = policy.sample(tensors)
+    noise = extras["dsrl_noise"]
+    assert noise.shape == (4, spec.chunk_len, spec.action_dim)
+    assert noise.abs().max() < policy.noise_bound and torch.isfinite(out.logprob).all()
+    x0 = torch.zeros(4, policy.model_horizon, policy.model_action_dim)
+    x0[:, :spec.chunk_len, :spec.action_dim] = noise
+    chunk, *_ = policy._sample(policy._inputs(tensors), True, x0)
+    assert torch.allclose(out.actions, chunk)
+    again, _ = policy.sample(tensors, deterministic=True)
+    assert torch.equal(again.actions, policy.sample(tensors, deterministic=True)[0].actions)
+    # the noise is what the samples differ by: another noise, another chunk
+    assert not torch.allclose(out.actions, again.actions)
+
+
+def test_a_sac_step_on_recorded_noise_moves_the_actor_and_never_the_flow_policy(steered):
+    cfg, spec, policy, obs = steered
+    T, n = 3, 4
+    tensors = policy.obs_to_tensors(obs)
+    _, extras = policy.sample(tensors)
+    group = {f"obs.{k}": np.repeat(v[None], T, 0) for k, v in obs.items()}
+    group.update({f"next_obs.{k}": v for k, v in obs.items()},
+                 actions=np.zeros((T, n, spec.chunk_len, spec.action_dim), np.float32),
+                 reward=np.ones((T, n), np.float32), terminated=np.zeros((T, n), bool),
+                 truncated=np.zeros((T, n), bool), env_fault=np.zeros((T, n), bool))
+    group["obs.dsrl_noise"] = np.repeat(extras["dsrl_noise"].numpy()[None], T, 0)
+    kept, dropped = transitions_of(group, list(spec.obs), policy.soft_action_field)
+    assert dropped == 0 and np.array_equal(kept["actions"][:n], extras["dsrl_noise"].numpy())
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    batch = {k: torch.as_tensor(v) for k, v in kept.items()}
+    loss, stats = soft_actor_critic_loss(cfg.algorithm, policy, batch,
+                                         default_target_entropy(spec.action_dim, spec.chunk_len))
+    loss.backward()
+    optimizer.step()
+    update_targets(policy, 0.5)
+    moved = {k.split(".")[0] for k, v in policy.state_dict().items()
+             if not torch.equal(v, before[k])}
+    assert {"noise_mean", "value_q", "value_q_target", "sac_log_alpha"} <= moved
+    assert moved <= {"noise_encoder", "noise_trunk", "noise_mean", "noise_log_std", "value_q",
+                     "value_q_target", "sac_log_alpha"}, moved
+    assert np.isfinite(stats["critic_loss"])
+
+
+def test_what_dsrl_cannot_run_is_refused():
+    with pytest.raises(ConfigError) as err:
+        load_config(ROOT / "configs/reach_flow.yaml",
+                    ["algorithm.name=rlpd", "algorithm.demos=x.h5", "policy.lora_rank=4"])
+    assert "policy.name = 'flow'" in str(err.value) and "policy.lora_rank = 4" in str(err.value)
+    for family in ("tokens", "oft"):
+        with pytest.raises(ConfigError, match=f"policy.name = '{family}'"):
+            load_config(ROOT / "configs/reach_flow.yaml",
+                        ["algorithm.name=sac", f"policy.name={family}"])
