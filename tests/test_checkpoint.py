@@ -3,6 +3,7 @@ optimizer state re-partitioned exactly onto another learner count and ZeRO stage
 specific errors for missing, corrupted or mismatched checkpoints."""
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -16,35 +17,47 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 SMALL = ["env.image_size=32", "policy.hidden=32"]
 
 
-def resume(run_dir, stage, *extra):
-    out = hpcvla("launch", "-n", 2, "--timeout", 240, "--", MPI_DIR / "checkpoint_resume.py",
-                 "configs/colocated.yaml", run_dir, f"learner.zero_stage={stage}", *SMALL,
-                 *extra)
+def resume(run_dir, variants, *extra):
+    """checkpoint_resume.py's train-checkpoint-resume in one world of 2 learners, once per
+    variant (its overrides), each into run_dir/<i>; the newest checkpoint of each."""
+    out = hpcvla("launch", "-n", 2, "--timeout", 400, "--", MPI_DIR / "checkpoint_resume.py",
+                 "configs/colocated.yaml", run_dir, json.dumps(variants), *SMALL, *extra,
+                 timeout=420)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"resume bit-identical at ZeRO stage {stage}" in out.stdout
-    return catalog.latest(run_dir)
+    for variant in variants:
+        stage = next(v for v in variant if v.startswith("learner.zero_stage=")).split("=")[1]
+        assert f"resume bit-identical at ZeRO stage {stage}" in out.stdout, out.stdout
+    return [catalog.latest(run_dir / str(i)) for i in range(len(variants))]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_resume_is_bit_identical(tmp_path, stage):
-    path = resume(tmp_path, stage)
-    state = catalog.read_state(path)
-    assert path.name == "v000002" and state["zero_stage"] == stage and state["learners"] == 2
-    assert sorted(p.name for p in path.iterdir()) == [
-        "model.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors",
-        "state.json"]
+@pytest.fixture(scope="module")
+def fp32_checkpoints(tmp_path_factory):
+    """An fp32 learner's resume at ZeRO stages 0-3, one world (~25 s): a checkpoint each."""
+    return resume(tmp_path_factory.mktemp("fp32"), [[f"learner.zero_stage={s}"]
+                                                    for s in range(4)])
 
 
-@pytest.mark.parametrize("stage,extra", [(0, []), (2, ["learner.gradient_checkpointing=true"]),
-                                         (3, ["learner.offload_optimizer=true"])],
-                         ids=["0", "2-checkpointing", "3-offload"])
-def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path, stage, extra):
+def test_resume_is_bit_identical_at_every_zero_stage(fp32_checkpoints):
+    for stage, path in enumerate(fp32_checkpoints):
+        state = catalog.read_state(path)
+        assert path.name == "v000002" and state["zero_stage"] == stage and state["learners"] == 2
+        assert sorted(p.name for p in path.iterdir()) == [
+            "model.safetensors", "optimizer.rank0.safetensors", "optimizer.rank1.safetensors",
+            "state.json"]
+
+
+def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path):
     """A bf16 learner (DeepSpeed's bf16 mode: stage 0 and ZeRO wrap different optimizers)
     resumes exactly: the checkpoint holds its fp32 masters, not only the rounded weights;
     with gradient checkpointing too (the learner that resumes recomputes its layers), and with
-    the optimizer state offloaded to host memory (ZeRO-Offload, torch's fused CPU AdamW)."""
-    path = resume(tmp_path, stage, "policy.name=flow", "policy.dtype=bfloat16", *extra)
-    assert all(v.dtype == torch.bfloat16 for v in store.load_weights(path).values())
+    the optimizer state offloaded to host memory (ZeRO-Offload, torch's fused CPU AdamW).
+    One world (~30 s)."""
+    paths = resume(tmp_path, [["learner.zero_stage=0"],
+                              ["learner.zero_stage=2", "learner.gradient_checkpointing=true"],
+                              ["learner.zero_stage=3", "learner.offload_optimizer=true"]],
+                   "policy.name=flow", "policy.dtype=bfloat16")
+    for path in paths:
+        assert all(v.dtype == torch.bfloat16 for v in store.load_weights(path).values())
 
 
 def test_optimizer_state_resumes_on_any_learner_count_and_stage(tmp_path):
@@ -82,8 +95,11 @@ def test_a_checkpoint_over_two_gib_resumes_bit_exact(tmp_path):
     print(f"\n{mpi}: {result}")
 
 
-def test_damaged_checkpoints_fail_clearly(tmp_path):
-    path = resume(tmp_path, 1)
+def test_damaged_checkpoints_fail_clearly(tmp_path, fp32_checkpoints):
+    saved = fp32_checkpoints[1]  # ZeRO-1's, copied into a run directory of its own to damage
+    path = tmp_path / saved.relative_to(saved.parent.parent)
+    shutil.copytree(saved, path)
+    assert catalog.latest(tmp_path) == path
     weights = store.load_weights(path)
     assert weights and all(isinstance(v, torch.Tensor) for v in weights.values())
 

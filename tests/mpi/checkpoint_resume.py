@@ -1,10 +1,14 @@
 """Run under MPI with every rank a learner (colocated): train, checkpoint, train one more
 step; then build a fresh engine from the checkpoint and take the same step. Weights and
-optimizer state must come out bit-identical, whatever the ZeRO stage.
+optimizer state must come out bit-identical, whatever the ZeRO stage. Each variant (a list
+of overrides, e.g. a stage; VARIANTS is a JSON list of them) in turn, in one world, into
+RUN_DIR/<i>:
 
-    mpiexec -n 2 python -m mpi4py tests/mpi/checkpoint_resume.py CONFIG RUN_DIR [key=value ...]
+    mpiexec -n 2 python -m mpi4py tests/mpi/checkpoint_resume.py CONFIG RUN_DIR VARIANTS \
+        [key=value ...]
 """
 
+import json
 import sys
 from pathlib import Path
 
@@ -26,7 +30,13 @@ def train_step(engine, obs, actions):
 
 
 def main(cfg, plan, comms):
-    learners, run_dir = comms.learners, Path(sys.argv[2])
+    for i, variant in enumerate(json.loads(sys.argv[3])):
+        resume_exactly(load_config(sys.argv[1], [*sys.argv[4:], *variant]), comms.learners,
+                       Path(sys.argv[2]) / str(i))
+    torch.distributed.destroy_process_group()
+
+
+def resume_exactly(cfg, learners, run_dir):
     env = make_env("reach", cfg.learner.micro_batch, seed=learners.Get_rank(), image_size=32)
     obs = {k: torch.as_tensor(v) for k, v in env.reset().items()}
     actions = torch.randn(env.num_envs, env.spec.chunk_len, env.spec.action_dim,
@@ -66,8 +76,7 @@ def main(cfg, plan, comms):
         print(f"resume bit-identical at ZeRO stage {cfg.learner.zero_stage}: "
               f"{len(continued)} tensors ({dtype})", flush=True)
     learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(run_ranks(load_config(sys.argv[1], sys.argv[3:]), main))
+    sys.exit(run_ranks(load_config(sys.argv[1], sys.argv[4:]), main))

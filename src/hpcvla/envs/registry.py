@@ -2,6 +2,8 @@
 `env_spec`). A module of its own so that envs/isolated.py's workers build envs without
 importing the package."""
 
+import copy
+
 from hpcvla.envs.base import EnvSpec, VectorEnv
 from hpcvla.envs.libero import LiberoEnv
 from hpcvla.envs.maniskill import ManiSkillEnv
@@ -47,11 +49,20 @@ def env_kwargs(env_cfg) -> dict:
 def probe_spec(env_cfg) -> EnvSpec:
     """The EnvSpec of the configured env, building as little of a simulator as it can, here.
     A GPU_ENVS variant has its CPU env's spec, so the probe needs no GPU wherever it runs
-    (envs.env_spec runs it in a worker process where this one will simulate on the GPU)."""
+    (envs.env_spec runs it in a worker process where this one will simulate on the GPU).
+    A built probe's spec is kept for the process (a ManiSkill env takes seconds to build:
+    `hpcvla plan` of several layouts, or of several recipes, asks again); each caller gets
+    its own copy."""
     cls, kwargs = ENVS[env_cfg.name], env_kwargs(env_cfg)
     kwargs.pop("sim_backend", None)
     if cls.spec_of is not None:
         return cls.spec_of(**kwargs)
-    probe = cls(1, seed=0, **kwargs)
-    probe.close()
-    return probe.spec
+    key = (env_cfg.name, repr(sorted(kwargs.items())))
+    if key not in _PROBED:
+        probe = cls(1, seed=0, **kwargs)
+        probe.close()
+        _PROBED[key] = probe.spec
+    return copy.deepcopy(_PROBED[key])
+
+
+_PROBED: dict[tuple[str, str], EnvSpec] = {}  # probe_spec's, by env and constructor arguments
