@@ -117,13 +117,19 @@ EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
 
 
 def env_steps_per_version(arm_set: dict) -> int:
-    """Trained env steps per version (segments x chunks x chunk_len), equal for both arms of a
-    set: what the set's first arm, one learner, trains (reach: 16 x 2 x 8 x 4)."""
+    """Trained env steps per version (segments x chunks x chunk_len, over the learners),
+    equal for both arms of a set: what the set's first arm trains (reach: 16 x 2 x 8 x 4 on
+    one learner)."""
     from hpcvla.config import load_config
+    from hpcvla.topology.plan import plan_from_config
     config, *args = arm_set[next(iter(arm_set))]
-    cfg = load_config(config, [a for a in args if "=" in a and "{" not in a])
-    return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len \
-        * cfg.env.chunk_len
+    # the placeholders of what pretrain makes: names only, no file is read here
+    cfg = load_config(config, [a.format(pretrained="start", demos="demos.h5") for a in args
+                               if "=" in a])
+    learners = len(plan_from_config(cfg.placement, int(args[args.index("--ranks") + 1]))
+                   .learners)
+    return learners * cfg.learner.micro_batch * cfg.learner.micro_batches * \
+        cfg.rollout.segment_len * cfg.env.chunk_len
 
 
 def metrics(run_dir: Path) -> list[dict]:
