@@ -9,7 +9,7 @@ import pytest
 
 from matplotlib.image import imread
 
-from hpcvla.bench.learning import ARMS, _plot, held_out_of, welch_interval
+from hpcvla.bench.learning import ARMS, _plot, curve, held_out_of, welch_interval
 from hpcvla.config import load_config
 from helpers import ROOT, hpcvla
 
@@ -32,6 +32,9 @@ def test_held_out_curves_give_the_env_steps_to_the_target_success():
                                     "env_steps_to_0.8": 200}
     assert held_out_of(records[:2])["env_steps_to_0.8"] is None
     assert held_out_of(records[:1]) == {}  # no held-out evaluation while training
+    training = [{"trained_env_steps": 100, "success_rate": 0.2}, *records[1:],
+                {"trained_env_steps": 300, "success_rate": 0.6}]
+    assert curve(training, np.array([100, 200, 300])) == [0.2, 0.4, 0.6]  # theirs left out
 
 
 def test_the_prior_data_arms_are_valid_runs_of_one_task_and_layout():
