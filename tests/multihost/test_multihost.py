@@ -76,10 +76,12 @@ def test_without_the_progress_thread_lane_puts_still_complete_during_the_compute
     assert remote["max_put_ms"] < 1000, result
 
 
-@pytest.mark.parametrize("mpi", MPIS)
+@pytest.mark.parametrize("mpi", ["mpich"])
 def test_transport_bench_quick_across_hosts(hosts, mpi, tmp_path):
     """`hpcvla bench transport --quick` on 12 ranks of 3 emulated hosts. 25-40 s: every
-    transport measured side by side with its raw MPI baseline, within a host and across."""
+    transport measured side by side with its raw MPI baseline, within a host and across.
+    The benchmark's machinery under one MPI: what it measures crosses hosts under both in
+    the tests above and below."""
     report = tmp_path / f"transport-{mpi}.json"
     out = hosts.mpiexec(mpi, 12, ["bench", "transport", "--ranks-per-node", 4, "--quick",
                                   "--json", report], timeout=400)
