@@ -100,7 +100,7 @@ def test_transport_bench_quick_across_hosts(hosts, mpi, tmp_path):
 def test_learner_nodes_trains_across_three_hosts(hosts, mpi, tmp_path):
     """configs/learner_nodes.yaml on 3 hosts x 4 ranks: h0 and h1 hold 2 cells each, h2 the
     4 ZeRO learners; every trajectory crosses the network into a learner's ring."""
-    updates = 8
+    updates = 4
     out = hosts.mpiexec(mpi, 12, [
         "train", ROOT / "configs" / "learner_nodes.yaml",
         "placement.per_node={simulator: 2, inference: 2, learner: 0}",
