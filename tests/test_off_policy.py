@@ -91,12 +91,13 @@ def test_sac_learns_from_the_ring_in_the_streamer(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_dsrl_steers_a_frozen_flow_policy_and_only_its_actor_crosses_the_network(tmp_path):
-    """SAC on the flow family (DSRL) in the streamer: the inference rank records the noise its
-    actor chose with every step, the learner trains on it, and after the first version the
-    weight plane sends the trainable parameters alone (the noise actor, its critics, the
-    temperature: float32), not the frozen flow policy. ~20 s: one world."""
+    """SAC on the flow family (DSRL) in the streamer, the flow policy in bf16 as on GPUs: the
+    inference rank records the noise its actor chose with every step, the learner trains on
+    it, and after the first version the weight plane sends the trainable parameters alone (the
+    noise actor, its critics, the temperature: float32), not the frozen flow policy. ~20 s:
+    one world."""
     args = ["algorithm.name=sac", "env.image_size=32", "algorithm.batch_size=16",
-            "algorithm.utd=0.125", "algorithm.learning_starts=16"]
+            "algorithm.utd=0.125", "algorithm.learning_starts=16", "policy.dtype=bfloat16"]
     _, summary, run_dir = run_train(tmp_path, "pipeline.total_updates=2", *args,
                                     config="configs/reach_flow.yaml")
     (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
@@ -105,7 +106,7 @@ def test_dsrl_steers_a_frozen_flow_policy_and_only_its_actor_crosses_the_network
                           env_spec(load_config(run_dir / "config.yaml").env))
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     assert learner["weight_bytes"]["per_version"] == 4 * trainable
-    assert learner["weight_bytes"]["first_version"] > 2 * learner["weight_bytes"]["per_version"]
+    assert learner["weight_bytes"]["first_version"] > learner["weight_bytes"]["per_version"]
 
 
 def _replay_transitions(run_dir):

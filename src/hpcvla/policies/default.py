@@ -189,11 +189,12 @@ def add_encoders(module: nn.Module, obs_spec: dict, vocab_size: int, hidden: int
 
 
 def encode(module: nn.Module, obs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The features of `module`'s encoders (add_encoders) for a batch of observations."""
-    parts = []
+    """The features of `module`'s encoders (add_encoders) for a batch of observations, in the
+    dtype of its parameters (a bf16 learner casts the whole policy)."""
+    parts, dtype = [], next(module.parameters()).dtype
     if module.has_image:
         # uint8 HWC -> float CHW in [0, 1]; done here so callers can ship compact uint8.
-        img = obs["image"].permute(0, 3, 1, 2).float().div_(255.0)
+        img = obs["image"].permute(0, 3, 1, 2).float().div_(255.0).to(dtype)
         parts.append(module.image_encoder(img))
     if module.has_instruction:
         tokens = obs["instruction"].long()
@@ -202,7 +203,7 @@ def encode(module: nn.Module, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         # Mean over real tokens; an all-padding instruction gives a zero vector.
         parts.append(summed / mask.sum(dim=1).clamp(min=1.0))
     if module.has_state:
-        parts.append(module.state_encoder(obs["state"].float()))
+        parts.append(module.state_encoder(obs["state"].to(dtype)))
     return torch.cat(parts, dim=-1)
 
 

@@ -76,8 +76,8 @@ from torch.utils.checkpoint import checkpoint
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
-from hpcvla.policies.noise_actor import NOISE, NoiseActor
 from hpcvla.policies.flow_folders import PublishedFlowFolders
+from hpcvla.policies.noise_actor import NOISE, NoiseActor
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
@@ -108,6 +108,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
 
     config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity",
                      "dtype", "logprob_mode", "init_log_std", "variant", "hidden")
+
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, logprob_mode: str = "last_step",
                  train_expert_only: bool = False, logprob_granularity: str = "chunk",

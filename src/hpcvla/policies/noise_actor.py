@@ -80,7 +80,7 @@ class NoiseActor(SoftCritics):
 
     def noise_dist(self, features: torch.Tensor) -> TransformedDistribution:
         """The flat noise distribution: a Gaussian squashed into (-bound, bound)."""
-        mean = self.noise_mean(self.noise_trunk(features))
+        mean = self.noise_mean(self.noise_trunk(features.to(self.noise_mean.weight.dtype)))
         normal = Normal(mean, self.noise_log_std.exp().expand_as(mean))
         return TransformedDistribution(normal, [TanhTransform(cache_size=1),
                                                 AffineTransform(0.0, self.noise_bound)])
@@ -106,12 +106,12 @@ class NoiseActor(SoftCritics):
             logprob = dist.log_prob(flat.clamp(-edge, edge)).sum(-1)
             noise = flat.view(-1, self.chunk_len, self.action_dim)
             x0 = torch.zeros(len(noise), self.model_horizon, self.model_action_dim,
-                             device=device)
+                             device=device)  # float32 whatever the actor's dtype
             x0[:, :self.chunk_len, :self.action_dim] = noise
             actions, _, value, _ = self._sample(self._inputs(obs), True, x0)
         if self.processor is not None:  # the env's units
             actions = self.processor.actions_out(actions, obs)
-        return ActOutput(actions.float(), logprob, value.float()), {NOISE: noise}
+        return ActOutput(actions.float(), logprob.float(), value.float()), {NOISE: noise.float()}
 
 
 __all__ = ["NOISE", "NoiseActor", "ObsEncoder"]

@@ -69,9 +69,12 @@ class SoftCritics:
         """The twin critics at (features, flat action chunks). `frozen`: the online critics
         with their parameters detached, so the actor's loss moves the actor through the
         actions and never the critics; `target`: the target copies."""
-        x = torch.cat([features, flat_actions.to(features.dtype)], dim=-1)
+        critics = self.value_q_target if target else self.value_q
+        # in the critics' dtype: a bf16 learner may hold them apart from the features'
+        x = torch.cat([features, flat_actions.to(features.dtype)], dim=-1).to(
+            critics.q1[0].weight.dtype)
         if target:
-            return self.value_q_target(x)
+            return critics(x)
         if frozen:
             params = {name: p.detach() for name, p in self.value_q.named_parameters()}
             return functional_call(self.value_q, params, (x,))
