@@ -106,8 +106,7 @@ def replay_bytes(alg, spec) -> int:
         from hpcvla.config.learning import demo_paths
         from hpcvla.demonstrations import demonstration_rows
         prior = demonstration_rows(demo_paths(alg), spec, alg.demos_per_task or None)
-    return ReplayBuffer.nbytes_of(specs, alg.replay_capacity) + \
-        (ReplayBuffer.nbytes_of(specs, prior) if prior else 0)
+    return ReplayBuffer.nbytes_of(specs, alg.replay_capacity + prior)
 
 
 def host_bytes() -> int:
