@@ -1,11 +1,14 @@
 """How a job script learns that its world failed while the world's launcher still runs
-(deathwatch.first_failure): real processes stand for the ranks and the launcher."""
+(deathwatch.first_failure), and which rank `hpcvla`'s own launcher names as the first to die
+(DeathWatch): real processes stand for the ranks and the launcher."""
 
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from hpcvla.process import deathwatch
@@ -59,3 +62,76 @@ def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(
                             str(tmp_path), str(launcher.pid)], capture_output=True, text=True,
                            timeout=30)
     assert watch.returncode == 1 and not watch.stdout, watch
+
+
+RANK = """
+import os, sys, time
+from hpcvla.process import deathwatch
+deathwatch.register(int(sys.argv[1]), sys.argv[2], 0, "vm")
+if sys.argv[2] == "forked" and os.fork() == 0:
+    time.sleep(60)  # an env worker outliving its rank
+    os._exit(0)
+print("registered", flush=True)
+sys.stdin.readline()
+deathwatch._lifeline.close()  # where a dying process is when mpiexec's proxy learns of it
+time.sleep(60)
+"""
+
+
+def rank_process(watch: deathwatch.DeathWatch, rank: int, roles: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", RANK, str(rank), roles], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env={**os.environ, **watch.env()})
+    assert proc.stdout.readline() == "registered\n"
+    return proc
+
+
+def test_the_rank_whose_files_closed_first_is_named_though_its_pid_outlived_another():
+    """A killed rank's files close (mpiexec's proxy sees it die and kills the others) before
+    its pid is reaped; the others may be wholly gone by then. Named: the first to close."""
+    watch = deathwatch.DeathWatch()
+    culprit = rank_process(watch, 0, "inference")
+    victim = rank_process(watch, 1, "simulator")
+    try:
+        for _ in range(10):
+            watch.wait(0.05)  # every lifeline accepted and its rank read
+        culprit.stdin.write("\n")
+        culprit.stdin.flush()
+        watch.wait(10)
+        victim.kill()
+        victim.wait()
+        watch.wait(1)
+        report = watch.report(time.monotonic())
+        assert report and report.startswith(
+            f"hpcvla: rank 0 (inference) on node 0 (host vm, pid {culprit.pid}) died first, "), \
+            report
+    finally:
+        for proc in (culprit, victim):
+            proc.kill()
+        watch.close()
+
+
+def test_a_forked_worker_does_not_hold_its_ranks_lifeline_and_a_finished_rank_is_no_death():
+    watch = deathwatch.DeathWatch()
+    forked = rank_process(watch, 0, "forked")
+    finished = rank_process(watch, 1, "simulator")
+    try:
+        for _ in range(10):
+            watch.wait(0.05)
+        (watch.dir / "done.rank1").touch()
+        finished.kill()
+        finished.wait()
+        watch.wait(0.5)
+        assert watch.first is None
+        for fd in watch.pidfds:  # rank 0's lifeline alone tells
+            watch.poller.unregister(fd)
+            os.close(fd)
+        watch.pidfds.clear()
+        forked.kill()
+        forked.wait()
+        watch.wait(10)
+        assert watch.first and [card["rank"] for card in watch.first[0]] == [0]
+    finally:
+        for proc in (forked, finished):
+            proc.kill()
+        watch.close()

@@ -3,8 +3,14 @@
 A rank that raises says who it is before it aborts the world (job/runtime.py). One killed outright
 says nothing, and mpiexec then only reports an exit code and some pid. So every rank registers
 itself (rank, roles, node, host, pid) in a directory the launcher passes down
-(`HPCVLA_RANK_DIR`); the launcher holds a pidfd per rank, notes the first to exit, and when the
-world ends badly names it, with the run's last progress (the newest line of metrics.jsonl).
+(`HPCVLA_RANK_DIR`) and holds a connection to the launcher (its lifeline); the launcher notes the
+first rank to go and, when the world ends badly, names it with the run's last progress (the
+newest line of metrics.jsonl).
+
+The lifeline closes when the dying rank's files close, the moment mpiexec's proxy also learns of
+the death (its pipes and PMI socket close then) and before it kills the other ranks. A pidfd
+(also watched, for a rank whose lifeline a forked child still holds) signals only when the
+process has wholly exited: on a loaded machine, after the ranks the proxy killed in the meantime.
 
 A rank that ends its work marks its card done. A job script's launcher (jobs/launch.sh) thus
 also learns that a world has failed while its launcher still runs: a rank of this host gone
@@ -26,16 +32,37 @@ import time
 from pathlib import Path
 
 ENV = "HPCVLA_RANK_DIR"
+LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher listens on one
+
+_lifeline: socket.socket | None = None  # this rank's end, open for the life of the process
 
 
 def register(rank: int, roles: str, node: int, host: str) -> None:
-    """Rank side: leave this rank's card for the launcher (nothing without a launcher)."""
+    """Rank side: leave this rank's card for the launcher and hold its lifeline (nothing
+    without a launcher)."""
     folder = os.environ.get(ENV)
     if folder:
         card = {"rank": rank, "roles": roles, "node": node, "host": host, "pid": os.getpid()}
         tmp = Path(folder) / f".rank{rank}.json"
         tmp.write_text(json.dumps(card))
         tmp.rename(tmp.with_name(f"rank{rank}.json"))  # atomic: never read half-written
+        _hold_lifeline(Path(folder) / LIFELINE, rank)
+
+
+def _hold_lifeline(path: Path, rank: int) -> None:
+    global _lifeline
+    if not path.exists():  # a job script's launcher: it watches pids
+        return
+    line = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        line.connect(str(path))
+        line.sendall(f"{rank}\n".encode())
+    except OSError:  # another host's launcher, or the launcher already gone: pids only
+        line.close()
+        return
+    # A forked child (an env worker) drops its copy, so the line closes when this rank dies.
+    os.register_at_fork(after_in_child=line.close)
+    _lifeline = line
 
 
 def said_why(rank: int) -> None:
@@ -95,10 +122,20 @@ class DeathWatch:
     def __init__(self):
         self.dir = Path(tempfile.mkdtemp(prefix="hpcvla-ranks-"))
         self.poller = select.poll()
-        self.watched: dict[int, dict] = {}  # pidfd -> card
-        self.known: set[str] = set()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.listener.bind(str(self.dir / LIFELINE))
+        except OSError:  # a TMPDIR too long for a socket's path (108 bytes): pidfds alone
+            pass
+        else:
+            self.listener.listen(socket.SOMAXCONN)
+            self.poller.register(self.listener, select.POLLIN)
+        self.cards: dict[int, dict] = {}  # rank -> card
+        self.pidfds: dict[int, int] = {}  # pidfd -> rank
+        self.lines: dict[int, tuple[socket.socket, int | None]] = {}  # fd -> lifeline, rank
+        self.gone: set[int] = set()
         # the cards of the ranks seen dead in the first check that found any, and its time:
-        # ranks that die within one check cannot be told apart (a pidfd says not when)
+        # ranks that die within one check cannot be told apart
         self.first: tuple[list[dict], float] | None = None
 
     def env(self) -> dict:
@@ -107,28 +144,52 @@ class DeathWatch:
     def wait(self, seconds: float) -> None:
         dead = self._discover()
         for fd, _ in self.poller.poll(seconds * 1000):
-            self.poller.unregister(fd)
-            os.close(fd)
-            dead.append(self.watched.pop(fd))
+            if fd == self.listener.fileno():
+                line, _ = self.listener.accept()
+                self.lines[line.fileno()] = (line, None)
+                self.poller.register(line, select.POLLIN)
+            elif fd in self.pidfds:
+                dead.append(self.pidfds.pop(fd))
+                self.poller.unregister(fd)
+                os.close(fd)
+            else:
+                dead += self._read_lifeline(fd)
+        dead = [rank for rank in dict.fromkeys(dead) if rank not in self.gone
+                and not (self.dir / f"done.rank{rank}").exists()]  # done: no death
+        self.gone.update(dead)
         if dead and self.first is None:
-            self.first = (sorted(dead, key=lambda card: card["rank"]), time.monotonic())
+            self._discover()  # a lifeline may name a rank whose card came after the last look
+            self.first = ([self.cards[rank] for rank in sorted(dead) if rank in self.cards],
+                          time.monotonic())
 
-    def _discover(self) -> list[dict]:
-        """Watch the ranks registered since the last check; the cards of those already gone."""
+    def _read_lifeline(self, fd: int) -> list[int]:
+        """The rank whose lifeline closed, if it did; its rank number if it arrives."""
+        line, rank = self.lines[fd]
+        data = line.recv(64)
+        if data:
+            self.lines[fd] = (line, int(data))
+            return []
+        self.poller.unregister(fd)
+        line.close()
+        del self.lines[fd]
+        return [] if rank is None else [rank]
+
+    def _discover(self) -> list[int]:
+        """Watch the ranks registered since the last check; the ranks already gone."""
         gone = []
         for path in self.dir.glob("rank*.json"):
-            if path.name in self.known:
+            if int(path.stem.removeprefix("rank")) in self.cards:
                 continue
-            self.known.add(path.name)
             card = json.loads(path.read_text())
+            self.cards[card["rank"]] = card
             try:
                 fd = os.pidfd_open(card["pid"])
             except ProcessLookupError:  # gone before we looked
-                gone.append(card)
+                gone.append(card["rank"])
                 continue
-            except OSError:  # no pidfds here (old kernel): no watch, no harm
+            except OSError:  # no pidfds here (old kernel): the lifeline alone
                 continue
-            self.watched[fd] = card
+            self.pidfds[fd] = card["rank"]
             self.poller.register(fd, select.POLLIN)
         return gone
 
@@ -136,7 +197,7 @@ class DeathWatch:
         """Who died first, how long before the world ended (`ended`, monotonic), and the
         run's last progress; None if no rank was seen to die."""
         self.wait(0)
-        if self.first is None or any(self.dir.glob("failed.rank*")):
+        if not (self.first and self.first[0]) or any(self.dir.glob("failed.rank*")):
             return None  # nobody died, or the failing rank said why itself
         cards, when = self.first
         who = " or ".join(f"rank {c['rank']} ({c['roles']}) on node {c['node']} (host "
@@ -147,9 +208,13 @@ class DeathWatch:
         return text + "; " + _last_progress(self.dir / "run_dir")
 
     def close(self) -> None:
-        for fd in self.watched:
+        for fd in self.pidfds:
             os.close(fd)
-        self.watched.clear()
+        for line, _ in self.lines.values():
+            line.close()
+        self.listener.close()
+        self.pidfds.clear()
+        self.lines.clear()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
