@@ -6,10 +6,12 @@ import math
 
 import numpy as np
 import pytest
+import yaml
 
 from matplotlib.image import imread
 
-from hpcvla.bench.learning import ARMS, _plot, curve, held_out_of, welch_interval
+from hpcvla.bench.learning import (PPO_BASELINE, _plot, curve, held_out_of, prior_data_arms,
+                                   welch_interval)
 from hpcvla.config import load_config
 from helpers import ROOT, hpcvla
 
@@ -39,9 +41,10 @@ def test_held_out_curves_give_the_env_steps_to_the_target_success():
 
 def test_the_prior_data_arms_are_valid_runs_of_one_task_and_layout():
     """RLPD from the demonstrations against PPO from their SFT: both configs load, with the
-    same env, layout and env steps per version, and evaluate held-out states while training."""
+    same env, layout and env steps per version, and evaluate held-out states while training;
+    PPO trains as the task's PPO baseline recipe does."""
     cfgs = {}
-    for arm, (config, *args) in ARMS["prior-data"].items():
+    for arm, (config, *args) in prior_data_arms().items():
         args = [a.format(pretrained="sft-run", demos="demos.h5") for a in args if "=" in a]
         cfgs[arm] = load_config(ROOT / config, args)
     rlpd, ppo = cfgs["rlpd"], cfgs["ppo"]
@@ -49,6 +52,11 @@ def test_the_prior_data_arms_are_valid_runs_of_one_task_and_layout():
     assert rlpd.env == ppo.env and rlpd.placement == ppo.placement
     assert rlpd.rollout == ppo.rollout and rlpd.learner.micro_batch == ppo.learner.micro_batch
     assert rlpd.eval.every == ppo.eval.every > 0 and ppo.policy.checkpoint == "sft-run"
+    baseline, recipe = load_config(ROOT / PPO_BASELINE), yaml.safe_load(
+        (ROOT / PPO_BASELINE).read_text())
+    for key in recipe["algorithm"]:  # set there; the rest (SAC's) PPO does not read
+        assert getattr(ppo.algorithm, key) == getattr(baseline.algorithm, key), key
+    assert ppo.learner.epochs == baseline.learner.epochs
 
 
 @pytest.mark.mpi

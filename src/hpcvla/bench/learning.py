@@ -32,7 +32,7 @@ Arm sets (`--arms`):
   robots uses them: ManiSkill PushCube-v1 from state (configs/maniskill_pushcube_sac.yaml),
   `PRIOR_DEMOS` scripted-expert demonstrations; `rlpd` keeps them as prior data (half of
   every sampled batch) from a fresh policy, `ppo` starts from `hpcvla sft` on the same
-  demonstrations with ManiSkill's PPO baseline's settings (PPO_BASELINE). Both evaluate the
+  demonstrations with ManiSkill's PPO baseline's settings (PPO_BASELINE's). Both evaluate the
   held-out states every `PRIOR_EVAL_EVERY` versions while training (eval.every, deterministic
   actions): each run's env steps to a held-out success of `TARGET_SUCCESS`.
 
@@ -81,15 +81,24 @@ FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretraine
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
 PUSHCUBE_SAC = "configs/maniskill_pushcube_sac.yaml"
 PRIOR_DEMOS, PRIOR_EVAL_EVERY, TARGET_SUCCESS = 16, 10, 0.8
-# configs/maniskill_pushcube_baseline.yaml's PPO (ManiSkill's ppo.py settings) on this layout
-PPO_BASELINE = ["algorithm.name=ppo", "algorithm.gae_lambda=0.9", "algorithm.critic_lr=0",
-                "algorithm.clip=0.2", "algorithm.entropy_coef=0", "learner.epochs=8"]
+PPO_BASELINE = "configs/maniskill_pushcube_baseline.yaml"  # ManiSkill's ppo.py settings
 HELD_OUT = [f"eval.every={PRIOR_EVAL_EVERY}", "eval.episodes=64", "eval.deterministic=true"]
-ARMS["prior-data"] = {
-    "rlpd": [PUSHCUBE_SAC, "--ranks", "2", "algorithm.name=rlpd", "algorithm.demos={demos}",
-             *HELD_OUT],
-    "ppo": [PUSHCUBE_SAC, "--ranks", "2", *PPO_BASELINE, "policy.checkpoint={pretrained}",
-            *HELD_OUT]}
+
+
+def ppo_baseline() -> list[str]:
+    """PPO_BASELINE's algorithm section and epochs, as overrides of another recipe of its task
+    (PUSHCUBE_SAC: its controller and layout)."""
+    import yaml
+    recipe = yaml.safe_load(Path(PPO_BASELINE).read_text())
+    return [*(f"algorithm.{key}={value}" for key, value in recipe["algorithm"].items()),
+            f"learner.epochs={recipe['learner']['epochs']}"]
+
+
+def prior_data_arms() -> dict:
+    return {"rlpd": [PUSHCUBE_SAC, "--ranks", "2", "algorithm.name=rlpd",
+                     "algorithm.demos={demos}", *HELD_OUT],
+            "ppo": [PUSHCUBE_SAC, "--ranks", "2", *ppo_baseline(),
+                    "policy.checkpoint={pretrained}", *HELD_OUT]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
@@ -197,7 +206,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
         return imitation_start(root, eval_episodes, overrides, config, demos)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
         return imitation_start(root, eval_episodes, overrides, PUSHCUBE_SAC, PRIOR_DEMOS,
-                               sft=[*PPO_BASELINE, f"sft.per_task={PRIOR_DEMOS}"])
+                               sft=[*ppo_baseline(), f"sft.per_task={PRIOR_DEMOS}"])
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -247,7 +256,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
     started from `demos` demonstrations instead of IMITATION_DEMOS)."""
     config = config or IMITATION_CONFIG
     demos = IMITATION_DEMOS if demos is None else demos
-    arm_set = imitation_arms(config) if arms == "imitation" else ARMS[arms]
+    arm_set = {"imitation": lambda: imitation_arms(config), "prior-data": prior_data_arms}.get(
+        arms, lambda: ARMS[arms])()
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
