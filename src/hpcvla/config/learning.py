@@ -258,7 +258,8 @@ class AlgorithmConfig:
     @property
     def off_policy(self) -> bool:
         """Learns from a replay buffer (roles/off_policy.py) rather than each version's
-        fresh segments."""
+        fresh segments; its segments carry the observation after their last row (the last
+        transition's next observation: roles/segments.py)."""
         return self.name in ("sac", "rlpd")
 
 

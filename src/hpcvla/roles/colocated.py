@@ -30,12 +30,12 @@ if TYPE_CHECKING:
 
 
 class VersionUpdate(Protocol):
-    """What trains one version from this rank's segment groups: `OnPolicyUpdate` (PPO, GRPO)
-    or the off-policy learner's (roles/off_policy.py); it loads the new weights into the
-    acting copy and returns them."""
-    needs_next_obs: bool  # the groups carry the observation after their last row
+    """What trains one version from this rank's micro-batches of segment groups:
+    `OnPolicyUpdate` (PPO, GRPO) or the off-policy learner's (roles/off_policy.py); it loads
+    the new weights into the acting copy and returns them."""
 
-    def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]: ...
+    def __call__(self, micro_batches: list[list[SegmentGroup]], version: int
+                 ) -> dict[str, torch.Tensor]: ...
 
     def counters(self) -> dict[str, int]:
         """What a checkpoint keeps beside the trained env steps, and a resume continues."""
@@ -73,12 +73,16 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
             builder.record_outcome(outcome_of(result))
         if builder.full:
             builder.batch = version  # trained in update `version`: staleness 0
-            groups.append(builder.finish(value, obs if update.needs_next_obs else None))
+            groups.append(builder.finish(value, obs if cfg.algorithm.off_policy else None))
             if dump:
                 with timeline.span("dump"):
                     dump.add_segment(groups[-1])
             if len(groups) * env.num_envs >= micro * n_micro:
-                weights = update(groups, version)  # train, then act again with new weights
+                # whole groups per micro-batch: micro_batch is a multiple of the rank's envs
+                # (schedule.layout_problems)
+                per_micro = len(groups) // n_micro
+                weights = update([groups[i * per_micro:(i + 1) * per_micro]  # train, then act
+                                  for i in range(n_micro)], version)  # with the new weights
                 groups, version = [], version + 1
                 last = version == total_updates or stop()
                 after_version(version, weights, last)  # [dist] a checkpoint when due
@@ -112,19 +116,15 @@ def _act(policy: Policy, obs: dict[str, np.ndarray], envs: int, timeline: Timeli
 
 
 class OnPolicyUpdate:
-    """PPO's or GRPO's version: this rank's groups as `learner.micro_batches` micro-batches,
-    trained data-parallel with the other ranks (roles/learner.learn)."""
-    needs_next_obs = False
-
+    """PPO's or GRPO's version: this rank's micro-batches, trained data-parallel with the other
+    ranks (roles/learner.learn)."""
     def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy):
         self.setup, self.engine, self.actor = setup, engine, actor
 
-    def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]:
+    def __call__(self, micro_batches: list[list[SegmentGroup]], version: int
+                 ) -> dict[str, torch.Tensor]:
         cfg, timeline, progress = self.setup.cfg, self.setup.timeline, self.setup.progress
-        per_micro = len(groups) // cfg.learner.micro_batches
-        learn(cfg, self.engine, [groups[i * per_micro:(i + 1) * per_micro]
-                                 for i in range(cfg.learner.micro_batches)],
-              version, timeline, progress)
+        learn(cfg, self.engine, micro_batches, version, timeline, progress)
         progress.on_update(version + 1)
         return publish(self.engine, self.actor, timeline)
 

@@ -60,8 +60,6 @@ SCORED = ("done", "env_fault", "success", "episode_return")  # what the progress
 class SoftUpdate:
     """SAC's learner (module docstring): a colocated rank's roles/colocated.VersionUpdate, or
     a learner rank's `train` (roles/learner.run_learner) by `learn`."""
-    needs_next_obs = True
-
     def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy | None,
                  spec: EnvSpec, learners: MPI.Comm, resumed_transitions: int = 0):
         """`actor`: the colocated rank's acting copy (None on a learner rank, which publishes
@@ -79,12 +77,10 @@ class SoftUpdate:
         self.rng = np.random.default_rng([setup.cfg.run.seed, setup.rank, resumed_transitions])
         self.dropped = self.gradient_steps = 0
 
-    def __call__(self, groups: list[SegmentGroup], version: int) -> dict[str, torch.Tensor]:
-        """A colocated version: this rank's groups, then publish to the acting copy."""
-        n_micro = self.setup.cfg.learner.micro_batches  # counted as the on-policy learner counts
-        per_micro = len(groups) // n_micro  # the last takes any remainder: every group enters
-        self.learn([groups[i * per_micro:(i + 1) * per_micro if i < n_micro - 1 else None]
-                    for i in range(n_micro)], version)
+    def __call__(self, micro_batches: list[list[SegmentGroup]], version: int
+                 ) -> dict[str, torch.Tensor]:
+        """A colocated version: this rank's micro-batches, then publish to the acting copy."""
+        self.learn(micro_batches, version)
         self.setup.progress.on_update(version + 1)
         assert self.actor is not None  # a colocated rank's
         return publish(self.engine, self.actor, self.setup.timeline)
@@ -93,8 +89,6 @@ class SoftUpdate:
         """One version's micro-batches (lists of segment groups), each into the buffer and
         trained on as it comes (the learner's iterable yields them as they arrive)."""
         for groups in micro_batches:
-            if not groups:  # a colocated version of fewer groups than micro-batches (on every
-                continue    # rank alike: they skip the same collective steps)
             collected = self._add(groups)
             staleness = float(np.mean([version - g["version"][0] for g in groups]))
             self.setup.progress.on_segments({k: np.concatenate([g[k] for g in groups], axis=1)
