@@ -11,7 +11,7 @@ import yaml
 from matplotlib.image import imread
 
 from hpcvla.bench.learning import (PPO_BASELINE, _plot, curve, held_out_of, prior_data_arms,
-                                   welch_interval)
+                                   scratch_arms, welch_interval)
 from hpcvla.config import load_config
 from helpers import ROOT, hpcvla
 
@@ -39,7 +39,7 @@ def test_held_out_curves_give_the_env_steps_to_the_target_success():
     assert curve(training, np.array([100, 200, 300])) == [0.2, 0.4, 0.6]  # theirs left out
 
 
-def test_the_prior_data_arms_are_valid_runs_of_one_task_and_layout():
+def test_the_prior_data_and_scratch_arms_are_valid_runs_of_one_task_and_layout():
     """RLPD from the demonstrations against PPO from their SFT: both configs load, with the
     same env, layout and env steps per version, and evaluate held-out states while training;
     PPO trains as the task's PPO baseline recipe does."""
@@ -57,6 +57,11 @@ def test_the_prior_data_arms_are_valid_runs_of_one_task_and_layout():
     for key in recipe["algorithm"]:  # set there; the rest (SAC's) PPO does not read
         assert getattr(ppo.algorithm, key) == getattr(baseline.algorithm, key), key
     assert ppo.learner.epochs == baseline.learner.epochs
+    sac, scratch_ppo = (load_config(ROOT / config, [a for a in args if "=" in a])
+                        for config, *args in scratch_arms().values())  # no demos, no SFT
+    assert (sac.algorithm.name, sac.algorithm.demos, scratch_ppo.policy.checkpoint) == \
+        ("sac", "", "")
+    assert scratch_ppo.algorithm == ppo.algorithm and sac.env == ppo.env
 
 
 @pytest.mark.mpi

@@ -40,7 +40,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "families", "off-policy",
-                                "imitation", "prior-data"],
+                                "imitation", "prior-data", "scratch"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
@@ -48,7 +48,8 @@ def add_bench_parser(sub) -> None:
                             "(32 px), SAC vs PPO on reach (sync-colocated), or streamer vs "
                             "sync-colocated on ManiSkill PushCube "
                             "from an SFT start, or RLPD vs PPO from an SFT start on PushCube "
-                            "from the same 16 demonstrations (hpcvla/bench/learning.py)")
+                            "from the same 16 demonstrations, or SAC vs PPO from scratch "
+                            "there (hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
                        help="learning --arms imitation: the task recipe its demonstrations, SFT "
                             "and both arms run (default configs/maniskill_pushcube.yaml; e.g. "

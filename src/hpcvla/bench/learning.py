@@ -35,6 +35,8 @@ Arm sets (`--arms`):
   demonstrations with ManiSkill's PPO baseline's settings (PPO_BASELINE's). Both evaluate the
   held-out states every `PRIOR_EVAL_EVERY` versions while training (eval.every, deterministic
   actions): each run's env steps to a held-out success of `TARGET_SUCCESS`.
+* `scratch`: `prior-data` without the demonstrations: `sac` against `ppo` (the same
+  baseline settings), both from a fresh policy, the same held-out schedule.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval` of each
@@ -99,6 +101,11 @@ def prior_data_arms() -> dict:
                      "algorithm.demos={demos}", *HELD_OUT],
             "ppo": [PUSHCUBE_SAC, "--ranks", "2", *ppo_baseline(),
                     "policy.checkpoint={pretrained}", *HELD_OUT]}
+
+
+def scratch_arms() -> dict:
+    return {"sac": [PUSHCUBE_SAC, "--ranks", "2", *HELD_OUT],
+            "ppo": [PUSHCUBE_SAC, "--ranks", "2", *ppo_baseline(), *HELD_OUT]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
@@ -256,8 +263,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
     started from `demos` demonstrations instead of IMITATION_DEMOS)."""
     config = config or IMITATION_CONFIG
     demos = IMITATION_DEMOS if demos is None else demos
-    arm_set = {"imitation": lambda: imitation_arms(config), "prior-data": prior_data_arms}.get(
-        arms, lambda: ARMS[arms])()
+    arm_set = {"imitation": lambda: imitation_arms(config), "prior-data": prior_data_arms,
+               "scratch": scratch_arms}.get(arms, lambda: ARMS[arms])()
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
