@@ -54,10 +54,11 @@ def _hold_lifeline(path: Path, rank: int) -> None:
     if not path.exists():  # a job script's launcher: it watches pids
         return
     line = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    line.settimeout(10)  # a launcher that stopped accepting must not hold the rank up
     try:
         line.connect(str(path))
         line.sendall(f"{rank}\n".encode())
-    except OSError:  # another host's launcher, or the launcher already gone: pids only
+    except OSError:  # another host's launcher, or one gone or stuck: pids only
         line.close()
         return
     # A forked child (an env worker) drops its copy, so the line closes when this rank dies.
