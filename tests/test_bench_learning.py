@@ -127,6 +127,7 @@ def test_the_imitation_start_learns_from_as_many_demonstrations_as_asked(tmp_pat
 @pytest.mark.mpi
 def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
     for args, says in ((["--demos", 3], "add --arms imitation"),
+                       (["--arms", "scratch", "--demos", 3], "start without demonstrations"),
                        (["--arms", "imitation", "--demos", 0], "--demos must be >= 1, got 0")):
         out = hpcvla("bench", "learning", *args, "--json", tmp_path / "out.json")
         assert out.returncode == 2 and says in out.stderr, out.stderr

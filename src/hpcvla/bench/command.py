@@ -51,13 +51,17 @@ def add_bench_parser(sub) -> None:
                             "from the same 16 demonstrations, or SAC vs PPO from scratch "
                             "there (hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
-                       help="learning --arms imitation: the task recipe its demonstrations, SFT "
-                            "and both arms run (default configs/maniskill_pushcube.yaml; e.g. "
-                            "configs/maniskill_pushcube_flow.yaml)")
+                       help="learning --arms imitation, prior-data or scratch: the task recipe "
+                            "its demonstrations, SFT and both arms run (default "
+                            "configs/maniskill_pushcube.yaml, and "
+                            "configs/maniskill_pushcube_sac.yaml for the off-policy sets; e.g. "
+                            "configs/maniskill_pushcube_flow.yaml, "
+                            "configs/maniskill_pickcube_sac.yaml)")
     bench.add_argument("--demos", type=int, default=None,
-                       help="learning --arms imitation: scripted-expert demonstrations the SFT "
-                            "start learns from (default 64; the recipe's comment gives its "
-                            "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
+                       help="learning --arms imitation or prior-data: scripted-expert "
+                            "demonstrations the SFT start (and RLPD) learns from (default 64 "
+                            "and 16; the recipe's comment gives its count, e.g. 256 for "
+                            "configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -130,8 +134,11 @@ def bench_command(args) -> int:
     if args.target == "learning":  # starts one world per run itself
         from hpcvla.bench import learning
         problem = ""  # refused before any run starts
-        if args.arms != "imitation" and (args.config or args.demos is not None):
-            problem = "--config and --demos set the imitation start: add --arms imitation"
+        if args.arms not in learning.RECIPE_ARMS and (args.config or args.demos is not None):
+            problem = (f"--config and --demos set a task recipe, which --arms {args.arms} "
+                       "does not take: add --arms imitation, prior-data or scratch")
+        elif args.arms == "scratch" and args.demos is not None:
+            problem = "--demos with --arms scratch: its arms start without demonstrations"
         elif args.demos is not None and args.demos < 1:
             problem = f"--demos must be >= 1, got {args.demos}"
         if problem:

@@ -29,8 +29,9 @@ Arm sets (`--arms`):
   sync-colocated (2 ranks, 2 learners x 8 segments), 16 segments of 10 chunks per version
   each.
 * `prior-data`: what off-policy RL gains from demonstrations, as the field's recipe for
-  robots uses them: ManiSkill PushCube-v1 from state (configs/maniskill_pushcube_sac.yaml),
-  `PRIOR_DEMOS` scripted-expert demonstrations; `rlpd` keeps them as prior data (half of
+  robots uses them: ManiSkill PushCube-v1 from state (configs/maniskill_pushcube_sac.yaml;
+  `--config`: another recipe, e.g. configs/maniskill_pickcube_sac.yaml), `PRIOR_DEMOS`
+  scripted-expert demonstrations (`--demos`); `rlpd` keeps them as prior data (half of
   every sampled batch) from a fresh policy, `ppo` starts from `hpcvla sft` on the same
   demonstrations with ManiSkill's PPO baseline's settings (PPO_BASELINE's). Both evaluate the
   held-out states every `PRIOR_EVAL_EVERY` versions while training (eval.every, deterministic
@@ -96,16 +97,16 @@ def ppo_baseline() -> list[str]:
             f"learner.epochs={recipe['learner']['epochs']}"]
 
 
-def prior_data_arms() -> dict:
-    return {"rlpd": [PUSHCUBE_SAC, "--ranks", "2", "algorithm.name=rlpd",
-                     "algorithm.demos={demos}", *HELD_OUT],
-            "ppo": [PUSHCUBE_SAC, "--ranks", "2", *ppo_baseline(),
-                    "policy.checkpoint={pretrained}", *HELD_OUT]}
+def prior_data_arms(config: str = PUSHCUBE_SAC) -> dict:
+    return {"rlpd": [config, "--ranks", "2", "algorithm.name=rlpd", "algorithm.demos={demos}",
+                     *HELD_OUT],
+            "ppo": [config, "--ranks", "2", *ppo_baseline(), "policy.checkpoint={pretrained}",
+                    *HELD_OUT]}
 
 
-def scratch_arms() -> dict:
-    return {"sac": [PUSHCUBE_SAC, "--ranks", "2", *HELD_OUT],
-            "ppo": [PUSHCUBE_SAC, "--ranks", "2", *ppo_baseline(), *HELD_OUT]}
+def scratch_arms(config: str = PUSHCUBE_SAC) -> dict:
+    return {"sac": [config, "--ranks", "2", *HELD_OUT],
+            "ppo": [config, "--ranks", "2", *ppo_baseline(), *HELD_OUT]}
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
@@ -127,6 +128,10 @@ def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
 
 
 IMITATION_DEMOS = 64  # the default recipe's: sft.per_task (16) of them are used, ~0.2 success
+# the arm sets built on a task recipe: their arms of a recipe, their recipe and demonstrations
+RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS),
+               "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS),
+               "scratch": (scratch_arms, PUSHCUBE_SAC, 0)}
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
@@ -212,8 +217,8 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     if arms == "imitation":
         return imitation_start(root, eval_episodes, overrides, config, demos)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
-        return imitation_start(root, eval_episodes, overrides, PUSHCUBE_SAC, PRIOR_DEMOS,
-                               sft=[*ppo_baseline(), f"sft.per_task={PRIOR_DEMOS}"])
+        return imitation_start(root, eval_episodes, overrides, config, demos,
+                               sft=[*ppo_baseline(), f"sft.per_task={demos}"])
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -259,19 +264,19 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
 
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         eval_episodes=256, config=None, demos=None) -> dict:
-    """The arm set `arms` (`config`: the imitation set's recipe instead of IMITATION_CONFIG,
-    started from `demos` demonstrations instead of IMITATION_DEMOS)."""
-    config = config or IMITATION_CONFIG
-    demos = IMITATION_DEMOS if demos is None else demos
-    arm_set = {"imitation": lambda: imitation_arms(config), "prior-data": prior_data_arms,
-               "scratch": scratch_arms}.get(arms, lambda: ARMS[arms])()
+    """The arm set `arms`; those built on a task recipe (RECIPE_ARMS) on `config` instead of
+    their own, from `demos` demonstrations instead of their count."""
+    recipe = RECIPE_ARMS.get(arms)
+    if recipe:
+        config, demos = config or recipe[1], recipe[2] if demos is None else demos
+    arm_set = recipe[0](config) if recipe else ARMS[arms]
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {},
-               **({"config": config, "demos": demos} if arms == "imitation" else {})}
+               **({"config": config, "demos": demos} if recipe else {})}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
         pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config, demos)
         if start is not None:
