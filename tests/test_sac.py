@@ -328,6 +328,25 @@ def test_each_sac_loss_moves_only_what_it_is_meant_to():
     assert policy.mean_head.weight.grad.abs().sum() > 0
 
 
+def test_the_critic_warmup_trains_the_critics_alone():
+    """algorithm.critic_warmup's steps: the critics' gradient only, none to the encoders,
+    the actor or the temperature (a policy from an SFT keeps acting as it imitated)."""
+    from hpcvla.algorithms.off_policy import soft_actor_critic_loss
+
+    class Alg:
+        gamma = 0.99
+    policy = _soft_policy(layer_norm=True)
+    batch = _batch(8, np.random.default_rng(0))
+    full, _ = soft_actor_critic_loss(Alg, policy, batch, target_entropy=-4.0)
+    loss, stats = soft_actor_critic_loss(Alg, policy, batch, target_entropy=-4.0,
+                                         critics_only=True)
+    loss.backward()
+    trained = {n for n, p in policy.named_parameters()
+               if p.grad is not None and p.grad.abs().sum() > 0}
+    assert trained and all(n.startswith("value_q.") for n in trained), trained
+    assert float(loss) == pytest.approx(stats["critic_loss"]) != pytest.approx(float(full))
+
+
 def test_sac_steps_move_a_bandits_mean_to_its_target():
     """One-step episodes (terminal), reward -||a - target||^2 on a fixed batch of
     observations: SAC's gradient steps on a buffer of the policy's own samples pull its

@@ -23,10 +23,11 @@ from hpcvla.algorithms.sac import (actor_loss, critic_loss, polyak_update, soft_
 from hpcvla.algorithms.transitions import NEXT
 
 
-def soft_actor_critic_loss(alg, policy, batch: dict[str, torch.Tensor],
-                           target_entropy: float) -> tuple[torch.Tensor, dict[str, float]]:
+def soft_actor_critic_loss(alg, policy, batch: dict[str, torch.Tensor], target_entropy: float,
+                           critics_only: bool = False) -> tuple[torch.Tensor, dict[str, float]]:
     """SAC's loss of a batch of transitions (tensors on the policy's device) under the
-    `algorithm` settings (`gamma`, per chunk); the statistics logged with it."""
+    `algorithm` settings (`gamma`, per chunk); the statistics logged with it. `critics_only`
+    (algorithm.critic_warmup): the critics' loss alone, on detached features."""
     obs = {k[4:]: v for k, v in batch.items() if k.startswith("obs.")}
     following = {k[len(NEXT):]: v for k, v in batch.items() if k.startswith(NEXT)}
     alpha = policy.sac_log_alpha.exp().detach()
@@ -37,7 +38,8 @@ def soft_actor_critic_loss(alg, policy, batch: dict[str, torch.Tensor],
         target = soft_target(batch["reward"], batch["terminal"], next_q1, next_q2,
                              next_logprob, alpha, alg.gamma)
     features = policy.features(obs)
-    q1, q2 = policy.soft_q(features, batch["actions"].flatten(1))
+    q1, q2 = policy.soft_q(features.detach() if critics_only else features,
+                           batch["actions"].flatten(1))
     critic = critic_loss(q1, q2, target)
     actions, logprob = policy.soft_actions(features.detach())
     actor = actor_loss(logprob, *policy.soft_q(features.detach(), actions, frozen=True), alpha)
@@ -45,7 +47,7 @@ def soft_actor_critic_loss(alg, policy, batch: dict[str, torch.Tensor],
     stats = {"critic_loss": float(critic.detach()), "actor_loss": float(actor.detach()),
              "alpha": float(alpha), "entropy": float(-logprob.detach().mean()),
              "q_mean": float(q1.detach().mean()), "target_mean": float(target.mean())}
-    return critic + actor + temperature, stats
+    return (critic if critics_only else critic + actor + temperature), stats
 
 
 def update_targets(policy, tau: float) -> None:

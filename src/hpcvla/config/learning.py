@@ -227,6 +227,13 @@ class AlgorithmConfig:
     learning_starts: int = setting(
         1000, "`sac`: transitions every learner's buffer holds before their first gradient "
         "step (until then the initial policy acts).", ge=0)
+    critic_warmup: int = setting(
+        0, "`sac`: the first gradient steps of each world (a resumed one too, as it refills "
+        "its buffer) train the critics alone, on the "
+        "policy's features as they are (no gradient to the encoders, the actor or the "
+        "temperature). A policy started from a checkpoint (policy.checkpoint: an `hpcvla "
+        "sft` run) otherwise follows critics that know nothing yet and loses what it "
+        "imitated; 0: every step trains all of it.", ge=0)
     init_temperature: float = setting(
         0.1, "`sac`: the entropy temperature alpha at the start; it then follows the entropy "
         "target (minus the chunk's dimensions). Its scale is the reward's: alpha x the "

@@ -12,7 +12,8 @@ as it is taken (roles/learner.run_learner): the ring is the replay stream. Per m
     gradient steps: algorithm.utd x the transitions it brought (the same count on every
         learner: each takes the same share of every version), each `learner.micro_batches`
         passes of `algorithm.batch_size` sampled transitions, then the target critics'
-        Polyak step; none while any buffer holds fewer than algorithm.learning_starts
+        Polyak step; none while any buffer holds fewer than algorithm.learning_starts;
+        the first algorithm.critic_warmup of them train the critics alone
 
 and after the version's last one, the new weights are published (to the acting copy, or
 through the weight plane: every utd x batch transitions' gradient steps). The staleness
@@ -127,7 +128,9 @@ class SoftUpdate:
                 symmetric_sample(self.buffer, self.prior, n, self.rng)
             batch = {k: torch.as_tensor(v).to(engine.device, non_blocking=True)
                      for k, v in sampled.items()}
-            loss, stats = soft_actor_critic_loss(self.alg, policy, batch, self.target_entropy)
+            loss, stats = soft_actor_critic_loss(
+                self.alg, policy, batch, self.target_entropy,
+                critics_only=self.gradient_steps < self.alg.critic_warmup)
             engine.backward(loss)
             engine.step()
         update_targets(policy, self.alg.tau)
