@@ -4,6 +4,7 @@ roles, `evaluate`, `scale` and `bench` all import it, it imports none of them.""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -75,4 +76,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
         path = catalog.latest(Path(cfg.policy.checkpoint))
         policy.load_arrays(store.load_weights(path, policy.state_dict()))
+        if cfg.algorithm.off_policy:  # a run's temperature starts where its config says
+            with torch.no_grad():
+                policy.sac_log_alpha.fill_(math.log(cfg.algorithm.init_temperature))
     return policy.to(device)
