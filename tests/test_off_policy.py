@@ -6,10 +6,12 @@ before any rank starts. The losses are tested on tensors in tests/test_sac.py.""
 import json
 
 import pytest
+import torch
 
 from hpcvla.config import load_config
 from hpcvla.config.loader import ConfigError
 from hpcvla.envs import env_spec
+from hpcvla.evaluate import checkpoint_weights
 from hpcvla.factory import build_policy
 from helpers import ROOT, hpcvla, run_train
 
@@ -17,6 +19,8 @@ from helpers import ROOT, hpcvla, run_train
 # a version brings a rank 256 transitions (fewer kept): training starts at its second
 SMALL = ["env.image_size=32", "policy.hidden=32", "algorithm.batch_size=16",
          "algorithm.utd=0.125", "algorithm.learning_starts=300", "algorithm.replay_capacity=300"]
+
+LN = "algorithm.critic_layer_norm=true"  # RLPD's critics: an RLPD run can start from its weights
 
 
 @pytest.mark.mpi
@@ -26,8 +30,9 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     collected enters its buffer once (the position counts them across the resume, the
     capacity bounds what is held), gradient steps start once the buffer holds
     learning_starts, the critics' statistics reach metrics.jsonl. Then RLPD with the first
-    run's trajectory dump as its prior data. ~40-50 s: three worlds."""
-    _, first, run_dir = run_train(tmp_path / "sac", "pipeline.total_updates=3", *SMALL,
+    run's trajectory dump as its prior data, from the first run's weights: its temperature
+    the config's, only its critics trained in the warm-up. ~40-50 s: three worlds."""
+    _, first, run_dir = run_train(tmp_path / "sac", "pipeline.total_updates=3", *SMALL, LN,
                                   "run.dump_trajectories=true",
                                   config="configs/colocated_sac.yaml", ranks=2)
     learner = load_config(run_dir / "config.yaml").learner  # a rank's transitions per version:
@@ -42,7 +47,7 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
                if line]
     assert {"critic_loss", "actor_loss", "alpha", "q_mean"} <= set(records[-1])
     out = hpcvla("train", "configs/colocated_sac.yaml", "--ranks", 2, f"run.resume={run_dir}",
-                 "pipeline.total_updates=5", *SMALL, timeout=400)
+                 "pipeline.total_updates=5", *SMALL, LN, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     second = json.loads((run_dir / "summary.json").read_text())
     for r in second["per_rank"]:
@@ -52,13 +57,21 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
         assert r["gradient_steps"] == per_version // 8  # version 5 only: 300 held again
     assert _replay_transitions(run_dir) == sum(r["replay_added"] for r in ranks) + \
         sum(r["replay_added"] for r in second["per_rank"])  # the count continued, once each
-    # RLPD from the run's own trajectory dump as prior data: half of every batch
+    # RLPD from the run's own trajectory dump as prior data (half of every batch), started
+    # from its weights with a new temperature, its critics warming up the whole run
     dump = sorted((run_dir / "trajectories").glob("rank*.h5"))[0]
-    _, rlpd, _ = run_train(tmp_path / "rlpd", "pipeline.total_updates=2", *SMALL,
-                           "algorithm.name=rlpd", f"algorithm.demos={dump}",
-                           config="configs/colocated_sac.yaml", ranks=2)
+    _, rlpd, rlpd_dir = run_train(tmp_path / "rlpd", "pipeline.total_updates=2", *SMALL,
+                                  "algorithm.name=rlpd", f"algorithm.demos={dump}",
+                                  f"policy.checkpoint={run_dir}", "algorithm.critic_warmup=1000",
+                                  "algorithm.init_temperature=0.05",
+                                  config="configs/colocated_sac.yaml", ranks=2)
     for r in rlpd["per_rank"]:
         assert 0 < r["prior_transitions"] < 3 * per_version and r["gradient_steps"] > 0, r
+    start, end = checkpoint_weights(run_dir)[0], checkpoint_weights(rlpd_dir)[0]
+    moved = {name for name in start if not torch.equal(start[name], end[name])}
+    assert moved - {"sac_log_alpha"} and all(  # the critics alone trained
+        name.startswith("value_q") for name in moved - {"sac_log_alpha"}), moved
+    assert float(end["sac_log_alpha"].exp()) == pytest.approx(0.05)  # not the checkpoint's
 
 
 @pytest.mark.mpi
