@@ -78,7 +78,11 @@ def finished(rank: int) -> None:
     """Rank side, after its work: this rank's exit is no failure."""
     folder = os.environ.get(ENV)
     if folder:
-        (Path(folder) / f"done.rank{rank}").touch()
+        _done_mark(Path(folder), rank).touch()
+
+
+def _done_mark(folder: Path, rank: int) -> Path:
+    return folder / f"done.rank{rank}"
 
 
 def first_failure(folder: Path, launcher: int, poll_s: float = 1.0) -> str | None:
@@ -94,7 +98,7 @@ def first_failure(folder: Path, launcher: int, poll_s: float = 1.0) -> str | Non
             card = cards.get(path.name) or cards.setdefault(path.name,
                                                             json.loads(path.read_text()))
             if (card["host"].split(".")[0] == host and not _alive(card["pid"])
-                    and not (folder / f"done.rank{card['rank']}").exists()):
+                    and not _done_mark(folder, card["rank"]).exists()):
                 return (f"rank {card['rank']} ({card['roles']}, pid {card['pid']}) is gone "
                         f"without finishing")
         time.sleep(poll_s)
@@ -156,7 +160,7 @@ class DeathWatch:
             else:
                 dead += self._read_lifeline(fd)
         dead = [rank for rank in dict.fromkeys(dead) if rank not in self.gone
-                and not (self.dir / f"done.rank{rank}").exists()]  # done: no death
+                and not _done_mark(self.dir, rank).exists()]  # done: no death
         self.gone.update(dead)
         if dead and self.first is None:
             self._discover()  # a lifeline may name a rank whose card came after the last look
