@@ -107,6 +107,8 @@ def prior_data_arms(config: str = PUSHCUBE_SAC) -> dict:
 def scratch_arms(config: str = PUSHCUBE_SAC) -> dict:
     return {"sac": [config, "--ranks", "2", *HELD_OUT],
             "ppo": [config, "--ranks", "2", *ppo_baseline(), *HELD_OUT]}
+
+
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe

@@ -118,6 +118,7 @@ def _act(policy: Policy, obs: dict[str, np.ndarray], envs: int, timeline: Timeli
 class OnPolicyUpdate:
     """PPO's or GRPO's version: this rank's micro-batches, trained data-parallel with the other
     ranks (roles/learner.learn)."""
+
     def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy):
         self.setup, self.engine, self.actor = setup, engine, actor
 

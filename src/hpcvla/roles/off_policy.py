@@ -61,6 +61,7 @@ SCORED = ("done", "env_fault", "success", "episode_return")  # what the progress
 class SoftUpdate:
     """SAC's learner (module docstring): a colocated rank's roles/colocated.VersionUpdate, or
     a learner rank's `train` (roles/learner.run_learner) by `learn`."""
+
     def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy | None,
                  spec: EnvSpec, learners: MPI.Comm, resumed_transitions: int = 0):
         """`actor`: the colocated rank's acting copy (None on a learner rank, which publishes
