@@ -311,7 +311,7 @@ def test_each_sac_loss_moves_only_what_it_is_meant_to():
     loss.backward()
     grads = {n: p.grad for n, p in policy.named_parameters()}
     for prefix in ("value_q.", "image_encoder.", "state_encoder.", "trunk.", "mean_head.",
-                   "log_std", "sac_log_alpha"):
+                   "log_std_head.", "sac_log_alpha"):
         assert any(n.startswith(prefix) and g is not None and g.abs().sum() > 0
                    for n, g in grads.items()), prefix
     assert all(g is None for n, g in grads.items() if n.startswith("value_q_target."))
@@ -391,12 +391,42 @@ def test_a_soft_policy_acts_inside_the_action_box():
     obs = {k[4:]: v for k, v in _batch(16, np.random.default_rng(2)).items()
            if k.startswith("obs.")}
     with torch.no_grad():
-        policy.log_std.fill_(1.0)  # wide: the Gaussian's samples reach far past the box
+        policy.log_std_head.bias.fill_(3.0)  # log std ~2: samples reach far past the box
         for deterministic in (False, True):
             out = policy.act(obs, deterministic)
             assert out.actions.abs().max() <= 1 and torch.isfinite(out.logprob).all()
         logprob, _, entropy = policy.evaluate(obs, torch.ones(16, 2, 2))
         assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
+
+
+def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
+    """SAC's actor's log std: init_log_std in every state at the start, apart between states
+    once its layer moves, inside SQUASHED_LOG_STD whatever the layer says, and a gradient of
+    the log-prob reaches its layer; a config starting outside the range is refused."""
+    from helpers import ROOT
+
+    from hpcvla.config import load_config
+    from hpcvla.config.families import SQUASHED_LOG_STD
+    from hpcvla.config.loader import ConfigError
+
+    policy = _soft_policy()  # init_log_std -0.7
+    obs = {k[4:]: v for k, v in _batch(16, np.random.default_rng(3)).items()
+           if k.startswith("obs.")}
+    features = policy.features(obs).detach()
+
+    def log_std():
+        return policy.actor_dist(features).base_dist.stddev.log()
+    assert torch.allclose(log_std(), torch.full((16, 4), -0.7))
+    actions, logprob = policy.soft_actions(features)
+    logprob.sum().backward()
+    assert policy.log_std_head.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        policy.log_std_head.weight.normal_(0.0, 10.0)
+        spread = log_std()
+    assert spread.std(dim=0).min() > 0.1  # each dimension's spread differs between states
+    assert SQUASHED_LOG_STD[0] <= spread.min() and spread.max() <= SQUASHED_LOG_STD[1]
+    with pytest.raises(ConfigError, match="policy.init_log_std"):
+        load_config(ROOT / "configs/colocated_sac.yaml", ["policy.init_log_std=2.5"])
 
 
 def test_a_dumps_episodes_become_transitions_each_last_row_only_if_terminal(tmp_path):

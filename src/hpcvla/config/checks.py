@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from hpcvla.config.families import family, simulator
+from hpcvla.config.families import SQUASHED_LOG_STD, family, simulator
 from hpcvla.config.schema import ROLES
 from hpcvla.schedule import shards_problem
 
@@ -100,6 +100,11 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
                          f"{alg.name} (the family with SAC's critics and squashed actor), or "
                          "flow with algorithm.name=sac (DSRL: its demonstrations record "
                          "actions, not the noise RLPD would need)"))
+    low, high = SQUASHED_LOG_STD
+    if traits.soft_critics and not low < cfg.policy.init_log_std < high:
+        problems.append(("policy.init_log_std", cfg.policy.init_log_std, f"inside ({low:g}, "
+                         f"{high:g}) with algorithm.name={alg.name}: SAC's actor keeps its log "
+                         "std there"))
     if traits.noise_actor and cfg.policy.lora_rank:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 with algorithm.name="
                          f"{alg.name} on the flow family: DSRL trains the noise actor only, the "

@@ -28,6 +28,12 @@ class FamilyTraits:
     noise_actor: bool = False
 
 
+# The log std of SAC's squashed actors (the default policy's, the flow family's noise actor):
+# a function of the state, kept inside this range by a tanh as in published SAC, so the
+# deterministic action (the mean) is each state's own and not the centre of one spread wide
+# enough for the hardest state. policy.init_log_std must lie inside it.
+SQUASHED_LOG_STD = (-5.0, 2.0)
+
 FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True),
     "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True),

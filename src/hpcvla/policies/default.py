@@ -3,7 +3,8 @@
 Small enough to train on CPU in tests and benchmarks, yet shaped like a VLA: it reads an
 image (uint8 HWC), a tokenised instruction (int ids, 0 = padding) and, when the environment
 provides one, a proprioceptive state vector, and emits a whole action chunk
-(chunk_len x action_dim) from one Gaussian with a state-independent learnable log-std.
+(chunk_len x action_dim) from one Gaussian with a state-independent learnable log-std (as
+CleanRL's PPO); with soft critics (SAC's actor) a log std of the state, as published SAC.
 
 Log-probability and entropy are summed over every dimension of the chunk, so the chunk is
 one PPO "action". Sampled actions are not squashed: the environment clips. Behaviour cloning
@@ -17,10 +18,10 @@ import math
 
 import torch
 from torch import nn
-from torch.distributions import Normal, TanhTransform, TransformedDistribution
+from torch.distributions import Normal, TransformedDistribution
 
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
-from hpcvla.policies.soft_critics import SoftCritics
+from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
 INSTRUCTION_EMBED_DIM = 32
 
@@ -42,7 +43,8 @@ class DefaultPolicy(SoftCritics, Policy):
         chunk_len: actions per chunk.
         vocab_size: instruction token vocabulary size (id 0 is padding).
         hidden: width of the image projection, state projection and MLP trunk.
-        init_log_std: initial value of the (state-independent) log standard deviation.
+        init_log_std: initial value of the log standard deviation (state-independent; with
+            soft critics a function of the state, this in every state at the start).
         soft_critics: add SAC's twin critics, their targets and the temperature
             (policies/soft_critics.py), for an off-policy learner; the value head stays
             (PPO's, unused there).
@@ -96,10 +98,12 @@ class DefaultPolicy(SoftCritics, Policy):
         # Small gain keeps the initial mean near zero so early exploration is driven by log_std.
         self.mean_head = layer_init(nn.Linear(hidden, n_out), std=0.01)
         self.value_head = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.log_std = nn.Parameter(torch.full((n_out,), float(init_log_std)))
         self.squash = bool(soft_critics)  # SAC's actor acts in the box (actor_dist)
         if soft_critics:
+            self.log_std_head = log_std_layer(hidden, n_out, float(init_log_std))
             self.add_soft_critics(feat_dim, n_out, hidden, critic_layer_norm, init_temperature)
+        else:
+            self.log_std = nn.Parameter(torch.full((n_out,), float(init_log_std)))
 
     def features(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Encode each present modality and concatenate: (B, feat_dim)."""
@@ -115,10 +119,11 @@ class DefaultPolicy(SoftCritics, Policy):
         with soft critics a Normal squashed by tanh into the action box (SAC's actor: an
         unbounded Gaussian whose entropy is rewarded would widen past the box and act at its
         edges)."""
-        mean = self.mean_head(self.trunk(features))
-        normal = Normal(mean, self.log_std.exp().expand_as(mean))
-        return TransformedDistribution(normal, [TanhTransform(cache_size=1)]) \
-            if self.squash else normal
+        h = self.trunk(features)
+        mean = self.mean_head(h)
+        if self.squash:
+            return squashed_gaussian(mean, self.log_std_head(h))
+        return Normal(mean, self.log_std.exp().expand_as(mean))
 
     def soft_actions(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """SAC's reparameterised sample: flat chunks (B, chunk_len * action_dim) whose

@@ -17,7 +17,7 @@ them once, then only the actor, its critics and the temperature).
 The noise actor reads the env's observation through encoders of its own, the default policy's
 small ones (default.add_encoders), not the VLA's prefix: acting costs one small network more,
 and the learner's SAC steps never run the VLA (their transitions hold the noise, recorded with
-every step as the extra field `dsrl_noise`). Its Gaussian has a state-independent log-std,
+every step as the extra field `dsrl_noise`). Its Gaussian is SAC's (a log std of the state),
 squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded noise
 would take the sampler where its training never went. It steers the executed part of the
 chunk (chunk_len x action_dim); a published model's longer horizon and padded dims start at
@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
+from torch.distributions import TransformedDistribution
 
 from hpcvla.policies.base import ActOutput
 from hpcvla.policies.default import add_encoders, encode, layer_init
-from hpcvla.policies.soft_critics import SoftCritics
+from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
 NOISE = "dsrl_noise"  # the extra field each step records: the noise the actor chose
 
@@ -59,9 +59,10 @@ class NoiseActor(SoftCritics):
 
     def add_noise_actor(self, obs_spec: dict, vocab_size: int, hidden: int, bound: float,
                         layer_norm: bool, init_temperature: float) -> None:
-        """The actor (its encoders, an MLP to the mean of the chunk's noise, a log-std at 0:
-        the prior's spread), its twin critics over (its features, the flat noise) with their
-        targets, and the temperature; every parameter of the policy before them frozen."""
+        """The actor (its encoders, an MLP to the mean of the chunk's noise and to its log
+        std, 0 at the start: the prior's spread), its twin critics over (its features, the flat
+        noise) with their targets, and the temperature; every parameter of the policy before
+        them frozen."""
         self.requires_grad_(False)
         self.noise_encoder = ObsEncoder(obs_spec, vocab_size, hidden)
         n_out = self.chunk_len * self.action_dim
@@ -69,7 +70,7 @@ class NoiseActor(SoftCritics):
             layer_init(nn.Linear(self.noise_encoder.dim, hidden)), nn.Tanh(),
             layer_init(nn.Linear(hidden, hidden)), nn.Tanh())
         self.noise_mean = layer_init(nn.Linear(hidden, n_out), std=0.01)
-        self.noise_log_std = nn.Parameter(torch.zeros(n_out))
+        self.noise_log_std = log_std_layer(hidden, n_out, 0.0)
         self.noise_bound = float(bound)
         self.add_soft_critics(self.noise_encoder.dim, n_out, hidden, layer_norm,
                               init_temperature)
@@ -80,10 +81,8 @@ class NoiseActor(SoftCritics):
 
     def noise_dist(self, features: torch.Tensor) -> TransformedDistribution:
         """The flat noise distribution: a Gaussian squashed into (-bound, bound)."""
-        mean = self.noise_mean(self.noise_trunk(features.to(self.noise_mean.weight.dtype)))
-        normal = Normal(mean, self.noise_log_std.exp().expand_as(mean))
-        return TransformedDistribution(normal, [TanhTransform(cache_size=1),
-                                                AffineTransform(0.0, self.noise_bound)])
+        h = self.noise_trunk(features.to(self.noise_mean.weight.dtype))
+        return squashed_gaussian(self.noise_mean(h), self.noise_log_std(h), self.noise_bound)
 
     def soft_actions(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """SAC's reparameterised sample: flat noise (B, chunk_len * action_dim) whose

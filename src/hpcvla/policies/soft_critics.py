@@ -23,7 +23,10 @@ import math
 
 import torch
 from torch import nn
+from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
 from torch.func import functional_call
+
+from hpcvla.config.families import SQUASHED_LOG_STD
 
 
 class TwinQ(nn.Module):
@@ -81,4 +84,29 @@ class SoftCritics:
         return self.value_q(x)
 
 
-__all__ = ["TwinQ", "SoftCritics"]
+def log_std_layer(hidden: int, n_out: int, init_log_std: float) -> nn.Linear:
+    """SAC's actor's layer to its per-state log std (read through squashed_gaussian): zero
+    weights (their gradient is not zero) and the bias that gives `init_log_std` in every state
+    at the start."""
+    low, high = SQUASHED_LOG_STD
+    if not low < init_log_std < high:
+        raise ValueError(f"init_log_std={init_log_std} must lie inside ({low}, {high})")
+    layer = nn.Linear(hidden, n_out)
+    nn.init.zeros_(layer.weight)
+    nn.init.constant_(layer.bias, math.atanh(2 * (init_log_std - low) / (high - low) - 1))
+    return layer
+
+
+def squashed_gaussian(mean: torch.Tensor, raw_log_std: torch.Tensor, scale: float = 1.0
+                      ) -> TransformedDistribution:
+    """SAC's actor's distribution: a Gaussian of this `mean` and a log std of the state
+    (`raw_log_std`, log_std_layer's output, mapped into SQUASHED_LOG_STD by a tanh), squashed by
+    tanh into (-scale, scale)."""
+    low, high = SQUASHED_LOG_STD
+    log_std = low + 0.5 * (high - low) * (torch.tanh(raw_log_std) + 1)
+    squash = [TanhTransform(cache_size=1)] + ([AffineTransform(0.0, scale)] if scale != 1.0
+                                              else [])
+    return TransformedDistribution(Normal(mean, log_std.exp()), squash)
+
+
+__all__ = ["TwinQ", "SoftCritics", "log_std_layer", "squashed_gaussian"]
