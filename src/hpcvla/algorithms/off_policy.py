@@ -16,6 +16,8 @@ loss moves only what it is meant to, and one backward pass serves all three.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from hpcvla.algorithms.sac import (actor_loss, critic_loss, polyak_update, soft_target,
@@ -41,9 +43,12 @@ def soft_actor_critic_loss(alg, policy, batch: dict[str, torch.Tensor], target_e
     q1, q2 = policy.soft_q(features.detach() if critics_only else features,
                            batch["actions"].flatten(1))
     critic = critic_loss(q1, q2, target)
-    actions, logprob = policy.soft_actions(features.detach())
-    actor = actor_loss(logprob, *policy.soft_q(features.detach(), actions, frozen=True), alpha)
-    temperature = temperature_loss(policy.sac_log_alpha, logprob, target_entropy)
+    # during the warm-up the actor's and temperature's terms are statistics only: no graph
+    with torch.no_grad() if critics_only else contextlib.nullcontext():
+        actions, logprob = policy.soft_actions(features.detach())
+        actor = actor_loss(logprob, *policy.soft_q(features.detach(), actions, frozen=True),
+                           alpha)
+        temperature = temperature_loss(policy.sac_log_alpha, logprob, target_entropy)
     stats = {"critic_loss": float(critic.detach()), "actor_loss": float(actor.detach()),
              "alpha": float(alpha), "entropy": float(-logprob.detach().mean()),
              "q_mean": float(q1.detach().mean()), "target_mean": float(target.mean())}
