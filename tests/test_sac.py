@@ -402,7 +402,8 @@ def test_a_soft_policy_acts_inside_the_action_box():
 def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
     """SAC's actor's log std: init_log_std in every state at the start, apart between states
     once its layer moves, inside SQUASHED_LOG_STD whatever the layer says, and a gradient of
-    the log-prob reaches its layer; a config starting outside the range is refused."""
+    the log-prob reaches its layer; a config starting outside the range is refused, and so
+    are weights of the actor with one log-std vector."""
     from helpers import ROOT
 
     from hpcvla.config import load_config
@@ -427,6 +428,9 @@ def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
     assert SQUASHED_LOG_STD[0] <= spread.min() and spread.max() <= SQUASHED_LOG_STD[1]
     with pytest.raises(ConfigError, match="policy.init_log_std"):
         load_config(ROOT / "configs/colocated_sac.yaml", ["policy.init_log_std=2.5"])
+    # weights of the actor before its log std had a layer (one vector) are refused by name
+    with pytest.raises(KeyError, match="log_std"):
+        policy.load_arrays({"log_std": np.zeros(4, np.float32)})
 
 
 def test_a_dumps_episodes_become_transitions_each_last_row_only_if_terminal(tmp_path):
