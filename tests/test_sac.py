@@ -429,8 +429,11 @@ def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
     with pytest.raises(ConfigError, match="policy.init_log_std"):
         load_config(ROOT / "configs/colocated_sac.yaml", ["policy.init_log_std=2.5"])
     # weights of the actor before its log std had a layer (one vector) are refused by name
-    with pytest.raises(KeyError, match="log_std"):
-        policy.load_arrays({"log_std": np.zeros(4, np.float32)})
+    from hpcvla.checkpoint.store import CheckpointError, check_fit
+    old = {**policy.state_dict(), "log_std": torch.zeros(4)}
+    del old["log_std_head.weight"], old["log_std_head.bias"]
+    with pytest.raises(CheckpointError, match="log_std"):
+        check_fit(old, policy.state_dict(), "a checkpoint")
 
 
 def test_a_dumps_episodes_become_transitions_each_last_row_only_if_terminal(tmp_path):

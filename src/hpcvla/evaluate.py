@@ -39,6 +39,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         bind_rank_device(cfg, [(SIM, INF)] * ranks, world)  # [dist] before any simulator
     held_out = HeldOut(cfg, episodes, envs, seed, device, video=video)
     if weights is not None:
+        store.check_fit(weights, held_out.policy.state_dict(), "the evaluated checkpoint")
         held_out.policy.load_arrays(weights)
     try:
         mine, videos = held_out.run(deterministic, rank, ranks, video_dir if video else None)
@@ -174,6 +175,7 @@ def export_policy(cfg, run_dir: Path, out: Path) -> dict:
     from hpcvla.policies.lora import merge_lora
     policy = build_policy(cfg, env_spec(cfg.env))
     weights, state = checkpoint_weights(run_dir)
+    store.check_fit(weights, policy.state_dict(), run_dir)
     policy.load_arrays(weights)
     merged = merge_lora(policy) if cfg.policy.lora_rank else 0
     save_pretrained(policy, out)

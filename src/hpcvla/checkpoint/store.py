@@ -173,14 +173,20 @@ def load_weights(path: Path, expected: dict | None = None) -> dict[str, torch.Te
     verify_file(path / MODEL, state["model_sha256"])
     weights = load_file(str(path / MODEL))
     if expected is not None:
-        want = {k: tuple(v.shape) for k, v in expected.items()}
-        have = {k: tuple(v.shape) for k, v in weights.items()}
-        if want != have:
-            diff = sorted(set(want.items()) ^ set(have.items()))[:6]
-            raise CheckpointError(f"{path / MODEL}: weights do not fit this policy (name, "
-                                  f"shape) differences: {diff}; was it written with another "
-                                  f"policy config?")
+        check_fit(weights, expected, path / MODEL)
     return weights
+
+
+def check_fit(weights: dict, expected: dict, source) -> None:
+    """A whole checkpoint's `weights` must have the names and shapes of `expected` (the state
+    dict of the policy they go into); `source` names them in the error."""
+    want = {k: tuple(v.shape) for k, v in expected.items()}
+    have = {k: tuple(v.shape) for k, v in weights.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:6]
+        raise CheckpointError(f"{source}: weights do not fit this policy (name, shape) "
+                              f"differences: {diff}; was it written with another policy "
+                              "config?")
 
 
 def load_optimizer(path: Path, engine, learners) -> dict:

@@ -94,13 +94,8 @@ class Policy(nn.Module, abc.ABC):
     def load_arrays(self, arrays: dict) -> None:
         """Copy named tensors (a published weight version, a checkpoint; numpy arrays too)
         into the parameters and buffers, in place: onto their device, in their dtype."""
-        state = self.state_dict()
-        unknown = sorted(set(arrays) - set(state))
-        if unknown:  # a subset is a trainable-only version; a stranger is another model's
-            raise KeyError(f"{len(unknown)} tensors this {type(self).__name__} has no place for, "
-                           f"e.g. {unknown[:3]}: weights of another architecture, or of an "
-                           "earlier version of this one (retrain or convert them)")
         with torch.no_grad():
+            state = self.state_dict()
             for name, value in arrays.items():
                 state[name].copy_(torch.as_tensor(value), non_blocking=True)
 
