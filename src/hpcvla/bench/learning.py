@@ -14,6 +14,10 @@ Arm sets (`--arms`):
   (`save_pretrained`), then both arms start from it (`policy.pretrained`): `last_step`
   (x_0 = 0, one noisy last step) against `chain` (x_0 ~ N(0, I), noise at every step as
   πRL's flow-noise; the pretrained sampler's own distribution). policies/flow.py.
+* `dsrl`: the same pretrained start, RL in its noise space against fine-tuning it: `dsrl`
+  (SAC's small noise actor steers the frozen flow policy's sampler, policies/noise_actor.py;
+  SAC's settings of configs/colocated_sac.yaml for reach's small rewards) against `ppo`
+  (`last_step`: PPO on the whole flow policy).
 * `families`: the two VLA heads on reach under PPO, 4 ranks, 32 px (4 image patches of
   their tiny towers): `flow` (π0-style flow matching, configs/reach_flow.yaml) against
   `tokens` (OFT-style parallel action tokens, configs/reach_tokens.yaml). Measured before
@@ -82,6 +86,9 @@ ARMS["off-policy"] = {"sac": ["configs/colocated_sac.yaml", "--ranks", "2"],
                       "ppo": ["configs/colocated.yaml", "--ranks", "2"]}
 FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
+ARMS["dsrl"] = {"dsrl": FLOW + ["algorithm.name=sac", "algorithm.init_temperature=0.01",
+                                "algorithm.batch_size=128", "algorithm.utd=0.25"],
+                "ppo": FLOW}
 PUSHCUBE_SAC = "configs/maniskill_pushcube_sac.yaml"
 PRIOR_DEMOS, PRIOR_EVAL_EVERY, TARGET_SUCCESS = 16, 10, 0.8
 PPO_BASELINE = "configs/maniskill_pushcube_baseline.yaml"  # ManiSkill's ppo.py settings
@@ -110,6 +117,7 @@ def scratch_arms(config: str = PUSHCUBE_SAC) -> dict:
 
 
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
+PRETRAIN["dsrl"] = PRETRAIN["flow-noise"]
 PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
 # (the `imitation` arm set is built from its recipe when run: imitation_arms)
