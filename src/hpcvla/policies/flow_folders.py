@@ -29,6 +29,8 @@ class PublishedFlowFolders:
         ("gemma_expert.", _PI0 + "gemma_expert.model."),
         ("value_head.", "rl.value_head."),
         ("log_std", "rl.log_std"),
+        # DSRL's noise actor, its critics and temperature: RL-only, fresh on a π0 folder
+        ("noise_", "rl.noise_"), ("value_q", "rl.value_q"), ("sac_log_alpha", "rl.sac_log_alpha"),
         ("", "model."),  # state_proj, action_in_proj, action_time_mlp_*, action_out_proj
     )
     HF_LAYOUT = {  # published π0 folders (policies/folders.py)
