@@ -118,7 +118,7 @@ def scratch_arms(config: str = PUSHCUBE_SAC) -> dict:
 
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN["dsrl"] = PRETRAIN["flow-noise"]
-PRETRAIN_UPDATES = 40  # reach_flow reaches ~0.3-0.7 success: room to improve either way
+PRETRAIN_UPDATES = 40  # the start: ~0.89 held-out success (sampled; 2 runs of seed 1000)
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
 # (the `imitation` arm set is built from its recipe when run: imitation_arms)
 
