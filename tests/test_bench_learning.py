@@ -64,7 +64,6 @@ def test_the_prior_data_and_scratch_arms_are_valid_runs_of_one_task_and_layout()
     assert scratch_ppo.algorithm == ppo.algorithm and sac.env == ppo.env
 
 
-
 def test_the_dsrl_arms_steer_and_fine_tune_one_pretrained_flow_policy():
     """DSRL (SAC on the flow family: the noise actor) against PPO on the whole flow policy,
     both from the pretrained folder, in one layout and env-step budget."""
@@ -79,6 +78,7 @@ def test_the_dsrl_arms_steer_and_fine_tune_one_pretrained_flow_policy():
     assert PRETRAIN["dsrl"][0] == ARMS["dsrl"]["ppo"][0]  # pretrained on the arms' recipe
     assert env_steps_per_version({"ppo": ARMS["dsrl"]["ppo"]}) == \
         env_steps_per_version(ARMS["dsrl"])
+
 
 @pytest.mark.mpi
 @pytest.mark.slow

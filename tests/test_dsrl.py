@@ -36,7 +36,6 @@ def test_only_the_noise_actor_its_critics_and_the_temperature_train(steered):
     assert not policy.value_q_target.q1[0].weight.requires_grad  # moved by Polyak only
 
 
-
 def test_dsrl_steers_a_pretrained_flow_folder_with_a_fresh_noise_actor(steered, tmp_path):
     """A flow folder saved without the noise actor (a PPO run's, as a π0 folder lacks it) loads
     into the steered policy: the flow policy's tensors exactly, the noise actor, critics and
@@ -44,10 +43,11 @@ def test_dsrl_steers_a_pretrained_flow_folder_with_a_fresh_noise_actor(steered, 
     from hpcvla.policies import save_pretrained
     cfg, spec, fresh, _ = steered
     flow_cfg = load_config(ROOT / "configs/reach_flow.yaml", STEERED[1:] + ["run.seed=7"])
-    folder = save_pretrained(build_policy(flow_cfg, spec), tmp_path / "flow")
+    flow_policy = build_policy(flow_cfg, spec)
+    folder = save_pretrained(flow_policy, tmp_path / "flow")
     started = build_policy(load_config(ROOT / "configs/reach_flow.yaml",
                                        STEERED + [f"policy.pretrained={folder}"]), spec)
-    flow, state = build_policy(flow_cfg, spec).state_dict(), started.state_dict()
+    flow, state = flow_policy.state_dict(), started.state_dict()
     assert all(torch.equal(state[name], value) for name, value in flow.items())
     assert not all(torch.equal(flow[n], fresh.state_dict()[n]) for n in flow)  # seed 7's
     assert {n.split(".")[0] for n in set(state) - set(flow)} == {
@@ -60,6 +60,7 @@ def test_dsrl_steers_a_pretrained_flow_folder_with_a_fresh_noise_actor(steered, 
     again = build_policy(load_config(ROOT / "configs/reach_flow.yaml", STEERED + [
         f"policy.pretrained={save_pretrained(started, tmp_path / 'steered')}"]), spec)
     assert all(torch.equal(v, started.state_dict()[k]) for k, v in again.state_dict().items())
+
 
 def test_the_chunk_is_the_noiseless_sampler_from_the_chosen_noise(steered):
     _, spec, policy, obs = steered
