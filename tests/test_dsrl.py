@@ -109,6 +109,10 @@ def test_a_sac_step_on_recorded_noise_moves_the_actor_and_never_the_flow_policy(
 
 
 def test_what_dsrl_cannot_run_is_refused():
+    from hpcvla.preflight import check_sft
+    with pytest.raises(ConfigError, match="algorithm.name = 'sac'.*policy.checkpoint"):
+        check_sft(load_config(ROOT / "configs/reach_flow.yaml",
+                              ["algorithm.name=sac", "sft.demos=x.h5"]))  # SFT trains no flow
     with pytest.raises(ConfigError) as err:
         load_config(ROOT / "configs/reach_flow.yaml",
                     ["algorithm.name=rlpd", "algorithm.demos=x.h5", "policy.lora_rank=4"])

@@ -157,7 +157,15 @@ def test_sft_on_a_libero_file_learns_and_its_checkpoint_loads(tmp_path, config, 
     assert state["version"] == 6
     for name, value in policy.state_dict().items():
         assert torch.equal(value, weights[name]), name
-    if overrides:  # and `hpcvla eval` runs it in the real LIBERO env (one short episode)
+    if overrides:  # DSRL from it: the flow weights exactly, its noise actor and critics fresh
+        steered = build_policy(load_config(config, [*overrides, "algorithm.name=sac",
+                                                    f"policy.checkpoint={run_dir}"]),
+                               env_spec(cfg.env)).state_dict()
+        assert all(torch.equal(steered[name], value) for name, value in weights.items())
+        assert {n.split(".")[0] for n in set(steered) - set(weights)} == {
+            "noise_encoder", "noise_trunk", "noise_mean", "noise_log_std", "value_q",
+            "value_q_target", "sac_log_alpha"}
+        # and `hpcvla eval` runs it in the real LIBERO env (one short episode)
         out = hpcvla("eval", run_dir, "--episodes", 1, "--envs", 1,
                      "env.max_episode_chunks=1", "--json")
         assert out.returncode == 0, out.stderr[-3000:]

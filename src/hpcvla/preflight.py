@@ -128,6 +128,11 @@ def check_sft(cfg, source: str = "config") -> None:
     from hpcvla.envs import env_spec
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
+    if family(cfg.policy.name).noise_actor and cfg.algorithm.name == "sac":
+        raise ConfigError([("algorithm.name", "sac", "ppo for `hpcvla sft` of the flow family "
+                            "(with sac its weights are frozen under DSRL's noise actor, which "
+                            "imitation does not train); then DSRL from that run: `hpcvla train "
+                            "CONFIG algorithm.name=sac policy.checkpoint=<sft run>`")], source)
     paths = demo_paths(cfg.sft)
     if not paths:
         raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files, "

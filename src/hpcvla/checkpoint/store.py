@@ -165,22 +165,25 @@ def _await_json(path: Path, poll_s: float = 0.02):
     return json.loads(path.read_text())
 
 
-def load_weights(path: Path, expected: dict | None = None) -> dict[str, torch.Tensor]:
+def load_weights(path: Path, expected: dict | None = None, may_lack=frozenset()
+                 ) -> dict[str, torch.Tensor]:
     """model.safetensors of a checkpoint, its checksum verified; with `expected` (a state
-    dict), names and shapes must match it."""
+    dict), names and shapes must match it, but for the names in `may_lack` it may not hold."""
     path = Path(path)
     state = read_state(path)
     verify_file(path / MODEL, state["model_sha256"])
     weights = load_file(str(path / MODEL))
     if expected is not None:
-        check_fit(weights, expected, path / MODEL)
+        check_fit(weights, expected, path / MODEL, may_lack)
     return weights
 
 
-def check_fit(weights: dict, expected: dict, source) -> None:
+def check_fit(weights: dict, expected: dict, source, may_lack=frozenset()) -> None:
     """A whole checkpoint's `weights` must have the names and shapes of `expected` (the state
-    dict of the policy they go into); `source` names them in the error."""
-    want = {k: tuple(v.shape) for k, v in expected.items()}
+    dict of the policy they go into), but for absent names in `may_lack`; `source` names them
+    in the error."""
+    want = {k: tuple(v.shape) for k, v in expected.items()
+            if k in weights or k not in may_lack}
     have = {k: tuple(v.shape) for k, v in weights.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[:6]

@@ -105,7 +105,9 @@ class PolicyConfig:
         "the initial ones on every rank, after the policy is built (and `pretrained` loaded: "
         "its sizes, tokenizer and normalization stay): RL from an `hpcvla sft` run is "
         "`hpcvla train CONFIG policy.checkpoint=<sft run dir>`, with the config the SFT ran "
-        "(same family, env and `pretrained`). Shapes must match exactly. Continuing a run "
+        "(same family, env and `pretrained`). Shapes must match exactly; the RL-only "
+        "tensors (a value head, DSRL's noise actor and critics) may be absent and start "
+        "fresh: DSRL from a PPO-config SFT run of the flow family. Continuing a run "
         "is `run.resume` instead (optimizer, counters).")
     tokenizer: str = setting(
         "", "`flow` with a published `pretrained` folder: a local folder holding the "
