@@ -399,6 +399,28 @@ def test_a_soft_policy_acts_inside_the_action_box():
         assert torch.isfinite(logprob).all() and torch.isfinite(entropy).all()
 
 
+def test_a_scaled_squash_scores_its_own_samples_at_the_edge():
+    """DSRL's noise (tanh scaled to (-1.5, 1.5)): a sample whose tanh float32 rounds to the
+    edge gets the log-prob of the Gaussian value it came from, the unscaled squash's minus
+    log 1.5 per dimension, and a finite gradient (atanh of the edge is inf: NaN losses)."""
+    import math
+
+    from hpcvla.policies.soft_critics import squashed_gaussian
+    mean = torch.tensor([[0.0, 5.0, 12.0, -30.0]], requires_grad=True)
+    raw_log_std = torch.full((1, 4), -3.0)
+    torch.manual_seed(0)
+    scaled = squashed_gaussian(mean, raw_log_std, 1.5)
+    noise = scaled.rsample()
+    assert noise.abs().max() == 1.5  # the two saturated dimensions: on the edge in float32
+    logprob = scaled.log_prob(noise)
+    torch.manual_seed(0)
+    plain = squashed_gaussian(mean, raw_log_std)
+    expected = plain.log_prob(plain.rsample()) - math.log(1.5)
+    assert torch.isfinite(logprob).all() and torch.allclose(logprob, expected)
+    logprob.sum().backward()
+    assert torch.isfinite(mean.grad).all()
+
+
 def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
     """SAC's actor's log std: init_log_std in every state at the start, apart between states
     once its layer moves, inside SQUASHED_LOG_STD whatever the layer says, and a gradient of

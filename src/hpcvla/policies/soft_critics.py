@@ -104,8 +104,10 @@ def squashed_gaussian(mean: torch.Tensor, raw_log_std: torch.Tensor, scale: floa
     tanh into (-scale, scale)."""
     low, high = SQUASHED_LOG_STD
     log_std = low + 0.5 * (high - low) * (torch.tanh(raw_log_std) + 1)
-    squash = [TanhTransform(cache_size=1)] + ([AffineTransform(0.0, scale)] if scale != 1.0
-                                              else [])
+    # Both transforms cache their last input: a sample's log-prob then reads the Gaussian's
+    # value it came from, not atanh of a tanh that float32 rounded to +-1 (inf, then NaN)
+    squash = [TanhTransform(cache_size=1)] + (
+        [AffineTransform(0.0, scale, cache_size=1)] if scale != 1.0 else [])
     return TransformedDistribution(Normal(mean, log_std.exp()), squash)
 
 
