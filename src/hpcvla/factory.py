@@ -14,7 +14,7 @@ from hpcvla.config.families import family
 from hpcvla.policies.backbones import backbones_from_folder
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
-from hpcvla.policies.folders import RL_HEAD_PREFIX, checkpoint_kwargs, load_weights
+from hpcvla.policies.folders import checkpoint_kwargs, load_weights, rl_only_names
 from hpcvla.policies.lora import add_lora
 
 
@@ -75,10 +75,9 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
             add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
     if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
         path = catalog.latest(Path(cfg.policy.checkpoint))
-        state = policy.state_dict()  # the RL-only tensors may be absent (e.g. DSRL's actor
-        # after a PPO-config SFT run): they keep their initial values
-        rl_only = {k for k in state if policy.to_hf_key(k).startswith(RL_HEAD_PREFIX)}
-        policy.load_arrays(store.load_weights(path, state, may_lack=rl_only))
+        # the RL-only tensors may be absent (e.g. DSRL's actor after a PPO-config SFT run)
+        policy.load_arrays(store.load_weights(path, policy.state_dict(),
+                                              may_lack=rl_only_names(policy)))
         if cfg.algorithm.off_policy:  # a run's temperature starts where its config says
             with torch.no_grad():
                 policy.sac_log_alpha.fill_(math.log(cfg.algorithm.init_temperature))

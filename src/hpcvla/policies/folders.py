@@ -109,6 +109,12 @@ def from_layout(tensors: dict[str, torch.Tensor], layout: dict, where) -> dict:
     return tensors
 
 
+def rl_only_names(policy) -> set[str]:
+    """The policy's RL-only tensors (`rl.*` checkpoint names: value heads, DSRL's noise actor,
+    critics and temperature), which a checkpoint may lack: they keep their initial values."""
+    return {k for k in policy.state_dict() if policy.to_hf_key(k).startswith(RL_HEAD_PREFIX)}
+
+
 def load_weights(policy, path) -> list[str]:
     """Load a checkpoint (file or folder, module docstring) into `policy`, exactly. Raises
     naming every missing, unexpected or misshaped tensor; returns the RL-head names that were
@@ -122,7 +128,8 @@ def load_weights(policy, path) -> list[str]:
     loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
     state = policy.state_dict()
     missing = [k for k in state if k not in loaded]
-    fresh = [k for k in missing if policy.to_hf_key(k).startswith(RL_HEAD_PREFIX)]
+    rl_only = rl_only_names(policy)
+    fresh = [k for k in missing if k in rl_only]
     problems = [f"missing {policy.to_hf_key(k)} {tuple(state[k].shape)}"
                 for k in missing if k not in fresh]
     problems += [f"unexpected {policy.to_hf_key(k)}" for k in loaded if k not in state]
@@ -153,5 +160,5 @@ def save_pretrained(policy, folder, state: dict | None = None) -> Path:
     return folder
 
 
-__all__ = ["RL_HEAD_PREFIX", "read_tensors", "checkpoint_kwargs", "from_layout", "load_weights",
-           "save_pretrained"]
+__all__ = ["RL_HEAD_PREFIX", "read_tensors", "checkpoint_kwargs", "from_layout", "rl_only_names",
+           "load_weights", "save_pretrained"]
