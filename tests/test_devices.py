@@ -232,6 +232,39 @@ def test_learner_zero_publishes_the_address_its_peers_route_to(monkeypatch):
     assert rendezvous_host("node0", ["127.0.0.1"]) == "10.0.0.7"
 
 
+ZERO_STEP = """
+import sys
+from mpi4py import MPI
+from hpcvla.config import load_config
+from hpcvla.engines.zero import deepspeed_engine
+from hpcvla.envs import env_spec
+from hpcvla.factory import build_policy
+cfg = load_config("configs/default.yaml", ["learner.zero_stage=2",
+                                                   "learner.micro_batches=1"])
+engine = deepspeed_engine(cfg, build_policy(cfg, env_spec(cfg.env), "cpu"), MPI.COMM_SELF)
+before = [p.detach().clone() for p in engine.module.parameters()]
+engine.backward(sum(p.sum() for p in engine.module.parameters()))
+engine.step()
+moved = sum(not p.equal(b) for p, b in zip(engine.module.parameters(), before))
+print(moved, len(before), sys.modules["deepspeed.runtime.zero.muon.original_muon"].__doc__)
+"""
+
+
+@pytest.mark.slow  # a DeepSpeed engine in a fresh process: ~10 s
+def test_a_zero_learner_starts_without_compiling_muons_kernels():
+    """engines/zero.without_muon_kernels: the engine starts, steps every parameter at ZeRO-2
+    (whose gradient copies ask about Muon too), and Muon's compiled kernels are never
+    imported: their stand-in is."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", ZERO_STEP], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    moved, total, muon = out.stdout.splitlines()[-1].split(" ", 2)
+    assert moved == total and int(total) > 0, out.stdout[-2000:]
+    assert muon.startswith("hpcvla: Muon's names alone"), out.stdout[-2000:]
+
+
 def test_only_ranks_that_compute_on_their_gpu_open_a_cuda_context():
     """A LIBERO simulator rank renders through EGL and needs no CUDA context; a simulator
     that shares its rank with inference, or ManiSkill's (SAPIEN renders through CUDA), does."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import types
 
 import torch
 
@@ -21,6 +23,7 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed moves it to a GPU
+    without_muon_kernels()
     import deepspeed
 
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
@@ -55,6 +58,29 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
                                       optimizer=adamw(cfg, policy), config=ds_config)
     return engine
+
+
+MUON_KERNELS = "deepspeed.runtime.zero.muon.original_muon"
+
+
+def without_muon_kernels() -> None:
+    """DeepSpeed's ZeRO engine imports its Muon optimizer's kernels at start (to ask whether
+    the client's optimizer is Muon) and in ZeRO-1/2's gradient copies, and that module runs
+    torch.compile as it is imported: ~3 s of CPU per learner start for an optimizer hpcvla
+    never builds (base.adamw). A stand-in module with its three names answers every question
+    DeepSpeed asks of a non-Muon optimizer the same way; its functions, which DeepSpeed calls
+    only for Muon's parameters, raise."""
+    if MUON_KERNELS in sys.modules:
+        return
+
+    def muon_only(*args, **kwargs):
+        raise RuntimeError("hpcvla builds no Muon optimizer (engines/zero.py)")
+
+    stand_in = types.ModuleType(MUON_KERNELS, "hpcvla: Muon's names alone (engines/zero.py)")
+    setattr(stand_in, "MuonWithAuxAdam", type("MuonWithAuxAdam", (torch.optim.Optimizer,), {}))
+    setattr(stand_in, "muon_update", muon_only)
+    setattr(stand_in, "adam_update", muon_only)
+    sys.modules[MUON_KERNELS] = stand_in
 
 
 def rendezvous_host(own: str, peers: list[str]) -> str:
