@@ -106,6 +106,8 @@ def test_a_sac_step_on_recorded_noise_moves_the_actor_and_never_the_flow_policy(
     assert moved <= {"noise_encoder", "noise_trunk", "noise_mean", "noise_log_std", "value_q",
                      "value_q_target", "sac_log_alpha"}, moved
     assert np.isfinite(stats["critic_loss"])
+    # a fresh actor's noise: tanh(N(0, 1)) x bound, whose rms is ~0.63 x bound
+    assert 0.3 * policy.noise_bound < stats["action_rms"] < 0.9 * policy.noise_bound, stats
 
 
 def test_what_dsrl_cannot_run_is_refused():

@@ -45,7 +45,8 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     assert _replay_transitions(run_dir) == sum(r["replay_added"] for r in ranks)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
                if line]
-    assert {"critic_loss", "actor_loss", "alpha", "q_mean"} <= set(records[-1])
+    assert {"critic_loss", "actor_loss", "alpha", "q_mean", "action_rms"} <= set(records[-1])
+    assert 0 < records[-1]["action_rms"] < 1  # tanh-squashed actions
     out = hpcvla("train", "configs/colocated_sac.yaml", "--ranks", 2, f"run.resume={run_dir}",
                  "pipeline.total_updates=5", *SMALL, LN, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -51,7 +51,9 @@ def soft_actor_critic_loss(alg, policy, batch: dict[str, torch.Tensor], target_e
         temperature = temperature_loss(policy.sac_log_alpha, logprob, target_entropy)
     stats = {"critic_loss": float(critic.detach()), "actor_loss": float(actor.detach()),
              "alpha": float(alpha), "entropy": float(-logprob.detach().mean()),
-             "q_mean": float(q1.detach().mean()), "target_mean": float(target.mean())}
+             "q_mean": float(q1.detach().mean()), "target_mean": float(target.mean()),
+             # where the actor acts: DSRL's noise against its sampler's N(0, 1) prior (1.0)
+             "action_rms": float(actions.detach().square().mean().sqrt())}
     return (critic if critics_only else critic + actor + temperature), stats
 
 
