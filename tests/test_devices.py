@@ -239,8 +239,7 @@ from hpcvla.config import load_config
 from hpcvla.engines.zero import deepspeed_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-cfg = load_config("configs/default.yaml", ["learner.zero_stage=2",
-                                                   "learner.micro_batches=1"])
+cfg = load_config("configs/default.yaml", ["learner.zero_stage=2", "learner.micro_batches=1"])
 engine = deepspeed_engine(cfg, build_policy(cfg, env_spec(cfg.env), "cpu"), MPI.COMM_SELF)
 before = [p.detach().clone() for p in engine.module.parameters()]
 engine.backward(sum(p.sum() for p in engine.module.parameters()))

@@ -66,7 +66,7 @@ MUON_KERNELS = "deepspeed.runtime.zero.muon.original_muon"
 def without_muon_kernels() -> None:
     """DeepSpeed's ZeRO engine imports its Muon optimizer's kernels at start (to ask whether
     the client's optimizer is Muon) and in ZeRO-1/2's gradient copies, and that module runs
-    torch.compile as it is imported: ~3 s of CPU per learner start for an optimizer hpcvla
+    torch.compile as it is imported: ~2 s of CPU per learner start for an optimizer hpcvla
     never builds (base.adamw). A stand-in module with its three names answers every question
     DeepSpeed asks of a non-Muon optimizer the same way; its functions, which DeepSpeed calls
     only for Muon's parameters, raise."""
