@@ -115,7 +115,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
                  init_log_std: float = -0.7, dtype: str = "auto", model_dims: dict | None = None,
                  variant: str = "pi0", hidden: int = 128, soft_critics: bool = False,
                  critic_layer_norm: bool = False, init_temperature: float = 1.0,
-                 noise_bound: float = 1.5):
+                 noise_bound: float = 1.0):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"flow variant {variant!r}: expected one of {VARIANTS}")
