@@ -23,6 +23,7 @@ from hpcvla.checkpoint import catalog, store
 from hpcvla.devices import bind_rank_device, local_device
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.topology.plan import INF, SIM
+from hpcvla.transport.backoff import idle_barrier
 
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
@@ -46,6 +47,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         # every rank's episodes and videos, and the host and device it ran on
         parts = [(mine, videos, socket.gethostname(), str(device))]
         if world is not None:
+            idle_barrier(world)  # [dist] ranks done first wait asleep: allgather spins
             parts = world.allgather(parts[0])  # [dist]
         return {**held_out.report([e for part in parts for e in part[0]], deterministic),
                 "ranks": ranks, "hosts": sorted({part[2] for part in parts}),

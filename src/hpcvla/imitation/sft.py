@@ -81,7 +81,9 @@ def sft_main(cfg, world) -> None:
         cfg.run.name = f"{cfg.run.name}-sft"
     run_dir = create_run_dir(cfg, world)
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
-    spec = world.bcast(env_spec(cfg.env) if rank == 0 else None, root=0)  # [dist]
+    spec = env_spec(cfg.env) if rank == 0 else None  # a real simulator builds an env for it
+    idle_barrier(world)  # [dist] asleep meanwhile: a blocking bcast spins
+    spec = world.bcast(spec, root=0)  # [dist]
     demos = read_demonstrations(demo_paths(cfg.sft), spec, cfg.sft.per_task or None,
                                 cfg.sft.successful_only)
     samples = len(demos.actions)

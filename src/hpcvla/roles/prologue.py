@@ -98,6 +98,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
     seed_rank(cfg, rank, with_torch=runs_policy(roles))  # each rank explores with its own noise
+    # The policy ranks have just imported torch (seconds); the others wait here asleep, not
+    # in rank_device's blocking collectives, which spin and take the cores they need.
+    idle_barrier(world)  # [dist]
     if rank == 0:
         write_rng_seeds(cfg, plan, run_dir)
     device = rank_device(cfg, [r.roles for r in plan.ranks], world)  # [dist] a GPU each
