@@ -39,3 +39,23 @@ def test_installed_versions_match_pins():
     from importlib.metadata import version
     for name, pinned in _pins((ROOT / "requirements.txt").read_text().splitlines()).items():
         assert version(name).split("+")[0] == pinned, name
+
+
+def test_the_command_leaves_its_objects_frozen_for_the_exit():
+    """`hpcvla` and `python -m hpcvla` end in __main__.run, which freezes the collector's
+    objects before the exit: the interpreter then spares every rank its final search of the
+    objects torch made (~1 s of CPU per process, each rank of a world at once)."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    (script,) = [e for e in entry_points(group="console_scripts") if e.name == "hpcvla"]
+    assert script.value == "hpcvla.__main__:run"
+    probe = ("import atexit, gc, sys\n"
+             "atexit.register(lambda: print('frozen objects at exit:', gc.get_freeze_count()))\n"
+             "sys.argv = ['hpcvla', 'config']\n"
+             "from hpcvla.__main__ import run\n"
+             "run()\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert int(out.rsplit("frozen objects at exit:", 1)[1]) > 1000

@@ -1,3 +1,20 @@
+"""`python -m hpcvla` and the `hpcvla` command (pyproject.toml): the CLI (cli.py), then exit."""
+
+import gc
+import sys
+
 from hpcvla.cli import main
 
-raise SystemExit(main())
+
+def run() -> None:
+    code = main()
+    # At exit the interpreter searches every object left for reference cycles: with torch
+    # loaded ~1 s of CPU per process, ~1.4 s with DeepSpeed, every rank of a world at once (a
+    # 4-rank world took 1.8-3.8 s from its last line to its exit, 0.5-0.8 s frozen). Nothing
+    # is left for that search to free: files, windows and engines were closed by their owners.
+    gc.freeze()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    run()
