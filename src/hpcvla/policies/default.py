@@ -24,6 +24,7 @@ from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
 INSTRUCTION_EMBED_DIM = 32
+IMAGE_CONVS = ((16, 5, 2), (32, 3, 2), (32, 3, 2))  # the image encoder's (channels, kernel, stride)
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -172,15 +173,15 @@ def add_encoders(module: nn.Module, obs_spec: dict, vocab_size: int, hidden: int
     feat_dim = 0
     if module.has_image:
         h, w, c = obs_spec["image"][0]
-        convs = nn.Sequential(
-            layer_init(nn.Conv2d(c, 16, 5, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(16, 32, 3, stride=2)), nn.ReLU(),
-            layer_init(nn.Conv2d(32, 32, 3, stride=2)), nn.ReLU(),
-            nn.Flatten(),
-        )
-        with torch.no_grad():  # infer the flattened size instead of hand-computing it
-            n_flat = convs(torch.zeros(1, c, h, w)).shape[1]
-        module.image_encoder = nn.Sequential(convs, layer_init(nn.Linear(n_flat, hidden)),
+        layers: list[nn.Module] = []
+        for channels, kernel, stride in IMAGE_CONVS:
+            layers += [layer_init(nn.Conv2d(c, channels, kernel, stride=stride)), nn.ReLU()]
+            # the output's size from the layer's own numbers: probing with a zero image
+            # would run torch's meta kernels where the policy is built on the meta device
+            # (`hpcvla plan`, the doctor), ~2 s of CPU at their first use in a process
+            c, h, w = channels, (h - kernel) // stride + 1, (w - kernel) // stride + 1
+        convs = nn.Sequential(*layers, nn.Flatten())
+        module.image_encoder = nn.Sequential(convs, layer_init(nn.Linear(c * h * w, hidden)),
                                              nn.ReLU())
         feat_dim += hidden
     if module.has_instruction:
