@@ -3,9 +3,8 @@
 of pyproject.toml's [tool.mypy]; the hpcvla modules they import are read for their types but
 not reported.
 
-Slow from a clean checkout: about a minute on 2 cores, mostly mypy reading torch's, numpy's and
-mpi4py's type information; its cache (.mypy_cache, beside pyproject.toml) brings a rerun down
-to about 2 s.
+Slow from a clean checkout: ~25 s on 2 cores, mostly mypy reading torch's type information;
+its cache (.mypy_cache, beside pyproject.toml) brings a rerun down to about 2 s.
 """
 
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 
 from helpers import ROOT
 
-pytestmark = pytest.mark.slow  # a minute without mypy's cache (module docstring)
+pytestmark = pytest.mark.slow  # ~25 s without mypy's cache (module docstring)
 
 
 def test_mypy_strict_passes():
