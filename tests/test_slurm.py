@@ -46,7 +46,9 @@ def slurm3():
 
 
 def job_env(tmp_path, **extra) -> dict:
-    return {"HPCVLA_VENV": str(VENV), "HPCVLA_RUNS": str(tmp_path / "runs"), **extra}
+    # `hpcvla doctor` before a train or sft job runs in the demo job's test (~4 s a job here)
+    return {"HPCVLA_VENV": str(VENV), "HPCVLA_RUNS": str(tmp_path / "runs"),
+            "HPCVLA_DOCTOR": "0", **extra}
 
 
 def finished(slurm, job, log: Path, timeout=600) -> str:
@@ -79,8 +81,10 @@ def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
     log = tmp_path / "demo.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=3", "run.dump_trajectories=true",
-                       options=["--output", log], env=job_env(tmp_path), cwd=ROOT)
+                       options=["--output", log], env=job_env(tmp_path, HPCVLA_DOCTOR="1"),
+                       cwd=ROOT)
     text = finished(slurm, job, log)
+    assert "ok   mpi         mpich:" in text and "ok   disk" in text  # the doctor, first
     assert "scheduler slurm" in text and "/mpiexec -n 4 -f" in text  # MPICH: Hydra
     assert "4 rank(s) on 1 node(s)" in text and "[hpcvla] update 3/3" in text
     run_dir = the_run(tmp_path / "runs")
