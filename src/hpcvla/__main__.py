@@ -9,8 +9,8 @@ from hpcvla.cli import main
 def run() -> None:
     code = main()
     # At exit the interpreter searches every object left for reference cycles: with torch
-    # loaded ~1 s of CPU per process, ~1.4 s with DeepSpeed, every rank of a world at once (a
-    # 4-rank world took 1.8-3.8 s from its last line to its exit, 0.5-0.8 s frozen). Nothing
+    # loaded ~1 s of CPU per process, ~1.4 s with DeepSpeed, every rank of a world at once (the
+    # default 4-rank world took ~2 s from its last line to its exit, 0.3-0.5 s frozen). Nothing
     # is left for that search to free: files, windows and engines were closed by their owners.
     gc.freeze()
     sys.exit(code)

@@ -24,7 +24,7 @@ from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
 INSTRUCTION_EMBED_DIM = 32
-IMAGE_CONVS = ((16, 5, 2), (32, 3, 2), (32, 3, 2))  # the image encoder's (channels, kernel, stride)
+IMAGE_CONVS = ((16, 5, 2), (32, 3, 2), (32, 3, 2))  # image encoder: (channels, kernel, stride)
 
 
 def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -> nn.Module:
@@ -178,7 +178,7 @@ def add_encoders(module: nn.Module, obs_spec: dict, vocab_size: int, hidden: int
             layers += [layer_init(nn.Conv2d(c, channels, kernel, stride=stride)), nn.ReLU()]
             # the output's size from the layer's own numbers: probing with a zero image
             # would run torch's meta kernels where the policy is built on the meta device
-            # (`hpcvla plan`, the doctor), ~2 s of CPU at their first use in a process
+            # (`hpcvla plan`, the doctor), ~1 s of CPU at their first use in a process
             c, h, w = channels, (h - kernel) // stride + 1, (w - kernel) // stride + 1
         convs = nn.Sequential(*layers, nn.Flatten())
         module.image_encoder = nn.Sequential(convs, layer_init(nn.Linear(c * h * w, hidden)),
