@@ -47,7 +47,7 @@ from hpcvla.process import preempt
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
-from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
 def engine_config(cfg):
     """The learners' settings for imitation: one chunk batch per optimizer step at sft.lr."""
@@ -81,9 +81,7 @@ def sft_main(cfg, world) -> None:
         cfg.run.name = f"{cfg.run.name}-sft"
     run_dir = create_run_dir(cfg, world)
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
-    spec = env_spec(cfg.env) if rank == 0 else None  # a real simulator builds an env for it
-    idle_barrier(world)  # [dist] asleep meanwhile: a blocking bcast spins
-    spec = world.bcast(spec, root=0)  # [dist]
+    spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     demos = read_demonstrations(demo_paths(cfg.sft), spec, cfg.sft.per_task or None,
                                 cfg.sft.successful_only)
     samples = len(demos.actions)

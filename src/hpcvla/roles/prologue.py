@@ -38,7 +38,7 @@ from hpcvla.roles.simulator import slot_dtypes
 from hpcvla.schedule import Schedule, envs_of_cell, schedule_of
 from hpcvla.seeds import seed_rank, write_rng_seeds
 from hpcvla.topology.plan import SIM, SPARE
-from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.backoff import idle_barrier, idle_bcast
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.manifest import Manifest
@@ -107,10 +107,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     devices = world.allgather(device)  # [dist]
     if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
         print(plan.table(dict(enumerate(devices))), flush=True)
-    # one rank works the spec out (a real simulator builds an env for it) and tells the rest
-    spec = env_spec(cfg.env) if rank == 0 else None
-    idle_barrier(world)  # [dist]
-    spec = world.bcast(spec, root=0)  # [dist]
+    spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     on_gpus = world.allreduce(device.startswith("cuda"), op=MPI.LOR)  # [dist]
     # the memory model's figures, beside each rank's peaks at the end; worked out by the weight
     # root on its GPU (a simulator rank 0 asking CUDA for the capacity would open a context)

@@ -82,3 +82,13 @@ def wait_request(request: MPI.Request, what: str = "an MPI request", timeout: fl
 def idle_barrier(comm: MPI.Comm, timeout: float | None = None, cap: float = 1e-4) -> None:
     """A barrier that sleeps while it waits (`Ibarrier` + sleeping `Test`)."""
     wait_request(comm.Ibarrier(), "a barrier", timeout, cap)  # [dist]
+
+
+def idle_bcast(comm: MPI.Comm, make: Callable[[], T], root: int = 0) -> T:
+    """`make()` on `root` (seconds of work: an env built to learn its spec, say), broadcast to
+    every rank of `comm`; the others wait asleep meanwhile, not in the blocking bcast, which
+    spins on the cores the root needs."""
+    value = make() if comm.Get_rank() == root else None
+    idle_barrier(comm)  # [dist]
+    made: T = comm.bcast(value, root=root)  # [dist]
+    return made
