@@ -203,13 +203,15 @@ def cmd_train(args) -> int:
     if args.config is None:  # resuming without a config: the run's own, overrides on top
         args.config = resumed_run_config(args.overrides)
     cfg = load_config(args.config, args.overrides)
+    source = "built-in defaults" if args.config is None else str(args.config)
     from hpcvla import preflight  # packages, files and devices this config needs
-    preflight.check_config(cfg, "built-in defaults" if args.config is None else str(args.config))
     if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.job.runtime import run_ranks, train_main
-        return run_ranks(cfg, train_main, preflight.check_pipeline)
+        preflight.check_config(cfg, source, host_only=True)  # the rest: one rank, for all
+        return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
+    preflight.check_config(cfg, source)
     # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
     preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks))
     from hpcvla.job.launch import run_world

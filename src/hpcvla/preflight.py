@@ -3,8 +3,8 @@
 config/checks.py judges the settings alone; these look further: the installed packages
 (Horovod, the simulator), the device the policy's dtype resolves to, the checkpoint a run
 resumes, the pretrained folder it loads, and whether the rank plan fits the node's GPUs.
-`hpcvla train` runs them in the launching process (and on every rank of a world someone
-else started), `hpcvla eval` before it loads a policy. Each problem is (field, value, what
+`hpcvla train` runs them in the launching process (in a world someone else started: each
+rank its host's, one rank the rest, check_world), `hpcvla eval` before it loads a policy. Each problem is (field, value, what
 would be valid), reported together as one ConfigError.
 """
 
@@ -26,6 +26,11 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
     """Problems of `cfg` on this machine (packages, devices, files); empty when fine.
     `last`: the setting a resumed checkpoint's version must stay below, and its value
     (None: pipeline.total_updates; `hpcvla sft` counts steps)."""
+    return host_problems(cfg) + file_problems(cfg, last)
+
+
+def host_problems(cfg) -> list[tuple[str, Any, str]]:
+    """What each node must see for itself: its GPUs, the Horovod it has installed."""
     from hpcvla.devices import missing_gpus_problem
     problems = []
     missing_gpus = missing_gpus_problem(cfg.placement.gpus_per_node)
@@ -46,6 +51,13 @@ def config_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[st
                 resolve_dtype(cfg.policy.dtype) != torch.float32:
             problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                              "learner.backend=horovod (no fp32 masters for bf16 weights)"))
+    return problems
+
+
+def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str, Any, str]]:
+    """What the config's files and folders hold, the same from every node of one shared
+    file system: the checkpoint resumed, the pretrained folder, W&B's settings."""
+    problems = []
     if cfg.run.resume:
         from hpcvla.checkpoint.catalog import CheckpointError, latest, read_state
         path = latest(cfg.run.resume)
@@ -142,10 +154,11 @@ def check_sft(cfg, source: str = "config") -> None:
         raise ConfigError(problems, f"{source}: sft.demos")
 
 
-def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None)):
-    """`cfg` if config_problems finds nothing, else they raise as one ConfigError (`source`:
-    the config file, as the loader names it)."""
-    problems = config_problems(cfg, last)
+def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None),
+                 host_only: bool = False):
+    """`cfg` if config_problems (host_problems alone with `host_only`) finds nothing, else
+    they raise as one ConfigError (`source`: the config file, as the loader names it)."""
+    problems = host_problems(cfg) if host_only else config_problems(cfg, last)
     if problems:
         raise ConfigError(problems, source)
     return cfg
@@ -170,6 +183,17 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
     if problems:
         raise ConfigError(problems, "pipeline configuration")
     check_env(cfg)
+
+
+def check_world(cfg, plan: RankPlan, source: str) -> None:
+    """What a world someone else started (srun, mpiexec) checks before its roles begin,
+    besides each rank's host_problems: file_problems and check_pipeline. One rank runs it for
+    all (job/runtime.py): the pretrained folder's check alone imports torch and a tokenizer,
+    seconds that simulator ranks, which need neither, would spend on every rank."""
+    problems = file_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    check_pipeline(cfg, plan)
 
 
 def check_launch(cfg, plan: RankPlan) -> None:

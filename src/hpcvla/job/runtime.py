@@ -16,7 +16,7 @@ from hpcvla.config import ConfigError, dump_config
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch
 from hpcvla.topology.plan import PlanError
-from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
 
 def run_ranks(cfg, main, check=None) -> int:
@@ -38,15 +38,17 @@ def run_ranks(cfg, main, check=None) -> int:
         if cfg.launch.check_scheduler:
             check_scheduler_world(world.Get_size())
         plan = plan_from_config(cfg.placement, world.Get_size(), real_ranks_per_node(world))
-        if check is not None:
-            check(cfg, plan)
+        if check is not None:  # one rank checks for all (seconds: a simulator's import)
+            problem = idle_bcast(world, lambda: _problem(check, cfg, plan))  # [dist]
+            if problem is not None:
+                raise PlanError(problem)  # its message, on every rank
         comms = build_communicators(plan, world)  # [dist]
         phases.mark("communicators")
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
     except (PlanError, ConfigError) as err:  # every rank reached the same verdict
         if rank == 0:
-            print(f"hpcvla: cannot lay out this world: {err}", file=sys.stderr, flush=True)
+            print(f"hpcvla: {err}", file=sys.stderr, flush=True)  # as the CLI says it
         # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
         try:
             idle_barrier(world, timeout=10.0)  # [dist]
@@ -58,6 +60,15 @@ def run_ranks(cfg, main, check=None) -> int:
     comms.free()
     deathwatch.finished(rank)
     return 0
+
+
+def _problem(check, cfg, plan) -> str | None:
+    """What `check(cfg, plan)` refuses, as its message; None if nothing."""
+    try:
+        check(cfg, plan)
+    except (PlanError, ConfigError) as err:
+        return str(err)
+    return None
 
 
 def run_guarded(world, role: str, main) -> int:
