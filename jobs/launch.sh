@@ -155,17 +155,27 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 # newest checkpoint is short of the run's total_updates (nothing if there is none).
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 
-# The nodes of HOSTS that start a process within 30 s (a restart leaves out the others).
-usable_hosts() {
-    local host
+# The nodes of HOSTS that start a process within 30 s (a restart leaves out the others), in
+# HOSTS' order. Every node is probed at once: a dead one costs its 30 s once, not per node.
+starts_a_process() {
+    case $SCHEDULER in
+        slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" \
+                   --mpi=none true > /dev/null 2>&1 ;;
+        pbs) timeout 30 ssh "$1" true > /dev/null 2>&1 ;;
+        none) true ;;
+    esac
+}
+usable_hosts() {  # run in a subshell: its `wait` waits for the probes alone
+    local host answers
+    answers=$(mktemp -d)
     for host in "${HOSTS[@]}"; do
-        case $SCHEDULER in
-            slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$host" \
-                       --mpi=none true > /dev/null 2>&1 ;;
-            pbs) timeout 30 ssh "$host" true > /dev/null 2>&1 ;;
-            none) true ;;
-        esac && echo "$host"
+        { starts_a_process "$host" && touch "$answers/$host"; } &
     done
+    wait
+    for host in "${HOSTS[@]}"; do
+        [[ -e $answers/$host ]] && echo "$host"
+    done
+    rm -rf "$answers"
 }
 
 ARGS=("$@")

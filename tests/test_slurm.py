@@ -187,7 +187,10 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
                         "pipeline.progress_every_s=0.1",
                         options=["--output", log, f"--ntasks-per-node={per_node}",
                                  "--cpus-per-task=1"],
-                        env=job_env(tmp_path, HPCVLA_RESTARTS="1"), cwd=ROOT)
+                        # the world's launcher waits for the dead node: ended 5 s after
+                        # its ranks here died (the default 30 s is for real clusters)
+                        env=job_env(tmp_path, HPCVLA_RESTARTS="1", HPCVLA_END_GRACE_S="5"),
+                        cwd=ROOT)
     first_update(slurm3, job, log)
     runs = tmp_path / "runs" / f"hpcvla-multinode-{job}"
     deadline = time.monotonic() + 300
