@@ -202,8 +202,7 @@ def cmd_train(args) -> int:
         args.config = None
     if args.config is None:  # resuming without a config: the run's own, overrides on top
         args.config = resumed_run_config(args.overrides)
-    cfg = load_config(args.config, args.overrides)
-    source = "built-in defaults" if args.config is None else str(args.config)
+    cfg, source = load_config(args.config, args.overrides), str(args.config or "built-in defaults")
     from hpcvla import preflight  # packages, files and devices this config needs
     if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
@@ -211,9 +210,8 @@ def cmd_train(args) -> int:
         from hpcvla.job.runtime import run_ranks, train_main
         preflight.check_config(cfg, source, host_only=True)  # the rest: one rank, for all
         return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
-    preflight.check_config(cfg, source)
-    # Refuse an impossible layout or pipeline here, before mpiexec starts any rank.
-    preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks))
+    # Refuse an impossible config, layout or pipeline here, before mpiexec starts any rank.
+    preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks), source)
     from hpcvla.job.launch import run_world
     # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
     # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).

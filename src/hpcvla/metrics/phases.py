@@ -6,12 +6,12 @@ launched: what a full-size run spends before it trains and after it is told to s
 
 The origin is `HPCVLA_LAUNCHED_AT` (epoch seconds: `hpcvla train` and the job scripts export
 the time they started the world), else this process's own start. Steps come from marks set
-where they happen (imports, communicators, the memory plan, the policy build, the transport,
-the engine, all ranks set up, the stop signal, the end) and from the first or last span of
-a stage in the rank's timeline: the first forward pass (`infer`), the first version trained
-(the first `publish` starts), a newer version loaded by an inference rank (`load_weights`),
-the last checkpoint written (`checkpoint`). summary.json keeps every rank's and, per step,
-the slowest rank's (roles/outputs.py).
+where they happen (imports, communicators, the memory plan, a simulator's envs, the policy
+build, the transport, the engine, all ranks set up, the stop signal, the end) and from the
+first or last span of a stage in the rank's timeline: the first forward pass (`infer`), the
+first version trained (the first `publish` starts), a newer version loaded by an inference
+rank (`load_weights`), the last checkpoint written (`checkpoint`). summary.json keeps every
+rank's and, per step, the slowest rank's (roles/outputs.py).
 """
 
 from __future__ import annotations

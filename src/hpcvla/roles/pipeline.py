@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcvla.devices import peak_memory
-from hpcvla.envs.build import env_failures, make_envs
+from hpcvla.envs.build import env_failures
 from hpcvla.metrics import phases
 from hpcvla.process import preempt
 from hpcvla.process.watchdog import step_deadline_s
@@ -33,7 +33,6 @@ from hpcvla.roles.outputs import write_report
 from hpcvla.roles.prologue import Links, Rank, connect, prologue, runs_policy, start_clock
 from hpcvla.roles.setup import Counters
 from hpcvla.roles.simulator import run_simulator
-from hpcvla.seeds import shard_seed
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
 if TYPE_CHECKING:
@@ -66,12 +65,8 @@ def run_pipeline(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Pat
 
 
 def _simulator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
-    cfg, rank, per_shard = me.cfg, me.rank, links.per_shard
+    cfg, envs = me.cfg, me.shards  # built in the prologue
     assert links.exchange is not None  # a simulator is in a cell
-    envs = [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
-                      first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
-                      owner=f"rank {rank} (simulator)")
-            for shard in range(links.sched.shards)]
     start = start_clock(me)
     stats = {"env_steps": run_simulator(envs, links.exchange, me.timeline,
                                         step_deadline_s(cfg.env)),

@@ -7,7 +7,8 @@ different collectives.
 Only the ranks that run the policy (inference, learner, evaluator, colocated) build it and
 import torch. A simulator or a spare rank holds the node's weight window and needs only the
 manifest (names, dtypes and shapes), which the weight root broadcasts: such a rank starts
-without torch (~2 s of CPU and ~0.2 GB of memory per process).
+without torch (~2 s of CPU and ~0.2 GB of memory per process). A simulator rank builds its
+envs meanwhile (a real simulator takes seconds per env), not after the transport.
 
 A rank that is ready early waits in sleeping barriers (transport/backoff.py): a blocking MPI
 call would busy-poll and take the CPU from the ranks still building when ranks outnumber
@@ -34,7 +35,7 @@ from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
 from hpcvla.roles.setup import RoleSetup
-from hpcvla.roles.simulator import slot_dtypes
+from hpcvla.roles.simulator import build_shards, slot_dtypes
 from hpcvla.schedule import Schedule, envs_of_cell, schedule_of
 from hpcvla.seeds import seed_rank, write_rng_seeds
 from hpcvla.topology.plan import SIM, SPARE
@@ -46,7 +47,7 @@ from hpcvla.transport.weights import WeightPlane
 
 if TYPE_CHECKING:
     from hpcvla.config.schema import Config
-    from hpcvla.envs.base import EnvSpec
+    from hpcvla.envs.base import EnvSpec, VectorEnv
     from hpcvla.policies.base import Policy
     from hpcvla.topology.comms import Communicators
     from hpcvla.topology.plan import RankPlan
@@ -70,6 +71,7 @@ class Rank:
     resume: Path | None  # the checkpoint resumed from
     first: int  # the policy version training starts from
     summary: RankSummary
+    shards: list[VectorEnv]  # a disaggregated simulator rank's envs, one per shard
 
     @property
     def setup(self) -> RoleSetup:
@@ -124,7 +126,13 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         policy = build_policy(cfg, spec, device, on_gpus)
         manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
-    idle_barrier(world)  # [dist] every policy built
+    shards = []
+    if SIM in roles and plan.mode != "colocated":  # (colocated: its loop builds them)
+        sched = rank_schedule(cfg, plan, rank)
+        shards = build_shards(cfg, sched.shards, cfg.env.envs_per_simulator // sched.shards,
+                              rank)
+        phases.mark("envs_built")
+    idle_barrier(world)  # [dist] every policy and every simulator's envs built
     # the weight root's manifest for the ranks that build no policy (its dtype, for the report)
     root_manifest, root_dtype = world.bcast((manifest, dtype), root=plan.weight_root)  # [dist]
     phases.mark("policy_built")
@@ -148,7 +156,13 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
               f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
     return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
-                device, on_gpus, timeline, progress, resume, first, summary)
+                device, on_gpus, timeline, progress, resume, first, summary, shards)
+
+
+def rank_schedule(cfg: Config, plan: RankPlan, rank: int) -> Schedule:
+    """The shards and segments of the cell `rank` is in (of one env, outside any cell)."""
+    cell = plan.ranks[rank].cell
+    return schedule_of(cfg, envs_of_cell(cfg, plan, cell) if cell is not None else 1)
 
 
 def connect(me: Rank) -> Links:
@@ -156,7 +170,7 @@ def connect(me: Rank) -> Links:
     (feed), plane (node)."""
     cfg, plan, comms = me.cfg, me.plan, me.comms
     cell = plan.ranks[me.rank].cell
-    sched = schedule_of(cfg, envs_of_cell(cfg, plan, cell) if cell is not None else 1)
+    sched = rank_schedule(cfg, plan, me.rank)
     per_shard = cfg.env.envs_per_simulator // sched.shards
     obs_dtype, action_dtype = slot_dtypes(me.spec, per_shard)
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \

@@ -14,13 +14,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hpcvla.envs.build import make_envs
 from hpcvla.process.watchdog import deadline
 from hpcvla.roles.segments import OUTCOME_FIELDS, outcome_of
+from hpcvla.seeds import shard_seed
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
 
+    from hpcvla.config.schema import Config
     from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
     from hpcvla.metrics.timeline import Timeline
     from hpcvla.transport.exchange import ObsActionExchange
@@ -35,6 +38,15 @@ def slot_dtypes(spec: EnvSpec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]
     obs.append(("env_steps", np.int64))
     action = [("actions", np.float32, (n, spec.chunk_len, spec.action_dim)), ("stop", np.int64)]
     return np.dtype(obs), np.dtype(action)
+
+
+def build_shards(cfg: Config, shards: int, per_shard: int, rank: int) -> list[VectorEnv]:
+    """Simulator rank `rank`'s shards of `per_shard` envs each, with seeds and run-wide env
+    ids of their own."""
+    return [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
+                      first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
+                      owner=f"rank {rank} (simulator)")
+            for shard in range(shards)]
 
 
 def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: Timeline,
