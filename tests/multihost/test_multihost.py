@@ -98,12 +98,12 @@ def test_transport_bench_quick_across_hosts(hosts, mpi, tmp_path):
 
 @pytest.mark.parametrize("mpi", MPIS)
 def test_learner_nodes_trains_across_three_hosts(hosts, mpi, tmp_path):
-    """configs/learner_nodes.yaml on 3 hosts x 4 ranks: h0 and h1 hold 2 cells each, h2 the
-    4 ZeRO learners; every trajectory crosses the network into a learner's ring."""
+    """configs/learner_nodes.yaml on 3 hosts x 2 ranks: h0 and h1 hold a cell each, h2 the
+    2 ZeRO learners; every trajectory crosses the network into a learner's ring."""
     updates = 4
-    out = hosts.mpiexec(mpi, 12, [
+    out = hosts.mpiexec(mpi, 6, [
         "train", ROOT / "configs" / "learner_nodes.yaml",
-        "placement.per_node={simulator: 2, inference: 2, learner: 0}",
+        "placement.per_node={simulator: 1, inference: 1, learner: 0}",
         "env.envs_per_simulator=4", "learner.micro_batch=4", "learner.micro_batches=2",
         f"pipeline.total_updates={updates}", "pipeline.stall_timeout_s=120",
         f"run.root={tmp_path}", "launch.check_scheduler=false"], timeout=600,
