@@ -4,8 +4,8 @@ config/checks.py judges the settings alone; these look further: the installed pa
 (Horovod, the simulator), the device the policy's dtype resolves to, the checkpoint a run
 resumes, the pretrained folder it loads, and whether the rank plan fits the node's GPUs.
 `hpcvla train` runs them in the launching process (in a world someone else started: each
-rank its host's, one rank the rest, check_world), `hpcvla eval` before it loads a policy. Each problem is (field, value, what
-would be valid), reported together as one ConfigError.
+rank its host's, one rank the rest, check_world), `hpcvla eval` before it loads a policy.
+Each problem is (field, value, what would be valid), reported together as one ConfigError.
 """
 
 from __future__ import annotations

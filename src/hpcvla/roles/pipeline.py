@@ -65,7 +65,7 @@ def run_pipeline(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Pat
 
 
 def _simulator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
-    cfg, envs = me.cfg, me.shards  # built in the prologue
+    cfg, envs = me.cfg, me.shard_envs  # built in the prologue
     assert links.exchange is not None  # a simulator is in a cell
     start = start_clock(me)
     stats = {"env_steps": run_simulator(envs, links.exchange, me.timeline,

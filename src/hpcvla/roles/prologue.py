@@ -71,7 +71,7 @@ class Rank:
     resume: Path | None  # the checkpoint resumed from
     first: int  # the policy version training starts from
     summary: RankSummary
-    shards: list[VectorEnv]  # a disaggregated simulator rank's envs, one per shard
+    shard_envs: list[VectorEnv]  # a disaggregated simulator rank's envs, one per shard
 
     @property
     def setup(self) -> RoleSetup:
@@ -126,10 +126,10 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         policy = build_policy(cfg, spec, device, on_gpus)
         manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
-    shards = []
+    shard_envs = []
     if SIM in roles and plan.mode != "colocated":  # (colocated: its loop builds them)
         sched = rank_schedule(cfg, plan, rank)
-        shards = build_shards(cfg, sched.shards, cfg.env.envs_per_simulator // sched.shards,
+        shard_envs = build_shards(cfg, sched.shards, cfg.env.envs_per_simulator // sched.shards,
                               rank)
         phases.mark("envs_built")
     idle_barrier(world)  # [dist] every policy and every simulator's envs built
@@ -156,7 +156,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
               f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
     return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
-                device, on_gpus, timeline, progress, resume, first, summary, shards)
+                device, on_gpus, timeline, progress, resume, first, summary, shard_envs)
 
 
 def rank_schedule(cfg: Config, plan: RankPlan, rank: int) -> Schedule:
