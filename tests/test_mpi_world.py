@@ -113,8 +113,12 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
 
 
 
-def test_config_error_inside_a_world_is_reported_once():
+@pytest.mark.parametrize("setting,message", [
+    ("learner.zero_stage=9", "learner.zero_stage = 9: expected an int >= 0 and <= 3"),
+    # a file problem: rank 0 checks the files for the world (preflight.check_world)
+    ("run.resume=tests", "run.resume = 'tests': expected a run directory holding a complete")])
+def test_config_error_inside_a_world_is_reported_once(setting, message):
     out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
-                 "learner.zero_stage=9")
+                 setting)
     assert out.returncode == 2
-    assert out.stderr.count("learner.zero_stage = 9: expected an int >= 0 and <= 3") == 1
+    assert out.stderr.count(message) == 1, out.stderr
