@@ -208,7 +208,7 @@ def cmd_train(args) -> int:
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.job.runtime import run_ranks, train_main
-        preflight.check_config(cfg, source, host_only=True)  # the rest: one rank, for all
+        preflight.check_host(cfg, source, _launcher_rank())  # the rest: one rank, for all
         return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
     # Refuse an impossible config, layout or pipeline here, before mpiexec starts any rank.
     preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks), source)

@@ -11,6 +11,8 @@ Each problem is (field, value, what would be valid), reported together as one Co
 from __future__ import annotations
 
 import json
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,14 +156,25 @@ def check_sft(cfg, source: str = "config") -> None:
         raise ConfigError(problems, f"{source}: sft.demos")
 
 
-def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None),
-                 host_only: bool = False):
-    """`cfg` if config_problems (host_problems alone with `host_only`) finds nothing, else
-    they raise as one ConfigError (`source`: the config file, as the loader names it)."""
-    problems = host_problems(cfg) if host_only else config_problems(cfg, last)
+def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None)):
+    """`cfg` if config_problems finds nothing, else they raise as one ConfigError (`source`:
+    the config file, as the loader names it)."""
+    problems = config_problems(cfg, last)
     if problems:
         raise ConfigError(problems, source)
     return cfg
+
+
+def check_host(cfg, source: str, rank: int | None) -> None:
+    """host_problems on rank `rank` of a world: a node's own problem is found by its ranks
+    alone, so each says it, naming itself and its host, and aborts the world (the other
+    nodes' ranks would wait for it in their first collective)."""
+    problems = host_problems(cfg)
+    if problems:
+        print(f"hpcvla: rank {rank or 0} on {socket.gethostname()}: "
+              f"{ConfigError(problems, source)}", file=sys.stderr, flush=True)
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Abort(2)  # [dist]
 
 
 def pipeline_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
