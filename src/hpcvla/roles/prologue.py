@@ -128,9 +128,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     shard_envs = []
     if SIM in roles and plan.mode != "colocated":  # (colocated: its loop builds them)
-        sched = rank_schedule(cfg, plan, rank)
-        shard_envs = build_shards(cfg, sched.shards, cfg.env.envs_per_simulator // sched.shards,
-                              rank)
+        shard_envs = build_shards(cfg, rank_schedule(cfg, plan, rank).shards, rank)
         phases.mark("envs_built")
     idle_barrier(world)  # [dist] every policy and every simulator's envs built
     # the weight root's manifest for the ranks that build no policy (its dtype, for the report)

@@ -40,9 +40,10 @@ def slot_dtypes(spec: EnvSpec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]
     return np.dtype(obs), np.dtype(action)
 
 
-def build_shards(cfg: Config, shards: int, per_shard: int, rank: int) -> list[VectorEnv]:
-    """Simulator rank `rank`'s shards of `per_shard` envs each, with seeds and run-wide env
-    ids of their own."""
+def build_shards(cfg: Config, shards: int, rank: int) -> list[VectorEnv]:
+    """Simulator rank `rank`'s envs in `shards` shards of equal size, each with its seed and
+    run-wide env ids."""
+    per_shard = cfg.env.envs_per_simulator // shards
     return [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
                       first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
                       owner=f"rank {rank} (simulator)")
