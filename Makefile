@@ -22,7 +22,7 @@ install: install-cluster install-sims
 	$(PYTHON) -m venv $(VENV)
 	# torch alone first: a later bare requirement must not pull a multi-GB CUDA build.
 	$(BIN)/pip install $$(grep -E '^torch==' requirements.txt)
-	# DeepSpeed builds no C++ ops at install time; it JIT-compiles what it uses.
+	# No C++ ops of DeepSpeed's: training uses none (engines/zero.py).
 	DS_BUILD_OPS=0 $(BIN)/pip install -r requirements.txt
 	$(BIN)/pip install --no-deps -e .
 	$(MAKE) install-horovod
@@ -77,8 +77,7 @@ install-horovod:
 	  $(BIN)/pip install --no-deps --no-build-isolation --no-binary horovod horovod==0.28.1
 	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
 
-# The venv's bin first on PATH: its mpiexec and tools for the tests (the learners put the venv's
-# ninja first themselves, for DeepSpeed's op builds: engines/extensions.py). Two runs: the
+# The venv's bin first on PATH: its mpiexec and tools for the tests. Two runs: the
 # in-process tests (the `unit` tier: one core each, nothing started beside them) on
 # UNIT_WORKERS pytest-xdist workers, then the tiers that start MPI worlds, jobs and hosts, one
 # at a time (their ranks share the machine's cores, and some time their own deaths and

@@ -2,9 +2,7 @@
 decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import json
-import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -354,40 +352,3 @@ def test_stuck_simulators_stop_the_job_loudly(tmp_path):
     # the cause, named: the producers never tried to write (not a transport problem)
     assert "no producer has tried to write since (stuck upstream" in out.stderr, out.stderr
     assert "producer rank 0: nothing" in out.stderr, out.stderr
-
-
-@pytest.mark.mpi
-@pytest.mark.slow
-def test_a_stale_build_lock_does_not_hang_the_learners(tmp_path, monkeypatch):
-    # torch's JIT build waits forever for a lock file an interrupted build left behind
-    from torch.utils.cpp_extension import _get_build_directory
-
-    from hpcvla.engines.extensions import STALE_AFTER_S, clear_stale_build_locks
-    ext = tmp_path / "extensions"
-    shutil.copytree(_get_build_directory("deepspeed_shm_comm", False),
-                    ext / "deepspeed_shm_comm", ignore=shutil.ignore_patterns("lock"))
-    lock = ext / "deepspeed_shm_comm" / "lock"
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
-    lock.touch()  # a build in progress: left alone
-    assert clear_stale_build_locks() == [] and lock.exists()
-    old = time.time() - STALE_AFTER_S - 60
-    os.utime(lock, (old, old))  # the leftover of a killed build
-    runs = tmp_path / "runs"
-    runs.mkdir()
-    out, summary, _ = run_train(runs, "pipeline.total_updates=2")
-    assert not lock.exists() and "removed" in out.stderr and str(lock) in out.stderr
-    assert summary["env_steps"] > 0
-
-
-def test_the_op_builds_use_the_environments_ninja(monkeypatch):
-    """Open MPI puts its prefix's bin (here /usr/bin, with Debian's ninja) first on the PATH of
-    the ranks it starts on other hosts; the learners still build with the environment's ninja,
-    whose `.ninja_log` hashes the op's build directory was built with."""
-    from pathlib import Path
-
-    from hpcvla.engines.extensions import use_the_environments_ninja
-    here = Path(sys.executable).parent
-    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/bin", os.environ["PATH"]]))
-    use_the_environments_ninja()
-    assert Path(shutil.which("ninja")) == here / "ninja"
-    assert os.environ["PATH"].split(os.pathsep).count(str(here)) == 1

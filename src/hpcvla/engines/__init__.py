@@ -1,7 +1,6 @@
-"""The learners' data-parallel engine (`learner.backend`): DeepSpeed ZeRO (zero.py, its
-JIT-built ops with extensions.py) or Horovod (horovod.py) where it is installed, both behind
-the non-finite guard (nonfinite.py) and both speaking the `Engine` interface (base.py) that the
-learner loop and the checkpoints use."""
+"""The learners' data-parallel engine (`learner.backend`): DeepSpeed ZeRO (zero.py) or Horovod
+(horovod.py) where it is installed, both behind the non-finite guard (nonfinite.py) and both
+speaking the `Engine` interface (base.py) that the learner loop and the checkpoints use."""
 
 from __future__ import annotations
 

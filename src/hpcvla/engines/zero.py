@@ -10,7 +10,6 @@ import types
 import torch
 
 from hpcvla.engines.base import adamw
-from hpcvla.engines.extensions import clear_stale_build_locks, use_the_environments_ninja
 
 
 def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = None):
@@ -26,9 +25,8 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     without_muon_kernels()
     import deepspeed
 
+    without_shared_memory_op()
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
-    clear_stale_build_locks(rank=rank)  # else a killed op build hangs every later run
-    use_the_environments_ninja()  # else another ninja on PATH rebuilds the ops
     hosts = learners_comm.allgather(socket.gethostname())  # [dist]
     address = None
     if rank == 0:
@@ -58,6 +56,21 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
                                       optimizer=adamw(cfg, policy), config=ds_config)
     return engine
+
+
+SHARED_MEMORY_OP = "deepspeed_shm_comm"
+
+
+def without_shared_memory_op() -> None:
+    """DeepSpeed's communication backend, as it starts on CPU, JIT-compiles a shared-memory
+    all-reduce op that only its inference all-reduce uses (training's collectives are
+    torch.distributed's): ~80 s of a first run on 2 cores, a compiler and ninja needed, and a
+    build killed mid-way leaves a lock file every later run waits on forever. Marked as not
+    compatible with this machine (DeepSpeed's own probe result, cached in `deepspeed.ops`),
+    the op is neither built nor loaded; no CUDA learner has it."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHARED_MEMORY_OP] = False
 
 
 MUON_KERNELS = "deepspeed.runtime.zero.muon.original_muon"
