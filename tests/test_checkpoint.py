@@ -83,7 +83,7 @@ def test_optimizer_state_resumes_on_any_learner_count_and_stage(tmp_path):
 def test_a_checkpoint_over_two_gib_resumes_bit_exact(tmp_path):
     """An optimizer state of 2.27 GB in one file (2 learners at ZeRO-0, learner 0 saves it)
     loads re-partitioned onto 2 ZeRO-1 learners bit for bit (tests/mpi/checkpoint_large.py;
-    ~7 GB on learner 0; ~55 s: the bytes are the point). No tensor crosses MPI on this path
+    ~7 GB on learner 0; ~60 s: the bytes are the point). No tensor crosses MPI on this path
     (each learner writes and reads its own ranges), so one MPI is enough (the transfers over
     2^31 bytes that cross MPI: test_transport.py)."""
     mpi = "mpich"
@@ -152,4 +152,5 @@ def test_a_replicated_optimizer_state_is_saved_once_only_where_the_learners_agre
     out = hpcvla("launch", "-n", 2, "--timeout", 120, "--", MPI_DIR / "replicas.py")
     assert out.returncode == 0, out.stdout + out.stderr
     for r in (0, 1):
-        assert f"rank {r}: differing replicas refused" in out.stdout, out.stdout
+        for case in ("other weights", "one bit"):
+            assert f"rank {r}: differing replicas refused ({case})" in out.stdout, out.stdout

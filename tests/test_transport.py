@@ -241,7 +241,7 @@ def test_frozen_weights_cross_once_and_readers_keep_them():
 def test_transfers_larger_than_one_mpi_call_arrive_bit_exact():
     """A whole weight version and a trainable one of over 2^31 bytes each (root and leader on
     two nodes), and a ring record of over 2^31 bytes in one slot: Open MPI 4.1 refuses one
-    call of that size (MPI_ERR_ARG), so they go in pieces. 6.5-8.6 GB per rank, ~2 minutes
+    call of that size (MPI_ERR_ARG), so they go in pieces. 6.5-8.6 GB per rank, ~1 minute
     here: the bytes are the point. Under Open MPI, the library that refuses; the pieces are
     the same calls under MPICH (`hpcvla launch -n 2 --mpi mpich -- tests/mpi/
     large_transfers.py` runs it there)."""

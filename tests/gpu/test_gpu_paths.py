@@ -68,3 +68,14 @@ def test_pinned_staging_delivers_exact_batches():
     for _ in range(2):  # the buffer is reused
         out = staging.to_device({"image": staging.gather("image", parts)})["image"]
         assert out.is_cuda and torch.equal(out.cpu(), torch.from_numpy(np.concatenate(parts)))
+
+
+def test_replicas_are_compared_by_their_bits_on_the_gpu():
+    """optimizer_state._digest on a GPU: the integer sum of the words there, no host copy."""
+    from hpcvla.checkpoint.optimizer_state import _digest
+    for dtype in (torch.float32, torch.bfloat16):
+        value = torch.randn(1 << 20, device="cuda").to(dtype)
+        replica = value.clone()
+        assert _digest(value) == _digest(replica)
+        replica.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)[12345] ^= 1
+        assert _digest(value) != _digest(replica)

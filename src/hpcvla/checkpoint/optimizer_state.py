@@ -19,6 +19,7 @@ re-partitioning by address, exactly (store.py keeps the addresses in state.json)
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,8 +84,8 @@ def fragments(engine, rank: int) -> list[Fragment]:
 
 def replicas_agree(parts: list[Fragment], learners) -> None:
     """Learner 0 alone saves the state every learner holds whole (stage 0, Horovod): check,
-    collectively, that the learners' copies agree (each learner's float64 sum and sum of
-    squares of every replicated tensor) before it stands for all of them. `parts`: this
+    collectively, that the learners' copies agree (a digest of each replicated tensor's bits)
+    before it stands for all of them. `parts`: this
     learner's fragments."""
     if learners.Get_size() == 1:
         return
@@ -94,7 +95,7 @@ def replicas_agree(parts: list[Fragment], learners) -> None:
             state = fragment.state()
             for key in (MASTER, *(k for k, v in state.items()
                                   if k != "step" and torch.is_tensor(v))):
-                digest += _sums(fragment.tensor(key))
+                digest.append(_digest(fragment.tensor(key)))
     everyone = learners.allgather(digest)  # [dist]
     if any(other != everyone[0] for other in everyone):
         differ = [r for r, other in enumerate(everyone) if other != everyone[0]]
@@ -103,15 +104,16 @@ def replicas_agree(parts: list[Fragment], learners) -> None:
                            "did not step on the same averaged gradients")
 
 
-def _sums(value: torch.Tensor, chunk: int = 1 << 24) -> list[float]:
-    """Sum and sum of squares in float64, a chunk at a time: a whole float64 copy of a
-    billion-parameter tensor would not fit beside it on a GPU."""
-    total = squares = 0.0
-    for part in value.split(chunk):
-        part = part.double()
-        total += part.sum().item()
-        squares += part.square().sum().item()
-    return [total, squares]
+def _digest(value: torch.Tensor) -> int:
+    """The bits of a tensor, digested exactly (replicas hold the same bits). On the host,
+    crc32 of its bytes: ~2 GB/s on a core, where sums in float64 took ~4x as long. On a GPU,
+    the sum of its words modulo 2^64, there: integer addition, exact in any order, and no
+    copy of GBs to the host."""
+    words = value.detach().contiguous().view(-1)
+    if words.device.type == "cpu":
+        return zlib.crc32(words.view(torch.uint8).numpy())
+    as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[words.element_size()]
+    return int(words.view(as_int).sum(dtype=torch.int64))
 
 
 def ensure_state(engine, keys: list[str]) -> None:
