@@ -23,15 +23,23 @@ def configured(cfg, lay: Layout):
 
 class MemoryFit:
     """Called with a Layout: None where its ranks fit their GPUs (or it puts none on a GPU),
-    else what overfills one. The policy's footprint is measured once per micro-batch and
-    inference batch the search asks about (a fake-tensor run each: seconds at full size), and
-    the env's spec probed only then."""
+    else what overfills one. Each layout is judged once (the search asks again of layouts it
+    has seen; a judgement checks a whole config: ~25 ms), the policy's footprint measured once
+    per micro-batch and inference batch the search asks about (a fake-tensor run each: seconds
+    at full size), and the env's spec probed only then."""
 
     def __init__(self, cfg):
         self.cfg, self.spec = cfg, None
         self.footprints: dict[tuple[int, int, bool], object] = {}
+        self.verdicts: dict[tuple[str, ...], str | None] = {}
 
     def __call__(self, lay: Layout) -> str | None:
+        key = tuple(lay.to_overrides())
+        if key not in self.verdicts:
+            self.verdicts[key] = self._judge(lay)
+        return self.verdicts[key]
+
+    def _judge(self, lay: Layout) -> str | None:
         cfg = configured(self.cfg, lay)
         plan = plan_from_config(cfg.placement, lay.world)
         devices = layout_devices(cfg, plan)
