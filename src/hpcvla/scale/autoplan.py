@@ -117,11 +117,10 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
            runner_ups: int = 4, search_envs: bool = False,
            fits=lambda lay: None) -> list[tuple[Layout, Prediction]]:
     """[(layout, prediction)], best first: the best then up to `runner_ups` others. `fits`
-    (scale/memory_fit.MemoryFit): None where a layout fits its GPUs, else why not; asked only
-    of the layouts that would be chosen, best first (it may cost seconds)."""
+    (scale/memory_fit.MemoryFit, which judges each layout once): None where a layout fits its
+    GPUs, else why not; asked only of the layouts that would be chosen, best first."""
     check_world(base.world, base.ranks_per_node, base.mode)
     seen: dict[tuple, tuple[Layout, Prediction]] = {}
-    fitting: dict[tuple, bool] = {}
 
     def score(lay: Layout) -> float:
         key = tuple(lay.to_overrides())
@@ -130,10 +129,7 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
         return seen[key][1].env_steps_per_s
 
     def fit(lay: Layout) -> bool:
-        key = tuple(lay.to_overrides())
-        if key not in fitting:
-            fitting[key] = fits(lay) is None
-        return fitting[key]
+        return fits(lay) is None
 
     best = _start(base, fits)
     score(best)
