@@ -85,8 +85,7 @@ def fragments(engine, rank: int) -> list[Fragment]:
 def replicas_agree(parts: list[Fragment], learners) -> None:
     """Learner 0 alone saves the state every learner holds whole (stage 0, Horovod): check,
     collectively, that the learners' copies agree (a digest of each replicated tensor's bits)
-    before it stands for all of them. `parts`: this
-    learner's fragments."""
+    before it stands for all of them. `parts`: this learner's fragments."""
     if learners.Get_size() == 1:
         return
     digest = []
