@@ -22,10 +22,7 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     device = torch.device("cpu") if device is None else torch.device(device)
     if device.type == "cpu" and torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed moves it to a GPU
-    without_muon_kernels()
-    import deepspeed
-
-    without_shared_memory_op()
+    deepspeed = lean_deepspeed()
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
     hosts = learners_comm.allgather(socket.gethostname())  # [dist]
     address = None
@@ -56,6 +53,17 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
                                       optimizer=adamw(cfg, policy), config=ds_config)
     return engine
+
+
+def lean_deepspeed() -> types.ModuleType:
+    """DeepSpeed, imported and set up without what hpcvla's learners never use: Muon's
+    compiled kernels (without_muon_kernels) and the CPU shared-memory op
+    (without_shared_memory_op). Every DeepSpeed engine hpcvla starts starts from here."""
+    without_muon_kernels()
+    import deepspeed
+
+    without_shared_memory_op()
+    return deepspeed
 
 
 SHARED_MEMORY_OP = "deepspeed_shm_comm"
