@@ -393,7 +393,9 @@ while true; do
     fi
     failed_at=$version
     say "the world failed (status $status) at $(date -u +%H:%M:%S); checking the nodes"
+    probed_at=$SECONDS
     mapfile -t usable < <(usable_hosts)
+    say "$(( SECONDS - probed_at )) s to probe the nodes; answering: ${usable[*]:-none}"
     dropped=()
     for host in "${HOSTS[@]}"; do
         [[ " ${usable[*]} " == *" $host "* ]] || dropped+=("$host")
