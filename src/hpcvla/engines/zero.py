@@ -58,7 +58,7 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
 def lean_deepspeed() -> types.ModuleType:
     """DeepSpeed, imported and set up without what hpcvla's learners never use: Muon's
     compiled kernels (without_muon_kernels) and the CPU shared-memory op
-    (without_shared_memory_op). Every DeepSpeed engine hpcvla starts starts from here."""
+    (without_shared_memory_op). Every DeepSpeed engine hpcvla builds starts from here."""
     without_muon_kernels()
     import deepspeed
 
@@ -75,7 +75,7 @@ def without_shared_memory_op() -> None:
     torch.distributed's): ~80 s of a first run on 2 cores, a compiler and ninja needed, and a
     build killed mid-way leaves a lock file every later run waits on forever. Marked as not
     compatible with this machine (DeepSpeed's own probe result, cached in `deepspeed.ops`),
-    the op is neither built nor loaded; no CUDA learner has it."""
+    the op is neither built nor loaded (DeepSpeed's CUDA accelerator has no such op)."""
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__[SHARED_MEMORY_OP] = False

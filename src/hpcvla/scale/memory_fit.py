@@ -31,10 +31,10 @@ class MemoryFit:
     def __init__(self, cfg):
         self.cfg, self.spec = cfg, None
         self.footprints: dict[tuple[int, int, bool], object] = {}
-        self.verdicts: dict[tuple[str, ...], str | None] = {}
+        self.verdicts: dict[tuple, str | None] = {}
 
     def __call__(self, lay: Layout) -> str | None:
-        key = tuple(lay.to_overrides())
+        key = (lay.world, *lay.to_overrides())  # all _judge reads of the layout
         if key not in self.verdicts:
             self.verdicts[key] = self._judge(lay)
         return self.verdicts[key]
