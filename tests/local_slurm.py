@@ -56,6 +56,8 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
             "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 PLUGIN_DIR = Path("/usr/lib/x86_64-linux-gnu/slurm-wlm")
 
+# cred_expire: a requeued job waits that long before it may start again; 5 s is the least
+# Slurm takes (below it falls back to its default, 120 s).
 SLURM_CONF = """\
 ClusterName=hpcvla-test
 FirstJobId={first_job}
@@ -66,7 +68,7 @@ SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={base}/munge/munge.socket,cred_expire=10
+AuthInfo=socket={base}/munge/munge.socket,cred_expire=5
 StateSaveLocation={base}/state
 SlurmdSpoolDir={base}/spool{node_dir}
 SlurmctldPidFile={base}/slurmctld.pid
