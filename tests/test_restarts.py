@@ -62,20 +62,21 @@ def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
 
 
 @pytest.mark.mpi  # the CLI and the job script, no world
-@pytest.mark.slow  # plan --auto twice: ~10 s
+@pytest.mark.slow  # plan --auto twice, side by side (each ~12 s on one core)
 def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
     """HPCVLA_AUTOPLAN=COSTS: jobs/launch.sh appends `hpcvla plan --auto`'s best layout for
     the job's ranks (here a dry run: the command it would start), learners beside the cells
     even for a learner_nodes config; a restart calls the same set_command on the nodes left.
     (RL-VLA³'s measured costs: the search is deterministic, a probe here would not be.)"""
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "hpcvla", "plan", "configs/learner_nodes.yaml", "--auto",
+         "--json", "--world=8", "--ranks-per-node=8", "--costs=pi0-libero"], cwd=ROOT,
+        stdout=subprocess.PIPE, text=True)
     env = {**os.environ, "HPCVLA_DRY_RUN": "1", "HPCVLA_AUTOPLAN": "pi0-libero",
            "HPCVLA_RANKS": "8", "HPCVLA_JOB_RUNS": str(tmp_path)}
     out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/learner_nodes.yaml"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    best = json.loads(reference.communicate(timeout=120)[0])["best"]["overrides"]
     assert out.returncode == 0, out.stderr
     (command,) = [line for line in out.stderr.splitlines() if "running:" in line]
-    best = json.loads(subprocess.run(
-        [sys.executable, "-m", "hpcvla", "plan", "configs/learner_nodes.yaml", "--auto",
-         "--json", "--world=8", "--ranks-per-node=8", "--costs=pi0-libero"], cwd=ROOT, capture_output=True,
-        text=True).stdout)["best"]["overrides"]
     assert command.endswith(" ".join(best)) and "placement.learner_nodes=0" in best, command
