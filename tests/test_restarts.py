@@ -62,7 +62,7 @@ def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
 
 
 @pytest.mark.mpi  # the CLI and the job script, no world
-@pytest.mark.slow  # plan --auto twice, side by side (each ~12 s on one core)
+@pytest.mark.slow  # plan --auto twice, side by side on one core each: ~16 s
 def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
     """HPCVLA_AUTOPLAN=COSTS: jobs/launch.sh appends `hpcvla plan --auto`'s best layout for
     the job's ranks (here a dry run: the command it would start), learners beside the cells
@@ -76,7 +76,8 @@ def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
            "HPCVLA_RANKS": "8", "HPCVLA_JOB_RUNS": str(tmp_path)}
     out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/learner_nodes.yaml"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    best = json.loads(reference.communicate(timeout=120)[0])["best"]["overrides"]
-    assert out.returncode == 0, out.stderr
+    planned = reference.communicate(timeout=120)[0]
+    assert out.returncode == 0 and reference.returncode == 0, out.stderr
+    best = json.loads(planned)["best"]["overrides"]
     (command,) = [line for line in out.stderr.splitlines() if "running:" in line]
     assert command.endswith(" ".join(best)) and "placement.learner_nodes=0" in best, command
