@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets
-from hpcvla.algorithms.sac import default_target_entropy
+from hpcvla.algorithms.sac import target_entropy
 from hpcvla.algorithms.transitions import transitions_of
 from hpcvla.config import load_config
 from hpcvla.config.loader import ConfigError
@@ -96,7 +96,7 @@ def test_a_sac_step_on_recorded_noise_moves_the_actor_and_never_the_flow_policy(
     optimizer = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     batch = {k: torch.as_tensor(v) for k, v in kept.items()}
     loss, stats = soft_actor_critic_loss(cfg.algorithm, policy, batch,
-                                         default_target_entropy(spec.action_dim, spec.chunk_len))
+                                         target_entropy(spec.action_dim, spec.chunk_len))
     loss.backward()
     optimizer.step()
     update_targets(policy, 0.5)
@@ -110,6 +110,33 @@ def test_a_sac_step_on_recorded_noise_moves_the_actor_and_never_the_flow_policy(
     assert 0.3 * policy.noise_bound < stats["action_rms"] < 0.9 * policy.noise_bound, stats
 
 
+def test_a_noise_actor_of_the_state_alone_never_reads_the_image(steered):
+    """algorithm.noise_obs=state: the actor and its critics see the state only (the flow policy
+    it steers still reads everything); a field the env lacks is refused by the rank building
+    it and, before launch, by the env's probe."""
+    cfg, spec, full, obs = steered
+    policy = build_policy(load_config(ROOT / "configs/reach_flow.yaml",
+                                      STEERED + ["algorithm.noise_obs=state"]), spec)
+    assert not hasattr(policy.noise_encoder, "image_encoder")
+    assert sum(p.numel() for p in policy.noise_encoder.parameters()) < \
+        sum(p.numel() for p in full.noise_encoder.parameters()) / 10
+    tensors = policy.obs_to_tensors(obs)
+    blind = {**tensors, "image": torch.zeros_like(tensors["image"]),
+             "instruction": torch.zeros_like(tensors["instruction"])}
+    assert torch.equal(policy.features(tensors), policy.features(blind))
+    assert not torch.equal(full.features(tensors), full.features(blind))
+    out, extras = policy.sample(tensors)
+    assert extras["dsrl_noise"].shape == (4, spec.chunk_len, spec.action_dim)
+    no_state = load_config(ROOT / "configs/reach_flow.yaml",
+                           STEERED + ["algorithm.noise_obs=state", "env.state=false"])
+    with pytest.raises(ValueError, match="algorithm.noise_obs: state not among"):
+        build_policy(no_state, env_spec(no_state.env))
+    from hpcvla.preflight import noise_obs_problems
+    assert noise_obs_problems(no_state) == [("algorithm.noise_obs", "state", "fields among the "
+                                             "env's observations (image, instruction): state "
+                                             "not among them")]
+
+
 def test_what_dsrl_cannot_run_is_refused():
     from hpcvla.preflight import check_sft
     with pytest.raises(ConfigError, match="algorithm.name = 'sac'.*policy.checkpoint"):
@@ -119,6 +146,15 @@ def test_what_dsrl_cannot_run_is_refused():
         load_config(ROOT / "configs/reach_flow.yaml",
                     ["algorithm.name=rlpd", "algorithm.demos=x.h5", "policy.lora_rank=4"])
     assert "policy.name = 'flow'" in str(err.value) and "policy.lora_rank = 4" in str(err.value)
+    for overrides, field in ((["algorithm.noise_obs=state"], "empty unless policy.name=flow"),
+                             (["algorithm.name=sac", "algorithm.noise_obs=state,depth"],
+                              "distinct fields among image, instruction, state"),
+                             (["algorithm.name=sac", "algorithm.target_entropy=0.7"],
+                              "< 0.693, the entropy per dimension of the uniform")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(ROOT / "configs/reach_flow.yaml", overrides)
+    load_config(ROOT / "configs/reach_flow.yaml",  # the box is wider: (-1.5, 1.5)
+                ["algorithm.name=sac", "algorithm.target_entropy=0.7", "algorithm.noise_bound=1.5"])
     for family in ("tokens", "oft"):
         with pytest.raises(ConfigError, match=f"policy.name = '{family}'"):
             load_config(ROOT / "configs/reach_flow.yaml",

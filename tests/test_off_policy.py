@@ -108,16 +108,20 @@ def test_dsrl_steers_a_frozen_flow_policy_and_only_its_actor_crosses_the_network
     """SAC on the flow family (DSRL) in the streamer, the flow policy in bf16 as on GPUs: the
     inference rank records the noise its actor chose with every step, the learner trains on
     it, and after the first version the weight plane sends the trainable parameters alone (the
-    noise actor, its critics, the temperature: float32), not the frozen flow policy. ~20 s:
+    noise actor, its critics, the temperature: float32), not the frozen flow policy; with
+    DSRL's recipe's settings: the actor reads the state alone, the entropy target is 0. ~20 s:
     one world."""
     args = ["algorithm.name=sac", "env.image_size=32", "algorithm.batch_size=16",
-            "algorithm.utd=0.125", "algorithm.learning_starts=16", "policy.dtype=bfloat16"]
+            "algorithm.utd=0.125", "algorithm.learning_starts=16", "policy.dtype=bfloat16",
+            "algorithm.noise_obs=state", "algorithm.target_entropy=0"]
     _, summary, run_dir = run_train(tmp_path, "pipeline.total_updates=2", *args,
                                     config="configs/reach_flow.yaml")
     (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
     assert learner["gradient_steps"] > 0 and learner["replay_added"] > 0, learner
+    assert learner["target_entropy"] == 0.0
     policy = build_policy(load_config(run_dir / "config.yaml"),
                           env_spec(load_config(run_dir / "config.yaml").env))
+    assert policy.noise_encoder.has_state and not policy.noise_encoder.has_image
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     assert learner["weight_bytes"]["per_version"] == 4 * trainable
     assert learner["weight_bytes"]["first_version"] > learner["weight_bytes"]["per_version"]

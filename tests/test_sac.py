@@ -11,7 +11,7 @@ import torch
 
 from hpcvla.algorithms.replay import ReplayBuffer, symmetric_sample
 from hpcvla.algorithms.transitions import transition_specs, transitions_of
-from hpcvla.algorithms.sac import (actor_loss, critic_loss, default_target_entropy,
+from hpcvla.algorithms.sac import (actor_loss, critic_loss, target_entropy,
                                    polyak_update, soft_target, temperature_loss)
 
 # ----------------------------------------------------------------------------- SAC losses
@@ -83,7 +83,7 @@ def test_actor_loss_hand_computed():
 
 
 def test_temperature_loss_and_its_gradient_sign():
-    target = default_target_entropy(action_dim=3, chunk_len=2)
+    target = target_entropy(action_dim=3, chunk_len=2)
     assert target == -6.0  # -(2 * 3)
     # entropy below target: logp (7, 9), entropy -8 < -6;  logp + target = (1, 3)
     log_alpha = torch.tensor(0.5, requires_grad=True)
@@ -100,10 +100,12 @@ def test_temperature_loss_and_its_gradient_sign():
     assert log_alpha.grad.item() == pytest.approx(8.0)  # -(-7 - 9) / 2: alpha shrinks
 
 
-def test_default_target_entropy_rejects_empty_actions():
-    assert default_target_entropy(7) == -7.0
+def test_target_entropy_per_dimension_and_empty_actions():
+    assert target_entropy(7) == -7.0  # SAC's convention
+    assert target_entropy(2, 4, per_dim=0.0) == 0.0  # DSRL's recipe
+    assert target_entropy(2, 4, per_dim=0.5) == 4.0
     with pytest.raises(ValueError, match="action_dim 0"):
-        default_target_entropy(0, 4)
+        target_entropy(0, 4)
 
 
 def test_polyak_update_in_place():

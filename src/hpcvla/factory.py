@@ -11,6 +11,7 @@ import torch
 
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config.families import family
+from hpcvla.config.learning import noise_obs_fields
 from hpcvla.policies.backbones import backbones_from_folder
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
@@ -36,6 +37,7 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
                       init_temperature=cfg.algorithm.init_temperature)
         if family(cfg.policy.name).noise_actor:  # DSRL's (policies/noise_actor.py)
             kwargs["noise_bound"] = cfg.algorithm.noise_bound
+            kwargs["noise_obs"] = noise_obs_fields(cfg.algorithm)
     if kwargs.get("dtype") == "auto":  # one dtype on every rank: the weight plane's manifest
         kwargs["dtype"] = "bfloat16" if on_gpus else "float32"
     return kwargs

@@ -120,6 +120,22 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
                 cfg.policy.pretrained, lambda: env_spec(cfg.env))]
 
 
+def noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
+    """algorithm.noise_obs against the configured env's observations (the launching process
+    probes the env, as for pretrained_env_problems; a rank building the noise actor refuses
+    the same fields)."""
+    from hpcvla.config.learning import noise_obs_fields
+    fields = noise_obs_fields(cfg.algorithm)
+    if not fields:
+        return []
+    from hpcvla.envs import env_spec
+    observed = env_spec(cfg.env).obs
+    missing = [f for f in fields if f not in observed]
+    return [("algorithm.noise_obs", cfg.algorithm.noise_obs, f"fields among the env's "
+             f"observations ({', '.join(observed)}): {', '.join(missing)} not among them")
+            ] if missing else []
+
+
 def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
     """algorithm.name=rlpd: its demonstrations against the env's observations and actions,
     each chunk's reward and episode end recorded (demonstrations/)."""
@@ -212,7 +228,7 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
 def check_launch(cfg, plan: RankPlan, source: str = "config") -> None:
     """What the launching process checks before it starts any rank: check_config,
     check_pipeline, a published folder and prior data against the env
-    (pretrained_env_problems, prior_data_problems), and whether the layout fits its GPUs'
+    (pretrained_env_problems, prior_data_problems, noise_obs_problems), and whether the layout fits its GPUs'
     memory (memory_problems)."""
     check_config(cfg, source)
     check_pipeline(cfg, plan)
@@ -222,6 +238,9 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> None:
     problems = prior_data_problems(cfg)
     if problems:
         raise ConfigError(problems, "algorithm.demos")
+    problems = noise_obs_problems(cfg)
+    if problems:
+        raise ConfigError(problems, "algorithm.noise_obs")
     problems = memory_problems(cfg, plan)
     if problems:
         raise ConfigError(problems, "memory plan (hpcvla plan shows it)")

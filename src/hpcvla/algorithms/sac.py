@@ -76,13 +76,13 @@ def temperature_loss(log_alpha: torch.Tensor, logprob: torch.Tensor,
     return -(log_alpha * (logprob + target_entropy)).mean()
 
 
-def default_target_entropy(action_dim: int, chunk_len: int = 1) -> float:
-    """SAC's conventional target entropy, -(dimensions of the action), for a chunk of
-    `chunk_len` actions of `action_dim` dims: -(chunk_len * action_dim). The chunk's
+def target_entropy(action_dim: int, chunk_len: int = 1, per_dim: float = -1.0) -> float:
+    """The target entropy of a chunk of `chunk_len` actions of `action_dim` dims: `per_dim`
+    times its dimensions; SAC's convention (-1) gives -(chunk_len * action_dim). The chunk's
     log-prob is a sum over all its dims, so its target grows with every one of them."""
     if action_dim <= 0 or chunk_len <= 0:
         raise ValueError(f"action_dim {action_dim} and chunk_len {chunk_len}: expected > 0")
-    return -float(chunk_len * action_dim)
+    return float(per_dim * chunk_len * action_dim)
 
 
 def polyak_update(target: Iterable[torch.Tensor], online: Iterable[torch.Tensor],
@@ -108,4 +108,4 @@ def _constant(x: float | torch.Tensor) -> float | torch.Tensor:
 
 
 __all__ = ["soft_target", "critic_loss", "actor_loss", "temperature_loss",
-           "default_target_entropy", "polyak_update"]
+           "target_entropy", "polyak_update"]

@@ -5,10 +5,12 @@ preflight.py."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 from hpcvla.config.families import SQUASHED_LOG_STD, family, simulator
+from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
 from hpcvla.schedule import shards_problem
 
@@ -58,7 +60,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,
                          f"env.max_episode_chunks ({cfg.env.max_episode_chunks}) for "
                          "algorithm.name=grpo: a segment holds one grouped episode per env"))
-    problems += _off_policy_problems(cfg)
+    problems += _off_policy_problems(cfg) + _noise_obs_problems(cfg)
     shards = shards_problem(cfg.env.envs_per_simulator, cfg.env.shards)
     if shards:
         problems.append(shards)
@@ -82,6 +84,21 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "
                          "simulation (set env.sim_backend=cpu, or env.name=maniskill)"))
     return problems
+
+
+def _noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
+    """algorithm.noise_obs: DSRL's (the flow family under sac), and fields an env may have
+    (preflight.noise_obs_problems checks them against the configured env's)."""
+    alg, fields = cfg.algorithm, noise_obs_fields(cfg.algorithm)
+    if not fields:
+        return []
+    if not (family(cfg.policy.name).noise_actor and alg.name == "sac"):
+        return [("algorithm.noise_obs", alg.noise_obs, "empty unless policy.name=flow with "
+                 "algorithm.name=sac (the fields DSRL's noise actor reads)")]
+    if set(fields) - set(OBS_FIELDS) or len(set(fields)) < len(fields):
+        return [("algorithm.noise_obs", alg.noise_obs, "distinct fields among "
+                 f"{', '.join(OBS_FIELDS)}, comma-separated (empty: all the env has)")]
+    return []
 
 
 def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
@@ -113,6 +130,13 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("learner.zero_stage", 3, "0, 1 or 2 with algorithm.name="
                          f"{alg.name} (its losses call the critics outside the engine's "
                          "forward)"))
+    half_width = alg.noise_bound if traits.noise_actor else 1.0  # the squashed actor's box
+    if alg.target_entropy >= math.log(2 * half_width):
+        problems.append(("algorithm.target_entropy", alg.target_entropy, f"< "
+                         f"{math.log(2 * half_width):.3f}, the entropy per dimension of the "
+                         f"uniform over the actor's box (-{half_width:g}, {half_width:g}): "
+                         "no squashed actor reaches it, and the temperature would grow "
+                         "without end (SAC's -1; DSRL's 0)"))
     if alg.utd <= 0:
         problems.append(("algorithm.utd", alg.utd, "> 0 gradient steps per transition with "
                          f"algorithm.name={alg.name} (0 would never train)"))

@@ -11,6 +11,9 @@ from typing import Any
 from hpcvla.config.families import FAMILIES
 
 
+OBS_FIELDS = ("image", "instruction", "state")  # what an env's observations may hold
+
+
 def setting(default: Any, doc: str, *, choices: tuple | None = None,
             ge: float | None = None, le: float | None = None) -> Any:
     """A documented config field. Mutable defaults (dicts) are copied per instance."""
@@ -238,10 +241,16 @@ class AlgorithmConfig:
         "imitated; 0: every step trains all of it.", ge=0)
     init_temperature: float = setting(
         0.1, "`sac`: the entropy temperature alpha at the start; it then follows the entropy "
-        "target (minus the chunk's dimensions). Its scale is the reward's: alpha x the "
-        "chunk's entropy is added to every step's reward, so a task whose chunks earn little "
-        "(reach: ~0.05) needs a small start, or the entropy bonus is all the critics learn "
+        "target (`target_entropy`). Its scale is the reward's: alpha x the chunk's entropy "
+        "is added to every step's reward, so a task whose chunks earn little (reach: ~0.05) "
+        "needs a small start, or the entropy bonus is all the critics learn "
         "until alpha has decayed.", ge=1e-8)
+    target_entropy: float = setting(
+        -1.0, "`sac`: the entropy the temperature holds the actor at, per dimension of its "
+        "action (the chunk's, or the noise's under DSRL): SAC's -1 makes the target minus "
+        "the action's dimensions; DSRL's recipe uses 0, the entropy of a Gaussian of std 0.24 "
+        "per dimension. Below log(2 x the box's half-width: 1, or `noise_bound`), the "
+        "entropy of the uniform over the box, which no squashed actor exceeds.")
     critic_layer_norm: bool = setting(
         False, "`sac`: LayerNorm after each hidden layer of the critics (`rlpd` always has "
         "it): bounds their extrapolation to unseen actions, which high `utd` otherwise turns "
@@ -255,6 +264,12 @@ class AlgorithmConfig:
         "reach a run at 1.5 ended below its start, three at 1.0 at or above it: "
         "docs/results.md). Larger reaches further from the demonstrated behaviour.",
         ge=0.01)
+    noise_obs: str = setting(
+        "", "`sac` with the `flow` family (DSRL): the observation fields the noise actor and "
+        "its critics read, comma-separated (`image`, `instruction`, `state`); empty: all the "
+        "env has. Without `image` each SAC step skips the CNN, the cost of most of it, "
+        "so a higher `utd` (DSRL's recipe: 20) costs little more; the flow policy it "
+        "steers still reads every field.")
     demos: str = setting(
         "", "`rlpd`: the prior data, HDF5 files (comma-separated) of this project's trajectory "
         "dumps or `hpcvla demos` files, which record each chunk's reward and how its episode "
@@ -349,3 +364,8 @@ def eval_tasks(cfg: EvalConfig) -> list[int] | None:
 def demo_paths(section: SFTConfig | AlgorithmConfig) -> list[str]:
     """The files `sft.demos` or `algorithm.demos` names."""
     return [path.strip() for path in section.demos.split(",") if path.strip()]
+
+
+def noise_obs_fields(alg: AlgorithmConfig) -> tuple[str, ...]:
+    """algorithm.noise_obs as a tuple of field names (empty: all the env has)."""
+    return tuple(f.strip() for f in alg.noise_obs.split(",") if f.strip())

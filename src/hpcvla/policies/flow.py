@@ -101,7 +101,8 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         dtype: "auto" (bf16 on CUDA, float32 on CPU), "float32" or "bfloat16".
         soft_critics: freeze the policy and add SAC's noise actor and critics (DSRL,
             policies/noise_actor.py) of width `hidden`, its noise in (-noise_bound,
-            noise_bound); `critic_layer_norm` and `init_temperature` as the default policy's.
+            noise_bound), reading the observation fields `noise_obs` (empty: all);
+            `critic_layer_norm` and `init_temperature` as the default policy's.
     """
 
     family = "flow"
@@ -115,7 +116,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
                  init_log_std: float = -0.7, dtype: str = "auto", model_dims: dict | None = None,
                  variant: str = "pi0", hidden: int = 128, soft_critics: bool = False,
                  critic_layer_norm: bool = False, init_temperature: float = 1.0,
-                 noise_bound: float = 1.0):
+                 noise_bound: float = 1.0, noise_obs: tuple[str, ...] = ()):
         super().__init__()
         if variant not in VARIANTS:
             raise ValueError(f"flow variant {variant!r}: expected one of {VARIANTS}")
@@ -131,7 +132,8 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
                          logprob_granularity=logprob_granularity, init_log_std=init_log_std,
                          dtype=dtype, model_dims=dims, variant=variant, hidden=hidden,
                          soft_critics=soft_critics, critic_layer_norm=critic_layer_norm,
-                         init_temperature=init_temperature, noise_bound=noise_bound))
+                         init_temperature=init_temperature, noise_bound=noise_bound,
+                         noise_obs=tuple(noise_obs)))
         self.variant = variant
         self.model_horizon, self.model_action_dim = dims["horizon"], dims["action_dim"]
         self.model_state_dim = dims["state_dim"]
@@ -175,7 +177,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         self.steered = bool(soft_critics)  # DSRL: the noise actor acts (float32)
         if self.steered:
             self.add_noise_actor(obs_spec, vocab_size, hidden, noise_bound, critic_layer_norm,
-                                 init_temperature)
+                                 init_temperature, noise_obs)
 
     @staticmethod
     def _model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode) -> dict:

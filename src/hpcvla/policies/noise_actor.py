@@ -11,13 +11,16 @@ flow policy's own weights never move (none of them takes a gradient; the weight 
 them once, then only the actor, its critics and the temperature).
 
     class FlowPolicy(NoiseActor, VLAPolicy): ...
-    policy.add_noise_actor(obs_spec, vocab_size, hidden, bound, layer_norm, init_temperature)
+    policy.add_noise_actor(obs_spec, vocab_size, hidden, bound, layer_norm, init_temperature,
+                           fields)
     out, {"dsrl_noise": w} = policy.steered_sample(obs, deterministic)
 
 The noise actor reads the env's observation through encoders of its own, the default policy's
 small ones (default.add_encoders), not the VLA's prefix: acting costs one small network more,
 and the learner's SAC steps never run the VLA (their transitions hold the noise, recorded with
-every step as the extra field `dsrl_noise`). Its Gaussian is SAC's (a log std of the state),
+every step as the extra field `dsrl_noise`). It may read fewer fields than the VLA
+(algorithm.noise_obs: DSRL's own experiments steer from the low-dim state): without the
+image a SAC step is a few small matrix products, and many steps per transition are cheap. Its Gaussian is SAC's (a log std of the state),
 squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded noise
 would take the sampler where its training never went. It steers the executed part of the
 chunk (chunk_len x action_dim); a published model's longer horizon and padded dims start at
@@ -40,9 +43,15 @@ NOISE = "dsrl_noise"  # the extra field each step records: the noise the actor c
 class ObsEncoder(nn.Module):
     """The default policy's encoders (default.add_encoders) as a module of their own."""
 
-    def __init__(self, obs_spec: dict, vocab_size: int, hidden: int):
+    def __init__(self, obs_spec: dict, vocab_size: int, hidden: int, fields: tuple[str, ...] = ()):
+        """`fields`: the observation fields it reads (empty: all of `obs_spec`)."""
         super().__init__()
-        self.dim = add_encoders(self, obs_spec, vocab_size, hidden)
+        missing = sorted(set(fields) - set(obs_spec))
+        if missing:
+            raise ValueError(f"algorithm.noise_obs: {', '.join(missing)} not among the env's "
+                             f"observations ({', '.join(obs_spec)})")
+        self.dim = add_encoders(self, {k: v for k, v in obs_spec.items()
+                                       if not fields or k in fields}, vocab_size, hidden)
 
     def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         return encode(self, obs)
@@ -58,13 +67,14 @@ class NoiseActor(SoftCritics):
     model_action_dim: int
 
     def add_noise_actor(self, obs_spec: dict, vocab_size: int, hidden: int, bound: float,
-                        layer_norm: bool, init_temperature: float) -> None:
+                        layer_norm: bool, init_temperature: float,
+                        fields: tuple[str, ...] = ()) -> None:
         """The actor (its encoders, an MLP to the mean of the chunk's noise and to its log
-        std, 0 at the start: the prior's spread), its twin critics over (its features, the flat
-        noise) with their targets, and the temperature; every parameter of the policy before
-        them frozen."""
+        std, 0 at the start: the prior's spread), its twin critics over (its features of the
+        observation `fields`, all if empty; the flat noise) with their targets, and the
+        temperature; every parameter of the policy before them frozen."""
         self.requires_grad_(False)
-        self.noise_encoder = ObsEncoder(obs_spec, vocab_size, hidden)
+        self.noise_encoder = ObsEncoder(obs_spec, vocab_size, hidden, fields)
         n_out = self.chunk_len * self.action_dim
         self.noise_trunk = nn.Sequential(
             layer_init(nn.Linear(self.noise_encoder.dim, hidden)), nn.Tanh(),

@@ -41,7 +41,7 @@ class VersionUpdate(Protocol):
         """What a checkpoint keeps beside the trained env steps, and a resume continues."""
         ...
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, float]:
         """What the rank reports in summary.json."""
         ...
 
@@ -132,7 +132,7 @@ class OnPolicyUpdate:
     def counters(self) -> dict[str, int]:
         return {}
 
-    def summary(self) -> dict[str, int]:
+    def summary(self) -> dict[str, float]:
         return {}
 
 

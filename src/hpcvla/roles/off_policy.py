@@ -38,7 +38,7 @@ import torch
 
 from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets
 from hpcvla.algorithms.replay import ReplayBuffer, symmetric_sample
-from hpcvla.algorithms.sac import default_target_entropy
+from hpcvla.algorithms.sac import target_entropy
 from hpcvla.algorithms.transitions import (demonstration_transitions, transition_specs,
                                            transitions_of)
 from hpcvla.roles.colocated import publish
@@ -74,7 +74,8 @@ class SoftUpdate:
         self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                                    self.alg.replay_capacity)
         self.prior = prior_data(setup.cfg, spec) if self.alg.name == "rlpd" else None
-        self.target_entropy = default_target_entropy(spec.action_dim, spec.chunk_len)
+        self.target_entropy = target_entropy(spec.action_dim, spec.chunk_len,
+                                             self.alg.target_entropy)
         # each rank its own draws: the data-parallel ranks sample different transitions
         self.rng = np.random.default_rng([setup.cfg.run.seed, setup.rank, resumed_transitions])
         self.dropped = self.gradient_steps = 0
@@ -144,10 +145,12 @@ class SoftUpdate:
         added = self.learners.allreduce(self.buffer.position)  # [dist]
         return {"replay_transitions": self.resumed + added}
 
-    def summary(self) -> dict[str, int]:
-        """This rank's, in this world: the transitions its buffer took, holds and dropped."""
+    def summary(self) -> dict[str, float]:
+        """This rank's, in this world: the transitions its buffer took, holds and dropped, and
+        the entropy its temperature aims at (the metrics' `entropy` is measured against it)."""
         return {"replay_added": self.buffer.position, "replay_size": self.buffer.size,
                 "gradient_steps": self.gradient_steps, "transitions_dropped": self.dropped,
+                "target_entropy": self.target_entropy,
                 **({"prior_transitions": self.prior.size} if self.prior is not None else {})}
 
 
