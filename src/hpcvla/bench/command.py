@@ -39,14 +39,14 @@ def add_bench_parser(sub) -> None:
                             "checkpoint: per run (8); fullsize: per run (20)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", default="modes",
-                       choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-recipe",
+                       choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
                                 "scratch"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
                             "pretrained checkpoint, DSRL (SAC on the noise) vs PPO from it, "
-                            "DSRL with its authors' recipe vs ours, "
+                            "DSRL's actor on the state alone vs on everything, "
                             "the flow vs the tokens head on reach "
                             "(32 px), SAC vs PPO on reach (sync-colocated), or streamer vs "
                             "sync-colocated on ManiSkill PushCube "

@@ -18,10 +18,9 @@ Arm sets (`--arms`):
   (SAC's small noise actor steers the frozen flow policy's sampler, policies/noise_actor.py;
   SAC's settings of configs/colocated_sac.yaml for reach's small rewards) against `ppo`
   (`last_step`: PPO on the whole flow policy).
-* `dsrl-recipe`: `dsrl` against itself with the settings of DSRL's own recipe where this
-  one differs (the authors' robomimic config: target entropy 0, layer-normed critics, many
-  critic steps per transition): the noise actor and critics read the state alone
-  (algorithm.noise_obs), which makes `utd` 2 (8x `dsrl`'s) cost little more.
+* `dsrl-state`: `dsrl` with the noise actor and its critics reading reach's state alone
+  (algorithm.noise_obs=state, as DSRL's own experiments steer from the low-dim state)
+  against reading everything the flow policy reads (camera, instruction, state).
 * `families`: the two VLA heads on reach under PPO, 4 ranks, 32 px (4 image patches of
   their tiny towers): `flow` (π0-style flow matching, configs/reach_flow.yaml) against
   `tokens` (OFT-style parallel action tokens, configs/reach_tokens.yaml). Measured before
@@ -93,11 +92,7 @@ ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=c
 DSRL = FLOW + ["algorithm.name=sac", "algorithm.init_temperature=0.01",
                "algorithm.batch_size=128", "algorithm.utd=0.25"]
 ARMS["dsrl"] = {"dsrl": DSRL, "ppo": FLOW}
-# DSRL's own recipe where it differs (module docstring); later settings win
-ARMS["dsrl-recipe"] = {"recipe": DSRL + ["algorithm.noise_obs=state", "algorithm.utd=2",
-                                         "algorithm.target_entropy=0",
-                                         "algorithm.critic_layer_norm=true"],
-                       "dsrl": DSRL}
+ARMS["dsrl-state"] = {"state": DSRL + ["algorithm.noise_obs=state"], "dsrl": DSRL}
 PUSHCUBE_SAC = "configs/maniskill_pushcube_sac.yaml"
 PRIOR_DEMOS, PRIOR_EVAL_EVERY, TARGET_SUCCESS = 16, 10, 0.8
 PPO_BASELINE = "configs/maniskill_pushcube_baseline.yaml"  # ManiSkill's ppo.py settings
@@ -126,7 +121,7 @@ def scratch_arms(config: str = PUSHCUBE_SAC) -> dict:
 
 
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
-PRETRAIN["dsrl"] = PRETRAIN["dsrl-recipe"] = PRETRAIN["flow-noise"]
+PRETRAIN["dsrl"] = PRETRAIN["dsrl-state"] = PRETRAIN["flow-noise"]
 PRETRAIN_UPDATES = 40  # the start: ~0.89 held-out success (sampled; 2 runs of seed 1000)
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
 # (the `imitation` arm set is built from its recipe when run: imitation_arms)
