@@ -154,7 +154,8 @@ def test_what_dsrl_cannot_run_is_refused():
         with pytest.raises(ConfigError, match=field):
             load_config(ROOT / "configs/reach_flow.yaml", overrides)
     load_config(ROOT / "configs/reach_flow.yaml",  # the box is wider: (-1.5, 1.5)
-                ["algorithm.name=sac", "algorithm.target_entropy=0.7", "algorithm.noise_bound=1.5"])
+                ["algorithm.name=sac", "algorithm.target_entropy=0.7",
+                 "algorithm.noise_bound=1.5"])
     for family in ("tokens", "oft"):
         with pytest.raises(ConfigError, match=f"policy.name = '{family}'"):
             load_config(ROOT / "configs/reach_flow.yaml",

@@ -227,9 +227,9 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
 
 def check_launch(cfg, plan: RankPlan, source: str = "config") -> None:
     """What the launching process checks before it starts any rank: check_config,
-    check_pipeline, a published folder and prior data against the env
-    (pretrained_env_problems, prior_data_problems, noise_obs_problems), and whether the layout fits its GPUs'
-    memory (memory_problems)."""
+    check_pipeline, a published folder, prior data and the noise actor's fields against the
+    env (pretrained_env_problems, prior_data_problems, noise_obs_problems), and whether the
+    layout fits its GPUs' memory (memory_problems)."""
     check_config(cfg, source)
     check_pipeline(cfg, plan)
     problems = pretrained_env_problems(cfg)

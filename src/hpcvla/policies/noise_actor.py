@@ -20,8 +20,8 @@ small ones (default.add_encoders), not the VLA's prefix: acting costs one small 
 and the learner's SAC steps never run the VLA (their transitions hold the noise, recorded with
 every step as the extra field `dsrl_noise`). It may read fewer fields than the VLA
 (algorithm.noise_obs: DSRL's own experiments steer from the low-dim state): without the
-image a SAC step is a few small matrix products, and many steps per transition are cheap. Its Gaussian is SAC's (a log std of the state),
-squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded noise
+image a SAC step is a few small matrix products. Its Gaussian is SAC's (a log std of the
+state), squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded noise
 would take the sampler where its training never went. It steers the executed part of the
 chunk (chunk_len x action_dim); a published model's longer horizon and padded dims start at
 0, the prior's mode, as the pipeline's deterministic sampling does.
@@ -43,7 +43,8 @@ NOISE = "dsrl_noise"  # the extra field each step records: the noise the actor c
 class ObsEncoder(nn.Module):
     """The default policy's encoders (default.add_encoders) as a module of their own."""
 
-    def __init__(self, obs_spec: dict, vocab_size: int, hidden: int, fields: tuple[str, ...] = ()):
+    def __init__(self, obs_spec: dict, vocab_size: int, hidden: int,
+                 fields: tuple[str, ...] = ()):
         """`fields`: the observation fields it reads (empty: all of `obs_spec`)."""
         super().__init__()
         missing = sorted(set(fields) - set(obs_spec))
