@@ -1,6 +1,8 @@
 """Run under MPI with every rank a learner (colocated): train, checkpoint, train one more
 step; then build a fresh engine from the checkpoint and take the same step. Weights and
-optimizer state must come out bit-identical, whatever the ZeRO stage. Each variant (a list
+optimizer state must come out bit-identical, whatever the ZeRO stage; so must an engine
+resumed from a checkpoint written before any optimizer step (SAC's before `learning_starts`)
+and trained all the way. Each variant (a list
 of overrides, e.g. a stage; VARIANTS is a JSON list of them) in turn, in one world, into
 RUN_DIR/<i>:
 
@@ -43,6 +45,8 @@ def resume_exactly(cfg, learners, run_dir):
                           generator=torch.Generator().manual_seed(learners.Get_rank()))
     policy = build_policy(cfg, env.spec)
     engine = init_engine(cfg, policy, learners)
+    store.save(run_dir / "unstepped", engine, full_state(engine), version=0, counters={},
+               learners=learners)
     steps = cfg.learner.micro_batches  # DeepSpeed steps the optimizer after this many
     for _ in range(2 * steps):
         train_step(engine, obs, actions)
@@ -71,6 +75,17 @@ def resume_exactly(cfg, learners, run_dir):
     resumed = full_state(engine2)
     for name in continued:
         assert torch.equal(continued[name], resumed[name]), f"{name} differs after resume"
+    unstepped = catalog.latest(run_dir / "unstepped")
+    fresh = build_policy(cfg, env.spec)
+    fresh.load_arrays(store.load_weights(unstepped, fresh.state_dict()))
+    engine3 = init_engine(cfg, fresh, learners)
+    store.load_optimizer(unstepped, engine3, learners)
+    for _ in range(3 * steps):
+        train_step(engine3, obs, actions)
+    resumed = full_state(engine3)
+    for name in continued:
+        assert torch.equal(continued[name], resumed[name]), \
+            f"{name} differs after resuming from before the first step"
     if learners.Get_rank() == 0:
         dtype = next(iter(continued.values())).dtype
         print(f"resume bit-identical at ZeRO stage {cfg.learner.zero_stage}: "

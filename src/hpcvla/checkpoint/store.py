@@ -117,18 +117,23 @@ class Writer:
 
 def _optimizer_snapshot(parts, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
     """This learner's optimizer ranges (`parts`: its fragments) and RNG as host tensors, and
-    their index."""
+    their index. torch creates a parameter's Adam state at its first step with a gradient: a
+    fragment without one yet is saved at step 0 with zero moments, the state torch would
+    create; with no step taken at all (SAC before `learning_starts`) there are no moments to
+    save (`keys` empty), and load_optimizer leaves the optimizer as torch makes it."""
     tensors, fragments, steps = {}, {}, {}
-    keys: list[str] = []
+    parts = [f for f in parts if not (f.replicated and rank != 0)]
+    keys = next(([k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
+                 for state in (f.state() for f in parts) if "step" in state), [])
     for fragment in parts:
-        if fragment.replicated and rank != 0:
-            continue
         state = fragment.state()
-        keys = [k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
-        for key in (MASTER, *keys):
-            tensors[f"{fragment.name}/{key}"] = fragment.tensor(key).float().cpu().clone()
+        master = fragment.tensor(MASTER).float().cpu().clone()
+        tensors[f"{fragment.name}/{MASTER}"] = master
+        for key in keys:
+            tensors[f"{fragment.name}/{key}"] = fragment.tensor(key).float().cpu().clone() \
+                if "step" in state else torch.zeros_like(master)
         fragments[fragment.name] = [fragment.start, fragment.numel]
-        steps[fragment.name] = float(state["step"])
+        steps[fragment.name] = float(state["step"]) if "step" in state else 0.0
     tensors["rng.torch_cpu"] = torch.get_rng_state()
     return tensors, {"file": f"optimizer.rank{rank}.safetensors", "fragments": fragments,
                      "steps": steps, "keys": keys}
@@ -204,11 +209,13 @@ def load_optimizer(path: Path, engine, learners) -> dict:
                               f"(policy.checkpoint={path})")
     rank, saved = learners.Get_rank(), state["optimizer"]
     reader = _FragmentReader(Path(path), saved)
-    optimizer_state.ensure_state(engine, reader.keys)
+    if reader.keys:  # else saved before any step: the optimizer stays as torch makes it
+        optimizer_state.ensure_state(engine, reader.keys)
     for fragment in optimizer_state.fragments(engine, rank):
         for key in (MASTER, *reader.keys):
             fragment.write(key, reader.read(fragment.name, key, fragment.start, fragment.numel))
-        fragment.state()["step"].fill_(reader.step(fragment.name))
+        if reader.keys:
+            fragment.state()["step"].fill_(reader.step(fragment.name))
     if state["learners"] == learners.Get_size():  # else each learner keeps its seeded stream
         torch.set_rng_state(reader.tensor(saved[rank], "rng.torch_cpu"))
     return state
