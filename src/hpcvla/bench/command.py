@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
-                                "scratch"],
+                                "scratch", "dsrl-sft"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
@@ -52,18 +52,20 @@ def add_bench_parser(sub) -> None:
                             "sync-colocated on ManiSkill PushCube "
                             "from an SFT start, or RLPD vs PPO from an SFT start on PushCube "
                             "from the same 16 demonstrations, or SAC vs PPO from scratch "
-                            "there (hpcvla/bench/learning.py)")
+                            "there, or DSRL (its actor on the state) vs GRPO from the flow "
+                            "policy's SFT on PushCube (hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
-                       help="learning --arms imitation, prior-data or scratch: the task recipe "
-                            "its demonstrations, SFT and both arms run (default "
-                            "configs/maniskill_pushcube.yaml, and "
-                            "configs/maniskill_pushcube_sac.yaml for the off-policy sets; e.g. "
+                       help="learning --arms imitation, prior-data, scratch or dsrl-sft: the "
+                            "task recipe its demonstrations, SFT and both arms run (default "
+                            "configs/maniskill_pushcube.yaml, "
+                            "configs/maniskill_pushcube_sac.yaml for the off-policy sets and "
+                            "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
                             "configs/maniskill_pickcube_sac.yaml)")
     bench.add_argument("--demos", type=int, default=None,
-                       help="learning --arms imitation or prior-data: scripted-expert "
-                            "demonstrations the SFT start (and RLPD) learns from (default 64 "
-                            "and 16; the recipe's comment gives its count, e.g. 256 for "
+                       help="learning --arms imitation, prior-data or dsrl-sft: "
+                            "scripted-expert demonstrations the SFT start (and RLPD) learns "
+                            "from (default 64, 16 and 64; the recipe's comment gives its count, e.g. 256 for "
                             "configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
@@ -139,7 +141,8 @@ def bench_command(args) -> int:
         problem = ""  # refused before any run starts
         if args.arms not in learning.RECIPE_ARMS and (args.config or args.demos is not None):
             problem = (f"--config and --demos set a task recipe, which --arms {args.arms} "
-                       "does not take: add --arms imitation, prior-data or scratch")
+                       "does not take: add --arms imitation, prior-data, scratch or "
+                       "dsrl-sft")
         elif args.arms == "scratch" and args.demos is not None:
             problem = "--demos with --arms scratch: its arms start without demonstrations"
         elif args.demos is not None and args.demos < 1:

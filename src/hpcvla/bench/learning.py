@@ -43,6 +43,11 @@ Arm sets (`--arms`):
   demonstrations with ManiSkill's PPO baseline's settings (PPO_BASELINE's). Both evaluate the
   held-out states every `PRIOR_EVAL_EVERY` versions while training (eval.every, deterministic
   actions): each run's env steps to a held-out success of `TARGET_SUCCESS`.
+* `dsrl-sft`: DSRL on a real task from an imitation start, as DSRL steers a fine-tuned π0:
+  ManiSkill PushCube-v1 with the flow policy (configs/maniskill_pushcube_flow.yaml;
+  `--config`: another flow recipe), `hpcvla demos` and `hpcvla sft` as `imitation`, then
+  `dsrl` (SAC's noise actor on the state, reach's DSRL settings) against `recipe` (the
+  recipe's own RL: GRPO on success), both from that SFT run.
 * `scratch`: `prior-data` without the demonstrations: `sac` against `ppo` (the same
   baseline settings), both from a fresh policy, the same held-out schedule.
 
@@ -89,8 +94,9 @@ ARMS["off-policy"] = {"sac": ["configs/colocated_sac.yaml", "--ranks", "2"],
                       "ppo": ["configs/colocated.yaml", "--ranks", "2"]}
 FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
-DSRL = FLOW + ["algorithm.name=sac", "algorithm.init_temperature=0.01",
-               "algorithm.batch_size=128", "algorithm.utd=0.25"]
+DSRL_SETTINGS = ["algorithm.name=sac", "algorithm.init_temperature=0.01",
+                 "algorithm.batch_size=128", "algorithm.utd=0.25"]
+DSRL = FLOW + DSRL_SETTINGS
 ARMS["dsrl"] = {"dsrl": DSRL, "ppo": FLOW}
 ARMS["dsrl-state"] = {"state": DSRL + ["algorithm.noise_obs=state"], "dsrl": DSRL}
 PUSHCUBE_SAC = "configs/maniskill_pushcube_sac.yaml"
@@ -142,10 +148,21 @@ def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
 
 
 IMITATION_DEMOS = 64  # the default recipe's: sft.per_task (16) of them are used, ~0.2 success
+FLOW_SFT_CONFIG = "configs/maniskill_pushcube_flow.yaml"  # `dsrl-sft`'s recipe: all 64 used
+
+
+def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
+    """The `dsrl-sft` arm set on a flow recipe `config`: DSRL (its noise actor on the state,
+    reach's DSRL settings) against the recipe's own RL, both from its SFT run."""
+    start = [config, "--ranks", "4", "policy.checkpoint={pretrained}"]
+    return {"dsrl": [*start, *DSRL_SETTINGS, "algorithm.noise_obs=state"], "recipe": start}
+
+
 # the arm sets built on a task recipe: their arms of a recipe, their recipe and demonstrations
 RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS),
                "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS),
-               "scratch": (scratch_arms, PUSHCUBE_SAC, 0)}
+               "scratch": (scratch_arms, PUSHCUBE_SAC, 0),
+               "dsrl-sft": (dsrl_sft_arms, FLOW_SFT_CONFIG, IMITATION_DEMOS)}
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
@@ -228,7 +245,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
     recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
     see one env and policy), and its eval; none for most."""
-    if arms == "imitation":
+    if arms in ("imitation", "dsrl-sft"):
         return imitation_start(root, eval_episodes, overrides, config, demos)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
         return imitation_start(root, eval_episodes, overrides, config, demos,
