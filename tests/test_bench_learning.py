@@ -88,6 +88,27 @@ def test_the_dsrl_arms_steer_and_fine_tune_one_pretrained_flow_policy():
     assert PRETRAIN["dsrl-state"] == PRETRAIN["dsrl"]
 
 
+def test_the_dsrl_sft_arms_steer_and_train_one_sft_start_of_a_flow_recipe():
+    """DSRL (the noise actor on the state, reach's DSRL settings) against the recipe's own RL,
+    both from its SFT run: one env, layout and env-step budget."""
+    from hpcvla.bench.learning import (ARMS, DSRL_SETTINGS, FLOW_SFT_CONFIG, dsrl_sft_arms,
+                                       env_steps_per_version)
+    arms = dsrl_sft_arms()
+    dsrl, recipe = (load_config(ROOT / config, [a.format(pretrained="sft") for a in args
+                                                if "=" in a]) for config, *args in arms.values())
+    assert arms["recipe"][0] == FLOW_SFT_CONFIG and recipe == load_config(
+        ROOT / FLOW_SFT_CONFIG, ["policy.checkpoint=sft"])  # the recipe as it is
+    assert (dsrl.algorithm.name, dsrl.algorithm.noise_obs, recipe.algorithm.name) == \
+        ("sac", "state", "grpo")
+    assert dsrl.policy == recipe.policy and dsrl.env == recipe.env
+    assert dsrl.placement == recipe.placement and dsrl.learner == recipe.learner
+    reach = load_config(ROOT / ARMS["dsrl"]["dsrl"][0], DSRL_SETTINGS).algorithm
+    for setting in DSRL_SETTINGS:  # reach's DSRL settings
+        field = setting.split("=")[0].removeprefix("algorithm.")
+        assert getattr(dsrl.algorithm, field) == getattr(reach, field), setting
+    assert env_steps_per_version({"recipe": arms["recipe"]}) == env_steps_per_version(arms)
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.learning
