@@ -29,7 +29,8 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     """2 colocated ranks, 3 versions then 2 more after a resume: every transition a rank
     collected enters its buffer once (the position counts them across the resume, the
     capacity bounds what is held), gradient steps start once the buffer holds
-    learning_starts, the critics' statistics reach metrics.jsonl. Then RLPD with the first
+    learning_starts, the critics' statistics reach metrics.jsonl (and a record of every
+    micro-batch before them: the acting policy's success while the buffers fill). Then RLPD with the first
     run's trajectory dump as its prior data, from the first run's weights: its temperature
     the config's, only its critics trained in the warm-up. ~40-50 s: three worlds."""
     _, first, run_dir = run_train(tmp_path / "sac", "pipeline.total_updates=3", *SMALL, LN,
@@ -46,6 +47,8 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
                if line]
     assert {"critic_loss", "actor_loss", "alpha", "q_mean", "action_rms"} <= set(records[-1])
+    # while the buffers fill (version 1) each micro-batch still has its record, unscored
+    assert records[0]["gradient_steps"] == 0 and "critic_loss" not in records[0]
     assert 0 < records[-1]["action_rms"] < 1  # tanh-squashed actions
     out = hpcvla("train", "configs/colocated_sac.yaml", "--ranks", 2, f"run.resume={run_dir}",
                  "pipeline.total_updates=5", *SMALL, LN, timeout=400)

@@ -114,12 +114,12 @@ class SoftUpdate:
         least_held = self.learners.allreduce(self.buffer.size, op=MPI.MIN)  # [dist]
         ready = least_held >= self.alg.learning_starts
         steps = math.ceil(self.alg.utd * collected) if ready else 0
+        stats: dict[str, float] = {}  # the last step's; none while the buffers fill
         with self.setup.timeline.span("train"):
             for _ in range(steps):
                 stats = self._gradient_step()
-        if steps:
-            self.setup.progress.on_micro_batch({**stats, "gradient_steps": steps,
-                                                "replay_size": self.buffer.size})
+        self.setup.progress.on_micro_batch({**stats, "gradient_steps": steps,
+                                            "replay_size": self.buffer.size})
 
     def _gradient_step(self) -> dict[str, float]:
         """One optimizer step (learner.micro_batches sampled batches), then the targets'."""
