@@ -30,9 +30,10 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     collected enters its buffer once (the position counts them across the resume, the
     capacity bounds what is held), gradient steps start once the buffer holds
     learning_starts, the critics' statistics reach metrics.jsonl (and a record of every
-    micro-batch before them: the acting policy's success while the buffers fill). Then RLPD with the first
-    run's trajectory dump as its prior data, from the first run's weights: its temperature
-    the config's, only its critics trained in the warm-up. ~40-50 s: three worlds."""
+    micro-batch before them: the acting policy's success while the buffers fill). Then RLPD
+    with the first run's trajectory dump as its prior data, from the first run's weights:
+    its temperature the config's, only its critics trained in the warm-up. ~40-50 s: three
+    worlds."""
     _, first, run_dir = run_train(tmp_path / "sac", "pipeline.total_updates=3", *SMALL, LN,
                                   "run.dump_trajectories=true",
                                   config="configs/colocated_sac.yaml", ranks=2)
