@@ -63,7 +63,9 @@ def test_train_writes_resolved_config_and_plan(tmp_path):
 def test_a_problem_of_one_nodes_own_ends_the_world_naming_rank_and_host(tmp_path):
     """Each node checks its own host (its GPUs, its Horovod): only rank 1 finds that its node
     was given GPUs torch cannot see. It says so, naming its host, and ends the world at once:
-    rank 0 would otherwise wait for it in their first collective."""
+    rank 0 would otherwise wait for it in their first collective. The launcher repeats what
+    it said last: mpiexec may cut an aborting rank's output (once, on a loaded machine, all of
+    it)."""
     start = time.monotonic()
     out = hpcvla("launch", "-n", 2, "--timeout", 60, "--", MPI_DIR /
                  "train_without_gpus_on_rank_1.py", "configs/colocated.yaml",
@@ -71,6 +73,9 @@ def test_a_problem_of_one_nodes_own_ends_the_world_naming_rank_and_host(tmp_path
     assert out.returncode not in (0, 124) and time.monotonic() - start < 30, out.stderr
     assert f"hpcvla: rank 1 on {socket.gethostname()}: invalid configs/colocated.yaml" \
         in out.stderr and "sees none" in out.stderr, out.stderr
+    repeated = out.stderr.split("hpcvla: the world ended on this failure:\n")[-1]
+    assert repeated.startswith(f"hpcvla: rank 1 on {socket.gethostname()}: invalid") and \
+        "sees none" in repeated, out.stderr
 
 
 def test_world_size_must_match_slurm_allocation():

@@ -20,6 +20,7 @@ from hpcvla.config import ConfigError
 from hpcvla.config.families import family
 from hpcvla.envs import check_env, env_uses_gpu
 from hpcvla.metrics.tensorboard import wandb_problems
+from hpcvla.process import deathwatch
 from hpcvla.schedule import config_layout_problems
 from hpcvla.topology.plan import PlanError, RankPlan
 
@@ -187,8 +188,10 @@ def check_host(cfg, source: str, rank: int | None) -> None:
     nodes' ranks would wait for it in their first collective)."""
     problems = host_problems(cfg)
     if problems:
-        print(f"hpcvla: rank {rank or 0} on {socket.gethostname()}: "
-              f"{ConfigError(problems, source)}", file=sys.stderr, flush=True)
+        why = (f"hpcvla: rank {rank or 0} on {socket.gethostname()}: "
+               f"{ConfigError(problems, source)}")
+        print(why, file=sys.stderr, flush=True)
+        deathwatch.said_why(rank or 0, why)
         from mpi4py import MPI
         MPI.COMM_WORLD.Abort(2)  # [dist]
 

@@ -66,12 +66,20 @@ def _hold_lifeline(path: Path, rank: int) -> None:
     _lifeline = line
 
 
-def said_why(rank: int) -> None:
-    """Rank side, before it aborts the world: it failed and explained itself, so the others'
-    deaths that follow are not news."""
+def said_why(rank: int, why: str = "") -> None:
+    """Rank side, before it aborts the world: it failed and explained itself (`why`, the
+    line it printed), so the others' deaths that follow are not news. The launcher repeats
+    `why` at the end: mpiexec may kill a rank's output forwarding on MPI_Abort before the
+    rank's own words are through (seen on a loaded 2-core machine)."""
     folder = os.environ.get(ENV)
     if folder:
-        (Path(folder) / f"failed.rank{rank}").touch()
+        _write_atomic(Path(folder) / f"failed.rank{rank}", why)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)  # the launcher never reads half a message
 
 
 def finished(rank: int) -> None:
@@ -199,11 +207,15 @@ class DeathWatch:
         return gone
 
     def report(self, ended: float) -> str | None:
-        """Who died first, how long before the world ended (`ended`, monotonic), and the
-        run's last progress; None if no rank was seen to die."""
+        """What a rank that failed said (said_why), or else who died first, how long before
+        the world ended (`ended`, monotonic), and the run's last progress; None if no rank
+        was seen to die."""
         self.wait(0)
-        if not (self.first and self.first[0]) or any(self.dir.glob("failed.rank*")):
-            return None  # nobody died, or the failing rank said why itself
+        if said := sorted(self.dir.glob("failed.rank*")):  # the failing rank said why itself
+            why = said[0].read_text().strip()
+            return f"hpcvla: the world ended on this failure:\n{why}" if why else None
+        if not (self.first and self.first[0]):
+            return None  # nobody died
         cards, when = self.first
         who = " or ".join(f"rank {c['rank']} ({c['roles']}) on node {c['node']} (host "
                           f"{c['host']}, pid {c['pid']})" for c in cards)
