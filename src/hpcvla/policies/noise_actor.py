@@ -21,8 +21,8 @@ and the learner's SAC steps never run the VLA (their transitions hold the noise,
 every step as the extra field `dsrl_noise`). It may read fewer fields than the VLA
 (algorithm.noise_obs: DSRL's own experiments steer from the low-dim state): without the
 image a SAC step is a few small matrix products. Its Gaussian is SAC's (a log std of the
-state), squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded noise
-would take the sampler where its training never went. It steers the executed part of the
+state), squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded
+noise would take the sampler where its training never went. It steers the executed part of the
 chunk (chunk_len x action_dim); a published model's longer horizon and padded dims start at
 0, the prior's mode, as the pipeline's deterministic sampling does.
 """

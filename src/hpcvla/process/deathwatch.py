@@ -67,10 +67,10 @@ def _hold_lifeline(path: Path, rank: int) -> None:
 
 
 def said_why(rank: int, why: str = "") -> None:
-    """Rank side, before it aborts the world: it failed and explained itself (`why`, the
-    line it printed), so the others' deaths that follow are not news. The launcher repeats
-    `why` at the end: mpiexec may kill a rank's output forwarding on MPI_Abort before the
-    rank's own words are through (seen on a loaded 2-core machine)."""
+    """Rank side, before it aborts the world: it failed and explained itself (`why`: what it
+    printed, its traceback aside), so the others' deaths that follow are not news. The
+    launcher repeats `why` at the end: on MPI_Abort mpiexec may stop forwarding the rank's
+    output before its words are through."""
     folder = os.environ.get(ENV)
     if folder:
         _write_atomic(Path(folder) / f"failed.rank{rank}", why)
