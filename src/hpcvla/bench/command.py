@@ -65,8 +65,8 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--demos", type=int, default=None,
                        help="learning --arms imitation, prior-data or dsrl-sft: "
                             "scripted-expert demonstrations the SFT start (and RLPD) learns "
-                            "from (default 64, 16 and 64; the recipe's comment gives its count, e.g. 256 for "
-                            "configs/maniskill_pushcube_tokens.yaml)")
+                            "from (default 64, 16 and 64; the recipe's comment gives its "
+                            "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,

@@ -54,8 +54,8 @@ Arm sets (`--arms`):
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval`
-of each run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for every arm
-and seed, not the rolling training success (which counts episodes of several policy
+of each run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for
+every arm and seed, not the rolling training success (which counts episodes of several policy
 versions, sampled on the training states); each checkpoint twice, acting as training does
 (sampled) and with its deterministic action (as ManiSkill's baselines evaluate). Reported:
 per run both eval successes, the rolling
