@@ -157,7 +157,8 @@ def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
     reach's DSRL settings but a 100x smaller temperature) against the recipe's own RL, both
     from its SFT run. PushCube's noise has 35 dimensions and a sparse reward: at reach's 0.01
     the entropy bonus (~0.2 a chunk) outweighed the success and the actor stayed at the prior
-    (one seed: 0.531 of the held-out states from the start's 0.555; at 1e-4, 0.703)."""
+    (one seed: 0.531 of the held-out states from the start's 0.555; at 1e-4, 0.648 over
+    three seeds, docs/results.md)."""
     start = [config, "--ranks", "4", "policy.checkpoint={pretrained}"]
     return {"dsrl": [*start, *DSRL_SETTINGS, "algorithm.noise_obs=state",
                      "algorithm.init_temperature=0.0001"], "recipe": start}
