@@ -507,3 +507,25 @@ def test_the_plan_counts_rlpds_prior_data_from_the_files_headers(tmp_path):
     per_transition = replay_bytes(sac, spec) // sac.replay_capacity
     assert rows > 0 and replay_bytes(rlpd, spec) - replay_bytes(sac, spec) == \
         rows * per_transition
+
+
+def test_an_adam_state_torch_has_not_made_yet_is_saved_as_torch_would_make_it():
+    """A checkpoint before the optimizer's first step (SAC before learning_starts) holds the
+    masters alone; after it, a parameter no step has reached yet (torch makes its Adam state
+    at its first gradient) is saved at step 0 with zero moments beside the others' real ones."""
+    from hpcvla.checkpoint.optimizer_state import _replicated
+    from hpcvla.checkpoint.store import _optimizer_snapshot
+    stepped, idle = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.Adam([stepped, idle], lr=0.1)
+    parts = [_replicated("stepped", stepped, optimizer), _replicated("idle", idle, optimizer)]
+    tensors, index = _optimizer_snapshot(parts, rank=0)
+    assert index["keys"] == [] and index["steps"] == {"stepped": 0.0, "idle": 0.0}
+    assert set(tensors) == {"stepped/master", "idle/master", "rng.torch_cpu"}
+    stepped.grad = torch.ones(3)
+    optimizer.step()  # `idle` has no gradient: no state for it
+    tensors, index = _optimizer_snapshot(parts, rank=0)
+    assert index["keys"] == ["exp_avg", "exp_avg_sq"]
+    assert index["steps"] == {"stepped": 1.0, "idle": 0.0}
+    assert tensors["stepped/exp_avg"].abs().min() > 0 and tensors["stepped/exp_avg_sq"].all()
+    assert not tensors["idle/exp_avg"].any() and not tensors["idle/exp_avg_sq"].any()
+    assert tensors["idle/exp_avg"].shape == idle.shape

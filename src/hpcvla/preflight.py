@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -188,12 +187,10 @@ def check_host(cfg, source: str, rank: int | None) -> None:
     nodes' ranks would wait for it in their first collective)."""
     problems = host_problems(cfg)
     if problems:
-        why = (f"hpcvla: rank {rank or 0} on {socket.gethostname()}: "
-               f"{ConfigError(problems, source)}")
-        print(why, file=sys.stderr, flush=True)
-        deathwatch.said_why(rank or 0, why)
         from mpi4py import MPI
-        MPI.COMM_WORLD.Abort(2)  # [dist]
+        deathwatch.abort_world(MPI.COMM_WORLD, rank or 0, f"hpcvla: rank {rank or 0} on "
+                               f"{socket.gethostname()}: {ConfigError(problems, source)}",
+                               2)  # [dist]
 
 
 def pipeline_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:

@@ -95,11 +95,9 @@ def _or_abort(world, role: str, node: int, main) -> None:
     except BaseException as err:  # noqa: BLE001 - any failure must take the world down
         if isinstance(err, SystemExit) and not err.code:
             raise
-        why = (f"hpcvla: rank {rank} ({role}) on node {node} (host "
-               f"{MPI.Get_processor_name()}) failed: {err!r}")
-        print(f"{why}\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        deathwatch.said_why(rank, why)
-        world.Abort(1)
+        deathwatch.abort_world(world, rank, f"hpcvla: rank {rank} ({role}) on node {node} "
+                               f"(host {MPI.Get_processor_name()}) failed: {err!r}", 1,
+                               traceback.format_exc())
 
 
 def create_run_dir(cfg, world) -> Path:

@@ -66,6 +66,15 @@ def _hold_lifeline(path: Path, rank: int) -> None:
     _lifeline = line
 
 
+def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None:
+    """Rank side, on a failure the world cannot outlive: print `why` (then `detail`, e.g. a
+    traceback) to stderr, leave `why` with the launcher (said_why) and abort `world` (an MPI
+    communicator: every rank goes down with exit status `code`)."""
+    print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
+    said_why(rank, why)
+    world.Abort(code)
+
+
 def said_why(rank: int, why: str = "") -> None:
     """Rank side, before it aborts the world: it failed and explained itself (`why`: what it
     printed, its traceback aside), so the others' deaths that follow are not news. The

@@ -36,7 +36,6 @@ keeps it whole.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -44,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
+from hpcvla.process import deathwatch
 from hpcvla.transport import pieces
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
 from hpcvla.transport.manifest import Manifest
@@ -321,9 +321,9 @@ class WeightPlane:
             loop()
         except BaseException as err:  # noqa: BLE001
             self._error = err
-            print(f"hpcvla: weight plane thread of rank {MPI.COMM_WORLD.Get_rank()} failed: "
-                  f"{err!r}", file=sys.stderr, flush=True)
-            MPI.COMM_WORLD.Abort(1)
+            rank = MPI.COMM_WORLD.Get_rank()
+            deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla: weight plane thread of "
+                                   f"rank {rank} failed: {err!r}", 1)
 
     def _raise_thread_error(self) -> None:
         if self._error is not None:
