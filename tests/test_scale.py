@@ -70,6 +70,23 @@ def test_colocated_closed_form():
     assert near(predict(lay, c, updates=5).env_steps_per_s, steps / version, rel=1e-6)
 
 
+def test_learner_start_overlaps_rollouts_where_the_roles_are_apart():
+    """The learners' engine build (`learner_start_s`): a colocated run waits it out; a split
+    one's cells fill the first versions' quota meanwhile, so its run grows by less."""
+    from dataclasses import replace
+    start = 0.5
+    for lay, hidden in ((Layout("sync-colocated", 2, 2, envs=16, micro_batch=16),
+                         False),
+                        (Layout("streamer", 4, 4, CELL, envs=16, shards=4, micro_batch=16,
+                                micro_batches=2, max_staleness=1), True)):
+        c = costs(sim=0.01, a=0.002, learn=0.002)
+        cold, warm = (predict(lay, replace(c, learner_start_s=s), updates=4) for s in (start, 0))
+        grown = cold.wall_s - warm.wall_s
+        assert (0 < grown < start - 0.05) if hidden else near(grown, start, rel=1e-6), grown
+        assert near(predict(lay, replace(c, learner_start_s=start)).env_steps_per_s,
+                    predict(lay, c).env_steps_per_s, rel=1e-6)  # the steady rate: no start
+
+
 def test_network_costs():
     net = Network()
     assert net.broadcast_s(1e9, 1) == 0 and net.allreduce_s(1e9, 1, 1) == 0

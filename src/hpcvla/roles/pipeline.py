@@ -10,12 +10,15 @@ the weight root, without torch.
 
 Collective set-up happens in one order on every rank: the prologue's broadcasts, then
 (`connect`) cell exchange, learner ring, weight plane, each rank skipping what it is not part
-of, so no two ranks wait on each other in different collectives; then the learners' engine,
-then one idle barrier that starts every rank's clock. Shutdown: the learners finish their
-updates; the weight root stops the weight plane, which marks every node "finished"; inference
-ranks answer their shards with a stop flag and close their ring writers; learners drain their
-rings until every producer has closed (no producer is left blocked on a full ring); then
-everything is freed collectively and rank 0 gathers the report.
+of, so no two ranks wait on each other in different collectives; then the weight root
+publishes the first version (0, or the one resumed) and one idle barrier starts every rank's
+clock: the cells act on that version while the learners build their engine (which the clock
+counts in every mode: it is the users' wall time, and the split modes hide part of it).
+Shutdown: the learners finish their updates; the weight root stops the weight plane, which
+marks every node "finished"; inference ranks answer their shards with a stop flag and close
+their ring writers; learners drain their rings until every producer has closed (no producer is
+left blocked on a full ring); then everything is freed collectively and rank 0 gathers the
+report.
 """
 
 from __future__ import annotations

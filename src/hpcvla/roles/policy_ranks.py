@@ -60,9 +60,12 @@ def inference_rank(me: Rank, links: Links) -> tuple[float, Counters]:
 def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     assert links.ring is not None and links.ring.reader is not None  # its feed's root
     cfg, plan, ring, plane = me.cfg, me.plan, links.ring.reader, links.plane
+    _load_resumed_weights(me)
+    if me.rank == plan.weight_root:  # the first version (0 or the one resumed) before the
+        plane.publish(me.first, _policy(me).state_dict())  # engine: the cells act meanwhile
+    start = start_clock(me)
     engine = _start_engine(me)
     soft = _soft_update(me, engine) if cfg.algorithm.off_policy else None
-    start = start_clock(me)
     save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline,
                         soft.counters if soft else dict)
 
@@ -77,13 +80,11 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
         if me.rank == plan.weight_root:
             assert state is not None  # the weight root wants them
             plane.publish(version, state)
-        if version > me.first:
-            save(version, state, last)
+        save(version, state, last)
         if inbox:
             inbox.poll()
     stats: Counters = {"staleness_hist": {}}
     queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
-    publish(me.first)
     train = soft.learn if soft else partial(learn, cfg, engine, timeline=me.timeline,
                                             progress=me.progress)
     run_learner(me.setup, sched=links.sched, train=train, queues=queues, publish=publish,
@@ -116,18 +117,19 @@ def evaluator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
 
 def colocated_rank(me: Rank) -> tuple[float, Counters]:
     cfg, rank = me.cfg, me.rank
-    engine = _start_engine(me)
+    _load_resumed_weights(me)
     actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
-    update = _version_update(me, engine, actor)
-    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline,
-                        update.counters)
     env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank),
                     first_env=rank * cfg.env.envs_per_simulator,
                     owner=f"rank {rank} (colocated)")
     dump = trajectory_dump(cfg, me.spec, _policy(me), rank, me.run_dir,
                            lambda slot: colocated_seed(cfg, rank))
     held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None
-    start = start_clock(me)
+    start = start_clock(me)  # the engine's build counts, as in the other modes
+    engine = _start_engine(me)
+    update = _version_update(me, engine, actor)
+    save = checkpointer(cfg, engine, me.comms.learners, me.run_dir, me.progress, me.timeline,
+                        update.counters)
     actor.load_arrays(full_state(engine))  # [dist] under ZeRO-3
     after_version = save
     if held_out:  # eval.every: between versions, every rank a share, the start's included
@@ -168,16 +170,20 @@ def _soft_update(me: Rank, engine: SkipNonfinite, actor: Policy | None = None) -
     return SoftUpdate(me.setup, engine, actor, me.spec, me.comms.learners, done)
 
 
-def _start_engine(me: Rank) -> SkipNonfinite:
-    """This learner's engine (engines/: DeepSpeed or Horovod); resuming, the weights are
-    loaded before the engine partitions them and the optimizer partition after."""
-    cfg, policy, learners = me.cfg, _policy(me), me.comms.learners
-    device = torch.device(me.device)
-    if me.resume is None:
-        engine = init_engine(cfg, policy, learners, device)  # [dist]
-    else:
+def _load_resumed_weights(me: Rank) -> None:
+    """Resuming, the checkpoint's weights into this learner's policy: before its first
+    version is published and before the engine partitions them."""
+    if me.resume is not None:
+        policy = _policy(me)
         policy.load_arrays(store.load_weights(me.resume, policy.state_dict()))
-        engine = init_engine(cfg, policy, learners, device)  # [dist]
+
+
+def _start_engine(me: Rank) -> SkipNonfinite:
+    """This learner's engine (engines/: DeepSpeed or Horovod) over its policy, which holds the
+    weights resumed (_load_resumed_weights); resuming, the optimizer partition after."""
+    cfg, learners = me.cfg, me.comms.learners
+    engine = init_engine(cfg, _policy(me), learners, torch.device(me.device))  # [dist]
+    if me.resume is not None:
         state = store.load_optimizer(me.resume, engine, learners)  # [dist]
         me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
     phases.mark("engine_ready")

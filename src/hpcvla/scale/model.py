@@ -36,6 +36,8 @@ a second for any world size:
 * sync-colocated: each rank rolls out (T + 1 forward passes of E envs and T steps of its
   slowest env per segment group) until it holds its share of the batch, then all ranks train
   together; a version lasts as long as the slowest rank's rollout plus the training.
+* Start: the learners build their engine for `learner_start_s` after the clock starts; the
+  cells act on the first version meanwhile (a colocated rank waits for it).
 
 Disaggregated layouts are symmetric per learner, so the model simulates *slices*: up to 8
 learners (those with the fewest producers: they set the pace) with their cells, lock-stepped
@@ -77,6 +79,7 @@ class StageCosts:
     sim_serial: bool = False           # a simulator rank steps its shards one at a time
     weight_bytes: float = 0.0          # published policy (and all-reduced gradients)
     grad_bytes: float | None = None    # gradients all-reduced per step (default weight_bytes)
+    learner_start_s: float = 0.0       # the learners' engine build after the clock starts
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def _colocated(lay: Layout, costs: StageCosts, net: Network, updates, seed) -> P
     grad = costs.weight_bytes if costs.grad_bytes is None else costs.grad_bytes
     train += lay.epochs * net.allreduce_s(grad, lay.world, lay.world // lay.ranks_per_node)
     n = updates or 14
-    wall = sim_busy = inf_busy = 0.0
+    wall, sim_busy, inf_busy = (costs.learner_start_s if updates else 0.0), 0.0, 0.0
     for _ in range(n):
         sims = [sum(_sim_draw(rng, costs, E) for _ in range(groups * T))
                 for _ in range(lay.world)]
@@ -338,6 +341,7 @@ class _World:
     def _train(self, updates: int, marks: list):
         env, lay = self.env, self.lay
         per_micro = self.costs.learn_fixed_s + lay.micro_batch * self.costs.learn_s_per_segment
+        yield env.timeout(self.costs.learner_start_s)  # the cells act meanwhile
         for version in range(updates):
             # epoch 0 ends in an optimizer step: every learner waits for the slowest
             yield simpy.AllOf(env, [env.process(lr.epoch0(version)) for lr in self.learners])

@@ -10,6 +10,8 @@ The one cost the presets leave to the machine, the inference rank's CPU work per
 (`inf_per_request_s`), depends on how busy the cores are: the probe times it on an idle
 core, but here 4-8 ranks share 2 cores. So a second prediction uses the cost as the run
 itself measured it (its `assemble` time per request served, "in situ"); both are reported.
+Both take the learners' start (their engine's build, which the run's clock counts while the
+cells act) as the run measured it: the model predicts the pipeline, not DeepSpeed's set-up.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hpcvla.job.trainrun import train_run
-from hpcvla.scale.model import predict
+from hpcvla.scale.model import StageCosts, predict
 from hpcvla.scale.presets import PRESETS, emulated_cost_overrides
 from hpcvla.scale.probe import emulated_costs
 from hpcvla.schedule import Layout
@@ -69,13 +71,23 @@ def in_situ_overhead(lay: Layout, busy_fraction: dict, wall_s: float, env_steps:
     return busy_fraction.get("inference:assemble", 0.0) * wall_s * n_inf / requests
 
 
-def _row(name, lay, costs, updates, measured, wall_s, env_steps, busy_fraction) -> dict:
+def learner_start_s(summary: dict) -> float:
+    """The learners' engine build after the clock started (roles/policy_ranks.py), as the run
+    measured it: the slowest learner's."""
+    return max((r["phases_s"]["engine_ready"] - r["phases_s"]["all_ranks_ready"]
+                for r in summary["per_rank"] if "engine_ready" in r["phases_s"]), default=0.0)
+
+
+def _row(name: str, lay: Layout, costs: StageCosts, updates: int, summary: dict) -> dict:
+    measured, busy_fraction = summary["env_steps_per_s"], summary["busy_fraction"]
+    costs = replace(costs, learner_start_s=learner_start_s(summary))  # the machine's, as given
     pred = predict(lay, costs, updates=updates)
-    situ = replace(costs, inf_per_request_s=in_situ_overhead(lay, busy_fraction, wall_s,
-                                                              env_steps))
+    situ = replace(costs, inf_per_request_s=in_situ_overhead(
+        lay, busy_fraction, summary["wall_s"], summary["env_steps"]))
     pred_situ = predict(lay, situ, updates=updates)
     row = {"label": name, "layout": lay.to_overrides(), "measured": measured,
            "predicted": pred.env_steps_per_s, "error": pred.env_steps_per_s / measured - 1,
+           "learner_start_s": costs.learner_start_s,
            "in_situ_overhead_s": situ.inf_per_request_s,
            "predicted_in_situ": pred_situ.env_steps_per_s,
            "error_in_situ": pred_situ.env_steps_per_s / measured - 1,
@@ -113,9 +125,7 @@ def run(preset_name: str = "balanced", updates: int = 10, json_path=None,
             overrides = layout.to_overrides() + workload_overrides(preset, layout, updates)
             _, summary = train_run(["--ranks", layout.world, *overrides, f"run.name=case{n}"],
                                    Path(tmp) / f"case{n}", label=f"case {n}")
-            results["cases"].append(_row(label(layout), layout, costs, updates,
-                                         summary["env_steps_per_s"], summary["wall_s"],
-                                         summary["env_steps"], summary["busy_fraction"]))
+            results["cases"].append(_row(label(layout), layout, costs, updates, summary))
     results["summary"] = summarize(results["cases"])
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
