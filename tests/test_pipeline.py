@@ -317,6 +317,7 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
     assert "peak memory, GiB" in out and "start and stop, s since launch" in out
     for rank in first["per_rank"]:  # each rank's own steps and peak memory
         assert 0 < rank["phases_s"]["imports"] <= rank["phases_s"]["finished"], rank
+        assert ("build_engine" in rank["busy_s"]) == ("learner" in rank["role"]), rank
         assert 50e6 < rank["peak_memory"]["host_rss"] < 8e9, rank
 
     # the command it printed, as printed (no config: the run's own), and 2 more versions

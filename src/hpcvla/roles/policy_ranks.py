@@ -182,10 +182,11 @@ def _start_engine(me: Rank) -> SkipNonfinite:
     """This learner's engine (engines/: DeepSpeed or Horovod) over its policy, which holds the
     weights resumed (_load_resumed_weights); resuming, the optimizer partition after."""
     cfg, learners = me.cfg, me.comms.learners
-    engine = init_engine(cfg, _policy(me), learners, torch.device(me.device))  # [dist]
-    if me.resume is not None:
-        state = store.load_optimizer(me.resume, engine, learners)  # [dist]
-        me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
+    with me.timeline.span("build_engine"):  # on the clock: the timeline shows the cells act
+        engine = init_engine(cfg, _policy(me), learners, torch.device(me.device))  # [dist]
+        if me.resume is not None:
+            state = store.load_optimizer(me.resume, engine, learners)  # [dist]
+            me.progress.resume(state["version"], state["counters"]["trained_env_steps"])
     phases.mark("engine_ready")
     return engine
 
