@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -73,7 +74,6 @@ def test_colocated_closed_form():
 def test_learner_start_overlaps_rollouts_where_the_roles_are_apart():
     """The learners' engine build (`learner_start_s`): a colocated run waits it out; a split
     one's cells fill the first versions' quota meanwhile, so its run grows by less."""
-    from dataclasses import replace
     start = 0.5
     for lay, hidden in ((Layout("sync-colocated", 2, 2, envs=16, micro_batch=16),
                          False),
