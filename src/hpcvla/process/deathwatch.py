@@ -43,9 +43,7 @@ def register(rank: int, roles: str, node: int, host: str) -> None:
     folder = os.environ.get(ENV)
     if folder:
         card = {"rank": rank, "roles": roles, "node": node, "host": host, "pid": os.getpid()}
-        tmp = Path(folder) / f".rank{rank}.json"
-        tmp.write_text(json.dumps(card))
-        tmp.rename(tmp.with_name(f"rank{rank}.json"))  # atomic: never read half-written
+        _write_atomic(Path(folder) / f"rank{rank}.json", json.dumps(card))
         _hold_lifeline(Path(folder) / LIFELINE, rank)
 
 
@@ -75,7 +73,7 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
     world.Abort(code)
 
 
-def said_why(rank: int, why: str = "") -> None:
+def said_why(rank: int, why: str) -> None:
     """Rank side, before it aborts the world: it failed and explained itself (`why`: what it
     printed, its traceback aside), so the others' deaths that follow are not news. The
     launcher repeats `why` at the end: on MPI_Abort mpiexec may stop forwarding the rank's
@@ -88,7 +86,7 @@ def said_why(rank: int, why: str = "") -> None:
 def _write_atomic(path: Path, text: str) -> None:
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(text)
-    os.replace(temporary, path)  # the launcher never reads half a message
+    os.replace(temporary, path)  # the launcher never reads half a card or message
 
 
 def finished(rank: int) -> None:
