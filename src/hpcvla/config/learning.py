@@ -243,10 +243,12 @@ class AlgorithmConfig:
         "imitated; 0: every step trains all of it.", ge=0)
     init_temperature: float = setting(
         0.1, "`sac`: the entropy temperature alpha at the start; it then follows the entropy "
-        "target (`target_entropy`). Its scale is the reward's: alpha x the chunk's entropy "
-        "is added to every step's reward, so a task whose chunks earn little (reach: ~0.05) "
-        "needs a small start, or the entropy bonus is all the critics learn "
-        "until alpha has decayed.", ge=1e-8)
+        "target (`target_entropy`) at `lr`: Adam moves log(alpha) by at most ~lr a gradient "
+        "step, so a short run at a small lr keeps it near its start (the flow PushCube "
+        "recipe's DSRL, lr 5e-5, 2,400 steps: 1e-4 -> 0.94e-4). Its scale is the reward's: "
+        "alpha x the chunk's entropy is added to every step's reward, so a task whose chunks "
+        "earn little (reach: ~0.05) needs a small start, or the entropy bonus is all the "
+        "critics learn until alpha has decayed.", ge=1e-8)
     target_entropy: float = setting(
         -1.0, "`sac`: the entropy the temperature holds the actor at, per dimension of its "
         "action (the chunk's, or the noise's under DSRL): SAC's -1 makes the target minus "
