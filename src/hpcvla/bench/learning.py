@@ -47,7 +47,7 @@ Arm sets (`--arms`):
   ManiSkill PushCube-v1 with the flow policy (configs/maniskill_pushcube_flow.yaml;
   `--config`: another flow recipe), `hpcvla demos` and `hpcvla sft` as `imitation`, then
   `dsrl` (SAC's noise actor on the state, reach's DSRL settings, a 100x smaller
-  temperature, 4x the gradient steps: dsrl_sft_arms) against `recipe` (the recipe's own RL: GRPO on success), both
+  temperature: dsrl_sft_arms) against `recipe` (the recipe's own RL: GRPO on success), both
   from that SFT run.
 * `scratch`: `prior-data` without the demonstrations: `sac` against `ppo` (the same
   baseline settings), both from a fresh policy, the same held-out schedule.
@@ -154,16 +154,13 @@ FLOW_SFT_CONFIG = "configs/maniskill_pushcube_flow.yaml"  # `dsrl-sft`'s recipe:
 
 def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
     """The `dsrl-sft` arm set on a flow recipe `config`: DSRL (its noise actor on the state,
-    reach's DSRL settings but a 100x smaller temperature and 4x the gradient steps) against
-    the recipe's own RL, both from its SFT run. PushCube's noise has 35 dimensions and a
-    sparse reward: at reach's 0.01 the entropy bonus (~0.2 a chunk) outweighed the success
-    and the actor stayed at the prior; at 1e-4 it lifts the start, at one gradient step per
-    transition about twice as much as at reach's 0.25, in the same wall time
-    (docs/results.md, "DSRL from the flow recipe's SFT start")."""
+    reach's DSRL settings but a 100x smaller temperature) against the recipe's own RL, both
+    from its SFT run. PushCube's noise has 35 dimensions and a sparse reward: at reach's 0.01
+    the entropy bonus (~0.2 a chunk) outweighed the success and the actor stayed at the prior;
+    at 1e-4 it lifts the start (docs/results.md, "DSRL from the flow recipe's SFT start")."""
     start = [config, "--ranks", "4", "policy.checkpoint={pretrained}"]
     return {"dsrl": [*start, *DSRL_SETTINGS, "algorithm.noise_obs=state",
-                     "algorithm.init_temperature=0.0001", "algorithm.utd=1.0"],
-            "recipe": start}
+                     "algorithm.init_temperature=0.0001"], "recipe": start}
 
 
 # the arm sets built on a task recipe: their arms of a recipe, their recipe and demonstrations
