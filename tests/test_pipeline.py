@@ -120,8 +120,8 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
-    out, summary, run_dir = run_train(tmp_path, "pipeline.total_updates=3",
-                                      "learner.zero_stage=3", "run.dump_trajectories=true",
+    settings = ["pipeline.total_updates=3", "learner.zero_stage=3", "run.dump_trajectories=true"]
+    out, summary, run_dir = run_train(tmp_path / "run", *settings,
                                       config="configs/colocated.yaml", ranks=4)
     assert summary["mode"] == "sync-colocated" and summary["ranks"] == 4
     assert summary["staleness_hist"] == {"0": 4 * 3 * 32}
@@ -130,12 +130,31 @@ def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
     # behaviour log-probs (a function of the noise alone) repeat across ranks step for step
     seeds = json.loads((run_dir / "rng_seeds.json").read_text())["ranks"]
     assert len({s["torch"] for s in seeds.values()}) == len(seeds) == 4
+    logprobs = dumped_logprobs(run_dir)
+    shared = set(logprobs[0].tolist()) & set(logprobs[1].tolist())
+    assert len(shared) < 0.01 * len(logprobs[0]), len(shared)
+    # lock-step on every rank, the run is a function of run.seed: run again, the same bytes
+    # (docs/learning.md, "What a seed fixes")
+    _, _, again = run_train(tmp_path / "again", *settings, config="configs/colocated.yaml",
+                            ranks=4)
+    model = "checkpoints/v000003/model.safetensors"
+    assert (run_dir / model).read_bytes() == (again / model).read_bytes()
+    assert all(np.array_equal(*pair) for pair in zip(logprobs, dumped_logprobs(again)))
+    assert metrics_but_time(run_dir) == metrics_but_time(again)
+
+
+def dumped_logprobs(run_dir) -> list[np.ndarray]:
+    """Every rank's dumped behaviour log-probs, in the order it played them."""
     logprobs = []
     for rank in range(4):
         with h5py.File(run_dir / "trajectories" / f"rank{rank}.h5") as f:
             logprobs.append(np.concatenate([d["logprobs"][()] for d in f["data"].values()]))
-    shared = set(logprobs[0].tolist()) & set(logprobs[1].tolist())
-    assert len(shared) < 0.01 * len(logprobs[0]), len(shared)
+    return logprobs
+
+
+def metrics_but_time(run_dir) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
 
 
 @pytest.mark.mpi
