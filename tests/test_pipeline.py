@@ -38,7 +38,8 @@ def test_batcher_fires_on_batch_max():
     b.add(1, 8)
     assert b.fire_reason() == "batch_max"
     b.add(2, 8)
-    assert b.take() == [3, 1] and b.waiting_envs() == 8  # arrival order, at most B_max envs
+    # taken in arrival order, at most B_max envs, served in slot order
+    assert b.take() == [1, 3] and b.waiting_envs() == 8
 
 
 def test_batcher_fires_on_wait_max_and_respects_eligibility():
@@ -91,11 +92,10 @@ def test_pipeline_sizes_checked_before_ranks_start():
 @pytest.mark.parametrize("mode", ["sync-disaggregated", "train-async", "rollout-async",
                                   "streamer"])
 def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
-    out, summary, run_dir = run_train(tmp_path, f"pipeline.mode={mode}",
-                                      "pipeline.total_updates=4", "learner.zero_stage=2",
-                                      "learner.epochs=8",  # replay epochs: see the end
-                                      *(["algorithm.critic_epochs=1"] if mode == "streamer"
-                                        else []))
+    settings = [f"pipeline.mode={mode}", "pipeline.total_updates=4", "learner.zero_stage=2",
+                "learner.epochs=8",  # replay epochs: see the end
+                *(["algorithm.critic_epochs=1"] if mode == "streamer" else [])]
+    out, summary, run_dir = run_train(tmp_path / "run", *settings)
     assert summary["mode"] == mode and summary["env_steps"] > 0
     assert "[hpcvla] update 4/4" in out.stdout
     inference = [r for r in summary["per_rank"] if r["role"] == "inference"]
@@ -108,6 +108,12 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     assert trained == 4 * 32  # updates x learner batch, each segment once
     if mode == "sync-disaggregated":
         assert set(summary["staleness_hist"]) == {"0"}
+        # one cell, every env in every batch: run again, the same weights and metrics
+        # (docs/learning.md, "What a seed fixes")
+        _, _, again = run_train(tmp_path / "again", *settings)
+        model = "checkpoints/v000004/model.safetensors"
+        assert (run_dir / model).read_bytes() == (again / model).read_bytes()
+        assert metrics_but_time(run_dir) == metrics_but_time(again)
     assert (run_dir / "timeline.rank0.jsonl").exists() and (run_dir / "metrics.jsonl").exists()
     # the loss statistics are the last epoch's: the policy has moved from the proximal one
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]

@@ -32,8 +32,9 @@ class RunConfig:
         "file system on a cluster so every node's rank 0 sees the same path.")
     seed: int = setting(
         0, "Base random seed; each rank derives its own from it and its rank. A "
-        "sync-colocated run repeats bit for bit at one seed; in the other modes the ranks' "
-        "timing also shapes the run (docs/learning.md, \"What a seed fixes\").", ge=0)
+        "synchronous run (sync-colocated, sync-disaggregated) repeats bit for bit at one "
+        "seed; in the asynchronous modes the ranks' timing also shapes the run "
+        "(docs/learning.md, \"What a seed fixes\").", ge=0)
     resume: str = setting(
         "", "Continue the run in this run directory from its newest checkpoint (weights, "
         "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "

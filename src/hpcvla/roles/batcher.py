@@ -3,8 +3,9 @@
 Requests (one per env shard, carrying that shard's envs) queue as they arrive. A forward pass
 fires as soon as `batch_max` envs wait, or the oldest request has waited `wait_max` seconds,
 whichever comes first; it takes requests in arrival order up to `batch_max` envs (at least
-one request). `batch_max = inf, wait_max = inf` waits for everybody (the synchronous
-baseline); `batch_max = 1` serves each request alone (no batching).
+one request) and serves them in slot order. `batch_max = inf, wait_max = inf` waits for
+everybody (the synchronous baseline); `batch_max = 1` serves each request alone (no
+batching).
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class DynamicBatcher:
         return None
 
     def take(self, eligible: Container[int] | None = None) -> list[int]:
-        """Pop the requests of the next batch (arrival order, up to batch_max envs)."""
+        """Pop the requests of the next batch (taken in arrival order, up to batch_max envs),
+        in slot order: the pass draws its action noise in that order, so a batch of the
+        same requests is served alike however they arrived (a synchronous run repeats)."""
         batch: list[int] = []
         envs = 0
         for slot, (n, _) in list(self._queue.items()):
@@ -60,7 +63,7 @@ class DynamicBatcher:
             batch.append(slot)
             envs += n
             del self._queue[slot]
-        return batch
+        return sorted(batch)
 
     def time_to_deadline(self, eligible: Container[int] | None = None) -> float:
         """Seconds until the oldest eligible request reaches wait_max (inf if none)."""

@@ -175,5 +175,7 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
                         f"of batch {version} (pipeline.stall_timeout_s). "
                         f"{queues.ring.diagnose(queues.producers)}")
             backoff.reset()
+        if need == micro * n_micro:  # the whole batch is here
+            queues.settle(version)
         yield queues.take(micro, version)
         need = micro

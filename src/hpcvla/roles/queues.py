@@ -43,6 +43,13 @@ class SegmentQueues:
             self.buckets[SegmentMeta.of(group).batch].append(group)
         self.ring.release()
 
+    def settle(self, batch: int) -> None:
+        """Put batch `batch`, whole, in one order whatever order it arrived in (producer,
+        slot, group): its micro-batches are then trained in that order, which keeps a
+        synchronous run repeatable at one seed."""
+        self.buckets[batch] = deque(sorted(self.buckets[batch],
+                                           key=lambda g: SegmentMeta.of(g)[:3]))
+
     def available(self, batch: int) -> int:
         return sum(SegmentMeta.of(g).envs for g in self.buckets[batch])
 
