@@ -150,7 +150,7 @@ def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
 
 
 def dumped_logprobs(run_dir) -> list[np.ndarray]:
-    """Every rank's dumped behaviour log-probs, in the order it played them."""
+    """Every rank's dumped behaviour log-probs, its episodes in the file's (name) order."""
     logprobs = []
     for rank in range(4):
         with h5py.File(run_dir / "trajectories" / f"rank{rank}.h5") as f:
