@@ -116,7 +116,7 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
         assert metrics_but_time(run_dir) == metrics_but_time(again)
     assert (run_dir / "timeline.rank0.jsonl").exists() and (run_dir / "metrics.jsonl").exists()
     # the loss statistics are the last epoch's: the policy has moved from the proximal one
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    records = metric_records(run_dir)
     assert len(records) == 4 * 2  # updates x micro-batches
     assert any(r["clip_fraction"] > 0 for r in records) and all(r["approx_kl"] > 0
                                                                  for r in records)
@@ -158,9 +158,12 @@ def dumped_logprobs(run_dir) -> list[np.ndarray]:
     return logprobs
 
 
+def metric_records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def metrics_but_time(run_dir) -> list[dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if k != "time"} for line in lines]
+    return [{k: v for k, v in r.items() if k != "time"} for r in metric_records(run_dir)]
 
 
 @pytest.mark.mpi
@@ -260,7 +263,7 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
     assert {r["first_version"] for r in second["per_rank"]} == {3}
     learners = sum("learner" in r["role"] for r in second["per_rank"])
     assert sum(second["staleness_hist"].values()) == 2 * 32 * learners  # versions 4, 5 once
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = metric_records(run_dir)
     assert len(records) > lines and records[lines]["trained_env_steps"] > \
         records[lines - 1]["trained_env_steps"]  # counters continue, not restart
     assert list(run_dir.glob("config.resume-*.yaml"))
