@@ -42,12 +42,17 @@ SAMPLES = {"s0": 0, "s1": 1, "libero": 0}
 OFFICIAL_PROPRIO = {"env.state": "true", "env.wrist_image": "true", "policy.sequence": "official"}
 
 
-@pytest.fixture(scope="module")
-def io():
+def reference_io():
+    """The references' inputs and outputs, and their metadata as `meta`."""
     tensors = load_file(str(FIXTURES / "io.safetensors"))
     with safe_open(str(FIXTURES / "io.safetensors"), "pt") as f:
         tensors["meta"] = json.loads(f.metadata()["fixture"])
     return tensors
+
+
+@pytest.fixture(scope="module")
+def io():
+    return reference_io()
 
 
 def config(folder=CHECKPOINT, **extra):

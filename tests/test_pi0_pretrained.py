@@ -288,3 +288,18 @@ def test_libero_training_starts_from_the_checkpoint(tmp_path):
     out = hpcvla("eval", run_dir, "--json", "--episodes", "2", "--envs", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["episodes"] == 2
+    # exported in the layout it came from (tests/test_export.py: LeRobot reads such folders):
+    # the source's files, the trained weights, the RL heads left out
+    out = hpcvla("export", run_dir, tmp_path / "exported")
+    assert out.returncode == 0 and "the layout of" in out.stdout, out.stdout + out.stderr
+    source = Path(cfg.policy.pretrained)
+    assert sorted(p.name for p in (tmp_path / "exported").iterdir()) == sorted(
+        p.name for p in source.iterdir())
+    from hpcvla.evaluate import checkpoint_weights
+    from hpcvla.policies.folders import rl_only_names
+    policy.load_arrays(checkpoint_weights(run_dir)[0])
+    exported = build_policy(load_config(run_dir / "config.yaml", [
+        f"policy.pretrained={tmp_path / 'exported'}"]), env_spec(cfg.env))
+    heads = rl_only_names(policy)
+    assert heads and all(torch.equal(v, policy.state_dict()[k])
+                         for k, v in exported.state_dict().items() if k not in heads)

@@ -18,7 +18,7 @@
                                                       summarise HDF5 trajectory dumps
     hpcvla demos CONFIG [key=value ...] --episodes N --out FILE [--noise S] [--successful-only]
                                                       record a scripted expert's demonstrations
-    hpcvla export RUN_DIR FOLDER                      the newest checkpoint as a policy folder
+    hpcvla export RUN_DIR FOLDER [--format F]         the newest checkpoint as a policy folder
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
 are reported here, in the launching process, before any MPI rank starts. Only `train`, `sft`
@@ -151,10 +151,13 @@ def _parser() -> argparse.ArgumentParser:
                                "shared among them (default: one process, or the ranks of the "
                                "srun/mpirun world this runs in)")
 
-    export = sub.add_parser("export", help="a run's newest checkpoint as a Hugging Face-style "
-                                           "folder (policy.pretrained reads it), LoRA merged")
+    export = sub.add_parser("export", help="a run's newest checkpoint as a policy folder")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
     export.add_argument("out", metavar="FOLDER", help="the folder to write")
+    export.add_argument("--format", choices=("auto", "published", "hpcvla"), default="auto",
+                        help="published: the layout of the run's policy.pretrained folder, for "
+                             "its own tools (LeRobot, openpi, OFT); hpcvla: RL heads kept; "
+                             "auto (default): published for a run from a published folder")
 
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
@@ -405,13 +408,10 @@ def cmd_export(args) -> int:
     run_dir = Path(args.run_dir)
     try:
         cfg = load_config(run_dir / "config.yaml")
-        done = export_policy(cfg, run_dir, Path(args.out))
-    except (ConfigError, CheckpointError) as err:
+        print(export_policy(cfg, run_dir, Path(args.out), args.format)["summary"])
+    except (ConfigError, CheckpointError, ValueError) as err:
         print(f"hpcvla export: {err}", file=sys.stderr)
         return 2
-    print(f"policy version {done['version']} written to {done['folder']}"
-          + (f" ({done['merged_lora_layers']} LoRA layers merged)"
-             if done["merged_lora_layers"] else ""))
     return 0
 
 

@@ -167,18 +167,41 @@ def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:
     return store.load_weights(path), catalog.read_state(path)
 
 
-def export_policy(cfg, run_dir: Path, out: Path) -> dict:
-    """The newest checkpoint of the run `cfg` configured, as a folder `policy.pretrained` and
-    `policies.load_pretrained` read (policies.save_pretrained), LoRA adapters merged into the
-    weights (policies/lora.py); returns its version, merged layers and folder."""
+def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto") -> dict:
+    """The newest checkpoint of the run `cfg` configured, as a policy folder, LoRA adapters
+    merged into the weights (policies/lora.py). `layout`: "published", the layout of the
+    published folder the run started from (policy.pretrained), which the reference's own
+    loader reads (policies/export.py: the RL heads left out); "hpcvla", the folder
+    `policy.pretrained` and `policies.load_pretrained` read, RL heads kept
+    (policies.save_pretrained); "auto": published for a run from a published folder.
+    Returns its version, merged layers, folder, layout and a line saying so."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     from hpcvla.policies import save_pretrained
+    from hpcvla.policies.export import is_published, save_like
     from hpcvla.policies.lora import merge_lora
+    source = cfg.policy.pretrained
+    if layout == "auto":
+        layout = "published" if source and is_published(source) else "hpcvla"
+    if layout == "published" and not (source and is_published(source)):
+        raise ValueError(
+            f"--format published: the run's policy.pretrained ({source or 'unset'}) is not a "
+            "published folder here; export it with --format hpcvla, or edit policy.pretrained "
+            f"in {run_dir / 'config.yaml'} to where that folder now is")
     policy = build_policy(cfg, env_spec(cfg.env))
     weights, state = checkpoint_weights(run_dir)
     store.check_fit(weights, policy.state_dict(), run_dir)
     policy.load_arrays(weights)
     merged = merge_lora(policy) if cfg.policy.lora_rank else 0
-    save_pretrained(policy, out)
-    return {"version": state["version"], "merged_lora_layers": merged, "folder": str(out)}
+    if layout == "published":
+        written = save_like(policy, source, out)
+        layout = (f"the layout of {source}: {written['from_policy']} tensors trained, "
+                  f"{written['from_source']} kept from it, {written['rl_heads_left_out']} "
+                  "RL-head tensors left out")
+    else:
+        save_pretrained(policy, out)
+        layout = "hpcvla's layout"
+    summary = (f"policy version {state['version']} written to {out} ({layout})"
+               + (f"; {merged} LoRA layers merged" if merged else ""))
+    return {"version": state["version"], "merged_lora_layers": merged, "folder": str(out),
+            "layout": layout, "summary": summary}

@@ -168,6 +168,12 @@ class Policy(nn.Module, abc.ABC):
     def from_hf_key(cls, key: str) -> str:
         return key
 
+    def published_tensors(self, state: dict, source) -> tuple[dict, dict]:
+        """`state` under the published model's names (policies/export.py writes them in the
+        layout of the folder `source`), and the family's other weight files, file name ->
+        what `torch.save` writes (oft: its proprio projector). Default: renamed, none."""
+        return {self.to_hf_key(k): v for k, v in state.items()}, {}
+
     def config_json(self) -> dict:
         """What rebuilds this policy (registry.load_pretrained): the family, the observation
         spec and the constructor arguments (`obs_spec`, `vocab_size`, `init_args`, which

@@ -191,6 +191,10 @@ class OFTPolicy(VLAPolicy):
         from hpcvla.policies.oft_checkpoint import load_published
         return load_published(self, folder)
 
+    def published_tensors(self, state: dict, source) -> tuple[dict, dict]:
+        from hpcvla.policies.oft_checkpoint import published_files
+        return published_files(state, source)
+
     def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
         """The published folder's prompt/normalization; None for an hpcvla folder."""
         from hpcvla.policies.oft_checkpoint import read_config

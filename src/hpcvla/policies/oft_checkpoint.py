@@ -113,6 +113,22 @@ def to_published(state: dict) -> dict:
     return out
 
 
+def published_files(state: dict, source) -> tuple[dict, dict]:
+    """`state` as the published folder `source` holds it (policies/export.py): the tensors of
+    its safetensors files, and its proprio projector file (when it has one, and the state its
+    projector) in that file's key format (DDP's `module.` prefix or not) and dtype."""
+    proprio = {k.removeprefix("proprio_projector."): v for k, v in state.items()
+               if k.startswith("proprio_projector.")}
+    file = proprio_file(source)
+    if file is None or not proprio:
+        return to_published(state), {}
+    theirs = torch.load(file, map_location="cpu", weights_only=True)
+    prefix = "module." if all(k.startswith("module.") for k in theirs) else ""
+    dtype = next(iter(theirs.values())).dtype
+    return to_published(state), {file.name: {prefix + k: v.detach().to("cpu", dtype)
+                                             for k, v in proprio.items()}}
+
+
 def from_published(tensors: dict) -> dict:
     """Published tensors (names checked by `load_published`) -> our names."""
     out = {}
@@ -343,6 +359,6 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
     return problems
 
 
-__all__ = ["to_published", "from_published", "folder_dims", "load_published",
+__all__ = ["to_published", "published_files", "from_published", "folder_dims", "load_published",
            "load_value_head", "read_statistics", "proprio_file", "check_folder",
            "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]

@@ -1,0 +1,123 @@
+"""A trained policy written back in the layout of the published folder it started from
+(policies/export.py, `hpcvla export`): the reference's own loader reads it and acts as hpcvla
+ran it. Against the reference: LeRobot 0.6.1 loaded hpcvla's exports of trained π0/π0.5
+policies (tests/fixtures/pi0/export_trained.py, then check_exports.py in its side
+environment) and its chunks are `exported_io.safetensors`. Every fixture folder, LeRobot's,
+openpi's and OpenVLA-OFT's, comes back byte for byte when the policy is exported unchanged.
+(`hpcvla export` of a whole run: the LIBERO run test in test_pi0_pretrained.py.)"""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcvla.factory import build_policy
+from hpcvla.policies.export import save_like
+from hpcvla.policies.folders import read_tensors
+from hpcvla.policies.oft_checkpoint import to_published
+from test_oft_reference import OFFICIAL_PROPRIO, env_obs, reference_io
+from test_oft_reference import config as oft_config
+from test_pi0_pretrained import EXECUTED, FIXTURES, config, fixture, raw_observation
+
+OFT_CHECKPOINT = Path(__file__).parent / "fixtures" / "oft" / "checkpoint"
+spec = importlib.util.spec_from_file_location("export_trained", FIXTURES / "export_trained.py")
+export_trained = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(export_trained)
+
+
+@pytest.fixture(scope="module")
+def oft_io():
+    return reference_io()
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("folder", ["pi0/lerobot", "pi0/lerobot_tied", "pi0/lerobot_sharded",
+                                    "pi0/openpi", "pi05/lerobot", "pi05/lerobot_tied",
+                                    "pi05/lerobot_sharded", "pi05/openpi", "variants/finetuned",
+                                    "variants/relative", "variants/steps6"])
+def test_an_unchanged_pi0_comes_back_byte_for_byte(folder, tmp_path):
+    family = "pi05" if folder.startswith("pi05") else "pi0"
+    obs, env = raw_observation(*fixture(family))
+    policy = build_policy(config(FIXTURES / folder, **{"policy.denoise_steps": 0}), env)
+    written = save_like(policy, FIXTURES / folder, tmp_path / "out")
+    assert files_of(tmp_path / "out") == files_of(FIXTURES / folder)
+    assert written["rl_heads_left_out"] > 0 and written["from_policy"] > 80
+    # kept from the source: the expert's unused lm_head, and PaliGemma's lm_head beside the
+    # embed_tokens π0 computes with (openpi's and the tied files hold one of them)
+    assert written["from_source"] == (1 if folder.endswith(("tied", "openpi")) else 2)
+
+
+@pytest.mark.parametrize("proprio", [False, True])
+def test_an_unchanged_oft_comes_back_byte_for_byte(oft_io, proprio, tmp_path):
+    obs, env = env_obs(oft_io, wrist=proprio, state=proprio)
+    policy = build_policy(oft_config(**(OFFICIAL_PROPRIO if proprio else {})), env)
+    written = save_like(policy, OFT_CHECKPOINT, tmp_path / "out")
+    assert files_of(tmp_path / "out") == files_of(OFT_CHECKPOINT)
+    assert written["from_source"] == 13  # SigLIP's pooling head, which OFT never runs
+    assert written["other_files"] == (["proprio_projector--100_checkpoint.pt"] if proprio else [])
+
+
+@pytest.mark.parametrize("name", list(export_trained.SOURCES))
+def test_lerobot_acts_from_a_trained_export_as_hpcvla_did(name, tmp_path):
+    """LeRobot's `from_pretrained(strict=True)` and processors on the exported folder give the
+    trained policy's deterministic chunk (the tied file's lm_head carries the trained
+    embed_tokens; a folder keeping both has the trained embed_tokens); hpcvla reads its export
+    back to the same chunk."""
+    policy, obs = export_trained.export(name, tmp_path / name)
+    reference = load_file(str(FIXTURES / "exported_io.safetensors"))
+    torch.testing.assert_close(obs["state"], reference["raw.observation.state"])
+    with torch.no_grad():
+        trained = policy.act(obs, deterministic=True).actions
+        torch.testing.assert_close(trained, reference[f"{name}.actions"][:, :EXECUTED],
+                                   rtol=0, atol=1e-5)
+        source = FIXTURES / export_trained.SOURCES[name][1]
+        before = build_policy(config(source, **{"policy.denoise_steps": 0}), policy_spec(name))
+        assert (before.act(obs, deterministic=True).actions - trained).abs().max() > 1e-2
+        again = build_policy(config(tmp_path / name, **{"policy.denoise_steps": 0}),
+                             policy_spec(name))
+        torch.testing.assert_close(again.act(obs, deterministic=True).actions, trained,
+                                   rtol=0, atol=1e-6)
+
+
+def policy_spec(name):
+    return raw_observation(*fixture(export_trained.SOURCES[name][0]))[1]
+
+
+def test_a_trained_oft_is_written_in_the_sources_dtype_and_key_format(oft_io, tmp_path):
+    """OFT's bf16 shards get the trained float32 weights rounded to bf16 (its fused qkv and
+    timm names: oft_checkpoint.to_published), its proprio projector .pt keeps DDP's `module.`
+    names; hpcvla reads the export back to those weights."""
+    obs, env = env_obs(oft_io, wrist=True, state=True)
+    policy = build_policy(oft_config(**OFFICIAL_PROPRIO), env)
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter.add_(0.01)
+    save_like(policy, OFT_CHECKPOINT, tmp_path / "out")
+    again = build_policy(oft_config(tmp_path / "out", **OFFICIAL_PROPRIO), env)
+    trained, read = (to_published(p.state_dict()) for p in (policy, again))
+    assert set(read) == set(trained)  # DINOv2's cls row: folded into its cls token, both ways
+    for key, value in trained.items():
+        if not key.startswith("value_head."):
+            torch.testing.assert_close(read[key], value.to(torch.bfloat16).float(), rtol=0,
+                                       atol=0)
+    ours = {k: v for k, v in again.state_dict().items() if k.startswith("proprio_projector.")}
+    assert ours and all(torch.equal(v, policy.state_dict()[k]) for k, v in ours.items())
+    source, out = read_tensors(OFT_CHECKPOINT), read_tensors(tmp_path / "out")
+    assert {k: v.dtype for k, v in out.items()} == {k: v.dtype for k, v in source.items()}
+    projector = torch.load(tmp_path / "out" / "proprio_projector--100_checkpoint.pt")
+    assert all(k.startswith("module.") for k in projector)
+
+
+def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
+    obs, env = raw_observation(*fixture("pi0"))
+    policy = build_policy(config(FIXTURES / "pi0/lerobot"), env)
+    with pytest.raises(ValueError, match="no place for .* of the policy's tensor"):
+        save_like(policy, FIXTURES / "pi05/lerobot", tmp_path / "out")
+    with pytest.raises(ValueError, match="inside the source folder"):
+        save_like(policy, FIXTURES / "pi0/lerobot", FIXTURES / "pi0/lerobot/sub")
