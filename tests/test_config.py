@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcvla.config import Config, ConfigError, describe_settings, dump_config, load_config
+from hpcvla.config.loader import config_to_dict, recorded
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -33,10 +34,27 @@ def test_exponent_floats_without_a_dot_are_floats():
     assert load_config(None, ["algorithm.lr=1e-3"]).algorithm.lr == 1e-3
 
 
-def test_resolved_config_round_trips(tmp_path):
-    cfg = load_config(ROOT / "configs/ratio_3to1.yaml", ["learner.zero_stage=2"])
+def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypatch):
+    """A run's config.yaml reads the same from any directory: the settings that name files
+    or folders are recorded absolute (comma-separated lists each), nothing else changes."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / "configs/libero_pi0.yaml", [
+        "learner.zero_stage=2",
+        "sft.demos=tests/a.h5, /data/b.h5", "run.resume="])
     dump_config(cfg, tmp_path / "config.yaml")
-    assert load_config(tmp_path / "config.yaml") == cfg
+    expected = recorded(cfg)
+    monkeypatch.chdir(tmp_path)
+    again = load_config(tmp_path / "config.yaml")
+    assert again.policy.pretrained == str(ROOT / "tests/fixtures/pi0/pi0/lerobot")
+    assert again.policy.tokenizer == str(ROOT / "tests/fixtures/pi0/tokenizer")
+    assert again.sft.demos == f"{ROOT / 'tests/a.h5'},/data/b.h5"
+    assert again.run.root == str(ROOT / "runs") and again.run.resume == ""
+    assert again == expected and recorded(again) == again
+    paths = {"run.root", "policy.pretrained", "policy.tokenizer", "sft.demos"}
+    assert config_to_dict(again) == {
+        section: {k: (v if f"{section}.{k}" in paths else getattr(getattr(cfg, section), k))
+                  for k, v in values.items()}
+        for section, values in config_to_dict(again).items()}
 
 
 @pytest.mark.parametrize("overrides,field,valid", [

@@ -15,9 +15,11 @@ OBS_FIELDS = ("image", "instruction", "state")  # what an env's observations may
 
 
 def setting(default: Any, doc: str, *, choices: tuple | None = None,
-            ge: float | None = None, le: float | None = None) -> Any:
-    """A documented config field. Mutable defaults (dicts) are copied per instance."""
-    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le}
+            ge: float | None = None, le: float | None = None, paths: bool = False) -> Any:
+    """A documented config field. Mutable defaults (dicts) are copied per instance. `paths`:
+    its value names files or folders (comma-separated), which a run records as absolute
+    paths (loader.recorded)."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le, "paths": paths}
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -102,7 +104,8 @@ class PolicyConfig:
         "variant, sizes and padded dims, and brings its normalization statistics; its "
         "prompts need `tokenizer` (policies/processor.py). `oft`: an OpenVLA-OFT folder "
         "(config.json, sharded weights, dataset_statistics.json, tokenizer, optional "
-        "proprio projector .pt) fixes the sizes and brings its statistics and tokenizer.")
+        "proprio projector .pt) fixes the sizes and brings its statistics and tokenizer.",
+        paths=True)
     checkpoint: str = setting(
         "", "A run directory (or one of its checkpoints/v*/) whose newest weights replace "
         "the initial ones on every rank, after the policy is built (and `pretrained` loaded: "
@@ -111,13 +114,13 @@ class PolicyConfig:
         "(same family, env and `pretrained`). Shapes must match exactly; the RL-only "
         "tensors (a value head, DSRL's noise actor and critics) may be absent and start "
         "fresh: DSRL from a PPO-config SFT run of the flow family. Continuing a run "
-        "is `run.resume` instead (optimizer, counters).")
+        "is `run.resume` instead (optimizer, counters).", paths=True)
     tokenizer: str = setting(
         "", "`flow` with a published `pretrained` folder: a local folder holding the "
         "checkpoint's tokenizer (PaliGemma's: tokenizer.json / tokenizer.model, read by "
         "transformers.AutoTokenizer; gated on the hub, so download it once). `oft`: empty "
         "reads the one the checkpoint folder ships. Unused otherwise: built-in policies "
-        "read the env's instruction ids.")
+        "read the env's instruction ids.", paths=True)
     delta_action_dims: int = setting(
         -1, "`flow` with a published `pretrained` folder: how many leading action dims the "
         "checkpoint predicts relative to the state (it acts `action - state` there; the "
@@ -278,7 +281,7 @@ class AlgorithmConfig:
         "", "`rlpd`: the prior data, HDF5 files (comma-separated) of this project's trajectory "
         "dumps or `hpcvla demos` files, which record each chunk's reward and how its episode "
         "ended; checked against the env's observations and actions before any rank starts. "
-        "Every learner holds all of them in host memory.")
+        "Every learner holds all of them in host memory.", paths=True)
     demos_per_task: int = setting(
         0, "`rlpd`: at most this many demonstrations of each task (instruction), the first in "
         "file order; 0: all.", ge=0)
@@ -301,7 +304,7 @@ class SFTConfig:
         "this project's trajectory dumps and `hpcvla demos` files, LIBERO's (robomimic) "
         "datasets, ManiSkill3 trajectory files (`hpcvla/demonstrations/` reads them; the "
         "layout is detected per file). Checked against the env's observations and actions "
-        "before any rank starts.")
+        "before any rank starts.", paths=True)
     per_task: int = setting(
         0, "Few-shot: at most this many demonstrations of each task (instruction), the first "
         "ones in file order; 0: all.", ge=0)

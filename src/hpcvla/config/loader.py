@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import typing
 from pathlib import Path
 from typing import Any
@@ -178,9 +179,25 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def recorded(cfg):
+    """`cfg` as a run records it (dump_config): the settings that name files or folders
+    (`paths`) made absolute, so that `hpcvla eval`, `export` and `run.resume` read the run
+    from any directory."""
+    changes = {}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            changes[f.name] = recorded(value)
+        elif f.metadata.get("paths") and value:
+            changes[f.name] = ",".join(os.path.abspath(part.strip())
+                                       for part in value.split(","))
+    return dataclasses.replace(cfg, **changes)
+
+
 def dump_config(cfg, path: str | Path) -> None:
-    """Write the fully resolved config; `load_config` of the file gives back `cfg`."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    """Write the fully resolved config, its paths absolute; `load_config` of the file gives
+    back `recorded(cfg)`."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(recorded(cfg)), sort_keys=False))
 
 
 def describe_settings(cls=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:

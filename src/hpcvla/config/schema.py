@@ -29,7 +29,7 @@ class RunConfig:
         "default", "Run name; the run directory is `<root>/<name>-<timestamp>`.")
     root: str = setting(
         "runs", "Directory under which run directories are created. Put it on a shared "
-        "file system on a cluster so every node's rank 0 sees the same path.")
+        "file system on a cluster so every node's rank 0 sees the same path.", paths=True)
     seed: int = setting(
         0, "Base random seed; each rank derives its own from it and its rank. A "
         "synchronous run (sync-colocated, sync-disaggregated) repeats bit for bit at one "
@@ -39,7 +39,7 @@ class RunConfig:
         "", "Continue the run in this run directory from its newest checkpoint (weights, "
         "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "
         "writes on into that directory. Empty: a new run. Trajectories in flight when the "
-        "checkpoint was written are not resumed (they were never trained).")
+        "checkpoint was written are not resumed (they were never trained).", paths=True)
     dump_trajectories: bool = setting(
         False, "Write every episode the producer (inference) ranks send to the learners to "
         "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
