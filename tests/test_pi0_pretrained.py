@@ -147,6 +147,21 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         config(lerobot)
     assert "policy_postprocessor.json is missing" in str(err.value)
+    # LeRobot before 0.4 kept the statistics as buffers in the weights (the names its
+    # migrate_policy_normalization reads): that command is named
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copy(folder / "config.json", old)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for buffer, dims in (("normalize_inputs.buffer_observation_state", 8),
+                         ("normalize_targets.buffer_action", 7),
+                         ("unnormalize_outputs.buffer_action", 7)):
+        tensors.update({f"{buffer}.mean": torch.zeros(dims), f"{buffer}.std": torch.ones(dims)})
+    save_file(tensors, str(old / "model.safetensors"))
+    with pytest.raises(ConfigError) as err:
+        config(old)
+    assert "policy.pretrained" in str(err.value) and \
+        "lerobot.processor.migrate_policy_normalization" in str(err.value)
 
 
 @pytest.mark.parametrize("layout", ["lerobot", "openpi"])

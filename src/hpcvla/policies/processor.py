@@ -349,9 +349,34 @@ def lerobot_steps(folder: Path) -> tuple[dict, dict]:
     return stats, steps
 
 
+def _statistics_in_weights(folder: Path) -> bool:
+    """Whether the weights hold LeRobot's normalization buffers (its layout before the
+    processor pipelines), from the files' headers."""
+    from safetensors import safe_open
+
+    from hpcvla.policies.folders import _files
+    try:
+        files = _files(folder)[0]
+    except ValueError:
+        return False
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            if any(k.startswith(("normalize_inputs.", "normalize_targets.",
+                                 "unnormalize_outputs.")) for k in f.keys()):
+                return True
+    return False
+
+
 def openpi_stats(folder: Path) -> tuple[dict, Path]:
     """openpi's `assets/<asset id>/norm_stats.json` (exactly one)."""
     found = sorted(folder.glob("assets/**/norm_stats.json"))
+    if not found and _statistics_in_weights(folder):
+        raise ValueError(f"{folder}: a LeRobot folder from before LeRobot 0.4, whose "
+                         "normalization statistics are buffers in its weights "
+                         "(normalize_inputs.*): LeRobot's own migration writes them as the "
+                         "processor files read here: `python -m "
+                         "lerobot.processor.migrate_policy_normalization --pretrained-path "
+                         f"{folder} --output-dir <new folder>` (LeRobot >= 0.4)")
     if len(found) != 1:
         raise ValueError(f"{folder}: {'no' if not found else len(found)} assets/*/"
                          f"norm_stats.json {[str(f) for f in found] if found else ''} (openpi "
