@@ -162,6 +162,18 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
         config(old)
     assert "policy.pretrained" in str(err.value) and \
         "lerobot.processor.migrate_policy_normalization" in str(err.value)
+    # openpi's JAX checkpoints (orbax params/, as openpi's training writes them): its
+    # converter is named
+    jax = tmp_path / "jax"
+    (jax / "params").mkdir(parents=True)
+    for marker in ("_CHECKPOINT_METADATA", "params/_METADATA", "params/manifest.ocdbt"):
+        (jax / marker).write_text("{}")
+    shutil.copytree(FIXTURES / "pi0" / "openpi" / "assets", jax / "assets")
+    for pointed in (jax, jax / "params"):
+        with pytest.raises(ConfigError) as err:
+            config(pointed)
+        assert "policy.pretrained" in str(err.value) and \
+            "convert_jax_model_to_pytorch.py" in str(err.value)
 
 
 @pytest.mark.parametrize("layout", ["lerobot", "openpi"])

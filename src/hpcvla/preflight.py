@@ -92,6 +92,13 @@ def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     folder = policy.pretrained
     if not any((Path(folder) / name).is_file()
                for name in ("model.safetensors", "model.safetensors.index.json")):
+        orbax = ("params/_METADATA", "_CHECKPOINT_METADATA", "_METADATA")  # openpi's JAX
+        if any((Path(folder) / marker).is_file() for marker in orbax):
+            return [("policy.pretrained", folder, "PyTorch weights, not an openpi JAX (orbax) "
+                     "checkpoint: convert it with openpi's `examples/convert_jax_model_to_"
+                     "pytorch.py --checkpoint_dir <it> --config_name <its openpi config, e.g. "
+                     "pi0_libero> --output_path <new folder>`, copy its assets/ (norm_stats."
+                     "json) into the new folder, and set policy.pretrained=<new folder>")]
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)")]
     from hpcvla.policies.processor import is_hpcvla_folder
