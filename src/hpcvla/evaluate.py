@@ -192,6 +192,7 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto") -> dict:
     weights, state = checkpoint_weights(run_dir)
     store.check_fit(weights, policy.state_dict(), run_dir)
     policy.load_arrays(weights)
+    del weights  # at full size a second copy of the policy: written files need the room
     merged = merge_lora(policy) if cfg.policy.lora_rank else 0
     if layout == "published":
         written = save_like(policy, source, out)

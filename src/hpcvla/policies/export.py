@@ -110,12 +110,16 @@ def save_like(policy, source, out, state: dict | None = None) -> dict:
             "other_files": sorted(other_files)}
 
 
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}  # safetensors' names
+
+
 def _dtype(name: str) -> torch.dtype:
-    """A safetensors header's dtype name as torch's."""
-    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
-            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-            "BOOL": torch.bool}[name]
+    if name not in DTYPES:
+        raise ValueError(f"a tensor of dtype {name} in the source folder: export writes "
+                         f"{', '.join(DTYPES)}; use --format hpcvla")
+    return DTYPES[name]
 
 
 __all__ = ["is_published", "save_like"]

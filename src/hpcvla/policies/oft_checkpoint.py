@@ -359,6 +359,6 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
     return problems
 
 
-__all__ = ["to_published", "published_files", "from_published", "folder_dims", "load_published",
-           "load_value_head", "read_statistics", "proprio_file", "check_folder",
-           "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]
+__all__ = ["to_published", "published_files", "from_published", "folder_dims",
+           "load_published", "load_value_head", "read_statistics", "proprio_file",
+           "check_folder", "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]
