@@ -1,8 +1,9 @@
 """A trained policy written back in the layout of the published folder it started from
 (policies/export.py, `hpcvla export`): the reference's own loader reads it and acts as hpcvla
-ran it. Against the reference: LeRobot 0.6.1 loaded hpcvla's exports of trained π0/π0.5
-policies (tests/fixtures/pi0/export_trained.py, then check_exports.py in its side
-environment) and its chunks are `exported_io.safetensors`. Every fixture folder, LeRobot's,
+ran it. Against the references: LeRobot 0.6.1 loaded hpcvla's exports of trained π0/π0.5
+policies, OpenVLA-OFT's code that of a trained OFT (tests/fixtures/{pi0,oft}/export_trained.py,
+then check_exports.py in their side environments), and what they computed is each folder's
+`exported_io.safetensors`. Every fixture folder, LeRobot's,
 openpi's and OpenVLA-OFT's, comes back byte for byte when the policy is exported unchanged.
 (`hpcvla export` of a whole run: the LIBERO run test in test_pi0_pretrained.py.)"""
 
@@ -17,14 +18,23 @@ from hpcvla.factory import build_policy
 from hpcvla.policies.export import save_like
 from hpcvla.policies.folders import read_tensors
 from hpcvla.policies.oft_checkpoint import to_published
-from test_oft_reference import OFFICIAL_PROPRIO, env_obs, reference_io
+from test_oft_reference import LOGIT_TOL, OFFICIAL_PROPRIO, SAMPLES, env_obs, reference_io
 from test_oft_reference import config as oft_config
 from test_pi0_pretrained import EXECUTED, FIXTURES, config, fixture, raw_observation
 
 OFT_CHECKPOINT = Path(__file__).parent / "fixtures" / "oft" / "checkpoint"
-spec = importlib.util.spec_from_file_location("export_trained", FIXTURES / "export_trained.py")
-export_trained = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(export_trained)
+
+
+def fixture_script(path: Path):
+    """A fixture folder's export_trained.py, as a module."""
+    spec = importlib.util.spec_from_file_location(f"{path.parent.name}_export_trained", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+export_trained = fixture_script(FIXTURES / "export_trained.py")
+export_oft = fixture_script(OFT_CHECKPOINT.parent / "export_trained.py")
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +122,37 @@ def test_a_trained_oft_is_written_in_the_sources_dtype_and_key_format(oft_io, tm
     assert {k: v.dtype for k, v in out.items()} == {k: v.dtype for k, v in source.items()}
     projector = torch.load(tmp_path / "out" / "proprio_projector--100_checkpoint.pt")
     assert all(k.startswith("module.") for k in projector)
+
+
+def test_oft_acts_from_a_trained_export_as_hpcvla_reads_it(oft_io, tmp_path):
+    """OpenVLA-OFT's own `from_pretrained` and `predict_action` on hpcvla's export of a trained
+    policy in OFT's recipe (two images, the proprio token; tests/fixtures/oft/export_trained.py,
+    then check_exports.py in OFT's side environment) give what hpcvla computes from the same
+    folder: OFT's inference sequence on the fixture's inputs, logits to LOGIT_TOL (the tiny
+    model's float32 rounding, test_oft_reference.py), actions to 1e-5; trained, it acts
+    otherwise than the checkpoint it came from."""
+    export_oft.export(tmp_path / "out")
+    reference = load_file(str(OFT_CHECKPOINT.parent / "exported_io.safetensors"))
+    for name, row in SAMPLES.items():
+        sample = "libero" if name == "libero" else "raw"
+        tasks = None if sample == "libero" else [oft_io["meta"]["tasks"][row]]
+        obs, env = env_obs(oft_io, sample, tasks, wrist=True, state=True)
+        policy = build_policy(oft_config(tmp_path / "out", **export_oft.OFFICIAL), env).eval()
+        ids = oft_io[f"oft_proprio.{name}.input_ids"]
+        assert torch.equal(reference[f"oft_proprio.{name}.input_ids"], ids)
+        logits, actions = policy.predict_action_reference({
+            "pixel_values": oft_io[f"oft_proprio.{name}.pixel_values"], "input_ids": ids,
+            "prompt_mask": torch.ones_like(ids, dtype=torch.bool),
+            "state": oft_io[f"oft_proprio.{name}.proprio_normalized"][None].float()})
+        torch.testing.assert_close(logits[0, :, 31744:32000],
+                                   reference[f"oft_proprio.{name}.action_logits"], rtol=0,
+                                   atol=LOGIT_TOL)
+        assert torch.equal(logits[0].argmax(dim=-1).view(8, 7),
+                           reference[f"oft_proprio.{name}.action_token_ids"])
+        trained = policy.processor.actions_out(actions[0], {}).double()
+        torch.testing.assert_close(trained, reference[f"oft_proprio.{name}.actions"], rtol=0,
+                                   atol=1e-5)
+        assert (trained - oft_io[f"oft_proprio.{name}.actions"]).abs().max() > 0.05
 
 
 def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
