@@ -162,3 +162,10 @@ def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
         save_like(policy, FIXTURES / "pi05/lerobot", tmp_path / "out")
     with pytest.raises(ValueError, match="inside the source folder"):
         save_like(policy, FIXTURES / "pi0/lerobot", FIXTURES / "pi0/lerobot/sub")
+    # a run from no published folder, or from one that has moved: the fix is named
+    from hpcvla.config import load_config
+    from hpcvla.evaluate import export_policy
+    for overrides in ([], [f"policy.pretrained={tmp_path / 'moved'}"]):
+        cfg = load_config("configs/reach_flow.yaml", overrides)
+        with pytest.raises(ValueError, match="--format hpcvla, or edit policy.pretrained"):
+            export_policy(cfg, tmp_path, tmp_path / "out", "published")
