@@ -137,7 +137,7 @@ def test_oft_acts_from_a_trained_export_as_hpcvla_reads_it(oft_io, tmp_path):
         sample = "libero" if name == "libero" else "raw"
         tasks = None if sample == "libero" else [oft_io["meta"]["tasks"][row]]
         obs, env = env_obs(oft_io, sample, tasks, wrist=True, state=True)
-        policy = build_policy(oft_config(tmp_path / "out", **export_oft.OFFICIAL), env).eval()
+        policy = build_policy(oft_config(tmp_path / "out", **OFFICIAL_PROPRIO), env).eval()
         ids = oft_io[f"oft_proprio.{name}.input_ids"]
         assert torch.equal(reference[f"oft_proprio.{name}.input_ids"], ids)
         logits, actions = policy.predict_action_reference({

@@ -268,10 +268,11 @@ def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
 
 
 def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
-    """OFT's own LIBERO recipe (its continuous action head, `action_head--<step>_checkpoint.pt`
-    as OFT's fine-tuning names it), its proprio token in RLinf's sequence, another platform's
-    chunk, or another image count than the env's are refused before any rank starts; a dataset key without OFT's `_no_noops` suffix
-    is found as OFT's and RLinf's evaluation find it."""
+    """OFT's own LIBERO recipe in RLinf's sequence (its L1 action head, `action_head--<step>_
+    checkpoint.pt` as OFT's fine-tuning names it; its proprio token), another platform's
+    chunk, or another image count than the env's are refused before any rank starts (the
+    diffusion head: test_oft_l1_head.py); a dataset key without OFT's `_no_noops` suffix is
+    found as OFT's and RLinf's evaluation find it."""
     folder = tmp_path / "checkpoint"
     shutil.copytree(CHECKPOINT, folder)
     assert config(folder, **{"policy.unnorm_key": "libero_spatial"})
@@ -282,7 +283,7 @@ def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         config(folder)
     assert "action_head--100_checkpoint.pt" in str(err.value) and \
-        "continuous action head" in str(err.value)
+        "set policy.sequence=official" in str(err.value)
     (folder / "action_head--100_checkpoint.pt").unlink()
     settings = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**settings, "num_images_in_input": 2}))

@@ -5,6 +5,7 @@ RLinf's, and `hpcvla train` starts from the checkpoint (the actions recorded at 
 its log-probs), trains, and `hpcvla eval` runs the trained policy."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,15 +39,26 @@ def test_libero_first_action_is_rlinfs():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
+@pytest.mark.parametrize("recipe", ["rlinf", "oft_l1"])
+def test_libero_training_starts_from_the_oft_checkpoint(tmp_path, tmp_path_factory, recipe):
     """`hpcvla train` on LIBERO from the OFT fixture folder: the first action is the
-    checkpoint's. ~60 s: LIBERO's suites built in every simulator's env processes."""
+    checkpoint's. ~60 s: LIBERO's suites built in every simulator's env processes. `oft_l1`:
+    OFT's own LIBERO recipe, the folder with its L1 action head (tests/test_oft_l1_head.py),
+    both cameras, the proprio token, OFT's sequence; RL samples a Gaussian around the head."""
     import h5py
 
+    extra = []
+    if recipe == "oft_l1":
+        folder = tmp_path_factory.mktemp("l1") / "checkpoint"
+        shutil.copytree(FIXTURES / "oft" / "checkpoint", folder)
+        shutil.copy(FIXTURES / "oft" / "action_head--100_checkpoint.pt", folder)
+        extra = [f"policy.pretrained={folder}", "env.wrist_image=true", "env.state=true",
+                 "env.state_format=axis_angle",
+                 "policy.sequence=official"]
     out, summary, run_dir = run_train(
         tmp_path, "pipeline.total_updates=2", "env.max_episode_chunks=2",
         "rollout.segment_len=2", "run.dump_trajectories=true", "pipeline.max_staleness=0",
-        "pipeline.mode=sync-disaggregated", config="configs/libero_oft.yaml")
+        "pipeline.mode=sync-disaggregated", *extra, config="configs/libero_oft.yaml")
     assert "[hpcvla] update 2/2" in out.stdout and summary["lost_records"] == 0
     cfg = load_config(run_dir / "config.yaml")
     policy = build_policy(cfg, env_spec(cfg.env)).eval()
@@ -57,7 +69,8 @@ def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
         obs = {k: torch.from_numpy(demo["obs"][k][:1]) for k in demo["obs"]}
         actions = torch.from_numpy(demo["actions"][:1])
         recorded = float(demo["logprobs"][0])
-    assert actions.shape == (1, 8, 7) and "state" not in obs  # RLinf's LIBERO OFT inputs
+    assert policy.head == ("l1" if recipe == "oft_l1" else "tokens")
+    assert actions.shape == (1, 8, 7) and ("state" in obs) == (recipe == "oft_l1")
     with torch.no_grad():
         logprob = float(policy.evaluate(obs, actions)[0].sum())
     assert abs(logprob - recorded) < 1e-3 * max(1.0, abs(recorded)), (logprob, recorded)

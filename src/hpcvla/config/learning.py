@@ -81,7 +81,8 @@ class PolicyConfig:
         "and step) and scores all K transitions.", choices=("last_step", "chain"))
     init_log_std: float = setting(
         -0.7, "Initial log of the exploration std (learned): per action entry (`default`, "
-        "`flow` last_step; `tokens`: the spread of its initial bins); `flow` chain: the "
+        "`flow` last_step, `oft` with OFT's L1-regression head, in its normalized action "
+        "space; `tokens`: the spread of its initial bins); `flow` chain: the "
         "total noise injected over the chain (each of K steps gets std / sqrt(K)). Lower "
         "starts closer to a pretrained policy's own actions, explores less.")
     logprob_granularity: str = setting(

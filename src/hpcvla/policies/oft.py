@@ -28,6 +28,14 @@ head): on the last layer's normed hidden state at the last prompt token, hidden 
 -> 8 (GELU, no final bias; one value per decoded step, RLinf's `action_level`); the chunk's
 value is their mean, as the pipeline's GAE works per chunk.
 
+OFT's own LIBERO recipe (`action_head="l1"`, a folder holding `action_head--*.pt`; the
+`official` sequence): its L1-regression head (oft_vision.L1ActionHead) maps the last hidden
+states of each step's D action positions (the rows `_hidden` gives: OFT's
+actions_hidden_states are the same, shifted by one as its logits are) to the step's normalized
+actions, which `predict_action` unnormalizes. RL acts from a Gaussian around them, its std
+learned per step and dim (`log_std`, an RL head, from `init_log_std`); the value head is
+RLinf's, on the same row as above.
+
 The model always decodes `DECODED_CHUNK` (8, OFT's LIBERO chunk) steps, the number of action
 positions a checkpoint was trained with; the env's `chunk_len` (<= 8) first of them are the
 actions, scored alone. Cameras: `image`, and `wrist_image` when the env gives it (OFT's second
@@ -44,12 +52,13 @@ from torch import nn
 
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
-from hpcvla.policies.oft_vision import FusedVisionBackbone, Projector, ProprioProjector, \
-    pixel_values
+from hpcvla.policies.oft_vision import FusedVisionBackbone, L1ActionHead, Projector, \
+    ProprioProjector, pixel_values
 
 ACTION_BEGIN, N_BINS, LLM_VOCAB = 31744, 256, 32000  # action ids: [31744, 32000)
 BOS, STOP = 1, 2
 SEQUENCES = ("rlinf", "official")  # RLinf's RL sequence, OFT's predict_action (docstring)
+HEADS = ("tokens", "l1")  # the action tokens of lm_head, or OFT's L1-regression head
 DECODED_CHUNK = 8
 
 _LLAMA = dict(vocab_size=32064, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -102,12 +111,16 @@ class OFTPolicy(VLAPolicy):
             configs: 1.6); deterministic acting takes the argmax.
         use_proprio: read the env's `state` as a proprio token (when the env gives one).
         unnorm_key, max_prompt_length: a published folder's processor (oft_processor.py).
+        action_head: "tokens", or "l1" (a folder with OFT's L1-regression head: its
+            action_head--*.pt); l1 acts from a Gaussian around the head's output, with a
+            learned std starting at exp(init_log_std).
     """
 
     family = "oft"
-    HF_KEY_MAP = (("value_head.", "rl.value_head."),)  # our own folders: the RL head may be fresh
+    # our own folders: the RL heads may be fresh
+    HF_KEY_MAP = (("value_head.", "rl.value_head."), ("log_std", "rl.log_std"))
     config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
-                     "max_prompt_length", "sequence")
+                     "max_prompt_length", "sequence", "init_log_std")
 
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
@@ -117,13 +130,26 @@ class OFTPolicy(VLAPolicy):
         return check_folder(folder, policy_cfg, env_cfg)
 
     @classmethod
+    def env_fit_problems(cls, folder, spec_of) -> list[str]:
+        """OFT's proprio projector against the env's state, when the env gives one (the
+        policy reads it then)."""
+        from hpcvla.policies.oft_checkpoint import proprio_dim
+        from hpcvla.policies.processor import dims_problems
+        trained = proprio_dim(folder)
+        spec = spec_of() if trained else None
+        if spec is None or not spec.state_dim:
+            return []
+        return dims_problems(folder, {"state_dim": trained}, spec.state_dim, spec.action_dim)
+
+    @classmethod
     def resolved_size(cls, size: str, obs_spec: dict, vocab_size: int) -> dict | None:
         return SIZES.get(size)
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  logprob_granularity: str = "chunk", dtype: str = "auto",
                  temperature: float = 1.6, use_proprio: bool = True, unnorm_key: str = "",
-                 max_prompt_length: int = 128, sequence: str = "rlinf"):
+                 max_prompt_length: int = 128, sequence: str = "rlinf",
+                 action_head: str = "tokens", init_log_std: float = -0.7):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel
 
@@ -141,10 +167,15 @@ class OFTPolicy(VLAPolicy):
                     dict(size=dims, logprob_granularity=logprob_granularity, dtype=dtype,
                          temperature=temperature, use_proprio=use_proprio,
                          unnorm_key=unnorm_key, max_prompt_length=max_prompt_length,
-                         sequence=sequence))
+                         sequence=sequence, action_head=action_head,
+                         init_log_std=init_log_std))
         if sequence not in SEQUENCES:
             raise ValueError(f"oft sequence {sequence!r}: expected one of {SEQUENCES}")
-        self.sequence = sequence
+        if action_head not in HEADS:
+            raise ValueError(f"oft action_head {action_head!r}: expected one of {HEADS}")
+        if action_head == "l1" and sequence != "official":
+            raise ValueError("an L1 action head reads OFT's own sequence: sequence=official")
+        self.sequence, self.head = sequence, action_head
         self.temperature, self.unnorm_key = float(temperature), unnorm_key
         self.max_prompt_length = int(max_prompt_length)
         self.cameras = [k for k in CAMERAS if k in obs_spec]
@@ -160,6 +191,10 @@ class OFTPolicy(VLAPolicy):
             self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], width)
         self.language_model = backbone(LlamaModel, self.llm_config, self.compute_dtype)
         self.lm_head = nn.Linear(width, self.llm_config.vocab_size, bias=False)
+        if action_head == "l1":
+            self.action_head = L1ActionHead(width, self.action_dim)
+            self.log_std = nn.Parameter(torch.full((self.chunk_len, self.action_dim),
+                                                   float(init_log_std)))
         self.value_head = nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, 128),
                                         nn.GELU(), nn.Linear(128, DECODED_CHUNK, bias=False))
         for layer in self.value_head[:3:2]:  # RLinf's fresh init
@@ -174,9 +209,10 @@ class OFTPolicy(VLAPolicy):
     # ------------------------------------------------------------------ checkpoint folders
     @classmethod
     def folder_kwargs(cls, folder) -> dict:
-        """A published folder's sizes (from its tensors) and whether it has a proprio
-        projector; an hpcvla folder's recorded size."""
-        from hpcvla.policies.oft_checkpoint import folder_dims, proprio_file, read_config
+        """A published folder's sizes (from its tensors), whether it has a proprio projector
+        and which action head; an hpcvla folder's recorded ones."""
+        from hpcvla.policies.oft_checkpoint import folder_dims, head_file, proprio_file, \
+            read_config
 
         config = read_config(folder)
         if "hpcvla_policy" in config:
@@ -184,8 +220,10 @@ class OFTPolicy(VLAPolicy):
                 raise ValueError(f"{folder}: a {config['hpcvla_policy']} policy's folder, "
                                  f"not an {cls.family} one")
             kwargs = config["kwargs"]
-            return {"size": kwargs["size"], "use_proprio": kwargs.get("use_proprio", True)}
-        return {"size": folder_dims(folder), "use_proprio": proprio_file(folder) is not None}
+            return {"size": kwargs["size"], "use_proprio": kwargs.get("use_proprio", True),
+                    "action_head": kwargs.get("action_head", "tokens")}
+        return {"size": folder_dims(folder), "use_proprio": proprio_file(folder) is not None,
+                "action_head": "l1" if head_file(folder) is not None else "tokens"}
 
     def load_published(self, folder) -> list[str]:
         from hpcvla.policies.oft_checkpoint import load_published
@@ -253,6 +291,12 @@ class OFTPolicy(VLAPolicy):
         start = 1 + prefix.shape[1] + ids.shape[1] - 2  # the last prompt token
         return hidden[:, start:start + self.n_tokens]
 
+    def l1_actions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The L1 head's normalized actions (B, 8, D) from `_hidden`'s rows: OFT's
+        actions_hidden_states are the same rows (the last prompt token's and those of the
+        action positions but the last)."""
+        return self.action_head(hidden, DECODED_CHUNK).float()
+
     def action_logits(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """RLinf's action logits (B, n_tokens, 256) float32, before the temperature, and the
         per-step values (B, 8)."""
@@ -266,11 +310,21 @@ class OFTPolicy(VLAPolicy):
         29871, `prompt_mask` all true): logits over the whole vocabulary (B, n_tokens, 32064)
         and the argmax's normalized actions (B, 8, D)."""
         obs = {k: v.to(self.device) for k, v in obs.items()}  # the prompt as given
-        logits = self.lm_head(self._hidden(obs, stop=True)).float()
+        hidden = self._hidden(obs, stop=True)
+        logits = self.lm_head(hidden).float()
+        if self.head == "l1":  # predict_action with the action head
+            return logits, self.l1_actions(hidden)
         bins = (LLM_VOCAB - 1 - logits.argmax(dim=-1)).clamp(0, N_BINS - 2)
         return logits, bin_centres(logits.device)[bins].view(-1, DECODED_CHUNK, self.action_dim)
 
     # ------------------------------------------------------------------ RL
+    def _gaussian(self, obs):
+        """The L1 head: a Gaussian around its actions (B, H, D), its std learned."""
+        hidden = self._hidden(obs, stop=True)
+        mean = self.l1_actions(hidden)[:, :self.chunk_len]
+        value = self.value_head(hidden[:, 0]).float().mean(dim=-1)
+        return torch.distributions.Normal(mean, self.log_std.float().exp()), value
+
     def _distribution(self, obs):
         logits, values = self.action_logits(obs)
         B, H, D = logits.shape[0], self.chunk_len, self.action_dim
@@ -278,6 +332,10 @@ class OFTPolicy(VLAPolicy):
         return torch.log_softmax(logits / self.temperature, dim=-1), values.mean(dim=-1)
 
     def _sample(self, obs, deterministic):
+        if self.head == "l1":
+            normal, value = self._gaussian(obs)
+            actions = normal.mean if deterministic else normal.sample()
+            return actions, normal.log_prob(actions), value, {}
         logp, value = self._distribution(obs)
         if deterministic:
             columns = logp.argmax(dim=-1)
@@ -288,11 +346,14 @@ class OFTPolicy(VLAPolicy):
         return bin_centres(logp.device)[bins], terms, value, {}
 
     def _score(self, obs, actions):
+        if self.head == "l1":
+            normal, value = self._gaussian(obs)
+            return normal.log_prob(actions.float()), normal.entropy(), value
         logp, value = self._distribution(obs)
         terms = value_logprobs(logp).gather(-1, bins_of(actions)[..., None]).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(dim=-1)
         return terms, entropy, value
 
 
-__all__ = ["OFTPolicy", "SEQUENCES", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of",
+__all__ = ["OFTPolicy", "SEQUENCES", "HEADS", "SIZES", "DECODED_CHUNK", "bin_centres", "bins_of",
            "column_bins", "value_logprobs"]

@@ -9,7 +9,8 @@ What the folder holds (tests/fixtures/oft/README.md has the full description):
   names under `vision_backbone.{featurizer,fused_featurizer}.`, `projector.fc{1,2,3}.`,
   `language_model.model.` and the untied `language_model.lm_head.weight`.
 * `dataset_statistics.json` (action/proprio q01, q99, mask per dataset key),
-  `*proprio_projector*checkpoint*.pt` (a DDP state dict: `module.` stripped), the tokenizer
+  `*proprio_projector*checkpoint*.pt` and, in OFT's own LIBERO recipe, the L1-regression
+  head's `action_head--*checkpoint*.pt` (DDP state dicts: `module.` stripped), the tokenizer
   and `preprocessor_config.json` (read by policies/oft_processor.py).
 
 timm -> transformers: the fused `attn.qkv` is split into q/k/v (and fused back); LayerScale
@@ -89,12 +90,16 @@ def _rename(key: str, rules, **fill) -> str | None:
     return None
 
 
+OWN_FILES = ("proprio_projector.", "action_head.")  # each in a .pt file of its own
+
+
 def to_published(state: dict) -> dict:
     """Our tensors -> the published layout's (meta tensors give just names and shapes). The
-    proprio projector is not in it (its own .pt file)."""
+    proprio projector and the L1 action head are not in it (their own .pt files), nor the
+    L1 head's exploration std (an RL head)."""
     out = {}
     for key, value in state.items():
-        if key.startswith("proprio_projector.") or key in _SPECIAL:
+        if key.startswith(OWN_FILES) or key == "log_std" or key in _SPECIAL:
             continue
         qkv = _rename(key, _QKV_OURS)
         if qkv is not None:
@@ -115,18 +120,20 @@ def to_published(state: dict) -> dict:
 
 def published_files(state: dict, source) -> tuple[dict, dict]:
     """`state` as the published folder `source` holds it (policies/export.py): the tensors of
-    its safetensors files, and its proprio projector file (when it has one, and the state its
-    projector) in that file's key format (DDP's `module.` prefix or not) and dtype."""
-    proprio = {k.removeprefix("proprio_projector."): v for k, v in state.items()
-               if k.startswith("proprio_projector.")}
-    file = proprio_file(source)
-    if file is None or not proprio:
-        return to_published(state), {}
-    theirs = torch.load(file, map_location="cpu", weights_only=True)
-    prefix = "module." if all(k.startswith("module.") for k in theirs) else ""
-    dtype = next(iter(theirs.values())).dtype
-    return to_published(state), {file.name: {prefix + k: v.detach().to("cpu", dtype)
-                                             for k, v in proprio.items()}}
+    its safetensors files, and its proprio projector and action head files (where it has
+    them and the state the module) in each file's key format (DDP's `module.` prefix or
+    not) and dtype."""
+    files = {}
+    for prefix, file in (("proprio_projector.", proprio_file(source)),
+                         ("action_head.", head_file(source))):
+        ours = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        if file is None or not ours:
+            continue
+        theirs = torch.load(file, map_location="cpu", weights_only=True)
+        ddp = "module." if all(k.startswith("module.") for k in theirs) else ""
+        dtype = next(iter(theirs.values())).dtype
+        files[file.name] = {ddp + k: v.detach().to("cpu", dtype) for k, v in ours.items()}
+    return to_published(state), files
 
 
 def from_published(tensors: dict) -> dict:
@@ -209,14 +216,31 @@ def folder_dims(folder) -> dict:
     }
 
 
+def _component_file(folder, name: str) -> Path | None:
+    found = sorted(p for p in Path(folder).glob("*.pt")
+                   if name in p.name and "checkpoint" in p.name)
+    if len(found) > 1:
+        raise ValueError(f"{folder}: {len(found)} {name} files {[p.name for p in found]}; "
+                         "OFT reads one")
+    return found[0] if found else None
+
+
 def proprio_file(folder) -> Path | None:
     """OFT's proprio projector checkpoint (`*proprio_projector*checkpoint*.pt`), if any."""
-    found = sorted(p for p in Path(folder).glob("*.pt")
-                   if "proprio_projector" in p.name and "checkpoint" in p.name)
-    if len(found) > 1:
-        raise ValueError(f"{folder}: {len(found)} proprio projector files "
-                         f"{[p.name for p in found]}; OFT reads one")
-    return found[0] if found else None
+    return _component_file(folder, "proprio_projector")
+
+
+def proprio_dim(folder) -> int:
+    """The state width OFT's proprio projector reads (its fc1's input), 0 without one."""
+    file = proprio_file(folder)
+    weights = {} if file is None else torch.load(file, map_location="cpu", weights_only=True)
+    return next((int(v.shape[1]) for k, v in weights.items() if k.endswith("fc1.weight")), 0)
+
+
+def head_file(folder) -> Path | None:
+    """OFT's L1-regression action head checkpoint (`action_head--*checkpoint*.pt`), if any
+    (a diffusion head comes with a noisy_action_projector file: recipe_problems)."""
+    return _component_file(folder, "action_head--")
 
 
 def read_statistics(folder, unnorm_key: str = "") -> tuple[str, dict]:
@@ -255,27 +279,32 @@ def load_published(policy, folder) -> list[str]:
     problems += [f"unexpected {k}" for k in tensors if k not in expected]
     problems += [f"misshaped {k}: file {tuple(v.shape)}, model {expected[k]}"
                  for k, v in tensors.items() if k in expected and tuple(v.shape) != expected[k]]
+    components = []  # (prefix, its file, what lacks it)
     if getattr(policy, "use_proprio", False):
-        file = proprio_file(folder)
+        components.append(("proprio_projector.", proprio_file(folder),
+                           "the proprio projector file (*proprio_projector*checkpoint*.pt) "
+                           "for the env's state"))
+    if getattr(policy, "head", "tokens") == "l1":
+        components.append(("action_head.", head_file(folder),
+                           "the L1 action head file (action_head--*checkpoint*.pt)"))
+    for prefix, file, what in components:
         if file is None:
-            problems.append("missing the proprio projector file (*proprio_projector*"
-                            "checkpoint*.pt) for the env's state")
-        else:
-            projector = {k.removeprefix("module."): v for k, v in
-                         torch.load(file, map_location="cpu", weights_only=True).items()}
-            ours = {k.removeprefix("proprio_projector."): v for k, v in state.items()
-                    if k.startswith("proprio_projector.")}
-            problems += [f"{file.name}: missing {k}" for k in ours if k not in projector]
-            problems += [f"{file.name}: unexpected {k}" for k in projector if k not in ours]
-            problems += [f"{file.name}: misshaped {k}: file {tuple(v.shape)}, model "
-                         f"{tuple(ours[k].shape)}" for k, v in projector.items()
-                         if k in ours and v.shape != ours[k].shape]
-            tensors.update({f"proprio_projector.{k}": v for k, v in projector.items()})
+            problems.append(f"missing {what}")
+            continue
+        theirs = {k.removeprefix("module."): v for k, v in  # OFT's load_component_state_dict
+                  torch.load(file, map_location="cpu", weights_only=True).items()}
+        ours = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+        problems += [f"{file.name}: missing {k}" for k in ours if k not in theirs]
+        problems += [f"{file.name}: unexpected {k}" for k in theirs if k not in ours]
+        problems += [f"{file.name}: misshaped {k}: file {tuple(v.shape)}, model "
+                     f"{tuple(ours[k].shape)}" for k, v in theirs.items()
+                     if k in ours and v.shape != ours[k].shape]
+        tensors.update({prefix + k: v for k, v in theirs.items()})
     if problems:
         raise ValueError(f"{folder}: {len(problems)} tensor(s) do not fit the oft policy: "
                          + "; ".join(problems))
-    proprio = {k: tensors.pop(k) for k in list(tensors) if k.startswith("proprio_projector.")}
-    loaded = {**from_published(tensors), **proprio}
+    own = {k: tensors.pop(k) for k in list(tensors) if k.startswith(OWN_FILES)}
+    loaded = {**from_published(tensors), **own}
     with torch.no_grad():
         for key, value in loaded.items():
             state[key].copy_(value)
@@ -304,23 +333,24 @@ PLATFORM_CHUNKS = {"aloha": 25, "bridge": 5, "libero": 8}
 
 def recipe_problems(folder, config: dict, key: str, cameras: int, proprio: bool,
                     sequence: str) -> list[str]:
-    """What of an OFT folder's recipe the `oft` policy (discrete action tokens, a chunk of 8)
-    cannot run as trained; `cameras`: the env's images (1, 2 with the wrist); `proprio`:
-    whether the env's state will be read (the folder has a projector for it); `sequence`:
-    policy.sequence."""
+    """What of an OFT folder's recipe the `oft` policy (action tokens or OFT's L1 head, a
+    chunk of 8) cannot run as trained; `cameras`: the env's images (1, 2 with the wrist);
+    `proprio`: whether the env's state will be read (the folder has a projector for it);
+    `sequence`: policy.sequence."""
     problems = []
     if proprio and sequence == "rlinf":
         problems.append("its proprio projector is OFT's, read in OFT's own sequence; RLinf's "
                         "has no proprio token: set policy.sequence=official (or env.state="
                         "false to act without the state)")
-    heads = sorted(p.name for p in Path(folder).glob("*.pt") if p.name.startswith(
-        ("action_head--", "noisy_action_projector--")))
-    if heads:
-        problems.append(f"it was fine-tuned with OFT's continuous action head ({heads[0]}: "
-                        "L1 regression or diffusion, OFT's own LIBERO recipe), which this "
-                        "policy does not run: it acts from the action tokens of `lm_head`, "
-                        "and would act wrong without a word. Use a checkpoint fine-tuned "
-                        "with the discrete token head (RLinf's OpenVLA-OFT ones)")
+    diffusion = sorted(p.name for p in Path(folder).glob("noisy_action_projector--*.pt"))
+    if diffusion:
+        problems.append(f"it was fine-tuned with OFT's diffusion action head ({diffusion[0]}), "
+                        "which this policy does not run (it runs the action tokens of "
+                        "`lm_head` and OFT's L1-regression head). Use a checkpoint fine-tuned "
+                        "with either")
+    elif head_file(folder) is not None and sequence != "official":
+        problems.append(f"its L1-regression action head ({head_file(folder).name}, OFT's own "
+                        "LIBERO recipe) reads OFT's own sequence: set policy.sequence=official")
     chunk = next((n for name, n in PLATFORM_CHUNKS.items() if name in key.lower()), 8)
     if chunk != 8:
         problems.append(f"its statistics are {key!r}, a platform whose OFT chunk is {chunk} "
@@ -360,5 +390,5 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
 
 
 __all__ = ["to_published", "published_files", "from_published", "folder_dims",
-           "load_published", "load_value_head", "read_statistics", "proprio_file",
-           "check_folder", "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]
+           "load_published", "load_value_head", "read_statistics", "proprio_file", "head_file",
+           "proprio_dim", "check_folder", "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]

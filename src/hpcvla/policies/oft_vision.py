@@ -1,4 +1,4 @@
-"""OpenVLA-OFT's fused vision backbone and projectors, on transformers modules.
+"""OpenVLA-OFT's fused vision backbone, projectors and L1 action head, on transformers modules.
 
 OFT builds its two towers with timm (`vit_large_patch14_reg4_dinov2.lvd142m`,
 `vit_so400m_patch14_siglip_224`); timm cannot be installed beside this project's CPU torch
@@ -131,4 +131,33 @@ class ProprioProjector(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-__all__ = ["FusedVisionBackbone", "Projector", "ProprioProjector", "pixel_values", "heads_of"]
+class L1ActionHead(nn.Module):
+    """OFT's L1-regression action head (its own LIBERO recipe): per decoded step, the last
+    hidden states of that step's D action positions, concatenated (D x width), through an MLP
+    with 2 pre-norm residual blocks -> the step's D normalized actions. Module names are OFT's
+    (`model.*`), so its `action_head--*.pt` loads as it is (less DDP's `module.`)."""
+
+    def __init__(self, llm_width: int, action_dim: int, blocks: int = 2):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layer_norm1 = nn.LayerNorm(llm_width * action_dim)
+        self.model.fc1 = nn.Linear(llm_width * action_dim, llm_width)
+        self.model.mlp_resnet_blocks = nn.ModuleList(
+            nn.Module() for _ in range(blocks))
+        for block in self.model.mlp_resnet_blocks:
+            block.ffn = nn.Sequential(nn.LayerNorm(llm_width), nn.Linear(llm_width, llm_width),
+                                      nn.ReLU())
+        self.model.layer_norm2 = nn.LayerNorm(llm_width)
+        self.model.fc2 = nn.Linear(llm_width, action_dim)
+
+    def forward(self, hidden: torch.Tensor, steps: int) -> torch.Tensor:
+        """(B, steps x D, width) action-position hidden states -> (B, steps, D)."""
+        m = self.model
+        x = F.relu(m.fc1(m.layer_norm1(hidden.reshape(hidden.shape[0], steps, -1))))
+        for block in m.mlp_resnet_blocks:
+            x = x + block.ffn(x)
+        return m.fc2(m.layer_norm2(x))
+
+
+__all__ = ["FusedVisionBackbone", "Projector", "ProprioProjector", "L1ActionHead",
+           "pixel_values", "heads_of"]

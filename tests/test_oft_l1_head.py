@@ -1,0 +1,117 @@
+"""OpenVLA-OFT's own LIBERO recipe: a checkpoint with its L1-regression action head
+(`action_head--*.pt`; tests/fixtures/oft/make_l1_head.py, made by OFT's code) through the
+public path (`policy.pretrained`, policy.sequence=official, two images and the proprio
+token): its deterministic actions are OFT's `predict_action(..., action_head=...)`; RL samples
+a Gaussian around them with a learned std and scores what it sampled; the head trains; the
+folder comes back byte for byte from `hpcvla export`. A diffusion head is refused by name."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hpcvla.config import ConfigError
+from hpcvla.factory import build_policy
+from hpcvla.policies.export import save_like
+from test_oft_reference import OFFICIAL_PROPRIO, SAMPLES, config, env_obs, reference_io
+
+FIXTURES = Path(__file__).parent / "fixtures" / "oft"
+HEAD = "action_head--100_checkpoint.pt"
+# The tiny reference model's float32 rounding (test_oft_reference.py: its logits to 5e-3):
+# the hidden states at the action positions differ from OFT's by up to 3.5e-4 here, the
+# head's actions by up to 2.4e-5; on OFT's own hidden states the head is exact.
+ACTION_TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def io():
+    return reference_io()
+
+
+@pytest.fixture(scope="module")
+def l1_folder(tmp_path_factory):
+    """A checkpoint folder as OFT's LIBERO fine-tuning leaves it: checkpoint/ + the head."""
+    folder = tmp_path_factory.mktemp("l1") / "checkpoint"
+    shutil.copytree(FIXTURES / "checkpoint", folder)
+    shutil.copy(FIXTURES / HEAD, folder)
+    return folder
+
+
+def test_the_l1_head_acts_as_ofts_predict_action(io, l1_folder):
+    reference = load_file(str(FIXTURES / "l1_io.safetensors"))
+    for name, row in SAMPLES.items():
+        sample = "libero" if name == "libero" else "raw"
+        tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
+        obs, spec = env_obs(io, sample, tasks, wrist=True, state=True)
+        obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
+        policy = build_policy(config(l1_folder, **OFFICIAL_PROPRIO), spec).eval()
+        assert policy.head == "l1"
+        ids = io[f"oft_proprio.{name}.input_ids"]
+        pixels = io[f"oft_proprio.{name}.pixel_values"]
+        with torch.no_grad():  # the head alone, on OFT's own hidden states: exact
+            head = policy.l1_actions(reference[f"l1.{name}.action_hidden_states"][None])
+        torch.testing.assert_close(head[0], reference[f"l1.{name}.normalized_actions"],
+                                   rtol=0, atol=1e-6)
+        _, normalized = policy.predict_action_reference({
+            "pixel_values": pixels, "input_ids": ids,
+            "prompt_mask": torch.ones_like(ids, dtype=torch.bool),
+            "state": io[f"oft_proprio.{name}.proprio_normalized"][None].float()})
+        torch.testing.assert_close(normalized[0], reference[f"l1.{name}.normalized_actions"],
+                                   rtol=0, atol=ACTION_TOL)
+        torch.testing.assert_close(policy.processor.actions_out(normalized[0], {}).double(),
+                                   reference[f"l1.{name}.actions"], rtol=0, atol=ACTION_TOL)
+        acted = policy.act({**obs, "pixel_values": pixels}, deterministic=True).actions
+        torch.testing.assert_close(acted[0].double(), reference[f"l1.{name}.actions"], rtol=0,
+                                   atol=ACTION_TOL)
+
+
+def test_rl_samples_around_the_head_scores_what_it_sampled_and_trains_it(io, l1_folder):
+    obs, spec = env_obs(io, wrist=True, state=True)
+    policy = build_policy(config(l1_folder, **OFFICIAL_PROPRIO), spec)
+    fresh = {k for k in policy.state_dict() if policy.to_hf_key(k).startswith("rl.")}
+    assert "log_std" in fresh  # an RL head: absent from OFT's folders, fresh
+    torch.manual_seed(0)
+    sampled = policy.act(obs)
+    mean = policy.act(obs, deterministic=True).actions
+    assert (sampled.actions - mean).abs().max() > 1e-3
+    logprob, value, entropy = policy.evaluate(obs, sampled.actions)
+    torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-4)
+    assert torch.isfinite(value).all() and torch.isfinite(entropy).all()
+    (logprob.mean() + value.pow(2).mean()).backward()
+    graded = {n for n, p in policy.named_parameters() if p.grad is not None}
+    assert "log_std" in graded and any(n.startswith("action_head.") for n in graded)
+
+
+def test_an_l1_checkpoint_comes_back_byte_for_byte(io, l1_folder, tmp_path):
+    obs, spec = env_obs(io, wrist=True, state=True)
+    policy = build_policy(config(l1_folder, **OFFICIAL_PROPRIO), spec)
+    written = save_like(policy, l1_folder, tmp_path / "out")
+    assert written["other_files"] == sorted([HEAD, "proprio_projector--100_checkpoint.pt"])
+    for file in l1_folder.iterdir():
+        assert (tmp_path / "out" / file.name).read_bytes() == file.read_bytes(), file.name
+
+
+def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
+    """The L1 head needs OFT's sequence, the proprio projector the env's state width; a
+    diffusion head is refused."""
+    with pytest.raises(ConfigError, match="L1-regression action head .* policy.sequence="
+                                          "official"):
+        config(l1_folder, **{**OFFICIAL_PROPRIO, "policy.sequence": "rlinf"})
+    # the proprio projector's state against the env's, before any rank starts
+    from hpcvla.config import load_config
+    from hpcvla.preflight import pretrained_env_problems
+    overrides = [f"policy.pretrained={l1_folder}", "env.wrist_image=true", "env.state=true",
+                 "policy.sequence=official"]
+    cfg = load_config("configs/libero_oft.yaml", overrides + ["env.state_format=quaternion"])
+    [(field, value, why)] = pretrained_env_problems(cfg)
+    assert (field, value) == ("env", "libero") and "reads a 8-d state, the env gives a 9-d" \
+        in why and "axis_angle" in why
+    cfg = load_config("configs/libero_oft.yaml", overrides + ["env.state_format=axis_angle"])
+    assert pretrained_env_problems(cfg) == []
+    diffusion = tmp_path / "diffusion"
+    shutil.copytree(l1_folder, diffusion)
+    (diffusion / "noisy_action_projector--100_checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="diffusion action head"):
+        config(diffusion, **OFFICIAL_PROPRIO)
