@@ -2,8 +2,9 @@
 (`action_head--*.pt`; tests/fixtures/oft/make_l1_head.py, made by OFT's code) through the
 public path (`policy.pretrained`, policy.sequence=official, two images and the proprio
 token): its deterministic actions are OFT's `predict_action(..., action_head=...)`; RL samples
-a Gaussian around them with a learned std and scores what it sampled; the head trains; the
-folder comes back byte for byte from `hpcvla export`. A diffusion head is refused by name."""
+a Gaussian around them with a learned std and scores what it sampled; the head trains, and
+imitates with OFT's own L1 loss; the folder comes back byte for byte from `hpcvla export`.
+What OFT's recipe needs is checked before any rank starts."""
 
 import shutil
 from pathlib import Path
@@ -82,6 +83,16 @@ def test_rl_samples_around_the_head_scores_what_it_sampled_and_trains_it(io, l1_
     (logprob.mean() + value.pow(2).mean()).backward()
     graded = {n for n, p in policy.named_parameters() if p.grad is not None}
     assert "log_std" in graded and any(n.startswith("action_head.") for n in graded)
+    # imitation (`hpcvla sft`): OFT's own fine-tuning loss, L1 on the normalized actions
+    real = torch.ones(sampled.actions.shape[:2], dtype=torch.bool)
+    real[1, 4:] = False  # past the episode's end
+    with torch.no_grad():
+        mean = policy.processor.actions_in(policy.act(obs, deterministic=True).actions, obs)
+        target = policy.processor.actions_in(sampled.actions, obs)
+        expected = torch.cat([(mean - target)[0].abs().flatten(),
+                              (mean - target)[1, :4].abs().flatten()]).mean()
+        torch.testing.assert_close(policy.imitation_loss(obs, sampled.actions, real), expected,
+                                   rtol=1e-5, atol=1e-6)
 
 
 def test_an_l1_checkpoint_comes_back_byte_for_byte(io, l1_folder, tmp_path):

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from hpcvla.policies.backbones import backbone
+from hpcvla.policies.base import real_steps_mean
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
 from hpcvla.policies.oft_vision import FusedVisionBackbone, L1ActionHead, Projector, \
     ProprioProjector, pixel_values
@@ -324,6 +325,15 @@ class OFTPolicy(VLAPolicy):
         mean = self.l1_actions(hidden)[:, :self.chunk_len]
         value = self.value_head(hidden[:, 0]).float().mean(dim=-1)
         return torch.distributions.Normal(mean, self.log_std.float().exp()), value
+
+    def imitation_loss(self, obs, actions, real):
+        """The L1 head: OFT's own fine-tuning loss, the mean absolute error of its normalized
+        actions over the real steps; the action tokens: their cross-entropy (VLAPolicy)."""
+        if self.head != "l1":
+            return super().imitation_loss(obs, actions, real)
+        hidden = self._hidden(self._inputs(obs), stop=True)
+        error = self.l1_actions(hidden)[:, :self.chunk_len] - self._model_actions(actions, obs)
+        return real_steps_mean(error.abs(), real)
 
     def _distribution(self, obs):
         logits, values = self.action_logits(obs)
