@@ -100,6 +100,7 @@ def test_an_l1_checkpoint_comes_back_byte_for_byte(io, l1_folder, tmp_path):
     policy = build_policy(config(l1_folder, **OFFICIAL_PROPRIO), spec)
     written = save_like(policy, l1_folder, tmp_path / "out")
     assert written["other_files"] == sorted([HEAD, "proprio_projector--100_checkpoint.pt"])
+    assert written["rl_heads_left_out"] == 6  # the value head's 5 tensors and log_std
     for file in l1_folder.iterdir():
         assert (tmp_path / "out" / file.name).read_bytes() == file.read_bytes(), file.name
 

@@ -18,9 +18,11 @@ What `out` receives:
   twin of a tied pair a writer kept both of, OFT's SigLIP pooling head), the source's own;
 * the family's other weight files (OFT's proprio projector .pt), in the source's key format.
 
-The RL heads (value head, critics: `rl.*` names) have no place in the reference's layout and
-are not written; `--format hpcvla` (folders.save_pretrained) keeps them. A policy tensor that is
-neither written nor an RL head means the source does not hold this policy: refused, by name.
+The RL heads (value head, critics, exploration std: `rl.*` names) are written only where the
+source has places for them (an RLinf OFT checkpoint's value head); the reference's own layouts
+have none, and `--format hpcvla` (folders.save_pretrained) keeps them all. A policy tensor that
+is neither written nor an RL head means the source does not hold this policy: refused, by
+name.
 """
 
 from __future__ import annotations
@@ -106,7 +108,10 @@ def save_like(policy, source, out, state: dict | None = None) -> dict:
             save_file(written, out / file.name, metadata=f.metadata())
     for name, file_state in other_files.items():
         torch.save(file_state, out / name)
-    return {"from_policy": ours, "from_source": kept, "rl_heads_left_out": len(rl_names),
+    # the RL-head tensors of the policy, less those the source had places for (RLinf's OFT
+    # value head) and the export filled
+    left_out = len(rl_heads) - len(rl_names & set(tensors) & source_keys)
+    return {"from_policy": ours, "from_source": kept, "rl_heads_left_out": left_out,
             "other_files": sorted(other_files)}
 
 
