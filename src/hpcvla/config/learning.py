@@ -144,8 +144,9 @@ class PolicyConfig:
         "checkpoint was fine-tuned with. `rlinf`: RLinf's (its OpenVLA-OFT RL checkpoints; "
         "no STOP token after the action positions). `official`: OpenVLA-OFT's own "
         "`predict_action` (a STOP token after them), for folders fine-tuned by OFT's "
-        "repository with the discrete token head; with the env's state as a proprio token, "
-        "only `official` matches a reference.", choices=("rlinf", "official"))
+        "repository, with the discrete token head or its L1-regression head (which reads "
+        "only this one); with the env's state as a proprio token, only `official` matches a "
+        "reference.", choices=("rlinf", "official"))
     max_prompt_length: int = setting(
         128, "`oft` with a `pretrained` folder: prompts are left-padded to this many tokens "
         "(RLinf's max_prompt_length; longer ones lengthen the batch). Padding is masked and "
