@@ -8,6 +8,7 @@ openpi's and OpenVLA-OFT's, comes back byte for byte when the policy is exported
 (`hpcvla export` of a whole run: the LIBERO run test in test_pi0_pretrained.py.)"""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,22 @@ def test_an_unchanged_pi0_comes_back_byte_for_byte(folder, tmp_path):
     # kept from the source: the expert's unused lm_head, and PaliGemma's lm_head beside the
     # embed_tokens π0 computes with (openpi's and the tied files hold one of them)
     assert written["from_source"] == (1 if folder.endswith(("tied", "openpi")) else 2)
+
+
+def test_a_hub_cache_snapshot_exports_as_plain_files(tmp_path):
+    """A folder as the Hugging Face hub cache holds it (snapshots/<rev>/ files are symlinks
+    into blobs/): the export writes plain files with the same bytes."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted((FIXTURES / "pi0/lerobot").iterdir())):
+        shutil.copy(file, blobs / f"blob{i}")
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / f"blob{i}")
+    obs, env = raw_observation(*fixture("pi0"))
+    policy = build_policy(config(snapshot), env)
+    save_like(policy, snapshot, tmp_path / "out")
+    assert not any(p.is_symlink() for p in (tmp_path / "out").iterdir())
+    assert files_of(tmp_path / "out") == files_of(FIXTURES / "pi0/lerobot")
 
 
 @pytest.mark.parametrize("proprio", [False, True])
