@@ -116,6 +116,33 @@ def policy_spec(name):
     return raw_observation(*fixture(export_trained.SOURCES[name][0]))[1]
 
 
+def test_a_source_with_a_value_head_gets_the_trained_one(oft_io, tmp_path):
+    """An OFT folder that holds RLinf's value head in its shards (value_head.mlp.*): the
+    export writes the trained value head there, in the shard's dtype; no RL head is left out."""
+    import json
+
+    from safetensors.torch import save_file
+    folder = tmp_path / "with_value_head"
+    shutil.copytree(OFT_CHECKPOINT, folder)
+    shard = "model-00004-of-00004.safetensors"
+    tensors = load_file(str(folder / shard))
+    head = load_file(str(OFT_CHECKPOINT.parent / "rlinf_value_head.safetensors"))
+    save_file({**tensors, **{k: v.to(torch.bfloat16) for k, v in head.items()}},
+              str(folder / shard), metadata={"format": "pt"})
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: shard for k in head})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    obs, env = env_obs(oft_io)
+    policy = build_policy(oft_config(folder), env)
+    with torch.no_grad():
+        policy.value_head[0].weight.add_(0.5)
+    written = save_like(policy, folder, tmp_path / "out")
+    assert written["rl_heads_left_out"] == 0
+    out = load_file(str(tmp_path / "out" / shard))
+    torch.testing.assert_close(out["value_head.mlp.0.weight"],
+                               policy.value_head[0].weight.detach().to(torch.bfloat16))
+
+
 def test_a_trained_oft_is_written_in_the_sources_dtype_and_key_format(oft_io, tmp_path):
     """OFT's bf16 shards get the trained float32 weights rounded to bf16 (its fused qkv and
     timm names: oft_checkpoint.to_published), its proprio projector .pt keeps DDP's `module.`
