@@ -20,10 +20,11 @@ from test_oft_reference import OFFICIAL_PROPRIO, SAMPLES, config, env_obs, refer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oft"
 HEAD = "action_head--100_checkpoint.pt"
-# The tiny reference model's float32 rounding (test_oft_reference.py: its logits to 5e-3):
-# the hidden states at the action positions differ from OFT's by up to 3.5e-4 here, the
-# head's actions by up to 2.4e-5; on OFT's own hidden states the head is exact.
-ACTION_TOL = 2e-4
+# The tiny reference model's float32 rounding (test_oft_reference.py: its logits, ~10 in
+# size, to 5e-3, as CPUs round them differently): the hidden states at the action positions
+# differ from OFT's by up to 3.5e-4 here, the head's actions (~2) by up to 2.4e-5; the same
+# relative room as the logits'. On OFT's own hidden states the head is exact.
+ACTION_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
