@@ -142,8 +142,7 @@ class L1ActionHead(nn.Module):
         self.model = nn.Module()
         self.model.layer_norm1 = nn.LayerNorm(llm_width * action_dim)
         self.model.fc1 = nn.Linear(llm_width * action_dim, llm_width)
-        self.model.mlp_resnet_blocks = nn.ModuleList(
-            nn.Module() for _ in range(blocks))
+        self.model.mlp_resnet_blocks = nn.ModuleList(nn.Module() for _ in range(blocks))
         for block in self.model.mlp_resnet_blocks:
             block.ffn = nn.Sequential(nn.LayerNorm(llm_width), nn.Linear(llm_width, llm_width),
                                       nn.ReLU())
