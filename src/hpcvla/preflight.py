@@ -101,7 +101,7 @@ def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
                      "json) into the new folder, and set policy.pretrained=<new folder>")]
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)")]
-    from hpcvla.policies.processor import is_hpcvla_folder
+    from hpcvla.policies.folders import is_hpcvla_folder
     if is_hpcvla_folder(folder):  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
         saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
         return [] if saved == policy.name else [
@@ -117,7 +117,7 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
     building the policy refuses the same mismatch."""
     if not cfg.policy.pretrained:
         return []
-    from hpcvla.policies.processor import is_hpcvla_folder
+    from hpcvla.policies.folders import is_hpcvla_folder
     if is_hpcvla_folder(cfg.policy.pretrained):
         return []
     from hpcvla.envs import env_spec

@@ -27,20 +27,17 @@ name.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
 
-from hpcvla.policies.folders import RL_HEAD_PREFIX, _files, rl_only_names
+from hpcvla.policies.folders import RL_HEAD_PREFIX, _files, is_hpcvla_folder, rl_only_names
 
 
 def is_published(folder) -> bool:
     """Whether `folder` is a published model's folder (not one hpcvla wrote)."""
-    config = Path(folder) / "config.json"
-    return Path(folder).is_dir() and not (
-        config.is_file() and "hpcvla_policy" in json.loads(config.read_text()))
+    return Path(folder).is_dir() and not is_hpcvla_folder(folder)
 
 
 def _source_names(published: dict, source_keys: set, layout: dict) -> dict:

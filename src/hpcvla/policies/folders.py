@@ -73,20 +73,33 @@ def read_tensors(path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def checkpoint_kwargs(policy_cls, path) -> dict:
-    """The constructor arguments a family reads from a checkpoint (`checkpoint_kwargs`, e.g.
-    π0's variant, padded action and state dims and horizon), from the files' headers only."""
+def tensor_shapes(path) -> dict[str, tuple]:
+    """Names and shapes of a checkpoint's tensors (file or folder), from the files' headers
+    only."""
     from safetensors import safe_open
 
-    if policy_cls.folder_kwargs is not None:  # a family that reads its reference's folder
-        return policy_cls.folder_kwargs(path)
-    if policy_cls.checkpoint_kwargs is None:
-        return {}
     shapes = {}
     for file in _files(path)[0]:
         with safe_open(str(file), "pt") as f:
             shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    shapes = from_layout(shapes, {"root": policy_cls.HF_LAYOUT.get("root", "")}, path)
+    return shapes
+
+
+def is_hpcvla_folder(folder) -> bool:
+    """Whether `folder` was written by hpcvla (save_pretrained), not published by a reference."""
+    config = Path(folder) / "config.json"
+    return config.is_file() and "hpcvla_policy" in json.loads(config.read_text())
+
+
+def checkpoint_kwargs(policy_cls, path) -> dict:
+    """The constructor arguments a family reads from a checkpoint (`checkpoint_kwargs`, e.g.
+    π0's variant, padded action and state dims and horizon), from the files' headers only."""
+    if policy_cls.folder_kwargs is not None:  # a family that reads its reference's folder
+        return policy_cls.folder_kwargs(path)
+    if policy_cls.checkpoint_kwargs is None:
+        return {}
+    shapes = from_layout(tensor_shapes(path), {"root": policy_cls.HF_LAYOUT.get("root", "")},
+                         path)
     config = Path(path) / "config.json"
     return policy_cls.checkpoint_kwargs(
         shapes, json.loads(config.read_text()) if config.is_file() else {})
@@ -120,9 +133,8 @@ def load_weights(policy, path) -> list[str]:
     naming every missing, unexpected or misshaped tensor; returns the RL-head names that were
     absent (kept at their initial values). A family whose published folders need more than
     renaming (`load_published`, e.g. oft's timm towers) reads them itself."""
-    config = Path(path) / "config.json"
-    if policy.load_published is not None and Path(path).is_dir() and not (
-            config.is_file() and "hpcvla_policy" in json.loads(config.read_text())):
+    if policy.load_published is not None and Path(path).is_dir() and not \
+            is_hpcvla_folder(path):
         return policy.load_published(path)
     tensors = from_layout(read_tensors(path), policy.HF_LAYOUT, path)
     loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
@@ -160,5 +172,6 @@ def save_pretrained(policy, folder, state: dict | None = None) -> Path:
     return folder
 
 
-__all__ = ["RL_HEAD_PREFIX", "read_tensors", "checkpoint_kwargs", "from_layout", "rl_only_names",
-           "load_weights", "save_pretrained"]
+__all__ = ["RL_HEAD_PREFIX", "read_tensors", "tensor_shapes", "is_hpcvla_folder",
+           "checkpoint_kwargs", "from_layout", "rl_only_names", "load_weights",
+           "save_pretrained"]

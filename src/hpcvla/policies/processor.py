@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpcvla.policies.folders import is_hpcvla_folder, tensor_shapes
 from hpcvla.text import detokenize
 
 PROMPT_TOKENS = {"pi0": 48, "pi05": 200}  # openpi's max_token_len; LeRobot's defaults
@@ -289,11 +290,6 @@ def clean(text: str) -> str:
     return text.strip().replace("_", " ").replace("\n", " ")
 
 
-def is_hpcvla_folder(folder) -> bool:
-    config = Path(folder) / "config.json"
-    return config.is_file() and "hpcvla_policy" in json.loads(config.read_text())
-
-
 def load_tokenizer(tokenizer_folder, checkpoint):
     """`transformers.AutoTokenizer` from a local folder, or an error saying how to get one."""
     from transformers import AutoTokenizer
@@ -352,19 +348,12 @@ def lerobot_steps(folder: Path) -> tuple[dict, dict]:
 def _statistics_in_weights(folder: Path) -> bool:
     """Whether the weights hold LeRobot's normalization buffers (its layout before the
     processor pipelines), from the files' headers."""
-    from safetensors import safe_open
-
-    from hpcvla.policies.folders import _files
     try:
-        files = _files(folder)[0]
-    except ValueError:
+        names = tensor_shapes(folder)
+    except ValueError:  # no weights: named elsewhere
         return False
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            if any(k.startswith(("normalize_inputs.", "normalize_targets.",
-                                 "unnormalize_outputs.")) for k in f.keys()):
-                return True
-    return False
+    return any(k.startswith(("normalize_inputs.", "normalize_targets.", "unnormalize_outputs."))
+               for k in names)
 
 
 def openpi_stats(folder: Path) -> tuple[dict, Path]:
@@ -390,4 +379,4 @@ def openpi_stats(folder: Path) -> tuple[dict, Path]:
 
 
 __all__ = ["CheckpointProcessor", "PROMPT_TOKENS", "check_folder", "dims_problems",
-           "is_hpcvla_folder", "load_tokenizer", "trained_dims"]
+           "load_tokenizer", "trained_dims"]
