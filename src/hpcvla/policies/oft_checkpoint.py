@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from hpcvla.policies.folders import _files, read_tensors
+from hpcvla.policies.folders import read_tensors, tensor_shapes
 
 DINO, SIGLIP = "vision_backbone.featurizer.", "vision_backbone.fused_featurizer."
 OUR_SIGLIP = SIGLIP  # transformers 5: SiglipVisionModel holds the embeddings itself
@@ -90,9 +90,6 @@ def _rename(key: str, rules, **fill) -> str | None:
     return None
 
 
-OWN_FILES = ("proprio_projector.", "action_head.")  # each in a .pt file of its own
-
-
 def to_published(state: dict) -> dict:
     """Our tensors -> the published layout's (meta tensors give just names and shapes). The
     proprio projector and the L1 action head are not in it (their own .pt files), nor the
@@ -124,8 +121,8 @@ def published_files(state: dict, source) -> tuple[dict, dict]:
     them and the state the module) in each file's key format (DDP's `module.` prefix or
     not) and dtype."""
     files = {}
-    for prefix, file in (("proprio_projector.", proprio_file(source)),
-                         ("action_head.", head_file(source))):
+    for prefix, find in COMPONENTS.items():
+        file = find(source)
         ours = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
         if file is None or not ours:
             continue
@@ -153,17 +150,6 @@ def from_published(tensors: dict) -> dict:
         else:
             out[_rename(key, _THEIRS)] = value
     return out
-
-
-def tensor_shapes(folder) -> dict[str, tuple]:
-    """Names and shapes of a checkpoint's tensors, from the files' headers only."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for file in _files(folder)[0]:
-        with safe_open(str(file), "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-    return shapes
 
 
 def read_config(folder) -> dict:
@@ -243,6 +229,11 @@ def head_file(folder) -> Path | None:
     return _component_file(folder, "action_head--")
 
 
+# the modules OFT keeps in .pt files of their own: our name prefix -> its file in a folder
+COMPONENTS = {"proprio_projector.": proprio_file, "action_head.": head_file}
+OWN_FILES = tuple(COMPONENTS)
+
+
 def read_statistics(folder, unnorm_key: str = "") -> tuple[str, dict]:
     """`dataset_statistics.json`'s entry for `unnorm_key` (may be empty when it holds one)."""
     path = Path(folder) / STATISTICS
@@ -279,17 +270,15 @@ def load_published(policy, folder) -> list[str]:
     problems += [f"unexpected {k}" for k in tensors if k not in expected]
     problems += [f"misshaped {k}: file {tuple(v.shape)}, model {expected[k]}"
                  for k, v in tensors.items() if k in expected and tuple(v.shape) != expected[k]]
-    components = []  # (prefix, its file, what lacks it)
-    if getattr(policy, "use_proprio", False):
-        components.append(("proprio_projector.", proprio_file(folder),
-                           "the proprio projector file (*proprio_projector*checkpoint*.pt) "
-                           "for the env's state"))
-    if getattr(policy, "head", "tokens") == "l1":
-        components.append(("action_head.", head_file(folder),
-                           "the L1 action head file (action_head--*checkpoint*.pt)"))
-    for prefix, file, what in components:
+    lacking = {"proprio_projector.": "the proprio projector file (*proprio_projector*"
+               "checkpoint*.pt) for the env's state",
+               "action_head.": "the L1 action head file (action_head--*checkpoint*.pt)"}
+    for prefix, find in COMPONENTS.items():
+        if not any(k.startswith(prefix) for k in state):  # the policy has no such module
+            continue
+        file = find(folder)
         if file is None:
-            problems.append(f"missing {what}")
+            problems.append(f"missing {lacking[prefix]}")
             continue
         theirs = {k.removeprefix("module."): v for k, v in  # OFT's load_component_state_dict
                   torch.load(file, map_location="cpu", weights_only=True).items()}
