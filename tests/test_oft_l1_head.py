@@ -128,3 +128,29 @@ def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
     (diffusion / "noisy_action_projector--100_checkpoint.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match="diffusion action head"):
         config(diffusion, **OFFICIAL_PROPRIO)
+
+
+def test_the_head_is_a_setting_without_a_folder_and_the_folders_own_with_one(l1_folder,
+                                                                             tmp_path):
+    """policy.action_head: a fresh tiny `oft` with OFT's L1 head (configs/reach_oft_l1.yaml);
+    a folder's head is its own, and another named is refused before any rank starts, as is
+    the L1 head outside OFT's sequence or a head for a family with one."""
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.policies import save_pretrained
+    from hpcvla.preflight import check_config
+    cfg = load_config("configs/reach_oft_l1.yaml")
+    policy = build_policy(cfg, env_spec(cfg.env))
+    assert policy.head == "l1" and policy.log_std.detach().eq(-1.6).all()
+    saved = save_pretrained(policy, tmp_path / "saved")
+    check_config(load_config("configs/reach_oft_l1.yaml", [f"policy.pretrained={saved}"]))
+    with pytest.raises(ConfigError, match="policy.action_head.*l1 \\(the head"):
+        check_config(load_config("configs/reach_oft_l1.yaml", [
+            f"policy.pretrained={saved}", "policy.action_head=tokens"]))
+    assert config(l1_folder, **OFFICIAL_PROPRIO, **{"policy.action_head": "l1"})
+    with pytest.raises(ConfigError, match="policy.action_head.*l1 \\(the head"):
+        config(l1_folder, **OFFICIAL_PROPRIO, **{"policy.action_head": "tokens"})
+    with pytest.raises(ConfigError, match="policy.sequence.*official with policy.action_head"):
+        load_config("configs/reach_oft_l1.yaml", ["policy.sequence=rlinf"])
+    with pytest.raises(ConfigError, match="policy.action_head.*empty for policy.name=flow"):
+        load_config("configs/reach_flow.yaml", ["policy.action_head=l1"])

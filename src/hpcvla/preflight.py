@@ -102,12 +102,27 @@ def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)")]
     from hpcvla.policies.folders import is_hpcvla_folder
+    from hpcvla.policies.registry import POLICIES
     if is_hpcvla_folder(folder):  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
         saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
-        return [] if saved == policy.name else [
-            ("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
-    from hpcvla.policies.registry import POLICIES  # a published folder: its family judges it
-    return POLICIES[policy.name].folder_problems(folder, policy, env)
+        if saved != policy.name:
+            return [("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
+        problems = []
+    else:  # a published folder: its family judges it
+        problems = POLICIES[policy.name].folder_problems(folder, policy, env)
+    return problems or _head_problems(policy)
+
+
+def _head_problems(policy) -> list[tuple[str, Any, str]]:
+    """policy.action_head against the head the folder holds (a folder's head is its own)."""
+    if not policy.action_head:
+        return []
+    from hpcvla.policies.folders import checkpoint_kwargs
+    from hpcvla.policies.registry import POLICIES
+    held = checkpoint_kwargs(POLICIES[policy.name], policy.pretrained).get("action_head")
+    return [] if held in (None, policy.action_head) else [
+        ("policy.action_head", policy.action_head, f"{held} (the head {policy.pretrained} "
+         "holds) or empty")]
 
 
 def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:

@@ -44,6 +44,13 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("policy.delta_action_dims", cfg.policy.delta_action_dims, "-1 "
                          "unless policy.name=flow with a published policy.pretrained folder "
                          "(the relative actions of its checkpoint)"))
+    heads = family(cfg.policy.name).action_heads
+    if cfg.policy.action_head and cfg.policy.action_head not in heads:
+        problems.append(("policy.action_head", cfg.policy.action_head, "empty for policy.name="
+                         f"{cfg.policy.name} (one head)" if not heads else " or ".join(heads)))
+    if cfg.policy.action_head == "l1" and cfg.policy.sequence != "official":
+        problems.append(("policy.sequence", cfg.policy.sequence, "official with "
+                         "policy.action_head=l1 (OFT's L1 head reads OFT's own sequence)"))
     if cfg.learner.offload_optimizer and (cfg.learner.zero_stage < 1 or
                                           cfg.learner.backend != "deepspeed"):
         problems.append(("learner.offload_optimizer", True, "false unless learner.backend="

@@ -26,6 +26,8 @@ class FamilyTraits:
     # SAC steers the frozen policy through its sampler's noise (DSRL, policies/noise_actor.py):
     # algorithm.name=sac, not rlpd (demonstrations record actions, not the noise behind them)
     noise_actor: bool = False
+    # the heads policy.action_head may choose (oft: its action tokens or OFT's L1 head)
+    action_heads: tuple[str, ...] = ()
 
 
 # The log std of SAC's squashed actors (the default policy's, the flow family's noise actor):
@@ -38,7 +40,7 @@ FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True),
     "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True),
     "tokens": FamilyTraits(vla=True, relative_actions=False),
-    "oft": FamilyTraits(vla=True, relative_actions=False),
+    "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=("tokens", "l1")),
 }
 
 

@@ -147,6 +147,14 @@ class PolicyConfig:
         "repository, with the discrete token head or its L1-regression head (which reads "
         "only this one); with the env's state as a proprio token, only `official` matches a "
         "reference.", choices=("rlinf", "official"))
+    action_head: str = setting(
+        "", "`oft`: the head that acts. `tokens`: the action tokens of `lm_head` (RLinf's "
+        "and OFT's discrete recipe). `l1`: OFT's L1-regression head (its LIBERO recipe; "
+        "reads `sequence` official): RL samples a Gaussian around its actions, the std "
+        "learned from `init_log_std`, and `hpcvla sft` imitates with OFT's L1 loss. Empty: "
+        "the `pretrained` folder's (l1 where it holds OFT's action_head--*.pt), tokens "
+        "without one; a folder's head is its own: naming another is refused.",
+        choices=("", "tokens", "l1"))
     max_prompt_length: int = setting(
         128, "`oft` with a `pretrained` folder: prompts are left-padded to this many tokens "
         "(RLinf's max_prompt_length; longer ones lengthen the batch). Padding is masked and "

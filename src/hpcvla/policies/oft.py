@@ -112,16 +112,17 @@ class OFTPolicy(VLAPolicy):
             configs: 1.6); deterministic acting takes the argmax.
         use_proprio: read the env's `state` as a proprio token (when the env gives one).
         unnorm_key, max_prompt_length: a published folder's processor (oft_processor.py).
-        action_head: "tokens", or "l1" (a folder with OFT's L1-regression head: its
-            action_head--*.pt); l1 acts from a Gaussian around the head's output, with a
-            learned std starting at exp(init_log_std).
+        action_head: "tokens" ("" too: policy.action_head's default), or "l1" (OFT's
+            L1-regression head; a folder holding its action_head--*.pt fixes it); l1 acts
+            from a Gaussian around the head's output, with a learned std starting at
+            exp(init_log_std).
     """
 
     family = "oft"
     # our own folders: the RL heads may be fresh
     HF_KEY_MAP = (("value_head.", "rl.value_head."), ("log_std", "rl.log_std"))
     config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
-                     "max_prompt_length", "sequence", "init_log_std")
+                     "max_prompt_length", "sequence", "init_log_std", "action_head")
 
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
@@ -154,6 +155,7 @@ class OFTPolicy(VLAPolicy):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel
 
+        action_head = action_head or "tokens"
         if isinstance(size, str) and size not in SIZES:
             raise ValueError(f"unknown oft size {size!r}; presets: {', '.join(SIZES)}")
         dims = copy.deepcopy(SIZES[size] if isinstance(size, str) else size)
