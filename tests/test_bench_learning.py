@@ -175,7 +175,10 @@ def test_the_imitation_start_learns_from_as_many_demonstrations_as_asked(tmp_pat
 def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
     for args, says in ((["--demos", 3], "add --arms imitation"),
                        (["--arms", "scratch", "--demos", 3], "start without demonstrations"),
-                       (["--arms", "imitation", "--demos", 0], "--demos must be >= 1, got 0")):
+                       (["--arms", "imitation", "--demos", 0], "--demos must be >= 1, got 0"),
+                       (["--demo-noise", 0], "add --arms imitation"),
+                       (["--arms", "imitation", "--demo-noise", -1],
+                        "--demo-noise must be >= 0, got -1")):
         out = hpcvla("bench", "learning", *args, "--json", tmp_path / "out.json")
         assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing ran

@@ -67,6 +67,11 @@ def add_bench_parser(sub) -> None:
                             "scripted-expert demonstrations the SFT start (and RLPD) learns "
                             "from (default 64, 16 and 64; the recipe's comment gives its "
                             "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
+    bench.add_argument("--demo-noise", type=float, default=None,
+                       help="learning --arms imitation, prior-data or dsrl-sft: std of the "
+                            "Gaussian noise on the expert's arm actions in those "
+                            "demonstrations (`hpcvla demos --noise`; default 0.1; 0 for "
+                            "configs/reach_oft_l1.yaml, whose comment says why)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -139,21 +144,26 @@ def bench_command(args) -> int:
     if args.target == "learning":  # starts one world per run itself
         from hpcvla.bench import learning
         problem = ""  # refused before any run starts
-        if args.arms not in learning.RECIPE_ARMS and (args.config or args.demos is not None):
-            problem = (f"--config and --demos set a task recipe, which --arms {args.arms} "
-                       "does not take: add --arms imitation, prior-data, scratch or "
-                       "dsrl-sft")
-        elif args.arms == "scratch" and args.demos is not None:
-            problem = "--demos with --arms scratch: its arms start without demonstrations"
+        demo_args = args.demos is not None or args.demo_noise is not None
+        if args.arms not in learning.RECIPE_ARMS and (args.config or demo_args):
+            problem = (f"--config, --demos and --demo-noise set a task recipe, which --arms "
+                       f"{args.arms} does not take: add --arms imitation, prior-data, scratch "
+                       "or dsrl-sft")
+        elif args.arms == "scratch" and demo_args:
+            problem = ("--demos and --demo-noise with --arms scratch: its arms start without "
+                       "demonstrations")
         elif args.demos is not None and args.demos < 1:
             problem = f"--demos must be >= 1, got {args.demos}"
+        elif args.demo_noise is not None and args.demo_noise < 0:
+            problem = f"--demo-noise must be >= 0, got {args.demo_noise}"
         if problem:
             print(f"hpcvla bench learning: {problem}", file=sys.stderr)
             return 2
         learning.run(seeds=2 if args.quick else args.seeds,
                      updates=3 if args.quick else args.updates or 200, json_path=args.json,
                      overrides=args.overrides, arms=args.arms, config=args.config,
-                     eval_episodes=32 if args.quick else args.eval_episodes, demos=args.demos)
+                     eval_episodes=32 if args.quick else args.eval_episodes, demos=args.demos,
+                     demo_noise=args.demo_noise)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.job.launch import run_world

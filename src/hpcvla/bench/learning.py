@@ -31,7 +31,7 @@ Arm sets (`--arms`):
   steps per version (configs/colocated_sac.yaml against configs/colocated.yaml).
 * `imitation`: `modes` on a real task from an imitation start, as VLA users post-train:
   ManiSkill PushCube-v1 (configs/maniskill_pushcube.yaml), `IMITATION_DEMOS` scripted-expert
-  demonstrations (`hpcvla demos`, training states), `hpcvla sft` on them, then both arms from
+  demonstrations (`hpcvla demos`, training states, `--demo-noise` on the expert's actions), `hpcvla sft` on them, then both arms from
   that SFT run (`policy.checkpoint`): streamer (4 ranks, 1 learner x 16 segments) against
   sync-colocated (2 ranks, 2 learners x 8 segments), 16 segments of 10 chunks per version
   each.
@@ -150,6 +150,7 @@ def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
 
 IMITATION_DEMOS = 64  # the default recipe's: sft.per_task (16) of them are used, ~0.2 success
 FLOW_SFT_CONFIG = "configs/maniskill_pushcube_flow.yaml"  # `dsrl-sft`'s recipe: all 64 used
+DEMO_NOISE = 0.1  # the expert's action noise in the recipes' demonstrations (--demo-noise)
 
 
 def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
@@ -246,15 +247,15 @@ def both_evals(cfg, weights, eval_episodes: int) -> dict:
 
 
 def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
-             demos=IMITATION_DEMOS) -> tuple[Path, dict] | tuple[None, None]:
+             demos=IMITATION_DEMOS, noise=DEMO_NOISE) -> tuple[Path, dict] | tuple[None, None]:
     """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
     recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
     see one env and policy), and its eval; none for most."""
     if arms in ("imitation", "dsrl-sft"):
-        return imitation_start(root, eval_episodes, overrides, config, demos)
+        return imitation_start(root, eval_episodes, overrides, config, demos, noise=noise)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
         return imitation_start(root, eval_episodes, overrides, config, demos,
-                               sft=[*ppo_baseline(), f"sft.per_task={demos}"])
+                               sft=[*ppo_baseline(), f"sft.per_task={demos}"], noise=noise)
     if arms not in PRETRAIN:
         return None, None
     from hpcvla.config import load_config
@@ -275,8 +276,8 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
 
 
 def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
-                    episodes=IMITATION_DEMOS, sft=()) -> tuple[Path, dict]:
-    """`hpcvla demos` (`episodes` of them, into root/demos.h5) then `hpcvla sft` with the
+                    episodes=IMITATION_DEMOS, sft=(), noise=DEMO_NOISE) -> tuple[Path, dict]:
+    """`hpcvla demos` (`episodes` of them, at `noise`, into root/demos.h5) then `hpcvla sft` with the
     recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own): the SFT
     run directory every `imitation` arm starts from, and its eval."""
     import subprocess
@@ -286,7 +287,7 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     from hpcvla.evaluate import checkpoint_weights
     demos = root / "demos.h5"
     for command in (["demos", config, *overrides, "--episodes", str(episodes),
-                     "--noise", "0.1", "--out", str(demos)],
+                     "--noise", str(noise), "--out", str(demos)],
                     ["sft", config, *overrides, *sft, f"sft.demos={demos}",
                      f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
@@ -299,9 +300,11 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
 
 
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
-        eval_episodes=256, config=None, demos=None) -> dict:
+        eval_episodes=256, config=None, demos=None, demo_noise=None) -> dict:
     """The arm set `arms`; those built on a task recipe (RECIPE_ARMS) on `config` instead of
-    their own, from `demos` demonstrations instead of their count."""
+    their own, from `demos` demonstrations at `demo_noise` instead of their count and
+    DEMO_NOISE."""
+    noise = DEMO_NOISE if demo_noise is None else demo_noise
     recipe = RECIPE_ARMS.get(arms)
     if recipe:
         config, demos = config or recipe[1], recipe[2] if demos is None else demos
@@ -312,9 +315,10 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {},
-               **({"config": config, "demos": demos} if recipe else {})}
+               **({"config": config, "demos": demos, "demo_noise": noise} if recipe else {})}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
-        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config, demos)
+        pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config, demos,
+                                     noise)
         if start is not None:
             results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
                             for key, suffix in EVALS.items()})
