@@ -31,8 +31,8 @@ Arm sets (`--arms`):
   steps per version (configs/colocated_sac.yaml against configs/colocated.yaml).
 * `imitation`: `modes` on a real task from an imitation start, as VLA users post-train:
   ManiSkill PushCube-v1 (configs/maniskill_pushcube.yaml), `IMITATION_DEMOS` scripted-expert
-  demonstrations (`hpcvla demos`, training states, `--demo-noise` on the expert's actions), `hpcvla sft` on them, then both arms from
-  that SFT run (`policy.checkpoint`): streamer (4 ranks, 1 learner x 16 segments) against
+  demonstrations (`hpcvla demos`, training states, `--demo-noise` on the expert's actions),
+  `hpcvla sft` on them, then both arms from that SFT run (`policy.checkpoint`): streamer (4 ranks, 1 learner x 16 segments) against
   sync-colocated (2 ranks, 2 learners x 8 segments), 16 segments of 10 chunks per version
   each.
 * `prior-data`: what off-policy RL gains from demonstrations, as the field's recipe for
