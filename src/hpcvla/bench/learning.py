@@ -32,9 +32,9 @@ Arm sets (`--arms`):
 * `imitation`: `modes` on a real task from an imitation start, as VLA users post-train:
   ManiSkill PushCube-v1 (configs/maniskill_pushcube.yaml), `IMITATION_DEMOS` scripted-expert
   demonstrations (`hpcvla demos`, training states, `--demo-noise` on the expert's actions),
-  `hpcvla sft` on them, then both arms from that SFT run (`policy.checkpoint`): streamer (4 ranks, 1 learner x 16 segments) against
-  sync-colocated (2 ranks, 2 learners x 8 segments), 16 segments of 10 chunks per version
-  each.
+  `hpcvla sft` on them, then both arms from that SFT run (`policy.checkpoint`): streamer
+  (4 ranks, 1 learner x 16 segments) against sync-colocated (2 ranks, 2 learners x 8
+  segments), 16 segments of 10 chunks per version each.
 * `prior-data`: what off-policy RL gains from demonstrations, as the field's recipe for
   robots uses them: ManiSkill PushCube-v1 from state (configs/maniskill_pushcube_sac.yaml;
   `--config`: another recipe, e.g. configs/maniskill_pickcube_sac.yaml), `PRIOR_DEMOS`
@@ -277,9 +277,9 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
 
 def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATION_CONFIG,
                     episodes=IMITATION_DEMOS, sft=(), noise=DEMO_NOISE) -> tuple[Path, dict]:
-    """`hpcvla demos` (`episodes` of them, at `noise`, into root/demos.h5) then `hpcvla sft` with the
-    recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own): the SFT
-    run directory every `imitation` arm starts from, and its eval."""
+    """`hpcvla demos` (`episodes` of them, at `noise`, into root/demos.h5) then `hpcvla sft`
+    with the recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own):
+    the SFT run directory every `imitation` arm starts from, and its eval."""
     import subprocess
     import sys
 
