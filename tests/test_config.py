@@ -82,6 +82,13 @@ def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypat
      "placement.evaluators", "0 unless placement.mode is disaggregated"),
     (["placement.evaluators=1", "eval.every=5", "eval.video_every=7"], "eval.video_every",
      "a multiple of eval.every (5; > 0)"),
+    # the critic's warm-up: versions under PPO, gradient steps under sac and rlpd
+    (["algorithm.name=grpo", "rollout.segment_len=8", "algorithm.critic_warmup_versions=2"],
+     "algorithm.critic_warmup_versions", "0 with algorithm.name=grpo (grpo trains no critic"),
+    (["pipeline.total_updates=5", "algorithm.critic_warmup_versions=5"],
+     "algorithm.critic_warmup_versions", "below pipeline.total_updates (5)"),
+    (["algorithm.critic_warmup=100"], "algorithm.critic_warmup",
+     "PPO's critic warms up by versions: algorithm.critic_warmup_versions"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
-                                "scratch", "dsrl-sft"],
+                                "scratch", "dsrl-sft", "critic-warmup"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
@@ -53,25 +53,30 @@ def add_bench_parser(sub) -> None:
                             "from an SFT start, or RLPD vs PPO from an SFT start on PushCube "
                             "from the same 16 demonstrations, or SAC vs PPO from scratch "
                             "there, or DSRL (its actor on the state) vs GRPO from the flow "
-                            "policy's SFT on PushCube (hpcvla/bench/learning.py)")
+                            "policy's SFT on PushCube, or PPO with vs without a critic "
+                            "warm-up from the OFT L1 recipe's SFT on reach "
+                            "(hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
-                       help="learning --arms imitation, prior-data, scratch or dsrl-sft: the "
-                            "task recipe its demonstrations, SFT and both arms run (default "
-                            "configs/maniskill_pushcube.yaml, "
-                            "configs/maniskill_pushcube_sac.yaml for the off-policy sets and "
-                            "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
+                       help="learning --arms imitation, prior-data, scratch, dsrl-sft or "
+                            "critic-warmup: the task recipe its demonstrations, SFT and both "
+                            "arms run (default configs/maniskill_pushcube.yaml, "
+                            "configs/maniskill_pushcube_sac.yaml for the off-policy sets, "
+                            "configs/maniskill_pushcube_flow.yaml for dsrl-sft and "
+                            "configs/reach_oft_l1.yaml for critic-warmup; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
                             "configs/maniskill_pickcube_sac.yaml)")
     bench.add_argument("--demos", type=int, default=None,
-                       help="learning --arms imitation, prior-data or dsrl-sft: "
-                            "scripted-expert demonstrations the SFT start (and RLPD) learns "
-                            "from (default 64, 16 and 64; the recipe's comment gives its "
+                       help="learning --arms imitation, prior-data, dsrl-sft or "
+                            "critic-warmup: scripted-expert demonstrations the SFT start (and "
+                            "RLPD) learns from (default 64, 16, 64 and 128; the recipe's "
+                            "comment gives its "
                             "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--demo-noise", type=float, default=None,
-                       help="learning --arms imitation, prior-data or dsrl-sft: std of the "
-                            "Gaussian noise on the expert's arm actions in those "
-                            "demonstrations (`hpcvla demos --noise`; default 0.1; 0 for "
-                            "configs/reach_oft_l1.yaml, whose comment says why)")
+                       help="learning --arms imitation, prior-data, dsrl-sft or "
+                            "critic-warmup: std of the Gaussian noise on the expert's arm "
+                            "actions in those demonstrations (`hpcvla demos --noise`; default "
+                            "0.1, 0 for critic-warmup; 0 for configs/reach_oft_l1.yaml, whose "
+                            "comment says why)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -147,8 +152,8 @@ def bench_command(args) -> int:
         demo_args = args.demos is not None or args.demo_noise is not None
         if args.arms not in learning.RECIPE_ARMS and (args.config or demo_args):
             problem = (f"--config, --demos and --demo-noise set a task recipe, which --arms "
-                       f"{args.arms} does not take: add --arms imitation, prior-data, scratch "
-                       "or dsrl-sft")
+                       f"{args.arms} does not take: add --arms imitation, prior-data, scratch, "
+                       "dsrl-sft or critic-warmup")
         elif args.arms == "scratch" and demo_args:
             problem = ("--demos and --demo-noise with --arms scratch: its arms start without "
                        "demonstrations")

@@ -51,6 +51,11 @@ Arm sets (`--arms`):
   from that SFT run.
 * `scratch`: `prior-data` without the demonstrations: `sac` against `ppo` (the same
   baseline settings), both from a fresh policy, the same held-out schedule.
+* `critic-warmup`: PPO from an imitation start with and without a critic warm-up: OpenVLA-OFT's
+  L1-head recipe on reach (configs/reach_oft_l1.yaml; `--config`: another PPO recipe),
+  `hpcvla demos` (128, noiseless: the recipe's) and `hpcvla sft` as `imitation`, then
+  `warmup` (the first `CRITIC_WARMUP_VERSIONS` versions train the critic alone,
+  algorithm.critic_warmup_versions) against `none`, both streamer from that SFT run.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval`
@@ -164,11 +169,25 @@ def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
                      "algorithm.init_temperature=0.0001"], "recipe": start}
 
 
-# the arm sets built on a task recipe: their arms of a recipe, their recipe and demonstrations
-RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS),
-               "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS),
-               "scratch": (scratch_arms, PUSHCUBE_SAC, 0),
-               "dsrl-sft": (dsrl_sft_arms, FLOW_SFT_CONFIG, IMITATION_DEMOS)}
+CRITIC_WARMUP_VERSIONS = 5
+OFT_L1_CONFIG = "configs/reach_oft_l1.yaml"
+
+
+def critic_warmup_arms(config: str = OFT_L1_CONFIG) -> dict:
+    """The `critic-warmup` arm set on a PPO recipe `config`: its own RL from its SFT run, with
+    and without CRITIC_WARMUP_VERSIONS critic-only versions first."""
+    start = [config, "--ranks", "4", "policy.checkpoint={pretrained}"]
+    return {"warmup": [*start, f"algorithm.critic_warmup_versions={CRITIC_WARMUP_VERSIONS}"],
+            "none": start}
+
+
+# the arm sets built on a task recipe: their arms of a recipe, their recipe, demonstrations
+# and the noise on the expert's actions in them
+RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS, DEMO_NOISE),
+               "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS, DEMO_NOISE),
+               "scratch": (scratch_arms, PUSHCUBE_SAC, 0, DEMO_NOISE),
+               "dsrl-sft": (dsrl_sft_arms, FLOW_SFT_CONFIG, IMITATION_DEMOS, DEMO_NOISE),
+               "critic-warmup": (critic_warmup_arms, OFT_L1_CONFIG, 128, 0.0)}
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
@@ -251,7 +270,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
     recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
     see one env and policy), and its eval; none for most."""
-    if arms in ("imitation", "dsrl-sft"):
+    if arms in ("imitation", "dsrl-sft", "critic-warmup"):
         return imitation_start(root, eval_episodes, overrides, config, demos, noise=noise)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
         return imitation_start(root, eval_episodes, overrides, config, demos,
@@ -303,11 +322,11 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         eval_episodes=256, config=None, demos=None, demo_noise=None) -> dict:
     """The arm set `arms`; those built on a task recipe (RECIPE_ARMS) on `config` instead of
     their own, from `demos` demonstrations at `demo_noise` instead of their count and
-    DEMO_NOISE."""
-    noise = DEMO_NOISE if demo_noise is None else demo_noise
-    recipe = RECIPE_ARMS.get(arms)
+    noise."""
+    noise, recipe = DEMO_NOISE, RECIPE_ARMS.get(arms)
     if recipe:
         config, demos = config or recipe[1], recipe[2] if demos is None else demos
+        noise = recipe[3] if demo_noise is None else demo_noise
     arm_set = recipe[0](config) if recipe else ARMS[arms]
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version

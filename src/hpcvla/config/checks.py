@@ -62,12 +62,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.lora_rank and not vla:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 for policy.name=default "
                          "(a small network: no language model to adapt)"))
-    if cfg.algorithm.name == "grpo" and \
-            cfg.rollout.segment_len != cfg.env.max_episode_chunks:
-        problems.append(("rollout.segment_len", cfg.rollout.segment_len,
-                         f"env.max_episode_chunks ({cfg.env.max_episode_chunks}) for "
-                         "algorithm.name=grpo: a segment holds one grouped episode per env"))
-    problems += _off_policy_problems(cfg) + _noise_obs_problems(cfg)
+    problems += _on_policy_problems(cfg) + _off_policy_problems(cfg) + _noise_obs_problems(cfg)
     shards = shards_problem(cfg.env.envs_per_simulator, cfg.env.shards)
     if shards:
         problems.append(shards)
@@ -90,6 +85,28 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "
                          "simulation (set env.sim_backend=cpu, or env.name=maniskill)"))
+    return problems
+
+
+def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
+    """algorithm.name=ppo or grpo: their batches and the critic's warm-up."""
+    problems, alg = [], cfg.algorithm
+    if alg.name == "grpo" and cfg.rollout.segment_len != cfg.env.max_episode_chunks:
+        problems.append(("rollout.segment_len", cfg.rollout.segment_len,
+                         f"env.max_episode_chunks ({cfg.env.max_episode_chunks}) for "
+                         "algorithm.name=grpo: a segment holds one grouped episode per env"))
+    if alg.critic_warmup and not alg.off_policy:
+        problems.append(("algorithm.critic_warmup", alg.critic_warmup, "0 with algorithm.name="
+                         f"{alg.name} (gradient steps of sac and rlpd; PPO's critic warms up "
+                         "by versions: algorithm.critic_warmup_versions)"))
+    if alg.critic_warmup_versions and alg.name != "ppo":
+        problems.append(("algorithm.critic_warmup_versions", alg.critic_warmup_versions,
+                         f"0 with algorithm.name={alg.name} (grpo trains no critic; sac and "
+                         "rlpd warm theirs up by gradient steps: algorithm.critic_warmup)"))
+    elif alg.critic_warmup_versions >= cfg.pipeline.total_updates:
+        problems.append(("algorithm.critic_warmup_versions", alg.critic_warmup_versions,
+                         f"below pipeline.total_updates ({cfg.pipeline.total_updates}): the "
+                         "versions after the warm-up are the ones that train the policy"))
     return problems
 
 

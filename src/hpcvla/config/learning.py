@@ -215,6 +215,13 @@ class AlgorithmConfig:
         "costs a forward/backward of the micro-batches. On reach (4 epochs, 3e-3, "
         "unclipped) explained variance at versions 30-45 / 45-60: 4 passes 0.28 / 0.52, 12 "
         "passes 0.48 / 0.71, at 2.6x the learner time of 8 PPO epochs (0.73 / 0.90).", ge=0)
+    critic_warmup_versions: int = setting(
+        0, "PPO: the run's first versions train the critic alone: every pass over their "
+        "batches (`learner.epochs`, then `critic_epochs`) is value-only with the actor's "
+        "learning rate at 0, so the policy acts unchanged while the critic learns its "
+        "returns. For a policy started from a checkpoint (policy.checkpoint, an `hpcvla sft` "
+        "run), whose first updates a fresh critic's advantages would otherwise steer. "
+        "Counted in pipeline.total_updates; a run resumed past them does none.", ge=0)
     value_clip: bool = setting(
         False, "Clip the value update around the recorded value (within `clip`, in return "
         "units), as CleanRL: steadier critic, slower to follow large return changes (off: "

@@ -11,6 +11,7 @@ version:
     for each micro-batch, as it arrives:   advantages (once), forward/backward (epoch 0)
     epochs 1 ..:                           replay the micro-batches against epoch 0's log-probs
     critic epochs (PPO):                   value-only steps, the actor frozen
+    (critic warm-up versions, PPO: every pass above value-only, the actor frozen)
     publish the new version
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -88,21 +89,24 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
     further `learner.epochs` replay them against the proximal log-probs of epoch 0.
     The engine applies an optimizer step after every `micro_batches` forward/backward passes.
     The episodes count when they arrive; the loss statistics logged are the last epoch's
-    (in epoch 0 the policy is still the proximal one: clip fraction and KL are 0 there)."""
+    (in epoch 0 the policy is still the proximal one: clip fraction and KL are 0 there).
+    The run's first algorithm.critic_warmup_versions versions train the critic alone."""
     seen, last = [], cfg.learner.epochs - 1
-    for groups in micro_batches:
-        micro = MicroBatch.arrived(cfg, groups, engine.device)
-        stats = train_micro_batch(cfg, engine, micro, timeline)
-        staleness = float(np.mean([version - g["version"][0] for g in groups]))
-        progress.on_segments(_scored(cfg, micro.arrays), staleness)
-        if last == 0:
-            progress.on_micro_batch(stats)
-        seen.append(micro)
-    for epoch in range(1, cfg.learner.epochs):
-        for micro in seen:
-            stats = train_micro_batch(cfg, engine, micro, timeline)
-            if epoch == last:
+    warmup = version < cfg.algorithm.critic_warmup_versions
+    with actor_frozen(engine) if warmup else nullcontext():
+        for groups in micro_batches:
+            micro = MicroBatch.arrived(cfg, groups, engine.device)
+            stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
+            staleness = float(np.mean([version - g["version"][0] for g in groups]))
+            progress.on_segments(_scored(cfg, micro.arrays), staleness)
+            if last == 0:
                 progress.on_micro_batch(stats)
+            seen.append(micro)
+        for epoch in range(1, cfg.learner.epochs):
+            for micro in seen:
+                stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
+                if epoch == last:
+                    progress.on_micro_batch(stats)
     if cfg.algorithm.name == "ppo" and cfg.algorithm.critic_epochs:
         with actor_frozen(engine):  # value-only optimizer steps: the critic catches up
             for _ in range(cfg.algorithm.critic_epochs):
