@@ -111,20 +111,22 @@ def test_the_dsrl_sft_arms_steer_and_train_one_sft_start_of_a_flow_recipe():
     assert env_steps_per_version({"recipe": arms["recipe"]}) == env_steps_per_version(arms)
 
 
-def test_the_critic_warmup_arms_differ_in_the_warmup_alone():
+@pytest.mark.parametrize("arm_set,field,value", [("critic-warmup", "critic_warmup_versions", 5),
+                                                  ("lr-warmup", "lr_warmup_versions", 10)])
+def test_the_warmup_arms_differ_in_the_warmup_alone(arm_set, field, value):
     """`warmup` against `none`: the OFT L1 recipe from its SFT run, identical but for the
-    critic-only versions; its demonstrations noiseless, as the recipe's."""
+    warm-up; its demonstrations noiseless, as the recipe's."""
     from dataclasses import replace
 
-    from hpcvla.bench.learning import (CRITIC_WARMUP_VERSIONS, OFT_L1_CONFIG, RECIPE_ARMS,
-                                       critic_warmup_arms)
-    arms = critic_warmup_arms()
+    from hpcvla.bench.learning import OFT_L1_CONFIG, RECIPE_ARMS
+    make, *recipe = RECIPE_ARMS[arm_set]
+    arms = make(OFT_L1_CONFIG)
     warmup, none = (load_config(ROOT / config, [a.format(pretrained="sft") for a in args
                                                 if "=" in a]) for config, *args in arms.values())
     assert none == load_config(ROOT / OFT_L1_CONFIG, ["policy.checkpoint=sft"])
-    assert warmup.algorithm.critic_warmup_versions == CRITIC_WARMUP_VERSIONS > 0
+    assert getattr(warmup.algorithm, field) == value and getattr(none.algorithm, field) == 0
     assert replace(warmup, algorithm=none.algorithm) == none
-    assert RECIPE_ARMS["critic-warmup"][1:] == (OFT_L1_CONFIG, 128, 0.0)
+    assert recipe == [OFT_L1_CONFIG, 128, 0.0]
 
 
 @pytest.mark.mpi

@@ -89,6 +89,8 @@ def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypat
      "algorithm.critic_warmup_versions", "below pipeline.total_updates (5)"),
     (["algorithm.critic_warmup=100"], "algorithm.critic_warmup",
      "PPO's critic warms up by versions: algorithm.critic_warmup_versions"),
+    (["algorithm.name=sac", "algorithm.lr_warmup_versions=3"], "algorithm.lr_warmup_versions",
+     "0 with algorithm.name=sac (PPO's and GRPO's"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

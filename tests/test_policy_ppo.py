@@ -345,13 +345,13 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
 
 def test_critic_passes_move_the_critic_alone():
     """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside
-    `actor_frozen` (the value-only passes) an optimizer step leaves every actor weight as it
+    `actor_scaled(engine, 0)` (the value-only passes) an optimizer step leaves every actor weight as it
     was and moves the critic."""
     from types import SimpleNamespace
 
     from hpcvla.config import load_config
     from hpcvla.engines import param_groups
-    from hpcvla.roles.learner import actor_frozen
+    from hpcvla.roles.learner import actor_scaled
 
     cfg = load_config("configs/default.yaml", ["algorithm.critic_lr=0.01"])
     policy = make_policy("default", SPEC, 7, 4, 10)
@@ -367,12 +367,47 @@ def test_critic_passes_move_the_critic_alone():
         _, value, entropy = policy.evaluate(obs, torch.zeros(8, 4, 7))
         engine.optimizer.zero_grad()
         ((value - 1.0) ** 2).mean().add(-entropy.mean()).backward()
-        with actor_frozen(engine):
+        with actor_scaled(engine, 0.0):
             engine.optimizer.step()
     assert [g["lr"] for g in engine.optimizer.param_groups] == [3e-4, 0.01]  # restored
     for name, p in policy.named_parameters():
         moved = not torch.equal(p.detach(), before[name])
         assert moved == (id(p) in critic), name
+
+
+def test_the_actors_rate_per_version_warms_up_the_critic_then_ramps():
+    """actor_lr_factor: 0 through algorithm.critic_warmup_versions, then lr_warmup_versions'
+    linear ramp; `actor_scaled` steps the actor by that share of its unscaled Adam step (the
+    critic by all of its own) and restores the rates."""
+    from types import SimpleNamespace
+
+    from hpcvla.config import load_config
+    from hpcvla.engines import param_groups
+    from hpcvla.roles.learner import actor_lr_factor, actor_scaled
+
+    def alg(critic, ramp):
+        return SimpleNamespace(critic_warmup_versions=critic, lr_warmup_versions=ramp)
+    assert [actor_lr_factor(alg(0, 0), v) for v in range(3)] == [1, 1, 1]
+    assert [actor_lr_factor(alg(2, 3), v) for v in range(7)] == [0, 0, .25, .5, .75, 1, 1]
+    cfg = load_config("configs/default.yaml")
+    obs = {"image": torch.randint(0, 255, (8, 32, 32, 3), dtype=torch.uint8),
+           "instruction": torch.ones(8, 5, dtype=torch.int32), "state": torch.randn(8, 7)}
+    moves = []
+    for factor in (1.0, 0.25):
+        torch.manual_seed(0)
+        policy = make_policy("default", SPEC, 7, 4, 10)
+        engine = SimpleNamespace(optimizer=torch.optim.AdamW(param_groups(policy, cfg.algorithm)))
+        before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+        logprob, value, _ = policy.evaluate(obs, torch.zeros(8, 4, 7))
+        (value.square().mean() - logprob.mean()).backward()
+        with actor_scaled(engine, factor):
+            engine.optimizer.step()
+        assert [g["lr"] for g in engine.optimizer.param_groups] == \
+            [cfg.algorithm.lr, cfg.algorithm.critic_lr]
+        moves.append({n: p.detach() - before[n] for n, p in policy.named_parameters()})
+    for name, full in moves[0].items():
+        share = 1.0 if name.startswith("value_") else 0.25
+        torch.testing.assert_close(moves[1][name], share * full, rtol=1e-2, atol=5e-7)
 
 
 @pytest.mark.mpi

@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
-                                "scratch", "dsrl-sft", "critic-warmup"],
+                                "scratch", "dsrl-sft", "critic-warmup", "lr-warmup"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
@@ -54,28 +54,29 @@ def add_bench_parser(sub) -> None:
                             "from the same 16 demonstrations, or SAC vs PPO from scratch "
                             "there, or DSRL (its actor on the state) vs GRPO from the flow "
                             "policy's SFT on PushCube, or PPO with vs without a critic "
-                            "warm-up from the OFT L1 recipe's SFT on reach "
+                            "warm-up or a learning-rate warm-up from the OFT L1 recipe's "
+                            "SFT on reach "
                             "(hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
                        help="learning --arms imitation, prior-data, scratch, dsrl-sft or "
-                            "critic-warmup: the task recipe its demonstrations, SFT and both "
+                            "the warm-ups: the task recipe its demonstrations, SFT and both "
                             "arms run (default configs/maniskill_pushcube.yaml, "
                             "configs/maniskill_pushcube_sac.yaml for the off-policy sets, "
                             "configs/maniskill_pushcube_flow.yaml for dsrl-sft and "
-                            "configs/reach_oft_l1.yaml for critic-warmup; e.g. "
+                            "configs/reach_oft_l1.yaml for the warm-ups; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
                             "configs/maniskill_pickcube_sac.yaml)")
     bench.add_argument("--demos", type=int, default=None,
-                       help="learning --arms imitation, prior-data, dsrl-sft or "
-                            "critic-warmup: scripted-expert demonstrations the SFT start (and "
+                       help="learning --arms imitation, prior-data, dsrl-sft or the "
+                            "warm-ups: scripted-expert demonstrations the SFT start (and "
                             "RLPD) learns from (default 64, 16, 64 and 128; the recipe's "
                             "comment gives its "
                             "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--demo-noise", type=float, default=None,
-                       help="learning --arms imitation, prior-data, dsrl-sft or "
-                            "critic-warmup: std of the Gaussian noise on the expert's arm "
+                       help="learning --arms imitation, prior-data, dsrl-sft or the "
+                            "warm-ups: std of the Gaussian noise on the expert's arm "
                             "actions in those demonstrations (`hpcvla demos --noise`; default "
-                            "0.1, 0 for critic-warmup; 0 for configs/reach_oft_l1.yaml, whose "
+                            "0.1, 0 for the warm-ups; 0 for configs/reach_oft_l1.yaml, whose "
                             "comment says why)")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
@@ -153,7 +154,7 @@ def bench_command(args) -> int:
         if args.arms not in learning.RECIPE_ARMS and (args.config or demo_args):
             problem = (f"--config, --demos and --demo-noise set a task recipe, which --arms "
                        f"{args.arms} does not take: add --arms imitation, prior-data, scratch, "
-                       "dsrl-sft or critic-warmup")
+                       "dsrl-sft, critic-warmup or lr-warmup")
         elif args.arms == "scratch" and demo_args:
             problem = ("--demos and --demo-noise with --arms scratch: its arms start without "
                        "demonstrations")

@@ -54,8 +54,10 @@ Arm sets (`--arms`):
 * `critic-warmup`: PPO from an imitation start with and without a critic warm-up: OpenVLA-OFT's
   L1-head recipe on reach (configs/reach_oft_l1.yaml; `--config`: another PPO recipe),
   `hpcvla demos` (128, noiseless: the recipe's) and `hpcvla sft` as `imitation`, then
-  `warmup` (the first `CRITIC_WARMUP_VERSIONS` versions train the critic alone,
-  algorithm.critic_warmup_versions) against `none`, both streamer from that SFT run.
+  `warmup` (the first 5 versions train the critic alone, algorithm.critic_warmup_versions)
+  against `none`, both streamer from that SFT run.
+* `lr-warmup`: `critic-warmup`'s runs with the policy's learning rate rising over the first
+  10 versions instead (algorithm.lr_warmup_versions).
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval`
@@ -74,6 +76,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -169,16 +172,17 @@ def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
                      "algorithm.init_temperature=0.0001"], "recipe": start}
 
 
-CRITIC_WARMUP_VERSIONS = 5
 OFT_L1_CONFIG = "configs/reach_oft_l1.yaml"
+# the warm-up arm sets: the setting their `warmup` arm adds to the recipe's own RL
+WARMUPS = {"critic-warmup": "algorithm.critic_warmup_versions=5",
+           "lr-warmup": "algorithm.lr_warmup_versions=10"}
 
 
-def critic_warmup_arms(config: str = OFT_L1_CONFIG) -> dict:
-    """The `critic-warmup` arm set on a PPO recipe `config`: its own RL from its SFT run, with
-    and without CRITIC_WARMUP_VERSIONS critic-only versions first."""
+def warmup_arms(arms: str, config: str = OFT_L1_CONFIG) -> dict:
+    """A warm-up arm set on a PPO recipe `config`: its own RL from its SFT run, with and
+    without its WARMUPS setting."""
     start = [config, "--ranks", "4", "policy.checkpoint={pretrained}"]
-    return {"warmup": [*start, f"algorithm.critic_warmup_versions={CRITIC_WARMUP_VERSIONS}"],
-            "none": start}
+    return {"warmup": [*start, WARMUPS[arms]], "none": start}
 
 
 # the arm sets built on a task recipe: their arms of a recipe, their recipe, demonstrations
@@ -187,7 +191,8 @@ RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS, 
                "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS, DEMO_NOISE),
                "scratch": (scratch_arms, PUSHCUBE_SAC, 0, DEMO_NOISE),
                "dsrl-sft": (dsrl_sft_arms, FLOW_SFT_CONFIG, IMITATION_DEMOS, DEMO_NOISE),
-               "critic-warmup": (critic_warmup_arms, OFT_L1_CONFIG, 128, 0.0)}
+               **{arms: (partial(warmup_arms, arms), OFT_L1_CONFIG, 128, 0.0)
+                  for arms in WARMUPS}}
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
@@ -270,7 +275,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
     recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
     see one env and policy), and its eval; none for most."""
-    if arms in ("imitation", "dsrl-sft", "critic-warmup"):
+    if arms in ("imitation", "dsrl-sft", *WARMUPS):
         return imitation_start(root, eval_episodes, overrides, config, demos, noise=noise)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
         return imitation_start(root, eval_episodes, overrides, config, demos,

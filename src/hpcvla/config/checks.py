@@ -99,6 +99,10 @@ def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("algorithm.critic_warmup", alg.critic_warmup, "0 with algorithm.name="
                          f"{alg.name} (gradient steps of sac and rlpd; PPO's critic warms up "
                          "by versions: algorithm.critic_warmup_versions)"))
+    if alg.lr_warmup_versions and alg.off_policy:
+        problems.append(("algorithm.lr_warmup_versions", alg.lr_warmup_versions, "0 with "
+                         f"algorithm.name={alg.name} (PPO's and GRPO's: the off-policy "
+                         "learner starts with algorithm.learning_starts and critic_warmup)"))
     if alg.critic_warmup_versions and alg.name != "ppo":
         problems.append(("algorithm.critic_warmup_versions", alg.critic_warmup_versions,
                          f"0 with algorithm.name={alg.name} (grpo trains no critic; sac and "

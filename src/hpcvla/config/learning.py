@@ -225,6 +225,13 @@ class AlgorithmConfig:
         "0.73 against 0.83, 3 seeds, `hpcvla bench learning --arms critic-warmup`): the "
         "frozen backbone holds the critic near a constant baseline. Counted in "
         "pipeline.total_updates; a run resumed past them does none.", ge=0)
+    lr_warmup_versions: int = setting(
+        0, "PPO and GRPO: the policy's learning rate (`lr`; the critic keeps `critic_lr`) "
+        "rises linearly over its first trained versions (after critic_warmup_versions): the "
+        "first at 1/(n+1) of it, version n on at all of it; 0: all of it from the first. "
+        "Adam's first steps move every weight by about the learning rate whatever the "
+        "gradient's size, which from an imitation start can throw the policy far from it in "
+        "one version. A run resumed inside the ramp continues it.", ge=0)
     value_clip: bool = setting(
         False, "Clip the value update around the recorded value (within `clip`, in return "
         "units), as CleanRL: steadier critic, slower to follow large return changes (off: "

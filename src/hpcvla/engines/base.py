@@ -48,7 +48,7 @@ class Engine(Protocol):
 
 def param_groups(policy, alg) -> list[dict]:
     """The optimizer's groups: the actor (and shared encoders) at `algorithm.lr`, the critic
-    (`value_*` modules) at `algorithm.critic_lr`, each named for `actor_frozen`."""
+    (`value_*` modules) at `algorithm.critic_lr`, each named for roles/learner.actor_scaled."""
     named = list(policy.named_parameters())
     groups = [{"params": [p for n, p in named if not is_critic(n)], "lr": alg.lr, "name": "actor"},
               {"params": [p for n, p in named if is_critic(n)], "lr": alg.critic_lr or alg.lr,

@@ -11,7 +11,8 @@ version:
     for each micro-batch, as it arrives:   advantages (once), forward/backward (epoch 0)
     epochs 1 ..:                           replay the micro-batches against epoch 0's log-probs
     critic epochs (PPO):                   value-only steps, the actor frozen
-    (critic warm-up versions, PPO: every pass above value-only, the actor frozen)
+    (the run's first versions: the critic's warm-up, every pass value-only and the actor
+    frozen, then the actor's learning rate rising: actor_lr_factor)
     publish the new version
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -90,10 +91,10 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
     The engine applies an optimizer step after every `micro_batches` forward/backward passes.
     The episodes count when they arrive; the loss statistics logged are the last epoch's
     (in epoch 0 the policy is still the proximal one: clip fraction and KL are 0 there).
-    The run's first algorithm.critic_warmup_versions versions train the critic alone."""
+    The actor trains at its rate of this version (actor_lr_factor)."""
     seen, last = [], cfg.learner.epochs - 1
     warmup = version < cfg.algorithm.critic_warmup_versions
-    with actor_frozen(engine) if warmup else nullcontext():
+    with actor_scaled(engine, actor_lr_factor(cfg.algorithm, version)):
         for groups in micro_batches:
             micro = MicroBatch.arrived(cfg, groups, engine.device)
             stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
@@ -108,7 +109,7 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
                 if epoch == last:
                     progress.on_micro_batch(stats)
     if cfg.algorithm.name == "ppo" and cfg.algorithm.critic_epochs:
-        with actor_frozen(engine):  # value-only optimizer steps: the critic catches up
+        with actor_scaled(engine, 0.0):  # value-only optimizer steps: the critic catches up
             for _ in range(cfg.algorithm.critic_epochs):
                 for micro in seen:
                     train_micro_batch(cfg, engine, micro, timeline, value_only=True)
@@ -130,15 +131,25 @@ def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, tim
     return stats
 
 
+def actor_lr_factor(alg, version: int) -> float:
+    """The share of `algorithm.lr` the actor trains version `version` at: 0 through the
+    critic's warm-up (critic_warmup_versions), then rising linearly over lr_warmup_versions
+    (the first trained version at 1/(n+1) of it), then all of it."""
+    trained = version - alg.critic_warmup_versions
+    if trained < 0:
+        return 0.0
+    return min(1.0, (trained + 1) / (alg.lr_warmup_versions + 1))
+
+
 @contextmanager
-def actor_frozen(engine: SkipNonfinite) -> Iterator[None]:
+def actor_scaled(engine: SkipNonfinite, factor: float) -> Iterator[None]:
     """Every optimizer param group but the critic's (engines/base.param_groups names them) at
-    learning rate 0: steps inside move the critic only."""
+    `factor` times its learning rate: at 0, steps inside move the critic only."""
     groups = engine.optimizer.param_groups
     saved = [g["lr"] for g in groups]
     for g in groups:
         if g.get("name") != "critic":
-            g["lr"] = 0.0
+            g["lr"] *= factor
     try:
         yield
     finally:
