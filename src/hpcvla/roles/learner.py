@@ -33,6 +33,7 @@ from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
 if TYPE_CHECKING:
+    from hpcvla.config.learning import AlgorithmConfig
     from hpcvla.config.schema import Config
     from hpcvla.engines import SkipNonfinite
     from hpcvla.metrics.progress import Progress
@@ -131,14 +132,15 @@ def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, tim
     return stats
 
 
-def actor_lr_factor(alg, version: int) -> float:
+def actor_lr_factor(alg: AlgorithmConfig, version: int) -> float:
     """The share of `algorithm.lr` the actor trains version `version` at: 0 through the
     critic's warm-up (critic_warmup_versions), then rising linearly over lr_warmup_versions
     (the first trained version at 1/(n+1) of it), then all of it."""
     trained = version - alg.critic_warmup_versions
     if trained < 0:
         return 0.0
-    return min(1.0, (trained + 1) / (alg.lr_warmup_versions + 1))
+    ramp: int = alg.lr_warmup_versions
+    return min(1.0, (trained + 1) / (ramp + 1))
 
 
 @contextmanager
