@@ -231,7 +231,10 @@ class AlgorithmConfig:
         "first at 1/(n+1) of it, version n on at all of it; 0: all of it from the first. "
         "Adam's first steps move every weight by about the learning rate whatever the "
         "gradient's size, which from an imitation start can throw the policy far from it in "
-        "one version. A run resumed inside the ramp continues it.", ge=0)
+        "one version: on OFT's L1 recipe on reach 10 versions took the first version's KL "
+        "from 0.40-0.53 to 0.004-0.009, held-out 0.81 against 0.76 (3 seeds, not separated; "
+        "`hpcvla bench learning --arms lr-warmup`). A run resumed inside the ramp continues "
+        "it.", ge=0)
     value_clip: bool = setting(
         False, "Clip the value update around the recorded value (within `clip`, in return "
         "units), as CleanRL: steadier critic, slower to follow large return changes (off: "
