@@ -111,22 +111,24 @@ def test_the_dsrl_sft_arms_steer_and_train_one_sft_start_of_a_flow_recipe():
     assert env_steps_per_version({"recipe": arms["recipe"]}) == env_steps_per_version(arms)
 
 
-@pytest.mark.parametrize("arm_set,field,value", [("critic-warmup", "critic_warmup_versions", 5),
-                                                  ("lr-warmup", "lr_warmup_versions", 10)])
-def test_the_warmup_arms_differ_in_the_warmup_alone(arm_set, field, value):
-    """`warmup` against `none`: the OFT L1 recipe from its SFT run, identical but for the
-    warm-up; its demonstrations noiseless, as the recipe's."""
+@pytest.mark.parametrize("from_sft", [True, False])
+def test_the_setting_arms_differ_in_the_settings_alone(from_sft):
+    """`--arms setting`: the recipe with the `--setting`s against it as it is, from its SFT
+    run (`--demos`) or a fresh policy; one layout and env-step budget."""
     from dataclasses import replace
 
-    from hpcvla.bench.learning import OFT_L1_CONFIG, RECIPE_ARMS
-    make, *recipe = RECIPE_ARMS[arm_set]
-    arms = make(OFT_L1_CONFIG)
-    warmup, none = (load_config(ROOT / config, [a.format(pretrained="sft") for a in args
-                                                if "=" in a]) for config, *args in arms.values())
-    assert none == load_config(ROOT / OFT_L1_CONFIG, ["policy.checkpoint=sft"])
-    assert getattr(warmup.algorithm, field) == value and getattr(none.algorithm, field) == 0
-    assert replace(warmup, algorithm=none.algorithm) == none
-    assert recipe == [OFT_L1_CONFIG, 128, 0.0]
+    from hpcvla.bench.learning import env_steps_per_version, setting_arms
+    recipe = "configs/reach_oft_l1.yaml"
+    settings = ["algorithm.lr_warmup_versions=10", "algorithm.critic_warmup_versions=2"]
+    arms = setting_arms(recipe, settings, from_sft)
+    changed, as_is = (load_config(ROOT / config, [a.format(pretrained="sft") for a in args
+                                                  if "=" in a]) for config, *args in arms.values())
+    assert as_is == load_config(ROOT / recipe, ["policy.checkpoint=sft"] if from_sft else [])
+    assert (changed.algorithm.lr_warmup_versions, changed.algorithm.critic_warmup_versions) == \
+        (10, 2)
+    assert replace(changed, algorithm=as_is.algorithm) == as_is
+    assert arms["changed"][1:3] == arms["recipe"][1:3] == ["--ranks", "4"]
+    assert env_steps_per_version({"recipe": arms["recipe"]}) == env_steps_per_version(arms)
 
 
 @pytest.mark.mpi
@@ -196,7 +198,12 @@ def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
                        (["--arms", "imitation", "--demos", 0], "--demos must be >= 1, got 0"),
                        (["--demo-noise", 0], "add --arms imitation"),
                        (["--arms", "imitation", "--demo-noise", -1],
-                        "--demo-noise must be >= 0, got -1")):
+                        "--demo-noise must be >= 0, got -1"),
+                       (["--setting", "algorithm.lr=1e-4"], "--arms setting go together"),
+                       (["--arms", "setting", "--config", "configs/default.yaml"],
+                        "--arms setting go together"),
+                       (["--arms", "setting", "--setting", "algorithm.lr=1e-4"],
+                        "--arms setting needs --config")):
         out = hpcvla("bench", "learning", *args, "--json", tmp_path / "out.json")
         assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing ran

@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
-                                "scratch", "dsrl-sft", "critic-warmup", "lr-warmup"],
+                                "scratch", "dsrl-sft", "setting"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain from a "
@@ -53,31 +53,33 @@ def add_bench_parser(sub) -> None:
                             "from an SFT start, or RLPD vs PPO from an SFT start on PushCube "
                             "from the same 16 demonstrations, or SAC vs PPO from scratch "
                             "there, or DSRL (its actor on the state) vs GRPO from the flow "
-                            "policy's SFT on PushCube, or PPO with vs without a critic "
-                            "warm-up or a learning-rate warm-up from the OFT L1 recipe's "
-                            "SFT on reach "
+                            "policy's SFT on PushCube, or a recipe (--config) with vs "
+                            "without --setting's changes "
                             "(hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
                        help="learning --arms imitation, prior-data, scratch, dsrl-sft or "
-                            "the warm-ups: the task recipe its demonstrations, SFT and both "
+                            "setting (required there): the task recipe its demonstrations, SFT and both "
                             "arms run (default configs/maniskill_pushcube.yaml, "
                             "configs/maniskill_pushcube_sac.yaml for the off-policy sets, "
-                            "configs/maniskill_pushcube_flow.yaml for dsrl-sft and "
-                            "configs/reach_oft_l1.yaml for the warm-ups; e.g. "
+                            "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
                             "configs/maniskill_pickcube_sac.yaml)")
     bench.add_argument("--demos", type=int, default=None,
-                       help="learning --arms imitation, prior-data, dsrl-sft or the "
-                            "warm-ups: scripted-expert demonstrations the SFT start (and "
-                            "RLPD) learns from (default 64, 16, 64 and 128; the recipe's "
-                            "comment gives its "
+                       help="learning --arms imitation, prior-data, dsrl-sft or "
+                            "setting: scripted-expert demonstrations the SFT start (and "
+                            "RLPD) learns from (default 64, 16, 64, and none for setting: "
+                            "a fresh policy; the recipe's comment gives its "
                             "count, e.g. 256 for configs/maniskill_pushcube_tokens.yaml)")
     bench.add_argument("--demo-noise", type=float, default=None,
-                       help="learning --arms imitation, prior-data, dsrl-sft or the "
-                            "warm-ups: std of the Gaussian noise on the expert's arm "
+                       help="learning --arms imitation, prior-data, dsrl-sft or "
+                            "setting: std of the Gaussian noise on the expert's arm "
                             "actions in those demonstrations (`hpcvla demos --noise`; default "
-                            "0.1, 0 for the warm-ups; 0 for configs/reach_oft_l1.yaml, whose "
-                            "comment says why)")
+                            "0.1; 0 for configs/reach_oft_l1.yaml, whose comment says why)")
+    bench.add_argument("--setting", action="append", default=[], metavar="KEY=VALUE",
+                       help="learning --arms setting: a change the `changed` arm makes to the "
+                            "recipe (repeat for several), e.g. "
+                            "algorithm.lr_warmup_versions=10; the positional key=value "
+                            "overrides go to both arms")
     bench.add_argument("--eval-episodes", type=int, default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
     bench.add_argument("--shards", type=int, default=2,
@@ -151,10 +153,15 @@ def bench_command(args) -> int:
         from hpcvla.bench import learning
         problem = ""  # refused before any run starts
         demo_args = args.demos is not None or args.demo_noise is not None
-        if args.arms not in learning.RECIPE_ARMS and (args.config or demo_args):
+        recipes = [*learning.RECIPE_ARMS, "setting"]
+        if args.arms not in recipes and (args.config or demo_args):
             problem = (f"--config, --demos and --demo-noise set a task recipe, which --arms "
-                       f"{args.arms} does not take: add --arms imitation, prior-data, scratch, "
-                       "dsrl-sft, critic-warmup or lr-warmup")
+                       f"{args.arms} does not take: add --arms {', '.join(recipes)}")
+        elif (args.arms == "setting") != bool(args.setting):
+            problem = ("--setting KEY=VALUE and --arms setting go together (a recipe with "
+                       "the settings changed against it as it is)")
+        elif args.arms == "setting" and not args.config:
+            problem = "--arms setting needs --config: the recipe both arms run"
         elif args.arms == "scratch" and demo_args:
             problem = ("--demos and --demo-noise with --arms scratch: its arms start without "
                        "demonstrations")
@@ -169,7 +176,7 @@ def bench_command(args) -> int:
                      updates=3 if args.quick else args.updates or 200, json_path=args.json,
                      overrides=args.overrides, arms=args.arms, config=args.config,
                      eval_episodes=32 if args.quick else args.eval_episodes, demos=args.demos,
-                     demo_noise=args.demo_noise)
+                     demo_noise=args.demo_noise, settings=args.setting)
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.job.launch import run_world

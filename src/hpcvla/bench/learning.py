@@ -51,13 +51,12 @@ Arm sets (`--arms`):
   from that SFT run.
 * `scratch`: `prior-data` without the demonstrations: `sac` against `ppo` (the same
   baseline settings), both from a fresh policy, the same held-out schedule.
-* `critic-warmup`: PPO from an imitation start with and without a critic warm-up: OpenVLA-OFT's
-  L1-head recipe on reach (configs/reach_oft_l1.yaml; `--config`: another PPO recipe),
-  `hpcvla demos` (128, noiseless: the recipe's) and `hpcvla sft` as `imitation`, then
-  `warmup` (the first 5 versions train the critic alone, algorithm.critic_warmup_versions)
-  against `none`, both streamer from that SFT run.
-* `lr-warmup`: `critic-warmup`'s runs with the policy's learning rate rising over the first
-  10 versions instead (algorithm.lr_warmup_versions).
+* `setting`: any change to a recipe, measured: the recipe `--config` with the `--setting`s
+  (`changed`) against it as it is (`recipe`), both on 4 ranks; from a fresh policy, or with
+  `--demos` from `hpcvla demos` and `hpcvla sft` on that many as `imitation` (both arms from
+  that SFT run). E.g. OpenVLA-OFT's L1 recipe from its SFT start with a learning-rate warm-up:
+  `--arms setting --config configs/reach_oft_l1.yaml --demos 128 --demo-noise 0 --setting
+  algorithm.lr_warmup_versions=10`.
 
 Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
 per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval`
@@ -76,7 +75,6 @@ from __future__ import annotations
 
 import json
 import tempfile
-from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -172,27 +170,18 @@ def dsrl_sft_arms(config: str = FLOW_SFT_CONFIG) -> dict:
                      "algorithm.init_temperature=0.0001"], "recipe": start}
 
 
-OFT_L1_CONFIG = "configs/reach_oft_l1.yaml"
-# the warm-up arm sets: the setting their `warmup` arm adds to the recipe's own RL
-WARMUPS = {"critic-warmup": "algorithm.critic_warmup_versions=5",
-           "lr-warmup": "algorithm.lr_warmup_versions=10"}
+def setting_arms(config: str, settings: list[str], from_sft: bool) -> dict:
+    """The `setting` arm set: the recipe `config` with `settings` changed against it as it is,
+    on 4 ranks, from its SFT run when `from_sft`."""
+    start = [config, "--ranks", "4", *(["policy.checkpoint={pretrained}"] if from_sft else [])]
+    return {"changed": [*start, *settings], "recipe": start}
 
 
-def warmup_arms(arms: str, config: str = OFT_L1_CONFIG) -> dict:
-    """A warm-up arm set on a PPO recipe `config`: its own RL from its SFT run, with and
-    without its WARMUPS setting."""
-    start = [config, "--ranks", "4", "policy.checkpoint={pretrained}"]
-    return {"warmup": [*start, WARMUPS[arms]], "none": start}
-
-
-# the arm sets built on a task recipe: their arms of a recipe, their recipe, demonstrations
-# and the noise on the expert's actions in them
-RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS, DEMO_NOISE),
-               "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS, DEMO_NOISE),
-               "scratch": (scratch_arms, PUSHCUBE_SAC, 0, DEMO_NOISE),
-               "dsrl-sft": (dsrl_sft_arms, FLOW_SFT_CONFIG, IMITATION_DEMOS, DEMO_NOISE),
-               **{arms: (partial(warmup_arms, arms), OFT_L1_CONFIG, 128, 0.0)
-                  for arms in WARMUPS}}
+# the arm sets built on a task recipe: their arms of a recipe, their recipe and demonstrations
+RECIPE_ARMS = {"imitation": (imitation_arms, IMITATION_CONFIG, IMITATION_DEMOS),
+               "prior-data": (prior_data_arms, PUSHCUBE_SAC, PRIOR_DEMOS),
+               "scratch": (scratch_arms, PUSHCUBE_SAC, 0),
+               "dsrl-sft": (dsrl_sft_arms, FLOW_SFT_CONFIG, IMITATION_DEMOS)}
 EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every run
 # Each checkpoint's two evals (both_evals): the result's key -> the suffix of its JSON figures
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
@@ -275,7 +264,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     """The arm set's starting checkpoint folder (`PRETRAIN`) or SFT run (`imitation` on the
     recipe `config`, which takes the bench's `overrides` too: the demonstrations, SFT and RL
     see one env and policy), and its eval; none for most."""
-    if arms in ("imitation", "dsrl-sft", *WARMUPS):
+    if arms in ("imitation", "dsrl-sft") or (arms == "setting" and demos):
         return imitation_start(root, eval_episodes, overrides, config, demos, noise=noise)
     if arms == "prior-data":  # the demonstrations (root/demos.h5) and PPO's SFT start
         return imitation_start(root, eval_episodes, overrides, config, demos,
@@ -324,22 +313,29 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
 
 
 def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
-        eval_episodes=256, config=None, demos=None, demo_noise=None) -> dict:
+        eval_episodes=256, config=None, demos=None, demo_noise=None, settings=()) -> dict:
     """The arm set `arms`; those built on a task recipe (RECIPE_ARMS) on `config` instead of
     their own, from `demos` demonstrations at `demo_noise` instead of their count and
-    noise."""
-    noise, recipe = DEMO_NOISE, RECIPE_ARMS.get(arms)
+    DEMO_NOISE; `setting` on the recipe `config` with `settings`, from `demos` (0: none)."""
+    noise = DEMO_NOISE if demo_noise is None else demo_noise
+    recipe = RECIPE_ARMS.get(arms)
     if recipe:
         config, demos = config or recipe[1], recipe[2] if demos is None else demos
-        noise = recipe[3] if demo_noise is None else demo_noise
-    arm_set = recipe[0](config) if recipe else ARMS[arms]
+        arm_set = recipe[0](config)
+    elif arms == "setting":
+        demos = demos or 0
+        arm_set = setting_arms(config, list(settings), demos > 0)
+    else:
+        arm_set = ARMS[arms]
     per_version = env_steps_per_version(arm_set)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
                "eval_episodes": eval_episodes, "eval_seed": EVAL_SEED,
                "overrides": list(overrides), "grid_env_steps": grid.tolist(), "modes": {},
-               **({"config": config, "demos": demos, "demo_noise": noise} if recipe else {})}
+               **({"config": config, "demos": demos, "demo_noise": noise}
+                  if recipe or arms == "setting" else {}),
+               **({"settings": list(settings)} if arms == "setting" else {})}
     with tempfile.TemporaryDirectory(prefix="hpcvla-learning-") as tmp:
         pretrained, start = pretrain(arms, Path(tmp), eval_episodes, overrides, config, demos,
                                      noise)

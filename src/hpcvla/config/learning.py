@@ -222,7 +222,7 @@ class AlgorithmConfig:
         "returns (verl's trainer.critic_warmup). Meant for a policy started from a "
         "checkpoint (policy.checkpoint), whose first updates a fresh critic's advantages "
         "steer; on OFT's L1 recipe on reach 5 of 100 versions gained nothing (held-out "
-        "0.73 against 0.83, 3 seeds, `hpcvla bench learning --arms critic-warmup`): the "
+        "0.73 against 0.83, 3 seeds, `hpcvla bench learning --arms setting`): the "
         "frozen backbone holds the critic near a constant baseline. Counted in "
         "pipeline.total_updates; a run resumed past them does none.", ge=0)
     lr_warmup_versions: int = setting(
@@ -233,7 +233,7 @@ class AlgorithmConfig:
         "gradient's size, which from an imitation start can throw the policy far from it in "
         "one version: on OFT's L1 recipe on reach 10 versions took the first version's KL "
         "from 0.40-0.53 to 0.004-0.009, held-out 0.81 against 0.76 (3 seeds, not separated; "
-        "`hpcvla bench learning --arms lr-warmup`). A run resumed inside the ramp continues "
+        "`hpcvla bench learning --arms setting`). A run resumed inside the ramp continues "
         "it.", ge=0)
     value_clip: bool = setting(
         False, "Clip the value update around the recorded value (within `clip`, in return "
