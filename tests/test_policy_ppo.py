@@ -411,15 +411,17 @@ def test_the_actors_rate_per_version_warms_up_the_critic_then_ramps():
 
 
 @pytest.mark.mpi
-def test_critic_warmup_versions_move_the_critic_alone():
+@pytest.mark.parametrize("engine", [["learner.zero_stage=1"], ["learner.backend=horovod"]],
+                         ids=["deepspeed", "horovod"])
+def test_critic_warmup_versions_move_the_critic_alone(engine):
     """algorithm.critic_warmup_versions on two learners (DeepSpeed ZeRO-1, the OFT recipe's
-    stage): through the learner's own `learn`, the warm-up versions change only `value_*`
-    tensors, the next one the actor too, and the learners stay identical."""
+    stage, or Horovod): through the learner's own `learn`, the warm-up versions change only
+    `value_*` tensors, the next one the actor too, and the learners stay identical."""
     from helpers import MPI_DIR, hpcvla
 
     out = hpcvla("launch", "-n", 2, "--timeout", 240, "--", MPI_DIR / "critic_warmup.py",
-                 "configs/colocated.yaml", "algorithm.critic_warmup_versions=2",
-                 "learner.zero_stage=1", "learner.epochs=2", "algorithm.critic_epochs=1",
+                 "configs/colocated.yaml", "algorithm.critic_warmup_versions=2", *engine,
+                 "learner.epochs=2", "algorithm.critic_epochs=1",
                  "env.image_size=32", "learner.micro_batch=8", "learner.micro_batches=1",
                  "rollout.segment_len=4", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

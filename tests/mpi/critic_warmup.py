@@ -1,7 +1,8 @@
 """Run under MPI with every rank a learner (colocated): PPO's critic warm-up
 (algorithm.critic_warmup_versions) through the learner's own version step `learn` on the real
-engine. A warm-up version moves the critic (`value_*`) and nothing else, on every learner
-alike; the first version after it moves the actor too.
+engine (DeepSpeed or Horovod, `learner.backend`). A warm-up version moves the critic
+(`value_*`) and nothing else, on every learner alike; the first version after it moves the
+actor too.
 
     mpiexec -n 2 python -m mpi4py tests/mpi/critic_warmup.py CONFIG [key=value ...]
 """
@@ -9,6 +10,7 @@ alike; the first version after it moves the actor too.
 import sys
 
 import numpy as np
+import torch.distributed
 from mpi4py import MPI
 
 from hpcvla.config import load_config
@@ -49,8 +51,8 @@ def main(cfg, plan, comms):
         print(f"critic warm-up: {warmup} versions moved the critic alone, version {warmup} "
               f"moved {len(changed)} tensors", flush=True)
     comms.learners.Barrier()  # leave together (see nonfinite.py: gloo's threads)
-    import torch.distributed
-    torch.distributed.destroy_process_group()
+    if torch.distributed.is_initialized():  # DeepSpeed's; Horovod has none
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
