@@ -345,8 +345,8 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
 
 def test_critic_passes_move_the_critic_alone():
     """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside
-    `actor_scaled(engine, 0)` (the value-only passes) an optimizer step leaves every actor weight as it
-    was and moves the critic."""
+    `actor_scaled(engine, 0)` (the value-only passes) an optimizer step leaves every actor
+    weight as it was and moves the critic."""
     from types import SimpleNamespace
 
     from hpcvla.config import load_config
@@ -396,7 +396,8 @@ def test_the_actors_rate_per_version_warms_up_the_critic_then_ramps():
     for factor in (1.0, 0.25):
         torch.manual_seed(0)
         policy = make_policy("default", SPEC, 7, 4, 10)
-        engine = SimpleNamespace(optimizer=torch.optim.AdamW(param_groups(policy, cfg.algorithm)))
+        optimizer = torch.optim.AdamW(param_groups(policy, cfg.algorithm))
+        engine = SimpleNamespace(optimizer=optimizer)
         before = {n: p.detach().clone() for n, p in policy.named_parameters()}
         logprob, value, _ = policy.evaluate(obs, torch.zeros(8, 4, 7))
         (value.square().mean() - logprob.mean()).backward()

@@ -58,8 +58,8 @@ def add_bench_parser(sub) -> None:
                             "(hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
                        help="learning --arms imitation, prior-data, scratch, dsrl-sft or "
-                            "setting (required there): the task recipe its demonstrations, SFT and both "
-                            "arms run (default configs/maniskill_pushcube.yaml, "
+                            "setting (required there): the task recipe its demonstrations, "
+                            "SFT and both arms run (default configs/maniskill_pushcube.yaml, "
                             "configs/maniskill_pushcube_sac.yaml for the off-policy sets, "
                             "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
