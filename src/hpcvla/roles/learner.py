@@ -94,8 +94,9 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
     (in epoch 0 the policy is still the proximal one: clip fraction and KL are 0 there).
     The actor trains at its rate of this version (actor_lr_factor)."""
     seen, last = [], cfg.learner.epochs - 1
-    warmup = version < cfg.algorithm.critic_warmup_versions
-    with actor_scaled(engine, actor_lr_factor(cfg.algorithm, version)):
+    factor = actor_lr_factor(cfg.algorithm, version)
+    warmup = factor == 0.0  # the critic's warm-up: a policy loss would move nothing
+    with actor_scaled(engine, factor):
         for groups in micro_batches:
             micro = MicroBatch.arrived(cfg, groups, engine.device)
             stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
