@@ -157,6 +157,13 @@ def test_sft_on_a_libero_file_learns_and_its_checkpoint_loads(tmp_path, config, 
     assert state["version"] == 6
     for name, value in policy.state_dict().items():
         assert torch.equal(value, weights[name]), name
+    if overrides:  # flow matching leaves the std: RL explores with its own init_log_std
+        explore = build_policy(load_config(config, [*overrides, "policy.init_log_std=-1.5",
+                                                    f"policy.checkpoint={run_dir}"]),
+                               env_spec(cfg.env)).state_dict()
+        assert float(weights["log_std"].max()) != -1.5
+        assert torch.equal(explore.pop("log_std"), torch.full_like(weights["log_std"], -1.5))
+        assert all(torch.equal(value, weights[name]) for name, value in explore.items())
     if overrides:  # DSRL from it: the flow weights exactly, its noise actor and critics fresh
         steered = build_policy(load_config(config, [*overrides, "algorithm.name=sac",
                                                     f"policy.checkpoint={run_dir}"]),

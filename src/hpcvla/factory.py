@@ -83,4 +83,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         if cfg.algorithm.off_policy:  # a run's temperature starts where its config says
             with torch.no_grad():
                 policy.sac_log_alpha.fill_(math.log(cfg.algorithm.init_temperature))
+        if not policy.imitation_fits_std and catalog.by_sft(path):  # SFT left it at the
+            with torch.no_grad():  # SFT config's: the RL run explores as its config says
+                policy.log_std.fill_(cfg.policy.init_log_std)
     return policy.to(device)

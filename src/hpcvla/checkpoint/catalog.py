@@ -31,6 +31,14 @@ def complete(run_dir: Path) -> list[Path]:
                   if p.suffix != ".partial" and (p / STATE).is_file())
 
 
+SFT_COUNTER = "sft_chunks"  # the counter only `hpcvla sft` checkpoints have
+
+
+def by_sft(path: Path) -> bool:
+    """Whether the checkpoint directory `path` was written by `hpcvla sft`."""
+    return SFT_COUNTER in read_state(path)["counters"]
+
+
 def latest(path: Path) -> Path | None:
     """The newest complete checkpoint in a run directory (or `path` itself if it is one)."""
     path = Path(path)

@@ -84,7 +84,9 @@ class PolicyConfig:
         "`flow` last_step, `oft` with OFT's L1-regression head, in its normalized action "
         "space; `tokens`: the spread of its initial bins); `flow` chain: the "
         "total noise injected over the chain (each of K steps gets std / sqrt(K)). Lower "
-        "starts closer to a pretrained policy's own actions, explores less.")
+        "starts closer to a pretrained policy's own actions, explores less. From an `hpcvla "
+        "sft` run (policy.checkpoint) it starts here too where SFT does not fit it (`flow`, "
+        "`oft`'s L1 head); the `default` family keeps the std its likelihood fitted.")
     logprob_granularity: str = setting(
         "chunk", "`flow`/`tokens`/`oft`: unit of the PPO ratio and its clip: one per chunk, per "
         "action or per token (action dim). Finer units clip each part separately (fewer "

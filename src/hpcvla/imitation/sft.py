@@ -159,7 +159,7 @@ def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writ
     weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
     trained = step * cfg.sft.batch_size * world.Get_size()
     writer.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
-                {"sft_chunks": trained, "sft_samples": samples}, world,
+                {catalog.SFT_COUNTER: trained, "sft_samples": samples}, world,
                 keep=cfg.learner.checkpoint_keep)
 
 

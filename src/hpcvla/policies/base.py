@@ -59,6 +59,11 @@ class Policy(nn.Module, abc.ABC):
     #   load_published(folder) -> list[str]: loads a published folder that needs more than
     #     renaming (oft's timm towers); returns the RL-head names left fresh.
     folder_kwargs = checkpoint_kwargs = load_published = None
+    # Whether `imitation_loss` fits the exploration std (`log_std`): a likelihood does (the
+    # default family's BC); flow matching and OFT's L1 loss leave it where it started,
+    # so an RL run from an `hpcvla sft` checkpoint starts it at its own
+    # policy.init_log_std (factory.build_policy).
+    imitation_fits_std = True
 
     def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
         """The processor of the published checkpoint `folder` for the env `spec` (EnvSpec),

@@ -106,6 +106,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
     """
 
     family = "flow"
+    imitation_fits_std = False  # flow matching: the velocity alone (base.Policy)
 
     config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity",
                      "dtype", "logprob_mode", "init_log_std", "variant", "hidden")

@@ -198,6 +198,7 @@ class OFTPolicy(VLAPolicy):
             self.action_head = L1ActionHead(width, self.action_dim)
             self.log_std = nn.Parameter(torch.full((self.chunk_len, self.action_dim),
                                                    float(init_log_std)))
+            self.imitation_fits_std = False  # OFT's L1 loss: the mean alone
         self.value_head = nn.Sequential(nn.Linear(width, 512), nn.GELU(), nn.Linear(512, 128),
                                         nn.GELU(), nn.Linear(128, DECODED_CHUNK, bias=False))
         for layer in self.value_head[:3:2]:  # RLinf's fresh init
