@@ -1,5 +1,6 @@
 """LIBERO's state formats: env.state_format=quaternion (9-d, the default) and axis_angle (8-d,
-as openpi's LIBERO example and OpenVLA-OFT feed pi0/pi0.5/OFT checkpoints)."""
+as openpi's LIBERO example and OpenVLA-OFT feed pi0/pi0.5/OFT checkpoints); its scenes, shared
+by the envs of a process (envs/scenes.py)."""
 
 import numpy as np
 import pytest
@@ -52,6 +53,60 @@ def test_axis_angle_state_is_robosuites_conversion_of_the_quaternion():
     np.testing.assert_allclose(angle, 2 * np.arccos(np.clip(quat[3], -1, 1)), atol=1e-4)
     np.testing.assert_allclose(rotvec / angle, quat[:3] / np.linalg.norm(quat[:3]), atol=1e-4)
     assert 0 <= angle <= 2 * np.pi and abs(angle - np.pi) < 0.3
+
+
+@pytest.mark.slow
+def test_envs_of_one_scene_share_it_and_render_as_their_own_renderer_would():
+    """libero_spatial's tasks are one scene: three envs of three tasks compile it once and
+    share one renderer, each simulates its own copy of the model, and each env's images are
+    exactly what a renderer made from its own model draws of it."""
+    from hpcvla.envs import scenes
+    env = make_env("libero", 3, seed=0, wrist_image=True,
+                   **{**SETTINGS, "task": -1, "max_episode_chunks": 4})
+    try:
+        slots = env._slots
+        assert [slot.task for slot in slots] == [0, 1, 2]
+        assert [scene["users"] for scene in scenes._scenes.values()] == [3]
+        assert len({id(slot.env.sim.model._model) for slot in slots}) == 3
+        assert len({id(slot.renderer) for slot in slots}) == 1
+        env.reset(init_state_ids=np.array([0, 1, 2]))
+        obs = env.step(np.random.default_rng(0).uniform(-1, 1, (3, 1, 7))).obs
+        _render_as_their_own_renderer_would(env, obs)
+    finally:
+        env.close()
+    assert scenes._scenes == {}  # the last env freed the scene's model and renderer
+
+
+def _render_as_their_own_renderer_would(env, obs) -> None:
+    import mujoco
+
+    from hpcvla.envs.libero import CAMERAS
+    for i, slot in enumerate(env._slots):
+        own = mujoco.Renderer(slot.env.sim.model._model, 16, 16)
+        for camera, key in zip(CAMERAS, ("image", "wrist_image")):
+            own.update_scene(slot.env.sim.data._data, camera=camera,
+                             scene_option=slot.scene_option)
+            assert np.array_equal(own.render()[:, ::-1], obs[key][i]), (i, key)
+        own.close()  # its own context is the current one
+
+
+@pytest.mark.slow
+def test_a_scene_freed_when_its_last_env_leaves_spoils_no_other_scenes_images():
+    """libero_object's tasks are a scene each: env 1 leaves task 1 for task 0 (the fixed
+    states of task 0), its scene's renderer is closed, and both envs still render exactly
+    (closing a MuJoCo renderer while another's context is current deletes that one's
+    framebuffer: noise ever after)."""
+    from hpcvla.envs import scenes
+    env = make_env("libero", 2, seed=0, wrist_image=True, **{
+        **SETTINGS, "suite": "libero_object", "task": -1, "max_episode_chunks": 4})
+    try:
+        assert [slot.task for slot in env._slots] == [0, 1] and len(scenes._scenes) == 2
+        env.reset(init_state_ids=np.array([0, 1]))
+        assert [slot.task for slot in env._slots] == [0, 0] and len(scenes._scenes) == 1
+        obs = env.step(np.random.default_rng(0).uniform(-1, 1, (2, 1, 7))).obs
+        _render_as_their_own_renderer_would(env, obs)
+    finally:
+        env.close()
 
 
 def test_every_instruction_survives_the_env_vocabulary():

@@ -115,9 +115,13 @@ print("MEASURED", rss() - base)
 SIMULATORS = {  # inline: the envs in the measuring process itself
     "maniskill-4-envs": ("configs/maniskill_pickcube.yaml", ["env.envs_per_simulator=4",
                                                              "env.isolation=inline"]),
-    "libero-2-envs-2-tasks": ("configs/libero_spatial.yaml", [
+    # two tasks of one scene (they share its model and renderer), two tasks of two scenes
+    "libero-2-envs-1-scene": ("configs/libero_spatial.yaml", [
         "env.envs_per_simulator=2", "env.shards=1", "env.suite_task=-1",
         "env.isolation=inline"]),
+    "libero-2-envs-2-scenes": ("configs/libero_spatial.yaml", [
+        "env.suite=libero_object", "env.envs_per_simulator=2", "env.shards=1",
+        "env.suite_task=-1", "env.isolation=inline"]),
 }
 
 

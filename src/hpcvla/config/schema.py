@@ -187,7 +187,8 @@ class EnvConfig:
         "scene) (envs/libero.py SUITES, checked before launch).")
     suite_task: int = setting(
         -1, "LIBERO task index within env.suite for every env; -1 spreads the envs over all "
-        "tasks of the suite (multi-task, but each task's renderer costs ~550 MB per rank).",
+        "tasks of the suite (multi-task; each further scene a rank renders costs ~1 GB: "
+        "libero_spatial's and libero_goal's tasks share one, envs/scenes.py).",
         ge=-1)
     wrist_image: bool = setting(
         False, "Add the wrist camera (`wrist_image`) next to the third-person `image` "

