@@ -4,8 +4,8 @@
 them one after the other; a simulator rank is one core, and the MPI ranks are the parallelism.
 Measured here (Debian 12, 2 cores): an extra in-process ManiSkill env costs ~5 MB and an extra
 LIBERO env ~270 MB (its scene's model and renderer are shared), while a worker subprocess would
-cost a second interpreter with torch and the simulator (~800 MB for ManiSkill) and could not run any
-faster on cores the ranks already fill. In-process is therefore how slots run; a whole
+cost a second interpreter with torch and the simulator (~800 MB for ManiSkill) and could not run
+any faster on cores the ranks already fill. In-process is therefore how slots run; a whole
 vector env (a shard) can still be put in a worker process for fault isolation
 (`env.isolation=process`, envs/isolated.py), which is what a hang or a crash needs.
 
