@@ -113,7 +113,8 @@ def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(
     suite's 220 steps; the result names the protocol, and per task its Wilson interval."""
     run_dir = _run_dir(tmp_path, "libero_pi0.yaml")
     result = _eval(run_dir, "--deterministic", "--envs", 2, "--ranks", 2, "eval.protocol=libero",
-                   "eval.tasks=0,1", "eval.states_per_task=2", timeout=600)
+                   "eval.tasks=0,1", "eval.states_per_task=2", "env.chunk_len=10",
+                   timeout=600)  # the fixture's whole chunk: 22 renders an episode, not 44
     protocol = result["protocol"]
     assert protocol == {**protocol, "name": "libero", "suite": "libero_spatial", "tasks": [0, 1],
                         "states_per_task": 2, "step_limit": 220, "steps": 220,
@@ -136,7 +137,7 @@ def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path):
     run_dir = _run_dir(tmp_path, "libero_pi0.yaml")
     result = _eval(run_dir, "--deterministic", "--envs", 2, "env.suite=libero_spatial_swap",
                    "eval.protocol=libero", "eval.tasks=0", "eval.states_per_task=2",
-                   timeout=600)
+                   "env.chunk_len=10", timeout=600)
     assert result["protocol"]["suite"] == "libero_spatial_swap"
     assert result["protocol"]["step_limit"] == 220  # libero_spatial's
     assert result["episodes"] == 2 and result["env_faults"] == 0
