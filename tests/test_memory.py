@@ -53,6 +53,12 @@ def test_plan_shows_memory_and_refuses_a_micro_batch_that_does_not_fit(capsys):
     assert "learner.zero_stage=2" in err and "512 observations" in err, err
 
 
+def test_plan_refuses_a_bad_env_setting_naming_it(capsys):
+    assert main(["plan", "configs/libero_spatial.yaml", "--world", "4",
+                 "env.suite=libero_99"]) == 2
+    assert "env.suite = 'libero_99': expected one of libero_spatial" in capsys.readouterr().err
+
+
 def test_the_launch_check_refuses_gpus_it_would_overfill():
     """memory_problems (preflight.check_launch) on a GPU layout that overfills its GPUs, and
     nothing on a CPU-only one."""

@@ -251,7 +251,9 @@ def cmd_sft(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from hpcvla.envs import check_env, env_spec
     cfg = load_config(args.config, args.overrides)
+    check_env(cfg)  # the env's own settings: its spec below needs them right
     if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
         from hpcvla.scale.autoplan import print_auto_plan
         return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json,
@@ -259,7 +261,6 @@ def cmd_plan(args) -> int:
     if args.ranks_per_node is not None:
         cfg.placement.ranks_per_node = args.ranks_per_node
     plan = plan_from_config(cfg.placement, args.world)
-    from hpcvla.envs import env_spec
     from hpcvla.memory.layout import plan_memory
     from hpcvla.preflight import layout_devices
     devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others

@@ -19,7 +19,6 @@ MEASURED = {"reach": (1 * MIB, 0, 0),
             # libero_spatial (first env, further envs) and libero_object (further scenes),
             # 64 px, 2 cameras
             "libero": (1837 * MIB, 268 * MIB, 995 * MIB)}
-SUITE_TASKS = {"libero_90": 90}  # the other suites have 10
 
 
 def simulator_bytes(env) -> int:
@@ -32,7 +31,7 @@ def simulator_bytes(env) -> int:
     envs = max(1, env.envs_per_simulator // processes)
     scenes = 1
     if per_scene and env.suite_task < 0:  # a process's envs take the suite's tasks in turn
-        scenes = min(envs, SCENES.get(env.suite, SUITE_TASKS.get(env.suite, 10)))
+        scenes = min(envs, SCENES[env.suite])
     return processes * (first + (envs - 1) * per_env + (scenes - 1) * per_scene)
 
 
