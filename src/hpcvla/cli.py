@@ -140,8 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--all", action="store_true",
                           help="every checkpoint the run kept, oldest first: a learning curve "
                                "on fixed initial states (keep more: learner.checkpoint_keep)")
-    evaluate.add_argument("--json", action="store_true", help="machine-readable output "
-                                                               "(a JSON line per policy)")
+    evaluate.add_argument("--json", action="store_true", help="output a JSON line per policy")
     evaluate.add_argument("--video", type=int, default=0, metavar="K",
                           help="also write the first K episodes of every task as MP4 (the "
                                "camera each chunk was chosen from, captioned) to "
