@@ -60,13 +60,14 @@ def test_envs_of_one_scene_share_it_and_render_as_their_own_renderer_would():
     """libero_spatial's tasks are one scene: three envs of three tasks compile it once and
     share one renderer, each simulates its own copy of the model, and each env's images are
     exactly what a renderer made from its own model draws of it."""
-    from hpcvla.envs import scenes
+    users = _scene_users()  # envs other tests of this process left open count too
     env = make_env("libero", 3, seed=0, wrist_image=True,
                    **{**SETTINGS, "task": -1, "max_episode_chunks": 4})
     try:
         slots = env._slots
         assert [slot.task for slot in slots] == [0, 1, 2]
-        assert [scene["users"] for scene in scenes._scenes.values()] == [3]
+        (scene,) = {_scene_of(slot) for slot in slots}
+        assert _scene_users().get(scene) == users.get(scene, 0) + 3
         assert len({id(slot.env.sim.model._model) for slot in slots}) == 3
         assert len({id(slot.renderer) for slot in slots}) == 1
         env.reset(init_state_ids=np.array([0, 1, 2]))
@@ -74,7 +75,17 @@ def test_envs_of_one_scene_share_it_and_render_as_their_own_renderer_would():
         _render_as_their_own_renderer_would(env, obs)
     finally:
         env.close()
-    assert scenes._scenes == {}  # the last env freed the scene's model and renderer
+    assert _scene_users() == users  # the last env of a scene frees its model and renderer
+
+
+def _scene_users() -> dict[str, int]:
+    from hpcvla.envs import scenes
+    return {key: scene["users"] for key, scene in scenes._scenes.items()}
+
+
+def _scene_of(slot) -> str:
+    from hpcvla.envs import scenes
+    return getattr(slot.env.sim, scenes._SCENE_OF)
 
 
 def _render_as_their_own_renderer_would(env, obs) -> None:
@@ -96,13 +107,15 @@ def test_a_scene_freed_when_its_last_env_leaves_spoils_no_other_scenes_images():
     states of task 0), its scene's renderer is closed, and both envs still render exactly
     (closing a MuJoCo renderer while another's context is current deletes that one's
     framebuffer: noise ever after)."""
-    from hpcvla.envs import scenes
+    users = _scene_users()
     env = make_env("libero", 2, seed=0, wrist_image=True, **{
         **SETTINGS, "suite": "libero_object", "task": -1, "max_episode_chunks": 4})
     try:
-        assert [slot.task for slot in env._slots] == [0, 1] and len(scenes._scenes) == 2
+        assert [slot.task for slot in env._slots] == [0, 1]
+        task_0, task_1 = (_scene_of(slot) for slot in env._slots)
+        assert task_0 != task_1 and users.get(task_1, 0) == 0
         env.reset(init_state_ids=np.array([0, 1]))
-        assert [slot.task for slot in env._slots] == [0, 0] and len(scenes._scenes) == 1
+        assert [slot.task for slot in env._slots] == [0, 0] and task_1 not in _scene_users()
         obs = env.step(np.random.default_rng(0).uniform(-1, 1, (2, 1, 7))).obs
         _render_as_their_own_renderer_would(env, obs)
     finally:
