@@ -122,6 +122,15 @@ def test_a_scene_freed_when_its_last_env_leaves_spoils_no_other_scenes_images():
         env.close()
 
 
+def test_every_suite_has_its_scene_count():
+    """The memory model counts a rank's scenes from envs/scenes.py's table: every suite
+    env.suite takes is in it, at most one scene per task."""
+    from hpcvla.envs.libero import SUITES
+    from hpcvla.envs.scenes import SCENES
+    assert set(SCENES) == set(SUITES)
+    assert all(1 <= n <= (90 if suite == "libero_90" else 10) for suite, n in SCENES.items())
+
+
 def test_every_instruction_survives_the_env_vocabulary():
     """A published checkpoint's prompt is rebuilt from the env's instruction ids
     (policies/processor.py): every LIBERO instruction must come back word for word."""
