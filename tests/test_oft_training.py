@@ -1,8 +1,9 @@
 """The OpenVLA-OFT reference fixture (tests/fixtures/oft/checkpoint) on LIBERO with
 configs/libero_oft.yaml (RLinf's LIBERO setup: one camera, no proprio, 8-step chunks,
 token-level log-probs at temperature 1.6): the first action for the env's observation is
-RLinf's, and `hpcvla train` starts from the checkpoint (the actions recorded at version 0 have
-its log-probs), trains, and `hpcvla eval` runs the trained policy."""
+RLinf's; and with OFT's own recipe (its L1 action head), `hpcvla train` starts from the
+checkpoint (the actions recorded at version 0 have its log-probs), trains, and `hpcvla eval`
+runs the trained policy."""
 
 import json
 import shutil
@@ -39,24 +40,22 @@ def test_libero_first_action_is_rlinfs():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["rlinf", "oft_l1"])
-def test_libero_training_starts_from_the_oft_checkpoint(tmp_path, tmp_path_factory, recipe):
-    """`hpcvla train` on LIBERO from the OFT fixture folder: the first action is the
-    checkpoint's. ~60 s: LIBERO's suites built in every simulator's env processes. `oft_l1`:
-    OFT's own LIBERO recipe, the folder with its L1 action head (tests/test_oft_l1_head.py),
-    both cameras, the proprio token, OFT's sequence; RL samples a Gaussian around the head."""
+def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
+    """`hpcvla train` on LIBERO from the OFT fixture folder with OFT's own LIBERO recipe: its
+    L1 action head (tests/test_oft_l1_head.py), both cameras, the proprio token, OFT's
+    sequence; RL samples a Gaussian around the head. The first action is the checkpoint's.
+    ~60 s: LIBERO's suites built in every simulator's env processes. (RLinf's recipe, the
+    token head: its first action is RLinf's above; the token family trains through the
+    pipeline in tests/test_vla_policies.py and on ManiSkill in tests/test_sims.py.)"""
     import h5py
 
-    extra = []
-    if recipe == "oft_l1":
-        folder = tmp_path_factory.mktemp("l1") / "checkpoint"
-        shutil.copytree(FIXTURES / "oft" / "checkpoint", folder)
-        shutil.copy(FIXTURES / "oft" / "action_head--100_checkpoint.pt", folder)
-        extra = [f"policy.pretrained={folder}", "env.wrist_image=true", "env.state=true",
-                 "env.state_format=axis_angle",
-                 "policy.sequence=official"]
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURES / "oft" / "checkpoint", folder)
+    shutil.copy(FIXTURES / "oft" / "action_head--100_checkpoint.pt", folder)
+    extra = [f"policy.pretrained={folder}", "env.wrist_image=true", "env.state=true",
+             "env.state_format=axis_angle", "policy.sequence=official"]
     out, summary, run_dir = run_train(
-        tmp_path, "pipeline.total_updates=2", "env.max_episode_chunks=2",
+        tmp_path / "runs", "pipeline.total_updates=2", "env.max_episode_chunks=2",
         "rollout.segment_len=2", "run.dump_trajectories=true", "pipeline.max_staleness=0",
         "pipeline.mode=sync-disaggregated", *extra, config="configs/libero_oft.yaml")
     assert "[hpcvla] update 2/2" in out.stdout and summary["lost_records"] == 0
@@ -69,8 +68,8 @@ def test_libero_training_starts_from_the_oft_checkpoint(tmp_path, tmp_path_facto
         obs = {k: torch.from_numpy(demo["obs"][k][:1]) for k in demo["obs"]}
         actions = torch.from_numpy(demo["actions"][:1])
         recorded = float(demo["logprobs"][0])
-    assert policy.head == ("l1" if recipe == "oft_l1" else "tokens")
-    assert actions.shape == (1, 8, 7) and ("state" in obs) == (recipe == "oft_l1")
+    assert policy.head == "l1"
+    assert actions.shape == (1, 8, 7) and "state" in obs
     with torch.no_grad():
         logprob = float(policy.evaluate(obs, actions)[0].sum())
     assert abs(logprob - recorded) < 1e-3 * max(1.0, abs(recorded)), (logprob, recorded)

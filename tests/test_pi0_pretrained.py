@@ -290,7 +290,9 @@ def test_libero_first_action_is_the_references(family):
 def test_libero_training_starts_from_the_checkpoint(tmp_path):
     """`hpcvla train` on LIBERO from the π0 fixture with its tokenizer and statistics: the
     first actions sent to the simulators are the pretrained policy's (their recorded log-probs
-    are its log-probs at version 0), it trains, and `hpcvla eval` runs the trained one."""
+    are its log-probs at version 0), it trains, and `hpcvla export` writes the trained one in
+    the folder's layout. (A trained VLA run evaluated on LIBERO: tests/test_oft_training.py;
+    the π0 fixture under LIBERO's protocol: tests/test_eval_job.py.)"""
     import h5py
 
     out, _, run_dir = run_train(
@@ -312,9 +314,6 @@ def test_libero_training_starts_from_the_checkpoint(tmp_path):
     with torch.no_grad():
         logprob = float(policy.evaluate(obs, actions)[0])
     assert abs(logprob - recorded) < 1e-3 * max(1.0, abs(recorded)), (logprob, recorded)
-    out = hpcvla("eval", run_dir, "--json", "--episodes", "2", "--envs", "2")
-    assert out.returncode == 0, out.stderr
-    assert json.loads(out.stdout)["episodes"] == 2
     # exported in the layout it came from (tests/test_export.py: LeRobot reads such folders):
     # the source's files, the trained weights, the RL heads left out
     out = hpcvla("export", run_dir, tmp_path / "exported")

@@ -282,9 +282,9 @@ def test_what_cannot_run_here_fails_clearly():
 @pytest.mark.parametrize("config", ["maniskill_pickcube_tokens.yaml", "libero10_flow.yaml"])
 def test_train_runs_on_each_simulator(tmp_path, config):
     """Two versions of `hpcvla train` on each real simulator with a VLA family, its envs in
-    worker processes as the recipe has them (LIBERO: then an eval over three of the suite's
-    tasks). 50-80 s: building the ManiSkill scenes or the LIBERO tasks in every simulator's
-    env process is most of it; one shard each (sharding: tests/test_pipeline.py)."""
+    worker processes as the recipe has them. 50-60 s: building the ManiSkill scenes or the
+    LIBERO tasks in every simulator's env process is most of it; one shard each (sharding:
+    tests/test_pipeline.py). (Evaluation over a suite's tasks: tests/test_eval_job.py.)"""
     out = hpcvla("train", ROOT / "configs" / config, "--ranks", 4, f"run.root={tmp_path}",
                  "pipeline.total_updates=2", "env.envs_per_simulator=2", "env.shards=1",
                  "env.image_size=32", "env.max_episode_chunks=3", "learner.micro_batch=2",
@@ -297,13 +297,6 @@ def test_train_runs_on_each_simulator(tmp_path, config):
     sims = [r for r in summary["per_rank"] if r["role"] == "simulator"]
     assert len(sims) == 2 and all(r["env_steps"] > 0 for r in sims)
     assert sum(summary["staleness_hist"].values()) == 2 * 2  # updates x learner batch
-    if "libero" in config:  # trained on task 0, evaluated on the suite's tasks in turn
-        out = hpcvla("eval", run_dir, "env.suite_task=-1", "--episodes", 3, "--envs", 3,
-                     "--json", timeout=900)
-        assert out.returncode == 0, out.stderr[-3000:]
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        assert result["episodes"] == 3 and len(result["per_task"]) == 3, result
-        assert {t.split(":")[0] for t in result["per_task"]} == {f"task {i}" for i in range(3)}
 
 
 @pytest.mark.slow  # a ManiSkill env built in a worker process: ~15 s

@@ -409,13 +409,18 @@ def test_zero3_training_of_each_family(tmp_path, overrides):
     """Every rank learns (colocated), ZeRO-3 shards parameters over the 2 learners: the
     learner's engine(obs, actions) gathers them in forward hooks; weights reach the actors.
     With gradient checkpointing the recomputed layers gather their shards again; with LoRA
-    only the adapters and heads have optimizer state."""
-    out, summary, _ = run_train(tmp_path, *overrides, "learner.zero_stage=3",
-                                "pipeline.total_updates=2", config="configs/colocated.yaml",
-                                ranks=2)
+    only the adapters and heads have optimizer state. The log-probs each family records as it
+    acts are what its learner recomputes before the first update (behaviour weight 1)."""
+    out, summary, run_dir = run_train(tmp_path, *overrides, "learner.zero_stage=3",
+                                      "pipeline.total_updates=2",
+                                      config="configs/colocated.yaml", ranks=2)
     assert "[hpcvla] update 2/2" in out.stdout
     assert summary["staleness_hist"] == {"0": 2 * 2 * 32}
     assert summary["env_steps"] > 0 and summary["success_rate"] is not None
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = [r for r in records if r.get("update") == 0 and "behaviour_weight_max" in r]
+    assert first and all(abs(r[f"behaviour_weight_{s}"] - 1) < 1e-3
+                         for r in first for s in ("max", "mean")), first
 
 
 @pytest.mark.mpi
