@@ -183,3 +183,33 @@ def test_the_traits_tables_and_the_registries_name_the_same_families_and_simulat
     assert set(FAMILIES) == set(POLICIES) and set(SIMULATORS) == set(ENVS)
     assert {n for n, t in SIMULATORS.items() if t.gpu_simulation} == set(GPU_ENVS)
     assert all(POLICIES[n].family == n for n in POLICIES)
+
+
+def test_a_world_hpcvla_train_started_does_not_check_again_what_it_checked(monkeypatch):
+    """`hpcvla train` hands the world it starts what check_launch passed (a token of this
+    host, the config and the plan): that world's check_world, one rank's seconds while the
+    others wait (a simulator's import, a tokenizer), has nothing left to do. Another config
+    or plan, or no token (srun, mpiexec), is checked."""
+    from hpcvla import preflight
+    from hpcvla.topology.plan import plan_from_config
+    checked = []
+    real = preflight.file_problems
+    monkeypatch.setattr(preflight, "file_problems",
+                        lambda cfg, *last: checked.append(cfg) or real(cfg, *last))
+    cfg = load_config(ROOT / "configs/default.yaml")
+    plan = plan_from_config(cfg.placement, 4)
+    monkeypatch.delenv(preflight.LAUNCH_CHECKED, raising=False)
+    preflight.check_world(cfg, plan, "config")  # srun, mpiexec: no token
+    assert len(checked) == 1
+    token = preflight.check_launch(cfg, plan)[preflight.LAUNCH_CHECKED]
+    monkeypatch.setenv(preflight.LAUNCH_CHECKED, token)
+    preflight.check_world(cfg, plan, "config")
+    assert len(checked) == 2  # check_launch's own; none in the world's
+    other = load_config(ROOT / "configs/default.yaml", ["run.seed=1"])
+    two_nodes = plan_from_config(cfg.placement, 8, 4)  # a world over two nodes of 4
+    for cfg_, plan_ in ((other, plan), (cfg, two_nodes)):
+        preflight.check_world(cfg_, plan_, "config")
+    assert len(checked) == 4
+    monkeypatch.setenv(preflight.LAUNCH_CHECKED, "elsewhere:" + token.split(":", 1)[1])
+    preflight.check_world(cfg, plan, "config")  # checked on another host
+    assert len(checked) == 5

@@ -212,14 +212,14 @@ def cmd_train(args) -> int:
         from hpcvla.job.runtime import run_ranks, train_main
         preflight.check_host(cfg, source, _launcher_rank())  # the rest: one rank, for all
         return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
-    # Refuse an impossible config, layout or pipeline here, before mpiexec starts any rank.
-    preflight.check_launch(cfg, plan_from_config(cfg.placement, args.ranks), source)
+    plan = plan_from_config(cfg.placement, args.ranks)
+    checked = preflight.check_launch(cfg, plan, source)  # refused here, before any rank starts
     from hpcvla.job.launch import run_world
-    # Ranks started here on purpose (e.g. by `bench modes` inside a batch job) are not the
-    # allocation's tasks: they skip the scheduler world-size check (topology/comms.py).
-    os.environ["HPCVLA_LOCAL_WORLD"] = "1"
     from hpcvla.metrics import phases  # the ranks time their start from this command's
     os.environ.setdefault(phases.LAUNCHED_AT, str(phases.launched_at()))
+    # Ranks started here on purpose (e.g. by `bench modes` in a batch job) are not the
+    # allocation's tasks (topology/comms.py), nor do they check again (preflight.check_world).
+    os.environ.update(HPCVLA_LOCAL_WORLD="1", **checked)
     config = [args.config] if args.config else []
     return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)

@@ -10,8 +10,11 @@ Each problem is (field, value, what would be valid), reported together as one Co
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import socket
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -240,18 +243,35 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
     """What a world someone else started (srun, mpiexec) checks before its roles begin,
     besides each rank's host_problems: file_problems and check_pipeline. One rank runs it for
     all (job/runtime.py): the pretrained folder's check alone imports torch and a tokenizer,
-    seconds that simulator ranks, which need neither, would spend on every rank."""
+    seconds that simulator ranks, which need neither, would spend on every rank. Nothing to
+    do in a world `hpcvla train` started after check_launch passed for the same config and
+    plan on this host (`launch_checked`): it checked all of this, and more."""
+    if os.environ.get(LAUNCH_CHECKED) == launch_checked(cfg, plan):
+        return
     problems = file_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     check_pipeline(cfg, plan)
 
 
-def check_launch(cfg, plan: RankPlan, source: str = "config") -> None:
+LAUNCH_CHECKED = "HPCVLA_LAUNCH_CHECKED"  # what check_launch passed, for the world it starts
+
+
+def launch_checked(cfg, plan: RankPlan) -> str:
+    """This host, `cfg` and `plan`, as one token: check_launch passed for them here. A
+    simulator's or a pretrained folder's check takes its rank seconds (importing ManiSkill,
+    LIBERO or a tokenizer) while every other rank waits; a different host, config or plan
+    (a world spanning nodes the launching process did not plan for) checks again."""
+    digest = hashlib.sha256(repr((asdict(cfg), plan)).encode()).hexdigest()[:20]
+    return f"{socket.gethostname()}:{digest}"
+
+
+def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
     """What the launching process checks before it starts any rank: check_config,
     check_pipeline, a published folder, prior data and the noise actor's fields against the
     env (pretrained_env_problems, prior_data_problems, noise_obs_problems), and whether the
-    layout fits its GPUs' memory (memory_problems)."""
+    layout fits its GPUs' memory (memory_problems). Returns the environment that tells the
+    world this process starts what passed here (LAUNCH_CHECKED)."""
     check_config(cfg, source)
     check_pipeline(cfg, plan)
     problems = pretrained_env_problems(cfg)
@@ -266,6 +286,7 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> None:
     problems = memory_problems(cfg, plan)
     if problems:
         raise ConfigError(problems, "memory plan (hpcvla plan shows it)")
+    return {LAUNCH_CHECKED: launch_checked(cfg, plan)}
 
 
 def layout_devices(cfg, plan: RankPlan) -> dict[int, str]:
