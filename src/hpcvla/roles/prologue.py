@@ -38,7 +38,7 @@ from hpcvla.roles.setup import RoleSetup
 from hpcvla.roles.simulator import build_shards, slot_dtypes
 from hpcvla.schedule import Schedule, envs_of_cell, schedule_of
 from hpcvla.seeds import seed_rank, write_rng_seeds
-from hpcvla.topology.plan import SIM, SPARE
+from hpcvla.topology.plan import LEARN, SIM, SPARE
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
@@ -126,6 +126,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         policy = build_policy(cfg, spec, device, on_gpus)
         manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+        if LEARN in roles:  # the engine's imports, while the simulators build their envs
+            from hpcvla import engines
+            engines.preload(cfg)
     shard_envs = []
     if SIM in roles and plan.mode != "colocated":  # (colocated: its loop builds them)
         shard_envs = build_shards(cfg, rank_schedule(cfg, plan, rank).shards, rank)
