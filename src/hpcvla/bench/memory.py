@@ -67,9 +67,8 @@ spec = env_spec(cfg.env)
 policy = build_policy(cfg, spec)
 if cfg.learner.gradient_checkpointing:  # as engines.init_engine does
     policy.enable_gradient_checkpointing()
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from hpcvla.engines.zero import lean_deepspeed
-deepspeed = lean_deepspeed()  # as the learners start it
+deepspeed = lean_deepspeed(torch.device("cpu"))  # as the learners start it
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1",
                   LOCAL_RANK="0")
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)

@@ -28,17 +28,17 @@ def init_engine(cfg, policy, learners_comm, device: torch.device | None = None) 
     return SkipNonfinite(engine, cfg.learner.max_nonfinite_steps)
 
 
-def preload(cfg) -> None:
-    """Import what init_engine will: the backend, and TorchDynamo, which torch's optimizers
-    import when the first is built (~2 s of a core; DeepSpeed ~0.7 s more). A learner rank
-    calls it while the simulators build their envs, so that its engine, which every first
-    version waits for, starts with them loaded."""
+def preload(cfg, device: torch.device) -> None:
+    """Import what init_engine will on `device`: the backend, and TorchDynamo, which torch's
+    optimizers import when the first is built (~2 s of a core; DeepSpeed ~0.7 s more). A
+    learner rank calls it while the simulators build their envs, so that its engine, which
+    every first version waits for, starts with them loaded."""
     import torch._dynamo  # noqa: F401
     if cfg.learner.backend == "horovod":
         import horovod.torch  # noqa: F401
     else:
         from hpcvla.engines.zero import lean_deepspeed
-        lean_deepspeed()
+        lean_deepspeed(device)
 
 
 __all__ = ["Engine", "SkipNonfinite", "full_state", "init_engine", "param_groups", "preload"]

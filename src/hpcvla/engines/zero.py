@@ -20,9 +20,7 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     the launcher's own variables say. A bf16 policy trains under DeepSpeed's `bf16` section:
     fp32 master weights in the optimizer at every ZeRO stage."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    if device.type == "cpu" and torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed moves it to a GPU
-    deepspeed = lean_deepspeed()
+    deepspeed = lean_deepspeed(device)
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
     hosts = learners_comm.allgather(socket.gethostname())  # [dist]
     address = None
@@ -55,10 +53,14 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     return engine
 
 
-def lean_deepspeed() -> types.ModuleType:
-    """DeepSpeed, imported and set up without what hpcvla's learners never use: Muon's
-    compiled kernels (without_muon_kernels) and the CPU shared-memory op
-    (without_shared_memory_op). Every DeepSpeed engine hpcvla builds starts from here."""
+def lean_deepspeed(device: torch.device) -> types.ModuleType:
+    """DeepSpeed, imported and set up for a learner on `device` without what hpcvla's learners
+    never use: Muon's compiled kernels (without_muon_kernels) and the CPU shared-memory op
+    (without_shared_memory_op). Every DeepSpeed engine hpcvla builds starts from here. A CPU
+    learner on a machine with GPUs gets DeepSpeed's CPU accelerator, which DeepSpeed picks as
+    it is imported (else it moves the model to a GPU)."""
+    if device.type == "cpu" and torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     without_muon_kernels()
     import deepspeed
 

@@ -128,7 +128,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
         if LEARN in roles:  # the engine's imports, while the simulators build their envs
             from hpcvla import engines
-            engines.preload(cfg)
+            engines.preload(cfg, torch.device(device))
     shard_envs = []
     if SIM in roles and plan.mode != "colocated":  # (colocated: its loop builds them)
         shard_envs = build_shards(cfg, rank_schedule(cfg, plan, rank).shards, rank)
