@@ -1,6 +1,7 @@
 """Property tests of the pure RankPlan (no MPI)."""
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -175,3 +176,24 @@ def test_a_learner_cap_leaves_the_learner_nodes_other_ranks_spare():
     assert plan.learners == (4, 5) and plan.with_role(SPARE) == (6, 7)
     assert [plan.ranks[r].cell for r in (6, 7)] == [None, None]
     assert "2 learner(s), 2 spare, inference:learner = 2:2" in plan.table()
+
+
+@pytest.mark.parametrize("config,ranks,source", [
+    ("default.yaml", 4, 1),  # reach, disaggregated: rank 0 is the inference rank
+    ("maniskill_pickcube_tokens.yaml", 4, 1),
+    ("hybrid.yaml", 4, 1),
+    ("libero10_flow.yaml", 4, None),  # LIBERO's spec is its settings': rank 0 works it out
+    ("colocated.yaml", 2, None),  # its loops build the envs after the policy
+])
+def test_the_env_spec_comes_from_the_first_simulators_env(config, ranks, source):
+    """No rank builds an env only to learn the spec (a ManiSkill env takes seconds): where only
+    a built env knows it, the first simulator tells the others."""
+    from hpcvla.config import load_config
+    from hpcvla.roles.prologue import spec_source
+    from hpcvla.topology.plan import plan_from_config
+    cfg = load_config(Path(__file__).parents[1] / "configs" / config)
+    plan = plan_from_config(cfg.placement, ranks)
+    assert spec_source(cfg, plan) == source
+    if source is not None:
+        assert plan.ranks[source].roles == (SIM,) and all(
+            SIM not in r.roles for r in plan.ranks[:source])

@@ -13,7 +13,7 @@ from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_class,
 
 __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
            "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_spec",
-           "env_uses_gpu", "make_env", "obs_dtype", "oracle_actions"]
+           "env_uses_gpu", "make_env", "obs_dtype", "oracle_actions", "spec_needs_a_simulator"]
 
 
 def env_spec(env_cfg) -> EnvSpec:
@@ -28,6 +28,12 @@ def env_spec(env_cfg) -> EnvSpec:
                         owner="the spec probe")
     probe.close()
     return probe.spec
+
+
+def spec_needs_a_simulator(env_cfg) -> bool:
+    """Whether the configured env's spec is known only from a built env (ManiSkill's, the
+    built-in reach's), not from its settings alone (LIBERO's: `spec_of`)."""
+    return ENVS[env_cfg.name].spec_of is None
 
 
 def env_uses_gpu(env_cfg) -> bool:

@@ -8,7 +8,10 @@ Only the ranks that run the policy (inference, learner, evaluator, colocated) bu
 import torch. A simulator or a spare rank holds the node's weight window and needs only the
 manifest (names, dtypes and shapes), which the weight root broadcasts: such a rank starts
 without torch (~2 s of CPU and ~0.2 GB of memory per process). A simulator rank builds its
-envs meanwhile (a real simulator takes seconds per env), not after the transport.
+envs meanwhile (a real simulator takes seconds per env), not after the transport. The env's
+spec, which the policy needs, comes from the first simulator's first env, sent point to point
+as soon as it is built: the other simulators build theirs without waiting for it, and no rank
+builds an env only to learn the spec (`spec_source`).
 
 A rank that is ready early waits in sleeping barriers (transport/backoff.py): a blocking MPI
 call would busy-poll and take the CPU from the ranks still building when ranks outnumber
@@ -27,7 +30,7 @@ from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog
 from hpcvla.devices import rank_device
-from hpcvla.envs import env_spec
+from hpcvla.envs import env_spec, spec_needs_a_simulator
 from hpcvla.memory.layout import plan_memory
 from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
@@ -39,7 +42,7 @@ from hpcvla.roles.simulator import build_shards, slot_dtypes
 from hpcvla.schedule import Schedule, envs_of_cell, schedule_of
 from hpcvla.seeds import seed_rank, write_rng_seeds
 from hpcvla.topology.plan import LEARN, SIM, SPARE
-from hpcvla.transport.backoff import idle_barrier, idle_bcast
+from hpcvla.transport.backoff import idle_barrier, idle_bcast, idle_recv, wait_request
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.manifest import Manifest
@@ -51,6 +54,9 @@ if TYPE_CHECKING:
     from hpcvla.policies.base import Policy
     from hpcvla.topology.comms import Communicators
     from hpcvla.topology.plan import RankPlan
+
+
+SPEC_TAG = 7  # the env spec, sent point to point by the simulator whose env it is
 
 
 @dataclass
@@ -109,8 +115,13 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     devices = world.allgather(device)  # [dist]
     if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
         print(plan.table(dict(enumerate(devices))), flush=True)
-    spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
-    on_gpus = world.allreduce(device.startswith("cuda"), op=MPI.LOR)  # [dist]
+    on_gpus = any(d.startswith("cuda") for d in devices)
+    source, builds_envs = spec_source(cfg, plan), SIM in roles and plan.mode != "colocated"
+    spec = None  # a simulator told by another (`spec_source`) learns it after its build
+    if source is None:
+        spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 works it out
+    elif not builds_envs:  # the policy needs it; the simulators build their envs meanwhile
+        spec = idle_recv(world, source, SPEC_TAG)  # [dist]
     # the memory model's figures, beside each rank's peaks at the end; worked out by the weight
     # root on its GPU (a simulator rank 0 asking CUDA for the capacity would open a context)
     if rank == plan.weight_root and device.startswith("cuda"):
@@ -129,10 +140,12 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         if LEARN in roles:  # the engine's imports, while the simulators build their envs
             from hpcvla import engines
             engines.preload(cfg, torch.device(device))
-    shard_envs = []
-    if SIM in roles and plan.mode != "colocated":  # (colocated: its loop builds them)
-        shard_envs = build_shards(cfg, rank_schedule(cfg, plan, rank).shards, rank)
+    shard_envs: list[VectorEnv] = []
+    if builds_envs:  # (colocated: its loop builds them)
+        shard_envs, told = simulator_envs(cfg, plan, world, source)
+        spec = spec or told
         phases.mark("envs_built")
+    assert spec is not None
     idle_barrier(world)  # [dist] every policy and every simulator's envs built
     # the weight root's manifest for the ranks that build no policy (its dtype, for the report)
     root_manifest, root_dtype = world.bcast((manifest, dtype), root=plan.weight_root)  # [dist]
@@ -158,6 +171,37 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
               f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
     return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
                 device, on_gpus, timeline, progress, resume, first, summary, shard_envs)
+
+
+def simulator_envs(cfg: Config, plan: RankPlan, world: MPI.Comm, source: int | None
+                   ) -> tuple[list[VectorEnv], EnvSpec | None]:
+    """A simulator rank's envs; and the env spec where a simulator tells it (`spec_source`):
+    the source sends its first env's to every other rank as soon as that env is built, the
+    other simulators receive it once theirs are."""
+    rank = world.Get_rank()
+    sends: list[MPI.Request] = []
+
+    def tell(env: VectorEnv) -> None:  # [dist]
+        sends.extend(world.isend(env.spec, dest=r, tag=SPEC_TAG)
+                     for r in range(world.Get_size()) if r != rank)
+    envs = build_shards(cfg, rank_schedule(cfg, plan, rank).shards, rank,
+                        first_built=tell if rank == source else None)
+    for request in sends:
+        wait_request(request, "the env spec's sends")  # [dist]
+    if source is None:
+        return envs, None
+    return envs, envs[0].spec if rank == source else idle_recv(world, source, SPEC_TAG)
+
+
+def spec_source(cfg: Config, plan: RankPlan) -> int | None:
+    """The rank whose first env tells every rank the env's spec: the first simulator, where
+    simulators build their envs in the prologue and only a built env knows the spec (a
+    ManiSkill env takes seconds; no rank builds one just to look). None where rank 0 works it
+    out alone: a spec the settings give (LIBERO's), or a colocated world (its loops build the
+    envs, after the policy)."""
+    if plan.mode == "colocated" or not spec_needs_a_simulator(cfg.env):
+        return None
+    return next((r.rank for r in plan.ranks if r.roles == (SIM,)), None)
 
 
 def rank_schedule(cfg: Config, plan: RankPlan, rank: int) -> Schedule:

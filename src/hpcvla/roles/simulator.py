@@ -9,7 +9,7 @@ the action slot carries the chunk and a stop flag.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,14 +40,20 @@ def slot_dtypes(spec: EnvSpec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]
     return np.dtype(obs), np.dtype(action)
 
 
-def build_shards(cfg: Config, shards: int, rank: int) -> list[VectorEnv]:
+def build_shards(cfg: Config, shards: int, rank: int,
+                 first_built: Callable[[VectorEnv], object] | None = None) -> list[VectorEnv]:
     """Simulator rank `rank`'s envs in `shards` shards of equal size, each with its seed and
-    run-wide env ids."""
+    run-wide env ids; `first_built(env)` as soon as the first shard is (the rank that tells
+    the others the env's spec sends it then)."""
     per_shard = cfg.env.envs_per_simulator // shards
-    return [make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
-                      first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
-                      owner=f"rank {rank} (simulator)")
-            for shard in range(shards)]
+    envs = []
+    for shard in range(shards):
+        envs.append(make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
+                              first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
+                              owner=f"rank {rank} (simulator)"))
+        if shard == 0 and first_built is not None:
+            first_built(envs[0])
+    return envs
 
 
 def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: Timeline,

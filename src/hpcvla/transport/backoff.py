@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # for the annotations only: this module works without MPI
     from mpi4py import MPI
@@ -92,3 +92,11 @@ def idle_bcast(comm: MPI.Comm, make: Callable[[], T], root: int = 0) -> T:
     idle_barrier(comm)  # [dist]
     made: T = comm.bcast(value, root=root)  # [dist]
     return made
+
+
+def idle_recv(comm: MPI.Comm, source: int, tag: int, cap: float = 1e-3) -> Any:
+    """A pickled message from `source`, waited for asleep (`Iprobe` + sleeps), not in the
+    blocking recv, which spins on the cores the sender needs."""
+    wait_until(lambda: comm.Iprobe(source=source, tag=tag), f"a message from rank {source}",
+               cap=cap)  # [dist]
+    return comm.recv(source=source, tag=tag)  # [dist]
