@@ -116,6 +116,11 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
         print(plan.table(dict(enumerate(devices))), flush=True)
     on_gpus = any(d.startswith("cuda") for d in devices)
+    if LEARN in roles:  # the engine's imports, while the env spec's simulator builds its env
+        import torch
+
+        from hpcvla import engines
+        engines.preload(cfg, torch.device(device))
     source, builds_envs = spec_source(cfg, plan), SIM in roles and plan.mode != "colocated"
     spec = None  # a simulator told by another (`spec_source`) learns it after its build
     if source is None:
@@ -137,9 +142,6 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         policy = build_policy(cfg, spec, device, on_gpus)
         manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
-        if LEARN in roles:  # the engine's imports, while the simulators build their envs
-            from hpcvla import engines
-            engines.preload(cfg, torch.device(device))
     shard_envs: list[VectorEnv] = []
     if builds_envs:  # (colocated: its loop builds them)
         shard_envs, told = simulator_envs(cfg, plan, world, source)
