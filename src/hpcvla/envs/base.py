@@ -196,6 +196,18 @@ class VectorEnv(abc.ABC):
     def close(self) -> None:
         """Release simulator resources."""
 
+    def begin_close(self) -> None:
+        """Start closing, for an env that closes elsewhere (a worker process): `close_all`
+        closes such envs together, not one after another."""
+
+
+def close_all(envs: Sequence[VectorEnv]) -> None:
+    """Close every env of `envs`; the ones that close elsewhere all start first."""
+    for env in envs:
+        env.begin_close()
+    for env in envs:
+        env.close()
+
 
 def obs_dtype(spec: EnvSpec, num_envs: int) -> np.dtype:
     """A structured dtype with one (num_envs, *shape) field per observation entry.

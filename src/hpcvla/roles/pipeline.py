@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpcvla.devices import peak_memory
+from hpcvla.envs.base import close_all
 from hpcvla.envs.build import env_failures
 from hpcvla.metrics import phases
 from hpcvla.process import preempt
@@ -74,8 +75,7 @@ def _simulator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     stats = {"env_steps": run_simulator(envs, links.exchange, me.timeline,
                                         step_deadline_s(cfg.env)),
              "env_failures": env_failures(envs)}
-    for env in envs:
-        env.close()
+    close_all(envs)
     return start, stats
 
 
