@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hpcvla.envs import make_env
+from hpcvla.envs.base import close_all
 from hpcvla.envs.isolated import EnvWorkerFailed, IsolatedEnv
 from helpers import hpcvla
 
@@ -46,6 +47,15 @@ def test_isolated_env_steps_exactly_like_the_inline_one():
         inline.close()
         isolated.close()
     assert isolated._proc.poll() is not None  # the worker is gone after close
+
+
+def test_close_all_ends_every_worker_with_status_0():
+    """The shards of a rank are told to close together; each worker closes its env and ends
+    (status 0: not killed by the rank's wait running out)."""
+    envs = [IsolatedEnv("reach", 2, seed, REACH, timeout_s=30, max_restarts=0,
+                        first_env=2 * seed) for seed in range(2)]
+    close_all(envs)
+    assert [env._proc.returncode for env in envs] == [0, 0]
 
 
 @pytest.mark.parametrize("fault,why", [
