@@ -35,6 +35,7 @@ def run(workload: str = "emulated", shards: int = 2, envs_per_shard: int = 4, ro
         json_path=None) -> dict:
     from hpcvla.config import load_config
     from hpcvla.envs import check_env
+    from hpcvla.envs.base import close_all
     from hpcvla.envs.build import make_envs
     from hpcvla.seeds import shard_seed
 
@@ -63,8 +64,7 @@ def run(workload: str = "emulated", shards: int = 2, envs_per_shard: int = 4, ro
                 if n:
                     seconds[way] += time.perf_counter() - begin
     finally:
-        for env in envs:
-            env.close()
+        close_all(envs)
     steps = rounds * shards * envs_per_shard * spec.chunk_len
     results = {"workload": workload, "shards": shards, "envs_per_shard": envs_per_shard,
                "rounds": rounds, "env_steps_per_way": steps,
