@@ -159,6 +159,31 @@ def test_pieces_of_a_message_are_consecutive_and_at_most_the_limit():
     assert len(six_gb) == 7 and max(n for _, n in six_gb) == MAX_MESSAGE < 2**31
 
 
+
+def test_the_packed_layout_is_the_trainable_regions_laid_end_to_end():
+    """What the weight root writes packed (`views(packed=True)`) is what a leader unpacks:
+    the trainable regions of the flat layout one after another, exactly the trainable
+    tensors' bytes (odd sizes, dtypes, an empty tensor, frozen ones between)."""
+    import torch
+    from hpcvla.transport.manifest import Manifest
+    manifest = Manifest((("a", "float32", (3, 5)), ("frozen", "int8", (7,)),
+                         ("b", "float64", (33,)), ("empty", "int16", (0,)),
+                         ("c", "bfloat16", (17,)), ("tail", "bool", (5,))),
+                        frozenset({"frozen", "tail"}))
+    tensors = {"a": torch.randn(3, 5), "frozen": torch.arange(7, dtype=torch.int8),
+               "b": torch.randn(33, dtype=torch.float64),
+               "empty": torch.zeros(0, dtype=torch.int16),
+               "c": torch.randn(17).to(torch.bfloat16), "tail": torch.ones(5, dtype=torch.bool)}
+    flat = manifest.flatten(tensors)
+    regions = manifest.regions(manifest.trainable)
+    assert regions == [(0, 60), (128, 264), (448, 34)]  # each after its predecessor's padding
+    packed = manifest.flatten(tensors, np.zeros(358, np.uint8), manifest.trainable, packed=True)
+    assert packed.tobytes() == b"".join(flat[o:o + n].tobytes() for o, n in regions)
+    views = manifest.views(packed, manifest.trainable, packed=True)
+    assert [v.data_ptr() - packed.ctypes.data for v in views.values() if v.numel()] == \
+        [0, 60, 324]
+    assert all(torch.equal(view, tensors[name]) for name, view in views.items())
+
 # ------------------------------------------------------------------ MPI worlds
 
 @pytest.mark.mpi

@@ -149,7 +149,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
     each learner's replay buffer (replay_bytes)."""
     learners = len(plan.learners)
     # where parameters are frozen, versions after the first cross packed (transport/weights.py):
-    # a buffer of the trainable bytes on the root and on every node leader
+    # every node leader but the root (it packs into its staging buffers) receives them into a
+    # buffer of the trainable bytes
     packed = fp.trainable * fp.dtype_bytes if fp.trainable < fp.params else 0
     gpu, host = {}, {info.rank: {} for info in plan.ranks}
     node = {info.rank: info.node for info in plan.ranks}
@@ -185,11 +186,10 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
             if replay:
                 add(host[info.rank], "replay buffers", replay)
         if info.rank == plan.weight_root:
-            # its packed buffer counted below where it is also a node leader (one per rank)
-            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes +
-                (0 if info.rank in plan.node_leaders else packed))
+            add(host[info.rank], "weight root staging", 2 * fp.weight_bytes)
     for leader in plan.node_leaders:  # the leader allocates the window, and receives
-        add(host[leader], "node weight window", 2 * fp.weight_bytes + packed)
+        add(host[leader], "node weight window",
+            2 * fp.weight_bytes + (0 if leader == plan.weight_root else packed))
     out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
                        dtype_bytes=fp.dtype_bytes)
     out.problems = fit_problems(cfg, out)

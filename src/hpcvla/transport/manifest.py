@@ -47,7 +47,8 @@ class Manifest:
 
     def regions(self, names: Iterable[str] | None = None) -> list[tuple[int, int]]:
         """(offset, bytes) of the named tensors (all by default) in the flat layout, adjacent
-        ones merged."""
+        ones merged: laid one after another, they are the packed layout (`views(...,
+        packed=True)`)."""
         wanted = None if names is None else set(names)
         out: list[list[int]] = []
         for name, _, _, off, n in self.layout():
@@ -77,24 +78,32 @@ class Manifest:
     def hash(self) -> int:
         return zlib.crc32(repr((self.entries, sorted(self.frozen))).encode())
 
-    def views(self, flat: np.ndarray,
-              names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        """Tensors viewing `flat` (uint8, at least nbytes long), by name (all by default)."""
+    def views(self, flat: np.ndarray, names: Iterable[str] | None = None,
+              packed: bool = False) -> dict[str, torch.Tensor]:
+        """Tensors viewing `flat` (uint8), by name (all by default): at their places in the
+        flat layout (`flat` at least nbytes long), or `packed`: the named ones one after
+        another, no padding between them (the regions' bytes, laid end to end: exactly the
+        named tensors' bytes cross the network; the host copies tolerate any alignment)."""
         import torch
         wanted = None if names is None else set(names)
-        return {name: torch.from_numpy(flat[off:off + n]).view(getattr(torch, dtype))
-                .reshape(shape) for name, dtype, shape, off, n in self.layout()
-                if wanted is None or name in wanted}
+        out, at = {}, 0
+        for name, dtype, shape, off, n in self.layout():
+            if wanted is None or name in wanted:
+                start = at if packed else off
+                out[name] = torch.from_numpy(flat[start:start + n]).view(
+                    getattr(torch, dtype)).reshape(shape)
+                at += n
+        return out
 
     def flatten(self, tensors: Mapping[str, torch.Tensor | np.ndarray],
-                out: np.ndarray | None = None,
-                names: Iterable[str] | None = None) -> np.ndarray:
+                out: np.ndarray | None = None, names: Iterable[str] | None = None,
+                packed: bool = False) -> np.ndarray:
         """Copy `tensors` (on any device; numpy arrays too; those named, all by default) into
-        their places in a flat host buffer."""
+        their places in a flat host buffer, or packed (`views`)."""
         import torch
         out = np.zeros(self.nbytes, np.uint8) if out is None else out
         with torch.no_grad():
-            for name, view in self.views(out, names).items():
+            for name, view in self.views(out, names, packed).items():
                 view.copy_(torch.as_tensor(tensors[name]))
         return out
 

@@ -23,15 +23,16 @@ but measured slower: a broadcast out of the shared window, racing that node's re
 Frozen parameters (a π0 whose vision-language prefix is frozen: most of its bytes) cross the
 network once: the manifest names them (`frozen`), the first version a plane publishes is
 whole, and every later one carries only the other tensors (RLinf's patch syncer sends only
-trained parameters too): the root packs their places in the flat layout into one contiguous
-buffer and each leader unpacks it into its half: two memcpys, 2.5x (Open MPI) to 8x (MPICH)
-faster per GiB than a broadcast of an MPI indexed datatype over the places (docs/results.md).
+trained parameters too), packed: the root copies them one after another into its buffer
+(`Manifest.views(packed=True)`: no copy of the flat layout to pack) and each leader unpacks
+them into its half, one memcpy, 2.5x (Open MPI) to 8x (MPICH) faster per GiB than a
+broadcast of an MPI indexed datatype over their places (docs/results.md).
 Every broadcast goes in pieces of at most `max_message` bytes (pieces.py: MPI-3 libraries
 count in C ints, and Open MPI 4.1 refuses a 2^31-byte broadcast), all posted at once. Both
 halves of a node's double buffer (and both of the root's buffers) receive the whole first
 version, so a half being rewritten always holds the frozen bytes, and readers copy only the
 trainable places after their first read. A publish that replaces a pending whole version
-keeps it whole.
+goes whole, written over it in the flat layout (its frozen bytes are there).
 """
 
 from __future__ import annotations
@@ -95,14 +96,15 @@ class WeightPlane:
         self._header = np.zeros(3, np.int64)  # version (or _STOP), manifest hash, whole?
         self._max_message = max_message
         # the trainable places of the flat layout, packed for versions after the first
-        # (nothing frozen: every version is whole)
+        # (nothing frozen, or nothing trainable: every version is whole)
         self._regions = manifest.regions(manifest.trainable)
         self._packs = bool(manifest.frozen and self._regions)
         # what one version after the first moves (the first moves nbytes)
         self.bytes_per_version = sum(n for _, n in self._regions) if self._packs \
             else self.nbytes
-        self._packed = np.empty(self.bytes_per_version if self._packs and
-                                control != MPI.COMM_NULL else 0, np.uint8)
+        # where a leader receives a packed version (the root packs into its own buffers)
+        self._packed = np.empty(self.bytes_per_version if self._packs and not self.is_root
+                                and control != MPI.COMM_NULL else 0, np.uint8)
         self._lock = threading.Condition()
         self._pending: int | None = None   # version waiting in _staging
         self._pending_whole = False  # it carries every tensor (the plane's first version)
@@ -130,13 +132,15 @@ class WeightPlane:
         if version <= self._last_published:
             raise ValueError(f"version {version} after {self._last_published}: versions must "
                              "increase")
-        whole = self._last_published < 0
+        first = self._last_published < 0
         with self._lock:  # the sender only holds the lock to swap buffers, never while sending
+            # whole: the first version; every one where nothing packs (all of it copied);
+            # one that replaces a pending whole version, whose frozen bytes staging holds
+            whole = first or not self._packs or self._pending_whole
             self.manifest.flatten(tensors, self._staging,
-                                  None if whole else self.manifest.trainable)
-            if whole:  # the frozen bytes, in the buffer the sender hands back next
-                np.copyto(self._sending, self._staging)
-            self._pending_whole = whole or (self._pending is not None and self._pending_whole)
+                                  None if first or not self._packs else self.manifest.trainable,
+                                  packed=not whole)
+            self._pending_whole = whole
             self._pending = version
             self._last_published = version
             self._lock.notify()
@@ -160,9 +164,11 @@ class WeightPlane:
                 if self.is_leader:
                     self._mark_finished()
                 return
-            requests = self._broadcast(self._sending, whole)  # [dist]
+            # whole in the flat layout, or the trainable tensors packed at its start
+            sent = self._sending if whole else self._sending[:self.bytes_per_version]
+            requests = pieces.ibcast(self._control, sent, 0, self._max_message)  # [dist]
             if self.is_leader:  # the root's own node, while the leaders receive
-                self._store(version, whole, lambda half: self._copy(half, self._sending, whole))
+                self._store(version, whole, lambda half: self._unpack(sent, half, whole))
             MPI.Request.Waitall(requests)
             with self._lock:
                 self._in_flight = False
@@ -192,32 +198,25 @@ class WeightPlane:
                                    f"policy, dtype and frozen parameters on every rank)")
             self._store(version, whole, lambda half: self._receive(half, whole))
 
-    def _broadcast(self, flat: np.ndarray, whole: bool) -> list[MPI.Request]:
-        """Root: post one version's broadcast of `flat`, all of it or its trainable places
-        packed, in pieces of at most max_message bytes (the same pieces on every rank)."""
-        if whole or not self._packs:
-            return pieces.ibcast(self._control, flat, 0, self._max_message)  # [dist]
-        self._move(self._packed, flat, pack=True)
-        return pieces.ibcast(self._control, self._packed, 0, self._max_message)  # [dist]
-
     def _receive(self, half: np.ndarray, whole: bool) -> None:
         """Leader: one version into `half`, all of it or its trainable places. Ibcast, not
         Bcast: the root's is nonblocking, and MPI matches a nonblocking collective only with
         nonblocking ones."""
-        packed = not whole and self._packs
-        MPI.Request.Waitall(pieces.ibcast(self._control, self._packed if packed else half, 0,
+        into = half if whole else self._packed
+        MPI.Request.Waitall(pieces.ibcast(self._control, into, 0,
                                           self._max_message))  # [dist]
-        if packed:
-            self._move(self._packed, half, pack=False)
+        self._unpack(into, half, whole)
 
-    def _move(self, packed: np.ndarray, flat: np.ndarray, pack: bool) -> None:
-        """Copy the trainable places of `flat` into `packed`, one after another, or back."""
+    def _unpack(self, version: np.ndarray, half: np.ndarray, whole: bool) -> None:
+        """A version as broadcast into a node's `half`: whole, or its packed trainable
+        places each to its place in the flat layout."""
+        if whole:
+            if version is not half:
+                np.copyto(half, version)
+            return
         at = 0
         for offset, n in self._regions:
-            if pack:
-                packed[at:at + n] = flat[offset:offset + n]
-            else:
-                flat[offset:offset + n] = packed[at:at + n]
+            half[offset:offset + n] = version[at:at + n]
             at += n
 
     def _copy(self, out: np.ndarray, flat: np.ndarray, whole: bool) -> None:
