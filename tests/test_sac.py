@@ -528,4 +528,11 @@ def test_an_adam_state_torch_has_not_made_yet_is_saved_as_torch_would_make_it():
     assert index["steps"] == {"stepped": 1.0, "idle": 0.0}
     assert tensors["stepped/exp_avg"].abs().min() > 0 and tensors["stepped/exp_avg_sq"].all()
     assert not tensors["idle/exp_avg"].any() and not tensors["idle/exp_avg_sq"].any()
+    # a snapshot that training may change under a background write is a copy; a save that
+    # returns once written (the run's last) writes the CPU state's own memory
+    assert tensors["stepped/master"].data_ptr() != stepped.data_ptr()
+    tensors, _ = _optimizer_snapshot(parts, rank=0, copy=False)
+    assert tensors["stepped/master"].data_ptr() == stepped.data_ptr()
+    assert tensors["stepped/exp_avg"].data_ptr() == \
+        optimizer.state[stepped]["exp_avg"].data_ptr()
     assert tensors["idle/exp_avg"].shape == idle.shape

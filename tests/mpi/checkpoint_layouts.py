@@ -11,6 +11,7 @@ state the same way and requires it equal to the reference, bit for bit.
 """
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -41,6 +42,12 @@ def setup(stage, seed):
 
 def full_state(engine) -> dict[str, torch.Tensor]:
     """Every trainable parameter's fp32 master, moments and step, whole (collective)."""
+    return dict(state_items(engine))
+
+
+def state_items(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """full_state's tensors one at a time, in the same order on every learner (collective:
+    each partitioned one is assembled as it is yielded, so a caller need not hold them all)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     torch_optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)
@@ -52,23 +59,25 @@ def full_state(engine) -> dict[str, torch.Tensor]:
     copies = {id(lp): hp for lps, hps in zip(getattr(engine.optimizer, "fp16_groups", []),
                                               getattr(engine.optimizer, "fp32_groups", []))
               for lp, hp in zip(lps, hps)}  # stage 0 under bf16: DeepSpeed's fp32 copies
-    out = {}
+
+    def host(value: torch.Tensor) -> torch.Tensor:
+        return value.detach().float().cpu().contiguous()
+
     for name, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
         if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # partitioned
-            out[f"{name}/master"] = safe_get_full_fp32_param(p)  # [dist]
+            yield f"{name}/master", host(safe_get_full_fp32_param(p))  # [dist]
             for key in KEYS:
-                out[f"{name}/{key}"] = safe_get_full_optimizer_state(p, key)  # [dist]
+                yield f"{name}/{key}", host(safe_get_full_optimizer_state(p, key))  # [dist]
         else:
             master = copies.get(id(p), p)
-            out[f"{name}/master"] = master.detach()
+            yield f"{name}/master", host(master)
             for key in KEYS:
-                out[f"{name}/{key}"] = torch_optimizer.state[master][key]
+                yield f"{name}/{key}", host(torch_optimizer.state[master][key])
     steps = {float(s["step"]) for s in torch_optimizer.state.values()}
     assert len(steps) == 1, steps
-    out["step"] = torch.tensor(steps.pop())
-    return {k: v.detach().float().cpu().contiguous() for k, v in out.items()}
+    yield "step", torch.tensor(steps.pop())
 
 
 def write(learners, root: Path):

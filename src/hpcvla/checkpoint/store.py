@@ -39,11 +39,10 @@ from hpcvla.transport.backoff import idle_barrier
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
-    """A checkpoint, written before this returns (Writer writes in the background).
-    Collective on the learner communicator; returns the directory on learner 0."""
-    writer = Writer()
-    writer.save(run_dir, engine, weights, version, counters, learners, keep)
-    return writer.wait()
+    """A checkpoint, written before this returns. Collective on the learner communicator;
+    returns the directory on learner 0."""
+    return Writer().save(run_dir, engine, weights, version, counters, learners, keep,
+                         wait=True)
 
 
 class Writer:
@@ -53,7 +52,10 @@ class Writer:
     them; learner 0's thread, once every learner's file is on disk, writes state.json and
     renames the directory into place. One checkpoint is in flight at most: `save` and `wait`
     first wait for the one before, and raise what its writing raised. With `background`
-    false (learner.checkpoint_background) `save` returns only once the files are written."""
+    false (learner.checkpoint_background), or `save(..., wait=True)` (a run's last), `save`
+    returns only once the files are written, and they are written straight from the state
+    where it is already in host memory (a CPU learner's): nothing changes it meanwhile, so
+    there is no snapshot to take."""
 
     def __init__(self, background: bool = True):
         self.background = background
@@ -61,8 +63,11 @@ class Writer:
         self._outcome: list = [None, None]  # [directory, exception]
 
     def save(self, run_dir: Path, engine, weights: dict[str, torch.Tensor] | None,
-             version: int, counters: dict, learners, keep: int) -> None:
-        """`weights`: the full state, from learner 0 (None elsewhere)."""
+             version: int, counters: dict, learners, keep: int,
+             wait: bool = False) -> Path | None:
+        """`weights`: the full state, from learner 0 (None elsewhere); `wait`: return once
+        it is written, with `wait()`'s answer (else None)."""
+        wait = wait or not self.background
         self.wait()
         rank, size = learners.Get_rank(), learners.Get_size()
         final = checkpoint_dir(run_dir, version)
@@ -73,11 +78,11 @@ class Writer:
         idle_barrier(learners)  # [dist] the directory exists before anyone writes into it
         parts = optimizer_state.fragments(engine, rank)
         optimizer_state.replicas_agree(parts, learners)  # [dist] learner 0 saves for all
-        tensors, mine = _optimizer_snapshot(parts, rank)
+        tensors, mine = _optimizer_snapshot(parts, rank, copy=not wait)
         state = None
         if rank == 0:  # a copy of its own where they are the parameters (engines.full_state)
             shared = engine.device.type == "cpu" and engine.zero_optimization_stage() < 3
-            tensors[MODEL] = {k: (v.detach().clone() if shared else v).contiguous()
+            tensors[MODEL] = {k: (v.detach().clone() if shared and not wait else v).contiguous()
                               for k, v in weights.items()}
             state = {"format": FORMAT, "version": version, "counters": counters,
                      "learners": size, "zero_stage": engine.zero_optimization_stage()}
@@ -85,8 +90,7 @@ class Writer:
             target=self._write, args=(partial, final, rank, size, tensors, mine, state, keep),
             name=f"checkpoint v{version}", daemon=True)
         self._thread.start()
-        if not self.background:
-            self.wait()
+        return self.wait() if wait else None
 
     def wait(self) -> Path | None:
         """Wait for the checkpoint in flight; its directory on learner 0 (else None)."""
@@ -115,9 +119,11 @@ class Writer:
             self._outcome[1] = err
 
 
-def _optimizer_snapshot(parts, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+def _optimizer_snapshot(parts, rank: int, copy: bool = True
+                       ) -> tuple[dict[str, torch.Tensor], dict]:
     """This learner's optimizer ranges (`parts`: its fragments) and RNG as host tensors, and
-    their index. torch creates a parameter's Adam state at its first step with a gradient: a
+    their index; `copy`: host tensors of their own (a device's are anyway), not the state's
+    own memory, which training goes on changing. torch creates a parameter's Adam state at its first step with a gradient: a
     fragment without one yet is saved at step 0 with zero moments, the state torch would
     create; with no step taken at all (SAC before `learning_starts`) there are no moments to
     save (`keys` empty), and load_optimizer leaves the optimizer as torch makes it."""
@@ -125,12 +131,17 @@ def _optimizer_snapshot(parts, rank: int) -> tuple[dict[str, torch.Tensor], dict
     parts = [f for f in parts if not (f.replicated and rank != 0)]
     keys = next(([k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
                  for state in (f.state() for f in parts) if "step" in state), [])
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.float().cpu()
+        return (out.clone() if copy and out.data_ptr() == tensor.data_ptr() else out) \
+            .contiguous()
+
     for fragment in parts:
         state = fragment.state()
-        master = fragment.tensor(MASTER).float().cpu().clone()
+        master = host(fragment.tensor(MASTER))
         tensors[f"{fragment.name}/{MASTER}"] = master
         for key in keys:
-            tensors[f"{fragment.name}/{key}"] = fragment.tensor(key).float().cpu().clone() \
+            tensors[f"{fragment.name}/{key}"] = host(fragment.tensor(key)) \
                 if "step" in state else torch.zeros_like(master)
         fragments[fragment.name] = [fragment.start, fragment.numel]
         steps[fragment.name] = float(state["step"]) if "step" in state else 0.0

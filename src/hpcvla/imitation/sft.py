@@ -153,22 +153,22 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
     return losses, done
 
 
-def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writer) -> None:
+def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writer,
+                wait: bool = False) -> None:
     """A checkpoint after `step` steps handed to `writer` (collective on the learners; it
-    is complete once `writer.wait()` returns)."""
+    is complete once `writer.wait()` returns, or this does with `wait`)."""
     weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
     trained = step * cfg.sft.batch_size * world.Get_size()
     writer.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
                 {catalog.SFT_COUNTER: trained, "sft_samples": samples}, world,
-                keep=cfg.learner.checkpoint_keep)
+                keep=cfg.learner.checkpoint_keep, wait=wait)
 
 
 def _finish(cfg, engine, run_dir: Path, world, losses: list[float], done: int, demos: int,
             samples: int, writer) -> None:
     """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
     `run.resume` goes on from after a stop signal), summary.json."""
-    _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
-    writer.wait()
+    _checkpoint(cfg, engine, run_dir, done, world, samples, writer, wait=True)
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), "losses": losses,

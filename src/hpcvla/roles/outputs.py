@@ -95,9 +95,7 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
             with timeline.span("checkpoint"):
                 writer.save(run_dir, engine, weights, version,  # [dist] the learners
                             {"trained_env_steps": progress.steps, **counters()}, learners,
-                            keep=cfg.learner.checkpoint_keep)
-                if last:
-                    writer.wait()
+                            keep=cfg.learner.checkpoint_keep, wait=last)
     return save
 
 
