@@ -253,9 +253,10 @@ def test_frozen_weights_cross_once_and_readers_keep_them():
     # the root changes the frozen tensors in every version: readers must still hold version
     # 1's, so only the trainable places crossed after it. Broadcasts in pieces of at most
     # 4000 bytes (transport/pieces.py): the first version's 309,184 in 78 (at the real limit:
-    # large_transfers.py)
+    # large_transfers.py). Colocated on two nodes: the root unpacks what it sends into its own
+    # node's window, the other node's leader what it receives.
     out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
-                    ROOT / "configs/default.yaml", 30, "--frozen", "--max-message=4000",
+                    ROOT / "configs/colocated.yaml", 30, "--frozen", "--max-message=4000",
                     "placement.ranks_per_node=4")
     assert "weights exact on every read" in out.stdout, out.stderr
 

@@ -29,9 +29,9 @@ them into its half, one memcpy, 2.5x (Open MPI) to 8x (MPICH) faster per GiB tha
 broadcast of an MPI indexed datatype over their places (docs/results.md).
 Every broadcast goes in pieces of at most `max_message` bytes (pieces.py: MPI-3 libraries
 count in C ints, and Open MPI 4.1 refuses a 2^31-byte broadcast), all posted at once. Both
-halves of a node's double buffer (and both of the root's buffers) receive the whole first
-version, so a half being rewritten always holds the frozen bytes, and readers copy only the
-trainable places after their first read. A publish that replaces a pending whole version
+halves of a node's double buffer receive the whole first version, so a half being rewritten
+always holds the frozen bytes, and readers copy only the trainable places after their first
+read. A publish that replaces a pending whole version
 goes whole, written over it in the flat layout (its frozen bytes are there).
 """
 
