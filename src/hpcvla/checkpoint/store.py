@@ -123,10 +123,11 @@ def _optimizer_snapshot(parts, rank: int, copy: bool = True
                        ) -> tuple[dict[str, torch.Tensor], dict]:
     """This learner's optimizer ranges (`parts`: its fragments) and RNG as host tensors, and
     their index; `copy`: host tensors of their own (a device's are anyway), not the state's
-    own memory, which training goes on changing. torch creates a parameter's Adam state at its first step with a gradient: a
-    fragment without one yet is saved at step 0 with zero moments, the state torch would
-    create; with no step taken at all (SAC before `learning_starts`) there are no moments to
-    save (`keys` empty), and load_optimizer leaves the optimizer as torch makes it."""
+    own memory, which training goes on changing. torch creates a parameter's Adam state at
+    its first step with a gradient: a fragment without one yet is saved at step 0 with zero
+    moments, the state torch would create; with no step taken at all (SAC before
+    `learning_starts`) there are no moments to save (`keys` empty), and load_optimizer
+    leaves the optimizer as torch makes it."""
     tensors, fragments, steps = {}, {}, {}
     parts = [f for f in parts if not (f.replicated and rank != 0)]
     keys = next(([k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
