@@ -132,7 +132,8 @@ def _optimizer_snapshot(parts, rank: int, copy: bool = True
     parts = [f for f in parts if not (f.replicated and rank != 0)]
     keys = next(([k for k, v in state.items() if k != "step" and torch.is_tensor(v)]
                  for state in (f.state() for f in parts) if "step" in state), [])
-    def host(tensor: torch.Tensor) -> torch.Tensor:
+
+    def host(tensor: torch.Tensor) -> torch.Tensor:  # a copy only where `out` is the state
         out = tensor.float().cpu()
         return (out.clone() if copy and out.data_ptr() == tensor.data_ptr() else out) \
             .contiguous()
