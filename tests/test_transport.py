@@ -159,7 +159,6 @@ def test_pieces_of_a_message_are_consecutive_and_at_most_the_limit():
     assert len(six_gb) == 7 and max(n for _, n in six_gb) == MAX_MESSAGE < 2**31
 
 
-
 def test_the_packed_layout_is_the_trainable_regions_laid_end_to_end():
     """What the weight root writes packed (`views(packed=True)`) is what a leader unpacks:
     the trainable regions of the flat layout one after another, exactly the trainable
@@ -183,6 +182,7 @@ def test_the_packed_layout_is_the_trainable_regions_laid_end_to_end():
     assert [v.data_ptr() - packed.ctypes.data for v in views.values() if v.numel()] == \
         [0, 60, 324]
     assert all(torch.equal(view, tensors[name]) for name, view in views.items())
+
 
 # ------------------------------------------------------------------ MPI worlds
 

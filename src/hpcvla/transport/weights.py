@@ -31,8 +31,8 @@ Every broadcast goes in pieces of at most `max_message` bytes (pieces.py: MPI-3 
 count in C ints, and Open MPI 4.1 refuses a 2^31-byte broadcast), all posted at once. Both
 halves of a node's double buffer receive the whole first version, so a half being rewritten
 always holds the frozen bytes, and readers copy only the trainable places after their first
-read. A publish that replaces a pending whole version
-goes whole, written over it in the flat layout (its frozen bytes are there).
+read. A publish that replaces a pending whole version goes whole, written over it in the
+flat layout (its frozen bytes are there).
 """
 
 from __future__ import annotations
@@ -202,17 +202,16 @@ class WeightPlane:
         """Leader: one version into `half`, all of it or its trainable places. Ibcast, not
         Bcast: the root's is nonblocking, and MPI matches a nonblocking collective only with
         nonblocking ones."""
-        into = half if whole else self._packed
-        MPI.Request.Waitall(pieces.ibcast(self._control, into, 0,
+        MPI.Request.Waitall(pieces.ibcast(self._control, half if whole else self._packed, 0,
                                           self._max_message))  # [dist]
-        self._unpack(into, half, whole)
+        if not whole:
+            self._unpack(self._packed, half, whole)
 
     def _unpack(self, version: np.ndarray, half: np.ndarray, whole: bool) -> None:
         """A version as broadcast into a node's `half`: whole, or its packed trainable
         places each to its place in the flat layout."""
         if whole:
-            if version is not half:
-                np.copyto(half, version)
+            np.copyto(half, version)
             return
         at = 0
         for offset, n in self._regions:
