@@ -16,20 +16,27 @@ BIN     = $(VENV)/bin
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
                    openmpi-bin iproute2 cmake g++
 
-.PHONY: install install-cluster install-sims install-horovod test test-fast clean
+.PHONY: install install-cluster install-sims install-requirements install-horovod \
+        horovod-wheel test test-fast clean
 
 install: install-cluster install-sims
 	$(PYTHON) -m venv $(VENV)
 	# torch alone first: a later bare requirement must not pull a multi-GB CUDA build.
 	$(BIN)/pip install $$(grep -E '^torch==' requirements.txt)
-	# No C++ ops of DeepSpeed's: training uses none (engines/zero.py).
-	DS_BUILD_OPS=0 $(BIN)/pip install -r requirements.txt
-	$(BIN)/pip install --no-deps -e .
+	# Then what Horovod's build takes from the rest (MPICH's compiler wrappers; numpy, which
+	# torch imports), and Horovod's wheel compiles while pip fetches and unpacks the rest.
+	$(BIN)/pip install $$(grep -E '^(mpich|numpy)==' requirements.txt)
+	$(MAKE) -j2 --output-sync=target install-requirements horovod-wheel
+	$(install_horovod_wheel)
 	# hpcvla's own bytecode, which an editable install leaves to the first import, and which an
 	# environment with PYTHONDONTWRITEBYTECODE set never writes: ~0.1 s of every rank's start.
 	$(BIN)/python -m compileall -q src > /dev/null
-	$(MAKE) install-horovod
 	$(BIN)/hpcvla --help > /dev/null
+
+install-requirements:
+	# No C++ ops of DeepSpeed's: training uses none (engines/zero.py).
+	DS_BUILD_OPS=0 $(BIN)/pip install -r requirements.txt
+	$(BIN)/pip install --no-deps -e .
 
 install-cluster:
 	@if dpkg -s $(CLUSTER_PACKAGES) > /dev/null 2>&1; then \
@@ -68,19 +75,30 @@ install-sims:
 # torch's); PyTorch only. Horovod's CMake asks for -std=c++14 after any CXXFLAGS, and torch >=
 # 2.1's headers need C++17: a compiler wrapper raises it. It also drops the -g of Horovod's
 # RelWithDebInfo build (debug info nobody reads: 21 % of the compile, a 14.7 MB wheel instead
-# of 0.9; the code is the same -O2). ~2.5-3.5 minutes on 2 cores. GPU sites
-# build with NCCL (learners on GPUs refuse a build without GPU operations, preflight.py):
+# of 0.9; the code is the same -O2). Its compile runs one job per core: Horovod's setup.py
+# leaves `make` serial whenever MAKEFLAGS is set, as it is under make. No pip cache: pip would
+# take a wheel it built with other flags (a CPU one) for a rebuild with NCCL. ~2.5-3 minutes
+# on 2 cores. GPU sites build with NCCL (learners on GPUs refuse a build without GPU
+# operations, preflight.py):
 #   make install-horovod HOROVOD_GPU=NCCL  (HOROVOD_NCCL_HOME=... where NCCL is not in CUDA's)
 HOROVOD_GPU ?=
 HOROVOD_FLAGS = HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_MPI=1 HOROVOD_WITHOUT_GLOO=1 \
                 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 HOROVOD_CPU_OPERATIONS=MPI \
                 $(if $(HOROVOD_GPU),HOROVOD_GPU_OPERATIONS=$(HOROVOD_GPU))
-install-horovod:
+HOROVOD_WHEEL = $(VENV)/horovod-wheel
+horovod-wheel:
 	printf '#!/bin/sh\nfor a; do shift; [ "$$a" = -g ] && continue; [ "$$a" = -std=c++14 ] && a=-std=c++17; set -- "$$@" "$$a"; done\nexec $${HPCVLA_CXX:-g++} "$$@"\n' \
 	  > $(BIN)/cxx17 && chmod +x $(BIN)/cxx17
+	rm -rf $(HOROVOD_WHEEL)
 	PATH="$(abspath $(BIN)):$$PATH" CXX="$(abspath $(BIN))/cxx17" $(HOROVOD_FLAGS) \
-	  $(BIN)/pip install --no-deps --no-build-isolation --no-binary horovod horovod==0.28.1
-	$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
+	  MAKEFLAGS=-j$$(nproc) $(BIN)/pip wheel --no-cache-dir --no-deps --no-build-isolation \
+	  --no-binary horovod horovod==0.28.1 -w $(HOROVOD_WHEEL)
+define install_horovod_wheel
+$(BIN)/pip install --no-deps --force-reinstall $(HOROVOD_WHEEL)/horovod-*.whl
+$(BIN)/python -c "import horovod.torch as hvd; assert hvd.mpi_built()"
+endef
+install-horovod: horovod-wheel
+	$(install_horovod_wheel)
 
 # The venv's bin first on PATH: its mpiexec and tools for the tests. Two runs: the
 # in-process tests (the `unit` tier: one core each, nothing started beside them) on
