@@ -459,6 +459,24 @@ def test_policies_benchmark_quick(tmp_path):
             < rows[f"{family}/full"]["parameters"]
 
 
+@pytest.mark.parametrize("family", ["flow", "tokens", "oft"])
+def test_every_size_the_config_offers_is_a_preset_of_each_vla_family(family):
+    """Each choice of policy.size builds (counted on the meta device), each larger than the
+    one before: a size the config accepts cannot fail only once the ranks have started."""
+    from dataclasses import fields
+    from hpcvla.config.learning import PolicyConfig
+    from hpcvla.envs import make_env
+    from hpcvla.policies.registry import count_preset_parameters
+    (size,) = [f for f in fields(PolicyConfig) if f.name == "size"]
+    env = make_env("reach", 1, 0)
+    spec = env.spec
+    env.close()
+    counts = [count_preset_parameters(family, choice, spec.obs, spec.action_dim,
+                                      spec.chunk_len, len(spec.vocab))
+              for choice in size.metadata["choices"]]
+    assert counts == sorted(set(counts)), counts
+
+
 def test_runs_start_from_a_pretrained_folder(tmp_path):
     from hpcvla.config import ConfigError, load_config
     from hpcvla.preflight import check_config

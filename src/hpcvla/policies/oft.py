@@ -71,6 +71,13 @@ SIZES = {
                  siglip=dict(hidden_size=36, num_hidden_layers=4, intermediate_size=134),
                  llm=dict(hidden_size=16, intermediate_size=44, num_hidden_layers=3,
                           num_attention_heads=2, num_key_value_heads=2, **_LLAMA)),
+    # between them, as flow's and tokens' small presets: the same architecture, wide enough
+    # to learn a camera task from demonstrations on CPUs (64 patches of a 64 px image)
+    "small": dict(image_size=64, patch_size=8,
+                  dino=dict(hidden_size=128, num_hidden_layers=4, intermediate_size=512),
+                  siglip=dict(hidden_size=128, num_hidden_layers=4, intermediate_size=512),
+                  llm=dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=4, **_LLAMA)),
     # OpenVLA-7B: DINOv2 ViT-L/14 reg4 + SigLIP so400m/14 at 224 px, Llama-2 7B
     "full": dict(image_size=224, patch_size=14,
                  dino=dict(hidden_size=1024, num_hidden_layers=24, intermediate_size=4096),
@@ -107,7 +114,8 @@ class OFTPolicy(VLAPolicy):
     """See the module docstring.
 
     Args (beyond the Policy ones):
-        size: "tiny" | "full" (SIZES) or a resolved dict (a checkpoint's, oft_checkpoint.py).
+        size: "tiny" | "small" | "full" (SIZES) or a resolved dict (a checkpoint's,
+            oft_checkpoint.py).
         temperature: divides the action logits when sampling and scoring (RLinf's LIBERO
             configs: 1.6); deterministic acting takes the argmax.
         use_proprio: read the env's `state` as a proprio token (when the env gives one).

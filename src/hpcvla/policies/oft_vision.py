@@ -29,8 +29,9 @@ SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 REGISTERS = 4
 # Heads are not in the tensors, and config.json names only timm ids: heads by tower width.
 # 1024/1152: the published towers (16 heads each); 20/36: the tiny preset, which is the
-# reference fixtures' tiny model (tests/fixtures/oft/summary.json tiny_dims).
-VISION_HEADS = {("dino", 1024): 16, ("siglip", 1152): 16, ("dino", 20): 2, ("siglip", 36): 3}
+# reference fixtures' tiny model (tests/fixtures/oft/summary.json tiny_dims); 128: the small one.
+VISION_HEADS = {("dino", 1024): 16, ("siglip", 1152): 16, ("dino", 20): 2, ("siglip", 36): 3,
+                ("dino", 128): 4, ("siglip", 128): 4}
 
 
 def heads_of(tower: str, width: int) -> int:
