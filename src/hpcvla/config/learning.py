@@ -45,9 +45,9 @@ class PolicyConfig:
     size: str = setting(
         "tiny", "`flow`/`tokens`/`oft`: size preset. `tiny` (~0.2M parameters; oft ~1.1M, "
         "mostly its 32064-row vocabulary) trains on a CPU; `small` (~8M; oft ~22M, 16M of them "
-        "its vocabulary) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M expert like π0; tokens: "
-        "Llama-2-7B + SigLIP like OpenVLA; oft: OpenVLA-7B), for GPUs with "
-        "learner.zero_stage 3. `flow`/`oft` with a `pretrained` folder take the checkpoint's "
+        "its vocabulary) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
+        "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA; oft: OpenVLA-7B), for GPUs "
+        "with learner.zero_stage 3. `flow`/`oft` with a `pretrained` folder take the checkpoint's "
         "sizes instead (from its tensors).", choices=("tiny", "small", "full"))
     denoise_steps: int = setting(
         0, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
