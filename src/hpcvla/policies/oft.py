@@ -71,8 +71,8 @@ SIZES = {
                  siglip=dict(hidden_size=36, num_hidden_layers=4, intermediate_size=134),
                  llm=dict(hidden_size=16, intermediate_size=44, num_hidden_layers=3,
                           num_attention_heads=2, num_key_value_heads=2, **_LLAMA)),
-    # between them, as flow's and tokens' small presets: the same architecture, wide enough
-    # to learn a camera task from demonstrations on CPUs (64 patches of a 64 px image)
+    # between them, as flow's and tokens' small presets (one GPU): the same architecture,
+    # 64 patches of a 64 px image
     "small": dict(image_size=64, patch_size=8,
                   dino=dict(hidden_size=128, num_hidden_layers=4, intermediate_size=512),
                   siglip=dict(hidden_size=128, num_hidden_layers=4, intermediate_size=512),
