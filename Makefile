@@ -24,7 +24,8 @@ install: install-cluster install-sims
 	# torch alone first: a later bare requirement must not pull a multi-GB CUDA build.
 	$(BIN)/pip install $$(grep -E '^torch==' requirements.txt)
 	# Then what Horovod's build takes from the rest (MPICH's compiler wrappers; numpy, which
-	# torch imports), and Horovod's wheel compiles while pip fetches and unpacks the rest.
+	# torch imports), and Horovod's wheel compiles while pip fetches and unpacks the rest
+	# (which must not repin torch's own dependencies: the build imports torch meanwhile).
 	$(BIN)/pip install $$(grep -E '^(mpich|numpy)==' requirements.txt)
 	$(MAKE) -j2 --output-sync=target install-requirements horovod-wheel
 	$(install_horovod_wheel)
