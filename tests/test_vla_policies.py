@@ -465,14 +465,9 @@ def test_every_size_the_config_offers_is_a_preset_of_each_vla_family(family):
     one before: a size the config accepts cannot fail only once the ranks have started."""
     from dataclasses import fields
     from hpcvla.config.learning import PolicyConfig
-    from hpcvla.envs import make_env
     from hpcvla.policies.registry import count_preset_parameters
     (size,) = [f for f in fields(PolicyConfig) if f.name == "size"]
-    env = make_env("reach", 1, 0)
-    spec = env.spec
-    env.close()
-    counts = [count_preset_parameters(family, choice, spec.obs, spec.action_dim,
-                                      spec.chunk_len, len(spec.vocab))
+    counts = [count_preset_parameters(family, choice, SPEC, ACTION_DIM, CHUNK, VOCAB)
               for choice in size.metadata["choices"]]
     assert counts == sorted(set(counts)), counts
 
