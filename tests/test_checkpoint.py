@@ -80,6 +80,7 @@ def test_optimizer_state_resumes_on_any_learner_count_and_stage(tmp_path):
     assert len(moves) == 8, moves  # 4 saved stages x 2 loading stages
 
 
+@pytest.mark.alone
 def test_a_checkpoint_over_two_gib_resumes_bit_exact(tmp_path):
     """An optimizer state of 2.27 GB in one file (2 learners at ZeRO-0, learner 0 saves it)
     loads re-partitioned onto 2 ZeRO-1 learners bit for bit (tests/mpi/checkpoint_large.py;

@@ -264,6 +264,7 @@ def test_frozen_weights_cross_once_and_readers_keep_them():
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.cluster
+@pytest.mark.alone
 def test_transfers_larger_than_one_mpi_call_arrive_bit_exact():
     """A whole weight version and a trainable one of over 2^31 bytes each (root and leader on
     two nodes), and a ring record of over 2^31 bytes in one slot: Open MPI 4.1 refuses one
