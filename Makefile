@@ -101,20 +101,21 @@ endef
 install-horovod: horovod-wheel
 	$(install_horovod_wheel)
 
-# The venv's bin first on PATH: its mpiexec and tools for the tests. Two runs: every test but
-# the `alone` ones on TEST_WORKERS pytest-xdist workers, a whole test file per worker at a
-# time (a file's fixtures, a local Slurm among them, are made once), then the `alone` ones
-# one at a time with nothing beside them (each holds most of the machine's memory). Side by
-# side, the tiers that start MPI worlds, jobs and hosts fill each other's waits: alone, their
-# ranks leave about a quarter of the cores idle (startups, Slurm's scheduling, emulated slow
-# learners). Both runs go to the end; either failing fails the target. The 30 slowest tests of
-# each are listed: CI's own figures for keeping the suite inside its time.
+# The venv's bin first on PATH: its mpiexec and tools for the tests. Two runs: every test but the
+# `alone` and GPU ones on TEST_WORKERS pytest-xdist workers, a whole test file per worker at a time
+# (a file's fixtures, a local Slurm among them, are made once), then those one at a time with
+# nothing beside them (the `alone` ones hold most of the machine's memory, the GPU ones measure the
+# GPU's memory and speed; without a GPU they skip). Side by side, the tiers that start MPI worlds,
+# jobs and hosts fill each other's waits: alone, their ranks leave about a quarter of the cores
+# idle (startups, Slurm's scheduling, emulated slow learners). Both runs go to the end; either
+# failing fails the target. The 30 slowest tests of each are listed: CI's own figures for keeping
+# the suite inside its time.
 TEST_WORKERS ?= 2
 test:
 	PATH="$(abspath $(BIN)):$$PATH"; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not alone" \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not (alone or gpu)" \
 	    --durations=30 tests; shared=$$?; \
-	$(BIN)/python -m pytest -q -m alone --durations=30 tests; alone=$$?; \
+	$(BIN)/python -m pytest -q -m "alone or gpu" --durations=30 tests; alone=$$?; \
 	[ $$shared = 0 ] && [ $$alone = 0 ]
 
 # The tiers are pytest markers (tests/conftest.py): this leaves out the slow MPI runs, learning,
