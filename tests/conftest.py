@@ -25,7 +25,9 @@ collected that happens below, with the real value, before any test runs. What th
 is the machine's setting.
 """
 
+import ctypes
 import inspect
+import os
 import re
 import sys
 from pathlib import Path
@@ -39,6 +41,27 @@ KINDS = ("mpi", "learning", "bench", "cluster", "gpu")  # a test with none of th
 
 # What a test that is left `unit` must not do: start the CLI (and so maybe a world) itself.
 STARTS_THE_CLI = re.compile(r"\b(hpcvla|run_train)\(|\"-m\", \"hpcvla\"|LocalSlurm|EmulatedHosts")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.geteuid() == 0:
+        _private_dev_shm()
+
+
+def _private_dev_shm():
+    """A /dev/shm of this pytest-xdist worker's own (`make test` runs two beside each other),
+    as each node has one: the MPICH segments of the worlds its tests start land there, and a
+    test's check that its world left none behind (helpers.hpcvla) sees no neighbour's world
+    between its ranks' end and its launcher's cleanup. A mount namespace of this thread's
+    own, which every process it starts inherits: ranks, Slurm's daemons, `ip netns exec`."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newns, ms_rec, ms_private = 0x20000, 0x4000, 0x40000
+    for call, args in (("unshare", (clone_newns,)),  # the mounts below stay in it
+                       ("mount", (None, b"/", None, ms_rec | ms_private, None)),
+                       ("mount", (b"tmpfs", b"/dev/shm", b"tmpfs", 0, b"mode=1777"))):
+        if getattr(libc, call)(*args) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{call}{args}: {os.strerror(errno)}")
 
 
 def pytest_collection_modifyitems(config, items):
