@@ -29,6 +29,7 @@ import ctypes
 import inspect
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,15 +54,15 @@ def _private_dev_shm():
     as each node has one: the MPICH segments of the worlds its tests start land there, and a
     test's check that its world left none behind (helpers.hpcvla) sees no neighbour's world
     between its ranks' end and its launcher's cleanup. A mount namespace of this thread's
-    own, which every process it starts inherits: ranks, Slurm's daemons, `ip netns exec`."""
+    own (what `unshare --mount` gives a command, here for the worker itself), which every
+    process it starts inherits: ranks, Slurm's daemons, `ip netns exec`."""
     libc = ctypes.CDLL(None, use_errno=True)
-    clone_newns, ms_rec, ms_private = 0x20000, 0x4000, 0x40000
-    for call, args in (("unshare", (clone_newns,)),  # the mounts below stay in it
-                       ("mount", (None, b"/", None, ms_rec | ms_private, None)),
-                       ("mount", (b"tmpfs", b"/dev/shm", b"tmpfs", 0, b"mode=1777"))):
-        if getattr(libc, call)(*args) != 0:
-            errno = ctypes.get_errno()
-            raise OSError(errno, f"{call}{args}: {os.strerror(errno)}")
+    if libc.unshare(0x20000) != 0:  # CLONE_NEWNS
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"unshare(CLONE_NEWNS): {os.strerror(errno)}")
+    for mount in (["--make-rprivate", "/"],  # nothing mounted here reaches the host
+                  ["-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/dev/shm"]):
+        subprocess.run(["mount", *mount], check=True)
 
 
 def pytest_collection_modifyitems(config, items):
