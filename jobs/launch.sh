@@ -155,24 +155,33 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 # newest checkpoint is short of the run's total_updates (nothing if there is none).
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 
-# The nodes of HOSTS that start a process within 30 s (a restart leaves out the others), in
-# HOSTS' order. Every node is probed at once: a dead one costs its 30 s once, not per node.
-starts_a_process() {
+# Run a shell command on a node of the job within 30 s (false if it did not start or failed).
+on_node() {  # HOST SHELL_COMMAND
     case $SCHEDULER in
-        slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" \
-                   --mpi=none true > /dev/null 2>&1 ;;
-        pbs) timeout 30 ssh "$1" true > /dev/null 2>&1 ;;
-        none) true ;;
+        slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
+                   sh -c "$2" ;;
+        pbs) timeout 30 ssh "$1" "$2" ;;
+        none) sh -c "$2" ;;
     esac
 }
-usable_hosts() {  # run in a subshell: its `wait` waits for the probes alone
-    local host answers
+# After a failed world, on every node of HOSTS at once: remove the MPICH segments its killed
+# ranks left in /dev/shm (hpcvla.job.segments; a requeued job's new ranks would join them),
+# saying so on stderr, and print the nodes that ran it within 30 s, in HOSTS' order: a
+# restart's nodes. A dead node costs its 30 s once, not per node. A node answers as long as
+# it starts a process: a cleanup that fails there (ssh passes no environment) is said, not
+# taken for a dead node.
+clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
+    local host answers clean
     answers=$(mktemp -d)
+    clean="$(printf '%q' "$PYTHON") -m hpcvla.job.segments remove-orphans 2>&1 ||
+        echo \"\$(hostname): could not remove the failed world's MPICH segments (above)\""
     for host in "${HOSTS[@]}"; do
-        { starts_a_process "$host" && touch "$answers/$host"; } &
+        { on_node "$host" "$clean" > "$answers/$host.out" 2> /dev/null &&
+              touch "$answers/$host"; } &
     done
     wait
     for host in "${HOSTS[@]}"; do
+        [[ -s $answers/$host.out ]] && cat "$answers/$host.out" >&2
         [[ -e $answers/$host ]] && echo "$host"
     done
     rm -rf "$answers"
@@ -260,7 +269,7 @@ if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0
 fi
 # A node that lacks what the job needs fails it here, in seconds, saying why (this node: the
-# job's first; the others answer the restart probes).
+# job's first; the others answer clean_nodes before a restart).
 if [[ ($1 == train || $1 == sft) && ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     "$PYTHON" -m hpcvla doctor "${COMMAND_ARGS[@]:1}" >&2 ||
         die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
@@ -272,11 +281,9 @@ if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0}
     # shared-memory segments after them: a segment a killed rank left behind would be
     # joined by the new ranks (they hang or abort in MPI_Init). Remove this user's
     # segments that no process maps any more, on every node.
-    # shellcheck disable=SC2016  # expanded by the remote bash
-    srun --ntasks="$NODES" --ntasks-per-node=1 --mpi=none bash -c '
-        for f in /dev/shm/mpich_*; do
-            [[ -O $f ]] && ! grep -qsF "$f" /proc/[0-9]*/maps && rm -f "$f"
-        done; true'
+    srun --ntasks="$NODES" --ntasks-per-node=1 --mpi=none \
+        "$PYTHON" -m hpcvla.job.segments remove-orphans >&2 ||
+        say "could not remove the killed ranks' MPICH segments on every node (above)"
 fi
 
 # The batch shell gets the signals; the ranks must get SIGTERM to stop cleanly, and as long
@@ -379,10 +386,15 @@ failed_at=""
 LAYOUT=""
 while true; do
     run_world "$1"
-    [[ $status != 0 && -z $SIGNALLED && $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]] || break
+    [[ $status != 0 && -z $SIGNALLED ]] || break
+    say "the world failed (status $status) at $(date -u +%H:%M:%S); checking the nodes"
+    checked_at=$SECONDS
+    mapfile -t usable < <(clean_nodes)
+    say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
+    [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]] || break
     if (( restarts_left <= 0 )); then
-        (( ${HPCVLA_RESTARTS:-0} == 0 )) || say "the world failed (status $status); no" \
-            "restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
+        (( ${HPCVLA_RESTARTS:-0} == 0 )) ||
+            say "no restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
         break
     fi
     version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
@@ -392,10 +404,6 @@ while true; do
         break
     fi
     failed_at=$version
-    say "the world failed (status $status) at $(date -u +%H:%M:%S); checking the nodes"
-    probed_at=$SECONDS
-    mapfile -t usable < <(usable_hosts)
-    say "$(( SECONDS - probed_at )) s to probe the nodes; answering: ${usable[*]:-none}"
     dropped=()
     for host in "${HOSTS[@]}"; do
         [[ " ${usable[*]} " == *" $host "* ]] || dropped+=("$host")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcvla.job.launch import orphaned_shm
+from hpcvla.job.segments import orphans
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -30,7 +30,7 @@ def hpcvla(*args, env=None, timeout=180):
     before = set(SHM.glob("mpich_*"))
     out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    left = orphaned_shm(before)
+    left = orphans(before)
     assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
     return out
 

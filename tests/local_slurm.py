@@ -49,7 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcvla.job.launch import _remove_orphaned_shm, _shm_files
+from hpcvla.job.segments import remove_orphans, segments
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "qsub", "srun")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -169,7 +169,7 @@ class LocalSlurm:
                              "`make install-cluster` (as root) to install the Debian packages")
         if os.geteuid() != 0:
             raise SlurmError("starting munged/slurmctld/slurmd needs root (as in CI)")
-        self.shm_before = _shm_files()
+        self.shm_before = segments()
         self.base = Path(tempfile.mkdtemp(prefix="hpcvla-slurm-"))
         self.base.chmod(0o755)  # munged (user munge) must reach its directory inside
         base = self.base
@@ -259,7 +259,7 @@ class LocalSlurm:
             self.hosts.stop()
             self._own_hosts = False
         if self.base is not None:
-            _remove_orphaned_shm(self.shm_before)  # what killed ranks of our jobs left
+            remove_orphans(self.shm_before)  # what killed ranks of our jobs left
             shutil.rmtree(self.base, ignore_errors=True)
             self.base = None
 

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from helpers import ROOT, progress_version
+from hpcvla.job.segments import orphans, segments
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
@@ -32,6 +33,7 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
            f"pipeline.total_updates={updates}", "learner.checkpoint_every=2",
            "emulate.learner_ms_per_micro_batch=100", "env.latency_median_ms=20",
            "env.latency_sigma=0.8", "pipeline.progress_every_s=0.1"]
+    shm_before = segments()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     log = []
@@ -57,6 +59,9 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
     assert "is gone without finishing, and the world has not ended 2 s later: ending its " \
         "launcher" in text and "the world failed (status 137)" in text, text[-5000:]
     print(f"killed -> end of the restarted run: {time.monotonic() - killed:.1f} s")
+    # the killed world's MPICH segments, removed before the restart
+    assert "MPICH segment(s) that no process maps" in text, text[-5000:]
+    assert not orphans(shm_before), text[-5000:]
 
     (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
     summary = json.loads((run_dir / "summary.json").read_text())

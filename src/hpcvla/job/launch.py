@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpcvla.job import segments
 from hpcvla.process.deathwatch import DeathWatch
 from hpcvla.process.mpi_select import MpiSelectError, select_mpi
 
@@ -67,10 +68,10 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
               timeout: float | None = None, mpi: str = "auto") -> int:
     """Run the world to completion; its exit status, or 124 after killing it on timeout."""
     cmd, env = world_command(n, program, mpiexec, mpi)
-    shm_before = _shm_files()
+    shm_before = segments.segments()
     code = _run(cmd, env, timeout)
     if code != 0:  # a clean exit frees its own segments; tests check that it does
-        _remove_orphaned_shm(shm_before)
+        segments.remove_orphans(shm_before)
     return code
 
 
@@ -166,36 +167,6 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
-
-
-SHM_DIR = Path("/dev/shm")
-
-
-def _shm_files() -> set[Path]:
-    return set(SHM_DIR.glob("mpich_*")) if SHM_DIR.is_dir() else set()
-
-
-def _remove_orphaned_shm(before: set[Path]) -> None:
-    """An aborted or killed MPICH world leaves its shared-memory segments in /dev/shm. Remove
-    those that appeared during this run and that no live process still maps."""
-    for path in orphaned_shm(before):
-        path.unlink(missing_ok=True)
-
-
-def orphaned_shm(before: set[Path]) -> set[Path]:
-    """MPICH segments that appeared since `before` and that no live process maps (other
-    worlds running beside this one still map theirs)."""
-    new = _shm_files() - before
-    if not new:
-        return set()
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            mapped.update(line.split()[-1] for line in maps.read_text().splitlines()
-                          if "/dev/shm/" in line)
-        except OSError:  # the process ended, or is not ours to read
-            continue
-    return new - {Path(m) for m in mapped}
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
