@@ -375,3 +375,5 @@ def test_a_rank_killed_in_a_slurm_job_ends_it_and_is_named(slurm, tmp_path):
     assert "rank 1: simulator on node 0 (host" in text and f"pid {pid})" in text  # the cards:
     assert "last progress: policy version" in text  # which rank was what; how far it got
     assert not rank_pids(tmp_path), "ranks left running"
+    # the dead world's MPICH segments, removed on its node (srun --overlap there)
+    assert "MPICH segment(s) that no process maps" in text, text[-3000:]
