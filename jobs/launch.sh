@@ -156,11 +156,17 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 
 # Run a shell command on a node of the job within 30 s (false if it did not start or failed).
+# Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
+# from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
 on_node() {  # HOST SHELL_COMMAND
     case $SCHEDULER in
         slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
                    sh -c "$2" ;;
-        pbs) timeout 30 ssh "$1" "$2" ;;
+        pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
+                 sh -c "$2"
+             else
+                 timeout 30 ssh "$1" "$2"
+             fi ;;
         none) sh -c "$2" ;;
     esac
 }

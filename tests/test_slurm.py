@@ -354,11 +354,19 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert (run_dir / "checkpoints" / "v000030" / "state.json").exists()
 
 
-def test_a_rank_killed_in_a_slurm_job_ends_it_and_is_named(slurm, tmp_path):
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
+def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler):
+    """Hydra's mpiexec under either scheduler; the dead world's MPICH segments are removed on
+    its node (srun --overlap there, under PBS the node's ssh)."""
     log = tmp_path / "killed.out"
-    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
-                       "pipeline.total_updates=100000", options=["--output", log],
-                       env=job_env(tmp_path), cwd=ROOT)
+    if scheduler == "slurm":
+        job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                           "pipeline.total_updates=100000", options=["--output", log],
+                           env=job_env(tmp_path), cwd=ROOT)
+    else:
+        job = slurm.qsub(ROOT / "jobs/pbs/demo.pbs", options=["-V", "-o", log, "-j", "oe"],
+                         env=job_env(tmp_path, OVERRIDES="pipeline.total_updates=100000"),
+                         cwd=ROOT)
     deadline = time.monotonic() + 300
     while not any(m.stat().st_size for m in (tmp_path / "runs").glob("*/*/metrics.jsonl")) \
             or not rank_pids(tmp_path).get(1):  # trains, rank 1 is there
@@ -375,5 +383,5 @@ def test_a_rank_killed_in_a_slurm_job_ends_it_and_is_named(slurm, tmp_path):
     assert "rank 1: simulator on node 0 (host" in text and f"pid {pid})" in text  # the cards:
     assert "last progress: policy version" in text  # which rank was what; how far it got
     assert not rank_pids(tmp_path), "ranks left running"
-    # the dead world's MPICH segments, removed on its node (srun --overlap there)
-    assert "MPICH segment(s) that no process maps" in text, text[-3000:]
+    assert f"scheduler {scheduler}" in text and \
+        "MPICH segment(s) that no process maps" in text, text[-3000:]
