@@ -170,10 +170,9 @@ on_node() {  # HOST SHELL_COMMAND
         none) sh -c "$2" ;;
     esac
 }
-# After a failed world, on every node of HOSTS at once: remove the MPICH segments its killed
-# ranks left in /dev/shm (hpcvla.job.segments; a requeued job's new ranks would join them),
-# saying so on stderr, and print the nodes that ran it within 30 s, in HOSTS' order: a
-# restart's nodes. A dead node costs its 30 s once, not per node. A node answers as long as
+# After a failed world (and before a requeued job's first), on every node of HOSTS at once:
+# remove the MPICH segments its killed ranks left in /dev/shm (hpcvla.job.segments), saying so
+# on stderr, and print the nodes that ran it within 30 s, in HOSTS' order: a restart's nodes. A dead node costs its 30 s once, not per node. A node answers as long as
 # it starts a process: a cleanup that fails there (ssh passes no environment) is said, not
 # taken for a dead node.
 clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
@@ -287,9 +286,9 @@ if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0}
     # shared-memory segments after them: a segment a killed rank left behind would be
     # joined by the new ranks (they hang or abort in MPI_Init). Remove this user's
     # segments that no process maps any more, on every node.
-    srun --ntasks="$NODES" --ntasks-per-node=1 --mpi=none \
-        "$PYTHON" -m hpcvla.job.segments remove-orphans >&2 ||
-        say "could not remove the killed ranks' MPICH segments on every node (above)"
+    mapfile -t answered < <(clean_nodes)
+    (( ${#answered[@]} == NODES )) || say "could not remove the killed ranks' MPICH" \
+        "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
 fi
 
 # The batch shell gets the signals; the ranks must get SIGTERM to stop cleanly, and as long

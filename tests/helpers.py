@@ -13,21 +13,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcvla.job.segments import orphans
+from hpcvla.job.segments import orphans, segments
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 MPI_DIR = TESTS / "mpi"  # the worker scripts the MPI tests launch
 FIXTURES = TESTS / "fixtures"
 
-SHM = Path("/dev/shm")  # MPICH's shared-memory segments live here
 
 
 def hpcvla(*args, env=None, timeout=180):
     """Run the `hpcvla` CLI as a user would; the outer timeout guards against any hang.
     Whatever the outcome, the world must leave no shared-memory files behind."""
     full_env = {**os.environ, **(env or {})}
-    before = set(SHM.glob("mpich_*"))
+    before = segments()
     out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
                          env=full_env, capture_output=True, text=True, timeout=timeout)
     left = orphans(before)

@@ -358,7 +358,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
 @pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
 def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler):
     """Hydra's mpiexec under either scheduler; the dead world's MPICH segments are removed on
-    its node (srun --overlap there, under PBS the node's ssh)."""
+    its node (srun --overlap there; under PBS the job's own node runs the cleanup itself)."""
     log = tmp_path / "killed.out"
     if scheduler == "slurm":
         job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",

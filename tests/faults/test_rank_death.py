@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from hpcvla.job.segments import orphans
+from hpcvla.job.segments import orphans, segments
 from helpers import rank_pids
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 ROOT = Path(__file__).resolve().parents[2]
-SHM = Path("/dev/shm")
 
 
 def until(condition, timeout: float, what: str):
@@ -31,7 +30,7 @@ def until(condition, timeout: float, what: str):
 
 @pytest.mark.parametrize("role", ["simulator", "inference", "learner"])
 def test_a_killed_rank_takes_the_job_down_and_is_named(tmp_path, role):
-    shm_before = set(SHM.glob("mpich_*"))
+    shm_before = segments()
     job = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "--ranks", "4",
                             f"run.root={tmp_path}", "pipeline.total_updates=100000"],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
