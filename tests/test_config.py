@@ -91,6 +91,12 @@ def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypat
      "PPO's critic warms up by versions: algorithm.critic_warmup_versions"),
     (["algorithm.name=sac", "algorithm.lr_warmup_versions=3"], "algorithm.lr_warmup_versions",
      "0 with algorithm.name=sac (PPO's and GRPO's"),
+    # hpcvla sft's learning-rate schedule
+    (["sft.steps=100", "sft.warmup_steps=100"], "sft.warmup_steps", "below sft.steps (100)"),
+    (["sft.final_lr=1e-5"], "sft.final_lr", "0 unless sft.schedule=cosine"),
+    (["sft.schedule=cosine", "sft.lr=1e-4", "sft.final_lr=1e-3"], "sft.final_lr",
+     "at most sft.lr (0.0001)"),
+    (["sft.schedule=linear"], "sft.schedule", "one of constant, cosine"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

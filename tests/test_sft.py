@@ -108,6 +108,35 @@ def test_every_chunk_once_per_epoch_on_one_learner_and_resume_is_exact():
     assert np.array_equal(batch_indices(samples, batch, learners, 9, 2, 7), taken[9, 8:])
 
 
+@pytest.mark.parametrize("schedule, warmup, final_lr", [
+    ("cosine", 0, 0.0), ("cosine", 10, 1e-5), ("constant", 0, 0.0), ("constant", 7, 0.0)])
+def test_the_learning_rate_schedule_is_torchs_warm_up_then_cosine(schedule, warmup, final_lr):
+    """lr_at against torch's own schedulers stepping an optimizer: LinearLR's warm-up from
+    lr / (warmup + 1), then CosineAnnealingLR down to final_lr at the last step (or the
+    peak held)."""
+    from types import SimpleNamespace
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+
+    from hpcvla.imitation.sft import lr_at
+    steps, lr = 60, 1e-3
+    sft = SimpleNamespace(steps=steps, lr=lr, warmup_steps=warmup, schedule=schedule,
+                          final_lr=final_lr)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    after = CosineAnnealingLR(optimizer, T_max=steps - 1 - warmup, eta_min=final_lr) \
+        if schedule == "cosine" else ConstantLR(optimizer, factor=1.0, total_iters=0)
+    if warmup:
+        ramp = LinearLR(optimizer, start_factor=1 / (warmup + 1), total_iters=warmup)
+        torchs = SequentialLR(optimizer, [ramp, after], milestones=[warmup])
+    else:
+        torchs = after
+    for step in range(steps):
+        assert lr_at(sft, step) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-6,
+                                                 abs=1e-12), step
+        optimizer.step()
+        torchs.step()
+    assert lr_at(sft, steps - 1) == pytest.approx(final_lr if schedule == "cosine" else lr)
+
+
 def test_a_saved_default_policy_loads_as_pretrained(tmp_path):
     cfg = load_config("configs/default.yaml")
     from hpcvla.envs import env_spec
@@ -232,6 +261,7 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     assert hpcvla("demos", "configs/default.yaml", "--episodes", 8, "--out", demos).returncode == 0
     args = ["configs/default.yaml", f"sft.demos={demos}", "sft.batch_size=8",
             "sft.checkpoint_every=1", "pipeline.progress_every_s=0.1",
+            "sft.schedule=cosine", "sft.warmup_steps=2", "sft.final_lr=1e-5",
             f"run.root={tmp_path / 'runs'}"]
     job = subprocess.Popen([sys.executable, "-m", "hpcvla", "sft", *args, "sft.steps=100000"],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -246,6 +276,11 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["preempted"] and 0 < summary["steps"] < 100000
     stopped = summary["steps"]
+    # the optimizer stepped at the schedule's rates: the warm-up from sft.lr / 3
+    from hpcvla.imitation.sft import lr_at
+    planned = load_config(args[0], args[1:] + ["sft.steps=100000"]).sft
+    assert summary["lrs"] == [lr_at(planned, step) for step in range(stopped)]
+    assert summary["lrs"][0] == pytest.approx(planned.lr / 3)
     # a checkpoint every step, written in the background while the next steps trained: the
     # two kept are complete (checksums verified) and the newest is the stop's
     kept = catalog.complete(run_dir)
@@ -256,3 +291,7 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == stopped + 3 and len(summary["losses"]) == 3
     assert not summary["preempted"]
+    # resumed, the schedule goes on at the exact step, to its end at sft.final_lr
+    planned = load_config(args[0], args[1:] + [f"sft.steps={stopped + 3}"]).sft
+    assert summary["lrs"] == [lr_at(planned, step) for step in range(stopped, stopped + 3)]
+    assert summary["lrs"][-1] == pytest.approx(1e-5)

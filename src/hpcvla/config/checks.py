@@ -31,6 +31,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                          "learner.backend=horovod (no fp32 masters for bf16 weights)"))
     problems += _held_out_problems(cfg)
+    problems += _sft_problems(cfg)
     for name in ("learner_nodes", "learners", "evaluators"):
         value = getattr(cfg.placement, name)
         if value and cfg.placement.mode != "disaggregated":
@@ -111,6 +112,21 @@ def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("algorithm.critic_warmup_versions", alg.critic_warmup_versions,
                          f"below pipeline.total_updates ({cfg.pipeline.total_updates}): the "
                          "versions after the warm-up are the ones that train the policy"))
+    return problems
+
+
+def _sft_problems(cfg) -> list[tuple[str, Any, str]]:
+    """`hpcvla sft`'s learning-rate schedule."""
+    problems, sft = [], cfg.sft
+    if sft.warmup_steps >= sft.steps:
+        problems.append(("sft.warmup_steps", sft.warmup_steps, f"below sft.steps ({sft.steps}):"
+                         " the run would end before its learning rate reached sft.lr"))
+    if sft.final_lr and sft.schedule != "cosine":
+        problems.append(("sft.final_lr", sft.final_lr, "0 unless sft.schedule=cosine (the "
+                         "cosine's end; a constant schedule stays at sft.lr)"))
+    elif sft.final_lr > sft.lr:
+        problems.append(("sft.final_lr", sft.final_lr, f"at most sft.lr ({sft.lr}): the "
+                         "cosine decays to it"))
     return problems
 
 

@@ -351,53 +351,21 @@ class SFTConfig:
         "slower per step.", ge=1)
     lr: float = setting(
         1e-3, "Adam learning rate of `hpcvla sft` (every parameter; the critic gets no "
-        "gradient from imitation and stays as initialised).", ge=0)
+        "gradient from imitation and stays as initialised): the peak of sft.schedule.", ge=0)
+    schedule: str = setting(
+        "constant", "The learning rate after the warm-up: `constant` (sft.lr to the end) or "
+        "`cosine` (from sft.lr down to sft.final_lr at sft.steps, as openpi's and LeRobot's "
+        "π0 recipes decay it). A pure function of the step: a resumed run goes on with it.",
+        choices=("constant", "cosine"))
+    warmup_steps: int = setting(
+        0, "The learning rate rises linearly over the first this many steps (the first at "
+        "sft.lr / (warmup_steps + 1)); 0: none.", ge=0)
+    final_lr: float = setting(
+        0.0, "sft.schedule=cosine: the learning rate of the last step.", ge=0)
     checkpoint_every: int = setting(
         0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` goes on "
         "from the newest), written in the background as `train`'s "
         "(learner.checkpoint_background); 0: only at the end.", ge=0)
-
-
-@dataclass
-class EvalConfig:
-    protocol: str = setting(
-        "hpcvla", "`hpcvla eval`'s protocol. `hpcvla`: the env's first --episodes evaluation "
-        "states at the config's horizon. `libero` (env.name=libero): LIBERO's benchmark as "
-        "its and openpi's evaluation scripts run it: every task of env.suite (or eval.tasks) "
-        "in turn, its fixed initial states (eval.states_per_task of 50), the suite's step "
-        "limit (spatial 220, object 280, goal 300, libero_10 520, libero_90 400), 10 settle "
-        "steps, success when the task is first done; --episodes is then ignored.",
-        choices=("hpcvla", "libero"))
-    states_per_task: int = setting(
-        50, "eval.protocol=libero: the first this many fixed initial states of every task "
-        "(LIBERO's 50: the published numbers).", ge=1)
-    tasks: str = setting(
-        "", "eval.protocol=libero: the suite's tasks evaluated, comma-separated indices "
-        "(e.g. `0,1`); empty: every task (the published numbers).")
-    every: int = setting(
-        0, "Held-out evaluation during training: every this many policy versions (and the "
-        "last), the newest weights on the env's evaluation states (eval.episodes of them, or "
-        "eval.protocol's), into metrics.jsonl, TensorBoard/W&B (`heldout/*`) and the "
-        "progress line. Disaggregated modes evaluate on a rank set aside "
-        "(placement.evaluators=1), while training goes on; colocated ones between versions, "
-        "every rank a share of the states. 0: off (`hpcvla eval` afterwards).", ge=0)
-    episodes: int = setting(
-        32, "eval.every: the first this many evaluation states, one episode each.", ge=1,
-        le=2 ** 20)
-    envs: int = setting(
-        8, "eval.every: the evaluation's env batch (on each evaluating rank).", ge=1)
-    deterministic: bool = setting(
-        True, "eval.every: the policy's deterministic action (its mean) rather than a sample.")
-    video_every: int = setting(
-        0, "eval.every: also film one episode per task every this many versions (a multiple "
-        "of eval.every; the first evaluation too; an evaluator that skipped the version films "
-        "the next one it evaluates), as MP4 in RUN_DIR/videos/v<version>-heldout/ and as a "
-        "video in TensorBoard (`heldout/video`, an animated GIF) and W&B. 0: none.", ge=0)
-
-
-def eval_tasks(cfg: EvalConfig) -> list[int] | None:
-    """The task indices `eval.tasks` names; None: every task."""
-    return [int(t) for t in cfg.tasks.split(",") if t.strip()] or None
 
 
 def demo_paths(section: SFTConfig | AlgorithmConfig) -> list[str]:

@@ -3,7 +3,7 @@
 A section is a dataclass; a setting is a field declared with `setting(...)`, whose `doc` says
 what the value means and what raising or lowering it costs (the style of Sample Factory's
 flags). `hpcvla config --doc` prints every setting's documentation as a table. The policy and
-algorithm sections live in config/learning.py.
+algorithm sections live in config/learning.py, the evaluation's in config/evaluation.py.
 
 Fields are checked by `hpcvla.config.loader`: types from the annotations, `choices`, and the
 numeric bounds `ge`/`le`; then the checks that involve several fields (config/checks.py).
@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hpcvla.config.families import SIMULATORS
-from hpcvla.config.learning import (AlgorithmConfig, EvalConfig, PolicyConfig, SFTConfig,
-                                     setting)
+from hpcvla.config.evaluation import EvalConfig
+from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, SFTConfig, setting
 from hpcvla.schedule import MODES
 
 

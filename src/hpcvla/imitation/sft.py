@@ -25,6 +25,7 @@ resumed run goes on at the exact next chunk.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -70,6 +71,17 @@ def batch_indices(samples: int, batch_size: int, learners: int, step: int, rank:
     return out
 
 
+def lr_at(sft, step: int) -> float:
+    """The learning rate of step `step` (0-based): sft.warmup_steps rising to sft.lr, then
+    sft.lr (constant) or a half cosine from it down to sft.final_lr at the last step."""
+    if step < sft.warmup_steps:
+        return sft.lr * (step + 1) / (sft.warmup_steps + 1)
+    if sft.schedule == "constant":
+        return sft.lr
+    done = (step - sft.warmup_steps) / max(1, sft.steps - 1 - sft.warmup_steps)
+    return sft.final_lr + (sft.lr - sft.final_lr) * (1 + math.cos(math.pi * min(1.0, done))) / 2
+
+
 def sft_main(cfg, world) -> None:
     """Every rank: read the demonstrations, fine-tune, checkpoint."""
     rank, learners = world.Get_rank(), world.Get_size()
@@ -101,8 +113,8 @@ def sft_main(cfg, world) -> None:
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
-    losses, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
-    _finish(cfg, engine, run_dir, world, losses, done, len(demos.task), samples, writer)
+    losses, lrs, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
+    _finish(cfg, engine, run_dir, world, losses, lrs, done, len(demos.task), samples, writer)
     if board is not None:
         board.close()
 
@@ -116,13 +128,14 @@ def _ranks_on_this_host(world) -> int:
 
 
 def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
-           ) -> tuple[list[float], int]:
+           ) -> tuple[list[float], list[float], int]:
     """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop
-    after the same step); the mean loss over the learners of every step, and the steps done.
+    after the same step); the mean loss over the learners of every step, the learning rate
+    the optimizer stepped at (lr_at's, read back from it), and the steps done.
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
-    samples, losses = len(demos.actions), []
+    samples, losses, lrs = len(demos.actions), [], []
     start = last_print = time.monotonic()
     done = first
     for step in range(first, sft.steps):
@@ -130,10 +143,14 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
         obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
         actions = torch.from_numpy(demos.actions[index]).to(engine.device)
         real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: no loss
+        lr = lr_at(sft, step)
+        for group in engine.optimizer.param_groups:  # one rate: engine_config's critic's too
+            group["lr"] = lr
         loss = engine(obs, actions, real)
         engine.backward(loss)
         engine.step()
         losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
+        lrs.append(engine.optimizer.param_groups[0]["lr"])
         done = step + 1
         if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
             _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
@@ -142,15 +159,15 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
                           done == sft.steps):
             rate = (done - first) * sft.batch_size * learners / max(now - start, 1e-9)
             eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
-            print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | "
-                  f"{rate:.0f} chunks/s | epoch {done * sft.batch_size * learners / samples:.1f}"
-                  f" | eta {eta:.0f} s", flush=True)
+            epoch = done * sft.batch_size * learners / samples
+            print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | lr {lr:.2e}"
+                  f" | {rate:.0f} chunks/s | epoch {epoch:.1f} | eta {eta:.0f} s", flush=True)
             last_print = now
         if board is not None:
-            board.scalars({"loss": losses[-1]}, done, group="sft")
+            board.scalars({"loss": losses[-1], "lr": lr}, done, group="sft")
         if preempt.agreed(world):  # [dist]
             break
-    return losses, done
+    return losses, lrs, done
 
 
 def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writer,
@@ -164,15 +181,15 @@ def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writ
                 keep=cfg.learner.checkpoint_keep, wait=wait)
 
 
-def _finish(cfg, engine, run_dir: Path, world, losses: list[float], done: int, demos: int,
-            samples: int, writer) -> None:
+def _finish(cfg, engine, run_dir: Path, world, losses: list[float], lrs: list[float],
+            done: int, demos: int, samples: int, writer) -> None:
     """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
     `run.resume` goes on from after a stop signal), summary.json."""
     _checkpoint(cfg, engine, run_dir, done, world, samples, writer, wait=True)
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), "losses": losses,
-                   "preempted": done < cfg.sft.steps}
+                   "lrs": lrs, "preempted": done < cfg.sft.steps}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         print(f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
               "[hpcvla sft] done", f"| RL from it: policy.checkpoint={run_dir}", flush=True)

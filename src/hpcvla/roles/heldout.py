@@ -142,7 +142,7 @@ def protocol_of(cfg: Config) -> tuple[Config, dict[str, object] | None,
     else None and None."""
     if cfg.eval.protocol != "libero":
         return cfg, None, None
-    from hpcvla.config.learning import eval_tasks
+    from hpcvla.config.evaluation import eval_tasks
     from hpcvla.envs.libero import SETTLE_STEPS, STEP_LIMITS, benchmark_states
     cfg = copy.deepcopy(cfg)
     limit = STEP_LIMITS[cfg.env.suite]
