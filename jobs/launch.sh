@@ -172,9 +172,10 @@ on_node() {  # HOST SHELL_COMMAND
 }
 # After a failed world (and before a requeued job's first), on every node of HOSTS at once:
 # remove the MPICH segments its killed ranks left in /dev/shm (hpcvla.job.segments), saying so
-# on stderr, and print the nodes that ran it within 30 s, in HOSTS' order: a restart's nodes. A dead node costs its 30 s once, not per node. A node answers as long as
-# it starts a process: a cleanup that fails there (ssh passes no environment) is said, not
-# taken for a dead node.
+# on stderr, and print the nodes that ran it within 30 s, in HOSTS' order: a restart's nodes.
+# A dead node costs its 30 s once, not per node. A node answers as long as it starts a
+# process: a cleanup that fails there (ssh passes no environment) is said, not taken for a
+# dead node.
 clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
     local host answers clean
     answers=$(mktemp -d)

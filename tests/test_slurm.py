@@ -331,19 +331,32 @@ def test_pbs_bench_job_reaches_the_benchmark(slurm, tmp_path):
     assert f"-m hpcvla bench modes --json bench-{job}.json --workload real --updates 2" in text
 
 
-def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
     SIGUSR1, the ranks get SIGTERM and stop with a checkpoint, the job requeues itself, and
-    its next start continues the same run from that checkpoint to the end."""
+    its next start continues the same run from that checkpoint to the end. With srun
+    starting the ranks, the requeued job's step ids are the first start's again: before its
+    world it removes the MPICH segments no process maps (one planted here, as a killed
+    rank's), which its ranks would otherwise join."""
     log = tmp_path / "requeue.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=30", "pipeline.progress_every_s=0.1",
-                       options=["--output", log], env=job_env(tmp_path), cwd=ROOT)
+                       options=["--output", log], cwd=ROOT,
+                       env=job_env(tmp_path, HPCVLA_LAUNCHER=launcher))
     first_update(slurm, job, log)
+    left = Path("/dev/shm") / f"mpich_requeue_test_{job}"  # this worker's own /dev/shm
+    left.write_bytes(b"\0" * 4096)
     slurm.signal_batch_shell(job, signal.SIGUSR1)
     text = finished(slurm, job, log, timeout=600)
     assert slurm.job(job)["Restarts"] == "1"
     first, second = text.split("requeueing job", 1)
+    assert ("srun --mpi=pmi2" in text) == (launcher == "srun"), text[-3000:]
+    if launcher == "srun":
+        assert not left.exists() and "removed 1 MPICH segment(s) that no process" in second
+    else:  # Hydra's step ids are its own: a requeued world starts clean
+        assert left.exists()
+        left.unlink()
     assert "received SIGUSR1: sending SIGTERM to the ranks" in first
     assert "[hpcvla] update 30/30" not in first  # stopped before the end
     run_dir = the_run(tmp_path / "runs")
