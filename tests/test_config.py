@@ -97,6 +97,7 @@ def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypat
     (["sft.schedule=cosine", "sft.lr=1e-4", "sft.final_lr=1e-3"], "sft.final_lr",
      "at most sft.lr (0.0001)"),
     (["sft.schedule=linear"], "sft.schedule", "one of constant, cosine"),
+    (["sft.val_every=50"], "sft.val_every", "0 without sft.val_demos"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

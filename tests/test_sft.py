@@ -209,6 +209,39 @@ def test_sft_on_a_libero_file_learns_and_its_checkpoint_loads(tmp_path, config, 
 
 
 @pytest.mark.mpi
+def test_the_held_out_loss_is_every_held_out_steps_on_two_zero3_learners(tmp_path):
+    """sft.val_demos: after every sft.val_every steps and the last, the loss of each held-out
+    real step, shared between the learners (ZeRO-3: their forwards are collective), equals
+    the loss of all of them at once under the run's final weights."""
+    train, held = tmp_path / "train.h5", tmp_path / "held.h5"
+    for out, episodes, seed in ((train, 6, 0), (held, 3, 1)):
+        done = hpcvla("demos", "configs/default.yaml", "--episodes", episodes, "--out", out,
+                      f"run.seed={seed}")
+        assert done.returncode == 0, done.stderr[-2000:]
+    out = hpcvla("sft", "configs/default.yaml", f"sft.demos={train}", f"sft.val_demos={held}",
+                 "sft.val_every=2", "sft.steps=4", "sft.batch_size=4", "learner.zero_stage=3",
+                 f"run.root={tmp_path / 'runs'}", "--ranks", 2, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [step for step, _ in summary["val_losses"]] == [2, 4]
+    assert f"held-out {summary['val_losses'][-1][1]:.4f}" in out.stdout
+    from hpcvla.demonstrations import read_demonstrations
+    from hpcvla.envs import env_spec
+    from hpcvla.evaluate import checkpoint_weights
+    cfg = load_config(run_dir / "config.yaml")
+    spec = env_spec(cfg.env)
+    policy = build_policy(cfg, spec)
+    policy.load_arrays(checkpoint_weights(run_dir)[0])
+    demos = read_demonstrations([str(held)], spec)
+    with torch.no_grad():
+        expected = policy.imitation_loss({k: torch.from_numpy(v) for k, v in demos.obs.items()},
+                                         torch.from_numpy(demos.actions),
+                                         torch.from_numpy(~demos.pad))
+    assert summary["val_losses"][-1][1] == pytest.approx(float(expected), rel=1e-5)
+
+
+@pytest.mark.mpi
 def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
     out = hpcvla("sft", "configs/libero_spatial.yaml", f"run.root={tmp_path}")
     assert out.returncode == 2 and "sft.demos" in out.stderr
@@ -217,6 +250,9 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
                  f"run.root={tmp_path}")
     assert out.returncode == 2 and "pushcube.state.pd_ee_delta_pose.h5" in out.stderr, \
         out.stderr[-2000:]
+    out = hpcvla("sft", "configs/libero_spatial.yaml", f"sft.demos={LIBERO_DEMOS}",
+                 f"sft.val_demos={bad}", f"run.root={tmp_path}")
+    assert out.returncode == 2 and "sft.val_demos" in out.stderr, out.stderr[-2000:]
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
 
 

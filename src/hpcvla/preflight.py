@@ -192,9 +192,14 @@ def check_sft(cfg, source: str = "config") -> None:
     if not paths:
         raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files, "
                             "comma-separated (e.g. written by `hpcvla demos`)")], source)
-    problems = demonstration_problems(paths, env_spec(cfg.env), cfg.sft.per_task or None)
+    spec = env_spec(cfg.env)
+    problems = demonstration_problems(paths, spec, cfg.sft.per_task or None)
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
+    held_out = demo_paths(cfg.sft, "val_demos")
+    problems = demonstration_problems(held_out, spec) if held_out else []
+    if problems:
+        raise ConfigError(problems, f"{source}: sft.val_demos")
 
 
 def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None)):

@@ -127,6 +127,9 @@ def _sft_problems(cfg) -> list[tuple[str, Any, str]]:
     elif sft.final_lr > sft.lr:
         problems.append(("sft.final_lr", sft.final_lr, f"at most sft.lr ({sft.lr}): the "
                          "cosine decays to it"))
+    if sft.val_every and not sft.val_demos:
+        problems.append(("sft.val_every", sft.val_every, "0 without sft.val_demos (the "
+                         "held-out files whose loss it measures)"))
     return problems
 
 

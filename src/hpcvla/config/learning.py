@@ -362,15 +362,23 @@ class SFTConfig:
         "sft.lr / (warmup_steps + 1)); 0: none.", ge=0)
     final_lr: float = setting(
         0.0, "sft.schedule=cosine: the learning rate of the last step.", ge=0)
+    val_demos: str = setting(
+        "", "Held-out demonstration files (comma-separated; sft.demos' layouts), never trained "
+        "on: their mean imitation loss after every sft.val_every steps and the last "
+        "(`sft/val_loss`, summary.json `val_losses`, the progress line), the fit of what was "
+        "not shown beside the training loss. Empty: none.", paths=True)
+    val_every: int = setting(
+        0, "sft.val_demos: their loss every this many steps as well as after the last; 0: "
+        "after the last only.", ge=0)
     checkpoint_every: int = setting(
         0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` goes on "
         "from the newest), written in the background as `train`'s "
         "(learner.checkpoint_background); 0: only at the end.", ge=0)
 
 
-def demo_paths(section: SFTConfig | AlgorithmConfig) -> list[str]:
-    """The files `sft.demos` or `algorithm.demos` names."""
-    return [path.strip() for path in section.demos.split(",") if path.strip()]
+def demo_paths(section: SFTConfig | AlgorithmConfig, field: str = "demos") -> list[str]:
+    """The files `sft.demos`, `sft.val_demos` or `algorithm.demos` names."""
+    return [path.strip() for path in getattr(section, field).split(",") if path.strip()]
 
 
 def noise_obs_fields(alg: AlgorithmConfig) -> tuple[str, ...]:

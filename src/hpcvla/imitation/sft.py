@@ -50,6 +50,9 @@ from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
+HELD_OUT_SEED = 0x5EED  # torch's RNG during every held-out loss (held_out_loss)
+
+
 def engine_config(cfg):
     """The learners' settings for imitation: one chunk batch per optimizer step at sft.lr."""
     return replace(cfg, learner=replace(cfg.learner, micro_batch=cfg.sft.batch_size,
@@ -96,6 +99,8 @@ def sft_main(cfg, world) -> None:
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     demos = read_demonstrations(demo_paths(cfg.sft), spec, cfg.sft.per_task or None,
                                 cfg.sft.successful_only)
+    val_paths = demo_paths(cfg.sft, "val_demos")
+    held_out = read_demonstrations(val_paths, spec) if val_paths else None
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
@@ -113,8 +118,8 @@ def sft_main(cfg, world) -> None:
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
               f"; run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
-    losses, lrs, done = _train(cfg, engine, demos, first, world, board, run_dir, writer)
-    _finish(cfg, engine, run_dir, world, losses, lrs, done, len(demos.task), samples, writer)
+    history, done = _train(cfg, engine, demos, held_out, first, world, board, run_dir, writer)
+    _finish(cfg, engine, run_dir, world, history, done, len(demos.task), samples, writer)
     if board is not None:
         board.close()
 
@@ -127,15 +132,17 @@ def _ranks_on_this_host(world) -> int:
     return size
 
 
-def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
-           ) -> tuple[list[float], list[float], int]:
+def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writer
+           ) -> tuple[dict[str, list], int]:
     """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop
-    after the same step); the mean loss over the learners of every step, the learning rate
-    the optimizer stepped at (lr_at's, read back from it), and the steps done.
+    after the same step); the history (the mean loss over the learners of every step, the
+    learning rate the optimizer stepped at, read back from it, the held-out loss after every
+    sft.val_every steps and the last) and the steps done.
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
-    samples, losses, lrs = len(demos.actions), [], []
+    samples, history = len(demos.actions), {"losses": [], "lrs": [], "val_losses": []}
+    losses = history["losses"]
     start = last_print = time.monotonic()
     done = first
     for step in range(first, sft.steps):
@@ -150,24 +157,61 @@ def _train(cfg, engine, demos, first: int, world, board, run_dir, writer
         engine.backward(loss)
         engine.step()
         losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
-        lrs.append(engine.optimizer.param_groups[0]["lr"])
+        history["lrs"].append(engine.optimizer.param_groups[0]["lr"])
         done = step + 1
+        val = None
+        if held_out is not None and (done == sft.steps or
+                                     sft.val_every and done % sft.val_every == 0):
+            val = held_out_loss(engine, held_out, sft.batch_size, world)  # [dist]
+            history["val_losses"].append([done, val])
         if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
             _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
         now = time.monotonic()
         if rank == 0 and (now - last_print >= cfg.pipeline.progress_every_s or
-                          done == sft.steps):
+                          done == sft.steps or val is not None):
             rate = (done - first) * sft.batch_size * learners / max(now - start, 1e-9)
             eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
             epoch = done * sft.batch_size * learners / samples
-            print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | lr {lr:.2e}"
-                  f" | {rate:.0f} chunks/s | epoch {epoch:.1f} | eta {eta:.0f} s", flush=True)
+            print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | "
+                  + (f"held-out {val:.4f} | " if val is not None else "") +
+                  f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {epoch:.1f} | eta {eta:.0f} s",
+                  flush=True)
             last_print = now
         if board is not None:
-            board.scalars({"loss": losses[-1], "lr": lr}, done, group="sft")
+            board.scalars({"loss": losses[-1], "lr": lr,
+                           **({"val_loss": val} if val is not None else {})}, done, group="sft")
         if preempt.agreed(world):  # [dist]
             break
-    return losses, lrs, done
+    return history, done
+
+
+def held_out_loss(engine, held_out, batch_size: int, world) -> float:
+    """The imitation loss over every real step of the held-out demonstrations, no gradient:
+    each learner a share of the chunks, in as many batches as every other (ZeRO-3's forward
+    is collective; a learner out of chunks weighs a repeat at 0), each batch's loss (a mean
+    over its real steps) weighted by them; torch's RNG at one seed, so the draws of flow
+    matching's loss are the same at every validation and they compare."""
+    rank, learners, chunks = world.Get_rank(), world.Get_size(), len(held_out.actions)
+    mine = np.arange(rank, chunks, learners)
+    batches = math.ceil(math.ceil(chunks / learners) / batch_size)
+    devices = [engine.device] if engine.device.type == "cuda" else []
+    weighted, steps = 0.0, 0
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(HELD_OUT_SEED)
+        for b in range(batches):
+            index = mine[b * batch_size:(b + 1) * batch_size]
+            counted = len(index) > 0
+            index = index if counted else np.zeros(1, dtype=np.int64)
+            real = ~held_out.pad[index]
+            obs = {k: torch.from_numpy(v[index]).to(engine.device)
+                   for k, v in held_out.obs.items()}
+            loss = engine(obs, torch.from_numpy(held_out.actions[index]).to(engine.device),
+                          torch.from_numpy(real).to(engine.device))
+            if counted:
+                weighted += loss.item() * int(real.sum())
+                steps += int(real.sum())
+    weighted, steps = world.allreduce(np.array([weighted, steps]), op=MPI.SUM)  # [dist]
+    return float(weighted / steps)
 
 
 def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writer,
@@ -181,18 +225,22 @@ def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writ
                 keep=cfg.learner.checkpoint_keep, wait=wait)
 
 
-def _finish(cfg, engine, run_dir: Path, world, losses: list[float], lrs: list[float],
-            done: int, demos: int, samples: int, writer) -> None:
+def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: int,
+            demos: int, samples: int, writer) -> None:
     """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
     `run.resume` goes on from after a stop signal), summary.json."""
     _checkpoint(cfg, engine, run_dir, done, world, samples, writer, wait=True)
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
-                   "samples": samples, "device": str(engine.device), "losses": losses,
-                   "lrs": lrs, "preempted": done < cfg.sft.steps}
+                   "samples": samples, "device": str(engine.device), **history,
+                   "preempted": done < cfg.sft.steps}
+        losses = history["losses"]
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-        print(f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else
-              "[hpcvla sft] done", f"| RL from it: policy.checkpoint={run_dir}", flush=True)
+        line = f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else \
+            "[hpcvla sft] done"
+        if history["val_losses"]:
+            line += f" | held-out {history['val_losses'][-1][1]:.4f}"
+        print(line, f"| RL from it: policy.checkpoint={run_dir}", flush=True)
     idle_barrier(world)  # [dist]
 
 
