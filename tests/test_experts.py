@@ -1,7 +1,7 @@
 """The scripted ManiSkill experts (envs/experts.py) in real ManiSkill envs, and `hpcvla demos`
 (imitation/recording.py): its file is a trajectory dump that `hpcvla inspect` reads, recorded
-from training initial states only, and a task without an expert is refused naming the
-setting."""
+from training initial states only, a task without an expert is refused naming the setting,
+and with `--policy` (DAgger) a run's policy drives while the expert labels."""
 
 import json
 
@@ -119,3 +119,44 @@ def test_demos_refuses_a_task_without_an_expert(tmp_path):
     assert ("env.task=StackCube-v1: no scripted expert; tasks with one: PickCube-v1, "
             "PushCube-v1") in done.stderr
     assert not out.exists()
+
+
+@pytest.mark.mpi
+def test_demos_driven_by_a_policy_label_its_states_with_the_experts_chunks(tmp_path):
+    """DAgger on reach: a run's policy acts (deterministic here, so it replays), the oracle
+    labels. Replayed from each demo's initial state, the recorded observations are the ones
+    the policy's own chunks lead to, and every recorded chunk is the oracle's there."""
+    from hpcvla.config import load_config
+    from hpcvla.envs.reach import oracle_actions
+    from hpcvla.imitation.recording import PolicyDriver, _env
+    expert_file, driven = tmp_path / "expert.h5", tmp_path / "driven.h5"
+    assert hpcvla("demos", "configs/default.yaml", "--episodes", 4,
+                  "--out", expert_file).returncode == 0
+    done = hpcvla("sft", "configs/default.yaml", f"sft.demos={expert_file}", "sft.steps=2",
+                  f"run.root={tmp_path / 'runs'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    done = hpcvla("demos", "configs/default.yaml", "--policy", run_dir, "--deterministic",
+                  "--episodes", 2, "--out", driven)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"policy {run_dir} v2 (the expert labelled every step) success" in done.stdout
+    env, _ = _env(load_config("configs/default.yaml"))
+    driver = PolicyDriver(run_dir, env.spec, deterministic=True)
+    differs = False
+    with h5py.File(driven, "r") as f:
+        for demo in (f["data"][name] for name in sorted(f["data"])):
+            assert attr_text(demo.attrs["driver"]) == f"{run_dir} v2"
+            obs = env.reset(init_state_ids=np.array([demo.attrs["seed"]]))
+            for t in range(len(demo["actions"])):
+                for key in env.spec.obs:
+                    assert np.array_equal(obs[key][0], demo["obs"][key][t]), (key, t)
+                label = oracle_actions(env)[0]
+                assert np.allclose(demo["actions"][t], label), t
+                ran = driver(obs)
+                differs |= not np.allclose(ran[0], label, atol=1e-3)
+                obs = env.step(ran).obs
+    env.close()
+    assert differs  # two SFT steps: the policy is not the oracle
+    refused = hpcvla("demos", "configs/default.yaml", "--policy", run_dir, "--noise", 0.1,
+                     "--episodes", 1, "--out", tmp_path / "noisy.h5")
+    assert refused.returncode == 2 and "--policy: the expert labels" in refused.stderr

@@ -17,7 +17,9 @@
     hpcvla inspect FILE|RUN_DIR ... [--json] [--verify] [--video K]
                                                       summarise HDF5 trajectory dumps
     hpcvla demos CONFIG [key=value ...] --episodes N --out FILE [--noise S] [--successful-only]
+                 [--policy RUN_DIR [--deterministic]]
                                                       record a scripted expert's demonstrations
+                                                      (--policy: a run's policy acts, DAgger)
     hpcvla export RUN_DIR FOLDER [--format F]         the newest checkpoint as a policy folder
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
@@ -108,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
                        help="std of Gaussian noise on the expert's arm actions (default 0)")
     demos.add_argument("--successful-only", action="store_true",
                        help="write only successful episodes, until --episodes of them")
+    demos.add_argument("--policy", metavar="RUN_DIR",
+                       help="DAgger: this run's policy (its newest checkpoint) acts, and the "
+                            "expert labels every observation it reaches")
+    demos.add_argument("--deterministic", action="store_true",
+                       help="with --policy: the policy's mean action, not a sample")
 
     inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
                                               "(run.dump_trajectories=true)")
@@ -304,7 +311,8 @@ def cmd_demos(args) -> int:
     from hpcvla.imitation.recording import RecordingError, record, summary_line
     cfg = load_config(args.config, args.overrides)
     try:
-        summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only)
+        summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only,
+                         args.policy, args.deterministic)
     except RecordingError as err:
         print(f"hpcvla demos: {err}", file=sys.stderr)
         return 2

@@ -105,6 +105,12 @@ class Expert:
         self._previous = {i: actions[i, -1, :3].astype(np.float64) for i in range(len(actions))}
         return actions
 
+    def executed(self, actions: np.ndarray) -> None:
+        """The chunks (num_envs, chunk_len, 7) the envs ran instead of this expert's (a policy
+        drove them, the expert labelled: `hpcvla demos --policy`): their last translation is
+        the lag the next plan starts from."""
+        self._previous = {i: actions[i, -1, :3].astype(np.float64) for i in range(len(actions))}
+
     def step(self, state: dict) -> np.ndarray:
         """One primitive action for `state`, which is advanced by the nominal model."""
         target, yaw_error, gripper = self.plan(state)
@@ -237,6 +243,9 @@ class ReachExpert:
         if self.noise > 0:
             actions = actions + self.rng.normal(0.0, self.noise, actions.shape)
         return np.clip(actions, -1.0, 1.0).astype(np.float32)
+
+    def executed(self, actions: np.ndarray) -> None:
+        """The oracle plans from the env's state alone: what ran before changes nothing."""
 
 
 EXPERTS = {cls.task: cls for cls in (PickCubeExpert, PushCubeExpert)}

@@ -4,6 +4,12 @@ layout (metrics/dump.py) by its one writer, for `hpcvla sft` to imitate before R
 
     hpcvla demos configs/maniskill_pickcube.yaml env.task=PushCube-v1 --episodes 100 \
         --out demos.h5 [--noise 0.1] [--successful-only]
+    hpcvla demos CONFIG --policy <run dir> [--deterministic] --episodes 64 --out round1.h5
+
+With `--policy` a trained run's policy (its newest checkpoint) drives the env and the expert
+labels every observation the policy reaches with the chunk it would have given there: DAgger
+(Ross et al. 2011), the expert's corrections in the states its imitator drifts into, for the
+next `hpcvla sft` on the union of the files.
 
 Initial states come from the training split only (`training_state_ids`, at or above
 EVAL_STATE_IDS: envs/base.py), never from the ids `hpcvla eval` measures (0, 1, 2, ...), so
@@ -16,11 +22,13 @@ process anyway (envs/serial.py), so a batch would be no faster, and the envs of 
 finish early would auto-reset into episodes that are not recorded.
 
 What a demo holds beyond a run's dump: `actions` is the chunk the expert gave for `obs` (noise
-included, clipped to [-1, 1], what the env executed; a chunk that succeeded early stopped
-there); `policy_versions` and the `policy_version` attribute are EXPERT_VERSION (-1: a scripted
+included, clipped to [-1, 1], what the env executed unless a policy drove; a chunk that
+succeeded early stopped there); `policy_versions` and the `policy_version` attribute are EXPERT_VERSION (-1: a scripted
 expert, no policy); `logprobs` and `values` are NaN (an expert has neither); `staleness` is 0.
 Attributes: seed (the init_state_id), episode (the attempt's number: with --successful-only,
-the failed ones are missing), instruction, success, return, env_fault, env_id "expert/e0".
+the failed ones are missing), instruction, success, return, env_fault (the policy's
+episode's where one drove), env_id "expert/e0", driver (the driving run and its policy
+version; "" for the expert's own episodes).
 """
 
 from __future__ import annotations
@@ -47,21 +55,33 @@ class RecordingError(ValueError):
     """Demonstrations cannot be recorded as asked; the message names the setting."""
 
 
-def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = False) -> dict:
+def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = False,
+           policy_run: str | None = None, deterministic: bool = False) -> dict:
     """Record `episodes` episodes of the configured task's expert to `out` (with
-    `successful_only`: that many successful ones); returns what the command prints."""
+    `successful_only`: that many successful ones; with `policy_run`: that run's policy acting,
+    the expert labelling); returns what the command prints."""
     expert = _expert(cfg, noise)
     out = Path(out)
     if episodes < 1:
         raise RecordingError(f"--episodes {episodes}: at least 1")
+    if policy_run is not None and (noise or successful_only):
+        raise RecordingError("--policy: the expert labels the policy's states as it is "
+                             "(no --noise) and every episode is the policy's (no "
+                             "--successful-only)")
+    if deterministic and policy_run is None:
+        raise RecordingError("--deterministic: the driving policy's mean action; name the "
+                             "run with --policy")
     if out.exists():
         raise RecordingError(f"--out {out}: exists; remove it or name another file")
     check_env(cfg)
     env, task = _env(cfg)
+    driver = None if policy_run is None else PolicyDriver(Path(policy_run), env.spec,
+                                                           deterministic)
     dump = TrajectoryDump(out, -1, list(env.spec.obs), env.spec.vocab, None,
                           f"{cfg.env.name} {task}", env.spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                          flush_s=30.0, source=f"scripted expert {task}, noise {noise}")
+                          flush_s=30.0, source=f"scripted expert {task}, noise {noise}"
+                          + (f", driven by {driver.name}" if driver else ""))
     rng = np.random.default_rng([cfg.run.seed, _STREAM])
     start, seen, attempts, successes, steps = time.monotonic(), set(), 0, 0, 0
     written = 0
@@ -76,7 +96,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
             if init_state_id in seen:
                 continue
             seen.add(init_state_id)
-            demo, attrs = _episode(env, expert, init_state_id, attempts)
+            demo, attrs = _episode(env, expert, init_state_id, attempts, driver)
             attempts += 1
             successes += attrs["success"]
             if attrs["success"] or not successful_only:
@@ -87,6 +107,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
         dump.close()
         env.close()
     return {"file": str(out), "task": task, "episodes": written,
+            "driver": driver.name if driver else "",
             "attempts": attempts, "expert_success_rate": successes / attempts, "steps": steps,
             "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len,
             "seconds": time.monotonic() - start}
@@ -115,14 +136,18 @@ def _env(cfg):
         cfg.env.task
 
 
-def _episode(env, expert, init_state_id: int, number: int) -> tuple[dict, dict]:
-    """One episode from `init_state_id`: its steps in the dump's fields, and its attributes."""
+def _episode(env, expert, init_state_id: int, number: int, driver=None) -> tuple[dict, dict]:
+    """One episode from `init_state_id`: its steps in the dump's fields, and its attributes.
+    With a `driver` it runs the policy's chunks, and the expert's are the labels."""
     obs = env.reset(init_state_ids=np.array([init_state_id]))
     instruction = env.instructions()[0]
     rows = []
     while True:
         actions = expert.act(env)
-        result = env.step(actions)
+        if driver is not None:
+            ran = driver(obs)
+            expert.executed(ran)  # the lag of what ran carries into the next plan
+        result = env.step(actions if driver is None else ran)
         rows.append((obs, actions[0], result))
         if result.terminated[0] or result.truncated[0]:
             break
@@ -143,13 +168,46 @@ def _episode(env, expert, init_state_id: int, number: int) -> tuple[dict, dict]:
              "seed": init_state_id, "episode": number, "instruction": instruction,
              "policy_version": EXPERT_VERSION, "staleness": 0,
              "success": bool(last.success[0]), "return": float(last.episode_return[0]),
-             "env_fault": bool(last.env_fault[0])}
+             "env_fault": bool(last.env_fault[0]), "driver": driver.name if driver else ""}
     return demo, attrs
+
+
+class PolicyDriver:
+    """A run's policy (its newest checkpoint, the run's own config) acting in the recording's
+    env, on a GPU where there is one: `hpcvla eval`'s policy, one chunk at a time."""
+
+    def __init__(self, run_dir: Path, spec, deterministic: bool):
+        from hpcvla.checkpoint import catalog, store
+        from hpcvla.config import load_config
+        from hpcvla.devices import local_device
+        from hpcvla.evaluate import checkpoint_weights
+        from hpcvla.factory import build_policy
+
+        if not (run_dir / "config.yaml").is_file():
+            raise RecordingError(f"--policy {run_dir}: not a run directory (no config.yaml)")
+        run_cfg = load_config(run_dir / "config.yaml")
+        self.policy = build_policy(run_cfg, spec, local_device(run_cfg.placement.gpus_per_node))
+        try:  # none yet, or another env's policy: its shapes do not fit this one's
+            weights, state = checkpoint_weights(run_dir)
+            store.check_fit(weights, self.policy.state_dict(), f"--policy {run_dir}")
+        except catalog.CheckpointError as err:
+            raise RecordingError(str(err)) from None
+        self.policy.load_arrays(weights)
+        self.deterministic = deterministic
+        self.name = f"{run_dir} v{state['version']}"
+
+    def __call__(self, obs: dict[str, np.ndarray]) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            out = self.policy.act(self.policy.obs_to_tensors(obs), self.deterministic)
+        return np.clip(out.actions.cpu().numpy(), -1.0, 1.0)
 
 
 def summary_line(s: dict) -> str:
     """The one line `hpcvla demos` prints."""
-    return (f"hpcvla demos: {s['episodes']} episodes of {s['task']} to {s['file']} | expert "
+    who = f"policy {s['driver']} (the expert labelled every step)" if s["driver"] else "expert"
+    return (f"hpcvla demos: {s['episodes']} episodes of {s['task']} to {s['file']} | {who} "
             f"success {s['expert_success_rate']:.3f} over {s['attempts']} attempts | "
             f"{s['steps']} steps (x{s['chunk_len']} = {s['env_steps']} env steps) | "
             f"{s['seconds']:.1f} s")
