@@ -16,6 +16,11 @@ chunks it executes, so what is learnt is what the env will ask for.
 A stop signal (Slurm's, PBS's, `scancel`: process/preempt.py) ends the run after the current
 step with a checkpoint; `run.resume` goes on from it.
 
+The learning rate follows sft.schedule, a function of the step (`lr_at`: a linear warm-up,
+then constant or a cosine down to sft.final_lr), so a resumed run goes on with it. Held-out
+demonstrations (sft.val_demos) are never trained on: their loss (`held_out_loss`) after every
+sft.val_every steps and the last says how well what was not shown is fit.
+
 Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
 sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
 takes its batch_size of them: every sample is trained once per epoch, on one learner, and a
