@@ -40,6 +40,7 @@ import yaml
 from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import ConfigError, describe_settings, load_config
 from hpcvla.config.loader import config_to_dict
+from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 
@@ -100,21 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
 
-    demos = sub.add_parser("demos", help="record demonstrations of a ManiSkill task's "
-                                          "scripted expert in the dump layout "
-                                          "(imitation/recording.py)")
-    _config_args(demos)
-    demos.add_argument("--episodes", type=int, required=True, help="episodes to write")
-    demos.add_argument("--out", required=True, help="the HDF5 file to write (must not exist)")
-    demos.add_argument("--noise", type=float, default=0.0,
-                       help="std of Gaussian noise on the expert's arm actions (default 0)")
-    demos.add_argument("--successful-only", action="store_true",
-                       help="write only successful episodes, until --episodes of them")
-    demos.add_argument("--policy", metavar="RUN_DIR",
-                       help="DAgger: this run's policy (its newest checkpoint) acts, and the "
-                            "expert labels every observation it reaches")
-    demos.add_argument("--deterministic", action="store_true",
-                       help="with --policy: the policy's mean action, not a sample")
+    add_demos_parser(sub, _config_args)
 
     inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
                                               "(run.dump_trajectories=true)")
@@ -307,19 +294,6 @@ def cmd_launch(args) -> int:
         return 2
 
 
-def cmd_demos(args) -> int:
-    from hpcvla.imitation.recording import RecordingError, record, summary_line
-    cfg = load_config(args.config, args.overrides)
-    try:
-        summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only,
-                         args.policy, args.deterministic)
-    except RecordingError as err:
-        print(f"hpcvla demos: {err}", file=sys.stderr)
-        return 2
-    print(summary_line(summary), flush=True)
-    return 0
-
-
 def cmd_inspect(args) -> int:
     from pathlib import Path
 
@@ -425,4 +399,4 @@ def cmd_export(args) -> int:
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
             "config": cmd_config, "doctor": cmd_doctor, "launch": cmd_launch,
-            "inspect": cmd_inspect, "eval": cmd_eval, "demos": cmd_demos, "export": cmd_export}
+            "inspect": cmd_inspect, "eval": cmd_eval, "demos": demos_command, "export": cmd_export}
