@@ -171,8 +171,9 @@ on_node() {  # HOST SHELL_COMMAND
     esac
 }
 # After a failed world (and before a requeued job's first), on every node of HOSTS at once:
-# remove the MPICH segments its killed ranks left in /dev/shm (hpcvla.job.segments), saying so
-# on stderr, and print the nodes that ran it within 30 s, in HOSTS' order: a restart's nodes.
+# remove the MPICH segments its killed ranks left in /dev/shm and its Hydra proxies' topology
+# files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
+# within 30 s, in HOSTS' order: a restart's nodes.
 # A dead node costs its 30 s once, not per node. A node answers as long as it starts a
 # process: a cleanup that fails there (ssh passes no environment) is said, not taken for a
 # dead node.
@@ -180,7 +181,7 @@ clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
     local host answers clean
     answers=$(mktemp -d)
     clean="$(printf '%q' "$PYTHON") -m hpcvla.job.segments remove-orphans 2>&1 ||
-        echo \"\$(hostname): could not remove the failed world's MPICH segments (above)\""
+        echo \"\$(hostname): could not remove the failed world's MPICH leftovers (above)\""
     for host in "${HOSTS[@]}"; do
         { on_node "$host" "$clean" > "$answers/$host.out" 2> /dev/null &&
               touch "$answers/$host"; } &

@@ -1,13 +1,17 @@
-"""The MPICH segments a failed world leaves in /dev/shm: which ones a launcher removes
-(hpcvla.job.segments). Real files in /dev/shm, mapped by real processes."""
+"""What a failed MPICH world leaves on a node, which a launcher removes (hpcvla.job.segments):
+segments in /dev/shm, mapped by real processes, and Hydra's topology files in /tmp, held open
+by a real world's proxy."""
 
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+import pytest
 
 from hpcvla.job import segments
 
@@ -37,7 +41,9 @@ def test_only_unmapped_segments_are_removed_and_one_mapped_during_the_settle_is_
         finally:
             hold.set()
             mapper.join()
-        assert removed == {left} and not left.exists()
+        # (and any topology file no process has open: below)
+        assert {p for p in removed if p.parent == segments.SHM_DIR} == {left}
+        assert not left.exists()
         assert creating.exists() and live.exists()
     leftovers = segments.segments() - before
     assert leftovers == {creating, live}
@@ -62,3 +68,71 @@ def test_a_second_look_is_taken_only_when_something_is_unmapped():
     start = time.monotonic()
     assert segments.orphans(segments.segments(), settle_s=5.0) == set()
     assert time.monotonic() - start < 2.0
+
+
+def _topology_file(name: str) -> Path:
+    path = segments.TOPOLOGY_DIR / f"{segments.TOPOLOGY_PREFIX}hpcvla_test_{os.getpid()}_{name}"
+    path.write_text("<topology/>")
+    return path
+
+
+def test_only_topology_files_no_process_has_open_are_removed():
+    dead = _topology_file("dead-proxy")  # its proxy was killed with its world
+    live = _topology_file("live-proxy")  # a running world's proxy holds its file open
+    with open(live):
+        removed = segments.remove_orphans(segments.segments())
+        assert dead in removed and not dead.exists()
+        assert live.exists()
+    live.unlink()
+
+
+@pytest.mark.mpi
+def test_a_killed_worlds_topology_file_is_removed_and_a_running_worlds_kept():
+    """MPICH's Hydra proxy writes /tmp/hydra_hwloc_xmlfile_* for its ranks and holds it open;
+    killed with its world (as Slurm kills a job's processes at its time limit), it leaves it
+    behind."""
+    program = ("from mpi4py import MPI; import time; MPI.COMM_WORLD.Barrier(); "
+               "print('ready', flush=True); time.sleep(120)")
+    world = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-c", program],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             start_new_session=True)
+    try:
+        assert [world.stdout.readline() for _ in range(2)] == ["ready\n"] * 2
+        topology = _proxy_file(world.pid)
+        assert topology not in segments.remove_orphans(segments.segments())  # held open
+        with open(topology):  # so that no neighbouring test's cleanup takes it meanwhile
+            os.killpg(world.pid, signal.SIGKILL)  # mpiexec, its proxy and the ranks
+            world.wait(timeout=60)
+            assert topology.exists()  # the proxy left it
+    finally:
+        if world.poll() is None:
+            os.killpg(world.pid, signal.SIGKILL)
+            world.wait()
+    segments.remove_orphans(segments.segments())
+    assert not topology.exists()
+
+
+def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:
+    """The topology file the world's Hydra proxy holds open."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        children = _descendants(mpiexec_pid)
+        proxies = [pid for pid in children if _comm(pid) == "hydra_pmi_proxy"]
+        held = [Path(os.readlink(fd)) for pid in proxies for fd in Path(f"/proc/{pid}/fd").iterdir()
+                if os.readlink(fd).startswith(str(segments.TOPOLOGY_DIR / segments.TOPOLOGY_PREFIX))]
+        if held:
+            return held[0]
+        time.sleep(0.2)
+    raise AssertionError("the world's proxy never opened a topology file")
+
+
+def _descendants(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return [int(child) for child in out] + [d for child in out for d in _descendants(int(child))]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""

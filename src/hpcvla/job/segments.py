@@ -1,17 +1,21 @@
-"""MPICH's shared-memory segments that a failed world leaves in a node's /dev/shm.
+"""What a failed MPICH world leaves on a node: shared-memory segments in /dev/shm, and the
+hwloc topology file of each node's Hydra proxy in /tmp.
 
 MPICH's ranks remove their segments (`/dev/shm/mpich_*`, a few MB each, the node's memory)
 when they end cleanly; ranks killed or aborted leave them there, and a requeued Slurm job's
-new ranks, whose step ids are the killed ones', would join them. So every launcher removes,
-after a failed world, the segments no live process maps: `hpcvla launch` (job/launch.py) on
-its machine, jobs/launch.sh on every node of the world at once (and on a requeued job's nodes
-before its first world), each node running
+new ranks, whose step ids are the killed ones', would join them. Hydra's proxy (mpiexec's
+process on each node) writes the node's topology for its ranks to
+`/tmp/hydra_hwloc_xmlfile_*` and holds it open until it exits; it removes it when its ranks
+end cleanly, not when one is killed. So every launcher removes, after a failed world, the
+orphans: `hpcvla launch` (job/launch.py) on its machine, jobs/launch.sh on every node of the
+world at once (and on a requeued job's nodes before its first world), each node running
 
     python -m hpcvla.job.segments remove-orphans
 
-which prints the segments it removed. A segment is an orphan when no process maps it at two
-looks a second apart: another world on the node maps each segment it creates an instant
-after creating it, so one it is still creating is never taken for an orphan.
+which prints what it removed. A segment is an orphan when no process maps it at two looks a
+second apart: another world on the node maps each segment it creates an instant after
+creating it, so one it is still creating is never taken for an orphan. A topology file is an
+orphan when no process has it open: its proxy opens it as it creates it.
 """
 
 from __future__ import annotations
@@ -24,15 +28,26 @@ from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
 SETTLE_S = 1.0  # between the two looks: far beyond a segment's creation and first mapping
+TOPOLOGY_DIR = Path("/tmp")  # Hydra's proxy writes there whatever TMPDIR says
+TOPOLOGY_PREFIX = "hydra_hwloc_xmlfile_"
 
 
 def segments() -> set[Path]:
     """This user's MPICH segments on this node (another user's are not ours to remove)."""
-    if not SHM_DIR.is_dir():
+    return _mine(SHM_DIR, "mpich_")
+
+
+def topology_files() -> set[Path]:
+    """This user's Hydra topology files on this node."""
+    return _mine(TOPOLOGY_DIR, TOPOLOGY_PREFIX)
+
+
+def _mine(directory: Path, prefix: str) -> set[Path]:
+    if not directory.is_dir():
         return set()
     uid = os.geteuid()
     mine = set()
-    for path in SHM_DIR.glob("mpich_*"):
+    for path in directory.glob(f"{prefix}*"):
         try:
             if path.stat().st_uid == uid:
                 mine.add(path)
@@ -51,9 +66,15 @@ def orphans(before: set[Path] = frozenset(), settle_s: float = 0.0) -> set[Path]
     return unmapped
 
 
+def topology_orphans() -> set[Path]:
+    """This user's Hydra topology files that no live process has open."""
+    return topology_files() - _open(TOPOLOGY_PREFIX)
+
+
 def remove_orphans(before: set[Path] = frozenset(), settle_s: float = SETTLE_S) -> set[Path]:
-    """Remove the orphans (see `orphans`); the ones removed."""
-    removed = orphans(before, settle_s)
+    """Remove the orphans: the segments (see `orphans`) and the topology files (see
+    `topology_orphans`); the ones removed."""
+    removed = orphans(before, settle_s) | topology_orphans()
     for path in removed:
         path.unlink(missing_ok=True)
     return removed
@@ -70,16 +91,35 @@ def _mapped() -> set[Path]:
     return mapped
 
 
+def _open(prefix: str) -> set[Path]:
+    """The files named `prefix`... in TOPOLOGY_DIR that a live process has open."""
+    start = str(TOPOLOGY_DIR / prefix)
+    held = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:  # the process or the descriptor ended, or is not ours to read
+            continue
+        if target.startswith(start):
+            held.add(Path(target))
+    return held
+
+
 def _main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hpcvla.job.segments")
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("remove-orphans", help="remove this user's MPICH segments in /dev/shm that "
-                   "no process maps, and print them")
+                   "no process maps and Hydra topology files in /tmp that no process has "
+                   "open, and print them")
     parser.parse_args(argv)
     removed = remove_orphans()
-    if removed:
-        print(f"{socket.gethostname()}: removed {len(removed)} MPICH segment(s) that no process "
-              f"maps from {SHM_DIR}: {' '.join(sorted(p.name for p in removed))}")
+    host = socket.gethostname()
+    for directory, what, how in ((SHM_DIR, "MPICH segment(s)", "maps"),
+                                 (TOPOLOGY_DIR, "Hydra topology file(s)", "has open")):
+        names = sorted(p.name for p in removed if p.parent == directory)
+        if names:
+            print(f"{host}: removed {len(names)} {what} that no process {how} from "
+                  f"{directory}: {' '.join(names)}")
 
 
 if __name__ == "__main__":
