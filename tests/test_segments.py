@@ -116,10 +116,9 @@ def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:
     """The topology file the world's Hydra proxy holds open."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        children = _descendants(mpiexec_pid)
-        proxies = [pid for pid in children if _comm(pid) == "hydra_pmi_proxy"]
-        held = [Path(os.readlink(fd)) for pid in proxies for fd in Path(f"/proc/{pid}/fd").iterdir()
-                if os.readlink(fd).startswith(str(segments.TOPOLOGY_DIR / segments.TOPOLOGY_PREFIX))]
+        proxies = [pid for pid in _descendants(mpiexec_pid) if _comm(pid) == "hydra_pmi_proxy"]
+        held = [path for pid in proxies for path in _held_by(pid)
+                if path.name.startswith(segments.TOPOLOGY_PREFIX)]
         if held:
             return held[0]
         time.sleep(0.2)
@@ -129,6 +128,16 @@ def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:
 def _descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(child) for child in out] + [d for child in out for d in _descendants(int(child))]
+
+
+def _held_by(pid: int) -> list[Path]:
+    held = []
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            held.append(Path(os.readlink(fd)))
+        except OSError:  # closed meanwhile
+            continue
+    return held
 
 
 def _comm(pid: int) -> str:

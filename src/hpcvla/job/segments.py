@@ -5,9 +5,9 @@ MPICH's ranks remove their segments (`/dev/shm/mpich_*`, a few MB each, the node
 when they end cleanly; ranks killed or aborted leave them there, and a requeued Slurm job's
 new ranks, whose step ids are the killed ones', would join them. Hydra's proxy (mpiexec's
 process on each node) writes the node's topology for its ranks to
-`/tmp/hydra_hwloc_xmlfile_*` and holds it open until it exits; it removes it when its ranks
-end cleanly, not when one is killed. So every launcher removes, after a failed world, the
-orphans: `hpcvla launch` (job/launch.py) on its machine, jobs/launch.sh on every node of the
+`/tmp/hydra_hwloc_xmlfile_*` and holds it open; it removes it as it exits, even after a rank
+was killed, but not when it is killed itself (a Slurm time limit or scancel, the OOM killer).
+So every launcher removes, after a failed world, the orphans: `hpcvla launch` (job/launch.py) on its machine, jobs/launch.sh on every node of the
 world at once (and on a requeued job's nodes before its first world), each node running
 
     python -m hpcvla.job.segments remove-orphans
