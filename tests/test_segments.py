@@ -117,8 +117,8 @@ def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         proxies = [pid for pid in _descendants(mpiexec_pid) if _comm(pid) == "hydra_pmi_proxy"]
-        held = [path for pid in proxies for path in _held_by(pid)
-                if path.name.startswith(segments.TOPOLOGY_PREFIX)]
+        held = [path for pid in proxies
+                for path in segments.held_open(segments.TOPOLOGY_PREFIX, pid)]
         if held:
             return held[0]
         time.sleep(0.2)
@@ -128,16 +128,6 @@ def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:
 def _descendants(pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return [int(child) for child in out] + [d for child in out for d in _descendants(int(child))]
-
-
-def _held_by(pid: int) -> list[Path]:
-    held = []
-    for fd in Path(f"/proc/{pid}/fd").glob("*"):
-        try:
-            held.append(Path(os.readlink(fd)))
-        except OSError:  # closed meanwhile
-            continue
-    return held
 
 
 def _comm(pid: int) -> str:

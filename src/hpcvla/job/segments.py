@@ -7,8 +7,9 @@ new ranks, whose step ids are the killed ones', would join them. Hydra's proxy (
 process on each node) writes the node's topology for its ranks to
 `/tmp/hydra_hwloc_xmlfile_*` and holds it open; it removes it as it exits, even after a rank
 was killed, but not when it is killed itself (a Slurm time limit or scancel, the OOM killer).
-So every launcher removes, after a failed world, the orphans: `hpcvla launch` (job/launch.py) on its machine, jobs/launch.sh on every node of the
-world at once (and on a requeued job's nodes before its first world), each node running
+So every launcher removes, after a failed world, the orphans: `hpcvla launch`
+(job/launch.py) on its machine, jobs/launch.sh on every node of the world at once (and on a
+requeued job's nodes before its first world), each node running
 
     python -m hpcvla.job.segments remove-orphans
 
@@ -68,7 +69,7 @@ def orphans(before: set[Path] = frozenset(), settle_s: float = 0.0) -> set[Path]
 
 def topology_orphans() -> set[Path]:
     """This user's Hydra topology files that no live process has open."""
-    return topology_files() - _open(TOPOLOGY_PREFIX)
+    return topology_files() - held_open(TOPOLOGY_PREFIX)
 
 
 def remove_orphans(before: set[Path] = frozenset(), settle_s: float = SETTLE_S) -> set[Path]:
@@ -91,11 +92,12 @@ def _mapped() -> set[Path]:
     return mapped
 
 
-def _open(prefix: str) -> set[Path]:
-    """The files named `prefix`... in TOPOLOGY_DIR that a live process has open."""
+def held_open(prefix: str, pid: int | None = None) -> set[Path]:
+    """The files named `prefix`... in TOPOLOGY_DIR that a live process (or process `pid`)
+    has open."""
     start = str(TOPOLOGY_DIR / prefix)
     held = set()
-    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+    for fd in Path("/proc").glob(f"{pid or '[0-9]*'}/fd/*"):
         try:
             target = os.readlink(fd)
         except OSError:  # the process or the descriptor ended, or is not ours to read
