@@ -158,6 +158,32 @@ def test_grpo_loss_masks_filtered_episodes():
     assert stats["clip_fraction"] == pytest.approx(2 / 4)
 
 
+def test_grpo_loss_mean_over_episodes_weighs_a_short_success_as_a_long_failure():
+    # one group of 2 columns, T = 4: column 0 succeeds at t = 0 (a 1-step episode, then an
+    # auto-reset episode that is not kept), column 1 fails to the limit (4 steps); A = +1, -1
+    dones = torch.tensor([[1, 0], [0, 0], [0, 0], [1, 1]], dtype=torch.bool)
+    success = torch.tensor([[1, 0], [0, 0], [0, 0], [0, 0]], dtype=torch.bool)
+    episodes, index = first_episode_advantages(dones, success, group_size=2)
+    proximal = torch.zeros(4, 2, 3)  # 3 units (tokens) per step
+    logprob = torch.full((4, 2, 3), math.log(1.1))  # ratio 1.1 everywhere, inside the clip
+    by_steps, _ = grpo_loss(logprob, proximal, proximal.sum(-1), episodes, index)
+    by_episodes, stats = grpo_loss(logprob, proximal, proximal.sum(-1), episodes, index,
+                                   mean_over="episodes")
+    # steps: 1 step at +1.1, 4 steps at -1.1, all of 3 units -> -(1.1 - 4.4) / 5
+    assert by_steps.item() == pytest.approx(-(1.1 - 4 * 1.1) / 5, rel=1e-6)
+    # episodes: each its own mean, then the two averaged -> -(1.1 - 1.1) / 2 = 0
+    assert by_episodes.item() == pytest.approx(0.0, abs=1e-6)
+    assert stats["clip_fraction"] == 0.0
+    # the gradient pushes the success's units up as hard as the failure's down
+    logprob.requires_grad_(True)
+    grpo_loss(logprob, proximal, proximal.sum(-1), episodes, index,
+              mean_over="episodes")[0].backward()
+    up, down = -logprob.grad[0, 0].sum(), logprob.grad[:, 1].sum()
+    assert up.item() == pytest.approx(down.item(), rel=1e-6) and up.item() > 0
+    with pytest.raises(ValueError, match="'steps' or 'episodes'"):
+        grpo_loss(logprob, proximal, proximal.sum(-1), episodes, index, mean_over="tokens")
+
+
 # ----------------------------------------------------------------------------- granularity
 
 

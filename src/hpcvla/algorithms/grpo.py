@@ -115,17 +115,31 @@ def first_episode_advantages(done: torch.Tensor, step_scores: torch.Tensor, grou
 
 
 def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvantages,
-              index: torch.Tensor, clip: float = 0.2, max_behaviour_weight: float = 2.0):
+              index: torch.Tensor, clip: float = 0.2, max_behaviour_weight: float = 2.0,
+              mean_over: str = "steps"):
     """GRPO's policy loss over (T, N) chunk-steps (or finer units, (T, N, *units)): each
     step takes its episode's advantage (`index` from `episodes_of`); steps of episodes not
     kept (degenerate group, or not valid, e.g. unfinished) are masked out. Same decoupled
     objective and diagnostics as PPO. The advantages may live on the CPU (they are index
-    bookkeeping); they follow `logprob` to its device."""
+    bookkeeping); they follow `logprob` to its device.
+
+    `mean_over`: "steps" averages the loss over every step of the kept episodes (DAPO's
+    token mean), so an episode weighs by its length: where success ends an episode, a
+    failure that runs to the time limit outweighs the successes of its group. "episodes"
+    averages each kept episode's steps first, then the episodes (DeepSeekMath's GRPO): every
+    episode weighs the same. The diagnostics are averaged the same way."""
+    if mean_over not in ("steps", "episodes"):
+        raise ValueError(f"mean_over {mean_over!r}: expected 'steps' or 'episodes'")
     device = logprob.device
+    keep = episodes.keep.float()
+    if mean_over == "episodes":  # each step weighs 1 / its episode's length
+        length = torch.zeros_like(keep).index_add_(0, index.reshape(-1),
+                                                   torch.ones(index.numel()))
+        keep = keep / length.clamp(min=1.0)
     index = index.to(device)
     return decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
                               episodes.advantages.to(device)[index], clip,
-                              max_behaviour_weight, mask=episodes.keep.to(device)[index])
+                              max_behaviour_weight, mask=keep.to(device)[index])
 
 
 __all__ = ["GroupAdvantages", "group_advantages", "episodes_of", "per_episode",

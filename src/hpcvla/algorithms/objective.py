@@ -81,7 +81,8 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     mask = ~batch["env_fault"]  # a failed env's step is masked out everywhere
     if alg.name == "grpo":  # critic-free: the value head is not trained
         pg_loss, stats = grpo_loss(logprob, proximal, behaviour, advantages.episodes,
-                                   advantages.index, alg.clip, alg.max_behaviour_weight)
+                                   advantages.index, alg.clip, alg.max_behaviour_weight,
+                                   alg.group_loss_mean)
         v_loss = torch.zeros((), device=logprob.device)
         episodes = advantages.episodes
         stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))

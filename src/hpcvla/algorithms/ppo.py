@@ -85,7 +85,8 @@ def decoupled_ppo_loss(
     unit then uses its chunk's advantage, and w is the chunk's weight, exp(sum of the
     proximal unit log-probs - behaviour), the exact correction for the chunk the behaviour
     policy sampled. `mask` (B,) or like `logprob`, 0/1 or bool: the mean runs over the
-    included units only (GRPO drops degenerate groups this way).
+    included units only (GRPO drops degenerate groups this way); non-negative weights make
+    it a weighted mean (GRPO's mean over episodes weighs a step by 1 / its episode's length).
     """
     proximal_logprob = proximal_logprob.detach()
     behaviour_logprob = behaviour_logprob.detach()

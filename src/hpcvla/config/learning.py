@@ -188,6 +188,12 @@ class AlgorithmConfig:
     group_normalize_std: bool = setting(
         True, "GRPO: divide advantages by the group's std (false: only centre them, as Dr. "
         "GRPO argues, so easy and hard groups weigh alike).")
+    group_loss_mean: str = setting(
+        "steps", "GRPO: what the loss averages over. `steps`: every chunk-step of the kept "
+        "episodes weighs the same (DAPO's token mean), so where success ends an episode a "
+        "failure that runs to the time limit outweighs its group's successes; `episodes`: "
+        "each episode's steps are averaged first, so every episode weighs the same "
+        "(DeepSeekMath's GRPO).", choices=("steps", "episodes"))
     lr: float = setting(3e-4, "Adam learning rate of the policy: faster learning vs. "
                         "stability.", ge=0)
     critic_lr: float = setting(
