@@ -131,11 +131,10 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
     if mean_over not in ("steps", "episodes"):
         raise ValueError(f"mean_over {mean_over!r}: expected 'steps' or 'episodes'")
     device = logprob.device
-    keep = episodes.keep.float()
+    keep = episodes.keep.float().cpu()
     if mean_over == "episodes":  # each step weighs 1 / its episode's length
-        length = torch.zeros_like(keep).index_add_(0, index.reshape(-1),
-                                                   torch.ones(index.numel()))
-        keep = keep / length.clamp(min=1.0)
+        length = torch.bincount(index.reshape(-1).cpu(), minlength=keep.numel())
+        keep = keep / length.clamp(min=1)
     index = index.to(device)
     return decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
                               episodes.advantages.to(device)[index], clip,
