@@ -184,6 +184,36 @@ def test_grpo_loss_mean_over_episodes_weighs_a_short_success_as_a_long_failure()
         grpo_loss(logprob, proximal, proximal.sum(-1), episodes, index, mean_over="tokens")
 
 
+@pytest.mark.parametrize("mean_over, pg_loss", [("steps", 0.6), ("episodes", 0.0)])
+def test_the_setting_reaches_the_learners_loss(mean_over, pg_loss):
+    """Through the learner's `policy_loss` on fresh data (ratio and weight 1): a group whose
+    success ends at its first step and whose failure runs all 4, A = +1 / -1."""
+    from hpcvla.algorithms.objective import policy_loss
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    cfg = load_config(ROOT / "configs/default.yaml", [
+        "algorithm.name=grpo", "algorithm.group_size=2", "env.max_episode_chunks=8",
+        f"algorithm.group_loss_mean={mean_over}"])
+    spec = env_spec(cfg.env)
+    policy = build_policy(cfg, spec)
+    T, N, rng = 4, 2, np.random.default_rng(0)
+    obs = {k: (rng.standard_normal((T * N, *shape)) if dt == "<f4"
+               else rng.integers(0, 200, (T * N, *shape))).astype(dt)
+           for k, (shape, dt) in spec.obs.items()}
+    obs["instruction"] = np.ones_like(obs["instruction"])  # token ids inside the vocabulary
+    with torch.no_grad():
+        out = policy.act({k: torch.as_tensor(v) for k, v in obs.items()})
+    batch = {f"obs.{k}": v.reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+    done = np.zeros((T, N), bool)
+    done[0, 0] = done[-1, 1] = True
+    batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
+                 logprob=out.logprob.numpy().reshape(T, N), done=done, success=done.copy(),
+                 env_fault=np.zeros((T, N), bool))
+    batch["success"][-1, 1] = False
+    _, stats, _ = policy_loss(cfg.algorithm, policy, batch)
+    assert stats["pg_loss"] == pytest.approx(pg_loss, abs=1e-4)
+
+
 # ----------------------------------------------------------------------------- granularity
 
 
