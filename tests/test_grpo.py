@@ -19,7 +19,7 @@ from hpcvla.envs import make_env
 from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.preflight import check_pipeline
 from hpcvla.topology.plan import plan_from_config
-from helpers import ROOT
+from helpers import ROOT, policy_batch
 
 # ----------------------------------------------------------------------------- GRPO
 
@@ -196,14 +196,11 @@ def test_the_setting_reaches_the_learners_loss(mean_over, pg_loss):
         f"algorithm.group_loss_mean={mean_over}"])
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec)
-    T, N, rng = 4, 2, np.random.default_rng(0)
-    obs = {k: (rng.standard_normal((T * N, *shape)) if dt == "<f4"
-               else rng.integers(0, 200, (T * N, *shape))).astype(dt)
-           for k, (shape, dt) in spec.obs.items()}
-    obs["instruction"] = np.ones_like(obs["instruction"])  # token ids inside the vocabulary
+    T, N = 4, 2
+    obs, _ = policy_batch(spec, T * N)
     with torch.no_grad():
-        out = policy.act({k: torch.as_tensor(v) for k, v in obs.items()})
-    batch = {f"obs.{k}": v.reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+        out = policy.act(obs)
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
     done = np.zeros((T, N), bool)
     done[0, 0] = done[-1, 1] = True
     batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),

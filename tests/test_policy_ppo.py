@@ -11,6 +11,7 @@ from torch.distributions import Normal
 
 from hpcvla.algorithms import decoupled_ppo_loss, gae, normalize_advantages, value_loss
 from hpcvla.policies import ActOutput, DefaultPolicy, Policy, make_policy
+from helpers import policy_batch
 
 VOCAB = 20
 ACTION_DIM = 3
@@ -309,12 +310,10 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec)
     T, N, rng = 4, 4, np.random.default_rng(0)
-    obs = {k: rng.integers(0, 200, (T * N, *shape)).astype(dt) if dt != "<f4"
-           else rng.standard_normal((T * N, *shape)).astype(dt) for k, (shape, dt) in spec.obs.items()}
-    obs["instruction"] = np.ones_like(obs["instruction"])
+    obs, _ = policy_batch(spec, T * N)
     with torch.no_grad():
-        out = policy.act({k: torch.as_tensor(v) for k, v in obs.items()})
-    batch = {f"obs.{k}": v.reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+        out = policy.act(obs)
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
     batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
                  logprob=out.logprob.numpy().reshape(T, N), value=out.value.numpy().reshape(T, N),
                  reward=rng.standard_normal((T, N)).astype(np.float32),
