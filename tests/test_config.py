@@ -129,6 +129,17 @@ def test_all_problems_reported_at_once():
                                                    "learner.zero_stage"]
 
 
+def test_the_error_names_where_the_bad_setting_came_from():
+    """A problem the command line brought is not blamed on the file or the built-in defaults."""
+    for path, overrides, origin in [
+            (None, ["run.out_dir=x"], "invalid command-line settings over the built-in defaults:"),
+            (ROOT / "configs/default.yaml", ["run.out_dir=x"],
+             f"invalid {ROOT / 'configs/default.yaml'} with its command-line overrides:")]:
+        with pytest.raises(ConfigError) as err:
+            load_config(path, overrides)
+        assert str(err.value).startswith(origin), err.value
+
+
 def test_malformed_and_missing_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("placement:\n  mode: [colocated\n")

@@ -38,7 +38,7 @@ from pathlib import Path
 import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
-from hpcvla.config import ConfigError, describe_settings, load_config
+from hpcvla.config import ConfigError, config_source, describe_settings, load_config
 from hpcvla.config.loader import config_to_dict
 from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.topology.plan import PlanError, plan_from_config
@@ -198,7 +198,8 @@ def cmd_train(args) -> int:
         args.config = None
     if args.config is None:  # resuming without a config: the run's own, overrides on top
         args.config = resumed_run_config(args.overrides)
-    cfg, source = load_config(args.config, args.overrides), str(args.config or "built-in defaults")
+    cfg = load_config(args.config, args.overrides)
+    source = config_source(args.config, args.overrides)
     from hpcvla import preflight  # packages, files and devices this config needs
     if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks

@@ -31,26 +31,34 @@ class ConfigError(ValueError):
         super().__init__(f"invalid {source}:\n" + "\n".join(lines))
 
 
+def config_source(path: str | Path | None, overrides: list[str] = ()) -> str:
+    """What a ConfigError names as the settings' origin: a problem may be the command line's,
+    not the file's (or the built-in defaults', which are valid by themselves)."""
+    if path is None:
+        return "command-line settings over the built-in defaults" if overrides \
+            else "built-in defaults"
+    return f"{path} with its command-line overrides" if overrides else str(path)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read `path` (None = built-in defaults), apply `key.sub=value` overrides, check all."""
     data: dict = {}
-    source = "built-in defaults"
+    source = config_source(path, overrides)
     if path is not None:
-        source = str(path)
         try:
             text = Path(path).read_text()
         except OSError as err:
             raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})")],
-                              source) from None
+                              str(path)) from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
             raise ConfigError([(f"YAML at {where}", getattr(err, "problem", str(err)),
-                                "well-formed YAML")], source) from None
+                                "well-formed YAML")], str(path)) from None
         if not isinstance(data, dict):
-            raise ConfigError([("top level", data, "a mapping of sections")], source)
+            raise ConfigError([("top level", data, "a mapping of sections")], str(path))
     return _checked(data, overrides, source)
 
 
