@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import ROOT, hpcvla
+from helpers import ROOT, hpcvla, run_train
 
 
 def _run_dir(tmp_path, config: str, *overrides: str):
@@ -178,3 +178,21 @@ def test_a_built_in_policy_is_refused_an_env_with_other_instruction_words(tmp_pa
     assert "another instruction vocabulary" in out.stderr and "lift" in out.stderr, \
         out.stderr[-2000:]
     assert not out.stdout
+
+
+@pytest.mark.mpi
+def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path):
+    """RUN_DIR/checkpoints/v*/ names that checkpoint of its run to `hpcvla eval` and `hpcvla
+    export`, as `policy.checkpoint` takes it; the run directory names its newest."""
+    _, _, run = run_train(tmp_path / "runs", "pipeline.total_updates=2",
+                          "learner.checkpoint_every=1")
+    first = run / "checkpoints" / "v000001"
+    size = ("--episodes", 4, "--envs", 4, "--json", "--deterministic")
+    for path, version in [(first, 1), (run, 2)]:
+        out = hpcvla("eval", path, *size, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == version
+    out = hpcvla("eval", first, "--all", timeout=60)
+    assert out.returncode == 2 and "--all" in out.stderr and not out.stdout, out.stderr
+    out = hpcvla("export", first, tmp_path / "export", timeout=120)
+    assert out.returncode == 0 and "policy version 1 written" in out.stdout, out.stderr[-2000:]

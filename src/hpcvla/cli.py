@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
 
     evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
                                            "of its untrained policy) on fixed initial states")
-    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its "
+                                                             "checkpoints/v*/ to evaluate that one")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value",
                           help="settings changed for the evaluation, e.g. env.suite_task=-1 "
                                "(every task of the suite) for a policy trained on one task")
@@ -145,7 +146,8 @@ def _parser() -> argparse.ArgumentParser:
                                "srun/mpirun world this runs in)")
 
     export = sub.add_parser("export", help="a run's newest checkpoint as a policy folder")
-    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its "
+                                                           "checkpoints/v*/ to export that one")
     export.add_argument("out", metavar="FOLDER", help="the folder to write")
     export.add_argument("--format", choices=("auto", "published", "hpcvla"), default="auto",
                         help="published: the layout of the run's policy.pretrained folder, for "
@@ -328,9 +330,13 @@ def cmd_inspect(args) -> int:
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
     from hpcvla.evaluate import describe, eval_problem, evaluate_policies, write_curve
-    run_dir = Path(args.run_dir)
+    run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
+        return 2
+    if chosen and args.all:
+        print(f"hpcvla eval: --all evaluates every checkpoint of a run: give {run_dir}, "
+              f"not one of its checkpoints", file=sys.stderr)
         return 2
     try:
         from hpcvla.preflight import check_config, check_env
@@ -346,7 +352,8 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
-    kept = catalog.complete(run_dir) if args.all or not args.untrained else []
+    kept = ([chosen] if chosen else catalog.complete(run_dir)) \
+        if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
@@ -358,7 +365,7 @@ def cmd_eval(args) -> int:
         flags = [f"--episodes={args.episodes}", f"--envs={args.envs}",
                  f"--video={args.video}"] + \
             [f"--{f}" for f in ("untrained", "deterministic", "all", "json") if getattr(args, f)]
-        return run_world(args.ranks, ["eval", str(run_dir), *flags, *args.overrides],
+        return run_world(args.ranks, ["eval", args.run_dir, *flags, *args.overrides],
                          cfg.launch.mpiexec, mpi=cfg.launch.mpi)
 
     def report(world) -> None:
@@ -386,12 +393,12 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from pathlib import Path
 
-    from hpcvla.checkpoint.catalog import CheckpointError
+    from hpcvla.checkpoint.catalog import CheckpointError, run_and_checkpoint
     from hpcvla.evaluate import export_policy
-    run_dir = Path(args.run_dir)
+    run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
     try:
         cfg = load_config(run_dir / "config.yaml")
-        print(export_policy(cfg, run_dir, Path(args.out), args.format)["summary"])
+        print(export_policy(cfg, run_dir, Path(args.out), args.format, chosen)["summary"])
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"hpcvla export: {err}", file=sys.stderr)
         return 2

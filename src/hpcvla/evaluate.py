@@ -167,11 +167,12 @@ def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:
     return store.load_weights(path), catalog.read_state(path)
 
 
-def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto") -> dict:
-    """The newest checkpoint of the run `cfg` configured, as a policy folder, LoRA adapters
-    merged into the weights (policies/lora.py). `layout`: "published", the layout of the
-    published folder the run started from (policy.pretrained), which the reference's own
-    loader reads (policies/export.py: the RL heads left out); "hpcvla", the folder
+def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
+                  checkpoint: Path | None = None) -> dict:
+    """The newest checkpoint (or `checkpoint`) of the run `cfg` configured, as a policy
+    folder, LoRA adapters merged into the weights (policies/lora.py). `layout`: "published",
+    the layout of the published folder the run started from (policy.pretrained), which the
+    reference's own loader reads (policies/export.py: the RL heads left out); "hpcvla", the folder
     `policy.pretrained` and `policies.load_pretrained` read, RL heads kept
     (policies.save_pretrained); "auto": published for a run from a published folder.
     Returns its version, merged layers, folder, layout and a line saying so."""
@@ -189,8 +190,8 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto") -> dict:
             "published folder here; export it with --format hpcvla, or edit policy.pretrained "
             f"in {run_dir / 'config.yaml'} to where that folder now is")
     policy = build_policy(cfg, env_spec(cfg.env))
-    weights, state = checkpoint_weights(run_dir)
-    store.check_fit(weights, policy.state_dict(), run_dir)
+    weights, state = checkpoint_weights(checkpoint or run_dir)
+    store.check_fit(weights, policy.state_dict(), checkpoint or run_dir)
     policy.load_arrays(weights)
     del weights  # at full size a second copy of the policy: written files need the room
     merged = merge_lora(policy) if cfg.policy.lora_rank else 0

@@ -48,6 +48,16 @@ def latest(path: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def run_and_checkpoint(path: Path) -> tuple[Path, Path | None]:
+    """What a command given `path` reads: a checkpoint directory (RUN_DIR/checkpoints/v*/)
+    is that checkpoint of its run, whose config.yaml is two levels up; any other path is a
+    run directory and names no checkpoint of its own."""
+    path = Path(path)
+    if path.parent.name == "checkpoints" and (path / STATE).is_file():
+        return path.parent.parent, path
+    return path, None
+
+
 def read_state(path: Path) -> dict:
     """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
     wrong."""
