@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -138,6 +139,19 @@ def test_the_error_names_where_the_bad_setting_came_from():
         with pytest.raises(ConfigError) as err:
             load_config(path, overrides)
         assert str(err.value).startswith(origin), err.value
+
+
+def test_a_command_with_an_optional_config_takes_overrides_alone(capsys):
+    """`hpcvla train|config|doctor key=value ...` overrides the built-in defaults: the first
+    `key=value` is no config file's name."""
+    from hpcvla.cli import main
+
+    assert main(["config", "run.seed=7", "learner.zero_stage=2"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert (resolved["run"]["seed"], resolved["learner"]["zero_stage"]) == (7, 2)
+    assert main(["train", "run.out_dir=x"]) == 2  # refused before any rank starts
+    assert "invalid command-line settings over the built-in defaults:\n  run.out_dir" \
+        in capsys.readouterr().err
 
 
 def test_malformed_and_missing_files(tmp_path):

@@ -1,14 +1,14 @@
 """The `hpcvla` command.
 
-    hpcvla train CONFIG [key=value ...] [--ranks N]   the main job (--ranks: start N ranks here)
+    hpcvla train [CONFIG] [key=value ...] [--ranks N] the main job (--ranks: start N ranks here)
     hpcvla sft CONFIG sft.demos=F [key=value ...] [--ranks N]
                                                       supervised fine-tuning on demonstrations
     hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
-    hpcvla plan --auto CONFIG --world N --ranks-per-node M [--costs C] [--json]
+    hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla doctor [CONFIG] [key=value ...] [--json]   does this node have what the job needs?
-    hpcvla eval RUN_DIR [key=value ...] [--all] [--ranks N]
+    hpcvla eval RUN_DIR|CHECKPOINT [key=value ...] [--all] [--ranks N]
                                                       success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
                                                       shards, gpu, fullsize, scale, memory,
@@ -20,7 +20,8 @@
                  [--policy RUN_DIR [--deterministic]]
                                                       record a scripted expert's demonstrations
                                                       (--policy: a run's policy acts, DAgger)
-    hpcvla export RUN_DIR FOLDER [--format F]         the newest checkpoint as a policy folder
+    hpcvla export RUN_DIR|CHECKPOINT FOLDER [--format F]
+                                                      a checkpoint as a policy folder
 
 Config errors, impossible layouts and what the config needs of this machine (preflight.py)
 are reported here, in the launching process, before any MPI rank starts. Only `train`, `sft`
@@ -49,6 +50,7 @@ def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None
                         help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. learner.zero_stage=3")
+    parser.set_defaults(config_optional=not required)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,8 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "or with run.resume=DIR the resumed run's own config)")
     _config_args(train, required=False)
     train.add_argument("--ranks", type=int, default=None,
-                       help="start this many ranks on this machine (default: run in the "
-                            "current MPI world, as under srun/mpirun)")
+                       help="start this many ranks on this machine (default: under "
+                            "srun/mpirun the launcher's world, alone launch.ranks here)")
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (sft.demos): "
                                      "the imitation start RL post-trains")
@@ -175,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides += extra
+    if getattr(args, "config_optional", False) and args.config and "=" in args.config \
+            and not Path(args.config).is_file():  # `hpcvla train a.b=1`: the built-in defaults
+        args.overrides.insert(0, args.config)
+        args.config = None
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, PlanError) as err:
@@ -195,9 +201,6 @@ def _launcher_rank() -> int | None:
 
 
 def cmd_train(args) -> int:
-    if args.config is not None and "=" in args.config:  # `hpcvla train key=value ...`
-        args.overrides.insert(0, args.config)
-        args.config = None
     if args.config is None:  # resuming without a config: the run's own, overrides on top
         args.config = resumed_run_config(args.overrides)
     cfg = load_config(args.config, args.overrides)
