@@ -49,11 +49,11 @@ def latest(path: Path) -> Path | None:
 
 
 def run_and_checkpoint(path: Path) -> tuple[Path, Path | None]:
-    """What a command given `path` reads: a checkpoint directory (RUN_DIR/checkpoints/v*/)
-    is that checkpoint of its run, whose config.yaml is two levels up; any other path is a
-    run directory and names no checkpoint of its own."""
+    """What a command given `path` reads: a complete checkpoint (RUN_DIR/checkpoints/v*/) is
+    that checkpoint of its run, whose config.yaml is two levels up; any other path is a run
+    directory and names no checkpoint of its own."""
     path = Path(path)
-    if path.parent.name == "checkpoints" and (path / STATE).is_file():
+    if path.parent.name == "checkpoints" and path in complete(path.parent.parent):
         return path.parent.parent, path
     return path, None
 
