@@ -106,6 +106,46 @@ def test_wilson_interval_matches_the_score_formula():
     assert wilson_interval(0, 0) == (0.0, 1.0)
 
 
+def test_paired_difference_matches_agresti_min_and_mcnemars_exact_test():
+    from scipy.stats import binomtest
+
+    from hpcvla.metrics.stats import paired_difference
+    # 10 episodes: 4 gained, 1 lost, 5 alike; +1/2 to each pair's count: (4.5 - 1.5) / 12
+    before = [0, 0, 0, 0, 1, 1, 1, 0, 1, 0]
+    after = [1, 1, 1, 1, 0, 1, 1, 0, 1, 0]
+    result = paired_difference(before, after)
+    half = 1.96 * ((4.5 + 1.5) - 3.0 ** 2 / 12) ** 0.5 / 12
+    assert result == {**result, "episodes": 10, "difference": pytest.approx(0.3),
+                      "gained": 4, "lost": 1}
+    assert result["ci95"] == pytest.approx([0.25 - half, 0.25 + half])
+    assert result["mcnemar_p"] == pytest.approx(binomtest(1, 5, 0.5).pvalue) == 0.375
+    alike = paired_difference([1, 0] * 50, [1, 0] * 50)  # no discordant episode
+    assert (alike["difference"], alike["mcnemar_p"]) == (0.0, 1.0)
+    assert alike["ci95"] == pytest.approx([-1.96 / 102, 1.96 / 102])
+    with pytest.raises(ValueError, match="one outcome of each policy per episode"):
+        paired_difference([1, 0], [1])
+
+
+def test_each_policy_of_an_evaluation_is_paired_with_the_first_on_their_common_episodes():
+    from hpcvla.evaluate import describe, paired_with_first
+
+    def result(version, outcomes, fault=()):
+        episodes = [{"task": "t", "init_state_id": i, "success": bool(s), "env_fault": i in fault}
+                    for i, s in outcomes]
+        return {"version": version, "per_episode": episodes}
+    curve = paired_with_first([result(0, [(0, 0), (1, 0), (2, 1), (3, 0)], fault=(3,)),
+                               result(5, [(0, 1), (1, 0), (2, 1), (3, 1), (4, 1)])])
+    assert "vs_first" not in curve[0]
+    # state 3 faulted in the first, state 4 it never ran: 3 pairs, one gained
+    assert curve[1]["vs_first"] == {**curve[1]["vs_first"], "version": 0, "episodes": 3,
+                                    "gained": 1, "lost": 0}
+    shown = describe({**curve[1], "success_rate": 1.0, "success_ci95": [0.5, 1.0],
+                      "episodes": 5, "actions": "sampled", "mean_return": 1.0, "env_faults": 0,
+                      "init_state_ids": [0, 4], "split": "evaluation", "states": "s",
+                      "ranks": 1, "hosts": ["h"], "device": "cpu", "per_task": {"t": {}}})
+    assert "against version 0 on the same 3 episodes: +0.333" in shown, shown
+
+
 @pytest.mark.mpi
 @pytest.mark.slow  # ~30 s: 2 LIBERO episodes of 220 steps with the tiny π0, one per rank
 def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(tmp_path):
@@ -192,6 +232,11 @@ def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path)
         out = hpcvla("eval", path, *size, timeout=120)
         assert out.returncode == 0, out.stderr[-2000:]
         assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == version
+    out = hpcvla("eval", first, "--untrained", *size, timeout=120)  # that one against its start
+    untrained, trained = map(json.loads, out.stdout.strip().splitlines())
+    assert (untrained["version"], trained["version"], trained["vs_first"]["version"]) == (0, 1, 0)
+    assert trained["vs_first"]["difference"] == \
+        trained["success_rate"] - untrained["success_rate"]  # the same 4 states, none faulted
     out = hpcvla("eval", first, "--all", timeout=60)
     assert out.returncode == 2 and "--all" in out.stderr and not out.stdout, out.stderr
     out = hpcvla("export", first, tmp_path / "export", timeout=120)

@@ -127,8 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--envs", type=int, default=32,
                           help="envs stepped together (default 32, at most --episodes)")
     evaluate.add_argument("--untrained", action="store_true",
-                          help="the policy as the run's config initialises it (with --all: "
-                               "first, as version 0)")
+                          help="the policy as the run's config initialises it (with --all "
+                               "or a checkpoint's path: first, as version 0, and each "
+                               "checkpoint against it, episode by episode)")
     evaluate.add_argument("--deterministic", action="store_true",
                           help="act with each policy's deterministic action (the Gaussian's "
                                "mean, the top token, the flow from zero noise) instead of "
@@ -355,7 +356,7 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
-    kept = ([chosen] if chosen else catalog.complete(run_dir)) \
+    kept = [chosen] if chosen else catalog.complete(run_dir) \
         if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):

@@ -3,7 +3,9 @@ its config builds) on a fixed set of initial states of the configured env: the h
 states of roles/heldout.py (which says what they are and how episodes count), the result
 naming the split, the id range and what the states are. Two policies evaluated with the same
 `episodes` see the same states, so their success rates compare directly (the policy still
-samples its actions, as it does in training, unless `deterministic`).
+samples its actions, as it does in training, unless `deterministic`), and episode by
+episode: several policies in one `hpcvla eval` (`--untrained`, `--all`) are each compared
+with the first on the same episodes (`paired_with_first`).
 
 On several ranks (`hpcvla eval --ranks N`, or srun/mpirun in jobs/slurm/eval.sbatch) the
 states go out in batches of `envs`, batch b to rank b mod N, every rank an env batch and the
@@ -21,6 +23,7 @@ from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
 from hpcvla.devices import bind_rank_device, local_device
+from hpcvla.metrics.stats import paired_difference
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.topology.plan import INF, SIM
 from hpcvla.transport.backoff import idle_barrier
@@ -108,6 +111,23 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
                                  deterministic=deterministic, world=world, video=video,
                                  video_dir=run_dir / "videos" /
                                  f"v{state['version']:06d}-{actions}")})
+    return paired_with_first(curve)
+
+
+def paired_with_first(curve: list[dict]) -> list[dict]:
+    """Each result after the first, `vs_first`: its success minus the first's on the episodes
+    both ran (the same task and initial state; env faults in either left out), paired
+    (metrics/stats.paired_difference). For an RL run, `hpcvla eval RUN --untrained --all`
+    compares each kept checkpoint with the policy it started from (its policy.checkpoint)."""
+    first = {(e["task"], e["init_state_id"]): e["success"]
+             for e in curve[0]["per_episode"] if not e["env_fault"]} if curve else {}
+    for result in curve[1:]:
+        pairs = [(first[key], e["success"]) for e in result["per_episode"]
+                 if not e["env_fault"] and (key := (e["task"], e["init_state_id"])) in first]
+        if pairs:
+            before, after = zip(*pairs)
+            result["vs_first"] = {"version": curve[0]["version"],
+                                  **paired_difference(before, after)}
     return curve
 
 
@@ -122,6 +142,12 @@ def describe(result: dict) -> str:
     if "success_at_end" in result:
         lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
                      f"success_at_end {result['success_at_end']:.3f}")
+    if "vs_first" in result:
+        vs = result["vs_first"]
+        lines.append(f"  against version {vs['version']} on the same {vs['episodes']} episodes: "
+                     f"{vs['difference']:+.3f} (95 % {vs['ci95'][0]:+.3f} .. {vs['ci95'][1]:+.3f}"
+                     f", paired; {vs['gained']} gained, {vs['lost']} lost, McNemar p "
+                     f"{vs['mcnemar_p']:.2g})")
     ids = result["init_state_ids"]
     lines.append(f"  {result['split']} split: init_state_ids {ids[0]}..{ids[1]}, "
                  f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "
