@@ -99,6 +99,8 @@ def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypat
      "at most sft.lr (0.0001)"),
     (["sft.schedule=linear"], "sft.schedule", "one of constant, cosine"),
     (["sft.val_every=50"], "sft.val_every", "0 without sft.val_demos"),
+    (["policy.temprature=1"], "policy.temprature", "did you mean `temperature`?"),
+    (["learner.lr=1e-4"], "learner.lr", "no such setting here (it is `algorithm.lr` or `sft.lr`)"),
 ])
 def test_bad_values_name_field_value_and_fix(overrides, field, valid):
     with pytest.raises(ConfigError) as err:

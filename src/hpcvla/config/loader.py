@@ -100,6 +100,16 @@ def _apply_override(data: dict, item: str, problems: list) -> None:
     node[leaf] = value
 
 
+def _nearest(key: str, fields) -> str:
+    """A hint for an unknown `key` among a section's `fields`: a close spelling there, else
+    the same name in other sections (`learner.lr`: algorithm.lr or sft.lr)."""
+    close = difflib.get_close_matches(key, fields, n=1)
+    if close:
+        return f" (did you mean `{close[0]}`?)"
+    elsewhere = [name for name, *_ in describe_settings() if name.rsplit(".", 1)[-1] == key]
+    return f" here (it is {' or '.join(f'`{n}`' for n in elsewhere)})" if elsewhere else ""
+
+
 def _build(cls, data: Any, prefix: str, problems: list):
     """Instantiate dataclass `cls` from `data`, appending problems instead of raising."""
     where = prefix.rstrip(".") or "top level"
@@ -110,10 +120,9 @@ def _build(cls, data: Any, prefix: str, problems: list):
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean `{close[0]}`?)" if close else ""
             problems.append((prefix + (str(key) or "''"), data[key],
-                             f"no such setting{hint}; valid: {', '.join(fields)}"))
+                             f"no such setting{_nearest(str(key), fields)}; valid: "
+                             f"{', '.join(fields)}"))
     values = {}
     for name, f in fields.items():
         if name not in data:
