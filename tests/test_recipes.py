@@ -1,9 +1,9 @@
 """Every command a shipped config's comment gives is a layout that fits the hardware it names,
 by `hpcvla plan`: the 2-core recipes as shipped (`hpcvla train ... --ranks N`, planned as a
 world of N here) and the cluster recipes (`hpcvla plan ...` on nodes of 8 GPUs with their
-memory: the memory model at full size). A command with a placeholder for the user's own
-folder (`<...>`) is left out: the config's `hpcvla plan` line plans that scale with the sizes
-such a folder gives (policy.size=full)."""
+memory: the memory model at full size), with the layout rules `hpcvla train` checks. A
+command with a placeholder for the user's own folder (`<...>`) is left out: the config's
+`hpcvla plan` line plans that scale with the sizes such a folder gives (policy.size=full)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,11 @@ def test_every_cluster_config_names_a_recipe_that_plan_checks():
 @pytest.mark.parametrize("name,args", RECIPES, ids=[f"{n}:{i}" for i, (n, _) in
                                                      enumerate(RECIPES)])
 def test_the_recipe_fits_its_hardware(name, args, capsys):
-    assert main(["plan", *args]) == 0, capsys.readouterr()
-    out = capsys.readouterr().out
+    """...and `train` would run it: plan refuses (exit 2) what train refuses, which a
+    PLAN-ONLY config (hybrid.yaml) is, by its header."""
+    plan_only = "# PLAN-ONLY" in (ROOT / "configs" / name).read_text()
+    assert main(["plan", *args]) == (2 if plan_only else 0), capsys.readouterr()
+    out, err = capsys.readouterr()
+    assert ("train refuses it" in err) == plan_only, err
     if "placement.gpu_memory_gb=80" in args:
         assert "GPU capacity 80 GiB" in out and "busiest GPU" in out, out

@@ -263,6 +263,7 @@ def cmd_plan(args) -> int:
     plan = plan_from_config(cfg.placement, args.world)
     from hpcvla.memory.layout import plan_memory
     from hpcvla.preflight import layout_devices
+    from hpcvla.schedule import config_layout_problems
     devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others
     memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))
     if args.json:
@@ -271,9 +272,11 @@ def cmd_plan(args) -> int:
     else:
         print(plan.table(devices, memory.columns()))
         print(memory.summary())
-    for name, value, text in memory.problems:
-        print(f"hpcvla plan: does not fit: {name} = {value!r}: expected {text}", file=sys.stderr)
-    return 2 if memory.problems else 0
+    refused = config_layout_problems(cfg, plan)  # what `train` would refuse on this plan
+    for why, problems in (("does not fit", memory.problems), ("train refuses it", refused)):
+        for name, value, text in problems:
+            print(f"hpcvla plan: {why}: {name} = {value!r}: expected {text}", file=sys.stderr)
+    return 2 if memory.problems or refused else 0
 
 
 def cmd_config(args) -> int:
