@@ -10,12 +10,14 @@ from hpcvla.config.learning import setting
 @dataclass
 class EvalConfig:
     protocol: str = setting(
-        "hpcvla", "`hpcvla eval`'s protocol. `hpcvla`: the env's first --episodes evaluation "
-        "states at the config's horizon. `libero` (env.name=libero): LIBERO's benchmark as "
-        "its and openpi's evaluation scripts run it: every task of env.suite (or eval.tasks) "
+        "hpcvla", "The protocol of `hpcvla eval` and of eval.every's held-out evaluation. "
+        "`hpcvla`: the env's first --episodes evaluation states at the config's horizon. "
+        "`libero` (env.name=libero): LIBERO's benchmark as its and openpi's evaluation "
+        "scripts run it: every task of env.suite (or eval.tasks) "
         "in turn, its fixed initial states (eval.states_per_task of 50), the suite's step "
         "limit (spatial 220, object 280, goal 300, libero_10 520, libero_90 400), 10 settle "
-        "steps, success when the task is first done; --episodes is then ignored.",
+        "steps, success when the task is first done; --episodes (eval.episodes) is then "
+        "ignored.",
         choices=("hpcvla", "libero"))
     states_per_task: int = setting(
         50, "eval.protocol=libero: the first this many fixed initial states of every task "

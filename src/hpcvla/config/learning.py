@@ -31,9 +31,10 @@ class PolicyConfig:
         "default", "Policy family: `default` is a small CNN + instruction encoder with a "
         "Gaussian action-chunk head and a value head. `flow`: π0-style VLA, a "
         "SigLIP+Gemma prefix and a Gemma action expert that denoises the chunk (flow "
-        "matching; RL log-probs through a noisy last denoising step). `tokens`: "
+        "matching; RL log-probs as policy.logprob_mode says). `tokens`: "
         "OpenVLA-OFT-style VLA, a SigLIP+Llama model decoding 256-bin action tokens in "
-        "one pass. Both built from transformers configs with random weights. `oft`: "
+        "one pass. Both built from transformers configs, with random weights unless "
+        "`pretrained` or `checkpoint` gives them. `oft`: "
         "OpenVLA-OFT as published (DINOv2+SigLIP, Llama-2, action tokens in its vocabulary), "
         "loading OFT's checkpoint folders (`pretrained`) and sampling/scoring as RLinf's RL "
         "(policies/oft.py).",
@@ -206,7 +207,8 @@ class AlgorithmConfig:
         "unclipped with 8 epochs: 0.73 / 0.90; side by side over 4 seeds "
         "(`hpcvla bench learning --arms critic`) 0.56-0.89 vs ~0, and `hpcvla eval` success "
         "at 60 versions 0.94 vs 0.80. The default run (1 epoch, 500 versions): 0.94-0.98 "
-        "over its second half, 4 seeds. PPO only.", ge=0)
+        "over its second half, 4 seeds. PPO's value head and sac/rlpd's Q critics (grpo has "
+        "no critic).", ge=0)
     gamma: float = setting(
         0.99, "Discount per action chunk: higher values look further ahead, with noisier "
         "returns.", ge=0, le=1)
@@ -318,7 +320,9 @@ class AlgorithmConfig:
     demos: str = setting(
         "", "`rlpd`: the prior data, HDF5 files (comma-separated) of this project's trajectory "
         "dumps or `hpcvla demos` files, which record each chunk's reward and how its episode "
-        "ended; checked against the env's observations and actions before any rank starts. "
+        "ended; checked against the env's observations and actions before launch by `hpcvla "
+        "train` (in a world srun or mpirun started: when the learners read them, a failure "
+        "that ends the world). "
         "Every learner holds all of them in host memory.", paths=True)
     demos_per_task: int = setting(
         0, "`rlpd`: at most this many demonstrations of each task (instruction), the first in "

@@ -26,7 +26,8 @@ PLACEMENT_MODES = ("colocated", "disaggregated", "hybrid")
 @dataclass
 class RunConfig:
     name: str = setting(
-        "default", "Run name; the run directory is `<root>/<name>-<timestamp>`.")
+        "default", "Run name; the run directory is `<root>/<name>-<timestamp>` "
+        "(`<name>-sft-<timestamp>` for `hpcvla sft`).")
     root: str = setting(
         "runs", "Directory under which run directories are created. Put it on a shared "
         "file system on a cluster so every node's rank 0 sees the same path.", paths=True)
@@ -107,8 +108,9 @@ class PlacementConfig:
     gpus_per_node: int = setting(
         -1, "GPUs the ranks of a node may use. -1 = detect (CUDA_VISIBLE_DEVICES, or every GPU "
         "torch sees); 0 = CPU only; k = the first k visible (`hpcvla plan` previews a GPU "
-        "node with it). Inference and learner ranks get a GPU each, never two learners one "
-        "GPU; simulators one where their simulator renders or simulates on it (devices.py).",
+        "node with it). Learner ranks get a GPU each, never two learners one GPU; inference "
+        "ranks and evaluators one each where there are enough, else they share the least "
+        "loaded; simulators one where their simulator renders or simulates on it (devices.py).",
         ge=-1)
     gpu_memory_gb: float = setting(
         0.0, "Memory of one GPU in GiB, for the memory plan (hpcvla/memory/): a layout whose "
@@ -134,11 +136,13 @@ class PipelineConfig:
     max_staleness: int = setting(
         1, "Most policy versions a trained sample may lag the learner (async modes; the sync "
         "modes use 0). Producers pause before exceeding it. Higher keeps simulators busier "
-        "while the learner works, but trains on older data (corrected by the decoupled "
-        "PPO weights).", ge=0)
+        "while the learner works, but trains on older data (PPO and GRPO correct it with the "
+        "decoupled weights; sac/rlpd learn off-policy anyway).", ge=0)
     total_updates: int = setting(
-        500, "Learner optimizer steps (policy versions) before the run ends; the run's "
-        "length in units of learning.", ge=1)
+        500, "Policy versions (learner updates) before the run ends; the run's length in "
+        "units of learning. A version is learner.epochs (+ algorithm.critic_epochs) optimizer "
+        "steps under PPO/GRPO, algorithm.utd gradient steps per new transition under "
+        "sac/rlpd.", ge=1)
     progress_every_s: float = setting(
         5.0, "Seconds between progress lines on the weight root (steps/s, success, "
         "staleness, ETA).", ge=0.1)
@@ -195,7 +199,8 @@ class EnvConfig:
         "(maniskill, libero): a second render per step (~2x the rendering time).")
     reward: str = setting(
         "sparse", "maniskill: `sparse` (1 on success) or `dense` (the task's normalized dense "
-        "shaping, easier to learn, task-specific). libero has only sparse.",
+        "shaping, easier to learn, task-specific). libero has only sparse. reach has its own "
+        "shaped reward (progress + 1 on success) whatever this says.",
         choices=("sparse", "dense"))
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "
@@ -203,7 +208,8 @@ class EnvConfig:
     shards: int = setting(
         2, "Shards the envs of a simulator rank are split into (rollout-async, streamer): "
         "a shard steps and asks for actions without waiting for the others, so stepping "
-        "overlaps inference. More shards: more overlap, smaller inference batches.", ge=1)
+        "overlaps inference. More shards: more overlap, smaller inference batches. Must divide "
+        "env.envs_per_simulator (checked in every mode; the sync modes step one shard).", ge=1)
     chunk_len: int = setting(
         4, "Primitive actions per action chunk (one policy call per chunk). Longer chunks "
         "mean fewer policy calls but coarser feedback.", ge=1)
@@ -291,7 +297,9 @@ class LearnerConfig:
         "shard). The streamer starts one as soon as this many have arrived.", ge=1)
     micro_batches: int = setting(
         2, "Micro-batches accumulated per optimizer step on each learner; the global batch "
-        "is micro_batch x micro_batches x learners segments.", ge=1)
+        "is micro_batch x micro_batches x learners segments. In the disaggregated modes each "
+        "learner's batch must split equally among its producers (inference ranks), each part "
+        "a multiple of the envs per shard (checked before launch).", ge=1)
     offload_optimizer: bool = setting(
         False, "DeepSpeed ZeRO-Offload: the fp32 master weights, fp32 gradients and AdamW "
         "moments live in (pinned) host memory and the optimizer steps there (torch's fused "
@@ -359,7 +367,8 @@ class EmulateConfig:
         0.0, "Emulated forward-pass time per env in the batch (cost = a + b x batch).", ge=0)
     learner_ms_per_micro_batch: float = setting(
         0.0, "Emulated accelerator time of every learner forward/backward (padded with a "
-        "sleep like the forward pass; e.g. a deliberately slow learner).", ge=0)
+        "sleep like the forward pass; e.g. a deliberately slow learner). PPO/GRPO only: "
+        "sac/rlpd's gradient steps are not padded.", ge=0)
 
 
 @dataclass
@@ -368,10 +377,12 @@ class LaunchConfig:
         4, "Ranks `hpcvla train` starts on this machine when run outside any MPI launcher "
         "(under srun/mpirun the launcher decides).", ge=1)
     mpiexec: str = setting(
-        "auto", "mpiexec used by `hpcvla launch`/`train --ranks`. `auto`: the one installed "
+        "auto", "mpiexec used when `hpcvla train`, `sft --ranks` or `eval --ranks` starts the "
+        "ranks itself (`hpcvla launch` takes --mpiexec instead). `auto`: the one installed "
         "beside this Python (the MPI mpi4py runs on), else the first on PATH.")
     mpi: str = setting(
-        "auto", "MPI of `hpcvla launch`/`train --ranks`: `mpich`, `openmpi` (mpi4py is pointed "
+        "auto", "MPI when `hpcvla train`, `sft --ranks` or `eval --ranks` starts the ranks "
+        "itself (`hpcvla launch`: --mpi): `mpich`, `openmpi` (mpi4py is pointed "
         "at its library, one-sided components `sm,ucx`; see hpcvla/process/mpi_select.py) or "
         "`auto` (the launcher beside this Python, else PATH's).",
         choices=("auto", "mpich", "openmpi"))
