@@ -13,7 +13,7 @@ policy (a simulator and an inference role in one process, on a GPU of its node w
 are GPUs); the outcomes are gathered on every rank, and 1 rank and N give the same
 per-episode outcomes.
 
-`hpcvla export`: a run's newest checkpoint as a Hugging Face-style folder (`export_policy`).
+`hpcvla export`: a run's newest checkpoint (or one named) as a policy folder (`export_policy`).
 """
 
 from __future__ import annotations
