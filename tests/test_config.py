@@ -125,6 +125,17 @@ def test_horovod_backend_is_accepted_only_where_it_can_run():
                     ["learner.backend=horovod", "policy.dtype=bfloat16"])
 
 
+def test_env_shards_must_divide_the_envs_only_where_the_mode_shards_them():
+    with pytest.raises(ConfigError, match=r"env.shards = 2: expected a divisor of "
+                                          r"env.envs_per_simulator \(3\)"):
+        load_config(ROOT / "configs/default.yaml", ["env.envs_per_simulator=3"])  # streamer
+    for mode in ("sync-colocated", "sync-disaggregated"):  # one shard: env.shards unread
+        overrides = ["env.envs_per_simulator=3", f"pipeline.mode={mode}"]
+        if mode == "sync-colocated":
+            overrides.append("placement.mode=colocated")
+        assert load_config(ROOT / "configs/default.yaml", overrides).env.shards == 2
+
+
 def test_all_problems_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["learner.zero_stage=9", "placement.mode=x", "run.bogus=1"])

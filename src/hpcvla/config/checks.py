@@ -12,7 +12,7 @@ from typing import Any
 from hpcvla.config.families import SQUASHED_LOG_STD, family, simulator
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
-from hpcvla.schedule import shards_problem
+from hpcvla.schedule import shards_of, shards_problem
 
 
 def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
@@ -64,7 +64,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 for policy.name=default "
                          "(a small network: no language model to adapt)"))
     problems += _on_policy_problems(cfg) + _off_policy_problems(cfg) + _noise_obs_problems(cfg)
-    shards = shards_problem(cfg.env.envs_per_simulator, cfg.env.shards)
+    shards = shards_problem(cfg.env.envs_per_simulator, shards_of(cfg))  # the mode's shards
     if shards:
         problems.append(shards)
     if not cfg.env.camera and (not sim.state_only or cfg.env.sim_backend != "cpu" or

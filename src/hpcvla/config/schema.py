@@ -209,7 +209,7 @@ class EnvConfig:
         2, "Shards the envs of a simulator rank are split into (rollout-async, streamer): "
         "a shard steps and asks for actions without waiting for the others, so stepping "
         "overlaps inference. More shards: more overlap, smaller inference batches. Must divide "
-        "env.envs_per_simulator (checked in every mode; the sync modes step one shard).", ge=1)
+        "env.envs_per_simulator; the other modes step one shard and ignore it.", ge=1)
     chunk_len: int = setting(
         4, "Primitive actions per action chunk (one policy call per chunk). Longer chunks "
         "mean fewer policy calls but coarser feedback.", ge=1)

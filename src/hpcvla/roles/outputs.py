@@ -164,9 +164,10 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print("[hpcvla] start and stop, s since launch (slowest rank): " + " | ".join(
         f"{step} {seconds:.1f}" for step, seconds in result["phases_s"].items()))
     print(memory_table(everyone), flush=True)
+    rate = result["success_rate"]  # the progress line's rolling figure; None: no episode ended
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
-          f"success {result['success_rate']} | staleness {result['staleness_hist']}",
-          flush=True)
+          f"success {'-' if rate is None else f'{rate:.2f}'} | "
+          f"staleness {result['staleness_hist']}", flush=True)
     return result
 
 
