@@ -42,6 +42,7 @@ from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import ConfigError, config_source, describe_settings, load_config
 from hpcvla.config.loader import config_to_dict
 from hpcvla.imitation.command import add_demos_parser, demos_command
+from hpcvla.process.mpi_select import launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 
@@ -53,6 +54,13 @@ def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None
     parser.set_defaults(config_optional=not required)
 
 
+def _ranks(text: str) -> int:
+    """--ranks: a count of ranks; argparse refuses, naming the flag, what is not one."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of ranks, 1 or more")
+    return int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcvla", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -61,14 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run the main job (no config: the built-in default, "
                                          "or with run.resume=DIR the resumed run's own config)")
     _config_args(train, required=False)
-    train.add_argument("--ranks", type=int, default=None,
+    train.add_argument("--ranks", type=_ranks, default=None,
                        help="start this many ranks on this machine (default: under "
                             "srun/mpirun the launcher's world, alone launch.ranks here)")
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (sft.demos): "
                                      "the imitation start RL post-trains")
     _config_args(sft)
-    sft.add_argument("--ranks", type=int, default=None,
+    sft.add_argument("--ranks", type=_ranks, default=None,
                      help="start this many learner ranks on this machine (default: the "
                           "current MPI world, as under srun/mpirun; alone: one rank)")
 
@@ -185,20 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, PlanError) as err:
-        if not _launcher_rank():  # every rank of a world finds the same error: say it once
+        if not launcher_rank():  # every rank of a world finds the same error: say it once
             print(f"hpcvla: {err}", file=sys.stderr)
         return 2
-
-
-def _launcher_rank() -> int | None:
-    """This process's rank as an MPI launcher set it, without starting MPI; None when no
-    launcher started this process."""
-    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if var in os.environ:
-            return int(os.environ[var])
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
-        return int(os.environ["SLURM_PROCID"])
-    return None
 
 
 def cmd_train(args) -> int:
@@ -207,11 +204,11 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     source = config_source(args.config, args.overrides)
     from hpcvla import preflight  # packages, files and devices this config needs
-    if args.ranks is None and _launcher_rank() is None:  # a bare process: start the world
+    if args.ranks is None and launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.job.runtime import run_ranks, train_main
-        preflight.check_host(cfg, source, _launcher_rank())  # the rest: one rank, for all
+        preflight.check_host(cfg, source, launcher_rank())  # the rest: one rank, for all
         return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
     plan = plan_from_config(cfg.placement, args.ranks)
     checked = preflight.check_launch(cfg, plan, source)  # refused here, before any rank starts
@@ -382,7 +379,7 @@ def cmd_eval(args) -> int:
             print("\n".join(json.dumps(r) if args.json else describe(r) for r in curve))
             if args.all:  # kept with the run: postprocess/report.py draws it with training's
                 write_curve(cfg, run_dir, curve)
-    if _launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
+    if launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
         try:
             return report(None) or 0
         except catalog.CheckpointError as err:
@@ -398,8 +395,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from pathlib import Path
-
     from hpcvla.checkpoint.catalog import CheckpointError, run_and_checkpoint
     from hpcvla.evaluate import export_policy
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))

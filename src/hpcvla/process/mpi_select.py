@@ -56,6 +56,17 @@ class MpiInstall:
     slurm_launcher: str = "mpiexec"              # what starts the ranks in a Slurm job
 
 
+def launcher_rank() -> int | None:
+    """This process's rank as an MPI launcher (mpiexec of either MPI, or srun) set it, without
+    starting MPI; None when no launcher started this process."""
+    for var in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])
+    return None
+
+
 def flavour_of(mpiexec: str) -> str:
     """'mpich', 'openmpi' or 'unknown', from `mpiexec --version`."""
     try:
