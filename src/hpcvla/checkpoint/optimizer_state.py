@@ -12,7 +12,8 @@ optimizer moment (Adam's `exp_avg`, `exp_avg_sq`), plus the optimizer's step cou
 * stage 0 and Horovod: the whole parameter, the same on every learner (learner 0 saves it); the
   masters are the weights themselves in fp32, DeepSpeed's fp32 copies under bf16.
 
-Saving copies each learner's ranges out (no communication). Loading, a learner asks for its
+Saving copies each learner's ranges out (the ranges are not communicated; a barrier and an
+allgather of the replicas' digests check the layout). Loading, a learner asks for its
 own ranges in the new layout and gets them assembled from whichever saved ranges overlap them:
 re-partitioning by address, exactly (store.py keeps the addresses in state.json).
 """

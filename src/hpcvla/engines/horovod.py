@@ -50,7 +50,8 @@ class HorovodEngine:
         self.optimizer = hvd.DistributedOptimizer(  # [dist] averages at the boundary pass
             optimizer, named_parameters=module.named_parameters(),
             backward_passes_per_step=micro_batches, op=hvd.Average)
-        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)  # [dist] e.g. a resume
+        # one starting state everywhere; a resume loads its own after it (store.load_optimizer)
+        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)  # [dist]
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)

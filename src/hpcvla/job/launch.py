@@ -8,8 +8,8 @@
 Every rank runs under `python -m mpi4py`, so an uncaught exception in one rank aborts the whole
 world instead of leaving the others waiting. The launcher adds what the MPI needs
 (process/mpi_select.py: Open MPI's library for mpi4py, its one-sided components,
-oversubscription and run-as-root; both MPIs: one BLAS/OpenMP thread per rank when ranks
-outnumber cores), forwards the exit status, and kills the world on a timeout.
+oversubscription and run-as-root) and, for both MPIs, one BLAS/OpenMP thread per rank when
+ranks are at least as many as cores; it forwards the exit status, and kills the world on a timeout.
 Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec) instead.
 """
 
@@ -66,7 +66,8 @@ def rank_program(program: list[str]) -> list[str]:
 
 def run_world(n: int, program: list[str], mpiexec: str = "auto",
               timeout: float | None = None, mpi: str = "auto") -> int:
-    """Run the world to completion; its exit status, or 124 after killing it on timeout."""
+    """Run the world to completion; its exit status, 124 after killing it on timeout, 130 on
+    Ctrl-C, 128 + N if a signal N killed it."""
     cmd, env = world_command(n, program, mpiexec, mpi)
     shm_before = segments.segments()
     code = _run(cmd, env, timeout)

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     # save(version, full weights (None on the learners that do not hold them), last)
     Save: TypeAlias = Callable[[int, dict[str, torch.Tensor] | None, bool], None]
 
-MEMORY_PLAN = "memory.json"  # the memory model's figures for the run (GPU runs: pipeline.py)
+MEMORY_PLAN = "memory.json"  # the memory model's figures (GPU runs: the weight root, prologue.py)
 
 
 @dataclass

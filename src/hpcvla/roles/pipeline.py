@@ -1,5 +1,6 @@
 """The main job on every rank: one shared prologue, this rank's role, tear down, report. The
-role loops live in simulator.py, inference.py, learner.py and colocated.py, the set-up around
+role loops live in simulator.py, inference.py, learner.py (off_policy.py: SAC/RLPD's),
+colocated.py and evaluator.py (held-out evaluation), the set-up around
 those that run the policy in policy_ranks.py; what the run writes (checkpoints, dumps,
 summary.json) in outputs.py.
 

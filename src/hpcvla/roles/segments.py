@@ -12,7 +12,8 @@ together), as one record (see transport/records.py) with fields
     terminated       (T, n) bool       ...by the task (success)
     truncated        (T, n) bool       ...by the horizon or a fault
     env_fault        (T, n) bool       ...because the env failed: masked out of training and
-                                       of the success counts (roles/learner.py)
+                                       of the success counts (algorithms/objective.py,
+                                       metrics/progress.py)
     success          (T, n) bool       the episode that ended was a success
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
     version          (T,) i8           policy version that acted at each step

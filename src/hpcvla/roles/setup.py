@@ -1,4 +1,4 @@
-"""What the pipeline's prologue (roles/pipeline.py) gives every role loop: one small typed
+"""What the pipeline's prologue (roles/prologue.py) gives every role loop: one small typed
 object instead of the same half-dozen positional arguments in every entry point."""
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ def pieces(nbytes: int, limit: int = MAX_MESSAGE) -> list[tuple[int, int]]:
 
 def ibcast(comm: MPI.Comm, buf: np.ndarray, root: int = 0,
            limit: int = MAX_MESSAGE) -> list[MPI.Request]:
-    """Post the broadcast of `buf` (uint8) in pieces of at most `limit` bytes; wait for the
-    requests."""
+    """Post the broadcast of `buf` (uint8) in pieces of at most `limit` bytes; returns the
+    requests, which the caller waits for."""
     return [comm.Ibcast(buf[start:start + n], root=root)  # [dist]
             for start, n in pieces(buf.nbytes, limit)]

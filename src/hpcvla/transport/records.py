@@ -15,7 +15,8 @@ buffer:
 field's leading dimension), so a consumer can tell records of the same kind apart from others
 without decoding them. The metadata CRC-32 covers the header and the field table, so damaged
 metadata is refused instead of read as wrong shapes or offsets (the payload is guarded where
-it travels: the trajectory ring checksums every slot). Only plain numeric/bool dtypes are
+it travels: the trajectory ring checksums every slot's header, and its payload where the ring
+spans hosts or learner.ring_checksum=always). Only plain numeric/bool dtypes are
 accepted: object arrays (which would need pickle) are refused.
 """
 

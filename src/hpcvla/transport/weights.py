@@ -174,8 +174,9 @@ class WeightPlane:
                 self._in_flight = False
 
     def sent(self) -> bool:
-        """Root: whether every version published so far reached every node leader (a
-        learner that must not race ahead waits on this asleep); never blocks."""
+        """Root: whether every version published so far has been sent: none pending, and
+        the root's side of its broadcast complete (a learner that must not race ahead waits
+        on this asleep); never blocks."""
         self._raise_thread_error()
         with self._lock:
             return self._pending is None and not self._in_flight
