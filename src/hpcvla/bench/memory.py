@@ -128,11 +128,13 @@ def simulators(names=tuple(SIMULATORS)) -> dict:
     """Measured vs modelled host memory of a simulator rank's envs (memory/simulators.py)."""
     from hpcvla.config import load_config
     from hpcvla.memory.simulators import simulator_bytes
+    from hpcvla.schedule import shards_of
     out = {}
     for name in names:
         config, overrides = SIMULATORS[name]
         measured = child_measurement(SIMULATE, [json.dumps([config, overrides])], name)
-        predicted = simulator_bytes(load_config(config, overrides).env)
+        cfg = load_config(config, overrides)
+        predicted = simulator_bytes(cfg.env, shards_of(cfg))
         out[name] = {"measured": measured, "predicted": predicted,
                      "predicted_over_measured": predicted / measured}
         print(f"{name:<22} measured {measured / 2 ** 20:7.0f} MiB  predicted "

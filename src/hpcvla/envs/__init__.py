@@ -2,7 +2,7 @@
 
 from importlib.util import find_spec
 
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, obs_dtype
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
 from hpcvla.envs.libero import LiberoEnv
 from hpcvla.envs.maniskill import ManiSkillEnv
 from hpcvla.envs.maniskill_gpu import ManiSkillGPUEnv
@@ -13,7 +13,7 @@ from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_class,
 
 __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
            "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_spec",
-           "env_uses_gpu", "make_env", "obs_dtype", "oracle_actions", "spec_needs_a_simulator"]
+           "env_uses_gpu", "make_env", "oracle_actions", "spec_needs_a_simulator"]
 
 
 def env_spec(env_cfg) -> EnvSpec:

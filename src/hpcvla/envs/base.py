@@ -4,7 +4,7 @@ A `VectorEnv` runs `num_envs` independent copies of one task in lock step. One `
 executes an *action chunk*: `chunk_len` primitive actions per env, as emitted by a
 vision-language-action policy. Observations are dicts of batched numpy arrays whose per-env
 shapes and dtypes are declared up front in an `EnvSpec`, so a simulator process can lay them
-out in shared memory (`obs_dtype`) before the first step. Episodes auto-reset: the caller
+out in shared memory (roles/simulator.slot_dtypes) before the first step. Episodes auto-reset: the caller
 never resets an individual env.
 
 Initial states are split in two, and this module is the rule's home: init_state_ids below
@@ -207,13 +207,3 @@ def close_all(envs: Sequence[VectorEnv]) -> None:
         env.begin_close()
     for env in envs:
         env.close()
-
-
-def obs_dtype(spec: EnvSpec, num_envs: int) -> np.dtype:
-    """A structured dtype with one (num_envs, *shape) field per observation entry.
-
-    `np.zeros((), obs_dtype(spec, n))[name]` is then a batch of that field; used to lay a whole
-    batch of observations out in one shared-memory block. Fields are aligned (align=True).
-    """
-    return np.dtype([(name, np.dtype(dt), (num_envs, *shape))
-                     for name, (shape, dt) in spec.obs.items()], align=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from hpcvla.config.families import family
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
+from hpcvla.schedule import shards_of
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
 
@@ -173,11 +174,10 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
             add(host[info.rank], "policy builds", build_bytes(fp))
             if not on_gpu:
                 add(host[info.rank], "cpu ranks' working memory", sum(parts.values()))
-        if SIM in info.roles and simulator_bytes(cfg.env):
-            add(host[info.rank], "simulator envs", simulator_bytes(cfg.env))
+        if SIM in info.roles and simulator_bytes(cfg.env, shards_of(cfg)):
+            add(host[info.rank], "simulator envs", simulator_bytes(cfg.env, shards_of(cfg)))
         if EVAL in info.roles:  # its own batch of eval.envs, in its process
-            held_out = simulator_bytes(replace(cfg.env, envs_per_simulator=cfg.eval.envs,
-                                               shards=1))
+            held_out = simulator_bytes(replace(cfg.env, envs_per_simulator=cfg.eval.envs), 1)
             if held_out:
                 add(host[info.rank], "held-out envs", held_out)
         if LEARN in info.roles:

@@ -21,13 +21,13 @@ MEASURED = {"reach": (1 * MIB, 0, 0),
             "libero": (1837 * MIB, 268 * MIB, 995 * MIB)}
 
 
-def simulator_bytes(env) -> int:
-    """Host bytes of one simulator rank's envs (`env`: the config's env section); 0 where
-    not modelled."""
+def simulator_bytes(env, shards: int) -> int:
+    """Host bytes of one simulator rank's envs (`env`: the config's env section) in `shards`
+    shards (the mode's: schedule.shards_of); 0 where not modelled."""
     if env.name not in MEASURED or env.sim_backend == "gpu":
         return 0
     first, per_env, per_scene = MEASURED[env.name]
-    processes = env.shards if env.isolation == "process" else 1
+    processes = shards if env.isolation == "process" else 1
     envs = max(1, env.envs_per_simulator // processes)
     scenes = 1
     if per_scene and env.suite_task < 0:  # a process's envs take the suite's tasks in turn
