@@ -305,7 +305,8 @@ def layout_devices(cfg, plan: RankPlan) -> dict[int, str]:
 
 def memory_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
     """The GPUs the layout overfills (memory/layout.py), where it puts ranks on GPUs, and the
-    nodes whose replay buffers (algorithm.name=sac) would not fit their host memory."""
+    nodes whose replay buffers (the off-policy algorithms, sac and rlpd) would not fit their host
+    memory."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import plan_memory
 

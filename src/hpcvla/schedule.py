@@ -1,8 +1,8 @@
 """The five execution modes as schedules of the same roles, and the rules a layout must meet.
 
-Each mode only changes *when* things happen; the env, policy, PPO loss and transport are the
-same. `MODE_TRAITS` is the one place a mode's traits are spelled; the roles, the scale model,
-the planner, the config checks and the benches all read them from here:
+Each mode only changes *when* things happen; the env, policy, the algorithm's loss and transport
+are the same. `MODE_TRAITS` is the one place a mode's traits are spelled; the roles, the scale
+model, the planner, the config checks and the benches all read them from here:
 
 | mode               | shards | batcher (B_max, T_max) | max staleness | learner         |
 |--------------------|--------|------------------------|---------------|-----------------|

@@ -1,6 +1,8 @@
 """RL algorithms: PPO pieces (GAE, the decoupled loss, value loss), GRPO's group-relative
 advantages, the chunk / action / token granularity helpers, and the learner's objective built
-from them (objective.py: a micro-batch's advantages once, then the loss)."""
+from them (objective.py: a micro-batch's advantages once, then the loss); off-policy: SAC's
+losses (sac.py), the replay buffer (replay.py), segments cut into transitions
+(transitions.py) and a sampled batch's loss (off_policy.py)."""
 
 from hpcvla.algorithms.granularity import GRANULARITIES, expand_like, reduce_units, sum_to
 from hpcvla.algorithms.grpo import (GroupAdvantages, episodes_of, first_episode_advantages,

@@ -127,7 +127,8 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
     token mean), so an episode weighs by its length: where success ends an episode, a
     failure that runs to the time limit outweighs the successes of its group. "episodes"
     averages each kept episode's steps first, then the episodes (DeepSeekMath's GRPO): every
-    episode weighs the same. The diagnostics are averaged the same way."""
+    episode weighs the same. The clip fraction and approximate KL are averaged the same way
+    (the behaviour weights' mean and max are over every unit)."""
     if mean_over not in ("steps", "episodes"):
         raise ValueError(f"mean_over {mean_over!r}: expected 'steps' or 'episodes'")
     device = logprob.device

@@ -9,7 +9,8 @@ micro-batch arrives, and every epoch reuses them (as CleanRL computes GAE once p
     adv = advantages_of(alg, batch, device)        # PPO: GAE, normalised; GRPO: group scores
     loss, stats, logprob = policy_loss(alg, model, batch, adv, proximal)
 
-`alg` is the config's `algorithm` section: nothing else of the run decides the objective.
+`alg` is the config's `algorithm` section: with the policy's log-prob granularity (the units
+its ratio is taken over), nothing else of the run decides the objective.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ the critics, the actor and the temperature together,
 
 and after the optimizer step `update_targets(policy, alg.tau)` moves the target critics.
 
-The policy brings its encoder (`features`), its reparameterised actions (`soft_actions`) and
-the critics policies/soft_critics.py adds. As in pixel SAC (SAC-AE, DrQ) the critic's loss
-trains the shared encoder and the actor's reads its features detached: the actor's gradient
-reaches the actor's head and the temperature only. The temperature is the policy's
-`sac_log_alpha`; the critics inside the actor's loss are frozen (policies/soft_critics.py), so each
-loss moves only what it is meant to, and one backward pass serves all three.
+The policy brings its encoder (`features`), its reparameterised actions (`soft_actions`) and the
+critics policies/soft_critics.py adds. As in pixel SAC (SAC-AE, DrQ) the critic's loss trains
+the shared encoder and the actor's reads its features detached: the actor's gradient reaches the
+actor's head only, and the temperature moves by its own loss. The temperature is the policy's
+`sac_log_alpha`; the critics inside the actor's loss are frozen (policies/soft_critics.py), so
+each loss moves only what it is meant to, and one backward pass serves all three.
 """
 
 from __future__ import annotations

@@ -31,9 +31,9 @@ def soft_target(reward: torch.Tensor, terminal: torch.Tensor, next_q1: torch.Ten
 
     Args:
         reward, terminal: (B,); `terminal` true where the task ended the episode (success): no
-            bootstrap. A horizon or fault truncation is not terminal: the episode could have
-            gone on, so its next observation (the episode's last, not the auto-reset one) is
-            bootstrapped like any other.
+            bootstrap. A step a horizon or a fault cut never comes here (transitions.py drops
+            it: the episode's last observation is not recorded), so `terminal` false means
+            bootstrap.
         next_q1, next_q2: (B,) the target critics at (next observation, a' ~ policy).
         next_logprob: (B,) or finer (B, *units), log pi(a' | next observation), summed to the
             chunk.

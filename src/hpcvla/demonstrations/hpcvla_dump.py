@@ -77,8 +77,8 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
 
 def _controller(f) -> str:
     """The control mode the file's actions were recorded in ("" unknown or not maniskill):
-    its resolved config's env.control_mode, pd_ee_delta_pose for files from before the
-    setting (the one mode there was)."""
+    its resolved config's env.control_mode, pd_ee_delta_pose (the default) for files whose
+    config has none."""
     try:
         env = yaml.safe_load(attr_text(f.attrs.get("config", ""))).get("env", {})
     except (yaml.YAMLError, AttributeError):

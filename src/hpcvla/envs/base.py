@@ -3,9 +3,9 @@
 A `VectorEnv` runs `num_envs` independent copies of one task in lock step. One `step()`
 executes an *action chunk*: `chunk_len` primitive actions per env, as emitted by a
 vision-language-action policy. Observations are dicts of batched numpy arrays whose per-env
-shapes and dtypes are declared up front in an `EnvSpec`, so a simulator process can lay them
-out in shared memory (roles/simulator.slot_dtypes) before the first step. Episodes auto-reset: the caller
-never resets an individual env.
+shapes and dtypes are declared up front in an `EnvSpec`, so a simulator process can lay them out
+in shared memory (roles/simulator.slot_dtypes) before the first step. Episodes auto-reset: the
+caller never resets an individual env.
 
 Initial states are split in two, and this module is the rule's home: init_state_ids below
 EVAL_STATE_IDS are the evaluation split (`hpcvla eval` runs ids 0, 1, 2, ...:
@@ -67,7 +67,7 @@ class StepResult(NamedTuple):
     obs: dict[str, np.ndarray]  # obs AFTER the step; already the next episode's first obs if done
     reward: np.ndarray  # float32, summed over the chunk
     terminated: np.ndarray  # bool, success ended the episode
-    truncated: np.ndarray  # bool, horizon reached
+    truncated: np.ndarray  # bool, horizon reached or the env failed (an env fault)
     success: np.ndarray  # bool, the episode that just ended was a success (False when not done)
     episode_return: np.ndarray  # float32, return of the episode that just ended (0 when not done)
     episode_length: np.ndarray  # int32, chunks in the episode that just ended (0 when not done)

@@ -7,7 +7,7 @@ deadlock never returns, a segfault or the OOM killer ends the process. In-proces
 worker process of its own instead, so the rank can wait for each call with a deadline and
 replace the worker:
 
-    parent (simulator rank)                    worker (python -m hpcvla.envs.isolated FD)
+    parent (simulator rank)                    worker (python -m hpcvla.envs.isolated FD RANK_PID)
     step(actions) --- ("step", actions) --->   env.step(actions)
                   <-- ("ok", result, ...) ---
     no answer within `timeout_s`, the socket closed (the worker died), or an exception
@@ -20,10 +20,11 @@ whose actions are in, then collects them, so a rank's workers step concurrently,
 (`hpcvla bench shards` measures it), and a hung shard holds up only itself.
 
 More than `max_restarts` restarts of one shard raise (a fault that always recurs is a bug to
-fix, not to retry). The worker imports no MPI and no torch; it dies with its rank (Linux
-PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM, which are its rank's to handle. Cost: one
-more process per shard (~30 MB with `reach`, a simulator's own footprint with the others),
-and a pickled observation batch per step over a local socket (~0.1 ms for 8 64-px images).
+fix, not to retry). The worker's own code imports no MPI and no torch (a ManiSkill env brings
+torch); it dies with its rank (Linux PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM, which are its
+rank's to handle. Cost: one more process per shard (~30 MB with `reach`, a simulator's own
+footprint with the others), and a pickled observation batch per step over a local socket (~0.1
+ms for 8 64-px images).
 """
 
 from __future__ import annotations

@@ -29,18 +29,18 @@ translation and rotation deltas (scaled by the controller to 5 cm / 0.5 rad), th
 terminates at success and is truncated after max_episode_chunks chunks (LIBERO's own 1000-step
 limit, past which it raises, is switched off).
 
-Tasks: env.task picks one task of the suite for every env, or -1 spreads the envs over the
+Tasks: env.suite_task picks one task of the suite for every env, or -1 spreads the envs over the
 suite's tasks (env k of the run gets task k mod n_tasks).
 
 Initial states, split as envs/base.py rules:
   - evaluation (init_state_id < EVAL_STATE_IDS): the suite's fixed initial states, 50 per task,
     as LIBERO's benchmark defines them: state id mod 50 of task (id // 50) mod n_tasks with
-    env.task=-1 (the env loads that task), else of env.task;
+    env.suite_task=-1 (the env loads that task), else of env.suite_task;
   - training: fresh placements from the task's own samplers (LIBERO's placement initializers,
     which robosuite runs at every env.reset(), on numpy's global RNG, seeded here from a
     training id and restored after): a random start draws the id from the env's RNG and keeps
     the env's task; a training init_state_id (GRPO's groups) is the id itself, same id same
-    state, on task id mod n_tasks with env.task=-1. A policy therefore never trains on the
+    state, on task id mod n_tasks with env.suite_task=-1. A policy therefore never trains on the
     states it is evaluated on.
 Every reset then holds the arm still for `settle_steps` physics steps (SETTLE_STEPS; the objects
 drop onto the table), as LIBERO's standard evaluation does, before the episode's first

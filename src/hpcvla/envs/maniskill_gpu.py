@@ -93,7 +93,7 @@ def gpu_sim_device() -> int:
 
 class ManiSkillGPUEnv(VectorEnv):
     """`num_envs` copies of one ManiSkill3 task simulated together on a GPU; see the module
-    docstring. Same constructor arguments as `ManiSkillEnv`."""
+    docstring. ManiSkillEnv's constructor arguments, less `camera`."""
 
     @classmethod
     def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:

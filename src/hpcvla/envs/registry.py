@@ -1,6 +1,6 @@
 """The simulators by name, and how the configured one is built (`make_env`, `env_kwargs`,
-`env_spec`). A module of its own so that envs/isolated.py's workers build envs without
-importing the package."""
+`probe_spec`; `env_spec` is in envs/__init__.py). A module of its own so that isolated.py
+imports `make_env` without an import cycle through envs/__init__."""
 
 import copy
 

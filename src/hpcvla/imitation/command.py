@@ -8,8 +8,8 @@ import sys
 def add_demos_parser(sub, config_args) -> None:
     """The `demos` subcommand on the top-level parser's subparsers; `config_args` adds the
     CONFIG and key=value arguments every config-reading command takes."""
-    demos = sub.add_parser("demos", help="record demonstrations of a ManiSkill task's "
-                                          "scripted expert in the dump layout "
+    demos = sub.add_parser("demos", help="record demonstrations of a task's scripted "
+                                          "expert (ManiSkill's, reach's) in the dump layout "
                                           "(imitation/recording.py)")
     config_args(demos)
     demos.add_argument("--episodes", type=int, required=True, help="episodes to write")

@@ -48,7 +48,7 @@ from hpcvla.metrics.dump import TrajectoryDump
 
 EXPERT_VERSION = -1  # policy_versions of a scripted expert's steps
 _STREAM = 0xDE_305  # the init_state_id stream, apart from the run's other uses of run.seed
-ATTEMPTS_PER_EPISODE = 4  # --successful-only gives up after this many attempts per episode
+ATTEMPTS_PER_EPISODE = 4  # --successful-only gives up after this x --episodes attempts in all
 
 
 class RecordingError(ValueError):

@@ -5,9 +5,10 @@ Every rank of the world is a learner: the same engine as `hpcvla train`'s learne
 ZeRO at `learner.zero_stage`, or Horovod), the same checkpoints (`run.resume` goes on from the
 newest), progress line and TensorBoard. The loss is the family's `imitation_loss`
 (policies/base.py): behaviour cloning for `default`, flow matching for `flow`, the action
-tokens' cross-entropy for `tokens`/`oft`. The demonstrations (`sft.demos`, read by
-demonstrations/) are turned into the observations the configured env gives and the action
-chunks it executes, so what is learnt is what the env will ask for.
+tokens' cross-entropy for `tokens`/`oft` (oft's L1 head: L1 on the normalized actions). The
+demonstrations (`sft.demos`, read by demonstrations/) are turned into the observations the
+configured env gives and the action chunks it executes, so what is learnt is what the env will
+ask for.
 
     hpcvla sft CONFIG sft.demos=demos.h5 sft.steps=500 --ranks 2
     hpcvla eval <sft run dir>                                     # success of the SFT policy

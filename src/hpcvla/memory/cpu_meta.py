@@ -1,6 +1,6 @@
 """Meta tensors that take the CPU's paths, what footprint.py runs a policy on: the meta device
 has shapes, dtypes and strides but no storage and no arithmetic, like the CPU fake tensors
-(torch's FakeTensorMode) the memory figures were first made and validated with, but each op
+(torch's FakeTensorMode) that tests/test_memory.py checks these figures against, but each op
 costs a fraction. Where the meta kernels would differ from the CPU's, these mirror the CPU:
 
 * attention (`cpu_attention`): the meta device takes SDPA's math path, which makes and saves

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-# two-sided 97.5 % quantiles of Student's t, by degrees of freedom (1..30; normal beyond)
+# 0.975 quantiles of Student's t (two-sided 95 %), by degrees of freedom (1..30; normal beyond)
 T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]

@@ -3,13 +3,14 @@
 `tensorboard --logdir runs/` on a login node shows every run under `runs/` live; and, with
 `run.wandb`, the same scalars to Weights & Biases (`wandb`, offline on compute nodes).
 
-One writer per run directory, on the rank that owns the learning progress (the weight root)
-and in `hpcvla eval --all`. The x axis is trained env steps (all learners), as Sample Factory
-and CleanRL plot it, so runs with different batch sizes line up. Tags are grouped by what they
-measure: `train/*` (loss statistics of each micro-batch's last epoch), `rollout/*` (episodes
-inside trained segments), `perf/*` (throughput, staleness, busy fractions), `eval/*`
-(`hpcvla eval --all`) and `heldout/*` (evaluation during training, eval.every; its videos in
-the image tab).
+One writer at a time per run directory: the rank that owns the learning progress (the weight
+root), then the end-of-run report, `hpcvla eval --all` and `hpcvla sft`. The x axis is trained
+env steps (all learners), as Sample Factory and CleanRL plot it, so runs with different batch
+sizes line up. Tags are grouped by what they measure: `train/*` (loss statistics of each
+micro-batch's last epoch), `rollout/*` (episodes inside trained segments), `perf/*` (throughput,
+staleness), `busy/*` (each stage's busy fraction, once at the end), `sft/*` (`hpcvla sft`'s
+losses), `eval/*` (`hpcvla eval --all`) and `heldout/*` (evaluation during training, eval.every;
+its videos in the image tab).
 """
 
 from __future__ import annotations

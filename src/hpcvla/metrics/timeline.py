@@ -6,9 +6,10 @@
     timeline.close()
 
 Each line: {"rank", "role", "stage", "start", "end"} with times in seconds since the run's
-common start (`MPI.Wtime`-based, so comparable across ranks of one node; across nodes they are
-as synchronised as the nodes' clocks). Everything not inside a span is idle time. Lines are
-buffered and flushed every `flush_every` spans so the file is readable during a run.
+common start (wall-clock `time.time()` against a start rank 0 broadcasts, so comparable across
+ranks of one node; across nodes they are as synchronised as the nodes' clocks). Everything not
+inside a span is idle time. Lines are buffered and flushed every `flush_every` spans so the file
+is readable during a run.
 """
 
 from __future__ import annotations
