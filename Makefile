@@ -1,5 +1,5 @@
 # hpcvla: the two commands a newcomer needs.
-#   make install   create .venv and install the pinned stack (CPU torch where there is no GPU),
+#   make install   create .venv and install the pinned stack (torch as pip resolves its pin),
 #                  plus the Debian packages of the cluster tests (install-cluster) and
 #                  the libraries the simulators render with on CPU (install-sims)
 #   make test      run the whole test suite, multi-rank MPI tests included

@@ -19,6 +19,8 @@
 # exited with a checkpoint, and the next start continues the run.
 #
 # Settings (environment):
+#   HPCVLA_ROOT       the repository the job runs in (default: this script's parent folder;
+#                     the job scripts cd there, else to the folder the job was submitted from)
 #   HPCVLA_VENV       venv to activate (default: <repo>/.venv when it exists)
 #   HPCVLA_CONDA_ENV  conda environment (name or prefix) to activate instead
 #   HPCVLA_MPI        mpich | openmpi | auto (default auto: the mpiexec beside the
@@ -36,7 +38,8 @@
 #   HPCVLA_JOB_RUNS   train: run root of this job (run.root); when it already holds a run
 #                     with a checkpoint short of its end (the job was requeued or rerun),
 #                     that run is continued (run.resume)
-#   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1)
+#   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
+#                     HPCVLA_JOB_RUNS, as HPCVLA_RESTARTS and HPCVLA_END_GRACE_S (both train)
 #   HPCVLA_RESTARTS   train: when the world fails (a rank or a node died), start it again
 #                     inside the allocation up to this many times (default 0): on the nodes
 #                     that still start a process, from the newest checkpoint (Slurm jobs need
@@ -50,7 +53,8 @@
 #                     at the start and at every restart. COSTS: config (the reach env probed,
 #                     or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft: 0 skips `hpcvla doctor` on the first node (default 1)
-#   HPCVLA_DRY_RUN    1: print the environment and command, run nothing
+#   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
+#                     and print it and the command, but start no rank
 set -euo pipefail
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
@@ -133,7 +137,9 @@ PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 # The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
 # HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
 # the problem when none is found.
-eval "$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}")"
+MPI_EXPORTS=$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}") ||
+    die "no MPI to start the ranks with (HPCVLA_MPI=${HPCVLA_MPI:-auto}: the reason above)"
+eval "$MPI_EXPORTS"
 
 # ---- threads per rank ----------------------------------------------------------------------
 if [[ -n ${HPCVLA_THREADS:-} ]]; then
@@ -151,8 +157,8 @@ fi
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
 
 # ---- the command ---------------------------------------------------------------------------
-# The run of this job that a restart continues: the newest run directory under $1 whose
-# newest checkpoint is short of the run's total_updates (nothing if there is none).
+# The run of this job that a restart continues: the newest run directory under $1, if its
+# newest checkpoint is short of the run's total_updates (nothing if it is done or has none).
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 
 # Run a shell command on a node of the job within 30 s (false if it did not start or failed).
@@ -170,7 +176,8 @@ on_node() {  # HOST SHELL_COMMAND
         none) sh -c "$2" ;;
     esac
 }
-# After a failed world (and before a requeued job's first), on every node of HOSTS at once:
+# After a failed world (and, where srun launches, before a requeued job's first), on every node
+# of HOSTS at once:
 # remove the MPICH segments its killed ranks left in /dev/shm and its Hydra proxies' topology
 # files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
 # within 30 s, in HOSTS' order: a restart's nodes.

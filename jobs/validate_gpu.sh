@@ -11,15 +11,18 @@
 #
 # The GPU validation job: the users' job at its real size on one GPU, through `hpcvla train` as
 # a user runs it (`hpcvla bench fullsize`: π0 at 3.3 B from a pretrained folder, streamer vs
-# sync-disaggregated, LoRA, a SIGTERM stop, OpenVLA-OFT at 7.5 B with LoRA; then the π0
-# streamer under Open MPI). Every step writes its log into OUT as it goes and runs under
-# `timeout -k`, so a job cut by its limit keeps what it did. docs/cluster.md, "Validating a
+# sync-disaggregated, LoRA, the π0 streamer under Open MPI, a SIGTERM stop, OpenVLA-OFT at
+# 7.5 B with LoRA). Each of its steps (install, doctor, fullsize) writes its log into OUT as it
+# goes and runs under `timeout -k`, so a job cut by its limit keeps what it did; each training
+# run's own log goes to WORK (in OUT's runs.tgz at the end). docs/cluster.md, "Validating a
 # GPU node".
 #
-#   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch / qsub it, with OUT and WHEELS set)
+#   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch / qsub it from the repository root,
+#                                            or with HPCVLA_ROOT set; OUT, WHEELS its arguments)
 #   jobs/validate_gpu.sh --download-wheels WHEELS [PYTHON_VERSION]
 #                                            on a machine with the project's venv and an index:
-#                                            the wheels a bare GPU image lacks (~32 MB)
+#                                            the wheels a bare GPU image lacks (~32 MB), for
+#                                            PYTHON_VERSION (default 3.12, the image's)
 #
 #   OUT     the output folder: validate.log, each step's log, fullsize.json, runs.tgz (the
 #           runs' summaries, metrics and logs)
@@ -31,14 +34,20 @@
 # Environment:
 #   HPCVLA_VALIDATE_STEPS    fullsize steps, comma-separated (default: all; e.g.
 #                            streamer,sync to split the job over two short calls)
-#   HPCVLA_VALIDATE_UPDATES  policy versions per run (default 20)
+#   HPCVLA_VALIDATE_UPDATES  policy versions per run (default 20; 2 with QUICK)
 #   HPCVLA_VALIDATE_QUICK=1  the dry run: the same steps at the tiny sizes on the CPU
-#   HPCVLA_VALIDATE_LIMIT_S  seconds each step may take (default 900)
+#   HPCVLA_VALIDATE_LIMIT_S  seconds each step may take (default 900; fullsize, every run of
+#                            HPCVLA_VALIDATE_STEPS, is one step)
+#   HPCVLA_PYTHON            the Python to run (default: python3 with WHEELS, else the
+#                            project's .venv)
 #   HPCVLA_VALIDATE_WORK     where the runs and the pretrained folders go (default OUT/work;
 #                            ~25 GB at full size)
 set -uo pipefail
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+if [[ ! -f $ROOT/requirements.txt ]]; then  # sbatch/qsub run a spooled copy of this script
+    ROOT=${SLURM_SUBMIT_DIR:-${PBS_O_WORKDIR:-$PWD}}
+fi
 
 if [[ ${1:-} == --download-wheels ]]; then
     # What a bare GPU image (torch, transformers, h5py, numpy, psutil, a system Open MPI) lacks:
