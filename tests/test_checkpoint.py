@@ -68,7 +68,7 @@ def test_optimizer_state_resumes_on_any_learner_count_and_stage(tmp_path):
     fewer learners than wrote, down to one, resume in test_pipeline.py's
     test_resume_on_fewer_learners_at_another_zero_stage). A bf16 flow policy: the masters are
     fp32 copies of other tensors than the weights, the harder case (an fp32 policy resumes at
-    each stage in test_resume_is_bit_identical). ~50 s: two worlds, 8 loads."""
+    each stage in test_resume_is_bit_identical_at_every_zero_stage). ~50 s: two worlds, 8 loads."""
     extra = ["policy.name=flow", "policy.dtype=bfloat16"]
     def world(n, mode):
         out = hpcvla("launch", "-n", n, "--timeout", 240, "--", MPI_DIR / "checkpoint_layouts.py",
