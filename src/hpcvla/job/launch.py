@@ -8,8 +8,8 @@
 Every rank runs under `python -m mpi4py`, so an uncaught exception in one rank aborts the whole
 world instead of leaving the others waiting. The launcher adds what the MPI needs
 (process/mpi_select.py: Open MPI's library for mpi4py, its one-sided components,
-oversubscription and run-as-root) and, for both MPIs, one BLAS/OpenMP thread per rank when
-ranks are at least as many as cores; it forwards the exit status, and kills the world on a timeout.
+oversubscription and run-as-root) and, for both MPIs, one BLAS/OpenMP thread per rank when ranks
+are at least as many as cores; it forwards the exit status, and kills the world on a timeout.
 Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec) instead.
 """
 

@@ -1,7 +1,8 @@
 """sync-colocated: every rank simulates, infers and trains, in lock-step (RLinf's colocated
 baseline). Each rank rolls out its own envs with its own acting copy of the policy (loaded with
-the learner's weights after every version), until it holds its share of the batch; then all ranks train it data-parallel; then
-rollout resumes with the new weights. Nothing overlaps, so no sample is ever stale.
+the learner's weights after every version), until it holds its share of the batch; then all
+ranks train it data-parallel; then rollout resumes with the new weights. Nothing overlaps, so no
+sample is ever stale.
 """
 
 from __future__ import annotations

@@ -17,8 +17,9 @@ outcome as an episode that ends at its first success (the same steps up to it), 
 
 Several ranks share the states in batches of `envs`: batch b on rank b mod N. A batch is the
 same states in the same env slots whatever N is, and its sampling generator is seeded from
-(seed, the batch's first state index) inside a forked torch generator (a training rank's own exploration noise goes on
-untouched), so the same states and seed give the same per-episode outcomes on 1 rank and on N.
+(seed, the batch's first state index) inside a forked torch generator (a training rank's own
+exploration noise goes on untouched), so the same states and seed give the same per-episode
+outcomes on 1 rank and on N.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A rank waiting on memory another rank writes (a ring slot, a flag in a shared window) polls.
 Spinning would steal the core the writer needs when ranks outnumber cores, so every wait sleeps
-(after an optional short `spin` of sched_yield calls), starting short (low latency when the answer is near) and doubling up to a cap (little CPU
-when it is not). `MPI.Win.Sync` or any MPI call between polls keeps MPI's progress going.
+(after an optional short `spin` of sched_yield calls), starting short (low latency when the
+answer is near) and doubling up to a cap (little CPU when it is not). `MPI.Win.Sync` or any MPI
+call between polls keeps MPI's progress going.
 """
 
 from __future__ import annotations
