@@ -297,6 +297,28 @@ def test_eval_job_shares_the_states_among_ranks_on_three_hosts(slurm3, tmp_path)
     assert shared["success_rate"] == alone["success_rate"]
 
 
+def test_pbs_eval_job_through_qsub(slurm, tmp_path):
+    """jobs/pbs/eval.pbs: the run directory, flags and overrides from the environment, the
+    states shared among the job's 4 ranks."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
+    log = tmp_path / "eval-pbs.out"
+    env = job_env(tmp_path, RUN=str(run_dir), OVERRIDES="env.max_episode_chunks=4",
+                  FLAGS="--untrained --deterministic --json --episodes 8 --envs 2")
+    job = slurm.qsub(ROOT / "jobs/pbs/eval.pbs", options=["-V", "-o", log, "-j", "oe"],
+                     env=env, cwd=ROOT)
+    text = finished(slurm, job, log)
+    assert "scheduler pbs" in text and "4 rank(s) on 1 node(s)" in text, text[-3000:]
+    (line,) = [line for line in text.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert result["ranks"] == 4 and result["actions"] == "deterministic", result
+    assert [e["init_state_id"] for e in result["per_episode"]] == list(range(8))
+    from hpcvla.config import load_config
+    chunk = load_config(ROOT / "configs/default.yaml").env.chunk_len  # the override: 4 chunks
+    assert max(e["steps"] for e in result["per_episode"]) == 4 * chunk, result["per_episode"]
+
+
 def test_bench_job_runs_the_benchmark_in_a_world_of_its_own(slurm, tmp_path):
     """`bench modes` inside a 1-task job starts a 4-rank world of its own (the streamer: every
     mode's bench run, against sync-colocated's, is tests/test_pipeline.py's)."""
