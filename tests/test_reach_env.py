@@ -278,3 +278,14 @@ def test_latency_can_be_reported_instead_of_slept():
     env.step(np.zeros((4, env.spec.chunk_len, 2), np.float32))
     assert _time.monotonic() - start < 0.1  # not slept...
     assert env.last_latency_s == pytest.approx(0.2)  # ...but reported for the caller to hold
+
+
+def test_a_reward_choice_reach_would_not_make_is_refused():
+    """env.reward picks ManiSkill's reward; reach has one of its own, so `dense` there would do
+    nothing: refused before any rank starts, naming the field."""
+    from hpcvla.config import ConfigError, load_config
+    from hpcvla.envs import check_env
+    from helpers import ROOT
+    check_env(load_config(ROOT / "configs/default.yaml"))  # the default: accepted
+    with pytest.raises(ConfigError, match=r"env.reward = 'dense': expected sparse, its default"):
+        check_env(load_config(ROOT / "configs/default.yaml", ["env.reward=dense"]))

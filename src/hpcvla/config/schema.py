@@ -199,8 +199,8 @@ class EnvConfig:
         "(maniskill, libero): a second render per step (~2x the rendering time).")
     reward: str = setting(
         "sparse", "maniskill: `sparse` (1 on success) or `dense` (the task's normalized dense "
-        "shaping, easier to learn, task-specific). libero has only sparse. reach has its own "
-        "shaped reward (progress + 1 on success) whatever this says.",
+        "shaping, easier to learn, task-specific). libero has only sparse; reach has one "
+        "shaped reward of its own (progress + 1 on success) and takes only the default.",
         choices=("sparse", "dense"))
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "

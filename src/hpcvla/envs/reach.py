@@ -99,6 +99,13 @@ class ReachEnv(VectorEnv):
     """Vectorized "reach the <colour> object" task; see the module docstring."""
 
     @classmethod
+    def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
+        if env_cfg.reward != "sparse":  # a choice this task would silently not make
+            return [("env.reward", env_cfg.reward, "sparse, its default: reach has one reward "
+                     "of its own (progress + 1 on success); the choice is ManiSkill's")]
+        return []
+
+    @classmethod
     def config_kwargs(cls, env_cfg) -> dict:
         return dict(latency_median_ms=env_cfg.latency_median_ms,
                     latency_sigma=env_cfg.latency_sigma, hang_at_step=env_cfg.hang_at_step,
