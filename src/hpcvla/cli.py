@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="also write the first K episodes of every task as MP4 (the "
                                "camera each chunk was chosen from, captioned) to "
                                "RUN_DIR/videos/ (default 0: none)")
-    evaluate.add_argument("--ranks", type=int, default=None,
+    evaluate.add_argument("--ranks", type=_ranks, default=None,
                           help="start this many evaluator ranks on this machine, the states "
                                "shared among them (default: one process, or the ranks of the "
                                "srun/mpirun world this runs in)")
@@ -351,13 +351,15 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
     problem = eval_problem(cfg, load_config(run_dir / "config.yaml"), args.episodes, args.envs,
-                           args.video, args.ranks)
+                           args.video)
     if problem:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     policies = [None] if args.untrained else []  # None: the untrained policy
-    kept = [chosen] if chosen else catalog.complete(run_dir) \
-        if args.all or not args.untrained else []
+    if chosen:  # the one named
+        kept = [chosen]
+    else:  # every one (--all) or the newest; none for --untrained alone
+        kept = catalog.complete(run_dir) if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",

@@ -60,14 +60,13 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         held_out.close()
 
 
-def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
-                 ranks: int | None) -> str | None:
-    """What is wrong with `hpcvla eval`'s flags, or with evaluating the run configured as
-    `trained` in the env `cfg` configures, before any rank starts."""
+def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | None:
+    """What is wrong with `hpcvla eval`'s flags (--ranks: argparse, as `train`'s), or with
+    evaluating the run configured as `trained` in the env `cfg` configures, before any rank
+    starts."""
     from hpcvla.envs.base import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
-                                   ("--envs", envs, 1, None), ("--video", video, 0, None),
-                                   ("--ranks", 1 if ranks is None else ranks, 1, None)):
+                                   ("--envs", envs, 1, None), ("--video", video, 0, None)):
         if value < low or high is not None and value > high:
             return (f"{flag} {value}: give {low} or more"
                     + (f", at most {high} (the evaluation split's states)" if high else ""))

@@ -155,6 +155,7 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
     packed = fp.trainable * fp.dtype_bytes if fp.trainable < fp.params else 0
     gpu, host = {}, {info.rank: {} for info in plan.ranks}
     node = {info.rank: info.node for info in plan.ranks}
+    simulated = simulator_bytes(cfg.env, shards_of(cfg))  # every simulator rank's envs alike
     for info in plan.ranks:
         on_gpu = devices.get(info.rank, "cpu").startswith("cuda")
         parts: dict[str, int] = {}
@@ -174,8 +175,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
             add(host[info.rank], "policy builds", build_bytes(fp))
             if not on_gpu:
                 add(host[info.rank], "cpu ranks' working memory", sum(parts.values()))
-        if SIM in info.roles and simulator_bytes(cfg.env, shards_of(cfg)):
-            add(host[info.rank], "simulator envs", simulator_bytes(cfg.env, shards_of(cfg)))
+        if SIM in info.roles and simulated:
+            add(host[info.rank], "simulator envs", simulated)
         if EVAL in info.roles:  # its own batch of eval.envs, in its process
             held_out = simulator_bytes(replace(cfg.env, envs_per_simulator=cfg.eval.envs), 1)
             if held_out:
