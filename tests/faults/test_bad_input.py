@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from hpcvla.config import Config, ConfigError, describe_settings, load_config
 from helpers import ROOT, fake_checkpoint
@@ -52,6 +54,15 @@ def resume_missing_optimizer(tmp):
         r"optimizer\.rank0\.safetensors: missing; the checkpoint is incomplete"
 
 
+def tokens_from_foreign_weights(tmp):
+    """A `tokens` policy has no published weights: a folder hpcvla did not write is refused as
+    that, not checked for π0's tokenizer and statistics."""
+    (tmp / "weights").mkdir()
+    save_file({"w": torch.zeros(2)}, tmp / "weights" / "model.safetensors")
+    return ["configs/reach_tokens.yaml", f"policy.pretrained={tmp / 'weights'}"], \
+        r"policy\.pretrained = .*written by `hpcvla sft`.*the tokens policy has no published"
+
+
 CASES = {
     "malformed YAML": bad_yaml,
     "unknown key": lambda tmp: (["configs/default.yaml", "learner.micro_batchs=4"],
@@ -69,6 +80,7 @@ CASES = {
                                        r"checkpoint"),
     "garbled checkpoint": resume_garbled_state,
     "incomplete checkpoint": resume_missing_optimizer,
+    "foreign weights for tokens": tokens_from_foreign_weights,
 }
 
 

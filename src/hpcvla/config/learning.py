@@ -100,15 +100,15 @@ class PolicyConfig:
         "(DeepSpeed's bf16 mode), checkpointed with them; the weight plane carries bf16.",
         choices=("auto", "float32", "bfloat16"))
     pretrained: str = setting(
-        "", "`flow`/`tokens`: a Hugging Face-style folder (model.safetensors with the "
-        "checkpoint names `policies/flow.py`/`tokens.py` map; e.g. written by "
-        "`hpcvla.policies.save_pretrained`) loaded into the configured policy on every rank "
-        "before training; every missing or misshaped tensor is named. Empty: random init. "
-        "A published π0/π0.5 folder (LeRobot's, or openpi's converted PyTorch one) fixes the "
-        "variant, sizes and padded dims, and brings its normalization statistics; its "
-        "prompts need `tokenizer` (policies/processor.py). `oft`: an OpenVLA-OFT folder "
-        "(config.json, sharded weights, dataset_statistics.json, tokenizer, optional "
-        "proprio projector .pt) fixes the sizes and brings its statistics and tokenizer.",
+        "", "A Hugging Face-style folder (model.safetensors) loaded into the configured "
+        "policy on every rank before training; every missing or misshaped tensor is named. "
+        "Empty: random init. Any family: a folder hpcvla wrote (`hpcvla sft`'s `policy/`, "
+        "`hpcvla.policies.save_pretrained`). `flow`: also a published π0/π0.5 folder "
+        "(LeRobot's, or openpi's converted PyTorch one), which fixes the variant, sizes and "
+        "padded dims and brings its normalization statistics; its prompts need `tokenizer` "
+        "(policies/processor.py). `oft`: an OpenVLA-OFT folder (config.json, sharded weights, "
+        "dataset_statistics.json, tokenizer, optional proprio projector and L1 action head "
+        ".pt files), which fixes the sizes and brings its statistics and tokenizer.",
         paths=True)
     checkpoint: str = setting(
         "", "A run directory (or one of its checkpoints/v*/) whose newest weights replace "

@@ -4,7 +4,7 @@ matching, action tokens, the published OpenVLA-OFT), and a by-name factory (regi
 from __future__ import annotations
 
 from hpcvla.policies.base import ActOutput, Policy
-from hpcvla.policies.default import DefaultPolicy, count_parameters
+from hpcvla.policies.default import DefaultPolicy
 from hpcvla.policies.flow import FlowPolicy
 from hpcvla.policies.folders import save_pretrained
 from hpcvla.policies.oft import OFTPolicy
@@ -13,5 +13,5 @@ from hpcvla.policies.tokens import ActionTokenPolicy
 
 __all__ = ["ActOutput", "Policy", "DefaultPolicy", "FlowPolicy", "ActionTokenPolicy", "OFTPolicy",
            "POLICIES",
-           "make_policy", "policy_kwargs", "count_parameters", "save_pretrained",
+           "make_policy", "policy_kwargs", "save_pretrained",
            "load_pretrained"]

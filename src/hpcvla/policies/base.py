@@ -11,8 +11,9 @@ or token, (B, chunk_len, action_dim). `act` reports the chunk's log-prob, (B,), 
 the learner recomputes everything it needs with gradients. `imitation_loss` is what supervised
 fine-tuning (`hpcvla sft`) minimises on demonstrated chunks, over their real steps only (a chunk
 that runs past its episode's end is padded): the negative log-likelihood per step and dim of the
-Gaussian chunk (default), the cross-entropy per action token (tokens, OFT: policies/vla.py), or
-flow matching, π0's objective (flow).
+Gaussian chunk (default), the cross-entropy per action token (tokens, OFT's token head:
+policies/vla.py), the L1 error of OFT's L1 head (oft.py), or flow matching, π0's objective
+(flow).
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class Policy(nn.Module, abc.ABC):
 
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
         """Fields `sample` returns besides the action, name -> (shape per env, dtype), which
-        `evaluate` reads back as observation fields: rollouts record them with every step
-        (e.g. the flow family's denoising chain in chain mode). None by default."""
+        the learner reads back as observation fields (`evaluate`, e.g. the flow family's
+        denoising chain in chain mode; SAC's critics, DSRL's noise): rollouts record them with
+        every step. None by default."""
         return {}
 
     def sample(self, obs, deterministic: bool = False) -> tuple[ActOutput, dict]:
@@ -112,17 +114,11 @@ class Policy(nn.Module, abc.ABC):
     # is built: each family answers for itself, so nothing outside the registry asks its name.
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
-        """Config problems of a published folder (policy.pretrained) for this family: its
-        tokenizer and statistics, and the sizes the loader reads from its tensors' shapes."""
-        from hpcvla.policies.folders import checkpoint_kwargs
-        from hpcvla.policies.processor import check_folder
-        problems = check_folder(folder, policy_cfg.tokenizer)
-        try:
-            checkpoint_kwargs(cls, folder)
-        except (ValueError, KeyError) as err:
-            problems.append(("policy.pretrained", folder, f"a {cls.family} checkpoint whose "
-                             f"sizes the loader can read: {err}"))
-        return problems
+        """Config problems of a published folder (policy.pretrained) for this family. Default:
+        a family with no published weights takes only the folders hpcvla writes."""
+        return [("policy.pretrained", folder, f"a folder written by `hpcvla sft` (its "
+                 f"`policy/`) or save_pretrained: the {cls.family} policy has no published "
+                 "weights")]
 
     @classmethod
     def env_fit_problems(cls, folder, spec_of) -> list[str]:
@@ -176,7 +172,8 @@ class Policy(nn.Module, abc.ABC):
     def published_tensors(self, state: dict, source) -> tuple[dict, dict]:
         """`state` under the published model's names (policies/export.py writes them in the
         layout of the folder `source`), and the family's other weight files, file name ->
-        what `torch.save` writes (oft: its proprio projector). Default: renamed, none."""
+        what `torch.save` writes (oft: its proprio projector and L1 action head). Default:
+        renamed, none."""
         return {self.to_hf_key(k): v for k, v in state.items()}, {}
 
     def config_json(self) -> dict:

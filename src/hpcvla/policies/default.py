@@ -1,13 +1,14 @@
 """The default small policy: a CNN + bag-of-tokens + MLP Gaussian actor-critic.
 
-Small enough to train on CPU in tests and benchmarks, yet shaped like a VLA: it reads an
-image (uint8 HWC), a tokenised instruction (int ids, 0 = padding) and, when the environment
-provides one, a proprioceptive state vector, and emits a whole action chunk
+Small enough to train on CPU in tests and benchmarks, yet shaped like a VLA: it reads whichever
+of an image (uint8 HWC), a tokenised instruction (int ids, 0 = padding) and a proprioceptive
+state vector the environment provides (at least one), and emits a whole action chunk
 (chunk_len x action_dim) from one Gaussian with a state-independent learnable log-std (as
 CleanRL's PPO); with soft critics (SAC's actor) a log std of the state, as published SAC.
 
 Log-probability and entropy are summed over every dimension of the chunk, so the chunk is
-one PPO "action". Sampled actions are not squashed: the environment clips. Behaviour cloning
+one PPO "action". Sampled actions are not squashed (the environment clips), but for SAC's
+actor, which tanh-squashes them into the box (`actor_dist`). Behaviour cloning
 (`imitation_loss`, `hpcvla sft`) maximises the same Gaussian's likelihood of the demonstrated
 chunks, so the std it ends with is the demonstrations' spread: the exploration RL starts from.
 """
@@ -35,11 +36,13 @@ def layer_init(layer: nn.Module, std: float = math.sqrt(2), bias: float = 0.0) -
 
 
 class DefaultPolicy(SoftCritics, Policy):
-    """Actor-critic over (image, instruction, optional state) producing Gaussian action chunks.
+    """Actor-critic over the image, instruction and state the env gives, producing Gaussian
+    action chunks.
 
     Args:
         obs_spec: per-env field spec, ``{name: (shape, dtype_str)}``; "image" is (H, W, C)
-            uint8, "instruction" is (L,) int token ids, "state" (optional) is (S,) float.
+            uint8, "instruction" is (L,) int token ids, "state" is (S,) float; each optional,
+            at least one.
         action_dim: dimensions of one action.
         chunk_len: actions per chunk.
         vocab_size: instruction token vocabulary size (id 0 is padding).
@@ -55,11 +58,6 @@ class DefaultPolicy(SoftCritics, Policy):
 
     family = "default"
     config_fields = ("hidden", "init_log_std")  # PolicyConfig fields the pipeline passes
-
-    @classmethod
-    def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
-        return [("policy.pretrained", folder, "a folder written by `hpcvla sft` (its "
-                 "`policy/`) or save_pretrained: the default policy has no published weights")]
 
     def __init__(
         self,
@@ -110,8 +108,10 @@ class DefaultPolicy(SoftCritics, Policy):
         """Encode each present modality and concatenate: (B, feat_dim)."""
         return encode(self, obs)
 
-    def _dist_and_value(self, obs: dict[str, torch.Tensor]) -> tuple[Normal, torch.Tensor]:
-        """Flat Normal over chunk_len*action_dim dims, and the value (B,)."""
+    def _dist_and_value(self, obs: dict[str, torch.Tensor]
+                        ) -> tuple[Normal | TransformedDistribution, torch.Tensor]:
+        """The flat action distribution over chunk_len*action_dim dims (`actor_dist`), and
+        the value (B,)."""
         h = self.features(obs)
         return self.actor_dist(h), self.value_head(self.value_trunk(h)).squeeze(-1)
 
@@ -232,9 +232,4 @@ def _inside(dist: Normal | TransformedDistribution, flat: torch.Tensor) -> torch
     return flat
 
 
-def count_parameters(module: nn.Module) -> int:
-    """Number of trainable parameters (handy for logs and sizing weight broadcasts)."""
-    return int(sum(p.numel() for p in module.parameters() if p.requires_grad))
-
-
-__all__ = ["DefaultPolicy", "add_encoders", "count_parameters", "encode", "layer_init"]
+__all__ = ["DefaultPolicy", "add_encoders", "encode", "layer_init"]

@@ -16,7 +16,8 @@ What `out` receives:
   variants the loader undoes (folders.from_layout: a missing root prefix, the kept source of a
   tied pair); else, where the model has none by design (the `unused` tensors, the untrained
   twin of a tied pair a writer kept both of, OFT's SigLIP pooling head), the source's own;
-* the family's other weight files (OFT's proprio projector .pt), in the source's key format.
+* the family's other weight files (OFT's proprio projector and L1 action head .pt), in the
+  source's key format.
 
 The RL heads (value head, critics, exploration std: `rl.*` names) are written only where the
 source has places for them (an RLinf OFT checkpoint's value head); the reference's own layouts

@@ -14,11 +14,12 @@ Gaussian transition x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injecti
 ReinFlow, Flow-GRPO and πRL's flow-noise/flow-SDE do), sigma = exp(log_std) learnable per
 (h, d), clamped to [MIN_LOG_STD, MAX_LOG_STD]. Two modes decide which steps are noisy:
 
-* "last_step" (default; what the pipeline runs): x_0 = 0 (the prior's mode) and steps
+* "last_step" (the default): x_0 = 0 (the prior's mode) and steps
   0..K-2 are deterministic, only the last step is noisy with std sigma. x_{K-1} is then a
   function of the observation alone, so the chunk log-prob is log N(a; mu, sigma^2) with mu
   the last step's mean: `evaluate(obs, a)` recomputes it from the final chunk `a` only
-  (re-running the K-1 deterministic steps with gradients). Exact, needs nothing but what
+  (re-running the K expert passes with gradients: the K-1 deterministic steps and the last
+  step's mean). Exact, needs nothing but what
   rollouts already record; the price is that the exploration is Gaussian around the
   denoised mean (no multi-modal sampling from the prior during RL).
 * "chain": x_0 ~ N(0, I) and every step is noisy with std sigma / sqrt(K) (an SDE with total

@@ -4,8 +4,8 @@ sampler a checkpoint fixes, the processor of its prompt and statistics, and whet
 in the configured env. Mixed into FlowPolicy.
 
 HF key map: names follow LeRobot's π0 (the openpi port), so a converted π0 checkpoint's tensors
-map by name (shapes must match the preset; π0 pads action and state dims to 32, ours are the
-env's). The RL heads have their own `rl.` names.
+map by name; the sizes, the padded action and state dims, the horizon and the sampler's steps
+come from the checkpoint (`checkpoint_kwargs`). The RL heads have their own `rl.` names.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class PublishedFlowFolders:
         ("log_std", "rl.log_std"),
         # DSRL's noise actor, its critics and temperature: RL-only, fresh on a π0 folder
         ("noise_", "rl.noise_"), ("value_q", "rl.value_q"), ("sac_log_alpha", "rl.sac_log_alpha"),
-        ("", "model."),  # state_proj, action_in_proj, action_time_mlp_*, action_out_proj
+        ("", "model."),  # *_proj; π0's action_time_mlp_*, π0.5's time_mlp_*
     )
     HF_LAYOUT = {  # published π0 folders (policies/folders.py)
         "root": "model.",  # openpi's converted PyTorch files leave it out
@@ -39,6 +39,20 @@ class PublishedFlowFolders:
                   _PI0 + "paligemma.lm_head.weight"),),  # hub files keep only lm_head
         "unused": (_PI0 + "gemma_expert.lm_head.weight",),  # the expert outputs no tokens
     }
+
+    @classmethod
+    def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
+        """A published π0/π0.5 folder's config problems: its tokenizer and statistics
+        (processor.check_folder), and the sizes the loader reads from its tensors' shapes."""
+        from hpcvla.policies.folders import checkpoint_kwargs
+        from hpcvla.policies.processor import check_folder
+        problems = check_folder(folder, policy_cfg.tokenizer)
+        try:
+            checkpoint_kwargs(cls, folder)
+        except (ValueError, KeyError) as err:
+            problems.append(("policy.pretrained", folder, f"a {cls.family} checkpoint whose "
+                             f"sizes the loader can read: {err}"))
+        return problems
 
     @classmethod
     def env_fit_problems(cls, folder, spec_of) -> list[str]:

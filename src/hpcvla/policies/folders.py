@@ -98,14 +98,13 @@ def checkpoint_kwargs(policy_cls, path) -> dict:
         return policy_cls.folder_kwargs(path)
     if policy_cls.checkpoint_kwargs is None:
         return {}
-    shapes = from_layout(tensor_shapes(path), {"root": policy_cls.HF_LAYOUT.get("root", "")},
-                         path)
+    shapes = from_layout(tensor_shapes(path), {"root": policy_cls.HF_LAYOUT.get("root", "")})
     config = Path(path) / "config.json"
     return policy_cls.checkpoint_kwargs(
         shapes, json.loads(config.read_text()) if config.is_file() else {})
 
 
-def from_layout(tensors: dict[str, torch.Tensor], layout: dict, where) -> dict:
+def from_layout(tensors: dict[str, torch.Tensor], layout: dict) -> dict:
     """`tensors` in the reference layout (`HF_LAYOUT`, module docstring): root prefix added
     back, tied tensors filled in, unused ones dropped."""
     root = layout.get("root", "")
@@ -136,7 +135,7 @@ def load_weights(policy, path) -> list[str]:
     if policy.load_published is not None and Path(path).is_dir() and not \
             is_hpcvla_folder(path):
         return policy.load_published(path)
-    tensors = from_layout(read_tensors(path), policy.HF_LAYOUT, path)
+    tensors = from_layout(read_tensors(path), policy.HF_LAYOUT)
     loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
     state = policy.state_dict()
     missing = [k for k in state if k not in loaded]

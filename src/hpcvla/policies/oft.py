@@ -9,10 +9,11 @@ head: the last 256 ids of the Llama-2 vocabulary (31744..31999) are action token
 bin `clip(32000 - id - 1, 0, 254)` -> one of the 255 centres of linspace(-1, 1, 256).
 
 RL sequence (`sequence="rlinf"`, RLinf's `implement_version: rlinf`, what `act`/`evaluate` run):
-`[BOS] + patches (+ proprio token) + pads + prompt[1:] + H x D zero embeddings`, positions
-`cumsum(mask) - 1`; the logits at the last prompt token ("▁") and the first H x D - 1 action
-positions give the H x D action tokens (index = step x D + dim), restricted to the 256 action
-ids and divided by `temperature`; sampling draws from that, `deterministic` takes the argmax.
+`[BOS] + patches (+ proprio token) + pads + prompt[1:] + 8 x D zero embeddings` (8 =
+DECODED_CHUNK), positions `cumsum(mask) - 1`; the logits at the last prompt token ("▁") and the
+first 8 x D - 1 action positions give the 8 x D action tokens (index = step x D + dim),
+restricted to the 256 action ids and divided by `temperature`; sampling draws from that,
+`deterministic` takes the argmax.
 `predict_action_reference` is OFT's own `predict_action` instead (no padding, a STOP token
 after the actions, argmax over the whole vocabulary): with bidirectional attention the two
 give different logits, and published OFT evaluations use that one. `sequence="official"`
@@ -259,7 +260,7 @@ class OFTPolicy(VLAPolicy):
     # ------------------------------------------------------------------ the model
     def _prompt(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompt ids and mask: the processor's, or (random init) BOS + the env's ids,
-        left-aligned like RLinf's (0 = padding)."""
+        left-padded (pads first) like RLinf's (0 = padding)."""
         if "input_ids" in obs:
             return obs["input_ids"].long(), obs["prompt_mask"].bool()
         ids = obs["instruction"].long()
@@ -269,7 +270,7 @@ class OFTPolicy(VLAPolicy):
         ones = real.new_ones(ids.shape[0], 1)
         return torch.cat([ids.new_full((ids.shape[0], 1), BOS), ids], 1), torch.cat([ones, real], 1)
 
-    def _prefix(self, obs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prefix(self, obs) -> torch.Tensor:
         """Vision (+ proprio) token embeddings (B, P, W), given pixel values or images."""
         pixels = obs.get("pixel_values")
         if pixels is None:

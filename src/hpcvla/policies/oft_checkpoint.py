@@ -11,7 +11,8 @@ What the folder holds (tests/fixtures/oft/README.md has the full description):
 * `dataset_statistics.json` (action/proprio q01, q99, mask per dataset key),
   `*proprio_projector*checkpoint*.pt` and, in OFT's own LIBERO recipe, the L1-regression
   head's `action_head--*checkpoint*.pt` (DDP state dicts: `module.` stripped), the tokenizer
-  and `preprocessor_config.json` (read by policies/oft_processor.py).
+  (read by policies/oft_processor.py) and `preprocessor_config.json` (not read: its resize and
+  normalization are policies/oft_vision.py's `pixel_values`).
 
 timm -> transformers: the fused `attn.qkv` is split into q/k/v (and fused back); LayerScale
 `ls{1,2}.scale_factor` (OFT's name for timm's gamma) is `layer_scale{1,2}.lambda1`; DINOv2's

@@ -2,14 +2,14 @@
 
     processor = OFTProcessor.from_folder(folder, tokenizer_folder, unnorm_key, vocab, ...)
     model_obs = processor.inputs(obs)      # + input_ids / prompt_mask, normalized state
-    env_actions = processor.actions_out(a, obs)  # bin centres in [-1, 1] -> the dataset's units
+    env_actions = processor.actions_out(a, obs)  # normalized [-1, 1] -> the dataset's units
     a = processor.actions_in(env_actions, obs)   # and back, for scoring
 
 * **Prompt**: `In: What action should the robot take to {task.lower()}?\\nOut: ` (the trailing
   space encodes as 29871, the id OFT's `predict_action` appends), with the Llama tokenizer the
   checkpoint folder ships (`transformers.AutoTokenizer`, `trust_remote_code=False`: published
   folders name OFT's own processor code in `auto_map`, which is not needed for the
-  tokenizer). The env's instruction ids are decoded back to words (envs/serial.py), as the π0
+  tokenizer). The env's instruction ids are decoded back to words (hpcvla/text.py), as the π0
   processor does. RLinf's layout: left-padded with the pad id (32000) to `max_prompt_length`
   (a longer prompt makes the batch longer instead of being cut), then BOS moved to index 0;
   `prompt_mask` is False on the pads. With positions counting real tokens only and padding

@@ -1,7 +1,8 @@
 """A published checkpoint's inputs and outputs: raw env observations become the model inputs
 it was trained on, its actions go back to the env's units.
 
-    processor = CheckpointProcessor.from_folder(folder, tokenizer_folder, variant, vocab)
+    processor = CheckpointProcessor.from_folder(folder, tokenizer_folder, variant, vocab,
+                                                state_dim, action_dim)
     model_obs = processor.inputs(obs)          # prompt ids, normalized state
     env_actions = processor.actions_out(a, obs)  # model (normalized) -> env units
     a = processor.actions_in(env_actions, obs)   # and back, for scoring
@@ -12,12 +13,13 @@ openpi π0/π0.5 folder needs three things the weights do not hold:
 
 * **Prompt** (tokenizer from a local folder, `transformers.AutoTokenizer`: PaliGemma's is gated
   on the hub, users bring it). The env's instruction ids are decoded back to their words
-  (envs/serial.py's vocabulary: lower-case words, which LIBERO's instructions are). π0 as
+  (hpcvla/text.py's vocabulary: lower-case words, which LIBERO's instructions are). π0 as
   LeRobot: BOS + task + "\\n"; π0 as openpi: the task cleaned (strip, `_` and newlines to
   spaces), then "\\n" encoded apart; π0.5 (both): "Task: {cleaned}, State: {bins};\\nAction: ",
   bins = the normalized state digitized into 256 bins over [-1, 1] (np.digitize - 1, so -1
   below the range). Right-padded with id 0 (the model's padding) to 48 (π0) / 200 (π0.5)
-  tokens, or LeRobot's `tokenizer_max_length`; longer prompts are cut there.
+  tokens, or the `max_length` of LeRobot's `tokenizer_processor` step; longer prompts are cut
+  there.
 * **Normalization** of the state in and the actions out. LeRobot: the normalizer steps of
   `policy_preprocessor.json` / `policy_postprocessor.json` and their safetensors
   (`observation.state.<stat>`, `action.<stat>`), modes MEAN_STD, QUANTILES, MIN_MAX, IDENTITY

@@ -1,8 +1,9 @@
-"""What the two VLA policy families share: size presets, the vision-language prefix, attention
-masks, the per-unit log-prob reduction, and Hugging Face-style checkpoint folders.
+"""What the VLA policy families share: size presets, the vision-language prefix, attention
+masks, the per-unit log-prob reduction, and Hugging Face-style checkpoint folders (OFT,
+policies/oft.py, has its own backbone and sizes and uses the VLAPolicy base and the masks).
 
-Both families (policies/flow.py, policies/tokens.py) read an observation as a *prefix* of
-tokens: SigLIP patch tokens of the camera image (resized with padding to the tower's size,
+The flow and tokens families (policies/flow.py, policies/tokens.py) read an observation as a
+*prefix* of tokens: SigLIP patch tokens of each camera image (resized with padding to the tower's size,
 as openpi and LeRobot do) projected to the language model's width (PaliGemma's layout),
 then the instruction's token embeddings (id 0 = padding, masked out).
 Prefix tokens attend to each other bidirectionally (PaliGemma's prefix-LM); what follows the
