@@ -207,3 +207,28 @@ def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
         out = hpcvla("bench", "learning", *args, "--json", tmp_path / "out.json")
         assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing ran
+
+
+def test_a_bench_option_its_target_does_not_read_is_refused(tmp_path, capsys):
+    """An option or override a benchmark would ignore is refused, naming it, before anything
+    runs (nothing written); what a target reads is accepted."""
+    from hpcvla.bench.command import _options_problem
+    from hpcvla.cli import _parser, main
+    for args, says in ((["modes", "env.image_size=64"], "key=value overrides: not read by "
+                        "`hpcvla bench modes --workload emulated`"),
+                       (["modes", "--ranks", "4"], "--ranks: not read"),
+                       (["modes", "--workload", "real", "--max-staleness", "3"],
+                        "--max-staleness: not read by `hpcvla bench modes --workload real`"),
+                       (["scale", "--preset", "table3"], "--preset: not read by `hpcvla "
+                        "bench scale`"),
+                       (["policies", "--updates", "3", "--seeds", "2"], "--updates, --seeds"),
+                       (["fullsize", "--steps", "plan,strmer", "--quick", "--out",
+                         str(tmp_path / "fullsize")], "--steps strmer: no such step")):
+        assert main(["bench", *args, "--json", str(tmp_path / "out.json")]) == 2
+        assert says in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+    for args in (["scale", "--validate", "--preset", "table3", "--updates", "3"],
+                 ["modes", "--preset", "table3", "--max-staleness", "3", "--modes", "streamer"],
+                 ["transport", "--ranks", "8", "--ranks-per-node", "2"],
+                 ["learning", "--arms", "setting", "--config", "c.yaml", "--setting", "a=1"]):
+        assert _options_problem(_parser().parse_args(["bench", *args])) == "", args

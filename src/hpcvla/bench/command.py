@@ -3,7 +3,23 @@ the benchmarks so the top-level command (cli.py) stays a table of commands."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+
+# The options each target reads besides --json and --quick; one set for a target that does not
+# read it would change nothing, so it is refused before anything runs (_options_problem).
+READS = {
+    "transport": ("ranks", "ranks_per_node"),
+    "modes": ("workload", "gpus", "updates", "sweep", "modes"),  # emulated: + EMULATED_READS
+    "learning": ("overrides", "updates", "seeds", "arms", "config", "demos", "demo_noise",
+                 "setting", "eval_episodes"),
+    "policies": (), "memory": (), "gpu": (),
+    "scale": ("chart",), "scale --validate": ("validate", "preset", "updates"),
+    "shards": ("workload", "shards"),
+    "checkpoint": ("overrides", "updates"),
+    "fullsize": ("out", "steps", "updates"),
+}
+EMULATED_READS = ("preset", "max_staleness")  # modes: the emulated workload's stage costs
 
 
 def add_bench_parser(sub) -> None:
@@ -21,7 +37,8 @@ def add_bench_parser(sub) -> None:
                        help="fullsize: only these steps, comma-separated (plan, streamer, sync, "
                             "lora, openmpi, sigterm, oft; default all)")
     bench.add_argument("--ranks", type=int, default=None,
-                       help="start this many ranks here (default: the current MPI world)")
+                       help="transport: start this many ranks here (default: the current MPI "
+                            "world)")
     bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
     bench.add_argument("--ranks-per-node", type=int, default=4,
                        help="transport: emulated node size for the weight plane (default 4)")
@@ -31,12 +48,14 @@ def add_bench_parser(sub) -> None:
                             "env/policy/learner, or a real simulator (rendered observations, "
                             "tiny policy)")
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
-                       help="modes, emulated: stage costs (see hpcvla/scale/presets.py)")
+                       help="modes --workload emulated, scale --validate: stage costs (see "
+                            "hpcvla/scale/presets.py)")
     bench.add_argument("--gpus", type=int, default=2,
                        help="modes: accelerator ranks (even, or 1: one GPU shared)")
     bench.add_argument("--updates", type=int, default=None,
                        help="modes: updates per mode (default 20); learning: per run (200); "
-                            "checkpoint: per run (8); fullsize: per run (20)")
+                            "checkpoint: per run (8); fullsize: per run (20); scale "
+                            "--validate: per case (10)")
     bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
@@ -58,7 +77,7 @@ def add_bench_parser(sub) -> None:
                             "(hpcvla/bench/learning.py)")
     bench.add_argument("--config", default=None,
                        help="learning --arms imitation, prior-data, scratch, dsrl-sft or "
-                            "setting (required there): the task recipe its demonstrations, "
+                            "setting (required with setting): the task recipe its demonstrations, "
                             "SFT and both arms run (default configs/maniskill_pushcube.yaml, "
                             "configs/maniskill_pushcube_sac.yaml for the off-policy sets, "
                             "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
@@ -94,8 +113,9 @@ def add_bench_parser(sub) -> None:
                        help="modes: only these execution modes, comma-separated (default: all "
                             "five), e.g. sync-colocated,streamer")
     bench.add_argument("--max-staleness", type=int, default=2,
-                       help="modes, emulated: the staleness bound the async modes run under "
-                            "(pipeline.max_staleness; the planner uses it whole)")
+                       help="modes --workload emulated: the staleness bound the async modes "
+                            "run under (pipeline.max_staleness; the planner uses it whole; "
+                            "the other workloads run at the config's, 1)")
     bench.add_argument("--chart", default=None,
                        help="scale: draw the 8 -> 256 GPU prediction here (PNG)")
     bench.add_argument("--validate", action="store_true",
@@ -103,8 +123,35 @@ def add_bench_parser(sub) -> None:
                             "predictions (hpcvla/scale/validate.py)")
 
 
+def _options_problem(args) -> str:
+    """The options set on the command line that `args.target` does not read, named; '' if
+    none."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    defaults = vars(parser.parse_args(["bench", args.target]))  # every option at its default
+    reads = {"target", "json", "quick", *READS[f"{args.target} --validate" if
+                                               args.target == "scale" and args.validate
+                                               else args.target]}
+    if args.target == "modes" and args.workload == "emulated":
+        reads.update(EMULATED_READS)
+    unread = [name for name, default in defaults.items()
+              if name not in reads and getattr(args, name) != default]
+    if not unread:
+        return ""
+    named = ["key=value overrides" if name == "overrides" else "--" + name.replace("_", "-")
+             for name in unread]
+    target = args.target + (f" --workload {args.workload}" if args.target == "modes" else
+                            " --validate" if args.target == "scale" and args.validate else "")
+    return (f"{', '.join(named)}: not read by `hpcvla bench {target}`, so it would change "
+            "nothing (`hpcvla bench --help` says which target reads which option)")
+
+
 def bench_command(args) -> int:
     """Run the benchmark `args.target` names."""
+    problem = _options_problem(args)
+    if problem:
+        print(f"hpcvla bench {args.target}: {problem}", file=sys.stderr)
+        return 2
     if args.target == "policies":  # one process: parameter counts and step times
         from hpcvla.bench import policies
         policies.run(quick=args.quick, json_path=args.json)
@@ -140,9 +187,14 @@ def bench_command(args) -> int:
         return 0
     if args.target == "fullsize":  # starts one world per run itself
         from hpcvla.bench import fullsize
+        steps = args.steps.split(",") if args.steps else fullsize.STEPS
+        unknown = [name for name in steps if name not in fullsize.STEPS]
+        if unknown:  # refused before a full-size folder is built (minutes)
+            print(f"hpcvla bench fullsize: --steps {','.join(unknown)}: no such step (the "
+                  f"steps: {','.join(fullsize.STEPS)})", file=sys.stderr)
+            return 2
         return fullsize.run(args.out, quick=args.quick, json_path=args.json,
-                            updates=args.updates or (2 if args.quick else 20),
-                            steps=args.steps.split(",") if args.steps else fullsize.STEPS)
+                            updates=args.updates or (2 if args.quick else 20), steps=steps)
     if args.target == "checkpoint":  # starts one world per run itself
         from hpcvla.bench import checkpoint
         checkpoint.run(updates=3 if args.quick else args.updates or 8,

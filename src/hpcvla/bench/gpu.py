@@ -11,7 +11,8 @@ Sections of the JSON (each says `skipped` and why when it cannot run here):
   core torch uses) and on the GPU (bf16), side by side: `gpu_speedup` = CPU ms / GPU ms.
 * `memory_model`: π0 at full size in bf16 on LIBERO's shapes (224 px, two cameras), built on
   the GPU: the memory model's footprint (hpcvla/memory: weights, a micro-batch's forward and
-  backward, one `act`; a FakeTensor run on the meta device, as `hpcvla plan` computes it)
+  backward, one `act`; shallow copies run on meta tensors (memory/footprint.py), as `hpcvla
+  plan` computes it)
   against CUDA's allocator peaks of the same steps, with and without gradient checkpointing.
 * `reach_training`: `hpcvla train configs/reach_flow.yaml`, 20 updates, 4 ranks: success rate,
   wall time, and the device and dtype every rank reported.
@@ -142,7 +143,7 @@ def memory_model(gpu, quick: bool) -> dict:
 
 
 def _cuda_footprint(cfg, spec, gpu, train_obs: int) -> dict[str, int]:
-    """What footprint._fake_run counts, from CUDA's allocator: the weights, the peak above
+    """What footprint.policy_footprint counts, from CUDA's allocator: the weights, the peak above
     them of one micro-batch's forward and backward (gradients dropped as they come: the
     engine's are modelled apart), and of one `act`."""
     from hpcvla.factory import constructor_kwargs

@@ -58,8 +58,8 @@ Arm sets (`--arms`):
   `--arms setting --config configs/reach_oft_l1.yaml --demos 128 --demo-noise 0 --setting
   algorithm.lr_warmup_versions=10`.
 
-Every run is a real `hpcvla train` with the same env-step budget (32 segments of 8 chunks
-per version on reach); every rank draws its own exploration noise. Compared on `hpcvla eval`
+Every run of an arm set is a real `hpcvla train` with the same env-step budget as its twin
+(on reach 32 segments of 8 chunks per version; `off-policy`: 64, 2 colocated learners); every rank draws its own exploration noise. Compared on `hpcvla eval`
 of each run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for
 every arm and seed, not the rolling training success (which counts episodes of several policy
 versions, sampled on the training states); each checkpoint twice, acting as training does
@@ -82,7 +82,8 @@ import numpy as np
 from hpcvla.job.trainrun import train_run
 from hpcvla.metrics.stats import welch_interval
 
-# Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version.
+# Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version
+# (off-policy: 64, its 2 colocated learners at the learner defaults).
 # `modes` and `critic` run reach with 64 px images and 8 PPO epochs per version (the default
 # job's 32 px and 1 epoch would be a different, learner-light comparison).
 REACH = ["env.image_size=64", "learner.epochs=8"]

@@ -13,7 +13,8 @@ Workloads:
   the measured busy time of each stage (capacity = steps / mean busy seconds of its ranks).
 * `maniskill`, `libero`: the same with a real simulator (ManiSkill3 PickCube-v1, LIBERO-Spatial
   task 0) rendering 64 px cameras on CPU, a tiny default policy and small learner batches
-  (SIM_WORKLOADS); 4 envs per simulator rank unless told otherwise.
+  (SIM_WORKLOADS); 4 envs per simulator rank unless `run(envs_per_gpu=...)` says otherwise
+  (the emulated workload takes its preset's).
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def _layout(mode: str, gpus: int) -> list[str]:
 def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
               mode: str, staleness: int = 2) -> list[str]:
     # Learner batch: 32 segments per learner and version in micro-batches of 16, where a
-    # micro-batch may be smaller than a whole unsharded simulator (the sharded modes).
+    # micro-batch may be smaller than a whole unsharded simulator (the sharded modes); an
+    # unsharded mode's micro-batch holds whole simulators (64 segments at 64 envs), and the
+    # simulator workloads set their own (SIM_COMMON: 4 x 2).
     micro = 16 if traits(mode).sharded else math.lcm(16, envs_per_gpu)
     common = [f"pipeline.total_updates={updates}", f"env.envs_per_simulator={envs_per_gpu}",
               f"learner.micro_batch={micro}", f"learner.micro_batches={max(1, 32 // micro)}",
@@ -121,7 +124,8 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
         envs_per_gpu = preset["envs"]
     results = {"workload": workload, "preset": preset_name if workload == "emulated" else None,
                "costs_ms": preset if workload == "emulated" else None, "gpus": gpus,
-               "sweep": sweep, "updates": updates, "max_staleness": staleness, "modes": {}}
+               "sweep": sweep, "updates": updates,
+               "max_staleness": staleness if workload == "emulated" else None, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra, bound_s) in enumerate(
                 cases(sweep, envs_per_gpu, staleness)):

@@ -97,8 +97,8 @@ def knobs(mode: str, envs: bool = False) -> list[str]:
 
 
 def _start(base: Layout, fits) -> Layout:
-    """The config's layout if it runs and fits, else the first that does (per_node, shards,
-    micro)."""
+    """The config's layout if it runs and fits, else the first that does (the mode's knobs
+    in turn, `knobs`)."""
     if problem(base) is None and fits(base) is None:
         return base
     tried = [base]
@@ -164,7 +164,7 @@ def looser_staleness(best: Layout, costs: StageCosts, search_envs: bool = False,
                      steps: int = 2, fits=lambda lay: None) -> list[tuple[int, Prediction]]:
     """[(max_staleness, best prediction)] one and two versions above the bound of `best` (the
     search's pick), for the modes it limits: a tight bound caps throughput (a version cannot
-    take less than the rollout time of a segment over the bound, README), which no other knob
+    take less than the rollout time of a segment over the bound, docs/architecture.md §7), which no other knob
     undoes. Each search starts from the previous pick, so a looser bound never predicts less."""
     if not best.traits.bounded_staleness:
         return []

@@ -33,8 +33,9 @@ a second for any world size:
   "sequential" sends every remote inference rank its copy in turn instead), which copies it
   to its node's inference ranks (bytes / local bandwidth, paid by the inference rank between
   two forward passes). Publishing runs in a thread: it delays the weights, not the learner.
-* sync-colocated: each rank rolls out (T + 1 forward passes of E envs and T steps of its
-  slowest env per segment group) until it holds its share of the batch, then all ranks train
+* sync-colocated: each rank rolls out (groups x T + 1 forward passes of E envs per version,
+  a group's bootstrap pass being the next one's first act, and T steps of its slowest env per
+  segment group) until it holds its share of the batch, then all ranks train
   together; a version lasts as long as the slowest rank's rollout plus the training.
 * Start: the learners build their engine for `learner_start_s` after the clock starts; the
   cells act on the first version meanwhile (a colocated rank waits for it).

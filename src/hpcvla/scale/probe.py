@@ -163,11 +163,12 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
 
 def describe(costs: StageCosts) -> str:
     c = costs
-    sim = (f"sim chunk {c.sim_median_s * 1e3:.1f} ms median (sigma {c.sim_sigma:g})"
-           if c.sim_median_s else "")
+    sim = [f"chunk {c.sim_median_s * 1e3:.1f} ms median (sigma {c.sim_sigma:g})"] \
+        if c.sim_median_s else []
     if c.sim_fixed_s or c.sim_per_env_s:
-        sim += f" + {c.sim_fixed_s * 1e3:.2f} ms + {c.sim_per_env_s * 1e3:.3f} ms/env"
-    return (f"{sim.strip(' +')}; inference {c.inf_a_s * 1e3:.2f} + {c.inf_b_s * 1e3:.3f} ms/env"
+        sim.append(f"{c.sim_fixed_s * 1e3:.2f} ms + {c.sim_per_env_s * 1e3:.3f} ms/env")
+    return (("sim " + " + ".join(sim) + "; " if sim else "") +
+            f"inference {c.inf_a_s * 1e3:.2f} + {c.inf_b_s * 1e3:.3f} ms/env"
             f" + {c.inf_per_request_s * 1e3:.3f} ms/request; learner "
             f"{c.learn_fixed_s * 1e3:.2f} ms/micro-batch + "
             f"{c.learn_s_per_segment * 1e3:.2f} ms/segment/epoch; weights "

@@ -27,7 +27,7 @@ from hpcvla.scale.presets import PRESETS, emulated_cost_overrides
 from hpcvla.scale.probe import emulated_costs
 from hpcvla.schedule import Layout
 
-# 4 to 8 ranks, every mode, 1-3 nodes, 1-2 cells per node, 1-2 learners per node.
+# 4 to 8 ranks, every mode, 1-2 nodes, 1-2 cells per node, 1-2 learners per node.
 CASES = [
     Layout("sync-colocated", 4, 4, envs=16, micro_batch=16, micro_batches=1),
     Layout("sync-disaggregated", 6, 6, {"simulator": 4, "inference": 1, "learner": 1},
