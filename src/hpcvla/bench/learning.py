@@ -58,15 +58,15 @@ Arm sets (`--arms`):
   `--arms setting --config configs/reach_oft_l1.yaml --demos 128 --demo-noise 0 --setting
   algorithm.lr_warmup_versions=10`.
 
-Every run of an arm set is a real `hpcvla train` with the same env-step budget as its twin
-(on reach 32 segments of 8 chunks per version; `off-policy`: 64, 2 colocated learners); every rank draws its own exploration noise. Compared on `hpcvla eval`
-of each run's final checkpoint: the same fixed initial states (`eval_episodes` of them) for
-every arm and seed, not the rolling training success (which counts episodes of several policy
-versions, sampled on the training states); each checkpoint twice, acting as training does
-(sampled) and with its deterministic action (as ManiSkill's baselines evaluate). Reported:
-per run both eval successes, the rolling
-success curve against trained env steps (on a common grid) and the mean explained variance
-of the critic from update 30 on; per arm the means; the differences of the means (first arm -
+Every run of an arm set is a real `hpcvla train` with the same env-step budget as its twin (on
+reach 32 segments of 8 chunks per version; `off-policy`: 64, 2 colocated learners); every rank
+draws its own exploration noise. Compared on `hpcvla eval` of each run's final checkpoint: the
+same fixed initial states (`eval_episodes` of them) for every arm and seed, not the rolling
+training success (which counts episodes of several policy versions, sampled on the training
+states); each checkpoint twice, acting as training does (sampled) and with its deterministic
+action (as ManiSkill's baselines evaluate). Reported: per run both eval successes, the rolling
+success curve against trained env steps (on a common grid) and the mean explained variance of
+the critic from update 30 on; per arm the means; the differences of the means (first arm -
 second) with 95 % Welch confidence intervals. A PNG of the overlaid curves goes next to the
 JSON.
 """

@@ -2,8 +2,9 @@
 
 A section is a dataclass; a setting is a field declared with `setting(...)`, whose `doc` says
 what the value means and what raising or lowering it costs (the style of Sample Factory's
-flags). `hpcvla config --doc` prints every setting's documentation, one block per setting. The policy and
-algorithm sections live in config/learning.py, the evaluation's in config/evaluation.py.
+flags). `hpcvla config --doc` prints every setting's documentation, one block per setting.
+The policy and algorithm sections live in config/learning.py, the evaluation's in
+config/evaluation.py.
 
 Fields are checked by `hpcvla.config.loader`: types from the annotations, `choices`, and the
 numeric bounds `ge`/`le`; then the checks that involve several fields (config/checks.py).

@@ -3,9 +3,9 @@ masks, the per-unit log-prob reduction, and Hugging Face-style checkpoint folder
 policies/oft.py, has its own backbone and sizes and uses the VLAPolicy base and the masks).
 
 The flow and tokens families (policies/flow.py, policies/tokens.py) read an observation as a
-*prefix* of tokens: SigLIP patch tokens of each camera image (resized with padding to the tower's size,
-as openpi and LeRobot do) projected to the language model's width (PaliGemma's layout),
-then the instruction's token embeddings (id 0 = padding, masked out).
+*prefix* of tokens: SigLIP patch tokens of each camera image (resized with padding to the
+tower's size, as openpi and LeRobot do) projected to the language model's width (PaliGemma's
+layout), then the instruction's token embeddings (id 0 = padding, masked out).
 Prefix tokens attend to each other bidirectionally (PaliGemma's prefix-LM); what follows the
 prefix (the action expert's tokens, or the action queries) sees the prefix but is not seen
 by it. Masks are built here as 4D additive float masks, which transformers uses as given.
