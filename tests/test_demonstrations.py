@@ -264,9 +264,16 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
     assert not demos.pad.any() and len(demos.task) == len(successes)
     assert {k: v.dtype.str for k, v in demos.obs.items()} == {
         k: dt for k, (_, dt) in spec.obs.items()}
-    if any(successes):
-        ok = read_demonstrations(tmp_path / "rank0.h5", spec, successful_only=True)
-        assert len(ok.task) == sum(successes)
+    assert not any(successes)  # random actions: no episode reached the target
+    with pytest.raises(DemonstrationError, match="at least one successful demonstration"):
+        read_demonstrations(tmp_path / "rank0.h5", spec, successful_only=True)
+    with h5py.File(tmp_path / "rank0.h5", "a") as f:  # the success flag is what selects
+        f["data/demo_1"].attrs["success"] = True
+        rows = f["data/demo_1/actions"].shape[0]
+        actions = f["data/demo_1/actions"][()]
+    ok = read_demonstrations(tmp_path / "rank0.h5", spec, successful_only=True)
+    assert len(ok.task) == 1  # that episode alone, every row of it
+    np.testing.assert_array_equal(ok.actions, actions)
     other = EnvSpec(spec.obs, spec.action_dim, spec.chunk_len + 1, 4, spec.vocab)
     refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
 

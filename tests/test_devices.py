@@ -74,7 +74,7 @@ def test_two_nodes_of_eight_gpus_disaggregated_and_hybrid(capsys):
         assert (code, "hybrid is plan-only" in err) == ((0, False) if mode == "disaggregated"
                                                         else (2, True)), err
         gpu_rows = [(r[1], r[6]) for r in rows if "inference" in r[3] or "learner" in r[3]]
-        assert len(gpu_rows) == 2 * 4 if mode == "disaggregated" else 2 * 8
+        assert len(gpu_rows) == (2 * 4 if mode == "disaggregated" else 2 * 8), (mode, gpu_rows)
         assert len(set(gpu_rows)) == len(gpu_rows), f"{mode}: a GPU serves two ranks"
         assert all(device == "cpu" for r in rows if r[3] == "simulator" for device in [r[6]])
 

@@ -25,8 +25,10 @@ SECTIONS = sorted({name.split(".")[0] for name in SETTINGS})
 
 def train(*args, hide=None, env=None):
     """`hpcvla train ... --ranks 4` as a user runs it; `hide` makes a package uninstalled
-    for that process (as on a machine without it)."""
-    code = "import sys\n" + (f"sys.modules[{hide!r}] = None\n" if hide else "") + \
+    for that process (as on a machine without it). The launcher is hidden too: a world that
+    started would fail to import it (exit 1), so exit 2 means refused before any rank."""
+    code = "import sys\nsys.modules['hpcvla.job.launch'] = None\n" + \
+        (f"sys.modules[{hide!r}] = None\n" if hide else "") + \
         "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, "train", *map(str, args),
                            "--ranks", "4"], cwd=ROOT, capture_output=True, text=True,

@@ -162,9 +162,11 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
     assert "restarting the worker (1/5)" in out.stderr and what in out.stderr
     learner = next(r for r in summary["per_rank"] if "staleness_hist" in r)
     assert sum(learner["staleness_hist"].values()) == updates * 32  # every update, full
-    if "trained_groups" in learner:  # disaggregated: nothing lost, nothing trained twice
+    assert ("trained_groups" in learner) == (ranks == 4)  # the ledger: disaggregated only
+    if ranks == 4:  # nothing lost, nothing trained twice: an entry per slot (2 sims x 2 shards)
         ledger = learner["trained_groups"]
-        assert all(e["first"] == 0 and e["missing"] == 0 for e in ledger.values()), ledger
+        assert len(ledger) == 4 and all(e["first"] == 0 and e["missing"] == 0
+                                        for e in ledger.values()), ledger
         (inference,) = [r for r in summary["per_rank"] if r["role"] == "inference"]
         trained = sum(e["groups"] for e in ledger.values())
         assert inference["segments_sent"] == (trained + learner["unused_segments"]) * 8
