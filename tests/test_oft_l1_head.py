@@ -104,6 +104,19 @@ def test_an_l1_checkpoint_comes_back_byte_for_byte(io, l1_folder, tmp_path):
     assert written["rl_heads_left_out"] == 6  # the value head's 5 tensors and log_std
     for file in l1_folder.iterdir():
         assert (tmp_path / "out" / file.name).read_bytes() == file.read_bytes(), file.name
+    with torch.no_grad():  # a trained head is written as the policy holds it, in OFT's keys
+        for name, tensor in policy.named_parameters():
+            if name.startswith("action_head."):
+                tensor.add_(0.01 * torch.randn_like(tensor))
+    save_like(policy, l1_folder, tmp_path / "trained")
+    source = torch.load(l1_folder / HEAD, weights_only=True)
+    head = torch.load(tmp_path / "trained" / HEAD, weights_only=True)
+    state = policy.state_dict()
+    assert head.keys() == source.keys()
+    for key, value in head.items():
+        ours = state["action_head." + key.removeprefix("module.")]
+        assert value.dtype == source[key].dtype and torch.equal(value, ours.to(value.dtype))
+        assert not torch.equal(value, source[key]), key
 
 
 def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):

@@ -29,7 +29,8 @@ from hpcvla.envs.base import EnvSpec
 from hpcvla.text import tokenize, vocab_of
 from hpcvla.policies import OFTPolicy
 from hpcvla.policies.folders import read_tensors
-from hpcvla.policies.oft_checkpoint import UNUSED, from_published, load_value_head, to_published
+from hpcvla.policies.oft_checkpoint import (UNUSED, from_published, load_value_head,
+                                            read_statistics, to_published)
 from hpcvla.policies.oft_processor import PROMPT
 from hpcvla.policies.oft_vision import pixel_values
 from hpcvla.factory import build_policy
@@ -275,7 +276,7 @@ def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
     found as OFT's and RLinf's evaluation find it."""
     folder = tmp_path / "checkpoint"
     shutil.copytree(CHECKPOINT, folder)
-    assert config(folder, **{"policy.unnorm_key": "libero_spatial"})
+    config(folder, **{"policy.unnorm_key": "libero_spatial"})  # accepted (check_config raises)
     with pytest.raises(ConfigError) as err:  # OFT's proprio projector in RLinf's sequence
         config(folder, **{"env.state": "true"})
     assert "set policy.sequence=official" in str(err.value)
@@ -290,10 +291,13 @@ def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         config(folder)
     assert "num_images_in_input" in str(err.value) and "env.wrist_image=true" in str(err.value)
-    assert config(folder, **{"env.wrist_image": "true"})
+    config(folder, **{"env.wrist_image": "true"})  # accepted
     statistics = json.loads((folder / "dataset_statistics.json").read_text())
     statistics["bridge_orig"] = statistics["libero_spatial_no_noops"]
     (folder / "dataset_statistics.json").write_text(json.dumps(statistics))
+    # with two keys, OFT's suffix rule (not "the only key") finds the one named
+    assert read_statistics(folder, "libero_spatial")[0] == "libero_spatial_no_noops"
+    assert read_statistics(folder, "bridge_orig")[0] == "bridge_orig"
     with pytest.raises(ConfigError) as err:
         config(folder, **{"env.wrist_image": "true", "policy.unnorm_key": "bridge_orig"})
     assert "OFT chunk is 5 steps" in str(err.value)

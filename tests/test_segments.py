@@ -65,9 +65,16 @@ def test_the_command_a_job_runs_on_each_node_removes_orphans_and_says_which():
 
 
 def test_a_second_look_is_taken_only_when_something_is_unmapped():
-    start = time.monotonic()
-    assert segments.orphans(segments.segments(), settle_s=5.0) == set()
-    assert time.monotonic() - start < 2.0
+    """A new segment a live process maps is not an orphan, and no second look waits for it."""
+    before = segments.segments()
+    mapped = _segment("mapped")
+    try:
+        with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 0):
+            start = time.monotonic()
+            assert segments.orphans(before, settle_s=5.0) == set()
+            assert time.monotonic() - start < 2.0
+    finally:
+        mapped.unlink()
 
 
 def _topology_file(name: str) -> Path:

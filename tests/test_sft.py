@@ -104,8 +104,10 @@ def test_every_chunk_once_per_epoch_on_one_learner_and_resume_is_exact():
     for epoch in range(flat.size // samples):
         assert sorted(flat[epoch * samples:(epoch + 1) * samples]) == list(range(samples))
     assert not np.array_equal(flat[:samples], flat[samples:2 * samples])  # reshuffled
-    # a resumed run (any step, any learner) takes exactly what the first would have
-    assert np.array_equal(batch_indices(samples, batch, learners, 9, 2, 7), taken[9, 8:])
+    # one stream of positions however it is cut (batch size, learners, step): a resumed run
+    # at any step, on any learner, takes exactly what the first would have
+    assert np.array_equal(batch_indices(samples, batch * learners * steps, 1, 0, 0, 7), flat)
+    assert np.array_equal(batch_indices(samples, 2, 1, 58, 0, 7), taken[9, 8:10])  # 116, 117
 
 
 @pytest.mark.parametrize("schedule, warmup, final_lr", [
