@@ -62,20 +62,23 @@ def wait_sent(plane) -> None:
 
 
 def main():
+    """Prints, on rank 1, what each side checked: the sizes moved, the tensors of each
+    version whose crc32 matched the root's (of MANIFEST's `tensors`), the ring record's bytes
+    whose crc32 matched; a mismatch fails the rank instead."""
     world = MPI.COMM_WORLD
     assert world.Get_size() == 2, "run on 2 ranks"
     report = weight_versions(world)
-    report["ring_record_bytes"] = ring_record(world)
-    report = world.bcast(report, root=0)
+    report.update(ring_record(world))
+    merged = {k: v for part in world.gather(report, root=1) or () for k, v in part.items()}
     if world.Get_rank() == 1:
-        print(json.dumps({"bit_exact": True, "library": MPI.Get_library_version().split("\n")[0],
-                          **report}), flush=True)
+        print(json.dumps({"library": MPI.Get_library_version().split("\n")[0],
+                          "tensors": len(MANIFEST.entries), **merged}), flush=True)
 
 
 def weight_versions(world) -> dict:
     rank = world.Get_rank()
     plane = WeightPlane(world, MPI.COMM_SELF, rank == 1, MANIFEST)
-    report = {"whole_bytes": plane.nbytes, "trainable_bytes": plane.bytes_per_version}
+    report: dict = {"whole_bytes": plane.nbytes, "trainable_bytes": plane.bytes_per_version}
     assert min(report.values()) > 1 << 31, report
     if rank == 0:
         tensors = randomize({n: torch.empty(s, dtype=getattr(torch, d))
@@ -102,14 +105,16 @@ def weight_versions(world) -> dict:
             assert plane.read_into(out, trainable_only=not first) == version
             held = digests(MANIFEST.views(out))
             assert held == {**sent, **frozen}, (version, held, sent, frozen)
+            report[f"version_{version}_tensors_matched"] = sum(
+                held[name] == {**sent, **frozen}[name] for name in held)
             world.Barrier()
         del out
     plane.close()
     return report
 
 
-def ring_record(world) -> int:
-    """One record of 2^31 + 4 KiB from rank 1 into rank 0's ring; its size."""
+def ring_record(world) -> dict:
+    """One record of 2^31 + 4 KiB from rank 1 into rank 0's ring; what rank 0 checked."""
     n = (1 << 31) + 4096
     ring = TrajectoryRing(world, 1, -(-(n + SLOT_HEADER.itemsize) // 64) * 64)
     if world.Get_rank() == 1:
@@ -123,10 +128,12 @@ def ring_record(world) -> int:
         sent = world.bcast(None, root=1)
         (got,) = ring.reader.get(timeout=300)
         assert got.data.nbytes == n and zlib.crc32(got.data) == sent, "the record differs"
+        matched = got.data.nbytes if zlib.crc32(got.data) == sent else 0
         ring.reader.get(timeout=300)  # the producer's close
         ring.reader.release()
     ring.free()
-    return n
+    return {"ring_record_bytes": n, "ring_bytes_matched": matched} if world.Get_rank() == 0 \
+        else {}
 
 
 if __name__ == "__main__":
