@@ -265,6 +265,8 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
     assert {k: v.dtype.str for k, v in demos.obs.items()} == {
         k: dt for k, (_, dt) in spec.obs.items()}
     assert not any(successes)  # random actions: no episode reached the target
+    (problem,) = demonstration_problems(tmp_path / "rank0.h5", spec, successful_only=True)
+    assert "at least one successful demonstration" in problem[2]  # named before any rank
     with pytest.raises(DemonstrationError, match="at least one successful demonstration"):
         read_demonstrations(tmp_path / "rank0.h5", spec, successful_only=True)
     with h5py.File(tmp_path / "rank0.h5", "a") as f:  # the success flag is what selects
@@ -276,6 +278,16 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
     np.testing.assert_array_equal(ok.actions, actions)
     other = EnvSpec(spec.obs, spec.action_dim, spec.chunk_len + 1, 4, spec.vocab)
     refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
+
+
+def test_a_file_without_episodes_is_refused(tmp_path):
+    """A dump whose /data holds no episode: nothing to learn from, named before any rank."""
+    _, spec = reach_dump(tmp_path / "rank0.h5")
+    with h5py.File(tmp_path / "rank0.h5", "a") as f:
+        for name in list(f["data"]):
+            del f["data"][name]
+    refused(tmp_path / "rank0.h5", spec, "at least one demonstration (the files hold no "
+            "episodes)")
 
 
 def test_a_dump_recorded_in_another_control_mode_is_refused(tmp_path):

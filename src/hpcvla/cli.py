@@ -365,6 +365,12 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
               file=sys.stderr)
         return 2
+    try:  # each checkpoint's state and files, before any rank starts
+        for path in kept:
+            catalog.read_state(path)
+    except catalog.CheckpointError as err:
+        print(f"hpcvla eval: {err}", file=sys.stderr)
+        return 2
     if args.ranks is not None:  # start the world here; its ranks come back to this function
         from hpcvla.job.launch import run_world
         os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks

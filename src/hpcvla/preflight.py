@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import socket
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,35 @@ def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str,
     if cfg.policy.pretrained:
         problems += _pretrained_problems(cfg.policy, cfg.env)
     if cfg.policy.checkpoint:
-        from hpcvla.checkpoint.catalog import latest
-        if latest(cfg.policy.checkpoint) is None:
+        from hpcvla.checkpoint.catalog import CheckpointError, latest, read_state
+        path = latest(cfg.policy.checkpoint)
+        if path is None:
             problems.append(("policy.checkpoint", cfg.policy.checkpoint, "a run directory "
                              "holding a complete checkpoint (checkpoints/v*/state.json), e.g. "
                              "an `hpcvla sft` run's"))
+        else:
+            try:
+                read_state(path)  # its files there (their checksums: when the ranks load them)
+            except CheckpointError as err:
+                problems.append(("policy.checkpoint", cfg.policy.checkpoint,
+                                 f"a readable checkpoint: {err}"))
     return problems
+
+
+def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
+    """run.root, where a training run makes its directory: a folder one can be made in (tried:
+    a temporary folder made and removed in the nearest one that exists). `hpcvla train` and
+    `sft` only: evaluating or planning a run writes nothing there."""
+    root = Path(cfg.run.root).resolve()
+    existing = next(p for p in (root, *root.parents) if p.exists())
+    if not existing.is_dir():
+        return [("run.root", cfg.run.root, f"a folder ({existing} is a file)")]
+    try:
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError as err:
+        return [("run.root", cfg.run.root, f"a folder a run directory can be made in "
+                 f"({existing}: {err.strerror})")]
+    return []
 
 
 def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
@@ -183,6 +207,9 @@ def check_sft(cfg, source: str = "config") -> None:
     from hpcvla.envs import env_spec
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
+    problems = run_root_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
     if family(cfg.policy.name).noise_actor and cfg.algorithm.name == "sac":
         raise ConfigError([("algorithm.name", "sac", "ppo for `hpcvla sft` of the flow family "
                             "(with sac its weights are frozen under DSRL's noise actor, which "
@@ -193,7 +220,8 @@ def check_sft(cfg, source: str = "config") -> None:
         raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files, "
                             "comma-separated (e.g. written by `hpcvla demos`)")], source)
     spec = env_spec(cfg.env)
-    problems = demonstration_problems(paths, spec, cfg.sft.per_task or None)
+    problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
+                                      successful_only=cfg.sft.successful_only)
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")
@@ -253,7 +281,7 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
     plan on this host (`launch_checked`): it checked all of this, and more."""
     if os.environ.get(LAUNCH_CHECKED) == launch_checked(cfg, plan):
         return
-    problems = file_problems(cfg)
+    problems = file_problems(cfg) + run_root_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     check_pipeline(cfg, plan)
@@ -278,6 +306,9 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
     layout fits its GPUs' memory (memory_problems). Returns the environment that tells the
     world this process starts what passed here (LAUNCH_CHECKED)."""
     check_config(cfg, source)
+    problems = run_root_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
     check_pipeline(cfg, plan)
     problems = pretrained_env_problems(cfg)
     if problems:

@@ -56,6 +56,18 @@ def resume_missing_optimizer(tmp):
         r"optimizer\.rank0\.safetensors: missing; the checkpoint is incomplete"
 
 
+def start_from_a_garbled_checkpoint(tmp):
+    (checkpoint_dir(tmp / "sft") / "state.json").write_bytes(b"\x00\xff garbage")
+    return ["configs/default.yaml", f"policy.checkpoint={tmp / 'sft'}"], \
+        r"policy\.checkpoint = .*a readable checkpoint: .*state\.json: not valid JSON"
+
+
+def run_root_a_file(tmp):
+    (tmp / "a-file").write_text("")
+    return ["configs/default.yaml", f"run.root={tmp / 'a-file'}"], \
+        r"run\.root = .*a-file': expected a folder \(.*a-file is a file\)"
+
+
 def tokens_from_foreign_weights(tmp):
     """A `tokens` policy has no published weights: a folder hpcvla did not write is refused as
     that, not checked for π0's tokenizer and statistics."""
@@ -82,6 +94,8 @@ CASES = {
                                        r"checkpoint"),
     "garbled checkpoint": resume_garbled_state,
     "incomplete checkpoint": resume_missing_optimizer,
+    "garbled checkpoint to start from": start_from_a_garbled_checkpoint,
+    "run.root a file": run_root_a_file,
     "foreign weights for tokens": tokens_from_foreign_weights,
 }
 
@@ -118,6 +132,18 @@ def test_eval_of_a_run_without_checkpoints_says_so(tmp_path, args):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
     assert f"hpcvla eval: {tmp_path}: no complete checkpoint" in out.stderr, out.stderr
+
+
+@pytest.mark.mpi
+def test_eval_on_ranks_of_a_garbled_checkpoint_says_so_before_any_rank(tmp_path):
+    (tmp_path / "config.yaml").write_text((ROOT / "configs/default.yaml").read_text())
+    (checkpoint_dir(tmp_path) / "state.json").write_bytes(b"\x00\xff garbage")
+    code = ("import sys\nsys.modules['hpcvla.job.launch'] = None\n"  # a world would need it
+            "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", code, "eval", tmp_path, "--ranks", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
+    assert "state.json: not valid JSON" in out.stderr, out.stderr
 
 
 @pytest.mark.mpi

@@ -142,14 +142,15 @@ def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> No
 
 
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
-                           outcomes: bool = False) -> list[Problem]:
-    """What stops `read_demonstrations(paths, spec, per_task, outcomes=outcomes)`, as (where
-    "FILE:key", value, what is expected and the fix); empty when nothing does. Opens the
-    files and reads attributes, dataset shapes and single elements only."""
+                           outcomes: bool = False, successful_only: bool = False
+                           ) -> list[Problem]:
+    """What stops `read_demonstrations(paths, spec, per_task, successful_only, outcomes)`, as
+    (where "FILE:key", value, what is expected and the fix); empty when nothing does. Opens
+    the files and reads attributes, dataset shapes and single elements only."""
     found, problems = _scan(paths, spec, per_task)
     if outcomes:
         _check_outcomes(found, problems)
-    return problems.listed()
+    return problems.listed() or _none_chosen(found, per_task, successful_only)
 
 
 def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int:
@@ -167,6 +168,18 @@ def _check_outcomes(found, problems: Problems) -> None:
             problems.add(path, "/", layout.NAME, "a file with each chunk's reward and how its "
                          "episode ended (this project's trajectory dumps and `hpcvla demos` "
                          f"files); {layout.NAME} files are read for `hpcvla sft` only")
+
+
+def _none_chosen(found, per_task, successful_only) -> list[Problem]:
+    """The problem when the files hold no demonstration to read (none at all, or none that
+    succeeded where only successful ones are read); empty otherwise."""
+    if _select(found, per_task, successful_only):
+        return []
+    files = ", ".join(sorted({str(p) for p, _, _ in found}))
+    if successful_only and any(episodes for _, _, episodes in found):  # none succeeded
+        return [(files, None, "at least one successful demonstration (only successful ones "
+                 "are read: set successful_only false, or record more)")]
+    return [(files, None, "at least one demonstration (the files hold no episodes)")]
 
 
 def _select(found, per_task, successful_only):
@@ -198,10 +211,10 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
         _check_outcomes(found, problems)
     if problems:
         raise DemonstrationError(problems.listed())
+    none = _none_chosen(found, per_task, successful_only)
+    if none:
+        raise DemonstrationError(none)
     chosen = _select(found, per_task, successful_only)
-    if not chosen:
-        raise DemonstrationError([(", ".join(str(p) for p, _, _ in found), None,
-                                   "at least one successful demonstration (successful_only)")])
     length = spec.obs.get("instruction", ((0,), ""))[0][0]
     parts, tasks, used, ends = [], [], Counter(), []
     for path, layout, e in chosen:
