@@ -42,7 +42,7 @@ from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import ConfigError, config_source, describe_settings, load_config
 from hpcvla.config.loader import config_to_dict
 from hpcvla.imitation.command import add_demos_parser, demos_command
-from hpcvla.process.mpi_select import launcher_rank
+from hpcvla.process.mpi_select import LaunchError, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, PlanError) as err:
+    except (ConfigError, PlanError, LaunchError) as err:
         if not launcher_rank():  # every rank of a world finds the same error: say it once
             print(f"hpcvla: {err}", file=sys.stderr)
         return 2
@@ -292,13 +292,9 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from hpcvla.job.launch import LaunchError, run_world
+    from hpcvla.job.launch import run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
-    try:
-        return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
-    except LaunchError as err:
-        print(f"hpcvla launch: {err}", file=sys.stderr)
-        return 2
+    return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
 
 
 def cmd_inspect(args) -> int:

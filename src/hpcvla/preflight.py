@@ -128,9 +128,14 @@ def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
                      "json) into the new folder, and set policy.pretrained=<new folder>")]
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)")]
-    from hpcvla.policies.folders import is_hpcvla_folder
+    from hpcvla.policies.folders import is_hpcvla_folder, tensor_shapes
     from hpcvla.policies.registry import POLICIES
-    if is_hpcvla_folder(folder):  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
+    try:  # every weight file's header (a sharded index's every shard), and config.json
+        tensor_shapes(folder)
+        ours = is_hpcvla_folder(folder)
+    except (OSError, ValueError) as err:
+        return [("policy.pretrained", folder, f"a folder whose files can be read: {err}")]
+    if ours:  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
         saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
         if saved != policy.name:
             return [("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]

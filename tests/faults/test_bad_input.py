@@ -68,6 +68,13 @@ def run_root_a_file(tmp):
         r"run\.root = .*a-file': expected a folder \(.*a-file is a file\)"
 
 
+def pretrained_garbled(tmp):
+    (tmp / "weights").mkdir()
+    (tmp / "weights" / "model.safetensors").write_bytes(b"\xff" * 64)
+    return ["configs/default.yaml", f"policy.pretrained={tmp / 'weights'}"], \
+        r"policy\.pretrained = .*model\.safetensors: not a readable safetensors file"
+
+
 def tokens_from_foreign_weights(tmp):
     """A `tokens` policy has no published weights: a folder hpcvla did not write is refused as
     that, not checked for π0's tokenizer and statistics."""
@@ -96,6 +103,7 @@ CASES = {
     "incomplete checkpoint": resume_missing_optimizer,
     "garbled checkpoint to start from": start_from_a_garbled_checkpoint,
     "run.root a file": run_root_a_file,
+    "garbled pretrained weights": pretrained_garbled,
     "foreign weights for tokens": tokens_from_foreign_weights,
 }
 

@@ -50,6 +50,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         except OSError as err:
             raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})")],
                               str(path)) from None
+        except UnicodeDecodeError as err:  # a binary file, or text in another encoding
+            raise ConfigError([("config file", str(path), f"UTF-8 text, as YAML is (byte "
+                                f"{err.start}: {err.reason})")], str(path)) from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:

@@ -36,7 +36,7 @@ class RunConfig:
         0, "Base random seed; each rank derives its own from it and its rank. A "
         "synchronous run (sync-colocated, sync-disaggregated) repeats bit for bit at one "
         "seed; in the asynchronous modes the ranks' timing also shapes the run "
-        "(docs/learning.md, \"What a seed fixes\").", ge=0)
+        "(docs/learning.md, \"What a seed fixes\"). 0 .. 2^32 - 1.", ge=0, le=2**32 - 1)
     resume: str = setting(
         "", "Continue the run in this run directory from its newest checkpoint (weights, "
         "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "

@@ -25,11 +25,7 @@ from pathlib import Path
 
 from hpcvla.job import segments
 from hpcvla.process.deathwatch import DeathWatch
-from hpcvla.process.mpi_select import MpiSelectError, select_mpi
-
-
-class LaunchError(RuntimeError):
-    pass
+from hpcvla.process.mpi_select import LaunchError, select_mpi
 
 
 def world_command(n: int, program: list[str], mpiexec: str = "auto",
@@ -43,10 +39,7 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
         raise LaunchError(f"-n {n}: need at least one rank")
     if not program:
         raise LaunchError("nothing to launch: give an hpcvla subcommand or a script after --")
-    try:
-        install = select_mpi(mpi, mpiexec)
-    except MpiSelectError as err:
-        raise LaunchError(str(err)) from None
+    install = select_mpi(mpi, mpiexec)  # MpiSelectError: a LaunchError
     cmd = [install.mpiexec, "-n", str(n), *install.args]
     env = {**os.environ, **install.env}
     if n >= (os.cpu_count() or 1):

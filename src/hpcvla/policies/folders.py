@@ -45,7 +45,10 @@ def _files(path) -> tuple[list[Path], dict | None]:
     if path.is_file():
         return [path], None
     if (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+        try:
+            weight_map = json.loads((path / INDEX).read_text()).get("weight_map")
+        except (ValueError, AttributeError) as err:  # not JSON, or not a JSON object
+            raise ValueError(f"{path / INDEX}: not a valid index ({err})") from None
         if not isinstance(weight_map, dict):
             raise ValueError(f"{path / INDEX}: no `weight_map` (tensor name -> shard file)")
         for shard in sorted(set(weight_map.values())):
@@ -75,20 +78,28 @@ def read_tensors(path) -> dict[str, torch.Tensor]:
 
 def tensor_shapes(path) -> dict[str, tuple]:
     """Names and shapes of a checkpoint's tensors (file or folder), from the files' headers
-    only."""
-    from safetensors import safe_open
+    only; a header that cannot be read raises ValueError naming its file."""
+    from safetensors import SafetensorError, safe_open
 
     shapes = {}
     for file in _files(path)[0]:
-        with safe_open(str(file), "pt") as f:
-            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        try:
+            with safe_open(str(file), "pt") as f:
+                shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+        except SafetensorError as err:
+            raise ValueError(f"{file}: not a readable safetensors file ({err})") from None
     return shapes
 
 
 def is_hpcvla_folder(folder) -> bool:
     """Whether `folder` was written by hpcvla (save_pretrained), not published by a reference."""
     config = Path(folder) / "config.json"
-    return config.is_file() and "hpcvla_policy" in json.loads(config.read_text())
+    if not config.is_file():
+        return False
+    try:
+        return "hpcvla_policy" in json.loads(config.read_text())
+    except ValueError as err:  # JSON syntax, or bytes that are not UTF-8
+        raise ValueError(f"{config}: not valid JSON ({err})") from None
 
 
 def checkpoint_kwargs(policy_cls, path) -> dict:

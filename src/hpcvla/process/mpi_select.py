@@ -42,7 +42,12 @@ from pathlib import Path
 FLAVOURS = ("auto", "mpich", "openmpi")
 
 
-class MpiSelectError(RuntimeError):
+class LaunchError(RuntimeError):
+    """A world that cannot be started here (no ranks, nothing to run, no usable MPI): bad
+    input, said before any rank starts (cli.main: exit 2)."""
+
+
+class MpiSelectError(LaunchError):
     pass
 
 
