@@ -213,7 +213,8 @@ def test_the_imitation_start_learns_from_as_many_demonstrations_as_asked(tmp_pat
 def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
     for args, says in ((["--demos", 3], "add --arms imitation"),
                        (["--arms", "scratch", "--demos", 3], "start without demonstrations"),
-                       (["--arms", "imitation", "--demos", 0], "--demos must be >= 1, got 0"),
+                       (["--arms", "imitation", "--demos", 0],
+                        "argument --demos: '0': give a whole number, 1 or more"),
                        (["--demo-noise", 0], "add --arms imitation"),
                        (["--arms", "imitation", "--demo-noise", -1],
                         "--demo-noise must be >= 0, got -1"),
@@ -227,9 +228,9 @@ def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
-def test_a_bench_option_its_target_does_not_read_is_refused(tmp_path, capsys):
-    """An option or override a benchmark would ignore is refused, naming it, before anything
-    runs (nothing written); what a target reads is accepted."""
+def test_bench_options_a_target_ignores_or_cannot_run_are_refused(tmp_path, capsys):
+    """An option or override a benchmark would ignore, or a value it cannot run, is refused,
+    naming it, before anything runs (nothing written); what a target reads is accepted."""
     from hpcvla.bench.command import _options_problem
     from hpcvla.cli import _parser, main
     for args, says in ((["modes", "env.image_size=64"], "key=value overrides: not read by "
@@ -241,9 +242,16 @@ def test_a_bench_option_its_target_does_not_read_is_refused(tmp_path, capsys):
                         "bench scale`"),
                        (["policies", "--updates", "3", "--seeds", "2"], "--updates, --seeds"),
                        (["fullsize", "--steps", "plan,strmer", "--quick", "--out",
-                         str(tmp_path / "fullsize")], "--steps strmer: no such step")):
+                         str(tmp_path / "fullsize")], "--steps strmer: no such step"),
+                       (["modes", "--modes", "streamer,foo"], "--modes foo: no such mode"),
+                       (["modes", "--gpus", "3"], "--gpus 3: an even number"),
+                       (["modes", "--sweep", "auto", "--workload", "real"],
+                        "--sweep auto: the emulated workload only")):
         assert main(["bench", *args, "--json", str(tmp_path / "out.json")]) == 2
         assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:  # argparse's: a count below 1
+        main(["bench", "shards", "--shards", "0", "--json", str(tmp_path / "out.json")])
+    assert exit_.value.code == 2 and "argument --shards: '0'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
     for args in (["scale", "--validate", "--preset", "table3", "--updates", "3"],
                  ["modes", "--preset", "table3", "--max-staleness", "3", "--modes", "streamer"],

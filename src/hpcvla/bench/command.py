@@ -22,6 +22,15 @@ READS = {
 EMULATED_READS = ("preset", "max_staleness")  # modes: the emulated workload's stage costs
 
 
+def _count(least: int):
+    """An argparse type: a whole number >= `least`; argparse refuses others, naming the flag."""
+    def parse(text: str) -> int:
+        if not text.lstrip("-").isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, {least} or more")
+        return int(text)
+    return parse
+
+
 def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
@@ -36,11 +45,11 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--steps", default=None,
                        help="fullsize: only these steps, comma-separated (plan, streamer, sync, "
                             "lora, openmpi, sigterm, oft; default all)")
-    bench.add_argument("--ranks", type=int, default=None,
+    bench.add_argument("--ranks", type=_count(1), default=None,
                        help="transport: start this many ranks here (default: the current MPI "
                             "world)")
     bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
-    bench.add_argument("--ranks-per-node", type=int, default=4,
+    bench.add_argument("--ranks-per-node", type=_count(1), default=4,
                        help="transport: emulated node size for the weight plane (default 4)")
     bench.add_argument("--workload", choices=["emulated", "real", "maniskill", "libero"],
                        default="emulated",
@@ -50,13 +59,13 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes --workload emulated, scale --validate: stage costs (see "
                             "hpcvla/scale/presets.py)")
-    bench.add_argument("--gpus", type=int, default=2,
+    bench.add_argument("--gpus", type=_count(1), default=2,
                        help="modes: accelerator ranks (even, or 1: one GPU shared)")
-    bench.add_argument("--updates", type=int, default=None,
+    bench.add_argument("--updates", type=_count(1), default=None,
                        help="modes: updates per mode (default 20); learning: per run (200); "
                             "checkpoint: per run (8); fullsize: per run (20); scale "
                             "--validate: per case (10)")
-    bench.add_argument("--seeds", type=int, default=3, help="learning: seeds per arm")
+    bench.add_argument("--seeds", type=_count(1), default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
@@ -83,7 +92,7 @@ def add_bench_parser(sub) -> None:
                             "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
                             "configs/maniskill_pickcube_sac.yaml)")
-    bench.add_argument("--demos", type=int, default=None,
+    bench.add_argument("--demos", type=_count(1), default=None,
                        help="learning --arms imitation, prior-data, dsrl-sft or "
                             "setting: scripted-expert demonstrations the SFT start (and "
                             "RLPD) learns from (default 64, 16, 64, and none for setting: "
@@ -99,9 +108,9 @@ def add_bench_parser(sub) -> None:
                             "recipe (repeat for several), e.g. "
                             "algorithm.lr_warmup_versions=10; the positional key=value "
                             "overrides go to both arms")
-    bench.add_argument("--eval-episodes", type=int, default=256,
+    bench.add_argument("--eval-episodes", type=_count(1), default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
-    bench.add_argument("--shards", type=int, default=2,
+    bench.add_argument("--shards", type=_count(1), default=2,
                        help="shards: env shards (worker processes) of one simulator rank")
     bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
                        help="modes: B_max x T_max grid for the streamer, envs per simulator "
@@ -112,7 +121,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--modes", default=None,
                        help="modes: only these execution modes, comma-separated (default: all "
                             "five), e.g. sync-colocated,streamer")
-    bench.add_argument("--max-staleness", type=int, default=2,
+    bench.add_argument("--max-staleness", type=_count(0), default=2,
                        help="modes --workload emulated: the staleness bound the async modes "
                             "run under (pipeline.max_staleness; the planner uses it whole; "
                             "the other workloads run at the config's, 1)")
@@ -146,6 +155,21 @@ def _options_problem(args) -> str:
             "nothing (`hpcvla bench --help` says which target reads which option)")
 
 
+def _modes_problem(args) -> str:
+    """What `bench modes` cannot run, named; '' if nothing."""
+    from hpcvla.schedule import MODES
+    unknown = sorted(set(args.modes.split(",") if args.modes else ()) - set(MODES))
+    if unknown:
+        return f"--modes {','.join(unknown)}: no such mode (the modes: {','.join(MODES)})"
+    if args.gpus > 1 and args.gpus % 2:
+        return (f"--gpus {args.gpus}: an even number (half inference, half learners), or 1 "
+                "(one GPU shared)")
+    if args.sweep == "auto" and args.workload != "emulated":
+        return "--sweep auto: the emulated workload only (the planner takes its stage costs " \
+            "from the preset)"
+    return ""
+
+
 def bench_command(args) -> int:
     """Run the benchmark `args.target` names."""
     problem = _options_problem(args)
@@ -166,6 +190,10 @@ def bench_command(args) -> int:
         return 0
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
+        problem = _modes_problem(args)
+        if problem:
+            print(f"hpcvla bench modes: {problem}", file=sys.stderr)
+            return 2
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
                   args.updates or 20, json_path=args.json, sweep=args.sweep,
                   staleness=args.max_staleness,
@@ -217,8 +245,6 @@ def bench_command(args) -> int:
         elif args.arms == "scratch" and demo_args:
             problem = ("--demos and --demo-noise with --arms scratch: its arms start without "
                        "demonstrations")
-        elif args.demos is not None and args.demos < 1:
-            problem = f"--demos must be >= 1, got {args.demos}"
         elif args.demo_noise is not None and args.demo_noise < 0:
             problem = f"--demo-noise must be >= 0, got {args.demo_noise}"
         if problem:
