@@ -401,7 +401,13 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from hpcvla.checkpoint.catalog import CheckpointError, run_and_checkpoint
     from hpcvla.evaluate import export_policy
+    from hpcvla.preflight import unwritable
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
+    why = unwritable(args.out)
+    if why:
+        print(f"hpcvla export: {args.out}: a folder to write the policy in ({why})",
+              file=sys.stderr)
+        return 2
     try:
         cfg = load_config(run_dir / "config.yaml")
         print(export_policy(cfg, run_dir, Path(args.out), args.format, chosen)["summary"])

@@ -97,20 +97,27 @@ def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str,
     return problems
 
 
-def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
-    """run.root, where a training run makes its directory: a folder one can be made in (tried:
-    a temporary folder made and removed in the nearest one that exists). `hpcvla train` and
-    `sft` only: evaluating or planning a run writes nothing there."""
-    root = Path(cfg.run.root).resolve()
-    existing = next(p for p in (root, *root.parents) if p.exists())
+def unwritable(folder) -> str:
+    """Why nothing can be written in `folder` (made with its parents where missing): the
+    nearest part of it that exists is not a folder, or nothing can be made there (tried: a
+    temporary folder made and removed); '' if it can be written."""
+    folder = Path(folder).resolve()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
     if not existing.is_dir():
-        return [("run.root", cfg.run.root, f"a folder ({existing} is a file)")]
+        return f"{existing} is not a folder"
     try:
         tempfile.TemporaryDirectory(dir=existing).cleanup()
     except OSError as err:
-        return [("run.root", cfg.run.root, f"a folder a run directory can be made in "
-                 f"({existing}: {err.strerror})")]
-    return []
+        return f"nothing can be made in {existing}: {err.strerror}"
+    return ""
+
+
+def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
+    """run.root, where a training run makes its directory, written to (`unwritable`).
+    `hpcvla train` and `sft` only: evaluating or planning a run writes nothing there."""
+    why = unwritable(cfg.run.root)
+    return [("run.root", cfg.run.root, f"a folder a run directory can be made in ({why})")] \
+        if why else []
 
 
 def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:

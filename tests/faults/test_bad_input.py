@@ -65,7 +65,8 @@ def start_from_a_garbled_checkpoint(tmp):
 def run_root_a_file(tmp):
     (tmp / "a-file").write_text("")
     return ["configs/default.yaml", f"run.root={tmp / 'a-file'}"], \
-        r"run\.root = .*a-file': expected a folder \(.*a-file is a file\)"
+        r"run\.root = .*a-file': expected a folder a run directory can be made in " \
+        r"\(.*a-file is not a folder\)"
 
 
 def pretrained_garbled(tmp):
@@ -221,3 +222,20 @@ def test_torch_files_are_read_with_weights_only():
     unsafe = [(str(path), line.strip()) for path, line in calls
               if "weights_only=True" not in line]
     assert not unsafe, unsafe
+
+
+def test_an_output_where_nothing_can_be_written_is_named(tmp_path, capsys):
+    """run.root, `hpcvla export`'s folder and `hpcvla demos --out`'s: one rule (unwritable),
+    tried without leaving anything behind."""
+    from hpcvla.cli import main
+    from hpcvla.preflight import unwritable
+    (tmp_path / "a-file").write_text("")
+    assert unwritable(tmp_path / "new" / "deeper") == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    assert unwritable(tmp_path / "a-file" / "x") == f"{tmp_path / 'a-file'} is not a folder"
+    assert unwritable("/proc/x").startswith("nothing can be made in /proc: ")
+    assert main(["export", str(tmp_path), str(tmp_path / "a-file")]) == 2
+    assert "a-file: a folder to write the policy in" in capsys.readouterr().err
+    assert main(["demos", str(ROOT / "configs/default.yaml"), "--episodes", "1", "--out",
+                 str(tmp_path / "a-file" / "d.h5")]) == 2
+    assert "a file in a folder it can be written in" in capsys.readouterr().err

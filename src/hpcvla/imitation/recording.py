@@ -45,6 +45,7 @@ from hpcvla.envs import check_env, env_kwargs, make_env
 from hpcvla.envs.base import training_state_ids
 from hpcvla.envs.experts import make_expert
 from hpcvla.metrics.dump import TrajectoryDump
+from hpcvla.preflight import unwritable
 
 EXPERT_VERSION = -1  # policy_versions of a scripted expert's steps
 _STREAM = 0xDE_305  # the init_state_id stream, apart from the run's other uses of run.seed
@@ -73,6 +74,9 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
                              "run with --policy")
     if out.exists():
         raise RecordingError(f"--out {out}: exists; remove it or name another file")
+    why = unwritable(out.parent)
+    if why:
+        raise RecordingError(f"--out {out}: a file in a folder it can be written in ({why})")
     check_env(cfg)
     env, task = _env(cfg)
     driver = None if policy_run is None else PolicyDriver(Path(policy_run), env.spec,
