@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM, SPARE, PlanError, build_plan
+from helpers import ROOT
 
 ALL_ROLES = {SIM, INF, LEARN}
 
@@ -197,3 +198,11 @@ def test_the_env_spec_comes_from_the_first_simulators_env(config, ranks, source)
     if source is not None:
         assert plan.ranks[source].roles == (SIM,) and all(
             SIM not in r.roles for r in plan.ranks[:source])
+
+
+def test_plan_refuses_auto_options_without_auto(capsys):
+    """--search-envs and --costs choose how --auto searches: alone they would change nothing."""
+    from hpcvla.cli import main
+    for flags in (["--search-envs"], ["--costs", "table3"]):
+        assert main(["plan", str(ROOT / "configs/default.yaml"), "--world", "4", *flags]) == 2
+        assert "choose how --auto searches: add --auto" in capsys.readouterr().err

@@ -251,6 +251,8 @@ def cmd_plan(args) -> int:
     from hpcvla.envs import check_env, env_spec
     cfg = load_config(args.config, args.overrides)
     check_env(cfg)  # the env's own settings: its spec below needs them right
+    if not args.auto and (args.search_envs or args.costs != "config"):
+        raise PlanError("--search-envs and --costs choose how --auto searches: add --auto")
     if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
         from hpcvla.scale.autoplan import print_auto_plan
         return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json,
@@ -401,13 +403,7 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from hpcvla.checkpoint.catalog import CheckpointError, run_and_checkpoint
     from hpcvla.evaluate import export_policy
-    from hpcvla.preflight import unwritable
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
-    why = unwritable(args.out)
-    if why:
-        print(f"hpcvla export: {args.out}: a folder to write the policy in ({why})",
-              file=sys.stderr)
-        return 2
     try:
         cfg = load_config(run_dir / "config.yaml")
         print(export_policy(cfg, run_dir, Path(args.out), args.format, chosen)["summary"])

@@ -206,6 +206,10 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     from hpcvla.policies import save_pretrained
     from hpcvla.policies.export import is_published, save_like
     from hpcvla.policies.lora import merge_lora
+    from hpcvla.preflight import unwritable
+    why = unwritable(out)
+    if why:
+        raise ValueError(f"{out}: a folder to write the policy in ({why})")
     source = cfg.policy.pretrained
     if layout == "auto":
         layout = "published" if source and is_published(source) else "hpcvla"

@@ -234,6 +234,7 @@ def test_an_output_where_nothing_can_be_written_is_named(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
     assert unwritable(tmp_path / "a-file" / "x") == f"{tmp_path / 'a-file'} is not a folder"
     assert unwritable("/proc/x").startswith("nothing can be made in /proc: ")
+    (tmp_path / "config.yaml").write_text((ROOT / "configs/default.yaml").read_text())
     assert main(["export", str(tmp_path), str(tmp_path / "a-file")]) == 2
     assert "a-file: a folder to write the policy in" in capsys.readouterr().err
     assert main(["demos", str(ROOT / "configs/default.yaml"), "--episodes", "1", "--out",
