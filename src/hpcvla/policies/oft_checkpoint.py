@@ -372,10 +372,18 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
         problems.append((field, str(folder) if field == "policy.pretrained" else unnorm_key,
                          f"an OpenVLA-OFT folder: {err}"))
     tokenizer = Path(tokenizer_folder or folder)
+    field = "policy.tokenizer" if tokenizer_folder else "policy.pretrained"
     if not any((tokenizer / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        problems.append(("policy.tokenizer" if tokenizer_folder else "policy.pretrained",
-                         str(tokenizer), "a folder holding the checkpoint's Llama tokenizer "
-                         "(tokenizer.json or tokenizer.model; OFT checkpoints ship it)"))
+        problems.append((field, str(tokenizer), "a folder holding the checkpoint's Llama "
+                         "tokenizer (tokenizer.json or tokenizer.model; OFT checkpoints ship "
+                         "it)"))
+        return problems
+    from hpcvla.policies.oft_processor import load_tokenizer
+    try:  # what the ranks will load (~1 s), loaded once here
+        load_tokenizer(tokenizer)
+    except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
+        problems.append((field, str(tokenizer), f"a Llama tokenizer transformers can load "
+                         f"({type(err).__name__}: {err})"))
     return problems
 
 

@@ -307,7 +307,11 @@ def load_tokenizer(tokenizer_folder, checkpoint):
     if not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         raise ValueError(f"policy.tokenizer: {folder} holds no tokenizer.json or "
                          f"tokenizer.model; it should hold {hint}")
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
+        raise ValueError(f"policy.tokenizer: {folder}: a tokenizer transformers can load "
+                         f"({type(err).__name__}: {err}); it should hold {hint}") from None
 
 
 def lerobot_steps(folder: Path) -> tuple[dict, dict]:
