@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from helpers import ROOT, hpcvla, run_train
 
@@ -241,3 +242,12 @@ def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path)
     assert out.returncode == 2 and "--all" in out.stderr and not out.stdout, out.stderr
     out = hpcvla("export", first, tmp_path / "export", timeout=120)
     assert out.returncode == 0 and "policy version 1 written" in out.stdout, out.stderr[-2000:]
+    # a run whose start has moved since (copied from a cluster): its checkpoints hold every
+    # weight and still evaluate; the untrained policy, its start, is refused naming it
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["policy"]["checkpoint"] = str(tmp_path / "moved")
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    out = hpcvla("eval", run, *size, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    out = hpcvla("eval", run, "--untrained", *size, timeout=120)
+    assert out.returncode == 2 and "policy.checkpoint = " in out.stderr, out.stderr[-2000:]

@@ -300,8 +300,6 @@ def cmd_launch(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from pathlib import Path
-
     from hpcvla.metrics.dump import DumpError, describe, summarize, verify
     files = []
     for path in map(Path, args.paths):
@@ -342,7 +340,9 @@ def cmd_eval(args) -> int:
         return 2
     try:
         from hpcvla.preflight import check_config, check_env
-        cfg = load_config(run_dir / "config.yaml", args.overrides)
+        # a trained checkpoint holds every weight: the run's start only for --untrained
+        start = [] if args.untrained else ["policy.checkpoint="]
+        cfg = load_config(run_dir / "config.yaml", [*start, *args.overrides])
         check_config(cfg, str(run_dir / "config.yaml"))
         check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
