@@ -39,7 +39,8 @@ from pathlib import Path
 import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
-from hpcvla.config import ConfigError, config_source, describe_settings, load_config
+from hpcvla.config import (ConfigError, config_source, describe_settings, load_config,
+                           whole_number)
 from hpcvla.config.loader import config_to_dict
 from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.process.mpi_select import LaunchError, launcher_rank
@@ -54,13 +55,6 @@ def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None
     parser.set_defaults(config_optional=not required)
 
 
-def _ranks(text: str) -> int:
-    """--ranks: a count of ranks; argparse refuses, naming the flag, what is not one."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of ranks, 1 or more")
-    return int(text)
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcvla", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -69,14 +63,14 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="run the main job (no config: the built-in default, "
                                          "or with run.resume=DIR the resumed run's own config)")
     _config_args(train, required=False)
-    train.add_argument("--ranks", type=_ranks, default=None,
+    train.add_argument("--ranks", type=whole_number(1), default=None,
                        help="start this many ranks on this machine (default: under "
                             "srun/mpirun the launcher's world, alone launch.ranks here)")
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (sft.demos): "
                                      "the imitation start RL post-trains")
     _config_args(sft)
-    sft.add_argument("--ranks", type=_ranks, default=None,
+    sft.add_argument("--ranks", type=whole_number(1), default=None,
                      help="start this many learner ranks on this machine (default: the "
                           "current MPI world, as under srun/mpirun; alone: one rank)")
 
@@ -118,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("paths", nargs="+", metavar="FILE|RUN_DIR",
                          help="dump files, or run directories (all their dumps)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    inspect.add_argument("--video", type=int, default=0, metavar="K",
+    inspect.add_argument("--video", type=whole_number(0), default=0, metavar="K",
                          help="also write the first K episodes of each file as MP4, to "
                               "<file>-videos/ beside it (default 0: none)")
     inspect.add_argument("--verify", action="store_true",
@@ -151,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
                           help="also write the first K episodes of every task as MP4 (the "
                                "camera each chunk was chosen from, captioned) to "
                                "RUN_DIR/videos/ (default 0: none)")
-    evaluate.add_argument("--ranks", type=_ranks, default=None,
+    evaluate.add_argument("--ranks", type=whole_number(1), default=None,
                           help="start this many evaluator ranks on this machine, the states "
                                "shared among them (default: one process, or the ranks of the "
                                "srun/mpirun world this runs in)")

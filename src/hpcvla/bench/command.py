@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hpcvla.config import whole_number
+
 # The options each target reads besides --json and --quick; one set for a target that does not
 # read it would change nothing, so it is refused before anything runs (_options_problem).
 READS = {
@@ -22,15 +24,6 @@ READS = {
 EMULATED_READS = ("preset", "max_staleness")  # modes: the emulated workload's stage costs
 
 
-def _count(least: int):
-    """An argparse type: a whole number >= `least`; argparse refuses others, naming the flag."""
-    def parse(text: str) -> int:
-        if not text.lstrip("-").isdigit() or int(text) < least:
-            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, {least} or more")
-        return int(text)
-    return parse
-
-
 def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
@@ -45,11 +38,11 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--steps", default=None,
                        help="fullsize: only these steps, comma-separated (plan, streamer, sync, "
                             "lora, openmpi, sigterm, oft; default all)")
-    bench.add_argument("--ranks", type=_count(1), default=None,
+    bench.add_argument("--ranks", type=whole_number(1), default=None,
                        help="transport: start this many ranks here (default: the current MPI "
                             "world)")
     bench.add_argument("--quick", action="store_true", help="small sizes, one repeat (CI)")
-    bench.add_argument("--ranks-per-node", type=_count(1), default=4,
+    bench.add_argument("--ranks-per-node", type=whole_number(1), default=4,
                        help="transport: emulated node size for the weight plane (default 4)")
     bench.add_argument("--workload", choices=["emulated", "real", "maniskill", "libero"],
                        default="emulated",
@@ -59,13 +52,13 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--preset", choices=["balanced", "table3"], default="balanced",
                        help="modes --workload emulated, scale --validate: stage costs (see "
                             "hpcvla/scale/presets.py)")
-    bench.add_argument("--gpus", type=_count(1), default=2,
+    bench.add_argument("--gpus", type=whole_number(1), default=2,
                        help="modes: accelerator ranks (even, or 1: one GPU shared)")
-    bench.add_argument("--updates", type=_count(1), default=None,
+    bench.add_argument("--updates", type=whole_number(1), default=None,
                        help="modes: updates per mode (default 20); learning: per run (200); "
                             "checkpoint: per run (8); fullsize: per run (20); scale "
                             "--validate: per case (10)")
-    bench.add_argument("--seeds", type=_count(1), default=3, help="learning: seeds per arm")
+    bench.add_argument("--seeds", type=whole_number(1), default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", default="modes",
                        choices=["modes", "critic", "flow-noise", "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
@@ -92,7 +85,7 @@ def add_bench_parser(sub) -> None:
                             "configs/maniskill_pushcube_flow.yaml for dsrl-sft; e.g. "
                             "configs/maniskill_pushcube_flow.yaml, "
                             "configs/maniskill_pickcube_sac.yaml)")
-    bench.add_argument("--demos", type=_count(1), default=None,
+    bench.add_argument("--demos", type=whole_number(1), default=None,
                        help="learning --arms imitation, prior-data, dsrl-sft or "
                             "setting: scripted-expert demonstrations the SFT start (and "
                             "RLPD) learns from (default 64, 16, 64, and none for setting: "
@@ -108,9 +101,9 @@ def add_bench_parser(sub) -> None:
                             "recipe (repeat for several), e.g. "
                             "algorithm.lr_warmup_versions=10; the positional key=value "
                             "overrides go to both arms")
-    bench.add_argument("--eval-episodes", type=_count(1), default=256,
+    bench.add_argument("--eval-episodes", type=whole_number(1), default=256,
                        help="learning: hpcvla eval episodes per final checkpoint (fixed states)")
-    bench.add_argument("--shards", type=_count(1), default=2,
+    bench.add_argument("--shards", type=whole_number(1), default=2,
                        help="shards: env shards (worker processes) of one simulator rank")
     bench.add_argument("--sweep", choices=["batching", "envs", "auto"], default=None,
                        help="modes: B_max x T_max grid for the streamer, envs per simulator "
@@ -121,7 +114,7 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--modes", default=None,
                        help="modes: only these execution modes, comma-separated (default: all "
                             "five), e.g. sync-colocated,streamer")
-    bench.add_argument("--max-staleness", type=_count(0), default=2,
+    bench.add_argument("--max-staleness", type=whole_number(0), default=2,
                        help="modes --workload emulated: the staleness bound the async modes "
                             "run under (pipeline.max_staleness; the planner uses it whole; "
                             "the other workloads run at the config's, 1)")

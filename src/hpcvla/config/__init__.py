@@ -1,8 +1,8 @@
 """Typed, documented settings loaded from YAML with dotted command-line overrides."""
 
 from hpcvla.config.loader import (ConfigError, config_source, describe_settings, dump_config,
-                                  load_config)
+                                  load_config, whole_number)
 from hpcvla.config.schema import Config
 
 __all__ = ["Config", "ConfigError", "config_source", "describe_settings", "dump_config",
-           "load_config"]
+           "load_config", "whole_number"]

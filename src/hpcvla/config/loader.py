@@ -8,6 +8,7 @@ Nothing here touches MPI: it runs in the launching process, before any rank star
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import math
@@ -38,6 +39,16 @@ def config_source(path: str | Path | None, overrides: list[str] = ()) -> str:
         return "command-line settings over the built-in defaults" if overrides \
             else "built-in defaults"
     return f"{path} with its command-line overrides" if overrides else str(path)
+
+
+def whole_number(least: int):
+    """An argparse type for a command-line count: a whole number >= `least`; argparse refuses
+    anything else, naming the flag (exit 2)."""
+    def parse(text: str) -> int:
+        if not text.lstrip("-").isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, {least} or more")
+        return int(text)
+    return parse
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -119,8 +119,8 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
 
 def _expert(cfg, noise: float):
     """The expert of the configured env, or a RecordingError naming the setting."""
-    if noise < 0:
-        raise RecordingError(f"--noise {noise}: a standard deviation, >= 0")
+    if not 0 <= noise < float("inf"):  # nan fails this too
+        raise RecordingError(f"--noise {noise}: a standard deviation, finite and >= 0")
     try:
         return make_expert(cfg.env.name, cfg.env.task, cfg.env.chunk_len, noise,
                            seed=cfg.run.seed, control_mode=cfg.env.control_mode)

@@ -11,8 +11,8 @@ What the folder holds (tests/fixtures/oft/README.md has the full description):
 * `dataset_statistics.json` (action/proprio q01, q99, mask per dataset key),
   `*proprio_projector*checkpoint*.pt` and, in OFT's own LIBERO recipe, the L1-regression
   head's `action_head--*checkpoint*.pt` (DDP state dicts: `module.` stripped), the tokenizer
-  (read by policies/oft_processor.py) and `preprocessor_config.json` (not read: its resize and
-  normalization are policies/oft_vision.py's `pixel_values`).
+  (`load_tokenizer`, for policies/oft_processor.py) and `preprocessor_config.json` (not read:
+  its resize and normalization are policies/oft_vision.py's `pixel_values`).
 
 timm -> transformers: the fused `attn.qkv` is split into q/k/v (and fused back); LayerScale
 `ls{1,2}.scale_factor` (OFT's name for timm's gamma) is `layer_scale{1,2}.lambda1`; DINOv2's
@@ -353,6 +353,20 @@ def recipe_problems(folder, config: dict, key: str, cameras: int, proprio: bool,
     return problems
 
 
+def load_tokenizer(folder):
+    """The checkpoint's Llama tokenizer, without running the folder's custom code."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()  # "model of type openvla": config.json is not a tokenizer's
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False,
+                                             local_files_only=True)
+    finally:
+        logging.set_verbosity(verbosity)
+
+
 def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
     """What an OFT folder lacks besides its weights, or holds that the policy cannot run
     (recipe_problems), as config problems, before any rank starts (`policy`, `env`: the
@@ -378,7 +392,6 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
                          "tokenizer (tokenizer.json or tokenizer.model; OFT checkpoints ship "
                          "it)"))
         return problems
-    from hpcvla.policies.oft_processor import load_tokenizer
     try:  # what the ranks will load (~1 s), loaded once here
         load_tokenizer(tokenizer)
     except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
@@ -389,4 +402,5 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
 
 __all__ = ["to_published", "published_files", "from_published", "folder_dims",
            "load_published", "load_value_head", "read_statistics", "proprio_file", "head_file",
-           "proprio_dim", "check_folder", "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]
+           "proprio_dim", "check_folder", "load_tokenizer", "recipe_problems", "PLATFORM_CHUNKS",
+           "UNUSED"]

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from hpcvla.text import detokenize
-from hpcvla.policies.oft_checkpoint import read_statistics
+from hpcvla.policies.oft_checkpoint import load_tokenizer, read_statistics
 
 PROMPT = "In: What action should the robot take to {task}?\nOut: "
 BOS, PAD, EMPTY = 1, 32000, 29871  # Llama-2's BOS, OFT's added <PAD>, "▁"
@@ -110,18 +110,4 @@ class OFTProcessor:
         return self.action.normalize(actions)
 
 
-def load_tokenizer(folder):
-    """The checkpoint's Llama tokenizer, without running the folder's custom code."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()  # "model of type openvla": config.json is not a tokenizer's
-    try:
-        return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False,
-                                             local_files_only=True)
-    finally:
-        logging.set_verbosity(verbosity)
-
-
-__all__ = ["OFTProcessor", "Bounds", "load_tokenizer", "PROMPT"]
+__all__ = ["OFTProcessor", "Bounds", "PROMPT"]
