@@ -120,6 +120,31 @@ def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
         if why else []
 
 
+def start_fit_problems(cfg) -> list[tuple[str, Any, str]]:
+    """policy.checkpoint's weights against the configured policy's names and shapes, from the
+    file's header and a meta-device build (no memory), as factory.build_policy will load them
+    (RL heads may be absent): a start written with another policy config is named before
+    every rank builds the policy to find it."""
+    from hpcvla.checkpoint.catalog import MODEL, latest
+    path = latest(cfg.policy.checkpoint) if cfg.policy.checkpoint else None
+    if path is None:  # none asked for, or file_problems names it
+        return []
+    import torch
+
+    from hpcvla.checkpoint.store import check_fit
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    from hpcvla.policies.folders import rl_only_names, tensor_shapes
+    policy = build_policy(cfg, env_spec(cfg.env), device="meta")
+    try:
+        held = {k: torch.empty(s, device="meta") for k, s in tensor_shapes(path / MODEL).items()}
+        check_fit(held, policy.state_dict(), path / MODEL, rl_only_names(policy))
+    except ValueError as err:  # an unreadable header, or a CheckpointError of the fit
+        return [("policy.checkpoint", cfg.policy.checkpoint, f"weights the configured policy "
+                 f"takes: {err}")]
+    return []
+
+
 def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     """A pretrained folder's weights, its tokenizer and statistics, and (oft) whether the
     configured env and policy run it as it was trained."""
@@ -219,7 +244,7 @@ def check_sft(cfg, source: str = "config") -> None:
     from hpcvla.envs import env_spec
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
-    problems = run_root_problems(cfg)
+    problems = run_root_problems(cfg) + start_fit_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     if family(cfg.policy.name).noise_actor and cfg.algorithm.name == "sac":
@@ -325,6 +350,9 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
     problems = pretrained_env_problems(cfg)
     if problems:
         raise ConfigError(problems, "policy.pretrained")
+    problems = start_fit_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
     problems = prior_data_problems(cfg)
     if problems:
         raise ConfigError(problems, "algorithm.demos")

@@ -62,6 +62,17 @@ def start_from_a_garbled_checkpoint(tmp):
         r"policy\.checkpoint = .*a readable checkpoint: .*state\.json: not valid JSON"
 
 
+def start_from_another_policy_config(tmp):
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    other = load_config(ROOT / "configs/default.yaml", ["policy.hidden=64"])
+    save_file(build_policy(other, env_spec(other.env)).state_dict(),
+              checkpoint_dir(tmp / "sft") / "model.safetensors")
+    return ["configs/default.yaml", f"policy.checkpoint={tmp / 'sft'}"], \
+        r"policy\.checkpoint = .*expected weights the configured policy takes: .*weights do " \
+        r"not fit this policy"
+
+
 def run_root_a_file(tmp):
     (tmp / "a-file").write_text("")
     return ["configs/default.yaml", f"run.root={tmp / 'a-file'}"], \
@@ -103,6 +114,7 @@ CASES = {
     "garbled checkpoint": resume_garbled_state,
     "incomplete checkpoint": resume_missing_optimizer,
     "garbled checkpoint to start from": start_from_a_garbled_checkpoint,
+    "start from another policy config": start_from_another_policy_config,
     "run.root a file": run_root_a_file,
     "garbled pretrained weights": pretrained_garbled,
     "foreign weights for tokens": tokens_from_foreign_weights,
