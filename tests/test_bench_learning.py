@@ -228,7 +228,8 @@ def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
-def test_bench_options_a_target_ignores_or_cannot_run_are_refused(tmp_path, capsys):
+def test_bench_options_a_target_ignores_or_cannot_run_are_refused(tmp_path, capsys,
+                                                                  monkeypatch):
     """An option or override a benchmark would ignore, or a value it cannot run, is refused,
     naming it, before anything runs (nothing written); what a target reads is accepted."""
     from hpcvla.bench.command import _options_problem
@@ -249,6 +250,10 @@ def test_bench_options_a_target_ignores_or_cannot_run_are_refused(tmp_path, caps
                         "--sweep auto: the emulated workload only")):
         assert main(["bench", *args, "--json", str(tmp_path / "out.json")]) == 2
         assert says in capsys.readouterr().err
+    with monkeypatch.context() as patch:  # a target that runs the repository's recipes
+        patch.chdir("/")
+        assert main(["bench", "checkpoint", "--json", "out.json"]) == 2
+    assert "run it from the repository's root" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:  # argparse's: a count below 1
         main(["bench", "shards", "--shards", "0", "--json", str(tmp_path / "out.json")])
     assert exit_.value.code == 2 and "argument --shards: '0'" in capsys.readouterr().err

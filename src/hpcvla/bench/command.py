@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hpcvla.config import whole_number
 
@@ -22,6 +23,7 @@ READS = {
     "fullsize": ("out", "steps", "updates"),
 }
 EMULATED_READS = ("preset", "max_staleness")  # modes: the emulated workload's stage costs
+RECIPE_TARGETS = ("learning", "checkpoint", "fullsize", "memory")  # they run configs/*.yaml
 
 
 def add_bench_parser(sub) -> None:
@@ -166,6 +168,9 @@ def _modes_problem(args) -> str:
 def bench_command(args) -> int:
     """Run the benchmark `args.target` names."""
     problem = _options_problem(args)
+    if args.target in RECIPE_TARGETS and not Path("configs").is_dir():
+        problem = (f"its workloads are the repository's recipes (configs/*.yaml): run it from "
+                   f"the repository's root, not {Path.cwd()}")
     if problem:
         print(f"hpcvla bench {args.target}: {problem}", file=sys.stderr)
         return 2
