@@ -65,16 +65,22 @@ def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str,
     file system: the checkpoint resumed, the pretrained folder, W&B's settings."""
     problems = []
     if cfg.run.resume:
-        from hpcvla.checkpoint.catalog import CheckpointError, latest, read_state
+        from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
         path = latest(cfg.run.resume)
         try:
             version = read_state(path)["version"] if path else None
         except CheckpointError as err:
             problems.append(("run.resume", cfg.run.resume, f"a readable checkpoint: {err}"))
             version = -1
+        sft = last[0] == "sft.steps"  # `hpcvla sft` resumes an SFT run, `train` an RL run
         if version is None:
             problems.append(("run.resume", cfg.run.resume, "a run directory holding a "
                              "complete checkpoint (checkpoints/v*/state.json)"))
+        elif version >= 0 and by_sft(path) != sft:
+            wanted, found = ("an `hpcvla sft` run's", "a training run's") if sft else \
+                ("a training run's", "an `hpcvla sft` run's")
+            problems.append(("run.resume", cfg.run.resume, f"{wanted} directory (this is "
+                             f"{found}); to start from its weights: policy.checkpoint=<it>"))
         elif version >= (cfg.pipeline.total_updates if last[1] is None else last[1]):
             problems.append((last[0], cfg.pipeline.total_updates if last[1] is None
                              else last[1], f"more than the resumed checkpoint's {version}"))
@@ -120,14 +126,18 @@ def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
         if why else []
 
 
-def start_fit_problems(cfg) -> list[tuple[str, Any, str]]:
-    """policy.checkpoint's weights against the configured policy's names and shapes, from the
-    file's header and a meta-device build (no memory), as factory.build_policy will load them
-    (RL heads may be absent): a start written with another policy config is named before
-    every rank builds the policy to find it."""
+def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
+    """The weights a run resumes (run.resume: exactly) or starts from (policy.checkpoint: its
+    RL heads may be absent) against the configured policy's names and shapes, from the file's
+    header and a meta-device build (no memory), as the ranks will load them: a checkpoint
+    written with another policy config, or an override that changes the policy, is named
+    before every rank builds the policy to find it."""
     from hpcvla.checkpoint.catalog import MODEL, latest
-    path = latest(cfg.policy.checkpoint) if cfg.policy.checkpoint else None
-    if path is None:  # none asked for, or file_problems names it
+    asked = [(name, value, latest(value)) for name, value in
+             (("run.resume", cfg.run.resume), ("policy.checkpoint", cfg.policy.checkpoint))
+             if value]
+    asked = [(name, value, path) for name, value, path in asked if path is not None]
+    if not asked:  # none, or file_problems names them
         return []
     import torch
 
@@ -135,14 +145,17 @@ def start_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     from hpcvla.policies.folders import rl_only_names, tensor_shapes
-    policy = build_policy(cfg, env_spec(cfg.env), device="meta")
-    try:
-        held = {k: torch.empty(s, device="meta") for k, s in tensor_shapes(path / MODEL).items()}
-        check_fit(held, policy.state_dict(), path / MODEL, rl_only_names(policy))
-    except ValueError as err:  # an unreadable header, or a CheckpointError of the fit
-        return [("policy.checkpoint", cfg.policy.checkpoint, f"weights the configured policy "
-                 f"takes: {err}")]
-    return []
+    policy, problems = build_policy(cfg, env_spec(cfg.env), device="meta"), []
+    for name, value, path in asked:
+        try:
+            held = {k: torch.empty(s, device="meta")
+                    for k, s in tensor_shapes(path / MODEL).items()}
+            check_fit(held, policy.state_dict(), path / MODEL,
+                      rl_only_names(policy) if name == "policy.checkpoint" else frozenset())
+        except ValueError as err:  # an unreadable header, or a CheckpointError of the fit
+            problems.append((name, value, f"weights the configured policy takes (policy.*, "
+                             f"env.* and algorithm.* shape it): {err}"))
+    return problems
 
 
 def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
@@ -244,7 +257,7 @@ def check_sft(cfg, source: str = "config") -> None:
     from hpcvla.envs import env_spec
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
-    problems = run_root_problems(cfg) + start_fit_problems(cfg)
+    problems = run_root_problems(cfg) + weights_fit_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     if family(cfg.policy.name).noise_actor and cfg.algorithm.name == "sac":
@@ -319,6 +332,7 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
     if os.environ.get(LAUNCH_CHECKED) == launch_checked(cfg, plan):
         return
     problems = file_problems(cfg) + run_root_problems(cfg)
+    problems = problems or weights_fit_problems(cfg)  # its files readable first
     if problems:
         raise ConfigError(problems, source)
     check_pipeline(cfg, plan)
@@ -350,7 +364,7 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
     problems = pretrained_env_problems(cfg)
     if problems:
         raise ConfigError(problems, "policy.pretrained")
-    problems = start_fit_problems(cfg)
+    problems = weights_fit_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     problems = prior_data_problems(cfg)

@@ -62,15 +62,34 @@ def start_from_a_garbled_checkpoint(tmp):
         r"policy\.checkpoint = .*a readable checkpoint: .*state\.json: not valid JSON"
 
 
-def start_from_another_policy_config(tmp):
+def another_policy_configs_weights(run_dir: Path) -> None:
+    """A checkpoint in `run_dir` holding the weights of configs/default.yaml at hidden 64."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     other = load_config(ROOT / "configs/default.yaml", ["policy.hidden=64"])
     save_file(build_policy(other, env_spec(other.env)).state_dict(),
-              checkpoint_dir(tmp / "sft") / "model.safetensors")
+              checkpoint_dir(run_dir) / "model.safetensors")
+
+
+def start_from_another_policy_config(tmp):
+    another_policy_configs_weights(tmp / "sft")
     return ["configs/default.yaml", f"policy.checkpoint={tmp / 'sft'}"], \
-        r"policy\.checkpoint = .*expected weights the configured policy takes: .*weights do " \
-        r"not fit this policy"
+        r"policy\.checkpoint = .*expected weights the configured policy takes.*: .*weights " \
+        r"do not fit this policy"
+
+
+def resume_with_another_policy_config(tmp):
+    another_policy_configs_weights(tmp / "run")
+    return ["configs/default.yaml", f"run.resume={tmp / 'run'}"], \
+        r"run\.resume = .*expected weights the configured policy takes.*: .*weights do not " \
+        r"fit this policy"
+
+
+def resume_an_sft_run(tmp):
+    fake_checkpoint(tmp / "sft" / "checkpoints" / "v000002", counters={"sft_chunks": 64})
+    return ["configs/default.yaml", f"run.resume={tmp / 'sft'}"], \
+        r"run\.resume = .*expected a training run's directory \(this is an `hpcvla sft` " \
+        r"run's\); to start from its weights: policy\.checkpoint="
 
 
 def run_root_a_file(tmp):
@@ -115,6 +134,8 @@ CASES = {
     "incomplete checkpoint": resume_missing_optimizer,
     "garbled checkpoint to start from": start_from_a_garbled_checkpoint,
     "start from another policy config": start_from_another_policy_config,
+    "resume with another policy config": resume_with_another_policy_config,
+    "resume an sft run": resume_an_sft_run,
     "run.root a file": run_root_a_file,
     "garbled pretrained weights": pretrained_garbled,
     "foreign weights for tokens": tokens_from_foreign_weights,
