@@ -250,8 +250,10 @@ def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
 
 
 def check_sft(cfg, source: str = "config") -> None:
-    """`hpcvla sft`'s checks: the config's (check_config) and its demonstrations against the
-    observations and actions of the configured env (the env's spec), before any rank starts."""
+    """`hpcvla sft`'s checks: the config's (check_config), where it writes (run_root_problems),
+    the weights it resumes or starts from (weights_fit_problems) and its demonstrations against
+    the observations and actions of the configured env (the env's spec), before any rank
+    starts."""
     from hpcvla.config.learning import demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
@@ -324,7 +326,8 @@ def check_pipeline(cfg, plan: RankPlan) -> None:
 
 def check_world(cfg, plan: RankPlan, source: str) -> None:
     """What a world someone else started (srun, mpiexec) checks before its roles begin,
-    besides each rank's host_problems: file_problems and check_pipeline. One rank runs it for
+    besides each rank's host_problems: file_problems, run_root_problems, weights_fit_problems
+    and check_pipeline. One rank runs it for
     all (job/runtime.py): the pretrained folder's check alone imports torch and a tokenizer,
     seconds that simulator ranks, which need neither, would spend on every rank. Nothing to
     do in a world `hpcvla train` started after check_launch passed for the same config and
@@ -351,10 +354,11 @@ def launch_checked(cfg, plan: RankPlan) -> str:
 
 
 def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
-    """What the launching process checks before it starts any rank: check_config,
-    check_pipeline, a published folder, prior data and the noise actor's fields against the
-    env (pretrained_env_problems, prior_data_problems, noise_obs_problems), and whether the
-    layout fits its GPUs' memory (memory_problems). Returns the environment that tells the
+    """What the launching process checks before it starts any rank: check_config, where the
+    run writes (run_root_problems), check_pipeline, a published folder, the weights it resumes
+    or starts from, prior data and the noise actor's fields against the env
+    (pretrained_env_problems, weights_fit_problems, prior_data_problems, noise_obs_problems),
+    and whether the layout fits its GPUs' memory (memory_problems). Returns the environment that tells the
     world this process starts what passed here (LAUNCH_CHECKED)."""
     check_config(cfg, source)
     problems = run_root_problems(cfg)
