@@ -358,8 +358,8 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
     run writes (run_root_problems), check_pipeline, a published folder, the weights it resumes
     or starts from, prior data and the noise actor's fields against the env
     (pretrained_env_problems, weights_fit_problems, prior_data_problems, noise_obs_problems),
-    and whether the layout fits its GPUs' memory (memory_problems). Returns the environment that tells the
-    world this process starts what passed here (LAUNCH_CHECKED)."""
+    and whether the layout fits its GPUs' memory (memory_problems). Returns the environment
+    that tells the world this process starts what passed here (LAUNCH_CHECKED)."""
     check_config(cfg, source)
     problems = run_root_problems(cfg)
     if problems:

@@ -165,7 +165,8 @@ def looser_staleness(best: Layout, costs: StageCosts, search_envs: bool = False,
     """[(max_staleness, best prediction)] one and two versions above the bound of `best` (the
     search's pick), for the modes it limits: a tight bound caps throughput (a version cannot
     take less than the rollout time of a segment over the bound, docs/architecture.md §7),
-    which no other knob undoes. Each search starts from the previous pick, so a looser bound never predicts less."""
+    which no other knob undoes. Each search starts from the previous pick, so a looser bound
+    never predicts less."""
     if not best.traits.bounded_staleness:
         return []
     out = []
