@@ -34,6 +34,18 @@ def hpcvla(*args, env=None, timeout=180):
     return out
 
 
+def without_launcher(*args, hide=None, env=None, timeout=120):
+    """`hpcvla ARGS` with the world launcher (hpcvla.job.launch) made unimportable: a command
+    that started a world would fail to import it (exit 1), so exit 2 means it refused its
+    input before any rank; `hide` makes one more package uninstalled for that process (as on
+    a machine without it)."""
+    code = "import sys\nsys.modules['hpcvla.job.launch'] = None\n" + \
+        (f"sys.modules[{hide!r}] = None\n" if hide else "") + \
+        "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
 def fake_checkpoint(path: Path, **state) -> Path:
     """A complete-looking checkpoint directory as checkpoint/store.py's save lays it out, one
     learner (the files' contents are checked only when loaded, against the sha256 in state.json).

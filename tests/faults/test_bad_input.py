@@ -17,22 +17,16 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from hpcvla.config import Config, ConfigError, describe_settings, load_config
-from helpers import ROOT, fake_checkpoint
+from helpers import ROOT, fake_checkpoint, without_launcher
 
 SETTINGS = [name for name, *_ in describe_settings()]
 SECTIONS = sorted({name.split(".")[0] for name in SETTINGS})
 
 
 def train(*args, hide=None, env=None):
-    """`hpcvla train ... --ranks 4` as a user runs it; `hide` makes a package uninstalled
-    for that process (as on a machine without it). The launcher is hidden too: a world that
-    started would fail to import it (exit 1), so exit 2 means refused before any rank."""
-    code = "import sys\nsys.modules['hpcvla.job.launch'] = None\n" + \
-        (f"sys.modules[{hide!r}] = None\n" if hide else "") + \
-        "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, "train", *map(str, args),
-                           "--ranks", "4"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env=env)
+    """`hpcvla train ... --ranks 4` as a user runs it, the launcher hidden (exit 2: refused
+    before any rank); `hide` makes a package uninstalled for that process."""
+    return without_launcher("train", *args, "--ranks", 4, hide=hide, env=env)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -180,10 +174,7 @@ def test_eval_of_a_run_without_checkpoints_says_so(tmp_path, args):
 def test_eval_on_ranks_of_a_garbled_checkpoint_says_so_before_any_rank(tmp_path):
     (tmp_path / "config.yaml").write_text((ROOT / "configs/default.yaml").read_text())
     (checkpoint_dir(tmp_path) / "state.json").write_bytes(b"\x00\xff garbage")
-    code = ("import sys\nsys.modules['hpcvla.job.launch'] = None\n"  # a world would need it
-            "from hpcvla.cli import main\nsys.exit(main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", code, "eval", tmp_path, "--ranks", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = without_launcher("eval", tmp_path, "--ranks", 2)
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
     assert "state.json: not valid JSON" in out.stderr, out.stderr
 
