@@ -301,6 +301,11 @@ def test_recipes_the_oft_policy_does_not_run_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         config(folder, **{"env.wrist_image": "true", "policy.unnorm_key": "bridge_orig"})
     assert "OFT chunk is 5 steps" in str(err.value)
+    (folder / "tokenizer.json").write_bytes(b"\xff\xfe garbage")  # what every rank would load
+    with pytest.raises(ConfigError) as err:
+        config(folder, **{"env.wrist_image": "true"})
+    assert "policy.pretrained" in str(err.value) and \
+        "a Llama tokenizer transformers can load" in str(err.value)
 
 
 def test_published_conversion_round_trips_exactly():

@@ -354,7 +354,8 @@ def recipe_problems(folder, config: dict, key: str, cameras: int, proprio: bool,
 
 
 def load_tokenizer(folder):
-    """The checkpoint's Llama tokenizer, without running the folder's custom code."""
+    """The checkpoint's Llama tokenizer, without running the folder's custom code; one that
+    cannot be loaded raises ValueError naming the folder."""
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
@@ -363,6 +364,9 @@ def load_tokenizer(folder):
     try:
         return AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False,
                                              local_files_only=True)
+    except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
+        raise ValueError(f"{folder}: a Llama tokenizer transformers can load "
+                         f"({type(err).__name__}: {err})") from None
     finally:
         logging.set_verbosity(verbosity)
 
@@ -394,9 +398,8 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
         return problems
     try:  # what the ranks will load (~1 s), loaded once here
         load_tokenizer(tokenizer)
-    except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
-        problems.append((field, str(tokenizer), f"a Llama tokenizer transformers can load "
-                         f"({type(err).__name__}: {err})"))
+    except ValueError as err:
+        problems.append((field, str(tokenizer), str(err).split(": ", 1)[-1]))
     return problems
 
 
