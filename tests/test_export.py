@@ -8,6 +8,7 @@ openpi's and OpenVLA-OFT's, comes back byte for byte when the policy is exported
 (`hpcvla export` of a whole run: the LIBERO run test in test_pi0_pretrained.py.)"""
 
 import importlib.util
+import re
 import shutil
 from pathlib import Path
 
@@ -209,7 +210,14 @@ def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
     # a run from no published folder, or from one that has moved: the fix is named
     from hpcvla.config import load_config
     from hpcvla.evaluate import export_policy
-    for overrides in ([], [f"policy.pretrained={tmp_path / 'moved'}"]):
-        cfg = load_config("configs/reach_flow.yaml", overrides)
-        with pytest.raises(ValueError, match="--format hpcvla, or edit policy.pretrained"):
-            export_policy(cfg, tmp_path, tmp_path / "out", "published")
+    with pytest.raises(ValueError, match=r"started from no pretrained folder \(policy\."
+                       r"pretrained unset\); export it with --format hpcvla"):
+        export_policy(load_config("configs/reach_flow.yaml"), tmp_path, tmp_path / "out",
+                      "published")
+    moved = load_config("configs/reach_flow.yaml", [f"policy.pretrained={tmp_path / 'moved'}"])
+    for layout in ("published", "auto", "hpcvla"):  # a folder that moved, whatever the layout
+        with pytest.raises(ValueError, match=r"policy\.pretrained = .*moved.*: expected a "
+                           r"folder holding model\.safetensors .*edit policy\.pretrained in "
+                           + re.escape(str(tmp_path / "config.yaml"))):
+            export_policy(moved, tmp_path, tmp_path / "out", layout)
+    assert not (tmp_path / "out").exists()

@@ -206,18 +206,21 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     from hpcvla.policies import save_pretrained
     from hpcvla.policies.export import is_published, save_like
     from hpcvla.policies.lora import merge_lora
-    from hpcvla.preflight import unwritable
+    from hpcvla.preflight import pretrained_problems, unwritable
     why = unwritable(out)
     if why:
         raise ValueError(f"{out}: a folder to write the policy in ({why})")
     source = cfg.policy.pretrained
+    for name, value, valid in pretrained_problems(cfg.policy, cfg.env) if source else []:
+        raise ValueError(f"{name} = {value!r} (the folder the run was built from): expected "
+                         f"{valid}; where it moved, edit {name} in {run_dir / 'config.yaml'}")
     if layout == "auto":
         layout = "published" if source and is_published(source) else "hpcvla"
     if layout == "published" and not (source and is_published(source)):
-        raise ValueError(
-            f"--format published: the run's policy.pretrained ({source or 'unset'}) is not a "
-            "published folder here; export it with --format hpcvla, or edit policy.pretrained "
-            f"in {run_dir / 'config.yaml'} to where that folder now is")
+        raise ValueError("--format published: the run started from " + (
+            f"{source}, a folder in hpcvla's own layout" if source else
+            "no pretrained folder (policy.pretrained unset)") + "; export it with --format "
+            "hpcvla")
     policy = build_policy(cfg, env_spec(cfg.env))
     weights, state = checkpoint_weights(checkpoint or run_dir)
     store.check_fit(weights, policy.state_dict(), checkpoint or run_dir)

@@ -86,7 +86,7 @@ def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str,
                              else last[1], f"more than the resumed checkpoint's {version}"))
     problems += wandb_problems(cfg.run)
     if cfg.policy.pretrained:
-        problems += _pretrained_problems(cfg.policy, cfg.env)
+        problems += pretrained_problems(cfg.policy, cfg.env)
     if cfg.policy.checkpoint:
         from hpcvla.checkpoint.catalog import CheckpointError, latest, read_state
         path = latest(cfg.policy.checkpoint)
@@ -158,7 +158,7 @@ def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     return problems
 
 
-def _pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
+def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     """A pretrained folder's weights, its tokenizer and statistics, and (oft) whether the
     configured env and policy run it as it was trained."""
     folder = policy.pretrained
