@@ -20,6 +20,12 @@ def _run_dir(tmp_path, config: str, *overrides: str):
     return tmp_path
 
 
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """configs/default.yaml's run directory, before training, for the tests that read it."""
+    return _run_dir(tmp_path_factory.mktemp("default_run"), "default.yaml")
+
+
 def _eval(run_dir, *args, timeout=300) -> dict:
     out = hpcvla("eval", run_dir, "--untrained", "--json", *args, timeout=timeout)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -65,6 +71,40 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
     out = hpcvla("eval", run_dir, "--untrained", *flags, timeout=60)
     assert out.returncode == 2 and named in out.stderr, out.stderr[-2000:]
     assert not out.stdout  # nothing ran
+
+
+@pytest.mark.parametrize("override,untrained,named", [
+    ("eval.deterministic=true", True, "eval.deterministic: `hpcvla eval` takes it as its flag "
+                                      "--deterministic"),
+    ("eval.episodes=4", True, "eval.episodes: `hpcvla eval` takes it as its flag --episodes"),
+    ("env.envs_per_simulator=4", True, "takes it as its flag --envs"),
+    ("algorithm.lr=0.1", True, "algorithm.lr: not read by `hpcvla eval`, so it would change "
+                               "nothing (it reads env.*, policy.*, launch.*, run.seed"),
+    ("learner.epochs=2", False, "learner.epochs: not read by `hpcvla eval`"),
+    ("env.isolation=process", True, "env.isolation: a setting of training's simulator ranks"),
+    ("policy.checkpoint=/elsewhere", False, "policy.checkpoint: the start of a run, evaluated "
+                                            "with --untrained"),
+    ("policy.hidden=64", True, "the overrides change the run's policy"),
+    ("policy.hidden=64", False, "the overrides change the run's policy"),
+    ("env.chunk_len=2", True, "the overrides change the run's policy"),
+])
+def test_eval_overrides_that_would_not_act_are_refused(default_run, capsys, override,
+                                                       untrained, named):
+    """An override `hpcvla eval` does not read, one a flag stands for, or one that changes the
+    policy's weights (its checkpoints would not load; --untrained: not the run's start) is
+    refused before anything is built or run."""
+    from hpcvla.cli import main
+    flags = ["--untrained"] if untrained else []
+    assert main(["eval", str(default_run), *flags, override, "--episodes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hpcvla eval: ") and named in err, err
+
+
+def test_eval_overrides_it_reads_act(default_run):
+    """Another horizon and seed for the same policy: taken, and acted on."""
+    result = _eval(default_run, "--episodes", 2, "--envs", 2, "env.max_episode_chunks=1",
+                   "run.seed=3")
+    assert result["protocol"]["steps"] == 1 * 4, result["protocol"]  # chunks of 4 steps
 
 
 @pytest.mark.mpi

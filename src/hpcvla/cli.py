@@ -323,7 +323,8 @@ def cmd_inspect(args) -> int:
 
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
-    from hpcvla.evaluate import describe, eval_problem, evaluate_policies, write_curve
+    from hpcvla.evaluate import (describe, eval_problem, evaluate_policies, override_problem,
+                                 write_curve)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
@@ -337,13 +338,17 @@ def cmd_eval(args) -> int:
         # a trained checkpoint holds every weight: the run's start only for --untrained
         start = [] if args.untrained else ["policy.checkpoint="]
         cfg = load_config(run_dir / "config.yaml", [*start, *args.overrides])
+        problem = override_problem(args.overrides, args.untrained)  # before the files' checks
+        if problem:
+            print(f"hpcvla eval: {problem}", file=sys.stderr)
+            return 2
         check_config(cfg, str(run_dir / "config.yaml"))
         check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
     problem = eval_problem(cfg, load_config(run_dir / "config.yaml"), args.episodes, args.envs,
-                           args.video)
+                           args.video, bool(args.overrides))
     if problem:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2

@@ -60,9 +60,23 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         held_out.close()
 
 
-def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | None:
+# What `hpcvla eval` reads of the run's config, by prefix: an override of anything else
+# (algorithm.*, learner.*, pipeline.*, ...) would change nothing, so it is refused
+# (override_problem); the settings its flags stand for, and the simulator settings of
+# training's env ranks, are named with what does act.
+EVAL_READS = ("env.", "policy.", "launch.", "run.seed", "placement.gpus_per_node",
+              "eval.protocol", "eval.states_per_task", "eval.tasks")
+EVAL_FLAGS = {"eval.episodes": "--episodes", "eval.envs": "--envs",
+              "env.envs_per_simulator": "--envs", "eval.deterministic": "--deterministic",
+              "eval.video_every": "--video", "launch.ranks": "--ranks"}
+TRAINING_SIMULATORS = ("env.shards", "env.isolation", "env.max_restarts")
+
+
+def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
+                 overridden: bool = False) -> str | None:
     """What is wrong with `hpcvla eval`'s flags (--ranks: argparse, as `train`'s), or with
-    evaluating the run configured as `trained` in the env `cfg` configures, before any rank
+    evaluating the run configured as `trained` in the env `cfg` configures (`overridden`:
+    by command-line settings, which override_problem has let through), before any rank
     starts."""
     from hpcvla.envs.base import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
@@ -72,7 +86,49 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | No
                     + (f", at most {high} (the evaluation split's states)" if high else ""))
     if video and not cfg.env.camera:
         return "--video needs a camera: the run has env.camera=false"
-    return vocabulary_problem(cfg, trained)
+    return vocabulary_problem(cfg, trained) or \
+        (changed_policy_problem(cfg, trained) if overridden else None)
+
+
+def override_problem(overrides: list[str], untrained: bool) -> str | None:
+    """The first override `hpcvla eval` would not act on, with what does (EVAL_READS);
+    policy.checkpoint only with --untrained: a trained checkpoint holds every weight."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in EVAL_FLAGS:
+            return f"{key}: `hpcvla eval` takes it as its flag {EVAL_FLAGS[key]}"
+        if key in TRAINING_SIMULATORS:
+            return (f"{key}: a setting of training's simulator ranks; `hpcvla eval` steps "
+                    "its envs in its own processes, --envs at a time")
+        if key == "policy.checkpoint" and not untrained:
+            return ("policy.checkpoint: the start of a run, evaluated with --untrained; a "
+                    "trained checkpoint holds every weight")
+        if not key.startswith(EVAL_READS):
+            reads = ", ".join(p + "*" if p.endswith(".") else p for p in EVAL_READS)
+            return (f"{key}: not read by `hpcvla eval`, so it would change nothing (it "
+                    f"reads {reads} and its flags)")
+    return None
+
+
+def changed_policy_problem(cfg, trained) -> str | None:
+    """Whether overrides change the names or shapes of the run's policy's weights
+    (policy.hidden, env.image_size, ...), from meta-device builds: its checkpoints would not
+    load, and --untrained would evaluate another policy than the run's start."""
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+
+    def shapes(c) -> dict[str, tuple]:
+        policy = build_policy(c, env_spec(c.env), device="meta")
+        return {name: tuple(t.shape) for name, t in policy.state_dict().items()}
+    ours, runs = shapes(cfg), shapes(trained)
+    changed = sorted(set(ours) ^ set(runs)) or \
+        sorted(name for name in ours if ours[name] != runs[name])
+    if not changed:
+        return None
+    return (f"the overrides change the run's policy ({len(changed)} weight(s) another name or "
+            f"shape, e.g. {changed[0]}): `hpcvla eval` evaluates the policy the run trained "
+            "(or, --untrained, its start); a policy.* or env.* override may change how it "
+            "acts, not its weights")
 
 
 def vocabulary_problem(cfg, trained) -> str | None:
