@@ -57,6 +57,33 @@ def test_resolved_config_round_trips_with_its_paths_absolute(tmp_path, monkeypat
         for section, values in config_to_dict(again).items()}
 
 
+def test_a_resume_records_its_config_and_names_what_it_changed(tmp_path, monkeypatch):
+    """config.yaml stays the first run's; each resume adds its own and lists the settings
+    that differ from the config the run last ran with (a relative path that names the same
+    file is no change)."""
+    from hpcvla.config import last_run_config, write_run_config
+    monkeypatch.chdir(ROOT)
+    demos = ["sft.demos=tests/a.h5", "placement.per_node={simulator: 2, inference: 1}"]
+    assert write_run_config(load_config("configs/default.yaml", demos), tmp_path) == []
+    assert last_run_config(tmp_path) == tmp_path / "config.yaml"
+    first = (tmp_path / "config.yaml").read_text()
+    resume = f"run.resume={tmp_path}"
+    same = load_config("configs/default.yaml", [*demos, resume, "run.name=other",
+                                                "run.root=elsewhere"])
+    assert write_run_config(same, tmp_path) == []
+    assert last_run_config(tmp_path).name.startswith("config.resume-")
+    monkeypatch.setattr("time.strftime", lambda *_: "later")  # another resume's file name
+    changed = load_config("configs/default.yaml", [
+        resume, "sft.demos=/data/b.h5", "algorithm.name=grpo", "algorithm.group_size=4",
+        "rollout.segment_len=20", "placement.per_node={simulator: 2, inference: 2}"])
+    assert write_run_config(changed, tmp_path) == [
+        "placement.per_node: {'simulator': 2, 'inference': 1} -> {'simulator': 2, 'inference': 2}",
+        "algorithm.name: 'ppo' -> 'grpo'", "algorithm.group_size: 8 -> 4",
+        "rollout.segment_len: 8 -> 20", f"sft.demos: '{ROOT / 'tests/a.h5'}' -> '/data/b.h5'"]
+    assert last_run_config(tmp_path) == tmp_path / "config.resume-later.yaml"
+    assert (tmp_path / "config.yaml").read_text() == first
+
+
 @pytest.mark.parametrize("overrides,field,valid", [
     (["learner.zero_stage=4"], "learner.zero_stage", "<= 3"),
     (["learner.zero_stage=two"], "learner.zero_stage", "an int"),

@@ -261,6 +261,8 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
                  "pipeline.total_updates=5", "learner.checkpoint_every=0", *extra, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming from" in out.stdout and "update 5/5" in out.stdout
+    assert "[hpcvla] resumed with settings changed since the run last ran: " \
+        "pipeline.total_updates: 3 -> 5; learner.checkpoint_every: 1 -> 0\n" in out.stdout
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000003", "v000005"]
     second = json.loads((run_dir / "summary.json").read_text())
     assert {r["first_version"] for r in second["per_rank"]} == {3}

@@ -326,6 +326,8 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
         list(range(max(1, stopped - 1), stopped + 1))
     out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "[hpcvla sft] resumed with settings changed since the run last ran: sft.steps: " \
+        f"100000 -> {stopped + 3}\n" in out.stdout, out.stdout[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == stopped + 3 and len(summary["losses"]) == 3
     assert not summary["preempted"]

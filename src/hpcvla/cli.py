@@ -39,8 +39,8 @@ from pathlib import Path
 import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
-from hpcvla.config import (ConfigError, config_source, describe_settings, load_config,
-                           whole_number)
+from hpcvla.config import (ConfigError, config_source, describe_settings, last_run_config,
+                           load_config, whole_number)
 from hpcvla.config.loader import config_to_dict
 from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.process.mpi_select import LaunchError, launcher_rank
@@ -223,9 +223,8 @@ def resumed_run_config(overrides: list[str]) -> str | None:
     resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("run.resume=")]
     if not resumes or not resumes[-1] or resumes[-1] in ("null", "None"):
         return None
-    run_dir = Path(resumes[-1])
-    configs = sorted(run_dir.glob("config.resume-*.yaml")) or [run_dir / "config.yaml"]
-    return str(configs[-1]) if configs[-1].is_file() else None
+    config = last_run_config(resumes[-1])
+    return None if config is None else str(config)
 
 
 def cmd_sft(args) -> int:

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import time
 import typing
 from pathlib import Path
 from typing import Any
@@ -229,6 +230,47 @@ def dump_config(cfg, path: str | Path) -> None:
     """Write the fully resolved config, its paths absolute; `load_config` of the file gives
     back `recorded(cfg)`."""
     Path(path).write_text(yaml.safe_dump(config_to_dict(recorded(cfg)), sort_keys=False))
+
+
+def last_run_config(run_dir: str | Path) -> Path | None:
+    """The config file a run directory's run last ran with: its newest config.resume-*.yaml
+    (one per resume), else its config.yaml; None if it has neither."""
+    run_dir = Path(run_dir)
+    configs = sorted(run_dir.glob("config.resume-*.yaml")) or [run_dir / "config.yaml"]
+    return configs[-1] if configs[-1].is_file() else None
+
+
+RUN_DIRECTORY = ("run.resume", "run.root", "run.name")  # where a run's directory is
+
+
+def write_run_config(cfg, run_dir: Path) -> list[str]:
+    """Record the config a run runs with in its directory: config.yaml, or for a resume
+    config.resume-<time>.yaml (config.yaml stays the first run's). Returns what a resume
+    changed against the config the run last ran with, a `name: old -> new` line each: a
+    resume may change any setting, and the run says which (the settings that name the run
+    directory left out: it is the one resumed)."""
+    previous = last_run_config(run_dir) if cfg.run.resume else None
+    changed = []
+    if previous is not None:
+        before = _flat(yaml.safe_load(previous.read_text()) or {})
+        after = _flat(config_to_dict(recorded(cfg)))
+        changed = [f"{name}: {before.get(name)!r} -> {value!r}" for name, value in after.items()
+                   if name not in RUN_DIRECTORY and before.get(name) != value]
+    name = f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml" if cfg.run.resume \
+        else "config.yaml"
+    dump_config(cfg, run_dir / name)
+    return changed
+
+
+def _flat(sections: dict, prefix: str = "") -> dict[str, Any]:
+    """A config's settings by dotted name (a setting whose value is a mapping stays one)."""
+    flat: dict[str, Any] = {}
+    for name, value in sections.items():
+        if isinstance(value, dict) and not prefix:
+            flat.update(_flat(value, name + "."))
+        else:
+            flat[prefix + name] = value
+    return flat
 
 
 def describe_settings(cls=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:

@@ -41,7 +41,7 @@ import torch
 from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
-from hpcvla.config import dump_config
+from hpcvla.config import write_run_config
 from hpcvla.config.learning import demo_paths
 from hpcvla.demonstrations import read_demonstrations
 from hpcvla.devices import bind_rank_device
@@ -117,8 +117,10 @@ def sft_main(cfg, world) -> None:
     first = store.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
     board = None
     if rank == 0:
-        name = "config.resume-%s.yaml" % time.strftime("%Y%m%d-%H%M%S") if resume else "config.yaml"
-        dump_config(cfg, run_dir / name)
+        changed = write_run_config(cfg, run_dir)
+        if changed:
+            print("[hpcvla sft] resumed with settings changed since the run last ran: "
+                  + "; ".join(changed), flush=True)
         board = RunBoard(run_dir, cfg.run, asdict(cfg))
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"

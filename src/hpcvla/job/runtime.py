@@ -12,7 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
-from hpcvla.config import ConfigError, dump_config
+from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch
 from hpcvla.topology.plan import PlanError
@@ -127,10 +127,10 @@ def train_main(cfg, plan, comms) -> None:
     world = comms.world
     run_dir = create_run_dir(cfg, world)
     if world.Get_rank() == 0:
-        # a resumed run keeps the config it started with and adds the one it resumed with
-        name = f"config.resume-{time.strftime('%Y%m%d-%H%M%S')}.yaml" if cfg.run.resume \
-            else "config.yaml"
-        dump_config(cfg, run_dir / name)
+        changed = write_run_config(cfg, run_dir)
+        if changed:
+            print("[hpcvla] resumed with settings changed since the run last ran: "
+                  + "; ".join(changed), flush=True)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
