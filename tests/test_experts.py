@@ -4,6 +4,7 @@ from training initial states only, a task without an expert is refused naming th
 and with `--policy` (DAgger) a run's policy drives while the expert labels."""
 
 import json
+import re
 
 import h5py
 import numpy as np
@@ -160,3 +161,51 @@ def test_demos_driven_by_a_policy_label_its_states_with_the_experts_chunks(tmp_p
     refused = hpcvla("demos", "configs/default.yaml", "--policy", run_dir, "--noise", 0.1,
                      "--episodes", 1, "--out", tmp_path / "noisy.h5")
     assert refused.returncode == 2 and "--policy: the expert labels" in refused.stderr
+
+
+@pytest.mark.mpi  # the CLI in a process of its own
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_demos_stopped_by_a_signal_leaves_a_whole_file(tmp_path, stop):
+    """Ctrl-C or a job's SIGTERM while recording: progress lines until then, the episode
+    under way finished, the file holds every episode written (checksums read back), the
+    summary says so and the exit status is 128 + the signal's number."""
+    import signal
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+    from hpcvla.metrics.dump import summarize, verify
+    out = tmp_path / "demos.h5"
+    job = subprocess.Popen([sys.executable, "-m", "hpcvla", "demos", "configs/default.yaml",
+                            "pipeline.progress_every_s=0.1", "--episodes", "1000000",
+                            "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    for line in job.stdout:  # recording: stop it as a user or Slurm would
+        if line.startswith("[hpcvla demos] ") and " 0/" not in line:
+            job.send_signal(getattr(signal, stop))
+            break
+    output = line + job.communicate(timeout=60)[0]
+    number = getattr(signal, stop).value
+    assert job.returncode == 128 + number, output[-2000:]
+    written = int(re.search(rf"stopped by signal {number} after (\d+) of 1000000 episodes: "
+                            "the file holds them, complete", output).group(1))
+    assert written >= 1 and f"hpcvla demos: {written} episodes of" in output
+    assert "Traceback" not in output
+    verify(out)  # every dataset's checksum
+    assert summarize(out)["episodes"] == written and summarize(out)["complete"]
+
+
+def test_demos_stopped_before_the_first_episode_leave_no_file(tmp_path, monkeypatch):
+    """A stop before any episode: no file to stand in the next try's way (`--out` must not
+    exist), and the summary says so."""
+    import signal
+
+    from hpcvla.config import load_config
+    from hpcvla.imitation.recording import record, summary_line
+    from hpcvla.process import preempt
+    monkeypatch.setattr(preempt, "_first", [(0.0, signal.SIGTERM)])
+    monkeypatch.setattr(preempt, "requested", lambda: True)
+    summary = record(load_config("configs/default.yaml"), 4, tmp_path / "demos.h5")
+    assert summary["episodes"] == 0 and not (tmp_path / "demos.h5").exists()
+    assert summary_line(summary).endswith(f"stopped by signal {signal.SIGTERM.value} after 0 "
+                                          "of 4 episodes: no file written")

@@ -145,8 +145,8 @@ class PipelineConfig:
         "steps under PPO/GRPO, algorithm.utd gradient steps per new transition under "
         "sac/rlpd.", ge=1)
     progress_every_s: float = setting(
-        5.0, "Seconds between progress lines on the weight root (steps/s, success, "
-        "staleness, ETA).", ge=0.1)
+        5.0, "Seconds between progress lines: training's, on the weight root (steps/s, "
+        "success, staleness, ETA), `hpcvla sft`'s and `hpcvla demos`'s.", ge=0.1)
     stall_timeout_s: float = setting(
         300.0, "A learner that receives no trajectory for this long stops the job, naming "
         "what it waits for (a stuck simulator or a layout that cannot fill a batch), "

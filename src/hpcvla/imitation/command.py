@@ -29,7 +29,10 @@ def demos_command(args) -> int:
     from hpcvla.config import load_config
     from hpcvla.imitation.recording import RecordingError, record, summary_line
 
+    from hpcvla.process import preempt
+
     cfg = load_config(args.config, args.overrides)
+    preempt.install(interactive=True)  # Ctrl-C, SIGTERM: stop after the episode, file whole
     try:
         summary = record(cfg, args.episodes, args.out, args.noise, args.successful_only,
                          args.policy, args.deterministic)
@@ -37,4 +40,4 @@ def demos_command(args) -> int:
         print(f"hpcvla demos: {err}", file=sys.stderr)
         return 2
     print(summary_line(summary), flush=True)
-    return 0
+    return 0 if summary["stopped_by"] is None else 128 + summary["stopped_by"]

@@ -17,6 +17,11 @@ an imitation start is evaluated on states it has not been shown. Each id is the 
 reset seed of its episode, recorded as the demo's `seed`: `env.reset(init_state_ids=[seed])`
 gives the same initial state back.
 
+A line every pipeline.progress_every_s says how far it is. Ctrl-C or SIGTERM (process/
+preempt.py) ends the recording after the episode it is in, the file holding the episodes
+written so far, complete (none: no file), and the command exits 128 + the signal's number; a
+second Ctrl-C interrupts at once.
+
 One env, one episode at a time: on CPU physics ManiSkill steps one env per slot in this
 process anyway (envs/serial.py), so a batch would be no faster, and the envs of a batch that
 finish early would auto-reset into episodes that are not recorded.
@@ -46,6 +51,7 @@ from hpcvla.envs.base import training_state_ids
 from hpcvla.envs.experts import make_expert
 from hpcvla.metrics.dump import TrajectoryDump
 from hpcvla.preflight import unwritable
+from hpcvla.process import preempt
 
 EXPERT_VERSION = -1  # policy_versions of a scripted expert's steps
 _STREAM = 0xDE_305  # the init_state_id stream, apart from the run's other uses of run.seed
@@ -88,9 +94,14 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
                           + (f", driven by {driver.name}" if driver else ""))
     rng = np.random.default_rng([cfg.run.seed, _STREAM])
     start, seen, attempts, successes, steps = time.monotonic(), set(), 0, 0, 0
-    written = 0
+    written, said = 0, start
     try:
-        while written < episodes:
+        while written < episodes and not preempt.requested():  # a signal: stop, file whole
+            if time.monotonic() - said >= cfg.pipeline.progress_every_s and attempts:
+                said = time.monotonic()
+                print(f"[hpcvla demos] {written}/{episodes} episodes written, {attempts} "
+                      f"attempts (success {successes / attempts:.2f}), {said - start:.0f} s",
+                      flush=True)
             if successful_only and attempts >= ATTEMPTS_PER_EPISODE * episodes:
                 raise RecordingError(
                     f"--successful-only: {written} successful episodes in {attempts} attempts "
@@ -110,9 +121,13 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
     finally:
         dump.close()
         env.close()
-    return {"file": str(out), "task": task, "episodes": written,
+        if not written:  # none to keep: no file to stand in the next try's way
+            out.unlink()
+    return {"file": str(out), "task": task, "episodes": written, "asked": episodes,
+            "stopped_by": preempt.requested_by(),
             "driver": driver.name if driver else "",
-            "attempts": attempts, "expert_success_rate": successes / attempts, "steps": steps,
+            "attempts": attempts, "steps": steps,
+            "expert_success_rate": successes / attempts if attempts else float("nan"),
             "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len,
             "seconds": time.monotonic() - start}
 
@@ -214,4 +229,7 @@ def summary_line(s: dict) -> str:
     return (f"hpcvla demos: {s['episodes']} episodes of {s['task']} to {s['file']} | {who} "
             f"success {s['expert_success_rate']:.3f} over {s['attempts']} attempts | "
             f"{s['steps']} steps (x{s['chunk_len']} = {s['env_steps']} env steps) | "
-            f"{s['seconds']:.1f} s")
+            f"{s['seconds']:.1f} s" + ("" if s["stopped_by"] is None else
+            f" | stopped by signal {s['stopped_by']} after {s['episodes']} of {s['asked']} "
+            "episodes" + (": the file holds them, complete" if s["episodes"] else
+                          ": no file written")))

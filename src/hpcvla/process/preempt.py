@@ -17,18 +17,22 @@ import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _requested = threading.Event()
-_first_at: list[float] = []  # epoch time of the first signal
+_first: list[tuple[float, int]] = []  # epoch time and number of the first signal
 
 
-def install() -> None:
-    """Catch SIGTERM/SIGUSR1 in this process (main thread only, as Python requires)."""
-    for sig in SIGNALS:
+def install(interactive: bool = False) -> None:
+    """Catch SIGTERM/SIGUSR1 in this process (main thread only, as Python requires);
+    `interactive` (a command run at a terminal, `hpcvla demos`): Ctrl-C asks the same stop,
+    and a second Ctrl-C interrupts at once."""
+    for sig in SIGNALS + ((signal.SIGINT,) if interactive else ()):
         signal.signal(sig, _on_signal)
 
 
 def _on_signal(signum, frame) -> None:
-    if not _first_at:
-        _first_at.append(time.time())
+    if not _first:
+        _first.append((time.time(), signum))
+    if signum == signal.SIGINT:  # the next Ctrl-C: KeyboardInterrupt, wherever it lands
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     _requested.set()
 
 
@@ -38,7 +42,12 @@ def requested() -> bool:
 
 def requested_at() -> float | None:
     """Epoch time of the first stop signal this process got (None: none)."""
-    return _first_at[0] if _first_at else None
+    return _first[0][0] if _first else None
+
+
+def requested_by() -> int | None:
+    """The number of the first stop signal this process got (None: none)."""
+    return _first[0][1] if _first else None
 
 
 def agreed(comm) -> bool:
