@@ -220,6 +220,12 @@ def test_mujoco_renders_on_the_ranks_gpu_as_egl_numbers_it():
         assert environ == before
     assert isinstance(egl_cuda_ordinals(), list)  # this machine's EGL, if any: no CUDA here
     assert all(o is None for o in egl_cuda_ordinals())
+    # where EGL renders and nobody chose: this machine's EGL has no CUDA device, so a rank
+    # bound to one fails loudly, naming the way out, rather than rendering elsewhere
+    environ: dict[str, str] = {}
+    with pytest.raises(RuntimeError, match="MUJOCO_GL=osmesa"):
+        choose_egl_device(0, environ)
+    assert environ == {}
 
 
 def test_learner_zero_publishes_the_address_its_peers_route_to(monkeypatch):

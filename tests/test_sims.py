@@ -217,11 +217,24 @@ def test_eval_of_a_maniskill_task_reports_its_own_conventions_too():
     """`hpcvla eval` of a ManiSkill task: success_once (= the success rate: the same steps up
     to the first success) and success_at_end, its episodes run to the horizon."""
     from hpcvla.evaluate import evaluate
+    from hpcvla.roles.heldout import Episode, HeldOut
     cfg = load_config(ROOT / "configs/maniskill_pushcube.yaml",
                       ["env.camera=false", "env.max_episode_chunks=3", "rollout.segment_len=3"])
-    result = evaluate(cfg, None, episodes=4, envs=4)
-    assert result["success_once"] == result["success_rate"] and result["episodes"] == 4
-    assert 0.0 <= result["success_at_end"] <= result["success_once"]
+    held = HeldOut(cfg, 4, 4, 0, "cpu")
+    try:
+        result = held.report(held.run(deterministic=False)[0], False)
+        assert result["success_once"] == result["success_rate"] and result["episodes"] == 4
+        assert all(e["steps"] == 3 * 5 for e in result["per_episode"])  # to the horizon
+        # the two conventions apart (the untrained policy succeeds nowhere): a success held
+        # to the end, one knocked off the goal, a failure, an env fault (left out)
+        mixed = held.report([Episode(0, True, 1.0, False, True, 15),
+                             Episode(1, True, 1.0, False, False, 15),
+                             Episode(2, False, 0.0, False, False, 15),
+                             Episode(3, False, 0.0, True, False, 4)], False)
+    finally:
+        held.close()
+    assert (mixed["success_once"], mixed["success_at_end"]) == (2 / 3, 1 / 3)
+    assert mixed["success_rate"] == 2 / 3 and (mixed["episodes"], mixed["env_faults"]) == (3, 1)
     reach = evaluate(load_config(ROOT / "configs/default.yaml"), None, episodes=2, envs=2)
     assert "success_at_end" not in reach  # reach has one convention: success ends it
 
