@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from helpers import ROOT, hpcvla, run_train
+from helpers import ROOT, fake_checkpoint, hpcvla, run_train
 
 
 def _run_dir(tmp_path, config: str, *overrides: str):
@@ -22,8 +22,19 @@ def _run_dir(tmp_path, config: str, *overrides: str):
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
-    """configs/default.yaml's run directory, before training, for the tests that read it."""
-    return _run_dir(tmp_path_factory.mktemp("default_run"), "default.yaml")
+    """configs/default.yaml's run directory with one checkpoint, the policy's initial
+    weights as version 2, for the tests that only read it."""
+    from safetensors.torch import save_file
+
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    run_dir = _run_dir(tmp_path_factory.mktemp("default_run"), "default.yaml")
+    checkpoint = fake_checkpoint(run_dir / "checkpoints" / "v000002")
+    cfg = load_config(run_dir / "config.yaml")
+    save_file(build_policy(cfg, env_spec(cfg.env)).state_dict(),
+              checkpoint / "model.safetensors")
+    return run_dir
 
 
 def _eval(run_dir, *args, timeout=300) -> dict:
@@ -84,9 +95,11 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
     ("env.isolation=process", True, "env.isolation: a setting of training's simulator ranks"),
     ("policy.checkpoint=/elsewhere", False, "policy.checkpoint: the start of a run, evaluated "
                                             "with --untrained"),
-    ("policy.hidden=64", True, "the overrides change the run's policy"),
-    ("policy.hidden=64", False, "the overrides change the run's policy"),
-    ("env.chunk_len=2", True, "the overrides change the run's policy"),
+    ("policy.hidden=64", True, "the overrides change the run's start (14 weight(s) another "
+                               "name or shape than the run's config gives"),
+    ("env.chunk_len=2", True, "the overrides change the run's start"),
+    ("policy.hidden=64", False, "expected weights the configured policy takes (policy.*, env.* "
+                                "and algorithm.* shape it): "),  # the checkpoint's would not load
 ])
 def test_eval_overrides_that_would_not_act_are_refused(default_run, capsys, override,
                                                        untrained, named):

@@ -323,7 +323,7 @@ def cmd_inspect(args) -> int:
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
     from hpcvla.evaluate import (describe, eval_problem, evaluate_policies, override_problem,
-                                 write_curve)
+                                 weights_problem, write_curve)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
     if not (run_dir / "config.yaml").is_file():
         print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
@@ -346,8 +346,8 @@ def cmd_eval(args) -> int:
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
-    problem = eval_problem(cfg, load_config(run_dir / "config.yaml"), args.episodes, args.envs,
-                           args.video, bool(args.overrides))
+    trained = load_config(run_dir / "config.yaml")
+    problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video)
     if problem:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
@@ -361,11 +361,15 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
               file=sys.stderr)
         return 2
-    try:  # each checkpoint's state and files, before any rank starts
+    try:  # each checkpoint's state and files, and its weights, before any rank starts
         for path in kept:
             catalog.read_state(path)
+        problem = weights_problem(cfg, trained, [p for p in policies if p], args.untrained,
+                                  bool(args.overrides))
     except catalog.CheckpointError as err:
-        print(f"hpcvla eval: {err}", file=sys.stderr)
+        problem = str(err)
+    if problem:
+        print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2
     if args.ranks is not None:  # start the world here; its ranks come back to this function
         from hpcvla.job.launch import run_world

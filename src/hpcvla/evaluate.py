@@ -72,11 +72,9 @@ EVAL_FLAGS = {"eval.episodes": "--episodes", "eval.envs": "--envs",
 TRAINING_SIMULATORS = ("env.shards", "env.isolation", "env.max_restarts")
 
 
-def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
-                 overridden: bool = False) -> str | None:
+def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | None:
     """What is wrong with `hpcvla eval`'s flags (--ranks: argparse, as `train`'s), or with
-    evaluating the run configured as `trained` in the env `cfg` configures (`overridden`:
-    by command-line settings, which override_problem has let through), before any rank
+    evaluating the run configured as `trained` in the env `cfg` configures, before any rank
     starts."""
     from hpcvla.envs.base import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
@@ -86,8 +84,7 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
                     + (f", at most {high} (the evaluation split's states)" if high else ""))
     if video and not cfg.env.camera:
         return "--video needs a camera: the run has env.camera=false"
-    return vocabulary_problem(cfg, trained) or \
-        (changed_policy_problem(cfg, trained) if overridden else None)
+    return vocabulary_problem(cfg, trained)
 
 
 def override_problem(overrides: list[str], untrained: bool) -> str | None:
@@ -110,25 +107,38 @@ def override_problem(overrides: list[str], untrained: bool) -> str | None:
     return None
 
 
-def changed_policy_problem(cfg, trained) -> str | None:
-    """Whether overrides change the names or shapes of the run's policy's weights
-    (policy.hidden, env.image_size, ...), from meta-device builds: its checkpoints would not
-    load, and --untrained would evaluate another policy than the run's start."""
+def weights_problem(cfg, trained, checkpoints: list[Path], untrained: bool,
+                    overridden: bool) -> str | None:
+    """Whether the policy `cfg` configures (the run's config `trained` and the overrides,
+    `overridden` if any) takes the weights it is to evaluate, before any rank builds it, from
+    meta-device builds: each of `checkpoints` exactly; with `untrained`, its start: the
+    weights of policy.checkpoint (RL heads may be absent), and the names and shapes of the
+    run's own build but for the RL heads, which start fresh either way (π0's log_std follows
+    env.chunk_len, which the LIBERO protocol sets)."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
-
-    def shapes(c) -> dict[str, tuple]:
-        policy = build_policy(c, env_spec(c.env), device="meta")
-        return {name: tuple(t.shape) for name, t in policy.state_dict().items()}
-    ours, runs = shapes(cfg), shapes(trained)
-    changed = sorted(set(ours) ^ set(runs)) or \
-        sorted(name for name in ours if ours[name] != runs[name])
-    if not changed:
+    from hpcvla.policies.folders import rl_only_names
+    from hpcvla.preflight import checkpoint_fit_problem
+    policy = build_policy(cfg, env_spec(cfg.env), device="meta")
+    start = catalog.latest(cfg.policy.checkpoint) if untrained and cfg.policy.checkpoint else None
+    for path, heads_may_lack in [*((p, False) for p in checkpoints),
+                                 *([(start, True)] if start else [])]:
+        problem = checkpoint_fit_problem(policy, path, heads_may_lack)
+        if problem:
+            return f"expected {problem}"
+    if not (untrained and overridden):
         return None
-    return (f"the overrides change the run's policy ({len(changed)} weight(s) another name or "
-            f"shape, e.g. {changed[0]}): `hpcvla eval` evaluates the policy the run trained "
-            "(or, --untrained, its start); a policy.* or env.* override may change how it "
-            "acts, not its weights")
+    heads = rl_only_names(policy)
+    ours = {k: tuple(t.shape) for k, t in policy.state_dict().items() if k not in heads}
+    runs = {k: tuple(t.shape) for k, t in build_policy(trained, env_spec(trained.env),
+                                                       device="meta").state_dict().items()
+            if k not in heads}
+    changed = sorted(set(ours) ^ set(runs)) or sorted(k for k in ours if ours[k] != runs[k])
+    return None if not changed else (
+        f"the overrides change the run's start ({len(changed)} weight(s) another name or shape "
+        f"than the run's config gives, e.g. {changed[0]}): --untrained evaluates the policy "
+        "the run started from; a policy.* or env.* override may change how it acts, not its "
+        "weights")
 
 
 def vocabulary_problem(cfg, trained) -> str | None:

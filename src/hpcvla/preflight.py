@@ -132,30 +132,38 @@ def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     header and a meta-device build (no memory), as the ranks will load them: a checkpoint
     written with another policy config, or an override that changes the policy, is named
     before every rank builds the policy to find it."""
-    from hpcvla.checkpoint.catalog import MODEL, latest
+    from hpcvla.checkpoint.catalog import latest
     asked = [(name, value, latest(value)) for name, value in
              (("run.resume", cfg.run.resume), ("policy.checkpoint", cfg.policy.checkpoint))
              if value]
     asked = [(name, value, path) for name, value, path in asked if path is not None]
     if not asked:  # none, or file_problems names them
         return []
-    import torch
-
-    from hpcvla.checkpoint.store import check_fit
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
+    policy = build_policy(cfg, env_spec(cfg.env), device="meta")
+    return [(name, value, problem) for name, value, path in asked
+            if (problem := checkpoint_fit_problem(policy, path, name == "policy.checkpoint"))]
+
+
+def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = False) -> str:
+    """Whether the checkpoint's weights fit `policy` (a meta-device build), from the file's
+    header, as the ranks will load them: exactly, or (`heads_may_lack`, a run's start) with
+    RL heads absent; '' if they do."""
+    import torch
+
+    from hpcvla.checkpoint.catalog import MODEL
+    from hpcvla.checkpoint.store import check_fit
     from hpcvla.policies.folders import rl_only_names, tensor_shapes
-    policy, problems = build_policy(cfg, env_spec(cfg.env), device="meta"), []
-    for name, value, path in asked:
-        try:
-            held = {k: torch.empty(s, device="meta")
-                    for k, s in tensor_shapes(path / MODEL).items()}
-            check_fit(held, policy.state_dict(), path / MODEL,
-                      rl_only_names(policy) if name == "policy.checkpoint" else frozenset())
-        except ValueError as err:  # an unreadable header, or a CheckpointError of the fit
-            problems.append((name, value, f"weights the configured policy takes (policy.*, "
-                             f"env.* and algorithm.* shape it): {err}"))
-    return problems
+    try:
+        held = {k: torch.empty(s, device="meta")
+                for k, s in tensor_shapes(checkpoint / MODEL).items()}
+        check_fit(held, policy.state_dict(), checkpoint / MODEL,
+                  rl_only_names(policy) if heads_may_lack else frozenset())
+    except ValueError as err:  # an unreadable header, or a CheckpointError of the fit
+        return (f"weights the configured policy takes (policy.*, env.* and algorithm.* shape "
+                f"it): {err}")
+    return ""
 
 
 def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
