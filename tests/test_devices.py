@@ -124,6 +124,7 @@ def test_what_says_gpus_were_given():
     assert "SLURM_GPUS_ON_NODE=8" in missing_gpus_problem(-1, {"SLURM_GPUS_ON_NODE": "8"})
     assert missing_gpus_problem(0, {"SLURM_GPUS_ON_NODE": "8"}) is None
     assert missing_gpus_problem(-1, {"CUDA_VISIBLE_DEVICES": ""}) is None
+    assert missing_gpus_problem(2, {}).startswith("at most the 0 GPU(s) torch sees on this node")
 
 
 @pytest.mark.mpi  # the CLI, refusing before it would start a world
@@ -137,6 +138,13 @@ def test_a_gpu_node_whose_gpus_torch_cannot_see_is_refused_before_any_rank():
     assert "placement.gpus_per_node" in out.stderr and "SLURM_GPUS_ON_NODE=8" in out.stderr
     assert "sees none" in out.stderr and "gpus_per_node=0" in out.stderr
     assert "run directory" not in out.stdout  # no rank started
+    # more GPUs asked for than torch sees here: refused too, and `hpcvla doctor` says so
+    out = hpcvla("train", "configs/default.yaml", "placement.gpus_per_node=1")
+    assert out.returncode == 2 and "run directory" not in out.stdout, out.stdout[-2000:]
+    assert "placement.gpus_per_node = 1: expected at most the 0 GPU(s) torch sees on this " \
+        "node" in out.stderr, out.stderr[-2000:]
+    out = hpcvla("doctor", "configs/default.yaml", "placement.gpus_per_node=1")
+    assert out.returncode != 0 and "at most the 0 GPU(s)" in out.stdout + out.stderr, out.stdout
 
 
 def test_host_staging_on_cpu_is_a_plain_concatenation():

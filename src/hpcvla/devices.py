@@ -91,10 +91,7 @@ def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
     """Identities of the GPUs this process may use, in torch's order (cuda:0, cuda:1, ...):
     their UUIDs, so that ranks which each see their own GPU as cuda:0 (Slurm's
     `--gpus-per-task` under device cgroups) are told apart. Cut to `gpus_per_node` >= 0."""
-    count = 0
-    if _gpu_device_files():  # none: no driver to show torch a GPU (and torch is not imported)
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch_gpu_count()
     if gpus_per_node > count:
         raise PlanError(f"placement.gpus_per_node = {gpus_per_node}, but this rank sees "
                         f"{count} GPU(s) (CUDA_VISIBLE_DEVICES="
@@ -105,6 +102,15 @@ def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
         return ()
     import torch
     return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", i)) for i in range(n))
+
+
+def torch_gpu_count() -> int:
+    """The GPUs torch sees in this process (without a driver's device files: 0, and torch is
+    not imported)."""
+    if not _gpu_device_files():
+        return 0
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _gpu_device_files() -> bool:
@@ -129,15 +135,19 @@ def granted_gpus(environ=os.environ) -> str | None:
 
 
 def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
-    """Why detecting GPUs (`placement.gpus_per_node=-1`) would silently mean the CPU here:
-    the job was given GPUs that torch cannot see. None when torch sees one, when none were
-    given, or when the CPU was chosen (0)."""
+    """Why this node cannot run the GPUs the config asks for: more (`placement.
+    gpus_per_node` > 0) than torch sees here (visible_gpus, as every rank will), or, for
+    detection (-1), GPUs the job was given that torch cannot see, which would silently mean
+    the CPU. None when they are there, when none were given, or when the CPU was chosen (0)."""
+    count = torch_gpu_count()
+    if gpus_per_node > count:
+        return (f"at most the {count} GPU(s) torch sees on this node (CUDA_VISIBLE_DEVICES="
+                f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): -1 detects them, 0 trains on the "
+                f"CPU; or ask the scheduler for {gpus_per_node} GPU(s)")
     granted = granted_gpus(environ)
-    if gpus_per_node != -1 or granted is None:
+    if gpus_per_node != -1 or granted is None or count > 0:
         return None
     import torch
-    if torch.cuda.device_count() > 0:
-        return None
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"GPUs torch can see: this node was given GPUs ({granted}) but torch "
             f"{torch.__version__} ({build}) sees none. Install a torch that matches the node's "
