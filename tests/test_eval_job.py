@@ -85,16 +85,17 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
 
 
 @pytest.mark.parametrize("override,untrained,named", [
-    ("eval.deterministic=true", True, "eval.deterministic: `hpcvla eval` takes it as its flag "
-                                      "--deterministic"),
-    ("eval.episodes=4", True, "eval.episodes: `hpcvla eval` takes it as its flag --episodes"),
-    ("env.envs_per_simulator=4", True, "takes it as its flag --envs"),
-    ("algorithm.lr=0.1", True, "algorithm.lr: not read by `hpcvla eval`, so it would change "
-                               "nothing (it reads env.*, policy.*, launch.*, run.seed"),
-    ("learner.epochs=2", False, "learner.epochs: not read by `hpcvla eval`"),
-    ("env.isolation=process", True, "env.isolation: a setting of training's simulator ranks"),
-    ("policy.checkpoint=/elsewhere", False, "policy.checkpoint: the start of a run, evaluated "
-                                            "with --untrained"),
+    ("eval.deterministic=true", True, "eval.deterministic = 'true': expected --deterministic: "
+                                      "`hpcvla eval` takes it as a flag"),
+    ("eval.episodes=4", True, "eval.episodes = '4': expected --episodes"),
+    ("env.envs_per_simulator=4", True, "env.envs_per_simulator = '4': expected --envs"),
+    ("algorithm.lr=0.1", True, "algorithm.lr = '0.1': expected a setting `hpcvla eval` reads "
+                               "(env.*, policy.*, launch.*, run.seed"),
+    ("learner.epochs=2", False, "learner.epochs = '2': expected a setting `hpcvla eval` reads"),
+    ("env.isolation=process", True, "env.isolation = 'process': expected none: a setting of "
+                                    "training's simulator ranks"),
+    ("policy.checkpoint=/elsewhere", False, "policy.checkpoint = '/elsewhere': expected "
+                                            "--untrained with it"),
     ("policy.hidden=64", True, "the overrides change the run's start (14 weight(s) another "
                                "name or shape than the run's config gives"),
     ("env.chunk_len=2", True, "the overrides change the run's start"),

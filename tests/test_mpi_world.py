@@ -96,6 +96,30 @@ def test_ranks_check_against_the_jobs_count_not_the_proxy_step():
         check_scheduler_world(3, inside_proxies)
 
 
+def test_ranks_asked_inside_a_launchers_world_are_refused(tmp_path):
+    """`--ranks N` under mpirun/srun would start a world from each of its ranks: the same job
+    twice here (two run directories). Refused on every rank, said once; a world of one (an
+    interactive `srun --pty` shell) may still start its own."""
+    from hpcvla.process.mpi_select import LaunchError, check_not_nested
+    out = hpcvla("launch", "-n", 2, "--timeout", 60, "--", "train", "configs/default.yaml",
+                 f"run.root={tmp_path}", "--ranks", 4)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.count("--ranks 4: this process is rank 0 of a world of 2 that "
+                            "srun/mpirun started") == 1, out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # no run started
+    check_not_nested(None)
+    with pytest.MonkeyPatch.context() as env:
+        for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+            env.delenv(var, raising=False)
+        env.setenv("SLURM_STEP_ID", "0")
+        env.setenv("SLURM_PROCID", "0")
+        env.setenv("SLURM_STEP_NUM_TASKS", "1")
+        check_not_nested(4)
+        env.setenv("SLURM_STEP_NUM_TASKS", "8")
+        with pytest.raises(LaunchError, match="rank 0 of a world of 8"):
+            check_not_nested(4)
+
+
 def test_singleton_from_wrong_pmi_is_named():
     # What a PMI mismatch looks like: srun starts N processes that each see a 1-rank world.
     out = hpcvla("train", "configs/colocated.yaml", env={

@@ -43,7 +43,7 @@ from hpcvla.config import (ConfigError, config_source, describe_settings, last_r
                            load_config, whole_number)
 from hpcvla.config.loader import config_to_dict
 from hpcvla.imitation.command import add_demos_parser, demos_command
-from hpcvla.process.mpi_select import LaunchError, launcher_rank
+from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.config)
         args.config = None
     try:
+        check_not_nested(getattr(args, "ranks", None))  # --ranks inside srun/mpirun's world
         return COMMANDS[args.command](args)
     except (ConfigError, PlanError, LaunchError) as err:
         if not launcher_rank():  # every rank of a world finds the same error: say it once
@@ -322,7 +323,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
-    from hpcvla.evaluate import (describe, eval_problem, evaluate_policies, override_problem,
+    from hpcvla.evaluate import (check_overrides, describe, eval_problem, evaluate_policies,
                                  weights_problem, write_curve)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
     if not (run_dir / "config.yaml").is_file():
@@ -337,10 +338,7 @@ def cmd_eval(args) -> int:
         # a trained checkpoint holds every weight: the run's start only for --untrained
         start = [] if args.untrained else ["policy.checkpoint="]
         cfg = load_config(run_dir / "config.yaml", [*start, *args.overrides])
-        problem = override_problem(args.overrides, args.untrained)  # before the files' checks
-        if problem:
-            print(f"hpcvla eval: {problem}", file=sys.stderr)
-            return 2
+        check_overrides(args.overrides, args.untrained)  # before the files' checks
         check_config(cfg, str(run_dir / "config.yaml"))
         check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:

@@ -87,24 +87,30 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | No
     return vocabulary_problem(cfg, trained)
 
 
-def override_problem(overrides: list[str], untrained: bool) -> str | None:
-    """The first override `hpcvla eval` would not act on, with what does (EVAL_READS);
-    policy.checkpoint only with --untrained: a trained checkpoint holds every weight."""
+def check_overrides(overrides: list[str], untrained: bool) -> None:
+    """Raise a ConfigError naming each override `hpcvla eval` would not act on, with what
+    does (EVAL_READS, EVAL_FLAGS); policy.checkpoint only with --untrained: a trained
+    checkpoint holds every weight."""
+    from hpcvla.config import ConfigError
+    reads = ", ".join(p + "*" if p.endswith(".") else p for p in EVAL_READS)
+    problems = []
     for item in overrides:
-        key = item.partition("=")[0].strip()
+        key, _, value = item.partition("=")
+        key = key.strip()
         if key in EVAL_FLAGS:
-            return f"{key}: `hpcvla eval` takes it as its flag {EVAL_FLAGS[key]}"
-        if key in TRAINING_SIMULATORS:
-            return (f"{key}: a setting of training's simulator ranks; `hpcvla eval` steps "
-                    "its envs in its own processes, --envs at a time")
-        if key == "policy.checkpoint" and not untrained:
-            return ("policy.checkpoint: the start of a run, evaluated with --untrained; a "
-                    "trained checkpoint holds every weight")
-        if not key.startswith(EVAL_READS):
-            reads = ", ".join(p + "*" if p.endswith(".") else p for p in EVAL_READS)
-            return (f"{key}: not read by `hpcvla eval`, so it would change nothing (it "
-                    f"reads {reads} and its flags)")
-    return None
+            problems.append((key, value, f"{EVAL_FLAGS[key]}: `hpcvla eval` takes it as a flag"))
+        elif key in TRAINING_SIMULATORS:
+            problems.append((key, value, "none: a setting of training's simulator ranks; "
+                             "`hpcvla eval` steps its envs in its own processes, --envs at a "
+                             "time"))
+        elif key == "policy.checkpoint" and not untrained:
+            problems.append((key, value, "--untrained with it: it is the start of a run; a "
+                             "trained checkpoint holds every weight"))
+        elif not key.startswith(EVAL_READS):
+            problems.append((key, value, f"a setting `hpcvla eval` reads ({reads}): this one "
+                             "would change nothing"))
+    if problems:
+        raise ConfigError(problems, "`hpcvla eval` settings")
 
 
 def weights_problem(cfg, trained, checkpoints: list[Path], untrained: bool,

@@ -72,6 +72,29 @@ def launcher_rank() -> int | None:
     return None
 
 
+def launcher_size() -> int | None:
+    """The size of the world an MPI launcher (or srun) started this process in, without
+    starting MPI; None when no launcher started it."""
+    for var in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if var in os.environ:
+            return int(os.environ[var])
+    if "SLURM_STEP_ID" in os.environ and "SLURM_STEP_NUM_TASKS" in os.environ:
+        return int(os.environ["SLURM_STEP_NUM_TASKS"])
+    return None
+
+
+def check_not_nested(ranks: int | None) -> None:
+    """`--ranks N` starts a world of this process's own: inside a launcher's world of several
+    ranks each of them would start one, the same job N times over. Raises a LaunchError; a
+    world of one (an interactive `srun --pty` shell) may start one."""
+    size = launcher_size()
+    if ranks is not None and size is not None and size > 1:
+        raise LaunchError(f"--ranks {ranks}: this process is rank {launcher_rank()} of a world "
+                          f"of {size} that srun/mpirun started, each of whose ranks would start "
+                          "a world of its own; leave --ranks out (the launcher's ranks are the "
+                          "job's), or run without the launcher")
+
+
 def flavour_of(mpiexec: str) -> str:
     """'mpich', 'openmpi' or 'unknown', from `mpiexec --version`."""
     try:
