@@ -221,3 +221,25 @@ def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
                            + re.escape(str(tmp_path / "config.yaml"))):
             export_policy(moved, tmp_path, tmp_path / "out", layout)
     assert not (tmp_path / "out").exists()
+
+
+def test_written_weights_get_the_umasks_mode(tmp_path):
+    """safetensors writes 0600; a checkpoint's or an exported policy's files get what the
+    umask gives any new file, for the group on a shared file system to read."""
+    import os
+    import stat
+
+    from hpcvla.checkpoint.store import save_file
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.policies import save_pretrained
+    cfg = load_config("configs/default.yaml")
+    before = os.umask(0o027)
+    try:
+        save_file({"a": torch.zeros(2)}, tmp_path / "x.safetensors")
+        save_pretrained(build_policy(cfg, env_spec(cfg.env)), tmp_path / "policy")
+    finally:
+        os.umask(before)
+    for path in (tmp_path / "x.safetensors", tmp_path / "policy" / "model.safetensors",
+                 tmp_path / "policy" / "config.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o640, path

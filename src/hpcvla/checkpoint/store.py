@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -29,7 +30,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save_file as _save_file
 
 from hpcvla.checkpoint import optimizer_state
 from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, checkpoint_dir,
@@ -106,11 +108,11 @@ class Writer:
     def _write(self, partial, final, rank, size, tensors, mine, state, keep):
         try:
             model = tensors.pop(MODEL, None)
-            save_file(tensors, str(partial / mine["file"]))
+            save_file(tensors, partial / mine["file"])
             mine["sha256"] = sha256(partial / mine["file"])
             _write_json(partial / _sidecar(rank), mine)
             if rank == 0:
-                save_file(model, str(partial / MODEL))
+                save_file(model, partial / MODEL)
                 state["model_sha256"] = sha256(partial / MODEL)
                 state["optimizer"] = [_await_json(partial / _sidecar(r)) for r in range(size)]
                 _publish(partial, final, state, size, keep)
@@ -194,6 +196,24 @@ def load_weights(path: Path, expected: dict | None = None, may_lack=frozenset()
     if expected is not None:
         check_fit(weights, expected, path / MODEL, may_lack)
     return weights
+
+
+def save_file(tensors: dict, path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, the file then given the mode a new file gets under this
+    process's umask: safetensors writes 0600, so a checkpoint or an exported policy on a
+    shared file system was readable by its owner alone."""
+    _save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask sets it, process-wide, and a
+    checkpoint is written on a thread of its own)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(re.search(r"^Umask:\s*([0-7]+)", status, re.M).group(1), 8)
+    except (OSError, AttributeError):  # not Linux, or a kernel before 4.7
+        return 0o022
 
 
 def check_fit(weights: dict, expected: dict, source, may_lack=frozenset()) -> None:

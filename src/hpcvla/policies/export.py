@@ -61,7 +61,7 @@ def save_like(policy, source, out, state: dict | None = None) -> dict:
     layout of the published folder `source` (module docstring). Returns counts: tensors
     written from the policy, kept from the source, and the RL heads left out."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
+    from hpcvla.checkpoint.store import save_file  # the umask's mode, not 0600
 
     source, out = Path(source).resolve(), Path(out)
     if out.resolve() == source or source in out.resolve().parents:

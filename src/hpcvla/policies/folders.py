@@ -171,7 +171,7 @@ def save_pretrained(policy, folder, state: dict | None = None) -> Path:
     """Write `config.json` + `model.safetensors` (HF names) of `policy`, with the weights
     `state` (its own state_dict by default; the gathered full state of a ZeRO-3 learner,
     whose parameters are shards); returns the folder."""
-    from safetensors.torch import save_file
+    from hpcvla.checkpoint.store import save_file  # the umask's mode, not 0600
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
