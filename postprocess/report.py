@@ -188,8 +188,10 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
             md += [f"### {run['name']}", "", f"![timeline](timeline-{run['name']}.png)", "",
                    f"![timeline zoom](timeline-{run['name']}-zoom.png)", "", busy_table(run),
                    ""]
-        curves = {n: ([m["trained_env_steps"] for m in r["metrics"]],
-                      [m["success_rate"] for m in r["metrics"]]) for n, r in zip(names, runs)}
+        ended = [[m for m in r["metrics"] if m.get("success_rate") is not None]  # an episode
+                 for r in runs]  # had ended
+        curves = {n: ([m["trained_env_steps"] for m in records],
+                      [m["success_rate"] for m in records]) for n, records in zip(names, ended)}
         curves.update({f"{n} (hpcvla eval)": ([e["trained_env_steps"] for e in r["evals"]],
                                               [e["success_rate"] for e in r["evals"]])
                        for n, r in zip(names, runs) if r["evals"]})

@@ -143,21 +143,29 @@ def test_training_run_dump_matches_what_the_learner_trained(tmp_path, config, ra
     producers = [r for r in summary["per_rank"] if r["role"] in ("inference",
                                                                  "simulator+inference+learner")]
     assert [f.name for f in files] == [f"rank{r['rank']}.h5" for r in producers]
-    # The learner's success rate and mean return are over the episodes that ended in the
-    # segments it trained: batches 0..2 (segments tagged for later batches were not used).
-    trained = []
+    # The success rate and mean return are over the episodes that ended in the segments the
+    # learners trained: batches 0..2 (segments tagged for later batches were not used), every
+    # learner's pooled (each one's window covers all it trained here).
+    trained, per_file = [], []
     for path in files:
         with h5py.File(path, "r") as f:
             assert f.attrs["complete"]
+            mine = []
             for demo in f["data"].values():
                 batch = int(demo["staleness"][-1] + demo["policy_versions"][-1])
                 if batch < 3:
-                    trained.append((demo.attrs["success"], demo.attrs["return"]))
+                    mine.append((demo.attrs["success"], demo.attrs["return"]))
                 if ranks == 2:
                     assert demo.attrs["staleness"] == 0
-    if ranks == 4:  # one learner: the root's window covers all it trained
-        assert summary["success_rate"] == pytest.approx(np.mean([s for s, _ in trained]))
-        assert summary["mean_return"] == pytest.approx(np.mean([r for _, r in trained]))
+            trained += mine
+            per_file.append(mine)
+    assert summary["success_rate"] == pytest.approx(np.mean([s for s, _ in trained]))
+    assert summary["mean_return"] == pytest.approx(np.mean([r for _, r in trained]))
+    if ranks == 2:  # colocated: each rank trained on the episodes it dumped, two learners
+        for rank, mine in zip(summary["per_rank"], per_file):
+            assert rank["success_rate"] == pytest.approx(np.mean([s for s, _ in mine]))
+            assert rank["ended_episodes"] == len(mine)
+    if ranks == 4:
         (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
         with h5py.File(files[0], "r") as f:  # every segment group the learner received
             assert f.attrs["segments"] == learner["ring"]["records"]

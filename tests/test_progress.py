@@ -51,3 +51,34 @@ def test_a_held_out_evaluation_is_logged_at_the_trained_steps_of_its_version(tmp
     assert record == {"version": 2, "trained_env_steps": 200, "success_rate": 0.25,
                       "mean_return": 1.5, "success_ci95": [0.1, 0.5], "episodes": 16,
                       "actions": "deterministic", "env_faults": 0}
+
+
+def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_path, capsys):
+    """Before any episode has ended the rolling success is no figure (`-`, null), not 0; the
+    run's figure pools every learner's last episodes (summary.json)."""
+    import json
+
+    import numpy as np
+
+    from hpcvla.roles.outputs import _pooled
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=0,
+                    enabled=True)
+    running = {"done": np.zeros((2, 3), bool), "env_fault": np.zeros((2, 3), bool),
+               "success": np.zeros((2, 3), bool), "episode_return": np.zeros((2, 3))}
+    line.on_segments(running)
+    line.on_micro_batch({"loss": 1.0})
+    line.on_update(1)
+    assert "success - (last 0 eps) | return - |" in capsys.readouterr().out
+    ended = {**running, "done": np.eye(2, 3, dtype=bool), "success": np.eye(2, 3, dtype=bool),
+             "episode_return": np.full((2, 3), 2.0)}
+    line.on_segments(ended)
+    line.on_micro_batch({"loss": 1.0})
+    line.on_update(2)
+    assert "success 1.00 (last 2 eps) | return 2.00 |" in capsys.readouterr().out
+    line.close()
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["success_rate"] for r in records] == [None, 1.0]
+    # two learners' windows: 0.5 over 4 episodes and 1.0 over 2 are 4/6 over all 6; a learner
+    # with none ended adds nothing; no episode anywhere: no figure
+    assert _pooled([(0.5, 4), (1.0, 2), (None, 0)]) == 4 / 6
+    assert _pooled([(None, 0), (None, 0)]) is None

@@ -212,7 +212,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def curve(records: list[dict], grid: np.ndarray) -> list[float]:
     """Rolling success rate against trained env steps, sampled on `grid` (last value held);
     the training records only (a held-out evaluation's record has its own: held_out_of)."""
-    records = [r for r in records if "success_rate" in r]
+    records = [r for r in records if r.get("success_rate") is not None]  # an episode had ended
     steps = np.array([r["trained_env_steps"] for r in records], float)
     success = np.array([r["success_rate"] for r in records], float)
     return np.interp(grid, steps, success).round(4).tolist()

@@ -78,7 +78,8 @@ class Progress:
                       **{k: round(float(v), 6) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
-            self.board.scalars({"success_rate": self.success_rate, **stats}, self.steps)
+            success = {} if self.success_rate is None else {"success_rate": self.success_rate}
+            self.board.scalars({**success, **stats}, self.steps)
 
     def on_held_out(self, version: int, report: dict, video: str | None = None) -> None:
         """A held-out evaluation of policy `version` (roles/evaluator.py): a line now, a
@@ -123,8 +124,8 @@ class Progress:
             rate = (self.steps - self.first_steps) / (now - self.start)
             eta = self.eta_s()
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
-                  f"steps/s | success {self.success_rate:.2f} (last {len(self.successes)} eps) "
-                  f"| return {self.mean_return:.2f} | staleness "
+                  f"steps/s | success {_two(self.success_rate)} (last {len(self.successes)} "
+                  f"eps) | return {_two(self.mean_return)} | staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
                   + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "
                      if self.held_out else "") + "ETA "
@@ -150,12 +151,13 @@ class Progress:
         return (last - first) / (done - begun) * (self.total - done)
 
     @property
-    def success_rate(self) -> float:
-        return float(np.mean(self.successes)) if self.successes else 0.0
+    def success_rate(self) -> float | None:
+        """Over the last `window` episodes that ended; None before the first ends."""
+        return float(np.mean(self.successes)) if self.successes else None
 
     @property
-    def mean_return(self) -> float:
-        return float(np.mean(self.returns)) if self.returns else 0.0
+    def mean_return(self) -> float | None:
+        return float(np.mean(self.returns)) if self.returns else None
 
     def close(self) -> None:
         if self._file:
@@ -163,3 +165,8 @@ class Progress:
             self._file = None
         if self.board:
             self.board.close()
+
+
+def _two(value: float | None) -> str:
+    """A rolling figure as the progress line prints it: `-` before any episode ended."""
+    return "-" if value is None else f"{value:.2f}"

@@ -57,9 +57,12 @@ class RankSummary:
     peak_memory: dict[str, int] = field(default_factory=dict)
     busy_s: dict[str, float] = field(default_factory=dict)
     planned_memory: dict[str, int] | None = None  # the memory model's (GPU runs)
-    # the weight root's learning figures
+    # a learner's learning figures: over its last episodes (`ended_episodes` of them; None
+    # before one ended), the env-fault episodes it left out; the run's trained env steps on
+    # the weight root
     success_rate: float | None = None
     mean_return: float | None = None
+    ended_episodes: int = 0
     trained_env_steps: int | None = None
     env_fault_episodes: int | None = None
     counters: Counters = field(default_factory=dict)
@@ -126,7 +129,8 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     staleness: Counter[int] = Counter()
     for s in everyone:
         staleness.update({int(k): v for k, v in s.counters.get("staleness_hist", {}).items()})
-    root = next((s for s in everyone if s.success_rate is not None), None)
+    root = next((s for s in everyone if s.trained_env_steps is not None), None)
+    learners = [s for s in everyone if s.ended_episodes]  # every learner's window, pooled
     busy: dict[str, list[float]] = {}
     for s in everyone:
         for stage, seconds in s.busy_s.items():
@@ -136,9 +140,10 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     result = {
         "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
         "env_steps": steps, "env_steps_per_s": steps / wall,
-        "success_rate": root and root.success_rate, "mean_return": root and root.mean_return,
+        "success_rate": _pooled([(s.success_rate, s.ended_episodes) for s in learners]),
+        "mean_return": _pooled([(s.mean_return, s.ended_episodes) for s in learners]),
         # trained episodes an env fault ended: not in success_rate, not trained on
-        "env_fault_episodes": root and root.env_fault_episodes,
+        "env_fault_episodes": sum(s.env_fault_episodes or 0 for s in everyone),
         "staleness_hist": dict(sorted(staleness.items())),
         "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
         "per_rank": [s.to_dict() for s in everyone],
@@ -164,11 +169,18 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print("[hpcvla] start and stop, s since launch (slowest rank): " + " | ".join(
         f"{step} {seconds:.1f}" for step, seconds in result["phases_s"].items()))
     print(memory_table(everyone), flush=True)
-    rate = result["success_rate"]  # the progress line's rolling figure; None: no episode ended
+    rate = result["success_rate"]  # every learner's last episodes; None: no episode ended
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {'-' if rate is None else f'{rate:.2f}'} | "
           f"staleness {result['staleness_hist']}", flush=True)
     return result
+
+
+def _pooled(figures: list[tuple[float | None, int]]) -> float | None:
+    """The mean over every learner's episodes of figures each the mean of `n` of them; None
+    where no episode ended."""
+    ended = sum(n for _, n in figures)
+    return sum((value or 0.0) * n for value, n in figures) / ended if ended else None
 
 
 def _add_planned_memory(everyone: list[RankSummary], path: Path) -> None:

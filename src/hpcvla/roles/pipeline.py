@@ -95,11 +95,12 @@ def _epilogue(me: Rank, start: float) -> Counters:
     summary.phases_s = phases.of_rank(me.timeline)
     summary.peak_memory = peak_memory(me.device)
     summary.busy_s = dict(me.timeline.busy)
-    if me.rank == me.plan.weight_root:
-        progress = me.progress
-        summary.success_rate, summary.mean_return = progress.success_rate, progress.mean_return
+    progress = me.progress  # a learner's own episodes (none elsewhere), pooled in the report
+    summary.success_rate, summary.mean_return = progress.success_rate, progress.mean_return
+    summary.ended_episodes, summary.env_fault_episodes = len(progress.successes), \
+        progress.fault_episodes
+    if me.rank == me.plan.weight_root:  # its count is every learner's (Progress.steps)
         summary.trained_env_steps = progress.steps
-        summary.env_fault_episodes = progress.fault_episodes
     me.timeline.close()
     me.progress.close()
     return write_report(me.comms.world, summary, me.cfg, me.run_dir)  # [dist]
