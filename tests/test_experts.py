@@ -192,7 +192,9 @@ def test_demos_stopped_by_a_signal_leaves_a_whole_file(tmp_path, stop):
     assert written >= 1 and f"hpcvla demos: {written} episodes of" in output
     assert "Traceback" not in output
     verify(out)  # every dataset's checksum
-    assert summarize(out)["episodes"] == written and summarize(out)["complete"]
+    summary = summarize(out)
+    assert summary["episodes"] == written and summary["complete"]
+    assert summary["env"] == "reach"  # the env, whose task is itself
 
 
 def test_demos_stopped_before_the_first_episode_leave_no_file(tmp_path, monkeypatch):

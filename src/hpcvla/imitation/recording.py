@@ -88,7 +88,8 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
     driver = None if policy_run is None else PolicyDriver(Path(policy_run), env.spec,
                                                            deterministic)
     dump = TrajectoryDump(out, -1, list(env.spec.obs), env.spec.vocab, None,
-                          f"{cfg.env.name} {task}", env.spec.chunk_len,
+                          " ".join(dict.fromkeys([cfg.env.name, task])),  # reach: its own task
+                          env.spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
                           flush_s=30.0, source=f"scripted expert {task}, noise {noise}"
                           + (f", driven by {driver.name}" if driver else ""))
