@@ -306,8 +306,8 @@ def cmd_inspect(args) -> int:
     try:
         summaries = [summarize(f) for f in files]
         if args.verify:  # reads everything: slower, catches a corrupted chunk anywhere
-            for f in files:
-                verify(f)
+            for f, summary in zip(files, summaries):
+                summary["verified_bytes"] = verify(f)
         if args.video > 0:
             from hpcvla.metrics.video import dump_videos
             for f, summary in zip(files, summaries):
@@ -317,7 +317,8 @@ def cmd_inspect(args) -> int:
         return 2
     print(json.dumps(summaries, indent=1) if args.json else
           "\n".join(describe(s) + "".join(f"\n  video {v}" for v in s.get("videos", []))
-                    for s in summaries))
+                    + (f"\n  verified: {s['verified_bytes']:,} bytes read, every chunk's "
+                       "checksum right" if "verified_bytes" in s else "") for s in summaries))
     return 0
 
 

@@ -46,7 +46,11 @@ def dump_bytes(tmp_path_factory):
 def test_dump_with_a_corrupted_chunk_fails_naming_file_and_dataset(tmp_path, dump_bytes):
     path = tmp_path / "rank7.h5"
     path.write_bytes(dump_bytes)
-    assert verify(path) > 0
+    nbytes = verify(path)
+    assert nbytes > 0
+    out = hpcvla("inspect", "--verify", path)  # says what it read
+    assert out.returncode == 0 and f"verified: {nbytes:,} bytes read, every chunk's checksum " \
+        "right" in out.stdout, out.stdout[-2000:]
     with h5py.File(path, "r") as f:
         info = f["data/demo_0/actions"].id.get_chunk_info(0)
     data = bytearray(dump_bytes)
