@@ -213,6 +213,21 @@ def test_every_setting_is_documented():
         assert len(doc) > 30, f"{name} needs a doc that says what it is and its trade-off"
 
 
+def test_config_doc_gives_a_configs_values_beside_the_defaults(capsys):
+    """`hpcvla config --doc` lists every setting; with a config (or overrides), each value
+    there that is not the default; a config that cannot be read is refused, not ignored."""
+    from hpcvla.cli import main
+    assert main(["config", "--doc"]) == 0
+    plain = capsys.readouterr().out
+    assert plain.count("  (") == len(describe_settings()) and ", here " not in plain
+    assert main(["config", "configs/reach_flow.yaml", "--doc", "run.seed=5"]) == 0
+    text = capsys.readouterr().out
+    assert "pipeline.total_updates  (int, default 500, here 300)" in text
+    assert "run.seed  (int, default 0, here 5)" in text
+    assert "learner.zero_stage  (int, default 1)\n" in text  # the same there
+    assert main(["config", "configs/nonexistent.yaml", "--doc"]) == 2
+
+
 # A value of any YAML-ish type for any known field: either a valid Config or a ConfigError
 # naming that field (on itself, or in the message of a cross-field rule on its partner); never
 # another exception.

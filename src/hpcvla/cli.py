@@ -39,9 +39,9 @@ from pathlib import Path
 import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
-from hpcvla.config import (ConfigError, config_source, describe_settings, last_run_config,
-                           load_config, whole_number)
-from hpcvla.config.loader import config_to_dict
+from hpcvla.config import (ConfigError, config_source, last_run_config, load_config,
+                           whole_number)
+from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
@@ -273,9 +273,9 @@ def cmd_plan(args) -> int:
 
 
 def cmd_config(args) -> int:
-    if args.doc:
-        for name, type_name, default, doc in describe_settings():
-            print(f"{name}  ({type_name}, default {default!r})\n    {doc}\n")
+    if args.doc:  # every setting; given a config, its value there too
+        given = args.config or args.overrides
+        print(settings_doc(load_config(args.config, args.overrides) if given else None), end="")
         return 0
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")

@@ -273,6 +273,19 @@ def _flat(sections: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def settings_doc(cfg: Config | None = None) -> str:
+    """`hpcvla config --doc`: every setting, its type, default and documentation; given a
+    config, also its value there where that is not the default."""
+    lines = []
+    for name, type_name, default, doc in describe_settings():
+        value = cfg
+        for part in name.split(".") if cfg is not None else ():
+            value = getattr(value, part)
+        here = f", here {value!r}" if cfg is not None and value != default else ""
+        lines.append(f"{name}  ({type_name}, default {default!r}{here})\n    {doc}\n")
+    return "\n".join(lines) + "\n"
+
+
 def describe_settings(cls=Config, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """(name, type, default, doc) of every setting, in declaration order."""
     rows = []
