@@ -66,3 +66,16 @@ def test_a_full_dev_shm_fails_naming_it():
     shm = checks["/dev/shm"]
     assert not shm["ok"] and float(shm["found"].split()[0]) <= 1.0, shm
     assert "larger /dev/shm" in shm["fix"]
+
+
+def test_the_dev_shm_need_counts_every_learner_of_a_node():
+    """Each learner maps its ring in its node's /dev/shm: the colocated world `hpcvla train`
+    starts here (launch.ranks 4, every rank a learner) needs four, the default one."""
+    from hpcvla.config import load_config
+    from hpcvla.doctor import _node_learners, _shared_memory
+    ring = ["learner.ring_slot_kib=8192"]
+    default = load_config(ROOT / "configs/default.yaml", ring)
+    colocated = load_config(ROOT / "configs/colocated.yaml", ring)
+    assert (_node_learners(default), _node_learners(colocated)) == (1, 4)
+    rings = 4 * colocated.learner.ring_slots * 8 + 64  # MiB, beside no weights
+    assert f"need >= {rings:,.1f} MiB" in _shared_memory(colocated, 0).found

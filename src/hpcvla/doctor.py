@@ -106,8 +106,10 @@ def _mpi(cfg) -> Check:
 
 
 def _shared_memory(cfg, weights: int) -> Check:
-    """Room in /dev/shm for a node's weight window (two halves) and a learner's ring."""
-    need = 2 * weights + cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024 + 64 * MiB
+    """Room in /dev/shm for a node's weight window (two halves) and the rings of its learners
+    (_node_learners), as the memory model counts them (memory/layout.py)."""
+    rings = _node_learners(cfg) * cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024
+    need = 2 * weights + rings + 64 * MiB
     try:
         free = shutil.disk_usage("/dev/shm").free
     except OSError as err:
@@ -116,6 +118,19 @@ def _shared_memory(cfg, weights: int) -> Check:
     found = f"{free / MiB:,.1f} MiB free, a node's windows need >= {need / MiB:,.1f} MiB"
     return Check("/dev/shm", free >= need, found, "a larger /dev/shm (e.g. `mount -o "
                  "remount,size=...`; containers: --shm-size), or smaller learner.ring_slots")
+
+
+def _node_learners(cfg) -> int:
+    """The most learner ranks on one node of the world `hpcvla train` starts here
+    (launch.ranks, nodes of placement.ranks_per_node), each with its ring in the node's
+    /dev/shm; 1 where that layout cannot be planned (the config check says why)."""
+    from hpcvla.topology.plan import LEARN, PlanError, plan_from_config
+    try:
+        plan = plan_from_config(cfg.placement, cfg.launch.ranks)
+    except PlanError:
+        return 1
+    nodes = [info.node for info in plan.ranks if LEARN in info.roles]
+    return max(nodes.count(node) for node in set(nodes))
 
 
 def _gpus(cfg) -> list[Check]:
