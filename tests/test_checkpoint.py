@@ -154,9 +154,9 @@ def test_checkpoint_benchmark_runs_its_three_arms(tmp_path):
     for arm in arms.values():
         assert arm["wall_over_none"] == pytest.approx(arm["wall_s_per_version"] /
                                                       arms["none"]["wall_s_per_version"])
-    # a checkpoint at every version (3) against one at the end, written while training waits
-    assert arms["foreground"]["checkpoint_s_per_version"] > \
-        arms["none"]["checkpoint_s_per_version"]
+    # a checkpoint at every version (3) against one at the end (their seconds, a few ms each
+    # at this size, are too close for one run to order)
+    assert [arms[a]["checkpoints_per_learner"] for a in arms] == [1, 3, 3]
     assert "background:" in out.stdout
 
 

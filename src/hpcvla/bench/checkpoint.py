@@ -7,9 +7,10 @@ on the machine falls on all of them alike):
   (`learner.checkpoint_background=false`);
 * `background`: the same checkpoints, written by a thread while the next version trains
   (checkpoint/store.py's Writer; the default).
-Reported per arm: wall seconds per version (the run's wall clock over its versions) and the
+Reported per arm: wall seconds per version (the run's wall clock over its versions), the
 learners' seconds per version inside checkpointing (the timeline's `checkpoint` spans: the
-snapshot, plus any wait for files); and each arm's wall per version over `none`'s.
+snapshot, plus any wait for files) and how many checkpoints each learner wrote (those spans
+counted); and each arm's wall per version over `none`'s.
 
 The default workload is the colocated reach run on 2 ranks with a wider policy
 (`policy.hidden=1024`: 7.6 M parameters, 121 MB of weights, fp32 masters and Adam moments per
@@ -36,15 +37,16 @@ def run(updates: int = 8, repeats: int = 2, overrides=(), json_path=None) -> dic
     for n in range(repeats):
         for arm in ARMS if n % 2 == 0 else reversed(ARMS):
             with tempfile.TemporaryDirectory(prefix=f"bench-checkpoint-{arm}-") as root:
-                _, summary = train_run([*WORKLOAD, f"pipeline.total_updates={updates}",
-                                        *ARMS[arm], *overrides], Path(root), label=arm)
-            samples[arm].append(_per_version(summary, updates))
+                run_dir, summary = train_run([*WORKLOAD, f"pipeline.total_updates={updates}",
+                                              *ARMS[arm], *overrides], Path(root), label=arm)
+                samples[arm].append((*_per_version(summary, updates), _checkpoints(run_dir)))
     results = {"workload": [*map(str, WORKLOAD), *overrides], "updates": updates,
                "repeats": repeats, "arms": {}}
     for arm, runs in samples.items():
         results["arms"][arm] = {
             "wall_s_per_version": statistics.median(r[0] for r in runs),
-            "checkpoint_s_per_version": statistics.median(r[1] for r in runs), "runs": runs}
+            "checkpoint_s_per_version": statistics.median(r[1] for r in runs),
+            "checkpoints_per_learner": max(r[2] for r in runs), "runs": runs}
     base = results["arms"]["none"]["wall_s_per_version"]
     for arm, result in results["arms"].items():
         result["wall_over_none"] = result["wall_s_per_version"] / base
@@ -54,6 +56,14 @@ def run(updates: int = 8, repeats: int = 2, overrides=(), json_path=None) -> dic
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
     return results
+
+
+def _checkpoints(run_dir: Path) -> float:
+    """Checkpoints each learner wrote in the run: its timeline's `checkpoint` spans."""
+    spans = [json.loads(line) for path in run_dir.glob("timeline.rank*.jsonl")
+             for line in path.read_text().splitlines()]
+    learners = {s["rank"] for s in spans if "learner" in s["role"]}
+    return sum(s["stage"] == "checkpoint" for s in spans) / max(1, len(learners))
 
 
 def _per_version(summary: dict, updates: int) -> tuple[float, float]:
