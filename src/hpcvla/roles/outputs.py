@@ -205,7 +205,8 @@ def memory_table(everyone: list[RankSummary]) -> str:
         "host RSS": lambda s: s.peak_memory["host_rss"],
         "host planned": lambda s: (s.planned_memory or {}).get("host")}
     columns = {k: f for k, f in columns.items() if any(f(s) is not None for s in everyone)}
-    lines = ["[hpcvla] peak memory, GiB (measured by each rank; planned: the memory model):",
+    planned = "; planned: the memory model" if any("planned" in k for k in columns) else ""
+    lines = [f"[hpcvla] peak memory, GiB (measured by each rank{planned}):",
              f"{'rank':>4} {'role':<30} {'device':<7} " + " ".join(f"{k:>13}" for k in columns)]
     for s in everyone:
         values = [f(s) for f in columns.values()]
