@@ -60,9 +60,11 @@ def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_pa
 
     import numpy as np
 
+    from hpcvla.config import load_config
+    from hpcvla.metrics.tensorboard import RunBoard, read_scalars
     from hpcvla.roles.outputs import _pooled
     line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=0,
-                    enabled=True)
+                    enabled=True, board=RunBoard(tmp_path, load_config().run))
     running = {"done": np.zeros((2, 3), bool), "env_fault": np.zeros((2, 3), bool),
                "success": np.zeros((2, 3), bool), "episode_return": np.zeros((2, 3))}
     line.on_segments(running)
@@ -78,6 +80,9 @@ def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_pa
     line.close()
     records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["success_rate"] for r in records] == [None, 1.0]
+    scalars = read_scalars(tmp_path)  # TensorBoard (closed with the line): only the figures
+    assert [v for _, v in scalars["rollout/success_rate"]] == [1.0]
+    assert [v for _, v in scalars["rollout/mean_return"]] == [2.0]
     # two learners' windows: 0.5 over 4 episodes and 1.0 over 2 are 4/6 over all 6; a learner
     # with none ended adds nothing; no episode anywhere: no figure
     assert _pooled([(0.5, 4), (1.0, 2), (None, 0)]) == 4 / 6

@@ -78,8 +78,7 @@ class Progress:
                       **{k: round(float(v), 6) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
-            success = {} if self.success_rate is None else {"success_rate": self.success_rate}
-            self.board.scalars({**success, **stats}, self.steps)
+            self.board.scalars({"success_rate": self.success_rate, **stats}, self.steps)
 
     def on_held_out(self, version: int, report: dict, video: str | None = None) -> None:
         """A held-out evaluation of policy `version` (roles/evaluator.py): a line now, a

@@ -36,9 +36,9 @@ class RunBoard:
 
     def scalars(self, values: dict, step: int, group: str | None = None) -> None:
         """`values` name -> number at `step`; each under `group/` (or its GROUPS entry,
-        default `train`)."""
+        default `train`); a None (e.g. a success rate before any episode ended) is left out."""
         tags = {name if "/" in name else f"{group or GROUPS.get(name, 'train')}/{name}":
-                float(value) for name, value in values.items()}
+                float(value) for name, value in values.items() if value is not None}
         if self.writer is not None:
             for tag, value in tags.items():
                 self.writer.add_scalar(tag, value, global_step=int(step))
