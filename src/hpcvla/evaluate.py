@@ -62,7 +62,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
 
 # What `hpcvla eval` reads of the run's config, by prefix: an override of anything else
 # (algorithm.*, learner.*, pipeline.*, ...) would change nothing, so it is refused
-# (override_problem); the settings its flags stand for, and the simulator settings of
+# (check_overrides); the settings its flags stand for, and the simulator settings of
 # training's env ranks, are named with what does act.
 EVAL_READS = ("env.", "policy.", "launch.", "run.seed", "placement.gpus_per_node",
               "eval.protocol", "eval.states_per_task", "eval.tasks")
@@ -283,7 +283,9 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     if why:
         raise ValueError(f"{out}: a folder to write the policy in ({why})")
     source = cfg.policy.pretrained
-    for name, value, valid in pretrained_problems(cfg.policy, cfg.env) if source else []:
+    moved = pretrained_problems(cfg.policy, cfg.env) if source else []
+    if moved:  # the folder the run was built from: gone, or not what it was
+        name, value, valid = moved[0]
         raise ValueError(f"{name} = {value!r} (the folder the run was built from): expected "
                          f"{valid}; where it moved, edit {name} in {run_dir / 'config.yaml'}")
     if layout == "auto":
