@@ -123,7 +123,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
         dump.close()
         env.close()
         if not written:  # none to keep: no file to stand in the next try's way
-            out.unlink()
+            out.unlink(missing_ok=True)
     return {"file": str(out), "task": task, "episodes": written, "asked": episodes,
             "stopped_by": preempt.requested_by(),
             "driver": driver.name if driver else "",

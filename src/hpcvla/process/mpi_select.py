@@ -85,7 +85,7 @@ def launcher_size() -> int | None:
 
 def check_not_nested(ranks: int | None) -> None:
     """`--ranks N` starts a world of this process's own: inside a launcher's world of several
-    ranks each of them would start one, the same job N times over. Raises a LaunchError; a
+    ranks each of them would start one, the same job once per rank. Raises a LaunchError; a
     world of one (an interactive `srun --pty` shell) may start one."""
     size = launcher_size()
     if ranks is not None and size is not None and size > 1:
