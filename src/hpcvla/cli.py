@@ -363,8 +363,9 @@ def cmd_eval(args) -> int:
     try:  # each checkpoint's state and files, and its weights, before any rank starts
         for path in kept:
             catalog.read_state(path)
-        problem = weights_problem(cfg, trained, [p for p in policies if p], args.untrained,
-                                  bool(args.overrides))
+        # the ranks of a world started here: the launching `hpcvla eval` checked the weights
+        problem = None if os.environ.get("HPCVLA_LOCAL_WORLD") else weights_problem(
+            cfg, trained, [p for p in policies if p], args.untrained, bool(args.overrides))
     except catalog.CheckpointError as err:
         problem = str(err)
     if problem:
