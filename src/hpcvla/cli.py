@@ -335,13 +335,13 @@ def cmd_eval(args) -> int:
               f"not one of its checkpoints", file=sys.stderr)
         return 2
     try:
-        from hpcvla.preflight import check_config, check_env
+        from hpcvla import preflight
         # a trained checkpoint holds every weight: the run's start only for --untrained
         start = [] if args.untrained else ["policy.checkpoint="]
         cfg = load_config(run_dir / "config.yaml", [*start, *args.overrides])
         check_overrides(args.overrides, args.untrained)  # before the files' checks
-        check_config(cfg, str(run_dir / "config.yaml"))
-        check_env(cfg)  # the simulator, its task or suite
+        preflight.check_config(cfg, str(run_dir / "config.yaml"))
+        preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
@@ -363,8 +363,7 @@ def cmd_eval(args) -> int:
     try:  # each checkpoint's state and files, and its weights, before any rank starts
         for path in kept:
             catalog.read_state(path)
-        # the ranks of a world started here: the launching `hpcvla eval` checked the weights
-        problem = None if os.environ.get("HPCVLA_LOCAL_WORLD") else weights_problem(
+        problem = None if preflight.checked_by_launcher(cfg) else weights_problem(
             cfg, trained, [p for p in policies if p], args.untrained, bool(args.overrides))
     except catalog.CheckpointError as err:
         problem = str(err)
@@ -373,7 +372,8 @@ def cmd_eval(args) -> int:
         return 2
     if args.ranks is not None:  # start the world here; its ranks come back to this function
         from hpcvla.job.launch import run_world
-        os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
+        os.environ.update(HPCVLA_LOCAL_WORLD="1",  # started and checked here, not the job's
+                          **{preflight.LAUNCH_CHECKED: preflight.launch_checked(cfg, None)})
         flags = [f"--episodes={args.episodes}", f"--envs={args.envs}",
                  f"--video={args.video}"] + \
             [f"--{f}" for f in ("untrained", "deterministic", "all", "json") if getattr(args, f)]

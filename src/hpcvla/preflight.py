@@ -340,7 +340,7 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
     seconds that simulator ranks, which need neither, would spend on every rank. Nothing to
     do in a world `hpcvla train` started after check_launch passed for the same config and
     plan on this host (`launch_checked`): it checked all of this, and more."""
-    if os.environ.get(LAUNCH_CHECKED) == launch_checked(cfg, plan):
+    if checked_by_launcher(cfg, plan):
         return
     problems = file_problems(cfg) + run_root_problems(cfg)
     problems = problems or weights_fit_problems(cfg)  # its files readable first
@@ -352,7 +352,12 @@ def check_world(cfg, plan: RankPlan, source: str) -> None:
 LAUNCH_CHECKED = "HPCVLA_LAUNCH_CHECKED"  # what check_launch passed, for the world it starts
 
 
-def launch_checked(cfg, plan: RankPlan) -> str:
+def checked_by_launcher(cfg, plan: RankPlan | None = None) -> bool:
+    """Whether the process that started this world checked `cfg` (and `plan`) on this host."""
+    return os.environ.get(LAUNCH_CHECKED) == launch_checked(cfg, plan)
+
+
+def launch_checked(cfg, plan: RankPlan | None) -> str:
     """This host, `cfg` and `plan`, as one token: check_launch passed for them here. A
     simulator's or a pretrained folder's check takes its rank seconds (importing ManiSkill,
     LIBERO or a tokenizer) while every other rank waits; a different host, config or plan
