@@ -276,12 +276,10 @@ def _flat(sections: dict, prefix: str = "") -> dict[str, Any]:
 def settings_doc(cfg: Config | None = None) -> str:
     """`hpcvla config --doc`: every setting, its type, default and documentation; given a
     config, also its value there where that is not the default."""
+    values = {} if cfg is None else _flat(config_to_dict(cfg))
     lines = []
     for name, type_name, default, doc in describe_settings():
-        value = cfg
-        for part in name.split(".") if cfg is not None else ():
-            value = getattr(value, part)
-        here = f", here {value!r}" if cfg is not None and value != default else ""
+        here = f", here {values[name]!r}" if name in values and values[name] != default else ""
         lines.append(f"{name}  ({type_name}, default {default!r}{here})\n    {doc}\n")
     return "\n".join(lines) + "\n"
 
