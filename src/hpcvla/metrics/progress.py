@@ -123,8 +123,8 @@ class Progress:
             rate = (self.steps - self.first_steps) / (now - self.start)
             eta = self.eta_s()
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
-                  f"steps/s | success {_two(self.success_rate)} (last {len(self.successes)} "
-                  f"eps) | return {_two(self.mean_return)} | staleness "
+                  f"steps/s | success {figure(self.success_rate)} (last {len(self.successes)} "
+                  f"eps) | return {figure(self.mean_return)} | staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
                   + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "
                      if self.held_out else "") + "ETA "
@@ -166,6 +166,7 @@ class Progress:
             self.board.close()
 
 
-def _two(value: float | None) -> str:
-    """A rolling figure as the progress line prints it: `-` before any episode ended."""
+def figure(value: float | None) -> str:
+    """A rolling figure as the progress and final lines print it: `-` before any episode
+    ended."""
     return "-" if value is None else f"{value:.2f}"

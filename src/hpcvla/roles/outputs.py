@@ -18,6 +18,7 @@ import yaml
 from hpcvla.config.loader import config_to_dict
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases, restart_log
+from hpcvla.metrics.progress import figure
 from hpcvla.metrics.tensorboard import RunBoard
 
 if TYPE_CHECKING:
@@ -169,9 +170,8 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print("[hpcvla] start and stop, s since launch (slowest rank): " + " | ".join(
         f"{step} {seconds:.1f}" for step, seconds in result["phases_s"].items()))
     print(memory_table(everyone), flush=True)
-    rate = result["success_rate"]  # every learner's last episodes; None: no episode ended
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
-          f"success {'-' if rate is None else f'{rate:.2f}'} | "
+          f"success {figure(result['success_rate'])} | "  # every learner's last episodes
           f"staleness {result['staleness_hist']}", flush=True)
     return result
 
