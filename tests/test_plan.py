@@ -206,3 +206,27 @@ def test_plan_refuses_auto_options_without_auto(capsys):
     for flags in (["--search-envs"], ["--costs", "table3"]):
         assert main(["plan", str(ROOT / "configs/default.yaml"), "--world", "4", *flags]) == 2
         assert "choose how --auto searches: add --auto" in capsys.readouterr().err
+
+
+def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(capsys):
+    """`plan --ranks-per-node` is what the launcher gives train (srun's tasks per node);
+    placement.ranks_per_node emulates smaller nodes inside it, as in train: the flag does not
+    overwrite the config's setting, which must divide it."""
+    import json
+    from hpcvla.cli import main
+
+    def plan(world, rpn, *overrides):
+        return main(["plan", str(ROOT / "configs/default.yaml"), *overrides, "--json",
+                     "--world", str(world), "--ranks-per-node", str(rpn)])
+    assert plan(8, 8) == 2  # default's per_node is 4 ranks: a real node of 8 needs emulation
+    assert "make them sum to the ranks per node (or set placement.ranks_per_node)" in \
+        capsys.readouterr().err
+    assert plan(8, 8, "placement.ranks_per_node=4") == 0
+    assert json.loads(capsys.readouterr().out)["ranks_per_node"] == 4
+    assert plan(8, 4) == 0
+    assert json.loads(capsys.readouterr().out)["num_nodes"] == 2
+    assert plan(12, 6, "placement.ranks_per_node=4") == 2
+    assert "placement.ranks_per_node = 4 does not divide the real node size 6" in \
+        capsys.readouterr().err
+    assert plan(8, 0) == 2
+    assert "0 ranks per node: a node holds at least one rank" in capsys.readouterr().err

@@ -78,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(plan)
     plan.add_argument("--world", type=int, required=True, help="MPI world size")
     plan.add_argument("--ranks-per-node", type=int, default=None,
-                      help="ranks per node (default: placement.ranks_per_node, else --world)")
+                      help="ranks per real node (default: --world); placement.ranks_per_node, "
+                      "if set, emulates smaller nodes inside them, as in train")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.add_argument("--auto", action="store_true",
                       help="search per-node role counts, shards, B_max/T_max and "
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except (ConfigError, PlanError, LaunchError) as err:
         if not launcher_rank():  # every rank of a world finds the same error: say it once
-            print(f"hpcvla: {err}", file=sys.stderr)
+            print(f"hpcvla {args.command}: {err}", file=sys.stderr)
         return 2
 
 
@@ -251,9 +252,7 @@ def cmd_plan(args) -> int:
         from hpcvla.scale.autoplan import print_auto_plan
         return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json,
                                args.search_envs)
-    if args.ranks_per_node is not None:
-        cfg.placement.ranks_per_node = args.ranks_per_node
-    plan = plan_from_config(cfg.placement, args.world)
+    plan = plan_from_config(cfg.placement, args.world, args.ranks_per_node)
     from hpcvla.memory.layout import plan_memory
     from hpcvla.preflight import layout_devices
     from hpcvla.schedule import config_layout_problems

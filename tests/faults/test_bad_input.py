@@ -142,7 +142,7 @@ def test_bad_input_is_refused_before_any_rank_starts(tmp_path, case):
     args, message = CASES[case](tmp_path)
     out = train(*args)
     assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stderr.startswith("hpcvla: "), out.stderr  # the launcher said it, once
+    assert out.stderr.startswith("hpcvla train: "), out.stderr  # the launcher said it, once
     assert "rank" not in out.stdout.lower()  # no world was started (no plan table)
     assert re.search(message, out.stderr), out.stderr
 

@@ -105,17 +105,17 @@ def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
     """The overrides that make `placement` fit `world` ranks in nodes of `ranks_per_node`:
     none when it fits as it is; `placement.learners=P` when only the learners outnumbering the
     P producers stand in the way. Raises the plan's PlanError when neither fits."""
-    placement = dataclasses.replace(placement, ranks_per_node=ranks_per_node)
     try:
-        plan_from_config(placement, world)
+        plan_from_config(placement, world, ranks_per_node)
         return []
     except PlanError as err:
         if placement.mode != "disaggregated":
             raise
         reason = err
     try:  # as many learners as there are producers, if that is what is missing
-        cells = len(plan_from_config(dataclasses.replace(placement, learners=1), world).cells)
-        plan_from_config(dataclasses.replace(placement, learners=cells), world)
+        cells = len(plan_from_config(dataclasses.replace(placement, learners=1), world,
+                                     ranks_per_node).cells)
+        plan_from_config(dataclasses.replace(placement, learners=cells), world, ranks_per_node)
     except PlanError:
         raise reason from None
     return [f"placement.learners={cells}"]

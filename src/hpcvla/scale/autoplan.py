@@ -41,7 +41,7 @@ from dataclasses import replace
 
 from hpcvla.scale.model import Network, Prediction, StageCosts, predict
 from hpcvla.schedule import Layout, layout_problem, traits
-from hpcvla.topology.plan import PlanError
+from hpcvla.topology.plan import PlanError, node_size
 
 problem = layout_problem  # why the pipeline would refuse a Layout (None: it runs)
 
@@ -215,7 +215,7 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
     as config overrides with its predicted env steps/s and bottleneck, then the runner-ups.
     `overrides_only`: the best layout's overrides alone, one a line (jobs/launch.sh)."""
     from hpcvla.scale.probe import describe, named_costs  # the probe imports torch and sims
-    rpn = ranks_per_node or cfg.placement.ranks_per_node or world
+    rpn = node_size(cfg.placement, world, ranks_per_node)
     check_world(world, rpn, cfg.pipeline.mode)  # before probing anything
     try:
         costs, details = named_costs(costs_name, cfg)

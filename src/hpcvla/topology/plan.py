@@ -234,11 +234,20 @@ def _node_leaders(cells) -> tuple[int, ...]:
 
 def plan_from_config(placement, world_size: int, real_ranks_per_node: int | None = None
                      ) -> RankPlan:
-    """Plan for a `PlacementConfig`. Emulated node size (placement.ranks_per_node) wins over
-    the real one; with neither, the whole world is one node."""
+    """Plan for a `PlacementConfig` in nodes of `node_size`'s ranks."""
+    return build_plan(world_size, node_size(placement, world_size, real_ranks_per_node),
+                      placement.mode, placement.per_node, placement.learner_nodes,
+                      placement.learners, placement.evaluators)
+
+
+def node_size(placement, world_size: int, real_ranks_per_node: int | None) -> int:
+    """Ranks per node of the plan: the emulated node size (placement.ranks_per_node) wins over
+    the real one (the launcher's, or `--ranks-per-node` in plan); with neither, the whole world
+    is one node."""
+    if real_ranks_per_node is not None and real_ranks_per_node < 1:
+        raise PlanError(f"{real_ranks_per_node} ranks per node: a node holds at least one rank")
     rpn = placement.ranks_per_node or real_ranks_per_node or world_size
     if real_ranks_per_node and placement.ranks_per_node and real_ranks_per_node % rpn:
         raise PlanError(f"placement.ranks_per_node = {rpn} does not divide the real node size "
                         f"{real_ranks_per_node}: emulated nodes must not straddle real ones")
-    return build_plan(world_size, rpn, placement.mode, placement.per_node,
-                      placement.learner_nodes, placement.learners, placement.evaluators)
+    return rpn
