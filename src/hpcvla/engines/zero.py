@@ -17,8 +17,11 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     all ranks makes ZeRO-3 barrier the whole world): learner 0 picks a port, all join by NCCL
     when the learners are on GPUs, by gloo on CPUs. `device` is this rank's (devices.py):
     DeepSpeed puts the model on GPU LOCAL_RANK, so LOCAL_RANK is that GPU's index, whatever
-    the launcher's own variables say. A bf16 policy trains under DeepSpeed's `bf16` section:
-    fp32 master weights in the optimizer at every ZeRO stage."""
+    the launcher's own variables say. A policy whose trained parameters are bf16 trains under
+    DeepSpeed's `bf16` section: fp32 master weights in the optimizer at every ZeRO stage. The
+    section casts every parameter of the module to bf16, frozen ones included, so it is off
+    where only frozen parameters are bf16 (DSRL: a frozen bf16 flow policy under float32 SAC
+    heads, whose target critics' Polyak steps and Q values bf16 would round away)."""
     device = torch.device("cpu") if device is None else torch.device(device)
     deepspeed = lean_deepspeed(device)
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
@@ -36,7 +39,7 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
         os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = local  # device map, not Open MPI, decides
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
                                auto_mpi_discovery=False)  # [dist]
-    bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters())
+    bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters() if p.requires_grad)
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg.learner.micro_batch,
         "gradient_accumulation_steps": cfg.learner.micro_batches,
