@@ -155,6 +155,39 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
 
 
 
+
+def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
+    """kill -9 of `hpcvla launch` (a closed ssh session, `timeout -k`): mpiexec gets SIGTERM
+    (PR_SET_PDEATHSIG) and ends its ranks, which would otherwise run on, orphaned."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    script = tmp_path / "sleep.py"
+    script.write_text("import os, sys, time\nfrom mpi4py import MPI\n"
+                      "open(f'{sys.argv[1]}/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "hpcvla", "launch", "-n", "2", "--",
+                                 str(script), str(tmp_path)], cwd=ROOT, start_new_session=True)
+    pids = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids := [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "no world started"
+            time.sleep(0.2)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 30
+        while alive := [p for p in pids if os.path.exists(f"/proc/{p}")
+                        and open(f"/proc/{p}/stat").read().split()[2] != "Z"]:
+            assert time.monotonic() < deadline, f"ranks {alive} outlived their launcher"
+            time.sleep(0.2)
+    finally:
+        for pid in pids:  # on failure: the ranks are in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
 @pytest.mark.parametrize("setting,message", [
     ("learner.zero_stage=9", "learner.zero_stage = 9: expected an int >= 0 and <= 3"),
     # a file problem: rank 0 checks the files for the world (preflight.check_world)

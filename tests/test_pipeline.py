@@ -301,12 +301,13 @@ def test_resume_refused_before_ranks_start(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),
-                                          ("configs/colocated.yaml", 2)])
-def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
+@pytest.mark.parametrize("config,ranks,stop", [("configs/default.yaml", 4, signal.SIGTERM),
+                                               ("configs/colocated.yaml", 2, signal.SIGINT)])
+def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks, stop):
     """A scheduler's SIGTERM (here to `hpcvla train`, which hands it to mpiexec and every
-    rank) stops the run after a whole version with a checkpoint; resuming trains exactly the
-    versions that are left, each batch once."""
+    rank) stops the run after a whole version with a checkpoint, and so does Ctrl-C (SIGINT:
+    the launcher says so and exits 130); resuming trains exactly the versions that are left,
+    each batch once."""
     cmd = [sys.executable, "-m", "hpcvla", "train", config, "--ranks", str(ranks),
            f"run.root={tmp_path / 'runs'}", "pipeline.total_updates=1000",
            "pipeline.progress_every_s=0.1"]
@@ -319,7 +320,7 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
                 head.append(line)
                 if (progress_version(line) or 0) >= 2:
                     signalled = time.time()
-                    proc.send_signal(signal.SIGTERM)
+                    proc.send_signal(stop)
                     break
             out, _ = proc.communicate(timeout=120)
             out = "".join(head) + out
@@ -327,7 +328,8 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks):
             proc.kill()
         errors.seek(0)
         err = errors.read()
-    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert proc.returncode == (130 if stop == signal.SIGINT else 0), out[-2000:] + err[-3000:]
+    assert ("Ctrl-C again to kill the world now" in err) == (stop == signal.SIGINT), err
     (run_dir,) = (tmp_path / "runs").iterdir()
     first = json.loads((run_dir / "summary.json").read_text())
     (ckpt,) = (run_dir / "checkpoints").iterdir()

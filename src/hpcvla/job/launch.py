@@ -83,29 +83,65 @@ def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
 
 
 def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
-    # Own process group, so a timeout or Ctrl-C takes down mpiexec and every rank with it.
+    # Own process group, so a timeout or a second Ctrl-C takes down mpiexec and every rank
+    # with it; mpiexec gets SIGTERM if this process dies (kill -9, a closed ssh session), so
+    # no world trains on without anyone to report it.
     _adopt_orphans()
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True,
+                            preexec_fn=_terminated_with(os.getpid()))
     # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
     # run checkpoints and ends (hpcvla.process.preempt); we keep waiting for it.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while proc.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"hpcvla launch: world still running after {timeout:g} s; killing it",
-                      file=sys.stderr, flush=True)
-                _kill_group(proc)
-                _wait_until_gone(grace_s=5.0)
-                return 124
-            watch.wait(0.2)
-    except KeyboardInterrupt:
-        _kill_group(proc)
+        ended = _wait(proc, deadline, watch)
+    except KeyboardInterrupt:  # Ctrl-C: as a scheduler's SIGTERM, a second one kills
+        print("\nhpcvla: stopping after the version under way and its checkpoint; Ctrl-C "
+              "again to kill the world now", file=sys.stderr, flush=True)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            ended = _wait(proc, deadline, watch)
+        except KeyboardInterrupt:
+            ended = False
+        if ended:
+            _wait_until_gone()
+        else:
+            _kill_group(proc)
         return 130
+    if not ended:
+        print(f"hpcvla launch: world still running after {timeout:g} s; killing it",
+              file=sys.stderr, flush=True)
+        _kill_group(proc)
+        _wait_until_gone(grace_s=5.0)
+        return 124
     code = proc.returncode
     _wait_until_gone()  # ranks of an aborted world outlive mpiexec a moment, mapping segments
     return code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
+
+
+def _wait(proc: subprocess.Popen, deadline: float | None, watch) -> bool:
+    """Wait for the world's mpiexec to exit (True) or `deadline` to pass (False)."""
+    while proc.poll() is None:
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        watch.wait(0.2)
+    return True
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _terminated_with(parent: int):
+    """A preexec_fn: the child gets SIGTERM when `parent` dies (Linux; elsewhere nothing)."""
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:  # it died before the call: nobody would send it
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
