@@ -2,6 +2,7 @@
 decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -297,6 +298,31 @@ def test_resume_on_fewer_learners_at_another_zero_stage(tmp_path):
 def test_resume_refused_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="run.resume"):
         check_config(load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"]))
+
+
+@pytest.mark.mpi
+def test_a_stop_signal_after_the_run_is_done_leaves_it_done(tmp_path):
+    """A scheduler's SIGTERM as the ranks shut down (here to mpiexec, the moment the final
+    line prints): they ignore it from the end of their work on, where Python's shutdown
+    would have put back its default action and killed a finished run (exit 15). ~5 s."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
+                             "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=50"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if "[hpcvla] done:" in line:
+                mpiexec = [int(p) for p in subprocess.run(
+                    ["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()]
+                for pid in mpiexec:
+                    os.kill(pid, signal.SIGTERM)
+                break
+        out += proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert mpiexec and proc.returncode == 0, "".join(out)[-3000:]
 
 
 @pytest.mark.mpi

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
-from hpcvla.process import deathwatch
+from hpcvla.process import deathwatch, preempt
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
@@ -26,7 +26,6 @@ def run_ranks(cfg, main, check=None) -> int:
     phases.mark("imports")
     from mpi4py import MPI
 
-    from hpcvla.process import preempt
     from hpcvla.topology.comms import (build_communicators, check_scheduler_world,
                                        real_ranks_per_node)
     from hpcvla.topology.plan import plan_from_config
@@ -59,6 +58,7 @@ def run_ranks(cfg, main, check=None) -> int:
     _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
     comms.free()
     deathwatch.finished(rank)
+    preempt.ignore_from_now()
     return 0
 
 
@@ -81,6 +81,7 @@ def run_guarded(world, role: str, main) -> int:
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
     _or_abort(world, role, node, main)
     deathwatch.finished(world.Get_rank())
+    preempt.ignore_from_now()
     return 0
 
 

@@ -28,6 +28,14 @@ def install(interactive: bool = False) -> None:
         signal.signal(sig, _on_signal)
 
 
+def ignore_from_now() -> None:
+    """The work is done: a stop signal from here on is ignored. Python's shutdown puts back
+    the default action of the signals it handles, so a scheduler's SIGTERM in a rank's last
+    moments would otherwise kill a finished run (mpiexec: BAD TERMINATION, exit 15)."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _on_signal(signum, frame) -> None:
     if not _first:
         _first.append((time.time(), signum))
