@@ -156,6 +156,18 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
 
 
 
+def test_an_mpi_below_thread_multiple_is_refused_by_the_ranks_and_by_doctor(tmp_path):
+    """The weight plane and the ring's progress agent call MPI from threads: a library that
+    gives less than MPI_THREAD_MULTIPLE (here MPICH asked for FUNNELED) ends the world at
+    once with one message naming the level, and `hpcvla doctor` fails it."""
+    env = {"MPI4PY_RC_THREAD_LEVEL": "funneled"}
+    out = hpcvla("launch", "-n", 2, "--timeout", 60, "--", "train", "configs/colocated.yaml",
+                 f"run.root={tmp_path}", env=env)
+    assert out.returncode == 2 and out.stderr.count(
+        "runs at MPI_THREAD_FUNNELED, not MPI_THREAD_MULTIPLE") == 1, out.stderr
+    out = hpcvla("doctor", "configs/colocated.yaml", env=env)
+    assert out.returncode == 1 and "MPI_THREAD_FUNNELED" in out.stdout, out.stdout
+
 def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
     """kill -9 of `hpcvla launch` (a closed ssh session, `timeout -k`): mpiexec gets SIGTERM
     (PR_SET_PDEATHSIG) and ends its ranks, which would otherwise run on, orphaned."""

@@ -77,7 +77,7 @@ def _last_line(out: subprocess.CompletedProcess) -> str:
 
 def _mpi(cfg) -> Check:
     """The launcher starts 2 ranks that see one world of 2, with the library mpi4py loads."""
-    from hpcvla.process.mpi_select import MpiSelectError, select_mpi
+    from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, MpiSelectError, select_mpi
     try:  # the MPI jobs/launch.sh chose, else the config's
         install = select_mpi(os.environ.get("HPCVLA_MPI_FLAVOUR", cfg.launch.mpi),
                              os.environ.get("HPCVLA_MPIEXEC", cfg.launch.mpiexec))
@@ -89,7 +89,9 @@ def _mpi(cfg) -> Check:
                      "rdma one-sided component (ompi_info: mca:osc)", "an Open MPI built with "
                      "UCX (the site's module for InfiniBand), or HPCVLA_MPI=mpich")
     code = ("from mpi4py import MPI; w = MPI.COMM_WORLD; n = w.allreduce(1)\n"
-            "if w.rank == 0: print(n, MPI.Get_library_version().splitlines()[0].strip())")
+            "from hpcvla.process.mpi_select import thread_level_problem\n"
+            "if w.rank == 0: print(n, thread_level_problem() or "
+            "MPI.Get_library_version().splitlines()[0].strip())")
     # on this node only: without the scheduler's variables the launcher starts them here
     env = {k: v for k, v in {**os.environ, **install.env}.items()
            if not k.startswith(("SLURM_", "PBS_"))}
@@ -101,6 +103,8 @@ def _mpi(cfg) -> Check:
                  + f": {_last_line(out)}")
         return Check("mpi", False, found, "mpi4py must load the library of this launcher "
                      "(MPI4PY_LIBMPI for Open MPI); check `mpiexec -n 2 hostname` works here")
+    if "MPI_THREAD_MULTIPLE" in words[1]:  # thread_level_problem's text
+        return Check("mpi", False, words[1].strip(), THREAD_LEVEL_FIX)
     return Check("mpi", True, f"{install.flavour}: {install.mpiexec} -n 2 starts one world "
                  f"of 2 ({' '.join(words[1].split())[:60]})")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch, preempt
+from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, LaunchError, thread_level_problem
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
@@ -34,6 +35,9 @@ def run_ranks(cfg, main, check=None) -> int:
     rank = world.Get_rank()
     preempt.install()  # SIGTERM/SIGUSR1: stop after the next version, with a checkpoint
     try:
+        problem = thread_level_problem()
+        if problem is not None:
+            raise LaunchError(f"{problem}: {THREAD_LEVEL_FIX}")
         if cfg.launch.check_scheduler:
             check_scheduler_world(world.Get_size())
         plan = plan_from_config(cfg.placement, world.Get_size(), real_ranks_per_node(world))
@@ -45,7 +49,7 @@ def run_ranks(cfg, main, check=None) -> int:
         phases.mark("communicators")
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
-    except (PlanError, ConfigError) as err:  # every rank reached the same verdict
+    except (PlanError, ConfigError, LaunchError) as err:  # every rank's same verdict
         if rank == 0:
             print(f"hpcvla: {err}", file=sys.stderr, flush=True)  # as the CLI says it
         # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.

@@ -95,6 +95,26 @@ def check_not_nested(ranks: int | None) -> None:
                           "job's), or run without the launcher")
 
 
+def thread_level_problem() -> str | None:
+    """Why this process's MPI cannot run a rank (it initialises MPI), or None. The weight
+    plane and the ring's progress agent call MPI from threads of their own beside the main
+    thread's calls, which MPI allows only at MPI_THREAD_MULTIPLE; mpi4py asks for it and takes
+    whatever the library gives (a library built without it, MPI4PY_RC_THREAD_LEVEL set)."""
+    from mpi4py import MPI
+    given = MPI.Query_thread()
+    if given == MPI.THREAD_MULTIPLE:
+        return None
+    names = {MPI.THREAD_SINGLE: "SINGLE", MPI.THREAD_FUNNELED: "FUNNELED",
+             MPI.THREAD_SERIALIZED: "SERIALIZED"}
+    library = " ".join(MPI.Get_library_version().splitlines()[0].split())[:60]
+    return (f"the MPI library ({library}) runs at MPI_THREAD_{names.get(given, given)}, not "
+            "MPI_THREAD_MULTIPLE, which the weight plane's and the ring's threads need")
+
+
+THREAD_LEVEL_FIX = ("unset MPI4PY_RC_THREAD_LEVEL, or use an MPI built with thread support "
+                    "(MPICH: --enable-threads=multiple)")
+
+
 def flavour_of(mpiexec: str) -> str:
     """'mpich', 'openmpi' or 'unknown', from `mpiexec --version`."""
     try:
