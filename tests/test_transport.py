@@ -302,3 +302,22 @@ def test_transport_benchmark_runs_and_writes_ratios(tmp_path):
     for key in ("exchange_ratio", "weights_ratio", "ring_1MiB_ratio"):
         assert results[key] > 0 and key in results["targets_met"]
     assert "weights publish vs Bcast" in out.stdout
+
+
+def test_windows_must_be_in_the_unified_memory_model():
+    """Every window hpcvla allocates is checked for MPI's unified memory model (its ranks load
+    and store window memory beside RMA): this MPI's windows are; one in the separate model,
+    which no MPI here makes (a stand-in answers the attribute), is refused by name."""
+    from mpi4py import MPI
+    from hpcvla.transport.windows import unified
+    win = MPI.Win.Allocate(64, 1, comm=MPI.COMM_SELF)
+    try:
+        assert unified(win, "a test window") is win
+    finally:
+        win.Free()
+
+    class SeparateModel:
+        def Get_attr(self, key):
+            return MPI.WIN_SEPARATE if key == MPI.WIN_MODEL else None
+    with pytest.raises(RuntimeError, match="the trajectory ring's MPI window is in the separate"):
+        unified(SeparateModel(), "the trajectory ring")

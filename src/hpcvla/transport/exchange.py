@@ -24,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, wait_until
-from hpcvla.transport.windows import window_bytes
+from hpcvla.transport.windows import unified, window_bytes
 from hpcvla.transport.records import aligned
 
 HEADER_BYTES = 64
@@ -43,7 +43,8 @@ class ObsActionExchange:
         self.slot_bytes = self._act_at + aligned(self.action_dtype.itemsize)
         total = self.n_slots * self.slot_bytes if rank == server else 0
         # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        self.win = MPI.Win.Allocate_shared(total, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
+        self.win = unified(MPI.Win.Allocate_shared(total, 1, comm=comm),  # type: ignore[arg-type]  # [dist]
+                           "the observation/action exchange")
         buf, _ = self.win.Shared_query(server)
         memory = window_bytes(buf).reshape(self.n_slots, self.slot_bytes)
         if rank == server:
@@ -88,6 +89,7 @@ class ObsActionExchange:
         """Slots with a request not handed out before (each request is returned once)."""
         self.win.Sync()
         request = self._request.copy()
+        self.win.Sync()  # the flags read before the observations they publish (`_gather`)
         new = np.nonzero((request > self._response) & (request > self._served))[0]
         self._served[new] = request[new]
         return new.tolist()

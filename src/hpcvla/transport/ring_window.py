@@ -7,7 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP
-from hpcvla.transport.windows import window_bytes
+from hpcvla.transport.windows import unified, window_bytes
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.slots import CHECKSUMS, SLOT_HEADER
 
@@ -39,7 +39,8 @@ class RingWindow:
         self.control_bytes = -(-16 * lanes // 64) * 64
         nbytes = self.control_bytes + n_slots * slot_bytes if self.is_root else 0
         # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        self.win = MPI.Win.Allocate(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
+        self.win = unified(MPI.Win.Allocate(nbytes, 1, comm=comm),  # type: ignore[arg-type]  # [dist]
+                           "the trajectory ring")
         if self.is_root:
             window_bytes(self.win.tomemory())[:] = 0
         # collective: whether producers sit on other hosts, and the progress communicator

@@ -49,7 +49,7 @@ from hpcvla.transport import pieces
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
 from hpcvla.transport.manifest import Manifest
 from hpcvla.transport.records import aligned
-from hpcvla.transport.windows import window_bytes
+from hpcvla.transport.windows import unified, window_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -79,7 +79,8 @@ class WeightPlane:
         half = aligned(self.nbytes)
         size = _HEADER_BYTES + 2 * half if is_leader else 0
         # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        self.win = MPI.Win.Allocate_shared(size, 1, comm=node)  # type: ignore[arg-type]  # [dist]
+        self.win = unified(MPI.Win.Allocate_shared(size, 1, comm=node),  # type: ignore[arg-type]  # [dist]
+                           "the weight plane")
         if self.has_window:
             buf, _ = self.win.Shared_query(leader)
             memory = window_bytes(buf)
