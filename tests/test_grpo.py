@@ -213,6 +213,41 @@ def test_the_setting_reaches_the_learners_loss(mean_over, pg_loss):
     assert stats["pg_loss"] == pytest.approx(pg_loss, abs=1e-4)
 
 
+def test_the_entropy_bonus_covers_the_steps_the_policy_gradient_keeps():
+    """GRPO's entropy term is averaged over the steps of kept episodes only: column 0's
+    first episode ends at step 0, and its restarted episode (steps 1-3) is in no group."""
+    from hpcvla.algorithms.objective import policy_loss
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    cfg = load_config(ROOT / "configs/default.yaml", [
+        "algorithm.name=grpo", "algorithm.group_size=2", "env.max_episode_chunks=8"])
+    spec = env_spec(cfg.env)
+    policy = build_policy(cfg, spec)
+    T, N = 4, 2
+    obs, _ = policy_batch(spec, T * N)
+    with torch.no_grad():
+        out = policy.act(obs)
+    scale = torch.arange(1.0, T * N + 1)  # this policy's entropy is the same at every step
+
+    def model(obs, actions):  # the policy, its entropy made to differ step by step
+        logprob, value, entropy = policy.evaluate(obs, actions)
+        return logprob, value, entropy * scale.reshape(-1, *[1] * (entropy.dim() - 1))
+    model.device = policy.device
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+    done = np.zeros((T, N), bool)
+    done[0, 0] = done[-1, 1] = True
+    batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
+                 logprob=out.logprob.numpy().reshape(T, N), done=done, success=done.copy(),
+                 env_fault=np.zeros((T, N), bool))
+    batch["success"][-1, 1] = False
+    _, stats, _ = policy_loss(cfg.algorithm, model, batch)
+    with torch.no_grad():
+        per_step = model(obs, out.actions)[2].reshape(T, N, -1).sum(-1)
+    kept = torch.cat([per_step[:1, 0], per_step[:, 1]])
+    assert stats["entropy"] == pytest.approx(kept.mean().item(), rel=1e-5)
+    assert stats["entropy"] != pytest.approx(per_step.mean().item(), rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- granularity
 
 

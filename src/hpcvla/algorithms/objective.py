@@ -87,6 +87,9 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
         v_loss = torch.zeros((), device=logprob.device)
         episodes = advantages.episodes
         stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))
+        # the entropy bonus on the steps the policy gradient keeps, not on restarted
+        # episodes' or degenerate groups' (faults are not kept either)
+        mask = episodes.keep.to(mask.device)[advantages.index.to(mask.device)]
     else:
         old_value, returns = batch["value"], advantages.returns
         pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour, advantages.advantages,
