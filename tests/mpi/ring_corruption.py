@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.ring_reader import RingDamaged
 from hpcvla.transport.slots import MASK, SLOT_HEADER, checksum64
 
 SLOTS, SLOT_BYTES = 4, 4096
@@ -78,6 +79,11 @@ def main():
         text = "\n".join(reports)
         assert text.count("checksum mismatch") == 2 and "stale or torn" in text, text
         assert "records 1..3 lost" in text, text
+        try:  # what a learner's queues call after each poll: the run ends there
+            ring.reader.check_intact()
+            raise AssertionError("check_intact passed a damaged ring")
+        except RingDamaged as err:
+            assert "dropped 3 slot(s)" in str(err) and "lost 3 record(s)" in str(err), err
         print("ring: flipped, torn and stale slots detected, reported, never delivered",
               flush=True)
     ring.free()

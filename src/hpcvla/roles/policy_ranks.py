@@ -196,6 +196,7 @@ def _drain(ring: RingReader, producers: int) -> int:
     unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
     while len(ring.stats.closed) < producers:
         got = ring.poll()
+        ring.check_intact()  # a dropped close would leave this loop waiting for ever
         unused += len(got)
         if not got:
             backoff.wait()

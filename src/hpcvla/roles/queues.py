@@ -42,6 +42,7 @@ class SegmentQueues:
             group = records.decode(rec.data)  # copies out of the ring slot
             self.buckets[SegmentMeta.of(group).batch].append(group)
         self.ring.release()
+        self.ring.check_intact()  # every segment is needed: a lost one ends the run now
 
     def settle(self, batch: int) -> None:
         """Put batch `batch`, whole, in one order whatever order it arrived in (producer,

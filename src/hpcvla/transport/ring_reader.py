@@ -18,6 +18,10 @@ from hpcvla.transport.slots import (MASK, PACKED, SLOT_HEADER, Packed, Record, R
 from hpcvla.transport.windows import window_bytes
 
 
+class RingDamaged(RuntimeError):
+    """Records written into the ring did not arrive whole (RingReader.check_intact)."""
+
+
 class RingReader:
     """Reads every lane of `ring` from the root's own memory, in order, and frees slots."""
 
@@ -87,6 +91,20 @@ class RingReader:
         """Hand the slots of the records returned by the last poll back to the producers."""
         self._held.clear()
         self._hand_back()
+
+    def check_intact(self) -> None:
+        """Raise RingDamaged if a slot failed its check or a record went missing. A consumer
+        that needs every record (a learner's batch takes an exact quota from each producer)
+        calls it after each poll: a batch missing one can never complete, so its wait would
+        end only at the stall timeout, with a diagnosis that misses the cause."""
+        s = self.stats
+        if s.bad_slots or s.dropped_records or s.lost_records:
+            raise RingDamaged(f"the trajectory ring dropped {s.bad_slots} slot(s) that failed "
+                              f"their check, {s.dropped_records} partly received record(s), "
+                              f"and lost {s.lost_records} record(s) (reported above): a "
+                              "batch missing a record can never complete, and one-sided "
+                              "transfers into this rank did not deliver what was written "
+                              "(check this MPI and network with `hpcvla bench transport`)")
 
     def occupancy(self) -> tuple[int, int]:
         """(slots holding published records not yet freed, lanes that are full: their
