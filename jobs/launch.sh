@@ -289,6 +289,15 @@ if [[ ($1 == train || $1 == sft) && ${HPCVLA_DOCTOR:-1} == 1 ]]; then
         die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
 fi
 
+# A restart continues from the run's newest checkpoint: without periodic ones there is none.
+if [[ $1 == train && ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} ]] && [[ $(
+        "$PYTHON" -m hpcvla.job.restarts checkpoint-every "${COMMAND_ARGS[@]:1}" 2>/dev/null
+        ) == 0 ]]; then
+    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but learner.checkpoint_every is 0: a world that" \
+        "fails has no checkpoint to continue from and is not restarted (set" \
+        "learner.checkpoint_every=K: a restart then loses at most K versions)"
+fi
+
 # ---- run, forwarding the scheduler's signals -----------------------------------------------
 if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
     # A requeued job's steps get the ids of the killed ones again, and MPICH names its
@@ -392,9 +401,10 @@ fit_to_nodes() {
 # A failed world (a rank or a node died; not a signal) is started again inside the allocation
 # up to HPCVLA_RESTARTS times: on the nodes that still start a process, with as many ranks per
 # node as before, laid out on them (fit_to_nodes, or the auto plan), continuing from the
-# newest checkpoint (any learner count and ZeRO stage resumes it). Not when the failure
-# recurs before a newer checkpoint exists: that is no node failure, and trying again would
-# not end.
+# newest checkpoint (any learner count and ZeRO stage resumes it). Not when the run has no
+# checkpoint yet (a new world would start it over, in a new run directory), nor when the
+# failure recurs before a newer checkpoint exists: that is no node failure, and trying again
+# would not end.
 restarts_left=${HPCVLA_RESTARTS:-0}
 failed_at=""
 LAYOUT=""
@@ -412,6 +422,11 @@ while true; do
         break
     fi
     version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
+    if (( version < 0 )); then  # a new world would start the run over, in a new directory
+        say "the run has no checkpoint to continue from (learner.checkpoint_every): not" \
+            "restarting"
+        break
+    fi
     if [[ $version == "$failed_at" ]]; then
         say "the world failed again before a checkpoint newer than policy version $version:" \
             "not restarting"

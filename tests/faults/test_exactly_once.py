@@ -83,3 +83,35 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
     # what this world's producer sent = trained + drained unused at the end
     assert inference["segments_sent"] == (trained + learner["unused_segments"]) * per_group
     assert learner["ring"]["bad_slots"] == 0 and learner["ring"]["lost_records"] == 0
+
+
+def test_a_failed_world_without_a_checkpoint_is_not_started_over(tmp_path):
+    """HPCVLA_RESTARTS without learner.checkpoint_every: the job says at its start that a
+    failed world would have nothing to continue from, and when the learner dies it does not
+    start the run over in a new run directory (the restart's record and the run would part).
+    ~4 s: one world."""
+    runs = tmp_path / "runs"
+    env = {**os.environ, "HPCVLA_JOB_RUNS": str(runs), "HPCVLA_RESTARTS": "1",
+           "HPCVLA_RANKS": "4", "HPCVLA_END_GRACE_S": "2", "HPCVLA_DOCTOR": "0"}
+    cmd = [ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
+           "pipeline.total_updates=100000", "pipeline.progress_every_s=0.1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if (progress_version(line) or 0) >= 1:
+                break
+        cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
+        (learner,) = [c for c in cards if c["roles"] == "learner"]
+        os.kill(learner["pid"], signal.SIGKILL)
+        log += proc.stdout.readlines()
+        assert proc.wait(timeout=120) != 0, "".join(log)[-5000:]
+    finally:
+        proc.kill()
+    text = "".join(log)
+    assert "but learner.checkpoint_every is 0: a world that fails has no checkpoint" in text
+    assert "the run has no checkpoint to continue from (learner.checkpoint_every): not " \
+        "restarting" in text and "restart 1/1" not in text, text[-5000:]
+    assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1

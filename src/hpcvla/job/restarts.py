@@ -20,7 +20,9 @@ the newest checkpoint. First
     python -m hpcvla.job.restarts newest-version JOB_RUN_ROOT
 
 prints the policy version of that checkpoint (`newest_version`, -1 when there is none): a
-world that fails again before a newer checkpoint exists is not started again. Then
+world that fails before its run's first checkpoint, or again before a newer one exists, is not
+started again (`checkpoint-every CONFIG [OVERRIDES...]` prints the interval, which the job
+checks at its start). Then
 
     python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
 
@@ -146,6 +148,10 @@ def _main(argv=None) -> None:
     auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
     sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
                    "job's run; -1 when there is none").add_argument("run_root", type=Path)
+    every = sub.add_parser("checkpoint-every", help="the run's learner.checkpoint_every: 0, "
+                           "and a failed world has no checkpoint to restart from")
+    every.add_argument("config")
+    every.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.what == "record":
         print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
@@ -160,7 +166,9 @@ def _main(argv=None) -> None:
         return
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.what == "auto":
+        if args.what == "checkpoint-every":
+            print(cfg.learner.checkpoint_every)
+        elif args.what == "auto":
             from hpcvla.scale.autoplan import print_auto_plan  # imports the scale model
             print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,
                             overrides_only=True)
