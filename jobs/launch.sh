@@ -332,6 +332,7 @@ forward() {
 end_a_failed_world() {  # PID of the world's launcher; run in the background
     local failure grace=${HPCVLA_END_GRACE_S:-30}
     failure=$("$PYTHON" -m hpcvla.process.deathwatch first-failure "$HPCVLA_RANK_DIR" "$1") || return 0
+    say "$failure"  # now: the MPI launcher's own report may name another rank
     sleep "$grace"
     kill -0 "$1" 2> /dev/null || return 0
     say "$failure, and the world has not ended $grace s later: ending its launcher"

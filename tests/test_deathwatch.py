@@ -43,10 +43,28 @@ def test_a_rank_of_this_host_gone_without_finishing_is_a_failure(tmp_path):
         alive.kill()
         alive.wait()
         watch.join(10)
-        assert found == [f"rank 0 (simulator, pid {alive.pid}) is gone without finishing"]
+        assert found == [f"rank 0 (simulator) on node 0 (host {socket.gethostname()}, pid "
+                         f"{alive.pid}) died first"]
     finally:
         launcher.kill()
         alive.kill()
+
+
+def test_ranks_found_gone_at_one_look_are_named_together(tmp_path):
+    """Two ranks already gone when the watch first looks: a pid gone says nothing of when,
+    so both are named, as the ranks the same check found."""
+    launcher = subprocess.Popen(["sleep", "60"])
+    try:
+        first, second = ended_process(), ended_process()
+        card(tmp_path, 0, first)
+        card(tmp_path, 1, second)
+        host = socket.gethostname()
+        assert deathwatch.first_failure(tmp_path, launcher.pid, poll_s=0.05) == (
+            f"rank 0 (simulator) on node 0 (host {host}, pid {first}) or rank 1 (simulator) on "
+            f"node 0 (host {host}, pid {second}) died first (gone by the same check)")
+    finally:
+        launcher.kill()
+        launcher.wait()
 
 
 def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(tmp_path):

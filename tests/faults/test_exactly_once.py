@@ -55,9 +55,10 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
         proc.kill()
     text = "".join(log)
     assert "restart 1/1" in text, text[-5000:]
-    # the first rank found gone: the learner, or one the node's MPI proxy ended after it
-    assert "is gone without finishing, and the world has not ended 2 s later: ending its " \
-        "launcher" in text and "the world failed (status 137)" in text, text[-5000:]
+    # the learner named: its lifeline to the job script's watch closed first
+    assert "(learner) on node 0 (host " in text and "died first, and the world has not ended " \
+        "2 s later: ending its launcher" in text, text[-5000:]
+    assert "the world failed (status 137)" in text, text[-5000:]
     print(f"killed -> end of the restarted run: {time.monotonic() - killed:.1f} s")
     # the killed world's MPICH segments, removed before the restart
     assert "MPICH segment(s) that no process maps" in text, text[-5000:]

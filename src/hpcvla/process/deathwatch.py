@@ -13,7 +13,8 @@ the death (its pipes and PMI socket close then) and before it kills the other ra
 process has wholly exited: on a loaded machine, after the ranks the proxy killed in the meantime.
 
 A rank that ends its work marks its card done. A job script's launcher (jobs/launch.sh) thus
-also learns that a world has failed while its launcher still runs: a rank of this host gone
+also learns that a world has failed while its launcher still runs, and which of its host's
+ranks died first: the same watch, on the job's rank directory (first_failure), a rank gone
 without that mark. After a node failure that is how the world ends in seconds: mpiexec and
 srun wait for the dead node's processes until the scheduler declares the node down (Slurm's
 SlurmdTimeout: minutes), though the ranks left aborted long before.
@@ -100,24 +101,23 @@ def _done_mark(folder: Path, rank: int) -> Path:
     return folder / f"done.rank{rank}"
 
 
-def first_failure(folder: Path, launcher: int, poll_s: float = 1.0) -> str | None:
-    """Launcher side: wait while the process `launcher` runs until a rank says it failed or a
-    rank of this host is gone without finishing; say which. None if the launcher ended
-    first. Only this host's ranks: a pid means nothing on another host."""
-    host = socket.gethostname().split(".")[0]  # MPI may name hosts with or without domain
-    cards: dict[str, dict] = {}  # read once: a card never changes (the folder may be shared)
-    while _alive(launcher):
-        if said := sorted(folder.glob("failed.rank*")):
-            return f"rank {said[0].name.removeprefix('failed.rank')} failed"
-        for path in folder.glob("rank*.json"):
-            card = cards.get(path.name) or cards.setdefault(path.name,
-                                                            json.loads(path.read_text()))
-            if (card["host"].split(".")[0] == host and not _alive(card["pid"])
-                    and not _done_mark(folder, card["rank"]).exists()):
-                return (f"rank {card['rank']} ({card['roles']}, pid {card['pid']}) is gone "
-                        f"without finishing")
-        time.sleep(poll_s)
-    return None
+def first_failure(folder: Path, launcher: int, poll_s: float = 0.2) -> str | None:
+    """Launcher side (a job script's): wait while the process `launcher` runs until a rank
+    says it failed or a rank of this host is gone without finishing; say which. None if the
+    launcher ended first. This host's ranks are watched as `hpcvla`'s own launcher watches
+    them (DeathWatch on `folder`: their lifelines, which close before the MPI launcher ends
+    the others, and pids); another host's pid means nothing here."""
+    watch = DeathWatch(folder, host=socket.gethostname())
+    try:
+        while _alive(launcher):
+            watch.wait(poll_s)
+            if said := sorted(folder.glob("failed.rank*")):
+                return f"rank {said[0].name.removeprefix('failed.rank')} failed"
+            if watch.first and watch.first[0]:
+                return watch.first_to_die()
+        return None
+    finally:
+        watch.close()
 
 
 def _alive(pid: int) -> bool:
@@ -137,10 +137,13 @@ def register_run_dir(run_dir: Path) -> None:
 
 class DeathWatch:
     """Launcher side: `env()` for the world, `wait(seconds)` instead of sleeping while it
-    runs, `report()` after it ended badly."""
+    runs, `report()` after it ended badly. In a directory of its own, or in `folder` (a job
+    script's, which it leaves), watching the ranks of `host` only (None: every rank's)."""
 
-    def __init__(self):
-        self.dir = Path(tempfile.mkdtemp(prefix="hpcvla-ranks-"))
+    def __init__(self, folder: Path | None = None, host: str | None = None):
+        self.owned = folder is None
+        self.dir = Path(tempfile.mkdtemp(prefix="hpcvla-ranks-")) if folder is None else folder
+        self.host = None if host is None else host.split(".")[0]  # with or without domain
         self.poller = select.poll()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -202,6 +205,8 @@ class DeathWatch:
                 continue
             card = json.loads(path.read_text())
             self.cards[card["rank"]] = card
+            if self.host is not None and card["host"].split(".")[0] != self.host:
+                continue  # its pid is another host's
             try:
                 fd = os.pidfd_open(card["pid"])
             except ProcessLookupError:  # gone before we looked
@@ -223,13 +228,16 @@ class DeathWatch:
             return f"hpcvla: the world ended on this failure:\n{why}" if why else None
         if not (self.first and self.first[0]):
             return None  # nobody died
-        cards, when = self.first
+        text = (f"hpcvla: {self.first_to_die()}, {max(ended - self.first[1], 0):.1f} s before "
+                "the world ended")
+        return text + "; " + _last_progress(self.dir / "run_dir")
+
+    def first_to_die(self) -> str:
+        """Who died first (`first`: the ranks one check found dead), as a sentence."""
+        cards = self.first[0] if self.first else []
         who = " or ".join(f"rank {c['rank']} ({c['roles']}) on node {c['node']} (host "
                           f"{c['host']}, pid {c['pid']})" for c in cards)
-        tie = " (gone by the same check)" if len(cards) > 1 else ""
-        text = (f"hpcvla: {who} died first{tie}, {max(ended - when, 0):.1f} s before the world "
-                f"ended")
-        return text + "; " + _last_progress(self.dir / "run_dir")
+        return f"{who} died first" + (" (gone by the same check)" if len(cards) > 1 else "")
 
     def close(self) -> None:
         for fd in self.pidfds:
@@ -239,7 +247,10 @@ class DeathWatch:
         self.listener.close()
         self.pidfds.clear()
         self.lines.clear()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.owned:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        else:  # the job script's directory: the next world's ranks must not find a lifeline
+            (self.dir / LIFELINE).unlink(missing_ok=True)
 
 
 def _last_progress(run_dir_file: Path) -> str:
