@@ -150,7 +150,9 @@ class PipelineConfig:
     stall_timeout_s: float = setting(
         300.0, "A learner that receives no trajectory for this long stops the job, naming "
         "what it waits for (a stuck simulator or a layout that cannot fill a batch), "
-        "instead of hanging. Longer than the slowest segment can take to produce.", ge=1)
+        "instead of hanging. Longer than the slowest segment can take to produce. An "
+        "inference rank that the staleness quota holds this long without a new version says "
+        "so, each time, and waits on (a version may take that long).", ge=1)
 
 
 @dataclass

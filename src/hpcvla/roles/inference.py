@@ -8,6 +8,7 @@ then waits, which is what throttles the simulators.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -81,6 +82,8 @@ class InferenceServer:
         self.batcher = DynamicBatcher(sched.batch_max, sched.wait_max_s)
         self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
+        self.rank, self.patience_s = setup.rank, setup.cfg.pipeline.stall_timeout_s
+        self.version_at, self.said = time.monotonic(), 0  # the last new version: when, notices
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
             "segments_sent": 0, "throttled_s": 0.0, "weight_swaps": 0, "value_passes": 0,
@@ -110,6 +113,7 @@ class InferenceServer:
             if loader.refresh():  # between batches only
                 self.timeline.record("load_weights", begin, self.timeline.now())
                 stats["weight_swaps"] += 1
+                self.version_at, self.said = time.monotonic(), 0
             eligible = self._eligible()
             # throttled at a segment boundary: their finished segments still go to the
             # learner (it may be waiting for them), valued by the next pass, or by a pass of
@@ -121,6 +125,7 @@ class InferenceServer:
                     self._serve([], held)
                 if batcher.waiting_envs() and not eligible:
                     stats["throttled_s"] += backoff.delay
+                    self._still_throttled()
                 backoff.wait()
                 continue
             backoff.reset()
@@ -130,6 +135,18 @@ class InferenceServer:
         if self.dump:
             self.dump.close()
         return stats
+
+    def _still_throttled(self) -> None:
+        """Every env waits for a new version (the staleness quota): say so each
+        pipeline.stall_timeout_s without one. Not an error: a version, with its checkpoint,
+        may take that long at full size; but a learner that hangs is then heard of."""
+        waited = time.monotonic() - self.version_at
+        if waited > self.patience_s * (self.said + 1):
+            self.said += 1
+            print(f"hpcvla: rank {self.rank} (inference): no new policy version for "
+                  f"{waited:.0f} s, and the staleness quota holds every env; still waiting "
+                  "(a version this long, or a learner that hangs; said every "
+                  "pipeline.stall_timeout_s)", file=sys.stderr, flush=True)
 
     def _serve(self, slots: Sequence[int], held: Sequence[int] = ()) -> None:
         """One forward pass for `slots`: answer the simulators first, then assemble. `held`
