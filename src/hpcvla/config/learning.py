@@ -328,7 +328,10 @@ class AlgorithmConfig:
         0, "`rlpd`: at most this many demonstrations of each task (instruction), the first in "
         "file order; 0: all.", ge=0)
     max_grad_norm: float = setting(
-        0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off.", ge=0)
+        0.5, "Gradient clipping norm (DeepSpeed gradient_clipping); 0 = off. With `sac`, one "
+        "norm over the critics', actor's and temperature's gradients together (one optimizer "
+        "steps them all), so a large critic gradient shrinks the actor's step too; SAC's and "
+        "RLPD's references clip nothing (0).", ge=0)
 
 
     @property
