@@ -2,8 +2,9 @@
 inference rank builds them) into rank 0's trajectory ring; rank 0 damages two published slots
 in its own memory (a flipped payload bit, a changed header field), then takes them in through
 the learner's own intake (roles/queues.SegmentQueues). The damaged groups must be dropped,
-counted and reported, never handed to training; the others must arrive intact, and the ledger
-must show exactly which groups were trained.
+counted and reported, never handed to training, and the intake must then end the run (their
+batch could never complete); the others must arrive intact, and the ledger must show exactly
+which groups were taken.
 
     hpcvla launch -n 2 -- tests/faults/integrity_world.py
 """
@@ -16,6 +17,7 @@ from hpcvla.roles.queues import SegmentQueues
 from hpcvla.roles.segments import SegmentBuilder, outcome_of
 from hpcvla.transport import records
 from hpcvla.transport.ring import TrajectoryRing
+from hpcvla.transport.ring_reader import RingDamaged
 from hpcvla.transport.slots import SLOT_HEADER
 
 GROUPS, N_ENVS, SLOTS, SLOT_BYTES = 4, 4, 8, 64 * 1024
@@ -60,7 +62,11 @@ def main():
         slots[2, SLOT_HEADER.fields["seq"][1]] ^= 0x01                   # group 2: header seq
         stats = {"staleness_hist": {}}
         queues = SegmentQueues(ring.reader, max_staleness=0, stats=stats)
-        queues.pump()
+        try:  # the intake takes what is intact, then ends the run: the batch cannot complete
+            queues.pump()
+            raise AssertionError("the learner's intake went on past damaged slots")
+        except RingDamaged as err:
+            assert "dropped 2 slot(s)" in str(err) and "lost 2 record(s)" in str(err), err
         assert 1 in ring.reader.stats.closed
         have = queues.available(0)
         assert have == 2 * N_ENVS, have
@@ -76,7 +82,7 @@ def main():
         assert ledger == {"1/0": {"groups": 2, "first": 0, "last": 3, "missing": 2}}, ledger
         print(f"integrity: 2 of {GROUPS} segment groups damaged in the ring: dropped, "
               f"counted (bad_slots {s.bad_slots}, lost_records {s.lost_records}), reported, "
-              f"never trained; ledger {ledger}", flush=True)
+              f"never trained, the run ended; ledger {ledger}", flush=True)
     ring.free()
 
 

@@ -26,7 +26,7 @@ def test_damaged_ring_slots_are_dropped_counted_reported_never_trained():
     out = hpcvla("launch", "-n", 2, "--timeout", 90, "--", FAULTS / "integrity_world.py")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "2 of 4 segment groups damaged in the ring: dropped, counted (bad_slots 2, " \
-           "lost_records 2), reported, never trained" in out.stdout
+           "lost_records 2), reported, never trained, the run ended" in out.stdout
 
 
 # ------------------------------------------------------------------ HDF5 trajectory dumps
