@@ -15,6 +15,7 @@ from pathlib import Path
 from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch, preempt
+from hpcvla.process.watchdog import reminding
 from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, LaunchError, thread_level_problem
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
@@ -146,4 +147,6 @@ def train_main(cfg, plan, comms) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()  # [dist]
-    idle_barrier(world)  # [dist]
+    with reminding(cfg.pipeline.stall_timeout_s, lambda waited: f"hpcvla: rank {world.Get_rank()} "
+                   f"has finished and waited {waited:.0f} s for the others to finish too"):
+        idle_barrier(world)  # [dist]

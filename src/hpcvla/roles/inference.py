@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -107,6 +107,7 @@ class InferenceServer:
                     exchange.request_actions(slot)["stop"] = 1
                     exchange.respond(slot)
                     stopped.add(slot)
+                self._still_waiting(lambda: self._not_stopped(stopped))
                 backoff.wait()
                 continue
             begin = self.timeline.now()
@@ -125,7 +126,7 @@ class InferenceServer:
                     self._serve([], held)
                 if batcher.waiting_envs() and not eligible:
                     stats["throttled_s"] += backoff.delay
-                    self._still_throttled()
+                    self._still_waiting(lambda: "the staleness quota holds every env")
                 backoff.wait()
                 continue
             backoff.reset()
@@ -136,17 +137,20 @@ class InferenceServer:
             self.dump.close()
         return stats
 
-    def _still_throttled(self) -> None:
-        """Every env waits for a new version (the staleness quota): say so each
-        pipeline.stall_timeout_s without one. Not an error: a version, with its checkpoint,
-        may take that long at full size; but a learner that hangs is then heard of."""
+    def _not_stopped(self, stopped: set[int]) -> str:
+        ranks = self.exchange.world_ranks(set(range(self.exchange.n_slots)) - stopped)
+        return f"the learners finished, and simulator rank(s) {ranks} have not asked again"
+
+    def _still_waiting(self, why: Callable[[], str]) -> None:
+        """Say why this rank waits (`why()`), each pipeline.stall_timeout_s since the last new
+        version. Not an error: a version, with its checkpoint, may take that long at full size; but a
+        learner that hangs, or a simulator that hangs at the end, is then heard of."""
         waited = time.monotonic() - self.version_at
         if waited > self.patience_s * (self.said + 1):
             self.said += 1
-            print(f"hpcvla: rank {self.rank} (inference): no new policy version for "
-                  f"{waited:.0f} s, and the staleness quota holds every env; still waiting "
-                  "(a version this long, or a learner that hangs; said every "
-                  "pipeline.stall_timeout_s)", file=sys.stderr, flush=True)
+            print(f"hpcvla: rank {self.rank} (inference), {waited:.0f} s since the last new "
+                  f"policy version: {why()}; still waiting (said every pipeline.stall_timeout_s)",
+                  file=sys.stderr, flush=True)
 
     def _serve(self, slots: Sequence[int], held: Sequence[int] = ()) -> None:
         """One forward pass for `slots`: answer the simulators first, then assemble. `held`

@@ -25,6 +25,7 @@ report.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ from hpcvla.envs.base import close_all
 from hpcvla.envs.build import env_failures
 from hpcvla.metrics import phases
 from hpcvla.process import preempt
-from hpcvla.process.watchdog import step_deadline_s
+from hpcvla.process.watchdog import reminding, step_deadline_s
 from hpcvla.roles.outputs import write_report
 from hpcvla.roles.prologue import Links, Rank, connect, prologue, runs_policy, start_clock
 from hpcvla.roles.setup import Counters
@@ -61,12 +62,23 @@ def run_pipeline(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Pat
             if INF in roles else policy_ranks.learner_rank if LEARN in roles \
             else policy_ranks.evaluator_rank if EVAL in roles else _spare_rank
         start, stats = role(me, links)
-        for piece in (links.exchange, links.ring):
-            if piece is not None:
-                piece.free()  # [dist]
-        links.plane.close()  # [dist]
+        with _reminding(me, "its teardown (windows freed together)"):
+            for piece in (links.exchange, links.ring):
+                if piece is not None:
+                    piece.free()  # [dist]
+            links.plane.close()  # [dist]
     me.summary.add(stats)
-    return _epilogue(me, start)
+    with _reminding(me, "the run's report (gathered from every rank)"):
+        return _epilogue(me, start)
+
+
+def _reminding(me: Rank, where: str) -> AbstractContextManager[None]:
+    """Say every pipeline.stall_timeout_s that this rank still waits in `where` for its peers:
+    a peer that hangs there is the one not saying it (no deadline: a learner's last checkpoint
+    may rightly hold the others)."""
+    role = "+".join(me.plan.ranks[me.rank].roles)
+    return reminding(me.cfg.pipeline.stall_timeout_s, lambda waited: (
+        f"hpcvla: rank {me.rank} ({role}) has waited {waited:.0f} s in {where} for its peers"))
 
 
 def _simulator_rank(me: Rank, links: Links) -> tuple[float, Counters]:

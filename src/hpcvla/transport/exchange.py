@@ -20,6 +20,8 @@ not burn a core.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 from mpi4py import MPI
 
@@ -55,6 +57,12 @@ class ObsActionExchange:
         self._served = np.zeros(self.n_slots, np.int64)  # server: request handed out last
         self.win.Lock_all(MPI.MODE_NOCHECK)
         comm.Barrier()  # [dist]
+
+    def world_ranks(self, slots: Iterable[int]) -> list[int]:
+        """The world ranks of the simulators that own `slots` (for messages)."""
+        owners = sorted({self.clients[slot // self.shards] for slot in slots})
+        return MPI.Group.Translate_ranks(self.comm.Get_group(), owners,
+                                         MPI.COMM_WORLD.Get_group())
 
     def slot_of(self, shard: int, rank: int | None = None) -> int:
         rank = self.comm.Get_rank() if rank is None else rank
