@@ -162,13 +162,13 @@ print(json.dumps([engine.bfloat16_enabled(), sorted(dtypes), float(moved)]))
 """
 
 
-@pytest.mark.slow  # a DeepSpeed engine in a fresh process: ~15 s
+@pytest.mark.slow  # a DeepSpeed engine in a fresh process: ~5 s
 def test_dsrl_under_deepspeed_keeps_its_sac_heads_in_float32_beside_a_bf16_flow_policy():
     """DeepSpeed's bf16 section casts every parameter of the module, frozen ones included:
     DSRL's float32 heads would train in bf16, and most of a target critic's Polyak steps
     (tau 0.005) round away. The engine's bf16 section follows the trained parameters: off
-    here, the frozen flow policy stays bf16, the heads float32, and a target critic follows its online critic
-    (in bf16 ten steps moved 3 % of its entries, here > 90 %)."""
+    here, the frozen flow policy stays bf16, the heads float32, and a target critic follows
+    its online critic (in bf16 ten steps moved 3 % of its entries, here > 90 %)."""
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", DSRL_ENGINE], cwd=ROOT, capture_output=True,

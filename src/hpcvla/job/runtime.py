@@ -15,8 +15,8 @@ from pathlib import Path
 from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch, preempt
-from hpcvla.process.watchdog import reminding
 from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, LaunchError, thread_level_problem
+from hpcvla.process.watchdog import reminding
 from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
@@ -52,7 +52,7 @@ def run_ranks(cfg, main, check=None) -> int:
                             MPI.Get_processor_name())
     except (PlanError, ConfigError, LaunchError) as err:  # every rank's same verdict
         if rank == 0:
-            print(f"hpcvla: {err}", file=sys.stderr, flush=True)  # as the CLI says it
+            print(f"hpcvla: {err}", file=sys.stderr, flush=True)  # once for the world
         # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
         try:
             idle_barrier(world, timeout=10.0)  # [dist]
@@ -147,6 +147,7 @@ def train_main(cfg, plan, comms) -> None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()  # [dist]
-    with reminding(cfg.pipeline.stall_timeout_s, lambda waited: f"hpcvla: rank {world.Get_rank()} "
-                   f"has finished and waited {waited:.0f} s for the others to finish too"):
+    rank = world.Get_rank()
+    with reminding(cfg.pipeline.stall_timeout_s, lambda waited: f"hpcvla: rank {rank} has "
+                   f"finished and waited {waited:.0f} s for the others to finish too"):
         idle_barrier(world)  # [dist]

@@ -143,8 +143,8 @@ class InferenceServer:
 
     def _still_waiting(self, why: Callable[[], str]) -> None:
         """Say why this rank waits (`why()`), each pipeline.stall_timeout_s since the last new
-        version. Not an error: a version, with its checkpoint, may take that long at full size; but a
-        learner that hangs, or a simulator that hangs at the end, is then heard of."""
+        version. Not an error: a version, with its checkpoint, may take that long at full
+        size; but a learner that hangs, or a simulator that hangs at the end, is heard of."""
         waited = time.monotonic() - self.version_at
         if waited > self.patience_s * (self.said + 1):
             self.said += 1

@@ -45,8 +45,8 @@ class ObsActionExchange:
         self.slot_bytes = self._act_at + aligned(self.action_dtype.itemsize)
         total = self.n_slots * self.slot_bytes if rank == server else 0
         # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        self.win = unified(MPI.Win.Allocate_shared(total, 1, comm=comm),  # type: ignore[arg-type]  # [dist]
-                           "the observation/action exchange")
+        window = MPI.Win.Allocate_shared(total, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
+        self.win = unified(window, "the observation/action exchange")
         buf, _ = self.win.Shared_query(server)
         memory = window_bytes(buf).reshape(self.n_slots, self.slot_bytes)
         if rank == server:

@@ -39,8 +39,8 @@ class RingWindow:
         self.control_bytes = -(-16 * lanes // 64) * 64
         nbytes = self.control_bytes + n_slots * slot_bytes if self.is_root else 0
         # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        self.win = unified(MPI.Win.Allocate(nbytes, 1, comm=comm),  # type: ignore[arg-type]  # [dist]
-                           "the trajectory ring")
+        window = MPI.Win.Allocate(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
+        self.win = unified(window, "the trajectory ring")
         if self.is_root:
             window_bytes(self.win.tomemory())[:] = 0
         # collective: whether producers sit on other hosts, and the progress communicator

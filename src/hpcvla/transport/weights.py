@@ -79,8 +79,8 @@ class WeightPlane:
         half = aligned(self.nbytes)
         size = _HEADER_BYTES + 2 * half if is_leader else 0
         # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        self.win = unified(MPI.Win.Allocate_shared(size, 1, comm=node),  # type: ignore[arg-type]  # [dist]
-                           "the weight plane")
+        window = MPI.Win.Allocate_shared(size, 1, comm=node)  # type: ignore[arg-type]  # [dist]
+        self.win = unified(window, "the weight plane")
         if self.has_window:
             buf, _ = self.win.Shared_query(leader)
             memory = window_bytes(buf)
