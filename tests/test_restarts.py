@@ -81,3 +81,14 @@ def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
     best = json.loads(planned)["best"]["overrides"]
     (command,) = [line for line in out.stderr.splitlines() if "running:" in line]
     assert command.endswith(" ".join(best)) and "placement.learner_nodes=0" in best, command
+
+
+def test_a_job_of_overrides_only_can_restart(capsys):
+    """`jobs/launch.sh train a.b=1 ...` (the built-in defaults, no config file): what a restart
+    asks takes the overrides as train does, not the first one as a file."""
+    from hpcvla.cli import main
+    restarts._main(["checkpoint-every", "learner.checkpoint_every=3", "run.seed=2"])
+    assert capsys.readouterr().out.strip() == "3"
+    restarts._main(["fit", "run.seed=2", "--world", "8", "--ranks-per-node", "4"])
+    assert capsys.readouterr().out.strip() == ""  # the defaults fit nodes of 4 as they are
+    assert main(["plan", "run.seed=2", "--world", "8", "--ranks-per-node", "4"]) == 0

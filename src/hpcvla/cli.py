@@ -3,7 +3,7 @@
     hpcvla train [CONFIG] [key=value ...] [--ranks N] the main job (--ranks: start N ranks here)
     hpcvla sft CONFIG sft.demos=F [key=value ...] [--ranks N]
                                                       supervised fine-tuning on demonstrations
-    hpcvla plan CONFIG [key=value ...] --world N [--ranks-per-node M] [--json]
+    hpcvla plan [CONFIG] [key=value ...] --world N [--ranks-per-node M] [--json]
     hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
                           "current MPI world, as under srun/mpirun; alone: one rank)")
 
     plan = sub.add_parser("plan", help="print the rank map of a config, or why it cannot work")
-    _config_args(plan)
+    _config_args(plan, required=False)
     plan.add_argument("--world", type=int, required=True, help="MPI world size")
     plan.add_argument("--ranks-per-node", type=int, default=None,
                       help="ranks per real node (default: --world); placement.ranks_per_node, "

@@ -133,7 +133,7 @@ def _main(argv=None) -> None:
     rec.add_argument("nodes", help="the nodes left, space-separated")
     rec.add_argument("ranks", type=int)
     fit = sub.add_parser("fit", help="the overrides that fit the run to the nodes left")
-    fit.add_argument("config")
+    fit.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     fit.add_argument("overrides", nargs="*")
     fit.add_argument("--world", type=int, required=True)
     fit.add_argument("--ranks-per-node", type=int, required=True)
@@ -141,7 +141,7 @@ def _main(argv=None) -> None:
         "run_root", type=Path)
     auto = sub.add_parser("auto", help="the scale model's best layout for the nodes, as "
                           "overrides, one a line (hpcvla plan --auto's)")
-    auto.add_argument("config")
+    auto.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     auto.add_argument("overrides", nargs="*")
     auto.add_argument("--world", type=int, required=True)
     auto.add_argument("--ranks-per-node", type=int, required=True)
@@ -150,7 +150,7 @@ def _main(argv=None) -> None:
                    "job's run; -1 when there is none").add_argument("run_root", type=Path)
     every = sub.add_parser("checkpoint-every", help="the run's learner.checkpoint_every: 0, "
                            "and a failed world has no checkpoint to restart from")
-    every.add_argument("config")
+    every.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     every.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.what == "record":
@@ -164,6 +164,9 @@ def _main(argv=None) -> None:
     if args.what == "newest-version":
         print(newest_version(args.run_root))
         return
+    if args.config and "=" in args.config and not Path(args.config).is_file():
+        args.overrides.insert(0, args.config)  # overrides only, as `hpcvla train a.b=1` takes
+        args.config = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.what == "checkpoint-every":
