@@ -65,7 +65,12 @@ class RingWriter:
         win, root = self.ring.win, self.ring.root
         win.Get([self._read, MPI.INT64_T], root, (16 * self.lane, 1, MPI.INT64_T))
         win.Flush(root)
-        self._freed = max(self._freed, int(self._read[0]))
+        # The learner stores the word while this Get reads it: aligned 8-byte accesses are
+        # whole on the fabrics and CPUs hpcvla runs on, but MPI does not promise it, and a torn
+        # value above what this rank wrote would free slots not yet read. Never believed.
+        read = int(self._read[0])
+        if read <= self._fragment:
+            self._freed = max(self._freed, read)
         return self._freed
 
     def _put_fragment(self, pieces: list[tuple[int, np.ndarray]], schema: int, part: int,
