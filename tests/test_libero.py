@@ -142,3 +142,50 @@ def test_every_instruction_survives_the_env_vocabulary():
         for text in instructions:
             ids = tokenize(text, vocab, 64)
             assert detokenize(ids, vocab) == text.strip(), (suite, text)
+
+
+def test_oft_on_libero_needs_oft_s_gripper_convention_and_nothing_else_may_use_it():
+    """OpenVLA-OFT's LIBERO datasets say +1 open / 0 closed; LIBERO's controller, -1 open /
+    +1 closed: OFT on libero needs env.gripper_action=open_high, and only it."""
+    from hpcvla.preflight import check_config
+    with pytest.raises(ConfigError, match="env.gripper_action = 'closed_high': expected "
+                       "open_high for policy.name=oft on env.name=libero"):
+        check_config(load_config(ROOT / "configs/libero_oft.yaml",
+                                 ["env.gripper_action=closed_high"]))
+    with pytest.raises(ConfigError, match="env.gripper_action = 'open_high'"):
+        check_config(load_config(ROOT / "configs/libero_spatial.yaml",
+                                 ["env.gripper_action=open_high"]))
+    assert load_config(ROOT / "configs/libero_oft.yaml").env.gripper_action == "open_high"
+
+
+@pytest.mark.slow
+def test_a_state_starts_alike_whatever_its_slot_ran_and_oft_s_open_opens():
+    """A soft reset kept the gripper's integrated command: a state's first observation
+    depended on the episode its slot ran before (finger positions 2e-4 apart). And with
+    open_high, OFT's 'open' (1.0) opens the fingers and its 'closed' (0.0) closes them, as
+    OFT's and RLinf's evaluations turn them into LIBERO's -1 and +1. ~15 s: LIBERO envs."""
+    chunk = dict(SETTINGS, chunk_len=10, max_episode_chunks=100)
+    signed = make_env("libero", 1, seed=0, **chunk)
+    oft = make_env("libero", 1, seed=0, gripper_action="open_high", **chunk)
+    try:
+        fresh = signed.reset(init_state_ids=np.array([3]))["state"][0]
+        signed.reset(init_state_ids=np.array([5]))
+        closing = np.zeros((1, 10, 7), np.float32)
+        closing[..., 6] = 1.0  # LIBERO: close
+        for _ in range(3):
+            signed.step(closing)
+        again = signed.reset(init_state_ids=np.array([3]))["state"][0]
+        np.testing.assert_array_equal(fresh, again)
+
+        def fingers(env, gripper):
+            env.reset(init_state_ids=np.array([3]))
+            action = np.zeros((1, 10, 7), np.float32)
+            action[..., 6] = gripper
+            env.step(action)
+            return env.step(action).obs["state"][0][7:]  # finger positions (quaternion state)
+        opened, closed = fingers(oft, 1.0), fingers(oft, 0.0)
+        assert opened[0] - opened[1] > closed[0] - closed[1] + 0.01, (opened, closed)
+        np.testing.assert_allclose(fingers(signed, -1.0), opened, atol=1e-6)  # LIBERO's open
+    finally:
+        signed.close()
+        oft.close()

@@ -82,6 +82,12 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.control_mode", cfg.env.control_mode,
                          f"pd_ee_delta_pose for env.name={cfg.env.name}: only maniskill has "
                          "a choice of controllers"))
+    gripper = family(cfg.policy.name).libero_gripper if sim.gripper_conventions \
+        else "closed_high"
+    if cfg.env.gripper_action != gripper:
+        problems.append(("env.gripper_action", cfg.env.gripper_action, f"{gripper} for "
+                         f"policy.name={cfg.policy.name} on env.name={cfg.env.name} (its "
+                         "checkpoints' convention: the setting's doc)"))
     if cfg.env.sim_backend == "gpu" and not sim.gpu_simulation:
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "

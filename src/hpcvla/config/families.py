@@ -28,6 +28,8 @@ class FamilyTraits:
     noise_actor: bool = False
     # the heads policy.action_head may choose (oft: its action tokens or OFT's L1 head)
     action_heads: tuple[str, ...] = ()
+    # the gripper convention of its published LIBERO checkpoints (env.gripper_action)
+    libero_gripper: str = "closed_high"
 
 
 # The log std of SAC's squashed actors (the default policy's, the flow family's noise actor):
@@ -40,7 +42,8 @@ FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True),
     "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True),
     "tokens": FamilyTraits(vla=True, relative_actions=False),
-    "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=("tokens", "l1")),
+    "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=("tokens", "l1"),
+                        libero_gripper="open_high"),
 }
 
 
@@ -61,6 +64,8 @@ class SimulatorTraits:
     evaluation_to_horizon: bool
     # a benchmark protocol of its own, the eval.protocol value that names it ("" for none)
     benchmark: str
+    # gripper conventions to choose from (env.gripper_action: LIBERO's, OFT's datasets')
+    gripper_conventions: bool = False
 
 
 SIMULATORS = {
@@ -72,7 +77,8 @@ SIMULATORS = {
                                  evaluation_to_horizon=True, benchmark=""),
     "libero": SimulatorTraits(emulated=False, controllers=False, gpu_simulation=False,
                               state_only=False, egl=True,
-                              evaluation_to_horizon=False, benchmark="libero"),
+                              evaluation_to_horizon=False, benchmark="libero",
+                              gripper_conventions=True),
 }
 
 

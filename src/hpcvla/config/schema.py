@@ -237,6 +237,12 @@ class EnvConfig:
         "pi0.5) and OpenVLA-OFT feed it: use it with their checkpoints (policy.pretrained), "
         "whose state normalization expects 8 values.",
         choices=("quaternion", "axis_angle"))
+    gripper_action: str = setting(
+        "closed_high", "libero only: what the last action dimension means. `closed_high`: "
+        "LIBERO's controller's own (-1 open, +1 closed). `open_high`: OpenVLA-OFT's LIBERO "
+        "datasets' (+1 open, 0 closed), given to LIBERO as OFT's and RLinf's evaluations do "
+        "(the sign of 2 g - 1, negated); policy.name=oft on libero needs it.",
+        choices=("closed_high", "open_high"))
     latency_median_ms: float = setting(
         0.0, "reach only: emulated simulator cost: a step lasts the slowest of per-env "
         "lognormal draws with this median, its real compute included (0 = off).", ge=0)

@@ -179,9 +179,9 @@ class _Slot:
 
     def __init__(self, suite: Suite, task: int, image_size: int, wrist_image: bool,
                  fixed_task: bool, state_format: str = "quaternion",
-                 settle_steps: int = SETTLE_STEPS):
+                 settle_steps: int = SETTLE_STEPS, open_high: bool = False):
         self.suite, self.size, self.fixed_task = suite, image_size, fixed_task
-        self.settle_steps = settle_steps
+        self.settle_steps, self.open_high = settle_steps, open_high
         self.state_format = state_format
         self.cameras = CAMERAS if wrist_image else CAMERAS[:1]
         self.env = None
@@ -208,6 +208,11 @@ class _Slot:
         else:
             self._use_task(init_state_id)
             self._place(init_state_id)
+        # A soft reset keeps the gripper's integrated command (robosuite sets it only when the
+        # gripper is built): zeroed, a state starts the same whatever the slot ran before,
+        # as after the references' hard resets.
+        for robot in self.env.robots:
+            robot.gripper.current_action = np.zeros_like(robot.gripper.current_action)
         for _ in range(self.settle_steps):
             self.obs, *_ = self.env.step(SETTLE_ACTION)
 
@@ -232,6 +237,8 @@ class _Slot:
             self.obs = self.env.reset()
 
     def step(self, action):
+        if self.open_high:  # OFT's +1 open / 0 closed, binarized, as LIBERO's -1 open
+            action = np.concatenate([action[:-1], -np.sign(2.0 * action[-1:] - 1.0)])
         self.obs, reward, success, _ = self.env.step(action)
         return float(reward), bool(success)
 
@@ -285,7 +292,7 @@ class LiberoEnv(SerialVectorEnv):
     def config_kwargs(cls, env_cfg) -> dict:
         return dict(suite=env_cfg.suite, task=env_cfg.suite_task,
                     wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
-                    state_format=env_cfg.state_format)
+                    state_format=env_cfg.state_format, gripper_action=env_cfg.gripper_action)
 
     @classmethod
     def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
@@ -311,7 +318,8 @@ class LiberoEnv(SerialVectorEnv):
                  task: int = -1, image_size: int = 64, wrist_image: bool = False,
                  state: bool = True, reward: str = "sparse", chunk_len: int = 10,
                  max_episode_chunks: int = 48, first_env: int = 0,
-                 state_format: str = "quaternion", settle_steps: int = SETTLE_STEPS):
+                 state_format: str = "quaternion", settle_steps: int = SETTLE_STEPS,
+                 gripper_action: str = "closed_high"):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
                             max_episode_chunks, tasks, state_format=state_format)
@@ -320,7 +328,8 @@ class LiberoEnv(SerialVectorEnv):
         def make_slot(i):
             slot_task = task if task >= 0 else (first_env + i) % tasks.n_tasks
             return _Slot(tasks, slot_task, image_size, wrist_image, fixed_task=task >= 0,
-                         state_format=state_format, settle_steps=settle_steps)
+                         state_format=state_format, settle_steps=settle_steps,
+                         open_high=gripper_action == "open_high")
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
                          first_env, name=f"libero {suite}")
