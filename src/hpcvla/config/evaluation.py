@@ -12,8 +12,8 @@ class EvalConfig:
     protocol: str = setting(
         "hpcvla", "The protocol of `hpcvla eval` and of eval.every's held-out evaluation. "
         "`hpcvla`: the env's first --episodes evaluation states at the config's horizon. "
-        "`libero` (env.name=libero): LIBERO's benchmark as its and openpi's evaluation "
-        "scripts run it: every task of env.suite (or eval.tasks) "
+        "`libero` (env.name=libero): LIBERO's benchmark as openpi's and OpenVLA(-OFT)'s "
+        "evaluation scripts run it (LIBERO's own: 600 steps, 20 trials): every task of env.suite (or eval.tasks) "
         "in turn, its fixed initial states (eval.states_per_task of 50), the suite's step "
         "limit (spatial 220, object 280, goal 300, libero_10 520, libero_90 400), 10 settle "
         "steps, success when the task is first done; --episodes (eval.episodes) is then "
