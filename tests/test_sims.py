@@ -235,6 +235,7 @@ def test_eval_of_a_maniskill_task_reports_its_own_conventions_too():
         held.close()
     assert (mixed["success_once"], mixed["success_at_end"]) == (2 / 3, 1 / 3)
     assert mixed["success_rate"] == 2 / 3 and (mixed["episodes"], mixed["env_faults"]) == (3, 1)
+    assert mixed["success_rate_faults_failed"] == 2 / 4  # the references' count
     reach = evaluate(load_config(ROOT / "configs/default.yaml"), None, episodes=2, envs=2)
     assert "success_at_end" not in reach  # reach has one convention: success ends it
 

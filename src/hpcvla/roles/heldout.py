@@ -106,7 +106,8 @@ class HeldOut:
 
     def report(self, episodes: list[Episode], deterministic: bool) -> dict[str, object]:
         """The result of every rank's episodes: success with its 95 % (Wilson) interval,
-        per task and per episode; an episode the env ended by a fault is left out, counted."""
+        per task and per episode; an episode the env ended by a fault is left out, counted
+        (and, beside, counted as a failure, as the references' scripts count it)."""
         episodes = sorted(episodes)
         kept = [e for e in episodes if not e.env_fault]
         per_task: defaultdict[str, list[bool]] = defaultdict(list)
@@ -120,6 +121,9 @@ class HeldOut:
                 "success_ci95": _wilson(outcomes),
                 "mean_return": float(np.mean([e.ret for e in kept])),
                 "env_faults": len(episodes) - len(kept),
+                # as OFT's and openpi's scripts count them: an episode that faulted, failed
+                "success_rate_faults_failed": float(np.mean([e.success and not e.env_fault
+                                                             for e in episodes])),
                 **({"success_once": float(np.mean(outcomes)),
                     "success_at_end": float(np.mean([e.success_at_end for e in kept]))}
                    if self.env.run_to_horizon else {}),
