@@ -428,6 +428,11 @@ while true; do
             "restarting"
         break
     fi
+    if [[ -z $("$PYTHON" -m hpcvla.job.restarts resumable "$HPCVLA_JOB_RUNS") ]]; then
+        say "the run wrote its last checkpoint (policy version $version) before the world" \
+            "failed: nothing left to restart"
+        break
+    fi
     if [[ $version == "$failed_at" ]]; then
         say "the world failed again before a checkpoint newer than policy version $version:" \
             "not restarting"

@@ -64,26 +64,10 @@ def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str,
     """What the config's files and folders hold, the same from every node of one shared
     file system: the checkpoint resumed, the pretrained folder, W&B's settings."""
     problems = []
-    if cfg.run.resume:
-        from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
-        path = latest(cfg.run.resume)
-        try:
-            version = read_state(path)["version"] if path else None
-        except CheckpointError as err:
-            problems.append(("run.resume", cfg.run.resume, f"a readable checkpoint: {err}"))
-            version = -1
-        sft = last[0] == "sft.steps"  # `hpcvla sft` resumes an SFT run, `train` an RL run
-        if version is None:
-            problems.append(("run.resume", cfg.run.resume, "a run directory holding a "
-                             "complete checkpoint (checkpoints/v*/state.json)"))
-        elif version >= 0 and by_sft(path) != sft:
-            wanted, found = ("an `hpcvla sft` run's", "a training run's") if sft else \
-                ("a training run's", "an `hpcvla sft` run's")
-            problems.append(("run.resume", cfg.run.resume, f"{wanted} directory (this is "
-                             f"{found}); to start from its weights: policy.checkpoint=<it>"))
-        elif version >= (cfg.pipeline.total_updates if last[1] is None else last[1]):
-            problems.append((last[0], cfg.pipeline.total_updates if last[1] is None
-                             else last[1], f"more than the resumed checkpoint's {version}"))
+    if cfg.run.resume:  # `hpcvla sft` resumes an SFT run, `train` an RL run
+        from hpcvla.checkpoint.catalog import resume_problems
+        problems += resume_problems(cfg.run.resume, last[0] == "sft.steps", (
+            last[0], cfg.pipeline.total_updates if last[1] is None else last[1]))
     problems += wandb_problems(cfg.run)
     if cfg.policy.pretrained:
         problems += pretrained_problems(cfg.policy, cfg.env)

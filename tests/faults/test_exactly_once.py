@@ -116,3 +116,32 @@ def test_a_failed_world_without_a_checkpoint_is_not_started_over(tmp_path):
     assert "the run has no checkpoint to continue from (learner.checkpoint_every): not " \
         "restarting" in text and "restart 1/1" not in text, text[-5000:]
     assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_a_world_that_fails_after_its_last_checkpoint_is_not_run_again(tmp_path):
+    """The world dies (a rank SIGKILLed) once its run's last checkpoint is written: there is
+    nothing left to train, so the job does not restart it (a new world would have started the
+    run over in a new run directory, from version 0, recorded as a resume). ~6 s."""
+    runs = tmp_path / "runs"
+    env = {**os.environ, "HPCVLA_JOB_RUNS": str(runs), "HPCVLA_RESTARTS": "1",
+           "HPCVLA_RANKS": "2", "HPCVLA_END_GRACE_S": "2", "HPCVLA_DOCTOR": "0"}
+    cmd = [ROOT / "jobs/launch.sh", "train", "configs/colocated.yaml",
+           "pipeline.total_updates=4", "learner.checkpoint_every=2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(runs.glob("*/checkpoints/v000004/state.json")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read()
+            time.sleep(0.01)
+        cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
+        for card in cards:
+            if card["rank"] == 1:
+                os.kill(card["pid"], signal.SIGKILL)
+        text = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    if "the world failed" not in text:
+        pytest.skip("the world had ended before the rank was killed")  # nothing to test
+    assert "nothing left to restart" in text and "restart 1/1" not in text, text[-5000:]
+    assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1

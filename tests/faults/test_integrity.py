@@ -121,6 +121,33 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
     with pytest.raises(catalog.CheckpointError, match=r"state\.json: format 'list', this "
                        r"hpcvla reads formats 1, 2"):
         catalog.read_state(path)
+    # a digit flipped in the version, a key in an optimizer entry: named, not taken
+    with pytest.raises(catalog.CheckpointError, match=r"version 5 in a checkpoint named "
+                       "v000004; the file is damaged"):
+        catalog.read_state(fake_checkpoint(tmp_path / "run" / "checkpoints" / "v000004",
+                                           version=5))
+    with pytest.raises(catalog.CheckpointError, match="optimizer entries without file and "
+                       "sha256"):
+        catalog.read_state(fake_checkpoint(tmp_path / "entry", optimizer=[
+            {"fild": "optimizer.rank0.safetensors", "sha256": "0" * 64}]))
+
+
+def test_only_checkpoint_names_are_checkpoints_and_a_run_resumes_from_its_directory(tmp_path):
+    """A checkpoint moved aside (v000004.corrupt) is not one, and v1000000 sorts after
+    v999999; run.resume names a run directory, not one of its checkpoints (the run would be
+    written inside it)."""
+    from hpcvla.checkpoint.catalog import resume_problems
+    run = tmp_path / "run"
+    for version in (999999, 1000000):
+        fake_checkpoint(catalog.checkpoint_dir(run, version), version=version)
+    fake_checkpoint(run / "checkpoints" / "v1000001.corrupt", version=1000001)
+    assert [p.name for p in catalog.complete(run)] == ["v999999", "v1000000"]
+    assert catalog.latest(run).name == "v1000000"
+    (field, value, text), = resume_problems(str(catalog.checkpoint_dir(run, 999999)), False,
+                                             ("pipeline.total_updates", 2000000))
+    assert field == "run.resume" and text.startswith(f"a run directory ({run}), not one of "
+                                                     "its checkpoints"), text
+    assert resume_problems(str(run), False, ("pipeline.total_updates", 2000000)) == []
 
 
 # ------------------------------------------------------------------ records

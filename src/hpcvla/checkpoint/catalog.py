@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 FORMAT = 2  # 1: optimizer state as ZeRO's flat partitions (its weights still load)
 READABLE = (1, 2)
@@ -25,10 +27,14 @@ def checkpoint_dir(run_dir: Path, version: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"v{version:06d}"
 
 
+CHECKPOINT_NAME = re.compile(r"v\d{6,}")  # checkpoint_dir's names: not v000004.partial, .old
+
+
 def complete(run_dir: Path) -> list[Path]:
     """The complete checkpoints of a run directory, oldest first."""
-    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("v[0-9]*")
-                  if p.suffix != ".partial" and (p / STATE).is_file())
+    found = [p for p in (Path(run_dir) / "checkpoints").glob("v[0-9]*")
+             if CHECKPOINT_NAME.fullmatch(p.name) and (p / STATE).is_file()]
+    return sorted(found, key=lambda p: int(p.name[1:]))
 
 
 SFT_COUNTER = "sft_chunks"  # the counter only `hpcvla sft` checkpoints have
@@ -58,6 +64,33 @@ def run_and_checkpoint(path: Path) -> tuple[Path, Path | None]:
     return path, None
 
 
+def resume_problems(resume: str, sft: bool, last: tuple[str, int]) -> list[tuple[str, Any, str]]:
+    """What stops a run resuming from `resume` (run.resume), as (field, value, what is
+    valid): `sft`, whether `hpcvla sft` resumes it (else `train`); `last` (its setting, value),
+    the version the resumed run is to reach."""
+    run, checkpoint = run_and_checkpoint(Path(resume))
+    if checkpoint is not None:  # the run would be written inside the checkpoint
+        return [("run.resume", resume, f"a run directory ({run}), not one of its checkpoints: "
+                 "a run resumes from its newest; to go back to an older one, move the newer "
+                 "ones out of its checkpoints/ first")]
+    path = latest(resume)
+    try:
+        version = read_state(path)["version"] if path else None
+    except CheckpointError as err:
+        return [("run.resume", resume, f"a readable checkpoint: {err}")]
+    if version is None:
+        return [("run.resume", resume, "a run directory holding a complete checkpoint "
+                 "(checkpoints/v*/state.json)")]
+    if path is not None and by_sft(path) != sft:
+        wanted, found = ("an `hpcvla sft` run's", "a training run's") if sft else \
+            ("a training run's", "an `hpcvla sft` run's")
+        return [("run.resume", resume, f"{wanted} directory (this is {found}); to start "
+                 "from its weights: policy.checkpoint=<it>")]
+    if version >= last[1]:
+        return [(last[0], last[1], f"more than the resumed checkpoint's {version}")]
+    return []
+
+
 def read_state(path: Path) -> dict:
     """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
     wrong."""
@@ -75,7 +108,16 @@ def read_state(path: Path) -> dict:
     missing = sorted(set(STATE_KEYS) - set(state))
     if missing:
         raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "
-                              f"damaged (use an older checkpoint in {path.parent})")
+                              f"damaged (move this checkpoint out of {path.parent}: the one "
+                              "before it is then the newest)")
+    if CHECKPOINT_NAME.fullmatch(path.name) and state["version"] != int(path.name[1:]):
+        raise CheckpointError(f"{path / STATE}: version {state['version']!r} in a checkpoint "
+                              f"named {path.name}; the file is damaged")
+    bad = [entry for entry in state["optimizer"] if not isinstance(entry, dict)
+           or not {"file", "sha256"} <= set(entry)]
+    if bad:
+        raise CheckpointError(f"{path / STATE}: optimizer entries without file and sha256 "
+                              f"({bad[0]!r}); the file is damaged")
     for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
         if not (path / name).is_file():  # cheap here; contents are checked when loaded
             raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete")

@@ -63,6 +63,7 @@ class Writer:
         self.background = background
         self._thread: threading.Thread | None = None
         self._outcome: list = [None, None]  # [directory, exception]
+        self._final: Path | None = None  # the checkpoint being written
 
     def save(self, run_dir: Path, engine, weights: dict[str, torch.Tensor] | None,
              version: int, counters: dict, learners, keep: int,
@@ -74,6 +75,7 @@ class Writer:
         rank, size = learners.Get_rank(), learners.Get_size()
         final = checkpoint_dir(run_dir, version)
         partial = final.with_name(final.name + ".partial")
+        self._final = final
         if rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True)
@@ -101,8 +103,11 @@ class Writer:
             self._thread = None
         final, error = self._outcome
         self._outcome = [None, None]
-        if error is not None:
-            raise CheckpointError(f"writing the checkpoint failed: {error!r}") from error
+        if error is not None:  # the newest complete checkpoint stays as it was
+            raise CheckpointError(f"writing checkpoint {self._final} failed: {error!r} (a "
+                                  "run needs room for learner.checkpoint_keep + 1 "
+                                  "checkpoints: the oldest goes after the new one is "
+                                  "whole)") from error
         return final
 
     def _write(self, partial, final, rank, size, tensors, mine, state, keep):
@@ -163,7 +168,8 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
     _fsync_dir(partial)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
-    for old in sorted(p for p in final.parent.glob("v[0-9]*") if p.suffix != ".partial")[:-keep]:
+    _fsync(final.parent)  # the rename is on disk before an older checkpoint goes
+    for old in complete(final.parent.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -296,9 +302,14 @@ class _FragmentReader:
 
 
 def _fsync_dir(path: Path) -> None:
+    """Every file of the directory `path`, then the directory itself, on disk."""
     for item in [*path.iterdir(), path]:
-        fd = os.open(item, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(item)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
