@@ -15,7 +15,9 @@ ZeRO stage resumes from it, each learner reading the ranges its new partition ne
 resumed state equals the saved one, re-partitioned. Weights are saved in the dtype the
 learners train in (bf16 stays bf16: safetensors holds it, numpy could not); the fp32 masters a
 bf16 learner steps are in the optimizer files, so a resumed run goes on from the exact masters.
-On the same learner count each learner also gets its RNG back, and the resume is bit-exact.
+On the same learner count each learner also gets its torch RNG back; the run after a resume is
+not bit-identical to an unbroken one (the other ranks' and the envs' streams start again from
+run.seed: docs/outputs.md).
 """
 
 from __future__ import annotations

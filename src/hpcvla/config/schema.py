@@ -39,9 +39,10 @@ class RunConfig:
         "(docs/learning.md, \"What a seed fixes\"). 0 .. 2^32 - 1.", ge=0, le=2**32 - 1)
     resume: str = setting(
         "", "Continue the run in this run directory from its newest checkpoint (weights, "
-        "optimizer, RNG, policy version, counters) up to pipeline.total_updates; the run "
-        "writes on into that directory. Empty: a new run. Trajectories in flight when the "
-        "checkpoint was written are not resumed (they were never trained).", paths=True)
+        "optimizer, learners' RNG, policy version, counters) up to "
+        "pipeline.total_updates; the run writes on into that directory. Empty: a new run. "
+        "Trajectories in flight when the checkpoint was written are not resumed (they were "
+        "never trained).", paths=True)
     dump_trajectories: bool = setting(
         False, "Write every episode the producer (inference) ranks send to the learners to "
         "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
