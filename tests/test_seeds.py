@@ -39,6 +39,28 @@ def test_every_env_of_a_run_has_its_own_seed(tmp_path, config, overrides, world)
     assert all(0 <= s < 2 ** 63 for s in seeds)  # fits an int64 (HDF5 attributes, numpy)
 
 
+@pytest.mark.mpi
+def test_a_resumed_world_draws_new_streams(tmp_path):
+    """A world resumed at version V seeds its ranks and envs with V too: before, each env
+    replayed its first initial states (and each rank its sampling noise) at every resume.
+    Between two worlds of one run every env seed differs; a new run's stay as they were."""
+    from helpers import hpcvla, run_train
+    _, _, run_dir = run_train(tmp_path, "pipeline.total_updates=2",
+                              config="configs/colocated.yaml", ranks=2)
+    first = json.loads((run_dir / "rng_seeds.json").read_text())
+    out = hpcvla("train", f"run.resume={run_dir}", "--ranks", 2, "pipeline.total_updates=3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    second = json.loads((run_dir / "rng_seeds.json").read_text())
+    assert (first["from_version"], second["from_version"]) == (0, 2)
+
+    def env_seeds_of(seeds):
+        return {e for r in seeds["ranks"].values() for s in r["env_shards"] for e in s["envs"]}
+    assert not env_seeds_of(first) & env_seeds_of(second)
+    assert first["ranks"]["0"]["torch"] != second["ranks"]["0"]["torch"]
+    cfg = load_config(run_dir / "config.yaml")
+    assert first["ranks"]["1"]["env_shards"][0]["seed"] == shard_seed(cfg, 1, 0)  # a new run's
+
+
 def test_envs_of_neighbouring_shards_start_apart():
     cfg = load_config(ROOT / "configs/default.yaml", [])
     first = [ReachEnv(2, seed=shard_seed(cfg, rank, shard)).reset()

@@ -16,6 +16,8 @@ episodes. Seeds are 63-bit (they fit an int64: HDF5 attributes, numpy arrays). T
 distinct tuples give distinct SeedSequence entropy, so distinct streams; the seeds
 themselves are then distinct but for a 63-bit hash collision (tests/test_seeds.py checks
 every layout's). `rng_seeds.json` in the run directory lists every rank's and env's seed.
+A world resumed at policy version V adds V to every part list above (`_resumed`): its streams
+are new ones, not the first world's again.
 
 Stream tags keep streams of different uses apart even where their numbers meet: the
 entropy of `env_rng` (env seed, _ENV_RNG) never equals that of `state_rng` (id,
@@ -32,7 +34,7 @@ import numpy as np
 from hpcvla.schedule import shards_of
 from hpcvla.topology.plan import SIM
 
-_SHARD, _ENV, _RESTART = 0x5A4D, 0xE4F, 0x4E57  # what a derived seed is for
+_SHARD, _ENV, _RESTART, _RESUMED = 0x5A4D, 0xE4F, 0x4E57, 0x2E5  # what a seed is for
 _ENV_RNG, _STATE_RNG = 0x51_0E, 0x5EAC4  # entropy tags of the env streams (module docstring)
 
 
@@ -42,30 +44,40 @@ def _seed(*parts: int) -> int:
     return int(word >> np.uint64(1))
 
 
-def rank_seeds(cfg, rank: int) -> dict[str, int]:
+def rank_seeds(cfg, rank: int, start: int = 0) -> dict[str, int]:
     """The seeds of `rank`'s torch and numpy global streams: independent across ranks and
-    runs (numpy's SeedSequence of (run.seed, rank)), a pure function of both."""
-    torch_seed, numpy_seed = np.random.SeedSequence([cfg.run.seed, rank]).generate_state(2)
+    runs (numpy's SeedSequence of (run.seed, rank[, start])), a pure function of them.
+    `start`: the policy version a resumed world starts from, so that it draws afresh."""
+    torch_seed, numpy_seed = np.random.SeedSequence(
+        [cfg.run.seed, rank, *_resumed(start)]).generate_state(2)
     return {"torch": int(torch_seed), "numpy": int(numpy_seed)}
 
 
-def seed_rank(cfg, rank: int, with_torch: bool = True) -> None:
+def _resumed(start: int) -> list[int]:
+    """The seed parts a world resumed at policy version `start` adds (none for a new run):
+    its streams are new ones, not the first world's again (each env's first initial states,
+    the ranks' sampling noise)."""
+    return [start, _RESUMED] if start else []
+
+
+def seed_rank(cfg, rank: int, with_torch: bool = True, start: int = 0) -> None:
     """Seed this rank's numpy and (`with_torch`: a rank that runs the policy) torch streams."""
-    seeds = rank_seeds(cfg, rank)
+    seeds = rank_seeds(cfg, rank, start)
     if with_torch:
         import torch  # here: the envs import this module, and env workers import no torch
         torch.manual_seed(seeds["torch"])  # the policy's action sampling
     np.random.seed(seeds["numpy"])
 
 
-def shard_seed(cfg, rank: int, shard: int) -> int:
-    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it)."""
-    return _seed(cfg.run.seed, rank, shard, _SHARD)
+def shard_seed(cfg, rank: int, shard: int, start: int = 0) -> int:
+    """Seed of env shard `shard` of simulator rank `rank` (its envs derive theirs from it),
+    in a world started at policy version `start` (rank_seeds)."""
+    return _seed(cfg.run.seed, rank, shard, *_resumed(start), _SHARD)
 
 
-def colocated_seed(cfg, rank: int) -> int:
+def colocated_seed(cfg, rank: int, start: int = 0) -> int:
     """Seed of a colocated rank's envs: it simulates one shard, shard 0 of its rank."""
-    return shard_seed(cfg, rank, 0)
+    return shard_seed(cfg, rank, 0, start)
 
 
 def env_seeds(shard_seed: int, num_envs: int) -> list[int]:
@@ -89,16 +101,16 @@ def restart_seed(shard_seed: int, restarts: int) -> int:
     return _seed(shard_seed, restarts, _RESTART)
 
 
-def write_rng_seeds(cfg, plan, run_dir) -> None:
+def write_rng_seeds(cfg, plan, run_dir, start: int = 0) -> None:
     """rng_seeds.json in the run directory: every rank's RNG seeds, its env shards' seeds
-    and each of their envs' seeds."""
+    and each of their envs' seeds (of the world started at policy version `start`)."""
     ranks = {}
     for r, placed in enumerate(plan.ranks):
-        entry = rank_seeds(cfg, r)
+        entry = rank_seeds(cfg, r, start)
         if plan.mode == "colocated":
-            shards = [colocated_seed(cfg, r)]
+            shards = [colocated_seed(cfg, r, start)]
         elif SIM in placed.roles:
-            shards = [shard_seed(cfg, r, s) for s in range(shards_of(cfg))]
+            shards = [shard_seed(cfg, r, s, start) for s in range(shards_of(cfg))]
         else:
             shards = []
         if shards:
@@ -107,4 +119,4 @@ def write_rng_seeds(cfg, plan, run_dir) -> None:
                                    for s in shards]
         ranks[str(r)] = entry
     (run_dir / "rng_seeds.json").write_text(json.dumps(
-        {"run.seed": cfg.run.seed, "ranks": ranks}, indent=1))
+        {"run.seed": cfg.run.seed, "from_version": start, "ranks": ranks}, indent=1))

@@ -16,8 +16,8 @@ resumed state equals the saved one, re-partitioned. Weights are saved in the dty
 learners train in (bf16 stays bf16: safetensors holds it, numpy could not); the fp32 masters a
 bf16 learner steps are in the optimizer files, so a resumed run goes on from the exact masters.
 On the same learner count each learner also gets its torch RNG back; the run after a resume is
-not bit-identical to an unbroken one (the other ranks' and the envs' streams start again from
-run.seed: docs/outputs.md).
+not bit-identical to an unbroken one (the resumed world's ranks and envs draw new streams:
+seeds.py, docs/outputs.md).
 """
 
 from __future__ import annotations

@@ -105,12 +105,15 @@ def runs_policy(roles: tuple[str, ...]) -> bool:
 def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> Rank:
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
-    seed_rank(cfg, rank, with_torch=runs_policy(roles))  # each rank explores with its own noise
+    resume = catalog.latest(run_dir) if cfg.run.resume else None
+    saved = catalog.read_state(resume) if resume else {"version": 0}
+    first = saved["version"]  # a resumed world's streams are new ones (seeds.py)
+    seed_rank(cfg, rank, with_torch=runs_policy(roles), start=first)  # each its own noise
     # The policy ranks have just imported torch (seconds); the others wait here asleep, not
     # in rank_device's blocking collectives, which spin and take the cores they need.
     idle_barrier(world)  # [dist]
     if rank == 0:
-        write_rng_seeds(cfg, plan, run_dir)
+        write_rng_seeds(cfg, plan, run_dir, first)
     device = rank_device(cfg, [r.roles for r in plan.ranks], world)  # [dist] a GPU each
     devices = world.allgather(device)  # [dist]
     if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
@@ -144,7 +147,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     shard_envs: list[VectorEnv] = []
     if builds_envs:  # (colocated: its loop builds them)
-        shard_envs, told = simulator_envs(cfg, plan, world, source)
+        shard_envs, told = simulator_envs(cfg, plan, world, source, first)
         spec = spec or told
         phases.mark("envs_built")
     assert spec is not None
@@ -162,9 +165,6 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
                         cfg.pipeline.progress_every_s, enabled=is_root,
                         learners=len(plan.learners),
                         board=RunBoard(run_dir, cfg.run, asdict(cfg)) if is_root else None)
-    resume = catalog.latest(run_dir) if cfg.run.resume else None
-    saved = catalog.read_state(resume) if resume else {"version": 0}
-    first = saved["version"]
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
                           first_version=first, dtype=dtype or root_dtype)
     if resume and is_root:
@@ -175,11 +175,12 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
                 device, on_gpus, timeline, progress, resume, first, summary, shard_envs)
 
 
-def simulator_envs(cfg: Config, plan: RankPlan, world: MPI.Comm, source: int | None
-                   ) -> tuple[list[VectorEnv], EnvSpec | None]:
-    """A simulator rank's envs; and the env spec where a simulator tells it (`spec_source`):
-    the source sends its first env's to every other rank as soon as that env is built, the
-    other simulators receive it once theirs are."""
+def simulator_envs(cfg: Config, plan: RankPlan, world: MPI.Comm, source: int | None,
+                   start: int = 0) -> tuple[list[VectorEnv], EnvSpec | None]:
+    """A simulator rank's envs (of a world started at policy version `start`); and the env
+    spec where a simulator tells it (`spec_source`): the source sends its first env's to
+    every other rank as soon as that env is built, the other simulators receive it once
+    theirs are."""
     rank = world.Get_rank()
     sends: list[MPI.Request] = []
 
@@ -187,7 +188,7 @@ def simulator_envs(cfg: Config, plan: RankPlan, world: MPI.Comm, source: int | N
         sends.extend(world.isend(env.spec, dest=r, tag=SPEC_TAG)
                      for r in range(world.Get_size()) if r != rank)
     envs = build_shards(cfg, rank_schedule(cfg, plan, rank).shards, rank,
-                        first_built=tell if rank == source else None)
+                        first_built=tell if rank == source else None, start=start)
     for request in sends:
         wait_request(request, "the env spec's sends")  # [dist]
     if source is None:

@@ -41,14 +41,16 @@ def slot_dtypes(spec: EnvSpec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]
 
 
 def build_shards(cfg: Config, shards: int, rank: int,
-                 first_built: Callable[[VectorEnv], object] | None = None) -> list[VectorEnv]:
-    """Simulator rank `rank`'s envs in `shards` shards of equal size, each with its seed and
-    run-wide env ids; `first_built(env)` as soon as the first shard is (the rank that tells
-    the others the env's spec sends it then)."""
+                 first_built: Callable[[VectorEnv], object] | None = None,
+                 start: int = 0) -> list[VectorEnv]:
+    """Simulator rank `rank`'s envs in `shards` shards of equal size, each with its seed (of
+    a world started at policy version `start`) and run-wide env ids; `first_built(env)` as
+    soon as the first shard is (the rank that tells the others the env's spec sends it)."""
     per_shard = cfg.env.envs_per_simulator // shards
     envs = []
     for shard in range(shards):
-        envs.append(make_envs(cfg, per_shard, shard_seed(cfg, rank, shard), latency_sleep=False,
+        envs.append(make_envs(cfg, per_shard, shard_seed(cfg, rank, shard, start),
+                              latency_sleep=False,
                               first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
                               owner=f"rank {rank} (simulator)"))
         if shard == 0 and first_built is not None:
