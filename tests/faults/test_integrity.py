@@ -182,3 +182,30 @@ def test_random_bytes_are_refused(noise):
     for buf in (np.frombuffer(noise, np.uint8), RECORD[:len(noise) % RECORD.nbytes]):
         with pytest.raises(records.RecordError):
             records.decode(buf)
+
+
+def test_one_world_at_a_time_writes_a_run(tmp_path):
+    """Rank 0 holds RUN_DIR/.lock for its world's life: a second claim (another world
+    resuming the same run) is refused once its wait is over, naming the run; the kernel
+    releases the lock however the holder ends (here: the holding process exits). The claim
+    removes the .partial checkpoints an ended world left (they were never removed, tens of
+    GB each at full size)."""
+    import subprocess
+    import sys
+    partial = tmp_path / "checkpoints" / "v000009.partial"
+    partial.mkdir(parents=True)
+    (partial / "optimizer.rank0.safetensors").write_bytes(b"x" * 100)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom hpcvla.checkpoint.catalog import "
+         f"hold_run\nhold_run({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not partial.exists()
+        with pytest.raises(catalog.CheckpointError, match=f"{tmp_path} is in use: another "
+                           "world's rank 0 holds its .lock"):
+            catalog.hold_run(tmp_path, wait_s=1.5)
+    finally:
+        holder.kill()
+        holder.wait()
+    catalog.hold_run(tmp_path)  # released with its holder

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -155,5 +156,47 @@ def verify_file(path: Path, expected: str) -> None:
     if not path.is_file():
         raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
     if sha256(path) != expected:
-        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupted (use an "
-                              f"older checkpoint in {path.parent.parent})")
+        raise CheckpointError(f"{path}: checksum mismatch; the file is corrupted (move "
+                              f"{path.parent.name} out of {path.parent.parent}: the one "
+                              "before it is then the newest)")
+
+
+_held: list = []  # the run directory's lock, held for the life of the process
+
+
+def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
+    """Rank 0's claim on the run directory for the life of the world: an exclusive lock on
+    RUN_DIR/.lock (released by the kernel however the process ends), so a second world
+    resuming the same run is refused (two would interleave their checkpoints and wait on
+    each other's files); then the `.partial` checkpoints an ended world left go. A lock
+    still held is waited for up to `wait_s`: a node that died holding it keeps it on a
+    network file system until the server's lease ends (NFSv4: 90 s), which a restart on the
+    nodes left must outwait. A file system without locks leaves the run unclaimed."""
+    import fcntl
+    import sys
+    import time
+    handle = open(Path(run_dir) / ".lock", "a")
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                handle.close()
+                raise CheckpointError(
+                    f"{run_dir} is in use: another world's rank 0 holds its .lock (two "
+                    "worlds writing one run would mix their checkpoints); wait for that "
+                    "job to end") from None
+            if not said:
+                print(f"[hpcvla] waiting up to {wait_s:.0f} s for {run_dir}/.lock: another "
+                      "world holds it, or a dead node whose lock the file server has not "
+                      "released yet", file=sys.stderr, flush=True)
+                said = True
+            time.sleep(1.0)
+        except OSError:  # no locks on this file system (Lustre without -o flock)
+            handle.close()
+            return
+    _held.append(handle)
+    for partial in (Path(run_dir) / "checkpoints").glob("v*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)

@@ -133,6 +133,8 @@ def train_main(cfg, plan, comms) -> None:
     world = comms.world
     run_dir = create_run_dir(cfg, world)
     if world.Get_rank() == 0:
+        from hpcvla.checkpoint.catalog import hold_run  # no torch: rank 0 may simulate
+        hold_run(run_dir)  # one world at a time writes a run
         changed = write_run_config(cfg, run_dir)
         if changed:
             print("[hpcvla] resumed with settings changed since the run last ran: "
