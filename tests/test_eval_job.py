@@ -100,7 +100,7 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
                                "name or shape than the run's config gives"),
     ("env.chunk_len=2", True, "the overrides change the run's start"),
     ("policy.hidden=64", False, "expected weights the configured policy takes (policy.*, env.* "
-                                "and algorithm.* shape it): "),  # the checkpoint's would not load
+                                "and algorithm.* shape it), or an undamaged file"),  # won't load
 ])
 def test_eval_overrides_that_would_not_act_are_refused(default_run, capsys, override,
                                                        untrained, named):

@@ -146,7 +146,7 @@ def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = Fals
                   rl_only_names(policy) if heads_may_lack else frozenset())
     except ValueError as err:  # an unreadable header, or a CheckpointError of the fit
         return (f"weights the configured policy takes (policy.*, env.* and algorithm.* shape "
-                f"it): {err}")
+                f"it), or an undamaged file (its sha256 is checked as it loads): {err}")
     return ""
 
 
