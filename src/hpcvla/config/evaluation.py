@@ -13,11 +13,11 @@ class EvalConfig:
         "hpcvla", "The protocol of `hpcvla eval` and of eval.every's held-out evaluation. "
         "`hpcvla`: the env's first --episodes evaluation states at the config's horizon. "
         "`libero` (env.name=libero): LIBERO's benchmark as openpi's and OpenVLA(-OFT)'s "
-        "evaluation scripts run it (LIBERO's own: 600 steps, 20 trials): every task of env.suite (or eval.tasks) "
-        "in turn, its fixed initial states (eval.states_per_task of 50), the suite's step "
-        "limit (spatial 220, object 280, goal 300, libero_10 520, libero_90 400), 10 settle "
-        "steps, success when the task is first done; --episodes (eval.episodes) is then "
-        "ignored.",
+        "evaluation scripts run it (LIBERO's own: 600 steps, 20 trials): every task of "
+        "env.suite (or eval.tasks) in turn, its fixed initial states (eval.states_per_task "
+        "of 50), the suite's step limit (spatial 220, object 280, goal 300, libero_10 520, "
+        "libero_90 400), 10 settle steps, success when the task is first done; --episodes "
+        "(eval.episodes) is then ignored.",
         choices=("hpcvla", "libero"))
     states_per_task: int = setting(
         50, "eval.protocol=libero: the first this many fixed initial states of every task "
