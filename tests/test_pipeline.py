@@ -347,9 +347,10 @@ def test_a_rank_that_hangs_at_the_end_is_the_one_its_peers_do_not_hear_from(tmp_
                 stopped = {"rank": 1, "pid": rank_pid(f"run.root={tmp_path}", 1)}
                 os.kill(stopped["pid"], signal.SIGSTOP)
                 break
+        assert stopped, "".join(out)[-3000:]  # the last version's line never came
         time.sleep(2.5)
         os.kill(stopped["pid"], signal.SIGCONT)
-        out += proc.communicate(timeout=120)[0]
+        out.append(proc.communicate(timeout=120)[0])
     finally:
         if stopped and proc.poll() is None:  # on failure: let it end
             os.kill(stopped["pid"], signal.SIGCONT)
@@ -372,8 +373,8 @@ def test_a_stop_signal_after_the_run_is_done_leaves_it_done(tmp_path):
                              "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=50"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    out, mpiexec = [], []
     try:
-        out = []
         for line in proc.stdout:
             out.append(line)
             if "[hpcvla] done:" in line:
@@ -382,7 +383,7 @@ def test_a_stop_signal_after_the_run_is_done_leaves_it_done(tmp_path):
                 for pid in mpiexec:
                     os.kill(pid, signal.SIGTERM)
                 break
-        out += proc.communicate(timeout=120)[0]
+        out.append(proc.communicate(timeout=120)[0])
     finally:
         proc.kill()
     assert mpiexec and proc.returncode == 0, "".join(out)[-3000:]
