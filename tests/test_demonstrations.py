@@ -84,6 +84,19 @@ def test_maniskill_file_reads_into_the_spec():
     np.testing.assert_array_equal(demos.actions[5, 2], actions0[7])
 
 
+def test_maniskill_demos_from_evaluation_seeds_are_named_once(capsys, monkeypatch):
+    """ManiSkill's own demo scripts record from reset seeds 0, 1, 2, ...: hpcvla's ManiSkill
+    evaluation states. A file of them is read, and said so, once per process."""
+    from hpcvla.demonstrations import maniskill
+    monkeypatch.setattr(maniskill, "_warned", set())
+    spec = maniskill_spec()
+    assert demonstration_problems(MS_MAIN, spec) == []
+    read_demonstrations(MS_MAIN, spec)
+    err = capsys.readouterr().err
+    assert err.count("3 of 3 episodes start from reset seeds 0, 1, 2, ManiSkill states "
+                     "hpcvla evaluates on") == 1, err
+
+
 def test_maniskill_state_mode_file_gives_the_same_state():
     """obs_mode=state (obs is the flat vector) and rgb+state (obs/state) are the same vector:
     the same seed and scripted actions recorded both ways."""

@@ -78,6 +78,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
         problems.add(meta_path, "env_info.env_kwargs.control_mode", mode,
                      f"{want} (env.control_mode); {convert}, or set env.control_mode={mode}")
     instruction = describe(env_id)
+    _warn_evaluation_seeds(meta_path, meta["episodes"])
     episodes = []
     for name in sorted((n for n in f if n.startswith("traj_")),
                        key=lambda n: int(n.rsplit("_", 1)[-1])):
@@ -122,6 +123,31 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                                 bool(success[-1]) if success is not None and len(success)
                                 else bool(info.get("success", False))))
     return episodes
+
+
+_warned: set[str] = set()  # files said once per process (a command scans them again)
+
+
+def _warn_evaluation_seeds(meta_path: Path, episodes: list) -> None:
+    """Say (once per file) which episodes start from reset seeds below EVAL_STATE_IDS: the
+    states hpcvla evaluates ManiSkill on (envs/maniskill.py), where ManiSkill's own demo
+    scripts start counting. Not refused: they are the demonstrations users have."""
+    import sys
+
+    from hpcvla.envs.base import EVAL_STATE_IDS
+    seeds = []
+    for e in episodes:
+        seed = e.get("episode_seed", (e.get("reset_kwargs") or {}).get("seed")) \
+            if isinstance(e, dict) else None
+        if isinstance(seed, int) and seed < EVAL_STATE_IDS:
+            seeds.append(seed)
+    if seeds and str(meta_path) not in _warned:
+        _warned.add(str(meta_path))
+        shown = ", ".join(map(str, seeds[:5])) + (", ..." if len(seeds) > 5 else "")
+        print(f"[hpcvla] {meta_path}: {len(seeds)} of {len(episodes)} episodes start from "
+              f"reset seeds {shown}, ManiSkill states hpcvla evaluates on: a held-out "
+              "figure after training on them is not held out (`hpcvla demos` records from "
+              "the training states)", file=sys.stderr, flush=True)
 
 
 def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
