@@ -133,12 +133,16 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _terminated_with(parent: int):
-    """A preexec_fn: the child gets SIGTERM when `parent` dies (Linux; elsewhere nothing)."""
+    """A preexec_fn: the child gets SIGTERM when `parent` dies (Linux; elsewhere nothing).
+    prctl is looked up here, before the fork: the child of a process with threads (torch's)
+    must not dlopen, only call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
     def arm() -> None:
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):
-            return
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent:  # it died before the call: nobody would send it
             os.kill(os.getpid(), signal.SIGTERM)
     return arm
