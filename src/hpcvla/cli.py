@@ -39,8 +39,8 @@ from pathlib import Path
 import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
-from hpcvla.config import (ConfigError, config_source, last_run_config, load_config,
-                           whole_number)
+from hpcvla.config import (ConfigError, config_argument, config_source, last_run_config,
+                           load_config, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
@@ -181,10 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides += extra
-    if getattr(args, "config_optional", False) and args.config and "=" in args.config \
-            and not Path(args.config).is_file():  # `hpcvla train a.b=1`: the built-in defaults
-        args.overrides.insert(0, args.config)
-        args.config = None
+    if getattr(args, "config_optional", False):  # `hpcvla train a.b=1`: the built-in defaults
+        args.config, args.overrides = config_argument(args.config, args.overrides)
     try:
         check_not_nested(getattr(args, "ranks", None))  # --ranks inside srun/mpirun's world
         return COMMANDS[args.command](args)

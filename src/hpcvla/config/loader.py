@@ -42,6 +42,15 @@ def config_source(path: str | Path | None, overrides: list[str] = ()) -> str:
     return f"{path} with its command-line overrides" if overrides else str(path)
 
 
+def config_argument(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """A command's optional CONFIG argument and its overrides as load_config takes them: a
+    first argument that is an override, not a file (`hpcvla train a.b=1`), is one of the
+    overrides over the built-in defaults."""
+    if config and "=" in config and not Path(config).is_file():
+        return None, [config, *overrides]
+    return config, overrides
+
+
 def whole_number(least: int):
     """An argparse type for a command-line count: a whole number >= `least`; argparse refuses
     anything else, naming the flag (exit 2)."""

@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 from hpcvla.checkpoint.catalog import latest, read_state
-from hpcvla.config import ConfigError, load_config
+from hpcvla.config import ConfigError, config_argument, load_config
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -164,11 +164,8 @@ def _main(argv=None) -> None:
     if args.what == "newest-version":
         print(newest_version(args.run_root))
         return
-    if args.config and "=" in args.config and not Path(args.config).is_file():
-        args.overrides.insert(0, args.config)  # overrides only, as `hpcvla train a.b=1` takes
-        args.config = None
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(*config_argument(args.config, args.overrides))
         if args.what == "checkpoint-every":
             print(cfg.learner.checkpoint_every)
         elif args.what == "auto":
