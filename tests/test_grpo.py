@@ -191,11 +191,21 @@ def test_the_setting_reaches_the_learners_loss(mean_over, pg_loss):
     """Through the learner's `policy_loss` on fresh data (ratio and weight 1): a group whose
     success ends at its first step and whose failure runs all 4, A = +1 / -1."""
     from hpcvla.algorithms.objective import policy_loss
+    cfg, policy, _, _, batch = _success_and_failure_group(
+        [f"algorithm.group_loss_mean={mean_over}"])
+    _, stats, _ = policy_loss(cfg.algorithm, policy, batch)
+    assert stats["pg_loss"] == pytest.approx(pg_loss, abs=1e-4)
+
+
+def _success_and_failure_group(overrides=()):
+    """GRPO on default.yaml and a fresh 4-step batch of 2 envs (ratio and weight 1): column 0
+    succeeds at its first step (its restarted episode is in no group), column 1 fails at the
+    end. Returns the config, the policy, its observations and act output, the batch."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     cfg = load_config(ROOT / "configs/default.yaml", [
         "algorithm.name=grpo", "algorithm.group_size=2", "env.max_episode_chunks=8",
-        f"algorithm.group_loss_mean={mean_over}"])
+        *overrides])
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec)
     T, N = 4, 2
@@ -209,37 +219,21 @@ def test_the_setting_reaches_the_learners_loss(mean_over, pg_loss):
                  logprob=out.logprob.numpy().reshape(T, N), done=done, success=done.copy(),
                  env_fault=np.zeros((T, N), bool))
     batch["success"][-1, 1] = False
-    _, stats, _ = policy_loss(cfg.algorithm, policy, batch)
-    assert stats["pg_loss"] == pytest.approx(pg_loss, abs=1e-4)
+    return cfg, policy, obs, out, batch
 
 
 def test_the_entropy_bonus_covers_the_steps_the_policy_gradient_keeps():
     """GRPO's entropy term is averaged over the steps of kept episodes only: column 0's
     first episode ends at step 0, and its restarted episode (steps 1-3) is in no group."""
     from hpcvla.algorithms.objective import policy_loss
-    from hpcvla.envs import env_spec
-    from hpcvla.factory import build_policy
-    cfg = load_config(ROOT / "configs/default.yaml", [
-        "algorithm.name=grpo", "algorithm.group_size=2", "env.max_episode_chunks=8"])
-    spec = env_spec(cfg.env)
-    policy = build_policy(cfg, spec)
-    T, N = 4, 2
-    obs, _ = policy_batch(spec, T * N)
-    with torch.no_grad():
-        out = policy.act(obs)
+    cfg, policy, obs, out, batch = _success_and_failure_group()
+    T, N = batch["done"].shape
     scale = torch.arange(1.0, T * N + 1)  # this policy's entropy is the same at every step
 
     def model(obs, actions):  # the policy, its entropy made to differ step by step
         logprob, value, entropy = policy.evaluate(obs, actions)
         return logprob, value, entropy * scale.reshape(-1, *[1] * (entropy.dim() - 1))
     model.device = policy.device
-    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
-    done = np.zeros((T, N), bool)
-    done[0, 0] = done[-1, 1] = True
-    batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
-                 logprob=out.logprob.numpy().reshape(T, N), done=done, success=done.copy(),
-                 env_fault=np.zeros((T, N), bool))
-    batch["success"][-1, 1] = False
     _, stats, _ = policy_loss(cfg.algorithm, model, batch)
     with torch.no_grad():
         per_step = model(obs, out.actions)[2].reshape(T, N, -1).sum(-1)
