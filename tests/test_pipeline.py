@@ -1,6 +1,7 @@
 """The asynchronous pipeline: every mode end to end with DeepSpeed learners, the batcher's
 decisions, the staleness bound under a slow learner, and env-step accounting."""
 
+import contextlib
 import json
 import os
 import re
@@ -362,6 +363,39 @@ def test_a_rank_that_hangs_at_the_end_is_the_one_its_peers_do_not_hear_from(tmp_
     own = [line for line in said if line.startswith(f"hpcvla: rank {stopped['rank']} ")]
     # stopped inside a wait, it says (once) that the time it was stopped has passed
     assert len(own) <= 1 and len(said) - len(own) >= 2, text[-3000:]
+
+
+@pytest.mark.mpi
+def test_a_simulator_that_hangs_mid_run_is_named_before_the_learner_gives_up(tmp_path):
+    """A simulator stopped (SIGSTOP) mid-run, outside any env step (its watchdog sees
+    nothing): its inference rank names it at half pipeline.stall_timeout_s, and then the
+    learner's stall abort takes the job down. ~6 s."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
+                             "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=2000",
+                             "pipeline.stall_timeout_s=3"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    pid = None
+    try:
+        out = []
+        for line in proc.stdout:
+            out.append(line)
+            if "[hpcvla] update " in line:  # rank 1: a simulator (default.yaml's plan)
+                pid = rank_pid(f"run.root={tmp_path}", 1)
+                os.kill(pid, signal.SIGSTOP)
+                break
+        assert pid, "".join(out)[-3000:]
+        out.append(proc.communicate(timeout=60)[0])
+    finally:
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+    text = "".join(out)
+    assert proc.returncode != 0, text[-3000:]
+    named = text.find("simulator rank(s) [1] have not asked for actions")
+    abort = text.find("no trajectory for 3 s")
+    assert 0 <= named < abort, text[-3000:]
+    assert "[2]" not in text[named - 200:abort], text[-3000:]  # the other simulator asks on
 
 
 @pytest.mark.mpi

@@ -83,6 +83,7 @@ class InferenceServer:
         self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
         self.rank, self.patience_s = setup.rank, setup.cfg.pipeline.stall_timeout_s
+        self.silence = SilentSimulators(exchange, self.rank, self.patience_s / 2)
         self.version_at, self.said = time.monotonic(), 0  # the last new version: when, notices
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
@@ -102,11 +103,13 @@ class InferenceServer:
         while len(stopped) < exchange.n_slots:
             for slot in exchange.pending():
                 batcher.add(slot, self.n)
+                self.silence.asked(slot)
+            self.silence.check()
             if loader.plane.finished():  # the learners are done: release every shard
                 for slot in batcher.take():
                     exchange.request_actions(slot)["stop"] = 1
                     exchange.respond(slot)
-                    stopped.add(slot)
+                    stopped.add(slot)  # (not answered: its simulator asks no more)
                 self._still_waiting(lambda: self._not_stopped(stopped))
                 backoff.wait()
                 continue
@@ -172,6 +175,7 @@ class InferenceServer:
                 exchange.request_actions(slot)["actions"][...] = actions[i * n:(i + 1) * n]
                 exchange.request_actions(slot)["stop"] = 0
                 exchange.respond(slot)
+            self.silence.answered(slots)
         self.stats["forward_passes" if slots else "value_passes"] += 1
         self.stats["batch_envs"] += len(slots) * n  # answered env steps
         self.stats["held_valued"] += len(held) * n
@@ -210,6 +214,40 @@ class InferenceServer:
         return eligible(self.batcher.queued(), lambda s: builders[s].t == 0 or builders[s].full,
                         self.n, self.loader.version, self.max_staleness, self.quota,
                         self.stats["segments_started"])
+
+
+class SilentSimulators:
+    """Slots answered (at the start: expected) longer than `limit_s` ago and not asked since:
+    their simulators are stopped, lost, or stuck outside an env step (a hung step is named
+    by its own watchdog, env.step_timeout_s). Said once per silence, naming the simulator
+    ranks, at half pipeline.stall_timeout_s: before the learner's stall abort, which sees
+    only that trajectories stopped coming."""
+
+    def __init__(self, exchange: ObsActionExchange, rank: int, limit_s: float):
+        self.exchange, self.rank, self.limit_s = exchange, rank, limit_s
+        self.since = np.full(exchange.n_slots, time.monotonic())  # inf: a request is queued
+        self.said = np.zeros(exchange.n_slots, dtype=bool)
+        self.checked = 0.0
+
+    def asked(self, slot: int) -> None:
+        self.since[slot], self.said[slot] = np.inf, False
+
+    def answered(self, slots: Sequence[int]) -> None:
+        self.since[list(slots)] = time.monotonic()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now - self.checked < 1.0:  # a second's resolution is plenty, and costs nothing
+            return
+        self.checked = now
+        silent = np.nonzero((now - self.since > self.limit_s) & ~self.said)[0]
+        if len(silent):
+            self.said[silent] = True
+            waited = now - self.since[silent].max()
+            print(f"hpcvla: rank {self.rank} (inference): simulator rank(s) "
+                  f"{self.exchange.world_ranks(silent.tolist())} have not asked for actions "
+                  f"for {waited:.0f} s or more (half pipeline.stall_timeout_s): stopped, "
+                  f"lost, or stuck outside an env step", file=sys.stderr, flush=True)
 
 
 def _gather(exchange: ObsActionExchange, slots: Sequence[int], keys: Iterable[str],

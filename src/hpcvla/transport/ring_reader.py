@@ -138,8 +138,9 @@ class RingReader:
                      "progress or network problem between producer and learner hosts")
         else:
             cause = (f"all {sum(self.next)} fragment(s) started were delivered and no "
-                     f"producer has tried to write since (stuck upstream: simulators, "
-                     f"inference, the layout), or their first request never reached this "
+                     f"producer has tried to write since (stuck upstream: simulators — an "
+                     f"inference rank names above any that stopped asking —, inference, "
+                     f"the layout), or their first request never reached this "
                      f"host (network)")
         return f"ring ({'spans hosts' if ring.spans_hosts else 'one host'}, progress " \
                f"{'thread' if ring.progress.running else 'on poll'}): {cause}. {per}{closed}"
