@@ -13,6 +13,7 @@ BLAS kernels sum in another order). So logits, log-probs and entropies are also 
 float64, against the reference's float64 rerun of the same weights (`f64.*`), to 1e-5.
 """
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -32,7 +33,7 @@ from hpcvla.policies.folders import read_tensors
 from hpcvla.policies.oft_checkpoint import (UNUSED, from_published, load_value_head,
                                             read_statistics, to_published)
 from hpcvla.policies.oft_processor import PROMPT
-from hpcvla.policies.oft_vision import pixel_values
+from hpcvla.policies.oft_vision import center_crop, pixel_values
 from hpcvla.factory import build_policy
 
 FIXTURES = Path(__file__).parent / "fixtures" / "oft"
@@ -111,6 +112,52 @@ def test_vision_features_are_the_references(io, rl):
             torch.testing.assert_close(features, io[f"{name}.s0.features"], rtol=0, atol=1e-5)
             torch.testing.assert_close(policy.projector(features), io[f"{name}.s0.projected"],
                                        rtol=0, atol=1e-5)
+
+
+def fine_image(side=256):
+    """make_crop_fixture.fine_image (integer arithmetic; the fixture holds its digest)."""
+    y, x = np.mgrid[0:side, 0:side].astype(np.int64)
+    r = 78 + ((x // 2 + y // 2) % 2) * 120 - 60 + 100 * x // (side - 1)
+    g = ((x - side // 2) ** 2 + (y - side // 2) ** 2) // 4 % 256
+    b = 40 + 150 * y // (side - 1) + 60 * (x % 7 == 3)
+    return np.stack([r, g, b], -1).astype(np.uint8)
+
+
+def test_centre_crop_is_ofts():
+    """OFT's center_crop_image (crop_io.npz, made by OFT's openvla_utils with tensorflow) to
+    the uint8 level on the images it crops; the whole path (hpcvla's bicubic resize, then the
+    crop) against OFT's without its JPEG round trip: within the resize kernels' difference
+    (measured: mean 1.28 / 2.94 levels, max 18 / 23; uncropped: mean 7.2 / 44)."""
+    def chw(image):  # (H, W, 3) uint8 -> (1, 3, H, W) float, as pixel_values holds it
+        return torch.from_numpy(np.asarray(image)).permute(2, 0, 1)[None].float()
+
+    ref = np.load(FIXTURES / "crop_io.npz")
+    assert hashlib.sha256(fine_image().tobytes()).hexdigest() == str(ref["fine256/input_sha256"])
+    for name, image, mean in (("libero", ref["libero/input"], 1.5), ("fine256", fine_image(), 3.5)):
+        for source in ("resized", "resized_nojpeg"):
+            cropped = ref[f"{name}/{source.replace('resized', 'cropped')}"]
+            assert torch.equal(center_crop(chw(ref[f"{name}/{source}"]), 0.9), chw(cropped))
+        for crop, far in ((0.9, False), (1.0, True)):
+            siglip = pixel_values([torch.from_numpy(image)[None]], 224, crop)[:, 3:]
+            ours = (siglip * 0.5 + 0.5) * 255  # SigLIP's normalization undone
+            assert (ours - ours.round()).abs().max() < 1e-4
+            error = (ours.round() - chw(ref[f"{name}/cropped_nojpeg"])).abs().mean()
+            assert (error > 5) if far else (error < mean), (name, crop, error)
+
+
+def test_centre_crop_is_a_setting_the_policy_reads(io):
+    """policy.center_crop reaches the policy (and the folder it saves) through the config and
+    crops what it sees from the env's images; areas outside (0, 1] are refused by name."""
+    obs, spec = env_obs(io)  # random init (no folder: fast); the crop is the same with one
+    policy = build_policy(config("", **{"policy.center_crop": 0.9}), spec).eval()
+    assert policy.center_crop == 0.9 and policy.init_args["center_crop"] == 0.9
+    with torch.no_grad():
+        pixels = pixel_values([obs["image"]], policy.vision_backbone.image_size, 0.9)
+        torch.testing.assert_close(policy._prefix(obs), policy.projector(
+            policy.vision_backbone(pixels)), rtol=0, atol=0)
+    for bad in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="policy.center_crop"):
+            config("", **{"policy.center_crop": bad})
 
 
 def test_rlinf_logits_values_and_greedy_actions(io, rl):

@@ -163,6 +163,16 @@ class PolicyConfig:
         "(RLinf's max_prompt_length; longer ones lengthen the batch). Padding is masked and "
         "positions skip it, so it changes only shapes: more costs compute, fewer varies "
         "them.", ge=1)
+    center_crop: float = setting(
+        1.0, "`oft`: the area fraction of OFT's centre crop (`--center_crop True` of its "
+        "LIBERO evaluation: 0.9): every camera image, resized to the towers' size, is "
+        "replaced by its centred square box of that area resampled back to full size "
+        "(bilinear, as OFT's tf.image.crop_and_resize), wherever the policy reads images: "
+        "acting, the learner's scoring, evaluation and `hpcvla sft` alike (so PPO ratios "
+        "compare the images actions were drawn from; no random crops). 0.9 for OFT's own "
+        "LIBERO fine-tunes (trained on random 90 % crops); 1: no crop (RLinf's LIBERO OFT "
+        "checkpoints and configs).",
+        ge=0.01, le=1.0)
 
 
 @dataclass

@@ -125,13 +125,17 @@ class OFTPolicy(VLAPolicy):
             L1-regression head; a folder holding its action_head--*.pt fixes it); l1 acts
             from a Gaussian around the head's output, with a learned std starting at
             exp(init_log_std).
+        center_crop: < 1: every camera image, wherever the policy reads one (acting,
+            scoring, evaluation), is OFT's evaluation centre crop of this area fraction
+            (oft_vision.center_crop; OFT's own augmented fine-tunes: 0.9); 1: no crop.
     """
 
     family = "oft"
     # our own folders: the RL heads may be fresh
     HF_KEY_MAP = (("value_head.", "rl.value_head."), ("log_std", "rl.log_std"))
     config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
-                     "max_prompt_length", "sequence", "init_log_std", "action_head")
+                     "max_prompt_length", "sequence", "init_log_std", "action_head",
+                     "center_crop")
 
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
@@ -160,7 +164,8 @@ class OFTPolicy(VLAPolicy):
                  logprob_granularity: str = "chunk", dtype: str = "auto",
                  temperature: float = 1.6, use_proprio: bool = True, unnorm_key: str = "",
                  max_prompt_length: int = 128, sequence: str = "rlinf",
-                 action_head: str = "tokens", init_log_std: float = -0.7):
+                 action_head: str = "tokens", init_log_std: float = -0.7,
+                 center_crop: float = 1.0):
         super().__init__()
         from transformers import LlamaConfig, LlamaModel
 
@@ -175,12 +180,14 @@ class OFTPolicy(VLAPolicy):
                              f"env.chunk_len must be 1..{DECODED_CHUNK}, got {chunk_len}")
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not 0 < center_crop <= 1:
+            raise ValueError(f"center_crop is an area fraction in (0, 1], got {center_crop}")
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                     dict(size=dims, logprob_granularity=logprob_granularity, dtype=dtype,
                          temperature=temperature, use_proprio=use_proprio,
                          unnorm_key=unnorm_key, max_prompt_length=max_prompt_length,
                          sequence=sequence, action_head=action_head,
-                         init_log_std=init_log_std))
+                         init_log_std=init_log_std, center_crop=center_crop))
         if sequence not in SEQUENCES:
             raise ValueError(f"oft sequence {sequence!r}: expected one of {SEQUENCES}")
         if action_head not in HEADS:
@@ -189,6 +196,7 @@ class OFTPolicy(VLAPolicy):
             raise ValueError("an L1 action head reads OFT's own sequence: sequence=official")
         self.sequence, self.head = sequence, action_head
         self.temperature, self.unnorm_key = float(temperature), unnorm_key
+        self.center_crop = float(center_crop)  # OFT's evaluation crop (oft_vision.center_crop)
         self.max_prompt_length = int(max_prompt_length)
         self.cameras = [k for k in CAMERAS if k in obs_spec]
         self.use_proprio = bool(use_proprio) and self.has_state
@@ -274,7 +282,8 @@ class OFTPolicy(VLAPolicy):
         """Vision (+ proprio) token embeddings (B, P, W), given pixel values or images."""
         pixels = obs.get("pixel_values")
         if pixels is None:
-            pixels = pixel_values([obs[k] for k in self.cameras], self.vision_backbone.image_size)
+            pixels = pixel_values([obs[k] for k in self.cameras], self.vision_backbone.image_size,
+                                  self.center_crop)
         tokens = self.projector(self.vision_backbone(pixels.to(self.device)))
         if self.use_proprio:
             state = self.proprio_projector(obs["state"].to(tokens.dtype))

@@ -10,10 +10,13 @@ the last block and the final norm are never run (they stay in the module, frozen
 round-trips), and the prefix tokens (cls + registers) are dropped. The DINOv2 features come
 first in the channel concatenation.
 
-Images: "resize-naive" (no crop, no letterbox) to the towers' size on the 0-255 scale, rounded
+Images: "resize-naive" (no letterbox) to the towers' size on the 0-255 scale, rounded
 back to integers as RLinf's uint8 `TVF.resize(bicubic, antialias=True)` does (torch's bicubic
-antialiased interpolate on float then round/clamp gives the same pixels), then /255 and each
-tower's normalization: channels 0-2 DINOv2's (ImageNet mean/std), 3-5 SigLIP's (0.5/0.5).
+antialiased interpolate on float then round/clamp gives the same pixels), then, with
+policy.center_crop < 1, OFT's evaluation centre crop (`center_crop`: the same uint8 pixels as
+OFT's tensorflow code, tests/fixtures/oft/crop_io.npz), then /255 and each tower's
+normalization: channels 0-2 DINOv2's (ImageNet mean/std), 3-5 SigLIP's (0.5/0.5). OFT's own
+resize (JPEG round trip, lanczos3) is not reproduced: tests/fixtures/oft/README.md measures it.
 """
 
 from __future__ import annotations
@@ -42,15 +45,53 @@ def heads_of(tower: str, width: int) -> int:
                          f"timm ids; known widths: {sorted(VISION_HEADS)})") from None
 
 
-def pixel_values(cameras: list[torch.Tensor], side: int) -> torch.Tensor:
-    """Camera images (B, H, W, 3) on the 0-255 scale -> (B, 6 x cameras, side, side)."""
+def _box_samples(lo: torch.Tensor, hi: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """tf.image.crop_and_resize's sample points along one axis of length n (n out of n), in
+    float32 as its CPU kernel: the box [lo, hi] of the image's extent (n - 1) -> index below,
+    index above, weight of the one above."""
+    step = (hi - lo) * (n - 1) / (n - 1) if n > 1 else torch.zeros_like(lo)
+    pos = lo * (n - 1) + torch.arange(n, dtype=torch.float32) * step
+    below = pos.floor()
+    return below.long(), pos.ceil().long(), pos - below
+
+
+def center_crop(x: torch.Tensor, area: float) -> torch.Tensor:
+    """OFT's evaluation crop (openvla_utils.center_crop_image / crop_and_resize): the centred
+    square box of side sqrt(area) of each (B, 3, H, W) image on the 0-255 scale, resampled back
+    to H x W bilinearly as tf.image.crop_and_resize does (sample points spanning the box's
+    corner pixels; x then y interpolation, float32), of the image divided by 255, then back to
+    integers as tf.image.convert_image_dtype does (clip to [0, 1], x 255.5, truncate).
+    `area` 1: the image as it is."""
+    if area >= 1.0:
+        return x
+    # float32 as tf.sqrt; through float64, as torch's float32 sqrt is not correctly rounded
+    side = torch.tensor(area, dtype=torch.float32).double().sqrt().float().clamp(0.0, 1.0)
+    lo = (1 - side) / 2
+    v = x.float() * torch.tensor(1 / 255, dtype=torch.float32)
+    (top, bottom, wy), (left, right, wx) = (_box_samples(lo, lo + side, n)
+                                            for n in x.shape[-2:])
+    wx, wy = wx.to(x.device), wy.to(x.device)
+    rows = []
+    for index in (top, bottom):  # x interpolation on the rows above and below
+        row = v[..., index.to(x.device), :]
+        a, b = row[..., left.to(x.device)], row[..., right.to(x.device)]
+        rows.append(a + (b - a) * wx)
+    v = rows[0] + (rows[1] - rows[0]) * wy[:, None]
+    return (v.clamp(0.0, 1.0) * torch.tensor(255.5, dtype=torch.float32)).clamp(0, 255).floor()
+
+
+def pixel_values(cameras: list[torch.Tensor], side: int, crop: float = 1.0) -> torch.Tensor:
+    """Camera images (B, H, W, 3) on the 0-255 scale -> (B, 6 x cameras, side, side). `crop`
+    < 1: OFT's centre crop of that area fraction (`center_crop`, policy.center_crop) after the
+    resize, as OFT crops the image resize_image_for_policy made (its processor's resize to the
+    same size changes nothing)."""
     out = []
     for image in cameras:
         x = image.permute(0, 3, 1, 2).float()
         if tuple(x.shape[-2:]) != (side, side):
             x = F.interpolate(x, size=(side, side), mode="bicubic", antialias=True,
                               align_corners=False).round().clamp(0.0, 255.0)
-        x = x / 255.0
+        x = center_crop(x, crop) / 255.0
         for mean, std in ((DINO_MEAN, DINO_STD), (SIGLIP_MEAN, SIGLIP_STD)):
             out.append((x - x.new_tensor(mean)[:, None, None]) / x.new_tensor(std)[:, None, None])
     return torch.cat(out, dim=1)
@@ -160,4 +201,4 @@ class L1ActionHead(nn.Module):
 
 
 __all__ = ["FusedVisionBackbone", "Projector", "ProprioProjector", "L1ActionHead",
-           "pixel_values", "heads_of"]
+           "center_crop", "pixel_values", "heads_of"]
