@@ -29,6 +29,11 @@ EXECUTED, STEPS = 5, 10  # LeRobot's n_action_steps and denoising steps in the f
 
 
 def config(folder, tokenizer=TOKENIZER, **extra):
+    if Path(folder).name == "openpi":  # its recipe, which openpi's folders do not record:
+        # the fixtures' references act absolutely, π0.5 with the state in its prompt
+        extra = {"policy.delta_action_dims": 0, **extra}
+        if Path(folder).parent.name == "pi05":
+            extra = {"policy.pi05_state": "prompt", **extra}
     overrides = [f"policy.pretrained={folder}", f"policy.tokenizer={tokenizer}",
                  f"policy.denoise_steps={STEPS}", "policy.dtype=float32",
                  *(f"{k}={v}" for k, v in extra.items())]
@@ -329,3 +334,80 @@ def test_libero_training_starts_from_the_checkpoint(tmp_path):
     heads = rl_only_names(policy)
     assert heads and all(torch.equal(v, policy.state_dict()[k])
                          for k, v in exported.state_dict().items() if k not in heads)
+
+
+def test_what_openpi_folders_do_not_record_must_be_said(tmp_path):
+    """openpi's folders record neither its extra_delta_transform nor π0.5's
+    discrete_state_input, nor (its train_pytorch.py checkpoints) the horizon: each is refused
+    before any rank starts, naming the setting and openpi's LIBERO values, never guessed."""
+    def refused(folder, **extra):
+        with pytest.raises(ConfigError) as err:
+            check_config(load_config("configs/reach_flow.yaml", [
+                f"policy.pretrained={folder}", f"policy.tokenizer={TOKENIZER}",
+                *(f"{k}={v}" for k, v in extra.items())]))
+        return str(err.value)
+    said = refused(FIXTURES / "pi05" / "openpi")
+    assert "policy.delta_action_dims = -1" in said and "6 for openpi's pi0_libero" in said
+    assert "policy.pi05_state = 'folder'" in said and "none for openpi's pi05_libero" in said
+    said = refused(FIXTURES / "pi0" / "openpi")
+    assert "policy.delta_action_dims" in said and "pi05_state" not in said
+    # a π0 checkpoint has no state prompt; LeRobot's folders record it all
+    assert "policy.pi05_state = 'none'" in refused(FIXTURES / "pi0" / "lerobot",
+                                                 **{"policy.pi05_state": "none"})
+    config(FIXTURES / "pi05" / "lerobot")
+    # openpi's training checkpoints: no config.json, so no horizon (π0's action tokens
+    # attend to each other: the env's chunk would change every action)
+    trained = tmp_path / "30000"
+    shutil.copytree(FIXTURES / "pi05" / "openpi", trained)
+    (trained / "config.json").unlink()
+    said = refused(trained, **{"policy.delta_action_dims": 0, "policy.pi05_state": "none"})
+    assert "policy.pretrained" in said and "action_horizon" in said
+    (trained / "config.json").write_text('{"action_horizon": 10}')
+    policy = build_policy(config(trained, **{"policy.pi05_state": "none",
+                                             "policy.denoise_steps": 0,
+                                             "policy.delta_action_dims": 0}),
+                          raw_observation(*fixture("pi05"))[1])
+    assert (policy.model_horizon, policy.denoise_steps) == (10, 10)  # openpi samples with 10
+
+
+def test_pi05_trained_without_the_state_in_its_prompt_reads_openpis_pi0_prompt():
+    """openpi's pi05_libero (discrete_state_input=False, policy.pi05_state=none): the prompt
+    is the cleaned task and "\\n" (openpi's PaligemmaTokenizer without a state), and the
+    state is not needed; with `prompt`, the state's bins are in it."""
+    io, tasks = fixture("pi05")
+    obs, spec = raw_observation(io, tasks)
+    folder = FIXTURES / "pi05" / "openpi"
+    decode = lambda policy: [policy.processor.tokenizer.decode(row, skip_special_tokens=True)
+                             for row in policy.processor.inputs(obs)["instruction"]]
+    task_only = build_policy(config(folder, **{"policy.pi05_state": "none"}), spec)
+    assert decode(task_only) == [t.strip().replace("_", " ") + "\n" for t in tasks]
+    with_state = decode(build_policy(config(folder), spec))
+    assert all(text.startswith("Task: ") and ", State: " in text for text in with_state)
+    stateless = EnvSpec(**{**spec.__dict__,
+                           "obs": {k: v for k, v in spec.obs.items() if k != "state"}})
+    build_policy(config(folder, **{"policy.pi05_state": "none"}), stateless)
+    with pytest.raises(ValueError, match="reads a 8-d state, the env gives none"):
+        build_policy(config(folder), stateless)
+
+
+def test_quantile10_normalization_is_quantiles_on_the_10th_and_90th(tmp_path):
+    """LeRobot's QUANTILE10 (>= 0.4) is QUANTILES' formula on q10/q90: the π0.5 fixture with
+    its q01/q99 written as q10/q90 and the mode renamed acts exactly as the original."""
+    io, tasks = fixture("pi05")
+    obs, spec = raw_observation(io, tasks)
+    source, folder = FIXTURES / "pi05" / "lerobot", tmp_path / "q10"
+    shutil.copytree(source, folder)
+    for name in ("policy_preprocessor.json", "policy_postprocessor.json"):
+        text = (folder / name).read_text()
+        assert '"QUANTILES"' in text or name == "policy_postprocessor.json"
+        (folder / name).write_text(text.replace('"QUANTILES"', '"QUANTILE10"'))
+    for stats in folder.glob("*processor.safetensors"):
+        tensors = load_file(str(stats))
+        renamed = {k.replace(".q01", ".q10").replace(".q99", ".q90"): v
+                   for k, v in tensors.items() if k.endswith((".q01", ".q99"))}
+        save_file({k: v for k, v in tensors.items() if not k.endswith((".q01", ".q99", ".q10",
+                                                                       ".q90"))} | renamed,
+                  str(stats))
+    expected = build_policy(config(source), spec).act(obs, deterministic=True).actions
+    actions = build_policy(config(folder), spec).act(obs, deterministic=True).actions
+    torch.testing.assert_close(actions, expected, rtol=0, atol=0)

@@ -69,8 +69,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
     if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
         load_weights(policy, cfg.policy.pretrained)
         # a published folder's prompt, tokenizer and normalization (None for our own)
-        policy.processor = policy.make_processor(cfg.policy.pretrained, cfg.policy.tokenizer,
-                                                 spec, cfg.policy.delta_action_dims)
+        policy.processor = policy.make_processor(spec, cfg.policy)
     if cfg.policy.lora_rank:  # on the loaded weights; the same adapters on every rank
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(cfg.run.seed + 1)

@@ -208,7 +208,7 @@ def pretrained_env_problems(cfg) -> list[tuple[str, Any, str]]:
     from hpcvla.policies.registry import POLICIES
     return [("env", cfg.env.name, f"an env {cfg.policy.pretrained} fits: {problem}")
             for problem in POLICIES[cfg.policy.name].env_fit_problems(
-                cfg.policy.pretrained, lambda: env_spec(cfg.env))]
+                cfg.policy, lambda: env_spec(cfg.env))]
 
 
 def noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:

@@ -40,11 +40,13 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.tokenizer and not cfg.policy.pretrained:
         problems.append(("policy.tokenizer", cfg.policy.tokenizer, "empty without "
                          "policy.pretrained (built-in policies read the env's instruction ids)"))
-    if cfg.policy.delta_action_dims != -1 and (
-            not family(cfg.policy.name).relative_actions or not cfg.policy.pretrained):
-        problems.append(("policy.delta_action_dims", cfg.policy.delta_action_dims, "-1 "
-                         "unless policy.name=flow with a published policy.pretrained folder "
-                         "(the relative actions of its checkpoint)"))
+    for name, unset in (("delta_action_dims", -1), ("pi05_state", "folder")):
+        value = getattr(cfg.policy, name)
+        if value != unset and (not family(cfg.policy.name).relative_actions or
+                               not cfg.policy.pretrained):
+            problems.append((f"policy.{name}", value, f"{unset} unless policy.name=flow with "
+                             "a published policy.pretrained folder (how its checkpoint was "
+                             "trained)"))
     heads = family(cfg.policy.name).action_heads
     if cfg.policy.action_head and cfg.policy.action_head not in heads:
         problems.append(("policy.action_head", cfg.policy.action_head, "empty for policy.name="

@@ -19,7 +19,8 @@ class FamilyTraits:
     # gradient checkpointing and LoRA apply, and its memory is worth the levers; the built-in
     # `default` network is a few small layers in float32
     vla: bool
-    # a published folder may hold relative actions (policy.delta_action_dims: π0's LIBERO)
+    # a published folder may hold relative actions and a state prompt it may not record
+    # (policy.delta_action_dims: π0's LIBERO; policy.pi05_state)
     relative_actions: bool
     # SAC's critics and squashed actor (policies/soft_critics.py): algorithm.name=sac or rlpd
     soft_critics: bool = False

@@ -130,9 +130,14 @@ class PolicyConfig:
         "checkpoint predicts relative to the state (it acts `action - state` there; the "
         "state is added back before the env steps). -1: what the folder records (LeRobot's "
         "`relative_actions_processor` and its joint mask; openpi's folders record nothing: "
-        "absolute). 0: absolute. N: the first N dims, e.g. 6 for openpi π0 LIBERO "
-        "checkpoints trained with its `extra_delta_transform` (configs/libero_pi0.yaml).",
-        ge=-1)
+        "must be set). 0: absolute. N: the first N dims, e.g. 6 for openpi's pi0_libero "
+        "(its `extra_delta_transform`; configs/libero_pi0.yaml).", ge=-1)
+    pi05_state: str = setting(
+        "folder", "`flow` with a published π0.5 folder: `prompt`, the state discretized into "
+        "its prompt (π0.5's default, LeRobot's always), or `none`, the task alone and no "
+        "state (openpi's `discrete_state_input=False`: its pi05_libero). `folder`: LeRobot's "
+        "record (openpi's folders record nothing: must be set).",
+        choices=("folder", "prompt", "none"))
     temperature: float = setting(
         1.6, "`oft`: divides the action-token logits when sampling and scoring (RLinf's "
         "LIBERO configs: 1.6). Higher explores more (flatter bins) and lowers the log-probs "

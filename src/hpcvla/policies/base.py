@@ -66,10 +66,10 @@ class Policy(nn.Module, abc.ABC):
     # policy.init_log_std (factory.build_policy).
     imitation_fits_std = True
 
-    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
-        """The processor of the published checkpoint `folder` for the env `spec` (EnvSpec),
-        None for one of hpcvla's own; `delta_action_dims`: policy.delta_action_dims (flow).
-        Default: None (a family without published folders)."""
+    def make_processor(self, spec, policy_cfg):
+        """The processor of the published checkpoint `policy_cfg.pretrained` for the env
+        `spec` (EnvSpec), None for one of hpcvla's own. Default: None (a family without
+        published folders)."""
         return None
 
     @abc.abstractmethod
@@ -121,9 +121,9 @@ class Policy(nn.Module, abc.ABC):
                  "weights")]
 
     @classmethod
-    def env_fit_problems(cls, folder, spec_of) -> list[str]:
-        """Why a published folder cannot act in the configured env (`spec_of()`: its EnvSpec,
-        built only when asked); none by default."""
+    def env_fit_problems(cls, policy_cfg, spec_of) -> list[str]:
+        """Why the published folder policy_cfg.pretrained cannot act in the configured env
+        (`spec_of()`: its EnvSpec, built only when asked); none by default."""
         return []
 
     @classmethod

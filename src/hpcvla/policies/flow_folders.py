@@ -45,52 +45,65 @@ class PublishedFlowFolders:
         """A published π0/π0.5 folder's config problems: its tokenizer and statistics
         (processor.check_folder), and the sizes the loader reads from its tensors' shapes."""
         from hpcvla.policies.folders import checkpoint_kwargs
-        from hpcvla.policies.processor import check_folder
+        from hpcvla.policies.processor import check_folder, recipe_problems
         problems = check_folder(folder, policy_cfg.tokenizer)
         try:
-            checkpoint_kwargs(cls, folder)
+            variant = checkpoint_kwargs(cls, folder)["variant"]
         except (ValueError, KeyError) as err:
             problems.append(("policy.pretrained", folder, f"a {cls.family} checkpoint whose "
                              f"sizes the loader can read: {err}"))
-        return problems
+            return problems
+        return problems + recipe_problems(folder, variant, policy_cfg.delta_action_dims,
+                                          policy_cfg.pi05_state)
 
     @classmethod
-    def env_fit_problems(cls, folder, spec_of) -> list[str]:
+    def env_fit_problems(cls, policy_cfg, spec_of) -> list[str]:
         """A published π0/π0.5 folder against the env's state and action dims
         (processor.dims_problems): the dims it was trained on inside its padded ones."""
         from hpcvla.policies.folders import checkpoint_kwargs
         from hpcvla.policies.processor import dims_problems, trained_dims
-        padded = checkpoint_kwargs(cls, folder)["model_dims"]
+        folder = policy_cfg.pretrained
+        fixed = checkpoint_kwargs(cls, folder)
         spec = spec_of()
-        return dims_problems(folder, trained_dims(folder, padded), spec.state_dim,
-                             spec.action_dim)
+        trained = trained_dims(folder, fixed["model_dims"], fixed["variant"],
+                               policy_cfg.pi05_state)
+        return dims_problems(folder, trained, spec.state_dim, spec.action_dim)
 
-    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
+    def make_processor(self, spec, policy_cfg):
         """A LeRobot or openpi folder's processor (processor.CheckpointProcessor); the model's
         padded widths tell openpi's padded statistics apart."""
         from hpcvla.policies.processor import CheckpointProcessor
         return CheckpointProcessor.from_folder(
-            folder, tokenizer_folder, self.variant, spec.vocab,
+            policy_cfg.pretrained, policy_cfg.tokenizer, self.variant, spec.vocab,
             spec.state_dim, spec.action_dim,
             {"state_dim": self.model_state_dim, "action_dim": self.model_action_dim},
-            delta_action_dims)
+            policy_cfg.delta_action_dims, policy_cfg.pi05_state)
 
     @classmethod
     def checkpoint_kwargs(cls, shapes: dict, config: dict) -> dict:
         """What a checkpoint fixes (HF names -> shapes, and its config.json): the variant
         (π0.5 has `time_mlp_*`), padded dims from its projections, the horizon from its
-        config (ours, LeRobot's `chunk_size` or openpi's `action_horizon`; else the env's),
-        and the sampler's steps (ours, LeRobot's `num_inference_steps`, openpi's default),
+        config (ours, LeRobot's `chunk_size` or openpi's `action_horizon`; ours may leave it to
+        the env's chunk, a published folder must say it), and the sampler's steps (ours,
+        LeRobot's `num_inference_steps`, else openpi's and LeRobot's default 10),
         which policy.denoise_steps > 0 overrides."""
         dims = {"action_dim": shapes["model.action_in_proj.weight"][1]}
         if "model.state_proj.weight" in shapes:
             dims["state_dim"] = shapes["model.state_proj.weight"][1]
-        horizon = config.get("kwargs", {}).get("model_dims", {}).get("horizon") or \
+        ours = config.get("kwargs", {}) if "hpcvla_policy" in config else None
+        horizon = (ours or {}).get("model_dims", {}).get("horizon") or \
             config.get("chunk_size") or config.get("action_horizon")  # LeRobot, openpi
-        size = config.get("kwargs", {}).get("size")  # ours: the resolved configs
-        steps = config.get("kwargs", {}).get("denoise_steps") or \
-            config.get("num_inference_steps") or \
-            (OPENPI_SAMPLE_STEPS if "paligemma_variant" in config else None)  # LeRobot, openpi
+        if ours is None and not horizon:  # π0's action tokens attend to each other
+            raise ValueError(
+                "config.json names no action horizon (LeRobot's chunk_size, openpi's "
+                "action_horizon; openpi's train_pytorch.py checkpoints hold no config.json): "
+                "put beside the weights the config.json openpi's converter writes, or "
+                '{"action_horizon": N} with N the training config\'s (openpi: 50, its '
+                "pi05_libero 10)")
+        size = (ours or {}).get("size")  # ours: the resolved configs
+        steps = ours.get("denoise_steps") if ours is not None else \
+            config.get("num_inference_steps") or config.get("num_steps") or \
+            OPENPI_SAMPLE_STEPS  # LeRobot (num_steps before 0.4), openpi
         return {"model_dims": dict(dims, horizon=horizon) if horizon else dims,
                 "variant": "pi05" if "model.time_mlp_in.weight" in shapes else "pi0",
                 "size": size if isinstance(size, dict) else paligemma_size(shapes),

@@ -145,11 +145,12 @@ class OFTPolicy(VLAPolicy):
         return check_folder(folder, policy_cfg, env_cfg)
 
     @classmethod
-    def env_fit_problems(cls, folder, spec_of) -> list[str]:
+    def env_fit_problems(cls, policy_cfg, spec_of) -> list[str]:
         """OFT's proprio projector against the env's state, when the env gives one (the
         policy reads it then)."""
         from hpcvla.policies.oft_checkpoint import proprio_dim
         from hpcvla.policies.processor import dims_problems
+        folder = policy_cfg.pretrained
         trained = proprio_dim(folder)
         spec = spec_of() if trained else None
         if spec is None or not spec.state_dim:
@@ -254,11 +255,12 @@ class OFTPolicy(VLAPolicy):
         from hpcvla.policies.oft_checkpoint import published_files
         return published_files(state, source)
 
-    def make_processor(self, folder, tokenizer_folder, spec, delta_action_dims: int = -1):
+    def make_processor(self, spec, policy_cfg):
         """The published folder's prompt/normalization; None for an hpcvla folder."""
         from hpcvla.policies.oft_checkpoint import read_config
         from hpcvla.policies.oft_processor import OFTProcessor
 
+        folder, tokenizer_folder = policy_cfg.pretrained, policy_cfg.tokenizer
         if "hpcvla_policy" in read_config(folder):
             return None
         state_dim = self.obs_spec["state"][0][0] if self.use_proprio else 0

@@ -12,36 +12,35 @@ read the env's observations as they are: `from_folder` gives None for them. A Le
 openpi π0/π0.5 folder needs three things the weights do not hold:
 
 * **Prompt** (tokenizer from a local folder, `transformers.AutoTokenizer`: PaliGemma's is gated
-  on the hub, users bring it). The env's instruction ids are decoded back to their words
-  (hpcvla/text.py's vocabulary: lower-case words, which LIBERO's instructions are). π0 as
-  LeRobot: BOS + task + "\\n"; π0 as openpi: the task cleaned (strip, `_` and newlines to
-  spaces), then "\\n" encoded apart; π0.5 (both): "Task: {cleaned}, State: {bins};\\nAction: ",
-  bins = the normalized state digitized into 256 bins over [-1, 1] (np.digitize - 1, so -1
-  below the range). Right-padded with id 0 (the model's padding) to 48 (π0) / 200 (π0.5)
-  tokens, or the `max_length` of LeRobot's `tokenizer_processor` step; longer prompts are cut
-  there.
+  on the hub, users bring it), from the env's instruction ids decoded back to their words
+  (hpcvla/text.py: lower-case words, as LIBERO's). π0 as LeRobot: BOS + task + "\\n"; π0 as
+  openpi: the task cleaned (strip, `_` and newlines to spaces), then "\\n" encoded apart;
+  π0.5: "Task: {cleaned}, State: {bins};\\nAction: ", bins = the normalized state digitized
+  into 256 bins over [-1, 1] (np.digitize - 1: -1 below), or, trained with openpi's
+  `discrete_state_input=False` (its pi05_libero; policy.pi05_state=none), openpi's π0 prompt
+  and no state. Right-padded with id 0 to 48 (π0) / 200 (π0.5) tokens, or LeRobot's
+  `tokenizer_processor` max_length; longer prompts are cut there.
 * **Normalization** of the state in and the actions out. LeRobot: the normalizer steps of
   `policy_preprocessor.json` / `policy_postprocessor.json` and their safetensors
-  (`observation.state.<stat>`, `action.<stat>`), modes MEAN_STD, QUANTILES, MIN_MAX, IDENTITY
-  and eps as written there. openpi: `assets/<asset id>/norm_stats.json`, mean/std for π0 and
-  q01/q99 for π0.5, with openpi's 1e-6. The env's state and action dims must be the ones
-  the checkpoint was trained on (`trained_dims`: LeRobot's config.json features, the length
-  of openpi's statistics), not just fit in the model's padding; openpi's older statistics,
-  padded to the model's width, are cut to the env's dims.
+  (`observation.state.<stat>`, `action.<stat>`), modes MEAN_STD, QUANTILES, QUANTILE10,
+  MIN_MAX, IDENTITY and eps as written there. openpi: `assets/<asset id>/norm_stats.json`,
+  mean/std for π0 and q01/q99 for π0.5, with openpi's 1e-6. The env's state and action dims
+  must be those the checkpoint was trained on (`trained_dims`: LeRobot's config.json
+  features, the length of openpi's statistics, which older openpi saved padded to the
+  model's width and are then cut to the env's), not just fit in the model's padding.
 * **Relative actions**: a checkpoint trained on `action - state` in some leading dims
   (LeRobot's `relative_actions_processor`, recorded in its folder; openpi's
   `extra_delta_transform`, which its folders do not record: policy.delta_action_dims) acts
-  relative to the raw state of the observation; the state is added back to its unnormalized
-  action for every step of the chunk, and taken off again for scoring.
+  relative to the raw state of the observation, added back to its unnormalized action for
+  every step of the chunk, and taken off again for scoring.
 * **Images**: the prefix resizes with padding (policies/vla.py), as both do. The env's `image`
   is the checkpoint's first camera, `wrist_image` its second; cameras the env lacks are left
   out, which is what the references' masked empty cameras amount to (no token attends to
   them and positions count only real tokens).
 
-Actions: RL samples and scores in the model's (normalized) space; what the policy returns and
-the pipeline records is the env's action (`actions_out`), and scoring maps it back. The map is
-affine (the state offset is fixed by the observation), so PPO's ratios and gradients are those
-of the model space.
+Actions: RL samples and scores in the model's (normalized) space; the policy returns, and the
+pipeline records, the env's action (`actions_out`), which scoring maps back: an affine map
+(the state offset is fixed by the observation), so PPO's ratios are the model space's.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hpcvla.policies.folders import is_hpcvla_folder, tensor_shapes
+from hpcvla.policies.folders import is_hpcvla_folder
+from hpcvla.policies.norm_stats import lerobot_steps, openpi_stats
 from hpcvla.text import detokenize
 
 PROMPT_TOKENS = {"pi0": 48, "pi05": 200}  # openpi's max_token_len; LeRobot's defaults
@@ -96,10 +96,11 @@ def affine(mode: str, stats: dict, eps: float, openpi: bool, dim: int, where,
     if mode == "MEAN_STD":
         mean, std = stat("mean"), stat("std")
         return Affine(mean, std + eps, 0.0, std + eps if openpi else std)
-    if mode not in ("QUANTILES", "MIN_MAX"):
+    bounds = {"QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90"), "MIN_MAX": ("min", "max")}
+    if mode not in bounds:
         raise ValueError(f"{where}: normalization mode {mode!r} is not supported (MEAN_STD, "
-                         "QUANTILES, MIN_MAX, IDENTITY)")
-    low, high = {"QUANTILES": ("q01", "q99"), "MIN_MAX": ("min", "max")}[mode]
+                         f"{', '.join(bounds)}, IDENTITY)")
+    low, high = bounds[mode]
     low, high = stat(low), stat(high)
     span = high - low + eps if openpi else torch.where(high == low, eps, high - low)
     return Affine(low, span / 2, 1.0, span / 2)
@@ -119,16 +120,19 @@ class CheckpointProcessor:
 
     @classmethod
     def from_folder(cls, folder, tokenizer_folder, variant: str, vocab, state_dim: int,
-                    action_dim: int, padded: dict | None = None,
-                    delta_action_dims: int = -1) -> "CheckpointProcessor | None":
+                    action_dim: int, padded: dict | None = None, delta_action_dims: int = -1,
+                    pi05_state: str = "folder") -> "CheckpointProcessor | None":
         """`state_dim`, `action_dim`: the env's (0: no state); `padded`: the model's widths
         ({"state_dim", "action_dim"}), which tell openpi's padded statistics apart;
-        `delta_action_dims`: policy.delta_action_dims."""
+        `delta_action_dims`, `pi05_state`: the policy settings (recipe_problems)."""
         folder = Path(folder)
         if is_hpcvla_folder(folder):
             return None
-        mismatch = dims_problems(folder, trained_dims(folder, padded or {}), state_dim,
-                                 action_dim)
+        unsaid = recipe_problems(folder, variant, delta_action_dims, pi05_state)
+        if unsaid:
+            raise ValueError("; ".join(f"{field}={value}: {fix}" for field, value, fix in unsaid))
+        mismatch = dims_problems(folder, trained_dims(folder, padded or {}, variant,
+                                                      pi05_state), state_dim, action_dim)
         if mismatch:
             raise ValueError(f"{folder}: " + "; ".join(mismatch))
         tokenizer = load_tokenizer(tokenizer_folder, folder)
@@ -141,7 +145,7 @@ class CheckpointProcessor:
                            False, state_dim, folder, "state") if state_dim else None
             action = affine(modes.get("ACTION", "IDENTITY"), stats["action"], eps, False,
                             action_dim, folder, "action")
-            prompt = variant
+            prompt = variant if pi05_state != "none" else "openpi_pi0"
         else:
             stats, where = openpi_stats(folder)
             mode = "MEAN_STD" if variant == "pi0" else "QUANTILES"
@@ -150,8 +154,8 @@ class CheckpointProcessor:
             action = affine(mode, stats["actions"], OPENPI_EPS, True, action_dim, where,
                             "action")
             max_tokens = PROMPT_TOKENS[variant]
-            prompt = "openpi_pi0" if variant == "pi0" else variant  # π0.5: the same prompt
-        if variant == "pi05" and state is None:
+            prompt = "pi05" if variant == "pi05" and pi05_state == "prompt" else "openpi_pi0"
+        if prompt == "pi05" and state is None:
             raise ValueError("π0.5 reads the state in its prompt: the env must give one "
                              "(env.state)")
         delta = delta_mask(steps, delta_action_dims, action_dim)
@@ -230,12 +234,45 @@ def check_folder(folder, tokenizer_folder) -> list[tuple[str, str, str]]:
     return problems
 
 
-def trained_dims(folder, padded: dict) -> dict[str, int | None]:
+def recipe_problems(folder, variant: str, delta_action_dims: int,
+                    pi05_state: str) -> list[tuple[str, object, str]]:
+    """How a published folder was trained where the folder does not say (openpi's record
+    neither its `extra_delta_transform` nor its `discrete_state_input`; LeRobot's processor
+    steps record both), as config problems: guessed, every action would be off."""
+    problems: list[tuple[str, object, str]] = []
+    if is_hpcvla_folder(folder):  # its own config says all, and it reads the env's fields
+        settings = (("delta_action_dims", delta_action_dims, -1), ("pi05_state", pi05_state,
+                                                                   "folder"))
+        return [(f"policy.{name}", value, f"{unset} for a folder hpcvla wrote")
+                for name, value, unset in settings if value != unset]
+    if variant == "pi0" and pi05_state != "folder":
+        problems.append(("policy.pi05_state", pi05_state, "folder for a π0 checkpoint (its "
+                         "state is a token of its own)"))
+    if (Path(folder) / "policy_preprocessor.json").is_file():
+        return problems
+    if delta_action_dims < 0:
+        problems.append(("policy.delta_action_dims", delta_action_dims, "the number of "
+                         "leading action dims the openpi checkpoint predicts relative to the state (its "
+                         "training config's extra_delta_transform, which the folder does not "
+                         "record): 6 for openpi's pi0_libero, 0 for pi05_libero"))
+    if variant == "pi05" and pi05_state == "folder":
+        problems.append(("policy.pi05_state", pi05_state, "prompt or none: whether the openpi "
+                         "π0.5 checkpoint reads the state in its prompt (its training config's "
+                         "discrete_state_input, which the folder does not record): none for "
+                         "openpi's pi05_libero, prompt for π0.5's default (pi05_droid)"))
+    return problems
+
+
+def trained_dims(folder, padded: dict, variant: str = "pi0",
+                 pi05_state: str = "folder") -> dict[str, int | None]:
     """The state and action dims a published folder was trained on, before the model pads
     them: LeRobot's config.json features (`observation.state`, `action`); for openpi the
     length of its statistics, unless that is the model's padded width (`padded`, older openpi
-    statistics were saved padded): None where unknown."""
+    statistics were saved padded): None where unknown, or not read (π0.5 without its state
+    prompt)."""
     folder = Path(folder)
+    if variant == "pi05" and pi05_state == "none":
+        return {**trained_dims(folder, padded), "state_dim": None}
     if (folder / "policy_preprocessor.json").is_file():
         config = json.loads((folder / "config.json").read_text()) \
             if (folder / "config.json").is_file() else {}
@@ -312,76 +349,6 @@ def load_tokenizer(tokenizer_folder, checkpoint):
     except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
         raise ValueError(f"policy.tokenizer: {folder}: a tokenizer transformers can load "
                          f"({type(err).__name__}: {err}); it should hold {hint}") from None
-
-
-def lerobot_steps(folder: Path) -> tuple[dict, dict]:
-    """LeRobot's processor pipelines: the statistics (feature -> stat -> tensor; actions from
-    the post-processor, which unnormalizes them), and per step what we read: the normalizer's
-    (eps, norm_map), the tokenizer's max_length, the relative and absolute action steps'
-    configs."""
-    from safetensors.torch import load_file
-
-    stats, steps = {}, {}
-    for name, feature in (("policy_preprocessor.json", "observation.state"),
-                          ("policy_postprocessor.json", "action")):
-        path = folder / name
-        if not path.is_file():
-            raise ValueError(f"{folder}: {name} is missing (LeRobot writes it beside the "
-                             "weights; it names the normalization statistics)")
-        for step in json.loads(path.read_text()).get("steps", []):
-            config = step.get("config", {})
-            if step.get("registry_name") == "tokenizer_processor":
-                steps["tokenizer_processor"] = config.get("max_length")
-            if step.get("registry_name") in ("relative_actions_processor",
-                                             "absolute_actions_processor"):
-                steps[step["registry_name"]] = config
-            if step.get("registry_name") in ("normalizer_processor",
-                                             "unnormalizer_processor") and "state_file" in step:
-                steps.setdefault("normalizer_processor", (config.get("eps", 1e-8),
-                                                          config.get("norm_map", {})))
-                tensors = load_file(str(folder / step["state_file"]))
-                prefix = feature + "."
-                found = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-                if not found:
-                    raise ValueError(f"{folder / step['state_file']}: no {feature} statistics")
-                stats[feature] = found
-    if "normalizer_processor" not in steps or len(stats) < 2:
-        raise ValueError(f"{folder}: the processor files hold no normalizer step with "
-                         "statistics for observation.state and action")
-    return stats, steps
-
-
-def _statistics_in_weights(folder: Path) -> bool:
-    """Whether the weights hold LeRobot's normalization buffers (its layout before the
-    processor pipelines), from the files' headers."""
-    try:
-        names = tensor_shapes(folder)
-    except ValueError:  # no weights: named elsewhere
-        return False
-    return any(k.startswith(("normalize_inputs.", "normalize_targets.", "unnormalize_outputs."))
-               for k in names)
-
-
-def openpi_stats(folder: Path) -> tuple[dict, Path]:
-    """openpi's `assets/<asset id>/norm_stats.json` (exactly one)."""
-    found = sorted(folder.glob("assets/**/norm_stats.json"))
-    if not found and _statistics_in_weights(folder):
-        raise ValueError(f"{folder}: a LeRobot folder from before LeRobot 0.4, whose "
-                         "normalization statistics are buffers in its weights "
-                         "(normalize_inputs.*): LeRobot's own migration writes them as the "
-                         "processor files read here: `python -m "
-                         "lerobot.processor.migrate_policy_normalization --pretrained-path "
-                         f"{folder} --output-dir <new folder>` (LeRobot >= 0.4)")
-    if len(found) != 1:
-        raise ValueError(f"{folder}: {'no' if not found else len(found)} assets/*/"
-                         f"norm_stats.json {[str(f) for f in found] if found else ''} (openpi "
-                         "keeps one per checkpoint; neither LeRobot's processor files either): "
-                         "the checkpoint's normalization statistics are needed")
-    stats = json.loads(found[0].read_text()).get("norm_stats", {})
-    for key in ("state", "actions"):
-        if key not in stats:
-            raise ValueError(f"{found[0]}: no {key!r} statistics")
-    return stats, found[0]
 
 
 __all__ = ["CheckpointProcessor", "PROMPT_TOKENS", "check_folder", "dims_problems",
