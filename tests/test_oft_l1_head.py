@@ -120,8 +120,8 @@ def test_an_l1_checkpoint_comes_back_byte_for_byte(io, l1_folder, tmp_path):
 
 
 def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
-    """The L1 head needs OFT's sequence, the proprio projector the env's state width; a
-    diffusion head is refused."""
+    """The L1 head needs OFT's sequence, the proprio projector the env's state (and its
+    width); a diffusion head and FiLM's vision backbone are refused."""
     with pytest.raises(ConfigError, match="L1-regression action head .* policy.sequence="
                                           "official"):
         config(l1_folder, **{**OFFICIAL_PROPRIO, "policy.sequence": "rlinf"})
@@ -141,6 +141,15 @@ def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
     (diffusion / "noisy_action_projector--100_checkpoint.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match="diffusion action head"):
         config(diffusion, **OFFICIAL_PROPRIO)
+    # fine-tuned with the proprio token, run without it (silently wrong actions)
+    with pytest.raises(ConfigError, match="proprio projector .* says it was fine-tuned with "
+                                          "the proprio token.*env.state=true"):
+        config(l1_folder, **{**OFFICIAL_PROPRIO, "env.state": "false"})
+    film = tmp_path / "film"  # OFT's use_film saves the whole vision backbone apart
+    shutil.copytree(l1_folder, film)
+    (film / "vision_backbone--100_checkpoint.pt").write_bytes(b"")
+    with pytest.raises(ConfigError, match="FiLM"):
+        config(film, **OFFICIAL_PROPRIO)
 
 
 def test_the_head_is_a_setting_without_a_folder_and_the_folders_own_with_one(l1_folder,

@@ -208,20 +208,30 @@ def test_greedy_rollout_logprobs_at_temperature_one(io):
                                sampled.logprob, rtol=0, atol=1e-5)
 
 
+def without_proprio(folder: Path) -> Path:
+    """The fixture checkpoint as one fine-tuned without the proprio token (no projector file:
+    with one, OFT's sequence must read the state, oft_checkpoint.recipe_problems)."""
+    for file in CHECKPOINT.iterdir():
+        if "proprio_projector" not in file.name:
+            (folder / file.name).symlink_to(file)
+    return folder
+
+
 @pytest.mark.parametrize("proprio", [False, True], ids=["oft", "oft_proprio"])
-def test_oft_predict_action_is_the_references(io, proprio):
+def test_oft_predict_action_is_the_references(io, proprio, tmp_path):
     """OFT's inference sequence (STOP token, no padding, argmax over the whole vocabulary) on
     OFT's own (PIL-resized) pixel values; proprio: 2 images and the state token. Through the
     public path with policy.sequence=official (the env's observation, the prompt padded as
     in a batch), the deterministic chunk is predict_action's; RLinf's sequence acts otherwise."""
     run = "oft_proprio" if proprio else "oft"
+    folder = CHECKPOINT if proprio else without_proprio(tmp_path)
     for name, row in SAMPLES.items():
         sample = "libero" if name == "libero" else "raw"
         tasks = None if sample == "libero" else [io["meta"]["tasks"][row]]
         obs, spec = env_obs(io, sample, tasks, wrist=proprio, state=proprio)
         obs = {k: v[row:row + 1] if k != "instruction" else v for k, v in obs.items()}
         official = {**(OFFICIAL_PROPRIO if proprio else {}), "policy.sequence": "official"}
-        policy = build_policy(config(**official), spec).eval()
+        policy = build_policy(config(folder, **official), spec).eval()
         assert policy.use_proprio == proprio
         model = policy.processor.inputs(obs)
         ids = io[f"{run}.{name}.input_ids"]

@@ -321,17 +321,25 @@ def load_value_head(policy, file) -> None:
 PLATFORM_CHUNKS = {"aloha": 25, "bridge": 5, "libero": 8}
 
 
-def recipe_problems(folder, config: dict, key: str, cameras: int, proprio: bool,
+def recipe_problems(folder, config: dict, key: str, cameras: int, state: bool,
                     sequence: str) -> list[str]:
     """What of an OFT folder's recipe the `oft` policy (action tokens or OFT's L1 head, a
     chunk of 8) cannot run as trained; `cameras`: the env's images (1, 2 with the wrist);
-    `proprio`: whether the env's state will be read (the folder has a projector for it);
-    `sequence`: policy.sequence."""
-    problems = []
-    if proprio and sequence == "rlinf":
+    `state`: whether the env gives one; `sequence`: policy.sequence."""
+    problems, projector = [], proprio_file(folder)
+    if projector is not None and state and sequence == "rlinf":
         problems.append("its proprio projector is OFT's, read in OFT's own sequence; RLinf's "
                         "has no proprio token: set policy.sequence=official (or env.state="
                         "false to act without the state)")
+    if projector is not None and not state and sequence == "official":
+        problems.append(f"its proprio projector ({projector.name}) says it was fine-tuned "
+                        "with the proprio token, which OFT's sequence then reads: set "
+                        "env.state=true (LIBERO: env.state_format=axis_angle)")
+    film = sorted(p.name for p in Path(folder).glob("vision_backbone--*.pt"))
+    if film:
+        problems.append(f"it was fine-tuned with FiLM (OFT's use_film: the language-modulated "
+                        f"vision backbone saved apart, {film[0]}), which this policy does not "
+                        "run")
     diffusion = sorted(p.name for p in Path(folder).glob("noisy_action_projector--*.pt"))
     if diffusion:
         problems.append(f"it was fine-tuned with OFT's diffusion action head ({diffusion[0]}), "
@@ -383,8 +391,7 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
         problems += [("policy.pretrained", str(folder), f"an OpenVLA-OFT folder the oft "
                       f"policy runs as trained: {why}")
                      for why in recipe_problems(folder, config, key, 1 + env.wrist_image,
-                                                env.state and proprio_file(folder) is not None,
-                                                policy.sequence)]
+                                                env.state, policy.sequence)]
     except (ValueError, OSError) as err:
         field = "policy.unnorm_key" if "unnorm_key" in str(err) else "policy.pretrained"
         problems.append((field, str(folder) if field == "policy.pretrained" else unnorm_key,
