@@ -411,3 +411,30 @@ def test_quantile10_normalization_is_quantiles_on_the_10th_and_90th(tmp_path):
     expected = build_policy(config(source), spec).act(obs, deterministic=True).actions
     actions = build_policy(config(folder), spec).act(obs, deterministic=True).actions
     torch.testing.assert_close(actions, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("files,named", [
+    (["config.json", "adapter_config.json", "adapter_model.safetensors"], "merge_and_unload"),
+    (["lora_adapter/adapter_config.json", "dataset_statistics.json"],
+     "merge_lora_weights_and_save.py"),
+    (["pretrained_model/config.json", "training_state/training_step.json"],
+     "its pretrained_model/"),
+    (["pytorch_model_fsdp_0/__0_0.distcp"], "lerobot-convert-dcp"),
+    (["actor/model_state_dict/full_weights.pt"], "convert_pt_to_hf"),
+    (["config.json", "pytorch_model.bin"], "safe_serialization=True"),
+    (["5000/params/_METADATA", "5000/_CHECKPOINT_METADATA"], "choose a step's folder"),
+    # RLinf's unmerged LoRA: its base's index without the shards, beside the adapter
+    (["model.safetensors.index.json", "adapter_config.json"], "merge_and_unload")])
+def test_the_references_other_layouts_are_refused_naming_what_converts_them(tmp_path, files,
+                                                                            named):
+    """Folders the references write that hold no weights this project reads (adapters,
+    training checkpoints, DCP shards, pickles, orbax steps): refused before any rank
+    starts, naming the reference's own step that makes one."""
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(
+            '{"weight_map": {"a": "model-00001-of-00002.safetensors"}}' if "index" in name
+            else "{}")
+    with pytest.raises(ConfigError) as err:
+        config(tmp_path, **{"policy.delta_action_dims": 0})
+    assert "policy.pretrained" in str(err.value) and named in str(err.value), str(err.value)

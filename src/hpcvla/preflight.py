@@ -153,25 +153,19 @@ def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = Fals
 def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     """A pretrained folder's weights, its tokenizer and statistics, and (oft) whether the
     configured env and policy run it as it was trained."""
-    folder = policy.pretrained
+    from hpcvla.policies.folders import foreign_layout, is_hpcvla_folder, tensor_shapes
+    from hpcvla.policies.registry import POLICIES
+    folder, layout = policy.pretrained, foreign_layout(policy.pretrained)
     if not any((Path(folder) / name).is_file()
                for name in ("model.safetensors", "model.safetensors.index.json")):
-        orbax = ("params/_METADATA", "_CHECKPOINT_METADATA", "_METADATA")  # openpi's JAX
-        if any((Path(folder) / marker).is_file() for marker in orbax):
-            return [("policy.pretrained", folder, "PyTorch weights, not an openpi JAX (orbax) "
-                     "checkpoint: convert it with openpi's `examples/convert_jax_model_to_"
-                     "pytorch.py --checkpoint_dir <it> --config_name <its openpi config, e.g. "
-                     "pi0_libero> --output_path <new folder>`, copy its assets/ (norm_stats."
-                     "json) into the new folder, and set policy.pretrained=<new folder>")]
-        return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
-                 "sharded model.safetensors.index.json)")]
-    from hpcvla.policies.folders import is_hpcvla_folder, tensor_shapes
-    from hpcvla.policies.registry import POLICIES
+        return [("policy.pretrained", folder, layout or "a folder holding model.safetensors "
+                 "(or a sharded model.safetensors.index.json)")]
     try:  # every weight file's header (a sharded index's every shard), and config.json
         tensor_shapes(folder)
         ours = is_hpcvla_folder(folder)
-    except (OSError, ValueError) as err:
-        return [("policy.pretrained", folder, f"a folder whose files can be read: {err}")]
+    except (OSError, ValueError) as err:  # e.g. RLinf's adapter beside its base's index
+        return [("policy.pretrained", folder, f"a folder whose files can be read: {err}"
+                 + (f"; it holds {layout}" if layout else ""))]
     if ours:  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
         saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
         if saved != policy.name:
