@@ -438,3 +438,34 @@ def test_the_references_other_layouts_are_refused_naming_what_converts_them(tmp_
     with pytest.raises(ConfigError) as err:
         config(tmp_path, **{"policy.delta_action_dims": 0})
     assert "policy.pretrained" in str(err.value) and named in str(err.value), str(err.value)
+
+
+def test_lerobot_folders_of_another_kind_or_before_its_openpi_port_are_refused(tmp_path):
+    """A LeRobot policy of another type, and a π0 of LeRobot before 0.4 (its PaliGemma named
+    as transformers < 4.52 did; migrating its statistics leaves the names), are refused
+    before any rank starts, saying so (were: a bare KeyError)."""
+    other = tmp_path / "smolvla"
+    shutil.copytree(FIXTURES / "pi0" / "lerobot", other)
+    config_json = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config_json, "type": "smolvla"}))
+    with pytest.raises(ConfigError, match="type is 'smolvla': a LeRobot policy of another"):
+        config(other)
+    old = tmp_path / "lerobot03"
+    shutil.copytree(FIXTURES / "pi0" / "lerobot", old)
+    tensors = load_file(str(old / "model.safetensors"))
+    new, before = ".paligemma.model.language_model.", ".paligemma.language_model.model."
+    save_file({k.replace(new, before): v for k, v in tensors.items()},
+              str(old / "model.safetensors"))
+    with pytest.raises(ConfigError, match="transformers < 4.52.*LeRobot before 0.4"):
+        config(old)
+
+
+@pytest.mark.mpi
+def test_plan_names_what_is_wrong_with_the_folder(tmp_path):
+    """`hpcvla plan` sizes the policy from the folder's headers: a folder it cannot read is
+    the same config error as for `train`, not a traceback."""
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    out = hpcvla("plan", "configs/reach_flow.yaml", "--world", 3,
+                 f"policy.pretrained={tmp_path}", f"policy.tokenizer={TOKENIZER}")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "policy.pretrained" in out.stderr and "safe_serialization=True" in out.stderr

@@ -158,8 +158,8 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     folder, layout = policy.pretrained, foreign_layout(policy.pretrained)
     if not any((Path(folder) / name).is_file()
                for name in ("model.safetensors", "model.safetensors.index.json")):
-        return [("policy.pretrained", folder, layout or "a folder holding model.safetensors "
-                 "(or a sharded model.safetensors.index.json)")]
+        return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
+                 "sharded model.safetensors.index.json)" + (f", not {layout}" if layout else ""))]
     try:  # every weight file's header (a sharded index's every shard), and config.json
         tensor_shapes(folder)
         ours = is_hpcvla_folder(folder)
@@ -174,6 +174,14 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     else:  # a published folder: its family judges it
         problems = POLICIES[policy.name].folder_problems(folder, policy, env)
     return problems or _head_problems(policy)
+
+
+def check_pretrained(cfg, source: str = "config") -> None:
+    """pretrained_problems as a ConfigError, for commands that read policy.pretrained without
+    the whole check (`hpcvla plan` sizes the policy from its headers)."""
+    problems = pretrained_problems(cfg.policy, cfg.env) if cfg.policy.pretrained else []
+    if problems:
+        raise ConfigError(problems, source)
 
 
 def _head_problems(policy) -> list[tuple[str, Any, str]]:

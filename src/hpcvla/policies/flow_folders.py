@@ -87,6 +87,16 @@ class PublishedFlowFolders:
         the env's chunk, a published folder must say it), and the sampler's steps (ours,
         LeRobot's `num_inference_steps`, else openpi's and LeRobot's default 10),
         which policy.denoise_steps > 0 overrides."""
+        kind = config.get("type")  # LeRobot's policy type
+        if kind is not None and kind not in ("pi0", "pi05"):
+            raise ValueError(f"config.json's type is {kind!r}: a LeRobot policy of another "
+                             "kind (policy.name=flow runs LeRobot's pi0 and pi05)")
+        if any(".paligemma.language_model.model." in name for name in shapes):
+            raise ValueError("its PaliGemma tensors have the names transformers < 4.52 gave "
+                             "them (`paligemma.language_model.model.*`): a π0 of LeRobot "
+                             "before 0.4, another port than the openpi one LeRobot 0.4 and "
+                             "this project run; start from a LeRobot >= 0.4 π0 (lerobot/"
+                             "pi0_base) or an openpi checkpoint")
         dims = {"action_dim": shapes["model.action_in_proj.weight"][1]}
         if "model.state_proj.weight" in shapes:
             dims["state_dim"] = shapes["model.state_proj.weight"][1]

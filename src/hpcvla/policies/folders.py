@@ -43,38 +43,38 @@ _CONVERT_JAX = ("convert it with openpi's `examples/convert_jax_model_to_pytorch
                 "--checkpoint_dir <it> --config_name <its openpi config, e.g. pi0_libero> "
                 "--output_path <new folder>`, copy its assets/ (norm_stats.json) into the new "
                 "folder, and set policy.pretrained=<new folder>")
-# The references' other layouts, by the files that mark them (globs, first match wins), and
-# the step that makes the weights folder this project reads (preflight names it).
+# The references' other layouts: the files that mark them (globs, first match wins), what
+# they are, and the step that makes the weights folder this project reads of them.
 FOREIGN_LAYOUTS = (
     (("adapter_config.json",), "a LoRA/PEFT adapter without its base weights (LeRobot's "
-     "use_peft, a PEFT save): merge it into its base model (peft's PeftModel.from_pretrained("
-     "base, <it>).merge_and_unload(), then save_pretrained) and point policy.pretrained at "
-     "the merged folder"),
+     "use_peft, a PEFT save)", "merge it into its base model (peft's PeftModel."
+     "from_pretrained(base, <it>).merge_and_unload(), then save_pretrained) and point "
+     "policy.pretrained at the merged folder"),
     (("lora_adapter/adapter_config.json",), "OpenVLA-OFT's run folder of a LoRA fine-tune "
-     "not merged during training: merge lora_adapter/ into the base with OFT's "
-     "vla-scripts/merge_lora_weights_and_save.py, and point policy.pretrained at the result"),
-    (("pretrained_model/config.json",), "LeRobot's checkpoint folder: point "
-     "policy.pretrained at its pretrained_model/"),
-    (("*.distcp", "pytorch_model_fsdp_0/*.distcp"), "LeRobot's sharded (DCP) checkpoint: "
+     "not merged during training", "merge lora_adapter/ into the base with OFT's "
+     "vla-scripts/merge_lora_weights_and_save.py and point policy.pretrained at the result"),
+    (("pretrained_model/config.json",), "LeRobot's checkpoint folder",
+     "point policy.pretrained at its pretrained_model/"),
+    (("*.distcp", "pytorch_model_fsdp_0/*.distcp"), "LeRobot's sharded (DCP) checkpoint",
      "write its model.safetensors with `lerobot-convert-dcp`"),
     (("full_weights.pt", "model_state_dict/full_weights.pt",
-      "actor/model_state_dict/full_weights.pt"), "RLinf's raw checkpoint: `python -m "
+      "actor/model_state_dict/full_weights.pt"), "RLinf's raw checkpoint", "`python -m "
      "rlinf.utils.ckpt_convertor.fsdp_convertor.convert_pt_to_hf` writes its Hugging Face "
      "folder"),
-    (("pytorch_model.bin", "pytorch_model-*.bin"), "pickled PyTorch weights: save them as "
+    (("pytorch_model.bin", "pytorch_model-*.bin"), "pickled PyTorch weights", "save them as "
      "safetensors (transformers' save_pretrained(<folder>, safe_serialization=True))"),
-    (("params/_METADATA", "_CHECKPOINT_METADATA", "_METADATA"), "PyTorch weights, not an "
-     "openpi JAX (orbax) checkpoint: " + _CONVERT_JAX),
-    (("*/params/_METADATA",), "openpi's folder of JAX (orbax) step checkpoints: choose a "
-     "step's folder and " + _CONVERT_JAX),
+    (("params/_METADATA", "_CHECKPOINT_METADATA", "_METADATA"), "an openpi JAX (orbax) "
+     "checkpoint", _CONVERT_JAX),
+    (("*/params/_METADATA",), "openpi's folder of JAX (orbax) step checkpoints",
+     "choose a step's folder and " + _CONVERT_JAX),
 )
 
 
 def foreign_layout(folder) -> str | None:
-    """What a folder that is not a weights folder of this project's layouts holds, and how to
+    """What a folder holding none of this project's weight layouts holds instead, and how to
     make one of it (FOREIGN_LAYOUTS); None when no reference's layout is recognised."""
     folder = Path(folder)
-    return next((fix for globs, fix in FOREIGN_LAYOUTS
+    return next((f"{what}: {fix}" for globs, what, fix in FOREIGN_LAYOUTS
                  if any(next(folder.glob(pattern), None) for pattern in globs)), None)
 
 
