@@ -100,6 +100,61 @@ def test_dump_readable_during_the_run_and_after_a_crash(tmp_path):
     assert "the run died" in describe(summary)
 
 
+HOLDER = """
+import sys, time, h5py
+with h5py.File(sys.argv[1], "r"):  # h5py's default: HDF5's file lock, for 3 s
+    print("holding", flush=True)
+    time.sleep(3)
+"""
+
+
+def test_a_reader_holding_the_lock_delays_the_writer_and_never_stops_it(tmp_path, capfd):
+    """A reader that opens the dump with HDF5's lock (h5py's default) and keeps it: the
+    writer's flush keeps its episodes, says so, and writes them all once the lock is gone
+    (was: BlockingIOError, and the whole world aborted). hpcvla's own readers take no lock."""
+    path = tmp_path / "rank7.h5"
+    groups, spec = reach_segments(6)
+    dump = writer(path, spec, flush_s=1e9)
+    for group in groups[:3]:
+        dump.add_segment(group)
+    dump.flush()
+    held = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert held.stdout.readline().startswith("holding")
+        assert summarize(path)["episodes"] == dump.written  # no lock taken: readable
+        for group in groups[3:]:
+            dump.add_segment(group)
+        dump.flush()
+        assert dump.pending and "is locked by a reader" in capfd.readouterr().err
+        dump.close()  # waits for the lock
+    finally:
+        held.wait(30)
+    summary = summarize(path)
+    assert summary["complete"] and summary["episodes"] == dump.written and not dump.pending
+
+
+def test_a_resumed_run_moves_an_unreadable_dump_aside_and_goes_on(tmp_path, capfd):
+    """A dump left unreadable (here: its bytes cut, as a process killed mid-append leaves one
+    refused) does not stop the resumed run: it is moved aside, named, and a new one begun;
+    each episode says which start wrote it (start_version)."""
+    path = tmp_path / "rank7.h5"
+    reach_dump(path)
+    path.write_bytes(path.read_bytes()[:2000])
+    groups, spec = reach_segments(2)
+    from hpcvla.metrics.dump import TrajectoryDump
+    dump = TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
+                          "reach", spec.chunk_len, start_version=5)
+    assert "moved aside" in capfd.readouterr().err
+    assert (tmp_path / "rank7.h5.unreadable").stat().st_size == 2000
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    with h5py.File(path, "r") as f:
+        assert len(f["data"]) > 0 and all(demo.attrs["start_version"] == 5
+                                          for demo in f["data"].values())
+
+
 @pytest.mark.mpi
 def test_bad_files_give_clear_errors(tmp_path):
     groups, spec = reach_segments(4)

@@ -16,6 +16,8 @@ same layout from a scripted expert (imitation/recording.py: producer_rank -1, po
                        slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`;
                        the env's own is seeds.env_seeds(seed, n)[env_index]),
                        episode (of that env, counted from the (re)start of the run),
+                       start_version (the policy version that start began at: a resumed
+                       run's episodes are told from the first start's by it),
                        instruction (text), policy_version (at the first step), staleness
                        (most over its steps), success, return, env_fault
         obs/<key>          (T, *shape)  observation the action was chosen for
@@ -38,13 +40,20 @@ global heap, which has no checksum, and libhdf5 (2.0.0, in h5py 3.16) loops fore
 damaged one. `hpcvla inspect --verify` reads every chunk.
 The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
 opening, writing and closing the file, so between flushes the file is closed and
-consistent: readable while the run goes on, and after a crash up to the last flush. A run
-resumed from a checkpoint (run.resume) appends to the dump of its first start.
+consistent: readable while the run goes on, and after a crash up to the last flush. Readers
+(`open_dump`) take no HDF5 file lock, so a reader never stops the writer; a reader that
+holds the file open with h5py's default lock makes the writer keep its episodes and try again
+at the next flush, saying so. A process killed while it appends (SIGKILL, an OOM kill)
+leaves the file marked open for write, and libhdf5 then refuses it whole: HDF5's `h5clear -s
+FILE` clears the mark (docs/outputs.md). A run resumed from a checkpoint
+(run.resume) appends to the dump of its first start, or, if that file cannot be read, moves it
+aside (`.unreadable`) and begins a new one.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -78,9 +87,10 @@ class TrajectoryDump:
 
     def __init__(self, path, producer: int, obs_keys, vocab, shard_seed, env: str,
                  chunk_len: int, config_yaml: str = "", flush_s: float = 10.0,
-                 source: str = "run"):
+                 source: str = "run", start_version: int = 0):
         self.path, self.producer, self.obs_keys = Path(path), producer, list(obs_keys)
         self.vocab, self.shard_seed, self.flush_s = vocab, shard_seed, flush_s
+        self.start_version, self.refusals = start_version, 0
         self.open: dict[tuple[int, int], list[dict]] = {}  # (slot, env) -> step pieces
         self.episodes: dict[tuple[int, int], int] = Counter()
         self.pending: list[tuple[dict, dict]] = []          # finished, not yet written
@@ -88,12 +98,7 @@ class TrajectoryDump:
         self.last_flush = time.monotonic()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         import h5py
-        if self.path.exists():  # a resumed run (run.resume) appends to its dump
-            with open_dump(self.path) as f:
-                self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
-                self.total = int(f["data"].attrs["total"])
-            with h5py.File(self.path, "a", libver=LIBVER) as f:
-                f.attrs["complete"] = False
+        if self.path.exists() and self._resumed():
             return
         with h5py.File(self.path, "w", libver=LIBVER) as f:
             f.attrs.update(text_attrs(dict(
@@ -103,6 +108,25 @@ class TrajectoryDump:
             data = f.create_group("data")
             data.attrs.update(text_attrs(dict(total=0, env_args=json.dumps(
                 {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))))
+
+    def _resumed(self) -> bool:
+        """A resumed run (run.resume) appends to its dump; one that cannot be read (e.g. a
+        process killed as it appended) is moved aside, and the run goes on with a new one."""
+        import h5py
+        try:
+            with open_dump(self.path) as f:
+                self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
+                self.total = int(f["data"].attrs["total"])
+        except DumpError as err:
+            aside = self.path.with_name(self.path.name + ".unreadable")
+            self.path.rename(aside)
+            print(f"hpcvla: producer rank {self.producer}: {err}; moved aside to {aside} "
+                  "(if the run was killed while appending, HDF5's `h5clear -s` may restore "
+                  "it) and a new dump begun", file=sys.stderr, flush=True)
+            return False
+        with h5py.File(self.path, "a", libver=LIBVER) as f:
+            f.attrs["complete"] = False
+        return True
 
     def add_segment(self, group: dict) -> None:
         """One segment group as sent to a learner: T steps of the n envs of one slot."""
@@ -137,6 +161,7 @@ class TrajectoryDump:
         attrs = {"num_samples": len(steps["reward"]), "env_id": f"p{self.producer}/s{slot}/e{env}",
                  "producer_rank": self.producer, "slot": slot, "env_index": env,
                  "seed": int(self.shard_seed(slot)), "episode": self.episodes[(slot, env)],
+                 "start_version": self.start_version,
                  "instruction": "" if tokens is None else
                  " ".join(self.vocab[t] for t in tokens[0] if t),
                  "policy_version": int(steps["version"][0]),
@@ -158,11 +183,34 @@ class TrajectoryDump:
             raise ValueError(f"add_episode: steps lack {', '.join(missing)}")
         self.pending.append((steps, {**attrs, "num_samples": len(steps["reward"])}))
 
-    def flush(self) -> None:
-        """Append the finished episodes (open, write, close: consistent between flushes)."""
+    def flush(self, patience_s: float = 0.0) -> None:
+        """Append the finished episodes (open, write, close: consistent between flushes). A
+        reader holding HDF5's lock on the file: keep them and try again at the next flush,
+        or for `patience_s` (the last flush), then fail naming the file."""
         import h5py
-        self.last_flush = time.monotonic()
-        with h5py.File(self.path, "a", libver=LIBVER) as f:
+        self.last_flush = deadline = time.monotonic()
+        deadline += patience_s
+        while True:
+            try:
+                f = h5py.File(self.path, "a", libver=LIBVER)
+                break
+            except BlockingIOError as err:  # errno 11: another process holds its lock
+                self.refusals += 1
+                if time.monotonic() < deadline:
+                    time.sleep(1.0)
+                    continue
+                if patience_s > 0:
+                    raise DumpError(f"{self.path}: still locked by a reader after "
+                                    f"{patience_s:g} s: {len(self.pending)} episode(s) not "
+                                    "written") from None
+                if self.refusals == 1 or self.refusals % 30 == 0:
+                    print(f"hpcvla: producer rank {self.producer}: {self.path} is locked by "
+                          f"a reader ({err.strerror}): {len(self.pending)} episode(s) kept "
+                          "for the next flush; open it with h5py.File(..., locking=False) "
+                          "or copy it (`hpcvla inspect` does not lock)", file=sys.stderr,
+                          flush=True)
+                return
+        with f:
             data = f["data"]
             for steps, attrs in self.pending:
                 demo = data.create_group(f"demo_{self.written}")
@@ -179,9 +227,9 @@ class TrajectoryDump:
         self.pending.clear()
 
     def close(self) -> None:
-        """Write what is finished; record the steps of episodes still open and mark the
-        file complete."""
-        self.flush()
+        """Write what is finished (waiting up to a minute for a reader's lock); record the
+        steps of episodes still open and mark the file complete."""
+        self.flush(patience_s=60.0)
         import h5py
         with h5py.File(self.path, "a", libver=LIBVER) as f:
             f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
@@ -217,7 +265,7 @@ def open_dump(path):
     if not path.exists():
         raise DumpError(f"{path}: no such file")
     try:
-        f = h5py.File(path, "r")
+        f = h5py.File(path, "r", locking=False)  # a reader never stops the writer
     except OSError as err:
         raise DumpError(f"{path}: not a readable HDF5 file (truncated, corrupted, or being "
                         f"written right now?): {err}") from None

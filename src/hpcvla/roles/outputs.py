@@ -104,7 +104,8 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
 
 
 def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_dir: Path,
-                    seed_of_slot: Callable[[int], int]) -> TrajectoryDump | None:
+                    seed_of_slot: Callable[[int], int],
+                    start_version: int) -> TrajectoryDump | None:
     """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
     It holds the observations and what the policy records beside them (extra_fields)."""
     if not cfg.run.dump_trajectories:
@@ -114,7 +115,7 @@ def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_d
     return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, keys,
                           spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                          cfg.run.dump_flush_s)
+                          cfg.run.dump_flush_s, start_version=start_version)
 
 
 def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
