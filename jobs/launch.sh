@@ -7,7 +7,8 @@
 #
 # `train` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node
 # list, its proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for
-# Open MPI under Slurm. Every other command (`bench modes` starts its own MPI worlds) runs
+# Open MPI under Slurm, its `mpirun` elsewhere (with `-x` for each of the job's variables:
+# mpirun passes ranks on other nodes none). Every other command (`bench modes` starts its own MPI worlds) runs
 # as one process on the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
@@ -340,6 +341,18 @@ end_a_failed_world() {  # PID of the world's launcher; run in the background
     sleep 5
     kill -KILL "$1" 2> /dev/null || true
 }
+forwarded_env() {  # `-x NAME` lines: what Open MPI's mpirun passes to ranks on other nodes
+    # mpirun gives them only OMPI_* (ssh or PBS's TM start them with a login's environment):
+    # pass the job's, as srun (--export=ALL) and Hydra (-genvall) do, but for what is each
+    # node's own (its GPUs, its scheduler and launcher variables).
+    local name
+    for name in $(compgen -e); do
+        [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
+        [[ $name =~ ^(CUDA_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|HOSTNAME|HOST|PWD|OLDPWD|SHLVL|_|DISPLAY|TERM|TMUX|SLURM_.*|SLURMD_.*|PBS_.*|OMPI_.*|PMIX_.*|PMI_.*|HYDRA_.*|SSH_.*)$ ]] &&
+            continue
+        printf -- '-x\n%s\n' "$name"
+    done
+}
 run_world() {  # start the ranks, forward signals while they run; sets `status`
     if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
         # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
@@ -350,7 +363,11 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     # the ranks time their start and stop from here (summary.json's phases_s)
     HPCVLA_LAUNCHED_AT=$(date +%s.%N)
     export HPCVLA_LAUNCHED_AT
-    "${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${COMMAND[@]}" &
+    local exports=()
+    if [[ $HPCVLA_MPI_FLAVOUR == openmpi && " ${LAUNCH[*]} " == *" $HPCVLA_MPIEXEC "* ]]; then
+        mapfile -t exports < <(forwarded_env)  # now: the world's own variables are set
+    fi
+    "${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${exports[@]}" "${COMMAND[@]}" &
     STEP=$!
     trap 'forward TERM' TERM
     trap 'forward INT' INT

@@ -1,6 +1,9 @@
-"""Real MPI worlds (mpiexec from the installed MPICH), each under a timeout."""
+"""Real MPI worlds (mpiexec from the installed MPICH; Open MPI's where named), each under a
+timeout."""
 
+import os
 import socket
+import subprocess
 import time
 
 import pytest
@@ -140,6 +143,36 @@ def test_world_size_must_match_pbs_nodefile(tmp_path):
                  f"run.root={tmp_path}", "launch.check_scheduler=false",
                  "pipeline.total_updates=1", env=env)
     assert out.returncode == 0, out.stderr
+
+
+LOGIN_SHELL = """#!/bin/sh
+# ssh as Open MPI calls it (options, host, command), giving the command what a login gives:
+# an empty environment but for PATH
+while [ $# -gt 0 ]; do case $1 in -[bcDEeFIiJLlmOopQRSWw]) shift 2;; -*) shift;; *) break;; esac
+done
+shift
+exec env -i PATH=/usr/bin:/bin HOME="$HOME" sh -c "$*"
+"""
+
+
+@pytest.mark.slow  # a training run
+def test_open_mpis_ranks_on_other_nodes_get_the_jobs_environment(tmp_path):
+    """jobs/launch.sh under PBS with Open MPI: mpirun starts the ranks of another node (here
+    127.0.0.2) through a remote shell that, as ssh, passes no environment, and gives them
+    only OMPI_*: the job's (MPI4PY_LIBMPI, OMP_NUM_THREADS, HPCVLA_*) goes with -x. Without
+    it mpi4py loaded the wrong libmpi and every rank aborted in MPI_Init."""
+    shell = tmp_path / "ssh"
+    shell.write_text(LOGIN_SHELL)
+    shell.chmod(0o755)
+    nodefile = tmp_path / "nodes"
+    nodefile.write_text("127.0.0.2\n" * 4)
+    env = {**os.environ, "PBS_JOBID": "6.pbs", "PBS_NODEFILE": str(nodefile),
+           "HPCVLA_MPI": "openmpi", "HPCVLA_DOCTOR": "0", "OMPI_MCA_plm_rsh_agent": str(shell)}
+    out = subprocess.run([ROOT / "jobs" / "launch.sh", "train", "configs/default.yaml",
+                          "pipeline.total_updates=2", f"run.root={tmp_path / 'runs'}"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0 and "[hpcvla] done:" in out.stdout + out.stderr, \
+        out.stderr[-3000:]
 
 
 def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
