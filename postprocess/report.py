@@ -142,14 +142,38 @@ def lanes_of(run: dict) -> list:
     return [(f"r{rank} {role}", spans) for (rank, role), spans in sorted(run["spans"].items())]
 
 
+def _unique_names(runs: list[dict]) -> None:
+    """Run names that name one run each (their charts' files): a name two runs share (runs of
+    one config at the same second, in different folders) takes its parent folder's name, then
+    a number."""
+    shared = {name for name, n in Counter(r["name"] for r in runs).items() if n > 1}
+    for run in runs:
+        if run["name"] in shared:
+            run["name"] = f"{run['path'].parent.name}-{run['name']}"
+    seen: Counter = Counter()
+    for run in runs:
+        seen[run["name"]] += 1
+        if seen[run["name"]] > 1:
+            run["name"] = f"{run['name']}-{seen[run['name']]}"
+
+
 def write_report(run_dirs, bench_files=(), out="report") -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [load_run(p) for p in run_dirs]
+    runs, skipped = [], []
+    for path in run_dirs:  # a run that died or was stopped has no summary: report the rest
+        try:
+            runs.append(load_run(path))
+        except ReportError as err:
+            print(f"report: skipped {err}", file=sys.stderr)
+            skipped.append(str(err))
+    _unique_names(runs)
     benches = [(Path(p).name, json.loads(Path(p).read_text())) for p in bench_files]
     if not runs and not benches:
-        raise ReportError("nothing to report: give run directories and/or --bench files")
-    md = ["# hpcvla report", ""]
+        raise ReportError("nothing to report: give run directories and/or --bench files"
+                          + "".join(f"; skipped {why}" for why in skipped))
+    md = ["# hpcvla report", ""] + [f"Skipped {why}." for why in skipped] + \
+        ([""] if skipped else [])
     if runs:
         md += ["Runs: " + ", ".join(f"`{r['path']}`" for r in runs), "",
                "## Throughput", "",

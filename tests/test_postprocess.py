@@ -1,6 +1,7 @@
 """postprocess/report.py on real short runs: tables, swimlanes, curves and histograms."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -75,11 +76,22 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     colours = {tuple(c) for c in np.unique(pixels, axis=0)}
     for stage in ("simulate", "infer", "train"):
         assert tuple(round(v * 255) for v in to_rgb(STAGE_COLORS[stage])) in colours, stage
+    # two runs of one name (another folder) get a chart each; a folder that is no finished
+    # run is skipped, said, and the rest reported
+    twin = tmp_path / "c" / streamer.name
+    shutil.copytree(streamer, twin)
+    out = report(streamer, twin, tmp_path / "b", "--out", tmp_path / "again")
+    assert out.returncode == 0 and "skipped" in out.stderr, out.stderr
+    md = (tmp_path / "again" / "report.md").read_text()
+    assert f"Skipped {tmp_path / 'b'}: no summary.json" in md
+    for folder in ("a", "c"):
+        assert (tmp_path / "again" / f"timeline-{folder}-{streamer.name}.png").exists()
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path):
     out = report(tmp_path, "--out", tmp_path / "r")
-    assert out.returncode == 2 and "no summary.json" in out.stderr
+    assert out.returncode == 2 and "nothing to report" in out.stderr and \
+        "no summary.json" in out.stderr
 
 
 
