@@ -60,6 +60,12 @@ set -euo pipefail
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "launch.sh $(date +%H:%M:%S): $*" >&2; }
+# A signal while no world runs (the time-limit warning may come up to a minute early, a cancel
+# during the node checks or between restarts) is remembered, not fatal: run_world then starts
+# no world, and the job ends as one stopped by it.
+EARLY=""
+remember_signals() { trap 'EARLY=TERM' TERM; trap 'EARLY=INT' INT; trap 'EARLY=USR1' USR1; }
+remember_signals
 
 HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export HPCVLA_ROOT
@@ -354,6 +360,11 @@ forwarded_env() {  # `-x NAME` lines: what Open MPI's mpirun passes to ranks on 
     done
 }
 run_world() {  # start the ranks, forward signals while they run; sets `status`
+    if [[ -n $EARLY ]]; then
+        SIGNALLED=$EARLY status=0
+        say "received SIG$EARLY before the ranks started: starting none"
+        return
+    fi
     if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
         # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
         # word (kill -9, OOM), srun names its task number and the cards say what it was.
@@ -382,7 +393,7 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
         wait "$STEP" && status=0 || status=$?
         kill -0 "$STEP" 2> /dev/null || break
     done
-    trap - TERM INT USR1
+    remember_signals
     if [[ -n $ender ]]; then
         kill "$ender" 2> /dev/null || true  # its deathwatch sees the launcher gone and ends
         wait "$ender" 2> /dev/null || true
@@ -497,6 +508,12 @@ if [[ -n $SIGNALLED ]]; then
             -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         scontrol requeue "$SLURM_JOB_ID"
+    elif (( status == 0 )) && [[ $1 != train || -z ${HPCVLA_JOB_RUNS:-} ||
+            -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
+        # stopped short of its end (with its checkpoint): not a success for the scheduler,
+        # whose `afterok` dependencies would start on it
+        status=$(( 128 + $(kill -l "$SIGNALLED") ))
+        say "stopped before its end by SIG$SIGNALLED: exit status $status"
     fi
 fi
 exit "$status"

@@ -2,6 +2,7 @@
 timeout."""
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -173,6 +174,33 @@ def test_open_mpis_ranks_on_other_nodes_get_the_jobs_environment(tmp_path):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0 and "[hpcvla] done:" in out.stdout + out.stderr, \
         out.stderr[-3000:]
+
+
+@pytest.mark.slow  # a training run
+def test_the_job_script_survives_an_early_signal_and_a_stopped_run_is_no_success(tmp_path):
+    """jobs/launch.sh: a time-limit warning (SIGUSR1) before the world starts, as `--signal`
+    may send it up to a minute early, used to kill the script (no requeue, exit 138): now no
+    world starts and the job ends as stopped. A run stopped by SIGTERM with its checkpoint
+    exits 143, not 0 (a scheduler's `afterok` would take it for done)."""
+    def launch(*overrides):
+        return subprocess.Popen([ROOT / "jobs" / "launch.sh", "train", "configs/default.yaml",
+                                 f"run.root={tmp_path}", *overrides], cwd=ROOT,
+                                env={**os.environ, "HPCVLA_RANKS": "4"}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    early = launch()
+    time.sleep(0.5)  # launch.sh is still checking (hpcvla doctor)
+    early.send_signal(signal.SIGUSR1)
+    out = early.communicate(timeout=120)[0]
+    assert early.returncode == 128 + signal.SIGUSR1, out[-3000:]
+    assert "received SIGUSR1 before the ranks started: starting none" in out, out[-3000:]
+    stopped = launch("pipeline.total_updates=100000", "learner.checkpoint_every=5")
+    for line in stopped.stdout:
+        if "[hpcvla] update " in line:
+            stopped.send_signal(signal.SIGTERM)
+            break
+    out = stopped.communicate(timeout=120)[0]
+    assert stopped.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "stopped before its end by SIGTERM: exit status 143" in out, out[-3000:]
 
 
 def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
