@@ -469,3 +469,20 @@ def test_plan_names_what_is_wrong_with_the_folder(tmp_path):
                  f"policy.pretrained={tmp_path}", f"policy.tokenizer={TOKENIZER}")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "policy.pretrained" in out.stderr and "safe_serialization=True" in out.stderr
+
+
+def test_a_folder_with_tensors_the_policy_lacks_is_refused_before_any_rank(tmp_path):
+    """A published folder holding a tensor the policy has no module for (RLinf's π0 after RL
+    keeps its value and noise heads) is named from its headers, against a meta-device build,
+    by the launching process (was: by every rank, after the start); LoRA's adapters, which go
+    on after the folder is loaded, are no mismatch."""
+    from hpcvla.preflight import weights_fit_problems
+    folder = tmp_path / "rlinf"
+    shutil.copytree(FIXTURES / "pi0" / "lerobot", folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    save_file({**tensors, "model.noise_head.mlp.0.weight": torch.zeros(4, 4)},
+              str(folder / "model.safetensors"))
+    [(field, value, why)] = weights_fit_problems(config(folder))
+    assert field == "policy.pretrained" and "unexpected" in why and "noise_head" in why, why
+    assert weights_fit_problems(config(FIXTURES / "pi0" / "lerobot",
+                                       **{"policy.lora_rank": 4})) == []

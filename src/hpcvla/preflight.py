@@ -112,22 +112,36 @@ def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
 
 def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     """The weights a run resumes (run.resume: exactly) or starts from (policy.checkpoint: its
-    RL heads may be absent) against the configured policy's names and shapes, from the file's
-    header and a meta-device build (no memory), as the ranks will load them: a checkpoint
-    written with another policy config, or an override that changes the policy, is named
-    before every rank builds the policy to find it."""
+    RL heads may be absent; policy.pretrained: the folder, before LoRA's adapters) against
+    the configured policy's names and shapes, from the files' headers and a meta-device
+    build (no memory), as the ranks will load them: a checkpoint written with another policy
+    config, a folder with tensors the policy lacks (e.g. another framework's RL heads), or
+    an override that changes the policy, is named before every rank builds the policy."""
+    from dataclasses import replace
+
     from hpcvla.checkpoint.catalog import latest
     asked = [(name, value, latest(value)) for name, value in
              (("run.resume", cfg.run.resume), ("policy.checkpoint", cfg.policy.checkpoint))
              if value]
     asked = [(name, value, path) for name, value, path in asked if path is not None]
-    if not asked:  # none, or file_problems names them
+    if not asked and not cfg.policy.pretrained:  # none, or file_problems names them
         return []
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
-    policy = build_policy(cfg, env_spec(cfg.env), device="meta")
-    return [(name, value, problem) for name, value, path in asked
-            if (problem := checkpoint_fit_problem(policy, path, name == "policy.checkpoint"))]
+    from hpcvla.policies.folders import fit_problem
+    spec = env_spec(cfg.env)
+    problems = []
+    if cfg.policy.pretrained:  # loaded before the adapters go on
+        bare = build_policy(replace(cfg, policy=replace(cfg.policy, lora_rank=0)), spec,
+                            device="meta")
+        why = fit_problem(bare, cfg.policy.pretrained)
+        problems += [("policy.pretrained", cfg.policy.pretrained, "weights the configured "
+                      f"policy takes: {why}")] if why else []
+    if asked:
+        policy = build_policy(cfg, spec, device="meta")
+        problems += [(name, value, problem) for name, value, path in asked if (
+            problem := checkpoint_fit_problem(policy, path, name == "policy.checkpoint"))]
+    return problems
 
 
 def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = False) -> str:

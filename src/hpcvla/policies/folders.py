@@ -185,8 +185,39 @@ def load_weights(policy, path) -> list[str]:
     if policy.load_published is not None and Path(path).is_dir() and not \
             is_hpcvla_folder(path):
         return policy.load_published(path)
-    tensors = from_layout(read_tensors(path), policy.HF_LAYOUT)
-    loaded = {policy.from_hf_key(k): v for k, v in tensors.items()}
+    loaded = _as_model(policy, read_tensors(path))
+    problems, fresh = _fit(policy, loaded)
+    if problems:
+        raise ValueError(f"{path}: {len(problems)} tensor(s) do not fit the "
+                         f"{policy.family} policy: " + "; ".join(problems))
+    state = policy.state_dict()
+    with torch.no_grad():
+        for k, v in loaded.items():
+            state[k].copy_(v)
+    return fresh
+
+
+def fit_problem(policy, path) -> str:
+    """What load_weights would refuse of the checkpoint `path` for `policy` (a meta-device
+    build will do), from the files' headers only; '' if it fits (or the family reads its
+    published folders itself)."""
+    if policy.load_published is not None and Path(path).is_dir() and not \
+            is_hpcvla_folder(path):
+        return ""
+    held = {k: torch.empty(s, device="meta") for k, s in tensor_shapes(path).items()}
+    problems = _fit(policy, _as_model(policy, held))[0]
+    return f"{len(problems)} tensor(s) do not fit the {policy.family} policy: " + \
+        "; ".join(problems) if problems else ""
+
+
+def _as_model(policy, tensors: dict) -> dict:
+    """A checkpoint's tensors under `policy`'s module names (its layout and key map)."""
+    return {policy.from_hf_key(k): v for k, v in from_layout(tensors, policy.HF_LAYOUT).items()}
+
+
+def _fit(policy, loaded: dict) -> tuple[list[str], list[str]]:
+    """`loaded` against `policy`'s state: the problems (tensors missing, unexpected or
+    misshaped, by checkpoint name) and the RL-head names it lacks (kept fresh)."""
     state = policy.state_dict()
     missing = [k for k in state if k not in loaded]
     rl_only = rl_only_names(policy)
@@ -197,13 +228,7 @@ def load_weights(policy, path) -> list[str]:
     problems += [f"misshaped {policy.to_hf_key(k)}: file {tuple(v.shape)}, model "
                  f"{tuple(state[k].shape)}" for k, v in loaded.items()
                  if k in state and v.shape != state[k].shape]
-    if problems:
-        raise ValueError(f"{path}: {len(problems)} tensor(s) do not fit the "
-                         f"{policy.family} policy: " + "; ".join(problems))
-    with torch.no_grad():
-        for k, v in loaded.items():
-            state[k].copy_(v)
-    return fresh
+    return problems, fresh
 
 
 def save_pretrained(policy, folder, state: dict | None = None) -> Path:
