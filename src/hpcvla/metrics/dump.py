@@ -21,7 +21,10 @@ same layout from a scripted expert (imitation/recording.py: producer_rank -1, po
                        instruction (text), policy_version (at the first step), staleness
                        (most over its steps), success, return, env_fault
         obs/<key>          (T, *shape)  observation the action was chosen for
-        actions            (T, H, A) f4 the action chunk (H primitive actions)
+        actions            (T, H, A) f4 the action chunk (H primitive actions) as the policy
+                                        drew and scored it: before the env clips it to
+                                        its bounds; a chunk that ends the episode early
+                                        (a success mid-chunk) ran only its first steps
         rewards            (T,) f4      reward of each chunk
         dones              (T,) u1      1 at the last step only
         terminated, truncated, env_fault
