@@ -130,6 +130,16 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
                        "sha256"):
         catalog.read_state(fake_checkpoint(tmp_path / "entry", optimizer=[
             {"fild": "optimizer.rank0.safetensors", "sha256": "0" * 64}]))
+    # state.json carries its own checksum (store writes it sealed): a flipped counter or
+    # Adam step, which no other check sees, is named
+    path = fake_checkpoint(tmp_path / "sealed", counters={"trained_env_steps": 2048})
+    state = catalog.sealed(json.loads((path / "state.json").read_text()))
+    (path / "state.json").write_text(json.dumps(state, indent=1))
+    assert catalog.read_state(path)["counters"]["trained_env_steps"] == 2048
+    (path / "state.json").write_text(json.dumps(state, indent=1).replace("2048", "2049"))
+    with pytest.raises(catalog.CheckpointError, match=r"do not match its sha256; the file is "
+                       "damaged"):
+        catalog.read_state(path)
 
 
 def test_only_checkpoint_names_are_checkpoints_and_a_run_resumes_from_its_directory(tmp_path):

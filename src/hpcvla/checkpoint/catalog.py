@@ -92,6 +92,14 @@ def resume_problems(resume: str, sft: bool, last: tuple[str, int]) -> list[tuple
     return []
 
 
+def sealed(state: dict) -> dict:
+    """`state` with its own checksum: `sha256` of the rest as canonical JSON, so a counter, an
+    Adam step or a range flipped in state.json is caught where it is read (read_state)."""
+    body = {k: v for k, v in state.items() if k != "sha256"}
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+    return {**body, "sha256": digest}
+
+
 def read_state(path: Path) -> dict:
     """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
     wrong."""
@@ -106,6 +114,10 @@ def read_state(path: Path) -> dict:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
                               f"reads formats {', '.join(map(str, READABLE))}")
+    if "sha256" in state and sealed(state)["sha256"] != state["sha256"]:  # (older: none)
+        raise CheckpointError(f"{path / STATE}: its contents do not match its sha256; the file "
+                              f"is damaged (move this checkpoint out of {path.parent}: the "
+                              "one before it is then the newest)")
     missing = sorted(set(STATE_KEYS) - set(state))
     if missing:
         raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "

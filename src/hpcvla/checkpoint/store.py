@@ -37,7 +37,7 @@ from safetensors.torch import save_file as _save_file
 
 from hpcvla.checkpoint import optimizer_state
 from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, checkpoint_dir,
-                                      complete, read_state, sha256, verify_file)
+                                      complete, read_state, sealed, sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
 
@@ -166,7 +166,7 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
     all; the oldest beyond `keep` go."""
     for r in range(learners):
         (partial / _sidecar(r)).unlink()
-    (partial / STATE).write_text(json.dumps(state, indent=1))
+    (partial / STATE).write_text(json.dumps(sealed(state), indent=1))
     _fsync_dir(partial)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(partial, final)
