@@ -2,6 +2,8 @@
 pipeline with Horovod's MPI allreduce, checkpoint and resume. `make install` builds Horovod
 (its install-horovod step): without it these tests fail, saying so."""
 
+import json
+
 import pytest
 from safetensors.torch import load_file
 
@@ -28,6 +30,9 @@ def test_two_horovod_learners_train_average_and_resume(tmp_path):
     # each learner keeps its own Adam moments, equal only if both stepped on the same
     # (allreduced) gradients, though they trained on different segments: every checkpoint
     # checked that (optimizer_state.replicas_agree), then learner 0 saved them for both
+    first = json.loads((run_dir / "checkpoints" / "v000020" / "state.json").read_text())
+    steps = {s for entry in first["optimizer"] for s in entry["steps"].values()}
+    assert steps == {20.0}, steps  # Adam's count: one per update (1 epoch), none ahead
     final = sorted((run_dir / "checkpoints").glob("v*"))[-1]
     moments = [load_file(str(final / f"optimizer.rank{r}.safetensors")) for r in (0, 1)]
     assert {k.rsplit("/", 1)[-1] for k in moments[0]} >= {"master", "exp_avg", "exp_avg_sq"}

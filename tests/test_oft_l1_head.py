@@ -145,6 +145,13 @@ def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
     with pytest.raises(ConfigError, match="proprio projector .* says it was fine-tuned with "
                                           "the proprio token.*env.state=true"):
         config(l1_folder, **{**OFFICIAL_PROPRIO, "env.state": "false"})
+    # OFT's fine-tunes on random crops (its run names say image_aug) need its centre crop
+    augmented = tmp_path / "openvla-7b+libero_spatial_no_noops+b16--image_aug--100"
+    augmented.symlink_to(l1_folder)
+    with pytest.raises(ConfigError, match="policy.center_crop = 1.0: expected 0.9: .* "
+                                          "random 90 % crops"):
+        config(augmented, **OFFICIAL_PROPRIO)
+    config(augmented, **OFFICIAL_PROPRIO, **{"policy.center_crop": 0.9})
     film = tmp_path / "film"  # OFT's use_film saves the whole vision backbone apart
     shutil.copytree(l1_folder, film)
     (film / "vision_backbone--100_checkpoint.pt").write_bytes(b"")

@@ -6,7 +6,7 @@ stage 0); gradients are averaged by MPI allreduce.
 
     hvd.init(comm=learners)                    # Horovod on the learner communicator only   [dist]
     hvd.DistributedOptimizer(..., backward_passes_per_step=micro_batches)  # allreduce hooks [dist]
-    hvd.broadcast_parameters / broadcast_optimizer_state (root 0)   # one start everywhere    [dist]
+    hvd.broadcast_parameters (root 0)           # one start everywhere                      [dist]
 
 Installing it: `make install-horovod` (Horovod 0.28.1 from source against the pinned torch,
 MPI controller, no Gloo; the Makefile says why each flag is there). Float32 policies only:
@@ -50,8 +50,10 @@ class HorovodEngine:
         self.optimizer = hvd.DistributedOptimizer(  # [dist] averages at the boundary pass
             optimizer, named_parameters=module.named_parameters(),
             backward_passes_per_step=micro_batches, op=hvd.Average)
-        # one starting state everywhere; a resume loads its own after it (store.load_optimizer)
-        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)  # [dist]
+        # No broadcast_optimizer_state: every learner's optimizer starts empty from one config
+        # (Horovod's would make a state with a zero-gradient step: Adam's step count one
+        # ahead of the updates, weight decay applied once), and a resume loads each its own
+        # after this (store.load_optimizer).
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
