@@ -30,10 +30,10 @@ def test_two_horovod_learners_train_average_and_resume(tmp_path):
     # each learner keeps its own Adam moments, equal only if both stepped on the same
     # (allreduced) gradients, though they trained on different segments: every checkpoint
     # checked that (optimizer_state.replicas_agree), then learner 0 saved them for both
-    first = json.loads((run_dir / "checkpoints" / "v000020" / "state.json").read_text())
-    steps = {s for entry in first["optimizer"] for s in entry["steps"].values()}
-    assert steps == {20.0}, steps  # Adam's count: one per update (1 epoch), none ahead
     final = sorted((run_dir / "checkpoints").glob("v*"))[-1]
+    saved = json.loads((final / "state.json").read_text())
+    steps = {s for entry in saved["optimizer"] for s in entry["steps"].values()}
+    assert steps == {80.0}, steps  # Adam's count: one per update (1 epoch), none ahead
     moments = [load_file(str(final / f"optimizer.rank{r}.safetensors")) for r in (0, 1)]
     assert {k.rsplit("/", 1)[-1] for k in moments[0]} >= {"master", "exp_avg", "exp_avg_sq"}
     assert list(moments[1]) == ["rng.torch_cpu"]
