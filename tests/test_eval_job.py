@@ -92,6 +92,8 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
     ("algorithm.lr=0.1", True, "algorithm.lr = '0.1': expected a setting `hpcvla eval` reads "
                                "(env.*, policy.*, launch.*, run.seed"),
     ("learner.epochs=2", False, "learner.epochs = '2': expected a setting `hpcvla eval` reads"),
+    # one the config's own checks would refuse for another reason: named for what it is
+    ("eval.every=3", False, "eval.every = '3': expected a setting `hpcvla eval` reads"),
     ("env.isolation=process", True, "env.isolation = 'process': expected none: a setting of "
                                     "training's simulator ranks"),
     ("policy.checkpoint=/elsewhere", False, "policy.checkpoint = '/elsewhere': expected "

@@ -337,8 +337,8 @@ def cmd_eval(args) -> int:
         from hpcvla import preflight
         # a trained checkpoint holds every weight: the run's start only for --untrained
         start = [] if args.untrained else ["policy.checkpoint="]
+        check_overrides(args.overrides, args.untrained)  # before the config's own checks
         cfg = load_config(run_dir / "config.yaml", [*start, *args.overrides])
-        check_overrides(args.overrides, args.untrained)  # before the files' checks
         preflight.check_config(cfg, str(run_dir / "config.yaml"))
         preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
