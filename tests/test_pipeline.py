@@ -329,38 +329,46 @@ def rank_pid(argument: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} running with {argument}")
 
 
+def train_stopping_rank_1(tmp_path, updates: int, stall_s: int, when: str):
+    """`hpcvla train` of default.yaml on 4 ranks (rank 1: a simulator), rank 1 stopped
+    (SIGSTOP) as the first line holding `when` prints: (the process, rank 1's pid, the lines
+    so far)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
+                             "--ranks", "4", f"run.root={tmp_path}",
+                             f"pipeline.total_updates={updates}",
+                             f"pipeline.stall_timeout_s={stall_s}"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if when in line:
+            pid = rank_pid(f"run.root={tmp_path}", 1)
+            os.kill(pid, signal.SIGSTOP)
+            return proc, pid, out
+    proc.kill()
+    raise AssertionError("".join(out)[-3000:])  # the line never came
+
+
 @pytest.mark.mpi
 def test_a_rank_that_hangs_at_the_end_is_the_one_its_peers_do_not_hear_from(tmp_path):
     """A simulator stopped (SIGSTOP) as the last version lands: wherever the others then
     wait for it (the inference rank for its last request, the windows freed together, the
     report, the last barrier), they say so each pipeline.stall_timeout_s, and it says
     nothing; once it goes on, the run ends well. ~6 s."""
-    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
-                             "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=20",
-                             "pipeline.stall_timeout_s=1"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    stopped = None
+    proc, pid, out = train_stopping_rank_1(tmp_path, 20, 1, "update 20/20")
     try:
-        out = []
-        for line in proc.stdout:
-            out.append(line)
-            if "update 20/20" in line:  # rank 1: a simulator (default.yaml's plan)
-                stopped = {"rank": 1, "pid": rank_pid(f"run.root={tmp_path}", 1)}
-                os.kill(stopped["pid"], signal.SIGSTOP)
-                break
-        assert stopped, "".join(out)[-3000:]  # the last version's line never came
         time.sleep(2.5)
-        os.kill(stopped["pid"], signal.SIGCONT)
+        os.kill(pid, signal.SIGCONT)
         out.append(proc.communicate(timeout=120)[0])
     finally:
-        if stopped and proc.poll() is None:  # on failure: let it end
-            os.kill(stopped["pid"], signal.SIGCONT)
+        if proc.poll() is None:  # on failure: let it end
+            os.kill(pid, signal.SIGCONT)
         proc.kill()
     text = "".join(out)
     assert proc.returncode == 0, text[-3000:]
     said = [line for line in text.splitlines() if line.startswith("hpcvla: rank ") and (
         "has waited" in line or "has finished and waited" in line or "have not asked" in line)]
-    own = [line for line in said if line.startswith(f"hpcvla: rank {stopped['rank']} ")]
+    own = [line for line in said if line.startswith("hpcvla: rank 1 ")]
     # stopped inside a wait, it says (once) that the time it was stopped has passed
     assert len(own) <= 1 and len(said) - len(own) >= 2, text[-3000:]
 
@@ -370,25 +378,12 @@ def test_a_simulator_that_hangs_mid_run_is_named_before_the_learner_gives_up(tmp
     """A simulator stopped (SIGSTOP) mid-run, outside any env step (its watchdog sees
     nothing): its inference rank names it at half pipeline.stall_timeout_s, and then the
     learner's stall abort takes the job down. ~6 s."""
-    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
-                             "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=2000",
-                             "pipeline.stall_timeout_s=3"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    pid = None
+    proc, pid, out = train_stopping_rank_1(tmp_path, 2000, 3, "[hpcvla] update ")
     try:
-        out = []
-        for line in proc.stdout:
-            out.append(line)
-            if "[hpcvla] update " in line:  # rank 1: a simulator (default.yaml's plan)
-                pid = rank_pid(f"run.root={tmp_path}", 1)
-                os.kill(pid, signal.SIGSTOP)
-                break
-        assert pid, "".join(out)[-3000:]
         out.append(proc.communicate(timeout=60)[0])
     finally:
-        if pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         proc.kill()
     text = "".join(out)
     assert proc.returncode != 0, text[-3000:]
