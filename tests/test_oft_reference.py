@@ -217,6 +217,32 @@ def without_proprio(folder: Path) -> Path:
     return folder
 
 
+def test_rlinfs_layout_with_the_proprio_projector_in_the_shards_loads(io, tmp_path):
+    """RLinf's saves keep `proprio_projector.*` in the model's shards and write its file
+    beside them: read from the file, the same weights as OFT's layout (were: refused as
+    unexpected tensors); in the shards without the file: refused, saying so."""
+    from safetensors.torch import save_file
+    (tmp_path / "rlinf").mkdir()
+    folder = without_proprio(tmp_path / "rlinf")
+    projector = torch.load(next(CHECKPOINT.glob("proprio_projector--*.pt")), weights_only=True)
+    embedded = {"proprio_projector." + k.removeprefix("module."): v.contiguous()
+                for k, v in projector.items()}
+    save_file(embedded, str(folder / "proprio.safetensors"))
+    index = json.loads((CHECKPOINT / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({k: "proprio.safetensors" for k in embedded})
+    (folder / "model.safetensors.index.json").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    obs, spec = env_obs(io, "raw", wrist=True, state=True)
+    with pytest.raises(ValueError, match=r"proprio_projector\.\* in the shards without the "
+                                         "proprio projector"):
+        build_policy(config(folder, **{"policy.sequence": "official"}), spec)
+    (folder / "proprio_projector--100_checkpoint.pt").symlink_to(
+        next(CHECKPOINT.glob("proprio_projector--*.pt")))
+    weights = [build_policy(config(f, **OFFICIAL_PROPRIO), spec).state_dict()
+               for f in (CHECKPOINT, folder)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 @pytest.mark.parametrize("proprio", [False, True], ids=["oft", "oft_proprio"])
 def test_oft_predict_action_is_the_references(io, proprio, tmp_path):
     """OFT's inference sequence (STOP token, no padding, argmax over the whole vocabulary) on

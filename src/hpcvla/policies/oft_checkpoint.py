@@ -8,11 +8,10 @@ What the folder holds (tests/fixtures/oft/README.md has the full description):
 * `model.safetensors.index.json` + shards (bf16; upcast to the policy's dtype on load), timm
   names under `vision_backbone.{featurizer,fused_featurizer}.`, `projector.fc{1,2,3}.`,
   `language_model.model.` and the untied `language_model.lm_head.weight`.
-* `dataset_statistics.json` (action/proprio q01, q99, mask per dataset key),
-  `*proprio_projector*checkpoint*.pt` and, in OFT's own LIBERO recipe, the L1-regression
-  head's `action_head--*checkpoint*.pt` (DDP state dicts: `module.` stripped), the tokenizer
-  (`load_tokenizer`, for policies/oft_processor.py) and `preprocessor_config.json` (not read:
-  its resize and normalization are policies/oft_vision.py's `pixel_values`).
+* `dataset_statistics.json` (action/proprio q01, q99, mask per dataset key), the components
+  `*proprio_projector*checkpoint*.pt` and (OFT's LIBERO recipe) the L1 head's
+  `action_head--*checkpoint*.pt` (DDP state dicts: `module.` stripped; RLinf's shards hold
+  them too), the tokenizer (`load_tokenizer`) and `preprocessor_config.json` (not read).
 
 timm -> transformers: the fused `attn.qkv` is split into q/k/v (and fused back); LayerScale
 `ls{1,2}.scale_factor` (OFT's name for timm's gamma) is `layer_scale{1,2}.lambda1`; DINOv2's
@@ -258,10 +257,11 @@ def read_statistics(folder, unnorm_key: str = "") -> tuple[str, dict]:
 
 
 def load_published(policy, folder) -> list[str]:
-    """Load an OFT folder into `policy`, strictly; returns the tensors left at their initial
-    values (the value head when the folder has none)."""
+    """Load an OFT folder into `policy`, strictly; returns the tensors left fresh (its RL heads)."""
     folder = Path(folder)
     tensors = {k: v for k, v in read_tensors(folder).items() if not k.startswith(UNUSED)}
+    embedded = [k for k in tensors if k.startswith(OWN_FILES)]  # RLinf's, beside their files
+    tensors = {k: v for k, v in tensors.items() if k not in embedded}  # (read from the files)
     state = policy.state_dict()
     meta = {k: torch.empty(v.shape, device="meta") for k, v in state.items()}
     expected = {k: tuple(v.shape) for k, v in to_published(meta).items()}
@@ -271,13 +271,15 @@ def load_published(policy, folder) -> list[str]:
     problems += [f"unexpected {k}" for k in tensors if k not in expected]
     problems += [f"misshaped {k}: file {tuple(v.shape)}, model {expected[k]}"
                  for k, v in tensors.items() if k in expected and tuple(v.shape) != expected[k]]
-    lacking = {"proprio_projector.": "the proprio projector file (*proprio_projector*"
-               "checkpoint*.pt) for the env's state",
-               "action_head.": "the L1 action head file (action_head--*checkpoint*.pt)"}
+    lacking = {"proprio_projector.": "the proprio projector (*proprio_projector*checkpoint*"
+               ".pt) for the env's state", "action_head.": "the L1 head (action_head--*.pt)"}
     for prefix, find in COMPONENTS.items():
+        file = find(folder)
+        if file is None and any(k.startswith(prefix) for k in embedded):
+            problems.append(f"{prefix}* in the shards without {lacking[prefix]} (RLinf writes "
+                            "it beside them)")
         if not any(k.startswith(prefix) for k in state):  # the policy has no such module
             continue
-        file = find(folder)
         if file is None:
             problems.append(f"missing {lacking[prefix]}")
             continue
@@ -413,7 +415,6 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
     return problems
 
 
-__all__ = ["to_published", "published_files", "from_published", "folder_dims",
-           "load_published", "load_value_head", "read_statistics", "proprio_file", "head_file",
-           "proprio_dim", "check_folder", "load_tokenizer", "recipe_problems", "PLATFORM_CHUNKS",
-           "UNUSED"]
+__all__ = ["to_published", "published_files", "from_published", "folder_dims", "load_published",
+           "load_value_head", "read_statistics", "proprio_file", "head_file", "proprio_dim",
+           "check_folder", "load_tokenizer", "recipe_problems", "PLATFORM_CHUNKS", "UNUSED"]
