@@ -214,6 +214,21 @@ def test_libero_file_reads_into_the_env_fields(state_format):
     assert (demos.obs["instruction"][0] == tokenize(task, spec.vocab, 19)).all()
 
 
+def test_libero_gripper_commands_become_the_policys_convention():
+    """LIBERO's files say -1 open / +1 closed; a policy acting with env.gripper_action=
+    open_high (OFT's +1 open / 0 closed) learns 1 - clip(g, 0, 1) of them, as OFT's LIBERO
+    datasets hold, which the env turns back into LIBERO's command (was: taken as they are,
+    every open a close)."""
+    raw = read_demonstrations(LIBERO_TASK0, libero_spec("axis_angle"), per_task=1)
+    oft = read_demonstrations(LIBERO_TASK0, dataclasses.replace(
+        libero_spec("axis_angle"), gripper="open_high"), per_task=1)
+    assert set(np.unique(raw.actions[..., -1])) == {-1.0, 1.0}
+    np.testing.assert_array_equal(oft.actions[..., :-1], raw.actions[..., :-1])
+    np.testing.assert_array_equal(oft.actions[..., -1], 1.0 - np.clip(raw.actions[..., -1], 0, 1))
+    executed = -np.sign(2.0 * oft.actions[..., -1] - 1.0)  # what envs/libero.py steps
+    np.testing.assert_array_equal(executed, raw.actions[..., -1])
+
+
 def test_axis_angle_to_quat_undoes_robosuites_quat2axisangle():
     from robosuite.utils.transform_utils import axisangle2quat, quat2axisangle
     rng = np.random.default_rng(0)
@@ -318,6 +333,21 @@ def test_a_dump_recorded_in_another_control_mode_is_refused(tmp_path):
                 "env.control_mode=pd_ee_target_delta_pose")
     assert demonstration_problems(tmp_path / "rank0.h5",
                                   dataclasses.replace(spec, controller="pd_ee_delta_pose")) == []
+
+
+def test_a_libero_dump_of_the_other_gripper_convention_is_refused(tmp_path):
+    """A dump recorded with one env.gripper_action, read for the other: its gripper values
+    mean the opposite (an OFT run's +1 opens, LIBERO's closes), so it is refused naming the
+    setting; a config without the setting was recorded with the simulator's closed_high."""
+    _, spec = reach_dump(tmp_path / "rank0.h5")
+    oft = dataclasses.replace(spec, gripper="open_high")
+    with h5py.File(tmp_path / "rank0.h5", "a") as f:
+        f.attrs["config"] = yaml.safe_dump({"env": {"name": "libero"}})
+    refused(tmp_path / "rank0.h5", oft, "rank0.h5:/.attrs[config].env.gripper_action = "
+            "'closed_high'", "set env.gripper_action=closed_high or record the demos with "
+            "env.gripper_action=open_high")
+    assert demonstration_problems(tmp_path / "rank0.h5",
+                                  dataclasses.replace(spec, gripper="closed_high")) == []
 
 
 def test_unknown_layout_refused(tmp_path):

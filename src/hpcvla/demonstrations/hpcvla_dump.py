@@ -38,12 +38,13 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                      "one observation per chunk, so re-chunking is impossible; set "
                      f"env.chunk_len={chunk_len} or use a dump written with "
                      f"chunk_len={spec.chunk_len}")
-    recorded = _controller(f)
-    if spec.controller and recorded and recorded != spec.controller:
-        problems.add(path, "/.attrs[config].env.control_mode", recorded,
-                     f"{spec.controller}, the env's (env.control_mode): its actions mean "
-                     f"something else; set env.control_mode={recorded} or record the demos "
-                     f"with env.control_mode={spec.controller}")
+    for setting, want in (("control_mode", spec.controller), ("gripper_action", spec.gripper)):
+        recorded = _recorded(f, setting)
+        if want and recorded and recorded != want:
+            problems.add(path, f"/.attrs[config].env.{setting}", recorded,
+                         f"{want}, the env's (env.{setting}): its actions mean something "
+                         f"else; set env.{setting}={recorded} or record the demos with "
+                         f"env.{setting}={want}")
     episodes = []
     for name in _demo_names(f):
         demo, key = f["data"][name], f"/data/{name}"
@@ -75,17 +76,20 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
     return episodes
 
 
-def _controller(f) -> str:
-    """The control mode the file's actions were recorded in ("" unknown or not maniskill):
-    its resolved config's env.control_mode, pd_ee_delta_pose (the default) for files whose
-    config has none."""
+# What the actions of a dump mean, by env and setting, and the default of a config without it
+RECORDED = {("maniskill", "control_mode"): "pd_ee_delta_pose",
+            ("libero", "gripper_action"): "closed_high"}
+
+
+def _recorded(f, setting: str) -> str:
+    """The env setting the file's actions were recorded under ("" unknown, or not one of its
+    env's: RECORDED): its resolved config's, or the default for a config without it."""
     try:
         env = yaml.safe_load(attr_text(f.attrs.get("config", ""))).get("env", {})
     except (yaml.YAMLError, AttributeError):
         return ""
-    if env.get("name") != "maniskill":
-        return ""
-    return env.get("control_mode", "pd_ee_delta_pose")
+    default = RECORDED.get((env.get("name"), setting))
+    return env.get(setting, default) if default else ""
 
 
 def _fits(have, entry) -> bool:

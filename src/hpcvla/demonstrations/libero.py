@@ -36,6 +36,9 @@ How the fields of the project's LIBERO env (envs/libero.py) are made from it:
   underscores as spaces. problem_info's language_instruction is the BDDL's `:language`, which
   can differ ("pick the akita black bowl ..." for "pick up the black bowl ..."), so the
   instruction is taken from bddl_file_name.
+* Gripper. The files hold LIBERO's own command (-1 open, +1 closed). For a policy whose
+  gripper reads +1 open / 0 closed (env.gripper_action=open_high: OFT's) it becomes
+  1 - clip(g, 0, 1), as OFT's LIBERO datasets convert it (prismatic's libero transform).
 * Success. Every demo of these files is a success (the script writes rewards[-1] = 1).
 """
 
@@ -144,5 +147,9 @@ def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
             ori = axis_angle_to_quat(ori)
         obs["state"] = np.concatenate([pos, ori, gripper], axis=1).astype(
             np.dtype(spec.obs["state"][1]))
-    actions, pad = chunks(demo["actions"][1:], spec.chunk_len)
+    actions = demo["actions"][1:]
+    if spec.gripper == "open_high":  # module docstring: OFT's convention
+        actions = np.concatenate([actions[:, :-1], 1.0 - np.clip(actions[:, -1:], 0.0, 1.0)],
+                                 axis=1).astype(actions.dtype)
+    actions, pad = chunks(actions, spec.chunk_len)
     return obs, actions, pad

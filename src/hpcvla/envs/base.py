@@ -54,6 +54,10 @@ class EnvSpec:
     # what an action means where the simulator has a choice (ManiSkill's control mode);
     # "" for an env with one controller. Demonstrations are checked against it.
     controller: str = ""
+    # which gripper value opens (LIBERO's env.gripper_action: closed_high is the simulator's
+    # -1 open / +1 closed, open_high OFT's +1 open / 0 closed); "" where there is no choice.
+    # Demonstrations in the other convention are converted or refused.
+    gripper: str = ""
 
     @property
     def state_dim(self) -> int:

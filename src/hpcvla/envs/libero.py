@@ -350,7 +350,8 @@ class LiberoEnv(SerialVectorEnv):
     def spec_of(suite: str = "libero_spatial", task: int = -1, image_size: int = 64,
                 wrist_image: bool = False, state: bool = True, reward: str = "sparse",
                 chunk_len: int = 10, max_episode_chunks: int = 48, tasks: Suite | None = None,
-                state_format: str = "quaternion", **_) -> EnvSpec:
+                state_format: str = "quaternion", gripper_action: str = "closed_high",
+                **_) -> EnvSpec:
         """The EnvSpec of these settings, without building a simulator."""
         if reward != "sparse":
             raise ValueError("LIBERO has only a sparse reward (env.reward=sparse)")
@@ -368,5 +369,5 @@ class LiberoEnv(SerialVectorEnv):
         if state:
             obs["state"] = ((STATE_DIMS[state_format],), "<f4")
         return EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
-                       max_episode_chunks=max_episode_chunks,
-                       vocab=tasks.vocab)
+                       max_episode_chunks=max_episode_chunks, vocab=tasks.vocab,
+                       gripper=gripper_action)
