@@ -356,3 +356,16 @@ def test_unknown_layout_refused(tmp_path):
         f.create_dataset("images", data=np.zeros((2, 4, 4, 3), np.uint8))
     refused(path, maniskill_spec(), f"{path}:/", "problem_info", "traj_<i>", "format=")
     refused(tmp_path / "missing.h5", maniskill_spec(), "missing.h5", "no such file")
+
+
+@pytest.mark.parametrize("marker,named", [("meta/info.json", "a LeRobot dataset"),
+                                          ("data/chunk-000/episode_000000.parquet", None),
+                                          ("dataset_info.json", "an RLDS/TFDS dataset")])
+def test_datasets_of_formats_not_read_are_named(tmp_path, marker, named):
+    """LeRobot's and RLDS datasets, the ones users of π0 and OFT have for LIBERO, are refused
+    saying what they are and that they are not read (were: "a readable HDF5 file: OSError")."""
+    (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / marker).write_text("{}")
+    given = tmp_path / marker if named is None else tmp_path  # a parquet file itself
+    refused(given, libero_spec(), named or "a LeRobot dataset's parquet files",
+            "not read here (docs/imitation.md)")

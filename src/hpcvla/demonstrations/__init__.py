@@ -37,6 +37,11 @@ __all__ = ["Demonstrations", "DemonstrationError", "read_demonstrations",
 
 LAYOUTS = (hpcvla_dump, libero, maniskill)  # detection order: the first that matches
 SUFFIXES = (".h5", ".hdf5")
+# Datasets users have that are no HDF5 demonstration files, by a file that marks them
+NOT_READ = (("meta/info.json", "a LeRobot dataset (parquet and mp4; e.g. lerobot/libero)"),
+            ("*.parquet", "a LeRobot dataset's parquet files"),
+            ("dataset_info.json", "an RLDS/TFDS dataset (e.g. OpenVLA's and OFT's *_no_noops)"),
+            ("*.tfrecord*", "an RLDS/TFDS dataset's records"))
 
 
 @dataclass
@@ -72,15 +77,29 @@ def _files(paths) -> list[Path]:
     return files
 
 
+def _not_read(path) -> str:
+    """', not <what it is>: ...' for a dataset of a format not read here (NOT_READ), else ''."""
+    path = Path(path)
+    kind = next((what for glob, what in NOT_READ if (next(path.glob(glob), None)
+                                                     if path.is_dir() else path.match(glob))),
+                None)
+    return f", not {kind}: not read here (docs/imitation.md)" if kind else ""
+
+
 def _scan(paths, spec: EnvSpec, per_task):
     """Every file's episodes and layout, and every problem found without bulk reads."""
     import h5py
     problems, found = Problems(), []
     files = _files(paths)
     if not files:
+        kind = next(filter(None, map(_not_read, [paths] if isinstance(paths, (str, Path))
+                                     else paths)), "")
         problems.add(paths, "", None, "at least one .h5/.hdf5 demonstration file (a file, a "
-                     "list of files or a folder holding them)")
+                     "list of files or a folder holding them)" + kind)
     for path in files:
+        if _not_read(path):
+            problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + _not_read(path))
+            continue
         try:
             f = h5py.File(path, "r")
         except (OSError, ValueError) as err:
