@@ -157,6 +157,29 @@ def test_maniskill_file_of_the_envs_control_mode_is_read():
             "-c pd_joint_delta_pos", "or set env.control_mode=pd_ee_delta_pose")
 
 
+def test_maniskill_control_mode_of_its_episodes_and_only_modes_the_env_takes(tmp_path):
+    """A file whose env_kwargs lack the control mode is read by its episodes' (as ManiSkill's
+    replay does; was: refused as None); a mode the env cannot act in (pd_joint_pos: not
+    normalized) is not offered as a setting."""
+    source = MS / "pushcube.state.pd_joint_delta_pos.h5"
+    path = tmp_path / source.name
+    shutil.copy(source, path)
+    meta = json.loads(source.with_suffix(".json").read_text())
+    mode = meta["env_info"]["env_kwargs"].pop("control_mode")
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    spec = maniskill_spec(action_dim=8)
+    spec = dataclasses.replace(spec, controller=mode,
+                               obs={k: v for k, v in spec.obs.items() if k != "image"})
+    assert all(e.get("control_mode") == mode for e in meta["episodes"])
+    assert demonstration_problems(path, spec) == []
+    for episode in meta["episodes"]:
+        episode["control_mode"] = "pd_joint_pos"
+    path.with_suffix(".json").write_text(json.dumps(meta))
+    text = refused(path, spec, "control_mode = 'pd_joint_pos'", f"-c {mode}",
+                   "give the file it writes beside it")
+    assert "set env.control_mode=pd_joint_pos" not in text
+
+
 def test_maniskill_without_obs_refused_naming_the_key():
     refused(MS / "pushcube.none.pd_ee_delta_pose.h5", maniskill_spec(),
             "pushcube.none.pd_ee_delta_pose.h5:traj_0/obs/state", "obs_mode='none'",

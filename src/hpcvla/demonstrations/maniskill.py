@@ -46,7 +46,8 @@ def _meta_path(path) -> Path:
 
 def _convert(path, obs_mode: str, control_mode: str) -> str:
     return (f"convert the file with `python -m mani_skill.trajectory.replay_trajectory "
-            f"--traj-path {path} -c {control_mode} -o {obs_mode} --save-traj`")
+            f"--traj-path {path} -c {control_mode} -o {obs_mode} --save-traj` and give the "
+            f"file it writes beside it (<name>.{obs_mode}.{control_mode}.<backend>.h5)")
 
 
 def _state_of(traj):
@@ -60,7 +61,7 @@ def _state_of(traj):
 
 
 def scan(path, f, spec, problems: Problems) -> list[Episode]:
-    from hpcvla.envs.maniskill import describe
+    from hpcvla.envs.maniskill import CONTROL_MODES, describe
     meta_path = _meta_path(path)
     try:
         meta = json.loads(meta_path.read_text())
@@ -72,11 +73,17 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                      f".h5 (env_info.env_id, episodes): {type(err).__name__}: {err}")
         return []
     obs_mode = "rgb+state" if any(k != "state" and k in spec.obs for k in CAMERAS) else "state"
-    mode, want = kwargs.get("control_mode"), spec.controller or "pd_ee_delta_pose"
+    # the file's mode: its env's, else (ManiSkill's replay reads them so) its episodes' own
+    modes = {e.get("control_mode") for e in meta["episodes"]} - {None}
+    mode = kwargs.get("control_mode") or (modes.pop() if len(modes) == 1 else None)
+    want = spec.controller or "pd_ee_delta_pose"
     convert = _convert(path, obs_mode, want)
+
+    def instead(recorded) -> str:  # the other way out, where the env can act in that mode
+        return f", or set env.control_mode={recorded}" if recorded in CONTROL_MODES else ""
     if mode != want:  # unset: the robot's default controller, not necessarily the env's
         problems.add(meta_path, "env_info.env_kwargs.control_mode", mode,
-                     f"{want} (env.control_mode); {convert}, or set env.control_mode={mode}")
+                     f"{want} (env.control_mode); {convert}{instead(mode)}")
     instruction = describe(env_id)
     _warn_evaluation_seeds(meta_path, meta["episodes"])
     episodes = []
@@ -87,7 +94,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
         if info.get("control_mode", mode) != want:  # same fix: reported once
             problems.add(meta_path, f"episodes[episode_id={episode_id}].control_mode",
                          info.get("control_mode", mode), f"{want} (env.control_mode); "
-                         f"{convert}, or set env.control_mode={info.get('control_mode', mode)}")
+                         f"{convert}{instead(info.get('control_mode', mode))}")
         if "state" in spec.obs:
             state = _state_of(traj)
             if state is None:
