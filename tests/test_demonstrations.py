@@ -381,6 +381,18 @@ def test_unknown_layout_refused(tmp_path):
     refused(tmp_path / "missing.h5", maniskill_spec(), "missing.h5", "no such file")
 
 
+def test_openvlas_regenerated_libero_files_are_named_not_misread(tmp_path):
+    """OpenVLA-OFT's regenerate_libero_dataset.py writes LIBERO's datasets without the /data
+    attributes, and each observation before its action: refused saying so (the generic
+    message invited adding LIBERO's attributes, and every sample would be a step late)."""
+    path = tmp_path / "pick_up_the_black_bowl_demo.hdf5"
+    shutil.copy(LIBERO_TASK0, path)
+    with h5py.File(path, "a") as f:
+        for name in list(f["data"].attrs):
+            del f["data"].attrs[name]
+    refused(path, libero_spec(), "regenerate_libero_dataset.py", "observations come before")
+
+
 @pytest.mark.parametrize("marker,named", [("meta/info.json", "a LeRobot dataset"),
                                           ("data/chunk-000/episode_000000.parquet", None),
                                           ("dataset_info.json", "an RLDS/TFDS dataset")])

@@ -109,7 +109,7 @@ def _scan(paths, spec: EnvSpec, per_task):
         with f:
             layout = next((m for m in LAYOUTS if m.matches(f)), None)
             if layout is None:
-                problems.add(path, "/", sorted(f)[:6], _unknown_layout())
+                problems.add(path, "/", sorted(f)[:6], _unknown_layout(f))
                 continue
             try:
                 found.append((path, layout, layout.scan(path, f, spec, problems)))
@@ -122,7 +122,14 @@ def _scan(paths, spec: EnvSpec, per_task):
     return found, problems
 
 
-def _unknown_layout() -> str:
+def _unknown_layout(f) -> str:
+    data = f.get("data")
+    if data is not None and not data.attrs and any(  # not to be given LIBERO's attributes
+            "obs/agentview_rgb" in data[n] for n in data if n.startswith("demo_")):
+        return ("a LIBERO dataset as LIBERO's scripts/create_dataset.py writes it: this one "
+                "has no /data attributes, as OpenVLA-OFT's regenerate_libero_dataset.py writes "
+                "them, whose observations come before each action (LIBERO's: after it): not "
+                "read here; use LIBERO's own files (docs/imitation.md)")
     return ("one of the demonstration layouts: an hpcvla dump (root attribute format="
             f"{hpcvla_dump.FORMAT!r} and /data), a LIBERO dataset (/data with attribute "
             "problem_info and demo_<i>/obs groups, as LIBERO's scripts/create_dataset.py "
