@@ -8,8 +8,8 @@
 # `train` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node
 # list, its proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for
 # Open MPI under Slurm, its `mpirun` elsewhere (with `-x` for each of the job's variables:
-# mpirun passes ranks on other nodes none). Every other command (`bench modes` starts its own MPI worlds) runs
-# as one process on the first node.
+# mpirun passes ranks on other nodes none). Every other command (`bench modes` starts its own
+# MPI worlds) runs as one process on the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
 # hosts, check that every node holds the same number of ranks (the rank plan needs it),

@@ -121,7 +121,10 @@ class TrajectoryDump:
                 self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
                 self.total = int(f["data"].attrs["total"])
         except DumpError as err:
-            aside = self.path.with_name(self.path.name + ".unreadable")
+            aside, n = self.path.with_name(self.path.name + ".unreadable"), 1
+            while aside.exists():  # an earlier start's, kept too
+                n += 1
+                aside = self.path.with_name(f"{self.path.name}.unreadable{n}")
             self.path.rename(aside)
             print(f"hpcvla: producer rank {self.producer}: {err}; moved aside to {aside} "
                   "(if the run was killed while appending, HDF5's `h5clear -s` may restore "
