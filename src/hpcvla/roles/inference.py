@@ -218,8 +218,8 @@ class InferenceServer:
 
 class SilentSimulators:
     """Slots answered (at the start: expected) longer than `limit_s` ago and not asked since:
-    their simulators are stopped, lost, or stuck outside an env step (a hung step is named
-    by its own watchdog, env.step_timeout_s). Said once per silence, naming the simulator
+    their simulators are stopped, lost, or stuck (a hung env step is also ended by its
+    watchdog, env.step_timeout_s). Said once per silence, naming the simulator
     ranks, at half pipeline.stall_timeout_s: before the learner's stall abort, which sees
     only that trajectories stopped coming."""
 
@@ -247,7 +247,8 @@ class SilentSimulators:
             print(f"hpcvla: rank {self.rank} (inference): simulator rank(s) "
                   f"{self.exchange.world_ranks(silent.tolist())} have not asked for actions "
                   f"for {waited:.0f} s or more (half pipeline.stall_timeout_s): stopped, "
-                  f"lost, or stuck outside an env step", file=sys.stderr, flush=True)
+                  f"lost, or stuck (in an env step: its watchdog ends it at "
+                  f"env.step_timeout_s)", file=sys.stderr, flush=True)
 
 
 def _gather(exchange: ObsActionExchange, slots: Sequence[int], keys: Iterable[str],
