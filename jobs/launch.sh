@@ -361,7 +361,7 @@ forwarded_env() {  # `-x NAME` lines: what Open MPI's mpirun passes to ranks on 
 }
 run_world() {  # start the ranks, forward signals while they run; sets `status`
     if [[ -n $EARLY ]]; then
-        SIGNALLED=$EARLY status=0
+        SIGNALLED=$EARLY status=0 NO_WORLD=1
         say "received SIG$EARLY before the ranks started: starting none"
         return
     fi
@@ -378,11 +378,15 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     if [[ $HPCVLA_MPI_FLAVOUR == openmpi && " ${LAUNCH[*]} " == *" $HPCVLA_MPIEXEC "* ]]; then
         mapfile -t exports < <(forwarded_env)  # now: the world's own variables are set
     fi
-    "${CLEAN_ENV[@]}" "${LAUNCH[@]}" "${exports[@]}" "${COMMAND[@]}" &
+    "${CLEAN_ENV[@]}" "${LAUNCH[@]}" ${exports[@]+"${exports[@]}"} "${COMMAND[@]}" &
     STEP=$!
     trap 'forward TERM' TERM
     trap 'forward INT' INT
     trap 'forward USR1' USR1
+    if [[ -n $EARLY ]]; then  # it came as the world started, before these traps
+        forward "$EARLY"
+        EARLY=""
+    fi
     local ender=""
     if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
         end_a_failed_world "$STEP" &
@@ -508,8 +512,9 @@ if [[ -n $SIGNALLED ]]; then
             -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         scontrol requeue "$SLURM_JOB_ID"
-    elif (( status == 0 )) && [[ $1 != train || -z ${HPCVLA_JOB_RUNS:-} ||
-            -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
+    elif (( status == 0 )) && [[ -n ${NO_WORLD:-} || $1 != train || -z ${HPCVLA_JOB_RUNS:-} ||
+            -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
+            $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; then
         # stopped short of its end (with its checkpoint): not a success for the scheduler,
         # whose `afterok` dependencies would start on it
         status=$(( 128 + $(kill -l "$SIGNALLED") ))

@@ -132,6 +132,14 @@ def test_a_reader_holding_the_lock_delays_the_writer_and_never_stops_it(tmp_path
         held.wait(30)
     summary = summarize(path)
     assert summary["complete"] and summary["episodes"] == dump.written and not dump.pending
+    held = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:  # a resumed run's dump waits for the lock too
+        assert held.stdout.readline().startswith("holding")
+        assert writer(path, spec).written == summary["episodes"]
+    finally:
+        held.wait(30)
+    assert not summarize(path)["complete"]  # being written again
 
 
 def test_a_resumed_run_moves_an_unreadable_dump_aside_and_goes_on(tmp_path, capfd):

@@ -115,7 +115,6 @@ class TrajectoryDump:
     def _resumed(self) -> bool:
         """A resumed run (run.resume) appends to its dump; one that cannot be read (e.g. a
         process killed as it appended) is moved aside, and the run goes on with a new one."""
-        import h5py
         try:
             with open_dump(self.path) as f:
                 self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
@@ -130,7 +129,7 @@ class TrajectoryDump:
                   "(if the run was killed while appending, HDF5's `h5clear -s` may restore "
                   "it) and a new dump begun", file=sys.stderr, flush=True)
             return False
-        with h5py.File(self.path, "a", libver=LIBVER) as f:
+        with self._append(patience_s=60.0) as f:
             f.attrs["complete"] = False
         return True
 
@@ -189,17 +188,15 @@ class TrajectoryDump:
             raise ValueError(f"add_episode: steps lack {', '.join(missing)}")
         self.pending.append((steps, {**attrs, "num_samples": len(steps["reward"])}))
 
-    def flush(self, patience_s: float = 0.0) -> None:
-        """Append the finished episodes (open, write, close: consistent between flushes). A
-        reader holding HDF5's lock on the file: keep them and try again at the next flush,
-        or for `patience_s` (the last flush), then fail naming the file."""
+    def _append(self, patience_s: float = 0.0):
+        """The file opened to append (an h5py.File), or None while a reader holds HDF5's lock
+        on it (said now and then); with `patience_s`, waiting that long for the lock, then
+        failing naming the file."""
         import h5py
-        self.last_flush = deadline = time.monotonic()
-        deadline += patience_s
+        deadline = time.monotonic() + patience_s
         while True:
             try:
-                f = h5py.File(self.path, "a", libver=LIBVER)
-                break
+                return h5py.File(self.path, "a", libver=LIBVER)
             except BlockingIOError as err:  # errno 11: another process holds its lock
                 self.refusals += 1
                 if time.monotonic() < deadline:
@@ -215,7 +212,16 @@ class TrajectoryDump:
                           "for the next flush; open it with h5py.File(..., locking=False) "
                           "or copy it (`hpcvla inspect` does not lock)", file=sys.stderr,
                           flush=True)
-                return
+                return None
+
+    def flush(self, patience_s: float = 0.0, closing: bool = False) -> None:
+        """Append the finished episodes (open, write, close: consistent between flushes); a
+        reader holding the lock: kept for the next flush (`_append`). `closing`: also record
+        the steps of episodes still open and mark the file complete, in the same open."""
+        self.last_flush = time.monotonic()
+        f = self._append(patience_s)
+        if f is None:
+            return
         with f:
             data = f["data"]
             for steps, attrs in self.pending:
@@ -230,17 +236,16 @@ class TrajectoryDump:
                 self.total += attrs["num_samples"]
             data.attrs["total"] = self.total
             f.attrs["segments"] = self.segments
+            if closing:
+                f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
+                                                    self.open.values() for p in pieces)
+                f.attrs["complete"] = True
         self.pending.clear()
 
     def close(self) -> None:
-        """Write what is finished (waiting up to a minute for a reader's lock); record the
+        """Write what is finished (waiting up to a minute for a reader's lock), record the
         steps of episodes still open and mark the file complete."""
-        self.flush(patience_s=60.0)
-        import h5py
-        with h5py.File(self.path, "a", libver=LIBVER) as f:
-            f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
-                                                self.open.values() for p in pieces)
-            f.attrs["complete"] = True
+        self.flush(patience_s=60.0, closing=True)
 
 
 def text_attrs(attrs: dict) -> dict:
