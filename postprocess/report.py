@@ -149,12 +149,14 @@ def _unique_names(runs: list[dict]) -> None:
     shared = {name for name, n in Counter(r["name"] for r in runs).items() if n > 1}
     for run in runs:
         if run["name"] in shared:
-            run["name"] = f"{run['path'].parent.name}-{run['name']}"
-    seen: Counter = Counter()
+            run["name"] = f"{Path(run['path']).resolve().parent.name}-{run['name']}"
+    taken: set[str] = set()
     for run in runs:
-        seen[run["name"]] += 1
-        if seen[run["name"]] > 1:
-            run["name"] = f"{run['name']}-{seen[run['name']]}"
+        name, n = run["name"], 1
+        while run["name"] in taken:
+            n += 1
+            run["name"] = f"{name}-{n}"
+        taken.add(run["name"])
 
 
 def write_report(run_dirs, bench_files=(), out="report") -> Path:

@@ -486,3 +486,18 @@ def test_a_folder_with_tensors_the_policy_lacks_is_refused_before_any_rank(tmp_p
     assert field == "policy.pretrained" and "unexpected" in why and "noise_head" in why, why
     assert weights_fit_problems(config(FIXTURES / "pi0" / "lerobot",
                                        **{"policy.lora_rank": 4})) == []
+
+
+def test_recipe_settings_for_a_folder_hpcvla_wrote_are_refused(tmp_path):
+    """A folder `save_pretrained` wrote (an `hpcvla sft` policy/) reads the env's fields as
+    they are: policy.delta_action_dims and policy.pi05_state would be ignored, so they are
+    refused (were accepted and ignored)."""
+    from hpcvla.envs import env_spec
+    from hpcvla.policies import save_pretrained
+    cfg = load_config("configs/reach_flow.yaml")
+    saved = save_pretrained(build_policy(cfg, env_spec(cfg.env)), tmp_path / "policy")
+    check_config(load_config("configs/reach_flow.yaml", [f"policy.pretrained={saved}"]))
+    for setting in ("policy.delta_action_dims=6", "policy.pi05_state=none"):
+        with pytest.raises(ConfigError, match="for a folder hpcvla wrote"):
+            check_config(load_config("configs/reach_flow.yaml",
+                                     [f"policy.pretrained={saved}", setting]))

@@ -184,7 +184,8 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
         saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
         if saved != policy.name:
             return [("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
-        problems = []
+        from hpcvla.policies.processor import unread_settings  # its config.json says all
+        problems = unread_settings(policy)
     else:  # a published folder: its family judges it
         problems = POLICIES[policy.name].folder_problems(folder, policy, env)
     return problems or _head_problems(policy)

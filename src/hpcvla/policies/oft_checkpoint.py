@@ -394,7 +394,7 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
                       f"policy runs as trained: {why}")
                      for why in recipe_problems(folder, config, key, 1 + env.wrist_image,
                                                 env.state, policy.sequence)]
-        if "image_aug" in f"{folder}{folder.resolve()}" and policy.center_crop >= 1:  # as OFT
+        if "--image_aug" in folder.name + folder.resolve().name and policy.center_crop >= 1:
             problems.append(("policy.center_crop", policy.center_crop, f"0.9: {folder} was "
                              "fine-tuned on OFT's random 90 % crops (its name says image_aug)"))
     except (ValueError, OSError) as err:

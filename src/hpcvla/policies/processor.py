@@ -240,11 +240,6 @@ def recipe_problems(folder, variant: str, delta_action_dims: int,
     neither its `extra_delta_transform` nor its `discrete_state_input`; LeRobot's processor
     steps record both), as config problems: guessed, every action would be off."""
     problems: list[tuple[str, object, str]] = []
-    if is_hpcvla_folder(folder):  # its own config says all, and it reads the env's fields
-        settings = (("delta_action_dims", delta_action_dims, -1), ("pi05_state", pi05_state,
-                                                                   "folder"))
-        return [(f"policy.{name}", value, f"{unset} for a folder hpcvla wrote")
-                for name, value, unset in settings if value != unset]
     if variant == "pi0" and pi05_state != "folder":
         problems.append(("policy.pi05_state", pi05_state, "folder for a π0 checkpoint (its "
                          "state is a token of its own)"))
@@ -254,13 +249,23 @@ def recipe_problems(folder, variant: str, delta_action_dims: int,
         problems.append(("policy.delta_action_dims", delta_action_dims, "the number of "
                          "leading action dims the openpi checkpoint predicts relative to the state (its "
                          "training config's extra_delta_transform, which the folder does not "
-                         "record): 6 for openpi's pi0_libero, 0 for pi05_libero"))
+                         "record): 6 for openpi's pi0_libero, 0 for pi05_libero (a run begun "
+                         "with -1 acted absolutely: 0 goes on so)"))
     if variant == "pi05" and pi05_state == "folder":
         problems.append(("policy.pi05_state", pi05_state, "prompt or none: whether the openpi "
                          "π0.5 checkpoint reads the state in its prompt (its training config's "
                          "discrete_state_input, which the folder does not record): none for "
                          "openpi's pi05_libero, prompt for π0.5's default (pi05_droid)"))
     return problems
+
+
+def unread_settings(policy_cfg) -> list[tuple[str, object, str]]:
+    """The recipe settings (recipe_problems) set for a folder hpcvla wrote, which reads the
+    env's fields as they are and whose config.json says how it acts: they would be ignored."""
+    settings = (("delta_action_dims", policy_cfg.delta_action_dims, -1),
+                ("pi05_state", policy_cfg.pi05_state, "folder"))
+    return [(f"policy.{name}", value, f"{unset} for a folder hpcvla wrote (its config.json "
+             "says how it acts)") for name, value, unset in settings if value != unset]
 
 
 def trained_dims(folder, padded: dict, variant: str = "pi0",

@@ -83,7 +83,6 @@ class InferenceServer:
         self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
         self.rank, self.patience_s = setup.rank, setup.cfg.pipeline.stall_timeout_s
-        self.silence = SilentSimulators(exchange, self.rank, self.patience_s / 2)
         self.version_at, self.said = time.monotonic(), 0  # the last new version: when, notices
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
@@ -98,6 +97,7 @@ class InferenceServer:
         # the learner root publishes its first version (0, or the one resumed) first
         loader.plane.wait_for(self.first_version, timeout=600)
         loader.refresh()
+        self.silence = SilentSimulators(exchange, self.rank, self.patience_s / 2)
         stopped: set[int] = set()
         backoff = Backoff(cap=DATA_POLL_CAP)
         while len(stopped) < exchange.n_slots:
@@ -247,8 +247,8 @@ class SilentSimulators:
             print(f"hpcvla: rank {self.rank} (inference): simulator rank(s) "
                   f"{self.exchange.world_ranks(silent.tolist())} have not asked for actions "
                   f"for {waited:.0f} s or more (half pipeline.stall_timeout_s): stopped, "
-                  f"lost, or stuck (in an env step: its watchdog ends it at "
-                  f"env.step_timeout_s)", file=sys.stderr, flush=True)
+                  f"lost, or stuck (in an env step: its watchdog, env.step_timeout_s, "
+                  f"ends it)", file=sys.stderr, flush=True)
 
 
 def _gather(exchange: ObsActionExchange, slots: Sequence[int], keys: Iterable[str],
