@@ -145,7 +145,7 @@ def test_centre_crop_is_ofts():
             assert (error > 5) if far else (error < mean), (name, crop, error)
 
 
-def test_centre_crop_is_a_setting_the_policy_reads(io):
+def test_centre_crop_is_a_setting_the_policy_reads(io, tmp_path):
     """policy.center_crop reaches the policy (and the folder it saves) through the config and
     crops what it sees from the env's images; areas outside (0, 1] are refused by name."""
     obs, spec = env_obs(io)  # random init (no folder: fast); the crop is the same with one
@@ -158,6 +158,13 @@ def test_centre_crop_is_a_setting_the_policy_reads(io):
     for bad in ("0", "1.5"):
         with pytest.raises(ConfigError, match="policy.center_crop"):
             config("", **{"policy.center_crop": bad})
+    # a folder it saves (an `hpcvla sft` policy/) was trained on the crop: a config that
+    # reads it without the crop is refused (was: taken, the images uncropped)
+    from hpcvla.policies import save_pretrained
+    saved = save_pretrained(policy, tmp_path / "policy")
+    config(saved, **{"policy.center_crop": 0.9})
+    with pytest.raises(ConfigError, match="policy.center_crop = 1.0: expected 0.9, what"):
+        config(saved)
 
 
 def test_rlinf_logits_values_and_greedy_actions(io, rl):

@@ -167,7 +167,8 @@ def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = Fals
 def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     """A pretrained folder's weights, its tokenizer and statistics, and (oft) whether the
     configured env and policy run it as it was trained."""
-    from hpcvla.policies.folders import foreign_layout, is_hpcvla_folder, tensor_shapes
+    from hpcvla.policies.folders import (foreign_layout, is_hpcvla_folder, own_folder_problems,
+                                         tensor_shapes)
     from hpcvla.policies.registry import POLICIES
     folder, layout = policy.pretrained, foreign_layout(policy.pretrained)
     if not any((Path(folder) / name).is_file()
@@ -184,8 +185,7 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
         saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
         if saved != policy.name:
             return [("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
-        from hpcvla.policies.processor import unread_settings  # its config.json says all
-        problems = unread_settings(policy)
+        problems = own_folder_problems(policy, folder)  # its config.json says all
     else:  # a published folder: its family judges it
         problems = POLICIES[policy.name].folder_problems(folder, policy, env)
     return problems or _head_problems(policy)

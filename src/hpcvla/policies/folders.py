@@ -141,6 +141,26 @@ def is_hpcvla_folder(folder) -> bool:
         raise ValueError(f"{config}: not valid JSON ({err})") from None
 
 
+# A published folder's recipe settings (policies/processor.recipe_problems), unset: a folder
+# hpcvla wrote reads the env's fields as they are, so any other value would be ignored
+RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder"}
+# How a folder hpcvla wrote was trained to see its inputs: a config must not say otherwise
+FIXED_BY_FOLDER = ("center_crop",)
+
+
+def own_folder_problems(policy_cfg, folder) -> list[tuple[str, object, str]]:
+    """What the config says of a folder hpcvla wrote that it cannot act on (RECIPE_UNSET,
+    FIXED_BY_FOLDER against its config.json's kwargs), as config problems."""
+    saved = json.loads((Path(folder) / "config.json").read_text()).get("kwargs", {})
+    problems: list[tuple[str, object, str]] = [
+        (f"policy.{name}", getattr(policy_cfg, name), f"{unset} for a folder hpcvla wrote "
+         "(its config.json says how it acts)") for name, unset in RECIPE_UNSET.items()
+        if getattr(policy_cfg, name) != unset]
+    return problems + [(f"policy.{name}", getattr(policy_cfg, name), f"{saved[name]!r}, what "
+                        f"{folder} was trained with") for name in FIXED_BY_FOLDER
+                       if name in saved and saved[name] != getattr(policy_cfg, name)]
+
+
 def checkpoint_kwargs(policy_cls, path) -> dict:
     """The constructor arguments a family reads from a checkpoint (`checkpoint_kwargs`, e.g.
     π0's variant, padded action and state dims and horizon), from the files' headers only."""

@@ -259,15 +259,6 @@ def recipe_problems(folder, variant: str, delta_action_dims: int,
     return problems
 
 
-def unread_settings(policy_cfg) -> list[tuple[str, object, str]]:
-    """The recipe settings (recipe_problems) set for a folder hpcvla wrote, which reads the
-    env's fields as they are and whose config.json says how it acts: they would be ignored."""
-    settings = (("delta_action_dims", policy_cfg.delta_action_dims, -1),
-                ("pi05_state", policy_cfg.pi05_state, "folder"))
-    return [(f"policy.{name}", value, f"{unset} for a folder hpcvla wrote (its config.json "
-             "says how it acts)") for name, value, unset in settings if value != unset]
-
-
 def trained_dims(folder, padded: dict, variant: str = "pi0",
                  pi05_state: str = "folder") -> dict[str, int | None]:
     """The state and action dims a published folder was trained on, before the model pads
