@@ -395,7 +395,8 @@ def test_openvlas_regenerated_libero_files_are_named_not_misread(tmp_path):
 
 @pytest.mark.parametrize("marker,named", [("meta/info.json", "a LeRobot dataset"),
                                           ("data/chunk-000/episode_000000.parquet", None),
-                                          ("dataset_info.json", "an RLDS/TFDS dataset")])
+                                          ("dataset_info.json", "an RLDS/TFDS dataset"),
+                                          ("1.0.0/dataset_info.json", "an RLDS/TFDS dataset")])
 def test_datasets_of_formats_not_read_are_named(tmp_path, marker, named):
     """LeRobot's and RLDS datasets, the ones users of π0 and OFT have for LIBERO, are refused
     saying what they are and that they are not read (were: "a readable HDF5 file: OSError")."""

@@ -41,6 +41,7 @@ SUFFIXES = (".h5", ".hdf5")
 NOT_READ = (("meta/info.json", "a LeRobot dataset (parquet and mp4; e.g. lerobot/libero)"),
             ("*.parquet", "a LeRobot dataset's parquet files"),
             ("dataset_info.json", "an RLDS/TFDS dataset (e.g. OpenVLA's and OFT's *_no_noops)"),
+            ("*/dataset_info.json", "an RLDS/TFDS dataset (its version folders)"),
             ("*.tfrecord*", "an RLDS/TFDS dataset's records"))
 
 
