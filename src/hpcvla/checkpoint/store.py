@@ -116,6 +116,8 @@ class Writer:
         try:
             model = tensors.pop(MODEL, None)
             save_file(tensors, partial / mine["file"])
+            _fsync(partial / mine["file"])  # by its writer: another node's fsync (learner 0
+            # publishing) does not flush this node's pages of a shared file system
             mine["sha256"] = sha256(partial / mine["file"])
             _write_json(partial / _sidecar(rank), mine)
             if rank == 0:
