@@ -484,6 +484,7 @@ def test_a_folder_with_tensors_the_policy_lacks_is_refused_before_any_rank(tmp_p
               str(folder / "model.safetensors"))
     [(field, value, why)] = weights_fit_problems(config(folder))
     assert field == "policy.pretrained" and "unexpected" in why and "noise_head" in why, why
+    assert "save the folder without them" in why
     assert weights_fit_problems(config(FIXTURES / "pi0" / "lerobot",
                                        **{"policy.lora_rank": 4})) == []
 

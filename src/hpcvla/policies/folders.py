@@ -226,8 +226,11 @@ def fit_problem(policy, path) -> str:
         return ""
     held = {k: torch.empty(s, device="meta") for k, s in tensor_shapes(path).items()}
     problems = _fit(policy, _as_model(policy, held))[0]
+    hint = " (tensors it has no module for, such as another framework's RL heads, e.g. " \
+        "RLinf's value_head and noise_head: save the folder without them)" \
+        if any(p.startswith("unexpected") for p in problems) else ""
     return f"{len(problems)} tensor(s) do not fit the {policy.family} policy: " + \
-        "; ".join(problems) if problems else ""
+        "; ".join(problems) + hint if problems else ""
 
 
 def _as_model(policy, tensors: dict) -> dict:
