@@ -15,7 +15,7 @@ import json
 import os
 import socket
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +117,6 @@ def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     build (no memory), as the ranks will load them: a checkpoint written with another policy
     config, a folder with tensors the policy lacks (e.g. another framework's RL heads), or
     an override that changes the policy, is named before every rank builds the policy."""
-    from dataclasses import replace
-
     from hpcvla.checkpoint.catalog import latest
     asked = [(name, value, latest(value)) for name, value in
              (("run.resume", cfg.run.resume), ("policy.checkpoint", cfg.policy.checkpoint))
@@ -130,15 +128,16 @@ def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     from hpcvla.factory import build_policy
     from hpcvla.policies.folders import fit_problem
     spec = env_spec(cfg.env)
-    problems = []
+    problems, bare = [], None
     if cfg.policy.pretrained:  # loaded before the adapters go on
         bare = build_policy(replace(cfg, policy=replace(cfg.policy, lora_rank=0)), spec,
                             device="meta")
         why = fit_problem(bare, cfg.policy.pretrained)
         problems += [("policy.pretrained", cfg.policy.pretrained, "weights the configured "
                       f"policy takes: {why}")] if why else []
-    if asked:
-        policy = build_policy(cfg, spec, device="meta")
+    if asked:  # the build above, unless adapters go on (a full-size one takes seconds):
+        policy = bare if bare is not None and not cfg.policy.lora_rank else build_policy(
+            cfg, spec, device="meta")
         problems += [(name, value, problem) for name, value, path in asked if (
             problem := checkpoint_fit_problem(policy, path, name == "policy.checkpoint"))]
     return problems

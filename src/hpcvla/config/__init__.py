@@ -5,5 +5,5 @@ from hpcvla.config.loader import (ConfigError, config_argument, config_source,
                                   whole_number, write_run_config)
 from hpcvla.config.schema import Config
 
-__all__ = ["Config", "ConfigError", "config_argument", "config_source", "describe_settings", "dump_config",
-           "last_run_config", "load_config", "whole_number", "write_run_config"]
+__all__ = ["Config", "ConfigError", "config_argument", "config_source", "describe_settings",
+           "dump_config", "last_run_config", "load_config", "whole_number", "write_run_config"]

@@ -9,7 +9,7 @@ import math
 import re
 from typing import Any
 
-from hpcvla.config.families import SQUASHED_LOG_STD, family, simulator
+from hpcvla.config.families import FOLDER_RECIPE_UNSET, SQUASHED_LOG_STD, family, simulator
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
 from hpcvla.schedule import shards_of, shards_problem
@@ -40,7 +40,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.tokenizer and not cfg.policy.pretrained:
         problems.append(("policy.tokenizer", cfg.policy.tokenizer, "empty without "
                          "policy.pretrained (built-in policies read the env's instruction ids)"))
-    for name, unset in (("delta_action_dims", -1), ("pi05_state", "folder")):
+    for name, unset in FOLDER_RECIPE_UNSET.items():
         value = getattr(cfg.policy, name)
         if value != unset and (not family(cfg.policy.name).relative_actions or
                                not cfg.policy.pretrained):

@@ -33,6 +33,11 @@ class FamilyTraits:
     libero_gripper: str = "closed_high"
 
 
+# The settings of how a published folder was trained that it may not record (policy.*, their
+# unset values): only for a family with `relative_actions` and a published policy.pretrained
+# (config/checks.py); a folder hpcvla wrote says it all (policies/folders.own_folder_problems).
+FOLDER_RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder"}
+
 # The log std of SAC's squashed actors (the default policy's, the flow family's noise actor):
 # a function of the state, kept inside this range by a tanh as in published SAC, so the
 # deterministic action (the mean) is each state's own and not the centre of one spread wide

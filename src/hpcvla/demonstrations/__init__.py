@@ -98,8 +98,8 @@ def _scan(paths, spec: EnvSpec, per_task):
         problems.add(paths, "", None, "at least one .h5/.hdf5 demonstration file (a file, a "
                      "list of files or a folder holding them)" + kind)
     for path in files:
-        if _not_read(path):
-            problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + _not_read(path))
+        if kind := _not_read(path):
+            problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + kind)
             continue
         try:
             f = h5py.File(path, "r")

@@ -141,20 +141,19 @@ def is_hpcvla_folder(folder) -> bool:
         raise ValueError(f"{config}: not valid JSON ({err})") from None
 
 
-# A published folder's recipe settings (policies/processor.recipe_problems), unset: a folder
-# hpcvla wrote reads the env's fields as they are, so any other value would be ignored
-RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder"}
 # How a folder hpcvla wrote was trained to see its inputs: a config must not say otherwise
 FIXED_BY_FOLDER = ("center_crop",)
 
 
 def own_folder_problems(policy_cfg, folder) -> list[tuple[str, object, str]]:
-    """What the config says of a folder hpcvla wrote that it cannot act on (RECIPE_UNSET,
-    FIXED_BY_FOLDER against its config.json's kwargs), as config problems."""
+    """What the config says of a folder hpcvla wrote that it cannot act on (a recipe setting,
+    FOLDER_RECIPE_UNSET: such a folder reads the env's fields as they are; FIXED_BY_FOLDER
+    against its config.json's kwargs), as config problems."""
+    from hpcvla.config.families import FOLDER_RECIPE_UNSET
     saved = json.loads((Path(folder) / "config.json").read_text()).get("kwargs", {})
     problems: list[tuple[str, object, str]] = [
         (f"policy.{name}", getattr(policy_cfg, name), f"{unset} for a folder hpcvla wrote "
-         "(its config.json says how it acts)") for name, unset in RECIPE_UNSET.items()
+         "(its config.json says how it acts)") for name, unset in FOLDER_RECIPE_UNSET.items()
         if getattr(policy_cfg, name) != unset]
     return problems + [(f"policy.{name}", getattr(policy_cfg, name), f"{saved[name]!r}, what "
                         f"{folder} was trained with") for name in FIXED_BY_FOLDER

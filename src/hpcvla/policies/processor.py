@@ -247,8 +247,8 @@ def recipe_problems(folder, variant: str, delta_action_dims: int,
         return problems
     if delta_action_dims < 0:
         problems.append(("policy.delta_action_dims", delta_action_dims, "the number of "
-                         "leading action dims the openpi checkpoint predicts relative to the state (its "
-                         "training config's extra_delta_transform, which the folder does not "
+                         "leading action dims the openpi checkpoint predicts relative to the "
+                         "state (its training config's extra_delta_transform, which the folder does not "
                          "record): 6 for openpi's pi0_libero, 0 for pi05_libero (a run begun "
                          "with -1 acted absolutely: 0 goes on so)"))
     if variant == "pi05" and pi05_state == "folder":
