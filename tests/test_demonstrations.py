@@ -393,15 +393,16 @@ def test_openvlas_regenerated_libero_files_are_named_not_misread(tmp_path):
     refused(path, libero_spec(), "regenerate_libero_dataset.py", "observations come before")
 
 
-@pytest.mark.parametrize("marker,named", [("meta/info.json", "a LeRobot dataset"),
-                                          ("data/chunk-000/episode_000000.parquet", None),
+@pytest.mark.parametrize("marker,named", [("data/chunk-000/episode_000000.parquet", None),
                                           ("dataset_info.json", "an RLDS/TFDS dataset"),
                                           ("1.0.0/dataset_info.json", "an RLDS/TFDS dataset")])
 def test_datasets_of_formats_not_read_are_named(tmp_path, marker, named):
-    """LeRobot's and RLDS datasets, the ones users of π0 and OFT have for LIBERO, are refused
-    saying what they are and that they are not read (were: "a readable HDF5 file: OSError")."""
+    """RLDS datasets, the ones users of OFT have for LIBERO, are refused saying what they are
+    and that they are not read (were: "a readable HDF5 file: OSError"), and a LeRobot
+    dataset's parquet file given alone saying that the dataset is read as its folder (LeRobot
+    datasets: tests/test_lerobot_datasets.py)."""
     (tmp_path / marker).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / marker).write_text("{}")
     given = tmp_path / marker if named is None else tmp_path  # a parquet file itself
-    refused(given, libero_spec(), named or "a LeRobot dataset's parquet files",
-            "not read here (docs/imitation.md)")
+    refused(given, libero_spec(), named or "a parquet file (a LeRobot dataset is given as its "
+            "folder, the one holding meta/info.json)", "not read here (docs/imitation.md)")

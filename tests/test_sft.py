@@ -259,6 +259,27 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
 
 
 @pytest.mark.mpi
+def test_sft_on_a_lerobot_dataset_folder(tmp_path):
+    """A LeRobot dataset (LeRobot 0.6.1's format v3.0, AV1 video: the fixture) given as its
+    folder trains; the same with an env whose state it does not hold is refused before any
+    rank, naming the feature and the setting."""
+    dataset = "tests/fixtures/demonstrations/lerobot/video_v30"
+    libero_goal = ["env.suite=libero_goal", "env.image_size=64", f"sft.demos={dataset}"]
+    out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
+                 "quaternion", f"run.root={tmp_path}")
+    assert out.returncode == 2 and "features.observation.state.shape" in out.stderr and \
+        "env.state_format=axis_angle" in out.stderr, out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
+    out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
+                 "axis_angle", "sft.steps=2", "sft.batch_size=8", f"run.root={tmp_path}")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["demonstrations"] == 3 and summary["steps"] == 2
+    assert "21 chunks from 3 demonstrations" in out.stdout
+
+
+@pytest.mark.mpi
 @pytest.mark.learning
 @pytest.mark.slow
 def test_sft_lifts_success_above_the_untrained_policy_and_rl_starts_from_it(tmp_path):

@@ -360,11 +360,11 @@ class AlgorithmConfig:
 @dataclass
 class SFTConfig:
     demos: str = setting(
-        "", "`hpcvla sft`: the HDF5 demonstration files (comma-separated) it fine-tunes on: "
-        "this project's trajectory dumps and `hpcvla demos` files, LIBERO's (robomimic) "
-        "datasets, ManiSkill3 trajectory files (`hpcvla/demonstrations/` reads them; the "
-        "layout is detected per file). Checked against the env's observations and actions "
-        "before any rank starts.", paths=True)
+        "", "`hpcvla sft`: the demonstrations (comma-separated) it fine-tunes on: HDF5 files "
+        "(this project's trajectory dumps and `hpcvla demos` files, LIBERO's (robomimic) "
+        "datasets, ManiSkill3 trajectory files) and LeRobot dataset folders (formats v2.x, "
+        "v3.0); `hpcvla/demonstrations/` detects the layout of each. Checked against the "
+        "env's observations and actions before any rank starts.", paths=True)
     per_task: int = setting(
         0, "Few-shot: at most this many demonstrations of each task (instruction), the first "
         "ones in file order; 0: all.", ge=0)

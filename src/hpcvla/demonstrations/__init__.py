@@ -1,15 +1,17 @@
-"""Demonstrations for supervised fine-tuning: HDF5 files of three layouts read into one set of
-(observation, action chunk) samples shaped by an env's EnvSpec.
+"""Demonstrations for supervised fine-tuning: HDF5 files of three layouts and LeRobot dataset
+folders read into one set of (observation, action chunk) samples shaped by an env's EnvSpec.
 
-Layouts, told apart by what the file holds (each module documents its layout, where it is
-written, and how the env's fields are made from it):
+Layouts, told apart by what the file or folder holds (each module documents its layout, where
+it is written, and how the env's fields are made from it):
 
 * hpcvla_dump.py: this project's trajectory dumps and `hpcvla demos` files (root attribute
   format = metrics.dump.FORMAT), one row per action chunk;
 * libero.py: LIBERO's `<task>_demo.hdf5` (scripts/create_dataset.py; /data attribute
   problem_info), one row per primitive step;
 * maniskill.py: ManiSkill3 `RecordEpisode` files (traj_<i> groups and the sibling .json), one
-  row per primitive step.
+  row per primitive step;
+* lerobot.py: a LeRobot dataset's folder (meta/info.json, parquet, mp4), formats v2.x and
+  v3.0, one row per primitive step (frame).
 
 Per-step layouts give one sample per step: its observation and the chunk of spec.chunk_len
 actions the demonstrator executed from it, the last action repeated past the episode's end
@@ -23,11 +25,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
 
-from hpcvla.demonstrations import hpcvla_dump, libero, maniskill
+from hpcvla.demonstrations import hpcvla_dump, lerobot, libero, maniskill
 from hpcvla.demonstrations.common import DemonstrationError, Episode, Problem, Problems
 from hpcvla.envs.base import EnvSpec
 from hpcvla.text import tokenize, words
@@ -35,11 +38,11 @@ from hpcvla.text import tokenize, words
 __all__ = ["Demonstrations", "DemonstrationError", "read_demonstrations",
            "demonstration_problems", "demonstration_rows", "LAYOUTS"]
 
-LAYOUTS = (hpcvla_dump, libero, maniskill)  # detection order: the first that matches
+LAYOUTS = (hpcvla_dump, libero, maniskill)  # HDF5 files; detection order: the first that matches
 SUFFIXES = (".h5", ".hdf5")
-# Datasets users have that are no HDF5 demonstration files, by a file that marks them
-NOT_READ = (("meta/info.json", "a LeRobot dataset (parquet and mp4; e.g. lerobot/libero)"),
-            ("*.parquet", "a LeRobot dataset's parquet files"),
+# Datasets users have that are not read, by a file that marks them
+NOT_READ = (("*.parquet", "a parquet file (a LeRobot dataset is given as its folder, the one "
+                          "holding meta/info.json)"),
             ("dataset_info.json", "an RLDS/TFDS dataset (e.g. OpenVLA's and OFT's *_no_noops)"),
             ("*/dataset_info.json", "an RLDS/TFDS dataset (its version folders)"),
             ("*.tfrecord*", "an RLDS/TFDS dataset's records"))
@@ -66,12 +69,13 @@ class Demonstrations:
 
 
 def _files(paths) -> list[Path]:
-    """`paths` (one or a list; a folder stands for its .h5/.hdf5 files) as files in order."""
+    """`paths` (one or a list; a folder stands for its .h5/.hdf5 files, a LeRobot dataset's
+    for itself) as files and datasets in order."""
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files = []
     for path in map(Path, paths):
-        if path.is_dir():
+        if path.is_dir() and not lerobot.matches(path):
             files += sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
         else:
             files.append(path)
@@ -95,11 +99,14 @@ def _scan(paths, spec: EnvSpec, per_task):
     if not files:
         kind = next(filter(None, map(_not_read, [paths] if isinstance(paths, (str, Path))
                                      else paths)), "")
-        problems.add(paths, "", None, "at least one .h5/.hdf5 demonstration file (a file, a "
-                     "list of files or a folder holding them)" + kind)
+        problems.add(paths, "", None, "at least one .h5/.hdf5 demonstration file or LeRobot "
+                     "dataset (a file, a list of files or a folder holding them)" + kind)
     for path in files:
         if kind := _not_read(path):
             problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + kind)
+            continue
+        if lerobot.matches(path):
+            _scan_dataset(path, spec, problems, found)
             continue
         try:
             f = h5py.File(path, "r")
@@ -121,6 +128,21 @@ def _scan(paths, spec: EnvSpec, per_task):
     if per_task is not None:
         _check_per_task(per_task, [e for _, _, eps in found for e in eps], problems)
     return found, problems
+
+
+def _scan_dataset(path: Path, spec: EnvSpec, problems: Problems, found: list) -> None:
+    try:
+        with lerobot.Dataset(path) as dataset:
+            found.append((path, lerobot, lerobot.scan(path, dataset, spec, problems)))
+    except (KeyError, ValueError, TypeError, OSError) as err:  # pyarrow's errors are these
+        problems.add(path, lerobot.MARK, None, f"a readable {lerobot.NAME} ({type(err).__name__}"
+                     f": {err})")
+
+
+def _open(path, layout):
+    """The file (h5py) or dataset (lerobot.Dataset) a layout's load reads from."""
+    import h5py
+    return lerobot.Dataset(path) if layout is lerobot else h5py.File(path, "r")
 
 
 def _unknown_layout(f) -> str:
@@ -232,7 +254,6 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     sample's reward and episode end (`Demonstrations.outcomes`), for an off-policy learner.
     Raises DemonstrationError (a ValueError) naming every problem `demonstration_problems`
     finds, or when no demonstration is left."""
-    import h5py
     found, problems = _scan(paths, spec, per_task)
     if outcomes:
         _check_outcomes(found, problems)
@@ -244,17 +265,19 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     chosen = _select(found, per_task, successful_only)
     length = spec.obs.get("instruction", ((0,), ""))[0][0]
     parts, tasks, used, ends = [], [], Counter(), []
-    for path, layout, e in chosen:
-        with h5py.File(path, "r") as f:
-            obs, actions, pad = layout.load(f, e, spec)
-            if outcomes:
-                ends.append(layout.outcomes(f, e))
-        if "instruction" in spec.obs:
-            obs["instruction"] = np.broadcast_to(tokenize(e.instruction, spec.vocab, length),
-                                                 (len(actions), length))
-        parts.append((obs, actions, pad, np.full(len(actions), len(tasks), np.int64)))
-        tasks.append(e.instruction)
-        used[(str(path), layout.NAME)] += 1
+    for path, group in groupby(chosen, key=lambda c: c[0]):  # each file opened once in turn
+        group = list(group)
+        with _open(path, group[0][1]) as f:
+            for _, layout, e in group:
+                obs, actions, pad = layout.load(f, e, spec)
+                if outcomes:
+                    ends.append(layout.outcomes(f, e))
+                if "instruction" in spec.obs:
+                    obs["instruction"] = np.broadcast_to(
+                        tokenize(e.instruction, spec.vocab, length), (len(actions), length))
+                parts.append((obs, actions, pad, np.full(len(actions), len(tasks), np.int64)))
+                tasks.append(e.instruction)
+                used[(str(path), layout.NAME)] += 1
     return Demonstrations(
         obs={k: np.concatenate([p[0][k] for p in parts]).astype(np.dtype(dt), copy=False)
              for k, (_, dt) in spec.obs.items()},

@@ -75,6 +75,14 @@ def chunks(actions: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
             steps > T - 1)
 
 
+def open_high(actions: np.ndarray) -> np.ndarray:
+    """(T, A) actions whose last dim is LIBERO's gripper command (-1 open, +1 closed) in the
+    convention of env.gripper_action=open_high (OFT's: +1 open, 0 closed): 1 - clip(g, 0, 1),
+    as OFT's LIBERO datasets convert it (prismatic's libero transform)."""
+    return np.concatenate([actions[:, :-1], 1.0 - np.clip(actions[:, -1:], 0.0, 1.0)],
+                          axis=1).astype(actions.dtype)
+
+
 def fit_images(images: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """(N, h, w, 3) uint8 images at the spec's (S, S, 3): resized with PIL's antialiased
     bilinear filter when the size differs (a non-square image is squashed, not cropped)."""

@@ -50,7 +50,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from hpcvla.demonstrations.common import Episode, Problems, axis_angle_to_quat, fit_images
+from hpcvla.demonstrations.common import (Episode, Problems, axis_angle_to_quat, fit_images,
+                                          open_high)
 from hpcvla.metrics.dump import attr_text
 
 NAME = "LIBERO dataset (scripts/create_dataset.py)"
@@ -149,7 +150,6 @@ def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
             np.dtype(spec.obs["state"][1]))
     actions = demo["actions"][1:]
     if spec.gripper == "open_high":  # module docstring: OFT's convention
-        actions = np.concatenate([actions[:, :-1], 1.0 - np.clip(actions[:, -1:], 0.0, 1.0)],
-                                 axis=1).astype(actions.dtype)
+        actions = open_high(actions)
     actions, pad = chunks(actions, spec.chunk_len)
     return obs, actions, pad
