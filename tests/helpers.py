@@ -124,12 +124,14 @@ def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
     return groups, spec
 
 
-def writer(path, spec, flush_s=10.0):
-    """A trajectory dump of producer 7 for `reach_segments`' groups."""
-    from hpcvla.metrics.dump import TrajectoryDump
+def writer(path, spec, flush_s=10.0, in_process=True):
+    """A trajectory dump of producer 7 for `reach_segments`' groups (`in_process`: written
+    by this process, else by a writer process, as a training run's)."""
+    from hpcvla.metrics.dump_writer import TrajectoryDump
 
     return TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
-                          "reach", spec.chunk_len, "run: {name: test}\n", flush_s)
+                          "reach", spec.chunk_len, "run: {name: test}\n", flush_s,
+                          in_process=in_process)
 
 
 def reach_dump(path, n_groups=6):

@@ -72,7 +72,7 @@ groups, spec = reach_segments(8)
 dump = writer({path!r}, spec, flush_s=0.0)
 for group in groups[:4]:
     dump.add_segment(group)          # flushes after every segment (flush_s=0)
-print("flushed", dump.written, flush=True)
+print("flushed", dump.file.written, flush=True)
 dump.flush_s = 1e9                   # the rest stays in memory: lost in the crash
 for group in groups[4:]:
     dump.add_segment(group)
@@ -122,21 +122,22 @@ def test_a_reader_holding_the_lock_delays_the_writer_and_never_stops_it(tmp_path
                             text=True)
     try:
         assert held.stdout.readline().startswith("holding")
-        assert summarize(path)["episodes"] == dump.written  # no lock taken: readable
+        assert summarize(path)["episodes"] == dump.file.written  # no lock taken: readable
         for group in groups[3:]:
             dump.add_segment(group)
         dump.flush()
-        assert dump.pending and "is locked by a reader" in capfd.readouterr().err
+        assert dump.file.pending and "is locked by a reader" in capfd.readouterr().err
         dump.close()  # waits for the lock
     finally:
         held.wait(30)
     summary = summarize(path)
-    assert summary["complete"] and summary["episodes"] == dump.written and not dump.pending
+    assert summary["complete"] and summary["episodes"] == dump.file.written and \
+        not dump.file.pending
     held = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdout=subprocess.PIPE,
                             text=True)
     try:  # a resumed run's dump waits for the lock too
         assert held.stdout.readline().startswith("holding")
-        assert writer(path, spec).written == summary["episodes"]
+        assert writer(path, spec).file.written == summary["episodes"]
     finally:
         held.wait(30)
     assert not summarize(path)["complete"]  # being written again
@@ -150,7 +151,7 @@ def test_a_resumed_run_moves_an_unreadable_dump_aside_and_goes_on(tmp_path, capf
     reach_dump(path)
     path.write_bytes(path.read_bytes()[:2000])
     groups, spec = reach_segments(2)
-    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.dump_writer import TrajectoryDump
     dump = TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
                           "reach", spec.chunk_len, start_version=5)
     assert "moved aside" in capfd.readouterr().err
@@ -161,6 +162,56 @@ def test_a_resumed_run_moves_an_unreadable_dump_aside_and_goes_on(tmp_path, capf
     with h5py.File(path, "r") as f:
         assert len(f["data"]) > 0 and all(demo.attrs["start_version"] == 5
                                           for demo in f["data"].values())
+
+
+def _contents(path) -> dict:
+    """Every attribute and dataset of an HDF5 file, by name."""
+    with h5py.File(path, "r") as f:
+        found = {"/": dict(f.attrs)}
+        f.visititems(lambda name, item: found.__setitem__(name, item[()] if hasattr(
+            item, "shape") else dict(item.attrs)))
+    return found
+
+
+def test_a_writer_process_writes_what_this_process_would(tmp_path):
+    """A training run's dump is written by a helper process of its producer rank (gzip holds
+    the GIL: the rank's time is its steps'): the same file as one this process writes from
+    the same segments; it ignores a stop signal (its rank's to handle); a resumed dump goes
+    on with its count of segments."""
+    groups, spec = reach_segments(6)
+    paths = {mode: tmp_path / f"{mode}.h5" for mode in ("inline", "process")}
+    for mode, path in paths.items():
+        dump = writer(path, spec, flush_s=0.0, in_process=mode == "inline")
+        for group in groups:
+            dump.add_segment(group)
+            if mode == "process" and group is groups[2]:
+                os.kill(dump.file._proc.pid, signal.SIGTERM)
+        dump.close()
+    inline, process = _contents(paths["inline"]), _contents(paths["process"])
+    assert inline.keys() == process.keys() and len(inline) > 20
+    for name, value in inline.items():
+        if isinstance(value, dict):
+            assert value == process[name], name
+        else:
+            np.testing.assert_array_equal(value, process[name], err_msg=name)
+    assert writer(paths["process"], spec, in_process=False).segments == len(groups)
+
+
+def test_a_writer_process_that_fails_or_dies_fails_its_producer_naming_the_file(tmp_path):
+    """No run goes on without the dump it asked for: the writer's error, or its death, is the
+    producer's DumpError at its next dump call, naming the file, the rank and why."""
+    groups, spec = reach_segments(4)
+    (tmp_path / "a file").write_text("")
+    with pytest.raises(DumpError, match=r"rank7.h5: producer rank 7: FileExistsError"):
+        writer(tmp_path / "a file" / "rank7.h5", spec, in_process=False)
+    dump = writer(tmp_path / "rank7.h5", spec, flush_s=0.0, in_process=False)
+    dump.add_segment(groups[0])
+    os.kill(dump.file._proc.pid, signal.SIGKILL)
+    with pytest.raises(DumpError, match=r"rank7.h5: producer rank 7: the dump writer died "
+                                        r"\(killed by SIGKILL\)"):
+        for group in groups[1:]:
+            dump.add_segment(group)
+        dump.close()
 
 
 @pytest.mark.mpi
@@ -235,3 +286,18 @@ def test_training_run_dump_matches_what_the_learner_trained(tmp_path, config, ra
     inspect = hpcvla("inspect", run_dir)
     assert inspect.returncode == 0 and "hpcvla trajectory dump" in inspect.stdout
     assert "obs/image" in inspect.stdout and "complete" in inspect.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+def test_dump_benchmark_measures_the_three_ways_side_by_side(tmp_path):
+    """CI's short run of `hpcvla bench dump`: the producer with no dump, with the dump written
+    in its own process and by a writer process; the ratios are those of the measured rates."""
+    out = hpcvla("bench", "dump", "--quick", "--json", tmp_path / "dump.json", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads((tmp_path / "dump.json").read_text())
+    assert (r["groups"], r["rounds"]) == (24, 1) and "by a process / in its own" in out.stdout
+    assert r["inline"]["file_mb"] == r["process"]["file_mb"] > 0 == r["none"]["file_mb"]
+    assert r["producer_rate_process_to_inline"] == pytest.approx(
+        r["process"]["groups_per_s"] / r["inline"]["groups_per_s"])
+

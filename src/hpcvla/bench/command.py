@@ -21,6 +21,7 @@ READS = {
     "shards": ("workload", "shards"),
     "checkpoint": ("overrides", "updates"),
     "fullsize": ("out", "steps", "updates"),
+    "dump": (),
 }
 EMULATED_READS = ("preset", "max_staleness")  # modes: the emulated workload's stage costs
 RECIPE_TARGETS = ("learning", "checkpoint", "fullsize", "memory")  # they run configs/*.yaml
@@ -30,7 +31,8 @@ def add_bench_parser(sub) -> None:
     """The `bench` subcommand and its options, on the top-level parser's subparsers."""
     bench = sub.add_parser("bench", help="benchmarks; print a table and write JSON")
     bench.add_argument("target", choices=["transport", "modes", "learning", "policies", "shards",
-                                          "gpu", "scale", "memory", "checkpoint", "fullsize"],
+                                          "gpu", "scale", "memory", "checkpoint", "fullsize",
+                                          "dump"],
                        help="what to measure; `learning` and `checkpoint` also take key=value "
                             "overrides for every run (e.g. policy.name=flow)")
     bench.set_defaults(overrides=[])
@@ -181,6 +183,10 @@ def bench_command(args) -> int:
     if args.target == "memory":  # one process per measured learner
         from hpcvla.bench import memory
         memory.run(quick=args.quick, json_path=args.json)
+        return 0
+    if args.target == "dump":  # one process and its dump writers
+        from hpcvla.bench import dump
+        dump.run(quick=args.quick, json_path=args.json)
         return 0
     if args.target == "gpu":  # one process; starts the training worlds itself
         from hpcvla.bench import gpu

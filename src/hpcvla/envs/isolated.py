@@ -21,17 +21,14 @@ whose actions are in, then collects them, so a rank's workers step concurrently,
 
 More than `max_restarts` restarts of one shard raise (a fault that always recurs is a bug to
 fix, not to retry). The worker's own code imports no MPI and no torch (a ManiSkill env brings
-torch); it dies with its rank (Linux PR_SET_PDEATHSIG) and ignores SIGINT/SIGTERM, which are its
-rank's to handle. Cost: one more process per shard (~30 MB with `reach`, a simulator's own
+torch); it is a helper process of its rank (process/worker.py: it dies with the rank, leaves
+stop signals to it). Cost: one more process per shard (~30 MB with `reach`, a simulator's own
 footprint with the others), and a pickled observation batch per step over a local socket (~0.1
 ms for 8 64-px images).
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +37,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from hpcvla.envs.base import StepResult, VectorEnv
+from hpcvla.process import worker
 from hpcvla.seeds import restart_seed
 
 # fault-injection settings of the envs (reach): they fire in a worker's first life only, as a
@@ -76,16 +74,7 @@ class IsolatedEnv(VectorEnv):
     # ---- the worker ---------------------------------------------------------------------
 
     def _start(self, kwargs: dict, seed: int):
-        parent, child = socket.socketpair()
-        env = {k: v for k, v in os.environ.items()  # not an MPI process: no PMI handshake
-               if not k.startswith(("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_"))}
-        if "HPCVLA_GPU" in env:  # the rank's GPU (devices.py) is the worker's only one
-            env["CUDA_VISIBLE_DEVICES"] = env["HPCVLA_GPU"]
-        self._proc = subprocess.Popen([sys.executable, "-m", "hpcvla.envs.isolated",
-                                       str(child.fileno()), str(os.getpid())],
-                                      pass_fds=[child.fileno()], env=env)
-        child.close()
-        self._conn = Connection(parent.detach())
+        self._proc, self._conn = worker.start("hpcvla.envs.isolated")
         return self._call("init", self.name, self.num_envs, seed, kwargs)
 
     def _call(self, *message):
@@ -111,25 +100,13 @@ class IsolatedEnv(VectorEnv):
                                       f"{self.timeout_s:g} s (env.step_timeout_s)")
             status, *answer = self._conn.recv()
         except (EOFError, OSError):
-            raise EnvWorkerFailed(f"{method}: the worker died ({self._exit_status()})") \
+            raise EnvWorkerFailed(f"{method}: the worker died ({worker.exit_status(self._proc)})") \
                 from None
         if status == "error":
             raise EnvWorkerFailed(f"{method} raised {answer[0]}")
         new_failures, self.last_latency_s, value = answer
         self.failures += new_failures  # slots the vector env isolated itself (envs/serial.py)
         return value
-
-    def _exit_status(self) -> str:
-        try:
-            code = self._proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            return "exit status unknown"
-        if code >= 0:
-            return f"exit code {code}"
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
 
     def _stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
@@ -254,19 +231,9 @@ def _serve(conn: Connection) -> None:
 
 
 def _main(fd: int, rank_pid: int) -> None:
-    if sys.platform.startswith("linux"):  # die with the rank, even when stuck in C
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != rank_pid:  # the rank died before the line above took effect
-        return
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the rank's to handle (checkpoint, stop)
-        signal.signal(sig, signal.SIG_IGN)
-    _serve(Connection(fd))
-    # The env is closed: end as multiprocessing's workers do, without the interpreter's
-    # teardown of the simulator's modules (~1 s of the rank's close, per worker, for nothing).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if worker.entered(rank_pid):
+        _serve(Connection(fd))
+    worker.leave()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import check_env, env_kwargs, make_env
 from hpcvla.envs.base import training_state_ids
 from hpcvla.envs.experts import make_expert
-from hpcvla.metrics.dump import TrajectoryDump
+from hpcvla.metrics.dump_writer import TrajectoryDump
 from hpcvla.preflight import unwritable
 from hpcvla.process import preempt
 

@@ -1,5 +1,6 @@
 """HDF5 trajectory dumps: every episode a producer rank sends to the learners, on disk in the
-robomimic/LIBERO layout, for offline analysis (`hpcvla inspect FILE`, postprocess/).
+robomimic/LIBERO layout, for offline analysis (`hpcvla inspect FILE`, postprocess/): the
+format and its readers here; the writer in metrics/dump_writer.py.
 
 One file per producer rank, `<run dir>/trajectories/rank<R>.h5`; `hpcvla demos` writes the
 same layout from a scripted expert (imitation/recording.py: producer_rank -1, policy version
@@ -41,9 +42,10 @@ of returning wrong numbers (attributes in HDF5's dense storage are not covered).
 attributes are fixed-length UTF-8 (`text_attrs`), never variable-length: those live in HDF5's
 global heap, which has no checksum, and libhdf5 (2.0.0, in h5py 3.16) loops forever decoding a
 damaged one. `hpcvla inspect --verify` reads every chunk.
-The writer keeps finished episodes in memory and appends them every `flush_s` seconds by
-opening, writing and closing the file, so between flushes the file is closed and
-consistent: readable while the run goes on, and after a crash up to the last flush. Readers
+The writer (metrics/dump_writer.py: in a training run a process of the producer rank's own,
+so that compression takes none of the rank's time) keeps finished episodes in memory and
+appends them every `flush_s` seconds by opening, writing and closing the file, so between
+flushes the file is closed and consistent: readable while the run goes on, and after a crash up to the last flush. Readers
 (`open_dump`) take no HDF5 file lock, so a reader never stops the writer; a reader that
 holds the file open with h5py's default lock makes the writer keep its episodes and try again
 at the next flush, saying so. A process killed while it appends (SIGKILL, an OOM kill)
@@ -55,16 +57,12 @@ aside (`.unreadable`) and begins a new one.
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-from hpcvla.transport.segment_meta import SegmentMeta
 
 FORMAT = "hpcvla-trajectories-1"
 STEP_FIELDS = {  # segment field -> dataset name in a demo
@@ -81,173 +79,6 @@ class DumpError(ValueError):
     """A file that is not a readable hpcvla trajectory dump."""
 
 
-class TrajectoryDump:
-    """Cuts the segment groups one producer sends (roles/segments.py) into per-env episodes
-    and writes the finished ones to HDF5.
-
-    `shard_seed(slot)` is the seed of the env shard behind `slot` (the `seed` attribute);
-    `vocab` turns instruction tokens into text."""
-
-    def __init__(self, path, producer: int, obs_keys, vocab, shard_seed, env: str,
-                 chunk_len: int, config_yaml: str = "", flush_s: float = 10.0,
-                 source: str = "run", start_version: int = 0):
-        self.path, self.producer, self.obs_keys = Path(path), producer, list(obs_keys)
-        self.vocab, self.shard_seed, self.flush_s = vocab, shard_seed, flush_s
-        self.start_version, self.refusals = start_version, 0
-        self.open: dict[tuple[int, int], list[dict]] = {}  # (slot, env) -> step pieces
-        self.episodes: dict[tuple[int, int], int] = Counter()
-        self.pending: list[tuple[dict, dict]] = []          # finished, not yet written
-        self.segments = self.written = self.total = 0
-        self.last_flush = time.monotonic()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        import h5py
-        if self.path.exists() and self._resumed():
-            return
-        with h5py.File(self.path, "w", libver=LIBVER) as f:
-            f.attrs.update(text_attrs(dict(
-                format=FORMAT, source=source, producer_rank=producer, env=env,
-                chunk_len=chunk_len, config=config_yaml, complete=False, segments=0,
-                open_episode_steps=0)))
-            data = f.create_group("data")
-            data.attrs.update(text_attrs(dict(total=0, env_args=json.dumps(
-                {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))))
-
-    def _resumed(self) -> bool:
-        """A resumed run (run.resume) appends to its dump; one that cannot be read (e.g. a
-        process killed as it appended) is moved aside, and the run goes on with a new one."""
-        try:
-            with open_dump(self.path) as f:
-                self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
-                self.total = int(f["data"].attrs["total"])
-        except DumpError as err:
-            aside, n = self.path.with_name(self.path.name + ".unreadable"), 1
-            while aside.exists():  # an earlier start's, kept too
-                n += 1
-                aside = self.path.with_name(f"{self.path.name}.unreadable{n}")
-            self.path.rename(aside)
-            print(f"hpcvla: producer rank {self.producer}: {err}; moved aside to {aside} "
-                  "(if the run was killed while appending, HDF5's `h5clear -s` may restore "
-                  "it) and a new dump begun", file=sys.stderr, flush=True)
-            return False
-        with self._append(patience_s=60.0) as f:
-            f.attrs["complete"] = False
-        return True
-
-    def add_segment(self, group: dict) -> None:
-        """One segment group as sent to a learner: T steps of the n envs of one slot."""
-        meta = SegmentMeta.of(group)
-        slot, batch = meta.slot, meta.batch
-        done = group["done"]
-        T = done.shape[0]
-        version = np.broadcast_to(group["version"][:, None], done.shape)
-        steps = {f"obs/{k}": group[f"obs.{k}"] for k in self.obs_keys}
-        steps.update(actions=group["actions"], reward=group["reward"], done=done,
-                     terminated=group["terminated"], truncated=group["truncated"],
-                     env_fault=group["env_fault"],
-                     logprob=group["logprob"], value=group["value"], version=version,
-                     staleness=batch - version, success=group["success"],
-                     episode_return=group["episode_return"])
-        for env in range(done.shape[1]):
-            pieces, start = self.open.setdefault((slot, env), []), 0
-            for end in np.flatnonzero(done[:, env]) + 1:  # an episode ends at step end - 1
-                pieces.append({k: v[start:end, env] for k, v in steps.items()})
-                self._finish(slot, env)
-                pieces, start = self.open.setdefault((slot, env), []), end
-            if start < T:
-                pieces.append({k: v[start:, env] for k, v in steps.items()})
-        self.segments += 1
-        if time.monotonic() - self.last_flush >= self.flush_s:
-            self.flush()
-
-    def _finish(self, slot: int, env: int) -> None:
-        pieces = self.open.pop((slot, env))
-        steps = {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
-        tokens = steps.get("obs/instruction")
-        attrs = {"num_samples": len(steps["reward"]), "env_id": f"p{self.producer}/s{slot}/e{env}",
-                 "producer_rank": self.producer, "slot": slot, "env_index": env,
-                 "seed": int(self.shard_seed(slot)), "episode": self.episodes[(slot, env)],
-                 "start_version": self.start_version,
-                 "instruction": "" if tokens is None else
-                 " ".join(self.vocab[t] for t in tokens[0] if t),
-                 "policy_version": int(steps["version"][0]),
-                 "staleness": int(steps["staleness"].max()),
-                 "success": bool(steps["success"][-1]),
-                 "return": float(steps["episode_return"][-1]),
-                 "env_fault": bool(steps["env_fault"][-1])}
-        self.episodes[(slot, env)] += 1
-        self.add_episode(steps, attrs)
-
-    def add_episode(self, steps: dict, attrs: dict) -> None:
-        """Queue one finished episode for the next flush: `steps` holds `obs/<key>` for every
-        obs key and every STEP_FIELDS field, T rows each; `attrs` the demo's attributes
-        (num_samples is set here). For episodes that come from elsewhere than a producer's
-        segments, such as a scripted expert's (imitation/recording.py)."""
-        missing = [k for k in [f"obs/{k}" for k in self.obs_keys] + list(STEP_FIELDS)
-                   if k not in steps]
-        if missing:
-            raise ValueError(f"add_episode: steps lack {', '.join(missing)}")
-        self.pending.append((steps, {**attrs, "num_samples": len(steps["reward"])}))
-
-    def _append(self, patience_s: float = 0.0):
-        """The file opened to append (an h5py.File), or None while a reader holds HDF5's lock
-        on it (said now and then); with `patience_s`, waiting that long for the lock, then
-        failing naming the file."""
-        import h5py
-        deadline = time.monotonic() + patience_s
-        while True:
-            try:
-                return h5py.File(self.path, "a", libver=LIBVER)
-            except BlockingIOError as err:  # errno 11: another process holds its lock
-                self.refusals += 1
-                if time.monotonic() < deadline:
-                    time.sleep(1.0)
-                    continue
-                if patience_s > 0:
-                    raise DumpError(f"{self.path}: still locked by a reader after "
-                                    f"{patience_s:g} s: {len(self.pending)} episode(s) not "
-                                    "written") from None
-                if self.refusals == 1 or self.refusals % 30 == 0:
-                    print(f"hpcvla: producer rank {self.producer}: {self.path} is locked by "
-                          f"a reader ({err.strerror}): {len(self.pending)} episode(s) kept "
-                          "for the next flush; open it with h5py.File(..., locking=False) "
-                          "or copy it (`hpcvla inspect` does not lock)", file=sys.stderr,
-                          flush=True)
-                return None
-
-    def flush(self, patience_s: float = 0.0, closing: bool = False) -> None:
-        """Append the finished episodes (open, write, close: consistent between flushes); a
-        reader holding the lock: kept for the next flush (`_append`). `closing`: also record
-        the steps of episodes still open and mark the file complete, in the same open."""
-        self.last_flush = time.monotonic()
-        f = self._append(patience_s)
-        if f is None:
-            return
-        with f:
-            data = f["data"]
-            for steps, attrs in self.pending:
-                demo = data.create_group(f"demo_{self.written}")
-                demo.attrs.update(text_attrs(attrs))
-                for key in self.obs_keys:
-                    _dataset(demo, f"obs/{key}", steps[f"obs/{key}"])
-                for field, name in STEP_FIELDS.items():
-                    value = steps[field]
-                    _dataset(demo, name, value.astype(np.uint8) if value.dtype == bool else value)
-                self.written += 1
-                self.total += attrs["num_samples"]
-            data.attrs["total"] = self.total
-            f.attrs["segments"] = self.segments
-            if closing:
-                f.attrs["open_episode_steps"] = sum(len(p["reward"]) for pieces in
-                                                    self.open.values() for p in pieces)
-                f.attrs["complete"] = True
-        self.pending.clear()
-
-    def close(self) -> None:
-        """Write what is finished (waiting up to a minute for a reader's lock), record the
-        steps of episodes still open and mark the file complete."""
-        self.flush(patience_s=60.0, closing=True)
-
-
 def text_attrs(attrs: dict) -> dict:
     """`attrs` with every str as fixed-length UTF-8 (np.bytes_), stored in the object header
     itself, where h5py would put a str in the global heap (see the module's docstring)."""
@@ -258,13 +89,6 @@ def attr_text(value) -> str:
     """A string attribute as str: h5py returns bytes for fixed-length strings (these dumps,
     LIBERO's files) and str for variable-length ones."""
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _dataset(group, name: str, value: np.ndarray) -> None:
-    value = np.ascontiguousarray(value)
-    chunks = (min(len(value), 64), *value.shape[1:]) if value.ndim else None
-    group.create_dataset(name, data=value, chunks=chunks, shuffle=value.itemsize > 1,
-                         **COMPRESSION)
 
 
 # ---------------------------------------------------------------------------- reading

@@ -24,7 +24,7 @@ from hpcvla.roles.setup import RoleSetup
 if TYPE_CHECKING:
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import StepResult, VectorEnv
-    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.dump_writer import TrajectoryDump
     from hpcvla.metrics.timeline import Timeline
     from hpcvla.policies.base import Policy
     from hpcvla.roles.segments import SegmentGroup

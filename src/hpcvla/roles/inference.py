@@ -27,7 +27,7 @@ from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 from hpcvla.transport.ring_writer import RingWriter
 
 if TYPE_CHECKING:
-    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.dump_writer import TrajectoryDump
     from hpcvla.policies.base import Policy
     from hpcvla.transport.exchange import ObsActionExchange
     from hpcvla.transport.manifest import Manifest

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from hpcvla.config.schema import Config
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import EnvSpec
-    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.dump_writer import TrajectoryDump
     from hpcvla.metrics.progress import Progress
     from hpcvla.metrics.timeline import Timeline
     from hpcvla.policies.base import Policy
@@ -110,12 +110,13 @@ def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_d
     It holds the observations and what the policy records beside them (extra_fields)."""
     if not cfg.run.dump_trajectories:
         return None
-    from hpcvla.metrics.dump import TrajectoryDump
+    from hpcvla.metrics.dump_writer import TrajectoryDump
     keys = list(spec.obs) + list(policy.extra_fields())
     return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, keys,
                           spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                          cfg.run.dump_flush_s, start_version=start_version)
+                          cfg.run.dump_flush_s, start_version=start_version,
+                          in_process=False)  # a writer process: the rank's time is its steps
 
 
 def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,

@@ -1,7 +1,7 @@
 """The `meta` field of a trajectory segment group, by name: who assembled it, for which env
 shard, and the learner batch it is trained in. The inference rank writes it
 (roles/segments.py); the learner's queues (roles/queues.py) and the HDF5 dump
-(metrics/dump.py) read it. It lives beside the record format because it travels with every
+(metrics/dump_writer.py) read it. It lives beside the record format because it travels with every
 segment through the ring."""
 
 from __future__ import annotations
