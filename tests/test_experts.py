@@ -75,6 +75,29 @@ def test_maniskill_episodes_run_to_the_horizon_for_its_conventions():
         env.close()
 
 
+def test_a_step_limit_cuts_the_chunk_it_falls_in():
+    """`step_limit` (eval.protocol=libero: LIBERO's scripts count primitive steps, and OFT's
+    8-step chunks make 27.5 of libero_spatial's 220): an episode runs exactly the limit's
+    actions, the chunk it falls in cut there, and is truncated; the next counts anew."""
+    env = ManiSkillEnv(1, task="PushCube-v1", camera=False, max_episode_chunks=8)
+    chunk, executed = env.spec.chunk_len, []
+    slot = env._slots[0]
+    step = slot.step
+    slot.step = lambda action: (executed.append(float(action[0])), step(action))[1]
+    env.step_limit = 2 * chunk + 3
+    try:
+        for n in range(1, 5):
+            actions = np.zeros((1, chunk, env.spec.action_dim), np.float32)
+            actions[..., 0] = np.arange(chunk) / 100 + n / 10  # which chunk, which step
+            result = env.step(actions)
+            assert bool(result.truncated[0]) == (n == 3), n
+        assert len(executed) == 2 * chunk + 3 + chunk
+        assert executed[2 * chunk:2 * chunk + 3] == pytest.approx([0.3, 0.31, 0.32])
+        assert executed[-chunk:] == pytest.approx(0.4 + np.arange(chunk) / 100)
+    finally:
+        env.close()
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_demos_writes_a_dump_that_inspect_reads(tmp_path):

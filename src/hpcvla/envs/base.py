@@ -119,6 +119,10 @@ class VectorEnv(abc.ABC):
     latency_sleep: bool = True
     last_latency_s: float = 0.0
     run_to_horizon: bool = False
+    # `hpcvla eval`'s eval.protocol=libero (envs/serial.py): an episode is truncated after this
+    # many primitive steps, in the middle of a chunk if need be, as LIBERO's evaluation
+    # scripts count max_steps; None: after max_episode_chunks whole chunks
+    step_limit: int | None = None
     # Optional: a static method spec_of(**constructor kwargs) -> EnvSpec, for an env whose
     # spec is known without building a simulator (libero); env_spec builds one otherwise.
     spec_of = None

@@ -54,8 +54,8 @@ experiments/robot/libero/run_libero_eval.py, OpenVLA-OFT's, which follows OpenVL
     of a 10-task suite, in task-major order per state instead of task by task;
   - differs: the horizon is the config's (env.max_episode_chunks x env.chunk_len), not the
     per-suite limit of those scripts (STEP_LIMITS), except under `hpcvla eval`'s
-    eval.protocol=libero (benchmark_states), which runs whole chunks up to the limit (past it
-    when env.chunk_len does not divide it: the scripts stop mid-chunk) and the tasks one after
+    eval.protocol=libero (benchmark_states), which stops at the limit as they do, in the
+    middle of a chunk if need be (step_limit, envs/serial.py), and runs the tasks one after
     another; configs/libero_pi0.yaml, libero_pi05.yaml and libero_oft.yaml keep 220-224 on
     libero_spatial, libero_spatial.yaml trains and evaluates with RL-VLA³'s 480. Fixtures
     (cabinets, stoves) are placed from a seed of (task, state), not from the scripts' global

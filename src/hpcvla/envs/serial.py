@@ -21,7 +21,8 @@ A slot implements:
 
 The base class executes action chunks (clipped to [-1, 1], the controllers' normalized range; a
 chunk stops early on success, unless `run_to_horizon`: envs/base.py), sums rewards over the
-chunk, truncates after `max_episode_chunks` chunks, auto-resets finished envs, tokenizes
+chunk, truncates after `max_episode_chunks` chunks (or `step_limit` primitive steps: envs/base.py),
+auto-resets finished envs, tokenizes
 instructions, and isolates failures: a slot that raises is reported with its env id on stderr
 and in `failures`, rebuilt and reset (its episode ends truncated, flagged `env_fault`), while
 the other envs go on. A slot that cannot be rebuilt is retired: it returns zero observations
@@ -78,6 +79,7 @@ class SerialVectorEnv(VectorEnv):
         self.failures: list[tuple[int, str]] = []  # (env id, error) of every failure so far
         self.retired: set[int] = set()  # slot indices that could not be rebuilt
         self._chunks = np.zeros(num_envs, dtype=np.int32)
+        self._steps = np.zeros(num_envs, dtype=np.int64)  # primitive steps of the episode
         self._return = np.zeros(num_envs, dtype=np.float32)
         self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
         self._obs = {k: np.zeros((num_envs, *shape), dtype=dt)
@@ -138,6 +140,7 @@ class SerialVectorEnv(VectorEnv):
 
     def _start_episode(self, i: int, init_state_id: int | None = None) -> None:
         self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
+        self._steps[i] = 0
         self._guarded(i, "reset", lambda: (self._slots[i].reset(self._rngs[i], init_state_id),
                                            self._write_obs(i)))
 
@@ -163,8 +166,10 @@ class SerialVectorEnv(VectorEnv):
         failed = np.zeros(n, dtype=bool)
         for i in range(n):
             def run_chunk(i=i):
-                for t in range(chunk):
+                left = chunk if self.step_limit is None else self.step_limit - self._steps[i]
+                for t in range(min(chunk, left)):
                     r, ok = self._slots[i].step(actions[i, t])
+                    self._steps[i] += 1
                     reward[i] += 0.0 if self._done_once[i] else r
                     at_end[i] = ok
                     if ok:
@@ -176,15 +181,18 @@ class SerialVectorEnv(VectorEnv):
             failed[i] = self._guarded(i, "step", run_chunk) is None
         self._chunks += 1
         self._return += reward
+        horizon = self._chunks >= self.spec.max_episode_chunks
+        if self.step_limit is not None:
+            horizon |= self._steps >= self.step_limit
         terminated, truncated, success, at_end = episode_ends(
-            success, self._done_once, at_end, self._chunks >= self.spec.max_episode_chunks,
-            failed, self.run_to_horizon)
+            success, self._done_once, at_end, horizon, failed, self.run_to_horizon)
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         for i in np.flatnonzero(done):
             if failed[i]:  # rebuilt and reset already
                 self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
+                self._steps[i] = 0
             else:
                 self._start_episode(i)
         return StepResult(self._batch(), reward, terminated, truncated, success,

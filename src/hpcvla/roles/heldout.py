@@ -75,6 +75,8 @@ class HeldOut:
         self.step_deadline_s = step_deadline_s(cfg.env)  # a step that never returns: loud
         self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
         self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
+        if protocol:  # LIBERO's scripts count primitive steps: the last chunk may be cut
+            self.env.step_limit = protocol["step_limit"]
         self.policy = policy if policy is not None else build_policy(cfg, self.env.spec, device)
         self.ids, self.tasks = states or self.env.evaluation_states(episodes)
         assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"
@@ -152,12 +154,12 @@ def protocol_of(cfg: Config) -> tuple[Config, dict[str, object] | None,
     cfg = copy.deepcopy(cfg)
     limit = STEP_LIMITS[cfg.env.suite]
     cfg.env.suite_task = -1  # the env loads each state's task
-    cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # whole chunks: >= the limit
+    cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # the step limit binds
     ids, labels, tasks = benchmark_states(cfg.env.suite, eval_tasks(cfg.eval),
                                           cfg.eval.states_per_task)
     return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
                  "states_per_task": cfg.eval.states_per_task, "step_limit": limit,
-                 "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len,
+                 "steps": limit,
                  "settle_steps": SETTLE_STEPS, "success": "the task done at any step (it "
                  "ends the episode)"}, (ids, labels)
 
@@ -192,7 +194,8 @@ def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic:
         ended = running & (result.terminated | result.truncated)
         success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
         fault[ended] = result.env_fault[ended]
-        steps[ended] = result.episode_length[ended] * env.spec.chunk_len
+        steps[ended] = np.minimum(result.episode_length[ended] * env.spec.chunk_len,
+                                  env.step_limit or np.iinfo(np.int64).max)
         if result.success_at_end is not None:
             success_at_end[ended] = result.success_at_end[ended]
         for position, (_, film) in frames.items():
