@@ -28,7 +28,7 @@ import copy
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
 import numpy as np
 import torch
@@ -141,7 +141,7 @@ class HeldOut:
         self.env.close()
 
 
-def protocol_of(cfg: Config) -> tuple[Config, dict[str, object] | None,
+def protocol_of(cfg: Config) -> tuple[Config, dict[str, Any] | None,
                                       tuple[np.ndarray, list[str]] | None]:
     """The config an evaluation runs and, for eval.protocol=libero, what its protocol
     fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
