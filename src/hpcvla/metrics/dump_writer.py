@@ -252,8 +252,14 @@ class DumpProcess:
         self._queued_bytes, self._failure = 0, ""
         self._ready = threading.Condition()
         self._proc, self._conn = worker.start("hpcvla.metrics.dump_writer")
-        self._conn.send(("open", str(path), producer, source, env, chunk_len, config_yaml))
-        self.segments = self._answer()
+        try:
+            self._conn.send(("open", str(path), producer, source, env, chunk_len, config_yaml))
+            self.segments = self._answer()
+        except BaseException:  # the writer could not begin the file: it ends, and so does this
+            self._proc.kill()
+            self._proc.wait()
+            self._conn.close()
+            raise
         self._sender = threading.Thread(target=self._send_loop, name="dump sender",
                                         daemon=True)
         self._sender.start()
