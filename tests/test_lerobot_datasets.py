@@ -135,7 +135,7 @@ def test_a_missing_camera_a_missing_video_and_an_old_format_are_refused(tmp_path
     text = "\n".join(f"{w} = {v!r}: {m}" for w, v, m in demonstration_problems(
         dataset, libero_spec()))
     assert "a feature for the spec's 'wrist_image' (one of observation.images.wrist_image, " \
-        "observation.images.image2, wrist_image); rename the dataset's feature" in text, text
+        "observation.images.image2, wrist_image), or sft.features naming it" in text, text
     assert ":episode 1 = " in text and "episode_000001.mp4" in text and \
         "the video of observation.images.image" in text, text
     info["codebase_version"] = "v1.6"
@@ -152,3 +152,29 @@ def test_per_task_counts_episodes_by_their_task_and_a_list_mixes_datasets():
     both = read_demonstrations([LEROBOT / "images_v21", LEROBOT / "video_v30"], spec)
     assert len(both) == 42 and len(both.task) == 6
     assert "images_v21 (LeRobot dataset, 3 demonstrations)" in both.source
+
+
+def test_sft_features_name_the_feature_of_a_field(tmp_path):
+    """A dataset of other feature names (a user's: here the wrist camera renamed `left_cam`)
+    reads with sft.features naming it, the same frames; a named feature it lacks, a field no
+    dataset gives, or a feature of the wrong kind is refused naming the setting."""
+    dataset = _copy(tmp_path, "images_v30")
+    info = json.loads((dataset / "meta/info.json").read_text())
+    info["features"]["left_cam"] = info["features"].pop("wrist_image")
+    (dataset / "meta/info.json").write_text(json.dumps(info))
+    for path in dataset.glob("data/*/*.parquet"):
+        table = pq.read_table(path)
+        pq.write_table(table.rename_columns(["left_cam" if c == "wrist_image" else c
+                                             for c in table.column_names]), path)
+    spec = libero_spec()
+    assert demonstration_problems(dataset, spec)  # wrist_image: no such feature
+    demos = read_demonstrations(dataset, spec, features={"wrist_image": "left_cam"})
+    ref = np.load(LEROBOT / "images_v30" / "reference.npz")
+    np.testing.assert_array_equal(demos.obs["wrist_image"], ref["wrist_image"])
+    np.testing.assert_array_equal(demos.obs["image"], ref["image"])
+    text = "\n".join(f"{w} = {v!r}: {m}" for w, v, m in demonstration_problems(
+        dataset, spec, features={"wrist_image": "right_cam", "depth": "x", "state": "image"}))
+    assert "the feature right_cam that sft.features names for wrist_image" in text, text
+    assert "sft.features = 'depth': one of image, wrist_image, state, actions" in text, text
+    assert "features.image.dtype = 'image': a number vector for the spec's 'state'" in text, text
+

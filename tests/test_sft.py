@@ -261,17 +261,24 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
 @pytest.mark.mpi
 def test_sft_on_a_lerobot_dataset_folder(tmp_path):
     """A LeRobot dataset (LeRobot 0.6.1's format v3.0, AV1 video: the fixture) given as its
-    folder trains; the same with an env whose state it does not hold is refused before any
-    rank, naming the feature and the setting."""
+    folder trains (sft.features naming two of its features); the same with an env whose state
+    it does not hold, or sft.features naming a feature it lacks, is refused before any rank,
+    naming the feature and the setting."""
     dataset = "tests/fixtures/demonstrations/lerobot/video_v30"
     libero_goal = ["env.suite=libero_goal", "env.image_size=64", f"sft.demos={dataset}"]
     out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
                  "quaternion", f"run.root={tmp_path}")
     assert out.returncode == 2 and "features.observation.state.shape" in out.stderr and \
         "env.state_format=axis_angle" in out.stderr, out.stderr[-2000:]
+    out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
+                 "axis_angle", "sft.features=image=observation.images.front",
+                 f"run.root={tmp_path}")
+    assert out.returncode == 2 and "the feature observation.images.front that sft.features " \
+        "names for image" in out.stderr, out.stderr[-2000:]
     assert not list(tmp_path.iterdir())
     out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
-                 "axis_angle", "sft.steps=2", "sft.batch_size=8", f"run.root={tmp_path}")
+                 "axis_angle", "sft.steps=2", "sft.batch_size=8", f"run.root={tmp_path}",
+                 "sft.features=image=observation.images.image,actions=action")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())

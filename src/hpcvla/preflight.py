@@ -248,7 +248,7 @@ def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
     each chunk's reward and episode end recorded (demonstrations/)."""
     if cfg.algorithm.name != "rlpd":
         return []
-    from hpcvla.config.learning import demo_paths
+    from hpcvla.config.imitation import demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
 
@@ -262,7 +262,7 @@ def check_sft(cfg, source: str = "config") -> None:
     the weights it resumes or starts from (weights_fit_problems) and its demonstrations against
     the observations and actions of the configured env (the env's spec), before any rank
     starts."""
-    from hpcvla.config.learning import demo_paths
+    from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
 
@@ -277,15 +277,16 @@ def check_sft(cfg, source: str = "config") -> None:
                             "CONFIG algorithm.name=sac policy.checkpoint=<sft run>`")], source)
     paths = demo_paths(cfg.sft)
     if not paths:
-        raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files, "
-                            "comma-separated (e.g. written by `hpcvla demos`)")], source)
-    spec = env_spec(cfg.env)
+        raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files "
+                            "or LeRobot dataset folders, comma-separated (e.g. written by "
+                            "`hpcvla demos`)")], source)
+    spec, features = env_spec(cfg.env), dataset_features(cfg.sft)
     problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
-                                      successful_only=cfg.sft.successful_only)
+                                      successful_only=cfg.sft.successful_only, features=features)
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")
-    problems = demonstration_problems(held_out, spec) if held_out else []
+    problems = demonstration_problems(held_out, spec, features=features) if held_out else []
     if problems:
         raise ConfigError(problems, f"{source}: sft.val_demos")
 

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from hpcvla.config.families import FOLDER_RECIPE_UNSET, SQUASHED_LOG_STD, family, simulator
+from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
 from hpcvla.schedule import shards_of, shards_problem
@@ -135,6 +136,10 @@ def _sft_problems(cfg) -> list[tuple[str, Any, str]]:
     elif sft.final_lr > sft.lr:
         problems.append(("sft.final_lr", sft.final_lr, f"at most sft.lr ({sft.lr}): the "
                          "cosine decays to it"))
+    try:
+        dataset_features(sft)
+    except ValueError as err:
+        problems.append(("sft.features", sft.features, str(err)))
     if sft.val_every and not sft.val_demos:
         problems.append(("sft.val_every", sft.val_every, "0 without sft.val_demos (the "
                          "held-out files whose loss it measures)"))

@@ -1,5 +1,5 @@
-"""The settings of what is trained and how: the policy (`policy.*`), the RL algorithm
-(`algorithm.*`) and supervised fine-tuning (`sft.*`, `hpcvla sft`); the other sections are in
+"""The settings of what is trained and how: the policy (`policy.*`) and the RL algorithm
+(`algorithm.*`); supervised fine-tuning (`sft.*`) is in imitation.py, the other sections in
 schema.py, which documents the conventions. `setting` declares a documented field (used by
 every section)."""
 
@@ -355,58 +355,6 @@ class AlgorithmConfig:
         fresh segments; its segments carry the observation after their last row (the last
         transition's next observation: roles/segments.py)."""
         return self.name in ("sac", "rlpd")
-
-
-@dataclass
-class SFTConfig:
-    demos: str = setting(
-        "", "`hpcvla sft`: the demonstrations (comma-separated) it fine-tunes on: HDF5 files "
-        "(this project's trajectory dumps and `hpcvla demos` files, LIBERO's (robomimic) "
-        "datasets, ManiSkill3 trajectory files) and LeRobot dataset folders (formats v2.x, "
-        "v3.0); `hpcvla/demonstrations/` detects the layout of each. Checked against the "
-        "env's observations and actions before any rank starts.", paths=True)
-    per_task: int = setting(
-        0, "Few-shot: at most this many demonstrations of each task (instruction), the first "
-        "ones in file order; 0: all.", ge=0)
-    successful_only: bool = setting(
-        False, "Only episodes that succeeded (this project's dumps record `success` per "
-        "episode; ManiSkill's files too). Off: every episode, failures included.")
-    steps: int = setting(
-        1000, "Optimizer steps of `hpcvla sft`, each on `batch_size` chunks per learner "
-        "(epochs over the data = steps x batch_size x learners / samples).", ge=1)
-    batch_size: int = setting(
-        64, "Demonstrated chunks per learner per optimizer step: larger is smoother and "
-        "slower per step.", ge=1)
-    lr: float = setting(
-        1e-3, "Adam learning rate of `hpcvla sft` (every parameter; the critic gets no "
-        "gradient from imitation and stays as initialised): the peak of sft.schedule.", ge=0)
-    schedule: str = setting(
-        "constant", "The learning rate after the warm-up: `constant` (sft.lr to the end) or "
-        "`cosine` (from sft.lr down to sft.final_lr at sft.steps, as openpi's and LeRobot's "
-        "π0 recipes decay it). A pure function of the step: a resumed run goes on with it.",
-        choices=("constant", "cosine"))
-    warmup_steps: int = setting(
-        0, "The learning rate rises linearly over the first this many steps (the first at "
-        "sft.lr / (warmup_steps + 1)); 0: none.", ge=0)
-    final_lr: float = setting(
-        0.0, "sft.schedule=cosine: the learning rate of the last step.", ge=0)
-    val_demos: str = setting(
-        "", "Held-out demonstration files (comma-separated; sft.demos' layouts), never trained "
-        "on: their mean imitation loss after every sft.val_every steps and the last "
-        "(`sft/val_loss`, summary.json `val_losses`, the progress line), the fit of what was "
-        "not shown beside the training loss. Empty: none.", paths=True)
-    val_every: int = setting(
-        0, "sft.val_demos: their loss every this many steps as well as after the last; 0: "
-        "after the last only.", ge=0)
-    checkpoint_every: int = setting(
-        0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` goes on "
-        "from the newest), written in the background as `train`'s "
-        "(learner.checkpoint_background); 0: only at the end.", ge=0)
-
-
-def demo_paths(section: SFTConfig | AlgorithmConfig, field: str = "demos") -> list[str]:
-    """The files `sft.demos`, `sft.val_demos` or `algorithm.demos` names."""
-    return [path.strip() for path in getattr(section, field).split(",") if path.strip()]
 
 
 def noise_obs_fields(alg: AlgorithmConfig) -> tuple[str, ...]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from hpcvla.config.families import SIMULATORS
 from hpcvla.config.evaluation import EvalConfig
-from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, SFTConfig, setting
+from hpcvla.config.imitation import SFTConfig
+from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
 from hpcvla.schedule import MODES
 
 

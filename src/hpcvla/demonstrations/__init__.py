@@ -91,8 +91,9 @@ def _not_read(path) -> str:
     return f", not {kind}: not read here (docs/imitation.md)" if kind else ""
 
 
-def _scan(paths, spec: EnvSpec, per_task):
-    """Every file's episodes and layout, and every problem found without bulk reads."""
+def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None):
+    """Every file's episodes and layout, and every problem found without bulk reads;
+    `features`: a LeRobot dataset's feature for a field (sft.features)."""
     import h5py
     problems, found = Problems(), []
     files = _files(paths)
@@ -106,7 +107,7 @@ def _scan(paths, spec: EnvSpec, per_task):
             problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + kind)
             continue
         if lerobot.matches(path):
-            _scan_dataset(path, spec, problems, found)
+            _scan_dataset(path, spec, problems, found, features or {})
             continue
         try:
             f = h5py.File(path, "r")
@@ -130,19 +131,20 @@ def _scan(paths, spec: EnvSpec, per_task):
     return found, problems
 
 
-def _scan_dataset(path: Path, spec: EnvSpec, problems: Problems, found: list) -> None:
+def _scan_dataset(path: Path, spec: EnvSpec, problems: Problems, found: list,
+                  features: dict[str, str]) -> None:
     try:
-        with lerobot.Dataset(path) as dataset:
+        with lerobot.Dataset(path, features) as dataset:
             found.append((path, lerobot, lerobot.scan(path, dataset, spec, problems)))
     except (KeyError, ValueError, TypeError, OSError) as err:  # pyarrow's errors are these
         problems.add(path, lerobot.MARK, None, f"a readable {lerobot.NAME} ({type(err).__name__}"
                      f": {err})")
 
 
-def _open(path, layout):
+def _open(path, layout, features: dict[str, str] | None):
     """The file (h5py) or dataset (lerobot.Dataset) a layout's load reads from."""
     import h5py
-    return lerobot.Dataset(path) if layout is lerobot else h5py.File(path, "r")
+    return lerobot.Dataset(path, features or {}) if layout is lerobot else h5py.File(path, "r")
 
 
 def _unknown_layout(f) -> str:
@@ -191,12 +193,12 @@ def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> No
 
 
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
-                           outcomes: bool = False, successful_only: bool = False
-                           ) -> list[Problem]:
-    """What stops `read_demonstrations(paths, spec, per_task, successful_only, outcomes)`, as
-    (where "FILE:key", value, what is expected and the fix); empty when nothing does. Opens
-    the files and reads attributes, dataset shapes and single elements only."""
-    found, problems = _scan(paths, spec, per_task)
+                           outcomes: bool = False, successful_only: bool = False,
+                           features: dict[str, str] | None = None) -> list[Problem]:
+    """What stops `read_demonstrations(paths, spec, per_task, successful_only, outcomes,
+    features)`, as (where "FILE:key", value, what is expected and the fix); empty when nothing
+    does. Opens the files and reads attributes, dataset shapes and single elements only."""
+    found, problems = _scan(paths, spec, per_task, features)
     if outcomes:
         _check_outcomes(found, problems)
     return problems.listed() or _none_chosen(found, per_task, successful_only)
@@ -245,16 +247,16 @@ def _select(found, per_task, successful_only):
 
 
 def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
-                        successful_only: bool = False, outcomes: bool = False
-                        ) -> Demonstrations:
+                        successful_only: bool = False, outcomes: bool = False,
+                        features: dict[str, str] | None = None) -> Demonstrations:
     """The samples of every demonstration in `paths` for `spec`.
 
     `per_task`: only the first K demonstrations of each task (by instruction; file order, then
     episode order), after `successful_only` dropped the failed ones. `outcomes`: also each
     sample's reward and episode end (`Demonstrations.outcomes`), for an off-policy learner.
-    Raises DemonstrationError (a ValueError) naming every problem `demonstration_problems`
+    `features`: which feature of a LeRobot dataset holds a field (sft.features). Raises DemonstrationError (a ValueError) naming every problem `demonstration_problems`
     finds, or when no demonstration is left."""
-    found, problems = _scan(paths, spec, per_task)
+    found, problems = _scan(paths, spec, per_task, features)
     if outcomes:
         _check_outcomes(found, problems)
     if problems:
@@ -267,7 +269,7 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     parts, tasks, used, ends = [], [], Counter(), []
     for path, group in groupby(chosen, key=lambda c: c[0]):  # each file opened once in turn
         group = list(group)
-        with _open(path, group[0][1]) as f:
+        with _open(path, group[0][1], features) as f:
             for _, layout, e in group:
                 obs, actions, pad = layout.load(f, e, spec)
                 if outcomes:

@@ -60,9 +60,9 @@ class Dataset:
     """One dataset's metadata, and its frames and video by episode (the last parquet file
     read is kept: v3.0's files hold many episodes, read in order)."""
 
-    def __init__(self, root):
+    def __init__(self, root, features: dict[str, str] | None = None):
         import pyarrow.parquet as pq
-        self.root = Path(root)
+        self.root, self.named = Path(root), dict(features or {})  # sft.features
         self.info = json.loads((self.root / MARK).read_text())
         self.version = self.info.get("codebase_version", "")
         self.features = self.info.get("features", {})
@@ -95,6 +95,9 @@ class Dataset:
         return self._closed_high
 
     def key(self, field: str) -> str | None:
+        """The feature that holds `field`: sft.features', or the first of its known names."""
+        if field in self.named:
+            return self.named[field] if self.named[field] in self.features else None
         names = ACTIONS if field == "actions" else FIELDS[field]
         return next((k for k in names if k in self.features), None)
 
@@ -157,27 +160,23 @@ def scan(path, d: Dataset, spec, problems: Problems) -> list[Episode]:
                      "convert older ones with LeRobot's convert_dataset_v1_to_v2 / v21_to_v30")
         return []
     features = ", ".join(d.features)
+    for field, key in d.named.items():
+        if field not in (*FIELDS, "actions"):
+            problems.add(path, "sft.features", field, f"one of {', '.join(FIELDS)}, actions "
+                         "(the fields a LeRobot dataset's features give)")
+        elif key not in d.features:
+            problems.add(path, MARK + ":features", features, f"the feature {key} that "
+                         f"sft.features names for {field}; name one of these")
     for field in (f for f in spec.obs if f != "instruction"):
-        key = d.key(field) if field in FIELDS else None
-        if field not in FIELDS:
-            problems.add(path, MARK, field, f"only image, wrist_image, state and instruction "
-                         f"fields in the spec: a {NAME} gives no {field!r}")
-        elif key is None:
-            problems.add(path, MARK + ":features", features,
-                         f"a feature for the spec's {field!r} (one of {', '.join(FIELDS[field])}"
-                         f"); rename the dataset's feature, or set the env so that it has no "
-                         f"{field}")
-        elif field == "state" and tuple(d.features[key]["shape"]) != spec.obs["state"][0]:
-            problems.add(path, f"{MARK}:features.{key}.shape", d.features[key]["shape"],
-                         f"{spec.obs['state'][0]}, the env's state (LeRobot's LIBERO datasets "
-                         "hold 8 dims: env.state_format=axis_angle)")
+        _check_field(path, d, field, spec, problems, features)
     actions = d.key("actions")
-    if actions is None:
-        problems.add(path, MARK + ":features", features, f"an action feature ({', '.join(ACTIONS)})")
-    elif tuple(d.features[actions]["shape"]) != (spec.action_dim,):
+    if actions is None and "actions" not in d.named:  # a named one missing: said above
+        problems.add(path, MARK + ":features", features, f"an action feature ({', '.join(ACTIONS)}"
+                     "), or sft.features naming it")
+    elif actions is not None and tuple(d.features[actions]["shape"]) != (spec.action_dim,):
         problems.add(path, f"{MARK}:features.{actions}.shape", d.features[actions]["shape"],
                      f"({spec.action_dim},): action_dim of the spec; the dataset is of another env")
-    elif spec.gripper and d.episodes:
+    elif actions is not None and spec.gripper and d.episodes:
         _check_gripper(path, d, actions, spec, problems)
     tasks = _tasks(d)
     episodes = []
@@ -193,6 +192,28 @@ def scan(path, d: Dataset, spec, problems: Problems) -> list[Episode]:
         episodes.append(Episode(str(path), str(e["episode_index"]), names[0],
                                 f"{where}:tasks", _success(d, e), 0))
     return episodes
+
+
+def _check_field(path, d: Dataset, field: str, spec, problems: Problems, features: str) -> None:
+    """The feature for one of the spec's fields: there, and of the field's kind."""
+    key = d.key(field) if field in FIELDS else None
+    if field not in FIELDS:
+        problems.add(path, MARK, field, f"only image, wrist_image, state and instruction "
+                     f"fields in the spec: a {NAME} gives no {field!r}")
+    elif key is None and field not in d.named:  # a named one missing: said by scan
+        problems.add(path, MARK + ":features", features,
+                     f"a feature for the spec's {field!r} (one of {', '.join(FIELDS[field])}), "
+                     f"or sft.features naming it; or set the env so that it has no {field}")
+    elif key is None:
+        return
+    elif (d.features[key]["dtype"] in ("image", "video")) != (field != "state"):
+        problems.add(path, f"{MARK}:features.{key}.dtype", d.features[key]["dtype"],
+                     f"{'a number vector' if field == 'state' else 'image or video'} for the "
+                     f"spec's {field!r}")
+    elif field == "state" and tuple(d.features[key]["shape"]) != spec.obs["state"][0]:
+        problems.add(path, f"{MARK}:features.{key}.shape", d.features[key]["shape"],
+                     f"{spec.obs['state'][0]}, the env's state (LeRobot's LIBERO datasets "
+                     "hold 8 dims: env.state_format=axis_angle)")
 
 
 def _tasks(d: Dataset) -> dict[int, str]:

@@ -42,7 +42,7 @@ from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import write_run_config
-from hpcvla.config.learning import demo_paths
+from hpcvla.config.imitation import dataset_features, demo_paths
 from hpcvla.demonstrations import read_demonstrations
 from hpcvla.devices import bind_rank_device
 from hpcvla.engines import full_state, init_engine
@@ -103,10 +103,11 @@ def sft_main(cfg, world) -> None:
     run_dir = create_run_dir(cfg, world)
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
+    features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
     demos = read_demonstrations(demo_paths(cfg.sft), spec, cfg.sft.per_task or None,
-                                cfg.sft.successful_only)
+                                cfg.sft.successful_only, features=features)
     val_paths = demo_paths(cfg.sft, "val_demos")
-    held_out = read_demonstrations(val_paths, spec) if val_paths else None
+    held_out = read_demonstrations(val_paths, spec, features=features) if val_paths else None
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)

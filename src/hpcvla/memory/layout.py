@@ -104,7 +104,7 @@ def replay_bytes(alg, spec) -> int:
     specs = transition_specs(spec.obs, spec.chunk_len, spec.action_dim)
     prior = 0
     if alg.name == "rlpd":
-        from hpcvla.config.learning import demo_paths
+        from hpcvla.config.imitation import demo_paths
         from hpcvla.demonstrations import demonstration_rows
         prior = demonstration_rows(demo_paths(alg), spec, alg.demos_per_task or None)
     return ReplayBuffer.nbytes_of(specs, alg.replay_capacity + prior)

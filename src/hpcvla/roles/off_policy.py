@@ -157,7 +157,7 @@ class SoftUpdate:
 def prior_data(cfg: Config, spec: EnvSpec) -> ReplayBuffer:
     """algorithm.demos as a buffer of transitions (checked before launch:
     preflight.prior_data_problems), exactly as large as they are."""
-    from hpcvla.config.learning import demo_paths
+    from hpcvla.config.imitation import demo_paths
     from hpcvla.demonstrations import read_demonstrations
 
     demos = read_demonstrations(demo_paths(cfg.algorithm), spec,
