@@ -92,7 +92,8 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     plane.stop()
     stats["nonfinite_steps_skipped"] = engine.skipped
     stats["trained_groups"] = queues.ledger()
-    stats["unused_segments"] = _drain(ring, len(plan.producers_of(me.rank)))
+    # unused: what the queues took from the ring for no version, and what came after
+    stats["unused_segments"] = queues.leftover() + _drain(ring, len(plan.producers_of(me.rank)))
     if inbox:
         inbox.wait_last()
     stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,

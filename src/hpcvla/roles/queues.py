@@ -37,6 +37,12 @@ class SegmentQueues:
                              "missing": max(g) + 1 - min(g) - len(g)}
                 for (p, s), g in sorted(self.trained.items())}
 
+    def leftover(self) -> int:
+        """Segment groups pumped from the ring but never trained: a batch past the run's last
+        version (the staleness quota lets producers run up to max_staleness batches ahead),
+        or one a stop left."""
+        return sum(len(bucket) for bucket in self.buckets.values())
+
     def pump(self) -> None:
         for rec in self.ring.poll():
             group = records.decode(rec.data)  # copies out of the ring slot
