@@ -67,6 +67,28 @@ def test_ranks_found_gone_at_one_look_are_named_together(tmp_path):
         launcher.wait()
 
 
+def test_a_rank_gone_without_a_word_is_named_beside_one_that_said_why_by_the_same_check(
+        tmp_path):
+    """A rank killed outright fails its peers' MPI calls to it: on a loaded machine one of
+    them may say why before the watch looks. The check that finds both cannot tell which came
+    first: both are named (test_exactly_once's learner, killed, and its inference rank's
+    weight plane, failed on it)."""
+    launcher = subprocess.Popen(["sleep", "60"])
+    try:
+        gone = ended_process()
+        card(tmp_path, 3, gone)
+        (tmp_path / "failed.rank0").write_text("hpcvla: weight plane thread of rank 0 failed")
+        assert deathwatch.first_failure(tmp_path, launcher.pid, poll_s=0.05) == (
+            f"rank 0 failed, and rank 3 (simulator) on node 0 (host {socket.gethostname()}, "
+            f"pid {gone}) gone, by the same check")
+        card(tmp_path, 0, ended_process())  # the rank that said why, gone too: no news
+        (tmp_path / "failed.rank3").touch()
+        assert deathwatch.first_failure(tmp_path, launcher.pid, poll_s=0.05) == "rank 0 failed"
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
 def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(tmp_path):
     launcher = subprocess.Popen(["sleep", "60"])
     try:

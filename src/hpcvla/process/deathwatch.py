@@ -111,8 +111,17 @@ def first_failure(folder: Path, launcher: int, poll_s: float = 0.2) -> str | Non
     try:
         while _alive(launcher):
             watch.wait(poll_s)
-            if said := sorted(folder.glob("failed.rank*")):
-                return f"rank {said[0].name.removeprefix('failed.rank')} failed"
+            failed = [p.name.removeprefix("failed.rank")
+                      for p in sorted(folder.glob("failed.rank*"))]
+            if failed:  # and the deaths until now: a rank may have said why after one that this
+                watch.wait(0)  # watch, not running meanwhile (a loaded machine), has not seen
+            silent = [c for c in (watch.first[0] if watch.first else [])
+                      if str(c["rank"]) not in failed]
+            if failed and silent:  # one check found both: which came first cannot be told,
+                # and a rank gone without a word fails its peers' MPI calls to it: both named
+                return f"rank {failed[0]} failed, and {_who(silent)} gone, by the same check"
+            if failed:
+                return f"rank {failed[0]} failed"
             if watch.first and watch.first[0]:
                 return watch.first_to_die()
         return None
@@ -235,9 +244,8 @@ class DeathWatch:
     def first_to_die(self) -> str:
         """Who died first (`first`: the ranks one check found dead), as a sentence."""
         cards = self.first[0] if self.first else []
-        who = " or ".join(f"rank {c['rank']} ({c['roles']}) on node {c['node']} (host "
-                          f"{c['host']}, pid {c['pid']})" for c in cards)
-        return f"{who} died first" + (" (gone by the same check)" if len(cards) > 1 else "")
+        return f"{_who(cards)} died first" + (" (gone by the same check)" if len(cards) > 1
+                                              else "")
 
     def close(self) -> None:
         for fd in self.pidfds:
@@ -251,6 +259,11 @@ class DeathWatch:
             shutil.rmtree(self.dir, ignore_errors=True)
         else:  # the job script's directory: the next world's ranks must not find a lifeline
             (self.dir / LIFELINE).unlink(missing_ok=True)
+
+
+def _who(cards: list[dict]) -> str:
+    return " or ".join(f"rank {c['rank']} ({c['roles']}) on node {c['node']} (host "
+                       f"{c['host']}, pid {c['pid']})" for c in cards)
 
 
 def _last_progress(run_dir_file: Path) -> str:
