@@ -194,8 +194,9 @@ def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic:
         ended = running & (result.terminated | result.truncated)
         success[ended], ret[ended] = result.success[ended], result.episode_return[ended]
         fault[ended] = result.env_fault[ended]
-        steps[ended] = np.minimum(result.episode_length[ended] * env.spec.chunk_len,
-                                  env.step_limit or np.iinfo(np.int64).max)
+        steps[ended] = result.episode_length[ended].astype(np.int64) * env.spec.chunk_len
+        if env.step_limit is not None:  # the chunk the limit fell in ran only up to it
+            steps[ended] = np.minimum(steps[ended], env.step_limit)
         if result.success_at_end is not None:
             success_at_end[ended] = result.success_at_end[ended]
         for position, (_, film) in frames.items():
