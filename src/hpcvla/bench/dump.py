@@ -6,8 +6,9 @@ action chunks, a third of the envs ending an episode every fifth group) go throu
 TrajectoryDump.add_segment, flushed every second as a run does, after 20 ms of the producer's
 own work per group (Python holding the GIL, as a rank's loop), in alternating rounds of
 `none` (no dump: the baseline), `inline` and `process`. Measured: the producer's groups per
-second, its time in the dump's calls, and the close (everything written, the file complete). The images are a smooth scene that moves a few pixels per step plus noise of a
-few levels, which gzip shrinks about as much as it does a simulator's renders (the ratio is
+second, its time in the dump's calls, and the close (everything written, the file
+complete). The images are a smooth scene that moves a few pixels per step plus noise of a few
+levels, which gzip shrinks about as much as it does a simulator's renders (the ratio is
 reported); random images would make compression slower and the writer process look better.
 """
 

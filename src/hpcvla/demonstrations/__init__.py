@@ -254,8 +254,9 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     `per_task`: only the first K demonstrations of each task (by instruction; file order, then
     episode order), after `successful_only` dropped the failed ones. `outcomes`: also each
     sample's reward and episode end (`Demonstrations.outcomes`), for an off-policy learner.
-    `features`: which feature of a LeRobot dataset holds a field (sft.features). Raises DemonstrationError (a ValueError) naming every problem `demonstration_problems`
-    finds, or when no demonstration is left."""
+    `features`: which feature of a LeRobot dataset holds a field (sft.features). Raises
+    DemonstrationError (a ValueError) naming every problem `demonstration_problems` finds, or
+    when no demonstration is left."""
     found, problems = _scan(paths, spec, per_task, features)
     if outcomes:
         _check_outcomes(found, problems)

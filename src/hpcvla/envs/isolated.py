@@ -100,8 +100,8 @@ class IsolatedEnv(VectorEnv):
                                       f"{self.timeout_s:g} s (env.step_timeout_s)")
             status, *answer = self._conn.recv()
         except (EOFError, OSError):
-            raise EnvWorkerFailed(f"{method}: the worker died ({worker.exit_status(self._proc)})") \
-                from None
+            how = worker.exit_status(self._proc)
+            raise EnvWorkerFailed(f"{method}: the worker died ({how})") from None
         if status == "error":
             raise EnvWorkerFailed(f"{method} raised {answer[0]}")
         new_failures, self.last_latency_s, value = answer

@@ -45,8 +45,8 @@ damaged one. `hpcvla inspect --verify` reads every chunk.
 The writer (metrics/dump_writer.py: in a training run a process of the producer rank's own,
 so that compression takes none of the rank's time) keeps finished episodes in memory and
 appends them every `flush_s` seconds by opening, writing and closing the file, so between
-flushes the file is closed and consistent: readable while the run goes on, and after a crash up to the last flush. Readers
-(`open_dump`) take no HDF5 file lock, so a reader never stops the writer; a reader that
+flushes the file is closed and consistent: readable while the run goes on, and after a crash
+up to the last flush. Readers (`open_dump`) take no HDF5 file lock, so a reader never stops the writer; a reader that
 holds the file open with h5py's default lock makes the writer keep its episodes and try again
 at the next flush, saying so. A process killed while it appends (SIGKILL, an OOM kill)
 leaves the file marked open for write, and libhdf5 then refuses it whole: HDF5's `h5clear -s
