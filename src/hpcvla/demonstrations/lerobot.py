@@ -73,6 +73,7 @@ class Dataset:
                 "*/*.parquet")) for row in pq.read_table(path, columns=[
                     c for c in pq.read_schema(path).names if not c.startswith("stats/")]
                 ).to_pylist()]  # not the per-episode statistics of every feature
+        self.by_key = {str(e["episode_index"]): e for e in self.episodes}  # Episode.key
         self._table: tuple[Path, object] | None = None
         self._closed_high: bool | None = None
 
@@ -241,7 +242,7 @@ def _success(d: Dataset, episode: dict) -> bool:
 
 def load(d: Dataset, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
     """Every frame's observation and the chunk executed from it."""
-    meta = next(e for e in d.episodes if str(e["episode_index"]) == episode.key)
+    meta = d.by_key[episode.key]
     keys = {f: d.key(f) for f in spec.obs if f in FIELDS}
     stored = [k for k in keys.values() if d.features[k]["dtype"] != "video"]
     table = d.frames(meta, [d.key("actions"), *stored])

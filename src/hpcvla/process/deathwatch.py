@@ -113,15 +113,16 @@ def first_failure(folder: Path, launcher: int, poll_s: float = 0.2) -> str | Non
             watch.wait(poll_s)
             failed = [p.name.removeprefix("failed.rank")
                       for p in sorted(folder.glob("failed.rank*"))]
-            if failed:  # and the deaths until now: a rank may have said why after one that this
-                watch.wait(0)  # watch, not running meanwhile (a loaded machine), has not seen
-            silent = [c for c in (watch.first[0] if watch.first else [])
-                      if str(c["rank"]) not in failed]
-            if failed and silent:  # one check found both: which came first cannot be told,
-                # and a rank gone without a word fails its peers' MPI calls to it: both named
-                return f"rank {failed[0]} failed, and {_who(silent)} gone, by the same check"
             if failed:
-                return f"rank {failed[0]} failed"
+                # and the deaths until now: a rank may have said why after one that this
+                # watch, not running meanwhile (a loaded machine), has not seen
+                watch.wait(0)
+                silent = [c for c in (watch.first[0] if watch.first else [])
+                          if str(c["rank"]) not in failed]
+                # one check found both: which came first cannot be told, and a rank gone
+                # without a word fails its peers' MPI calls to it: both named
+                return f"rank {failed[0]} failed" + (
+                    f", and {_who(silent)} gone, by the same check" if silent else "")
             if watch.first and watch.first[0]:
                 return watch.first_to_die()
         return None
