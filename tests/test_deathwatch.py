@@ -89,6 +89,46 @@ def test_a_rank_gone_without_a_word_is_named_beside_one_that_said_why_by_the_sam
         launcher.wait()
 
 
+def test_a_failing_rank_names_the_ranks_of_its_host_already_gone_without_a_word(
+        tmp_path, monkeypatch, capfd):
+    """A rank killed outright fails its peers' MPI calls to it. The peer that fails looks
+    before it aborts the world: the ranks of its host already gone (reaped or a zombie), but
+    those that finished or said why, died first (test_rank_death's learner on a loaded
+    machine: its inference rank's weight plane said why before the launcher looked)."""
+    monkeypatch.setenv(deathwatch.ENV, str(tmp_path))
+    alive = subprocess.Popen(["sleep", "60"])
+    zombie = subprocess.Popen(["true"])  # exited, not yet waited for
+    try:
+        card(tmp_path, 0, os.getpid())  # the failing rank
+        card(tmp_path, 1, alive.pid)
+        card(tmp_path, 2, zombie.pid)
+        card(tmp_path, 3, gone := ended_process())
+        card(tmp_path, 4, ended_process())
+        (tmp_path / "done.rank4").touch()
+        card(tmp_path, 5, ended_process())
+        (tmp_path / "failed.rank5").write_text("hpcvla: rank 5 failed: its own error")
+        card(tmp_path, 6, ended_process(), host="another-host")
+        while Path(f"/proc/{zombie.pid}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.01)
+        aborted = []
+
+        class World:  # the communicator's one call made here
+            def Abort(self, code):  # noqa: N802 - mpi4py's name
+                aborted.append(code)
+
+        deathwatch.abort_world(World(), 0, "hpcvla: weight plane thread of rank 0 failed", 1)
+        host = socket.gethostname()
+        said = (f"hpcvla: weight plane thread of rank 0 failed\nhpcvla: rank 2 (simulator) on "
+                f"node 0 (host {host}, pid {zombie.pid}) or rank 3 (simulator) on node 0 (host "
+                f"{host}, pid {gone}) died first, without a word, before this failure")
+        assert aborted == [1] and capfd.readouterr().err == said + "\n"
+        assert (tmp_path / "failed.rank0").read_text() == said  # what the launcher repeats
+    finally:
+        alive.kill()
+        alive.wait()
+        zombie.wait()
+
+
 def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(tmp_path):
     launcher = subprocess.Popen(["sleep", "60"])
     try:

@@ -50,7 +50,8 @@ def test_a_killed_rank_takes_the_job_down_and_is_named(tmp_path, role):
             job.kill()
     assert job.returncode != 0 and took < 30, (took, err[-2000:])
     # named alone, or among the ranks gone by the same check of the launcher (the MPI launcher
-    # kills the others within milliseconds; a loaded machine may check only after that)
+    # kills the others within milliseconds; a loaded machine may check only after that), or by
+    # the rank whose MPI calls to it failed, in its failure's words
     named = next((line.partition(" died first")[0] for line in err.splitlines()
                   if " died first" in line), "")
     assert f"rank {rank} ({role}) on node 0 (host " in named and f"pid {pid})" in named, \

@@ -68,10 +68,42 @@ def _hold_lifeline(path: Path, rank: int) -> None:
 def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None:
     """Rank side, on a failure the world cannot outlive: print `why` (then `detail`, e.g. a
     traceback) to stderr, leave `why` with the launcher (said_why) and abort `world` (an MPI
-    communicator: every rank goes down with exit status `code`)."""
+    communicator: every rank goes down with exit status `code`). Ranks of this host already
+    gone without a word are named as the first to die: a rank killed outright fails its peers'
+    MPI calls to it, and only now, before MPI_Abort, is its death known to have come first."""
+    if before := _gone_before(rank):
+        why += f"\nhpcvla: {_who(before)} died first, without a word, before this failure"
     print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
     said_why(rank, why)
     world.Abort(code)
+
+
+def _gone_before(rank: int) -> list[dict]:
+    """The cards of the ranks of this rank's host (by its own card) whose process is gone or a
+    zombie, neither finished nor having said why; none without a launcher's directory."""
+    if not (folder := os.environ.get(ENV)):
+        return []
+    folder_path = Path(folder)
+    cards = {c["rank"]: c for c in (json.loads(p.read_text())
+                                    for p in folder_path.glob("rank*.json"))}
+    host = cards.get(rank, {}).get("host", socket.gethostname()).split(".")[0]
+    said = {int(p.name.removeprefix("failed.rank")) for p in _failures(folder_path)}
+    return [card for other, card in sorted(cards.items())
+            if other != rank and other not in said and card["host"].split(".")[0] == host
+            and not _done_mark(folder_path, other).exists() and _dead(card["pid"])]
+
+
+def _failures(folder: Path) -> list[Path]:
+    """The failure messages of the ranks that said why (said_why), the first said first."""
+    return sorted(folder.glob("failed.rank*"), key=lambda path: path.stat().st_mtime_ns)
+
+
+def _dead(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # reaped
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")  # after the name, which may hold ")"
 
 
 def said_why(rank: int, why: str) -> None:
@@ -111,8 +143,7 @@ def first_failure(folder: Path, launcher: int, poll_s: float = 0.2) -> str | Non
     try:
         while _alive(launcher):
             watch.wait(poll_s)
-            failed = [p.name.removeprefix("failed.rank")
-                      for p in sorted(folder.glob("failed.rank*"))]
+            failed = [p.name.removeprefix("failed.rank") for p in _failures(folder)]
             if failed:
                 # and the deaths until now: a rank may have said why after one that this
                 # watch, not running meanwhile (a loaded machine), has not seen
@@ -233,9 +264,10 @@ class DeathWatch:
         the world ended (`ended`, monotonic), and the run's last progress; None if no rank
         was seen to die."""
         self.wait(0)
-        if said := sorted(self.dir.glob("failed.rank*")):  # the failing rank said why itself
+        if said := _failures(self.dir):  # the failing rank said why itself
             why = said[0].read_text().strip()
-            return f"hpcvla: the world ended on this failure:\n{why}" if why else None
+            return (f"hpcvla: the world ended on this failure:\n{why}\nhpcvla: "
+                    + _last_progress(self.dir / "run_dir")) if why else None
         if not (self.first and self.first[0]):
             return None  # nobody died
         text = (f"hpcvla: {self.first_to_die()}, {max(ended - self.first[1], 0):.1f} s before "
