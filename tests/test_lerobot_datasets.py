@@ -13,7 +13,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hpcvla.demonstrations import DemonstrationError, demonstration_problems, read_demonstrations
+from hpcvla.demonstrations import DemonstrationError, demonstration_problems, lerobot, \
+    read_demonstrations
 from hpcvla.envs.libero import LiberoEnv
 from hpcvla.text import tokenize
 from helpers import FIXTURES
@@ -84,6 +85,17 @@ def test_the_gripper_becomes_ofts_convention_for_open_high():
     assert set(np.unique(raw.actions[..., -1])) == {-1.0, 1.0}
     np.testing.assert_array_equal(oft.actions[..., :-1], raw.actions[..., :-1])
     np.testing.assert_array_equal(oft.actions[..., -1], 1 - np.clip(raw.actions[..., -1], 0, 1))
+
+
+def test_the_scanned_dataset_is_the_one_loaded(monkeypatch):
+    """The scan's metadata and gripper convention (every data file's actions read) serve the
+    load: one LeRobot dataset opened per read, not one to check and one to load."""
+    opened = []
+    init = lerobot.Dataset.__init__
+    monkeypatch.setattr(lerobot.Dataset, "__init__",
+                        lambda self, *args, **kwargs: opened.append(init(self, *args, **kwargs)))
+    read_demonstrations(LEROBOT / "images_v30", libero_spec(gripper="open_high"))
+    assert len(opened) == 1
 
 
 def _copy(tmp_path, name="images_v21"):

@@ -91,9 +91,12 @@ def _not_read(path) -> str:
     return f", not {kind}: not read here (docs/imitation.md)" if kind else ""
 
 
-def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None):
+def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None,
+          datasets: dict | None = None):
     """Every file's episodes and layout, and every problem found without bulk reads;
-    `features`: a LeRobot dataset's feature for a field (sft.features)."""
+    `features`: a LeRobot dataset's feature for a field (sft.features); `datasets`: where to
+    keep each LeRobot dataset scanned, by path, for the load (its metadata, and its gripper
+    convention read from every data file, read once)."""
     import h5py
     problems, found = Problems(), []
     files = _files(paths)
@@ -107,7 +110,7 @@ def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None
             problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + kind)
             continue
         if lerobot.matches(path):
-            _scan_dataset(path, spec, problems, found, features or {})
+            _scan_dataset(path, spec, problems, found, features or {}, datasets)
             continue
         try:
             f = h5py.File(path, "r")
@@ -132,19 +135,21 @@ def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None
 
 
 def _scan_dataset(path: Path, spec: EnvSpec, problems: Problems, found: list,
-                  features: dict[str, str]) -> None:
+                  features: dict[str, str], datasets: dict | None) -> None:
     try:
         with lerobot.Dataset(path, features) as dataset:
             found.append((path, lerobot, lerobot.scan(path, dataset, spec, problems)))
+        if datasets is not None:
+            datasets[path] = dataset
     except (KeyError, ValueError, TypeError, OSError) as err:  # pyarrow's errors are these
         problems.add(path, lerobot.MARK, None, f"a readable {lerobot.NAME} ({type(err).__name__}"
                      f": {err})")
 
 
-def _open(path, layout, features: dict[str, str] | None):
-    """The file (h5py) or dataset (lerobot.Dataset) a layout's load reads from."""
+def _open(path, layout, datasets: dict):
+    """The file (h5py) or dataset (lerobot.Dataset, as scanned) a layout's load reads from."""
     import h5py
-    return lerobot.Dataset(path, features or {}) if layout is lerobot else h5py.File(path, "r")
+    return datasets[path] if layout is lerobot else h5py.File(path, "r")
 
 
 def _unknown_layout(f) -> str:
@@ -257,7 +262,8 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     `features`: which feature of a LeRobot dataset holds a field (sft.features). Raises
     DemonstrationError (a ValueError) naming every problem `demonstration_problems` finds, or
     when no demonstration is left."""
-    found, problems = _scan(paths, spec, per_task, features)
+    datasets: dict = {}
+    found, problems = _scan(paths, spec, per_task, features, datasets)
     if outcomes:
         _check_outcomes(found, problems)
     if problems:
@@ -270,7 +276,7 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     parts, tasks, used, ends = [], [], Counter(), []
     for path, group in groupby(chosen, key=lambda c: c[0]):  # each file opened once in turn
         group = list(group)
-        with _open(path, group[0][1], features) as f:
+        with _open(path, group[0][1], datasets) as f:
             for _, layout, e in group:
                 obs, actions, pad = layout.load(f, e, spec)
                 if outcomes:
