@@ -9,7 +9,8 @@ import math
 import re
 from typing import Any
 
-from hpcvla.config.families import FOLDER_RECIPE_UNSET, SQUASHED_LOG_STD, family, simulator
+from hpcvla.config.families import (EE_DELTA_CONTROL, FOLDER_RECIPE_UNSET, SQUASHED_LOG_STD,
+                                    family, simulator)
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
@@ -81,9 +82,9 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
                          "another simulator's benchmark"))
     if cfg.eval.tasks and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", cfg.eval.tasks):
         problems.append(("eval.tasks", cfg.eval.tasks, "task indices, comma-separated (0,1)"))
-    if cfg.env.control_mode != "pd_ee_delta_pose" and not sim.controllers:
+    if cfg.env.control_mode != EE_DELTA_CONTROL and not sim.controllers:
         problems.append(("env.control_mode", cfg.env.control_mode,
-                         f"pd_ee_delta_pose for env.name={cfg.env.name}: only maniskill has "
+                         f"{EE_DELTA_CONTROL} for env.name={cfg.env.name}: only maniskill has "
                          "a choice of controllers"))
     gripper = family(cfg.policy.name).libero_gripper if sim.gripper_conventions \
         else "closed_high"

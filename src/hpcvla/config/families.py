@@ -53,6 +53,11 @@ FAMILIES = {
 }
 
 
+# env.control_mode's default, the controller of every simulator without a choice of them:
+# end-effector translation and rotation deltas + gripper, what VLA checkpoints act in
+EE_DELTA_CONTROL = "pd_ee_delta_pose"
+
+
 @dataclass(frozen=True)
 class SimulatorTraits:
     # emulated: latency and injected faults from env.* settings, no simulator package (reach)
@@ -96,4 +101,4 @@ def simulator(name: str) -> SimulatorTraits:
     return SIMULATORS[name]
 
 
-__all__ = ["FAMILIES", "FamilyTraits", "SIMULATORS", "SimulatorTraits", "family", "simulator"]
+__all__ = ["EE_DELTA_CONTROL", "FAMILIES", "FamilyTraits", "SIMULATORS", "SimulatorTraits", "family", "simulator"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcvla.config.families import SIMULATORS
+from hpcvla.config.families import EE_DELTA_CONTROL, SIMULATORS
 from hpcvla.config.evaluation import EvalConfig
 from hpcvla.config.imitation import SFTConfig
 from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
@@ -182,7 +182,7 @@ class EnvConfig:
         "shard's worker restarts).",
         choices=("cpu", "gpu"))
     control_mode: str = setting(
-        "pd_ee_delta_pose", "env.name=maniskill: the robot's controller, which says what an "
+        EE_DELTA_CONTROL, "env.name=maniskill: the robot's controller, which says what an "
         "action is (ManiSkill3's control modes): `pd_ee_delta_pose` end-effector translation "
         "and rotation deltas + gripper (7-d; what VLA checkpoints and the scripted experts "
         "use), `pd_joint_delta_pos` joint-angle deltas + gripper (8-d; what ManiSkill's own "

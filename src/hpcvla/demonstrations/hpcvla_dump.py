@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import yaml
 
+from hpcvla.config.families import EE_DELTA_CONTROL
 from hpcvla.demonstrations.common import Episode, Problems, fit_images, is_image
 from hpcvla.metrics.dump import FORMAT, attr_text
 
@@ -77,7 +78,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
 
 
 # What the actions of a dump mean, by env and setting, and the default of a config without it
-RECORDED = {("maniskill", "control_mode"): "pd_ee_delta_pose",
+RECORDED = {("maniskill", "control_mode"): EE_DELTA_CONTROL,
             ("libero", "gripper_action"): "closed_high"}
 
 

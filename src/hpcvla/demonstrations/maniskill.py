@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.config.families import EE_DELTA_CONTROL
 from hpcvla.demonstrations.common import Episode, Problems, chunks, fit_images
 
 NAME = "ManiSkill3 RecordEpisode trajectories"
@@ -76,7 +77,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
     # the file's mode: its env's, else (ManiSkill's replay reads them so) its episodes' own
     modes = {e.get("control_mode") for e in meta["episodes"]} - {None}
     mode = kwargs.get("control_mode") or (modes.pop() if len(modes) == 1 else None)
-    want = spec.controller or "pd_ee_delta_pose"
+    want = spec.controller or EE_DELTA_CONTROL
     convert = _convert(path, obs_mode, want)
 
     def instead(recorded) -> str:  # the other way out, where the env can act in that mode

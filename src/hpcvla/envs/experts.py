@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from hpcvla.config.families import EE_DELTA_CONTROL
+
 STEP_M, STEP_RAD = 0.1, 0.1  # what an action of 1 means: metres, radians per primitive step
 # The nominal arm, measured on PickCube-v1 (one step = 5 physics steps at 100 Hz): a commanded
 # translation moves the TCP by TRACKING of it, LAG of that in the step after (0.55 and 0.45
@@ -251,11 +253,11 @@ class ReachExpert:
 EXPERTS = {cls.task: cls for cls in (PickCubeExpert, PushCubeExpert)}
 # The control modes the ManiSkill experts' actions are in: their arm model (TRACKING, LAG,
 # ROTATION) was measured under this controller, and a plan is end-effector deltas
-EXPERT_CONTROL_MODES = ("pd_ee_delta_pose",)
+EXPERT_CONTROL_MODES = (EE_DELTA_CONTROL,)
 
 
 def make_expert(env: str, task: str, chunk_len: int, noise: float = 0.0, seed: int = 0,
-                control_mode: str = "pd_ee_delta_pose"):
+                control_mode: str = EE_DELTA_CONTROL):
     """The scripted expert of env `env` (its ManiSkill `task`, in `control_mode`); ValueError
     naming those that have one."""
     if env == "reach":
@@ -270,6 +272,6 @@ def make_expert(env: str, task: str, chunk_len: int, noise: float = 0.0, seed: i
         raise ValueError(f"env.control_mode={control_mode}: the scripted {task} expert acts in "
                          f"{', '.join(EXPERT_CONTROL_MODES)} only (end-effector deltas on an "
                          "arm model measured under that controller); record the demonstrations "
-                         "with env.control_mode=pd_ee_delta_pose, or convert ManiSkill's own "
+                         f"with env.control_mode={EE_DELTA_CONTROL}, or convert ManiSkill's own "
                          "with its replay_trajectory -c <mode>")
     return EXPERTS[task](chunk_len, noise, seed)

@@ -44,6 +44,7 @@ import sys
 
 import numpy as np
 
+from hpcvla.config.families import EE_DELTA_CONTROL
 from hpcvla.envs.base import EnvSpec, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
@@ -107,7 +108,7 @@ def _download_error(task: str, detail: str) -> RuntimeError:
 
 def make_task_env(task: str, num_envs: int, sim_backend: str, render_backend: str,
                   image_size: int, wrist_image: bool, reward: str, horizon: int,
-                  control_mode: str = "pd_ee_delta_pose"):
+                  control_mode: str = EE_DELTA_CONTROL):
     """`gym.make` of a task with `num_envs` parallel envs (1 on CPU physics) in `obs_mode="state"`
     (cameras are rendered by `render_cameras`); fails with the download command, never prompts,
     and refuses a control mode the robot lacks naming env.control_mode."""
@@ -181,7 +182,7 @@ class _Slot:
     """One ManiSkill env (num_envs=1, CPU physics)."""
 
     def __init__(self, task: str, image_size: int, wrist_image: bool, reward: str,
-                 horizon: int, camera: bool = True, control_mode: str = "pd_ee_delta_pose"):
+                 horizon: int, camera: bool = True, control_mode: str = EE_DELTA_CONTROL):
         import torch
         # render on the rank's GPU (devices.py bound it), not SAPIEN's default one
         render = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
@@ -259,7 +260,7 @@ class ManiSkillEnv(SerialVectorEnv):
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, camera: bool = True,
-                 control_mode: str = "pd_ee_delta_pose"):
+                 control_mode: str = EE_DELTA_CONTROL):
         if reward not in ("sparse", "dense"):
             raise ValueError(f"ManiSkillEnv: reward must be sparse or dense, got {reward!r}")
         horizon = chunk_len * max_episode_chunks

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.config.families import EE_DELTA_CONTROL
 from hpcvla.envs.base import StepResult, VectorEnv, episode_ends, training_state_ids
 from hpcvla.envs.maniskill import (ManiSkillEnv, describe, make_task_env, render_cameras,
                                    task_spec)
@@ -107,7 +108,7 @@ class ManiSkillGPUEnv(VectorEnv):
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
-                 first_env: int = 0, control_mode: str = "pd_ee_delta_pose"):
+                 first_env: int = 0, control_mode: str = EE_DELTA_CONTROL):
         if reward not in ("sparse", "dense"):
             raise ValueError(f"ManiSkillGPUEnv: reward must be sparse or dense, got {reward!r}")
         if num_envs < 1 or chunk_len < 1 or max_episode_chunks < 1:
