@@ -238,6 +238,16 @@ def test_exchange_answers_every_request_in_place(config):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+def test_node_arrays_are_one_copy_every_rank_of_the_node_reads(mpi):
+    """`hpcvla sft`'s demonstrations: given on a node's first rank, read by all three of its
+    ranks, equal and read-only; a store the holder makes afterwards is seen by the others."""
+    out = run_clean("launch", "-n", 3, "--mpi", mpi, "--timeout", 60, "--",
+                    MPI_DIR / "node_arrays.py")
+    assert out.stdout.count("of node of 3: 704 bytes, the holder's store seen") == 3, out.stdout
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("config", ["default.yaml",
                                     pytest.param("colocated.yaml", marks=pytest.mark.slow),
                                     pytest.param("hybrid.yaml", marks=pytest.mark.slow)])

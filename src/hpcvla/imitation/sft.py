@@ -43,7 +43,7 @@ from mpi4py import MPI
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import write_run_config
 from hpcvla.config.imitation import dataset_features, demo_paths
-from hpcvla.demonstrations import read_demonstrations
+from hpcvla.demonstrations import Demonstrations, read_demonstrations
 from hpcvla.devices import bind_rank_device
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
@@ -55,6 +55,7 @@ from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
+from hpcvla.transport.node_arrays import NodeArrays
 
 HELD_OUT_SEED = 0x5EED  # torch's RNG during every held-out loss (held_out_loss)
 
@@ -96,7 +97,8 @@ def sft_main(cfg, world) -> None:
     rank, learners = world.Get_rank(), world.Get_size()
     if cfg.launch.check_scheduler:
         check_scheduler_world(learners)
-    torch.set_num_threads(max(1, torch.get_num_threads() // _ranks_on_this_host(world)))
+    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # [dist] this host's learners
+    torch.set_num_threads(max(1, torch.get_num_threads() // node.Get_size()))
     seed_rank(cfg, rank)
     if not cfg.run.resume:
         cfg.run.name = f"{cfg.run.name}-sft"
@@ -104,10 +106,12 @@ def sft_main(cfg, world) -> None:
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
-    demos = read_demonstrations(demo_paths(cfg.sft), spec, cfg.sft.per_task or None,
-                                cfg.sft.successful_only, features=features)
+    demos, shared = _read_once_per_node(node, lambda: read_demonstrations(
+        demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
+        features=features))
     val_paths = demo_paths(cfg.sft, "val_demos")
-    held_out = read_demonstrations(val_paths, spec, features=features) if val_paths else None
+    held_out, shared_val = _read_once_per_node(node, lambda: read_demonstrations(
+        val_paths, spec, features=features)) if val_paths else (None, None)
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
@@ -124,21 +128,33 @@ def sft_main(cfg, world) -> None:
                   + "; ".join(changed), flush=True)
         board = RunBoard(run_dir, cfg.run, asdict(cfg))
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
-              f"({demos.source}); {learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}"
-              f"; run directory: {run_dir}", flush=True)
+              f"({demos.source}; {shared.nbytes / 2**30:.2f} GiB, one copy per node); "
+              f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
+              f"run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
     history, done = _train(cfg, engine, demos, held_out, first, world, board, run_dir, writer)
     _finish(cfg, engine, run_dir, world, history, done, len(demos.task), samples, writer)
     if board is not None:
         board.close()
+    for arrays in filter(None, (shared, shared_val)):
+        arrays.free()  # [dist]
+    node.Free()  # [dist]
 
 
-def _ranks_on_this_host(world) -> int:
-    """Ranks sharing this host's cores (they split its threads between them)."""
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=world.Get_rank())  # [dist]
-    size = node.Get_size()
-    node.Free()
-    return size
+def _read_once_per_node(node, read) -> tuple[Demonstrations, NodeArrays]:
+    """The demonstrations `read()` returns, read by the first rank of `node` (a host's
+    learners) into node-shared memory that the others map (transport/node_arrays.py): one
+    copy per host, however many learners it has; the window, to free after the last read."""
+    demos = read() if node.Get_rank() == 0 else None
+    shared = NodeArrays(node, None if demos is None else {
+        "actions": demos.actions, "episode": demos.episode, "pad": demos.pad,
+        **{f"obs.{k}": v for k, v in demos.obs.items()}})  # [dist]
+    task, source = node.bcast(None if demos is None else (demos.task, demos.source))  # [dist]
+    held = shared.arrays
+    return Demonstrations(obs={k.removeprefix("obs."): v for k, v in held.items()
+                               if k.startswith("obs.")},
+                          actions=held["actions"], episode=held["episode"], task=task,
+                          source=source, pad=held["pad"]), shared
 
 
 def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writer
