@@ -331,6 +331,30 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
     refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
 
 
+def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memory(tmp_path):
+    """Every layout tells from its headers how many samples a read gives (LIBERO: T - 1 per
+    episode; ManiSkill: T; LeRobot: each episode's length; a dump: its chunk rows), so the
+    memory they take is known before any rank starts: more than half a host's memory (one
+    copy per host, two while it is read) is refused, naming sft.per_task."""
+    from hpcvla.demonstrations import demonstration_rows, sample_bytes
+    from test_lerobot_datasets import LEROBOT, libero_spec as lerobot_spec
+    reach_dump(tmp_path / "rank0.h5")
+    cases = [(LIBERO, libero_spec()), (MS_MAIN, maniskill_spec()),
+             (LEROBOT / "video_v30", lerobot_spec()), (LEROBOT / "images_v21", lerobot_spec()),
+             (tmp_path / "rank0.h5", reach_dump(tmp_path / "again.h5")[1])]
+    for path, spec in cases:
+        demos = read_demonstrations(path, spec)
+        assert demonstration_rows(path, spec) == len(demos), path
+        held = sum(a.nbytes for a in (*demos.obs.values(), demos.actions, demos.pad,
+                                      demos.episode))
+        assert sample_bytes(spec) * len(demos) == held, path
+        need = held * 2
+        assert demonstration_problems(path, spec, host_memory=need) == []
+        ((where, value, fix),) = demonstration_problems(path, spec, host_memory=need - 1)
+        assert where.startswith(str(path)) and value.startswith(f"{len(demos)} samples") and \
+            "at most half this host's" in fix and "sft.per_task" in fix, (where, value, fix)
+
+
 def test_a_file_without_episodes_is_refused(tmp_path):
     """A dump whose /data holds no episode: nothing to learn from, named before any rank."""
     _, spec = reach_dump(tmp_path / "rank0.h5")

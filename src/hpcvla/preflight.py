@@ -113,10 +113,9 @@ def run_root_problems(cfg) -> list[tuple[str, Any, str]]:
 def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     """The weights a run resumes (run.resume: exactly) or starts from (policy.checkpoint: its
     RL heads may be absent; policy.pretrained: the folder, before LoRA's adapters) against
-    the configured policy's names and shapes, from the files' headers and a meta-device
-    build (no memory), as the ranks will load them: a checkpoint written with another policy
-    config, a folder with tensors the policy lacks (e.g. another framework's RL heads), or
-    an override that changes the policy, is named before every rank builds the policy."""
+    the configured policy's names and shapes, from headers and a meta-device build, as the
+    ranks will load them: a checkpoint of another policy config, a folder with tensors the
+    policy lacks (another framework's RL heads), an override that changes the policy."""
     from hpcvla.checkpoint.catalog import latest
     asked = [(name, value, latest(value)) for name, value in
              (("run.resume", cfg.run.resume), ("policy.checkpoint", cfg.policy.checkpoint))
@@ -260,11 +259,11 @@ def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
 def check_sft(cfg, source: str = "config") -> None:
     """`hpcvla sft`'s checks: the config's (check_config), where it writes (run_root_problems),
     the weights it resumes or starts from (weights_fit_problems) and its demonstrations against
-    the observations and actions of the configured env (the env's spec), before any rank
-    starts."""
+    the configured env's spec and this host's memory, before any rank starts."""
     from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import host_bytes
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
     problems = run_root_problems(cfg) + weights_fit_problems(cfg)
@@ -282,7 +281,8 @@ def check_sft(cfg, source: str = "config") -> None:
                             "`hpcvla demos`)")], source)
     spec, features = env_spec(cfg.env), dataset_features(cfg.sft)
     problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
-                                      successful_only=cfg.sft.successful_only, features=features)
+                                      successful_only=cfg.sft.successful_only, features=features,
+                                      host_memory=host_bytes())
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")

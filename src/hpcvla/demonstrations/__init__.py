@@ -199,22 +199,47 @@ def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> No
 
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
                            outcomes: bool = False, successful_only: bool = False,
-                           features: dict[str, str] | None = None) -> list[Problem]:
+                           features: dict[str, str] | None = None,
+                           host_memory: int = 0) -> list[Problem]:
     """What stops `read_demonstrations(paths, spec, per_task, successful_only, outcomes,
     features)`, as (where "FILE:key", value, what is expected and the fix); empty when nothing
-    does. Opens the files and reads attributes, dataset shapes and single elements only."""
+    does. Opens the files and reads attributes, dataset shapes and single elements only.
+    `host_memory` (bytes; 0: not checked): a host's, half of which the samples must fit in
+    (`hpcvla sft` holds them once per host, and twice while one rank reads them)."""
     found, problems = _scan(paths, spec, per_task, features)
     if outcomes:
         _check_outcomes(found, problems)
-    return problems.listed() or _none_chosen(found, per_task, successful_only)
+    return problems.listed() or _none_chosen(found, per_task, successful_only) or \
+        _memory_problems(_select(found, per_task, successful_only), spec, host_memory)
 
 
 def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int:
-    """The chunk rows `read_demonstrations(paths, spec, per_task)` would read, from the files'
-    headers (no bulk data read): an off-policy learner's prior transitions are at most these.
-    Counted in this project's own layout only, the one such prior data comes in."""
+    """The samples `read_demonstrations(paths, spec, per_task)` would read, from the files'
+    headers (no bulk data read): an off-policy learner's prior transitions are at most these."""
     found, _ = _scan(paths, spec, per_task)
     return sum(e.rows for _, _, e in _select(found, per_task, False))
+
+
+def sample_bytes(spec: EnvSpec) -> int:
+    """One sample's bytes as Demonstrations holds it: its observation, chunk, padding mask and
+    episode index."""
+    obs = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+              for shape, dtype in spec.obs.values())
+    return obs + spec.chunk_len * (spec.action_dim * 4 + 1) + 8
+
+
+def _memory_problems(chosen, spec: EnvSpec, host_memory: int) -> list[Problem]:
+    rows = [e.rows for _, _, e in chosen]
+    if not host_memory or not all(rows):  # a layout that does not tell: not checked
+        return []
+    need = sum(rows) * sample_bytes(spec)
+    if 2 * need <= host_memory:
+        return []
+    files = ", ".join(sorted({str(p) for p, _, _ in chosen}))
+    return [(files, f"{sum(rows)} samples ({need / 2**30:.1f} GiB)", "at most half this "
+             f"host's {host_memory / 2**30:.1f} GiB of memory (one copy per host, two while it "
+             "is read): fewer demonstrations (sft.per_task, fewer files or datasets) or smaller "
+             "images (env.image_size)")]
 
 
 def _check_outcomes(found, problems: Problems) -> None:

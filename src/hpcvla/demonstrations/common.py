@@ -30,7 +30,7 @@ class Episode:
     instruction: str     # the text the policy is given (the env's instruction for the task)
     instruction_key: str  # where the instruction came from, for messages ("FILE:key")
     success: bool
-    rows: int = 0        # its chunk rows where the layout records them (0: not counted)
+    rows: int = 0        # the samples it gives, from the file's headers (0: not known)
 
 
 class Problems:

@@ -191,7 +191,7 @@ def scan(path, d: Dataset, spec, problems: Problems) -> list[Episode]:
             if d.features[key]["dtype"] == "video" and not d.video_file(e, key).is_file():
                 problems.add(path, where, str(d.video_file(e, key)), f"the video of {key}")
         episodes.append(Episode(str(path), str(e["episode_index"]), names[0],
-                                f"{where}:tasks", _success(d, e), 0))
+                                f"{where}:tasks", _success(d, e), int(e.get("length", 0))))
     return episodes
 
 

@@ -125,10 +125,11 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
             problems.add(path, f"{key}/actions", tuple(actions.shape),
                          "at least 2 steps (the last observation has no action after it)")
         rewards = demo.get("rewards")
+        samples = actions.shape[0] - 1 if actions is not None and actions.ndim == 2 else 0
         episodes.append(Episode(str(path), key, instruction,
                                 "/data.attrs[bddl_file_name]" if bddl is not None else
                                 "/data.attrs[problem_info]",
-                                bool(rewards is None or rewards[-1] > 0)))
+                                bool(rewards is None or rewards[-1] > 0), max(samples, 0)))
     return episodes
 
 

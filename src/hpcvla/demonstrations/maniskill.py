@@ -129,7 +129,8 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
         success = traj.get("success")
         episodes.append(Episode(str(path), name, instruction, f"{meta_path}:env_info.env_id",
                                 bool(success[-1]) if success is not None and len(success)
-                                else bool(info.get("success", False))))
+                                else bool(info.get("success", False)),
+                                len(actions) if hasattr(actions, "shape") else 0))
     return episodes
 
 
