@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcvla.job.segments import orphans, segments
+from hpcvla.job.segments import SETTLE_S, orphans, segments
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -29,7 +29,9 @@ def hpcvla(*args, env=None, timeout=180):
     before = segments()
     out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    left = orphans(before)
+    # unmapped at two looks: a world that another test (xdist's other worker) is starting
+    # has made its segment and not yet mapped it at the first
+    left = orphans(before, settle_s=SETTLE_S)
     assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
     return out
 

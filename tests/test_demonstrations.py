@@ -355,6 +355,28 @@ def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memor
             "at most half this host's" in fix and "sft.per_task" in fix, (where, value, fix)
 
 
+def test_parts_of_a_read_are_the_whole_read_in_order():
+    """n readers of one selection (`part`, as `hpcvla sft`'s learners of a host share it):
+    their parts, whole demonstrations of about equal samples, are the whole read in order;
+    the tasks and demonstration indices are the whole selection's; none is more than one
+    demonstration over an equal share."""
+    from test_lerobot_datasets import LEROBOT, libero_spec as lerobot_spec
+    for path, spec in ((LIBERO, libero_spec()), (LEROBOT / "video_v21", lerobot_spec())):
+        whole = read_demonstrations(path, spec)
+        for n in (2, 3, len(whole.task) + 2):
+            parts = [read_demonstrations(path, spec, part=(r, n)) for r in range(n)]
+            assert all(p.task == whole.task and p.source == whole.source for p in parts)
+            for key in whole.obs:
+                np.testing.assert_array_equal(np.concatenate([p.obs[key] for p in parts]),
+                                              whole.obs[key])
+            for key in ("actions", "pad", "episode"):
+                np.testing.assert_array_equal(
+                    np.concatenate([getattr(p, key) for p in parts]), getattr(whole, key))
+            longest = np.bincount(whole.episode).max()  # a part is whole demonstrations
+            assert max(map(len, parts)) <= len(whole) / n + longest, (path, n)
+            assert all(p.obs[k].dtype == whole.obs[k].dtype for p in parts for k in whole.obs)
+
+
 def test_a_file_without_episodes_is_refused(tmp_path):
     """A dump whose /data holds no episode: nothing to learn from, named before any rank."""
     _, spec = reach_dump(tmp_path / "rank0.h5")

@@ -239,12 +239,13 @@ def test_exchange_answers_every_request_in_place(config):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
-def test_node_arrays_are_one_copy_every_rank_of_the_node_reads(mpi):
-    """`hpcvla sft`'s demonstrations: given on a node's first rank, read by all three of its
-    ranks, equal and read-only; a store the holder makes afterwards is seen by the others."""
+def test_node_arrays_are_one_copy_every_rank_of_the_node_fills_and_reads(mpi):
+    """`hpcvla sft`'s demonstrations: each of a node's three ranks fills its share, and all
+    read the whole, equal and read-only, once sealed; a store one rank makes afterwards is
+    seen by the others."""
     out = run_clean("launch", "-n", 3, "--mpi", mpi, "--timeout", 60, "--",
                     MPI_DIR / "node_arrays.py")
-    assert out.stdout.count("of node of 3: 704 bytes, the holder's store seen") == 3, out.stdout
+    assert out.stdout.count("of node of 3: 704 bytes, the store seen") == 3, out.stdout
 
 
 @pytest.mark.mpi

@@ -36,7 +36,8 @@ from hpcvla.envs.base import EnvSpec
 from hpcvla.text import tokenize, words
 
 __all__ = ["Demonstrations", "DemonstrationError", "read_demonstrations",
-           "demonstration_problems", "demonstration_rows", "LAYOUTS"]
+           "demonstration_problems", "demonstration_rows", "sample_bytes", "sample_layout",
+           "LAYOUTS"]
 
 LAYOUTS = (hpcvla_dump, libero, maniskill)  # HDF5 files; detection order: the first that matches
 SUFFIXES = (".h5", ".hdf5")
@@ -220,12 +221,19 @@ def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int
     return sum(e.rows for _, _, e in _select(found, per_task, False))
 
 
+def sample_layout(spec: EnvSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """One sample's arrays as Demonstrations holds them (shape, dtype), by name: each
+    observation field (`obs.<field>`), its chunk, padding mask and demonstration's index."""
+    return {**{f"obs.{field}": (tuple(shape), dtype) for field, (shape, dtype) in
+               spec.obs.items()},
+            "actions": ((spec.chunk_len, spec.action_dim), "<f4"),
+            "pad": ((spec.chunk_len,), "|b1"), "episode": ((), "<i8")}
+
+
 def sample_bytes(spec: EnvSpec) -> int:
-    """One sample's bytes as Demonstrations holds it: its observation, chunk, padding mask and
-    episode index."""
-    obs = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-              for shape, dtype in spec.obs.values())
-    return obs + spec.chunk_len * (spec.action_dim * 4 + 1) + 8
+    """One sample's bytes as Demonstrations holds it (sample_layout)."""
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+               for shape, dtype in sample_layout(spec).values())
 
 
 def _memory_problems(chosen, spec: EnvSpec, host_memory: int) -> list[Problem]:
@@ -278,15 +286,18 @@ def _select(found, per_task, successful_only):
 
 def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
                         successful_only: bool = False, outcomes: bool = False,
-                        features: dict[str, str] | None = None) -> Demonstrations:
+                        features: dict[str, str] | None = None,
+                        part: tuple[int, int] = (0, 1)) -> Demonstrations:
     """The samples of every demonstration in `paths` for `spec`.
 
     `per_task`: only the first K demonstrations of each task (by instruction; file order, then
     episode order), after `successful_only` dropped the failed ones. `outcomes`: also each
     sample's reward and episode end (`Demonstrations.outcomes`), for an off-policy learner.
-    `features`: which feature of a LeRobot dataset holds a field (sft.features). Raises
-    DemonstrationError (a ValueError) naming every problem `demonstration_problems` finds, or
-    when no demonstration is left."""
+    `features`: which feature of a LeRobot dataset holds a field (sft.features). `part`
+    (r, n): the r-th of n runs of whole demonstrations in order, of about equal samples (by
+    the headers), for n readers that share the work; `task` and `episode` stay the whole
+    selection's. Raises DemonstrationError (a ValueError) naming every problem
+    `demonstration_problems` finds, or when no demonstration is left."""
     datasets: dict = {}
     found, problems = _scan(paths, spec, per_task, features, datasets)
     if outcomes:
@@ -297,29 +308,39 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     if none:
         raise DemonstrationError(none)
     chosen = _select(found, per_task, successful_only)
+    first, stop = _part(chosen, *part)
     length = spec.obs.get("instruction", ((0,), ""))[0][0]
-    parts, tasks, used, ends = [], [], Counter(), []
-    for path, group in groupby(chosen, key=lambda c: c[0]):  # each file opened once in turn
-        group = list(group)
-        with _open(path, group[0][1], datasets) as f:
-            for _, layout, e in group:
+    parts, ends = [], []
+    for path, group in groupby(enumerate(chosen[first:stop], first), key=lambda c: c[1][0]):
+        group = list(group)  # each file opened once in turn
+        with _open(path, group[0][1][1], datasets) as f:
+            for index, (_, layout, e) in group:
                 obs, actions, pad = layout.load(f, e, spec)
                 if outcomes:
                     ends.append(layout.outcomes(f, e))
                 if "instruction" in spec.obs:
                     obs["instruction"] = np.broadcast_to(
                         tokenize(e.instruction, spec.vocab, length), (len(actions), length))
-                parts.append((obs, actions, pad, np.full(len(actions), len(tasks), np.int64)))
-                tasks.append(e.instruction)
-                used[(str(path), layout.NAME)] += 1
+                parts.append({**{f"obs.{k}": v for k, v in obs.items()}, "actions": actions,
+                              "pad": pad, "episode": np.full(len(actions), index, np.int64)})
+    held = {key: np.concatenate([p[key] for p in parts]).astype(np.dtype(dtype), copy=False)
+            if parts else np.zeros((0, *shape), dtype)
+            for key, (shape, dtype) in sample_layout(spec).items()}
+    used = Counter((str(path), layout.NAME) for path, layout, _ in chosen)
     return Demonstrations(
-        obs={k: np.concatenate([p[0][k] for p in parts]).astype(np.dtype(dt), copy=False)
-             for k, (_, dt) in spec.obs.items()},
-        actions=np.concatenate([p[1] for p in parts]),
-        episode=np.concatenate([p[3] for p in parts]),
-        task=tasks,
+        obs={k.removeprefix("obs."): v for k, v in held.items() if k.startswith("obs.")},
+        actions=held["actions"], episode=held["episode"], pad=held["pad"],
+        task=[e.instruction for _, _, e in chosen],
         source="; ".join(f"{path} ({name}, {n} demonstrations)"
                          for (path, name), n in used.items()),
-        pad=np.concatenate([p[2] for p in parts]),
         outcomes={k: np.concatenate([end[k] for end in ends]) for k in ends[0]}
-        if outcomes else None)
+        if outcomes and ends else None)
+
+
+def _part(chosen, r: int, n: int) -> tuple[int, int]:
+    """The demonstrations [first, stop) of part r of n: runs in order, split where the samples
+    before them (by the headers; 1 for a demonstration whose header does not tell) reach r/n of
+    the whole."""
+    weights = np.cumsum([0] + [e.rows or 1 for _, _, e in chosen])
+    first, stop = np.searchsorted(weights[:-1], weights[-1] * np.array([r, r + 1]) / n)
+    return int(first), int(stop)

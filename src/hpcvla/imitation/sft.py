@@ -106,12 +106,12 @@ def sft_main(cfg, world) -> None:
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
-    demos, shared = _read_once_per_node(node, lambda: read_demonstrations(
+    demos, shared = _read_on_node(node, lambda part: read_demonstrations(
         demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
-        features=features))
+        features=features, part=part))
     val_paths = demo_paths(cfg.sft, "val_demos")
-    held_out, shared_val = _read_once_per_node(node, lambda: read_demonstrations(
-        val_paths, spec, features=features)) if val_paths else (None, None)
+    held_out, shared_val = _read_on_node(node, lambda part: read_demonstrations(
+        val_paths, spec, features=features, part=part)) if val_paths else (None, None)
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
@@ -141,20 +141,25 @@ def sft_main(cfg, world) -> None:
     node.Free()  # [dist]
 
 
-def _read_once_per_node(node, read) -> tuple[Demonstrations, NodeArrays]:
-    """The demonstrations `read()` returns, read by the first rank of `node` (a host's
-    learners) into node-shared memory that the others map (transport/node_arrays.py): one
-    copy per host, however many learners it has; the window, to free after the last read."""
-    demos = read() if node.Get_rank() == 0 else None
-    shared = NodeArrays(node, None if demos is None else {
-        "actions": demos.actions, "episode": demos.episode, "pad": demos.pad,
-        **{f"obs.{k}": v for k, v in demos.obs.items()}})  # [dist]
-    task, source = node.bcast(None if demos is None else (demos.task, demos.source))  # [dist]
-    held = shared.arrays
-    return Demonstrations(obs={k.removeprefix("obs."): v for k, v in held.items()
-                               if k.startswith("obs.")},
-                          actions=held["actions"], episode=held["episode"], task=task,
-                          source=source, pad=held["pad"]), shared
+def _read_on_node(node, read) -> tuple[Demonstrations, NodeArrays]:
+    """The demonstrations `read(part)` returns (read_demonstrations' part), held once per host
+    in node-shared memory (transport/node_arrays.py): each rank of `node` (a host's learners)
+    reads its share of the demonstrations into it, and all read the whole; the window, to
+    free after the last read."""
+    mine = read((node.Get_rank(), node.Get_size()))
+    first = node.exscan(len(mine)) or 0  # [dist] the parts are in order
+    total = node.allreduce(len(mine))  # [dist]
+    held = {"actions": mine.actions, "pad": mine.pad, "episode": mine.episode,
+            **{f"obs.{k}": v for k, v in mine.obs.items()}}
+    shared = NodeArrays(node, {k: ((total, *v.shape[1:]), v.dtype.str)  # [dist]
+                               for k, v in held.items()})
+    for key, rows in held.items():
+        shared.arrays[key][first:first + len(rows)] = rows
+    shared.seal()  # [dist]
+    every = shared.arrays
+    return replace(mine, obs={k.removeprefix("obs."): v for k, v in every.items()
+                              if k.startswith("obs.")}, actions=every["actions"],
+                   pad=every["pad"], episode=every["episode"]), shared
 
 
 def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writer

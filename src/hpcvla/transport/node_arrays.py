@@ -1,15 +1,18 @@
-"""Arrays that every rank of a node reads from one copy: one rank of the node holds them in an
-MPI shared-memory window (`Win.Allocate_shared`) and the others map it.
+"""Arrays that every rank of a node reads from one copy: an MPI shared-memory window
+(`Win.Allocate_shared`, held by the node's first rank) that all of them map and fill.
 
 What `hpcvla sft` keeps its demonstrations in. Each learner holding its own copy would multiply
 them by the node's learners: LeRobot's LIBERO datasets at 224 px are ~80 GB, 640 GB for the 8
-learners of an 8-GPU node, where one copy fits.
+learners of an 8-GPU node, where one copy fits; and the node's ranks read their shares of the
+files at once into it.
 
-    shared = NodeArrays(node, arrays if node.Get_rank() == 0 else None)   # collective on node
-    shared.arrays["image"][index]    # read-only views into the window, on every rank of node
-    shared.free()                    # collective, after the last read
+    shared = NodeArrays(node, {"image": ((n, 224, 224, 3), "|u1"), ...})   # collective
+    shared.arrays["image"][first:stop] = mine     # each rank its own rows, no two the same
+    shared.seal()                                 # collective: every rank's rows are in
+    shared.arrays["image"][index]                 # read-only from here, on every rank
+    shared.free()                                 # collective, after the last read
 
-The window is in MPI's unified memory model (windows.unified); the holder's stores are made
+The window is in MPI's unified memory model (windows.unified); the ranks' stores are made
 visible to the others by `Win.Sync` on both sides of a barrier (MPI-3.1 11.7's shared-memory
 synchronization).
 """
@@ -28,34 +31,35 @@ if TYPE_CHECKING:
 
 
 class NodeArrays:
-    """`arrays` (given on the node's rank 0 only, None elsewhere), one copy per node."""
+    """Arrays of `layout` (name -> (shape, dtype), the same on every rank of `node`), one
+    copy per node, writable until `seal`."""
 
-    def __init__(self, node: MPI.Intracomm, arrays: dict[str, np.ndarray] | None):
+    def __init__(self, node: MPI.Intracomm, layout: dict[str, tuple[tuple[int, ...], str]]):
         from mpi4py import MPI
-        holder = node.Get_rank() == 0
-        layout = node.bcast([(k, a.shape, a.dtype.str) for k, a in arrays.items()]  # [dist]
-                            if holder and arrays is not None else None, root=0)
-        sizes = [int(np.prod(shape)) * np.dtype(dtype).itemsize for _, shape, dtype in layout]
-        offsets = np.cumsum([0] + [aligned(n) for n in sizes])
-        window = MPI.Win.Allocate_shared(int(offsets[-1]) if holder else 0, 1,  # [dist]
-                                         comm=node)
+        self.node = node
+        sizes = {k: int(np.prod(shape)) * np.dtype(dtype).itemsize
+                 for k, (shape, dtype) in layout.items()}
+        offsets = dict(zip(layout, np.cumsum([0] + [aligned(n) for n in sizes.values()])))
+        self.nbytes = int(sum(aligned(n) for n in sizes.values()))
+        window = MPI.Win.Allocate_shared(self.nbytes if node.Get_rank() == 0 else 0,  # [dist]
+                                         1, comm=node)
         self.win = unified(window, "the node's shared arrays")
         self.win.Lock_all(MPI.MODE_NOCHECK)
         memory = window_bytes(self.win.Shared_query(0)[0])
-        self.arrays: dict[str, np.ndarray] = {}
-        for (key, shape, dtype), at, n in zip(layout, offsets, sizes):
-            view = memory[at:at + n].view(dtype).reshape(shape)
-            if holder:
-                view[...] = arrays[key]  # type: ignore[index]
-            view.flags.writeable = False
-            self.arrays[key] = view
-        self.nbytes = int(offsets[-1])
+        self.arrays: dict[str, np.ndarray] = {
+            k: memory[offsets[k]:offsets[k] + sizes[k]].view(dtype).reshape(shape)
+            for k, (shape, dtype) in layout.items()}
+
+    def seal(self) -> None:
+        """Collective: every rank's stores are in and seen by all; the arrays read-only."""
         self.win.Sync()
-        node.Barrier()  # [dist] the holder's copy is complete
+        self.node.Barrier()  # [dist]
         self.win.Sync()
+        for array in self.arrays.values():
+            array.flags.writeable = False
 
     def free(self) -> None:
-        """Collective on the node: after every rank's last read of `arrays`."""
+        """Collective: after every rank's last read of `arrays`."""
         self.arrays.clear()
         self.win.Unlock_all()
         self.win.Free()  # [dist]
