@@ -261,9 +261,9 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
 @pytest.mark.mpi
 def test_sft_on_a_lerobot_dataset_folder(tmp_path):
     """A LeRobot dataset (LeRobot 0.6.1's format v3.0, AV1 video: the fixture) given as its
-    folder trains (sft.features naming two of its features); the same with an env whose state
-    it does not hold, or sft.features naming a feature it lacks, is refused before any rank,
-    naming the feature and the setting."""
+    folder trains two learners (sft.features naming two of its features); the same with an
+    env whose state it does not hold, or sft.features naming a feature it lacks, is refused
+    before any rank, naming the feature and the setting."""
     dataset = "tests/fixtures/demonstrations/lerobot/video_v30"
     libero_goal = ["env.suite=libero_goal", "env.image_size=64", f"sft.demos={dataset}"]
     out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
@@ -278,12 +278,13 @@ def test_sft_on_a_lerobot_dataset_folder(tmp_path):
     assert not list(tmp_path.iterdir())
     out = hpcvla("sft", "configs/libero_spatial.yaml", *libero_goal, "env.state_format="
                  "axis_angle", "sft.steps=2", "sft.batch_size=8", f"run.root={tmp_path}",
-                 "sft.features=image=observation.images.image,actions=action")
+                 "sft.features=image=observation.images.image,actions=action", "--ranks", 2)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["demonstrations"] == 3 and summary["steps"] == 2
-    assert "21 chunks from 3 demonstrations" in out.stdout
+    # the two learners read their shares of the videos into the one copy they train from
+    assert "21 chunks from 3 demonstrations" in out.stdout and "one copy per node" in out.stdout
 
 
 @pytest.mark.mpi
