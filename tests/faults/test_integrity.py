@@ -119,7 +119,7 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
         catalog.read_state(path)
     (path / "state.json").write_text("[1, 2]")
     with pytest.raises(catalog.CheckpointError, match=r"state\.json: format 'list', this "
-                       r"hpcvla reads formats 1, 2"):
+                       r"hpcvla reads formats 1, 2, 3"):
         catalog.read_state(path)
     # a digit flipped in the version, a key in an optimizer entry: named, not taken
     with pytest.raises(catalog.CheckpointError, match=r"version 5 in a checkpoint named "
@@ -140,6 +140,14 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
     with pytest.raises(catalog.CheckpointError, match=r"do not match its sha256; the file is "
                        "damaged"):
         catalog.read_state(path)
+    # a byte flipped in the checksum's own key: not taken for an unsealed (older) file
+    flipped = {("sha2%6" if k == "sha256" else k): v for k, v in state.items()}
+    (path / "state.json").write_text(json.dumps(flipped, indent=1))
+    with pytest.raises(catalog.CheckpointError, match=r"lacks its sha256 \(format 3 seals it\)"):
+        catalog.read_state(path)
+    older = {k: v for k, v in state.items() if k != "sha256"} | {"format": 2}
+    (path / "state.json").write_text(json.dumps(older))  # format 2 (stop 85's) may lack it
+    assert catalog.read_state(path)["counters"]["trained_env_steps"] == 2048
 
 
 def test_only_checkpoint_names_are_checkpoints_and_a_run_resumes_from_its_directory(tmp_path):

@@ -12,8 +12,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-FORMAT = 2  # 1: optimizer state as ZeRO's flat partitions (its weights still load)
-READABLE = (1, 2)
+# 1: optimizer state as ZeRO's flat partitions (its weights still load); 2: by parameter
+# name; 3: as 2, state.json sealed (its sha256 required: a damaged key name cannot drop it)
+FORMAT = 3
+READABLE = (1, 2, 3)
+SEALED_FROM = 3
 MODEL = "model.safetensors"
 STATE = "state.json"
 STATE_KEYS = ("format", "version", "counters", "learners", "zero_stage", "model_sha256",
@@ -114,7 +117,11 @@ def read_state(path: Path) -> dict:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
                               f"reads formats {', '.join(map(str, READABLE))}")
-    if "sha256" in state and sealed(state)["sha256"] != state["sha256"]:  # (older: none)
+    if "sha256" not in state and state["format"] >= SEALED_FROM:
+        raise CheckpointError(f"{path / STATE}: lacks its sha256 (format {state['format']} "
+                              f"seals it); the file is damaged (move this checkpoint out of "
+                              f"{path.parent}: the one before it is then the newest)")
+    if "sha256" in state and sealed(state)["sha256"] != state["sha256"]:
         raise CheckpointError(f"{path / STATE}: its contents do not match its sha256; the file "
                               f"is damaged (move this checkpoint out of {path.parent}: the "
                               "one before it is then the newest)")

@@ -245,8 +245,8 @@ def load_optimizer(path: Path, engine, learners) -> dict:
     ZeRO stage), and, on the same learner count, its RNG; returns state.json. Call after the
     engine is built on a model that already holds the checkpoint's weights."""
     state = read_state(path)
-    if state["format"] != FORMAT:
-        raise CheckpointError(f"{path}: format {state['format']} (an older hpcvla) holds the "
+    if state["format"] == 1:
+        raise CheckpointError(f"{path}: format 1 (an older hpcvla) holds the "
                               f"optimizer state as ZeRO's flat partitions, which this one "
                               f"does not resume; start a run from its weights instead "
                               f"(policy.checkpoint={path})")
