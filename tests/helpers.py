@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hpcvla.job.segments import SETTLE_S, orphans, segments
@@ -29,11 +30,22 @@ def hpcvla(*args, env=None, timeout=180):
     before = segments()
     out = subprocess.run([sys.executable, "-m", "hpcvla", *map(str, args)], cwd=ROOT,
                          env=full_env, capture_output=True, text=True, timeout=timeout)
-    # unmapped at two looks: a world that another test (xdist's other worker) is starting
-    # has made its segment and not yet mapped it at the first
-    left = orphans(before, settle_s=SETTLE_S)
-    assert not left, f"shared-memory files left behind: {sorted(map(str, left))}"
+    left = left_behind(before)
+    assert not left, f"shared-memory files left behind: {left}"
     return out
+
+
+def left_behind(before: set[Path], wait_s: float = 60.0) -> list[str]:
+    """The MPICH segments made since `before` that no process maps, for good: a world another
+    test runs beside this one (xdist's other worker) may have made one and not yet mapped it,
+    or have had a rank killed (tests/faults) whose segments its launcher removes once that
+    world has ended; a segment of a world that has ended here stays."""
+    left = orphans(before, settle_s=SETTLE_S)
+    deadline = time.monotonic() + wait_s
+    while left and time.monotonic() < deadline:
+        time.sleep(1.0)
+        left &= orphans(before)
+    return sorted(map(str, left))
 
 
 def without_launcher(*args, hide=None, env=None, timeout=120):
@@ -51,8 +63,8 @@ def without_launcher(*args, hide=None, env=None, timeout=120):
 def fake_checkpoint(path: Path, **state) -> Path:
     """A complete-looking checkpoint directory as checkpoint/store.py's save lays it out, one
     learner (the files' contents are checked only when loaded, against the sha256 in state.json).
-    `state` overrides state.json's fields; a field given as None is left out."""
-    from hpcvla.checkpoint.catalog import FORMAT
+    `state` overrides state.json's fields; a field given as None is left out; then sealed."""
+    from hpcvla.checkpoint.catalog import FORMAT, sealed
 
     path.mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.rank0.safetensors"):
@@ -61,8 +73,8 @@ def fake_checkpoint(path: Path, **state) -> Path:
             "learners": 1, "zero_stage": 1, "model_sha256": "0" * 64,
             "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64,
                            "fragments": {}, "steps": {}, "keys": []}], **state}
-    (path / "state.json").write_text(json.dumps({k: v for k, v in full.items()
-                                                 if v is not None}))
+    (path / "state.json").write_text(json.dumps(sealed({k: v for k, v in full.items()
+                                                        if v is not None})))
     return path
 
 

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from helpers import ROOT, progress_version
-from hpcvla.job.segments import SETTLE_S, orphans, segments
+from helpers import ROOT, left_behind, progress_version
+from hpcvla.job.segments import segments
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
@@ -78,7 +78,7 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
     print(f"killed -> end of the restarted run: {time.monotonic() - killed:.1f} s")
     # the killed world's MPICH segments, removed before the restart
     assert "MPICH segment(s) that no process maps" in text, text[-5000:]
-    assert not orphans(shm_before, settle_s=SETTLE_S), text[-5000:]
+    assert not left_behind(shm_before), text[-5000:]
 
     (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcvla.job.segments import SETTLE_S, orphans, segments
-from helpers import rank_pids
+from hpcvla.job.segments import segments
+from helpers import left_behind, rank_pids
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
@@ -58,5 +58,5 @@ def test_a_killed_rank_takes_the_job_down_and_is_named(tmp_path, role):
         err[-3000:]
     assert "last progress: policy version" in err
     assert not rank_pids(tmp_path), "ranks left running"
-    assert not orphans(shm_before, settle_s=SETTLE_S)
+    assert not left_behind(shm_before)
     print(f"{role}: job down {took:.1f} s after kill -9")
