@@ -71,7 +71,11 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
     communicator: every rank goes down with exit status `code`). Ranks of this host already
     gone without a word are named as the first to die: a rank killed outright fails its peers'
     MPI calls to it, and only now, before MPI_Abort, is its death known to have come first."""
-    if before := _gone_before(rank):
+    try:
+        before = _gone_before(rank)
+    except (OSError, ValueError):  # the directory going, a card half read: abort regardless
+        before = []
+    if before:
         why += f"\nhpcvla: {_who(before)} died first, without a word, before this failure"
     print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
     said_why(rank, why)
