@@ -10,6 +10,7 @@ import time
 import pytest
 
 from hpcvla.config import load_config
+from hpcvla.process.deathwatch import process_gone
 from helpers import MPI_DIR, ROOT, hpcvla
 
 pytestmark = pytest.mark.mpi
@@ -251,8 +252,7 @@ def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + 30
-        while alive := [p for p in pids if os.path.exists(f"/proc/{p}")
-                        and open(f"/proc/{p}/stat").read().split()[2] != "Z"]:
+        while alive := [p for p in pids if not process_gone(p)]:
             assert time.monotonic() < deadline, f"ranks {alive} outlived their launcher"
             time.sleep(0.2)
     finally:

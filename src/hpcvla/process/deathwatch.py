@@ -94,7 +94,7 @@ def _gone_before(rank: int) -> list[dict]:
     said = {int(p.name.removeprefix("failed.rank")) for p in _failures(folder_path)}
     return [card for other, card in sorted(cards.items())
             if other != rank and other not in said and card["host"].split(".")[0] == host
-            and not _done_mark(folder_path, other).exists() and _dead(card["pid"])]
+            and not _done_mark(folder_path, other).exists() and process_gone(card["pid"])]
 
 
 def _failures(folder: Path) -> list[Path]:
@@ -102,7 +102,9 @@ def _failures(folder: Path) -> list[Path]:
     return sorted(folder.glob("failed.rank*"), key=lambda path: path.stat().st_mtime_ns)
 
 
-def _dead(pid: int) -> bool:
+def process_gone(pid: int) -> bool:
+    """Reaped, or a zombie (its stat read once: a process being reaped may vanish between
+    two looks at its /proc entry)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:  # reaped
