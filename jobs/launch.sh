@@ -3,9 +3,10 @@
 # script all job scripts in jobs/slurm and jobs/pbs exec).
 #
 #   jobs/launch.sh train configs/default.yaml pipeline.total_updates=100
+#   jobs/launch.sh sft configs/libero_spatial.yaml sft.demos=/data/libero
 #   jobs/launch.sh bench modes --workload emulated --json bench.json
 #
-# `train` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node
+# `train`, `sft` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node
 # list, its proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for
 # Open MPI under Slurm, its `mpirun` elsewhere (with `-x` for each of the job's variables:
 # mpirun passes ranks on other nodes none). Every other command (`bench modes` starts its own
@@ -36,16 +37,17 @@
 #                     node's allocated (or all) cores / ranks per node, at least 1)
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
 #                     allocation decides
-#   HPCVLA_JOB_RUNS   train: run root of this job (run.root); when it already holds a run
-#                     with a checkpoint short of its end (the job was requeued or rerun),
+#   HPCVLA_JOB_RUNS   train, sft: run root of this job (run.root); when it already holds a
+#                     run with a checkpoint short of its end (the job was requeued or rerun),
 #                     that run is continued (run.resume)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
-#                     HPCVLA_JOB_RUNS, as HPCVLA_RESTARTS and HPCVLA_END_GRACE_S (both train)
+#                     HPCVLA_JOB_RUNS (train, sft), as HPCVLA_RESTARTS (train) and
+#                     HPCVLA_END_GRACE_S (train, sft)
 #   HPCVLA_RESTARTS   train: when the world fails (a rank or a node died), start it again
 #                     inside the allocation up to this many times (default 0): on the nodes
 #                     that still start a process, from the newest checkpoint (Slurm jobs need
 #                     --no-kill to keep their allocation when a node fails)
-#   HPCVLA_END_GRACE_S  train: a world whose ranks on this node died without finishing is
+#   HPCVLA_END_GRACE_S  train, sft: a world whose ranks on this node died without finishing is
 #                     ended this many seconds later if its launcher has not ended it (default
 #                     30; after a node failure mpiexec/srun wait for the scheduler to declare
 #                     the node down, minutes)
@@ -167,6 +169,10 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 # The run of this job that a restart continues: the newest run directory under $1, if its
 # newest checkpoint is short of the run's total_updates (nothing if it is done or has none).
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
+# The commands whose ranks are one MPI world started here, one per allocated task.
+in_a_world() { [[ $1 == train || $1 == sft || $1 == eval ]]; }
+# The commands that make a run, which a requeued or rerun job continues from its checkpoint.
+makes_a_run() { [[ $1 == train || $1 == sft ]]; }
 
 # Run a shell command on a node of the job within 30 s (false if it did not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
@@ -212,7 +218,7 @@ ARGS=("$@")
 COMMAND_ARGS=("$@")
 set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumable run
     ARGS=("${COMMAND_ARGS[@]}")
-    if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
+    if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
         # The job's own run root: a requeued (Slurm) or rerun (PBS) job, or a restart after a
         # failure, finds the run an earlier start made there and continues it from its
         # checkpoint.
@@ -233,12 +239,12 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
         say "auto plan ($HPCVLA_AUTOPLAN costs) for $NP rank(s) on $NODES node(s): ${AUTO[*]}"
     fi
     COMMAND=("$PYTHON" -m mpi4py -m hpcvla "${ARGS[@]}")
-    [[ $1 == train || $1 == eval ]] || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
+    in_a_world "$1" || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
 }
 
 set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
     CLEAN_ENV=()
-    if [[ $1 != train && $1 != eval ]]; then  # starts its own worlds (bench modes) or no MPI
+    if ! in_a_world "$1"; then  # starts its own worlds (bench modes) or no MPI
         LAUNCH=()
     elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo "$HPCVLA_SLURM_LAUNCHER_DEFAULT" ||
             echo mpiexec)} == srun ]]; then
@@ -291,7 +297,7 @@ if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
 fi
 # A node that lacks what the job needs fails it here, in seconds, saying why (this node: the
 # job's first; the others answer clean_nodes before a restart).
-if [[ ($1 == train || $1 == sft) && ${HPCVLA_DOCTOR:-1} == 1 ]]; then
+if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     "$PYTHON" -m hpcvla doctor "${COMMAND_ARGS[@]:1}" >&2 ||
         die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
 fi
@@ -365,7 +371,7 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
         say "received SIG$EARLY before the ranks started: starting none"
         return
     fi
-    if [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]]; then
+    if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
         # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
         # word (kill -9, OOM), srun names its task number and the cards say what it was.
         export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
@@ -512,9 +518,9 @@ if [[ -n $SIGNALLED ]]; then
             -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         scontrol requeue "$SLURM_JOB_ID"
-    elif (( status == 0 )) && [[ -n ${NO_WORLD:-} || $1 != train || -z ${HPCVLA_JOB_RUNS:-} ||
+    elif (( status == 0 )) && { ! makes_a_run "$1" || [[ -n ${NO_WORLD:-} || -z ${HPCVLA_JOB_RUNS:-} ||
             -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
-            $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; then
+            $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; }; then
         # stopped short of its end (with its checkpoint): not a success for the scheduler,
         # whose `afterok` dependencies would start on it
         status=$(( 128 + $(kill -l "$SIGNALLED") ))

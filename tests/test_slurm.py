@@ -67,7 +67,7 @@ def the_run(runs: Path) -> Path:
 
 
 def test_job_scripts_pass_bash_n_and_shellcheck():
-    assert len(SCRIPTS) == 9, SCRIPTS
+    assert len(SCRIPTS) == 11, SCRIPTS
     assert shutil.which("shellcheck"), "shellcheck missing: run `make install-cluster`"
     for script in SCRIPTS:
         out = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
@@ -255,6 +255,23 @@ def test_pbs_demo_job_through_qsub(slurm, tmp_path):
     assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 2 * 32
 
 
+def test_pbs_sft_job_through_qsub(slurm, tmp_path):
+    """jobs/pbs/sft.pbs: the config and overrides from the environment, a learner on each of
+    the job's MPI processes (PBS_NODEFILE), one world."""
+    demos = tmp_path / "demos.h5"
+    made = hpcvla("demos", "configs/default.yaml", "--episodes", 4, "--out", demos)
+    assert made.returncode == 0, made.stderr[-2000:]
+    log = tmp_path / "sft-pbs.out"
+    env = job_env(tmp_path, CONFIG="configs/default.yaml",
+                  OVERRIDES=f"sft.demos={demos} sft.steps=4 sft.batch_size=8")
+    job = slurm.qsub(ROOT / "jobs/pbs/sft.pbs", options=["-V", "-o", log, "-j", "oe"],
+                     env=env, cwd=ROOT)
+    text = finished(slurm, job, log)
+    assert "scheduler pbs" in text and "/mpiexec -n 2 -f" in text, text[-3000:]
+    summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["learners"] == 2
+
+
 def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path):
     """jobs/pbs/multinode.pbs on 3 hosts: launch.sh's mpiexec (Hydra) starts its proxies on
     the other nodes through the nodes' ssh, from PBS_NODEFILE."""
@@ -393,6 +410,37 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, la
     (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
     assert 0 < learner["first_version"] < 30
     assert (run_dir / "checkpoints" / "v000030" / "state.json").exists()
+
+
+def test_an_sft_job_trains_every_task_requeues_at_the_time_limit_and_resumes(slurm, tmp_path):
+    """jobs/slurm/sft.sbatch: `hpcvla sft` with a learner on each of the job's tasks, one
+    world; the time-limit warning stops it after a step with a checkpoint, the job requeues
+    itself, and its next start goes on from that step to sft.steps."""
+    demos = tmp_path / "demos.h5"
+    made = hpcvla("demos", "configs/default.yaml", "--episodes", 6, "--out", demos)
+    assert made.returncode == 0, made.stderr[-2000:]
+    log = tmp_path / "sft.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/sft.sbatch", "configs/default.yaml",
+                       f"sft.demos={demos}", "sft.steps=1500", "sft.batch_size=8",
+                       "pipeline.progress_every_s=0.1", options=["--output", log], cwd=ROOT,
+                       env=job_env(tmp_path))
+    deadline = time.monotonic() + 300
+    while "[hpcvla sft] step " not in (text := log.read_text() if log.exists() else ""):
+        assert time.monotonic() < deadline and slurm.job(job)["JobState"] in (
+            "PENDING", "RUNNING"), text or "no log"
+        time.sleep(0.5)
+    slurm.signal_batch_shell(job, signal.SIGUSR1)
+    text = finished(slurm, job, log, timeout=600)
+    assert slurm.job(job)["Restarts"] == "1", text[-3000:]
+    first, second = text.split("requeueing job", 1)
+    assert "2 learner(s)" in first and "[hpcvla sft] step 1500/1500" not in first
+    run_dir = the_run(tmp_path / "runs")
+    assert run_dir.name.startswith("default-sft-")
+    assert f"continuing {run_dir} from its newest checkpoint" in second, second[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1500 and summary["learners"] == 2 and not summary["preempted"]
+    steps = sorted(int(p.name[1:]) for p in (run_dir / "checkpoints").iterdir())
+    assert steps[-1] == 1500 and len(steps) >= 1, steps
 
 
 @pytest.mark.parametrize("scheduler", ["slurm", "pbs"])

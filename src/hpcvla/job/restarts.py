@@ -48,7 +48,7 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint.catalog import latest, read_state
+from hpcvla.checkpoint.catalog import by_sft, latest, read_state
 from hpcvla.config import ConfigError, config_argument, load_config
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config
@@ -62,12 +62,14 @@ def newest_run(run_root: Path) -> Path | None:
 
 def resumable_run(run_root: Path) -> Path | None:
     """The run of a job that a (re)start continues: its newest run, if that run's newest
-    checkpoint is short of the run's total_updates."""
+    checkpoint is short of the run's end (pipeline.total_updates; an `hpcvla sft` run's:
+    sft.steps)."""
     run = newest_run(run_root)
     point = latest(run) if run is not None else None
     if point is None:
         return None
-    total = load_config(run / "config.yaml").pipeline.total_updates
+    cfg = load_config(run / "config.yaml")
+    total = cfg.sft.steps if by_sft(point) else cfg.pipeline.total_updates
     return run if read_state(point)["version"] < total else None
 
 
