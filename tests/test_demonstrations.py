@@ -335,7 +335,8 @@ def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memor
     """Every layout tells from its headers how many samples a read gives (LIBERO: T - 1 per
     episode; ManiSkill: T; LeRobot: each episode's length; a dump: its chunk rows), so the
     memory they take is known before any rank starts: more than half a host's memory (one
-    copy per host, two while it is read) is refused, naming sft.per_task."""
+    copy per host, two while it is read), or more than its free /dev/shm (where the copy
+    lives), is refused, naming sft.per_task."""
     from hpcvla.demonstrations import demonstration_rows, sample_bytes
     from test_lerobot_datasets import LEROBOT, libero_spec as lerobot_spec
     reach_dump(tmp_path / "rank0.h5")
@@ -353,6 +354,9 @@ def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memor
         ((where, value, fix),) = demonstration_problems(path, spec, host_memory=need - 1)
         assert where.startswith(str(path)) and value.startswith(f"{len(demos)} samples") and \
             "at most half this host's" in fix and "sft.per_task" in fix, (where, value, fix)
+        assert demonstration_problems(path, spec, shm=held) == []
+        ((_, _, fix),) = demonstration_problems(path, spec, shm=held - 1)
+        assert "free in /dev/shm, where the one copy lives" in fix and "sft.per_task" in fix
 
 
 def test_parts_of_a_read_are_the_whole_read_in_order():

@@ -263,7 +263,7 @@ def check_sft(cfg, source: str = "config") -> None:
     from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import host_bytes
+    from hpcvla.memory.layout import host_bytes, shared_memory_free
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
     problems = run_root_problems(cfg) + weights_fit_problems(cfg)
@@ -282,7 +282,7 @@ def check_sft(cfg, source: str = "config") -> None:
     spec, features = env_spec(cfg.env), dataset_features(cfg.sft)
     problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
                                       successful_only=cfg.sft.successful_only, features=features,
-                                      host_memory=host_bytes())
+                                      host_memory=host_bytes(), shm=shared_memory_free())
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")

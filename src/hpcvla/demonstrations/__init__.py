@@ -201,17 +201,18 @@ def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> No
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
                            outcomes: bool = False, successful_only: bool = False,
                            features: dict[str, str] | None = None,
-                           host_memory: int = 0) -> list[Problem]:
+                           host_memory: int = 0, shm: int = 0) -> list[Problem]:
     """What stops `read_demonstrations(paths, spec, per_task, successful_only, outcomes,
     features)`, as (where "FILE:key", value, what is expected and the fix); empty when nothing
     does. Opens the files and reads attributes, dataset shapes and single elements only.
-    `host_memory` (bytes; 0: not checked): a host's, half of which the samples must fit in
-    (`hpcvla sft` holds them once per host, and twice while one rank reads them)."""
+    `host_memory`, `shm` (bytes; 0: not checked): a host's memory, half of which the samples
+    must fit in, and its free /dev/shm, which must hold them (`hpcvla sft` holds them once per
+    host, in MPI shared memory, and twice while its ranks read them)."""
     found, problems = _scan(paths, spec, per_task, features)
     if outcomes:
         _check_outcomes(found, problems)
     return problems.listed() or _none_chosen(found, per_task, successful_only) or \
-        _memory_problems(_select(found, per_task, successful_only), spec, host_memory)
+        _memory_problems(_select(found, per_task, successful_only), spec, host_memory, shm)
 
 
 def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int:
@@ -236,18 +237,23 @@ def sample_bytes(spec: EnvSpec) -> int:
                for shape, dtype in sample_layout(spec).values())
 
 
-def _memory_problems(chosen, spec: EnvSpec, host_memory: int) -> list[Problem]:
+def _memory_problems(chosen, spec: EnvSpec, host_memory: int, shm: int) -> list[Problem]:
     rows = [e.rows for _, _, e in chosen]
-    if not host_memory or not all(rows):  # a layout that does not tell: not checked
+    if not all(rows):  # a layout that does not tell: not checked
         return []
     need = sum(rows) * sample_bytes(spec)
-    if 2 * need <= host_memory:
-        return []
     files = ", ".join(sorted({str(p) for p, _, _ in chosen}))
-    return [(files, f"{sum(rows)} samples ({need / 2**30:.1f} GiB)", "at most half this "
-             f"host's {host_memory / 2**30:.1f} GiB of memory (one copy per host, two while it "
-             "is read): fewer demonstrations (sft.per_task, fewer files or datasets) or smaller "
-             "images (env.image_size)")]
+    held = f"{sum(rows)} samples ({need / 2**30:.1f} GiB)"
+    fewer = ": fewer demonstrations (sft.per_task, fewer files or datasets) or smaller images " \
+        "(env.image_size)"
+    if host_memory and 2 * need > host_memory:
+        return [(files, held, f"at most half this host's {host_memory / 2**30:.1f} GiB of "
+                 "memory (one copy per host, two while it is read)" + fewer)]
+    if shm and need > shm:
+        return [(files, held, f"at most this host's {shm / 2**30:.1f} GiB free in /dev/shm, "
+                 "where the one copy lives (MPI shared memory; a larger /dev/shm: `mount -o "
+                 "remount,size=...`, containers: --shm-size)" + fewer)]
+    return []
 
 
 def _check_outcomes(found, problems: Problems) -> None:

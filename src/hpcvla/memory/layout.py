@@ -116,6 +116,16 @@ def host_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+def shared_memory_free() -> int:
+    """Free bytes in this machine's /dev/shm, where MPI's shared-memory windows live (0: none
+    to read)."""
+    import shutil
+    try:
+        return shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return 0
+
+
 def replay_problems(cfg, memory: LayoutMemory, per_learner: int,
                     capacity: int) -> list[tuple[str, object, str]]:
     """A node whose learners' replay buffers (`per_learner` bytes each) alone would not fit in
