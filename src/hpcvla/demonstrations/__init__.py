@@ -68,6 +68,20 @@ class Demonstrations:
     def __len__(self) -> int:
         return len(self.actions)
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Its per-sample arrays by sample_layout's names."""
+        return {**{f"obs.{k}": v for k, v in self.obs.items()}, "actions": self.actions,
+                "pad": self.pad, "episode": self.episode}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], task: list[str], source: str,
+                    outcomes: dict[str, np.ndarray] | None = None) -> Demonstrations:
+        """Demonstrations of per-sample `arrays` by sample_layout's names."""
+        return cls(obs={k.removeprefix("obs."): v for k, v in arrays.items()
+                        if k.startswith("obs.")}, actions=arrays["actions"],
+                   episode=arrays["episode"], task=task, source=source, pad=arrays["pad"],
+                   outcomes=outcomes)
+
 
 def _files(paths) -> list[Path]:
     """`paths` (one or a list; a folder stands for its .h5/.hdf5 files, a LeRobot dataset's
@@ -333,10 +347,8 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
             if parts else np.zeros((0, *shape), dtype)
             for key, (shape, dtype) in sample_layout(spec).items()}
     used = Counter((str(path), layout.NAME) for path, layout, _ in chosen)
-    return Demonstrations(
-        obs={k.removeprefix("obs."): v for k, v in held.items() if k.startswith("obs.")},
-        actions=held["actions"], episode=held["episode"], pad=held["pad"],
-        task=[e.instruction for _, _, e in chosen],
+    return Demonstrations.from_arrays(
+        held, task=[e.instruction for _, _, e in chosen],
         source="; ".join(f"{path} ({name}, {n} demonstrations)"
                          for (path, name), n in used.items()),
         outcomes={k: np.concatenate([end[k] for end in ends]) for k in ends[0]}

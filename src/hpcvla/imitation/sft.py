@@ -149,17 +149,13 @@ def _read_on_node(node, read) -> tuple[Demonstrations, NodeArrays]:
     mine = read((node.Get_rank(), node.Get_size()))
     first = node.exscan(len(mine)) or 0  # [dist] the parts are in order
     total = node.allreduce(len(mine))  # [dist]
-    held = {"actions": mine.actions, "pad": mine.pad, "episode": mine.episode,
-            **{f"obs.{k}": v for k, v in mine.obs.items()}}
+    held = mine.arrays()
     shared = NodeArrays(node, {k: ((total, *v.shape[1:]), v.dtype.str)  # [dist]
                                for k, v in held.items()})
     for key, rows in held.items():
         shared.arrays[key][first:first + len(rows)] = rows
     shared.seal()  # [dist]
-    every = shared.arrays
-    return replace(mine, obs={k.removeprefix("obs."): v for k, v in every.items()
-                              if k.startswith("obs.")}, actions=every["actions"],
-                   pad=every["pad"], episode=every["episode"]), shared
+    return Demonstrations.from_arrays(shared.arrays, mine.task, mine.source), shared
 
 
 def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writer
