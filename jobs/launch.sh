@@ -6,11 +6,11 @@
 #   jobs/launch.sh sft configs/libero_spatial.yaml sft.demos=/data/libero
 #   jobs/launch.sh bench modes --workload emulated --json bench.json
 #
-# `train`, `sft` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with the node
-# list, its proxies started by srun under Slurm and by ssh under PBS; `srun --mpi=pmix` for
-# Open MPI under Slurm, its `mpirun` elsewhere (with `-x` for each of the job's variables:
-# mpirun passes ranks on other nodes none). Every other command (`bench modes` starts its own
-# MPI worlds) runs as one process on the first node.
+# `train`, `sft` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with
+# the node list, its proxies started by srun under Slurm and by ssh under PBS; `srun
+# --mpi=pmix` for Open MPI under Slurm, its `mpirun` elsewhere (with `-x` for each of the
+# job's variables: mpirun passes ranks on other nodes none). Every other command (`bench
+# modes` starts its own MPI worlds) runs as one process on the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
 # hosts, check that every node holds the same number of ranks (the rank plan needs it),
@@ -167,7 +167,8 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 
 # ---- the command ---------------------------------------------------------------------------
 # The run of this job that a restart continues: the newest run directory under $1, if its
-# newest checkpoint is short of the run's total_updates (nothing if it is done or has none).
+# newest checkpoint is short of the run's end (total_updates; sft.steps; nothing if it is done
+# or has none).
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 # The commands whose ranks are one MPI world started here, one per allocated task.
 in_a_world() { [[ $1 == train || $1 == sft || $1 == eval ]]; }
@@ -518,8 +519,8 @@ if [[ -n $SIGNALLED ]]; then
             -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         scontrol requeue "$SLURM_JOB_ID"
-    elif (( status == 0 )) && { ! makes_a_run "$1" || [[ -n ${NO_WORLD:-} || -z ${HPCVLA_JOB_RUNS:-} ||
-            -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
+    elif (( status == 0 )) && { ! makes_a_run "$1" || [[ -n ${NO_WORLD:-} ||
+            -z ${HPCVLA_JOB_RUNS:-} || -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
             $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; }; then
         # stopped short of its end (with its checkpoint): not a success for the scheduler,
         # whose `afterok` dependencies would start on it
