@@ -339,15 +339,14 @@ def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memor
     lives), is refused, naming sft.per_task."""
     from hpcvla.demonstrations import demonstration_rows, sample_bytes
     from test_lerobot_datasets import LEROBOT, libero_spec as lerobot_spec
-    reach_dump(tmp_path / "rank0.h5")
+    _, dump_spec = reach_dump(tmp_path / "rank0.h5")
     cases = [(LIBERO, libero_spec()), (MS_MAIN, maniskill_spec()),
              (LEROBOT / "video_v30", lerobot_spec()), (LEROBOT / "images_v21", lerobot_spec()),
-             (tmp_path / "rank0.h5", reach_dump(tmp_path / "again.h5")[1])]
+             (tmp_path / "rank0.h5", dump_spec)]
     for path, spec in cases:
         demos = read_demonstrations(path, spec)
         assert demonstration_rows(path, spec) == len(demos), path
-        held = sum(a.nbytes for a in (*demos.obs.values(), demos.actions, demos.pad,
-                                      demos.episode))
+        held = sum(a.nbytes for a in demos.arrays().values())
         assert sample_bytes(spec) * len(demos) == held, path
         need = held * 2
         assert demonstration_problems(path, spec, host_memory=need) == []
