@@ -98,16 +98,17 @@ def test_behaviour_cloning_moves_the_mean_to_the_demonstrations():
 def test_every_chunk_once_per_epoch_on_one_learner_and_resume_is_exact():
     samples, batch, learners = 23, 4, 3
     steps = 12  # 12 x 12 = 144 positions: six epochs and a part
-    taken = np.stack([np.concatenate([batch_indices(samples, batch, learners, s, r, 7)
+    taken = np.stack([np.concatenate([batch_indices(samples, batch, s * batch * learners, r, 7)
                                       for r in range(learners)]) for s in range(steps)])
     flat = taken.reshape(-1)
     for epoch in range(flat.size // samples):
         assert sorted(flat[epoch * samples:(epoch + 1) * samples]) == list(range(samples))
     assert not np.array_equal(flat[:samples], flat[samples:2 * samples])  # reshuffled
-    # one stream of positions however it is cut (batch size, learners, step): a resumed run
-    # at any step, on any learner, takes exactly what the first would have
-    assert np.array_equal(batch_indices(samples, batch * learners * steps, 1, 0, 0, 7), flat)
-    assert np.array_equal(batch_indices(samples, 2, 1, 58, 0, 7), taken[9, 8:10])  # 116, 117
+    # one stream of positions however it is cut (batch size, learners, step): a run resumed
+    # after any chunk, on any learner count, takes exactly what the first would have
+    assert np.array_equal(batch_indices(samples, batch * learners * steps, 0, 0, 7), flat)
+    assert np.array_equal(batch_indices(samples, 2, 116, 0, 7), taken[9, 8:10])  # 116, 117
+    assert np.array_equal(batch_indices(samples, 2, 114, 1, 7), taken[9, 8:10])  # learner 1
 
 
 @pytest.mark.parametrize("schedule, warmup, final_lr", [
@@ -353,8 +354,11 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     kept = catalog.complete(run_dir)
     assert [catalog.verify(path)["version"] for path in kept] == \
         list(range(max(1, stopped - 1), stopped + 1))
-    out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}")
+    # resumed on two learners: their steps start at the chunk the one learner stopped at
+    out = hpcvla("sft", *args, f"run.resume={run_dir}", f"sft.steps={stopped + 3}", "--ranks", 2)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    state = catalog.read_state(catalog.latest(run_dir))
+    assert state["counters"][catalog.SFT_COUNTER] == stopped * 8 + 3 * 8 * 2
     assert "[hpcvla sft] resumed with settings changed since the run last ran: sft.steps: " \
         f"100000 -> {stopped + 3}\n" in out.stdout, out.stdout[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())

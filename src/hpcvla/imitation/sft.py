@@ -22,10 +22,11 @@ then constant or a cosine down to sft.final_lr), so a resumed run goes on with i
 demonstrations (sft.val_demos) are never trained on: their loss (`held_out_loss`) after every
 sft.val_every steps and the last says how well what was not shown is fit.
 
-Sampling: step s takes the chunks s·G .. (s+1)·G - 1 (G = batch_size x learners) of a
-sequence of per-epoch permutations of all samples, a pure function of run.seed, and learner r
-takes its batch_size of them: every sample is trained once per epoch, on one learner, and a
-resumed run goes on at the exact next chunk.
+Sampling: the steps take consecutive chunks of one sequence of per-epoch permutations of all
+samples, a pure function of run.seed: the step after c chunks were trained takes chunks c ..
+c + G - 1 (G = batch_size x learners), learner r its batch_size of them. Every sample is
+trained once per epoch, on one learner, and a resumed run goes on at the exact next chunk
+(the checkpoint counts them), on as many learners as it now has.
 """
 
 from __future__ import annotations
@@ -67,11 +68,10 @@ def engine_config(cfg):
                    algorithm=replace(cfg.algorithm, lr=cfg.sft.lr, critic_lr=cfg.sft.lr))
 
 
-def batch_indices(samples: int, batch_size: int, learners: int, step: int, rank: int,
+def batch_indices(samples: int, batch_size: int, trained: int, rank: int,
                   seed: int) -> np.ndarray:
-    """Learner `rank`'s sample indices at `step` (module docstring)."""
-    size = batch_size * learners
-    first = step * size + rank * batch_size
+    """Learner `rank`'s sample indices in the step after `trained` chunks (module docstring)."""
+    first = trained + rank * batch_size
     positions = np.arange(first, first + batch_size)
     epochs, offsets = np.divmod(positions, samples)
     out = np.empty(batch_size, dtype=np.int64)
@@ -119,7 +119,9 @@ def sft_main(cfg, world) -> None:
     if resume is not None:
         policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
-    first = store.load_optimizer(resume, engine, world)["version"] if resume else 0  # [dist]
+    state = store.load_optimizer(resume, engine, world) if resume else None  # [dist]
+    first, trained = (state["version"], state["counters"][catalog.SFT_COUNTER]) if state \
+        else (0, 0)
     board = None
     if rank == 0:
         changed = write_run_config(cfg, run_dir)
@@ -132,8 +134,10 @@ def sft_main(cfg, world) -> None:
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
               f"run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
-    history, done = _train(cfg, engine, demos, held_out, first, world, board, run_dir, writer)
-    _finish(cfg, engine, run_dir, world, history, done, len(demos.task), samples, writer)
+    history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world, board,
+                                    run_dir, writer)
+    _finish(cfg, engine, run_dir, world, history, done, trained, len(demos.task), samples,
+            writer)
     if board is not None:
         board.close()
     for arrays in filter(None, (shared, shared_val)):
@@ -158,12 +162,13 @@ def _read_on_node(node, read) -> tuple[Demonstrations, NodeArrays]:
     return Demonstrations.from_arrays(shared.arrays, mine.task, mine.source), shared
 
 
-def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writer
-           ) -> tuple[dict[str, list], int]:
-    """Steps first .. sft.steps, or until a stop signal (process/preempt.py: all learners stop
-    after the same step); the history (the mean loss over the learners of every step, the
-    learning rate the optimizer stepped at, read back from it, the held-out loss after every
-    sft.val_every steps and the last) and the steps done.
+def _train(cfg, engine, demos, held_out, first: int, trained: int, world, board, run_dir,
+           writer) -> tuple[dict[str, list], int, int]:
+    """Steps first .. sft.steps (`trained` chunks before them), or until a stop signal
+    (process/preempt.py: all learners stop after the same step); the history (the mean loss
+    over the learners of every step, the learning rate the optimizer stepped at, read back
+    from it, the held-out loss after every sft.val_every steps and the last), the steps done
+    and the chunks trained.
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
@@ -172,7 +177,7 @@ def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writ
     start = last_print = time.monotonic()
     done = first
     for step in range(first, sft.steps):
-        index = batch_indices(samples, sft.batch_size, learners, step, rank, cfg.run.seed)
+        index = batch_indices(samples, sft.batch_size, trained, rank, cfg.run.seed)
         obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
         actions = torch.from_numpy(demos.actions[index]).to(engine.device)
         real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: no loss
@@ -184,20 +189,20 @@ def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writ
         engine.step()
         losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
         history["lrs"].append(engine.optimizer.param_groups[0]["lr"])
-        done = step + 1
+        done, trained = step + 1, trained + sft.batch_size * learners
         val = None
         if held_out is not None and (done == sft.steps or
                                      sft.val_every and done % sft.val_every == 0):
             val = held_out_loss(engine, held_out, sft.batch_size, world)  # [dist]
             history["val_losses"].append([done, val])
         if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
-            _checkpoint(cfg, engine, run_dir, done, world, samples, writer)
+            _checkpoint(cfg, engine, run_dir, done, trained, world, samples, writer)
         now = time.monotonic()
         if rank == 0 and (now - last_print >= cfg.pipeline.progress_every_s or
                           done == sft.steps or val is not None):
             rate = (done - first) * sft.batch_size * learners / max(now - start, 1e-9)
             eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
-            epoch = done * sft.batch_size * learners / samples
+            epoch = trained / samples
             print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | "
                   + (f"held-out {val:.4f} | " if val is not None else "") +
                   f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {epoch:.1f} | eta {eta:.0f} s",
@@ -208,7 +213,7 @@ def _train(cfg, engine, demos, held_out, first: int, world, board, run_dir, writ
                            **({"val_loss": val} if val is not None else {})}, done, group="sft")
         if preempt.agreed(world):  # [dist]
             break
-    return history, done
+    return history, done, trained
 
 
 def held_out_loss(engine, held_out, batch_size: int, world) -> float:
@@ -240,22 +245,21 @@ def held_out_loss(engine, held_out, batch_size: int, world) -> float:
     return float(weighted / steps)
 
 
-def _checkpoint(cfg, engine, run_dir: Path, step: int, world, samples: int, writer,
-                wait: bool = False) -> None:
-    """A checkpoint after `step` steps handed to `writer` (collective on the learners; it
-    is complete once `writer.wait()` returns, or this does with `wait`)."""
+def _checkpoint(cfg, engine, run_dir: Path, step: int, trained: int, world, samples: int,
+                writer, wait: bool = False) -> None:
+    """A checkpoint after `step` steps and `trained` chunks handed to `writer` (collective on
+    the learners; it is complete once `writer.wait()` returns, or this does with `wait`)."""
     weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
-    trained = step * cfg.sft.batch_size * world.Get_size()
     writer.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
                 {catalog.SFT_COUNTER: trained, "sft_samples": samples}, world,
                 keep=cfg.learner.checkpoint_keep, wait=wait)
 
 
 def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: int,
-            demos: int, samples: int, writer) -> None:
+            trained: int, demos: int, samples: int, writer) -> None:
     """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
     `run.resume` goes on from after a stop signal), summary.json."""
-    _checkpoint(cfg, engine, run_dir, done, world, samples, writer, wait=True)
+    _checkpoint(cfg, engine, run_dir, done, trained, world, samples, writer, wait=True)
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), **history,
