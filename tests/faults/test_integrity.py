@@ -146,7 +146,7 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
     with pytest.raises(catalog.CheckpointError, match=r"lacks its sha256 \(format 3 seals it\)"):
         catalog.read_state(path)
     older = {k: v for k, v in state.items() if k != "sha256"} | {"format": 2}
-    (path / "state.json").write_text(json.dumps(older))  # format 2 (stop 85's) may lack it
+    (path / "state.json").write_text(json.dumps(older))  # an older hpcvla's format 2 may
     assert catalog.read_state(path)["counters"]["trained_env_steps"] == 2048
 
 

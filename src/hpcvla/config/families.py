@@ -101,4 +101,5 @@ def simulator(name: str) -> SimulatorTraits:
     return SIMULATORS[name]
 
 
-__all__ = ["EE_DELTA_CONTROL", "FAMILIES", "FamilyTraits", "SIMULATORS", "SimulatorTraits", "family", "simulator"]
+__all__ = ["EE_DELTA_CONTROL", "FAMILIES", "FamilyTraits", "SIMULATORS", "SimulatorTraits",
+           "family", "simulator"]
