@@ -87,6 +87,7 @@ def main(cfg, plan, comms):
     files = {p.name: p.stat().st_size for p in path.iterdir() if p.suffix == ".safetensors"}
     learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
     torch.distributed.destroy_process_group()
+    learners.Barrier()  # nobody exits while a peer's gloo threads still run (job/runtime.py)
     if rank == 0:
         print(json.dumps({"bit_exact": True, "files": files,
                           "optimizer_bytes": files["optimizer.rank0.safetensors"],

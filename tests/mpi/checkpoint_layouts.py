@@ -123,6 +123,7 @@ def main(cfg, plan, comms):
     (write if sys.argv[1] == "write" else read)(learners, root)
     learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
     torch.distributed.destroy_process_group()
+    learners.Barrier()  # nobody exits while a peer's gloo threads still run (job/runtime.py)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,9 @@ def main(cfg, plan, comms):
     for i, variant in enumerate(json.loads(sys.argv[3])):
         resume_exactly(load_config(sys.argv[1], [*sys.argv[4:], *variant]), comms.learners,
                        Path(sys.argv[2]) / str(i))
+    comms.learners.Barrier()  # leave together (see nonfinite.py: gloo's threads)
     torch.distributed.destroy_process_group()
+    comms.learners.Barrier()
 
 
 def resume_exactly(cfg, learners, run_dir):

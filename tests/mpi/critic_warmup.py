@@ -53,6 +53,7 @@ def main(cfg, plan, comms):
     comms.learners.Barrier()  # leave together (see nonfinite.py: gloo's threads)
     if torch.distributed.is_initialized():  # DeepSpeed's; Horovod has none
         torch.distributed.destroy_process_group()
+    comms.learners.Barrier()
 
 
 if __name__ == "__main__":

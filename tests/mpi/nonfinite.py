@@ -71,10 +71,12 @@ def main(cfg, plan, comms):
                   f"then stopped: {err}", flush=True)
     else:
         raise AssertionError("repeated non-finite steps did not stop the run")
-    # Leave together and close gloo first: a rank exiting while its peer's gloo threads
-    # still talk to it ends in std::terminate (seen once in CI, exit code 6).
+    # Leave together and close gloo first, every rank's before any exits (as job/runtime.py
+    # does): a rank exiting while its peer's gloo threads still talk to it ends in
+    # std::terminate (exit code 6; seen with the barrier before the close alone).
     comms.learners.Barrier()
     torch.distributed.destroy_process_group()
+    comms.learners.Barrier()
 
 
 if __name__ == "__main__":
