@@ -50,6 +50,7 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.job.runtime import create_run_dir
+from hpcvla.memory.states import size
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import preempt
 from hpcvla.seeds import seed_rank
@@ -130,7 +131,7 @@ def sft_main(cfg, world) -> None:
                   + "; ".join(changed), flush=True)
         board = RunBoard(run_dir, cfg.run, asdict(cfg))
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
-              f"({demos.source}; {shared.nbytes / 2**30:.2f} GiB, one copy per node); "
+              f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
               f"run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
