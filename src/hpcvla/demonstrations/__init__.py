@@ -70,8 +70,7 @@ class Demonstrations:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Its per-sample arrays by sample_layout's names."""
-        return {**{f"obs.{k}": v for k, v in self.obs.items()}, "actions": self.actions,
-                "pad": self.pad, "episode": self.episode}
+        return _named(self.obs, self.actions, self.pad, self.episode)
 
     @classmethod
     def from_arrays(cls, arrays: dict[str, np.ndarray], task: list[str], source: str,
@@ -236,6 +235,13 @@ def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int
     return sum(e.rows for _, _, e in _select(found, per_task, False))
 
 
+def _named(obs: dict[str, np.ndarray], actions: np.ndarray, pad: np.ndarray,
+           episode: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-sample arrays by sample_layout's names: `obs.<field>`, actions, pad, episode."""
+    return {**{f"obs.{k}": v for k, v in obs.items()}, "actions": actions, "pad": pad,
+            "episode": episode}
+
+
 def sample_layout(spec: EnvSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     """One sample's arrays as Demonstrations holds them (shape, dtype), by name: each
     observation field (`obs.<field>`), its chunk, padding mask and demonstration's index."""
@@ -341,8 +347,7 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
                 if "instruction" in spec.obs:
                     obs["instruction"] = np.broadcast_to(
                         tokenize(e.instruction, spec.vocab, length), (len(actions), length))
-                parts.append({**{f"obs.{k}": v for k, v in obs.items()}, "actions": actions,
-                              "pad": pad, "episode": np.full(len(actions), index, np.int64)})
+                parts.append(_named(obs, actions, pad, np.full(len(actions), index, np.int64)))
     held = {key: np.concatenate([p[key] for p in parts]).astype(np.dtype(dtype), copy=False)
             if parts else np.zeros((0, *shape), dtype)
             for key, (shape, dtype) in sample_layout(spec).items()}
