@@ -41,12 +41,12 @@
 #                     run with a checkpoint short of its end (the job was requeued or rerun),
 #                     that run is continued (run.resume)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
-#                     HPCVLA_JOB_RUNS (train, sft), as HPCVLA_RESTARTS (train) and
-#                     HPCVLA_END_GRACE_S (train, sft)
-#   HPCVLA_RESTARTS   train: when the world fails (a rank or a node died), start it again
-#                     inside the allocation up to this many times (default 0): on the nodes
-#                     that still start a process, from the newest checkpoint (Slurm jobs need
-#                     --no-kill to keep their allocation when a node fails)
+#                     HPCVLA_JOB_RUNS (train, sft), as HPCVLA_RESTARTS and
+#                     HPCVLA_END_GRACE_S
+#   HPCVLA_RESTARTS   train, sft: when the world fails (a rank or a node died), start it
+#                     again inside the allocation up to this many times (default 0): on the
+#                     nodes that still start a process, from the newest checkpoint (Slurm jobs
+#                     need --no-kill to keep their allocation when a node fails)
 #   HPCVLA_END_GRACE_S  train, sft: a world whose ranks on this node died without finishing is
 #                     ended this many seconds later if its launcher has not ended it (default
 #                     30; after a node failure mpiexec/srun wait for the scheduler to declare
@@ -172,8 +172,13 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
 # The commands whose ranks are one MPI world started here, one per allocated task.
 in_a_world() { [[ $1 == train || $1 == sft || $1 == eval ]]; }
-# The commands that make a run, which a requeued or rerun job continues from its checkpoint.
+# The commands that make a run, which a requeued or rerun job continues from its checkpoint,
+# and a failed world's restart inside the allocation too.
 makes_a_run() { [[ $1 == train || $1 == sft ]]; }
+# What a run's checkpoints are numbered by (train's policy versions, `hpcvla sft`'s steps), and
+# the setting that makes them.
+point_name() { [[ $1 == sft ]] && echo "SFT step" || echo "policy version"; }
+interval_name() { [[ $1 == sft ]] && echo sft.checkpoint_every || echo learner.checkpoint_every; }
 
 # Run a shell command on a node of the job within 30 s (false if it did not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
@@ -304,12 +309,12 @@ if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
 fi
 
 # A restart continues from the run's newest checkpoint: without periodic ones there is none.
-if [[ $1 == train && ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} ]] && [[ $(
-        "$PYTHON" -m hpcvla.job.restarts checkpoint-every "${COMMAND_ARGS[@]:1}" 2>/dev/null
-        ) == 0 ]]; then
-    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but learner.checkpoint_every is 0: a world that" \
-        "fails has no checkpoint to continue from and is not restarted (set" \
-        "learner.checkpoint_every=K: a restart then loses at most K versions)"
+if makes_a_run "$1" && [[ ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} ]] && [[ $(
+        "$PYTHON" -m hpcvla.job.restarts checkpoint-every "$1" "${COMMAND_ARGS[@]:1}" \
+        2>/dev/null) == 0 ]]; then
+    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but $(interval_name "$1") is 0: a world that fails" \
+        "has no checkpoint to continue from and is not restarted (set $(interval_name "$1")=K:" \
+        "a restart then loses at most K $(point_name "$1")s)"
 fi
 
 # ---- run, forwarding the scheduler's signals -----------------------------------------------
@@ -440,8 +445,8 @@ fit_to_nodes() {
 
 # A failed world (a rank or a node died; not a signal) is started again inside the allocation
 # up to HPCVLA_RESTARTS times: on the nodes that still start a process, with as many ranks per
-# node as before, laid out on them (fit_to_nodes, or the auto plan), continuing from the
-# newest checkpoint (any learner count and ZeRO stage resumes it). Not when the run has no
+# node as before, laid out on them (train: fit_to_nodes, or the auto plan; sft: all learners),
+# continuing from the newest checkpoint (any learner count and ZeRO stage resumes it). Not when the run has no
 # checkpoint yet (a new world would start it over, in a new run directory), nor when the
 # failure recurs before a newer checkpoint exists: that is no node failure, and trying again
 # would not end.
@@ -455,7 +460,7 @@ while true; do
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)
     say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
-    [[ $1 == train && -n ${HPCVLA_JOB_RUNS:-} ]] || break
+    if ! makes_a_run "$1" || [[ -z ${HPCVLA_JOB_RUNS:-} ]]; then break; fi
     if (( restarts_left <= 0 )); then
         (( ${HPCVLA_RESTARTS:-0} == 0 )) ||
             say "no restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
@@ -463,18 +468,18 @@ while true; do
     fi
     version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
     if (( version < 0 )); then  # a new world would start the run over, in a new directory
-        say "the run has no checkpoint to continue from (learner.checkpoint_every): not" \
+        say "the run has no checkpoint to continue from ($(interval_name "$1")): not" \
             "restarting"
         break
     fi
     if [[ -z $("$PYTHON" -m hpcvla.job.restarts resumable "$HPCVLA_JOB_RUNS") ]]; then
-        say "the run wrote its last checkpoint (policy version $version) before the world" \
-            "failed: nothing left to restart"
+        say "the run wrote its last checkpoint ($(point_name "$1") $version) before the" \
+            "world failed: nothing left to restart"
         break
     fi
     if [[ $version == "$failed_at" ]]; then
-        say "the world failed again before a checkpoint newer than policy version $version:" \
-            "not restarting"
+        say "the world failed again before a checkpoint newer than $(point_name "$1")" \
+            "$version: not restarting"
         break
     fi
     failed_at=$version
@@ -490,7 +495,7 @@ while true; do
     NODES=${#HOSTS[@]}
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
-    if [[ -z ${HPCVLA_AUTOPLAN:-} ]]; then  # (else set_command lays the nodes out afresh)
+    if [[ $1 == train && -z ${HPCVLA_AUTOPLAN:-} ]]; then  # (else set_command lays them out)
         if ! fit_to_nodes; then
             say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
             break
@@ -504,7 +509,7 @@ while true; do
     OVERLAP=1
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
-        "from policy version $version"
+        "from $(point_name "$1") $version"
     say "restart record: $("$PYTHON" -m hpcvla.job.restarts record "$HPCVLA_JOB_RUNS" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
     [[ -z $LAYOUT ]] || printf '%s\n' "$LAYOUT" | head -n 3 >&2

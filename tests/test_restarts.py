@@ -34,6 +34,28 @@ def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path, capsy
     assert restart_log.recorded(run) == [entry]
 
 
+def test_an_sft_runs_restart_records_the_steps_it_lost(tmp_path):
+    """An `hpcvla sft` run counts its work in steps (its checkpoints' version) and writes one
+    metrics.jsonl line a step; its interval is sft.checkpoint_every."""
+    run = tmp_path / "default-sft-1"
+    fake_checkpoint(catalog.checkpoint_dir(run, 40), version=40,
+                    counters={catalog.SFT_COUNTER: 640, "sft_samples": 16})
+    (run / "config.yaml").write_text("run: {name: default}\nsft: {steps: 100}\n")
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"step": 47, "trained_chunks": 752}) + '\n{"step": 48, "trai')
+    entry = restarts.record(tmp_path, 137, [], ["h0"], 2)
+    assert entry["resumed_from_version"] == 40 and entry["trained_steps"] == 47
+    assert entry["lost_steps"] == 7 and "lost_env_steps" not in entry
+    assert restarts.resumable_run(tmp_path) == run  # 40 of sft.steps' 100
+
+
+def test_the_interval_a_restart_needs_is_the_commands_own(capsys):
+    for command, interval in (("train", "3"), ("sft", "5")):
+        restarts._main(["checkpoint-every", command, "learner.checkpoint_every=3",
+                        "sft.checkpoint_every=5"])
+        assert capsys.readouterr().out.strip() == interval
+
+
 def test_no_run_yet_records_nothing(tmp_path):
     assert restarts.newest_version(tmp_path) == -1
     assert restarts.record(tmp_path, 9, [], ["h0"], 4) is None
@@ -87,7 +109,7 @@ def test_a_job_of_overrides_only_can_restart(capsys):
     """`jobs/launch.sh train a.b=1 ...` (the built-in defaults, no config file): what a restart
     asks takes the overrides as train does, not the first one as a file."""
     from hpcvla.cli import main
-    restarts._main(["checkpoint-every", "learner.checkpoint_every=3", "run.seed=2"])
+    restarts._main(["checkpoint-every", "train", "learner.checkpoint_every=3", "run.seed=2"])
     assert capsys.readouterr().out.strip() == "3"
     restarts._main(["fit", "run.seed=2", "--world", "8", "--ranks-per-node", "4"])
     assert capsys.readouterr().out.strip() == ""  # the defaults fit nodes of 4 as they are

@@ -5,31 +5,34 @@ of order); and when a rank dies, the world that jobs/launch.sh starts again from
 checkpoint trains nothing of the dead world's: what its learner trained is exactly what its
 own producer sent, less what was left unused, from sequence number 0 on. A launcher that does
 not end its failed world (mpiexec after a node failure waits for the dead node) is ended by
-jobs/launch.sh."""
+jobs/launch.sh. An `hpcvla sft` world restarted so trains again the steps lost, on the same
+batches, and no other."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
 
 import pytest
 
-from helpers import ROOT, left_behind, progress_version
+from helpers import ROOT, hpcvla, left_behind, progress_version
 from hpcvla.job.segments import segments
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 
-def restarting_job(runs, ranks: int, config: str, *overrides, doctor: bool = False):
-    """jobs/launch.sh train CONFIG OVERRIDES as a job with one restart in its allocation
+def restarting_job(runs, ranks: int, config: str, *overrides, doctor: bool = False,
+                   command: str = "train"):
+    """jobs/launch.sh COMMAND CONFIG OVERRIDES as a job with one restart in its allocation
     (no scheduler here: its own mpiexec), runs under `runs`, a failed world ended 2 s after a
     rank of it is gone; `doctor`: check the node first, as a job does by default. Its
     output, stdout and stderr together, is the process's stdout."""
     env = {**os.environ, "HPCVLA_JOB_RUNS": str(runs), "HPCVLA_RESTARTS": "1",
            "HPCVLA_RANKS": str(ranks), "HPCVLA_END_GRACE_S": "2",
            **({} if doctor else {"HPCVLA_DOCTOR": "0"})}
-    return subprocess.Popen([ROOT / "jobs/launch.sh", "train", config, *overrides], cwd=ROOT,
+    return subprocess.Popen([ROOT / "jobs/launch.sh", command, config, *overrides], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -154,3 +157,53 @@ def test_a_world_that_fails_after_its_last_checkpoint_is_not_run_again(tmp_path)
     assert "the world failed" in text, text[-5000:]
     assert "nothing left to restart" in text and "restart 1/1" not in text, text[-5000:]
     assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_a_failed_sft_world_restarts_and_trains_the_lost_steps_again_on_the_same_batches(
+        tmp_path):
+    """`hpcvla sft` on 2 learners, one SIGKILLed after a checkpoint: jobs/launch.sh starts the
+    world again from that checkpoint, and it trains the steps the dead world had trained
+    beyond it on the same batches (their losses equal), the chunk count going on from the
+    checkpoint's; the restart's record names the steps lost. ~15 s: two short worlds."""
+    demos, runs, steps = tmp_path / "demos.h5", tmp_path / "runs", 400
+    made = hpcvla("demos", "configs/default.yaml", "--episodes", 6, "--out", demos)
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = restarting_job(runs, 2, "configs/default.yaml", f"sft.demos={demos}",
+                          f"sft.steps={steps}", "sft.batch_size=8", "sft.checkpoint_every=20",
+                          "pipeline.progress_every_s=0.1", command="sft")
+    log = []
+    try:
+        for line in proc.stdout:  # kill a learner once a checkpoint is whole, steps after it
+            log.append(line)
+            done = [p for p in runs.glob("*/checkpoints/v*/state.json")
+                    if not p.parent.name.endswith(".partial")]
+            step = re.match(r"\[hpcvla sft\] step (\d+)/", line)
+            if done and step and int(step.group(1)) >= 30:
+                break
+        cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
+        (second,) = [c for c in cards if c["rank"] == 1]
+        os.kill(second["pid"], signal.SIGKILL)
+        log += proc.stdout.readlines()
+        assert proc.wait(timeout=300) == 0, "".join(log)[-5000:]
+    finally:
+        proc.kill()
+    text = "".join(log)
+    assert "restart 1/1" in text and "last progress: SFT step " in text, text[-5000:]
+    (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["learners"] == 2
+    (restart,) = summary["restarts"]
+    resumed = restart["resumed_from_version"]
+    assert resumed >= 20 and resumed % 20 == 0
+    assert f"from SFT step {resumed}" in text, text[-5000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    first, again = records[:cut], records[cut:]
+    assert [r["step"] for r in first] == list(range(1, len(first) + 1))
+    assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
+    assert all(r["trained_chunks"] == r["step"] * 16 for r in records)  # 2 learners x 8
+    lost = first[-1]["step"] - resumed
+    assert restart["lost_steps"] == lost >= 0 and restart["trained_steps"] == first[-1]["step"]
+    redone = again[:lost]
+    assert [r["loss"] for r in redone] == pytest.approx([r["loss"] for r in first[resumed:]],
+                                                        rel=1e-6)

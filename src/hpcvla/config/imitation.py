@@ -57,9 +57,9 @@ class SFTConfig:
         "images.wrist` (as LeRobot's rename_map); a field not named is found by LeRobot's and "
         "openpi's LIBERO names (docs/imitation.md).")
     checkpoint_every: int = setting(
-        0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` goes on "
-        "from the newest), written in the background as `train`'s "
-        "(learner.checkpoint_background); 0: only at the end.", ge=0)
+        0, "A checkpoint every this many SFT steps (`hpcvla sft run.resume=<dir>` and a job's "
+        "restart after a node failure go on from the newest), written in the background as "
+        "`train`'s (learner.checkpoint_background); 0: only at the end.", ge=0)
 
 
 def demo_paths(section: SFTConfig | AlgorithmConfig, field: str = "demos") -> list[str]:

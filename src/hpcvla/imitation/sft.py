@@ -15,7 +15,9 @@ ask for.
     hpcvla train CONFIG policy.checkpoint=<sft run dir>           # RL from it
 
 A stop signal (Slurm's, PBS's, `scancel`: process/preempt.py) ends the run after the current
-step with a checkpoint; `run.resume` goes on from it.
+step with a checkpoint; `run.resume` goes on from it. Every step is a line of the run's
+metrics.jsonl (time, step, chunks trained, loss, learning rate, held-out loss), written as it
+ends: what a failing rank's last words and a restart's record (job/restarts.py) read.
 
 The learning rate follows sft.schedule, a function of the step (`lr_at`: a linear warm-up,
 then constant or a cosine down to sft.final_lr), so a resumed run goes on with it. Held-out
@@ -51,8 +53,9 @@ from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.job.runtime import create_run_dir
 from hpcvla.memory.states import size
+from hpcvla.metrics import restart_log
 from hpcvla.metrics.tensorboard import RunBoard
-from hpcvla.process import preempt
+from hpcvla.process import deathwatch, preempt
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
@@ -104,6 +107,9 @@ def sft_main(cfg, world) -> None:
     if not cfg.run.resume:
         cfg.run.name = f"{cfg.run.name}-sft"
     run_dir = create_run_dir(cfg, world)
+    if rank == 0:
+        catalog.hold_run(run_dir)  # one world at a time writes a run
+        deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
@@ -123,8 +129,9 @@ def sft_main(cfg, world) -> None:
     state = store.load_optimizer(resume, engine, world) if resume else None  # [dist]
     first, trained = (state["version"], state["counters"][catalog.SFT_COUNTER]) if state \
         else (0, 0)
-    board = None
+    board = metrics = None
     if rank == 0:
+        metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)  # whole lines as they end
         changed = write_run_config(cfg, run_dir)
         if changed:
             print("[hpcvla sft] resumed with settings changed since the run last ran: "
@@ -135,12 +142,12 @@ def sft_main(cfg, world) -> None:
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
               f"run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
-    history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world, board,
-                                    run_dir, writer)
+    history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world,
+                                    (board, metrics), run_dir, writer)
     _finish(cfg, engine, run_dir, world, history, done, trained, len(demos.task), samples,
             writer)
-    if board is not None:
-        board.close()
+    for log in filter(None, (board, metrics)):
+        log.close()
     for arrays in filter(None, (shared, shared_val)):
         arrays.free()  # [dist]
     node.Free()  # [dist]
@@ -163,17 +170,19 @@ def _read_on_node(node, read) -> tuple[Demonstrations, NodeArrays]:
     return Demonstrations.from_arrays(shared.arrays, mine.task, mine.source), shared
 
 
-def _train(cfg, engine, demos, held_out, first: int, trained: int, world, board, run_dir,
+def _train(cfg, engine, demos, held_out, first: int, trained: int, world, logs, run_dir,
            writer) -> tuple[dict[str, list], int, int]:
     """Steps first .. sft.steps (`trained` chunks before them), or until a stop signal
     (process/preempt.py: all learners stop after the same step); the history (the mean loss
     over the learners of every step, the learning rate the optimizer stepped at, read back
     from it, the held-out loss after every sft.val_every steps and the last), the steps done
-    and the chunks trained.
+    and the chunks trained. `logs`: rank 0's TensorBoard and metrics.jsonl (None, None on the
+    others).
     Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
     unless learner.checkpoint_background is false, as `train`'s)."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
     samples, history = len(demos.actions), {"losses": [], "lrs": [], "val_losses": []}
+    board, metrics = logs
     losses = history["losses"]
     start = last_print = time.monotonic()
     done = first
@@ -209,9 +218,12 @@ def _train(cfg, engine, demos, held_out, first: int, trained: int, world, board,
                   f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {epoch:.1f} | eta {eta:.0f} s",
                   flush=True)
             last_print = now
-        if board is not None:
-            board.scalars({"loss": losses[-1], "lr": lr,
-                           **({"val_loss": val} if val is not None else {})}, done, group="sft")
+        if rank == 0:
+            scalars = {"loss": losses[-1], "lr": lr,
+                       **({"val_loss": val} if val is not None else {})}
+            board.scalars(scalars, done, group="sft")
+            metrics.write(json.dumps({"time": round(now - start, 3), "step": done,
+                                      "trained_chunks": trained, **scalars}) + "\n")
         if preempt.agreed(world):  # [dist]
             break
     return history, done, trained
@@ -264,7 +276,8 @@ def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: i
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), **history,
-                   "preempted": done < cfg.sft.steps}
+                   "preempted": done < cfg.sft.steps,
+                   "restarts": restart_log.recorded(run_dir)}  # inside the allocation
         losses = history["losses"]
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         line = f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else \

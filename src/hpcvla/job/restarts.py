@@ -21,23 +21,25 @@ the newest checkpoint. First
 
 prints the policy version of that checkpoint (`newest_version`, -1 when there is none): a
 world that fails before its run's first checkpoint, or again before a newer one exists, is not
-started again (`checkpoint-every CONFIG [OVERRIDES...]` prints the interval, which the job
-checks at its start). Then
+started again (`checkpoint-every {train,sft} CONFIG [OVERRIDES...]` prints the interval, which
+the job checks at its start). Then, for a `train` run,
 
     python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
 
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
-beyond are spare). Last,
+beyond are spare; an `hpcvla sft` world is learners only, any number of them). Last,
 
     python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 
 appends one line to the run's `restarts.jsonl` and prints it: when, the exit status, the
 nodes dropped and kept, the policy version it resumes from, and the work lost: the env steps
 the learners had trained beyond that checkpoint (from metrics.jsonl), trained again after the
-restart from fresh trajectories (those in flight are dropped, none is trained twice).
-summary.json carries the list (`restarts`, read by metrics/restart_log.py).
+restart from fresh trajectories (those in flight are dropped, none is trained twice); for an
+`hpcvla sft` run the steps beyond its checkpoint's, trained again on the same batches (the
+checkpoint counts the chunks trained: imitation/sft.py). summary.json carries the list
+(`restarts`, read by metrics/restart_log.py).
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def resumable_run(run_root: Path) -> Path | None:
 
 
 def newest_version(run_root: Path) -> int:
-    """The policy version of the newest checkpoint of the job's run; -1 when there is none."""
+    """The policy version of the newest checkpoint of the job's run (an `hpcvla sft` run's:
+    its step); -1 when there is none."""
     run_dir = newest_run(run_root)
     point = latest(run_dir) if run_dir is not None else None
     return read_state(point)["version"] if point is not None else -1
@@ -88,19 +91,22 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
         return None
     point = latest(run_dir)
     state = read_state(point) if point is not None else {"version": 0, "counters": {}}
-    kept = state["counters"].get("trained_env_steps", 0)
+    # what the run counts its work in: train's env steps; `hpcvla sft`'s steps (= version)
+    sft = point is not None and by_sft(point)
+    work, kept = ("steps", state["version"]) if sft else \
+        ("env_steps", state["counters"].get("trained_env_steps", 0))
     trained = kept
     metrics = run_dir / "metrics.jsonl"
     for line in reversed(metrics.read_text().splitlines() if metrics.exists() else []):
         try:  # the world may have died in the middle of the last line
-            trained = json.loads(line)["trained_env_steps"]
+            trained = json.loads(line)["step" if sft else "trained_env_steps"]
             break
         except (ValueError, KeyError):
             continue
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "exit_status": status,
              "dropped_nodes": dropped, "nodes": nodes, "ranks": ranks,
-             "resumed_from_version": state["version"], "trained_env_steps": trained,
-             "lost_env_steps": max(0, trained - kept)}
+             "resumed_from_version": state["version"], f"trained_{work}": trained,
+             f"lost_{work}": max(0, trained - kept)}
     restart_log.append(run_dir, entry)
     return entry
 
@@ -150,8 +156,10 @@ def _main(argv=None) -> None:
     auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
     sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
                    "job's run; -1 when there is none").add_argument("run_root", type=Path)
-    every = sub.add_parser("checkpoint-every", help="the run's learner.checkpoint_every: 0, "
-                           "and a failed world has no checkpoint to restart from")
+    every = sub.add_parser("checkpoint-every", help="the run's checkpoint interval (train: "
+                           "learner.checkpoint_every, sft: sft.checkpoint_every): 0, and a "
+                           "failed world has no checkpoint to restart from")
+    every.add_argument("command", choices=("train", "sft"))
     every.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     every.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -169,7 +177,8 @@ def _main(argv=None) -> None:
     try:
         cfg = load_config(*config_argument(args.config, args.overrides))
         if args.what == "checkpoint-every":
-            print(cfg.learner.checkpoint_every)
+            print(cfg.sft.checkpoint_every if args.command == "sft" else
+                  cfg.learner.checkpoint_every)
         elif args.what == "auto":
             from hpcvla.scale.autoplan import print_auto_plan  # imports the scale model
             print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,

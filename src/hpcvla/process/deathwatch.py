@@ -314,6 +314,9 @@ def _last_progress(run_dir_file: Path) -> str:
     if not lines:
         return f"no progress recorded yet ({metrics})"
     last = json.loads(lines[-1])
+    if "step" in last:  # `hpcvla sft`'s
+        return (f"last progress: SFT step {last['step']}, {last['trained_chunks']} chunks "
+                f"trained, {last['time']:.0f} s into training ({metrics})")
     return (f"last progress: policy version {last['update']}, {last['trained_env_steps']} "
             f"trained env steps, {last['time']:.0f} s into training ({metrics})")
 
