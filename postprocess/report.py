@@ -48,6 +48,10 @@ def load_run(path) -> dict:
         raise ReportError(f"{path}: no summary.json (not a run directory, or the run did not "
                           "finish)")
     summary = json.loads((path / "summary.json").read_text())
+    if "demonstrations" in summary:  # an imitation run: losses, no rollouts to report
+        raise ReportError(f"{path}: an `hpcvla sft` run (its losses are in its summary.json, "
+                          "metrics.jsonl and TensorBoard's sft/*; `hpcvla eval` measures its "
+                          "success)")
     plan = json.loads((path / "plan.json").read_text()) if (path / "plan.json").exists() \
         else {}
     roles = Counter(role for r in plan.get("ranks", []) for role in r["roles"])

@@ -94,6 +94,19 @@ def test_report_refuses_what_is_not_a_run(tmp_path):
         "no summary.json" in out.stderr
 
 
+@pytest.mark.mpi
+def test_report_skips_an_sft_run_saying_where_its_losses_are(tmp_path):
+    """An `hpcvla sft` run directory among RL runs (`report.py runs/*`): skipped, said. ~8 s."""
+    demos = tmp_path / "demos.h5"
+    assert hpcvla("demos", "configs/default.yaml", "--episodes", 2, "--out", demos).returncode == 0
+    out = hpcvla("sft", "configs/default.yaml", f"sft.demos={demos}", "sft.steps=3",
+                 f"run.root={tmp_path / 'runs'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    out = report(run_dir, "--out", tmp_path / "r")
+    assert out.returncode == 2 and "an `hpcvla sft` run (its losses are in" in out.stderr, \
+        out.stderr
+
 
 def test_stage_colours_are_fixed_and_unknown_stages_stable():
     assert stage_color("train") == STAGE_COLORS["train"]
