@@ -6,6 +6,7 @@ v2.1) and 0.6.1 (v3.0), images as PNG in the parquet files or as AV1 video
 
 import dataclasses
 import json
+import pickle
 import shutil
 
 import numpy as np
@@ -14,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hpcvla.demonstrations import DemonstrationError, demonstration_problems, lerobot, \
-    read_demonstrations
+    read_demonstrations, read_selection, select_demonstrations
 from hpcvla.envs.libero import LiberoEnv
 from hpcvla.text import tokenize
 from helpers import FIXTURES
@@ -96,6 +97,29 @@ def test_the_scanned_dataset_is_the_one_loaded(monkeypatch):
                         lambda self, *args, **kwargs: opened.append(init(self, *args, **kwargs)))
     read_demonstrations(LEROBOT / "images_v30", libero_spec(gripper="open_high"))
     assert len(opened) == 1
+
+
+def test_a_selection_handed_to_another_reader_is_not_scanned_again(monkeypatch):
+    """`hpcvla sft`: a host's first learner scans the headers and hands its selection
+    (pickled) to the others, which read their parts from it: no dataset's metadata opened
+    again, no data file's action column read again for the gripper convention; the same
+    samples."""
+    spec, path = libero_spec(gripper="open_high"), LEROBOT / "video_v30"
+    selection = select_demonstrations(path, spec)
+    whole = read_selection(selection, spec)
+    handed = pickle.loads(pickle.dumps(selection))
+    opened, columns = [], []
+    init, read_table = lerobot.Dataset.__init__, pq.read_table
+    monkeypatch.setattr(lerobot.Dataset, "__init__",
+                        lambda self, *args, **kwargs: opened.append(init(self, *args, **kwargs)))
+    monkeypatch.setattr(pq, "read_table", lambda *args, **kwargs: columns.append(
+        kwargs.get("columns")) or read_table(*args, **kwargs))
+    again = read_selection(handed, spec)
+    assert not opened and columns and [keys("video_v30")[3]] not in columns, columns
+    np.testing.assert_array_equal(again.actions, whole.actions)
+    for field in whole.obs:
+        np.testing.assert_array_equal(again.obs[field], whole.obs[field])
+    assert again.task == whole.task and again.source == whole.source
 
 
 def _copy(tmp_path, name="images_v21"):

@@ -35,7 +35,8 @@ from hpcvla.demonstrations.common import DemonstrationError, Episode, Problem, P
 from hpcvla.envs.base import EnvSpec
 from hpcvla.text import tokenize, words
 
-__all__ = ["Demonstrations", "DemonstrationError", "read_demonstrations",
+__all__ = ["Demonstrations", "DemonstrationError", "Selection", "read_demonstrations",
+           "select_demonstrations", "read_selection",
            "demonstration_problems", "demonstration_rows", "sample_bytes", "sample_layout",
            "LAYOUTS"]
 
@@ -314,16 +315,43 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
                         successful_only: bool = False, outcomes: bool = False,
                         features: dict[str, str] | None = None,
                         part: tuple[int, int] = (0, 1)) -> Demonstrations:
-    """The samples of every demonstration in `paths` for `spec`.
+    """The samples of every demonstration in `paths` for `spec`: select_demonstrations'
+    selection, read_selection's `part` of it."""
+    return read_selection(select_demonstrations(paths, spec, per_task, successful_only,
+                                                outcomes, features), spec, outcomes, part)
+
+
+@dataclass
+class Selection:
+    """The demonstrations to read, as their headers describe them: (file, layout, Episode) in
+    order, and the LeRobot datasets scanned (metadata, gripper convention) by path. It
+    pickles (layouts by name): one rank of a host scans, its others read from what it found."""
+
+    chosen: list
+    datasets: dict
+
+    def __getstate__(self):
+        return {"chosen": [(path, layout.NAME, e) for path, layout, e in self.chosen],
+                "datasets": self.datasets}
+
+    def __setstate__(self, state):
+        layouts = {layout.NAME: layout for layout in (*LAYOUTS, lerobot)}
+        self.chosen = [(path, layouts[name], e) for path, name, e in state["chosen"]]
+        self.datasets = state["datasets"]
+
+
+def select_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
+                          successful_only: bool = False, outcomes: bool = False,
+                          features: dict[str, str] | None = None) -> Selection:
+    """The demonstrations in `paths` to read for `spec`, found from headers (every file opened,
+    a LeRobot dataset's action column read for its gripper convention).
 
     `per_task`: only the first K demonstrations of each task (by instruction; file order, then
-    episode order), after `successful_only` dropped the failed ones. `outcomes`: also each
-    sample's reward and episode end (`Demonstrations.outcomes`), for an off-policy learner.
-    `features`: which feature of a LeRobot dataset holds a field (sft.features). `part`
-    (r, n): the r-th of n runs of whole demonstrations in order, of about equal samples (by
-    the headers), for n readers that share the work; `task` and `episode` stay the whole
-    selection's. Raises DemonstrationError (a ValueError) naming every problem
-    `demonstration_problems` finds, or when no demonstration is left."""
+    episode order), after `successful_only` dropped the failed ones. `outcomes`: the files
+    must hold each sample's reward and episode end, for an off-policy learner. `features`:
+    which feature of a LeRobot dataset holds a field (sft.features). Raises
+    DemonstrationError (a ValueError) naming every problem `demonstration_problems` finds, or
+    when no demonstration is left."""
     datasets: dict = {}
     found, problems = _scan(paths, spec, per_task, features, datasets)
     if outcomes:
@@ -333,7 +361,16 @@ def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     none = _none_chosen(found, per_task, successful_only)
     if none:
         raise DemonstrationError(none)
-    chosen = _select(found, per_task, successful_only)
+    return Selection(_select(found, per_task, successful_only), datasets)
+
+
+def read_selection(selection: Selection, spec: EnvSpec, outcomes: bool = False,
+                   part: tuple[int, int] = (0, 1)) -> Demonstrations:
+    """The samples of the selected demonstrations (`outcomes`: with each sample's reward and
+    episode end, `Demonstrations.outcomes`). `part` (r, n): the r-th of n runs of whole
+    demonstrations in order, of about equal samples (by the headers), for n readers that share
+    the work; `task` and `episode` stay the whole selection's."""
+    chosen, datasets = selection.chosen, selection.datasets
     first, stop = _part(chosen, *part)
     length = spec.obs.get("instruction", ((0,), ""))[0][0]
     parts, ends = [], []

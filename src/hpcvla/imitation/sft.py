@@ -46,7 +46,7 @@ from mpi4py import MPI
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import write_run_config
 from hpcvla.config.imitation import dataset_features, demo_paths
-from hpcvla.demonstrations import Demonstrations, read_demonstrations
+from hpcvla.demonstrations import Demonstrations, read_selection, select_demonstrations
 from hpcvla.devices import bind_rank_device
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
@@ -113,12 +113,12 @@ def sft_main(cfg, world) -> None:
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
-    demos, shared = _read_on_node(node, lambda part: read_demonstrations(
+    demos, shared = _read_on_node(node, spec, lambda: select_demonstrations(
         demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
-        features=features, part=part))
+        features=features))
     val_paths = demo_paths(cfg.sft, "val_demos")
-    held_out, shared_val = _read_on_node(node, lambda part: read_demonstrations(
-        val_paths, spec, features=features, part=part)) if val_paths else (None, None)
+    held_out, shared_val = _read_on_node(node, spec, lambda: select_demonstrations(
+        val_paths, spec, features=features)) if val_paths else (None, None)
     samples = len(demos.actions)
     on_gpus = device.type == "cuda"
     policy = build_policy(cfg, spec, device, on_gpus)
@@ -153,12 +153,14 @@ def sft_main(cfg, world) -> None:
     node.Free()  # [dist]
 
 
-def _read_on_node(node, read) -> tuple[Demonstrations, NodeArrays]:
-    """The demonstrations `read(part)` returns (read_demonstrations' part), held once per host
-    in node-shared memory (transport/node_arrays.py): each rank of `node` (a host's learners)
-    reads its share of the demonstrations into it, and all read the whole; the window, to
-    free after the last read."""
-    mine = read((node.Get_rank(), node.Get_size()))
+def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
+    """The demonstrations `select()` selects, held once per host in node-shared memory
+    (transport/node_arrays.py): the first rank of `node` (a host's learners) scans the files'
+    headers (one pass over a shared file system per host), each rank reads its share of the
+    demonstrations into the shared copy, and all read the whole; the window, to free after the
+    last read."""
+    selection = idle_bcast(node, select)  # [dist] a DemonstrationError ends the world
+    mine = read_selection(selection, spec, part=(node.Get_rank(), node.Get_size()))
     first = node.exscan(len(mine)) or 0  # [dist] the parts are in order
     total = node.allreduce(len(mine))  # [dist]
     held = mine.arrays()
