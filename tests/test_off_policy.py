@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
+from hpcvla.algorithms.transitions import demonstration_transitions
 from hpcvla.config import load_config
 from hpcvla.config.loader import ConfigError
+from hpcvla.demonstrations import read_demonstrations
 from hpcvla.envs import env_spec
 from hpcvla.evaluate import checkpoint_weights
 from hpcvla.factory import build_policy
@@ -72,6 +74,11 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
                                   config="configs/colocated_sac.yaml", ranks=2)
     for r in rlpd["per_rank"]:
         assert 0 < r["prior_transitions"] < 3 * per_version and r["gradient_steps"] > 0, r
+    # the 2 learners of the host read a share each into its one copy: both sample all of it
+    spec = env_spec(load_config(run_dir / "config.yaml").env)
+    demos = read_demonstrations(dump, spec, outcomes=True)
+    whole, _ = demonstration_transitions(demos.obs, demos.actions, demos.outcomes, demos.episode)
+    assert [r["prior_transitions"] for r in rlpd["per_rank"]] == [len(whole["reward"])] * 2
     start, end = checkpoint_weights(run_dir)[0], checkpoint_weights(rlpd_dir)[0]
     moved = {name for name in start if not torch.equal(start[name], end[name])}
     assert moved - {"sac_log_alpha"} and all(  # the critics alone trained

@@ -488,11 +488,19 @@ def test_a_dumps_episodes_become_transitions_each_last_row_only_if_terminal(tmp_
     for i, row in enumerate(kept_rows):  # the next observation: the episode's next row
         if not ends[row]:
             assert np.array_equal(out["next_obs.image"][i], demos.obs["image"][row + 1])
+    # a reader's empty share of the files (more learners on a host than demonstrations)
+    empty = next(part for r in range(rows) if not len(part := read_demonstrations(
+        tmp_path / "dump.h5", spec, outcomes=True, part=(r, rows))))
+    none, _ = demonstration_transitions(empty.obs, empty.actions, empty.outcomes or {},
+                                        empty.episode)
+    assert len(empty.episode) == 0 and {k: (v.shape[1:], v.dtype) for k, v in none.items()} \
+        == {k: (v.shape[1:], v.dtype) for k, v in out.items()} and not len(none["reward"])
 
 
 def test_the_plan_counts_rlpds_prior_data_from_the_files_headers(tmp_path):
-    """`hpcvla plan`'s replay bytes of an RLPD learner: its online buffer and a buffer of as
-    many transitions as its demonstrations have rows (read from the dump's headers)."""
+    """`hpcvla plan`'s replay bytes of an RLPD learner: its online buffer, and its node's one
+    copy of as many transitions as its demonstrations have rows (read from the dump's
+    headers), counted once per node however many learners it holds."""
     from helpers import ROOT, reach_dump
 
     from hpcvla.config import load_config
@@ -504,9 +512,22 @@ def test_the_plan_counts_rlpds_prior_data_from_the_files_headers(tmp_path):
     sac = load_config(ROOT / "configs/colocated_sac.yaml", []).algorithm
     rlpd = load_config(ROOT / "configs/colocated_sac.yaml",
                        ["algorithm.name=rlpd", f"algorithm.demos={tmp_path / 'dump.h5'}"]).algorithm
-    per_transition = replay_bytes(sac, spec) // sac.replay_capacity
-    assert rows > 0 and replay_bytes(rlpd, spec) - replay_bytes(sac, spec) == \
-        rows * per_transition
+    online, none = replay_bytes(sac, spec)
+    per_transition = online // sac.replay_capacity
+    assert rows > 0 and none == 0 and replay_bytes(rlpd, spec) == (online, rows * per_transition)
+    from hpcvla.memory.layout import PRIOR, plan_memory
+    from hpcvla.topology.plan import plan_from_config
+    cfg = load_config(ROOT / "configs/colocated_sac.yaml",
+                      ["algorithm.name=rlpd", f"algorithm.demos={tmp_path / 'dump.h5'}"])
+    plan = plan_from_config(cfg.placement, 4, 2)  # 2 nodes of 2 colocated learners
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.footprint import policy_footprint
+
+    def footprint(cfg, _, *args):  # the policy's at its env's spec; the buffers at the dump's
+        return policy_footprint(cfg, env_spec(cfg.env), *args)
+    memory = plan_memory(cfg, plan, {r: "cpu" for r in range(4)}, spec, footprint)
+    for parts in memory.per_node_host().values():
+        assert parts[PRIOR] == rows * per_transition and parts["replay buffers"] == 2 * online
 
 
 def test_an_adam_state_torch_has_not_made_yet_is_saved_as_torch_would_make_it():

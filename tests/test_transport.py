@@ -242,10 +242,11 @@ def test_exchange_answers_every_request_in_place(config):
 def test_node_arrays_are_one_copy_every_rank_of_the_node_fills_and_reads(mpi):
     """`hpcvla sft`'s demonstrations: each of a node's three ranks fills its share, and all
     read the whole, equal and read-only, once sealed; a store one rank makes afterwards is
-    seen by the others."""
+    seen by the others; and each rank's rows gathered in rank order, one rank's none."""
     out = run_clean("launch", "-n", 3, "--mpi", mpi, "--timeout", 60, "--",
                     MPI_DIR / "node_arrays.py")
     assert out.stdout.count("of node of 3: 704 bytes, the store seen") == 3, out.stdout
+    assert out.stdout.count(": gathered 6 rows in rank order") == 3, out.stdout
 
 
 @pytest.mark.mpi

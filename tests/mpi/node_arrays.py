@@ -1,7 +1,8 @@
 """Run under MPI: arrays every rank of a node fills a share of (transport/node_arrays.py),
 read by all of them from one copy once sealed: equal to the whole, read-only, and a store one
 rank makes into the window afterwards is seen by the others (the memory is shared, not
-copied). Prints one line per rank."""
+copied); and `NodeArrays.gathered`: each rank's rows, some none, one after the other in rank
+order. Prints two lines per rank."""
 
 import numpy as np
 from mpi4py import MPI
@@ -35,4 +36,14 @@ seen = shared.arrays["obs.image"].reshape(-1)[0] == (whole["obs.image"].reshape(
 print(f"rank {world.Get_rank()} of node of {size}: {shared.nbytes} bytes, "
       f"the store {'seen' if seen else 'NOT seen'}", flush=True)
 shared.free()
+
+# rank r holds r * 2 rows (rank 0 none), each row its rank and index, as float64
+mine = {"x": np.array([[rank, i] for i in range(2 * rank)], np.float64).reshape(-1, 2),
+        "flag": np.full(2 * rank, rank % 2 == 1)}
+gathered = NodeArrays.gathered(node, mine, {"x": ((2,), "<f4"), "flag": ((), "|b1")})
+want = np.array([[r, i] for r in range(size) for i in range(2 * r)], np.float32).reshape(-1, 2)
+assert gathered.arrays["x"].dtype == np.float32 and np.array_equal(gathered.arrays["x"], want)
+assert np.array_equal(gathered.arrays["flag"], want[:, 0] % 2 == 1)
+print(f"rank {world.Get_rank()}: gathered {len(want)} rows in rank order", flush=True)
+gathered.free()
 node.Free()

@@ -27,7 +27,10 @@ class ReplayBuffer:
     """`capacity` transitions of the fields in `specs` ({name: (per-transition shape, numpy
     dtype)}), in host memory, overwritten oldest first once full."""
 
-    def __init__(self, specs: FieldSpecs, capacity: int) -> None:
+    def __init__(self, specs: FieldSpecs, capacity: int,
+                 held: Mapping[str, np.ndarray] | None = None) -> None:
+        """`held`: a full buffer of these `capacity` transitions ({field: (capacity, *shape)}),
+        not copied: RLPD's prior data in a node's one shared copy (read-only there)."""
         if capacity <= 0:
             raise ValueError(f"replay capacity {capacity}: expected > 0 transitions")
         if not specs:
@@ -36,9 +39,12 @@ class ReplayBuffer:
         self.specs = {name: (tuple(shape), np.dtype(dtype))
                       for name, (shape, dtype) in specs.items()}
         self._data = {name: np.zeros((self.capacity, *shape), dtype)
-                      for name, (shape, dtype) in self.specs.items()}
-        self._position = 0
-        self._size = 0
+                      for name, (shape, dtype) in self.specs.items()} if held is None else \
+            self._checked(held)
+        self._position = self._size = 0 if held is None else self.capacity
+        if held is not None and len(next(iter(self._data.values()))) != self.capacity:
+            raise ValueError(f"replay buffer of {self.capacity} transitions held: its arrays "
+                             f"have {len(next(iter(self._data.values())))}")
 
     @staticmethod
     def nbytes_of(specs: FieldSpecs, capacity: int) -> int:

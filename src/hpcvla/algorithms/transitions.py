@@ -65,7 +65,12 @@ def demonstration_transitions(obs: Mapping[str, np.ndarray], actions: np.ndarray
     env_fault: demonstrations/hpcvla_dump.OUTCOMES), `episode` (N,) the episode of each row,
     whose rows are consecutive. Cut as segment groups are (transitions_of); an episode's
     last row has no next observation in the file, so it is kept only where the task ended
-    the episode (terminal: nothing is bootstrapped from it)."""
+    the episode (terminal: nothing is bootstrapped from it). No rows (a reader's empty share
+    of the files): no transitions."""
+    if not len(episode):
+        return {**{f"{prefix}{k}": v[:0] for k, v in obs.items() for prefix in ("obs.", NEXT)},
+                "actions": actions[:0].astype(np.float32), "reward": np.zeros(0, np.float32),
+                "terminal": np.zeros(0, bool)}, 0
     parts, dropped = [], 0
     starts = np.flatnonzero(np.r_[True, episode[1:] != episode[:-1]])
     for first, end in zip(starts, np.r_[starts[1:], len(episode)]):

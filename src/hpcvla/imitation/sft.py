@@ -46,7 +46,8 @@ from mpi4py import MPI
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import write_run_config
 from hpcvla.config.imitation import dataset_features, demo_paths
-from hpcvla.demonstrations import Demonstrations, read_selection, select_demonstrations
+from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
+                                   select_demonstrations)
 from hpcvla.devices import bind_rank_device
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
@@ -161,14 +162,7 @@ def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
     last read."""
     selection = idle_bcast(node, select)  # [dist] a DemonstrationError ends the world
     mine = read_selection(selection, spec, part=(node.Get_rank(), node.Get_size()))
-    first = node.exscan(len(mine)) or 0  # [dist] the parts are in order
-    total = node.allreduce(len(mine))  # [dist]
-    held = mine.arrays()
-    shared = NodeArrays(node, {k: ((total, *v.shape[1:]), v.dtype.str)  # [dist]
-                               for k, v in held.items()})
-    for key, rows in held.items():
-        shared.arrays[key][first:first + len(rows)] = rows
-    shared.seal()  # [dist]
+    shared = NodeArrays.gathered(node, mine.arrays(), sample_layout(spec))  # [dist]
     return Demonstrations.from_arrays(shared.arrays, mine.task, mine.source), shared
 
 

@@ -13,6 +13,8 @@ from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_
 from hpcvla.schedule import shards_of
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
+PRIOR = "RLPD prior data (one copy per node)"  # a node's host part, held by its first learner
+
 
 @dataclass
 class LayoutMemory:
@@ -86,19 +88,21 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
     on_gpus = any(d.startswith("cuda") for d in devices.values())
     envs = max((len(c.simulators) for c in plan.cells), default=1) * cfg.env.envs_per_simulator
     fp = footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len, envs, on_gpus)
-    replay = replay_bytes(cfg.algorithm, spec)
-    memory = layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement), replay)
+    replay, prior = replay_bytes(cfg.algorithm, spec)
+    memory = layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement), replay,
+                           prior)
     if replay:
-        memory.problems += replay_problems(cfg, memory, replay, host_bytes())
+        memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
+                                           shared_memory_free())
     return memory
 
 
-def replay_bytes(alg, spec) -> int:
-    """One off-policy learner's replay buffer (algorithms/replay.py) and, under RLPD, the buffer
-    of its prior data (as many transitions as algorithm.demos have chunk rows, at most); 0 for
-    the on-policy learners."""
+def replay_bytes(alg, spec) -> tuple[int, int]:
+    """One off-policy learner's replay buffer (algorithms/replay.py), and under RLPD its
+    node's one copy of the prior data (as many transitions as algorithm.demos have chunk
+    rows, at most; roles/off_policy.prior_data); 0, 0 for the on-policy learners."""
     if not alg.off_policy:
-        return 0
+        return 0, 0
     from hpcvla.algorithms.replay import ReplayBuffer
     from hpcvla.algorithms.transitions import transition_specs
     specs = transition_specs(spec.obs, spec.chunk_len, spec.action_dim)
@@ -107,7 +111,8 @@ def replay_bytes(alg, spec) -> int:
         from hpcvla.config.imitation import demo_paths
         from hpcvla.demonstrations import demonstration_rows
         prior = demonstration_rows(demo_paths(alg), spec, alg.demos_per_task or None)
-    return ReplayBuffer.nbytes_of(specs, alg.replay_capacity + prior)
+    return ReplayBuffer.nbytes_of(specs, alg.replay_capacity), \
+        ReplayBuffer.nbytes_of(specs, prior)
 
 
 def host_bytes() -> int:
@@ -126,20 +131,27 @@ def shared_memory_free() -> int:
         return 0
 
 
-def replay_problems(cfg, memory: LayoutMemory, per_learner: int,
-                    capacity: int) -> list[tuple[str, object, str]]:
-    """A node whose learners' replay buffers (`per_learner` bytes each) alone would not fit in
-    its host memory (`capacity` bytes)."""
+def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,
+                    shm_free: int) -> list[tuple[str, object, str]]:
+    """A node whose learners' replay buffers (`per_learner` bytes each) and RLPD prior data
+    alone would not fit in its host memory (`capacity` bytes), or whose prior data would not
+    fit in the free /dev/shm (`shm_free` bytes; 0: unknown) where its one copy lives."""
     out = []
     for node, parts in memory.per_node_host().items():
-        replay = parts.get("replay buffers", 0)
-        if replay > capacity:
+        replay, prior = parts.get("replay buffers", 0), parts.get(PRIOR, 0)
+        if replay + prior > capacity:
             out.append(("algorithm.replay_capacity", cfg.algorithm.replay_capacity,
                         f"fewer transitions: node {node}'s learners' replay buffers take "
-                        f"{size(replay)}, more than its {size(capacity)} of host memory "
-                        f"(this machine's; {size(per_learner)} per learner, "
+                        f"{size(replay)}, and {size(prior)} of prior data one copy, more "
+                        f"than its {size(capacity)} of host memory (this machine's; "
+                        f"{size(per_learner)} per learner, "
                         f"{per_learner / cfg.algorithm.replay_capacity / 1024:.1f} KiB per "
-                        "transition of its capacity, prior data included)"))
+                        "transition of its capacity)"))
+        if shm_free and prior > shm_free:
+            out.append(("algorithm.demos_per_task", cfg.algorithm.demos_per_task,
+                        f"fewer demonstrations: node {node}'s one copy of the prior data "
+                        f"takes {size(prior)}, more than the {size(shm_free)} free in "
+                        "/dev/shm (this machine's), where MPI keeps it"))
     return out
 
 
@@ -154,10 +166,11 @@ def gpu_capacity_gib(placement) -> float:
 
 
 def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
-                  replay: int = 0) -> LayoutMemory:
+                  replay: int = 0, prior: int = 0) -> LayoutMemory:
     """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
     (footprint.policy_footprint at the config's micro-batch and inference batch); `replay`:
-    each learner's replay buffer (replay_bytes)."""
+    each learner's replay buffer, `prior` each node's one copy of RLPD's prior data, held by
+    its first learner (replay_bytes)."""
     learners = len(plan.learners)
     # where parameters are frozen, versions after the first cross packed (transport/weights.py):
     # every node leader but the root (it packs into its staging buffers) receives them into a
@@ -196,6 +209,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
             if replay:
                 add(host[info.rank], "replay buffers", replay)
+            if prior and not any(PRIOR in host[r] for r in host if node[r] == info.node):
+                add(host[info.rank], PRIOR, prior)
         if info.rank == plan.weight_root:
             add(host[info.rank], "weight root staging", 2 * fp.weight_bytes)
     for leader in plan.node_leaders:  # the leader allocates the window, and receives

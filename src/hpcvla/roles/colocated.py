@@ -46,6 +46,10 @@ class VersionUpdate(Protocol):
         """What the rank reports in summary.json."""
         ...
 
+    def close(self) -> None:
+        """Collective on the learners: what it holds with other ranks, freed at the end."""
+        ...
+
 
 def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env: VectorEnv,
                   after_version: Callable[[int, dict[str, torch.Tensor], bool], None],
@@ -135,6 +139,9 @@ class OnPolicyUpdate:
 
     def summary(self) -> dict[str, float]:
         return {}
+
+    def close(self) -> None:
+        pass  # holds nothing with other ranks
 
 
 def publish(engine: SkipNonfinite, actor: Policy, timeline: Timeline) -> dict[str, torch.Tensor]:

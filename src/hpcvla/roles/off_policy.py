@@ -1,8 +1,9 @@
 """The off-policy learner (SAC, algorithm.name=sac or rlpd): every learner keeps its own replay
 buffer (algorithms/replay.py) of the transitions that reach it, and the learners take SAC's
-gradient steps data-parallel. RLPD adds prior data: every learner holds the transitions of
+gradient steps data-parallel. RLPD adds prior data: every learner samples the transitions of
 algorithm.demos too, and each sampled batch is half of those, half online
-(replay.symmetric_sample).
+(replay.symmetric_sample). A node holds one copy of them (transport/node_arrays.py), its
+learners each reading a share of the files into it, as `hpcvla sft`'s demonstrations.
 
 What reaches a learner: in sync-colocated mode its own envs' segment groups; in the
 disaggregated modes the groups its inference ranks stream through its ring, each micro-batch
@@ -42,6 +43,8 @@ from hpcvla.algorithms.sac import target_entropy
 from hpcvla.algorithms.transitions import (demonstration_transitions, transition_specs,
                                            transitions_of)
 from hpcvla.roles.colocated import publish
+from hpcvla.transport.backoff import idle_bcast
+from hpcvla.transport.node_arrays import NodeArrays
 
 from mpi4py import MPI
 
@@ -73,7 +76,10 @@ class SoftUpdate:
         self.action_field = cast("SoftCritics", engine.module).soft_action_field
         self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                                    self.alg.replay_capacity)
-        self.prior = prior_data(setup.cfg, spec) if self.alg.name == "rlpd" else None
+        self.prior: ReplayBuffer | None = None
+        self.shared: NodeArrays | None = None  # the node's one copy of the prior data
+        if self.alg.name == "rlpd":
+            self.prior, self.shared = prior_data(setup.cfg, spec, learners)  # [dist]
         self.target_entropy = target_entropy(spec.action_dim, spec.chunk_len,
                                              self.alg.target_entropy)
         # each rank its own draws: the data-parallel ranks sample different transitions
@@ -153,26 +159,38 @@ class SoftUpdate:
                 "target_entropy": self.target_entropy,
                 **({"prior_transitions": self.prior.size} if self.prior is not None else {})}
 
+    def close(self) -> None:
+        """Collective on the learners (a node's, under RLPD): after the last gradient step."""
+        if self.shared is not None:
+            self.shared.free()  # [dist]
+            self.shared.node.Free()  # [dist]
 
-def prior_data(cfg: Config, spec: EnvSpec) -> ReplayBuffer:
-    """algorithm.demos as a buffer of transitions (checked before launch:
-    preflight.prior_data_problems), exactly as large as they are."""
+
+def prior_data(cfg: Config, spec: EnvSpec, learners: MPI.Comm
+               ) -> tuple[ReplayBuffer, NodeArrays]:
+    """Collective on `learners`: algorithm.demos as a buffer of transitions (checked before
+    launch: preflight.prior_data_problems), exactly as large as they are, held once per node:
+    its first learner scans the files' headers, each reads a share of the demonstrations into
+    the node's copy. The buffer, and that copy to free after the last sample."""
     from hpcvla.config.imitation import demo_paths
-    from hpcvla.demonstrations import read_demonstrations
+    from hpcvla.demonstrations import read_selection, select_demonstrations
 
-    demos = read_demonstrations(demo_paths(cfg.algorithm), spec,
-                                cfg.algorithm.demos_per_task or None, outcomes=True)
-    assert demos.outcomes is not None  # asked for
-    kept, _ = demonstration_transitions(demos.obs, demos.actions, demos.outcomes,
-                                        demos.episode)
-    if not len(kept["reward"]):
+    node = cast(MPI.Intracomm,  # [dist] this host's learners
+                learners.Split_type(MPI.COMM_TYPE_SHARED, key=learners.Get_rank()))
+    selection = idle_bcast(node, lambda: select_demonstrations(  # [dist]
+        demo_paths(cfg.algorithm), spec, cfg.algorithm.demos_per_task or None, outcomes=True))
+    mine = read_selection(selection, spec, outcomes=True, part=(node.Get_rank(),
+                                                                node.Get_size()))
+    kept, _ = demonstration_transitions(mine.obs, mine.actions,  # no outcomes: an empty share
+                                        mine.outcomes or {}, mine.episode)
+    specs = transition_specs(spec.obs, spec.chunk_len, spec.action_dim)
+    shared = NodeArrays.gathered(node, kept, specs)  # [dist]
+    held = len(shared.arrays["reward"])
+    if not held:  # on every learner alike: the same files
         raise ValueError(f"algorithm.demos = {cfg.algorithm.demos!r}: no transition in them "
                          "(each episode a single chunk the horizon cut?); expected "
                          "demonstrations of more than one chunk, or that end in success")
-    buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
-                          len(kept["reward"]))
-    buffer.add(kept)
-    return buffer
+    return ReplayBuffer(specs, held, shared.arrays), shared
 
 
 __all__ = ["SoftUpdate"]

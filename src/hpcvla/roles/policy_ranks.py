@@ -100,7 +100,10 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
                      "lost_records": ring.stats.lost_records}
     stats["weight_bytes"] = {"first_version": plane.nbytes,
                              "per_version": plane.bytes_per_version}
-    return start, {**stats, **(soft.summary() if soft else {})}
+    if soft:
+        stats.update(soft.summary())
+        soft.close()  # [dist]
+    return start, stats
 
 
 def evaluator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
@@ -151,6 +154,7 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
              "staleness_hist": {0: me.progress.micro_batches * cfg.learner.micro_batch},
              "nonfinite_steps_skipped": engine.skipped, "env_failures": env_failures([env]),
              **update.summary()}
+    update.close()  # [dist]
     env.close()
     return start, stats
 
