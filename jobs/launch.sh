@@ -277,6 +277,14 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
             # task), and sbatch's tasks-per-node would contradict its 1 task per node.
             LAUNCH=(env -u SLURM_NTASKS_PER_NODE ${OVERLAP:+HYDRA_LAUNCHER_EXTRA_ARGS=--overlap}
                     "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
+            if [[ $HPCVLA_MPI_FLAVOUR != openmpi ]]; then
+                # Hydra passes its own environment to every rank, over each proxy's: the
+                # batch node's GPUs would be every node's. Without them each node's ranks
+                # keep what Slurm gave their node's step (Open MPI's mpirun forks its own
+                # node's ranks and passes the others none: forwarded_env).
+                LAUNCH=(env -u CUDA_VISIBLE_DEVICES -u ROCR_VISIBLE_DEVICES -u HIP_VISIBLE_DEVICES
+                        -u GPU_DEVICE_ORDINAL "${LAUNCH[@]}")
+            fi
         elif [[ $SCHEDULER == pbs ]]; then
             # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
             # in the job: Hydra would then start its proxies as 1-task srun steps, and the ranks

@@ -43,6 +43,7 @@ import random
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
-ReturnToService=2
+{gres_types}ReturnToService=2
 MinJobAge=3600
 KillWait=10
 SchedulerParameters=sched_interval=2
@@ -94,7 +95,7 @@ SchedulerParameters=sched_interval=2
 PartitionName=batch Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 PartitionName=pbs Nodes=ALL MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
-NODE_LINE = "NodeName={name} NodeAddr={addr} CPUs={cpus} State=UNKNOWN\n"
+NODE_LINE = "NodeName={name} NodeAddr={addr} CPUs={cpus}{gres} State=UNKNOWN\n"
 
 # What a PBS MOM provides and Slurm does not: the node file, one line per rank (PBS Pro:
 # per mpiprocs), for jobs in the `pbs` partition, written once per job by slurm-wlm-torque's
@@ -128,12 +129,15 @@ def _free_port() -> int:
 
 class LocalSlurm:
     def __init__(self, cpus: int = 64, start_timeout: float = 60.0, nodes: int = 1,
-                 hosts=None, fabric_ports: int = 0):
+                 hosts=None, fabric_ports: int = 0, gpus: int = 0):
         """One node (`localhost`), or `nodes` > 1 nodes h0.. on emulated hosts that this
         instance makes (with `fabric_ports` more interfaces each) and removes; or the nodes
         of `hosts` (an EmulatedHosts, started here and stopped again if it was not started
-        yet)."""
+        yet). `gpus`: GPUs each node's slurmd schedules (gres/gpu on device files of
+        /dev/null's kind: no GPU behind them), which a job asks for with --gpus-per-node and
+        its steps' tasks see as CUDA_VISIBLE_DEVICES, as on a GPU cluster."""
         self.cpus, self.start_timeout, self.fabric_ports = cpus, start_timeout, fabric_ports
+        self.gpus = gpus
         self.hosts = hosts
         self.nodes = hosts.n if hosts is not None else nodes
         if self.nodes < 1:
@@ -194,12 +198,20 @@ class LocalSlurm:
         else:
             names, addrs = ["localhost"], ["127.0.0.1"]
             ctld_host, node_dir, node_suffix = "localhost(127.0.0.1)", "", ""
-        node_lines = "".join(NODE_LINE.format(name=name, addr=addr, cpus=self.cpus)
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        node_lines = "".join(NODE_LINE.format(name=name, addr=addr, cpus=self.cpus, gres=gres)
                              for name, addr in zip(names, addrs))
+        if self.gpus:
+            (base / "dev").mkdir()
+            for i in range(self.gpus):  # what slurmd checks a GPU's file is: a device
+                os.mknod(base / "dev" / f"gpu{i}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+            (base / "gres.conf").write_text(
+                f"Name=gpu File={base}/dev/gpu[0-{self.gpus - 1}]\n")
         conf.write_text(SLURM_CONF.format(
             base=base, cpus=self.cpus, ctld_port=_free_port(), slurmd_port=_free_port(),
             first_job=first_job, ctld_host=ctld_host, node_dir=node_dir,
-            node_suffix=node_suffix, node_lines=node_lines))
+            node_suffix=node_suffix, node_lines=node_lines,
+            gres_types="GresTypes=gpu\n" if self.gpus else ""))
         self.env = {**os.environ, "SLURM_CONF": str(conf)}
         if self.multihost:
             for name in names:

@@ -40,8 +40,8 @@ def slurm3():
     """Nodes h0, h1, h2: each its own host (network namespace, address, host name) with 12
     fabric ports, as a GPU node's several adapters: its ranks' UCX addresses are then too long
     for Slurm's PMI-2 server (src/hpcvla/process/mpi_select.py), and MPICH must start them
-    itself."""
-    with LocalSlurm(nodes=3, fabric_ports=12) as cluster:
+    itself; and 2 GPUs that Slurm schedules (no device behind them)."""
+    with LocalSlurm(nodes=3, fabric_ports=12, gpus=2) as cluster:
         yield cluster
 
 
@@ -238,6 +238,43 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
     assert {r["first_version"] for r in learners} == {resumed} and resumed >= 2
     # 2 learners x 2 micro-batches x micro_batch 8, every version once
     assert sum(summary["staleness_hist"].values()) == (updates - resumed) * 2 * 16
+
+
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mpi):
+    """A job of part of 2 nodes' GPUs (another job holds h1's first): Slurm gives h0 GPU 0 and
+    h1 GPU 1, and each node's ranks see their own node's (CUDA_VISIBLE_DEVICES), not the batch
+    node's: under MPICH's mpiexec, which passes its environment to every rank, and Open MPI's
+    mpirun. The ranks compute on the CPU (placement.gpus_per_node=0): these GPUs are names."""
+    hold = tmp_path / "hold.sh"
+    hold.write_text("#!/bin/bash\nsleep 300\n")
+    holder = slurm3.sbatch(hold, options=["--nodelist=h1", "--nodes=1", "--gpus-per-node=1",
+                                          "--output", tmp_path / "hold.out"])
+    log, job = tmp_path / "gpus.out", None
+    try:
+        slurm3.wait(holder, 60, states=("RUNNING",))
+        job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/default.yaml",
+                            "placement.gpus_per_node=0", "pipeline.total_updates=100000",
+                            options=["--output", log, "--nodes=2", "--nodelist=h0,h1",
+                                     "--ntasks-per-node=4", "--cpus-per-task=1",
+                                     "--gpus-per-node=1"],
+                            env=job_env(tmp_path, HPCVLA_MPI=mpi, HPCVLA_LAUNCHER="mpiexec"),
+                            cwd=ROOT)
+        first_update(slurm3, job, log)
+        cards = [json.loads(p.read_text()) for p in
+                 (tmp_path / "runs" / f"hpcvla-multinode-{job}").glob(".ranks/rank*.json")]
+        seen = {}
+        for card in cards:
+            environ = Path(f"/proc/{card['pid']}/environ").read_bytes().split(b"\0")
+            seen[card["rank"]] = (card["host"], next(
+                (e.decode().partition("=")[2] for e in environ
+                 if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None))
+    finally:
+        for started in filter(None, (holder, job)):
+            slurm3.cancel(started)
+        slurm3.wait_idle()
+    assert seen == {r: ("h0", "0") if r < 4 else ("h1", "1") for r in range(8)}, \
+        (seen, log.read_text()[-3000:])
 
 
 def test_pbs_demo_job_through_qsub(slurm, tmp_path):
