@@ -7,9 +7,10 @@
 #   jobs/launch.sh bench modes --workload emulated --json bench.json
 #
 # `train`, `sft` and `eval` run one rank per allocated task: MPICH's `mpiexec` (Hydra) with
-# the node list, its proxies started by srun under Slurm and by ssh under PBS; `srun
-# --mpi=pmix` for Open MPI under Slurm, its `mpirun` elsewhere (with `-x` for each of the
-# job's variables: mpirun passes ranks on other nodes none). Every other command (`bench
+# the node list, its proxies started by srun under Slurm and under PBS by PBS's pbs_tmrsh
+# (TM) where there is one, else ssh; `srun --mpi=pmix` for Open MPI under Slurm, its `mpirun`
+# elsewhere (with `-x` for each of the job's variables: mpirun passes ranks on other nodes
+# none). Every other command (`bench
 # modes` starts its own MPI worlds) runs as one process on the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
@@ -56,6 +57,8 @@
 #                     at the start and at every restart. COSTS: config (the reach env probed,
 #                     or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft: 0 skips `hpcvla doctor` on the first node (default 1)
+#   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
+#                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
 #                     and print it and the command, but start no rank
 set -euo pipefail
@@ -180,6 +183,14 @@ makes_a_run() { [[ $1 == train || $1 == sft ]]; }
 point_name() { [[ $1 == sft ]] && echo "SFT step" || echo "policy version"; }
 interval_name() { [[ $1 == sft ]] && echo sft.checkpoint_every || echo learner.checkpoint_every; }
 
+# PBS's start of a process on another node of the job (TM, by `pbs_tmrsh`, an rsh): what it
+# starts is the job's (ended with it, accounted, in its cgroup), and the nodes need not accept
+# ssh from each other. Without it (Torque, HPCVLA_PBS_TM=0): ssh.
+PBS_RSH=""
+if [[ $SCHEDULER == pbs && ${HPCVLA_PBS_TM:-1} == 1 ]]; then
+    PBS_RSH=$(command -v pbs_tmrsh || true)
+fi
+
 # Run a shell command on a node of the job within 30 s (false if it did not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
 # from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
@@ -190,7 +201,7 @@ on_node() {  # HOST SHELL_COMMAND
         pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
                  sh -c "$2"
              else
-                 timeout 30 ssh "$1" "$2"
+                 timeout 30 "${PBS_RSH:-ssh}" "$1" "$2"
              fi ;;
         none) sh -c "$2" ;;
     esac
@@ -266,10 +277,12 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
         local host
         if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
             for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
-            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node")
+            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node"
+                    ${PBS_RSH:+--mca plm_rsh_agent "$PBS_RSH"})
         else  # MPICH's Hydra (and derivatives): host:ranks, filled in block order
             for host in "${HOSTS[@]}"; do echo "$host:$PER_NODE"; done > "$HOSTFILE"
-            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" -f "$HOSTFILE")
+            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" -f "$HOSTFILE"
+                    ${PBS_RSH:+-launcher rsh -launcher-exec "$PBS_RSH"})
         fi
         if [[ $SCHEDULER == slurm ]]; then
             # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that

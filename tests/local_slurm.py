@@ -111,6 +111,25 @@ echo "export PBS_NODEFILE=$nodefile"
 """
 
 
+# PBS's `pbs_tmrsh` for the PBS layer on this Slurm: an rsh that starts the command on a node
+# of the job through the job's resource manager (PBS: TM; here: a step of the Slurm job under
+# it), so that it is the job's process there, not an ssh session's. It drops rsh's options,
+# and Slurm's step variables from what it starts (a PBS task sees PBS's), keeping the GPUs the
+# node's step was given, as PBS's cgroup hook gives a task its node's.
+PBS_TMRSH = """\
+#!/bin/sh
+while [ $# -gt 0 ]; do
+    case $1 in -l) shift 2 ;; -*) shift ;; *) break ;; esac
+done
+host=$1
+shift
+exec env SLURM_CONF={conf} srun --jobid="${{PBS_JOBID%%.*}}" --overlap --nodes=1 --ntasks=1 \\
+    --nodelist="$host" --mpi=none sh -c \\
+    'for v in $(env | sed -n "s/^\\(SLURM_[A-Za-z0-9_]*\\)=.*/\\1/p"); do unset "$v"; done
+     exec sh -c "$*"' sh "$@"
+"""
+
+
 class SlurmError(RuntimeError):
     pass
 
@@ -147,6 +166,12 @@ class LocalSlurm:
         self.base: Path | None = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.env: dict[str, str] = {}
+
+    @property
+    def tm_bin(self) -> Path:
+        """The folder of this cluster's `pbs_tmrsh` (PBS_TMRSH), for a job's PATH."""
+        assert self.base is not None and self.multihost
+        return self.base / "tm"
 
     @property
     def node_names(self) -> list[str]:
@@ -223,6 +248,10 @@ class LocalSlurm:
             # the nodes' remote shell, for jobs (Hydra's proxies under PBS)
             (base / "bin").mkdir()
             (base / "bin" / "ssh").symlink_to(self.hosts.standin)
+            # and PBS's TM start, for jobs that put `tm_bin` on their PATH
+            (base / "tm").mkdir()
+            (base / "tm" / "pbs_tmrsh").write_text(PBS_TMRSH.format(conf=conf))
+            (base / "tm" / "pbs_tmrsh").chmod(0o755)
             self.env["PATH"] = f"{base / 'bin'}:{self.env.get('PATH', os.defpath)}"
         self.procs["slurmctld"] = self._daemon(["/usr/sbin/slurmctld", "-D", "-c", "-f", conf],
                                                "slurmctld", host=names[0])
