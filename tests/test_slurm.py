@@ -240,6 +240,58 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
     assert sum(summary["staleness_hist"].values()) == (updates - resumed) * 2 * 16
 
 
+def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, tmp_path):
+    """jobs/slurm/sft.sbatch on 3 hosts, a learner each (one node-shared copy of the
+    demonstrations per host); every process of h2 killed after a checkpoint: the job goes on
+    inside its allocation with the 2 learners of h0 and h1 from that checkpoint, each step now
+    16 chunks instead of 24, at the exact next chunk, and finishes."""
+    demos, steps = tmp_path / "demos.h5", 600
+    made = hpcvla("demos", "configs/default.yaml", "--episodes", 6, "--out", demos)
+    assert made.returncode == 0, made.stderr[-2000:]
+    log, dead = tmp_path / "sft-restart.out", "h2"
+    job = slurm3.sbatch(ROOT / "jobs/slurm/sft.sbatch", "configs/default.yaml",
+                        f"sft.demos={demos}", f"sft.steps={steps}", "sft.batch_size=8",
+                        "sft.checkpoint_every=50", "pipeline.progress_every_s=0.1",
+                        options=["--output", log, "--nodes=3", "--ntasks-per-node=1"],
+                        env=job_env(tmp_path, HPCVLA_END_GRACE_S="5"), cwd=ROOT)
+    runs = tmp_path / "runs" / f"hpcvla-sft-{job}"
+    deadline = time.monotonic() + 300
+    while not [p for p in runs.glob("*/checkpoints/v*/state.json")
+               if not p.parent.name.endswith(".partial")]:
+        assert time.monotonic() < deadline and slurm3.job(job)["JobState"] in (
+            "PENDING", "RUNNING"), log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    slurm3.fail_node(dead)
+    try:
+        while "[hpcvla sft] step" not in log.read_text().partition("restart 1/")[2]:
+            assert time.monotonic() < deadline + 300, log.read_text()[-4000:]
+            assert slurm3.job(job)["JobState"] == "RUNNING", log.read_text()[-4000:]
+            time.sleep(0.2)
+        slurm3.restore_node(dead, wait=False)
+        text = finished(slurm3, job, log)
+    finally:
+        if f"slurmd-{dead}" not in slurm3.procs:
+            slurm3.restore_node(dead, wait=False)
+        slurm3.cancel(job)
+        slurm3.wait_idle()
+    assert f"dropped node(s): {dead}; 2 rank(s) on 2 node(s) (h0 h1), from SFT step " \
+        in text, text[-4000:]
+    assert "written by 3 learners at ZeRO-1, re-partitioned onto 2 at ZeRO-1; 16 chunks a " \
+        "step)" in text.partition("restart 1/")[2], text[-4000:]
+    run_dir = the_run(tmp_path / "runs")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    (restart,) = summary["restarts"]
+    resumed = restart["resumed_from_version"]
+    assert summary["steps"] == steps and summary["learners"] == 2 and resumed % 50 == 0
+    assert restart["dropped_nodes"] == [dead] and restart["nodes"] == ["h0", "h1"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    assert all(r["trained_chunks"] == r["step"] * 24 for r in records[:cut])  # 3 learners
+    again = records[cut:]
+    assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
+    assert all(r["trained_chunks"] == resumed * 24 + (r["step"] - resumed) * 16 for r in again)
+
+
 @pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
 def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mpi):
     """A job of part of 2 nodes' GPUs (another job holds h1's first): Slurm gives h0 GPU 0 and

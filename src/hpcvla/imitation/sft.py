@@ -138,6 +138,11 @@ def sft_main(cfg, world) -> None:
             print("[hpcvla sft] resumed with settings changed since the run last ran: "
                   + "; ".join(changed), flush=True)
         board = RunBoard(run_dir, cfg.run, asdict(cfg))
+        if state:  # on another learner count each step trains another number of chunks
+            stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
+            print(f"[hpcvla sft] resuming from {resume} (step {first}; "
+                  f"{catalog.layout_change(state, learners, stage)}; "
+                  f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
