@@ -229,6 +229,16 @@ def test_the_held_out_loss_is_every_held_out_steps_on_two_zero3_learners(tmp_pat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [step for step, _ in summary["val_losses"]] == [2, 4]
     assert f"held-out {summary['val_losses'][-1][1]:.4f}" in out.stdout
+    # the start and stop, in the order reached, the slowest learner's; each one's peak memory
+    assert list(summary["phases_s"]) == [
+        "imports", "communicators", "demonstrations_read", "policy_built", "engine_ready",
+        "first_step", "last_checkpoint_written", "finished"]
+    assert 0 < summary["phases_s"]["imports"] <= summary["phases_s"]["finished"] < 300
+    assert [r["rank"] for r in summary["per_rank"]] == [0, 1] and all(
+        r["peak_memory"]["host_rss"] > 2 ** 20 and list(r["phases_s"])[-1] == "finished"
+        for r in summary["per_rank"])
+    assert "[hpcvla sft] start and stop, s since launch (slowest rank): imports " in out.stdout
+    assert "[hpcvla sft] peak memory, GiB (measured by each rank):" in out.stdout
     from hpcvla.demonstrations import read_demonstrations
     from hpcvla.envs import env_spec
     from hpcvla.evaluate import checkpoint_weights

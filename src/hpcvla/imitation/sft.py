@@ -38,6 +38,7 @@ import math
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -48,15 +49,16 @@ from hpcvla.config import write_run_config
 from hpcvla.config.imitation import dataset_features, demo_paths
 from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
                                    select_demonstrations)
-from hpcvla.devices import bind_rank_device
+from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.job.runtime import create_run_dir
 from hpcvla.memory.states import size
-from hpcvla.metrics import restart_log
+from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import deathwatch, preempt
+from hpcvla.roles.outputs import RankSummary, memory_table, phases_line
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
@@ -64,6 +66,8 @@ from hpcvla.transport.backoff import idle_barrier, idle_bcast
 from hpcvla.transport.node_arrays import NodeArrays
 
 HELD_OUT_SEED = 0x5EED  # torch's RNG during every held-out loss (held_out_loss)
+# what summary.json's per_rank keeps of each learner's report (roles/outputs.RankSummary)
+PER_RANK = ("rank", "host", "device", "dtype", "phases_s", "peak_memory")
 
 
 def engine_config(cfg):
@@ -99,10 +103,12 @@ def lr_at(sft, step: int) -> float:
 
 def sft_main(cfg, world) -> None:
     """Every rank: read the demonstrations, fine-tune, checkpoint."""
+    phases.mark("imports")
     rank, learners = world.Get_rank(), world.Get_size()
     if cfg.launch.check_scheduler:
         check_scheduler_world(learners)
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # [dist] this host's learners
+    phases.mark("communicators")
     torch.set_num_threads(max(1, torch.get_num_threads() // node.Get_size()))
     seed_rank(cfg, rank)
     if not cfg.run.resume:
@@ -120,29 +126,21 @@ def sft_main(cfg, world) -> None:
     val_paths = demo_paths(cfg.sft, "val_demos")
     held_out, shared_val = _read_on_node(node, spec, lambda: select_demonstrations(
         val_paths, spec, features=features)) if val_paths else (None, None)
+    phases.mark("demonstrations_read")
     samples = len(demos.actions)
-    on_gpus = device.type == "cuda"
-    policy = build_policy(cfg, spec, device, on_gpus)
+    policy = build_policy(cfg, spec, device, device.type == "cuda")
+    phases.mark("policy_built")
     resume = catalog.latest(run_dir) if cfg.run.resume else None
     if resume is not None:
         policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
     state = store.load_optimizer(resume, engine, world) if resume else None  # [dist]
+    phases.mark("engine_ready")
     first, trained = (state["version"], state["counters"][catalog.SFT_COUNTER]) if state \
         else (0, 0)
     board = metrics = None
     if rank == 0:
-        metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)  # whole lines as they end
-        changed = write_run_config(cfg, run_dir)
-        if changed:
-            print("[hpcvla sft] resumed with settings changed since the run last ran: "
-                  + "; ".join(changed), flush=True)
-        board = RunBoard(run_dir, cfg.run, asdict(cfg))
-        if state:  # on another learner count each step trains another number of chunks
-            stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
-            print(f"[hpcvla sft] resuming from {resume} (step {first}; "
-                  f"{catalog.layout_change(state, learners, stage)}; "
-                  f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
+        board, metrics = _open_logs(cfg, run_dir, state, learners)
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
@@ -157,6 +155,22 @@ def sft_main(cfg, world) -> None:
     for arrays in filter(None, (shared, shared_val)):
         arrays.free()  # [dist]
     node.Free()  # [dist]
+
+
+def _open_logs(cfg, run_dir: Path, state: dict | None, learners: int) -> tuple[RunBoard, IO]:
+    """Rank 0: the run's config written (what a resume changed, said), its TensorBoard and
+    metrics.jsonl (a line a step, whole as it ends); a resume's layout said."""
+    changed = write_run_config(cfg, run_dir)
+    if changed:
+        print("[hpcvla sft] resumed with settings changed since the run last ran: "
+              + "; ".join(changed), flush=True)
+    if state:  # on another learner count each step trains another number of chunks
+        stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
+        print(f"[hpcvla sft] resuming from {catalog.latest(run_dir)} (step {state['version']}; "
+              f"{catalog.layout_change(state, learners, stage)}; "
+              f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
+    return RunBoard(run_dir, cfg.run, asdict(cfg)), \
+        open(run_dir / "metrics.jsonl", "a", buffering=1)
 
 
 def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
@@ -198,6 +212,7 @@ def _train(cfg, engine, demos, held_out, first: int, trained: int, world, logs, 
         loss = engine(obs, actions, real)
         engine.backward(loss)
         engine.step()
+        phases.mark("first_step")
         losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
         history["lrs"].append(engine.optimizer.param_groups[0]["lr"])
         done, trained = step + 1, trained + sft.batch_size * learners
@@ -272,13 +287,28 @@ def _checkpoint(cfg, engine, run_dir: Path, step: int, trained: int, world, samp
 def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: int,
             trained: int, demos: int, samples: int, writer) -> None:
     """The last checkpoint (what `policy.checkpoint` and `hpcvla eval` load, and what
-    `run.resume` goes on from after a stop signal), summary.json."""
+    `run.resume` goes on from after a stop signal), summary.json: with the start and stop
+    (metrics/phases.py; the slowest learner's) and every learner's peak memory."""
     _checkpoint(cfg, engine, run_dir, done, trained, world, samples, writer, wait=True)
+    phases.mark("last_checkpoint_written")
+    if preempt.requested_at() is not None:
+        phases.mark("stop_signal", preempt.requested_at())
+    phases.mark("finished")
+    reports = world.gather(RankSummary(  # [dist]
+        rank=world.Get_rank(), role="sft learner", host=MPI.Get_processor_name(),
+        device=str(engine.device), dtype=str(next(engine.module.parameters()).dtype),
+        first_version=done - len(history["losses"]), phases_s=phases.of_rank(),
+        peak_memory=peak_memory(engine.device)), root=0)
     if world.Get_rank() == 0:
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), **history,
                    "preempted": done < cfg.sft.steps,
-                   "restarts": restart_log.recorded(run_dir)}  # inside the allocation
+                   "restarts": restart_log.recorded(run_dir),  # inside the allocation
+                   "phases_s": phases.slowest([r.phases_s for r in reports]),
+                   "per_rank": [{k: v for k, v in asdict(r).items() if k in PER_RANK}
+                                for r in reports]}
+        print(phases_line("[hpcvla sft]", summary["phases_s"]))
+        print(memory_table(reports, "[hpcvla sft]"), flush=True)
         losses = history["losses"]
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         line = f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else \

@@ -169,8 +169,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
               f"`hpcvla train run.resume={run_dir} --ranks {len(everyone)}` (it loads the "
               "run's own config; under srun/mpiexec start the same ranks with run.resume=)",
               flush=True)
-    print("[hpcvla] start and stop, s since launch (slowest rank): " + " | ".join(
-        f"{step} {seconds:.1f}" for step, seconds in result["phases_s"].items()))
+    print(phases_line("[hpcvla]", result["phases_s"]))
     print(memory_table(everyone), flush=True)
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {figure(result['success_rate'])} | "  # every learner's last episodes
@@ -197,7 +196,13 @@ def _add_planned_memory(everyone: list[RankSummary], path: Path) -> None:
                             "host": sum(planned["host_by_rank"].get(rank, {}).values())}
 
 
-def memory_table(everyone: list[RankSummary]) -> str:
+def phases_line(tag: str, phases_s: dict[str, float]) -> str:
+    """The run's start and stop (phases.slowest) as the log shows it."""
+    return f"{tag} start and stop, s since launch (slowest rank): " + " | ".join(
+        f"{step} {seconds:.1f}" for step, seconds in phases_s.items())
+
+
+def memory_table(everyone: list[RankSummary], tag: str = "[hpcvla]") -> str:
     """Every rank's peak memory (GiB) as it measured it, and the memory model's figure where
     the run has one (GPU runs); columns nobody has are left out."""
     columns: dict[str, Callable[[RankSummary], int | None]] = {
@@ -208,7 +213,7 @@ def memory_table(everyone: list[RankSummary]) -> str:
         "host planned": lambda s: (s.planned_memory or {}).get("host")}
     columns = {k: f for k, f in columns.items() if any(f(s) is not None for s in everyone)}
     planned = "; planned: the memory model" if any("planned" in k for k in columns) else ""
-    lines = [f"[hpcvla] peak memory, GiB (measured by each rank{planned}):",
+    lines = [f"{tag} peak memory, GiB (measured by each rank{planned}):",
              f"{'rank':>4} {'role':<30} {'device':<7} " + " ".join(f"{k:>13}" for k in columns)]
     for s in everyone:
         values = [f(s) for f in columns.values()]
