@@ -10,8 +10,8 @@
 # the node list, its proxies started by srun under Slurm and under PBS by PBS's pbs_tmrsh
 # (TM) where there is one, else ssh; `srun --mpi=pmix` for Open MPI under Slurm, its `mpirun`
 # elsewhere (with `-x` for each of the job's variables: mpirun passes ranks on other nodes
-# none). Every other command (`bench
-# modes` starts its own MPI worlds) runs as one process on the first node.
+# none). Every other command (`bench modes` starts its own MPI worlds) runs as one process on
+# the first node.
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
 # hosts, check that every node holds the same number of ranks (the rank plan needs it),
@@ -467,10 +467,10 @@ fit_to_nodes() {
 # A failed world (a rank or a node died; not a signal) is started again inside the allocation
 # up to HPCVLA_RESTARTS times: on the nodes that still start a process, with as many ranks per
 # node as before, laid out on them (train: fit_to_nodes, or the auto plan; sft: all learners),
-# continuing from the newest checkpoint (any learner count and ZeRO stage resumes it). Not when the run has no
-# checkpoint yet (a new world would start it over, in a new run directory), nor when the
-# failure recurs before a newer checkpoint exists: that is no node failure, and trying again
-# would not end.
+# continuing from the newest checkpoint (any learner count and ZeRO stage resumes it). Not
+# when the run has no checkpoint yet (a new world would start it over, in a new run
+# directory), nor when the failure recurs before a newer checkpoint exists: that is no node
+# failure, and trying again would not end.
 restarts_left=${HPCVLA_RESTARTS:-0}
 failed_at=""
 LAYOUT=""
@@ -516,7 +516,8 @@ while true; do
     NODES=${#HOSTS[@]}
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
-    if [[ $1 == train && -z ${HPCVLA_AUTOPLAN:-} ]]; then  # (else set_command lays them out)
+    # (sft: learners only, as many as there are; the auto plan: set_command lays them out)
+    if [[ $1 == train && -z ${HPCVLA_AUTOPLAN:-} ]]; then
         if ! fit_to_nodes; then
             say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
             break
