@@ -264,7 +264,10 @@ before = [p.detach().clone() for p in engine.module.parameters()]
 engine.backward(sum(p.sum() for p in engine.module.parameters()))
 engine.step()
 moved = sum(not p.equal(b) for p, b in zip(engine.module.parameters(), before))
-print(moved, len(before), sys.modules["deepspeed.runtime.zero.muon.original_muon"].__doc__)
+print(moved, len(before), sys.modules["deepspeed.runtime.zero.muon.original_muon"].__doc__,
+      flush=True)
+import torch.distributed
+torch.distributed.destroy_process_group()  # gloo's threads end before the process does
 """
 
 

@@ -165,7 +165,8 @@ for _ in range(10):
 dtypes = {(str(p.dtype), p.requires_grad) for p in policy.parameters()}
 moved = np.mean([(p != s).float().mean().item()
                  for p, s in zip(policy.value_q_target.parameters(), start)])
-print(json.dumps([engine.bfloat16_enabled(), sorted(dtypes), float(moved)]))
+print(json.dumps([engine.bfloat16_enabled(), sorted(dtypes), float(moved)]), flush=True)
+torch.distributed.destroy_process_group()  # gloo's threads end before the process does
 """
 
 
