@@ -53,7 +53,7 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.job.runtime import create_run_dir
+from hpcvla.job.runtime import create_run_dir, leave_together
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
@@ -155,6 +155,7 @@ def sft_main(cfg, world) -> None:
     for arrays in filter(None, (shared, shared_val)):
         arrays.free()  # [dist]
     node.Free()  # [dist]
+    leave_together(world, cfg.pipeline.stall_timeout_s)  # [dist]
 
 
 def _open_logs(cfg, run_dir: Path, state: dict | None, learners: int) -> tuple[RunBoard, IO]:

@@ -143,13 +143,19 @@ def train_main(cfg, plan, comms) -> None:
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
     run_pipeline(cfg, plan, comms, run_dir)
-    # The learners' gloo/NCCL threads end before anyone exits: a rank leaving while a peer's
-    # still talk to it ends in std::terminate (seen in CI with a test world). A rank that
-    # never imported torch (a simulator) has no process group.
+    leave_together(world, cfg.pipeline.stall_timeout_s)
+
+
+def leave_together(world, stall_timeout_s: float) -> None:
+    """Every rank at the end of its work (`train`'s, `sft`'s): the learners' gloo/NCCL threads
+    end before anyone exits (a rank leaving while a peer's still talk to it, or a process
+    whose threads outlive its interpreter, ends in std::terminate: seen in CI), then each
+    waits for the others, saying so every `stall_timeout_s`. A rank that never imported torch
+    (a simulator) has no process group."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_initialized():
         dist.destroy_process_group()  # [dist]
     rank = world.Get_rank()
-    with reminding(cfg.pipeline.stall_timeout_s, lambda waited: f"hpcvla: rank {rank} has "
+    with reminding(stall_timeout_s, lambda waited: f"hpcvla: rank {rank} has "
                    f"finished and waited {waited:.0f} s for the others to finish too"):
         idle_barrier(world)  # [dist]
