@@ -1,12 +1,17 @@
 """A simulator step that never returns (injected: `env.hang_at_step`) is caught by the step
 watchdog within `env.step_timeout_s`: the rank prints its stacks (the stuck line in the env on
-top), the launcher names the rank and its role and stops the whole job; nothing hangs."""
+top), the launcher names the rank and its role and stops the whole job; nothing hangs. A
+learner of `hpcvla sft` that stops (SIGSTOP) is said by the others, each
+pipeline.stall_timeout_s, still in their step; let go, the run goes on to its end."""
 
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
@@ -28,3 +33,41 @@ def test_a_hung_env_step_stops_the_job_loudly(tmp_path, config, ranks, role):
     assert "envs/reach.py" in out.stderr  # where it hung
     assert f"({role}" in out.stderr and "died first" in out.stderr  # who, named by the launcher
     print(f"{config}: job down {took:.0f} s after start (3 s watchdog)")
+
+
+def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_path):
+    """~12 s: two short worlds (the demonstrations', the fine-tuning's)."""
+    demos = tmp_path / "demos.h5"
+    made = subprocess.run([sys.executable, "-m", "hpcvla", "demos", "configs/default.yaml",
+                           "--episodes", "4", "--out", str(demos)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "sft", "configs/default.yaml",
+                             f"sft.demos={demos}", "sft.steps=600", "sft.batch_size=8",
+                             "pipeline.stall_timeout_s=1", "pipeline.progress_every_s=0.1",
+                             f"run.root={tmp_path / 'runs'}", "--ranks", "2"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("[hpcvla sft] step "):
+                break
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "hpcvla" in " ".join(p.cmdline()) and "mpiexec" not in p.name()
+                 and "hydra" not in p.name()]
+        assert len(ranks) == 2, [p.cmdline() for p in ranks]
+        os.kill(ranks[0].pid, signal.SIGSTOP)
+        for line in proc.stdout:  # the other learner, waiting in the step's collective
+            log.append(line)
+            if "has been in step" in line and "for 2 s" in line:
+                break
+        os.kill(ranks[0].pid, signal.SIGCONT)
+        log += proc.stdout.readlines()
+        assert proc.wait(timeout=300) == 0, "".join(log)[-3000:]
+    finally:
+        proc.kill()
+    text = "".join(log)
+    assert "hpcvla sft: rank " in text and " has been in step " in text and \
+        "(waiting for the other learners, or stuck itself)" in text, text[-3000:]
+    assert "[hpcvla sft] step 600/600" in text, text[-3000:]

@@ -38,7 +38,6 @@ import math
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import torch
@@ -58,6 +57,7 @@ from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import deathwatch, preempt
+from hpcvla.process.watchdog import reminding
 from hpcvla.roles.outputs import RankSummary, memory_table, phases_line
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
@@ -138,19 +138,19 @@ def sft_main(cfg, world) -> None:
     phases.mark("engine_ready")
     first, trained = (state["version"], state["counters"][catalog.SFT_COUNTER]) if state \
         else (0, 0)
-    board = metrics = None
+    log = None
     if rank == 0:
-        board, metrics = _open_logs(cfg, run_dir, state, learners)
+        log = _start_log(cfg, run_dir, state, learners)
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
               f"run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
-    history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world,
-                                    (board, metrics), run_dir, writer)
+    history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world, log,
+                                    run_dir, writer)
     _finish(cfg, engine, run_dir, world, history, done, trained, len(demos.task), samples,
             writer)
-    for log in filter(None, (board, metrics)):
+    if log is not None:
         log.close()
     for arrays in filter(None, (shared, shared_val)):
         arrays.free()  # [dist]
@@ -158,9 +158,9 @@ def sft_main(cfg, world) -> None:
     leave_together(world, cfg.pipeline.stall_timeout_s)  # [dist]
 
 
-def _open_logs(cfg, run_dir: Path, state: dict | None, learners: int) -> tuple[RunBoard, IO]:
-    """Rank 0: the run's config written (what a resume changed, said), its TensorBoard and
-    metrics.jsonl (a line a step, whole as it ends); a resume's layout said."""
+def _start_log(cfg, run_dir: Path, state: dict | None, learners: int) -> RunLog:
+    """Rank 0: the run's config written (what a resume changed, said), a resume's layout said;
+    the run's RunLog."""
     changed = write_run_config(cfg, run_dir)
     if changed:
         print("[hpcvla sft] resumed with settings changed since the run last ran: "
@@ -170,8 +170,7 @@ def _open_logs(cfg, run_dir: Path, state: dict | None, learners: int) -> tuple[R
         print(f"[hpcvla sft] resuming from {catalog.latest(run_dir)} (step {state['version']}; "
               f"{catalog.layout_change(state, learners, stage)}; "
               f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
-    return RunBoard(run_dir, cfg.run, asdict(cfg)), \
-        open(run_dir / "metrics.jsonl", "a", buffering=1)
+    return RunLog(cfg, run_dir)
 
 
 def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
@@ -186,64 +185,93 @@ def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
     return Demonstrations.from_arrays(shared.arrays, mine.task, mine.source), shared
 
 
-def _train(cfg, engine, demos, held_out, first: int, trained: int, world, logs, run_dir,
+def _train(cfg, engine, demos, held_out, first: int, trained: int, world, log, run_dir,
            writer) -> tuple[dict[str, list], int, int]:
     """Steps first .. sft.steps (`trained` chunks before them), or until a stop signal
     (process/preempt.py: all learners stop after the same step); the history (the mean loss
     over the learners of every step, the learning rate the optimizer stepped at, read back
     from it, the held-out loss after every sft.val_every steps and the last), the steps done
-    and the chunks trained. `logs`: rank 0's TensorBoard and metrics.jsonl (None, None on the
-    others).
-    Checkpoints every sft.checkpoint_every steps, written by `writer` (in the background
-    unless learner.checkpoint_background is false, as `train`'s)."""
+    and the chunks trained. `log`: rank 0's RunLog (None on the others). Checkpoints every
+    sft.checkpoint_every steps, written by `writer` (in the background unless
+    learner.checkpoint_background is false, as `train`'s). A step that takes
+    pipeline.stall_timeout_s is said, every time, by each learner still in it: its collectives
+    wait for all of them, so a learner that hangs is the one not saying so."""
     rank, learners, sft = world.Get_rank(), world.Get_size(), cfg.sft
     samples, history = len(demos.actions), {"losses": [], "lrs": [], "val_losses": []}
-    board, metrics = logs
-    losses = history["losses"]
-    start = last_print = time.monotonic()
-    done = first
+    start, done = time.monotonic(), first
     for step in range(first, sft.steps):
-        index = batch_indices(samples, sft.batch_size, trained, rank, cfg.run.seed)
-        obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
-        actions = torch.from_numpy(demos.actions[index]).to(engine.device)
-        real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: no loss
-        lr = lr_at(sft, step)
-        for group in engine.optimizer.param_groups:  # one rate: engine_config's critic's too
-            group["lr"] = lr
-        loss = engine(obs, actions, real)
-        engine.backward(loss)
-        engine.step()
-        phases.mark("first_step")
-        losses.append(world.allreduce(loss.item(), op=MPI.SUM) / learners)  # [dist]
-        history["lrs"].append(engine.optimizer.param_groups[0]["lr"])
-        done, trained = step + 1, trained + sft.batch_size * learners
-        val = None
-        if held_out is not None and (done == sft.steps or
-                                     sft.val_every and done % sft.val_every == 0):
-            val = held_out_loss(engine, held_out, sft.batch_size, world)  # [dist]
-            history["val_losses"].append([done, val])
-        if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
-            _checkpoint(cfg, engine, run_dir, done, trained, world, samples, writer)
-        now = time.monotonic()
-        if rank == 0 and (now - last_print >= cfg.pipeline.progress_every_s or
-                          done == sft.steps or val is not None):
-            rate = (done - first) * sft.batch_size * learners / max(now - start, 1e-9)
-            eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
-            epoch = trained / samples
-            print(f"[hpcvla sft] step {done}/{sft.steps} | loss {losses[-1]:.4f} | "
-                  + (f"held-out {val:.4f} | " if val is not None else "") +
-                  f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {epoch:.1f} | eta {eta:.0f} s",
-                  flush=True)
-            last_print = now
-        if rank == 0:
-            scalars = {"loss": losses[-1], "lr": lr,
-                       **({"val_loss": val} if val is not None else {})}
-            board.scalars(scalars, done, group="sft")
-            metrics.write(json.dumps({"time": round(now - start, 3), "step": done,
-                                      "trained_chunks": trained, **scalars}) + "\n")
-        if preempt.agreed(world):  # [dist]
+        with reminding(cfg.pipeline.stall_timeout_s, lambda waited, at=step + 1: (
+                f"hpcvla sft: rank {rank} has been in step {at} for {waited:.0f} s (waiting "
+                "for the other learners, or stuck itself)")):
+            index = batch_indices(samples, sft.batch_size, trained, rank, cfg.run.seed)
+            loss = _step(engine, demos, index, lr_at(sft, step))
+            history["losses"].append(world.allreduce(loss, op=MPI.SUM) / learners)  # [dist]
+            history["lrs"].append(engine.optimizer.param_groups[0]["lr"])
+            done, trained = step + 1, trained + sft.batch_size * learners
+            val = None
+            if held_out is not None and (done == sft.steps or
+                                         sft.val_every and done % sft.val_every == 0):
+                val = held_out_loss(engine, held_out, sft.batch_size, world)  # [dist]
+                history["val_losses"].append([done, val])
+            if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
+                _checkpoint(cfg, engine, run_dir, done, trained, world, samples, writer)
+            stop = preempt.agreed(world)  # [dist]
+        if log is not None:
+            log.step(history, val, (first, done, trained, samples, learners),
+                     time.monotonic() - start)
+        if stop:
             break
     return history, done, trained
+
+
+def _step(engine, demos, index: np.ndarray, lr: float) -> float:
+    """One optimizer step on the chunks `index` at learning rate `lr`; its loss."""
+    obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
+    actions = torch.from_numpy(demos.actions[index]).to(engine.device)
+    real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: no loss
+    for group in engine.optimizer.param_groups:  # one rate: engine_config's critic's too
+        group["lr"] = lr
+    loss = engine(obs, actions, real)
+    engine.backward(loss)
+    engine.step()
+    phases.mark("first_step")
+    return loss.item()
+
+
+class RunLog:
+    """Rank 0's record of the run as it goes: a metrics.jsonl line a step (whole as it ends:
+    a failing rank's last words and a restart's record read it), TensorBoard's scalars, and
+    the progress line every pipeline.progress_every_s, at a held-out loss and at the end."""
+
+    def __init__(self, cfg, run_dir: Path):
+        self.cfg, self.printed_at = cfg, -math.inf
+        self.board = RunBoard(run_dir, cfg.run, asdict(cfg))
+        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+
+    def step(self, history: dict[str, list], val: float | None, counts: tuple,
+             elapsed: float) -> None:
+        """After a step. `counts`: the first step of this world, the steps done, the chunks
+        trained, the samples and the learners; `elapsed`: seconds since this world's first."""
+        first, done, trained, samples, learners = counts
+        sft, loss, lr = self.cfg.sft, history["losses"][-1], history["lrs"][-1]
+        scalars = {"loss": loss, "lr": lr, **({"val_loss": val} if val is not None else {})}
+        self.board.scalars(scalars, done, group="sft")
+        self.metrics.write(json.dumps({"time": round(elapsed, 3), "step": done,
+                                       "trained_chunks": trained, **scalars}) + "\n")
+        if elapsed - self.printed_at < self.cfg.pipeline.progress_every_s and \
+                done < sft.steps and val is None:
+            return
+        self.printed_at = elapsed
+        rate = (done - first) * sft.batch_size * learners / max(elapsed, 1e-9)
+        eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
+        print(f"[hpcvla sft] step {done}/{sft.steps} | loss {loss:.4f} | "
+              + (f"held-out {val:.4f} | " if val is not None else "") +
+              f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {trained / samples:.1f} | "
+              f"eta {eta:.0f} s", flush=True)
+
+    def close(self) -> None:
+        self.board.close()
+        self.metrics.close()
 
 
 def held_out_loss(engine, held_out, batch_size: int, world) -> float:
