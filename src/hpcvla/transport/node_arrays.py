@@ -37,7 +37,8 @@ class NodeArrays:
     """Arrays of `layout` (name -> (shape, dtype), the same on every rank of `node`), one
     copy per node, writable until `seal`."""
 
-    def __init__(self, node: MPI.Intracomm, layout: Mapping[str, tuple[tuple[int, ...], DTypeLike]]):
+    def __init__(self, node: MPI.Intracomm,
+                 layout: Mapping[str, tuple[tuple[int, ...], DTypeLike]]):
         from mpi4py import MPI
         self.node = node
         sizes = {k: int(np.prod(shape)) * np.dtype(dtype).itemsize
