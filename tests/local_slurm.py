@@ -27,7 +27,8 @@ MPI ranks on different nodes talk TCP. The filesystem is shared, as on a cluster
 the hosts: `sbatch`, `qsub`, `scontrol`, ... run on h0 (`scontrol listpids` on the job's batch
 host). Jobs find an `ssh` on PATH that runs its command on the named host (the hosts' remote
 shell stand-in), as a cluster's passwordless ssh between nodes: MPICH's Hydra under PBS starts
-its proxies on the other nodes through it.
+its proxies on the other nodes through it; with `tm_bin` on their PATH they find PBS's
+`pbs_tmrsh` too (PBS_TMRSH). With `gpus=N` every node schedules N GPUs (no device behind them).
 
 Everything started is stopped, and the private directory removed, by `stop()` (or leaving the
 `with` block), also when start-up fails halfway; with several nodes also the hosts, when
