@@ -79,3 +79,23 @@ def test_the_dev_shm_need_counts_every_learner_of_a_node():
     assert (_node_learners(default), _node_learners(colocated)) == (1, 4)
     rings = 4 * colocated.learner.ring_slots * 8 + 64  # MiB, beside no weights
     assert f"need >= {rings:,.1f} MiB" in _shared_memory(colocated, 0).found
+
+
+@pytest.mark.cluster  # root: a mount namespace
+def test_an_sft_job_needs_its_demonstrations_copy_in_dev_shm_not_trains_windows(tmp_path):
+    """`--job sft` (jobs/launch.sh passes its command): /dev/shm must hold the demonstrations'
+    one copy per node, not the weight window and rings `train` maps there. A 80 MiB /dev/shm
+    fails train's check (97 MiB) and passes sft's (its copy and MPI's 64 MiB)."""
+    demos = tmp_path / "demos.h5"
+    made = subprocess.run([sys.executable, "-m", "hpcvla", "demos", "configs/default.yaml",
+                           "--episodes", "4", "--out", str(demos)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    wrap = ["unshare", "--mount", "sh", "-c",
+            'mount -t tmpfs -o size=80m tmpfs /dev/shm && exec "$@"', "sh"]
+    train, checks = doctor("configs/default.yaml", f"sft.demos={demos}", wrap=wrap)
+    assert train.returncode == 1 and not checks["/dev/shm"]["ok"], train.stdout + train.stderr
+    assert "a node's windows need >= 97" in checks["/dev/shm"]["found"]
+    sft, checks = doctor("configs/default.yaml", f"sft.demos={demos}", "--job", "sft", wrap=wrap)
+    assert sft.returncode == 0, sft.stdout + sft.stderr
+    assert "the demonstrations' one copy needs >= 64." in checks["/dev/shm"]["found"], checks

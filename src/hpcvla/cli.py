@@ -7,7 +7,7 @@
     hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
-    hpcvla doctor [CONFIG] [key=value ...] [--json]   does this node have what the job needs?
+    hpcvla doctor [CONFIG] [key=value ...] [--job sft] [--json]   what the job needs, here?
     hpcvla eval RUN_DIR|CHECKPOINT [key=value ...] [--all] [--ranks N]
                                                       success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
@@ -103,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
                             "any failure")
     _config_args(doctor, required=False)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--job", choices=("train", "sft"), default="train", help="its command")
 
     add_bench_parser(sub)
 
@@ -283,7 +284,7 @@ def cmd_config(args) -> int:
 
 def cmd_doctor(args) -> int:
     from hpcvla.doctor import main as doctor
-    return doctor(load_config(args.config, args.overrides), args.json)
+    return doctor(load_config(args.config, args.overrides), args.json, args.job)
 
 
 def cmd_launch(args) -> int:

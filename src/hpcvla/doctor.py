@@ -4,7 +4,8 @@ its fix; exit status 1 when any fails. jobs/launch.sh runs it on the job's first
 starting the ranks, so a broken node fails the job in seconds, saying why.
 
 Checks: the MPI launcher starts one world with the library mpi4py loads (and, for Open MPI,
-its one-sided components); /dev/shm has room for the node's shared windows; the GPUs torch sees
+its one-sided components); /dev/shm has room for what the node's ranks share there (`train`'s
+windows; with `--job sft`, the demonstrations' one copy); the GPUs torch sees
 against what the scheduler granted, and NCCL where there are GPUs; the simulator's renderer
 (EGL for LIBERO's MuJoCo, Vulkan for ManiSkill's SAPIEN) draws a tiny scene; the PhysX GPU
 library for ManiSkill's GPU simulation; the config's files (checkpoints, pretrained folders,
@@ -37,11 +38,14 @@ class Check:
         return head if self.ok else f"{head}\n{'':17}fix: {self.fix}"
 
 
-def run_checks(cfg) -> list[Check]:
-    """Every check for a job of `cfg` on this node, in the order a job needs them."""
+def run_checks(cfg, job: str = "train") -> list[Check]:
+    """Every check for a job of `cfg` running `job` (train, sft) on this node, in the order a
+    job needs them."""
     from hpcvla.preflight import config_problems
 
-    problems = [p for p in config_problems(cfg) if p[0] != "placement.gpus_per_node"]  # gpus
+    last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
+    problems = [p for p in config_problems(cfg, last)
+                if p[0] != "placement.gpus_per_node"]  # the gpus check's
     unbuilt = []
     try:
         weights, params = _policy_size(cfg)
@@ -50,7 +54,8 @@ def run_checks(cfg) -> list[Check]:
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
-    checks = [_mpi(cfg), _shared_memory(cfg, weights), *_gpus(cfg), *_renderer(cfg), *unbuilt]
+    checks = [_mpi(cfg), _shared_memory(cfg, weights, job), *_gpus(cfg), *_renderer(cfg),
+              *unbuilt]
     checks.append(Check("config", not problems, "the config's files, packages and logins: "
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
@@ -109,19 +114,43 @@ def _mpi(cfg) -> Check:
                  f"of 2 ({' '.join(words[1].split())[:60]})")
 
 
-def _shared_memory(cfg, weights: int) -> Check:
-    """Room in /dev/shm for a node's weight window (two halves) and the rings of its learners
-    (_node_learners), as the memory model counts them (memory/layout.py)."""
-    rings = _node_learners(cfg) * cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024
-    need = 2 * weights + rings + 64 * MiB
+def _shared_memory(cfg, weights: int, job: str = "train") -> Check:
+    """Room in /dev/shm for what a node's ranks share there (and 64 MiB for MPI's own): for
+    `train` its weight window (two halves) and the rings of its learners (_node_learners), as
+    the memory model counts them (memory/layout.py); for `sft` the one copy of its
+    demonstrations (_demonstration_bytes)."""
+    if job == "sft":
+        what, need, fewer = "the demonstrations' one copy needs", \
+            _demonstration_bytes(cfg), "fewer demonstrations (sft.per_task)"
+    else:
+        rings = _node_learners(cfg) * cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024
+        what, need, fewer = "a node's windows need", 2 * weights + rings, \
+            "smaller learner.ring_slots"
+    need += 64 * MiB
     try:
         free = shutil.disk_usage("/dev/shm").free
     except OSError as err:
         return Check("/dev/shm", False, f"cannot be read: {err}", "a node with a /dev/shm "
                      "tmpfs (MPI's shared-memory windows live there)")
-    found = f"{free / MiB:,.1f} MiB free, a node's windows need >= {need / MiB:,.1f} MiB"
+    found = f"{free / MiB:,.1f} MiB free, {what} >= {need / MiB:,.1f} MiB"
     return Check("/dev/shm", free >= need, found, "a larger /dev/shm (e.g. `mount -o "
-                 "remount,size=...`; containers: --shm-size), or smaller learner.ring_slots")
+                 f"remount,size=...`; containers: --shm-size), or {fewer}")
+
+
+def _demonstration_bytes(cfg) -> int:
+    """The bytes of `hpcvla sft`'s demonstrations and held-out ones as a node holds them (from
+    the files' headers); 0 where they cannot be read (the config check says why)."""
+    from hpcvla.config.imitation import demo_paths
+    from hpcvla.demonstrations import demonstration_rows, sample_bytes
+    from hpcvla.envs import env_spec
+    spec = env_spec(cfg.env)
+    try:
+        rows = sum(demonstration_rows(paths, spec, per_task) for paths, per_task in (
+            (demo_paths(cfg.sft), cfg.sft.per_task or None),
+            (demo_paths(cfg.sft, "val_demos"), None)) if paths)
+    except (ValueError, OSError):
+        return 0
+    return rows * sample_bytes(spec)
 
 
 def _node_learners(cfg) -> int:
@@ -215,8 +244,8 @@ def _disk(cfg, weights: int, params: int) -> Check:
                  "or a smaller learner.checkpoint_keep")
 
 
-def main(cfg, as_json: bool) -> int:
-    checks = run_checks(cfg)
+def main(cfg, as_json: bool, job: str = "train") -> int:
+    checks = run_checks(cfg, job)
     if as_json:
         import json
         print(json.dumps([asdict(c) for c in checks], indent=1))
