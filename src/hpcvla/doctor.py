@@ -139,7 +139,8 @@ def _shared_memory(cfg, weights: int, job: str = "train") -> Check:
 
 def _demonstration_bytes(cfg) -> int:
     """The bytes of `hpcvla sft`'s demonstrations and held-out ones as a node holds them (from
-    the files' headers); 0 where they cannot be read (the config check says why)."""
+    the files' headers); 0 where they cannot be read (`hpcvla sft` refuses them before its
+    first step, saying why)."""
     from hpcvla.config.imitation import demo_paths
     from hpcvla.demonstrations import demonstration_rows, sample_bytes
     from hpcvla.envs import env_spec
