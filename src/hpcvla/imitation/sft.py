@@ -140,7 +140,7 @@ def sft_main(cfg, world) -> None:
         else (0, 0)
     log = None
     if rank == 0:
-        log = _start_log(cfg, run_dir, state, learners)
+        log = _start_log(cfg, run_dir, (resume, state), learners)
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
@@ -158,16 +158,17 @@ def sft_main(cfg, world) -> None:
     leave_together(world, cfg.pipeline.stall_timeout_s)  # [dist]
 
 
-def _start_log(cfg, run_dir: Path, state: dict | None, learners: int) -> RunLog:
-    """Rank 0: the run's config written (what a resume changed, said), a resume's layout said;
-    the run's RunLog."""
+def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
+    """Rank 0: the run's config written (what a resume changed, said), a resume's layout said
+    (`resumed`: the checkpoint and its state, or None, None); the run's RunLog."""
+    point, state = resumed
     changed = write_run_config(cfg, run_dir)
     if changed:
         print("[hpcvla sft] resumed with settings changed since the run last ran: "
               + "; ".join(changed), flush=True)
     if state:  # on another learner count each step trains another number of chunks
         stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
-        print(f"[hpcvla sft] resuming from {catalog.latest(run_dir)} (step {state['version']}; "
+        print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "
               f"{catalog.layout_change(state, learners, stage)}; "
               f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
     return RunLog(cfg, run_dir)
