@@ -88,6 +88,22 @@ def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4, time
     return out, json.loads((run_dir / "summary.json").read_text()), run_dir
 
 
+def reach_demos(path: Path, episodes: int) -> Path:
+    """`episodes` demonstrations of the default `reach` task's oracle (`hpcvla demos`) written
+    to `path`, for `hpcvla sft`; asserts it succeeded."""
+    made = hpcvla("demos", "configs/default.yaml", "--episodes", episodes, "--out", path)
+    assert made.returncode == 0, made.stderr[-2000:]
+    return path
+
+
+def sft_worlds(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """An `hpcvla sft` run's metrics.jsonl records cut where a restarted world began again
+    (its step no greater than the one before): the dead world's and the restarted one's."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    return records[:cut], records[cut:]
+
+
 def progress_version(line: str) -> int | None:
     """The version a progress line (`[hpcvla] update V/N | ...`) reports; None for any other
     line. Lines come every pipeline.progress_every_s, not at every version: wait for a version

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, reach_demos
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # the CLI and a 2-rank world per call: ~5 s each
 
@@ -86,11 +86,7 @@ def test_an_sft_job_needs_its_demonstrations_copy_in_dev_shm_not_trains_windows(
     """`--job sft` (jobs/launch.sh passes its command): /dev/shm must hold the demonstrations'
     one copy per node, not the weight window and rings `train` maps there. A 80 MiB /dev/shm
     fails train's check (97 MiB) and passes sft's (its copy and MPI's 64 MiB)."""
-    demos = tmp_path / "demos.h5"
-    made = subprocess.run([sys.executable, "-m", "hpcvla", "demos", "configs/default.yaml",
-                           "--episodes", "4", "--out", str(demos)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
+    demos = reach_demos(tmp_path / "demos.h5", 4)
     wrap = ["unshare", "--mount", "sh", "-c",
             'mount -t tmpfs -o size=80m tmpfs /dev/shm && exec "$@"', "sh"]
     train, checks = doctor("configs/default.yaml", f"sft.demos={demos}", wrap=wrap)

@@ -11,7 +11,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from hpcvla.metrics.charts import STAGE_COLORS, stage_color
-from helpers import ROOT, hpcvla
+from helpers import ROOT, hpcvla, reach_demos
 
 sys.path.insert(0, str(ROOT / "postprocess"))  # postprocess/report.py is a script, not a package
 from report import lanes_of, load_run  # noqa: E402
@@ -97,8 +97,7 @@ def test_report_refuses_what_is_not_a_run(tmp_path):
 @pytest.mark.mpi
 def test_report_skips_an_sft_run_saying_where_its_losses_are(tmp_path):
     """An `hpcvla sft` run directory among RL runs (`report.py runs/*`): skipped, said. ~8 s."""
-    demos = tmp_path / "demos.h5"
-    assert hpcvla("demos", "configs/default.yaml", "--episodes", 2, "--out", demos).returncode == 0
+    demos = reach_demos(tmp_path / "demos.h5", 2)
     out = hpcvla("sft", "configs/default.yaml", f"sft.demos={demos}", "sft.steps=3",
                  f"run.root={tmp_path / 'runs'}")
     assert out.returncode == 0, out.stderr[-3000:]

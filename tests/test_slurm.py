@@ -19,7 +19,7 @@ import h5py
 import pytest
 
 from local_slurm import TERMINAL, LocalSlurm
-from helpers import ROOT, hpcvla, rank_pids
+from helpers import ROOT, hpcvla, rank_pids, reach_demos, sft_worlds
 
 # A local Slurm (its daemons, munge, network-namespace nodes): root and `make install-cluster`.
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
@@ -245,9 +245,7 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
     demonstrations per host); every process of h2 killed after a checkpoint: the job goes on
     inside its allocation with the 2 learners of h0 and h1 from that checkpoint, each step now
     16 chunks instead of 24, at the exact next chunk, and finishes."""
-    demos, steps = tmp_path / "demos.h5", 600
-    made = hpcvla("demos", "configs/default.yaml", "--episodes", 6, "--out", demos)
-    assert made.returncode == 0, made.stderr[-2000:]
+    demos, steps = reach_demos(tmp_path / "demos.h5", 6), 600
     log, dead = tmp_path / "sft-restart.out", "h2"
     job = slurm3.sbatch(ROOT / "jobs/slurm/sft.sbatch", "configs/default.yaml",
                         f"sft.demos={demos}", f"sft.steps={steps}", "sft.batch_size=8",
@@ -284,10 +282,8 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
     resumed = restart["resumed_from_version"]
     assert summary["steps"] == steps and summary["learners"] == 2 and resumed % 50 == 0
     assert restart["dropped_nodes"] == [dead] and restart["nodes"] == ["h0", "h1"]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
-    assert all(r["trained_chunks"] == r["step"] * 24 for r in records[:cut])  # 3 learners
-    again = records[cut:]
+    first, again = sft_worlds(run_dir)
+    assert all(r["trained_chunks"] == r["step"] * 24 for r in first)  # 3 learners
     assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
     assert all(r["trained_chunks"] == resumed * 24 + (r["step"] - resumed) * 16 for r in again)
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, hpcvla, left_behind, progress_version
+from helpers import ROOT, left_behind, progress_version, reach_demos, sft_worlds
 from hpcvla.job.segments import segments
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
@@ -166,9 +166,7 @@ def test_a_failed_sft_world_restarts_and_trains_the_lost_steps_again_on_the_same
     beyond it on the same batches (their losses equal), the chunk count going on from the
     checkpoint's; the restart's record names the steps lost. ~15 s: two short worlds."""
     demos, runs, steps = tmp_path / "demos.h5", tmp_path / "runs", 400
-    made = hpcvla("demos", "configs/default.yaml", "--episodes", 6, "--out", demos)
-    assert made.returncode == 0, made.stderr[-2000:]
-    proc = restarting_job(runs, 2, "configs/default.yaml", f"sft.demos={demos}",
+    proc = restarting_job(runs, 2, "configs/default.yaml", f"sft.demos={reach_demos(demos, 6)}",
                           f"sft.steps={steps}", "sft.batch_size=8", "sft.checkpoint_every=20",
                           "pipeline.progress_every_s=0.1", command="sft")
     log = []
@@ -196,12 +194,10 @@ def test_a_failed_sft_world_restarts_and_trains_the_lost_steps_again_on_the_same
     resumed = restart["resumed_from_version"]
     assert resumed >= 20 and resumed % 20 == 0
     assert f"from SFT step {resumed}" in text, text[-5000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
-    first, again = records[:cut], records[cut:]
+    first, again = sft_worlds(run_dir)
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))
     assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
-    assert all(r["trained_chunks"] == r["step"] * 16 for r in records)  # 2 learners x 8
+    assert all(r["trained_chunks"] == r["step"] * 16 for r in first + again)  # 2 learners x 8
     lost = first[-1]["step"] - resumed
     assert restart["lost_steps"] == lost >= 0 and restart["trained_steps"] == first[-1]["step"]
     redone = again[:lost]

@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from helpers import reach_demos
+
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +39,7 @@ def test_a_hung_env_step_stops_the_job_loudly(tmp_path, config, ranks, role):
 
 def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_path):
     """~12 s: two short worlds (the demonstrations', the fine-tuning's)."""
-    demos = tmp_path / "demos.h5"
-    made = subprocess.run([sys.executable, "-m", "hpcvla", "demos", "configs/default.yaml",
-                           "--episodes", "4", "--out", str(demos)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert made.returncode == 0, made.stderr[-2000:]
+    demos = reach_demos(tmp_path / "demos.h5", 4)
     proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "sft", "configs/default.yaml",
                              f"sft.demos={demos}", "sft.steps=600", "sft.batch_size=8",
                              "pipeline.stall_timeout_s=1", "pipeline.progress_every_s=0.1",
