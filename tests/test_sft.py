@@ -15,9 +15,10 @@ from hpcvla.config import load_config
 from hpcvla.factory import build_policy
 from hpcvla.policies import Policy, make_policy, save_pretrained
 from hpcvla.imitation.sft import batch_indices
-from helpers import hpcvla
+from helpers import ROOT, hpcvla
 
 VOCAB, ACTION_DIM, CHUNK = 12, 3, 4
+MPI_SCRIPT = ROOT / "tests" / "mpi" / "sft_memory_plan.py"
 SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
 
 
@@ -378,3 +379,24 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     planned = load_config(args[0], args[1:] + [f"sft.steps={stopped + 3}"]).sft
     assert summary["lrs"] == [lr_at(planned, step) for step in range(stopped, stopped + 3)]
     assert summary["lrs"][-1] == pytest.approx(1e-5)
+
+
+@pytest.mark.mpi
+def test_learners_that_overfill_their_gpus_end_the_world_with_one_message():
+    """A world of 2 sft learners on GPUs (their devices as bound on a GPU node): each gets
+    rank 0's memory plan, a GPU each; where the plan overfills placement.gpu_memory_gb, every
+    rank refuses alike: exit 2, the figure and the settings said once, no rank's failure."""
+    out = hpcvla("launch", "-n", 2, "--timeout", 120, "--", MPI_SCRIPT, 80)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    plans = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(plans) == 2 and plans[0]["gpu"] == plans[1]["gpu"], plans
+    assert plans[0]["device"] == {"0": "cuda:0", "1": "cuda:1"}
+    assert plans[0]["gpu"]["0"] == plans[0]["gpu"]["1"] and plans[0]["gpu"]["0"]["activations"]
+    out = hpcvla("launch", "-n", 2, "--timeout", 120, "--", MPI_SCRIPT, 1.2)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.count("invalid memory plan of the sft learners:") == 1, out.stderr
+    assert "sft.batch_size = 64: expected a layout that fits: rank(s) 0 on node 0 cuda:0 " \
+        "need 1.5 GiB > placement.gpu_memory_gb = 1.2" in out.stderr, out.stderr
+    assert "failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert sorted(line for line in out.stdout.splitlines() if "ended" in line) == [
+        "rank 0 ended: 2", "rank 1 ended: 2"]

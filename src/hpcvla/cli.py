@@ -231,7 +231,7 @@ def resumed_run_config(overrides: list[str]) -> str | None:
 def cmd_sft(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
-    preflight.check_sft(cfg, str(args.config))
+    preflight.check_sft(cfg, str(args.config), args.ranks)
     if args.ranks is None:  # a rank of a world someone started, or a world of one
         from hpcvla.imitation.sft import run_sft
         return run_sft(cfg)
@@ -254,8 +254,7 @@ def cmd_plan(args) -> int:
         return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json,
                                args.search_envs)
     plan = plan_from_config(cfg.placement, args.world, args.ranks_per_node)
-    from hpcvla.memory.layout import plan_memory
-    from hpcvla.preflight import layout_devices
+    from hpcvla.memory.layout import layout_devices, plan_memory
     from hpcvla.schedule import config_layout_problems
     devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others
     memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))

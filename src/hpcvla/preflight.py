@@ -256,14 +256,15 @@ def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
                                    cfg.algorithm.demos_per_task or None, outcomes=True)]
 
 
-def check_sft(cfg, source: str = "config") -> None:
+def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     """`hpcvla sft`'s checks: the config's (check_config), where it writes (run_root_problems),
-    the weights it resumes or starts from (weights_fit_problems) and its demonstrations against
-    the configured env's spec and this host's memory, before any rank starts."""
+    the weights it resumes or starts from (weights_fit_problems), its demonstrations against
+    the configured env's spec and this host's memory, and where it starts its world of
+    `learners` here, their GPUs' memory (memory/layout.sft_memory), before any rank starts."""
     from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import host_bytes, shared_memory_free
+    from hpcvla.memory.layout import host_bytes, layout_gpus, shared_memory_free, sft_memory
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
     problems = run_root_problems(cfg) + weights_fit_problems(cfg)
@@ -289,6 +290,10 @@ def check_sft(cfg, source: str = "config") -> None:
     problems = demonstration_problems(held_out, spec, features=features) if held_out else []
     if problems:
         raise ConfigError(problems, f"{source}: sft.val_demos")
+    problems = sft_memory(cfg, [0] * learners, True, spec).problems \
+        if learners and layout_gpus(cfg) else []
+    if problems:
+        raise ConfigError(problems, "memory plan of the sft learners")
 
 
 def check_config(cfg, source: str = "config", last=("pipeline.total_updates", None)):
@@ -391,30 +396,8 @@ def check_launch(cfg, plan: RankPlan, source: str = "config") -> dict[str, str]:
     problems = noise_obs_problems(cfg)
     if problems:
         raise ConfigError(problems, "algorithm.noise_obs")
+    from hpcvla.memory.layout import memory_problems
     problems = memory_problems(cfg, plan)
     if problems:
         raise ConfigError(problems, "memory plan (hpcvla plan shows it)")
     return {LAUNCH_CHECKED: launch_checked(cfg, plan)}
-
-
-def layout_devices(cfg, plan: RankPlan) -> dict[int, str]:
-    """Every rank's device (devices.plan_devices) on nodes of placement.gpus_per_node GPUs,
-    or, where it is -1, of as many as this host's torch sees."""
-    from hpcvla.devices import plan_devices, visible_gpus
-
-    gpus = cfg.placement.gpus_per_node
-    return plan_devices(plan, gpus if gpus >= 0 else len(visible_gpus()), env_uses_gpu(cfg.env))
-
-
-def memory_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
-    """The GPUs the layout overfills (memory/layout.py), where it puts ranks on GPUs, and the
-    nodes whose replay buffers (the off-policy algorithms, sac and rlpd) would not fit their host
-    memory."""
-    from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import plan_memory
-
-    devices = layout_devices(cfg, plan)
-    if not any(d.startswith("cuda") for d in devices.values()) and \
-            not cfg.algorithm.off_policy:
-        return []
-    return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems

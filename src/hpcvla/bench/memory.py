@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 
-# name -> (config, overrides, ZeRO stage, observations per micro-batch)
+# name -> (config, overrides, ZeRO stage, observations per micro-batch[, the imitation loss])
 CASES = {
     "flow-small-z0": ("configs/reach_flow.yaml", ["policy.size=small"], 0, 64),
     "flow-small-z1": ("configs/reach_flow.yaml", ["policy.size=small"], 1, 64),
@@ -44,6 +44,9 @@ CASES = {
                                                        "policy.lora_rank=8"], 1, 64),
     "tokens-small-lora-z2": ("configs/reach_tokens.yaml", ["policy.size=small",
                                                            "policy.lora_rank=8"], 2, 32),
+    # `hpcvla sft`'s learner: flow matching, the tokens' cross-entropy
+    "flow-small-sft-z0": ("configs/reach_flow.yaml", ["policy.size=small"], 0, 64, True),
+    "tokens-small-sft-z1": ("configs/reach_tokens.yaml", ["policy.size=small"], 1, 32, True),
 }
 QUICK = ("flow-small-z0", "tokens-small-z1")
 FULL_SIZE = {"pi0": ("configs/libero_pi0.yaml", ["policy.pretrained=", "policy.tokenizer=",
@@ -61,7 +64,7 @@ from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.memory.footprint import observation_batch, step_loss
 torch.set_num_threads(1)
-config, overrides, stage, n = json.loads(sys.argv[1])
+config, overrides, stage, n, imitation = json.loads(sys.argv[1])
 cfg = load_config(config, overrides)
 spec = env_spec(cfg.env)
 policy = build_policy(cfg, spec)
@@ -74,7 +77,10 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WO
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 obs = observation_batch(spec, policy.extra_fields(), n)
 actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
-step_loss(policy({k: v[:1] for k, v in obs.items()}, actions[:1])).backward()
+real = torch.ones((n, spec.chunk_len), dtype=bool) if imitation else None
+loss = (lambda out: out) if imitation else step_loss  # hpcvla sft's forward gives its loss
+loss(policy({k: v[:1] for k, v in obs.items()}, actions[:1],
+            None if real is None else real[:1])).backward()
 policy.zero_grad(set_to_none=True)
 gc.collect()
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -89,7 +95,7 @@ engine, *_ = deepspeed.initialize(model=policy, optimizer=adamw(cfg, policy), co
     "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
     "gradient_clipping": 0.5, "steps_per_print": 10 ** 9})
 for _ in range(2):
-    engine.backward(step_loss(engine(obs, actions))); engine.step()
+    engine.backward(loss(engine(obs, actions, real))); engine.step()
 done.set(); watcher.join()
 print("MEASURED", peak[0] - base)
 """
@@ -152,20 +158,23 @@ def child_measurement(script: str, args: list[str], what: str, env: dict | None 
     return int(lines[-1].split()[1])
 
 
-def measure(config: str, overrides: list[str], stage: int, n: int, port: int) -> int:
-    return child_measurement(MEASURE, [json.dumps([config, overrides, stage, n]), str(port)],
+def measure(config: str, overrides: list[str], stage: int, n: int, port: int,
+            imitation: bool = False) -> int:
+    return child_measurement(MEASURE, [json.dumps([config, overrides, stage, n, imitation]),
+                                       str(port)],
                              f"{config} {overrides} at ZeRO-{stage}",
                              env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
-def predict(config: str, overrides: list[str], stage: int, n: int) -> dict:
+def predict(config: str, overrides: list[str], stage: int, n: int,
+            imitation: bool = False) -> dict:
     """The model's figure for what `measure` sees, and its parts."""
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
     from hpcvla.memory.footprint import policy_footprint
     from hpcvla.memory.states import learner_bytes
     cfg = load_config(config, overrides)
-    fp = policy_footprint(cfg, env_spec(cfg.env), n, 1, on_gpus=False)
+    fp = policy_footprint(cfg, env_spec(cfg.env), n, 1, on_gpus=False, imitation=imitation)
     parts = learner_bytes(fp, stage, 1, on_gpu=False)
     return {"predicted": sum(parts.values()) - fp.weight_bytes, "parts": parts,
             "params": fp.params}
@@ -174,9 +183,9 @@ def predict(config: str, overrides: list[str], stage: int, n: int) -> dict:
 def peaks(names) -> dict:
     out = {}
     for i, name in enumerate(names):
-        config, overrides, stage, n = CASES[name]
-        row = predict(config, overrides, stage, n)
-        row["measured"] = measure(config, overrides, stage, n, 29600 + i)
+        config, overrides, stage, n, *imitation = CASES[name]
+        row = predict(config, overrides, stage, n, *imitation)
+        row["measured"] = measure(config, overrides, stage, n, 29600 + i, *imitation)
         row["predicted_over_measured"] = row["predicted"] / row["measured"]
         out[name] = row
         print(f"{name:<20} measured {row['measured'] / 2 ** 20:7.0f} MiB  predicted "

@@ -24,6 +24,10 @@ then constant or a cosine down to sft.final_lr), so a resumed run goes on with i
 demonstrations (sft.val_demos) are never trained on: their loss (`held_out_loss`) after every
 sft.val_every steps and the last says how well what was not shown is fit.
 
+On GPUs the learners' memory is planned once they have their devices (`planned_memory`,
+memory/layout.sft_memory), before the demonstrations are read and the policy is built: a
+batch that overfills them ends the world with the figures and the settings that make it fit.
+
 Sampling: the steps take consecutive chunks of one sequence of per-epoch permutations of all
 samples, a pure function of run.seed: the step after c chunks were trained takes chunks c ..
 c + G - 1 (G = batch_size x learners), learner r its batch_size of them. Every sample is
@@ -44,7 +48,7 @@ import torch
 from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
-from hpcvla.config import write_run_config
+from hpcvla.config import ConfigError, write_run_config
 from hpcvla.config.imitation import dataset_features, demo_paths
 from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
                                    select_demonstrations)
@@ -52,13 +56,15 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.job.runtime import create_run_dir, leave_together
+from hpcvla.job.runtime import Refused, create_run_dir, leave_together
+from hpcvla.memory.layout import LayoutMemory, sft_memory
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import deathwatch, preempt
 from hpcvla.process.watchdog import reminding
-from hpcvla.roles.outputs import RankSummary, memory_table, phases_line
+from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, add_planned_memory, memory_table,
+                                  phases_line)
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
@@ -67,7 +73,7 @@ from hpcvla.transport.node_arrays import NodeArrays
 
 HELD_OUT_SEED = 0x5EED  # torch's RNG during every held-out loss (held_out_loss)
 # what summary.json's per_rank keeps of each learner's report (roles/outputs.RankSummary)
-PER_RANK = ("rank", "host", "device", "dtype", "phases_s", "peak_memory")
+PER_RANK = ("rank", "host", "device", "dtype", "phases_s", "peak_memory", "planned_memory")
 
 
 def engine_config(cfg):
@@ -111,14 +117,17 @@ def sft_main(cfg, world) -> None:
     phases.mark("communicators")
     torch.set_num_threads(max(1, torch.get_num_threads() // node.Get_size()))
     seed_rank(cfg, rank)
+    device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
+    spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
+    memory = planned_memory(cfg, world, device, spec)  # [dist] GPUs it overfills: refused
     if not cfg.run.resume:
         cfg.run.name = f"{cfg.run.name}-sft"
     run_dir = create_run_dir(cfg, world)
     if rank == 0:
         catalog.hold_run(run_dir)  # one world at a time writes a run
         deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
-    device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
-    spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
+        if memory is not None:  # beside each learner's measured peak at the end
+            (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
     demos, shared = _read_on_node(node, spec, lambda: select_demonstrations(
         demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
@@ -156,6 +165,22 @@ def sft_main(cfg, world) -> None:
         arrays.free()  # [dist]
     node.Free()  # [dist]
     leave_together(world, cfg.pipeline.stall_timeout_s)  # [dist]
+
+
+def planned_memory(cfg, world, device, spec) -> LayoutMemory | None:
+    """The memory model's figures for this world's learners on their GPUs (memory/layout.py:
+    sft_memory), worked out by rank 0, on every rank; None on CPUs. Where they overfill the
+    GPUs, every rank raises Refused: the world ends with the figures and the settings that
+    make it fit, before the demonstrations are read and the policy built. (`hpcvla sft
+    --ranks N` checked its world before starting it: preflight.check_sft.)"""
+    hosts = world.allgather(MPI.Get_processor_name())  # [dist]
+    if device.type != "cuda":  # every learner's alike (devices.rank_device)
+        return None
+    nodes = [sorted(set(hosts), key=hosts.index).index(host) for host in hosts]
+    memory = idle_bcast(world, lambda: sft_memory(cfg, nodes, True, spec))  # [dist]
+    if memory.problems:
+        raise Refused(ConfigError(memory.problems, "memory plan of the sft learners"))
+    return memory
 
 
 def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
@@ -330,6 +355,7 @@ def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: i
         first_version=done - len(history["losses"]), phases_s=phases.of_rank(),
         peak_memory=peak_memory(engine.device)), root=0)
     if world.Get_rank() == 0:
+        add_planned_memory(reports, run_dir / MEMORY_PLAN)
         summary = {"steps": done, "learners": world.Get_size(), "demonstrations": demos,
                    "samples": samples, "device": str(engine.device), **history,
                    "preempted": done < cfg.sft.steps,

@@ -51,20 +51,30 @@ def run_ranks(cfg, main, check=None) -> int:
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
     except (PlanError, ConfigError, LaunchError) as err:  # every rank's same verdict
-        if rank == 0:
-            print(f"hpcvla: {err}", file=sys.stderr, flush=True)  # once for the world
-        # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
-        try:
-            idle_barrier(world, timeout=10.0)  # [dist]
-        except TimeoutError:
-            pass
-        return 2
+        return _refused(world, err)
     info = plan.ranks[rank]
     _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
     comms.free()
     deathwatch.finished(rank)
     preempt.ignore_from_now()
     return 0
+
+
+class Refused(Exception):
+    """Raised alike by every rank of a world (a collective verdict, e.g. `hpcvla sft`'s
+    learners overfill their GPUs): the world ends with one message and exit 2, not an abort."""
+
+
+def _refused(world, err: Exception) -> int:
+    """Every rank, on the same verdict `err`: rank 0 says it once for the world."""
+    if world.Get_rank() == 0:
+        print(f"hpcvla: {err}", file=sys.stderr, flush=True)
+    # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
+    try:
+        idle_barrier(world, timeout=10.0)  # [dist]
+    except TimeoutError:
+        pass
+    return 2
 
 
 def _problem(check, cfg, plan) -> str | None:
@@ -78,13 +88,18 @@ def _problem(check, cfg, plan) -> str | None:
 
 def run_guarded(world, role: str, main) -> int:
     """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
-    learners): a rank that raises aborts the world, as in run_ranks."""
+    learners): a rank that raises aborts the world, as in run_ranks; one that raises
+    Refused, as every rank does then, ends it with one message and exit 2."""
     from mpi4py import MPI
 
     hosts = world.allgather(MPI.Get_processor_name())  # [dist]
     node = sorted(set(hosts), key=hosts.index).index(hosts[world.Get_rank()])
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
-    _or_abort(world, role, node, main)
+    try:
+        _or_abort(world, role, node, main)
+    except Refused as err:
+        deathwatch.finished(world.Get_rank())  # an exit the launcher need not explain
+        return _refused(world, err)
     deathwatch.finished(world.Get_rank())
     preempt.ignore_from_now()
     return 0
@@ -99,7 +114,7 @@ def _or_abort(world, role: str, node: int, main) -> None:
     try:
         main()
     except BaseException as err:  # noqa: BLE001 - any failure must take the world down
-        if isinstance(err, SystemExit) and not err.code:
+        if isinstance(err, SystemExit) and not err.code or isinstance(err, Refused):
             raise
         deathwatch.abort_world(world, rank, f"hpcvla: rank {rank} ({role}) on node {node} "
                                f"(host {MPI.Get_processor_name()}) failed: {err!r}", 1,

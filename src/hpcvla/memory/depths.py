@@ -20,7 +20,12 @@ Phases, named alike at every depth: inside a stack's first layer and inside its 
 (the n-th time each runs), after its last layer, before any; forward or backward. The first
 layer differs from the rest (its input is the embeddings), so a stack must run two layers at
 least; a middle layer peaks between the first and the last (affine in its index) and needs
-no phase of its own. Forward ops are placed by hooks on the layers; a backward op by the
+no phase of its own. Not so under an imitation loss that leaves part of a stack's last layer
+unused (flow matching reads the prefix's keys and values, not its last hidden state): its
+last layer differs too, and with gradient checkpointing a middle layer's backward peaks
+above both ends. There the copies run three layers at least (MIDDLES_BASE) and a middle
+layer's phases are named by the second and the second-to-last layer, each affine in the
+depth. Forward ops are placed by hooks on the layers; a backward op by the
 forward phase that made the autograd node it runs in (torch numbers nodes as it makes them),
 which also places a checkpointed layer's recompute. tests/test_memory.py checks the figures
 equal the whole policy's."""
@@ -34,6 +39,7 @@ from collections import Counter
 import torch
 
 BASE = 2  # layers per stack in the shallowest copy
+MIDDLES_BASE = 3  # ... where the middle layers have phases of their own (an imitation loss)
 
 
 def depth_stacks(size) -> list[dict]:
@@ -84,11 +90,12 @@ class Phases:
     """The phase of each op of a run of `policy` (`current()`), by hooks on every layer of its
     transformers stacks (ModuleLists of transformers' GradientCheckpointingLayer). A forward
     phase is ("start",) or (stack, layer index, n-th entry, "in" | "after"); a backward one is
-    ("backward", *the forward phase)."""
+    ("backward", *the forward phase). `middles`: name a middle layer's phases (MIDDLES_BASE)."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, middles: bool = False):
         from transformers.modeling_layers import GradientCheckpointingLayer
 
+        self.middles = middles
         self.label: tuple = ("start",)
         self.entered: Counter = Counter()
         self.numbers, self.labels = [0], [self.label]  # forward phases by first node number
@@ -129,16 +136,18 @@ class Phases:
     def named(self, peaks: dict[tuple, int]) -> dict[tuple, int]:
         """Peaks by phase -> by names that mean the same at every depth: inside a stack's
         first and last layer it runs and after its last (after another layer, in the gap to
-        the next, is that layer's phase); middle layers are left out."""
+        the next, is that layer's phase); middle layers are left out, or with `middles` named
+        by the second and the second-to-last."""
         out: dict[tuple, int] = {}
         for phase, peak in peaks.items():
             names = [phase]
             if len(phase) > 3:
                 *direction, stack, k, n, where = phase
                 last = self.ran[stack] - 1
+                ends = [("first", 0), ("last", last)] + \
+                    [("second", 1), ("second to last", last - 1)] * self.middles
                 names = [(*direction, stack, "after", n)] if where == "after" and k == last \
-                    else [(*direction, stack, role, n)
-                          for role, index in (("first", 0), ("last", last)) if k == index]
+                    else [(*direction, stack, role, n) for role, index in ends if k == index]
             for name in names:
                 out[name] = max(out.get(name, 0), peak)
         return out

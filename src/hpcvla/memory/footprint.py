@@ -106,19 +106,28 @@ def observation_batch(spec, extra: dict, n: int) -> dict[str, torch.Tensor]:
     return obs
 
 
-def policy_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool) -> Footprint:
+def policy_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
+                     imitation: bool = False) -> Footprint:
     """The configured policy's Footprint (built as the ranks build it, in the dtype that
     `on_gpus` gives `policy.dtype=auto`) for a learner micro-batch of `train_obs` and an
-    inference batch of `act_obs` observations."""
-    validate = torch.distributions.Distribution._validate_args  # checks read values: off
+    inference batch of `act_obs` observations. `imitation`: the micro-batch trains the
+    family's imitation loss (`hpcvla sft`), else the RL loss's `evaluate`."""
+    with _collector_paused():
+        try:
+            found = shallow_footprint(cfg, spec, train_obs, act_obs, on_gpus, imitation)
+        except NotImplementedError:  # an op without a meta kernel: fake tensors may run it
+            found = None
+        return found or whole_footprint(cfg, spec, train_obs, act_obs, on_gpus, imitation)
+
+
+@contextmanager
+def _unchecked_distributions():
+    """torch.distributions' argument checks off for the while: they read values, which
+    tensors without storage do not have."""
+    validate = torch.distributions.Distribution._validate_args
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
-        with _collector_paused():
-            try:
-                found = shallow_footprint(cfg, spec, train_obs, act_obs, on_gpus)
-            except NotImplementedError:  # an op without a meta kernel: fake tensors may run it
-                found = None
-            return found or whole_footprint(cfg, spec, train_obs, act_obs, on_gpus)
+        yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
 
@@ -139,20 +148,21 @@ def _collector_paused():
             gc.enable()
 
 
-def whole_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool) -> Footprint:
+def whole_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
+                    imitation: bool = False) -> Footprint:
     """policy_footprint by running the whole policy on CPU fake tensors."""
     meta = build_policy(cfg, spec, device="meta", on_gpus=on_gpus)
     if cfg.learner.gradient_checkpointing:  # as engines.init_engine sets the learner's copy
         meta.enable_gradient_checkpointing()
     params, trainable, dtype_bytes, largest = parameter_counts(meta)
-    train, act, weights = _fake_run(meta, spec, train_obs, act_obs)
+    train, act, weights = _fake_run(meta, spec, train_obs, act_obs, imitation)
     return Footprint(params=params, trainable=trainable, weight_bytes=weights,
                      dtype_bytes=dtype_bytes, largest_layer=largest, train_obs=train_obs,
                      train_bytes=train, act_obs=act_obs, act_bytes=act)
 
 
-def shallow_footprint(cfg, spec, train_obs: int, act_obs: int,
-                      on_gpus: bool) -> Footprint | None:
+def shallow_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
+                      imitation: bool = False) -> Footprint | None:
     """policy_footprint from the policy's shallow copies (depths.py) on meta tensors; None for
     a policy without transformers stacks, or where the copies' phases do not line up."""
     kwargs = constructor_kwargs(cfg, on_gpus)
@@ -164,14 +174,15 @@ def shallow_footprint(cfg, spec, train_obs: int, act_obs: int,
 
     def measure(shallow) -> Shallow:
         policy = _build_meta(cfg, spec, {**kwargs, "size": shallow})
-        return _meta_run(policy, spec, train_obs, act_obs, kernels)
+        return _meta_run(policy, spec, train_obs, act_obs, kernels, imitation)
 
-    sizes, varied, base = depths.variants(size, depths.BASE)
+    layers = depths.MIDDLES_BASE if imitation else depths.BASE  # depths.py says why
+    sizes, varied, base = depths.variants(size, layers)
     runs = [measure(sizes[0])]
     if runs[0].stacks < len(depths.depth_stacks(size)):  # a stack Phases cannot see
         return None
-    if runs[0].shortfall:  # a stack skips layers (OFT's towers): it must still run two
-        sizes, varied, base = depths.variants(size, depths.BASE + runs[0].shortfall)
+    if runs[0].shortfall:  # a stack skips layers (OFT's towers): it must still run as many
+        sizes, varied, base = depths.variants(size, layers + runs[0].shortfall)
         runs = [measure(sizes[0])]
     runs += [measure(shallow) for shallow in sizes[1:]]
     train, act = (depths.extrapolate([getattr(run, part) for run in runs], varied, base)
@@ -249,12 +260,16 @@ def drop_gradients(policy) -> None:
             p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
 
 
-def _learn(policy, spec, n: int) -> None:
-    """One micro-batch of `n` observations forward and backward."""
+def _learn(policy, spec, n: int, imitation: bool = False) -> None:
+    """One micro-batch of `n` observations forward and backward: through the RL loss's
+    `evaluate`, or with `imitation` the family's imitation loss on chunks of real steps."""
     obs = observation_batch(spec, policy.extra_fields(), n)
     actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
-    outputs = policy.evaluate(obs, actions)  # alive through the backward
-    loss = step_loss(outputs)
+    if imitation:
+        loss = policy.imitation_loss(obs, actions, torch.ones((n, spec.chunk_len), dtype=bool))
+    else:
+        outputs = policy.evaluate(obs, actions)  # alive through the backward
+        loss = step_loss(outputs)
     if loss.requires_grad:  # a steered flow policy (DSRL) trains none of what this runs:
         loss.backward()     # its learner steps only the small noise actor (an over-count)
 
@@ -264,16 +279,17 @@ def _act(policy, spec, n: int) -> None:
         policy.act(observation_batch(spec, policy.extra_fields(), n))
 
 
-def _fake_run(meta, spec, train_obs: int, act_obs: int) -> tuple[int, int, int]:
+def _fake_run(meta, spec, train_obs: int, act_obs: int,
+              imitation: bool) -> tuple[int, int, int]:
     """(peak of a micro-batch's forward + backward, peak of `act`, weights), bytes."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _unchecked_distributions():
         policy = meta.to_empty(device="cpu")
         drop_gradients(policy)
         live = LiveBytes()
         with live:
             live.adopt([*policy.parameters(), *policy.buffers()])
             weights = live.now
-            _learn(policy, spec, train_obs)
+            _learn(policy, spec, train_obs, imitation)
             train = live.peak - weights
             live.reset_peak()
             base = live.now
@@ -282,19 +298,21 @@ def _fake_run(meta, spec, train_obs: int, act_obs: int) -> tuple[int, int, int]:
     return train, act, weights
 
 
-def _meta_run(policy, spec, train_obs: int, act_obs: int, kernels: CpuKernels) -> Shallow:
+def _meta_run(policy, spec, train_obs: int, act_obs: int, kernels: CpuKernels,
+              imitation: bool) -> Shallow:
     """A meta-device policy's figures, run on meta tensors that take the CPU's paths
     (`kernels`)."""
     counts = parameter_counts(policy)
     drop_gradients(policy)
     live = LiveBytes(kernels)
     peaks, shortfall, stacks = [], 0, 0
-    with torch.device("meta"), cpu_attention(), live:  # new tensors on meta
+    with torch.device("meta"), cpu_attention(), _unchecked_distributions(), live:  # on meta
         live.adopt([*policy.parameters(), *policy.buffers()])
         weights = live.now
-        for run in (lambda: _learn(policy, spec, train_obs), lambda: _act(policy, spec, act_obs)):
+        for run in (lambda: _learn(policy, spec, train_obs, imitation),
+                    lambda: _act(policy, spec, act_obs)):
             before = live.now
-            phases = live.phases = depths.Phases(policy)
+            phases = live.phases = depths.Phases(policy, middles=imitation)
             live.peaks = {}
             try:
                 run()

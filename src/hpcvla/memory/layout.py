@@ -24,6 +24,8 @@ class LayoutMemory:
     node: dict[int, int]  # rank -> node
     capacity_gib: float  # one GPU's memory (0: unknown)
     dtype_bytes: int  # of the trained parameters
+    # what sizes a learner's forward/backward: (its setting, the value, what it means)
+    batch: tuple[str, int, str] = ("", 0, "")
     problems: list[tuple[str, object, str]] = field(default_factory=list)
 
     def per_gpu(self) -> dict[tuple[int, str], tuple[list[int], dict[str, int]]]:
@@ -95,6 +97,34 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
         memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
                                            shared_memory_free())
     return memory
+
+
+def layout_devices(cfg, plan) -> dict[int, str]:
+    """Every rank's device (devices.plan_devices) on nodes of placement.gpus_per_node GPUs,
+    or, where it is -1, of as many as this host's torch sees."""
+    from hpcvla.devices import plan_devices
+    from hpcvla.envs import env_uses_gpu
+    return plan_devices(plan, layout_gpus(cfg), env_uses_gpu(cfg.env))
+
+
+def layout_gpus(cfg) -> int:
+    """GPUs per node: placement.gpus_per_node, or where it is -1 as many as torch sees here."""
+    from hpcvla.devices import visible_gpus
+    gpus = cfg.placement.gpus_per_node
+    return gpus if gpus >= 0 else len(visible_gpus())
+
+
+def memory_problems(cfg, plan) -> list[tuple[str, object, str]]:
+    """The GPUs the layout overfills, where it puts ranks on GPUs (preflight.check_launch
+    refuses them before any rank starts), and the nodes whose replay buffers (the off-policy algorithms, sac and rlpd) would not fit their host
+    memory."""
+    from hpcvla.envs import env_spec
+
+    devices = layout_devices(cfg, plan)
+    if not any(d.startswith("cuda") for d in devices.values()) and \
+            not cfg.algorithm.off_policy:
+        return []
+    return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems
 
 
 def replay_bytes(alg, spec) -> tuple[int, int]:
@@ -217,9 +247,45 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
         add(host[leader], "node weight window",
             2 * fp.weight_bytes + (0 if leader == plan.weight_root else packed))
     out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
-                       dtype_bytes=fp.dtype_bytes)
+                       dtype_bytes=fp.dtype_bytes, batch=learner_batch(cfg))
     out.problems = fit_problems(cfg, out)
     return out
+
+
+def sft_memory(cfg, nodes: list[int], on_gpus: bool, spec, footprint=None) -> LayoutMemory:
+    """`hpcvla sft`'s memory: every rank a learner, rank r on node `nodes[r]`, where
+    `on_gpus` each on a GPU of its own (devices.assign_node: learners never share one). Each
+    holds its engine's states (ZeRO over all of them) at a batch of sft.batch_size
+    demonstration chunks through the family's imitation loss, and builds the policy in host
+    memory; the demonstrations' one copy per node is their own check (demonstrations/)."""
+    if footprint is None:
+        from hpcvla.memory.footprint import policy_footprint as footprint
+    fp = footprint(cfg, spec, cfg.sft.batch_size, 1, on_gpus, imitation=True)
+    learner = cfg.learner
+    parts = learner_bytes(fp, learner.zero_stage, len(nodes), on_gpus, learner.offload_optimizer)
+    host = {"policy builds": build_bytes(fp)}
+    if learner.offload_optimizer:
+        host.update(offloaded_bytes(fp, learner.zero_stage, len(nodes)))
+    if not on_gpus:
+        add(host, "cpu ranks' working memory", sum(parts.values()))
+    devices = {r: f"cuda:{nodes[:r].count(node)}" if on_gpus else "cpu"
+               for r, node in enumerate(nodes)}
+    out = LayoutMemory(gpu={r: dict(parts) for r in devices} if on_gpus else {},
+                       host={r: dict(host) for r in devices}, device=devices,
+                       node=dict(enumerate(nodes)), capacity_gib=gpu_capacity_gib(cfg.placement),
+                       dtype_bytes=fp.dtype_bytes, batch=(
+                           "sft.batch_size", cfg.sft.batch_size,
+                           f"{cfg.sft.batch_size} demonstration chunks per learner and step"))
+    out.problems = fit_problems(cfg, out)[:1]  # every learner's GPU alike: rank 0's says it
+    return out
+
+
+def learner_batch(cfg) -> tuple[str, int, str]:
+    """What sizes an RL learner's forward/backward (LayoutMemory.batch)."""
+    obs = cfg.learner.micro_batch * cfg.rollout.segment_len
+    return ("learner.micro_batch", cfg.learner.micro_batch,
+            f"{cfg.learner.micro_batch} segments x rollout.segment_len "
+            f"{cfg.rollout.segment_len} = {obs} observations per forward/backward")
 
 
 def build_bytes(fp) -> int:
@@ -245,9 +311,9 @@ def fit_problems(cfg, memory: LayoutMemory) -> list[tuple[str, object, str]]:
             continue
         biggest = ", ".join(f"{k} {size(v)}" for k, v in
                             sorted(parts.items(), key=lambda kv: -kv[1])[:3])
-        learns = "moments" in parts
-        field, value = (("learner.micro_batch", cfg.learner.micro_batch) if learns else
-                        ("env.envs_per_simulator", cfg.env.envs_per_simulator))
+        learns = "gradients" in parts  # a learner's (its moments may be offloaded)
+        field, value = memory.batch[:2] if learns else \
+            ("env.envs_per_simulator", cfg.env.envs_per_simulator)
         out.append((field, value, f"a layout that fits: rank(s) {', '.join(map(str, ranks))} "
                     f"on node {node} {device} need {size(total)} > placement.gpu_memory_gb = "
                     f"{memory.capacity_gib:g} (largest: {biggest}). {knobs(cfg, learns, memory)}"))
@@ -259,10 +325,8 @@ def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
     if not learns:
         return ("Fit it with fewer envs per inference rank (env.envs_per_simulator, or fewer "
                 "simulators per cell in placement.per_node).")
-    obs = cfg.learner.micro_batch * cfg.rollout.segment_len
-    out = [f"a smaller learner.micro_batch ({cfg.learner.micro_batch} segments x "
-           f"rollout.segment_len {cfg.rollout.segment_len} = {obs} observations per "
-           "forward/backward)"]
+    setting, _, meaning = memory.batch
+    out = [f"a smaller {setting} ({meaning})"]
     vla = family(cfg.policy.name).vla
     if not cfg.learner.gradient_checkpointing and vla:
         out.append("learner.gradient_checkpointing=true (activations recomputed in backward)")

@@ -307,7 +307,9 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         clean = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
         clean[:, :H, :D] = target
         noise = torch.randn_like(clean)
-        t = torch.distributions.Beta(1.5, 1.0).sample((B,)).to(pad.device) * 0.999 + 0.001
+        # Beta(1.5, 1) by its inverse CDF (F(t) = t^1.5): one uniform draw, an op every device
+        # has (the memory model runs this on meta tensors, where Beta's sampler has no kernel)
+        t = torch.rand(B, device=pad.device).pow(1 / 1.5) * 0.999 + 0.001
         x = t[:, None, None] * noise + (1 - t[:, None, None]) * clean
         velocity, _ = self._expert_pass(cache, pad, self._padded_state(inputs), x, t)
         return real_steps_mean((velocity - (noise - clean))[:, :H, :D].pow(2), real)

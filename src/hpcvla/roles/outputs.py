@@ -139,7 +139,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         for stage, seconds in s.busy_s.items():
             busy.setdefault(f"{s.role}:{stage}", []).append(seconds / s.wall_s)
     rings = [s.counters["ring"] for s in everyone if "ring" in s.counters]
-    _add_planned_memory(everyone, run_dir / MEMORY_PLAN)
+    add_planned_memory(everyone, run_dir / MEMORY_PLAN)
     result = {
         "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
         "env_steps": steps, "env_steps_per_s": steps / wall,
@@ -184,7 +184,7 @@ def _pooled(figures: list[tuple[float | None, int]]) -> float | None:
     return sum((value or 0.0) * n for value, n in figures) / ended if ended else None
 
 
-def _add_planned_memory(everyone: list[RankSummary], path: Path) -> None:
+def add_planned_memory(everyone: list[RankSummary], path: Path) -> None:
     """Each rank's figures of the memory model (memory.json, where the run wrote one), bytes,
     beside the peaks it measured."""
     if not path.is_file():

@@ -11,7 +11,7 @@ from hpcvla.config.loader import with_overrides
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint
 from hpcvla.memory.layout import plan_memory
-from hpcvla.preflight import layout_devices
+from hpcvla.memory.layout import layout_devices
 from hpcvla.schedule import Layout
 from hpcvla.topology.plan import plan_from_config
 
