@@ -325,7 +325,8 @@ fi
 # A node that lacks what the job needs fails it here, in seconds, saying why (this node: the
 # job's first; the others answer clean_nodes before a restart).
 if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
-    "$PYTHON" -m hpcvla doctor --job "$1" "${COMMAND_ARGS[@]:1}" >&2 ||
+    "$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE" \
+        "${COMMAND_ARGS[@]:1}" >&2 ||
         die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
 fi
 

@@ -95,3 +95,27 @@ def test_an_sft_job_needs_its_demonstrations_copy_in_dev_shm_not_trains_windows(
     sft, checks = doctor("configs/default.yaml", f"sft.demos={demos}", "--job", "sft", wrap=wrap)
     assert sft.returncode == 0, sft.stdout + sft.stderr
     assert "the demonstrations' one copy needs >= 64." in checks["/dev/shm"]["found"], checks
+
+
+def test_a_jobs_layout_that_overfills_its_gpus_fails_naming_the_setting(tmp_path):
+    """--world/--ranks-per-node (jobs/launch.sh passes the job's): the memory model's plan of
+    that layout. On this node's CPUs it fits; on GPUs of placement.gpu_memory_gb = 1.4 (a
+    preview here, where the gpus check fails too) train's learners need their CUDA context
+    and more: refused naming learner.micro_batch and each overfilled GPU; `--job sft`'s
+    learners, a GPU each, naming sft.batch_size once."""
+    out, checks = doctor("configs/default.yaml", "--world", 8, "--ranks-per-node", 4)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert checks["memory"]["found"] == "8 rank(s), 4 per node, 0 GPU(s) each: fits"
+    gpus = ["placement.gpus_per_node=4", "placement.gpu_memory_gb=1.4"]
+    out, checks = doctor("configs/default.yaml", *gpus, "--world", 8, "--ranks-per-node", 4)
+    assert out.returncode == 1 and not checks["memory"]["ok"], out.stdout + out.stderr
+    assert checks["memory"]["found"] == "8 rank(s), 4 per node, 4 GPU(s) each: does not fit"
+    fix = checks["memory"]["fix"]
+    assert "learner.micro_batch = 16: expected a layout that fits: rank(s) 3 on node 0" in fix
+    assert "rank(s) 7 on node 1 cuda:0" in fix
+    demos = reach_demos(tmp_path / "demos.h5", 2)
+    out, checks = doctor("configs/default.yaml", f"sft.demos={demos}", *gpus, "--job", "sft",
+                         "--world", 4, "--ranks-per-node", 2)
+    assert out.returncode == 1 and checks["memory"]["found"].endswith(": does not fit")
+    assert checks["memory"]["fix"].startswith("sft.batch_size = 64: expected a layout that "
+                                              "fits: rank(s) 0 on node 0 cuda:0 need 1.5 GiB")

@@ -86,6 +86,7 @@ def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
                        cwd=ROOT)
     text = finished(slurm, job, log)
     assert "ok   mpi         mpich:" in text and "ok   disk" in text  # the doctor, first
+    assert "ok   memory      4 rank(s), 4 per node, 0 GPU(s) each: fits" in text  # the job's
     assert "scheduler slurm" in text and "/mpiexec -n 4 -f" in text  # MPICH: Hydra
     assert "4 rank(s) on 1 node(s)" in text and "[hpcvla] update 3/3" in text
     run_dir = the_run(tmp_path / "runs")

@@ -7,7 +7,8 @@
     hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
-    hpcvla doctor [CONFIG] [key=value ...] [--job sft] [--json]   what the job needs, here?
+    hpcvla doctor [CONFIG] [key=value ...] [--job sft] [--world N [--ranks-per-node M]]
+                  [--json]                            what the job needs, here?
     hpcvla eval RUN_DIR|CHECKPOINT [key=value ...] [--all] [--ranks N]
                                                       success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
@@ -42,6 +43,7 @@ from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, last_run_config,
                            load_config, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
+from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
@@ -98,12 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(config, required=False)
     config.add_argument("--doc", action="store_true", help="document every setting")
 
-    doctor = sub.add_parser("doctor", help="check this node for what a job of CONFIG needs "
-                            "(MPI, /dev/shm, GPUs, NCCL, rendering, files, disk); exit 1 on "
-                            "any failure")
-    _config_args(doctor, required=False)
-    doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument("--job", choices=("train", "sft"), default="train", help="its command")
+    add_doctor_parser(sub, _config_args)
 
     add_bench_parser(sub)
 
@@ -281,11 +278,6 @@ def cmd_config(args) -> int:
     return 0
 
 
-def cmd_doctor(args) -> int:
-    from hpcvla.doctor import main as doctor
-    return doctor(load_config(args.config, args.overrides), args.json, args.job)
-
-
 def cmd_launch(args) -> int:
     from hpcvla.job.launch import run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
@@ -415,5 +407,5 @@ def cmd_export(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
-            "config": cmd_config, "doctor": cmd_doctor, "launch": cmd_launch,
+            "config": cmd_config, "doctor": doctor_command, "launch": cmd_launch,
             "inspect": cmd_inspect, "eval": cmd_eval, "demos": demos_command, "export": cmd_export}

@@ -10,7 +10,9 @@ against what the scheduler granted, and NCCL where there are GPUs; the simulator
 (EGL for LIBERO's MuJoCo, Vulkan for ManiSkill's SAPIEN) draws a tiny scene; the PhysX GPU
 library for ManiSkill's GPU simulation; the config's files (checkpoints, pretrained folders,
 tokenizers), packages and logins (preflight.config_problems); free disk under run.root for
-the checkpoints kept.
+the checkpoints kept; with the job's world (`--world`, `--ranks-per-node`: jobs/launch.sh
+passes its own) whether its layout fits this node's GPUs' memory (the memory model, what
+`hpcvla train --ranks`/`sft --ranks` refuse before starting a world).
 """
 
 from __future__ import annotations
@@ -38,9 +40,31 @@ class Check:
         return head if self.ok else f"{head}\n{'':17}fix: {self.fix}"
 
 
-def run_checks(cfg, job: str = "train") -> list[Check]:
+def add_doctor_parser(sub, config_args) -> None:
+    """The `doctor` subcommand on the top-level parser's subparsers; `config_args` adds the
+    CONFIG and key=value arguments every config-reading command takes."""
+    doctor = sub.add_parser("doctor", help="check this node for what a job of CONFIG needs "
+                            "(MPI, /dev/shm, GPUs, NCCL, rendering, memory, files, disk); "
+                            "exit 1 on any failure")
+    config_args(doctor, required=False)
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--job", choices=("train", "sft"), default="train", help="its command")
+    doctor.add_argument("--world", type=int, default=None, help="the job's ranks (default: "
+                        "launch.ranks); with it, whether its layout fits the GPUs' memory")
+    doctor.add_argument("--ranks-per-node", type=int, default=None,
+                        help="the job's ranks per node (default: --world)")
+
+
+def doctor_command(args) -> int:
+    from hpcvla.config import load_config
+    cfg = load_config(args.config, args.overrides)
+    return main(cfg, args.json, args.job, args.world and (args.world, args.ranks_per_node))
+
+
+def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = None
+               ) -> list[Check]:
     """Every check for a job of `cfg` running `job` (train, sft) on this node, in the order a
-    job needs them."""
+    job needs them; `world`: the job's ranks and ranks per node, where known."""
     from hpcvla.preflight import config_problems
 
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
@@ -54,8 +78,10 @@ def run_checks(cfg, job: str = "train") -> list[Check]:
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
-    checks = [_mpi(cfg), _shared_memory(cfg, weights, job), *_gpus(cfg), *_renderer(cfg),
-              *unbuilt]
+    checks = [_mpi(cfg), _shared_memory(cfg, weights, job, world), *_gpus(cfg),
+              *_renderer(cfg), *unbuilt]
+    if world and not problems and not unbuilt:
+        checks.append(_memory(cfg, job, world))
     checks.append(Check("config", not problems, "the config's files, packages and logins: "
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
@@ -114,7 +140,7 @@ def _mpi(cfg) -> Check:
                  f"of 2 ({' '.join(words[1].split())[:60]})")
 
 
-def _shared_memory(cfg, weights: int, job: str = "train") -> Check:
+def _shared_memory(cfg, weights: int, job: str = "train", world=None) -> Check:
     """Room in /dev/shm for what a node's ranks share there (and 64 MiB for MPI's own): for
     `train` its weight window (two halves) and the rings of its learners (_node_learners), as
     the memory model counts them (memory/layout.py); for `sft` the one copy of its
@@ -123,7 +149,8 @@ def _shared_memory(cfg, weights: int, job: str = "train") -> Check:
         what, need, fewer = "the demonstrations' one copy needs", \
             _demonstration_bytes(cfg), "fewer demonstrations (sft.per_task)"
     else:
-        rings = _node_learners(cfg) * cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024
+        rings = _node_learners(cfg, world) * cfg.learner.ring_slots * \
+            cfg.learner.ring_slot_kib * 1024
         what, need, fewer = "a node's windows need", 2 * weights + rings, \
             "smaller learner.ring_slots"
     need += 64 * MiB
@@ -154,17 +181,40 @@ def _demonstration_bytes(cfg) -> int:
     return rows * sample_bytes(spec)
 
 
-def _node_learners(cfg) -> int:
-    """The most learner ranks on one node of the world `hpcvla train` starts here
-    (launch.ranks, nodes of placement.ranks_per_node), each with its ring in the node's
+def _node_learners(cfg, world=None) -> int:
+    """The most learner ranks on one node of the job's `world` (ranks, ranks per node), else
+    of the one `hpcvla train` starts here (launch.ranks), each with its ring in the node's
     /dev/shm; 1 where that layout cannot be planned (the config check says why)."""
     from hpcvla.topology.plan import LEARN, PlanError, plan_from_config
     try:
-        plan = plan_from_config(cfg.placement, cfg.launch.ranks)
+        plan = plan_from_config(cfg.placement, *(world or (cfg.launch.ranks,)))
     except PlanError:
         return 1
     nodes = [info.node for info in plan.ranks if LEARN in info.roles]
     return max(nodes.count(node) for node in set(nodes))
+
+
+def _memory(cfg, job: str, world: tuple[int, int | None]) -> Check:
+    """Whether the job's layout fits this node's GPUs (the memory model, memory/layout.py:
+    train's plan; sft's learners, a GPU each), and for sac/rlpd its replay buffers the host."""
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import layout_gpus, memory_problems, sft_memory
+    from hpcvla.topology.plan import PlanError, plan_from_config
+    ranks, per_node = world
+    try:
+        if job == "sft":
+            nodes = [rank // (per_node or ranks) for rank in range(ranks)]
+            problems = sft_memory(cfg, nodes, True, env_spec(cfg.env)).problems \
+                if layout_gpus(cfg) else []
+        else:
+            problems = memory_problems(cfg, plan_from_config(cfg.placement, ranks, per_node))
+    except PlanError as err:
+        return Check("memory", False, f"{ranks} rank(s), {per_node or ranks} per node: {err}",
+                     "a layout `hpcvla plan CONFIG --world N --ranks-per-node M` accepts")
+    found = f"{ranks} rank(s), {per_node or ranks} per node, {layout_gpus(cfg)} GPU(s) each: " \
+        + ("does not fit" if problems else "fits")
+    return Check("memory", not problems, found, "; ".join(
+        f"{name} = {value!r}: expected {text}" for name, value, text in problems))
 
 
 def _gpus(cfg) -> list[Check]:
@@ -245,8 +295,8 @@ def _disk(cfg, weights: int, params: int) -> Check:
                  "or a smaller learner.checkpoint_keep")
 
 
-def main(cfg, as_json: bool, job: str = "train") -> int:
-    checks = run_checks(cfg, job)
+def main(cfg, as_json: bool, job: str = "train", world=None) -> int:
+    checks = run_checks(cfg, job, world)
     if as_json:
         import json
         print(json.dumps([asdict(c) for c in checks], indent=1))
