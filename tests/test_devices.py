@@ -184,14 +184,14 @@ def test_the_gpu_check_runs_its_cpu_side_and_says_why_it_skipped_the_rest(tmp_pa
 def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
     """jobs/validate_gpu.sh at the tiny sizes on the CPU (HPCVLA_VALIDATE_QUICK=1): every
     kind of step of `hpcvla bench fullsize` (the pretrained folders, the timed plan, a training
-    run stopped by SIGTERM, OFT with LoRA run to its end), the logs in OUT, the results in
-    fullsize.json. The streamer, sync, LoRA and Open MPI steps are the stopped run without the
+    run stopped by SIGTERM, OFT with LoRA run to its end, `hpcvla sft` with LoRA on recorded
+    demonstrations), the logs in OUT, the results in fullsize.json. The streamer, sync, LoRA and Open MPI steps are the stopped run without the
     signal or with other overrides, each mode tested elsewhere: left out to keep the suite's
     time."""
     import os
     import subprocess
     env = {**os.environ, "HPCVLA_VALIDATE_QUICK": "1",
-           "HPCVLA_VALIDATE_STEPS": "plan,sigterm,oft"}
+           "HPCVLA_VALIDATE_STEPS": "plan,sigterm,oft,sft"}
     out = subprocess.run([ROOT / "jobs/validate_gpu.sh", tmp_path], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -212,6 +212,10 @@ def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
     assert stop["checkpoint_bytes"] > 0  # measured, then removed (45 GB at full size)
     log = (tmp_path / "fullsize.log").read_text()
     assert "SIGTERM to checkpoint" in log and "[fullsize] oft: {" in log
+    sft = results["sft"]
+    assert sft["steps_per_s"] > 0 and sft["phases_s"]["first_step"] > 0, sft
+    assert sft["ranks"][0]["peak"]["host_rss"] > 0 and "sft (LoRA, 8 chunks a step)" in log
+    assert not list((tmp_path / "work" / "sft").glob("*/checkpoints"))  # measured, removed
 
 
 def test_mujoco_renders_on_the_ranks_gpu_as_egl_numbers_it():

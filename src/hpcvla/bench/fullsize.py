@@ -19,10 +19,14 @@ time limit keeps what it did; `--steps` runs some of them (a job split over shor
   sigterm   the streamer until its first version is trained, then SIGTERM to `hpcvla train`,
             as a scheduler's time limit sends it: signal to checkpoint written, and to exit
   oft       OpenVLA-OFT at its size with LoRA, from its own folder
+  sft       `hpcvla sft` of π0 from its folder with LoRA (one learner, SFT_STEPS steps of
+            SFT_BATCH chunks) on demonstrations of the job's env at its image size, recorded
+            by `hpcvla demos` first: its peak memory over the model's imitation figure
 
 Reported per run: summary.json's start and stop (phases_s: seconds since launch), env steps
-per second, and every rank's peak memory (CUDA allocated, host RSS) over the memory model's
-figure (GPU runs); the streamer's throughput over sync's, measured one after the other.
+per second (sft: steps per second), and every rank's peak memory (CUDA allocated, host RSS)
+over the memory model's figure (GPU runs); the streamer's throughput over sync's, measured
+one after the other.
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ ARMS = {"streamer": ["pipeline.mode=streamer"], "sync": ["pipeline.mode=sync-dis
         "openmpi": ["pipeline.mode=streamer", "launch.mpi=openmpi"]}
 
 
-STEPS = ("plan", "streamer", "sync", "lora", "openmpi", "sigterm", "oft")
+STEPS = ("plan", "streamer", "sync", "lora", "openmpi", "sigterm", "oft", "sft")
+SFT_STEPS, SFT_BATCH = 10, 8
 
 
 def run(out: Path, quick: bool = False, updates: int = 20, steps=STEPS, json_path=None) -> int:
@@ -81,7 +86,8 @@ def run(out: Path, quick: bool = False, updates: int = 20, steps=STEPS, json_pat
            for arm in ARMS},
         "sigterm": lambda: stop_by_signal(out, [*job, *ARMS["streamer"],
                                                 "pipeline.total_updates=100000"]),
-        "oft": lambda: train(out, "oft", [*oft, *OFT[1:], *NO_CHECKPOINT])}
+        "oft": lambda: train(out, "oft", [*oft, *OFT[1:], *NO_CHECKPOINT]),
+        "sft": lambda: fine_tune(out, job)}
     for name in steps:
         folder = "oft" if name == "oft" else "pi0"
         try:
@@ -177,6 +183,32 @@ def stop_by_signal(out: Path, job: list) -> dict:
             "checkpoint_bytes": written}
 
 
+def fine_tune(out: Path, job: list) -> dict:
+    """`hpcvla sft` of the job's policy with LoRA on one learner, on demonstrations of the
+    job's env (recorded into out first, where missing): its start and stop, steps per second,
+    peak memory against the model's figure."""
+    env = [a for a in job if a.startswith("env.image_size=")]
+    demos = out / "reach-demos.h5"
+    if not demos.is_file():
+        _run([sys.executable, "-m", "hpcvla", "demos", job[0], *env, "--episodes", 4,
+              "--out", demos], out / "demos.log", 600)
+    root = out / "sft"
+    shutil.rmtree(root, ignore_errors=True)
+    policy = [a for a in job if a.startswith(("policy.", "learner.gradient_checkpointing="))]
+    _run([sys.executable, "-m", "hpcvla", "sft", job[0], *env, *policy, "policy.lora_rank=16",
+          f"sft.demos={demos}", f"sft.steps={SFT_STEPS}", f"sft.batch_size={SFT_BATCH}",
+          f"run.root={root}", "--ranks", 1], out / "sft.log", 1800)
+    (run_dir,) = root.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    shutil.rmtree(run_dir / "checkpoints")  # its weights whole: the disk is for the others
+    times = [json.loads(line)["time"] for line in open(run_dir / "metrics.jsonl")]
+    return {"steps_per_s": (len(times) - 1) / (times[-1] - times[0]),  # the steps, no start
+            "phases_s": summary["phases_s"], "ranks": [
+                {"rank": r["rank"], "role": "sft learner", "device": r["device"],
+                 "peak": r["peak_memory"], "planned": r.get("planned_memory")}
+                for r in summary["per_rank"]]}
+
+
 def _trained(root: Path) -> bool:
     """Whether the run under `root` has trained a version (its metrics.jsonl has a line)."""
     return any(p.stat().st_size for p in root.glob("*/metrics.jsonl"))
@@ -184,12 +216,13 @@ def _trained(root: Path) -> bool:
 
 def _headline(result: dict) -> dict:
     """A step's figures in one line of the log (the whole in fullsize.json)."""
-    keep = ("wall_s", "env_steps_per_s", "signal_to_checkpoint_s", "signal_to_exit_s",
-            "checkpoint_bytes")
+    keep = ("wall_s", "env_steps_per_s", "steps_per_s", "signal_to_checkpoint_s",
+            "signal_to_exit_s", "checkpoint_bytes")
     line = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.items()
             if k in keep}
     phases = result.get("phases_s", {})
-    line.update({k: phases[k] for k in ("first_act", "first_version_trained") if k in phases})
+    line.update({k: phases[k] for k in ("first_act", "first_version_trained", "first_step")
+                 if k in phases})
     for r in result.get("ranks", []):
         line[f"rank{r['rank']}_peak_gib"] = {k: round(v / 2**30, 2) for k, v in r["peak"].items()}
     return line
@@ -226,7 +259,7 @@ def table(results: dict) -> str:
              f"{results['device']}); plan " + (f"{plan_s:.1f} s" if plan_s else "-"),
              f"{'run':<9} {'first act':>9} {'1st version':>11} {'env steps/s':>11} "
              f"{'GPU peak/plan':>13} {'host peak/plan':>14}"]
-    for name in STEPS[1:]:
+    for name in STEPS[1:-1]:
         r = results.get(name)
         if not r or "error" in r:
             lines.append(f"{name:<9} {'failed' if r else 'not run'}")
@@ -237,6 +270,11 @@ def table(results: dict) -> str:
                      f"{_ratio(r, 'host'):>14}")
     if "streamer_over_sync" in results:
         lines.append(f"streamer/sync env steps/s {results['streamer_over_sync']:.2f}")
+    sft = results.get("sft", {})
+    if "steps_per_s" in sft:
+        lines.append(f"sft (LoRA, {SFT_BATCH} chunks a step): first step at "
+                     f"{sft['phases_s']['first_step']:.1f} s, {sft['steps_per_s']:.2f} steps/s, "
+                     f"GPU peak/plan {_ratio(sft, 'gpu')}, host peak/plan {_ratio(sft, 'host')}")
     stop = results.get("sigterm", {})
     if "signal_to_exit_s" in stop:
         lines.append(f"SIGTERM to checkpoint {stop['signal_to_checkpoint_s']:.1f} s, to exit "
