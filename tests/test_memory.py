@@ -219,3 +219,22 @@ def test_a_simulator_ranks_host_figure_is_what_its_envs_take():
     row = bench.simulators(["maniskill-4-envs"])["maniskill-4-envs"]
     assert row["measured"] > 200 * 2 ** 20, row  # the simulator's libraries: a real figure
     assert 0.85 <= row["predicted_over_measured"] <= 1.15, row
+
+
+def test_plan_of_an_sft_job_shows_each_learners_gpu_and_refuses_what_overfills(capsys):
+    """`hpcvla plan --job sft`: every rank a learner, a GPU each on nodes of
+    placement.gpus_per_node (a preview on this CPU host): sft_memory's figures, exit 2 with
+    the refusal where they overfill, and no two learners on one GPU."""
+    sft = ["configs/reach_flow.yaml", "--job", "sft", "--world", "4", "--ranks-per-node", "2",
+           "policy.size=tiny", "placement.gpus_per_node=2"]
+    assert main(["plan", *sft, "--json", "placement.gpu_memory_gb=80"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert list(memory["gpu"]) == ["0", "1", "2", "3"] and "activations" in memory["gpu"]["3"]
+    assert list(memory["host"]) == ["0", "1"]  # two nodes
+    assert main(["plan", *sft, "placement.gpu_memory_gb=1"]) == 2
+    out, err = capsys.readouterr()
+    assert "4 learner(s), 2 per node, a GPU each; 64 demonstration chunks" in out
+    assert "    3    1  cuda:1" in out and "busiest GPU" in out
+    assert "does not fit: sft.batch_size = 64: expected a layout that fits" in err
+    assert main(["plan", *sft[:-1], "placement.gpus_per_node=1"]) == 2
+    assert "2 learners per node and 1 GPU(s): learners never share" in capsys.readouterr().err

@@ -3,7 +3,7 @@
     hpcvla train [CONFIG] [key=value ...] [--ranks N] the main job (--ranks: start N ranks here)
     hpcvla sft CONFIG sft.demos=F [key=value ...] [--ranks N]
                                                       supervised fine-tuning on demonstrations
-    hpcvla plan [CONFIG] [key=value ...] --world N [--ranks-per-node M] [--json]
+    hpcvla plan [CONFIG] [key=value ...] --world N [--ranks-per-node M] [--job sft] [--json]
     hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
                                                       best layout by the scale model
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
@@ -44,7 +44,7 @@ from hpcvla.config import (ConfigError, config_argument, config_source, last_run
                            load_config, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.doctor import add_doctor_parser, doctor_command
-from hpcvla.imitation.command import add_demos_parser, demos_command
+from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="ranks per real node (default: --world); placement.ranks_per_node, "
                       "if set, emulates smaller nodes inside them, as in train")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--job", choices=("train", "sft"), default="train",
+                      help="its command (sft: every rank a learner, a GPU each)")
     plan.add_argument("--auto", action="store_true",
                       help="search per-node role counts, shards, B_max/T_max and "
                            "micro-batching with the scale model (hpcvla/scale/) and print the "
@@ -246,6 +248,8 @@ def cmd_plan(args) -> int:
     check_pretrained(cfg, config_source(args.config, args.overrides))
     if not args.auto and (args.search_envs or args.costs != "config"):
         raise PlanError("--search-envs and --costs choose how --auto searches: add --auto")
+    if args.job == "sft":  # every rank a learner, a GPU each
+        return plan_sft(cfg, args.world, args.ranks_per_node, args.json)
     if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
         from hpcvla.scale.autoplan import print_auto_plan
         return print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, args.json,

@@ -1,7 +1,9 @@
-"""`hpcvla demos`: its options and the command (imitation/recording.py records)."""
+"""`hpcvla demos`: its options and the command (imitation/recording.py records); `hpcvla plan
+--job sft`: an SFT world's memory."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 
@@ -41,3 +43,35 @@ def demos_command(args) -> int:
         return 2
     print(summary_line(summary), flush=True)
     return 0 if summary["stopped_by"] is None else 128 + summary["stopped_by"]
+
+
+def plan_sft(cfg, world: int, per_node: int | None, as_json: bool) -> int:
+    """`hpcvla plan --job sft`: a world of `world` learners, `per_node` to a node, each on a GPU
+    of its own where the nodes have GPUs (this host's, or placement.gpus_per_node's preview):
+    every learner's GPU and host figures (memory/layout.sft_memory); exit 2 where they
+    overfill a GPU, saying what fits."""
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import layout_gpus, sft_memory
+    from hpcvla.topology.plan import PlanError
+
+    per_node, gpus = per_node or world, layout_gpus(cfg)
+    if gpus and per_node > gpus:
+        raise PlanError(f"{per_node} learners per node and {gpus} GPU(s): learners never share "
+                        "a GPU; at most as many learners per node as GPUs")
+    memory = sft_memory(cfg, [r // per_node for r in range(world)], gpus > 0, env_spec(cfg.env))
+    if as_json:
+        print(json.dumps({"world": world, "ranks_per_node": per_node, "memory": memory.to_dict()},
+                         indent=1))
+    else:
+        columns = memory.columns()
+        print(f"hpcvla sft: {world} learner(s), {per_node} per node, "
+              + ("a GPU each" if gpus else "on CPUs")
+              + f"; {memory.batch[2]}\n{'rank':>5} {'node':>4}  {'device':<7} "
+              + "".join(f"{h:>9}" for h in columns))
+        for rank, node in memory.node.items():
+            print(f"{rank:>5} {node:>4}  {memory.device[rank]:<7} "
+                  + "".join(f"{col.get(rank, '-'):>9}" for col in columns.values()))
+        print(memory.summary())
+    for name, value, text in memory.problems:
+        print(f"hpcvla plan: does not fit: {name} = {value!r}: expected {text}", file=sys.stderr)
+    return 2 if memory.problems else 0
