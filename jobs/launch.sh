@@ -381,17 +381,26 @@ end_a_failed_world() {  # PID of the world's launcher; run in the background
     sleep 5
     kill -KILL "$1" 2> /dev/null || true
 }
-forwarded_env() {  # `-x NAME` lines: what Open MPI's mpirun passes to ranks on other nodes
-    # mpirun gives them only OMPI_* (ssh or PBS's TM start them with a login's environment):
-    # pass the job's, as srun (--export=ALL) and Hydra (-genvall) do, but for what is each
-    # node's own (its GPUs, its scheduler and launcher variables).
-    local name
+forwarded_env() {  # the MPI launcher's options: what it passes to the ranks on other nodes
+    # The job's variables, as srun (--export=ALL) does, but for what is each node's own (its
+    # GPUs, its scheduler and launcher variables). Open MPI's mpirun gives those ranks only
+    # OMPI_* (ssh or PBS's TM start them with a login's environment): `-x NAME` each.
+    # MPICH's Hydra passes its whole environment over each proxy's (-genvall): under PBS,
+    # whose nodes' processes get their own node's GPUs (its cgroup hook; TM's tasks too),
+    # the batch node's would be every node's. There it passes the list (-genvlist); its own
+    # node's ranks inherit them from the proxy it forks here.
+    local name names=()
     for name in $(compgen -e); do
         [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
-        [[ $name =~ ^(CUDA_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|HOSTNAME|HOST|PWD|OLDPWD|SHLVL|_|DISPLAY|TERM|TMUX|SLURM_.*|SLURMD_.*|PBS_.*|OMPI_.*|PMIX_.*|PMI_.*|HYDRA_.*|SSH_.*)$ ]] &&
+        [[ $name =~ ^(CUDA_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL|HOSTNAME|HOST|PWD|OLDPWD|SHLVL|_|DISPLAY|TERM|TMUX|SLURM_.*|SLURMD_.*|PBS_.*|OMPI_.*|PMIX_.*|PMI_.*|HYDRA_.*|SSH_.*)$ ]] &&
             continue
-        printf -- '-x\n%s\n' "$name"
+        names+=("$name")
     done
+    if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
+        printf -- '-x\n%s\n' "${names[@]}"
+    else
+        printf -- '-genvlist\n%s\n' "$(IFS=,; echo "${names[*]}")"
+    fi
 }
 run_world() {  # start the ranks, forward signals while they run; sets `status`
     if [[ -n $EARLY ]]; then
@@ -409,7 +418,8 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
     HPCVLA_LAUNCHED_AT=$(date +%s.%N)
     export HPCVLA_LAUNCHED_AT
     local exports=()
-    if [[ $HPCVLA_MPI_FLAVOUR == openmpi && " ${LAUNCH[*]} " == *" $HPCVLA_MPIEXEC "* ]]; then
+    if [[ " ${LAUNCH[*]} " == *" $HPCVLA_MPIEXEC "* ]] &&
+            [[ $HPCVLA_MPI_FLAVOUR == openmpi || $SCHEDULER == pbs ]]; then
         mapfile -t exports < <(forwarded_env)  # now: the world's own variables are set
     fi
     "${CLEAN_ENV[@]}" "${LAUNCH[@]}" ${exports[@]+"${exports[@]}"} "${COMMAND[@]}" &

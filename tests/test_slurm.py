@@ -289,26 +289,41 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
     assert all(r["trained_chunks"] == resumed * 24 + (r["step"] - resumed) * 16 for r in again)
 
 
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
 @pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
-def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mpi):
+def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mpi, scheduler):
     """A job of part of 2 nodes' GPUs (another job holds h1's first): Slurm gives h0 GPU 0 and
     h1 GPU 1, and each node's ranks see their own node's (CUDA_VISIBLE_DEVICES), not the batch
     node's: under MPICH's mpiexec, which passes its environment to every rank, and Open MPI's
-    mpirun. The ranks compute on the CPU (placement.gpus_per_node=0): these GPUs are names."""
+    mpirun. Also as a PBS job started through PBS's TM (`pbs_tmrsh`), whose tasks get their
+    node's GPUs as PBS's cgroup hook gives them (the PBS layer on this Slurm: a step's).
+    The ranks compute on the CPU (placement.gpus_per_node=0): these GPUs are names."""
     hold = tmp_path / "hold.sh"
     hold.write_text("#!/bin/bash\nsleep 300\n")
     holder = slurm3.sbatch(hold, options=["--nodelist=h1", "--nodes=1", "--gpus-per-node=1",
                                           "--output", tmp_path / "hold.out"])
+    # a PBS job names no nodes: h2's GPUs held too leave it h0 and h1
+    holders = [holder] + ([slurm3.sbatch(hold, options=[
+        "--nodelist=h2", "--nodes=1", "--gpus-per-node=2", "--output", tmp_path / "hold2.out"])]
+        if scheduler == "pbs" else [])
     log, job = tmp_path / "gpus.out", None
     try:
-        slurm3.wait(holder, 60, states=("RUNNING",))
-        job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/default.yaml",
-                            "placement.gpus_per_node=0", "pipeline.total_updates=100000",
-                            options=["--output", log, "--nodes=2", "--nodelist=h0,h1",
-                                     "--ntasks-per-node=4", "--cpus-per-task=1",
-                                     "--gpus-per-node=1"],
-                            env=job_env(tmp_path, HPCVLA_MPI=mpi, HPCVLA_LAUNCHER="mpiexec"),
-                            cwd=ROOT)
+        for held in holders:
+            slurm3.wait(held, 60, states=("RUNNING",))
+        if scheduler == "pbs":
+            job = slurm3.qsub(ROOT / "jobs/pbs/multinode.pbs", cwd=ROOT, env=job_env(
+                tmp_path, HPCVLA_MPI=mpi, SBATCH_GPUS_PER_NODE="1", CONFIG="configs/default.yaml",
+                OVERRIDES="placement.gpus_per_node=0 pipeline.total_updates=100000",
+                PATH=f"{slurm3.tm_bin}:{slurm3.env['PATH']}"), options=[
+                "-V", "-o", log, "-j", "oe", "-l", "select=2:ncpus=4:mpiprocs=4"])
+        else:
+            job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/default.yaml",
+                                "placement.gpus_per_node=0", "pipeline.total_updates=100000",
+                                options=["--output", log, "--nodes=2", "--nodelist=h0,h1",
+                                         "--ntasks-per-node=4", "--cpus-per-task=1",
+                                         "--gpus-per-node=1"],
+                                env=job_env(tmp_path, HPCVLA_MPI=mpi, HPCVLA_LAUNCHER="mpiexec"),
+                                cwd=ROOT)
         first_update(slurm3, job, log)
         cards = [json.loads(p.read_text()) for p in
                  (tmp_path / "runs" / f"hpcvla-multinode-{job}").glob(".ranks/rank*.json")]
@@ -319,7 +334,7 @@ def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mp
                 (e.decode().partition("=")[2] for e in environ
                  if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None))
     finally:
-        for started in filter(None, (holder, job)):
+        for started in filter(None, (*holders, job)):
             slurm3.cancel(started)
         slurm3.wait_idle()
     assert seen == {r: ("h0", "0") if r < 4 else ("h1", "1") for r in range(8)}, \
