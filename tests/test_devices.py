@@ -185,9 +185,9 @@ def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
     """jobs/validate_gpu.sh at the tiny sizes on the CPU (HPCVLA_VALIDATE_QUICK=1): every
     kind of step of `hpcvla bench fullsize` (the pretrained folders, the timed plan, a training
     run stopped by SIGTERM, OFT with LoRA run to its end, `hpcvla sft` with LoRA on recorded
-    demonstrations), the logs in OUT, the results in fullsize.json. The streamer, sync, LoRA and Open MPI steps are the stopped run without the
-    signal or with other overrides, each mode tested elsewhere: left out to keep the suite's
-    time."""
+    demonstrations), the logs in OUT, the results in fullsize.json. The streamer, sync, LoRA
+    and Open MPI steps are the stopped run without the signal or with other overrides, each
+    mode tested elsewhere: left out to keep the suite's time."""
     import os
     import subprocess
     env = {**os.environ, "HPCVLA_VALIDATE_QUICK": "1",

@@ -13,7 +13,7 @@ from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint, shallow_footprint, whole_footprint
 from hpcvla.memory.layout import memory_problems, sft_memory
 from hpcvla.memory.states import learner_bytes
-from hpcvla.topology.plan import plan_from_config
+from hpcvla.topology.plan import PlanError, plan_from_config
 
 PI0_FULL = ["configs/libero_pi0.yaml", "policy.pretrained=", "policy.tokenizer=",
             "policy.size=full", "env.image_size=224"]
@@ -129,7 +129,7 @@ def test_sft_learners_hold_their_engine_at_the_imitation_batch_and_refuse_what_o
     cfg = load_config("configs/reach_flow.yaml", ["policy.size=tiny", "learner.zero_stage=2",
                                                   "sft.batch_size=32"])
     spec = env_spec(cfg.env)
-    memory = sft_memory(cfg, [0, 0, 1, 1], True, spec)
+    memory = sft_memory(cfg, [0, 0, 1, 1], 2, spec)
     fp = policy_footprint(cfg, spec, 32, 1, on_gpus=True, imitation=True)
     assert memory.device == {0: "cuda:0", 1: "cuda:1", 2: "cuda:0", 3: "cuda:1"}
     assert memory.gpu == {r: learner_bytes(fp, 2, 4, on_gpu=True) for r in range(4)}
@@ -138,14 +138,16 @@ def test_sft_learners_hold_their_engine_at_the_imitation_batch_and_refuse_what_o
         small = load_config("configs/reach_flow.yaml", [
             "policy.size=tiny", "learner.zero_stage=2", "placement.gpu_memory_gb=1",
             "sft.batch_size=32", f"learner.offload_optimizer={offload}"])
-        (problem,) = sft_memory(small, [0, 0], True, spec).problems
+        (problem,) = sft_memory(small, [0, 0], 2, spec).problems
         assert problem[:2] == ("sft.batch_size", 32), problem
         assert "rank(s) 0 on node 0 cuda:0" in problem[2] and "demonstration chunks" in problem[2]
-    cpu = sft_memory(cfg, [0, 0], False, spec)
+    cpu = sft_memory(cfg, [0, 0], 0, spec)
     assert cpu.gpu == {} and cpu.device == {0: "cpu", 1: "cpu"}
     assert cpu.host[1]["cpu ranks' working memory"] == sum(learner_bytes(
         policy_footprint(cfg, spec, 32, 1, on_gpus=False, imitation=True), 2, 2,
         on_gpu=False).values())
+    with pytest.raises(PlanError, match="3 sft learners on a node of 2 GPU"):
+        sft_memory(cfg, [0, 0, 0], 2, spec)  # learners never share a GPU
 
 
 @pytest.mark.slow
@@ -237,4 +239,5 @@ def test_plan_of_an_sft_job_shows_each_learners_gpu_and_refuses_what_overfills(c
     assert "    3    1  cuda:1" in out and "busiest GPU" in out
     assert "does not fit: sft.batch_size = 64: expected a layout that fits" in err
     assert main(["plan", *sft[:-1], "placement.gpus_per_node=1"]) == 2
-    assert "2 learners per node and 1 GPU(s): learners never share" in capsys.readouterr().err
+    assert "2 sft learners on a node of 1 GPU(s): learners never share" in \
+        capsys.readouterr().err

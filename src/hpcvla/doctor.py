@@ -204,8 +204,7 @@ def _memory(cfg, job: str, world: tuple[int, int | None]) -> Check:
     try:
         if job == "sft":
             nodes = [rank // (per_node or ranks) for rank in range(ranks)]
-            problems = sft_memory(cfg, nodes, True, env_spec(cfg.env)).problems \
-                if layout_gpus(cfg) else []
+            problems = sft_memory(cfg, nodes, layout_gpus(cfg), env_spec(cfg.env)).problems
         else:
             problems = memory_problems(cfg, plan_from_config(cfg.placement, ranks, per_node))
     except PlanError as err:

@@ -290,8 +290,8 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     problems = demonstration_problems(held_out, spec, features=features) if held_out else []
     if problems:
         raise ConfigError(problems, f"{source}: sft.val_demos")
-    problems = sft_memory(cfg, [0] * learners, True, spec).problems \
-        if learners and layout_gpus(cfg) else []
+    gpus = layout_gpus(cfg) if learners else 0
+    problems = sft_memory(cfg, [0] * learners, gpus, spec).problems if gpus else []
     if problems:
         raise ConfigError(problems, "memory plan of the sft learners")
 

@@ -52,13 +52,9 @@ def plan_sft(cfg, world: int, per_node: int | None, as_json: bool) -> int:
     overfill a GPU, saying what fits."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import layout_gpus, sft_memory
-    from hpcvla.topology.plan import PlanError
 
     per_node, gpus = per_node or world, layout_gpus(cfg)
-    if gpus and per_node > gpus:
-        raise PlanError(f"{per_node} learners per node and {gpus} GPU(s): learners never share "
-                        "a GPU; at most as many learners per node as GPUs")
-    memory = sft_memory(cfg, [r // per_node for r in range(world)], gpus > 0, env_spec(cfg.env))
+    memory = sft_memory(cfg, [r // per_node for r in range(world)], gpus, env_spec(cfg.env))
     if as_json:
         print(json.dumps({"world": world, "ranks_per_node": per_node, "memory": memory.to_dict()},
                          indent=1))

@@ -177,7 +177,8 @@ def planned_memory(cfg, world, device, spec) -> LayoutMemory | None:
     if device.type != "cuda":  # every learner's alike (devices.rank_device)
         return None
     nodes = [sorted(set(hosts), key=hosts.index).index(host) for host in hosts]
-    memory = idle_bcast(world, lambda: sft_memory(cfg, nodes, True, spec))  # [dist]
+    gpus = max(map(nodes.count, nodes))  # each learner's own (as many as a node's learners)
+    memory = idle_bcast(world, lambda: sft_memory(cfg, nodes, gpus, spec))  # [dist]
     if memory.problems:
         raise Refused(ConfigError(memory.problems, "memory plan of the sft learners"))
     return memory

@@ -116,8 +116,8 @@ def layout_gpus(cfg) -> int:
 
 def memory_problems(cfg, plan) -> list[tuple[str, object, str]]:
     """The GPUs the layout overfills, where it puts ranks on GPUs (preflight.check_launch
-    refuses them before any rank starts), and the nodes whose replay buffers (the off-policy algorithms, sac and rlpd) would not fit their host
-    memory."""
+    refuses them before any rank starts), and the nodes whose replay buffers (the off-policy
+    algorithms, sac and rlpd) would not fit their host memory."""
     from hpcvla.envs import env_spec
 
     devices = layout_devices(cfg, plan)
@@ -252,14 +252,21 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
     return out
 
 
-def sft_memory(cfg, nodes: list[int], on_gpus: bool, spec, footprint=None) -> LayoutMemory:
-    """`hpcvla sft`'s memory: every rank a learner, rank r on node `nodes[r]`, where
-    `on_gpus` each on a GPU of its own (devices.assign_node: learners never share one). Each
-    holds its engine's states (ZeRO over all of them) at a batch of sft.batch_size
-    demonstration chunks through the family's imitation loss, and builds the policy in host
-    memory; the demonstrations' one copy per node is their own check (demonstrations/)."""
+def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None) -> LayoutMemory:
+    """`hpcvla sft`'s memory: every rank a learner, rank r on node `nodes[r]`, on nodes of
+    `gpus` GPUs each on a GPU of its own (devices.assign_node: learners never share one;
+    PlanError where a node has too few), on CPUs where `gpus` is 0. Each holds its engine's
+    states (ZeRO over all of them) at a batch of sft.batch_size demonstration chunks through
+    the family's imitation loss, and builds the policy in host memory; the demonstrations'
+    one copy per node is their own check (demonstrations/)."""
+    from hpcvla.topology.plan import PlanError
+    most = max(map(nodes.count, nodes))
+    if 0 < gpus < most:
+        raise PlanError(f"{most} sft learners on a node of {gpus} GPU(s): learners never share "
+                        "a GPU; at most as many learners per node as GPUs")
     if footprint is None:
         from hpcvla.memory.footprint import policy_footprint as footprint
+    on_gpus = gpus > 0
     fp = footprint(cfg, spec, cfg.sft.batch_size, 1, on_gpus, imitation=True)
     learner = cfg.learner
     parts = learner_bytes(fp, learner.zero_stage, len(nodes), on_gpus, learner.offload_optimizer)
