@@ -382,17 +382,18 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
 
 
 @pytest.mark.mpi
-def test_learners_that_overfill_their_gpus_end_the_world_with_one_message():
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
+def test_learners_that_overfill_their_gpus_end_the_world_with_one_message(mpi):
     """A world of 2 sft learners on GPUs (their devices as bound on a GPU node): each gets
     rank 0's memory plan, a GPU each; where the plan overfills placement.gpu_memory_gb, every
     rank refuses alike: exit 2, the figure and the settings said once, no rank's failure."""
-    out = hpcvla("launch", "-n", 2, "--timeout", 120, "--", MPI_SCRIPT, 80)
+    out = hpcvla("launch", "-n", 2, "--mpi", mpi, "--timeout", 120, "--", MPI_SCRIPT, 80)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     plans = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert len(plans) == 2 and plans[0]["gpu"] == plans[1]["gpu"], plans
     assert plans[0]["device"] == {"0": "cuda:0", "1": "cuda:1"}
     assert plans[0]["gpu"]["0"] == plans[0]["gpu"]["1"] and plans[0]["gpu"]["0"]["activations"]
-    out = hpcvla("launch", "-n", 2, "--timeout", 120, "--", MPI_SCRIPT, 1.2)
+    out = hpcvla("launch", "-n", 2, "--mpi", mpi, "--timeout", 120, "--", MPI_SCRIPT, 1.2)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stderr.count("invalid memory plan of the sft learners:") == 1, out.stderr
     assert "sft.batch_size = 64: expected a layout that fits: rank(s) 0 on node 0 cuda:0 " \
