@@ -119,3 +119,20 @@ def test_a_jobs_layout_that_overfills_its_gpus_fails_naming_the_setting(tmp_path
     assert out.returncode == 1 and checks["memory"]["found"].endswith(": does not fit")
     assert checks["memory"]["fix"].startswith("sft.batch_size = 64: expected a layout that "
                                               "fits: rank(s) 0 on node 0 cuda:0 need 1.5 GiB")
+
+
+def test_a_node_whose_simulators_outgrow_its_host_memory_fails_naming_them():
+    """The host memory the memory model puts on the job's busiest node against this node's:
+    24 LIBERO simulator ranks of a 32-rank node, each with more envs than this machine's
+    memory holds at 268 MiB an env (memory/simulators.py, measured); 2 envs each fit."""
+    from hpcvla.memory.layout import host_bytes
+    envs = 2 * (host_bytes() // (2 * 24 * 268 * 2 ** 20) + 1)  # even: env.shards is 2
+    node = ["--world", 32, "--ranks-per-node", 32,
+            "placement.per_node={simulator: 24, inference: 4, learner: 4}"]
+    out, checks = doctor("configs/libero_spatial.yaml", *node, f"env.envs_per_simulator={envs}")
+    host = checks["host memory"]
+    assert out.returncode == 1 and not host["ok"] and checks["memory"]["ok"], checks
+    assert "(simulator envs " in host["found"] and "env.envs_per_simulator" in host["fix"]
+    out, checks = doctor("configs/libero_spatial.yaml", "--world", 4, "--ranks-per-node", 4,
+                         "env.envs_per_simulator=2")
+    assert out.returncode == 0 and checks["host memory"]["ok"], checks

@@ -81,7 +81,7 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     checks = [_mpi(cfg), _shared_memory(cfg, weights, job, world), *_gpus(cfg),
               *_renderer(cfg), *unbuilt]
     if world and not problems and not unbuilt:
-        checks.append(_memory(cfg, job, world))
+        checks += _memory(cfg, job, world)
     checks.append(Check("config", not problems, "the config's files, packages and logins: "
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
@@ -194,26 +194,43 @@ def _node_learners(cfg, world=None) -> int:
     return max(nodes.count(node) for node in set(nodes))
 
 
-def _memory(cfg, job: str, world: tuple[int, int | None]) -> Check:
+def _memory(cfg, job: str, world: tuple[int, int | None]) -> list[Check]:
     """Whether the job's layout fits this node's GPUs (the memory model, memory/layout.py:
-    train's plan; sft's learners, a GPU each), and for sac/rlpd its replay buffers the host."""
+    train's plan, with sac/rlpd's replay buffers; sft's learners, a GPU each), and its
+    busiest node's host memory this node's (its ranks' policy builds, simulators' envs, the
+    node's windows and rings, replay buffers; sft's demonstrations' one copy)."""
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import layout_gpus, memory_problems, sft_memory
+    from hpcvla.memory.layout import (host_bytes, layout_devices, layout_gpus, plan_memory,
+                                      sft_memory)
+    from hpcvla.memory.states import size
     from hpcvla.topology.plan import PlanError, plan_from_config
     ranks, per_node = world
+    spec, shared = env_spec(cfg.env), 0
     try:
         if job == "sft":
-            nodes = [rank // (per_node or ranks) for rank in range(ranks)]
-            problems = sft_memory(cfg, nodes, layout_gpus(cfg), env_spec(cfg.env)).problems
+            memory = sft_memory(cfg, [rank // (per_node or ranks) for rank in range(ranks)],
+                                layout_gpus(cfg), spec)
+            shared = _demonstration_bytes(cfg)  # one copy per node
         else:
-            problems = memory_problems(cfg, plan_from_config(cfg.placement, ranks, per_node))
+            plan = plan_from_config(cfg.placement, ranks, per_node)
+            memory = plan_memory(cfg, plan, layout_devices(cfg, plan), spec)
     except PlanError as err:
-        return Check("memory", False, f"{ranks} rank(s), {per_node or ranks} per node: {err}",
-                     "a layout `hpcvla plan CONFIG --world N --ranks-per-node M` accepts")
+        return [Check("memory", False, f"{ranks} rank(s), {per_node or ranks} per node: {err}",
+                      "a layout `hpcvla plan CONFIG --world N --ranks-per-node M` accepts")]
+    problems = memory.problems
     found = f"{ranks} rank(s), {per_node or ranks} per node, {layout_gpus(cfg)} GPU(s) each: " \
         + ("does not fit" if problems else "fits")
-    return Check("memory", not problems, found, "; ".join(
-        f"{name} = {value!r}: expected {text}" for name, value, text in problems))
+    node, parts = max(memory.per_node_host().items(), key=lambda kv: sum(kv[1].values()))
+    need, capacity = sum(parts.values()) + shared, host_bytes()
+    largest = ", ".join(f"{k} {size(v)}" for k, v in sorted(
+        [*parts.items(), *([("demonstrations", shared)] if shared else [])],
+        key=lambda kv: -kv[1])[:3])
+    return [Check("memory", not problems, found, "; ".join(
+                f"{name} = {value!r}: expected {text}" for name, value, text in problems)),
+            Check("host memory", need <= capacity, f"the memory model puts {size(need)} on "
+                  f"node {node} of the job, this node has {size(capacity)} ({largest})",
+                  "fewer ranks per node (simulators' envs: env.envs_per_simulator, "
+                  "placement.per_node), or nodes with more memory")]
 
 
 def _gpus(cfg) -> list[Check]:
