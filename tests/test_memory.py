@@ -241,3 +241,5 @@ def test_plan_of_an_sft_job_shows_each_learners_gpu_and_refuses_what_overfills(c
     assert main(["plan", *sft[:-1], "placement.gpus_per_node=1"]) == 2
     assert "2 sft learners on a node of 1 GPU(s): learners never share" in \
         capsys.readouterr().err
+    assert main(["plan", *sft, "--auto"]) == 2
+    assert "an sft world is learners only" in capsys.readouterr().err

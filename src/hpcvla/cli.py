@@ -248,6 +248,8 @@ def cmd_plan(args) -> int:
     check_pretrained(cfg, config_source(args.config, args.overrides))
     if not args.auto and (args.search_envs or args.costs != "config"):
         raise PlanError("--search-envs and --costs choose how --auto searches: add --auto")
+    if args.job == "sft" and args.auto:
+        raise PlanError("--auto lays out train's roles; an sft world is learners only: drop it")
     if args.job == "sft":  # every rank a learner, a GPU each
         return plan_sft(cfg, args.world, args.ranks_per_node, args.json)
     if args.auto:  # the scale model's best layout (hpcvla/scale/autoplan.py)
