@@ -11,8 +11,8 @@ from hpcvla.cli import main
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint, shallow_footprint, whole_footprint
-from hpcvla.memory.layout import memory_problems, sft_memory
-from hpcvla.memory.states import learner_bytes
+from hpcvla.memory.layout import eval_memory, memory_problems, sft_memory
+from hpcvla.memory.states import inference_bytes, learner_bytes
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 PI0_FULL = ["configs/libero_pi0.yaml", "policy.pretrained=", "policy.tokenizer=",
@@ -243,3 +243,24 @@ def test_plan_of_an_sft_job_shows_each_learners_gpu_and_refuses_what_overfills(c
         capsys.readouterr().err
     assert main(["plan", *sft, "--auto"]) == 2
     assert "an sft world is learners only" in capsys.readouterr().err
+
+
+def test_eval_ranks_share_the_gpus_each_with_its_weights_batch_and_context():
+    """eval_memory (`hpcvla eval` on this host): 3 evaluating ranks on 2 GPUs, each taking
+    the least loaded (cuda:0, 1, 0), each holding the weights, `act` on its --envs
+    observations and a CUDA context; a GPU they overfill is refused naming --envs and
+    --ranks; on CPUs their working memory is host memory, beside their envs."""
+    cfg = load_config("configs/reach_flow.yaml", ["policy.size=tiny"])
+    spec = env_spec(cfg.env)
+    memory = eval_memory(cfg, 3, 2, 16, spec)
+    fp = policy_footprint(cfg, spec, 1, 16, on_gpus=True)
+    assert memory.device == {0: "cuda:0", 1: "cuda:1", 2: "cuda:0"}
+    assert memory.gpu == {r: inference_bytes(fp, on_gpu=True) for r in range(3)}
+    small = load_config("configs/reach_flow.yaml", ["policy.size=tiny",
+                                                    "placement.gpu_memory_gb=1.5"])
+    (problem,) = eval_memory(small, 3, 2, 16, spec).problems  # two contexts on cuda:0
+    assert problem[:2] == ("--envs", 16) and "rank(s) 0, 2 on node 0 cuda:0" in problem[2]
+    assert "fewer episodes at a time per rank (--envs) or fewer ranks per GPU" in problem[2]
+    cpu = eval_memory(cfg, 2, 0, 16, spec)
+    assert cpu.gpu == {} and cpu.host[1]["cpu ranks' working memory"] == sum(
+        inference_bytes(policy_footprint(cfg, spec, 1, 16, on_gpus=False), False).values())

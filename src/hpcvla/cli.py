@@ -343,7 +343,8 @@ def cmd_eval(args) -> int:
         print(f"hpcvla eval: {err}", file=sys.stderr)
         return 2
     trained = load_config(run_dir / "config.yaml")
-    problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video)
+    problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video,  # ranks here
+                           args.ranks or (None if launcher_rank() is not None else 1))
     if problem:
         print(f"hpcvla eval: {problem}", file=sys.stderr)
         return 2

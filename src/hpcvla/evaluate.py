@@ -72,10 +72,11 @@ EVAL_FLAGS = {"eval.episodes": "--episodes", "eval.envs": "--envs",
 TRAINING_SIMULATORS = ("env.shards", "env.isolation", "env.max_restarts")
 
 
-def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | None:
+def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
+                 ranks: int | None = None) -> str | None:
     """What is wrong with `hpcvla eval`'s flags (--ranks: argparse, as `train`'s), or with
     evaluating the run configured as `trained` in the env `cfg` configures, before any rank
-    starts."""
+    starts; where it starts `ranks` processes here, whether they fit this host's GPUs."""
     from hpcvla.envs.base import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
                                    ("--envs", envs, 1, None), ("--video", video, 0, None)):
@@ -84,7 +85,19 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int) -> str | No
                     + (f", at most {high} (the evaluation split's states)" if high else ""))
     if video and not cfg.env.camera:
         return "--video needs a camera: the run has env.camera=false"
-    return vocabulary_problem(cfg, trained)
+    return vocabulary_problem(cfg, trained) or memory_problem(cfg, ranks, envs)
+
+
+def memory_problem(cfg, ranks: int | None, envs: int) -> str | None:
+    """Whether `ranks` evaluating processes on this host, `envs` envs each, fit its GPUs
+    (memory/layout.eval_memory); None on a host without GPUs, or for a world srun/mpirun
+    started (`ranks` None: this process does not know its layout)."""
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import eval_memory, layout_gpus
+    gpus = layout_gpus(cfg) if ranks else 0
+    problems = eval_memory(cfg, ranks, gpus, envs, env_spec(cfg.env)).problems if gpus else []
+    return "; ".join(f"{name} = {value!r}: expected {text}"
+                     for name, value, text in problems) or None
 
 
 def check_overrides(overrides: list[str], untrained: bool) -> None:

@@ -26,6 +26,8 @@ class LayoutMemory:
     dtype_bytes: int  # of the trained parameters
     # what sizes a learner's forward/backward: (its setting, the value, what it means)
     batch: tuple[str, int, str] = ("", 0, "")
+    # what sizes an acting rank's batch: (its setting, the value, what makes it fit)
+    acting: tuple[str, int, str] = ("", 0, "")
     problems: list[tuple[str, object, str]] = field(default_factory=list)
 
     def per_gpu(self) -> dict[tuple[int, str], tuple[list[int], dict[str, int]]]:
@@ -247,7 +249,10 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
         add(host[leader], "node weight window",
             2 * fp.weight_bytes + (0 if leader == plan.weight_root else packed))
     out = LayoutMemory(gpu=gpu, host=host, device=devices, node=node, capacity_gib=capacity_gib,
-                       dtype_bytes=fp.dtype_bytes, batch=learner_batch(cfg))
+                       dtype_bytes=fp.dtype_bytes, batch=learner_batch(cfg), acting=(
+                           "env.envs_per_simulator", cfg.env.envs_per_simulator,
+                           "fewer envs per inference rank (env.envs_per_simulator, or fewer "
+                           "simulators per cell in placement.per_node)"))
     out.problems = fit_problems(cfg, out)
     return out
 
@@ -287,6 +292,36 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None) -> Layout
     return out
 
 
+def eval_memory(cfg, ranks: int, gpus: int, envs: int, spec, footprint=None) -> LayoutMemory:
+    """`hpcvla eval` on this host: `ranks` processes, each stepping `envs` envs and acting on
+    them with the policy, on `gpus` GPUs (devices.assign_node: each takes the least loaded;
+    0: the CPU): per rank the weights, a batch of `envs` observations through `act` and its
+    CUDA context; its policy build and envs in host memory."""
+    from hpcvla.devices import assign_node
+    from hpcvla.envs import env_uses_gpu
+    if footprint is None:
+        from hpcvla.memory.footprint import policy_footprint as footprint
+    fp = footprint(cfg, spec, 1, envs, gpus > 0)
+    visible = tuple(str(i) for i in range(gpus))
+    devices = {r: "cpu" if g is None else f"cuda:{g}" for r, g in enumerate(assign_node(
+        [(SIM, INF)] * ranks, [visible] * ranks, env_uses_gpu(cfg.env)))}
+    stepped = simulator_bytes(replace(cfg.env, envs_per_simulator=envs), 1)
+    gpu, host = {}, {}
+    for rank, device in devices.items():
+        parts = inference_bytes(fp, device != "cpu")
+        host[rank] = {"policy builds": build_bytes(fp), "simulator envs": stepped}
+        if device != "cpu":
+            gpu[rank] = parts
+        else:
+            add(host[rank], "cpu ranks' working memory", sum(parts.values()))
+    out = LayoutMemory(gpu=gpu, host=host, device=devices, node=dict.fromkeys(devices, 0),
+                       capacity_gib=gpu_capacity_gib(cfg.placement), dtype_bytes=fp.dtype_bytes,
+                       acting=("--envs", envs, "fewer episodes at a time per rank (--envs) or "
+                               "fewer ranks per GPU (--ranks)"))
+    out.problems = fit_problems(cfg, out)
+    return out
+
+
 def learner_batch(cfg) -> tuple[str, int, str]:
     """What sizes an RL learner's forward/backward (LayoutMemory.batch)."""
     obs = cfg.learner.micro_batch * cfg.rollout.segment_len
@@ -319,8 +354,7 @@ def fit_problems(cfg, memory: LayoutMemory) -> list[tuple[str, object, str]]:
         biggest = ", ".join(f"{k} {size(v)}" for k, v in
                             sorted(parts.items(), key=lambda kv: -kv[1])[:3])
         learns = "gradients" in parts  # a learner's (its moments may be offloaded)
-        field, value = memory.batch[:2] if learns else \
-            ("env.envs_per_simulator", cfg.env.envs_per_simulator)
+        field, value = (memory.batch if learns else memory.acting)[:2]
         out.append((field, value, f"a layout that fits: rank(s) {', '.join(map(str, ranks))} "
                     f"on node {node} {device} need {size(total)} > placement.gpu_memory_gb = "
                     f"{memory.capacity_gib:g} (largest: {biggest}). {knobs(cfg, learns, memory)}"))
@@ -330,8 +364,7 @@ def fit_problems(cfg, memory: LayoutMemory) -> list[tuple[str, object, str]]:
 def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
     """The settings that shrink what a GPU's ranks hold, largest lever first."""
     if not learns:
-        return ("Fit it with fewer envs per inference rank (env.envs_per_simulator, or fewer "
-                "simulators per cell in placement.per_node).")
+        return f"Fit it with {memory.acting[2]}."
     setting, _, meaning = memory.batch
     out = [f"a smaller {setting} ({meaning})"]
     vla = family(cfg.policy.name).vla
