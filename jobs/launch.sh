@@ -326,7 +326,7 @@ fi
 # job's first; the others answer clean_nodes before a restart).
 if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     "$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE" \
-        "${COMMAND_ARGS[@]:1}" >&2 ||
+        "${ARGS[@]:1}" >&2 ||  # the command's settings, the auto plan's layout included
         die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
 fi
 
