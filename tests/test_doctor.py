@@ -136,3 +136,49 @@ def test_a_node_whose_simulators_outgrow_its_host_memory_fails_naming_them():
     out, checks = doctor("configs/libero_spatial.yaml", "--world", 4, "--ranks-per-node", 4,
                          "env.envs_per_simulator=2")
     assert out.returncode == 0 and checks["host memory"]["ok"], checks
+
+
+@pytest.fixture
+def memory_cgroup():
+    """A memory cgroup of this machine's (v1's memory controller, else v2's), removed after:
+    its folder and the file that limits it."""
+    import shutil
+    from pathlib import Path
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = [line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")]
+    if v1:
+        folder = Path("/sys/fs/cgroup/memory") / v1[0].lstrip("/") / f"hpcvla-{os.getpid()}"
+        limit = "memory.limit_in_bytes"
+    else:  # v2: a child of the root, which may hold processes
+        root = Path("/sys/fs/cgroup")
+        root = root if (root / "cgroup.controllers").exists() else root / "unified"
+        folder, limit = root / f"hpcvla-{os.getpid()}", "memory.max"
+    folder.mkdir()
+    try:
+        yield folder, folder / limit
+    finally:
+        for _ in range(50):  # once its processes are gone
+            try:
+                folder.rmdir()
+                break
+            except OSError:
+                import time
+                time.sleep(0.1)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.cluster  # root: a cgroup
+def test_the_host_memory_is_the_jobs_allocation_where_its_cgroup_limits_it(memory_cgroup):
+    """A job's processes may use what their cgroup allows (Slurm's --mem, PBS's mem=, a
+    container's limit), not the machine's memory: 4 LIBERO ranks of 2 envs (7.2 GiB by the
+    memory model), which pass on this machine (the test above), fail in a cgroup of 6 GiB,
+    which the doctor reads as the node's memory."""
+    folder, limit = memory_cgroup
+    limit.write_text(str(6 * 2 ** 30))
+    wrap = ["sh", "-c", f'echo $$ > {folder}/cgroup.procs && exec "$@"', "sh"]
+    args = ["configs/libero_spatial.yaml", "--world", 4, "--ranks-per-node", 4,
+            "env.envs_per_simulator=2"]
+    out, checks = doctor(*args, wrap=wrap)
+    host = checks["host memory"]
+    assert out.returncode == 1 and not host["ok"], checks
+    assert "this node has 6.0 GiB" in host["found"], host
