@@ -319,15 +319,20 @@ say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
 say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
 say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
+# A node that lacks what the job needs, or a layout that overfills its memory, fails the job
+# here, in seconds, saying why (this node: the job's first; the others answer clean_nodes
+# before a restart). It checks the command's settings as they run: the auto plan's included.
+DOCTOR=()
+if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
+    DOCTOR=("$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE"
+            "${ARGS[@]:1}")
+    say "checking this node: ${DOCTOR[*]}"
+fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0
 fi
-# A node that lacks what the job needs fails it here, in seconds, saying why (this node: the
-# job's first; the others answer clean_nodes before a restart).
-if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
-    "$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE" \
-        "${ARGS[@]:1}" >&2 ||  # the command's settings, the auto plan's layout included
-        die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
+if (( ${#DOCTOR[@]} )); then
+    "${DOCTOR[@]}" >&2 || die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
 fi
 
 # A restart continues from the run's newest checkpoint: without periodic ones there is none.
