@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Start an hpcvla command on every rank of the current Slurm or PBS job (the one launch
 # script all job scripts in jobs/slurm and jobs/pbs exec).
 #
@@ -76,97 +77,10 @@ HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export HPCVLA_ROOT
 [[ $# -ge 1 ]] || die "usage: launch.sh COMMAND [ARGS...]   (e.g. train configs/default.yaml)"
 
-# ---- scheduler, hosts, ranks ---------------------------------------------------------------
-if [[ -n ${PBS_JOBID:-} && -n ${PBS_NODEFILE:-} ]]; then
-    SCHEDULER=pbs
-elif [[ -n ${SLURM_JOB_ID:-} ]]; then
-    SCHEDULER=slurm
-elif [[ -n ${PBS_JOBID:-} ]]; then
-    die "PBS job $PBS_JOBID has no PBS_NODEFILE: cannot tell which nodes to use"
-else
-    SCHEDULER=none
-fi
-
-case $SCHEDULER in
-    slurm)
-        mapfile -t HOSTS < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
-        [[ -n ${SLURM_NTASKS:-} ]] || die "Slurm job without a task count: ask for tasks, " \
-            "e.g. #SBATCH --ntasks-per-node=4"
-        NP=$SLURM_NTASKS
-        # SLURM_TASKS_PER_NODE is "8(x3)" when uniform; "8(x2),7" means uneven nodes.
-        [[ ${SLURM_TASKS_PER_NODE:-$NP} =~ ^[0-9]+(\(x[0-9]+\))?$ ]] || die "nodes hold " \
-            "different numbers of tasks (SLURM_TASKS_PER_NODE=$SLURM_TASKS_PER_NODE): ask " \
-            "for --ntasks-per-node instead of --ntasks"
-        ;;
-    pbs)
-        [[ -r $PBS_NODEFILE ]] || die "PBS_NODEFILE=$PBS_NODEFILE is not readable"
-        mapfile -t HOSTS < <(awk 'NF && !seen[$1]++ {print $1}' "$PBS_NODEFILE")
-        NP=$(awk 'NF' "$PBS_NODEFILE" | wc -l)
-        counts=$(awk 'NF {n[$1]++} END {for (h in n) print n[h]}' "$PBS_NODEFILE" | sort -u)
-        [[ $counts =~ ^[0-9]+$ ]] || die "nodes hold different numbers of ranks in " \
-            "$PBS_NODEFILE: ask for the same mpiprocs on every chunk (select=N:mpiprocs=M)"
-        ;;
-    none)
-        HOSTS=("$(hostname)")
-        NP=${HPCVLA_RANKS:-4}
-        ;;
-esac
-NODES=${#HOSTS[@]}
-(( NODES >= 1 && NP >= NODES && NP % NODES == 0 )) || die "$NP ranks cannot be spread " \
-    "evenly over $NODES node(s) (${HOSTS[*]})"
-PER_NODE=$(( NP / NODES ))
-if [[ $SCHEDULER != none ]]; then
-    # What each rank checks its MPI world against: inside Hydra's proxy steps SLURM_NTASKS
-    # counts the proxies, not the job's tasks.
-    export HPCVLA_JOB_RANKS=$NP
-fi
-
-JOB_ID=${SLURM_JOB_ID:-${PBS_JOBID:-0}}
-
-# ---- environment ---------------------------------------------------------------------------
-activate() {  # activation scripts read unset variables: not under `set -u`
-    set +u
-    # shellcheck disable=SC1090,SC1091
-    source "$@"
-    set -u
-}
-if [[ -n ${HPCVLA_CONDA_ENV:-} ]]; then
-    command -v conda > /dev/null || die "HPCVLA_CONDA_ENV=$HPCVLA_CONDA_ENV but no conda " \
-        "on PATH (module load conda?)"
-    set +u
-    eval "$(conda shell.bash hook)"
-    conda activate "$HPCVLA_CONDA_ENV"
-    set -u
-elif [[ -n ${HPCVLA_VENV:-} ]]; then
-    [[ -f $HPCVLA_VENV/bin/activate ]] || die "HPCVLA_VENV=$HPCVLA_VENV is not a venv"
-    activate "$HPCVLA_VENV/bin/activate"
-elif [[ -f $HPCVLA_ROOT/.venv/bin/activate ]]; then
-    activate "$HPCVLA_ROOT/.venv/bin/activate"
-fi
-PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
-"$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
-    "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
-# The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
-# HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
-# the problem when none is found.
-MPI_EXPORTS=$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}") ||
-    die "no MPI to start the ranks with (HPCVLA_MPI=${HPCVLA_MPI:-auto}: the reason above)"
-eval "$MPI_EXPORTS"
-
-# ---- threads per rank ----------------------------------------------------------------------
-if [[ -n ${HPCVLA_THREADS:-} ]]; then
-    THREADS=$HPCVLA_THREADS
-elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_PER_TASK:-} ]]; then
-    THREADS=$SLURM_CPUS_PER_TASK
-elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_ON_NODE:-} ]]; then  # this node's share
-    THREADS=$(( SLURM_CPUS_ON_NODE / PER_NODE ))
-elif [[ $SCHEDULER == pbs && -n ${NCPUS:-} ]]; then  # PBS Pro: ncpus of this chunk
-    THREADS=$(( NCPUS / PER_NODE ))
-else
-    THREADS=$(( $(nproc) / PER_NODE ))
-fi
-(( THREADS >= 1 )) || THREADS=1
-export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
+# ---- the allocation: scheduler, hosts, ranks per node, Python, MPI, threads per rank --------
+LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib  # this script's own, whatever the root
+# shellcheck source=lib/allocation.sh
+source "$LIB/allocation.sh"
 
 # ---- the command ---------------------------------------------------------------------------
 # The run of this job that a restart continues: the newest run directory under $1, if its
@@ -183,53 +97,9 @@ makes_a_run() { [[ $1 == train || $1 == sft ]]; }
 point_name() { [[ $1 == sft ]] && echo "SFT step" || echo "policy version"; }
 interval_name() { [[ $1 == sft ]] && echo sft.checkpoint_every || echo learner.checkpoint_every; }
 
-# PBS's start of a process on another node of the job (TM, by `pbs_tmrsh`, an rsh): what it
-# starts is the job's (ended with it, accounted, in its cgroup), and the nodes need not accept
-# ssh from each other. Without it (Torque, HPCVLA_PBS_TM=0): ssh.
-PBS_RSH=""
-if [[ $SCHEDULER == pbs && ${HPCVLA_PBS_TM:-1} == 1 ]]; then
-    PBS_RSH=$(command -v pbs_tmrsh || true)
-fi
-
-# Run a shell command on a node of the job within 30 s (false if it did not start or failed).
-# Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
-# from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
-on_node() {  # HOST SHELL_COMMAND
-    case $SCHEDULER in
-        slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
-                   sh -c "$2" ;;
-        pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
-                 sh -c "$2"
-             else
-                 timeout 30 "${PBS_RSH:-ssh}" "$1" "$2"
-             fi ;;
-        none) sh -c "$2" ;;
-    esac
-}
-# After a failed world (and, where srun launches, before a requeued job's first), on every node
-# of HOSTS at once:
-# remove the MPICH segments its killed ranks left in /dev/shm and its Hydra proxies' topology
-# files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
-# within 30 s, in HOSTS' order: a restart's nodes.
-# A dead node costs its 30 s once, not per node. A node answers as long as it starts a
-# process: a cleanup that fails there (ssh passes no environment) is said, not taken for a
-# dead node.
-clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
-    local host answers clean
-    answers=$(mktemp -d)
-    clean="$(printf '%q' "$PYTHON") -m hpcvla.job.segments remove-orphans 2>&1 ||
-        echo \"\$(hostname): could not remove the failed world's MPICH leftovers (above)\""
-    for host in "${HOSTS[@]}"; do
-        { on_node "$host" "$clean" > "$answers/$host.out" 2> /dev/null &&
-              touch "$answers/$host"; } &
-    done
-    wait
-    for host in "${HOSTS[@]}"; do
-        [[ -s $answers/$host.out ]] && cat "$answers/$host.out" >&2
-        [[ -e $answers/$host ]] && echo "$host"
-    done
-    rm -rf "$answers"
-}
+# ---- starting, watching and ending a world on the job's nodes -------------------------------
+# shellcheck source=lib/world.sh
+source "$LIB/world.sh"
 
 ARGS=("$@")
 COMMAND_ARGS=("$@")
@@ -259,54 +129,6 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
     in_a_world "$1" || COMMAND=("$PYTHON" -m hpcvla "${ARGS[@]}")
 }
 
-set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
-    CLEAN_ENV=()
-    if ! in_a_world "$1"; then  # starts its own worlds (bench modes) or no MPI
-        LAUNCH=()
-    elif [[ ${HPCVLA_LAUNCHER:-$([[ $SCHEDULER == slurm ]] && echo "$HPCVLA_SLURM_LAUNCHER_DEFAULT" ||
-            echo mpiexec)} == srun ]]; then
-        # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
-        # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
-        # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
-        local nodes
-        nodes=$(IFS=,; echo "${HOSTS[*]}")
-        LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-$HPCVLA_SRUN_MPI_DEFAULT}" --kill-on-bad-exit=1 --ntasks="$NP"
-                --ntasks-per-node="$PER_NODE" --distribution=block --nodes="$NODES" --nodelist="$nodes"
-                ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"} ${OVERLAP:+--overlap})
-    else
-        local host
-        if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
-            for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
-            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node"
-                    ${PBS_RSH:+--mca plm_rsh_agent "$PBS_RSH"})
-        else  # MPICH's Hydra (and derivatives): host:ranks, filled in block order
-            for host in "${HOSTS[@]}"; do echo "$host:$PER_NODE"; done > "$HOSTFILE"
-            LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" -f "$HOSTFILE"
-                    ${PBS_RSH:+-launcher rsh -launcher-exec "$PBS_RSH"})
-        fi
-        if [[ $SCHEDULER == slurm ]]; then
-            # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that
-            # node's ranks: the step must hold the node's CPUs (srun would give it one per
-            # task), and sbatch's tasks-per-node would contradict its 1 task per node.
-            LAUNCH=(env -u SLURM_NTASKS_PER_NODE ${OVERLAP:+HYDRA_LAUNCHER_EXTRA_ARGS=--overlap}
-                    "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
-            if [[ $HPCVLA_MPI_FLAVOUR != openmpi ]]; then
-                # Hydra passes its own environment to every rank, over each proxy's: the
-                # batch node's GPUs would be every node's. Without them each node's ranks
-                # keep what Slurm gave their node's step (Open MPI's mpirun forks its own
-                # node's ranks and passes the others none: forwarded_env).
-                LAUNCH=(env -u CUDA_VISIBLE_DEVICES -u ROCR_VISIBLE_DEVICES -u HIP_VISIBLE_DEVICES
-                        -u GPU_DEVICE_ORDINAL "${LAUNCH[@]}")
-            fi
-        elif [[ $SCHEDULER == pbs ]]; then
-            # A PBS layer on top of Slurm (as in tests/local_slurm.py) leaves Slurm's variables
-            # in the job: Hydra would then start its proxies as 1-task srun steps, and the ranks
-            # would check themselves against Slurm's counts. A PBS job's ranks see PBS only.
-            mapfile -t slurm_vars < <(compgen -e | grep '^SLURM_' || true)
-            CLEAN_ENV=(env "${slurm_vars[@]/#/--unset=}")
-        fi
-    fi
-}
 
 HOSTFILE=$(mktemp "${TMPDIR:-/tmp}/hpcvla-hosts.XXXXXX")
 trap 'rm -f "$HOSTFILE"' EXIT
@@ -354,110 +176,6 @@ if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0}
     (( ${#answered[@]} == NODES )) || say "could not remove the killed ranks' MPICH" \
         "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
 fi
-
-# The batch shell gets the signals; the ranks must get SIGTERM to stop cleanly, and as long
-# as they need: under srun it goes to the job's steps only (`scancel --signal`; signalling
-# srun itself would make it kill the step after KillWait), mpiexec forwards it itself.
-# SIGUSR1 is the time-limit warning (#SBATCH --signal=B:USR1@<grace>): after it the job
-# requeues itself (HPCVLA_REQUEUE=1) to resume later. SIGTERM/SIGINT (scancel, qdel,
-# preemption, which requeues on its own) only stop the ranks.
-SIGNALLED=""
-# shellcheck disable=SC2317  # called from the traps below
-forward() {
-    SIGNALLED=$1
-    say "received SIG$1: sending SIGTERM to the ranks"
-    if [[ ${LAUNCH[0]:-} == srun ]]; then
-        scancel --signal=TERM "$SLURM_JOB_ID" || true
-    else
-        kill -TERM "$STEP" 2> /dev/null || true
-    fi
-}
-# A world whose ranks here failed and that has not ended HPCVLA_END_GRACE_S later is ended:
-# after a node failure, mpiexec and srun wait for the dead node until the scheduler declares
-# it down (Slurm's SlurmdTimeout, 5 minutes by default) while the ranks left aborted long ago.
-end_a_failed_world() {  # PID of the world's launcher; run in the background
-    local failure grace=${HPCVLA_END_GRACE_S:-30}
-    failure=$("$PYTHON" -m hpcvla.process.deathwatch first-failure "$HPCVLA_RANK_DIR" "$1") || return 0
-    say "$failure"  # now: the MPI launcher's own report may name another rank
-    sleep "$grace"
-    kill -0 "$1" 2> /dev/null || return 0
-    say "$failure, and the world has not ended $grace s later: ending its launcher"
-    kill -TERM "$1" 2> /dev/null || true
-    sleep 5
-    kill -KILL "$1" 2> /dev/null || true
-}
-forwarded_env() {  # the MPI launcher's options: what it passes to the ranks on other nodes
-    # The job's variables, as srun (--export=ALL) does, but for what is each node's own (its
-    # GPUs, its scheduler and launcher variables). Open MPI's mpirun gives those ranks only
-    # OMPI_* (ssh or PBS's TM start them with a login's environment): `-x NAME` each.
-    # MPICH's Hydra passes its whole environment over each proxy's (-genvall): under PBS,
-    # whose nodes' processes get their own node's GPUs (its cgroup hook; TM's tasks too),
-    # the batch node's would be every node's. There it passes the list (-genvlist); its own
-    # node's ranks inherit them from the proxy it forks here.
-    local name names=()
-    for name in $(compgen -e); do
-        [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
-        [[ $name =~ ^(CUDA_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL|HOSTNAME|HOST|PWD|OLDPWD|SHLVL|_|DISPLAY|TERM|TMUX|SLURM_.*|SLURMD_.*|PBS_.*|OMPI_.*|PMIX_.*|PMI_.*|HYDRA_.*|SSH_.*)$ ]] &&
-            continue
-        names+=("$name")
-    done
-    if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
-        printf -- '-x\n%s\n' "${names[@]}"
-    else
-        printf -- '-genvlist\n%s\n' "$(IFS=,; echo "${names[*]}")"
-    fi
-}
-run_world() {  # start the ranks, forward signals while they run; sets `status`
-    if [[ -n $EARLY ]]; then
-        SIGNALLED=$EARLY status=0 NO_WORLD=1
-        say "received SIG$EARLY before the ranks started: starting none"
-        return
-    fi
-    if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
-        # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
-        # word (kill -9, OOM), srun names its task number and the cards say what it was.
-        export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
-        rm -rf "$HPCVLA_RANK_DIR" && mkdir -p "$HPCVLA_RANK_DIR"
-    fi
-    # the ranks time their start and stop from here (summary.json's phases_s)
-    HPCVLA_LAUNCHED_AT=$(date +%s.%N)
-    export HPCVLA_LAUNCHED_AT
-    local exports=()
-    if [[ " ${LAUNCH[*]} " == *" $HPCVLA_MPIEXEC "* ]] &&
-            [[ $HPCVLA_MPI_FLAVOUR == openmpi || $SCHEDULER == pbs ]]; then
-        mapfile -t exports < <(forwarded_env)  # now: the world's own variables are set
-    fi
-    "${CLEAN_ENV[@]}" "${LAUNCH[@]}" ${exports[@]+"${exports[@]}"} "${COMMAND[@]}" &
-    STEP=$!
-    trap 'forward TERM' TERM
-    trap 'forward INT' INT
-    trap 'forward USR1' USR1
-    if [[ -n $EARLY ]]; then  # it came as the world started, before these traps
-        forward "$EARLY"
-        EARLY=""
-    fi
-    local ender=""
-    if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
-        end_a_failed_world "$STEP" &
-        ender=$!
-    fi
-    status=0
-    while true; do  # `wait` returns early when a trapped signal arrives: wait again
-        wait "$STEP" && status=0 || status=$?
-        kill -0 "$STEP" 2> /dev/null || break
-    done
-    remember_signals
-    if [[ -n $ender ]]; then
-        kill "$ender" 2> /dev/null || true  # its deathwatch sees the launcher gone and ends
-        wait "$ender" 2> /dev/null || true
-    fi
-    if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
-        if [[ $status != 0 && -z $SIGNALLED ]]; then
-            "$PYTHON" -m hpcvla.process.deathwatch describe "$HPCVLA_RANK_DIR" || true
-        fi
-        rm -rf "$HPCVLA_RANK_DIR"
-    fi
-}
 
 # The overrides (FIT) that lay the run out on the NP ranks of the nodes left by the config's
 # placement rules: fewer cells, and fewer learners (the others spare) where there are fewer

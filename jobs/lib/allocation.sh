@@ -1,0 +1,97 @@
+# shellcheck shell=bash
+# Sourced by jobs/launch.sh: what the allocation gives the job. Sets SCHEDULER (slurm, pbs,
+# none), HOSTS, NP, NODES, PER_NODE, JOB_ID (and exports HPCVLA_JOB_RANKS), activates the
+# Python environment (PYTHON), finds the MPI (mpi_select's exports) and sets one BLAS/OpenMP
+# thread pool size per rank (THREADS). Uses launch.sh's die.
+
+# ---- scheduler, hosts, ranks ---------------------------------------------------------------
+if [[ -n ${PBS_JOBID:-} && -n ${PBS_NODEFILE:-} ]]; then
+    SCHEDULER=pbs
+elif [[ -n ${SLURM_JOB_ID:-} ]]; then
+    SCHEDULER=slurm
+elif [[ -n ${PBS_JOBID:-} ]]; then
+    die "PBS job $PBS_JOBID has no PBS_NODEFILE: cannot tell which nodes to use"
+else
+    SCHEDULER=none
+fi
+
+case $SCHEDULER in
+    slurm)
+        mapfile -t HOSTS < <(scontrol show hostnames "${SLURM_JOB_NODELIST:?}")
+        [[ -n ${SLURM_NTASKS:-} ]] || die "Slurm job without a task count: ask for tasks, " \
+            "e.g. #SBATCH --ntasks-per-node=4"
+        NP=$SLURM_NTASKS
+        # SLURM_TASKS_PER_NODE is "8(x3)" when uniform; "8(x2),7" means uneven nodes.
+        [[ ${SLURM_TASKS_PER_NODE:-$NP} =~ ^[0-9]+(\(x[0-9]+\))?$ ]] || die "nodes hold " \
+            "different numbers of tasks (SLURM_TASKS_PER_NODE=$SLURM_TASKS_PER_NODE): ask " \
+            "for --ntasks-per-node instead of --ntasks"
+        ;;
+    pbs)
+        [[ -r $PBS_NODEFILE ]] || die "PBS_NODEFILE=$PBS_NODEFILE is not readable"
+        mapfile -t HOSTS < <(awk 'NF && !seen[$1]++ {print $1}' "$PBS_NODEFILE")
+        NP=$(awk 'NF' "$PBS_NODEFILE" | wc -l)
+        counts=$(awk 'NF {n[$1]++} END {for (h in n) print n[h]}' "$PBS_NODEFILE" | sort -u)
+        [[ $counts =~ ^[0-9]+$ ]] || die "nodes hold different numbers of ranks in " \
+            "$PBS_NODEFILE: ask for the same mpiprocs on every chunk (select=N:mpiprocs=M)"
+        ;;
+    none)
+        HOSTS=("$(hostname)")
+        NP=${HPCVLA_RANKS:-4}
+        ;;
+esac
+NODES=${#HOSTS[@]}
+(( NODES >= 1 && NP >= NODES && NP % NODES == 0 )) || die "$NP ranks cannot be spread " \
+    "evenly over $NODES node(s) (${HOSTS[*]})"
+PER_NODE=$(( NP / NODES ))
+if [[ $SCHEDULER != none ]]; then
+    # What each rank checks its MPI world against: inside Hydra's proxy steps SLURM_NTASKS
+    # counts the proxies, not the job's tasks.
+    export HPCVLA_JOB_RANKS=$NP
+fi
+
+JOB_ID=${SLURM_JOB_ID:-${PBS_JOBID:-0}}
+
+# ---- environment ---------------------------------------------------------------------------
+activate() {  # activation scripts read unset variables: not under `set -u`
+    set +u
+    # shellcheck disable=SC1090,SC1091
+    source "$@"
+    set -u
+}
+if [[ -n ${HPCVLA_CONDA_ENV:-} ]]; then
+    command -v conda > /dev/null || die "HPCVLA_CONDA_ENV=$HPCVLA_CONDA_ENV but no conda " \
+        "on PATH (module load conda?)"
+    set +u
+    eval "$(conda shell.bash hook)"
+    conda activate "$HPCVLA_CONDA_ENV"
+    set -u
+elif [[ -n ${HPCVLA_VENV:-} ]]; then
+    [[ -f $HPCVLA_VENV/bin/activate ]] || die "HPCVLA_VENV=$HPCVLA_VENV is not a venv"
+    activate "$HPCVLA_VENV/bin/activate"
+elif [[ -f $HPCVLA_ROOT/.venv/bin/activate ]]; then
+    activate "$HPCVLA_ROOT/.venv/bin/activate"
+fi
+PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
+"$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
+    "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
+# The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
+# HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
+# the problem when none is found.
+MPI_EXPORTS=$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}") ||
+    die "no MPI to start the ranks with (HPCVLA_MPI=${HPCVLA_MPI:-auto}: the reason above)"
+eval "$MPI_EXPORTS"
+
+# ---- threads per rank ----------------------------------------------------------------------
+if [[ -n ${HPCVLA_THREADS:-} ]]; then
+    THREADS=$HPCVLA_THREADS
+elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_PER_TASK:-} ]]; then
+    THREADS=$SLURM_CPUS_PER_TASK
+elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_ON_NODE:-} ]]; then  # this node's share
+    THREADS=$(( SLURM_CPUS_ON_NODE / PER_NODE ))
+elif [[ $SCHEDULER == pbs && -n ${NCPUS:-} ]]; then  # PBS Pro: ncpus of this chunk
+    THREADS=$(( NCPUS / PER_NODE ))
+else
+    THREADS=$(( $(nproc) / PER_NODE ))
+fi
+(( THREADS >= 1 )) || THREADS=1
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
