@@ -387,9 +387,13 @@ def test_learners_that_overfill_their_gpus_end_the_world_with_one_message(mpi):
     """A world of 2 sft learners on GPUs (their devices as bound on a GPU node): each gets
     rank 0's memory plan, a GPU each; where the plan overfills placement.gpu_memory_gb, every
     rank refuses alike: exit 2, the figure and the settings said once, no rank's failure."""
+    def ranks(out) -> list[dict]:  # rank 0's line: every rank's exit status and plan
+        (line,) = [line for line in out.stdout.splitlines() if line.startswith("[")]
+        return json.loads(line)
+
     out = hpcvla("launch", "-n", 2, "--mpi", mpi, "--timeout", 120, "--", MPI_SCRIPT, 80)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    plans = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    plans = [r["plan"] for r in ranks(out)]
     assert len(plans) == 2 and plans[0]["gpu"] == plans[1]["gpu"], plans
     assert plans[0]["device"] == {"0": "cuda:0", "1": "cuda:1"}
     assert plans[0]["gpu"]["0"] == plans[0]["gpu"]["1"] and plans[0]["gpu"]["0"]["activations"]
@@ -399,5 +403,4 @@ def test_learners_that_overfill_their_gpus_end_the_world_with_one_message(mpi):
     assert "sft.batch_size = 64: expected a layout that fits: rank(s) 0 on node 0 cuda:0 " \
         "need 1.5 GiB > placement.gpu_memory_gb = 1.2" in out.stderr, out.stderr
     assert "failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert sorted(line for line in out.stdout.splitlines() if "ended" in line) == [
-        "rank 0 ended: 2", "rank 1 ended: 2"]
+    assert ranks(out) == [{"code": 2, "plan": None}] * 2

@@ -20,12 +20,17 @@ cfg = load_config("configs/reach_flow.yaml", ["policy.size=tiny", "sft.batch_siz
 world = MPI.COMM_WORLD
 
 
+planned = []
+
+
 def plan():
     memory = planned_memory(cfg, world, torch.device("cuda:0"), env_spec(cfg.env))
-    print(json.dumps({"rank": world.Get_rank(), "gpu": memory.gpu, "device": memory.device}),
-          flush=True)
+    planned.append({"gpu": memory.gpu, "device": memory.device})
 
 
 code = run_guarded(world, "sft learner", plan)
-print(f"rank {world.Get_rank()} ended: {code}", flush=True)
+# every rank's exit status and plan, one line from rank 0 (the ranks' own lines interleave)
+everyone = world.gather({"code": code, "plan": planned[0] if planned else None}, root=0)
+if world.Get_rank() == 0:
+    print(json.dumps(everyone), flush=True)
 sys.exit(code)
