@@ -49,8 +49,9 @@ def add_doctor_parser(sub, config_args) -> None:
     config_args(doctor, required=False)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--job", choices=("train", "sft"), default="train", help="its command")
-    doctor.add_argument("--world", type=int, default=None, help="the job's ranks (default: "
-                        "launch.ranks); with it, whether its layout fits the GPUs' memory")
+    doctor.add_argument("--world", type=int, default=None, help="the job's ranks: with it, "
+                        "whether its layout fits this node's GPUs and host memory (without, "
+                        "/dev/shm is checked for launch.ranks' layout)")
     doctor.add_argument("--ranks-per-node", type=int, default=None,
                         help="the job's ranks per node (default: --world)")
 
