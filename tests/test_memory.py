@@ -11,7 +11,8 @@ from hpcvla.cli import main
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint, shallow_footprint, whole_footprint
-from hpcvla.memory.layout import eval_memory, memory_problems, sft_memory
+from hpcvla.memory.layout import memory_problems
+from hpcvla.memory.sft_eval import eval_memory, sft_memory
 from hpcvla.memory.states import inference_bytes, learner_bytes
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -264,3 +265,18 @@ def test_eval_ranks_share_the_gpus_each_with_its_weights_batch_and_context():
     cpu = eval_memory(cfg, 2, 0, 16, spec)
     assert cpu.gpu == {} and cpu.host[1]["cpu ranks' working memory"] == sum(
         inference_bytes(policy_footprint(cfg, spec, 1, 16, on_gpus=False), False).values())
+
+
+def test_each_nodes_first_sft_learner_holds_the_demonstrations_copy():
+    """sft_memory counts the demonstrations once per node, at its first learner: the files'
+    chunk rows (from their headers) times a sample's bytes as the learners hold it."""
+    from hpcvla.config.imitation import demo_paths
+    from hpcvla.demonstrations import demonstration_rows, sample_bytes
+    from hpcvla.memory.sft_eval import DEMOS, demonstration_bytes
+    cfg = load_config("configs/libero_spatial.yaml",
+                      ["sft.demos=tests/fixtures/demonstrations/libero"])
+    spec = env_spec(cfg.env)
+    shared = demonstration_bytes(cfg, spec)
+    assert shared == demonstration_rows(demo_paths(cfg.sft), spec) * sample_bytes(spec) > 0
+    memory = sft_memory(cfg, [0, 0, 1, 1], 0, spec)
+    assert [memory.host[r].get(DEMOS) for r in range(4)] == [shared, None, shared, None]

@@ -145,10 +145,12 @@ def _shared_memory(cfg, weights: int, job: str = "train", world=None) -> Check:
     """Room in /dev/shm for what a node's ranks share there (and 64 MiB for MPI's own): for
     `train` its weight window (two halves) and the rings of its learners (_node_learners), as
     the memory model counts them (memory/layout.py); for `sft` the one copy of its
-    demonstrations (_demonstration_bytes)."""
+    demonstrations (memory/sft_eval.demonstration_bytes)."""
     if job == "sft":
+        from hpcvla.envs import env_spec
+        from hpcvla.memory.sft_eval import demonstration_bytes
         what, need, fewer = "the demonstrations' one copy needs", \
-            _demonstration_bytes(cfg), "fewer demonstrations (sft.per_task)"
+            demonstration_bytes(cfg, env_spec(cfg.env)), "fewer demonstrations (sft.per_task)"
     else:
         rings = _node_learners(cfg, world) * cfg.learner.ring_slots * \
             cfg.learner.ring_slot_kib * 1024
@@ -165,23 +167,6 @@ def _shared_memory(cfg, weights: int, job: str = "train", world=None) -> Check:
                  f"remount,size=...`; containers: --shm-size), or {fewer}")
 
 
-def _demonstration_bytes(cfg) -> int:
-    """The bytes of `hpcvla sft`'s demonstrations and held-out ones as a node holds them (from
-    the files' headers); 0 where they cannot be read (`hpcvla sft` refuses them before its
-    first step, saying why)."""
-    from hpcvla.config.imitation import demo_paths
-    from hpcvla.demonstrations import demonstration_rows, sample_bytes
-    from hpcvla.envs import env_spec
-    spec = env_spec(cfg.env)
-    try:
-        rows = sum(demonstration_rows(paths, spec, per_task) for paths, per_task in (
-            (demo_paths(cfg.sft), cfg.sft.per_task or None),
-            (demo_paths(cfg.sft, "val_demos"), None)) if paths)
-    except (ValueError, OSError):
-        return 0
-    return rows * sample_bytes(spec)
-
-
 def _node_learners(cfg, world=None) -> int:
     """The most learner ranks on one node of the job's `world` (ranks, ranks per node), else
     of the one `hpcvla train` starts here (launch.ranks), each with its ring in the node's
@@ -196,22 +181,22 @@ def _node_learners(cfg, world=None) -> int:
 
 
 def _memory(cfg, job: str, world: tuple[int, int | None]) -> list[Check]:
-    """Whether the job's layout fits this node's GPUs (the memory model, memory/layout.py:
-    train's plan, with sac/rlpd's replay buffers; sft's learners, a GPU each), and its
+    """Whether the job's layout fits this node's GPUs (the memory model: train's plan,
+    memory/layout.py, with sac/rlpd's replay buffers; sft's learners, a GPU each,
+    memory/sft_eval.py), and its
     busiest node's host memory this node's (its ranks' policy builds, simulators' envs, the
     node's windows and rings, replay buffers; sft's demonstrations' one copy)."""
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import (host_bytes, layout_devices, layout_gpus, plan_memory,
-                                      sft_memory)
+    from hpcvla.memory.layout import host_bytes, layout_devices, layout_gpus, plan_memory
+    from hpcvla.memory.sft_eval import sft_memory
     from hpcvla.memory.states import size
     from hpcvla.topology.plan import PlanError, plan_from_config
     ranks, per_node = world
-    spec, shared = env_spec(cfg.env), 0
+    spec = env_spec(cfg.env)
     try:
         if job == "sft":
             memory = sft_memory(cfg, [rank // (per_node or ranks) for rank in range(ranks)],
                                 layout_gpus(cfg), spec)
-            shared = _demonstration_bytes(cfg)  # one copy per node
         else:
             plan = plan_from_config(cfg.placement, ranks, per_node)
             memory = plan_memory(cfg, plan, layout_devices(cfg, plan), spec)
@@ -222,10 +207,9 @@ def _memory(cfg, job: str, world: tuple[int, int | None]) -> list[Check]:
     found = f"{ranks} rank(s), {per_node or ranks} per node, {layout_gpus(cfg)} GPU(s) each: " \
         + ("does not fit" if problems else "fits")
     node, parts = max(memory.per_node_host().items(), key=lambda kv: sum(kv[1].values()))
-    need, capacity = sum(parts.values()) + shared, host_bytes()
-    largest = ", ".join(f"{k} {size(v)}" for k, v in sorted(
-        [*parts.items(), *([("demonstrations", shared)] if shared else [])],
-        key=lambda kv: -kv[1])[:3])
+    need, capacity = sum(parts.values()), host_bytes()
+    largest = ", ".join(f"{k} {size(v)}" for k, v in
+                        sorted(parts.items(), key=lambda kv: -kv[1])[:3])
     return [Check("memory", not problems, found, "; ".join(
                 f"{name} = {value!r}: expected {text}" for name, value, text in problems)),
             Check("host memory", need <= capacity, f"the memory model puts {size(need)} on "

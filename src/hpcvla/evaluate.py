@@ -90,10 +90,11 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
 
 def memory_problem(cfg, ranks: int | None, envs: int) -> str | None:
     """Whether `ranks` evaluating processes on this host, `envs` envs each, fit its GPUs
-    (memory/layout.eval_memory); None on a host without GPUs, or for a world srun/mpirun
+    (memory/sft_eval.eval_memory); None on a host without GPUs, or for a world srun/mpirun
     started (`ranks` None: this process does not know its layout)."""
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import eval_memory, layout_gpus
+    from hpcvla.memory.layout import layout_gpus
+    from hpcvla.memory.sft_eval import eval_memory
     gpus = layout_gpus(cfg) if ranks else 0
     problems = eval_memory(cfg, ranks, gpus, envs, env_spec(cfg.env)).problems if gpus else []
     return "; ".join(f"{name} = {value!r}: expected {text}"

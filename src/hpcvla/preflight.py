@@ -260,11 +260,12 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     """`hpcvla sft`'s checks: the config's (check_config), where it writes (run_root_problems),
     the weights it resumes or starts from (weights_fit_problems), its demonstrations against
     the configured env's spec and this host's memory, and where it starts its world of
-    `learners` here, their GPUs' memory (memory/layout.sft_memory), before any rank starts."""
+    `learners` here, their GPUs' memory (memory/sft_eval.sft_memory), before any rank starts."""
     from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_problems
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import host_bytes, layout_gpus, shared_memory_free, sft_memory
+    from hpcvla.memory.layout import host_bytes, layout_gpus, shared_memory_free
+    from hpcvla.memory.sft_eval import sft_memory
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
     problems = run_root_problems(cfg) + weights_fit_problems(cfg)

@@ -48,10 +48,11 @@ def demos_command(args) -> int:
 def plan_sft(cfg, world: int, per_node: int | None, as_json: bool) -> int:
     """`hpcvla plan --job sft`: a world of `world` learners, `per_node` to a node, each on a GPU
     of its own where the nodes have GPUs (this host's, or placement.gpus_per_node's preview):
-    every learner's GPU and host figures (memory/layout.sft_memory); exit 2 where they
+    every learner's GPU and host figures (memory/sft_eval.sft_memory); exit 2 where they
     overfill a GPU, saying what fits."""
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import layout_gpus, sft_memory
+    from hpcvla.memory.layout import layout_gpus
+    from hpcvla.memory.sft_eval import sft_memory
 
     per_node, gpus = per_node or world, layout_gpus(cfg)
     memory = sft_memory(cfg, [r // per_node for r in range(world)], gpus, env_spec(cfg.env))

@@ -25,7 +25,7 @@ demonstrations (sft.val_demos) are never trained on: their loss (`held_out_loss`
 sft.val_every steps and the last says how well what was not shown is fit.
 
 On GPUs the learners' memory is planned once they have their devices (`planned_memory`,
-memory/layout.sft_memory), before the demonstrations are read and the policy is built: a
+memory/sft_eval.sft_memory), before the demonstrations are read and the policy is built: a
 batch that overfills them ends the world with the figures and the settings that make it fit.
 
 Sampling: the steps take consecutive chunks of one sequence of per-epoch permutations of all
@@ -57,7 +57,8 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.job.runtime import Refused, create_run_dir, leave_together
-from hpcvla.memory.layout import LayoutMemory, sft_memory
+from hpcvla.memory.layout import LayoutMemory
+from hpcvla.memory.sft_eval import sft_memory
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
@@ -168,10 +169,11 @@ def sft_main(cfg, world) -> None:
 
 
 def planned_memory(cfg, world, device, spec) -> LayoutMemory | None:
-    """The memory model's figures for this world's learners on their GPUs (memory/layout.py:
-    sft_memory), worked out by rank 0, on every rank; None on CPUs. Where they overfill the
-    GPUs, every rank raises Refused: the world ends with the figures and the settings that
-    make it fit, before the demonstrations are read and the policy built. (`hpcvla sft
+    """The memory model's figures for this world's learners on their GPUs
+    (memory/sft_eval.sft_memory), worked out by rank 0, on every rank; None on CPUs. Where
+    they overfill the GPUs, every rank raises Refused: the world ends with the figures and
+    the settings that make it fit, before the demonstrations are read and the policy built.
+    (`hpcvla sft
     --ranks N` checked its world before starting it: preflight.check_sft.)"""
     hosts = world.allgather(MPI.Get_processor_name())  # [dist]
     if device.type != "cuda":  # every learner's alike (devices.rank_device)
