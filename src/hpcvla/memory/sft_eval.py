@@ -9,7 +9,7 @@ from dataclasses import replace
 from hpcvla.memory.layout import LayoutMemory, add, build_bytes, fit_problems, gpu_capacity_gib
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import inference_bytes, learner_bytes, offloaded_bytes
-from hpcvla.topology.plan import INF, SIM
+from hpcvla.topology.plan import INF, SIM, PlanError
 
 DEMOS = "sft demonstrations (one copy per node)"  # a node's host part, held by its first learner
 
@@ -21,7 +21,6 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None) -> Layout
     states (ZeRO over all of them) at a batch of sft.batch_size demonstration chunks through
     the family's imitation loss, and builds the policy in host memory; each node's first
     also the demonstrations' one copy (demonstration_bytes)."""
-    from hpcvla.topology.plan import PlanError
     most = max(map(nodes.count, nodes))
     if 0 < gpus < most:
         raise PlanError(f"{most} sft learners on a node of {gpus} GPU(s): learners never share "
@@ -41,9 +40,9 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None) -> Layout
                for r, node in enumerate(nodes)}
     hosts = {r: dict(host) for r in devices}
     shared = demonstration_bytes(cfg, spec)
-    for first in {node: r for r, node in reversed(list(enumerate(nodes)))}.values():
-        if shared:
-            hosts[first][DEMOS] = shared
+    firsts = {node: r for r, node in reversed(list(enumerate(nodes)))}.values()
+    for first in firsts if shared else ():
+        hosts[first][DEMOS] = shared
     out = LayoutMemory(gpu={r: dict(parts) for r in devices} if on_gpus else {},
                        host=hosts, device=devices,
                        node=dict(enumerate(nodes)), capacity_gib=gpu_capacity_gib(cfg.placement),
