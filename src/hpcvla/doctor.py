@@ -79,10 +79,11 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
-    checks = [_mpi(cfg), _shared_memory(cfg, weights, job, world), *_gpus(cfg),
+    demos = _demonstrations(cfg) if job == "sft" else 0  # its files' headers read once
+    checks = [_mpi(cfg), _shared_memory(cfg, weights, job, world, demos), *_gpus(cfg),
               *_renderer(cfg), *unbuilt]
     if world and not problems and not unbuilt:
-        checks += _memory(cfg, job, world)
+        checks += _memory(cfg, job, world, demos)
     checks.append(Check("config", not problems, "the config's files, packages and logins: "
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
@@ -141,16 +142,21 @@ def _mpi(cfg) -> Check:
                  f"of 2 ({' '.join(words[1].split())[:60]})")
 
 
-def _shared_memory(cfg, weights: int, job: str = "train", world=None) -> Check:
+def _demonstrations(cfg) -> int:
+    """The bytes of `hpcvla sft`'s demonstrations' one copy per node (from their headers)."""
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.sft_eval import demonstration_bytes
+    return demonstration_bytes(cfg, env_spec(cfg.env))
+
+
+def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int = 0) -> Check:
     """Room in /dev/shm for what a node's ranks share there (and 64 MiB for MPI's own): for
     `train` its weight window (two halves) and the rings of its learners (_node_learners), as
     the memory model counts them (memory/layout.py); for `sft` the one copy of its
-    demonstrations (memory/sft_eval.demonstration_bytes)."""
+    demonstrations (`demos` bytes)."""
     if job == "sft":
-        from hpcvla.envs import env_spec
-        from hpcvla.memory.sft_eval import demonstration_bytes
-        what, need, fewer = "the demonstrations' one copy needs", \
-            demonstration_bytes(cfg, env_spec(cfg.env)), "fewer demonstrations (sft.per_task)"
+        what, need, fewer = "the demonstrations' one copy needs", demos, \
+            "fewer demonstrations (sft.per_task)"
     else:
         rings = _node_learners(cfg, world) * cfg.learner.ring_slots * \
             cfg.learner.ring_slot_kib * 1024
@@ -180,12 +186,12 @@ def _node_learners(cfg, world=None) -> int:
     return max(nodes.count(node) for node in set(nodes))
 
 
-def _memory(cfg, job: str, world: tuple[int, int | None]) -> list[Check]:
+def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0) -> list[Check]:
     """Whether the job's layout fits this node's GPUs (the memory model: train's plan,
     memory/layout.py, with sac/rlpd's replay buffers; sft's learners, a GPU each,
-    memory/sft_eval.py), and its
-    busiest node's host memory this node's (its ranks' policy builds, simulators' envs, the
-    node's windows and rings, replay buffers; sft's demonstrations' one copy)."""
+    memory/sft_eval.py), and its busiest node's host memory this node's (its ranks' policy
+    builds, simulators' envs, the node's windows and rings, replay buffers; sft's
+    demonstrations' one copy, `demos` bytes)."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import host_bytes, layout_devices, layout_gpus, plan_memory
     from hpcvla.memory.sft_eval import sft_memory
@@ -196,7 +202,7 @@ def _memory(cfg, job: str, world: tuple[int, int | None]) -> list[Check]:
     try:
         if job == "sft":
             memory = sft_memory(cfg, [rank // (per_node or ranks) for rank in range(ranks)],
-                                layout_gpus(cfg), spec)
+                                layout_gpus(cfg), spec, shared=demos)
         else:
             plan = plan_from_config(cfg.placement, ranks, per_node)
             memory = plan_memory(cfg, plan, layout_devices(cfg, plan), spec)

@@ -292,7 +292,7 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     if problems:
         raise ConfigError(problems, f"{source}: sft.val_demos")
     gpus = layout_gpus(cfg) if learners else 0
-    problems = sft_memory(cfg, [0] * learners, gpus, spec).problems if gpus else []
+    problems = sft_memory(cfg, [0] * learners, gpus, spec, shared=0).problems if gpus else []
     if problems:
         raise ConfigError(problems, "memory plan of the sft learners")
 

@@ -56,9 +56,9 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.job.runtime import Refused, create_run_dir, leave_together
+from hpcvla.job.runtime import Refused, create_run_dir, leave_together, node_numbers
 from hpcvla.memory.layout import LayoutMemory
-from hpcvla.memory.sft_eval import sft_memory
+from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
@@ -127,8 +127,6 @@ def sft_main(cfg, world) -> None:
     if rank == 0:
         catalog.hold_run(run_dir)  # one world at a time writes a run
         deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
-        if memory is not None:  # beside each learner's measured peak at the end
-            (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
     demos, shared = _read_on_node(node, spec, lambda: select_demonstrations(
         demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
@@ -137,6 +135,9 @@ def sft_main(cfg, world) -> None:
     held_out, shared_val = _read_on_node(node, spec, lambda: select_demonstrations(
         val_paths, spec, features=features)) if val_paths else (None, None)
     phases.mark("demonstrations_read")
+    if rank == 0 and memory is not None:  # beside each learner's measured peak at the end
+        hold_demonstrations(memory, sum(a.nbytes for a in filter(None, (shared, shared_val))))
+        (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
     samples = len(demos.actions)
     policy = build_policy(cfg, spec, device, device.type == "cuda")
     phases.mark("policy_built")
@@ -172,15 +173,14 @@ def planned_memory(cfg, world, device, spec) -> LayoutMemory | None:
     """The memory model's figures for this world's learners on their GPUs
     (memory/sft_eval.sft_memory), worked out by rank 0, on every rank; None on CPUs. Where
     they overfill the GPUs, every rank raises Refused: the world ends with the figures and
-    the settings that make it fit, before the demonstrations are read and the policy built.
-    (`hpcvla sft
+    the settings that make it fit, before the demonstrations are read and the policy built
+    (their copy, which only host memory holds, is added once read: sft_main). (`hpcvla sft
     --ranks N` checked its world before starting it: preflight.check_sft.)"""
-    hosts = world.allgather(MPI.Get_processor_name())  # [dist]
     if device.type != "cuda":  # every learner's alike (devices.rank_device)
         return None
-    nodes = [sorted(set(hosts), key=hosts.index).index(host) for host in hosts]
+    nodes = node_numbers(world.allgather(MPI.Get_processor_name()))  # [dist]
     gpus = max(map(nodes.count, nodes))  # each learner's own (as many as a node's learners)
-    memory = idle_bcast(world, lambda: sft_memory(cfg, nodes, gpus, spec))  # [dist]
+    memory = idle_bcast(world, lambda: sft_memory(cfg, nodes, gpus, spec, shared=0))  # [dist]
     if memory.problems:
         raise Refused(ConfigError(memory.problems, "memory plan of the sft learners"))
     return memory

@@ -93,7 +93,7 @@ def run_guarded(world, role: str, main) -> int:
     from mpi4py import MPI
 
     hosts = world.allgather(MPI.Get_processor_name())  # [dist]
-    node = sorted(set(hosts), key=hosts.index).index(hosts[world.Get_rank()])
+    node = node_numbers(hosts)[world.Get_rank()]
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
     try:
         _or_abort(world, role, node, main)
@@ -103,6 +103,12 @@ def run_guarded(world, role: str, main) -> int:
     deathwatch.finished(world.Get_rank())
     preempt.ignore_from_now()
     return 0
+
+
+def node_numbers(hosts: list[str]) -> list[int]:
+    """Each rank's node, from every rank's host: the hosts numbered as they first appear."""
+    order = sorted(set(hosts), key=hosts.index)
+    return [order.index(host) for host in hosts]
 
 
 def _or_abort(world, role: str, node: int, main) -> None:

@@ -14,13 +14,16 @@ from hpcvla.topology.plan import INF, SIM, PlanError
 DEMOS = "sft demonstrations (one copy per node)"  # a node's host part, held by its first learner
 
 
-def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None) -> LayoutMemory:
+def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None,
+               shared: int | None = None) -> LayoutMemory:
     """`hpcvla sft`'s memory: every rank a learner, rank r on node `nodes[r]`, on nodes of
     `gpus` GPUs each on a GPU of its own (devices.assign_node: learners never share one;
     PlanError where a node has too few), on CPUs where `gpus` is 0. Each holds its engine's
     states (ZeRO over all of them) at a batch of sft.batch_size demonstration chunks through
     the family's imitation loss, and builds the policy in host memory; each node's first
-    also the demonstrations' one copy (demonstration_bytes)."""
+    also the demonstrations' one copy (hold_demonstrations): `shared` bytes where the caller
+    knows them (0: left out, for a verdict on the GPUs alone), else from the files' headers
+    (demonstration_bytes)."""
     most = max(map(nodes.count, nodes))
     if 0 < gpus < most:
         raise PlanError(f"{most} sft learners on a node of {gpus} GPU(s): learners never share "
@@ -38,19 +41,22 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None) -> Layout
         add(host, "cpu ranks' working memory", sum(parts.values()))
     devices = {r: f"cuda:{nodes[:r].count(node)}" if on_gpus else "cpu"
                for r, node in enumerate(nodes)}
-    hosts = {r: dict(host) for r in devices}
-    shared = demonstration_bytes(cfg, spec)
-    firsts = {node: r for r, node in reversed(list(enumerate(nodes)))}.values()
-    for first in firsts if shared else ():
-        hosts[first][DEMOS] = shared
     out = LayoutMemory(gpu={r: dict(parts) for r in devices} if on_gpus else {},
-                       host=hosts, device=devices,
+                       host={r: dict(host) for r in devices}, device=devices,
                        node=dict(enumerate(nodes)), capacity_gib=gpu_capacity_gib(cfg.placement),
                        dtype_bytes=fp.dtype_bytes, batch=(
                            "sft.batch_size", cfg.sft.batch_size,
                            f"{cfg.sft.batch_size} demonstration chunks per learner and step"))
+    hold_demonstrations(out, demonstration_bytes(cfg, spec) if shared is None else shared)
     out.problems = fit_problems(cfg, out)[:1]  # every learner's GPU alike: rank 0's says it
     return out
+
+
+def hold_demonstrations(memory: LayoutMemory, nbytes: int) -> None:
+    """`nbytes` of demonstrations in each node's first learner's host memory (none for 0)."""
+    firsts = {node: rank for rank, node in reversed(list(memory.node.items()))}.values()
+    for first in firsts if nbytes else ():
+        memory.host[first][DEMOS] = nbytes
 
 
 def eval_memory(cfg, ranks: int, gpus: int, envs: int, spec, footprint=None) -> LayoutMemory:
