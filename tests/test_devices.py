@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcvla.cli import main as hpcvla_main
-from hpcvla.devices import (HostStaging, assign_node, granted_gpus, missing_gpus_problem,
-                            plan_devices, visible_gpus)
+from hpcvla.devices import (HostStaging, assign_node, gpu_names, granted_gpus,
+                            missing_gpus_problem, plan_devices, visible_gpus)
 from hpcvla.topology.plan import INF, LEARN, SIM, PlanError, build_plan
 from helpers import ROOT, hpcvla
 
@@ -98,6 +98,15 @@ def test_a_launcher_binding_is_kept():
         ["5", None, "6", "7"]
     with pytest.raises(PlanError, match="another learner"):
         assign_node([(LEARN,), (LEARN,)], [("3",), ("3",)], sim_gpu=False)
+
+
+def test_the_memory_model_names_one_gpu_one_way_per_node():
+    """Bound ranks all say cuda:0: told apart by UUID where a name names two GPUs of a node;
+    a GPU two ranks see under two indexes is one name; other nodes' names are their own."""
+    placed = [("cuda:0", "A"), ("cuda:0", "B"), ("cpu", None), ("cuda:1", "A"),
+              ("cuda:0", "C"), ("cuda:1", "D")]
+    assert gpu_names(placed, [0, 0, 0, 0, 1, 1]) == {
+        0: "cuda:0 (A)", 1: "cuda:0 (B)", 2: "cpu", 3: "cuda:0 (A)", 4: "cuda:0", 5: "cuda:1"}
 
 
 def test_no_gpus_means_cpu_everywhere():

@@ -4,6 +4,7 @@
     plan_devices(plan, gpus, sim_gpu)      # pure: every rank of a plan -> "cuda:i" | "cpu"
     rank_device(cfg, roles, world)         # at run time: this rank's device, bound ("cuda:i")
     bind_rank_device(cfg, roles, world)    # the same as a torch.device
+    gpu_names(placed, nodes)               # pure: ranks' devices named one name per GPU
     HostStaging(device)                    # pinned host buffers for batches bound to a GPU
 
 The map (RLinf and verl do the same): inference and learner ranks get a GPU each; a rank that
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -100,8 +102,36 @@ def visible_gpus(gpus_per_node: int = -1) -> tuple[str, ...]:
     n = count if gpus_per_node < 0 else gpus_per_node
     if n == 0:
         return ()
+    return tuple(_uuid(i) for i in range(n))
+
+
+def _uuid(index: int) -> str:
+    """torch's cuda:index told apart from every other GPU: its UUID (its index where torch
+    reports none)."""
     import torch
-    return tuple(str(getattr(torch.cuda.get_device_properties(i), "uuid", i)) for i in range(n))
+    return str(getattr(torch.cuda.get_device_properties(index), "uuid", index))
+
+
+def gpu_identity(device: str) -> str | None:
+    """The GPU a rank's device ("cuda:i", as rank_device bound it) is, by UUID; None for the
+    CPU. Ranks bound to a GPU each (Slurm's `--gpus-per-task`) all say cuda:0."""
+    return _uuid(int(device.split(":")[1])) if device.startswith("cuda") else None
+
+
+def gpu_names(placed: list[tuple[str, str | None]], nodes: list[int]) -> dict[int, str]:
+    """Each rank's device (`placed[r]`: its device and gpu_identity; `nodes[r]`: its node)
+    named so that on a node one name is one GPU, for the memory model, which adds up the
+    ranks of a (node, device): its "cuda:i" where that tells the GPU apart, else with the
+    UUID ("cuda:0 (GPU-8c2f...)": ranks bound to a GPU each)."""
+    first: dict[tuple[int, str | None], str] = {}  # (node, GPU) -> the first name it was seen by
+    for (device, gpu), node in zip(placed, nodes):
+        first.setdefault((node, gpu if gpu is not None else device), device)
+    named = Counter((node, name) for (node, _), name in first.items())  # GPUs a name names
+    out = {}
+    for rank, ((device, gpu), node) in enumerate(zip(placed, nodes)):
+        name = first[(node, gpu if gpu is not None else device)]
+        out[rank] = f"{name} ({gpu})" if named[(node, name)] > 1 else name
+    return out
 
 
 def torch_gpu_count() -> int:

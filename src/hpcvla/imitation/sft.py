@@ -56,13 +56,14 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.job.runtime import Refused, create_run_dir, leave_together, node_numbers
+from hpcvla.job.runtime import create_run_dir, leave_together, node_numbers
 from hpcvla.memory.layout import LayoutMemory
 from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import deathwatch, preempt
+from hpcvla.process.deathwatch import Refused
 from hpcvla.process.watchdog import reminding
 from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, add_planned_memory, memory_table,
                                   phases_line)

@@ -15,6 +15,7 @@ from pathlib import Path
 from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch, preempt
+from hpcvla.process.deathwatch import Refused
 from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, LaunchError, thread_level_problem
 from hpcvla.process.watchdog import reminding
 from hpcvla.topology.plan import PlanError
@@ -24,7 +25,8 @@ from hpcvla.transport.backoff import idle_barrier, idle_bcast
 def run_ranks(cfg, main, check=None) -> int:
     """Run `main(cfg, plan, comms)` on this rank. A rank that raises aborts the world after
     printing its rank, roles, node and host; a layout that cannot work (or fails
-    `check(cfg, plan)`) stops every rank with one message."""
+    `check(cfg, plan)`), or a verdict `main` reaches on every rank (Refused), stops every
+    rank with one message and exit 2."""
     phases.mark("imports")
     from mpi4py import MPI
 
@@ -53,16 +55,15 @@ def run_ranks(cfg, main, check=None) -> int:
     except (PlanError, ConfigError, LaunchError) as err:  # every rank's same verdict
         return _refused(world, err)
     info = plan.ranks[rank]
-    _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
+    try:
+        _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
+    except Refused as err:  # every rank's verdict once the world knows its GPUs (prologue.py)
+        deathwatch.finished(rank)
+        return _refused(world, err)
     comms.free()
     deathwatch.finished(rank)
     preempt.ignore_from_now()
     return 0
-
-
-class Refused(Exception):
-    """Raised alike by every rank of a world (a collective verdict, e.g. `hpcvla sft`'s
-    learners overfill their GPUs): the world ends with one message and exit 2, not an abort."""
 
 
 def _refused(world, err: Exception) -> int:

@@ -38,6 +38,12 @@ LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher lis
 _lifeline: socket.socket | None = None  # this rank's end, open for the life of the process
 
 
+class Refused(Exception):
+    """Raised alike by every rank of a world on one collective verdict (its GPUs would be
+    overfilled, say): the world ends with one message and exit 2, not an abort
+    (job/runtime.py), and no rank counts as dead."""
+
+
 def register(rank: int, roles: str, node: int, host: str) -> None:
     """Rank side: leave this rank's card for the launcher and hold its lifeline (nothing
     without a launcher)."""

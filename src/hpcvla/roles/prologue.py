@@ -29,12 +29,15 @@ from typing import TYPE_CHECKING, NamedTuple
 from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog
-from hpcvla.devices import rank_device
+from hpcvla.config import ConfigError
+from hpcvla.devices import gpu_identity, gpu_names, rank_device
 from hpcvla.envs import env_spec, spec_needs_a_simulator
+from hpcvla.envs.base import close_all
 from hpcvla.memory.layout import plan_memory
 from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
+from hpcvla.process.deathwatch import Refused
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
 from hpcvla.roles.setup import RoleSetup
@@ -115,7 +118,8 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     if rank == 0:
         write_rng_seeds(cfg, plan, run_dir, first)
     device = rank_device(cfg, [r.roles for r in plan.ranks], world)  # [dist] a GPU each
-    devices = world.allgather(device)  # [dist]
+    placed = world.allgather((device, gpu_identity(device)))  # [dist]
+    devices = [d for d, _ in placed]
     if rank == 0:  # the rank map with where each rank computes: a GPU node on CPU shows here
         print(plan.table(dict(enumerate(devices))), flush=True)
     on_gpus = any(d.startswith("cuda") for d in devices)
@@ -132,10 +136,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         spec = idle_recv(world, source, SPEC_TAG)  # [dist]
     # the memory model's figures, beside each rank's peaks at the end; worked out by the weight
     # root on its GPU (a simulator rank 0 asking CUDA for the capacity would open a context)
-    if rank == plan.weight_root and device.startswith("cuda"):
-        memory = plan_memory(cfg, plan, dict(enumerate(devices)), spec)
-        (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
-        phases.mark("memory_planned")
+    overfilled: list[tuple[str, object, str]] = []
+    if rank == plan.weight_root and device.startswith("cuda"):  # (the root learns the spec)
+        overfilled = world_memory(cfg, plan, placed, spec, run_dir)
     policy, manifest, dtype = None, None, None
     if runs_policy(roles):
         import torch  # only where the policy runs
@@ -154,6 +157,8 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     idle_barrier(world)  # [dist] every policy and every simulator's envs built
     # the weight root's manifest for the ranks that build no policy (its dtype, for the report)
     root_manifest, root_dtype = world.bcast((manifest, dtype), root=plan.weight_root)  # [dist]
+    # before the learners' optimizer states, their largest part
+    refuse_overfilled(world, plan, overfilled, shard_envs)  # [dist]
     phases.mark("policy_built")
     role = "+".join(roles)
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
@@ -173,6 +178,31 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
               f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
     return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
                 device, on_gpus, timeline, progress, resume, first, summary, shard_envs)
+
+
+def world_memory(cfg: Config, plan: RankPlan, placed: list[tuple[str, str | None]],
+                 spec: EnvSpec | None, run_dir: Path) -> list[tuple[str, object, str]]:
+    """The weight root's, on its GPU: the memory model's figures for the world's ranks on
+    their GPUs (`placed`: every rank's device and gpu_identity), into memory.json; the
+    problems of the GPUs they overfill (refuse_overfilled)."""
+    memory = plan_memory(cfg, plan, gpu_names(placed, [i.node for i in plan.ranks]), spec)
+    (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
+    phases.mark("memory_planned")
+    return memory.problems
+
+
+def refuse_overfilled(world: MPI.Comm, plan: RankPlan,
+                      problems: list[tuple[str, object, str]], envs: list[VectorEnv]) -> None:
+    """Every rank, on the weight root's `problems` (world_memory's): where the world's GPUs
+    are overfilled, close this rank's envs and end the world with the figures and what would
+    fit (Refused). A world `hpcvla train --ranks` or jobs/launch.sh started was refused before
+    it started; one srun or mpirun started directly is refused here, where each rank knows its
+    GPU (by UUID: ranks bound to a GPU each all say cuda:0)."""
+    problems = world.bcast(problems, root=plan.weight_root)  # [dist]
+    if not problems:
+        return
+    close_all(envs)
+    raise Refused(ConfigError(problems, "memory plan of the training world's GPUs"))
 
 
 def simulator_envs(cfg: Config, plan: RankPlan, world: MPI.Comm, source: int | None,
