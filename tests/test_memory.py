@@ -12,7 +12,7 @@ from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint, shallow_footprint, whole_footprint
 from hpcvla.memory.layout import memory_problems
-from hpcvla.memory.sft_eval import eval_memory, sft_memory
+from hpcvla.memory.sft_eval import eval_devices, eval_memory, sft_memory
 from hpcvla.memory.states import inference_bytes, learner_bytes
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -253,16 +253,17 @@ def test_eval_ranks_share_the_gpus_each_with_its_weights_batch_and_context():
     --ranks; on CPUs their working memory is host memory, beside their envs."""
     cfg = load_config("configs/reach_flow.yaml", ["policy.size=tiny"])
     spec = env_spec(cfg.env)
-    memory = eval_memory(cfg, 3, 2, 16, spec)
+    memory = eval_memory(cfg, eval_devices(cfg, 3, 2), 16, spec)
     fp = policy_footprint(cfg, spec, 1, 16, on_gpus=True)
     assert memory.device == {0: "cuda:0", 1: "cuda:1", 2: "cuda:0"}
     assert memory.gpu == {r: inference_bytes(fp, on_gpu=True) for r in range(3)}
     small = load_config("configs/reach_flow.yaml", ["policy.size=tiny",
                                                     "placement.gpu_memory_gb=1.5"])
-    (problem,) = eval_memory(small, 3, 2, 16, spec).problems  # two contexts on cuda:0
+    # two contexts on cuda:0
+    (problem,) = eval_memory(small, eval_devices(small, 3, 2), 16, spec).problems
     assert problem[:2] == ("--envs", 16) and "rank(s) 0, 2 on node 0 cuda:0" in problem[2]
     assert "fewer episodes at a time per rank (--envs) or fewer ranks per GPU" in problem[2]
-    cpu = eval_memory(cfg, 2, 0, 16, spec)
+    cpu = eval_memory(cfg, eval_devices(cfg, 2, 0), 16, spec)
     assert cpu.gpu == {} and cpu.host[1]["cpu ranks' working memory"] == sum(
         inference_bytes(policy_footprint(cfg, spec, 1, 16, on_gpus=False), False).values())
 

@@ -126,30 +126,52 @@ def test_ranks_asked_inside_a_launchers_world_are_refused(tmp_path):
             check_not_nested(4)
 
 
-def test_a_world_started_directly_is_refused_where_its_gpus_would_overfill(tmp_path):
-    """A training world srun or mpirun starts directly plans its GPUs once its ranks know
-    them (tests/mpi/train_memory_plan.py): the inference rank (1.0 GiB by the model) and the
-    learner (1.5 GiB) on GPUs of 2 GiB fit where each has its own, though bound GPUs all say
-    cuda:0 (told apart by UUID); where they share one, every rank exits 2 and rank 0 says
-    the figure and what fits, once, before any optimizer state."""
-    def ranks(out) -> list[dict]:  # rank 0's line: every rank's exit status and plan
-        (line,) = [line for line in out.stdout.splitlines() if line.startswith("[")]
-        return json.loads(line)
+def _world_memory_plan(*args) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """tests/mpi/world_memory_plan.py on `args`; its output, and rank 0's line: every
+    rank's exit status and plan."""
+    out = hpcvla("launch", "-n", 4, "--timeout", 120, "--", MPI_DIR / "world_memory_plan.py",
+                 *args)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("[")]
+    return out, json.loads(lines[0]) if len(lines) == 1 else []
 
-    script = MPI_DIR / "train_memory_plan.py"
-    out = hpcvla("launch", "-n", 4, "--timeout", 120, "--", script, 2, "bound", tmp_path / "a")
+
+def test_a_training_world_started_directly_is_refused_where_its_gpus_would_overfill(tmp_path):
+    """A training world srun or mpirun starts directly plans its GPUs once its ranks know
+    them: the inference rank (1.0 GiB by the model) and the learner (1.5 GiB) on GPUs of
+    2 GiB fit where each has its own, though bound GPUs all say cuda:0 (told apart by UUID);
+    where they share one, every rank exits 2 and rank 0 says the figure and what fits, once,
+    before any optimizer state."""
+    out, ranks = _world_memory_plan("train", 2, "bound", tmp_path / "a")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    (plan,) = [r["plan"] for r in ranks(out) if r["plan"]]
+    (plan,) = [r["plan"] for r in ranks if r["plan"]]
     assert sorted(plan) == ["0", "3"], plan  # the inference rank and the learner
-    assert {r["code"] for r in ranks(out)} == {0}
-    out = hpcvla("launch", "-n", 4, "--timeout", 120, "--", script, 2, "shared", tmp_path / "b")
+    assert {r["code"] for r in ranks} == {0}
+    out, ranks = _world_memory_plan("train", 2, "shared", tmp_path / "b")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stderr.count("invalid memory plan of the training world's GPUs:") == 1, \
         out.stderr
     assert "learner.micro_batch = 16: expected a layout that fits: rank(s) 0, 3 on node 0 " \
         "cuda:0 need 2.5 GiB > placement.gpu_memory_gb = 2 " in out.stderr, out.stderr
     assert "failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert [r["code"] for r in ranks(out)] == [2] * 4
+    assert [r["code"] for r in ranks] == [2] * 4
+
+
+def test_an_eval_world_started_directly_is_refused_where_its_gpus_would_overfill(tmp_path):
+    """`hpcvla eval` in a world srun/mpirun started (eval.sbatch): 4 evaluating ranks, each
+    ~1 GiB on its GPU by the model, fit GPUs of 2 GiB bound one per rank; sharing one they
+    are refused alike before any builds its policy, naming --envs and what fits, once."""
+    out, ranks = _world_memory_plan("eval", 2, "bound", tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert ranks == [{"code": 0, "plan": "fits"}] * 4
+    out, ranks = _world_memory_plan("eval", 2, "shared", tmp_path)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stderr.count("invalid memory plan of the evaluating ranks' GPUs:") == 1, \
+        out.stderr
+    assert "--envs = 16: expected a layout that fits: rank(s) 0, 1, 2, 3 on node 0 cuda:0 " \
+        in out.stderr and "fewer ranks per GPU (--ranks, or ranks per node)" in out.stderr, \
+        out.stderr
+    assert "failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert ranks == [{"code": 2, "plan": None}] * 4
 
 
 def test_singleton_from_wrong_pmi_is_named():

@@ -22,11 +22,12 @@ import socket
 from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
-from hpcvla.devices import bind_rank_device, local_device
+from hpcvla.devices import bind_rank_device, gpu_identity, gpu_names, local_device
 from hpcvla.metrics.stats import paired_difference
+from hpcvla.process.deathwatch import Refused
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.topology.plan import INF, SIM
-from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
 
 def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, seed: int = 0,
@@ -94,11 +95,39 @@ def memory_problem(cfg, ranks: int | None, envs: int) -> str | None:
     started (`ranks` None: this process does not know its layout)."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import layout_gpus
-    from hpcvla.memory.sft_eval import eval_memory
+    from hpcvla.memory.sft_eval import eval_devices, eval_memory
     gpus = layout_gpus(cfg) if ranks else 0
-    problems = eval_memory(cfg, ranks, gpus, envs, env_spec(cfg.env)).problems if gpus else []
+    problems = eval_memory(cfg, eval_devices(cfg, ranks, gpus), envs,
+                           env_spec(cfg.env)).problems if gpus else []
     return "; ".join(f"{name} = {value!r}: expected {text}"
                      for name, value, text in problems) or None
+
+
+def refuse_overfilled(cfg, world, envs: int) -> None:
+    """A world srun/mpirun started (jobs/slurm/eval.sbatch), once each rank has its GPU (by
+    UUID: ranks bound to a GPU each all say cuda:0): rank 0 plans the ranks' memory on them
+    (memory/sft_eval.eval_memory) and, where a GPU is overfilled, every rank ends the world
+    with one message (Refused), before any builds its policy. (`--ranks N`: memory_problem,
+    before starting.)"""
+    device = str(bind_rank_device(cfg, [(SIM, INF)] * world.Get_size(), world))  # [dist]
+    refuse_placed(cfg, world, world.allgather((device, gpu_identity(device))), envs)  # [dist]
+
+
+def refuse_placed(cfg, world, placed: list[tuple[str, str | None]], envs: int) -> None:
+    """refuse_overfilled's verdict on every rank's device and gpu_identity (`placed`)."""
+    from mpi4py import MPI
+
+    from hpcvla.config import ConfigError
+    from hpcvla.envs import env_spec
+    from hpcvla.job.runtime import node_numbers
+    from hpcvla.memory.sft_eval import eval_memory
+    if all(gpu is None for _, gpu in placed):
+        return
+    nodes = node_numbers(world.allgather(MPI.Get_processor_name()))  # [dist]
+    problems = idle_bcast(world, lambda: eval_memory(  # [dist]
+        cfg, gpu_names(placed, nodes), envs, env_spec(cfg.env), nodes).problems)
+    if problems:
+        raise Refused(ConfigError(problems, "memory plan of the evaluating ranks' GPUs"))
 
 
 def check_overrides(overrides: list[str], untrained: bool) -> None:
@@ -186,6 +215,8 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
     """`hpcvla eval`: each of `policies` (a checkpoint directory, or None: the untrained
     policy) on the same states, with its version and trained env steps; `video` K: K
     episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>/."""
+    if world is not None:  # one plan: the policies differ in weights only
+        refuse_overfilled(cfg, world, envs)  # [dist]
     curve = []
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)

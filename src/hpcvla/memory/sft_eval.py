@@ -59,19 +59,26 @@ def hold_demonstrations(memory: LayoutMemory, nbytes: int) -> None:
         memory.host[first][DEMOS] = nbytes
 
 
-def eval_memory(cfg, ranks: int, gpus: int, envs: int, spec, footprint=None) -> LayoutMemory:
-    """`hpcvla eval` on this host: `ranks` processes, each stepping `envs` envs and acting on
-    them with the policy, on `gpus` GPUs (devices.assign_node: each takes the least loaded;
-    0: the CPU): per rank the weights, a batch of `envs` observations through `act` and its
-    CUDA context; its policy build and envs in host memory."""
+def eval_devices(cfg, ranks: int, gpus: int) -> dict[int, str]:
+    """`hpcvla eval`'s `ranks` processes on this host of `gpus` GPUs (0: the CPU), each
+    taking the least loaded (devices.assign_node), as each will."""
     from hpcvla.devices import assign_node
     from hpcvla.envs import env_uses_gpu
+    visible = tuple(str(i) for i in range(gpus))
+    return {r: "cpu" if g is None else f"cuda:{g}" for r, g in enumerate(assign_node(
+        [(SIM, INF)] * ranks, [visible] * ranks, env_uses_gpu(cfg.env)))}
+
+
+def eval_memory(cfg, devices: dict[int, str], envs: int, spec,
+                nodes: list[int] | None = None, footprint=None) -> LayoutMemory:
+    """`hpcvla eval`'s ranks on their `devices` (eval_devices; in a world, devices.gpu_names),
+    rank r on node `nodes[r]` (default: one node), each stepping `envs` envs and acting on
+    them with the policy: on a GPU the weights, a batch of `envs` observations through `act`
+    and its CUDA context; its policy build and envs in host memory."""
     if footprint is None:
         from hpcvla.memory.footprint import policy_footprint as footprint
-    fp = footprint(cfg, spec, 1, envs, gpus > 0)
-    visible = tuple(str(i) for i in range(gpus))
-    devices = {r: "cpu" if g is None else f"cuda:{g}" for r, g in enumerate(assign_node(
-        [(SIM, INF)] * ranks, [visible] * ranks, env_uses_gpu(cfg.env)))}
+    on_gpus = any(d.startswith("cuda") for d in devices.values())
+    fp = footprint(cfg, spec, 1, envs, on_gpus)
     stepped = simulator_bytes(replace(cfg.env, envs_per_simulator=envs), 1)
     gpu, host = {}, {}
     for rank, device in devices.items():
@@ -81,10 +88,11 @@ def eval_memory(cfg, ranks: int, gpus: int, envs: int, spec, footprint=None) -> 
             gpu[rank] = parts
         else:
             add(host[rank], "cpu ranks' working memory", sum(parts.values()))
-    out = LayoutMemory(gpu=gpu, host=host, device=devices, node=dict.fromkeys(devices, 0),
+    out = LayoutMemory(gpu=gpu, host=host, device=devices, node=dict(enumerate(
+                           nodes or [0] * len(devices))),
                        capacity_gib=gpu_capacity_gib(cfg.placement), dtype_bytes=fp.dtype_bytes,
                        acting=("--envs", envs, "fewer episodes at a time per rank (--envs) or "
-                               "fewer ranks per GPU (--ranks)"))
+                               "fewer ranks per GPU (--ranks, or ranks per node)"))
     out.problems = fit_problems(cfg, out)
     return out
 
