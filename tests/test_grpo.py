@@ -182,11 +182,47 @@ def test_grpo_loss_mean_over_episodes_weighs_a_short_success_as_a_long_failure()
               mean_over="episodes")[0].backward()
     up, down = -logprob.grad[0, 0].sum(), logprob.grad[:, 1].sum()
     assert up.item() == pytest.approx(down.item(), rel=1e-6) and up.item() > 0
-    with pytest.raises(ValueError, match="'steps' or 'episodes'"):
+    with pytest.raises(ValueError, match="expected one of .'steps', 'episodes', 'constant'"):
         grpo_loss(logprob, proximal, proximal.sum(-1), episodes, index, mean_over="tokens")
+    # constant: the 5 kept steps' sum over all 8 the micro-batch holds
+    constant, _ = grpo_loss(logprob.detach(), proximal, proximal.sum(-1), episodes, index,
+                            mean_over="constant")
+    assert constant.item() == pytest.approx(-(1.1 - 4 * 1.1) / 8, rel=1e-6)
 
 
-@pytest.mark.parametrize("mean_over, pg_loss", [("steps", 0.6), ("episodes", 0.0)])
+def test_grpo_loss_constant_mean_of_micro_batches_is_the_whole_batchs():
+    """Two micro-batches of one group each (T = 4): a success at t = 0 beside a failure to
+    the limit (5 kept steps), and a degenerate group (both fail: none kept). The learners
+    average their micro-batches' losses: under `constant` that is the loss of the two as one
+    batch, what a streamed batch cannot get from the per-micro-batch means."""
+    def batch(dones, success):
+        episodes, index = first_episode_advantages(torch.tensor(dones, dtype=torch.bool),
+                                                   torch.tensor(success, dtype=torch.bool),
+                                                   group_size=2)
+        return episodes, index, torch.tensor(dones).shape
+
+    def loss(dones, success, mean_over):
+        episodes, index, shape = batch(dones, success)
+        logprob = torch.full(shape, math.log(1.1))
+        proximal = torch.zeros(shape)
+        return grpo_loss(logprob, proximal, proximal, episodes, index,
+                         mean_over=mean_over)[0].item()
+
+    mixed = ([[1, 0], [0, 0], [0, 0], [1, 1]], [[1, 0], [0, 0], [0, 0], [0, 0]])
+    degenerate = ([[0, 0], [0, 0], [0, 0], [1, 1]], [[0, 0]] * 4)
+    whole = tuple([a + b for a, b in zip(x, y)] for x, y in zip(mixed, degenerate))
+    for mean_over in ("constant", "steps"):
+        parts = (loss(*mixed, mean_over) + loss(*degenerate, mean_over)) / 2
+        together = loss(*whole, mean_over)
+        if mean_over == "constant":
+            assert parts == pytest.approx(together, rel=1e-6)
+            assert together == pytest.approx(-(1.1 - 4 * 1.1) / 16, rel=1e-6)
+        else:  # a mean per micro-batch: the degenerate one halves the batch's
+            assert parts == pytest.approx(together / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("mean_over, pg_loss", [("steps", 0.6), ("episodes", 0.0),
+                                                ("constant", 0.375)])
 def test_the_setting_reaches_the_learners_loss(mean_over, pg_loss):
     """Through the learner's `policy_loss` on fresh data (ratio and weight 1): a group whose
     success ends at its first step and whose failure runs all 4, A = +1 / -1."""

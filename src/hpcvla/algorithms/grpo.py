@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from hpcvla.algorithms.ppo import decoupled_ppo_loss
+from hpcvla.config.learning import GROUP_LOSS_MEANS
 
 
 @dataclass
@@ -127,19 +128,27 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
     token mean), so an episode weighs by its length: where success ends an episode, a
     failure that runs to the time limit outweighs the successes of its group. "episodes"
     averages each kept episode's steps first, then the episodes (DeepSeekMath's GRPO): every
-    episode weighs the same. The clip fraction and approximate KL are averaged the same way
-    (the behaviour weights' mean and max are over every unit)."""
-    if mean_over not in ("steps", "episodes"):
-        raise ValueError(f"mean_over {mean_over!r}: expected 'steps' or 'episodes'")
+    episode weighs the same. "constant" sums the kept steps' losses over every step the
+    (T, N) micro-batch holds, kept or not (Dr. GRPO's constant normalizer): each step weighs
+    as in "steps", and as every micro-batch has the same divisor, the learners' average of
+    their micro-batches is this sum over the whole batch, though each micro-batch trains as
+    it streams in (the other two are means per micro-batch). The clip fraction and
+    approximate KL are averaged over the kept units (by episode under "episodes"); the
+    behaviour weights' mean and max are over every unit."""
+    if mean_over not in GROUP_LOSS_MEANS:
+        raise ValueError(f"mean_over {mean_over!r}: expected one of {GROUP_LOSS_MEANS}")
     device = logprob.device
     keep = episodes.keep.float().cpu()
     if mean_over == "episodes":  # each step weighs 1 / its episode's length
         length = torch.bincount(index.reshape(-1).cpu(), minlength=keep.numel())
         keep = keep / length.clamp(min=1)
-    index = index.to(device)
-    return decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
-                              episodes.advantages.to(device)[index], clip,
-                              max_behaviour_weight, mask=keep.to(device)[index])
+    mask = keep.to(device)[index.to(device)]
+    loss, stats = decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
+                                     episodes.advantages.to(device)[index.to(device)], clip,
+                                     max_behaviour_weight, mask=mask)
+    if mean_over == "constant":  # the kept units' mean times their share: their sum / all
+        loss = loss * mask.mean()
+    return loss, stats
 
 
 __all__ = ["GroupAdvantages", "group_advantages", "episodes_of", "per_episode",

@@ -10,7 +10,7 @@ from typing import Any
 
 from hpcvla.config.families import FAMILIES
 
-
+GROUP_LOSS_MEANS = ("steps", "episodes", "constant")  # algorithm.group_loss_mean
 OBS_FIELDS = ("image", "instruction", "state")  # what an env's observations may hold
 
 
@@ -209,7 +209,12 @@ class AlgorithmConfig:
         "episodes weighs the same (DAPO's token mean), so where success ends an episode a "
         "failure that runs to the time limit outweighs its group's successes; `episodes`: "
         "each episode's steps are averaged first, so every episode weighs the same "
-        "(DeepSeekMath's GRPO).", choices=("steps", "episodes"))
+        "(DeepSeekMath's GRPO). Both are means per micro-batch (the streamer trains each as "
+        "it arrives). `constant`: the kept steps' losses summed over every step the "
+        "micro-batch holds, kept or not (Dr. GRPO's constant normalizer): steps weigh as "
+        "in `steps`, and the whole batch's sum is what the learners train, streamed or not; "
+        "a batch with few kept steps (most groups degenerate) moves the policy less.",
+        choices=GROUP_LOSS_MEANS)
     lr: float = setting(3e-4, "Adam learning rate of the policy: faster learning vs. "
                         "stability.", ge=0)
     critic_lr: float = setting(
