@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
                        help="fullsize: the folder for its logs, runs and pretrained folders")
     bench.add_argument("--steps", default=None,
                        help="fullsize: only these steps, comma-separated (plan, streamer, sync, "
-                            "lora, openmpi, sigterm, oft; default all)")
+                            "lora, openmpi, sigterm, oft, sft; default all)")
     bench.add_argument("--ranks", type=whole_number(1), default=None,
                        help="transport: start this many ranks here (default: the current MPI "
                             "world)")
