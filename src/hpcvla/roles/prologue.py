@@ -37,8 +37,8 @@ from hpcvla.memory.layout import plan_memory
 from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
-from hpcvla.process.deathwatch import Refused
 from hpcvla.metrics.timeline import Timeline
+from hpcvla.process.deathwatch import Refused
 from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
 from hpcvla.roles.setup import RoleSetup
 from hpcvla.roles.simulator import build_shards, slot_dtypes
