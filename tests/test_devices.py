@@ -109,6 +109,17 @@ def test_the_memory_model_names_one_gpu_one_way_per_node():
         0: "cuda:0 (A)", 1: "cuda:0 (B)", 2: "cpu", 3: "cuda:0 (A)", 4: "cuda:0", 5: "cuda:1"}
 
 
+def test_the_gpu_jobs_refusal_step_is_a_gpus_only(tmp_path):
+    """`bench fullsize`'s `refuse` step checks a world's own GPU plan: on CPUs there is none
+    to refuse, so --quick leaves it out of its steps and says so when asked for it."""
+    from hpcvla.bench import fullsize
+    with pytest.raises(RuntimeError, match="refuse needs a GPU"):
+        fullsize.refused(tmp_path, fullsize.JOB["tiny"], quick=True)
+    line = fullsize.table({"size": "full", "updates": 20, "device": "H200",
+                           "refuse": {"wall_s": 31.4, "exit": 2}}).splitlines()[-1]
+    assert line == "an overfilled world started directly: refused, exit 2 after 31.4 s"
+
+
 def test_no_gpus_means_cpu_everywhere():
     plan = build_plan(8, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 1})
     assert set(plan_devices(plan, 0, sim_gpu=True).values()) == {"cpu"}

@@ -41,7 +41,7 @@ def add_bench_parser(sub) -> None:
                        help="fullsize: the folder for its logs, runs and pretrained folders")
     bench.add_argument("--steps", default=None,
                        help="fullsize: only these steps, comma-separated (plan, streamer, sync, "
-                            "lora, openmpi, sigterm, oft, sft; default all)")
+                            "lora, openmpi, sigterm, oft, sft, refuse; default all)")
     bench.add_argument("--ranks", type=whole_number(1), default=None,
                        help="transport: start this many ranks here (default: the current MPI "
                             "world)")
@@ -219,8 +219,8 @@ def bench_command(args) -> int:
         return 0
     if args.target == "fullsize":  # starts one world per run itself
         from hpcvla.bench import fullsize
-        steps = args.steps.split(",") if args.steps else fullsize.STEPS
-        unknown = [name for name in steps if name not in fullsize.STEPS]
+        steps = args.steps.split(",") if args.steps else None  # None: every step
+        unknown = [name for name in steps or () if name not in fullsize.STEPS]
         if unknown:  # refused before a full-size folder is built (minutes)
             print(f"hpcvla bench fullsize: --steps {','.join(unknown)}: no such step (the "
                   f"steps: {','.join(fullsize.STEPS)})", file=sys.stderr)

@@ -22,6 +22,10 @@ time limit keeps what it did; `--steps` runs some of them (a job split over shor
   sft       `hpcvla sft` of π0 from its folder with LoRA (one learner, SFT_STEPS steps of
             SFT_BATCH chunks) on demonstrations of the job's env at its image size, recorded
             by `hpcvla demos` first: its peak memory over the model's imitation figure
+  refuse    (a GPU's only: no default of --quick) the job's world started directly, as a
+            user's own srun/mpirun line starts it (`hpcvla launch -n 4 -- train`: no
+            launcher plans it first), on a GPU it overfills (placement.gpu_memory_gb=1): it
+            must end with exit 2 and the memory model's message once; the seconds it took
 
 Reported per run: summary.json's start and stop (phases_s: seconds since launch), env steps
 per second (sft: steps per second), and every rank's peak memory (CUDA allocated, host RSS)
@@ -58,16 +62,20 @@ ARMS = {"streamer": ["pipeline.mode=streamer"], "sync": ["pipeline.mode=sync-dis
         "openmpi": ["pipeline.mode=streamer", "launch.mpi=openmpi"]}
 
 
-STEPS = ("plan", "streamer", "sync", "lora", "openmpi", "sigterm", "oft", "sft")
+RUNS = ("streamer", "sync", "lora", "openmpi", "sigterm", "oft")  # `hpcvla train` runs
+STEPS = ("plan", *RUNS, "sft", "refuse")
+GPU_ONLY = ("refuse",)  # a world on CPUs plans no GPU memory: nothing to refuse
 SFT_STEPS, SFT_BATCH = 10, 8
 
 
-def run(out: Path, quick: bool = False, updates: int = 20, steps=STEPS, json_path=None) -> int:
+def run(out: Path, quick: bool = False, updates: int = 20, steps=None, json_path=None) -> int:
     """`steps` into `out` (their logs and run directories), after the pretrained folder they
     need; the results in `out`/fullsize.json (and `json_path`), rewritten after each step and
     kept across calls (a job split over two short ones). A step that fails is recorded with
-    its error and the others still run; returns 1 if any failed."""
+    its error and the others still run; returns 1 if any failed. `steps` None: all of them
+    (`quick`: those a CPU can run)."""
     size = "tiny" if quick else "full"
+    steps = steps or [s for s in STEPS if not (quick and s in GPU_ONLY)]
     if not quick and not torch.cuda.is_available():
         raise SystemExit("hpcvla bench fullsize: no CUDA GPU here (torch.cuda.is_available() "
                          "is False); --quick runs the same steps at the tiny sizes on the CPU")
@@ -87,7 +95,8 @@ def run(out: Path, quick: bool = False, updates: int = 20, steps=STEPS, json_pat
         "sigterm": lambda: stop_by_signal(out, [*job, *ARMS["streamer"],
                                                 "pipeline.total_updates=100000"]),
         "oft": lambda: train(out, "oft", [*oft, *OFT[1:], *NO_CHECKPOINT]),
-        "sft": lambda: fine_tune(out, job)}
+        "sft": lambda: fine_tune(out, job),
+        "refuse": lambda: refused(out, job, quick)}
     for name in steps:
         folder = "oft" if name == "oft" else "pi0"
         try:
@@ -209,6 +218,31 @@ def fine_tune(out: Path, job: list) -> dict:
                 for r in summary["per_rank"]]}
 
 
+def refused(out: Path, job: list, quick: bool) -> dict:
+    """The job's world started directly (`hpcvla launch -n N -- train`), placement.
+    gpu_memory_gb=1: its ranks plan their GPUs once each has one (roles/prologue.py) and
+    must end with exit 2 and the memory model's message, once; seconds from start to exit."""
+    if quick:
+        raise RuntimeError("refuse needs a GPU: a world on CPUs plans no GPU memory")
+    ranks = job[job.index("--ranks") + 1]
+    # 2 versions: should the refusal fail, the run it failed to stop ends soon
+    overrides = [a for a in job[1:] if "=" in a and not a.startswith("pipeline.total_updates=")]
+    overrides.append("pipeline.total_updates=2")
+    root = out / "refuse"
+    shutil.rmtree(root, ignore_errors=True)
+    begin = time.monotonic()
+    with open(out / "refuse.log", "w") as log:
+        code = subprocess.run([sys.executable, "-m", "hpcvla", "launch", "-n", ranks,
+                               "--timeout", "600", "--", "train", job[0], *overrides,
+                               "placement.gpu_memory_gb=1", f"run.root={root}"],
+                              stdout=log, stderr=subprocess.STDOUT, timeout=900).returncode
+    said = (out / "refuse.log").read_text().count("invalid memory plan of the training world")
+    if code != 2 or said != 1:
+        raise RuntimeError(f"the overfilled world ended with exit {code}, its refusal said "
+                           f"{said} time(s) (expected exit 2, once): {out / 'refuse.log'}")
+    return {"wall_s": time.monotonic() - begin, "exit": code}
+
+
 def _trained(root: Path) -> bool:
     """Whether the run under `root` has trained a version (its metrics.jsonl has a line)."""
     return any(p.stat().st_size for p in root.glob("*/metrics.jsonl"))
@@ -259,7 +293,7 @@ def table(results: dict) -> str:
              f"{results['device']}); plan " + (f"{plan_s:.1f} s" if plan_s else "-"),
              f"{'run':<9} {'first act':>9} {'1st version':>11} {'env steps/s':>11} "
              f"{'GPU peak/plan':>13} {'host peak/plan':>14}"]
-    for name in STEPS[1:-1]:
+    for name in RUNS:
         r = results.get(name)
         if not r or "error" in r:
             lines.append(f"{name:<9} {'failed' if r else 'not run'}")
@@ -275,6 +309,9 @@ def table(results: dict) -> str:
         lines.append(f"sft (LoRA, {SFT_BATCH} chunks a step): first step at "
                      f"{sft['phases_s']['first_step']:.1f} s, {sft['steps_per_s']:.2f} steps/s, "
                      f"GPU peak/plan {_ratio(sft, 'gpu')}, host peak/plan {_ratio(sft, 'host')}")
+    if "exit" in results.get("refuse", {}):
+        lines.append(f"an overfilled world started directly: refused, exit 2 after "
+                     f"{results['refuse']['wall_s']:.1f} s")
     stop = results.get("sigterm", {})
     if "signal_to_exit_s" in stop:
         lines.append(f"SIGTERM to checkpoint {stop['signal_to_checkpoint_s']:.1f} s, to exit "
