@@ -210,10 +210,11 @@ class AlgorithmConfig:
         "failure that runs to the time limit outweighs its group's successes; `episodes`: "
         "each episode's steps are averaged first, so every episode weighs the same "
         "(DeepSeekMath's GRPO). Both are means per micro-batch (the streamer trains each as "
-        "it arrives). `constant`: the kept steps' losses summed over every step the "
+        "it arrives). `constant`: the kept steps' policy losses summed over every step the "
         "micro-batch holds, kept or not (Dr. GRPO's constant normalizer): steps weigh as "
         "in `steps`, and the whole batch's sum is what the learners train, streamed or not; "
-        "a batch with few kept steps (most groups degenerate) moves the policy less.",
+        "a batch with few kept steps (most groups degenerate) moves the policy less. (The "
+        "entropy bonus is a mean over the kept steps under all three.)",
         choices=GROUP_LOSS_MEANS)
     lr: float = setting(3e-4, "Adam learning rate of the policy: faster learning vs. "
                         "stability.", ge=0)
