@@ -141,6 +141,15 @@ say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
 say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
 say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
+# PBS's cgroup hook gives a node's GPUs to the job's processes there; ranks ssh starts are
+# none of them
+if [[ $SCHEDULER == pbs && -z $PBS_RSH ]] && (( NODES > 1 )) &&
+        [[ ! ${CUDA_VISIBLE_DEVICES:-} =~ ^(|-1|NoDevFiles)$ ]]; then
+    say "warning: the ranks on the job's other nodes start by ssh (no pbs_tmrsh), outside the" \
+        "job's cgroup: they see every GPU of their node, other jobs' too. Take whole nodes" \
+        "(select=N:ngpus=<all of a node's>), or start them by PBS's TM (pbs_tmrsh on PATH," \
+        "HPCVLA_PBS_TM=1)"
+fi
 # A node that lacks what the job needs, or a layout that overfills its memory, fails the job
 # here, in seconds, saying why (this node: the job's first; the others answer clean_nodes
 # before a restart). It checks the command's settings as they run: the auto plan's included.

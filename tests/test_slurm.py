@@ -499,6 +499,37 @@ def test_pbs_bench_job_reaches_the_benchmark(slurm, tmp_path):
     assert f"-m hpcvla bench modes --json bench-{job}.json --workload real --updates 2" in text
 
 
+@pytest.mark.parametrize("start", ["ssh", "tm"])
+def test_a_pbs_gpu_job_whose_ranks_ssh_starts_is_warned(tmp_path, start):
+    """Under PBS the ranks ssh starts on the job's other nodes are outside its cgroup: they
+    see every GPU of their node. jobs/launch.sh says so where the job has GPUs and finds no
+    pbs_tmrsh, not where TM starts them nor where the job has no GPU (dry runs: the command
+    it would start; `pbs_tmrsh` here a stand-in that is never run)."""
+    nodes = tmp_path / "nodes"
+    nodes.write_text("h0\nh0\nh1\nh1\n")
+    path = os.environ["PATH"]
+    if start == "tm":
+        tm = tmp_path / "bin" / "pbs_tmrsh"
+        tm.parent.mkdir()
+        tm.write_text("#!/bin/sh\nexit 1\n")
+        tm.chmod(0o755)
+        path = f"{tm.parent}:{path}"
+
+    def dry_run(gpus: str) -> str:
+        env = {**os.environ, "PATH": path, "PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(nodes),
+               "PBS_O_WORKDIR": str(ROOT), "CUDA_VISIBLE_DEVICES": gpus, "HPCVLA_DRY_RUN": "1",
+               "HPCVLA_MPI": "mpich"}
+        out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "4 rank(s) on 2 node(s)" in out.stderr, out.stderr
+        return out.stderr
+
+    text = dry_run("0")
+    assert ("they see every GPU of their node" in text) == (start == "ssh"), text
+    assert ("-launcher-exec" in text) == (start == "tm"), text
+    assert "they see every GPU" not in dry_run("")
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
 def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
