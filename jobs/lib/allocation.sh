@@ -74,7 +74,7 @@ fi
 PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 "$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
     "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
-# The MPI: exports MPI4PY_LIBMPI and OMPI_MCA_osc for Open MPI, HPCVLA_MPI_FLAVOUR,
+# The MPI: exports MPI4PY_LIBMPI (and for 4.x OMPI_MCA_osc) for Open MPI, HPCVLA_MPI_FLAVOUR,
 # HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
 # the problem when none is found.
 MPI_EXPORTS=$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}") ||

@@ -32,11 +32,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 SUBNET = "10.77.0"  # host i is SUBNET.(i + 1); private, and only inside our namespaces
+# PyPI's Open MPI 5 wheel, in a prefix of its own beside the venv's MPICH (`make install`)
+OPENMPI5 = Path(sys.prefix) / "openmpi5" / "bin" / "mpirun"
 FABRIC = "10.78"    # fabric port j of host i is FABRIC.j.(i + 1)
 _INSTANCES = itertools.count()  # several sets of hosts alive in one process get distinct tags
 
@@ -203,11 +206,12 @@ class EmulatedHosts:
                     ) -> tuple[list[str], dict]:
         """argv (to run on h0) and environment that start `program` (an hpcvla subcommand or
         a script) on n ranks, in blocks of `per_host` over the hosts, through the remote-shell
-        stand-in, as a cluster's mpiexec would; `mpi` is mpich or openmpi."""
+        stand-in, as a cluster's mpiexec would; `mpi` is mpich, openmpi (the system's) or
+        openmpi5 (OPENMPI5)."""
         from hpcvla.job.launch import rank_program
         from hpcvla.process.mpi_select import select_mpi
 
-        install = select_mpi(mpi)
+        install = select_mpi("openmpi", str(OPENMPI5)) if mpi == "openmpi5" else select_mpi(mpi)
         per_host = per_host or n // self.n
         hostfile = self.hostfile(per_host, install.flavour)
         if install.flavour == "mpich":

@@ -11,13 +11,18 @@ MPI without a rebuild: MPICH (the PyPI wheel `make install` puts beside Python, 
 is mpi4py's default; Open MPI is selected with `MPI4PY_LIBMPI=<its libmpi.so.40>`.
 
 What each MPI needs, and why:
-* Open MPI's one-sided components. Its default on hosts without UCX devices is `osc/pt2pt`,
-  which refuses windows under `MPI_THREAD_MULTIPLE` across hosts (`MPI_ERR_WIN: invalid
-  window`; the ring and weight plane need that thread level); `osc/ucx` alone cannot make a
-  shared-memory window (`MPI_ERR_INTERN` in `Win.Allocate_shared`). `sm,ucx` works on one host
-  and across hosts, over TCP as over InfiniBand/RoCE (UCX picks the fabric; restrict it with
-  `UCX_NET_DEVICES=mlx5_0:1` or `UCX_TLS`). Without a UCX build (Open MPI 5 with `osc/rdma`):
-  `sm,rdma`. A value the user exported is kept.
+* Open MPI 4.x's one-sided components. Its default on hosts without UCX devices is
+  `osc/pt2pt`, which refuses windows under `MPI_THREAD_MULTIPLE` across hosts (`MPI_ERR_WIN:
+  invalid window`; the ring and weight plane need that thread level); `osc/ucx` alone cannot
+  make a shared-memory window (`MPI_ERR_INTERN` in `Win.Allocate_shared`). `sm,ucx` works on
+  one host and across hosts, over TCP as over InfiniBand/RoCE (UCX picks the fabric; restrict
+  it with `UCX_NET_DEVICES=mlx5_0:1` or `UCX_TLS`); without UCX, `sm,rdma`. Open MPI 5 has no
+  pt2pt, and its own choice works (ucx where its UCX reaches a fabric, else rdma, sm for the
+  node-shared windows), where forcing `ucx` fails across hosts whose UCX has no RMA transport
+  (PyPI's wheel over TCP: `MPI_ERR_WIN` in `Win.Allocate`): nothing is set for it. (Such a
+  build prints "OSC UCX component priority set inside component query failed" as each window
+  is made, harmless: open-mpi/ompi#12517; `OMPI_MCA_osc=^ucx` silences it.) A value the user
+  exported is kept.
 * Open MPI as root (containers, CI) needs `OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)`, and
   `--oversubscribe` to start more ranks than cores on a workstation.
 * In a Slurm job MPICH starts its ranks with its own `mpiexec` (Hydra; it starts one proxy
@@ -170,8 +175,8 @@ def select_mpi(choice: str = "auto", mpiexec: str = "auto") -> MpiInstall:
 def _install(flavour: str, exe: str) -> MpiInstall:
     if flavour != "openmpi":
         return MpiInstall(flavour, exe)
-    env = {"MPI4PY_LIBMPI": openmpi_library(exe),
-           "OMPI_MCA_osc": os.environ.get("OMPI_MCA_osc") or openmpi_osc(exe)}
+    osc = os.environ.get("OMPI_MCA_osc") or openmpi_osc(exe)
+    env = {"MPI4PY_LIBMPI": openmpi_library(exe), **({"OMPI_MCA_osc": osc} if osc else {})}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix",
@@ -204,9 +209,15 @@ def openmpi_library(exe: str) -> str:
                          f"{', '.join(map(str, dirs))}): set MPI4PY_LIBMPI to it")
 
 
-def openmpi_osc(exe: str) -> str:
-    """The one-sided components to use (module docstring): sm + ucx, else sm + rdma."""
+def openmpi_osc(exe: str) -> str | None:
+    """The one-sided components to set (module docstring): None for Open MPI 5 and later,
+    whose own choice works (it has no pt2pt); for 4.x sm + ucx, else sm + rdma, else ""
+    (neither: no usable windows across hosts)."""
     info = _ompi_info(exe, "--parsable")
+    version = next((line.split(":")[3] for line in info.splitlines()
+                    if line.startswith("ompi:version:full:")), "")
+    if version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 5:
+        return None
     have = {line.split(":")[2] for line in info.splitlines()
             if line.startswith("mca:osc:") and line.count(":") >= 3}
     for pair in (("sm", "ucx"), ("sm", "rdma")):
