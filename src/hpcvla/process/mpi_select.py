@@ -135,15 +135,15 @@ def flavour_of(mpiexec: str) -> str:
 
 
 def _candidates(flavour: str) -> list[str]:
-    """The launchers that may be `flavour`'s, first those beside this Python, then PATH's,
-    the generic names before the distribution's (a loaded module's `mpirun` before Debian's
-    `mpirun.openmpi`)."""
-    beside = Path(sys.executable).parent
+    """The launchers that may be `flavour`'s: those beside this Python, then each folder's
+    on PATH in its order, not only the first of each name (the venv's MPICH `mpirun` would
+    hide a loaded module's Open MPI `mpirun` behind it)."""
     names = {"mpich": ["mpiexec", "mpiexec.hydra", "mpiexec.mpich"],
              "openmpi": ["mpirun", "mpiexec", "mpirun.openmpi"]}[flavour]
-    found = [str(beside / n) for n in names if (beside / n).exists()]
-    found += [p for p in (shutil.which(n) for n in names) if p]
-    return list(dict.fromkeys(found))
+    folders = [Path(sys.executable).parent,
+               *(Path(d) for d in os.environ.get("PATH", "").split(os.pathsep) if d)]
+    return list(dict.fromkeys(str(f / n) for f in folders for n in names
+                              if (f / n).is_file() and os.access(f / n, os.X_OK)))
 
 
 def select_mpi(choice: str = "auto", mpiexec: str = "auto") -> MpiInstall:
