@@ -12,8 +12,9 @@
 # The GPU validation job: the users' job at its real size on one GPU, through `hpcvla train` as
 # a user runs it (`hpcvla bench fullsize`: π0 at 3.3 B from a pretrained folder, streamer vs
 # sync-disaggregated, LoRA, the π0 streamer under Open MPI, a SIGTERM stop, OpenVLA-OFT at
-# 7.5 B with LoRA, `hpcvla sft` with LoRA, an overfilled world refused). Each of its steps (install, doctor, fullsize) writes its log into OUT as it
-# goes and runs under `timeout -k`, so a job cut by its limit keeps what it did; each training
+# 7.5 B with LoRA, `hpcvla sft` with LoRA, an overfilled world refused). Each of its steps
+# (install, doctor, fullsize) writes its log into OUT as it goes and runs under `timeout -k`,
+# so a job cut by its limit keeps what it did; each training
 # run's own log goes to WORK (in OUT's runs.tgz at the end). docs/cluster.md, "Validating a
 # GPU node".
 #
