@@ -14,9 +14,8 @@
 # sync-disaggregated, LoRA, the π0 streamer under Open MPI, a SIGTERM stop, OpenVLA-OFT at
 # 7.5 B with LoRA, `hpcvla sft` with LoRA, an overfilled world refused). Each of its steps
 # (install, doctor, fullsize) writes its log into OUT as it goes and runs under `timeout -k`,
-# so a job cut by its limit keeps what it did; each training
-# run's own log goes to WORK (in OUT's runs.tgz at the end). docs/cluster.md, "Validating a
-# GPU node".
+# so a job cut by its limit keeps what it did; each training run's own log goes to WORK (in
+# OUT's runs.tgz at the end). docs/cluster.md, "Validating a GPU node".
 #
 #   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch / qsub it from the repository root,
 #                                            or with HPCVLA_ROOT set; OUT, WHEELS its arguments)
