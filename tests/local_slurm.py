@@ -88,6 +88,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
+TmpFS={base}/tmp{node_dir}
 {gres_types}ReturnToService=2
 MinJobAge=3600
 KillWait=10
@@ -203,7 +204,7 @@ class LocalSlurm:
         self.base = Path(tempfile.mkdtemp(prefix="hpcvla-slurm-"))
         self.base.chmod(0o755)  # munged (user munge) must reach its directory inside
         base = self.base
-        for sub in ("state", "spool", "nodefiles"):
+        for sub in ("state", "spool", "nodefiles", "tmp"):
             (base / sub).mkdir()
         (base / "nodefiles").chmod(0o1777)
         if self.multihost:
@@ -242,6 +243,9 @@ class LocalSlurm:
         if self.multihost:
             for name in names:
                 (base / "spool" / name).mkdir()
+                # a node's own TmpFS, as each real node's /tmp: Slurm's PMIx plugin makes its
+                # per-step directory there (srun --mpi=pmix), one name on every node
+                (base / "tmp" / name).mkdir()
             # `ip netns exec` mounts a fresh /sys for the host: no cgroup hierarchy under it,
             # and slurmd (22.05) refuses to start when the autodetected plugin finds none.
             # Nothing here uses cgroups (proctrack/linuxproc, task/none): name a version.

@@ -637,3 +637,27 @@ def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler)
     assert not rank_pids(tmp_path), "ranks left running"
     assert f"scheduler {scheduler}" in text and \
         "MPICH segment(s) that no process maps" in text, text[-3000:]
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "openmpi5"])
+def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi):
+    """Open MPI's start in a Slurm job (mpi_select: `srun --mpi=pmix`, Slurm's PMIx server
+    wiring the ranks up, no mpirun): jobs/slurm/multinode.sbatch on 3 hosts, 2 rollout nodes
+    and a learner node, under Debian's Open MPI 4.1 and under Open MPI 5 as a loaded module
+    (`make install`'s, first on PATH), every trajectory crossing the network."""
+    log, updates = tmp_path / "ompi-srun.out", 6
+    five = Path(sys.prefix) / "openmpi5" / "bin"
+    env = job_env(tmp_path, HPCVLA_MPI="openmpi",
+                  **({"PATH": f"{five}:{slurm3.env['PATH']}"} if mpi == "openmpi5" else {}))
+    job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",
+                        "placement.per_node.simulator=1", "placement.per_node.inference=1",
+                        f"pipeline.total_updates={updates}",
+                        options=["--output", log, "--ntasks-per-node=2", "--cpus-per-task=1"],
+                        env=env, cwd=ROOT)
+    text = finished(slurm3, job, log)
+    assert "running: srun --mpi=pmix --kill-on-bad-exit=1 --ntasks=6" in text, text[:2000]
+    assert (f"MPI: openmpi ({five / 'mpirun'})" in text) == (mpi == "openmpi5"), text[:2000]
+    assert f"[hpcvla] update {updates}/{updates}" in text, text[-3000:]
+    summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
+    assert {r["host"] for r in summary["per_rank"]} == {"h0", "h1", "h2"}, summary["per_rank"]
+    assert sum(summary["staleness_hist"].values()) == updates * 2 * 32
