@@ -88,7 +88,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MpiDefault=none
-TmpFS={base}/tmp{node_dir}
+TmpFS={base}/tmp{tmp_dir}
 {gres_types}ReturnToService=2
 MinJobAge=3600
 KillWait=10
@@ -150,14 +150,17 @@ def _free_port() -> int:
 
 class LocalSlurm:
     def __init__(self, cpus: int = 64, start_timeout: float = 60.0, nodes: int = 1,
-                 hosts=None, fabric_ports: int = 0, gpus: int = 0):
+                 hosts=None, fabric_ports: int = 0, gpus: int = 0, no_tmpfs: bool = False):
         """One node (`localhost`), or `nodes` > 1 nodes h0.. on emulated hosts that this
         instance makes (with `fabric_ports` more interfaces each) and removes; or the nodes
         of `hosts` (an EmulatedHosts, started here and stopped again if it was not started
         yet). `gpus`: GPUs each node's slurmd schedules (gres/gpu on device files of
         /dev/null's kind: no GPU behind them), which a job asks for with --gpus-per-node and
-        its steps' tasks see as CUDA_VISIBLE_DEVICES, as on a GPU cluster."""
+        its steps' tasks see as CUDA_VISIBLE_DEVICES, as on a GPU cluster. `no_tmpfs`: the
+        nodes' TmpFS is missing (a fault: Slurm's PMIx plugin then fails every task's
+        launch, and srun exits 0)."""
         self.cpus, self.start_timeout, self.fabric_ports = cpus, start_timeout, fabric_ports
+        self.no_tmpfs = no_tmpfs
         self.gpus = gpus
         self.hosts = hosts
         self.nodes = hosts.n if hosts is not None else nodes
@@ -237,6 +240,7 @@ class LocalSlurm:
         conf.write_text(SLURM_CONF.format(
             base=base, cpus=self.cpus, ctld_port=_free_port(), slurmd_port=_free_port(),
             first_job=first_job, ctld_host=ctld_host, node_dir=node_dir,
+            tmp_dir="/missing" if self.no_tmpfs else node_dir,
             node_suffix=node_suffix, node_lines=node_lines,
             gres_types="GresTypes=gpu\n" if self.gpus else ""))
         self.env = {**os.environ, "SLURM_CONF": str(conf)}

@@ -661,3 +661,24 @@ def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi):
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
     assert {r["host"] for r in summary["per_rank"]} == {"h0", "h1", "h2"}, summary["per_rank"]
     assert sum(summary["staleness_hist"].values()) == updates * 2 * 32
+
+
+def test_a_launcher_that_exits_0_for_a_world_that_never_ran_fails_the_job(tmp_path):
+    """Nodes without their TmpFS (a fault): Slurm's PMIx plugin fails every task's launch
+    (it cannot make its per-step directory), and srun exits 0 though no rank ran.
+    jobs/launch.sh does not take that for a finished run: this host's ranks left no card and
+    no done mark (deathwatch.unfinished), so the job fails, saying so."""
+    log = tmp_path / "never-ran.out"
+    with LocalSlurm(nodes=3, no_tmpfs=True) as cluster:
+        job = cluster.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",
+                             "placement.per_node.simulator=1", "placement.per_node.inference=1",
+                             "pipeline.total_updates=6",
+                             options=["--output", log, "--ntasks-per-node=2",
+                                      "--cpus-per-task=1"],
+                             env=job_env(tmp_path, HPCVLA_MPI="openmpi"), cwd=ROOT)
+        info = cluster.wait(job, 300)
+    text = log.read_text()
+    assert "srun --mpi=pmix" in text and "[hpcvla] update" not in text, text[-3000:]
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), text[-3000:]
+    assert "the launcher exited 0, but the world did not run to its end: no rank of the " \
+        "world registered on this host (h0)" in text, text[-3000:]

@@ -202,6 +202,12 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
         wait "$ender" 2> /dev/null || true
     fi
     if [[ -n ${HPCVLA_RANK_DIR:-} ]]; then
+        local why
+        if [[ $status == 0 && -z $SIGNALLED ]] && ! why=$("$PYTHON" -m \
+                hpcvla.process.deathwatch unfinished "$HPCVLA_RANK_DIR"); then
+            say "the launcher exited 0, but the world did not run to its end: $why"
+            status=1
+        fi
         if [[ $status != 0 && -z $SIGNALLED ]]; then
             "$PYTHON" -m hpcvla.process.deathwatch describe "$HPCVLA_RANK_DIR" || true
         fi

@@ -338,13 +338,36 @@ def describe(folder: Path) -> str:
     return "\n".join(lines + ["  " + _last_progress(folder / "run_dir")])
 
 
+def unfinished(folder: Path, host: str) -> str | None:
+    """Launcher side, after a launcher that exited 0: why the world did not run to its end,
+    or None. Each of this host's ranks must have left its card and its done mark (another
+    host's files on a network file system may show late): a launcher can report success for
+    tasks it never started (srun, when Slurm's MPI plugin fails every task's launch)."""
+    cards = [json.loads(p.read_text()) for p in folder.glob("rank*.json")]
+    mine = sorted(c["rank"] for c in cards if c["host"] == host)
+    if not mine:
+        return f"no rank of the world registered on this host ({host}): none ran here"
+    left = [r for r in mine if not _done_mark(folder, r).exists()]
+    if left:
+        return (f"rank(s) {', '.join(map(str, left))} on this host ({host}) ended without "
+                "finishing their work")
+    return None
+
+
 def _main(argv: list[str]) -> int:
     """python -m hpcvla.process.deathwatch describe RANK_DIR
     python -m hpcvla.process.deathwatch first-failure RANK_DIR LAUNCHER_PID   (jobs/launch.sh)
-    first-failure prints the failure and exits 0, or exits 1 when the launcher ended first."""
+    python -m hpcvla.process.deathwatch unfinished RANK_DIR
+    first-failure prints the failure and exits 0, or exits 1 when the launcher ended first;
+    unfinished prints why and exits 1 where this host's ranks did not all finish."""
     if argv[:1] == ["describe"] and len(argv) == 2:
         print(describe(Path(argv[1])), file=sys.stderr, flush=True)
         return 0
+    if argv[:1] == ["unfinished"] and len(argv) == 2:
+        why = unfinished(Path(argv[1]), socket.gethostname())
+        if why is not None:
+            print(why, flush=True)
+        return int(why is not None)
     if argv[:1] == ["first-failure"] and len(argv) == 3:
         failure = first_failure(Path(argv[1]), int(argv[2]))
         if failure is None:
