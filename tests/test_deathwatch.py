@@ -215,3 +215,19 @@ def test_a_forked_worker_does_not_hold_its_ranks_lifeline_and_a_finished_rank_is
         for proc in (forked, finished):
             proc.kill()
         watch.close()
+
+
+def test_a_launcher_that_exited_0_is_checked_against_this_hosts_ranks(tmp_path):
+    """deathwatch.unfinished (jobs/launch.sh after a launcher exited 0): this host's ranks,
+    their cards naming the host with or without its domain, must each have finished; another
+    host's are not looked at (their files may show late on a network file system)."""
+    for rank, host in enumerate(["h0.cluster.example", "h0", "h1"]):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(
+            {"rank": rank, "roles": "learner", "node": 0, "host": host, "pid": 1}))
+    (tmp_path / "done.rank1").touch()
+    assert deathwatch.unfinished(tmp_path, "h0") == \
+        "rank(s) 0 on this host (h0) ended without finishing their work"
+    (tmp_path / "done.rank0").touch()
+    assert deathwatch.unfinished(tmp_path, "h0.cluster.example") is None
+    assert deathwatch.unfinished(tmp_path, "h2") == \
+        "no rank of the world registered on this host (h2): none ran here"

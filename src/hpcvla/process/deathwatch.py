@@ -94,13 +94,24 @@ def _gone_before(rank: int) -> list[dict]:
     if not (folder := os.environ.get(ENV)):
         return []
     folder_path = Path(folder)
-    cards = {c["rank"]: c for c in (json.loads(p.read_text())
-                                    for p in folder_path.glob("rank*.json"))}
-    host = cards.get(rank, {}).get("host", socket.gethostname()).split(".")[0]
+    cards = {c["rank"]: c for c in _cards(folder_path)}
+    host = _short(cards.get(rank, {}).get("host", socket.gethostname()))
     said = {int(p.name.removeprefix("failed.rank")) for p in _failures(folder_path)}
     return [card for other, card in sorted(cards.items())
-            if other != rank and other not in said and card["host"].split(".")[0] == host
+            if other != rank and other not in said and _short(card["host"]) == host
             and not _done_mark(folder_path, other).exists() and process_gone(card["pid"])]
+
+
+def _cards(folder: Path) -> list[dict]:
+    """The cards the world's ranks left in `folder` (register), by rank."""
+    return sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")),
+                  key=lambda card: card["rank"])
+
+
+def _short(host: str) -> str:
+    """A host's name without its domain: a rank's card and the launcher's host name may
+    carry it or not."""
+    return host.split(".")[0]
 
 
 def _failures(folder: Path) -> list[Path]:
@@ -196,7 +207,7 @@ class DeathWatch:
     def __init__(self, folder: Path | None = None, host: str | None = None):
         self.owned = folder is None
         self.dir = Path(tempfile.mkdtemp(prefix="hpcvla-ranks-")) if folder is None else folder
-        self.host = None if host is None else host.split(".")[0]  # with or without domain
+        self.host = None if host is None else _short(host)
         self.poller = select.poll()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -258,7 +269,7 @@ class DeathWatch:
                 continue
             card = json.loads(path.read_text())
             self.cards[card["rank"]] = card
-            if self.host is not None and card["host"].split(".")[0] != self.host:
+            if self.host is not None and _short(card["host"]) != self.host:
                 continue  # its pid is another host's
             try:
                 fd = os.pidfd_open(card["pid"])
@@ -330,8 +341,7 @@ def _last_progress(run_dir_file: Path) -> str:
 def describe(folder: Path) -> str:
     """Every registered rank and the run's last progress: what a job script prints after
     its launcher (srun, which names the failed task = rank) ended the world badly."""
-    cards = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")),
-                   key=lambda card: card["rank"])
+    cards = _cards(folder)
     lines = [f"hpcvla: the world ended badly; its ranks ({len(cards)} registered):"]
     lines += [f"  rank {c['rank']}: {c['roles']} on node {c['node']} (host {c['host']}, pid "
               f"{c['pid']})" for c in cards]
@@ -343,8 +353,7 @@ def unfinished(folder: Path, host: str) -> str | None:
     or None. Each of this host's ranks must have left its card and its done mark (another
     host's files on a network file system may show late): a launcher can report success for
     tasks it never started (srun, when Slurm's MPI plugin fails every task's launch)."""
-    cards = [json.loads(p.read_text()) for p in folder.glob("rank*.json")]
-    mine = sorted(c["rank"] for c in cards if c["host"] == host)
+    mine = [c["rank"] for c in _cards(folder) if _short(c["host"]) == _short(host)]
     if not mine:
         return f"no rank of the world registered on this host ({host}): none ran here"
     left = [r for r in mine if not _done_mark(folder, r).exists()]
