@@ -145,8 +145,7 @@ def make_folder(folder: Path, job: list) -> dict:
 
 def plan(out: Path, job: list) -> dict:
     """`hpcvla plan --json` of the job on its rank count: wall seconds and the figures."""
-    ranks = job[job.index("--ranks") + 1]
-    overrides = [a for a in job[1:] if "=" in a]
+    ranks, overrides = _world(job)
     begin = time.monotonic()
     text = _run([sys.executable, "-m", "hpcvla", "plan", job[0], "--world", ranks, "--json",
                  *overrides], out / "plan.log", 300)
@@ -224,9 +223,9 @@ def refused(out: Path, job: list, quick: bool) -> dict:
     must end with exit 2 and the memory model's message, once; seconds from start to exit."""
     if quick:
         raise RuntimeError("refuse needs a GPU: a world on CPUs plans no GPU memory")
-    ranks = job[job.index("--ranks") + 1]
+    ranks, overrides = _world(job)
     # 2 versions: should the refusal fail, the run it failed to stop ends soon
-    overrides = [a for a in job[1:] if "=" in a and not a.startswith("pipeline.total_updates=")]
+    overrides = [a for a in overrides if not a.startswith("pipeline.total_updates=")]
     overrides.append("pipeline.total_updates=2")
     root = out / "refuse"
     shutil.rmtree(root, ignore_errors=True)
@@ -241,6 +240,11 @@ def refused(out: Path, job: list, quick: bool) -> dict:
         raise RuntimeError(f"the overfilled world ended with exit {code}, its refusal said "
                            f"{said} time(s) (expected exit 2, once): {out / 'refuse.log'}")
     return {"wall_s": time.monotonic() - begin, "exit": code}
+
+
+def _world(job: list) -> tuple[str, list]:
+    """A job's (`JOB`'s form) rank count and its overrides."""
+    return job[job.index("--ranks") + 1], [a for a in job[1:] if "=" in a]
 
 
 def _trained(root: Path) -> bool:
