@@ -50,6 +50,9 @@
 #                     again inside the allocation up to this many times (default 0): on the
 #                     nodes that still start a process, from the newest checkpoint (Slurm jobs
 #                     need --no-kill to keep their allocation when a node fails)
+#   HPCVLA_START_RETRIES  train, sft: a world that failed while starting, before any rank
+#                     registered, is started again on the same nodes this many times
+#                     (default 1)
 #   HPCVLA_END_GRACE_S  train, sft: a world whose ranks on this node died without finishing is
 #                     ended this many seconds later if its launcher has not ended it (default
 #                     30; after a node failure mpiexec/srun wait for the scheduler to declare
@@ -215,7 +218,14 @@ fit_to_nodes() {
 # when the run has no checkpoint yet (a new world would start it over, in a new run
 # directory), nor when the failure recurs before a newer checkpoint exists: that is no node
 # failure, and trying again would not end.
+#
+# A world that failed while starting, before any rank registered and before a run directory
+# existed (MPI_Init: Open MPI's ranks can crash there when a peer's first message arrives
+# early, open-mpi/ompi#12495), is started again on the same nodes, HPCVLA_START_RETRIES
+# times (default 1): nothing ran, so nothing is lost or trained twice. Not a refused world
+# (exit 2: its verdict would be the same), nor when a node stopped answering.
 restarts_left=${HPCVLA_RESTARTS:-0}
+start_retries_left=${HPCVLA_START_RETRIES:-1}
 failed_at=""
 LAYOUT=""
 while true; do
@@ -225,6 +235,16 @@ while true; do
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)
     say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
+    if [[ -n $NEVER_STARTED && $status != 2 && ${#usable[@]} == "${#HOSTS[@]}" ]] &&
+            (( start_retries_left > 0 )); then
+        start_retries_left=$(( start_retries_left - 1 ))
+        OVERLAP=1
+        set_launch "$1"
+        say "the world failed while starting, before any rank registered: starting it" \
+            "again ($(( ${HPCVLA_START_RETRIES:-1} - start_retries_left ))/${HPCVLA_START_RETRIES:-1})"
+        say "running: ${LAUNCH[*]} ${COMMAND[*]}"
+        continue
+    fi
     if ! makes_a_run "$1" || [[ -z ${HPCVLA_JOB_RUNS:-} ]]; then break; fi
     if (( restarts_left <= 0 )); then
         (( ${HPCVLA_RESTARTS:-0} == 0 )) ||

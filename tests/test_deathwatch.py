@@ -231,3 +231,19 @@ def test_a_launcher_that_exited_0_is_checked_against_this_hosts_ranks(tmp_path):
     assert deathwatch.unfinished(tmp_path, "h0.cluster.example") is None
     assert deathwatch.unfinished(tmp_path, "h2") == \
         "no rank of the world registered on this host (h2): none ran here"
+
+
+def test_a_world_never_started_while_no_rank_registered_and_no_run_was_made(tmp_path):
+    """deathwatch.never_started (jobs/launch.sh after a failed world): only a world that left
+    no card and no run directory may be started again as it was."""
+    watch = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch",
+                            "never-started", str(tmp_path)])
+    assert watch.returncode == 0 and deathwatch.never_started(tmp_path)
+    (tmp_path / "run_dir").write_text(str(tmp_path / "run"))
+    assert not deathwatch.never_started(tmp_path)
+    (tmp_path / "run_dir").unlink()
+    (tmp_path / "rank3.json").write_text(json.dumps(
+        {"rank": 3, "roles": "learner", "node": 0, "host": "h0", "pid": 1}))
+    watch = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch",
+                            "never-started", str(tmp_path)])
+    assert watch.returncode == 1 and not deathwatch.never_started(tmp_path)

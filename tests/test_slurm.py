@@ -682,3 +682,30 @@ def test_a_launcher_that_exits_0_for_a_world_that_never_ran_fails_the_job(tmp_pa
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), text[-3000:]
     assert "the launcher exited 0, but the world did not run to its end: no rank of the " \
         "world registered on this host (h0)" in text, text[-3000:]
+
+
+def test_a_world_that_died_while_starting_is_started_again(slurm, tmp_path):
+    """A rank that dies before any rank registered (as Open MPI's ranks can in MPI_Init,
+    open-mpi/ompi#12495): jobs/launch.sh starts the world once more on the same nodes, and
+    the job runs to its end in one run directory. Rank 1 is stopped as soon as it exists
+    (the others then cannot pass their first collective, so none registers), then killed."""
+    log = tmp_path / "retried.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                       "pipeline.total_updates=3", options=["--output", log],
+                       env=job_env(tmp_path), cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not (pid := rank_pids(tmp_path).get(1)):
+        assert time.monotonic() < deadline and slurm.job(job)["JobState"] not in TERMINAL, \
+            log.read_text() if log.exists() else "no log"
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGSTOP)
+    cards = list((tmp_path / "runs").glob("*/.ranks/rank*.json"))
+    os.kill(pid, signal.SIGKILL)
+    assert not cards, f"a rank registered before rank 1 was stopped: {cards}"
+    text = finished(slurm, job, log)
+    first, second = text.split("the world failed while starting, before any rank registered: "
+                               "starting it again (1/1)", 1)
+    assert "its ranks (0 registered)" in first and "[hpcvla] update" not in first, first[-3000:]
+    assert "[hpcvla] update 3/3" in second, second[-3000:]
+    summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
+    assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 3 * 32

@@ -157,7 +157,9 @@ forwarded_env() {  # the MPI launcher's options: what it passes to the ranks on 
         printf -- '-genvlist\n%s\n' "$(IFS=,; echo "${names[*]}")"
     fi
 }
-run_world() {  # start the ranks, forward signals while they run; sets `status`
+run_world() {  # start the ranks, forward signals while they run; sets `status`, and
+    # NEVER_STARTED where the launcher failed before any rank registered (deathwatch)
+    NEVER_STARTED=""
     if [[ -n $EARLY ]]; then
         SIGNALLED=$EARLY status=0 NO_WORLD=1
         say "received SIG$EARLY before the ranks started: starting none"
@@ -207,6 +209,9 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`
                 hpcvla.process.deathwatch unfinished "$HPCVLA_RANK_DIR"); then
             say "the launcher exited 0, but the world did not run to its end: $why"
             status=1
+        elif [[ $status != 0 && -z $SIGNALLED ]] && "$PYTHON" -m \
+                hpcvla.process.deathwatch never-started "$HPCVLA_RANK_DIR"; then
+            NEVER_STARTED=1  # a launcher's failure before any rank registered
         fi
         if [[ $status != 0 && -z $SIGNALLED ]]; then
             "$PYTHON" -m hpcvla.process.deathwatch describe "$HPCVLA_RANK_DIR" || true

@@ -363,12 +363,21 @@ def unfinished(folder: Path, host: str) -> str | None:
     return None
 
 
+def never_started(folder: Path) -> bool:
+    """Launcher side, after a failed world: whether it ended while starting, before any rank
+    registered (MPI_Init, the ranks' first collectives) and before rank 0 made a run
+    directory. Starting such a world again loses nothing and trains nothing twice."""
+    return not _cards(folder) and not (folder / "run_dir").exists()
+
+
 def _main(argv: list[str]) -> int:
     """python -m hpcvla.process.deathwatch describe RANK_DIR
     python -m hpcvla.process.deathwatch first-failure RANK_DIR LAUNCHER_PID   (jobs/launch.sh)
     python -m hpcvla.process.deathwatch unfinished RANK_DIR
+    python -m hpcvla.process.deathwatch never-started RANK_DIR
     first-failure prints the failure and exits 0, or exits 1 when the launcher ended first;
-    unfinished prints why and exits 1 where this host's ranks did not all finish."""
+    unfinished prints why and exits 1 where this host's ranks did not all finish;
+    never-started exits 0 where the world ended before any rank registered, else 1."""
     if argv[:1] == ["describe"] and len(argv) == 2:
         print(describe(Path(argv[1])), file=sys.stderr, flush=True)
         return 0
@@ -377,6 +386,8 @@ def _main(argv: list[str]) -> int:
         if why is not None:
             print(why, flush=True)
         return int(why is not None)
+    if argv[:1] == ["never-started"] and len(argv) == 2:
+        return int(not never_started(Path(argv[1])))
     if argv[:1] == ["first-failure"] and len(argv) == 3:
         failure = first_failure(Path(argv[1]), int(argv[2]))
         if failure is None:
