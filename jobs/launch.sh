@@ -80,6 +80,10 @@ remember_signals
 HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export HPCVLA_ROOT
 [[ $# -ge 1 ]] || die "usage: launch.sh COMMAND [ARGS...]   (e.g. train configs/default.yaml)"
+for name in HPCVLA_RESTARTS HPCVLA_START_RETRIES HPCVLA_END_GRACE_S; do
+    [[ ${!name:-0} =~ ^[0-9]+$ ]] || die "$name=${!name} is not a count: set a whole number" \
+        "(0 or more), or unset it for its default"
+done
 
 # ---- the allocation: scheduler, hosts, ranks per node, Python, MPI, threads per rank --------
 LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib  # this script's own, whatever the root
