@@ -96,11 +96,12 @@ def reach_demos(path: Path, episodes: int) -> Path:
     return path
 
 
-def sft_worlds(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """An `hpcvla sft` run's metrics.jsonl records cut where a restarted world began again
-    (its step no greater than the one before): the dead world's and the restarted one's."""
+def sft_worlds(run_dir: Path, resumed: int) -> tuple[list[dict], list[dict]]:
+    """An `hpcvla sft` run's metrics.jsonl records (one a step) cut where the world restarted
+    from step `resumed` began: at the last record of step resumed + 1 (the dead world may have
+    recorded it too, or died before it); the dead world's records and the restarted one's."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    cut = next(i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"])
+    cut = max(i for i, record in enumerate(records) if record["step"] == resumed + 1)
     return records[:cut], records[cut:]
 
 

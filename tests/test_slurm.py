@@ -286,7 +286,7 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
     resumed = restart["resumed_from_version"]
     assert summary["steps"] == steps and summary["learners"] == 2 and resumed % 50 == 0
     assert restart["dropped_nodes"] == [dead] and restart["nodes"] == ["h0", "h1"]
-    first, again = sft_worlds(run_dir)
+    first, again = sft_worlds(run_dir, resumed)
     assert all(r["trained_chunks"] == r["step"] * 24 for r in first)  # 3 learners
     assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
     assert all(r["trained_chunks"] == resumed * 24 + (r["step"] - resumed) * 16 for r in again)

@@ -194,7 +194,7 @@ def test_a_failed_sft_world_restarts_and_trains_the_lost_steps_again_on_the_same
     resumed = restart["resumed_from_version"]
     assert resumed >= 20 and resumed % 20 == 0
     assert f"from SFT step {resumed}" in text, text[-5000:]
-    first, again = sft_worlds(run_dir)
+    first, again = sft_worlds(run_dir, resumed)
     assert [r["step"] for r in first] == list(range(1, len(first) + 1))
     assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
     assert all(r["trained_chunks"] == r["step"] * 16 for r in first + again)  # 2 learners x 8
