@@ -693,11 +693,13 @@ def test_a_world_that_died_while_starting_is_started_again(slurm, tmp_path):
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=3", options=["--output", log],
                        env=job_env(tmp_path), cwd=ROOT)
-    deadline = time.monotonic() + 300
-    while not (pid := rank_pids(tmp_path).get(1)):
-        assert time.monotonic() < deadline and slurm.job(job)["JobState"] not in TERMINAL, \
-            log.read_text() if log.exists() else "no log"
-        time.sleep(0.02)
+    deadline, looked = time.monotonic() + 300, time.monotonic()
+    while not (pid := rank_pids(tmp_path).get(1)):  # a rank registers ~0.5 s after its start
+        if time.monotonic() - looked > 2:  # (scontrol takes longer than a look at /proc)
+            assert time.monotonic() < deadline and slurm.job(job)["JobState"] not in TERMINAL, \
+                log.read_text() if log.exists() else "no log"
+            looked = time.monotonic()
+        time.sleep(0.01)
     os.kill(pid, signal.SIGSTOP)
     cards = list((tmp_path / "runs").glob("*/.ranks/rank*.json"))
     os.kill(pid, signal.SIGKILL)
