@@ -3,8 +3,9 @@
 # it: a command on one node (on_node) and on every node after a failure (clean_nodes), the
 # MPI launcher's command line (set_launch), the scheduler's signals passed on as SIGTERM
 # (forward) and a failed world's end (end_a_failed_world), the variables passed to other
-# nodes' ranks (forwarded_env), and the run itself (run_world, which sets `status` and NEVER_STARTED). Uses
-# launch.sh's say, makes_a_run, remember_signals and the allocation's variables.
+# nodes' ranks (forwarded_env), and the run itself (run_world, which sets `status` and
+# NEVER_STARTED). Uses launch.sh's say, makes_a_run, remember_signals and the allocation's
+# variables.
 
 # PBS's start of a process on another node of the job (TM, by `pbs_tmrsh`, an rsh): what it
 # starts is the job's (ended with it, accounted, in its cgroup), and the nodes need not accept
