@@ -229,7 +229,8 @@ fit_to_nodes() {
 # times (default 1): nothing ran, so nothing is lost or trained twice. Not a refused world
 # (exit 2: its verdict would be the same), nor when a node stopped answering.
 restarts_left=${HPCVLA_RESTARTS:-0}
-start_retries_left=${HPCVLA_START_RETRIES:-1}
+START_RETRIES=${HPCVLA_START_RETRIES:-1}
+start_retries_left=$START_RETRIES
 failed_at=""
 LAYOUT=""
 while true; do
@@ -244,8 +245,8 @@ while true; do
         start_retries_left=$(( start_retries_left - 1 ))
         OVERLAP=1
         set_launch "$1"
-        say "the world failed while starting, before any rank registered: starting it" \
-            "again ($(( ${HPCVLA_START_RETRIES:-1} - start_retries_left ))/${HPCVLA_START_RETRIES:-1})"
+        say "the world failed while starting, before any rank registered: starting it again" \
+            "($(( START_RETRIES - start_retries_left ))/$START_RETRIES)"
         say "running: ${LAUNCH[*]} ${COMMAND[*]}"
         continue
     fi
