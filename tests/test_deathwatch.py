@@ -239,9 +239,9 @@ def test_a_world_never_started_while_no_rank_registered_and_no_run_was_made(tmp_
     watch = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch",
                             "never-started", str(tmp_path)])
     assert watch.returncode == 0 and deathwatch.never_started(tmp_path)
-    (tmp_path / "run_dir").write_text(str(tmp_path / "run"))
+    (tmp_path / deathwatch.RUN_DIR_FILE).write_text(str(tmp_path / "run"))
     assert not deathwatch.never_started(tmp_path)
-    (tmp_path / "run_dir").unlink()
+    (tmp_path / deathwatch.RUN_DIR_FILE).unlink()
     (tmp_path / "rank3.json").write_text(json.dumps(
         {"rank": 3, "roles": "learner", "node": 0, "host": "h0", "pid": 1}))
     watch = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch",

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ENV = "HPCVLA_RANK_DIR"
 LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher listens on one
+RUN_DIR_FILE = "run_dir"  # in the directory: the path of rank 0's run (register_run_dir)
 
 _lifeline: socket.socket | None = None  # this rank's end, open for the life of the process
 
@@ -196,7 +197,7 @@ def register_run_dir(run_dir: Path) -> None:
     """Rank 0 side: where the run's metrics are, for the last progress."""
     folder = os.environ.get(ENV)
     if folder:
-        (Path(folder) / "run_dir").write_text(str(run_dir))
+        (Path(folder) / RUN_DIR_FILE).write_text(str(run_dir))
 
 
 class DeathWatch:
@@ -290,12 +291,12 @@ class DeathWatch:
         if said := _failures(self.dir):  # the failing rank said why itself
             why = said[0].read_text().strip()
             return (f"hpcvla: the world ended on this failure:\n{why}\nhpcvla: "
-                    + _last_progress(self.dir / "run_dir")) if why else None
+                    + _last_progress(self.dir / RUN_DIR_FILE)) if why else None
         if not (self.first and self.first[0]):
             return None  # nobody died
         text = (f"hpcvla: {self.first_to_die()}, {max(ended - self.first[1], 0):.1f} s before "
                 "the world ended")
-        return text + "; " + _last_progress(self.dir / "run_dir")
+        return text + "; " + _last_progress(self.dir / RUN_DIR_FILE)
 
     def first_to_die(self) -> str:
         """Who died first (`first`: the ranks one check found dead), as a sentence."""
@@ -345,7 +346,7 @@ def describe(folder: Path) -> str:
     lines = [f"hpcvla: the world ended badly; its ranks ({len(cards)} registered):"]
     lines += [f"  rank {c['rank']}: {c['roles']} on node {c['node']} (host {c['host']}, pid "
               f"{c['pid']})" for c in cards]
-    return "\n".join(lines + ["  " + _last_progress(folder / "run_dir")])
+    return "\n".join(lines + ["  " + _last_progress(folder / RUN_DIR_FILE)])
 
 
 def unfinished(folder: Path, host: str) -> str | None:
@@ -367,7 +368,7 @@ def never_started(folder: Path) -> bool:
     """Launcher side, after a failed world: whether it ended while starting, before any rank
     registered (MPI_Init, the ranks' first collectives) and before rank 0 made a run
     directory. Starting such a world again loses nothing and trains nothing twice."""
-    return not _cards(folder) and not (folder / "run_dir").exists()
+    return not _cards(folder) and not (folder / RUN_DIR_FILE).exists()
 
 
 def _main(argv: list[str]) -> int:
