@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 
 from hpcvla.config import load_config
 from hpcvla.process.deathwatch import process_gone
-from helpers import MPI_DIR, ROOT, hpcvla
+from helpers import MPI_DIR, ROOT, hpcvla, rank_pids
 
 pytestmark = pytest.mark.mpi
 
@@ -331,6 +332,39 @@ def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+def test_a_world_that_died_while_starting_is_started_again_by_hpcvla_train(tmp_path):
+    """`hpcvla train --ranks` (job/launch.py), as jobs/launch.sh: a world whose rank dies
+    before any rank registered (Open MPI's ranks can crash in MPI_Init, ompi#12495) is started
+    again, once, and the run trains to its end in one run directory. Rank 1 is stopped as soon
+    as it exists (no rank can then pass its first collective, so none registers), then killed."""
+    runs, tmp = tmp_path / "runs", tmp_path / "tmp"  # TMPDIR: where the launcher's cards go
+    tmp.mkdir()
+    train = subprocess.Popen(
+        [sys.executable, "-m", "hpcvla", "train", "configs/colocated.yaml", "--ranks", "2",
+         f"run.root={runs}", "pipeline.total_updates=2"], cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid := rank_pids(runs).get(1)):
+            assert time.monotonic() < deadline and train.poll() is None, "no rank 1"
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGSTOP)
+        cards = list(tmp.glob("hpcvla-ranks-*/rank*.json"))
+        os.kill(pid, signal.SIGKILL)
+        out, err = train.communicate(timeout=300)
+    finally:
+        if train.poll() is None:
+            os.killpg(train.pid, signal.SIGKILL)
+    assert not cards, f"a rank registered before rank 1 was stopped: {cards}"
+    assert train.returncode == 0, out[-3000:] + err[-3000:]
+    first, second = err.split("before any rank registered: starting it again (1/1)")
+    assert "the world failed while starting (exit " in first[-200:], first[-3000:]
+    assert "starting it again" not in second and "[hpcvla] update" not in first, err[-3000:]
+    (run,) = runs.iterdir()
+    assert json.loads((run / "summary.json").read_text())["ranks"] == 2
+
 
 @pytest.mark.parametrize("setting,message", [
     ("learner.zero_stage=9", "learner.zero_stage = 9: expected an int >= 0 and <= 3"),

@@ -10,6 +10,9 @@ world instead of leaving the others waiting. The launcher adds what the MPI need
 (process/mpi_select.py: Open MPI's library for mpi4py, its one-sided components,
 oversubscription and run-as-root) and, for both MPIs, one BLAS/OpenMP thread per rank when ranks
 are at least as many as cores; it forwards the exit status, and kills the world on a timeout.
+A world of `train`, `sft` or `eval` that failed while starting, before any rank registered
+(Open MPI's ranks can crash in MPI_Init, open-mpi/ompi#12495), is started again,
+HPCVLA_START_RETRIES times (default 1), as jobs/launch.sh does.
 Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec) instead.
 """
 
@@ -24,6 +27,7 @@ import time
 from pathlib import Path
 
 from hpcvla.job import segments
+from hpcvla.process import deathwatch
 from hpcvla.process.deathwatch import DeathWatch
 from hpcvla.process.mpi_select import LaunchError, select_mpi
 
@@ -62,37 +66,74 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
     """Run the world to completion; its exit status, 124 after killing it on timeout, 130 on
     Ctrl-C, 128 + N if a signal N killed it."""
     cmd, env = world_command(n, program, mpiexec, mpi)
+    retries = start_retries(program)
+    deadline = None if timeout is None else time.monotonic() + timeout
     shm_before = segments.segments()
-    code = _run(cmd, env, timeout)
-    if code != 0:  # a clean exit frees its own segments; tests check that it does
-        segments.remove_orphans(shm_before)
-    return code
+    attempt = 0
+    while True:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        code, never_started = _run(cmd, env, left)
+        if code != 0:  # a clean exit frees its own segments; tests check that it does
+            segments.remove_orphans(shm_before)
+        if not never_started or attempt == retries:
+            return code
+        attempt += 1
+        print(f"hpcvla launch: the world failed while starting (exit {code}), before any rank "
+              f"registered: starting it again ({attempt}/{retries})", file=sys.stderr,
+              flush=True)
 
 
-def _run(cmd: list[str], env: dict, timeout: float | None) -> int:
+# The subcommands whose ranks register with the launcher's deathwatch (job/runtime.py): a
+# world of theirs that failed before any rank registered and before a run directory existed
+# ran nothing, so starting it again loses nothing and trains nothing twice.
+REGISTERING = ("train", "sft", "eval")
+START_RETRIES = "HPCVLA_START_RETRIES"  # jobs/launch.sh reads it too
+
+
+def start_retries(program: list[str]) -> int:
+    """How many times a world of `program` that failed while starting is started again."""
+    if program[0] not in REGISTERING:
+        return 0  # a script's ranks leave no cards: any failure would look like that
+    value = os.environ.get(START_RETRIES, "1")
+    if not value.isdigit():
+        raise LaunchError(f"{START_RETRIES}={value} is not a count: set a whole number "
+                          "(0 or more), or unset it for its default")
+    return int(value)
+
+
+def _run(cmd: list[str], env: dict, timeout: float | None) -> tuple[int, bool]:
+    """The world's exit status; and whether it failed while starting (never_started), not
+    refused (exit 2), timed out, interrupted or told to stop by a signal."""
     watch = DeathWatch()  # names a rank that dies without a word (kill -9, OOM)
+    signalled: list[int] = []
     try:
-        code = _watched(cmd, {**env, **watch.env()}, timeout, watch)
-        if code not in (0, 124, 130):
-            report = watch.report(time.monotonic())
-            if report:
-                print(report, file=sys.stderr, flush=True)
-        return code
+        code = _watched(cmd, {**env, **watch.env()}, timeout, watch, signalled)
+        if code in (0, 124, 130):
+            return code, False
+        report = watch.report(time.monotonic())
+        if report:
+            print(report, file=sys.stderr, flush=True)
+        return code, code != 2 and not signalled and deathwatch.never_started(watch.dir)
     finally:
         watch.close()
 
 
-def _watched(cmd: list[str], env: dict, timeout: float | None, watch) -> int:
+def _watched(cmd: list[str], env: dict, timeout: float | None, watch,
+             signalled: list[int]) -> int:
     # Own process group, so a timeout or a second Ctrl-C takes down mpiexec and every rank
     # with it; mpiexec gets SIGTERM if this process dies (kill -9, a closed ssh session), so
     # no world trains on without anyone to report it.
     _adopt_orphans()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                             preexec_fn=_terminated_with(os.getpid()))
-    # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
-    # run checkpoints and ends (hpcvla.process.preempt); we keep waiting for it.
+
+    def forward(signum: int, frame) -> None:
+        # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
+        # run checkpoints and ends (hpcvla.process.preempt); we keep waiting for it.
+        signalled.append(signum)  # and a world told to stop is not started again
+        proc.send_signal(signum)
     for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, lambda signum, frame: proc.send_signal(signum))
+        signal.signal(sig, forward)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         ended = _wait(proc, deadline, watch)
