@@ -129,3 +129,12 @@ def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
     assert out.returncode == 2 and "HPCVLA_START_RETRIES=once is not a count: set a whole " \
         "number (0 or more), or unset it for its default" in out.stderr, out.stderr
     assert "running:" not in out.stderr
+    # `hpcvla train/sft/eval --ranks` read the same variable (job/launch.py), before any rank
+    from hpcvla.job.launch import LaunchError, start_retries
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HPCVLA_START_RETRIES", "once")
+        with pytest.raises(LaunchError, match="HPCVLA_START_RETRIES=once is not a count"):
+            start_retries(["train", "configs/default.yaml"])
+        assert start_retries(["my_script.py"]) == 0  # a script's ranks leave no cards
+        patch.setenv("HPCVLA_START_RETRIES", "2")
+        assert start_retries(["eval", "runs/x"]) == 2
