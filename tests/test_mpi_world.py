@@ -142,7 +142,7 @@ def test_a_training_world_started_directly_is_refused_where_its_gpus_would_overf
     them: the inference rank (1.0 GiB by the model) and the learner (1.5 GiB) on GPUs of
     2 GiB fit where each has its own, though bound GPUs all say cuda:0 (told apart by UUID);
     where they share one, every rank exits 2 and rank 0 says the figure and what fits, once,
-    before any optimizer state."""
+    though a simulator hears the verdict seconds after the others (prologue.refuse_overfilled)."""
     out, ranks = _world_memory_plan("train", 2, "bound", tmp_path / "a")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (plan,) = [r["plan"] for r in ranks if r["plan"]]

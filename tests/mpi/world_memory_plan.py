@@ -1,15 +1,17 @@
 """Run under MPI: a world srun or mpirun started directly (no launcher planned it) plans its
 GPUs' memory once its ranks know their GPUs, and ends with one message and exit 2 where they
-are overfilled. argv: the job ("train": roles/prologue.world_memory and refuse_overfilled, as
-the prologue calls them, under job/runtime.run_ranks; "eval": evaluate.refuse_placed under
-run_guarded, as `hpcvla eval` runs), placement.gpu_memory_gb, how the ranks see the node's
-GPUs ("bound": each its own as its cuda:0, as Slurm's --gpus-per-task binds them; "shared":
-one GPU for all), the run root. Devices are named without CUDA: the plan needs the ranks'
-devices and GPU identities (UUIDs), not the GPUs. Rank 0 prints one JSON line: every rank's
-exit status and the memory model's GPU figures (train: memory.json)."""
+are overfilled. argv: the job ("train": roles/prologue.world_memory, tell_verdict and
+refuse_overfilled, as the prologue calls them under job/runtime.run_ranks, a simulator hearing
+the verdict last; "eval": evaluate.refuse_placed under run_guarded, as `hpcvla eval` runs),
+placement.gpu_memory_gb, how the ranks see the node's GPUs ("bound": each its own as its
+cuda:0, as Slurm's --gpus-per-task binds them; "shared": one GPU for all), the run root.
+Devices are named without CUDA: the plan needs the ranks' devices and GPU identities (UUIDs),
+not the GPUs. Rank 0 prints one JSON line: every rank's exit status and the memory model's GPU
+figures (train: memory.json)."""
 
 import json
 import sys
+import time
 from pathlib import Path
 
 from mpi4py import MPI
@@ -20,7 +22,7 @@ from hpcvla.envs import env_spec
 from hpcvla.evaluate import refuse_placed
 from hpcvla.job.runtime import create_run_dir, run_guarded, run_ranks
 from hpcvla.roles.outputs import MEMORY_PLAN
-from hpcvla.roles.prologue import refuse_overfilled, world_memory
+from hpcvla.roles.prologue import refuse_overfilled, tell_verdict, world_memory
 from hpcvla.topology.plan import INF, SIM
 
 job, capacity, seen, root = sys.argv[1:5]
@@ -46,7 +48,12 @@ def train(cfg, plan, comms):
     if rank == plan.weight_root:
         problems = world_memory(cfg, plan, where, env_spec(cfg.env), run_dir)
         planned.append(json.loads((Path(run_dir) / MEMORY_PLAN).read_text())["gpu"])
-    refuse_overfilled(world, plan, problems, [])
+    told = tell_verdict(world, plan, problems)
+    if rank == 1:  # a simulator hears the verdict once its envs are built, after the others
+        time.sleep(2.0)
+    refuse_overfilled(world, plan, problems, [], told)
+    for request in told:
+        request.wait()
 
 
 def evaluate():

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
 
 
 SPEC_TAG = 7  # the env spec, sent point to point by the simulator whose env it is
+VERDICT_TAG = 8  # the weight root's memory plan verdict, point to point to every rank
 
 
 @dataclass
@@ -139,7 +140,13 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     overfilled: list[tuple[str, object, str]] = []
     if rank == plan.weight_root and device.startswith("cuda"):  # (the root learns the spec)
         overfilled = world_memory(cfg, plan, placed, spec, run_dir)
+    told = tell_verdict(world, plan, overfilled)  # [dist]
+    # A rank that waits for no simulator's env hears the verdict before it builds the policy
+    # (a GPU the policy overfills would fail in the build); one that builds envs, after them
+    # (the weight root may be waiting for its env spec).
     policy, manifest, dtype = None, None, None
+    if runs_policy(roles) and not builds_envs:
+        refuse_overfilled(world, plan, overfilled, [], told)  # [dist]
     if runs_policy(roles):
         import torch  # only where the policy runs
 
@@ -150,15 +157,17 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     shard_envs: list[VectorEnv] = []
     if builds_envs:  # (colocated: its loop builds them)
-        shard_envs, told = simulator_envs(cfg, plan, world, source, first)
-        spec = spec or told
+        shard_envs, spec_told = simulator_envs(cfg, plan, world, source, first)
+        spec = spec or spec_told
         phases.mark("envs_built")
+    if builds_envs or not runs_policy(roles):
+        refuse_overfilled(world, plan, overfilled, shard_envs, told)  # [dist]
     assert spec is not None
+    for request in told:  # the weight root's, done as every rank hears them
+        wait_request(request, "the memory verdict's sends")  # [dist]
     idle_barrier(world)  # [dist] every policy and every simulator's envs built
     # the weight root's manifest for the ranks that build no policy (its dtype, for the report)
     root_manifest, root_dtype = world.bcast((manifest, dtype), root=plan.weight_root)  # [dist]
-    # before the learners' optimizer states, their largest part
-    refuse_overfilled(world, plan, overfilled, shard_envs)  # [dist]
     phases.mark("policy_built")
     role = "+".join(roles)
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
@@ -191,17 +200,33 @@ def world_memory(cfg: Config, plan: RankPlan, placed: list[tuple[str, str | None
     return memory.problems
 
 
-def refuse_overfilled(world: MPI.Comm, plan: RankPlan,
-                      problems: list[tuple[str, object, str]], envs: list[VectorEnv]) -> None:
-    """Every rank, on the weight root's `problems` (world_memory's): where the world's GPUs
-    are overfilled, close this rank's envs and end the world with the figures and what would
-    fit (Refused). A world `hpcvla train --ranks` or jobs/launch.sh started was refused before
-    it started; one srun or mpirun started directly is refused here, where each rank knows its
-    GPU (by UUID: ranks bound to a GPU each all say cuda:0)."""
-    problems = world.bcast(problems, root=plan.weight_root)  # [dist]
+def tell_verdict(world: MPI.Comm, plan: RankPlan,
+                 problems: list[tuple[str, object, str]]) -> list[MPI.Request]:
+    """The weight root: its memory plan's `problems` (world_memory's; none off GPUs) sent to
+    every other rank, which reads them at its own point (refuse_overfilled); the sends."""
+    if world.Get_rank() != plan.weight_root:
+        return []
+    return [world.isend(problems, dest=r, tag=VERDICT_TAG)  # [dist]
+            for r in range(world.Get_size()) if r != plan.weight_root]
+
+
+def refuse_overfilled(world: MPI.Comm, plan: RankPlan, problems: list[tuple[str, object, str]],
+                      envs: list[VectorEnv], told: list[MPI.Request]) -> None:
+    """Every rank, on the weight root's `problems` (tell_verdict; `told`: the root's sends):
+    where the world's GPUs are overfilled, close this rank's envs and end the world with the
+    figures and what would fit (Refused). A world `hpcvla train --ranks` or jobs/launch.sh
+    started was refused before it started; one srun or mpirun started directly is refused
+    here, where each rank knows its GPU (by UUID: ranks bound to a GPU each all say cuda:0)."""
+    if world.Get_rank() != plan.weight_root:
+        problems = idle_recv(world, plan.weight_root, VERDICT_TAG)  # [dist]
     if not problems:
         return
     close_all(envs)
+    for request in told:
+        wait_request(request, "the memory verdict's sends")  # [dist]
+    # Ranks hear it at their own points, seconds apart (simulators after their envs): none
+    # ends before all have, so the rank that says why (rank 0, job/runtime.py) is still there.
+    idle_barrier(world)  # [dist]
     raise Refused(ConfigError(problems, "memory plan of the training world's GPUs"))
 
 
