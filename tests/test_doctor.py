@@ -182,3 +182,21 @@ def test_the_host_memory_is_the_jobs_allocation_where_its_cgroup_limits_it(memor
     host = checks["host memory"]
     assert out.returncode == 1 and not host["ok"], checks
     assert "this node has 6.0 GiB" in host["found"], host
+
+
+def test_an_open_mpi_without_windows_across_hosts_fails_naming_it(tmp_path):
+    """An Open MPI 4.x whose ompi_info lists neither the ucx nor the rdma one-sided component
+    (here Debian's 4.1 with those lines taken out of its ompi_info beside its mpirun): the
+    trajectory ring's windows would fail across hosts, and `hpcvla doctor` says so, from what
+    the MPI's selection found (MpiInstall.lacks_windows)."""
+    (tmp_path / "mpirun").symlink_to("/usr/bin/mpirun.openmpi")
+    info = tmp_path / "ompi_info"
+    info.write_text("#!/bin/sh\n/usr/bin/ompi_info \"$@\" | grep -v -e '^mca:osc:ucx:' "
+                    "-e '^mca:osc:rdma:'\n")
+    info.chmod(0o755)
+    out, checks = doctor("configs/default.yaml", env={
+        "HPCVLA_MPI_FLAVOUR": "openmpi", "HPCVLA_MPIEXEC": str(tmp_path / "mpirun")})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert [n for n, c in checks.items() if not c["ok"]] == ["mpi"], checks
+    assert "has neither the ucx nor the rdma one-sided component" in checks["mpi"]["found"]
+    assert "HPCVLA_MPI=mpich" in checks["mpi"]["fix"], checks["mpi"]

@@ -110,16 +110,14 @@ def _last_line(out: subprocess.CompletedProcess) -> str:
 
 def _mpi(cfg) -> Check:
     """The launcher starts 2 ranks that see one world of 2, with the library mpi4py loads."""
-    from hpcvla.process.mpi_select import (THREAD_LEVEL_FIX, MpiSelectError, openmpi_osc,
-                                           select_mpi)
+    from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, MpiSelectError, select_mpi
     try:  # the MPI jobs/launch.sh chose, else the config's
         install = select_mpi(os.environ.get("HPCVLA_MPI_FLAVOUR", cfg.launch.mpi),
                              os.environ.get("HPCVLA_MPIEXEC", cfg.launch.mpiexec))
     except MpiSelectError as err:
         return Check("mpi", False, str(err), "`make install` (MPICH from PyPI), or load the "
                      "site's MPI module and set launch.mpi/launch.mpiexec")
-    if install.flavour == "openmpi" and not os.environ.get("OMPI_MCA_osc") and \
-            openmpi_osc(install.mpiexec) == "":
+    if install.lacks_windows:
         return Check("mpi", False, f"Open MPI ({install.mpiexec}) has neither the ucx nor the "
                      "rdma one-sided component (ompi_info: mca:osc)", "an Open MPI built with "
                      "UCX (the site's module for InfiniBand), or HPCVLA_MPI=mpich")

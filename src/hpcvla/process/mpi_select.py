@@ -64,6 +64,9 @@ class MpiInstall:
     args: list = field(default_factory=list)     # launcher flags for a workstation
     srun_mpi: str = "pmi2"                       # srun --mpi plugin for this MPI
     slurm_launcher: str = "mpiexec"              # what starts the ranks in a Slurm job
+    # an Open MPI 4.x with no one-sided component that works across hosts (openmpi_osc's "",
+    # OMPI_MCA_osc unset): the trajectory ring's windows would fail (hpcvla doctor says so)
+    lacks_windows: bool = False
 
 
 def launcher_rank() -> int | None:
@@ -183,7 +186,7 @@ def _install(flavour: str, exe: str) -> MpiInstall:
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix",
-                      slurm_launcher="srun")
+                      slurm_launcher="srun", lacks_windows=osc == "")
 
 
 def _ompi_info(exe: str, *args) -> str:
