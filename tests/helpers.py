@@ -19,6 +19,8 @@ from hpcvla.job.segments import SETTLE_S, orphans, segments
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 MPI_DIR = TESTS / "mpi"  # the worker scripts the MPI tests launch
+# PyPI's Open MPI 5 wheel, in a prefix of its own beside the venv's MPICH (`make install`)
+OPENMPI5 = Path(sys.prefix) / "openmpi5" / "bin" / "mpirun"
 FIXTURES = TESTS / "fixtures"
 
 

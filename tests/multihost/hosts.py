@@ -32,14 +32,13 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from helpers import OPENMPI5
+
 SUBNET = "10.77.0"  # host i is SUBNET.(i + 1); private, and only inside our namespaces
-# PyPI's Open MPI 5 wheel, in a prefix of its own beside the venv's MPICH (`make install`)
-OPENMPI5 = Path(sys.prefix) / "openmpi5" / "bin" / "mpirun"
 FABRIC = "10.78"    # fabric port j of host i is FABRIC.j.(i + 1)
 _INSTANCES = itertools.count()  # several sets of hosts alive in one process get distinct tags
 
