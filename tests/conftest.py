@@ -10,8 +10,9 @@ Tiers (registered in pyproject.toml, `--strict-markers`; a test may carry severa
   gpu       needs a CUDA GPU: every test under tests/gpu/ (skipped, saying so, without one)
 and, across them,
   slow      takes more than ~10 s on 2 cores (a training run, many ranks, a big model)
-  alone     holds most of the machine's memory: `make test` runs it after the others, with
-            nothing beside it (the others run two test files at a time)
+  alone     holds most of the machine's memory, or times a latency that needs the cores
+            (a thread's wake-up): `make test` runs it after the others, with nothing beside
+            it (the others run two test files at a time)
 Test files mark themselves (`pytestmark` or a decorator); `make test` runs every tier,
 `make test-fast` the unit and mpi tests that are not slow (the Makefile's FAST).
 

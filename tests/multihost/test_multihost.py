@@ -49,10 +49,14 @@ def test_ring_exactly_once_across_hosts(hosts, mpi):
     assert "from 11 producers, each exactly once and in order" in out.stdout
 
 
-@pytest.mark.parametrize("mpi", MPIS)
+@pytest.mark.parametrize("mpi", ["mpich", "openmpi",
+                                 pytest.param("openmpi5", marks=pytest.mark.alone)])
 def test_remote_put_completes_while_the_learner_computes(hosts, mpi):
     """The learner computes 4 s without calling MPI; a producer on another host puts 16
-    records meanwhile. Each put must complete within 100 ms (the progress thread)."""
+    records meanwhile. Each put must complete within 100 ms (the progress thread). Under
+    Open MPI 5's osc/rdma a put waits for the learner's progress thread to run: beside
+    another test file's worlds (16 busy ranks on 2 cores) its slowest put took 141-287 ms in
+    2 of 4 runs, so that case runs alone."""
     result = last_json(hosts.mpiexec(mpi, 4, [MPI_DIR / "ring_remote_progress.py", 16, 4.0],
                                      per_host=2, timeout=120))
     assert result["spans_hosts"] and result["agent_thread"], result
