@@ -639,15 +639,18 @@ def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler)
         "MPICH segment(s) that no process maps" in text, text[-3000:]
 
 
-@pytest.mark.parametrize("mpi", ["openmpi", "openmpi5"])
-def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi):
+@pytest.mark.parametrize("mpi,launcher", [("openmpi", "srun"), ("openmpi5", "srun"),
+                                          ("openmpi5", "mpiexec")])
+def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi, launcher):
     """Open MPI's start in a Slurm job (mpi_select: `srun --mpi=pmix`, Slurm's PMIx server
     wiring the ranks up, no mpirun): jobs/slurm/multinode.sbatch on 3 hosts, 2 rollout nodes
     and a learner node, under Debian's Open MPI 4.1 and under Open MPI 5 as a loaded module
-    (`make install`'s, first on PATH), every trajectory crossing the network."""
-    log, updates = tmp_path / "ompi-srun.out", 6
+    (`make install`'s, first on PATH), every trajectory crossing the network. Open MPI 5's
+    own mpirun (HPCVLA_LAUNCHER=mpiexec: PRRTE's daemons started by srun) runs it too;
+    4.1's mpirun in a Slurm job: test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node."""
+    log, updates = tmp_path / "ompi-start.out", 6
     five = OPENMPI5.parent
-    env = job_env(tmp_path, HPCVLA_MPI="openmpi",
+    env = job_env(tmp_path, HPCVLA_MPI="openmpi", HPCVLA_LAUNCHER=launcher,
                   **({"PATH": f"{five}:{slurm3.env['PATH']}"} if mpi == "openmpi5" else {}))
     job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/learner_nodes.yaml",
                         "placement.per_node.simulator=1", "placement.per_node.inference=1",
@@ -655,7 +658,9 @@ def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi):
                         options=["--output", log, "--ntasks-per-node=2", "--cpus-per-task=1"],
                         env=env, cwd=ROOT)
     text = finished(slurm3, job, log)
-    assert "running: srun --mpi=pmix --kill-on-bad-exit=1 --ntasks=6" in text, text[:2000]
+    started = "running: srun --mpi=pmix --kill-on-bad-exit=1 --ntasks=6" if launcher == "srun" \
+        else f"{five / 'mpirun'} -n 6 --hostfile "
+    assert started in text, text[:2000]
     assert (f"MPI: openmpi ({five / 'mpirun'})" in text) == (mpi == "openmpi5"), text[:2000]
     assert f"[hpcvla] update {updates}/{updates}" in text, text[-3000:]
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
