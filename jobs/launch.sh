@@ -42,7 +42,8 @@
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train, sft: run root of this job (run.root); when it already holds a
 #                     run with a checkpoint short of its end (the job was requeued or rerun),
-#                     that run is continued (run.resume)
+#                     that run is continued (run.resume). train, sft, eval: its .ranks holds
+#                     the ranks' cards while a world runs (a folder every node sees)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
 #                     HPCVLA_JOB_RUNS (train, sft), as HPCVLA_RESTARTS and
 #                     HPCVLA_END_GRACE_S
@@ -50,10 +51,10 @@
 #                     again inside the allocation up to this many times (default 0): on the
 #                     nodes that still start a process, from the newest checkpoint (Slurm jobs
 #                     need --no-kill to keep their allocation when a node fails)
-#   HPCVLA_START_RETRIES  train, sft: a world that failed while starting, before any rank
+#   HPCVLA_START_RETRIES  train, sft, eval: a world that failed while starting, before any rank
 #                     registered, is started again on the same nodes this many times
 #                     (default 1)
-#   HPCVLA_END_GRACE_S  train, sft: a world whose ranks on this node died without finishing is
+#   HPCVLA_END_GRACE_S  train, sft, eval: a world whose ranks on this node died without finishing is
 #                     ended this many seconds later if its launcher has not ended it (default
 #                     30; after a node failure mpiexec/srun wait for the scheduler to declare
 #                     the node down, minutes)

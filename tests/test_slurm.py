@@ -689,15 +689,13 @@ def test_a_launcher_that_exits_0_for_a_world_that_never_ran_fails_the_job(tmp_pa
         "world registered on this host (h0)" in text, text[-3000:]
 
 
-def test_a_world_that_died_while_starting_is_started_again(slurm, tmp_path):
-    """A rank that dies before any rank registered (as Open MPI's ranks can in MPI_Init,
-    open-mpi/ompi#12495): jobs/launch.sh starts the world once more on the same nodes, and
-    the job runs to its end in one run directory. Rank 1 is stopped as soon as it exists
-    (the others then cannot pass their first collective, so none registers), then killed."""
-    log = tmp_path / "retried.out"
-    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
-                       "pipeline.total_updates=3", options=["--output", log],
-                       env=job_env(tmp_path), cwd=ROOT)
+STARTED_AGAIN = "the world failed while starting, before any rank registered: starting it " \
+    "again (1/1)"
+
+
+def kill_rank_1_as_it_starts(slurm, job: str, log: Path, tmp_path: Path) -> None:
+    """Stop the job's rank 1 as soon as it exists (no rank can then pass its first collective,
+    so none registers), check that no rank left a card, and kill it."""
     deadline, looked = time.monotonic() + 300, time.monotonic()
     while not (pid := rank_pids(tmp_path).get(1)):  # a rank registers ~0.5 s after its start
         if time.monotonic() - looked > 2:  # (scontrol takes longer than a look at /proc)
@@ -709,10 +707,42 @@ def test_a_world_that_died_while_starting_is_started_again(slurm, tmp_path):
     cards = list((tmp_path / "runs").glob("*/.ranks/rank*.json"))
     os.kill(pid, signal.SIGKILL)
     assert not cards, f"a rank registered before rank 1 was stopped: {cards}"
+
+
+def test_a_world_that_died_while_starting_is_started_again(slurm, tmp_path):
+    """A rank that dies before any rank registered (as Open MPI's ranks can in MPI_Init,
+    open-mpi/ompi#12495): jobs/launch.sh starts the world once more on the same nodes, and
+    the job runs to its end in one run directory. Rank 1 is stopped as soon as it exists
+    (the others then cannot pass their first collective, so none registers), then killed."""
+    log = tmp_path / "retried.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                       "pipeline.total_updates=3", options=["--output", log],
+                       env=job_env(tmp_path), cwd=ROOT)
+    kill_rank_1_as_it_starts(slurm, job, log, tmp_path)
     text = finished(slurm, job, log)
-    first, second = text.split("the world failed while starting, before any rank registered: "
-                               "starting it again (1/1)", 1)
+    first, second = text.split(STARTED_AGAIN, 1)
     assert "its ranks (0 registered)" in first and "[hpcvla] update" not in first, first[-3000:]
     assert "[hpcvla] update 3/3" in second, second[-3000:]
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
     assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 3 * 32
+
+
+def test_an_eval_job_whose_world_died_while_starting_is_started_again(slurm, tmp_path):
+    """jobs/slurm/eval.sbatch, as the training job above: its ranks leave their cards in the
+    job's folder (HPCVLA_JOB_RUNS/.ranks), so a world whose rank 1 died before any rank
+    registered is started again and prints its result; the folder goes with the job."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
+    log = tmp_path / "eval-again.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/eval.sbatch", run_dir, "--untrained", "--json",
+                       "--episodes", "8", "--envs", "2", env=job_env(tmp_path),
+                       options=["--output", log], cwd=ROOT)
+    kill_rank_1_as_it_starts(slurm, job, log, tmp_path)
+    text = finished(slurm, job, log)
+    first, second = text.split(STARTED_AGAIN, 1)
+    assert "its ranks (0 registered)" in first and "\n{" not in first, first[-3000:]
+    (line,) = [line for line in second.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert result["ranks"] == 4 and len(result["per_episode"]) == 8, result
+    assert not list((tmp_path / "runs").iterdir()), "the job's folder was left behind"

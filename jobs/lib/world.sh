@@ -4,8 +4,8 @@
 # MPI launcher's command line (set_launch), the scheduler's signals passed on as SIGTERM
 # (forward) and a failed world's end (end_a_failed_world), the variables passed to other
 # nodes' ranks (forwarded_env), and the run itself (run_world, which sets `status` and
-# NEVER_STARTED). Uses launch.sh's say, makes_a_run, remember_signals and the allocation's
-# variables.
+# NEVER_STARTED). Uses launch.sh's say, in_a_world, makes_a_run, remember_signals and the
+# allocation's variables.
 
 # PBS's start of a process on another node of the job (TM, by `pbs_tmrsh`, an rsh): what it
 # starts is the job's (ended with it, accounted, in its cgroup), and the nodes need not accept
@@ -166,7 +166,7 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`,
         say "received SIG$EARLY before the ranks started: starting none"
         return
     fi
-    if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
+    if in_a_world "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
         # Every rank leaves a card (rank, role, node, host, pid) here: if one dies without a
         # word (kill -9, OOM), srun names its task number and the cards say what it was.
         export HPCVLA_RANK_DIR=$HPCVLA_JOB_RUNS/.ranks
@@ -218,5 +218,6 @@ run_world() {  # start the ranks, forward signals while they run; sets `status`,
             "$PYTHON" -m hpcvla.process.deathwatch describe "$HPCVLA_RANK_DIR" || true
         fi
         rm -rf "$HPCVLA_RANK_DIR"
+        makes_a_run "$1" || rmdir "$HPCVLA_JOB_RUNS" 2> /dev/null || true  # eval's: empty
     fi
 }
