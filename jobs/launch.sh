@@ -51,13 +51,13 @@
 #                     again inside the allocation up to this many times (default 0): on the
 #                     nodes that still start a process, from the newest checkpoint (Slurm jobs
 #                     need --no-kill to keep their allocation when a node fails)
-#   HPCVLA_START_RETRIES  train, sft, eval: a world that failed while starting, before any rank
-#                     registered, is started again on the same nodes this many times
+#   HPCVLA_START_RETRIES  train, sft, eval: a world that failed while starting, before any
+#                     rank registered, is started again on the same nodes this many times
 #                     (default 1)
-#   HPCVLA_END_GRACE_S  train, sft, eval: a world whose ranks on this node died without finishing is
-#                     ended this many seconds later if its launcher has not ended it (default
-#                     30; after a node failure mpiexec/srun wait for the scheduler to declare
-#                     the node down, minutes)
+#   HPCVLA_END_GRACE_S  train, sft, eval: a world whose ranks on this node died without
+#                     finishing is ended this many seconds later if its launcher has not ended
+#                     it (default 30; after a node failure mpiexec/srun wait for the scheduler
+#                     to declare the node down, minutes)
 #   HPCVLA_AUTOPLAN   train: lay the run out as `hpcvla plan --auto --costs COSTS` finds best
 #                     for the job's nodes (the scale model; its overrides follow the config's),
 #                     at the start and at every restart. COSTS: config (the reach env probed,

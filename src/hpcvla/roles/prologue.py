@@ -141,9 +141,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     if rank == plan.weight_root and device.startswith("cuda"):  # (the root learns the spec)
         overfilled = world_memory(cfg, plan, placed, spec, run_dir)
     told = tell_verdict(world, plan, overfilled)  # [dist]
-    # A rank that waits for no simulator's env hears the verdict before it builds the policy
-    # (a GPU the policy overfills would fail in the build); one that builds envs, after them
-    # (the weight root may be waiting for its env spec).
+    # A rank that builds no envs hears the verdict before it builds the policy (a GPU the
+    # policy overfills would fail in the build); a simulator, once its envs are built (the
+    # weight root may be waiting for its env spec).
     policy, manifest, dtype = None, None, None
     if runs_policy(roles) and not builds_envs:
         refuse_overfilled(world, plan, overfilled, [], told)  # [dist]
