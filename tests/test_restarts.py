@@ -138,3 +138,5 @@ def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
         assert start_retries(["my_script.py"]) == 0  # a script's ranks leave no cards
         patch.setenv("HPCVLA_START_RETRIES", "2")
         assert start_retries(["eval", "runs/x"]) == 2
+        patch.setenv("HPCVLA_START_RETRIES", "")  # as jobs/launch.sh reads it: the default
+        assert start_retries(["sft", "configs/default.yaml"]) == 1

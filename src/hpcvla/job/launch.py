@@ -94,7 +94,7 @@ def start_retries(program: list[str]) -> int:
     """How many times a world of `program` that failed while starting is started again."""
     if program[0] not in REGISTERING:
         return 0  # a script's ranks leave no cards: any failure would look like that
-    value = os.environ.get(START_RETRIES, "1")
+    value = os.environ.get(START_RETRIES) or "1"  # unset or empty: the default, as in bash
     if not value.isdigit():
         raise LaunchError(f"{START_RETRIES}={value} is not a count: set a whole number "
                           "(0 or more), or unset it for its default")
