@@ -333,6 +333,7 @@ def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
             except ProcessLookupError:
                 pass
 
+
 def test_a_world_that_died_while_starting_is_started_again_by_hpcvla_train(tmp_path):
     """`hpcvla train --ranks` (job/launch.py), as jobs/launch.sh: a world whose rank dies
     before any rank registered (Open MPI's ranks can crash in MPI_Init, ompi#12495) is started

@@ -641,7 +641,7 @@ def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler)
 
 @pytest.mark.parametrize("mpi,launcher", [("openmpi", "srun"), ("openmpi5", "srun"),
                                           ("openmpi5", "mpiexec")])
-def test_open_mpi_jobs_start_their_ranks_by_srun_pmix(slurm3, tmp_path, mpi, launcher):
+def test_open_mpi_jobs_start_their_ranks_by_srun_pmix_or_mpirun(slurm3, tmp_path, mpi, launcher):
     """Open MPI's start in a Slurm job (mpi_select: `srun --mpi=pmix`, Slurm's PMIx server
     wiring the ranks up, no mpirun): jobs/slurm/multinode.sbatch on 3 hosts, 2 rollout nodes
     and a learner node, under Debian's Open MPI 4.1 and under Open MPI 5 as a loaded module
