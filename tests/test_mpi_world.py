@@ -182,7 +182,6 @@ def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(
     mpirun.openmpi), though the venv's MPICH `mpirun` comes first on PATH (jobs/launch.sh
     activates the venv), and gets no one-sided components forced; 4.1 gets sm,ucx
     (mpi_select.openmpi_osc)."""
-    import sys
     from hpcvla.process.mpi_select import select_mpi
     monkeypatch.delenv("OMPI_MCA_osc", raising=False)
     system = select_mpi("openmpi")
@@ -302,13 +301,10 @@ def test_an_mpi_below_thread_multiple_is_refused_by_the_ranks_and_by_doctor(tmp_
     out = hpcvla("doctor", "configs/colocated.yaml", env=env)
     assert out.returncode == 1 and "MPI_THREAD_FUNNELED" in out.stdout, out.stdout
 
+
 def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
     """kill -9 of `hpcvla launch` (a closed ssh session, `timeout -k`): mpiexec gets SIGTERM
     (PR_SET_PDEATHSIG) and ends its ranks, which would otherwise run on, orphaned."""
-    import os
-    import signal
-    import subprocess
-    import sys
     script = tmp_path / "sleep.py"
     script.write_text("import os, sys, time\nfrom mpi4py import MPI\n"
                       "open(f'{sys.argv[1]}/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")
