@@ -62,7 +62,7 @@
 #                     for the job's nodes (the scale model; its overrides follow the config's),
 #                     at the start and at every restart. COSTS: config (the reach env probed,
 #                     or the config's emulate.*), balanced, table3, pi0-libero; unset: off
-#   HPCVLA_DOCTOR     train, sft: 0 skips `hpcvla doctor` on the first node (default 1)
+#   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
@@ -163,9 +163,9 @@ fi
 # here, in seconds, saying why (this node: the job's first; the others answer clean_nodes
 # before a restart). It checks the command's settings as they run: the auto plan's included.
 DOCTOR=()
-if makes_a_run "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
+if in_a_world "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     DOCTOR=("$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE"
-            "${ARGS[@]:1}")
+            -- "${ARGS[@]:1}")
     say "checking this node: ${DOCTOR[*]}"
 fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then

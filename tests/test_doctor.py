@@ -17,9 +17,9 @@ pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # the CLI and a 2-rank world p
 
 
 def doctor(*args, env=None, wrap=()):
-    out = subprocess.run([*wrap, sys.executable, "-m", "hpcvla", "doctor", *map(str, args),
-                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, **(env or {})})
+    out = subprocess.run([*wrap, sys.executable, "-m", "hpcvla", "doctor", "--json",
+                          *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, **(env or {})})
     checks = {c["name"]: c for c in json.loads(out.stdout)} if out.stdout.strip() else {}
     return out, checks
 
@@ -200,3 +200,34 @@ def test_an_open_mpi_without_windows_across_hosts_fails_naming_it(tmp_path):
     assert [n for n, c in checks.items() if not c["ok"]] == ["mpi"], checks
     assert "has neither the ucx nor the rdma one-sided component" in checks["mpi"]["found"]
     assert "HPCVLA_MPI=mpich" in checks["mpi"]["fix"], checks["mpi"]
+
+
+def test_an_eval_job_is_checked_for_what_eval_of_its_arguments_needs(tmp_path):
+    """`--job eval -- RUN_DIR [eval's flags] [key=value ...]`: the run's config as `hpcvla
+    eval` reads it, with its --envs. No /dev/shm, windows or disk of train's; the memory
+    model of eval's ranks: on GPUs of placement.gpu_memory_gb = 0.6 each rank's CUDA context
+    alone overfills them (a preview here, where the gpus check fails too), named with eval's
+    own flag. An override eval would not act on is refused as eval refuses it (exit 2), and
+    so are eval's flags before `--`."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    out = subprocess.run([sys.executable, "-m", "hpcvla", "config", "configs/default.yaml"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    (run_dir / "config.yaml").write_text(out.stdout)
+    world = ["--job", "eval", "--world", 4, "--ranks-per-node", 2, "--"]
+    out, checks = doctor(*world, run_dir, "--untrained", "--envs", 4, "--episodes", 8)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert set(checks) == {"mpi", "gpus", "renderer", "memory", "host memory", "config"}
+    assert checks["memory"]["found"] == "4 rank(s), 2 per node, 0 GPU(s) each: fits"
+    gpus = ["placement.gpus_per_node=2", "placement.gpu_memory_gb=0.6"]
+    out, checks = doctor(*world, run_dir, "--untrained", "--envs", 4, *gpus)
+    assert out.returncode == 1 and not checks["memory"]["ok"], out.stdout + out.stderr
+    assert checks["memory"]["fix"].startswith("--envs = 4: expected a layout that fits: "
+                                              "rank(s) 0 on node 0 cuda:0 need "), checks
+    assert "rank(s) 3 on node 1 cuda:1" in checks["memory"]["fix"], checks
+    out, checks = doctor(*world, run_dir, "learner.micro_batch=3")
+    assert out.returncode == 2 and not checks, out.stdout + out.stderr
+    assert "learner.micro_batch = '3': expected a setting `hpcvla eval` reads" in out.stderr
+    out, checks = doctor(*world[:-1], run_dir, "--envs", 4)  # eval's flag, but no `--`
+    assert out.returncode == 2 and "unrecognized arguments: --envs 4 (`doctor --job eval` " \
+        "takes eval's after `--`)" in out.stderr, out.stderr

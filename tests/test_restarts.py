@@ -105,7 +105,7 @@ def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
     assert command.endswith(" ".join(best)) and "placement.learner_nodes=0" in best, command
     # the node's check, first, of the job as it runs: the auto plan's layout
     (doctor,) = [line for line in out.stderr.splitlines() if "checking this node:" in line]
-    assert "doctor --job train --world 8 --ranks-per-node 8 configs/learner_nodes.yaml" in \
+    assert "doctor --job train --world 8 --ranks-per-node 8 -- configs/learner_nodes.yaml" in \
         doctor and doctor.endswith(" ".join(best)), doctor
 
 

@@ -47,7 +47,7 @@ def slurm3():
 
 
 def job_env(tmp_path, **extra) -> dict:
-    # `hpcvla doctor` before a train or sft job runs in the demo job's test (~4 s a job here)
+    # `hpcvla doctor` before a job runs in the demo and PBS eval jobs' tests (~4 s a job here)
     return {"HPCVLA_VENV": str(VENV), "HPCVLA_RUNS": str(tmp_path / "runs"),
             "HPCVLA_DOCTOR": "0", **extra}
 
@@ -457,11 +457,14 @@ def test_pbs_eval_job_through_qsub(slurm, tmp_path):
     (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
     log = tmp_path / "eval-pbs.out"
     env = job_env(tmp_path, RUN=str(run_dir), OVERRIDES="env.max_episode_chunks=4",
-                  FLAGS="--untrained --deterministic --json --episodes 8 --envs 2")
+                  FLAGS="--untrained --deterministic --json --episodes 8 --envs 2",
+                  HPCVLA_DOCTOR="1")
     job = slurm.qsub(ROOT / "jobs/pbs/eval.pbs", options=["-V", "-o", log, "-j", "oe"],
                      env=env, cwd=ROOT)
     text = finished(slurm, job, log)
     assert "scheduler pbs" in text and "4 rank(s) on 1 node(s)" in text, text[-3000:]
+    # the node checked first, for this evaluation: 4 ranks of 2 envs each
+    assert "ok   memory      4 rank(s), 4 per node, 0 GPU(s) each: fits" in text, text[-3000:]
     (line,) = [line for line in text.splitlines() if line.startswith("{")]
     result = json.loads(line)
     assert result["ranks"] == 4 and result["actions"] == "deterministic", result
@@ -469,6 +472,32 @@ def test_pbs_eval_job_through_qsub(slurm, tmp_path):
     from hpcvla.config import load_config
     chunk = load_config(ROOT / "configs/default.yaml").env.chunk_len  # the override: 4 chunks
     assert max(e["steps"] for e in result["per_episode"]) == 4 * chunk, result["per_episode"]
+
+
+def test_an_eval_job_on_a_node_that_lacks_what_it_needs_fails_before_any_rank_starts(
+        slurm3, tmp_path):
+    """jobs/slurm/eval.sbatch runs `hpcvla doctor --job eval` on its first node with the job's
+    world and eval's own arguments (after `--`), as train and sft jobs do: a node whose GPUs
+    the job was granted but torch cannot see (slurm3's have no device behind them) fails the
+    job in seconds, the failed check and its fix in the log, and no rank starts."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
+    log = tmp_path / "eval-doctor.out"
+    start = time.monotonic()
+    job = slurm3.sbatch(ROOT / "jobs/slurm/eval.sbatch", run_dir, "--untrained", "--envs", "2",
+                        env=job_env(tmp_path, HPCVLA_DOCTOR="1"), cwd=ROOT, options=[
+                            "--output", log, "--nodes=1", "--ntasks-per-node=2",
+                            "--gpus-per-node=2"])
+    info = slurm3.wait(job, 300)
+    took, text = time.monotonic() - start, log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text[-3000:]
+    assert f"doctor --job eval --world 2 --ranks-per-node 2 -- {run_dir} --untrained --envs 2" \
+        in text and "FAIL gpus        torch sees 0 GPU(s); granted: SLURM_GPUS_ON_NODE=2" \
+        in text, text[-3000:]
+    assert "lacks what the job needs (hpcvla doctor, above)" in text and took < 60, took
+    # no world: none failed, and no rank refused the GPUs for itself
+    assert "the world" not in text and "hpcvla eval:" not in text, text[-3000:]
 
 
 def test_bench_job_runs_the_benchmark_in_a_world_of_its_own(slurm, tmp_path):

@@ -9,6 +9,7 @@
     hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
     hpcvla doctor [CONFIG] [key=value ...] [--job sft] [--world N [--ranks-per-node M]]
                   [--json]                            what the job needs, here?
+    hpcvla doctor --job eval [--world N ...] -- RUN_DIR [eval's flags] [key=value ...]
     hpcvla eval RUN_DIR|CHECKPOINT [key=value ...] [--all] [--ranks N]
                                                       success rate of a run's checkpoints
     hpcvla bench TARGET [options]                     transport, modes, learning, policies,
@@ -40,8 +41,8 @@ from pathlib import Path
 import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
-from hpcvla.config import (ConfigError, config_argument, config_source, last_run_config,
-                           load_config, whole_number)
+from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
+                           resumed_run_config, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
@@ -171,16 +172,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     # Overrides may come after options (`train cfg.yaml --ranks 4 run.seed=1`): argparse leaves
     # those as extras; anything else left over is an error.
     args, extra = parser.parse_known_args(argv)
     stray = [item for item in extra if "=" not in item or item.startswith("-")]
     if stray or (extra and not hasattr(args, "overrides")):
-        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}" + (
+            " (`doctor --job eval` takes eval's after `--`)" if getattr(args, "job", "") ==
+            "eval" else ""))
     if extra:
         args.overrides += extra
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = _parse(parser, argv)
+    if args.command == "doctor" and args.job == "eval":  # its arguments are `hpcvla eval`'s
+        args.evaluation = _parse(parser, ["eval", *filter(None, [args.config]),
+                                          *args.overrides])
     if getattr(args, "config_optional", False):  # `hpcvla train a.b=1`: the built-in defaults
         args.config, args.overrides = config_argument(args.config, args.overrides)
     try:
@@ -215,16 +226,6 @@ def cmd_train(args) -> int:
     config = [args.config] if args.config else []
     return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)
-
-
-def resumed_run_config(overrides: list[str]) -> str | None:
-    """The config a run resumed by `run.resume=DIR` last ran with (its newest
-    config.resume-*.yaml, else config.yaml), or None without run.resume."""
-    resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("run.resume=")]
-    if not resumes or not resumes[-1] or resumes[-1] in ("null", "None"):
-        return None
-    config = last_run_config(resumes[-1])
-    return None if config is None else str(config)
 
 
 def cmd_sft(args) -> int:
@@ -321,7 +322,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
-    from hpcvla.evaluate import (check_overrides, describe, eval_problem, evaluate_policies,
+    from hpcvla.evaluate import (describe, eval_config, eval_problem, evaluate_policies,
                                  weights_problem, write_curve)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
     if not (run_dir / "config.yaml").is_file():
@@ -333,10 +334,7 @@ def cmd_eval(args) -> int:
         return 2
     try:
         from hpcvla import preflight
-        # a trained checkpoint holds every weight: the run's start only for --untrained
-        start = [] if args.untrained else ["policy.checkpoint="]
-        check_overrides(args.overrides, args.untrained)  # before the config's own checks
-        cfg = load_config(run_dir / "config.yaml", [*start, *args.overrides])
+        cfg = eval_config(run_dir, args.overrides, args.untrained)
         preflight.check_config(cfg, str(run_dir / "config.yaml"))
         preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:

@@ -13,6 +13,10 @@ tokenizers), packages and logins (preflight.config_problems); free disk under ru
 the checkpoints kept; with the job's world (`--world`, `--ranks-per-node`: jobs/launch.sh
 passes its own) whether its layout fits this node's GPUs' memory (the memory model, what
 `hpcvla train --ranks`/`sft --ranks` refuse before starting a world).
+
+`hpcvla doctor --job eval [--world N ...] -- RUN_DIR [flags] [key=value ...]` checks a node
+for `hpcvla eval` of those arguments (the run's config as eval reads it, its --envs): MPI
+(windows aside), GPUs, renderer, policy, files and memory.
 """
 
 from __future__ import annotations
@@ -48,7 +52,9 @@ def add_doctor_parser(sub, config_args) -> None:
                             "exit 1 on any failure")
     config_args(doctor, required=False)
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
-    doctor.add_argument("--job", choices=("train", "sft"), default="train", help="its command")
+    doctor.add_argument("--job", choices=("train", "sft", "eval"), default="train",
+                        help="its command; eval: that of `hpcvla eval` after `--` (RUN_DIR, "
+                        "its flags, key=value ...)")
     doctor.add_argument("--world", type=int, default=None, help="the job's ranks: with it, "
                         "whether its layout fits this node's GPUs and host memory (without, "
                         "/dev/shm is checked for launch.ranks' layout)")
@@ -57,15 +63,23 @@ def add_doctor_parser(sub, config_args) -> None:
 
 
 def doctor_command(args) -> int:
-    from hpcvla.config import load_config
-    cfg = load_config(args.config, args.overrides)
-    return main(cfg, args.json, args.job, args.world and (args.world, args.ranks_per_node))
+    world = args.world and (args.world, args.ranks_per_node)
+    if args.job != "eval":
+        from hpcvla.config import load_config
+        return main(load_config(args.config, args.overrides), args.json, args.job, world)
+    from hpcvla.checkpoint.catalog import run_and_checkpoint
+    from hpcvla.evaluate import eval_config
+    run = args.evaluation  # `hpcvla eval`'s arguments (cli.py parses them as eval does)
+    cfg = eval_config(run_and_checkpoint(Path(run.run_dir))[0], run.overrides, run.untrained)
+    return main(cfg, args.json, "eval", world, run.envs)
 
 
-def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = None
-               ) -> list[Check]:
-    """Every check for a job of `cfg` running `job` (train, sft) on this node, in the order a
-    job needs them; `world`: the job's ranks and ranks per node, where known."""
+def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = None,
+               envs: int = 32) -> list[Check]:
+    """Every check for a job of `cfg` running `job` (train, sft, eval) on this node, in the
+    order a job needs them; `world`: the job's ranks and ranks per node, where known; `envs`:
+    eval's per rank. Eval shares nothing in /dev/shm, makes no windows, and writes no
+    checkpoints: those checks are train's and sft's."""
     from hpcvla.preflight import config_problems
 
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
@@ -80,16 +94,16 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
     demos = _demonstrations(cfg) if job == "sft" else 0  # its files' headers read once
-    checks = [_mpi(cfg), _shared_memory(cfg, weights, job, world, demos), *_gpus(cfg),
-              *_renderer(cfg), *unbuilt]
+    checks = [_mpi(cfg, windows=job != "eval"),
+              *([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos)]),
+              *_gpus(cfg), *_renderer(cfg), *unbuilt]
     if world and not problems and not unbuilt:
-        checks += _memory(cfg, job, world, demos)
+        checks += _memory(cfg, job, world, demos, envs)
     checks.append(Check("config", not problems, "the config's files, packages and logins: "
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
                                   for name, value, text in problems)))
-    checks.append(_disk(cfg, weights, params))
-    return checks
+    return checks if job == "eval" else [*checks, _disk(cfg, weights, params)]
 
 
 def _python(code: str, env: dict, timeout: float = 120,
@@ -108,8 +122,9 @@ def _last_line(out: subprocess.CompletedProcess) -> str:
     return lines[-1] if lines else f"exit status {out.returncode}"
 
 
-def _mpi(cfg) -> Check:
-    """The launcher starts 2 ranks that see one world of 2, with the library mpi4py loads."""
+def _mpi(cfg, windows: bool = True) -> Check:
+    """The launcher starts 2 ranks that see one world of 2, with the library mpi4py loads;
+    with `windows`, an Open MPI must have one-sided components that work across hosts."""
     from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, MpiSelectError, select_mpi
     try:  # the MPI jobs/launch.sh chose, else the config's
         install = select_mpi(os.environ.get("HPCVLA_MPI_FLAVOUR", cfg.launch.mpi),
@@ -117,7 +132,7 @@ def _mpi(cfg) -> Check:
     except MpiSelectError as err:
         return Check("mpi", False, str(err), "`make install` (MPICH from PyPI), or load the "
                      "site's MPI module and set launch.mpi/launch.mpiexec")
-    if install.lacks_windows:
+    if windows and install.lacks_windows:
         return Check("mpi", False, f"Open MPI ({install.mpiexec}) has neither the ucx nor the "
                      "rdma one-sided component (ompi_info: mca:osc)", "an Open MPI built with "
                      "UCX (the site's module for InfiniBand), or HPCVLA_MPI=mpich")
@@ -186,23 +201,28 @@ def _node_learners(cfg, world=None) -> int:
     return max(nodes.count(node) for node in set(nodes))
 
 
-def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0) -> list[Check]:
+def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0,
+            envs: int = 32) -> list[Check]:
     """Whether the job's layout fits this node's GPUs (the memory model: train's plan,
-    memory/layout.py, with sac/rlpd's replay buffers; sft's learners, a GPU each,
-    memory/sft_eval.py), and its busiest node's host memory this node's (its ranks' policy
-    builds, simulators' envs, the node's windows and rings, replay buffers; sft's
-    demonstrations' one copy, `demos` bytes)."""
+    memory/layout.py, with sac/rlpd's replay buffers; sft's learners, a GPU each, and eval's
+    ranks, `envs` envs each, memory/sft_eval.py), and its busiest node's host memory this
+    node's (its ranks' policy builds, simulators' envs, the node's windows and rings, replay
+    buffers; sft's demonstrations' one copy, `demos` bytes)."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import host_bytes, layout_devices, layout_gpus, plan_memory
-    from hpcvla.memory.sft_eval import sft_memory
+    from hpcvla.memory.sft_eval import eval_devices, eval_memory, sft_memory
     from hpcvla.memory.states import size
     from hpcvla.topology.plan import PlanError, plan_from_config
     ranks, per_node = world
-    spec = env_spec(cfg.env)
+    spec, per = env_spec(cfg.env), per_node or ranks
+    nodes = [rank // per for rank in range(ranks)]
     try:
         if job == "sft":
-            memory = sft_memory(cfg, [rank // (per_node or ranks) for rank in range(ranks)],
-                                layout_gpus(cfg), spec, shared=demos)
+            memory = sft_memory(cfg, nodes, layout_gpus(cfg), spec, shared=demos)
+        elif job == "eval":  # every node's ranks on its GPUs as eval_devices puts them
+            node = eval_devices(cfg, per, layout_gpus(cfg))
+            memory = eval_memory(cfg, {r: node[r % per] for r in range(ranks)}, envs, spec,
+                                 nodes)
         else:
             plan = plan_from_config(cfg.placement, ranks, per_node)
             memory = plan_memory(cfg, plan, layout_devices(cfg, plan), spec)
@@ -302,8 +322,8 @@ def _disk(cfg, weights: int, params: int) -> Check:
                  "or a smaller learner.checkpoint_keep")
 
 
-def main(cfg, as_json: bool, job: str = "train", world=None) -> int:
-    checks = run_checks(cfg, job, world)
+def main(cfg, as_json: bool, job: str = "train", world=None, envs: int = 32) -> int:
+    checks = run_checks(cfg, job, world, envs)
     if as_json:
         import json
         print(json.dumps([asdict(c) for c in checks], indent=1))

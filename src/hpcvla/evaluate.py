@@ -66,6 +66,7 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
 # (check_overrides); the settings its flags stand for, and the simulator settings of
 # training's env ranks, are named with what does act.
 EVAL_READS = ("env.", "policy.", "launch.", "run.seed", "placement.gpus_per_node",
+              "placement.gpu_memory_gb",  # the memory plan of its ranks (memory/sft_eval.py)
               "eval.protocol", "eval.states_per_task", "eval.tasks")
 EVAL_FLAGS = {"eval.episodes": "--episodes", "eval.envs": "--envs",
               "env.envs_per_simulator": "--envs", "eval.deterministic": "--deterministic",
@@ -154,6 +155,16 @@ def check_overrides(overrides: list[str], untrained: bool) -> None:
                              "would change nothing"))
     if problems:
         raise ConfigError(problems, "`hpcvla eval` settings")
+
+
+def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
+    """The config `hpcvla eval` evaluates the run in `run_dir` with: the run's own, without
+    its start (policy.checkpoint: a trained checkpoint holds every weight; kept for
+    `untrained`), `overrides` on top once check_overrides passes them. Raises ConfigError."""
+    from hpcvla.config import load_config
+    check_overrides(overrides, untrained)  # before the config's own checks
+    start = [] if untrained else ["policy.checkpoint="]
+    return load_config(run_dir / "config.yaml", [*start, *overrides])
 
 
 def weights_problem(cfg, trained, checkpoints: list[Path], untrained: bool,

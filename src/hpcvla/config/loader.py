@@ -249,6 +249,16 @@ def last_run_config(run_dir: str | Path) -> Path | None:
     return configs[-1] if configs[-1].is_file() else None
 
 
+def resumed_run_config(overrides: list[str]) -> str | None:
+    """The config a run resumed by `run.resume=DIR` last ran with (its newest
+    config.resume-*.yaml, else config.yaml), or None without run.resume."""
+    resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("run.resume=")]
+    if not resumes or not resumes[-1] or resumes[-1] in ("null", "None"):
+        return None
+    config = last_run_config(resumes[-1])
+    return None if config is None else str(config)
+
+
 RUN_DIRECTORY = ("run.resume", "run.root", "run.name")  # where a run's directory is
 
 
