@@ -60,9 +60,10 @@ def lean_deepspeed(device: torch.device) -> types.ModuleType:
     """DeepSpeed, imported and set up for a learner on `device` without what hpcvla's learners
     never use: Muon's compiled kernels (without_muon_kernels) and the CPU shared-memory op
     (without_shared_memory_op). Every DeepSpeed engine hpcvla builds starts from here. A CPU
-    learner on a machine with GPUs gets DeepSpeed's CPU accelerator, which DeepSpeed picks as
-    it is imported (else it moves the model to a GPU)."""
-    if device.type == "cpu" and torch.cuda.is_available():
+    learner names DeepSpeed's CPU accelerator, which DeepSpeed picks as it is imported: on a
+    machine with GPUs it would otherwise move the model to a GPU, and on one without it warns
+    in every run's log that it found none."""
+    if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     without_muon_kernels()
     import deepspeed
