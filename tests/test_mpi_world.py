@@ -14,7 +14,7 @@ import pytest
 
 from hpcvla.config import load_config
 from hpcvla.process.deathwatch import process_gone
-from helpers import MPI_DIR, OPENMPI5, ROOT, hpcvla, rank_pids
+from helpers import MPI_DIR, OPENMPI5, ROOT, hpcvla, rank_pids, reach_demos
 
 pytestmark = pytest.mark.mpi
 
@@ -84,6 +84,44 @@ def test_a_problem_of_one_nodes_own_ends_the_world_naming_rank_and_host(tmp_path
     repeated = out.stderr.split("hpcvla: the world ended on this failure:\n")[-1]
     assert repeated.startswith(f"hpcvla: rank 1 on {socket.gethostname()}: invalid") and \
         "sees none" in repeated, out.stderr
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval"])
+def test_a_nodes_own_problem_found_before_mpi_starts_ends_the_world_naming_it(tmp_path,
+                                                                             command):
+    """`hpcvla COMMAND` on 2 ranks mpiexec started (MPMD: rank 1 as on a node given GPUs that
+    torch cannot see), each checking its settings before MPI_Init: rank 1 alone finds its
+    node's problem. It says so, naming its rank and host, and ends the world: rank 0 would
+    otherwise wait for it in MPI_Init forever."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
+    args = {"train": ["configs/colocated.yaml", "pipeline.total_updates=1"],
+            "sft": ["configs/default.yaml", "sft.steps=1",
+                    f"sft.demos={reach_demos(tmp_path / 'demos.h5', 2)}"],
+            "eval": [run_dir, "--untrained", "--episodes", 2, "--envs", 2]}[command]
+    program = [sys.executable, "-m", "hpcvla", command, *map(str, args)]
+    program += [f"run.root={tmp_path}"] if command != "eval" else []
+    start = time.monotonic()
+    out = subprocess.run(["timeout", "-k", "5", "60", "mpiexec", "-n", "1", *program, ":",
+                          "-n", "1", "-env", "SLURM_GPUS_ON_NODE", "8", *program], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode not in (0, 124, 137), out.stderr[-3000:]
+    assert time.monotonic() - start < 30, out.stderr[-3000:]
+    assert f"hpcvla: rank 1 on {socket.gethostname()}: invalid" in out.stderr and \
+        "(SLURM_GPUS_ON_NODE=8) but torch" in out.stderr, out.stderr[-3000:]
+
+
+def test_a_rank_that_fails_before_its_world_runs_ends_the_world_naming_it():
+    """Any other failure of one rank between its start and its world's run (here an OSError
+    before MPI_Init, tests/mpi/fail_before_mpi_on_rank_1.py): the rank names itself, its host
+    and the error, and aborts the world, in which rank 0 waits for it in a barrier."""
+    start = time.monotonic()
+    out = hpcvla("launch", "-n", 2, "--timeout", 60, "--",
+                 MPI_DIR / "fail_before_mpi_on_rank_1.py")
+    assert out.returncode not in (0, 124) and time.monotonic() - start < 30, out.stderr
+    assert f"hpcvla eval: rank 1 (host {socket.gethostname()}) failed: OSError(\"the node's " \
+        "scratch file system is gone\")" in out.stderr, out.stderr
 
 
 def test_world_size_must_match_slurm_allocation():

@@ -196,11 +196,20 @@ def main(argv: list[str] | None = None) -> int:
         args.config, args.overrides = config_argument(args.config, args.overrides)
     try:
         check_not_nested(getattr(args, "ranks", None))  # --ranks inside srun/mpirun's world
-        return COMMANDS[args.command](args)
+        if launcher_rank() is None or args.command not in ("train", "sft", "eval"):
+            return COMMANDS[args.command](args)
+        from hpcvla.job.runtime import or_abort_the_world
+        return or_abort_the_world(args.command, lambda: COMMANDS[args.command](args))
     except (ConfigError, PlanError, LaunchError) as err:
-        if not launcher_rank():  # every rank of a world finds the same error: say it once
-            print(f"hpcvla {args.command}: {err}", file=sys.stderr)
-        return 2
+        return _refused(args.command, err)
+
+
+def _refused(command: str, why) -> int:
+    """Exit status 2, `why` said once: by a process alone or by rank 0 of a world (every rank
+    finds the same; a node's own problems are said by its ranks: preflight.check_host)."""
+    if not launcher_rank():
+        print(f"hpcvla {command}: {why}", file=sys.stderr)
+    return 2
 
 
 def cmd_train(args) -> int:
@@ -213,7 +222,7 @@ def cmd_train(args) -> int:
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.job.runtime import run_ranks, train_main
-        preflight.check_host(cfg, source, launcher_rank())  # the rest: one rank, for all
+        preflight.check_host(cfg, source)  # the rest: one rank, for all
         return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
     plan = plan_from_config(cfg.placement, args.ranks)
     checked = preflight.check_launch(cfg, plan, source)  # refused here, before any rank starts
@@ -231,6 +240,7 @@ def cmd_train(args) -> int:
 def cmd_sft(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
+    preflight.check_host(cfg, str(args.config))  # a rank's node, said by it
     preflight.check_sft(cfg, str(args.config), args.ranks)
     if args.ranks is None:  # a rank of a world someone started, or a world of one
         from hpcvla.imitation.sft import run_sft
@@ -326,26 +336,23 @@ def cmd_eval(args) -> int:
                                  weights_problem, write_curve)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
     if not (run_dir / "config.yaml").is_file():
-        print(f"hpcvla eval: {run_dir} is not a run directory (no config.yaml)", file=sys.stderr)
-        return 2
+        return _refused("eval", f"{run_dir} is not a run directory (no config.yaml)")
     if chosen and args.all:
-        print(f"hpcvla eval: --all evaluates every checkpoint of a run: give {run_dir}, "
-              f"not one of its checkpoints", file=sys.stderr)
-        return 2
+        return _refused("eval", f"--all evaluates every checkpoint of a run: give {run_dir}, "
+                        "not one of its checkpoints")
     try:
         from hpcvla import preflight
         cfg = eval_config(run_dir, args.overrides, args.untrained)
+        preflight.check_host(cfg, str(run_dir / "config.yaml"))  # a rank's node, said by it
         preflight.check_config(cfg, str(run_dir / "config.yaml"))
         preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
-        print(f"hpcvla eval: {err}", file=sys.stderr)
-        return 2
+        return _refused("eval", err)
     trained = load_config(run_dir / "config.yaml")
     problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video,  # ranks here
                            args.ranks or (None if launcher_rank() is not None else 1))
     if problem:
-        print(f"hpcvla eval: {problem}", file=sys.stderr)
-        return 2
+        return _refused("eval", problem)
     policies = [None] if args.untrained else []  # None: the untrained policy
     if chosen:  # the one named
         kept = [chosen]
@@ -353,9 +360,8 @@ def cmd_eval(args) -> int:
         kept = catalog.complete(run_dir) if args.all or not args.untrained else []
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):
-        print(f"hpcvla eval: {run_dir}: no complete checkpoint (checkpoints/v*/state.json)",
-              file=sys.stderr)
-        return 2
+        return _refused("eval", f"{run_dir}: no complete checkpoint "
+                        "(checkpoints/v*/state.json)")
     try:  # each checkpoint's state and files, and its weights, before any rank starts
         for path in kept:
             catalog.read_state(path)
@@ -364,8 +370,7 @@ def cmd_eval(args) -> int:
     except catalog.CheckpointError as err:
         problem = str(err)
     if problem:
-        print(f"hpcvla eval: {problem}", file=sys.stderr)
-        return 2
+        return _refused("eval", problem)
     if args.ranks is not None:  # start the world here; its ranks come back to this function
         from hpcvla.job.launch import run_world
         os.environ.update(HPCVLA_LOCAL_WORLD="1",  # started and checked here, not the job's
@@ -387,8 +392,7 @@ def cmd_eval(args) -> int:
         try:
             return report(None) or 0
         except catalog.CheckpointError as err:
-            print(f"hpcvla eval: {err}", file=sys.stderr)
-            return 2
+            return _refused("eval", err)
     from mpi4py import MPI
 
     from hpcvla.job.runtime import run_guarded

@@ -24,6 +24,7 @@ from hpcvla.config.families import family
 from hpcvla.envs import check_env, env_uses_gpu
 from hpcvla.metrics.tensorboard import wandb_problems
 from hpcvla.process import deathwatch
+from hpcvla.process.mpi_select import launcher_rank
 from hpcvla.schedule import config_layout_problems
 from hpcvla.topology.plan import PlanError, RankPlan
 
@@ -306,14 +307,16 @@ def check_config(cfg, source: str = "config", last=("pipeline.total_updates", No
     return cfg
 
 
-def check_host(cfg, source: str, rank: int | None) -> None:
-    """host_problems on rank `rank` of a world: a node's own problem is found by its ranks
-    alone, so each says it, naming itself and its host, and aborts the world (the other
-    nodes' ranks would wait for it in their first collective)."""
-    problems = host_problems(cfg)
-    if problems:
+def check_host(cfg, source: str) -> None:
+    """host_problems on a rank of a world (`train`, `sft`, `eval` under srun/mpirun): a node's
+    own problem is found by its ranks alone, so each says it, naming itself and its host, and
+    aborts the world (the other nodes' ranks would wait for it in MPI_Init or their first
+    collective). Nothing in a process alone: its command's own checks say them."""
+    rank = launcher_rank()
+    problems = host_problems(cfg) if rank is not None else []
+    if rank is not None and problems:
         from mpi4py import MPI
-        deathwatch.abort_world(MPI.COMM_WORLD, rank or 0, f"hpcvla: rank {rank or 0} on "
+        deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla: rank {rank} on "
                                f"{socket.gethostname()}: {ConfigError(problems, source)}",
                                2)  # [dist]
 

@@ -22,6 +22,26 @@ from hpcvla.topology.plan import PlanError
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
 
+def or_abort_the_world(command: str, start) -> int:
+    """`start()`: `hpcvla COMMAND` on a rank of a world (its checks, then run_ranks or
+    run_guarded). A ConfigError, PlanError or LaunchError is a verdict every rank reaches alike
+    (rank 0 says it; a node's own problems are preflight.check_host's); any other failure
+    outside the roles' run is this rank's alone, and the other ranks would wait for it in
+    MPI_Init or their first collective forever: it names its rank and host with the error and
+    aborts the world."""
+    try:
+        return start()
+    except (ConfigError, PlanError, LaunchError):
+        raise
+    except Exception as err:  # noqa: BLE001 - any other failure must take the world down
+        from mpi4py import MPI
+        rank = MPI.COMM_WORLD.Get_rank()
+        deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla {command}: rank {rank} (host "
+                               f"{MPI.Get_processor_name()}) failed: {err!r}", 1,
+                               traceback.format_exc())
+        raise  # (abort_world ends this process)
+
+
 def run_ranks(cfg, main, check=None) -> int:
     """Run `main(cfg, plan, comms)` on this rank. A rank that raises aborts the world after
     printing its rank, roles, node and host; a layout that cannot work (or fails
