@@ -112,6 +112,35 @@ def test_a_nodes_own_problem_found_before_mpi_starts_ends_the_world_naming_it(tm
         "(SLURM_GPUS_ON_NODE=8) but torch" in out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.parametrize("command", ["sft", "eval"])
+def test_a_file_that_only_some_ranks_find_ends_the_world_naming_them(tmp_path, command):
+    """Rank 1 given a path its node does not have (as a node-local path on another node: here
+    a missing one, mpiexec MPMD), rank 0 the one that exists: rank 1's own checks refuse it
+    before MPI_Init, rank 0's pass. Every rank hears both verdicts at the world's first
+    collective and the world ends with one message from rank 0 naming rank 1 and its host,
+    exit 2, instead of rank 0 waiting for rank 1 forever."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
+    demos = reach_demos(tmp_path / "demos.h5", 2)
+    missing = tmp_path / "not-on-this-node"
+    def program(path):
+        args = ["sft", "configs/default.yaml", "sft.steps=1", f"sft.demos={path}",
+                f"run.root={tmp_path}"] if command == "sft" else \
+            ["eval", path, "--untrained", "--episodes", 2, "--envs", 2]
+        return [sys.executable, "-m", "hpcvla", *map(str, args)]
+
+    start = time.monotonic()
+    out = subprocess.run(["timeout", "-k", "5", "60", "mpiexec", "-n", "1",
+                          *program(demos if command == "sft" else run_dir), ":", "-n", "1",
+                          *program(missing)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and time.monotonic() - start < 30, out.stderr[-3000:]
+    assert out.stderr.count("only some ranks found a problem") == 1, out.stderr[-3000:]
+    assert f"rank(s) 1 ({socket.gethostname()}): " in out.stderr and str(missing) in \
+        out.stderr, out.stderr[-3000:]
+
+
 def test_a_rank_that_fails_before_its_world_runs_ends_the_world_naming_it():
     """Any other failure of one rank between its start and its world's run (here an OSError
     before MPI_Init, tests/mpi/fail_before_mpi_on_rank_1.py): the rank names itself, its host

@@ -46,6 +46,8 @@ from hpcvla.config import (ConfigError, config_argument, config_source, load_con
 from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
+from hpcvla.metrics.command import add_inspect_parser, inspect_command
+from hpcvla.process.deathwatch import Refused
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -109,16 +111,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_demos_parser(sub, _config_args)
 
-    inspect = sub.add_parser("inspect", help="summarise HDF5 trajectory dumps "
-                                              "(run.dump_trajectories=true)")
-    inspect.add_argument("paths", nargs="+", metavar="FILE|RUN_DIR",
-                         help="dump files, or run directories (all their dumps)")
-    inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    inspect.add_argument("--video", type=whole_number(0), default=0, metavar="K",
-                         help="also write the first K episodes of each file as MP4, to "
-                              "<file>-videos/ beside it (default 0: none)")
-    inspect.add_argument("--verify", action="store_true",
-                         help="also read every dataset, checking each chunk's checksum")
+    add_inspect_parser(sub)
 
     evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
                                            "of its untrained policy) on fixed initial states")
@@ -195,19 +188,27 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "config_optional", False):  # `hpcvla train a.b=1`: the built-in defaults
         args.config, args.overrides = config_argument(args.config, args.overrides)
     try:
-        check_not_nested(getattr(args, "ranks", None))  # --ranks inside srun/mpirun's world
-        if launcher_rank() is None or args.command not in ("train", "sft", "eval"):
+        if launcher_rank() is None or args.command not in IN_A_WORLD:
             return COMMANDS[args.command](args)
         from hpcvla.job.runtime import or_abort_the_world
-        return or_abort_the_world(args.command, lambda: COMMANDS[args.command](args))
+
+        def start() -> int:  # a rank of a world: what it refuses, the world hears
+            check_not_nested(args.ranks)  # --ranks inside srun/mpirun's world
+            return COMMANDS[args.command](args)
+        return or_abort_the_world(args.command, start)
     except (ConfigError, PlanError, LaunchError) as err:
         return _refused(args.command, err)
 
 
+IN_A_WORLD = ("train", "sft", "eval")  # the commands whose ranks are an MPI world's
+
+
 def _refused(command: str, why) -> int:
-    """Exit status 2, `why` said once: by a process alone or by rank 0 of a world (every rank
-    finds the same; a node's own problems are said by its ranks: preflight.check_host)."""
-    if not launcher_rank():
+    """Exit status 2, `why` said once. On a rank of a world every rank hears it first
+    (job/runtime.or_abort_the_world: one message from rank 0)."""
+    if command in IN_A_WORLD and launcher_rank() is not None:
+        raise Refused(str(why))
+    if not launcher_rank():  # alone, or rank 0 of a world every rank of which finds the same
         print(f"hpcvla {command}: {why}", file=sys.stderr)
     return 2
 
@@ -301,35 +302,6 @@ def cmd_launch(args) -> int:
     return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
 
 
-def cmd_inspect(args) -> int:
-    from hpcvla.metrics.dump import DumpError, describe, summarize, verify
-    files = []
-    for path in map(Path, args.paths):
-        found = sorted((path / "trajectories").glob("rank*.h5")) if path.is_dir() else [path]
-        if not found:
-            print(f"hpcvla inspect: {path} holds no trajectories/rank*.h5 (was the run "
-                  "started with run.dump_trajectories=true?)", file=sys.stderr)
-            return 2
-        files += found
-    try:
-        summaries = [summarize(f) for f in files]
-        if args.verify:  # reads everything: slower, catches a corrupted chunk anywhere
-            for f, summary in zip(files, summaries):
-                summary["verified_bytes"] = verify(f)
-        if args.video > 0:
-            from hpcvla.metrics.video import dump_videos
-            for f, summary in zip(files, summaries):
-                summary["videos"] = dump_videos(f, args.video, f.with_name(f.stem + "-videos"))
-    except (DumpError, ValueError) as err:
-        print(f"hpcvla inspect: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(summaries, indent=1) if args.json else
-          "\n".join(describe(s) + "".join(f"\n  video {v}" for v in s.get("videos", []))
-                    + (f"\n  verified: {s['verified_bytes']:,} bytes read, every chunk's "
-                       "checksum right" if "verified_bytes" in s else "") for s in summaries))
-    return 0
-
-
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
     from hpcvla.evaluate import (describe, eval_config, eval_problem, evaluate_policies,
@@ -417,4 +389,4 @@ def cmd_export(args) -> int:
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
             "config": cmd_config, "doctor": doctor_command, "launch": cmd_launch,
-            "inspect": cmd_inspect, "eval": cmd_eval, "demos": demos_command, "export": cmd_export}
+            "inspect": inspect_command, "eval": cmd_eval, "demos": demos_command, "export": cmd_export}

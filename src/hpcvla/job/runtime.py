@@ -24,15 +24,20 @@ from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
 def or_abort_the_world(command: str, start) -> int:
     """`start()`: `hpcvla COMMAND` on a rank of a world (its checks, then run_ranks or
-    run_guarded). A ConfigError, PlanError or LaunchError is a verdict every rank reaches alike
-    (rank 0 says it; a node's own problems are preflight.check_host's); any other failure
-    outside the roles' run is this rank's alone, and the other ranks would wait for it in
-    MPI_Init or their first collective forever: it names its rank and host with the error and
-    aborts the world."""
+    run_guarded, which begin with agreed_start). Where this rank's own checks refuse (a
+    ConfigError, PlanError or LaunchError, or Refused: cli.py's refusals), the world hears it
+    in agreed_start and ends with one message, exit 2. Any other failure outside the roles'
+    run names the rank, its host and the error and aborts the world. Either way no rank waits
+    for this one forever (in MPI_Init, or its first collective)."""
     try:
         return start()
-    except (ConfigError, PlanError, LaunchError):
-        raise
+    except (ConfigError, PlanError, LaunchError, Refused) as err:
+        from mpi4py import MPI
+        try:
+            agreed_start(MPI.COMM_WORLD, str(err))
+        except Refused as verdict:
+            return _refused(MPI.COMM_WORLD, verdict)
+        raise  # (agreed_start raises on a failure)
     except Exception as err:  # noqa: BLE001 - any other failure must take the world down
         from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank()
@@ -40,6 +45,29 @@ def or_abort_the_world(command: str, start) -> int:
                                f"{MPI.Get_processor_name()}) failed: {err!r}", 1,
                                traceback.format_exc())
         raise  # (abort_world ends this process)
+
+
+def agreed_start(world, refusal: str | None = None) -> list[str]:
+    """The first collective of every world (run_ranks, run_guarded), where the ranks whose own
+    checks refused (`refusal`, or_abort_the_world) meet those whose passed: every rank's
+    verdict and host to all. Returns the ranks' hosts; raises Refused, alike on every rank,
+    where any rank refused: its message where every rank found the same, else each message
+    with the ranks and hosts that found it (the others did not: a file on one node's own disk,
+    one node's setup)."""
+    from mpi4py import MPI
+
+    said = world.allgather((refusal, MPI.Get_processor_name()))  # [dist]
+    found: dict[str, list[str]] = {}
+    for rank, (why, host) in enumerate(said):
+        if why is not None:
+            found.setdefault(why, []).append(f"{rank} ({host})")
+    if len(found) == 1 and all(why is not None for why, _ in said):
+        raise Refused(next(iter(found)))
+    if found:
+        raise Refused("only some ranks found a problem; the others passed the same checks\n"
+                      + "\n".join(f"rank(s) {', '.join(ranks)}: {why}"
+                                  for why, ranks in found.items()))
+    return [host for _, host in said]
 
 
 def run_ranks(cfg, main, check=None) -> int:
@@ -58,6 +86,7 @@ def run_ranks(cfg, main, check=None) -> int:
     rank = world.Get_rank()
     preempt.install()  # SIGTERM/SIGUSR1: stop after the next version, with a checkpoint
     try:
+        agreed_start(world)  # [dist]
         problem = thread_level_problem()
         if problem is not None:
             raise LaunchError(f"{problem}: {THREAD_LEVEL_FIX}")
@@ -72,7 +101,7 @@ def run_ranks(cfg, main, check=None) -> int:
         phases.mark("communicators")
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
-    except (PlanError, ConfigError, LaunchError) as err:  # every rank's same verdict
+    except (PlanError, ConfigError, LaunchError, Refused) as err:  # every rank's same verdict
         return _refused(world, err)
     info = plan.ranks[rank]
     try:
@@ -111,9 +140,10 @@ def run_guarded(world, role: str, main) -> int:
     """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
     learners): a rank that raises aborts the world, as in run_ranks; one that raises
     Refused, as every rank does then, ends it with one message and exit 2."""
-    from mpi4py import MPI
-
-    hosts = world.allgather(MPI.Get_processor_name())  # [dist]
+    try:
+        hosts = agreed_start(world)  # [dist]
+    except Refused as err:  # a rank's own checks refused (or_abort_the_world)
+        return _refused(world, err)
     node = node_numbers(hosts)[world.Get_rank()]
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
     try:
