@@ -225,6 +225,8 @@ def test_an_eval_job_is_checked_for_what_eval_of_its_arguments_needs(tmp_path):
     assert checks["memory"]["fix"].startswith("--envs = 4: expected a layout that fits: "
                                               "rank(s) 0 on node 0 cuda:0 need "), checks
     assert "rank(s) 3 on node 1 cuda:1" in checks["memory"]["fix"], checks
+    out, checks = doctor(*world, run_dir, "--untrained", "--envs", 64, "--episodes", 3, *gpus)
+    assert checks["memory"]["fix"].startswith("--envs = 3: "), checks  # no more than episodes
     out, checks = doctor(*world, run_dir, "learner.micro_batch=3")
     assert out.returncode == 2 and not checks, out.stdout + out.stderr
     assert "learner.micro_batch = '3': expected a setting `hpcvla eval` reads" in out.stderr

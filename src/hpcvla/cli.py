@@ -389,4 +389,5 @@ def cmd_export(args) -> int:
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
             "config": cmd_config, "doctor": doctor_command, "launch": cmd_launch,
-            "inspect": inspect_command, "eval": cmd_eval, "demos": demos_command, "export": cmd_export}
+            "inspect": inspect_command, "eval": cmd_eval, "demos": demos_command,
+            "export": cmd_export}

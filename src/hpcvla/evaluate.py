@@ -25,7 +25,7 @@ from hpcvla.checkpoint import catalog, store
 from hpcvla.devices import bind_rank_device, gpu_identity, gpu_names, local_device
 from hpcvla.metrics.stats import paired_difference
 from hpcvla.process.deathwatch import Refused
-from hpcvla.roles.heldout import HeldOut
+from hpcvla.roles.heldout import HeldOut, envs_at_once
 from hpcvla.topology.plan import INF, SIM
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
@@ -87,7 +87,8 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
                     + (f", at most {high} (the evaluation split's states)" if high else ""))
     if video and not cfg.env.camera:
         return "--video needs a camera: the run has env.camera=false"
-    return vocabulary_problem(cfg, trained) or memory_problem(cfg, ranks, envs)
+    return vocabulary_problem(cfg, trained) or memory_problem(cfg, ranks,
+                                                              envs_at_once(envs, episodes))
 
 
 def memory_problem(cfg, ranks: int | None, envs: int) -> str | None:
@@ -227,7 +228,7 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
     policy) on the same states, with its version and trained env steps; `video` K: K
     episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>/."""
     if world is not None:  # one plan: the policies differ in weights only
-        refuse_overfilled(cfg, world, envs)  # [dist]
+        refuse_overfilled(cfg, world, envs_at_once(envs, episodes))  # [dist]
     curve = []
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)

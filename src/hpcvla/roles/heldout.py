@@ -58,6 +58,12 @@ class Episode(NamedTuple):
     steps: int
 
 
+def envs_at_once(envs: int, episodes: int) -> int:
+    """The envs an evaluation of `episodes` steps together: `envs`, no more than it has
+    episodes (what its ranks' memory is planned for)."""
+    return max(1, min(envs, episodes))
+
+
 class HeldOut:
     """The env's first `episodes` evaluation states (or eval.protocol's), `envs` at a time,
     one episode each, with `policy` (or the policy the config builds on `device`). `video` K:
@@ -71,7 +77,7 @@ class HeldOut:
         traits = simulator(cfg.env.name)
         if traits.emulated:  # no emulated latency, no injected faults
             kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
-        self.seed, self.envs = seed, max(1, min(envs, episodes))
+        self.seed, self.envs = seed, envs_at_once(envs, episodes)
         self.step_deadline_s = step_deadline_s(cfg.env)  # a step that never returns: loud
         self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
         self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
