@@ -313,8 +313,10 @@ def check_host(cfg, source: str) -> None:
     aborts the world (the other nodes' ranks would wait for it in MPI_Init or their first
     collective). Nothing in a process alone: its command's own checks say them."""
     rank = launcher_rank()
-    problems = host_problems(cfg) if rank is not None else []
-    if rank is not None and problems:
+    if rank is None:
+        return
+    problems = host_problems(cfg)
+    if problems:
         from mpi4py import MPI
         deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla: rank {rank} on "
                                f"{socket.gethostname()}: {ConfigError(problems, source)}",
