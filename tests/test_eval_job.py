@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from helpers import ROOT, fake_checkpoint, hpcvla, run_train
+from helpers import ROOT, fake_checkpoint, hpcvla, run_train, without_launcher
 
 
 def _run_dir(tmp_path, config: str, *overrides: str):
@@ -114,6 +114,15 @@ def test_eval_overrides_that_would_not_act_are_refused(default_run, capsys, over
     assert main(["eval", str(default_run), *flags, override, "--episodes", "2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hpcvla eval: ") and named in err, err
+
+
+def test_a_horovod_runs_evaluation_needs_no_horovod(tmp_path):
+    """`hpcvla eval` runs no learner: a run trained with learner.backend=horovod is evaluated
+    where Horovod is not installed (it was refused, as training would be)."""
+    run_dir = _run_dir(tmp_path, "default.yaml", "learner.backend=horovod")
+    out = without_launcher("eval", run_dir, "--untrained", "--episodes", 2, "--envs", 2,
+                           hide="horovod")
+    assert out.returncode == 0 and "over 2 episodes" in out.stdout, out.stdout + out.stderr
 
 
 def test_eval_overrides_it_reads_act(default_run):

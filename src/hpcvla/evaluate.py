@@ -161,10 +161,12 @@ def check_overrides(overrides: list[str], untrained: bool) -> None:
 def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
     """The config `hpcvla eval` evaluates the run in `run_dir` with: the run's own, without
     its start (policy.checkpoint: a trained checkpoint holds every weight; kept for
-    `untrained`), `overrides` on top once check_overrides passes them. Raises ConfigError."""
+    `untrained`) and with DeepSpeed's backend (eval runs no learner: a Horovod run's evaluating
+    nodes need no Horovod), `overrides` on top once check_overrides passes them. Raises
+    ConfigError."""
     from hpcvla.config import load_config
     check_overrides(overrides, untrained)  # before the config's own checks
-    start = [] if untrained else ["policy.checkpoint="]
+    start = ["learner.backend=deepspeed"] + ([] if untrained else ["policy.checkpoint="])
     return load_config(run_dir / "config.yaml", [*start, *overrides])
 
 
