@@ -69,9 +69,9 @@ def doctor_command(args) -> int:
         return main(load_config(args.config, args.overrides), args.json, args.job, world)
     from hpcvla.checkpoint.catalog import run_and_checkpoint
     from hpcvla.evaluate import eval_config
+    from hpcvla.roles.heldout import envs_at_once
     run = args.evaluation  # `hpcvla eval`'s arguments (cli.py parses them as eval does)
     cfg = eval_config(run_and_checkpoint(Path(run.run_dir))[0], run.overrides, run.untrained)
-    from hpcvla.roles.heldout import envs_at_once
     return main(cfg, args.json, "eval", world, envs_at_once(run.envs, run.episodes))
 
 
