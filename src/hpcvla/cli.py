@@ -223,7 +223,7 @@ def cmd_train(args) -> int:
         args.ranks = cfg.launch.ranks
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.job.runtime import run_ranks, train_main
-        preflight.check_host(cfg, source)  # the rest: one rank, for all
+        preflight.check_host(cfg, source)  # its node, on each rank; the rest: one rank, for all
         return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
     plan = plan_from_config(cfg.placement, args.ranks)
     checked = preflight.check_launch(cfg, plan, source)  # refused here, before any rank starts
@@ -241,7 +241,7 @@ def cmd_train(args) -> int:
 def cmd_sft(args) -> int:
     cfg = load_config(args.config, args.overrides)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
-    preflight.check_host(cfg, str(args.config))  # a rank's node, said by it
+    preflight.check_host(cfg, str(args.config))  # its node, on each rank of a world
     preflight.check_sft(cfg, str(args.config), args.ranks)
     if args.ranks is None:  # a rank of a world someone started, or a world of one
         from hpcvla.imitation.sft import run_sft
@@ -315,7 +315,7 @@ def cmd_eval(args) -> int:
     try:
         from hpcvla import preflight
         cfg = eval_config(run_dir, args.overrides, args.untrained)
-        preflight.check_host(cfg, str(run_dir / "config.yaml"))  # a rank's node, said by it
+        preflight.check_host(cfg, str(run_dir / "config.yaml"))  # its node, each rank
         preflight.check_config(cfg, str(run_dir / "config.yaml"))
         preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:

@@ -23,7 +23,6 @@ from hpcvla.config import ConfigError
 from hpcvla.config.families import family
 from hpcvla.envs import check_env, env_uses_gpu
 from hpcvla.metrics.tensorboard import wandb_problems
-from hpcvla.process import deathwatch
 from hpcvla.process.mpi_select import launcher_rank
 from hpcvla.schedule import config_layout_problems
 from hpcvla.topology.plan import PlanError, RankPlan
@@ -308,19 +307,16 @@ def check_config(cfg, source: str = "config", last=("pipeline.total_updates", No
 
 
 def check_host(cfg, source: str) -> None:
-    """host_problems on a rank of a world (`train`, `sft`, `eval` under srun/mpirun): a node's
-    own problem is found by its ranks alone, so each says it, naming itself and its host, and
-    aborts the world (the other nodes' ranks would wait for it in MPI_Init or their first
-    collective). Nothing in a process alone: its command's own checks say them."""
-    rank = launcher_rank()
-    if rank is None:
+    """host_problems on a rank of a world (`train`, `sft`, `eval` under srun/mpirun), as one
+    ConfigError: a node's own problem is found by its ranks alone, and the world hears which
+    ranks and hosts found it at its first collective (job/runtime.agreed_start), where the
+    other nodes' ranks would otherwise wait for them. Nothing in a process alone: its
+    command's own checks say them."""
+    if launcher_rank() is None:
         return
     problems = host_problems(cfg)
     if problems:
-        from mpi4py import MPI
-        deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla: rank {rank} on "
-                               f"{socket.gethostname()}: {ConfigError(problems, source)}",
-                               2)  # [dist]
+        raise ConfigError(problems, source)
 
 
 def pipeline_problems(cfg, plan: RankPlan) -> list[tuple[str, Any, str]]:
