@@ -92,9 +92,9 @@ def test_a_rank_gone_without_a_word_is_named_beside_one_that_said_why_by_the_sam
 def test_a_failing_rank_names_the_ranks_of_its_host_already_gone_without_a_word(
         tmp_path, monkeypatch, capfd):
     """A rank killed outright fails its peers' MPI calls to it. The peer that fails looks
-    before it aborts the world: the ranks of its host already gone (reaped or a zombie), but
-    those that finished or said why, died first (test_rank_death's learner on a loaded
-    machine: its inference rank's weight plane said why before the launcher looked)."""
+    before it aborts the world: the ranks of its host already gone (reaped, a zombie, or
+    exiting), but those that finished or said why, died first (test_rank_death's learner on a
+    loaded machine: its inference rank's weight plane said why before the launcher looked)."""
     monkeypatch.setenv(deathwatch.ENV, str(tmp_path))
     alive = subprocess.Popen(["sleep", "60"])
     zombie = subprocess.Popen(["true"])  # exited, not yet waited for
@@ -148,6 +148,9 @@ RANK = """
 import os, sys, time
 from hpcvla.process import deathwatch
 deathwatch.register(int(sys.argv[1]), sys.argv[2], 0, "vm")
+if sys.argv[2] == "learner":  # 1 GiB held, every page written: ~0.1 s to tear down
+    held = bytearray(1 << 30)
+    held[::4096] = b"x" * len(range(0, len(held), 4096))
 if sys.argv[2] == "forked" and os.fork() == 0:
     time.sleep(60)  # an env worker outliving its rank
     os._exit(0)
@@ -188,6 +191,33 @@ def test_the_rank_whose_files_closed_first_is_named_though_its_pid_outlived_anot
     finally:
         for proc in (culprit, victim):
             proc.kill()
+        watch.close()
+
+
+def test_a_rank_killed_outright_is_seen_gone_while_it_still_tears_down_its_memory():
+    """A process killed outright first frees its memory (flagged PF_EXITING), then closes its
+    files (its lifeline, its MPI sockets, one after another) and becomes a zombie (its pidfd
+    readable). Its peers may fail on its first socket to close and say why before its lifeline
+    closes: the watch counts it gone from the start, so such a peer is never named alone
+    (tests/faults/test_exactly_once.py's learner, once, on a loaded machine)."""
+    watch = deathwatch.DeathWatch()
+    try:
+        for attempt in range(5):  # a test descheduled for the whole tear-down tries again
+            rank = rank_process(watch, attempt, "learner")
+            for _ in range(10):
+                watch.wait(0.05)  # its lifeline accepted and its rank read
+            rank.kill()
+            deadline = time.monotonic() + 10
+            while attempt not in watch.gone and time.monotonic() < deadline:
+                watch.wait(0)
+            state = Path(f"/proc/{rank.pid}/stat").read_text().rpartition(")")[2].split()[0]
+            rank.wait()
+            assert attempt in watch.gone
+            if state not in ("Z", "X"):
+                break
+        else:
+            raise AssertionError("5 killed ranks, each seen gone only once a zombie")
+    finally:
         watch.close()
 
 
