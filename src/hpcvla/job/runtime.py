@@ -29,22 +29,25 @@ def or_abort_the_world(command: str, start) -> int:
     in agreed_start and ends with one message, exit 2. Any other failure outside the roles'
     run names the rank, its host and the error and aborts the world. Either way no rank waits
     for this one forever (in MPI_Init, or its first collective)."""
+    from mpi4py import MPI
     try:
-        return start()
+        code = start()
     except (ConfigError, PlanError, LaunchError, Refused) as err:
-        from mpi4py import MPI
         try:
             agreed_start(MPI.COMM_WORLD, str(err))
         except Refused as verdict:
-            return _refused(MPI.COMM_WORLD, verdict)
-        raise  # (agreed_start raises on a failure)
+            code = _refused(MPI.COMM_WORLD, verdict)
+        else:
+            raise  # (agreed_start raises on a failure)
     except Exception as err:  # noqa: BLE001 - any other failure must take the world down
-        from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank()
         deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla {command}: rank {rank} (host "
                                f"{MPI.Get_processor_name()}) failed: {err!r}", 1,
                                traceback.format_exc())
         raise  # (abort_world ends this process)
+    if code and not MPI.Is_finalized():  # every rank refused together (_refused): MPI ends
+        MPI.Finalize()  # [dist] here, not in the abort `python -m mpi4py` makes of exit 2
+    return code
 
 
 def agreed_start(world, refusal: str | None = None) -> list[str]:
@@ -117,13 +120,20 @@ def run_ranks(cfg, main, check=None) -> int:
 
 def _refused(world, err: Exception) -> int:
     """Every rank, on the same verdict `err`: rank 0 says it once for the world."""
-    if world.Get_rank() == 0:
+    from mpi4py import MPI
+
+    rank = world.Get_rank()
+    if rank == 0:
         print(f"hpcvla: {err}", file=sys.stderr, flush=True)
-    # A non-zero exit makes mpi4py abort the world: let rank 0 say why before anyone exits.
+    # Every rank leaves together, once rank 0 has said why, and the world's command ends MPI
+    # (or_abort_the_world) instead of aborting it: mpiexec may drop output that it has not
+    # yet forwarded when a world aborts (all of an aborting rank's, once, on a loaded machine).
     try:
         idle_barrier(world, timeout=10.0)  # [dist]
-    except TimeoutError:
-        pass
+    except TimeoutError:  # a rank gone elsewhere: the world cannot end together
+        deathwatch.abort_world(world, rank, f"hpcvla: rank {rank} (host "
+                               f"{MPI.Get_processor_name()}): not every rank reached this "
+                               f"verdict within 10 s: {err}", 2)
     return 2
 
 
