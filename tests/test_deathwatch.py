@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from hpcvla.process import deathwatch
+from hpcvla.process import deathwatch, stdio
 
 
 def card(folder: Path, rank: int, pid: int, host: str | None = None) -> None:
@@ -146,7 +146,7 @@ def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(
 
 RANK = """
 import os, sys, time
-from hpcvla.process import deathwatch
+from hpcvla.process import deathwatch, stdio
 deathwatch.register(int(sys.argv[1]), sys.argv[2], 0, "vm")
 if sys.argv[2] == "learner":  # 1 GiB held, every page written: ~0.1 s to tear down
     held = bytearray(1 << 30)
@@ -277,3 +277,25 @@ def test_a_world_never_started_while_no_rank_registered_and_no_run_was_made(tmp_
     watch = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch",
                             "never-started", str(tmp_path)])
     assert watch.returncode == 1 and not deathwatch.never_started(tmp_path)
+
+
+def test_a_rank_about_to_abort_waits_until_its_launcher_has_read_what_it_said():
+    """mpiexec's proxy reads a rank's stderr from a pipe and stops once the world aborts: a
+    rank about to abort (abort_world) waits until the pipe is read empty, a bounded time."""
+    read, write = os.pipe()
+    stream = os.fdopen(write, "w")
+    try:
+        stream.write("hpcvla: rank 1 failed\n")
+        start = time.monotonic()
+        stdio.until_forwarded(stream, within_s=0.3)  # nobody reads: it gives up
+        assert 0.3 <= time.monotonic() - start < 2
+        got: list[bytes] = []
+        threading.Timer(0.5, lambda: got.append(os.read(read, 1 << 16))).start()
+        stream.write("its traceback\n")
+        start = time.monotonic()
+        stdio.until_forwarded(stream, within_s=10)
+        assert 0.5 <= time.monotonic() - start < 5
+        assert got == [b"hpcvla: rank 1 failed\nits traceback\n"]
+    finally:
+        stream.close()
+        os.close(read)

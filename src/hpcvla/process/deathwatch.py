@@ -11,6 +11,7 @@ The lifeline closes when the dying rank's files close, the moment mpiexec's prox
 the death (its pipes and PMI socket close then) and before it kills the other ranks. A pidfd
 (also watched, for a rank whose lifeline a forked child still holds) signals only when the
 process has wholly exited: on a loaded machine, after the ranks the proxy killed in the meantime.
+A rank killed outright counts as gone once it begins to exit (process_gone), before either.
 
 A rank that ends its work marks its card done. A job script's launcher (jobs/launch.sh) thus
 also learns that a world has failed while its launcher still runs, and which of its host's
@@ -31,6 +32,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from hpcvla.process.stdio import until_forwarded
 
 ENV = "HPCVLA_RANK_DIR"
 LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher listens on one
@@ -87,6 +90,7 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
         why += f"\nhpcvla: {_who(before)} died first, without a word, before this failure"
     print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
     said_why(rank, why)
+    until_forwarded(sys.stderr)  # read by mpiexec's proxy before the abort stops it
     world.Abort(code)
 
 
