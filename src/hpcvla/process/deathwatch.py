@@ -128,10 +128,10 @@ def _failures(folder: Path) -> list[Path]:
 
 def process_gone(pid: int) -> bool:
     """Reaped, a zombie, or exiting. A process killed outright first tears down its memory
-    (0.4 s for 6 GB on a 2-core VM), flagged PF_EXITING, and only then closes
-    its files (its lifeline, its MPI sockets) and becomes a zombie (its pidfd readable): its
-    peers may see it gone from the first of its sockets to close, before the last. Its stat
-    is read once: a process being reaped may vanish between two looks at its /proc entry."""
+    (0.4 s for 6 GB on a 2-core VM), flagged PF_EXITING, and only then closes its files (its
+    lifeline, its MPI sockets) and becomes a zombie (its pidfd readable): its peers may see it
+    gone from the first of its sockets to close, before the last. Its stat is read once: a
+    process being reaped may vanish between two looks at its /proc entry."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:  # reaped
