@@ -299,3 +299,23 @@ def test_a_rank_about_to_abort_waits_until_its_launcher_has_read_what_it_said():
     finally:
         stream.close()
         os.close(read)
+
+
+def test_what_a_job_script_prints_after_a_failed_world_repeats_what_the_failing_rank_said(
+        tmp_path):
+    """`python -m hpcvla.process.deathwatch describe` (jobs/lib/world.sh): the ranks, what the
+    first rank to fail said (mpiexec may have cut it from the rank's own output as the world
+    aborted), and the last progress."""
+    card(tmp_path, 0, 101)
+    card(tmp_path, 1, 102)
+    (tmp_path / "failed.rank1").write_text("hpcvla: rank 1 (learner) failed: OSError()\n"
+                                           "hpcvla: rank 0 died first, without a word")
+    out = subprocess.run([sys.executable, "-m", "hpcvla.process.deathwatch", "describe",
+                          str(tmp_path)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and out.stderr.splitlines() == [
+        "hpcvla: the world ended badly; its ranks (2 registered):",
+        f"  rank 0: simulator on node 0 (host {socket.gethostname()}, pid 101)",
+        f"  rank 1: simulator on node 0 (host {socket.gethostname()}, pid 102)",
+        "  rank 1 said: hpcvla: rank 1 (learner) failed: OSError()",
+        "    hpcvla: rank 0 died first, without a word",
+        "  no progress recorded"], out.stderr

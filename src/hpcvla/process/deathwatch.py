@@ -353,12 +353,16 @@ def _last_progress(run_dir_file: Path) -> str:
 
 
 def describe(folder: Path) -> str:
-    """Every registered rank and the run's last progress: what a job script prints after
-    its launcher (srun, which names the failed task = rank) ended the world badly."""
+    """What a job script prints after its launcher ended the world badly: every registered
+    rank, what the first rank that failed said (said_why: the launcher may have cut its own
+    output), and the run's last progress."""
     cards = _cards(folder)
     lines = [f"hpcvla: the world ended badly; its ranks ({len(cards)} registered):"]
     lines += [f"  rank {c['rank']}: {c['roles']} on node {c['node']} (host {c['host']}, pid "
               f"{c['pid']})" for c in cards]
+    if (said := _failures(folder)) and (why := said[0].read_text().strip()):
+        rank = said[0].name.removeprefix("failed.rank")
+        lines.append(f"  rank {rank} said: " + why.replace("\n", "\n    "))
     return "\n".join(lines + ["  " + _last_progress(folder / RUN_DIR_FILE)])
 
 
