@@ -47,13 +47,14 @@ def main():
             assert seqs == list(range(n_records)), (producer, seqs[:10])
         s = ring.reader.stats
         assert (s.bad_slots, s.dropped_records, s.lost_records) == (0, 0, 0), s
-        # every lane filled up (a lane per producer, at least one slot each: ring.n_slots may
-        # exceed the slots asked for) and producers waited on their full lanes
-        assert max_occupancy == ring.n_slots >= n_slots and max_waiting > 0, \
+        # producers waited on their full lanes (a lane per producer, at least one slot each:
+        # ring.n_slots may exceed the slots asked for). Not every lane need be full at one of
+        # the consumer's looks: a loaded machine starts some producers late (9 of 11 once).
+        assert ring.n_slots >= n_slots and max_waiting > 0, \
             (max_occupancy, ring.n_slots, max_waiting)
         print(f"ring: {s.records} records ({s.bytes} bytes) from {len(got)} producers, "
-              f"each exactly once and in order; ring full ({max_occupancy}/{ring.n_slots} slots) "
-              f"with up to {max_waiting} full lanes; "
+              f"each exactly once and in order; up to {max_occupancy}/{ring.n_slots} slots full, "
+              f"{max_waiting} lanes full with their producers waiting; "
               f"{time.monotonic() - t0:.1f} s", flush=True)
     else:
         for seq in range(n_records):
