@@ -146,7 +146,7 @@ def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(
 
 RANK = """
 import os, sys, time
-from hpcvla.process import deathwatch, stdio
+from hpcvla.process import deathwatch
 deathwatch.register(int(sys.argv[1]), sys.argv[2], 0, "vm")
 if sys.argv[2] == "learner":  # 1 GiB held, every page written: ~0.1 s to tear down
     held = bytearray(1 << 30)
