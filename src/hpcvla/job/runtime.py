@@ -26,13 +26,14 @@ def or_abort_the_world(command: str, start) -> int:
     """`start()`: `hpcvla COMMAND` on a rank of a world (its checks, then run_ranks or
     run_guarded, which begin with agreed_start). Where this rank's own checks refuse (a
     ConfigError, PlanError or LaunchError, or Refused: cli.py's refusals), the world hears it
-    in agreed_start and ends with one message, exit 2. Any other failure outside the roles'
-    run names the rank, its host and the error and aborts the world. Either way no rank waits
-    for this one forever (in MPI_Init, or its first collective)."""
-    from mpi4py import MPI
+    in agreed_start and ends with one message, exit 2, every rank ending MPI rather than
+    aborting it (as on any verdict every rank reached: _refused). Any other failure outside
+    the roles' run names the rank, its host and the error and aborts the world. Either way no
+    rank waits for this one forever (in MPI_Init, or its first collective)."""
     try:
         code = start()
     except (ConfigError, PlanError, LaunchError, Refused) as err:
+        from mpi4py import MPI
         try:
             agreed_start(MPI.COMM_WORLD, str(err))
         except Refused as verdict:
@@ -40,13 +41,16 @@ def or_abort_the_world(command: str, start) -> int:
         else:
             raise  # (agreed_start raises on a failure)
     except Exception as err:  # noqa: BLE001 - any other failure must take the world down
+        from mpi4py import MPI
         rank = MPI.COMM_WORLD.Get_rank()
         deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla {command}: rank {rank} (host "
                                f"{MPI.Get_processor_name()}) failed: {err!r}", 1,
                                traceback.format_exc())
         raise  # (abort_world ends this process)
-    if code and not MPI.Is_finalized():  # every rank refused together (_refused): MPI ends
-        MPI.Finalize()  # [dist] here, not in the abort `python -m mpi4py` makes of exit 2
+    if code:  # every rank refused together (_refused): MPI ends here, not in the abort
+        from mpi4py import MPI  # `python -m mpi4py` (both launchers) makes of exit status 2
+        if not MPI.Is_finalized():
+            MPI.Finalize()  # [dist]
     return code
 
 
