@@ -110,11 +110,12 @@ install-horovod: horovod-wheel
 # `alone` and GPU ones on TEST_WORKERS pytest-xdist workers, a whole test file per worker at a time
 # (a file's fixtures, a local Slurm among them, are made once), then those one at a time with
 # nothing beside them (the `alone` ones hold most of the machine's memory, time a thread's
-# wake-up or plant a leftover that another test's launcher would clean up, the GPU ones measure the GPU's memory and speed; without a GPU they skip). Side by side, the tiers that start MPI worlds,
-# jobs and hosts fill each other's waits: alone, their ranks leave about a quarter of the cores
-# idle (startups, Slurm's scheduling, emulated slow learners). Both runs go to the end; either
-# failing fails the target. The 30 slowest tests of each are listed: CI's own figures for keeping
-# the suite inside its time.
+# wake-up or plant a leftover that another test's launcher would clean up; the GPU ones measure
+# the GPU's memory and speed, and without a GPU they skip). Side by side, the tiers that start
+# MPI worlds, jobs and hosts fill each other's waits: alone, their ranks leave about a quarter of
+# the cores idle (startups, Slurm's scheduling, emulated slow learners). Both runs go to the end;
+# either failing fails the target. The 30 slowest tests of each are listed: CI's own figures for
+# keeping the suite inside its time.
 TEST_WORKERS ?= 2
 test:
 	PATH="$(abspath $(BIN)):$$PATH"; \
