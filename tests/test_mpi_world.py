@@ -83,6 +83,24 @@ def test_a_problem_of_one_nodes_own_ends_the_world_naming_rank_and_host(tmp_path
         in out.stderr and "sees none" in out.stderr, out.stderr
 
 
+def _run_dir(tmp_path: Path) -> Path:
+    """A run directory with the default config and no checkpoint (`hpcvla eval --untrained`)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
+    return run_dir
+
+
+def _two_ranks(first: list, second: list) -> tuple[subprocess.CompletedProcess, float]:
+    """A 2-rank world mpiexec starts directly (MPMD: rank 0 runs `first`, rank 1 `second`,
+    which may begin with mpiexec's per-rank options), cut at 60 s; its output and seconds."""
+    start = time.monotonic()
+    out = subprocess.run(["timeout", "-k", "5", "60", "mpiexec", "-n", "1", *first, ":",
+                          "-n", "1", *second], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    return out, time.monotonic() - start
+
+
 @pytest.mark.parametrize("command", ["train", "sft", "eval"])
 def test_a_nodes_own_problem_found_before_mpi_starts_ends_the_world_naming_it(tmp_path,
                                                                              command):
@@ -91,20 +109,14 @@ def test_a_nodes_own_problem_found_before_mpi_starts_ends_the_world_naming_it(tm
     node's problem. The world ends with one message from rank 0 naming rank 1 and its host,
     exit 2: rank 0 would otherwise wait for it in MPI_Init forever. (Rank 1 does not abort:
     mpiexec may cut an aborting rank's output, as it once did all of it on a loaded machine.)"""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
     args = {"train": ["configs/colocated.yaml", "pipeline.total_updates=1"],
             "sft": ["configs/default.yaml", "sft.steps=1",
                     f"sft.demos={reach_demos(tmp_path / 'demos.h5', 2)}"],
-            "eval": [run_dir, "--untrained", "--episodes", 2, "--envs", 2]}[command]
+            "eval": [_run_dir(tmp_path), "--untrained", "--episodes", 2, "--envs", 2]}[command]
     program = [sys.executable, "-m", "hpcvla", command, *map(str, args)]
     program += [f"run.root={tmp_path}"] if command != "eval" else []
-    start = time.monotonic()
-    out = subprocess.run(["timeout", "-k", "5", "60", "mpiexec", "-n", "1", *program, ":",
-                          "-n", "1", "-env", "SLURM_GPUS_ON_NODE", "8", *program], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and time.monotonic() - start < 30, out.stderr[-3000:]
+    out, seconds = _two_ranks(program, ["-env", "SLURM_GPUS_ON_NODE", "8", *program])
+    assert out.returncode == 2 and seconds < 30, out.stderr[-3000:]
     assert f"rank(s) 1 ({socket.gethostname()}): invalid" in out.stderr and \
         "(SLURM_GPUS_ON_NODE=8) but torch" in out.stderr, out.stderr[-3000:]
 
@@ -116,10 +128,6 @@ def test_a_file_that_only_some_ranks_find_ends_the_world_naming_them(tmp_path, c
     before MPI_Init, rank 0's pass. Every rank hears both verdicts at the world's first
     collective and the world ends with one message from rank 0 naming rank 1 and its host,
     exit 2, instead of rank 0 waiting for rank 1 forever."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text(hpcvla("config", "configs/default.yaml").stdout)
-    demos = reach_demos(tmp_path / "demos.h5", 2)
     missing = tmp_path / "not-on-this-node"
     def program(path):
         args = ["sft", "configs/default.yaml", "sft.steps=1", f"sft.demos={path}",
@@ -127,12 +135,9 @@ def test_a_file_that_only_some_ranks_find_ends_the_world_naming_them(tmp_path, c
             ["eval", path, "--untrained", "--episodes", 2, "--envs", 2]
         return [sys.executable, "-m", "hpcvla", *map(str, args)]
 
-    start = time.monotonic()
-    out = subprocess.run(["timeout", "-k", "5", "60", "mpiexec", "-n", "1",
-                          *program(demos if command == "sft" else run_dir), ":", "-n", "1",
-                          *program(missing)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 2 and time.monotonic() - start < 30, out.stderr[-3000:]
+    present = reach_demos(tmp_path / "demos.h5", 2) if command == "sft" else _run_dir(tmp_path)
+    out, seconds = _two_ranks(program(present), program(missing))
+    assert out.returncode == 2 and seconds < 30, out.stderr[-3000:]
     assert out.stderr.count("only some ranks found a problem") == 1, out.stderr[-3000:]
     assert f"rank(s) 1 ({socket.gethostname()}): " in out.stderr and str(missing) in \
         out.stderr, out.stderr[-3000:]
