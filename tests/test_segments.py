@@ -64,6 +64,33 @@ def test_the_command_a_job_runs_on_each_node_removes_orphans_and_says_which():
     assert segments.segments() <= before
 
 
+@pytest.mark.mpi
+def test_hpcvla_launch_removes_what_its_failed_world_left_and_says_which(tmp_path):
+    """`hpcvla launch` (and so `hpcvla train --ranks`) after a world that failed: the segments
+    made since it started that no process maps go, named on its stderr; one from before its
+    world stays (its own world's, for all it knows, are the new ones)."""
+    older = _segment("before-the-world")
+    script = tmp_path / "fail.py"
+    script.write_text("import mmap, sys\nfrom mpi4py import MPI\n"
+                      f"open({str(segments.SHM_DIR)!r} + '/mpich_hpcvla_test_' + "
+                      "str(MPI.COMM_WORLD.Get_rank()), 'wb').write(bytes(mmap.PAGESIZE))\n"
+                      "sys.exit(3)\n")
+    try:
+        out = subprocess.run([sys.executable, "-m", "hpcvla", "launch", "-n", "2", "--timeout",
+                              "60", "--", str(script)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode != 0
+        # (with the world's own: MPICH's, which its aborted ranks left)
+        (said,) = [line.split() for line in out.stderr.splitlines()
+                   if line.startswith("hpcvla launch: ") and "MPICH segment(s)" in line]
+        assert {"mpich_hpcvla_test_0", "mpich_hpcvla_test_1"} <= set(said), out.stderr
+        assert older.name not in said
+        assert older.exists()
+        assert not list(segments.SHM_DIR.glob("mpich_hpcvla_test_[01]"))
+    finally:
+        older.unlink()
+
+
 def test_a_second_look_is_taken_only_when_something_is_unmapped():
     """A new segment a live process maps is not an orphan, and no second look waits for it."""
     before = segments.segments()
@@ -100,6 +127,7 @@ def test_a_killed_worlds_topology_file_is_removed_and_a_running_worlds_kept():
     behind."""
     program = ("from mpi4py import MPI; import time; MPI.COMM_WORLD.Barrier(); "
                "MPI.COMM_WORLD.rank or print('ready', flush=True); time.sleep(120)")
+    before = segments.segments()
     world = subprocess.Popen(["mpiexec", "-n", "2", sys.executable, "-c", program],
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                              start_new_session=True)
@@ -115,8 +143,8 @@ def test_a_killed_worlds_topology_file_is_removed_and_a_running_worlds_kept():
         if world.poll() is None:
             os.killpg(world.pid, signal.SIGKILL)
             world.wait()
-    segments.remove_orphans(segments.segments())
-    assert not topology.exists()
+    segments.remove_orphans(before)  # the killed world's segment too
+    assert not topology.exists() and not segments.orphans(before)
 
 
 def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:

@@ -74,7 +74,8 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         code, never_started = _run(cmd, env, left)
         if code != 0:  # a clean exit frees its own segments; tests check that it does
-            segments.remove_orphans(shm_before)
+            for line in segments.removal_report(segments.remove_orphans(shm_before)):
+                print(f"hpcvla launch: {line}", file=sys.stderr, flush=True)
         if not never_started or attempt == retries:
             return code
         attempt += 1

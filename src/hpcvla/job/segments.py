@@ -13,10 +13,10 @@ requeued job's nodes before its first world), each node running
 
     python -m hpcvla.job.segments remove-orphans
 
-which prints what it removed. A segment is an orphan when no process maps it at two looks a
-second apart: another world on the node maps each segment it creates an instant after
-creating it, so one it is still creating is never taken for an orphan. A topology file is an
-orphan when no process has it open: its proxy opens it as it creates it.
+and each says what it removed (`removal_report`). A segment is an orphan when no process
+maps it at two looks a second apart: another world on the node maps each segment it creates
+an instant after creating it, so one it is still creating is never taken for an orphan. A
+topology file is an orphan when no process has it open: its proxy opens it as it creates it.
 """
 
 from __future__ import annotations
@@ -114,14 +114,20 @@ def _main(argv=None) -> None:
                    "no process maps and Hydra topology files in /tmp that no process has "
                    "open, and print them")
     parser.parse_args(argv)
-    removed = remove_orphans()
-    host = socket.gethostname()
+    for line in removal_report(remove_orphans()):
+        print(line)
+
+
+def removal_report(removed: set[Path]) -> list[str]:
+    """What `remove_orphans` removed, a line per kind, naming this host and every file."""
+    host, lines = socket.gethostname(), []
     for directory, what, how in ((SHM_DIR, "MPICH segment(s)", "maps"),
                                  (TOPOLOGY_DIR, "Hydra topology file(s)", "has open")):
         names = sorted(p.name for p in removed if p.parent == directory)
         if names:
-            print(f"{host}: removed {len(names)} {what} that no process {how} from "
-                  f"{directory}: {' '.join(names)}")
+            lines.append(f"{host}: removed {len(names)} {what} that no process {how} from "
+                         f"{directory}: {' '.join(names)}")
+    return lines
 
 
 if __name__ == "__main__":
