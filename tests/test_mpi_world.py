@@ -117,6 +117,7 @@ def test_a_nodes_own_problem_found_before_mpi_starts_ends_the_world_naming_it(tm
     program += [f"run.root={tmp_path}"] if command != "eval" else []
     out, seconds = _two_ranks(program, ["-env", "SLURM_GPUS_ON_NODE", "8", *program])
     assert out.returncode == 2 and seconds < 30, out.stderr[-3000:]
+    assert f"hpcvla {command}: only some ranks found a problem" in out.stderr, out.stderr[-3000:]
     assert f"rank(s) 1 ({socket.gethostname()}): invalid" in out.stderr and \
         "(SLURM_GPUS_ON_NODE=8) but torch" in out.stderr, out.stderr[-3000:]
 
@@ -138,7 +139,8 @@ def test_a_file_that_only_some_ranks_find_ends_the_world_naming_them(tmp_path, c
     present = reach_demos(tmp_path / "demos.h5", 2) if command == "sft" else _run_dir(tmp_path)
     out, seconds = _two_ranks(program(present), program(missing))
     assert out.returncode == 2 and seconds < 30, out.stderr[-3000:]
-    assert out.stderr.count("only some ranks found a problem") == 1, out.stderr[-3000:]
+    assert out.stderr.count(f"hpcvla {command}: only some ranks found a problem") == 1, \
+        out.stderr[-3000:]
     assert f"rank(s) 1 ({socket.gethostname()}): " in out.stderr and str(missing) in \
         out.stderr, out.stderr[-3000:]
 
@@ -437,7 +439,8 @@ def test_a_world_that_died_while_starting_is_started_again_by_hpcvla_train(tmp_p
     # a file problem: rank 0 checks the files for the world (preflight.check_world)
     ("run.resume=tests", "run.resume = 'tests': expected a run directory holding a complete")])
 def test_config_error_inside_a_world_is_reported_once(setting, message):
+    """... as `hpcvla train` says it outside a world."""
     out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", "train", "configs/default.yaml",
                  setting)
     assert out.returncode == 2
-    assert out.stderr.count(message) == 1, out.stderr
+    assert out.stderr.count(message) == out.stderr.count("hpcvla train: ") == 1, out.stderr

@@ -224,7 +224,8 @@ def cmd_train(args) -> int:
     if args.ranks is None:  # we are a rank of a world someone else started
         from hpcvla.job.runtime import run_ranks, train_main
         preflight.check_host(cfg, source)  # its node, on each rank; the rest: one rank, for all
-        return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source))
+        return run_ranks(cfg, train_main, lambda c, p: preflight.check_world(c, p, source),
+                         "train")
     plan = plan_from_config(cfg.placement, args.ranks)
     checked = preflight.check_launch(cfg, plan, source)  # refused here, before any rank starts
     from hpcvla.job.launch import run_world
@@ -371,7 +372,7 @@ def cmd_eval(args) -> int:
     from hpcvla.topology.comms import check_scheduler_world
     if cfg.launch.check_scheduler:  # N 1-rank worlds would each evaluate every state
         check_scheduler_world(MPI.COMM_WORLD.Get_size())
-    return run_guarded(MPI.COMM_WORLD, "evaluator", lambda: report(MPI.COMM_WORLD))
+    return run_guarded(MPI.COMM_WORLD, "evaluator", lambda: report(MPI.COMM_WORLD), "eval")
 
 
 def cmd_export(args) -> int:

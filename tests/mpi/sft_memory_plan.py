@@ -28,7 +28,7 @@ def plan():
     planned.append({"gpu": memory.gpu, "device": memory.device})
 
 
-code = run_guarded(world, "sft learner", plan)
+code = run_guarded(world, "sft learner", plan, "sft")
 # every rank's exit status and plan, one line from rank 0 (the ranks' own lines interleave)
 everyone = world.gather({"code": code, "plan": planned[0] if planned else None}, root=0)
 if world.Get_rank() == 0:

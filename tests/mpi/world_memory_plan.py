@@ -61,7 +61,8 @@ def evaluate():
     planned.append("fits")
 
 
-code = run_ranks(cfg, train) if job == "train" else run_guarded(world, "evaluator", evaluate)
+code = run_ranks(cfg, train, command="train") if job == "train" else \
+    run_guarded(world, "evaluator", evaluate, "eval")
 everyone = world.gather({"code": code, "plan": planned[0] if planned else None}, root=0)
 if rank == 0:
     print(json.dumps(everyone), flush=True)

@@ -384,4 +384,5 @@ def run_sft(cfg) -> int:
     from hpcvla.job.runtime import run_guarded
 
     preempt.install()  # SIGTERM/SIGUSR1: stop after the current step, with a checkpoint
-    return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD))
+    return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD),
+                       "sft")

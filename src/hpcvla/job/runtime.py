@@ -37,7 +37,7 @@ def or_abort_the_world(command: str, start) -> int:
         try:
             agreed_start(MPI.COMM_WORLD, str(err))
         except Refused as verdict:
-            code = _refused(MPI.COMM_WORLD, verdict)
+            code = _refused(MPI.COMM_WORLD, verdict, command)
         else:
             raise  # (agreed_start raises on a failure)
     except Exception as err:  # noqa: BLE001 - any other failure must take the world down
@@ -77,11 +77,11 @@ def agreed_start(world, refusal: str | None = None) -> list[str]:
     return [host for _, host in said]
 
 
-def run_ranks(cfg, main, check=None) -> int:
+def run_ranks(cfg, main, check=None, command: str = "") -> int:
     """Run `main(cfg, plan, comms)` on this rank. A rank that raises aborts the world after
     printing its rank, roles, node and host; a layout that cannot work (or fails
     `check(cfg, plan)`), or a verdict `main` reaches on every rank (Refused), stops every
-    rank with one message and exit 2."""
+    rank with one message (from `hpcvla COMMAND`) and exit 2."""
     phases.mark("imports")
     from mpi4py import MPI
 
@@ -109,26 +109,28 @@ def run_ranks(cfg, main, check=None) -> int:
         deathwatch.register(rank, "+".join(plan.ranks[rank].roles), plan.ranks[rank].node,
                             MPI.Get_processor_name())
     except (PlanError, ConfigError, LaunchError, Refused) as err:  # every rank's same verdict
-        return _refused(world, err)
+        return _refused(world, err, command)
     info = plan.ranks[rank]
     try:
         _or_abort(world, "+".join(info.roles), info.node, lambda: main(cfg, plan, comms))
     except Refused as err:  # every rank's verdict once the world knows its GPUs (prologue.py)
         deathwatch.finished(rank)
-        return _refused(world, err)
+        return _refused(world, err, command)
     comms.free()
     deathwatch.finished(rank)
     preempt.ignore_from_now()
     return 0
 
 
-def _refused(world, err: Exception) -> int:
-    """Every rank, on the same verdict `err`: rank 0 says it once for the world."""
+def _refused(world, err: Exception, command: str) -> int:
+    """Every rank, on the same verdict `err`: rank 0 says it once for the world, as
+    `hpcvla COMMAND` says a refusal outside a world (cli.py)."""
     from mpi4py import MPI
 
     rank = world.Get_rank()
     if rank == 0:
-        print(f"hpcvla: {err}", file=sys.stderr, flush=True)
+        print(f"{' '.join(filter(None, ('hpcvla', command)))}: {err}", file=sys.stderr,
+              flush=True)
     # Every rank leaves together, once rank 0 has said why, and the world's command ends MPI
     # (or_abort_the_world) instead of aborting it: mpiexec may drop output that it has not
     # yet forwarded when a world aborts (all of an aborting rank's, once, on a loaded machine).
@@ -150,21 +152,22 @@ def _problem(check, cfg, plan) -> str | None:
     return None
 
 
-def run_guarded(world, role: str, main) -> int:
+def run_guarded(world, role: str, main, command: str) -> int:
     """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
     learners): a rank that raises aborts the world, as in run_ranks; one that raises
-    Refused, as every rank does then, ends it with one message and exit 2."""
+    Refused, as every rank does then, ends it with one message (from `hpcvla COMMAND`) and
+    exit 2."""
     try:
         hosts = agreed_start(world)  # [dist]
     except Refused as err:  # a rank's own checks refused (or_abort_the_world)
-        return _refused(world, err)
+        return _refused(world, err, command)
     node = node_numbers(hosts)[world.Get_rank()]
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
     try:
         _or_abort(world, role, node, main)
     except Refused as err:
         deathwatch.finished(world.Get_rank())  # an exit the launcher need not explain
-        return _refused(world, err)
+        return _refused(world, err, command)
     deathwatch.finished(world.Get_rank())
     preempt.ignore_from_now()
     return 0
