@@ -129,7 +129,7 @@ def _refused(world, err: Exception, command: str) -> int:
 
     rank = world.Get_rank()
     if rank == 0:
-        print(f"{' '.join(filter(None, ('hpcvla', command)))}: {err}", file=sys.stderr,
+        print(f"hpcvla {command}: {err}" if command else f"hpcvla: {err}", file=sys.stderr,
               flush=True)
     # Every rank leaves together, once rank 0 has said why, and the world's command ends MPI
     # (or_abort_the_world) instead of aborting it: mpiexec may drop output that it has not
