@@ -109,9 +109,9 @@ install-horovod: horovod-wheel
 # The venv's bin first on PATH: its mpiexec and tools for the tests. Two runs: every test but the
 # `alone` and GPU ones on TEST_WORKERS pytest-xdist workers, a whole test file per worker at a time
 # (a file's fixtures, a local Slurm among them, are made once), then those one at a time with
-# nothing beside them (the `alone` ones hold most of the machine's memory, time a thread's
-# wake-up or plant a leftover that another test's launcher would clean up; the GPU ones measure
-# the GPU's memory and speed, and without a GPU they skip). Side by side, the tiers that start
+# nothing beside them (the `alone` ones hold most of the machine's memory or time a thread's
+# wake-up; the GPU ones measure the GPU's memory and speed, and without a GPU they skip; each
+# worker has a /dev/shm of its own: tests/conftest.py). Side by side, the tiers that start
 # MPI worlds, jobs and hosts fill each other's waits: alone, their ranks leave about a quarter of
 # the cores idle (startups, Slurm's scheduling, emulated slow learners). Both runs go to the end;
 # either failing fails the target. The 30 slowest tests of each are listed: CI's own figures for

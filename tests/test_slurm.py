@@ -565,7 +565,6 @@ def test_a_pbs_gpu_job_whose_ranks_ssh_starts_is_warned(tmp_path, start):
     assert "they see every GPU" not in dry_run("")
 
 
-@pytest.mark.alone  # any world failing beside it would remove the segment it plants
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
 def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
