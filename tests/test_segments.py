@@ -74,6 +74,7 @@ def test_hpcvla_launch_removes_what_its_failed_world_left_and_says_which(tmp_pat
     script.write_text("import mmap, sys\nfrom mpi4py import MPI\n"
                       f"open({str(segments.SHM_DIR)!r} + '/mpich_hpcvla_test_' + "
                       "str(MPI.COMM_WORLD.Get_rank()), 'wb').write(bytes(mmap.PAGESIZE))\n"
+                      "MPI.COMM_WORLD.Barrier()\n"  # both written before either fails
                       "sys.exit(3)\n")
     try:
         out = subprocess.run([sys.executable, "-m", "hpcvla", "launch", "-n", "2", "--timeout",
