@@ -1,6 +1,9 @@
 """The progress line's ETA: the remaining versions at the recent versions' rate, shown only
 once three versions have ended, so that start-up and the first, slower versions do not make
-the first estimates wrong by a factor."""
+the first estimates wrong by a factor; and the launch the start and stop are timed from."""
+
+import os
+import time
 
 from hpcvla.metrics import progress
 from hpcvla.metrics.progress import Progress
@@ -87,3 +90,22 @@ def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_pa
     # with none ended adds nothing; no episode anywhere: no figure
     assert _pooled([(0.5, 4), (1.0, 2), (None, 0)]) == 4 / 6
     assert _pooled([(None, 0), (None, 0)]) is None
+
+
+def test_a_process_s_launch_is_its_start_to_the_clock_tick(monkeypatch):
+    """Without HPCVLA_LAUNCHED_AT the launch is the process's start: a child started after
+    `before` must not say it started earlier than that (psutil's boot time, whole seconds,
+    put it up to a second early, and every step of phases_s that much late)."""
+    import subprocess
+    import sys
+
+    from hpcvla.metrics import phases
+
+    monkeypatch.delenv(phases.LAUNCHED_AT, raising=False)
+    before = time.time()
+    said = subprocess.run(
+        [sys.executable, "-c", "from hpcvla.metrics import phases; print(phases.launched_at())"],
+        capture_output=True, text=True, check=True, env={**os.environ}).stdout
+    after = time.time()
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert before - tick <= float(said) <= after, (before, said, after)
