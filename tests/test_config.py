@@ -250,7 +250,9 @@ def test_fuzzed_values_are_accepted_or_named(name, value):
 def test_cli_rejects_bad_config_before_any_rank_starts():
     for args, says in ((["learner.zero_stage=7", "--ranks", "4"],
                         "learner.zero_stage = 7: expected an int >= 0 and <= 3"),
-                       (["--ranks", "6"], "sum to the ranks per node")):
+                       (["--ranks", "6"], "make placement.per_node sum to 6"),
+                       # too few for the three roles: the layout that fits is named
+                       (["--ranks", "2"], "run colocated (configs/colocated.yaml")):
         out = without_launcher("train", ROOT / "configs/default.yaml", *args)
         assert out.returncode == 2 and says in out.stderr, out.stderr
 

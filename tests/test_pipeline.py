@@ -482,6 +482,11 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks, stop):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     second = json.loads((run_dir / "summary.json").read_text())
     assert not second["preempted"] and sum(second["staleness_hist"].values()) == 2 * per_version
+    # summary.json is the last start's; both starts' headlines stay in `starts`
+    assert [(s["from_version"], s["preempted"], s["env_steps"]) for s in second["starts"]] == [
+        (0, True, first["env_steps"]), (stopped_at, False, second["env_steps"])], second["starts"]
+    assert f"the whole run, 2 starts: {first['env_steps'] + second['env_steps']} env steps" \
+        in out.stdout, out.stdout[-2000:]
     (resumed,) = run_dir.glob("config.resume-*.yaml")
     assert yaml.safe_load(resumed.read_text())["placement"] == \
         yaml.safe_load((run_dir / "config.yaml").read_text())["placement"]

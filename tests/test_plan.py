@@ -143,7 +143,9 @@ def test_layout_of_a_node_is_cells_then_learners():
 
 @pytest.mark.parametrize("args,needle", [
     ((10, 4, "colocated"), "not a multiple of ranks per node"),
-    ((8, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 2}), "sum to the ranks per node"),
+    ((8, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 2}), "make placement.per_node sum to 4"),
+    ((10, 10, "disaggregated", {SIM: 2, INF: 1, LEARN: 2}), r"placement\.ranks_per_node=5"),
+    ((2, 2, "disaggregated", {SIM: 2, INF: 1, LEARN: 1}), "run colocated"),
     ((8, 4, "disaggregated", {SIM: 0, INF: 2, LEARN: 2}), ">= 1 simulator rank per inference"),
     ((8, 4, "disaggregated", {SIM: 3, INF: 1, LEARN: 0}), "no learner rank"),
     ((8, 4, "disaggregated", {SIM: 1, INF: 1, LEARN: 2}), "every learner needs at least one"),
@@ -164,7 +166,9 @@ def test_an_evaluator_takes_the_last_learner_rank_of_the_rollout_nodes():
     assert "evaluator" in plan.table()
     with pytest.raises(PlanError, match="the rollout nodes hold 0 learner rank"):
         build_plan(8, 4, "disaggregated", {SIM: 3, INF: 1, LEARN: 0}, 1, evaluators=1)
-    with pytest.raises(PlanError, match="no learner rank"):  # it took the only one
+    with pytest.raises(PlanError, match=r"leaves none to train: give each node one more "
+                       r"learner, placement.per_node=\{simulator: 2, inference: 1, learner: 2\} "
+                       r"\(5 ranks per node\)"):  # it took the only one
         build_plan(4, 4, "disaggregated", {SIM: 2, INF: 1, LEARN: 1}, evaluators=1)
 
 
@@ -219,7 +223,7 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
         return main(["plan", str(ROOT / "configs/default.yaml"), *overrides, "--json",
                      "--world", str(world), "--ranks-per-node", str(rpn)])
     assert plan(8, 8) == 2  # default's per_node is 4 ranks: a real node of 8 needs emulation
-    assert "make them sum to the ranks per node (or set placement.ranks_per_node)" in \
+    assert "make placement.per_node sum to 8, or set placement.ranks_per_node=4" in \
         capsys.readouterr().err
     assert plan(8, 8, "placement.ranks_per_node=4") == 0
     assert json.loads(capsys.readouterr().out)["ranks_per_node"] == 4

@@ -565,6 +565,17 @@ def test_a_pbs_gpu_job_whose_ranks_ssh_starts_is_warned(tmp_path, start):
     assert "they see every GPU" not in dry_run("")
 
 
+def test_a_job_without_the_mpi_it_asks_for_says_why():
+    """The MPI selection's reason reaches the job log, before the job's own line about it."""
+    env = {**os.environ, "HPCVLA_MPI": "nosuch"}
+    out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "launch.sh: error: --mpi 'nosuch': one of auto, mpich, openmpi",
+        "launch.sh: error: no MPI to start the ranks with (HPCVLA_MPI=nosuch: the reason above)"]
+
+
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
 def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets

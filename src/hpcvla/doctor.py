@@ -228,7 +228,7 @@ def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0,
             plan = plan_from_config(cfg.placement, ranks, per_node)
             memory = plan_memory(cfg, plan, layout_devices(cfg, plan), spec)
     except PlanError as err:
-        return [Check("memory", False, f"{ranks} rank(s), {per_node or ranks} per node: {err}",
+        return [Check("layout", False, f"{ranks} rank(s), {per_node or ranks} per node: {err}",
                       "a layout `hpcvla plan CONFIG --world N --ranks-per-node M` accepts")]
     problems = memory.problems
     found = f"{ranks} rank(s), {per_node or ranks} per node, {layout_gpus(cfg)} GPU(s) each: " \

@@ -120,7 +120,8 @@ CASES = {
                               r"algorithm\.lr = nan: expected a finite number"),
     "infeasible placement": lambda tmp: (
         ["configs/default.yaml", "placement.per_node={simulator: 3, inference: 1, learner: 1}"],
-        r"sum to the ranks per node"),
+        r"placement\.per_node = 3 simulator \+ 1 inference \+ 1 learner = 5 ranks, but nodes "
+        r"have 4: start 5 ranks per node"),
     "missing checkpoint": lambda tmp: (["configs/default.yaml", f"run.resume={tmp}/none"],
                                        r"run\.resume = .*a run directory holding a complete "
                                        r"checkpoint"),

@@ -214,8 +214,9 @@ def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
     disaggregated = cfg.placement.mode == "disaggregated"
     if ev.every and disaggregated and not cfg.placement.evaluators:
         problems.append(("placement.evaluators", 0, "1 with eval.every > 0 in a disaggregated "
-                         "mode (a rank set aside evaluates; the last learner rank of the "
-                         "rollout nodes becomes it), or eval.every=0"))
+                         "mode (a rank set aside evaluates: the last learner rank of the "
+                         "rollout nodes becomes it, so give placement.per_node.learner one "
+                         "more rank), or eval.every=0"))
     if cfg.placement.evaluators and not ev.every:
         problems.append(("placement.evaluators", cfg.placement.evaluators,
                          "0 unless eval.every > 0 (an evaluator rank with nothing to do)"))

@@ -237,7 +237,7 @@ def main(argv: list[str]) -> int:
     try:
         install = select_mpi(argv[0] if argv else "auto")
     except MpiSelectError as err:
-        print(f"echo 'launch.sh: error: {err}' >&2; exit 2")
+        print(f"launch.sh: error: {err}", file=sys.stderr)  # launch.sh keeps stdout alone
         return 2
     lines = {**{k: v for k, v in install.env.items() if v},
              "HPCVLA_MPI_FLAVOUR": install.flavour, "HPCVLA_MPIEXEC": install.mpiexec,

@@ -1,7 +1,8 @@
 """What a training run writes besides its metrics: checkpoints when due, the optional HDF5
 trajectory dump of a producer, and at the end `summary.json` with the whole run's busy
 fractions in TensorBoard, its start and stop (metrics/phases.py) and every rank's peak memory
-beside the memory model's figure (gathered on rank 0)."""
+beside the memory model's figure (gathered on rank 0). summary.json is the last start's, and
+lists every start of a resumed run with its headline figures (`starts`)."""
 
 from __future__ import annotations
 
@@ -157,6 +158,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "restarts": restart_log.recorded(run_dir),  # inside the allocation (jobs/launch.sh)
         "phases_s": phases.slowest([s.phases_s for s in everyone]),
     }
+    result["starts"] = _earlier_starts(cfg, run_dir / "summary.json") + [_headline(result)]
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     board = RunBoard(run_dir, cfg.run)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
@@ -170,11 +172,33 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
               "run's own config; under srun/mpiexec start the same ranks with run.resume=)",
               flush=True)
     print(phases_line("[hpcvla]", result["phases_s"]))
+    if len(result["starts"]) > 1:
+        starts = result["starts"]
+        print(f"[hpcvla] the whole run, {len(starts)} starts: "
+              f"{sum(s['env_steps'] for s in starts)} env steps in "
+              f"{sum(s['wall_s'] for s in starts):.1f} s (summary.json's `starts`)")
     print(memory_table(everyone), flush=True)
     print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
           f"success {figure(result['success_rate'])} | "  # every learner's last episodes
           f"staleness {result['staleness_hist']}", flush=True)
     return result
+
+
+def _headline(summary: Counters) -> Counters:
+    """A start's entry of summary.json's `starts`: what a resumed run's summary keeps of it
+    (the rest of summary.json is the last start's)."""
+    keys = ("ranks", "wall_s", "env_steps", "env_steps_per_s", "success_rate", "preempted")
+    return {"from_version": min(r["first_version"] for r in summary["per_rank"]),
+            **{k: summary[k] for k in keys}}
+
+
+def _earlier_starts(cfg: Config, path: Path) -> list[Counters]:
+    """The earlier starts of a resumed run, from the summary.json the last one wrote (a start
+    that failed wrote none: summary.json's `restarts` has it)."""
+    if not cfg.run.resume or not path.is_file():
+        return []
+    earlier = json.loads(path.read_text())
+    return earlier.get("starts") or [_headline(earlier)]
 
 
 def _pooled(figures: list[tuple[float | None, int]]) -> float | None:

@@ -148,9 +148,7 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
         raise PlanError("hybrid mode: inference ranks are the learners, so per_node.learner "
                         f"(= {learns}) and learner_nodes (= {learner_nodes}) must be 0")
     if sims + infs + learns != ranks_per_node:
-        raise PlanError(f"per_node {sims} simulator + {infs} inference + {learns} learner = "
-                        f"{sims + infs + learns} ranks, but nodes have {ranks_per_node}: make "
-                        "them sum to the ranks per node (or set placement.ranks_per_node)")
+        raise PlanError(_per_node_mismatch(sims, infs, learns, world_size, ranks_per_node))
     if infs < 1 or sims < infs:
         raise PlanError(f"per_node has {infs} inference and {sims} simulator ranks: every node "
                         "needs >= 1 inference rank and >= 1 simulator rank per inference rank")
@@ -187,8 +185,15 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
                  else r for r in ranks]
         learners = learners[:max_learners]
     producers = [c.inference for c in cells]
+    if not learners and evaluators:
+        raise PlanError(f"placement.evaluators = {evaluators} takes the rollout nodes' last "
+                        "learner rank(s) and leaves none to train: give each node one more "
+                        f"learner, placement.per_node={{simulator: {sims}, inference: {infs}, "
+                        f"learner: {learns + evaluators}}} ({ranks_per_node + evaluators} "
+                        "ranks per node)")
     if not learners:
-        raise PlanError("no learner rank: set per_node.learner >= 1 or learner_nodes >= 1")
+        raise PlanError("no learner rank: set placement.per_node.learner >= 1 or "
+                        "placement.learner_nodes >= 1")
     if len(producers) < len(learners):
         raise PlanError(f"{len(producers)} inference rank(s) cannot feed {len(learners)} "
                         "learners: every learner needs at least one producer; add inference "
@@ -201,6 +206,21 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
                  for k, p in enumerate(producers)}
     return RankPlan(mode, world_size, ranks_per_node, tuple(ranks), tuple(cells), learners,
                     feeds, _node_leaders(cells))
+
+
+def _per_node_mismatch(sims: int, infs: int, learns: int, world_size: int,
+                       ranks_per_node: int) -> str:
+    """What fits when placement.per_node does not sum to the nodes' ranks."""
+    total = sims + infs + learns
+    fixes = [f"start {total} ranks per node (`--ranks {total}`; srun/mpirun: "
+             f"{total} tasks per node)", f"make placement.per_node sum to {ranks_per_node}"]
+    if total and world_size % total == 0:
+        fixes.append(f"set placement.ranks_per_node={total}")
+    if ranks_per_node < 3:  # a rollout node with a learner holds 3 roles
+        fixes.append("with fewer than 3 ranks per node, run colocated (configs/colocated.yaml: "
+                     "every rank simulates, acts and learns)")
+    return (f"placement.per_node = {sims} simulator + {infs} inference + {learns} learner = "
+            f"{total} ranks, but nodes have {ranks_per_node}: " + ", or ".join(fixes))
 
 
 def _set_aside_evaluators(ranks: list, evaluators: int, rollout_nodes: int) -> list:
