@@ -21,6 +21,9 @@ case $SCHEDULER in
         [[ -n ${SLURM_NTASKS:-} ]] || die "Slurm job without a task count: ask for tasks, " \
             "e.g. #SBATCH --ntasks-per-node=4"
         NP=$SLURM_NTASKS
+        # A job submitted with --export=NONE would hand that to its steps: srun's ranks would
+        # start without the environment built here (its MPI library, venv, HPCVLA_*).
+        export SLURM_EXPORT_ENV=ALL
         # SLURM_TASKS_PER_NODE is "8(x3)" when uniform; "8(x2),7" means uneven nodes.
         [[ ${SLURM_TASKS_PER_NODE:-$NP} =~ ^[0-9]+(\(x[0-9]+\))?$ ]] || die "nodes hold " \
             "different numbers of tasks (SLURM_TASKS_PER_NODE=$SLURM_TASKS_PER_NODE): ask " \
@@ -75,8 +78,8 @@ PYTHON=$(command -v python3 || command -v python) || die "no python on PATH"
 "$PYTHON" -c "import hpcvla, mpi4py" 2> /dev/null || die "$PYTHON cannot import hpcvla " \
     "and mpi4py: run \`make install\` in $HPCVLA_ROOT, or set HPCVLA_VENV/HPCVLA_CONDA_ENV"
 # The MPI: exports MPI4PY_LIBMPI (and for 4.x OMPI_MCA_osc) for Open MPI, HPCVLA_MPI_FLAVOUR,
-# HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT and HPCVLA_SLURM_LAUNCHER_DEFAULT; exits naming
-# the problem when none is found.
+# HPCVLA_MPIEXEC, HPCVLA_SRUN_MPI_DEFAULT, HPCVLA_SLURM_LAUNCHER_DEFAULT and
+# HPCVLA_MPI_STOP_SIGNAL; exits naming the problem when none is found.
 MPI_EXPORTS=$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}") ||
     die "no MPI to start the ranks with (HPCVLA_MPI=${HPCVLA_MPI:-auto}: the reason above)"
 eval "$MPI_EXPORTS"

@@ -33,9 +33,10 @@ from hpcvla.process.mpi_select import LaunchError, select_mpi
 
 
 def world_command(n: int, program: list[str], mpiexec: str = "auto",
-                  mpi: str = "auto") -> tuple[list[str], dict]:
+                  mpi: str = "auto") -> tuple[list[str], dict, signal.Signals]:
     """The argv and environment that start `program` on `n` ranks of this machine, under
-    `mpi` (mpich, openmpi or auto: process/mpi_select.py says what each needs).
+    `mpi` (mpich, openmpi or auto: process/mpi_select.py says what each needs), and the
+    signal that asks its ranks to stop through that MPI's launcher.
 
     `program` is an hpcvla subcommand (`["train", "cfg.yaml"]`) or a script (`["x.py", ...]`).
     """
@@ -50,7 +51,7 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
         # Oversubscribed ranks must not each spin up a thread per core.
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("MKL_NUM_THREADS", "1")
-    return cmd + rank_program(program), env
+    return cmd + rank_program(program), env, signal.Signals[f"SIG{install.stop_signal}"]
 
 
 def rank_program(program: list[str]) -> list[str]:
@@ -65,14 +66,14 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
               timeout: float | None = None, mpi: str = "auto") -> int:
     """Run the world to completion; its exit status, 124 after killing it on timeout, 130 on
     Ctrl-C, 128 + N if a signal N killed it."""
-    cmd, env = world_command(n, program, mpiexec, mpi)
+    cmd, env, stop = world_command(n, program, mpiexec, mpi)
     retries = start_retries(program)
     deadline = None if timeout is None else time.monotonic() + timeout
     shm_before = segments.segments()
     attempt = 0
     while True:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        code, never_started = _run(cmd, env, left)
+        code, never_started = _run(cmd, env, left, stop)
         if code != 0:  # a clean exit frees its own segments; tests check that it does
             for line in segments.removal_report(segments.remove_orphans(shm_before)):
                 print(f"hpcvla launch: {line}", file=sys.stderr, flush=True)
@@ -102,13 +103,14 @@ def start_retries(program: list[str]) -> int:
     return int(value)
 
 
-def _run(cmd: list[str], env: dict, timeout: float | None) -> tuple[int, bool]:
+def _run(cmd: list[str], env: dict, timeout: float | None,
+         stop: signal.Signals) -> tuple[int, bool]:
     """The world's exit status; and whether it failed while starting (never_started), not
     refused (exit 2), timed out, interrupted or told to stop by a signal."""
     watch = DeathWatch()  # names a rank that dies without a word (kill -9, OOM)
     signalled: list[int] = []
     try:
-        code = _watched(cmd, {**env, **watch.env()}, timeout, watch, signalled)
+        code = _watched(cmd, {**env, **watch.env()}, timeout, watch, signalled, stop)
         if code in (0, 124, 130):
             return code, False
         report = watch.report(time.monotonic())
@@ -120,7 +122,7 @@ def _run(cmd: list[str], env: dict, timeout: float | None) -> tuple[int, bool]:
 
 
 def _watched(cmd: list[str], env: dict, timeout: float | None, watch,
-             signalled: list[int]) -> int:
+             signalled: list[int], stop: signal.Signals) -> int:
     # Own process group, so a timeout or a second Ctrl-C takes down mpiexec and every rank
     # with it; mpiexec gets SIGTERM if this process dies (kill -9, a closed ssh session), so
     # no world trains on without anyone to report it.
@@ -129,10 +131,11 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch,
                             preexec_fn=_terminated_with(os.getpid()))
 
     def forward(signum: int, frame) -> None:
-        # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec, which hands it to every rank: the
-        # run checkpoints and ends (hpcvla.process.preempt); we keep waiting for it.
+        # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec as the signal it hands to every
+        # rank untouched (`stop`): the run checkpoints and ends (hpcvla.process.preempt); we
+        # keep waiting for it.
         signalled.append(signum)  # and a world told to stop is not started again
-        proc.send_signal(signum)
+        proc.send_signal(stop)
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, forward)
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -141,7 +144,7 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch,
     except KeyboardInterrupt:  # Ctrl-C: as a scheduler's SIGTERM, a second one kills
         print("\nhpcvla: stopping after the version under way and its checkpoint; Ctrl-C "
               "again to kill the world now", file=sys.stderr, flush=True)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         try:
             ended = _wait(proc, deadline, watch)
         except KeyboardInterrupt:

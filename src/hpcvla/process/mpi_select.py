@@ -67,6 +67,10 @@ class MpiInstall:
     # an Open MPI 4.x with no one-sided component that works across hosts (openmpi_osc's "",
     # OMPI_MCA_osc unset): the trajectory ring's windows would fail (hpcvla doctor says so)
     lacks_windows: bool = False
+    # what asks its ranks to stop with a checkpoint (process/preempt.py): Open MPI's mpirun
+    # SIGKILLs every rank ~1 s after a SIGTERM (4.x and 5: mpirun(1), "Signal Propagation")
+    # but passes SIGUSR1 on untouched; MPICH's mpiexec passes SIGTERM on
+    stop_signal: str = "TERM"
 
 
 def launcher_rank() -> int | None:
@@ -97,10 +101,10 @@ def check_not_nested(ranks: int | None) -> None:
     world of one (an interactive `srun --pty` shell) may start one."""
     size = launcher_size()
     if ranks is not None and size is not None and size > 1:
-        raise LaunchError(f"--ranks {ranks}: this process is rank {launcher_rank()} of a world "
-                          f"of {size} that srun/mpirun started, each of whose ranks would start "
-                          "a world of its own; leave --ranks out (the launcher's ranks are the "
-                          "job's), or run without the launcher")
+        raise LaunchError(f"--ranks {ranks}: this process is a rank of a world of {size} that "
+                          "srun/mpirun started, each of whose ranks would start a world of its "
+                          "own; leave --ranks out (the launcher's ranks are the job's), or run "
+                          "without the launcher")
 
 
 def thread_level_problem() -> str | None:
@@ -186,7 +190,7 @@ def _install(flavour: str, exe: str) -> MpiInstall:
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix",
-                      slurm_launcher="srun", lacks_windows=osc == "")
+                      slurm_launcher="srun", lacks_windows=osc == "", stop_signal="USR1")
 
 
 def _ompi_info(exe: str, *args) -> str:
@@ -242,7 +246,8 @@ def main(argv: list[str]) -> int:
     lines = {**{k: v for k, v in install.env.items() if v},
              "HPCVLA_MPI_FLAVOUR": install.flavour, "HPCVLA_MPIEXEC": install.mpiexec,
              "HPCVLA_SRUN_MPI_DEFAULT": install.srun_mpi,
-             "HPCVLA_SLURM_LAUNCHER_DEFAULT": install.slurm_launcher}
+             "HPCVLA_SLURM_LAUNCHER_DEFAULT": install.slurm_launcher,
+             "HPCVLA_MPI_STOP_SIGNAL": install.stop_signal}
     for key, value in lines.items():
         print(f"export {key}='{value}'")
     return 0
