@@ -315,7 +315,11 @@ if [[ -n $SIGNALLED ]]; then
     if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&
             -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
-        scontrol requeue "$SLURM_JOB_ID"
+        scontrol requeue "$SLURM_JOB_ID" || {
+            status=$(( 128 + $(kill -l USR1) ))
+            say "could not requeue job $SLURM_JOB_ID (--no-requeue, or the site's policy):" \
+                "continue its run in a new job with run.resume=$(resumable_run \
+                "$HPCVLA_JOB_RUNS"); exit status $status"; }
     elif (( status == 0 )) && { ! makes_a_run "$1" || [[ -n ${NO_WORLD:-} ||
             -z ${HPCVLA_JOB_RUNS:-} || -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
             $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; }; then

@@ -5,7 +5,9 @@
 #SBATCH --gpus=1
 #SBATCH --cpus-per-task=16
 #SBATCH --time=00:30:00
+# PBS runs a job script with -S's shell, else the user's login shell: it reads no #! line.
 #PBS -N hpcvla-validate-gpu
+#PBS -S /bin/bash
 #PBS -l select=1:ncpus=16:ngpus=1
 #PBS -l walltime=00:30:00
 #

@@ -113,10 +113,11 @@ echo "export PBS_NODEFILE=$nodefile"
 """
 
 
-# PBS's `pbs_tmrsh` for the PBS layer on this Slurm: an rsh that starts the command on a node
-# of the job through the job's resource manager (PBS: TM; here: a step of the Slurm job under
-# it), so that it is the job's process there, not an ssh session's. It drops rsh's options,
-# and Slurm's step variables from what it starts (a PBS task sees PBS's), keeping the GPUs the
+# PBS's `pbs_tmrsh` for the PBS layer on this Slurm: it starts a program on a node of the job
+# through the job's resource manager (PBS: TM; here: a step of the Slurm job under it), so
+# that it is the job's process there, not an ssh session's. As TM's tm_spawn, it executes its
+# arguments as they are, with no shell reading them. It drops its options (-l user, -n), and
+# Slurm's step variables from what it starts (a PBS task sees PBS's), keeping the GPUs the
 # node's step was given, as PBS's cgroup hook gives a task its node's.
 PBS_TMRSH = """\
 #!/bin/sh
@@ -128,7 +129,7 @@ shift
 exec env SLURM_CONF={conf} srun --jobid="${{PBS_JOBID%%.*}}" --overlap --nodes=1 --ntasks=1 \\
     --nodelist="$host" --mpi=none sh -c \\
     'for v in $(env | sed -n "s/^\\(SLURM_[A-Za-z0-9_]*\\)=.*/\\1/p"); do unset "$v"; done
-     exec sh -c "$*"' sh "$@"
+     exec "$@"' sh "$@"
 """
 
 

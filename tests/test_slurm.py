@@ -413,8 +413,10 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
     remote = {c["pid"] for c in cards if c["host"] != "h0"}
     assert len(remote) == 4
     if start == "tm":
-        assert (f"--mca plm_rsh_agent {slurm3.tm_bin}/pbs_tmrsh" if "openmpi" in mpi else
-                f"-launcher rsh -launcher-exec {slurm3.tm_bin}/pbs_tmrsh") in text, text[-3000:]
+        # pbs_tmrsh through jobs/lib/tmrsh: TM runs no shell to read the launchers' quoting
+        tmrsh = ROOT / "jobs/lib/tmrsh"
+        assert (f"--mca plm_rsh_agent {tmrsh}" if "openmpi" in mpi else
+                f"-launcher rsh -launcher-exec {tmrsh}") in text, text[-3000:]
         assert remote <= pids, (remote, pids)
     else:
         assert "-launcher" not in text and not remote & pids, (remote, pids)

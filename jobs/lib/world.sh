@@ -7,12 +7,15 @@
 # NEVER_STARTED). Uses launch.sh's say, in_a_world, makes_a_run, remember_signals and the
 # allocation's variables.
 
-# PBS's start of a process on another node of the job (TM, by `pbs_tmrsh`, an rsh): what it
-# starts is the job's (ended with it, accounted, in its cgroup), and the nodes need not accept
-# ssh from each other. Without it (Torque, HPCVLA_PBS_TM=0): ssh.
+# PBS's start of a process on another node of the job (TM, by `pbs_tmrsh`): what it starts is
+# the job's (ended with it, accounted, in its cgroup), and the nodes need not accept ssh from
+# each other. It runs no shell, so the launchers take it through jobs/lib/tmrsh, an rsh.
+# Without it (Torque, HPCVLA_PBS_TM=0): ssh.
 PBS_RSH=""
-if [[ $SCHEDULER == pbs && ${HPCVLA_PBS_TM:-1} == 1 ]]; then
-    PBS_RSH=$(command -v pbs_tmrsh || true)
+if [[ $SCHEDULER == pbs && ${HPCVLA_PBS_TM:-1} == 1 ]] &&
+        HPCVLA_PBS_TMRSH=$(command -v pbs_tmrsh); then
+    export HPCVLA_PBS_TMRSH
+    PBS_RSH=$LIB/tmrsh
 fi
 
 # Run a shell command on a node of the job within 30 s (false if it did not start or failed).
@@ -24,8 +27,10 @@ on_node() {  # HOST SHELL_COMMAND
                    sh -c "$2" ;;
         pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
                  sh -c "$2"
-             else
-                 timeout 30 "${PBS_RSH:-ssh}" "$1" "$2"
+             elif [[ -n $PBS_RSH ]]; then
+                 timeout 30 "$PBS_RSH" "$1" "$2"
+             else  # a host key or password prompt would take the 30 s: none
+                 timeout 30 ssh -o BatchMode=yes "$1" "$2"
              fi ;;
         none) sh -c "$2" ;;
     esac
@@ -82,11 +87,22 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
                     ${PBS_RSH:+-launcher rsh -launcher-exec "$PBS_RSH"})
         fi
         if [[ $SCHEDULER == slurm ]]; then
-            # Hydra starts one proxy per node as a 1-task-per-node srun step, which forks that
-            # node's ranks: the step must hold the node's CPUs (srun would give it one per
-            # task), and sbatch's tasks-per-node would contradict its 1 task per node.
-            LAUNCH=(env -u SLURM_NTASKS_PER_NODE ${OVERLAP:+HYDRA_LAUNCHER_EXTRA_ARGS=--overlap}
-                    "SRUN_CPUS_PER_TASK=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}" "${LAUNCH[@]}")
+            # Hydra (and Open MPI's mpirun) start one proxy per node as a 1-task-per-node srun
+            # step, which forks that node's ranks: the step must hold the node's CPUs (srun
+            # would give it one task's) and GPUs (one task's under --gpus-per-task: unset, a
+            # step gets every GPU the job has on its node). sbatch's per-task and per-GPU
+            # requests would contradict its 1 task per node. Its CPUs go on srun's command
+            # line, which every Slurm reads (SRUN_CPUS_PER_TASK only 22.05-23.02), appended to
+            # what a site's MPI module set: Hydra reads HYDRA_LAUNCHER_EXTRA_ARGS, Open MPI
+            # 4.x OMPI_MCA_plm_slurm_args, 5 PRTE_MCA_plm_slurm_args.
+            local step="--cpus-per-task=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}${OVERLAP:+ --overlap}"
+            LAUNCH=(env -u SLURM_NTASKS_PER_NODE -u SLURM_GPUS_PER_TASK -u SLURM_NTASKS_PER_GPU
+                    -u SLURM_CPUS_PER_GPU -u SLURM_MEM_PER_GPU -u SLURM_TRES_PER_TASK
+                    -u SLURM_GPU_BIND
+                    "HYDRA_LAUNCHER_EXTRA_ARGS=${HYDRA_LAUNCHER_EXTRA_ARGS:+$HYDRA_LAUNCHER_EXTRA_ARGS }$step"
+                    "OMPI_MCA_plm_slurm_args=${OMPI_MCA_plm_slurm_args:+$OMPI_MCA_plm_slurm_args }$step"
+                    "PRTE_MCA_plm_slurm_args=${PRTE_MCA_plm_slurm_args:+$PRTE_MCA_plm_slurm_args }$step"
+                    "${LAUNCH[@]}")
             if [[ $HPCVLA_MPI_FLAVOUR != openmpi ]]; then
                 # Hydra passes its own environment to every rank, over each proxy's: the
                 # batch node's GPUs would be every node's. Without them each node's ranks
@@ -106,9 +122,11 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
 }
 
 
-# The batch shell gets the signals; the ranks must get SIGTERM to stop cleanly, and as long
-# as they need: under srun it goes to the job's steps only (`scancel --signal`; signalling
-# srun itself would make it kill the step after KillWait), mpiexec forwards it itself.
+# The batch shell gets the signals; the ranks must get a stop signal (SIGTERM or SIGUSR1:
+# process/preempt.py) and as long as they need: under srun SIGTERM goes to the job's steps
+# only (`scancel --signal`; signalling srun itself would make it kill the step after
+# KillWait); MPICH's mpiexec passes SIGTERM on, Open MPI's mpirun SIGUSR1 (a SIGTERM it
+# follows with SIGKILL a second later): HPCVLA_MPI_STOP_SIGNAL, from process/mpi_select.py.
 # SIGUSR1 is the time-limit warning (#SBATCH --signal=B:USR1@<grace>): after it the job
 # requeues itself (HPCVLA_REQUEUE=1) to resume later. SIGTERM/SIGINT (scancel, qdel,
 # preemption, which requeues on its own) only stop the ranks.
@@ -116,11 +134,12 @@ SIGNALLED=""
 # shellcheck disable=SC2317  # called from the traps below
 forward() {
     SIGNALLED=$1
-    say "received SIG$1: sending SIGTERM to the ranks"
     if [[ ${LAUNCH[0]:-} == srun ]]; then
+        say "received SIG$1: sending SIGTERM to the ranks"
         scancel --signal=TERM "$SLURM_JOB_ID" || true
     else
-        kill -TERM "$STEP" 2> /dev/null || true
+        say "received SIG$1: sending SIG$HPCVLA_MPI_STOP_SIGNAL to the ranks"
+        kill -"$HPCVLA_MPI_STOP_SIGNAL" "$STEP" 2> /dev/null || true
     fi
 }
 # A world whose ranks here failed and that has not ended HPCVLA_END_GRACE_S later is ended:
