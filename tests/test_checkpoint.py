@@ -168,3 +168,20 @@ def test_a_replicated_optimizer_state_is_saved_once_only_where_the_learners_agre
     for r in (0, 1):
         for case in ("other weights", "one bit"):
             assert f"rank {r}: differing replicas refused ({case})" in out.stdout, out.stdout
+
+
+def test_a_path_that_is_no_run_or_checkpoint_is_named_with_what_is_there(tmp_path):
+    """eval and export say which checkpoints a run keeps when given one it does not (its
+    names have 6 digits: `v500` is not `v000500`), and a missing path as missing."""
+    from hpcvla.checkpoint.catalog import path_problem
+    run = tmp_path / "run"
+    (run / "checkpoints" / "v000500").mkdir(parents=True)
+    (run / "checkpoints" / "v000500" / "state.json").write_text("{}")
+    (run / "checkpoints" / "v000520.partial").mkdir()
+    (run / "config.yaml").write_text("{}")
+    assert path_problem(run) is None and path_problem(run / "checkpoints" / "v000500") is None
+    for name in ("v500", "v000520.partial"):
+        assert "is not a complete checkpoint of its run (kept there: v000500;" in \
+            path_problem(run / "checkpoints" / name)
+    assert "no such directory" in path_problem(tmp_path / "elsewhere")
+    assert "is not a run directory (no config.yaml)" in path_problem(run / "checkpoints")

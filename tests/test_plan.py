@@ -227,6 +227,10 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
         capsys.readouterr().err
     assert plan(8, 8, "placement.ranks_per_node=4") == 0
     assert json.loads(capsys.readouterr().out)["ranks_per_node"] == 4
+    # a layout train refuses: said in the JSON too, not only on stderr
+    assert plan(2, 2, "placement.mode=colocated") == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["refused"] == err.splitlines() and "train refuses it" in err, err
     assert plan(8, 4) == 0
     assert json.loads(capsys.readouterr().out)["num_nodes"] == 2
     assert plan(12, 6, "placement.ranks_per_node=4") == 2

@@ -45,6 +45,7 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
                           "pipeline.total_updates=2")
     out = hpcvla("eval", streamer, "--all", "--episodes", 32)  # writes its eval.jsonl
     assert out.returncode == 0, out.stderr
+    assert "one policy, no curve: the run kept one checkpoint" in out.stderr  # and says how
     out = report(streamer, colocated, "--out", tmp_path / "report")
     assert out.returncode == 0, out.stderr
     md = (tmp_path / "report" / "report.md").read_text()

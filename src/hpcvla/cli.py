@@ -274,17 +274,20 @@ def cmd_plan(args) -> int:
     from hpcvla.schedule import config_layout_problems
     devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others
     memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))
+    refused = config_layout_problems(cfg, plan)  # what `train` would refuse on this plan
+    said = [f"hpcvla plan: {why}: {name} = {value!r}: expected {text}"
+            for why, problems in (("does not fit", memory.problems),
+                                  ("train refuses it", refused))
+            for name, value, text in problems]
+    for line in said:  # before the map: a reader of its head sees them
+        print(line, file=sys.stderr, flush=True)
     if args.json:
         print(json.dumps({**plan.to_dict(), "devices": {str(r): d for r, d in devices.items()},
-                          "memory": memory.to_dict()}, indent=1))
+                          "memory": memory.to_dict(), "refused": said}, indent=1))
     else:
         print(plan.table(devices, memory.columns()))
         print(memory.summary())
-    refused = config_layout_problems(cfg, plan)  # what `train` would refuse on this plan
-    for why, problems in (("does not fit", memory.problems), ("train refuses it", refused)):
-        for name, value, text in problems:
-            print(f"hpcvla plan: {why}: {name} = {value!r}: expected {text}", file=sys.stderr)
-    return 2 if memory.problems or refused else 0
+    return 2 if said else 0
 
 
 def cmd_config(args) -> int:
@@ -307,9 +310,9 @@ def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
     from hpcvla.evaluate import (describe, eval_config, eval_problem, evaluate_policies,
                                  weights_problem, write_curve)
+    if problem := catalog.path_problem(Path(args.run_dir)):
+        return _refused("eval", problem)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
-    if not (run_dir / "config.yaml").is_file():
-        return _refused("eval", f"{run_dir} is not a run directory (no config.yaml)")
     if chosen and args.all:
         return _refused("eval", f"--all evaluates every checkpoint of a run: give {run_dir}, "
                         "not one of its checkpoints")
@@ -376,8 +379,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from hpcvla.checkpoint.catalog import CheckpointError, run_and_checkpoint
+    from hpcvla.checkpoint.catalog import CheckpointError, path_problem, run_and_checkpoint
     from hpcvla.evaluate import export_policy
+    if problem := path_problem(Path(args.run_dir)):
+        return _refused("export", problem)
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
     try:
         cfg = load_config(run_dir / "config.yaml")

@@ -19,6 +19,7 @@ per-episode outcomes.
 from __future__ import annotations
 
 import socket
+import sys
 from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
@@ -301,10 +302,15 @@ def describe(result: dict) -> str:
 
 def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
     """An evaluation of every kept checkpoint, kept with the run: eval.jsonl (which
-    postprocess/report.py draws beside the training curve) and TensorBoard's `eval` group."""
+    postprocess/report.py draws beside the training curve; the newest `--all` replaces it)
+    and TensorBoard's `eval` group."""
     import json
 
     from hpcvla.metrics.tensorboard import RunBoard
+    if len(curve) == 1:
+        print("hpcvla eval: one policy, no curve: the run kept one checkpoint (train with "
+              "learner.checkpoint_every=K learner.checkpoint_keep=M for more), or add "
+              "--untrained to compare it with the start", file=sys.stderr)
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
     board = RunBoard(run_dir, cfg.run)
     for r in curve:

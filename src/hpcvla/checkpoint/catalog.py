@@ -68,6 +68,22 @@ def run_and_checkpoint(path: Path) -> tuple[Path, Path | None]:
     return path, None
 
 
+def path_problem(path: Path) -> str | None:
+    """What is wrong with the run directory or checkpoint a command (eval, export) was given,
+    or None."""
+    path = Path(path)
+    if path.parent.name == "checkpoints" and path not in complete(path.parent.parent):
+        kept = ", ".join(p.name for p in complete(path.parent.parent)) or "none"
+        return (f"{path} is not a complete checkpoint of its run (kept there: {kept}; a "
+                "checkpoint is v and its version in 6 digits, v000500)")
+    if not path.is_dir():
+        return f"{path}: no such directory (give a run directory, or one of its checkpoints)"
+    run, _ = run_and_checkpoint(path)
+    if not (run / "config.yaml").is_file():
+        return f"{run} is not a run directory (no config.yaml)"
+    return None
+
+
 def resume_problems(resume: str, sft: bool, last: tuple[str, int]) -> list[tuple[str, Any, str]]:
     """What stops a run resuming from `resume` (run.resume), as (field, value, what is
     valid): `sft`, whether `hpcvla sft` resumes it (else `train`); `last` (its setting, value),
