@@ -200,6 +200,7 @@ def test_two_nodes_two_learners_zero3_streamer(tmp_path):
     assert len(learners) == 2 and all(r["ring"]["bad_slots"] == 0 for r in learners)
     assert sum(summary["staleness_hist"].values()) == 2 * 3 * 32
     assert max(int(k) for k in summary["staleness_hist"]) <= 1
+    assert "FutureWarning" not in out.stderr, out.stderr[-3000:]  # torch's, of ZeRO's gathers
 
 
 @pytest.mark.mpi

@@ -375,6 +375,9 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == stopped + 3 and len(summary["losses"]) == 3
     assert not summary["preempted"]
+    assert summary["starts"] == [  # summary.json is the last start's; each start's headline
+        {"from_step": 0, "steps": stopped, "learners": 1, "preempted": True},
+        {"from_step": stopped, "steps": stopped + 3, "learners": 2, "preempted": False}]
     # resumed, the schedule goes on at the exact step, to its end at sft.final_lr
     planned = load_config(args[0], args[1:] + [f"sft.steps={stopped + 3}"]).sft
     assert summary["lrs"] == [lr_at(planned, step) for step in range(stopped, stopped + 3)]

@@ -292,6 +292,37 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
     assert all(r["trained_chunks"] == resumed * 24 + (r["step"] - resumed) * 16 for r in again)
 
 
+def visible_gpus(pid: int) -> str | None:
+    """A running process's CUDA_VISIBLE_DEVICES."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return next((e.decode().partition("=")[2] for e in environ
+                 if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None)
+
+
+def test_a_gpus_per_task_job_gives_hydras_ranks_their_nodes_gpus(slurm3, tmp_path):
+    """`--gpus-per-task=1` under MPICH's mpiexec: Hydra's proxy is one Slurm task per node,
+    so a step that kept the job's per-task request would give the node's ranks one task's GPU
+    between them. Its step asks for none per task and gets every GPU the job has on its node;
+    the device map then gives each rank its own."""
+    log, job = tmp_path / "gpus-per-task.out", None
+    try:
+        job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/colocated.yaml",
+                            "placement.gpus_per_node=0", "pipeline.total_updates=100000",
+                            options=["--output", log, "--nodes=2", "--nodelist=h0,h1",
+                                     "--ntasks-per-node=2", "--cpus-per-task=1",
+                                     "--gpus-per-task=1"],
+                            env=job_env(tmp_path, HPCVLA_MPI="mpich"), cwd=ROOT)
+        first_update(slurm3, job, log)
+        seen = {card["rank"]: (card["host"], visible_gpus(card["pid"])) for card in map(
+            json.loads, map(Path.read_text, (tmp_path / "runs").glob("*/.ranks/rank*.json")))}
+    finally:
+        if job:
+            slurm3.cancel(job)
+        slurm3.wait_idle()
+    assert seen == {r: ("h0" if r < 2 else "h1", "0,1") for r in range(4)}, \
+        (seen, log.read_text()[-3000:])
+
+
 @pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
 @pytest.mark.parametrize("mpi", ["mpich", "openmpi"])
 def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mpi, scheduler):
@@ -330,12 +361,7 @@ def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mp
         first_update(slurm3, job, log)
         cards = [json.loads(p.read_text()) for p in
                  (tmp_path / "runs" / f"hpcvla-multinode-{job}").glob(".ranks/rank*.json")]
-        seen = {}
-        for card in cards:
-            environ = Path(f"/proc/{card['pid']}/environ").read_bytes().split(b"\0")
-            seen[card["rank"]] = (card["host"], next(
-                (e.decode().partition("=")[2] for e in environ
-                 if e.startswith(b"CUDA_VISIBLE_DEVICES=")), None))
+        seen = {card["rank"]: (card["host"], visible_gpus(card["pid"])) for card in cards}
     finally:
         for started in filter(None, (*holders, job)):
             slurm3.cancel(started)

@@ -6,6 +6,7 @@ import os
 import socket
 import sys
 import types
+import warnings
 
 import torch
 
@@ -59,12 +60,17 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
 def lean_deepspeed(device: torch.device) -> types.ModuleType:
     """DeepSpeed, imported and set up for a learner on `device` without what hpcvla's learners
     never use: Muon's compiled kernels (without_muon_kernels) and the CPU shared-memory op
-    (without_shared_memory_op). Every DeepSpeed engine hpcvla builds starts from here. A CPU
+    (without_shared_memory_op); and without torch's deprecation warnings of the collectives
+    ZeRO calls (all_gather_into_tensor, reduce_scatter_tensor: dozens in every ZeRO-3 run's
+    log, none the user's to act on). Every DeepSpeed engine hpcvla builds starts from here. A CPU
     learner names DeepSpeed's CPU accelerator, which DeepSpeed picks as it is imported: on a
     machine with GPUs it would otherwise move the model to a GPU, and on one without it warns
     in every run's log that it found none."""
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for collective in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+        warnings.filterwarnings("ignore", category=FutureWarning,
+                                message=f"`torch.distributed.{collective}` is deprecated")
     without_muon_kernels()
     import deepspeed
 

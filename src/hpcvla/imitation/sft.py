@@ -66,7 +66,7 @@ from hpcvla.process import deathwatch, preempt
 from hpcvla.process.deathwatch import Refused
 from hpcvla.process.watchdog import reminding
 from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, add_planned_memory, memory_table,
-                                  phases_line)
+                                  phases_line, starts_so_far)
 from hpcvla.seeds import seed_rank
 from hpcvla.topology.comms import check_scheduler_world
 from hpcvla.topology.plan import LEARN
@@ -367,6 +367,9 @@ def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: i
                    "phases_s": phases.slowest([r.phases_s for r in reports]),
                    "per_rank": [{k: v for k, v in asdict(r).items() if k in PER_RANK}
                                 for r in reports]}
+        summary["starts"] = starts_so_far(cfg, run_dir / "summary.json", {  # a resumed run's
+            "from_step": done - len(history["losses"]), "steps": done,
+            "learners": world.Get_size(), "preempted": summary["preempted"]})
         print(phases_line("[hpcvla sft]", summary["phases_s"]))
         print(memory_table(reports, "[hpcvla sft]"), flush=True)
         losses = history["losses"]

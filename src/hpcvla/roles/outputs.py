@@ -158,7 +158,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "restarts": restart_log.recorded(run_dir),  # inside the allocation (jobs/launch.sh)
         "phases_s": phases.slowest([s.phases_s for s in everyone]),
     }
-    result["starts"] = _earlier_starts(cfg, run_dir / "summary.json") + [_headline(result)]
+    result["starts"] = starts_so_far(cfg, run_dir / "summary.json", _headline(result))
     (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
     board = RunBoard(run_dir, cfg.run)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
@@ -185,20 +185,19 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
 
 
 def _headline(summary: Counters) -> Counters:
-    """A start's entry of summary.json's `starts`: what a resumed run's summary keeps of it
-    (the rest of summary.json is the last start's)."""
+    """A training start's entry of summary.json's `starts`."""
     keys = ("ranks", "wall_s", "env_steps", "env_steps_per_s", "success_rate", "preempted")
     return {"from_version": min(r["first_version"] for r in summary["per_rank"]),
             **{k: summary[k] for k in keys}}
 
 
-def _earlier_starts(cfg: Config, path: Path) -> list[Counters]:
-    """The earlier starts of a resumed run, from the summary.json the last one wrote (a start
-    that failed wrote none: summary.json's `restarts` has it)."""
-    if not cfg.run.resume or not path.is_file():
-        return []
-    earlier = json.loads(path.read_text())
-    return earlier.get("starts") or [_headline(earlier)]
+def starts_so_far(cfg: Config, path: Path, this_start: Counters) -> list[Counters]:
+    """summary.json's `starts` (train's, sft's): what a resumed run's summary.json, the last
+    start's, keeps of every start, oldest first. The earlier ones come from the summary.json
+    the last start wrote (a start that failed wrote none: its `restarts` has it)."""
+    earlier = json.loads(path.read_text()).get("starts", []) \
+        if cfg.run.resume and path.is_file() else []
+    return earlier + [this_start]
 
 
 def _pooled(figures: list[tuple[float | None, int]]) -> float | None:
