@@ -301,9 +301,9 @@ def visible_gpus(pid: int) -> str | None:
 
 def test_a_gpus_per_task_job_gives_hydras_ranks_their_nodes_gpus(slurm3, tmp_path):
     """`--gpus-per-task=1` under MPICH's mpiexec: Hydra's proxy is one Slurm task per node,
-    so a step that kept the job's per-task request would give the node's ranks one task's GPU
-    between them. Its step asks for none per task and gets every GPU the job has on its node;
-    the device map then gives each rank its own."""
+    so a step that names no GPUs gets the job's per-task request, one task's GPU, for all of
+    the node's ranks (Slurm 22.05 here). Its step asks for the node's GPUs; the device map
+    then gives each rank its own."""
     log, job = tmp_path / "gpus-per-task.out", None
     try:
         job = slurm3.sbatch(ROOT / "jobs/slurm/multinode.sbatch", "configs/colocated.yaml",

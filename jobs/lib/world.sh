@@ -89,13 +89,17 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
         if [[ $SCHEDULER == slurm ]]; then
             # Hydra (and Open MPI's mpirun) start one proxy per node as a 1-task-per-node srun
             # step, which forks that node's ranks: the step must hold the node's CPUs (srun
-            # would give it one task's) and GPUs (one task's under --gpus-per-task: unset, a
-            # step gets every GPU the job has on its node). sbatch's per-task and per-GPU
-            # requests would contradict its 1 task per node. Its CPUs go on srun's command
-            # line, which every Slurm reads (SRUN_CPUS_PER_TASK only 22.05-23.02), appended to
-            # what a site's MPI module set: Hydra reads HYDRA_LAUNCHER_EXTRA_ARGS, Open MPI
-            # 4.x OMPI_MCA_plm_slurm_args, 5 PRTE_MCA_plm_slurm_args.
+            # would give it one task's) and GPUs (a step that names none gets the job's
+            # --gpus-per-task or --ntasks-per-gpu request: one task's). sbatch's per-task and
+            # per-GPU options would contradict its 1 task per node. Its CPUs and GPUs go on
+            # srun's command line, which every Slurm reads (SRUN_CPUS_PER_TASK only
+            # 22.05-23.02), appended to what a site's MPI module set: Hydra reads
+            # HYDRA_LAUNCHER_EXTRA_ARGS, Open MPI 4.x OMPI_MCA_plm_slurm_args, 5
+            # PRTE_MCA_plm_slurm_args.
             local step="--cpus-per-task=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}${OVERLAP:+ --overlap}"
+            if [[ -n ${SLURM_GPUS_PER_TASK:-}${SLURM_NTASKS_PER_GPU:-} && -n ${SLURM_GPUS_ON_NODE:-} ]]; then
+                step+=" --gres=gpu:$SLURM_GPUS_ON_NODE"  # (nodes alike: equal tasks per node)
+            fi
             LAUNCH=(env -u SLURM_NTASKS_PER_NODE -u SLURM_GPUS_PER_TASK -u SLURM_NTASKS_PER_GPU
                     -u SLURM_CPUS_PER_GPU -u SLURM_MEM_PER_GPU -u SLURM_TRES_PER_TASK
                     -u SLURM_GPU_BIND

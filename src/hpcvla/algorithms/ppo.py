@@ -104,7 +104,9 @@ def decoupled_ppo_loss(
     with torch.no_grad():
         stats = {
             "clip_fraction": (include * ((ratio - 1.0).abs() > clip)).sum().item() / count.item(),
-            # k3 estimator of KL(proximal || current): unbiased and always >= 0.
+            # k3 estimator of KL(proximal || current), always >= 0; unbiased where the
+            # behaviour policy is the proximal one (staleness 0), else on the behaviour's
+            # samples, unweighted: a diagnostic.
             "approx_kl": (include * ((ratio - 1.0) - log_ratio)).sum().item() / count.item(),
             "behaviour_weight_mean": weight.mean().item(),
             "behaviour_weight_max": weight.max().item(),

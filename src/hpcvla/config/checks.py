@@ -199,7 +199,7 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
                          "no squashed actor reaches it, and the temperature would grow "
                          "without end (SAC's -1; DSRL's 0)"))
     if alg.utd <= 0:
-        problems.append(("algorithm.utd", alg.utd, "> 0 gradient steps per transition with "
+        problems.append(("algorithm.utd", alg.utd, "> 0 gradient steps per env step with "
                          f"algorithm.name={alg.name} (0 would never train)"))
     if alg.learning_starts > alg.replay_capacity:
         problems.append(("algorithm.learning_starts", alg.learning_starts,

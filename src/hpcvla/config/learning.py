@@ -238,7 +238,10 @@ class AlgorithmConfig:
         "smooth).", ge=0, le=1)
     clip: float = setting(
         0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
-        "updates.", ge=0)
+        "updates. It acts from the second of `learner.epochs` on: a pass is one optimizer "
+        "step, so the first one's ratio is 1, and at epochs=1 only "
+        "`algorithm.max_behaviour_weight`, the learning rate and the gradient clip bound a "
+        "version's step.", ge=0)
     critic_epochs: int = setting(
         0, "PPO: value-only passes over each batch after the `learner.epochs` PPO passes, "
         "one optimizer step each with the policy's learning rate at 0: more critic steps "
@@ -286,8 +289,9 @@ class AlgorithmConfig:
         256, "`sac`: transitions sampled per pass; a gradient step is learner.micro_batches "
         "passes on each learner.", ge=1)
     utd: float = setting(
-        0.5, "`sac`: update-to-data ratio, gradient steps per transition a learner collects "
-        "(rounded up per micro-batch; the weights are published after each version's). "
+        0.5, "`sac`: update-to-data ratio, gradient steps per env step a learner collects, "
+        "counting those the buffer drops (cut by the horizon or an env fault), rounded up per "
+        "micro-batch; the weights are published after each version's. "
         "Higher learns more per env step at more learner time and "
         "risks the critics overfitting (critic_layer_norm helps; DSRL on reach at 2, "
         "layer-normed, one seed: Q rose from 1 to 23 in 29 versions, past any return, and "
