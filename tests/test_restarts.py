@@ -49,6 +49,24 @@ def test_an_sft_runs_restart_records_the_steps_it_lost(tmp_path):
     assert restarts.resumable_run(tmp_path) == run  # 40 of sft.steps' 100
 
 
+def test_a_resumed_runs_end_is_the_one_it_last_ran_with(tmp_path, capsys):
+    """A run started for 20 versions and resumed for 400 is still resumable at version 215
+    (restarts and requeues continue it), and a restart's record never counts fewer env steps
+    than its checkpoint holds (metrics.jsonl's last line may be older than the checkpoint)."""
+    run = tmp_path / "default-1"
+    fake_checkpoint(catalog.checkpoint_dir(run, 215), version=215,
+                    counters={"trained_env_steps": 440320})
+    (run / "config.yaml").write_text("pipeline: {total_updates: 20}\n")
+    (run / "config.resume-20261205-100000.yaml").write_text("pipeline: {total_updates: 400}\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"update": 213, "trained_env_steps": 438272}))
+    assert restarts.resumable_run(tmp_path) == run
+    entry = restarts.record(tmp_path, 137, [], ["h0"], 2)
+    assert entry["trained_env_steps"] == 440320 and entry["lost_env_steps"] == 0
+    (catalog.checkpoint_dir(run, 215) / "state.json").write_text("{garbled")
+    with pytest.raises(SystemExit, match="hpcvla.job.restarts resumable: "):
+        restarts._main(["resumable", str(tmp_path)])  # said, not a traceback
+
+
 def test_the_interval_a_restart_needs_is_the_commands_own(capsys):
     for command, interval in (("train", "3"), ("sft", "5")):
         restarts._main(["checkpoint-every", command, "learner.checkpoint_every=3",

@@ -227,3 +227,66 @@ def test_one_world_at_a_time_writes_a_run(tmp_path):
         holder.kill()
         holder.wait()
     catalog.hold_run(tmp_path)  # released with its holder
+
+
+def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):
+    """flock failing (Lustre without -o flock): the run cannot be claimed; it says so and
+    leaves the unfinished checkpoints, which another world may be writing."""
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    partial = tmp_path / "checkpoints" / "v000009.partial"
+    partial.mkdir(parents=True)
+    catalog.hold_run(tmp_path)
+    assert partial.exists()
+    said = capsys.readouterr().err
+    assert "takes no locks" in said and "stay (another world may be writing them): " \
+        "v000009.partial" in said, said
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_world_that_waited_for_the_run_resumes_every_rank_from_the_same_checkpoint(tmp_path):
+    """A resumed world whose rank 0 waits for another world's lock (one still writing its
+    last checkpoint) resumes from what that world left: every rank from the newest checkpoint
+    rank 0 sees once it holds the run, none from what was newest before (two ranks of
+    different versions deadlocked in their first checkpoint)."""
+    import shutil
+    import subprocess
+    import sys
+    import time
+    out = hpcvla("train", "configs/colocated.yaml", "--ranks", 2, f"run.root={tmp_path}",
+                 "pipeline.total_updates=4", "learner.checkpoint_every=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = tmp_path.iterdir()
+    newest = run / "checkpoints" / "v000004"
+    shutil.move(newest, tmp_path / "held")  # the other world's last, not written yet
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom hpcvla.checkpoint.catalog import hold_run\n"
+         f"hold_run({str(run)!r})\nprint('held', flush=True)\ntime.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    resumed = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        resumed = subprocess.Popen(
+            [sys.executable, "-m", "hpcvla", "train", f"run.resume={run}", "--ranks", "2",
+             "pipeline.total_updates=6", "pipeline.stall_timeout_s=30"], cwd=ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        head = []
+        for line in resumed.stdout:  # rank 0 waits for the lock; the others are started
+            head.append(line)
+            if "waiting up to" in line:
+                break
+        time.sleep(3)
+        shutil.move(tmp_path / "held", newest)  # the other world ends: its checkpoint is in
+        holder.kill()
+        text = "".join(head) + resumed.communicate(timeout=240)[0]
+    finally:
+        holder.kill()
+        if resumed is not None:
+            resumed.kill()
+    assert resumed.returncode == 0, text[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert {r["first_version"] for r in summary["per_rank"]} == {4}, summary["per_rank"]

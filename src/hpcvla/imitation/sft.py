@@ -128,6 +128,7 @@ def sft_main(cfg, world) -> None:
     if rank == 0:
         catalog.hold_run(run_dir)  # one world at a time writes a run
         deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
+    idle_barrier(world)  # [dist] no rank reads or writes the run before its lock is held
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
     demos, shared = _read_on_node(node, spec, lambda: select_demonstrations(
         demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
@@ -142,7 +143,9 @@ def sft_main(cfg, world) -> None:
     samples = len(demos.actions)
     policy = build_policy(cfg, spec, device, device.type == "cuda")
     phases.mark("policy_built")
-    resume = catalog.latest(run_dir) if cfg.run.resume else None
+    # rank 0's newest checkpoint, holding the run's lock: every learner resumes from the same
+    resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
+        if cfg.run.resume else None  # [dist]
     if resume is not None:
         policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]

@@ -50,8 +50,8 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint.catalog import by_sft, latest, read_state
-from hpcvla.config import ConfigError, config_argument, load_config
+from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
+from hpcvla.config import ConfigError, config_argument, last_run_config, load_config
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -70,7 +70,7 @@ def resumable_run(run_root: Path) -> Path | None:
     point = latest(run) if run is not None else None
     if point is None:
         return None
-    cfg = load_config(run / "config.yaml")
+    cfg = load_config(last_run_config(run))  # a resume may have moved the end
     total = cfg.sft.steps if by_sft(point) else cfg.pipeline.total_updates
     return run if read_state(point)["version"] < total else None
 
@@ -103,6 +103,7 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
             break
         except (ValueError, KeyError):
             continue
+    trained = max(trained, kept)  # metrics.jsonl's last line may be older than a checkpoint
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "exit_status": status,
              "dropped_nodes": dropped, "nodes": nodes, "ranks": ranks,
              "resumed_from_version": state["version"], f"trained_{work}": trained,
@@ -163,17 +164,19 @@ def _main(argv=None) -> None:
     every.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     every.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    if args.what == "record":
-        print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
-                                args.nodes.split(), args.ranks)))
-        return
-    if args.what == "resumable":
-        run = resumable_run(args.run_root)
-        print(run if run is not None else "")
-        return
-    if args.what == "newest-version":
-        print(newest_version(args.run_root))
-        return
+    try:
+        if args.what == "record":
+            print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
+                                    args.nodes.split(), args.ranks)))
+        elif args.what == "resumable":
+            run = resumable_run(args.run_root)
+            print(run if run is not None else "")
+        elif args.what == "newest-version":
+            print(newest_version(args.run_root))
+        if args.what in ("record", "resumable", "newest-version"):
+            return
+    except CheckpointError as err:  # launch.sh's `set -e` ends the job saying this
+        raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
     try:
         cfg = load_config(*config_argument(args.config, args.overrides))
         if args.what == "checkpoint-every":

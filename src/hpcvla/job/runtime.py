@@ -231,6 +231,7 @@ def train_main(cfg, plan, comms) -> None:
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
+    idle_barrier(world)  # [dist] no rank reads or writes the run before its lock is held
     run_pipeline(cfg, plan, comms, run_dir)
     leave_together(world, cfg.pipeline.stall_timeout_s)
 

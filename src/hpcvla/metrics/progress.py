@@ -50,7 +50,9 @@ class Progress:
         self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
         self.steps_at: dict[int, int] = {0: 0}  # version -> trained env steps at its end
         self.held_out: tuple[int, float] | None = None  # the newest (version, success)
-        self._file = open(path, "a") if (enabled and path) else None
+        # line-buffered: a world that dies keeps every record up to its last micro-batch
+        # (a restart's record of the work lost reads the last one)
+        self._file = open(path, "a", buffering=1) if (enabled and path) else None
         self.board = board if enabled else None
 
     def resume(self, updates: int, trained_env_steps: int) -> None:

@@ -109,7 +109,10 @@ def runs_policy(roles: tuple[str, ...]) -> bool:
 def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> Rank:
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
-    resume = catalog.latest(run_dir) if cfg.run.resume else None
+    # the newest checkpoint as rank 0 sees it, holding the run's lock (train_main): every rank
+    # resumes from the same one, whatever another world wrote or its node's listing shows
+    resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
+        if cfg.run.resume else None  # [dist]
     saved = catalog.read_state(resume) if resume else {"version": 0}
     first = saved["version"]  # a resumed world's streams are new ones (seeds.py)
     seed_rank(cfg, rank, with_torch=runs_policy(roles), start=first)  # each its own noise
