@@ -100,6 +100,57 @@ def test_dump_readable_during_the_run_and_after_a_crash(tmp_path):
     assert "the run died" in describe(summary)
 
 
+STAGER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from helpers import reach_segments, writer
+groups, spec = reach_segments(8)
+dump = writer({path!r}, spec, flush_s=0.0)
+for group in groups[:4]:
+    dump.add_segment(group)
+print("flushed", dump.file.written, flush=True)
+dump.flush_s = 1e9
+for group in groups[4:]:
+    dump.add_segment(group)
+import hpcvla.metrics.dump_writer as w
+compress = w._dataset
+def slow(*args, **kwargs):           # a flush that compresses for seconds, as a writer behind
+    time.sleep(0.5)                  # its rank does
+    compress(*args, **kwargs)
+w._dataset = slow
+dump.flush()
+"""
+
+
+def test_a_writer_killed_while_it_compresses_a_flush_leaves_the_dump_readable(tmp_path):
+    """A flush compresses into a staging file and opens the dump only to copy the episodes
+    in: SIGKILL in the middle of the compression leaves the dump as the last flush left it,
+    not marked open for write (the whole dump unreadable, as it was when a flush wrote into
+    the dump itself); the next writer drops the staging file."""
+    path = tmp_path / "rank7.h5"
+    staging = path.with_name(path.name + ".staging")
+    proc = subprocess.Popen([sys.executable, "-c", STAGER.format(tests=str(TESTS),
+                                                                 path=str(path))],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        written = int(proc.stdout.readline().split()[1])
+        deadline = time.monotonic() + 60
+        while not staging.exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        time.sleep(1.0)  # in the middle of the staged flush
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    summary = summarize(path)
+    assert summary["episodes"] == written > 0 and summary["complete"] is False
+    from hpcvla.metrics.dump_writer import DumpFile
+    with h5py.File(path, "r") as f:
+        args = (7, "run", "reach", int(f.attrs["chunk_len"]), "")
+    DumpFile(path, *args)  # a resumed run's writer: appends to the dump, drops the staging
+    assert not staging.exists() and summarize(path)["episodes"] == written
+
+
 HOLDER = """
 import sys, time, h5py
 with h5py.File(sys.argv[1], "r"):  # h5py's default: HDF5's file lock, for 3 s

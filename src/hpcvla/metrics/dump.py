@@ -44,8 +44,9 @@ global heap, which has no checksum, and libhdf5 (2.0.0, in h5py 3.16) loops fore
 damaged one. `hpcvla inspect --verify` reads every chunk.
 The writer (metrics/dump_writer.py: in a training run a process of the producer rank's own,
 so that compression takes none of the rank's time) keeps finished episodes in memory and
-appends them every `flush_s` seconds by opening, writing and closing the file, so between
-flushes the file is closed and consistent: readable while the run goes on, and after a crash
+appends them every `flush_s` seconds: compressed into a staging file beside it first, then
+copied in (the compressed chunks as they are) by opening, writing and closing the file, so it
+is closed and consistent but for the copy: readable while the run goes on, and after a crash
 up to the last flush. Readers (`open_dump`) take no HDF5 file lock, so a reader never stops the writer; a reader that
 holds the file open with h5py's default lock makes the writer keep its episodes and try again
 at the next flush, saying so. A process killed while it appends (SIGKILL, an OOM kill)

@@ -131,8 +131,12 @@ class TrajectoryDump:
 
 class DumpFile:
     """One producer's dump file: made with its header, or appended to when it exists (a
-    resumed run); episodes queued by `add_episode` are appended by `flush` (open, write,
-    close: consistent between flushes)."""
+    resumed run); episodes queued by `add_episode` are appended by `flush`. A flush
+    compresses its episodes into a staging file beside the dump first, then opens the dump
+    only to copy them in (HDF5 copies the compressed chunks as they are) and closes it: the
+    dump is open for writing, and a process killed then leaves it unreadable, for the
+    copy alone, not for the compression's seconds (a writer behind the rank would otherwise
+    keep it open nearly all the time)."""
 
     def __init__(self, path, producer: int, source: str, env: str, chunk_len: int,
                  config_yaml: str):
@@ -141,6 +145,8 @@ class DumpFile:
         self.pending: list[tuple[dict, dict]] = []  # finished, not yet written
         self.segments = self.written = self.total = self.refusals = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = self.path.with_name(self.path.name + ".staging")
+        self.staging.unlink(missing_ok=True)  # a killed writer's: never part of the dump
         if self.path.exists() and self._resumed():
             return
         with h5py.File(self.path, "w", libver=LIBVER) as f:
@@ -207,26 +213,37 @@ class DumpFile:
         """Append the queued episodes and record `segments` (groups received); a reader
         holding the lock: kept for the next flush (`_append`). `open_steps` (closing): also
         record the steps of episodes still open and mark the file complete, in the same open."""
+        import h5py
+        names = [f"demo_{self.written + i}" for i in range(len(self.pending))]
+        if self.pending:
+            with h5py.File(self.staging, "w", libver=LIBVER) as staged:
+                for name, (steps, attrs) in zip(names, self.pending):
+                    demo = staged.create_group(name)
+                    demo.attrs.update(text_attrs(attrs))
+                    for key in (k for k in steps if k.startswith("obs/")):
+                        _dataset(demo, key, steps[key])
+                    for field, step_name in STEP_FIELDS.items():
+                        value = steps[field]
+                        _dataset(demo, step_name,
+                                 value.astype(np.uint8) if value.dtype == bool else value)
         f = self._append(patience_s)
-        if f is None:
+        if f is None:  # kept for the next flush
+            self.staging.unlink(missing_ok=True)
             return
         with f:
             data = f["data"]
-            for steps, attrs in self.pending:
-                demo = data.create_group(f"demo_{self.written}")
-                demo.attrs.update(text_attrs(attrs))
-                for key in (k for k in steps if k.startswith("obs/")):
-                    _dataset(demo, key, steps[key])
-                for field, name in STEP_FIELDS.items():
-                    value = steps[field]
-                    _dataset(demo, name, value.astype(np.uint8) if value.dtype == bool else value)
-                self.written += 1
-                self.total += attrs["num_samples"]
+            if names:
+                with h5py.File(self.staging, "r") as staged:
+                    for name in names:
+                        staged.copy(staged[name], data, name=name)
+            self.written += len(names)
+            self.total += sum(attrs["num_samples"] for _, attrs in self.pending)
             data.attrs["total"] = self.total
             f.attrs["segments"] = self.segments = segments
             if open_steps is not None:
                 f.attrs["open_episode_steps"] = open_steps
                 f.attrs["complete"] = True
+        self.staging.unlink(missing_ok=True)
         self.pending.clear()
 
     def close(self, segments: int, open_steps: int) -> None:
