@@ -164,19 +164,19 @@ def _main(argv=None) -> None:
     every.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     every.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    try:
-        if args.what == "record":
-            print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
-                                    args.nodes.split(), args.ranks)))
-        elif args.what == "resumable":
-            run = resumable_run(args.run_root)
-            print(run if run is not None else "")
-        elif args.what == "newest-version":
-            print(newest_version(args.run_root))
-        if args.what in ("record", "resumable", "newest-version"):
-            return
-    except CheckpointError as err:  # launch.sh's `set -e` ends the job saying this
-        raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
+    if args.what in ("record", "resumable", "newest-version"):  # of the job's run
+        try:
+            if args.what == "record":
+                print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
+                                        args.nodes.split(), args.ranks)))
+            elif args.what == "resumable":
+                run = resumable_run(args.run_root)
+                print(run if run is not None else "")
+            else:
+                print(newest_version(args.run_root))
+        except CheckpointError as err:  # launch.sh's `set -e` ends the job saying this
+            raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
+        return
     try:
         cfg = load_config(*config_argument(args.config, args.overrides))
         if args.what == "checkpoint-every":
