@@ -96,9 +96,11 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
             # 22.05-23.02), appended to what a site's MPI module set: Hydra reads
             # HYDRA_LAUNCHER_EXTRA_ARGS, Open MPI 4.x OMPI_MCA_plm_slurm_args, 5
             # PRTE_MCA_plm_slurm_args.
-            local step="--cpus-per-task=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}${OVERLAP:+ --overlap}"
-            if [[ -n ${SLURM_GPUS_PER_TASK:-}${SLURM_NTASKS_PER_GPU:-} && -n ${SLURM_GPUS_ON_NODE:-} ]]; then
-                step+=" --gres=gpu:$SLURM_GPUS_ON_NODE"  # (nodes alike: equal tasks per node)
+            local step="--cpus-per-task=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}"
+            step+=${OVERLAP:+ --overlap}
+            if [[ -n ${SLURM_GPUS_PER_TASK:-}${SLURM_NTASKS_PER_GPU:-} &&
+                    -n ${SLURM_GPUS_ON_NODE:-} ]]; then  # (nodes alike: equal tasks per node)
+                step+=" --gres=gpu:$SLURM_GPUS_ON_NODE"
             fi
             LAUNCH=(env -u SLURM_NTASKS_PER_NODE -u SLURM_GPUS_PER_TASK -u SLURM_NTASKS_PER_GPU
                     -u SLURM_CPUS_PER_GPU -u SLURM_MEM_PER_GPU -u SLURM_TRES_PER_TASK
