@@ -72,10 +72,12 @@ def path_problem(path: Path) -> str | None:
     """What is wrong with the run directory or checkpoint a command (eval, export) was given,
     or None."""
     path = Path(path)
-    if path.parent.name == "checkpoints" and path not in complete(path.parent.parent):
-        kept = ", ".join(p.name for p in complete(path.parent.parent)) or "none"
-        return (f"{path} is not a complete checkpoint of its run (kept there: {kept}; a "
-                "checkpoint is v and its version in 6 digits, v000500)")
+    if path.parent.name == "checkpoints":
+        kept = complete(path.parent.parent)
+        if path not in kept:
+            return (f"{path} is not a complete checkpoint of its run (kept there: "
+                    f"{', '.join(p.name for p in kept) or 'none'}; a checkpoint is v and its "
+                    "version in 6 digits, v000500)")
     if not path.is_dir():
         return f"{path}: no such directory (give a run directory, or one of its checkpoints)"
     run, _ = run_and_checkpoint(path)
