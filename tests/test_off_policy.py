@@ -84,6 +84,14 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
     assert moved - {"sac_log_alpha"} and all(  # the critics alone trained
         name.startswith("value_q") for name in moved - {"sac_log_alpha"}), moved
     assert float(end["sac_log_alpha"].exp()) == pytest.approx(0.05)  # not the checkpoint's
+    # and the warm-up spent none of the actor's optimizer state (Adam's step count)
+    newest = sorted((rlpd_dir / "checkpoints").glob("v*"))[-1]
+    saved = json.loads((newest / "state.json").read_text())["optimizer"]
+    for entry in saved:
+        steps = entry["steps"]
+        actor = {n: s for n, s in steps.items() if not n.startswith("value_")}
+        assert actor and actor == dict.fromkeys(actor, 0.0), steps
+        assert all(s > 0 for n, s in steps.items() if n.startswith("value_q.")), steps
 
 
 @pytest.mark.mpi

@@ -342,10 +342,12 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
         assert {"explained_variance", "return_std", "value_mean"} <= stats.keys()
 
 
-def test_critic_passes_move_the_critic_alone():
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_critic_passes_move_the_critic_alone(fused):
     """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside
-    `actor_scaled(engine, 0)` (the value-only passes) an optimizer step leaves every actor
-    weight as it was and moves the critic."""
+    `actor_scaled(engine, 0)` (the value-only passes) an optimizer step moves the critic and
+    leaves every actor weight and the actor's Adam state (moments, step count) as they were,
+    though the value loss reaches the actor's parameters; the rates come back after it."""
     from types import SimpleNamespace
 
     from hpcvla.config import load_config
@@ -358,20 +360,34 @@ def test_critic_passes_move_the_critic_alone():
     assert [(g["name"], g["lr"]) for g in groups] == [("actor", 3e-4), ("critic", 0.01)]
     critic = {id(p) for p in groups[1]["params"]}
     assert critic == {id(p) for n, p in policy.named_parameters() if n.startswith("value_")}
-    engine = SimpleNamespace(optimizer=torch.optim.AdamW(groups))
-    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    engine = SimpleNamespace(optimizer=torch.optim.AdamW(groups, fused=fused))
     obs = {"image": torch.randint(0, 255, (8, 32, 32, 3), dtype=torch.uint8),
            "instruction": torch.ones(8, 5, dtype=torch.int32), "state": torch.randn(8, 7)}
-    for _ in range(2):  # the actor's Adam state is warm, as after PPO epochs
+
+    def step(loss_of):
         _, value, entropy = policy.evaluate(obs, torch.zeros(8, 4, 7))
         engine.optimizer.zero_grad()
-        ((value - 1.0) ** 2).mean().add(-entropy.mean()).backward()
+        loss_of(value, entropy).backward()
+        engine.optimizer.step()
+
+    step(lambda value, entropy: value.square().mean() - entropy.mean())  # the actor's Adam warm
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    state = engine.optimizer.state
+    adam = {n: {k: v.clone() for k, v in state[p].items()} for n, p in policy.named_parameters()}
+    for _ in range(2):
         with actor_scaled(engine, 0.0):
-            engine.optimizer.step()
-    assert [g["lr"] for g in engine.optimizer.param_groups] == [3e-4, 0.01]  # restored
+            step(lambda value, entropy: ((value - 1.0) ** 2).mean() - entropy.mean())
+        assert [g["lr"] for g in engine.optimizer.param_groups] == [3e-4, 0.01]  # restored
+        assert [len(g["params"]) for g in engine.optimizer.param_groups] == \
+            [len(g["params"]) for g in groups]
+    reached = [n for n, p in policy.named_parameters() if id(p) not in critic and
+               p.grad is not None and p.grad.abs().sum() > 0]
+    assert reached  # the value loss's gradient reached the shared encoders
     for name, p in policy.named_parameters():
         moved = not torch.equal(p.detach(), before[name])
         assert moved == (id(p) in critic), name
+        kept = all(torch.equal(v, state[p][k]) for k, v in adam[name].items())
+        assert kept != (id(p) in critic), name
 
 
 def test_the_actors_rate_per_version_warms_up_the_critic_then_ramps():
@@ -411,12 +427,14 @@ def test_the_actors_rate_per_version_warms_up_the_critic_then_ramps():
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("engine", [["learner.zero_stage=1"], ["learner.backend=horovod"]],
-                         ids=["deepspeed", "horovod"])
+@pytest.mark.parametrize("engine", [["learner.zero_stage=1"], ["learner.zero_stage=3"],
+                                    ["learner.backend=horovod"]],
+                         ids=["zero1", "zero3", "horovod"])
 def test_critic_warmup_versions_move_the_critic_alone(engine):
     """algorithm.critic_warmup_versions on two learners (DeepSpeed ZeRO-1, the OFT recipe's
-    stage, or Horovod): through the learner's own `learn`, the warm-up versions change only
-    `value_*` tensors, the next one the actor too, and the learners stay identical."""
+    stage, ZeRO-3, which steps sub-groups, or Horovod): through the learner's own `learn`,
+    the warm-up versions change only `value_*` tensors and leave the actor's Adam state
+    unspent, the next one moves the actor too, and the learners stay identical."""
     from helpers import MPI_DIR, hpcvla
 
     out = hpcvla("launch", "-n", 2, "--timeout", 240, "--", MPI_DIR / "critic_warmup.py",

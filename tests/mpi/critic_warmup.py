@@ -1,8 +1,8 @@
 """Run under MPI with every rank a learner (colocated): PPO's critic warm-up
 (algorithm.critic_warmup_versions) through the learner's own version step `learn` on the real
 engine (DeepSpeed or Horovod, `learner.backend`). A warm-up version moves the critic
-(`value_*`) and nothing else, on every learner alike; the first version after it moves the
-actor too.
+(`value_*`) and nothing else, on every learner alike, and leaves the actor's optimizer state
+unspent (its step count 0); the first version after it moves the actor too.
 
     mpiexec -n 2 python -m mpi4py tests/mpi/critic_warmup.py CONFIG [key=value ...]
 """
@@ -13,6 +13,7 @@ import numpy as np
 import torch.distributed
 from mpi4py import MPI
 
+from hpcvla.checkpoint.optimizer_state import fragments
 from hpcvla.config import load_config
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import make_env
@@ -39,11 +40,22 @@ def main(cfg, plan, comms):
         after = full_state(engine)
         return {k for k in before if not np.array_equal(before[k], after[k])}
 
+    def steps():  # each parameter range's optimizer step count: the actor's, the critic's
+        counts: dict[bool, set[float]] = {True: set(), False: set()}
+        for fragment in fragments(engine, rank):
+            state = fragment.state()
+            counts[fragment.name.startswith("value_")].add(float(state.get("step", 0)))
+        return counts[False], counts[True]
+
     for version in range(warmup):
         changed = moved(version)
         assert changed and all(k.startswith("value_") for k in changed), sorted(changed)
+    # the warm-up's steps spent none of the actor's optimizer state (Adam's step count)
+    per_version = cfg.learner.epochs + cfg.algorithm.critic_epochs
+    assert steps() == ({0.0}, {float(warmup * per_version)}), steps()
     changed = moved(warmup)
     assert any(not k.startswith("value_") for k in changed), sorted(changed)
+    assert steps() == ({float(cfg.learner.epochs)}, {float((warmup + 1) * per_version)}), steps()
     # every learner holds the same weights: the warm-up steps were the same on all of them
     digest = [float(v.double().sum()) for v in full_state(engine).values()]
     assert comms.learners.allreduce(digest, MPI.MAX) == comms.learners.allreduce(digest, MPI.MIN)

@@ -244,15 +244,15 @@ class AlgorithmConfig:
         "version's step.", ge=0)
     critic_epochs: int = setting(
         0, "PPO: value-only passes over each batch after the `learner.epochs` PPO passes, "
-        "one optimizer step each with the policy's learning rate at 0: more critic steps "
-        "without moving the policy further, where PPO epochs are costly or unstable. Each "
+        "one optimizer step each that moves the critic alone (the policy's weights and Adam "
+        "state sit it out): more critic steps without moving the policy further, where PPO epochs are costly or unstable. Each "
         "costs a forward/backward of the micro-batches. On reach (4 epochs, 3e-3, "
         "unclipped) explained variance at versions 30-45 / 45-60: 4 passes 0.28 / 0.52, 12 "
         "passes 0.48 / 0.71, at 2.6x the learner time of 8 PPO epochs (0.73 / 0.90).", ge=0)
     critic_warmup_versions: int = setting(
         0, "PPO: the run's first versions train the critic alone: every pass over their "
-        "batches (`learner.epochs`, then `critic_epochs`) is value-only with the actor's "
-        "learning rate at 0, so the policy acts unchanged while the critic learns its "
+        "batches (`learner.epochs`, then `critic_epochs`) is value-only, the actor's weights "
+        "and Adam state untouched, so the policy acts unchanged while the critic learns its "
         "returns (verl's trainer.critic_warmup). Meant for a policy started from a "
         "checkpoint (policy.checkpoint), whose first updates a fresh critic's advantages "
         "steer; on OFT's L1 recipe on reach 5 of 100 versions gained nothing (held-out "
@@ -306,7 +306,7 @@ class AlgorithmConfig:
         0, "`sac`: the first gradient steps of each world (a resumed one too, as it refills "
         "its buffer) train the critics alone, on the "
         "policy's features as they are (no gradient to the encoders, the actor or the "
-        "temperature). A policy started from a checkpoint (policy.checkpoint: an `hpcvla "
+        "temperature, whose Adam state sits the steps out). A policy started from a checkpoint (policy.checkpoint: an `hpcvla "
         "sft` run) otherwise follows critics that know nothing yet and loses what it "
         "imitated; 0: every step trains all of it.", ge=0)
     init_temperature: float = setting(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from hpcvla.engines.base import Engine, adamw, full_state, param_groups
+from hpcvla.engines.base import Engine, adamw, critic_steps_only, full_state, param_groups
 from hpcvla.engines.nonfinite import SkipNonfinite
 
 
@@ -41,4 +41,5 @@ def preload(cfg, device: torch.device) -> None:
         lean_deepspeed(device)
 
 
-__all__ = ["Engine", "SkipNonfinite", "full_state", "init_engine", "param_groups", "preload"]
+__all__ = ["Engine", "SkipNonfinite", "critic_steps_only", "full_state", "init_engine",
+           "param_groups", "preload"]

@@ -3,6 +3,8 @@ optimizer's parameter groups and the full weights gathered for publishing."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -54,6 +56,48 @@ def param_groups(policy, alg) -> list[dict]:
               {"params": [p for n, p in named if is_critic(n)], "lr": alg.critic_lr or alg.lr,
                "name": "critic"}]
     return [g for g in groups if g["params"]]
+
+
+@contextmanager
+def critic_steps_only(engine) -> Iterator[None]:
+    """Inside, an optimizer step moves the critic's group (`param_groups`) alone: every other
+    group (the actor, shared encoders, SAC's temperature) keeps its weights and its optimizer
+    state, Adam's moments and step count, as they were. A learning rate of 0 would keep the
+    weights only: DeepSpeed and Horovod give a parameter without a gradient a zero one, the
+    moments would decay and the step count advance, and after k such steps the actor's first
+    real steps would be up to ~3-6x Adam's usual (its bias correction spent on nothing).
+    The groups leave the torch optimizer's `param_groups` for the length of its step, as
+    DeepSpeed itself steps one group at a time (ZeRO hands the torch optimizer its flat fp32
+    partitions group by group, ZeRO-3 sub-group by sub-group, inside the engine's step).
+    Horovod's optimizer steps torch's inside its own step: the groups return at the outer
+    step's end."""
+    optimizer = engine.optimizer
+    while not isinstance(optimizer, torch.optim.Optimizer):  # ZeRO's and bf16's wrappers
+        optimizer = optimizer.optimizer
+    held: list[tuple[dict, list]] = []
+    depth = [0]
+
+    def leave(opt, args, kwargs):
+        depth[0] += 1
+        for group in opt.param_groups:
+            if group.get("name") != "critic" and group["params"]:
+                held.append((group, group["params"]))
+                group["params"] = []
+
+    def come_back(opt=None, args=None, kwargs=None):
+        depth[0] -= 1
+        if depth[0] <= 0:
+            for group, params in held:
+                group["params"] = params
+            held.clear()
+    hooks = [optimizer.register_step_pre_hook(leave), optimizer.register_step_post_hook(come_back)]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+        depth[0] = 0
+        come_back()  # a step that raised
 
 
 def adamw(cfg, policy) -> torch.optim.AdamW:

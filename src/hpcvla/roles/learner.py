@@ -29,6 +29,7 @@ import torch
 
 from hpcvla.algorithms.objective import Advantages, advantages_of, policy_loss
 from hpcvla.emulate import pad
+from hpcvla.engines import critic_steps_only
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -147,7 +148,12 @@ def actor_lr_factor(alg: AlgorithmConfig, version: int) -> float:
 @contextmanager
 def actor_scaled(engine: SkipNonfinite, factor: float) -> Iterator[None]:
     """Every optimizer param group but the critic's (engines/base.param_groups names them) at
-    `factor` times its learning rate: at 0, steps inside move the critic only."""
+    `factor` times its learning rate; at 0, steps inside move the critic only and leave the
+    actor's optimizer state as it was (engines.critic_steps_only)."""
+    if factor == 0.0:
+        with critic_steps_only(engine):
+            yield
+        return
     groups = engine.optimizer.param_groups
     saved = [g["lr"] for g in groups]
     for g in groups:

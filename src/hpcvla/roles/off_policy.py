@@ -30,6 +30,7 @@ algorithm.learning_starts of them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
@@ -42,6 +43,7 @@ from hpcvla.algorithms.replay import ReplayBuffer, symmetric_sample
 from hpcvla.algorithms.sac import target_entropy
 from hpcvla.algorithms.transitions import (demonstration_transitions, transition_specs,
                                            transitions_of)
+from hpcvla.engines import critic_steps_only
 from hpcvla.roles.colocated import publish
 from hpcvla.transport.backoff import idle_bcast
 from hpcvla.transport.node_arrays import NodeArrays
@@ -131,16 +133,17 @@ class SoftUpdate:
         """One optimizer step (learner.micro_batches sampled batches), then the targets'."""
         engine, policy = self.engine, self.engine.module
         n = self.alg.batch_size
+        warmup = self.gradient_steps < self.alg.critic_warmup
         for _ in range(self.setup.cfg.learner.micro_batches):
             sampled = self.buffer.sample(n, self.rng) if self.prior is None else \
                 symmetric_sample(self.buffer, self.prior, n, self.rng)
             batch = {k: torch.as_tensor(v).to(engine.device, non_blocking=True)
                      for k, v in sampled.items()}
-            loss, stats = soft_actor_critic_loss(
-                self.alg, policy, batch, self.target_entropy,
-                critics_only=self.gradient_steps < self.alg.critic_warmup)
+            loss, stats = soft_actor_critic_loss(self.alg, policy, batch, self.target_entropy,
+                                                 critics_only=warmup)
             engine.backward(loss)
-            engine.step()
+            with critic_steps_only(engine) if warmup else contextlib.nullcontext():
+                engine.step()  # the warm-up's leave the actor's Adam state unspent
         update_targets(policy, self.alg.tau)
         self.gradient_steps += 1
         return stats
