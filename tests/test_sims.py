@@ -213,6 +213,50 @@ def test_a_maniskill_env_without_its_camera_observes_the_state_alone():
         state_only.close()
 
 
+def test_dense_delta_pays_success_over_hovering_short_of_it():
+    """env.reward on PickCube (its config's 5-step chunks, 16 chunks), one initial state: the
+    scripted expert to success against its actions up to a chunk short of success, then the
+    arm still until the horizon. `dense`: the hover returns more than the success (episodes
+    end at success, unbootstrapped). `dense_delta`: an episode returns the shaping's last
+    value, 1 at success, less short of it; the episode after the auto-reset again 1."""
+    from hpcvla.envs.experts import make_expert
+
+    def episode(reward, actions, count=1):
+        """(return, success, chunks) of `count` episodes, acting actions(chunk, env)."""
+        env = make_env("maniskill", 1, seed=0, task="PickCube-v1", reward=reward, chunk_len=5,
+                       max_episode_chunks=16, camera=False)
+        ends, chunk = [], 0
+        try:
+            env.reset(init_state_ids=np.array([2**20 + 7]))
+            while len(ends) < count:
+                out = env.step(actions(chunk, env))
+                chunk += 1
+                if out.terminated[0] or out.truncated[0]:
+                    ends.append((float(out.episode_return[0]), bool(out.success[0]), chunk))
+                    chunk = 0
+        finally:
+            env.close()
+        return ends
+
+    expert, taken = make_expert("maniskill", "PickCube-v1", 5), []
+    (success, ok, length), again = episode(
+        "dense_delta", lambda chunk, env: taken.append(expert.act(env)) or taken[-1], count=2)
+    assert ok and again[1] and success == pytest.approx(1.0) == again[0]
+
+    def hover_from(stop):  # the expert's first `stop` chunks, then the arm still
+        still = taken[stop].copy()
+        still[..., :6] = 0.0
+        return lambda chunk, env: taken[chunk] if chunk < stop else still
+    for stop in range(length - 1, 0, -1):  # the latest that stops short of success
+        (hover, hover_ok, hover_length), = episode("dense_delta", hover_from(stop))
+        if not hover_ok:
+            break
+    assert not hover_ok and hover_length == 16 and 0 < hover < success
+    (dense_success, _, _), = episode("dense", lambda chunk, env: taken[chunk])
+    (dense_hover, _, _), = episode("dense", hover_from(stop))
+    assert dense_hover > 2 * dense_success, (dense_hover, dense_success)
+
+
 def test_eval_of_a_maniskill_task_reports_its_own_conventions_too():
     """`hpcvla eval` of a ManiSkill task: success_once (= the success rate: the same steps up
     to the first success) and success_at_end, its episodes run to the horizon."""

@@ -56,6 +56,9 @@ FAMILIES = {
 # env.control_mode's default, the controller of every simulator without a choice of them:
 # end-effector translation and rotation deltas + gripper, what VLA checkpoints act in
 EE_DELTA_CONTROL = "pd_ee_delta_pose"
+# ManiSkill's rewards (env.reward): its `sparse` and `normalized_dense`, and the dense one's
+# change per step (RLinf's relative reward), whose episode return is the shaping's gain
+MANISKILL_REWARDS = ("sparse", "dense", "dense_delta")
 
 
 @dataclass(frozen=True)
@@ -101,5 +104,5 @@ def simulator(name: str) -> SimulatorTraits:
     return SIMULATORS[name]
 
 
-__all__ = ["EE_DELTA_CONTROL", "FAMILIES", "FamilyTraits", "SIMULATORS", "SimulatorTraits",
-           "family", "simulator"]
+__all__ = ["EE_DELTA_CONTROL", "FAMILIES", "MANISKILL_REWARDS", "FamilyTraits", "SIMULATORS",
+           "SimulatorTraits", "family", "simulator"]

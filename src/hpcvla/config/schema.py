@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hpcvla.config.families import EE_DELTA_CONTROL, SIMULATORS
+from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS, SIMULATORS
 from hpcvla.config.evaluation import EvalConfig
 from hpcvla.config.imitation import SFTConfig
 from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
@@ -204,10 +204,14 @@ class EnvConfig:
         False, "Add the wrist camera (`wrist_image`) next to the third-person `image` "
         "(maniskill, libero): a second render per step (~2x the rendering time).")
     reward: str = setting(
-        "sparse", "maniskill: `sparse` (1 on success) or `dense` (the task's normalized dense "
-        "shaping, easier to learn, task-specific). libero has only sparse; reach has one "
-        "shaped reward of its own (progress + 1 on success) and takes only the default.",
-        choices=("sparse", "dense"))
+        "sparse", "maniskill: `sparse` (1 on success), `dense_delta` (the change of the task's "
+        "normalized dense shaping per step, RLinf's relative reward: an episode's return is "
+        "what the shaping gained, at most at success; easier to learn than sparse) or `dense` "
+        "(the shaping itself, at most 1 per step: as episodes end at success and are not "
+        "bootstrapped, staying just short of success until the horizon returns more than "
+        "succeeding; ManiSkill's baselines bootstrap instead). libero has only sparse; reach "
+        "has one shaped reward of its own (progress + 1 on success) and takes only the default.",
+        choices=MANISKILL_REWARDS)
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "
         "but make a synchronous step wait longer for its slowest env.", ge=1)

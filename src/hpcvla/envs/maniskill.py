@@ -24,7 +24,8 @@ rad) + the gripper (8-d), ManiSkill's baselines' mode. The spec names the mode
 (`EnvSpec.controller`); a mode the task's robot lacks, or whose actions are not normalized,
 is refused at construction.
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
-`normalized_dense` reward (env.reward). An episode terminates on `info["success"]` and is
+`normalized_dense` reward, or of that one's change per step (`dense_delta`: ShapingGain;
+env.reward). An episode terminates on `info["success"]` and is
 truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
 for PickCube, is lifted). Initial states: ManiSkill's reset seed is the init_state_id itself
 (same id, same initial state), or for a random start a training id drawn from the env's RNG
@@ -44,7 +45,7 @@ import sys
 
 import numpy as np
 
-from hpcvla.config.families import EE_DELTA_CONTROL
+from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS
 from hpcvla.envs.base import EnvSpec, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
 from hpcvla.text import vocab_of, words
@@ -128,7 +129,8 @@ def make_task_env(task: str, num_envs: int, sim_backend: str, render_backend: st
         kwargs["robot_uids"] = "panda_wristcam"
     try:  # an empty stdin: ManiSkill's download prompt fails instead of waiting for "y"
         with contextlib.redirect_stdout(sys.stderr), _no_stdin():
-            return gym.make(task, **kwargs)
+            env = gym.make(task, **kwargs)
+            return ShapingGain(env) if reward == "dense_delta" else env
     except (EOFError, FileNotFoundError) as err:
         raise _download_error(task, f"{type(err).__name__}: {err}") from err
     except AssertionError as err:  # ManiSkill asserts the mode is among its robot's
@@ -176,6 +178,38 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                    max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
                    controller=u.control_mode)
+
+
+class ShapingGain:
+    """env.reward=dense_delta around a ManiSkill env (any number of envs): each step's reward
+    is the change of its normalized dense reward since the env's step before, from 0 at an
+    episode's start (RLinf's relative reward). An episode then returns the shaping's last
+    value, highest at success, which ends it: with the shaping itself an episode that stays
+    just short of success until the horizon, unbootstrapped, returns more than one that
+    succeeds (measured on PickCube: 31.3 against 7.1 from one start)."""
+
+    def __init__(self, env):
+        self.env, self.unwrapped = env, env.unwrapped
+        self.previous = None  # the dense reward of each env's last step
+
+    def reset(self, **kwargs):
+        out = self.env.reset(**kwargs)
+        index = (kwargs.get("options") or {}).get("env_idx")  # ManiSkill's partial reset
+        if self.previous is not None:
+            self.previous[slice(None) if index is None else index] = 0.0
+        return out
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        gain = reward if self.previous is None else reward - self.previous
+        self.previous = reward.clone()
+        return obs, gain, terminated, truncated, info
+
+    def close(self):
+        self.env.close()
+
+    def __getattr__(self, name):  # the spaces and the rest, as gymnasium's wrappers do
+        return getattr(self.env, name)
 
 
 class _Slot:
@@ -261,8 +295,9 @@ class ManiSkillEnv(SerialVectorEnv):
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, camera: bool = True,
                  control_mode: str = EE_DELTA_CONTROL):
-        if reward not in ("sparse", "dense"):
-            raise ValueError(f"ManiSkillEnv: reward must be sparse or dense, got {reward!r}")
+        if reward not in MANISKILL_REWARDS:
+            raise ValueError(f"ManiSkillEnv: reward must be one of {MANISKILL_REWARDS}, "
+                             f"got {reward!r}")
         horizon = chunk_len * max_episode_chunks
 
         def make_slot(_i):

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcvla.config.families import EE_DELTA_CONTROL
+from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS
 from hpcvla.envs.base import StepResult, VectorEnv, episode_ends, training_state_ids
 from hpcvla.envs.maniskill import (ManiSkillEnv, describe, make_task_env, render_cameras,
                                    task_spec)
@@ -109,8 +109,9 @@ class ManiSkillGPUEnv(VectorEnv):
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, control_mode: str = EE_DELTA_CONTROL):
-        if reward not in ("sparse", "dense"):
-            raise ValueError(f"ManiSkillGPUEnv: reward must be sparse or dense, got {reward!r}")
+        if reward not in MANISKILL_REWARDS:
+            raise ValueError(f"ManiSkillGPUEnv: reward must be one of {MANISKILL_REWARDS}, "
+                             f"got {reward!r}")
         if num_envs < 1 or chunk_len < 1 or max_episode_chunks < 1:
             raise ValueError("ManiSkillGPUEnv: num_envs, chunk_len and max_episode_chunks "
                              "must be >= 1")
