@@ -440,6 +440,57 @@ def test_the_references_other_layouts_are_refused_naming_what_converts_them(tmp_
     assert "policy.pretrained" in str(err.value) and named in str(err.value), str(err.value)
 
 
+def test_an_openpi_lora_fine_tune_its_converter_wrote_without_adapters_is_refused(tmp_path):
+    """openpi's converter writes a LoRA fine-tune's base kernels alone (strict=False) and
+    records the variant in config.json: such a folder is the base model's weights, refused
+    before any rank starts with how to merge; the same folder with the variants merged runs."""
+    lora = tmp_path / "openpi"
+    shutil.copytree(FIXTURES / "pi0" / "openpi", lora)
+    written = json.loads((lora / "config.json").read_text())
+    (lora / "config.json").write_text(json.dumps({**written, "paligemma_variant": "gemma_2b_lora",
+                                                  "action_expert_variant": "gemma_300m_lora"}))
+    with pytest.raises(ConfigError, match=r"paligemma_variant='gemma_2b_lora', action_expert_var"
+                                          r"iant='gemma_300m_lora': an openpi LoRA fine-tune.*"
+                                          r"Merge the LoRA weights"):
+        config(lora)
+    (lora / "config.json").write_text(json.dumps(written))
+    config(lora)
+
+
+def test_an_openpi_folder_with_several_robots_statistics_reads_the_asset_id_named(tmp_path):
+    """openpi's base checkpoints ship assets/<id>/norm_stats.json for each robot of their
+    mixture: without policy.asset_id the folder is refused naming its ids and the setting;
+    with it the policy normalizes with that robot's statistics; an id the folder lacks, and
+    an asset_id for a LeRobot folder (processor files) or a built-in policy, are refused."""
+    folder = tmp_path / "openpi"
+    shutil.copytree(FIXTURES / "pi0" / "openpi", folder)
+    libero = folder / "assets" / "physical-intelligence" / "libero" / "norm_stats.json"
+    franka = json.loads(libero.read_text())
+    for stats in franka["norm_stats"].values():
+        stats["mean"] = [m + 1.0 for m in stats["mean"]]
+    (folder / "assets" / "franka").mkdir()
+    (folder / "assets" / "franka" / "norm_stats.json").write_text(json.dumps(franka))
+    with pytest.raises(ConfigError, match=r"policy.asset_id = '': expected one of \['franka', "
+                                          r"'physical-intelligence/libero'\]: .* 2 sets of "
+                                          r"normalization statistics.*policy.asset_id=franka"):
+        config(folder)
+    with pytest.raises(ConfigError, match=r"policy.asset_id = 'droid': expected an asset id of "
+                                          r".*no assets/droid/norm_stats.json"):
+        config(folder, **{"policy.asset_id": "droid"})
+    spec = raw_observation(*fixture("pi0"))[1]
+    offsets = {}
+    for asset in ("franka", "physical-intelligence/libero"):
+        policy = build_policy(config(folder, **{"policy.asset_id": asset}), spec)
+        offsets[asset] = policy.processor.action.offset
+    torch.testing.assert_close(offsets["franka"], offsets["physical-intelligence/libero"] + 1.0)
+    lerobot = r"policy.asset_id = 'franka': expected empty for a LeRobot folder"
+    with pytest.raises(ConfigError, match=lerobot):
+        config(FIXTURES / "pi0" / "lerobot", **{"policy.asset_id": "franka"})
+    with pytest.raises(ConfigError, match=r"policy.asset_id = 'franka': expected empty unless "
+                                          r"policy.name=flow"):
+        check_config(load_config("configs/default.yaml", ["policy.asset_id=franka"]))
+
+
 def test_lerobot_folders_of_another_kind_or_before_its_openpi_port_are_refused(tmp_path):
     """A LeRobot policy of another type, and a π0 of LeRobot before 0.4 (its PaliGemma named
     as transformers < 4.52 did; migrating its statistics leaves the names), are refused

@@ -46,7 +46,8 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         value = getattr(cfg.policy, name)
         if value != unset and (not family(cfg.policy.name).relative_actions or
                                not cfg.policy.pretrained):
-            problems.append((f"policy.{name}", value, f"{unset} unless policy.name=flow with "
+            problems.append((f"policy.{name}", value, f"{unset if unset != '' else 'empty'} "
+                             "unless policy.name=flow with "
                              "a published policy.pretrained folder (how its checkpoint was "
                              "trained)"))
     heads = family(cfg.policy.name).action_heads

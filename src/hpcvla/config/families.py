@@ -20,7 +20,7 @@ class FamilyTraits:
     # `default` network is a few small layers in float32
     vla: bool
     # a published folder may hold relative actions and a state prompt it may not record
-    # (policy.delta_action_dims: π0's LIBERO; policy.pi05_state)
+    # (policy.delta_action_dims: π0's LIBERO; policy.pi05_state; policy.asset_id)
     relative_actions: bool
     # SAC's critics and squashed actor (policies/soft_critics.py): algorithm.name=sac or rlpd
     soft_critics: bool = False
@@ -36,7 +36,7 @@ class FamilyTraits:
 # The settings of how a published folder was trained that it may not record (policy.*, their
 # unset values): only for a family with `relative_actions` and a published policy.pretrained
 # (config/checks.py); a folder hpcvla wrote says it all (policies/folders.own_folder_problems).
-FOLDER_RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder"}
+FOLDER_RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder", "asset_id": ""}
 
 # The log std of SAC's squashed actors (the default policy's, the flow family's noise actor):
 # a function of the state, kept inside this range by a tanh as in published SAC, so the

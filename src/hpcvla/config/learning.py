@@ -138,6 +138,11 @@ class PolicyConfig:
         "state (openpi's `discrete_state_input=False`: its pi05_libero). `folder`: LeRobot's "
         "record (openpi's folders record nothing: must be set).",
         choices=("folder", "prompt", "none"))
+    asset_id: str = setting(
+        "", "`flow` with an openpi folder: the `assets/<asset id>` whose norm_stats.json "
+        "normalize its state and actions, e.g. `franka` or `physical-intelligence/libero`. "
+        "openpi's base checkpoints (pi0_base) ship one per robot of their mixture; empty: "
+        "the folder's only one.")
     temperature: float = setting(
         1.6, "`oft`: divides the action-token logits when sampling and scoring (RLinf's "
         "LIBERO configs: 1.6). Higher explores more (flatter bins) and lowers the log-probs "

@@ -46,7 +46,7 @@ class PublishedFlowFolders:
         (processor.check_folder), and the sizes the loader reads from its tensors' shapes."""
         from hpcvla.policies.folders import checkpoint_kwargs
         from hpcvla.policies.processor import check_folder, recipe_problems
-        problems = check_folder(folder, policy_cfg.tokenizer)
+        problems = check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id)
         try:
             variant = checkpoint_kwargs(cls, folder)["variant"]
         except (ValueError, KeyError) as err:
@@ -54,7 +54,7 @@ class PublishedFlowFolders:
                              f"sizes the loader can read: {err}"))
             return problems
         return problems + recipe_problems(folder, variant, policy_cfg.delta_action_dims,
-                                          policy_cfg.pi05_state)
+                                          policy_cfg.pi05_state, policy_cfg.asset_id)
 
     @classmethod
     def env_fit_problems(cls, policy_cfg, spec_of) -> list[str]:
@@ -66,7 +66,7 @@ class PublishedFlowFolders:
         fixed = checkpoint_kwargs(cls, folder)
         spec = spec_of()
         trained = trained_dims(folder, fixed["model_dims"], fixed["variant"],
-                               policy_cfg.pi05_state)
+                               policy_cfg.pi05_state, policy_cfg.asset_id)
         return dims_problems(folder, trained, spec.state_dim, spec.action_dim)
 
     def make_processor(self, spec, policy_cfg):
@@ -77,7 +77,7 @@ class PublishedFlowFolders:
             policy_cfg.pretrained, policy_cfg.tokenizer, self.variant, spec.vocab,
             spec.state_dim, spec.action_dim,
             {"state_dim": self.model_state_dim, "action_dim": self.model_action_dim},
-            policy_cfg.delta_action_dims, policy_cfg.pi05_state)
+            policy_cfg.delta_action_dims, policy_cfg.pi05_state, policy_cfg.asset_id)
 
     @classmethod
     def checkpoint_kwargs(cls, shapes: dict, config: dict) -> dict:
@@ -91,6 +91,16 @@ class PublishedFlowFolders:
         if kind is not None and kind not in ("pi0", "pi05"):
             raise ValueError(f"config.json's type is {kind!r}: a LeRobot policy of another "
                              "kind (policy.name=flow runs LeRobot's pi0 and pi05)")
+        lora = [f"{key}={config[key]!r}" for key in ("paligemma_variant", "action_expert_variant")
+                if "lora" in str(config.get(key, ""))]
+        if lora:  # openpi trains LoRA in JAX only, and its converter keeps the base kernels
+            raise ValueError(
+                f"config.json says {', '.join(lora)}: an openpi LoRA fine-tune, which openpi's "
+                "converter (examples/convert_jax_model_to_pytorch.py) writes without its "
+                "adapters (it copies the base kernels and loads with strict=False), so these "
+                "weights are the base model's. Merge the LoRA weights into the JAX params "
+                "(w + a @ b of every adapted kernel) before converting; if this folder's are "
+                "merged already, name the variants without `_lora` in its config.json")
         if any(".paligemma.language_model.model." in name for name in shapes):
             raise ValueError("its PaliGemma tensors have the names transformers < 4.52 gave "
                              "them (`paligemma.language_model.model.*`): a π0 of LeRobot "

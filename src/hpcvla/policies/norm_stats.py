@@ -59,8 +59,14 @@ def _statistics_in_weights(folder: Path) -> bool:
                for k in names)
 
 
-def openpi_stats(folder: Path) -> tuple[dict, Path]:
-    """openpi's `assets/<asset id>/norm_stats.json` (exactly one)."""
+class AssetChoice(ValueError):
+    """policy.asset_id does not pick one of an openpi folder's statistics (a config problem
+    of that setting; the message says what it should be)."""
+
+
+def openpi_stats(folder: Path, asset_id: str = "") -> tuple[dict, Path]:
+    """openpi's `assets/<asset id>/norm_stats.json`: the folder's only one, or `asset_id`'s
+    (policy.asset_id; openpi's base checkpoints ship one per robot of their mixture)."""
     found = sorted(folder.glob("assets/**/norm_stats.json"))
     if not found and _statistics_in_weights(folder):
         raise ValueError(f"{folder}: a LeRobot folder from before LeRobot 0.4, whose "
@@ -69,11 +75,20 @@ def openpi_stats(folder: Path) -> tuple[dict, Path]:
                          "processor files read here: `python -m "
                          "lerobot.processor.migrate_policy_normalization --pretrained-path "
                          f"{folder} --output-dir <new folder>` (LeRobot >= 0.4)")
-    if len(found) != 1:
-        raise ValueError(f"{folder}: {'no' if not found else len(found)} assets/*/"
-                         f"norm_stats.json {[str(f) for f in found] if found else ''} (openpi "
-                         "keeps one per checkpoint; neither LeRobot's processor files either): "
-                         "the checkpoint's normalization statistics are needed")
+    ids = [f.parent.relative_to(folder / "assets").as_posix() for f in found]
+    if asset_id:
+        if asset_id not in ids:
+            raise AssetChoice(f"an asset id of {folder}: it has no assets/{asset_id}/"
+                              f"norm_stats.json (its ids: {ids or 'none'})")
+        found = [found[ids.index(asset_id)]]
+    elif len(found) > 1:
+        raise AssetChoice(f"one of {ids}: {folder} holds {len(found)} sets of normalization "
+                          "statistics, assets/<id>/norm_stats.json (openpi's base checkpoints "
+                          "ship one per robot): name the one the env's robot and actions were "
+                          f"normalized with, e.g. policy.asset_id={ids[0]}")
+    elif not found:
+        raise ValueError(f"{folder}: no assets/<id>/norm_stats.json (nor LeRobot's processor "
+                         "files): the checkpoint's normalization statistics are needed")
     stats = json.loads(found[0].read_text()).get("norm_stats", {})
     for key in ("state", "actions"):
         if key not in stats:
@@ -81,4 +96,4 @@ def openpi_stats(folder: Path) -> tuple[dict, Path]:
     return stats, found[0]
 
 
-__all__ = ["lerobot_steps", "openpi_stats"]
+__all__ = ["AssetChoice", "lerobot_steps", "openpi_stats"]

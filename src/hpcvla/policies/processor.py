@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from hpcvla.policies.folders import is_hpcvla_folder
-from hpcvla.policies.norm_stats import lerobot_steps, openpi_stats
+from hpcvla.policies.norm_stats import AssetChoice, lerobot_steps, openpi_stats
 from hpcvla.text import detokenize
 
 PROMPT_TOKENS = {"pi0": 48, "pi05": 200}  # openpi's max_token_len; LeRobot's defaults
@@ -121,18 +121,18 @@ class CheckpointProcessor:
     @classmethod
     def from_folder(cls, folder, tokenizer_folder, variant: str, vocab, state_dim: int,
                     action_dim: int, padded: dict | None = None, delta_action_dims: int = -1,
-                    pi05_state: str = "folder") -> "CheckpointProcessor | None":
+                    pi05_state: str = "folder", asset_id: str = "") -> "CheckpointProcessor | None":
         """`state_dim`, `action_dim`: the env's (0: no state); `padded`: the model's widths
         ({"state_dim", "action_dim"}), which tell openpi's padded statistics apart;
-        `delta_action_dims`, `pi05_state`: the policy settings (recipe_problems)."""
+        `delta_action_dims`, `pi05_state`, `asset_id`: the policy settings (recipe_problems)."""
         folder = Path(folder)
         if is_hpcvla_folder(folder):
             return None
-        unsaid = recipe_problems(folder, variant, delta_action_dims, pi05_state)
+        unsaid = recipe_problems(folder, variant, delta_action_dims, pi05_state, asset_id)
         if unsaid:
             raise ValueError("; ".join(f"{field}={value}: {fix}" for field, value, fix in unsaid))
         mismatch = dims_problems(folder, trained_dims(folder, padded or {}, variant,
-                                                      pi05_state), state_dim, action_dim)
+                                                      pi05_state, asset_id), state_dim, action_dim)
         if mismatch:
             raise ValueError(f"{folder}: " + "; ".join(mismatch))
         tokenizer = load_tokenizer(tokenizer_folder, folder)
@@ -147,7 +147,7 @@ class CheckpointProcessor:
                             action_dim, folder, "action")
             prompt = variant if pi05_state != "none" else "openpi_pi0"
         else:
-            stats, where = openpi_stats(folder)
+            stats, where = openpi_stats(folder, asset_id)
             mode = "MEAN_STD" if variant == "pi0" else "QUANTILES"
             state = affine(mode, stats["state"], OPENPI_EPS, True, state_dim, where,
                            "state") if state_dim else None
@@ -212,7 +212,7 @@ class CheckpointProcessor:
         return offset[:, None, :]
 
 
-def check_folder(folder, tokenizer_folder) -> list[tuple[str, str, str]]:
+def check_folder(folder, tokenizer_folder, asset_id: str = "") -> list[tuple[str, str, str]]:
     """What a published folder lacks besides its weights, as config problems (field, value,
     what it should be), before any rank starts."""
     folder = Path(folder)
@@ -227,15 +227,17 @@ def check_folder(folder, tokenizer_folder) -> list[tuple[str, str, str]]:
         if (folder / "policy_preprocessor.json").is_file():
             lerobot_steps(folder)
         else:
-            openpi_stats(folder)
+            openpi_stats(folder, asset_id)
+    except AssetChoice as err:
+        problems.append(("policy.asset_id", asset_id, str(err)))
     except (ValueError, OSError) as err:
         problems.append(("policy.pretrained", str(folder), f"a checkpoint with its "
                          f"normalization statistics: {err}"))
     return problems
 
 
-def recipe_problems(folder, variant: str, delta_action_dims: int,
-                    pi05_state: str) -> list[tuple[str, object, str]]:
+def recipe_problems(folder, variant: str, delta_action_dims: int, pi05_state: str,
+                    asset_id: str = "") -> list[tuple[str, object, str]]:
     """How a published folder was trained where the folder does not say (openpi's record
     neither its `extra_delta_transform` nor its `discrete_state_input`; LeRobot's processor
     steps record both), as config problems: guessed, every action would be off."""
@@ -244,6 +246,9 @@ def recipe_problems(folder, variant: str, delta_action_dims: int,
         problems.append(("policy.pi05_state", pi05_state, "folder for a π0 checkpoint (its "
                          "state is a token of its own)"))
     if (Path(folder) / "policy_preprocessor.json").is_file():
+        if asset_id:
+            problems.append(("policy.asset_id", asset_id, "empty for a LeRobot folder (its "
+                             "statistics are its processor files; asset ids are openpi's)"))
         return problems
     if delta_action_dims < 0:
         problems.append(("policy.delta_action_dims", delta_action_dims, "the number of "
@@ -259,8 +264,8 @@ def recipe_problems(folder, variant: str, delta_action_dims: int,
     return problems
 
 
-def trained_dims(folder, padded: dict, variant: str = "pi0",
-                 pi05_state: str = "folder") -> dict[str, int | None]:
+def trained_dims(folder, padded: dict, variant: str = "pi0", pi05_state: str = "folder",
+                 asset_id: str = "") -> dict[str, int | None]:
     """The state and action dims a published folder was trained on, before the model pads
     them: LeRobot's config.json features (`observation.state`, `action`); for openpi the
     length of its statistics, unless that is the model's padded width (`padded`, older openpi
@@ -268,7 +273,7 @@ def trained_dims(folder, padded: dict, variant: str = "pi0",
     prompt)."""
     folder = Path(folder)
     if variant == "pi05" and pi05_state == "none":
-        return {**trained_dims(folder, padded), "state_dim": None}
+        return {**trained_dims(folder, padded, asset_id=asset_id), "state_dim": None}
     if (folder / "policy_preprocessor.json").is_file():
         config = json.loads((folder / "config.json").read_text()) \
             if (folder / "config.json").is_file() else {}
@@ -276,7 +281,7 @@ def trained_dims(folder, padded: dict, variant: str = "pi0",
         shape = {key: (features.get(name) or {}).get("shape") or [None]
                  for key, name in (("state_dim", "observation.state"), ("action_dim", "action"))}
         return {key: value[0] for key, value in shape.items()}
-    stats = openpi_stats(folder)[0]
+    stats = openpi_stats(folder, asset_id)[0]
     found = {key: len(stats[name].get("mean") or stats[name].get("q01") or ())
              for key, name in (("state_dim", "state"), ("action_dim", "actions"))}
     return {key: None if not n or n == padded.get(key) else n for key, n in found.items()}
