@@ -122,6 +122,26 @@ def test_a_scene_freed_when_its_last_env_leaves_spoils_no_other_scenes_images():
         env.close()
 
 
+@pytest.mark.slow
+def test_a_lone_env_moves_between_tasks_of_one_scene_and_runs_the_task_asked():
+    """libero_spatial's tasks share a scene: a process's only env leaving task 0 for task 1's
+    fixed state 0 (eval.protocol=libero with --envs 1) loads task 1 in that scene. It was
+    released before the new env counted as its user, deleted, and the reset failed: the slot
+    was rebuilt on task 0 from a training placement, scored as task 1's state."""
+    env = make_env("libero", 1, seed=0, **{**SETTINGS, "task": -1})
+    try:
+        env.reset(init_state_ids=np.array([0]))
+        scene = _scene_of(env._slots[0])
+        users = _scene_users()[scene]  # 1 in a process of its own
+        env.reset(init_state_ids=np.array([50]))  # task 1, its fixed state 0
+        assert not env.failures and env._slots[0].task == 1
+        assert _scene_of(env._slots[0]) == scene and _scene_users()[scene] == users
+        assert env.instructions() == [env._slots[0].suite.instructions[1]]
+        assert not env.step(np.zeros((1, 1, 7), np.float32)).env_fault.any()
+    finally:
+        env.close()
+
+
 def test_every_suite_has_its_scene_count():
     """The memory model counts a rank's scenes from envs/scenes.py's table: every suite
     env.suite takes is in it, at most one scene per task."""

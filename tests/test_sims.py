@@ -177,6 +177,25 @@ def test_failing_env_is_reported_by_id_and_the_others_go_on(name, capfd):
         env.close()
 
 
+def test_an_env_whose_reset_failed_ends_its_episode_as_a_fault_before_running_it(capfd):
+    """A slot whose reset raises is rebuilt on a random start, not the state asked for (an
+    evaluation state, a GRPO group's): its next step reports an env fault without running
+    it, so nothing scores or trains that episode as the one asked for; the others go on."""
+    env = build("maniskill", num_envs=2, first_env=10)
+    try:
+        env.reset()
+        env._slots[1].env.close()  # the simulator under env 11 is gone: its reset raises
+        env.reset(init_state_ids=np.array([3, 4]))
+        assert [env_id for env_id, _ in env.failures] == [11] and not env.retired
+        assert "env 11 failed in reset" in capfd.readouterr().err
+        result = env.step(still(env))
+        assert result.env_fault.tolist() == [False, True]
+        assert result.truncated.tolist() == [False, True] and env._chunks.tolist() == [1, 0]
+        assert not env.step(still(env)).env_fault.any()  # the rebuilt env steps on
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("name", ["maniskill", "libero"])
 def test_killed_simulator_process_is_restarted(name, capfd):
     """env.isolation=process with the real simulator: a worker killed outright (a segfault,

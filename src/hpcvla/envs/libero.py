@@ -189,14 +189,20 @@ class _Slot:
 
     def _load(self, task: int) -> None:
         _, _, ControlEnv = _import_libero()
-        with contextlib.redirect_stdout(sys.stderr):  # made before this slot's env is closed:
-            # a scene they share stays compiled
+        # made and counted as its scene's user before this slot's env is released: a scene
+        # they share stays compiled (released first, its last user would delete it)
+        with contextlib.redirect_stdout(sys.stderr):
             env = ControlEnv(bddl_file_name=self.suite.bddl[task], use_camera_obs=False,
                              has_offscreen_renderer=False, ignore_done=True,
                              hard_reset=False)  # soft resets: 0.25 s instead of 2.3 s
+        try:
+            rendering = scenes.acquire(env.sim, self.size)
+        except BaseException:
+            env.close()
+            raise
         self.close()
         self.env, self.task, self.instruction = env, task, self.suite.instructions[task]
-        self.renderer, self.scene_option = scenes.acquire(env.sim, self.size)
+        self.renderer, self.scene_option = rendering
 
     def reset(self, rng, init_state_id):
         if init_state_id is None:  # a random start on this env's task

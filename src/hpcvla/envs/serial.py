@@ -24,8 +24,9 @@ chunk stops early on success, unless `run_to_horizon`: envs/base.py), sums rewar
 chunk, truncates after `max_episode_chunks` chunks (or `step_limit` primitive steps: envs/base.py),
 auto-resets finished envs, tokenizes
 instructions, and isolates failures: a slot that raises is reported with its env id on stderr
-and in `failures`, rebuilt and reset (its episode ends truncated, flagged `env_fault`), while
-the other envs go on. A slot that cannot be rebuilt is retired: it returns zero observations
+and in `failures`, rebuilt and reset (its episode ends truncated, flagged `env_fault`; after a
+failed reset at its next step, unrun: the rebuilt slot's random start is not the episode
+asked for), while the other envs go on. A slot that cannot be rebuilt is retired: it returns zero observations
 and a truncated, faulted step from then on, so learners train nothing of it and success counts
 skip it.
 """
@@ -82,6 +83,7 @@ class SerialVectorEnv(VectorEnv):
         self._steps = np.zeros(num_envs, dtype=np.int64)  # primitive steps of the episode
         self._return = np.zeros(num_envs, dtype=np.float32)
         self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
+        self._reset_failed = np.zeros(num_envs, dtype=bool)  # its episode never began
         self._obs = {k: np.zeros((num_envs, *shape), dtype=dt)
                      for k, (shape, dt) in spec.obs.items()}
         self._slots: list = [first_slot] if first_slot is not None else []  # built already
@@ -139,10 +141,13 @@ class SerialVectorEnv(VectorEnv):
                                                    self.instruction_len)
 
     def _start_episode(self, i: int, init_state_id: int | None = None) -> None:
+        """A failed reset leaves the slot rebuilt on a random start, not the episode asked
+        for: its next step ends it as an env fault (no chunk run), never scored as that."""
         self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
         self._steps[i] = 0
-        self._guarded(i, "reset", lambda: (self._slots[i].reset(self._rngs[i], init_state_id),
-                                           self._write_obs(i)))
+        started = self._guarded(i, "reset", lambda: (
+            self._slots[i].reset(self._rngs[i], init_state_id), self._write_obs(i)))
+        self._reset_failed[i] = started is None
 
     def _batch(self) -> dict[str, np.ndarray]:
         return {k: v.copy() for k, v in self._obs.items()}
@@ -165,6 +170,10 @@ class SerialVectorEnv(VectorEnv):
         at_end = np.zeros(n, dtype=bool)  # done at the chunk's last step
         failed = np.zeros(n, dtype=bool)
         for i in range(n):
+            if self._reset_failed[i]:
+                self._reset_failed[i], failed[i] = False, True
+                continue
+
             def run_chunk(i=i):
                 left = chunk if self.step_limit is None else self.step_limit - self._steps[i]
                 for t in range(min(chunk, left)):
