@@ -4,6 +4,7 @@ process gives, episode by episode."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -126,10 +127,25 @@ def test_a_horovod_runs_evaluation_needs_no_horovod(tmp_path):
 
 
 def test_eval_overrides_it_reads_act(default_run):
-    """Another horizon and seed for the same policy: taken, and acted on."""
+    """Another horizon and seed for the same policy: taken, acted on, and in the result with
+    the batch of envs (what fixes the sampled actions' draws)."""
     result = _eval(default_run, "--episodes", 2, "--envs", 2, "env.max_episode_chunks=1",
                    "run.seed=3")
     assert result["protocol"]["steps"] == 1 * 4, result["protocol"]  # chunks of 4 steps
+    assert (result["seed"], result["envs"], result["config"]) == (3, 2, "config.yaml")
+
+
+@pytest.mark.mpi
+def test_a_resumed_run_is_evaluated_with_the_settings_it_last_ran_with(tmp_path):
+    """config.yaml stays the first start's; a resume's settings (here a shorter horizon) are
+    in its config.resume-*.yaml, and the newest is what `hpcvla eval` evaluates with (it
+    took config.yaml's 80 steps for a run that last trained at 8)."""
+    run_dir = _run_dir(tmp_path, "default.yaml")
+    out = hpcvla("config", ROOT / "configs" / "default.yaml", "env.max_episode_chunks=2")
+    (run_dir / "config.resume-20261205-120000.yaml").write_text(out.stdout)
+    result = _eval(run_dir, "--episodes", 2, "--envs", 2)
+    assert result["protocol"]["steps"] == 2 * 4, result["protocol"]
+    assert result["config"] == "config.resume-20261205-120000.yaml"
 
 
 @pytest.mark.mpi
@@ -143,8 +159,12 @@ def test_eval_writes_videos_of_the_first_episodes_that_decode_back(tmp_path, con
     the episode ran plus its outcome frame, the camera scaled up above a caption."""
     from hpcvla.metrics.video import MIN_SIDE, read_video
     run_dir = _run_dir(tmp_path, config, *overrides)
+    stale = run_dir / "videos" / "v000000-deterministic" / "all-state0-success.mp4"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"an earlier evaluation's film of the same version")
     result = _eval(run_dir, "--episodes", 3, "--envs", 3, "--video", 2, "--deterministic")
     assert len(result["videos"]) == 2
+    assert sorted(stale.parent.glob("*.mp4")) == sorted(map(Path, result["videos"]))
     for episode, path in zip(result["per_episode"], result["videos"]):
         outcome = "success" if episode["success"] else "failure"
         assert path.endswith(f"-state{episode['init_state_id']}-{outcome}.mp4"), path

@@ -142,6 +142,32 @@ def test_a_lone_env_moves_between_tasks_of_one_scene_and_runs_the_task_asked():
         env.close()
 
 
+def test_what_the_libero_protocol_cannot_run_is_refused_and_its_states_set_the_batch():
+    """eval.protocol=libero: a task the suite lacks, a task named twice (its states would
+    count twice) and more states than LIBERO fixes are refused before any rank starts,
+    naming the setting; the envs an evaluation steps at once are the protocol's states
+    (--episodes does not change them), no more than --envs."""
+    from hpcvla.envs import check_env
+    from hpcvla.roles.heldout import envs_at_once
+
+    def refused(*overrides):
+        with pytest.raises(ConfigError) as err:
+            check_env(load_config(ROOT / "configs/libero_spatial.yaml",
+                                  ["eval.protocol=libero", *overrides]))
+        return str(err.value)
+    assert "eval.tasks = '3,12': expected distinct task indices below 10" in \
+        refused("eval.tasks=3,12")
+    assert "a task named twice" in refused("eval.tasks=0,0")
+    assert "eval.states_per_task = 60: expected at most 50" in \
+        refused("eval.states_per_task=60")
+    cfg = load_config(ROOT / "configs/libero_spatial.yaml",
+                      ["eval.protocol=libero", "eval.tasks=0", "eval.states_per_task=2"])
+    check_env(cfg)
+    assert envs_at_once(cfg, 32, 128) == envs_at_once(cfg, 32, 1) == 2
+    every = load_config(ROOT / "configs/libero_spatial.yaml", ["eval.protocol=libero"])
+    assert envs_at_once(every, 32, 1) == 32 and envs_at_once(every, 600, 1) == 500
+
+
 def test_every_suite_has_its_scene_count():
     """The memory model counts a rank's scenes from envs/scenes.py's table: every suite
     env.suite takes is in it, at most one scene per task."""

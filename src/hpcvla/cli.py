@@ -43,7 +43,7 @@ import yaml
 from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
                            resumed_run_config, whole_number)
-from hpcvla.config.loader import config_to_dict, settings_doc
+from hpcvla.config.loader import config_to_dict, last_run_config, settings_doc
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.metrics.command import add_inspect_parser, inspect_command
@@ -319,12 +319,13 @@ def cmd_eval(args) -> int:
     try:
         from hpcvla import preflight
         cfg = eval_config(run_dir, args.overrides, args.untrained)
-        preflight.check_host(cfg, str(run_dir / "config.yaml"))  # its node, each rank
-        preflight.check_config(cfg, str(run_dir / "config.yaml"))
+        source = str(last_run_config(run_dir))  # the settings the run last ran with
+        preflight.check_host(cfg, source)  # its node, each rank
+        preflight.check_config(cfg, source)
         preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
         return _refused("eval", err)
-    trained = load_config(run_dir / "config.yaml")
+    trained = load_config(source)
     problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video,  # ranks here
                            args.ranks or (None if launcher_rank() is not None else 1))
     if problem:
@@ -385,7 +386,7 @@ def cmd_export(args) -> int:
         return _refused("export", problem)
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
     try:
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_config(last_run_config(run_dir))
         print(export_policy(cfg, run_dir, Path(args.out), args.format, chosen)["summary"])
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"hpcvla export: {err}", file=sys.stderr)

@@ -72,7 +72,7 @@ def doctor_command(args) -> int:
     from hpcvla.roles.heldout import envs_at_once
     run = args.evaluation  # `hpcvla eval`'s arguments (cli.py parses them as eval does)
     cfg = eval_config(run_and_checkpoint(Path(run.run_dir))[0], run.overrides, run.untrained)
-    return main(cfg, args.json, "eval", world, envs_at_once(run.envs, run.episodes))
+    return main(cfg, args.json, "eval", world, envs_at_once(cfg, run.envs, run.episodes))
 
 
 def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = None,

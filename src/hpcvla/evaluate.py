@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
+from hpcvla.config.loader import last_run_config
 from hpcvla.devices import bind_rank_device, gpu_identity, gpu_names, local_device
 from hpcvla.metrics.stats import paired_difference
 from hpcvla.process.deathwatch import Refused
@@ -48,6 +49,11 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         store.check_fit(weights, held_out.policy.state_dict(), "the evaluated checkpoint")
         held_out.policy.load_arrays(weights)
     try:
+        if video and rank == 0 and video_dir is not None:  # an earlier evaluation's films
+            for old in video_dir.glob("*.mp4"):           # of this version and actions
+                old.unlink()
+        if video and world is not None:
+            idle_barrier(world)  # [dist] cleared before any rank films
         mine, videos = held_out.run(deterministic, rank, ranks, video_dir if video else None)
         # every rank's episodes and videos, and the host and device it ran on
         parts = [(mine, videos, socket.gethostname(), str(device))]
@@ -88,8 +94,8 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
                     + (f", at most {high} (the evaluation split's states)" if high else ""))
     if video and not cfg.env.camera:
         return "--video needs a camera: the run has env.camera=false"
-    return vocabulary_problem(cfg, trained) or memory_problem(cfg, ranks,
-                                                              envs_at_once(envs, episodes))
+    return vocabulary_problem(cfg, trained) or memory_problem(
+        cfg, ranks, envs_at_once(cfg, envs, episodes))
 
 
 def memory_problem(cfg, ranks: int | None, envs: int) -> str | None:
@@ -160,7 +166,8 @@ def check_overrides(overrides: list[str], untrained: bool) -> None:
 
 
 def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
-    """The config `hpcvla eval` evaluates the run in `run_dir` with: the run's own, without
+    """The config `hpcvla eval` evaluates the run in `run_dir` with: the run's own as it last
+    ran (config/loader.last_run_config: a resume's settings, e.g. its horizon), without
     its start (policy.checkpoint: a trained checkpoint holds every weight; kept for
     `untrained`) and with DeepSpeed's backend (eval runs no learner: a Horovod run's evaluating
     nodes need no Horovod), `overrides` on top once check_overrides passes them. Raises
@@ -168,7 +175,7 @@ def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
     from hpcvla.config import load_config
     check_overrides(overrides, untrained)  # before the config's own checks
     start = ["learner.backend=deepspeed"] + ([] if untrained else ["policy.checkpoint="])
-    return load_config(run_dir / "config.yaml", [*start, *overrides])
+    return load_config(last_run_config(run_dir), [*start, *overrides])
 
 
 def weights_problem(cfg, trained, checkpoints: list[Path], untrained: bool,
@@ -231,12 +238,13 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
     policy) on the same states, with its version and trained env steps; `video` K: K
     episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>/."""
     if world is not None:  # one plan: the policies differ in weights only
-        refuse_overfilled(cfg, world, envs_at_once(envs, episodes))  # [dist]
+        refuse_overfilled(cfg, world, envs_at_once(cfg, envs, episodes))  # [dist]
     curve = []
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)
         actions = "deterministic" if deterministic else "sampled"
-        curve.append({"run_dir": str(run_dir), "version": state["version"],
+        curve.append({"run_dir": str(run_dir), "config": last_run_config(run_dir).name,
+                      "version": state["version"],
                       "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
                       **evaluate(cfg, weights, episodes=episodes, envs=envs, seed=cfg.run.seed,
                                  deterministic=deterministic, world=world, video=video,
@@ -352,7 +360,7 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     if moved:  # the folder the run was built from: gone, or not what it was
         name, value, valid = moved[0]
         raise ValueError(f"{name} = {value!r} (the folder the run was built from): expected "
-                         f"{valid}; where it moved, edit {name} in {run_dir / 'config.yaml'}")
+                         f"{valid}; where it moved, edit {name} in {last_run_config(run_dir)}")
     if layout == "auto":
         layout = "published" if source and is_published(source) else "hpcvla"
     if layout == "published" and not (source and is_published(source)):

@@ -55,6 +55,7 @@ def check_env(cfg) -> None:
             problems.append(("env.name", env.name, f"a simulator installed here: package "
                              f"`{package}` is missing; run `make install` (README.md)"))
     if not problems:  # the package is there: what the simulator itself needs
-        problems += env_class(env).config_problems(env)
+        problems += env_class(env).config_problems(env) + \
+            env_class(env).protocol_problems(env, cfg.eval)
     if problems:
         raise ConfigError(problems, "env configuration")

@@ -143,6 +143,12 @@ class VectorEnv(abc.ABC):
         return []
 
     @classmethod
+    def protocol_problems(cls, env_cfg, eval_cfg) -> list[tuple[str, object, str]]:
+        """What its benchmark's evaluation protocol (eval.protocol) cannot run of the eval
+        settings, as config_problems says them."""
+        return []
+
+    @classmethod
     def uses_gpu(cls, env_cfg) -> bool:
         """Whether it renders or simulates on a GPU where there is one (devices.py gives its
         ranks one)."""

@@ -72,6 +72,7 @@ import sys
 
 import numpy as np
 
+from hpcvla.config.evaluation import eval_tasks
 from hpcvla.envs import scenes
 from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
 from hpcvla.envs.serial import SerialVectorEnv, require
@@ -94,6 +95,7 @@ STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
 ACTION_DIM = 7
 SETTLE_STEPS = 10  # num_steps_wait of the standard LIBERO evaluation scripts
+BENCHMARK_STATES = 50  # the fixed initial states of each task, in every suite
 # max_steps per suite of the standard evaluation scripts (openpi examples/libero/main.py,
 # OpenVLA's experiments/robot/libero/run_libero_eval.py): `hpcvla eval`'s eval.protocol=libero
 STEP_LIMITS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300,
@@ -156,19 +158,40 @@ class Suite:
         return self._init_states[task]
 
 
+def suite_tasks(suite: str) -> int:
+    """The tasks of a suite (LIBERO-PRO's as many as the LIBERO suite they perturb)."""
+    return 90 if suite == "libero_90" else 10
+
+
+def protocol_problems(suite: str, tasks: list[int] | None,
+                      per_task: int) -> list[tuple[str, object, str]]:
+    """What LIBERO's benchmark cannot run of eval.protocol=libero's settings (`tasks`:
+    eval.tasks' indices, None for all; `per_task`: eval.states_per_task), as config
+    problems, before any rank starts."""
+    problems: list[tuple[str, object, str]] = []
+    tasks, n = tasks or [], suite_tasks(suite)
+    if any(t >= n for t in tasks) or len(set(tasks)) != len(tasks):
+        problems.append(("eval.tasks", ",".join(map(str, tasks)), f"distinct task indices below {n} "
+                         f"for {suite} (a task named twice would run and count its states "
+                         "twice)"))
+    if per_task > BENCHMARK_STATES:
+        problems.append(("eval.states_per_task", per_task, f"at most {BENCHMARK_STATES}: "
+                         "LIBERO fixes that many initial states per task"))
+    return problems
+
+
 def benchmark_states(suite: str, tasks: list[int] | None, per_task: int
                      ) -> tuple[np.ndarray, list[str], list[int]]:
     """The (task, fixed initial state) pairs of LIBERO's benchmark, task by task as its
     scripts run them: the first `per_task` states of each of `tasks` (None: every task), as
     the init_state_ids of an env with task -1, each one's task label, and the tasks."""
+    problems = protocol_problems(suite, tasks, per_task)
+    if problems:  # preflight refuses them (LiberoEnv.protocol_problems)
+        raise ValueError("; ".join(f"{field} {value}: {fix}" for field, value, fix in problems))
     tasks_of = Suite(suite)
     tasks = list(range(tasks_of.n_tasks)) if tasks is None else tasks
-    bad = [t for t in tasks if not 0 <= t < tasks_of.n_tasks]
-    if bad:
-        raise ValueError(f"eval.tasks {bad}: {suite} has tasks 0..{tasks_of.n_tasks - 1}")
-    states = len(tasks_of.init_states(tasks[0]))  # 50 in every LIBERO suite
-    if per_task > states:
-        raise ValueError(f"eval.states_per_task {per_task}: {suite} has {states} per task")
+    states = len(tasks_of.init_states(tasks[0]))
+    assert states == BENCHMARK_STATES, f"{suite}: {states} fixed states per task"
     return (np.array([t * states + s for t in tasks for s in range(per_task)]),
             [f"task {t}: {tasks_of.instructions[t]}" for t in tasks for _ in range(per_task)],
             tasks)
@@ -305,7 +328,7 @@ class LiberoEnv(SerialVectorEnv):
         problems = []
         if env_cfg.suite not in SUITES:
             problems.append(("env.suite", env_cfg.suite, f"one of {', '.join(SUITES)}"))
-        tasks = 90 if env_cfg.suite == "libero_90" else 10
+        tasks = suite_tasks(env_cfg.suite)
         if env_cfg.suite_task >= tasks:
             problems.append(("env.suite_task", env_cfg.suite_task,
                              f"-1 (all tasks) or a task index below {tasks} for "
@@ -313,6 +336,12 @@ class LiberoEnv(SerialVectorEnv):
         if env_cfg.reward != "sparse":
             problems.append(("env.reward", env_cfg.reward, "sparse (LIBERO has no dense reward)"))
         return problems
+
+    @classmethod
+    def protocol_problems(cls, env_cfg, eval_cfg) -> list[tuple[str, object, str]]:
+        if eval_cfg.protocol != "libero":
+            return []
+        return protocol_problems(env_cfg.suite, eval_tasks(eval_cfg), eval_cfg.states_per_task)
 
     @classmethod
     def uses_gpu(cls, env_cfg) -> bool:

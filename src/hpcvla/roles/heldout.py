@@ -58,9 +58,15 @@ class Episode(NamedTuple):
     steps: int
 
 
-def envs_at_once(envs: int, episodes: int) -> int:
-    """The envs an evaluation of `episodes` steps together: `envs`, no more than it has
-    episodes (what its ranks' memory is planned for)."""
+def envs_at_once(cfg: Config, envs: int, episodes: int) -> int:
+    """The envs an evaluation steps together (what its ranks' memory is planned for, and
+    what its sampled actions' seeds go by): `envs`, no more than it has episodes: `episodes`,
+    or under eval.protocol=libero the protocol's states, which `episodes` does not change."""
+    if cfg.eval.protocol == "libero":
+        from hpcvla.config.evaluation import eval_tasks
+        from hpcvla.envs.libero import suite_tasks
+        tasks = eval_tasks(cfg.eval) or range(suite_tasks(cfg.env.suite))
+        episodes = len(tasks) * cfg.eval.states_per_task
     return max(1, min(envs, episodes))
 
 
@@ -77,7 +83,7 @@ class HeldOut:
         traits = simulator(cfg.env.name)
         if traits.emulated:  # no emulated latency, no injected faults
             kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
-        self.seed, self.envs = seed, envs_at_once(envs, episodes)
+        self.seed, self.envs = seed, envs_at_once(cfg, envs, episodes)
         self.step_deadline_s = step_deadline_s(cfg.env)  # a step that never returns: loud
         self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
         self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
@@ -129,6 +135,8 @@ class HeldOut:
                 "success_ci95": _wilson(outcomes),
                 "mean_return": float(np.mean([e.ret for e in kept])),
                 "env_faults": len(episodes) - len(kept),
+                # what fixes the sampled actions' draws: the seed and the batches
+                "seed": self.seed, "envs": self.envs,
                 # as OFT's and openpi's scripts count them: an episode that faulted, failed
                 "success_rate_faults_failed": float(np.mean([e.success and not e.env_fault
                                                              for e in episodes])),
