@@ -295,7 +295,7 @@ def describe(result: dict) -> str:
     if protocol.get("name") == "libero":
         lines.append(f"  LIBERO protocol: {protocol['suite']} tasks {protocol['tasks']}, "
                      f"{protocol['states_per_task']} fixed states each, step limit "
-                     f"{protocol['step_limit']} ({protocol['steps']} run: whole chunks), "
+                     f"{protocol['step_limit']} env steps (a chunk past it is cut), "
                      f"{protocol['settle_steps']} settle steps, success: {protocol['success']}")
     if result.get("videos"):
         lines.append(f"  {len(result['videos'])} video(s) in "
