@@ -57,3 +57,16 @@ def test_env_uses_gpu(monkeypatch):
     assert env_uses_gpu(cfg.env) is True
     monkeypatch.setenv("MUJOCO_GL", "osmesa")
     assert env_uses_gpu(cfg.env) is False
+
+
+def test_a_controller_with_a_target_is_refused_on_gpu_simulation():
+    """mani-skill 3.0.1's partial reset (every auto-reset, every GRPO group and evaluation
+    state) resets every env's controller, after the reset mask is back to all envs: under a
+    `*_target_*` mode one env's reset would snap every other env's accumulated target to its
+    current pose. Refused before any rank starts; the CPU backend (an env per scene) runs it."""
+    target = ["env.name=maniskill", "env.control_mode=pd_ee_target_delta_pose"]
+    with pytest.raises(ConfigError) as err:
+        check_env(load_config(None, [*target, "env.sim_backend=gpu"]))
+    assert ("env.control_mode", "pd_ee_target_delta_pose") == err.value.problems[0][:2]
+    assert "resets every env's controller target" in str(err.value)
+    check_env(load_config(None, target))

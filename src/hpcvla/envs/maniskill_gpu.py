@@ -101,6 +101,13 @@ class ManiSkillGPUEnv(VectorEnv):
         """The CPU env's (ManiSkillEnv), then PhysX's GPU library (CUDA itself is checked on
         the nodes)."""
         problems = ManiSkillEnv.config_problems(env_cfg)
+        if "_target_" in env_cfg.control_mode:  # mani-skill 3.0.1, BaseEnv.reset: its
+            # controllers reset after the reset mask is back to all envs, so a partial reset
+            # snaps every env's accumulated target to its current pose
+            problems.append(("env.control_mode", env_cfg.control_mode, "a mode without a "
+                             "target (e.g. pd_ee_delta_pose) with env.sim_backend=gpu: "
+                             "ManiSkill's partial reset of one env resets every env's "
+                             "controller target; or env.sim_backend=cpu"))
         missing = None if problems else physx_gpu_missing()
         return problems + ([("env.sim_backend", env_cfg.sim_backend, f"cpu, or {missing}")]
                            if missing else [])
