@@ -109,6 +109,57 @@ def test_raw_observation_to_the_reference_action_chunk(family, layout):
     torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-3)
 
 
+def test_a_pi05_folder_lerobot_0_4_wrote_pads_its_prompts_state_once_told():
+    """LeRobot 0.4.0-0.4.4 zero-padded π0.5's normalized state to max_state_dim (32) before
+    discretizing it into the prompt; 0.5.0 stopped and writes the same files. A folder from
+    before 0.5.1 (no relative_actions_processor step) is refused until policy.pi05_state says
+    which; `prompt_padded` gives the tokens LeRobot 0.4.4's own preprocessor gave
+    (pi05/lerobot04, make_lerobot04.py), `prompt` LeRobot 0.6.1's; a 0.5.1+ folder and an
+    openpi one refuse `prompt_padded`."""
+    folder = FIXTURES / "pi05" / "lerobot04"
+    reference = load_file(str(folder / "reference.safetensors"))
+    io, tasks = fixture("pi05")
+    obs, spec = raw_observation(io, tasks)
+    with pytest.raises(ConfigError, match=r"policy.pi05_state = 'folder': expected "
+                                          r"prompt_padded if LeRobot 0.4 wrote"):
+        config(folder)
+    padded = build_policy(config(folder, **{"policy.pi05_state": "prompt_padded"}), spec)
+    model = padded.processor.inputs(obs)
+    torch.testing.assert_close(model["state"], reference["state"], rtol=0, atol=1e-5)
+    assert torch.equal(model["instruction"], reference["tokens"] * reference["attention_mask"])
+    unpadded = build_policy(config(folder, **{"policy.pi05_state": "prompt"}), spec)
+    assert torch.equal(unpadded.processor.inputs(obs)["instruction"],
+                       io["pre.observation.language.tokens"] *
+                       io["pre.observation.language.attention_mask"])
+    for recent, said in ((FIXTURES / "pi05" / "lerobot", "folder: LeRobot 0.5.1 or later"),
+                         (FIXTURES / "pi05" / "openpi", "prompt or none")):
+        with pytest.raises(ConfigError, match=rf"'prompt_padded': expected {said}"):
+            config(recent, **{"policy.pi05_state": "prompt_padded"})
+
+
+def test_a_lerobot_folder_whose_first_camera_is_a_wrist_sees_the_wrist_first(tmp_path):
+    """LeRobot feeds a folder's cameras in its config.json `input_features` order. The
+    reference chunk was made with base_0_rgb first; with the wrist camera listed first, the
+    same chunk comes from an env whose wrist camera sees what base_0_rgb saw and whose
+    third-person camera what the wrist saw (the model's tokens in the same order)."""
+    io, tasks = fixture("pi0")
+    obs, spec = raw_observation(io, tasks)
+    folder = tmp_path / "lerobot"
+    shutil.copytree(FIXTURES / "pi0" / "lerobot", folder)
+    written = json.loads((folder / "config.json").read_text())
+    features = written["input_features"]
+    wrist = "observation.images.left_wrist_0_rgb"
+    written["input_features"] = {wrist: features[wrist],
+                                 **{k: v for k, v in features.items() if k != wrist}}
+    (folder / "config.json").write_text(json.dumps(written))
+    policy = build_policy(config(folder), spec)
+    swapped = dict(obs, image=obs["wrist_image"], wrist_image=obs["image"])
+    torch.testing.assert_close(policy.act(swapped, deterministic=True).actions,
+                               io["sample_zero.actions_unnormalized"][:, :EXECUTED],
+                               rtol=0, atol=1e-5)
+    assert not build_policy(config(FIXTURES / "pi0" / "lerobot"), spec).processor.wrist_first
+
+
 @pytest.mark.parametrize("layout,steps", [("lerobot", 0), ("openpi", 0), ("lerobot", 6)])
 def test_the_sampler_steps_are_the_folders_unless_the_config_sets_them(layout, steps):
     """LeRobot records num_inference_steps in config.json; openpi samples with 10 and does not

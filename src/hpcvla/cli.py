@@ -43,7 +43,7 @@ import yaml
 from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
                            resumed_run_config, whole_number)
-from hpcvla.config.loader import config_to_dict, last_run_config, settings_doc
+from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.metrics.command import add_inspect_parser, inspect_command
@@ -309,7 +309,7 @@ def cmd_launch(args) -> int:
 def cmd_eval(args) -> int:
     from hpcvla.checkpoint import catalog
     from hpcvla.evaluate import (describe, eval_config, eval_problem, evaluate_policies,
-                                 weights_problem, write_curve)
+                                 run_config, weights_problem, write_curve)
     if problem := catalog.path_problem(Path(args.run_dir)):
         return _refused("eval", problem)
     run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
@@ -319,7 +319,7 @@ def cmd_eval(args) -> int:
     try:
         from hpcvla import preflight
         cfg = eval_config(run_dir, args.overrides, args.untrained)
-        source = str(last_run_config(run_dir))  # the settings the run last ran with
+        source = str(run_config(run_dir))  # the settings the run last ran with
         preflight.check_host(cfg, source)  # its node, each rank
         preflight.check_config(cfg, source)
         preflight.check_env(cfg)  # the simulator, its task or suite
@@ -381,12 +381,12 @@ def cmd_eval(args) -> int:
 
 def cmd_export(args) -> int:
     from hpcvla.checkpoint.catalog import CheckpointError, path_problem, run_and_checkpoint
-    from hpcvla.evaluate import export_policy
+    from hpcvla.evaluate import export_policy, run_config
     if problem := path_problem(Path(args.run_dir)):
         return _refused("export", problem)
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
     try:
-        cfg = load_config(last_run_config(run_dir))
+        cfg = load_config(run_config(run_dir))
         print(export_policy(cfg, run_dir, Path(args.out), args.format, chosen)["summary"])
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"hpcvla export: {err}", file=sys.stderr)

@@ -175,7 +175,13 @@ def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
     from hpcvla.config import load_config
     check_overrides(overrides, untrained)  # before the config's own checks
     start = ["learner.backend=deepspeed"] + ([] if untrained else ["policy.checkpoint="])
-    return load_config(last_run_config(run_dir), [*start, *overrides])
+    return load_config(run_config(run_dir), [*start, *overrides])
+
+
+def run_config(run_dir: Path) -> Path:
+    """The config file of the settings the run in `run_dir` last ran with: its newest
+    config.resume-*.yaml, else its config.yaml (config/loader.last_run_config)."""
+    return last_run_config(run_dir) or run_dir / "config.yaml"
 
 
 def weights_problem(cfg, trained, checkpoints: list[Path], untrained: bool,
@@ -243,7 +249,7 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)
         actions = "deterministic" if deterministic else "sampled"
-        curve.append({"run_dir": str(run_dir), "config": last_run_config(run_dir).name,
+        curve.append({"run_dir": str(run_dir), "config": run_config(run_dir).name,
                       "version": state["version"],
                       "trained_env_steps": state.get("counters", {}).get("trained_env_steps", 0),
                       **evaluate(cfg, weights, episodes=episodes, envs=envs, seed=cfg.run.seed,
@@ -360,7 +366,7 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     if moved:  # the folder the run was built from: gone, or not what it was
         name, value, valid = moved[0]
         raise ValueError(f"{name} = {value!r} (the folder the run was built from): expected "
-                         f"{valid}; where it moved, edit {name} in {last_run_config(run_dir)}")
+                         f"{valid}; where it moved, edit {name} in {run_config(run_dir)}")
     if layout == "auto":
         layout = "published" if source and is_published(source) else "hpcvla"
     if layout == "published" and not (source and is_published(source)):

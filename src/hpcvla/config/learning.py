@@ -134,10 +134,13 @@ class PolicyConfig:
         "(its `extra_delta_transform`; configs/libero_pi0.yaml).", ge=-1)
     pi05_state: str = setting(
         "folder", "`flow` with a published π0.5 folder: `prompt`, the state discretized into "
-        "its prompt (π0.5's default, LeRobot's always), or `none`, the task alone and no "
-        "state (openpi's `discrete_state_input=False`: its pi05_libero). `folder`: LeRobot's "
-        "record (openpi's folders record nothing: must be set).",
-        choices=("folder", "prompt", "none"))
+        "its prompt (π0.5's default, LeRobot's always), `prompt_padded`, the same with the "
+        "state zero-padded to the model's max_state_dim first (LeRobot 0.4.0-0.4.4's "
+        "processor), or `none`, the task alone and no state (openpi's "
+        "`discrete_state_input=False`: its pi05_libero). `folder`: LeRobot's record, from "
+        "LeRobot 0.5.1 on (openpi's folders record nothing, nor do LeRobot's before 0.5.1 "
+        "whether they pad: must be set).",
+        choices=("folder", "prompt", "prompt_padded", "none"))
     asset_id: str = setting(
         "", "`flow` with an openpi folder: the `assets/<asset id>` whose norm_stats.json "
         "normalize its state and actions, e.g. `franka` or `physical-intelligence/libero`. "

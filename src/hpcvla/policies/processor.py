@@ -16,7 +16,9 @@ openpi π0/π0.5 folder needs three things the weights do not hold:
   (hpcvla/text.py: lower-case words, as LIBERO's). π0 as LeRobot: BOS + task + "\\n"; π0 as
   openpi: the task cleaned (strip, `_` and newlines to spaces), then "\\n" encoded apart;
   π0.5: "Task: {cleaned}, State: {bins};\\nAction: ", bins = the normalized state digitized
-  into 256 bins over [-1, 1] (np.digitize - 1: -1 below), or, trained with openpi's
+  into 256 bins over [-1, 1] (np.digitize - 1: -1 below; LeRobot 0.4's processor padded the
+  state with zeros to its max_state_dim first: policy.pi05_state=prompt_padded), or, trained
+  with openpi's
   `discrete_state_input=False` (its pi05_libero; policy.pi05_state=none), openpi's π0 prompt
   and no state. Right-padded with id 0 to 48 (π0) / 200 (π0.5) tokens, or LeRobot's
   `tokenizer_processor` max_length; longer prompts are cut there.
@@ -34,9 +36,12 @@ openpi π0/π0.5 folder needs three things the weights do not hold:
   relative to the raw state of the observation, added back to its unnormalized action for
   every step of the chunk, and taken off again for scoring.
 * **Images**: the prefix resizes with padding (policies/vla.py), as both do. The env's `image`
-  is the checkpoint's first camera, `wrist_image` its second; cameras the env lacks are left
-  out, which is what the references' masked empty cameras amount to (no token attends to
-  them and positions count only real tokens).
+  is the checkpoint's third-person camera, `wrist_image` its wrist camera, in the order the
+  checkpoint was trained with: openpi's is fixed (base first); LeRobot feeds its cameras in
+  the order of its config.json `input_features`, so a folder whose first is a wrist camera
+  (by name) sees `wrist_image` first. Cameras the env lacks are left out, which is what the
+  references' masked empty cameras amount to (no token attends to them and positions count
+  only real tokens).
 
 Actions: RL samples and scores in the model's (normalized) space; the policy returns, and the
 pipeline records, the env's action (`actions_out`), which scoring maps back: an affine map
@@ -110,13 +115,16 @@ class CheckpointProcessor:
     """See the module docstring."""
 
     def __init__(self, tokenizer, prompt: str, max_tokens: int, state: Affine | None,
-                 action: Affine, vocab, delta: torch.Tensor | None = None):
+                 action: Affine, vocab, delta: torch.Tensor | None = None,
+                 state_width: int | None = None, wrist_first: bool = False):
         if tokenizer.pad_token_id != 0:
             raise ValueError(f"the tokenizer's padding id is {tokenizer.pad_token_id}; the "
                              "model reads id 0 as padding (PaliGemma's tokenizer)")
         self.tokenizer, self.prompt, self.max_tokens = tokenizer, prompt, int(max_tokens)
         self.state, self.action, self.vocab = state, action, tuple(vocab)
         self.delta = delta  # which leading action dims are relative to the raw state
+        self.state_width = state_width  # π0.5's prompt state zero-padded to it (LeRobot 0.4)
+        self.wrist_first = wrist_first  # the checkpoint's first camera is the wrist's
 
     @classmethod
     def from_folder(cls, folder, tokenizer_folder, variant: str, vocab, state_dim: int,
@@ -146,6 +154,9 @@ class CheckpointProcessor:
             action = affine(modes.get("ACTION", "IDENTITY"), stats["action"], eps, False,
                             action_dim, folder, "action")
             prompt = variant if pi05_state != "none" else "openpi_pi0"
+            width = _config_json(folder).get("max_state_dim", 32) \
+                if pi05_state == "prompt_padded" else None
+            wrist_first = _wrist_first(_config_json(folder))
         else:
             stats, where = openpi_stats(folder, asset_id)
             mode = "MEAN_STD" if variant == "pi0" else "QUANTILES"
@@ -153,7 +164,7 @@ class CheckpointProcessor:
                            "state") if state_dim else None
             action = affine(mode, stats["actions"], OPENPI_EPS, True, action_dim, where,
                             "action")
-            max_tokens = PROMPT_TOKENS[variant]
+            max_tokens, width, wrist_first = PROMPT_TOKENS[variant], None, False
             prompt = "pi05" if variant == "pi05" and pi05_state == "prompt" else "openpi_pi0"
         if prompt == "pi05" and state is None:
             raise ValueError("π0.5 reads the state in its prompt: the env must give one "
@@ -163,7 +174,8 @@ class CheckpointProcessor:
             raise ValueError(f"{folder}: its first {len(delta)} action dims are relative to "
                              f"the state, but the env gives a {state_dim}-d state: "
                              "policy.delta_action_dims=0 if the checkpoint acts absolutely")
-        return cls(tokenizer, prompt, max_tokens, state, action, vocab, delta)
+        return cls(tokenizer, prompt, max_tokens, state, action, vocab, delta, width,
+                   wrist_first)
 
     # ------------------------------------------------------------------ observations
     def texts(self, instruction: torch.Tensor) -> list[str]:
@@ -173,8 +185,10 @@ class CheckpointProcessor:
     def prompts(self, texts: list[str], state: torch.Tensor | None) -> list[list[int]]:
         encode = self.tokenizer.encode
         if self.prompt == "pi05":
-            bins = np.digitize(state.float().cpu().numpy(),
-                               np.linspace(-1, 1, STATE_BINS + 1)[:-1]) - 1
+            values = state.float().cpu().numpy()
+            if self.state_width and values.shape[1] < self.state_width:
+                values = np.pad(values, ((0, 0), (0, self.state_width - values.shape[1])))
+            bins = np.digitize(values, np.linspace(-1, 1, STATE_BINS + 1)[:-1]) - 1
             return [encode(f"Task: {clean(t)}, State: {' '.join(map(str, b))};\nAction: ")
                     for t, b in zip(texts, bins)]
         if self.prompt == "openpi_pi0":
@@ -191,6 +205,8 @@ class CheckpointProcessor:
             seq = seq[:self.max_tokens]
             row[:len(seq)] = torch.tensor(seq)
         out["instruction"] = tokens
+        if self.wrist_first and "wrist_image" in obs:  # the prefix sees `image` first
+            out["image"], out["wrist_image"] = obs["wrist_image"], obs["image"]
         return out
 
     # ------------------------------------------------------------------ actions
@@ -249,6 +265,8 @@ def recipe_problems(folder, variant: str, delta_action_dims: int, pi05_state: st
         if asset_id:
             problems.append(("policy.asset_id", asset_id, "empty for a LeRobot folder (its "
                              "statistics are its processor files; asset ids are openpi's)"))
+        if variant == "pi05":
+            problems += _lerobot_pi05_problems(folder, pi05_state)
         return problems
     if delta_action_dims < 0:
         problems.append(("policy.delta_action_dims", delta_action_dims, "the number of "
@@ -256,12 +274,42 @@ def recipe_problems(folder, variant: str, delta_action_dims: int, pi05_state: st
                          "state (its training config's extra_delta_transform, which the folder does not "
                          "record): 6 for openpi's pi0_libero, 0 for pi05_libero (a run begun "
                          "with -1 acted absolutely: 0 goes on so)"))
-    if variant == "pi05" and pi05_state == "folder":
+    if variant == "pi05" and pi05_state in ("folder", "prompt_padded"):
         problems.append(("policy.pi05_state", pi05_state, "prompt or none: whether the openpi "
                          "π0.5 checkpoint reads the state in its prompt (its training config's "
                          "discrete_state_input, which the folder does not record): none for "
                          "openpi's pi05_libero, prompt for π0.5's default (pi05_droid)"))
     return problems
+
+
+def _lerobot_pi05_problems(folder, pi05_state: str) -> list[tuple[str, object, str]]:
+    """LeRobot 0.4.0-0.4.4 padded π0.5's state to max_state_dim before discretizing it into
+    the prompt, 0.5.0 stopped (as openpi), and both write the same files; a folder of 0.5.1 or
+    later says so by its relative_actions_processor step (lerobot_steps)."""
+    recent = "relative_actions_processor" in lerobot_steps(Path(folder))[1]
+    if not recent and pi05_state == "folder":
+        return [("policy.pi05_state", pi05_state, "prompt_padded if LeRobot 0.4 wrote the π0.5 "
+                 "folder (its prompt's state zero-padded to max_state_dim before "
+                 "discretizing), prompt if LeRobot 0.5.0 did: a folder from before LeRobot "
+                 "0.5.1 does not say which (0.5.1 on: relative_actions_processor in its "
+                 "policy_preprocessor.json)")]
+    if recent and pi05_state == "prompt_padded":
+        return [("policy.pi05_state", pi05_state, "folder: LeRobot 0.5.1 or later wrote it, "
+                 "whose prompt's state is not padded")]
+    return []
+
+
+def _wrist_first(config: dict) -> bool:
+    """Whether a LeRobot folder's first camera (its config.json `input_features` order, the
+    order LeRobot feeds them in) is a wrist camera."""
+    cameras = [name for name, feature in config.get("input_features", {}).items()
+               if feature.get("type") == "VISUAL"]
+    return bool(cameras) and "wrist" in cameras[0].lower()
+
+
+def _config_json(folder) -> dict:
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def trained_dims(folder, padded: dict, variant: str = "pi0", pi05_state: str = "folder",
