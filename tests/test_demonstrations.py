@@ -407,6 +407,26 @@ def test_a_dump_recorded_in_another_control_mode_is_refused(tmp_path):
                                   dataclasses.replace(spec, controller="pd_ee_delta_pose")) == []
 
 
+def test_prior_data_recorded_under_another_reward_is_refused(tmp_path):
+    """RLPD's prior data (outcomes) must pay the env's reward: a dump recorded with
+    env.reward=dense holds the shaping (up to 1 a step), under dense_delta its change. Refused
+    naming the setting; for `hpcvla sft` (actions only) the reward does not matter; a config
+    without the setting was recorded with ManiSkill's default, sparse."""
+    _, spec = reach_dump(tmp_path / "rank0.h5")
+    delta = dataclasses.replace(spec, reward="dense_delta")
+    for env, recorded in (({"name": "maniskill", "reward": "dense"}, "dense"),
+                          ({"name": "maniskill"}, "sparse")):
+        with h5py.File(tmp_path / "rank0.h5", "a") as f:
+            f.attrs["config"] = yaml.safe_dump({"env": env})
+        with pytest.raises(DemonstrationError) as err:
+            read_demonstrations(tmp_path / "rank0.h5", delta, outcomes=True)
+        assert f"rank0.h5:/.attrs[config].env.reward = '{recorded}'" in str(err.value)
+        assert "record the demos again with env.reward=dense_delta" in str(err.value)
+        assert demonstration_problems(tmp_path / "rank0.h5", delta) == []  # sft: actions
+    assert demonstration_problems(tmp_path / "rank0.h5", dataclasses.replace(
+        spec, reward="sparse"), outcomes=True) == []
+
+
 def test_a_libero_dump_of_the_other_gripper_convention_is_refused(tmp_path):
     """A dump recorded with one env.gripper_action, read for the other: its gripper values
     mean the opposite (an OFT run's +1 opens, LIBERO's closes), so it is refused naming the

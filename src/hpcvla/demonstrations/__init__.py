@@ -224,7 +224,7 @@ def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
     host, in MPI shared memory, and twice while its ranks read them)."""
     found, problems = _scan(paths, spec, per_task, features)
     if outcomes:
-        _check_outcomes(found, problems)
+        _check_outcomes(found, problems, spec)
     return problems.listed() or _none_chosen(found, per_task, successful_only) or \
         _memory_problems(_select(found, per_task, successful_only), spec, host_memory, shm)
 
@@ -277,13 +277,16 @@ def _memory_problems(chosen, spec: EnvSpec, host_memory: int, shm: int) -> list[
     return []
 
 
-def _check_outcomes(found, problems: Problems) -> None:
-    """Rewards and episode ends per chunk-step: only the layouts that record them."""
+def _check_outcomes(found, problems: Problems, spec: EnvSpec) -> None:
+    """Rewards and episode ends per chunk-step: only the layouts that record them, each
+    recorded under the env's reward."""
     for path, layout, _ in found:
         if not hasattr(layout, "outcomes"):
             problems.add(path, "/", layout.NAME, "a file with each chunk's reward and how its "
                          "episode ended (this project's trajectory dumps and `hpcvla demos` "
                          f"files); {layout.NAME} files are read for `hpcvla sft` only")
+        else:
+            layout.reward_problems(path, spec, problems)
 
 
 def _none_chosen(found, per_task, successful_only) -> list[Problem]:
@@ -355,7 +358,7 @@ def select_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     datasets: dict = {}
     found, problems = _scan(paths, spec, per_task, features, datasets)
     if outcomes:
-        _check_outcomes(found, problems)
+        _check_outcomes(found, problems, spec)
     if problems:
         raise DemonstrationError(problems.listed())
     none = _none_chosen(found, per_task, successful_only)

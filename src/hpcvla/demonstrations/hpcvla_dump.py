@@ -79,7 +79,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
 
 # What the actions of a dump mean, by env and setting, and the default of a config without it
 RECORDED = {("maniskill", "control_mode"): EE_DELTA_CONTROL,
-            ("libero", "gripper_action"): "closed_high"}
+            ("libero", "gripper_action"): "closed_high", ("maniskill", "reward"): "sparse"}
 
 
 def _recorded(f, setting: str) -> str:
@@ -114,6 +114,20 @@ def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
 
 
 OUTCOMES = {"rewards": np.float32, "terminated": bool, "truncated": bool, "env_fault": bool}
+
+
+def reward_problems(path, spec, problems: Problems) -> None:
+    """Prior data's rewards must be the env's (spec.reward): a dump recorded under another
+    env.reward holds another reward's values (dense's up to 1 a step, dense_delta's
+    changes of it)."""
+    from hpcvla.metrics.dump import open_dump
+    with open_dump(path) as f:
+        recorded = _recorded(f, "reward")
+    if spec.reward and recorded and recorded != spec.reward:
+        problems.add(path, "/.attrs[config].env.reward", recorded,
+                     f"{spec.reward}, the env's (env.reward): its rewards are another "
+                     f"reward's; record the demos again with env.reward={spec.reward} "
+                     f"(`hpcvla demos`), or set env.reward={recorded}")
 
 
 def outcomes(f, episode: Episode) -> dict[str, np.ndarray]:

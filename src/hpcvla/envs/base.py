@@ -58,6 +58,9 @@ class EnvSpec:
     # -1 open / +1 closed, open_high OFT's +1 open / 0 closed); "" where there is no choice.
     # Demonstrations in the other convention are converted or refused.
     gripper: str = ""
+    # the reward it pays where the simulator has a choice (ManiSkill's env.reward); "" where
+    # there is one. Prior data's recorded rewards are checked against it.
+    reward: str = ""
 
     @property
     def state_dim(self) -> int:

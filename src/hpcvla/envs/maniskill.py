@@ -175,9 +175,11 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
            "instruction": ((len(words(instruction)),), "<i4")}
     if state:
         obs["state"] = ((int(u.get_obs().shape[-1]),), "<f4")
+    reward = "dense_delta" if isinstance(env, ShapingGain) else \
+        "sparse" if u.reward_mode == "sparse" else "dense"
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                    max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
-                   controller=u.control_mode)
+                   controller=u.control_mode, reward=reward)
 
 
 class ShapingGain:
