@@ -215,6 +215,20 @@ def test_greedy_rollout_logprobs_at_temperature_one(io):
                                sampled.logprob, rtol=0, atol=1e-5)
 
 
+def test_sft_cross_entropy_is_of_the_logits_as_they_are(io):
+    """`hpcvla sft` of the token head: OFT's fine-tuning loss, the cross-entropy of the
+    logits at temperature 1 (finetune.py), whatever policy.temperature acting uses (1.6,
+    RLinf's): the mean of the reference's log-probs at temperature 1, negated."""
+    obs, spec = env_obs(io)
+    actions = io["rlinf.greedy.actions"].float()
+    real = torch.ones(actions.shape[:2], dtype=torch.bool)
+    expected = -io["rlinf.greedy.prev_logprobs"].mean()  # temperature 1, no merged bins
+    for temperature in (1.6, 1.0):
+        policy = build_policy(config(**{"policy.temperature": temperature}), spec)
+        torch.testing.assert_close(policy.imitation_loss(obs, actions, real), expected,
+                                   rtol=0, atol=LOGIT_TOL)
+
+
 def without_proprio(folder: Path) -> Path:
     """The fixture checkpoint as one fine-tuned without the proprio token (no projector file:
     with one, OFT's sequence must read the state, oft_checkpoint.recipe_problems)."""

@@ -351,18 +351,26 @@ class OFTPolicy(VLAPolicy):
 
     def imitation_loss(self, obs, actions, real):
         """The L1 head: OFT's own fine-tuning loss, the mean absolute error of its normalized
-        actions over the real steps; the action tokens: their cross-entropy (VLAPolicy)."""
+        actions over the real steps; the action tokens: their cross-entropy on the logits as
+        they are (OFT's finetune.py; `temperature` is acting's, RLinf's exploration: a fit
+        at it would leave the published checkpoints' logits' scale)."""
         if self.head != "l1":
-            return super().imitation_loss(obs, actions, real)
+            logp, _ = self._distribution(self._inputs(obs), temperature=1.0)
+            bins = bins_of(self._model_actions(actions, obs))
+            return real_steps_mean(
+                -value_logprobs(logp).gather(-1, bins[..., None]).squeeze(-1).float(), real)
         hidden = self._hidden(self._inputs(obs), stop=True)
         error = self.l1_actions(hidden)[:, :self.chunk_len] - self._model_actions(actions, obs)
         return real_steps_mean(error.abs(), real)
 
-    def _distribution(self, obs):
+    def _distribution(self, obs, temperature: float | None = None):
+        """Log-probs over the 256 action bins per token (B, H, D, 256) at `temperature`
+        (policy.temperature unless given), and the value."""
         logits, values = self.action_logits(obs)
         B, H, D = logits.shape[0], self.chunk_len, self.action_dim
         logits = logits.view(B, DECODED_CHUNK, D, N_BINS)[:, :H]
-        return torch.log_softmax(logits / self.temperature, dim=-1), values.mean(dim=-1)
+        temperature = self.temperature if temperature is None else temperature
+        return torch.log_softmax(logits / temperature, dim=-1), values.mean(dim=-1)
 
     def _sample(self, obs, deterministic):
         if self.head == "l1":
