@@ -135,6 +135,13 @@ def test_successful_only_and_per_task():
     assert len(first.task) == 1 and len(first) == (every.episode == 0).sum()
     two = read_demonstrations(MS_MAIN, spec, per_task=2, successful_only=True)
     np.testing.assert_array_equal(two.actions, ok.actions)
+    # 3 asked, 2 successful: refused as a shortfall of all episodes is, not read short
+    said = demonstration_problems(MS_MAIN, spec, per_task=3, successful_only=True)
+    assert len(said) == 1 and "at least per_task=3 successful demonstrations of this task " \
+        "(the files hold 2)" in said[0][2], said
+    with pytest.raises(DemonstrationError, match="per_task=3 successful demonstrations"):
+        read_demonstrations(MS_MAIN, spec, per_task=3, successful_only=True)
+    assert demonstration_problems(MS_MAIN, spec, per_task=3) == []
 
 
 def test_maniskill_control_mode_refused_naming_the_json_key():

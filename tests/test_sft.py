@@ -5,6 +5,7 @@ policy folder is what `policy.pretrained` loads."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -267,6 +268,13 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
     out = hpcvla("sft", "configs/libero_spatial.yaml", f"sft.demos={LIBERO_DEMOS}",
                  f"sft.val_demos={bad}", f"run.root={tmp_path}")
     assert out.returncode == 2 and "sft.val_demos" in out.stderr, out.stderr[-2000:]
+    # a held-out set that is trained on (here by another spelling of the same file)
+    again = Path(LIBERO_DEMOS).parent / ".." / Path(LIBERO_DEMOS).parent.name / \
+        Path(LIBERO_DEMOS).name
+    out = hpcvla("sft", "configs/libero_spatial.yaml", f"sft.demos={LIBERO_DEMOS}",
+                 f"sft.val_demos={again}", f"run.root={tmp_path}")
+    assert out.returncode == 2 and "sft.val_demos" in out.stderr and \
+        "are trained on" in out.stderr, out.stderr[-2000:]
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
 
 

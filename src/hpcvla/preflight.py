@@ -262,7 +262,7 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     the configured env's spec and this host's memory, and where it starts its world of
     `learners` here, their GPUs' memory (memory/sft_eval.sft_memory), before any rank starts."""
     from hpcvla.config.imitation import dataset_features, demo_paths
-    from hpcvla.demonstrations import demonstration_problems
+    from hpcvla.demonstrations import demonstration_files, demonstration_problems
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import host_bytes, layout_gpus, shared_memory_free
     from hpcvla.memory.sft_eval import sft_memory
@@ -291,6 +291,12 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     problems = demonstration_problems(held_out, spec, features=features) if held_out else []
     if problems:
         raise ConfigError(problems, f"{source}: sft.val_demos")
+    trained = {p.resolve() for p in demonstration_files(paths)}
+    both = [str(p) for p in demonstration_files(held_out) if p.resolve() in trained]
+    if both:
+        raise ConfigError([("sft.val_demos", cfg.sft.val_demos, "files sft.demos does not "
+                            f"name too: {', '.join(both)} are trained on, and a held-out loss "
+                            "on them measures nothing held out")], source)
     gpus = layout_gpus(cfg) if learners else 0
     problems = sft_memory(cfg, [0] * learners, gpus, spec, shared=0).problems if gpus else []
     if problems:

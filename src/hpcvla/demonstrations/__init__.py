@@ -37,7 +37,8 @@ from hpcvla.text import tokenize, words
 
 __all__ = ["Demonstrations", "DemonstrationError", "Selection", "read_demonstrations",
            "select_demonstrations", "read_selection",
-           "demonstration_problems", "demonstration_rows", "sample_bytes", "sample_layout",
+           "demonstration_files", "demonstration_problems", "demonstration_rows",
+           "sample_bytes", "sample_layout",
            "LAYOUTS"]
 
 LAYOUTS = (hpcvla_dump, libero, maniskill)  # HDF5 files; detection order: the first that matches
@@ -83,7 +84,7 @@ class Demonstrations:
                    outcomes=outcomes)
 
 
-def _files(paths) -> list[Path]:
+def demonstration_files(paths) -> list[Path]:
     """`paths` (one or a list; a folder stands for its .h5/.hdf5 files, a LeRobot dataset's
     for itself) as files and datasets in order."""
     if isinstance(paths, (str, Path)):
@@ -106,7 +107,7 @@ def _not_read(path) -> str:
     return f", not {kind}: not read here (docs/imitation.md)" if kind else ""
 
 
-def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None,
+def _scan(paths, spec: EnvSpec, features: dict[str, str] | None = None,
           datasets: dict | None = None):
     """Every file's episodes and layout, and every problem found without bulk reads;
     `features`: a LeRobot dataset's feature for a field (sft.features); `datasets`: where to
@@ -114,7 +115,7 @@ def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None
     convention read from every data file, read once)."""
     import h5py
     problems, found = Problems(), []
-    files = _files(paths)
+    files = demonstration_files(paths)
     if not files:
         kind = next(filter(None, map(_not_read, [paths] if isinstance(paths, (str, Path))
                                      else paths)), "")
@@ -144,8 +145,6 @@ def _scan(paths, spec: EnvSpec, per_task, features: dict[str, str] | None = None
                 problems.add(path, "/", None, f"a readable {layout.NAME} file "
                              f"({type(err).__name__}: {err})")
     _check_instructions(spec, [e for _, _, eps in found for e in eps], problems)
-    if per_task is not None:
-        _check_per_task(per_task, [e for _, _, eps in found for e in eps], problems)
     return found, problems
 
 
@@ -198,18 +197,24 @@ def _check_instructions(spec: EnvSpec, episodes: list[Episode], problems: Proble
             problems.add(e.path, e.instruction_key, e.instruction, "an instruction")
 
 
-def _check_per_task(per_task, episodes: list[Episode], problems: Problems) -> None:
+def _check_per_task(per_task, found, successful_only: bool, problems: Problems) -> None:
+    """Every task has `per_task` demonstrations to read (successful ones where only those
+    are read): a few-shot run reads as many as it names, or is refused."""
+    if per_task is None:
+        return
     if not isinstance(per_task, int) or per_task < 1:
         problems.add("per_task", "", per_task, "a number of demonstrations per task >= 1, or "
                      "None for all")
         return
-    counts = Counter(e.instruction for e in episodes)
-    for task, count in counts.items():
-        if count < per_task:
+    episodes = [e for _, _, eps in found for e in eps]
+    counts = Counter(e.instruction for e in episodes if e.success or not successful_only)
+    for task in dict.fromkeys(e.instruction for e in episodes):
+        if counts[task] < per_task:
             first = next(e for e in episodes if e.instruction == task)
+            which = "successful demonstrations" if successful_only else "demonstrations"
             problems.add(first.path, first.instruction_key, task,
-                         f"at least per_task={per_task} demonstrations of this task (the "
-                         f"files hold {count}); lower per_task or add demonstrations")
+                         f"at least per_task={per_task} {which} of this task (the files hold "
+                         f"{counts[task]}); lower per_task or add demonstrations")
 
 
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
@@ -222,7 +227,8 @@ def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
     `host_memory`, `shm` (bytes; 0: not checked): a host's memory, half of which the samples
     must fit in, and its free /dev/shm, which must hold them (`hpcvla sft` holds them once per
     host, in MPI shared memory, and twice while its ranks read them)."""
-    found, problems = _scan(paths, spec, per_task, features)
+    found, problems = _scan(paths, spec, features)
+    _check_per_task(per_task, found, successful_only, problems)
     if outcomes:
         _check_outcomes(found, problems, spec)
     return problems.listed() or _none_chosen(found, per_task, successful_only) or \
@@ -232,7 +238,7 @@ def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
 def demonstration_rows(paths, spec: EnvSpec, per_task: int | None = None) -> int:
     """The samples `read_demonstrations(paths, spec, per_task)` would read, from the files'
     headers (no bulk data read): an off-policy learner's prior transitions are at most these."""
-    found, _ = _scan(paths, spec, per_task)
+    found, _ = _scan(paths, spec)
     return sum(e.rows for _, _, e in _select(found, per_task, False))
 
 
@@ -356,7 +362,8 @@ def select_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     DemonstrationError (a ValueError) naming every problem `demonstration_problems` finds, or
     when no demonstration is left."""
     datasets: dict = {}
-    found, problems = _scan(paths, spec, per_task, features, datasets)
+    found, problems = _scan(paths, spec, features, datasets)
+    _check_per_task(per_task, found, successful_only, problems)
     if outcomes:
         _check_outcomes(found, problems, spec)
     if problems:

@@ -41,8 +41,8 @@ def matches(f) -> bool:
 
 
 def _meta_path(path) -> Path:
-    return Path(str(path).replace(".h5", ".json")) if str(path).endswith(".h5") \
-        else Path(path).with_suffix(".json")
+    """The JSON ManiSkill writes beside its trajectory file (its name, suffix .json)."""
+    return Path(path).with_suffix(".json")
 
 
 def _convert(path, obs_mode: str, control_mode: str) -> str:
