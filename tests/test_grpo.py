@@ -133,6 +133,28 @@ def test_grouped_restarts_share_initial_states_and_restart_every_segment():
     env.close()
 
 
+def test_an_episode_the_grouped_restart_cuts_short_ends_there():
+    """An episode begun after an earlier end in the segment (here the 3-chunk horizon, in a
+    5-chunk segment) is cut by the grouped restart: it ends at that step, truncated, with its
+    return and length so far, so that nothing reading `done` (a trajectory dump, `hpcvla
+    inspect`) joins it to the next segment's grouped episode, which starts elsewhere."""
+    env = GroupedRestarts(make_env("reach", 4, seed=3, max_episode_chunks=3), every=5,
+                          group_size=2, seed=11)
+    env.reset()
+    rng = np.random.default_rng(0)
+    running, chunks = np.zeros(4, np.float32), np.zeros(4, np.int32)
+    for step in range(1, 11):
+        result = env.step(rng.uniform(-1, 1, (4, env.spec.chunk_len, env.spec.action_dim)))
+        running, chunks = running + result.reward, chunks + 1
+        done = result.terminated | result.truncated
+        if step % 5 == 0:  # every env's second episode (2 chunks in) ends with the segment
+            assert done.all() and not result.success.any()
+            np.testing.assert_allclose(result.episode_return, running, rtol=1e-6)
+            assert result.episode_length.tolist() == [2] * 4
+        running, chunks = np.where(done, 0.0, running), np.where(done, 0, chunks)
+    env.close()
+
+
 def test_grpo_settings_checked_before_ranks_start():
     with pytest.raises(ConfigError, match="rollout.segment_len = 8: expected env.max_episode"):
         load_config(ROOT / "configs/default.yaml", ["algorithm.name=grpo"])

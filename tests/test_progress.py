@@ -92,6 +92,41 @@ def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_pa
     assert _pooled([(None, 0), (None, 0)]) is None
 
 
+def test_a_start_resumed_behind_the_last_one_logged_is_drawn_once(tmp_path):
+    """A start that died after its checkpoint at version 2 logged versions 3-4; the start
+    resumed from version 2 trains them again. metrics.jsonl: every record names the version
+    it trains (1 .. total) and the version its start began from; TensorBoard drops the dead
+    start's events past the checkpoint (its purge_step), so each curve has each step once."""
+    import json
+
+    from hpcvla.config import load_config
+    from hpcvla.metrics.tensorboard import RunBoard, read_scalars
+
+    run = load_config().run
+
+    def start(versions, resumed_from=None, lost=0.0):
+        board = RunBoard(tmp_path, run, resumed_at=None if resumed_from is None else
+                         resumed_from * 100)
+        line = Progress(tmp_path / "metrics.jsonl", total_updates=5, chunk_len=4, every_s=1e9,
+                        enabled=True, board=board)
+        if resumed_from is not None:
+            line.resume(resumed_from, resumed_from * 100)
+        for version in versions:
+            line.steps = version * 100
+            line.on_micro_batch({"loss": version + lost})
+            line.on_update(version)
+        line.close()
+    start([1, 2, 3, 4], lost=0.5)  # died in version 5, after the checkpoint of version 2
+    start([3, 4, 5], resumed_from=2)
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["update"], r["from_version"]) for r in records] == \
+        [(1, 0), (2, 0), (3, 0), (4, 0), (3, 2), (4, 2), (5, 2)]
+    kept = {r["update"]: r["loss"] for r in records}  # the later start's stand
+    assert kept == {1: 1.5, 2: 2.5, 3: 3.0, 4: 4.0, 5: 5.0}
+    assert read_scalars(tmp_path)["train/loss"] == \
+        [(100, 1.5), (200, 2.5), (300, 3.0), (400, 4.0), (500, 5.0)]
+
+
 def test_a_process_s_launch_is_its_start_to_the_clock_tick(monkeypatch):
     """Without HPCVLA_LAUNCHED_AT the launch is the process's start: a child started after
     `before` must not say it started earlier than that (psutil's boot time, whole seconds,

@@ -6,7 +6,9 @@ ships fixed-length trajectory segments, so with `every` = segment length = the t
 (`max_episode_chunks`), each segment column starts with a fresh grouped episode that ends
 inside the segment (success or truncation); what an env does after its episode ended (it
 auto-resets) is masked out by the learner. The restart replaces the observation of the
-segment's last step: GRPO needs no bootstrap value, so nothing is lost.
+segment's last step: GRPO needs no bootstrap value, so nothing is lost. An episode the restart
+cuts short (one begun after an earlier end in the segment) ends there, truncated, with its
+return so far, so that a dump or a reader of `done` never joins it to the next episode.
 
 Initial state ids come from this wrapper's own generator (seeded per shard), so groups of
 different shards and of successive segments start from different states, and from the
@@ -30,6 +32,8 @@ class GroupedRestarts(VectorEnv):
         self.num_envs, self.spec = env.num_envs, env.spec
         self.rng = np.random.default_rng([seed, _GROUP_STREAM])
         self.steps = 0
+        self._return = np.zeros(self.num_envs, np.float32)  # of each env's running episode
+        self._length = np.zeros(self.num_envs, np.int32)
 
     def __getattr__(self, name):  # whatever else the wrapped env has
         return getattr(self.env, name)
@@ -53,6 +57,7 @@ class GroupedRestarts(VectorEnv):
 
     def reset(self, seeds=None, init_state_ids=None) -> dict[str, np.ndarray]:
         self.steps = 0
+        self._return[:], self._length[:] = 0.0, 0
         if init_state_ids is None:
             init_state_ids = self.grouped_ids()
         return self.env.reset(seeds=seeds, init_state_ids=init_state_ids)
@@ -71,10 +76,20 @@ class GroupedRestarts(VectorEnv):
 
     def _regroup(self, result: StepResult) -> StepResult:
         self.steps += 1
+        done = result.terminated | result.truncated
+        running, length = self._return + result.reward, self._length + 1
         if self.steps % self.every:
+            self._return, self._length = np.where(done, 0.0, running), np.where(done, 0, length)
             return result
-        # the outcome of this step stands; the next observation is a grouped restart
-        return result._replace(obs=self.env.reset(init_state_ids=self.grouped_ids()))
+        # the outcome of this step stands; the next observation is a grouped restart, which
+        # ends the episodes still running here
+        cut = ~done
+        self._return[:], self._length[:] = 0.0, 0
+        return result._replace(
+            obs=self.env.reset(init_state_ids=self.grouped_ids()),
+            truncated=result.truncated | cut,
+            episode_return=np.where(cut, running, result.episode_return).astype(np.float32),
+            episode_length=np.where(cut, length, result.episode_length).astype(np.int32))
 
     def instructions(self) -> list[str]:
         return self.env.instructions()

@@ -203,7 +203,7 @@ def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
         print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "
               f"{catalog.layout_change(state, learners, stage)}; "
               f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
-    return RunLog(cfg, run_dir)
+    return RunLog(cfg, run_dir, state["version"] if state else None)
 
 
 def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
@@ -276,9 +276,10 @@ class RunLog:
     a failing rank's last words and a restart's record read it), TensorBoard's scalars, and
     the progress line every pipeline.progress_every_s, at a held-out loss and at the end."""
 
-    def __init__(self, cfg, run_dir: Path):
+    def __init__(self, cfg, run_dir: Path, resumed_at: int | None = None):
+        """`resumed_at`: the step a resumed start goes on from (metrics/tensorboard.RunBoard)."""
         self.cfg, self.printed_at = cfg, -math.inf
-        self.board = RunBoard(run_dir, cfg.run, asdict(cfg))
+        self.board = RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
         self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
 
     def step(self, history: dict[str, list], val: float | None, counts: tuple,
@@ -290,7 +291,8 @@ class RunLog:
         scalars = {"loss": loss, "lr": lr, **({"val_loss": val} if val is not None else {})}
         self.board.scalars(scalars, done, group="sft")
         self.metrics.write(json.dumps({"time": round(elapsed, 3), "step": done,
-                                       "trained_chunks": trained, **scalars}) + "\n")
+                                       "trained_chunks": trained, "from_step": first,
+                                       **scalars}) + "\n")
         if elapsed - self.printed_at < self.cfg.pipeline.progress_every_s and \
                 done < sft.steps and val is None:
             return

@@ -61,6 +61,15 @@ class Progress:
         self.steps = self.first_steps = trained_env_steps
         self.steps_at[updates] = trained_env_steps
 
+    def _record_head(self) -> dict:
+        """What every metrics.jsonl record begins with: seconds since this start's clock, the
+        policy version being trained, the trained env steps, and the version this start began
+        from (a start resumed from a checkpoint older than the last one logged trains those
+        versions again: its records stand for them)."""
+        return {"time": round(time.monotonic() - self.start, 3),
+                "update": min(self.updates + 1, self.total),
+                "trained_env_steps": self.steps, "from_version": self.first_update}
+
     def on_segments(self, batch: dict, staleness: float = 0.0) -> None:
         """A micro-batch's segments arrived: count their steps and finished episodes (not
         those an env fault ended: they say nothing of the policy)."""
@@ -75,8 +84,7 @@ class Progress:
     def on_micro_batch(self, stats: dict) -> None:
         """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
         if self._file:
-            record = {"time": round(time.monotonic() - self.start, 3), "update": self.updates,
-                      "trained_env_steps": self.steps, "success_rate": self.success_rate,
+            record = {**self._record_head(), "success_rate": self.success_rate,
                       **{k: round(float(v), 6) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
@@ -100,8 +108,7 @@ class Progress:
         scalars = {k: report[k] for k in ("success_rate", "mean_return", "success_at_end")
                    if k in report}
         if self._file:
-            record = {"time": round(time.monotonic() - self.start, 3), "update": self.updates,
-                      "trained_env_steps": self.steps,
+            record = {**self._record_head(),
                       "held_out": {"version": version, "trained_env_steps": steps, **scalars,
                                    **{k: report[k] for k in ("success_ci95", "episodes",
                                                              "actions", "env_faults")},

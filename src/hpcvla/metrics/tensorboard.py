@@ -25,12 +25,16 @@ class RunBoard:
     """Scalars of one run into `<run_dir>/tensorboard/` and, where `run.wandb` asks, W&B
     (nothing where both are off). `run` is the config's `run` section."""
 
-    def __init__(self, run_dir, run, config: dict | None = None):
+    def __init__(self, run_dir, run, config: dict | None = None, resumed_at: int | None = None):
+        """`resumed_at`: the step (x) a resumed start goes on from, the checkpoint's: a start
+        that died after it logged steps past it, which this one logs again, so TensorBoard
+        drops the older events past it (its purge_step) and a curve is drawn once."""
         self.writer = self.wandb = None
         if run.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / SUBDIR))
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / SUBDIR),
+                                        purge_step=None if resumed_at is None else resumed_at + 1)
         if run.wandb != "disabled":
             self.wandb = wandb_run(Path(run_dir), run.name, run.wandb, config)
 

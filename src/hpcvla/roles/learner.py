@@ -104,18 +104,28 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
             staleness = float(np.mean([version - g["version"][0] for g in groups]))
             progress.on_segments(_scored(cfg, micro.arrays), staleness)
             if last == 0:
-                progress.on_micro_batch(stats)
+                progress.on_micro_batch(_logged(stats, cfg.algorithm, factor, first_pass=True))
             seen.append(micro)
         for epoch in range(1, cfg.learner.epochs):
             for micro in seen:
                 stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
                 if epoch == last:
-                    progress.on_micro_batch(stats)
+                    progress.on_micro_batch(_logged(stats, cfg.algorithm, factor))
     if cfg.algorithm.name == "ppo" and cfg.algorithm.critic_epochs:
         with actor_scaled(engine, 0.0):  # value-only optimizer steps: the critic catches up
             for _ in range(cfg.algorithm.critic_epochs):
                 for micro in seen:
                     train_micro_batch(cfg, engine, micro, timeline, value_only=True)
+
+
+def _logged(stats: dict[str, float], alg: AlgorithmConfig, factor: float,
+             first_pass: bool = False) -> dict[str, float]:
+    """A micro-batch's statistics as metrics.jsonl records them, with the rate the actor
+    trained at (`actor_lr`: the warm-ups' share of algorithm.lr). A first pass's ratios are
+    1 (its policy is the proximal one): no clip fraction or KL to report."""
+    if first_pass:
+        stats = {k: v for k, v in stats.items() if k not in ("clip_fraction", "approx_kl")}
+    return {**stats, "actor_lr": alg.lr * factor}
 
 
 def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, timeline: Timeline,

@@ -24,7 +24,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mpi4py import MPI
 
@@ -113,7 +113,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     # resumes from the same one, whatever another world wrote or its node's listing shows
     resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
         if cfg.run.resume else None  # [dist]
-    saved = catalog.read_state(resume) if resume else {"version": 0}
+    saved: dict[str, Any] = catalog.read_state(resume) if resume else {"version": 0}
     first = saved["version"]  # a resumed world's streams are new ones (seeds.py)
     seed_rank(cfg, rank, with_torch=runs_policy(roles), start=first)  # each its own noise
     # The policy ranks have just imported torch (seconds); the others wait here asleep, not
@@ -178,10 +178,12 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
                         t0=world.bcast(time.time(), root=0))  # [dist]
     is_root = rank == plan.weight_root
+    resumed_at = int(saved["counters"]["trained_env_steps"]) if resume else None
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root,
                         learners=len(plan.learners),
-                        board=RunBoard(run_dir, cfg.run, asdict(cfg)) if is_root else None)
+                        board=RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
+                        if is_root else None)
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
                           first_version=first, dtype=dtype or root_dtype)
     if resume and is_root:
