@@ -85,8 +85,9 @@ STEP = "trained_env_steps"
 
 def wandb_run(run_dir: Path, group: str, mode: str, config: dict | None):
     """The W&B run of a run directory: one id per directory (its name and a hash of its
-    path), resumed by every writer of the run (the training's, the report's, `eval --all`'s;
-    offline, each writes its own offline-run folder, and `wandb sync` puts them together)."""
+    path), resumed by every writer of the run online (the training's, the report's, `eval
+    --all`'s); offline, each writes an offline run of its own under that id, which W&B's sync
+    is not known to join (docs/outputs.md)."""
     import hashlib
     import os
 
