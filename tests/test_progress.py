@@ -127,6 +127,19 @@ def test_a_start_resumed_behind_the_last_one_logged_is_drawn_once(tmp_path):
         [(100, 1.5), (200, 2.5), (300, 3.0), (400, 4.0), (500, 5.0)]
 
 
+def test_records_count_time_from_the_timelines_origin(tmp_path):
+    """metrics.jsonl's `time` and the timelines' spans are seconds since one origin (the
+    world's t0): the logging writers' start (W&B's takes seconds) is not taken off it."""
+    import json
+
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=1e9,
+                    enabled=True, t0=time.time() - 5.0)
+    line.on_micro_batch({"loss": 1.0})
+    line.close()
+    (record,) = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 5.0 <= record["time"] < 6.0, record
+
+
 def test_a_process_s_launch_is_its_start_to_the_clock_tick(monkeypatch):
     """Without HPCVLA_LAUNCHED_AT the launch is the process's start: a child started after
     `before` must not say it started earlier than that (psutil's boot time, whole seconds,

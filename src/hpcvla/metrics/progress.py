@@ -37,7 +37,9 @@ RECENT_VERSIONS = 8  # version boundaries the ETA's rate spans (at least 3)
 class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
                  enabled: bool, window: int = 200, learners: int = 1,
-                 board: RunBoard | None = None):
+                 board: RunBoard | None = None, t0: float | None = None):
+        """`t0`: the epoch seconds its records' `time` counts from (the timelines' origin;
+        default now)."""
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
         self.learners = learners
@@ -46,7 +48,8 @@ class Progress:
         self.staleness: deque = deque(maxlen=window)
         self.updates = self.steps = self.micro_batches = self.fault_episodes = 0
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
-        self.start = self.last_print = time.monotonic()
+        self.start = self.last_print = time.monotonic() - (
+            0.0 if t0 is None else max(0.0, time.time() - t0))
         self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
         self.steps_at: dict[int, int] = {0: 0}  # version -> trained env steps at its end
         self.held_out: tuple[int, float] | None = None  # the newest (version, success)

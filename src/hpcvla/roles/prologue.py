@@ -183,7 +183,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
                         cfg.pipeline.progress_every_s, enabled=is_root,
                         learners=len(plan.learners),
                         board=RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
-                        if is_root else None)
+                        if is_root else None, t0=timeline.t0)
+    if is_root and (cfg.run.tensorboard or cfg.run.wandb != "disabled"):
+        phases.mark("logging_ready")  # TensorBoard's and W&B's start (W&B's takes seconds)
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
                           first_version=first, dtype=dtype or root_dtype)
     if resume and is_root:
