@@ -86,12 +86,15 @@ class Progress:
 
     def on_micro_batch(self, stats: dict) -> None:
         """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
+        rollout = {"success_rate": self.success_rate, "mean_return": self.mean_return}
         if self._file:
-            record = {**self._record_head(), "success_rate": self.success_rate,
+            record = {**self._record_head(), **{k: None if v is None else round(v, 6)
+                                                for k, v in rollout.items()},
+                      "episodes": len(self.successes),
                       **{k: round(float(v), 6) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
-            self.board.scalars({"success_rate": self.success_rate, **stats}, self.steps)
+            self.board.scalars({**rollout, **stats}, self.steps)
 
     def on_held_out(self, version: int, report: dict, video: str | None = None) -> None:
         """A held-out evaluation of policy `version` (roles/evaluator.py): a line now, a
@@ -148,7 +151,6 @@ class Progress:
                 staleness = np.mean(self.staleness) if self.staleness else 0.0
                 self.board.scalars({"trained_env_steps_per_s": rate, "staleness": staleness,
                                     "update": updates}, self.steps, group="perf")
-                self.board.scalars({"mean_return": self.mean_return}, self.steps)
                 self.board.flush()
 
     def eta_s(self) -> float | None:
