@@ -144,6 +144,32 @@ def test_successful_only_and_per_task():
     assert demonstration_problems(MS_MAIN, spec, per_task=3) == []
 
 
+def test_a_longer_horizon_continues_each_chunk_with_the_actions_after_it(tmp_path):
+    """`hpcvla sft` of a policy whose horizon is longer than the chunk it acts (π0's, OFT's)
+    reads that many actions from each observation, as the references train them: the
+    demonstrated actions after the chunk within its episode, padded past its end. Per-step
+    files (ManiSkill's) and a dump of one row per chunk (its next rows continue it) alike."""
+    spec = maniskill_spec()  # chunks of 4
+    chunk, long = (read_demonstrations(MS_MAIN, spec, horizon=h) for h in (None, 9))
+    assert long.actions.shape[1:] == (9, 7) and len(long) == len(chunk)
+    np.testing.assert_array_equal(long.actions[:, :4], chunk.actions)
+    for k in range(len(long) - 5):
+        if long.episode[k] == long.episode[k + 5] and not long.pad[k + 5, 0]:
+            np.testing.assert_array_equal(long.actions[k, 5:9], chunk.actions[k + 5])
+    last = np.flatnonzero(long.episode == long.episode[0])[-1]  # an episode's last sample
+    assert long.pad[last].tolist() == [False] + [True] * 8
+    _, reach = reach_dump(tmp_path / "rank0.h5")
+    rows, windows = (read_demonstrations(tmp_path / "rank0.h5", reach, horizon=h)
+                     for h in (None, 2 * reach.chunk_len))
+    c = reach.chunk_len
+    for k in range(len(rows) - 1):
+        if rows.episode[k] == rows.episode[k + 1]:
+            np.testing.assert_array_equal(windows.actions[k, c:], rows.actions[k + 1])
+            assert not windows.pad[k].any()
+        else:  # the episode's last row: nothing after it
+            assert windows.pad[k].tolist() == [False] * c + [True] * c
+
+
 def test_maniskill_control_mode_refused_naming_the_json_key():
     text = refused(MS / "pushcube.state.pd_joint_delta_pos.h5", maniskill_spec(),
                    "pushcube.state.pd_joint_delta_pos.json:env_info.env_kwargs.control_mode",

@@ -109,6 +109,26 @@ def test_raw_observation_to_the_reference_action_chunk(family, layout):
     torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-3)
 
 
+def test_sft_supervises_the_checkpoints_whole_action_horizon():
+    """openpi and LeRobot fine-tune π0 on every step of its action horizon (10 here), not
+    just the chunk the env executes (5): hpcvla sft reads that many demonstrated actions per
+    observation (policy.imitation_horizon) and the flow-matching loss covers them all."""
+    io, tasks = fixture("pi0")
+    obs, spec = raw_observation(io, tasks)
+    policy = build_policy(config(FIXTURES / "pi0" / "lerobot"), spec)
+    assert (policy.imitation_horizon, policy.chunk_len) == (10, EXECUTED)
+    actions = torch.rand(2, 10, 7) * 2 - 1
+    real = torch.ones(2, 10, dtype=torch.bool)
+
+    def loss(acts, mask):
+        torch.manual_seed(0)  # the same noise and time
+        with torch.no_grad():
+            return float(policy.imitation_loss(obs, acts, mask))
+    later = actions.clone()
+    later[:, EXECUTED:] += 0.5  # the steps after the executed chunk
+    assert loss(later, real) != pytest.approx(loss(actions, real), rel=1e-3)
+
+
 def test_a_pi05_folder_lerobot_0_4_wrote_pads_its_prompts_state_once_told():
     """LeRobot 0.4.0-0.4.4 zero-padded π0.5's normalized state to max_state_dim (32) before
     discretizing it into the prompt; 0.5.0 stopped and writes the same files. A folder from

@@ -14,8 +14,10 @@ it is written, and how the env's fields are made from it):
   v3.0, one row per primitive step (frame).
 
 Per-step layouts give one sample per step: its observation and the chunk of spec.chunk_len
-actions the demonstrator executed from it, the last action repeated past the episode's end
-(common.chunks says why; `pad` marks those entries). `demonstration_problems` opens the files
+actions the demonstrator executed from it (or `horizon` of them: a policy's longer action
+horizon, for `hpcvla sft`), the last action repeated past the episode's end (common.chunks
+says why; `pad` marks those entries); a dump's rows, one a chunk, are continued by the rows
+after them. `demonstration_problems` opens the files
 and reads attributes and dataset shapes only, for the pre-launch check;
 `read_demonstrations` runs the same checks first and raises DemonstrationError (a ValueError)
 with the same lines.
@@ -56,12 +58,13 @@ class Demonstrations:
     """Samples for SFT, in file order, episode order, step order."""
 
     obs: dict[str, np.ndarray]  # per spec field: (N, *shape), the spec's dtype
-    actions: np.ndarray         # (N, chunk_len, action_dim) float32: the executed chunk
+    actions: np.ndarray         # (N, H, action_dim) float32: the executed chunk (H =
+                                # chunk_len), or the policy's horizon of actions from it (sft)
     episode: np.ndarray         # (N,) int64: index into `task` of the sample's demonstration
     task: list[str]             # per demonstration: its instruction
     source: str                 # files and layouts read, for logs
-    # (N, chunk_len) bool: True where the chunk ran past the episode's end and repeats its
-    # last action (hpcvla sft leaves these out of the loss); all False for chunk-per-row dumps
+    # (N, H) bool: True where the chunk ran past the episode's end and repeats its last
+    # action (hpcvla sft leaves these out of the loss)
     pad: np.ndarray
     # read_demonstrations(outcomes=True): per sample its reward and how its episode ended
     # there (hpcvla_dump.OUTCOMES: rewards, terminated, truncated, env_fault), (N,) each
@@ -249,13 +252,16 @@ def _named(obs: dict[str, np.ndarray], actions: np.ndarray, pad: np.ndarray,
             "episode": episode}
 
 
-def sample_layout(spec: EnvSpec) -> dict[str, tuple[tuple[int, ...], str]]:
+def sample_layout(spec: EnvSpec, horizon: int | None = None
+                  ) -> dict[str, tuple[tuple[int, ...], str]]:
     """One sample's arrays as Demonstrations holds them (shape, dtype), by name: each
-    observation field (`obs.<field>`), its chunk, padding mask and demonstration's index."""
+    observation field (`obs.<field>`), its actions (`horizon`, default the chunk), padding
+    mask and demonstration's index."""
+    steps = horizon or spec.chunk_len
     return {**{f"obs.{field}": (tuple(shape), dtype) for field, (shape, dtype) in
                spec.obs.items()},
-            "actions": ((spec.chunk_len, spec.action_dim), "<f4"),
-            "pad": ((spec.chunk_len,), "|b1"), "episode": ((), "<i8")}
+            "actions": ((steps, spec.action_dim), "<f4"),
+            "pad": ((steps,), "|b1"), "episode": ((), "<i8")}
 
 
 def sample_bytes(spec: EnvSpec) -> int:
@@ -323,11 +329,13 @@ def _select(found, per_task, successful_only):
 def read_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
                         successful_only: bool = False, outcomes: bool = False,
                         features: dict[str, str] | None = None,
-                        part: tuple[int, int] = (0, 1)) -> Demonstrations:
+                        part: tuple[int, int] = (0, 1),
+                        horizon: int | None = None) -> Demonstrations:
     """The samples of every demonstration in `paths` for `spec`: select_demonstrations'
-    selection, read_selection's `part` of it."""
+    selection, read_selection's `part` of it (`horizon` actions each, default the chunk)."""
     return read_selection(select_demonstrations(paths, spec, per_task, successful_only,
-                                                outcomes, features), spec, outcomes, part)
+                                                outcomes, features), spec, outcomes, part,
+                          horizon)
 
 
 @dataclass
@@ -375,9 +383,10 @@ def select_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
 
 
 def read_selection(selection: Selection, spec: EnvSpec, outcomes: bool = False,
-                   part: tuple[int, int] = (0, 1)) -> Demonstrations:
+                   part: tuple[int, int] = (0, 1), horizon: int | None = None) -> Demonstrations:
     """The samples of the selected demonstrations (`outcomes`: with each sample's reward and
-    episode end, `Demonstrations.outcomes`). `part` (r, n): the r-th of n runs of whole
+    episode end, `Demonstrations.outcomes`); each sample's actions the chunk it executed
+    (spec.chunk_len), or with `horizon` that many from it (a policy's longer horizon). `part` (r, n): the r-th of n runs of whole
     demonstrations in order, of about equal samples (by the headers), for n readers that share
     the work; `task` and `episode` stay the whole selection's."""
     chosen, datasets = selection.chosen, selection.datasets
@@ -388,7 +397,7 @@ def read_selection(selection: Selection, spec: EnvSpec, outcomes: bool = False,
         group = list(group)  # each file opened once in turn
         with _open(path, group[0][1][1], datasets) as f:
             for index, (_, layout, e) in group:
-                obs, actions, pad = layout.load(f, e, spec)
+                obs, actions, pad = layout.load(f, e, spec, horizon)
                 if outcomes:
                     ends.append(layout.outcomes(f, e))
                 if "instruction" in spec.obs:
@@ -397,7 +406,7 @@ def read_selection(selection: Selection, spec: EnvSpec, outcomes: bool = False,
                 parts.append(_named(obs, actions, pad, np.full(len(actions), index, np.int64)))
     held = {key: np.concatenate([p[key] for p in parts]).astype(np.dtype(dtype), copy=False)
             if parts else np.zeros((0, *shape), dtype)
-            for key, (shape, dtype) in sample_layout(spec).items()}
+            for key, (shape, dtype) in sample_layout(spec, horizon).items()}
     used = Counter((str(path), layout.NAME) for path, layout, _ in chosen)
     return Demonstrations.from_arrays(
         held, task=[e.instruction for _, _, e in chosen],

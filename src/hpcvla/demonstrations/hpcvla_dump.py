@@ -15,7 +15,7 @@ import numpy as np
 import yaml
 
 from hpcvla.config.families import EE_DELTA_CONTROL
-from hpcvla.demonstrations.common import Episode, Problems, fit_images, is_image
+from hpcvla.demonstrations.common import Episode, Problems, chunks, fit_images, is_image
 from hpcvla.metrics.dump import FORMAT, attr_text
 
 NAME = "hpcvla trajectory dump"
@@ -99,8 +99,11 @@ def _fits(have, entry) -> bool:
         is_image(entry) and len(have) == 3 and have[2] == entry[0][2])
 
 
-def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
-    """(obs fields but the instruction, (T, H, A) float32 actions, (T, H) padding mask)."""
+def load(f, episode: Episode, spec, horizon: int | None = None
+         ) -> tuple[dict, np.ndarray, np.ndarray]:
+    """(obs fields but the instruction, (T, H, A) float32 actions, (T, H) padding mask): a
+    row's chunk (H = spec.chunk_len), or its `horizon` actions, the rows after it continuing
+    it within the episode (padded past its end)."""
     demo = f[episode.key]
     obs = {}
     for field, (shape, dtype) in spec.obs.items():
@@ -110,7 +113,11 @@ def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
         obs[field] = (fit_images(value, shape) if is_image(spec.obs[field])
                       else value).astype(np.dtype(dtype), copy=False)
     actions = demo["actions"][()].astype(np.float32)
-    return obs, actions, np.zeros(actions.shape[:2], dtype=bool)
+    if horizon is None or horizon == actions.shape[1]:
+        return obs, actions, np.zeros(actions.shape[:2], dtype=bool)
+    rows, chunk = actions.shape[:2]
+    windows, pad = chunks(actions.reshape(rows * chunk, -1), horizon)
+    return obs, windows[::chunk], pad[::chunk]
 
 
 OUTCOMES = {"rewards": np.float32, "terminated": bool, "truncated": bool, "env_fault": bool}

@@ -240,8 +240,10 @@ def _success(d: Dataset, episode: dict) -> bool:
     return bool(d.frames(episode, ["next.success"])["next.success"][-1].as_py())
 
 
-def load(d: Dataset, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Every frame's observation and the chunk executed from it."""
+def load(d: Dataset, episode: Episode, spec, horizon: int | None = None
+         ) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Every frame's observation and the `horizon` actions from it (default the chunk
+    executed, spec.chunk_len)."""
     meta = d.by_key[episode.key]
     keys = {f: d.key(f) for f in spec.obs if f in FIELDS}
     stored = [k for k in keys.values() if d.features[k]["dtype"] != "video"]
@@ -259,7 +261,7 @@ def load(d: Dataset, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarr
             obs[field] = np.asarray(table[key].to_pylist(), dtype=np.dtype(dtype))
     if spec.gripper == "open_high" and d.closed_high():
         actions = open_high(actions)
-    actions, pad = chunks(actions, spec.chunk_len)
+    actions, pad = chunks(actions, horizon or spec.chunk_len)
     return obs, actions, pad
 
 

@@ -133,8 +133,10 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
     return episodes
 
 
-def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
-    """Obs rows 0..T-2 mapped to the spec's fields, and their chunks from actions[1:]."""
+def load(f, episode: Episode, spec, horizon: int | None = None
+         ) -> tuple[dict, np.ndarray, np.ndarray]:
+    """Obs rows 0..T-2 mapped to the spec's fields, and their `horizon` actions (default
+    spec.chunk_len) from actions[1:]."""
     from hpcvla.demonstrations.common import chunks
     demo = f[episode.key]
     rotation = ROTATIONS[attr_text(f["data"].attrs.get("macros_image_convention", "opengl"))]
@@ -152,5 +154,5 @@ def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
     actions = demo["actions"][1:]
     if spec.gripper == "open_high":  # module docstring: OFT's convention
         actions = open_high(actions)
-    actions, pad = chunks(actions, spec.chunk_len)
+    actions, pad = chunks(actions, horizon or spec.chunk_len)
     return obs, actions, pad

@@ -159,11 +159,12 @@ def _warn_evaluation_seeds(meta_path: Path, episodes: list) -> None:
               "the training states)", file=sys.stderr, flush=True)
 
 
-def load(f, episode: Episode, spec) -> tuple[dict, np.ndarray, np.ndarray]:
+def load(f, episode: Episode, spec, horizon: int | None = None
+         ) -> tuple[dict, np.ndarray, np.ndarray]:
     """Obs rows 0..T-1 mapped to the spec's fields (the last, after the final action, is
-    dropped), and their chunks."""
+    dropped), and their `horizon` actions (default spec.chunk_len)."""
     traj = f[episode.key]
-    actions, pad = chunks(traj["actions"][()], spec.chunk_len)
+    actions, pad = chunks(traj["actions"][()], horizon or spec.chunk_len)
     steps = len(actions)
     obs = {}
     if "state" in spec.obs:

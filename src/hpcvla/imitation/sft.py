@@ -130,11 +130,13 @@ def sft_main(cfg, world) -> None:
         deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
     idle_barrier(world)  # [dist] no rank reads or writes the run before its lock is held
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
-    demos, shared = _read_on_node(node, spec, lambda: select_demonstrations(
+    # the action steps supervised from each observation: the policy's own (a meta build)
+    horizon = build_policy(cfg, spec, device="meta").imitation_horizon
+    demos, shared = _read_on_node(node, spec, horizon, lambda: select_demonstrations(
         demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
         features=features))
     val_paths = demo_paths(cfg.sft, "val_demos")
-    held_out, shared_val = _read_on_node(node, spec, lambda: select_demonstrations(
+    held_out, shared_val = _read_on_node(node, spec, horizon, lambda: select_demonstrations(
         val_paths, spec, features=features)) if val_paths else (None, None)
     phases.mark("demonstrations_read")
     if rank == 0 and memory is not None:  # beside each learner's measured peak at the end
@@ -206,15 +208,16 @@ def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
     return RunLog(cfg, run_dir, state["version"] if state else None)
 
 
-def _read_on_node(node, spec, select) -> tuple[Demonstrations, NodeArrays]:
-    """The demonstrations `select()` selects, held once per host in node-shared memory
-    (transport/node_arrays.py): the first rank of `node` (a host's learners) scans the files'
-    headers (one pass over a shared file system per host), each rank reads its share of the
-    demonstrations into the shared copy, and all read the whole; the window, to free after the
-    last read."""
+def _read_on_node(node, spec, horizon: int, select) -> tuple[Demonstrations, NodeArrays]:
+    """The demonstrations `select()` selects, `horizon` actions a sample, held once per host
+    in node-shared memory (transport/node_arrays.py): the first rank of `node` (a host's
+    learners) scans the files' headers (one pass over a shared file system per host), each
+    rank reads its share of the demonstrations into the shared copy, and all read the whole;
+    the window, to free after the last read."""
     selection = idle_bcast(node, select)  # [dist] a DemonstrationError ends the world
-    mine = read_selection(selection, spec, part=(node.Get_rank(), node.Get_size()))
-    shared = NodeArrays.gathered(node, mine.arrays(), sample_layout(spec))  # [dist]
+    mine = read_selection(selection, spec, part=(node.Get_rank(), node.Get_size()),
+                          horizon=horizon)
+    shared = NodeArrays.gathered(node, mine.arrays(), sample_layout(spec, horizon))  # [dist]
     return Demonstrations.from_arrays(shared.arrays, mine.task, mine.source), shared
 
 

@@ -265,8 +265,10 @@ def _learn(policy, spec, n: int, imitation: bool = False) -> None:
     `evaluate`, or with `imitation` the family's imitation loss on chunks of real steps."""
     obs = observation_batch(spec, policy.extra_fields(), n)
     actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
-    if imitation:
-        loss = policy.imitation_loss(obs, actions, torch.ones((n, spec.chunk_len), dtype=bool))
+    if imitation:  # the steps `hpcvla sft` supervises from each observation
+        steps = policy.imitation_horizon
+        loss = policy.imitation_loss(obs, torch.zeros((n, steps, spec.action_dim)),
+                                     torch.ones((n, steps), dtype=bool))
     else:
         outputs = policy.evaluate(obs, actions)  # alive through the backward
         loss = step_loss(outputs)

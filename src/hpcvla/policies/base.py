@@ -144,12 +144,19 @@ class Policy(nn.Module, abc.ABC):
         raise ValueError(f"learner.gradient_checkpointing: the {self.family} policy has no "
                          f"transformer layers to recompute")
 
+    @property
+    def imitation_horizon(self) -> int:
+        """The action steps `hpcvla sft` supervises from each observation: the chunk it acts,
+        or a longer horizon the model predicts (π0's, OFT's), as their references train."""
+        return self.chunk_len
+
     @abc.abstractmethod
     def imitation_loss(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
                        real: torch.Tensor) -> torch.Tensor:
-        """The supervised loss of demonstrated chunks `actions` (B, chunk_len, action_dim), a
-        scalar averaged over the real steps only: `real` (B, chunk_len) is False where a chunk
-        runs past its episode's end and `actions` only repeats a padding value."""
+        """The supervised loss of demonstrated actions `actions` (B, H, action_dim), H up to
+        `imitation_horizon` steps from each observation, a scalar averaged over the real steps
+        only: `real` (B, H) is False where they run past the episode's end and `actions` only
+        repeats a padding value."""
 
     def forward(self, obs: dict[str, torch.Tensor], actions: torch.Tensor,
                 real: torch.Tensor | None = None):

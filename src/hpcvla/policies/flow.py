@@ -294,16 +294,23 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
                 for k in range(self.denoise_steps)]
 
     # --------------------------------------------------------------------- act / evaluate
+    @property
+    def imitation_horizon(self) -> int:
+        """The whole action horizon, as openpi and LeRobot train it (the env acts its first
+        chunk_len)."""
+        return self.model_horizon
+
     def imitation_loss(self, obs, actions, real):
         """Flow matching, π0's training objective (supervised fine-tuning, `hpcvla sft`): at a
         time t ~ Beta(1.5, 1) (π0's emphasis on the noisy end), the expert's velocity at
         x_t = t·noise + (1 - t)·actions must be noise - actions, which is the direction the
         Euler steps of `_sample` integrate from t = 1 to 0. Mean squared error over the
-        chunk's real steps and dims (the model's padding and the episode's end are left out)."""
+        real steps and dims of `actions` (up to the horizon; the model's padding and the
+        episode's end are left out)."""
         inputs = self._inputs(obs)
         target = self._model_actions(actions, obs).float()
         cache, pad, _ = self._encode(inputs)
-        B, H, D = target.shape[0], self.chunk_len, self.action_dim
+        B, H, D = target.shape[0], target.shape[1], self.action_dim  # up to the horizon
         clean = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
         clean[:, :H, :D] = target
         noise = torch.randn_like(clean)

@@ -354,20 +354,27 @@ class OFTPolicy(VLAPolicy):
         actions over the real steps; the action tokens: their cross-entropy on the logits as
         they are (OFT's finetune.py; `temperature` is acting's, RLinf's exploration: a fit
         at it would leave the published checkpoints' logits' scale)."""
+        H = actions.shape[1]  # up to the DECODED_CHUNK steps the head predicts
         if self.head != "l1":
-            logp, _ = self._distribution(self._inputs(obs), temperature=1.0)
+            logp, _ = self._distribution(self._inputs(obs), temperature=1.0, steps=H)
             bins = bins_of(self._model_actions(actions, obs))
             return real_steps_mean(
                 -value_logprobs(logp).gather(-1, bins[..., None]).squeeze(-1).float(), real)
         hidden = self._hidden(self._inputs(obs), stop=True)
-        error = self.l1_actions(hidden)[:, :self.chunk_len] - self._model_actions(actions, obs)
+        error = self.l1_actions(hidden)[:, :H] - self._model_actions(actions, obs)
         return real_steps_mean(error.abs(), real)
 
-    def _distribution(self, obs, temperature: float | None = None):
+    @property
+    def imitation_horizon(self) -> int:
+        """Every step the head decodes, as OFT's fine-tuning trains them."""
+        return DECODED_CHUNK
+
+    def _distribution(self, obs, temperature: float | None = None, steps: int | None = None):
         """Log-probs over the 256 action bins per token (B, H, D, 256) at `temperature`
-        (policy.temperature unless given), and the value."""
+        (policy.temperature unless given) for the first `steps` (the chunk unless given),
+        and the value."""
         logits, values = self.action_logits(obs)
-        B, H, D = logits.shape[0], self.chunk_len, self.action_dim
+        B, H, D = logits.shape[0], steps or self.chunk_len, self.action_dim
         logits = logits.view(B, DECODED_CHUNK, D, N_BINS)[:, :H]
         temperature = self.temperature if temperature is None else temperature
         return torch.log_softmax(logits / temperature, dim=-1), values.mean(dim=-1)
