@@ -56,7 +56,8 @@ class RunConfig:
         ge=0.1)
     tensorboard: bool = setting(
         True, "Write TensorBoard event files to `<run dir>/tensorboard/` as the run goes "
-        "(the weight root's losses, KL, clip fraction, success, return, throughput, "
+        "(the weight root's losses, its KL and clip fraction from a version's second pass, "
+        "the actor's rate, success, return, throughput, "
         "staleness; every role's busy fractions at the end; `hpcvla eval --all`'s curve): "
         "`tensorboard --logdir <run.root>` on a login node watches every run under it.")
     wandb: str = setting(
