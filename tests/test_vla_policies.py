@@ -418,7 +418,7 @@ def test_zero3_training_of_each_family(tmp_path, overrides):
     assert summary["staleness_hist"] == {"0": 2 * 2 * 32}
     assert summary["env_steps"] > 0 and summary["success_rate"] is not None
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    first = [r for r in records if r.get("update") == 0 and "behaviour_weight_max" in r]
+    first = [r for r in records if r.get("update") == 1 and "behaviour_weight_max" in r]
     assert first and all(abs(r[f"behaviour_weight_{s}"] - 1) < 1e-3
                          for r in first for s in ("max", "mean")), first
 
@@ -565,7 +565,7 @@ def test_chain_mode_records_the_denoising_chain_through_the_pipeline(tmp_path):
                                       "pipeline.mode=sync-disaggregated")
     assert "[hpcvla] update 2/2" in out.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    first = [r for r in records if r.get("update") == 0 and "behaviour_weight_max" in r]
+    first = [r for r in records if r.get("update") == 1 and "behaviour_weight_max" in r]
     assert first and all(abs(r["behaviour_weight_max"] - 1) < 1e-3 for r in first), first
     (dump,) = (run_dir / "trajectories").glob("rank*.h5")
     with h5py.File(dump) as f:

@@ -57,7 +57,7 @@ FAMILIES = {
 # end-effector translation and rotation deltas + gripper, what VLA checkpoints act in
 EE_DELTA_CONTROL = "pd_ee_delta_pose"
 # ManiSkill's rewards (env.reward): its `sparse` and `normalized_dense`, and the dense one's
-# change per step (RLinf's relative reward), whose episode return is the shaping's gain
+# change per step (RLinf's relative reward), whose episode return is the shaping's last value
 MANISKILL_REWARDS = ("sparse", "dense", "dense_delta")
 
 

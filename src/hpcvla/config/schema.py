@@ -205,13 +205,10 @@ class EnvConfig:
         False, "Add the wrist camera (`wrist_image`) next to the third-person `image` "
         "(maniskill, libero): a second render per step (~2x the rendering time).")
     reward: str = setting(
-        "sparse", "maniskill: `sparse` (1 on success), `dense_delta` (the change of the task's "
-        "normalized dense shaping per step, RLinf's relative reward: an episode's return is "
-        "what the shaping gained, at most at success; easier to learn than sparse) or `dense` "
-        "(the shaping itself, at most 1 per step: as episodes end at success and are not "
-        "bootstrapped, staying just short of success until the horizon returns more than "
-        "succeeding; ManiSkill's baselines bootstrap instead). libero has only sparse; reach "
-        "has one shaped reward of its own (progress + 1 on success) and takes only the default.",
+        "sparse", "maniskill: `sparse` (1 on success), `dense_delta` (the normalized dense "
+        "shaping's change per step, RLinf's: an episode returns its last value, most at "
+        "success) or `dense` (the shaping: episodes end at success unbootstrapped, so hovering "
+        "short of it returns more). libero: sparse; reach: a shaped reward of its own.",
         choices=MANISKILL_REWARDS)
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "

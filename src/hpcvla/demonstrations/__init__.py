@@ -33,9 +33,10 @@ from pathlib import Path
 import numpy as np
 
 from hpcvla.demonstrations import hpcvla_dump, lerobot, libero, maniskill
-from hpcvla.demonstrations.common import DemonstrationError, Episode, Problem, Problems
+from hpcvla.demonstrations.checks import check_instructions, check_outcomes, check_per_task
+from hpcvla.demonstrations.common import DemonstrationError, Problem, Problems
 from hpcvla.envs.base import EnvSpec
-from hpcvla.text import tokenize, words
+from hpcvla.text import tokenize
 
 __all__ = ["Demonstrations", "DemonstrationError", "Selection", "read_demonstrations",
            "select_demonstrations", "read_selection",
@@ -147,7 +148,7 @@ def _scan(paths, spec: EnvSpec, features: dict[str, str] | None = None,
             except (KeyError, ValueError, TypeError, OSError) as err:
                 problems.add(path, "/", None, f"a readable {layout.NAME} file "
                              f"({type(err).__name__}: {err})")
-    _check_instructions(spec, [e for _, _, eps in found for e in eps], problems)
+    check_instructions(spec, [e for _, _, eps in found for e in eps], problems)
     return found, problems
 
 
@@ -184,42 +185,6 @@ def _unknown_layout(f) -> str:
             "it); convert the file to one of them")
 
 
-def _check_instructions(spec: EnvSpec, episodes: list[Episode], problems: Problems) -> None:
-    vocab, length = set(spec.vocab), spec.obs.get("instruction", ((0,), ""))[0][0]
-    for e in {(e.path, e.instruction): e for e in episodes}.values():
-        unknown = sorted({w for w in words(e.instruction) if w not in vocab})
-        if "instruction" in spec.obs and unknown:
-            problems.add(e.path, e.instruction_key, e.instruction,
-                         f"only words of the env's vocabulary (the policy's comes from the "
-                         f"env; unknown: {', '.join(unknown)}): demonstrations of the env's "
-                         "own tasks, or env settings whose tasks include this one")
-        elif "instruction" in spec.obs and len(words(e.instruction)) > length:
-            problems.add(e.path, e.instruction_key, e.instruction,
-                         f"at most {length} words (the spec's instruction length)")
-        elif "instruction" in spec.obs and not words(e.instruction):
-            problems.add(e.path, e.instruction_key, e.instruction, "an instruction")
-
-
-def _check_per_task(per_task, found, successful_only: bool, problems: Problems) -> None:
-    """Every task has `per_task` demonstrations to read (successful ones where only those
-    are read): a few-shot run reads as many as it names, or is refused."""
-    if per_task is None:
-        return
-    if not isinstance(per_task, int) or per_task < 1:
-        problems.add("per_task", "", per_task, "a number of demonstrations per task >= 1, or "
-                     "None for all")
-        return
-    episodes = [e for _, _, eps in found for e in eps]
-    counts = Counter(e.instruction for e in episodes if e.success or not successful_only)
-    for task in dict.fromkeys(e.instruction for e in episodes):
-        if counts[task] < per_task:
-            first = next(e for e in episodes if e.instruction == task)
-            which = "successful demonstrations" if successful_only else "demonstrations"
-            problems.add(first.path, first.instruction_key, task,
-                         f"at least per_task={per_task} {which} of this task (the files hold "
-                         f"{counts[task]}); lower per_task or add demonstrations")
-
-
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
                            outcomes: bool = False, successful_only: bool = False,
                            features: dict[str, str] | None = None,
@@ -231,9 +196,9 @@ def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
     must fit in, and its free /dev/shm, which must hold them (`hpcvla sft` holds them once per
     host, in MPI shared memory, and twice while its ranks read them)."""
     found, problems = _scan(paths, spec, features)
-    _check_per_task(per_task, found, successful_only, problems)
+    check_per_task(per_task, found, successful_only, problems)
     if outcomes:
-        _check_outcomes(found, problems, spec)
+        check_outcomes(found, problems, spec)
     return problems.listed() or _none_chosen(found, per_task, successful_only) or \
         _memory_problems(_select(found, per_task, successful_only), spec, host_memory, shm)
 
@@ -287,18 +252,6 @@ def _memory_problems(chosen, spec: EnvSpec, host_memory: int, shm: int) -> list[
                  "where the one copy lives (MPI shared memory; a larger /dev/shm: `mount -o "
                  "remount,size=...`, containers: --shm-size)" + fewer)]
     return []
-
-
-def _check_outcomes(found, problems: Problems, spec: EnvSpec) -> None:
-    """Rewards and episode ends per chunk-step: only the layouts that record them, each
-    recorded under the env's reward."""
-    for path, layout, _ in found:
-        if not hasattr(layout, "outcomes"):
-            problems.add(path, "/", layout.NAME, "a file with each chunk's reward and how its "
-                         "episode ended (this project's trajectory dumps and `hpcvla demos` "
-                         f"files); {layout.NAME} files are read for `hpcvla sft` only")
-        else:
-            layout.reward_problems(path, spec, problems)
 
 
 def _none_chosen(found, per_task, successful_only) -> list[Problem]:
@@ -371,9 +324,9 @@ def select_demonstrations(paths, spec: EnvSpec, per_task: int | None = None,
     when no demonstration is left."""
     datasets: dict = {}
     found, problems = _scan(paths, spec, features, datasets)
-    _check_per_task(per_task, found, successful_only, problems)
+    check_per_task(per_task, found, successful_only, problems)
     if outcomes:
-        _check_outcomes(found, problems, spec)
+        check_outcomes(found, problems, spec)
     if problems:
         raise DemonstrationError(problems.listed())
     none = _none_chosen(found, per_task, successful_only)
@@ -386,9 +339,10 @@ def read_selection(selection: Selection, spec: EnvSpec, outcomes: bool = False,
                    part: tuple[int, int] = (0, 1), horizon: int | None = None) -> Demonstrations:
     """The samples of the selected demonstrations (`outcomes`: with each sample's reward and
     episode end, `Demonstrations.outcomes`); each sample's actions the chunk it executed
-    (spec.chunk_len), or with `horizon` that many from it (a policy's longer horizon). `part` (r, n): the r-th of n runs of whole
-    demonstrations in order, of about equal samples (by the headers), for n readers that share
-    the work; `task` and `episode` stay the whole selection's."""
+    (spec.chunk_len), or with `horizon` that many from it (a policy's longer horizon).
+    `part` (r, n): the r-th of n runs of whole demonstrations in order, of about equal
+    samples (by the headers), for n readers that share the work; `task` and `episode` stay
+    the whole selection's."""
     chosen, datasets = selection.chosen, selection.datasets
     first, stop = _part(chosen, *part)
     length = spec.obs.get("instruction", ((0,), ""))[0][0]

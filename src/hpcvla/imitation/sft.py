@@ -205,7 +205,7 @@ def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
         print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "
               f"{catalog.layout_change(state, learners, stage)}; "
               f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
-    return RunLog(cfg, run_dir, state["version"] if state else None)
+    return RunLog(cfg, run_dir, state["version"] if state else 0 if cfg.run.resume else None)
 
 
 def _read_on_node(node, spec, horizon: int, select) -> tuple[Demonstrations, NodeArrays]:

@@ -350,7 +350,7 @@ def _last_progress(run_dir_file: Path) -> str:
                 f"trained, {last['time']:.0f} s into training ({metrics})")
     return (f"last progress: policy version {last['update']} in training, "
             f"{last['trained_env_steps']} "
-            f"trained env steps, {last['time']:.0f} s into training ({metrics})")
+            f"trained env steps, {last['time']:.0f} s into its start ({metrics})")
 
 
 def describe(folder: Path) -> str:

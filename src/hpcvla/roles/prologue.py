@@ -178,7 +178,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
                         t0=world.bcast(time.time(), root=0))  # [dist]
     is_root = rank == plan.weight_root
-    resumed_at = int(saved["counters"]["trained_env_steps"]) if resume else None
+    # a resume that found no checkpoint goes on from 0: what an earlier start logged goes
+    resumed_at = int(saved["counters"]["trained_env_steps"]) if resume else \
+        0 if cfg.run.resume else None
     progress = Progress(run_dir / "metrics.jsonl", cfg.pipeline.total_updates, spec.chunk_len,
                         cfg.pipeline.progress_every_s, enabled=is_root,
                         learners=len(plan.learners),
