@@ -146,6 +146,9 @@ def test_a_resumed_run_is_evaluated_with_the_settings_it_last_ran_with(tmp_path)
     result = _eval(run_dir, "--episodes", 2, "--envs", 2)
     assert result["protocol"]["steps"] == 2 * 4, result["protocol"]
     assert result["config"] == "config.resume-20261205-120000.yaml"
+    out = hpcvla("eval", run_dir, "--untrained", "--episodes", 2, "--envs", 2)
+    assert "with the settings of config.resume-20261205-120000.yaml (the run's last start)" \
+        in out.stdout, out.stdout + out.stderr
 
 
 @pytest.mark.mpi

@@ -147,10 +147,12 @@ def test_an_episode_the_grouped_restart_cuts_short_ends_there():
         result = env.step(rng.uniform(-1, 1, (4, env.spec.chunk_len, env.spec.action_dim)))
         running, chunks = running + result.reward, chunks + 1
         done = result.terminated | result.truncated
+        if step % 5 == 3:  # the horizon ended every env's first episode
+            assert result.truncated.all() and not result.success.any()
         if step % 5 == 0:  # every env's second episode (2 chunks in) ends with the segment
             assert done.all() and not result.success.any()
             np.testing.assert_allclose(result.episode_return, running, rtol=1e-6)
-            assert result.episode_length.tolist() == [2] * 4
+            assert result.episode_length.tolist() == chunks.tolist() == [2] * 4
         running, chunks = np.where(done, 0.0, running), np.where(done, 0, chunks)
     env.close()
 

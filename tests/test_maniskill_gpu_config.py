@@ -70,3 +70,34 @@ def test_a_controller_with_a_target_is_refused_on_gpu_simulation():
     assert ("env.control_mode", "pd_ee_target_delta_pose") == err.value.problems[0][:2]
     assert "resets every env's controller target" in str(err.value)
     check_env(load_config(None, target))
+
+
+def test_dense_delta_restarts_each_reset_envs_gain_from_zero():
+    """env.reward=dense_delta around a batch of envs (the GPU backend's): each step pays the
+    change of the dense reward since that env's step before; a partial reset (ManiSkill's
+    `options={"env_idx": ...}`, as ManiSkillGPUEnv resets its finished envs) starts only those
+    envs' next gain from 0, a full reset all of them."""
+    from hpcvla.envs.maniskill import ShapingGain
+
+    class Batch:  # three envs' dense rewards, as ManiSkill returns them
+        unwrapped = None
+
+        def __init__(self):
+            self.rewards = iter(torch.tensor(r) for r in
+                                ([0.1, 0.2, 0.3], [0.4, 0.2, 0.5], [0.6, 0.1, 0.5],
+                                 [0.7, 0.3, 0.9]))
+
+        def reset(self, **kwargs):
+            return {}, {}
+
+        def step(self, action):
+            return {}, next(self.rewards), None, None, {}
+    env = ShapingGain(Batch())
+    gains = [env.step(None)[1]]
+    gains.append(env.step(None)[1])
+    env.reset(options={"env_idx": torch.tensor([1])})  # env 1 starts a new episode
+    gains.append(env.step(None)[1])
+    env.reset(seed=0)  # every env
+    gains.append(env.step(None)[1])
+    expected = [[0.1, 0.2, 0.3], [0.3, 0.0, 0.2], [0.2, 0.1, 0.0], [0.7, 0.3, 0.9]]
+    torch.testing.assert_close(torch.stack(gains), torch.tensor(expected))

@@ -293,6 +293,8 @@ def describe(result: dict) -> str:
                      f"{vs['difference']:+.3f} (95 % {vs['ci95'][0]:+.3f} .. {vs['ci95'][1]:+.3f}"
                      f", paired; {vs['gained']} gained, {vs['lost']} lost, McNemar p "
                      f"{vs['mcnemar_p']:.2g})")
+    if result.get("config", "config.yaml") != "config.yaml":  # a resumed run's last settings
+        lines.append(f"  with the settings of {result['config']} (the run's last start)")
     ids = result["init_state_ids"]
     lines.append(f"  {result['split']} split: init_state_ids {ids[0]}..{ids[1]}, "
                  f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "

@@ -191,7 +191,9 @@ def benchmark_states(suite: str, tasks: list[int] | None, per_task: int
     tasks_of = Suite(suite)
     tasks = list(range(tasks_of.n_tasks)) if tasks is None else tasks
     states = len(tasks_of.init_states(tasks[0]))
-    assert states == BENCHMARK_STATES, f"{suite}: {states} fixed states per task"
+    if states != BENCHMARK_STATES:
+        raise ValueError(f"{suite}: {states} fixed initial states per task in its init files, "
+                         f"where LIBERO's benchmark has {BENCHMARK_STATES}")
     return (np.array([t * states + s for t in tasks for s in range(per_task)]),
             [f"task {t}: {tasks_of.instructions[t]}" for t in tasks for _ in range(per_task)],
             tasks)
