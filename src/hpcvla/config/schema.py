@@ -205,11 +205,10 @@ class EnvConfig:
         False, "Add the wrist camera (`wrist_image`) next to the third-person `image` "
         "(maniskill, libero): a second render per step (~2x the rendering time).")
     reward: str = setting(
-        "sparse", "maniskill: `sparse` (1 on success), `dense_delta` (the normalized dense "
-        "shaping's change per step, RLinf's: an episode returns its last value, most at "
-        "success) or `dense` (the shaping: episodes end at success unbootstrapped, so hovering "
-        "short of it returns more). libero: sparse; reach: a shaped reward of its own.",
-        choices=MANISKILL_REWARDS)
+        "sparse", "maniskill: `sparse` (1 on success), `dense_delta` (the dense shaping's "
+        "change per step: an episode returns its last value, most at success) or `dense` (the "
+        "shaping, unbootstrapped at success: hovering short of it returns more). libero: "
+        "sparse; reach: its own.", choices=MANISKILL_REWARDS)
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "
         "but make a synchronous step wait longer for its slowest env.", ge=1)

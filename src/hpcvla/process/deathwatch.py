@@ -348,9 +348,8 @@ def _last_progress(run_dir_file: Path) -> str:
     if "step" in last:  # `hpcvla sft`'s
         return (f"last progress: SFT step {last['step']}, {last['trained_chunks']} chunks "
                 f"trained, {last['time']:.0f} s into training ({metrics})")
-    return (f"last progress: policy version {last['update']} in training, "
-            f"{last['trained_env_steps']} "
-            f"trained env steps, {last['time']:.0f} s into its start ({metrics})")
+    return (f"last progress: policy version {last['update']}, {last['trained_env_steps']} "
+            f"trained env steps, {last['time']:.0f} s into training ({metrics})")
 
 
 def describe(folder: Path) -> str:
