@@ -171,9 +171,9 @@ def protocol_problems(suite: str, tasks: list[int] | None,
     problems: list[tuple[str, object, str]] = []
     tasks, n = tasks or [], suite_tasks(suite)
     if any(t >= n for t in tasks) or len(set(tasks)) != len(tasks):
-        problems.append(("eval.tasks", ",".join(map(str, tasks)), f"distinct task indices below {n} "
-                         f"for {suite} (a task named twice would run and count its states "
-                         "twice)"))
+        problems.append(("eval.tasks", ",".join(map(str, tasks)), f"distinct task indices "
+                         f"below {n} for {suite} (a task named twice would run and count its "
+                         "states twice)"))
     if per_task > BENCHMARK_STATES:
         problems.append(("eval.states_per_task", per_task, f"at most {BENCHMARK_STATES}: "
                          "LIBERO fixes that many initial states per task"))

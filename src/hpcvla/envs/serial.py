@@ -26,9 +26,9 @@ auto-resets finished envs, tokenizes
 instructions, and isolates failures: a slot that raises is reported with its env id on stderr
 and in `failures`, rebuilt and reset (its episode ends truncated, flagged `env_fault`; after a
 failed reset at its next step, unrun: the rebuilt slot's random start is not the episode
-asked for), while the other envs go on. A slot that cannot be rebuilt is retired: it returns zero observations
-and a truncated, faulted step from then on, so learners train nothing of it and success counts
-skip it.
+asked for), while the other envs go on. A slot that cannot be rebuilt is retired: it returns
+zero observations and a truncated, faulted step from then on, so learners train nothing of
+it and success counts skip it.
 """
 
 from __future__ import annotations

@@ -48,8 +48,9 @@ class Progress:
         self.staleness: deque = deque(maxlen=window)
         self.updates = self.steps = self.micro_batches = self.fault_episodes = 0
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
-        self.start = self.last_print = time.monotonic() - (
-            0.0 if t0 is None else max(0.0, time.time() - t0))
+        self.start = self.last_print = time.monotonic()
+        # what the timelines' origin is ahead of this one (records' `time` counts from it)
+        self.origin_s = 0.0 if t0 is None else max(0.0, time.time() - t0)
         self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
         self.steps_at: dict[int, int] = {0: 0}  # version -> trained env steps at its end
         self.held_out: tuple[int, float] | None = None  # the newest (version, success)
@@ -69,7 +70,7 @@ class Progress:
         policy version being trained, the trained env steps, and the version this start began
         from (a start resumed from a checkpoint older than the last one logged trains those
         versions again: its records stand for them)."""
-        return {"time": round(time.monotonic() - self.start, 3),
+        return {"time": round(time.monotonic() - self.start + self.origin_s, 3),
                 "update": min(self.updates + 1, self.total),
                 "trained_env_steps": self.steps, "from_version": self.first_update}
 

@@ -354,13 +354,12 @@ class OFTPolicy(VLAPolicy):
         actions over the real steps; the action tokens: their cross-entropy on the logits as
         they are (OFT's finetune.py; `temperature` is acting's, RLinf's exploration: a fit
         at it would leave the published checkpoints' logits' scale)."""
-        H = actions.shape[1]  # up to the DECODED_CHUNK steps the head predicts
         if self.head != "l1":
-            logp, _ = self._distribution(self._inputs(obs), temperature=1.0, steps=H)
-            bins = bins_of(self._model_actions(actions, obs))
-            return real_steps_mean(
-                -value_logprobs(logp).gather(-1, bins[..., None]).squeeze(-1).float(), real)
+            terms = self._score(self._inputs(obs), self._model_actions(actions, obs),
+                                temperature=1.0)[0]
+            return real_steps_mean(-terms.float(), real)
         hidden = self._hidden(self._inputs(obs), stop=True)
+        H = actions.shape[1]  # up to the DECODED_CHUNK steps the head predicts
         error = self.l1_actions(hidden)[:, :H] - self._model_actions(actions, obs)
         return real_steps_mean(error.abs(), real)
 
@@ -393,11 +392,13 @@ class OFTPolicy(VLAPolicy):
         terms = value_logprobs(logp).gather(-1, bins[..., None]).squeeze(-1)
         return bin_centres(logp.device)[bins], terms, value, {}
 
-    def _score(self, obs, actions):
+    def _score(self, obs, actions, temperature: float | None = None):
+        """(log-prob terms, entropy, value) of model-space `actions` (B, H, D): H of the
+        decoded steps, the token head's at `temperature` (policy.temperature unless given)."""
         if self.head == "l1":
             normal, value = self._gaussian(obs)
             return normal.log_prob(actions.float()), normal.entropy(), value
-        logp, value = self._distribution(obs)
+        logp, value = self._distribution(obs, temperature, steps=actions.shape[1])
         terms = value_logprobs(logp).gather(-1, bins_of(actions)[..., None]).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(dim=-1)
         return terms, entropy, value

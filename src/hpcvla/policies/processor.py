@@ -154,9 +154,9 @@ class CheckpointProcessor:
             action = affine(modes.get("ACTION", "IDENTITY"), stats["action"], eps, False,
                             action_dim, folder, "action")
             prompt = variant if pi05_state != "none" else "openpi_pi0"
-            width = _config_json(folder).get("max_state_dim", 32) \
-                if pi05_state == "prompt_padded" else None
-            wrist_first = _wrist_first(_config_json(folder))
+            config = _config_json(folder)
+            width = config.get("max_state_dim", 32) if pi05_state == "prompt_padded" else None
+            wrist_first = _wrist_first(config)
         else:
             stats, where = openpi_stats(folder, asset_id)
             mode = "MEAN_STD" if variant == "pi0" else "QUANTILES"
@@ -323,8 +323,7 @@ def trained_dims(folder, padded: dict, variant: str = "pi0", pi05_state: str = "
     if variant == "pi05" and pi05_state == "none":
         return {**trained_dims(folder, padded, asset_id=asset_id), "state_dim": None}
     if (folder / "policy_preprocessor.json").is_file():
-        config = json.loads((folder / "config.json").read_text()) \
-            if (folder / "config.json").is_file() else {}
+        config = _config_json(folder)
         features = {**config.get("input_features", {}), **config.get("output_features", {})}
         shape = {key: (features.get(name) or {}).get("shape") or [None]
                  for key, name in (("state_dim", "observation.state"), ("action_dim", "action"))}
