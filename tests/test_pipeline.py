@@ -108,6 +108,8 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
         sum(r["batch_envs"] for r in inference) * chunk
     trained = sum(summary["staleness_hist"].values())
     assert trained == 4 * 32  # updates x learner batch, each segment once
+    # the episodes reach's horizon ended were valued, to bootstrap them
+    assert sum(r["truncations_valued"] for r in inference) > 0
     if mode == "sync-disaggregated":
         assert set(summary["staleness_hist"]) == {"0"}
         # one cell, every env in every batch: run again, the same weights and metrics
@@ -141,6 +143,12 @@ def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
     logprobs = dumped_logprobs(run_dir)
     shared = set(logprobs[0].tolist()) & set(logprobs[1].tolist())
     assert len(shared) < 0.01 * len(logprobs[0]), len(shared)
+    # an episode the horizon ended carries the value PPO bootstrapped it from; no other does
+    with h5py.File(run_dir / "trajectories" / "rank0.h5") as f:
+        ends = [(bool(d["truncated"][-1]), d.attrs["truncation_value"])
+                for d in f["data"].values()]
+    assert all(v != 0 for cut, v in ends if cut) and all(v == 0 for cut, v in ends if not cut)
+    assert {cut for cut, _ in ends} == {True, False}
     # lock-step on every rank, the run is a function of run.seed: run again, the same bytes
     # (docs/learning.md, "What a seed fixes")
     _, _, again = run_train(tmp_path / "again", *settings, config="configs/colocated.yaml",

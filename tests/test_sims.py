@@ -101,9 +101,15 @@ def test_success_terminates_with_reward_and_auto_resets(env):
 def test_truncation_at_horizon_then_auto_reset(env):
     env.reset()
     for chunk in range(1, HORIZON + 1):
-        result = env.step(still(env))
+        before, result = result.obs if chunk > 1 else None, env.step(still(env))
         assert result.truncated.all() == (chunk == HORIZON) and not result.terminated.any()
+        assert (result.final_obs is None) == (chunk < HORIZON)
     assert result.episode_length.tolist() == [HORIZON] * N
+    # the observation the horizon ended each episode at (PPO bootstraps from it): the scene
+    # the still arms left, much as the chunk before saw it, not the next episode's start
+    def change(x, y):
+        return np.abs(x["image"].astype(int) - y["image"]).mean(axis=(1, 2, 3))
+    assert (change(result.final_obs, before) < change(result.obs, result.final_obs)).all()
     assert not result.success.any() and env._chunks.tolist() == [0] * N
     result = env.step(still(env))  # the new episodes run on
     assert not result.truncated.any() and env._chunks.tolist() == [1] * N

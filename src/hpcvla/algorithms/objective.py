@@ -52,10 +52,11 @@ def advantages_of(alg, batch: dict, device) -> Advantages:
             b["done"].cpu(), b[score].cpu(), alg.group_size, alg.group_normalize_std,
             b["env_fault"].cpu())
         return Advantages(episodes=episodes, index=index)
-    b = _on(device, batch, ("reward", "value", "done", "bootstrap_value", "env_fault"))
+    b = _on(device, batch, ("reward", "value", "done", "bootstrap_value", "env_fault",
+                            "truncation_value"))
     faults = b["env_fault"]
     advantages, returns = gae(b["reward"], b["value"], b["done"], b["bootstrap_value"],
-                              alg.gamma, alg.gae_lambda, faults)
+                              alg.gamma, alg.gae_lambda, faults, b.get("truncation_value"))
     return Advantages(advantages=normalize_advantages(advantages, ~faults), returns=returns)
 
 

@@ -36,21 +36,28 @@ def gae(
     gamma: float,
     lam: float,
     faults: torch.Tensor | None = None,
+    truncation_value: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over one segment: returns (advantages, returns).
 
     Args:
         rewards, values, dones: (T, N) or (T,); ``dones[t]`` true means the episode ended at
-            step t, so nothing is bootstrapped across it.
+            step t, so nothing is bootstrapped across it (but its truncation_value).
         bootstrap_value: (N,) or scalar, V of the observation after the last step (ignored
             where ``dones[-1]`` is true).
         faults: like dones, or None; ``faults[t]``: the env failed in step t (it must be done
             too), so its outcome says nothing of the policy. The step gets advantage 0 and
             return V(s_t), and the steps before it bootstrap from V(s_t): the episode is
             truncated *before* the failed step, not failed.
+        truncation_value: like rewards, or None; V of the observation an episode the
+            horizon ended at step t reached (0 elsewhere): that step's target is its reward
+            plus gamma times it, the episode's continuation it stands for (a time limit is
+            no outcome: partial-episode bootstrapping, Pardo et al. 2018).
     No gradients flow through the result (targets are constants).
     """
     rewards = rewards.detach().float()
+    if truncation_value is not None:
+        rewards = rewards + gamma * truncation_value.detach().float()
     values = values.detach().float()
     valid = torch.ones_like(values) if faults is None else 1.0 - faults.detach().float()
     not_done = 1.0 - dones.detach().float()

@@ -46,6 +46,7 @@ def _groups(count: int, rng) -> list[dict]:
             "logprob": np.zeros((STEPS, ENVS), np.float32),
             "value": np.zeros((STEPS, ENVS), np.float32),
             "episode_return": np.zeros((STEPS, ENVS), np.float32),
+            "truncation_value": np.zeros((STEPS, ENVS), np.float32),
             "version": np.full(STEPS, i, np.int64), "meta": np.array([0, 0, i, ENVS, i])})
     return groups
 

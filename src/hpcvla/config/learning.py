@@ -244,6 +244,14 @@ class AlgorithmConfig:
     gae_lambda: float = setting(
         0.95, "GAE lambda: 1 = Monte Carlo (unbiased, noisy), 0 = one-step TD (biased, "
         "smooth).", ge=0, le=1)
+    bootstrap_truncated: bool = setting(
+        True, "PPO: an episode the horizon (env.max_episode_chunks) ends, a time limit and "
+        "no outcome of the task, has its last step bootstrapped from the value of the "
+        "observation it ended at (partial-episode bootstrapping, Pardo et al. 2018; RLinf's "
+        "and ManiSkill's PPO do it). The simulators send that observation beside the next "
+        "episode's first; the inference rank values it after answering them (one more "
+        "pass where a horizon ended episodes). false: the horizon ends the return as a "
+        "failure would (nothing after it). An env fault is never bootstrapped.")
     clip: float = setting(
         0.2, "PPO ratio clip around the proximal policy: smaller = more conservative "
         "updates. It acts from the second of `learner.epochs` on: a pass is one optimizer "
@@ -366,6 +374,12 @@ class AlgorithmConfig:
         "steps them all), so a large critic gradient shrinks the actor's step too; SAC's and "
         "RLPD's references clip nothing (0).", ge=0)
 
+
+    @property
+    def values_truncations(self) -> bool:
+        """Rollouts value the observation each horizon-ended episode ended at (PPO with
+        bootstrap_truncated): simulators send it, inference ranks value it."""
+        return self.name == "ppo" and self.bootstrap_truncated
 
     @property
     def off_policy(self) -> bool:

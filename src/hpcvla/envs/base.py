@@ -85,6 +85,23 @@ class StepResult(NamedTuple):
     # success_at_end): `success` itself where episodes end at success; None from an env that
     # cannot run episodes past success (`run_to_horizon`)
     success_at_end: np.ndarray | None = None
+    # The observation each episode the horizon cut (`horizon_cut`) ended at, before its
+    # auto-reset: PPO values it to bootstrap that episode's last step (a time limit is not a
+    # failure). Rows of other envs hold any observation; None when the horizon cut none.
+    final_obs: dict[str, np.ndarray] | None = None
+
+
+def horizon_cut(result: StepResult) -> np.ndarray:
+    """The envs whose episode this step's horizon ended: truncated, not by an env fault."""
+    return result.truncated & ~result.env_fault
+
+
+def final_observations(result: StepResult) -> dict[str, np.ndarray]:
+    """`result.final_obs`, which every env gives where its horizon ended episodes."""
+    if result.final_obs is None:
+        raise RuntimeError("an env ended episodes at the horizon without their last "
+                           "observation (StepResult.final_obs), which PPO bootstraps from")
+    return result.final_obs
 
 
 def episode_ends(success: np.ndarray, done_once: np.ndarray, at_end: np.ndarray,

@@ -85,8 +85,10 @@ class GroupedRestarts(VectorEnv):
         # ends the episodes still running here
         cut = ~done
         self._return[:], self._length[:] = 0.0, 0
+        final_obs = {k: np.where(_rows(cut, v), v, result.final_obs[k])
+                     for k, v in result.obs.items()} if result.final_obs else result.obs
         return result._replace(
-            obs=self.env.reset(init_state_ids=self.grouped_ids()),
+            obs=self.env.reset(init_state_ids=self.grouped_ids()), final_obs=final_obs,
             truncated=result.truncated | cut,
             episode_return=np.where(cut, running, result.episode_return).astype(np.float32),
             episode_length=np.where(cut, length, result.episode_length).astype(np.int32))
@@ -96,3 +98,8 @@ class GroupedRestarts(VectorEnv):
 
     def close(self) -> None:
         self.env.close()
+
+
+def _rows(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """A per-env mask shaped to broadcast over `like`'s rows."""
+    return mask.reshape(-1, *[1] * (like.ndim - 1))

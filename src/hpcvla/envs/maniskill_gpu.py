@@ -217,10 +217,12 @@ class ManiSkillGPUEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
+        final_obs = self._observe() if truncated.any() else None
         if done.any():
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,
-                          success, episode_return, episode_length, np.zeros(n, bool), at_end)
+                          success, episode_return, episode_length, np.zeros(n, bool), at_end,
+                          final_obs)
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None

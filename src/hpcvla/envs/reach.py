@@ -282,12 +282,14 @@ class ReachEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
+        final_obs = self._observe() if truncated.any() else None
         for i in np.flatnonzero(done):  # auto-reset with each env's own RNG
             self._reset_env(i, self._rngs[i])
         obs = self._observe()
         self._sleep_latency(begin)
         return StepResult(obs, reward, terminated, truncated, success.copy(),
-                          episode_return, episode_length, np.zeros(n, bool))
+                          episode_return, episode_length, np.zeros(n, bool),
+                          final_obs=final_obs)
 
     def _sleep_latency(self, begin: float) -> None:
         """The emulated latency is the step's whole duration: the numpy work done since

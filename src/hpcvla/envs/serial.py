@@ -198,6 +198,7 @@ class SerialVectorEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
+        final_obs = self._batch() if (truncated & ~failed).any() else None
         for i in np.flatnonzero(done):
             if failed[i]:  # rebuilt and reset already
                 self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
@@ -205,7 +206,7 @@ class SerialVectorEnv(VectorEnv):
             else:
                 self._start_episode(i)
         return StepResult(self._batch(), reward, terminated, truncated, success,
-                          episode_return, episode_length, failed, at_end)
+                          episode_return, episode_length, failed, at_end, final_obs)
 
     def close(self) -> None:
         for slot in self._slots:

@@ -20,7 +20,9 @@ same layout from a scripted expert (imitation/recording.py: producer_rank -1, po
                        start_version (the policy version that start began at: a resumed
                        run's episodes are told from the first start's by it),
                        instruction (text), policy_version (at the first step), staleness
-                       (most over its steps), success, return, env_fault
+                       (most over its steps), success, return, env_fault,
+                       truncation_value (V of the observation the horizon ended it at,
+                       which PPO bootstrapped its last step from; 0 otherwise)
         obs/<key>          (T, *shape)  observation the action was chosen for
         actions            (T, H, A) f4 the action chunk (H primitive actions) as the policy
                                         drew and scored it: before the env clips it to

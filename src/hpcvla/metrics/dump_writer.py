@@ -74,7 +74,8 @@ class TrajectoryDump:
                      env_fault=group["env_fault"],
                      logprob=group["logprob"], value=group["value"], version=version,
                      staleness=batch - version, success=group["success"],
-                     episode_return=group["episode_return"])
+                     episode_return=group["episode_return"],
+                     truncation_value=group["truncation_value"])
         for env in range(done.shape[1]):
             pieces, start = self.open.setdefault((slot, env), []), 0
             for end in np.flatnonzero(done[:, env]) + 1:  # an episode ends at step end - 1
@@ -101,7 +102,8 @@ class TrajectoryDump:
                  "staleness": int(steps["staleness"].max()),
                  "success": bool(steps["success"][-1]),
                  "return": float(steps["episode_return"][-1]),
-                 "env_fault": bool(steps["env_fault"][-1])}
+                 "env_fault": bool(steps["env_fault"][-1]),
+                 "truncation_value": float(steps["truncation_value"][-1])}
         self.episodes[(slot, env)] += 1
         self.add_episode(steps, attrs)
 

@@ -87,6 +87,12 @@ class Policy(nn.Module, abc.ABC):
         logprob and entropy are (B,) per chunk, or (B, H) / (B, H, D) per action / token
         (module docstring)."""
 
+    @torch.no_grad()
+    def value(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V(obs), (B,), detached: the value `act` gives, from its deterministic pass (which
+        draws no random numbers, so valuing leaves the sampling streams as they were)."""
+        return self.act(obs, deterministic=True).value
+
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
         """Fields `sample` returns besides the action, name -> (shape per env, dtype), which
         the learner reads back as observation fields (`evaluate`, e.g. the flow family's

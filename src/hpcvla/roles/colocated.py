@@ -18,10 +18,12 @@ from hpcvla.emulate import pad
 from hpcvla.engines import full_state
 from hpcvla.process.watchdog import deadline, step_deadline_s
 from hpcvla.roles.learner import learn
-from hpcvla.roles.segments import SegmentBuilder, outcome_of
+from hpcvla.envs.base import final_observations, horizon_cut
+from hpcvla.roles.segments import SegmentBuilder, outcome_of, truncation_values
 from hpcvla.roles.setup import RoleSetup
 
 if TYPE_CHECKING:
+    from hpcvla.config.schema import Config
     from hpcvla.engines import SkipNonfinite
     from hpcvla.envs.base import StepResult, VectorEnv
     from hpcvla.metrics.dump_writer import TrajectoryDump
@@ -74,8 +76,9 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
     version = setup.first_version
     while True:
         actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)
-        if result is not None:  # outcome of the previous chunk (idempotent when re-acting)
-            builder.record_outcome(outcome_of(result))
+        if result is not None and builder.acted:  # the previous chunk's outcome
+            builder.record_outcome(outcome_of(result),
+                                   _truncation_values(cfg, actor, result, timeline))
         if builder.full:
             builder.batch = version  # trained in update `version`: staleness 0
             groups.append(builder.finish(value, obs if cfg.algorithm.off_policy else None))
@@ -118,6 +121,18 @@ def _act(policy: Policy, obs: dict[str, np.ndarray], envs: int, timeline: Timeli
         if emulate_ms:  # the emulated cost is the whole forward pass
             pad(begin, emulate_ms(envs) / 1e3)
     return actions, logprob, value, recorded
+
+
+def _truncation_values(cfg: Config, policy: Policy, result: StepResult,
+                       timeline: Timeline) -> np.ndarray | None:
+    """V where the step's horizon ended episodes, which PPO bootstraps them from; None where
+    it ended none or the run does not bootstrap."""
+    cut = horizon_cut(result)
+    if not cfg.algorithm.values_truncations or not cut.any():
+        return None
+    with timeline.span("infer"):
+        final = final_observations(result)
+        return truncation_values(policy, cut, {k: v[cut] for k, v in final.items()})
 
 
 class OnPolicyUpdate:

@@ -19,7 +19,8 @@ import torch
 from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
 from hpcvla.roles.batcher import DynamicBatcher
-from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder, SegmentGroup
+from hpcvla.roles.segments import (FINAL, OUTCOME_FIELDS, SegmentBuilder, SegmentGroup,
+                                   truncation_values)
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.schedule import Schedule, eligible
 from hpcvla.transport import records
@@ -72,6 +73,7 @@ class InferenceServer:
         self.max_staleness, self.dump = sched.max_staleness, dump
         # an off-policy learner's transitions need the observation after a group's last row
         self.send_next_obs = setup.cfg.algorithm.off_policy
+        self.values_truncations = setup.cfg.algorithm.values_truncations
         first_version, segment_len = setup.first_version, setup.cfg.rollout.segment_len
         shapes = {k: (exchange.obs_dtype[k].shape[1:], exchange.obs_dtype[k].base.str)
                   for k in obs_keys}
@@ -87,7 +89,7 @@ class InferenceServer:
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
             "segments_sent": 0, "throttled_s": 0.0, "weight_swaps": 0, "value_passes": 0,
-            "held_valued": 0,
+            "held_valued": 0, "truncations_valued": 0,
             # segment counter c: segment c belongs to learner batch c // quota
             "segments_started": first_version * quota}
 
@@ -165,6 +167,7 @@ class InferenceServer:
             begin = time.monotonic()
             obs, outcome = _gather(exchange, every, self.obs_keys, self.staging), \
                 _gather(exchange, every, OUTCOME_FIELDS)
+            final = self._final_obs(every, outcome) if self.values_truncations else None
             with torch.no_grad():
                 out, extras = self.policy.sample(self.staging.to_device(obs))
             actions, logprob, value = (t.cpu().numpy() for t in out)
@@ -179,11 +182,13 @@ class InferenceServer:
         self.stats["forward_passes" if slots else "value_passes"] += 1
         self.stats["batch_envs"] += len(slots) * n  # answered env steps
         self.stats["held_valued"] += len(held) * n
+        truncation = None if final is None else self._value_truncations(*final)
         with self.timeline.span("assemble"):
             finished = []
             for i, slot in enumerate(every):
                 part, builder = slice(i * n, (i + 1) * n), self.builders[slot]
-                builder.record_outcome({k: v[part] for k, v in outcome.items()})
+                builder.record_outcome({k: v[part] for k, v in outcome.items()},
+                                       None if truncation is None else truncation[part])
                 if builder.full:
                     next_obs = {k: obs[k][part] for k in self.obs_keys} \
                         if self.send_next_obs else None
@@ -196,6 +201,31 @@ class InferenceServer:
                 builder.add_step({k: v[part] for k, v in obs.items()}, actions[part],
                                  logprob[part], value[part], self.loader.version)
             self._send(finished)
+
+    def _final_obs(self, slots: Sequence[int], outcome: dict[str, np.ndarray]
+                   ) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
+        """(mask over the pass's envs, their last observations): the episodes the horizon
+        ended whose step awaits its outcome; None if there are none. Copied out now: a slot
+        is the simulator's again once answered."""
+        cut = (outcome["truncated"] & ~outcome["env_fault"]).reshape(len(slots), self.n)
+        cut &= np.array([self.builders[s].acted for s in slots])[:, None]
+        if not cut.any():
+            return None
+        rows = [(self.exchange.request_obs(s), cut[i]) for i, s in enumerate(slots)
+                if cut[i].any()]
+        return cut.reshape(-1), {k: np.concatenate([slot[FINAL + k][m] for slot, m in rows])
+                                 for k in self.obs_keys}
+
+    def _value_truncations(self, cut: np.ndarray, final: dict[str, np.ndarray]) -> np.ndarray:
+        """V of the horizon-ended episodes' last observations at the pass's envs `cut`, 0
+        elsewhere: after the simulators have their actions, off their critical path."""
+        with self.timeline.span("infer"):
+            begin = time.monotonic()
+            values = truncation_values(self.policy, cut, final)
+            if self.emulate_ms:
+                pad(begin, self.emulate_ms(int(cut.sum())) / 1e3)
+        self.stats["truncations_valued"] += int(cut.sum())
+        return values
 
     def _send(self, groups: list[SegmentGroup]) -> None:
         """Hand this pass's finished segment groups to the learner, small ones packed into

@@ -284,7 +284,8 @@ def connect(me: Rank) -> Links:
     cell = plan.ranks[me.rank].cell
     sched = rank_schedule(cfg, plan, me.rank)
     per_shard = cfg.env.envs_per_simulator // sched.shards
-    obs_dtype, action_dtype = slot_dtypes(me.spec, per_shard)
+    obs_dtype, action_dtype = slot_dtypes(me.spec, per_shard,
+                                          cfg.algorithm.values_truncations)
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
         if comms.cell != MPI.COMM_NULL else None  # [dist]
     ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,

@@ -16,6 +16,9 @@ together), as one record (see transport/records.py) with fields
                                        metrics/progress.py)
     success          (T, n) bool       the episode that ended was a success
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
+    truncation_value (T, n) f4         V of the observation the horizon ended the episode at
+                                       (envs/base.horizon_cut), which PPO bootstraps the
+                                       step from (algorithm.bootstrap_truncated); 0 otherwise
     version          (T,) i8           policy version that acted at each step
     bootstrap_value  (n,) f4           value of the observation after the last step
     next_obs.<name>  (n, *shape)       that observation itself, for an off-policy learner
@@ -39,6 +42,7 @@ from hpcvla.transport.segment_meta import SegmentMeta
 
 if TYPE_CHECKING:
     from hpcvla.envs.base import StepResult
+    from hpcvla.policies.base import Policy
 
 # One segment group (a record): field name -> array, the fields above
 SegmentGroup: TypeAlias = dict[str, np.ndarray]
@@ -48,10 +52,24 @@ OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated":
                   "env_fault": ((), "|b1"), "success": ((), "|b1"),
                   "episode_return": ((), "<f4")}
 
+# An observation slot's fields of the horizon-ended episodes' last observations: "final." + key
+# (roles/simulator.py writes them where PPO bootstraps truncations, roles/inference.py reads)
+FINAL = "final."
+
 
 def outcome_of(result: StepResult) -> dict[str, np.ndarray]:
     """The OUTCOME_FIELDS of a StepResult."""
     return {k: getattr(result, k) for k in OUTCOME_FIELDS}
+
+
+def truncation_values(policy: Policy, cut: np.ndarray,
+                      final_obs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """The `truncation_value` of a step's envs: V of `final_obs` (the last observations of
+    the episodes the horizon ended, the envs `cut`, in order) at those envs, 0 elsewhere."""
+    out = np.zeros(cut.shape, np.float32)
+    value = policy.value(policy.obs_to_tensors(dict(final_obs), policy.device))
+    out[cut] = value.float().cpu().numpy()
+    return out
 
 
 class SegmentBuilder:
@@ -64,19 +82,28 @@ class SegmentBuilder:
                     in obs_spec.items()}
         self.buf.update(actions=np.zeros((T, n, chunk_len, action_dim), np.float32),
                         logprob=np.zeros((T, n), np.float32), value=np.zeros((T, n), np.float32),
-                        done=np.zeros((T, n), bool), version=np.zeros(T, np.int64))
+                        done=np.zeros((T, n), bool), version=np.zeros(T, np.int64),
+                        truncation_value=np.zeros((T, n), np.float32))
         self.buf.update({k: np.zeros((T, n), dt) for k, (_, dt) in OUTCOME_FIELDS.items()})
         self.batch = 0  # learner batch (= policy version) this segment belongs to, set at start
 
-    def record_outcome(self, outcome: Mapping[str, np.ndarray]) -> None:
+    def record_outcome(self, outcome: Mapping[str, np.ndarray],
+                       truncation_value: np.ndarray | None = None) -> None:
         """Outcome of the previous step's action (OUTCOME_FIELDS, a mapping), reported with
-        the new observation."""
+        the new observation, and the value of the episodes the horizon ended (0 elsewhere;
+        None: none valued)."""
         if self.t == 0:
             return  # nothing acted yet in this group (outcomes were stored before emission)
         b, i = self.buf, self.t - 1
         for key in OUTCOME_FIELDS:
             b[key][i] = outcome[key]
         b["done"][i] = b["terminated"][i] | b["truncated"][i]
+        b["truncation_value"][i] = 0.0 if truncation_value is None else truncation_value
+
+    @property
+    def acted(self) -> bool:
+        """Whether an outcome is due: a step of this group has acted (record_outcome)."""
+        return self.t > 0
 
     @property
     def full(self) -> bool:

@@ -3,7 +3,9 @@
 Each shard owns one slot of its cell's ObsActionExchange. The observation slot carries the
 env observation plus the outcome of the previous action (segments.OUTCOME_FIELDS: reward,
 terminated, truncated, env_fault, success, episode return) and the shard's env-step count;
-the action slot carries the chunk and a stop flag.
+where rollouts value truncations (algorithm.bootstrap_truncated), also `final.<name>`: the
+observation each episode the horizon ended reached, before its auto-reset (rows of the other
+envs are stale). The action slot carries the chunk and a stop flag.
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hpcvla.envs.base import final_observations, horizon_cut
 from hpcvla.envs.build import make_envs
 from hpcvla.process.watchdog import deadline
-from hpcvla.roles.segments import OUTCOME_FIELDS, outcome_of
+from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
 from hpcvla.seeds import shard_seed
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -29,11 +32,15 @@ if TYPE_CHECKING:
     from hpcvla.transport.exchange import ObsActionExchange
 
 
-def slot_dtypes(spec: EnvSpec, envs_per_shard: int) -> tuple[np.dtype, np.dtype]:
-    """(observation slot dtype, action slot dtype) of one shard."""
+def slot_dtypes(spec: EnvSpec, envs_per_shard: int,
+                final_obs: bool = False) -> tuple[np.dtype, np.dtype]:
+    """(observation slot dtype, action slot dtype) of one shard; `final_obs`: with the
+    horizon-ended episodes' last observations (the module docstring)."""
     n = envs_per_shard
     obs: list[tuple[str, DTypeLike] | tuple[str, DTypeLike, tuple[int, ...]]] = [
         (k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
+    if final_obs:
+        obs += [(FINAL + k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
     obs += [(k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in OUTCOME_FIELDS.items()]
     obs.append(("env_steps", np.int64))
     action = [("actions", np.float32, (n, spec.chunk_len, spec.action_dim)), ("stop", np.int64)]
@@ -110,7 +117,8 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
 
 def _write(slot: np.void, obs: Mapping[str, np.ndarray], result: StepResult | None,
            env_steps: int) -> None:
-    """Observation and the previous action's outcome, in place in the shared slot."""
+    """Observation and the previous action's outcome, in place in the shared slot (with the
+    horizon-ended episodes' last observations where the slot has room for them)."""
     for key, value in obs.items():
         slot[key][...] = value
     if result is None:
@@ -119,4 +127,7 @@ def _write(slot: np.void, obs: Mapping[str, np.ndarray], result: StepResult | No
     else:
         for key, value in outcome_of(result).items():
             slot[key][...] = value
+        if FINAL + next(iter(obs)) in (slot.dtype.names or ()) and horizon_cut(result).any():
+            for key, value in final_observations(result).items():
+                slot[FINAL + key][...] = value
     slot["env_steps"] = env_steps
