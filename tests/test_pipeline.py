@@ -96,6 +96,7 @@ def test_pipeline_sizes_checked_before_ranks_start():
 def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     settings = [f"pipeline.mode={mode}", "pipeline.total_updates=4", "learner.zero_stage=2",
                 "learner.epochs=8",  # replay epochs: see the end
+                "algorithm.bootstrap_truncated=true",
                 *(["algorithm.critic_epochs=1"] if mode == "streamer" else [])]
     out, summary, run_dir = run_train(tmp_path / "run", *settings)
     assert summary["mode"] == mode and summary["env_steps"] > 0
@@ -130,7 +131,8 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
-    settings = ["pipeline.total_updates=3", "learner.zero_stage=3", "run.dump_trajectories=true"]
+    settings = ["pipeline.total_updates=3", "learner.zero_stage=3", "run.dump_trajectories=true",
+                "algorithm.bootstrap_truncated=true"]
     out, summary, run_dir = run_train(tmp_path / "run", *settings,
                                       config="configs/colocated.yaml", ranks=4)
     assert summary["mode"] == "sync-colocated" and summary["ranks"] == 4

@@ -100,6 +100,7 @@ def test_success_terminates_with_reward_and_auto_resets(env):
 
 def test_truncation_at_horizon_then_auto_reset(env):
     env.reset()
+    env.keep_final_obs = True  # as for PPO's algorithm.bootstrap_truncated
     for chunk in range(1, HORIZON + 1):
         before, result = result.obs if chunk > 1 else None, env.step(still(env))
         assert result.truncated.all() == (chunk == HORIZON) and not result.terminated.any()
@@ -110,6 +111,7 @@ def test_truncation_at_horizon_then_auto_reset(env):
     def change(x, y):
         return np.abs(x["image"].astype(int) - y["image"]).mean(axis=(1, 2, 3))
     assert (change(result.final_obs, before) < change(result.obs, result.final_obs)).all()
+    env.keep_final_obs = False
     assert not result.success.any() and env._chunks.tolist() == [0] * N
     result = env.step(still(env))  # the new episodes run on
     assert not result.truncated.any() and env._chunks.tolist() == [1] * N

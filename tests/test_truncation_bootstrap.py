@@ -44,6 +44,7 @@ def test_reach_gives_the_observation_its_horizon_ended_at():
     short, longer = ReachEnv(16, seed=5, image_size=16, max_episode_chunks=2), \
         ReachEnv(16, seed=5, image_size=16, max_episode_chunks=3)
     short.reset(), longer.reset()
+    short.keep_final_obs = True
     rng = np.random.default_rng(0)
     first = _random_chunks(short, rng)
     a, b = short.step(first), longer.step(first)
@@ -55,14 +56,18 @@ def test_reach_gives_the_observation_its_horizon_ended_at():
     for key in a.obs:
         np.testing.assert_array_equal(a.final_obs[key][cut], b.obs[key][cut])
         assert not np.array_equal(a.obs[key][cut], a.final_obs[key][cut]) or key == "instruction"
+    # an env not asked to keep them (every run but PPO's bootstrap) renders nothing more
+    b = longer.step(_random_chunks(short, rng))  # its third chunk: its horizon
+    assert horizon_cut(b).any() and b.final_obs is None
 
 
 def test_a_grouped_restart_gives_the_observations_it_cut_at():
     """GRPO's restart cuts the running episodes: their last observations are the ones the
     inner env returned before the restart replaced them."""
+    from hpcvla.envs import make_env
     inner = ReachEnv(4, seed=2, image_size=16, max_episode_chunks=50)
-    grouped = GroupedRestarts(ReachEnv(4, seed=2, image_size=16, max_episode_chunks=50),
-                              every=2, group_size=2, seed=9)
+    grouped = GroupedRestarts(make_env("reach", 4, 2, image_size=16, max_episode_chunks=50,
+                                       keep_final_obs=True), every=2, group_size=2, seed=9)
     ids = grouped.grouped_ids()
     inner.reset(init_state_ids=ids), grouped.reset(init_state_ids=ids)
     rng = np.random.default_rng(1)
@@ -82,6 +87,7 @@ def test_the_slot_carries_the_final_observations_and_refuses_an_env_without_them
     from hpcvla.roles.segments import FINAL
     from hpcvla.roles.simulator import _write, slot_dtypes
     env = ReachEnv(4, seed=3, image_size=16, max_episode_chunks=1)
+    env.keep_final_obs = True
     obs_dt, _ = slot_dtypes(env.spec, env.num_envs, final_obs=True)
     assert slot_dtypes(env.spec, env.num_envs)[0].itemsize < obs_dt.itemsize
     slot = np.zeros((), dtype=obs_dt)
@@ -93,3 +99,19 @@ def test_the_slot_carries_the_final_observations_and_refuses_an_env_without_them
         np.testing.assert_array_equal(slot[FINAL + key], value)
     with pytest.raises(RuntimeError, match="final_obs"):
         _write(slot, result.obs, result._replace(final_obs=None), 8)
+
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("default", {}), ("flow", {}), ("flow", {"variant": "pi05"}),
+    ("flow", {"logprob_mode": "chain", "denoise_steps": 4}), ("tokens", {})])
+def test_a_policys_value_is_the_one_acting_gives(family, kwargs):
+    """`Policy.value` (what truncations are valued by) is `act`'s value; flow's skips the
+    denoising passes the value head does not read."""
+    from hpcvla.policies import Policy, make_policy
+    env = ReachEnv(6, seed=1, image_size=32)
+    obs = Policy.obs_to_tensors(env.reset(), "cpu")
+    torch.manual_seed(0)
+    policy = make_policy(family, env.spec.obs, 2, env.spec.chunk_len, len(env.spec.vocab),
+                         **kwargs)
+    torch.testing.assert_close(policy.value(obs), policy.act(obs, deterministic=True).value)
+    torch.testing.assert_close(policy.value(obs), policy.act(obs).value)

@@ -86,8 +86,9 @@ class StepResult(NamedTuple):
     # cannot run episodes past success (`run_to_horizon`)
     success_at_end: np.ndarray | None = None
     # The observation each episode the horizon cut (`horizon_cut`) ended at, before its
-    # auto-reset: PPO values it to bootstrap that episode's last step (a time limit is not a
-    # failure). Rows of other envs hold any observation; None when the horizon cut none.
+    # auto-reset, from an env that keeps them (VectorEnv.keep_final_obs): PPO values it to
+    # bootstrap that episode's last step. Rows of other envs hold any observation; None when
+    # the horizon cut none, or the env does not keep them.
     final_obs: dict[str, np.ndarray] | None = None
 
 
@@ -100,7 +101,8 @@ def final_observations(result: StepResult) -> dict[str, np.ndarray]:
     """`result.final_obs`, which every env gives where its horizon ended episodes."""
     if result.final_obs is None:
         raise RuntimeError("an env ended episodes at the horizon without their last "
-                           "observation (StepResult.final_obs), which PPO bootstraps from")
+                           "observation (StepResult.final_obs, VectorEnv.keep_final_obs), "
+                           "which PPO bootstraps from")
     return result.final_obs
 
 
@@ -139,6 +141,9 @@ class VectorEnv(abc.ABC):
     latency_sleep: bool = True
     last_latency_s: float = 0.0
     run_to_horizon: bool = False
+    # whether `step` returns the horizon-ended episodes' last observations (StepResult.
+    # final_obs): a copy, or a render, that only PPO's algorithm.bootstrap_truncated reads
+    keep_final_obs: bool = False
     # `hpcvla eval`'s eval.protocol=libero (envs/serial.py): an episode is truncated after this
     # many primitive steps, in the middle of a chunk if need be, as LIBERO's evaluation
     # scripts count max_steps; None: after max_episode_chunks whole chunks

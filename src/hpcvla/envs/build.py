@@ -14,6 +14,7 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
     """`n` envs as configured; `first_env` is the run-wide index of the first (simulators
     spread tasks and report failures by it); `owner` names the rank in failure reports."""
     kwargs = env_kwargs(cfg.env)
+    kwargs["keep_final_obs"] = cfg.algorithm.values_truncations
     if simulator(cfg.env.name).emulated:
         kwargs["latency_sleep"] = latency_sleep
     else:

@@ -29,7 +29,7 @@ class GroupedRestarts(VectorEnv):
         if env.num_envs % group_size:
             raise ValueError(f"group_size {group_size} must divide num_envs {env.num_envs}")
         self.env, self.every, self.group_size = env, every, group_size
-        self.num_envs, self.spec = env.num_envs, env.spec
+        self.num_envs, self.spec, self.keep_final_obs = env.num_envs, env.spec, env.keep_final_obs
         self.rng = np.random.default_rng([seed, _GROUP_STREAM])
         self.steps = 0
         self._return = np.zeros(self.num_envs, np.float32)  # of each env's running episode
@@ -85,8 +85,10 @@ class GroupedRestarts(VectorEnv):
         # ends the episodes still running here
         cut = ~done
         self._return[:], self._length[:] = 0.0, 0
-        final_obs = {k: np.where(_rows(cut, v), v, result.final_obs[k])
-                     for k, v in result.obs.items()} if result.final_obs else result.obs
+        final_obs = result.final_obs
+        if self.keep_final_obs:  # the cut episodes' last observations: the inner env's
+            final_obs = result.obs if final_obs is None else {
+                k: np.where(_rows(cut, v), v, final_obs[k]) for k, v in result.obs.items()}
         return result._replace(
             obs=self.env.reset(init_state_ids=self.grouped_ids()), final_obs=final_obs,
             truncated=result.truncated | cut,

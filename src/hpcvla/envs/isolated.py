@@ -56,6 +56,7 @@ class IsolatedEnv(VectorEnv):
         self.timeout_s, self.max_restarts = timeout_s or None, max_restarts
         self.where = f"{owner}, {name} envs {first_env}-{first_env + num_envs - 1}"
         self.latency_sleep = kwargs.get("latency_sleep", True)
+        self.keep_final_obs = kwargs.get("keep_final_obs", False)  # the worker's env keeps them
         self.last_latency_s = 0.0
         self.failures: list[tuple[int, str]] = []  # (first env id, what happened) per fault
         self.restarts = 0

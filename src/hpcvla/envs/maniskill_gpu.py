@@ -217,7 +217,7 @@ class ManiSkillGPUEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
-        final_obs = self._observe() if truncated.any() else None
+        final_obs = self._observe() if self.keep_final_obs and truncated.any() else None
         if done.any():
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,

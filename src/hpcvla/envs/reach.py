@@ -282,7 +282,7 @@ class ReachEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
-        final_obs = self._observe() if truncated.any() else None
+        final_obs = self._observe() if self.keep_final_obs and truncated.any() else None
         for i in np.flatnonzero(done):  # auto-reset with each env's own RNG
             self._reset_env(i, self._rngs[i])
         obs = self._observe()

@@ -20,8 +20,9 @@ SIMULATOR_PACKAGES = {"maniskill": ("mani_skill", "mani-skill"),
 
 
 def make_env(name: str, num_envs: int, seed: int, sim_backend: str = "cpu",
-             **kwargs) -> VectorEnv:
-    """Build the env registered as `name` (its GPU_ENVS variant with sim_backend="gpu");
+             keep_final_obs: bool = False, **kwargs) -> VectorEnv:
+    """Build the env registered as `name` (its GPU_ENVS variant with sim_backend="gpu"),
+    keeping the horizon-ended episodes' last observations if asked (VectorEnv.keep_final_obs);
     kwargs go to its constructor."""
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; valid names: {sorted(ENVS)}")
@@ -29,7 +30,9 @@ def make_env(name: str, num_envs: int, seed: int, sim_backend: str = "cpu",
         raise ValueError(f"env {name!r} has no GPU simulation (env.sim_backend=gpu is for "
                          f"{', '.join(GPU_ENVS)}); set env.sim_backend=cpu")
     cls = GPU_ENVS[name] if sim_backend == "gpu" else ENVS[name]
-    return cls(num_envs, seed=seed, **kwargs)
+    env = cls(num_envs, seed=seed, **kwargs)
+    env.keep_final_obs = keep_final_obs
+    return env
 
 
 def env_class(env_cfg) -> type[VectorEnv]:

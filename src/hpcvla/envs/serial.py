@@ -198,7 +198,8 @@ class SerialVectorEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
-        final_obs = self._batch() if (truncated & ~failed).any() else None
+        final_obs = self._batch() if self.keep_final_obs and (truncated & ~failed).any() \
+            else None
         for i in np.flatnonzero(done):
             if failed[i]:  # rebuilt and reset already
                 self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False

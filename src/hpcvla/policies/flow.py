@@ -282,6 +282,21 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         velocity = self.action_out_proj(out[:, S - H:]).float()
         return velocity, (out[:, 0] if self.state_token else None)
 
+    @torch.no_grad()
+    def value(self, obs):
+        """`act`'s value without its denoising: the value head reads the prefix and π0's
+        state token, whose block sees no action token, so one expert pass (at the first
+        step's time and x = 0, as a deterministic sample's) gives it exactly."""
+        inputs = self._inputs(obs)
+        cache, pad, pooled = self._encode(inputs)
+        state_out = None
+        if self.state_token:
+            x = torch.zeros(pad.shape[0], self.model_horizon, self.model_action_dim,
+                            device=pad.device)
+            _, state_out = self._velocity(cache, pad, self._padded_state(inputs), x,
+                                          self._times(pad.shape[0], pad.device)[0])
+        return self._value(pooled, state_out).float()
+
     def _value(self, pooled, state_out):
         features = pooled if state_out is None else torch.cat([pooled, state_out], dim=-1)
         return self.value_head(features).squeeze(-1).float()

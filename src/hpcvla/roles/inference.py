@@ -89,7 +89,7 @@ class InferenceServer:
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
             "segments_sent": 0, "throttled_s": 0.0, "weight_swaps": 0, "value_passes": 0,
-            "held_valued": 0, "truncations_valued": 0,
+            "held_valued": 0, "truncation_passes": 0, "truncations_valued": 0,
             # segment counter c: segment c belongs to learner batch c // quota
             "segments_started": first_version * quota}
 
@@ -218,12 +218,14 @@ class InferenceServer:
 
     def _value_truncations(self, cut: np.ndarray, final: dict[str, np.ndarray]) -> np.ndarray:
         """V of the horizon-ended episodes' last observations at the pass's envs `cut`, 0
-        elsewhere: after the simulators have their actions, off their critical path."""
+        elsewhere: a pass of its own after the simulators have their actions (off their
+        critical path, not off this rank's: assembly and the next pass wait for it)."""
         with self.timeline.span("infer"):
             begin = time.monotonic()
             values = truncation_values(self.policy, cut, final)
             if self.emulate_ms:
                 pad(begin, self.emulate_ms(int(cut.sum())) / 1e3)
+        self.stats["truncation_passes"] += 1
         self.stats["truncations_valued"] += int(cut.sum())
         return values
 
