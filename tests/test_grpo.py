@@ -157,6 +157,50 @@ def test_an_episode_the_grouped_restart_cuts_short_ends_there():
     env.close()
 
 
+def test_the_step_before_a_grouped_restart_resets_nothing_itself():
+    """The restart resets every env; the step before it ends its episodes without the inner
+    env's auto-reset (a second reset of the same env: a large part of a LIBERO chunk's
+    cost). Inline and in a worker process (env.isolation=process) alike."""
+    from hpcvla.envs.isolated import IsolatedEnv
+    from hpcvla.envs.reach import ReachEnv
+
+    class Counted(ReachEnv):
+        resets = 0
+
+        def _reset_env(self, i, rng):
+            Counted.resets += 1
+            super()._reset_env(i, rng)
+
+    env = GroupedRestarts(Counted(4, seed=3, max_episode_chunks=3), every=3, group_size=2,
+                          seed=11)
+    env.reset()
+    rng = np.random.default_rng(0)
+    for step in range(1, 7):
+        before = Counted.resets
+        result = env.step(rng.uniform(-1, 1, (4, env.spec.chunk_len, env.spec.action_dim)))
+        ended = int((result.terminated | result.truncated).sum())
+        if step % 3:  # an episode ending mid-segment auto-resets, once
+            assert Counted.resets - before == ended and not env.env.holding_resets
+        else:  # the horizon ended every episode still running: one reset each, the restart's
+            assert ended and Counted.resets - before == 4
+    kwargs = {"image_size": 16, "max_episode_chunks": 2}
+    inline = make_env("reach", 4, 5, **kwargs)
+    isolated = IsolatedEnv("reach", 4, 5, kwargs, timeout_s=30, max_restarts=0)
+    try:
+        for one in (inline, isolated):
+            one.reset()
+            one.hold_resets(True)
+        chunk = rng.uniform(-1, 1, (2, 4, inline.spec.chunk_len, inline.spec.action_dim))
+        for x, y in zip(*[[one.step(c) for c in chunk] for one in (inline, isolated)]):
+            assert all(np.array_equal(x.obs[k], y.obs[k]) for k in x.obs)
+        assert x.truncated.any()  # held: the truncated envs observe where they ended
+        np.testing.assert_allclose(x.obs["state"][x.truncated][:, :2],
+                                   inline._ee[x.truncated], rtol=1e-6)
+    finally:
+        inline.close()
+        isolated.close()
+
+
 def test_grpo_settings_checked_before_ranks_start():
     with pytest.raises(ConfigError, match="rollout.segment_len = 8: expected env.max_episode"):
         load_config(ROOT / "configs/default.yaml", ["algorithm.name=grpo"])

@@ -117,6 +117,21 @@ def test_truncation_at_horizon_then_auto_reset(env):
     assert not result.truncated.any() and env._chunks.tolist() == [1] * N
 
 
+def test_held_resets_leave_the_ended_episodes_where_they_ended(env):
+    """GRPO's step before its grouped restart (VectorEnv.hold_resets): the horizon ends
+    every episode, and no env resets (the restart that follows resets them all)."""
+    env.reset()
+    env.hold_resets(True)
+    try:
+        for _ in range(HORIZON):
+            before, result = env._batch(), env.step(still(env))
+        assert result.truncated.all() and env._chunks.tolist() == [0] * N
+        change = np.abs(result.obs["image"].astype(int) - before["image"]).mean()
+        assert change < 1.0  # the still scene, not new episodes' starts (test above: 1.6-6.4)
+    finally:
+        env.hold_resets(False)
+
+
 def test_same_init_state_id_same_initial_observation(env):
     first = env.reset(init_state_ids=np.array([7, 7, 8]))
     for key in ("image", "wrist_image", "state"):

@@ -144,6 +144,8 @@ class VectorEnv(abc.ABC):
     # whether `step` returns the horizon-ended episodes' last observations (StepResult.
     # final_obs): a copy, or a render, that only PPO's algorithm.bootstrap_truncated reads
     keep_final_obs: bool = False
+    # whether episodes that end stay where they ended, not auto-reset (`hold_resets`)
+    holding_resets: bool = False
     # `hpcvla eval`'s eval.protocol=libero (envs/serial.py): an episode is truncated after this
     # many primitive steps, in the middle of a chunk if need be, as LIBERO's evaluation
     # scripts count max_steps; None: after max_episode_chunks whole chunks
@@ -218,6 +220,13 @@ class VectorEnv(abc.ABC):
         """The outcome of the step `step_async` started."""
         actions, self._pending_actions = self._pending_actions, None
         return self.step(actions)
+
+    def hold_resets(self, hold: bool) -> None:
+        """While `hold`, an episode that ends is not auto-reset: its env returns the
+        observation it ended at (and steps on from it) until `reset`. For a caller that resets
+        every env itself right after such a step (GRPO's grouped restart, envs/groups.py): a
+        LIBERO or ManiSkill reset costs a large part of a chunk's step."""
+        self.holding_resets = hold
 
     def evaluation_states(self, episodes: int) -> tuple[np.ndarray, list[str]]:
         """`episodes` init_state_ids that `hpcvla eval` runs, and the task of each (for per

@@ -6,7 +6,8 @@ ships fixed-length trajectory segments, so with `every` = segment length = the t
 (`max_episode_chunks`), each segment column starts with a fresh grouped episode that ends
 inside the segment (success or truncation); what an env does after its episode ended (it
 auto-resets) is masked out by the learner. The restart replaces the observation of the
-segment's last step: GRPO needs no bootstrap value, so nothing is lost. An episode the restart
+segment's last step: GRPO needs no bootstrap value, so nothing is lost (and the step before
+it holds the inner env's auto-resets: `VectorEnv.hold_resets`). An episode the restart
 cuts short (one begun after an earlier end in the segment) ends there, truncated, with its
 return so far, so that a dump or a reader of `done` never joins it to the next episode.
 
@@ -63,10 +64,19 @@ class GroupedRestarts(VectorEnv):
         return self.env.reset(seeds=seeds, init_state_ids=init_state_ids)
 
     def step(self, actions: np.ndarray) -> StepResult:
+        self._hold_at_restart()
         return self._regroup(self.env.step(actions))
 
     def step_async(self, actions: np.ndarray) -> None:
+        self._hold_at_restart()
         self.env.step_async(actions)
+
+    def _hold_at_restart(self) -> None:
+        """The step before a grouped restart leaves the episodes it ends where they ended:
+        the restart resets every env right after (an auto-reset would be a second reset)."""
+        restart = (self.steps + 1) % self.every == 0
+        if restart != self.env.holding_resets:
+            self.env.hold_resets(restart)
 
     def step_ready(self) -> bool:
         return self.env.step_ready()

@@ -184,6 +184,14 @@ class IsolatedEnv(VectorEnv):
     def instructions(self) -> list[str]:
         return self._call("instructions")
 
+    def hold_resets(self, hold: bool) -> None:
+        """The worker's env holds them (a worker restarted meanwhile resets as usual)."""
+        self.holding_resets = hold
+        try:
+            self._call("hold_resets", hold)
+        except EnvWorkerFailed:
+            pass  # the next step finds the worker gone and restarts it
+
     def begin_close(self) -> None:
         """Tell the worker to close its env and end; `close` waits for it."""
         if not self._closing:

@@ -218,7 +218,9 @@ class ManiSkillGPUEnv(VectorEnv):
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         final_obs = self._observe() if self.keep_final_obs and truncated.any() else None
-        if done.any():
+        if self.holding_resets:  # they stay where they ended, a new episode's count begun
+            self._chunks[done], self._return[done], self._done_once[done] = 0, 0.0, False
+        elif done.any():
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,
                           success, episode_return, episode_length, np.zeros(n, bool), at_end,

@@ -283,8 +283,11 @@ class ReachEnv(VectorEnv):
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         final_obs = self._observe() if self.keep_final_obs and truncated.any() else None
-        for i in np.flatnonzero(done):  # auto-reset with each env's own RNG
-            self._reset_env(i, self._rngs[i])
+        for i in np.flatnonzero(done):  # auto-reset with each env's own RNG, unless held
+            if self.holding_resets:
+                self._chunks[i], self._return[i] = 0, 0.0
+            else:
+                self._reset_env(i, self._rngs[i])
         obs = self._observe()
         self._sleep_latency(begin)
         return StepResult(obs, reward, terminated, truncated, success.copy(),

@@ -201,7 +201,7 @@ class SerialVectorEnv(VectorEnv):
         final_obs = self._batch() if self.keep_final_obs and (truncated & ~failed).any() \
             else None
         for i in np.flatnonzero(done):
-            if failed[i]:  # rebuilt and reset already
+            if failed[i] or self.holding_resets:  # rebuilt and reset already, or held
                 self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
                 self._steps[i] = 0
             else:
