@@ -508,3 +508,31 @@ def test_datasets_of_formats_not_read_are_named(tmp_path, marker, named):
     given = tmp_path / marker if named is None else tmp_path  # a parquet file itself
     refused(given, libero_spec(), named or "a parquet file (a LeRobot dataset is given as its "
             "folder, the one holding meta/info.json)", "not read here (docs/imitation.md)")
+
+
+def test_a_success_mid_chunk_leaves_the_rest_of_its_chunk_out(tmp_path):
+    """reach's expert succeeds inside a chunk: the env reports the steps that ran
+    (StepResult.chunk_steps), the file the episode's `env_steps`, and a read makes the last
+    chunk's actions after the success padding, at the chunk and at a longer horizon."""
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.imitation.recording import record
+    from helpers import ROOT
+    cfg = load_config(ROOT / "configs/default.yaml")
+    record(cfg, 8, tmp_path / "demos.h5")
+    spec = env_spec(cfg.env)
+    c = spec.chunk_len
+    rows, windows = (read_demonstrations(tmp_path / "demos.h5", spec, horizon=h)
+                     for h in (None, 2 * c))
+    with h5py.File(tmp_path / "demos.h5") as f:
+        demos = [f[f"data/{n}"] for n in sorted(f["data"], key=lambda n: int(n[5:]))]
+        ran = [(d["actions"].shape[0], int(d.attrs["env_steps"])) for d in demos]
+    ends = np.flatnonzero(np.diff(rows.episode, append=-1))  # each episode's last row
+    assert len(ends) == len(ran) and any(n % c for _, n in ran)  # some end mid-chunk
+    for end, (T, n) in zip(ends, ran):
+        k = n - (T - 1) * c  # the last chunk's steps that ran
+        assert 1 <= k <= c
+        assert rows.pad[end].tolist() == [False] * k + [True] * (c - k)
+        assert windows.pad[end].tolist() == [False] * k + [True] * (2 * c - k)
+        if T > 1:  # the row before reads the ran part of the last chunk after its own
+            assert windows.pad[end - 1].tolist() == [False] * (c + k) + [True] * (c - k)

@@ -96,6 +96,8 @@ def test_success_terminates_with_reward_and_auto_resets(env):
     assert result.reward[1] == 1.0 and result.episode_return[1] == 1.0  # sparse: 1 at success
     assert result.episode_length.tolist() == [0, 1, 0]
     assert env._chunks.tolist() == [1, 0, 1]  # env 1 already started its next episode
+    ran = result.chunk_steps.tolist()  # env 1's chunk ended at its success (LIBERO's bowl
+    assert ran[0] == ran[2] == CHUNK and 1 <= ran[1] < CHUNK  # settles on the plate first)
 
 
 def test_truncation_at_horizon_then_auto_reset(env):

@@ -59,9 +59,10 @@ class Problems:
                 for where, value, fix, more in self.items]
 
 
-def chunks(actions: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
+def chunks(actions: np.ndarray, horizon: int,
+           starts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(T, A) per-step actions -> (T, horizon, A) float32 chunks, row t = actions[t:t+horizon],
-    and the (T, horizon) mask of padded entries.
+    and the (T, horizon) mask of padded entries; with `starts`, a row per start instead.
 
     Past the episode's end the last action is repeated. Nothing was recorded after it (the task
     succeeded or the horizon came), so any value is made up; zeros would be a command of their
@@ -70,7 +71,8 @@ def chunks(actions: np.ndarray, horizon: int) -> tuple[np.ndarray, np.ndarray]:
     datasets give (frame indices clamped to the episode, with an `action_is_pad` mask); the
     mask is returned so that a loss can leave the padding out."""
     T = len(actions)
-    steps = np.arange(T)[:, None] + np.arange(horizon)[None, :]
+    starts = np.arange(T) if starts is None else np.asarray(starts)
+    steps = starts[:, None] + np.arange(horizon)[None, :]
     return (np.asarray(actions, dtype=np.float32)[np.minimum(steps, T - 1)],
             steps > T - 1)
 

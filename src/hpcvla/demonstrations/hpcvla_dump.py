@@ -3,7 +3,9 @@ writes expert demonstrations in it too): one row per action chunk, /data/demo_<i
 (T, *shape) named as the env's fields, actions (T, H, A).
 
 The rows are already what SFT wants: the observation the chunk was chosen for and the whole
-chunk the env executed. The chunk length is the file's root attribute `chunk_len`; a file
+chunk the env executed, but for the last row of an episode that ended inside its chunk (a
+success mid-chunk): the demo's `env_steps` attribute says which of its actions ran, and the
+rest are padding. The chunk length is the file's root attribute `chunk_len`; a file
 written with another one is refused (its observations exist only at its own chunk
 boundaries). The instruction is re-tokenized from each demo's `instruction` attribute with the
 spec's vocabulary, not copied from obs/instruction, whose ids index the vocabulary of the run
@@ -113,11 +115,17 @@ def load(f, episode: Episode, spec, horizon: int | None = None
         obs[field] = (fit_images(value, shape) if is_image(spec.obs[field])
                       else value).astype(np.dtype(dtype), copy=False)
     actions = demo["actions"][()].astype(np.float32)
-    if horizon is None or horizon == actions.shape[1]:
-        return obs, actions, np.zeros(actions.shape[:2], dtype=bool)
     rows, chunk = actions.shape[:2]
-    windows, pad = chunks(actions.reshape(rows * chunk, -1), horizon)
-    return obs, windows[::chunk], pad[::chunk]
+    horizon = horizon or chunk
+    # The actions that ran, the episode's env steps: after a success mid-chunk the rest of the
+    # last chunk never did (padding, as past the end). A dump written before the attribute
+    # was has every action taken as run.
+    ran = min(int(demo.attrs.get("env_steps", rows * chunk)), rows * chunk)
+    if ran == rows * chunk and horizon == chunk:
+        return obs, actions, np.zeros(actions.shape[:2], dtype=bool)
+    windows, pad = chunks(actions.reshape(rows * chunk, -1)[:max(ran, 1)], horizon,
+                          starts=np.arange(rows) * chunk)
+    return obs, windows, pad | (ran == 0)
 
 
 OUTCOMES = {"rewards": np.float32, "terminated": bool, "truncated": bool, "env_fault": bool}

@@ -90,6 +90,11 @@ class StepResult(NamedTuple):
     # bootstrap that episode's last step. Rows of other envs hold any observation; None when
     # the horizon cut none, or the env does not keep them.
     final_obs: dict[str, np.ndarray] | None = None
+    # int32, the chunk's primitive steps each env's episode ran: chunk_len, or fewer where the
+    # episode ended inside the chunk (a success; eval's step limit), 0 where none ran (an env
+    # fault before the chunk). Dumps sum them (an episode's `env_steps`), so that a reader
+    # knows which of its last chunk's actions ran. None: chunk_len for every env.
+    chunk_steps: np.ndarray | None = None
 
 
 def horizon_cut(result: StepResult) -> np.ndarray:

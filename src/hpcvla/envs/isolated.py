@@ -173,7 +173,8 @@ class IsolatedEnv(VectorEnv):
             obs, n = self._restart(error), self.num_envs
             result = StepResult(obs, np.zeros(n, np.float32), np.zeros(n, bool),
                                 np.ones(n, bool), np.zeros(n, bool), self._return.copy(),
-                                self._chunks.copy(), env_fault=np.ones(n, bool))
+                                self._chunks.copy(), env_fault=np.ones(n, bool),
+                                chunk_steps=np.zeros(n, np.int32))  # none known to have run
             self._chunks[:], self._return[:] = 0, 0.0
             return result
         done = result.terminated | result.truncated

@@ -198,15 +198,17 @@ class ManiSkillGPUEnv(VectorEnv):
         reward = torch.zeros(n, device=self.device)
         success = torch.tensor(self._done_once, device=self.device)  # done at some step
         at_end = torch.zeros(n, dtype=torch.bool, device=self.device)  # at the last step
+        ran = torch.zeros(n, device=self.device)  # steps of the chunk in each env's episode
         for t in range(chunk):
+            ran += 1.0 if self.run_to_horizon else (~success).float()
             self._state, r, _, _, info = self.env.step(actions[t])
             reward += torch.where(success, 0.0, r.float())  # nothing counts after success
             success |= info["success"]
             at_end = info["success"]
             if not self.run_to_horizon and t + 1 < chunk and bool(success.all()):
                 break
-        reward, success, at_end = torch.stack([reward, success.float(),
-                                               at_end.float()]).cpu().numpy()
+        reward, success, at_end, ran = torch.stack([reward, success.float(), at_end.float(),
+                                                    ran]).cpu().numpy()
         success, at_end = success > 0.5, at_end > 0.5
         self._chunks += 1
         self._return += reward
@@ -224,7 +226,7 @@ class ManiSkillGPUEnv(VectorEnv):
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,
                           success, episode_return, episode_length, np.zeros(n, bool), at_end,
-                          final_obs)
+                          final_obs, ran.astype(np.int32))
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None

@@ -264,7 +264,9 @@ class ReachEnv(VectorEnv):
         active = np.ones(n, dtype=bool)  # still executing this chunk (not yet successful)
         success = np.zeros(n, dtype=bool)
         reward = np.zeros(n)
+        ran = np.zeros(n, dtype=np.int32)  # primitive steps of the chunk executed
         for t in range(self.chunk_len):
+            ran += active
             ee = np.clip(self._ee + deltas[:, t], 0.0, 1.0)
             self._ee = np.where(active[:, None], ee, self._ee)
             dist = np.hypot(*(self._ee - target).T)
@@ -292,7 +294,7 @@ class ReachEnv(VectorEnv):
         self._sleep_latency(begin)
         return StepResult(obs, reward, terminated, truncated, success.copy(),
                           episode_return, episode_length, np.zeros(n, bool),
-                          final_obs=final_obs)
+                          final_obs=final_obs, chunk_steps=ran)
 
     def _sleep_latency(self, begin: float) -> None:
         """The emulated latency is the step's whole duration: the numpy work done since

@@ -169,6 +169,7 @@ class SerialVectorEnv(VectorEnv):
         success = np.zeros(n, dtype=bool)  # done at some step of the chunk
         at_end = np.zeros(n, dtype=bool)  # done at the chunk's last step
         failed = np.zeros(n, dtype=bool)
+        steps_before = self._steps.copy()
         for i in range(n):
             if self._reset_failed[i]:
                 self._reset_failed[i], failed[i] = False, True
@@ -198,6 +199,7 @@ class SerialVectorEnv(VectorEnv):
         done = terminated | truncated
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
+        ran = (self._steps - steps_before).astype(np.int32)
         final_obs = self._batch() if self.keep_final_obs and (truncated & ~failed).any() \
             else None
         for i in np.flatnonzero(done):
@@ -207,7 +209,7 @@ class SerialVectorEnv(VectorEnv):
             else:
                 self._start_episode(i)
         return StepResult(self._batch(), reward, terminated, truncated, success,
-                          episode_return, episode_length, failed, at_end, final_obs)
+                          episode_return, episode_length, failed, at_end, final_obs, ran)
 
     def close(self) -> None:
         for slot in self._slots:

@@ -188,7 +188,8 @@ def _episode(env, expert, init_state_id: int, number: int, driver=None) -> tuple
              "seed": init_state_id, "episode": number, "instruction": instruction,
              "policy_version": EXPERT_VERSION, "staleness": 0,
              "success": bool(last.success[0]), "return": float(last.episode_return[0]),
-             "env_fault": bool(last.env_fault[0]), "driver": driver.name if driver else ""}
+             "env_fault": bool(last.env_fault[0]), "driver": driver.name if driver else "",
+             "env_steps": int(sum(r.chunk_steps[0] for _, _, r in rows))}
     return demo, attrs
 
 

@@ -22,7 +22,9 @@ same layout from a scripted expert (imitation/recording.py: producer_rank -1, po
                        instruction (text), policy_version (at the first step), staleness
                        (most over its steps), success, return, env_fault,
                        truncation_value (V of the observation the horizon ended it at,
-                       which PPO bootstrapped its last step from; 0 otherwise)
+                       which PPO bootstrapped its last step from; 0 otherwise), env_steps
+                       (the primitive steps it ran: its last chunk's actions past
+                       env_steps - (T - 1) x chunk_len never ran, a success mid-chunk)
         obs/<key>          (T, *shape)  observation the action was chosen for
         actions            (T, H, A) f4 the action chunk (H primitive actions) as the policy
                                         drew and scored it: before the env clips it to

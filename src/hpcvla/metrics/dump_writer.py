@@ -75,7 +75,8 @@ class TrajectoryDump:
                      logprob=group["logprob"], value=group["value"], version=version,
                      staleness=batch - version, success=group["success"],
                      episode_return=group["episode_return"],
-                     truncation_value=group["truncation_value"])
+                     truncation_value=group["truncation_value"],
+                     chunk_steps=group["chunk_steps"])
         for env in range(done.shape[1]):
             pieces, start = self.open.setdefault((slot, env), []), 0
             for end in np.flatnonzero(done[:, env]) + 1:  # an episode ends at step end - 1
@@ -103,7 +104,8 @@ class TrajectoryDump:
                  "success": bool(steps["success"][-1]),
                  "return": float(steps["episode_return"][-1]),
                  "env_fault": bool(steps["env_fault"][-1]),
-                 "truncation_value": float(steps["truncation_value"][-1])}
+                 "truncation_value": float(steps["truncation_value"][-1]),
+                 "env_steps": int(steps["chunk_steps"].sum())}
         self.episodes[(slot, env)] += 1
         self.add_episode(steps, attrs)
 

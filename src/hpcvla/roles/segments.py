@@ -16,6 +16,8 @@ together), as one record (see transport/records.py) with fields
                                        metrics/progress.py)
     success          (T, n) bool       the episode that ended was a success
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
+    chunk_steps      (T, n) i4         primitive steps of the chunk its episode ran
+                                       (StepResult.chunk_steps)
     truncation_value (T, n) f4         V of the observation the horizon ended the episode at
                                        (envs/base.horizon_cut), which PPO bootstraps the
                                        step from (algorithm.bootstrap_truncated); 0 otherwise
@@ -50,7 +52,7 @@ SegmentGroup: TypeAlias = dict[str, np.ndarray]
 # What a simulator reports of an action chunk with the next observation (StepResult fields)
 OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated": ((), "|b1"),
                   "env_fault": ((), "|b1"), "success": ((), "|b1"),
-                  "episode_return": ((), "<f4")}
+                  "episode_return": ((), "<f4"), "chunk_steps": ((), "<i4")}
 
 # An observation slot's fields of the horizon-ended episodes' last observations: "final." + key
 # (roles/simulator.py writes them where PPO bootstraps truncations, roles/inference.py reads)
