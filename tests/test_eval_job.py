@@ -294,6 +294,20 @@ def test_inspect_writes_videos_of_a_dumps_episodes(tmp_path):
             outcome = "success" if demo.attrs["success"] else "failure"
             assert path == str(tmp_path / "reach-videos" / f"{name}-{outcome}.mp4")
             assert len(read_video(path)) == len(demo["rewards"]) + 1
+        image = f["data/demo_0/obs/image"]  # where its first chunk lies in the file
+        offset, size = image.id.get_chunk_info(0).byte_offset, image.id.get_chunk_info(0).size
+    # read as every dump reader reads: no HDF5 lock (a writer holding one delays nothing), a
+    # damaged image named with its file, as `--verify` names it
+    import fcntl
+    with open(demos, "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # as the dump writer holds it while it appends
+        assert hpcvla("inspect", demos, "--video", 1).returncode == 0
+    data = bytearray(demos.read_bytes())
+    data[offset + size // 2] ^= 0xFF
+    demos.write_bytes(bytes(data))
+    out = hpcvla("inspect", demos, "--video", 1)
+    assert out.returncode == 2 and str(demos) in out.stderr and "Traceback" not in out.stderr, \
+        out.stderr[-2000:]
 
 
 @pytest.mark.mpi

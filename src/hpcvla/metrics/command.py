@@ -46,7 +46,7 @@ def inspect_command(args) -> int:
             from hpcvla.metrics.video import dump_videos
             for f, summary in zip(files, summaries):
                 summary["videos"] = dump_videos(f, args.video, f.with_name(f.stem + "-videos"))
-    except (DumpError, ValueError) as err:
+    except (DumpError, ValueError, OSError) as err:  # OSError: a file HDF5 cannot open
         print(f"hpcvla inspect: {err}", file=sys.stderr)
         return 2
     print(json.dumps(summaries, indent=1) if args.json else

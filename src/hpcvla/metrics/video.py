@@ -17,18 +17,21 @@ BLOCK = 16     # H.264 encoders want sides that are multiples of 16: frames are 
 
 def caption_frame(image: np.ndarray, lines: list[str]) -> np.ndarray:
     """(H, W, 3) uint8 -> a larger (H', W', 3) uint8 frame: the image scaled up, the caption
-    lines below it (cut to the frame's width), black padding to multiples of BLOCK."""
+    lines below it (wrapped to the frame's width), black padding to multiples of BLOCK."""
+    import textwrap
+
     from PIL import Image, ImageDraw
 
     scale = max(1, -(-MIN_SIDE // min(image.shape[:2])))
     big = np.repeat(np.repeat(np.asarray(image, np.uint8), scale, 0), scale, 1)
     h, w = big.shape[:2]
+    lines = [part for line in lines for part in textwrap.wrap(line, max(1, w // 6)) or [""]]
     height = h + LINE_H * len(lines) + 4
     canvas = Image.new("RGB", (-(-w // BLOCK) * BLOCK, -(-height // BLOCK) * BLOCK))
     canvas.paste(Image.fromarray(big), (0, 0))
     draw = ImageDraw.Draw(canvas)
     for k, line in enumerate(lines):
-        draw.text((3, h + 2 + LINE_H * k), line[:max(1, w // 6)], fill=(255, 255, 255))
+        draw.text((3, h + 2 + LINE_H * k), line, fill=(255, 255, 255))
     return np.asarray(canvas)
 
 
@@ -49,9 +52,9 @@ def episode_video(path: Path, images: list[np.ndarray], steps: list[int], header
                   instruction: str, outcome: str, end: int) -> str:
     """One episode as an MP4: each image captioned with `header`, the step it was seen at and
     the instruction, then the last image again with the outcome and the step it ended at."""
-    frames = [caption_frame(image, [f"{header} | step {step}", instruction])
+    frames = [caption_frame(image, [header, f"step {step}", instruction])
               for image, step in zip(images, steps)]
-    frames.append(caption_frame(images[-1], [f"{header} | {outcome} at step {end}",
+    frames.append(caption_frame(images[-1], [header, f"{outcome} at step {end}",
                                              instruction]))
     return str(write_video(path, frames))
 
@@ -59,12 +62,11 @@ def episode_video(path: Path, images: list[np.ndarray], steps: list[int], header
 def dump_videos(path: Path, count: int, out_dir: Path) -> list[str]:
     """The first `count` episodes of an HDF5 trajectory dump (metrics/dump.py) as MP4 in
     `out_dir`, `demo_<i>-<success|failure>.mp4`: the camera (and wrist camera) each chunk
-    was chosen from."""
-    import h5py
-
-    from hpcvla.metrics.dump import attr_text
+    was chosen from. Read as every dump reader reads (metrics/dump.py): without HDF5's file
+    lock, a damaged part named as a DumpError."""
+    from hpcvla.metrics.dump import _reading, attr_text, open_dump
     written = []
-    with h5py.File(path, "r") as f:
+    with open_dump(path) as f, _reading(path):
         chunk = int(f.attrs.get("chunk_len", 1))
         names = sorted(f["data"], key=lambda n: int(n.split("_")[-1]))[:count]
         for name in names:
@@ -75,12 +77,14 @@ def dump_videos(path: Path, count: int, out_dir: Path) -> list[str]:
             images = list(np.concatenate(cameras, axis=2))
             a = demo.attrs
             outcome = "success" if a["success"] else "failure"
-            header = (f"{attr_text(a['env_id'])} episode {a['episode']}, "
-                      f"policy v{a['policy_version']}")
+            versions = demo["policy_versions"][()]
+            played = f"v{versions.min()}" if versions.min() == versions.max() else \
+                f"v{versions.min()}-v{versions.max()}"
+            header = f"{attr_text(a['env_id'])} ep {a['episode']}, policy {played}"
             written.append(episode_video(
                 Path(out_dir) / f"{name}-{outcome}.mp4", images,
                 [t * chunk for t in range(len(images))], header, attr_text(a["instruction"]),
-                outcome, len(images) * chunk))
+                outcome, int(a.get("env_steps", len(images) * chunk))))
     return written
 
 
