@@ -334,6 +334,11 @@ def test_training_run_dump_matches_what_the_learner_trained(tmp_path, config, ra
         (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
         with h5py.File(files[0], "r") as f:  # every segment group the learner received
             assert f.attrs["segments"] == learner["ring"]["records"]
+        # the dump writer's backlog comes after the work: in wall_s, not in the throughput
+        phase = producers[0]["phases_s"]
+        assert phase["all_ranks_ready"] < phase["dump_written"] <= phase["finished"]
+    assert 0 < summary["active_s"] <= summary["wall_s"]
+    assert summary["env_steps_per_s"] == pytest.approx(summary["env_steps"] / summary["active_s"])
     inspect = hpcvla("inspect", run_dir)
     assert inspect.returncode == 0 and "hpcvla trajectory dump" in inspect.stdout
     assert "obs/image" in inspect.stdout and "complete" in inspect.stdout

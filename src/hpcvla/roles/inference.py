@@ -18,6 +18,7 @@ import torch
 
 from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
+from hpcvla.metrics import phases
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.segments import (FINAL, OUTCOME_FIELDS, SegmentBuilder, SegmentGroup,
                                    truncation_values)
@@ -138,8 +139,9 @@ class InferenceServer:
             stats[f"fired_{reason}"] += 1
             self._serve(batcher.take(eligible), held)
         self.ring.close()
-        if self.dump:
+        if self.dump:  # its backlog: after the rank's work (summary's active_s), in wall_s
             self.dump.close()
+            phases.mark("dump_written")
         return stats
 
     def _not_stopped(self, stopped: set[int]) -> str:

@@ -54,6 +54,9 @@ class RankSummary:
     first_version: int
     env_steps: int = 0
     wall_s: float = 0.0
+    # from all_ranks_ready to the end of this rank's last timeline span: its work, without
+    # what follows it (the dump writer's backlog, the teardown, waiting for the others)
+    active_s: float = 0.0
     preempted: bool = False
     phases_s: dict[str, float] = field(default_factory=dict)
     peak_memory: dict[str, int] = field(default_factory=dict)
@@ -129,6 +132,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         return summary.to_dict()
     assert everyone is not None  # the root's gather
     wall = max(s.wall_s for s in everyone)
+    active = max(s.active_s for s in everyone) or wall  # the run's working window
     steps = sum(s.env_steps for s in everyone)
     staleness: Counter[int] = Counter()
     for s in everyone:
@@ -138,12 +142,12 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     busy: dict[str, list[float]] = {}
     for s in everyone:
         for stage, seconds in s.busy_s.items():
-            busy.setdefault(f"{s.role}:{stage}", []).append(seconds / s.wall_s)
+            busy.setdefault(f"{s.role}:{stage}", []).append(seconds / active)
     rings = [s.counters["ring"] for s in everyone if "ring" in s.counters]
     add_planned_memory(everyone, run_dir / MEMORY_PLAN)
     result = {
         "mode": cfg.pipeline.mode, "ranks": len(everyone), "wall_s": wall,
-        "env_steps": steps, "env_steps_per_s": steps / wall,
+        "active_s": active, "env_steps": steps, "env_steps_per_s": steps / active,
         "success_rate": _pooled([(s.success_rate, s.ended_episodes) for s in learners]),
         "mean_return": _pooled([(s.mean_return, s.ended_episodes) for s in learners]),
         # trained episodes an env fault ended: not in success_rate, not trained on
