@@ -31,6 +31,7 @@ from collections import Counter
 from pathlib import Path
 
 from hpcvla.metrics.charts import bar_chart, line_chart, swimlane
+from hpcvla.metrics.progress import standing_records
 
 
 class ReportError(ValueError):
@@ -60,7 +61,8 @@ def load_run(path) -> dict:
         for s in _jsonl(file):
             spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"],
                                                                  s["stage"]))
-    metrics = _jsonl(path / "metrics.jsonl") if (path / "metrics.jsonl").exists() else []
+    metrics = standing_records(_jsonl(path / "metrics.jsonl")) \
+        if (path / "metrics.jsonl").exists() else []
     evals = _jsonl(path / "eval.jsonl") if (path / "eval.jsonl").exists() else []
     return {"name": path.name, "path": path, "summary": summary, "plan": plan,
             "ratio": "colocated" if plan.get("mode") == "colocated" else
@@ -87,7 +89,7 @@ def throughput_table(runs: list[dict]) -> str:
              f"vs {base['summary']['mode'] if base else 'baseline'} | simulate (s) | "
              "infer (s) | train (s) | learner wait (s) | success |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(runs, key=lambda r: (r["ratio"], r["summary"]["ranks"])):
+    for r in in_table_order(runs):
         s = r["summary"]
         gain = f"{(s['env_steps_per_s'] / base_tp - 1) * 100:+.1f}%" if base_tp else "—"
         lines.append(
@@ -97,6 +99,23 @@ def throughput_table(runs: list[dict]) -> str:
             f"{_fmt(stage_seconds(r, 'train'))} | {_fmt(stage_seconds(r, 'wait_data'))} | "
             f"{_fmt(s.get('success_rate'), 3)} |")
     return "\n".join(lines)
+
+
+def in_table_order(runs: list[dict]) -> list[dict]:
+    """The runs as the throughput table and chart list them: by inference:learner ratio, then
+    world size."""
+    return sorted(runs, key=lambda r: (r["ratio"], r["summary"]["ranks"]))
+
+
+def bench_modes(name: str, bench: dict) -> dict:
+    """The cases of an `hpcvla bench modes --json` file, checked to be one."""
+    cases = bench.get("modes") if isinstance(bench, dict) else None
+    if not isinstance(cases, dict) or not cases or not all(
+            isinstance(c, dict) and {"mode", "ranks", "throughput", "ideal_bound",
+                                     "efficiency"} <= set(c) for c in cases.values()):
+        raise ReportError(f"{name}: not the JSON of `hpcvla bench modes --json` (--bench takes "
+                          "only that benchmark's)")
+    return cases
 
 
 def bench_table(bench: dict) -> str:
@@ -175,6 +194,8 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
             skipped.append(str(err))
     _unique_names(runs)
     benches = [(Path(p).name, json.loads(Path(p).read_text())) for p in bench_files]
+    for name, bench in benches:
+        bench_modes(name, bench)  # before anything is drawn
     if not runs and not benches:
         raise ReportError("nothing to report: give run directories and/or --bench files"
                           + "".join(f"; skipped {why}" for why in skipped))
@@ -188,8 +209,10 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
                "simulate + infer, actor = train).", "", throughput_table(runs), "",
                "![throughput](throughput.png)", ""]
         names = [r["name"] for r in runs]
-        bar_chart(out / "throughput.png", [f"{r['summary']['mode']}" for r in runs],
-                  {"env steps/s": [r["summary"]["env_steps_per_s"] for r in runs]},
+        listed = in_table_order(runs)
+        bar_chart(out / "throughput.png",
+                  [f"{r['name']}\n{r['summary']['mode']} {r['ratio']}" for r in listed],
+                  {"env steps/s": [r["summary"]["env_steps_per_s"] for r in listed]},
                   "Throughput per run", "env steps/s")
     for name, bench in benches:
         md += [f"## Benchmark `{name}` ({bench.get('workload')} workload, "

@@ -128,3 +128,27 @@ def test_benchmark_bars_draw_the_ideal_bound(tmp_path):
     # the bounds: a black line across each bar (at two heights; the frame spans the width)
     black = (pixels == 0).all(axis=2).sum(axis=1)
     assert ((black > 100) & (black < 400)).sum() >= 2
+
+
+def test_a_bench_file_of_another_benchmark_is_refused_naming_it(tmp_path):
+    """`--bench` takes `hpcvla bench modes --json`; `bench learning`'s (it has `modes` too,
+    of arms) and `bench checkpoint`'s are named, not a traceback."""
+    for name, bench in (("learning.json", {"modes": {"changed": {"runs": []}}}),
+                        ("checkpoint.json", {"arms": {}})):
+        (tmp_path / name).write_text(json.dumps(bench))
+        out = report("--bench", tmp_path / name, "--out", tmp_path / "r")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"{name}: not the JSON of `hpcvla bench modes --json`" in out.stderr
+
+
+def test_a_resumed_starts_records_replace_the_versions_it_trained_again():
+    """A start resumed from version 2 behind records up to 4 (a crash between checkpoints):
+    its records stand for versions 3 and 4, as TensorBoard's purge keeps them."""
+    from hpcvla.metrics.progress import standing_records
+    first = [{"update": u, "from_version": 0, "start": 1} for u in (1, 2, 3, 4)]
+    second = [{"update": u, "from_version": 2, "start": 2} for u in (3, 4, 5)]
+    third = [{"update": 6, "from_version": 5, "start": 3}]
+    kept = standing_records(first + second + third)
+    assert [(r["update"], r["start"]) for r in kept] == [(1, 1), (2, 1), (3, 2), (4, 2),
+                                                         (5, 2), (6, 3)]
+    assert standing_records(first) == first

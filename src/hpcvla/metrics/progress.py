@@ -185,3 +185,17 @@ def figure(value: float | None) -> str:
     """A rolling figure as the progress and final lines print it: `-` before any episode
     ended."""
     return "-" if value is None else f"{value:.2f}"
+
+
+def standing_records(records: list[dict]) -> list[dict]:
+    """The metrics.jsonl records (in file order) that stand: a start that resumed behind the
+    versions logged (a crash between checkpoints) trained those versions again, and its
+    records (a smaller `from_version` than the last record's `update`) replace the earlier
+    start's from its `from_version` on, as TensorBoard's purge does (`resumed_at`)."""
+    out: list[dict] = []
+    for record in records:
+        start = record.get("from_version")
+        if out and start is not None and start != out[-1].get("from_version"):
+            out = [r for r in out if r.get("update", 0) <= start]
+        out.append(record)
+    return out
