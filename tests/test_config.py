@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from hpcvla.config import Config, ConfigError, describe_settings, dump_config, load_config
 from hpcvla.config.loader import config_to_dict, recorded
-from helpers import without_launcher
+from helpers import hpcvla, without_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -297,3 +297,19 @@ def test_a_world_hpcvla_train_started_does_not_check_again_what_it_checked(monke
     monkeypatch.setenv(preflight.LAUNCH_CHECKED, "elsewhere:" + token.split(":", 1)[1])
     preflight.check_world(cfg, plan, "config")  # checked on another host
     assert len(checked) == 5
+
+
+@pytest.mark.mpi
+def test_every_command_resolves_a_resume_without_a_config_to_the_runs_own(tmp_path):
+    """`hpcvla config run.resume=DIR` (and doctor, plan) show what `hpcvla train
+    run.resume=DIR` would run: the config the run last ran with, not the built-in default."""
+    from hpcvla.config import load_config
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("env: {envs_per_simulator: 4}\npipeline: {total_updates: 7}\n")
+    cfg = load_config(None, [f"run.resume={run}"])
+    assert cfg.pipeline.total_updates == 7 and cfg.env.envs_per_simulator == 4
+    (run / "config.resume-20261205-000000.yaml").write_text("pipeline: {total_updates: 9}\n")
+    assert load_config(None, [f"run.resume={run}"]).pipeline.total_updates == 9
+    out = hpcvla("config", f"run.resume={run}")
+    assert out.returncode == 0 and "total_updates: 9" in out.stdout, out.stderr

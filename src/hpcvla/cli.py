@@ -214,8 +214,8 @@ def _refused(command: str, why) -> int:
 
 
 def cmd_train(args) -> int:
-    if args.config is None:  # resuming without a config: the run's own, overrides on top
-        args.config = resumed_run_config(args.overrides)
+    if args.config is None:  # resuming without a config: the run's own (load_config's rule),
+        args.config = resumed_run_config(args.overrides)  # named for the ranks' command line
     cfg = load_config(args.config, args.overrides)
     source = config_source(args.config, args.overrides)
     from hpcvla import preflight  # packages, files and devices this config needs

@@ -62,8 +62,11 @@ def whole_number(least: int):
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Read `path` (None = built-in defaults), apply `key.sub=value` overrides, check all."""
+    """Read `path` (None = built-in defaults, or with `run.resume=DIR` the config that run last
+    ran with, as every command resolves it), apply `key.sub=value` overrides, check all."""
     data: dict = {}
+    if path is None:
+        path = resumed_run_config(list(overrides))
     source = config_source(path, overrides)
     if path is not None:
         try:
