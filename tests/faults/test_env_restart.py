@@ -171,7 +171,7 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
                                         for e in ledger.values()), ledger
         (inference,) = [r for r in summary["per_rank"] if r["role"] == "inference"]
         trained = sum(e["groups"] for e in ledger.values())
-        assert inference["segments_sent"] == (trained + learner["unused_segments"]) * 8
+        assert inference["segments_sent"] == (trained + learner["unused_segment_groups"]) * 8
     assert "done:" in out.stdout
     # the episodes the fault ended: truncated by an env fault, not failures of the policy;
     # the learners saw them (masked, roles/learner.py) and left them out of the success rate

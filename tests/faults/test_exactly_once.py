@@ -101,7 +101,7 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
     assert trained * per_group == (updates - resumed) * 32 == \
         sum(summary["staleness_hist"].values())
     # what this world's producer sent = trained + drained unused at the end
-    assert inference["segments_sent"] == (trained + learner["unused_segments"]) * per_group
+    assert inference["segments_sent"] == (trained + learner["unused_segment_groups"]) * per_group
     assert learner["ring"]["bad_slots"] == 0 and learner["ring"]["lost_records"] == 0
 
 

@@ -93,7 +93,7 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     stats["nonfinite_steps_skipped"] = engine.skipped
     stats["trained_groups"] = queues.ledger()
     # unused: what the queues took from the ring for no version, and what came after
-    stats["unused_segments"] = queues.leftover() + _drain(ring, len(plan.producers_of(me.rank)))
+    stats["unused_segment_groups"] = queues.leftover() + _drain(ring, len(plan.producers_of(me.rank)))
     if inbox:
         inbox.wait_last()
     stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
