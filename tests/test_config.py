@@ -313,3 +313,43 @@ def test_every_command_resolves_a_resume_without_a_config_to_the_runs_own(tmp_pa
     assert load_config(None, [f"run.resume={run}"]).pipeline.total_updates == 9
     out = hpcvla("config", f"run.resume={run}")
     assert out.returncode == 0 and "total_updates: 9" in out.stdout, out.stderr
+
+
+def test_one_key_of_a_mapping_setting_keeps_the_defaults_other_keys():
+    """`placement.per_node.learner=2` over the built-in defaults (which spell per_node out
+    nowhere) changes the learners only (it dropped the simulators and inference ranks)."""
+    cfg = load_config(None, ["placement.per_node.learner=2"])
+    assert cfg.placement.per_node == {"simulator": 2, "inference": 1, "learner": 2}
+    whole = load_config(None, ["placement.per_node={simulator: 3, inference: 1, learner: 1}"])
+    assert whole.placement.per_node == {"simulator": 3, "inference": 1, "learner": 1}
+
+
+def test_a_section_given_twice_in_a_file_is_refused_naming_both_lines(tmp_path):
+    """YAML keeps the last of two `learner:` sections silently (the first's zero_stage lost)."""
+    path = tmp_path / "twice.yaml"
+    path.write_text("learner:\n  zero_stage: 3\npipeline: {total_updates: 3}\nlearner:\n"
+                    "  epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"`learner` given twice \(lines 1 and 4\)"):
+        load_config(path)
+
+
+def test_a_step_timeout_in_milliseconds_is_refused():
+    with pytest.raises(ConfigError, match=r"env.step_timeout_s = 0.001: expected 0 \(no "
+                                          r"watchdog\) or at least 1 \(seconds\)"):
+        load_config(None, ["env.step_timeout_s=0.001"])
+    assert load_config(None, ["env.step_timeout_s=0"]).env.step_timeout_s == 0
+
+
+@pytest.mark.parametrize("text,kind", [("123", "int"), ("[]", "list"), ('"a"', "str")])
+def test_a_pretrained_config_json_that_is_not_an_object_is_named(tmp_path, text, kind):
+    """A truncated or foreign config.json that is valid JSON but no object: the folder check
+    names it (it was a traceback)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hpcvla.preflight import pretrained_problems
+    save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(text)
+    cfg = load_config(None, ["policy.name=flow", f"policy.pretrained={tmp_path}"])
+    [(field, _, why)] = pretrained_problems(cfg.policy, cfg.env)
+    assert field == "policy.pretrained" and f"not a JSON object (it holds a {kind})" in why

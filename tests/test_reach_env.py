@@ -287,5 +287,10 @@ def test_a_reward_choice_reach_would_not_make_is_refused():
     from hpcvla.envs import check_env
     from helpers import ROOT
     check_env(load_config(ROOT / "configs/default.yaml"))  # the default: accepted
-    with pytest.raises(ConfigError, match=r"env.reward = 'dense': expected sparse, its default"):
+    with pytest.raises(ConfigError, match=r"env.reward = 'dense': expected 'sparse', its default"):
         check_env(load_config(ROOT / "configs/default.yaml", ["env.reward=dense"]))
+    # a real simulator's setting without env.name (forgotten): refused, not a reach run
+    for setting, value in (("suite", "libero_10"), ("task", "PushCube-v1"),
+                           ("wrist_image", "true")):
+        with pytest.raises(ConfigError, match=rf"env.{setting} = .*reach does not read"):
+            check_env(load_config(ROOT / "configs/default.yaml", [f"env.{setting}={value}"]))

@@ -11,7 +11,6 @@ Each problem is (field, value, what would be valid), reported together as one Co
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import socket
 import tempfile
@@ -165,8 +164,8 @@ def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = Fals
 def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     """A pretrained folder's weights, its tokenizer and statistics, and (oft) whether the
     configured env and policy run it as it was trained."""
-    from hpcvla.policies.folders import (foreign_layout, is_hpcvla_folder, own_folder_problems,
-                                         tensor_shapes)
+    from hpcvla.policies.folders import (config_json, foreign_layout, is_hpcvla_folder,
+                                         own_folder_problems, tensor_shapes)
     from hpcvla.policies.registry import POLICIES
     folder, layout = policy.pretrained, foreign_layout(policy.pretrained)
     if not any((Path(folder) / name).is_file()
@@ -180,7 +179,7 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
         return [("policy.pretrained", folder, f"a folder whose files can be read: {err}"
                  + (f"; it holds {layout}" if layout else ""))]
     if ours:  # written by save_pretrained (e.g. `hpcvla sft`'s policy/)
-        saved = json.loads((Path(folder) / "config.json").read_text())["hpcvla_policy"]
+        saved = config_json(folder)["hpcvla_policy"]
         if saved != policy.name:
             return [("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
         problems = own_folder_problems(policy, folder)  # its config.json says all

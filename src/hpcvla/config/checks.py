@@ -32,6 +32,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.learner.backend == "horovod" and vla and cfg.policy.dtype == "bfloat16":  # `auto` is judged on the machine (preflight.py)
         problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                          "learner.backend=horovod (no fp32 masters for bf16 weights)"))
+    if 0 < cfg.env.step_timeout_s < 1:  # seconds: a millisecond figure would kill each step
+        problems.append(("env.step_timeout_s", cfg.env.step_timeout_s,
+                         "0 (no watchdog) or at least 1 (seconds): more than the slowest "
+                         "legitimate step, resets included"))
     problems += _held_out_problems(cfg)
     problems += _sft_problems(cfg)
     for name in ("learner_nodes", "learners", "evaluators"):

@@ -61,6 +61,27 @@ def whole_number(least: int):
     return parse
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key a mapping gives twice: PyYAML keeps the last one
+    silently (a second `learner:` section would drop the first one's settings)."""
+
+
+def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
+    lines: dict = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in lines:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"`{key}` given twice (lines {lines[key]} and "
+                f"{key_node.start_mark.line + 1}); YAML would keep only the last: merge them",
+                key_node.start_mark)
+        lines[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Read `path` (None = built-in defaults, or with `run.resume=DIR` the config that run last
     ran with, as every command resolves it), apply `key.sub=value` overrides, check all."""
@@ -78,7 +99,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError([("config file", str(path), f"UTF-8 text, as YAML is (byte "
                                 f"{err.start}: {err.reason})")], str(path)) from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeys) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
@@ -118,13 +139,31 @@ def _apply_override(data: dict, item: str, problems: list) -> None:
         value = raw
     *parents, leaf = key.split(".")
     node = data
-    for part in parents:
-        child = node.setdefault(part, {})
+    for depth, part in enumerate(parents):
+        # one key of a mapping setting the config leaves at its default (placement.per_node.
+        # learner=2): the default's other keys stay
+        child = node.setdefault(part, _mapping_default(parents[:depth + 1]))
         if not isinstance(child, dict):
             problems.append((key, item, f"`{part}` to be a section, it is {child!r}"))
             return
         node = child
     node[leaf] = value
+
+
+def _mapping_default(path: list[str]) -> dict:
+    """A copy of the default of the mapping setting at `path` (e.g. placement.per_node), {} for
+    a section or anything else."""
+    cls: Any = Config
+    for part in path:
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
+            else {}
+        if part not in fields:
+            return {}
+        f = fields[part]
+        cls = typing.get_type_hints(cls)[part]
+    if typing.get_origin(cls) is dict and f.default_factory is not dataclasses.MISSING:
+        return dict(f.default_factory())
+    return {}
 
 
 def _nearest(key: str, fields) -> str:

@@ -98,12 +98,20 @@ def _sample_layout(rng: np.random.Generator, num_objects: int):
 class ReachEnv(VectorEnv):
     """Vectorized "reach the <colour> object" task; see the module docstring."""
 
+    # the real simulators' settings: set on reach, they would be silently not read (a
+    # forgotten env.name trains reach), so they are refused
+    FOREIGN = {"reward": "ManiSkill's reward (reach has one of its own: progress + 1 on "
+               "success)", "task": "ManiSkill's task", "suite": "LIBERO's suite",
+               "suite_task": "LIBERO's task", "state_format": "LIBERO's state",
+               "wrist_image": "the real simulators' wrist camera"}
+
     @classmethod
     def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
-        if env_cfg.reward != "sparse":  # a choice this task would silently not make
-            return [("env.reward", env_cfg.reward, "sparse, its default: reach has one reward "
-                     "of its own (progress + 1 on success); the choice is ManiSkill's")]
-        return []
+        default = type(env_cfg)()
+        return [(f"env.{key}", getattr(env_cfg, key), f"{getattr(default, key)!r}, its "
+                 f"default: it sets {what}, which reach does not read (env.name=maniskill or "
+                 "libero runs them)") for key, what in cls.FOREIGN.items()
+                if getattr(env_cfg, key) != getattr(default, key)]
 
     @classmethod
     def config_kwargs(cls, env_cfg) -> dict:

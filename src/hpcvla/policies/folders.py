@@ -130,15 +130,24 @@ def tensor_shapes(path) -> dict[str, tuple]:
     return shapes
 
 
+def config_json(folder) -> dict:
+    """A folder's config.json, {} where it has none; ValueError naming the file where it is
+    not a JSON object (a syntax error, bytes that are not UTF-8, a list or a number)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: not a JSON object (it holds a {type(config).__name__})")
+    return config
+
+
 def is_hpcvla_folder(folder) -> bool:
     """Whether `folder` was written by hpcvla (save_pretrained), not published by a reference."""
-    config = Path(folder) / "config.json"
-    if not config.is_file():
-        return False
-    try:
-        return "hpcvla_policy" in json.loads(config.read_text())
-    except ValueError as err:  # JSON syntax, or bytes that are not UTF-8
-        raise ValueError(f"{config}: not valid JSON ({err})") from None
+    return "hpcvla_policy" in config_json(folder)
 
 
 # How a folder hpcvla wrote was trained to see its inputs: a config must not say otherwise
@@ -150,7 +159,7 @@ def own_folder_problems(policy_cfg, folder) -> list[tuple[str, object, str]]:
     FOLDER_RECIPE_UNSET: such a folder reads the env's fields as they are; FIXED_BY_FOLDER
     against its config.json's kwargs), as config problems."""
     from hpcvla.config.families import FOLDER_RECIPE_UNSET
-    saved = json.loads((Path(folder) / "config.json").read_text()).get("kwargs", {})
+    saved = config_json(folder).get("kwargs", {})
     problems: list[tuple[str, object, str]] = [
         (f"policy.{name}", getattr(policy_cfg, name), f"{unset} for a folder hpcvla wrote "
          "(its config.json says how it acts)") for name, unset in FOLDER_RECIPE_UNSET.items()
@@ -168,9 +177,7 @@ def checkpoint_kwargs(policy_cls, path) -> dict:
     if policy_cls.checkpoint_kwargs is None:
         return {}
     shapes = from_layout(tensor_shapes(path), {"root": policy_cls.HF_LAYOUT.get("root", "")})
-    config = Path(path) / "config.json"
-    return policy_cls.checkpoint_kwargs(
-        shapes, json.loads(config.read_text()) if config.is_file() else {})
+    return policy_cls.checkpoint_kwargs(shapes, config_json(path))
 
 
 def from_layout(tensors: dict[str, torch.Tensor], layout: dict) -> dict:

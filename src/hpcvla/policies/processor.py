@@ -50,14 +50,13 @@ pipeline records, the env's action (`actions_out`), which scoring maps back: an 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hpcvla.policies.folders import is_hpcvla_folder
+from hpcvla.policies.folders import config_json, is_hpcvla_folder
 from hpcvla.policies.norm_stats import AssetChoice, lerobot_steps, openpi_stats
 from hpcvla.text import detokenize
 
@@ -154,7 +153,7 @@ class CheckpointProcessor:
             action = affine(modes.get("ACTION", "IDENTITY"), stats["action"], eps, False,
                             action_dim, folder, "action")
             prompt = variant if pi05_state != "none" else "openpi_pi0"
-            config = _config_json(folder)
+            config = config_json(folder)
             width = config.get("max_state_dim", 32) if pi05_state == "prompt_padded" else None
             wrist_first = _wrist_first(config)
         else:
@@ -307,11 +306,6 @@ def _wrist_first(config: dict) -> bool:
     return bool(cameras) and "wrist" in cameras[0].lower()
 
 
-def _config_json(folder) -> dict:
-    path = Path(folder) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def trained_dims(folder, padded: dict, variant: str = "pi0", pi05_state: str = "folder",
                  asset_id: str = "") -> dict[str, int | None]:
     """The state and action dims a published folder was trained on, before the model pads
@@ -323,7 +317,7 @@ def trained_dims(folder, padded: dict, variant: str = "pi0", pi05_state: str = "
     if variant == "pi05" and pi05_state == "none":
         return {**trained_dims(folder, padded, asset_id=asset_id), "state_dim": None}
     if (folder / "policy_preprocessor.json").is_file():
-        config = _config_json(folder)
+        config = config_json(folder)
         features = {**config.get("input_features", {}), **config.get("output_features", {})}
         shape = {key: (features.get(name) or {}).get("shape") or [None]
                  for key, name in (("state_dim", "observation.state"), ("action_dim", "action"))}

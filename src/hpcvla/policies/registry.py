@@ -4,7 +4,6 @@ counting a preset's parameters). Above the families: they never import it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from hpcvla.policies.base import Policy
 from hpcvla.policies.default import DefaultPolicy
 from hpcvla.policies.flow import FlowPolicy
-from hpcvla.policies.folders import load_weights
+from hpcvla.policies.folders import config_json, load_weights
 from hpcvla.policies.oft import OFTPolicy
 from hpcvla.policies.tokens import ActionTokenPolicy
 
@@ -45,7 +44,7 @@ def load_pretrained(folder, **overrides):
     """Rebuild the policy `config.json` describes and load its weights into it.
     `overrides` replace constructor arguments (e.g. logprob_granularity, train_expert_only)."""
     folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text())
+    config = config_json(folder)
     name = config.get("hpcvla_policy")
     if name not in POLICIES:
         raise ValueError(f"{folder / 'config.json'}: hpcvla_policy {name!r} is not one of "
