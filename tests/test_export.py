@@ -221,6 +221,14 @@ def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
                            + re.escape(str(tmp_path / "config.yaml"))):
             export_policy(moved, tmp_path, tmp_path / "out", layout)
     assert not (tmp_path / "out").exists()
+    # a folder holding files (an earlier sharded export's index would win over the new
+    # weights): refused, named, before anything is built
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"out: a new or empty folder to write the policy in "
+                       r"\(it holds model.safetensors.index.json\)"):
+        export_policy(load_config("configs/reach_flow.yaml"), tmp_path, tmp_path / "out",
+                      "hpcvla")
 
 
 def test_written_weights_get_the_umasks_mode(tmp_path):

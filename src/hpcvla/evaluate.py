@@ -363,6 +363,11 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     why = unwritable(out)
     if why:
         raise ValueError(f"{out}: a folder to write the policy in ({why})")
+    held = sorted(p.name for p in Path(out).iterdir()) if Path(out).is_dir() else []
+    if held:  # files left there would be read beside the export's (an index wins over them)
+        raise ValueError(f"{out}: a new or empty folder to write the policy in (it holds "
+                         f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); choose "
+                         "another, or empty it")
     source = cfg.policy.pretrained
     moved = pretrained_problems(cfg.policy, cfg.env) if source else []
     if moved:  # the folder the run was built from: gone, or not what it was
