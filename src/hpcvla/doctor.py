@@ -81,10 +81,11 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     order a job needs them; `world`: the job's ranks and ranks per node, where known; `envs`:
     eval's per rank. Eval shares nothing in /dev/shm, makes no windows, and writes no
     checkpoints: those checks are train's and sft's."""
+    from hpcvla.envs import env_problems
     from hpcvla.preflight import config_problems
 
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
-    problems = [p for p in config_problems(cfg, last)
+    problems = [p for p in config_problems(cfg, last) + env_problems(cfg)
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's
     unbuilt = []
     try:

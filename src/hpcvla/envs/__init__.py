@@ -12,8 +12,8 @@ from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_class,
                                   make_env, probe_spec)
 
 __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
-           "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_spec",
-           "env_uses_gpu", "make_env", "oracle_actions", "spec_needs_a_simulator"]
+           "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_problems",
+           "env_spec", "env_uses_gpu", "make_env", "oracle_actions", "spec_needs_a_simulator"]
 
 
 def env_spec(env_cfg) -> EnvSpec:
@@ -43,19 +43,21 @@ def env_uses_gpu(env_cfg) -> bool:
     return ENVS[env_cfg.name].uses_gpu(env_cfg)
 
 
-def check_env(cfg) -> None:
-    """Raise a ConfigError, before any rank starts, if the configured simulator is not
-    installed or cannot run the configured task here."""
-    from hpcvla.config import ConfigError
+def env_problems(cfg) -> list[tuple[str, object, str]]:
+    """What stops the configured simulator here, before any rank starts: its package missing,
+    or a task, setting or evaluation protocol it cannot run (as config problems)."""
     env = cfg.env
-    problems = []
     if env.name in SIMULATOR_PACKAGES:
         module, package = SIMULATOR_PACKAGES[env.name]
         if find_spec(module) is None:
-            problems.append(("env.name", env.name, f"a simulator installed here: package "
-                             f"`{package}` is missing; run `make install` (README.md)"))
-    if not problems:  # the package is there: what the simulator itself needs
-        problems += env_class(env).config_problems(env) + \
-            env_class(env).protocol_problems(env, cfg.eval)
+            return [("env.name", env.name, f"a simulator installed here: package "
+                     f"`{package}` is missing; run `make install` (README.md)")]
+    return env_class(env).config_problems(env) + env_class(env).protocol_problems(env, cfg.eval)
+
+
+def check_env(cfg) -> None:
+    """env_problems as a ConfigError."""
+    from hpcvla.config import ConfigError
+    problems = env_problems(cfg)
     if problems:
         raise ConfigError(problems, "env configuration")
