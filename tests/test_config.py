@@ -353,3 +353,13 @@ def test_a_pretrained_config_json_that_is_not_an_object_is_named(tmp_path, text,
     cfg = load_config(None, ["policy.name=flow", f"policy.pretrained={tmp_path}"])
     [(field, _, why)] = pretrained_problems(cfg.policy, cfg.env)
     assert field == "policy.pretrained" and f"not a JSON object (it holds a {kind})" in why
+
+
+def test_a_setting_without_its_value_is_not_only_a_missing_file():
+    """`hpcvla train learner.epochs 4` reads `learner.epochs` as the config file: the error
+    says the setting needs `=VALUE` too."""
+    with pytest.raises(ConfigError, match=r"as a setting it needs a value: learner.epochs=VALUE"):
+        load_config("learner.epochs", ["4"])
+    with pytest.raises(ConfigError) as err:
+        load_config("missing.yaml")
+    assert "needs a value" not in str(err.value)

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import time
 import typing
 from pathlib import Path
@@ -25,11 +26,13 @@ from hpcvla.config.schema import Config
 
 
 class ConfigError(ValueError):
-    """Bad configuration. The message has one line per problem: field, value, what is valid."""
+    """Bad configuration. The message has one line per problem: field, value (None: a problem
+    of the field as a whole, e.g. a file that is missing), what is valid."""
 
     def __init__(self, problems: list[tuple[str, Any, str]], source: str = "config"):
         self.problems = problems
-        lines = [f"  {name} = {value!r}: expected {valid}" for name, value, valid in problems]
+        lines = [f"  {name}{'' if value is None else f' = {value!r}'}: expected {valid}"
+                 for name, value, valid in problems]
         super().__init__(f"invalid {source}:\n" + "\n".join(lines))
 
 
@@ -92,9 +95,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     if path is not None:
         try:
             text = Path(path).read_text()
-        except OSError as err:
-            raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})")],
-                              str(path)) from None
+        except OSError as err:  # `hpcvla train learner.epochs 4`: a setting's `=` forgotten?
+            setting = re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", str(path)) and \
+                str(path).split(".")[0] in {f.name for f in dataclasses.fields(Config)}
+            raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})"
+                                + (f"; as a setting it needs a value: {path}=VALUE"
+                                   if setting else ""))], str(path)) from None
         except UnicodeDecodeError as err:  # a binary file, or text in another encoding
             raise ConfigError([("config file", str(path), f"UTF-8 text, as YAML is (byte "
                                 f"{err.start}: {err.reason})")], str(path)) from None

@@ -46,7 +46,7 @@ class Problems:
         if seen is not None:
             seen[3] += 1
             return
-        item = [f"{path}:{key}", value, fix, 0]
+        item = [f"{path}:{key}" if key else str(path), value, fix, 0]
         self._seen[(str(path), fix)] = item
         self.items.append(item)
 
