@@ -363,3 +363,14 @@ def test_a_setting_without_its_value_is_not_only_a_missing_file():
     with pytest.raises(ConfigError) as err:
         load_config("missing.yaml")
     assert "needs a value" not in str(err.value)
+
+
+def test_a_text_setting_takes_what_was_typed():
+    """YAML 1.1 reads `off` as false and `1.5` as a number: a text setting gets the text, so
+    `run.wandb=off` is named with its choices (it said `False: expected a str`)."""
+    assert load_config(None, ["run.name=1.5"]).run.name == "1.5"
+    assert load_config(None, ["run.name=yes"]).run.name == "yes"
+    with pytest.raises(ConfigError, match=r"run.wandb = 'off': expected one of disabled, "
+                                          r"offline, online"):
+        load_config(None, ["run.wandb=off"])
+    assert load_config(None, ["learner.epochs=4"]).learner.epochs == 4

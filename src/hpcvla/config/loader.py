@@ -144,6 +144,8 @@ def _apply_override(data: dict, item: str, problems: list) -> None:
     except yaml.YAMLError:
         value = raw
     *parents, leaf = key.split(".")
+    if not isinstance(value, str) and _setting_at(key.split("."))[0] is str:
+        value = raw  # YAML 1.1 reads `off`, `yes`, `1.5`: a text setting takes what was typed
     node = data
     for depth, part in enumerate(parents):
         # one key of a mapping setting the config leaves at its default (placement.per_node.
@@ -156,19 +158,25 @@ def _apply_override(data: dict, item: str, problems: list) -> None:
     node[leaf] = value
 
 
-def _mapping_default(path: list[str]) -> dict:
-    """A copy of the default of the mapping setting at `path` (e.g. placement.per_node), {} for
-    a section or anything else."""
+def _setting_at(path: list[str]) -> tuple[Any, Any]:
+    """(type, dataclass field) of the setting or section at `path`; (None, None) if none."""
     cls: Any = Config
+    field = None
     for part in path:
         fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) \
             else {}
         if part not in fields:
-            return {}
-        f = fields[part]
-        cls = typing.get_type_hints(cls)[part]
-    if typing.get_origin(cls) is dict and f.default_factory is not dataclasses.MISSING:
-        return dict(f.default_factory())
+            return None, None
+        field, cls = fields[part], typing.get_type_hints(cls)[part]
+    return cls, field
+
+
+def _mapping_default(path: list[str]) -> dict:
+    """A copy of the default of the mapping setting at `path` (e.g. placement.per_node), {} for
+    a section or anything else."""
+    kind, field = _setting_at(path)
+    if typing.get_origin(kind) is dict and field.default_factory is not dataclasses.MISSING:
+        return dict(field.default_factory())
     return {}
 
 
