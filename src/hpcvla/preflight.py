@@ -170,8 +170,12 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
     folder, layout = policy.pretrained, foreign_layout(policy.pretrained)
     if not any((Path(folder) / name).is_file()
                for name in ("model.safetensors", "model.safetensors.index.json")):
+        where = Path(folder)
+        found = "" if where.is_dir() else "; it is a file" if where.exists() else \
+            "; nothing is there"
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
-                 "sharded model.safetensors.index.json)" + (f", not {layout}" if layout else ""))]
+                 "sharded model.safetensors.index.json)" + (f", not {layout}" if layout else "")
+                 + found)]
     try:  # every weight file's header (a sharded index's every shard), and config.json
         tensor_shapes(folder)
         ours = is_hpcvla_folder(folder)

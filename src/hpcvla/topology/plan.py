@@ -136,7 +136,9 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
                         "must be >= 1")
     if world_size % ranks_per_node:
         raise PlanError(f"world size {world_size} is not a multiple of ranks per node "
-                        f"{ranks_per_node}: every node must hold the same number of ranks")
+                        f"{ranks_per_node}: every node must hold the same number of ranks "
+                        "(set placement.ranks_per_node to a divisor of the world, or start a "
+                        "multiple of it: --ranks, the job's tasks)")
     num_nodes = world_size // ranks_per_node
     if mode == "colocated":
         return _colocated(world_size, ranks_per_node)
