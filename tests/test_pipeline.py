@@ -285,6 +285,17 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
     assert len(records) > lines and records[lines]["trained_env_steps"] > \
         records[lines - 1]["trained_env_steps"]  # counters continue, not restart
     assert list(run_dir.glob("config.resume-*.yaml"))
+    # a damaged newest checkpoint: the rank that reads it takes the world down naming the
+    # file and the fix, without a traceback (its message says all)
+    model = run_dir / "checkpoints" / "v000005" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-100] ^= 0xFF
+    model.write_bytes(bytes(data))
+    out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
+                 "pipeline.total_updates=6", *extra, timeout=400)
+    assert out.returncode != 0 and "checksum mismatch" in out.stderr, out.stderr[-3000:]
+    assert "move v000005 out of" in out.stderr and "Traceback" not in out.stderr, \
+        out.stderr[-3000:]
 
 
 @pytest.mark.mpi

@@ -190,9 +190,11 @@ def _or_abort(world, role: str, node: int, main) -> None:
     except BaseException as err:  # noqa: BLE001 - any failure must take the world down
         if isinstance(err, SystemExit) and not err.code or isinstance(err, Refused):
             raise
+        from hpcvla.checkpoint.catalog import CheckpointError
+        # a damaged or missing checkpoint says all in its message (the file and the fix)
+        detail = "" if isinstance(err, CheckpointError) else traceback.format_exc()
         deathwatch.abort_world(world, rank, f"hpcvla: rank {rank} ({role}) on node {node} "
-                               f"(host {MPI.Get_processor_name()}) failed: {err!r}", 1,
-                               traceback.format_exc())
+                               f"(host {MPI.Get_processor_name()}) failed: {err!r}", 1, detail)
 
 
 def create_run_dir(cfg, world) -> Path:
