@@ -93,7 +93,8 @@ class StepResult(NamedTuple):
     # int32, the chunk's primitive steps each env's episode ran: chunk_len, or fewer where the
     # episode ended inside the chunk (a success; eval's step limit), 0 where none ran (an env
     # fault before the chunk). Dumps sum them (an episode's `env_steps`), so that a reader
-    # knows which of its last chunk's actions ran. None: chunk_len for every env.
+    # knows which of its last chunk's actions ran. Every env gives them (the default is for
+    # the field's place after the optional ones).
     chunk_steps: np.ndarray | None = None
 
 

@@ -16,9 +16,9 @@ import torch
 
 from hpcvla.emulate import pad
 from hpcvla.engines import full_state
+from hpcvla.envs.base import final_observations, horizon_cut
 from hpcvla.process.watchdog import deadline, step_deadline_s
 from hpcvla.roles.learner import learn
-from hpcvla.envs.base import final_observations, horizon_cut
 from hpcvla.roles.segments import SegmentBuilder, outcome_of, truncation_values
 from hpcvla.roles.setup import RoleSetup
 
