@@ -82,8 +82,10 @@ def plan_devices(plan, gpus_per_node: int, sim_gpu: bool) -> dict[int, str]:
     `hpcvla plan` shows; a run detects what each rank really sees)."""
     visible = tuple(str(i) for i in range(gpus_per_node))
     out = {}
-    for node in range(plan.num_nodes):
-        infos = [i for i in plan.ranks if i.node == node]
+    by_node: dict[int, list] = {}
+    for info in plan.ranks:  # one pass: a plan of 10^5 ranks is a typo's, not a wait's
+        by_node.setdefault(info.node, []).append(info)
+    for infos in by_node.values():
         gpus = assign_node([i.roles for i in infos], [visible] * len(infos), sim_gpu)
         out.update({i.rank: "cpu" if g is None else f"cuda:{g}" for i, g in zip(infos, gpus)})
     return out

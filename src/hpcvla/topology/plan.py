@@ -28,6 +28,7 @@ here and by `hpcvla plan`, but `hpcvla train` refuses it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 SIM, INF, LEARN, EVAL, SPARE = "simulator", "inference", "learner", "evaluator", "spare"
 
@@ -82,7 +83,15 @@ class RankPlan:
         return tuple(info.rank for info in self.ranks if role in info.roles)
 
     def producers_of(self, learner: int) -> tuple[int, ...]:
-        return tuple(sorted(p for p, dst in self.feeds.items() if dst == learner))
+        return self._producers.get(learner, ())
+
+    @cached_property
+    def _producers(self) -> dict[int, tuple[int, ...]]:
+        """Each learner's producers, found in one pass over the feeds."""
+        out: dict[int, list[int]] = {}
+        for producer, learner in sorted(self.feeds.items()):
+            out.setdefault(learner, []).append(producer)
+        return {learner: tuple(ps) for learner, ps in out.items()}
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -108,11 +117,12 @@ class RankPlan:
             + (f"{'device':<7} " if devices else "")
             + "".join(f"{h:>{w}}  " for h, w in extra.items()) + "notes",
         ]
+        leaders = set(self.node_leaders)
         for info in self.ranks:
             notes = []
             if info.rank == self.weight_root:
                 notes.append("weight root")
-            if info.rank in self.node_leaders:
+            if info.rank in leaders:
                 notes.append("node leader")
             cell = "-" if info.cell is None else str(info.cell)
             feeds = str(self.feeds[info.rank]) if info.rank in self.feeds else "-"
