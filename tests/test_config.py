@@ -374,3 +374,16 @@ def test_a_text_setting_takes_what_was_typed():
                                           r"offline, online"):
         load_config(None, ["run.wandb=off"])
     assert load_config(None, ["learner.epochs=4"]).learner.epochs == 4
+
+
+def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
+    """`policy.size=full` on the built-in default policy trained the small CNN silently;
+    typed on the command line, a setting the chosen family does not read is refused. A
+    config file's settings of another family stay (switching families by policy.name)."""
+    with pytest.raises(ConfigError, match=r"policy.size = 'full': expected none: policy.name="
+                                          r"default does not read it \(flow, tokens, oft do\)"):
+        load_config(None, ["policy.size=full"])
+    with pytest.raises(ConfigError, match=r"policy.denoise_steps = 3: .*\(flow does\)"):
+        load_config("configs/reach_tokens.yaml", ["policy.denoise_steps=3"])
+    switched = load_config("configs/reach_flow.yaml", ["policy.name=oft", "policy.size=tiny"])
+    assert switched.policy.name == "oft" and switched.policy.denoise_steps == 4

@@ -9,8 +9,8 @@ import math
 import re
 from typing import Any
 
-from hpcvla.config.families import (EE_DELTA_CONTROL, FOLDER_RECIPE_UNSET, SQUASHED_LOG_STD,
-                                    family, simulator)
+from hpcvla.config.families import (EE_DELTA_CONTROL, FAMILIES, FOLDER_RECIPE_UNSET,
+                                    SQUASHED_LOG_STD, family, simulator)
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
@@ -231,4 +231,23 @@ def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
     if ev.video_every and not cfg.env.camera:
         problems.append(("eval.video_every", ev.video_every, "0 with env.camera=false (no "
                          "camera to film)"))
+    return problems
+
+
+def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
+    """Family settings typed on the command line (`policy.size=full`) that the chosen family
+    does not read (FamilyTraits.settings): refused, not silently ignored. A config file's stay
+    (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread)."""
+    some = {name for traits in FAMILIES.values() for name in traits.settings}
+    read = set(family(cfg.policy.name).settings)
+    problems = []
+    for item in overrides:
+        key = item.partition("=")[0]
+        section, _, name = key.partition(".")
+        if section == "policy" and name in some - read:
+            readers = [n for n, traits in FAMILIES.items() if name in traits.settings]
+            problems.append((key, getattr(cfg.policy, name), f"none: policy.name="
+                             f"{cfg.policy.name} does not read it ({', '.join(readers)} "
+                             f"do{'es' if len(readers) == 1 else ''}); drop it, or set "
+                             "policy.name"))
     return problems

@@ -31,6 +31,9 @@ class FamilyTraits:
     action_heads: tuple[str, ...] = ()
     # the gripper convention of its published LIBERO checkpoints (env.gripper_action)
     libero_gripper: str = "closed_high"
+    # the policy.* settings its constructor reads (its class's `config_fields`); a setting of
+    # another family's typed on the command line for this one is refused (config/checks.py)
+    settings: tuple[str, ...] = ()
 
 
 # The settings of how a published folder was trained that it may not record (policy.*, their
@@ -44,12 +47,17 @@ FOLDER_RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder", "asset_i
 # enough for the hardest state. policy.init_log_std must lie inside it.
 SQUASHED_LOG_STD = (-5.0, 2.0)
 
+_VLA = ("size", "logprob_granularity", "dtype", "init_log_std")
 FAMILIES = {
-    "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True),
-    "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True),
-    "tokens": FamilyTraits(vla=True, relative_actions=False),
+    "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True,
+                            settings=("hidden", "init_log_std")),
+    "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True, settings=(
+        *_VLA, "denoise_steps", "train_expert_only", "logprob_mode", "variant", "hidden")),
+    "tokens": FamilyTraits(vla=True, relative_actions=False, settings=_VLA),
     "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=("tokens", "l1"),
-                        libero_gripper="open_high"),
+                        libero_gripper="open_high", settings=(
+                            *_VLA, "temperature", "unnorm_key", "max_prompt_length", "sequence",
+                            "action_head", "center_crop")),
 }
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from hpcvla.config.checks import cross_field_problems
+from hpcvla.config.checks import cross_field_problems, unread_override_problems
 from hpcvla.config.schema import Config
 
 
@@ -128,7 +128,7 @@ def _checked(data: dict, overrides: list[str], source: str) -> Config:
         _apply_override(data, item, problems)
     cfg = _build(Config, data, "", problems)
     if not problems:
-        problems.extend(cross_field_problems(cfg))
+        problems.extend(cross_field_problems(cfg) + unread_override_problems(cfg, overrides))
     if problems:
         raise ConfigError(problems, source)
     return cfg

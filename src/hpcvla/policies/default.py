@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributions import Normal, TransformedDistribution
 
+from hpcvla.config.families import FAMILIES
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
@@ -57,7 +58,7 @@ class DefaultPolicy(SoftCritics, Policy):
     """
 
     family = "default"
-    config_fields = ("hidden", "init_log_std")  # PolicyConfig fields the pipeline passes
+    config_fields = FAMILIES["default"].settings  # PolicyConfig fields the pipeline passes
 
     def __init__(
         self,

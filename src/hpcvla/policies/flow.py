@@ -74,6 +74,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hpcvla.config.families import FAMILIES
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
@@ -109,8 +110,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
     family = "flow"
     imitation_fits_std = False  # flow matching: the velocity alone (base.Policy)
 
-    config_fields = ("size", "denoise_steps", "train_expert_only", "logprob_granularity",
-                     "dtype", "logprob_mode", "init_log_std", "variant", "hidden")
+    config_fields = FAMILIES["flow"].settings
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, logprob_mode: str = "last_step",

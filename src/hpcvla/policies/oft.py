@@ -51,6 +51,7 @@ import copy
 import torch
 from torch import nn
 
+from hpcvla.config.families import FAMILIES
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
@@ -133,9 +134,7 @@ class OFTPolicy(VLAPolicy):
     family = "oft"
     # our own folders: the RL heads may be fresh
     HF_KEY_MAP = (("value_head.", "rl.value_head."), ("log_std", "rl.log_std"))
-    config_fields = ("size", "logprob_granularity", "dtype", "temperature", "unnorm_key",
-                     "max_prompt_length", "sequence", "init_log_std", "action_head",
-                     "center_crop")
+    config_fields = FAMILIES["oft"].settings
 
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpcvla.config.families import FAMILIES
 from hpcvla.algorithms.granularity import GRANULARITIES, reduce_units
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
@@ -275,7 +276,7 @@ class VLAPolicy(Policy):
 
     family: str
     HF_KEY_MAP: tuple[tuple[str, str], ...] = ()  # (our prefix, checkpoint prefix); first wins
-    config_fields = ("size", "logprob_granularity", "dtype", "init_log_std")  # from PolicyConfig
+    config_fields = FAMILIES["tokens"].settings  # the VLA families' common ones
 
     @classmethod
     def resolved_size(cls, size: str, obs_spec: dict, vocab_size: int) -> dict | None:
