@@ -47,6 +47,7 @@ def _groups(count: int, rng) -> list[dict]:
             "value": np.zeros((STEPS, ENVS), np.float32),
             "episode_return": np.zeros((STEPS, ENVS), np.float32),
             "truncation_value": np.zeros((STEPS, ENVS), np.float32),
+            "chunk_steps": np.full((STEPS, ENVS), 10, np.int32),  # the actions' chunk of 10
             "version": np.full(STEPS, i, np.int64), "meta": np.array([0, 0, i, ENVS, i])})
     return groups
 
