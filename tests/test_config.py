@@ -387,3 +387,11 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
         load_config("configs/reach_tokens.yaml", ["policy.denoise_steps=3"])
     switched = load_config("configs/reach_flow.yaml", ["policy.name=oft", "policy.size=tiny"])
     assert switched.policy.name == "oft" and switched.policy.denoise_steps == 4
+    # the algorithm's alike: GRPO's groups under PPO, SAC's buffer under GRPO
+    with pytest.raises(ConfigError, match=r"algorithm.group_size = 4: expected none: algorithm"
+                                          r".name=ppo does not read it \(grpo does\)"):
+        load_config(None, ["algorithm.group_size=4"])
+    with pytest.raises(ConfigError, match=r"algorithm.utd = 2.0: .*\(sac, rlpd do\)"):
+        load_config("configs/reach_grpo.yaml", ["algorithm.utd=2"])
+    assert load_config("configs/maniskill_pushcube.yaml", ["algorithm.name=ppo"]).algorithm \
+        .group_size == 4  # the file's, switching algorithms

@@ -305,8 +305,9 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     from hpcvla.algorithms.objective import policy_loss
     from hpcvla.factory import build_policy
 
-    cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}",
-                                               "algorithm.group_size=2", "env.max_episode_chunks=8"])
+    grouped = ["algorithm.group_size=2"] if algorithm == "grpo" else []
+    cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}", *grouped,
+                                               "env.max_episode_chunks=8"])
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec)
     T, N, rng = 4, 4, np.random.default_rng(0)

@@ -234,20 +234,36 @@ def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
     return problems
 
 
+# The algorithm.* settings only some algorithms read (the others are judged above, or shared)
+ALGORITHM_ONLY = {**dict.fromkeys(("group_size", "group_score", "group_normalize_std",
+                                   "group_loss_mean"), ("grpo",)),
+                  **dict.fromkeys(("bootstrap_truncated", "critic_epochs"), ("ppo",)),
+                  **dict.fromkeys(("replay_capacity", "batch_size", "utd", "tau",
+                                   "learning_starts", "init_temperature", "target_entropy",
+                                   "critic_layer_norm"), ("sac", "rlpd")),
+                  "noise_bound": ("sac",), "demos_per_task": ("rlpd",)}
+
+
 def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
-    """Family settings typed on the command line (`policy.size=full`) that the chosen family
-    does not read (FamilyTraits.settings): refused, not silently ignored. A config file's stay
-    (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread)."""
+    """Settings typed on the command line that the chosen policy family or algorithm does not
+    read (`policy.size=full` on the default policy, FamilyTraits.settings; `algorithm.
+    group_size=4` under PPO, ALGORITHM_ONLY): refused, not silently ignored. A config file's
+    stay (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread)."""
     some = {name for traits in FAMILIES.values() for name in traits.settings}
-    read = set(family(cfg.policy.name).settings)
     problems = []
     for item in overrides:
         key = item.partition("=")[0]
         section, _, name = key.partition(".")
-        if section == "policy" and name in some - read:
+        if section == "policy" and name in some - set(family(cfg.policy.name).settings):
             readers = [n for n, traits in FAMILIES.items() if name in traits.settings]
-            problems.append((key, getattr(cfg.policy, name), f"none: policy.name="
-                             f"{cfg.policy.name} does not read it ({', '.join(readers)} "
-                             f"do{'es' if len(readers) == 1 else ''}); drop it, or set "
-                             "policy.name"))
+            chosen, value = f"policy.name={cfg.policy.name}", getattr(cfg.policy, name)
+        elif section == "algorithm" and cfg.algorithm.name not in ALGORITHM_ONLY.get(
+                name, (cfg.algorithm.name,)):
+            readers = list(ALGORITHM_ONLY[name])
+            chosen, value = f"algorithm.name={cfg.algorithm.name}", getattr(cfg.algorithm, name)
+        else:
+            continue
+        problems.append((key, value, f"none: {chosen} does not read it ({', '.join(readers)} "
+                         f"do{'es' if len(readers) == 1 else ''}); drop it, or set "
+                         f"{chosen.split('=')[0]}"))
     return problems
