@@ -200,6 +200,19 @@ def test_ranks_asked_inside_a_launchers_world_are_refused(tmp_path):
             check_not_nested(4)
 
 
+def test_more_ranks_than_this_machine_can_hold_are_refused_before_any_starts(monkeypatch):
+    """`--ranks 20000` (a typo's extra zeros) on one machine: named before mpiexec starts
+    20,000 processes, from the least a rank holds (launch.RANK_FLOOR) and the host's memory."""
+    from hpcvla.job import launch
+    from hpcvla.memory import layout
+    from hpcvla.process.mpi_select import LaunchError
+    monkeypatch.setattr(layout, "host_bytes", lambda: 1 << 30)  # a 1 GiB allocation
+    with pytest.raises(LaunchError, match=r"-n 20: 20 ranks on this machine need 1 GiB or "
+                                          r"more \(each at least 64 MiB\), it has 1.0"):
+        launch.world_command(20, ["train"])
+    launch.world_command(16, ["train"])  # 16 x 64 MiB fit
+
+
 def _world_memory_plan(*args) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """tests/mpi/world_memory_plan.py on `args`; its output, and rank 0's line: every
     rank's exit status and plan."""

@@ -32,6 +32,11 @@ from hpcvla.process.deathwatch import DeathWatch
 from hpcvla.process.mpi_select import LaunchError, select_mpi
 
 
+# The least a rank holds: an interpreter with numpy, mpi4py and hpcvla's imports (a reach
+# simulator rank's peak RSS is ~60 MiB, a learner's ~430)
+RANK_FLOOR = 64 << 20
+
+
 def world_command(n: int, program: list[str], mpiexec: str = "auto",
                   mpi: str = "auto") -> tuple[list[str], dict, signal.Signals]:
     """The argv and environment that start `program` on `n` ranks of this machine, under
@@ -42,6 +47,12 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
     """
     if n < 1:
         raise LaunchError(f"-n {n}: need at least one rank")
+    from hpcvla.memory.layout import host_bytes
+    if n * RANK_FLOOR > host_bytes():  # a typo's extra zeros, before n processes start
+        raise LaunchError(f"-n {n}: {n} ranks on this machine need {n * RANK_FLOOR / 2**30:.0f}"
+                          f" GiB or more (each at least {RANK_FLOOR >> 20} MiB), it has "
+                          f"{host_bytes() / 2**30:.1f}: start fewer (--ranks, launch.ranks), or "
+                          "across nodes under a scheduler (jobs/)")
     if not program:
         raise LaunchError("nothing to launch: give an hpcvla subcommand or a script after --")
     install = select_mpi(mpi, mpiexec)  # MpiSelectError: a LaunchError
