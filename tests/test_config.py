@@ -325,12 +325,17 @@ def test_one_key_of_a_mapping_setting_keeps_the_defaults_other_keys():
 
 
 def test_a_section_given_twice_in_a_file_is_refused_naming_both_lines(tmp_path):
-    """YAML keeps the last of two `learner:` sections silently (the first's zero_stage lost)."""
+    """YAML keeps the last of two `learner:` sections silently (the first's zero_stage lost).
+    A merge key's settings may be given again: that is what it is for."""
     path = tmp_path / "twice.yaml"
     path.write_text("learner:\n  zero_stage: 3\npipeline: {total_updates: 3}\nlearner:\n"
                     "  epochs: 2\n")
     with pytest.raises(ConfigError, match=r"`learner` given twice \(lines 1 and 4\)"):
         load_config(path)
+    path.write_text("base: &base {epochs: 2, zero_stage: 2}\n")
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("learner:\n  <<: {epochs: 2, zero_stage: 2}\n  epochs: 3\n")
+    assert (load_config(merged).learner.epochs, load_config(merged).learner.zero_stage) == (3, 2)
 
 
 def test_a_step_timeout_in_milliseconds_is_refused():
@@ -360,9 +365,10 @@ def test_a_setting_without_its_value_is_not_only_a_missing_file():
     says the setting needs `=VALUE` too."""
     with pytest.raises(ConfigError, match=r"as a setting it needs a value: learner.epochs=VALUE"):
         load_config("learner.epochs", ["4"])
-    with pytest.raises(ConfigError) as err:
-        load_config("missing.yaml")
-    assert "needs a value" not in str(err.value)
+    for name in ("missing.yaml", "env.yaml"):
+        with pytest.raises(ConfigError) as err:
+            load_config(name)
+        assert "needs a value" not in str(err.value)
 
 
 def test_a_text_setting_takes_what_was_typed():
@@ -374,6 +380,7 @@ def test_a_text_setting_takes_what_was_typed():
                                           r"offline, online"):
         load_config(None, ["run.wandb=off"])
     assert load_config(None, ["learner.epochs=4"]).learner.epochs == 4
+    assert load_config(None, ["run.resume=null"]).run.resume == ""  # unset, not "null"
 
 
 def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
@@ -395,3 +402,4 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
         load_config("configs/reach_grpo.yaml", ["algorithm.utd=2"])
     assert load_config("configs/maniskill_pushcube.yaml", ["algorithm.name=ppo"]).algorithm \
         .group_size == 4  # the file's, switching algorithms
+    assert load_config(None, ["algorithm.noise_bound=1.0"])  # the default: changes nothing

@@ -152,3 +152,11 @@ def test_a_resumed_starts_records_replace_the_versions_it_trained_again():
     assert [(r["update"], r["start"]) for r in kept] == [(1, 1), (2, 1), (3, 2), (4, 2),
                                                          (5, 2), (6, 3)]
     assert standing_records(first) == first
+    # two starts from the same checkpoint (the second died before its first): the later one's
+    # stand, told apart by its clock starting again
+    timed = [{**r, "time": float(i)} for i, r in enumerate(first)]
+    again = [{"update": u, "from_version": 2, "start": s, "time": float(u)}
+             for s, updates in ((2, (3, 4)), (3, (3, 4, 5))) for u in updates]
+    kept = standing_records(timed + again)
+    assert [(r["update"], r["start"]) for r in kept] == [(1, 1), (2, 1), (3, 3), (4, 3),
+                                                         (5, 3)]

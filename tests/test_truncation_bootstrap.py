@@ -10,7 +10,6 @@ import torch
 
 from hpcvla.algorithms.ppo import gae
 from hpcvla.envs.base import horizon_cut
-from hpcvla.envs.groups import GroupedRestarts
 from hpcvla.envs.reach import ReachEnv
 
 
@@ -59,25 +58,6 @@ def test_reach_gives_the_observation_its_horizon_ended_at():
     # an env not asked to keep them (every run but PPO's bootstrap) renders nothing more
     b = longer.step(_random_chunks(short, rng))  # its third chunk: its horizon
     assert horizon_cut(b).any() and b.final_obs is None
-
-
-def test_a_grouped_restart_gives_the_observations_it_cut_at():
-    """GRPO's restart cuts the running episodes: their last observations are the ones the
-    inner env returned before the restart replaced them."""
-    from hpcvla.envs import make_env
-    inner = ReachEnv(4, seed=2, image_size=16, max_episode_chunks=50)
-    grouped = GroupedRestarts(make_env("reach", 4, 2, image_size=16, max_episode_chunks=50,
-                                       keep_final_obs=True), every=2, group_size=2, seed=9)
-    ids = grouped.grouped_ids()
-    inner.reset(init_state_ids=ids), grouped.reset(init_state_ids=ids)
-    rng = np.random.default_rng(1)
-    for _ in range(2):
-        chunk = _random_chunks(inner, rng)
-        plain, result = inner.step(chunk), grouped.step(chunk)
-    cut = result.truncated & ~plain.truncated & ~plain.terminated
-    assert cut.any()
-    for key in plain.obs:
-        np.testing.assert_array_equal(result.final_obs[key][cut], plain.obs[key][cut])
 
 
 def test_the_slot_carries_the_final_observations_and_refuses_an_env_without_them():

@@ -263,7 +263,15 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
             chosen, value = f"algorithm.name={cfg.algorithm.name}", getattr(cfg.algorithm, name)
         else:
             continue
+        if value == _default_of(section, name):  # said, but changing nothing (a bench's
+            continue  # settings for every arm)
         problems.append((key, value, f"none: {chosen} does not read it ({', '.join(readers)} "
                          f"do{'es' if len(readers) == 1 else ''}); drop it, or set "
                          f"{chosen.split('=')[0]}"))
     return problems
+
+
+def _default_of(section: str, name: str):
+    """The default of the setting `section.name`."""
+    from hpcvla.config.schema import Config
+    return getattr(getattr(Config(), section), name)

@@ -72,6 +72,8 @@ class _UniqueKeys(yaml.SafeLoader):
 def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict:
     lines: dict = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: its keys may repeat
+            continue
         key = loader.construct_object(key_node, deep=deep)
         if key in lines:
             raise yaml.constructor.ConstructorError(
@@ -97,6 +99,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             text = Path(path).read_text()
         except OSError as err:  # `hpcvla train learner.epochs 4`: a setting's `=` forgotten?
             setting = re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", str(path)) and \
+                not str(path).endswith((".yaml", ".yml", ".json")) and \
                 str(path).split(".")[0] in {f.name for f in dataclasses.fields(Config)}
             raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})"
                                 + (f"; as a setting it needs a value: {path}=VALUE"
@@ -144,8 +147,10 @@ def _apply_override(data: dict, item: str, problems: list) -> None:
     except yaml.YAMLError:
         value = raw
     *parents, leaf = key.split(".")
-    if not isinstance(value, str) and _setting_at(key.split("."))[0] is str:
-        value = raw  # YAML 1.1 reads `off`, `yes`, `1.5`: a text setting takes what was typed
+    if _setting_at(key.split("."))[0] is str and not isinstance(value, str):
+        # YAML 1.1 reads `off`, `yes`, `1.5`: a text setting takes what was typed; `null`
+        # (or nothing) unsets it, as "" does
+        value = "" if value is None else raw
     node = data
     for depth, part in enumerate(parents):
         # one key of a mapping setting the config leaves at its default (placement.per_node.

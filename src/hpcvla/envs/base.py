@@ -5,7 +5,8 @@ executes an *action chunk*: `chunk_len` primitive actions per env, as emitted by
 vision-language-action policy. Observations are dicts of batched numpy arrays whose per-env
 shapes and dtypes are declared up front in an `EnvSpec`, so a simulator process can lay them out
 in shared memory (roles/simulator.slot_dtypes) before the first step. Episodes auto-reset: the
-caller never resets an individual env.
+caller never resets an individual env (GRPO's grouped restart holds the auto-resets of the step
+before it, `hold_resets`, and resets every env itself).
 
 Initial states are split in two, and this module is the rule's home: init_state_ids below
 EVAL_STATE_IDS are the evaluation split (`hpcvla eval` runs ids 0, 1, 2, ...:

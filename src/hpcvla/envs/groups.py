@@ -30,7 +30,7 @@ class GroupedRestarts(VectorEnv):
         if env.num_envs % group_size:
             raise ValueError(f"group_size {group_size} must divide num_envs {env.num_envs}")
         self.env, self.every, self.group_size = env, every, group_size
-        self.num_envs, self.spec, self.keep_final_obs = env.num_envs, env.spec, env.keep_final_obs
+        self.num_envs, self.spec = env.num_envs, env.spec
         self.rng = np.random.default_rng([seed, _GROUP_STREAM])
         self.steps = 0
         self._return = np.zeros(self.num_envs, np.float32)  # of each env's running episode
@@ -95,12 +95,8 @@ class GroupedRestarts(VectorEnv):
         # ends the episodes still running here
         cut = ~done
         self._return[:], self._length[:] = 0.0, 0
-        final_obs = result.final_obs
-        if self.keep_final_obs:  # the cut episodes' last observations: the inner env's
-            final_obs = result.obs if final_obs is None else {
-                k: np.where(_rows(cut, v), v, final_obs[k]) for k, v in result.obs.items()}
-        return result._replace(
-            obs=self.env.reset(init_state_ids=self.grouped_ids()), final_obs=final_obs,
+        return result._replace(  # (no final observations: GRPO bootstraps nothing)
+            obs=self.env.reset(init_state_ids=self.grouped_ids()), final_obs=None,
             truncated=result.truncated | cut,
             episode_return=np.where(cut, running, result.episode_return).astype(np.float32),
             episode_length=np.where(cut, length, result.episode_length).astype(np.int32))
@@ -110,8 +106,3 @@ class GroupedRestarts(VectorEnv):
 
     def close(self) -> None:
         self.env.close()
-
-
-def _rows(mask: np.ndarray, like: np.ndarray) -> np.ndarray:
-    """A per-env mask shaped to broadcast over `like`'s rows."""
-    return mask.reshape(-1, *[1] * (like.ndim - 1))

@@ -190,8 +190,8 @@ class IsolatedEnv(VectorEnv):
         self.holding_resets = hold
         try:
             self._call("hold_resets", hold)
-        except EnvWorkerFailed:
-            pass  # the next step finds the worker gone and restarts it
+        except EnvWorkerFailed:  # stopped, so that no late answer is taken for a step's: the
+            self._stop()  # next step finds it gone and restarts it (an env fault)
 
     def begin_close(self) -> None:
         """Tell the worker to close its env and end; `close` waits for it."""

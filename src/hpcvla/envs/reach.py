@@ -100,17 +100,19 @@ class ReachEnv(VectorEnv):
 
     # the real simulators' settings: set on reach, they would be silently not read (a
     # forgotten env.name trains reach), so they are refused
-    FOREIGN = {"reward": "ManiSkill's reward (reach has one of its own: progress + 1 on "
-               "success)", "task": "ManiSkill's task", "suite": "LIBERO's suite",
-               "suite_task": "LIBERO's task", "state_format": "LIBERO's state",
-               "wrist_image": "the real simulators' wrist camera"}
+    FOREIGN = {"reward": ("ManiSkill's reward (reach has one of its own: progress + 1 on "
+                          "success)", "maniskill"),
+               "task": ("ManiSkill's task", "maniskill"), "suite": ("LIBERO's suite", "libero"),
+               "suite_task": ("LIBERO's task", "libero"),
+               "state_format": ("LIBERO's state", "libero"),
+               "wrist_image": ("the wrist camera", "maniskill or libero")}
 
     @classmethod
     def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
         default = type(env_cfg)()
         return [(f"env.{key}", getattr(env_cfg, key), f"{getattr(default, key)!r}, its "
-                 f"default: it sets {what}, which reach does not read (env.name=maniskill or "
-                 "libero runs them)") for key, what in cls.FOREIGN.items()
+                 f"default: it sets {what}, which reach does not read (env.name={owner} "
+                 "does)") for key, (what, owner) in cls.FOREIGN.items()
                 if getattr(env_cfg, key) != getattr(default, key)]
 
     @classmethod

@@ -191,8 +191,10 @@ def _or_abort(world, role: str, node: int, main) -> None:
         if isinstance(err, SystemExit) and not err.code or isinstance(err, Refused):
             raise
         from hpcvla.checkpoint.catalog import CheckpointError
-        # a damaged or missing checkpoint says all in its message (the file and the fix)
-        detail = "" if isinstance(err, CheckpointError) else traceback.format_exc()
+        # a damaged or missing checkpoint says all in its message (the file and the fix); a
+        # write that failed carries its cause (`from error`), whose traceback is wanted
+        said_all = isinstance(err, CheckpointError) and err.__cause__ is None
+        detail = "" if said_all else traceback.format_exc()
         deathwatch.abort_world(world, rank, f"hpcvla: rank {rank} ({role}) on node {node} "
                                f"(host {MPI.Get_processor_name()}) failed: {err!r}", 1, detail)
 

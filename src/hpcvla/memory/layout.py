@@ -345,6 +345,6 @@ def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
         out.append(f"learner.zero_stage={cfg.learner.zero_stage + 1} with more learners")
     if cfg.learner.zero_stage >= 1 and not cfg.learner.offload_optimizer:
         out.append("learner.offload_optimizer=true (optimizer state in host memory)")
-    if memory.dtype_bytes == 4:
+    if memory.dtype_bytes == 4 and vla:  # the default family has no dtype setting
         out.append("policy.dtype=bfloat16")
     return "Fit it with " + "; or ".join(out) + "."

@@ -194,8 +194,10 @@ def standing_records(records: list[dict]) -> list[dict]:
     start's from its `from_version` on, as TensorBoard's purge does (`resumed_at`)."""
     out: list[dict] = []
     for record in records:
-        start = record.get("from_version")
-        if out and start is not None and start != out[-1].get("from_version"):
+        start, last = record.get("from_version"), out[-1] if out else {}
+        # a new start: another from_version, or the same one again (its clock from 0)
+        new = start != last.get("from_version") or record.get("time", 0) < last.get("time", 0)
+        if out and start is not None and new:
             out = [r for r in out if r.get("update", 0) <= start]
         out.append(record)
     return out

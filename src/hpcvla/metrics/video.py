@@ -65,26 +65,28 @@ def dump_videos(path: Path, count: int, out_dir: Path) -> list[str]:
     was chosen from. Read as every dump reader reads (metrics/dump.py): without HDF5's file
     lock, a damaged part named as a DumpError."""
     from hpcvla.metrics.dump import _reading, attr_text, open_dump
-    written = []
-    with open_dump(path) as f, _reading(path):
+    episodes = []
+    with open_dump(path) as f:
         chunk = int(f.attrs.get("chunk_len", 1))
-        names = sorted(f["data"], key=lambda n: int(n.split("_")[-1]))[:count]
-        for name in names:
+        for name in sorted(f["data"], key=lambda n: int(n.split("_")[-1]))[:count]:
             demo = f["data"][name]
             if "image" not in demo["obs"]:
                 raise ValueError(f"{path}: no camera in its observations (env.camera=false)")
-            cameras = [demo["obs"][k][()] for k in ("image", "wrist_image") if k in demo["obs"]]
-            images = list(np.concatenate(cameras, axis=2))
-            a = demo.attrs
-            outcome = "success" if a["success"] else "failure"
-            versions = demo["policy_versions"][()]
-            played = f"v{versions.min()}" if versions.min() == versions.max() else \
-                f"v{versions.min()}-v{versions.max()}"
-            header = f"{attr_text(a['env_id'])} ep {a['episode']}, policy {played}"
-            written.append(episode_video(
-                Path(out_dir) / f"{name}-{outcome}.mp4", images,
-                [t * chunk for t in range(len(images))], header, attr_text(a["instruction"]),
-                outcome, int(a.get("env_steps", len(images) * chunk))))
+            with _reading(path):  # only the reads: a damaged chunk is the file's fault
+                cameras = [demo["obs"][k][()] for k in ("image", "wrist_image")
+                           if k in demo["obs"]]
+                versions, a = demo["policy_versions"][()], dict(demo.attrs)
+            episodes.append((name, np.concatenate(cameras, axis=2), versions, a))
+    written = []
+    for name, images, versions, a in episodes:
+        outcome = "success" if a["success"] else "failure"
+        played = f"v{versions.min()}" if versions.min() == versions.max() else \
+            f"v{versions.min()}-v{versions.max()}"
+        header = f"{attr_text(a['env_id'])} ep {a['episode']}, policy {played}"
+        written.append(episode_video(
+            Path(out_dir) / f"{name}-{outcome}.mp4", list(images),
+            [t * chunk for t in range(len(images))], header, attr_text(a["instruction"]),
+            outcome, int(a.get("env_steps", len(images) * chunk))))
     return written
 
 

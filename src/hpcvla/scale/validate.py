@@ -60,15 +60,16 @@ HEADER = (f"{'case':<58} {'measured':>9} {'predicted':>9} {'error':>7} {'in situ
           f"{'error':>7}  bottleneck")
 
 
-def in_situ_overhead(lay: Layout, busy_fraction: dict, wall_s: float, env_steps: float
+def in_situ_overhead(lay: Layout, busy_fraction: dict, active_s: float, env_steps: float
                      ) -> float:
-    """Seconds of `assemble` per request the run measured on its inference ranks."""
+    """Seconds of `assemble` per request the run measured on its inference ranks (its busy
+    fraction is of summary.json's `active_s`)."""
     if lay.traits.colocated:
         return 0.0  # colocated ranks assemble inside their own loop: in the measured spans
     e = lay.envs_per_shard
     n_inf = lay.world // lay.ranks_per_node * lay.per_node["inference"]
     requests = env_steps / lay.chunk_len / e
-    return busy_fraction.get("inference:assemble", 0.0) * wall_s * n_inf / requests
+    return busy_fraction.get("inference:assemble", 0.0) * active_s * n_inf / requests
 
 
 def learner_start_s(summary: dict) -> float:
@@ -83,7 +84,7 @@ def _row(name: str, lay: Layout, costs: StageCosts, updates: int, summary: dict)
     costs = replace(costs, learner_start_s=learner_start_s(summary))  # the machine's, as given
     pred = predict(lay, costs, updates=updates)
     situ = replace(costs, inf_per_request_s=in_situ_overhead(
-        lay, busy_fraction, summary["wall_s"], summary["env_steps"]))
+        lay, busy_fraction, summary.get("active_s", summary["wall_s"]), summary["env_steps"]))
     pred_situ = predict(lay, situ, updates=updates)
     row = {"label": name, "layout": lay.to_overrides(), "measured": measured,
            "predicted": pred.env_steps_per_s, "error": pred.env_steps_per_s / measured - 1,
