@@ -5,7 +5,8 @@ A static walk over src/hpcvla (but the schema definitions) and jobs/. A setting
 `section.field` counts as read where code reads that field of that section: `cfg.learner.backend`,
 `learner.backend`, `learner_cfg.backend`, `alg.critic_lr` (ALIASES: the names code gives a
 section), the dotted name as a string ("learner.backend": job scripts, getattr paths), or for
-`policy.*` a policy family's `config_fields` (the PolicyConfig fields it is built with). A bare
+`policy.*` a policy family's settings (config.families: the PolicyConfig fields its class,
+`config_fields`, is built with). A bare
 `.size` on anything does not count. A choice counts as acted on when its string appears outside
 the schema (a dispatch table, a comparison, a job script, a refusal)."""
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcvla.config.families import FAMILIES
 from hpcvla.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,10 +42,8 @@ def _settings(cls=Config, prefix=""):
 SETTINGS = dict(_settings())
 SOURCES = _sources()
 ALIASES = {"algorithm": ("alg",)}
-# every name in a `config_fields = (...)` tuple: the PolicyConfig fields a policy family takes
-CONFIG_FIELDS = {name for text in SOURCES.values()
-                 for group in re.findall(r"config_fields\s*=\s*\(([^)]*)\)", text)
-                 for name in re.findall(r"[\"'](\w+)[\"']", group)}
+# the PolicyConfig fields the policy families take (their classes' config_fields read them)
+CONFIG_FIELDS = {name for traits in FAMILIES.values() for name in traits.settings}
 
 
 def _reads(name: str) -> re.Pattern:
