@@ -45,6 +45,8 @@ def load_pretrained(folder, **overrides):
     `overrides` replace constructor arguments (e.g. logprob_granularity, train_expert_only)."""
     folder = Path(folder)
     config = config_json(folder)
+    if not config:
+        raise ValueError(f"{folder}: no config.json (a folder save_pretrained wrote has one)")
     name = config.get("hpcvla_policy")
     if name not in POLICIES:
         raise ValueError(f"{folder / 'config.json'}: hpcvla_policy {name!r} is not one of "
