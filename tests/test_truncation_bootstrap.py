@@ -50,14 +50,14 @@ def test_reach_gives_the_observation_its_horizon_ended_at():
     assert a.final_obs is None and not a.truncated.any()
     second = _random_chunks(short, rng)
     a, b = short.step(second), longer.step(second)
-    cut = horizon_cut(a) & ~(b.terminated | b.truncated) & ~a.terminated
+    cut = horizon_cut(a.truncated, a.env_fault) & ~(b.terminated | b.truncated) & ~a.terminated
     assert cut.sum() >= 8, cut  # most envs do not reach their target in two chunks
     for key in a.obs:
         np.testing.assert_array_equal(a.final_obs[key][cut], b.obs[key][cut])
         assert not np.array_equal(a.obs[key][cut], a.final_obs[key][cut]) or key == "instruction"
     # an env not asked to keep them (every run but PPO's bootstrap) renders nothing more
     b = longer.step(_random_chunks(short, rng))  # its third chunk: its horizon
-    assert horizon_cut(b).any() and b.final_obs is None
+    assert horizon_cut(b.truncated, b.env_fault).any() and b.final_obs is None
 
 
 def test_the_slot_carries_the_final_observations_and_refuses_an_env_without_them():
@@ -73,7 +73,7 @@ def test_the_slot_carries_the_final_observations_and_refuses_an_env_without_them
     slot = np.zeros((), dtype=obs_dt)
     env.reset()
     result = env.step(np.zeros((4, env.spec.chunk_len, 2), np.float32))
-    assert horizon_cut(result).all()
+    assert horizon_cut(result.truncated, result.env_fault).all()
     _write(slot, result.obs, result, 8)
     for key, value in result.final_obs.items():
         np.testing.assert_array_equal(slot[FINAL + key], value)

@@ -99,9 +99,10 @@ class StepResult(NamedTuple):
     chunk_steps: np.ndarray | None = None
 
 
-def horizon_cut(result: StepResult) -> np.ndarray:
-    """The envs whose episode this step's horizon ended: truncated, not by an env fault."""
-    return result.truncated & ~result.env_fault
+def horizon_cut(truncated: np.ndarray, env_fault: np.ndarray) -> np.ndarray:
+    """The envs whose episode a step's horizon ended, of its `truncated` and `env_fault`
+    (a StepResult's, or the outcome a simulator reports): truncated, not by an env fault."""
+    return truncated & ~env_fault
 
 
 def final_observations(result: StepResult) -> dict[str, np.ndarray]:

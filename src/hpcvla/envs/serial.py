@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, episode_ends
+from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, episode_ends, horizon_cut
 from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize
 
@@ -200,8 +200,8 @@ class SerialVectorEnv(VectorEnv):
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         ran = (self._steps - steps_before).astype(np.int32)
-        final_obs = self._batch() if self.keep_final_obs and (truncated & ~failed).any() \
-            else None
+        final_obs = self._batch() if self.keep_final_obs and \
+            horizon_cut(truncated, failed).any() else None
         for i in np.flatnonzero(done):
             if failed[i] or self.holding_resets:  # rebuilt and reset already, or held
                 self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False

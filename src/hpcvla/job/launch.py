@@ -48,10 +48,11 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
     if n < 1:
         raise LaunchError(f"-n {n}: need at least one rank")
     from hpcvla.memory.layout import host_bytes
-    if n * RANK_FLOOR > host_bytes():  # a typo's extra zeros, before n processes start
+    host = host_bytes()
+    if n * RANK_FLOOR > host:  # a typo's extra zeros, before n processes start
         raise LaunchError(f"-n {n}: {n} ranks on this machine need {n * RANK_FLOOR / 2**30:.0f}"
                           f" GiB or more (each at least {RANK_FLOOR >> 20} MiB), it has "
-                          f"{host_bytes() / 2**30:.1f}: start fewer (--ranks, launch.ranks), or "
+                          f"{host / 2**30:.1f}: start fewer (--ranks, launch.ranks), or "
                           "across nodes under a scheduler (jobs/)")
     if not program:
         raise LaunchError("nothing to launch: give an hpcvla subcommand or a script after --")

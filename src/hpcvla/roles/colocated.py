@@ -127,7 +127,7 @@ def _truncation_values(cfg: Config, policy: Policy, result: StepResult,
                        timeline: Timeline) -> np.ndarray | None:
     """V where the step's horizon ended episodes, which PPO bootstraps them from; None where
     it ended none or the run does not bootstrap."""
-    cut = horizon_cut(result)
+    cut = horizon_cut(result.truncated, result.env_fault)
     if not cfg.algorithm.values_truncations or not cut.any():
         return None
     with timeline.span("infer"):

@@ -18,6 +18,7 @@ import torch
 
 from hpcvla.devices import HostStaging
 from hpcvla.emulate import pad
+from hpcvla.envs.base import horizon_cut
 from hpcvla.metrics import phases
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.roles.segments import (FINAL, OUTCOME_FIELDS, SegmentBuilder, SegmentGroup,
@@ -209,7 +210,9 @@ class InferenceServer:
         """(mask over the pass's envs, their last observations): the episodes the horizon
         ended whose step awaits its outcome; None if there are none. Copied out now: a slot
         is the simulator's again once answered."""
-        cut = (outcome["truncated"] & ~outcome["env_fault"]).reshape(len(slots), self.n)
+        cut = horizon_cut(outcome["truncated"], outcome["env_fault"]).reshape(len(slots), self.n)
+        if not cut.any():
+            return None
         cut &= np.array([self.builders[s].acted for s in slots])[:, None]
         if not cut.any():
             return None

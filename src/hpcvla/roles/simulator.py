@@ -127,7 +127,8 @@ def _write(slot: np.void, obs: Mapping[str, np.ndarray], result: StepResult | No
     else:
         for key, value in outcome_of(result).items():
             slot[key][...] = value
-        if FINAL + next(iter(obs)) in (slot.dtype.names or ()) and horizon_cut(result).any():
+        if FINAL + next(iter(obs)) in (slot.dtype.names or ()) and \
+                horizon_cut(result.truncated, result.env_fault).any():
             for key, value in final_observations(result).items():
                 slot[FINAL + key][...] = value
     slot["env_steps"] = env_steps
