@@ -64,13 +64,16 @@ def without_launcher(*args, hide=None, env=None, timeout=120):
 
 def fake_checkpoint(path: Path, **state) -> Path:
     """A complete-looking checkpoint directory as checkpoint/store.py's save lays it out, one
-    learner (the files' contents are checked only when loaded, against the sha256 in state.json).
-    `state` overrides state.json's fields; a field given as None is left out; then sealed."""
+    learner, its files whole but empty (their contents are checked only when loaded, against
+    the sha256 in state.json). `state` overrides state.json's fields; a field given as None is
+    left out; then sealed."""
+    from safetensors.numpy import save_file
+
     from hpcvla.checkpoint.catalog import FORMAT, sealed
 
     path.mkdir(parents=True)
     for name in ("model.safetensors", "optimizer.rank0.safetensors"):
-        (path / name).write_bytes(b"x")
+        save_file({}, str(path / name))
     full = {"format": FORMAT, "version": 2, "counters": {"trained_env_steps": 0},
             "learners": 1, "zero_stage": 1, "model_sha256": "0" * 64,
             "optimizer": [{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64,

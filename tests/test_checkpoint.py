@@ -120,6 +120,14 @@ def test_damaged_checkpoints_fail_clearly(tmp_path, fp32_checkpoints):
     model.write_bytes(bytes(data))
     with pytest.raises(catalog.CheckpointError, match="checksum mismatch"):
         store.load_weights(path)
+    optimizer = next(path.glob("optimizer.rank*.safetensors"))
+    whole = optimizer.read_bytes()
+    optimizer.write_bytes(whole[:-1000])  # a copy cut short: found from the header alone
+    with pytest.raises(catalog.CheckpointError, match=f"{optimizer.name}: .* cut short"):
+        catalog.read_state(path)
+    assert catalog.resume_problems(str(tmp_path), False, ("pipeline.total_updates", 99))[0][
+        2].startswith(f"a readable checkpoint: {optimizer}")  # refused before launch
+    optimizer.write_bytes(whole)
     model.unlink()
     with pytest.raises(catalog.CheckpointError, match="missing"):
         store.load_weights(path)

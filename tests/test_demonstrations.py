@@ -18,6 +18,7 @@ from hpcvla.demonstrations.libero import instruction_of
 from hpcvla.envs.base import EnvSpec
 from hpcvla.envs.libero import LiberoEnv, Suite, state_of
 from hpcvla.envs.maniskill import describe
+from hpcvla.metrics.dump import summarize
 from hpcvla.text import tokenize, vocab_of, words
 from helpers import FIXTURES, reach_dump
 
@@ -519,7 +520,7 @@ def test_a_success_mid_chunk_leaves_the_rest_of_its_chunk_out(tmp_path):
     from hpcvla.imitation.recording import record
     from helpers import ROOT
     cfg = load_config(ROOT / "configs/default.yaml")
-    record(cfg, 8, tmp_path / "demos.h5")
+    said = record(cfg, 8, tmp_path / "demos.h5")
     spec = env_spec(cfg.env)
     c = spec.chunk_len
     rows, windows = (read_demonstrations(tmp_path / "demos.h5", spec, horizon=h)
@@ -529,6 +530,8 @@ def test_a_success_mid_chunk_leaves_the_rest_of_its_chunk_out(tmp_path):
         ran = [(d["actions"].shape[0], int(d.attrs["env_steps"])) for d in demos]
     ends = np.flatnonzero(np.diff(rows.episode, append=-1))  # each episode's last row
     assert len(ends) == len(ran) and any(n % c for _, n in ran)  # some end mid-chunk
+    summary = summarize(tmp_path / "demos.h5")  # what `hpcvla inspect` says ran
+    assert summary["env_steps"] == said["env_steps"] == sum(n for _, n in ran) < said["steps"] * c
     for end, (T, n) in zip(ends, ran):
         k = n - (T - 1) * c  # the last chunk's steps that ran
         assert 1 <= k <= c

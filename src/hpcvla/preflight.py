@@ -79,7 +79,7 @@ def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str,
                              "an `hpcvla sft` run's"))
         else:
             try:
-                read_state(path)  # its files there (their checksums: when the ranks load them)
+                read_state(path)  # its files whole (their checksums: when the ranks load them)
             except CheckpointError as err:
                 problems.append(("policy.checkpoint", cfg.policy.checkpoint,
                                  f"a readable checkpoint: {err}"))

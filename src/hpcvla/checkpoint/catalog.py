@@ -157,9 +157,26 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"{path / STATE}: optimizer entries without file and sha256 "
                               f"({bad[0]!r}); the file is damaged")
     for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
-        if not (path / name).is_file():  # cheap here; contents are checked when loaded
-            raise CheckpointError(f"{path / name}: missing; the checkpoint is incomplete")
+        whole(path / name)  # cheap here; contents are checked when loaded
     return state
+
+
+def whole(path: Path) -> None:
+    """Raise CheckpointError unless the safetensors file `path` is there and as long as its
+    header says: a file cut short (a copy or a disk that filled) is found from its header
+    alone, in milliseconds at any size, before a world starts (a changed byte: sha256, where
+    it is loaded)."""
+    from safetensors import SafetensorError, safe_open  # no torch: framework numpy
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+    try:
+        with safe_open(path, "numpy"):
+            pass
+    except SafetensorError as err:
+        raise CheckpointError(f"{path}: {path.stat().st_size:,} bytes that do not match its "
+                              f"header ({err}): the file is cut short or damaged (move "
+                              f"{path.parent.name} out of {path.parent.parent}: the one "
+                              "before it is then the newest)") from None
 
 
 def verify(path: Path) -> dict:

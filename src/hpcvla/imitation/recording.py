@@ -94,7 +94,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
                           flush_s=30.0, source=f"scripted expert {task}, noise {noise}"
                           + (f", driven by {driver.name}" if driver else ""))
     rng = np.random.default_rng([cfg.run.seed, _STREAM])
-    start, seen, attempts, successes, steps = time.monotonic(), set(), 0, 0, 0
+    start, seen, attempts, successes, steps, ran = time.monotonic(), set(), 0, 0, 0, 0
     written, said = 0, start
     try:
         while written < episodes and not preempt.requested():  # a signal: stop, file whole
@@ -119,6 +119,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
                 dump.add_episode(demo, attrs)
                 written += 1
                 steps += len(demo["reward"])
+                ran += attrs["env_steps"]
     finally:
         dump.close()
         env.close()
@@ -129,7 +130,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
             "driver": driver.name if driver else "",
             "attempts": attempts, "steps": steps,
             "expert_success_rate": successes / attempts if attempts else float("nan"),
-            "chunk_len": env.spec.chunk_len, "env_steps": steps * env.spec.chunk_len,
+            "chunk_len": env.spec.chunk_len, "env_steps": ran,
             "seconds": time.monotonic() - start}
 
 
@@ -230,7 +231,7 @@ def summary_line(s: dict) -> str:
     who = f"policy {s['driver']} (the expert labelled every step)" if s["driver"] else "expert"
     return (f"hpcvla demos: {s['episodes']} episodes of {s['task']} to {s['file']} | {who} "
             f"success {s['expert_success_rate']:.3f} over {s['attempts']} attempts | "
-            f"{s['steps']} steps (x{s['chunk_len']} = {s['env_steps']} env steps) | "
+            f"{s['steps']} steps (chunks of {s['chunk_len']}: {s['env_steps']} env steps ran) | "
             f"{s['seconds']:.1f} s" + ("" if s["stopped_by"] is None else
             f" | stopped by signal {s['stopped_by']} after {s['episodes']} of {s['asked']} "
             "episodes" + (": the file holds them, complete" if s["episodes"] else

@@ -179,8 +179,11 @@ def summarize(path) -> dict:
         lengths, success, returns, versions, faults = [], [], [], [], 0
         staleness = Counter()
         keys = {}
+        chunk_len = int(f.attrs["chunk_len"])
+        ran = 0  # primitive steps run (a file older than the episodes' env_steps: whole chunks)
         for name, demo in demos(f):
             lengths.append(int(demo.attrs["num_samples"]))
+            ran += int(demo.attrs.get("env_steps", lengths[-1] * chunk_len))
             if demo.attrs.get("env_fault", False):  # ended by the env failing: no verdict
                 faults += 1
             else:
@@ -199,10 +202,9 @@ def summarize(path) -> dict:
         return {
             "file": str(path), "source": attr_text(attrs.get("source", "run")),
             "producer_rank": int(attrs["producer_rank"]),
-            "env": attr_text(attrs["env"]), "chunk_len": int(attrs["chunk_len"]),
+            "env": attr_text(attrs["env"]), "chunk_len": chunk_len,
             "complete": bool(attrs["complete"]), "segments": int(attrs["segments"]),
-            "episodes": len(lengths), "steps": int(sum(lengths)),
-            "env_steps": int(sum(lengths)) * int(attrs["chunk_len"]),
+            "episodes": len(lengths), "steps": int(sum(lengths)), "env_steps": ran,
             "open_episode_steps": int(attrs["open_episode_steps"]),
             "mean_length": float(np.mean(lengths)) if lengths else 0.0,
             "success_rate": float(np.mean(success)) if success else None,
@@ -222,8 +224,8 @@ def describe(summary: dict) -> str:
     origin = f"producer rank {s['producer_rank']}" if s["source"] == "run" else \
         f"recorded by {s['source']}"
     lines = [f"{s['file']}: hpcvla trajectory dump, {origin}, env {s['env']}, {state}",
-             f"  episodes {s['episodes']} | steps {s['steps']} (x{s['chunk_len']} = "
-             f"{s['env_steps']} env steps) | mean length {s['mean_length']:.1f} | segments "
+             f"  episodes {s['episodes']} | steps {s['steps']} (chunks of {s['chunk_len']}: "
+             f"{s['env_steps']} env steps ran) | mean length {s['mean_length']:.1f} | segments "
              f"{s['segments']} | open at close {s['open_episode_steps']} steps"]
     if s["success_rate"] is not None:
         lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
