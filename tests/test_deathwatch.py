@@ -129,6 +129,24 @@ def test_a_failing_rank_names_the_ranks_of_its_host_already_gone_without_a_word(
         zombie.wait()
 
 
+def test_a_rank_that_cannot_leave_its_words_with_the_launcher_still_aborts(tmp_path,
+                                                                            monkeypatch, capfd):
+    """The failure may be the file system's (full, gone), and the launcher's folder on it:
+    abort_world says so and aborts the world anyway."""
+    (tmp_path / "file").touch()
+    monkeypatch.setenv(deathwatch.ENV, str(tmp_path / "file" / "ranks"))  # no folder there
+    aborted = []
+
+    class World:
+        def Abort(self, code):  # noqa: N802 - mpi4py's name
+            aborted.append(code)
+
+    deathwatch.abort_world(World(), 0, "hpcvla: rank 0 (learner) failed: OSError(28)", 1)
+    err = capfd.readouterr().err
+    assert aborted == [1] and err.startswith("hpcvla: rank 0 (learner) failed: OSError(28)\n")
+    assert "could not leave its failure with the launcher" in err
+
+
 def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(tmp_path):
     launcher = subprocess.Popen(["sleep", "60"])
     try:

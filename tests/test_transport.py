@@ -1,6 +1,8 @@
 """Transport: record layout (in-process) and the ring, exchange and weight plane in real MPI
 worlds. Every world also checks it leaves no shared-memory files behind."""
 
+import socket
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -257,6 +259,19 @@ def test_weight_versions_bit_exact_and_monotone(config):
     out = run_clean("launch", "-n", 8, "--timeout", 120, "--", MPI_DIR / "weights_exact.py",
                     ROOT / "configs" / config, 30, "placement.ranks_per_node=4")
     assert "weights exact on every read" in out.stdout
+
+
+@pytest.mark.mpi
+def test_a_failed_weight_plane_thread_ends_the_world_naming_its_rank():
+    """A node leader's weight thread that fails (here: the root's manifest is not its own)
+    aborts the world at once, naming its rank, roles, node and host, with its traceback."""
+    out = hpcvla("launch", "-n", 4, "--timeout", 60, "--", MPI_DIR / "weights_exact.py",
+                 ROOT / "configs/default.yaml", 3, "--mismatch", timeout=120)
+    host = socket.gethostname()
+    assert out.returncode != 0, out.stdout[-2000:]
+    assert f"the weight plane thread of rank 0 (inference) on node 0 (host {host}) failed: " \
+        "RuntimeError('weight manifest mismatch" in out.stderr, out.stderr[-3000:]
+    assert "in _receive_loop" in out.stderr  # its traceback
 
 
 @pytest.mark.mpi

@@ -10,8 +10,11 @@ the version read; readers read whole once, then only the trainable places.
 With --max-message=B every broadcast goes in pieces of at most B bytes (transport/pieces.py;
 the real limit, 1 GiB, needs versions of GBs: large_transfers.py).
 
+With --mismatch the node leaders hold a manifest that names one tensor differently: a
+leader's thread fails at the first version and must take the world down, naming itself.
+
     mpiexec -n 8 python -m mpi4py tests/mpi/weights_exact.py CONFIG N [--frozen]
-        [--max-message=B] [key=value ...]
+        [--max-message=B] [--mismatch] [key=value ...]
 """
 
 import sys
@@ -50,7 +53,10 @@ def main(cfg, plan, comms):
     manifest = FROZEN if "--frozen" in sys.argv else MANIFEST
     limit = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("--max-message=")),
                  MAX_MESSAGE)
-    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest, limit)
+    if "--mismatch" in sys.argv and rank in plan.node_leaders:
+        manifest = Manifest((("encoder.v", *MANIFEST.entries[0][1:]), *MANIFEST.entries[1:]))
+    plane = WeightPlane(comms.control, comms.node, rank in plan.node_leaders, manifest, limit,
+                        who=plan.who(rank, MPI.Get_processor_name()))
     rng = np.random.default_rng(rank)
     if rank == plan.weight_root:
         for version in range(1, n_versions + 1):

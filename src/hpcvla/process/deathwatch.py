@@ -89,7 +89,11 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
     if before:
         why += f"\nhpcvla: {_who(before)} died first, without a word, before this failure"
     print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
-    said_why(rank, why)
+    try:  # the failure may be the file system's (full, gone): the abort must happen anyway
+        said_why(rank, why)
+    except OSError as err:
+        print(f"hpcvla: rank {rank} could not leave its failure with the launcher ({err}); "
+              "the words above are all there is", file=sys.stderr, flush=True)
     until_forwarded(sys.stderr)  # read by mpiexec's proxy before the abort stops it
     world.Abort(code)
 

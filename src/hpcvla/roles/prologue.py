@@ -293,7 +293,7 @@ def connect(me: Rank) -> Links:
                           checksum=cfg.learner.ring_checksum) \
         if comms.feed != MPI.COMM_NULL else None  # [dist]
     plane = WeightPlane(comms.control, comms.node, me.rank in plan.node_leaders,  # [dist]
-                        me.manifest)
+                        me.manifest, who=plan.who(me.rank, MPI.Get_processor_name()))
     if me.rank == plan.weight_root and me.manifest.frozen:
         print(f"[hpcvla] weights: {plane.bytes_per_version / 1e6:.1f} MB per version, "
               f"{plane.nbytes / 1e6:.1f} MB the first (frozen parameters cross once)",

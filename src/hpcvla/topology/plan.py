@@ -82,6 +82,11 @@ class RankPlan:
     def with_role(self, role: str) -> tuple[int, ...]:
         return tuple(info.rank for info in self.ranks if role in info.roles)
 
+    def who(self, rank: int, host: str) -> str:
+        """How a failure names a rank: its roles, node and host (`host`: the rank's own)."""
+        info = self.ranks[rank]
+        return f"rank {rank} ({'+'.join(info.roles)}) on node {info.node} (host {host})"
+
     def producers_of(self, learner: int) -> tuple[int, ...]:
         return self._producers.get(learner, ())
 

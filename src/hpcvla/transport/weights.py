@@ -38,6 +38,7 @@ flat layout (its frozen bytes are there).
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -67,8 +68,9 @@ class WeightPlane:
     one broadcast call moves (pieces.py; tests make it small)."""
 
     def __init__(self, control: MPI.Comm, node: MPI.Comm, is_leader: bool, manifest: Manifest,
-                 max_message: int = pieces.MAX_MESSAGE):
+                 max_message: int = pieces.MAX_MESSAGE, who: str = ""):
         self.manifest, self.nbytes = manifest, manifest.nbytes
+        self.who = who or f"rank {MPI.COMM_WORLD.Get_rank()} (host {MPI.Get_processor_name()})"
         self.is_root = control != MPI.COMM_NULL and control.Get_rank() == 0
         self.is_leader = is_leader
         self.node = node
@@ -321,9 +323,9 @@ class WeightPlane:
             loop()
         except BaseException as err:  # noqa: BLE001
             self._error = err
-            rank = MPI.COMM_WORLD.Get_rank()
-            deathwatch.abort_world(MPI.COMM_WORLD, rank, f"hpcvla: weight plane thread of "
-                                   f"rank {rank} failed: {err!r}", 1)
+            deathwatch.abort_world(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank(),
+                                   f"hpcvla: the weight plane thread of {self.who} failed: "
+                                   f"{err!r}", 1, traceback.format_exc())
 
     def _raise_thread_error(self) -> None:
         if self._error is not None:
