@@ -52,8 +52,7 @@ class Refused(Exception):
 def register(rank: int, roles: str, node: int, host: str) -> None:
     """Rank side: leave this rank's card for the launcher and hold its lifeline (nothing
     without a launcher)."""
-    folder = os.environ.get(ENV)
-    if folder:
+    if folder := os.environ.get(ENV):
         card = {"rank": rank, "roles": roles, "node": node, "host": host, "pid": os.getpid()}
         _write_atomic(Path(folder) / f"rank{rank}.json", json.dumps(card))
         _hold_lifeline(Path(folder) / LIFELINE, rank)
@@ -149,8 +148,7 @@ def said_why(rank: int, why: str) -> None:
     printed, its traceback aside), so the others' deaths that follow are not news. The
     launcher repeats `why` at the end: on MPI_Abort mpiexec may stop forwarding the rank's
     output before its words are through."""
-    folder = os.environ.get(ENV)
-    if folder:
+    if folder := os.environ.get(ENV):
         _write_atomic(Path(folder) / f"failed.rank{rank}", why)
 
 
@@ -162,8 +160,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def finished(rank: int) -> None:
     """Rank side, after its work: this rank's exit is no failure."""
-    folder = os.environ.get(ENV)
-    if folder:
+    if folder := os.environ.get(ENV):
         _done_mark(Path(folder), rank).touch()
 
 
@@ -209,8 +206,7 @@ def _alive(pid: int) -> bool:
 
 def register_run_dir(run_dir: Path) -> None:
     """Rank 0 side: where the run's metrics are, for the last progress."""
-    folder = os.environ.get(ENV)
-    if folder:
+    if folder := os.environ.get(ENV):
         (Path(folder) / RUN_DIR_FILE).write_text(str(run_dir))
 
 
