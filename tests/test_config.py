@@ -403,3 +403,10 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
     assert load_config("configs/maniskill_pushcube.yaml", ["algorithm.name=ppo"]).algorithm \
         .group_size == 4  # the file's, switching algorithms
     assert load_config(None, ["algorithm.noise_bound=1.0"])  # the default: changes nothing
+    # a pretrained folder sets a flow or OFT policy's sizes: policy.size with it is refused
+    with pytest.raises(ConfigError, match=r"policy.size = 'full': expected none: the folder "
+                                          r"policy.pretrained=.* sets the sizes; to build at "
+                                          r"this size without it: policy.pretrained= "):
+        load_config("configs/libero_pi0.yaml", ["policy.size=full"])
+    assert load_config("configs/libero_pi0.yaml", ["policy.pretrained=", "policy.tokenizer=",
+                                                   "policy.size=full"]).policy.size == "full"

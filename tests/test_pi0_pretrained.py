@@ -192,10 +192,12 @@ def test_the_sampler_steps_are_the_folders_unless_the_config_sets_them(layout, s
 
 
 def test_sizes_come_from_the_checkpoint():
+    """Whatever policy.size a config file says (typed with a folder it is refused: test_config)."""
     io, tasks = fixture("pi0")
     _, spec = raw_observation(io, tasks)
-    policy = build_policy(config(FIXTURES / "pi0" / "lerobot_tied", **{"policy.size": "full"}),
-                          spec)
+    cfg = config(FIXTURES / "pi0" / "lerobot_tied")
+    cfg.policy.size = "full"  # as a config file may set it
+    policy = build_policy(cfg, spec)
     summary = json.loads((FIXTURES / "pi0" / "summary.json").read_text())["tiny_dims"]
     assert policy.prefix.vision_config.hidden_size == summary["vision"]["hidden_size"]
     assert policy.prefix.text_config.hidden_size == summary["vlm"]["width"]

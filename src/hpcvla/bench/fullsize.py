@@ -47,12 +47,11 @@ import torch
 
 from hpcvla.job.trainrun import train_run
 
-JOB = {"full": ["configs/reach_flow.yaml", "--ranks", "4", "policy.size=full",
-                "policy.dtype=bfloat16", "env.image_size=224", "env.envs_per_simulator=8",
+# the runs' settings; the folder they load sets the policy's sizes (built at `size`)
+JOB = {"full": ["configs/reach_flow.yaml", "--ranks", "4", "policy.dtype=bfloat16", "env.image_size=224", "env.envs_per_simulator=8",
                 "rollout.segment_len=4", "learner.micro_batch=8", "learner.epochs=1",
                 "learner.gradient_checkpointing=true"],
-       "tiny": ["configs/reach_flow.yaml", "--ranks", "4", "policy.size=tiny",
-                "env.image_size=32", "env.envs_per_simulator=8", "rollout.segment_len=4",
+       "tiny": ["configs/reach_flow.yaml", "--ranks", "4", "env.image_size=32", "env.envs_per_simulator=8", "rollout.segment_len=4",
                 "learner.micro_batch=8", "learner.epochs=1",
                 "learner.gradient_checkpointing=true"]}
 OFT = ["policy.name=oft", "policy.lora_rank=16"]
@@ -101,8 +100,8 @@ def run(out: Path, quick: bool = False, updates: int = 20, steps=None, json_path
         folder = "oft" if name == "oft" else "pi0"
         try:
             if not (out / f"{folder}-folder" / "config.json").is_file():
-                results[f"{folder}_folder"] = make_folder(out / f"{folder}-folder",
-                                                          oft if name == "oft" else job)
+                results[f"{folder}_folder"] = make_folder(out / f"{folder}-folder", [
+                    *(oft if name == "oft" else job), f"policy.size={size}"])
             results[name] = commands[name]()
             print(f"[fullsize] {name}: {json.dumps(_headline(results[name]))}", flush=True)
         except Exception as err:  # noqa: BLE001 - recorded; the job's other steps still run

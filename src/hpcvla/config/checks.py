@@ -248,12 +248,20 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
     """Settings typed on the command line that the chosen policy family or algorithm does not
     read (`policy.size=full` on the default policy, FamilyTraits.settings; `algorithm.
     group_size=4` under PPO, ALGORITHM_ONLY): refused, not silently ignored. A config file's
-    stay (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread)."""
+    stay (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread).
+    Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
+    folder_sizes): a plan of `configs/libero_pi0.yaml policy.size=full` planned its fixture."""
     some = {name for traits in FAMILIES.values() for name in traits.settings}
     problems = []
     for item in overrides:
         key = item.partition("=")[0]
         section, _, name = key.partition(".")
+        if key == "policy.size" and cfg.policy.pretrained and family(
+                cfg.policy.name).folder_sizes:
+            problems.append((key, cfg.policy.size, f"none: the folder policy.pretrained="
+                             f"{cfg.policy.pretrained} sets the sizes; to build at this size "
+                             "without it: policy.pretrained= policy.tokenizer="))
+            continue
         if section == "policy" and name in some - set(family(cfg.policy.name).settings):
             readers = [n for n, traits in FAMILIES.items() if name in traits.settings]
             chosen, value = f"policy.name={cfg.policy.name}", getattr(cfg.policy, name)

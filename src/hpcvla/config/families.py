@@ -31,6 +31,8 @@ class FamilyTraits:
     action_heads: tuple[str, ...] = ()
     # the gripper convention of its published LIBERO checkpoints (env.gripper_action)
     libero_gripper: str = "closed_high"
+    # a policy.pretrained folder sets its sizes from its tensors: policy.size is not read then
+    folder_sizes: bool = False
     # the policy.* settings its constructor reads (its class's `config_fields`); a setting of
     # another family's typed on the command line for this one is refused (config/checks.py)
     settings: tuple[str, ...] = ()
@@ -51,11 +53,12 @@ _VLA = ("size", "logprob_granularity", "dtype", "init_log_std")
 FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True,
                             settings=("hidden", "init_log_std")),
-    "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True, settings=(
+    "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True, folder_sizes=True,
+                         settings=(
         *_VLA, "denoise_steps", "train_expert_only", "logprob_mode", "variant", "hidden")),
     "tokens": FamilyTraits(vla=True, relative_actions=False, settings=_VLA),
     "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=("tokens", "l1"),
-                        libero_gripper="open_high", settings=(
+                        libero_gripper="open_high", folder_sizes=True, settings=(
                             *_VLA, "temperature", "unnorm_key", "max_prompt_length", "sequence",
                             "action_head", "center_crop")),
 }

@@ -102,8 +102,8 @@ class PolicyConfig:
     pretrained: str = setting(
         "", "A Hugging Face-style folder (model.safetensors) loaded into the configured "
         "policy on every rank before training; every missing or misshaped tensor is named. "
-        "Empty: random init. Any family: a folder hpcvla wrote (`hpcvla sft`'s `policy/`, "
-        "`hpcvla.policies.save_pretrained`). `flow`: also a published π0/π0.5 folder "
+        "Empty: random init. Any family: a folder hpcvla wrote (`hpcvla export RUN --format "
+        "hpcvla`, `hpcvla.policies.save_pretrained`). `flow`: also a published π0/π0.5 folder "
         "(LeRobot's, or openpi's converted PyTorch one), which fixes the variant, sizes and "
         "padded dims and brings its normalization statistics; its prompts need `tokenizer` "
         "(policies/processor.py). `oft`: an OpenVLA-OFT folder (config.json, sharded weights, "
@@ -367,7 +367,7 @@ class AlgorithmConfig:
         "ended; checked against the env's observations and actions before launch by `hpcvla "
         "train` (in a world srun or mpirun started: when the learners read them, a failure "
         "that ends the world). "
-        "Every learner holds all of them in host memory.", paths=True)
+        "Each host holds one copy in shared memory, its learners sampling from it.", paths=True)
     demos_per_task: int = setting(
         0, "`rlpd`: at most this many demonstrations of each task (instruction), the first in "
         "file order; 0: all.", ge=0)
