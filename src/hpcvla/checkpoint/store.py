@@ -98,6 +98,14 @@ class Writer:
         self._thread.start()
         return self.wait() if wait else None
 
+    def check(self) -> None:
+        """Raise what a background write that has ended raised, without waiting for one that
+        has not: called at every version, a failed checkpoint stops the run within a version
+        or two, not at the next one due (learner.checkpoint_every versions of training that
+        no checkpoint would keep)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
     def wait(self) -> Path | None:
         """Wait for the checkpoint in flight; its directory on learner 0 (else None)."""
         if self._thread is not None:

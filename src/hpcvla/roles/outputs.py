@@ -98,6 +98,7 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
     writer = store.Writer(cfg.learner.checkpoint_background)
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
+        writer.check()  # the last checkpoint's write, if it failed
         every = cfg.learner.checkpoint_every
         if every >= 0 and (last or (every and version % every == 0)):
             with timeline.span("checkpoint"):
