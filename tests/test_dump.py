@@ -265,6 +265,19 @@ def test_a_writer_process_that_fails_or_dies_fails_its_producer_naming_the_file(
         dump.close()
 
 
+def test_a_writer_that_fails_while_the_producer_sends_names_its_error(tmp_path):
+    """The writer's flush fails (a folder holds its staging file's name) while the producer
+    is still sending it episodes: the producer's error is the writer's, not 'died'."""
+    groups, spec = reach_segments(6)
+    dump = writer(tmp_path / "rank7.h5", spec, flush_s=0.0, in_process=False)
+    (tmp_path / "rank7.h5.staging").mkdir()
+    with pytest.raises(DumpError, match=r"rank7.h5: producer rank 7: (OSError|IsADirectory)"):
+        for _ in range(50):
+            for group in groups:
+                dump.add_segment(group)
+        dump.close()
+
+
 @pytest.mark.mpi
 def test_bad_files_give_clear_errors(tmp_path):
     groups, spec = reach_segments(4)

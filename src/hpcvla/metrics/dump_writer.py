@@ -322,7 +322,7 @@ class DumpProcess:
                     return
                 self._conn.send(message)
             except (OSError, EOFError):
-                self._fail(f"the dump writer died ({worker.exit_status(self._proc)})")
+                self._fail(self._gone())
                 return
             with self._ready:
                 self._queue.pop(0)
@@ -330,6 +330,18 @@ class DumpProcess:
                 self._ready.notify_all()
             if message[0] == "close":
                 return
+
+    def _gone(self) -> str:
+        """Why the writer is gone: the error it sent before it ended (a send that met its
+        closed end may come before the error is read), else how it ended."""
+        try:
+            if self._conn.poll():
+                status, why = self._conn.recv()
+                if status == "error":
+                    return why
+        except (OSError, EOFError):
+            pass
+        return f"the dump writer died ({worker.exit_status(self._proc)})"
 
     def _fail(self, why: str) -> None:
         with self._ready:
@@ -345,7 +357,7 @@ class DumpProcess:
         try:
             status, value = self._conn.recv()
         except (OSError, EOFError):
-            self._fail(f"the dump writer died ({worker.exit_status(self._proc)})")
+            self._fail(self._gone())
             self._raise_failure()
         if status == "error":
             self._fail(value)
