@@ -4,10 +4,12 @@ top), the launcher names the rank and its role and stops the whole job; nothing 
 learner of `hpcvla sft` that stops (SIGSTOP) is said by the others, each
 pipeline.stall_timeout_s, still in their step; let go, the run goes on to its end."""
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -69,3 +71,52 @@ def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_pat
     assert "hpcvla sft: rank " in text and " has been in step " in text and \
         "(waiting for the other learners, or stuck itself)" in text, text[-3000:]
     assert "[hpcvla sft] step 600/600" in text, text[-3000:]
+
+
+def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
+    """`hpcvla train` with two learners, one stopped (SIGSTOP: no word of its own): the
+    other says, each pipeline.stall_timeout_s, that it is still in its version (waiting in
+    the collective), and the inference rank that feeds the stopped one names it (a small ring:
+    its lane fills); let go, the run goes on to its end, the stopped learner not mistaking its
+    own absence for its producers' silence. ~15 s: a world of 6."""
+    proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
+                             "--ranks", "6", f"run.root={tmp_path}",
+                             "placement.per_node={simulator: 2, inference: 2, learner: 2}",
+                             "pipeline.total_updates=60", "pipeline.stall_timeout_s=2",
+                             "pipeline.progress_every_s=0.5", "learner.ring_slots=2",
+                             "learner.ring_slot_kib=4"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = []
+    try:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("[hpcvla] update "):
+                break
+        (run_dir,) = tmp_path.iterdir()
+        plan = json.loads((run_dir / "plan.json").read_text())
+        learners = [r["rank"] for r in plan["ranks"] if "learner" in r["roles"]]
+        feeding = [int(p) for p, learner in plan["feeds"].items() if learner == learners[1]]
+        pids = {int(p.environ().get("PMI_RANK", -1)): p.pid
+                for p in psutil.Process(proc.pid).children(recursive=True)}
+        os.kill(pids[learners[1]], signal.SIGSTOP)
+        let_go = threading.Timer(60, os.kill, (pids[learners[1]], signal.SIGCONT))
+        let_go.start()  # whatever is heard: the run ends, and the test with it
+        said = {"peer": f"rank {learners[0]} (learner) has been in version",
+                "feeder": f"rank {feeding[0]} (inference): its ring lane to learner rank "
+                          f"{learners[1]} has been full"}
+        heard = set()
+        for line in proc.stdout:
+            log.append(line)
+            heard |= {who for who, words in said.items() if words in line}
+            if len(heard) == 2:
+                break
+        let_go.cancel()
+        os.kill(pids[learners[1]], signal.SIGCONT)
+        log += proc.stdout.readlines()
+        assert proc.wait(timeout=300) == 0, "".join(log)[-3000:]
+    finally:
+        proc.kill()
+    text = "".join(log)
+    assert heard == set(said), text[-3000:]
+    assert "[hpcvla] update 60/60" in text, text[-3000:]
+    print("".join(line for line in log if line.startswith("hpcvla: rank ")))

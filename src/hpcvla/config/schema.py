@@ -155,8 +155,10 @@ class PipelineConfig:
         300.0, "A learner that receives no trajectory for this long stops the job, naming "
         "what it waits for (a stuck simulator or a layout that cannot fill a batch), "
         "instead of hanging. Longer than the slowest segment can take to produce. An "
-        "inference rank that the staleness quota holds this long without a new version says "
-        "so, each time, and waits on (a version may take that long).", ge=1)
+        "inference rank that the staleness quota or its full ring lane holds this long says "
+        "so, naming its learner, each time, and waits on; a learner this long in one version "
+        "says so, each time (a version may take that long: a learner that hangs is the one "
+        "not saying it).", ge=1)
 
 
 @dataclass

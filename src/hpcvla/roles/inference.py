@@ -66,9 +66,10 @@ class InferenceServer:
 
     def __init__(self, setup: RoleSetup, *, sched: Schedule, policy: Policy,
                  loader: WeightLoader, exchange: ObsActionExchange, ring: RingWriter, quota: int,
-                 envs_per_shard: int, obs_keys: list[str], dump: TrajectoryDump | None = None):
-        """`quota`: segments per learner batch (schedule.producer_quota); `dump`: the rank's
-        HDF5 trajectory dump, if the run writes one."""
+                 envs_per_shard: int, obs_keys: list[str], learner: int,
+                 dump: TrajectoryDump | None = None):
+        """`quota`: segments per learner batch (schedule.producer_quota); `learner`: the world
+        rank the ring feeds; `dump`: the rank's HDF5 trajectory dump, if the run writes one."""
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring
         self.quota, self.n, self.obs_keys = quota, envs_per_shard, obs_keys
         self.timeline, self.emulate_ms = setup.timeline, setup.emulated_inference_ms
@@ -88,6 +89,11 @@ class InferenceServer:
         self.first_version = first_version
         self.rank, self.patience_s = setup.rank, setup.cfg.pipeline.stall_timeout_s
         self.version_at, self.said = time.monotonic(), 0  # the last new version: when, notices
+        self.learner = learner
+        ring.remind = (self.patience_s, lambda waited: (
+            f"hpcvla: rank {self.rank} (inference): its ring lane to learner rank {learner} has "
+            f"been full for {waited:.0f} s, the learner taking nothing ({self._learner_said}); "
+            "still waiting (said every pipeline.stall_timeout_s)"))
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
             "segments_sent": 0, "throttled_s": 0.0, "weight_swaps": 0, "value_passes": 0,
@@ -157,8 +163,13 @@ class InferenceServer:
         if waited > self.patience_s * (self.said + 1):
             self.said += 1
             print(f"hpcvla: rank {self.rank} (inference), {waited:.0f} s since the last new "
-                  f"policy version: {why()}; still waiting (said every pipeline.stall_timeout_s)",
-                  file=sys.stderr, flush=True)
+                  f"policy version from learner rank {self.learner}: {why()} "
+                  f"({self._learner_said}); still waiting (said every "
+                  "pipeline.stall_timeout_s)", file=sys.stderr, flush=True)
+
+    # what tells a long version from a learner that hangs
+    _learner_said = ("a learner in a long version says so itself, each pipeline.stall_timeout_s"
+                     ": silence from it, stopped or stuck")
 
     def _serve(self, slots: Sequence[int], held: Sequence[int] = ()) -> None:
         """One forward pass for `slots`: answer the simulators first, then assemble. `held`

@@ -30,6 +30,7 @@ import torch
 from hpcvla.algorithms.objective import Advantages, advantages_of, policy_loss
 from hpcvla.emulate import pad
 from hpcvla.engines import critic_steps_only
+from hpcvla.process.watchdog import reminding
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
@@ -75,10 +76,15 @@ def run_learner(setup: RoleSetup, *, sched: Schedule, train: TrainVersion,
     cfg, timeline, progress = setup.cfg, setup.timeline, setup.progress
     total_updates = setup.total_updates
     for version in range(setup.first_version, total_updates):
-        train(_arriving(cfg, sched, queues, version, timeline), version)
-        last = version + 1 == total_updates or stop()
-        with timeline.span("publish"):
-            publish(version + 1, last)
+        def in_version(waited: float, at: int = version + 1) -> str:
+            return (f"hpcvla: rank {setup.rank} (learner) has been in version {at} for "
+                    f"{waited:.0f} s (its data, training, publishing, a checkpoint; with "
+                    "several learners: waiting for the others, or stuck itself)")
+        with reminding(cfg.pipeline.stall_timeout_s, in_version):
+            train(_arriving(cfg, sched, queues, version, timeline), version)
+            last = version + 1 == total_updates or stop()
+            with timeline.span("publish"):
+                publish(version + 1, last)
         progress.on_update(version + 1)
         if last:
             break
@@ -196,13 +202,17 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
         with timeline.span("wait_data"):
             queues.pump()
             last, have = time.monotonic(), queues.available(version)
+            looked = last
             while have < need:
                 backoff.wait()
                 queues.pump()
-                now_have = queues.available(version)
+                now, now_have = time.monotonic(), queues.available(version)
+                if now - looked > 1.0:  # this rank was away (stopped, descheduled, reading a
+                    last += now - looked  # large group): no silence of its producers
+                looked = now
                 if now_have != have:
-                    last, have = time.monotonic(), now_have
-                elif time.monotonic() - last > cfg.pipeline.stall_timeout_s:
+                    last, have = now, now_have
+                elif now - last > cfg.pipeline.stall_timeout_s:
                     raise RuntimeError(
                         f"no trajectory for {cfg.pipeline.stall_timeout_s:g} s while "
                         f"training version {version + 1}: have {have} of {need} segments "

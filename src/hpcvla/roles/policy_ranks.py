@@ -53,7 +53,8 @@ def inference_rank(me: Rank, links: Links) -> tuple[float, Counters]:
         me.setup, sched=sched, policy=policy,
         loader=WeightLoader(policy, links.plane, me.manifest), exchange=links.exchange,
         ring=links.ring.writer, quota=producer_quota(cfg, plan, me.rank),
-        envs_per_shard=links.per_shard, obs_keys=list(me.spec.obs), dump=dump)
+        envs_per_shard=links.per_shard, obs_keys=list(me.spec.obs),
+        learner=plan.feeds[me.rank], dump=dump)
     return start, server.run()
 
 

@@ -10,6 +10,7 @@ call between polls keeps MPI's progress going.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -61,14 +62,23 @@ class Backoff:
         self.delay = self.first
 
 
+# (every_s, say): a wait that may rightly be long prints say(seconds waited) each every_s
+Reminder = tuple[float, Callable[[float], str]]
+
+
 def wait_until(ready: Callable[[], T], what: str, timeout: float | None = None,
-               cap: float = 2e-3, spin: float = 0.0) -> T:
-    """Poll `ready()` with back-off until it returns a truthy value, which is returned."""
+               cap: float = 2e-3, spin: float = 0.0, remind: Reminder | None = None) -> T:
+    """Poll `ready()` with back-off until it returns a truthy value, which is returned;
+    `remind`: say so to stderr while it takes long."""
     backoff = Backoff(cap=cap, timeout=timeout, what=what, spin=spin)
+    start, said = time.monotonic(), 0
     while True:
         value = ready()
         if value:
             return value
+        if remind and (waited := time.monotonic() - start) > remind[0] * (said + 1):
+            said += 1
+            print(remind[1](waited), file=sys.stderr, flush=True)
         backoff.wait()
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import wait_until
+from hpcvla.transport.backoff import Reminder, wait_until
 from hpcvla.transport.pieces import pieces as message_pieces
 from hpcvla.transport.ring_window import RingWindow
 from hpcvla.transport.slots import (LOW, MASK, PACKED, SLOT_HEADER, RecordData, as_bytes,
@@ -30,6 +30,7 @@ class RingWriter:
         self._word = np.zeros(1, np.int64)     # the state word being written
         self._started = np.zeros(1, np.int64)  # the started word being written
         self._read = np.zeros(1, np.int64)     # the freed word, as read
+        self.remind: Reminder | None = None  # said while a full lane holds a put up
 
     def put(self, record: RecordData, schema: int = 0, timeout: float | None = None) -> None:
         """Write one record (bytes-like or uint8 array); blocks while this lane is full."""
@@ -83,7 +84,7 @@ class RingWriter:
         if f - size >= self._freed:  # the slot's previous fragment not known to be freed
             wait_until(lambda: self._read_freed() > f - size,
                        f"ring lane {self.lane} slot {f % size} to be freed", timeout,
-                       cap=ring.poll_cap)
+                       cap=ring.poll_cap, remind=self.remind)
         disp = ring.slot_disp(self.lane, f)
         # header words 1..6, the checksum word, then the table: one Put from header byte 8 on
         head = SLOT_HEADER.itemsize + 8 * len(table)
