@@ -271,8 +271,9 @@ class EnvConfig:
         "and, with process isolation, building a worker's envs): 0 = no watchdog, else >= 1.",
         ge=0)
     max_restarts: int = setting(
-        5, "env.isolation=process: restarts of one shard's worker after which the rank "
-        "gives up and stops the job (a fault that always recurs is a bug, not bad luck).",
+        5, "Restarts of one shard's worker (env.isolation=process), or rebuilds of one env "
+        "that raised (inline ManiSkill/LIBERO envs), after which the rank gives up and stops "
+        "the job (a fault that always recurs is a bug, not bad luck).",
         ge=0)
     hang_at_step: int = setting(
         0, "`reach`, fault injection: every env's step number N never returns (tests the "

@@ -323,7 +323,8 @@ class LiberoEnv(SerialVectorEnv):
     def config_kwargs(cls, env_cfg) -> dict:
         return dict(suite=env_cfg.suite, task=env_cfg.suite_task,
                     wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
-                    state_format=env_cfg.state_format, gripper_action=env_cfg.gripper_action)
+                    state_format=env_cfg.state_format, gripper_action=env_cfg.gripper_action,
+                    max_rebuilds=env_cfg.max_restarts)
 
     @classmethod
     def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
@@ -356,7 +357,7 @@ class LiberoEnv(SerialVectorEnv):
                  state: bool = True, reward: str = "sparse", chunk_len: int = 10,
                  max_episode_chunks: int = 48, first_env: int = 0,
                  state_format: str = "quaternion", settle_steps: int = SETTLE_STEPS,
-                 gripper_action: str = "closed_high"):
+                 gripper_action: str = "closed_high", max_rebuilds: int = 5):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
                             max_episode_chunks, tasks, state_format=state_format)
@@ -369,7 +370,7 @@ class LiberoEnv(SerialVectorEnv):
                          open_high=gripper_action == "open_high")
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
-                         first_env, name=f"libero {suite}")
+                         first_env, name=f"libero {suite}", max_rebuilds=max_rebuilds)
 
     evaluation_kind = "the suite's fixed init states (task, state)"
 

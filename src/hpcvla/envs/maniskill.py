@@ -268,6 +268,8 @@ class ManiSkillEnv(SerialVectorEnv):
     def config_kwargs(cls, env_cfg) -> dict:
         return dict(task=env_cfg.task, wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
                     sim_backend=env_cfg.sim_backend, control_mode=env_cfg.control_mode,
+                    **({} if env_cfg.sim_backend == "gpu" else {  # the CPU env's
+                        "max_rebuilds": env_cfg.max_restarts}),
                     **({} if env_cfg.camera else {"camera": False}))  # CPU env only
 
     @classmethod
@@ -296,7 +298,7 @@ class ManiSkillEnv(SerialVectorEnv):
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, camera: bool = True,
-                 control_mode: str = EE_DELTA_CONTROL):
+                 control_mode: str = EE_DELTA_CONTROL, max_rebuilds: int = 5):
         if reward not in MANISKILL_REWARDS:
             raise ValueError(f"ManiSkillEnv: reward must be one of {MANISKILL_REWARDS}, "
                              f"got {reward!r}")
@@ -316,7 +318,7 @@ class ManiSkillEnv(SerialVectorEnv):
         instruction = describe(task)
         self.task = task
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
-                         name=f"maniskill {task}", first_slot=first)
+                         name=f"maniskill {task}", first_slot=first, max_rebuilds=max_rebuilds)
 
     def privileged_envs(self) -> list:
         """The unwrapped ManiSkill env of every slot (one env each, batch dimension 1): the

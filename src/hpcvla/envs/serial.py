@@ -28,7 +28,9 @@ and in `failures`, rebuilt and reset (its episode ends truncated, flagged `env_f
 failed reset at its next step, unrun: the rebuilt slot's random start is not the episode
 asked for), while the other envs go on. A slot that cannot be rebuilt is retired: it returns
 zero observations and a truncated, faulted step from then on, so learners train nothing of
-it and success counts skip it.
+it and success counts skip it. A slot that fails again after `max_rebuilds` rebuilds
+(env.max_restarts), or the last slot retired, raises: the rank stops the job, named, rather
+than train on faults alone.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class SerialVectorEnv(VectorEnv):
 
     def __init__(self, num_envs: int, seed: int, spec: EnvSpec, instruction_len: int,
                  make_slot: Callable[[int], object], first_env: int = 0, name: str = "env",
-                 first_slot=None):
+                 first_slot=None, max_rebuilds: int = 5):
         if num_envs < 1 or spec.chunk_len < 1 or spec.max_episode_chunks < 1:
             raise ValueError(f"{name}: num_envs, chunk_len and max_episode_chunks must be >= 1")
         self.num_envs, self.spec, self.name = num_envs, spec, name
@@ -79,6 +81,8 @@ class SerialVectorEnv(VectorEnv):
         self._seed_envs(env_seeds(seed, num_envs))
         self.failures: list[tuple[int, str]] = []  # (env id, error) of every failure so far
         self.retired: set[int] = set()  # slot indices that could not be rebuilt
+        self.max_rebuilds = max_rebuilds  # of one slot, before the rank gives up
+        self._rebuilds = np.zeros(num_envs, dtype=np.int64)
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._steps = np.zeros(num_envs, dtype=np.int64)  # primitive steps of the episode
         self._return = np.zeros(num_envs, dtype=np.float32)
@@ -110,6 +114,12 @@ class SerialVectorEnv(VectorEnv):
     def _replace(self, i: int, what: str, err: Exception) -> None:
         env_id = self.first_env + i
         self.failures.append((env_id, f"{what}: {err!r}"))
+        if self._rebuilds[i] >= self.max_rebuilds:
+            raise RuntimeError(f"{self.name} env {env_id} failed in {what}: {err!r}; rebuilt "
+                               f"{self._rebuilds[i]} times already (env.max_restarts="
+                               f"{self.max_rebuilds}), giving up: a fault that always recurs "
+                               "is a bug to fix, not bad luck")
+        self._rebuilds[i] += 1
         print(f"hpcvla: {self.name} env {env_id} failed in {what}: {err!r}; rebuilding it "
               "(the other envs go on)", file=sys.stderr, flush=True)
         try:
@@ -123,6 +133,10 @@ class SerialVectorEnv(VectorEnv):
         except Exception as again:  # noqa: BLE001
             self.retired.add(i)
             self.failures.append((env_id, f"rebuild: {again!r}"))
+            if len(self.retired) == self.num_envs:
+                raise RuntimeError(f"{self.name}: every env of envs {self.first_env}.."
+                                   f"{self.first_env + self.num_envs - 1} could not be rebuilt"
+                                   f" (env {env_id}: {again!r}); nothing is left to train on")
             print(f"hpcvla: {self.name} env {env_id} could not be rebuilt ({again!r}); it is "
                   "retired and returns empty observations", file=sys.stderr, flush=True)
             for field in self._obs.values():
