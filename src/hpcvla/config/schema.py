@@ -153,12 +153,10 @@ class PipelineConfig:
         "success, staleness, ETA), `hpcvla sft`'s and `hpcvla demos`'s.", ge=0.1)
     stall_timeout_s: float = setting(
         300.0, "A learner that receives no trajectory for this long stops the job, naming "
-        "what it waits for (a stuck simulator or a layout that cannot fill a batch), "
-        "instead of hanging. Longer than the slowest segment can take to produce. An "
-        "inference rank that the staleness quota or its full ring lane holds this long says "
-        "so, naming its learner, each time, and waits on; a learner this long in one version "
-        "says so, each time (a version may take that long: a learner that hangs is the one "
-        "not saying it).", ge=1)
+        "what it waits for (a stuck simulator, a layout that cannot fill a batch). Longer "
+        "than the slowest segment takes. Inference ranks held this long (staleness quota, "
+        "full ring lane) name their learner, learners this long in a version say so, each "
+        "time, and wait on (a version may take that long; one that hangs says nothing).", ge=1)
 
 
 @dataclass
@@ -273,8 +271,7 @@ class EnvConfig:
     max_restarts: int = setting(
         5, "Restarts of one shard's worker (env.isolation=process), or rebuilds of one env "
         "that raised (inline ManiSkill/LIBERO envs), after which the rank gives up and stops "
-        "the job (a fault that always recurs is a bug, not bad luck).",
-        ge=0)
+        "the job (a fault that always recurs is a bug, not bad luck).", ge=0)
     hang_at_step: int = setting(
         0, "`reach`, fault injection: every env's step number N never returns (tests the "
         "step watchdog). 0 = never.", ge=0)
