@@ -72,7 +72,8 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
                              cfg.rollout.segment_len, producer=0, slot=0)
     result: StepResult | None = None
     groups: list[SegmentGroup] = []
-    obs, steps = env.reset(), 0
+    with deadline(step_deadline_s(cfg.env)):
+        obs, steps = env.reset(), 0
     version = setup.first_version
     while True:
         actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)

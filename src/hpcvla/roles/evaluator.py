@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Required, TypedDict
 from hpcvla.process import preempt
 from hpcvla.roles.heldout import HeldOut
 from hpcvla.roles.setup import RoleSetup
-from hpcvla.transport.backoff import Backoff
+from hpcvla.transport.backoff import Backoff, idle_recv
 
 if TYPE_CHECKING:
     import torch
@@ -109,8 +109,9 @@ def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader: WeightLoader,
 class HeldOutInbox:
     """The weight root's side: the evaluator's reports into the run's progress."""
 
-    def __init__(self, world: MPI.Comm, evaluator: int, progress: Progress):
+    def __init__(self, world: MPI.Comm, evaluator: int, progress: Progress, patience_s: float):
         self.world, self.evaluator, self.progress = world, evaluator, progress
+        self.patience_s = patience_s  # pipeline.stall_timeout_s: how often a long wait is said
 
     def poll(self) -> bool:
         """Log every report that has arrived; True once the last one is in."""
@@ -124,8 +125,12 @@ class HeldOutInbox:
         if not self.poll():
             print("[hpcvla] waiting for the held-out evaluation of the last version",
                   flush=True)
-            while not self._take(self.world.recv(source=self.evaluator,  # [dist]
-                                                 tag=HELD_OUT_TAG)):
+            remind = (self.patience_s, lambda waited: (
+                f"hpcvla: rank {self.world.Get_rank()} (learner) has waited {waited:.0f} s for "
+                f"evaluator rank {self.evaluator}'s last held-out evaluation (one may take that"
+                " long; an evaluator that hangs says nothing)"))
+            while not self._take(idle_recv(self.world, self.evaluator, HELD_OUT_TAG,  # [dist]
+                                           remind=remind)):
                 pass
 
     def _take(self, message: HeldOutMessage) -> bool:

@@ -186,7 +186,8 @@ def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic:
     in `filmed` their instruction and frames (position -> (instruction, [(step, image)])): the
     camera observation each chunk was chosen from, and (step, None) when the episode ended."""
     n = env.num_envs
-    obs = env.reset(init_state_ids=np.resize(batch, n))
+    with deadline(step_deadline):
+        obs = env.reset(init_state_ids=np.resize(batch, n))
     running = np.ones(n, bool)
     success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
     fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)

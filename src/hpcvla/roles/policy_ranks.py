@@ -73,7 +73,8 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     # the weights go to host memory only where they are published or checkpointed
     wanted = me.rank == plan.weight_root or me.comms.learners.Get_rank() == 0
     # the evaluator's reports (eval.every), logged by the weight root as they come
-    inbox = HeldOutInbox(me.comms.world, plan.with_role(EVAL)[0], me.progress) \
+    inbox = HeldOutInbox(me.comms.world, plan.with_role(EVAL)[0], me.progress,
+                         cfg.pipeline.stall_timeout_s) \
         if plan.with_role(EVAL) and me.rank == plan.weight_root else None
 
     def publish(version: int, last: bool = False) -> None:

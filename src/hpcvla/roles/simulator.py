@@ -18,7 +18,7 @@ import numpy as np
 
 from hpcvla.envs.base import final_observations, horizon_cut
 from hpcvla.envs.build import make_envs
-from hpcvla.process.watchdog import deadline
+from hpcvla.process.watchdog import deadline, step_deadline_s
 from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
 from hpcvla.seeds import shard_seed
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
@@ -52,14 +52,17 @@ def build_shards(cfg: Config, shards: int, rank: int,
                  start: int = 0) -> list[VectorEnv]:
     """Simulator rank `rank`'s envs in `shards` shards of equal size, each with its seed (of
     a world started at policy version `start`) and run-wide env ids; `first_built(env)` as
-    soon as the first shard is (the rank that tells the others the env's spec sends it)."""
+    soon as the first shard is (the rank that tells the others the env's spec sends it). An
+    inline shard's build is guarded as its steps are (process/watchdog.py): a simulator that
+    deadlocks while it builds stops the job, not every rank waiting for it."""
     per_shard = cfg.env.envs_per_simulator // shards
     envs = []
     for shard in range(shards):
-        envs.append(make_envs(cfg, per_shard, shard_seed(cfg, rank, shard, start),
-                              latency_sleep=False,
-                              first_env=rank * cfg.env.envs_per_simulator + shard * per_shard,
-                              owner=f"rank {rank} (simulator)"))
+        with deadline(step_deadline_s(cfg.env)):
+            envs.append(make_envs(cfg, per_shard, shard_seed(cfg, rank, shard, start),
+                                  latency_sleep=False,
+                                  first_env=rank * cfg.env.envs_per_simulator
+                                  + shard * per_shard, owner=f"rank {rank} (simulator)"))
         if shard == 0 and first_built is not None:
             first_built(envs[0])
     return envs
@@ -76,7 +79,9 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
     steps = [0] * len(envs)
     chunk = envs[0].spec.chunk_len
     for shard, env in enumerate(envs):
-        _write(exchange.obs(shard), env.reset(), None, steps[shard])
+        with deadline(step_timeout_s):
+            first = env.reset()
+        _write(exchange.obs(shard), first, None, steps[shard])
         exchange.submit(shard)
     running = set(range(len(envs)))
     stepping: dict[int, tuple[float, float]] = {}  # shard -> (timeline start, start)

@@ -105,9 +105,10 @@ def idle_bcast(comm: MPI.Comm, make: Callable[[], T], root: int = 0) -> T:
     return made
 
 
-def idle_recv(comm: MPI.Comm, source: int, tag: int, cap: float = 1e-3) -> Any:
+def idle_recv(comm: MPI.Comm, source: int, tag: int, cap: float = 1e-3,
+              remind: Reminder | None = None) -> Any:
     """A pickled message from `source`, waited for asleep (`Iprobe` + sleeps), not in the
     blocking recv, which spins on the cores the sender needs."""
     wait_until(lambda: comm.Iprobe(source=source, tag=tag), f"a message from rank {source}",
-               cap=cap)  # [dist]
+               cap=cap, remind=remind)  # [dist]
     return comm.recv(source=source, tag=tag)  # [dist]
