@@ -266,7 +266,7 @@ class EnvConfig:
         "worker is killed and restarted and the run goes on. inline: the rank prints its "
         "stacks and exits; the launcher names it and stops the job, so a checkpointed run "
         "can be resumed instead of hanging. Must exceed the slowest legitimate step (resets "
-        "and, with process isolation, building a worker's envs): 0 = no watchdog, else >= 1.",
+        "and building a shard's envs, which it guards too): 0 = no watchdog, else >= 1.",
         ge=0)
     max_restarts: int = setting(
         5, "Restarts of one shard's worker (env.isolation=process), or rebuilds of one env "
