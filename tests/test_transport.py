@@ -348,3 +348,25 @@ def test_windows_must_be_in_the_unified_memory_model():
             return MPI.WIN_SEPARATE if key == MPI.WIN_MODEL else None
     with pytest.raises(RuntimeError, match="the trajectory ring's MPI window is in the separate"):
         unified(SeparateModel(), "the trajectory ring")
+
+
+def test_a_failed_progress_thread_is_said_and_no_longer_counted_as_running(capfd):
+    """The ring's progress thread (transport/progress.py) that an MPI call fails in says so
+    and stops counting as running (the stall diagnosis said 'progress thread' after it had
+    died); polls still drive progress. Its communicator taken away makes the real failure."""
+    import time
+
+    from mpi4py import MPI
+
+    from hpcvla.transport.progress import ProgressAgent
+    agent = ProgressAgent(MPI.COMM_SELF, interval=1e-3).start()
+    comm, agent.comm = agent.comm, MPI.COMM_NULL
+    try:
+        start = time.monotonic()
+        while agent.error is None and time.monotonic() - start < 10:
+            time.sleep(0.01)
+        assert isinstance(agent.error, MPI.Exception) and not agent.running
+        assert "the ring's progress thread failed (Exception: " in capfd.readouterr().err
+    finally:
+        agent.stop()
+        comm.Free()

@@ -28,6 +28,7 @@ producers are on other hosts (`spans_hosts`), or always with `mode="thread"`.
 
 from __future__ import annotations
 
+import sys
 import threading
 
 from mpi4py import MPI
@@ -57,6 +58,7 @@ class ProgressAgent:
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what ended the thread, if it failed
 
     def poke(self) -> None:
         self.comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
@@ -70,11 +72,17 @@ class ProgressAgent:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None
+        return self._thread is not None and self.error is None
 
     def _serve(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.poke()
+        try:
+            while not self._stop.wait(self.interval):
+                self.poke()
+        except Exception as err:  # noqa: BLE001 - said; polls still drive progress
+            self.error = err
+            print(f"hpcvla: rank {MPI.COMM_WORLD.Get_rank()}: the ring's progress thread failed"
+                  f" ({type(err).__name__}: {err}); remote producers' writes complete only while this rank polls "
+                  "from now on", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self._thread is not None:

@@ -142,8 +142,11 @@ class RingReader:
                      f"inference rank names above any that stopped asking —, inference, "
                      f"the layout), or their first request never reached this "
                      f"host (network)")
+        agent = ring.progress
+        how = "thread" if agent.running else f"on poll, its thread failed: {agent.error!r}" \
+            if agent.error else "on poll"
         return f"ring ({'spans hosts' if ring.spans_hosts else 'one host'}, progress " \
-               f"{'thread' if ring.progress.running else 'on poll'}): {cause}. {per}{closed}"
+               f"{how}): {cause}. {per}{closed}"
 
     def _hand_back(self) -> None:
         """Per lane, store the oldest fragment still held (or the next unread) into the freed
