@@ -415,6 +415,32 @@ def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
                 pass
 
 
+def test_a_stop_signal_between_two_starts_is_kept_and_no_world_starts_after_it(monkeypatch):
+    """job/launch.run_world: a scheduler's SIGTERM that comes while no world runs (the first
+    failed while starting; the launcher clears what it left) is not lost with that world: no
+    world is started after it. The worlds here are stand-ins that count their starts."""
+    from hpcvla.job import launch
+    starts = []
+
+    def world(cmd, env, timeout, forward):  # failed while starting: start it again
+        starts.append(list(forward.signalled))
+        return 1, True
+
+    def clear(before):  # between the two starts, the scheduler's warning comes
+        os.kill(os.getpid(), signal.SIGTERM)
+        return []
+    monkeypatch.setattr(launch, "_run", world)
+    monkeypatch.setattr(launch.segments, "remove_orphans", clear)
+    monkeypatch.setenv("HPCVLA_START_RETRIES", "3")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert launch.run_world(2, ["train", "configs/default.yaml"]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert starts == [[]], starts  # one world, and none after the signal
+
+
 def test_a_world_that_died_while_starting_is_started_again_by_hpcvla_train(tmp_path):
     """`hpcvla train --ranks` (job/launch.py), as jobs/launch.sh: a world whose rank dies
     before any rank registered (Open MPI's ranks can crash in MPI_Init, ompi#12495) is started

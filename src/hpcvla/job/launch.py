@@ -83,14 +83,17 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
     deadline = None if timeout is None else time.monotonic() + timeout
     shm_before = segments.segments()
     attempt = 0
+    forward = _Forward(stop)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # for every attempt, and between them
+        signal.signal(sig, forward)
     while True:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        code, never_started = _run(cmd, env, left, stop)
+        code, never_started = _run(cmd, env, left, forward)
         if code != 0:  # a clean exit frees its own segments; tests check that it does
             for line in segments.removal_report(segments.remove_orphans(shm_before)):
                 print(f"hpcvla launch: {line}", file=sys.stderr, flush=True)
-        if not never_started or attempt == retries:
-            return code
+        if not never_started or attempt == retries or forward.signalled:
+            return code  # a world told to stop (meanwhile, too) is not started again
         attempt += 1
         print(f"hpcvla launch: the world failed while starting (exit {code}), before any rank "
               f"registered: starting it again ({attempt}/{retries})", file=sys.stderr,
@@ -115,41 +118,50 @@ def start_retries(program: list[str]) -> int:
     return int(value)
 
 
+class _Forward:
+    """The handler of a scheduler's SIGTERM/SIGUSR1: it goes on to the world's mpiexec as the
+    signal it hands to every rank untouched (`stop`): the run checkpoints and ends
+    (hpcvla.process.preempt), and the launcher keeps waiting for it. Heard between two
+    attempts, it is remembered: no world is started after it."""
+
+    def __init__(self, stop: signal.Signals):
+        self.stop, self.signalled = stop, []
+        self.proc: subprocess.Popen | None = None  # the world's mpiexec, while one runs
+
+    def __call__(self, signum: int, frame) -> None:
+        self.signalled.append(signum)
+        if self.proc is not None:
+            self.proc.send_signal(self.stop)
+
+
 def _run(cmd: list[str], env: dict, timeout: float | None,
-         stop: signal.Signals) -> tuple[int, bool]:
+         forward: _Forward) -> tuple[int, bool]:
     """The world's exit status; and whether it failed while starting (never_started), not
     refused (exit 2), timed out, interrupted or told to stop by a signal."""
     watch = DeathWatch()  # names a rank that dies without a word (kill -9, OOM)
-    signalled: list[int] = []
     try:
-        code = _watched(cmd, {**env, **watch.env()}, timeout, watch, signalled, stop)
+        code = _watched(cmd, {**env, **watch.env()}, timeout, watch, forward)
         if code in (0, 124, 130):
             return code, False
         report = watch.report(time.monotonic())
         if report:
             print(report, file=sys.stderr, flush=True)
-        return code, code != 2 and not signalled and deathwatch.never_started(watch.dir)
+        return code, code != 2 and not forward.signalled and \
+            deathwatch.never_started(watch.dir)
     finally:
         watch.close()
 
 
 def _watched(cmd: list[str], env: dict, timeout: float | None, watch,
-             signalled: list[int], stop: signal.Signals) -> int:
+             forward: _Forward) -> int:
     # Own process group, so a timeout or a second Ctrl-C takes down mpiexec and every rank
     # with it; mpiexec gets SIGTERM if this process dies (kill -9, a closed ssh session), so
     # no world trains on without anyone to report it.
     _adopt_orphans()
+    stop = forward.stop
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                             preexec_fn=_terminated_with(os.getpid()))
-
-    def forward(signum: int, frame) -> None:
-        # A scheduler's SIGTERM/SIGUSR1 goes on to mpiexec as the signal it hands to every
-        # rank untouched (`stop`): the run checkpoints and ends (hpcvla.process.preempt); we
-        # keep waiting for it.
-        signalled.append(signum)  # and a world told to stop is not started again
-        proc.send_signal(stop)
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
+    forward.proc = proc
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         ended = _wait(proc, deadline, watch)
