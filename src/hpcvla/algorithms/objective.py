@@ -100,8 +100,9 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
         stats.update(critic_health(old_value[mask], returns[mask]))
         if value_only:
             return alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss.detach())), logprob
-    # the bonus is the chunk's entropy at every log-prob granularity (units summed), so one
-    # entropy_coef means the same with chunk, action or token ratios
+    # the bonus is the chunk's entropy at every log-prob granularity (units summed): its size
+    # is the same at any; the policy loss, a mean over units, is 1/units of chunk's (the
+    # granularity's help says so)
     entropy = masked_mean(sum_to(entropy, 2), mask)
     loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),

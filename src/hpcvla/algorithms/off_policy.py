@@ -12,6 +12,13 @@ the shared encoder and the actor's reads its features detached: the actor's grad
 actor's head only, and the temperature moves by its own loss. The temperature is the policy's
 `sac_log_alpha`; the critics inside the actor's loss are frozen (policies/soft_critics.py), so
 each loss moves only what it is meant to, and one backward pass serves all three.
+
+The Bellman target reads the next observation through the online encoder; only the Q heads
+have Polyak copies (DrQ-v2's scheme, RLinf's `target_update_type=q_head_only`). SAC-AE, DrQ,
+RLPD's pixel learner and RLinf's default keep a target encoder too: a copy of the encoder
+and its optimizer-free update per step, which the encoders here (a small CNN, DSRL's noise
+encoder) have not needed. Unlike RLPD (10 critics, the actor on their mean), the critics
+are twins, the actor taking their minimum.
 """
 
 from __future__ import annotations
