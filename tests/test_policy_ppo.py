@@ -232,6 +232,10 @@ def test_behaviour_weight_truncation():
     # the weight is detached: d loss / d lp = -w * A / n
     (g,) = torch.autograd.grad(loss, lp)
     torch.testing.assert_close(g, torch.tensor([-1.0, -0.5]))
+    # a masked step (an env fault) is no part of the weights' statistics, as of the loss
+    _, masked = decoupled_ppo_loss(lp, prox, beh, adv, max_behaviour_weight=2.0,
+                                   mask=torch.tensor([False, True]))
+    assert masked["behaviour_weight_max"] == masked["behaviour_weight_mean"] == 1.0
 
 
 def test_value_loss_hand_computed():

@@ -115,8 +115,9 @@ def decoupled_ppo_loss(
             # behaviour policy is the proximal one (staleness 0), else on the behaviour's
             # samples, unweighted: a diagnostic.
             "approx_kl": (include * ((ratio - 1.0) - log_ratio)).sum().item() / count.item(),
-            "behaviour_weight_mean": weight.mean().item(),
-            "behaviour_weight_max": weight.max().item(),
+            # over the units the loss counts (env faults, GRPO's unscored episodes out)
+            "behaviour_weight_mean": (include * weight).sum().item() / count.item(),
+            "behaviour_weight_max": weight[include > 0].max().item() if include.any() else 1.0,
         }
     return loss, stats
 
