@@ -197,6 +197,14 @@ def test_ring_many_producers_slow_consumer_exactly_once_in_order():
 
 
 @pytest.mark.mpi
+def test_a_producer_late_to_close_its_lane_is_named_while_the_learner_drains():
+    out = run_clean("launch", "-n", 2, "--timeout", 60, "--", MPI_DIR / "ring_drain.py")
+    assert "drained 1 record(s) that came after the last version" in out.stdout
+    assert "hpcvla: rank 0 (learner), after its last version, has waited 1 s for producer " \
+        "rank(s) [1] to close their ring lanes" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.mpi
 def test_ring_progresses_without_shared_memory():
     """The cross-host hang, reproduced on one host: MPICH told not to use shared memory
     (MPIR_CVAR_NOLOCAL=1) completes one-sided writes only when the target's MPI progresses;

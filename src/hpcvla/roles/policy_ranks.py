@@ -4,6 +4,8 @@ this module only on such a rank: it brings torch and the engines."""
 
 from __future__ import annotations
 
+import sys
+import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -95,7 +97,8 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     stats["nonfinite_steps_skipped"] = engine.skipped
     stats["trained_groups"] = queues.ledger()
     # unused: what the queues took from the ring for no version, and what came after
-    stats["unused_segment_groups"] = queues.leftover() + _drain(ring, len(plan.producers_of(me.rank)))
+    stats["unused_segment_groups"] = queues.leftover() + _drain(
+        ring, plan.producers_of(me.rank), me.rank, cfg.pipeline.stall_timeout_s)
     if inbox:
         inbox.wait_last()
     stats["ring"] = {"records": ring.stats.records, "bad_slots": ring.stats.bad_slots,
@@ -198,14 +201,23 @@ def _start_engine(me: Rank) -> SkipNonfinite:
     return engine
 
 
-def _drain(ring: RingReader, producers: int) -> int:
-    """Consume (and count) what producers still send until all of them closed."""
+def _drain(ring: RingReader, producers: tuple[int, ...], rank: int, patience_s: float) -> int:
+    """Consume (and count) what `producers` (world ranks) still send until all of them
+    closed; a producer that does not is named each `patience_s` (pipeline.stall_timeout_s)."""
     unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
-    while len(ring.stats.closed) < producers:
+    start, said = time.monotonic(), 0
+    while len(ring.stats.closed) < len(producers):
         got = ring.poll()
         ring.check_intact()  # a dropped close would leave this loop waiting for ever
         unused += len(got)
         if not got:
             backoff.wait()
+        if (waited := time.monotonic() - start) > patience_s * (said + 1):
+            said += 1
+            print(f"hpcvla: rank {rank} (learner), after its last version, has waited "
+                  f"{waited:.0f} s for producer rank(s) "
+                  f"{sorted(set(producers) - ring.stats.closed)} to close their ring lanes "
+                  "(they close once their simulators have stopped)", file=sys.stderr,
+                  flush=True)
     ring.release()
     return unused
