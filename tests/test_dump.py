@@ -4,9 +4,11 @@ run's dumps hold what its learner trained."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import h5py
@@ -263,6 +265,25 @@ def test_a_writer_process_that_fails_or_dies_fails_its_producer_naming_the_file(
         for group in groups[1:]:
             dump.add_segment(group)
         dump.close()
+
+
+def test_a_producer_held_up_by_its_stopped_dump_writer_says_so(tmp_path, capfd):
+    """A writer that takes nothing in (stopped here; a hung file system alike) holds its
+    producer once the queue is full: the producer says so, naming the writer and the file,
+    each remind_s, and goes on when the writer does."""
+    groups, spec = reach_segments(40)
+    dump = writer(tmp_path / "rank7.h5", spec, flush_s=0.0, in_process=False)
+    dump.file.max_bytes, dump.file.remind_s = 1, 0.5
+    os.kill(dump.file._proc.pid, signal.SIGSTOP)
+    threading.Timer(3.0, os.kill, (dump.file._proc.pid, signal.SIGCONT)).start()
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    said = capfd.readouterr().err
+    assert re.search(rf"hpcvla: producer rank 7 has waited \d+ s for its dump writer \(pid "
+                     rf"{dump.file._proc.pid}\) to take in \d+ MB queued for "
+                     rf"{re.escape(str(tmp_path / 'rank7.h5'))}", said), said[-2000:]
+    assert summarize(tmp_path / "rank7.h5")["segments"] == len(groups)
 
 
 def test_a_writer_that_fails_while_the_producer_sends_names_its_error(tmp_path):

@@ -269,6 +269,7 @@ class DumpProcess:
     def __init__(self, path, producer: int, source: str, env: str, chunk_len: int,
                  config_yaml: str, max_bytes: int = 256 << 20):
         self.path, self.producer, self.max_bytes = Path(path), producer, max_bytes
+        self.remind_s = 60.0  # how often a producer held up by a full queue says so
         self._queue: list[tuple[tuple, int]] = []  # (message, bytes), oldest first
         self._queued_bytes, self._failure = 0, ""
         self._ready = threading.Condition()
@@ -302,9 +303,16 @@ class DumpProcess:
 
     def _put(self, message: tuple, nbytes: int) -> None:
         with self._ready:
+            waited = 0.0
             while self._queue and self._queued_bytes + nbytes > self.max_bytes \
                     and not self._failure:
-                self._ready.wait()  # the writer sets the pace
+                if not self._ready.wait(self.remind_s):  # the writer sets the pace
+                    waited += self.remind_s
+                    print(f"hpcvla: producer rank {self.producer} has waited {waited:.0f} s for "
+                          f"its dump writer (pid {self._proc.pid}) to take in "
+                          f"{self._queued_bytes / 1e6:.0f} MB queued for {self.path} (a slow "
+                          "or hung file system; the rank's work waits with it)",
+                          file=sys.stderr, flush=True)
             self._raise_failure()
             self._queue.append((message, nbytes))
             self._queued_bytes += nbytes
