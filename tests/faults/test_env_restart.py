@@ -188,20 +188,21 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
           f"{summary['wall_s']:.0f} s")
 
 
-def test_a_slot_that_keeps_failing_or_the_last_one_retired_stops_the_rank():
-    """SerialVectorEnv: a slot that fails at every step is rebuilt max_rebuilds times
-    (env.max_restarts), then the next failure raises naming it; a vector env whose every
-    slot could not be rebuilt raises too (a broken simulator must not train on faults)."""
+def serial_env(dying: set[int], unbuildable: set[int], **kwargs):
+    """A SerialVectorEnv (ManiSkill's and LIBERO's vectorizer) of two slots that follow its
+    slot interface: those in `dying` raise in every step; those in `unbuildable` cannot be
+    built again once built."""
     from hpcvla.envs.base import EnvSpec
     from hpcvla.envs.serial import SerialVectorEnv
+    built = set()
 
     class Slot:
         instruction = "reach the red object"
 
         def __init__(self, i):
-            if i in unbuildable and built.get(i):
+            if i in unbuildable and i in built:
                 raise RuntimeError(f"no simulator for env {i}")
-            built[i] = True
+            built.add(i)
             self.dies = i in dying
 
         def reset(self, rng, init_state_id):
@@ -220,55 +221,30 @@ def test_a_slot_that_keeps_failing_or_the_last_one_retired_stops_the_rank():
 
     spec = EnvSpec(obs={"state": ((2,), "<f4")}, action_dim=2, chunk_len=2,
                    max_episode_chunks=5, vocab=("",))
-    built, dying, unbuildable = {}, {1}, set()
-    env = SerialVectorEnv(2, 0, spec, 0, Slot, first_env=10, name="test", max_rebuilds=3)
+    return SerialVectorEnv(2, 0, spec, 0, Slot, name="test", **kwargs)
+
+
+def test_a_slot_that_keeps_failing_or_the_last_one_retired_stops_the_rank():
+    """A slot that fails at every step is rebuilt max_rebuilds times (env.max_restarts), then
+    the next failure raises naming it; a vector env whose every slot could not be rebuilt
+    raises too (a broken simulator must not train on faults)."""
+    env = serial_env({1}, set(), first_env=10, max_rebuilds=3)
     for _ in range(3):
         assert env.step(np.zeros((2, 2, 2), np.float32)).env_fault.tolist() == [False, True]
     with pytest.raises(RuntimeError, match=r"test env 11 failed in step: .*simulator gone.*; "
                                            r"rebuilt 3 times already \(env.max_restarts=3\)"):
         env.step(np.zeros((2, 2, 2), np.float32))
-    built, dying, unbuildable = {}, {0, 1}, {0, 1}
-    env = SerialVectorEnv(2, 0, spec, 0, Slot, first_env=10, name="test")
+    env = serial_env({0, 1}, {0, 1}, first_env=10)
     with pytest.raises(RuntimeError, match=r"test: every env of envs 10..11 could not be "
                                            r"rebuilt .*nothing is left to train on"):
         env.step(np.zeros((2, 2, 2), np.float32))
 
 
 def test_a_slot_that_cannot_be_rebuilt_is_retired_and_every_step_of_it_is_a_fault(capfd):
-    """SerialVectorEnv (ManiSkill's and LIBERO's vectorizer) with slots that follow its slot
-    interface: slot 1 dies in a step and cannot be rebuilt. From then on its steps come
-    back truncated and flagged env_fault (the learners mask them, success counts skip them),
+    """Slot 1 dies in a step and cannot be rebuilt. From then on its steps come back
+    truncated and flagged env_fault (the learners mask them, success counts skip them),
     never as failed episodes; slot 0 goes on."""
-    from hpcvla.envs.base import EnvSpec
-    from hpcvla.envs.serial import SerialVectorEnv
-
-    class Slot:
-        instruction = "reach the red object"
-
-        def __init__(self, i):
-            if i == 1 and built[1]:
-                raise RuntimeError("no simulator for env 1")
-            built[i] = True
-            self.dies = i == 1
-
-        def reset(self, rng, init_state_id):
-            pass
-
-        def step(self, action):
-            if self.dies:
-                raise RuntimeError("simulator gone")
-            return 0.1, False
-
-        def observe(self):
-            return {"state": np.ones(2, np.float32)}
-
-        def close(self):
-            pass
-
-    built = {0: False, 1: False}
-    spec = EnvSpec(obs={"state": ((2,), "<f4")}, action_dim=2, chunk_len=2,
-                   max_episode_chunks=5, vocab=("",))
-    env = SerialVectorEnv(2, 0, spec, 0, Slot, name="test")
+    env = serial_env({1}, {1})
     for _ in range(3):
         result = env.step(np.zeros((2, 2, 2), np.float32))
         assert result.env_fault.tolist() == [False, True]
