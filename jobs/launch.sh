@@ -41,7 +41,8 @@
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train, sft: run root of this job (run.root); when it already holds a
-#                     run with a checkpoint short of its end (the job was requeued or rerun),
+#                     run with a checkpoint short of its end (the job was requeued or rerun,
+#                     or it is an earlier job's, set by the user: the job scripts keep it),
 #                     that run is continued (run.resume). train, sft, eval: its .ranks holds
 #                     the ranks' cards while a world runs (a folder every node sees)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
@@ -71,6 +72,8 @@ set -euo pipefail
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "launch.sh $(date +%H:%M:%S): $*" >&2; }
+# A command as a shell would take it back (a word holding blanks quoted): logs can be pasted.
+shown() { local out; printf -v out '%q ' "$@"; printf '%s' "${out% }"; }
 # A signal while no world runs (the time-limit warning may come up to a minute early, a cancel
 # during the node checks or between restarts) is remembered, not fatal: run_world then starts
 # no world, and the job ends as one stopped by it.
@@ -149,7 +152,7 @@ set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
 say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
-say "running: ${LAUNCH[*]} ${COMMAND[*]}${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
+say "running: $(shown "${LAUNCH[@]}" "${COMMAND[@]}")${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
 # PBS's cgroup hook gives a node's GPUs to the job's processes there; ranks ssh starts are
 # none of them
 if [[ $SCHEDULER == pbs && -z $PBS_RSH ]] && (( NODES > 1 )) &&
@@ -166,13 +169,17 @@ DOCTOR=()
 if in_a_world "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     DOCTOR=("$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE"
             -- "${ARGS[@]:1}")
-    say "checking this node: ${DOCTOR[*]}"
+    say "checking this node: $(shown "${DOCTOR[@]}")"
 fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0
 fi
 if (( ${#DOCTOR[@]} )); then
-    "${DOCTOR[@]}" >&2 || die "this node ($(hostname)) lacks what the job needs (hpcvla doctor, above)"
+    # a cancel or preemption during the check stops the doctor too: the job ends as stopped
+    # (run_world starts no world), not as a node that lacks something
+    "${DOCTOR[@]}" >&2 || [[ -n $EARLY ]] ||
+        die "this node ($(hostname)) lacks what the job needs, or the job's settings are" \
+            "refused (hpcvla doctor, above)"
 fi
 
 # A restart continues from the run's newest checkpoint: without periodic ones there is none.
@@ -248,7 +255,7 @@ while true; do
         set_launch "$1"
         say "the world failed while starting, before any rank registered: starting it again" \
             "($(( START_RETRIES - start_retries_left ))/$START_RETRIES)"
-        say "running: ${LAUNCH[*]} ${COMMAND[*]}"
+        say "running: $(shown "${LAUNCH[@]}" "${COMMAND[@]}")"
         continue
     fi
     if ! makes_a_run "$1" || [[ -z ${HPCVLA_JOB_RUNS:-} ]]; then break; fi
@@ -304,10 +311,10 @@ while true; do
         "from $(point_name "$1") $version"
     say "restart record: $("$PYTHON" -m hpcvla.job.restarts record "$HPCVLA_JOB_RUNS" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
-    [[ -z $LAYOUT ]] || printf '%s\n' "$LAYOUT" | head -n 3 >&2
+    [[ -z $LAYOUT ]] || sed -n 1,3p <<< "$LAYOUT" >&2  # (head would break printf's pipe)
     set_command "$1"
     set_launch "$1"
-    say "running: ${LAUNCH[*]} ${COMMAND[*]}"
+    say "running: $(shown "${LAUNCH[@]}" "${COMMAND[@]}")"
 done
 
 if [[ -n $SIGNALLED ]]; then
@@ -328,5 +335,12 @@ if [[ -n $SIGNALLED ]]; then
         status=$(( 128 + $(kill -l "$SIGNALLED") ))
         say "stopped before its end by SIG$SIGNALLED: exit status $status"
     fi
+elif (( status == 0 )) && makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} &&
+        -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
+    # the ranks stopped on a signal this shell never got (`scancel --signal` without
+    # --batch, `--signal=USR1@..` without B:), their run short of its end: no success
+    status=$(( 128 + $(kill -l TERM) ))
+    say "the ranks stopped on a signal to them alone, the run short of its end (continue it" \
+        "with run.resume=$(resumable_run "$HPCVLA_JOB_RUNS")): exit status $status"
 fi
 exit "$status"

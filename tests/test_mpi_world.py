@@ -358,6 +358,44 @@ def test_the_job_script_survives_an_early_signal_and_a_stopped_run_is_no_success
     out = stopped.communicate(timeout=120)[0]
     assert stopped.returncode == 128 + signal.SIGTERM, out[-3000:]
     assert "stopped before its end by SIGTERM: exit status 143" in out, out[-3000:]
+    # the ranks alone signalled (`scancel --signal=TERM` without --batch): no success either
+    job = tmp_path / "steps-only"
+    ranks_only = subprocess.Popen(
+        [ROOT / "jobs" / "launch.sh", "train", "configs/default.yaml",
+         "pipeline.total_updates=100000", "learner.checkpoint_every=5"], cwd=ROOT,
+        env={**os.environ, "HPCVLA_RANKS": "4", "HPCVLA_JOB_RUNS": str(job)}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    for line in ranks_only.stdout:
+        if "[hpcvla] update " in line:
+            for pid in rank_pids(job).values():
+                os.kill(pid, signal.SIGTERM)
+            break
+    out = ranks_only.communicate(timeout=120)[0]
+    assert ranks_only.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "the ranks stopped on a signal to them alone, the run short of its end" in out, \
+        out[-3000:]
+
+
+def test_a_cancel_during_the_node_check_ends_the_job_as_stopped(tmp_path):
+    """`scancel`/`qdel`/preemption while launch.sh's doctor runs signals every process of the
+    job, the doctor too: the job ends as one stopped by the signal (no world, 143), not as a
+    node that lacks what the job needs (2)."""
+    job = subprocess.Popen([ROOT / "jobs" / "launch.sh", "train", "configs/colocated.yaml"],
+                           cwd=ROOT, env={**os.environ, "HPCVLA_RANKS": "2",
+                                          "HPCVLA_JOB_RUNS": str(tmp_path / "job")},
+                           text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           start_new_session=True)
+    log = []
+    for line in job.stdout:
+        log.append(line)
+        if "checking this node: " in line:
+            time.sleep(0.5)  # the doctor under way
+            os.killpg(job.pid, signal.SIGTERM)
+            break
+    out = "".join(log) + job.communicate(timeout=120)[0]
+    assert job.returncode == 128 + signal.SIGTERM, out[-3000:]
+    assert "received SIGTERM before the ranks started: starting none" in out, out[-3000:]
+    assert "lacks what the job needs" not in out, out[-3000:]
 
 
 def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):

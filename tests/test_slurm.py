@@ -68,7 +68,7 @@ def the_run(runs: Path) -> Path:
 
 
 def test_job_scripts_pass_bash_n_and_shellcheck():
-    assert len(SCRIPTS) == 13, SCRIPTS
+    assert len(SCRIPTS) == 14, SCRIPTS
     assert shutil.which("shellcheck"), "shellcheck missing: run `make install-cluster`"
     for script in SCRIPTS:
         out = subprocess.run(["bash", "-n", script], capture_output=True, text=True)
@@ -523,7 +523,8 @@ def test_an_eval_job_on_a_node_that_lacks_what_it_needs_fails_before_any_rank_st
     assert f"doctor --job eval --world 2 --ranks-per-node 2 -- {run_dir} --untrained --envs 2" \
         in text and "FAIL gpus        torch sees 0 GPU(s); granted: SLURM_GPUS_ON_NODE=2" \
         in text, text[-3000:]
-    assert "lacks what the job needs (hpcvla doctor, above)" in text and took < 60, took
+    assert "lacks what the job needs, or the job's settings are refused (hpcvla doctor, " \
+        "above)" in text and took < 60, took
     # no world: none failed, and no rank refused the GPUs for itself
     assert "the world" not in text and "hpcvla eval:" not in text, text[-3000:]
 
@@ -591,6 +592,29 @@ def test_a_pbs_gpu_job_whose_ranks_ssh_starts_is_warned(tmp_path, start):
     assert ("they see every GPU of their node" in text) == (start == "ssh"), text
     assert ("-launcher-exec" in text) == (start == "tm"), text
     assert "they see every GPU" not in dry_run("")
+
+
+def test_a_pbs_jobs_overrides_split_as_a_command_line_and_a_chained_job_continues(tmp_path):
+    """PBS passes a script no arguments: OVERRIDES is split as a command line would be (a
+    quoted value with blanks is one word, newlines separate; it was split at every blank and
+    cut at the first newline), and HPCVLA_JOB_RUNS set by the user (an earlier job's run
+    root, to continue its run) is kept. Unclosed quotes end the job, named."""
+    (tmp_path / "nodes").write_text("h0\nh0\n")
+    env = {**os.environ, "PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(tmp_path / "nodes"),
+           "PBS_O_WORKDIR": str(ROOT), "HPCVLA_DRY_RUN": "1", "HPCVLA_MPI": "mpich",
+           "HPCVLA_JOB_RUNS": str(tmp_path / "earlier-job"),
+           "OVERRIDES": "'placement.per_node={simulator: 1, inference: 1, learner: 0}'\n"
+                        "pipeline.total_updates=5"}
+    out = subprocess.run(["bash", ROOT / "jobs/pbs/demo.pbs"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert (r" hpcvla train configs/default.yaml placement.per_node=\{simulator:\ 1\,\ "
+            r"inference:\ 1\,\ learner:\ 0\} pipeline.total_updates=5 "
+            f"run.root={tmp_path / 'earlier-job'}") in out.stderr, out.stderr
+    out = subprocess.run(["bash", ROOT / "jobs/pbs/demo.pbs"], cwd=ROOT, capture_output=True,
+                         env={**env, "OVERRIDES": "'run.name=a b"}, text=True, timeout=60)
+    assert out.returncode == 2 and "error: OVERRIDES='run.name=a b: its quotes do not close" \
+        in out.stderr, out.stderr
 
 
 def test_a_job_without_the_mpi_it_asks_for_says_why():

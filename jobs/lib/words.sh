@@ -1,0 +1,17 @@
+# shellcheck shell=bash
+# Sourced by the PBS job scripts, whose arguments come from the environment (PBS passes a
+# script none): `words VAR` sets the array WORDS to VAR's words as a command line splits them:
+# quotes group ('placement.per_node={simulator: 4, learner: 2}' is one word), blanks and
+# newlines separate, nothing is expanded (xargs's rules). Unclosed quotes end the job, named.
+words() {
+    local text=${!1:-} parsed
+    if ! parsed=$(printf '%s' "$text" | xargs -r printf '%s\n'); then
+        echo "error: $1=$text: its quotes do not close (quote a value that holds blanks as" \
+             "on a command line: '...')" >&2
+        exit 2
+    fi
+    WORDS=()
+    if [[ -n $parsed ]]; then
+        mapfile -t WORDS <<< "$parsed"
+    fi
+}
