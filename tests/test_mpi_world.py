@@ -280,6 +280,19 @@ def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(
     assert "OMPI_MCA_osc" not in loaded.env, loaded
 
 
+def test_the_mpi_selection_of_an_environment_whose_path_holds_a_quote_evaluates(tmp_path):
+    """jobs/launch.sh evaluates mpi_select's `export` lines: a path with a quote in it (a home
+    directory /home/o'brien) broke them, and the job ended before saying anything of MPI."""
+    quoted = tmp_path / "o'brien" / "venv"
+    quoted.parent.mkdir()
+    quoted.symlink_to(Path(sys.executable).parent.parent)
+    out = subprocess.run(["bash", "-c", 'eval "$("$0" -m hpcvla.process.mpi_select mpich)" && '
+                          'echo "$HPCVLA_MPIEXEC"', quoted / "bin" / "python"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == str(quoted / "bin" / "mpiexec"), \
+        out.stderr
+
+
 def test_singleton_from_wrong_pmi_is_named():
     # What a PMI mismatch looks like: srun starts N processes that each see a 1-rank world.
     out = hpcvla("train", "configs/colocated.yaml", env={

@@ -38,6 +38,7 @@ What each MPI needs, and why:
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -249,7 +250,7 @@ def main(argv: list[str]) -> int:
              "HPCVLA_SLURM_LAUNCHER_DEFAULT": install.slurm_launcher,
              "HPCVLA_MPI_STOP_SIGNAL": install.stop_signal}
     for key, value in lines.items():
-        print(f"export {key}='{value}'")
+        print(f"export {key}={shlex.quote(value)}")  # a path may hold a quote (O'Brien)
     return 0
 
 
