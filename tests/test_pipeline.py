@@ -326,14 +326,16 @@ def test_resume_refused_before_ranks_start(tmp_path):
 @pytest.mark.mpi
 def test_an_inference_rank_held_long_by_the_quota_says_so_and_waits_on(tmp_path):
     """A learner slower than pipeline.stall_timeout_s per version (here 3 s against 1 s):
-    its inference rank, every env held by the staleness quota, says so each second and
-    waits on; the run ends well. (A learner that hangs is heard of the same way.) ~6 s."""
+    its inference rank, every env held by the staleness quota, says so each second, naming
+    the learner, and waits on, and the learner says it is still in its version; the run ends
+    well. (A learner that hangs is the one not saying so.) ~6 s."""
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.root={tmp_path}",
                  "pipeline.total_updates=1", "emulate.learner_ms_per_micro_batch=1500",
                  "pipeline.stall_timeout_s=1")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stderr.count("s since the last new policy version: the staleness quota holds "
-                            "every env; still waiting") >= 2, \
+    assert out.stderr.count("s since the last new policy version from learner rank 3: the "
+                            "staleness quota holds every env") >= 2, out.stderr[-3000:]
+    assert out.stderr.count("hpcvla: rank 3 (learner) has been in version 1 for ") >= 2, \
         out.stderr[-3000:]
 
 
