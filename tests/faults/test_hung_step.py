@@ -39,6 +39,38 @@ def test_a_hung_env_step_stops_the_job_loudly(tmp_path, config, ranks, role):
     print(f"{config}: job down {took:.0f} s after start (3 s watchdog)")
 
 
+def test_the_step_guard_lets_many_steps_and_long_waits_be_and_ends_a_hung_step():
+    """process/watchdog.StepGuard, the simulator's watchdog: thousands of short steps and a
+    wait of twice its timeout between steps end nothing; a step that hangs ends the process
+    with every stack within its timeout (at least 0.9 x of it after the step began)."""
+    script = """if True:
+        import time
+        from hpcvla.process.watchdog import StepGuard
+        with StepGuard(1.0) as watchdog:
+            begin, steps = time.monotonic(), 0
+            while time.monotonic() - begin < 2.0:
+                with watchdog.guard():
+                    steps += 1
+            begin = time.monotonic()
+            while time.monotonic() - begin < 2.0:
+                watchdog.idle()
+                time.sleep(0.01)
+            print(f"alive after {steps} steps", flush=True)
+            hung = time.monotonic()
+            with watchdog.guard():
+                time.sleep(30)
+        """
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    took = time.monotonic() - start
+    assert out.returncode == 1 and out.stdout.startswith("alive after "), out
+    assert int(out.stdout.split()[2]) > 1000, out.stdout  # not one timer per step
+    assert "Timeout (0:00:01)!" in out.stderr and "line 16 in <module>" in out.stderr, \
+        out.stderr  # the hung step's line, time.sleep(30)
+    assert 4.9 < took < 10, took
+
+
 def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_path):
     """~12 s: two short worlds (the demonstrations', the fine-tuning's)."""
     demos = reach_demos(tmp_path / "demos.h5", 4)

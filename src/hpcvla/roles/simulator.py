@@ -18,7 +18,7 @@ import numpy as np
 
 from hpcvla.envs.base import final_observations, horizon_cut
 from hpcvla.envs.build import make_envs
-from hpcvla.process.watchdog import deadline, step_deadline_s
+from hpcvla.process.watchdog import StepGuard, deadline, step_deadline_s
 from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
 from hpcvla.seeds import shard_seed
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
@@ -87,36 +87,39 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
     stepping: dict[int, tuple[float, float]] = {}  # shard -> (timeline start, start)
     held: dict[int, tuple[float, StepResult]] = {}  # shard -> (release, result)
     backoff = Backoff(cap=DATA_POLL_CAP)
-    while running:
-        now = time.monotonic()
-        for shard, (release, result) in list(held.items()):
-            if now >= release:
-                del held[shard]
-                _write(exchange.obs(shard), result.obs, result, steps[shard])
-                exchange.submit(shard)
-        ready = [s for s in sorted(running - held.keys() - stepping.keys())
-                 if exchange.actions_ready(s)]
-        for shard in ready:
-            answer = exchange.actions(shard)
-            if answer["stop"]:
-                running.discard(shard)
-                continue
-            stepping[shard] = (timeline.now(), time.monotonic())
-            envs[shard].step_async(np.array(answer["actions"]))
-        finished = [s for s in stepping if envs[s].step_ready()]
-        for shard in finished:
-            begin, started = stepping.pop(shard)
-            with deadline(step_timeout_s):  # a step that never returns stops the job loudly
-                result = envs[shard].step_wait()
-            steps[shard] += envs[shard].num_envs * chunk
-            latency = 0.0 if envs[shard].latency_sleep else envs[shard].last_latency_s
-            # the emulated latency is the whole step (its compute runs inside); shards overlap
-            held[shard] = (started + latency, result)
-            timeline.record("simulate", begin, max(timeline.now(), begin + latency))
-        if ready or finished:
-            backoff.reset()
-        else:
-            backoff.wait()
+    with StepGuard(step_timeout_s) as watchdog:  # a step that never returns ends the job
+        while running:
+            now = time.monotonic()
+            for shard, (release, result) in list(held.items()):
+                if now >= release:
+                    del held[shard]
+                    _write(exchange.obs(shard), result.obs, result, steps[shard])
+                    exchange.submit(shard)
+            ready = [s for s in sorted(running - held.keys() - stepping.keys())
+                     if exchange.actions_ready(s)]
+            for shard in ready:
+                answer = exchange.actions(shard)
+                if answer["stop"]:
+                    running.discard(shard)
+                    continue
+                stepping[shard] = (timeline.now(), time.monotonic())
+                envs[shard].step_async(np.array(answer["actions"]))
+            finished = [s for s in stepping if envs[s].step_ready()]
+            for shard in finished:
+                begin, started = stepping.pop(shard)
+                with watchdog.guard():
+                    result = envs[shard].step_wait()
+                steps[shard] += envs[shard].num_envs * chunk
+                latency = 0.0 if envs[shard].latency_sleep else envs[shard].last_latency_s
+                # the emulated latency is the whole step (its compute runs inside); shards
+                # overlap
+                held[shard] = (started + latency, result)
+                timeline.record("simulate", begin, max(timeline.now(), begin + latency))
+            if ready or finished:
+                backoff.reset()
+            else:
+                watchdog.idle()
+                backoff.wait()
     return sum(steps)
 
 
