@@ -41,8 +41,7 @@
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train, sft: run root of this job (run.root); when it already holds a
-#                     run with a checkpoint short of its end (the job was requeued or rerun,
-#                     or it is an earlier job's, set by the user: the job scripts keep it),
+#                     run with a checkpoint short of its end (the job was requeued or rerun),
 #                     that run is continued (run.resume). train, sft, eval: its .ranks holds
 #                     the ranks' cards while a world runs (a folder every node sees)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
@@ -335,12 +334,13 @@ if [[ -n $SIGNALLED ]]; then
         status=$(( 128 + $(kill -l "$SIGNALLED") ))
         say "stopped before its end by SIG$SIGNALLED: exit status $status"
     fi
-elif (( status == 0 )) && makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} &&
-        -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
+elif (( status == 0 )) && makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]] &&
+        STOPPED=$("$PYTHON" -m hpcvla.job.restarts stopped "$HPCVLA_JOB_RUNS") &&
+        [[ -n $STOPPED ]]; then
     # the ranks stopped on a signal this shell never got (`scancel --signal` without
     # --batch, `--signal=USR1@..` without B:), their run short of its end: no success
     status=$(( 128 + $(kill -l TERM) ))
     say "the ranks stopped on a signal to them alone, the run short of its end (continue it" \
-        "with run.resume=$(resumable_run "$HPCVLA_JOB_RUNS")): exit status $status"
+        "with run.resume=$STOPPED): exit status $status"
 fi
 exit "$status"

@@ -594,15 +594,14 @@ def test_a_pbs_gpu_job_whose_ranks_ssh_starts_is_warned(tmp_path, start):
     assert "they see every GPU" not in dry_run("")
 
 
-def test_a_pbs_jobs_overrides_split_as_a_command_line_and_a_chained_job_continues(tmp_path):
+def test_a_pbs_jobs_overrides_split_as_a_command_line(tmp_path):
     """PBS passes a script no arguments: OVERRIDES is split as a command line would be (a
     quoted value with blanks is one word, newlines separate; it was split at every blank and
-    cut at the first newline), and HPCVLA_JOB_RUNS set by the user (an earlier job's run
-    root, to continue its run) is kept. Unclosed quotes end the job, named."""
+    cut at the first newline). Unclosed quotes end the job, named."""
     (tmp_path / "nodes").write_text("h0\nh0\n")
     env = {**os.environ, "PBS_JOBID": "9.pbs", "PBS_NODEFILE": str(tmp_path / "nodes"),
            "PBS_O_WORKDIR": str(ROOT), "HPCVLA_DRY_RUN": "1", "HPCVLA_MPI": "mpich",
-           "HPCVLA_JOB_RUNS": str(tmp_path / "earlier-job"),
+           "HPCVLA_RUNS": str(tmp_path),
            "OVERRIDES": "'placement.per_node={simulator: 1, inference: 1, learner: 0}'\n"
                         "pipeline.total_updates=5"}
     out = subprocess.run(["bash", ROOT / "jobs/pbs/demo.pbs"], cwd=ROOT, env=env,
@@ -610,7 +609,7 @@ def test_a_pbs_jobs_overrides_split_as_a_command_line_and_a_chained_job_continue
     assert out.returncode == 0, out.stderr
     assert (r" hpcvla train configs/default.yaml placement.per_node=\{simulator:\ 1\,\ "
             r"inference:\ 1\,\ learner:\ 0\} pipeline.total_updates=5 "
-            f"run.root={tmp_path / 'earlier-job'}") in out.stderr, out.stderr
+            f"run.root={tmp_path / 'hpcvla-demo-9'}") in out.stderr, out.stderr
     out = subprocess.run(["bash", ROOT / "jobs/pbs/demo.pbs"], cwd=ROOT, capture_output=True,
                          env={**env, "OVERRIDES": "'run.name=a b"}, text=True, timeout=60)
     assert out.returncode == 2 and "error: OVERRIDES='run.name=a b: its quotes do not close" \

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import reach_demos
+from helpers import rank_pids, reach_demos
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 
@@ -128,8 +128,7 @@ def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
         plan = json.loads((run_dir / "plan.json").read_text())
         learners = [r["rank"] for r in plan["ranks"] if "learner" in r["roles"]]
         feeding = [int(p) for p, learner in plan["feeds"].items() if learner == learners[1]]
-        pids = {int(p.environ().get("PMI_RANK", -1)): p.pid
-                for p in psutil.Process(proc.pid).children(recursive=True)}
+        pids = rank_pids(tmp_path)
         os.kill(pids[learners[1]], signal.SIGSTOP)
         let_go = threading.Timer(60, os.kill, (pids[learners[1]], signal.SIGCONT))
         let_go.start()  # whatever is heard: the run ends, and the test with it

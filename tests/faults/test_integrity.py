@@ -186,7 +186,7 @@ def test_a_background_checkpoint_that_fails_stops_the_run_within_a_few_versions(
         "v000080 failed" in out.stderr and "(learner) on node" in out.stderr, out.stderr[-3000:]
     trained = [json.loads(line)["update"] for line in
                (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert 80 <= max(trained) < 90, max(trained)
+    assert 80 <= max(trained) < 120, max(trained)  # before the next one due
 
 
 # ------------------------------------------------------------------ records

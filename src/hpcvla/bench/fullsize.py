@@ -48,12 +48,13 @@ import torch
 from hpcvla.job.trainrun import train_run
 
 # the runs' settings; the folder they load sets the policy's sizes (built at `size`)
-JOB = {"full": ["configs/reach_flow.yaml", "--ranks", "4", "policy.dtype=bfloat16", "env.image_size=224", "env.envs_per_simulator=8",
-                "rollout.segment_len=4", "learner.micro_batch=8", "learner.epochs=1",
-                "learner.gradient_checkpointing=true"],
-       "tiny": ["configs/reach_flow.yaml", "--ranks", "4", "env.image_size=32", "env.envs_per_simulator=8", "rollout.segment_len=4",
+JOB = {"full": ["configs/reach_flow.yaml", "--ranks", "4", "policy.dtype=bfloat16",
+                "env.image_size=224", "env.envs_per_simulator=8", "rollout.segment_len=4",
                 "learner.micro_batch=8", "learner.epochs=1",
-                "learner.gradient_checkpointing=true"]}
+                "learner.gradient_checkpointing=true"],
+       "tiny": ["configs/reach_flow.yaml", "--ranks", "4", "env.image_size=32",
+                "env.envs_per_simulator=8", "rollout.segment_len=4", "learner.micro_batch=8",
+                "learner.epochs=1", "learner.gradient_checkpointing=true"]}
 OFT = ["policy.name=oft", "policy.lora_rank=16"]
 NO_CHECKPOINT = ["learner.checkpoint_every=-1"]
 ARMS = {"streamer": ["pipeline.mode=streamer"], "sync": ["pipeline.mode=sync-disaggregated"],

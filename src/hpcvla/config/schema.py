@@ -265,8 +265,8 @@ class EnvConfig:
         "many seconds is a hang (a MuJoCo/EGL deadlock). env.isolation=process: the shard's "
         "worker is killed and restarted and the run goes on. inline: the rank prints its "
         "stacks and exits; the launcher names it and stops the job, so a checkpointed run "
-        "can be resumed instead of hanging. Must exceed the slowest legitimate step (resets "
-        "and building a shard's envs, which it guards too): 0 = no watchdog, else >= 1.",
+        "can be resumed instead of hanging. Must exceed the slowest legitimate step (and reset "
+        "and shard build, guarded too; a step gets 0.9-1 x it): 0 = none, else >= 1.",
         ge=0)
     max_restarts: int = setting(
         5, "Restarts of one shard's worker (env.isolation=process), or rebuilds of one env "

@@ -162,6 +162,8 @@ def _watched(cmd: list[str], env: dict, timeout: float | None, watch,
     proc = subprocess.Popen(cmd, env=env, start_new_session=True,
                             preexec_fn=_terminated_with(os.getpid()))
     forward.proc = proc
+    if forward.signalled:  # heard while this world was being started: it stops too
+        proc.send_signal(stop)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         ended = _wait(proc, deadline, watch)

@@ -75,6 +75,17 @@ def resumable_run(run_root: Path) -> Path | None:
     return run if read_state(point)["version"] < total else None
 
 
+def stopped_run(run_root: Path) -> Path | None:
+    """The job's newest run if its last start was stopped by a signal short of its end
+    (summary.json's `preempted`), else None."""
+    run = newest_run(run_root)
+    try:
+        summary = json.loads((run / "summary.json").read_text()) if run is not None else {}
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(summary, dict) and summary.get("preempted") else None
+
+
 def newest_version(run_root: Path) -> int:
     """The policy version of the newest checkpoint of the job's run (an `hpcvla sft` run's:
     its step); -1 when there is none."""
@@ -148,6 +159,8 @@ def _main(argv=None) -> None:
     fit.add_argument("--ranks-per-node", type=int, required=True)
     sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
         "run_root", type=Path)
+    sub.add_parser("stopped", help="the job's run, if a signal stopped its last start short "
+                   "of its end").add_argument("run_root", type=Path)
     auto = sub.add_parser("auto", help="the scale model's best layout for the nodes, as "
                           "overrides, one a line (hpcvla plan --auto's)")
     auto.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
@@ -164,13 +177,13 @@ def _main(argv=None) -> None:
     every.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     every.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    if args.what in ("record", "resumable", "newest-version"):  # of the job's run
+    if args.what in ("record", "resumable", "stopped", "newest-version"):  # the job's run
         try:
             if args.what == "record":
                 print(json.dumps(record(args.run_root, args.status, args.dropped.split(),
                                         args.nodes.split(), args.ranks)))
-            elif args.what == "resumable":
-                run = resumable_run(args.run_root)
+            elif args.what in ("resumable", "stopped"):
+                run = (resumable_run if args.what == "resumable" else stopped_run)(args.run_root)
                 print(run if run is not None else "")
             else:
                 print(newest_version(args.run_root))

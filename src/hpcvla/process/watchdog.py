@@ -7,8 +7,9 @@ names the rank, its role and the run's last progress and tears the world down
 (process/deathwatch.py). It is `faulthandler`'s timer: a C thread that needs no GIL, so it
 fires even when the stuck call holds it. Each arming starts that thread anew (42-51 us here,
 ~1 ms on a loaded core): a simulator's steps are guarded by `StepGuard`, which re-arms it once
-per tenth of the timeout (0.9 us a step). With `env.isolation=process` the envs run in workers the rank times out and restarts
-itself (envs/isolated.py), so this rank-wide guard is off.
+per tenth of the timeout (0.9 us a step). With `env.isolation=process` the envs run in
+workers the rank times out and restarts itself (envs/isolated.py), so this rank-wide guard is
+off.
 
 `reminding`, for waits that may rightly be long (a teardown whose peers write a checkpoint):
 it says every so often that the rank still waits, so a peer that hangs is the one not saying

@@ -81,8 +81,8 @@ class ProgressAgent:
         except Exception as err:  # noqa: BLE001 - said; polls still drive progress
             self.error = err
             print(f"hpcvla: rank {MPI.COMM_WORLD.Get_rank()}: the ring's progress thread failed"
-                  f" ({type(err).__name__}: {err}); remote producers' writes complete only while this rank polls "
-                  "from now on", file=sys.stderr, flush=True)
+                  f" ({type(err).__name__}: {err}); remote producers' writes complete only "
+                  "while this rank polls from now on", file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         if self._thread is not None:
