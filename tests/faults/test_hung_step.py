@@ -71,6 +71,14 @@ def test_the_step_guard_lets_many_steps_and_long_waits_be_and_ends_a_hung_step()
     assert 4.9 < took < 10, took
 
 
+def read_until(proc: subprocess.Popen, log: list[str], done) -> None:
+    """The job's output into `log` until a line for which `done(line)` (or its end)."""
+    for line in proc.stdout:
+        log.append(line)
+        if done(line):
+            return
+
+
 def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_path):
     """~12 s: two short worlds (the demonstrations', the fine-tuning's)."""
     demos = reach_demos(tmp_path / "demos.h5", 4)
@@ -81,19 +89,14 @@ def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_pat
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = []
     try:
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("[hpcvla sft] step "):
-                break
+        read_until(proc, log, lambda line: line.startswith("[hpcvla sft] step "))
         ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
                  if "hpcvla" in " ".join(p.cmdline()) and "mpiexec" not in p.name()
                  and "hydra" not in p.name()]
         assert len(ranks) == 2, [p.cmdline() for p in ranks]
         os.kill(ranks[0].pid, signal.SIGSTOP)
-        for line in proc.stdout:  # the other learner, waiting in the step's collective
-            log.append(line)
-            if "has been in step" in line and "for 2 s" in line:
-                break
+        # the other learner, waiting in the step's collective
+        read_until(proc, log, lambda line: "has been in step" in line and "for 2 s" in line)
         os.kill(ranks[0].pid, signal.SIGCONT)
         log += proc.stdout.readlines()
         assert proc.wait(timeout=300) == 0, "".join(log)[-3000:]
@@ -120,10 +123,7 @@ def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = []
     try:
-        for line in proc.stdout:
-            log.append(line)
-            if line.startswith("[hpcvla] update "):
-                break
+        read_until(proc, log, lambda line: line.startswith("[hpcvla] update "))
         (run_dir,) = tmp_path.iterdir()
         plan = json.loads((run_dir / "plan.json").read_text())
         learners = [r["rank"] for r in plan["ranks"] if "learner" in r["roles"]]
@@ -135,12 +135,12 @@ def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
         said = {"peer": f"rank {learners[0]} (learner) has been in version",
                 "feeder": f"rank {feeding[0]} (inference): its ring lane to learner rank "
                           f"{learners[1]} has been full"}
-        heard = set()
-        for line in proc.stdout:
-            log.append(line)
-            heard |= {who for who, words in said.items() if words in line}
-            if len(heard) == 2:
-                break
+        heard: set[str] = set()
+
+        def both_heard(line: str) -> bool:
+            heard.update(who for who, words in said.items() if words in line)
+            return len(heard) == 2
+        read_until(proc, log, both_heard)
         let_go.cancel()
         os.kill(pids[learners[1]], signal.SIGCONT)
         log += proc.stdout.readlines()

@@ -326,7 +326,7 @@ class DumpProcess:
                 message, nbytes = self._queue[0]
             try:
                 if self._conn.poll():  # the writer's error, sent back unasked
-                    self._fail(self._conn.recv()[1])
+                    self._fail(self._gone())
                     return
                 self._conn.send(message)
             except (OSError, EOFError):

@@ -26,7 +26,7 @@ from hpcvla.roles.segments import (FINAL, OUTCOME_FIELDS, SegmentBuilder, Segmen
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.schedule import Schedule, eligible
 from hpcvla.transport import records
-from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, Nag
 from hpcvla.transport.ring_writer import RingWriter
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class InferenceServer:
         self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
         self.rank, self.patience_s = setup.rank, setup.cfg.pipeline.stall_timeout_s
-        self.version_at, self.said = time.monotonic(), 0  # the last new version: when, notices
+        self.quiet = Nag(self.patience_s)  # since the last new version
         self.learner = learner
         ring.remind = (self.patience_s, lambda waited: (
             f"hpcvla: rank {self.rank} (inference): its ring lane to learner rank {learner} has "
@@ -127,7 +127,7 @@ class InferenceServer:
             if loader.refresh():  # between batches only
                 self.timeline.record("load_weights", begin, self.timeline.now())
                 stats["weight_swaps"] += 1
-                self.version_at, self.said = time.monotonic(), 0
+                self.quiet.restart()
             eligible = self._eligible()
             # throttled at a segment boundary: their finished segments still go to the
             # learner (it may be waiting for them), valued by the next pass, or by a pass of
@@ -159,13 +159,10 @@ class InferenceServer:
         """Say why this rank waits (`why()`), each pipeline.stall_timeout_s since the last new
         version. Not an error: a version, with its checkpoint, may take that long at full
         size; but a learner that hangs, or a simulator that hangs at the end, is heard of."""
-        waited = time.monotonic() - self.version_at
-        if waited > self.patience_s * (self.said + 1):
-            self.said += 1
-            print(f"hpcvla: rank {self.rank} (inference), {waited:.0f} s since the last new "
-                  f"policy version from learner rank {self.learner}: {why()} "
-                  f"({self._learner_said}); still waiting (said every "
-                  "pipeline.stall_timeout_s)", file=sys.stderr, flush=True)
+        self.quiet.check(lambda waited: (
+            f"hpcvla: rank {self.rank} (inference), {waited:.0f} s since the last new policy "
+            f"version from learner rank {self.learner}: {why()} ({self._learner_said}); still "
+            "waiting (said every pipeline.stall_timeout_s)"))
 
     # what tells a long version from a learner that hangs
     _learner_said = ("a learner in a long version says so itself, each pipeline.stall_timeout_s"

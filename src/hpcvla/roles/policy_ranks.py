@@ -4,8 +4,6 @@ this module only on such a rank: it brings torch and the engines."""
 
 from __future__ import annotations
 
-import sys
-import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -28,7 +26,7 @@ from hpcvla.roles.setup import Counters
 from hpcvla.schedule import producer_quota
 from hpcvla.seeds import colocated_seed, shard_seed
 from hpcvla.topology.plan import EVAL
-from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, Nag
 from hpcvla.transport.ring_reader import RingReader
 
 if TYPE_CHECKING:
@@ -204,20 +202,16 @@ def _start_engine(me: Rank) -> SkipNonfinite:
 def _drain(ring: RingReader, producers: tuple[int, ...], rank: int, patience_s: float) -> int:
     """Consume (and count) what `producers` (world ranks) still send until all of them
     closed; a producer that does not is named each `patience_s` (pipeline.stall_timeout_s)."""
-    unused, backoff = 0, Backoff(cap=DATA_POLL_CAP)
-    start, said = time.monotonic(), 0
+    unused, backoff, nag = 0, Backoff(cap=DATA_POLL_CAP), Nag(patience_s)
     while len(ring.stats.closed) < len(producers):
         got = ring.poll()
         ring.check_intact()  # a dropped close would leave this loop waiting for ever
         unused += len(got)
         if not got:
             backoff.wait()
-        if (waited := time.monotonic() - start) > patience_s * (said + 1):
-            said += 1
-            print(f"hpcvla: rank {rank} (learner), after its last version, has waited "
-                  f"{waited:.0f} s for producer rank(s) "
+        nag.check(lambda waited: f"hpcvla: rank {rank} (learner), after its last version, has "
+                  f"waited {waited:.0f} s for producer rank(s) "
                   f"{sorted(set(producers) - ring.stats.closed)} to close their ring lanes "
-                  "(they close once their simulators have stopped)", file=sys.stderr,
-                  flush=True)
+                  "(they close once their simulators have stopped)")
     ring.release()
     return unused

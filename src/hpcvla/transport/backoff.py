@@ -62,7 +62,26 @@ class Backoff:
         self.delay = self.first
 
 
-# (every_s, say): a wait that may rightly be long prints say(seconds waited) each every_s
+class Nag:
+    """A wait that may rightly be long, said by the waiting loop itself: `check(say)` at each
+    turn prints say(seconds waited) to stderr once each `every_s` since the wait began (or
+    since `restart()`), so a peer that hangs is the one not saying it."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.restart()
+
+    def restart(self) -> None:
+        self.since, self.said = time.monotonic(), 0
+
+    def check(self, say: Callable[[float], str]) -> None:
+        waited = time.monotonic() - self.since
+        if waited > self.every_s * (self.said + 1):
+            self.said += 1
+            print(say(waited), file=sys.stderr, flush=True)
+
+
+# (every_s, say): how a wait_until that may rightly be long says so (Nag)
 Reminder = tuple[float, Callable[[float], str]]
 
 
@@ -71,14 +90,14 @@ def wait_until(ready: Callable[[], T], what: str, timeout: float | None = None,
     """Poll `ready()` with back-off until it returns a truthy value, which is returned;
     `remind`: say so to stderr while it takes long."""
     backoff = Backoff(cap=cap, timeout=timeout, what=what, spin=spin)
-    start, said = time.monotonic(), 0
+    every_s, say = remind if remind else (0.0, None)
+    nag = Nag(every_s)
     while True:
         value = ready()
         if value:
             return value
-        if remind and (waited := time.monotonic() - start) > remind[0] * (said + 1):
-            said += 1
-            print(remind[1](waited), file=sys.stderr, flush=True)
+        if say:
+            nag.check(say)
         backoff.wait()
 
 
