@@ -18,7 +18,7 @@ from hpcvla.process import deathwatch, preempt
 from hpcvla.process.deathwatch import Refused
 from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, LaunchError, thread_level_problem
 from hpcvla.process.watchdog import reminding
-from hpcvla.topology.plan import PlanError
+from hpcvla.topology.plan import PlanError, rank_named
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
 
 
@@ -195,8 +195,9 @@ def _or_abort(world, role: str, node: int, main) -> None:
         # write that failed carries its cause (`from error`), whose traceback is wanted
         said_all = isinstance(err, CheckpointError) and err.__cause__ is None
         detail = "" if said_all else traceback.format_exc()
-        deathwatch.abort_world(world, rank, f"hpcvla: rank {rank} ({role}) on node {node} "
-                               f"(host {MPI.Get_processor_name()}) failed: {err!r}", 1, detail)
+        deathwatch.abort_world(world, rank, f"hpcvla: "
+                               f"{rank_named(rank, role, node, MPI.Get_processor_name())} "
+                               f"failed: {err!r}", 1, detail)
 
 
 def create_run_dir(cfg, world) -> Path:

@@ -37,6 +37,11 @@ class PlanError(ValueError):
     """The placement cannot be laid out on this world; the message says why and what fits."""
 
 
+def rank_named(rank: int, roles: str, node: int, host: str) -> str:
+    """How a failure names a rank: its roles, node and host."""
+    return f"rank {rank} ({roles}) on node {node} (host {host})"
+
+
 @dataclass(frozen=True)
 class RankInfo:
     rank: int
@@ -83,9 +88,9 @@ class RankPlan:
         return tuple(info.rank for info in self.ranks if role in info.roles)
 
     def who(self, rank: int, host: str) -> str:
-        """How a failure names a rank: its roles, node and host (`host`: the rank's own)."""
+        """How a failure names a rank of this plan (`host`: the rank's own): rank_named."""
         info = self.ranks[rank]
-        return f"rank {rank} ({'+'.join(info.roles)}) on node {info.node} (host {host})"
+        return rank_named(rank, "+".join(info.roles), info.node, host)
 
     def producers_of(self, learner: int) -> tuple[int, ...]:
         return self._producers.get(learner, ())
