@@ -493,9 +493,10 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks, stop, 
              "finished"]
     order = [s for s in order if s != "transport_ready" or ranks > 2]  # colocated: none
     assert [steps[s] for s in order] == sorted(steps[s] for s in order), steps
-    # the cell acts on the first version while the learner builds its engine (~1.5 s here)
-    assert steps["all_ranks_ready"] < steps["first_act"] < (
-        steps["engine_ready"] if ranks > 2 else steps["first_version_trained"]), steps
+    # the cell acts on the first version, published before the learner builds its engine;
+    # whether the first pass ends before the engine is ready is a race here (the engine,
+    # preloaded, builds in 10-40 ms: 1 ms apart on a loaded machine), so not asserted
+    assert steps["all_ranks_ready"] < steps["first_act"] < steps["first_version_trained"], steps
     assert abs(steps["stop_signal"] - (signalled - launched)) < 1.0, (steps, signalled - launched)
     assert "peak memory, GiB" in out and "start and stop, s since launch" in out
     for rank in first["per_rank"]:  # each rank's own steps and peak memory

@@ -334,8 +334,10 @@ def test_transport_benchmark_runs_and_writes_ratios(tmp_path):
         assert results[f"{key}_GBps"] > 0 and results[f"{key}_raw_GBps"] > 0
         assert results[f"{key}_ratio"] == pytest.approx(
             results[f"{key}_GBps"] / results[f"{key}_raw_GBps"])
-    for key in ("exchange_ratio", "weights_ratio", "ring_1MiB_ratio"):
+    for key in ("exchange_ratio", "weights_ratio", "ring_1MiB_ratio", "wake_cpu_ratio"):
         assert results[key] > 0 and key in results["targets_met"]
+    assert results["wake_cpu_ratio"] == pytest.approx(
+        results["wake_bells_cpu_us"] / results["wake_polled_cpu_us"])
     assert "weights publish vs Bcast" in out.stdout
 
 

@@ -26,7 +26,7 @@ from hpcvla.roles.segments import (FINAL, OUTCOME_FIELDS, SegmentBuilder, Segmen
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.schedule import Schedule, eligible
 from hpcvla.transport import records
-from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff, Nag
+from hpcvla.transport.backoff import Nag
 from hpcvla.transport.ring_writer import RingWriter
 
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ class InferenceServer:
         loader.refresh()
         self.silence = SilentSimulators(exchange, self.rank, self.patience_s / 2)
         stopped: set[int] = set()
-        backoff = Backoff(cap=DATA_POLL_CAP)
+        backoff = exchange.backoff()  # rung by requests
         while len(stopped) < exchange.n_slots:
             for slot in exchange.pending():
                 batcher.add(slot, self.n)
@@ -137,10 +137,11 @@ class InferenceServer:
             if reason is None:
                 if held and not eligible:
                     self._serve([], held)
-                if batcher.waiting_envs() and not eligible:
-                    stats["throttled_s"] += backoff.delay
+                throttled = batcher.waiting_envs() and not eligible
+                if throttled:
                     self._still_waiting(lambda: "the staleness quota holds every env")
-                backoff.wait()
+                waited = backoff.wait(at_most=batcher.time_to_deadline(eligible))
+                stats["throttled_s"] += waited if throttled else 0.0
                 continue
             backoff.reset()
             stats[f"fired_{reason}"] += 1

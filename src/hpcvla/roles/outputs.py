@@ -58,6 +58,9 @@ class RankSummary:
     # what follows it (the dump writer's backlog, the teardown, waiting for the others)
     active_s: float = 0.0
     preempted: bool = False
+    # the process's CPU seconds (every thread, user and system) in wall_s: beside busy_s,
+    # what its waits cost (a rank that polls spends CPU it does not count busy)
+    cpu_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
     peak_memory: dict[str, int] = field(default_factory=dict)
     busy_s: dict[str, float] = field(default_factory=dict)
@@ -141,9 +144,11 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     root = next((s for s in everyone if s.trained_env_steps is not None), None)
     learners = [s for s in everyone if s.ended_episodes]  # every learner's window, pooled
     busy: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     for s in everyone:
         for stage, seconds in s.busy_s.items():
             busy.setdefault(f"{s.role}:{stage}", []).append(seconds / active)
+        cpu.setdefault(s.role, []).append(s.cpu_s / s.wall_s if s.wall_s else 0.0)
     rings = [s.counters["ring"] for s in everyone if "ring" in s.counters]
     add_planned_memory(everyone, run_dir / MEMORY_PLAN)
     result = {
@@ -155,6 +160,8 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "env_fault_episodes": sum(s.env_fault_episodes or 0 for s in everyone),
         "staleness_hist": dict(sorted(staleness.items())),
         "busy_fraction": {k: float(np.mean(v)) for k, v in sorted(busy.items())},
+        # cores each role's rank kept busy, on average: its waits included
+        "cpu_fraction": {k: float(np.mean(v)) for k, v in sorted(cpu.items())},
         "per_rank": [s.to_dict() for s in everyone],
         "preempted": any(s.preempted for s in everyone),
         "bad_slots": sum(r["bad_slots"] for r in rings),

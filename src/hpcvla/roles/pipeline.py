@@ -100,6 +100,7 @@ def _spare_rank(me: Rank, links: Links) -> tuple[float, Counters]:
 def _epilogue(me: Rank, start: float) -> Counters:
     summary = me.summary
     summary.wall_s = time.monotonic() - start
+    summary.cpu_s = time.process_time() - me.cpu_at_start
     began = me.timeline.now() - summary.wall_s  # all_ranks_ready on the timeline's clock
     summary.active_s = min(summary.wall_s, max(
         0.0, max(me.timeline.last_end.values(), default=began) - began))

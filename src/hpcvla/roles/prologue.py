@@ -82,6 +82,7 @@ class Rank:
     first: int  # the policy version training starts from
     summary: RankSummary
     shard_envs: list[VectorEnv]  # a disaggregated simulator rank's envs, one per shard
+    cpu_at_start: float = 0.0  # the process's CPU clock when the ranks' clocks started
 
     @property
     def setup(self) -> RoleSetup:
@@ -308,4 +309,5 @@ def start_clock(me: Rank) -> float:
     """Every rank set up (a real simulator takes seconds per env): the clocks start together."""
     idle_barrier(me.comms.world)  # [dist]
     phases.mark("all_ranks_ready")
+    me.cpu_at_start = time.process_time()
     return time.monotonic()

@@ -21,7 +21,7 @@ from hpcvla.envs.build import make_envs
 from hpcvla.process.watchdog import StepGuard, deadline, step_deadline_s
 from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
 from hpcvla.seeds import shard_seed
-from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
+from hpcvla.transport.backoff import DATA_POLL_CAP
 
 if TYPE_CHECKING:
     from numpy.typing import DTypeLike
@@ -86,7 +86,7 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
     running = set(range(len(envs)))
     stepping: dict[int, tuple[float, float]] = {}  # shard -> (timeline start, start)
     held: dict[int, tuple[float, StepResult]] = {}  # shard -> (release, result)
-    backoff = Backoff(cap=DATA_POLL_CAP)
+    backoff = exchange.backoff()
     with StepGuard(step_timeout_s) as watchdog:  # a step that never returns ends the job
         while running:
             now = time.monotonic()
@@ -119,7 +119,9 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
                 backoff.reset()
             else:
                 watchdog.idle()
-                backoff.wait()
+                # the bell rings for actions, not for a worker's step or a held result's time
+                backoff.wait(at_most=DATA_POLL_CAP if stepping else min(
+                    (release - now for release, _ in held.values()), default=None))
     return sum(steps)
 
 

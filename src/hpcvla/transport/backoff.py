@@ -25,6 +25,13 @@ T = TypeVar("T")
 # against a transfer or an env step, long enough that waiting ranks leave the cores to
 # working ones. Idle waits (next weight version, sitting out a benchmark) sleep longer.
 DATA_POLL_CAP = 2e-4
+# The same where a doorbell (transport/doorbell.py) ends a sleep as soon as the answer is in:
+# what nobody rings for sets how long a sleep may be. An inference rank has such things (a
+# weight version, a batching deadline, a learner's ring lane): RUNG_SERVER_CAP. A simulator
+# waiting for its actions has nothing else to look at (a worker's step or a held result it
+# waits for with the shorter caps): RUNG_CLIENT_CAP, a safety net that never needs to fire.
+RUNG_SERVER_CAP = 1e-3
+RUNG_CLIENT_CAP = 1e-2
 # How long a latency-critical wait (a simulator waiting for its actions, the server for the
 # next request) yields instead of sleeping: a sleep costs ~50-100 us of timer slack and
 # wake-up, longer than the answer usually takes; `sched_yield` hands the core to any rank
@@ -38,25 +45,28 @@ class WaitTimeout(TimeoutError):
 
 class Backoff:
     def __init__(self, first: float = 20e-6, cap: float = 2e-3, timeout: float | None = None,
-                 what: str = "a condition", spin: float = 0.0):
-        self.first, self.cap, self.what = first, cap, what
+                 what: str = "a condition", spin: float = 0.0,
+                 sleep: Callable[[float], object] = time.sleep):
+        self.first, self.cap, self.what, self.sleep = first, cap, what, sleep
         self.delay = first
         now = time.monotonic()
         self.deadline = None if timeout is None else now + timeout
         self.spin_until = now + spin if spin else 0.0
         self.timeout = timeout
 
-    def wait(self) -> None:
-        """Sleep once, a little longer than last time (yield instead during the first `spin`
-        seconds); raise WaitTimeout past the deadline."""
+    def wait(self, at_most: float | None = None) -> float:
+        """Sleep once (`sleep`: a doorbell's ends early when rung), a little longer than last
+        time, and `at_most` that long (yield instead during the first `spin` seconds); the
+        seconds waited. Raise WaitTimeout past the deadline."""
         now = time.monotonic()
         if self.deadline is not None and now > self.deadline:
             raise WaitTimeout(f"waited more than {self.timeout:g} s for {self.what}")
         if now < self.spin_until:
             os.sched_yield()
-            return
-        time.sleep(self.delay)
-        self.delay = min(self.delay * 2, self.cap)
+        else:
+            self.sleep(self.delay if at_most is None else min(self.delay, at_most))
+            self.delay = min(self.delay * 2, self.cap)
+        return time.monotonic() - now
 
     def reset(self) -> None:
         self.delay = self.first
@@ -86,10 +96,11 @@ Reminder = tuple[float, Callable[[float], str]]
 
 
 def wait_until(ready: Callable[[], T], what: str, timeout: float | None = None,
-               cap: float = 2e-3, spin: float = 0.0, remind: Reminder | None = None) -> T:
+               cap: float = 2e-3, spin: float = 0.0, remind: Reminder | None = None,
+               sleep: Callable[[float], object] = time.sleep, first: float = 20e-6) -> T:
     """Poll `ready()` with back-off until it returns a truthy value, which is returned;
-    `remind`: say so to stderr while it takes long."""
-    backoff = Backoff(cap=cap, timeout=timeout, what=what, spin=spin)
+    `remind`: say so to stderr while it takes long; `sleep`, `first`: Backoff's."""
+    backoff = Backoff(first, cap, timeout, what, spin, sleep)
     every_s, say = remind if remind else (0.0, None)
     nag = Nag(every_s)
     while True:

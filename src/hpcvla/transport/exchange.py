@@ -15,17 +15,23 @@ reads observations in place, writes actions in place and sets `response = reques
 Each word has one writer, so plain aligned stores suffice; `Win.Sync` orders payload and
 flag accesses. Waiting polls with back-off: it yields the core for the first DATA_SPIN
 seconds (an answer usually comes sooner than a sleep wakes up), then sleeps, so it does
-not burn a core.
+not burn a core. A request rings the server's doorbell and an answer its simulator's, so a
+sleep ends when the answer is in, and sleeps after the spin can be long from the first
+(RUNG_*_CAP): a waiting rank wakes about once an answer, not every few tens to hundreds of
+microseconds.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import DATA_POLL_CAP, DATA_SPIN, wait_until
+from hpcvla.transport.backoff import (DATA_POLL_CAP, DATA_SPIN, RUNG_CLIENT_CAP, RUNG_SERVER_CAP,
+                                     Backoff, wait_until)
+from hpcvla.transport.doorbell import Doorbell
 from hpcvla.transport.windows import unified, window_bytes
 from hpcvla.transport.records import aligned
 
@@ -34,7 +40,9 @@ HEADER_BYTES = 64
 
 class ObsActionExchange:
     def __init__(self, comm: MPI.Comm, shards: int, obs_dtype: np.dtype,
-                 action_dtype: np.dtype, server: int = 0):
+                 action_dtype: np.dtype, server: int = 0, bells: bool = True):
+        """`bells=False`: waits poll at DATA_POLL_CAP, nobody rings (the benchmark's
+        baseline); a one-rank communicator (the server serves itself) has none."""
         self.comm, self.server, self.shards = comm, server, shards
         self.obs_dtype, self.action_dtype = np.dtype(obs_dtype), np.dtype(action_dtype)
         rank, size = comm.Get_rank(), comm.Get_size()
@@ -56,13 +64,32 @@ class ObsActionExchange:
         self._request, self._response = flags[:, 0], flags[:, 1]
         self._served = np.zeros(self.n_slots, np.int64)  # server: request handed out last
         self.win.Lock_all(MPI.MODE_NOCHECK)
-        comm.Barrier()  # [dist]
+        self.bell = Doorbell(comm, self.clients if rank == server else [server]) \
+            if bells and size > 1 else None  # [dist] (collective; its barrier is the window's)
+        # a wait's sleeps: with bells, each as long as any from the first (a ring ends it)
+        self.poll_cap = DATA_POLL_CAP if not self.bell else RUNG_SERVER_CAP \
+            if rank == server else RUNG_CLIENT_CAP
+        self._first_sleep = self.poll_cap if self.bell else Backoff().first
+        if not self.bell:
+            comm.Barrier()  # [dist]
 
     def world_ranks(self, slots: Iterable[int]) -> list[int]:
         """The world ranks of the simulators that own `slots` (for messages)."""
         owners = sorted({self.clients[slot // self.shards] for slot in slots})
         return MPI.Group.Translate_ranks(self.comm.Get_group(), owners,
                                          MPI.COMM_WORLD.Get_group())
+
+    def backoff(self) -> Backoff:
+        """How a role's loop that waits on this exchange (among other things) sleeps."""
+        return Backoff(self._first_sleep, self.poll_cap, sleep=self.sleep)
+
+    def sleep(self, seconds: float) -> float:
+        """Sleep `seconds`, or less when this rank's bell rings; the seconds slept."""
+        if self.bell:
+            return self.bell.wait(seconds)
+        start = time.monotonic()
+        time.sleep(seconds)
+        return time.monotonic() - start
 
     def slot_of(self, shard: int, rank: int | None = None) -> int:
         rank = self.comm.Get_rank() if rank is None else rank
@@ -79,6 +106,8 @@ class ObsActionExchange:
         self.win.Sync()  # the observation is visible before the request
         self._request[slot] += 1
         self.win.Sync()
+        if self.bell:
+            self.bell.ring(self.server)
 
     def actions_ready(self, shard: int) -> bool:
         slot = self.slot_of(shard)
@@ -88,7 +117,7 @@ class ObsActionExchange:
     def actions(self, shard: int, timeout: float | None = None) -> np.void:
         """Wait (back-off) for the answer to this shard's request; a view of the actions."""
         wait_until(lambda: self.actions_ready(shard), f"actions for shard {shard}", timeout,
-                   cap=DATA_POLL_CAP, spin=DATA_SPIN)
+                   cap=self.poll_cap, spin=DATA_SPIN, sleep=self.sleep, first=self._first_sleep)
         self.win.Sync()
         return self._act_view(self.slot_of(shard))
 
@@ -103,8 +132,8 @@ class ObsActionExchange:
         return new.tolist()
 
     def wait_pending(self, timeout: float | None = None) -> list[int]:
-        return wait_until(self.pending, "an observation request", timeout, cap=DATA_POLL_CAP,
-                          spin=DATA_SPIN)
+        return wait_until(self.pending, "an observation request", timeout, cap=self.poll_cap,
+                          spin=DATA_SPIN, sleep=self.sleep, first=self._first_sleep)
 
     def request_obs(self, slot: int) -> np.void:
         return self._obs_view(slot)
@@ -117,6 +146,8 @@ class ObsActionExchange:
         self.win.Sync()  # actions visible before the response
         self._response[slot] = self._served[slot]
         self.win.Sync()
+        if self.bell:
+            self.bell.ring(self.clients[slot // self.shards])
 
     # ------------------------------------------------------------- both
     def _obs_view(self, slot: int) -> np.void:
@@ -135,3 +166,5 @@ class ObsActionExchange:
             del self._memory, self._request, self._response  # no view outlives the window
             self.win.Unlock_all()
             self.win.Free()  # [dist]
+            if self.bell:
+                self.bell.close()
