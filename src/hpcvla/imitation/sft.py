@@ -62,7 +62,7 @@ from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
-from hpcvla.process import deathwatch, preempt
+from hpcvla.process import deathwatch, heap, preempt
 from hpcvla.process.deathwatch import Refused
 from hpcvla.process.watchdog import reminding
 from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, add_planned_memory, memory_table,
@@ -395,5 +395,6 @@ def run_sft(cfg) -> int:
     from hpcvla.job.runtime import run_guarded
 
     preempt.install()  # SIGTERM/SIGUSR1: stop after the current step, with a checkpoint
+    heap.keep_freed_buffers()
     return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD),
                        "sft")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hpcvla.config import ConfigError, write_run_config
 from hpcvla.metrics import phases
-from hpcvla.process import deathwatch, preempt
+from hpcvla.process import deathwatch, heap, preempt
 from hpcvla.process.deathwatch import Refused
 from hpcvla.process.mpi_select import THREAD_LEVEL_FIX, LaunchError, thread_level_problem
 from hpcvla.process.watchdog import reminding
@@ -92,6 +92,7 @@ def run_ranks(cfg, main, check=None, command: str = "") -> int:
     world = MPI.COMM_WORLD
     rank = world.Get_rank()
     preempt.install()  # SIGTERM/SIGUSR1: stop after the next version, with a checkpoint
+    heap.keep_freed_buffers()  # before the policy's and the envs' allocations
     try:
         agreed_start(world)  # [dist]
         problem = thread_level_problem()

@@ -64,7 +64,7 @@ class Backoff:
         if now < self.spin_until:
             os.sched_yield()
         else:
-            self.sleep(self.delay if at_most is None else min(self.delay, at_most))
+            self.sleep(self.delay if at_most is None else max(0.0, min(self.delay, at_most)))
             self.delay = min(self.delay * 2, self.cap)
         return time.monotonic() - now
 
