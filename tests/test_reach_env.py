@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from hpcvla.envs import ReachEnv, StepResult, make_env, oracle_actions
-from hpcvla.envs.reach import COLOUR_NAMES, PALETTE_RGB
+from hpcvla.envs.reach import (COLOUR_NAMES, EFFECTOR_ARM, EFFECTOR_RGB, OBJECT_RADIUS,
+                               PALETTE_RGB)
 
 
 def random_actions(rng, env):
@@ -294,3 +295,40 @@ def test_a_reward_choice_reach_would_not_make_is_refused():
                            ("wrist_image", "true")):
         with pytest.raises(ConfigError, match=rf"env.{setting} = .*reach does not read"):
             check_env(load_config(ROOT / "configs/default.yaml", [f"env.{setting}={value}"]))
+
+
+def _drawn_anew(env: ReachEnv) -> np.ndarray:
+    """Every env's image painted from nothing: the table, the objects in index order, the
+    effector (what the env's cached scene must equal)."""
+    n, ht = env.num_envs, env._half_thick
+    img = np.broadcast_to(env._background, (n, env.image_size, env.image_size, 3)).copy()
+
+    def disc(dx, dy):
+        return dx * dx + dy * dy <= OBJECT_RADIUS ** 2
+
+    def cross(dx, dy):
+        dx, dy = np.abs(dx), np.abs(dy)
+        return ((dy <= ht) & (dx <= EFFECTOR_ARM)) | ((dx <= ht) & (dy <= EFFECTOR_ARM))
+
+    for k in range(env.num_objects):
+        env._paint(img, env._obj[:, k], OBJECT_RADIUS, disc, PALETTE_RGB[env._colours[:, k]])
+    env._paint(img, env._ee, EFFECTOR_ARM, cross, np.broadcast_to(EFFECTOR_RGB, (n, 3)))
+    return img
+
+
+@pytest.mark.parametrize("num_envs,image_size,num_objects", [(8, 32, 3), (5, 64, 4)])
+def test_the_cached_scene_is_the_scene_drawn_anew(num_envs, image_size, num_objects):
+    """The table and objects are drawn once per layout and only the effector each step: the
+    images equal ones painted from nothing, through auto-resets (some envs at a time), held
+    resets and explicit ones from fixed initial states."""
+    env = ReachEnv(num_envs=num_envs, seed=3, image_size=image_size, num_objects=num_objects,
+                   max_episode_chunks=6)
+    rng = np.random.default_rng(0)
+    assert np.array_equal(env.reset()["image"], _drawn_anew(env))
+    for t in range(120):
+        env.hold_resets(40 <= t < 60)
+        result = env.step(rng.uniform(-1, 1, (num_envs, env.spec.chunk_len, 2)))
+        assert np.array_equal(result.obs["image"], _drawn_anew(env)), t
+        if t % 37 == 0:
+            obs = env.reset(init_state_ids=rng.integers(0, 1000, num_envs))
+            assert np.array_equal(obs["image"], _drawn_anew(env)), t

@@ -174,6 +174,10 @@ class ReachEnv(VectorEnv):
         self._dist = np.zeros(n)  # current effector-target distance
         self._chunks = np.zeros(n, dtype=np.int32)  # chunks elapsed in the current episode
         self._return = np.zeros(n, dtype=np.float32)
+        # the table and its objects, which stand still within an episode: drawn once per
+        # layout (a reset), so a step paints only the effector on a copy (a third of a step)
+        self._scene = np.empty((n, image_size, image_size, 3), np.uint8)
+        self._stale_scene = np.ones(n, bool)
         self.reset()
 
     # ---- episode bookkeeping -------------------------------------------------------------
@@ -186,6 +190,7 @@ class ReachEnv(VectorEnv):
         self._dist[i] = np.hypot(*(self._ee[i] - self._obj[i, self._target[i]]))
         self._chunks[i] = 0
         self._return[i] = 0.0
+        self._stale_scene[i] = True
 
     def reset(self, seeds: np.ndarray | None = None,
               init_state_ids: np.ndarray | None = None) -> dict[str, np.ndarray]:
@@ -208,8 +213,10 @@ class ReachEnv(VectorEnv):
         start = np.floor((centre - half) * self.image_size).astype(np.int64)
         return np.clip(start, 0, self.image_size - size)[:, None] + np.arange(size)
 
-    def _paint(self, img: np.ndarray, xy: np.ndarray, half: float, shape, rgb: np.ndarray):
-        """Paint `rgb` (n, 3) where `shape(dx, dy)` holds, in a window around each env's `xy`.
+    def _paint(self, img: np.ndarray, xy: np.ndarray, half: float, shape, rgb: np.ndarray,
+               envs: np.ndarray | None = None):
+        """Paint `rgb` (m, 3) where `shape(dx, dy)` holds, in a window around each env's `xy`
+        (m, 2), into the images of `envs` (m of them; default all).
 
         Only a small window per env is touched (fancy indexing over all envs at once), which is
         far cheaper than full-image masks: the discs cover ~1 % of the image.
@@ -218,13 +225,12 @@ class ReachEnv(VectorEnv):
         dy = self._centres[rows] - xy[:, 1:2]  # (n, P) offsets of the window's pixel centres
         dx = self._centres[cols] - xy[:, 0:1]
         mask = shape(dx[:, None, :], dy[:, :, None])  # (n, P, P), broadcast
-        idx = (np.arange(self.num_envs)[:, None, None], rows[:, :, None], cols[:, None, :])
+        envs = np.arange(self.num_envs) if envs is None else envs
+        idx = (envs[:, None, None], rows[:, :, None], cols[:, None, :])
         img[idx] = np.where(mask[..., None], rgb[:, None, None, :], img[idx])
 
     def _render(self) -> np.ndarray:
-        n, s = self.num_envs, self.image_size
-        img = np.broadcast_to(self._background, (n, s, s, 3)).copy()  # contiguous: fast copy
-        r2, ht = OBJECT_RADIUS ** 2, self._half_thick
+        n, r2, ht = self.num_envs, OBJECT_RADIUS ** 2, self._half_thick
 
         def disc(dx, dy):
             return dx * dx + dy * dy <= r2
@@ -233,8 +239,14 @@ class ReachEnv(VectorEnv):
             dx, dy = np.abs(dx), np.abs(dy)
             return ((dy <= ht) & (dx <= EFFECTOR_ARM)) | ((dx <= ht) & (dy <= EFFECTOR_ARM))
 
-        for k in range(self.num_objects):  # in index order: later objects on top
-            self._paint(img, self._obj[:, k], OBJECT_RADIUS, disc, PALETTE_RGB[self._colours[:, k]])
+        if self._stale_scene.any():  # new layouts: their table and objects drawn anew
+            envs = np.flatnonzero(self._stale_scene)
+            self._scene[envs] = self._background
+            for k in range(self.num_objects):  # in index order: later objects on top
+                self._paint(self._scene, self._obj[envs, k], OBJECT_RADIUS, disc,
+                            PALETTE_RGB[self._colours[envs, k]], envs)
+            self._stale_scene[envs] = False
+        img = self._scene.copy()
         self._paint(img, self._ee, EFFECTOR_ARM, cross, np.broadcast_to(EFFECTOR_RGB, (n, 3)))
         return img
 
