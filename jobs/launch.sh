@@ -237,6 +237,15 @@ fit_to_nodes() {
 # (exit 2: its verdict would be the same), nor when a node stopped answering.
 restarts_left=${HPCVLA_RESTARTS:-0}
 START_RETRIES=${HPCVLA_START_RETRIES:-1}
+# The run this job continues and its newest checkpoint as the job begins: a time-limit
+# requeue of that run needs a checkpoint past it (a job whose time runs out before its next
+# checkpoint would requeue, and end so, for ever).
+START_RUN="" START_VERSION=-1
+if [[ ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm && -n ${HPCVLA_JOB_RUNS:-} ]] &&
+        makes_a_run "$1" && START_RUN=$(resumable_run "$HPCVLA_JOB_RUNS") &&
+        [[ -n $START_RUN ]]; then
+    START_VERSION=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
+fi
 start_retries_left=$START_RETRIES
 failed_at=""
 LAYOUT=""
@@ -318,14 +327,26 @@ done
 
 if [[ -n $SIGNALLED ]]; then
     say "ranks exited with status $status after SIG$SIGNALLED"
+    REQUEUED_RUN=""  # the run a time-limit requeue would continue
     if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&
-            -n ${HPCVLA_JOB_RUNS:-} && -n $(resumable_run "$HPCVLA_JOB_RUNS") ]]; then
+            -n ${HPCVLA_JOB_RUNS:-} ]]; then
+        REQUEUED_RUN=$(resumable_run "$HPCVLA_JOB_RUNS") || REQUEUED_RUN=""
+    fi
+    if [[ -n $REQUEUED_RUN && $REQUEUED_RUN == "$START_RUN" ]] && (( $("$PYTHON" -m \
+            hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") <= START_VERSION )); then
+        status=$(( 128 + $(kill -l USR1) ))
+        say "no checkpoint past $(point_name "$1") $START_VERSION in this job: the time-limit" \
+            "warning came first, and a requeued start would end the same way, so the job is" \
+            "not requeued. Give it more time (--time, and the warning's lead in --signal)," \
+            "or checkpoint more often ($(interval_name "$1")), and continue the run in a new" \
+            "job with run.resume=$REQUEUED_RUN; exit status $status"
+    elif [[ -n $REQUEUED_RUN ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"
         scontrol requeue "$SLURM_JOB_ID" || {
             status=$(( 128 + $(kill -l USR1) ))
             say "could not requeue job $SLURM_JOB_ID (--no-requeue, or the site's policy):" \
-                "continue its run in a new job with run.resume=$(resumable_run \
-                "$HPCVLA_JOB_RUNS"); exit status $status"; }
+                "continue its run in a new job with run.resume=$REQUEUED_RUN; exit status" \
+                "$status"; }
     elif (( status == 0 )) && { ! makes_a_run "$1" || [[ -n ${NO_WORLD:-} ||
             -z ${HPCVLA_JOB_RUNS:-} || -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
             $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; }; then

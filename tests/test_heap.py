@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 # a backward pass's way with memory: forty live buffers of 128 KiB-2 MiB, all freed, again
 PROBE = """
 import resource, sys
@@ -20,7 +22,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
 
 
 def _probe(mode: str, **malloc_env: str) -> tuple[str, int]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | malloc_env
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"} | malloc_env
     said, faults = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True,
                                   text=True, env=env, check=True).stdout.split()
     return said, int(faults)
@@ -33,8 +36,10 @@ def test_freed_buffers_are_reused_not_faulted_in_again():
     assert said == "True" and kept * 5 < default, (kept, default)
 
 
-def test_a_users_own_malloc_settings_stand():
-    """A user who set one of glibc's variables chose for the process: it is not overridden
-    (here a threshold below the buffers: each is mapped and faulted in again)."""
-    (_, kept), (said, users) = _probe("set"), _probe("set", MALLOC_MMAP_THRESHOLD_="131072")
+@pytest.mark.parametrize("setting", [{"MALLOC_MMAP_THRESHOLD_": "131072"},
+                                     {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}])
+def test_a_users_own_malloc_settings_stand(setting):
+    """A user who set one of glibc's variables or tunables chose for the process: it is not
+    overridden (here a threshold below the buffers: each is mapped and faulted in again)."""
+    (_, kept), (said, users) = _probe("set"), _probe("set", **setting)
     assert said == "False" and users > kept * 5, (users, kept)

@@ -668,6 +668,36 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, la
     assert (run_dir / "checkpoints" / "v000030" / "state.json").exists()
 
 
+def test_a_time_limit_warning_before_any_progress_is_not_requeued_again(slurm, tmp_path):
+    """A requeued start whose time-limit warning comes before a checkpoint past the one it
+    began from (here while it checks its node, before any rank starts: a time limit shorter
+    than a start) is not requeued again: each next start would end the same way, for ever.
+    The job ends as stopped (USR1: 138), saying what to change and how to continue."""
+    log = tmp_path / "no-progress.out"
+    job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
+                       "pipeline.total_updates=30", "pipeline.progress_every_s=0.1",
+                       options=["--output", log], cwd=ROOT,
+                       env=job_env(tmp_path, HPCVLA_DOCTOR="1"))
+    first_update(slurm, job, log)
+    slurm.signal_batch_shell(job, signal.SIGUSR1)  # progress: from no checkpoint to one
+    deadline = time.monotonic() + 300
+    while "checking this node" not in (log.read_text().split("requeueing job", 1) + [""])[1]:
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(0.5)  # the requeued start's node check under way
+    slurm.signal_batch_shell(job, signal.SIGUSR1)
+    info = slurm.wait(job, 300)
+    text = log.read_text()
+    assert (info["Restarts"], info["ExitCode"]) == ("1", f"{128 + signal.SIGUSR1}:0"), \
+        f"{info}\n{text[-3000:]}"
+    second = text.split("requeueing job", 1)[1]
+    run_dir = the_run(tmp_path / "runs")
+    version = max(int(p.name[1:]) for p in (run_dir / "checkpoints").iterdir())
+    assert f"no checkpoint past policy version {version} in this job" in second, second[-3000:]
+    assert f"continue the run in a new job with run.resume={run_dir}" in second
+    assert "requeueing job" not in second
+
+
 def test_an_sft_job_trains_every_task_requeues_at_the_time_limit_and_resumes(slurm, tmp_path):
     """jobs/slurm/sft.sbatch: `hpcvla sft` with a learner on each of the job's tasks, one
     world; the time-limit warning stops it after a step with a checkpoint, the job requeues

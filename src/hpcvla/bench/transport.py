@@ -19,7 +19,8 @@ carry over between machines).
 * wake: a simulator asking for actions that the inference rank answers after 20 ms (a VLA's
   forward pass on a GPU), with the exchange's doorbells against without (the flags polled at
   DATA_POLL_CAP): the simulator's CPU seconds per answer (`wake_cpu_ratio`: what its waiting
-  costs with bells over without) and how long after the answer it notices (`wake_late_us`);
+  costs with bells over without) and how long after the answer it notices
+  (`wake_bells_late_us`, `wake_polled_late_us`);
 * weights: a ~100 MB WeightPlane publish until every rank holds a copy (the root's one copy
   into its node's store, one broadcast per other node's leader into that node's store, each
   other rank's copy out of it; the root holds the source, as Bcast's root does), against one

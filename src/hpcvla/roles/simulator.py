@@ -120,6 +120,7 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
             else:
                 watchdog.idle()
                 # the bell rings for actions, not for a worker's step or a held result's time
+                now = time.monotonic()
                 backoff.wait(at_most=DATA_POLL_CAP if stepping else min(
                     (release - now for release, _ in held.values()), default=None))
     return sum(steps)
