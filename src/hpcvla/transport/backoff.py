@@ -25,6 +25,8 @@ T = TypeVar("T")
 # against a transfer or an env step, long enough that waiting ranks leave the cores to
 # working ones. Idle waits (next weight version, sitting out a benchmark) sleep longer.
 DATA_POLL_CAP = 2e-4
+# A wait's first sleep: short, for an answer that is near
+FIRST_SLEEP = 20e-6
 # The same where a doorbell (transport/doorbell.py) ends a sleep as soon as the answer is in:
 # what nobody rings for sets how long a sleep may be. An inference rank has such things (a
 # weight version, a batching deadline, a learner's ring lane): RUNG_SERVER_CAP. A simulator
@@ -44,7 +46,8 @@ class WaitTimeout(TimeoutError):
 
 
 class Backoff:
-    def __init__(self, first: float = 20e-6, cap: float = 2e-3, timeout: float | None = None,
+    def __init__(self, first: float = FIRST_SLEEP, cap: float = 2e-3,
+                 timeout: float | None = None,
                  what: str = "a condition", spin: float = 0.0,
                  sleep: Callable[[float], object] = time.sleep):
         self.first, self.cap, self.what, self.sleep = first, cap, what, sleep
@@ -97,7 +100,7 @@ Reminder = tuple[float, Callable[[float], str]]
 
 def wait_until(ready: Callable[[], T], what: str, timeout: float | None = None,
                cap: float = 2e-3, spin: float = 0.0, remind: Reminder | None = None,
-               sleep: Callable[[float], object] = time.sleep, first: float = 20e-6) -> T:
+               sleep: Callable[[float], object] = time.sleep, first: float = FIRST_SLEEP) -> T:
     """Poll `ready()` with back-off until it returns a truthy value, which is returned;
     `remind`: say so to stderr while it takes long; `sleep`, `first`: Backoff's."""
     backoff = Backoff(first, cap, timeout, what, spin, sleep)

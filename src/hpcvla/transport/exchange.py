@@ -24,13 +24,13 @@ microseconds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from mpi4py import MPI
 
-from hpcvla.transport.backoff import (DATA_POLL_CAP, DATA_SPIN, RUNG_CLIENT_CAP, RUNG_SERVER_CAP,
-                                     Backoff, wait_until)
+from hpcvla.transport.backoff import (DATA_POLL_CAP, DATA_SPIN, FIRST_SLEEP, RUNG_CLIENT_CAP,
+                                     RUNG_SERVER_CAP, Backoff, wait_until)
 from hpcvla.transport.doorbell import Doorbell
 from hpcvla.transport.windows import unified, window_bytes
 from hpcvla.transport.records import aligned
@@ -69,7 +69,9 @@ class ObsActionExchange:
         # a wait's sleeps: with bells, each as long as any from the first (a ring ends it)
         self.poll_cap = DATA_POLL_CAP if not self.bell else RUNG_SERVER_CAP \
             if rank == server else RUNG_CLIENT_CAP
-        self._first_sleep = self.poll_cap if self.bell else Backoff().first
+        self._first_sleep = self.poll_cap if self.bell else FIRST_SLEEP
+        # sleep `seconds`, or less when this rank's bell rings
+        self.sleep: Callable[[float], object] = self.bell.wait if self.bell else time.sleep
         if not self.bell:
             comm.Barrier()  # [dist]
 
@@ -82,14 +84,6 @@ class ObsActionExchange:
     def backoff(self) -> Backoff:
         """How a role's loop that waits on this exchange (among other things) sleeps."""
         return Backoff(self._first_sleep, self.poll_cap, sleep=self.sleep)
-
-    def sleep(self, seconds: float) -> float:
-        """Sleep `seconds`, or less when this rank's bell rings; the seconds slept."""
-        if self.bell:
-            return self.bell.wait(seconds)
-        start = time.monotonic()
-        time.sleep(seconds)
-        return time.monotonic() - start
 
     def slot_of(self, shard: int, rank: int | None = None) -> int:
         rank = self.comm.Get_rank() if rank is None else rank
