@@ -235,6 +235,23 @@ def test_each_policy_of_an_evaluation_is_paired_with_the_first_on_their_common_e
     assert "against version 0 on the same 3 episodes: +0.333" in shown, shown
 
 
+def test_the_printed_result_says_what_it_measured_and_what_a_benchmark_would_count():
+    """A LIBERO evaluation at the run's own horizon is said not to be LIBERO's benchmark (its
+    numbers are not papers'), with its episode length and action mode; env-fault episodes,
+    left out, are also counted as failures, as the references' scripts count them."""
+    from hpcvla.evaluate import describe
+    shown = describe({
+        "version": 3, "success_rate": 0.5, "success_ci95": [0.1, 0.9], "episodes": 4,
+        "actions": "sampled", "mean_return": 1.0, "env_faults": 1,
+        "success_rate_faults_failed": 0.4, "init_state_ids": [0, 4], "split": "evaluation",
+        "states": "s", "ranks": 1, "hosts": ["h"], "device": "cpu", "per_task": {"t": {}},
+        "protocol": {"name": "hpcvla", "env": "libero", "steps": 480}})
+    assert "(1 left out: env faults; counted as failures, as OFT's and openpi's scripts " \
+        "count them: 0.400)" in shown, shown
+    assert "protocol hpcvla: the config's episode length, 480 env steps, sampled actions; not " \
+        "LIBERO's benchmark, whose numbers papers report (eval.protocol=libero)" in shown, shown
+
+
 @pytest.mark.mpi
 @pytest.mark.slow  # ~30 s: 2 LIBERO episodes of 220 steps with the tiny π0, one per rank
 def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(tmp_path):

@@ -283,7 +283,9 @@ def describe(result: dict) -> str:
              f"(95 % {low:.3f}-{high:.3f}) over "
              f"{result['episodes']} episodes ({result['actions']} actions), mean return "
              f"{result['mean_return']:.2f}"
-             + (f" ({result['env_faults']} left out: env faults)" if result["env_faults"] else "")]
+             + (f" ({result['env_faults']} left out: env faults; counted as failures, as "
+                f"OFT's and openpi's scripts count them: {result['success_rate_faults_failed']:.3f})"
+                if result["env_faults"] else "")]
     if "success_at_end" in result:
         lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
                      f"success_at_end {result['success_at_end']:.3f}")
@@ -300,11 +302,17 @@ def describe(result: dict) -> str:
                  f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "
                  f"host(s), {result['device']}")
     protocol = result.get("protocol", {})
+    if protocol.get("name") == "hpcvla":  # the run's own episodes: say so where a benchmark is
+        lines.append(f"  protocol hpcvla: the config's episode length, {protocol['steps']} env "
+                     f"steps, {result['actions']} actions" + (
+                         "; not LIBERO's benchmark, whose numbers papers report "
+                         "(eval.protocol=libero)" if protocol.get("env") == "libero" else ""))
     if protocol.get("name") == "libero":
         lines.append(f"  LIBERO protocol: {protocol['suite']} tasks {protocol['tasks']}, "
                      f"{protocol['states_per_task']} fixed states each, step limit "
                      f"{protocol['step_limit']} env steps (a chunk past it is cut), "
-                     f"{protocol['settle_steps']} settle steps, success: {protocol['success']}")
+                     f"{protocol['settle_steps']} settle steps, success: {protocol['success']}, "
+                     f"{result['actions']} actions")
     if result.get("videos"):
         lines.append(f"  {len(result['videos'])} video(s) in "
                      f"{Path(result['videos'][0]).parent}")

@@ -93,7 +93,7 @@ class HeldOut:
         self.ids, self.tasks = states or self.env.evaluation_states(episodes)
         assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"
         self.filmed = {p for p, n in enumerate(_ordinals(self.tasks)) if n < video}
-        self.protocol = protocol or {"name": "hpcvla",
+        self.protocol = protocol or {"name": "hpcvla", "env": cfg.env.name,
                                      "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len}
 
     def run(self, deterministic: bool, rank: int = 0, ranks: int = 1,
