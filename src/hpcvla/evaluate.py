@@ -284,8 +284,8 @@ def describe(result: dict) -> str:
              f"{result['episodes']} episodes ({result['actions']} actions), mean return "
              f"{result['mean_return']:.2f}"
              + (f" ({result['env_faults']} left out: env faults; counted as failures, as "
-                f"OFT's and openpi's scripts count them: {result['success_rate_faults_failed']:.3f})"
-                if result["env_faults"] else "")]
+                f"OFT's and openpi's scripts count them: "
+                f"{result['success_rate_faults_failed']:.3f})" if result["env_faults"] else "")]
     if "success_at_end" in result:
         lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
                      f"success_at_end {result['success_at_end']:.3f}")
