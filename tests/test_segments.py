@@ -144,8 +144,28 @@ def test_a_killed_worlds_topology_file_is_removed_and_a_running_worlds_kept():
         if world.poll() is None:
             os.killpg(world.pid, signal.SIGKILL)
             world.wait()
+    _wait_gone(world.pid)  # the ranks too (mpiexec's exit does not wait for them): a rank
+    # still exiting maps the world's segment, which would then outlive the cleanup
     segments.remove_orphans(before)  # the killed world's segment too
     assert not topology.exists() and not segments.orphans(before)
+
+
+def _wait_gone(group: int, timeout_s: float = 30.0) -> None:
+    """Until no live process (a zombie maps nothing) is left in process group `group`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        live = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:  # pid (comm) state ppid pgrp ...: after the comm's closing parenthesis
+                state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
+            except (OSError, IndexError, ValueError):
+                continue
+            if int(pgrp) == group and state != "Z":
+                live.append(stat.parent.name)
+        if not live:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process group {group} still has live processes after {timeout_s} s")
 
 
 def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:
