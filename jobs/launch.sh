@@ -237,13 +237,11 @@ fit_to_nodes() {
 # (exit 2: its verdict would be the same), nor when a node stopped answering.
 restarts_left=${HPCVLA_RESTARTS:-0}
 START_RETRIES=${HPCVLA_START_RETRIES:-1}
-# The run this job continues and its newest checkpoint as the job begins: a time-limit
-# requeue of that run needs a checkpoint past it (a job whose time runs out before its next
-# checkpoint would requeue, and end so, for ever).
-START_RUN="" START_VERSION=-1
-if [[ ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm && -n ${HPCVLA_JOB_RUNS:-} ]] &&
-        makes_a_run "$1" && START_RUN=$(resumable_run "$HPCVLA_JOB_RUNS") &&
-        [[ -n $START_RUN ]]; then
+# The run this job continues (set_command's RESUME) and its newest checkpoint as the job
+# begins: a time-limit requeue of that run needs a checkpoint past it (a job whose time runs
+# out before its next checkpoint would requeue, and end so, for ever).
+START_RUN=${RESUME:-} START_VERSION=-1
+if [[ ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm && -n $START_RUN ]]; then
     START_VERSION=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
 fi
 start_retries_left=$START_RETRIES
