@@ -109,6 +109,26 @@ def test_raw_observation_to_the_reference_action_chunk(family, layout):
     torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-3)
 
 
+def test_policy_denoise_from_noise_acts_from_a_drawn_start_in_the_envs_units():
+    """policy.denoise_from=noise (openpi's sampler: tests/test_pi0_reference.py) through the
+    public path: the chunk is the one from the start noise drawn from the caller's stream,
+    unnormalized as the zero start's is."""
+    io, tasks = fixture("pi0")
+    obs, spec = raw_observation(io, tasks)
+    policy = build_policy(config(FIXTURES / "pi0" / "lerobot", **{"policy.denoise_from":
+                                                                  "noise"}), spec)
+    torch.manual_seed(0)
+    actions = policy.act(obs, deterministic=True).actions
+    torch.manual_seed(0)
+    drawn = torch.randn(2, policy.model_horizon, policy.model_action_dim)
+    with torch.no_grad():
+        model = policy._sample(policy.processor.inputs(obs), True, x0=drawn)[0]
+    torch.testing.assert_close(actions, policy.processor.actions_out(model, obs), rtol=0,
+                               atol=1e-6)
+    assert not torch.allclose(actions, io["sample_zero.actions_unnormalized"][:, :EXECUTED],
+                              atol=1e-3)
+
+
 def test_sft_supervises_the_checkpoints_whole_action_horizon():
     """openpi and LeRobot fine-tune π0 on every step of its action horizon (10 here), not
     just the chunk the env executes (5): hpcvla sft reads that many demonstrated actions per

@@ -23,10 +23,10 @@ PROMPT = {"pi0": 48, "pi05": 200}  # token slots: π0.5's prompt holds the discr
 ACTION_DIM, EXECUTED, STEPS = 7, 5, 10  # LeRobot: action 7-d, n_action_steps 5, 10 steps
 
 
-def pi0(layout: str, family: str = "pi0") -> FlowPolicy:
+def pi0(layout: str, family: str = "pi0", **kwargs) -> FlowPolicy:
     folder = FIXTURES / family / layout
     obs = dict(OBS, instruction=((PROMPT[family],), "<i4"))
-    policy = FlowPolicy(obs, ACTION_DIM, EXECUTED, 320, dtype="float32",
+    policy = FlowPolicy(obs, ACTION_DIM, EXECUTED, 320, dtype="float32", **kwargs,
                         **checkpoint_kwargs(FlowPolicy, folder))  # sizes from the tensors
     assert policy.variant == family
     assert policy.denoise_steps == STEPS  # the folder's sampler (LeRobot's config, openpi's 10)
@@ -72,6 +72,46 @@ def test_velocity_and_sampled_chunk_match_lerobot(family):
         for t in policy._times(x.shape[0], x.device):
             x = x - policy._velocity(cache, pad, state, x, t)[0] / STEPS
     torch.testing.assert_close(x, io["sample.actions_model"], rtol=0, atol=1e-5)
+
+
+def euler(policy, obs, x):
+    """LeRobot's sampler from the noise `x`: K Euler steps from t = 1 to 0, nothing added."""
+    with torch.no_grad():
+        cache, pad, _ = policy._encode(obs)
+        state = policy._padded_state(obs)
+        for t in policy._times(x.shape[0], x.device):
+            x = x - policy._velocity(cache, pad, state, x, t)[0] / STEPS
+    return x
+
+
+@pytest.mark.parametrize("family", ["pi0", "pi05"])
+def test_deterministic_acting_from_noise_is_the_references_sampler(family):
+    """policy.denoise_from=noise: acting without exploration noise integrates from
+    x_0 ~ N(0, I) drawn from the caller's stream, with nothing added: the chunk is the Euler
+    sampler's from that very draw (which the test above holds to LeRobot's), not the zero
+    start's; the exploration std plays no part; evaluations say which sampler acted."""
+    policy = pi0("lerobot_tied", family, denoise_from="noise").eval()
+    obs = policy._inputs(model_inputs(load_file(str(FIXTURES / family / "io.safetensors"))))
+    chunks = []
+    for seed, log_std in ((5, -2.0), (5, 1.0), (6, -2.0)):
+        with torch.no_grad():
+            policy.log_std.fill_(log_std)
+        torch.manual_seed(seed)
+        chunks.append(policy.act(obs, deterministic=True).actions)
+    torch.manual_seed(5)
+    drawn = euler(policy, obs, torch.randn(2, policy.model_horizon, policy.model_action_dim))
+    torch.testing.assert_close(chunks[0], drawn[:, :EXECUTED, :ACTION_DIM], rtol=0, atol=1e-6)
+    assert torch.equal(chunks[0], chunks[1])  # nothing but the start is random
+    assert not torch.allclose(chunks[0], chunks[2], atol=1e-3)  # a new draw, a new chunk
+    zero = euler(policy, obs, torch.zeros(2, policy.model_horizon, policy.model_action_dim))
+    assert not torch.allclose(chunks[0], zero[:, :EXECUTED, :ACTION_DIM], atol=1e-3)
+    assert policy.action_mode(True) == "noise-free flow from N(0, I)"
+    assert policy.action_mode(False) == "sampled"
+    start = pi0("lerobot_tied", family).eval()  # the default: the prior's mode, x_0 = 0
+    start.load_state_dict(policy.state_dict())
+    torch.testing.assert_close(start.act(obs, deterministic=True).actions,
+                               zero[:, :EXECUTED, :ACTION_DIM], rtol=0, atol=1e-6)
+    assert start.action_mode(True) == "deterministic"
 
 
 @pytest.mark.parametrize("family,tensors", [("pi0", 778), ("pi05", 813)])

@@ -129,9 +129,10 @@ def _parser() -> argparse.ArgumentParser:
                                "checkpoint against it, episode by episode)")
     evaluate.add_argument("--deterministic", action="store_true",
                           help="act with each policy's deterministic action (the Gaussian's "
-                               "mean, the top token, the flow from zero noise) instead of "
-                               "sampling as training does; ManiSkill's PPO baseline "
-                               "evaluates this way")
+                               "mean, the top token, the flow from zero noise, or from "
+                               "N(0, I) noise with policy.denoise_from=noise: openpi's "
+                               "sampler) instead of sampling as training does; ManiSkill's "
+                               "PPO baseline, OFT and openpi evaluate this way")
     evaluate.add_argument("--all", action="store_true",
                           help="every checkpoint the run kept, oldest first: a learning curve "
                                "on fixed initial states (keep more: learner.checkpoint_keep)")

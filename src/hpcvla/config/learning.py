@@ -80,6 +80,13 @@ class PolicyConfig:
         "the policy samples like the pretrained sampler, the pipeline records the whole "
         "denoising chain with every step (segments, ring, dumps: K x H x D floats per env "
         "and step) and scores all K transitions.", choices=("last_step", "chain"))
+    denoise_from: str = setting(
+        "zero", "`flow`: where acting without exploration noise (`hpcvla eval "
+        "--deterministic`, eval.deterministic, `demos --deterministic`) starts denoising. "
+        "`zero`: x_0 = 0, the prior's mode (one chunk per observation; what last_step RL "
+        "trains). `noise`: x_0 ~ N(0, I) drawn per chunk (seeded per evaluation batch), then "
+        "the same Euler steps with nothing added: openpi's sampler and RLinf's π0 evaluation, "
+        "what their published numbers are of.", choices=("zero", "noise"))
     init_log_std: float = setting(
         -0.7, "Initial log of the exploration std (learned): per action entry (`default`, "
         "`flow` last_step, `oft` with OFT's L1-regression head, in its normalized action "

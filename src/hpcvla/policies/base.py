@@ -93,6 +93,10 @@ class Policy(nn.Module, abc.ABC):
         draws no random numbers, so valuing leaves the sampling streams as they were)."""
         return self.act(obs, deterministic=True).value
 
+    def action_mode(self, deterministic: bool) -> str:
+        """How `act(deterministic=...)` chooses, in the words evaluations report."""
+        return "deterministic" if deterministic else "sampled"
+
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
         """Fields `sample` returns besides the action, name -> (shape per env, dtype), which
         the learner reads back as observation fields (`evaluate`, e.g. the flow family's

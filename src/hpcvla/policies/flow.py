@@ -14,14 +14,13 @@ Gaussian transition x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injecti
 ReinFlow, Flow-GRPO and πRL's flow-noise/flow-SDE do), sigma = exp(log_std) learnable per
 (h, d), clamped to [MIN_LOG_STD, MAX_LOG_STD]. Two modes decide which steps are noisy:
 
-* "last_step" (the default): x_0 = 0 (the prior's mode) and steps
-  0..K-2 are deterministic, only the last step is noisy with std sigma. x_{K-1} is then a
-  function of the observation alone, so the chunk log-prob is log N(a; mu, sigma^2) with mu
-  the last step's mean: `evaluate(obs, a)` recomputes it from the final chunk `a` only
-  (re-running the K expert passes with gradients: the K-1 deterministic steps and the last
-  step's mean). Exact, needs nothing but what
-  rollouts already record; the price is that the exploration is Gaussian around the
-  denoised mean (no multi-modal sampling from the prior during RL).
+* "last_step" (the default): x_0 = 0 (the prior's mode) and steps 0..K-2 are deterministic,
+  only the last step is noisy with std sigma. x_{K-1} is then a function of the observation
+  alone, so the chunk log-prob is log N(a; mu, sigma^2) with mu the last step's mean:
+  `evaluate(obs, a)` recomputes it from the final chunk `a` only (re-running the K expert
+  passes with gradients). Exact, needs nothing but what rollouts already record; the price
+  is that the exploration is Gaussian around the denoised mean (no multi-modal sampling
+  from the prior during RL).
 * "chain": x_0 ~ N(0, I) and every step is noisy with std sigma / sqrt(K) (an SDE with total
   injected variance sigma^2). The chunk log-prob is the sum over the K transitions of the
   Gaussian step log-probs (x_0's prior term does not depend on the weights and is left
@@ -37,9 +36,10 @@ normalization are policies/processor.py's, so `act` then returns the env's units
 `evaluate` maps recorded actions back to the model's space before scoring.
 
 In both modes `act` returns `actions` = x_K, the executed chunk (unclipped: the env clips),
-logprob = sum over (h, d) of the per-token terms, and `deterministic=True` gives x_0 = 0
-with no noise (the same chunk in both modes). Entropy: of the noisy step(s)' Gaussians,
-per token (the chain's is the sum of its steps' conditional entropies).
+logprob = sum over (h, d) of the per-token terms; `deterministic=True` adds no noise, from
+x_0 = 0 (the same chunk in both modes) or, `denoise_from="noise"`, x_0 ~ N(0, I) (openpi's
+sampler). Entropy: of the noisy step(s)' Gaussians, per token (the chain's is the sum of
+its steps' conditional entropies).
 
 π0.5 (`variant="pi05"`): the expert is conditioned on the flow time through adaptive RMS norms
 (policies/adarms.py) fed by `time_mlp_out(silu(time_mlp_in(sinusoidal(t))))` (then silu),
@@ -85,6 +85,7 @@ from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, b
 
 MIN_LOG_STD, MAX_LOG_STD = -5.0, 2.0
 LOGPROB_MODES = ("last_step", "chain")
+DENOISE_FROM = ("zero", "noise")
 VARIANTS = ("pi0", "pi05")
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 DEFAULT_DENOISE_STEPS = 4  # Euler steps when neither the config nor a folder says
@@ -96,6 +97,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
     Args (beyond the Policy ones):
         size: "tiny" | "small" | "full" (vla.SIZES) or a resolved dict of configs.
         denoise_steps: K, Euler steps per chunk (π0 uses 10; RL fine-tuning uses fewer).
+        denoise_from: "zero" | "noise", x_0 of deterministic acting (policy.denoise_from).
         logprob_mode: "last_step" or "chain" (module docstring).
         train_expert_only: freeze the vision-language prefix.
         logprob_granularity: "chunk" | "action" | "token", the shape evaluate returns.
@@ -113,24 +115,26 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
     config_fields = FAMILIES["flow"].settings
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
-                 denoise_steps: int = DEFAULT_DENOISE_STEPS, logprob_mode: str = "last_step",
-                 train_expert_only: bool = False, logprob_granularity: str = "chunk",
-                 init_log_std: float = -0.7, dtype: str = "auto", model_dims: dict | None = None,
-                 variant: str = "pi0", hidden: int = 128, soft_critics: bool = False,
-                 critic_layer_norm: bool = False, init_temperature: float = 1.0,
-                 noise_bound: float = 1.0, noise_obs: tuple[str, ...] = ()):
+                 denoise_steps: int = DEFAULT_DENOISE_STEPS, denoise_from: str = "zero",
+                 logprob_mode: str = "last_step", train_expert_only: bool = False,
+                 logprob_granularity: str = "chunk", init_log_std: float = -0.7,
+                 dtype: str = "auto", model_dims: dict | None = None, variant: str = "pi0",
+                 hidden: int = 128, soft_critics: bool = False, critic_layer_norm: bool = False,
+                 init_temperature: float = 1.0, noise_bound: float = 1.0,
+                 noise_obs: tuple[str, ...] = ()):
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"flow variant {variant!r}: expected one of {VARIANTS}")
-        if logprob_mode not in LOGPROB_MODES:
-            raise ValueError(f"logprob_mode {logprob_mode!r}: expected one of {LOGPROB_MODES}")
+        for name, value, choices in (("variant", variant, VARIANTS),
+                                     ("logprob_mode", logprob_mode, LOGPROB_MODES),
+                                     ("denoise_from", denoise_from, DENOISE_FROM)):
+            if value not in choices:
+                raise ValueError(f"flow {name} {value!r}: expected one of {choices}")
         if denoise_steps < 1:
             raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
         parts = resolve_size("flow", size, obs_spec, vocab_size)
         dims = self._model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode)
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
-                    dict(size=parts, denoise_steps=denoise_steps, logprob_mode=logprob_mode,
-                         train_expert_only=train_expert_only,
+                    dict(size=parts, denoise_steps=denoise_steps, denoise_from=denoise_from,
+                         logprob_mode=logprob_mode, train_expert_only=train_expert_only,
                          logprob_granularity=logprob_granularity, init_log_std=init_log_std,
                          dtype=dtype, model_dims=dims, variant=variant, hidden=hidden,
                          soft_critics=soft_critics, critic_layer_norm=critic_layer_norm,
@@ -140,6 +144,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         self.model_horizon, self.model_action_dim = dims["horizon"], dims["action_dim"]
         self.model_state_dim = dims["state_dim"]
         self.denoise_steps, self.logprob_mode = int(denoise_steps), logprob_mode
+        self.denoise_from = denoise_from
         self.train_expert_only = bool(train_expert_only)
         self.checkpoint_passes = False  # enable_gradient_checkpointing
 
@@ -206,6 +211,10 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
             return {}
         return {"flow_chain": ((self.denoise_steps, self.model_horizon, self.model_action_dim),
                                "<f4")}
+
+    def action_mode(self, deterministic: bool) -> str:
+        noise = deterministic and self.denoise_from == "noise" and not self.steered
+        return "noise-free flow from N(0, I)" if noise else super().action_mode(deterministic)
 
     def sample(self, obs, deterministic: bool = False):
         """VLAPolicy's; steered (DSRL), the noise actor's chunk (policies/noise_actor.py)."""
@@ -348,7 +357,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
         if x0 is not None:
             x = x0.to(x)
-        elif self.logprob_mode == "chain" and not deterministic:
+        elif self.denoise_from == "noise" if deterministic else self.logprob_mode == "chain":
             x = torch.randn_like(x)
         chain, terms, state_out = [], torch.zeros(B, H, D, device=pad.device), None
         for k, t in enumerate(self._times(B, pad.device)):

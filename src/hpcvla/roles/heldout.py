@@ -130,7 +130,7 @@ class HeldOut:
         outcomes, ids = [e.success for e in kept], self.ids
         return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
                 "states": self.env.evaluation_kind,
-                "actions": "deterministic" if deterministic else "sampled",
+                "actions": self.policy.action_mode(deterministic),
                 "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
                 "success_ci95": _wilson(outcomes),
                 "mean_return": float(np.mean([e.ret for e in kept])),
