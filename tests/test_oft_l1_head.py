@@ -145,18 +145,32 @@ def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
     with pytest.raises(ConfigError, match="proprio projector .* says it was fine-tuned with "
                                           "the proprio token.*env.state=true"):
         config(l1_folder, **{**OFFICIAL_PROPRIO, "env.state": "false"})
-    # OFT's fine-tunes on random crops (its run names say image_aug) need its centre crop
+    # OFT's fine-tunes on random crops (its run names say image_aug) need its centre crop:
+    # the folder's by default, refused where the config says none
     augmented = tmp_path / "openvla-7b+libero_spatial_no_noops+b16--image_aug--100"
     augmented.symlink_to(l1_folder)
-    with pytest.raises(ConfigError, match="policy.center_crop = 1.0: expected 0.9: .* "
-                                          "random 90 % crops"):
-        config(augmented, **OFFICIAL_PROPRIO)
+    with pytest.raises(ConfigError, match=r"policy.center_crop = 1.0: expected 0.9 \(or 0: "
+                                          r"the folder's\): .* random 90 % crops"):
+        config(augmented, **OFFICIAL_PROPRIO, **{"policy.center_crop": 1})
     config(augmented, **OFFICIAL_PROPRIO, **{"policy.center_crop": 0.9})
+    config(augmented, **OFFICIAL_PROPRIO)
     film = tmp_path / "film"  # OFT's use_film saves the whole vision backbone apart
     shutil.copytree(l1_folder, film)
     (film / "vision_backbone--100_checkpoint.pt").write_bytes(b"")
     with pytest.raises(ConfigError, match="FiLM"):
         config(film, **OFFICIAL_PROPRIO)
+
+
+def test_a_published_l1_folder_sees_ofts_centre_crop_unless_the_config_says(io, l1_folder):
+    """OFT's L1 fine-tunes (its LIBERO checkpoints: random crops in training, the centre crop
+    in its evaluation) act on the 0.9 crop where policy.center_crop leaves it to the folder;
+    a token-head folder (RLinf's) on the whole image; a value the config gives wins."""
+    spec = env_obs(io, wrist=True, state=True)[1]
+    crops = [build_policy(config(folder, **OFFICIAL_PROPRIO, **crop), spec).center_crop
+             for folder, crop in ((l1_folder, {}), (l1_folder, {"policy.center_crop": 1}),
+                                  (l1_folder, {"policy.center_crop": 0.8}))]
+    assert crops == [0.9, 1.0, 0.8]
+    assert build_policy(config(FIXTURES / "checkpoint"), env_obs(io)[1]).center_crop == 1.0
 
 
 def test_the_head_is_a_setting_without_a_folder_and_the_folders_own_with_one(l1_folder,

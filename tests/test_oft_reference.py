@@ -155,16 +155,18 @@ def test_centre_crop_is_a_setting_the_policy_reads(io, tmp_path):
         pixels = pixel_values([obs["image"]], policy.vision_backbone.image_size, 0.9)
         torch.testing.assert_close(policy._prefix(obs), policy.projector(
             policy.vision_backbone(pixels)), rtol=0, atol=0)
-    for bad in ("0", "1.5"):
+    for bad in ("-0.1", "1.5"):
         with pytest.raises(ConfigError, match="policy.center_crop"):
             config("", **{"policy.center_crop": bad})
-    # a folder it saves (an `hpcvla sft` policy/) was trained on the crop: a config that
-    # reads it without the crop is refused (was: taken, the images uncropped)
+    assert build_policy(config(""), spec).center_crop == 1.0  # no folder, none set: no crop
+    # a folder it saves (an `hpcvla sft` policy/) was trained on the crop: the config leaves
+    # it to the folder (0) or says the same; one that reads it without the crop is refused
     from hpcvla.policies import save_pretrained
     saved = save_pretrained(policy, tmp_path / "policy")
     config(saved, **{"policy.center_crop": 0.9})
+    assert build_policy(config(saved), spec).center_crop == 0.9
     with pytest.raises(ConfigError, match="policy.center_crop = 1.0: expected 0.9, what"):
-        config(saved)
+        config(saved, **{"policy.center_crop": 1})
 
 
 def test_rlinf_logits_values_and_greedy_actions(io, rl):
@@ -231,7 +233,7 @@ def test_sft_cross_entropy_is_of_the_logits_as_they_are(io):
 
 def without_proprio(folder: Path) -> Path:
     """The fixture checkpoint as one fine-tuned without the proprio token (no projector file:
-    with one, OFT's sequence must read the state, oft_checkpoint.recipe_problems)."""
+    with one, OFT's sequence must read the state, oft_recipe.recipe_problems)."""
     for file in CHECKPOINT.iterdir():
         if "proprio_projector" not in file.name:
             (folder / file.name).symlink_to(file)

@@ -19,6 +19,11 @@ from hpcvla.policies.folders import checkpoint_kwargs, load_weights, rl_only_nam
 from hpcvla.policies.lora import add_lora
 
 
+# The settings whose 0 (their default) means the pretrained folder's, which any other value
+# overrides, and their value where no folder says: π0's sampler steps, OFT's evaluation crop
+FOLDERS_OR = {"denoise_steps": DEFAULT_DENOISE_STEPS, "center_crop": 1.0}
+
+
 def constructor_kwargs(cfg, on_gpus: bool) -> dict:
     """The configured policy's constructor arguments: its config section's, then what a
     pretrained folder fixes (e.g. π0's variant, padded action/state dims and horizon), and the
@@ -26,11 +31,11 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
     kwargs = policy_kwargs(cfg.policy.name, cfg.policy)
     if cfg.policy.pretrained:
         found = checkpoint_kwargs(POLICIES[cfg.policy.name], cfg.policy.pretrained)
-        if kwargs.get("denoise_steps"):  # chosen in the config: it wins over the folder's
-            found.pop("denoise_steps", None)
-        kwargs.update(found)
-    if kwargs.get("denoise_steps") == 0:  # no folder's sampler to follow
-        kwargs["denoise_steps"] = DEFAULT_DENOISE_STEPS
+        kwargs.update({name: value for name, value in found.items()
+                       if not (name in FOLDERS_OR and kwargs.get(name))})  # the config's wins
+    for name, value in FOLDERS_OR.items():
+        if kwargs.get(name) == 0:  # no folder says
+            kwargs[name] = value
     if cfg.algorithm.off_policy:  # SAC's critics and squashed actor (policies/soft_critics.py)
         kwargs.update(soft_critics=True, critic_layer_norm=cfg.algorithm.critic_layer_norm or
                       cfg.algorithm.name == "rlpd",

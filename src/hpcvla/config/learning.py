@@ -187,15 +187,17 @@ class PolicyConfig:
         "positions skip it, so it changes only shapes: more costs compute, fewer varies "
         "them.", ge=1)
     center_crop: float = setting(
-        1.0, "`oft`: the area fraction of OFT's centre crop (`--center_crop True` of its "
+        0.0, "`oft`: the area fraction of OFT's centre crop (`--center_crop True` of its "
         "LIBERO evaluation: 0.9): every camera image, resized to the towers' size, is "
         "replaced by its centred square box of that area resampled back to full size "
         "(bilinear, as OFT's tf.image.crop_and_resize), wherever the policy reads images: "
         "acting, the learner's scoring, evaluation and `hpcvla sft` alike (so PPO ratios "
         "compare the images actions were drawn from; no random crops). 0.9 for OFT's own "
         "LIBERO fine-tunes (trained on random 90 % crops); 1: no crop (RLinf's LIBERO OFT "
-        "checkpoints and configs).",
-        ge=0.01, le=1.0)
+        "checkpoints and configs). 0: the `pretrained` folder's: 0.9 where OFT's L1 action "
+        "head or an `--image_aug` name says it was trained on crops, else 1 (a folder hpcvla "
+        "wrote: the crop it recorded); 1 without a folder.",
+        ge=0.0, le=1.0)
 
 
 @dataclass

@@ -151,6 +151,7 @@ def is_hpcvla_folder(folder) -> bool:
 
 
 # How a folder hpcvla wrote was trained to see its inputs: a config must not say otherwise
+# (it may leave it to the folder: 0, factory.FOLDERS_OR)
 FIXED_BY_FOLDER = ("center_crop",)
 
 
@@ -166,7 +167,7 @@ def own_folder_problems(policy_cfg, folder) -> list[tuple[str, object, str]]:
         if getattr(policy_cfg, name) != unset]
     return problems + [(f"policy.{name}", getattr(policy_cfg, name), f"{saved[name]!r}, what "
                         f"{folder} was trained with") for name in FIXED_BY_FOLDER
-                       if name in saved and saved[name] != getattr(policy_cfg, name)]
+                       if name in saved and getattr(policy_cfg, name) not in (0, saved[name])]
 
 
 def checkpoint_kwargs(policy_cls, path) -> dict:

@@ -139,8 +139,8 @@ class OFTPolicy(VLAPolicy):
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
         """OFT's folder: its config, statistics and tokenizer, and whether the configured env
-        and policy run it as it was trained (oft_checkpoint.check_folder)."""
-        from hpcvla.policies.oft_checkpoint import check_folder
+        and policy run it as it was trained (oft_recipe.check_folder)."""
+        from hpcvla.policies.oft_recipe import check_folder
         return check_folder(folder, policy_cfg, env_cfg)
 
     @classmethod
@@ -230,10 +230,12 @@ class OFTPolicy(VLAPolicy):
     # ------------------------------------------------------------------ checkpoint folders
     @classmethod
     def folder_kwargs(cls, folder) -> dict:
-        """A published folder's sizes (from its tensors), whether it has a proprio projector
-        and which action head; an hpcvla folder's recorded ones."""
+        """A published folder's sizes (from its tensors), whether it has a proprio projector,
+        which action head and the centre crop it was trained for; an hpcvla folder's recorded
+        ones."""
         from hpcvla.policies.oft_checkpoint import folder_dims, head_file, proprio_file, \
             read_config
+        from hpcvla.policies.oft_recipe import trained_crop
 
         config = read_config(folder)
         if "hpcvla_policy" in config:
@@ -242,9 +244,11 @@ class OFTPolicy(VLAPolicy):
                                  f"not an {cls.family} one")
             kwargs = config["kwargs"]
             return {"size": kwargs["size"], "use_proprio": kwargs.get("use_proprio", True),
-                    "action_head": kwargs.get("action_head", "tokens")}
+                    "action_head": kwargs.get("action_head", "tokens"),
+                    "center_crop": kwargs.get("center_crop", 1.0)}
         return {"size": folder_dims(folder), "use_proprio": proprio_file(folder) is not None,
-                "action_head": "l1" if head_file(folder) is not None else "tokens"}
+                "action_head": "l1" if head_file(folder) is not None else "tokens",
+                "center_crop": trained_crop(folder)}
 
     def load_published(self, folder) -> list[str]:
         from hpcvla.policies.oft_checkpoint import load_published
