@@ -1,6 +1,7 @@
 """The exchange's doorbells (transport/doorbell.py): a ring ends a wait at once, rings pile up
 into one wake-up, and a bell nobody rings sleeps its whole time."""
 
+import errno
 import json
 import subprocess
 import time
@@ -30,6 +31,29 @@ def test_a_ring_ends_the_wait_at_once_and_many_rings_are_one_wake_up():
         start = time.monotonic()
         assert client.wait(5.0) < 0.5 and time.monotonic() - start < 0.5
         assert client.wait(0.05) >= 0.05  # the one wake-up took every ring
+    finally:
+        server.close(), client.close()
+
+
+def test_a_ring_the_kernel_refuses_is_said_once_and_does_not_end_the_rank(capsys):
+    """A ring is a hint: ENOBUFS (or a security module's denial) on its send leaves the peer
+    to wake at its next poll; the ringing rank says so once and goes on."""
+    class Refusing:
+        def send(self, data):
+            raise OSError(errno.ENOBUFS, "No buffer space available")
+
+        def close(self):
+            pass
+
+    server, client = _bells(2)
+    server.reach([1])
+    server._bells[1].close()
+    server._bells[1] = Refusing()
+    try:
+        server.ring(1)
+        server.ring(1)
+        said = capsys.readouterr().err
+        assert said.count("could not ring rank 1") == 1 and "No buffer space" in said
     finally:
         server.close(), client.close()
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import select
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterable
@@ -30,7 +31,7 @@ class Doorbell:
     """Rank `rank`'s bell among those named by `token` (`on`: a communicator's)."""
 
     def __init__(self, token: str, rank: int):
-        self._token = token
+        self._token, self._rank, self._warned = token, rank, False
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.bind(self._name(rank))
         self._socket.setblocking(False)
@@ -71,13 +72,22 @@ class Doorbell:
                 raise ConnectionRefusedError(f"rank {peer}") from None
 
     def ring(self, peer: int) -> None:
-        """Wake `peer` (a rank given as a peer); a peer that has gone is not woken."""
+        """Wake `peer` (a rank given as a peer); a peer that has gone is not woken. A ring is
+        a hint (the polled flags are the truth, a waiter's sleep is capped), so one the kernel
+        refuses (ENOBUFS, a security module) costs the peer a later wake-up, said once, and
+        never the rank."""
         try:
             self._bells[peer].send(b"\0")
         except BlockingIOError:  # rings to it unread: it has them to wake it
             pass
         except ConnectionRefusedError:  # it has closed its bell (its rank ended)
             pass
+        except OSError as err:
+            if not self._warned:
+                self._warned = True
+                print(f"hpcvla doorbell: rank {self._rank} could not ring rank {peer} ({err}); "
+                      "a peer not rung wakes at its next poll (its back-off cap)",
+                      file=sys.stderr, flush=True)
 
     def wait(self, seconds: float) -> float:
         """Sleep until rung or `seconds` have passed; the seconds slept."""
