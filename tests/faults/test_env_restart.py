@@ -51,13 +51,20 @@ def test_isolated_env_steps_exactly_like_the_inline_one():
     assert isolated._proc.poll() is not None  # the worker is gone after close
 
 
-def test_close_all_ends_every_worker_with_status_0():
+def test_close_all_ends_every_worker_with_status_0_and_its_cpu_is_the_ranks():
     """The shards of a rank are told to close together; each worker closes its env and ends
-    (status 0: not killed by the rank's wait running out)."""
+    (status 0: not killed by the rank's wait running out). Once closed, the workers' CPU
+    (their start and steps, while the rank waited) counts in the rank's (summary's cpu_s)."""
+    from hpcvla.process.worker import cpu_seconds
+    before, own = cpu_seconds(), time.process_time()
     envs = [IsolatedEnv("reach", 2, seed, REACH, timeout_s=30, max_restarts=0,
                         first_env=2 * seed) for seed in range(2)]
+    for env in envs:
+        env.reset()
     close_all(envs)
     assert [env._proc.returncode for env in envs] == [0, 0]
+    workers = (cpu_seconds() - before) - (time.process_time() - own)
+    assert workers > 0.2, workers  # two Python starts importing numpy, at the least
 
 
 @pytest.mark.parametrize("fault,why", [

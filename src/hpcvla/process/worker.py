@@ -16,10 +16,12 @@ which are its rank's to handle (a checkpoint, then an orderly close of its worke
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
 import sys
+import time
 from multiprocessing.connection import Connection
 
 MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")
@@ -35,6 +37,14 @@ def start(module: str, *args: str) -> tuple[subprocess.Popen, Connection]:
                                 str(os.getpid()), *args], pass_fds=[child.fileno()], env=env)
     child.close()
     return process, Connection(parent.detach())
+
+
+def cpu_seconds() -> float:
+    """CPU seconds (user and system, every thread) of this process and of the helper
+    processes it has reaped: an env worker or dump writer counts once it is closed (or
+    killed and waited for)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
 
 
 def exit_status(process: subprocess.Popen) -> str:

@@ -58,8 +58,8 @@ class RankSummary:
     # what follows it (the dump writer's backlog, the teardown, waiting for the others)
     active_s: float = 0.0
     preempted: bool = False
-    # the process's CPU seconds (every thread, user and system; not its env workers' or dump
-    # writer's) in wall_s: beside busy_s, what its waits cost (polling is CPU, not busy)
+    # the process's CPU seconds in wall_s (every thread, user and system, and its env workers'
+    # and dump writer's, reaped before the report): beside busy_s, what its waits cost
     cpu_s: float = 0.0
     phases_s: dict[str, float] = field(default_factory=dict)
     peak_memory: dict[str, int] = field(default_factory=dict)

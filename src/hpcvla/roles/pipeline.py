@@ -34,6 +34,7 @@ from hpcvla.envs.base import close_all
 from hpcvla.envs.build import env_failures
 from hpcvla.metrics import phases
 from hpcvla.process import preempt
+from hpcvla.process.worker import cpu_seconds
 from hpcvla.process.watchdog import reminding, step_deadline_s
 from hpcvla.roles.outputs import write_report
 from hpcvla.roles.prologue import Links, Rank, connect, prologue, runs_policy, start_clock
@@ -100,7 +101,7 @@ def _spare_rank(me: Rank, links: Links) -> tuple[float, Counters]:
 def _epilogue(me: Rank, start: float) -> Counters:
     summary = me.summary
     summary.wall_s = time.monotonic() - start
-    summary.cpu_s = time.process_time() - me.cpu_at_start
+    summary.cpu_s = cpu_seconds() - me.cpu_at_start
     began = me.timeline.now() - summary.wall_s  # all_ranks_ready on the timeline's clock
     summary.active_s = min(summary.wall_s, max(
         0.0, max(me.timeline.last_end.values(), default=began) - began))

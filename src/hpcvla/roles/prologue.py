@@ -39,6 +39,7 @@ from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.process.deathwatch import Refused
+from hpcvla.process.worker import cpu_seconds
 from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
 from hpcvla.roles.setup import RoleSetup
 from hpcvla.roles.simulator import build_shards, slot_dtypes
@@ -309,5 +310,5 @@ def start_clock(me: Rank) -> float:
     """Every rank set up (a real simulator takes seconds per env): the clocks start together."""
     idle_barrier(me.comms.world)  # [dist]
     phases.mark("all_ranks_ready")
-    me.cpu_at_start = time.process_time()
+    me.cpu_at_start = cpu_seconds()
     return time.monotonic()
