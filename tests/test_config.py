@@ -118,6 +118,8 @@ def test_a_resume_records_its_config_and_names_what_it_changed(tmp_path, monkeyp
      "PPO's critic warms up by versions: algorithm.critic_warmup_versions"),
     (["algorithm.name=sac", "algorithm.lr_warmup_versions=3"], "algorithm.lr_warmup_versions",
      "0 with algorithm.name=sac (PPO's and GRPO's"),
+    (["algorithm.name=sac", "algorithm.weight_decay=0.01"], "algorithm.weight_decay",
+     "0 with algorithm.name=sac (its temperature, a trained parameter, would decay to 1)"),
     # hpcvla sft's learning-rate schedule
     (["sft.steps=100", "sft.warmup_steps=100"], "sft.warmup_steps", "below sft.steps (100)"),
     (["sft.final_lr=1e-5"], "sft.final_lr", "0 unless sft.schedule=cosine"),

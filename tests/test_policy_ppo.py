@@ -439,12 +439,14 @@ def test_critic_warmup_versions_move_the_critic_alone(engine):
     """algorithm.critic_warmup_versions on two learners (DeepSpeed ZeRO-1, the OFT recipe's
     stage, ZeRO-3, which steps sub-groups, or Horovod): through the learner's own `learn`,
     the warm-up versions change only `value_*` tensors and leave the actor's Adam state
-    unspent, the next one moves the actor too, and the learners stay identical."""
+    unspent (with weight decay on: the decay spares it too), the next one moves the actor
+    too, and the learners stay identical; the optimizer has the algorithm's AdamW settings."""
     from helpers import MPI_DIR, hpcvla
 
     out = hpcvla("launch", "-n", 2, "--timeout", 240, "--", MPI_DIR / "critic_warmup.py",
                  "configs/colocated.yaml", "algorithm.critic_warmup_versions=2", *engine,
-                 "learner.epochs=2", "algorithm.critic_epochs=1",
+                 "learner.epochs=2", "algorithm.critic_epochs=1", "algorithm.adam_beta2=0.95",
+                 "algorithm.adam_eps=1e-8", "algorithm.weight_decay=0.01",
                  "env.image_size=32", "learner.micro_batch=8", "learner.micro_batches=1",
                  "rollout.segment_len=4", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -464,7 +464,7 @@ def test_every_size_the_config_offers_is_a_preset_of_each_vla_family(family):
     """Each choice of policy.size builds (counted on the meta device), each larger than the
     one before: a size the config accepts cannot fail only once the ranks have started."""
     from dataclasses import fields
-    from hpcvla.config.learning import PolicyConfig
+    from hpcvla.config.policy import PolicyConfig
     from hpcvla.policies.registry import count_preset_parameters
     (size,) = [f for f in fields(PolicyConfig) if f.name == "size"]
     counts = [count_preset_parameters(family, choice, SPEC, ACTION_DIM, CHUNK, VOCAB)

@@ -2,7 +2,8 @@
 (algorithm.critic_warmup_versions) through the learner's own version step `learn` on the real
 engine (DeepSpeed or Horovod, `learner.backend`). A warm-up version moves the critic
 (`value_*`) and nothing else, on every learner alike, and leaves the actor's optimizer state
-unspent (its step count 0); the first version after it moves the actor too.
+unspent (its step count 0), its weight decay too; the first version after it moves the actor
+too. The optimizer is AdamW with the algorithm's beta2, epsilon and weight decay.
 
     mpiexec -n 2 python -m mpi4py tests/mpi/critic_warmup.py CONFIG [key=value ...]
 """
@@ -13,7 +14,7 @@ import numpy as np
 import torch.distributed
 from mpi4py import MPI
 
-from hpcvla.checkpoint.optimizer_state import fragments
+from hpcvla.checkpoint.optimizer_state import base_optimizer, fragments
 from hpcvla.config import load_config
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import make_env
@@ -29,6 +30,10 @@ def main(cfg, plan, comms):
     rank = comms.learners.Get_rank()
     spec = make_env("reach", 1, seed=0, image_size=cfg.env.image_size).spec
     engine = init_engine(cfg, build_policy(cfg, spec), comms.learners)
+    alg = cfg.algorithm
+    with base_optimizer(engine) as optimizer:  # the algorithm's AdamW settings, every group
+        assert {(tuple(g["betas"]), g["eps"], g["weight_decay"]) for g in optimizer.param_groups
+                } == {((0.9, alg.adam_beta2), alg.adam_eps, alg.weight_decay)}
     group = dict(segments(cfg, build_policy(cfg, spec), seed=rank), version=np.zeros(1, int))
     timeline = Timeline(None, rank, "learner")
     progress = Progress(None, cfg.pipeline.total_updates, spec.chunk_len, 1e9, enabled=False)

@@ -3,8 +3,7 @@
 A section is a dataclass; a setting is a field declared with `setting(...)`, whose `doc` says
 what the value means and what raising or lowering it costs (the style of Sample Factory's
 flags). `hpcvla config --doc` prints every setting's documentation, one block per setting.
-The policy and algorithm sections live in config/learning.py, the evaluation's in
-config/evaluation.py.
+Sections of their own: config/policy.py, learning.py (algorithm), evaluation.py, imitation.py.
 
 Fields are checked by `hpcvla.config.loader`: types from the annotations, `choices`, and the
 numeric bounds `ge`/`le`; then the checks that involve several fields (config/checks.py).
@@ -17,7 +16,8 @@ from dataclasses import dataclass, field
 from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS, SIMULATORS
 from hpcvla.config.evaluation import EvalConfig
 from hpcvla.config.imitation import SFTConfig
-from hpcvla.config.learning import AlgorithmConfig, PolicyConfig, setting
+from hpcvla.config.learning import AlgorithmConfig, setting
+from hpcvla.config.policy import PolicyConfig
 from hpcvla.schedule import MODES
 
 

@@ -107,7 +107,9 @@ def adamw(cfg, policy) -> torch.optim.AdamW:
     under learner.offload_optimizer, where it steps the host's fp32 state (torch's fused CPU
     kernel: DeepSpeedCPUAdam would be as fast, but its bias correction, kept incrementally,
     differs in the last bits after a resume, which then is not exact)."""
-    return torch.optim.AdamW(param_groups(policy, cfg.algorithm), eps=1e-5, weight_decay=0.0,
+    alg = cfg.algorithm
+    return torch.optim.AdamW(param_groups(policy, alg), betas=(0.9, alg.adam_beta2),
+                             eps=alg.adam_eps, weight_decay=alg.weight_decay,
                              fused=policy.device.type == "cuda" or cfg.learner.offload_optimizer)
 
 
