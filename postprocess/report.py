@@ -130,6 +130,14 @@ def bench_table(bench: dict) -> str:
     return "\n".join(lines)
 
 
+def settled(records: list[dict], least: int = 20) -> list[dict]:
+    """The rolling-success records from the first whose window holds `least` episodes (or
+    as many as it ever held): a rate of the first one or two episodes is noise a chart would
+    draw as the curve's start."""
+    full = min(least, max((m.get("episodes") or 0 for m in records), default=0))
+    return [m for m in records if (m.get("episodes") or 0) >= full]
+
+
 def busy_table(run: dict) -> str:
     rows = ["| role:stage | busy fraction |", "|---|---|"]
     rows += [f"| {k} | {v:.3f} |" for k, v in run["summary"]["busy_fraction"].items()]
@@ -241,8 +249,8 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
             md += [f"### {run['name']}", "", f"![timeline](timeline-{run['name']}.png)", "",
                    f"![timeline zoom](timeline-{run['name']}-zoom.png)", "", busy_table(run),
                    ""]
-        ended = [[m for m in r["metrics"] if m.get("success_rate") is not None]  # an episode
-                 for r in runs]  # had ended
+        ended = [settled([m for m in r["metrics"] if m.get("success_rate") is not None])
+                 for r in runs]  # an episode had ended
         curves = {n: ([m["trained_env_steps"] for m in records],
                       [m["success_rate"] for m in records]) for n, records in zip(names, ended)}
         curves.update({f"{n} (hpcvla eval)": ([e["trained_env_steps"] for e in r["evals"]],

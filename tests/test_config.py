@@ -216,7 +216,7 @@ def test_every_setting_is_documented():
 
 
 def test_config_doc_gives_a_configs_values_beside_the_defaults(capsys):
-    """`hpcvla config --doc` lists every setting; with a config (or overrides), each value
+    """`hpcvla config --doc` lists every setting (or a section's, or one); with a config (or overrides), each value
     there that is not the default; a config that cannot be read is refused, not ignored."""
     from hpcvla.cli import main
     assert main(["config", "--doc"]) == 0
@@ -228,6 +228,30 @@ def test_config_doc_gives_a_configs_values_beside_the_defaults(capsys):
     assert "run.seed  (int, default 0, here 5)" in text
     assert "learner.zero_stage  (int, default 1)\n" in text  # the same there
     assert main(["config", "configs/nonexistent.yaml", "--doc"]) == 2
+    capsys.readouterr()
+    # a section's settings, or one setting; a name that is neither is refused with a hint
+    assert main(["config", "--doc", "learner"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines() if "  (" in line]
+    assert names and all(n.startswith("learner.") for n in names), names
+    assert main(["config", "configs/reach_flow.yaml", "--doc", "pipeline.total_updates"]) == 0
+    assert capsys.readouterr().out.startswith("pipeline.total_updates  (int, default 500, "
+                                              "here 300)\n")
+    assert main(["config", "--doc", "learnr"]) == 2
+    assert "--doc = 'learnr': expected a section or a setting (did you mean `learner`?)" in \
+        capsys.readouterr().err
+
+
+def test_a_files_override_style_keys_get_the_nesting_they_need(tmp_path):
+    """`run.name: x` and `env: reach` in a YAML file (the command line's style, or a section
+    named by its value) are refused with the nested form that is meant."""
+    for text, said in (("run.name: x\n", "run.name = 'x': expected no such setting (in a file, "
+                        "nest it: `run: {name: ...}`)"),
+                       ("env: reach\n", "env = 'reach': expected a mapping (did you mean "
+                        "`env: {name: reach}`?)")):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(ConfigError) as refused:
+            load_config(tmp_path / "c.yaml")
+        assert said in str(refused.value)
 
 
 # A value of any YAML-ish type for any known field: either a valid Config or a ConfigError

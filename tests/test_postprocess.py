@@ -14,7 +14,7 @@ from hpcvla.metrics.charts import STAGE_COLORS, stage_color
 from helpers import ROOT, hpcvla, reach_demos
 
 sys.path.insert(0, str(ROOT / "postprocess"))  # postprocess/report.py is a script, not a package
-from report import lanes_of, load_run  # noqa: E402
+from report import lanes_of, load_run, settled  # noqa: E402
 
 
 def read_png(path) -> np.ndarray:
@@ -160,3 +160,14 @@ def test_a_resumed_starts_records_replace_the_versions_it_trained_again():
     kept = standing_records(timed + again)
     assert [(r["update"], r["start"]) for r in kept] == [(1, 1), (2, 1), (3, 3), (4, 3),
                                                          (5, 3)]
+
+
+def test_the_success_curve_starts_once_its_window_holds_episodes():
+    """The first rolling-success records rate one or two episodes (1.0 or 0.0): the chart
+    starts at the first whose window holds 20, or as many as the run ever held."""
+    records = [{"episodes": n, "success_rate": 1.0 if n < 3 else 0.1} for n in (1, 2, 19, 20, 200)]
+    assert [m["episodes"] for m in settled(records)] == [20, 200]
+    short = [{"episodes": n, "success_rate": 0.5} for n in (1, 3, 5)]  # a run of 5 episodes
+    assert [m["episodes"] for m in settled(short)] == [5]
+    assert settled([]) == []
+

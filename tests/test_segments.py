@@ -135,37 +135,55 @@ def test_a_killed_worlds_topology_file_is_removed_and_a_running_worlds_kept():
     try:
         assert world.stdout.readline() == "ready\n"  # both ranks passed the barrier
         topology = _proxy_file(world.pid)
-        assert topology not in segments.remove_orphans(segments.segments())  # held open
+        # Hydra starts its proxy and each rank in a session of their own: the world's
+        # processes are mpiexec's descendants, not its process group
+        processes = [world.pid, *_descendants(world.pid)]
+        created = _mapped_by(processes)  # this world's segments: other tests' worlds run beside
+        assert created and topology not in segments.remove_orphans(segments.segments())
         with open(topology):  # so that no neighbouring test's cleanup takes it meanwhile
-            os.killpg(world.pid, signal.SIGKILL)  # mpiexec, its proxy and the ranks
+            for pid in processes:  # as Slurm kills a job's processes: every one of them
+                os.kill(pid, signal.SIGKILL)
             world.wait(timeout=60)
             assert topology.exists()  # the proxy left it
     finally:
         if world.poll() is None:
-            os.killpg(world.pid, signal.SIGKILL)
+            world.kill()
             world.wait()
-    _wait_gone(world.pid)  # the ranks too (mpiexec's exit does not wait for them): a rank
-    # still exiting maps the world's segment, which would then outlive the cleanup
-    segments.remove_orphans(before)  # the killed world's segment too
-    assert not topology.exists() and not segments.orphans(before)
+    _wait_gone(processes)  # a rank still exiting maps the world's segment, which would then
+    # outlive the cleanup (mpiexec's exit does not wait for its ranks)
+    removed = segments.remove_orphans(before)  # the killed world's segment too
+    assert not topology.exists() and created <= removed
+    assert not any(path.exists() for path in created)
 
 
-def _wait_gone(group: int, timeout_s: float = 30.0) -> None:
-    """Until no live process (a zombie maps nothing) is left in process group `group`."""
+def _mapped_by(pids: list[int]) -> set[Path]:
+    """The MPICH segments processes `pids` map."""
+    mapped = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        mapped.update(Path(line.split()[-1]) for line in maps if "/dev/shm/mpich_" in line)
+    return mapped
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 30.0) -> None:
+    """Until none of `pids` is a live process (a zombie maps nothing)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         live = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:  # pid (comm) state ppid pgrp ...: after the comm's closing parenthesis
-                state, _, pgrp = stat.read_text().rsplit(")", 1)[1].split()[:3]
-            except (OSError, IndexError, ValueError):
+        for pid in pids:
+            try:  # pid (comm) state ...: after the comm's closing parenthesis
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
                 continue
-            if int(pgrp) == group and state != "Z":
-                live.append(stat.parent.name)
+            if state != "Z":
+                live.append(pid)
         if not live:
             return
         time.sleep(0.1)
-    raise AssertionError(f"process group {group} still has live processes after {timeout_s} s")
+    raise AssertionError(f"processes {live} still live after {timeout_s} s")
 
 
 def _proxy_file(mpiexec_pid: int, timeout_s: float = 60.0) -> Path:

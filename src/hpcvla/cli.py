@@ -6,7 +6,8 @@
     hpcvla plan [CONFIG] [key=value ...] --world N [--ranks-per-node M] [--job sft] [--json]
     hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
                                                       best layout by the scale model
-    hpcvla config [CONFIG] [key=value ...] [--doc]    resolved config, or every setting's doc
+    hpcvla config [CONFIG] [key=value ...] [--doc [SECTION|KEY]]
+                                                      the resolved config, or settings' docs
     hpcvla doctor [CONFIG] [key=value ...] [--job sft] [--world N [--ranks-per-node M]]
                   [--json]                            what the job needs, here?
     hpcvla doctor --job eval [--world N ...] -- RUN_DIR [eval's flags] [key=value ...]
@@ -103,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print the resolved config or the settings' docs")
     _config_args(config, required=False)
-    config.add_argument("--doc", action="store_true", help="document every setting")
+    config.add_argument("--doc", nargs="?", const="", metavar="SECTION|KEY",
+                        help="document every setting, or a section's (`--doc learner`) or one")
 
     add_doctor_parser(sub, _config_args)
 
@@ -292,9 +294,14 @@ def cmd_plan(args) -> int:
 
 
 def cmd_config(args) -> int:
-    if args.doc:  # every setting; given a config, its value there too
+    if args.doc is not None:  # the settings' docs; given a config, its values there too
+        if args.doc.endswith((".yaml", ".yml")):  # `--doc CONFIG`: a config, every setting
+            args.config, args.doc = args.doc, ""
+        elif "=" in args.doc:  # `--doc key=value`: an override
+            args.overrides, args.doc = [args.doc, *args.overrides], ""
         given = args.config or args.overrides
-        print(settings_doc(load_config(args.config, args.overrides) if given else None), end="")
+        print(settings_doc(load_config(args.config, args.overrides) if given else None,
+                           args.doc), end="")
         return 0
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")

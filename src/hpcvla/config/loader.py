@@ -198,16 +198,20 @@ def _nearest(key: str, fields) -> str:
 def _build(cls, data: Any, prefix: str, problems: list):
     """Instantiate dataclass `cls` from `data`, appending problems instead of raising."""
     where = prefix.rstrip(".") or "top level"
-    if not isinstance(data, dict):
-        problems.append((where, data, "a mapping"))
-        return cls()
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(data, dict):  # `env: reach` for `env: {name: reach}`
+        named = f" (did you mean `{where}: {{name: {data}}}`?)" if "name" in fields and \
+            isinstance(data, str) else ""
+        problems.append((where, data, "a mapping" + named))
+        return cls()
     hints = typing.get_type_hints(cls)
     for key in data:
         if key not in fields:
+            section, _, rest = str(key).partition(".")
+            nest = f" (in a file, nest it: `{section}: {{{rest}: ...}}`)" if rest and \
+                section in fields else _nearest(str(key), fields)
             problems.append((prefix + (str(key) or "''"), data[key],
-                             f"no such setting{_nearest(str(key), fields)}; valid: "
-                             f"{', '.join(fields)}"))
+                             f"no such setting{nest}; valid: {', '.join(fields)}"))
     values = {}
     for name, f in fields.items():
         if name not in data:
@@ -353,12 +357,19 @@ def _flat(sections: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def settings_doc(cfg: Config | None = None) -> str:
-    """`hpcvla config --doc`: every setting, its type, default and documentation; given a
-    config, also its value there where that is not the default."""
+def settings_doc(cfg: Config | None = None, only: str = "") -> str:
+    """`hpcvla config --doc [SECTION|KEY]`: every setting (or `only` those of a section, or
+    one setting), its type, default and documentation; given a config, also its value there
+    where that is not the default."""
     values = {} if cfg is None else _flat(config_to_dict(cfg))
+    rows = [row for row in describe_settings()
+            if not only or row[0] == only or row[0].startswith(only.rstrip(".") + ".")]
+    if not rows:
+        sections = {name.split(".")[0] for name, *_ in describe_settings()}
+        raise ConfigError([("--doc", only, "a section or a setting" + _nearest(
+            only, sorted(sections) + [n for n, *_ in describe_settings()]))])
     lines = []
-    for name, type_name, default, doc in describe_settings():
+    for name, type_name, default, doc in rows:
         here = f", here {values[name]!r}" if name in values and values[name] != default else ""
         lines.append(f"{name}  ({type_name}, default {default!r}{here})\n    {doc}\n")
     return "\n".join(lines) + "\n"

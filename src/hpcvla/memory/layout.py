@@ -71,6 +71,9 @@ class LayoutMemory:
         for node, parts in self.per_node_host().items():
             lines.append(f"  node {node} host memory {size(sum(parts.values()))} = "
                          + " + ".join(f"{k} {size(v)}" for k, v in parts.items()))
+        if self.host:  # docs/memory.md: what the model counts
+            lines.append("  (host figures are a lower bound: each process's interpreter and "
+                         "libraries are not counted, ~0.3-0.5 GiB a rank that imports torch)")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

@@ -72,14 +72,15 @@ def spans_decades(values, decades: float = 2) -> bool:
 
 def line_chart(path, series: dict, title: str, xlabel: str, ylabel: str, ylim=None,
                colors: dict | None = None, size=(900, 420), logx=False, logy=False) -> Path:
-    """series: label -> (xs, ys), one line each (with markers when it has few points);
-    `colors` (label -> colour) overrides the palette."""
+    """series: label -> (xs, ys), one line each (with markers when it has few points; two
+    points or fewer are markers alone: a line between them would draw a trend nobody
+    measured); `colors` (label -> colour) overrides the palette."""
     fig = _figure(size)
     ax = fig.add_subplot()
     for i, (label, (xs, ys)) in enumerate(series.items()):
         color = (colors or {}).get(label, PALETTE[i % len(PALETTE)])
-        ax.plot(xs, ys, color=color, label=label, lw=1.8,
-                marker="o" if len(xs) <= 20 else None, ms=4)
+        ax.plot(xs, ys, color=color, label=label, lw=1.8 if len(xs) > 2 else 0,
+                marker="o" if len(xs) <= 20 else None, ms=4 if len(xs) > 2 else 7)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.set_xscale("log" if logx else "linear")
     ax.set_yscale("log" if logy else "linear")

@@ -65,9 +65,9 @@ class RankSummary:
     peak_memory: dict[str, int] = field(default_factory=dict)
     busy_s: dict[str, float] = field(default_factory=dict)
     planned_memory: dict[str, int] | None = None  # the memory model's (GPU runs)
-    # a learner's learning figures: over its last episodes (`ended_episodes` of them; None
-    # before one ended), the env-fault episodes it left out; the run's trained env steps on
-    # the weight root
+    # a learner's learning figures: over its last episodes (`ended_episodes` of them: its
+    # rolling window, not every episode that ended; None before one ended), the env-fault
+    # episodes it left out; the run's trained env steps on the weight root
     success_rate: float | None = None
     mean_return: float | None = None
     ended_episodes: int = 0
@@ -190,9 +190,13 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
               f"{sum(s['env_steps'] for s in starts)} env steps in "
               f"{sum(s['wall_s'] for s in starts):.1f} s (summary.json's `starts`)")
     print(memory_table(everyone), flush=True)
-    print(f"[hpcvla] done: {steps} env steps in {wall:.1f} s = {steps / wall:.0f} steps/s | "
-          f"success {figure(result['success_rate'])} | "  # every learner's last episodes
-          f"staleness {result['staleness_hist']}", flush=True)
+    window = sum(s.ended_episodes for s in learners)
+    lags = ", ".join(f"{lag}: {n}" for lag, n in result["staleness_hist"].items())
+    print(f"[hpcvla] done: {steps} env steps in {active:.1f} s = "
+          f"{result['env_steps_per_s']:.0f} env steps/s | success "
+          f"{figure(result['success_rate'])} (the learners' last {window} episodes) | "
+          f"trained segments by staleness {{{lags}}}\n[hpcvla] run directory: {run_dir} "
+          f"(next: hpcvla eval {run_dir})", flush=True)
     return result
 
 

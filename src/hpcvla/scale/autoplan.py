@@ -25,7 +25,7 @@ The search is coordinate descent: starting from the config (or the first valid l
 each knob in turn is set to its best value with the others held, until a round changes
 nothing. Each layout is scored by the model's steady env steps/s (same random draws for
 every layout). A layout the pipeline would refuse (schedule.layout_problems, the rules
-`hpcvla train` checks) is skipped. Returns the best and the runner-ups (the next best
+`hpcvla train` checks) is skipped. Returns the best and the runners-up (the next best
 layouts seen, those that predict another throughput than the ones listed first).
 
 pipeline.max_staleness is the user's bound, never searched: for the async modes the plan
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import replace
 
 from hpcvla.scale.model import Network, Prediction, StageCosts, predict
@@ -150,7 +151,7 @@ def search(base: Layout, costs: StageCosts, network: Network = Network(), rounds
     chosen = seen[tuple(best.to_overrides())]  # first, though a layout with more envs may edge it
     ranked = [chosen] + sorted((lp for lp in seen.values() if lp is not chosen),
                                key=lambda lp: -lp[1].env_steps_per_s)
-    # runner-ups: layouts that fit and predict something else first (ties tell a reader nothing)
+    # runners-up: layouts that fit and predict something else first (ties tell a reader nothing)
     distinct, ties = ranked[:1], []
     for lay, pred in ranked[1:]:
         if len(distinct) > runner_ups or not fit(lay):
@@ -212,7 +213,7 @@ def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
 def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,
                     as_json: bool, search_envs: bool = False, overrides_only: bool = False) -> int:
     """`hpcvla plan --auto`: probe or look up the stage costs, search, print the best layout
-    as config overrides with its predicted env steps/s and bottleneck, then the runner-ups.
+    as config overrides with its predicted env steps/s and bottleneck, then the runners-up.
     `overrides_only`: the best layout's overrides alone, one a line (jobs/launch.sh)."""
     from hpcvla.scale.probe import describe, named_costs  # the probe imports torch and sims
     rpn = node_size(cfg.placement, world, ranks_per_node)
@@ -247,7 +248,12 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
               f"{k} {v:.2f}" for k, v in best["busy"].items()) + ")")
     print("overrides:\n  " + " \\\n  ".join(f"'{o}'" if " " in o else o
                                             for o in best["overrides"]))
-    print("runner-ups:")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cores and rpn > cores and details.get("source", "").startswith("probed"):
+        print(f"note: the model gives every rank a core of its own; this host has {cores} "
+              f"for a node's {rpn} ranks, so a run here measures less; the probed costs also "
+              "move with whatever else ran beside the probe (probe again to see the spread)")
+    print("runners-up:")
     for n, row in enumerate(rows[1:], 1):
         changed = [o for o in row["overrides"] if o not in best["overrides"]]
         print(f"  {n}. {row['env_steps_per_s']:>9,.0f} env steps/s ({row['bottleneck']}): "

@@ -122,7 +122,8 @@ class RankPlan:
         lines = [
             f"mode {self.mode}: {self.world_size} ranks on {self.num_nodes} node(s) of "
             f"{self.ranks_per_node}; {len(self.cells)} cell(s), {n_learn} learner(s), "
-            + (f"{n_spare} spare, " if n_spare else "") + f"inference:learner = {n_inf}:{n_learn}, weight root rank {self.weight_root}",
+            + (f"{n_spare} spare, " if n_spare else "")
+            + f"inference:learner = {n_inf}:{n_learn}, weight root rank {self.weight_root}",
             f"{'rank':>5} {'node':>4} {'local':>5}  {'roles':<28} {'cell':>4} {'feeds':>5}  "
             + (f"{'device':<7} " if devices else "")
             + "".join(f"{h:>{w}}  " for h, w in extra.items()) + "notes",
@@ -158,7 +159,8 @@ def build_plan(world_size: int, ranks_per_node: int, mode: str,
         raise PlanError(f"world size {world_size} is not a multiple of ranks per node "
                         f"{ranks_per_node}: every node must hold the same number of ranks "
                         "(set placement.ranks_per_node to a divisor of the world, or start a "
-                        "multiple of it: --ranks, the job's tasks)")
+                        "multiple of it: train's --ranks, plan's and doctor's --world, the "
+                        "job's tasks)")
     num_nodes = world_size // ranks_per_node
     if mode == "colocated":
         return _colocated(world_size, ranks_per_node)
@@ -234,8 +236,9 @@ def _per_node_mismatch(sims: int, infs: int, learns: int, world_size: int,
                        ranks_per_node: int) -> str:
     """What fits when placement.per_node does not sum to the nodes' ranks."""
     total = sims + infs + learns
-    fixes = [f"start {total} ranks per node (`--ranks {total}`; srun/mpirun: "
-             f"{total} tasks per node)", f"make placement.per_node sum to {ranks_per_node}"]
+    fixes = [f"start {total} ranks per node (one node: train's `--ranks {total}`, plan's and "
+             f"doctor's `--world {total}`; srun/mpirun: {total} tasks per node)",
+             f"make placement.per_node sum to {ranks_per_node}"]
     if total and world_size % total == 0:
         fixes.append(f"set placement.ranks_per_node={total}")
     if ranks_per_node < 3:  # a rollout node with a learner holds 3 roles
