@@ -6,10 +6,13 @@ checkpoint."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from helpers import hpcvla, run_train
+from helpers import ROOT, hpcvla, progress_version, run_train
 
 EVERY, VIDEO_EVERY, VERSIONS, EPISODES, ENVS = 3, 6, 7, 16, 4
 
@@ -70,3 +73,38 @@ def test_training_evaluates_the_held_out_states_every_few_versions(tmp_path, ran
     frames = read_video(filmed[0])
     assert frames.shape[0] >= 2 and (frames.shape[2], frames.shape[1]) == (gifs[0].width,
                                                                           gifs[0].height)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow  # one training run, stopped after a few versions (~15 s)
+def test_a_stop_signal_ends_the_evaluation_in_progress_not_after_it(tmp_path):
+    """A stop signal while the evaluator rank evaluates (400 episodes, one at a time: ~20 s
+    here) ends that evaluation at its next batch: the world exits within seconds of its
+    checkpoint (the job scripts' lead time is for the checkpoint), not after the evaluation;
+    no report of the cut evaluation is logged."""
+    cmd = [sys.executable, "-m", "hpcvla", "train", "configs/default.yaml", "--ranks", "5",
+           f"run.root={tmp_path}", "placement.per_node={simulator: 2, inference: 1, learner: 2}",
+           "placement.evaluators=1", "eval.every=1", "eval.episodes=400", "eval.envs=1",
+           "pipeline.total_updates=1000", "pipeline.progress_every_s=0.2"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        head = []
+        for line in proc.stdout:
+            head.append(line)
+            if (progress_version(line) or 0) >= 3:
+                proc.send_signal(signal.SIGTERM)
+                break
+        out = "".join(head) + proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    steps = summary["phases_s"]
+    assert summary["preempted"] and steps["finished"] - steps["last_checkpoint_written"] < 5, steps
+    (evaluator,) = [r for r in summary["per_rank"] if r["role"] == "evaluator"]
+    logged = [json.loads(line)["held_out"]["version"] for line in
+              (run_dir / "metrics.jsonl").read_text().splitlines() if '"held_out"' in line]
+    assert logged == evaluator["held_out_versions"]  # the cut one neither sent nor logged
+

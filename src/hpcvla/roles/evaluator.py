@@ -9,8 +9,8 @@ the weight root: one small message on COMM_WORLD (tag HELD_OUT_TAG) per evaluati
 takes in whatever has arrived each time it publishes a version (`HeldOutInbox`) and, after
 the last version, waits for the evaluator's last report. Training never waits for an
 evaluation: a slow evaluator evaluates fewer versions (the newest there when it was free),
-each report naming its version. After a stop signal the last version is not evaluated (the
-job's lead time is for the checkpoint).
+each report naming its version. A stop signal ends the evaluation in progress at its next
+batch and starts none (the last version's neither): the job's lead time is for the checkpoint.
 
 Colocated (`between_versions`): after each due version every rank runs its share of the
 batches with its acting copy of the policy, gathered on rank 0; training waits for it.
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Required, TypedDict
 
 from hpcvla.process import preempt
-from hpcvla.roles.heldout import HeldOut
+from hpcvla.roles.heldout import EvaluationStopped, HeldOut
 from hpcvla.roles.setup import RoleSetup
 from hpcvla.transport.backoff import Backoff, idle_recv
 
@@ -78,30 +78,36 @@ def run_evaluator(setup: RoleSetup, *, held_out: HeldOut, loader: WeightLoader,
     backoff = Backoff(cap=0.05)
     next_due = -(-first // every) * every
 
-    def evaluate_newest(last: bool) -> None:
+    def evaluate_newest(last: bool) -> bool:
+        """The newest version's evaluation, sent to the root; False, nothing sent, where a
+        stop signal cut it short (the job's lead time is its checkpoint's, not this)."""
         loader.refresh()
         version = loader.version
         films = video_dir(cfg, run_dir, version, evaluated[-1] if evaluated else None)
-        with timeline.span("evaluate"):
-            episodes, videos = held_out.run(deterministic, video_dir=films)
+        try:
+            with timeline.span("evaluate"):
+                episodes, videos = held_out.run(deterministic, video_dir=films,
+                                                stop=preempt.requested)
+        except EvaluationStopped:
+            return False
         report = held_out.report(episodes, deterministic)
         del report["per_episode"]  # the root logs the figures: the message stays small
         world.send({"version": version, "report": report,
                     "video": videos[0] if videos else None, "last": last},
                    dest=root, tag=HELD_OUT_TAG)  # [dist]
         evaluated.append(version)
+        return True
 
-    while not plane.finished():
-        if plane.latest_version() >= next_due:
-            evaluate_newest(last=False)
-            next_due = (evaluated[-1] // every + 1) * every
+    while not plane.finished():  # after a stop, no new evaluation: the plane's end waited for
+        if plane.latest_version() >= next_due and not preempt.requested():
+            if evaluate_newest(last=False):
+                next_due = (evaluated[-1] // every + 1) * every
             backoff.reset()
         else:
             backoff.wait()
     final = plane.latest_version()
-    if final not in evaluated and final > first and not preempt.requested():
-        evaluate_newest(last=True)
-    else:
+    if final in evaluated or final <= first or preempt.requested() or \
+            not evaluate_newest(last=True):
         world.send({"last": True}, dest=root, tag=HELD_OUT_TAG)  # [dist]
     return {"held_out_versions": evaluated}
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 
@@ -70,6 +71,10 @@ def envs_at_once(cfg: Config, envs: int, episodes: int) -> int:
     return max(1, min(envs, episodes))
 
 
+class EvaluationStopped(Exception):
+    """HeldOut.run was told to stop before it had run every batch."""
+
+
 class HeldOut:
     """The env's first `episodes` evaluation states (or eval.protocol's), `envs` at a time,
     one episode each, with `policy` (or the policy the config builds on `device`). `video` K:
@@ -97,14 +102,19 @@ class HeldOut:
                                      "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len}
 
     def run(self, deterministic: bool, rank: int = 0, ranks: int = 1,
-            video_dir: Path | None = None) -> tuple[list[Episode], list[str]]:
+            video_dir: Path | None = None, stop: Callable[[], bool] | None = None
+            ) -> tuple[list[Episode], list[str]]:
         """This rank's batches, one episode per state: their Episodes and the videos written
-        (to `video_dir`, where the batch holds a filmed state)."""
+        (to `video_dir`, where the batch holds a filmed state). Raises EvaluationStopped
+        where `stop()` says so before a batch (a stop signal: the job's lead time is its
+        checkpoint's, not an evaluation's)."""
         mine: list[Episode] = []
         videos: list[str] = []
         devices = [self.policy.device] if self.policy.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             for first in range(rank * self.envs, len(self.ids), ranks * self.envs):
+                if stop is not None and stop():
+                    raise EvaluationStopped
                 torch.manual_seed(int(np.random.SeedSequence([self.seed, first])
                                       .generate_state(1)[0]))
                 outcomes, frames = _run_batch(self.env, self.policy,
