@@ -42,8 +42,10 @@
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train, sft: run root of this job (run.root); when it already holds a
 #                     run with a checkpoint short of its end (the job was requeued or rerun),
-#                     that run is continued (run.resume). train, sft, eval: its .ranks holds
-#                     the ranks' cards while a world runs (a folder every node sees)
+#                     that run is continued (run.resume); a job that names a run itself
+#                     (run.resume=RUN) continues, restarts and requeues that one. train, sft,
+#                     eval: its .ranks holds the ranks' cards while a world runs (a folder
+#                     every node sees)
 #   HPCVLA_REQUEUE    1: requeue the Slurm job after the time-limit warning (SIGUSR1); with
 #                     HPCVLA_JOB_RUNS (train, sft), as HPCVLA_RESTARTS and
 #                     HPCVLA_END_GRACE_S
@@ -114,6 +116,12 @@ source "$LIB/world.sh"
 
 ARGS=("$@")
 COMMAND_ARGS=("$@")
+# The run a restart, a requeue and the job's exit status are about: the one the job names
+# (run.resume=: a run continued in a new job), else the newest under its run root
+JOB_RUN=${HPCVLA_JOB_RUNS:-}
+for arg in "${COMMAND_ARGS[@]:1}"; do
+    [[ $arg != run.resume=?* ]] || JOB_RUN=${arg#run.resume=}
+done
 set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumable run
     ARGS=("${COMMAND_ARGS[@]}")
     if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
@@ -121,7 +129,7 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
         # failure, finds the run an earlier start made there and continues it from its
         # checkpoint.
         ARGS+=("run.root=$HPCVLA_JOB_RUNS")
-        RESUME=$(resumable_run "$HPCVLA_JOB_RUNS")
+        RESUME=$(resumable_run "$JOB_RUN")
         if [[ -n $RESUME ]]; then
             say "continuing $RESUME from its newest checkpoint"
             ARGS+=("run.resume=$RESUME")
@@ -147,6 +155,15 @@ trap 'rm -f "$HOSTFILE"' EXIT
 # and holds its CPUs on the nodes left: a restart's steps must share them (srun --overlap).
 OVERLAP=""
 set_command "$1"
+# A job started again (Slurm requeued it, PBS reran it) after its run's last checkpoint: the
+# run is complete, and a world would train a second one from version 0 beside it
+if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} && $JOB_RUN == "$HPCVLA_JOB_RUNS" &&
+        -z ${RESUME:-} ]] && (( $("$PYTHON" -m hpcvla.job.restarts newest-version \
+        "$JOB_RUN") >= 0 )); then
+    say "the job's run (under $JOB_RUN) wrote its last checkpoint in an earlier start of the" \
+        "job: nothing left to train"
+    exit 0
+fi
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
@@ -242,7 +259,7 @@ START_RETRIES=${HPCVLA_START_RETRIES:-1}
 # out before its next checkpoint would requeue, and end so, for ever).
 START_RUN=${RESUME:-} START_VERSION=-1
 if [[ ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm && -n $START_RUN ]]; then
-    START_VERSION=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
+    START_VERSION=$("$PYTHON" -m hpcvla.job.restarts newest-version "$JOB_RUN")
 fi
 start_retries_left=$START_RETRIES
 failed_at=""
@@ -270,13 +287,13 @@ while true; do
             say "no restarts left (HPCVLA_RESTARTS=$HPCVLA_RESTARTS)"
         break
     fi
-    version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS")
+    version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$JOB_RUN")
     if (( version < 0 )); then  # a new world would start the run over, in a new directory
         say "the run has no checkpoint to continue from ($(interval_name "$1")): not" \
             "restarting"
         break
     fi
-    if [[ -z $("$PYTHON" -m hpcvla.job.restarts resumable "$HPCVLA_JOB_RUNS") ]]; then
+    if [[ -z $("$PYTHON" -m hpcvla.job.restarts resumable "$JOB_RUN") ]]; then
         say "the run wrote its last checkpoint ($(point_name "$1") $version) before the" \
             "world failed: nothing left to restart"
         break
@@ -315,7 +332,7 @@ while true; do
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
         "from $(point_name "$1") $version"
-    say "restart record: $("$PYTHON" -m hpcvla.job.restarts record "$HPCVLA_JOB_RUNS" "$status" \
+    say "restart record: $("$PYTHON" -m hpcvla.job.restarts record "$JOB_RUN" "$status" \
         "${dropped[*]}" "${HOSTS[*]}" "$NP")"
     [[ -z $LAYOUT ]] || sed -n 1,3p <<< "$LAYOUT" >&2  # (head would break printf's pipe)
     set_command "$1"
@@ -328,10 +345,10 @@ if [[ -n $SIGNALLED ]]; then
     REQUEUED_RUN=""  # the run a time-limit requeue would continue
     if [[ $SIGNALLED == USR1 && ${HPCVLA_REQUEUE:-0} == 1 && $SCHEDULER == slurm &&
             -n ${HPCVLA_JOB_RUNS:-} ]]; then
-        REQUEUED_RUN=$(resumable_run "$HPCVLA_JOB_RUNS") || REQUEUED_RUN=""
+        REQUEUED_RUN=$(resumable_run "$JOB_RUN") || REQUEUED_RUN=""
     fi
     if [[ -n $REQUEUED_RUN && $REQUEUED_RUN == "$START_RUN" ]] && (( $("$PYTHON" -m \
-            hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") <= START_VERSION )); then
+            hpcvla.job.restarts newest-version "$JOB_RUN") <= START_VERSION )); then
         status=$(( 128 + $(kill -l USR1) ))
         say "no checkpoint past $(point_name "$1") $START_VERSION in this job: the time-limit" \
             "warning came first, and a requeued start would end the same way, so the job is" \
@@ -346,15 +363,15 @@ if [[ -n $SIGNALLED ]]; then
                 "continue its run in a new job with run.resume=$REQUEUED_RUN; exit status" \
                 "$status"; }
     elif (( status == 0 )) && { ! makes_a_run "$1" || [[ -n ${NO_WORLD:-} ||
-            -z ${HPCVLA_JOB_RUNS:-} || -n $(resumable_run "$HPCVLA_JOB_RUNS") ||
-            $("$PYTHON" -m hpcvla.job.restarts newest-version "$HPCVLA_JOB_RUNS") -lt 0 ]]; }; then
+            -z ${HPCVLA_JOB_RUNS:-} || -n $(resumable_run "$JOB_RUN") ||
+            $("$PYTHON" -m hpcvla.job.restarts newest-version "$JOB_RUN") -lt 0 ]]; }; then
         # stopped short of its end (with its checkpoint): not a success for the scheduler,
         # whose `afterok` dependencies would start on it
         status=$(( 128 + $(kill -l "$SIGNALLED") ))
         say "stopped before its end by SIG$SIGNALLED: exit status $status"
     fi
 elif (( status == 0 )) && makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]] &&
-        STOPPED=$("$PYTHON" -m hpcvla.job.restarts stopped "$HPCVLA_JOB_RUNS") &&
+        STOPPED=$("$PYTHON" -m hpcvla.job.restarts stopped "$JOB_RUN") &&
         [[ -n $STOPPED ]]; then
     # the ranks stopped on a signal this shell never got (`scancel --signal` without
     # --batch, `--signal=USR1@..` without B:), their run short of its end: no success

@@ -68,6 +68,20 @@ def test_a_resumed_runs_end_is_the_one_it_last_ran_with(tmp_path, capsys):
         restarts._main(["resumable", str(tmp_path)])  # said, not a traceback
 
 
+def test_a_run_a_signal_reached_after_its_last_checkpoint_was_not_stopped(tmp_path):
+    """summary.json's `preempted` from a signal in the teardown, after the run's last
+    checkpoint: the run is complete, not stopped short (the job's exit status stays 0), and a
+    job that names the run (run.resume=) asks about it by its own directory."""
+    run = tmp_path / "default-1"
+    (run / "config.yaml").parent.mkdir()
+    (run / "config.yaml").write_text("pipeline: {total_updates: 20}\n")
+    (run / "summary.json").write_text(json.dumps({"preempted": True}))
+    fake_checkpoint(catalog.checkpoint_dir(run, 12), version=12)
+    assert restarts.stopped_run(tmp_path) == run == restarts.stopped_run(run)
+    fake_checkpoint(catalog.checkpoint_dir(run, 20), version=20)
+    assert restarts.stopped_run(tmp_path) is None and restarts.newest_version(run) == 20
+
+
 def test_the_interval_a_restart_needs_is_the_commands_own(capsys):
     for command, interval in (("train", "3"), ("sft", "5")):
         restarts._main(["checkpoint-every", command, "learner.checkpoint_every=3",

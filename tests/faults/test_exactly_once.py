@@ -13,6 +13,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -130,6 +131,55 @@ def test_a_failed_world_without_a_checkpoint_is_not_started_over(tmp_path):
     assert "but learner.checkpoint_every is 0: a world that fails has no checkpoint" in text
     assert "the run has no checkpoint to continue from (learner.checkpoint_every): not " \
         "restarting" in text and "restart 1/1" not in text, text[-5000:]
+    assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1
+
+
+def test_a_job_that_continues_a_run_by_name_restarts_that_run(tmp_path):
+    """A run continued in a new job (run.resume=RUN, outside the job's run root: what a job
+    whose requeue was refused, or PBS's next job, does) is the run the job restarts when its
+    world fails: from RUN's newest checkpoint, recorded in RUN (was: "no checkpoint to
+    continue from", the job's own run root being empty). ~15 s: three short worlds."""
+    first = subprocess.run(
+        [sys.executable, "-m", "hpcvla", "train", "configs/colocated.yaml", "--ranks", "2",
+         f"run.root={tmp_path / 'old'}", "pipeline.total_updates=2",
+         "learner.checkpoint_every=1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    (run,) = (tmp_path / "old").iterdir()
+    runs = tmp_path / "job"
+    proc = restarting_job(runs, 2, "configs/colocated.yaml", f"run.resume={run}",
+                          "pipeline.total_updates=8", "learner.checkpoint_every=2",
+                          "pipeline.progress_every_s=0.1")
+    log = []
+    try:
+        for line in proc.stdout:  # the continued world: kill a rank after its checkpoint
+            log.append(line)
+            if (progress_version(line) or 0) >= 5 and (run / "checkpoints/v000004").exists():
+                break
+        cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
+        os.kill(next(c["pid"] for c in cards if c["rank"] == 1), signal.SIGKILL)
+        log += proc.stdout.readlines()
+        assert proc.wait(timeout=300) == 0, "".join(log)[-5000:]
+    finally:
+        proc.kill()
+    text = "".join(log)
+    assert "restart 1/1" in text and f"continuing {run}" in text, text[-5000:]
+    (restart,) = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert restart["resumed_from_version"] >= 4
+    assert (run / "checkpoints/v000008").exists()
+    assert not [p for p in runs.iterdir() if not p.name.startswith(".")]  # no run of its own
+
+
+def test_a_job_started_again_after_its_run_is_complete_trains_nothing(tmp_path):
+    """Slurm requeues (or PBS reruns) a job whose run wrote its last checkpoint before the job
+    ended: the start finds the run complete in the job's run root and exits 0 without a world
+    (was: a second run, from version 0, beside the first). ~8 s: one short world."""
+    runs = tmp_path / "runs"
+    for start in range(2):
+        proc = restarting_job(runs, 2, "configs/colocated.yaml", "pipeline.total_updates=2")
+        text = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, text[-5000:]
+    assert "wrote its last checkpoint in an earlier start of the job: nothing left to train" \
+        in text and "running:" not in text, text[-3000:]
     assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1
 
 

@@ -5,7 +5,8 @@ Before any start of a job's world,
 
     python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
 
-prints the run that start continues (`resumable_run`), if there is one; and with
+prints the run that start continues (`resumable_run`), if there is one (JOB_RUN_ROOT, here and
+below: the job's run root, or the run the job names by run.resume=); and with
 HPCVLA_AUTOPLAN=COSTS,
 
     python -m hpcvla.job.restarts auto CONFIG [OVERRIDES...] --world M --ranks-per-node K \
@@ -57,7 +58,10 @@ from hpcvla.topology.plan import PlanError, plan_from_config
 
 
 def newest_run(run_root: Path) -> Path | None:
-    """The run directory a restart continues: the newest one under the job's run root."""
+    """The run directory a restart continues: the newest one under the job's run root, or
+    `run_root` itself where it is a run (a job that continues a run it names, run.resume=)."""
+    if (Path(run_root) / "config.yaml").is_file():
+        return Path(run_root)
     configs = sorted(Path(run_root).glob("*/config.yaml"), key=lambda p: p.stat().st_mtime)
     return configs[-1].parent if configs else None
 
@@ -77,8 +81,9 @@ def resumable_run(run_root: Path) -> Path | None:
 
 def stopped_run(run_root: Path) -> Path | None:
     """The job's newest run if its last start was stopped by a signal short of its end
-    (summary.json's `preempted`), else None."""
-    run = newest_run(run_root)
+    (summary.json's `preempted`, and a checkpoint short of the end: a signal in the teardown
+    after the last checkpoint stopped nothing), else None."""
+    run = resumable_run(run_root)
     try:
         summary = json.loads((run / "summary.json").read_text()) if run is not None else {}
     except (OSError, ValueError):
