@@ -220,14 +220,15 @@ fi
 
 # The overrides (FIT) that lay the run out on the NP ranks of the nodes left by the config's
 # placement rules: fewer cells, and fewer learners (the others spare) where there are fewer
-# producers than learner ranks; then the whole plan checked (`hpcvla plan`, memory included:
-# LAYOUT). False, saying why, when nothing fits.
+# producers than learner ranks, each then training more micro-batches a version, so that a
+# version's batch stays that of the failed world of $1 ranks; then the whole plan checked
+# (`hpcvla plan`, memory included: LAYOUT). False, saying why, when nothing fits.
 fit_to_nodes() {
     local fit
     FIT=()
     LAYOUT=""
     if ! fit=$("$PYTHON" -m hpcvla.job.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
-            --ranks-per-node "$PER_NODE" 2>&1); then
+            --ranks-per-node "$PER_NODE" --from-world "$1" 2>&1); then
         printf '%s\n' "$fit" >&2
         return 1
     fi
@@ -314,17 +315,18 @@ while true; do
     fi
     HOSTS=("${usable[@]}")
     NODES=${#HOSTS[@]}
+    FAILED_NP=$NP
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
     # (sft: learners only, as many as there are; the auto plan: set_command lays them out)
     if [[ $1 == train && -z ${HPCVLA_AUTOPLAN:-} ]]; then
-        if ! fit_to_nodes; then
+        if ! fit_to_nodes "$FAILED_NP"; then
             say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
             break
         fi
         if (( ${#FIT[@]} )); then  # the restarts after this one start from it
             COMMAND_ARGS+=("${FIT[@]}")
-            say "fewer producers than learner ranks on the nodes left: ${FIT[*]}"
+            say "fewer producers or learners on the nodes left: ${FIT[*]}"
         fi
     fi
     restarts_left=$(( restarts_left - 1 ))

@@ -106,12 +106,34 @@ def test_a_restart_fits_the_placement_to_the_nodes_left():
     assert restarts.fitting_overrides(per_node.placement, 6, 3) == []  # a cell, a learner each
 
 
+def test_a_restart_on_fewer_learners_keeps_the_versions_batch():
+    """Each learner trains micro_batch x micro_batches segments a version: a restart that
+    leaves fewer learners gives each more micro-batches (the same samples a version, the same
+    experiment), or none where no whole number keeps the batch."""
+    nodes_of = ["placement.per_node={simulator: 2, inference: 2, learner: 0}"]
+    cfg = load_config(ROOT / "configs/learner_nodes.yaml", nodes_of)
+    fit = restarts.fitting_overrides(cfg.placement, 8, 4)  # 4 learners -> 2
+    kept = restarts.batch_keeping_overrides(cfg, fit, 12, 8, 4)
+    assert kept == [f"learner.micro_batches={2 * cfg.learner.micro_batches}"]
+    assert restarts.batch_keeping_overrides(cfg, [], 12, 12, 4) == []  # nothing lost
+    colocated = load_config(ROOT / "configs/colocated.yaml", ["learner.micro_batches=3"])
+    assert restarts.batch_keeping_overrides(colocated, [], 4, 2, 1) == [
+        "learner.micro_batches=6"]  # every rank learns: 4 -> 2
+    with pytest.raises(PlanError, match=r"2 learner\(s\) left of 3: .* continue the run on an "
+                                        r"allocation of 3 ranks"):
+        restarts.batch_keeping_overrides(colocated, [], 3, 2, 1)  # 9 micro-batches on 2
+
+
 def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():
     """What jobs/launch.sh calls."""
     fit = [sys.executable, "-m", "hpcvla.job.restarts", "fit", ROOT / "configs/learner_nodes.yaml",
            "placement.per_node={simulator: 2, inference: 2, learner: 0}", "--ranks-per-node=4"]
     out = subprocess.run([*fit, "--world=8"], capture_output=True, text=True)
     assert (out.returncode, out.stdout.strip()) == (0, "placement.learners=2"), out.stderr
+    micro_batches = load_config(ROOT / "configs/learner_nodes.yaml").learner.micro_batches
+    out = subprocess.run([*fit, "--world=8", "--from-world=12"], capture_output=True, text=True)
+    assert out.stdout.split() == ["placement.learners=2",
+                                  f"learner.micro_batches={2 * micro_batches}"], out.stderr
     out = subprocess.run([*fit, "--world=4"], capture_output=True, text=True)
     assert out.returncode == 1 and "leaves no rollout node" in out.stderr
 

@@ -25,12 +25,15 @@ world that fails before its run's first checkpoint, or again before a newer one 
 started again (`checkpoint-every {train,sft} CONFIG [OVERRIDES...]` prints the interval, which
 the job checks at its start). Then, for a `train` run,
 
-    python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K
+    python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K \
+        --from-world W
 
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
-beyond are spare; an `hpcvla sft` world is learners only, any number of them). Last,
+beyond are spare; an `hpcvla sft` world is learners only, any number of them); and, where
+fewer learners are left than the failed world of W ranks had, the learner.micro_batches that
+keep the version's batch (`batch_keeping_overrides`: none keeps it, no restart). Last,
 
     python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 
@@ -148,6 +151,30 @@ def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
     return [f"placement.learners={cells}"]
 
 
+def batch_keeping_overrides(cfg, fit: list[str], from_world: int, world: int,
+                            ranks_per_node: int) -> list[str]:
+    """`learner.micro_batches=K` where the restart's `fit` leaves fewer learners than the
+    failed world of `from_world` ranks had: each learner trains micro_batch x micro_batches
+    segments a version, so the version's batch would shrink with them (a different
+    experiment: the same learning rate on fewer samples). K keeps it, and with it every
+    producer's share. Raises PlanError where no whole K does."""
+    placement = cfg.placement
+    for override in fit:  # placement.learners=P, the only one fitting_overrides gives
+        placement = dataclasses.replace(placement, learners=int(override.split("=")[1]))
+    before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
+    after = len(plan_from_config(placement, world, ranks_per_node).learners)
+    batch = before * cfg.learner.micro_batches
+    if after == before:
+        return []
+    if batch % after:
+        raise PlanError(f"{after} learner(s) left of {before}: the version's batch ({before} x "
+                        f"learner.micro_batch {cfg.learner.micro_batch} x micro_batches "
+                        f"{cfg.learner.micro_batches} segments) is no whole number of "
+                        f"micro-batches on each; continue the run on an allocation of "
+                        f"{from_world} ranks (run.resume=)")
+    return [f"learner.micro_batches={batch // after}"]
+
+
 def _main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hpcvla.job.restarts")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -162,6 +189,8 @@ def _main(argv=None) -> None:
     fit.add_argument("overrides", nargs="*")
     fit.add_argument("--world", type=int, required=True)
     fit.add_argument("--ranks-per-node", type=int, required=True)
+    fit.add_argument("--from-world", type=int, default=0,
+                     help="the failed world's ranks: keep its version's batch on fewer learners")
     sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
         "run_root", type=Path)
     sub.add_parser("stopped", help="the job's run, if a signal stopped its last start short "
@@ -205,7 +234,11 @@ def _main(argv=None) -> None:
             print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,
                             overrides_only=True)
         else:
-            print(" ".join(fitting_overrides(cfg.placement, args.world, args.ranks_per_node)))
+            fit = fitting_overrides(cfg.placement, args.world, args.ranks_per_node)
+            if args.from_world:
+                fit += batch_keeping_overrides(cfg, fit, args.from_world, args.world,
+                                               args.ranks_per_node)
+            print(" ".join(fit))
     except (ConfigError, PlanError) as err:
         raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
 
