@@ -1,4 +1,4 @@
-"""The `hpcvla` command.
+"""The `hpcvla` command: RL post-training of vision-language-action policies as one MPI job.
 
     hpcvla train [CONFIG] [key=value ...] [--ranks N] the main job (--ranks: start N ranks here)
     hpcvla sft CONFIG sft.demos=F [key=value ...] [--ranks N]
@@ -26,9 +26,9 @@
     hpcvla export RUN_DIR|CHECKPOINT FOLDER [--format F]
                                                       a checkpoint as a policy folder
 
-Config errors, impossible layouts and what the config needs of this machine (preflight.py)
-are reported here, in the launching process, before any MPI rank starts. Only `train`, `sft`
-and `eval` without --ranks inside srun/mpirun (`sft` alone: a world of one) initialise MPI.
+Config errors, impossible layouts and what the config needs of this machine are reported
+here, in the launching process, before any MPI rank starts. Only `train`, `sft` and `eval`
+without --ranks inside srun/mpirun (`sft` alone: a world of one) initialise MPI.
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="run the main job (no config: the built-in default, "
-                                         "or with run.resume=DIR the resumed run's own config)")
+                                         "or with run.resume=DIR the resumed run's own config)",
+                           description="Train a policy with RL: one MPI world of simulator, "
+                           "inference and learner ranks (docs/commands.md).")
     _config_args(train, required=False)
     train.add_argument("--ranks", type=whole_number(1), default=None,
                        help="start this many ranks on this machine (default: under "
-                            "srun/mpirun the launcher's world, alone launch.ranks here)")
+                            "srun/mpirun the launcher's world, otherwise launch.ranks, 4)")
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (sft.demos): "
                                      "the imitation start RL post-trains")
@@ -119,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                                            "of its untrained policy) on fixed initial states")
     evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its "
                                                              "checkpoints/v*/ to evaluate that one")
-    evaluate.add_argument("overrides", nargs="*", metavar="key=value",
+    evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
                           help="settings changed for the evaluation, e.g. env.suite_task=-1 "
                                "(every task of the suite) for a policy trained on one task")
     evaluate.add_argument("--episodes", type=int, default=128, help="episodes (default 128)")

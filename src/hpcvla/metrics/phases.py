@@ -10,7 +10,8 @@ where they happen (imports, communicators, the memory plan, a simulator's envs, 
 build, the transport, the engine, all ranks set up, the stop signal, the end) and from the
 first or last span of a stage in the rank's timeline: the first forward pass (`infer`), the
 first version trained (the first `publish` starts), a newer version loaded by an inference
-rank (`load_weights`), the last checkpoint written (`checkpoint`). summary.json keeps every
+rank (`load_weights`), the last version published (training's end: the last `publish`), the
+last checkpoint written (`checkpoint`). summary.json keeps every
 rank's and, per step, the slowest rank's (roles/outputs.py).
 """
 
@@ -26,6 +27,7 @@ FROM_TIMELINE = {"first_act": ("infer", "end"),
                  "first_version_trained": ("publish", "start"),
                  "first_version_published": ("publish", "end"),
                  "first_new_weights_loaded": ("load_weights", "end"),
+                 "last_version_published": ("publish", "last"),  # training's end
                  "last_checkpoint_written": ("checkpoint", "last")}
 
 _marks: dict[str, float] = {}
