@@ -117,11 +117,15 @@ source "$LIB/world.sh"
 ARGS=("$@")
 COMMAND_ARGS=("$@")
 # The run a restart, a requeue and the job's exit status are about: the one the job names
-# (run.resume=: a run continued in a new job), else the newest under its run root
-JOB_RUN=${HPCVLA_JOB_RUNS:-}
-for arg in "${COMMAND_ARGS[@]:1}"; do
-    [[ $arg != run.resume=?* ]] || JOB_RUN=${arg#run.resume=}
-done
+# (run.resume, in its config or overrides: a run continued in a new job), else the newest
+# under its run root; and that run's state against the command's end (JOB_RUN_STATE: '', none,
+# resumable, complete). A config that cannot be read says so at the node check, below.
+JOB_RUN=${HPCVLA_JOB_RUNS:-} JOB_RUN_STATE=""
+if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]] && found=$("$PYTHON" -m \
+        hpcvla.job.restarts job-run "$HPCVLA_JOB_RUNS" "${COMMAND_ARGS[@]}" 2>/dev/null); then
+    mapfile -t named <<< "$found"  # the run named (or an empty line), its state
+    JOB_RUN=${named[0]:-$JOB_RUN} JOB_RUN_STATE=${named[1]:-}
+fi
 set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumable run
     ARGS=("${COMMAND_ARGS[@]}")
     if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
@@ -130,6 +134,10 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
         # checkpoint.
         ARGS+=("run.root=$HPCVLA_JOB_RUNS")
         RESUME=$(resumable_run "$JOB_RUN")
+        if [[ -z $RESUME && $JOB_RUN != "$HPCVLA_JOB_RUNS" && $JOB_RUN_STATE == resumable ]]
+        then  # a run it names and runs further than the run's own end
+            RESUME=$JOB_RUN
+        fi
         if [[ -n $RESUME ]]; then
             say "continuing $RESUME from its newest checkpoint"
             ARGS+=("run.resume=$RESUME")
@@ -154,16 +162,16 @@ trap 'rm -f "$HOSTFILE"' EXIT
 # After a node failure the failed world's step never completes (its dead node cannot say so)
 # and holds its CPUs on the nodes left: a restart's steps must share them (srun --overlap).
 OVERLAP=""
-set_command "$1"
-# A job started again (Slurm requeued it, PBS reran it) after its run's last checkpoint: the
-# run is complete, and a world would train a second one from version 0 beside it
-if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} && $JOB_RUN == "$HPCVLA_JOB_RUNS" &&
-        -z ${RESUME:-} ]] && (( $("$PYTHON" -m hpcvla.job.restarts newest-version \
-        "$JOB_RUN") >= 0 )); then
-    say "the job's run (under $JOB_RUN) wrote its last checkpoint in an earlier start of the" \
-        "job: nothing left to train"
+# A job whose run is complete: started again (Slurm requeued it, PBS reran it) after the run's
+# last checkpoint, or naming a run at its end. A world would train a second run from version 0
+# beside it, or refuse the one named.
+if [[ $JOB_RUN_STATE == complete ]]; then
+    say "the job's run (${JOB_RUN}) has its checkpoint at the end this command runs to: nothing" \
+        "left to train (to train it further, raise $( [[ $1 == sft ]] && echo sft.steps ||
+        echo pipeline.total_updates) with run.resume=<the run>)"
     exit 0
 fi
+set_command "$1"
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"

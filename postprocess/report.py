@@ -131,9 +131,10 @@ def bench_table(bench: dict) -> str:
 
 
 def settled(records: list[dict], least: int = 20) -> list[dict]:
-    """The rolling-success records from the first whose window holds `least` episodes (or
-    as many as it ever held): a rate of the first one or two episodes is noise a chart would
-    draw as the curve's start."""
+    """The rolling-success records whose window holds `least` episodes (or as many as it
+    ever held): a rate of one or two episodes is noise a chart would draw as the curve's
+    start (a resumed start's window begins empty again: its first records are left out too,
+    a gap in the curve rather than a spike)."""
     full = min(least, max((m.get("episodes") or 0 for m in records), default=0))
     return [m for m in records if (m.get("episodes") or 0) >= full]
 

@@ -193,3 +193,18 @@ def test_a_path_that_is_no_run_or_checkpoint_is_named_with_what_is_there(tmp_pat
             path_problem(run / "checkpoints" / name)
     assert "no such directory" in path_problem(tmp_path / "elsewhere")
     assert "is not a run directory (no config.yaml)" in path_problem(run / "checkpoints")
+
+
+def test_a_resume_says_when_a_versions_batch_is_not_the_checkpoints():
+    """Checkpoints record the segments every learner trains a version (`version_segments`);
+    a resume on another learner count with the same settings (a run a restart left at 2
+    learners x 4 micro-batches, continued on 4) says so, with the micro-batches that keep
+    the batch; the same batch, or a checkpoint without the record, says nothing."""
+    state = {"counters": {"version_segments": 2 * 16 * 4}}
+    said = catalog.batch_change(state, 4, 16, 4)
+    assert said == ("a version now trains 256 segments (4 learner(s) x learner.micro_batch 16 "
+                    "x micro_batches 4), the run's checkpoint 128: learner.micro_batches=2 "
+                    "keeps it")
+    assert catalog.batch_change(state, 4, 16, 2) is None
+    assert catalog.batch_change({"counters": {}}, 4, 16, 4) is None
+    assert catalog.batch_change(state, 3, 16, 4).endswith("the run's checkpoint 128")

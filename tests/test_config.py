@@ -216,8 +216,9 @@ def test_every_setting_is_documented():
 
 
 def test_config_doc_gives_a_configs_values_beside_the_defaults(capsys):
-    """`hpcvla config --doc` lists every setting (or a section's, or one); with a config (or overrides), each value
-    there that is not the default; a config that cannot be read is refused, not ignored."""
+    """`hpcvla config --doc` lists every setting (or a section's, or one); with a config (or
+    overrides), each value there that is not the default; a config that cannot be read is
+    refused, not ignored."""
     from hpcvla.cli import main
     assert main(["config", "--doc"]) == 0
     plain = capsys.readouterr().out

@@ -486,6 +486,8 @@ def test_sigterm_checkpoints_and_the_run_resumes(tmp_path, config, ranks, stop, 
     learners = sum("learner" in r["role"] for r in first["per_rank"])
     per_version = 32 * learners  # micro_batch 16 x micro_batches 2 per learner
     assert sum(first["staleness_hist"].values()) == stopped_at * per_version  # whole versions
+    saved = json.loads((ckpt / "state.json").read_text())["counters"]
+    assert saved["version_segments"] == per_version  # a resume checks its batch against it
     # the start and the stop, in seconds since `hpcvla train` started (the slowest rank's)
     steps = first["phases_s"]
     order = ["imports", "communicators", "policy_built", "transport_ready", "all_ranks_ready",

@@ -76,10 +76,53 @@ def test_a_run_a_signal_reached_after_its_last_checkpoint_was_not_stopped(tmp_pa
     (run / "config.yaml").parent.mkdir()
     (run / "config.yaml").write_text("pipeline: {total_updates: 20}\n")
     (run / "summary.json").write_text(json.dumps({"preempted": True}))
+    assert restarts.stopped_run(tmp_path) == run  # stopped before any checkpoint: short too
     fake_checkpoint(catalog.checkpoint_dir(run, 12), version=12)
     assert restarts.stopped_run(tmp_path) == run == restarts.stopped_run(run)
     fake_checkpoint(catalog.checkpoint_dir(run, 20), version=20)
     assert restarts.stopped_run(tmp_path) is None and restarts.newest_version(run) == 20
+
+
+def test_a_jobs_run_is_the_one_it_names_wherever_it_names_it(tmp_path, capsys):
+    """job-run: the run a command names by run.resume, in its config file as on its command
+    line, with that run's state against the end the command runs to (an extended run is
+    resumable), else the newest under the job's run root; `null` names none."""
+    run = tmp_path / "old" / "default-1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("pipeline: {total_updates: 20}\n")
+    fake_checkpoint(catalog.checkpoint_dir(run, 20), version=20)
+    named = tmp_path / "named.yaml"
+    named.write_text(f"run: {{resume: {run}}}\npipeline: {{total_updates: 20}}\n")
+    root = tmp_path / "job"
+    assert restarts.job_run(load_config(named), "train", root) == (str(run), "complete")
+    assert restarts.job_run(load_config(named, ["pipeline.total_updates=40"]), "train",
+                            root) == (str(run), "resumable")
+    restarts._main(["job-run", str(root), "train", f"run.resume={run}"])  # the run's config
+    assert capsys.readouterr().out == f"{run}\ncomplete\n"
+    assert restarts.job_run(load_config(named, ["run.resume=null"]), "train", root) == ("", "")
+    root.mkdir()  # the job's own run, started and without a checkpoint yet
+    (root / "default-2").mkdir()
+    (root / "default-2" / "config.yaml").write_text("run: {name: default}\n")
+    assert restarts.job_run(load_config(None, []), "train", root) == ("", "none")
+
+
+@pytest.mark.mpi  # the job script, no world
+def test_a_job_naming_a_complete_run_ends_at_once_saying_so(tmp_path):
+    """A job (jobs/launch.sh) that names a run already at the end it runs to (a requeued
+    continuation job, or a forgotten pipeline.total_updates) exits 0 before any world,
+    saying how to train on; before, the world refused it (exit 2)."""
+    run = tmp_path / "default-1"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("pipeline: {total_updates: 20}\n")
+    fake_checkpoint(catalog.checkpoint_dir(run, 20), version=20)
+    env = {**os.environ, "HPCVLA_RANKS": "2", "HPCVLA_JOB_RUNS": str(tmp_path / "job"),
+           "HPCVLA_DOCTOR": "0"}
+    out = subprocess.run([ROOT / "jobs/launch.sh", "train", f"run.resume={run}"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"the job's run ({run}) has its checkpoint at the end this command runs to" in \
+        out.stderr and "raise pipeline.total_updates with run.resume=" in out.stderr
+    assert "running:" not in out.stderr
 
 
 def test_the_interval_a_restart_needs_is_the_commands_own(capsys):
@@ -119,6 +162,10 @@ def test_a_restart_on_fewer_learners_keeps_the_versions_batch():
     colocated = load_config(ROOT / "configs/colocated.yaml", ["learner.micro_batches=3"])
     assert restarts.batch_keeping_overrides(colocated, [], 4, 2, 1) == [
         "learner.micro_batches=6"]  # every rank learns: 4 -> 2
+    sac = load_config(ROOT / "configs/colocated.yaml", ["algorithm.name=sac",
+                                                        "learner.micro_batches=1"])
+    assert restarts.batch_keeping_overrides(sac, [], 4, 2, 1) == [
+        "learner.micro_batches=2", f"algorithm.utd={sac.algorithm.utd / 2:g}"]  # steps kept
     with pytest.raises(PlanError, match=r"2 learner\(s\) left of 3: .* continue the run on an "
                                         r"allocation of 3 ranks"):
         restarts.batch_keeping_overrides(colocated, [], 3, 2, 1)  # 9 micro-batches on 2

@@ -20,7 +20,8 @@ from hpcvla.config.families import FAMILIES
 from hpcvla.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
-SCHEMA_FILES = {"schema.py", "learning.py", "policy.py", "evaluation.py"}  # where settings are defined, not read
+# where settings are defined, not read
+SCHEMA_FILES = {"schema.py", "learning.py", "policy.py", "evaluation.py"}
 
 
 def _sources() -> dict[Path, str]:

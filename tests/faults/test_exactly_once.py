@@ -178,8 +178,8 @@ def test_a_job_started_again_after_its_run_is_complete_trains_nothing(tmp_path):
         proc = restarting_job(runs, 2, "configs/colocated.yaml", "pipeline.total_updates=2")
         text = proc.communicate(timeout=300)[0]
         assert proc.returncode == 0, text[-5000:]
-    assert "wrote its last checkpoint in an earlier start of the job: nothing left to train" \
-        in text and "running:" not in text, text[-3000:]
+    assert "has its checkpoint at the end this command runs to: nothing left to train" in text \
+        and "running:" not in text, text[-3000:]
     assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1
 
 

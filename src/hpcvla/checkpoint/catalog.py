@@ -196,6 +196,22 @@ def layout_change(state: dict, learners: int, zero_stage: int) -> str:
             f"re-partitioned onto {learners} at ZeRO-{zero_stage}")
 
 
+def batch_change(state: dict, learners: int, micro_batch: int, micro_batches: int) -> str | None:
+    """What a resume changes of a version's batch (`version_segments`, the segments all
+    learners train a version, which checkpoints record), for the log: None where nothing
+    does, or the checkpoint predates the record. A restart on fewer learners raised
+    learner.micro_batches to keep it; a later start on more, from the run's last config, would
+    train a larger batch without this line."""
+    then = state.get("counters", {}).get("version_segments")
+    now = learners * micro_batch * micro_batches
+    if then is None or then == now:
+        return None
+    keep = then // (learners * micro_batch) if then % (learners * micro_batch) == 0 else None
+    return (f"a version now trains {now} segments ({learners} learner(s) x learner.micro_batch "
+            f"{micro_batch} x micro_batches {micro_batches}), the run's checkpoint {then}"
+            + (f": learner.micro_batches={keep} keeps it" if keep else ""))
+
+
 def sha256(path: Path) -> str:
     """The hex sha256 of a file, read in 4 MiB blocks."""
     digest = hashlib.sha256()

@@ -115,6 +115,9 @@ def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("algorithm.critic_warmup", alg.critic_warmup, "0 with algorithm.name="
                          f"{alg.name} (gradient steps of sac and rlpd; PPO's critic warms up "
                          "by versions: algorithm.critic_warmup_versions)"))
+    if 0 < cfg.policy.center_crop < 0.01:
+        problems.append(("policy.center_crop", cfg.policy.center_crop, "0 (the pretrained "
+                         "folder's) or an area fraction of at least 0.01"))
     if alg.weight_decay and alg.off_policy:
         problems.append(("algorithm.weight_decay", alg.weight_decay, f"0 with algorithm.name="
                          f"{alg.name} (its temperature, a trained parameter, would decay to 1)"))

@@ -219,10 +219,11 @@ class AlgorithmConfig:
     adam_eps: float = setting(
         1e-5, "AdamW's epsilon, `hpcvla sft`'s too: PPO's customary 1e-5 (CleanRL, Stable "
         "Baselines3) against torch's and RLinf's 1e-8; larger damps the steps of parameters "
-        "whose gradients are tiny.", ge=0)
+        "whose gradients are tiny; 0 would divide by zero where a gradient is.", ge=1e-12)
     weight_decay: float = setting(
         0.0, "AdamW's decoupled weight decay on every trained parameter, `hpcvla sft`'s too "
-        "(RLinf's recipes: 0.01); 0: none. ppo and grpo only: SAC's temperature is a trained "
+        "(RLinf's recipes: 0.01): norms, biases and the learned exploration log-std (towards "
+        "std 1) alike; 0: none. ppo and grpo only: SAC's temperature is a trained "
         "parameter the decay would pull to 1.", ge=0)
 
 

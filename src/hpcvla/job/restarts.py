@@ -1,7 +1,13 @@
 """What jobs/launch.sh asks of a job's runs at each start of its world, and what a restart
 inside the allocation loses, recorded with the run: `python -m hpcvla.job.restarts WHAT`.
 
-Before any start of a job's world,
+At a job's start,
+
+    python -m hpcvla.job.restarts job-run JOB_RUN_ROOT {train,sft} CONFIG [OVERRIDES...]
+
+prints the run the command names (run.resume, in the config or its overrides) and the state
+of that run, or else of the job's newest, against the end the command runs to (`job_run`: a
+complete one is not trained again). Before any start of a job's world,
 
     python -m hpcvla.job.restarts resumable JOB_RUN_ROOT
 
@@ -55,7 +61,8 @@ import time
 from pathlib import Path
 
 from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
-from hpcvla.config import ConfigError, config_argument, last_run_config, load_config
+from hpcvla.config import (ConfigError, config_argument, last_run_config, load_config,
+                           resumed_run_config)
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -84,14 +91,29 @@ def resumable_run(run_root: Path) -> Path | None:
 
 def stopped_run(run_root: Path) -> Path | None:
     """The job's newest run if its last start was stopped by a signal short of its end
-    (summary.json's `preempted`, and a checkpoint short of the end: a signal in the teardown
-    after the last checkpoint stopped nothing), else None."""
-    run = resumable_run(run_root)
+    (summary.json's `preempted`, its newest checkpoint, if any, short of the end: a signal in
+    the teardown after the last checkpoint stopped nothing), else None."""
+    run = newest_run(run_root)
     try:
         summary = json.loads((run / "summary.json").read_text()) if run is not None else {}
     except (OSError, ValueError):
         return None
-    return run if isinstance(summary, dict) and summary.get("preempted") else None
+    short = latest(run) is None or resumable_run(run) is not None if run is not None else False
+    return run if isinstance(summary, dict) and summary.get("preempted") and short else None
+
+
+def job_run(cfg, command: str, run_root: Path) -> tuple[str, str]:
+    """What a job's command continues, before its first world: the run it names (cfg's
+    run.resume; '' for none) and the state, against the end the command runs to (sft.steps,
+    pipeline.total_updates), of that run or else of the newest under the job's `run_root`:
+    '' (no run), `none` (no checkpoint), `resumable` or `complete`."""
+    named = str(cfg.run.resume or "")
+    run = Path(named) if named else newest_run(run_root)
+    point = latest(run) if run is not None and run.is_dir() else None
+    end = cfg.sft.steps if command == "sft" else cfg.pipeline.total_updates
+    state = "" if run is None else "none" if point is None else \
+        "resumable" if read_state(point)["version"] < end else "complete"
+    return named, state
 
 
 def newest_version(run_root: Path) -> int:
@@ -157,7 +179,9 @@ def batch_keeping_overrides(cfg, fit: list[str], from_world: int, world: int,
     failed world of `from_world` ranks had: each learner trains micro_batch x micro_batches
     segments a version, so the version's batch would shrink with them (a different
     experiment: the same learning rate on fewer samples). K keeps it, and with it every
-    producer's share. Raises PlanError where no whole K does."""
+    producer's share; under sac/rlpd, where K is also each gradient step's passes, so does
+    algorithm.utd x (learners left / before): the gradient steps a version and their batch
+    stay. Raises PlanError where no whole K does."""
     placement = cfg.placement
     for override in fit:  # placement.learners=P, the only one fitting_overrides gives
         placement = dataclasses.replace(placement, learners=int(override.split("=")[1]))
@@ -172,7 +196,11 @@ def batch_keeping_overrides(cfg, fit: list[str], from_world: int, world: int,
                         f"{cfg.learner.micro_batches} segments) is no whole number of "
                         f"micro-batches on each; continue the run on an allocation of "
                         f"{from_world} ranks (run.resume=)")
-    return [f"learner.micro_batches={batch // after}"]
+    kept = [f"learner.micro_batches={batch // after}"]
+    if cfg.algorithm.off_policy:  # micro_batches are also each gradient step's passes there:
+        # the steps a version (utd x a learner's collected steps, L/L' more each) stay too
+        kept.append(f"algorithm.utd={cfg.algorithm.utd * after / before:g}")
+    return kept
 
 
 def _main(argv=None) -> None:
@@ -204,6 +232,12 @@ def _main(argv=None) -> None:
     auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
     sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
                    "job's run; -1 when there is none").add_argument("run_root", type=Path)
+    named = sub.add_parser("job-run", help="the run a job's command names (run.resume), and on "
+                           "a line of its own the state of that run or else of the job's newest")
+    named.add_argument("run_root", type=Path)
+    named.add_argument("command", choices=("train", "sft"))
+    named.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
+    named.add_argument("overrides", nargs="*")
     every = sub.add_parser("checkpoint-every", help="the run's checkpoint interval (train: "
                            "learner.checkpoint_every, sft: sft.checkpoint_every): 0, and a "
                            "failed world has no checkpoint to restart from")
@@ -225,8 +259,13 @@ def _main(argv=None) -> None:
             raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
         return
     try:
-        cfg = load_config(*config_argument(args.config, args.overrides))
-        if args.what == "checkpoint-every":
+        config, overrides = config_argument(args.config, args.overrides)
+        if config is None:  # `train run.resume=RUN`: the run's own, as hpcvla train reads it
+            config = resumed_run_config(overrides)
+        cfg = load_config(config, overrides)
+        if args.what == "job-run":
+            print("\n".join(job_run(cfg, args.command, args.run_root)))
+        elif args.what == "checkpoint-every":
             print(cfg.sft.checkpoint_every if args.command == "sft" else
                   cfg.learner.checkpoint_every)
         elif args.what == "auto":
@@ -239,7 +278,7 @@ def _main(argv=None) -> None:
                 fit += batch_keeping_overrides(cfg, fit, args.from_world, args.world,
                                                args.ranks_per_node)
             print(" ".join(fit))
-    except (ConfigError, PlanError) as err:
+    except (ConfigError, PlanError, CheckpointError) as err:
         raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")
 
 

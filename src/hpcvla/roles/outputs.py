@@ -7,6 +7,7 @@ lists every start of a resumed run with its headline figures (`starts`)."""
 from __future__ import annotations
 
 import json
+import shlex
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -99,6 +100,8 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
     still being written. The last one is complete when save returns."""
     from hpcvla.checkpoint import store  # torch: here, on the learners, not on every rank
     writer = store.Writer(cfg.learner.checkpoint_background)
+    # what every learner trains a version together (catalog.batch_change reads it back)
+    batch = learners.Get_size() * cfg.learner.micro_batch * cfg.learner.micro_batches
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
         writer.check()  # the last checkpoint's write, if it failed
@@ -106,7 +109,8 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
         if every >= 0 and (last or (every and version % every == 0)):
             with timeline.span("checkpoint"):
                 writer.save(run_dir, engine, weights, version,  # [dist] the learners
-                            {"trained_env_steps": progress.steps, **counters()}, learners,
+                            {"trained_env_steps": progress.steps, "version_segments": batch,
+                             **counters()}, learners,
                             keep=cfg.learner.checkpoint_keep, wait=last)
     return save
 
@@ -195,8 +199,9 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print(f"[hpcvla] done: {steps} env steps in {active:.1f} s = "
           f"{result['env_steps_per_s']:.0f} env steps/s | success "
           f"{figure(result['success_rate'])} (the learners' last {window} episodes) | "
-          f"trained segments by staleness {{{lags}}}\n[hpcvla] run directory: {run_dir} "
-          f"(next: hpcvla eval {run_dir})", flush=True)
+          f"trained segments by staleness {{{lags}}}\n[hpcvla] run directory: {run_dir}"
+          + ("" if result["preempted"] else f" (next: hpcvla eval {shlex.quote(str(run_dir))})"),
+          flush=True)
     return result
 
 

@@ -196,6 +196,10 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
               f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
+        changed = catalog.batch_change(saved, len(plan.learners), cfg.learner.micro_batch,
+                                       cfg.learner.micro_batches)
+        if changed:
+            print(f"[hpcvla] warning: {changed}", flush=True)
     return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
                 device, on_gpus, timeline, progress, resume, first, summary, shard_envs)
 
