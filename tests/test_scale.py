@@ -125,7 +125,7 @@ def test_cli_plan_auto(capsys):
     assert isinstance(out["runner_ups"], list) and out["runner_ups"]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "env steps/s" in text and "bottleneck" in text and "runner-ups" in text
+    assert "env steps/s" in text and "bottleneck" in text and "runners-up" in text
     assert [row["max_staleness"] for row in out["looser_staleness"]] == [2, 3]  # default 1
     assert "under a looser staleness bound" in text
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from hpcvla.config.families import family
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
@@ -97,7 +99,7 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
     fp = footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len, envs, on_gpus)
     replay, prior = replay_bytes(cfg.algorithm, spec)
     memory = layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement), replay,
-                           prior)
+                           prior, version_bytes(cfg, spec))
     if replay:
         memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
                                            shared_memory_free())
@@ -130,6 +132,18 @@ def memory_problems(cfg, plan) -> list[tuple[str, object, str]]:
             not cfg.algorithm.off_policy:
         return []
     return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems
+
+
+def version_bytes(cfg, spec) -> int:
+    """What an on-policy learner holds of a version until it ends (roles/learner.learn keeps
+    every micro-batch for its later epochs): learner.micro_batch x micro_batches segments of
+    rollout.segment_len steps, each an observation and its chunk of actions (the smaller
+    fields, log-probs, values, rewards, left out). Off-policy learners: their replay."""
+    if cfg.algorithm.off_policy or spec is None:
+        return 0
+    step = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+               for shape, dtype in spec.obs.values()) + 4 * spec.chunk_len * spec.action_dim
+    return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len * step
 
 
 def replay_bytes(alg, spec) -> tuple[int, int]:
@@ -235,11 +249,12 @@ def gpu_capacity_gib(placement) -> float:
 
 
 def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
-                  replay: int = 0, prior: int = 0) -> LayoutMemory:
+                  replay: int = 0, prior: int = 0, version: int = 0) -> LayoutMemory:
     """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
     (footprint.policy_footprint at the config's micro-batch and inference batch); `replay`:
     each learner's replay buffer, `prior` each node's one copy of RLPD's prior data, held by
-    its first learner (replay_bytes)."""
+    its first learner (replay_bytes); `version`: what a learner holds of a version
+    (version_bytes)."""
     learners = len(plan.learners)
     # where parameters are frozen, versions after the first cross packed (transport/weights.py):
     # every node leader but the root (it packs into its staging buffers) receives them into a
@@ -278,6 +293,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
             if replay:
                 add(host[info.rank], "replay buffers", replay)
+            if version:
+                add(host[info.rank], "a version's segments", version)
             if prior and not any(PRIOR in host[r] for r in host if node[r] == info.node):
                 add(host[info.rank], PRIOR, prior)
         if info.rank == plan.weight_root:
