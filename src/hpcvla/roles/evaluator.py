@@ -13,7 +13,8 @@ each report naming its version. A stop signal ends the evaluation in progress at
 batch and starts none (the last version's neither): the job's lead time is for the checkpoint.
 
 Colocated (`between_versions`): after each due version every rank runs its share of the
-batches with its acting copy of the policy, gathered on rank 0; training waits for it.
+batches with its acting copy of the policy, gathered on rank 0; training waits for it. A stop
+signal, agreed on by every rank before each round of batches, ends it there alike.
 """
 
 from __future__ import annotations
@@ -160,11 +161,15 @@ def between_versions(setup: RoleSetup, held_out: HeldOut,
         if stopped or not (version % every == 0 or last):
             return
         films = video_dir(cfg, run_dir, version, evaluated[-1] if evaluated else None)
+        try:
+            with timeline.span("evaluate"):  # a stop, agreed on by all, ends it between rounds
+                episodes, videos = held_out.run(deterministic, comm.Get_rank(),
+                                                comm.Get_size(), films,
+                                                stop=lambda: preempt.agreed(comm))  # [dist]
+                parts = comm.gather((episodes, videos), root=0)  # [dist]
+        except EvaluationStopped:
+            return
         evaluated.append(version)
-        with timeline.span("evaluate"):
-            episodes, videos = held_out.run(deterministic, comm.Get_rank(), comm.Get_size(),
-                                            films)
-            parts = comm.gather((episodes, videos), root=0)  # [dist]
         if comm.Get_rank() == 0:
             assert parts is not None  # the root's gather
             filmed = sorted(v for _, vs in parts for v in vs)

@@ -106,15 +106,19 @@ class HeldOut:
             ) -> tuple[list[Episode], list[str]]:
         """This rank's batches, one episode per state: their Episodes and the videos written
         (to `video_dir`, where the batch holds a filmed state). Raises EvaluationStopped
-        where `stop()` says so before a batch (a stop signal: the job's lead time is its
-        checkpoint's, not an evaluation's)."""
+        where `stop()` says so before a round of batches (a stop signal: the job's lead time
+        is its checkpoint's, not an evaluation's); every rank asks it as often, its own batch
+        in the round or none (a collective `stop` agrees among them)."""
         mine: list[Episode] = []
         videos: list[str] = []
         devices = [self.policy.device] if self.policy.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            for first in range(rank * self.envs, len(self.ids), ranks * self.envs):
+            for round_ in range(-(-len(self.ids) // (ranks * self.envs))):
                 if stop is not None and stop():
                     raise EvaluationStopped
+                first = (round_ * ranks + rank) * self.envs
+                if first >= len(self.ids):
+                    continue
                 torch.manual_seed(int(np.random.SeedSequence([self.seed, first])
                                       .generate_state(1)[0]))
                 outcomes, frames = _run_batch(self.env, self.policy,
