@@ -16,15 +16,16 @@ import pytest
 from helpers import ROOT, hpcvla, progress_version, run_train
 
 EVERY, VIDEO_EVERY, VERSIONS, EPISODES, ENVS = 3, 6, 7, 16, 4
+# where the held-out states are evaluated: a rank set aside (the streamer), or every rank
+# between versions (colocated)
+LAYOUTS = [(5, ("placement.per_node={simulator: 2, inference: 1, learner: 2}",
+                "placement.evaluators=1")),
+           (2, ("placement.mode=colocated", "pipeline.mode=sync-colocated"))]
 
 
 @pytest.mark.mpi
 @pytest.mark.slow  # a training run and `hpcvla eval` after it, ~15 s each case
-@pytest.mark.parametrize("ranks,layout", [
-    (5, ("placement.per_node={simulator: 2, inference: 1, learner: 2}",
-         "placement.evaluators=1")),
-    (2, ("placement.mode=colocated", "pipeline.mode=sync-colocated")),
-], ids=["evaluator-rank", "colocated"])
+@pytest.mark.parametrize("ranks,layout", LAYOUTS, ids=["evaluator-rank", "colocated"])
 def test_training_evaluates_the_held_out_states_every_few_versions(tmp_path, ranks, layout):
     from hpcvla.metrics.tensorboard import read_scalars
     from hpcvla.metrics.video import read_video
@@ -78,11 +79,7 @@ def test_training_evaluates_the_held_out_states_every_few_versions(tmp_path, ran
 
 @pytest.mark.mpi
 @pytest.mark.slow  # one training run, stopped in its second version's evaluation (~10-20 s)
-@pytest.mark.parametrize("ranks,layout", [
-    (5, ("placement.per_node={simulator: 2, inference: 1, learner: 2}",
-         "placement.evaluators=1")),
-    (2, ("placement.mode=colocated", "pipeline.mode=sync-colocated")),
-], ids=["evaluator-rank", "colocated"])
+@pytest.mark.parametrize("ranks,layout", LAYOUTS, ids=["evaluator-rank", "colocated"])
 def test_a_stop_signal_ends_the_evaluation_in_progress_not_after_it(tmp_path, ranks, layout):
     """A stop signal while the held-out states are evaluated (1,000 episodes, one at a time on
     each evaluating rank, 5 ms a step: ~10 s here) ends that evaluation at its next batch

@@ -155,20 +155,20 @@ def test_a_restart_on_fewer_learners_keeps_the_versions_batch():
     experiment), or none where no whole number keeps the batch."""
     nodes_of = ["placement.per_node={simulator: 2, inference: 2, learner: 0}"]
     cfg = load_config(ROOT / "configs/learner_nodes.yaml", nodes_of)
-    fit = restarts.fitting_overrides(cfg.placement, 8, 4)  # 4 learners -> 2
-    kept = restarts.batch_keeping_overrides(cfg, fit, 12, 8, 4)
+    assert restarts.fitting_overrides(cfg.placement, 8, 4) == ["placement.learners=2"]
+    kept = restarts.batch_keeping_overrides(cfg, 12, 8, 4)  # 4 learners -> 2
     assert kept == [f"learner.micro_batches={2 * cfg.learner.micro_batches}"]
-    assert restarts.batch_keeping_overrides(cfg, [], 12, 12, 4) == []  # nothing lost
+    assert restarts.batch_keeping_overrides(cfg, 12, 12, 4) == []  # nothing lost
     colocated = load_config(ROOT / "configs/colocated.yaml", ["learner.micro_batches=3"])
-    assert restarts.batch_keeping_overrides(colocated, [], 4, 2, 1) == [
+    assert restarts.batch_keeping_overrides(colocated, 4, 2, 1) == [
         "learner.micro_batches=6"]  # every rank learns: 4 -> 2
     sac = load_config(ROOT / "configs/colocated.yaml", ["algorithm.name=sac",
                                                         "learner.micro_batches=1"])
-    assert restarts.batch_keeping_overrides(sac, [], 4, 2, 1) == [
+    assert restarts.batch_keeping_overrides(sac, 4, 2, 1) == [
         "learner.micro_batches=2", f"algorithm.utd={sac.algorithm.utd / 2:g}"]  # steps kept
     with pytest.raises(PlanError, match=r"2 learner\(s\) left of 3: .* continue the run on an "
                                         r"allocation of 3 ranks"):
-        restarts.batch_keeping_overrides(colocated, [], 3, 2, 1)  # 9 micro-batches on 2
+        restarts.batch_keeping_overrides(colocated, 3, 2, 1)  # 9 micro-batches on 2
 
 
 def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():

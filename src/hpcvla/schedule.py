@@ -166,6 +166,13 @@ def eligible(queued: Iterable[T], starts_segment: Callable[[T], bool], envs: int
     return ok
 
 
+def micro_batches_for(segments: int, learners: int, micro_batch: int) -> int | None:
+    """The learner.micro_batches with which `learners` train `segments` a version together
+    (each learner micro_batch x micro_batches); None where no whole number does."""
+    share, rest = divmod(segments, learners * micro_batch)
+    return share if share and not rest else None
+
+
 def producer_quota(cfg: ScheduleSettings, plan: RankPlan, producer: int) -> int:
     """Segments per policy version a producer contributes to its learner's batch."""
     batch = cfg.learner.micro_batch * cfg.learner.micro_batches

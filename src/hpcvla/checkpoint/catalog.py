@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from hpcvla.schedule import micro_batches_for
+
 # 1: optimizer state as ZeRO's flat partitions (its weights still load); 2: by parameter
 # name; 3: as 2, state.json sealed (its sha256 required: a damaged key name cannot drop it)
 FORMAT = 3
@@ -206,7 +208,7 @@ def batch_change(state: dict, learners: int, micro_batch: int, micro_batches: in
     now = learners * micro_batch * micro_batches
     if then is None or then == now:
         return None
-    keep = then // (learners * micro_batch) if then % (learners * micro_batch) == 0 else None
+    keep = micro_batches_for(then, learners, micro_batch)
     return (f"a version now trains {now} segments ({learners} learner(s) x learner.micro_batch "
             f"{micro_batch} x micro_batches {micro_batches}), the run's checkpoint {then}"
             + (f": learner.micro_batches={keep} keeps it" if keep else ""))

@@ -64,6 +64,7 @@ from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_stat
 from hpcvla.config import (ConfigError, config_argument, last_run_config, load_config,
                            resumed_run_config)
 from hpcvla.metrics import restart_log
+from hpcvla.schedule import micro_batches_for
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 
@@ -94,11 +95,13 @@ def stopped_run(run_root: Path) -> Path | None:
     (summary.json's `preempted`, its newest checkpoint, if any, short of the end: a signal in
     the teardown after the last checkpoint stopped nothing), else None."""
     run = newest_run(run_root)
+    if run is None:
+        return None
     try:
-        summary = json.loads((run / "summary.json").read_text()) if run is not None else {}
+        summary = json.loads((run / "summary.json").read_text())
     except (OSError, ValueError):
         return None
-    short = latest(run) is None or resumable_run(run) is not None if run is not None else False
+    short = latest(run) is None or resumable_run(run) is not None
     return run if isinstance(summary, dict) and summary.get("preempted") and short else None
 
 
@@ -108,12 +111,11 @@ def job_run(cfg, command: str, run_root: Path) -> tuple[str, str]:
     pipeline.total_updates), of that run or else of the newest under the job's `run_root`:
     '' (no run), `none` (no checkpoint), `resumable` or `complete`."""
     named = str(cfg.run.resume or "")
-    run = Path(named) if named else newest_run(run_root)
-    point = latest(run) if run is not None and run.is_dir() else None
+    where = Path(named) if named else run_root
+    version = newest_version(where)
     end = cfg.sft.steps if command == "sft" else cfg.pipeline.total_updates
-    state = "" if run is None else "none" if point is None else \
-        "resumable" if read_state(point)["version"] < end else "complete"
-    return named, state
+    state = "none" if version < 0 else "resumable" if version < end else "complete"
+    return named, state if named or newest_run(where) is not None else ""
 
 
 def newest_version(run_root: Path) -> int:
@@ -153,13 +155,13 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
     return entry
 
 
-def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
-    """The overrides that make `placement` fit `world` ranks in nodes of `ranks_per_node`:
-    none when it fits as it is; `placement.learners=P` when only the learners outnumbering the
-    P producers stand in the way. Raises the plan's PlanError when neither fits."""
+def fitted_placement(placement, world: int, ranks_per_node: int):
+    """`placement` made to fit `world` ranks in nodes of `ranks_per_node`: itself when it fits
+    as it is; with placement.learners=P when only the learners outnumbering the P producers
+    stand in the way. Raises the plan's PlanError when neither fits."""
     try:
         plan_from_config(placement, world, ranks_per_node)
-        return []
+        return placement
     except PlanError as err:
         if placement.mode != "disaggregated":
             raise
@@ -167,36 +169,41 @@ def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
     try:  # as many learners as there are producers, if that is what is missing
         cells = len(plan_from_config(dataclasses.replace(placement, learners=1), world,
                                      ranks_per_node).cells)
-        plan_from_config(dataclasses.replace(placement, learners=cells), world, ranks_per_node)
+        fitted = dataclasses.replace(placement, learners=cells)
+        plan_from_config(fitted, world, ranks_per_node)
     except PlanError:
         raise reason from None
-    return [f"placement.learners={cells}"]
+    return fitted
 
 
-def batch_keeping_overrides(cfg, fit: list[str], from_world: int, world: int,
-                            ranks_per_node: int) -> list[str]:
-    """`learner.micro_batches=K` where the restart's `fit` leaves fewer learners than the
-    failed world of `from_world` ranks had: each learner trains micro_batch x micro_batches
+def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
+    """fitted_placement as overrides: none, or `placement.learners=P`."""
+    fitted = fitted_placement(placement, world, ranks_per_node)
+    return [] if fitted == placement else [f"placement.learners={fitted.learners}"]
+
+
+def batch_keeping_overrides(cfg, from_world: int, world: int, ranks_per_node: int) -> list[str]:
+    """`learner.micro_batches=K` where the restart's fitted placement leaves fewer learners
+    than the failed world of `from_world` ranks had: each learner trains micro_batch x micro_batches
     segments a version, so the version's batch would shrink with them (a different
     experiment: the same learning rate on fewer samples). K keeps it, and with it every
     producer's share; under sac/rlpd, where K is also each gradient step's passes, so does
     algorithm.utd x (learners left / before): the gradient steps a version and their batch
     stay. Raises PlanError where no whole K does."""
-    placement = cfg.placement
-    for override in fit:  # placement.learners=P, the only one fitting_overrides gives
-        placement = dataclasses.replace(placement, learners=int(override.split("=")[1]))
+    placement = fitted_placement(cfg.placement, world, ranks_per_node)
     before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
     after = len(plan_from_config(placement, world, ranks_per_node).learners)
-    batch = before * cfg.learner.micro_batches
     if after == before:
         return []
-    if batch % after:
+    micro_batches = micro_batches_for(before * cfg.learner.micro_batch *
+                                      cfg.learner.micro_batches, after, cfg.learner.micro_batch)
+    if micro_batches is None:
         raise PlanError(f"{after} learner(s) left of {before}: the version's batch ({before} x "
                         f"learner.micro_batch {cfg.learner.micro_batch} x micro_batches "
                         f"{cfg.learner.micro_batches} segments) is no whole number of "
                         f"micro-batches on each; continue the run on an allocation of "
                         f"{from_world} ranks (run.resume=)")
-    kept = [f"learner.micro_batches={batch // after}"]
+    kept = [f"learner.micro_batches={micro_batches}"]
     if cfg.algorithm.off_policy:  # micro_batches are also each gradient step's passes there:
         # the steps a version (utd x a learner's collected steps, L/L' more each) stay too
         kept.append(f"algorithm.utd={cfg.algorithm.utd * after / before:g}")
@@ -275,7 +282,7 @@ def _main(argv=None) -> None:
         else:
             fit = fitting_overrides(cfg.placement, args.world, args.ranks_per_node)
             if args.from_world:
-                fit += batch_keeping_overrides(cfg, fit, args.from_world, args.world,
+                fit += batch_keeping_overrides(cfg, args.from_world, args.world,
                                                args.ranks_per_node)
             print(" ".join(fit))
     except (ConfigError, PlanError, CheckpointError) as err:

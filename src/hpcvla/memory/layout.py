@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
 from hpcvla.config.families import family
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import GIB, inference_bytes, learner_bytes, offloaded_bytes, size
@@ -137,13 +135,14 @@ def memory_problems(cfg, plan) -> list[tuple[str, object, str]]:
 def version_bytes(cfg, spec) -> int:
     """What an on-policy learner holds of a version until it ends (roles/learner.learn keeps
     every micro-batch for its later epochs): learner.micro_batch x micro_batches segments of
-    rollout.segment_len steps, each an observation and its chunk of actions (the smaller
-    fields, log-probs, values, rewards, left out). Off-policy learners: their replay."""
+    rollout.segment_len steps, each an observation and its chunk of actions, as a
+    demonstration sample holds them (demonstrations.sample_bytes; log-probs, values and
+    rewards left out). Off-policy learners: their replay."""
     if cfg.algorithm.off_policy or spec is None:
         return 0
-    step = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-               for shape, dtype in spec.obs.values()) + 4 * spec.chunk_len * spec.action_dim
-    return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len * step
+    from hpcvla.demonstrations import sample_bytes
+    return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len * \
+        sample_bytes(spec)
 
 
 def replay_bytes(alg, spec) -> tuple[int, int]:
