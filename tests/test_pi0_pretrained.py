@@ -129,6 +129,24 @@ def test_policy_denoise_from_noise_acts_from_a_drawn_start_in_the_envs_units():
                               atol=1e-3)
 
 
+@pytest.mark.parametrize("family", ["pi0", "pi05"])
+def test_chain_mode_on_a_published_folder_scores_what_it_sampled(family):
+    """policy.logprob_mode=chain on the fixture's padded layout (a horizon of 10 actions of 32
+    dims, 5 x 7 executed): the chain is recorded in the model's space, the executed chunk comes
+    out in the env's units, and evaluate maps it back and replays the chain to act's log-prob
+    (the behaviour weight of a version-0 step is 1)."""
+    io, tasks = fixture(family)
+    obs, spec = raw_observation(io, tasks)
+    policy = build_policy(config(FIXTURES / family / "lerobot", **{
+        "policy.logprob_mode": "chain", "policy.denoise_steps": 3}), spec)
+    torch.manual_seed(0)
+    out, extras = policy.sample(obs)
+    assert extras["flow_chain"].shape == (2, 3, 10, 32) and out.actions.shape == (2, EXECUTED, 7)
+    logprob = policy.evaluate({**obs, **extras}, out.actions)[0]
+    torch.testing.assert_close(logprob, out.logprob, rtol=0, atol=1e-3)
+    assert torch.isfinite(logprob).all()
+
+
 def test_sft_supervises_the_checkpoints_whole_action_horizon():
     """openpi and LeRobot fine-tune π0 on every step of its action horizon (10 here), not
     just the chunk the env executes (5): hpcvla sft reads that many demonstrated actions per

@@ -546,9 +546,60 @@ def test_a_padded_long_horizon_checkpoint_runs_the_env_chunk(tmp_path):
     assert out.actions.shape == (3, spec.chunk_len, spec.action_dim)
     logprob, _, _ = policy.evaluate(obs, out.actions)
     torch.testing.assert_close(logprob, out.logprob, rtol=1e-5, atol=1e-4)
-    with pytest.raises(ValueError, match="chain.*must then be the env's"):
-        make_policy("flow", spec.obs, spec.action_dim, spec.chunk_len, len(spec.vocab),
-                    logprob_mode="chain", model_dims=dims)
+
+
+def test_a_padded_chain_is_noisy_and_scored_on_the_executed_entries_only():
+    """Chain mode on π0's padded layout (a horizon of 6 actions of 5 dims, the env's 4 x 3
+    executed): noise enters the executed entries alone, the rest of each state is the
+    deterministic mean; the path's log-prob given x_0 is exact under other weights too, the
+    rest recomputed with them (a definition written here with masks), which scoring the
+    recorded rest would miss."""
+    K, B = 3, 4
+    dims = {"horizon": 6, "action_dim": 5, "state_dim": 9}
+    policy = make("flow-chain", denoise_steps=K, model_dims=dims)
+    obs = make_obs(SPEC, B)
+    out, scored = sample(policy, obs)
+    chain = scored["flow_chain"]
+    assert chain.shape == (B, K, 6, 5) and out.actions.shape == (B, CHUNK, ACTION_DIM)
+    executed = torch.zeros(6, 5, dtype=torch.bool)
+    executed[:CHUNK, :ACTION_DIM] = True
+    std = policy.log_std.detach().exp() / K ** 0.5
+
+    def path_logprob(rest_from_weights: bool):
+        state = torch.nn.functional.pad(obs["state"], (0, 2))
+        cache, pad, _ = policy._encode(obs)
+        x, total = chain[:, 0], torch.zeros(B)
+        for k in range(K):
+            velocity, _ = policy._velocity(cache, pad, state, x, torch.full((B,), 1 - k / K))
+            mean = x - velocity / K
+            taken = out.actions if k == K - 1 else chain[:, k + 1, :CHUNK, :ACTION_DIM]
+            total += Normal(mean[:, :CHUNK, :ACTION_DIM], std).log_prob(taken).sum((1, 2))
+            if k < K - 1:
+                rest = mean if rest_from_weights else chain[:, k + 1]
+                x = torch.where(executed, chain[:, k + 1], rest)
+        return total
+
+    def means():  # each recorded state's next mean under the policy's weights
+        state = torch.nn.functional.pad(obs["state"], (0, 2))
+        cache, pad, _ = policy._encode(obs)
+        return [chain[:, k] - policy._velocity(cache, pad, state, chain[:, k],
+                                               torch.full((B,), 1 - k / K))[0] / K
+                for k in range(K)]
+
+    with torch.no_grad():
+        for k, mean in enumerate(means()[:-1]):  # the unexecuted entries moved without noise
+            torch.testing.assert_close(torch.where(executed, 0, chain[:, k + 1]),
+                                       torch.where(executed, 0, mean))
+            assert (chain[:, k + 1] - mean)[:, :CHUNK, :ACTION_DIM].abs().min() > 0
+        torch.testing.assert_close(out.logprob, path_logprob(True), atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(path_logprob(True), path_logprob(False), atol=1e-5,
+                                   rtol=1e-6)  # the recorded rest is the behaviour weights'
+        for p in policy.action_in_proj.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        exact, recorded_rest = path_logprob(True), path_logprob(False)
+    assert (exact - recorded_rest).abs().max() > 1e-3  # the rest matters under new weights
+    torch.testing.assert_close(policy.evaluate(scored, out.actions)[0].detach(), exact,
+                               atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.mpi

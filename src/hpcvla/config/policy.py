@@ -63,7 +63,9 @@ class PolicyConfig:
         "exact, cheap). `chain`: every step, from x_0 ~ N(0, I), as πRL's flow-SDE/ReinFlow: "
         "the policy samples like the pretrained sampler, the pipeline records the whole "
         "denoising chain with every step (segments, ring, dumps: K x H x D floats per env "
-        "and step) and scores all K transitions.", choices=("last_step", "chain"))
+        "and step, the model's padded H x D for a published π0) and scores all K "
+        "transitions. With padded dims the noise enters the executed entries alone (the rest "
+        "follows the mean, as trained).", choices=("last_step", "chain"))
     denoise_from: str = setting(
         "zero", "`flow`: where acting without exploration noise (`hpcvla eval "
         "--deterministic`, eval.deterministic, `demos --deterministic`) starts denoising. "

@@ -27,8 +27,8 @@ ReinFlow, Flow-GRPO and πRL's flow-noise/flow-SDE do), sigma = exp(log_std) lea
   out), which needs the whole chain: `sample(obs)` returns it as extras["flow_chain"]
   (B, K, H, D) = x_0..x_{K-1} (x_K is the returned chunk), and `evaluate` reads it from
   obs["flow_chain"]. The pipeline records the extras with every step (segments, ring,
-  dumps), so chain mode trains end to end. In this mode evaluate scores all K steps in one
-  expert pass (the states are given).
+  dumps), so chain mode trains end to end. evaluate replays the chain step by step from
+  its x_0, each step's noisy entries as recorded.
 
 Published π0/π0.5 folders (policies/folders.py, `policy.pretrained`): the variant, padded
 dims, horizon and every size (`paligemma_size`) come from the checkpoint; its prompt and
@@ -50,12 +50,11 @@ reads the prefix alone.
 Model dimensions (`model_dims`, read from a checkpoint by policies/folders.py): a published
 π0 predicts a horizon of H_m actions (50) of D_m padded dims (32) and reads a state padded
 to 32; the env executes the first chunk_len actions' first action_dim dims (RLinf: 5 of 50).
-The state is zero-padded in; the denoising runs on the whole (H_m, D_m) chunk; in last_step
-mode only the executed part's last step is noisy and scored: the step is Gaussian per entry,
-so the executed part's log-prob is exactly its marginal, and the unexecuted tail and padded
-dims are the deterministic mean, never executed, sampled or scored (they still move with the
-shared weights RL trains). Chain mode scores every entry of every step, so it needs model
-dims equal to the env's.
+The state is zero-padded in; the denoising runs on the whole (H_m, D_m) chunk; noise enters
+the executed part alone, the only part scored; the rest follows the deterministic mean (as
+trained: openpi pads with zeros). last_step's log-prob is the executed part's exact marginal;
+chain's is exact given x_0, evaluate recomputing the rest of each state with the weights it
+scores (RLinf's flow-SDE noises every entry and drops the unexecuted ones' factors).
 
 Value: an MLP on the mean of the prefix's last hidden states, concatenated with the expert's
 output at the state token (which depends on neither t nor x). `train_expert_only` freezes
@@ -131,7 +130,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         if denoise_steps < 1:
             raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
         parts = resolve_size("flow", size, obs_spec, vocab_size)
-        dims = self._model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode)
+        dims = self._model_dims(obs_spec, action_dim, chunk_len, model_dims)
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                     dict(size=parts, denoise_steps=denoise_steps, denoise_from=denoise_from,
                          logprob_mode=logprob_mode, train_expert_only=train_expert_only,
@@ -187,7 +186,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
                                  init_temperature, noise_obs)
 
     @staticmethod
-    def _model_dims(obs_spec, action_dim, chunk_len, model_dims, logprob_mode) -> dict:
+    def _model_dims(obs_spec, action_dim, chunk_len, model_dims) -> dict:
         """The model's horizon, action and state dims (module docstring): the env's unless
         `model_dims` pads them."""
         env = {"horizon": chunk_len, "action_dim": action_dim,
@@ -197,9 +196,6 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
             if dims[key] < value:
                 raise ValueError(f"flow model_dims: {key} {dims[key]} is smaller than the "
                                  f"env's {value}; the model must cover what the env uses")
-        if logprob_mode == "chain" and dims != env:
-            raise ValueError(f"flow logprob_mode='chain' scores every entry of the model's "
-                             f"chunk, which must then be the env's: model {dims}, env {env}")
         return dims
 
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
@@ -366,50 +362,54 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
                 state_out = out
             chain.append(x)
             mean = x - velocity / K
-            if k == K - 1:  # what the env executes (the whole chunk unless padded)
-                mean = mean[:, :H, :D]
-            noisy = self.logprob_mode == "chain" or k == K - 1
-            x = mean + log_std.exp() * torch.randn_like(mean) \
-                if noisy and not deterministic else mean
-            if noisy:
-                terms = terms + _gaussian(x, mean, log_std)
+            if self.logprob_mode == "chain" or k == K - 1:  # noise on the executed entries
+                executed = mean[:, :H, :D]
+                drawn = executed if deterministic else \
+                    executed + log_std.exp() * torch.randn_like(executed)
+                terms = terms + _gaussian(drawn, executed, log_std)
+                mean = drawn if k == K - 1 else _with_executed(mean, drawn)
+            x = mean
         extras = {"flow_chain": torch.stack(chain, dim=1)} if self.logprob_mode == "chain" else {}
         return x, terms, self._value(pooled, state_out), extras
 
     def _score(self, obs, actions):
+        """The denoising replayed with gradients from x_0 (0, or chain's recorded one), chain's
+        executed entries set to the recorded ones after each step, the rest recomputed."""
         cache, pad, pooled = self._encode(obs)
         state = self._padded_state(obs)
         B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
-        actions = actions.float()
         log_std = self._sigma()
-        if self.logprob_mode == "last_step":
-            x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
-            for k, t in enumerate(self._times(B, pad.device)):
-                velocity, out = self._expert_pass(cache, pad, state, x, t)
-                if k == 0:  # the value head reads the state features of the first step
-                    state_out = out
-                x = x - velocity / K
-            terms = _gaussian(actions, x[:, :H, :D], log_std)
-        else:
+        x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
+        if self.logprob_mode == "chain":
             if "flow_chain" not in obs:
                 raise KeyError("logprob_mode='chain' scores the denoising chain: pass "
                                "obs['flow_chain'] (B, K, H, D) as sample() returned it in "
                                "extras, or use logprob_mode='last_step'")
-            chain = obs["flow_chain"].float()  # x_0 .. x_{K-1}
             log_std = log_std - 0.5 * math.log(K)
-            # all K steps in one expert pass: the chain's states are given
-            t = torch.stack(self._times(B, pad.device), dim=1).reshape(B * K)
-            velocity, out = self._expert_pass(cache.repeat(K), pad.repeat_interleave(K, dim=0),
-                                              None if state is None else
-                                              state.repeat_interleave(K, dim=0),
-                                              chain.reshape(B * K, *chain.shape[2:]), t)
-            state_out = None if out is None else out.reshape(B, K, -1)[:, 0]
-            means = chain - velocity.reshape(chain.shape) / K
-            targets = torch.cat([chain[:, 1:], actions[:, None]], dim=1)
-            terms = _gaussian(targets, means, log_std).sum(dim=1)
+            recorded = obs["flow_chain"].float()  # x_0 .. x_{K-1}
+            x = recorded[:, 0]
+        terms = torch.zeros(B, H, D, device=pad.device)
+        for k, t in enumerate(self._times(B, pad.device)):
+            velocity, out = self._expert_pass(cache, pad, state, x, t)
+            if k == 0:  # the value head reads the state features of the first step
+                state_out = out
+            x = x - velocity / K
+            if k == K - 1:
+                terms = terms + _gaussian(actions.float(), x[:, :H, :D], log_std)
+            elif self.logprob_mode == "chain":
+                taken = recorded[:, k + 1, :H, :D]
+                terms = terms + _gaussian(taken, x[:, :H, :D], log_std)
+                x = _with_executed(x, taken)
         steps = K if self.logprob_mode == "chain" else 1
         entropy = (steps * (log_std + 0.5 + _LOG_SQRT_2PI)).expand_as(terms)
         return terms, entropy, self._value(pooled, state_out)
+
+
+def _with_executed(x, executed):
+    """x (B, H_m, D_m) with its first H actions' first D dims replaced by executed (B, H, D)."""
+    H, D = executed.shape[1:]
+    head = torch.cat([executed, x[:, :H, D:]], dim=2)
+    return torch.cat([head, x[:, H:]], dim=1)
 
 
 def _gaussian(x, mean, log_std):
