@@ -226,21 +226,24 @@ if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0}
         "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
 fi
 
-# The overrides (FIT) that lay the run out on the NP ranks of the nodes left by the config's
-# placement rules: fewer cells, and fewer learners (the others spare) where there are fewer
-# producers than learner ranks, each then training more micro-batches a version, so that a
-# version's batch stays that of the failed world of $1 ranks; then the whole plan checked
-# (`hpcvla plan`, memory included: LAYOUT). False, saying why, when nothing fits.
+# The overrides (FIT) that lay the run of command $1 out on the NP ranks of the nodes left.
+# train: by the config's placement rules: fewer cells, and fewer learners (the others spare)
+# where there are fewer producers than learner ranks, each then training more micro-batches a
+# version, so that a version's batch stays that of the failed world of $2 ranks; then the
+# whole plan checked (`hpcvla plan`, memory included: LAYOUT). sft: every rank a learner,
+# each training more micro-batches a step, the step's chunks the failed world's. False,
+# saying why, when nothing fits.
 fit_to_nodes() {
     local fit
     FIT=()
     LAYOUT=""
     if ! fit=$("$PYTHON" -m hpcvla.job.restarts fit "${COMMAND_ARGS[@]:1}" --world "$NP" \
-            --ranks-per-node "$PER_NODE" --from-world "$1" 2>&1); then
+            --ranks-per-node "$PER_NODE" --from-world "$2" --command "$1" 2>&1); then
         printf '%s\n' "$fit" >&2
         return 1
     fi
     read -ra FIT <<< "$fit"
+    [[ $1 == train ]] || return 0
     if ! LAYOUT=$("$PYTHON" -m hpcvla plan "${COMMAND_ARGS[@]:1}" "${FIT[@]}" \
             --world "$NP" --ranks-per-node "$PER_NODE" 2>&1); then
         printf '%s\n' "$LAYOUT" >&2
@@ -250,7 +253,7 @@ fit_to_nodes() {
 
 # A failed world (a rank or a node died; not a signal) is started again inside the allocation
 # up to HPCVLA_RESTARTS times: on the nodes that still start a process, with as many ranks per
-# node as before, laid out on them (train: fit_to_nodes, or the auto plan; sft: all learners),
+# node as before, laid out on them (fit_to_nodes, or train's auto plan),
 # continuing from the newest checkpoint (any learner count and ZeRO stage resumes it). Not
 # when the run has no checkpoint yet (a new world would start it over, in a new run
 # directory), nor when the failure recurs before a newer checkpoint exists: that is no node
@@ -326,9 +329,9 @@ while true; do
     FAILED_NP=$NP
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
-    # (sft: learners only, as many as there are; the auto plan: set_command lays them out)
-    if [[ $1 == train && -z ${HPCVLA_AUTOPLAN:-} ]]; then
-        if ! fit_to_nodes "$FAILED_NP"; then
+    # (the auto plan: set_command lays them out)
+    if [[ $1 == sft || -z ${HPCVLA_AUTOPLAN:-} ]]; then
+        if ! fit_to_nodes "$1" "$FAILED_NP"; then
             say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
             break
         fi

@@ -208,3 +208,7 @@ def test_a_resume_says_when_a_versions_batch_is_not_the_checkpoints():
     assert catalog.batch_change(state, 4, 16, 2) is None
     assert catalog.batch_change({"counters": {}}, 4, 16, 4) is None
     assert catalog.batch_change(state, 3, 16, 4).endswith("the run's checkpoint 128")
+    # sft's checkpoints record the chunks a step (`step_chunks`)
+    said = catalog.batch_change({"counters": {"step_chunks": 48}}, 3, 8, 1, "sft")
+    assert said == ("a step now trains 24 chunks (3 learner(s) x sft.batch_size 8 x "
+                    "micro_batches 1), the run's checkpoint 48: sft.micro_batches=2 keeps it")

@@ -257,6 +257,33 @@ def test_the_held_out_loss_is_every_held_out_steps_on_two_zero3_learners(tmp_pat
 
 
 @pytest.mark.mpi
+def test_micro_batches_on_one_learner_train_what_two_learners_do(tmp_path):
+    """sft.micro_batches (gradient accumulation, what a restart on fewer learners raises): one
+    learner in 2 passes of 4 chunks a step trains the chunks 2 learners of 4 do, to the same
+    weights, and its checkpoint records the step's 8 chunks."""
+    from hpcvla.evaluate import checkpoint_weights
+    demos = tmp_path / "demos.h5"
+    assert hpcvla("demos", "configs/default.yaml", "--episodes", 4, "--out",
+                  demos).returncode == 0
+    weights = []
+    for ranks, passes in ((2, 1), (1, 2)):
+        root = tmp_path / f"runs{ranks}"
+        out = hpcvla("sft", "configs/default.yaml", f"sft.demos={demos}", "sft.steps=3",
+                     "sft.batch_size=4", f"sft.micro_batches={passes}", f"run.root={root}",
+                     "--ranks", ranks, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        (run_dir,) = root.iterdir()
+        state = catalog.read_state(catalog.latest(run_dir))
+        assert state["counters"][catalog.SFT_COUNTER] == 24
+        assert state["counters"]["step_chunks"] == 8
+        weights.append(checkpoint_weights(run_dir)[0])
+    assert weights[0].keys() == weights[1].keys()
+    for name, value in weights[0].items():
+        np.testing.assert_allclose(weights[1][name], value, rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+@pytest.mark.mpi
 def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path):
     out = hpcvla("sft", "configs/libero_spatial.yaml", f"run.root={tmp_path}")
     assert out.returncode == 2 and "sft.demos" in out.stderr

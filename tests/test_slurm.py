@@ -251,13 +251,15 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
 def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, tmp_path):
     """jobs/slurm/sft.sbatch on 3 hosts, a learner each (one node-shared copy of the
     demonstrations per host); every process of h2 killed after a checkpoint: the job goes on
-    inside its allocation with the 2 learners of h0 and h1 from that checkpoint, each step now
-    16 chunks instead of 24, at the exact next chunk, and finishes."""
+    inside its allocation with the 2 learners of h0 and h1 from that checkpoint, at the exact
+    next chunk, each now in 3 passes of 4 chunks a step instead of 2, so a step keeps its 24
+    chunks, and finishes."""
     demos, steps = reach_demos(tmp_path / "demos.h5", 6), 600
     log, dead = tmp_path / "sft-restart.out", "h2"
     job = slurm3.sbatch(ROOT / "jobs/slurm/sft.sbatch", "configs/default.yaml",
-                        f"sft.demos={demos}", f"sft.steps={steps}", "sft.batch_size=8",
-                        "sft.checkpoint_every=50", "pipeline.progress_every_s=0.1",
+                        f"sft.demos={demos}", f"sft.steps={steps}", "sft.batch_size=4",
+                        "sft.micro_batches=2", "sft.checkpoint_every=50",
+                        "pipeline.progress_every_s=0.1",
                         options=["--output", log, "--nodes=3", "--ntasks-per-node=1"],
                         env=job_env(tmp_path, HPCVLA_END_GRACE_S="5"), cwd=ROOT)
     runs = tmp_path / "runs" / f"hpcvla-sft-{job}"
@@ -282,7 +284,8 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
         slurm3.wait_idle()
     assert f"dropped node(s): {dead}; 2 rank(s) on 2 node(s) (h0 h1), from SFT step " \
         in text, text[-4000:]
-    assert "written by 3 learners at ZeRO-1, re-partitioned onto 2 at ZeRO-1; 16 chunks a " \
+    assert "fewer producers or learners on the nodes left: sft.micro_batches=3" in text
+    assert "written by 3 learners at ZeRO-1, re-partitioned onto 2 at ZeRO-1; 24 chunks a " \
         "step)" in text.partition("restart 1/")[2], text[-4000:]
     run_dir = the_run(tmp_path / "runs")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -291,9 +294,8 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
     assert summary["steps"] == steps and summary["learners"] == 2 and resumed % 50 == 0
     assert restart["dropped_nodes"] == [dead] and restart["nodes"] == ["h0", "h1"]
     first, again = sft_worlds(run_dir, resumed)
-    assert all(r["trained_chunks"] == r["step"] * 24 for r in first)  # 3 learners
     assert [r["step"] for r in again] == list(range(resumed + 1, steps + 1))
-    assert all(r["trained_chunks"] == resumed * 24 + (r["step"] - resumed) * 16 for r in again)
+    assert all(r["trained_chunks"] == r["step"] * 24 for r in first + again)
 
 
 def visible_gpus(pid: int) -> str | None:

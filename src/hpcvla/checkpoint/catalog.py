@@ -198,20 +198,28 @@ def layout_change(state: dict, learners: int, zero_stage: int) -> str:
             f"re-partitioned onto {learners} at ZeRO-{zero_stage}")
 
 
-def batch_change(state: dict, learners: int, micro_batch: int, micro_batches: int) -> str | None:
-    """What a resume changes of a version's batch (`version_segments`, the segments all
-    learners train a version, which checkpoints record), for the log: None where nothing
-    does, or the checkpoint predates the record. A restart on fewer learners raised
-    learner.micro_batches to keep it; a later start on more, from the run's last config, would
-    train a larger batch without this line."""
-    then = state.get("counters", {}).get("version_segments")
+BATCH_NAMES = {  # the command's counter of a step's batch, its unit and its two settings
+    "train": ("version_segments", "a version", "segments", "learner.micro_batch",
+              "learner.micro_batches"),
+    "sft": ("step_chunks", "a step", "chunks", "sft.batch_size", "sft.micro_batches")}
+
+
+def batch_change(state: dict, learners: int, micro_batch: int, micro_batches: int,
+                 command: str = "train") -> str | None:
+    """What a resume changes of a version's batch (train's `version_segments`, the segments
+    all learners train a version; sft's `step_chunks`, which checkpoints record), for the log:
+    None where nothing does, or the checkpoint predates the record. A restart on fewer
+    learners raised the micro-batches to keep it; a later start on more, from the run's last
+    config, would train a larger batch without this line."""
+    counter, per, unit, each, passes = BATCH_NAMES[command]
+    then = state.get("counters", {}).get(counter)
     now = learners * micro_batch * micro_batches
     if then is None or then == now:
         return None
     keep = micro_batches_for(then, learners, micro_batch)
-    return (f"a version now trains {now} segments ({learners} learner(s) x learner.micro_batch "
-            f"{micro_batch} x micro_batches {micro_batches}), the run's checkpoint {then}"
-            + (f": learner.micro_batches={keep} keeps it" if keep else ""))
+    return (f"{per} now trains {now} {unit} ({learners} learner(s) x {each} {micro_batch} x "
+            f"{passes.partition('.')[2]} {micro_batches}), the run's checkpoint {then}"
+            + (f": {passes}={keep} keeps it" if keep else ""))
 
 
 def sha256(path: Path) -> str:

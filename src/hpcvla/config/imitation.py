@@ -24,11 +24,16 @@ class SFTConfig:
         False, "Only episodes that succeeded (this project's dumps record `success` per "
         "episode; ManiSkill's files too). Off: every episode, failures included.")
     steps: int = setting(
-        1000, "Optimizer steps of `hpcvla sft`, each on `batch_size` chunks per learner "
-        "(epochs over the data = steps x batch_size x learners / samples).", ge=1)
+        1000, "Optimizer steps of `hpcvla sft`, each on batch_size x micro_batches chunks per "
+        "learner (epochs over the data = steps x those x learners / samples).", ge=1)
     batch_size: int = setting(
-        64, "Demonstrated chunks per learner per optimizer step: larger is smoother and "
-        "slower per step.", ge=1)
+        64, "Demonstrated chunks per learner per forward/backward pass: larger is smoother "
+        "and slower per step; what a learner's memory holds at once.", ge=1)
+    micro_batches: int = setting(
+        1, "Forward/backward passes of batch_size chunks per learner per optimizer step "
+        "(gradient accumulation): a step trains batch_size x micro_batches x learners "
+        "chunks. A job's restart on fewer learners (jobs/launch.sh) raises it to keep a "
+        "step's chunks; a resume training another number says so.", ge=1)
     lr: float = setting(
         1e-3, "Adam learning rate of `hpcvla sft` (every parameter; the critic gets no "
         "gradient from imitation and stays as initialised): the peak of sft.schedule.", ge=0)

@@ -30,7 +30,8 @@ batch that overfills them ends the world with the figures and the settings that 
 
 Sampling: the steps take consecutive chunks of one sequence of per-epoch permutations of all
 samples, a pure function of run.seed: the step after c chunks were trained takes chunks c ..
-c + G - 1 (G = batch_size x learners), learner r its batch_size of them. Every sample is
+c + G - 1 (G = batch_size x micro_batches x learners), learner r its G / learners of them,
+in micro_batches passes (gradient accumulation). Every sample is
 trained once per epoch, on one learner, and a resumed run goes on at the exact next chunk
 (the checkpoint counts them), on as many learners as it now has.
 """
@@ -79,9 +80,10 @@ PER_RANK = ("rank", "host", "device", "dtype", "phases_s", "peak_memory", "plann
 
 
 def engine_config(cfg):
-    """The learners' settings for imitation: one chunk batch per optimizer step at sft.lr."""
+    """The learners' settings for imitation: sft.micro_batches passes of sft.batch_size chunks
+    per optimizer step, at sft.lr."""
     return replace(cfg, learner=replace(cfg.learner, micro_batch=cfg.sft.batch_size,
-                                        micro_batches=1),
+                                        micro_batches=cfg.sft.micro_batches),
                    algorithm=replace(cfg.algorithm, lr=cfg.sft.lr, critic_lr=cfg.sft.lr))
 
 
@@ -202,9 +204,14 @@ def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
               + "; ".join(changed), flush=True)
     if state:  # on another learner count each step trains another number of chunks
         stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
+        sft = cfg.sft
         print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "
               f"{catalog.layout_change(state, learners, stage)}; "
-              f"{cfg.sft.batch_size * learners} chunks a step)", flush=True)
+              f"{step_chunks(sft, learners)} chunks a step)", flush=True)
+        changed = catalog.batch_change(state, learners, sft.batch_size, sft.micro_batches,
+                                       "sft")
+        if changed:
+            print(f"[hpcvla sft] {changed}", flush=True)
     return RunLog(cfg, run_dir, state["version"] if state else 0 if cfg.run.resume else None)
 
 
@@ -239,11 +246,11 @@ def _train(cfg, engine, demos, held_out, first: int, trained: int, world, log, r
         with reminding(cfg.pipeline.stall_timeout_s, lambda waited, at=step + 1: (
                 f"hpcvla sft: rank {rank} has been in step {at} for {waited:.0f} s (waiting "
                 "for the other learners, or stuck itself)")):
-            index = batch_indices(samples, sft.batch_size, trained, rank, cfg.run.seed)
-            loss = _step(engine, demos, index, lr_at(sft, step))
+            index = batch_indices(samples, step_chunks(sft, 1), trained, rank, cfg.run.seed)
+            loss = _step(engine, demos, np.split(index, sft.micro_batches), lr_at(sft, step))
             history["losses"].append(world.allreduce(loss, op=MPI.SUM) / learners)  # [dist]
             history["lrs"].append(engine.optimizer.param_groups[0]["lr"])
-            done, trained = step + 1, trained + sft.batch_size * learners
+            done, trained = step + 1, trained + step_chunks(sft, learners)
             val = None
             if held_out is not None and (done == sft.steps or
                                          sft.val_every and done % sft.val_every == 0):
@@ -260,18 +267,27 @@ def _train(cfg, engine, demos, held_out, first: int, trained: int, world, log, r
     return history, done, trained
 
 
-def _step(engine, demos, index: np.ndarray, lr: float) -> float:
-    """One optimizer step on the chunks `index` at learning rate `lr`; its loss."""
-    obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
-    actions = torch.from_numpy(demos.actions[index]).to(engine.device)
-    real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: no loss
+def step_chunks(sft, learners: int) -> int:
+    """The chunks `learners` train together in a step."""
+    return sft.batch_size * sft.micro_batches * learners
+
+
+def _step(engine, demos, passes: list[np.ndarray], lr: float) -> float:
+    """One optimizer step at learning rate `lr`, a forward/backward pass on each `passes`'
+    chunks (the engine steps after the last); their mean loss."""
     for group in engine.optimizer.param_groups:  # one rate: engine_config's critic's too
         group["lr"] = lr
-    loss = engine(obs, actions, real)
-    engine.backward(loss)
-    engine.step()
+    losses = []
+    for index in passes:
+        obs = {k: torch.from_numpy(v[index]).to(engine.device) for k, v in demos.obs.items()}
+        actions = torch.from_numpy(demos.actions[index]).to(engine.device)
+        real = torch.from_numpy(~demos.pad[index]).to(engine.device)  # past the episode: none
+        loss = engine(obs, actions, real)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
     phases.mark("first_step")
-    return loss.item()
+    return sum(losses) / len(losses)
 
 
 class RunLog:
@@ -300,8 +316,8 @@ class RunLog:
                 done < sft.steps and val is None:
             return
         self.printed_at = elapsed
-        rate = (done - first) * sft.batch_size * learners / max(elapsed, 1e-9)
-        eta = (sft.steps - done) * sft.batch_size * learners / max(rate, 1e-9)
+        rate = (done - first) * step_chunks(sft, learners) / max(elapsed, 1e-9)
+        eta = (sft.steps - done) * step_chunks(sft, learners) / max(rate, 1e-9)
         print(f"[hpcvla sft] step {done}/{sft.steps} | loss {loss:.4f} | "
               + (f"held-out {val:.4f} | " if val is not None else "") +
               f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {trained / samples:.1f} | "
@@ -347,7 +363,8 @@ def _checkpoint(cfg, engine, run_dir: Path, step: int, trained: int, world, samp
     the learners; it is complete once `writer.wait()` returns, or this does with `wait`)."""
     weights = full_state(engine)  # [dist] ZeRO-3 gathers its shards
     writer.save(run_dir, engine, weights if world.Get_rank() == 0 else None, step,  # [dist]
-                {catalog.SFT_COUNTER: trained, "sft_samples": samples}, world,
+                {catalog.SFT_COUNTER: trained, "sft_samples": samples,
+                 "step_chunks": step_chunks(cfg.sft, world.Get_size())}, world,
                 keep=cfg.learner.checkpoint_keep, wait=wait)
 
 

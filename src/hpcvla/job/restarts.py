@@ -29,17 +29,18 @@ the newest checkpoint. First
 prints the policy version of that checkpoint (`newest_version`, -1 when there is none): a
 world that fails before its run's first checkpoint, or again before a newer one exists, is not
 started again (`checkpoint-every {train,sft} CONFIG [OVERRIDES...]` prints the interval, which
-the job checks at its start). Then, for a `train` run,
+the job checks at its start). Then
 
     python -m hpcvla.job.restarts fit CONFIG [OVERRIDES...] --world M --ranks-per-node K \
-        --from-world W
+        --from-world W [--command sft]
 
 prints what the restart adds to the run's overrides for its placement to fit the nodes left
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
 beyond are spare; an `hpcvla sft` world is learners only, any number of them); and, where
-fewer learners are left than the failed world of W ranks had, the learner.micro_batches that
-keep the version's batch (`batch_keeping_overrides`: none keeps it, no restart). Last,
+fewer learners are left than the failed world of W ranks had, the learner.micro_batches
+(sft.micro_batches) that keep the version's batch (a step's chunks) (`batch_keeping_overrides`:
+none keeps it, no restart). Last,
 
     python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 
@@ -60,7 +61,7 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
+from hpcvla.checkpoint.catalog import BATCH_NAMES, CheckpointError, by_sft, latest, read_state
 from hpcvla.config import (ConfigError, config_argument, last_run_config, load_config,
                            resumed_run_config)
 from hpcvla.metrics import restart_log
@@ -182,30 +183,36 @@ def fitting_overrides(placement, world: int, ranks_per_node: int) -> list[str]:
     return [] if fitted == placement else [f"placement.learners={fitted.learners}"]
 
 
-def batch_keeping_overrides(cfg, from_world: int, world: int, ranks_per_node: int) -> list[str]:
+def batch_keeping_overrides(cfg, from_world: int, world: int, ranks_per_node: int,
+                            command: str = "train") -> list[str]:
     """`learner.micro_batches=K` where the restart's fitted placement leaves fewer learners
-    than the failed world of `from_world` ranks had: each learner trains micro_batch x micro_batches
-    segments a version, so the version's batch would shrink with them (a different
-    experiment: the same learning rate on fewer samples). K keeps it, and with it every
-    producer's share; under sac/rlpd, where K is also each gradient step's passes, so does
-    algorithm.utd x (learners left / before): the gradient steps a version and their batch
-    stay. Raises PlanError where no whole K does."""
-    placement = fitted_placement(cfg.placement, world, ranks_per_node)
-    before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
-    after = len(plan_from_config(placement, world, ranks_per_node).learners)
+    than the failed world of `from_world` ranks had: each learner trains micro_batch x
+    micro_batches segments a version, so the version's batch would shrink with them (a
+    different experiment: the same learning rate on fewer samples). K keeps it, and with it
+    every producer's share; under sac/rlpd, where K is also each gradient step's passes, so
+    does algorithm.utd x (learners left / before): the gradient steps a version and their
+    batch stay. An `hpcvla sft` world is learners only: `sft.micro_batches=K` keeps a step's
+    chunks (sft.batch_size x micro_batches each). Raises PlanError where no whole K does."""
+    _, per, unit, each, passes = BATCH_NAMES[command]
+    if command == "sft":
+        before, after = from_world, world
+        micro_batch, micro_batches = cfg.sft.batch_size, cfg.sft.micro_batches
+    else:
+        placement = fitted_placement(cfg.placement, world, ranks_per_node)
+        before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
+        after = len(plan_from_config(placement, world, ranks_per_node).learners)
+        micro_batch, micro_batches = cfg.learner.micro_batch, cfg.learner.micro_batches
     if after == before:
         return []
-    micro_batches = micro_batches_for(before * cfg.learner.micro_batch *
-                                      cfg.learner.micro_batches, after, cfg.learner.micro_batch)
-    if micro_batches is None:
-        raise PlanError(f"{after} learner(s) left of {before}: the version's batch ({before} x "
-                        f"learner.micro_batch {cfg.learner.micro_batch} x micro_batches "
-                        f"{cfg.learner.micro_batches} segments) is no whole number of "
-                        f"micro-batches on each; continue the run on an allocation of "
-                        f"{from_world} ranks (run.resume=)")
-    kept = [f"learner.micro_batches={micro_batches}"]
-    if cfg.algorithm.off_policy:  # micro_batches are also each gradient step's passes there:
-        # the steps a version (utd x a learner's collected steps, L/L' more each) stay too
+    keep = micro_batches_for(before * micro_batch * micro_batches, after, micro_batch)
+    if keep is None:
+        raise PlanError(f"{after} learner(s) left of {before}: the batch of {per} ({before} x "
+                        f"{each} {micro_batch} x {passes.partition('.')[2]} {micro_batches} "
+                        f"{unit}) is no whole number of micro-batches on each; continue the "
+                        f"run on an allocation of {from_world} ranks (run.resume=)")
+    kept = [f"{passes}={keep}"]
+    if command == "train" and cfg.algorithm.off_policy:  # micro_batches are also each
+        # gradient step's passes: the steps a version (utd x a learner's steps, L/L' more) stay
         kept.append(f"algorithm.utd={cfg.algorithm.utd * after / before:g}")
     return kept
 
@@ -226,6 +233,8 @@ def _main(argv=None) -> None:
     fit.add_argument("--ranks-per-node", type=int, required=True)
     fit.add_argument("--from-world", type=int, default=0,
                      help="the failed world's ranks: keep its version's batch on fewer learners")
+    fit.add_argument("--command", choices=("train", "sft"), default="train",
+                     help="the job's command (an sft world is learners only)")
     sub.add_parser("resumable", help="the job's run a start continues, if any").add_argument(
         "run_root", type=Path)
     sub.add_parser("stopped", help="the job's run, if a signal stopped its last start short "
@@ -280,10 +289,11 @@ def _main(argv=None) -> None:
             print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,
                             overrides_only=True)
         else:
-            fit = fitting_overrides(cfg.placement, args.world, args.ranks_per_node)
+            fit = [] if args.command == "sft" else fitting_overrides(  # sft: learners only
+                cfg.placement, args.world, args.ranks_per_node)
             if args.from_world:
                 fit += batch_keeping_overrides(cfg, args.from_world, args.world,
-                                               args.ranks_per_node)
+                                               args.ranks_per_node, args.command)
             print(" ".join(fit))
     except (ConfigError, PlanError, CheckpointError) as err:
         raise SystemExit(f"hpcvla.job.restarts {args.what}: {err}")

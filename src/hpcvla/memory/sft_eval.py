@@ -46,7 +46,7 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None,
                        node=dict(enumerate(nodes)), capacity_gib=gpu_capacity_gib(cfg.placement),
                        dtype_bytes=fp.dtype_bytes, batch=(
                            "sft.batch_size", cfg.sft.batch_size,
-                           f"{cfg.sft.batch_size} demonstration chunks per learner and step"))
+                           f"{cfg.sft.batch_size} demonstration chunks per learner and pass"))
     hold_demonstrations(out, demonstration_bytes(cfg, spec) if shared is None else shared)
     out.problems = fit_problems(cfg, out)[:1]  # every learner's GPU alike: rank 0's says it
     return out
