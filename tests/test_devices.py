@@ -91,6 +91,16 @@ def test_inference_ranks_share_what_learners_leave():
     assert got[1] is None and got[3] is None
 
 
+def test_simulators_that_use_a_gpu_keep_off_the_learners_gpus():
+    """8 GPUs, 2 learners, 2 inference ranks and 8 rendering simulators: the simulators share
+    the 6 GPUs no learner trains on; with only learners' GPUs to take, they share those."""
+    roles = [(SIM,)] * 8 + [(INF,)] * 2 + [(LEARN,)] * 2
+    got = assign_node(roles, [tuple("01234567")] * 12, sim_gpu=True)
+    assert got[10:] == ["0", "1"] and got[8:10] == ["2", "3"]
+    assert got[:8] == ["4", "5", "6", "7", "2", "3", "4", "5"]  # before: 4-7, then 0, 1, ...
+    assert assign_node([(SIM,), (LEARN,)], [("0",)] * 2, sim_gpu=True) == ["0", "0"]
+
+
 def test_a_launcher_binding_is_kept():
     """srun --gpus-per-task=1: each rank sees only its own GPU, and keeps it."""
     roles = [(INF,), (SIM,), (LEARN,), (LEARN,)]
@@ -145,6 +155,23 @@ def test_what_says_gpus_were_given():
     assert missing_gpus_problem(0, {"SLURM_GPUS_ON_NODE": "8"}) is None
     assert missing_gpus_problem(-1, {"CUDA_VISIBLE_DEVICES": ""}) is None
     assert missing_gpus_problem(2, {}).startswith("at most the 0 GPU(s) torch sees on this node")
+
+
+def test_a_gpu_node_a_job_was_given_no_gpus_of_is_refused_unless_hidden(monkeypatch):
+    """A job that asked the scheduler for no GPU on a GPU node (device cgroups hide them):
+    the driver's device files are there, torch sees none, nothing was granted. Detecting
+    would run every rank on the CPU: refused, naming the request and the choice; hiding them
+    (CUDA_VISIBLE_DEVICES=, what the suite does) or choosing the CPU is fine."""
+    import hpcvla.devices as devices
+    assert missing_gpus_problem(-1, {}) is None  # this machine: no device files
+    monkeypatch.setattr(devices, "_gpu_device_files", lambda: True)  # torch still sees none
+    said = missing_gpus_problem(-1, {})
+    assert "device files but the job was given no GPU" in said
+    assert "--gpus-per-node=N" in said and "placement.gpus_per_node=0" in said
+    assert missing_gpus_problem(0, {}) is None
+    for hidden in ("", "-1", "NoDevFiles"):
+        assert missing_gpus_problem(-1, {"CUDA_VISIBLE_DEVICES": hidden}) is None
+    assert "SLURM_GPUS_ON_NODE=8" in missing_gpus_problem(-1, {"SLURM_GPUS_ON_NODE": "8"})
 
 
 @pytest.mark.mpi  # the CLI, refusing before it would start a world

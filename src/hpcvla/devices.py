@@ -48,7 +48,8 @@ def assign_node(roles: list[tuple[str, ...]], visible: list[tuple[str, ...]],
     """The GPU (an id from the rank's own `visible` list) each rank of one node computes on,
     or None for the CPU. Learners first, then the other inference ranks (and evaluators),
     then simulators that use a GPU; each takes its least loaded visible GPU (ties: the lowest
-    in its list)."""
+    in its list), a simulator one without a learner where it can (a learner's GPU is the
+    fullest, and the renderer's memory is not in the memory model)."""
     load: dict[str, int] = {}
     learner_gpus: set[str] = set()
     out: list[str | None] = [None] * len(roles)
@@ -67,9 +68,11 @@ def assign_node(roles: list[tuple[str, ...]], visible: list[tuple[str, ...]],
                         f"another learner does not use: the node has "
                         f"{sum(w == 0 for w in wants)} learner ranks and "
                         f"{len({g for v in visible for g in v})} GPU(s). Use at most one learner "
-                        "rank per GPU (placement.per_node / ranks per node), bind one GPU per task "
-                        "(srun --gpus-per-task=1), or train on CPU (placement.gpus_per_node=0)")
-            gpu = min(choices, key=lambda g: (load.get(g, 0), choices.index(g)))
+                        "rank per GPU (placement.per_node / ranks per node), ask the scheduler "
+                        "for a GPU per learner rank (sbatch --gpus-per-node=N), or train on CPU "
+                        "(placement.gpus_per_node=0)")
+            gpu = min(choices, key=lambda g: (tier == 2 and g in learner_gpus, load.get(g, 0),
+                                              choices.index(g)))
             load[gpu] = load.get(gpu, 0) + 1
             if tier == 0:
                 learner_gpus.add(gpu)
@@ -169,16 +172,28 @@ def granted_gpus(environ=os.environ) -> str | None:
 def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     """Why this node cannot run the GPUs the config asks for: more (`placement.
     gpus_per_node` > 0) than torch sees here (visible_gpus, as every rank will), or, for
-    detection (-1), GPUs the job was given that torch cannot see, which would silently mean
-    the CPU. None when they are there, when none were given, or when the CPU was chosen (0)."""
+    detection (-1), a GPU node whose GPUs torch cannot see, which would silently mean the
+    CPU: GPUs the job was given, or a driver's device files and nothing given nor hidden (a
+    job that asked the scheduler for none; device cgroups hide them). None when they are
+    there, on a node without GPUs, when CUDA_VISIBLE_DEVICES hides them, or when the CPU was
+    chosen (0)."""
     count = torch_gpu_count()
     if gpus_per_node > count:
         return (f"at most the {count} GPU(s) torch sees on this node (CUDA_VISIBLE_DEVICES="
                 f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): -1 detects them, 0 trains on the "
                 f"CPU; or ask the scheduler for {gpus_per_node} GPU(s)")
-    granted = granted_gpus(environ)
-    if gpus_per_node != -1 or granted is None or count > 0:
+    if gpus_per_node != -1 or count > 0:
         return None
+    granted = granted_gpus(environ)
+    if granted is None:
+        if "CUDA_VISIBLE_DEVICES" in environ or not _gpu_device_files():
+            return None
+        return ("GPUs for the ranks: this node has a GPU driver's device files but the job "
+                "was given no GPU (no SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS or "
+                "CUDA_VISIBLE_DEVICES) and torch sees none: every rank would run on the CPU. "
+                "Ask the scheduler for the node's GPUs (sbatch --gpus-per-node=N, PBS "
+                "select=...:ngpus=N), or set placement.gpus_per_node=0 to run on the CPU on "
+                "purpose")
     import torch
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     return (f"GPUs torch can see: this node was given GPUs ({granted}) but torch "
