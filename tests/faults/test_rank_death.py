@@ -60,3 +60,24 @@ def test_a_killed_rank_takes_the_job_down_and_is_named(tmp_path, role):
     assert not rank_pids(tmp_path), "ranks left running"
     assert not left_behind(shm_before)
     print(f"{role}: job down {took:.1f} s after kill -9")
+
+
+@pytest.mark.cluster  # root: a mount namespace with a /dev/shm of its own
+def test_a_window_larger_than_the_room_in_dev_shm_ends_the_world_naming_it(tmp_path):
+    """MPI maps a window's segment in /dev/shm sparse: one larger than the room left was
+    allocated without a word, and the learner died of SIGBUS zeroing its ring, named by
+    nobody. Now the rank allocating it names the window, its host and the fix, and the world
+    ends within seconds; the default ring in the same /dev/shm runs."""
+    wrap = ["unshare", "--mount", "sh", "-c",
+            'mount -t tmpfs -o size=96m tmpfs /dev/shm && exec "$@"', "sh"]
+    train = [sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
+             "pipeline.total_updates=2", f"run.root={tmp_path}"]
+    started = time.monotonic()
+    out = subprocess.run([*wrap, *train, "learner.ring_slot_kib=4096"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and time.monotonic() - started < 60, out.stderr[-3000:]
+    assert "rank 3 (learner) on node 0" in out.stderr, out.stderr[-3000:]
+    assert "the learner's trajectory ring needs 128 MiB of the node's shared memory and " \
+        "/dev/shm has" in out.stderr and "a larger /dev/shm" in out.stderr, out.stderr[-3000:]
+    out = subprocess.run([*wrap, *train], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "[hpcvla] done" in out.stdout, out.stderr[-3000:]

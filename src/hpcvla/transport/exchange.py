@@ -32,7 +32,7 @@ from mpi4py import MPI
 from hpcvla.transport.backoff import (DATA_POLL_CAP, DATA_SPIN, FIRST_SLEEP, RUNG_CLIENT_CAP,
                                      RUNG_SERVER_CAP, Backoff, wait_until)
 from hpcvla.transport.doorbell import Doorbell
-from hpcvla.transport.windows import unified, window_bytes
+from hpcvla.transport.windows import allocate_shared, window_bytes
 from hpcvla.transport.records import aligned
 
 HEADER_BYTES = 64
@@ -52,9 +52,7 @@ class ObsActionExchange:
         self._act_at = HEADER_BYTES + aligned(self.obs_dtype.itemsize)
         self.slot_bytes = self._act_at + aligned(self.action_dtype.itemsize)
         total = self.n_slots * self.slot_bytes if rank == server else 0
-        # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        window = MPI.Win.Allocate_shared(total, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
-        self.win = unified(window, "the observation/action exchange")
+        self.win = allocate_shared(total, comm, "the observation/action exchange")  # [dist]
         buf, _ = self.win.Shared_query(server)
         memory = window_bytes(buf).reshape(self.n_slots, self.slot_bytes)
         if rank == server:

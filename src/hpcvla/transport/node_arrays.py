@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from hpcvla.transport.records import aligned
-from hpcvla.transport.windows import unified, window_bytes
+from hpcvla.transport.windows import allocate_shared, window_bytes
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -45,9 +45,8 @@ class NodeArrays:
                  for k, (shape, dtype) in layout.items()}
         offsets = dict(zip(layout, np.cumsum([0] + [aligned(n) for n in sizes.values()])))
         self.nbytes = int(sum(aligned(n) for n in sizes.values()))
-        window = MPI.Win.Allocate_shared(self.nbytes if node.Get_rank() == 0 else 0,  # [dist]
-                                         1, comm=node)
-        self.win = unified(window, "the node's shared arrays")
+        self.win = allocate_shared(self.nbytes if node.Get_rank() == 0 else 0, node,  # [dist]
+                                   "the node's one copy of the demonstrations")
         self.win.Lock_all(MPI.MODE_NOCHECK)
         memory = window_bytes(self.win.Shared_query(0)[0])
         self.arrays: dict[str, np.ndarray] = {

@@ -7,7 +7,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP
-from hpcvla.transport.windows import unified, window_bytes
+from hpcvla.transport.windows import allocate, window_bytes
 from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
 from hpcvla.transport.slots import CHECKSUMS, SLOT_HEADER
 
@@ -38,9 +38,7 @@ class RingWindow:
         self.is_root = comm.Get_rank() == root
         self.control_bytes = -(-16 * lanes // 64) * 64
         nbytes = self.control_bytes + n_slots * slot_bytes if self.is_root else 0
-        # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        window = MPI.Win.Allocate(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
-        self.win = unified(window, "the trajectory ring")
+        self.win = allocate(nbytes, comm, "the learner's trajectory ring")  # [dist]
         if self.is_root:
             window_bytes(self.win.tomemory())[:] = 0
         # collective: whether producers sit on other hosts, and the progress communicator

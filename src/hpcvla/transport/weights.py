@@ -50,7 +50,7 @@ from hpcvla.transport import pieces
 from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
 from hpcvla.transport.manifest import Manifest
 from hpcvla.transport.records import aligned
-from hpcvla.transport.windows import unified, window_bytes
+from hpcvla.transport.windows import allocate_shared, window_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -80,9 +80,8 @@ class WeightPlane:
         self.has_window = leader >= 0
         half = aligned(self.nbytes)
         size = _HEADER_BYTES + 2 * half if is_leader else 0
-        # mpi4py's stub types Split's communicators Comm; they are Intracomm
-        window = MPI.Win.Allocate_shared(size, 1, comm=node)  # type: ignore[arg-type]  # [dist]
-        self.win = unified(window, "the weight plane")
+        self.win = allocate_shared(size, node, "the weight plane's node window (two copies of "
+                                   "the weights)")  # [dist]
         if self.has_window:
             buf, _ = self.win.Shared_query(leader)
             memory = window_bytes(buf)
