@@ -134,7 +134,12 @@ def test_sft_learners_hold_their_engine_at_the_imitation_batch_and_refuse_what_o
     fp = policy_footprint(cfg, spec, 32, 1, on_gpus=True, imitation=True)
     assert memory.device == {0: "cuda:0", 1: "cuda:1", 2: "cuda:0", 3: "cuda:1"}
     assert memory.gpu == {r: learner_bytes(fp, 2, 4, on_gpu=True) for r in range(4)}
-    assert memory.host[3] == {"policy builds": fp.weight_bytes} and memory.problems == []
+    # and each its checkpoint's host copy of its states (12 bytes a trained parameter, 1/4
+    # each at ZeRO-2), the first the model's weights too
+    snapshot = 12 * fp.trainable // 4
+    assert memory.host[3] == {"policy builds": fp.weight_bytes, "checkpoint snapshot": snapshot}
+    assert memory.host[0]["checkpoint snapshot"] == snapshot + fp.weight_bytes
+    assert memory.problems == []
     for offload in ("false", "true"):
         small = load_config("configs/reach_flow.yaml", [
             "policy.size=tiny", "learner.zero_stage=2", "placement.gpu_memory_gb=1",
@@ -213,6 +218,21 @@ def test_offloading_moves_the_optimizer_state_to_host_memory(capsys):
     with pytest.raises(ConfigError, match="learner.offload_optimizer"):
         load_config("configs/default.yaml", ["learner.offload_optimizer=true",
                                              "learner.zero_stage=0"])
+
+
+def test_each_learner_holds_its_checkpoints_copy_of_its_states_in_host_memory(capsys):
+    """A checkpoint copies a learner's fp32 masters and AdamW moments to host memory until it
+    is written (12 bytes a trained parameter), ZeRO-1 a share each, ZeRO-0 the first learner
+    all of it; the first learner also the model's weights. In each learner's host figure."""
+    snapshots = {}
+    for stage in (0, 1):
+        assert main(["plan", "configs/colocated.yaml", "--world", "2", "--json",
+                     f"learner.zero_stage={stage}"]) == 0
+        memory = json.loads(capsys.readouterr().out)["memory"]
+        snapshots[stage] = [memory["host_by_rank"][r]["checkpoint snapshot"] for r in "01"]
+    (first0, other0), (first1, other1) = snapshots[0], snapshots[1]
+    weights = first1 - other1  # the model's weights, in the first's alone
+    assert other0 == 0 and first0 == 2 * other1 + weights and other1 > weights > 0
 
 
 @pytest.mark.slow
