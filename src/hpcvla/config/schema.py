@@ -46,10 +46,10 @@ class RunConfig:
         "never trained).", paths=True)
     dump_trajectories: bool = setting(
         False, "Write every episode the producer (inference) ranks send to the learners to "
-        "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, robomimic/LIBERO "
-        "layout (`hpcvla inspect FILE`), compressed by a writer process per producer. Costs "
-        "disk (~1 KB per step at 64 px, gzip), a core's share, and producer time (the `dump` "
-        "stage of the timeline: handing episodes over; `hpcvla bench dump`).")
+        "HDF5, one file per producer: `<run dir>/trajectories/rank<R>.h5`, a group an episode "
+        "(`hpcvla inspect FILE`), by a writer process per producer. Costs disk (~1 KB a step "
+        "at 64 px, gzip; ~5 KB an episode), a core's share (a writer keeps up with a few hundred "
+        "episodes/s: reach's short ones outrun it, and the stop waits for its backlog).")
     dump_flush_s: float = setting(
         10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
         "died, sees everything up to the last one. Shorter: fresher files, more file opens.",

@@ -122,13 +122,13 @@ class TrajectoryDump:
                               {**attrs, "num_samples": len(steps["reward"])})
 
     def flush(self) -> None:
-        """Append the finished episodes now (a reader holding HDF5's lock: at the next)."""
+        """Append the finished episodes now."""
         self.last_flush = time.monotonic()
         self.file.flush(self.segments)
 
     def close(self) -> None:
-        """Write what is finished (waiting up to a minute for a reader's lock), record the
-        steps of episodes still open and mark the file complete."""
+        """Write what is finished, record the steps of episodes still open and mark the file
+        complete."""
         self.file.close(self.segments, sum(len(p["reward"]) for pieces in self.open.values()
                                            for p in pieces))
 
@@ -147,7 +147,7 @@ class DumpFile:
         import h5py
         self.path, self.producer = Path(path), producer
         self.pending: list[tuple[dict, dict]] = []  # finished, not yet written
-        self.segments = self.written = self.total = self.refusals = 0
+        self.segments = self.written = self.total = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.staging = self.path.with_name(self.path.name + ".staging")
         self.staging.unlink(missing_ok=True)  # a killed writer's: never part of the dump
@@ -179,44 +179,26 @@ class DumpFile:
                   "(if the run was killed while appending, HDF5's `h5clear -s` may restore "
                   "it) and a new dump begun", file=sys.stderr, flush=True)
             return False
-        with self._append(patience_s=60.0) as f:
+        with self._append() as f:
             f.attrs["complete"] = False
         return True
 
     def add_episode(self, steps: dict, attrs: dict) -> None:
         self.pending.append((steps, attrs))
 
-    def _append(self, patience_s: float = 0.0):
-        """The file opened to append (an h5py.File), or None while a reader holds HDF5's lock
-        on it (said now and then); with `patience_s`, waiting that long for the lock, then
-        failing naming the file."""
+    def _append(self):
+        """The file opened to append (an h5py.File), without HDF5's file lock: a reader that
+        holds one (h5py's default, a notebook's `h5py.File(path)`) must never hold the run
+        up, and a writer that waited for it lost every episode since when the run ended
+        first. The run directory's `.lock` already keeps a second world's writer out; such a
+        reader sees what was there when it opened (reopen to see the appends)."""
         import h5py
-        deadline = time.monotonic() + patience_s
-        while True:
-            try:
-                return h5py.File(self.path, "a", libver=LIBVER)
-            except BlockingIOError as err:  # errno 11: another process holds its lock
-                self.refusals += 1
-                if time.monotonic() < deadline:
-                    time.sleep(1.0)
-                    continue
-                if patience_s > 0:
-                    raise DumpError(f"{self.path}: still locked by a reader after "
-                                    f"{patience_s:g} s: {len(self.pending)} episode(s) not "
-                                    "written") from None
-                if self.refusals == 1 or self.refusals % 30 == 0:
-                    print(f"hpcvla: producer rank {self.producer}: {self.path} is locked by "
-                          f"a reader ({err.strerror}): {len(self.pending)} episode(s) kept "
-                          "for the next flush; open it with h5py.File(..., locking=False) "
-                          "or copy it (`hpcvla inspect` does not lock)", file=sys.stderr,
-                          flush=True)
-                return None
+        return h5py.File(self.path, "a", libver=LIBVER, locking=False)
 
-    def flush(self, segments: int, patience_s: float = 0.0,
-              open_steps: int | None = None) -> None:
-        """Append the queued episodes and record `segments` (groups received); a reader
-        holding the lock: kept for the next flush (`_append`). `open_steps` (closing): also
-        record the steps of episodes still open and mark the file complete, in the same open."""
+    def flush(self, segments: int, open_steps: int | None = None) -> None:
+        """Append the queued episodes and record `segments` (groups received). `open_steps`
+        (closing): also record the steps of episodes still open and mark the file complete,
+        in the same open."""
         import h5py
         names = [f"demo_{self.written + i}" for i in range(len(self.pending))]
         if self.pending:
@@ -230,11 +212,7 @@ class DumpFile:
                         value = steps[field]
                         _dataset(demo, step_name,
                                  value.astype(np.uint8) if value.dtype == bool else value)
-        f = self._append(patience_s)
-        if f is None:  # kept for the next flush
-            self.staging.unlink(missing_ok=True)
-            return
-        with f:
+        with self._append() as f:
             data = f["data"]
             if names:
                 with h5py.File(self.staging, "r") as staged:
@@ -251,9 +229,9 @@ class DumpFile:
         self.pending.clear()
 
     def close(self, segments: int, open_steps: int) -> None:
-        """Write what is queued (waiting up to a minute for a reader's lock), record the
-        steps of episodes still open and mark the file complete."""
-        self.flush(segments, patience_s=60.0, open_steps=open_steps)
+        """Write what is queued, record the steps of episodes still open and mark the file
+        complete."""
+        self.flush(segments, open_steps=open_steps)
 
 
 def _dataset(group, name: str, value: np.ndarray) -> None:
