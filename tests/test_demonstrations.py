@@ -432,9 +432,9 @@ def test_a_dump_recorded_in_another_control_mode_is_refused(tmp_path):
     for env in ({"name": "maniskill", "control_mode": "pd_ee_delta_pose"},
                 {"name": "maniskill"}):  # written before the setting: the one mode there was
         with h5py.File(tmp_path / "rank0.h5", "a") as f:
-            f.attrs["config"] = yaml.safe_dump({"env": env})
+            f["starts/0"].attrs["config"] = yaml.safe_dump({"env": env})
         refused(tmp_path / "rank0.h5", target,
-                "rank0.h5:/.attrs[config].env.control_mode = 'pd_ee_delta_pose'",
+                "rank0.h5:/starts/0.attrs[config].env.control_mode = 'pd_ee_delta_pose'",
                 "set env.control_mode=pd_ee_delta_pose or record the demos with "
                 "env.control_mode=pd_ee_target_delta_pose")
     assert demonstration_problems(tmp_path / "rank0.h5",
@@ -451,10 +451,10 @@ def test_prior_data_recorded_under_another_reward_is_refused(tmp_path):
     for env, recorded in (({"name": "maniskill", "reward": "dense"}, "dense"),
                           ({"name": "maniskill"}, "sparse")):
         with h5py.File(tmp_path / "rank0.h5", "a") as f:
-            f.attrs["config"] = yaml.safe_dump({"env": env})
+            f["starts/0"].attrs["config"] = yaml.safe_dump({"env": env})
         with pytest.raises(DemonstrationError) as err:
             read_demonstrations(tmp_path / "rank0.h5", delta, outcomes=True)
-        assert f"rank0.h5:/.attrs[config].env.reward = '{recorded}'" in str(err.value)
+        assert f"rank0.h5:/starts/0.attrs[config].env.reward = '{recorded}'" in str(err.value)
         assert "record the demos again with env.reward=dense_delta" in str(err.value)
         assert demonstration_problems(tmp_path / "rank0.h5", delta) == []  # sft: actions
     assert demonstration_problems(tmp_path / "rank0.h5", dataclasses.replace(
@@ -468,10 +468,15 @@ def test_a_libero_dump_of_the_other_gripper_convention_is_refused(tmp_path):
     _, spec = reach_dump(tmp_path / "rank0.h5")
     oft = dataclasses.replace(spec, gripper="open_high")
     with h5py.File(tmp_path / "rank0.h5", "a") as f:
-        f.attrs["config"] = yaml.safe_dump({"env": {"name": "libero"}})
-    refused(tmp_path / "rank0.h5", oft, "rank0.h5:/.attrs[config].env.gripper_action = "
+        f["starts/0"].attrs["config"] = yaml.safe_dump({"env": {"name": "libero"}})
+    refused(tmp_path / "rank0.h5", oft, "rank0.h5:/starts/0.attrs[config].env.gripper_action = "
             "'closed_high'", "set env.gripper_action=closed_high or record the demos with "
             "env.gripper_action=open_high")
+    with h5py.File(tmp_path / "rank0.h5", "a") as f:  # a file before starts/: the root's
+        f.attrs["config"] = f["starts/0"].attrs["config"]
+        del f["starts"]
+    refused(tmp_path / "rank0.h5", oft, "rank0.h5:/.attrs[config].env.gripper_action = "
+            "'closed_high'", "set env.gripper_action=closed_high")
     assert demonstration_problems(tmp_path / "rank0.h5",
                                   dataclasses.replace(spec, gripper="closed_high")) == []
 

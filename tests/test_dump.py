@@ -192,6 +192,37 @@ def test_a_reader_holding_the_lock_never_holds_the_writer_up(tmp_path):
         held.communicate(timeout=30)
 
 
+def test_each_start_of_a_run_is_told_apart_with_its_config(tmp_path):
+    """Two starts resumed from one checkpoint (the first died between checkpoints) share a
+    start_version and their envs' episode numbers: each episode names its start, so `(start,
+    env_id, episode)` is unique; each start records its config (a resume may change any
+    setting) and its steps of episodes open at its close."""
+    from hpcvla.metrics.dump_writer import TrajectoryDump
+    path = tmp_path / "rank7.h5"
+    groups, spec = reach_segments(3)
+    for start, config in enumerate(("env: {max_episode_chunks: 20}\n",) * 2 +
+                                   ("env: {max_episode_chunks: 10}\n",)):
+        dump = TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
+                              "reach", spec.chunk_len, config, start_version=0 if start < 2
+                              else 5)
+        for group in groups:
+            dump.add_segment(group)
+        dump.close()
+    with h5py.File(path, "r") as f:
+        starts = f["starts"]
+        assert sorted(starts) == ["0", "1", "2"]
+        assert [attr_text(starts[n].attrs["config"]) for n in "012"] == [
+            "env: {max_episode_chunks: 20}\n"] * 2 + ["env: {max_episode_chunks: 10}\n"]
+        opened = [int(starts[n].attrs["open_episode_steps"]) for n in "012"]
+        assert opened[0] > 0 and int(f.attrs["open_episode_steps"]) == sum(opened)
+        keys = [(int(d.attrs["start"]), attr_text(d.attrs["env_id"]), int(d.attrs["episode"]))
+                for d in f["data"].values()]
+        by_version = [(int(d.attrs["start_version"]), attr_text(d.attrs["env_id"]),
+                       int(d.attrs["episode"])) for d in f["data"].values()]
+    assert len(set(keys)) == len(keys) and {k[0] for k in keys} == {0, 1, 2}
+    assert len(set(by_version)) < len(by_version)  # the key the docs gave before
+
+
 def test_a_resumed_run_moves_an_unreadable_dump_aside_and_goes_on(tmp_path, capfd):
     """A dump left unreadable (here: its bytes cut, as a process killed mid-append leaves one
     refused) does not stop the resumed run: it is moved aside, named, and a new one begun;

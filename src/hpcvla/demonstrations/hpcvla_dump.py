@@ -42,12 +42,12 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                      f"env.chunk_len={chunk_len} or use a dump written with "
                      f"chunk_len={spec.chunk_len}")
     for setting, want in (("control_mode", spec.controller), ("gripper_action", spec.gripper)):
-        recorded = _recorded(f, setting)
-        if want and recorded and recorded != want:
-            problems.add(path, f"/.attrs[config].env.{setting}", recorded,
-                         f"{want}, the env's (env.{setting}): its actions mean something "
-                         f"else; set env.{setting}={recorded} or record the demos with "
-                         f"env.{setting}={want}")
+        for where, recorded in _recorded(f, setting):
+            if want and recorded and recorded != want:
+                problems.add(path, f"{where}.env.{setting}", recorded,
+                             f"{want}, the env's (env.{setting}): its actions mean something "
+                             f"else; set env.{setting}={recorded} or record the demos with "
+                             f"env.{setting}={want}")
     episodes = []
     for name in _demo_names(f):
         demo, key = f["data"][name], f"/data/{name}"
@@ -84,15 +84,24 @@ RECORDED = {("maniskill", "control_mode"): EE_DELTA_CONTROL,
             ("libero", "gripper_action"): "closed_high", ("maniskill", "reward"): "sparse"}
 
 
-def _recorded(f, setting: str) -> str:
-    """The env setting the file's actions were recorded under ("" unknown, or not one of its
-    env's: RECORDED): its resolved config's, or the default for a config without it."""
-    try:
-        env = yaml.safe_load(attr_text(f.attrs.get("config", ""))).get("env", {})
-    except (yaml.YAMLError, AttributeError):
-        return ""
-    default = RECORDED.get((env.get("name"), setting))
-    return env.get(setting, default) if default else ""
+def _recorded(f, setting: str) -> list[tuple[str, str]]:
+    """The env setting each start of the run that wrote the file recorded its actions under
+    (its /starts/<n> config, a file before those: the root's; a resume may change any
+    setting): (where, value), the value "" where unknown, or not one of its env's
+    (RECORDED), or the default of a config without it."""
+    configs = [(f"/starts/{n}.attrs[config]", start.attrs.get("config", ""))
+               for n, start in f.get("starts", {}).items()] or \
+        [("/.attrs[config]", f.attrs.get("config", ""))]
+    out = []
+    for where, text in configs:
+        try:
+            env = yaml.safe_load(attr_text(text)).get("env", {})
+        except (yaml.YAMLError, AttributeError):
+            out.append((where, ""))
+            continue
+        default = RECORDED.get((env.get("name"), setting))
+        out.append((where, env.get(setting, default) if default else ""))
+    return out
 
 
 def _fits(have, entry) -> bool:
@@ -138,11 +147,12 @@ def reward_problems(path, spec, problems: Problems) -> None:
     from hpcvla.metrics.dump import open_dump
     with open_dump(path) as f:
         recorded = _recorded(f, "reward")
-    if spec.reward and recorded and recorded != spec.reward:
-        problems.add(path, "/.attrs[config].env.reward", recorded,
-                     f"{spec.reward}, the env's (env.reward): its rewards are another "
-                     f"reward's; record the demos again with env.reward={spec.reward} "
-                     f"(`hpcvla demos`), or set env.reward={recorded}")
+    for where, reward in recorded:
+        if spec.reward and reward and reward != spec.reward:
+            problems.add(path, f"{where}.env.reward", reward,
+                         f"{spec.reward}, the env's (env.reward): its rewards are another "
+                         f"reward's; record the demos again with env.reward={spec.reward} "
+                         f"(`hpcvla demos`), or set env.reward={reward}")
 
 
 def outcomes(f, episode: Episode) -> dict[str, np.ndarray]:

@@ -10,15 +10,19 @@ same layout from a scripted expert (imitation/recording.py: producer_rank -1, po
                               env, chunk_len, config (YAML),
                               complete (False until the run closed it), segments (segment
                               groups received), open_episode_steps (steps of episodes still
-                              running at close, not written)
+                              running at each start's close, not written: their sum)
+    /starts/<n>        the run's n-th start that wrote the file (0 the first; a resume, or a
+                       restart from the same checkpoint, the next); attrs: config (its YAML:
+                       the root's is the first's), open_episode_steps, began (ISO time)
     /data              attrs: total (steps in all demos), env_args (JSON, robomimic style)
     /data/demo_<i>     one finished episode of one env, in order of completion; attrs:
                        num_samples, env_id ("p<producer>/s<slot>/e<env>"), producer_rank,
                        slot, env_index, seed (seed of the env's shard: `make_env(.., seed)`;
                        the env's own is seeds.env_seeds(seed, n)[env_index]),
                        episode (of that env, counted from the (re)start of the run),
-                       start_version (the policy version that start began at: a resumed
-                       run's episodes are told from the first start's by it),
+                       start (the start that wrote it, /starts/<start>: `(start, env_id,
+                       episode)` names an episode), start_version (the policy version that
+                       start began at; two starts resumed from one checkpoint share it),
                        instruction (text), policy_version (at the first step), staleness
                        (most over its steps), success, return, env_fault,
                        truncation_value (V of the observation the horizon ended it at,
@@ -51,9 +55,9 @@ so that compression takes none of the rank's time) keeps finished episodes in me
 appends them every `flush_s` seconds: compressed into a staging file beside it first, then
 copied in (the compressed chunks as they are) by opening, writing and closing the file, so it
 is closed and consistent but for the copy: readable while the run goes on, and after a crash
-up to the last flush. Readers (`open_dump`) take no HDF5 file lock, so a reader never stops the writer; a reader that
-holds the file open with h5py's default lock makes the writer keep its episodes and try again
-at the next flush, saying so. A process killed while it appends (SIGKILL, an OOM kill)
+up to the last flush. Neither readers (`open_dump`) nor the writer take HDF5's file lock:
+a reader that holds one (h5py's default) never stops the writer (the run directory's `.lock`
+keeps a second writer out). A process killed while it appends (SIGKILL, an OOM kill)
 leaves the file marked open for write, and libhdf5 then refuses it whole: HDF5's `h5clear -s
 FILE` clears the mark (docs/outputs.md). A run resumed from a checkpoint
 (run.resume) appends to the dump of its first start, or, if that file cannot be read, moves it

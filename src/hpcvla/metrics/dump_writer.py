@@ -151,6 +151,7 @@ class DumpFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.staging = self.path.with_name(self.path.name + ".staging")
         self.staging.unlink(missing_ok=True)  # a killed writer's: never part of the dump
+        self.start, self.config_yaml = 0, config_yaml  # this start's number in the file
         if self.path.exists() and self._resumed():
             return
         with h5py.File(self.path, "w", libver=LIBVER) as f:
@@ -161,6 +162,15 @@ class DumpFile:
             data = f.create_group("data")
             data.attrs.update(text_attrs(dict(total=0, env_args=json.dumps(
                 {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))))
+            self._begin_start(f)
+
+    def _begin_start(self, f) -> None:
+        """starts/<n>: what this start of the run (its first, or a resume's) wrote under: its
+        config (a resume may change any setting; readers check each start's), its steps of
+        episodes open at its close."""
+        f.require_group("starts").create_group(str(self.start)).attrs.update(text_attrs(dict(
+            config=self.config_yaml, open_episode_steps=0,
+            began=time.strftime("%Y-%m-%dT%H:%M:%S%z"))))
 
     def _resumed(self) -> bool:
         """A resumed run (run.resume) appends to its dump; one that cannot be read (e.g. a
@@ -181,6 +191,8 @@ class DumpFile:
             return False
         with self._append() as f:
             f.attrs["complete"] = False
+            self.start = len(f.get("starts", ())) or 1  # a file before starts/: one start
+            self._begin_start(f)
         return True
 
     def add_episode(self, steps: dict, attrs: dict) -> None:
@@ -205,7 +217,7 @@ class DumpFile:
             with h5py.File(self.staging, "w", libver=LIBVER) as staged:
                 for name, (steps, attrs) in zip(names, self.pending):
                     demo = staged.create_group(name)
-                    demo.attrs.update(text_attrs(attrs))
+                    demo.attrs.update(text_attrs({**attrs, "start": self.start}))
                     for key in (k for k in steps if k.startswith("obs/")):
                         _dataset(demo, key, steps[key])
                     for field, step_name in STEP_FIELDS.items():
@@ -223,7 +235,9 @@ class DumpFile:
             data.attrs["total"] = self.total
             f.attrs["segments"] = self.segments = segments
             if open_steps is not None:
-                f.attrs["open_episode_steps"] = open_steps
+                f["starts"][str(self.start)].attrs["open_episode_steps"] = open_steps
+                f.attrs["open_episode_steps"] = sum(
+                    int(start.attrs["open_episode_steps"]) for start in f["starts"].values())
                 f.attrs["complete"] = True
         self.staging.unlink(missing_ok=True)
         self.pending.clear()
