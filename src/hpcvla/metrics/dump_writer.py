@@ -16,8 +16,11 @@ with its rank, leaves stop signals to it) compresses and writes them.
     close(segments, open) -> ... ->              ("close", ...): appended, file complete, "ok"
 
 The sender thread keeps the rank's send off its own clock while the writer is busy appending;
-at most `max_bytes` of episodes wait for it (the rank then waits: the writer sets the pace of
-a run that produces faster than it can compress). A writer that fails (its error, sent back)
+at most `max_bytes` (and MAX_QUEUED episodes) wait for it, and the writer appends every
+MAX_PENDING episodes as well as every flush: a run that produces faster than the writer
+compresses waits for it as it goes (the writer sets its pace), and its stop waits for a
+backlog of at most those, a few seconds of the writer's work, not for everything a flush
+interval and 256 MB hold (minutes of short episodes). A writer that fails (its error, sent back)
 or dies (the connection closes) makes the rank's next dump call raise DumpError naming the
 file and why, so a run never goes on without the dump it asked for.
 """
@@ -133,6 +136,10 @@ class TrajectoryDump:
                                            for p in pieces))
 
 
+MAX_PENDING = 512  # episodes a writer holds before it appends them (~1-2 s of its work)
+MAX_QUEUED = 512  # episodes a rank hands over before the writer takes them in
+
+
 class DumpFile:
     """One producer's dump file: made with its header, or appended to when it exists (a
     resumed run); episodes queued by `add_episode` are appended by `flush`. A flush
@@ -196,7 +203,12 @@ class DumpFile:
         return True
 
     def add_episode(self, steps: dict, attrs: dict) -> None:
+        """Queue an episode for the next flush; MAX_PENDING of them are appended at once, so
+        that a run producing faster than the writer keeps up waits for it as it goes (the
+        rank's queue fills behind it) instead of piling up episodes its stop then waits for."""
         self.pending.append((steps, attrs))
+        if len(self.pending) >= MAX_PENDING:
+            self.flush(self.segments)
 
     def _append(self):
         """The file opened to append (an h5py.File), without HDF5's file lock: a reader that
@@ -263,7 +275,7 @@ class DumpProcess:
         self.path, self.producer, self.max_bytes = Path(path), producer, max_bytes
         self.remind_s = 60.0  # how often a producer held up by a full queue says so
         self._queue: list[tuple[tuple, int]] = []  # (message, bytes), oldest first
-        self._queued_bytes, self._failure = 0, ""
+        self._queued_bytes, self._queued_episodes, self._failure = 0, 0, ""
         self._ready = threading.Condition()
         self._proc, self._conn = worker.start("hpcvla.metrics.dump_writer")
         try:
@@ -296,8 +308,10 @@ class DumpProcess:
     def _put(self, message: tuple, nbytes: int) -> None:
         with self._ready:
             waited = 0.0
-            while self._queue and self._queued_bytes + nbytes > self.max_bytes \
-                    and not self._failure:
+            episode = message[0] == "episode"
+            while self._queue and not self._failure and (
+                    self._queued_bytes + nbytes > self.max_bytes or
+                    episode and self._queued_episodes >= MAX_QUEUED):
                 if not self._ready.wait(self.remind_s):  # the writer sets the pace
                     waited += self.remind_s
                     print(f"hpcvla: producer rank {self.producer} has waited {waited:.0f} s for "
@@ -308,6 +322,7 @@ class DumpProcess:
             self._raise_failure()
             self._queue.append((message, nbytes))
             self._queued_bytes += nbytes
+            self._queued_episodes += episode
             self._ready.notify_all()
 
     def _send_loop(self) -> None:
@@ -327,6 +342,7 @@ class DumpProcess:
             with self._ready:
                 self._queue.pop(0)
                 self._queued_bytes -= nbytes
+                self._queued_episodes -= message[0] == "episode"
                 self._ready.notify_all()
             if message[0] == "close":
                 return
