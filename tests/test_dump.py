@@ -373,6 +373,28 @@ def test_bad_files_give_clear_errors(tmp_path):
     assert out.returncode == 2 and "not a readable HDF5 file" in out.stderr
 
 
+def test_inspect_summarises_every_readable_file_and_names_the_rest(tmp_path, capsys):
+    """A run directory with one producer's dump killed mid-write and another's good, and
+    the files a resumed run and a killed writer set aside: the good file is summarised, the
+    bad one named with why (exit 2), the set-aside ones named. Before, the first bad file
+    ended the command and hid the good ones."""
+    import argparse
+    from hpcvla.metrics.command import inspect_command
+    trajectories = tmp_path / "trajectories"
+    trajectories.mkdir()
+    reach_dump(trajectories / "rank2.h5")
+    bad = trajectories / "rank0.h5"
+    bad.write_bytes((trajectories / "rank2.h5").read_bytes()[:3000])
+    (trajectories / "rank0.h5.unreadable").write_bytes(b"x")
+    (trajectories / "rank0.h5.staging").write_bytes(b"x")
+    args = argparse.Namespace(paths=[str(tmp_path)], json=False, video=0, verify=False)
+    assert inspect_command(args) == 2
+    out, err = capsys.readouterr()
+    assert "rank2.h5: hpcvla trajectory dump" in out and "rank0.h5: hpcvla" not in out
+    assert "rank0.h5" in err and "not a readable HDF5 file" in err
+    assert "rank0.h5.unreadable set aside" in err and "rank0.h5.staging set aside" in err
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("config,ranks", [("configs/default.yaml", 4),

@@ -27,9 +27,12 @@ def add_inspect_parser(sub) -> None:
 
 def inspect_command(args) -> int:
     """Summarise each dump (with --verify every chunk checked, with --video K episodes as
-    MP4); exit status 2 naming a path that holds no dump."""
+    MP4), each file on its own: one that cannot be read is named with why, and the others are
+    still summarised; a run directory's files set aside (`.unreadable`: a resumed run could
+    not read them; `.staging`: a killed writer's) are named too. Exit status 2 where a path
+    holds no dump or a file could not be read."""
     from hpcvla.metrics.dump import DumpError, describe, summarize, verify
-    files = []
+    files, aside = [], []
     for path in map(Path, args.paths):
         found = sorted((path / "trajectories").glob("rank*.h5")) if path.is_dir() else [path]
         if not found:
@@ -37,20 +40,30 @@ def inspect_command(args) -> int:
                   "started with run.dump_trajectories=true?)", file=sys.stderr)
             return 2
         files += found
-    try:
-        summaries = [summarize(f) for f in files]
-        if args.verify:  # reads everything: slower, catches a corrupted chunk anywhere
-            for f, summary in zip(files, summaries):
+        if path.is_dir():
+            aside += sorted(p for p in (path / "trajectories").glob("rank*.h5.*")
+                            if not p.name.endswith("-videos"))
+    summaries, failed = [], 0
+    for f in files:
+        try:
+            summary = summarize(f)
+            if args.verify:  # reads everything: slower, catches a corrupted chunk anywhere
                 summary["verified_bytes"] = verify(f)
-        if args.video > 0:
-            from hpcvla.metrics.video import dump_videos
-            for f, summary in zip(files, summaries):
+            if args.video > 0:
+                from hpcvla.metrics.video import dump_videos
                 summary["videos"] = dump_videos(f, args.video, f.with_name(f.stem + "-videos"))
-    except (DumpError, ValueError, OSError) as err:  # OSError: a file HDF5 cannot open
-        print(f"hpcvla inspect: {err}", file=sys.stderr)
-        return 2
+            summaries.append(summary)
+        except (DumpError, ValueError, OSError) as err:  # OSError: a file HDF5 cannot open
+            print(f"hpcvla inspect: {err}", file=sys.stderr)
+            failed += 1
+    for path in aside:
+        print(f"hpcvla inspect: {path} set aside ({path.suffix[1:]}: "
+              + ("a start that resumed the run could not read it; HDF5's `h5clear -s` may "
+                 "restore one a process killed while it appended" if "unreadable" in path.suffix
+                 else "a writer's, killed before it appended") + "); not summarised",
+              file=sys.stderr)
     print(json.dumps(summaries, indent=1) if args.json else
           "\n".join(describe(s) + "".join(f"\n  video {v}" for v in s.get("videos", []))
                     + (f"\n  verified: {s['verified_bytes']:,} bytes read, every chunk's "
                        "checksum right" if "verified_bytes" in s else "") for s in summaries))
-    return 0
+    return 2 if failed else 0
