@@ -337,11 +337,14 @@ def test_libero_refusals_name_file_and_key():
 def test_hpcvla_dump_reads_chunk_rows(tmp_path):
     groups, spec = reach_dump(tmp_path / "rank0.h5")
     assert demonstration_problems(tmp_path / "rank0.h5", spec) == []
+    with h5py.File(tmp_path / "rank0.h5", "a") as f:  # a run's dump records the chunks as
+        f["data/demo_0/actions"][...] *= 3  # the policy drew them; the env ran them clipped
     demos = read_demonstrations(tmp_path / "rank0.h5", spec)
     with h5py.File(tmp_path / "rank0.h5") as f:
         demo = f["data/demo_0"]
         T = demo["actions"].shape[0]
-        np.testing.assert_array_equal(demos.actions[:T], demo["actions"][()])
+        assert np.abs(demo["actions"][()]).max() > 1
+        np.testing.assert_array_equal(demos.actions[:T], np.clip(demo["actions"][()], -1, 1))
         np.testing.assert_array_equal(demos.obs["image"][:T], demo["obs/image"][()])
         np.testing.assert_array_equal(demos.obs["instruction"][:T],
                                       demo["obs/instruction"][()])
@@ -360,7 +363,7 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
         actions = f["data/demo_1/actions"][()]
     ok = read_demonstrations(tmp_path / "rank0.h5", spec, successful_only=True)
     assert len(ok.task) == 1  # that episode alone, every row of it
-    np.testing.assert_array_equal(ok.actions, actions)
+    np.testing.assert_array_equal(ok.actions, np.clip(actions, -1, 1))
     other = EnvSpec(spec.obs, spec.action_dim, spec.chunk_len + 1, 4, spec.vocab)
     refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
 

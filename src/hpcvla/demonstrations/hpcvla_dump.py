@@ -18,6 +18,7 @@ import yaml
 
 from hpcvla.config.families import EE_DELTA_CONTROL
 from hpcvla.demonstrations.common import Episode, Problems, chunks, fit_images, is_image
+from hpcvla.envs.serial import executed_actions
 from hpcvla.metrics.dump import FORMAT, attr_text
 
 NAME = "hpcvla trajectory dump"
@@ -123,7 +124,7 @@ def load(f, episode: Episode, spec, horizon: int | None = None
         value = demo[f"obs/{field}"][()]
         obs[field] = (fit_images(value, shape) if is_image(spec.obs[field])
                       else value).astype(np.dtype(dtype), copy=False)
-    actions = demo["actions"][()].astype(np.float32)
+    actions = executed_actions(demo["actions"][()])  # a run's: as drawn, before the env clips
     rows, chunk = actions.shape[:2]
     horizon = horizon or chunk
     # The actions that ran, the episode's env steps: after a success mid-chunk the rest of the

@@ -58,13 +58,19 @@ def require(module: str, package: str, env_name: str):
 
 
 def chunk_actions(actions, num_envs: int, spec) -> np.ndarray:
-    """A step's (num_envs, chunk_len, action_dim) actions, checked, as float32 clipped to
-    [-1, 1] (NaN as 0): what every simulator's controller takes."""
+    """A step's (num_envs, chunk_len, action_dim) actions, checked, as the simulators take
+    them (executed_actions)."""
     shape = (num_envs, spec.chunk_len, spec.action_dim)
     actions = np.asarray(actions, dtype=np.float32)
     if actions.shape != shape:
         raise ValueError(f"step: actions must have shape {shape}, got {actions.shape}")
-    return np.clip(np.nan_to_num(actions), -1.0, 1.0)
+    return executed_actions(actions)
+
+
+def executed_actions(actions) -> np.ndarray:
+    """What every simulator's controller takes of `actions`: float32 clipped to [-1, 1], NaN
+    as 0 (a policy's are drawn unbounded; a run's dump records them so)."""
+    return np.clip(np.nan_to_num(np.asarray(actions, dtype=np.float32)), -1.0, 1.0)
 
 
 class SerialVectorEnv(VectorEnv):
