@@ -26,20 +26,18 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     device = torch.device("cpu") if device is None else torch.device(device)
     deepspeed = lean_deepspeed(device)
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
-    hosts = learners_comm.allgather(socket.gethostname())  # [dist]
-    address = None
-    if rank == 0:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            address = (rendezvous_host(hosts[0], hosts[1:]), probe.getsockname()[1])
-    host, port = learners_comm.bcast(address, root=0)  # [dist]
+    store = rendezvous(learners_comm)  # [dist]
     local = str(device.index or 0)
-    os.environ.update(MASTER_ADDR=host if size > 1 else "127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=local)
+    os.environ.update(MASTER_ADDR=store.host, MASTER_PORT=str(store.port), RANK=str(rank),
+                      WORLD_SIZE=str(size), LOCAL_RANK=local)
     if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:  # DeepSpeed asserts the two agree; the
         os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = local  # device map, not Open MPI, decides
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                               auto_mpi_discovery=False)  # [dist]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    from deepspeed.constants import default_pg_timeout
+    torch.distributed.init_process_group(  # [dist] DeepSpeed then takes this group
+        backend, store=store, rank=rank, world_size=size, timeout=default_pg_timeout,
+        **({"device_id": device} if device.type == "cuda" else {}))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # [dist]
     bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters() if p.requires_grad)
     ds_config = {
         "train_micro_batch_size_per_gpu": cfg.learner.micro_batch,
@@ -55,6 +53,25 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     engine, *_ = deepspeed.initialize(model=policy.to(device),  # [dist]
                                       optimizer=adamw(cfg, policy), config=ds_config)
     return engine
+
+
+def rendezvous(learners_comm) -> torch.distributed.TCPStore:
+    """Collective on the learners: torch's rendezvous store, served by learner 0 on a port
+    the kernel gives it as it binds (port 0), which the others are told through MPI. A port
+    probed free, closed and bound again later could be taken in between by anything on a
+    shared node (another job's learner 0)."""
+    from deepspeed.constants import default_pg_timeout
+    rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
+    hosts = learners_comm.allgather(socket.gethostname())  # [dist]
+    host = rendezvous_host(hosts[0], hosts[1:]) if size > 1 else "127.0.0.1"
+    store, address = None, None
+    if rank == 0:
+        store = torch.distributed.TCPStore(host, 0, size, is_master=True,
+                                           timeout=default_pg_timeout, wait_for_workers=False)
+        address = (host, store.port)
+    host, port = learners_comm.bcast(address, root=0)  # [dist]
+    return store or torch.distributed.TCPStore(host, port, size, is_master=False,
+                                               timeout=default_pg_timeout)
 
 
 def lean_deepspeed(device: torch.device) -> types.ModuleType:
