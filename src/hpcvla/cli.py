@@ -1,7 +1,7 @@
 """The `hpcvla` command: RL post-training of vision-language-action policies as one MPI job.
 
     hpcvla train [CONFIG] [key=value ...] [--ranks N] the main job (--ranks: start N ranks here)
-    hpcvla sft CONFIG sft.demos=F [key=value ...] [--ranks N]
+    hpcvla sft [CONFIG] sft.demos=F [key=value ...] [--ranks N]
                                                       supervised fine-tuning on demonstrations
     hpcvla plan [CONFIG] [key=value ...] --world N [--ranks-per-node M] [--job sft] [--json]
     hpcvla plan --auto CONFIG --world N [--ranks-per-node M] [--costs C] [--json]
@@ -77,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="supervised fine-tuning on demonstrations (sft.demos): "
                                      "the imitation start RL post-trains")
-    _config_args(sft)
+    _config_args(sft, required=False)
     sft.add_argument("--ranks", type=whole_number(1), default=None,
                      help="start this many learner ranks on this machine (default: the "
                           "current MPI world, as under srun/mpirun; alone: one rank)")
@@ -245,16 +245,20 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    if args.config is None:  # as train's: the resumed run's own, else the built-in defaults
+        args.config = resumed_run_config(args.overrides)
     cfg = load_config(args.config, args.overrides)
+    source = config_source(args.config, args.overrides)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
-    preflight.check_host(cfg, str(args.config))  # its node, on each rank of a world
-    preflight.check_sft(cfg, str(args.config), args.ranks)
+    preflight.check_host(cfg, source)  # its node, on each rank of a world
+    preflight.check_sft(cfg, source, args.ranks)
     if args.ranks is None:  # a rank of a world someone started, or a world of one
         from hpcvla.imitation.sft import run_sft
         return run_sft(cfg)
     from hpcvla.job.launch import run_world
     os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
-    return run_world(args.ranks, ["sft", args.config, *args.overrides], cfg.launch.mpiexec,
+    config = [args.config] if args.config else []
+    return run_world(args.ranks, ["sft", *config, *args.overrides], cfg.launch.mpiexec,
                      mpi=cfg.launch.mpi)
 
 
