@@ -48,6 +48,7 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
         assert len(texts) == 5 + 2 * len(demos)  # format source env config env_args; env_id
         # and instruction of each demo
         assert not any(t.is_variable_str() for t in texts)
+        judged = [(int(d.attrs["policy_version"]), bool(d.attrs["success"])) for d in demos]
         for demo in demos:
             want = expected[demo.attrs["env_index"]][demo.attrs["episode"]]
             assert attr_text(demo.attrs["env_id"]) == f"p7/s1/e{demo.attrs['env_index']}"
@@ -64,6 +65,12 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
             assert words[:2] == ["reach", "the"] and words[3] == "object"
             assert demo["obs/image"].compression == "gzip" and demo["obs/image"].chunks
             assert demo.attrs["return"] == pytest.approx(float(want["reward"].sum()), abs=1e-4)
+    # inspect's success by policy version: every episode in the range of its version
+    bins = summarize(tmp_path / "d.h5")["by_version"]
+    assert sum(b["episodes"] for b in bins) == len(judged) and len(bins) > 1
+    for b in bins:
+        inside = [ok for v, ok in judged if b["versions"][0] <= v <= b["versions"][1]]
+        assert (b["episodes"], b["success_rate"]) == (len(inside), np.mean(inside))
 
 
 WRITER = """

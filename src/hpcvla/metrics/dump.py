@@ -181,6 +181,7 @@ def summarize(path) -> dict:
     """What `hpcvla inspect` prints: episodes, steps, keys and shapes, success, versions."""
     with open_dump(path) as f, _reading(path):
         lengths, success, returns, versions, faults = [], [], [], [], 0
+        judged = []  # (the episode's policy version, success, return): env faults left out
         staleness = Counter()
         keys = {}
         chunk_len = int(f.attrs["chunk_len"])
@@ -193,6 +194,7 @@ def summarize(path) -> dict:
             else:
                 success.append(bool(demo.attrs["success"]))
                 returns.append(float(demo.attrs["return"]))
+                judged.append((int(demo.attrs["policy_version"]), success[-1], returns[-1]))
             v = demo["policy_versions"][()]
             versions += [int(v.min()), int(v.max())]
             staleness.update(demo["staleness"][()].tolist())
@@ -216,8 +218,28 @@ def summarize(path) -> dict:
             "env_fault_episodes": faults,
             "policy_versions": [min(versions), max(versions)] if versions else None,
             "staleness_hist": dict(sorted(staleness.items())),
+            "by_version": by_version(judged),
+            "starts": len(f.get("starts", ())) or 1,
             "keys": keys,
         }
+
+
+def by_version(judged: list[tuple[int, bool, float]], bins: int = 10) -> list[dict]:
+    """Success and mean return over the episodes of `bins` equal ranges of the policy version
+    they were acted with (at their first step): how the run's policy did as it trained."""
+    if not judged:
+        return []
+    low, high = min(v for v, _, _ in judged), max(v for v, _, _ in judged)
+    width = max(1, -(-(high - low + 1) // bins))
+    out = []
+    for first in range(low, high + 1, width):
+        inside = [(ok, ret) for v, ok, ret in judged if first <= v < first + width]
+        if inside:
+            out.append({"versions": [first, min(high, first + width - 1)],
+                        "episodes": len(inside),
+                        "success_rate": float(np.mean([ok for ok, _ in inside])),
+                        "mean_return": float(np.mean([ret for _, ret in inside]))})
+    return out
 
 
 def describe(summary: dict) -> str:
@@ -230,12 +252,18 @@ def describe(summary: dict) -> str:
     lines = [f"{s['file']}: hpcvla trajectory dump, {origin}, env {s['env']}, {state}",
              f"  episodes {s['episodes']} | steps {s['steps']} (chunks of {s['chunk_len']}: "
              f"{s['env_steps']} env steps ran) | mean length {s['mean_length']:.1f} | segments "
-             f"{s['segments']} | open at close {s['open_episode_steps']} steps"]
+             f"{s['segments']} | open at close "
+             + (f"{s['open_episode_steps']} steps" if s["complete"] else "unknown (not closed)")
+             + (f" | {s['starts']} starts (a resumed run's)" if s.get("starts", 1) > 1 else "")]
     if s["success_rate"] is not None:
         lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
                      f" (env faults: {s['env_fault_episodes']} episodes, not counted)"
                      f" | policy versions {s['policy_versions'][0]}..{s['policy_versions'][1]}"
                      f" | staleness (steps) {s['staleness_hist']}")
+    if len(s.get("by_version", ())) > 1:
+        lines.append("  success by policy version: " + " | ".join(
+            f"{b['versions'][0]}-{b['versions'][1]} {b['success_rate']:.2f} ({b['episodes']})"
+            for b in s["by_version"]))
     width = max((len(k) for k in s["keys"]), default=0)
     for key, info in s["keys"].items():
         shape = "(" + ", ".join(map(str, info["shape"])) + ("," if len(info["shape"]) == 1
