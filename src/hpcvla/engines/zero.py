@@ -26,17 +26,18 @@ def deepspeed_engine(cfg, policy, learners_comm, device: torch.device | None = N
     device = torch.device("cpu") if device is None else torch.device(device)
     deepspeed = lean_deepspeed(device)
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
-    store = rendezvous(learners_comm)  # [dist]
     local = str(device.index or 0)
-    os.environ.update(MASTER_ADDR=store.host, MASTER_PORT=str(store.port), RANK=str(rank),
-                      WORLD_SIZE=str(size), LOCAL_RANK=local)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size), LOCAL_RANK=local)
     if "OMPI_COMM_WORLD_LOCAL_RANK" in os.environ:  # DeepSpeed asserts the two agree; the
         os.environ["OMPI_COMM_WORLD_LOCAL_RANK"] = local  # device map, not Open MPI, decides
     backend = "nccl" if device.type == "cuda" else "gloo"
-    from deepspeed.constants import default_pg_timeout
-    torch.distributed.init_process_group(  # [dist] DeepSpeed then takes this group
-        backend, store=store, rank=rank, world_size=size, timeout=default_pg_timeout,
-        **({"device_id": device} if device.type == "cuda" else {}))
+    if not torch.distributed.is_initialized():  # a process's first engine (tests build more)
+        from deepspeed.constants import default_pg_timeout
+        store = rendezvous(learners_comm)  # [dist]
+        os.environ.update(MASTER_ADDR=store.host, MASTER_PORT=str(store.port))
+        torch.distributed.init_process_group(  # [dist] DeepSpeed then takes this group
+            backend, store=store, rank=rank, world_size=size, timeout=default_pg_timeout,
+            **({"device_id": device} if device.type == "cuda" else {}))
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # [dist]
     bf16 = any(p.dtype == torch.bfloat16 for p in policy.parameters() if p.requires_grad)
     ds_config = {
