@@ -249,6 +249,34 @@ def test_each_start_of_a_run_is_told_apart_with_its_config(tmp_path):
     assert len(set(by_version)) < len(by_version)  # the key the docs gave before
 
 
+def test_a_dump_from_before_starts_is_resumed_again_and_again(tmp_path):
+    """A file an older hpcvla wrote (no starts/, no episode `start`): its first resume records
+    its one start as starts/0 from the root's config and open steps, then its own; a second
+    resume its own again (it failed creating starts/1 twice)."""
+    path = tmp_path / "rank7.h5"
+    reach_dump(path)
+    with h5py.File(path, "a") as f:
+        old_open = int(f["starts/0"].attrs["open_episode_steps"])
+        del f["starts"]
+        for demo in f["data"].values():
+            del demo.attrs["start"]
+    groups, spec = reach_segments(2)
+    for _ in range(2):
+        dump = writer(path, spec)
+        for group in groups:
+            dump.add_segment(group)
+        dump.close()
+    with h5py.File(path, "r") as f:
+        starts = f["starts"]
+        assert sorted(starts) == ["0", "1", "2"]
+        assert attr_text(starts["0"].attrs["config"]) == attr_text(f.attrs["config"])
+        assert int(starts["0"].attrs["open_episode_steps"]) == old_open > 0
+        assert int(f.attrs["open_episode_steps"]) == sum(
+            int(s.attrs["open_episode_steps"]) for s in starts.values())
+        assert {int(d.attrs.get("start", 0)) for d in f["data"].values()} == {0, 1, 2}
+    assert summarize(path)["starts"] == 3
+
+
 def test_a_resumed_run_moves_an_unreadable_dump_aside_and_goes_on(tmp_path, capfd):
     """A dump left unreadable (here: its bytes cut, as a process killed mid-append leaves one
     refused) does not stop the resumed run: it is moved aside, named, and a new one begun;

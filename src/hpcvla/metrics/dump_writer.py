@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcvla.metrics.dump import (COMPRESSION, FORMAT, LIBVER, STEP_FIELDS, DumpError,
-                                 open_dump, text_attrs)
+                                 attr_text, open_dump, text_attrs)
 from hpcvla.process import worker
 from hpcvla.transport.segment_meta import SegmentMeta
 
@@ -198,7 +198,11 @@ class DumpFile:
             return False
         with self._append() as f:
             f.attrs["complete"] = False
-            self.start = len(f.get("starts", ())) or 1  # a file before starts/: one start
+            if "starts" not in f:  # a file before starts/: its one start, from the root's
+                f.create_group("starts").create_group("0").attrs.update(text_attrs(dict(
+                    config=attr_text(f.attrs.get("config", "")), began="",
+                    open_episode_steps=int(f.attrs.get("open_episode_steps", 0)))))
+            self.start = len(f["starts"])
             self._begin_start(f)
         return True
 
