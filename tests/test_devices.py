@@ -3,6 +3,7 @@ two learners on one GPU, simulators on a GPU only when their simulator uses one;
 bindings kept; and the CPU path (staging buffers, `hpcvla plan`'s device column)."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -158,19 +159,28 @@ def test_what_says_gpus_were_given():
 
 
 def test_a_gpu_node_a_job_was_given_no_gpus_of_is_refused_unless_hidden(monkeypatch):
-    """A job that asked the scheduler for no GPU on a GPU node (device cgroups hide them):
+    """A Slurm or PBS job that asked for no GPU on an NVIDIA node (device cgroups hide them):
     the driver's device files are there, torch sees none, nothing was granted. Detecting
     would run every rank on the CPU: refused, naming the request and the choice; hiding them
-    (CUDA_VISIBLE_DEVICES=, what the suite does) or choosing the CPU is fine."""
+    (CUDA_VISIBLE_DEVICES=, what the suite does), choosing the CPU, or no batch job (a
+    workstation with a CPU-only torch) is fine."""
     import hpcvla.devices as devices
-    assert missing_gpus_problem(-1, {}) is None  # this machine: no device files
+    job = {"SLURM_JOB_ID": "7"}
+    assert missing_gpus_problem(-1, job) is None  # this machine: no device files
+    nvidia = Path("/dev/nvidia0")
+    real_glob = Path.glob
     monkeypatch.setattr(devices, "_gpu_device_files", lambda: True)  # torch still sees none
-    said = missing_gpus_problem(-1, {})
-    assert "device files but the job was given no GPU" in said
-    assert "--gpus-per-node=N" in said and "placement.gpus_per_node=0" in said
-    assert missing_gpus_problem(0, {}) is None
-    for hidden in ("", "-1", "NoDevFiles"):
-        assert missing_gpus_problem(-1, {"CUDA_VISIBLE_DEVICES": hidden}) is None
+    monkeypatch.setattr(Path, "glob", lambda self, pattern: iter([nvidia])
+                        if pattern == "nvidia[0-9]*" else real_glob(self, pattern))
+    for scheduler in (job, {"PBS_JOBID": "7.pbs"}):
+        said = missing_gpus_problem(-1, scheduler)
+        assert "node with NVIDIA GPUs but was given none" in said and "torch " in said
+        assert "--gpus-per-node=N" in said and "placement.gpus_per_node=0" in said
+    assert missing_gpus_problem(0, job) is None
+    assert missing_gpus_problem(-1, {}) is None  # no batch job: a workstation's CPU torch
+    for hidden in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"):
+        for value in ("", "-1", "NoDevFiles"):
+            assert missing_gpus_problem(-1, {**job, hidden: value}) is None
     assert "SLURM_GPUS_ON_NODE=8" in missing_gpus_problem(-1, {"SLURM_GPUS_ON_NODE": "8"})
 
 

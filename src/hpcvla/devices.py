@@ -173,10 +173,10 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     """Why this node cannot run the GPUs the config asks for: more (`placement.
     gpus_per_node` > 0) than torch sees here (visible_gpus, as every rank will), or, for
     detection (-1), a GPU node whose GPUs torch cannot see, which would silently mean the
-    CPU: GPUs the job was given, or a driver's device files and nothing given nor hidden (a
-    job that asked the scheduler for none; device cgroups hide them). None when they are
-    there, on a node without GPUs, when CUDA_VISIBLE_DEVICES hides them, or when the CPU was
-    chosen (0)."""
+    CPU: GPUs the job was given, or a Slurm/PBS job on a node with NVIDIA's device files that
+    was given none and hides none (it asked the scheduler for none; device cgroups hide
+    them). None when they are there, outside a batch job (a workstation's CPU-only torch),
+    when CUDA_/ROCR_/HIP_VISIBLE_DEVICES hides them, or when the CPU was chosen (0)."""
     count = torch_gpu_count()
     if gpus_per_node > count:
         return (f"at most the {count} GPU(s) torch sees on this node (CUDA_VISIBLE_DEVICES="
@@ -185,17 +185,20 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     if gpus_per_node != -1 or count > 0:
         return None
     granted = granted_gpus(environ)
-    if granted is None:
-        if "CUDA_VISIBLE_DEVICES" in environ or not _gpu_device_files():
-            return None
-        return ("GPUs for the ranks: this node has a GPU driver's device files but the job "
-                "was given no GPU (no SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS or "
-                "CUDA_VISIBLE_DEVICES) and torch sees none: every rank would run on the CPU. "
-                "Ask the scheduler for the node's GPUs (sbatch --gpus-per-node=N, PBS "
-                "select=...:ngpus=N), or set placement.gpus_per_node=0 to run on the CPU on "
-                "purpose")
     import torch
     build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    if granted is None:  # a batch job on an NVIDIA node that asked for no GPU
+        hidden = any(v in environ for v in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                                            "HIP_VISIBLE_DEVICES"))
+        in_job = "SLURM_JOB_ID" in environ or "PBS_JOBID" in environ
+        if hidden or not in_job or not any(Path("/dev").glob("nvidia[0-9]*")):
+            return None
+        return ("GPUs for the ranks: this batch job runs on a node with NVIDIA GPUs but was "
+                f"given none (no SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS or CUDA_VISIBLE_DEVICES), "
+                f"and torch {torch.__version__} ({build}) sees none: every rank would run on "
+                "the CPU. Ask the scheduler for the node's GPUs (sbatch --gpus-per-node=N, PBS "
+                "select=...:ngpus=N), or set placement.gpus_per_node=0 to run on the CPU on "
+                "purpose")
     return (f"GPUs torch can see: this node was given GPUs ({granted}) but torch "
             f"{torch.__version__} ({build}) sees none. Install a torch that matches the node's "
             "driver, or set placement.gpus_per_node=0 to train on the CPU on purpose")
