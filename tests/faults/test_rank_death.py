@@ -81,3 +81,33 @@ def test_a_window_larger_than_the_room_in_dev_shm_ends_the_world_naming_it(tmp_p
         "/dev/shm has" in out.stderr and "a larger /dev/shm" in out.stderr, out.stderr[-3000:]
     out = subprocess.run([*wrap, *train], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "[hpcvla] done" in out.stdout, out.stderr[-3000:]
+
+
+POPULATE = """
+import mmap, numpy as np
+from hpcvla.transport.windows import _populate
+with open("/dev/shm/sparse", "wb+") as f:      # 4 MiB, sparse, in a 1 MiB tmpfs
+    f.truncate(4 << 20)
+    memory = np.frombuffer(mmap.mmap(f.fileno(), 4 << 20), np.uint8)
+    print("populated" if _populate(memory[: 256 << 10]) else "no room",
+          "populated" if _populate(memory) else "no room")
+"""
+
+
+@pytest.mark.cluster  # root: a mount namespace with a /dev/shm of its own
+def test_windows_that_fit_alone_but_not_together_are_refused_naming_the_room():
+    """Two 40 MiB node-shared windows in an 80 MiB /dev/shm: each fits alone, and MPI maps
+    them sparse, so both were allocated and the first rank to write the second died of SIGBUS.
+    Now each window's pages are faulted in as it is made (MADV_POPULATE_WRITE), the second's
+    check sees the first's, and it is refused naming the room; a sparse mapping larger than
+    its tmpfs fails to populate instead of raising SIGBUS."""
+    def in_small_shm(size, *command):
+        return subprocess.run(["unshare", "--mount", "sh", "-c", f"mount -t tmpfs -o "
+                               f"size={size} tmpfs /dev/shm && exec \"$@\"", "sh", *command],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = in_small_shm("80m", sys.executable, "-m", "hpcvla", "launch", "-n", "2", "--",
+                       str(ROOT / "tests" / "mpi" / "shm_windows.py"))
+    assert "refused: host " in out.stdout and "the second window needs 40 MiB of the " \
+        "node's shared memory and /dev/shm has" in out.stdout, out.stdout + out.stderr[-2000:]
+    out = in_small_shm("1m", sys.executable, "-c", POPULATE)
+    assert out.stdout.split() == ["populated", "no", "room"], out.stdout + out.stderr[-2000:]

@@ -4,62 +4,96 @@ where /dev/shm has room for them."""
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import mmap
 import shutil
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
 SHM = "/dev/shm"  # where MPICH and Open MPI (osc_sm_backing_directory) back shared windows
 MIB = 2 ** 20
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault a range in writable, or fail where SIGBUS would
 
 
 def allocate_shared(nbytes: int, comm: MPI.Comm, what: str) -> MPI.Win:
     """Collective on `comm` (one node's ranks): `Win.Allocate_shared` of `nbytes` from this
-    rank, checked for room (`require_room`) and for the unified model."""
+    rank, given its pages (`with_room`) and checked for the unified model."""
     from mpi4py import MPI
-    require_room(nbytes, comm, what)  # [dist]
     # mpi4py's stub types Split's communicators Comm; they are Intracomm
-    window = MPI.Win.Allocate_shared(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
-    return unified(window, what)
+    return with_room(nbytes, comm, what, lambda: MPI.Win.Allocate_shared(  # [dist]
+        nbytes, 1, comm=comm),  # type: ignore[arg-type]
+        lambda win: win.Shared_query(comm.Get_rank())[0])
 
 
 def allocate(nbytes: int, comm: MPI.Comm, what: str) -> MPI.Win:
     """Collective on `comm`: `Win.Allocate` of `nbytes` from this rank (MPICH backs it with
-    /dev/shm for its host's peers to load and store), checked as allocate_shared's."""
+    /dev/shm for its host's peers to load and store), as allocate_shared's."""
     from mpi4py import MPI
-    require_room(nbytes, comm, what)  # [dist]
-    window = MPI.Win.Allocate(nbytes, 1, comm=comm)  # type: ignore[arg-type]  # [dist]
-    return unified(window, what)
+    return with_room(nbytes, comm, what, lambda: MPI.Win.Allocate(  # [dist]
+        nbytes, 1, comm=comm),  # type: ignore[arg-type]
+        lambda win: win.tomemory())
 
 
-def require_room(nbytes: int, comm: MPI.Comm, what: str) -> None:
-    """Collective on `comm`: raise on every rank where a rank's `nbytes` (each node's windows
-    have one rank that allocates) exceed its host's free /dev/shm. MPI maps its segments
-    there sparse, so a window larger than the room left is allocated without a word and the
-    first rank to write past the room dies of SIGBUS (no message), seconds or minutes into
-    the run; a short /dev/shm (a container's 64 MiB default, what other jobs left) is named
-    here instead, with the fix."""
+def with_room(nbytes: int, comm: MPI.Comm, what: str, make: Callable[[], MPI.Win],
+              own: Callable[[MPI.Win], MPI.buffer]) -> MPI.Win:
+    """Collective on `comm`: the window `make()` allocates, each rank's `nbytes` of it (`own`:
+    its memory) in pages of its own, else an error on every rank naming the window, the host,
+    the room and the fix. MPI maps its segments in /dev/shm sparse: a window larger than the
+    room left was allocated without a word, and the first rank to write past the room died of
+    SIGBUS (no message), seconds or minutes into the run. So the room is checked before, and
+    the pages are faulted in right after (MADV_POPULATE_WRITE), which fails instead of a
+    SIGBUS where the windows of a node together outgrow it (each one's check alone would not
+    see the others, sparse as they are) and makes the next window's check see them."""
     from mpi4py import MPI
-    problem = None
-    if nbytes:
-        try:
-            free = shutil.disk_usage(SHM).free
-        except OSError:  # no /dev/shm here: the MPI library says what it uses instead
-            free = nbytes
-        if free < nbytes:
-            problem = (f"host {MPI.Get_processor_name()}: {what} needs {nbytes / MIB:,.0f} MiB "
-                       f"of the node's shared memory and {SHM} has {free / MIB:,.0f} MiB free: a "
-                       f"larger {SHM} "
-                       "(containers: --shm-size; `mount -o remount,size=... /dev/shm`), or "
-                       "remove what ended jobs left there (`hpcvla doctor` checks a node's "
-                       "room before a job)")
+    free = _free() if nbytes else nbytes
+    short = free < nbytes
+    _agree(comm, short, nbytes, free, what)  # [dist]
+    win = unified(make(), what)  # [dist]
+    short = bool(nbytes) and not _populate(window_bytes(own(win)))
+    if any(comm.allgather(short)):  # [dist]
+        win.Free()  # [dist]
+        _agree(comm, short, nbytes, _free(), what)  # [dist]
+    return win
+
+
+def _agree(comm: MPI.Comm, short: bool, nbytes: int, free: int, what: str) -> None:
+    """Collective: raise on every rank where a rank found no room."""
+    from mpi4py import MPI
+    problem = (f"host {MPI.Get_processor_name()}: {what} needs {nbytes / MIB:,.0f} "
+               f"MiB of the node's shared memory and {SHM} has {free / MIB:,.0f} MiB free: a "
+               f"larger {SHM} (containers: --shm-size; `mount -o remount,size=... /dev/shm`), "
+               "or remove what ended jobs left there (`hpcvla doctor` checks a node's room "
+               "before a job)") if short else None
     problems = [p for p in comm.allgather(problem) if p]  # [dist]
     if problems:
         raise RuntimeError(problems[0])
+
+
+def _free() -> int:
+    try:
+        return shutil.disk_usage(SHM).free
+    except OSError:  # no /dev/shm here: the MPI library says what it uses instead
+        return 2 ** 62
+
+
+def _populate(memory: np.ndarray) -> bool:
+    """Whether every page of `memory` could be faulted in writable (its contents untouched);
+    True where the kernel has no MADV_POPULATE_WRITE (before Linux 5.14: the check before
+    the allocation is all there is)."""
+    if not memory.nbytes:
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    start = memory.ctypes.data - memory.ctypes.data % mmap.PAGESIZE
+    length = memory.ctypes.data + memory.nbytes - start
+    if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE) == 0:
+        return True
+    return ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS)  # an older kernel: not known
 
 
 def window_bytes(buf: MPI.buffer) -> np.ndarray:
