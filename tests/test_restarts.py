@@ -173,7 +173,8 @@ def test_a_restart_on_fewer_learners_keeps_the_versions_batch():
 
 def test_an_sft_restart_on_fewer_learners_keeps_a_steps_chunks():
     """An `hpcvla sft` world is learners only: 3 -> 2 learners of sft.batch_size chunks a
-    pass, 2 passes each -> 3 each (jobs/launch.sh's call); 1 pass each has no whole number."""
+    pass, 2 passes each -> 3 each (jobs/launch.sh's call); at 1 pass of 8, 2 passes of 6 (no
+    more a pass than before); refused where the chunks do not split evenly (32 over 3)."""
     fit = [sys.executable, "-m", "hpcvla.job.restarts", "fit", ROOT / "configs/default.yaml",
            "sft.micro_batches=2", "--world=2", "--ranks-per-node=1", "--from-world=3",
            "--command=sft"]
@@ -181,9 +182,11 @@ def test_an_sft_restart_on_fewer_learners_keeps_a_steps_chunks():
     assert (out.returncode, out.stdout.split()) == (0, ["sft.micro_batches=3"]), out.stderr
     cfg = load_config(ROOT / "configs/default.yaml", ["sft.batch_size=8"])
     assert restarts.batch_keeping_overrides(cfg, 4, 2, 1, "sft") == ["sft.micro_batches=2"]
-    with pytest.raises(PlanError, match=r"2 learner\(s\) left of 3: the batch of a step \(3 "
-                       r"x sft.batch_size 8 x micro_batches 1 chunks\) .* allocation of 3"):
-        restarts.batch_keeping_overrides(cfg, 3, 2, 1, "sft")
+    assert restarts.batch_keeping_overrides(cfg, 3, 2, 1, "sft") == [
+        "sft.micro_batches=2", "sft.batch_size=6"]
+    with pytest.raises(PlanError, match=r"3 learner\(s\) left of 4: a step's 32 chunks \(4 x "
+                       r"sft.batch_size 8 x micro_batches 1\) do not split .* allocation of 4"):
+        restarts.batch_keeping_overrides(cfg, 4, 3, 1, "sft")
 
 
 def test_the_fit_command_prints_the_overrides_or_why_nothing_fits():

@@ -32,8 +32,9 @@ class SFTConfig:
     micro_batches: int = setting(
         1, "Forward/backward passes of batch_size chunks per learner per optimizer step "
         "(gradient accumulation): a step trains batch_size x micro_batches x learners "
-        "chunks. A job's restart on fewer learners (jobs/launch.sh) raises it to keep a "
-        "step's chunks; a resume training another number says so.", ge=1)
+        "chunks. A job's restart on fewer learners (jobs/launch.sh) raises it (and lowers "
+        "batch_size where needed) to keep a step's chunks; a resume training another "
+        "number says so.", ge=1)
     lr: float = setting(
         1e-3, "Adam learning rate of `hpcvla sft` (every parameter; the critic gets no "
         "gradient from imitation and stays as initialised): the peak of sft.schedule.", ge=0)

@@ -61,7 +61,7 @@ import json
 import time
 from pathlib import Path
 
-from hpcvla.checkpoint.catalog import BATCH_NAMES, CheckpointError, by_sft, latest, read_state
+from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
 from hpcvla.config import (ConfigError, config_argument, last_run_config, load_config,
                            resumed_run_config)
 from hpcvla.metrics import restart_log
@@ -191,30 +191,49 @@ def batch_keeping_overrides(cfg, from_world: int, world: int, ranks_per_node: in
     different experiment: the same learning rate on fewer samples). K keeps it, and with it
     every producer's share; under sac/rlpd, where K is also each gradient step's passes, so
     does algorithm.utd x (learners left / before): the gradient steps a version and their
-    batch stay. An `hpcvla sft` world is learners only: `sft.micro_batches=K` keeps a step's
-    chunks (sft.batch_size x micro_batches each). Raises PlanError where no whole K does."""
-    _, per, unit, each, passes = BATCH_NAMES[command]
+    batch stay. Raises PlanError where no whole K does. An `hpcvla sft` world: sft_keeping."""
     if command == "sft":
-        before, after = from_world, world
-        micro_batch, micro_batches = cfg.sft.batch_size, cfg.sft.micro_batches
-    else:
-        placement = fitted_placement(cfg.placement, world, ranks_per_node)
-        before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
-        after = len(plan_from_config(placement, world, ranks_per_node).learners)
-        micro_batch, micro_batches = cfg.learner.micro_batch, cfg.learner.micro_batches
+        return sft_keeping(cfg.sft, from_world, world)
+    placement = fitted_placement(cfg.placement, world, ranks_per_node)
+    before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
+    after = len(plan_from_config(placement, world, ranks_per_node).learners)
+    micro_batch, micro_batches = cfg.learner.micro_batch, cfg.learner.micro_batches
     if after == before:
         return []
     keep = micro_batches_for(before * micro_batch * micro_batches, after, micro_batch)
     if keep is None:
-        raise PlanError(f"{after} learner(s) left of {before}: the batch of {per} ({before} x "
-                        f"{each} {micro_batch} x {passes.partition('.')[2]} {micro_batches} "
-                        f"{unit}) is no whole number of micro-batches on each; continue the "
+        raise PlanError(f"{after} learner(s) left of {before}: a version's batch ({before} x "
+                        f"learner.micro_batch {micro_batch} x micro_batches {micro_batches} "
+                        f"segments) is no whole number of micro-batches on each; continue the "
                         f"run on an allocation of {from_world} ranks (run.resume=)")
-    kept = [f"{passes}={keep}"]
-    if command == "train" and cfg.algorithm.off_policy:  # micro_batches are also each
-        # gradient step's passes: the steps a version (utd x a learner's steps, L/L' more) stay
+    kept = [f"learner.micro_batches={keep}"]
+    if cfg.algorithm.off_policy:  # micro_batches are also each gradient step's passes there:
+        # the steps a version (utd x a learner's collected steps, L/L' more each) stay too
         kept.append(f"algorithm.utd={cfg.algorithm.utd * after / before:g}")
     return kept
+
+
+def sft_keeping(sft, before: int, after: int) -> list[str]:
+    """An `hpcvla sft` world is learners only: a step's chunks (`before` x sft.batch_size x
+    micro_batches) shared by the `after` learners left, each in passes of at most
+    sft.batch_size chunks (no more memory a pass than before): sft.micro_batches, and
+    sft.batch_size where those no longer divide them (3 learners of 8 chunks -> 2 in 2 passes
+    of 6). Raises PlanError where the chunks do not split evenly over the learners left."""
+    if after == before:
+        return []
+    chunks = before * sft.batch_size * sft.micro_batches
+    share, rest = divmod(chunks, after)
+    if rest:
+        raise PlanError(f"{after} learner(s) left of {before}: a step's {chunks} chunks ("
+                        f"{before} x sft.batch_size {sft.batch_size} x micro_batches "
+                        f"{sft.micro_batches}) do not split evenly over them; continue the run "
+                        f"on an allocation of {before} ranks (run.resume=)")
+    passes = -(-share // sft.batch_size)
+    while share % passes:
+        passes += 1
+    batch = share // passes
+    return [f"sft.micro_batches={passes}"] + \
+        ([f"sft.batch_size={batch}"] if batch != sft.batch_size else [])
 
 
 def _main(argv=None) -> None:
