@@ -600,6 +600,16 @@ def test_a_padded_chain_is_noisy_and_scored_on_the_executed_entries_only():
     assert (exact - recorded_rest).abs().max() > 1e-3  # the rest matters under new weights
     torch.testing.assert_close(policy.evaluate(scored, out.actions)[0].detach(), exact,
                                atol=1e-4, rtol=1e-5)
+    # and so does its gradient: through the rest recomputed, as the definition's
+    weights = [p for name, p in policy.named_parameters() if name != "log_std"]
+
+    def gradient(logprob):
+        grads = torch.autograd.grad(logprob.sum(), weights, allow_unused=True)
+        return torch.cat([torch.zeros(w.numel()) if g is None else g.flatten()
+                          for w, g in zip(weights, grads)])
+    evaluated = gradient(policy.evaluate(scored, out.actions)[0])
+    torch.testing.assert_close(evaluated, gradient(path_logprob(True)), atol=1e-4, rtol=1e-4)
+    assert (evaluated - gradient(path_logprob(False))).abs().max() > 1e-3
 
 
 @pytest.mark.mpi

@@ -72,8 +72,8 @@ if cfg.learner.gradient_checkpointing:  # as engines.init_engine does
     policy.enable_gradient_checkpointing()
 from hpcvla.engines.zero import lean_deepspeed
 deepspeed = lean_deepspeed(torch.device("cpu"))  # as the learners start it
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1",
-                  LOCAL_RANK="0")
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE="1",
+                  LOCAL_RANK="0")  # a world of one serves its store on a port the kernel gives
 deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
 obs = observation_batch(spec, policy.extra_fields(), n)
 actions = torch.zeros((n, spec.chunk_len, spec.action_dim))
@@ -158,10 +158,9 @@ def child_measurement(script: str, args: list[str], what: str, env: dict | None 
     return int(lines[-1].split()[1])
 
 
-def measure(config: str, overrides: list[str], stage: int, n: int, port: int,
+def measure(config: str, overrides: list[str], stage: int, n: int,
             imitation: bool = False) -> int:
-    return child_measurement(MEASURE, [json.dumps([config, overrides, stage, n, imitation]),
-                                       str(port)],
+    return child_measurement(MEASURE, [json.dumps([config, overrides, stage, n, imitation])],
                              f"{config} {overrides} at ZeRO-{stage}",
                              env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
@@ -182,10 +181,10 @@ def predict(config: str, overrides: list[str], stage: int, n: int,
 
 def peaks(names) -> dict:
     out = {}
-    for i, name in enumerate(names):
+    for name in names:
         config, overrides, stage, n, *imitation = CASES[name]
         row = predict(config, overrides, stage, n, *imitation)
-        row["measured"] = measure(config, overrides, stage, n, 29600 + i, *imitation)
+        row["measured"] = measure(config, overrides, stage, n, *imitation)
         row["predicted_over_measured"] = row["predicted"] / row["measured"]
         out[name] = row
         print(f"{name:<20} measured {row['measured'] / 2 ** 20:7.0f} MiB  predicted "

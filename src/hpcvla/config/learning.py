@@ -244,3 +244,10 @@ class AlgorithmConfig:
 def noise_obs_fields(alg: AlgorithmConfig) -> tuple[str, ...]:
     """algorithm.noise_obs as a tuple of field names (empty: all the env has)."""
     return tuple(f.strip() for f in alg.noise_obs.split(",") if f.strip())
+
+
+def states_stage(learner) -> int:
+    """The ZeRO stage that partitions the learners' optimizer states (checkpoints, the memory
+    plan): learner.zero_stage under DeepSpeed; Horovod's learners each hold all (0)."""
+    return learner.zero_stage if learner.backend == "deepspeed" else 0
+

@@ -64,9 +64,9 @@ def rendezvous(learners_comm) -> torch.distributed.TCPStore:
     from deepspeed.constants import default_pg_timeout
     rank, size = learners_comm.Get_rank(), learners_comm.Get_size()
     hosts = learners_comm.allgather(socket.gethostname())  # [dist]
-    host = rendezvous_host(hosts[0], hosts[1:]) if size > 1 else "127.0.0.1"
     store, address = None, None
     if rank == 0:
+        host = rendezvous_host(hosts[0], hosts[1:]) if size > 1 else "127.0.0.1"
         store = torch.distributed.TCPStore(host, 0, size, is_master=True,
                                            timeout=default_pg_timeout, wait_for_workers=False)
         address = (host, store.port)

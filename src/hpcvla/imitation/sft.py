@@ -50,6 +50,7 @@ from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import ConfigError, write_run_config
+from hpcvla.config.learning import states_stage
 from hpcvla.config.imitation import dataset_features, demo_paths
 from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
                                    select_demonstrations)
@@ -203,10 +204,9 @@ def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
         print("[hpcvla sft] resumed with settings changed since the run last ran: "
               + "; ".join(changed), flush=True)
     if state:  # on another learner count each step trains another number of chunks
-        stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
         sft = cfg.sft
         print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "
-              f"{catalog.layout_change(state, learners, stage)}; "
+              f"{catalog.layout_change(state, learners, states_stage(cfg.learner))}; "
               f"{step_chunks(sft, learners)} chunks a step)", flush=True)
         changed = catalog.batch_change(state, learners, sft.batch_size, sft.micro_batches,
                                        "sft")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from hpcvla.config.families import family
+from hpcvla.config.learning import states_stage
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import (GIB, checkpoint_bytes, inference_bytes, learner_bytes,
                                   offloaded_bytes, size)
@@ -292,7 +293,7 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
             add(host[info.rank], "trajectory rings",
                 cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
             add(host[info.rank], "checkpoint snapshot", checkpoint_bytes(
-                fp, stage_of(cfg.learner), learners, info.rank == plan.learners[0]))
+                fp, states_stage(cfg.learner), learners, info.rank == plan.learners[0]))
             if replay:
                 add(host[info.rank], "replay buffers", replay)
             if version:
@@ -319,11 +320,6 @@ def learner_batch(cfg) -> tuple[str, int, str]:
     return ("learner.micro_batch", cfg.learner.micro_batch,
             f"{cfg.learner.micro_batch} segments x rollout.segment_len "
             f"{cfg.rollout.segment_len} = {obs} observations per forward/backward")
-
-
-def stage_of(learner) -> int:
-    """The ZeRO stage that partitions a learner's states: Horovod's are replicated (0)."""
-    return learner.zero_stage if learner.backend == "deepspeed" else 0
 
 
 def build_bytes(fp) -> int:

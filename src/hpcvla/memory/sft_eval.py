@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpcvla.memory.layout import (LayoutMemory, add, build_bytes, fit_problems, gpu_capacity_gib,
-                                  stage_of)
+from hpcvla.config.learning import states_stage
+from hpcvla.memory.layout import LayoutMemory, add, build_bytes, fit_problems, gpu_capacity_gib
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import checkpoint_bytes, inference_bytes, learner_bytes, offloaded_bytes
 from hpcvla.topology.plan import INF, SIM, PlanError
@@ -42,7 +42,7 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None,
         add(host, "cpu ranks' working memory", sum(parts.values()))
     devices = {r: f"cuda:{nodes[:r].count(node)}" if on_gpus else "cpu"
                for r, node in enumerate(nodes)}
-    snapshot = {r: {"checkpoint snapshot": checkpoint_bytes(fp, stage_of(learner), len(nodes),
+    snapshot = {r: {"checkpoint snapshot": checkpoint_bytes(fp, states_stage(learner), len(nodes),
                                                             r == 0)} for r in devices}
     out = LayoutMemory(gpu={r: dict(parts) for r in devices} if on_gpus else {},
                        host={r: host | snapshot[r] for r in devices}, device=devices,

@@ -60,7 +60,8 @@ def inspect_command(args) -> int:
         print(f"hpcvla inspect: {path} set aside ({path.suffix[1:]}: "
               + ("a start that resumed the run could not read it; HDF5's `h5clear -s` may "
                  "restore one a process killed while it appended" if "unreadable" in path.suffix
-                 else "a writer's, killed before it appended") + "); not summarised",
+                 else "a writer's staging file: being appended now, or left by a writer "
+                 "killed before it appended") + "); not summarised",
               file=sys.stderr)
     print(json.dumps(summaries, indent=1) if args.json else
           "\n".join(describe(s) + "".join(f"\n  video {v}" for v in s.get("videos", []))

@@ -30,6 +30,7 @@ from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog
 from hpcvla.config import ConfigError
+from hpcvla.config.learning import states_stage
 from hpcvla.devices import gpu_identity, gpu_names, rank_device
 from hpcvla.envs import env_spec, spec_needs_a_simulator
 from hpcvla.envs.base import close_all
@@ -193,9 +194,9 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
                           first_version=first, dtype=dtype or root_dtype)
     if resume and is_root:
-        stage = cfg.learner.zero_stage if cfg.learner.backend == "deepspeed" else 0
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
-              f"{catalog.layout_change(saved, len(plan.learners), stage)})", flush=True)
+              f"{catalog.layout_change(saved, len(plan.learners), states_stage(cfg.learner))})",
+              flush=True)
         changed = catalog.batch_change(saved, len(plan.learners), cfg.learner.micro_batch,
                                        cfg.learner.micro_batches)
         if changed:
