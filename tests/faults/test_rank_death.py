@@ -76,7 +76,8 @@ def test_a_window_larger_than_the_room_in_dev_shm_ends_the_world_naming_it(tmp_p
     out = subprocess.run([*wrap, *train, "learner.ring_slot_kib=4096"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and time.monotonic() - started < 60, out.stderr[-3000:]
-    assert "rank 3 (learner) on node 0" in out.stderr, out.stderr[-3000:]
+    # every rank of the ring hears the verdict: whichever the launcher reports first names it
+    assert "on node 0 (host " in out.stderr, out.stderr[-3000:]
     assert "the learner's trajectory ring needs 128 MiB of the node's shared memory and " \
         "/dev/shm has" in out.stderr and "a larger /dev/shm" in out.stderr, out.stderr[-3000:]
     out = subprocess.run([*wrap, *train], cwd=ROOT, capture_output=True, text=True, timeout=120)
