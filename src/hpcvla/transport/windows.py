@@ -50,7 +50,6 @@ def with_room(nbytes: int, comm: MPI.Comm, what: str, make: Callable[[], MPI.Win
     the pages are faulted in right after (MADV_POPULATE_WRITE), which fails instead of a
     SIGBUS where the windows of a node together outgrow it (each one's check alone would not
     see the others, sparse as they are) and makes the next window's check see them."""
-    from mpi4py import MPI
     free = _free() if nbytes else nbytes
     short = free < nbytes
     _agree(comm, short, nbytes, free, what)  # [dist]
