@@ -235,6 +235,20 @@ def test_each_learner_holds_its_checkpoints_copy_of_its_states_in_host_memory(ca
     assert other0 == 0 and first0 == 2 * other1 + weights and other1 > weights > 0
 
 
+def test_horovods_learners_each_hold_every_state_whatever_zero_stage_says(capsys):
+    """learner.zero_stage is DeepSpeed's: under Horovod each of the two learners holds all its
+    moments (the plan partitioned them by the default stage 1 before), whatever the stage."""
+    two_learners = ["configs/colocated.yaml", "--world", "2", "placement.gpus_per_node=2",
+                    "--json", "placement.gpu_memory_gb=80"]
+    figures = []
+    for backend, stage in (("horovod", 0), ("horovod", 1), ("horovod", 2), ("deepspeed", 1)):
+        assert main(["plan", *two_learners, f"learner.backend={backend}",
+                     f"learner.zero_stage={stage}"]) == 0
+        figures.append(json.loads(capsys.readouterr().out)["memory"]["gpu"]["1"])
+    assert figures[0] == figures[1] == figures[2]
+    assert figures[0]["moments"] == 2 * figures[3]["moments"]  # ZeRO-1: half each
+
+
 @pytest.mark.slow
 def test_a_simulator_ranks_host_figure_is_what_its_envs_take():
     """ManiSkill's envs of one simulator rank in a fresh process: the resident memory they

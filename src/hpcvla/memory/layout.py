@@ -268,10 +268,11 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
         on_gpu = devices.get(info.rank, "cpu").startswith("cuda")
         parts: dict[str, int] = {}
         if LEARN in info.roles:
-            parts = learner_bytes(fp, cfg.learner.zero_stage, learners, on_gpu,
+            parts = learner_bytes(fp, states_stage(cfg.learner), learners, on_gpu,
                                   cfg.learner.offload_optimizer)
             if cfg.learner.offload_optimizer:
-                host[info.rank].update(offloaded_bytes(fp, cfg.learner.zero_stage, learners))
+                host[info.rank].update(offloaded_bytes(fp, states_stage(cfg.learner),
+                                                       learners))
         if INF in info.roles or EVAL in info.roles:  # colocated: the same weights; the larger
             # of the two batches (an evaluator's counted at the inference batch)
             alone = inference_bytes(fp, on_gpu)

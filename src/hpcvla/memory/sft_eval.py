@@ -34,10 +34,11 @@ def sft_memory(cfg, nodes: list[int], gpus: int, spec, footprint=None,
     on_gpus = gpus > 0
     fp = footprint(cfg, spec, cfg.sft.batch_size, 1, on_gpus, imitation=True)
     learner = cfg.learner
-    parts = learner_bytes(fp, learner.zero_stage, len(nodes), on_gpus, learner.offload_optimizer)
+    parts = learner_bytes(fp, states_stage(learner), len(nodes), on_gpus,
+                          learner.offload_optimizer)
     host = {"policy builds": build_bytes(fp)}
     if learner.offload_optimizer:
-        host.update(offloaded_bytes(fp, learner.zero_stage, len(nodes)))
+        host.update(offloaded_bytes(fp, states_stage(learner), len(nodes)))
     if not on_gpus:
         add(host, "cpu ranks' working memory", sum(parts.values()))
     devices = {r: f"cuda:{nodes[:r].count(node)}" if on_gpus else "cpu"
