@@ -158,6 +158,18 @@ def test_what_says_gpus_were_given():
     assert missing_gpus_problem(2, {}).startswith("at most the 0 GPU(s) torch sees on this node")
 
 
+def test_the_gpu_check_of_a_node_without_gpus_imports_no_torch():
+    """The launcher runs missing_gpus_problem before any rank starts: on a node without GPUs
+    it imports no torch (~2 s of CPU a call; the refusal above imported it every time)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import sys\n"
+                          "from hpcvla.devices import missing_gpus_problem\n"
+                          "assert missing_gpus_problem(-1, {'SLURM_JOB_ID': '7'}) is None\n"
+                          "print('torch' in sys.modules)"], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_a_gpu_node_a_job_was_given_no_gpus_of_is_refused_unless_hidden(monkeypatch):
     """A Slurm or PBS job that asked for no GPU on an NVIDIA node (device cgroups hide them):
     the driver's device files are there, torch sees none, nothing was granted. Detecting

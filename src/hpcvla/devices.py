@@ -185,14 +185,15 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     if gpus_per_node != -1 or count > 0:
         return None
     granted = granted_gpus(environ)
-    import torch
-    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
     if granted is None:  # a batch job on an NVIDIA node that asked for no GPU
         hidden = any(v in environ for v in ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
                                             "HIP_VISIBLE_DEVICES"))
         in_job = "SLURM_JOB_ID" in environ or "PBS_JOBID" in environ
         if hidden or not in_job or not any(Path("/dev").glob("nvidia[0-9]*")):
-            return None
+            return None  # (and torch not imported: the launcher's check stays light)
+    import torch
+    build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    if granted is None:
         return ("GPUs for the ranks: this batch job runs on a node with NVIDIA GPUs but was "
                 f"given none (no SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS or CUDA_VISIBLE_DEVICES), "
                 f"and torch {torch.__version__} ({build}) sees none: every rank would run on "
