@@ -1,6 +1,7 @@
 """HDF5 trajectory dumps: every episode a producer rank sends to the learners, on disk in a
-robomimic-like layout (a group an episode; actions are chunks), for offline analysis (`hpcvla inspect FILE`, postprocess/): the
-format and its readers here; the writer in metrics/dump_writer.py.
+robomimic-like layout (a group an episode; actions are chunks), for offline analysis
+(`hpcvla inspect FILE`, postprocess/): the format and its readers here; the writer in
+metrics/dump_writer.py.
 
 One file per producer rank, `<run dir>/trajectories/rank<R>.h5`; `hpcvla demos` writes the
 same layout from a scripted expert (imitation/recording.py: producer_rank -1, policy version

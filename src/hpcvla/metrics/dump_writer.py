@@ -20,9 +20,9 @@ at most `max_bytes` (and MAX_QUEUED episodes) wait for it, and the writer append
 MAX_PENDING episodes as well as every flush: a run that produces faster than the writer
 compresses waits for it as it goes (the writer sets its pace), and its stop waits for a
 backlog of at most those, a few seconds of the writer's work, not for everything a flush
-interval and 256 MB hold (minutes of short episodes). A writer that fails (its error, sent back)
-or dies (the connection closes) makes the rank's next dump call raise DumpError naming the
-file and why, so a run never goes on without the dump it asked for.
+interval and 256 MB hold (minutes of short episodes). A writer that fails (its error, sent
+back) or dies (the connection closes) makes the rank's next dump call raise DumpError naming
+the file and why, so a run never goes on without the dump it asked for.
 """
 
 from __future__ import annotations
@@ -219,7 +219,8 @@ class DumpFile:
         holds one (h5py's default, a notebook's `h5py.File(path)`) must never hold the run
         up, and a writer that waited for it lost every episode since when the run ended
         first. The run directory's `.lock` already keeps a second world's writer out; such a
-        reader sees what was there when it opened (reopen to see the appends)."""
+        reader kept open across an append may read stale or inconsistent metadata (errors),
+        never affecting the run."""
         import h5py
         return h5py.File(self.path, "a", libver=LIBVER, locking=False)
 
