@@ -267,7 +267,8 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_files, demonstration_problems
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import host_bytes, layout_gpus, shared_memory_free
+    from hpcvla.memory.layout import host_bytes, layout_gpus
+    from hpcvla.transport.windows import shared_memory_free
     from hpcvla.memory.sft_eval import sft_memory
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
@@ -287,7 +288,7 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     spec, features = env_spec(cfg.env), dataset_features(cfg.sft)
     problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
                                       successful_only=cfg.sft.successful_only, features=features,
-                                      host_memory=host_bytes(), shm=shared_memory_free())
+                                      host_memory=host_bytes(), shm=shared_memory_free() or 0)
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")

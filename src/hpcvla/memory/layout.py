@@ -13,6 +13,7 @@ from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import (GIB, checkpoint_bytes, inference_bytes, learner_bytes,
                                   offloaded_bytes, size)
 from hpcvla.schedule import shards_of
+from hpcvla.transport.windows import shared_memory_free
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
 PRIOR = "RLPD prior data (one copy per node)"  # a node's host part, held by its first learner
@@ -102,7 +103,7 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
                            prior, version_bytes(cfg, spec))
     if replay:
         memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
-                                           shared_memory_free())
+                                           shared_memory_free() or 0)
     return memory
 
 
@@ -203,16 +204,6 @@ def cgroup_memory_limits() -> list[int]:
             if text.isdigit():
                 out.append(int(text))
     return out
-
-
-def shared_memory_free() -> int:
-    """Free bytes in this machine's /dev/shm, where MPI's shared-memory windows live (0: none
-    to read)."""
-    import shutil
-    try:
-        return shutil.disk_usage("/dev/shm").free
-    except OSError:
-        return 0
 
 
 def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,

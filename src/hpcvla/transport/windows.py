@@ -50,22 +50,22 @@ def with_room(nbytes: int, comm: MPI.Comm, what: str, make: Callable[[], MPI.Win
     the pages are faulted in right after (MADV_POPULATE_WRITE), which fails instead of a
     SIGBUS where the windows of a node together outgrow it (each one's check alone would not
     see the others, sparse as they are) and makes the next window's check see them."""
-    free = _free() if nbytes else nbytes
-    short = free < nbytes
+    free = shared_memory_free() if nbytes else None
+    short = free is not None and free < nbytes
     _agree(comm, short, nbytes, free, what)  # [dist]
     win = unified(make(), what)  # [dist]
     short = bool(nbytes) and not _populate(window_bytes(own(win)))
     if any(comm.allgather(short)):  # [dist]
         win.Free()  # [dist]
-        _agree(comm, short, nbytes, _free(), what)  # [dist]
+        _agree(comm, short, nbytes, shared_memory_free(), what)  # [dist]
     return win
 
 
-def _agree(comm: MPI.Comm, short: bool, nbytes: int, free: int, what: str) -> None:
+def _agree(comm: MPI.Comm, short: bool, nbytes: int, free: int | None, what: str) -> None:
     """Collective: raise on every rank where a rank found no room."""
     from mpi4py import MPI
-    problem = (f"host {MPI.Get_processor_name()}: {what} needs {nbytes / MIB:,.0f} "
-               f"MiB of the node's shared memory and {SHM} has {free / MIB:,.0f} MiB free: a "
+    problem = (f"host {MPI.Get_processor_name()}: {what} needs {nbytes / MIB:,.0f} MiB of "
+               f"the node's shared memory and {SHM} has {(free or 0) / MIB:,.0f} MiB free: a "
                f"larger {SHM} (containers: --shm-size; `mount -o remount,size=... /dev/shm`), "
                "or remove what ended jobs left there (`hpcvla doctor` checks a node's room "
                "before a job)") if short else None
@@ -74,11 +74,13 @@ def _agree(comm: MPI.Comm, short: bool, nbytes: int, free: int, what: str) -> No
         raise RuntimeError(problems[0])
 
 
-def _free() -> int:
+def shared_memory_free() -> int | None:
+    """Free bytes in this machine's /dev/shm, where MPI's shared-memory windows live; None
+    where there is none to read (the MPI library says what it uses instead)."""
     try:
         return shutil.disk_usage(SHM).free
-    except OSError:  # no /dev/shm here: the MPI library says what it uses instead
-        return 2 ** 62
+    except OSError:
+        return None
 
 
 def _populate(memory: np.ndarray) -> bool:
