@@ -38,9 +38,9 @@ prints what the restart adds to the run's overrides for its placement to fit the
 (`fitting_overrides`): the same placement rules, with fewer cells, and with fewer learners
 where the learners would outnumber the producers left (learner nodes keep their ranks; those
 beyond are spare; an `hpcvla sft` world is learners only, any number of them); and, where
-fewer learners are left than the failed world of W ranks had, the learner.micro_batches
-(sft.micro_batches) that keep the version's batch (a step's chunks) (`batch_keeping_overrides`:
-none keeps it, no restart). Last,
+fewer learners are left than the failed world of W ranks had, the learner.micro_batches that
+keep the version's batch (sft: the sft.micro_batches, and sft.batch_size where needed, that
+keep a step's chunks) (`batch_keeping_overrides`: none keeps it, no restart). Last,
 
     python -m hpcvla.job.restarts record JOB_RUN_ROOT STATUS "DROPPED NODES" "NODES LEFT" RANKS
 

@@ -158,8 +158,8 @@ class DumpFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.staging = self.path.with_name(self.path.name + ".staging")
         self.staging.unlink(missing_ok=True)  # a killed writer's: never part of the dump
-        self.start, self.config_yaml = 0, config_yaml  # this start's number in the file
-        if self.path.exists() and self._resumed():
+        self.start = 0  # this start's number in the file (starts/<n>)
+        if self.path.exists() and self._resumed(config_yaml):
             return
         with h5py.File(self.path, "w", libver=LIBVER) as f:
             f.attrs.update(text_attrs(dict(
@@ -169,19 +169,12 @@ class DumpFile:
             data = f.create_group("data")
             data.attrs.update(text_attrs(dict(total=0, env_args=json.dumps(
                 {"env_name": env, "type": "hpcvla", "env_kwargs": {"chunk_len": chunk_len}}))))
-            self._begin_start(f)
+            _record_start(f, self.start, config_yaml)
 
-    def _begin_start(self, f) -> None:
-        """starts/<n>: what this start of the run (its first, or a resume's) wrote under: its
-        config (a resume may change any setting; readers check each start's), its steps of
-        episodes open at its close."""
-        f.require_group("starts").create_group(str(self.start)).attrs.update(text_attrs(dict(
-            config=self.config_yaml, open_episode_steps=0,
-            began=time.strftime("%Y-%m-%dT%H:%M:%S%z"))))
-
-    def _resumed(self) -> bool:
-        """A resumed run (run.resume) appends to its dump; one that cannot be read (e.g. a
-        process killed as it appended) is moved aside, and the run goes on with a new one."""
+    def _resumed(self, config_yaml: str) -> bool:
+        """A resumed run (run.resume) appends to its dump, recording its start (its config
+        `config_yaml`); one that cannot be read (e.g. a process killed as it appended) is
+        moved aside, and the run goes on with a new one."""
         try:
             with open_dump(self.path) as f:
                 self.written, self.segments = len(f["data"]), int(f.attrs["segments"])
@@ -199,11 +192,10 @@ class DumpFile:
         with self._append() as f:
             f.attrs["complete"] = False
             if "starts" not in f:  # a file before starts/: its one start, from the root's
-                f.create_group("starts").create_group("0").attrs.update(text_attrs(dict(
-                    config=attr_text(f.attrs.get("config", "")), began="",
-                    open_episode_steps=int(f.attrs.get("open_episode_steps", 0)))))
+                _record_start(f, 0, attr_text(f.attrs.get("config", "")), began="",
+                              open_steps=int(f.attrs.get("open_episode_steps", 0)))
             self.start = len(f["starts"])
-            self._begin_start(f)
+            _record_start(f, self.start, config_yaml)
         return True
 
     def add_episode(self, steps: dict, attrs: dict) -> None:
@@ -263,6 +255,16 @@ class DumpFile:
         """Write what is queued, record the steps of episodes still open and mark the file
         complete."""
         self.flush(segments, open_steps=open_steps)
+
+
+def _record_start(f, n: int, config_yaml: str, began: str | None = None,
+                  open_steps: int = 0) -> None:
+    """starts/<n>: what a start of the run (its first, or a resume's) wrote under: its config
+    (a resume may change any setting; readers check each start's), when it began, its steps
+    of episodes open at its close (set then)."""
+    f.require_group("starts").create_group(str(n)).attrs.update(text_attrs(dict(
+        config=config_yaml, open_episode_steps=open_steps,
+        began=time.strftime("%Y-%m-%dT%H:%M:%S%z") if began is None else began)))
 
 
 def _dataset(group, name: str, value: np.ndarray) -> None:
