@@ -160,20 +160,23 @@ def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
     return groups, spec
 
 
-def writer(path, spec, flush_s=10.0, in_process=True):
+def writer(path, spec, flush_s=10.0, in_process=True, config="run: {name: test}\n",
+           start_version=0):
     """A trajectory dump of producer 7 for `reach_segments`' groups (`in_process`: written
-    by this process, else by a writer process, as a training run's)."""
+    by this process, else by a writer process, as a training run's), a start of a run of
+    `config` from `start_version`."""
     from hpcvla.metrics.dump_writer import TrajectoryDump
 
     return TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
-                          "reach", spec.chunk_len, "run: {name: test}\n", flush_s,
-                          in_process=in_process)
+                          "reach", spec.chunk_len, config, flush_s,
+                          start_version=start_version, in_process=in_process)
 
 
-def reach_dump(path, n_groups=6):
-    """`reach_segments(n_groups)` written through `writer` to `path`; the groups and spec."""
+def reach_dump(path, n_groups=6, **start):
+    """`reach_segments(n_groups)` written through `writer` to `path` (`start`: writer's
+    config and start_version); the groups and spec."""
     groups, spec = reach_segments(n_groups)
-    dump = writer(path, spec)
+    dump = writer(path, spec, **start)
     for group in groups:
         dump.add_segment(group)
     dump.close()

@@ -223,17 +223,10 @@ def test_each_start_of_a_run_is_told_apart_with_its_config(tmp_path):
     start_version and their envs' episode numbers: each episode names its start, so `(start,
     env_id, episode)` is unique; each start records its config (a resume may change any
     setting) and its steps of episodes open at its close."""
-    from hpcvla.metrics.dump_writer import TrajectoryDump
     path = tmp_path / "rank7.h5"
-    groups, spec = reach_segments(3)
     for start, config in enumerate(("env: {max_episode_chunks: 20}\n",) * 2 +
                                    ("env: {max_episode_chunks: 10}\n",)):
-        dump = TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
-                              "reach", spec.chunk_len, config, start_version=0 if start < 2
-                              else 5)
-        for group in groups:
-            dump.add_segment(group)
-        dump.close()
+        reach_dump(path, 3, config=config, start_version=0 if start < 2 else 5)
     with h5py.File(path, "r") as f:
         starts = f["starts"]
         assert sorted(starts) == ["0", "1", "2"]
@@ -260,12 +253,8 @@ def test_a_dump_from_before_starts_is_resumed_again_and_again(tmp_path):
         del f["starts"]
         for demo in f["data"].values():
             del demo.attrs["start"]
-    groups, spec = reach_segments(2)
     for _ in range(2):
-        dump = writer(path, spec)
-        for group in groups:
-            dump.add_segment(group)
-        dump.close()
+        reach_dump(path, 2)
     with h5py.File(path, "r") as f:
         starts = f["starts"]
         assert sorted(starts) == ["0", "1", "2"]
