@@ -129,19 +129,25 @@ def test_policy_denoise_from_noise_acts_from_a_drawn_start_in_the_envs_units():
                               atol=1e-3)
 
 
+@pytest.mark.parametrize("mode", ["chain", "random_step"])
 @pytest.mark.parametrize("family", ["pi0", "pi05"])
-def test_chain_mode_on_a_published_folder_scores_what_it_sampled(family):
-    """policy.logprob_mode=chain on the fixture's padded layout (a horizon of 10 actions of 32
-    dims, 5 x 7 executed): the chain is recorded in the model's space, the executed chunk comes
-    out in the env's units, and evaluate maps it back and replays the chain to act's log-prob
-    (the behaviour weight of a version-0 step is 1)."""
+def test_noisy_steps_on_a_published_folder_score_what_they_sampled(family, mode):
+    """policy.logprob_mode=chain / random_step on the fixture's padded layout (a horizon of 10
+    actions of 32 dims, 5 x 7 executed): what evaluate needs is recorded in the model's space
+    (chain: the whole chain; random_step: its noisy step's start and draw), the executed
+    chunk comes out in the env's units, and evaluate maps it back and scores it to act's
+    log-prob (the behaviour weight of a version-0 step is 1)."""
     io, tasks = fixture(family)
     obs, spec = raw_observation(io, tasks)
     policy = build_policy(config(FIXTURES / family / "lerobot", **{
-        "policy.logprob_mode": "chain", "policy.denoise_steps": 3}), spec)
+        "policy.logprob_mode": mode, "policy.denoise_steps": 3}), spec)
     torch.manual_seed(0)
     out, extras = policy.sample(obs)
-    assert extras["flow_chain"].shape == (2, 3, 10, 32) and out.actions.shape == (2, EXECUTED, 7)
+    recorded = {"chain": {"flow_chain": (2, 3, 10, 32)},
+                "random_step": {"flow_step_x": (2, 10, 32), "flow_step_t": (2, 1),
+                                "flow_step_taken": (2, EXECUTED, 7)}}[mode]
+    assert {k: tuple(v.shape) for k, v in extras.items()} == recorded
+    assert out.actions.shape == (2, EXECUTED, 7)
     logprob = policy.evaluate({**obs, **extras}, out.actions)[0]
     torch.testing.assert_close(logprob, out.logprob, rtol=0, atol=1e-3)
     assert torch.isfinite(logprob).all()

@@ -83,7 +83,8 @@ def test_the_slot_carries_the_final_observations_and_refuses_an_env_without_them
 
 @pytest.mark.parametrize("family,kwargs", [
     ("default", {}), ("flow", {}), ("flow", {"variant": "pi05"}),
-    ("flow", {"logprob_mode": "chain", "denoise_steps": 4}), ("tokens", {})])
+    ("flow", {"logprob_mode": "chain", "denoise_steps": 4}),
+    ("flow", {"logprob_mode": "random_step", "denoise_steps": 4}), ("tokens", {})])
 def test_a_policys_value_is_the_one_acting_gives(family, kwargs):
     """`Policy.value` (what truncations are valued by) is `act`'s value; flow's skips the
     denoising passes the value head does not read."""

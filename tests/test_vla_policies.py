@@ -26,6 +26,7 @@ SPEC_NO_STATE = {k: v for k, v in SPEC.items() if k != "state"}
 FAMILIES = {  # id -> (registry name, constructor kwargs)
     "flow": ("flow", {}),
     "flow-chain": ("flow", {"logprob_mode": "chain"}),
+    "flow-random": ("flow", {"logprob_mode": "random_step"}),
     "tokens": ("tokens", {}),
 }
 
@@ -70,8 +71,9 @@ def test_act_shapes_and_evaluate_recomputes_its_logprob(family, spec):
     assert logprob.requires_grad and entropy.shape == (6,)
     torch.testing.assert_close(logprob.detach(), out.logprob, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(value.detach(), out.value, atol=1e-5, rtol=1e-5)
-    # a different chunk scores differently
-    assert not torch.allclose(policy.evaluate(scored, out.actions.flip(0))[0], logprob)
+    # a different chunk scores differently (random_step: what its noisy step drew, recorded)
+    other = {**scored, **{k: v.flip(0) for k, v in scored.items() if k == "flow_step_taken"}}
+    assert not torch.allclose(policy.evaluate(other, out.actions.flip(0))[0], logprob)
 
 
 @pytest.mark.parametrize("family", ["flow", "tokens"])
@@ -133,11 +135,50 @@ def test_flow_chain_logprob_matches_stepwise_gaussians():
         policy.evaluate(obs, out.actions)
 
 
-def test_flow_deterministic_chunk_is_the_same_in_both_modes():
+def test_flow_random_step_scores_the_one_noisy_transition_it_recorded():
+    """random_step (RLinf's flow-SDE): from x_0 ~ N(0, I), each sample's one noisy step is
+    drawn uniformly; its start x_k, time t_k and noisy executed entries are recorded, the
+    other steps are the ODE's. Checked independently: the log-prob is the Normal of that one
+    transition (std sigma, the mean from one expert pass at x_k, t_k), evaluate gives it, and
+    the ODE from x_{k+1} reproduces the executed chunk; padded dims stay noise-free."""
+    K, B = 3, 48
+    dims = {"horizon": 6, "action_dim": 5, "state_dim": 9}
+    policy = make("flow-random", denoise_steps=K, model_dims=dims)
+    with torch.no_grad():
+        policy.log_std.copy_(torch.linspace(-1.5, 0.3, CHUNK * ACTION_DIM).view(CHUNK, -1))
+    obs = make_obs(SPEC, B)
+    torch.manual_seed(1)
+    out, scored = sample(policy, obs)
+    x, t, taken = scored["flow_step_x"], scored["flow_step_t"], scored["flow_step_taken"]
+    assert x.shape == (B, 6, 5) and t.shape == (B, 1) and taken.shape == (B, CHUNK, ACTION_DIM)
+    steps = torch.round((1 - t[:, 0]) * K).long()
+    assert sorted(set(steps.tolist())) == list(range(K))  # every step drawn in the batch
+    torch.testing.assert_close(t[:, 0], 1 - steps / K)
+    state = torch.nn.functional.pad(obs["state"], (0, 2))
+    with torch.no_grad():
+        cache, pad, _ = policy._encode(obs)
+        mean = x - policy._velocity(cache, pad, state, x, t[:, 0])[0] / K
+        ref = Normal(mean[:, :CHUNK, :ACTION_DIM], policy.log_std.exp()).log_prob(taken)
+        assert (taken - mean[:, :CHUNK, :ACTION_DIM]).abs().min() > 0  # noisy there
+        nxt = mean.clone()
+        nxt[:, :CHUNK, :ACTION_DIM] = taken
+        for k in range(1, K):  # the deterministic rest of each sample's chain
+            later = steps < k
+            v = policy._velocity(cache, pad, state, nxt, torch.full((B,), 1 - k / K))[0]
+            nxt = torch.where(later[:, None, None], nxt - v / K, nxt)
+    torch.testing.assert_close(out.logprob, ref.sum((1, 2)), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(out.actions, nxt[:, :CHUNK, :ACTION_DIM], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(policy.evaluate(scored, out.actions)[0].detach(),
+                               ref.sum((1, 2)), atol=1e-4, rtol=1e-5)
+    with pytest.raises(KeyError, match="flow_step_x"):
+        policy.evaluate(obs, out.actions)
+
+
+def test_flow_deterministic_chunk_is_the_same_in_every_mode():
     obs = make_obs(SPEC, 3)
     a = make("flow").act(obs, deterministic=True).actions
-    b = make("flow-chain").act(obs, deterministic=True).actions  # same seed, same weights
-    torch.testing.assert_close(a, b)
+    for mode in ("flow-chain", "flow-random"):  # same seed, same weights
+        torch.testing.assert_close(a, make(mode).act(obs, deterministic=True).actions)
 
 
 def test_tokens_logprob_is_a_sum_of_categoricals_over_bins():
@@ -179,7 +220,7 @@ def test_granularities_agree(family):
     torch.testing.assert_close(vc, vt)
 
 
-@pytest.mark.parametrize("family", ["flow", "flow-chain", "tokens"])
+@pytest.mark.parametrize("family", ["flow", "flow-chain", "flow-random", "tokens"])
 def test_gradients_reach_every_trainable_parameter(family):
     policy = make(family)
     obs = make_obs(SPEC, 6)
@@ -614,13 +655,15 @@ def test_a_padded_chain_is_noisy_and_scored_on_the_executed_entries_only():
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_chain_mode_records_the_denoising_chain_through_the_pipeline(tmp_path):
-    """logprob_mode=chain end to end: the inference rank records each step's denoising chain
-    (segments, ring, dump) and the learner scores its K transitions (the log-prob a step
-    recorded is what the learner recomputes before its first update: behaviour weight 1)."""
+@pytest.mark.parametrize("mode", ["chain", "random_step"])
+def test_noisy_steps_are_recorded_through_the_pipeline(tmp_path, mode):
+    """logprob_mode=chain / random_step end to end: the inference rank records with each step
+    what evaluate scores (the denoising chain; the noisy step's start, time and draw) through
+    segments, ring and dump, and the learner scores it (the log-prob a step recorded is what
+    the learner recomputes before its first update: behaviour weight 1)."""
     import h5py
 
-    out, summary, run_dir = run_train(tmp_path, "policy.name=flow", "policy.logprob_mode=chain",
+    out, summary, run_dir = run_train(tmp_path, "policy.name=flow", f"policy.logprob_mode={mode}",
                                       "policy.denoise_steps=3", "pipeline.total_updates=2",
                                       "run.dump_trajectories=true", "pipeline.max_staleness=0",
                                       "pipeline.mode=sync-disaggregated")
@@ -629,7 +672,14 @@ def test_chain_mode_records_the_denoising_chain_through_the_pipeline(tmp_path):
     first = [r for r in records if r.get("update") == 1 and "behaviour_weight_max" in r]
     assert first and all(abs(r["behaviour_weight_max"] - 1) < 1e-3 for r in first), first
     (dump,) = (run_dir / "trajectories").glob("rank*.h5")
+    recorded = {"chain": {"flow_chain": (3, 4, 2)},
+                "random_step": {"flow_step_x": (4, 2), "flow_step_t": (1,),
+                                "flow_step_taken": (4, 2)}}[mode]
     with h5py.File(dump) as f:
         demo = f["data"][sorted(f["data"])[0]]
-        chain = demo["obs/flow_chain"]
-        assert chain.shape[1:] == (3, 4, 2) and np.isfinite(chain[...]).all()
+        for name, shape in recorded.items():
+            assert demo[f"obs/{name}"].shape[1:] == shape
+            assert np.isfinite(demo[f"obs/{name}"][...]).all()
+        if mode == "random_step":  # the noisy step's time: 1, 2/3 or 1/3, each drawn
+            times = np.concatenate([f["data"][k]["obs/flow_step_t"][:, 0] for k in f["data"]])
+            assert set(np.round(times * 3, 4)) == {1.0, 2.0, 3.0}

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from hpcvla.config.families import FAMILIES
 from hpcvla.config.learning import setting
 
+# `flow`'s log-prob modes (policies/flow_denoising.py)
+LOGPROB_MODES = ("last_step", "chain", "random_step")
+
 
 @dataclass
 class PolicyConfig:
@@ -60,12 +63,15 @@ class PolicyConfig:
     logprob_mode: str = setting(
         "last_step", "`flow`: which denoising steps are noisy, i.e. what RL explores with and "
         "scores. `last_step`: only the last (x_0 = 0; a Gaussian around the denoised mean; "
-        "exact, cheap). `chain`: every step, from x_0 ~ N(0, I), as πRL's flow-SDE/ReinFlow: "
+        "exact, cheap). `chain`: every step, from x_0 ~ N(0, I), as πRL's flow-noise/ReinFlow: "
         "the policy samples like the pretrained sampler, the pipeline records the whole "
         "denoising chain with every step (segments, ring, dumps: K x H x D floats per env "
         "and step, the model's padded H x D for a published π0) and scores all K "
-        "transitions. With padded dims the noise enters the executed entries alone (the rest "
-        "follows the mean, as trained).", choices=("last_step", "chain"))
+        "transitions. `random_step`: one step drawn per sample, from x_0 ~ N(0, I), the "
+        "others deterministic, as RLinf's flow-SDE recipes (joint_logprob false): records "
+        "that step's start (one H x D) and scores it with one expert pass. With padded dims "
+        "the noise enters the executed entries alone (the rest follows the mean, as "
+        "trained).", choices=LOGPROB_MODES)
     denoise_from: str = setting(
         "zero", "`flow`: where acting without exploration noise (`hpcvla eval "
         "--deterministic`, eval.deterministic, `demos --deterministic`) starts denoising. "

@@ -9,37 +9,14 @@ sinusoidal(t))` and its output goes through `action_out_proj` to a velocity. Den
 t = 1 (noise) -> 0 (action) in K Euler steps of size 1/K: x <- x - v(x, t) / K (π0's
 convention x_t = t * noise + (1 - t) * action, v = noise - action).
 
-RL needs a likelihood, which an ODE sampler does not have. Each denoising step is made a
-Gaussian transition x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injection, as
-ReinFlow, Flow-GRPO and πRL's flow-noise/flow-SDE do), sigma = exp(log_std) learnable per
-(h, d), clamped to [MIN_LOG_STD, MAX_LOG_STD]. Two modes decide which steps are noisy:
-
-* "last_step" (the default): x_0 = 0 (the prior's mode) and steps 0..K-2 are deterministic,
-  only the last step is noisy with std sigma. x_{K-1} is then a function of the observation
-  alone, so the chunk log-prob is log N(a; mu, sigma^2) with mu the last step's mean:
-  `evaluate(obs, a)` recomputes it from the final chunk `a` only (re-running the K expert
-  passes with gradients). Exact, needs nothing but what rollouts already record; the price
-  is that the exploration is Gaussian around the denoised mean (no multi-modal sampling
-  from the prior during RL).
-* "chain": x_0 ~ N(0, I) and every step is noisy with std sigma / sqrt(K) (an SDE with total
-  injected variance sigma^2). The chunk log-prob is the sum over the K transitions of the
-  Gaussian step log-probs (x_0's prior term does not depend on the weights and is left
-  out), which needs the whole chain: `sample(obs)` returns it as extras["flow_chain"]
-  (B, K, H, D) = x_0..x_{K-1} (x_K is the returned chunk), and `evaluate` reads it from
-  obs["flow_chain"]. The pipeline records the extras with every step (segments, ring,
-  dumps), so chain mode trains end to end. evaluate replays the chain step by step from
-  its x_0, each step's noisy entries as recorded.
+RL needs a likelihood, which an ODE sampler does not have: the denoising steps are made Gaussian
+transitions, `logprob_mode` choosing which (last_step, chain, random_step); how the policy
+samples, what it records and what `evaluate` scores: policies/flow_denoising.py.
 
 Published π0/π0.5 folders (policies/folders.py, `policy.pretrained`): the variant, padded
 dims, horizon and every size (`paligemma_size`) come from the checkpoint; its prompt and
 normalization are policies/processor.py's, so `act` then returns the env's units and
 `evaluate` maps recorded actions back to the model's space before scoring.
-
-In both modes `act` returns `actions` = x_K, the executed chunk (unclipped: the env clips),
-logprob = sum over (h, d) of the per-token terms; `deterministic=True` adds no noise, from
-x_0 = 0 (the same chunk in both modes) or, `denoise_from="noise"`, x_0 ~ N(0, I) (openpi's
-sampler). Entropy: of the noisy step(s)' Gaussians, per token (the chain's is the sum of
-its steps' conditional entropies).
 
 π0.5 (`variant="pi05"`): the expert is conditioned on the flow time through adaptive RMS norms
 (policies/adarms.py) fed by `time_mlp_out(silu(time_mlp_in(sinusoidal(t))))` (then silu),
@@ -51,10 +28,7 @@ Model dimensions (`model_dims`, read from a checkpoint by policies/folders.py): 
 π0 predicts a horizon of H_m actions (50) of D_m padded dims (32) and reads a state padded
 to 32; the env executes the first chunk_len actions' first action_dim dims (RLinf: 5 of 50).
 The state is zero-padded in; the denoising runs on the whole (H_m, D_m) chunk; noise enters
-the executed part alone, the only part scored; the rest follows the deterministic mean (as
-trained: openpi pads with zeros). last_step's log-prob is the executed part's exact marginal;
-chain's is exact given x_0, evaluate recomputing the rest of each state with the weights it
-scores (RLinf's flow-SDE noises every entry and drops the unexecuted ones' factors).
+the executed part alone, the only part scored.
 
 Value: an MLP on the mean of the prefix's last hidden states, concatenated with the expert's
 output at the state token (which depends on neither t nor x). `train_expert_only` freezes
@@ -67,8 +41,6 @@ SAC steers a frozen flow policy through its sampler's noise: policies/noise_acto
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -77,27 +49,25 @@ from hpcvla.config.families import FAMILIES
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
+from hpcvla.policies.flow_denoising import LOGPROB_MODES, FlowDenoising
 from hpcvla.policies.flow_folders import PublishedFlowFolders
 from hpcvla.policies.noise_actor import NOISE, NoiseActor
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
-MIN_LOG_STD, MAX_LOG_STD = -5.0, 2.0
-LOGPROB_MODES = ("last_step", "chain")
 DENOISE_FROM = ("zero", "noise")
 VARIANTS = ("pi0", "pi05")
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 DEFAULT_DENOISE_STEPS = 4  # Euler steps when neither the config nor a folder says
 
 
-class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
+class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     """π0-style flow-matching VLA; see the module docstring.
 
     Args (beyond the Policy ones):
         size: "tiny" | "small" | "full" (vla.SIZES) or a resolved dict of configs.
         denoise_steps: K, Euler steps per chunk (π0 uses 10; RL fine-tuning uses fewer).
         denoise_from: "zero" | "noise", x_0 of deterministic acting (policy.denoise_from).
-        logprob_mode: "last_step" or "chain" (module docstring).
+        logprob_mode: "last_step", "chain" or "random_step" (policies/flow_denoising.py).
         train_expert_only: freeze the vision-language prefix.
         logprob_granularity: "chunk" | "action" | "token", the shape evaluate returns.
         init_log_std: initial log of the exploration std.
@@ -199,14 +169,11 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         return dims
 
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
-        """Chain mode: the denoising chain x_0 .. x_{K-1} that `evaluate` scores; steered
+        """What evaluate scores beside the observation (flow_denoising.py's fields); steered
         (DSRL): the noise the actor chose, SAC's action."""
         if self.steered:
             return {NOISE: ((self.chunk_len, self.action_dim), "<f4")}
-        if self.logprob_mode != "chain":
-            return {}
-        return {"flow_chain": ((self.denoise_steps, self.model_horizon, self.model_action_dim),
-                               "<f4")}
+        return self.denoising_fields()
 
     def action_mode(self, deterministic: bool) -> str:
         noise = deterministic and self.denoise_from == "noise" and not self.steered
@@ -306,13 +273,6 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         features = pooled if state_out is None else torch.cat([pooled, state_out], dim=-1)
         return self.value_head(features).squeeze(-1).float()
 
-    def _sigma(self):
-        return self.log_std.float().clamp(MIN_LOG_STD, MAX_LOG_STD)
-
-    def _times(self, B, device):
-        return [torch.full((B,), 1.0 - k / self.denoise_steps, device=device)
-                for k in range(self.denoise_steps)]
-
     # --------------------------------------------------------------------- act / evaluate
     @property
     def imitation_horizon(self) -> int:
@@ -342,79 +302,19 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, VLAPolicy):
         return real_steps_mean((velocity - (noise - clean))[:, :H, :D].pow(2), real)
 
     def _sample(self, obs, deterministic, x0=None):
-        """(chunk, log-prob terms, value, extras); from the initial noise `x0` (B, model
-        horizon, model action dims) where given (DSRL), else from the mode's."""
+        """(chunk, log-prob terms, value, extras): the mode's denoising from x_0, or from
+        `x0` (B, model horizon, model action dims) where given (DSRL)."""
         cache, pad, pooled = self._encode(obs)
-        state = self._padded_state(obs)
-        B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
-        log_std = self._sigma()
-        if self.logprob_mode == "chain":
-            log_std = log_std - 0.5 * math.log(K)
-        x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
-        if x0 is not None:
-            x = x0.to(x)
-        elif self.denoise_from == "noise" if deterministic else self.logprob_mode == "chain":
-            x = torch.randn_like(x)
-        chain, terms, state_out = [], torch.zeros(B, H, D, device=pad.device), None
-        for k, t in enumerate(self._times(B, pad.device)):
-            velocity, out = self._velocity(cache, pad, state, x, t)
-            if k == 0:  # the value head reads the state features of the first step
-                state_out = out
-            chain.append(x)
-            mean = x - velocity / K
-            if self.logprob_mode == "chain" or k == K - 1:  # noise on the executed entries
-                executed = mean[:, :H, :D]
-                drawn = executed if deterministic else \
-                    executed + log_std.exp() * torch.randn_like(executed)
-                terms = terms + _gaussian(drawn, executed, log_std)
-                mean = drawn if k == K - 1 else _with_executed(mean, drawn)
-            x = mean
-        extras = {"flow_chain": torch.stack(chain, dim=1)} if self.logprob_mode == "chain" else {}
+        x, terms, state_out, extras = self._denoise(cache, pad, self._padded_state(obs),
+                                                    deterministic, x0)
         return x, terms, self._value(pooled, state_out), extras
 
     def _score(self, obs, actions):
-        """The denoising replayed with gradients from x_0 (0, or chain's recorded one), chain's
-        executed entries set to the recorded ones after each step, the rest recomputed."""
+        """(log-prob terms, entropy terms, value) of the recorded actions, with gradients."""
         cache, pad, pooled = self._encode(obs)
-        state = self._padded_state(obs)
-        B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
-        log_std = self._sigma()
-        x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
-        if self.logprob_mode == "chain":
-            if "flow_chain" not in obs:
-                raise KeyError("logprob_mode='chain' scores the denoising chain: pass "
-                               "obs['flow_chain'] (B, K, H, D) as sample() returned it in "
-                               "extras, or use logprob_mode='last_step'")
-            log_std = log_std - 0.5 * math.log(K)
-            recorded = obs["flow_chain"].float()  # x_0 .. x_{K-1}
-            x = recorded[:, 0]
-        terms = torch.zeros(B, H, D, device=pad.device)
-        for k, t in enumerate(self._times(B, pad.device)):
-            velocity, out = self._expert_pass(cache, pad, state, x, t)
-            if k == 0:  # the value head reads the state features of the first step
-                state_out = out
-            x = x - velocity / K
-            if k == K - 1:
-                terms = terms + _gaussian(actions.float(), x[:, :H, :D], log_std)
-            elif self.logprob_mode == "chain":
-                taken = recorded[:, k + 1, :H, :D]
-                terms = terms + _gaussian(taken, x[:, :H, :D], log_std)
-                x = _with_executed(x, taken)
-        steps = K if self.logprob_mode == "chain" else 1
-        entropy = (steps * (log_std + 0.5 + _LOG_SQRT_2PI)).expand_as(terms)
+        terms, entropy, state_out = self._rescore(cache, pad, self._padded_state(obs), obs,
+                                                  actions)
         return terms, entropy, self._value(pooled, state_out)
-
-
-def _with_executed(x, executed):
-    """x (B, H_m, D_m) with its first H actions' first D dims replaced by executed (B, H, D)."""
-    H, D = executed.shape[1:]
-    head = torch.cat([executed, x[:, :H, D:]], dim=2)
-    return torch.cat([head, x[:, H:]], dim=1)
-
-
-def _gaussian(x, mean, log_std):
-    """Elementwise log N(x; mean, exp(log_std)^2)."""
-    return -0.5 * ((x - mean) * torch.exp(-log_std)) ** 2 - log_std - _LOG_SQRT_2PI
 
 
 __all__ = ["FlowPolicy", "LOGPROB_MODES", "VARIANTS"]
