@@ -498,6 +498,8 @@ def test_policies_benchmark_quick(tmp_path):
         assert rows[f"{family}/tiny"]["act_ms"] > 0 and rows[f"{family}/tiny"]["train_step_ms"] > 0
         assert rows[f"{family}/tiny"]["parameters"] < rows[f"{family}/small"]["parameters"] \
             < rows[f"{family}/full"]["parameters"]
+    by_mode = rows["flow/tiny"]["train_step_ms_by_mode"]
+    assert set(by_mode) == {"last_step", "chain", "random_step"} and min(by_mode.values()) > 0
 
 
 @pytest.mark.parametrize("family", ["flow", "tokens", "oft"])

@@ -2,7 +2,9 @@
 step; then build a fresh engine from the checkpoint and take the same step. Weights and
 optimizer state must come out bit-identical, whatever the ZeRO stage; so must an engine
 resumed from a checkpoint written before any optimizer step (SAC's before `learning_starts`)
-and trained all the way. Each variant (a list
+and trained all the way. At ZeRO-3 the full weights a learner publishes are DeepSpeed's own
+consolidation's, gathered one tensor at a time (its largest parameter, not the model, whole
+at once on a learner). Each variant (a list
 of overrides, e.g. a stage; VARIANTS is a JSON list of them) in turn, in one world, into
 RUN_DIR/<i>:
 
@@ -58,6 +60,8 @@ def resume_exactly(cfg, learners, run_dir):
     mine = full_state(engine, wanted=learners.Get_rank() == 0)
     assert (mine is None) == (learners.Get_rank() != 0)
     assert mine is None or all(torch.equal(mine[k], weights[k]) for k in weights)
+    if cfg.learner.zero_stage == 3:
+        gathered_like_deepspeed(engine, weights, learners)
     saved = store.save(run_dir, engine, weights, version=2, counters={"env_steps": 7},
                        learners=learners)
     for _ in range(steps):
@@ -93,6 +97,32 @@ def resume_exactly(cfg, learners, run_dir):
         print(f"resume bit-identical at ZeRO stage {cfg.learner.zero_stage}: "
               f"{len(continued)} tensors ({dtype})", flush=True)
     learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
+
+
+def gathered_like_deepspeed(engine, weights, learners):
+    """full_state's ZeRO-3 weights are DeepSpeed's consolidated state dict (gathered module by
+    module), and none of its gathers asks for more than the largest parameter at once (the
+    tiny models' parameters all stay gathered, below DeepSpeed's persistence threshold: what
+    is asked is what a large model's learner gathers)."""
+    import deepspeed
+    reference = engine.engine._zero3_consolidated_16bit_state_dict()  # [dist] (SkipNonfinite)
+    if learners.Get_rank() == 0:
+        assert reference.keys() == weights.keys()
+        assert all(torch.equal(reference[k], weights[k]) for k in weights)
+    params = list(engine.module.parameters())
+    real, asked = deepspeed.zero.GatheredParameters, []
+
+    class Recording(real):
+        def __init__(self, gathered, *args, **kwargs):
+            asked.append(sum(p.ds_numel for p in gathered))
+            super().__init__(gathered, *args, **kwargs)
+    deepspeed.zero.GatheredParameters = Recording
+    try:
+        full_state(engine)  # [dist]
+    finally:
+        deepspeed.zero.GatheredParameters = real
+    largest, total = max(p.ds_numel for p in params), sum(p.ds_numel for p in params)
+    assert max(asked) == largest < total == sum(asked), (max(asked), largest, total)
 
 
 if __name__ == "__main__":

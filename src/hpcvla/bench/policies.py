@@ -4,7 +4,9 @@ For every family (flow, tokens) and size: the parameter count (counted on the me
 the `full` sizes cost no memory), and for the sizes that fit this machine (`tiny`, `small`;
 `full` needs a GPU) the median wall time over a few repeats of `act` and of one learner step
 (evaluate + backward) on a batch of reach observations (64 px, chunk 4 x 2), with
-torch on one thread (the learner of a CPU rank), float32.
+torch on one thread (the learner of a CPU rank), float32. For flow, the learner step of each
+`policy.logprob_mode` too (`train_step_ms_by_mode`: its K = 4 denoising steps scored as each
+mode scores them), timed in turns, one step of each mode a round.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from hpcvla.config.policy import LOGPROB_MODES
 from hpcvla.envs import make_env
 from hpcvla.policies import Policy, make_policy
 from hpcvla.policies.registry import count_preset_parameters
@@ -52,6 +55,34 @@ def step_ms(policy, obs, repeats: int, device=None) -> dict[str, float]:
             "train_step_ms": median_ms(train_step, repeats, device)}
 
 
+def train_step(policy, obs):
+    """One learner step's work on what `policy` sampled for `obs` (its extras included)."""
+    out, extras = policy.sample(obs)
+    scored = {**obs, **extras}
+
+    def step():
+        logprob, value, entropy = policy.evaluate(scored, out.actions)
+        (logprob.mean() + value.pow(2).mean() + entropy.mean()).backward()
+    return step
+
+
+def mode_step_ms(args, size: str, obs, repeats: int) -> dict[str, float]:
+    """Median ms of a learner step per flow logprob_mode, the same weights, in turns."""
+    steps = {}
+    for mode in LOGPROB_MODES:
+        torch.manual_seed(0)
+        steps[mode] = train_step(make_policy("flow", *args, size=size, dtype="float32",
+                                             logprob_mode=mode), obs)
+        steps[mode]()  # warm-up
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    for _ in range(repeats):
+        for mode, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[mode].append((time.perf_counter() - start) * 1e3)
+    return {mode: statistics.median(t) for mode, t in times.items()}
+
+
 def run(quick: bool = False, batch: int = 16, json_path=None) -> dict:
     torch.set_num_threads(1)
     env = make_env("reach", batch, 0)
@@ -69,10 +100,15 @@ def run(quick: bool = False, batch: int = 16, json_path=None) -> dict:
                 torch.manual_seed(0)
                 policy = make_policy(family, *args, size=size, dtype="float32")
                 row.update(step_ms(policy, obs, 3 if quick else 7))
+                if family == "flow":
+                    row["train_step_ms_by_mode"] = mode_step_ms(args, size, obs,
+                                                                3 if quick else 7)
             results["policies"][f"{family}/{size}"] = row
             print(f"{family:8} {size:6} {row['parameters']:>15,} "
                   f"{row.get('act_ms', float('nan')):>9.1f} "
-                  f"{row.get('train_step_ms', float('nan')):>9.1f}")
+                  f"{row.get('train_step_ms', float('nan')):>9.1f}"
+                  + "".join(f"  {mode} {ms:.1f}" for mode, ms in
+                            row.get("train_step_ms_by_mode", {}).items()))
     if json_path:
         with open(json_path, "w") as f:
             json.dump(results, f, indent=1)

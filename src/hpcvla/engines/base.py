@@ -115,15 +115,23 @@ def adamw(cfg, policy) -> torch.optim.AdamW:
 
 def full_state(engine: Engine, wanted: bool = True) -> dict[str, torch.Tensor] | None:
     """Full weights as host tensors in the module's dtype (bf16 stays bf16; ZeRO-3 gathers
-    its shards: collective on the learners). On a CPU learner below ZeRO-3 they share the
+    its shards one tensor at a time, so a learner's GPU holds the largest parameter whole,
+    not the model: collective on the learners). On a CPU learner below ZeRO-3 they share the
     parameters' memory: copy them out before the next step. A learner that does not want
     them (not the one that publishes or checkpoints) gets None, without copying the model to
-    host memory, and still takes part in ZeRO-3's gather."""
+    host memory, and still takes part in ZeRO-3's gathers."""
     import deepspeed
 
     module = engine.module
-    if engine.zero_optimization_stage() == 3:
-        with deepspeed.zero.GatheredParameters(list(module.parameters())):  # [dist]
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} \
-                if wanted else None
-    return {k: v.detach().cpu() for k, v in module.state_dict().items()} if wanted else None
+    if engine.zero_optimization_stage() != 3:
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()} if wanted \
+            else None
+    state: dict[str, torch.Tensor] = {}
+    for key, value in module.state_dict(keep_vars=True).items():  # the same order everywhere
+        if hasattr(value, "ds_id"):  # a partitioned parameter
+            with deepspeed.zero.GatheredParameters([value]):  # [dist]
+                if wanted:
+                    state[key] = value.detach().cpu().clone()
+        elif wanted:  # a buffer: whole on every learner
+            state[key] = value.detach().cpu().clone()
+    return state if wanted else None
