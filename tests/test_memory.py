@@ -249,6 +249,36 @@ def test_horovods_learners_each_hold_every_state_whatever_zero_stage_says(capsys
     assert figures[0]["moments"] == 2 * figures[3]["moments"]  # ZeRO-1: half each
 
 
+def test_each_rings_lane_holds_its_producers_share_of_a_version(capsys):
+    """learner.ring_slots=0 (the default): a lane holds what its producer sends a version
+    (max_staleness of them: producers run that far ahead while the learner trains), each
+    record's last slot counted whole; 32 slots at least (the default job's). π0's LIBERO
+    batch (micro-batch 32 x 4 passes of 4 steps, 256 px: 96 MiB a version here, 192 from its
+    two cameras) had lanes of at most 32 MiB, stopping the rollout most of every version. The
+    plan counts it."""
+    from hpcvla.memory.layout import ring_slots, version_bytes
+    from hpcvla.transport.slots import SLOT_HEADER
+    big = ["env.image_size=256", "learner.micro_batch=32",
+           "learner.micro_batches=4", "rollout.segment_len=4"]
+    default = load_config("configs/default.yaml")
+    assert ring_slots(default, env_spec(default.env), 1) == 32
+    for staleness in (1, 2):
+        cfg = load_config("configs/default.yaml", [*big, f"pipeline.max_staleness={staleness}"])
+        spec = env_spec(cfg.env)
+        assert version_bytes(cfg, spec) > 95 * 2**20
+        capacity = cfg.learner.ring_slot_kib * 1024 - SLOT_HEADER.itemsize
+        for producers in (1, 2, 3):
+            lane = ring_slots(cfg, spec, producers) // producers * capacity
+            assert lane >= staleness * version_bytes(cfg, spec) / producers
+            assert lane < 1.25 * staleness * version_bytes(cfg, spec) / producers
+    assert ring_slots(load_config("configs/default.yaml", [*big, "learner.ring_slots=8"]),
+                      spec, 2) == 8  # as set
+    assert main(["plan", "configs/default.yaml", "--world", "4", "--json", *big]) == 0
+    host = json.loads(capsys.readouterr().out)["memory"]["host_by_rank"]["3"]
+    assert host["trajectory rings"] == ring_slots(load_config("configs/default.yaml", big),
+                                                  spec, 1) * 1024 * 1024
+
+
 @pytest.mark.slow
 def test_a_simulator_ranks_host_figure_is_what_its_envs_take():
     """ManiSkill's envs of one simulator rank in a fresh process: the resident memory they

@@ -17,6 +17,8 @@ import yaml
 
 from hpcvla.checkpoint import catalog
 from hpcvla.config import ConfigError, load_config
+from hpcvla.envs import env_spec
+from hpcvla.memory.layout import ring_slots
 from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.schedule import schedule_of
@@ -97,10 +99,16 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     settings = [f"pipeline.mode={mode}", "pipeline.total_updates=4", "learner.zero_stage=2",
                 "learner.epochs=8",  # replay epochs: see the end
                 "algorithm.bootstrap_truncated=true",
-                *(["algorithm.critic_epochs=1"] if mode == "streamer" else [])]
+                *(["algorithm.critic_epochs=1", "learner.ring_slot_kib=16"]  # a version:
+                  if mode == "streamer" else [])]  # more slots than the 32 least (ring_slots)
     out, summary, run_dir = run_train(tmp_path / "run", *settings)
     assert summary["mode"] == mode and summary["env_steps"] > 0
     assert "[hpcvla] update 4/4" in out.stdout
+    cfg = load_config(run_dir / "config.yaml")
+    slots = ring_slots(cfg, env_spec(cfg.env), 1)
+    assert (slots > 32) == (mode == "streamer")
+    assert f"trajectory ring: {slots} slots of {cfg.learner.ring_slot_kib} KiB a learner, " \
+        "lanes of" in out.stdout
     inference = [r for r in summary["per_rank"] if r["role"] == "inference"]
     sims = [r for r in summary["per_rank"] if r["role"] == "simulator"]
     # every env step counted once: what simulators stepped is what inference answered

@@ -175,8 +175,7 @@ def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int
         what, need, fewer = "the demonstrations' one copy needs", demos, \
             "fewer demonstrations (sft.per_task)"
     else:
-        rings = _node_learners(cfg, world) * cfg.learner.ring_slots * \
-            cfg.learner.ring_slot_kib * 1024
+        rings = _node_learners(cfg, world) * _ring_bytes(cfg)
         what, need, fewer = "a node's windows need", 2 * weights + rings, \
             "smaller learner.ring_slots"
     need += 64 * MiB
@@ -188,6 +187,14 @@ def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int
     found = f"{free / MiB:,.1f} MiB free, {what} >= {need / MiB:,.1f} MiB"
     return Check("/dev/shm", free >= need, found, "a larger /dev/shm (e.g. `mount -o "
                  f"remount,size=...`; containers: --shm-size), or {fewer}")
+
+
+def _ring_bytes(cfg) -> int:
+    """A learner's ring as the memory model sizes it (memory/layout.ring_bytes), one producer
+    a learner (the most each lane holds)."""
+    from hpcvla.envs import env_spec
+    from hpcvla.memory.layout import ring_bytes
+    return ring_bytes(cfg, env_spec(cfg.env) if not cfg.learner.ring_slots else None, 1)
 
 
 def _node_learners(cfg, world=None) -> int:

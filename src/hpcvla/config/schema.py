@@ -351,9 +351,9 @@ class LearnerConfig:
         "then waits for the first). false: training waits for the files (no extra host "
         "memory).")
     ring_slots: int = setting(
-        32, "Slots of each learner's trajectory ring, split evenly into one lane per "
-        "producer (at least one slot each); a producer waits while its lane is full: more "
-        "rides out longer training steps, costs learner memory (slots x ring_slot_kib).", ge=2)
+        0, "Slots of each learner's trajectory ring, one lane per producer; a producer waits "
+        "while its lane is full. 0: each lane holds its producer's share of max_staleness "
+        "versions (min 32 slots; memory/layout.ring_slots). Costs slots x ring_slot_kib.", ge=0)
     ring_slot_kib: int = setting(
         1024, "Slot size in KiB; larger records are split over several slots.", ge=4)
     ring_progress: str = setting(

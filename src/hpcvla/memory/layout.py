@@ -100,7 +100,7 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
     fp = footprint(cfg, spec, cfg.learner.micro_batch * cfg.rollout.segment_len, envs, on_gpus)
     replay, prior = replay_bytes(cfg.algorithm, spec)
     memory = layout_memory(cfg, plan, devices, fp, gpu_capacity_gib(cfg.placement), replay,
-                           prior, version_bytes(cfg, spec))
+                           prior, spec)
     if replay:
         memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
                                            shared_memory_free() or 0)
@@ -146,6 +146,32 @@ def version_bytes(cfg, spec) -> int:
     from hpcvla.demonstrations import sample_bytes
     return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len * \
         sample_bytes(spec)
+
+
+MIN_RING_SLOTS = 32
+
+
+def ring_slots(cfg, spec, producers: int) -> int:
+    """The slots of a learner's trajectory ring fed by `producers`: learner.ring_slots, or
+    where it is 0 enough for each producer's lane to hold that producer's share of
+    max_staleness versions (at least one; version_bytes, each record's last slot counted
+    whole), at least MIN_RING_SLOTS: a producer runs ahead while the learner trains, where a
+    short lane would stop it, and the rollout with it, for most of every version."""
+    if cfg.learner.ring_slots or spec is None:
+        return cfg.learner.ring_slots or MIN_RING_SLOTS
+    from hpcvla.transport.slots import SLOT_HEADER
+    capacity = cfg.learner.ring_slot_kib * 1024 - SLOT_HEADER.itemsize
+    versions = max(1, cfg.pipeline.max_staleness)
+    share = -(-versions * version_bytes(cfg, spec) // producers)
+    per_record = max(1, cfg.env.envs_per_simulator // shards_of(cfg))
+    records = -(-versions * cfg.learner.micro_batch * cfg.learner.micro_batches //
+                (per_record * producers))
+    return max(MIN_RING_SLOTS, producers * (-(-share // capacity) + records))
+
+
+def ring_bytes(cfg, spec, producers: int) -> int:
+    """A learner's trajectory ring (ring_slots of learner.ring_slot_kib)."""
+    return ring_slots(cfg, spec, producers) * cfg.learner.ring_slot_kib * 1024
 
 
 def replay_bytes(alg, spec) -> tuple[int, int]:
@@ -241,12 +267,13 @@ def gpu_capacity_gib(placement) -> float:
 
 
 def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
-                  replay: int = 0, prior: int = 0, version: int = 0) -> LayoutMemory:
+                  replay: int = 0, prior: int = 0, spec=None) -> LayoutMemory:
     """Figures for `plan` with `devices` (devices.plan_devices) and the policy's Footprint `fp`
     (footprint.policy_footprint at the config's micro-batch and inference batch); `replay`:
     each learner's replay buffer, `prior` each node's one copy of RLPD's prior data, held by
-    its first learner (replay_bytes); `version`: what a learner holds of a version
-    (version_bytes)."""
+    its first learner (replay_bytes); the env's `spec` sizes what a learner holds of a
+    version (version_bytes) and its ring (ring_slots)."""
+    version = version_bytes(cfg, spec)
     learners = len(plan.learners)
     # where parameters are frozen, versions after the first cross packed (transport/weights.py):
     # every node leader but the root (it packs into its staging buffers) receives them into a
@@ -283,7 +310,7 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
                 add(host[info.rank], "held-out envs", held_out)
         if LEARN in info.roles:
             add(host[info.rank], "trajectory rings",
-                cfg.learner.ring_slots * cfg.learner.ring_slot_kib * 1024)
+                ring_bytes(cfg, spec, max(1, len(plan.producers_of(info.rank)))))
             add(host[info.rank], "checkpoint snapshot", checkpoint_bytes(
                 fp, states_stage(cfg.learner), learners, info.rank == plan.learners[0]))
             if replay:

@@ -34,7 +34,7 @@ from hpcvla.config.learning import states_stage
 from hpcvla.devices import gpu_identity, gpu_names, rank_device
 from hpcvla.envs import env_spec, spec_needs_a_simulator
 from hpcvla.envs.base import close_all
-from hpcvla.memory.layout import plan_memory
+from hpcvla.memory.layout import plan_memory, ring_slots
 from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
@@ -295,10 +295,17 @@ def connect(me: Rank) -> Links:
                                           cfg.algorithm.values_truncations)
     exchange = ObsActionExchange(comms.cell, sched.shards, obs_dtype, action_dtype) \
         if comms.cell != MPI.COMM_NULL else None  # [dist]
-    ring = TrajectoryRing(comms.feed, cfg.learner.ring_slots, cfg.learner.ring_slot_kib * 1024,
-                          progress=cfg.learner.ring_progress, start_progress=False,
-                          checksum=cfg.learner.ring_checksum) \
-        if comms.feed != MPI.COMM_NULL else None  # [dist]
+    ring = None
+    if comms.feed != MPI.COMM_NULL:
+        producers = max(1, comms.feed.Get_size() - 1)
+        slots = ring_slots(cfg, me.spec, producers)  # the same on every rank of the feed
+        ring = TrajectoryRing(comms.feed, slots, cfg.learner.ring_slot_kib * 1024,  # [dist]
+                              progress=cfg.learner.ring_progress, start_progress=False,
+                              checksum=cfg.learner.ring_checksum)
+        if me.rank == plan.learners[0]:
+            print(f"[hpcvla] trajectory ring: {slots} slots of {cfg.learner.ring_slot_kib} "
+                  f"KiB a learner, lanes of {slots // producers} for its {producers} "
+                  "producer(s)", flush=True)
     plane = WeightPlane(comms.control, comms.node, me.rank in plan.node_leaders,  # [dist]
                         me.manifest, who=plan.who(me.rank, MPI.Get_processor_name()))
     if me.rank == plan.weight_root and me.manifest.frozen:
