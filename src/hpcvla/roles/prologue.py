@@ -104,6 +104,13 @@ class Links(NamedTuple):
     plane: WeightPlane
 
 
+def resume_point(run_dir: Path) -> tuple[Path | None, dict[str, Any]]:
+    """The run's newest checkpoint and its state (read_state: its files whole), or None and
+    version 0 where it has none."""
+    path = catalog.latest(run_dir)
+    return path, (catalog.read_state(path) if path else {"version": 0})
+
+
 def runs_policy(roles: tuple[str, ...]) -> bool:
     """Whether a rank with these roles builds the policy (and imports torch)."""
     return roles not in ((SIM,), (SPARE,))
@@ -112,11 +119,12 @@ def runs_policy(roles: tuple[str, ...]) -> bool:
 def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> Rank:
     world, rank = comms.world, comms.world.Get_rank()
     roles = plan.ranks[rank].roles
-    # the newest checkpoint as rank 0 sees it, holding the run's lock (train_main): every rank
-    # resumes from the same one, whatever another world wrote or its node's listing shows
-    resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
-        if cfg.run.resume else None  # [dist]
-    saved: dict[str, Any] = catalog.read_state(resume) if resume else {"version": 0}
+    # the newest checkpoint and its state as rank 0 reads them, holding the run's lock
+    # (train_main): every rank resumes from the same one, whatever another world wrote or its
+    # node's listing shows, and the shared file system serves one reader of its files' headers,
+    # not every rank (600 ranks x the files of 128 learners: ~77,000 opens at once)
+    resume, saved = idle_bcast(world, lambda: resume_point(run_dir)) if cfg.run.resume \
+        else (None, {"version": 0})  # [dist]
     first = saved["version"]  # a resumed world's streams are new ones (seeds.py)
     seed_rank(cfg, rank, with_torch=runs_policy(roles), start=first)  # each its own noise
     # The policy ranks have just imported torch (seconds); the others wait here asleep, not
