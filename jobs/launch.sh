@@ -53,6 +53,10 @@
 #                     again inside the allocation up to this many times (default 0): on the
 #                     nodes that still start a process, from the newest checkpoint (Slurm jobs
 #                     need --no-kill to keep their allocation when a node fails)
+#   HPCVLA_NODE_CHECK_S  after a failed world, how long each node has to start a process and
+#                     clean up after it (default 60); one that takes longer is dropped from
+#                     the restarts (at scale the controller and the shared file system are
+#                     slow just then: a short limit drops healthy nodes)
 #   HPCVLA_START_RETRIES  train, sft, eval: a world that failed while starting, before any
 #                     rank registered, is started again on the same nodes this many times
 #                     (default 1)
@@ -85,10 +89,12 @@ remember_signals
 HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export HPCVLA_ROOT
 [[ $# -ge 1 ]] || die "usage: launch.sh COMMAND [ARGS...]   (e.g. train configs/default.yaml)"
-for name in HPCVLA_RESTARTS HPCVLA_START_RETRIES HPCVLA_END_GRACE_S; do
+for name in HPCVLA_RESTARTS HPCVLA_START_RETRIES HPCVLA_END_GRACE_S HPCVLA_NODE_CHECK_S; do
     [[ ${!name:-0} =~ ^[0-9]+$ ]] || die "$name=${!name} is not a count: set a whole number" \
         "(0 or more), or unset it for its default"
 done
+[[ ${HPCVLA_NODE_CHECK_S:-60} != 0 ]] ||
+    die "HPCVLA_NODE_CHECK_S=0 would wait for a dead node for ever: set seconds (default 60)"
 
 # ---- the allocation: scheduler, hosts, ranks per node, Python, MPI, threads per rank --------
 LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib  # this script's own, whatever the root

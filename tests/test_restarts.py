@@ -245,12 +245,13 @@ def test_a_job_of_overrides_only_can_restart(capsys):
 def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
     """jobs/launch.sh's counts (HPCVLA_RESTARTS, HPCVLA_START_RETRIES, HPCVLA_END_GRACE_S),
     read by bash arithmetic, which takes a word for a variable name (0): refused, named."""
-    env = {**os.environ, "HPCVLA_DRY_RUN": "1", "HPCVLA_START_RETRIES": "once"}
-    out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "HPCVLA_START_RETRIES=once is not a count: set a whole " \
-        "number (0 or more), or unset it for its default" in out.stderr, out.stderr
-    assert "running:" not in out.stderr
+    for name in ("HPCVLA_START_RETRIES", "HPCVLA_NODE_CHECK_S"):
+        env = {**os.environ, "HPCVLA_DRY_RUN": "1", name: "once"}
+        out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"{name}=once is not a count: set a whole " \
+            "number (0 or more), or unset it for its default" in out.stderr, out.stderr
+        assert "running:" not in out.stderr
     # `hpcvla train/sft/eval --ranks` read the same variable (job/launch.py), before any rank
     from hpcvla.job.launch import LaunchError, start_retries
     with pytest.MonkeyPatch.context() as patch:

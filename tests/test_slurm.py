@@ -195,7 +195,8 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
                                  "--cpus-per-task=1"],
                         # the world's launcher waits for the dead node: ended 5 s after
                         # its ranks here died (the default 30 s is for real clusters)
-                        env=job_env(tmp_path, HPCVLA_RESTARTS="1", HPCVLA_END_GRACE_S="5"),
+                        env=job_env(tmp_path, HPCVLA_RESTARTS="1", HPCVLA_END_GRACE_S="5",
+                                    HPCVLA_NODE_CHECK_S="30"),
                         cwd=ROOT)
     first_update(slurm3, job, log)
     runs = tmp_path / "runs" / f"hpcvla-multinode-{job}"
@@ -261,7 +262,8 @@ def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, t
                         "sft.micro_batches=2", "sft.checkpoint_every=50",
                         "pipeline.progress_every_s=0.1",
                         options=["--output", log, "--nodes=3", "--ntasks-per-node=1"],
-                        env=job_env(tmp_path, HPCVLA_END_GRACE_S="5"), cwd=ROOT)
+                        env=job_env(tmp_path, HPCVLA_END_GRACE_S="5",
+                                    HPCVLA_NODE_CHECK_S="30"), cwd=ROOT)
     runs = tmp_path / "runs" / f"hpcvla-sft-{job}"
     deadline = time.monotonic() + 300
     while not [p for p in runs.glob("*/checkpoints/v*/state.json")

@@ -18,19 +18,21 @@ if [[ $SCHEDULER == pbs && ${HPCVLA_PBS_TM:-1} == 1 ]] &&
     PBS_RSH=$LIB/tmrsh
 fi
 
-# Run a shell command on a node of the job within 30 s (false if it did not start or failed).
+# Run a shell command on a node of the job within HPCVLA_NODE_CHECK_S (60 s; false if it did
+# not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
 # from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
 on_node() {  # HOST SHELL_COMMAND
+    local limit=${HPCVLA_NODE_CHECK_S:-60}
     case $SCHEDULER in
-        slurm) timeout 30 srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
+        slurm) timeout "$limit" srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
                    sh -c "$2" ;;
         pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
                  sh -c "$2"
              elif [[ -n $PBS_RSH ]]; then
-                 timeout 30 "$PBS_RSH" "$1" "$2"
-             else  # a host key or password prompt would take the 30 s: none
-                 timeout 30 ssh -o BatchMode=yes "$1" "$2"
+                 timeout "$limit" "$PBS_RSH" "$1" "$2"
+             else  # a host key or password prompt would take the whole limit: none
+                 timeout "$limit" ssh -o BatchMode=yes "$1" "$2"
              fi ;;
         none) sh -c "$2" ;;
     esac
@@ -39,8 +41,8 @@ on_node() {  # HOST SHELL_COMMAND
 # of HOSTS at once:
 # remove the MPICH segments its killed ranks left in /dev/shm and its Hydra proxies' topology
 # files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
-# within 30 s, in HOSTS' order: a restart's nodes.
-# A dead node costs its 30 s once, not per node. A node answers as long as it starts a
+# within HPCVLA_NODE_CHECK_S, in HOSTS' order: a restart's nodes.
+# A dead node costs that limit once, not per node. A node answers as long as it starts a
 # process: a cleanup that fails there (ssh passes no environment) is said, not taken for a
 # dead node.
 clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
