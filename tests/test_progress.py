@@ -157,3 +157,20 @@ def test_a_process_s_launch_is_its_start_to_the_clock_tick(monkeypatch):
     after = time.time()
     tick = 1 / os.sysconf("SC_CLK_TCK")
     assert before - tick <= float(said) <= after, (before, said, after)
+
+
+def test_a_timeline_writes_its_spans_for_run_timeline_s_then_counts_them(tmp_path):
+    """Spans ending after run.timeline_s are counted (summary.json's busy fractions), not
+    written: a rank's file stops growing in a run of days (~0.3 GB a day an inference rank)."""
+    import json
+
+    from hpcvla.metrics.timeline import Timeline
+    path = tmp_path / "timeline.rank3.jsonl"
+    line = Timeline(path, 3, "inference", t0=100.0, flush_every=2, keep_s=10.0)
+    for start in (1.0, 4.0, 9.0, 12.0, 30.0):
+        line.record("infer", start, start + 1.0)
+    line.close()
+    written = [json.loads(r) for r in path.read_text().splitlines()]
+    assert [s["start"] for s in written] == [1.0, 4.0, 9.0]
+    assert line.counts["infer"] == 5 and line.busy["infer"] == 5.0
+    assert line.last_end["infer"] == 31.0

@@ -55,18 +55,21 @@ class RunConfig:
         "died, sees everything up to the last one. Shorter: fresher files, more file opens.",
         ge=0.1)
     tensorboard: bool = setting(
-        True, "Write TensorBoard event files to `<run dir>/tensorboard/` as the run goes "
-        "(the weight root's losses, its KL and clip fraction from a version's second pass, "
-        "the actor's rate, success, return, throughput, "
-        "staleness; every role's busy fractions at the end; `hpcvla eval --all`'s curve): "
-        "`tensorboard --logdir <run.root>` on a login node watches every run under it.")
+        True, "Write TensorBoard event files to `<run dir>/tensorboard/` as the run goes (the "
+        "weight root's losses, its KL and clip fraction from a version's second pass, the "
+        "actor's rate, success, return, throughput, staleness; every role's busy fractions at "
+        "the end; `hpcvla eval --all`'s curve): `tensorboard --logdir <run.root>` watches them.")
     wandb: str = setting(
-        "disabled", "Weights & Biases (its own modes): the same scalars as TensorBoard, "
-        "against the scalar `trained_env_steps`, with the resolved config, in `<run dir>/wandb/`. `offline` for "
-        "compute nodes without internet: `wandb sync <run dir>/wandb/offline-run-*` on a "
-        "login node uploads them (into one W&B run per run directory); `online` streams "
-        "(needs WANDB_API_KEY; WANDB_PROJECT, default hpcvla, and WANDB_ENTITY as W&B reads "
-        "them); `disabled`: off.", choices=["disabled", "offline", "online"])
+        "disabled", "Weights & Biases (its own modes): TensorBoard's scalars against "
+        "`trained_env_steps`, with the resolved config, in `<run dir>/wandb/`. `offline` for "
+        "compute nodes without internet (`wandb sync <run dir>/wandb/offline-run-*` on a login "
+        "node uploads them, one W&B run per run directory); `online` streams (WANDB_API_KEY; "
+        "WANDB_PROJECT, default hpcvla, WANDB_ENTITY); `disabled`: off.",
+        choices=["disabled", "offline", "online"])
+    timeline_s: float = setting(
+        3600.0, "Seconds from each start that every rank writes its busy spans, a line each, "
+        "to `timeline.rank<R>.jsonl` (report.py's swimlanes); then their totals alone (summary."
+        "json). An inference rank writes ~0.3 GB a day of them. 0: none.", ge=0)
 
 
 @dataclass
@@ -180,16 +183,15 @@ class EnvConfig:
         "simulator nodes (SAPIEN's PhysX GPU library in ~/.sapien, downloaded on first use: "
         "fetch it beforehand where nodes have no internet). A GPU simulation cannot drop one "
         "failing env: a fault ends every episode of its shard (with env.isolation=process the "
-        "shard's worker restarts).",
-        choices=("cpu", "gpu"))
+        "shard's worker restarts).", choices=("cpu", "gpu"))
     control_mode: str = setting(
         EE_DELTA_CONTROL, "env.name=maniskill: the robot's controller, which says what an "
         "action is (ManiSkill3's control modes): `pd_ee_delta_pose` end-effector translation "
         "and rotation deltas + gripper (7-d; what VLA checkpoints and the scripted experts "
         "use), `pd_joint_delta_pos` joint-angle deltas + gripper (8-d; what ManiSkill's own "
         "PPO/SAC baselines train), or another mode whose actions are normalized to [-1, 1] "
-        "(envs/maniskill.py CONTROL_MODES, checked before launch). Demonstrations must have "
-        "been recorded in the same mode.")
+        "(envs/maniskill.py CONTROL_MODES, checked before launch). Demonstrations: recorded in "
+        "it.")
     suite: str = setting(
         "libero_spatial", "LIBERO suite (env.name=libero): libero_spatial, libero_object, "
         "libero_goal, libero_10 or libero_90, or a LIBERO-PRO perturbation of one of the "
@@ -318,14 +320,13 @@ class LearnerConfig:
         "moments live in (pinned) host memory and the optimizer steps there (torch's fused "
         "AdamW on the CPU): a learner GPU keeps only the weights, gradients and "
         "activations, 16 of the 18 bytes per trained parameter off it, for a CPU step and the "
-        "gradients' trip over PCIe each optimizer step. Needs learner.zero_stage >= 1 and "
+        "gradients' trip over PCIe each optimizer step. Needs learner.zero_stage >= 1, "
         "learner.backend=deepspeed.")
     gradient_checkpointing: bool = setting(
         False, "Recompute activations in the backward pass instead of keeping them from the "
         "forward (the VLA families: each layer of the vision towers and the language model, "
         "each pass of π0's action expert): activation memory per observation falls several "
-        "fold (`hpcvla plan` shows it) for about one more forward of learner compute. Not "
-        "for policy.name=default.")
+        "fold (`hpcvla plan` shows it) for about one more forward. Not for policy.name=default.")
     epochs: int = setting(
         1, "Passes over each batch (PPO epochs), one optimizer step each: the first streams "
         "micro-batches as they arrive, later ones replay them. More reuse each sample more "
@@ -348,8 +349,7 @@ class LearnerConfig:
         True, "Write checkpoints in a background thread: training waits only while each "
         "learner copies its optimizer ranges (learner 0 also the weights) to host memory, "
         "which holds that copy until the files are written (a second checkpoint due before "
-        "then waits for the first). false: training waits for the files (no extra host "
-        "memory).")
+        "then waits for the first). false: training waits for the files (no such copy).")
     ring_slots: int = setting(
         0, "Slots of each learner's trajectory ring, one lane per producer; a producer waits "
         "while its lane is full. 0: each lane holds its producer's share of max_staleness "

@@ -9,7 +9,8 @@ Each line: {"rank", "role", "stage", "start", "end"} with times in seconds since
 common start (wall-clock `time.time()` against a start rank 0 broadcasts, so comparable across
 ranks of one node; across nodes they are as synchronised as the nodes' clocks). Everything not
 inside a span is idle time. Lines are buffered and flushed every `flush_every` spans so the file
-is readable during a run.
+is readable during a run. Spans that end after `keep_s` (run.timeline_s) are counted, not
+written: a rank's file stops growing (an inference rank writes ~0.3 GB a day of spans).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from contextlib import contextmanager
 
 class Timeline:
     def __init__(self, path, rank: int, role: str, t0: float | None = None,
-                 flush_every: int = 200):
+                 flush_every: int = 200, keep_s: float = float("inf")):
         self.rank, self.role = rank, role
         self.t0 = time.time() if t0 is None else t0
         self.busy = defaultdict(float)   # stage -> seconds
@@ -31,7 +32,7 @@ class Timeline:
         self.last_end: dict[str, float] = {}  # stage -> the end of its last span
         self._file = open(path, "a") if path else None
         self._lines: list[str] = []
-        self._flush_every = flush_every
+        self._flush_every, self._keep_s = flush_every, keep_s
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -49,7 +50,7 @@ class Timeline:
         self.counts[stage] += 1
         self.first.setdefault(stage, (start, end))
         self.last_end[stage] = end
-        if self._file:
+        if self._file and end <= self._keep_s:
             self._lines.append(json.dumps({"rank": self.rank, "role": self.role, "stage": stage,
                                            "start": round(start, 6), "end": round(end, 6)}))
             if len(self._lines) >= self._flush_every:

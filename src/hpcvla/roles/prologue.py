@@ -187,7 +187,8 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
     # node agree; across nodes as far as the nodes' clocks do).
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
-                        t0=world.bcast(time.time(), root=0))  # [dist]
+                        t0=world.bcast(time.time(), root=0),  # [dist]
+                        keep_s=cfg.run.timeline_s)
     is_root = rank == plan.weight_root
     # a resume that found no checkpoint goes on from 0: what an earlier start logged goes
     resumed_at = int(saved["counters"]["trained_env_steps"]) if resume else \
