@@ -251,32 +251,49 @@ def test_horovods_learners_each_hold_every_state_whatever_zero_stage_says(capsys
 
 def test_each_rings_lane_holds_its_producers_share_of_a_version(capsys):
     """learner.ring_slots=0 (the default): a lane holds what its producer sends a version
-    (max_staleness of them: producers run that far ahead while the learner trains), each
-    record's last slot counted whole; 32 slots at least (the default job's). π0's LIBERO
-    batch (micro-batch 32 x 4 passes of 4 steps, 256 px: 96 MiB a version here, 192 from its
-    two cameras) had lanes of at most 32 MiB, stopping the rollout most of every version. The
-    plan counts it."""
-    from hpcvla.memory.layout import ring_slots, version_bytes
+    (max_staleness of them: producers run that far ahead while the learner trains): each step's
+    observation, actions, scalars and what the policy records beside them (flow's denoising
+    chain), an off-policy segment's next observation too, each record's last slot counted
+    whole; 32 slots at least (the default job's). π0's LIBERO batch (micro-batch 32 x 4
+    passes of 4 steps, 256 px: 96 MiB a version here, 192 from its two cameras) had lanes of
+    at most 32 MiB, stopping the rollout most of every version. The plan counts it."""
+    from hpcvla.factory import build_policy
+    from hpcvla.memory.layout import fields_bytes, ring_slots, segments_bytes
     from hpcvla.transport.slots import SLOT_HEADER
-    big = ["env.image_size=256", "learner.micro_batch=32",
-           "learner.micro_batches=4", "rollout.segment_len=4"]
+    big = ["env.image_size=256", "learner.micro_batch=32", "learner.micro_batches=4",
+           "rollout.segment_len=4"]
     default = load_config("configs/default.yaml")
     assert ring_slots(default, env_spec(default.env), 1) == 32
-    for staleness in (1, 2):
-        cfg = load_config("configs/default.yaml", [*big, f"pipeline.max_staleness={staleness}"])
+    chain = ["configs/reach_flow.yaml", ["policy.logprob_mode=chain", "policy.denoise_steps=8",
+                                         "env.image_size=32", "learner.micro_batch=64",
+                                         "learner.ring_slot_kib=16"]]
+    cases = [("configs/default.yaml", [*big, f"pipeline.max_staleness={s}"]) for s in (1, 2)]
+    cases += [tuple(chain), ("configs/colocated_sac.yaml", big)]
+    for config, overrides in cases:
+        cfg = load_config(config, overrides)
         spec = env_spec(cfg.env)
-        assert version_bytes(cfg, spec) > 95 * 2**20
+        recorded = fields_bytes(build_policy(cfg, spec, "meta").extra_fields())
+        assert (recorded > 0) == (config == chain[0])
+        need = max(1, cfg.pipeline.max_staleness) * segments_bytes(cfg, spec, recorded)
+        assert need > 95 * 2**20 or config == chain[0]
         capacity = cfg.learner.ring_slot_kib * 1024 - SLOT_HEADER.itemsize
         for producers in (1, 2, 3):
-            lane = ring_slots(cfg, spec, producers) // producers * capacity
-            assert lane >= staleness * version_bytes(cfg, spec) / producers
-            assert lane < 1.25 * staleness * version_bytes(cfg, spec) / producers
+            lane = ring_slots(cfg, spec, producers, recorded) // producers * capacity
+            assert lane >= need / producers, (config, producers)
+            assert lane < 1.25 * need / producers
+    cfg = load_config(chain[0], chain[1])
+    recorded = fields_bytes(build_policy(cfg, env_spec(cfg.env), "meta").extra_fields())
+    assert ring_slots(cfg, env_spec(cfg.env), 1, recorded) > ring_slots(cfg, env_spec(cfg.env), 1)
     assert ring_slots(load_config("configs/default.yaml", [*big, "learner.ring_slots=8"]),
                       spec, 2) == 8  # as set
-    assert main(["plan", "configs/default.yaml", "--world", "4", "--json", *big]) == 0
-    host = json.loads(capsys.readouterr().out)["memory"]["host_by_rank"]["3"]
-    assert host["trajectory rings"] == ring_slots(load_config("configs/default.yaml", big),
-                                                  spec, 1) * 1024 * 1024
+    for config, overrides in (("configs/default.yaml", big), tuple(chain)):
+        assert main(["plan", config, "--world", "4", "--json", *overrides]) == 0
+        host = json.loads(capsys.readouterr().out)["memory"]["host_by_rank"]["3"]
+        cfg = load_config(config, overrides)
+        spec = env_spec(cfg.env)
+        recorded = fields_bytes(build_policy(cfg, spec, "meta").extra_fields())
+        assert host["trajectory rings"] == \
+            ring_slots(cfg, spec, 1, recorded) * cfg.learner.ring_slot_kib * 1024
 
 
 @pytest.mark.slow

@@ -89,15 +89,16 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's
     unbuilt = []
     try:
-        weights, params = _policy_size(cfg)
+        weights, params, recorded = _policy_size(cfg)
     except Exception as err:  # noqa: BLE001  said below; the sizes go on without the policy
-        weights = params = 0
+        weights = params = recorded = 0
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
     demos = _demonstrations(cfg) if job == "sft" else 0  # its files' headers read once
     checks = [_mpi(cfg, windows=job != "eval"),
-              *([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos)]),
+              *([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
+                                                          recorded)]),
               *_gpus(cfg), *_renderer(cfg), *unbuilt]
     if world and not problems and not unbuilt:
         checks += _memory(cfg, job, world, demos, envs)
@@ -166,16 +167,17 @@ def _demonstrations(cfg) -> int:
     return demonstration_bytes(cfg, env_spec(cfg.env))
 
 
-def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int = 0) -> Check:
+def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int = 0,
+                   recorded: int = 0) -> Check:
     """Room in /dev/shm for what a node's ranks share there (and 64 MiB for MPI's own): for
     `train` its weight window (two halves) and the rings of its learners (_node_learners), as
-    the memory model counts them (memory/layout.py); for `sft` the one copy of its
-    demonstrations (`demos` bytes)."""
+    the memory model counts them (memory/layout.py; `recorded`: the bytes a step of the
+    policy's extra fields); for `sft` the one copy of its demonstrations (`demos` bytes)."""
     if job == "sft":
         what, need, fewer = "the demonstrations' one copy needs", demos, \
             "fewer demonstrations (sft.per_task)"
     else:
-        rings = _node_learners(cfg, world) * _ring_bytes(cfg)
+        rings = _node_learners(cfg, world) * _ring_bytes(cfg, recorded)
         what, need, fewer = "a node's windows need", 2 * weights + rings, \
             "smaller learner.ring_slots"
     need += 64 * MiB
@@ -189,12 +191,13 @@ def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int
                  f"remount,size=...`; containers: --shm-size), or {fewer}")
 
 
-def _ring_bytes(cfg) -> int:
+def _ring_bytes(cfg, recorded: int) -> int:
     """A learner's ring as the memory model sizes it (memory/layout.ring_bytes), one producer
     a learner (the most each lane holds)."""
     from hpcvla.envs import env_spec
     from hpcvla.memory.layout import ring_bytes
-    return ring_bytes(cfg, env_spec(cfg.env) if not cfg.learner.ring_slots else None, 1)
+    return ring_bytes(cfg, env_spec(cfg.env) if not cfg.learner.ring_slots else None, 1,
+                      recorded)
 
 
 def _node_learners(cfg, world=None) -> int:
@@ -308,14 +311,16 @@ def _renderer(cfg) -> list[Check]:
     return checks
 
 
-def _policy_size(cfg) -> tuple[int, int]:
-    """The policy's parameters, in bytes and in number, built on the meta device (nothing
-    allocated)."""
+def _policy_size(cfg) -> tuple[int, int, int]:
+    """The policy's parameters, in bytes and in number, and the bytes it records a step (its
+    extra fields), built on the meta device (nothing allocated)."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
+    from hpcvla.memory.layout import fields_bytes
     policy = build_policy(cfg, env_spec(cfg.env), "meta", False)
     params = list(policy.parameters())
-    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
+    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params), \
+        fields_bytes(policy.extra_fields())
 
 
 def _disk(cfg, weights: int, params: int) -> Check:

@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hpcvla.factory import build_policy, constructor_kwargs
 from hpcvla.memory import depths
 from hpcvla.memory.cpu_meta import CpuKernels, cpu_attention, tensors_in
+from hpcvla.memory.layout import fields_bytes
 from hpcvla.policies.lora import add_lora
 from hpcvla.policies.registry import make_policy
 
@@ -96,6 +97,7 @@ class Footprint:
     train_bytes: int  # peak of its forward + backward above the weights, gradients excluded
     act_obs: int  # observations in one inference batch
     act_bytes: int  # peak of `act` on it above the weights
+    recorded_bytes: int = 0  # what acting records beside each observation (extra_fields)
 
 
 def observation_batch(spec, extra: dict, n: int) -> dict[str, torch.Tensor]:
@@ -158,7 +160,8 @@ def whole_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
     train, act, weights = _fake_run(meta, spec, train_obs, act_obs, imitation)
     return Footprint(params=params, trainable=trainable, weight_bytes=weights,
                      dtype_bytes=dtype_bytes, largest_layer=largest, train_obs=train_obs,
-                     train_bytes=train, act_obs=act_obs, act_bytes=act)
+                     train_bytes=train, act_obs=act_obs, act_bytes=act,
+                     recorded_bytes=fields_bytes(meta.extra_fields()))
 
 
 def shallow_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
@@ -171,9 +174,11 @@ def shallow_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
         return None
 
     kernels = CpuKernels()  # one for every copy: what it remembers serves them all
+    recorded = []  # the extra fields depend on the model's dims and sampler, not its depth
 
     def measure(shallow) -> Shallow:
         policy = _build_meta(cfg, spec, {**kwargs, "size": shallow})
+        recorded.append(fields_bytes(policy.extra_fields()))
         return _meta_run(policy, spec, train_obs, act_obs, kernels, imitation)
 
     layers = depths.MIDDLES_BASE if imitation else depths.BASE  # depths.py says why
@@ -194,7 +199,8 @@ def shallow_footprint(cfg, spec, train_obs: int, act_obs: int, on_gpus: bool,
         for field in ("params", "trainable", "weight_bytes"))
     return Footprint(params=params, trainable=trainable, weight_bytes=weights,
                      dtype_bytes=runs[0].dtype_bytes, largest_layer=runs[0].largest_layer,
-                     train_obs=train_obs, train_bytes=train, act_obs=act_obs, act_bytes=act)
+                     train_obs=train_obs, train_bytes=train, act_obs=act_obs, act_bytes=act,
+                     recorded_bytes=recorded[0])
 
 
 @dataclass

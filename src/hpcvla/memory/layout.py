@@ -135,43 +135,63 @@ def memory_problems(cfg, plan) -> list[tuple[str, object, str]]:
     return plan_memory(cfg, plan, devices, env_spec(cfg.env)).problems
 
 
-def version_bytes(cfg, spec) -> int:
+STEP_SCALARS = 64  # bytes a segment records a step beside its observation and actions
+
+
+def fields_bytes(fields: dict[str, tuple[tuple, str]]) -> int:
+    """The bytes of one of each field (shape, dtype): a policy's extra_fields, per step."""
+    import numpy as np
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+               for shape, dtype in fields.values())
+
+
+def segments_bytes(cfg, spec, recorded: int = 0) -> int:
+    """What the segments of a version take (its quota: learner.micro_batch x micro_batches
+    segments of rollout.segment_len steps): per step an observation and its chunk of actions
+    (demonstrations.sample_bytes), what the policy records beside it (`recorded`: its
+    extra_fields' bytes, flow's denoising chain) and the step's scalars (log-prob, value,
+    reward, flags: STEP_SCALARS); an off-policy segment also its next observation."""
+    from hpcvla.demonstrations import sample_bytes
+    step = sample_bytes(spec) + recorded + STEP_SCALARS
+    segments = cfg.learner.micro_batch * cfg.learner.micro_batches
+    following = sample_bytes(spec) if cfg.algorithm.off_policy else 0
+    return segments * (cfg.rollout.segment_len * step + following)
+
+
+def version_bytes(cfg, spec, recorded: int = 0) -> int:
     """What an on-policy learner holds of a version until it ends (roles/learner.learn keeps
-    every micro-batch for its later epochs): learner.micro_batch x micro_batches segments of
-    rollout.segment_len steps, each an observation and its chunk of actions, as a
-    demonstration sample holds them (demonstrations.sample_bytes; log-probs, values and
-    rewards left out). Off-policy learners: their replay."""
+    every micro-batch for its later epochs): its segments (segments_bytes). Off-policy
+    learners: their replay."""
     if cfg.algorithm.off_policy or spec is None:
         return 0
-    from hpcvla.demonstrations import sample_bytes
-    return cfg.learner.micro_batch * cfg.learner.micro_batches * cfg.rollout.segment_len * \
-        sample_bytes(spec)
+    return segments_bytes(cfg, spec, recorded)
 
 
 MIN_RING_SLOTS = 32
 
 
-def ring_slots(cfg, spec, producers: int) -> int:
+def ring_slots(cfg, spec, producers: int, recorded: int = 0) -> int:
     """The slots of a learner's trajectory ring fed by `producers`: learner.ring_slots, or
     where it is 0 enough for each producer's lane to hold that producer's share of
-    max_staleness versions (at least one; version_bytes, each record's last slot counted
-    whole), at least MIN_RING_SLOTS: a producer runs ahead while the learner trains, where a
-    short lane would stop it, and the rollout with it, for most of every version."""
+    max_staleness versions' segments (at least one; segments_bytes, with `recorded` bytes a
+    step of the policy's extra fields; each record's last slot counted whole), at least
+    MIN_RING_SLOTS: a producer runs ahead while the learner trains, where a short lane would
+    stop it, and the rollout with it, for most of every version."""
     if cfg.learner.ring_slots or spec is None:
         return cfg.learner.ring_slots or MIN_RING_SLOTS
     from hpcvla.transport.slots import SLOT_HEADER
     capacity = cfg.learner.ring_slot_kib * 1024 - SLOT_HEADER.itemsize
     versions = max(1, cfg.pipeline.max_staleness)
-    share = -(-versions * version_bytes(cfg, spec) // producers)
+    share = -(-versions * segments_bytes(cfg, spec, recorded) // producers)
     per_record = max(1, cfg.env.envs_per_simulator // shards_of(cfg))
     records = -(-versions * cfg.learner.micro_batch * cfg.learner.micro_batches //
                 (per_record * producers))
     return max(MIN_RING_SLOTS, producers * (-(-share // capacity) + records))
 
 
-def ring_bytes(cfg, spec, producers: int) -> int:
+def ring_bytes(cfg, spec, producers: int, recorded: int = 0) -> int:
     """A learner's trajectory ring (ring_slots of learner.ring_slot_kib)."""
-    return ring_slots(cfg, spec, producers) * cfg.learner.ring_slot_kib * 1024
+    return ring_slots(cfg, spec, producers, recorded) * cfg.learner.ring_slot_kib * 1024
 
 
 def replay_bytes(alg, spec) -> tuple[int, int]:
@@ -273,7 +293,7 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
     each learner's replay buffer, `prior` each node's one copy of RLPD's prior data, held by
     its first learner (replay_bytes); the env's `spec` sizes what a learner holds of a
     version (version_bytes) and its ring (ring_slots)."""
-    version = version_bytes(cfg, spec)
+    version = version_bytes(cfg, spec, fp.recorded_bytes)
     learners = len(plan.learners)
     # where parameters are frozen, versions after the first cross packed (transport/weights.py):
     # every node leader but the root (it packs into its staging buffers) receives them into a
@@ -310,7 +330,8 @@ def layout_memory(cfg, plan, devices: dict[int, str], fp, capacity_gib: float,
                 add(host[info.rank], "held-out envs", held_out)
         if LEARN in info.roles:
             add(host[info.rank], "trajectory rings",
-                ring_bytes(cfg, spec, max(1, len(plan.producers_of(info.rank)))))
+                ring_bytes(cfg, spec, max(1, len(plan.producers_of(info.rank))),
+                           fp.recorded_bytes))
             add(host[info.rank], "checkpoint snapshot", checkpoint_bytes(
                 fp, states_stage(cfg.learner), learners, info.rank == plan.learners[0]))
             if replay:

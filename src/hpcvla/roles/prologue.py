@@ -34,7 +34,7 @@ from hpcvla.config.learning import states_stage
 from hpcvla.devices import gpu_identity, gpu_names, rank_device
 from hpcvla.envs import env_spec, spec_needs_a_simulator
 from hpcvla.envs.base import close_all
-from hpcvla.memory.layout import plan_memory, ring_slots
+from hpcvla.memory.layout import fields_bytes, plan_memory, ring_slots
 from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
@@ -123,8 +123,10 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     # (train_main): every rank resumes from the same one, whatever another world wrote or its
     # node's listing shows, and the shared file system serves one reader of its files' headers,
     # not every rank (600 ranks x the files of 128 learners: ~77,000 opens at once)
-    resume, saved = idle_bcast(world, lambda: resume_point(run_dir)) if cfg.run.resume \
-        else (None, {"version": 0})  # [dist]
+    resume: Path | None = None
+    saved: dict[str, Any] = {"version": 0}
+    if cfg.run.resume:
+        resume, saved = idle_bcast(world, lambda: resume_point(run_dir))  # [dist]
     first = saved["version"]  # a resumed world's streams are new ones (seeds.py)
     seed_rank(cfg, rank, with_torch=runs_policy(roles), start=first)  # each its own noise
     # The policy ranks have just imported torch (seconds); the others wait here asleep, not
@@ -307,7 +309,8 @@ def connect(me: Rank) -> Links:
     ring = None
     if comms.feed != MPI.COMM_NULL:
         producers = max(1, comms.feed.Get_size() - 1)
-        slots = ring_slots(cfg, me.spec, producers)  # the same on every rank of the feed
+        recorded = fields_bytes(me.policy.extra_fields()) if me.policy is not None else 0
+        slots = ring_slots(cfg, me.spec, producers, recorded)  # the same on every feed rank
         ring = TrajectoryRing(comms.feed, slots, cfg.learner.ring_slot_kib * 1024,  # [dist]
                               progress=cfg.learner.ring_progress, start_progress=False,
                               checksum=cfg.learner.ring_checksum)
