@@ -202,6 +202,38 @@ def test_plan_auto_chooses_only_layouts_that_fit_and_turns_the_memory_knobs(caps
     assert main(["plan", *TINY_FLOW_ON_4_GPUS, capacity, *best]) == 0, capsys.readouterr()
 
 
+def test_the_memory_levers_are_only_those_the_configs_rules_take():
+    """One list of memory levers for the plan's advice and `plan --auto`'s search, each kept
+    where the config's rules take it: SAC and RLPD refuse ZeRO-3 (the search turned it and
+    stopped on a ConfigError, never trying the offload; the advice named it); Horovod has no
+    ZeRO stages and refuses the offload and bf16 (the advice named all three)."""
+    from hpcvla.config.checks import cross_field_problems
+    from hpcvla.memory.levers import memory_levers, turned
+
+    def fields(config, *overrides, automatic_only=False):
+        cfg = load_config(config, list(overrides))
+        levers = memory_levers(cfg, automatic_only)
+        current = cfg
+        for lever in levers:  # each turn the search makes is one the rules take
+            if automatic_only:
+                current = turned(current, lever.field, lever.value)
+                assert not cross_field_problems(current), lever
+            else:
+                assert not cross_field_problems(turned(cfg, lever.field, lever.value)), lever
+        return [f"{lever.field}={lever.value}" for lever in levers]
+    assert fields("configs/colocated_sac.yaml", "learner.zero_stage=1",
+                  automatic_only=True) == ["learner.zero_stage=2",
+                                           "learner.offload_optimizer=True"]
+    assert fields("configs/reach_flow.yaml", automatic_only=True) == [
+        "learner.gradient_checkpointing=True", "learner.zero_stage=2", "learner.zero_stage=3",
+        "learner.offload_optimizer=True"]
+    assert fields("configs/reach_flow.yaml", "learner.backend=horovod") == [
+        "learner.gradient_checkpointing=True", "policy.lora_rank=16"]
+    assert fields("configs/reach_flow.yaml", "learner.zero_stage=0") == [
+        "learner.gradient_checkpointing=True", "policy.lora_rank=16", "learner.zero_stage=1",
+        "learner.zero_stage=2", "learner.zero_stage=3", "policy.dtype=bfloat16"]
+
+
 def test_offloading_moves_the_optimizer_state_to_host_memory(capsys):
     """learner.offload_optimizer: the learner GPU sheds its masters and moments (plan's GPU
     figure), its host memory takes them; refused where ZeRO does not partition them."""
@@ -258,7 +290,8 @@ def test_each_rings_lane_holds_its_producers_share_of_a_version(capsys):
     passes of 4 steps, 256 px: 96 MiB a version here, 192 from its two cameras) had lanes of
     at most 32 MiB, stopping the rollout most of every version. The plan counts it."""
     from hpcvla.factory import build_policy
-    from hpcvla.memory.layout import fields_bytes, ring_slots, segments_bytes
+    from hpcvla.memory.layout import ring_slots, segments_bytes
+    from hpcvla.memory.states import fields_bytes
     from hpcvla.transport.slots import SLOT_HEADER
     big = ["env.image_size=256", "learner.micro_batch=32", "learner.micro_batches=4",
            "rollout.segment_len=4"]

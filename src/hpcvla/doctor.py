@@ -316,7 +316,7 @@ def _policy_size(cfg) -> tuple[int, int, int]:
     extra fields), built on the meta device (nothing allocated)."""
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
-    from hpcvla.memory.layout import fields_bytes
+    from hpcvla.memory.states import fields_bytes
     policy = build_policy(cfg, env_spec(cfg.env), "meta", False)
     params = list(policy.parameters())
     return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params), \

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hpcvla.factory import build_policy, constructor_kwargs
 from hpcvla.memory import depths
 from hpcvla.memory.cpu_meta import CpuKernels, cpu_attention, tensors_in
-from hpcvla.memory.layout import fields_bytes
+from hpcvla.memory.states import fields_bytes
 from hpcvla.policies.lora import add_lora
 from hpcvla.policies.registry import make_policy
 

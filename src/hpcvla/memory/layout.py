@@ -138,13 +138,6 @@ def memory_problems(cfg, plan) -> list[tuple[str, object, str]]:
 STEP_SCALARS = 64  # bytes a segment records a step beside its observation and actions
 
 
-def fields_bytes(fields: dict[str, tuple[tuple, str]]) -> int:
-    """The bytes of one of each field (shape, dtype): a policy's extra_fields, per step."""
-    import numpy as np
-    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-               for shape, dtype in fields.values())
-
-
 def segments_bytes(cfg, spec, recorded: int = 0) -> int:
     """What the segments of a version take (its quota: learner.micro_batch x micro_batches
     segments of rollout.segment_len steps): per step an observation and its chunk of actions
@@ -394,20 +387,17 @@ def fit_problems(cfg, memory: LayoutMemory) -> list[tuple[str, object, str]]:
 
 
 def knobs(cfg, learns: bool, memory: LayoutMemory) -> str:
-    """The settings that shrink what a GPU's ranks hold, largest lever first."""
+    """The settings that shrink what a GPU's ranks hold, largest lever first: the batch, then
+    the memory levers the config's rules take (memory/levers.py), one ZeRO stage up."""
     if not learns:
         return f"Fit it with {memory.acting[2]}."
+    from hpcvla.memory.levers import memory_levers, override
     setting, _, meaning = memory.batch
-    out = [f"a smaller {setting} ({meaning})"]
-    vla = family(cfg.policy.name).vla
-    if not cfg.learner.gradient_checkpointing and vla:
-        out.append("learner.gradient_checkpointing=true (activations recomputed in backward)")
-    if not cfg.policy.lora_rank and vla:
-        out.append("policy.lora_rank=16 (LoRA: optimizer state for the adapters only)")
-    if cfg.learner.zero_stage < 3:
-        out.append(f"learner.zero_stage={cfg.learner.zero_stage + 1} with more learners")
-    if cfg.learner.zero_stage >= 1 and not cfg.learner.offload_optimizer:
-        out.append("learner.offload_optimizer=true (optimizer state in host memory)")
-    if memory.dtype_bytes == 4 and vla:  # the default family has no dtype setting
-        out.append("policy.dtype=bfloat16")
+    out, stages = [f"a smaller {setting} ({meaning})"], 0
+    for lever in memory_levers(cfg):
+        if lever.field == "learner.zero_stage" and stages or \
+                lever.field == "policy.dtype" and memory.dtype_bytes != 4:
+            continue  # the next stage only; bf16 where the weights are not already
+        stages += lever.field == "learner.zero_stage"
+        out.append(f"{override(lever.field, lever.value)} ({lever.why})")
     return "Fit it with " + "; or ".join(out) + "."

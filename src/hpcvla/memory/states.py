@@ -68,6 +68,13 @@ def model_states(fp, zero_stage: int, learners: int) -> dict[str, int]:
 OFFLOADED = ("masters", "moments", "fp32 gradients")  # learner.offload_optimizer: in host memory
 
 
+def fields_bytes(fields: dict[str, tuple[tuple, str]]) -> int:
+    """The bytes of one of each field (shape, dtype): a policy's extra_fields, per step."""
+    import numpy as np
+    return sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+               for shape, dtype in fields.values())
+
+
 def checkpoint_bytes(fp, zero_stage: int, learners: int, first: bool) -> int:
     """The host copy a learner makes of its states for a checkpoint (checkpoint/store.py),
     held until the background writer has written it: its fp32 masters and AdamW's two fp32

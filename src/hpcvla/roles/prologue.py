@@ -34,7 +34,8 @@ from hpcvla.config.learning import states_stage
 from hpcvla.devices import gpu_identity, gpu_names, rank_device
 from hpcvla.envs import env_spec, spec_needs_a_simulator
 from hpcvla.envs.base import close_all
-from hpcvla.memory.layout import fields_bytes, plan_memory, ring_slots
+from hpcvla.memory.layout import plan_memory, ring_slots
+from hpcvla.memory.states import fields_bytes
 from hpcvla.metrics import phases
 from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard

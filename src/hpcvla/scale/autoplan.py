@@ -196,8 +196,9 @@ def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
     """search() among the layouts that fit the GPUs; where none does, with the memory
     settings turned one more at a time (scale/memory_fit.py). Returns the ranking, the fit
     check and the settings turned, as overrides."""
-    from hpcvla.scale.memory_fit import MemoryFit, memory_levers, override, turned
-    levers, chosen = memory_levers(cfg), []
+    from hpcvla.memory.levers import memory_levers, override, turned
+    from hpcvla.scale.memory_fit import MemoryFit
+    levers, chosen = memory_levers(cfg, automatic_only=True), []
     while True:
         fits = MemoryFit(cfg)
         try:
@@ -205,9 +206,9 @@ def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
         except PlanError:
             if not levers:
                 raise
-            field, value = levers.pop(0)
-            cfg = turned(cfg, field, value)
-            chosen.append(override(field, value))
+            lever = levers.pop(0)
+            cfg = turned(cfg, lever.field, lever.value)
+            chosen.append(override(lever.field, lever.value))
 
 
 def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,

@@ -1,12 +1,9 @@
 """`hpcvla plan --auto` on GPU nodes: which layouts of the search fit the GPUs (the memory
-model, hpcvla/memory/), and the memory settings the search turns when none does at the
-config's. docs/memory.md."""
+model, hpcvla/memory/; the settings the search turns where none does at the config's:
+memory/levers.py). docs/memory.md."""
 
 from __future__ import annotations
 
-import copy
-
-from hpcvla.config.families import family
 from hpcvla.config.loader import with_overrides
 from hpcvla.envs import env_spec
 from hpcvla.memory.footprint import policy_footprint
@@ -58,30 +55,4 @@ class MemoryFit:
         return self.footprints[key]
 
 
-def memory_levers(cfg) -> list[tuple[str, object]]:
-    """The settings (field, value) the search may turn, in order, when no layout fits at the
-    config's: gradient checkpointing (the VLA families), then each higher ZeRO stage, then
-    the optimizer state offloaded to host memory. (LoRA changes what trains: the user's.)"""
-    out = []
-    if family(cfg.policy.name).vla and not cfg.learner.gradient_checkpointing:
-        out.append(("learner.gradient_checkpointing", True))
-    if cfg.learner.backend == "deepspeed":
-        out += [("learner.zero_stage", s) for s in range(max(1, cfg.learner.zero_stage + 1), 4)]
-        if not cfg.learner.offload_optimizer:
-            out.append(("learner.offload_optimizer", True))
-    return out
-
-
-def turned(cfg, field: str, value):
-    """`cfg` with one of memory_levers set."""
-    out = copy.deepcopy(cfg)
-    section, name = field.split(".")
-    setattr(getattr(out, section), name, value)
-    return out
-
-
-def override(field: str, value) -> str:
-    return f"{field}={str(value).lower() if isinstance(value, bool) else value}"
-
-
-__all__ = ["MemoryFit", "configured", "memory_levers", "override", "turned"]
+__all__ = ["MemoryFit", "configured"]
