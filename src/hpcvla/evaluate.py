@@ -86,7 +86,7 @@ def eval_problem(cfg, trained, episodes: int, envs: int, video: int,
     """What is wrong with `hpcvla eval`'s flags (--ranks: argparse, as `train`'s), or with
     evaluating the run configured as `trained` in the env `cfg` configures, before any rank
     starts; where it starts `ranks` processes here, whether they fit this host's GPUs."""
-    from hpcvla.envs.base import EVAL_STATE_IDS
+    from hpcvla.config.evaluation import EVAL_STATE_IDS
     for flag, value, low, high in (("--episodes", episodes, 1, EVAL_STATE_IDS),
                                    ("--envs", envs, 1, None), ("--video", video, 0, None)):
         if value < low or high is not None and value > high:

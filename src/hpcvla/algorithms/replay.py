@@ -6,7 +6,8 @@ dtype)} when it is built: its size in bytes is known before launch (`nbytes_of`)
 can count it against a node's memory, and it never grows. When full, each new transition
 overwrites the oldest. Two counts describe it: `size`, the transitions it holds now, and
 `position`, every transition ever added: the learner's exactly-once count, which keeps
-growing after the ring wraps and which a resumed learner continues (`state`, `load_state`).
+growing after the ring wraps. Held transitions are not checkpointed (roles/off_policy.py: a
+resumed learner refills its buffer).
 
 The held transitions are always the `size` most recent ones, in the slots
 (position - size + i) % capacity, i = 0 (oldest) ... size - 1 (newest).
@@ -92,38 +93,6 @@ class ReplayBuffer:
         slots = self._slots(self._position - self._size, self._size)[
             rng.integers(0, self._size, n)]
         return {name: data[slots] for name, data in self._data.items()}
-
-    def state(self, contents: bool = False) -> dict[str, Any]:
-        """What a resumed learner needs: the counts and, with `contents`, the held
-        transitions oldest first (`data`, {field: (size, *shape) array})."""
-        out: dict[str, Any] = {"position": self._position, "size": self._size,
-                               "capacity": self.capacity}
-        if contents:
-            slots = self._slots(self._position - self._size, self._size)
-            out["data"] = {name: data[slots] for name, data in self._data.items()}
-        return out
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Continue from `state()`: the position always; the held transitions when the state
-        has `data` (the newest `capacity` of them, if the capacity changed). A state
-        without data leaves the buffer empty (size 0) at its position: counting continues,
-        and what is sampled is only what is added from now on."""
-        position, size = int(state["position"]), int(state["size"])
-        if not 0 <= size <= position:
-            raise ValueError(f"replay state: size {size} and position {position}: expected "
-                             "0 <= size <= position")
-        self._position, self._size = position, 0
-        if "data" not in state:
-            return
-        arrays = self._checked(state["data"])
-        if len(next(iter(arrays.values()))) != size:
-            raise ValueError(f"replay state: {size} transitions held, but its data has "
-                             f"{len(next(iter(arrays.values())))}")
-        kept = min(size, self.capacity)
-        slots = self._slots(position - kept, kept)
-        for name, array in arrays.items():
-            self._data[name][slots] = array[size - kept:]
-        self._size = kept
 
     def _slots(self, first: int, count: int) -> np.ndarray:
         """The ring slots of `count` consecutive transitions from number `first` on."""

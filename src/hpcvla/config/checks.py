@@ -256,7 +256,7 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
     group_size=4` under PPO, ALGORITHM_ONLY): refused, not silently ignored. A config file's
     stay (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread).
     Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
-    folder_sizes): a plan of `configs/libero_pi0.yaml policy.size=full` planned its fixture."""
+    folder_sizes): `configs/libero_pi0.yaml policy.size=full` would plan its fixture's sizes."""
     some = {name for traits in FAMILIES.values() for name in traits.settings}
     problems = []
     for item in overrides:

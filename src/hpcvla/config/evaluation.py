@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from hpcvla.config.learning import setting
 
+EVAL_STATE_IDS = 2 ** 20  # init_state_ids below this are the evaluation split (envs/base.py)
+
 
 @dataclass
 class EvalConfig:
@@ -34,7 +36,7 @@ class EvalConfig:
         "every rank a share of the states. 0: off (`hpcvla eval` afterwards).", ge=0)
     episodes: int = setting(
         32, "eval.every: the first this many evaluation states, one episode each.", ge=1,
-        le=2 ** 20)
+        le=EVAL_STATE_IDS)
     envs: int = setting(
         8, "eval.every: the evaluation's env batch (on each evaluating rank).", ge=1)
     deterministic: bool = setting(

@@ -128,8 +128,8 @@ def load(f, episode: Episode, spec, horizon: int | None = None
     rows, chunk = actions.shape[:2]
     horizon = horizon or chunk
     # The actions that ran, the episode's env steps: after a success mid-chunk the rest of the
-    # last chunk never did (padding, as past the end). A dump written before the attribute
-    # was has every action taken as run.
+    # last chunk never did (padding, as past the end). A dump without `env_steps` has every
+    # action taken as run.
     ran = min(int(demo.attrs.get("env_steps", rows * chunk)), rows * chunk)
     if ran == rows * chunk and horizon == chunk:
         return obs, actions, np.zeros(actions.shape[:2], dtype=bool)

@@ -143,7 +143,7 @@ def _warn_evaluation_seeds(meta_path: Path, episodes: list) -> None:
     scripts start counting. Not refused: they are the demonstrations users have."""
     import sys
 
-    from hpcvla.envs.base import EVAL_STATE_IDS
+    from hpcvla.config.evaluation import EVAL_STATE_IDS
     seeds = []
     for e in episodes:
         seed = e.get("episode_seed", (e.get("reset_kwargs") or {}).get("seed")) \

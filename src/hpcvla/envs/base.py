@@ -27,9 +27,9 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from hpcvla.config.evaluation import EVAL_STATE_IDS
 from hpcvla.seeds import env_rng
 
-EVAL_STATE_IDS = 2 ** 20  # init_state_ids below this are the evaluation split
 STATE_IDS = 2 ** 31  # every init_state_id is below this (ManiSkill's reset seeds are int32)
 
 

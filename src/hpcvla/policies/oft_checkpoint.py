@@ -34,7 +34,6 @@ import torch
 from hpcvla.policies.folders import read_tensors, tensor_shapes
 
 DINO, SIGLIP = "vision_backbone.featurizer.", "vision_backbone.fused_featurizer."
-OUR_SIGLIP = SIGLIP  # transformers 5: SiglipVisionModel holds the embeddings itself
 UNUSED = (SIGLIP + "attn_pool.",)  # SigLIP's MAP head: in timm's model, never run by OFT
 STATISTICS, CONFIG = "dataset_statistics.json", "config.json"
 
@@ -50,13 +49,13 @@ _PAIRS = [
     (DINO + "encoder.layer.{i}.mlp.fc1.{p}", DINO + "blocks.{i}.mlp.fc1.{p}"),
     (DINO + "encoder.layer.{i}.mlp.fc2.{p}", DINO + "blocks.{i}.mlp.fc2.{p}"),
     (DINO + "layernorm.{p}", DINO + "norm.{p}"),
-    (OUR_SIGLIP + "embeddings.patch_embedding.{p}", SIGLIP + "patch_embed.proj.{p}"),
-    (OUR_SIGLIP + "encoder.layers.{i}.layer_norm1.{p}", SIGLIP + "blocks.{i}.norm1.{p}"),
-    (OUR_SIGLIP + "encoder.layers.{i}.self_attn.out_proj.{p}", SIGLIP + "blocks.{i}.attn.proj.{p}"),
-    (OUR_SIGLIP + "encoder.layers.{i}.layer_norm2.{p}", SIGLIP + "blocks.{i}.norm2.{p}"),
-    (OUR_SIGLIP + "encoder.layers.{i}.mlp.fc1.{p}", SIGLIP + "blocks.{i}.mlp.fc1.{p}"),
-    (OUR_SIGLIP + "encoder.layers.{i}.mlp.fc2.{p}", SIGLIP + "blocks.{i}.mlp.fc2.{p}"),
-    (OUR_SIGLIP + "post_layernorm.{p}", SIGLIP + "norm.{p}"),
+    (SIGLIP + "embeddings.patch_embedding.{p}", SIGLIP + "patch_embed.proj.{p}"),
+    (SIGLIP + "encoder.layers.{i}.layer_norm1.{p}", SIGLIP + "blocks.{i}.norm1.{p}"),
+    (SIGLIP + "encoder.layers.{i}.self_attn.out_proj.{p}", SIGLIP + "blocks.{i}.attn.proj.{p}"),
+    (SIGLIP + "encoder.layers.{i}.layer_norm2.{p}", SIGLIP + "blocks.{i}.norm2.{p}"),
+    (SIGLIP + "encoder.layers.{i}.mlp.fc1.{p}", SIGLIP + "blocks.{i}.mlp.fc1.{p}"),
+    (SIGLIP + "encoder.layers.{i}.mlp.fc2.{p}", SIGLIP + "blocks.{i}.mlp.fc2.{p}"),
+    (SIGLIP + "post_layernorm.{p}", SIGLIP + "norm.{p}"),
     ("projector.fc{i}.{p}", "projector.fc{i}.{p}"),
     ("language_model.{rest}", "language_model.model.{rest}"),
     ("lm_head.weight", "language_model.lm_head.weight"),
@@ -64,7 +63,7 @@ _PAIRS = [
 ]
 # fused qkv (published) <-> q/k/v (ours)
 _QKV = [(DINO + "encoder.layer.{i}.attention.{x}_proj.{p}", DINO + "blocks.{i}.attn.qkv.{p}"),
-        (OUR_SIGLIP + "encoder.layers.{i}.self_attn.{x}_proj.{p}", SIGLIP + "blocks.{i}.attn.qkv.{p}")]
+        (SIGLIP + "encoder.layers.{i}.self_attn.{x}_proj.{p}", SIGLIP + "blocks.{i}.attn.qkv.{p}")]
 _GROUPS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)", "rest": r"(?P<rest>.+)",
            "x": r"(?P<x>[qkv])"}
 
@@ -79,7 +78,7 @@ _THEIRS = [(_regex(p), o) for o, p in _PAIRS]
 _QKV_OURS = [(_regex(o), p) for o, p in _QKV]
 _QKV_THEIRS = [(_regex(p), o) for o, p in _QKV]
 _SPECIAL = {DINO + "embeddings.cls_token", DINO + "embeddings.position_embeddings",
-            OUR_SIGLIP + "embeddings.position_embedding.weight"}
+            SIGLIP + "embeddings.position_embedding.weight"}
 
 
 def _rename(key: str, rules, **fill) -> str | None:
@@ -111,7 +110,7 @@ def to_published(state: dict) -> dict:
     pos = state[DINO + "embeddings.position_embeddings"]
     out[DINO + "pos_embed"] = pos[:, 1:]  # timm's no_embed_class: patches only
     out[DINO + "cls_token"] = state[DINO + "embeddings.cls_token"] + pos[:, :1]
-    out[SIGLIP + "pos_embed"] = state[OUR_SIGLIP + "embeddings.position_embedding.weight"][None]
+    out[SIGLIP + "pos_embed"] = state[SIGLIP + "embeddings.position_embedding.weight"][None]
     return out
 
 
@@ -143,7 +142,7 @@ def from_published(tensors: dict) -> dict:
         elif key == DINO + "cls_token":
             out[DINO + "embeddings.cls_token"] = value
         elif key == SIGLIP + "pos_embed":
-            out[OUR_SIGLIP + "embeddings.position_embedding.weight"] = value[0]
+            out[SIGLIP + "embeddings.position_embedding.weight"] = value[0]
         elif _rename(key, _QKV_THEIRS, x="q") is not None:
             for x, part in zip("qkv", value.chunk(3)):
                 out[_rename(key, _QKV_THEIRS, x=x)] = part

@@ -1,8 +1,8 @@
 """A rank's standard streams as its launcher reads them.
 
 mpiexec's proxies (Hydra, Open MPI's) and slurmstepd read a rank's stdout and stderr from pipes
-and forward them. When a world aborts they stop, and what they had not yet read is lost: once,
-on a loaded machine, all of what an aborting rank had just said. A rank about to abort first
+and forward them. When a world aborts they stop, and what they have not yet read is lost (on a
+loaded machine, all of what an aborting rank has just said). A rank about to abort first
 waits, a bounded time, until its pipe is empty.
 """
 

@@ -45,7 +45,7 @@ def with_room(nbytes: int, comm: MPI.Comm, what: str, make: Callable[[], MPI.Win
     """Collective on `comm`: the window `make()` allocates, each rank's `nbytes` of it (`own`:
     its memory) in pages of its own, else an error on every rank naming the window, the host,
     the room and the fix. MPI maps its segments in /dev/shm sparse: a window larger than the
-    room left was allocated without a word, and the first rank to write past the room died of
+    room left is allocated without a word, and the first rank to write past the room dies of
     SIGBUS (no message), seconds or minutes into the run. So the room is checked before, and
     the pages are faulted in right after (MADV_POPULATE_WRITE), which fails instead of a
     SIGBUS where the windows of a node together outgrow it (each one's check alone would not
