@@ -120,3 +120,21 @@ def test_building_the_policy_leaves_the_ranks_streams_as_they_were(monkeypatch):
     cpu = torch.random.get_rng_state()
     build_policy(cfg, env_spec(cfg.env))
     assert cuda_reseeds[1:] == [] and torch.equal(torch.random.get_rng_state(), cpu)
+
+
+def test_held_out_and_replay_streams_are_never_a_ranks_global_streams():
+    """A held-out batch from state `first` sampled with training rank `first`'s torch seed
+    (SeedSequence of (run.seed, first), the same first word); the replay draws' entropy was a
+    fresh rank's (numpy ignores trailing zeros): both tagged apart now."""
+    from hpcvla.config import load_config
+    from hpcvla.seeds import held_out_seed, rank_seeds, replay_rng
+    cfg = load_config(None, ["run.seed=5"])
+    ranks = {rank_seeds(cfg, r)["torch"] for r in range(64)} | \
+        {rank_seeds(cfg, r)["numpy"] for r in range(64)}
+    assert not ranks & {held_out_seed(5, first) for first in range(0, 64 * 8, 8)}
+    for rank in range(4):
+        replay = replay_rng(cfg, rank, 0).bit_generator.seed_seq.generate_state(4)
+        own = np.random.SeedSequence([5, rank]).generate_state(4)  # rank_seeds' entropy
+        assert not np.array_equal(replay, own)
+        assert replay_rng(cfg, rank, 0).integers(2**62) != \
+            replay_rng(cfg, rank, 10).integers(2**62)  # a resumed learner draws afresh

@@ -22,7 +22,9 @@ are new ones, not the first world's again.
 Stream tags keep streams of different uses apart even where their numbers meet: the
 entropy of `env_rng` (env seed, _ENV_RNG) never equals that of `state_rng` (id,
 _STATE_RNG), the initial state an init_state_id names, so a training env's random starts
-are never an evaluation state's stream (envs/base.py: the evaluation split).
+are never an evaluation state's stream (envs/base.py: the evaluation split); a held-out
+batch's sampling (`held_out_seed`) and a learner's replay draws (`replay_rng`) are never a
+rank's global streams.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from hpcvla.topology.plan import SIM
 
 _SHARD, _ENV, _RESTART, _RESUMED = 0x5A4D, 0xE4F, 0x4E57, 0x2E5  # what a seed is for
 _ENV_RNG, _STATE_RNG = 0x51_0E, 0x5EAC4  # entropy tags of the env streams (module docstring)
+_HELD_OUT, _REPLAY = 0x4E1D, 0x4E9A  # a held-out batch's sampling, a learner's replay draws
 
 
 def _seed(*parts: int) -> int:
@@ -93,6 +96,19 @@ def env_rng(env_seed: int) -> np.random.Generator:
 def state_rng(init_state_id: int) -> np.random.Generator:
     """The stream an init_state_id names (same id, same initial state, whatever the env)."""
     return np.random.default_rng([int(init_state_id), _STATE_RNG])
+
+
+def held_out_seed(seed: int, first: int) -> int:
+    """The torch seed of a held-out evaluation batch whose first state is number `first` (of
+    run.seed `seed`): tagged, so never a training rank's stream (rank_seeds of rank `first`
+    would otherwise be the same number)."""
+    return _seed(seed, first, _HELD_OUT)
+
+
+def replay_rng(cfg, rank: int, resumed_transitions: int) -> np.random.Generator:
+    """An off-policy learner's replay draws: its own stream per rank, new after a resume
+    (the transitions it continues from), tagged apart from the rank's global streams."""
+    return np.random.default_rng([cfg.run.seed, rank, resumed_transitions, _REPLAY])
 
 
 def restart_seed(shard_seed: int, restarts: int) -> int:

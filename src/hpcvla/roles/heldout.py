@@ -39,6 +39,7 @@ from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.stats import wilson_interval
 from hpcvla.process.watchdog import deadline, step_deadline_s
+from hpcvla.seeds import held_out_seed
 
 if TYPE_CHECKING:
     from hpcvla.config.schema import Config
@@ -119,8 +120,7 @@ class HeldOut:
                 first = (round_ * ranks + rank) * self.envs
                 if first >= len(self.ids):
                     continue
-                torch.manual_seed(int(np.random.SeedSequence([self.seed, first])
-                                      .generate_state(1)[0]))
+                torch.manual_seed(held_out_seed(self.seed, first))
                 outcomes, frames = _run_batch(self.env, self.policy,
                                               self.ids[first:first + self.envs],
                                               deterministic, first,

@@ -45,6 +45,7 @@ from hpcvla.algorithms.transitions import (demonstration_transitions, transition
                                            transitions_of)
 from hpcvla.engines import critic_steps_only
 from hpcvla.roles.colocated import publish
+from hpcvla.seeds import replay_rng
 from hpcvla.transport.backoff import idle_bcast
 from hpcvla.transport.node_arrays import NodeArrays
 
@@ -85,7 +86,7 @@ class SoftUpdate:
         self.target_entropy = target_entropy(spec.action_dim, spec.chunk_len,
                                              self.alg.target_entropy)
         # each rank its own draws: the data-parallel ranks sample different transitions
-        self.rng = np.random.default_rng([setup.cfg.run.seed, setup.rank, resumed_transitions])
+        self.rng = replay_rng(setup.cfg, setup.rank, resumed_transitions)
         self.dropped = self.gradient_steps = 0
 
     def __call__(self, micro_batches: list[list[SegmentGroup]], version: int
