@@ -21,7 +21,7 @@ from hpcvla.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 # where settings are defined, not read
-SCHEMA_FILES = {"schema.py", "learning.py", "policy.py", "evaluation.py"}
+SCHEMA_FILES = {"schema.py", "env.py", "learning.py", "policy.py", "evaluation.py"}
 
 
 def _sources() -> dict[Path, str]:

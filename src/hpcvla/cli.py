@@ -45,6 +45,7 @@ from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
                            resumed_run_config, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
+from hpcvla.config.schema import MPI_FLAVOURS
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.metrics.command import add_inspect_parser, inspect_command
@@ -163,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
     launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
     launch.add_argument("--mpiexec", default="auto", help="mpiexec to use (default: auto)")
-    launch.add_argument("--mpi", default="auto", choices=("auto", "mpich", "openmpi"),
+    launch.add_argument("--mpi", default="auto", choices=MPI_FLAVOURS,
                         help="MPI to run under (default: the launcher beside this Python)")
     launch.add_argument("program", nargs=argparse.REMAINDER,
                         help="an hpcvla subcommand or a .py script, with its arguments")

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-GRANULARITIES = ("chunk", "action", "token")
+from hpcvla.config.policy import GRANULARITIES
+
 
 
 def reduce_units(terms: torch.Tensor, granularity: str) -> torch.Tensor:

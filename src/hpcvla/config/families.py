@@ -50,6 +50,7 @@ FOLDER_RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder", "asset_i
 SQUASHED_LOG_STD = (-5.0, 2.0)
 
 _VLA = ("size", "logprob_granularity", "dtype", "init_log_std")
+ACTION_HEADS = ("tokens", "l1")  # policies/oft.py: lm_head's action tokens, OFT's L1 head
 FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True,
                             settings=("hidden", "init_log_std")),
@@ -58,7 +59,7 @@ FAMILIES = {
         *_VLA, "denoise_steps", "denoise_from", "train_expert_only", "logprob_mode", "variant",
         "hidden")),
     "tokens": FamilyTraits(vla=True, relative_actions=False, settings=_VLA),
-    "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=("tokens", "l1"),
+    "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=ACTION_HEADS,
                         libero_gripper="open_high", folder_sizes=True, settings=(
                             *_VLA, "temperature", "unnorm_key", "max_prompt_length", "sequence",
                             "action_head", "center_crop")),

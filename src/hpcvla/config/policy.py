@@ -5,11 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcvla.config.families import FAMILIES
+from hpcvla.config.families import ACTION_HEADS, FAMILIES
 from hpcvla.config.learning import setting
 
-# `flow`'s log-prob modes (policies/flow_denoising.py)
-LOGPROB_MODES = ("last_step", "chain", "random_step")
+# The choices of policy settings, read by the code that acts on them (one home each)
+LOGPROB_MODES = ("last_step", "chain", "random_step")  # policies/flow_denoising.py
+SIZE_NAMES = ("tiny", "small", "full")  # policies/vla.py's presets
+VARIANTS = ("pi0", "pi05")  # policies/flow.py
+DENOISE_FROM = ("zero", "noise")  # policies/flow.py
+GRANULARITIES = ("chunk", "action", "token")  # algorithms/granularity.py
+SEQUENCES = ("rlinf", "official")  # policies/oft.py: RLinf's RL sequence, OFT's predict_action
 
 
 @dataclass
@@ -36,7 +41,7 @@ class PolicyConfig:
         "its vocabulary) for one GPU; `full` is the real size (flow: PaliGemma-3B + 300M "
         "expert like π0; tokens: Llama-2-7B + SigLIP like OpenVLA; oft: OpenVLA-7B), for GPUs "
         "with learner.zero_stage 3. `flow`/`oft` with a `pretrained` folder take the checkpoint's "
-        "sizes instead (from its tensors).", choices=("tiny", "small", "full"))
+        "sizes instead (from its tensors).", choices=SIZE_NAMES)
     denoise_steps: int = setting(
         0, "`flow`: Euler denoising steps per chunk. More give a finer flow (π0 uses 10) "
         "at proportionally more expert passes per act and per training step. 0 = the "
@@ -59,7 +64,7 @@ class PolicyConfig:
         "pi0", "`flow`: `pi0` (the time joins each action token; the state is a token of its "
         "own) or `pi05` (π0.5: the time conditions every expert norm, adaRMS; the state "
         "belongs in the prompt). A `pretrained` folder sets it from its tensors.",
-        choices=("pi0", "pi05"))
+        choices=VARIANTS)
     logprob_mode: str = setting(
         "last_step", "`flow`: which denoising steps are noisy, i.e. what RL explores with and "
         "scores. `last_step`: only the last (x_0 = 0; a Gaussian around the denoised mean; "
@@ -78,7 +83,7 @@ class PolicyConfig:
         "`zero`: x_0 = 0, the prior's mode (one chunk per observation; what last_step RL "
         "trains). `noise`: x_0 ~ N(0, I) drawn per chunk (seeded per evaluation batch), then "
         "the same Euler steps with nothing added: openpi's sampler and RLinf's π0 evaluation, "
-        "what their published numbers are of.", choices=("zero", "noise"))
+        "what their published numbers are of.", choices=DENOISE_FROM)
     init_log_std: float = setting(
         -0.7, "Initial log of the exploration std (learned): per action entry (`default`, "
         "`flow` last_step, `oft` with OFT's L1-regression head, in its normalized action "
@@ -94,7 +99,7 @@ class PolicyConfig:
         "is a mean over units: at `action`/`token` its gradient is 1/H or 1/(H x dims) of "
         "`chunk`'s, while the value loss and the entropy bonus (the chunk's) keep theirs, so "
         "value_coef and entropy_coef weigh that much more (as RLinf's token_level).",
-        choices=("chunk", "action", "token"))
+        choices=GRANULARITIES)
     dtype: str = setting(
         "auto", "`flow`/`tokens`/`oft`: the dtype the policy holds and computes in. `auto`: "
         "bfloat16 when the run's inference/learner ranks are on GPUs, float32 on CPUs (CPU "
@@ -164,7 +169,7 @@ class PolicyConfig:
         "`predict_action` (a STOP token after them), for folders fine-tuned by OFT's "
         "repository, with the discrete token head or its L1-regression head (which reads "
         "only this one); with the env's state as a proprio token, only `official` matches a "
-        "reference.", choices=("rlinf", "official"))
+        "reference.", choices=SEQUENCES)
     action_head: str = setting(
         "", "`oft`: the head that acts. `tokens`: the action tokens of `lm_head` (RLinf's "
         "and OFT's discrete recipe). `l1`: OFT's L1-regression head (its LIBERO recipe; "
@@ -172,7 +177,7 @@ class PolicyConfig:
         "learned from `init_log_std`, and `hpcvla sft` imitates with OFT's L1 loss. Empty: "
         "the `pretrained` folder's (l1 where it holds OFT's action_head--*.pt), tokens "
         "without one; a folder's head is its own: naming another is refused.",
-        choices=("", "tokens", "l1"))
+        choices=("", *ACTION_HEADS))
     max_prompt_length: int = setting(
         128, "`oft` with a `pretrained` folder: prompts are left-padded to this many tokens "
         "(RLinf's max_prompt_length; longer ones lengthen the batch). Padding is masked and "

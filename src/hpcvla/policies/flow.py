@@ -46,6 +46,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcvla.config.families import FAMILIES
+from hpcvla.config.policy import DENOISE_FROM, VARIANTS
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
@@ -55,8 +56,6 @@ from hpcvla.policies.noise_actor import NOISE, NoiseActor
 from hpcvla.policies.vla import (VisionLanguagePrefix, VLAPolicy, PrefixCache, block_mask,
                                  masked_mean, resolve_size, sinusoidal, value_mlp)
 
-DENOISE_FROM = ("zero", "noise")
-VARIANTS = ("pi0", "pi05")
 DEFAULT_DENOISE_STEPS = 4  # Euler steps when neither the config nor a folder says
 
 

@@ -51,7 +51,8 @@ import copy
 import torch
 from torch import nn
 
-from hpcvla.config.families import FAMILIES
+from hpcvla.config.families import ACTION_HEADS as HEADS, FAMILIES
+from hpcvla.config.policy import SEQUENCES
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
@@ -60,8 +61,6 @@ from hpcvla.policies.oft_vision import FusedVisionBackbone, L1ActionHead, Projec
 
 ACTION_BEGIN, N_BINS, LLM_VOCAB = 31744, 256, 32000  # action ids: [31744, 32000)
 BOS, STOP = 1, 2
-SEQUENCES = ("rlinf", "official")  # RLinf's RL sequence, OFT's predict_action (docstring)
-HEADS = ("tokens", "l1")  # the action tokens of lm_head, or OFT's L1-regression head
 DECODED_CHUNK = 8
 
 _LLAMA = dict(vocab_size=32064, rms_norm_eps=1e-6, rope_theta=10000.0,

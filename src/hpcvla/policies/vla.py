@@ -32,6 +32,7 @@ from torch import nn
 
 from hpcvla.config.families import FAMILIES
 from hpcvla.algorithms.granularity import GRANULARITIES, reduce_units
+from hpcvla.config.policy import SIZE_NAMES
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 
@@ -84,7 +85,6 @@ SIZES: dict[str, dict[str, dict]] = {
                   num_attention_heads=32, num_key_value_heads=32, head_dim=128,
                   vocab_size=32000, rms_norm_eps=1e-5)),
 }
-SIZE_NAMES = ("tiny", "small", "full")
 
 
 def resolve_size(family: str, size, obs_spec: dict, vocab_size: int) -> dict[str, dict]:

@@ -45,7 +45,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FLAVOURS = ("auto", "mpich", "openmpi")
+from hpcvla.config.schema import MPI_FLAVOURS
+
 
 
 class LaunchError(RuntimeError):
@@ -157,8 +158,8 @@ def _candidates(flavour: str) -> list[str]:
 def select_mpi(choice: str = "auto", mpiexec: str = "auto") -> MpiInstall:
     """The MPI to start ranks with: `choice` mpich/openmpi, or `auto` (the launcher beside
     this Python, else PATH's). `mpiexec` names the launcher explicitly."""
-    if choice not in FLAVOURS:
-        raise MpiSelectError(f"--mpi {choice!r}: one of {', '.join(FLAVOURS)}")
+    if choice not in MPI_FLAVOURS:
+        raise MpiSelectError(f"--mpi {choice!r}: one of {', '.join(MPI_FLAVOURS)}")
     if mpiexec != "auto":
         exe = shutil.which(mpiexec)
         if not exe:

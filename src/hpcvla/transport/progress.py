@@ -33,7 +33,6 @@ import threading
 
 from mpi4py import MPI
 
-MODES = ("auto", "thread", "poll")
 # One progress pass per millisecond: a remote fragment takes ~2 round trips to the target
 # (payload, publish, flushes), so a put completes in a few ms while the target
 # computes; 1000 short wake-ups a second cost a fraction of a percent of a core.

@@ -8,8 +8,9 @@ from mpi4py import MPI
 
 from hpcvla.transport.backoff import DATA_POLL_CAP
 from hpcvla.transport.windows import allocate, window_bytes
-from hpcvla.transport.progress import MODES, ProgressAgent, spans_hosts
-from hpcvla.transport.slots import CHECKSUMS, SLOT_HEADER
+from hpcvla.config.schema import RING_CHECKSUMS, RING_PROGRESS
+from hpcvla.transport.progress import ProgressAgent, spans_hosts
+from hpcvla.transport.slots import SLOT_HEADER
 
 
 class RingWindow:
@@ -21,10 +22,10 @@ class RingWindow:
         if slot_bytes % 64 or slot_bytes <= SLOT_HEADER.itemsize or n_slots < 1:
             raise ValueError(f"ring of {n_slots} slots of {slot_bytes} bytes: need >= 1 slot "
                              "and a slot size that is a multiple of 64 and > 64")
-        if progress not in MODES:
-            raise ValueError(f"ring progress {progress!r}: one of {', '.join(MODES)}")
-        if checksum not in CHECKSUMS:
-            raise ValueError(f"ring checksum {checksum!r}: one of {', '.join(CHECKSUMS)}")
+        if progress not in RING_PROGRESS:
+            raise ValueError(f"ring progress {progress!r}: one of {', '.join(RING_PROGRESS)}")
+        if checksum not in RING_CHECKSUMS:
+            raise ValueError(f"ring checksum {checksum!r}: one of {', '.join(RING_CHECKSUMS)}")
         size = comm.Get_size()
         self.producers = [r for r in range(size) if r != root] or [root]  # lane l's comm rank
         lanes = len(self.producers)
@@ -45,8 +46,8 @@ class RingWindow:
         self.spans_hosts = spans_hosts(comm)  # [dist]
         self.checks_payload = checksum == "always" or self.spans_hosts  # the same everywhere
         self.progress = ProgressAgent(comm)  # [dist]
-        self._wants_thread = self.is_root and (
-            progress == "thread" or (progress == "auto" and self.spans_hosts))
+        self._wants_thread = self.is_root and progress != "poll" and (
+            progress == "thread" or self.spans_hosts)  # auto: where producers are remote
         if start_progress:
             self.start_progress()
         comm.Barrier()  # [dist] zeroed before anyone writes

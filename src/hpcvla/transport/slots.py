@@ -16,7 +16,6 @@ from functools import lru_cache
 from typing import NamedTuple, TypeAlias
 
 import numpy as np
-
 from hpcvla.transport.records import aligned
 
 SLOT_HEADER = np.dtype([
@@ -31,7 +30,6 @@ SLOT_HEADER = np.dtype([
     ("record_length", "<u8"),  # bytes of the whole record (packed slot: records in it)
     ("checksum", "<u8"),       # checksum64(payload) + crc32(header bytes 8..56), mod 2**64
 ])                             # (without payload checks: the crc32 alone)
-CHECKSUMS = ("auto", "always")
 # Both sides handle the header with struct (a structured-array assignment costs more than the
 # rest of a small put): a producer packs words 1..6 (header_struct: fragment, producer |
 # schema << 32, seq, part | nparts << 32, length, record_length), the learner reads the
