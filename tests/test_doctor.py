@@ -84,6 +84,23 @@ def test_the_dev_shm_need_counts_every_learner_of_a_node():
     assert f"need >= {rings:,.1f} MiB" in _shared_memory(colocated, 0).found
 
 
+def test_the_disk_need_counts_the_states_of_trained_parameters_only():
+    """A checkpoint holds the weights and, per trained parameter, its fp32 master and two
+    moments: a frozen prefix (train_expert_only) or LoRA has no states for the frozen ones,
+    which the doctor charged 12 bytes each of (a π0 LoRA run refused for tens of GB)."""
+    from hpcvla.config import load_config
+    from hpcvla.doctor import _disk, _policy_size
+    needs = {}
+    for frozen in (False, True):
+        cfg = load_config(ROOT / "configs/reach_flow.yaml",
+                          [f"policy.train_expert_only={str(frozen).lower()}"])
+        weights, trainable, _ = _policy_size(cfg)
+        found = _disk(cfg, weights, trainable).found
+        needs[frozen] = float(found.split("need ~")[1].split()[0].replace(",", ""))
+        assert trainable < weights / 4 if frozen else trainable == weights / 4  # fp32 here
+    assert needs[True] < needs[False]
+
+
 @pytest.mark.cluster  # root: a mount namespace
 def test_an_sft_job_needs_its_demonstrations_copy_in_dev_shm_not_trains_windows(tmp_path):
     """`--job sft` (jobs/launch.sh passes its command): /dev/shm must hold the demonstrations'

@@ -89,9 +89,9 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's
     unbuilt = []
     try:
-        weights, params, recorded = _policy_size(cfg)
+        weights, trainable, recorded = _policy_size(cfg)
     except Exception as err:  # noqa: BLE001  said below; the sizes go on without the policy
-        weights = params = recorded = 0
+        weights = trainable = recorded = 0
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
@@ -106,7 +106,7 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
                         + ("fine" if not problems else f"{len(problems)} problem(s)"),
                         "; ".join(f"{name} = {value!r}: expected {text}"
                                   for name, value, text in problems)))
-    return checks if job == "eval" else [*checks, _disk(cfg, weights, params)]
+    return checks if job == "eval" else [*checks, _disk(cfg, weights, trainable)]
 
 
 def _python(code: str, env: dict, timeout: float = 120,
@@ -312,23 +312,27 @@ def _renderer(cfg) -> list[Check]:
 
 
 def _policy_size(cfg) -> tuple[int, int, int]:
-    """The policy's parameters, in bytes and in number, and the bytes it records a step (its
+    """The policy's weights in bytes (in the dtype `policy.dtype=auto` gives on this node: bf16
+    where torch sees a GPU), its trained parameters, and the bytes it records a step (its
     extra fields), built on the meta device (nothing allocated)."""
+    import torch
+
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     from hpcvla.memory.states import fields_bytes
-    policy = build_policy(cfg, env_spec(cfg.env), "meta", False)
+    policy = build_policy(cfg, env_spec(cfg.env), "meta", torch.cuda.is_available())
     params = list(policy.parameters())
-    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params), \
-        fields_bytes(policy.extra_fields())
+    return sum(p.numel() * p.element_size() for p in params), \
+        sum(p.numel() for p in params if p.requires_grad), fields_bytes(policy.extra_fields())
 
 
-def _disk(cfg, weights: int, params: int) -> Check:
-    """Room under run.root for the checkpoints kept (and the one being written): per
-    parameter its weight plus the fp32 master and two Adam moments."""
+def _disk(cfg, weights: int, trainable: int) -> Check:
+    """Room under run.root for the checkpoints kept (and the one being written): the weights
+    and the trained parameters' states each (memory/states.checkpoint_disk_bytes)."""
+    from hpcvla.memory.states import checkpoint_disk_bytes
     root = Path(cfg.run.root).resolve()
     existing = next((p for p in (root, *root.parents) if p.exists()), Path("/"))
-    need = (cfg.learner.checkpoint_keep + 1) * (weights + 12 * params)
+    need = (cfg.learner.checkpoint_keep + 1) * checkpoint_disk_bytes(weights, trainable)
     free = shutil.disk_usage(existing).free
     found = (f"{free / MiB:,.0f} MiB free under {existing}, {cfg.learner.checkpoint_keep} + 1 "
              f"checkpoints need ~{need / MiB:,.0f} MiB")

@@ -75,6 +75,15 @@ def fields_bytes(fields: dict[str, tuple[tuple, str]]) -> int:
                for shape, dtype in fields.values())
 
 
+STATE_BYTES = 12  # a trained parameter's checkpointed state: fp32 master, AdamW's two moments
+
+
+def checkpoint_disk_bytes(weight_bytes: int, trainable: int) -> int:
+    """A checkpoint's files: the model's weights in their dtype, and the states of the
+    trained parameters (STATE_BYTES each; a frozen one has none)."""
+    return weight_bytes + STATE_BYTES * trainable
+
+
 def checkpoint_bytes(fp, zero_stage: int, learners: int, first: bool) -> int:
     """The host copy a learner makes of its states for a checkpoint (checkpoint/store.py),
     held until the background writer has written it: its fp32 masters and AdamW's two fp32
@@ -82,7 +91,7 @@ def checkpoint_bytes(fp, zero_stage: int, learners: int, first: bool) -> int:
     alone where they are replicated: ZeRO-0, Horovod), and on the first learner the model's
     weights in their dtype (`first`). Full-size π0 on 8 learners at ZeRO-1: ~4.5 GiB each
     and 6.0 GiB more on the first."""
-    states = 12 * fp.trainable
+    states = STATE_BYTES * fp.trainable
     mine = states // learners if zero_stage >= 1 else (states if first else 0)
     return mine + (fp.weight_bytes if first else 0)
 
