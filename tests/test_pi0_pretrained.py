@@ -670,3 +670,22 @@ def test_recipe_settings_for_a_folder_hpcvla_wrote_are_refused(tmp_path):
         with pytest.raises(ConfigError, match="for a folder hpcvla wrote"):
             check_config(load_config("configs/reach_flow.yaml",
                                      [f"policy.pretrained={saved}", setting]))
+
+
+def test_a_rank_that_takes_its_weights_from_the_plane_reads_none(monkeypatch):
+    """An inference or evaluator rank of a training world gets every tensor from the weight
+    plane's first version (whole): build_policy(load=False) builds the structure (from the
+    folder's headers) and the folder's processor without reading its weights (the reads
+    counted), 6.5 GB less read per such rank of π0 at start; load=True reads them."""
+    from hpcvla.policies import folders
+    reads = []
+    real = folders.read_tensors
+    monkeypatch.setattr(folders, "read_tensors", lambda *a, **k: reads.append(a) or real(*a, **k))
+    cfg = config(FIXTURES / "pi0" / "lerobot")
+    _, spec = raw_observation(*fixture("pi0"))
+    policy = build_policy(cfg, spec, load=False)
+    assert reads == [] and policy.processor is not None
+    whole = build_policy(cfg, spec)
+    assert len(reads) == 1
+    assert {k: v.shape for k, v in policy.state_dict().items()} == \
+        {k: v.shape for k, v in whole.state_dict().items()}

@@ -48,13 +48,16 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
     return kwargs
 
 
-def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
+def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None, load: bool = True):
     """The configured policy on `device`, with the same initial weights on every rank (drawn
     from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
     they were). On the "meta" device it has names, dtypes and shapes but no memory (what the
     memory model and `hpcvla doctor` count).
     `on_gpus`: whether the run acts and learns on GPUs (policy.dtype auto: bf16); default:
-    whether `device` is one."""
+    whether `device` is one. `load=False`: policy.pretrained's and policy.checkpoint's weights
+    are not read (a published folder's backbones then hold whatever memory they got), for a
+    rank that takes every tensor from the weight plane's first version, which is whole (an
+    inference or evaluator rank of a training world): 6.5 GB less read per such rank of π0."""
     on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
     kwargs = constructor_kwargs(cfg, on_gpus)
     if str(device) == "meta":
@@ -71,15 +74,16 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None):
         with backbones_from_folder(bool(cfg.policy.pretrained)):  # the folder sets them
             policy = make_policy(cfg.policy.name, spec.obs, spec.action_dim, spec.chunk_len,
                                  len(spec.vocab), **kwargs)
-    if cfg.policy.pretrained:  # names and shapes must fit exactly; RL heads may be fresh
+    if cfg.policy.pretrained and load:  # names and shapes must fit exactly; RL heads fresh
         load_weights(policy, cfg.policy.pretrained)
+    if cfg.policy.pretrained:
         # a published folder's prompt, tokenizer and normalization (None for our own)
         policy.processor = policy.make_processor(spec, cfg.policy)
     if cfg.policy.lora_rank:  # on the loaded weights; the same adapters on every rank
         with torch.random.fork_rng(devices=[]):
             torch.random.default_generator.manual_seed(cfg.run.seed + 1)
             add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
-    if cfg.policy.checkpoint:  # e.g. an `hpcvla sft` run: its weights, this build's processor
+    if cfg.policy.checkpoint and load:  # e.g. an `hpcvla sft` run: its weights, this processor
         path = catalog.latest(Path(cfg.policy.checkpoint))
         # the RL-only tensors may be absent (e.g. DSRL's actor after a PPO-config SFT run)
         policy.load_arrays(store.load_weights(path, policy.state_dict(),

@@ -169,7 +169,8 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
 
         from hpcvla.factory import build_policy
         torch.set_num_threads(1)  # one thread per rank: ranks share the node's cores
-        policy = build_policy(cfg, spec, device, on_gpus)
+        # a rank that learns reads the weights; the others take them from the weight plane
+        policy = build_policy(cfg, spec, device, on_gpus, load=LEARN in roles)
         manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     shard_envs: list[VectorEnv] = []
