@@ -311,8 +311,9 @@ def connect(me: Rank) -> Links:
     ring = None
     if comms.feed != MPI.COMM_NULL:
         producers = max(1, comms.feed.Get_size() - 1)
-        recorded = fields_bytes(me.policy.extra_fields()) if me.policy is not None else 0
-        slots = ring_slots(cfg, me.spec, producers, recorded)  # the same on every feed rank
+        assert me.policy is not None  # a feed's ranks learn or act: each has built the policy
+        slots = ring_slots(cfg, me.spec, producers,  # the same on every rank of the feed
+                           fields_bytes(me.policy.extra_fields()))
         ring = TrajectoryRing(comms.feed, slots, cfg.learner.ring_slot_kib * 1024,  # [dist]
                               progress=cfg.learner.ring_progress, start_progress=False,
                               checksum=cfg.learner.ring_checksum)
