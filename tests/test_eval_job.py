@@ -370,3 +370,14 @@ def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     out = hpcvla("eval", run, "--untrained", *size, timeout=120)
     assert out.returncode == 2 and "policy.checkpoint = " in out.stderr, out.stderr[-2000:]
+
+
+def test_the_ranks_of_an_eval_world_get_its_command_line_less_ranks():
+    """`hpcvla eval --ranks N` runs its ranks with the command line it was given, --ranks
+    taken out: every flag and override goes with them (a hand-made list of eval's flags
+    would drop one added to its parser)."""
+    from hpcvla.job.launch import without_ranks
+    given = ["eval", "runs/x", "--ranks", "2", "--video", "1", "--deterministic",
+             "--ranks=3", "--episodes=8", "eval.protocol=libero"]
+    assert without_ranks(given) == ["eval", "runs/x", "--video", "1", "--deterministic",
+                                    "--episodes=8", "eval.protocol=libero"]

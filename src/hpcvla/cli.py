@@ -188,6 +188,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = _parse(parser, argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as given: eval's ranks get it
     if args.command == "doctor" and args.job == "eval":  # its arguments are `hpcvla eval`'s
         args.evaluation = _parse(parser, ["eval", *filter(None, [args.config]),
                                           *args.overrides])
@@ -364,14 +365,11 @@ def cmd_eval(args) -> int:
     if problem:
         return _refused("eval", problem)
     if args.ranks is not None:  # start the world here; its ranks come back to this function
-        from hpcvla.job.launch import run_world
+        from hpcvla.job.launch import run_world, without_ranks
         os.environ.update(HPCVLA_LOCAL_WORLD="1",  # started and checked here, not the job's
                           **{preflight.LAUNCH_CHECKED: preflight.launch_checked(cfg, None)})
-        flags = [f"--episodes={args.episodes}", f"--envs={args.envs}",
-                 f"--video={args.video}"] + \
-            [f"--{f}" for f in ("untrained", "deterministic", "all", "json") if getattr(args, f)]
-        return run_world(args.ranks, ["eval", args.run_dir, *flags, *args.overrides],
-                         cfg.launch.mpiexec, mpi=cfg.launch.mpi)
+        return run_world(args.ranks, without_ranks(args.argv), cfg.launch.mpiexec,
+                         mpi=cfg.launch.mpi)
 
     def report(world) -> None:
         curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,

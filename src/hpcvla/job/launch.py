@@ -74,6 +74,20 @@ def rank_program(program: list[str]) -> list[str]:
     return [sys.executable, "-m", "mpi4py", "-m", "hpcvla", *program]
 
 
+def without_ranks(argv: list[str]) -> list[str]:
+    """A command line as given, less its --ranks: what the ranks of the world it starts run
+    (every other flag and override with them, whatever the command's parser offers)."""
+    out, skip = [], False
+    for token in argv:
+        if skip or token.startswith("--ranks="):
+            skip = False
+            continue
+        skip = token == "--ranks"
+        if not skip:
+            out.append(token)
+    return out
+
+
 def run_world(n: int, program: list[str], mpiexec: str = "auto",
               timeout: float | None = None, mpi: str = "auto") -> int:
     """Run the world to completion; its exit status, 124 after killing it on timeout, 130 on
