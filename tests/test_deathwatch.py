@@ -337,3 +337,23 @@ def test_what_a_job_script_prints_after_a_failed_world_repeats_what_the_failing_
         "  rank 1 said: hpcvla: rank 1 (learner) failed: OSError()",
         "    hpcvla: rank 0 died first, without a word",
         "  no progress recorded"], out.stderr
+
+
+def test_the_last_progress_passes_over_a_line_the_death_cut_short(tmp_path):
+    """The report's last progress is the newest whole record of an update (or SFT step):
+    a line the dying rank left half written, or a record of another kind, is passed over
+    (the report crashed on either, and the job script printed a traceback instead)."""
+    from hpcvla.process.last_progress import last_progress
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "run_dir").write_text(str(run))
+    assert last_progress(tmp_path / "run_dir").startswith("no progress recorded")
+    (run / "metrics.jsonl").write_text(
+        '{"update": 3, "trained_env_steps": 1200, "time": 41.2}\n'
+        '{"heldout/success": 0.5, "time": 42.0}\n'
+        '{"update": 4, "trained_env_st')
+    assert last_progress(tmp_path / "run_dir") == (
+        f"last progress: policy version 3, 1200 trained env steps, 41 s into training "
+        f"({run / 'metrics.jsonl'})")
+    (run / "metrics.jsonl").write_text('{"step": 7, "trained_chunks": 56, "time": 9.0}\n[1]\n')
+    assert last_progress(tmp_path / "run_dir").startswith("last progress: SFT step 7, 56 chunks")

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcvla.process.last_progress import last_progress
 from hpcvla.process.stdio import until_forwarded
 
 ENV = "HPCVLA_RANK_DIR"
@@ -304,12 +305,12 @@ class DeathWatch:
         if said := _failures(self.dir):  # the failing rank said why itself
             why = said[0].read_text().strip()
             return (f"hpcvla: the world ended on this failure:\n{why}\nhpcvla: "
-                    + _last_progress(self.dir / RUN_DIR_FILE)) if why else None
+                    + last_progress(self.dir / RUN_DIR_FILE)) if why else None
         if not (self.first and self.first[0]):
             return None  # nobody died
         text = (f"hpcvla: {self.first_to_die()}, {max(ended - self.first[1], 0):.1f} s before "
                 "the world ended")
-        return text + "; " + _last_progress(self.dir / RUN_DIR_FILE)
+        return text + "; " + last_progress(self.dir / RUN_DIR_FILE)
 
     def first_to_die(self) -> str:
         """Who died first (`first`: the ranks one check found dead), as a sentence."""
@@ -336,22 +337,6 @@ def _who(cards: list[dict]) -> str:
                        f"{c['host']}, pid {c['pid']})" for c in cards)
 
 
-def _last_progress(run_dir_file: Path) -> str:
-    try:
-        metrics = Path(run_dir_file.read_text()) / "metrics.jsonl"
-        lines = metrics.read_text().splitlines()
-    except OSError:
-        return "no progress recorded"
-    if not lines:
-        return f"no progress recorded yet ({metrics})"
-    last = json.loads(lines[-1])
-    if "step" in last:  # `hpcvla sft`'s
-        return (f"last progress: SFT step {last['step']}, {last['trained_chunks']} chunks "
-                f"trained, {last['time']:.0f} s into training ({metrics})")
-    return (f"last progress: policy version {last['update']}, {last['trained_env_steps']} "
-            f"trained env steps, {last['time']:.0f} s into training ({metrics})")
-
-
 def describe(folder: Path) -> str:
     """What a job script prints after its launcher ended the world badly: every registered
     rank, what the first rank that failed said (said_why: the launcher may have cut its own
@@ -363,7 +348,7 @@ def describe(folder: Path) -> str:
     if (said := _failures(folder)) and (why := said[0].read_text().strip()):
         rank = said[0].name.removeprefix("failed.rank")
         lines.append(f"  rank {rank} said: " + why.replace("\n", "\n    "))
-    return "\n".join(lines + ["  " + _last_progress(folder / RUN_DIR_FILE)])
+    return "\n".join(lines + ["  " + last_progress(folder / RUN_DIR_FILE)])
 
 
 def unfinished(folder: Path, host: str) -> str | None:
