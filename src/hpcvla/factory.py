@@ -57,7 +57,8 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None, load: boo
     whether `device` is one. `load=False`: policy.pretrained's and policy.checkpoint's weights
     are not read (a published folder's backbones then hold whatever memory they got), for a
     rank that takes every tensor from the weight plane's first version, which is whole (an
-    inference or evaluator rank of a training world): 6.5 GB less read per such rank of π0."""
+    inference or evaluator rank of a training world), or from its engine's start (a learner
+    other than learner 0, engines.init_engine): 6.5 GB less read per such rank of π0."""
     on_gpus = torch.device(device).type == "cuda" if on_gpus is None else on_gpus
     kwargs = constructor_kwargs(cfg, on_gpus)
     if str(device) == "meta":

@@ -70,10 +70,9 @@ def resume_exactly(cfg, learners, run_dir):
 
     path = catalog.latest(run_dir)
     assert learners.Get_rank() != 0 or saved == path, (saved, path)
-    torch.manual_seed(1234)  # a different initialisation: everything must come from disk
-    fresh = build_policy(cfg, env.spec)
-    fresh.load_arrays(store.load_weights(path, fresh.state_dict()))
-    engine2 = init_engine(cfg, fresh, learners)
+    initial = build_policy(cfg, env.spec, load=False).state_dict()
+    assert not all(torch.equal(weights[k], initial[k]) for k in weights)  # trained: the
+    engine2 = engine_as_a_run_resumes(cfg, env.spec, path, learners)  # others' must change
     state = store.load_optimizer(path, engine2, learners)
     assert state["version"] == 2 and state["counters"] == {"env_steps": 7}, state
     for _ in range(steps):
@@ -82,9 +81,7 @@ def resume_exactly(cfg, learners, run_dir):
     for name in continued:
         assert torch.equal(continued[name], resumed[name]), f"{name} differs after resume"
     unstepped = catalog.latest(run_dir / "unstepped")
-    fresh = build_policy(cfg, env.spec)
-    fresh.load_arrays(store.load_weights(unstepped, fresh.state_dict()))
-    engine3 = init_engine(cfg, fresh, learners)
+    engine3 = engine_as_a_run_resumes(cfg, env.spec, unstepped, learners)
     store.load_optimizer(unstepped, engine3, learners)
     for _ in range(3 * steps):
         train_step(engine3, obs, actions)
@@ -97,6 +94,21 @@ def resume_exactly(cfg, learners, run_dir):
         print(f"resume bit-identical at ZeRO stage {cfg.learner.zero_stage}: "
               f"{len(continued)} tensors ({dtype})", flush=True)
     learners.Barrier()  # leave together, gloo closed first (else std::terminate at exit)
+
+
+def engine_as_a_run_resumes(cfg, spec, path, learners):
+    """A fresh engine from the checkpoint `path` as a run's learners build it: learner 0
+    alone reads its weights, the engine's start gives them to the others (which built theirs
+    from run.seed, not the checkpoint): every learner must then hold the checkpoint's."""
+    fresh = build_policy(cfg, spec, load=False)
+    if learners.Get_rank() == 0:
+        fresh.load_arrays(store.load_weights(path, fresh.state_dict()))
+    engine = init_engine(cfg, fresh, learners)
+    saved, held = store.load_weights(path), full_state(engine)  # [dist] at ZeRO-3
+    assert saved.keys() == held.keys() and all(
+        torch.equal(held[k].cpu(), saved[k]) for k in saved), \
+        f"learner {learners.Get_rank()} does not start from learner 0's weights"
+    return engine
 
 
 def gathered_like_deepspeed(engine, weights, learners):

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import torch
 
-from hpcvla.engines.base import Engine, adamw, critic_steps_only, full_state, param_groups
+from hpcvla.engines.base import (Engine, adamw, critic_steps_only, full_state, param_groups,
+                                 unbroadcast_state)
 from hpcvla.engines.nonfinite import SkipNonfinite
 
 
 def init_engine(cfg, policy, learners_comm, device: torch.device | None = None) -> SkipNonfinite:
     """The configured engine over `policy` on the learner communicator (collective there),
     wrapped in the non-finite guard. The learner's copy of the policy recomputes its
-    activations in the backward pass under learner.gradient_checkpointing."""
+    activations in the backward pass under learner.gradient_checkpointing. Every learner
+    starts from learner 0's parameters (DeepSpeed broadcasts the module's parameters, Horovod
+    its state dict), so learner 0 alone reads a folder or checkpoint: a policy's state is its
+    parameters (unbroadcast_state says what is not)."""
+    left = unbroadcast_state(policy)
+    assert not left, f"{policy.family}: {left[:3]} are not parameters; DeepSpeed's start " \
+        "broadcasts parameters only, so they would differ between the learners"
     if cfg.learner.gradient_checkpointing:
         policy.enable_gradient_checkpointing()
     if cfg.learner.backend == "horovod":
@@ -42,4 +49,4 @@ def preload(cfg, device: torch.device) -> None:
 
 
 __all__ = ["Engine", "SkipNonfinite", "critic_steps_only", "full_state", "init_engine",
-           "param_groups", "preload"]
+           "param_groups", "preload", "unbroadcast_state"]

@@ -135,3 +135,10 @@ def full_state(engine: Engine, wanted: bool = True) -> dict[str, torch.Tensor] |
         elif wanted:  # a buffer: whole on every learner
             state[key] = value.detach().cpu().clone()
     return state if wanted else None
+
+
+def unbroadcast_state(policy: torch.nn.Module) -> list[str]:
+    """What of `policy`'s state dict is no parameter (a persistent buffer): what an engine's
+    start would not copy from learner 0 to the others."""
+    params = {name for name, _ in policy.named_parameters(remove_duplicate=False)}
+    return sorted(set(policy.state_dict()) - params)

@@ -146,12 +146,13 @@ def sft_main(cfg, world) -> None:
         hold_demonstrations(memory, sum(a.nbytes for a in filter(None, (shared, shared_val))))
         (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
     samples = len(demos.actions)
-    policy = build_policy(cfg, spec, device, device.type == "cuda")
+    # learner 0 alone reads the weights: the engine starts every learner from its parameters
+    policy = build_policy(cfg, spec, device, device.type == "cuda", load=rank == 0)
     phases.mark("policy_built")
     # rank 0's newest checkpoint, holding the run's lock: every learner resumes from the same
     resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
         if cfg.run.resume else None  # [dist]
-    if resume is not None:
+    if resume is not None and rank == 0:
         policy.load_arrays(store.load_weights(resume, policy.state_dict()))
     engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
     state = store.load_optimizer(resume, engine, world) if resume else None  # [dist]

@@ -125,7 +125,8 @@ def evaluator_rank(me: Rank, links: Links) -> tuple[float, Counters]:
 def colocated_rank(me: Rank) -> tuple[float, Counters]:
     cfg, rank = me.cfg, me.rank
     _load_resumed_weights(me)
-    actor = build_policy(cfg, me.spec, me.device, me.on_gpus)  # ZeRO-3 shards the learner's
+    # its weights are the engine's (full_state below: ZeRO-3 shards the learner's)
+    actor = build_policy(cfg, me.spec, me.device, me.on_gpus, load=False)
     env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank, me.first),
                     first_env=rank * cfg.env.envs_per_simulator,
                     owner=f"rank {rank} (colocated)")
@@ -179,9 +180,10 @@ def _soft_update(me: Rank, engine: SkipNonfinite, actor: Policy | None = None) -
 
 
 def _load_resumed_weights(me: Rank) -> None:
-    """Resuming, the checkpoint's weights into this learner's policy: before its first
-    version is published and before the engine partitions them."""
-    if me.resume is not None:
+    """Resuming, the checkpoint's weights into the weight root's policy: before its first
+    version is published and before the engine partitions them (the engine starts every
+    other learner from the root's, as the prologue's build does)."""
+    if me.resume is not None and me.rank == me.plan.weight_root:
         policy = _policy(me)
         policy.load_arrays(store.load_weights(me.resume, policy.state_dict()))
 

@@ -169,8 +169,10 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
 
         from hpcvla.factory import build_policy
         torch.set_num_threads(1)  # one thread per rank: ranks share the node's cores
-        # a rank that learns reads the weights; the others take them from the weight plane
-        policy = build_policy(cfg, spec, device, on_gpus, load=LEARN in roles)
+        # The weight root (learner 0) alone reads the folder or checkpoint: the engines start
+        # every learner from learner 0's parameters (DeepSpeed's broadcast of the module,
+        # Horovod's broadcast_parameters), the weight plane every other rank that acts
+        policy = build_policy(cfg, spec, device, on_gpus, load=rank == plan.weight_root)
         manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
         dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
     shard_envs: list[VectorEnv] = []
