@@ -347,6 +347,51 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
         assert {"explained_variance", "return_std", "value_mean"} <= stats.keys()
 
 
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_the_loss_is_its_terms_weighted_by_their_coefficients(algorithm):
+    """loss = pg_loss + value_coef * value_loss - entropy_coef * entropy (every shipped config
+    leaves the entropy bonus at 0): a sign or a coefficient swapped shows here. PPO's entropy
+    term is the chunk entropy's mean over the steps no env fault masked (GRPO's, over its
+    kept episodes: test_grpo.py)."""
+    from dataclasses import replace
+
+    from hpcvla.algorithms.objective import policy_loss
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+
+    grouped = ["algorithm.group_size=2"] if algorithm == "grpo" else []
+    cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}", *grouped,
+                                               "env.max_episode_chunks=8"])
+    policy, (T, N), rng = build_policy(cfg, env_spec(cfg.env)), (4, 4), np.random.default_rng(2)
+    obs, _ = policy_batch(env_spec(cfg.env), T * N)
+    with torch.no_grad():
+        out = policy.act(obs)
+        entropy = policy.evaluate(obs, out.actions)[2].reshape(T, N, -1).sum(-1)
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+    done = np.zeros((T, N), bool)
+    done[-1] = True
+    batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
+                 logprob=out.logprob.numpy().reshape(T, N), value=out.value.numpy().reshape(T, N),
+                 reward=rng.standard_normal((T, N)).astype(np.float32), done=done,
+                 env_fault=np.zeros((T, N), bool), success=done & (np.arange(N) % 2 == 0),
+                 bootstrap_value=np.zeros(N, np.float32))
+    batch["env_fault"][1, 3] = True
+    batch["logprob"] += 0.1 * rng.standard_normal((T, N)).astype(np.float32)
+    terms = {}
+    for entropy_coef, value_coef in [(0.0, 0.5), (0.1, 0.25), (-0.3, 2.0)]:
+        alg = replace(cfg.algorithm, entropy_coef=entropy_coef, value_coef=value_coef)
+        loss, stats, _ = policy_loss(alg, policy, batch)
+        assert loss.item() == pytest.approx(stats["pg_loss"] + value_coef * stats["value_loss"]
+                                            - entropy_coef * stats["entropy"], rel=1e-5, abs=1e-6)
+        terms[entropy_coef] = (stats["pg_loss"], stats["value_loss"], stats["entropy"])
+    assert len(set(terms.values())) == 1  # the coefficients weigh the terms, nothing else
+    assert (terms[0.0][1] == 0.0) == (algorithm == "grpo")  # GRPO trains no value head
+    if algorithm == "ppo":
+        assert terms[0.0][2] == pytest.approx(entropy[~batch["env_fault"]].mean().item(),
+                                              rel=1e-5)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_critic_passes_move_the_critic_alone(fused):
     """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside
