@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -423,6 +424,34 @@ def test_a_simulator_that_hangs_mid_run_is_named_before_the_learner_gives_up(tmp
     abort = text.find("no trajectory for 3 s")
     assert 0 <= named < abort, text[-3000:]
     assert "[2]" not in text[named - 200:abort], text[-3000:]  # the other simulator asks on
+
+
+def test_a_process_whose_work_is_done_ignores_stop_signals_through_its_shutdown():
+    """preempt.ignore_from_now, where a rank's work ends: SIGTERM is ignored by the kernel
+    (SigIgn) from then on, through the interpreter's shutdown, where Python puts back the
+    default action of the signals it handles (which killed finished runs: exit 15), but not
+    of an ignored one. The signals come every 2 ms until the process is gone. (That window is
+    too short for signals to hit deterministically: the kernel's SigIgn mask is the check.)"""
+    def child(ignore: bool) -> tuple[int, int, int]:
+        code = ("import sys, time; from hpcvla.process import preempt; preempt.install(); "
+                + ("preempt.ignore_from_now(); " if ignore else "")
+                + "print('ready', flush=True); time.sleep(0.2)")
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        ignored = int(next(line.split()[1] for line in status.splitlines()
+                           if line.startswith("SigIgn:")), 16)
+        sent = 0
+        while proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGTERM)
+                sent += 1
+            time.sleep(0.002)
+        return proc.wait(), ignored >> (signal.SIGTERM - 1) & 1, sent
+
+    returncode, ignored, sent = child(ignore=True)
+    assert (returncode, ignored) == (0, 1) and sent > 10, (returncode, ignored, sent)
+    assert child(ignore=False)[1] == 0  # the handler's flag, then shutdown's default action
 
 
 @pytest.mark.mpi
