@@ -452,16 +452,38 @@ def test_zero3_training_of_each_family(tmp_path, overrides):
     With gradient checkpointing the recomputed layers gather their shards again; with LoRA
     only the adapters and heads have optimizer state. The log-probs each family records as it
     acts are what its learner recomputes before the first update (behaviour weight 1)."""
-    out, summary, run_dir = run_train(tmp_path, *overrides, "learner.zero_stage=3",
-                                      "pipeline.total_updates=2",
-                                      config="configs/colocated.yaml", ranks=2)
+    from safetensors import safe_open
+
+    from hpcvla.checkpoint import catalog, store
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    overrides = [*overrides, "learner.zero_stage=3", "pipeline.total_updates=2"]
+    out, summary, run_dir = run_train(tmp_path, *overrides, config="configs/colocated.yaml",
+                                      ranks=2)
     assert "[hpcvla] update 2/2" in out.stdout
     assert summary["staleness_hist"] == {"0": 2 * 2 * 32}
     assert summary["env_steps"] > 0 and summary["success_rate"] is not None
+    # every version's acting weights are the ones its learner then scores: behaviour weight 1
+    # at update 2 as at 1 (an actor left at version 0 would act with what update 1 changed)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    first = [r for r in records if r.get("update") == 1 and "behaviour_weight_max" in r]
-    assert first and all(abs(r[f"behaviour_weight_{s}"] - 1) < 1e-3
-                         for r in first for s in ("max", "mean")), first
+    scored = [r for r in records if "behaviour_weight_max" in r]
+    assert sorted(r["update"] for r in scored) == [1, 1, 2, 2] and all(
+        abs(r[f"behaviour_weight_{s}"] - 1) < 1e-3 for r in scored for s in ("max", "mean")), scored
+    cfg = load_config(ROOT / "configs/colocated.yaml", overrides)
+    start = build_policy(cfg, env_spec(cfg.env))
+    trainable = {name for name, p in start.named_parameters() if p.requires_grad}
+    path = catalog.latest(run_dir)
+    # the optimizer holds the trainable parameters' state (LoRA: adapters and heads), shared
+    # by the learners at ZeRO-3 (a 1-element bias on one), and nothing of the frozen ones
+    held = []
+    for learner in (0, 1):
+        with safe_open(str(path / f"optimizer.rank{learner}.safetensors"), "pt") as f:
+            held.append({k.rsplit("/", 1)[0] for k in f.keys() if k.endswith("/master")})
+    assert held[0] | held[1] == trainable and held[0] and held[1], (len(held[0]), len(held[1]))
+    trained, initial = store.load_weights(path), start.state_dict()
+    moved = {k for k in trained if not torch.equal(trained[k], initial[k])}
+    assert moved and moved <= trainable, sorted(moved - trainable)[:5]
 
 
 @pytest.mark.mpi
