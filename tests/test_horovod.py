@@ -47,6 +47,10 @@ def test_two_horovod_learners_train_average_and_resume(tmp_path):
                  f"run.resume={run_dir}", *TWO_LEARNERS, timeout=400)  # writes on in run_dir
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming from" in out.stdout and checkpoint_weights(run_dir)[1]["version"] == 84
+    resumed = json.loads((sorted((run_dir / "checkpoints").glob("v*"))[-1] / "state.json")
+                         .read_text())
+    assert {s for entry in resumed["optimizer"] for s in entry["steps"].values()} == {84.0}, \
+        "the resumed learners did not continue the saved Adam state (4 steps: a fresh one)"
 
 
 def test_gpu_learners_need_a_horovod_built_with_gpu_operations():

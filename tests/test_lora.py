@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hpcvla.checkpoint import catalog
 from hpcvla.config import ConfigError, load_config
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
@@ -89,10 +90,15 @@ def test_only_adapters_and_heads_cross_the_weight_plane_and_the_run_resumes(tmp_
     assert learner["weight_bytes"]["per_version"] == trainable
     assert learner["weight_bytes"]["first_version"] > 5 * trainable
     assert f"{trainable / 1e6:.1f} MB per version" in out.stdout
+    def adam_steps() -> set[float]:  # of the newest checkpoint, over the adapters and heads
+        state = catalog.read_state(catalog.latest(run_dir))
+        return {s for entry in state["optimizer"] for s in entry["steps"].values()}
+    (per_update,) = adam_steps()
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.resume={run_dir}",
                  "pipeline.total_updates=3", *overrides, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming from" in out.stdout and "update 3/3" in out.stdout
+    assert adam_steps() == {per_update * 3 / 2}  # the adapters' Adam state went on
     # exported: the adapters merged into a folder that loads without LoRA and acts the same
     out = hpcvla("export", run_dir, tmp_path / "merged")
     assert out.returncode == 0 and "policy version 3" in out.stdout, out.stdout + out.stderr
