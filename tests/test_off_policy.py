@@ -4,6 +4,7 @@ position and resumes from it; what it cannot run, or a buffer that cannot fit, i
 before any rank starts. The losses are tested on tensors in tests/test_sac.py."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -96,14 +97,20 @@ def test_sac_trains_checkpoints_its_replay_position_and_resumes(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_sac_learns_from_the_ring_in_the_streamer(tmp_path):
+def test_sac_trains_from_the_ring_in_the_streamer_and_resumes_as_rlpd(tmp_path):
     """The default job's 4 ranks (inference, 2 simulators, learner) under SAC: the inference
     rank sends each segment group with the observation after it, the learner adds every
     transition it takes from the ring to its buffer once (the groups' ledger: none missing,
     none twice) and trains on each micro-batch as it arrives; its buffer position is
-    checkpointed and a resume continues it. ~30 s: two worlds."""
-    sac = [*SMALL, "algorithm.name=sac", "algorithm.learning_starts=16"]
-    _, first, run_dir = run_train(tmp_path, "pipeline.total_updates=2", *sac)
+    checkpointed and a resume continues it, here as RLPD with the first start's dump as prior
+    data (read by the learner before its transport starts: roles/prologue.py). ~30 s: two
+    worlds."""
+    sac = [*SMALL, "algorithm.name=sac", "algorithm.learning_starts=16",
+           "algorithm.critic_layer_norm=true"]  # RLPD's critics: its resume takes them
+    _, first, run_dir = run_train(tmp_path / "runs", "pipeline.total_updates=2", *sac,
+                                  "run.dump_trajectories=true")
+    prior = tmp_path / "prior"  # a copy: the resumed start appends to the run's own dump
+    shutil.copytree(run_dir / "trajectories", prior)
     cfg = load_config(run_dir / "config.yaml")
     per_micro = cfg.learner.micro_batch * cfg.rollout.segment_len  # transitions
     (learner,) = [r for r in first["per_rank"] if r["role"] == "learner"]
@@ -113,11 +120,13 @@ def test_sac_learns_from_the_ring_in_the_streamer(tmp_path):
     assert learner["gradient_steps"] == 2 * 2 * per_micro // 8  # every micro-batch: 16 held
     assert _replay_transitions(run_dir) == learner["replay_added"]
     out = hpcvla("train", "configs/default.yaml", "--ranks", 4, f"run.resume={run_dir}",
-                 "pipeline.total_updates=3", *sac, timeout=400)
+                 "pipeline.total_updates=3", *sac, "algorithm.name=rlpd",
+                 f"algorithm.demos={next(prior.glob('*.h5'))}", timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (resumed,) = [r for r in json.loads((run_dir / "summary.json").read_text())["per_rank"]
                   if r["role"] == "learner"]
     assert resumed["first_version"] == 2 and resumed["gradient_steps"] == 2 * per_micro // 8
+    assert resumed["prior_transitions"] > 0, resumed
     assert _replay_transitions(run_dir) == learner["replay_added"] + resumed["replay_added"]
 
 
@@ -148,6 +157,7 @@ def test_dsrl_steers_a_frozen_flow_policy_and_only_its_actor_crosses_the_network
 
 DSRL_ENGINE = """
 import json
+import shutil
 import numpy as np, torch
 from mpi4py import MPI
 from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets

@@ -69,9 +69,11 @@ class SoftUpdate:
     a learner rank's `train` (roles/learner.run_learner) by `learn`."""
 
     def __init__(self, setup: RoleSetup, engine: SkipNonfinite, actor: Policy | None,
-                 spec: EnvSpec, learners: MPI.Comm, resumed_transitions: int = 0):
+                 spec: EnvSpec, learners: MPI.Comm, resumed_transitions: int = 0,
+                 prior: PriorData | None = None):
         """`actor`: the colocated rank's acting copy (None on a learner rank, which publishes
-        through the weight plane)."""
+        through the weight plane); `prior`: RLPD's demonstrations (prior_data, which the
+        prologue reads before the transport's threads start)."""
         self.setup, self.engine, self.actor, self.alg = setup, engine, actor, setup.cfg.algorithm
         self.learners, self.resumed = learners, resumed_transitions
         self.obs_names = list(spec.obs)
@@ -79,10 +81,9 @@ class SoftUpdate:
         self.action_field = cast("SoftCritics", engine.module).soft_action_field
         self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                                    self.alg.replay_capacity)
-        self.prior: ReplayBuffer | None = None
-        self.shared: NodeArrays | None = None  # the node's one copy of the prior data
-        if self.alg.name == "rlpd":
-            self.prior, self.shared = prior_data(setup.cfg, spec, learners)  # [dist]
+        assert (prior is not None) == (self.alg.name == "rlpd"), self.alg.name
+        self.prior: ReplayBuffer | None = prior[0] if prior else None
+        self.shared: NodeArrays | None = prior[1] if prior else None  # the node's one copy
         self.target_entropy = target_entropy(spec.action_dim, spec.chunk_len,
                                              self.alg.target_entropy)
         # each rank its own draws: the data-parallel ranks sample different transitions
@@ -170,8 +171,10 @@ class SoftUpdate:
             self.shared.node.Free()  # [dist]
 
 
-def prior_data(cfg: Config, spec: EnvSpec, learners: MPI.Comm
-               ) -> tuple[ReplayBuffer, NodeArrays]:
+PriorData = tuple[ReplayBuffer, NodeArrays]
+
+
+def prior_data(cfg: Config, spec: EnvSpec, learners: MPI.Comm) -> PriorData:
     """Collective on `learners`: algorithm.demos as a buffer of transitions (checked before
     launch: preflight.prior_data_problems), exactly as large as they are, held once per node:
     its first learner scans the files' headers, each reads a share of the demonstrations into

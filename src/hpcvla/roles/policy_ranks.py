@@ -176,7 +176,7 @@ def _soft_update(me: Rank, engine: SkipNonfinite, actor: Policy | None = None) -
     from hpcvla.checkpoint.catalog import read_state
     from hpcvla.roles.off_policy import SoftUpdate
     done = read_state(me.resume)["counters"].get("replay_transitions", 0) if me.resume else 0
-    return SoftUpdate(me.setup, engine, actor, me.spec, me.comms.learners, done)
+    return SoftUpdate(me.setup, engine, actor, me.spec, me.comms.learners, done, me.prior)
 
 
 def _load_resumed_weights(me: Rank) -> None:

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from hpcvla.config.schema import Config
     from hpcvla.envs.base import EnvSpec, VectorEnv
     from hpcvla.policies.base import Policy
+    from hpcvla.roles.off_policy import PriorData
     from hpcvla.topology.comms import Communicators
     from hpcvla.topology.plan import RankPlan
 
@@ -85,6 +86,7 @@ class Rank:
     first: int  # the policy version training starts from
     summary: RankSummary
     shard_envs: list[VectorEnv]  # a disaggregated simulator rank's envs, one per shard
+    prior: PriorData | None  # an RLPD learner's demonstrations (roles/off_policy.py)
     cpu_at_start: float = 0.0  # the process's CPU clock when the ranks' clocks started
 
     @property
@@ -216,8 +218,13 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
                                        cfg.learner.micro_batches)
         if changed:
             print(f"[hpcvla] warning: {changed}", flush=True)
+    prior = None
+    if LEARN in roles and cfg.algorithm.name == "rlpd":  # its node window before connect
+        from hpcvla.roles.off_policy import prior_data  # starts the transport's threads
+
+        prior = prior_data(cfg, spec, comms.learners)  # [dist]
     return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
-                device, on_gpus, timeline, progress, resume, first, summary, shard_envs)
+                device, on_gpus, timeline, progress, resume, first, summary, shard_envs, prior)
 
 
 def world_memory(cfg: Config, plan: RankPlan, placed: list[tuple[str, str | None]],
