@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from mpi4py import MPI
 
+from hpcvla.topology.comms import members
 from hpcvla.transport.backoff import (DATA_POLL_CAP, DATA_SPIN, FIRST_SLEEP, RUNG_CLIENT_CAP,
                                      RUNG_SERVER_CAP, Backoff, wait_until)
 from hpcvla.transport.doorbell import Doorbell
@@ -75,9 +76,9 @@ class ObsActionExchange:
 
     def world_ranks(self, slots: Iterable[int]) -> list[int]:
         """The world ranks of the simulators that own `slots` (for messages)."""
-        owners = sorted({self.clients[slot // self.shards] for slot in slots})
-        return MPI.Group.Translate_ranks(self.comm.Get_group(), owners,
-                                         MPI.COMM_WORLD.Get_group())
+        world = members(self.comm)  # local: the groups translated, then freed
+        return [world[rank] for rank in sorted({self.clients[slot // self.shards]
+                                                for slot in slots})]
 
     def backoff(self) -> Backoff:
         """How a role's loop that waits on this exchange (among other things) sleeps."""

@@ -242,8 +242,8 @@ class WeightPlane:
         fill(self._halves[spare])
         if first:  # nobody reads yet
             np.copyto(self._halves[1 - spare], self._halves[spare])
-        self.win.Sync()
-        words[_VER0 + spare] = version
+        words[_VER0 + spare] = version  # ordered before the even count below (weakly
+        self.win.Sync()                 # ordered CPUs): a reader that sees it sees this
         words[seq] += 1            # even: consistent
         self.win.Sync()
         words[_CURRENT] = spare
