@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
+from hpcvla.evaluate import checkpoint_weights
+from hpcvla.policies import load_pretrained
 from helpers import ROOT, fake_checkpoint, hpcvla, run_train, without_launcher
 
 
@@ -341,6 +344,7 @@ def test_a_built_in_policy_is_refused_an_env_with_other_instruction_words(tmp_pa
 
 
 @pytest.mark.mpi
+@pytest.mark.slow
 def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path):
     """RUN_DIR/checkpoints/v*/ names that checkpoint of its run to `hpcvla eval` and `hpcvla
     export`, as `policy.checkpoint` takes it; the run directory names its newest."""
@@ -361,6 +365,10 @@ def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path)
     assert out.returncode == 2 and "--all" in out.stderr and not out.stdout, out.stderr
     out = hpcvla("export", first, tmp_path / "export", timeout=120)
     assert out.returncode == 0 and "policy version 1 written" in out.stdout, out.stderr[-2000:]
+    exported = load_pretrained(tmp_path / "export").state_dict()  # v1's weights, not v2's
+    v1, v2 = checkpoint_weights(first)[0], checkpoint_weights(run)[0]
+    assert exported.keys() <= v1.keys() and all(torch.equal(exported[k], v1[k]) for k in exported)
+    assert any(not torch.equal(v1[k], v2[k]) for k in exported)
     # a run whose start has moved since (copied from a cluster): its checkpoints hold every
     # weight and still evaluate; the untrained policy, its start, is refused naming it
     config = yaml.safe_load((run / "config.yaml").read_text())

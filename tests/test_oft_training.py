@@ -73,6 +73,13 @@ def test_libero_training_starts_from_the_oft_checkpoint(tmp_path):
     with torch.no_grad():
         logprob = float(policy.evaluate(obs, actions)[0].sum())
     assert abs(logprob - recorded) < 1e-3 * max(1.0, abs(recorded)), (logprob, recorded)
+    from hpcvla.evaluate import checkpoint_weights
+    from hpcvla.policies.folders import rl_only_names
+    # it trains: tensors beyond the RL heads moved, and only trainable ones
+    start, trained = policy.state_dict(), checkpoint_weights(run_dir)[0]
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    moved = {k for k in trained if not torch.equal(trained[k], start[k])}
+    assert moved - set(rl_only_names(policy)) and moved <= trainable, sorted(moved)[:5]
     out = hpcvla("eval", run_dir, "--json", "--episodes", "2", "--envs", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["episodes"] == 2

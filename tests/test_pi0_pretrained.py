@@ -445,7 +445,12 @@ def test_libero_training_starts_from_the_checkpoint(tmp_path):
         p.name for p in source.iterdir())
     from hpcvla.evaluate import checkpoint_weights
     from hpcvla.policies.folders import rl_only_names
-    policy.load_arrays(checkpoint_weights(run_dir)[0])
+    # it trains: tensors beyond the RL heads moved, and only trainable ones
+    start, trained = policy.state_dict(), checkpoint_weights(run_dir)[0]
+    trainable = {name for name, p in policy.named_parameters() if p.requires_grad}
+    moved = {k for k in trained if not torch.equal(trained[k], start[k])}
+    assert moved - set(rl_only_names(policy)) and moved <= trainable, sorted(moved)[:5]
+    policy.load_arrays(trained)
     exported = build_policy(load_config(run_dir / "config.yaml", [
         f"policy.pretrained={tmp_path / 'exported'}"]), env_spec(cfg.env))
     heads = rl_only_names(policy)

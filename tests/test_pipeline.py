@@ -3,6 +3,7 @@ decisions, the staleness bound under a slow learner, and env-step accounting."""
 
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -72,7 +73,8 @@ def test_synchronous_batcher_waits_for_everybody():
 
 def test_modes_are_schedules_of_the_same_knobs():
     cfg = load_config(ROOT / "configs/default.yaml", ["rollout.batch_max=8",
-                                                      "pipeline.max_staleness=2"])
+                                                      "pipeline.max_staleness=2",
+                                                      "rollout.wait_max_ms=7"])
     ladder = []
     for mode in ("sync-disaggregated", "train-async", "rollout-async", "streamer"):
         cfg.pipeline.mode = mode
@@ -80,6 +82,7 @@ def test_modes_are_schedules_of_the_same_knobs():
     assert [s.max_staleness for s in ladder] == [0, 2, 2, 2]
     assert [s.shards for s in ladder] == [1, 1, 2, 2]
     assert [s.batch_max for s in ladder] == [32, 32, 8, 8]
+    assert [s.wait_max_s for s in ladder] == [math.inf, math.inf, 0.007, 0.007]
     assert [s.stream_micro_batches for s in ladder] == [False, False, False, True]
 
 
