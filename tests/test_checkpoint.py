@@ -31,15 +31,24 @@ def resume(run_dir, variants, *extra):
     return [catalog.latest(run_dir / str(i)) for i in range(len(variants))]
 
 
+BF16 = ["policy.name=flow", "policy.dtype=bfloat16"]
+
+
 @pytest.fixture(scope="module")
-def fp32_checkpoints(tmp_path_factory):
-    """An fp32 learner's resume at ZeRO stages 0-3, one world (~25 s): a checkpoint each."""
-    return resume(tmp_path_factory.mktemp("fp32"), [[f"learner.zero_stage={s}"]
-                                                    for s in range(4)])
+def resumed(tmp_path_factory):
+    """One world (~35 s), a checkpoint each: an fp32 learner's resume at ZeRO stages 0-3, then
+    a bf16 flow learner's at stage 0, stage 2 with gradient checkpointing, stage 3 with the
+    optimizer state offloaded."""
+    paths = resume(tmp_path_factory.mktemp("resumed"), [
+        *([f"learner.zero_stage={s}"] for s in range(4)),
+        [*BF16, "learner.zero_stage=0"],
+        [*BF16, "learner.zero_stage=2", "learner.gradient_checkpointing=true"],
+        [*BF16, "learner.zero_stage=3", "learner.offload_optimizer=true"]])
+    return {"fp32": paths[:4], "bf16": paths[4:]}
 
 
-def test_resume_is_bit_identical_at_every_zero_stage(fp32_checkpoints):
-    for stage, path in enumerate(fp32_checkpoints):
+def test_resume_is_bit_identical_at_every_zero_stage(resumed):
+    for stage, path in enumerate(resumed["fp32"]):
         state = catalog.read_state(path)
         assert path.name == "v000002" and state["zero_stage"] == stage and state["learners"] == 2
         assert sorted(p.name for p in path.iterdir()) == [
@@ -52,17 +61,12 @@ def test_resume_is_bit_identical_at_every_zero_stage(fp32_checkpoints):
         assert kinds[1] == ({"rng.torch_cpu"} if stage == 0 else kinds[0]), (stage, kinds)
 
 
-def test_bf16_resume_is_bit_identical_from_the_fp32_masters(tmp_path):
+def test_bf16_resume_is_bit_identical_from_the_fp32_masters(resumed):
     """A bf16 learner (DeepSpeed's bf16 mode: stage 0 and ZeRO wrap different optimizers)
     resumes exactly: the checkpoint holds its fp32 masters, not only the rounded weights;
     with gradient checkpointing too (the learner that resumes recomputes its layers), and with
-    the optimizer state offloaded to host memory (ZeRO-Offload, torch's fused CPU AdamW).
-    One world (~30 s)."""
-    paths = resume(tmp_path, [["learner.zero_stage=0"],
-                              ["learner.zero_stage=2", "learner.gradient_checkpointing=true"],
-                              ["learner.zero_stage=3", "learner.offload_optimizer=true"]],
-                   "policy.name=flow", "policy.dtype=bfloat16")
-    for path in paths:
+    the optimizer state offloaded to host memory (ZeRO-Offload, torch's fused CPU AdamW)."""
+    for path in resumed["bf16"]:
         assert all(v.dtype == torch.bfloat16 for v in store.load_weights(path).values())
 
 
@@ -102,8 +106,8 @@ def test_a_checkpoint_over_two_gib_resumes_bit_exact(tmp_path):
     print(f"\n{mpi}: {result}")
 
 
-def test_damaged_checkpoints_fail_clearly(tmp_path, fp32_checkpoints):
-    saved = fp32_checkpoints[1]  # ZeRO-1's, copied into a run directory of its own to damage
+def test_damaged_checkpoints_fail_clearly(tmp_path, resumed):
+    saved = resumed["fp32"][1]  # ZeRO-1's, copied into a run directory of its own to damage
     path = tmp_path / saved.relative_to(saved.parent.parent)
     shutil.copytree(saved, path)
     assert catalog.latest(tmp_path) == path

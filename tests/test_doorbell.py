@@ -104,6 +104,7 @@ def test_an_exchange_across_network_namespaces_is_refused_by_name():
 
 
 @pytest.mark.mpi
+@pytest.mark.alone  # a wake-up's lateness: another worker's world on the cores would add its own
 def test_a_simulator_notices_its_answer_when_it_is_given_not_at_its_next_poll():
     """The exchange rings: a simulator asleep in its bell (10 ms a sleep at most) notices an
     answer given 25 ms after its request within a few ms of it, and spends less CPU waiting

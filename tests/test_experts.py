@@ -234,3 +234,28 @@ def test_demos_stopped_before_the_first_episode_leave_no_file(tmp_path, monkeypa
     assert summary["episodes"] == 0 and not (tmp_path / "demos.h5").exists()
     assert summary_line(summary).endswith(f"stopped by signal {signal.SIGTERM.value} after 0 "
                                           "of 4 episodes: no file written")
+
+
+def test_successful_only_keeps_the_successes_and_gives_up_when_they_are_too_rare(tmp_path):
+    """`hpcvla demos --successful-only` (recording.record): with the `reach` expert's actions
+    drowned in noise (most episodes fail), the file holds the episodes asked, all successful,
+    from more attempts (each labelled with its attempt's number); in episodes too short to
+    succeed it gives up after ATTEMPTS_PER_EPISODE x the episodes asked, naming the flag, and
+    leaves no file."""
+    from hpcvla.config import load_config
+    from hpcvla.imitation.recording import ATTEMPTS_PER_EPISODE, RecordingError, record
+    out = tmp_path / "demos.h5"
+    result = record(load_config("configs/default.yaml"), 4, out, noise=10.0,
+                    successful_only=True)
+    assert result["episodes"] == 4 and result["attempts"] > 4, result
+    with h5py.File(out, "r") as f:
+        demos = [f["data"][name] for name in sorted(f["data"])]
+        assert len(demos) == 4 and all(demo.attrs["success"] for demo in demos)
+        attempts = sorted(int(demo.attrs["episode"]) for demo in demos)
+    assert attempts[-1] >= 4 and len(set(attempts)) == 4, attempts  # failed ones in between
+    short = tmp_path / "short.h5"
+    with pytest.raises(RecordingError, match=f"--successful-only: 0 successful episodes in "
+                                             f"{2 * ATTEMPTS_PER_EPISODE} attempts"):
+        record(load_config("configs/default.yaml", ["env.max_episode_chunks=1"]), 2, short,
+               successful_only=True)
+    assert not short.exists()

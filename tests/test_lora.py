@@ -50,17 +50,25 @@ def test_lora_trains_adapters_and_heads_and_freezes_the_pretrained_weights(case)
 
 @pytest.mark.parametrize("case", ["pi0", pytest.param("oft", marks=pytest.mark.slow)])
 def test_merging_folds_the_adapters_into_a_policy_without_lora(case):
-    cfg, spec, policy = lora_policy(case)
+    """Merged, each projection is W + (lora_alpha / lora_rank) B A (here 8 / 4), and the
+    policy acts as it did with its adapters."""
+    cfg, spec, policy = lora_policy(case, "policy.lora_alpha=8")
     with torch.no_grad():  # trained adapters: B is no longer zero
         for name, param in policy.named_parameters():
             if "lora_B" in name:
                 param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    state = {k: v.clone() for k, v in policy.state_dict().items()}
+    layer = next(k.removesuffix(".lora_A.default.weight") for k in state
+                 if k.endswith("q_proj.lora_A.default.weight"))
     obs, actions = policy_batch(spec)
     with torch.no_grad():
         before = policy.evaluate(obs, actions)[0]
         assert merge_lora(policy) > 0
         after = policy.evaluate(obs, actions)[0]
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(policy.state_dict()[f"{layer}.weight"], (
+        state[f"{layer}.base_layer.weight"] + 8 / 4 * state[f"{layer}.lora_B.default.weight"]
+        @ state[f"{layer}.lora_A.default.weight"]), rtol=1e-5, atol=1e-6)
     plain = build_policy(load_config(*VLA_CASES[case]), spec)
     assert list(plain.state_dict()) == list(policy.state_dict())
     plain.load_arrays(policy.state_dict())

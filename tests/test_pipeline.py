@@ -108,7 +108,11 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     out, summary, run_dir = run_train(tmp_path / "run", *settings)
     assert summary["mode"] == mode and summary["env_steps"] > 0
     assert "[hpcvla] update 4/4" in out.stdout
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = load_config(run_dir / "config.yaml")  # resolved as given, and the plan beside it
+    assert cfg == load_config(ROOT / "configs/default.yaml",
+                              [f"run.root={tmp_path / 'run'}", *settings])
+    assert json.loads((run_dir / "plan.json").read_text())["world_size"] == 4
+    assert "weight root rank 3" in out.stdout
     slots = ring_slots(cfg, env_spec(cfg.env), 1)
     assert (slots > 32) == (mode == "streamer")
     assert f"trajectory ring: {slots} slots of {cfg.learner.ring_slot_kib} KiB a learner, " \

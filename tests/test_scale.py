@@ -204,3 +204,24 @@ def test_search_envs_adds_envs_only_while_they_pay():
     (best, pred), *others = search(lay, learner_bound, search_envs=True)
     assert best.envs == 8 and near(pred.env_steps_per_s, 800, rel=0.01)
     assert any(lay.envs > 8 and near(p.env_steps_per_s, 800, rel=0.01) for lay, p in others)
+
+
+def test_bench_scale_writes_the_models_table_and_chart(tmp_path, capsys):
+    """What `hpcvla bench scale` runs (scale.predict.run; here at 8 and 16 GPUs of its seven
+    sizes: ~2 s a prediction): π0's predicted throughput, each row the model's prediction for
+    that layout, the efficiency against linear scaling from the first row, the weights synced
+    rank by rank never faster; its JSON and chart."""
+    from matplotlib.image import imread
+
+    from hpcvla.scale.predict import HDR, PI0_LIBERO, pi0_layout, run
+    out, chart = tmp_path / "scale.json", tmp_path / "scale.png"
+    rows = run(json_path=out, chart_path=chart, gpus=(8, 16))
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(rows))
+    assert [r["gpus"] for r in rows] == [8, 16] and rows[0]["efficiency"] == 1.0
+    predicted = predict(pi0_layout(16), PI0_LIBERO, HDR, updates=None)
+    assert rows[1]["env_steps_per_s"] == predicted.env_steps_per_s
+    assert rows[1]["efficiency"] == pytest.approx(
+        rows[1]["env_steps_per_s"] / (2 * rows[0]["env_steps_per_s"]))
+    assert all(r["sequential_sync_env_steps_per_s"] <= r["env_steps_per_s"] for r in rows)
+    assert f"{16:>5} {2:>5}" in capsys.readouterr().out
+    assert imread(chart).std() > 0  # drawn, not blank

@@ -19,6 +19,7 @@ import time
 import pytest
 
 from helpers import ROOT, left_behind, progress_version, reach_demos, sft_worlds
+from hpcvla.checkpoint import catalog
 from hpcvla.job.segments import segments
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
@@ -55,6 +56,10 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
             log.append(line)
             if (progress_version(line) or 0) >= 3:
                 break
+        deadline = time.monotonic() + 60  # version 2's checkpoint, written in the background
+        while not any(catalog.latest(run) for run in runs.iterdir() if run.name[0] != "."):
+            assert time.monotonic() < deadline, "".join(log)[-5000:]
+            time.sleep(0.05)
         cards = [json.loads(p.read_text()) for p in (runs / ".ranks").glob("rank*.json")]
         (learner,) = [c for c in cards if c["roles"] == "learner"]
         (mpiexec,) = subprocess.run(["pgrep", "-P", str(proc.pid), "mpiexec"], text=True,
