@@ -267,6 +267,24 @@ def test_the_open_mpi_first_on_path_is_taken_and_open_mpi_5_chooses_its_windows(
     assert "OMPI_MCA_osc" not in loaded.env, loaded
 
 
+def test_launch_mpiexec_names_the_launcher_and_its_flavour_follows(capsys):
+    """`launch.mpiexec` / `hpcvla launch --mpiexec PATH`: that launcher, its MPI told by
+    itself (here Open MPI's, though the venv's MPICH comes first on PATH); a name that is no
+    executable, or a launcher of another MPI than --mpi asks, is refused naming what to give."""
+    from hpcvla.cli import main
+    from hpcvla.process.mpi_select import MpiSelectError, select_mpi
+    chosen = select_mpi("auto", "/usr/bin/mpirun.openmpi")
+    assert (chosen.flavour, chosen.mpiexec) == ("openmpi", "/usr/bin/mpirun.openmpi")
+    assert select_mpi("openmpi", "mpirun.openmpi").mpiexec == "/usr/bin/mpirun.openmpi"
+    with pytest.raises(MpiSelectError, match="launch.mpiexec = 'mpiexec.none' is not an "
+                                             "executable; give a path to mpiexec/mpirun"):
+        select_mpi("auto", "mpiexec.none")
+    with pytest.raises(MpiSelectError, match="no mpich launcher found"):
+        select_mpi("mpich", "/usr/bin/mpirun.openmpi")
+    assert main(["launch", "-n", "1", "--mpiexec", "mpiexec.none", "--", "x.py"]) != 0
+    assert "launch.mpiexec = 'mpiexec.none'" in capsys.readouterr().err
+
+
 def test_the_mpi_selection_of_an_environment_whose_path_holds_a_quote_evaluates(tmp_path):
     """jobs/launch.sh evaluates mpi_select's `export` lines: a path with a quote in it (a home
     directory /home/o'brien) broke them, and the job ended before saying anything of MPI."""
