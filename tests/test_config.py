@@ -372,6 +372,20 @@ def test_a_step_timeout_in_milliseconds_is_refused():
     assert load_config(None, ["env.step_timeout_s=0"]).env.step_timeout_s == 0
 
 
+def test_rlinfs_flow_sde_noise_is_one_steps():
+    """policy.flow_noise=sde (RLinf's flow-SDE step) noises the one step random_step draws:
+    other modes refuse it, naming the mode; a family without a flow refuses the setting."""
+    cfg = load_config("configs/reach_flow.yaml", ["policy.logprob_mode=random_step",
+                                                  "policy.flow_noise=sde",
+                                                  "policy.noise_level=0.3"])
+    assert (cfg.policy.flow_noise, cfg.policy.noise_level) == ("sde", 0.3)
+    with pytest.raises(ConfigError, match=r"policy.flow_noise = 'sde': expected learned unless "
+                                          r"policy.logprob_mode=random_step"):
+        load_config("configs/reach_flow.yaml", ["policy.flow_noise=sde"])
+    with pytest.raises(ConfigError, match=r"policy.flow_noise = 'sde': .*\(flow does\)"):
+        load_config("configs/reach_tokens.yaml", ["policy.flow_noise=sde"])
+
+
 @pytest.mark.parametrize("text,kind", [("123", "int"), ("[]", "list"), ('"a"', "str")])
 def test_a_pretrained_config_json_that_is_not_an_object_is_named(tmp_path, text, kind):
     """A truncated or foreign config.json that is valid JSON but no object: the folder check

@@ -5,6 +5,7 @@ fixed batch, and short real DeepSpeed ZeRO-3 runs of each."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -135,15 +136,34 @@ def test_flow_chain_logprob_matches_stepwise_gaussians():
         policy.evaluate(obs, out.actions)
 
 
-def test_flow_random_step_scores_the_one_noisy_transition_it_recorded():
+def rlinf_flow_sde_step(x, v, t, K, noise_level):
+    """RLinf's flow-SDE transition from x at time t (openpi_action_model's
+    sample_mean_var_val, noise_method flow_sde, as its code writes it): the denoised and the
+    noise end points' predictions weighted, the step's std from the time grid."""
+    grid = torch.cat([torch.linspace(1, 1 / K, K), torch.zeros(1)])
+    denominator = torch.where(grid == 1, grid[1], grid)
+    sigmas = noise_level * torch.sqrt(grid / (1 - denominator))[:-1]
+    index = torch.round((1 - t) * K).long()
+    sigma, delta = sigmas[index].view(-1, 1, 1), 1.0 / K
+    t = t.view(-1, 1, 1)
+    x0_pred, x1_pred = x - v * t, x + v * (1 - t)
+    mean = x0_pred * (1 - (t - delta)) + x1_pred * (t - delta - sigma ** 2 * delta / (2 * t))
+    return mean, math.sqrt(delta) * sigma
+
+
+@pytest.mark.parametrize("noise", ["learned", "sde"])
+def test_flow_random_step_scores_the_one_noisy_transition_it_recorded(noise):
     """random_step (RLinf's flow-SDE): from x_0 ~ N(0, I), each sample's one noisy step is
     drawn uniformly; its start x_k, time t_k and noisy executed entries are recorded, the
     other steps are the ODE's. Checked independently: the log-prob is the Normal of that one
-    transition (std sigma, the mean from one expert pass at x_k, t_k), evaluate gives it, and
-    the ODE from x_{k+1} reproduces the executed chunk; padded dims stay noise-free."""
+    transition (flow_noise learned: std sigma around the Euler step from one expert pass at
+    x_k, t_k; sde: RLinf's own step, rlinf_flow_sde_step), evaluate gives it, and the ODE
+    from x_{k+1} reproduces the executed chunk; padded dims stay noise-free."""
     K, B = 3, 48
     dims = {"horizon": 6, "action_dim": 5, "state_dim": 9}
-    policy = make("flow-random", denoise_steps=K, model_dims=dims)
+    policy = make("flow-random", denoise_steps=K, model_dims=dims, flow_noise=noise,
+                  noise_level=0.7)
+    assert policy.log_std.requires_grad == (noise == "learned")  # sde: the times' std
     with torch.no_grad():
         policy.log_std.copy_(torch.linspace(-1.5, 0.3, CHUNK * ACTION_DIM).view(CHUNK, -1))
     obs = make_obs(SPEC, B)
@@ -157,8 +177,13 @@ def test_flow_random_step_scores_the_one_noisy_transition_it_recorded():
     state = torch.nn.functional.pad(obs["state"], (0, 2))
     with torch.no_grad():
         cache, pad, _ = policy._encode(obs)
-        mean = x - policy._velocity(cache, pad, state, x, t[:, 0])[0] / K
-        ref = Normal(mean[:, :CHUNK, :ACTION_DIM], policy.log_std.exp()).log_prob(taken)
+        velocity = policy._velocity(cache, pad, state, x, t[:, 0])[0]
+        mean = x - velocity / K
+        if noise == "learned":
+            ref = Normal(mean[:, :CHUNK, :ACTION_DIM], policy.log_std.exp()).log_prob(taken)
+        else:
+            sde_mean, std = rlinf_flow_sde_step(x, velocity, t[:, 0], K, 0.7)
+            ref = Normal(sde_mean[:, :CHUNK, :ACTION_DIM], std).log_prob(taken)
         assert (taken - mean[:, :CHUNK, :ACTION_DIM]).abs().min() > 0  # noisy there
         nxt = mean.clone()
         nxt[:, :CHUNK, :ACTION_DIM] = taken

@@ -64,13 +64,16 @@ def add_bench_parser(sub) -> None:
                             "--validate: per case (10)")
     bench.add_argument("--seeds", type=whole_number(1), default=3, help="learning: seeds per arm")
     bench.add_argument("--arms", default="modes",
-                       choices=["modes", "critic", "flow-noise", "flow-sde", "dsrl", "dsrl-state",
+                       choices=["modes", "critic", "flow-noise", "flow-sde", "flow-sde-step",
+                                "dsrl", "dsrl-state",
                                 "families", "off-policy", "imitation", "prior-data",
                                 "scratch", "dsrl-sft", "setting"],
                        help="learning: streamer vs sync-colocated, the critic's own schedule "
                             "(its rate, unclipped, 8 epochs) vs a shared one (the policy's "
                             "rate, clipped, 4 epochs), flow last_step vs chain (and "
-                            "random_step vs last_step) from a pretrained checkpoint, DSRL (SAC on the noise) vs PPO from it, "
+                            "random_step vs last_step; random_step's step as RLinf's "
+                            "flow-SDE vs learned) from a pretrained checkpoint, DSRL (SAC on the "
+                            "noise) vs PPO from it, "
                             "DSRL's actor on the state alone vs on everything, "
                             "the flow vs the tokens head on reach "
                             "(32 px), SAC vs PPO on reach (sync-colocated), or streamer vs "

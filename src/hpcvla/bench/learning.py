@@ -16,6 +16,9 @@ Arm sets (`--arms`):
   πRL's flow-noise; the pretrained sampler's own distribution). policies/flow_denoising.py.
 * `flow-sde`: the same start, `random_step` (x_0 ~ N(0, I), one noisy step drawn per sample,
   scored with one expert pass: RLinf's flow-SDE) against `last_step`.
+* `flow-sde-step`: the same start, both `random_step`: its step as RLinf's flow-SDE takes it
+  (`sde`: the std fixed by the step's time, the mean drift-corrected) against a std learned
+  around the Euler step (`learned`).
 * `dsrl`: the same pretrained start, RL in its noise space against fine-tuning it: `dsrl`
   (SAC's small noise actor steers the frozen flow policy's sampler, policies/noise_actor.py;
   SAC's settings of configs/colocated_sac.yaml for reach's small rewards) against `ppo`
@@ -105,6 +108,8 @@ ARMS["off-policy"] = {"sac": ["configs/colocated_sac.yaml", "--ranks", "2"],
 FLOW = ["configs/reach_flow.yaml", "--ranks", "4", "policy.pretrained={pretrained}"]
 ARMS["flow-noise"] = {"last_step": FLOW, "chain": FLOW + ["policy.logprob_mode=chain"]}
 ARMS["flow-sde"] = {"random_step": FLOW + ["policy.logprob_mode=random_step"], "last_step": FLOW}
+ARMS["flow-sde-step"] = {"sde": ARMS["flow-sde"]["random_step"] + ["policy.flow_noise=sde"],
+                         "learned": ARMS["flow-sde"]["random_step"]}
 DSRL_SETTINGS = ["algorithm.name=sac", "algorithm.init_temperature=0.01",
                  "algorithm.batch_size=128", "algorithm.utd=0.25"]
 DSRL = FLOW + DSRL_SETTINGS
@@ -139,6 +144,7 @@ def scratch_arms(config: str = PUSHCUBE_SAC) -> dict:
 
 PRETRAIN = {"flow-noise": ["configs/reach_flow.yaml", "--ranks", "4", "run.seed=1000"]}
 PRETRAIN["dsrl"] = PRETRAIN["dsrl-state"] = PRETRAIN["flow-sde"] = PRETRAIN["flow-noise"]
+PRETRAIN["flow-sde-step"] = PRETRAIN["flow-noise"]
 PRETRAIN_UPDATES = 40  # the start: ~0.89 held-out success (sampled; 2 runs of seed 1000)
 IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another recipe
 # (the `imitation` arm set is built from its recipe when run: imitation_arms)

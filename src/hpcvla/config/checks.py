@@ -69,6 +69,9 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.learner.gradient_checkpointing and not vla:
         problems.append(("learner.gradient_checkpointing", True, "false for policy.name="
                          "default (a small network: no transformer layers to recompute)"))
+    if cfg.policy.flow_noise == "sde" and cfg.policy.logprob_mode != "random_step":
+        problems.append(("policy.flow_noise", "sde", "learned unless policy.logprob_mode="
+                         "random_step (RLinf's flow-SDE noises one step per chunk)"))
     if cfg.policy.lora_rank and not vla:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 for policy.name=default "
                          "(a small network: no language model to adapt)"))

@@ -56,8 +56,8 @@ FAMILIES = {
                             settings=("hidden", "init_log_std")),
     "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True, folder_sizes=True,
                          settings=(
-        *_VLA, "denoise_steps", "denoise_from", "train_expert_only", "logprob_mode", "variant",
-        "hidden")),
+        *_VLA, "denoise_steps", "denoise_from", "train_expert_only", "logprob_mode", "flow_noise",
+        "noise_level", "variant", "hidden")),
     "tokens": FamilyTraits(vla=True, relative_actions=False, settings=_VLA),
     "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=ACTION_HEADS,
                         libero_gripper="open_high", folder_sizes=True, settings=(

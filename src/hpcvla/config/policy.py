@@ -10,6 +10,7 @@ from hpcvla.config.learning import setting
 
 # The choices of policy settings, read by the code that acts on them (one home each)
 LOGPROB_MODES = ("last_step", "chain", "random_step")  # policies/flow_denoising.py
+FLOW_NOISES = ("learned", "sde")  # policies/flow_denoising.py
 SIZE_NAMES = ("tiny", "small", "full")  # policies/vla.py's presets
 VARIANTS = ("pi0", "pi05")  # policies/flow.py
 DENOISE_FROM = ("zero", "noise")  # policies/flow.py
@@ -77,6 +78,17 @@ class PolicyConfig:
         "that step's start (one H x D) and scores it with one expert pass. With padded dims "
         "the noise enters the executed entries alone (the rest follows the mean, as "
         "trained).", choices=LOGPROB_MODES)
+    flow_noise: str = setting(
+        "learned", "`flow` with logprob_mode random_step: the noisy step's Gaussian. "
+        "`learned`: around the ODE's (Euler) step, its std exp(log_std) learned per executed "
+        "entry. `sde`: RLinf's flow-SDE step (noise_method flow_sde): the std fixed by the "
+        "step's time t, sqrt(1/K) * policy.noise_level * sqrt(t / (1 - t)) (at t = 1: t / (1 "
+        "- t) is K), nothing learned, and the mean the Euler step's minus the SDE's drift "
+        "correction std^2 (x + (1 - t) v) / (2 t) (v the velocity, K denoising steps).",
+        choices=FLOW_NOISES)
+    noise_level: float = setting(
+        0.5, "`flow` with flow_noise=sde: the scale of the SDE's noise (RLinf's noise_level; "
+        "its LIBERO recipes' 0.5).", ge=0.001)
     denoise_from: str = setting(
         "zero", "`flow`: where acting without exploration noise (`hpcvla eval "
         "--deterministic`, eval.deterministic, `demos --deterministic`) starts denoising. "

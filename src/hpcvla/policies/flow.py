@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hpcvla.config.families import FAMILIES
-from hpcvla.config.policy import DENOISE_FROM, VARIANTS
+from hpcvla.config.policy import DENOISE_FROM, FLOW_NOISES, VARIANTS
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
@@ -67,6 +67,8 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
         denoise_steps: K, Euler steps per chunk (π0 uses 10; RL fine-tuning uses fewer).
         denoise_from: "zero" | "noise", x_0 of deterministic acting (policy.denoise_from).
         logprob_mode: "last_step", "chain" or "random_step" (policies/flow_denoising.py).
+        flow_noise: "learned" or "sde" (RLinf's flow-SDE, random_step only), its scale
+            `noise_level` (policies/flow_denoising.py).
         train_expert_only: freeze the vision-language prefix.
         logprob_granularity: "chunk" | "action" | "token", the shape evaluate returns.
         init_log_std: initial log of the exploration std.
@@ -84,7 +86,8 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, denoise_from: str = "zero",
-                 logprob_mode: str = "last_step", train_expert_only: bool = False,
+                 logprob_mode: str = "last_step", flow_noise: str = "learned",
+                 noise_level: float = 0.5, train_expert_only: bool = False,
                  logprob_granularity: str = "chunk", init_log_std: float = -0.7,
                  dtype: str = "auto", model_dims: dict | None = None, variant: str = "pi0",
                  hidden: int = 128, soft_critics: bool = False, critic_layer_norm: bool = False,
@@ -93,16 +96,21 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
         super().__init__()
         for name, value, choices in (("variant", variant, VARIANTS),
                                      ("logprob_mode", logprob_mode, LOGPROB_MODES),
+                                     ("flow_noise", flow_noise, FLOW_NOISES),
                                      ("denoise_from", denoise_from, DENOISE_FROM)):
             if value not in choices:
                 raise ValueError(f"flow {name} {value!r}: expected one of {choices}")
         if denoise_steps < 1:
             raise ValueError(f"denoise_steps must be >= 1, got {denoise_steps}")
+        if flow_noise == "sde" and logprob_mode != "random_step":
+            raise ValueError(f"flow_noise 'sde' noises one step (random_step), not "
+                             f"{logprob_mode!r}")
         parts = resolve_size("flow", size, obs_spec, vocab_size)
         dims = self._model_dims(obs_spec, action_dim, chunk_len, model_dims)
         self._setup(obs_spec, action_dim, chunk_len, vocab_size, logprob_granularity, dtype,
                     dict(size=parts, denoise_steps=denoise_steps, denoise_from=denoise_from,
-                         logprob_mode=logprob_mode, train_expert_only=train_expert_only,
+                         logprob_mode=logprob_mode, flow_noise=flow_noise,
+                         noise_level=noise_level, train_expert_only=train_expert_only,
                          logprob_granularity=logprob_granularity, init_log_std=init_log_std,
                          dtype=dtype, model_dims=dims, variant=variant, hidden=hidden,
                          soft_critics=soft_critics, critic_layer_norm=critic_layer_norm,
@@ -113,6 +121,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
         self.model_state_dim = dims["state_dim"]
         self.denoise_steps, self.logprob_mode = int(denoise_steps), logprob_mode
         self.denoise_from = denoise_from
+        self.flow_noise, self.noise_level = flow_noise, float(noise_level)
         self.train_expert_only = bool(train_expert_only)
         self.checkpoint_passes = False  # enable_gradient_checkpointing
 
@@ -145,7 +154,8 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
         value_in = text.hidden_size + (width if self.state_token else 0)
         self.value_head = value_mlp(value_in, min(256, value_in))
         self.log_std = nn.Parameter(torch.full((self.chunk_len, self.action_dim),
-                                               float(init_log_std)))
+                                               float(init_log_std)),
+                                    requires_grad=flow_noise == "learned")  # sde: time's
         if self.train_expert_only:
             self.prefix.requires_grad_(False)
         self.to(self.compute_dtype)

@@ -25,7 +25,10 @@ x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injection, as ReinFlow, Flo
   from, which sampling records (extras `flow_step_x` = x_k, `flow_step_t` = t_k,
   `flow_step_taken` = x_{k+1}'s noisy entries): evaluate runs one expert pass, at x_k and
   t_k, instead of K. The exploration starts from the prior like chain's, with a K-th of its
-  scoring work and of what it records.
+  scoring work and of what it records. `flow_noise="sde"` makes that step RLinf's flow-SDE
+  step exactly: std sqrt(1/K) * noise_level * sqrt(t_k / (1 - t_k)) fixed by its time
+  (nothing learned), the mean the Euler step's less the SDE's drift correction (the
+  marginals stay the flow's); RLinf draws one step for the whole batch, this one per sample.
 
 The pipeline records the extras with every step (segments, ring, dumps) like observations.
 
@@ -80,6 +83,21 @@ class FlowDenoising:
         return log_std - 0.5 * math.log(self.denoise_steps) if self.logprob_mode == "chain" \
             else log_std
 
+    def _noisy_step(self, x, velocity, t, executed):
+        """(mean, log std) of a noisy step's executed entries from x (B, H_m, D_m) at times t
+        (B,), `executed` the ODE step's entries there: flow_noise learned, the ODE's step and
+        log_std; sde, RLinf's flow-SDE step (the setting's doc): its time's std, the ODE's
+        step less the drift correction std^2 x_1 / (2 t), x_1 = x + (1 - t) v the noise the
+        velocity points back to."""
+        if self.flow_noise == "learned":
+            return executed, self._step_log_std()
+        H, D, K = self.chunk_len, self.action_dim, self.denoise_steps
+        t = t.float().view(-1, 1, 1)
+        after_first = torch.where(t == 1, torch.full_like(t, 1 - 1 / K), t)  # its t / (1 - t)
+        variance = self.noise_level ** 2 * t / (1 - after_first) / K  # (sqrt(1/K) sigma_t)^2
+        noise = (x + (1 - t) * velocity)[:, :H, :D]
+        return executed - variance * noise / (2 * t), 0.5 * torch.log(variance)
+
     def _times(self, B, device):
         return [torch.full((B,), 1.0 - k / self.denoise_steps, device=device)
                 for k in range(self.denoise_steps)]
@@ -102,7 +120,6 @@ class FlowDenoising:
         output, extras); from the initial noise `x0` (B, H_m, D_m) where given (DSRL), else
         from the mode's x_0."""
         B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
-        log_std = self._step_log_std()
         x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
         if x0 is not None:
             x = x0.to(x)
@@ -120,10 +137,11 @@ class FlowDenoising:
             mean = x - velocity / K
             if noisy[k] is not None:  # noise on the executed entries of the samples it picks
                 picked = noisy[k][:, None, None]
-                executed = mean[:, :H, :D]
+                executed = mean[:, :H, :D]  # the ODE's, where no noise is drawn
+                centre, log_std = self._noisy_step(x, velocity, t, executed)
                 drawn = executed if deterministic else torch.where(
-                    picked, executed + log_std.exp() * torch.randn_like(executed), executed)
-                terms = terms + torch.where(picked, _gaussian(drawn, executed, log_std), 0.0)
+                    picked, centre + log_std.exp() * torch.randn_like(executed), executed)
+                terms = terms + torch.where(picked, _gaussian(drawn, centre, log_std), 0.0)
                 for name, value in (("flow_step_x", x), ("flow_step_t", t[:, None]),
                                     ("flow_step_taken", drawn)):
                     if name in step:  # random_step: the state its noisy step started from
@@ -143,14 +161,15 @@ class FlowDenoising:
             raise KeyError(f"logprob_mode={self.logprob_mode!r} scores what sampling recorded: "
                            f"pass obs[{missing[0]!r}] as sample() returned it in extras, or "
                            "use logprob_mode='last_step'")
-        log_std = self._step_log_std()
         if self.logprob_mode == "random_step":  # one expert pass, where the noise entered
             x, t = obs["flow_step_x"].float(), obs["flow_step_t"].float()[:, 0]
             velocity, state_out = self._expert_pass(cache, pad, state, x, t)
             mean = x - velocity / self.denoise_steps
-            terms = _gaussian(obs["flow_step_taken"].float(),
-                              mean[:, :self.chunk_len, :self.action_dim], log_std)
+            centre, log_std = self._noisy_step(x, velocity, t,
+                                               mean[:, :self.chunk_len, :self.action_dim])
+            terms = _gaussian(obs["flow_step_taken"].float(), centre, log_std)
         else:
+            log_std = self._step_log_std()
             terms, state_out = self._replay(cache, pad, state, obs, actions, log_std)
         steps = self.denoise_steps if self.logprob_mode == "chain" else 1
         entropy = (steps * (log_std + 0.5 + _LOG_SQRT_2PI)).expand_as(terms)
