@@ -133,9 +133,9 @@ def test_policy_denoise_from_noise_acts_from_a_drawn_start_in_the_envs_units():
 @pytest.mark.parametrize("family", ["pi0", "pi05"])
 def test_noisy_steps_on_a_published_folder_score_what_they_sampled(family, mode):
     """policy.logprob_mode=chain / random_step on the fixture's padded layout (a horizon of 10
-    actions of 32 dims, 5 x 7 executed): what evaluate needs is recorded in the model's space
-    (chain: the whole chain; random_step: its noisy step's start and draw), the executed
-    chunk comes out in the env's units, and evaluate maps it back and scores it to act's
+    actions of 32 dims, 5 x 7 executed): what evaluate needs is recorded (chain: its start in
+    the model's space and every step's executed draw; random_step: its noisy step's start
+    and draw), the executed chunk comes out in the env's units, and evaluate maps it back and scores it to act's
     log-prob (the behaviour weight of a version-0 step is 1)."""
     io, tasks = fixture(family)
     obs, spec = raw_observation(io, tasks)
@@ -143,7 +143,8 @@ def test_noisy_steps_on_a_published_folder_score_what_they_sampled(family, mode)
         "policy.logprob_mode": mode, "policy.denoise_steps": 3}), spec)
     torch.manual_seed(0)
     out, extras = policy.sample(obs)
-    recorded = {"chain": {"flow_chain": (2, 3, 10, 32)},
+    recorded = {"chain": {"flow_chain_start": (2, 10, 32),
+                          "flow_chain_taken": (2, 3, EXECUTED, 7)},
                 "random_step": {"flow_step_x": (2, 10, 32), "flow_step_t": (2, 1),
                                 "flow_step_taken": (2, EXECUTED, 7)}}[mode]
     assert {k: tuple(v.shape) for k, v in extras.items()} == recorded

@@ -118,9 +118,10 @@ def test_flow_chain_logprob_matches_stepwise_gaussians():
     policy = make("flow-chain", denoise_steps=K)
     obs = make_obs(SPEC, 4)
     out, scored = sample(policy, obs)
-    chain = scored["flow_chain"]
-    assert chain.shape == (4, K, CHUNK, ACTION_DIM)
-    states = torch.cat([chain, out.actions[:, None]], dim=1)
+    start, taken = scored["flow_chain_start"], scored["flow_chain_taken"]
+    assert start.shape == (4, CHUNK, ACTION_DIM) and taken.shape == (4, K, CHUNK, ACTION_DIM)
+    torch.testing.assert_close(taken[:, -1], out.actions)  # x_K's: the chunk acted
+    states = torch.cat([start[:, None], taken], dim=1)  # unpadded: every entry executed
     std = policy.log_std.detach().exp() / K ** 0.5
     ref = torch.zeros(4)
     with torch.no_grad():
@@ -132,7 +133,7 @@ def test_flow_chain_logprob_matches_stepwise_gaussians():
     torch.testing.assert_close(out.logprob, ref, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(policy.evaluate(scored, out.actions)[0].detach(), ref,
                                atol=1e-4, rtol=1e-5)
-    with pytest.raises(KeyError, match="flow_chain"):
+    with pytest.raises(KeyError, match="flow_chain_start"):
         policy.evaluate(obs, out.actions)
 
 
@@ -649,11 +650,25 @@ def test_a_padded_chain_is_noisy_and_scored_on_the_executed_entries_only():
     policy = make("flow-chain", denoise_steps=K, model_dims=dims)
     obs = make_obs(SPEC, B)
     out, scored = sample(policy, obs)
-    chain = scored["flow_chain"]
-    assert chain.shape == (B, K, 6, 5) and out.actions.shape == (B, CHUNK, ACTION_DIM)
+    start, taken = scored["flow_chain_start"], scored["flow_chain_taken"]
+    assert start.shape == (B, 6, 5) and taken.shape == (B, K, CHUNK, ACTION_DIM)
+    assert out.actions.shape == (B, CHUNK, ACTION_DIM)
     executed = torch.zeros(6, 5, dtype=torch.bool)
     executed[:CHUNK, :ACTION_DIM] = True
     std = policy.log_std.detach().exp() / K ** 0.5
+
+    def behaviour_chain():  # x_0 .. x_{K-1} as acting made them: the recorded executed
+        state = torch.nn.functional.pad(obs["state"], (0, 2))  # entries, the rest the means
+        cache, pad, _ = policy._encode(obs)  # of these (behaviour) weights
+        states = [start]
+        for k in range(K - 1):
+            x = states[-1]
+            mean = x - policy._velocity(cache, pad, state, x, torch.full((B,), 1 - k / K))[0] / K
+            drawn = torch.nn.functional.pad(taken[:, k], (0, 5 - ACTION_DIM, 0, 6 - CHUNK))
+            states.append(torch.where(executed, drawn, mean))
+        return torch.stack(states, dim=1)
+    with torch.no_grad():
+        chain = behaviour_chain()
 
     def path_logprob(rest_from_weights: bool):
         state = torch.nn.functional.pad(obs["state"], (0, 2))
@@ -721,7 +736,7 @@ def test_noisy_steps_are_recorded_through_the_pipeline(tmp_path, mode):
     first = [r for r in records if r.get("update") == 1 and "behaviour_weight_max" in r]
     assert first and all(abs(r["behaviour_weight_max"] - 1) < 1e-3 for r in first), first
     (dump,) = (run_dir / "trajectories").glob("rank*.h5")
-    recorded = {"chain": {"flow_chain": (3, 4, 2)},
+    recorded = {"chain": {"flow_chain_start": (4, 2), "flow_chain_taken": (3, 4, 2)},
                 "random_step": {"flow_step_x": (4, 2), "flow_step_t": (1,),
                                 "flow_step_taken": (4, 2)}}[mode]
     with h5py.File(dump) as f:

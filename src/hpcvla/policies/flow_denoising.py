@@ -15,10 +15,11 @@ x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injection, as ReinFlow, Flo
 * "chain": x_0 ~ N(0, I) and every step is noisy with std sigma / sqrt(K) (an SDE with total
   injected variance sigma^2). The chunk log-prob is the sum over the K transitions of the
   Gaussian step log-probs (x_0's prior term does not depend on the weights and is left
-  out), which needs the whole chain: sampling returns it as extras["flow_chain"]
-  (B, K, H, D) = x_0..x_{K-1} (x_K is the returned chunk), and `evaluate` reads it from
-  obs["flow_chain"]. evaluate replays the chain step by step from its x_0, each step's
-  noisy entries as recorded: K expert passes with gradients.
+  out), which needs the chain: sampling returns its start x_0 (extras["flow_chain_start"],
+  the model's H_m x D_m) and each step's noisy entries, the executed ones of x_1..x_K
+  (extras["flow_chain_taken"], K x H x D: x_K's is the returned chunk), and `evaluate`
+  reads them from obs. evaluate replays the chain step by step from x_0, each step's noisy
+  entries as recorded, the rest recomputed: K expert passes with gradients.
 * "random_step": x_0 ~ N(0, I), one step k drawn uniformly per sample is noisy with std
   sigma, the others follow the ODE (RLinf's flow-SDE as its LIBERO recipes run it,
   `joint_logprob: False`). The log-prob is that transition's given the state it started
@@ -68,7 +69,8 @@ class FlowDenoising:
         """What sampling records for evaluate, by mode: name -> (shape, dtype)."""
         model = (self.model_horizon, self.model_action_dim)
         if self.logprob_mode == "chain":
-            return {"flow_chain": ((self.denoise_steps, *model), "<f4")}
+            return {"flow_chain_start": (model, "<f4"), "flow_chain_taken": (
+                (self.denoise_steps, self.chunk_len, self.action_dim), "<f4")}
         if self.logprob_mode == "random_step":
             return {"flow_step_x": (model, "<f4"), "flow_step_t": ((1,), "<f4"),
                     "flow_step_taken": ((self.chunk_len, self.action_dim), "<f4")}
@@ -125,15 +127,15 @@ class FlowDenoising:
             x = x0.to(x)
         elif self.denoise_from == "noise" if deterministic else self.logprob_mode != "last_step":
             x = torch.randn_like(x)
-        terms, state_out, chain = torch.zeros(B, H, D, device=pad.device), None, []
+        terms, state_out, start, taken = torch.zeros(B, H, D, device=pad.device), None, x, []
         step = {name: torch.zeros(B, *shape, device=pad.device)
-                for name, (shape, _) in self.denoising_fields().items() if name != "flow_chain"}
+                for name, (shape, _) in self.denoising_fields().items()
+                if self.logprob_mode == "random_step"}
         noisy = self._noisy_steps(B, pad.device, deterministic)
         for k, t in enumerate(self._times(B, pad.device)):
             velocity, out = self._velocity(cache, pad, state, x, t)
             if k == 0:  # the value head reads the state features of the first step
                 state_out = out
-            chain.append(x)
             mean = x - velocity / K
             if noisy[k] is not None:  # noise on the executed entries of the samples it picks
                 picked = noisy[k][:, None, None]
@@ -148,8 +150,9 @@ class FlowDenoising:
                         at = noisy[k].view(-1, *[1] * (value.dim() - 1))
                         step[name] = torch.where(at, value, step[name])
                 mean = _with_executed(mean, drawn)
+                taken.append(drawn)
             x = mean
-        extras = {"flow_chain": torch.stack(chain, dim=1)} \
+        extras = {"flow_chain_start": start, "flow_chain_taken": torch.stack(taken, dim=1)} \
             if self.logprob_mode == "chain" else step
         return x[:, :H, :D], terms, state_out, extras
 
@@ -177,13 +180,13 @@ class FlowDenoising:
 
     def _replay(self, cache, pad, state, obs, actions, log_std):
         """last_step and chain: the denoising replayed with gradients from x_0 (0, or chain's
-        recorded one), chain's executed entries set to the recorded ones after each step,
+        recorded start), chain's executed entries set to the recorded ones after each step,
         the rest recomputed."""
         B, K, H, D = pad.shape[0], self.denoise_steps, self.chunk_len, self.action_dim
         x = torch.zeros(B, self.model_horizon, self.model_action_dim, device=pad.device)
         if self.logprob_mode == "chain":
-            recorded = obs["flow_chain"].float()  # x_0 .. x_{K-1}
-            x = recorded[:, 0]
+            x = obs["flow_chain_start"].float()
+            recorded = obs["flow_chain_taken"].float()  # x_1 .. x_K's executed entries
         terms, state_out = torch.zeros(B, H, D, device=pad.device), None
         for k, t in enumerate(self._times(B, pad.device)):
             velocity, out = self._expert_pass(cache, pad, state, x, t)
@@ -193,7 +196,7 @@ class FlowDenoising:
             if k == K - 1:
                 terms = terms + _gaussian(actions.float(), x[:, :H, :D], log_std)
             elif self.logprob_mode == "chain":
-                taken = recorded[:, k + 1, :H, :D]
+                taken = recorded[:, k]
                 terms = terms + _gaussian(taken, x[:, :H, :D], log_std)
                 x = _with_executed(x, taken)
         return terms, state_out
