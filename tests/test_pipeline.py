@@ -224,6 +224,8 @@ def test_two_nodes_two_learners_zero3_streamer(tmp_path):
                                 "pipeline.total_updates=3", ranks=8)
     learners = [r for r in summary["per_rank"] if r["role"] == "learner"]
     assert len(learners) == 2 and all(r["ring"]["bad_slots"] == 0 for r in learners)
+    inference = [r for r in summary["per_rank"] if r["role"] == "inference"]
+    assert len(inference) == 2 and all(r["weight_swaps"] >= 1 for r in inference)  # each node
     assert sum(summary["staleness_hist"].values()) == 2 * 3 * 32
     assert max(int(k) for k in summary["staleness_hist"]) <= 1
     assert "FutureWarning" not in out.stderr, out.stderr[-3000:]  # torch's, of ZeRO's gathers
