@@ -157,7 +157,6 @@ def test_dsrl_steers_a_frozen_flow_policy_and_only_its_actor_crosses_the_network
 
 DSRL_ENGINE = """
 import json
-import shutil
 import numpy as np, torch
 from mpi4py import MPI
 from hpcvla.algorithms.off_policy import soft_actor_critic_loss, update_targets

@@ -289,11 +289,29 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
             f"optimizer.rank{r}.safetensors" for r in range(state["learners"])), "state.json"]
     lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
     out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
-                 "pipeline.total_updates=5", "learner.checkpoint_every=0", *extra, timeout=400)
+                 "pipeline.total_updates=5", "learner.checkpoint_every=0",
+                 "run.dump_trajectories=true", *extra, timeout=400)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "resuming from" in out.stdout and "update 5/5" in out.stdout
     assert "[hpcvla] resumed with settings changed since the run last ran: " \
-        "pipeline.total_updates: 3 -> 5; learner.checkpoint_every: 1 -> 0\n" in out.stdout
+        "run.dump_trajectories: False -> True; pipeline.total_updates: 3 -> 5; " \
+        "learner.checkpoint_every: 1 -> 0\n" in out.stdout
+    # the resumed start acts with v000003's weights, the weight root having read them: a
+    # step it dumped at version 3 scores as recorded under them
+    import torch
+
+    from hpcvla.evaluate import checkpoint_weights
+    from hpcvla.factory import build_policy
+    cfg = load_config(run_dir / "config.yaml")
+    policy = build_policy(cfg, env_spec(cfg.env))
+    policy.load_arrays(checkpoint_weights(run_dir / "checkpoints" / "v000003")[0])
+    with h5py.File(next((run_dir / "trajectories").glob("rank*.h5"))) as f:
+        demo = next(f["data"][k] for k in f["data"] if f["data"][k].attrs["policy_version"] == 3)
+        obs = {k: torch.from_numpy(demo["obs"][k][:2]) for k in demo["obs"]}
+        actions, recorded = torch.from_numpy(demo["actions"][:2]), demo["logprobs"][:2]
+    with torch.no_grad():
+        np.testing.assert_allclose(policy.evaluate(obs, actions)[0].numpy(), recorded,
+                                   rtol=1e-4, atol=1e-4)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["v000003", "v000005"]
     second = json.loads((run_dir / "summary.json").read_text())
     assert {r["first_version"] for r in second["per_rank"]} == {3}

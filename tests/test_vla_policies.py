@@ -181,10 +181,17 @@ def test_flow_random_step_scores_the_one_noisy_transition_it_recorded(noise):
         velocity = policy._velocity(cache, pad, state, x, t[:, 0])[0]
         mean = x - velocity / K
         if noise == "learned":
-            ref = Normal(mean[:, :CHUNK, :ACTION_DIM], policy.log_std.exp()).log_prob(taken)
+            centre, std = mean[:, :CHUNK, :ACTION_DIM], policy.log_std.exp()
         else:
             sde_mean, std = rlinf_flow_sde_step(x, velocity, t[:, 0], K, 0.7)
-            ref = Normal(sde_mean[:, :CHUNK, :ACTION_DIM], std).log_prob(taken)
+            centre = sde_mean[:, :CHUNK, :ACTION_DIM]
+        ref = Normal(centre, std).log_prob(taken)
+        # and what was drawn is that Normal's: standardised, N(0, 1), unrelated to the noise
+        # end x_1 the velocity points back to (the drift correction's direction)
+        z = ((taken - centre) / std).flatten()
+        x1 = (x + (1 - t[:, 0, None, None]) * velocity)[:, :CHUNK, :ACTION_DIM].flatten()
+        assert abs(float(z.mean())) < 0.15 and abs(float(z.std()) - 1) < 0.1, z.std()
+        assert abs(float(torch.corrcoef(torch.stack([z, x1]))[0, 1])) < 0.15
         assert (taken - mean[:, :CHUNK, :ACTION_DIM]).abs().min() > 0  # noisy there
         nxt = mean.clone()
         nxt[:, :CHUNK, :ACTION_DIM] = taken

@@ -100,7 +100,8 @@ class PolicyConfig:
         -0.7, "Initial log of the exploration std (learned): per action entry (`default`, "
         "`flow` last_step, `oft` with OFT's L1-regression head, in its normalized action "
         "space; `tokens`: the spread of its initial bins); `flow` chain: the "
-        "total noise injected over the chain (each of K steps gets std / sqrt(K)). Lower "
+        "total noise injected over the chain (each of K steps gets std / sqrt(K)); not "
+        "read by `flow` with flow_noise=sde (the step's time sets it). Lower "
         "starts closer to a pretrained policy's own actions, explores less. From an `hpcvla "
         "sft` run (policy.checkpoint) it starts here too where SFT does not fit it (`flow`, "
         "`oft`'s L1 head); the `default` family keeps the std its likelihood fitted.")

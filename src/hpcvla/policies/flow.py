@@ -33,7 +33,8 @@ the executed part alone, the only part scored.
 Value: an MLP on the mean of the prefix's last hidden states, concatenated with the expert's
 output at the state token (which depends on neither t nor x). `train_expert_only` freezes
 the prefix (vision tower, projector, language model): the expert, its projections, the
-value head and log_std train.
+value head and log_std train (log_std not under flow_noise=sde: the step's time sets its
+std).
 
 Published folders (their names, sizes, sampler and processor): policies/flow_folders.py.
 SAC steers a frozen flow policy through its sampler's noise: policies/noise_actor.py (DSRL).
