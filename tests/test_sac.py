@@ -491,6 +491,18 @@ def test_the_plan_counts_rlpds_prior_data_from_the_files_headers(tmp_path):
     online, none = replay_bytes(sac, spec)
     per_transition = online // sac.replay_capacity
     assert rows > 0 and none == 0 and replay_bytes(rlpd, spec) == (online, rows * per_transition)
+    # algorithm.demos_per_task=1: the first demonstration of each task (instruction), in file
+    # order, counted by the same headers
+    demos = read_demonstrations(tmp_path / "dump.h5", spec, outcomes=True)
+    firsts = {}
+    for episode in sorted(set(demos.episode.tolist())):
+        firsts.setdefault(str(demos.task[episode]), episode)
+    capped = sum(int((demos.episode == e).sum()) for e in firsts.values())
+    one_each = load_config(ROOT / "configs/colocated_sac.yaml", [
+        "algorithm.name=rlpd", f"algorithm.demos={tmp_path / 'dump.h5'}",
+        "algorithm.demos_per_task=1"]).algorithm
+    assert len(firsts) > 1 and capped < rows
+    assert replay_bytes(one_each, spec) == (online, capped * per_transition)
     from hpcvla.memory.layout import PRIOR, plan_memory
     from hpcvla.topology.plan import plan_from_config
     cfg = load_config(ROOT / "configs/colocated_sac.yaml",
