@@ -370,6 +370,9 @@ def test_a_step_timeout_in_milliseconds_is_refused():
                                           r"watchdog\) or at least 1 \(seconds\)"):
         load_config(None, ["env.step_timeout_s=0.001"])
     assert load_config(None, ["env.step_timeout_s=0"]).env.step_timeout_s == 0
+    with pytest.raises(ConfigError, match=r"env.build_timeout_s = 0.5: expected 0 \(no "
+                                          r"watchdog\) or at least 1 \(seconds\)"):
+        load_config(None, ["env.build_timeout_s=0.5"])
 
 
 def test_rlinfs_flow_sde_noise_is_one_steps():

@@ -150,6 +150,26 @@ def test_an_env_that_cannot_be_built_fails_at_start_naming_the_error():
         IsolatedEnv("reach", 2, 0, dict(REACH, image_size=4), timeout_s=30, max_restarts=3)
 
 
+def test_a_workers_build_has_its_own_deadline():
+    """env.build_timeout_s, not env.step_timeout_s, bounds a worker's build (a build reads
+    assets a step does not): a build past its deadline fails naming that setting, and a step
+    deadline shorter than the build leaves the build alone and bounds the calls after it."""
+    with pytest.raises(EnvWorkerFailed, match=r"init did not return within 0.001 s "
+                                              r"\(env.build_timeout_s\)"):
+        IsolatedEnv("reach", 2, 0, REACH, timeout_s=30, max_restarts=0, build_timeout_s=1e-3)
+    started = time.monotonic()  # the worker's start and build: ~0.3 s, a reset ~1 ms
+    env = IsolatedEnv("reach", 2, 0, dict(REACH, hang_at_step=1), timeout_s=0.1,
+                      max_restarts=0, build_timeout_s=30)
+    assert time.monotonic() - started > 0.1  # longer than a step may take
+    try:
+        env.reset()
+        with pytest.raises(EnvWorkerFailed, match=r"step did not return within 0.1 s "
+                                                  r"\(env.step_timeout_s\)"):
+            env.step(np.zeros((2, 2, 2)))
+    finally:
+        env.close()
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.parametrize("config,ranks,fault", [  # each fault once; in both layouts

@@ -36,6 +36,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.step_timeout_s", cfg.env.step_timeout_s,
                          "0 (no watchdog) or at least 1 (seconds): more than the slowest "
                          "legitimate step, resets included"))
+    if 0 < cfg.env.build_timeout_s < 1:
+        problems.append(("env.build_timeout_s", cfg.env.build_timeout_s,
+                         "0 (no watchdog) or at least 1 (seconds): more than the slowest "
+                         "legitimate build of a rank's envs"))
     problems += _held_out_problems(cfg)
     problems += _sft_problems(cfg)
     for name in ("learner_nodes", "learners", "evaluators"):

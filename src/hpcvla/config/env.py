@@ -114,9 +114,17 @@ class EnvConfig:
         "many seconds is a hang (a MuJoCo/EGL deadlock). env.isolation=process: the shard's "
         "worker is killed and restarted and the run goes on. inline: the rank prints its "
         "stacks and exits; the launcher names it and stops the job, so a checkpointed run "
-        "can be resumed instead of hanging. Must exceed the slowest legitimate step (and reset "
-        "and shard build, guarded too; a step gets 0.9-1 x it): 0 = none, else >= 1.",
+        "can be resumed instead of hanging. Must exceed the slowest legitimate step (and reset, "
+        "guarded too; a step gets 0.9-1 x it; builds: env.build_timeout_s): 0 = none, else "
+        ">= 1.",
         ge=0)
+    build_timeout_s: float = setting(
+        1800.0, "A simulator rank's envs (a shard, or a held-out evaluation's) not built after "
+        "this many seconds is a hang (a renderer or asset read that never returns): as a "
+        "step's (env.step_timeout_s), inline the rank prints its stacks and exits, "
+        "env.isolation=process restarts the worker. A build reads the simulator's assets: at "
+        "a job's start every simulator rank reads them from the shared file system at once, "
+        "so a build may take many steps' time. 0 = none, else >= 1.", ge=0)
     max_restarts: int = setting(
         5, "Restarts of one shard's worker (env.isolation=process), or rebuilds of one env "
         "that raised (inline ManiSkill/LIBERO envs), after which the rank gives up and stops "

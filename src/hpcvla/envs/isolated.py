@@ -51,9 +51,14 @@ class EnvWorkerFailed(RuntimeError):
 
 class IsolatedEnv(VectorEnv):
     def __init__(self, name: str, num_envs: int, seed: int, kwargs: dict, timeout_s: float,
-                 max_restarts: int, first_env: int = 0, owner: str = "this rank"):
+                 max_restarts: int, first_env: int = 0, owner: str = "this rank",
+                 build_timeout_s: float | None = None):
+        """`timeout_s`: a call's deadline (env.step_timeout_s); `build_timeout_s`: the
+        worker's build's (env.build_timeout_s; default timeout_s); 0: none."""
         self.name, self.num_envs, self.seed, self.kwargs = name, num_envs, seed, dict(kwargs)
         self.timeout_s, self.max_restarts = timeout_s or None, max_restarts
+        self.build_timeout_s = (timeout_s if build_timeout_s is None else build_timeout_s) \
+            or None
         self.where = f"{owner}, {name} envs {first_env}-{first_env + num_envs - 1}"
         self.latency_sleep = kwargs.get("latency_sleep", True)
         self.keep_final_obs = kwargs.get("keep_final_obs", False)  # the worker's env keeps them
@@ -65,6 +70,7 @@ class IsolatedEnv(VectorEnv):
         self._return = np.zeros(num_envs, np.float32)
         self._proc = self._conn = None
         self._method, self._sent_at = None, 0.0  # the request in flight
+        self._timeout: float | None = self.timeout_s  # and its deadline
         self._closing = False
         try:
             self.spec = self._start(self.kwargs, seed)
@@ -76,15 +82,17 @@ class IsolatedEnv(VectorEnv):
 
     def _start(self, kwargs: dict, seed: int):
         self._proc, self._conn = worker.start("hpcvla.envs.isolated")
-        return self._call("init", self.name, self.num_envs, seed, kwargs)
+        return self._call("init", self.name, self.num_envs, seed, kwargs, build=True)
 
-    def _call(self, *message):
-        """Send one request and wait for its answer; EnvWorkerFailed on hang, death or error."""
-        self._send(message)
+    def _call(self, *message, build: bool = False):
+        """Send one request and wait for its answer (`build`: the envs' build, under its own
+        deadline); EnvWorkerFailed on hang, death or error."""
+        self._send(message, build)
         return self._receive()
 
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: tuple, build: bool = False) -> None:
         self._method, self._sent_at = message[0], time.monotonic()
+        self._timeout = self.build_timeout_s if build else self.timeout_s
         try:
             self._conn.send(message)
         except OSError:  # the worker is gone; _receive says how
@@ -92,13 +100,14 @@ class IsolatedEnv(VectorEnv):
 
     def _receive(self):
         """The answer to the request `_send` sent, waiting until its deadline."""
-        method, wait = self._method, None
-        if self.timeout_s is not None:
-            wait = max(0.0, self.timeout_s - (time.monotonic() - self._sent_at))
+        method, wait, timeout = self._method, None, self._timeout
+        if timeout is not None:
+            wait = max(0.0, timeout - (time.monotonic() - self._sent_at))
         try:
             if not self._conn.poll(wait):
-                raise EnvWorkerFailed(f"{method} did not return within "
-                                      f"{self.timeout_s:g} s (env.step_timeout_s)")
+                setting = "build_timeout_s" if method == "init" else "step_timeout_s"
+                raise EnvWorkerFailed(f"{method} did not return within {timeout:g} s "
+                                      f"(env.{setting})")
             status, *answer = self._conn.recv()
         except (EOFError, OSError):
             how = worker.exit_status(self._proc)
@@ -159,8 +168,8 @@ class IsolatedEnv(VectorEnv):
         self._send(("step", np.asarray(actions)))  # the worker steps while the rank goes on
 
     def step_ready(self) -> bool:
-        overdue = self.timeout_s is not None and \
-            time.monotonic() - self._sent_at >= self.timeout_s
+        overdue = self._timeout is not None and \
+            time.monotonic() - self._sent_at >= self._timeout
         try:  # an answer, or EOF from a dead worker
             return overdue or self._conn.poll(0)
         except OSError:

@@ -84,6 +84,12 @@ def step_deadline_s(env_cfg) -> float:
     return env_cfg.step_timeout_s if env_cfg.isolation == "inline" else 0.0
 
 
+def build_deadline_s(env_cfg) -> float:
+    """The deadline to guard a rank's envs' build with (0: none; isolated envs have their
+    own)."""
+    return env_cfg.build_timeout_s if env_cfg.isolation == "inline" else 0.0
+
+
 @contextmanager
 def reminding(every_s: float, say: Callable[[float], str]):
     """While the block runs, print `say(seconds waited)` to stderr every `every_s`. A Python

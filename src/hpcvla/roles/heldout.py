@@ -38,7 +38,7 @@ from hpcvla.config.families import simulator
 from hpcvla.envs import env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.stats import wilson_interval
-from hpcvla.process.watchdog import deadline, step_deadline_s
+from hpcvla.process.watchdog import deadline
 from hpcvla.seeds import held_out_seed
 
 if TYPE_CHECKING:
@@ -90,8 +90,11 @@ class HeldOut:
         if traits.emulated:  # no emulated latency, no injected faults
             kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
         self.seed, self.envs = seed, envs_at_once(cfg, envs, episodes)
-        self.step_deadline_s = step_deadline_s(cfg.env)  # a step that never returns: loud
-        self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
+        # a build or step that never returns: loud (its envs are inline, whatever
+        # env.isolation says of the training's)
+        self.step_deadline_s = cfg.env.step_timeout_s
+        with deadline(cfg.env.build_timeout_s):
+            self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
         self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
         if protocol:  # LIBERO's scripts count primitive steps: the last chunk may be cut
             self.env.step_limit = protocol["step_limit"]

@@ -15,6 +15,7 @@ from hpcvla.envs.build import env_failures, make_envs
 from hpcvla.factory import build_policy
 from hpcvla.metrics import phases
 from hpcvla.process import preempt
+from hpcvla.process.watchdog import build_deadline_s, deadline
 from hpcvla.roles.colocated import OnPolicyUpdate, VersionUpdate, run_colocated
 from hpcvla.roles.evaluator import HeldOutInbox, between_versions, held_out_of, run_evaluator
 from hpcvla.roles.inference import InferenceServer, WeightLoader
@@ -127,9 +128,10 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
     _load_resumed_weights(me)
     # its weights are the engine's (full_state below: ZeRO-3 shards the learner's)
     actor = build_policy(cfg, me.spec, me.device, me.on_gpus, load=False)
-    env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank, me.first),
-                    first_env=rank * cfg.env.envs_per_simulator,
-                    owner=f"rank {rank} (colocated)")
+    with deadline(build_deadline_s(cfg.env)):  # a build that never returns: loud
+        env = make_envs(cfg, cfg.env.envs_per_simulator, colocated_seed(cfg, rank, me.first),
+                        first_env=rank * cfg.env.envs_per_simulator,
+                        owner=f"rank {rank} (colocated)")
     dump = trajectory_dump(cfg, me.spec, _policy(me), rank, me.run_dir,
                            lambda slot: colocated_seed(cfg, rank, me.first), me.first)
     held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None

@@ -18,7 +18,7 @@ import numpy as np
 
 from hpcvla.envs.base import final_observations, horizon_cut
 from hpcvla.envs.build import make_envs
-from hpcvla.process.watchdog import StepGuard, deadline, step_deadline_s
+from hpcvla.process.watchdog import StepGuard, build_deadline_s, deadline
 from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
 from hpcvla.seeds import shard_seed
 from hpcvla.transport.backoff import DATA_POLL_CAP
@@ -53,12 +53,12 @@ def build_shards(cfg: Config, shards: int, rank: int,
     """Simulator rank `rank`'s envs in `shards` shards of equal size, each with its seed (of
     a world started at policy version `start`) and run-wide env ids; `first_built(env)` as
     soon as the first shard is (the rank that tells the others the env's spec sends it). An
-    inline shard's build is guarded as its steps are (process/watchdog.py): a simulator that
-    deadlocks while it builds stops the job, not every rank waiting for it."""
+    inline shard's build is guarded (env.build_timeout_s, process/watchdog.py): a simulator
+    that deadlocks while it builds stops the job, not every rank waiting for it."""
     per_shard = cfg.env.envs_per_simulator // shards
     envs = []
     for shard in range(shards):
-        with deadline(step_deadline_s(cfg.env)):
+        with deadline(build_deadline_s(cfg.env)):
             envs.append(make_envs(cfg, per_shard, shard_seed(cfg, rank, shard, start),
                                   latency_sleep=False,
                                   first_env=rank * cfg.env.envs_per_simulator
