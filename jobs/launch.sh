@@ -66,8 +66,9 @@
 #                     to declare the node down, minutes)
 #   HPCVLA_AUTOPLAN   train: lay the run out as `hpcvla plan --auto --costs COSTS` finds best
 #                     for the job's nodes (the scale model; its overrides follow the config's),
-#                     at the start and at every restart. COSTS: config (the reach env probed,
-#                     or the config's emulate.*), balanced, table3, pi0-libero; unset: off
+#                     at the start and at every restart (a restart's keeps the first world's
+#                     version batch: learner.micro_batches). COSTS: config (the reach env
+#                     probed, or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
@@ -150,11 +151,18 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
         fi
     fi
     if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then
-        local best
+        local best first=()
+        if [[ -n ${FIRST_NP:-} ]]; then  # a restart: the first world's version batch kept
+            first=(--first-world "$FIRST_NP")
+            for override in "${FIRST_AUTO[@]}"; do first+=(--first-layout "$override"); done
+        fi
         best=$("$PYTHON" -m hpcvla.job.restarts auto "${COMMAND_ARGS[@]:1}" --world "$NP" \
-                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN") ||
+                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN" "${first[@]}") ||
             die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
         mapfile -t AUTO <<< "$best"
+        if [[ -z ${FIRST_NP:-} ]]; then
+            FIRST_NP=$NP FIRST_AUTO=("${AUTO[@]}")
+        fi
         ARGS+=("${AUTO[@]}")
         say "auto plan ($HPCVLA_AUTOPLAN costs) for $NP rank(s) on $NODES node(s): ${AUTO[*]}"
     fi

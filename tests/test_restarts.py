@@ -231,6 +231,29 @@ def test_an_auto_planned_job_lays_out_each_start_with_the_scale_model(tmp_path):
         " ".join(words) and words[-len(best):] == best, doctor
 
 
+@pytest.mark.slow  # two auto plans: ~20 s
+def test_an_auto_planned_restart_keeps_the_first_worlds_version_batch(capsys):
+    """HPCVLA_AUTOPLAN re-plans a restart's world on the nodes left: the layout then trains the
+    version batch of the job's first world (its learners x micro_batch x micro_batches, the
+    scale model's micro_batch for the new layout), as a fitted restart keeps it."""
+    from hpcvla.scale.autoplan import best_overrides
+    from hpcvla.topology.plan import plan_from_config
+    config = "configs/learner_nodes.yaml"
+    first = best_overrides(load_config(ROOT / config), 16, 4, "pi0-libero")
+    restarts._main(["auto", config, "--world", "8", "--ranks-per-node", "4", "--costs",
+                    "pi0-libero", "--first-world", "16",
+                    *(f"--first-layout={override}" for override in first)])
+    restarted = capsys.readouterr().out.split("\n")[:-1]
+
+    def version_batch(overrides, world):
+        cfg = load_config(ROOT / config, overrides)
+        learners = len(plan_from_config(cfg.placement, world, 4).learners)
+        return learners, learners * cfg.learner.micro_batch * cfg.learner.micro_batches
+    (before, batch), (after, kept) = version_batch(first, 16), version_batch(restarted, 8)
+    assert after < before and kept == batch, (first, restarted)
+    assert restarted[-1].startswith("learner.micro_batches=")  # after the layout's own
+
+
 def test_a_job_of_overrides_only_can_restart(capsys):
     """`jobs/launch.sh train a.b=1 ...` (the built-in defaults, no config file): what a restart
     asks takes the overrides as train does, not the first one as a file."""

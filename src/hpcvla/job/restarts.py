@@ -16,10 +16,12 @@ below: the job's run root, or the run the job names by run.resume=); and with
 HPCVLA_AUTOPLAN=COSTS,
 
     python -m hpcvla.job.restarts auto CONFIG [OVERRIDES...] --world M --ranks-per-node K \
-        --costs COSTS
+        --costs COSTS [--first-world W --first-layout OVERRIDE ...]
 
 prints the scale model's best layout for the start's nodes (`hpcvla plan --auto`'s) as
-overrides, one a line.
+overrides, one a line; at a restart, then those that keep the version batch of the job's first
+world (W ranks laid out by its overrides) on the learners the layout leaves
+(`auto_overrides`).
 
 When a world fails, jobs/launch.sh starts it again on the nodes left (HPCVLA_RESTARTS), from
 the newest checkpoint. First
@@ -197,20 +199,48 @@ def batch_keeping_overrides(cfg, from_world: int, world: int, ranks_per_node: in
     placement = fitted_placement(cfg.placement, world, ranks_per_node)
     before = len(plan_from_config(cfg.placement, from_world, ranks_per_node).learners)
     after = len(plan_from_config(placement, world, ranks_per_node).learners)
+    learner = cfg.learner
+    return learner_keeping(cfg, before * learner.micro_batch * learner.micro_batches, before,
+                           after, from_world)
+
+
+def learner_keeping(cfg, segments: int, before: int, after: int, from_world: int) -> list[str]:
+    """batch_keeping_overrides' for `after` learners of `cfg` where `before` trained a
+    version's `segments` (in a world of `from_world` ranks)."""
     micro_batch, micro_batches = cfg.learner.micro_batch, cfg.learner.micro_batches
-    if after == before:
+    if after * micro_batch * micro_batches == segments:
         return []
-    keep = micro_batches_for(before * micro_batch * micro_batches, after, micro_batch)
+    keep = micro_batches_for(segments, after, micro_batch)
     if keep is None:
-        raise PlanError(f"{after} learner(s) left of {before}: a version's batch ({before} x "
-                        f"learner.micro_batch {micro_batch} x micro_batches {micro_batches} "
-                        f"segments) is no whole number of micro-batches on each; continue the "
-                        f"run on an allocation of {from_world} ranks (run.resume=)")
+        raise PlanError(f"{after} learner(s) left of {before}: a version's batch ({segments} "
+                        f"segments) is no whole number of learner.micro_batch {micro_batch} "
+                        f"micro-batches on each; continue the run on an allocation of "
+                        f"{from_world} ranks (run.resume=)")
     kept = [f"learner.micro_batches={keep}"]
-    if cfg.algorithm.off_policy:  # micro_batches are also each gradient step's passes there:
-        # the steps a version (utd x a learner's collected steps, L/L' more each) stay too
+    if cfg.algorithm.off_policy and after != before:  # micro_batches are also each gradient
+        # step's passes there: the steps a version (utd x a learner's collected steps, L/L'
+        # more each) stay too
         kept.append(f"algorithm.utd={cfg.algorithm.utd * after / before:g}")
     return kept
+
+
+def auto_overrides(config, overrides: list[str], cfg, args) -> list[str]:
+    """The `auto` command's: the scale model's best layout for `args.world` ranks; at a
+    restart (`args.first_world`), then the learner.micro_batches (and SAC's utd) with which it
+    trains the version batch of the job's first world, laid out by `args.first_layout`: a
+    world re-planned on the nodes left keeps the run's batch as a fitted restart does
+    (batch_keeping_overrides)."""
+    from hpcvla.scale.autoplan import best_overrides  # imports the scale model
+    best = best_overrides(cfg, args.world, args.ranks_per_node, args.costs)
+    if not args.first_world:
+        return best
+    first = load_config(config, [*overrides, *args.first_layout])
+    now = load_config(config, [*overrides, *best])
+    before = len(plan_from_config(first.placement, args.first_world,
+                                  args.ranks_per_node).learners)
+    after = len(plan_from_config(now.placement, args.world, args.ranks_per_node).learners)
+    segments = before * first.learner.micro_batch * first.learner.micro_batches
+    return best + learner_keeping(now, segments, before, after, args.first_world)
 
 
 def sft_keeping(sft, before: int, after: int) -> list[str]:
@@ -265,6 +295,10 @@ def _main(argv=None) -> None:
     auto.add_argument("--world", type=int, required=True)
     auto.add_argument("--ranks-per-node", type=int, required=True)
     auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
+    auto.add_argument("--first-world", type=int, default=0, help="a restart: the job's first "
+                      "world's ranks, whose version batch the layout keeps")
+    auto.add_argument("--first-layout", action="append", default=[], help="a restart: one of "
+                      "the first world's auto-plan overrides (repeated)")
     sub.add_parser("newest-version", help="the policy version of the newest checkpoint of the "
                    "job's run; -1 when there is none").add_argument("run_root", type=Path)
     named = sub.add_parser("job-run", help="the run a job's command names (run.resume), and on "
@@ -304,9 +338,7 @@ def _main(argv=None) -> None:
             print(cfg.sft.checkpoint_every if args.command == "sft" else
                   cfg.learner.checkpoint_every)
         elif args.what == "auto":
-            from hpcvla.scale.autoplan import print_auto_plan  # imports the scale model
-            print_auto_plan(cfg, args.world, args.ranks_per_node, args.costs, as_json=False,
-                            overrides_only=True)
+            print("\n".join(auto_overrides(config, overrides, cfg, args)))
         else:
             fit = [] if args.command == "sft" else fitting_overrides(  # sft: learners only
                 cfg.placement, args.world, args.ranks_per_node)
