@@ -133,6 +133,22 @@ if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]] && found=$("$PYTHON" -m \
     mapfile -t named <<< "$found"  # the run named (or an empty line), its state
     JOB_RUN=${named[0]:-$JOB_RUN} JOB_RUN_STATE=${named[1]:-}
 fi
+AUTO=() AUTO_FIRST_NP="" AUTO_FIRST=()
+plan_auto() {  # AUTO: the scale model's layout for NP ranks (HPCVLA_AUTOPLAN, train); a
+    # restart's keeps the version batch of the job's first world (AUTO_FIRST_NP, AUTO_FIRST)
+    [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]] || return 0
+    local best first=()
+    if [[ -n $AUTO_FIRST_NP ]]; then
+        first=(--first-world "$AUTO_FIRST_NP")
+        for override in "${AUTO_FIRST[@]}"; do first+=(--first-layout "$override"); done
+    fi
+    best=$("$PYTHON" -m hpcvla.job.restarts auto "${COMMAND_ARGS[@]:1}" --world "$NP" \
+            --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN" "${first[@]}") || return 1
+    mapfile -t AUTO <<< "$best"
+    if [[ -z $AUTO_FIRST_NP ]]; then
+        AUTO_FIRST_NP=$NP AUTO_FIRST=("${AUTO[@]}")
+    fi
+}
 set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumable run
     ARGS=("${COMMAND_ARGS[@]}")
     if makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]]; then
@@ -150,19 +166,7 @@ set_command() {  # ARGS and COMMAND: the command, the job's run root, a resumabl
             ARGS+=("run.resume=$RESUME")
         fi
     fi
-    if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then
-        local best first=()
-        if [[ -n ${FIRST_NP:-} ]]; then  # a restart: the first world's version batch kept
-            first=(--first-world "$FIRST_NP")
-            for override in "${FIRST_AUTO[@]}"; do first+=(--first-layout "$override"); done
-        fi
-        best=$("$PYTHON" -m hpcvla.job.restarts auto "${COMMAND_ARGS[@]:1}" --world "$NP" \
-                --ranks-per-node "$PER_NODE" --costs "$HPCVLA_AUTOPLAN" "${first[@]}") ||
-            die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
-        mapfile -t AUTO <<< "$best"
-        if [[ -z ${FIRST_NP:-} ]]; then
-            FIRST_NP=$NP FIRST_AUTO=("${AUTO[@]}")
-        fi
+    if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then  # (plan_auto's)
         ARGS+=("${AUTO[@]}")
         say "auto plan ($HPCVLA_AUTOPLAN costs) for $NP rank(s) on $NODES node(s): ${AUTO[*]}"
     fi
@@ -185,6 +189,7 @@ if [[ $JOB_RUN_STATE == complete ]]; then
         echo pipeline.total_updates) with run.resume=<the run>)"
     exit 0
 fi
+plan_auto "$1" || die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
 set_command "$1"
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
@@ -343,8 +348,12 @@ while true; do
     FAILED_NP=$NP
     NP=$(( NODES * PER_NODE ))
     export HPCVLA_JOB_RANKS=$NP
-    # (the auto plan: set_command lays them out)
-    if [[ $1 == sft || -z ${HPCVLA_AUTOPLAN:-} ]]; then
+    if [[ $1 == train && -n ${HPCVLA_AUTOPLAN:-} ]]; then  # laid out afresh
+        if ! plan_auto "$1"; then
+            say "no auto plan for the $NODES node(s) left (${HOSTS[*]}): not restarting"
+            break
+        fi
+    else
         if ! fit_to_nodes "$1" "$FAILED_NP"; then
             say "the run does not fit the $NODES node(s) left (${HOSTS[*]}): not restarting"
             break

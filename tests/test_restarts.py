@@ -254,6 +254,33 @@ def test_an_auto_planned_restart_keeps_the_first_worlds_version_batch(capsys):
     assert restarted[-1].startswith("learner.micro_batches=")  # after the layout's own
 
 
+def test_an_auto_planned_restart_splits_the_kept_batch_into_whole_micro_batches():
+    """Where the new layout's learner.micro_batch does not divide a learner's share of the
+    first world's version batch, the largest smaller one that does (no more memory a pass);
+    under SAC the first world's micro_batch stays (a micro-batch is a gradient step's pass),
+    with the gradient steps a version (utd x learners left / before); a share that is no whole
+    number of segments ends the restart, naming the run's allocation."""
+    from hpcvla.topology.plan import PlanError
+    first = load_config(ROOT / "configs/default.yaml", ["learner.micro_batch=4",
+                                                         "learner.micro_batches=3"])
+    now = load_config(ROOT / "configs/default.yaml", ["learner.micro_batch=4"])
+    segments = 4 * 4 * 3  # 4 learners of 4 x 3 segments
+    assert restarts.kept_micro_batch(first, now, segments, 2) == 4  # 24 each: 4 x 6
+    assert restarts.kept_micro_batch(first, now, segments, 8) == 3  # 6 each: 3 x 2, not 4
+    assert restarts.learner_keeping(load_config(ROOT / "configs/default.yaml", [
+        "learner.micro_batch=3", "learner.micro_batches=4"]), segments, 4, 8, 16) == [
+            "learner.micro_batches=2"]
+    sac = ["algorithm.name=sac", "algorithm.utd=2"]
+    first_sac = load_config(ROOT / "configs/default.yaml", [*sac, "learner.micro_batch=4"])
+    now_sac = load_config(ROOT / "configs/default.yaml", [*sac, "learner.micro_batch=8"])
+    assert restarts.kept_micro_batch(first_sac, now_sac, 4 * 4 * 2, 2) == 4
+    assert restarts.learner_keeping(first_sac, 4 * 4 * 2, 4, 2, 16) == [
+        "learner.micro_batches=4", "algorithm.utd=1"]
+    with pytest.raises(PlanError, match="2 learner.s. left of 3: a version's batch .9 segments"
+                                        ".* allocation of 12 ranks"):
+        restarts.learner_keeping(now, 9, 3, 2, 12)
+
+
 def test_a_job_of_overrides_only_can_restart(capsys):
     """`jobs/launch.sh train a.b=1 ...` (the built-in defaults, no config file): what a restart
     asks takes the overrides as train does, not the first one as a file."""

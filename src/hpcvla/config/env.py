@@ -120,9 +120,11 @@ class EnvConfig:
         ge=0)
     build_timeout_s: float = setting(
         1800.0, "A simulator rank's envs (a shard, or a held-out evaluation's) not built after "
-        "this many seconds is a hang (a renderer or asset read that never returns): as a "
-        "step's (env.step_timeout_s), inline the rank prints its stacks and exits, "
-        "env.isolation=process restarts the worker. A build reads the simulator's assets: at "
+        "this many seconds is a hang (a renderer or asset read that never returns): the rank "
+        "prints its stacks and exits, or with env.isolation=process says which worker's build "
+        "it was and stops; a worker restarted after a fault gets as long for its build. A "
+        "held-out batch's reset from its states gets it too (LIBERO builds the states' "
+        "scenes) where it is longer than env.step_timeout_s. A build reads the assets: at "
         "a job's start every simulator rank reads them from the shared file system at once, "
         "so a build may take many steps' time. 0 = none, else >= 1.", ge=0)
     max_restarts: int = setting(

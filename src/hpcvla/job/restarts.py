@@ -66,6 +66,7 @@ from pathlib import Path
 from hpcvla.checkpoint.catalog import CheckpointError, by_sft, latest, read_state
 from hpcvla.config import (ConfigError, config_argument, last_run_config, load_config,
                            resumed_run_config)
+from hpcvla.config.loader import with_overrides
 from hpcvla.metrics import restart_log
 from hpcvla.schedule import micro_batches_for
 from hpcvla.topology.plan import PlanError, plan_from_config
@@ -226,10 +227,10 @@ def learner_keeping(cfg, segments: int, before: int, after: int, from_world: int
 
 def auto_overrides(config, overrides: list[str], cfg, args) -> list[str]:
     """The `auto` command's: the scale model's best layout for `args.world` ranks; at a
-    restart (`args.first_world`), then the learner.micro_batches (and SAC's utd) with which it
-    trains the version batch of the job's first world, laid out by `args.first_layout`: a
-    world re-planned on the nodes left keeps the run's batch as a fitted restart does
-    (batch_keeping_overrides)."""
+    restart (`args.first_world`), then the learner.micro_batch (kept_micro_batch) and
+    micro_batches (and SAC's utd) with which it trains the version batch of the job's first
+    world, laid out by `args.first_layout`: a world re-planned on the nodes left keeps the
+    run's batch as a fitted restart does (batch_keeping_overrides)."""
     from hpcvla.scale.autoplan import best_overrides  # imports the scale model
     best = best_overrides(cfg, args.world, args.ranks_per_node, args.costs)
     if not args.first_world:
@@ -240,7 +241,24 @@ def auto_overrides(config, overrides: list[str], cfg, args) -> list[str]:
                                   args.ranks_per_node).learners)
     after = len(plan_from_config(now.placement, args.world, args.ranks_per_node).learners)
     segments = before * first.learner.micro_batch * first.learner.micro_batches
-    return best + learner_keeping(now, segments, before, after, args.first_world)
+    micro_batch = kept_micro_batch(first, now, segments, after)
+    split = [] if micro_batch == now.learner.micro_batch else \
+        [f"learner.micro_batch={micro_batch}"]
+    return best + split + learner_keeping(with_overrides(now, split), segments, before, after,
+                                          args.first_world)
+
+
+def kept_micro_batch(first, now, segments: int, after: int) -> int:
+    """The learner.micro_batch of a restart's auto-planned layout (`now`) that trains the
+    first world's version batch (`segments`) on its `after` learners in whole micro-batches:
+    the first world's under sac/rlpd (a micro-batch is also a gradient step's pass there:
+    their size stays), else the layout's, or the largest smaller one that divides a learner's
+    share (the micro-batches take a learner no more memory than the layout's would)."""
+    if now.algorithm.off_policy:
+        return first.learner.micro_batch
+    share, rest = divmod(segments, after)
+    return next((size for size in range(now.learner.micro_batch, 0, -1)
+                 if not rest and share % size == 0), now.learner.micro_batch)
 
 
 def sft_keeping(sft, before: int, after: int) -> list[str]:

@@ -93,6 +93,9 @@ class HeldOut:
         # a build or step that never returns: loud (its envs are inline, whatever
         # env.isolation says of the training's)
         self.step_deadline_s = cfg.env.step_timeout_s
+        # a batch's reset from its states may build their scenes (LIBERO: each task's)
+        self.reset_deadline_s = max(cfg.env.step_timeout_s, cfg.env.build_timeout_s) \
+            if cfg.env.step_timeout_s and cfg.env.build_timeout_s else 0.0
         with deadline(cfg.env.build_timeout_s):
             self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
         self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
@@ -128,7 +131,7 @@ class HeldOut:
                                               self.ids[first:first + self.envs],
                                               deterministic, first,
                                               self.filmed if video_dir else set(),
-                                              self.step_deadline_s)
+                                              (self.reset_deadline_s, self.step_deadline_s))
                 mine += outcomes
                 videos += [_write_video(video_dir, *frames[e.position], self.ids[e.position],
                                         self.tasks[e.position], e.success)
@@ -196,14 +199,16 @@ def protocol_of(cfg: Config) -> tuple[Config, dict[str, Any] | None,
 
 
 def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic: bool,
-               first: int, filmed: set[int], step_deadline: float = 0.0
+               first: int, filmed: set[int], deadlines: tuple[float, float] = (0.0, 0.0)
                ) -> tuple[list[Episode], dict[int, tuple[str, Film]]]:
     """One episode from each state of `batch` (the env's first len(batch) slots; the others
     repeat states, and their outcomes are dropped); returns the Episode of each, and for those
     in `filmed` their instruction and frames (position -> (instruction, [(step, image)])): the
-    camera observation each chunk was chosen from, and (step, None) when the episode ended."""
+    camera observation each chunk was chosen from, and (step, None) when the episode ended.
+    `deadlines`: the reset's and each step's (0: none)."""
     n = env.num_envs
-    with deadline(step_deadline):
+    reset_deadline, step_deadline = deadlines
+    with deadline(reset_deadline):
         obs = env.reset(init_state_ids=np.resize(batch, n))
     running = np.ones(n, bool)
     success, ret = np.zeros(n, bool), np.zeros(n, np.float32)

@@ -217,8 +217,8 @@ def best_overrides(cfg, world: int, ranks_per_node: int, costs_name: str) -> lis
 
 
 def _ranked(cfg, world: int, ranks_per_node: int | None, costs_name: str, search_envs: bool):
-    """The costs probed or looked up, then the search: (node size, base layout, costs and
-    their details, rows best first, fits, memory levers turned)."""
+    """The costs probed or looked up, then the search: (node size, base layout, (costs,
+    their details), fits, rows best first, memory levers turned)."""
     from hpcvla.scale.probe import named_costs  # the probe imports torch and sims
     rpn = node_size(cfg.placement, world, ranks_per_node)
     check_world(world, rpn, cfg.pipeline.mode)  # before probing anything
