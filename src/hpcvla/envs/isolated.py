@@ -70,7 +70,6 @@ class IsolatedEnv(VectorEnv):
         self._return = np.zeros(num_envs, np.float32)
         self._proc = self._conn = None
         self._method, self._sent_at = None, 0.0  # the request in flight
-        self._timeout: float | None = self.timeout_s  # and its deadline
         self._closing = False
         try:
             self.spec = self._start(self.kwargs, seed)
@@ -82,17 +81,19 @@ class IsolatedEnv(VectorEnv):
 
     def _start(self, kwargs: dict, seed: int):
         self._proc, self._conn = worker.start("hpcvla.envs.isolated")
-        return self._call("init", self.name, self.num_envs, seed, kwargs, build=True)
+        return self._call("init", self.name, self.num_envs, seed, kwargs)
 
-    def _call(self, *message, build: bool = False):
-        """Send one request and wait for its answer (`build`: the envs' build, under its own
-        deadline); EnvWorkerFailed on hang, death or error."""
-        self._send(message, build)
+    def _call(self, *message):
+        """Send one request and wait for its answer; EnvWorkerFailed on hang, death or error."""
+        self._send(message)
         return self._receive()
 
-    def _send(self, message: tuple, build: bool = False) -> None:
+    def _deadline(self) -> float | None:
+        """The request in flight's: the envs' build ("init") has its own."""
+        return self.build_timeout_s if self._method == "init" else self.timeout_s
+
+    def _send(self, message: tuple) -> None:
         self._method, self._sent_at = message[0], time.monotonic()
-        self._timeout = self.build_timeout_s if build else self.timeout_s
         try:
             self._conn.send(message)
         except OSError:  # the worker is gone; _receive says how
@@ -100,7 +101,7 @@ class IsolatedEnv(VectorEnv):
 
     def _receive(self):
         """The answer to the request `_send` sent, waiting until its deadline."""
-        method, wait, timeout = self._method, None, self._timeout
+        method, wait, timeout = self._method, None, self._deadline()
         if timeout is not None:
             wait = max(0.0, timeout - (time.monotonic() - self._sent_at))
         try:
@@ -168,8 +169,8 @@ class IsolatedEnv(VectorEnv):
         self._send(("step", np.asarray(actions)))  # the worker steps while the rank goes on
 
     def step_ready(self) -> bool:
-        overdue = self._timeout is not None and \
-            time.monotonic() - self._sent_at >= self._timeout
+        timeout = self._deadline()
+        overdue = timeout is not None and time.monotonic() - self._sent_at >= timeout
         try:  # an answer, or EOF from a dead worker
             return overdue or self._conn.poll(0)
         except OSError:

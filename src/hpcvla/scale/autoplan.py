@@ -213,12 +213,14 @@ def fitting_search(cfg, base: Layout, costs: StageCosts, search_envs: bool):
 
 def best_overrides(cfg, world: int, ranks_per_node: int, costs_name: str) -> list[str]:
     """The best layout's overrides (a job's auto plan: job/restarts.py's `auto`)."""
-    return _ranked(cfg, world, ranks_per_node, costs_name, False)[4][0]["overrides"]
+    *_, ranked, _, levers = _search(cfg, world, ranks_per_node, costs_name, False)
+    return ranked[0][0].to_overrides() + levers
 
 
-def _ranked(cfg, world: int, ranks_per_node: int | None, costs_name: str, search_envs: bool):
-    """The costs probed or looked up, then the search: (node size, base layout, (costs,
-    their details), fits, rows best first, memory levers turned)."""
+def _search(cfg, world: int, ranks_per_node: int | None, costs_name: str, search_envs: bool):
+    """The costs probed or looked up, then the search: the node size, the base layout, the
+    costs and their details, then fitting_search's (layout, prediction)s best first, fits and
+    memory levers turned."""
     from hpcvla.scale.probe import named_costs  # the probe imports torch and sims
     rpn = node_size(cfg.placement, world, ranks_per_node)
     check_world(world, rpn, cfg.pipeline.mode)  # before probing anything
@@ -227,10 +229,7 @@ def _ranked(cfg, world: int, ranks_per_node: int | None, costs_name: str, search
     except ValueError as err:
         raise PlanError(f"--costs {costs_name}: {err}") from None
     base = Layout.from_config(cfg, world, rpn)
-    ranked, fits, levers = fitting_search(cfg, base, costs, search_envs)
-    rows = [{"overrides": lay.to_overrides() + levers, "env_steps_per_s": p.env_steps_per_s,
-             "bottleneck": p.bottleneck, "busy": p.busy, "layout": lay} for lay, p in ranked]
-    return rpn, base, (costs, details), fits, rows, levers
+    return (rpn, base, costs, details, *fitting_search(cfg, base, costs, search_envs))
 
 
 def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str,
@@ -238,12 +237,13 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
     """`hpcvla plan --auto`: probe or look up the stage costs, search, print the best layout
     as config overrides with its predicted env steps/s and bottleneck, then the runners-up."""
     from hpcvla.scale.probe import describe
-    rpn, base, (costs, details), fits, rows, levers = _ranked(cfg, world, ranks_per_node,
+    rpn, base, costs, details, ranked, fits, levers = _search(cfg, world, ranks_per_node,
                                                               costs_name, search_envs)
-    layouts = [row.pop("layout") for row in rows]  # the rows print as JSON
+    rows = [{"overrides": lay.to_overrides() + levers, "env_steps_per_s": p.env_steps_per_s,
+             "bottleneck": p.bottleneck, "busy": p.busy} for lay, p in ranked]
     best = rows[0]
     looser = [{"max_staleness": s, "env_steps_per_s": p.env_steps_per_s}
-              for s, p in looser_staleness(layouts[0], costs, search_envs, fits=fits)]
+              for s, p in looser_staleness(ranked[0][0], costs, search_envs, fits=fits)]
     if as_json:
         print(json.dumps({"world": world, "ranks_per_node": rpn, "mode": base.mode,
                           "costs": {**costs.__dict__, "source": details.get("source")},
