@@ -2,7 +2,8 @@
 step; then build a fresh engine from the checkpoint and take the same step. Weights and
 optimizer state must come out bit-identical, whatever the ZeRO stage; so must an engine
 resumed from a checkpoint written before any optimizer step (SAC's before `learning_starts`)
-and trained all the way. At ZeRO-3 the full weights a learner publishes are DeepSpeed's own
+and trained all the way. At ZeRO-0, where every learner holds the whole state, learner 0
+alone reads it at the resume (the others get it broadcast). At ZeRO-3 the full weights a learner publishes are DeepSpeed's own
 consolidation's, gathered one tensor at a time (its largest parameter, not the model, whole
 at once on a learner). Each variant (a list
 of overrides, e.g. a stage; VARIANTS is a JSON list of them) in turn, in one world, into
@@ -14,7 +15,9 @@ RUN_DIR/<i>:
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -25,6 +28,7 @@ from hpcvla.envs import make_env
 from hpcvla.engines import full_state, init_engine
 from hpcvla.factory import build_policy
 from hpcvla.job.runtime import run_ranks
+from hpcvla.transport import pieces
 
 
 def train_step(engine, obs, actions):
@@ -73,7 +77,13 @@ def resume_exactly(cfg, learners, run_dir):
     initial = build_policy(cfg, env.spec, load=False).state_dict()
     assert not all(torch.equal(weights[k], initial[k]) for k in weights)  # trained: the
     engine2 = engine_as_a_run_resumes(cfg, env.spec, path, learners)  # others' must change
-    state = store.load_optimizer(path, engine2, learners)
+    # in MPI calls of at most 1000 bytes, as a tensor past MAX_MESSAGE goes (π0's embedding)
+    with mock.patch.object(store, "verify_file", wraps=store.verify_file) as verified, \
+            mock.patch.object(store, "bcast", partial(pieces.bcast, limit=1000)):
+        state = store.load_optimizer(path, engine2, learners)
+    read = {Path(call.args[0]).name for call in verified.call_args_list}
+    if cfg.learner.zero_stage == 0 and learners.Get_rank() != 0:  # learner 0 reads for all
+        assert read == {f"optimizer.rank{learners.Get_rank()}.safetensors"}, read
     assert state["version"] == 2 and state["counters"] == {"env_steps": 7}, state
     for _ in range(steps):
         train_step(engine2, obs, actions)

@@ -9,8 +9,9 @@ optimizer moment (Adam's `exp_avg`, `exp_avg_sq`), plus the optimizer's step cou
   falls into this learner's partition of its group's flat fp32 tensor (DeepSpeed's
   `param._hp_mapping` says where it lies in both);
 * ZeRO-3: the parameter's own partition; learner r holds `[r*P, (r+1)*P)`, the last one padded;
-* stage 0 and Horovod: the whole parameter, the same on every learner (learner 0 saves it); the
-  masters are the weights themselves in fp32, DeepSpeed's fp32 copies under bf16.
+* stage 0 and Horovod: the whole parameter, the same on every learner (learner 0 saves it and,
+  at a resume, reads it for all); the masters are the weights themselves in fp32, DeepSpeed's
+  fp32 copies under bf16.
 
 Saving copies each learner's ranges out (the ranges are not communicated; a barrier and an
 allgather of the replicas' digests check the layout). Loading, a learner asks for its

@@ -11,8 +11,9 @@
 A checkpoint is written into `v000120.partial/` and renamed when complete, so a job killed
 mid-write leaves no directory that looks finished. The optimizer state is stored by parameter
 name and range (optimizer_state.py), not as ZeRO's flat partitions: any learner count and any
-ZeRO stage resumes from it, each learner reading the ranges its new partition needs; the
-resumed state equals the saved one, re-partitioned. Weights are saved in the dtype the
+ZeRO stage resumes from it, each learner reading the ranges its new partition needs (a state
+every learner holds whole, learner 0 reads and broadcasts); the resumed state equals the saved
+one, re-partitioned. Weights are saved in the dtype the
 learners train in (bf16 stays bf16: safetensors holds it, numpy could not); the fp32 masters a
 bf16 learner steps are in the optimizer files, so a resumed run goes on from the exact masters.
 On the same learner count each learner also gets its torch RNG back; the run after a resume is
@@ -30,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -40,6 +42,7 @@ from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, ch
                                       complete, read_state, sealed, sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.pieces import bcast
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
@@ -264,12 +267,25 @@ def load_optimizer(path: Path, engine, learners) -> dict:
         optimizer_state.ensure_state(engine, reader.keys)
     for fragment in optimizer_state.fragments(engine, rank):
         for key in (MASTER, *reader.keys):
-            fragment.write(key, reader.read(fragment.name, key, fragment.start, fragment.numel))
+            fragment.write(key, _saved_values(reader, fragment, key, learners))
         if reader.keys:
             fragment.state()["step"].fill_(reader.step(fragment.name))
     if state["learners"] == learners.Get_size():  # else each learner keeps its seeded stream
         torch.set_rng_state(reader.tensor(saved[rank], "rng.torch_cpu"))
     return state
+
+
+def _saved_values(reader: _FragmentReader, fragment, key: str, learners) -> torch.Tensor:
+    """A fragment's saved `key` values. A replicated one (stage 0, Horovod: every learner
+    holds the same whole state) learner 0 alone reads and broadcasts: one read and one
+    checksum of the files for the learners, not one each (π0's fp32 masters and moments:
+    39 GB)."""
+    if not fragment.replicated or learners.Get_size() == 1:
+        return reader.read(fragment.name, key, fragment.start, fragment.numel)
+    value = (reader.read(fragment.name, key, fragment.start, fragment.numel)
+             if learners.Get_rank() == 0 else torch.empty(fragment.numel, dtype=torch.float32))
+    bcast(learners, value.numpy().view(np.uint8))  # [dist]
+    return value
 
 
 class _FragmentReader:
