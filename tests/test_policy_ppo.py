@@ -167,6 +167,24 @@ def test_gae_matches_reference_loop():
     np.testing.assert_allclose(adv1.numpy(), ref_adv[:, 1], rtol=1e-5, atol=1e-5)
 
 
+def test_the_learners_advantages_take_gamma_and_lambda_from_their_settings():
+    """advantages_of (what the learner trains on) with algorithm.gamma 0.9 and gae_lambda
+    0.5, by hand on two steps: deltas 0 + 0.9 * 1.0 - 0.2 = 0.7 and 1 + 0.9 * 0.2 - 0.5 =
+    0.68, advantages 0.7 and 0.68 + 0.9 * 0.5 * 0.7 = 0.995 (swapped: 0.3 and 0.735)."""
+    from dataclasses import replace
+
+    from hpcvla.algorithms.objective import advantages_of
+    from hpcvla.config import load_config
+
+    alg = replace(load_config("configs/default.yaml").algorithm, gamma=0.9, gae_lambda=0.5)
+    no = np.zeros((2, 1), bool)
+    batch = {"reward": np.array([[1.0], [0.0]], np.float32), "done": no, "env_fault": no,
+             "value": np.array([[0.5], [0.2]], np.float32),
+             "bootstrap_value": np.array([1.0], np.float32)}
+    returns = advantages_of(alg, batch, torch.device("cpu")).returns
+    np.testing.assert_allclose(returns.numpy()[:, 0], [0.995 + 0.5, 0.7 + 0.2], rtol=1e-6)
+
+
 def test_gae_truncates_before_a_faulted_step():
     """An env fault at step 2 (done there): that step gets advantage 0 and return V(s_2);
     step 1 bootstraps from V(s_2) instead of seeing the fault as a 0-reward failure."""

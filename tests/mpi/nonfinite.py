@@ -2,6 +2,9 @@
 the learner's own micro-batch step. A NaN reward on learner 1 only poisons the averaged
 gradient: every learner skips that optimizer step, weights stay bit-identical, the skip is
 counted; a good batch trains again; `learner.max_nonfinite_steps` bad steps in a row stop.
+Before them, the first (Adam) step's largest weight change, in learning rates: about 1 for
+any gradient well above adam_eps, and tiny where algorithm.max_grad_norm clips the
+gradient far below it (the setting reaches the engine's clipping).
 
     mpiexec -n 2 python -m mpi4py tests/mpi/nonfinite.py CONFIG [key=value ...]
 """
@@ -51,14 +54,21 @@ def main(cfg, plan, comms):
         bad["reward"][0, 0] = np.nan  # e.g. a simulator's broken reward
     timeline = Timeline(None, rank, "learner")
 
+    moved = []  # each step's largest weight change
+
     def step(batch):
         before = {k: v.clone() for k, v in full_state(engine).items()}  # (views below ZeRO-3)
         train_micro_batch(cfg, engine, MicroBatch.arrived(cfg, [batch], engine.device), timeline)
         after = full_state(engine)
         assert all(np.isfinite(v).all() for v in after.values()), "NaN reached the weights"
+        moved.append(max((after[k] - before[k]).abs().max().item() for k in before))
         return not all(np.array_equal(before[k], after[k]) for k in before)
 
     assert step(good) and engine.skipped == 0
+    if rank == 0:
+        lr = max(cfg.algorithm.lr, cfg.algorithm.critic_lr)
+        print(f"first step: a weight moved {moved[0] / lr:.3g} learning rates at most "
+              f"(max_grad_norm {cfg.algorithm.max_grad_norm:g})", flush=True)
     assert not step(bad) and engine.skipped == 1  # skipped on every learner, weights identical
     assert step(good) and engine.consecutive == 0  # and training goes on
     for _ in range(cfg.learner.max_nonfinite_steps - 1):
