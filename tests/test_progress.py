@@ -5,6 +5,8 @@ the first estimates wrong by a factor; and the launch the start and stop are tim
 import os
 import time
 
+import pytest
+
 from hpcvla.metrics import progress
 from hpcvla.metrics.progress import Progress
 
@@ -174,3 +176,28 @@ def test_a_timeline_writes_its_spans_for_run_timeline_s_then_counts_them(tmp_pat
     assert [s["start"] for s in written] == [1.0, 4.0, 9.0]
     assert line.counts["infer"] == 5 and line.busy["infer"] == 5.0
     assert line.last_end["infer"] == 31.0
+
+
+def test_a_span_inside_another_counts_under_itself_alone():
+    """busy counts a span's own seconds (a checkpoint inside the version's publish, a full
+    lane's wait inside a send): a rank's stages add up to at most its time, where they
+    counted the inner seconds twice."""
+    import time
+
+    from hpcvla.metrics.timeline import Timeline
+    line = Timeline(None, 0, "learner")
+    begin = time.monotonic()
+    with line.span("publish"):
+        time.sleep(0.02)
+        with line.span("checkpoint"):
+            time.sleep(0.05)
+            start = line.now()
+            line.record("inner", start, start + 0.01)  # recorded, not a `with`: the same
+    outer = time.monotonic() - begin
+    assert line.busy["inner"] == pytest.approx(0.01)
+    assert 0.04 - 0.002 < line.busy["checkpoint"] < 0.06, dict(line.busy)
+    assert 0.02 - 0.002 < line.busy["publish"] < 0.035, dict(line.busy)
+    assert sum(line.busy.values()) == pytest.approx(outer, abs=0.005)
+    with line.span("train"):  # nothing open around it: whole
+        time.sleep(0.01)
+    assert line.busy["train"] >= 0.01 and not line._open

@@ -150,4 +150,12 @@ def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
     text = "".join(log)
     assert heard == set(said), text[-3000:]
     assert "[hpcvla] update 60/60" in text, text[-3000:]
+    # the feeder's wait for its full lane is its own stage (`ring_full`, inside `send`), the
+    # learner having set the pace: over pipeline.stall_timeout_s of it; no rank's stages add
+    # up to more than its time
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ranks = {r["rank"]: r for r in summary["per_rank"]}
+    assert ranks[feeding[0]]["busy_s"]["ring_full"] > 2.0, ranks[feeding[0]]
+    assert all(sum(r["busy_s"].values()) <= r["active_s"] + 0.01 for r in ranks.values()), \
+        {k: (r["active_s"], r["busy_s"]) for k, r in ranks.items()}
     print("".join(line for line in log if line.startswith("hpcvla: rank ")))

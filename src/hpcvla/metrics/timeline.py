@@ -5,6 +5,10 @@
         ...
     timeline.close()
 
+A span may hold others (a checkpoint inside the version's publish, a full ring lane's wait
+inside a send): `busy` counts each span's own seconds, those of the spans inside it going to
+theirs, so a rank's stages add up to at most its time. Spans are the rank's main thread's.
+
 Each line: {"rank", "role", "stage", "start", "end"} with times in seconds since the run's
 common start (wall-clock `time.time()` against a start rank 0 broadcasts, so comparable across
 ranks of one node; across nodes they are as synchronised as the nodes' clocks). Everything not
@@ -33,6 +37,7 @@ class Timeline:
         self._file = open(path, "a") if path else None
         self._lines: list[str] = []
         self._flush_every, self._keep_s = flush_every, keep_s
+        self._open: list[float] = []  # per open span, innermost last: its nested spans' seconds
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -40,13 +45,18 @@ class Timeline:
     @contextmanager
     def span(self, stage: str):
         start = self.now()
+        self._open.append(0.0)
         try:
             yield
         finally:
-            self.record(stage, start, self.now())
+            self.record(stage, start, self.now(), nested=self._open.pop())
 
-    def record(self, stage: str, start: float, end: float) -> None:
-        self.busy[stage] += end - start
+    def record(self, stage: str, start: float, end: float, nested: float = 0.0) -> None:
+        """A span of `stage` from `start` to `end`; `nested`: the seconds of spans inside it,
+        counted under theirs."""
+        self.busy[stage] += end - start - nested
+        if self._open:  # inside an open span: not that span's own time
+            self._open[-1] += end - start
         self.counts[stage] += 1
         self.first.setdefault(stage, (start, end))
         self.last_end[stage] = end

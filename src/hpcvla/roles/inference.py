@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -94,6 +95,7 @@ class InferenceServer:
             f"hpcvla: rank {self.rank} (inference): its ring lane to learner rank {learner} has "
             f"been full for {waited:.0f} s, the learner taking nothing ({self._learner_said}); "
             "still waiting (said every pipeline.stall_timeout_s)"))
+        ring.waiting = partial(self.timeline.span, "ring_full")  # the learner sets the pace
         self.stats: Counters = {
             "forward_passes": 0, "batch_envs": 0, "fired_batch_max": 0, "fired_wait_max": 0,
             "segments_sent": 0, "throttled_s": 0.0, "weight_swaps": 0, "value_passes": 0,
@@ -212,7 +214,7 @@ class InferenceServer:
                     self.stats["segments_started"] += n
                 builder.add_step({k: v[part] for k, v in obs.items()}, actions[part],
                                  logprob[part], value[part], self.loader.version)
-            self._send(finished)
+        self._send(finished)
 
     def _final_obs(self, slots: Sequence[int], outcome: dict[str, np.ndarray]
                    ) -> tuple[np.ndarray, dict[str, np.ndarray]] | None:
@@ -245,8 +247,11 @@ class InferenceServer:
 
     def _send(self, groups: list[SegmentGroup]) -> None:
         """Hand this pass's finished segment groups to the learner, small ones packed into
-        shared ring slots."""
-        self.ring.put_many([(records.encode(g), records.schema_of(g)) for g in groups])
+        shared ring slots (a full lane's wait: `ring_full`, inside `send`)."""
+        if not groups:
+            return
+        with self.timeline.span("send"):
+            self.ring.put_many([(records.encode(g), records.schema_of(g)) for g in groups])
         self.stats["segments_sent"] += self.n * len(groups)
         if self.dump:  # after the learner has it: the dump is off the data path's clock
             with self.timeline.span("dump"):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +32,8 @@ class RingWriter:
         self._started = np.zeros(1, np.int64)  # the started word being written
         self._read = np.zeros(1, np.int64)     # the freed word, as read
         self.remind: Reminder | None = None  # said while a full lane holds a put up
+        # the context a wait for a full lane runs in (the rank's timeline span)
+        self.waiting: Callable[[], AbstractContextManager[object]] = nullcontext
 
     def put(self, record: RecordData, schema: int = 0, timeout: float | None = None) -> None:
         """Write one record (bytes-like or uint8 array); blocks while this lane is full."""
@@ -82,9 +85,10 @@ class RingWriter:
         ring, f, size = self.ring, self._fragment, self.size
         win, root = ring.win, ring.root
         if f - size >= self._freed:  # the slot's previous fragment not known to be freed
-            wait_until(lambda: self._read_freed() > f - size,
-                       f"ring lane {self.lane} slot {f % size} to be freed", timeout,
-                       cap=ring.poll_cap, remind=self.remind)
+            with self.waiting():
+                wait_until(lambda: self._read_freed() > f - size,
+                           f"ring lane {self.lane} slot {f % size} to be freed", timeout,
+                           cap=ring.poll_cap, remind=self.remind)
         disp = ring.slot_disp(self.lane, f)
         # header words 1..6, the checksum word, then the table: one Put from header byte 8 on
         head = SLOT_HEADER.itemsize + 8 * len(table)
