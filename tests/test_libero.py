@@ -59,10 +59,11 @@ def test_axis_angle_state_is_robosuites_conversion_of_the_quaternion():
 def test_envs_of_one_scene_share_it_and_render_as_their_own_renderer_would():
     """libero_spatial's tasks are one scene: three envs of three tasks compile it once and
     share one renderer, each simulates its own copy of the model, and each env's images are
-    exactly what a renderer made from its own model draws of it."""
+    exactly what a renderer made from its own model draws of it: also once env 1's stove is
+    on, its flame (a site's colour in its model alone) in its images, in no other's."""
     users = _scene_users()  # envs other tests of this process left open count too
     env = make_env("libero", 3, seed=0, wrist_image=True,
-                   **{**SETTINGS, "task": -1, "max_episode_chunks": 4})
+                   **{**SETTINGS, "task": -1, "max_episode_chunks": 4, "image_size": 64})
     try:
         slots = env._slots
         assert [slot.task for slot in slots] == [0, 1, 2]
@@ -73,6 +74,14 @@ def test_envs_of_one_scene_share_it_and_render_as_their_own_renderer_would():
         env.reset(init_state_ids=np.array([0, 1, 2]))
         obs = env.step(np.random.default_rng(0).uniform(-1, 1, (3, 1, 7))).obs
         _render_as_their_own_renderer_would(env, obs)
+        sim = slots[1].env.sim
+        sim.data.set_joint_qpos("flat_stove_1_button", 1.0)  # its knob turned: on
+        sim.forward()
+        lit = env.step(np.zeros((3, 1, 7))).obs
+        flame = sim.model.site_name2id("flat_stove_1_burner")
+        assert [slot.env.sim.model.site_rgba[flame][3] > 0 for slot in slots] == \
+            [False, True, False]
+        _render_as_their_own_renderer_would(env, lit)
     finally:
         env.close()
     assert _scene_users() == users  # the last env of a scene frees its model and renderer
@@ -93,7 +102,8 @@ def _render_as_their_own_renderer_would(env, obs) -> None:
 
     from hpcvla.envs.libero import CAMERAS
     for i, slot in enumerate(env._slots):
-        own = mujoco.Renderer(slot.env.sim.model._model, 16, 16)
+        size = obs["image"].shape[1]
+        own = mujoco.Renderer(slot.env.sim.model._model, size, size)
         for camera, key in zip(CAMERAS, ("image", "wrist_image")):
             own.update_scene(slot.env.sim.data._data, camera=camera,
                              scene_option=slot.scene_option)

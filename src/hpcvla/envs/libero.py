@@ -274,10 +274,17 @@ class _Slot:
         return float(reward), bool(success)
 
     def observe(self) -> dict:
-        data = self.env.sim.data._data
+        import mujoco
+        model, data = self.env.sim.model._model, self.env.sim.data._data
         images = []
         for camera in self.cameras:
-            self.renderer.update_scene(data, camera=camera, scene_option=self.scene_option)
+            # drawn from this env's model, not the shared renderer's (its scene's first env's):
+            # LIBERO changes an env's model as it runs (a stove's flame is a site's colour)
+            view = mujoco.MjvCamera()
+            view.type = mujoco.mjtCamera.mjCAMERA_FIXED
+            view.fixedcamid = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, camera)
+            mujoco.mjv_updateScene(model, data, self.scene_option, None, view,
+                                   mujoco.mjtCatBit.mjCAT_ALL, self.renderer.scene)
             # the renderer's image is upright; LIBERO's observations are upside down and VLA
             # models are fed them rotated by 180 degrees, i.e. this one mirrored left-right
             images.append(self.renderer.render()[:, ::-1])

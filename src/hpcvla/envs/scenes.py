@@ -9,7 +9,9 @@ every task). So the first env of a scene compiles it, and every env, that one in
 simulates its own copy of the compiled model (~0.25 s, and ~150 MB less resident than a compile
 leaves): its own, as robosuite changes a model's parameters (fixtures' poses at every reset).
 The renderer (~1 s to make, ~550 MB on CPU rendering) is shared by the scene's envs: it draws
-any of them from that env's data, where the poses are.
+any of them from that env's model and data (LIBERO changes an env's model as it runs: its
+stove's flame is a site's colour); its GL context holds what all of them share, meshes and
+textures.
 
     install()                              # robosuite's MjSim.from_xml_string comes here
     renderer, option = acquire(sim, size)  # an env's scene's renderer; counts the env in
@@ -69,7 +71,7 @@ def acquire(sim, size: int):
         option = mujoco.MjvOption()
         option.geomgroup[0] = 0  # collision geoms hidden, as robosuite's cameras do
         # from this env's model, not the compiled one: robosuite sets visual parameters after
-        # compiling (site colours), the same in every env of the scene
+        # compiling; each draw then takes the drawn env's own (envs/libero.py)
         scene["renderers"][size] = (mujoco.Renderer(sim.model._model, size, size), option)
     return scene["renderers"][size]
 
