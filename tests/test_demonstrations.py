@@ -16,7 +16,8 @@ from hpcvla.demonstrations import DemonstrationError, demonstration_problems, re
 from hpcvla.demonstrations.common import axis_angle_to_quat
 from hpcvla.demonstrations.libero import instruction_of
 from hpcvla.envs.base import EnvSpec
-from hpcvla.envs.libero import LiberoEnv, Suite, state_of
+from hpcvla.envs.libero import LiberoEnv, state_of
+from hpcvla.envs.libero_suites import Suite
 from hpcvla.envs.maniskill import describe
 from hpcvla.metrics.dump import summarize
 from hpcvla.text import tokenize, vocab_of, words

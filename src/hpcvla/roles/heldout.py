@@ -66,7 +66,7 @@ def envs_at_once(cfg: Config, envs: int, episodes: int) -> int:
     or under eval.protocol=libero the protocol's states, which `episodes` does not change."""
     if cfg.eval.protocol == "libero":
         from hpcvla.config.evaluation import eval_tasks
-        from hpcvla.envs.libero import suite_tasks
+        from hpcvla.envs.libero_suites import suite_tasks
         tasks = eval_tasks(cfg.eval) or range(suite_tasks(cfg.env.suite))
         episodes = len(tasks) * cfg.eval.states_per_task
     return max(1, min(envs, episodes))
@@ -184,7 +184,8 @@ def protocol_of(cfg: Config) -> tuple[Config, dict[str, Any] | None,
     if cfg.eval.protocol != "libero":
         return cfg, None, None
     from hpcvla.config.evaluation import eval_tasks
-    from hpcvla.envs.libero import SETTLE_STEPS, STEP_LIMITS, benchmark_states
+    from hpcvla.envs.libero import SETTLE_STEPS
+    from hpcvla.envs.libero_suites import STEP_LIMITS, benchmark_states
     cfg = copy.deepcopy(cfg)
     limit = STEP_LIMITS[cfg.env.suite]
     cfg.env.suite_task = -1  # the env loads each state's task
