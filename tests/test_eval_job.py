@@ -253,6 +253,14 @@ def test_the_printed_result_says_what_it_measured_and_what_a_benchmark_would_cou
         "count them: 0.400)" in shown, shown
     assert "protocol hpcvla: the config's episode length, 480 env steps, sampled actions; not " \
         "LIBERO's benchmark, whose numbers papers report (eval.protocol=libero)" in shown, shown
+    assert "not held out" not in shown
+    shown = describe({
+        "version": 3, "success_rate": 0.5, "success_ci95": [0.1, 0.9], "episodes": 4,
+        "actions": "sampled", "mean_return": 1.0, "env_faults": 0, "init_state_ids": [0, 4],
+        "split": "evaluation", "states": "s", "held_out": False, "ranks": 1, "hosts": ["h"],
+        "device": "cpu", "per_task": {}})
+    assert "not held out: training started from these states too (env.train_states=" \
+        "benchmark, RLinf's)" in shown, shown
 
 
 @pytest.mark.mpi
@@ -271,6 +279,7 @@ def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(
                         "settle_steps": 10}, protocol
     assert [e["init_state_id"] for e in result["per_episode"]] == \
         [0, 50]  # task 0's first fixed state, then task 1's
+    assert result["held_out"] is True  # the run trained from sampled placements
     assert [t.split(":")[0] for t in result["per_task"]] == ["task 0", "task 1"]
     for episode in result["per_episode"]:
         assert episode["steps"] == 220 or episode["success"], episode
@@ -287,8 +296,9 @@ def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path):
     run_dir = _run_dir(tmp_path, "libero_pi0.yaml")
     result = _eval(run_dir, "--deterministic", "--envs", 1, "env.suite=libero_spatial_swap",
                    "eval.protocol=libero", "eval.tasks=0", "eval.states_per_task=1",
-                   "env.chunk_len=10", timeout=600)
+                   "env.chunk_len=10", "env.train_states=benchmark", timeout=600)
     assert result["protocol"]["suite"] == "libero_spatial_swap"
+    assert result["held_out"] is False  # as for a run that trained from the fixed states
     assert result["protocol"]["step_limit"] == 220  # libero_spatial's
     assert result["episodes"] == 1 and result["env_faults"] == 0
     assert all(e["steps"] == 220 or e["success"] for e in result["per_episode"])

@@ -245,3 +245,36 @@ def test_a_state_starts_alike_whatever_its_slot_ran_and_oft_s_open_opens():
     finally:
         signed.close()
         oft.close()
+
+
+@pytest.mark.slow
+def test_training_starts_from_the_benchmark_states_only_where_asked():
+    """env.train_states=benchmark (RLinf's training starts): a random start and a grouped
+    restart's id each begin at one of the task's fixed initial states, the same id at the
+    same one; `sampled` (the default) never at one of them; other simulators refuse it."""
+    from hpcvla.envs.base import EVAL_STATE_IDS
+    from hpcvla.envs.libero_suites import Suite
+
+    fixed = Suite("libero_spatial").init_states(0)
+
+    def starts(train_states: str) -> list[int | None]:
+        env = make_env("libero", 2, seed=0, settle_steps=0, train_states=train_states,
+                       **SETTINGS)
+        try:
+            found = []
+            for ids in (None, None, np.array([EVAL_STATE_IDS + 123] * 2)):
+                env.reset(init_state_ids=ids)
+                for slot in env._slots:
+                    state = slot.env.sim.get_state().flatten()
+                    found.append(next((i for i, row in enumerate(fixed)
+                                       if np.allclose(row, state, atol=1e-9)), None))
+            return found
+        finally:
+            env.close()
+    benchmark = starts("benchmark")
+    assert None not in benchmark and benchmark[4] == benchmark[5] == (EVAL_STATE_IDS + 123) // 10 % 50, \
+        benchmark
+    assert len(set(benchmark[:4])) > 1, benchmark  # random starts: several states
+    assert starts("sampled") == [None] * 6
+    with pytest.raises(ConfigError, match="env.train_states"):
+        load_config(ROOT / "configs/default.yaml", ["env.train_states=benchmark"])

@@ -301,6 +301,9 @@ def describe(result: dict) -> str:
     lines.append(f"  {result['split']} split: init_state_ids {ids[0]}..{ids[1]}, "
                  f"{result['states']}; {result['ranks']} rank(s) on {len(result['hosts'])} "
                  f"host(s), {result['device']}")
+    if not result.get("held_out", True):
+        lines.append("  not held out: training started from these states too "
+                     "(env.train_states=benchmark, RLinf's)")
     protocol = result.get("protocol", {})
     if protocol.get("name") == "hpcvla":  # the run's own episodes: say so where a benchmark is
         lines.append(f"  protocol hpcvla: the config's episode length, {protocol['steps']} env "

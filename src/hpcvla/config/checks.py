@@ -104,6 +104,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("env.gripper_action", cfg.env.gripper_action, f"{gripper} for "
                          f"policy.name={cfg.policy.name} on env.name={cfg.env.name} (its "
                          "checkpoints' convention: the setting's doc)"))
+    if cfg.env.train_states != "sampled" and not sim.benchmark:
+        problems.append(("env.train_states", cfg.env.train_states,
+                         f"sampled for env.name={cfg.env.name}: only libero has a benchmark's "
+                         "fixed initial states"))
     if cfg.env.sim_backend == "gpu" and not sim.gpu_simulation:
         problems.append(("env.sim_backend", cfg.env.sim_backend,
                          f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "

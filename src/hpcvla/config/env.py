@@ -96,6 +96,14 @@ class EnvConfig:
         "datasets' (+1 open, 0 closed), given to LIBERO as OFT's and RLinf's evaluations do "
         "(the sign of 2 g - 1, negated); policy.name=oft on libero needs it.",
         choices=("closed_high", "open_high"))
+    train_states: str = setting(
+        "sampled", "libero only: where training episodes start. `sampled`: fresh placements "
+        "from each task's own samplers, never the benchmark's fixed initial states, which "
+        "evaluation takes: its success is on states no episode trained on. `benchmark`: the "
+        "fixed initial states themselves (50 a task), as RLinf trains (its "
+        "use_fixed_reset_state_ids) and reports its after-RL success, for numbers comparable "
+        "with it: evaluation is then not held out, and its result says so (held_out false).",
+        choices=("sampled", "benchmark"))
     latency_median_ms: float = setting(
         0.0, "reach only: emulated simulator cost: a step lasts the slowest of per-env "
         "lognormal draws with this median, its real compute included (0 = off).", ge=0)

@@ -41,7 +41,8 @@ Initial states, split as envs/base.py rules:
     training id and restored after): a random start draws the id from the env's RNG and keeps
     the env's task; a training init_state_id (GRPO's groups) is the id itself, same id same
     state, on task id mod n_tasks with env.suite_task=-1. A policy therefore never trains on the
-    states it is evaluated on.
+    states it is evaluated on, unless env.train_states=benchmark: training then starts from
+    the fixed states too (RLinf's), the id picking one of its task's.
 Every reset then holds the arm still for `settle_steps` physics steps (SETTLE_STEPS; the objects
 drop onto the table), as LIBERO's standard evaluation does, before the episode's first
 observation (settle_steps=0: the state exactly as set, what tests/fixtures/pi0 exported).
@@ -93,9 +94,11 @@ class _Slot:
 
     def __init__(self, suite: Suite, task: int, image_size: int, wrist_image: bool,
                  fixed_task: bool, state_format: str = "quaternion",
-                 settle_steps: int = SETTLE_STEPS, open_high: bool = False):
+                 settle_steps: int = SETTLE_STEPS, open_high: bool = False,
+                 benchmark_starts: bool = False):
         self.suite, self.size, self.fixed_task = suite, image_size, fixed_task
         self.settle_steps, self.open_high = settle_steps, open_high
+        self.benchmark_starts = benchmark_starts  # env.train_states=benchmark
         self.state_format = state_format
         self.cameras = CAMERAS if wrist_image else CAMERAS[:1]
         self.env = None
@@ -120,14 +123,14 @@ class _Slot:
 
     def reset(self, rng, init_state_id):
         if init_state_id is None:  # a random start on this env's task
-            self._place(training_state_ids(rng))
+            self._train(training_state_ids(rng))
         elif is_evaluation_state(init_state_id):
             states = self.suite.init_states(self.task)
             self._use_task(init_state_id // len(states))
             self._fixed(init_state_id % len(states))
         else:
             self._use_task(init_state_id)
-            self._place(init_state_id)
+            self._train(init_state_id)
         # A soft reset keeps the gripper's integrated command (robosuite sets it only when the
         # gripper is built): zeroed, a state starts the same whatever the slot ran before,
         # as after the references' hard resets.
@@ -149,6 +152,16 @@ class _Slot:
         with _global_seed([self.task, index, _FIXTURES]):
             self.env.reset()
         self.obs = self.env.set_init_state(self.suite.init_states(self.task)[index])
+
+    def _train(self, state_id: int) -> None:
+        """Training start `state_id` of this env's task: a fresh placement, or under
+        env.train_states=benchmark one of the task's fixed states, picked by the id's quotient
+        by the suite's tasks (its remainder picked the task)."""
+        if self.benchmark_starts:
+            states = len(self.suite.init_states(self.task))
+            self._fixed(state_id // self.suite.n_tasks % states)
+        else:
+            self._place(state_id)
 
     def _place(self, state_id: int) -> None:
         """A fresh placement of every object and fixture by the task's samplers (training),
@@ -220,6 +233,7 @@ class LiberoEnv(SerialVectorEnv):
         return dict(suite=env_cfg.suite, task=env_cfg.suite_task,
                     wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
                     state_format=env_cfg.state_format, gripper_action=env_cfg.gripper_action,
+                    train_states=env_cfg.train_states,
                     max_rebuilds=env_cfg.max_restarts)
 
     @classmethod
@@ -253,7 +267,8 @@ class LiberoEnv(SerialVectorEnv):
                  state: bool = True, reward: str = "sparse", chunk_len: int = 10,
                  max_episode_chunks: int = 48, first_env: int = 0,
                  state_format: str = "quaternion", settle_steps: int = SETTLE_STEPS,
-                 gripper_action: str = "closed_high", max_rebuilds: int = 5):
+                 gripper_action: str = "closed_high", max_rebuilds: int = 5,
+                 train_states: str = "sampled"):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
                             max_episode_chunks, tasks, state_format=state_format)
@@ -263,7 +278,8 @@ class LiberoEnv(SerialVectorEnv):
             slot_task = task if task >= 0 else (first_env + i) % tasks.n_tasks
             return _Slot(tasks, slot_task, image_size, wrist_image, fixed_task=task >= 0,
                          state_format=state_format, settle_steps=settle_steps,
-                         open_high=gripper_action == "open_high")
+                         open_high=gripper_action == "open_high",
+                         benchmark_starts=train_states == "benchmark")
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
                          first_env, name=f"libero {suite}", max_rebuilds=max_rebuilds)

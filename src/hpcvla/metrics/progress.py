@@ -110,7 +110,9 @@ class Progress:
         print(f"[hpcvla] held-out evaluation of version {version}: success "
               f"{report['success_rate']:.3f} (95 % {low:.3f}-{high:.3f}) over "
               f"{report['episodes']} episodes ({report['actions']} actions), mean return "
-              f"{report['mean_return']:.2f}" + (f"; video {video}" if video else ""),
+              f"{report['mean_return']:.2f}" + (f"; video {video}" if video else "") + (
+                  "" if report.get("held_out", True) else "; the training's own starts "
+                  "(env.train_states=benchmark): not held out"),
               file=sys.stdout, flush=True)
         scalars = {k: report[k] for k in ("success_rate", "mean_return", "success_at_end")
                    if k in report}

@@ -90,6 +90,7 @@ class HeldOut:
         if traits.emulated:  # no emulated latency, no injected faults
             kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
         self.seed, self.envs = seed, envs_at_once(cfg, envs, episodes)
+        self.held_out = cfg.env.train_states == "sampled"  # else trained from these states
         # a build or step that never returns: loud (its envs are inline, whatever
         # env.isolation says of the training's)
         self.step_deadline_s = cfg.env.step_timeout_s
@@ -149,7 +150,7 @@ class HeldOut:
             per_task[self.tasks[e.position]].append(e.success)
         outcomes, ids = [e.success for e in kept], self.ids
         return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
-                "states": self.env.evaluation_kind,
+                "states": self.env.evaluation_kind, "held_out": self.held_out,
                 "actions": self.policy.action_mode(deterministic),
                 "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
                 "success_ci95": _wilson(outcomes),
