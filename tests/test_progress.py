@@ -201,3 +201,16 @@ def test_a_span_inside_another_counts_under_itself_alone():
     with line.span("train"):  # nothing open around it: whole
         time.sleep(0.01)
     assert line.busy["train"] >= 0.01 and not line._open
+
+
+def test_metrics_records_keep_small_figures_to_significant_digits(tmp_path):
+    """A VLA recipe's first warmed-up learning rate (1e-5 / 11) and a tiny KL stay what they
+    are in metrics.jsonl, as in TensorBoard (decimal places made them 1e-06 and 0.0)."""
+    import json
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=0,
+                    enabled=True)
+    line.on_micro_batch({"actor_lr": 1e-5 / 11, "approx_kl": 3.14159e-8, "loss": 0.123456789})
+    line.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert record["actor_lr"] == pytest.approx(1e-5 / 11, rel=1e-6)
+    assert record["approx_kl"] == 3.14159e-8 and record["loss"] == 0.1234568

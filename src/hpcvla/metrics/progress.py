@@ -89,10 +89,10 @@ class Progress:
         """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
         rollout = {"success_rate": self.success_rate, "mean_return": self.mean_return}
         if self._file:
-            record = {**self._record_head(), **{k: None if v is None else round(v, 6)
+            record = {**self._record_head(), **{k: None if v is None else _digits(v)
                                                 for k, v in rollout.items()},
                       "episodes": len(self.successes),
-                      **{k: round(float(v), 6) for k, v in stats.items()}}
+                      **{k: _digits(v) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
             self.board.scalars({**rollout, **stats}, self.steps)
@@ -203,3 +203,9 @@ def standing_records(records: list[dict]) -> list[dict]:
             out = [r for r in out if r.get("update", 0) <= start]
         out.append(record)
     return out
+
+
+def _digits(value) -> float:
+    """A figure as metrics.jsonl keeps it: 7 significant digits (a VLA's warmed-up learning
+    rate of 9.1e-7, a KL of 3e-8: decimal places would round them to 1e-06 and 0)."""
+    return float(f"{float(value):.7g}")
