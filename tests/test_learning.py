@@ -74,13 +74,17 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
         assert curve[-1]["success_rate"] == trained["success_rate"]
         # TensorBoard's own reader sees the run: live training scalars, busy fractions, eval
         board = read_scalars(run_dir)
-        for tag in ("train/pg_loss", "train/actor_lr",
+        for tag in ("train/pg_loss", "train/actor_lr", "train/grad_norm", "train/grad_clipped",
                     "train/explained_variance", "rollout/success_rate", "rollout/mean_return",
                     "perf/trained_env_steps_per_s", "perf/staleness"):
             assert board.get(tag), (tag, sorted(board))
         # one PPO pass a version: its ratios are 1, so no clip fraction or KL is reported
         assert "train/clip_fraction" not in board and "train/approx_kl" not in board
         assert all(v == pytest.approx(cfg.algorithm.lr) for _, v in board["train/actor_lr"])
+        # every optimizer step's norm before clipping, and whether max_grad_norm clipped it
+        assert len(board["train/grad_norm"]) == updates * cfg.learner.epochs
+        assert [bool(v) for _, v in board["train/grad_clipped"]] == \
+            [v > cfg.algorithm.max_grad_norm for _, v in board["train/grad_norm"]]
         assert board["train/pg_loss"][-1][0] == 100 * 1024  # x axis: trained env steps
         assert any(tag.startswith("busy/simulator/") for tag in board), sorted(board)
         assert [(s, round(v, 6)) for s, v in board["eval/success_rate"]] == \

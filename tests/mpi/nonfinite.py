@@ -54,22 +54,29 @@ def main(cfg, plan, comms):
         bad["reward"][0, 0] = np.nan  # e.g. a simulator's broken reward
     timeline = Timeline(None, rank, "learner")
 
-    moved = []  # each step's largest weight change
+    moved, logged = [], []  # each step's largest weight change, and its metrics
 
     def step(batch):
         before = {k: v.clone() for k, v in full_state(engine).items()}  # (views below ZeRO-3)
-        train_micro_batch(cfg, engine, MicroBatch.arrived(cfg, [batch], engine.device), timeline)
+        logged.append(train_micro_batch(cfg, engine, MicroBatch.arrived(cfg, [batch],
+                                                                        engine.device), timeline))
         after = full_state(engine)
         assert all(np.isfinite(v).all() for v in after.values()), "NaN reached the weights"
         moved.append(max((after[k] - before[k]).abs().max().item() for k in before))
         return not all(np.array_equal(before[k], after[k]) for k in before)
 
     assert step(good) and engine.skipped == 0
+    # the step's gradient norm before clipping, the same on every learner (DeepSpeed's, or
+    # the averaged gradients' at stage 0), and whether the clipping scaled it down
+    norm, clip = logged[0]["grad_norm"], cfg.algorithm.max_grad_norm
+    assert 0 < norm < float("inf") and logged[0]["grad_clipped"] == float(norm > clip)
+    assert comms.learners.allgather(norm) == [norm] * comms.learners.Get_size()
     if rank == 0:
         lr = max(cfg.algorithm.lr, cfg.algorithm.critic_lr)
         print(f"first step: a weight moved {moved[0] / lr:.3g} learning rates at most "
               f"(max_grad_norm {cfg.algorithm.max_grad_norm:g})", flush=True)
     assert not step(bad) and engine.skipped == 1  # skipped on every learner, weights identical
+    assert logged[-1]["nonfinite_skipped"] == 1.0
     assert step(good) and engine.consecutive == 0  # and training goes on
     for _ in range(cfg.learner.max_nonfinite_steps - 1):
         assert not step(bad)

@@ -9,6 +9,10 @@ it would write NaN into every weight. There, at the accumulation boundary (the g
 averaged over the learners by then, so every learner decides alike), this wrapper lets the
 engine's step run without the optimizer's. Either way the skip is counted; `limit`
 consecutive skipped steps stop the run.
+
+Each optimizer step's global gradient norm, before clipping (algorithm.max_grad_norm), is
+kept for the metrics (`grad_norm`): DeepSpeed's own where it computes one (ZeRO 1-3 with
+clipping on, its bf16 optimizer), else the averaged gradients' at stage 0 and under Horovod.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ class SkipNonfinite:
     def __init__(self, engine: Engine, limit: int):
         self.engine, self.limit = engine, limit
         self.skipped = self.consecutive = 0
+        self.grad_norm: float | None = None  # the last optimizer step's, before clipping
 
     @property
     def module(self) -> torch.nn.Module:
@@ -65,7 +70,9 @@ class SkipNonfinite:
         if not engine.is_gradient_accumulation_boundary():
             engine.step()  # only counts the micro-step
             return
-        dropped = engine.zero_optimization_stage() == 0 and not self._finite_gradients()
+        stage_0 = engine.zero_optimization_stage() == 0
+        dropped = stage_0 and not self._finite_gradients()
+        own = self._gradient_norm() if stage_0 else None  # the step clears the gradients
         skipped_by_deepspeed = engine.skipped_steps
         if dropped:  # the engine's step runs (its counters, clipping, zero_grad), the
             optimizer = engine.optimizer  # optimizer's does not
@@ -76,6 +83,8 @@ class SkipNonfinite:
                 del optimizer.step
         else:
             engine.step()
+        reported = getattr(engine, "get_global_grad_norm", lambda: None)()
+        self.grad_norm = float(reported) if reported is not None else own
         if dropped or engine.skipped_steps > skipped_by_deepspeed:
             self.skipped += 1
             self.consecutive += 1
@@ -87,6 +96,23 @@ class SkipNonfinite:
                     f"{self.limit})")
         else:
             self.consecutive = 0
+
+    def step_stats(self, max_grad_norm: float) -> dict[str, float]:
+        """What the last optimizer step's metrics record adds: its gradient norm before
+        clipping, whether the clipping (algorithm.max_grad_norm) scaled it down, and the steps
+        skipped so far (a gradient that was not finite)."""
+        norm = self.grad_norm
+        return {**({"grad_norm": norm, "grad_clipped": float(0 < max_grad_norm < norm)}
+                   if norm is not None else {}), "nonfinite_skipped": float(self.skipped)}
+
+    def _gradient_norm(self) -> float | None:
+        """The L2 norm of every gradient the module holds (None where it holds none: DeepSpeed's
+        bf16 optimizer has taken them)."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return None
+        return float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g.float()) for g in grads])))
 
     def _finite_gradients(self) -> bool:
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]

@@ -142,12 +142,13 @@ def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, tim
         loss, stats, logprob = policy_loss(cfg.algorithm, engine, micro.arrays, micro.advantages,
                                            micro.proximal, value_only)
         engine.backward(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
             pad(begin, cfg.emulate.learner_ms_per_micro_batch / 1e3)
     if micro.proximal is None:
         micro.proximal = logprob.detach()
-    return stats
+    return {**stats, **engine.step_stats(cfg.algorithm.max_grad_norm)} if boundary else stats
 
 
 def actor_lr_factor(alg: AlgorithmConfig, version: int) -> float:

@@ -148,7 +148,7 @@ class SoftUpdate:
                 engine.step()  # the warm-up's leave the actor's Adam state unspent
         update_targets(policy, self.alg.tau)
         self.gradient_steps += 1
-        return stats
+        return {**stats, **engine.step_stats(self.alg.max_grad_norm)}
 
     def counters(self) -> dict[str, int]:
         """The checkpoint's (collective on the learners, as the checkpoint is): every
