@@ -76,11 +76,20 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
         board = read_scalars(run_dir)
         for tag in ("train/pg_loss", "train/actor_lr", "train/grad_norm", "train/grad_clipped",
                     "train/explained_variance", "rollout/success_rate", "rollout/mean_return",
+                    "rollout/mean_episode_chunks",
                     "perf/trained_env_steps_per_s", "perf/staleness"):
             assert board.get(tag), (tag, sorted(board))
         # one PPO pass a version: its ratios are 1, so no clip fraction or KL is reported
         assert "train/clip_fraction" not in board and "train/approx_kl" not in board
         assert all(v == pytest.approx(cfg.algorithm.lr) for _, v in board["train/actor_lr"])
+        # episodes end at success or at the horizon: as the policy learns, sooner (from the
+        # first full window of episodes on: the first to end are the short ones)
+        lengths = [(r["episodes"], r["mean_episode_chunks"]) for r in _jsonl(
+            run_dir / "metrics.jsonl") if r.get("mean_episode_chunks") is not None]
+        assert all(1 <= v <= cfg.env.max_episode_chunks for _, v in lengths), lengths
+        full = next(v for n, v in lengths if n == lengths[-1][0])
+        assert lengths[-1][1] < full and summary["mean_episode_chunks"] == \
+            pytest.approx(lengths[-1][1], rel=1e-5), (full, lengths[-1], summary)
         # every optimizer step's norm before clipping, and whether max_grad_norm clipped it
         assert len(board["train/grad_norm"]) == updates * cfg.learner.epochs
         assert [bool(v) for _, v in board["train/grad_clipped"]] == \

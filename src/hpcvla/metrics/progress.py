@@ -45,6 +45,7 @@ class Progress:
         self.learners = learners
         self.successes: deque = deque(maxlen=window)
         self.returns: deque = deque(maxlen=window)
+        self.lengths: deque = deque(maxlen=window)  # in chunks
         self.staleness: deque = deque(maxlen=window)
         self.updates = self.steps = self.micro_batches = self.fault_episodes = 0
         self.first_update = self.first_steps = 0  # where this (possibly resumed) run began
@@ -81,13 +82,15 @@ class Progress:
         self.fault_episodes += int((batch["done"] & batch["env_fault"]).sum())
         self.successes.extend(batch["success"][ended].tolist())
         self.returns.extend(batch["episode_return"][ended].tolist())
+        self.lengths.extend(batch["episode_length"][ended].tolist())
         self.staleness.append(staleness)
         self.steps += batch["done"].size * self.chunk_len * self.learners
         self.micro_batches += 1
 
     def on_micro_batch(self, stats: dict) -> None:
         """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
-        rollout = {"success_rate": self.success_rate, "mean_return": self.mean_return}
+        rollout = {"success_rate": self.success_rate, "mean_return": self.mean_return,
+                   "mean_episode_chunks": self.mean_episode_chunks}
         if self._file:
             record = {**self._record_head(), **{k: None if v is None else _digits(v)
                                                 for k, v in rollout.items()},
@@ -174,6 +177,12 @@ class Progress:
     @property
     def mean_return(self) -> float | None:
         return float(np.mean(self.returns)) if self.returns else None
+
+    @property
+    def mean_episode_chunks(self) -> float | None:
+        """The episodes' mean length in action chunks (env.chunk_len steps each, the last
+        one whole where success ended it inside)."""
+        return float(np.mean(self.lengths)) if self.lengths else None
 
     def close(self) -> None:
         if self._file:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from pathlib import Path
 
 SUBDIR = "tensorboard"
-GROUPS = {"success_rate": "rollout", "mean_return": "rollout"}  # the rest of a record: train/*
+# the rest of a record: train/*
+GROUPS = {"success_rate": "rollout", "mean_return": "rollout", "mean_episode_chunks": "rollout"}
 
 
 class RunBoard:

@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from hpcvla.roles.setup import RoleSetup
 
 
-SCORED = ("done", "env_fault", "success", "episode_return")  # what the progress counts
+SCORED = ("done", "env_fault", "success", "episode_return", "episode_length")  # progress counts
 
 
 class SoftUpdate:

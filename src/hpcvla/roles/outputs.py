@@ -71,6 +71,7 @@ class RankSummary:
     # episodes it left out; the run's trained env steps on the weight root
     success_rate: float | None = None
     mean_return: float | None = None
+    mean_episode_chunks: float | None = None
     ended_episodes: int = 0
     trained_env_steps: int | None = None
     env_fault_episodes: int | None = None
@@ -160,6 +161,8 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "active_s": active, "env_steps": steps, "env_steps_per_s": steps / active,
         "success_rate": _pooled([(s.success_rate, s.ended_episodes) for s in learners]),
         "mean_return": _pooled([(s.mean_return, s.ended_episodes) for s in learners]),
+        "mean_episode_chunks": _pooled([(s.mean_episode_chunks, s.ended_episodes)
+                                        for s in learners]),
         # trained episodes an env fault ended: not in success_rate, not trained on
         "env_fault_episodes": sum(s.env_fault_episodes or 0 for s in everyone),
         "staleness_hist": dict(sorted(staleness.items())),

@@ -114,6 +114,7 @@ def _epilogue(me: Rank, start: float) -> Counters:
     summary.busy_s = dict(me.timeline.busy)
     progress = me.progress  # a learner's own episodes (none elsewhere), pooled in the report
     summary.success_rate, summary.mean_return = progress.success_rate, progress.mean_return
+    summary.mean_episode_chunks = progress.mean_episode_chunks
     summary.ended_episodes, summary.env_fault_episodes = len(progress.successes), \
         progress.fault_episodes
     if me.rank == me.plan.weight_root:  # its count is every learner's (Progress.steps)

@@ -52,7 +52,8 @@ SegmentGroup: TypeAlias = dict[str, np.ndarray]
 # What a simulator reports of an action chunk with the next observation (StepResult fields)
 OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated": ((), "|b1"),
                   "env_fault": ((), "|b1"), "success": ((), "|b1"),
-                  "episode_return": ((), "<f4"), "chunk_steps": ((), "<i4")}
+                  "episode_return": ((), "<f4"), "episode_length": ((), "<i4"),
+                  "chunk_steps": ((), "<i4")}
 
 # An observation slot's fields of the horizon-ended episodes' last observations: "final." + key
 # (roles/simulator.py writes them where PPO bootstraps truncations, roles/inference.py reads)
