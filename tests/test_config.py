@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import re
+
 import pytest
 import yaml
 from hypothesis import given, settings
@@ -447,6 +449,36 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
     assert load_config("configs/maniskill_pushcube.yaml", ["algorithm.name=ppo"]).algorithm \
         .group_size == 4  # the file's, switching algorithms
     assert load_config(None, ["algorithm.noise_bound=1.0"])  # the default: changes nothing
+
+
+@pytest.mark.parametrize("chosen, unread, readers", [
+    ("algorithm.name=sac", "learner.epochs=4", "ppo, grpo do"),
+    ("algorithm.name=sac", "algorithm.clip=0.1", "ppo, grpo do"),
+    ("algorithm.name=sac", "algorithm.entropy_coef=0.01", "ppo, grpo do"),
+    ("algorithm.name=sac", "algorithm.gae_lambda=0.9", "ppo does"),
+    ("algorithm.name=grpo", "algorithm.value_coef=1.0", "ppo does"),
+    ("algorithm.name=grpo", "algorithm.critic_lr=0.001", "ppo, sac, rlpd do"),
+    ("algorithm.name=grpo", "algorithm.gamma=0.9", "ppo, sac, rlpd do"),
+    ("pipeline.mode=sync-disaggregated", "pipeline.max_staleness=3",
+     "train-async, rollout-async, streamer do"),
+    ("pipeline.mode=train-async", "rollout.wait_max_ms=50", "rollout-async, streamer do"),
+    ("env.name=reach", "env.suite_task=3", "libero does"),
+    ("env.name=libero", "env.latency_median_ms=5", "reach does")])
+def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refused(
+        chosen, unread, readers):
+    """A sweep over a setting nothing reads runs identical arms: typed on the command line,
+    it is refused, naming what would read it; at its default it loads (benches pass every
+    arm's settings)."""
+    key = unread.partition("=")[0]
+    chooser = chosen.partition("=")[0]
+    base = "configs/reach_grpo.yaml" if chosen == "algorithm.name=grpo" else None
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)} = .*: expected none: "
+                                          rf"{re.escape(chosen)} does not read it "
+                                          rf"\({readers}\); drop it, or set {chooser}"):
+        load_config(base, [chosen, unread])
+    from hpcvla.config.checks import _default_of
+    section, _, name = key.partition(".")
+    assert load_config(base, [chosen, f"{key}={_default_of(section, name)}"])
     # a pretrained folder sets a flow or OFT policy's sizes: policy.size with it is refused
     with pytest.raises(ConfigError, match=r"policy.size = 'full': expected none: the folder "
                                           r"policy.pretrained=.* sets the sizes; to build at "

@@ -54,7 +54,7 @@ def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
         return common
     if workload in SIM_WORKLOADS:
         return common + SIM_WORKLOADS[workload]
-    return common + emulated_workload(preset, envs_per_gpu, micro, staleness)
+    return common + emulated_workload(preset, envs_per_gpu, micro, staleness, mode)
 
 
 def _measured_bound(summary: dict) -> float:

@@ -14,7 +14,7 @@ from hpcvla.config.families import (EE_DELTA_CONTROL, FAMILIES, FOLDER_RECIPE_UN
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
-from hpcvla.schedule import shards_of, shards_problem
+from hpcvla.schedule import MODE_TRAITS, shards_of, shards_problem
 
 
 def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
@@ -251,21 +251,43 @@ def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
     return problems
 
 
-# The algorithm.* settings only some algorithms read (the others are judged above, or shared)
-ALGORITHM_ONLY = {**dict.fromkeys(("group_size", "group_score", "group_normalize_std",
-                                   "group_loss_mean"), ("grpo",)),
-                  **dict.fromkeys(("bootstrap_truncated", "critic_epochs"), ("ppo",)),
-                  **dict.fromkeys(("replay_capacity", "batch_size", "utd", "tau",
-                                   "learning_starts", "init_temperature", "target_entropy",
-                                   "critic_layer_norm"), ("sac", "rlpd")),
-                  "noise_bound": ("sac",), "demos_per_task": ("rlpd",)}
+# Settings read only under some values of another (`chooser`): setting -> (chooser, readers).
+# The others are judged above, or read by every choice.
+_ON_POLICY, _CRITICS = ("ppo", "grpo"), ("ppo", "sac", "rlpd")
+READ_ONLY_UNDER: dict[str, tuple[str, tuple[str, ...]]] = {
+    **{f"algorithm.{k}": ("algorithm.name", ("grpo",)) for k in (
+        "group_size", "group_score", "group_normalize_std", "group_loss_mean")},
+    **{f"algorithm.{k}": ("algorithm.name", ("ppo",)) for k in (
+        "bootstrap_truncated", "critic_epochs", "gae_lambda", "value_coef", "value_clip")},
+    **{f"algorithm.{k}": ("algorithm.name", ("sac", "rlpd")) for k in (
+        "replay_capacity", "batch_size", "utd", "tau", "learning_starts", "init_temperature",
+        "target_entropy", "critic_layer_norm")},
+    **{f"algorithm.{k}": ("algorithm.name", _ON_POLICY) for k in (
+        "clip", "entropy_coef", "max_behaviour_weight")},
+    "learner.epochs": ("algorithm.name", _ON_POLICY),
+    # GRPO trains no critic and discounts nothing (its episodes score whole)
+    "algorithm.critic_lr": ("algorithm.name", _CRITICS),
+    "algorithm.gamma": ("algorithm.name", _CRITICS),
+    "algorithm.noise_bound": ("algorithm.name", ("sac",)),
+    "algorithm.demos_per_task": ("algorithm.name", ("rlpd",)),
+    "pipeline.max_staleness": ("pipeline.mode", tuple(
+        m for m, t in MODE_TRAITS.items() if t.bounded_staleness)),
+    **{f"rollout.{k}": ("pipeline.mode", tuple(
+        m for m, t in MODE_TRAITS.items() if t.dynamic_batcher))
+       for k in ("batch_max", "wait_max_ms")},
+    **{f"env.{k}": ("env.name", ("libero",)) for k in (
+        "suite", "suite_task", "state_format")},
+    **{f"env.{k}": ("env.name", ("reach",)) for k in ("latency_median_ms", "latency_sigma")},
+}
 
 
 def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
-    """Settings typed on the command line that the chosen policy family or algorithm does not
-    read (`policy.size=full` on the default policy, FamilyTraits.settings; `algorithm.
-    group_size=4` under PPO, ALGORITHM_ONLY): refused, not silently ignored. A config file's
-    stay (`configs/reach_flow.yaml policy.name=oft` keeps the file's flow settings unread).
+    """Settings typed on the command line that the chosen policy family, algorithm, pipeline
+    mode or simulator does not read (`policy.size=full` on the default policy,
+    FamilyTraits.settings; `algorithm.group_size=4` under PPO, `learner.epochs=4` under SAC,
+    `pipeline.max_staleness=2` in a synchronous mode: READ_ONLY_UNDER): refused, not silently
+    ignored, where they change a default. A config file's stay (`configs/reach_flow.yaml
+    policy.name=oft` keeps the file's flow settings unread).
     Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
     folder_sizes): `configs/libero_pi0.yaml policy.size=full` would plan its fixture's sizes."""
     some = {name for traits in FAMILIES.values() for name in traits.settings}
@@ -281,19 +303,26 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
             continue
         if section == "policy" and name in some - set(family(cfg.policy.name).settings):
             readers = [n for n, traits in FAMILIES.items() if name in traits.settings]
-            chosen, value = f"policy.name={cfg.policy.name}", getattr(cfg.policy, name)
-        elif section == "algorithm" and cfg.algorithm.name not in ALGORITHM_ONLY.get(
-                name, (cfg.algorithm.name,)):
-            readers = list(ALGORITHM_ONLY[name])
-            chosen, value = f"algorithm.name={cfg.algorithm.name}", getattr(cfg.algorithm, name)
+            chooser = "policy.name"
+        elif key in READ_ONLY_UNDER and _value_of(cfg, READ_ONLY_UNDER[key][0]) not in \
+                READ_ONLY_UNDER[key][1]:
+            chooser, readers = READ_ONLY_UNDER[key][0], list(READ_ONLY_UNDER[key][1])
         else:
             continue
+        value = _value_of(cfg, key)
         if value == _default_of(section, name):  # said, but changing nothing (a bench's
             continue  # settings for every arm)
+        chosen = f"{chooser}={_value_of(cfg, chooser)}"
         problems.append((key, value, f"none: {chosen} does not read it ({', '.join(readers)} "
                          f"do{'es' if len(readers) == 1 else ''}); drop it, or set "
-                         f"{chosen.split('=')[0]}"))
+                         f"{chooser}"))
     return problems
+
+
+def _value_of(cfg, key: str):
+    """The value of the setting `key` ("section.name") in `cfg`."""
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
 
 
 def _default_of(section: str, name: str):

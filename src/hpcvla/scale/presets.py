@@ -69,16 +69,19 @@ def emulated_cost_overrides(preset: dict, micro_batch: int) -> list[str]:
             learner_delay(preset, micro_batch)]
 
 
-def emulated_workload(preset: dict, envs: int, micro_batch: int, staleness: int) -> list[str]:
-    """The emulated workload of `bench modes`: the preset's costs, one epoch, and the async
-    modes' knobs (the sync modes ignore them): every env its own shard (a shard waits for its
-    slowest env), a forward pass serves up to one simulator's envs (half a cell) and waits at
-    most 2 ms to fill, producers may run `staleness` versions ahead. Shards of one env and
-    2 ms beat shards of 4 envs and 20 ms on both presets, most on table3's long tail (sigma
-    0.8), which made larger shards wait."""
-    return [f"rollout.batch_max={envs}", "rollout.wait_max_ms=2", f"env.shards={envs}",
-            f"pipeline.max_staleness={staleness}", "learner.epochs=1",
-            *emulated_cost_overrides(preset, micro_batch)]
+def emulated_workload(preset: dict, envs: int, micro_batch: int, staleness: int,
+                      mode: str) -> list[str]:
+    """The emulated workload of `bench modes` in `mode`: the preset's costs, one epoch, and
+    the async modes' knobs where the mode reads them: every env its own shard (a shard waits
+    for its slowest env), a forward pass serves up to one simulator's envs (half a cell) and
+    waits at most 2 ms to fill, producers may run `staleness` versions ahead. Shards of one
+    env and 2 ms beat shards of 4 envs and 20 ms on both presets, most on table3's long tail
+    (sigma 0.8), which made larger shards wait."""
+    t = traits(mode)
+    return [*([f"rollout.batch_max={envs}", "rollout.wait_max_ms=2"] if t.dynamic_batcher
+              else []), f"env.shards={envs}",
+            *([f"pipeline.max_staleness={staleness}"] if t.bounded_staleness else []),
+            "learner.epochs=1", *emulated_cost_overrides(preset, micro_batch)]
 
 
 def ideal_bound(mode, cfg, preset, gpus) -> float:
