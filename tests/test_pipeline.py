@@ -229,6 +229,12 @@ def test_two_nodes_two_learners_zero3_streamer(tmp_path):
     assert sum(summary["staleness_hist"].values()) == 2 * 3 * 32
     assert max(int(k) for k in summary["staleness_hist"]) <= 1
     assert "FutureWarning" not in out.stderr, out.stderr[-3000:]  # torch's, of ZeRO's gathers
+    # the progress line's rolling figures are both learners' episodes, pooled, as summary.json
+    from hpcvla.metrics.progress import figure
+    last = [line for line in out.stdout.splitlines() if line.startswith("[hpcvla] update 3/3")]
+    window = [r["ended_episodes"] for r in learners]
+    assert min(window) > 0 and f"success {figure(summary['success_rate'])} (last " \
+        f"{sum(window)} eps)" in last[-1], (window, last)
 
 
 @pytest.mark.mpi

@@ -71,13 +71,14 @@ def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_pa
     line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=0,
                     enabled=True, board=RunBoard(tmp_path, load_config().run))
     running = {"done": np.zeros((2, 3), bool), "env_fault": np.zeros((2, 3), bool),
-               "success": np.zeros((2, 3), bool), "episode_return": np.zeros((2, 3))}
+               "success": np.zeros((2, 3), bool), "episode_return": np.zeros((2, 3)),
+               "episode_length": np.zeros((2, 3), np.int32)}
     line.on_segments(running)
     line.on_micro_batch({"loss": 1.0})
     line.on_update(1)
     assert "success - (last 0 eps) | return - |" in capsys.readouterr().out
     ended = {**running, "done": np.eye(2, 3, dtype=bool), "success": np.eye(2, 3, dtype=bool),
-             "episode_return": np.full((2, 3), 2.0)}
+             "episode_return": np.full((2, 3), 2.0), "episode_length": np.full((2, 3), 5)}
     line.on_segments(ended)
     line.on_micro_batch({"loss": 1.0})
     line.on_update(2)
@@ -92,6 +93,31 @@ def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_pa
     # with none ended adds nothing; no episode anywhere: no figure
     assert _pooled([(0.5, 4), (1.0, 2), (None, 0)]) == 4 / 6
     assert _pooled([(None, 0), (None, 0)]) is None
+
+
+def test_with_several_learners_the_figures_shown_are_their_pooled_windows(tmp_path, capsys):
+    """`pool` sums over the learners at every version's end (here a stand-in for a second
+    learner whose window holds 2 failures of 9 chunks): the line and the records show the
+    pool, not this learner's own; before the first version's end, nothing."""
+    import json
+
+    import numpy as np
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=0,
+                    enabled=True)
+    line.pool = lambda mine: mine + np.array([0.0, 0.0, 18.0, 2.0])  # [dist] in a run
+    ended = {"done": np.eye(2, 3, dtype=bool), "env_fault": np.zeros((2, 3), bool),
+             "success": np.eye(2, 3, dtype=bool), "episode_return": np.full((2, 3), 2.0),
+             "episode_length": np.full((2, 3), 5, np.int32)}
+    line.on_segments(ended)
+    line.on_micro_batch({"loss": 1.0})
+    line.on_update(1)
+    assert "success 0.50 (last 4 eps) | return 1.00 |" in capsys.readouterr().out
+    line.on_micro_batch({"loss": 1.0})
+    line.close()
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["success_rate"] for r in records] == [None, 0.5]
+    assert records[1]["mean_episode_chunks"] == 7.0 and records[1]["episodes"] == 4
+    assert line.success_rate == 1.0  # its own window (summary.json pools those)
 
 
 def test_a_start_resumed_behind_the_last_one_logged_is_drawn_once(tmp_path):

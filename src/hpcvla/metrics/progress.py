@@ -10,8 +10,10 @@ The ETA is the remaining versions at the rate of the recent ones (the last few v
 boundaries), not of the whole run: start-up and the first, slower versions would make it fall
 for minutes. It shows `--` until three versions have ended.
 
-Success and return come from episodes that ended inside trained segments (the last `window`
-of them; env faults left out); staleness from the policy versions the learner trained on. The
+Success, return and episode length come from episodes that ended inside trained segments (each
+learner's last `window` of them; env faults left out), pooled over the learners at every
+version's end (`pool`: a learner's producers run some of the envs, and under a multi-task
+suite some of the tasks); staleness from the policy versions the root's learner trained on. The
 JSONL records hold the loss statistics of each micro-batch's last epoch: clip fraction, KL,
 explained variance of the critic, return and value scale. Trained env steps count
 all learners: each trains an equal share of every version, so the root's count times the
@@ -25,6 +27,7 @@ import json
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -59,6 +62,10 @@ class Progress:
         # (a restart's record of the work lost reads the last one)
         self._file = open(path, "a", buffering=1) if (enabled and path) else None
         self.board = board if enabled else None
+        # sums a vector over the learners: collective, at every version's end (where there
+        # are several learners); the pooled figures shown after it
+        self.pool: Callable[[np.ndarray], np.ndarray] | None = None
+        self._pooled: dict | None = None
 
     def resume(self, updates: int, trained_env_steps: int) -> None:
         """Counters continue from a checkpoint."""
@@ -87,14 +94,24 @@ class Progress:
         self.steps += batch["done"].size * self.chunk_len * self.learners
         self.micro_batches += 1
 
+    def rolling(self) -> dict:
+        """The rolling figures shown (line, records, TensorBoard): every learner's window,
+        pooled at the last version's end (before it, none), or this learner's where it is
+        the only one."""
+        if self.pool is not None:
+            return self._pooled or {"success_rate": None, "mean_return": None,
+                                    "mean_episode_chunks": None, "episodes": 0}
+        return {"success_rate": self.success_rate, "mean_return": self.mean_return,
+                "mean_episode_chunks": self.mean_episode_chunks, "episodes": len(self.successes)}
+
     def on_micro_batch(self, stats: dict) -> None:
         """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
-        rollout = {"success_rate": self.success_rate, "mean_return": self.mean_return,
-                   "mean_episode_chunks": self.mean_episode_chunks}
+        shown = self.rolling()
+        rollout = {k: v for k, v in shown.items() if k != "episodes"}
         if self._file:
             record = {**self._record_head(), **{k: None if v is None else _digits(v)
                                                 for k, v in rollout.items()},
-                      "episodes": len(self.successes),
+                      "episodes": shown["episodes"],
                       **{k: _digits(v) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
@@ -135,6 +152,15 @@ class Progress:
             self.board.flush()
 
     def on_update(self, updates: int) -> None:
+        """Version `updates` ended; collective on the learners where `pool` is set."""
+        if self.pool is not None:
+            n = len(self.successes)
+            total = self.pool(np.array([sum(self.successes), sum(self.returns),
+                                        sum(self.lengths), n], dtype=np.float64))
+            episodes = int(total[3])
+            self._pooled = {k: float(v / episodes) if episodes else None for k, v in zip(
+                ("success_rate", "mean_return", "mean_episode_chunks"), total[:3])}
+            self._pooled["episodes"] = episodes
         self.updates = updates
         self.steps_at[updates] = self.steps
         now = time.monotonic()
@@ -142,10 +168,10 @@ class Progress:
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
             self.last_print = now
             rate = (self.steps - self.first_steps) / (now - self.start)
-            eta = self.eta_s()
+            eta, shown = self.eta_s(), self.rolling()
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
-                  f"steps/s | success {figure(self.success_rate)} (last {len(self.successes)} "
-                  f"eps) | return {figure(self.mean_return)} | staleness "
+                  f"steps/s | success {figure(shown['success_rate'])} (last "
+                  f"{shown['episodes']} eps) | return {figure(shown['mean_return'])} | staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
                   + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "
                      if self.held_out else "") + "ETA "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -48,7 +49,7 @@ from hpcvla.roles.simulator import build_shards, slot_dtypes
 from hpcvla.schedule import Schedule, envs_of_cell, schedule_of
 from hpcvla.seeds import seed_rank, write_rng_seeds
 from hpcvla.topology.plan import LEARN, SIM, SPARE
-from hpcvla.transport.backoff import idle_barrier, idle_bcast, idle_recv, wait_request
+from hpcvla.transport.backoff import idle_barrier, idle_bcast, idle_recv, summed, wait_request
 from hpcvla.transport.exchange import ObsActionExchange
 from hpcvla.transport.ring import TrajectoryRing
 from hpcvla.transport.manifest import Manifest
@@ -206,6 +207,8 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
                         learners=len(plan.learners),
                         board=RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
                         if is_root else None, t0=timeline.t0)
+    if rank in plan.learners and len(plan.learners) > 1:  # the figures shown: every learner's
+        progress.pool = partial(summed, comms.learners)
     if is_root and (cfg.run.tensorboard or cfg.run.wandb != "disabled"):
         phases.mark("logging_ready")  # TensorBoard's and W&B's start (W&B's takes seconds)
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # for the annotations only: this module works without MPI
+    import numpy as np
     from mpi4py import MPI
 
 T = TypeVar("T")
@@ -145,3 +146,11 @@ def idle_recv(comm: MPI.Comm, source: int, tag: int, cap: float = 1e-3,
     wait_until(lambda: comm.Iprobe(source=source, tag=tag), f"a message from rank {source}",
                cap=cap, remind=remind)  # [dist]
     return comm.recv(source=source, tag=tag)  # [dist]
+
+
+def summed(comm: MPI.Comm, values: np.ndarray) -> np.ndarray:
+    """`values` (float64) summed over the ranks of `comm`, waited for asleep."""
+    from mpi4py import MPI
+    out = values.copy()
+    wait_request(comm.Iallreduce(values, out, op=MPI.SUM), "a sum over the ranks")  # [dist]
+    return out
