@@ -240,3 +240,24 @@ def test_metrics_records_keep_small_figures_to_significant_digits(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert record["actor_lr"] == pytest.approx(1e-5 / 11, rel=1e-6)
     assert record["approx_kl"] == 3.14159e-8 and record["loss"] == 0.1234568
+
+
+def test_the_rate_shown_is_the_recent_versions_not_the_whole_runs(monkeypatch, capsys):
+    """Hours into a run a slowdown must show: the trained steps/s line (and perf/ in
+    TensorBoard) spans the versions of the last RATE_WINDOW_S, not the run since its start."""
+    import numpy as np
+    clock = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    line = Progress(None, total_updates=100, chunk_len=4, every_s=0, enabled=True)
+    batch = {k: np.zeros((1, 250), bool) for k in ("done", "env_fault", "success")}
+    batch.update(episode_return=np.zeros((1, 250)), episode_length=np.zeros((1, 250), int))
+
+    def versions(n: int, seconds: float) -> float:
+        for _ in range(n):
+            clock[0] += seconds
+            line.on_segments(batch)  # 1,000 trained env steps a version
+            line.on_update(line.updates + 1)
+        return float(capsys.readouterr().out.splitlines()[-1].split(" | ")[1].split()[0])
+    assert versions(40, 1.0) == pytest.approx(1000, rel=0.01)
+    slow = versions(5, 10.0)  # 10x slower: the whole run's mean would still say ~530
+    assert slow == pytest.approx(100, rel=0.2), slow

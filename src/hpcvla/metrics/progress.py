@@ -18,7 +18,9 @@ JSONL records hold the loss statistics of each micro-batch's last epoch: clip fr
 explained variance of the critic, return and value scale. Trained env steps count
 all learners: each trains an equal share of every version, so the root's count times the
 number of learners. The same numbers go to TensorBoard (`metrics/tensorboard.py`) when a
-board is given: the records as they come, throughput and staleness at every printed line.
+board is given: the records as they come, throughput and staleness at every version's end.
+The trained steps/s are those of the versions of the last RATE_WINDOW_S, not of the run since
+its start (a slowdown hours in would hardly move that).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hpcvla.metrics.tensorboard import RunBoard
 
 
 RECENT_VERSIONS = 8  # version boundaries the ETA's rate spans (at least 3)
+RATE_WINDOW_S = 30.0  # the trained steps/s shown: over the versions that ended this recently
 
 
 class Progress:
@@ -56,6 +59,7 @@ class Progress:
         # what the timelines' origin is ahead of this one (records' `time` counts from it)
         self.origin_s = 0.0 if t0 is None else max(0.0, time.time() - t0)
         self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
+        self.rated: deque = deque()  # (time, trained env steps) at version ends: the rate's
         self.steps_at: dict[int, int] = {0: 0}  # version -> trained env steps at its end
         self.held_out: tuple[int, float] | None = None  # the newest (version, success)
         # line-buffered: a world that dies keeps every record up to its last micro-batch
@@ -165,9 +169,13 @@ class Progress:
         self.steps_at[updates] = self.steps
         now = time.monotonic()
         self.recent.append((now, updates))
+        rate = self._rate(now)
+        if self.board:  # every version's, drawn as it happens; written out at each line
+            self.board.scalars({"trained_env_steps_per_s": rate, "staleness": np.mean(
+                self.staleness) if self.staleness else 0.0, "update": updates}, self.steps,
+                group="perf")
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
             self.last_print = now
-            rate = (self.steps - self.first_steps) / (now - self.start)
             eta, shown = self.eta_s(), self.rolling()
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {figure(shown['success_rate'])} (last "
@@ -180,10 +188,19 @@ class Progress:
             if self._file:
                 self._file.flush()
             if self.board:
-                staleness = np.mean(self.staleness) if self.staleness else 0.0
-                self.board.scalars({"trained_env_steps_per_s": rate, "staleness": staleness,
-                                    "update": updates}, self.steps, group="perf")
                 self.board.flush()
+
+    def _rate(self, now: float) -> float:
+        """Trained env steps per second over the versions that ended in the last
+        RATE_WINDOW_S (at least the last two boundaries), or since this start before a
+        second version ended: a slowdown hours into a run shows within the window."""
+        self.rated.append((now, self.steps))
+        while len(self.rated) > 2 and now - self.rated[1][0] >= RATE_WINDOW_S:
+            self.rated.popleft()
+        (first, begun), (last, done) = self.rated[0], self.rated[-1]
+        if len(self.rated) < 2 or last <= first:
+            return (self.steps - self.first_steps) / max(now - self.start, 1e-9)
+        return (done - begun) / (last - first)
 
     def eta_s(self) -> float | None:
         """Seconds to the last version at the recent versions' rate; None before three
