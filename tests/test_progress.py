@@ -261,3 +261,30 @@ def test_the_rate_shown_is_the_recent_versions_not_the_whole_runs(monkeypatch, c
     assert versions(40, 1.0) == pytest.approx(1000, rel=0.01)
     slow = versions(5, 10.0)  # 10x slower: the whole run's mean would still say ~530
     assert slow == pytest.approx(100, rel=0.2), slow
+
+
+def test_tensorboard_gets_a_point_a_version_whatever_its_records(tmp_path):
+    """With learner.epochs > 1 every record of a version comes after its segments, at one
+    trained-steps value: TensorBoard gets one point a version, the mean of its records (and
+    the rolling figures at its end); metrics.jsonl keeps every record."""
+    import json
+
+    import numpy as np
+
+    from hpcvla.config import load_config
+    from hpcvla.metrics.tensorboard import RunBoard, read_scalars
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=2, chunk_len=4, every_s=0,
+                    enabled=True, board=RunBoard(tmp_path, load_config().run))
+    batch = {k: np.zeros((1, 8), bool) for k in ("done", "env_fault", "success")}
+    batch.update(episode_return=np.zeros((1, 8)), episode_length=np.zeros((1, 8), int))
+    for version, losses in ((1, [1.0, 2.0, 3.0, 4.0]), (2, [5.0, 7.0])):
+        line.on_segments(batch)
+        for loss in losses:  # a version's last epoch: its micro-batches' records
+            line.on_micro_batch({"loss": loss, **({"kl": 0.5} if loss > 3 else {})})
+        line.on_update(version)
+    line.close()
+    board = read_scalars(tmp_path)
+    assert board["train/loss"] == [(32, 2.5), (64, 6.0)]
+    assert board["train/kl"] == [(32, 0.5), (64, 0.5)]  # over the records that have it
+    records = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["loss"] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0, 7.0]

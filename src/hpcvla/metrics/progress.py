@@ -70,6 +70,7 @@ class Progress:
         # are several learners); the pooled figures shown after it
         self.pool: Callable[[np.ndarray], np.ndarray] | None = None
         self._pooled: dict | None = None
+        self._version_stats: list[dict] = []  # this version's records, drawn at its end
 
     def resume(self, updates: int, trained_env_steps: int) -> None:
         """Counters continue from a checkpoint."""
@@ -119,7 +120,7 @@ class Progress:
                       **{k: _digits(v) for k, v in stats.items()}}
             self._file.write(json.dumps(record) + "\n")
         if self.board:
-            self.board.scalars({**rollout, **stats}, self.steps)
+            self._version_stats.append(stats)
 
     def on_held_out(self, version: int, report: dict, video: str | None = None) -> None:
         """A held-out evaluation of policy `version` (roles/evaluator.py): a line now, a
@@ -171,6 +172,7 @@ class Progress:
         self.recent.append((now, updates))
         rate = self._rate(now)
         if self.board:  # every version's, drawn as it happens; written out at each line
+            self._draw_version()
             self.board.scalars({"trained_env_steps_per_s": rate, "staleness": np.mean(
                 self.staleness) if self.staleness else 0.0, "update": updates}, self.steps,
                 group="perf")
@@ -189,6 +191,19 @@ class Progress:
                 self._file.flush()
             if self.board:
                 self.board.flush()
+
+    def _draw_version(self) -> None:
+        """TensorBoard's (and W&B's) point of the version that ended: the rolling figures and
+        the mean of each statistic over its records (a micro-batch's last epoch each), at its
+        trained env steps: one point a version, where `learner.epochs` > 1 would put every
+        record of a version at one step."""
+        assert self.board is not None
+        stats = self._version_stats
+        keys = dict.fromkeys(k for record in stats for k in record)
+        means = {k: float(np.mean([r[k] for r in stats if k in r])) for k in keys}
+        shown = {k: v for k, v in self.rolling().items() if k != "episodes"}
+        self.board.scalars({**shown, **means}, self.steps)
+        self._version_stats = []
 
     def _rate(self, now: float) -> float:
         """Trained env steps per second over the versions that ended in the last
