@@ -235,6 +235,14 @@ def test_two_nodes_two_learners_zero3_streamer(tmp_path):
     window = [r["ended_episodes"] for r in learners]
     assert min(window) > 0 and f"success {figure(summary['success_rate'])} (last " \
         f"{sum(window)} eps)" in last[-1], (window, last)
+    # the end-of-run line of where each role's time went, summary.json's figures
+    (busy,) = [line for line in out.stdout.splitlines() if line.startswith("[hpcvla] busy")]
+    roles = dict(part.split(" ", 1) for part in busy.split(": ", 1)[1].split(" | "))
+    share = summary["busy_fraction"]
+    for role, stage in (("learner", "train"), ("inference", "infer"),
+                        ("simulator", "simulate")):
+        assert f"{stage} {share[f'{role}:{stage}']:.2f}" in roles[role], busy
+        assert roles[role].endswith(f"(cpu {summary['cpu_fraction'][role]:.2f})"), busy
 
 
 @pytest.mark.mpi

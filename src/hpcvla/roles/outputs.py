@@ -197,6 +197,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
               f"{sum(s['env_steps'] for s in starts)} env steps in "
               f"{sum(s['wall_s'] for s in starts):.1f} s (summary.json's `starts`)")
     print(memory_table(everyone), flush=True)
+    print(busy_line(result["busy_fraction"], result["cpu_fraction"]))
     window = sum(s.ended_episodes for s in learners)
     lags = ", ".join(f"{lag}: {n}" for lag, n in result["staleness_hist"].items())
     print(f"[hpcvla] done: {steps} env steps in {active:.1f} s = "
@@ -206,6 +207,20 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
           + ("" if result["preempted"] else f" (next: hpcvla eval {shlex.quote(str(run_dir))})"),
           flush=True)
     return result
+
+
+def busy_line(busy: dict[str, float], cpu: dict[str, float]) -> str:
+    """Where each role's time went (summary.json's busy_fraction, by role, its stages
+    largest first; those under 0.01 left out), and the cores it kept busy: the stage near 1
+    is the one that sets the pace."""
+    roles: dict[str, list[tuple[str, float]]] = {}
+    for key, share in busy.items():
+        role, _, stage = key.rpartition(":")
+        roles.setdefault(role, []).append((stage, share))
+    parts = [f"{role} " + ", ".join(f"{stage} {share:.2f}" for stage, share in sorted(
+        stages, key=lambda item: -item[1]) if share >= 0.01) + f" (cpu {cpu.get(role, 0):.2f})"
+             for role, stages in roles.items()]
+    return "[hpcvla] busy, share of the active time: " + " | ".join(parts)
 
 
 def _headline(summary: Counters) -> Counters:
