@@ -257,6 +257,43 @@ def test_a_maniskill_env_without_its_camera_observes_the_state_alone():
         state_only.close()
 
 
+@pytest.mark.parametrize("task", ["PickCube-v1", "PushCube-v1"])
+def test_the_visual_state_is_maniskills_rgb_mode_state(task):
+    """env.state_mode=visual: the state ManiSkill's own `rgb` obs mode gives beside its
+    pictures (FlattenRGBDObservationWrapper's: agent then extra, no object poses; PickCube's
+    goal position, which its cameras hide), from the same reset seed and actions, checked
+    against ManiSkill itself; `privileged` (the default) holds more (the object's pose)."""
+    import gymnasium as gym
+    import torch
+    from mani_skill.utils.common import flatten_state_dict
+    from mani_skill.utils.wrappers import FlattenRGBDObservationWrapper
+
+    reference = FlattenRGBDObservationWrapper(gym.make(
+        task, obs_mode="rgb", control_mode="pd_ee_delta_pose", num_envs=1, sim_backend="cpu",
+        render_backend="cpu", sensor_configs=dict(width=32, height=32)), rgb=True, depth=False,
+        state=True)
+    visual = make_env("maniskill", 1, seed=0, task=task, image_size=32, chunk_len=1,
+                      state_mode="visual")
+    privileged = make_env("maniskill", 1, seed=0, task=task, image_size=32, chunk_len=1)
+    try:
+        actions = np.random.default_rng(0).uniform(-1, 1, (3, 1, 1, 7)).astype(np.float32)
+        ours = [visual.reset(init_state_ids=np.array([3]))["state"][0]]
+        theirs = [reference.reset(seed=3)[0]["state"][0].numpy()]
+        for action in actions:
+            ours.append(visual.step(action).obs["state"][0])
+            theirs.append(reference.step(torch.as_tensor(action[:, 0]))[0]["state"][0].numpy())
+        np.testing.assert_allclose(np.stack(ours), np.stack(theirs), atol=1e-5)
+        extra = reference.unwrapped._get_obs_extra(reference.unwrapped.get_info())
+        assert ("goal_pos" in extra) == (task == "PickCube-v1")  # PushCube's shows on camera
+        assert privileged.spec.obs["state"][0][0] > visual.spec.obs["state"][0][0] == \
+            flatten_state_dict(reference.unwrapped._get_obs_state_dict(
+                reference.unwrapped.get_info()), use_torch=True).shape[-1]
+    finally:
+        reference.close()
+        visual.close()
+        privileged.close()
+
+
 def test_dense_delta_pays_success_over_hovering_short_of_it():
     """env.reward on PickCube (its config's 5-step chunks, 16 chunks), one initial state: the
     scripted expert to success against its actions up to a chunk short of success, then the

@@ -278,6 +278,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str, ...]]] = {
     **{f"env.{k}": ("env.name", ("libero",)) for k in (
         "suite", "suite_task", "state_format")},
     **{f"env.{k}": ("env.name", ("reach",)) for k in ("latency_median_ms", "latency_sigma")},
+    "env.state_mode": ("env.name", ("maniskill",)),
 }
 
 

@@ -96,6 +96,14 @@ class EnvConfig:
         "datasets' (+1 open, 0 closed), given to LIBERO as OFT's and RLinf's evaluations do "
         "(the sign of 2 g - 1, negated); policy.name=oft on libero needs it.",
         choices=("closed_high", "open_high"))
+    state_mode: str = setting(
+        "privileged", "maniskill only: what the `state` observation holds. `privileged`: the "
+        "task's `state` obs mode (robot joints and velocities, and the objects' and goals' "
+        "poses: what a camera would have to find); `visual`: what ManiSkill's camera obs "
+        "modes give beside the pictures (the robot's joints and velocities and the task's "
+        "non-privileged extras, e.g. PickCube's goal position, which no camera shows), as "
+        "its RGB baselines train on: with it a VLA policy must see the objects.",
+        choices=("privileged", "visual"))
     train_states: str = setting(
         "sampled", "libero only: where training episodes start. `sampled`: fresh placements "
         "from each task's own samplers, never the benchmark's fixed initial states, which "

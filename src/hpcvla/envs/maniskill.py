@@ -11,8 +11,10 @@ Observation fields (per env):
     image        (S, S, 3)  |u1  the task's third-person camera (`base_camera`), S = image_size;
                                  not with camera=False (env.camera: state-only, nothing rendered)
     wrist_image  (S, S, 3)  |u1  only if wrist_image: the Panda hand camera (`panda_wristcam`)
-    state        (D,)       <f4  only if state: the task's flat `state` observation (robot qpos,
-                                 qvel, task extras such as goal and object poses: privileged)
+    state        (D,)       <f4  only if state: with state_mode=privileged the task's flat `state`
+                                 observation (robot qpos, qvel, task extras such as goal and
+                                 object poses); with state_mode=visual what ManiSkill's camera
+                                 obs modes give beside the pictures (state_vector)
     instruction  (L,)       <i4  token ids of the task description (TASK_DESCRIPTIONS)
 
 Actions: one per primitive step in [-1, 1] (clipped), in the controller `control_mode` names
@@ -153,8 +155,29 @@ def render_cameras(u) -> list:
             for camera in cameras]
 
 
+def state_vector(u, state_mode: str, privileged=None):
+    """The flat `state` of every env of the (unwrapped) env `u` now, (num_envs, D):
+    `privileged`, the task's `state` obs mode's (`privileged`: what the last step returned);
+    `visual`, what ManiSkill's camera obs modes carry beside the pictures (the robot's
+    proprioception and the task's extras short of the objects' poses: PickCube's goal, which
+    its cameras hide), flattened as its FlattenRGBDObservationWrapper does. The env steps in
+    `state` mode (no rendering per step), so the task is asked as an `rgb` mode env."""
+    if state_mode == "privileged":
+        return privileged if privileged is not None else u.get_obs()
+    from mani_skill.envs.utils.observations import parse_obs_mode_to_struct
+    from mani_skill.utils.common import flatten_state_dict
+    saved = u._obs_mode, u.obs_mode_struct  # tasks read either (mani-skill 3.0.1)
+    u._obs_mode, u.obs_mode_struct = "rgb", parse_obs_mode_to_struct("rgb")
+    try:
+        return flatten_state_dict(u._get_obs_state_dict(u.get_info()), use_torch=True,
+                                  device=u.device)
+    finally:
+        u._obs_mode, u.obs_mode_struct = saved
+
+
 def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
-              chunk_len: int, max_episode_chunks: int, camera: bool = True) -> EnvSpec:
+              chunk_len: int, max_episode_chunks: int, camera: bool = True,
+              state_mode: str = "privileged") -> EnvSpec:
     """The EnvSpec of a made task env (either backend); ValueError if we cannot run the task.
     `camera` False: no `image` (state-only)."""
     u = env.unwrapped
@@ -174,7 +197,7 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
     obs = {**({"image": img} if camera else {}), **({"wrist_image": img} if wrist_image else {}),
            "instruction": ((len(words(instruction)),), "<i4")}
     if state:
-        obs["state"] = ((int(u.get_obs().shape[-1]),), "<f4")
+        obs["state"] = ((int(state_vector(u, state_mode).shape[-1]),), "<f4")
     reward = "dense_delta" if isinstance(env, ShapingGain) else \
         "sparse" if u.reward_mode == "sparse" else "dense"
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
@@ -218,7 +241,8 @@ class _Slot:
     """One ManiSkill env (num_envs=1, CPU physics)."""
 
     def __init__(self, task: str, image_size: int, wrist_image: bool, reward: str,
-                 horizon: int, camera: bool = True, control_mode: str = EE_DELTA_CONTROL):
+                 horizon: int, camera: bool = True, control_mode: str = EE_DELTA_CONTROL,
+                 state_mode: str = "privileged"):
         import torch
         # render on the rank's GPU (devices.py bound it), not SAPIEN's default one
         render = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
@@ -226,7 +250,7 @@ class _Slot:
                                  horizon, control_mode)
         self.u = self.env.unwrapped
         self.instruction = describe(task)
-        self.camera = camera
+        self.camera, self.state_mode = camera, state_mode
 
     def reset(self, rng, init_state_id):
         seed = training_state_ids(rng) if init_state_id is None else int(init_state_id)
@@ -239,7 +263,7 @@ class _Slot:
     def observe(self) -> dict:
         """Every camera rendered once (what the `rgb` obs mode would return) plus the state;
         the state alone without the camera."""
-        obs = {"state": self.state[0].cpu().numpy()}
+        obs = {"state": state_vector(self.u, self.state_mode, self.state)[0].cpu().numpy()}
         if not self.camera:
             return obs
         images = [image[0].cpu().numpy() for image in render_cameras(self.u)]
@@ -268,6 +292,7 @@ class ManiSkillEnv(SerialVectorEnv):
     def config_kwargs(cls, env_cfg) -> dict:
         return dict(task=env_cfg.task, wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
                     sim_backend=env_cfg.sim_backend, control_mode=env_cfg.control_mode,
+                    state_mode=env_cfg.state_mode,
                     **({} if env_cfg.sim_backend == "gpu" else {  # the CPU env's
                         "max_rebuilds": env_cfg.max_restarts}),
                     **({} if env_cfg.camera else {"camera": False}))  # CPU env only
@@ -298,20 +323,22 @@ class ManiSkillEnv(SerialVectorEnv):
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, camera: bool = True,
-                 control_mode: str = EE_DELTA_CONTROL, max_rebuilds: int = 5):
+                 control_mode: str = EE_DELTA_CONTROL, max_rebuilds: int = 5,
+                 state_mode: str = "privileged"):
         if reward not in MANISKILL_REWARDS:
             raise ValueError(f"ManiSkillEnv: reward must be one of {MANISKILL_REWARDS}, "
                              f"got {reward!r}")
         horizon = chunk_len * max_episode_chunks
 
         def make_slot(_i):
-            return _Slot(task, image_size, wrist_image, reward, horizon, camera, control_mode)
+            return _Slot(task, image_size, wrist_image, reward, horizon, camera, control_mode,
+                         state_mode if state else "privileged")  # (the step's: no cost)
 
         first = make_slot(0)
         try:
             first.reset(np.random.default_rng(0), None)
             spec = task_spec(first.env, task, image_size, wrist_image, state, chunk_len,
-                             max_episode_chunks, camera)
+                             max_episode_chunks, camera, state_mode)
         except BaseException:
             first.close()
             raise

@@ -49,7 +49,7 @@ import numpy as np
 from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS
 from hpcvla.envs.base import StepResult, VectorEnv, episode_ends, training_state_ids
 from hpcvla.envs.maniskill import (ManiSkillEnv, describe, make_task_env, render_cameras,
-                                   task_spec)
+                                   state_vector, task_spec)
 from hpcvla.envs.serial import chunk_actions, require
 from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize, words
@@ -115,7 +115,8 @@ class ManiSkillGPUEnv(VectorEnv):
     def __init__(self, num_envs: int, seed: int = 0, task: str = "PickCube-v1",
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
-                 first_env: int = 0, control_mode: str = EE_DELTA_CONTROL):
+                 first_env: int = 0, control_mode: str = EE_DELTA_CONTROL,
+                 state_mode: str = "privileged"):
         if reward not in MANISKILL_REWARDS:
             raise ValueError(f"ManiSkillGPUEnv: reward must be one of {MANISKILL_REWARDS}, "
                              f"got {reward!r}")
@@ -129,14 +130,16 @@ class ManiSkillGPUEnv(VectorEnv):
         self.u = self.env.unwrapped
         self.num_envs, self.task, self.first_env = num_envs, task, first_env
         self.device = self.u.device
-        self.instruction = describe(task)
+        # without a state observation, none is computed (the privileged one is the step's)
+        self.instruction, self.state_mode = describe(task), state_mode if state else \
+            "privileged"
         self._seed_envs(env_seeds(seed, num_envs))
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._return = np.zeros(num_envs, dtype=np.float32)
         self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
         try:
             self.spec = task_spec(self.env, task, image_size, wrist_image, state, chunk_len,
-                                  max_episode_chunks)
+                                  max_episode_chunks, state_mode=state_mode)
             tokens = tokenize(self.instruction, self.spec.vocab, len(words(self.instruction)))
             self._tokens = np.tile(tokens, (num_envs, 1))
             self.reset()
@@ -176,7 +179,8 @@ class ManiSkillGPUEnv(VectorEnv):
     def _observe(self) -> dict[str, np.ndarray]:
         """The batch's observations: cameras rendered once, one copy to the host."""
         images = render_cameras(self.u)
-        fields = {"image": images[0], "wrist_image": images[-1], "state": self._state.float()}
+        fields = {"image": images[0], "wrist_image": images[-1],
+                  "state": state_vector(self.u, self.state_mode, self._state).float()}
         host = _to_host({k: v for k, v in fields.items() if k in self.spec.obs})
         host["instruction"] = self._tokens.copy()
         return {k: host[k] for k in self.spec.obs}
