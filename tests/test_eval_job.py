@@ -293,12 +293,15 @@ def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(
 def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path):
     """LIBERO-PRO's position perturbation of libero_spatial (`_swap`) as env.suite: the tiny π0
     configured for libero_spatial runs its protocol there (the first state of task 0)."""
-    run_dir = _run_dir(tmp_path, "libero_pi0.yaml")
+    run_dir = _run_dir(tmp_path, "libero_pi0.yaml", "env.train_states=benchmark")
     result = _eval(run_dir, "--deterministic", "--envs", 1, "env.suite=libero_spatial_swap",
                    "eval.protocol=libero", "eval.tasks=0", "eval.states_per_task=1",
-                   "env.chunk_len=10", "env.train_states=benchmark", timeout=600)
+                   "env.chunk_len=10", timeout=600)
     assert result["protocol"]["suite"] == "libero_spatial_swap"
-    assert result["held_out"] is False  # as for a run that trained from the fixed states
+    assert result["held_out"] is False  # the run trained from the fixed states
+    refused = hpcvla("eval", run_dir, "--untrained", "env.train_states=sampled")
+    assert refused.returncode == 2 and "env.train_states = 'sampled': expected none: where " \
+        "the run's training started" in refused.stderr, refused.stderr[-2000:]
     assert result["protocol"]["step_limit"] == 220  # libero_spatial's
     assert result["episodes"] == 1 and result["env_faults"] == 0
     assert all(e["steps"] == 220 or e["success"] for e in result["per_episode"])

@@ -209,7 +209,7 @@ def test_a_folder_that_is_not_the_policys_source_is_refused(tmp_path):
         save_like(policy, FIXTURES / "pi0/lerobot", FIXTURES / "pi0/lerobot/sub")
     # a run from no published folder, or from one that has moved: the fix is named
     from hpcvla.config import load_config
-    from hpcvla.evaluate import export_policy
+    from hpcvla.export import export_policy
     with pytest.raises(ValueError, match=r"started from no pretrained folder \(policy\."
                        r"pretrained unset\); export it with --format hpcvla"):
         export_policy(load_config("configs/reach_flow.yaml"), tmp_path, tmp_path / "out",

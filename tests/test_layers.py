@@ -3,9 +3,10 @@ own floor or the floors below it.
 
     8  cli, __main__                      the commands
     7  bench                              benchmarks: run the layers below and measure them
-    6  job, imitation, evaluate, scale,   a whole job: start the world, run it, restart it;
-       doctor                             record an expert's demonstrations, fine-tune on
-                                          them; evaluate, plan a scale-out, check a node
+    6  job, imitation, evaluate, export,  a whole job: start the world, run it, restart it;
+       scale, doctor                      record an expert's demonstrations, fine-tune on
+                                          them; evaluate, export, plan a scale-out, check a
+                                          node
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
        memory                             check files, packages, checkpoints and memory
@@ -47,7 +48,7 @@ FLOORS = {
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
     4: ("factory", "engines", "preflight", "memory"),
     5: ("roles",),
-    6: ("job", "imitation", "evaluate", "scale", "doctor"),
+    6: ("job", "imitation", "evaluate", "export", "scale", "doctor"),
     7: ("bench",),
     8: ("cli", "__main__"),
 }

@@ -77,7 +77,8 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
         for tag in ("train/pg_loss", "train/actor_lr", "train/grad_norm", "train/grad_clipped",
                     "train/explained_variance", "rollout/success_rate", "rollout/mean_return",
                     "rollout/mean_episode_chunks",
-                    "perf/trained_env_steps_per_s", "perf/staleness"):
+                    "perf/trained_env_steps_per_s", "perf/staleness", "perf/queued_segments",
+                    "perf/ring_slots_used", "perf/ring_full_lanes"):
             assert board.get(tag), (tag, sorted(board))
         # one PPO pass a version: its ratios are 1, so no clip fraction or KL is reported
         assert "train/clip_fraction" not in board and "train/approx_kl" not in board
@@ -90,6 +91,9 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
         full = next(v for n, v in lengths if n == lengths[-1][0])
         assert lengths[-1][1] < full and summary["mean_episode_chunks"] == \
             pytest.approx(lengths[-1][1], rel=1e-5), (full, lengths[-1], summary)
+        # the streamer's producers run ahead of the learner (max_staleness 1): segments of
+        # the next batch wait at some versions' ends
+        assert max(v for _, v in board["perf/queued_segments"]) > 0
         # a point a version (its records' mean): the optimizer steps' norms before clipping,
         # and the share of them max_grad_norm clipped
         assert [s for s, _ in board["train/grad_norm"]] == [v * 1024 for v in

@@ -394,7 +394,8 @@ def cmd_eval(args) -> int:
 
 def cmd_export(args) -> int:
     from hpcvla.checkpoint.catalog import CheckpointError, path_problem, run_and_checkpoint
-    from hpcvla.evaluate import export_policy, run_config
+    from hpcvla.evaluate import run_config
+    from hpcvla.export import export_policy
     if problem := path_problem(Path(args.run_dir)):
         return _refused("export", problem)
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))

@@ -3,10 +3,10 @@ step; then build a fresh engine from the checkpoint and take the same step. Weig
 optimizer state must come out bit-identical, whatever the ZeRO stage; so must an engine
 resumed from a checkpoint written before any optimizer step (SAC's before `learning_starts`)
 and trained all the way. At ZeRO-0, where every learner holds the whole state, learner 0
-alone reads it at the resume (the others get it broadcast). At ZeRO-3 the full weights a learner publishes are DeepSpeed's own
-consolidation's, gathered one tensor at a time (its largest parameter, not the model, whole
-at once on a learner). Each variant (a list
-of overrides, e.g. a stage; VARIANTS is a JSON list of them) in turn, in one world, into
+alone reads it at the resume (the others get it broadcast). At ZeRO-3 the full weights a
+learner publishes are DeepSpeed's own consolidation's, gathered one tensor at a time (its
+largest parameter, not the model, whole at once on a learner). Each variant (a list of
+overrides, e.g. a stage; VARIANTS is a JSON list of them) in turn, in one world, into
 RUN_DIR/<i>:
 
     mpiexec -n 2 python -m mpi4py tests/mpi/checkpoint_resume.py CONFIG RUN_DIR VARIANTS \
@@ -79,7 +79,7 @@ def resume_exactly(cfg, learners, run_dir):
     engine2 = engine_as_a_run_resumes(cfg, env.spec, path, learners)  # others' must change
     # in MPI calls of at most 1000 bytes, as a tensor past MAX_MESSAGE goes (π0's embedding)
     with mock.patch.object(store, "verify_file", wraps=store.verify_file) as verified, \
-            mock.patch.object(store, "bcast", partial(pieces.bcast, limit=1000)):
+            mock.patch.object(pieces, "bcast", partial(pieces.bcast, limit=1000)):
         state = store.load_optimizer(path, engine2, learners)
     read = {Path(call.args[0]).name for call in verified.call_args_list}
     if cfg.learner.zero_stage == 0 and learners.Get_rank() != 0:  # learner 0 reads for all

@@ -140,7 +140,9 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                 else _measured_bound(summary)
             results["modes"][label] = {
                 "mode": mode, "ranks": ranks, "overrides": extra,
-                "max_staleness": cfg.pipeline.max_staleness, "predicted": predicted,
+                # what it ran at (the synchronous modes at 0, whatever the setting)
+                "max_staleness": cfg.pipeline.max_staleness
+                if traits(mode).bounded_staleness else 0, "predicted": predicted,
                 "env_steps": summary["env_steps"], "wall_s": summary["wall_s"],
                 "throughput": summary["env_steps_per_s"], "ideal_bound": bound,
                 "efficiency": summary["env_steps_per_s"] / bound,

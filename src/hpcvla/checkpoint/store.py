@@ -42,7 +42,6 @@ from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, ch
                                       complete, read_state, sealed, sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.transport.backoff import idle_barrier
-from hpcvla.transport.pieces import bcast
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
@@ -282,6 +281,7 @@ def _saved_values(reader: _FragmentReader, fragment, key: str, learners) -> torc
     39 GB)."""
     if not fragment.replicated or learners.Get_size() == 1:
         return reader.read(fragment.name, key, fragment.start, fragment.numel)
+    from hpcvla.transport.pieces import bcast  # mpi4py, here: importing it starts MPI
     value = (reader.read(fragment.name, key, fragment.start, fragment.numel)
              if learners.Get_rank() == 0 else torch.empty(fragment.numel, dtype=torch.float32))
     bcast(learners, value.numpy().view(np.uint8))  # [dist]

@@ -275,11 +275,13 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str, ...]]] = {
     **{f"rollout.{k}": ("pipeline.mode", tuple(
         m for m, t in MODE_TRAITS.items() if t.dynamic_batcher))
        for k in ("batch_max", "wait_max_ms")},
-    **{f"env.{k}": ("env.name", ("libero",)) for k in (
-        "suite", "suite_task", "state_format")},
+    # (LIBERO's and ManiSkill's own settings on reach: ReachEnv.FOREIGN, files included)
     **{f"env.{k}": ("env.name", ("reach",)) for k in ("latency_median_ms", "latency_sigma")},
     "env.state_mode": ("env.name", ("maniskill",)),
 }
+# what the choices that do not read a setting run at: typed, it says what runs (on-policy
+# synchronous modes are max_staleness 0)
+IMPLIED = {"pipeline.max_staleness": 0}
 
 
 def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
@@ -311,8 +313,8 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
         else:
             continue
         value = _value_of(cfg, key)
-        if value == _default_of(section, name):  # said, but changing nothing (a bench's
-            continue  # settings for every arm)
+        if value in (_default_of(section, name), IMPLIED.get(key)):  # said, but changing
+            continue  # nothing (a bench's settings for every arm)
         chosen = f"{chooser}={_value_of(cfg, chooser)}"
         problems.append((key, value, f"none: {chosen} does not read it ({', '.join(readers)} "
                          f"do{'es' if len(readers) == 1 else ''}); drop it, or set "

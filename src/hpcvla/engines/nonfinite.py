@@ -17,6 +17,8 @@ clipping on, its bf16 optimizer), else the averaged gradients' at stage 0 and un
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hpcvla.engines.base import Engine
@@ -70,9 +72,10 @@ class SkipNonfinite:
         if not engine.is_gradient_accumulation_boundary():
             engine.step()  # only counts the micro-step
             return
-        stage_0 = engine.zero_optimization_stage() == 0
-        dropped = stage_0 and not self._finite_gradients()
-        own = self._gradient_norm() if stage_0 else None  # the step clears the gradients
+        # stage 0: the averaged gradients' norm, in float64 (finite unless a gradient is not),
+        # taken before the step clears them
+        own = self._gradient_norm() if engine.zero_optimization_stage() == 0 else None
+        dropped = own is not None and not math.isfinite(own)
         skipped_by_deepspeed = engine.skipped_steps
         if dropped:  # the engine's step runs (its counters, clipping, zero_grad), the
             optimizer = engine.optimizer  # optimizer's does not
@@ -106,14 +109,10 @@ class SkipNonfinite:
                    if norm is not None else {}), "nonfinite_skipped": float(self.skipped)}
 
     def _gradient_norm(self) -> float | None:
-        """The L2 norm of every gradient the module holds (None where it holds none: DeepSpeed's
-        bf16 optimizer has taken them)."""
+        """The L2 norm of every gradient the module holds, accumulated in float64 (None where
+        it holds none: DeepSpeed's bf16 optimizer has taken them)."""
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         if not grads:
             return None
         return float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g.float()) for g in grads])))
-
-    def _finite_gradients(self) -> bool:
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return bool(torch.stack([g.isfinite().all() for g in grads]).all()) if grads else True
+            [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])))

@@ -27,7 +27,8 @@ PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
 # runs (and of different days) can be compared by eye. Order = legend order.
 STAGE_COLORS = {"simulate": "#2ca02c", "infer": "#1f77b4", "assemble": "#17becf",
                 "dump": "#9467bd", "train": "#d62728", "wait_data": "#c8c8c8",
-                "publish": "#ff7f0e", "checkpoint": "#8c564b"}
+                "publish": "#ff7f0e", "checkpoint": "#8c564b", "send": "#6baed6",
+                "ring_full": "#e0e0e0"}
 # Stages not listed above: picked by a stable hash of the name (crc32, not Python's salted
 # hash), from colours no listed stage uses.
 FALLBACK_COLORS = ["#e377c2", "#bcbd22", "#7f7f7f", "#aec7e8", "#ffbb78", "#98df8a",

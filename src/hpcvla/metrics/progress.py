@@ -156,8 +156,9 @@ class Progress:
                 self.board.video("heldout/video", video, steps)
             self.board.flush()
 
-    def on_update(self, updates: int) -> None:
-        """Version `updates` ended; collective on the learners where `pool` is set."""
+    def on_update(self, updates: int, gauges: dict[str, float] | None = None) -> None:
+        """Version `updates` ended; collective on the learners where `pool` is set.
+        `gauges`: the data plane's fill at its end (SegmentQueues.gauges), drawn under perf/."""
         if self.pool is not None:
             n = len(self.successes)
             total = self.pool(np.array([sum(self.successes), sum(self.returns),
@@ -174,8 +175,8 @@ class Progress:
         if self.board:  # every version's, drawn as it happens; written out at each line
             self._draw_version()
             self.board.scalars({"trained_env_steps_per_s": rate, "staleness": np.mean(
-                self.staleness) if self.staleness else 0.0, "update": updates}, self.steps,
-                group="perf")
+                self.staleness) if self.staleness else 0.0, "update": updates,
+                **(gauges or {})}, self.steps, group="perf")
         if self.enabled and (now - self.last_print >= self.every_s or updates == self.total):
             self.last_print = now
             eta, shown = self.eta_s(), self.rolling()

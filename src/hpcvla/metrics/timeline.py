@@ -7,7 +7,9 @@
 
 A span may hold others (a checkpoint inside the version's publish, a full ring lane's wait
 inside a send): `busy` counts each span's own seconds, those of the spans inside it going to
-theirs, so a rank's stages add up to at most its time. Spans are the rank's main thread's.
+theirs, so the stages of a rank whose spans are one after another add up to at most its time
+(a sharded simulator records its shards' `simulate` spans side by side, env.shards of them at
+once). Spans are the rank's main thread's.
 
 Each line: {"rank", "role", "stage", "start", "end"} with times in seconds since the run's
 common start (wall-clock `time.time()` against a start rank 0 broadcasts, so comparable across

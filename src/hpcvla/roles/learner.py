@@ -83,9 +83,10 @@ def run_learner(setup: RoleSetup, *, sched: Schedule, train: TrainVersion,
         with reminding(cfg.pipeline.stall_timeout_s, in_version):
             train(_arriving(cfg, sched, queues, version, timeline), version)
             last = version + 1 == total_updates or stop()
+            # the learners pool their figures where stop() has them meet anyway
+            progress.on_update(version + 1, queues.gauges() if progress.board else None)
             with timeline.span("publish"):
                 publish(version + 1, last)
-        progress.on_update(version + 1)
         if last:
             break
     return queues.stats

@@ -43,6 +43,14 @@ class SegmentQueues:
         or one a stop left."""
         return sum(len(bucket) for bucket in self.buckets.values())
 
+    def gauges(self) -> dict[str, float]:
+        """How full the data plane is now: segments here not yet trained (a later batch's,
+        or this one's rest), the ring's slots holding records not yet taken, and its lanes
+        that are full (their producers wait for this learner)."""
+        used, full = self.ring.occupancy()
+        queued = sum(SegmentMeta.of(g).envs for bucket in self.buckets.values() for g in bucket)
+        return {"queued_segments": queued, "ring_slots_used": used, "ring_full_lanes": full}
+
     def pump(self) -> None:
         for rec in self.ring.poll():
             group = records.decode(rec.data)  # copies out of the ring slot

@@ -16,6 +16,7 @@ together), as one record (see transport/records.py) with fields
                                        metrics/progress.py)
     success          (T, n) bool       the episode that ended was a success
     episode_return   (T, n) f4         return of the episode that ended here (0 otherwise)
+    episode_length   (T, n) i4         its length in chunks (0 otherwise)
     chunk_steps      (T, n) i4         primitive steps of the chunk its episode ran
                                        (StepResult.chunk_steps)
     truncation_value (T, n) f4         V of the observation the horizon ended the episode at

@@ -62,14 +62,17 @@ HEADER = (f"{'case':<58} {'measured':>9} {'predicted':>9} {'error':>7} {'in situ
 
 def in_situ_overhead(lay: Layout, busy_fraction: dict, active_s: float, env_steps: float
                      ) -> float:
-    """Seconds of `assemble` per request the run measured on its inference ranks (its busy
-    fraction is of summary.json's `active_s`)."""
+    """Seconds of `assemble` and `send` (the ring puts, their waits for a full lane not
+    counted) per request the run measured on its inference ranks (its busy fractions are of
+    summary.json's `active_s`)."""
     if lay.traits.colocated:
         return 0.0  # colocated ranks assemble inside their own loop: in the measured spans
     e = lay.envs_per_shard
     n_inf = lay.world // lay.ranks_per_node * lay.per_node["inference"]
     requests = env_steps / lay.chunk_len / e
-    return busy_fraction.get("inference:assemble", 0.0) * active_s * n_inf / requests
+    shares = busy_fraction.get("inference:assemble", 0.0) + \
+        busy_fraction.get("inference:send", 0.0)
+    return shares * active_s * n_inf / requests
 
 
 def learner_start_s(summary: dict) -> float:

@@ -84,7 +84,8 @@ class RingWriter:
         slot's u64 words at the payload's start, sent with the header), `length` bytes."""
         ring, f, size = self.ring, self._fragment, self.size
         win, root = ring.win, ring.root
-        if f - size >= self._freed:  # the slot's previous fragment not known to be freed
+        # the slot's previous fragment not known to be freed, nor freed now: a wait
+        if f - size >= self._freed and self._read_freed() <= f - size:
             with self.waiting():
                 wait_until(lambda: self._read_freed() > f - size,
                            f"ring lane {self.lane} slot {f % size} to be freed", timeout,
