@@ -220,10 +220,12 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def curve(records: list[dict], grid: np.ndarray) -> list[float]:
     """Rolling success rate against trained env steps, sampled on `grid` (last value held);
-    the training records only (a held-out evaluation's record has its own: held_out_of)."""
-    records = [r for r in records if r.get("success_rate") is not None]  # an episode had ended
+    the training records only (a held-out evaluation's record has its own: held_out_of). 0
+    before any episode's end is counted (with several learners, pooled at the end of the
+    version before a record's)."""
+    records = [r for r in records if "trained_env_steps" in r and "held_out" not in r]
     steps = np.array([r["trained_env_steps"] for r in records], float)
-    success = np.array([r["success_rate"] for r in records], float)
+    success = np.array([r["success_rate"] or 0.0 for r in records], float)
     return np.interp(grid, steps, success).round(4).tolist()
 
 

@@ -162,7 +162,7 @@ def state_vector(u, state_mode: str, privileged=None):
     proprioception and the task's extras short of the objects' poses: PickCube's goal, which
     its cameras hide), flattened as its FlattenRGBDObservationWrapper does. The env steps in
     `state` mode (no rendering per step), so the task is asked as an `rgb` mode env."""
-    if state_mode == "privileged":
+    if state_mode != "visual":
         return privileged if privileged is not None else u.get_obs()
     from mani_skill.envs.utils.observations import parse_obs_mode_to_struct
     from mani_skill.utils.common import flatten_state_dict
