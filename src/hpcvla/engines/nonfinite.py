@@ -72,8 +72,9 @@ class SkipNonfinite:
         if not engine.is_gradient_accumulation_boundary():
             engine.step()  # only counts the micro-step
             return
-        # stage 0: the averaged gradients' norm, in float64 (finite unless a gradient is not),
-        # taken before the step clears them
+        # stage 0: the averaged gradients' norm, taken before the step clears them: not
+        # finite where a gradient is not (or is past fp32's square root of its range, which
+        # DeepSpeed's ZeRO stages skip too)
         own = self._gradient_norm() if engine.zero_optimization_stage() == 0 else None
         dropped = own is not None and not math.isfinite(own)
         skipped_by_deepspeed = engine.skipped_steps
@@ -109,10 +110,11 @@ class SkipNonfinite:
                    if norm is not None else {}), "nonfinite_skipped": float(self.skipped)}
 
     def _gradient_norm(self) -> float | None:
-        """The L2 norm of every gradient the module holds, accumulated in float64 (None where
-        it holds none: DeepSpeed's bf16 optimizer has taken them)."""
+        """The L2 norm of every gradient the module holds, each tensor's in fp32 (no copy of an
+        fp32 gradient), theirs together in float64 (None where it holds none: DeepSpeed's bf16
+        optimizer has taken them)."""
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
         if not grads:
             return None
         return float(torch.linalg.vector_norm(torch.stack(
-            [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])))
+            [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).double()))

@@ -18,7 +18,8 @@ JSONL records hold the loss statistics of each micro-batch's last epoch: clip fr
 explained variance of the critic, return and value scale. Trained env steps count
 all learners: each trains an equal share of every version, so the root's count times the
 number of learners. The same numbers go to TensorBoard (`metrics/tensorboard.py`) when a
-board is given: the records as they come, throughput and staleness at every version's end.
+board is given, a point per version: the mean of its records, the rolling figures,
+throughput, staleness and the data plane's fill at its end.
 The trained steps/s are those of the versions of the last RATE_WINDOW_S, not of the run since
 its start (a slowdown hours in would hardly move that).
 """
