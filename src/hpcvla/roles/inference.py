@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from functools import partial
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
