@@ -278,3 +278,22 @@ def test_a_slot_that_cannot_be_rebuilt_is_retired_and_every_step_of_it_is_a_faul
         assert result.truncated.tolist() == [False, True] and not result.success.any()
         assert result.obs["state"][1].tolist() == [0.0, 0.0]  # a retired slot shows zeros
     assert env.retired == {1} and "could not be rebuilt" in capfd.readouterr().err
+
+
+def test_a_spec_probe_that_never_returns_ends_its_process_naming_where():
+    """Rank 0 builds an env to learn the spec for every rank (a ManiSkill env in a colocated
+    world): a build that hangs (an EGL deadlock) ends the process past env.build_timeout_s
+    with every stack, not a world waiting forever in the spec's broadcast."""
+    import subprocess
+    import sys
+    import time
+    script = ("import time\n"
+              "from hpcvla.config import load_config\n"
+              "from hpcvla.roles import prologue\n"
+              "prologue.env_spec = lambda env: time.sleep(600)  # a build that never returns\n"
+              "prologue.probed_spec(load_config(None, ['env.build_timeout_s=2']))\n")
+    begin = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and time.monotonic() - begin < 60, out
+    assert "Timeout (0:00:02)!" in out.stderr and "probed_spec" in out.stderr, out.stderr

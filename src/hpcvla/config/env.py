@@ -135,8 +135,8 @@ class EnvConfig:
         ">= 1.",
         ge=0)
     build_timeout_s: float = setting(
-        1800.0, "A simulator rank's envs (a shard, or a held-out evaluation's) not built after "
-        "this many seconds is a hang (a renderer or asset read that never returns): the rank "
+        1800.0, "A simulator rank's envs (a shard, a held-out evaluation's, or the one rank 0 "
+        "builds to learn the env's spec) not built after this many seconds is a hang (a renderer or asset read that never returns): the rank "
         "prints its stacks and exits, or with env.isolation=process says which worker's build "
         "it was and stops; a worker restarted after a fault gets as long for its build. A "
         "held-out batch's reset from its states gets it too (LIBERO builds the states' "
