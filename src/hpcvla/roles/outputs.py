@@ -217,9 +217,9 @@ def busy_line(busy: dict[str, float], cpu: dict[str, float]) -> str:
     for key, share in busy.items():
         role, _, stage = key.rpartition(":")
         roles.setdefault(role, []).append((stage, share))
-    parts = [f"{role} " + ", ".join(f"{stage} {share:.2f}" for stage, share in sorted(
-        stages, key=lambda item: -item[1]) if share >= 0.01) + f" (cpu {cpu.get(role, 0):.2f})"
-             for role, stages in roles.items()]
+    parts = [f"{role} " + (", ".join(f"{stage} {share:.2f}" for stage, share in sorted(
+        stages, key=lambda item: -item[1]) if share >= 0.01) or "-")
+             + f" (cpu {cpu.get(role, 0):.2f})" for role, stages in roles.items()]
     return "[hpcvla] busy, share of the active time: " + " | ".join(parts)
 
 
