@@ -284,6 +284,7 @@ def test_a_spec_probe_that_never_returns_ends_its_process_naming_where():
     """Rank 0 builds an env to learn the spec for every rank (a ManiSkill env in a colocated
     world): a build that hangs (an EGL deadlock) ends the process past env.build_timeout_s
     with every stack, not a world waiting forever in the spec's broadcast."""
+    import os
     import subprocess
     import sys
     import time
@@ -293,7 +294,9 @@ def test_a_spec_probe_that_never_returns_ends_its_process_naming_where():
               "prologue.env_spec = lambda env: time.sleep(600)  # a build that never returns\n"
               "prologue.probed_spec(load_config(None, ['env.build_timeout_s=2']))\n")
     begin = time.monotonic()
+    # (importing the roles imports mpi4py: not initialised here, so the process ended by the
+    # deadline leaves no MPI shared memory behind)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, env={**os.environ, "MPI4PY_RC_INITIALIZE": "false"})
     assert out.returncode != 0 and time.monotonic() - begin < 60, out
     assert "Timeout (0:00:02)!" in out.stderr and "probed_spec" in out.stderr, out.stderr
