@@ -331,4 +331,4 @@ def _value_of(cfg, key: str):
 def _default_of(section: str, name: str):
     """The default of the setting `section.name`."""
     from hpcvla.config.schema import Config
-    return getattr(getattr(Config(), section), name)
+    return _value_of(Config(), f"{section}.{name}")
