@@ -176,10 +176,13 @@ def test_a_workers_build_has_its_own_deadline():
     ("configs/default.yaml", 4, "env.hang_at_step=8"),
     ("configs/colocated.yaml", 2, "env.crash_at_step=8")])
 def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
+    """The hang stops every shard: the learner hears nothing for longer than
+    pipeline.stall_timeout_s, and waits for the restart (roles/learner.data_patience_s)."""
     updates = 4
     out = hpcvla("train", config, "--ranks", ranks, f"run.root={tmp_path}",
                  f"pipeline.total_updates={updates}", "env.isolation=process",
-                 "env.step_timeout_s=5", "run.dump_trajectories=true", fault, timeout=600)
+                 "env.step_timeout_s=5", "pipeline.stall_timeout_s=4",
+                 "run.dump_trajectories=true", fault, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     (run_dir,) = tmp_path.iterdir()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -161,7 +161,9 @@ class PipelineConfig:
     stall_timeout_s: float = setting(
         300.0, "A learner that receives no trajectory for this long stops the job, naming "
         "what it waits for (a stuck simulator, a layout that cannot fill a batch). Longer "
-        "than the slowest segment takes. Inference ranks held this long (staleness quota, "
+        "than the slowest segment takes. With env.isolation=process it counts from a hung "
+        "worker's detection (env.step_timeout_s after the step began): time for the "
+        "restart. Inference ranks held this long (staleness quota, "
         "full ring lane) name their learner, learners this long in a version say so, each "
         "time, and wait on (a version may take that long; one that hangs says nothing).", ge=1)
 

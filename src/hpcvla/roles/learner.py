@@ -192,6 +192,22 @@ def _scored(cfg: Config, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(batch, done=batch["done"] & (np.cumsum(batch["done"], axis=0) == 1))
 
 
+_PATIENCE_SETTINGS = ("pipeline.stall_timeout_s",
+                      "pipeline.stall_timeout_s after env.step_timeout_s: a hung worker's "
+                      "restart")
+
+
+def data_patience_s(cfg: Config) -> float:
+    """How long a learner waits for its next trajectory before it stops the job. Where
+    simulators restart a hung worker (env.isolation=process), the hang is found only
+    env.step_timeout_s after its step began, and a learner that shard feeds alone hears
+    nothing meanwhile: pipeline.stall_timeout_s counts from there, time for the worker's
+    rebuild and the segments the fault ended."""
+    env = cfg.env
+    restarts = env.isolation == "process" and env.max_restarts > 0
+    return cfg.pipeline.stall_timeout_s + (env.step_timeout_s if restarts else 0.0)
+
+
 def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
               timeline: Timeline) -> Iterator[list[SegmentGroup]]:
     """The micro-batches of this version's batch, each as soon as it is here (the streamer;
@@ -199,7 +215,7 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
     `pipeline.stall_timeout_s` stops the run with the ring's diagnosis."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     need = micro if sched.stream_micro_batches else micro * n_micro
-    backoff = Backoff(cap=DATA_POLL_CAP)
+    backoff, patience_s = Backoff(cap=DATA_POLL_CAP), data_patience_s(cfg)
     for _ in range(n_micro):
         with timeline.span("wait_data"):
             queues.pump()
@@ -214,11 +230,11 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
                 looked = now
                 if now_have != have:
                     last, have = now, now_have
-                elif now - last > cfg.pipeline.stall_timeout_s:
+                elif now - last > patience_s:
                     raise RuntimeError(
-                        f"no trajectory for {cfg.pipeline.stall_timeout_s:g} s while "
-                        f"training version {version + 1}: have {have} of {need} segments "
-                        f"of batch {version} (pipeline.stall_timeout_s). "
+                        f"no trajectory for {patience_s:g} s while training version "
+                        f"{version + 1}: have {have} of {need} segments of batch {version} "
+                        f"({_PATIENCE_SETTINGS[patience_s != cfg.pipeline.stall_timeout_s]}). "
                         f"{queues.ring.diagnose(queues.producers)}")
             backoff.reset()
         if need == micro * n_micro:  # the whole batch is here
