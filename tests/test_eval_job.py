@@ -142,9 +142,12 @@ def test_eval_overrides_it_reads_act(default_run):
 def test_a_resumed_run_is_evaluated_with_the_settings_it_last_ran_with(tmp_path):
     """config.yaml stays the first start's; a resume's settings (here a shorter horizon) are
     in its config.resume-*.yaml, and the newest is what `hpcvla eval` evaluates with (it
-    took config.yaml's 80 steps for a run that last trained at 8)."""
+    took config.yaml's 80 steps for a run that last trained at 8). A resume's config names
+    the run it resumed (run.resume): eval evaluates, it does not resume (it refused)."""
     run_dir = _run_dir(tmp_path, "default.yaml")
-    out = hpcvla("config", ROOT / "configs" / "default.yaml", "env.max_episode_chunks=2")
+    out = hpcvla("config", ROOT / "configs" / "default.yaml", "env.max_episode_chunks=2",
+                 f"run.resume={run_dir}")
+    assert out.returncode == 0 and f"resume: {run_dir}" in out.stdout, out.stderr[-2000:]
     (run_dir / "config.resume-20261205-120000.yaml").write_text(out.stdout)
     result = _eval(run_dir, "--episodes", 2, "--envs", 2)
     assert result["protocol"]["steps"] == 2 * 4, result["protocol"]
