@@ -369,6 +369,61 @@ def test_hpcvla_dump_reads_chunk_rows(tmp_path):
     refused(tmp_path / "rank0.h5", other, "rank0.h5:/.attrs[chunk_len] = 2", "chunk_len 3")
 
 
+def _edit_dataset(f, key: str, edit) -> None:
+    """Replace the dataset at `key` with `edit(its values)`."""
+    value = edit(f[key][()])
+    del f[key]
+    f[key] = value
+
+
+def _own_dump(tmp_path):
+    reach_dump(tmp_path / "rank0.h5")
+    return tmp_path / "rank0.h5", reach_dump(tmp_path / "spec.h5")[1], "/data/demo_0/obs/image"
+
+
+def _libero_file(tmp_path):
+    path = tmp_path / LIBERO_TASK0.name
+    shutil.copy(LIBERO_TASK0, path)
+    return path, libero_spec(), "/data/demo_0/obs/agentview_rgb"
+
+
+def _maniskill_file(tmp_path):
+    for name in (MS_MAIN, MS_MAIN.with_suffix(".json")):
+        shutil.copy(name, tmp_path / name.name)
+    return tmp_path / MS_MAIN.name, maniskill_spec(), "traj_0/obs/sensor_data/base_camera/rgb"
+
+
+@pytest.mark.parametrize("layout", [_own_dump, _libero_file, _maniskill_file])
+def test_images_of_another_dtype_and_rows_unpaired_with_actions_are_refused(tmp_path, layout):
+    """Images stored as floats in [0, 1] were cast to uint8 on reading (black frames, SFT
+    trained on them); an observation dataset a row longer than the layout pairs with its
+    actions paired every later row with another step's, or the read died in a rank."""
+    path, spec, images = layout(tmp_path)
+    assert demonstration_problems(path, spec) == []
+    with h5py.File(path, "a") as f:
+        _edit_dataset(f, images, lambda x: x.astype(np.float32) / 255)
+    refused(path, spec, f"{path}:{images} = 'float32'", "uint8 images (0-255)")
+    shutil.rmtree(tmp_path), tmp_path.mkdir()
+    path, spec, images = layout(tmp_path)
+    with h5py.File(path, "a") as f:
+        _edit_dataset(f, images, lambda x: np.concatenate([x, x[-1:]]))
+    refused(path, spec, f"{path}:{images} = '", "rows against", "write it again")
+
+
+def test_a_file_named_twice_is_refused_not_read_twice(tmp_path):
+    path, spec, _ = _own_dump(tmp_path)
+    for twice in ([path, tmp_path / "." / path.name], [tmp_path, path]):
+        refused(twice, spec, f"{twice[1]} = None: each file or dataset once")
+
+
+def test_own_dump_actions_of_another_chunk_length_are_refused(tmp_path):
+    path, spec, _ = _own_dump(tmp_path)
+    with h5py.File(path, "a") as f:
+        _edit_dataset(f, "data/demo_0/actions", lambda x: x[:, :1])
+    refused(path, spec, f"{path}:/data/demo_0/actions = (", f"(T, {spec.chunk_len}, "
+            f"{spec.action_dim}): chunks of env.chunk_len actions")
+
+
 def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memory(tmp_path):
     """Every layout tells from its headers how many samples a read gives (LIBERO: T - 1 per
     episode; ManiSkill: T; LeRobot: each episode's length; a dump: its chunk rows), so the

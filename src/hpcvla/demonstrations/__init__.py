@@ -125,7 +125,14 @@ def _scan(paths, spec: EnvSpec, features: dict[str, str] | None = None,
                                      else paths)), "")
         problems.add(paths, "", None, "at least one .h5/.hdf5 demonstration file or LeRobot "
                      "dataset (a file, a list of files or a folder holding them)" + kind)
+    seen: set[Path] = set()
     for path in files:
+        if path.resolve() in seen:
+            problems.add(path, "", None, "each file or dataset once: it is named again (also "
+                         "through its folder or another path), so each of its demonstrations "
+                         "would count twice")
+            continue
+        seen.add(path.resolve())
         if kind := _not_read(path):
             problems.add(path, "", None, "an .h5/.hdf5 demonstration file" + kind)
             continue

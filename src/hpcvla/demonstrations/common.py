@@ -109,6 +109,25 @@ def axis_angle_to_quat(vectors: np.ndarray) -> np.ndarray:
     return np.concatenate([axis * np.sin(angle / 2), np.cos(angle / 2)], axis=-1)
 
 
+def image_dtype_problem(path, key: str, dataset, problems: Problems) -> None:
+    """Images must be stored as uint8 (0-255): others would be cast to it on reading, floats
+    in [0, 1] to black frames."""
+    if np.dtype(dataset.dtype) != np.uint8:
+        problems.add(path, key, str(dataset.dtype),
+                     "uint8 images (0-255), as the envs give them: other values are cast to "
+                     "uint8 on reading (floats in [0, 1] become black); convert them, e.g. "
+                     "(x * 255).round().astype(np.uint8)")
+
+
+def rows_problem(path, key: str, dataset, rows: int, pairing: str, problems: Problems) -> None:
+    """A dataset of a demo whose first axis is not `rows` long: its rows would be paired with
+    other steps' (`pairing` says how the layout pairs them)."""
+    have = getattr(dataset, "shape", ())
+    if have and have[0] != rows:
+        problems.add(path, key, f"{have[0]} rows against {rows}",
+                     f"{pairing}; the file is cut or misassembled: write it again")
+
+
 def is_image(entry) -> bool:
     """An EnvSpec obs entry (shape, dtype) that holds an RGB image."""
     shape, dtype = entry

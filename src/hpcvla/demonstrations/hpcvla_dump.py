@@ -17,7 +17,8 @@ import numpy as np
 import yaml
 
 from hpcvla.config.families import EE_DELTA_CONTROL
-from hpcvla.demonstrations.common import Episode, Problems, chunks, fit_images, is_image
+from hpcvla.demonstrations.common import (Episode, Problems, chunks, fit_images,
+                                          image_dtype_problem, is_image, rows_problem)
 from hpcvla.envs.serial import executed_actions
 from hpcvla.metrics.dump import FORMAT, attr_text
 
@@ -52,6 +53,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
     episodes = []
     for name in _demo_names(f):
         demo, key = f["data"][name], f"/data/{name}"
+        actions = demo.get("actions")
         for field, (shape, _) in spec.obs.items():
             if field == "instruction":
                 continue
@@ -66,13 +68,20 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                 problems.add(path, f"{key}/obs/{field}", tuple(dataset.shape[1:]),
                              f"shape {tuple(shape)} for {field!r} as the spec has it (images may "
                              "differ in size only); use a dump of the same env settings")
-        actions = demo.get("actions")
+            else:
+                if is_image(spec.obs[field]):
+                    image_dtype_problem(path, f"{key}/obs/{field}", dataset, problems)
+                if actions is not None:
+                    rows_problem(path, f"{key}/obs/{field}", dataset, len(actions),
+                                 "a row per actions row: the observation each chunk was chosen "
+                                 "for", problems)
         if actions is None:
             problems.add(path, f"{key}/actions", None, "an actions dataset (T, H, A)")
-        elif actions.ndim != 3 or actions.shape[2] != spec.action_dim:
+        elif actions.ndim != 3 or actions.shape[1:] != (spec.chunk_len, spec.action_dim):
             problems.add(path, f"{key}/actions", tuple(actions.shape),
-                         f"(T, {spec.chunk_len}, {spec.action_dim}): action_dim "
-                         f"{spec.action_dim} of the spec; the dump is of another env")
+                         f"(T, {spec.chunk_len}, {spec.action_dim}): chunks of "
+                         f"env.chunk_len actions of the spec's action_dim; the dump is of "
+                         "another env or chunk length")
         episodes.append(Episode(str(path), key, attr_text(demo.attrs.get("instruction", "")),
                                 f"{key}.attrs[instruction]",
                                 bool(demo.attrs.get("success", False)),

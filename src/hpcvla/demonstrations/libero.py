@@ -51,7 +51,7 @@ from pathlib import PurePosixPath
 import numpy as np
 
 from hpcvla.demonstrations.common import (Episode, Problems, axis_angle_to_quat, fit_images,
-                                          open_high)
+                                          image_dtype_problem, open_high, rows_problem)
 from hpcvla.metrics.dump import attr_text
 
 NAME = "LIBERO dataset (scripts/create_dataset.py)"
@@ -124,6 +124,13 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
         elif actions.shape[0] < 2:
             problems.add(path, f"{key}/actions", tuple(actions.shape),
                          "at least 2 steps (the last observation has no action after it)")
+        else:
+            for k in needs:
+                if f"obs/{k}" in demo:
+                    rows_problem(path, f"{key}/obs/{k}", demo[f"obs/{k}"], len(actions),
+                                 "a row per actions row, as LIBERO records them", problems)
+                    if k in CAMERAS.values():
+                        image_dtype_problem(path, f"{key}/obs/{k}", demo[f"obs/{k}"], problems)
         rewards = demo.get("rewards")
         samples = actions.shape[0] - 1 if actions is not None and actions.ndim == 2 else 0
         episodes.append(Episode(str(path), key, instruction,

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcvla.config.families import EE_DELTA_CONTROL
-from hpcvla.demonstrations.common import Episode, Problems, chunks, fit_images
+from hpcvla.demonstrations.common import (Episode, Problems, chunks, fit_images,
+                                          image_dtype_problem, rows_problem)
 
 NAME = "ManiSkill3 RecordEpisode trajectories"
 CAMERAS = {"image": "base_camera", "wrist_image": "hand_camera"}
@@ -126,12 +127,30 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
             problems.add(path, f"{name}/actions", tuple(actions.shape),
                          f"(T, {spec.action_dim}) actions: action_dim {spec.action_dim} of "
                          f"the spec ({env_id} under {mode} has {actions.shape[-1]})")
+        else:
+            _rows_and_images_problems(path, name, traj, spec, len(actions), problems)
         success = traj.get("success")
         episodes.append(Episode(str(path), name, instruction, f"{meta_path}:env_info.env_id",
                                 bool(success[-1]) if success is not None and len(success)
                                 else bool(info.get("success", False)),
                                 len(actions) if hasattr(actions, "shape") else 0))
     return episodes
+
+
+def _rows_and_images_problems(path, name: str, traj, spec, steps: int,
+                              problems: Problems) -> None:
+    """A trajectory's observations: the reset's and each step's (steps + 1 rows, ManiSkill's
+    RecordEpisode), its images uint8."""
+    fields = {"state": _state_of(traj)} if "state" in spec.obs else {}
+    fields.update({f"sensor_data/{camera}/rgb": traj.get(f"obs/sensor_data/{camera}/rgb")
+                   for field, camera in CAMERAS.items() if field in spec.obs})
+    for key, dataset in fields.items():
+        if dataset is None:  # said above
+            continue
+        rows_problem(path, f"{name}/obs/{key}", dataset, steps + 1, "one row more than "
+                     "actions: the reset's observation and each step's", problems)
+        if key != "state":
+            image_dtype_problem(path, f"{name}/obs/{key}", dataset, problems)
 
 
 _warned: set[str] = set()  # files said once per process (a command scans them again)
