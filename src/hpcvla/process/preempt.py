@@ -12,12 +12,13 @@ Simulator and inference ranks ignore the flag: they stop when the weight plane s
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_requested = threading.Event()
-_first: list[tuple[float, int]] = []  # epoch time and number of the first signal
+# Epoch time and number of the first signal; its being there is the flag. Not a
+# threading.Event: its set() takes a lock, and a second signal whose handler runs inside the
+# first's set() (Slurm and mpiexec may both send SIGTERM at once) would wait on it forever.
+_first: list[tuple[float, int]] = []
 
 
 def install(interactive: bool = False) -> None:
@@ -41,11 +42,10 @@ def _on_signal(signum, frame) -> None:
         _first.append((time.time(), signum))
     if signum == signal.SIGINT:  # the next Ctrl-C: KeyboardInterrupt, wherever it lands
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    _requested.set()
 
 
 def requested() -> bool:
-    return _requested.is_set()
+    return bool(_first)
 
 
 def requested_at() -> float | None:
@@ -62,4 +62,4 @@ def agreed(comm) -> bool:
     """Collective on `comm`: did any member get a stop signal?"""
     from mpi4py import MPI
 
-    return comm.allreduce(_requested.is_set(), op=MPI.LOR)  # [dist]
+    return comm.allreduce(requested(), op=MPI.LOR)  # [dist]
