@@ -370,6 +370,43 @@ def test_a_writer_that_fails_while_the_producer_sends_names_its_error(tmp_path):
         dump.close()
 
 
+def test_a_sender_that_fails_other_than_by_os_error_is_said_not_waited_for(tmp_path):
+    """Pickling an episode for the writer may fail (MemoryError, at a few hundred MB of
+    images): the producer's next call or its close names it; the close waited forever for an
+    answer to a message never sent, and the world hung in its teardown."""
+    groups, spec = reach_segments(6)
+    dump = writer(tmp_path / "rank7.h5", spec, flush_s=0.0, in_process=False)
+
+    class Unpicklable:  # the writer's pipe, which cannot pickle an episode
+        def __init__(self, conn):
+            self.conn = conn
+
+        def send(self, message):
+            if message[0] == "episode":
+                raise MemoryError("pickling an episode")
+            self.conn.send(message)
+
+        def __getattr__(self, name):
+            return getattr(self.conn, name)
+
+    dump.file._conn = Unpicklable(dump.file._conn)
+    raised = []
+
+    def produce():
+        try:
+            for _ in range(50):
+                for group in groups:
+                    dump.add_segment(group)
+            dump.close()
+        except DumpError as err:
+            raised.append(str(err))
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    producer.join(60)
+    assert not producer.is_alive(), "the producer waits for a sender that died"
+    assert raised and "producer rank 7: sending to its writer: MemoryError" in raised[0], raised
+
+
 @pytest.mark.mpi
 def test_bad_files_give_clear_errors(tmp_path):
     groups, spec = reach_segments(4)

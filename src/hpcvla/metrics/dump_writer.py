@@ -346,6 +346,9 @@ class DumpProcess:
             except (OSError, EOFError):
                 self._fail(self._gone())
                 return
+            except Exception as err:  # noqa: BLE001 - e.g. MemoryError pickling an episode:
+                self._fail(f"sending to its writer: {err!r}")  # said, not a close waiting
+                return  # forever for an answer to a message never sent
             with self._ready:
                 self._queue.pop(0)
                 self._queued_bytes -= nbytes
