@@ -21,9 +21,8 @@ MAX_PENDING episodes as well as every flush: a run that produces faster than the
 compresses waits for it as it goes (the writer sets its pace), and its stop waits for a
 backlog of at most those, a few seconds of the writer's work, not for everything a flush
 interval and 256 MB hold (minutes of short episodes). A writer that fails (its error, sent
-back) or dies (the connection closes) makes the rank's next dump call raise DumpError naming
-the file and why, so a run never goes on without the dump it asked for.
-"""
+back), dies (the connection closes) or cannot be sent to makes the rank's next dump call
+raise DumpError naming the file and why: a run never goes on without the dump it asked for."""
 
 from __future__ import annotations
 
@@ -343,12 +342,11 @@ class DumpProcess:
                     self._fail(self._gone())
                     return
                 self._conn.send(message)
-            except (OSError, EOFError):
-                self._fail(self._gone())
+            except Exception as err:  # noqa: BLE001 - also MemoryError pickling an episode:
+                # said, not a close waiting forever for the answer to a message never sent
+                self._fail(self._gone() if isinstance(err, (OSError, EOFError))
+                           else f"sending to its writer: {err!r}")
                 return
-            except Exception as err:  # noqa: BLE001 - e.g. MemoryError pickling an episode:
-                self._fail(f"sending to its writer: {err!r}")  # said, not a close waiting
-                return  # forever for an answer to a message never sent
             with self._ready:
                 self._queue.pop(0)
                 self._queued_bytes -= nbytes
