@@ -436,10 +436,18 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
 def test_an_mpi_below_thread_multiple_is_refused_by_the_ranks_and_by_doctor(tmp_path):
     """The weight plane and the ring's progress agent call MPI from threads: a library that
     gives less than MPI_THREAD_MULTIPLE (here MPICH asked for FUNNELED) ends the world at
-    once with one message naming the level, and `hpcvla doctor` fails it."""
+    once with one message naming the level, and `hpcvla doctor` fails it. So does `hpcvla
+    sft` under Horovod, whose background thread calls MPI beside the learner's steps."""
     env = {"MPI4PY_RC_THREAD_LEVEL": "funneled"}
     out = hpcvla("launch", "-n", 2, "--timeout", 60, "--", "train", "configs/colocated.yaml",
                  f"run.root={tmp_path}", env=env)
+    assert out.returncode == 2 and out.stderr.count(
+        "runs at MPI_THREAD_FUNNELED, not MPI_THREAD_MULTIPLE") == 1, out.stderr
+    demos = tmp_path / "demos.h5"
+    assert hpcvla("demos", "configs/default.yaml", "--episodes", 2, "--out",
+                  demos).returncode == 0
+    out = hpcvla("sft", f"sft.demos={demos}", "sft.steps=2", "learner.backend=horovod",
+                 f"run.root={tmp_path}", "--ranks", 1, env=env, timeout=120)
     assert out.returncode == 2 and out.stderr.count(
         "runs at MPI_THREAD_FUNNELED, not MPI_THREAD_MULTIPLE") == 1, out.stderr
     out = hpcvla("doctor", "configs/colocated.yaml", env=env)

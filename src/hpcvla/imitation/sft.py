@@ -415,4 +415,4 @@ def run_sft(cfg) -> int:
     preempt.install()  # SIGTERM/SIGUSR1: stop after the current step, with a checkpoint
     heap.keep_freed_buffers()
     return run_guarded(MPI.COMM_WORLD, "sft learner", lambda: sft_main(cfg, MPI.COMM_WORLD),
-                       "sft")
+                       "sft", threads=cfg.learner.backend == "horovod")

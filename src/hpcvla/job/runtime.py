@@ -153,14 +153,18 @@ def _problem(check, cfg, plan) -> str | None:
     return None
 
 
-def run_guarded(world, role: str, main, command: str) -> int:
+def run_guarded(world, role: str, main, command: str, threads: bool = False) -> int:
     """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
     learners): a rank that raises aborts the world, as in run_ranks; one that raises
     Refused, as every rank does then, ends it with one message (from `hpcvla COMMAND`) and
-    exit 2."""
+    exit 2. `threads`: `main` calls MPI from threads beside the main thread's (Horovod's
+    background thread), which only MPI_THREAD_MULTIPLE allows: refused below it."""
     try:
         hosts = agreed_start(world)  # [dist]
-    except Refused as err:  # a rank's own checks refused (or_abort_the_world)
+        problem = thread_level_problem() if threads else None
+        if problem is not None:
+            raise LaunchError(f"{problem}: {THREAD_LEVEL_FIX}")
+    except (Refused, LaunchError) as err:  # a rank's own checks refused (or_abort_the_world)
         return _refused(world, err, command)
     node = node_numbers(hosts)[world.Get_rank()]
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
