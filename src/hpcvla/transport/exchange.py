@@ -63,6 +63,7 @@ class ObsActionExchange:
         self._request, self._response = flags[:, 0], flags[:, 1]
         self._served = np.zeros(self.n_slots, np.int64)  # server: request handed out last
         self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.win.Sync()  # the server's zeroed flags before the barrier below (MPI-3.1 11.7)
         self.bell = Doorbell.on(comm, self.clients if rank == server else [server]) \
             if bells and size > 1 else None  # [dist] (collective; its barrier is the window's)
         # a wait's sleeps: with bells, each as long as any from the first (a ring ends it)

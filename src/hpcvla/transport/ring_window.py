@@ -50,8 +50,10 @@ class RingWindow:
             progress == "thread" or self.spans_hosts)  # auto: where producers are remote
         if start_progress:
             self.start_progress()
-        comm.Barrier()  # [dist] zeroed before anyone writes
         self.win.Lock_all(MPI.MODE_NOCHECK)
+        if self.is_root:  # the zeros before the barrier, for the producers' first reads
+            self.win.Sync()  # (MPI-3.1 11.7: store, Win_sync, barrier, then the reads)
+        comm.Barrier()  # [dist] zeroed before anyone writes
 
     def start_progress(self) -> None:
         """Start the progress thread where this ring needs one. A caller that creates more

@@ -92,6 +92,7 @@ class WeightPlane:
                 self._words[:] = 0
                 self._words[_CURRENT] = self._words[_NEWEST] = -1
         self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.win.Sync()  # the leader's header stores before the barrier (MPI-3.1 11.7)
         node.Barrier()  # [dist]
 
         self._control = control.Dup() if control != MPI.COMM_NULL else MPI.COMM_NULL  # [dist]
@@ -152,7 +153,7 @@ class WeightPlane:
             with self._lock:
                 self._lock.wait_for(lambda: self._pending is not None or self._stopping)
                 if self._pending is None:  # stopping, and everything published was sent
-                    version = _STOP
+                    version, whole = _STOP, False
                 else:
                     version, self._pending = self._pending, None
                     whole, self._pending_whole = self._pending_whole, False
