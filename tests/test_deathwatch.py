@@ -4,6 +4,7 @@
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -357,3 +358,20 @@ def test_the_last_progress_passes_over_a_line_the_death_cut_short(tmp_path):
         f"({run / 'metrics.jsonl'})")
     (run / "metrics.jsonl").write_text('{"step": 7, "trained_chunks": 56, "time": 9.0}\n[1]\n')
     assert last_progress(tmp_path / "run_dir").startswith("last progress: SFT step 7, 56 chunks")
+
+
+def test_a_worker_ignores_its_ranks_stop_signal_from_its_first_instant():
+    """A job-wide SIGTERM (Slurm's, at a preemption) reaches a rank's helper processes too;
+    one still starting its interpreter (a restarted env worker, a dump writer) died of it,
+    a fault or a failed run instead of the rank's orderly checkpoint and close."""
+    from hpcvla.process import worker
+    process, conn = worker.start("hpcvla.envs.isolated")
+    try:
+        os.kill(process.pid, signal.SIGTERM)  # long before it has imported anything
+        time.sleep(1.0)
+        assert process.poll() is None, worker.exit_status(process)
+    finally:
+        conn.send(("close",))
+        conn.close()
+    assert process.wait(timeout=30) == 0
+

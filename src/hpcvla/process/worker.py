@@ -25,6 +25,7 @@ import time
 from multiprocessing.connection import Connection
 
 MPI_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "HYDRA_", "MPIR_")
+RANKS_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the rank's to handle (checkpoint, stop)
 
 
 def start(module: str, *args: str) -> tuple[subprocess.Popen, Connection]:
@@ -33,8 +34,15 @@ def start(module: str, *args: str) -> tuple[subprocess.Popen, Connection]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_PREFIXES)}
     if "HPCVLA_GPU" in env:  # the rank's GPU (devices.py) is the worker's only one
         env["CUDA_VISIBLE_DEVICES"] = env["HPCVLA_GPU"]
-    process = subprocess.Popen([sys.executable, "-m", module, str(child.fileno()),
-                                str(os.getpid()), *args], pass_fds=[child.fileno()], env=env)
+    # the worker starts with the rank's signals blocked (a mask survives exec), until it
+    # ignores them: a job-wide SIGTERM during its interpreter's start would end it
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, RANKS_SIGNALS)
+    try:
+        process = subprocess.Popen([sys.executable, "-m", module, str(child.fileno()),
+                                    str(os.getpid()), *args], pass_fds=[child.fileno()],
+                                   env=env)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     child.close()
     return process, Connection(parent.detach())
 
@@ -68,8 +76,9 @@ def entered(rank_pid: int) -> bool:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != rank_pid:  # the rank died before the line above took effect
         return False
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the rank's to handle (checkpoint, stop)
+    for sig in RANKS_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RANKS_SIGNALS)  # blocked by start()
     return True
 
 
