@@ -488,3 +488,16 @@ def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refus
     assert load_config(base, [chosen, f"{key}={_default_of(section, name)}"])
     if key == "pipeline.max_staleness":  # what the synchronous modes run at: said, it loads
         assert load_config(base, [chosen, f"{key}=0"])
+
+
+def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path):
+    """`run: {root: ~/runs}` in a file (or quoted on a command line): the shell expands no
+    `~` there, and the run went to a folder named `~` under the working directory."""
+    import os
+    path = tmp_path / "home.yaml"
+    path.write_text("run:\n  root: ~/runs\n")
+    home = os.path.expanduser("~")
+    assert load_config(path).run.root == f"{home}/runs"
+    cfg = load_config(None, ["sft.demos=~/a.h5, b.h5", "policy.pretrained=~/pi0"])
+    assert (cfg.sft.demos, cfg.policy.pretrained) == (f"{home}/a.h5,b.h5", f"{home}/pi0")
+

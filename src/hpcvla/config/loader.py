@@ -255,6 +255,9 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
         if not math.isfinite(value):  # YAML's .nan/.inf pass every bound check
             problems.append((name, value, "a finite number"))
             return None
+    if meta.get("paths") and isinstance(value, str) and "~" in value:
+        # YAML, and a shell's quotes, leave `~` as it is: a run would go to a folder named ~
+        value = ",".join(os.path.expanduser(part.strip()) for part in value.split(","))
     if meta.get("choices") and value not in meta["choices"]:
         problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"))
         return None
