@@ -342,6 +342,13 @@ def test_every_command_resolves_a_resume_without_a_config_to_the_runs_own(tmp_pa
     assert load_config(None, [f"run.resume={run}"]).pipeline.total_updates == 9
     out = hpcvla("config", f"run.resume={run}")
     assert out.returncode == 0 and "total_updates: 9" in out.stdout, out.stderr
+    # a mistyped run, or a checkpoint's folder: named, not the built-in defaults' layout
+    # refused on a machine that cannot hold it
+    for typo, hint in ((tmp_path / "runn", "none is there\n"),
+                       (run / "checkpoints" / "v000002", f"the run is {run}")):
+        out = hpcvla("train", f"run.resume={typo}", "--ranks", 2)
+        assert out.returncode == 2 and f"run.resume = '{typo}': expected a run's directory" \
+            in out.stderr and hint in out.stderr, out.stderr
 
 
 def test_one_key_of_a_mapping_setting_keeps_the_defaults_other_keys():

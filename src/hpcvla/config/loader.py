@@ -319,12 +319,20 @@ def last_run_config(run_dir: str | Path) -> Path | None:
 
 def resumed_run_config(overrides: list[str]) -> str | None:
     """The config a run resumed by `run.resume=DIR` last ran with (its newest
-    config.resume-*.yaml, else config.yaml), or None without run.resume."""
+    config.resume-*.yaml, else config.yaml), or None without run.resume; ConfigError where
+    DIR holds none."""
     resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("run.resume=")]
     if not resumes or not resumes[-1] or resumes[-1] in ("null", "None"):
         return None
     config = last_run_config(resumes[-1])
-    return None if config is None else str(config)
+    if config is None:  # not the built-in defaults: their layout's refusal would be the message
+        folder = Path(resumes[-1])
+        raise ConfigError([("run.resume", resumes[-1], "a run's directory, holding the "
+                            "config.yaml it ran with: none is there" + (
+                                f" (a checkpoint's folder: the run is {folder.parent.parent})"
+                                if folder.parent.name == "checkpoints" else ""))],
+                          "run.resume")
+    return str(config)
 
 
 RUN_DIRECTORY = ("run.resume", "run.root", "run.name")  # where a run's directory is
