@@ -238,3 +238,9 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
         capsys.readouterr().err
     assert plan(8, 0) == 2
     assert "0 ranks per node: a node holds at least one rank" in capsys.readouterr().err
+    # a dynamic batcher's B_max above a cell's envs (32 here) never fills: every forward
+    # pass would wait out T_max
+    assert plan(4, 4, "rollout.batch_max=33") == 2
+    assert "rollout.batch_max = 33: expected at most the envs of a cell (32" in \
+        capsys.readouterr().err
+    assert plan(4, 4, "rollout.batch_max=32") == 0

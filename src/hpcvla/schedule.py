@@ -294,10 +294,21 @@ def layout_problems(mode: str, envs: int, shards: int, micro_batch: int, micro_b
 
 
 def config_layout_problems(cfg: ScheduleSettings, plan: RankPlan) -> list[tuple[str, object, str]]:
-    """layout_problems of a config on `plan`."""
-    return layout_problems(cfg.pipeline.mode, cfg.env.envs_per_simulator, cfg.env.shards,
-                           cfg.learner.micro_batch, cfg.learner.micro_batches, plan,
-                           cfg.algorithm.group_size if cfg.algorithm.name == "grpo" else 0)
+    """layout_problems of a config on `plan`, and a dynamic batcher's B_max that no cell
+    can fill (every forward pass would wait out T_max)."""
+    problems = layout_problems(cfg.pipeline.mode, cfg.env.envs_per_simulator,
+                               cfg.env.shards, cfg.learner.micro_batch,
+                               cfg.learner.micro_batches, plan,
+                               cfg.algorithm.group_size if cfg.algorithm.name == "grpo" else 0)
+    largest = max((envs_of_cell(cfg, plan, c) for c in range(len(plan.cells))), default=0)
+    if traits(cfg.pipeline.mode).dynamic_batcher and largest and \
+            cfg.rollout.batch_max > largest:
+        problems.append(("rollout.batch_max", cfg.rollout.batch_max,
+                         f"at most the envs of a cell ({largest}: its simulators' "
+                         "env.envs_per_simulator), or 0 for all of them: a forward pass "
+                         "fires once that many envs wait, which none can, so each would wait "
+                         "out rollout.wait_max_ms"))
+    return problems
 
 
 def layout_problem(lay: Layout) -> str | None:
