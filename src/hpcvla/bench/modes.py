@@ -73,10 +73,11 @@ def cases(sweep: str | None, envs: int, staleness: int = 2) -> list[tuple]:
     modes, or a sweep. Extra overrides None: the layout `plan --auto` picks."""
     if sweep is None:
         return [(mode, mode, envs, [], staleness) for mode in MODES]
-    if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer
+    if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer; B_max a
+        # quarter, half and all of a cell's envs (its two simulators': scale/presets.py)
         return [(f"streamer B_max={b} T_max={t}ms", "streamer", envs,
                  [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"], staleness)
-                for b in (8, 16, 32) for t in (1, 5, 20)]
+                for b in (max(1, envs // 2), envs, 2 * envs) for t in (1, 5, 20)]
     if sweep == "auto":  # each mode at the layout `hpcvla plan --auto` picks for it; the
         # streamer also under the looser bounds plan --auto predicts for (it never loosens one)
         return [(f"{mode} (plan --auto)", mode, envs, None, staleness)
