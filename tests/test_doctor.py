@@ -141,6 +141,22 @@ def test_a_jobs_layout_that_overfills_its_gpus_fails_naming_the_setting(tmp_path
                                               "fits: rank(s) 0 on node 0 cuda:0 need 1.5 GiB")
 
 
+def test_what_train_refuses_doctor_fails(tmp_path):
+    """A run root under a file and a layout rule (micro_batch against the envs per shard)
+    that `hpcvla train` refuses before launch: doctor said ok to both; and --world 0."""
+    (tmp_path / "afile").touch()
+    out, checks = doctor("configs/default.yaml", f"run.root={tmp_path}/afile/runs")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "afile is not a folder" in checks["config"]["fix"], checks["config"]
+    out, checks = doctor("configs/default.yaml", "learner.micro_batch=7", "--world", 4)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "learner.micro_batch = 7: expected a multiple of the envs per shard" in \
+        checks["layout"]["found"], checks["layout"]
+    out = subprocess.run([sys.executable, "-m", "hpcvla", "doctor", "--world", "0"],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2 and "--world: '0': give a whole number, 1 or more" in out.stderr
+
+
 def test_a_node_whose_simulators_outgrow_its_host_memory_fails_naming_them():
     """The host memory the memory model puts on the job's busiest node against this node's:
     24 LIBERO simulator ranks of a 32-rank node, each with more envs than this machine's

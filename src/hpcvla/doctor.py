@@ -29,6 +29,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpcvla.config.loader import whole_number
+
 MiB = 1 << 20
 
 
@@ -55,10 +57,11 @@ def add_doctor_parser(sub, config_args) -> None:
     doctor.add_argument("--job", choices=("train", "sft", "eval"), default="train",
                         help="its command; eval: that of `hpcvla eval` after `--` (RUN_DIR, "
                         "its flags, key=value ...)")
-    doctor.add_argument("--world", type=int, default=None, help="the job's ranks: with it, "
+    doctor.add_argument("--world", type=whole_number(1), default=None, help="the job's "
+                        "ranks: with it, "
                         "whether its layout fits this node's GPUs and host memory (without, "
                         "/dev/shm is checked for launch.ranks' layout)")
-    doctor.add_argument("--ranks-per-node", type=int, default=None,
+    doctor.add_argument("--ranks-per-node", type=whole_number(1), default=None,
                         help="the job's ranks per node (default: --world)")
 
 
@@ -82,11 +85,12 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     eval's per rank. Eval shares nothing in /dev/shm, makes no windows, and writes no
     checkpoints: those checks are train's and sft's."""
     from hpcvla.envs import env_problems
-    from hpcvla.preflight import config_problems
+    from hpcvla.preflight import config_problems, run_root_problems
 
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
     problems = [p for p in config_problems(cfg, last) + env_problems(cfg)
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's
+    problems += [] if job == "eval" else run_root_problems(cfg)  # eval writes no run
     unbuilt = []
     try:
         weights, trainable, recorded = _policy_size(cfg)
@@ -224,6 +228,7 @@ def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0,
     from hpcvla.memory.layout import host_bytes, layout_devices, layout_gpus, plan_memory
     from hpcvla.memory.sft_eval import eval_devices, eval_memory, sft_memory
     from hpcvla.memory.states import size
+    from hpcvla.preflight import pipeline_problems
     from hpcvla.topology.plan import PlanError, plan_from_config
     ranks, per_node = world
     spec, per = env_spec(cfg.env), per_node or ranks
@@ -237,6 +242,10 @@ def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0,
                                  nodes)
         else:
             plan = plan_from_config(cfg.placement, ranks, per_node)
+            refused = pipeline_problems(cfg, plan)  # what train refuses on this layout
+            if refused:
+                raise PlanError("; ".join(f"{name} = {value!r}: expected {text}"
+                                          for name, value, text in refused))
             memory = plan_memory(cfg, plan, layout_devices(cfg, plan), spec)
     except PlanError as err:
         return [Check("layout", False, f"{ranks} rank(s), {per_node or ranks} per node: {err}",
