@@ -258,6 +258,12 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         config(folder, tokenizer=tmp_path)
     assert "policy.tokenizer" in str(err.value) and "tokenizer.json" in str(err.value)
+    # another model's tokenizer (OFT's Llama, its folder asking to run custom code): every
+    # prompt would be encoded with ids of another vocabulary
+    with pytest.raises(ConfigError) as err:
+        config(folder, tokenizer=Path(__file__).parent / "fixtures" / "oft" / "checkpoint")
+    assert "policy.tokenizer" in str(err.value) and "has 32001 tokens, the checkpoint's " \
+        "embedding 320" in str(err.value), str(err.value)
     bare = tmp_path / "bare"
     shutil.copytree(FIXTURES / "pi0" / "openpi", bare)
     shutil.rmtree(bare / "assets")

@@ -44,15 +44,18 @@ class PublishedFlowFolders:
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
         """A published π0/π0.5 folder's config problems: its tokenizer and statistics
         (processor.check_folder), and the sizes the loader reads from its tensors' shapes."""
-        from hpcvla.policies.folders import checkpoint_kwargs
+        from hpcvla.policies.folders import checkpoint_kwargs, from_layout, tensor_shapes
         from hpcvla.policies.processor import check_folder, recipe_problems
-        problems = check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id)
         try:
+            shapes = from_layout(tensor_shapes(folder), cls.HF_LAYOUT)
+            embedding = shapes.get(cls.HF_LAYOUT["tied"][0][0], (0,))
             variant = checkpoint_kwargs(cls, folder)["variant"]
         except (ValueError, KeyError) as err:
-            problems.append(("policy.pretrained", folder, f"a {cls.family} checkpoint whose "
-                             f"sizes the loader can read: {err}"))
-            return problems
+            return check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id) + [(
+                "policy.pretrained", folder, f"a {cls.family} checkpoint whose sizes the "
+                f"loader can read: {err}")]
+        problems = check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id,
+                                embedding[0])
         return problems + recipe_problems(folder, variant, policy_cfg.delta_action_dims,
                                           policy_cfg.pi05_state, policy_cfg.asset_id)
 

@@ -227,15 +227,22 @@ class CheckpointProcessor:
         return offset[:, None, :]
 
 
-def check_folder(folder, tokenizer_folder, asset_id: str = "") -> list[tuple[str, str, str]]:
+def check_folder(folder, tokenizer_folder, asset_id: str = "",
+                 vocabulary: int = 0) -> list[tuple[str, str, str]]:
     """What a published folder lacks besides its weights, as config problems (field, value,
-    what it should be), before any rank starts."""
+    what it should be), before any rank starts; `vocabulary`: its token embedding's rows,
+    which the tokenizer's ids index (0: unknown)."""
     folder = Path(folder)
     if is_hpcvla_folder(folder):
         return []
     problems = []
     try:
-        load_tokenizer(tokenizer_folder, folder)
+        tokenizer = load_tokenizer(tokenizer_folder, folder)
+        if vocabulary and len(tokenizer) != vocabulary:  # another model's: every prompt
+            problems.append(("policy.tokenizer", tokenizer_folder, "the checkpoint's "  # wrong
+                             f"tokenizer: this one has {len(tokenizer)} tokens, the "
+                             f"checkpoint's embedding "
+                             f"{vocabulary}: the prompts would be encoded for another model"))
     except (ValueError, OSError) as err:
         problems.append(("policy.tokenizer", tokenizer_folder, str(err).split(": ", 1)[-1]))
     try:
@@ -387,7 +394,8 @@ def load_tokenizer(tokenizer_folder, checkpoint):
         raise ValueError(f"policy.tokenizer: {folder} holds no tokenizer.json or "
                          f"tokenizer.model; it should hold {hint}")
     try:
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                             trust_remote_code=False)  # no prompt, no code
     except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
         raise ValueError(f"policy.tokenizer: {folder}: a tokenizer transformers can load "
                          f"({type(err).__name__}: {err}); it should hold {hint}") from None
