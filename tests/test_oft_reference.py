@@ -369,6 +369,27 @@ def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
     with pytest.raises(ConfigError) as err:
         config(folder)
     assert "policy.pretrained" in str(err.value) and "dataset_statistics.json" in str(err.value)
+    shutil.copy(CHECKPOINT / "dataset_statistics.json", folder)
+    # the sizes the ranks build it at, read before any starts: a tensor they come from, and
+    # config.json's attention heads against the width (they raised in the launching process)
+    settings = json.loads((folder / "config.json").read_text())
+    width = settings["text_config"].get("hidden_size", 4096)
+    settings["text_config"]["num_attention_heads"] = width + 1
+    (folder / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(ConfigError) as err:
+        config(folder)
+    assert f"text_config.num_attention_heads ({width + 1}) does not divide" in str(err.value)
+    patch = "vision_backbone.featurizer.patch_embed.proj.weight"
+    shard = folder / index["weight_map"].pop(patch)
+    tensors = load_file(str(shard))
+    del tensors[patch]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(CHECKPOINT / "config.json", folder)
+    with pytest.raises(ConfigError) as err:
+        config(folder)
+    assert "policy.pretrained" in str(err.value) and "patch_embed.proj.weight is missing" in \
+        str(err.value)
     with pytest.raises(ConfigError) as err:
         config(**{"policy.unnorm_key": "bridge_orig"})
     assert "policy.unnorm_key" in str(err.value) and "libero_spatial_no_noops" in str(err.value)

@@ -182,6 +182,10 @@ def folder_dims(folder) -> dict:
     text = config.get("text_config", {})
     heads = text.get("num_attention_heads", 32)  # LlamaConfig's defaults (Llama-2 7B)
     embed = shape("language_model.model.embed_tokens.weight")
+    if embed[1] % heads:
+        unset = "" if "num_attention_heads" in text else ", unset: Llama-2 7B's"
+        raise ValueError(f"{folder}: config.json's text_config.num_attention_heads ({heads}"
+                         f"{unset}) does not divide the language model's width ({embed[1]})")
     return {
         "image_size": side, "patch_size": patch,
         "dino": dict(hidden_size=shape(DINO + "cls_token")[-1], num_hidden_layers=depth(DINO),

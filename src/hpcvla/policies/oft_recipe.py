@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hpcvla.policies.oft_checkpoint import (head_file, load_tokenizer, proprio_file, read_config,
-                                            read_statistics)
+from hpcvla.policies.oft_checkpoint import (folder_dims, head_file, load_tokenizer, proprio_file,
+                                            read_config, read_statistics)
 
 # OFT's action chunk per platform (its prismatic/vla/constants.py), told by the dataset key
 PLATFORM_CHUNKS = {"aloha": 25, "bridge": 5, "libero": 8}
@@ -77,6 +77,7 @@ def check_folder(folder, policy, env) -> list[tuple[str, str, str]]:
     tokenizer_folder, unnorm_key = policy.tokenizer, policy.unnorm_key
     try:
         config = read_config(folder)
+        folder_dims(folder)  # the sizes the ranks build it at, from the tensors' headers
         key = read_statistics(folder, unnorm_key)[0]
         problems += [("policy.pretrained", str(folder), f"an OpenVLA-OFT folder the oft "
                       f"policy runs as trained: {why}")
