@@ -390,6 +390,11 @@ def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
         config(folder)
     assert "policy.pretrained" in str(err.value) and "patch_embed.proj.weight is missing" in \
         str(err.value)
+    pi0 = Path(__file__).parent / "fixtures" / "pi0" / "pi0" / "lerobot"
+    with pytest.raises(ConfigError) as err:
+        config(pi0)
+    assert f"policy.name = 'oft': expected flow: {pi0} is a published flow folder" in \
+        str(err.value), str(err.value)
     with pytest.raises(ConfigError) as err:
         config(**{"policy.unnorm_key": "bridge_orig"})
     assert "policy.unnorm_key" in str(err.value) and "libero_spatial_no_noops" in str(err.value)

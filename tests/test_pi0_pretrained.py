@@ -264,6 +264,11 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
         config(folder, tokenizer=Path(__file__).parent / "fixtures" / "oft" / "checkpoint")
     assert "policy.tokenizer" in str(err.value) and "has 32001 tokens, the checkpoint's " \
         "embedding 320" in str(err.value), str(err.value)
+    oft = Path(__file__).parent / "fixtures" / "oft" / "checkpoint"  # another family's folder
+    with pytest.raises(ConfigError) as err:  # (a KeyError's text of a missing tensor said it)
+        config(oft)
+    assert f"policy.name = 'flow': expected oft: {oft} is a published oft folder" in \
+        str(err.value), str(err.value)
     bare = tmp_path / "bare"
     shutil.copytree(FIXTURES / "pi0" / "openpi", bare)
     shutil.rmtree(bare / "assets")

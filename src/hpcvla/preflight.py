@@ -177,7 +177,7 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
                  "sharded model.safetensors.index.json)" + (f", not {layout}" if layout else "")
                  + found)]
     try:  # every weight file's header (a sharded index's every shard), and config.json
-        tensor_shapes(folder)
+        names = tensor_shapes(folder)
         ours = is_hpcvla_folder(folder)
     except (OSError, ValueError) as err:  # e.g. RLinf's adapter beside its base's index
         return [("policy.pretrained", folder, f"a folder whose files can be read: {err}"
@@ -187,6 +187,11 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
         if saved != policy.name:
             return [("policy.name", policy.name, f"{saved}: the family {folder} was saved from")]
         problems = own_folder_problems(policy, folder)  # its config.json says all
+    elif (other := next((name for name, cls in POLICIES.items() if name != policy.name and
+                         cls.published_tensor and any(k.endswith(cls.published_tensor)
+                                                      for k in names)), None)):
+        return [("policy.name", policy.name, f"{other}: {folder} is a published {other} "
+                 f"folder (its tensors say so), which policy.name={other} reads")]
     else:  # a published folder: its family judges it
         problems = POLICIES[policy.name].folder_problems(folder, policy, env)
     return problems or _head_problems(policy)

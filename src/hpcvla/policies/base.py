@@ -60,6 +60,9 @@ class Policy(nn.Module, abc.ABC):
     #   load_published(folder) -> list[str]: loads a published folder that needs more than
     #     renaming (oft's timm towers); returns the RL-head names left fresh.
     folder_kwargs = checkpoint_kwargs = load_published = None
+    # A tensor name's ending only this family's published folders hold ("": none), which
+    # tells a folder of another family apart before its sizes are read (preflight.py).
+    published_tensor = ""
     # Whether `imitation_loss` fits the exploration std (`log_std`): a likelihood does (the
     # default family's BC); flow matching and OFT's L1 loss leave it where it started,
     # so an RL run from an `hpcvla sft` checkpoint starts it at its own

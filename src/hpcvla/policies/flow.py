@@ -81,6 +81,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     """
 
     family = "flow"
+    published_tensor = "action_in_proj.weight"  # LeRobot's and openpi's π0 and π0.5
     imitation_fits_std = False  # flow matching: the velocity alone (base.Policy)
 
     config_fields = FAMILIES["flow"].settings

@@ -131,6 +131,7 @@ class OFTPolicy(VLAPolicy):
     """
 
     family = "oft"
+    published_tensor = "vision_backbone.featurizer.patch_embed.proj.weight"
     # our own folders: the RL heads may be fresh
     HF_KEY_MAP = (("value_head.", "rl.value_head."), ("log_std", "rl.log_std"))
     config_fields = FAMILIES["oft"].settings
