@@ -158,6 +158,21 @@ def test_what_says_gpus_were_given():
     assert missing_gpus_problem(2, {}).startswith("at most the 0 GPU(s) torch sees on this node")
 
 
+def test_gpus_granted_but_hidden_by_the_users_cuda_visible_devices_are_named(monkeypatch):
+    """A CUDA torch that sees none of the GPUs Slurm gave: a user's `export
+    CUDA_VISIBLE_DEVICES=` (or another node's ids) is why, not the build (the message said to
+    reinstall torch); with a CPU-only build the build is why."""
+    import torch
+    granted = {"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": ""}
+    assert "CPU-only build" in missing_gpus_problem(-1, granted)
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    said = missing_gpus_problem(-1, granted)
+    assert "(SLURM_GPUS_ON_NODE=4) but CUDA_VISIBLE_DEVICES='' hides them" in said, said
+    assert "unset it" in said and "placement.gpus_per_node=0" in said
+    said = missing_gpus_problem(-1, {"SLURM_GPUS_ON_NODE": "4"})
+    assert "Install a torch that matches the node's driver" in said, said
+
+
 def test_the_gpu_check_of_a_node_without_gpus_imports_no_torch():
     """The launcher runs missing_gpus_problem before any rank starts: on a node without GPUs
     it imports no torch (~2 s of CPU a call; the refusal above imported it every time)."""

@@ -200,6 +200,12 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
                 "the CPU. Ask the scheduler for the node's GPUs (sbatch --gpus-per-node=N, PBS "
                 "select=...:ngpus=N), or set placement.gpus_per_node=0 to run on the CPU on "
                 "purpose")
+    hiding = environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.version.cuda and hiding is not None and not granted.startswith("CUDA_"):
+        return (f"GPUs torch can see: this node was given GPUs ({granted}) but "
+                f"CUDA_VISIBLE_DEVICES={hiding!r} hides them from torch: unset it (the "
+                "scheduler sets it for each task), or set placement.gpus_per_node=0 to train "
+                "on the CPU on purpose")
     return (f"GPUs torch can see: this node was given GPUs ({granted}) but torch "
             f"{torch.__version__} ({build}) sees none. Install a torch that matches the node's "
             "driver, or set placement.gpus_per_node=0 to train on the CPU on purpose")
