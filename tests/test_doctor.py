@@ -47,6 +47,9 @@ BROKEN = {  # what is broken: (args, environment, the check that fails, words of
     "no EGL": (["configs/libero_spatial.yaml"],
                {"__EGL_VENDOR_LIBRARY_FILENAMES": "/nonexistent/egl_vendor.json"}, "renderer",
                "EGL (MuJoCo): failed"),
+    "GLX without a display": (  # the backend the user chose is the one named, and its needs
+        ["configs/libero_spatial.yaml"], {"MUJOCO_GL": "glx", "DISPLAY": ""}, "renderer",
+        "glx (MuJoCo, MUJOCO_GL): failed"),
 }
 
 

@@ -302,11 +302,20 @@ RENDER = {  # a tiny scene drawn the way the simulator draws (MuJoCo's EGL, SAPI
 }
 
 
+# MuJoCo backends other than EGL that LIBERO renders with (robosuite, imported, makes any
+# other MUJOCO_GL egl) and what each needs
+MUJOCO_FIXES = {"osmesa": "Mesa's OSMesa library (libOSMesa), or MUJOCO_GL unset for EGL",
+                "glx": "an X display (DISPLAY) with GLX; headless nodes: MUJOCO_GL unset "
+                "(EGL)"}
+
+
 def _renderer(cfg) -> list[Check]:
     if cfg.env.name not in RENDER:
         return [Check("renderer", True, f"env.name={cfg.env.name} renders nothing")]
     what, code, fix = RENDER[cfg.env.name]
     env = {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    if cfg.env.name == "libero" and env["MUJOCO_GL"] in MUJOCO_FIXES:  # chosen by the user
+        what, fix = f"{env['MUJOCO_GL']} (MuJoCo, MUJOCO_GL)", MUJOCO_FIXES[env["MUJOCO_GL"]]
     env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env["MUJOCO_GL"])
     out = _python(code, {**os.environ, **env})
     checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
