@@ -508,3 +508,16 @@ def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path):
     cfg = load_config(None, ["sft.demos=~/a.h5, b.h5", "policy.pretrained=~/pi0"])
     assert (cfg.sft.demos, cfg.policy.pretrained) == (f"{home}/a.h5,b.h5", f"{home}/pi0")
 
+
+@pytest.mark.parametrize("override,said", [
+    ("pipeline.mode=streamr", "(did you mean `streamer`?)"),
+    ("placement.per_node.inferance=1", "(got inferance; did you mean `inference`?)"),
+    ("run.name=", "run.name = '': expected a name for the run's directory"),
+    ("run.name=-x", "not starting with '-'"),
+    ("run.name=a/b", "no '/'")])
+def test_misspelt_choices_and_unusable_run_names_are_refused_with_the_fix(override, said):
+    """A close choice is offered; an empty run name made a directory `-<time>`, which
+    shells take for an option, and one with a '/' a folder elsewhere."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(None, [override])
+

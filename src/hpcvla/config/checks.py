@@ -5,6 +5,8 @@ preflight.py."""
 
 from __future__ import annotations
 
+import difflib
+
 import math
 import re
 from typing import Any
@@ -24,8 +26,14 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     per_node = cfg.placement.per_node
     unknown = sorted(set(per_node) - set(ROLES))
     if unknown:
+        close = [f"`{c[0]}`" for u in unknown if (c := difflib.get_close_matches(u, ROLES, 1))]
         problems.append(("placement.per_node", per_node,
-                         f"keys among {', '.join(ROLES)} (got {', '.join(unknown)})"))
+                         f"keys among {', '.join(ROLES)} (got {', '.join(unknown)}"
+                         + (f"; did you mean {', '.join(close)}?)" if close else ")")))
+    if not cfg.run.name or cfg.run.name.startswith("-") or "/" in cfg.run.name:
+        problems.append(("run.name", cfg.run.name, "a name for the run's directory "
+                         "(<name>-<time>): not empty, no '/', not starting with '-', which "
+                         "commands take for an option"))
     for role, count in per_node.items():
         if role in ROLES and count < 0:
             problems.append((f"placement.per_node.{role}", count, "a count >= 0"))

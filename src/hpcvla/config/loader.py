@@ -259,7 +259,9 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
         # YAML, and a shell's quotes, leave `~` as it is: a run would go to a folder named ~
         value = ",".join(os.path.expanduser(part.strip()) for part in value.split(","))
     if meta.get("choices") and value not in meta["choices"]:
-        problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"))
+        close = difflib.get_close_matches(str(value), list(map(str, meta["choices"])), n=1)
+        problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"
+                         + (f" (did you mean `{close[0]}`?)" if close else "")))
         return None
     low, high = meta.get("ge"), meta.get("le")
     if (low is not None and value < low) or (high is not None and value > high):
