@@ -302,11 +302,11 @@ RENDER = {  # a tiny scene drawn the way the simulator draws (MuJoCo's EGL, SAPI
 }
 
 
-# MuJoCo backends other than EGL that LIBERO renders with (robosuite, imported, makes any
-# other MUJOCO_GL egl) and what each needs
-MUJOCO_FIXES = {"osmesa": "Mesa's OSMesa library (libOSMesa), or MUJOCO_GL unset for EGL",
-                "glx": "an X display (DISPLAY) with GLX; headless nodes: MUJOCO_GL unset "
-                "(EGL)"}
+# Backends a user may choose instead (the variable, and what each needs): MuJoCo's other
+# than EGL that LIBERO renders with (robosuite, imported, makes any other MUJOCO_GL egl)
+CHOSEN_BACKENDS = {"libero": ("MuJoCo", "MUJOCO_GL", {
+    "osmesa": "Mesa's OSMesa library (libOSMesa), or MUJOCO_GL unset for EGL",
+    "glx": "an X display (DISPLAY) with GLX; headless nodes: MUJOCO_GL unset (EGL)"})}
 
 
 def _renderer(cfg) -> list[Check]:
@@ -314,8 +314,10 @@ def _renderer(cfg) -> list[Check]:
         return [Check("renderer", True, f"env.name={cfg.env.name} renders nothing")]
     what, code, fix = RENDER[cfg.env.name]
     env = {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
-    if cfg.env.name == "libero" and env["MUJOCO_GL"] in MUJOCO_FIXES:  # chosen by the user
-        what, fix = f"{env['MUJOCO_GL']} (MuJoCo, MUJOCO_GL)", MUJOCO_FIXES[env["MUJOCO_GL"]]
+    library, variable, chosen = CHOSEN_BACKENDS.get(cfg.env.name, ("", "", {}))
+    if os.environ.get(variable) in chosen:  # the one the user chose is what the ranks use
+        backend = os.environ[variable]
+        what, fix = f"{backend} ({library}, {variable})", chosen[backend]
     env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env["MUJOCO_GL"])
     out = _python(code, {**os.environ, **env})
     checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
