@@ -521,3 +521,13 @@ def test_misspelt_choices_and_unusable_run_names_are_refused_with_the_fix(overri
     with pytest.raises(ConfigError, match=re.escape(said)):
         load_config(None, [override])
 
+
+def test_an_abbreviated_flag_is_not_taken_for_the_longer_one(capsys):
+    """argparse's prefix matching took `train --rank 4` for `--ranks 4` and started a
+    world; `--ranks-per 4` for --ranks-per-node."""
+    from hpcvla.cli import main
+    with pytest.raises(SystemExit) as ended:
+        main(["plan", "--world", "4", "--ranks-per", "4"])
+    assert ended.value.code == 2
+    assert "unrecognized arguments: --ranks-per" in capsys.readouterr().err
+

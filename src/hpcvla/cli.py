@@ -34,6 +34,7 @@ without --ranks inside srun/mpirun (`sft` alone: a world of one) initialise MPI.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -64,8 +65,11 @@ def _config_args(parser: argparse.ArgumentParser, required: bool = True) -> None
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hpcvla", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
+    # no abbreviated flags: `--rank 4` started a 4-rank world as `--ranks 4`
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, allow_abbrev=False))
 
     train = sub.add_parser("train", help="run the main job (no config: the built-in default, "
                                          "or with run.resume=DIR the resumed run's own config)",
