@@ -531,3 +531,14 @@ def test_an_abbreviated_flag_is_not_taken_for_the_longer_one(capsys):
     assert ended.value.code == 2
     assert "unrecognized arguments: --ranks-per" in capsys.readouterr().err
 
+
+def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):
+    """A file that holds no setting (empty, or its settings commented out) ran the built-in
+    defaults; `{}` says so on purpose."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("# learner:\n#   micro_batch: 8\n")
+    with pytest.raises(ConfigError, match="it holds none: give no CONFIG, or `{}`"):
+        load_config(path)
+    path.write_text("{}\n")
+    assert load_config(path) == load_config(None)
+

@@ -108,12 +108,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError([("config file", str(path), f"UTF-8 text, as YAML is (byte "
                                 f"{err.start}: {err.reason})")], str(path)) from None
         try:
-            data = yaml.load(text, Loader=_UniqueKeys) or {}
+            data = yaml.load(text, Loader=_UniqueKeys)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "?"
             raise ConfigError([(f"YAML at {where}", getattr(err, "problem", str(err)),
                                 "well-formed YAML")], str(path)) from None
+        if data is None:  # an empty file (or comments alone): not silently the defaults
+            raise ConfigError([("config file", str(path), "settings (it holds none: give no "
+                                "CONFIG, or `{}`, for the built-in defaults)")], str(path))
         if not isinstance(data, dict):
             raise ConfigError([("top level", data, "a mapping of sections")], str(path))
     return _checked(data, overrides, source)
