@@ -542,3 +542,14 @@ def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):
     path.write_text("{}\n")
     assert load_config(path) == load_config(None)
 
+
+@pytest.mark.parametrize("text,said", [
+    ("learner:\nmicro_batch: 4\n", "learner: expected a mapping (it is empty: indent its "
+     "settings under it)"),
+    ("learner:\n  micro_batch: \"8\"\n", "expected an int (quoted: drop the quotes)")])
+def test_yaml_slips_are_said_with_their_fix(tmp_path, text, said):
+    path = tmp_path / "mine.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(path)
+

@@ -204,7 +204,8 @@ def _build(cls, data: Any, prefix: str, problems: list):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     if not isinstance(data, dict):  # `env: reach` for `env: {name: reach}`
         named = f" (did you mean `{where}: {{name: {data}}}`?)" if "name" in fields and \
-            isinstance(data, str) else ""
+            isinstance(data, str) else " (it is empty: indent its settings under it)" \
+            if data is None else ""
         problems.append((where, data, "a mapping" + named))
         return cls()
     hints = typing.get_type_hints(cls)
@@ -248,7 +249,10 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
     if kind is str and _is_type(value, int):  # PyYAML reads `0` (eval.tasks=0) as an int
         value = str(value)
     if not _is_type(value, kind):
-        problems.append((name, value, _a(kind.__name__)))
+        quoted = kind in (int, float) and isinstance(value, str) and \
+            re.fullmatch(r"\s*[-+]?\d+\s*", value) is not None
+        problems.append((name, value, _a(kind.__name__) + (" (quoted: drop the quotes)"
+                                                           if quoted else "")))
         return None
     if kind is float:
         try:
