@@ -29,7 +29,9 @@ RANKS_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # the rank's to handle (checkpo
 
 
 def start(module: str, *args: str) -> tuple[subprocess.Popen, Connection]:
-    """`python -m module FD RANK_PID *args` and this end of its connection."""
+    """`python -m module FD RANK_PID *args` and this end of its connection. Call it from a
+    thread that lives as long as the worker (the rank's main thread): Linux's
+    PR_SET_PDEATHSIG fires when the thread that started it ends, not the process."""
     parent, child = socket.socketpair()
     env = {k: v for k, v in os.environ.items() if not k.startswith(MPI_PREFIXES)}
     if "HPCVLA_GPU" in env:  # the rank's GPU (devices.py) is the worker's only one
