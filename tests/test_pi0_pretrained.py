@@ -250,6 +250,19 @@ def test_sizes_come_from_the_checkpoint():
     assert policy.prefix.text_config.vocab_size == summary["vocab_size"]
 
 
+@pytest.mark.parametrize("base,tokens,rows,fits", [
+    (257152, 257153, 257152, True),   # PaliGemma's tokenizer (`<image>` added), LeRobot's π0
+    (257152, 257153, 257216, True),   # Hugging Face's PaliGemma pads its embedding
+    (320, 320, 320, True),            # the fixtures
+    (32000, 32001, 257152, False),    # OFT's Llama tokenizer for π0
+    (257152, 257153, 32064, False)])  # PaliGemma's for a Llama embedding
+def test_a_tokenizer_fits_its_embedding_up_to_added_tokens_and_padding(base, tokens, rows,
+                                                                        fits):
+    from hpcvla.policies.processor import _vocabulary_fits
+    tokenizer = type("Tokenizer", (), {"vocab_size": base, "__len__": lambda self: tokens})()
+    assert _vocabulary_fits(tokenizer, rows) is fits
+
+
 def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     folder = FIXTURES / "pi0" / "lerobot"
     with pytest.raises(ConfigError) as err:

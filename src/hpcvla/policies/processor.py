@@ -238,11 +238,11 @@ def check_folder(folder, tokenizer_folder, asset_id: str = "",
     problems = []
     try:
         tokenizer = load_tokenizer(tokenizer_folder, folder)
-        if vocabulary and len(tokenizer) != vocabulary:  # another model's: every prompt
-            problems.append(("policy.tokenizer", tokenizer_folder, "the checkpoint's "  # wrong
+        if vocabulary and not _vocabulary_fits(tokenizer, vocabulary):  # another model's
+            problems.append(("policy.tokenizer", tokenizer_folder, "the checkpoint's "
                              f"tokenizer: this one has {len(tokenizer)} tokens, the "
-                             f"checkpoint's embedding "
-                             f"{vocabulary}: the prompts would be encoded for another model"))
+                             f"checkpoint's embedding {vocabulary}: the prompts would be "
+                             "encoded for another model"))
     except (ValueError, OSError) as err:
         problems.append(("policy.tokenizer", tokenizer_folder, str(err).split(": ", 1)[-1]))
     try:
@@ -256,6 +256,14 @@ def check_folder(folder, tokenizer_folder, asset_id: str = "",
         problems.append(("policy.pretrained", str(folder), f"a checkpoint with its "
                          f"normalization statistics: {err}"))
     return problems
+
+
+def _vocabulary_fits(tokenizer, rows: int) -> bool:
+    """Whether a tokenizer is the embedding's: its base vocabulary (ids a prompt can give)
+    within the rows, and the rows no more than its tokens padded to a multiple of 128. Not
+    equal: PaliGemma's tokenizer adds `<image>` (257153 tokens against LeRobot's 257152
+    rows), Hugging Face's PaliGemma pads its embedding (257216 rows)."""
+    return tokenizer.vocab_size <= rows <= -(-len(tokenizer) // 128) * 128
 
 
 def recipe_problems(folder, variant: str, delta_action_dims: int, pi05_state: str,
