@@ -497,7 +497,7 @@ def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refus
         assert load_config(base, [chosen, f"{key}=0"])
 
 
-def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path):
+def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path, monkeypatch):
     """`run: {root: ~/runs}` in a file (or quoted on a command line): the shell expands no
     `~` there, and the run went to a folder named `~` under the working directory."""
     import os
@@ -507,6 +507,12 @@ def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path):
     assert load_config(path).run.root == f"{home}/runs"
     cfg = load_config(None, ["sft.demos=~/a.h5, b.h5", "policy.pretrained=~/pi0"])
     assert (cfg.sft.demos, cfg.policy.pretrained) == (f"{home}/a.h5,b.h5", f"{home}/pi0")
+    run = tmp_path / "home" / "runs" / "r"  # a resume without a config reads the run's own
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("pipeline: {total_updates: 7}\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cfg = load_config(None, ["run.resume=~/runs/r"])
+    assert (cfg.pipeline.total_updates, cfg.run.resume) == (7, str(run))
 
 
 @pytest.mark.parametrize("override,said", [

@@ -169,8 +169,10 @@ def test_gpus_granted_but_hidden_by_the_users_cuda_visible_devices_are_named(mon
     said = missing_gpus_problem(-1, granted)
     assert "(SLURM_GPUS_ON_NODE=4) but CUDA_VISIBLE_DEVICES='' hides them" in said, said
     assert "unset it" in said and "placement.gpus_per_node=0" in said
-    said = missing_gpus_problem(-1, {"SLURM_GPUS_ON_NODE": "4"})
-    assert "Install a torch that matches the node's driver" in said, said
+    for given in ({"SLURM_GPUS_ON_NODE": "4"},  # Slurm sets the variable itself
+                  {"SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}):
+        said = missing_gpus_problem(-1, given)
+        assert "Install a torch that matches the node's driver" in said, said
 
 
 def test_the_gpu_check_of_a_node_without_gpus_imports_no_torch():

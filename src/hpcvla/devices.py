@@ -200,8 +200,8 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
                 "the CPU. Ask the scheduler for the node's GPUs (sbatch --gpus-per-node=N, PBS "
                 "select=...:ngpus=N), or set placement.gpus_per_node=0 to run on the CPU on "
                 "purpose")
-    hiding = environ.get("CUDA_VISIBLE_DEVICES")
-    if torch.version.cuda and hiding is not None and not granted.startswith("CUDA_"):
+    hiding = environ.get("CUDA_VISIBLE_DEVICES")  # Slurm sets it too: only a value that
+    if torch.version.cuda and hiding in ("", "-1", "NoDevFiles"):  # hides every GPU is why
         return (f"GPUs torch can see: this node was given GPUs ({granted}) but "
                 f"CUDA_VISIBLE_DEVICES={hiding!r} hides them from torch: unset it (the "
                 "scheduler sets it for each task), or set placement.gpus_per_node=0 to train "

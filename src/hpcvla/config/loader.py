@@ -262,9 +262,8 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
         if not math.isfinite(value):  # YAML's .nan/.inf pass every bound check
             problems.append((name, value, "a finite number"))
             return None
-    if meta.get("paths") and isinstance(value, str) and "~" in value:
-        # YAML, and a shell's quotes, leave `~` as it is: a run would go to a folder named ~
-        value = ",".join(os.path.expanduser(part.strip()) for part in value.split(","))
+    if meta.get("paths") and isinstance(value, str):
+        value = home_expanded(value)
     if meta.get("choices") and value not in meta["choices"]:
         close = difflib.get_close_matches(str(value), list(map(str, meta["choices"])), n=1)
         problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"
@@ -277,6 +276,15 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
         problems.append((name, value, f"{_a(kind.__name__)} {bounds}"))
         return None
     return value
+
+
+def home_expanded(paths: str) -> str:
+    """A path setting's value (comma-separated) with a leading `~` the home folder: YAML, a
+    shell's quotes and `key=~/x` (no assignment to the shell) leave it, and a run went to a
+    folder named `~`."""
+    if "~" not in paths:
+        return paths
+    return ",".join(os.path.expanduser(part.strip()) for part in paths.split(","))
 
 
 def _a(noun: str) -> str:
@@ -333,7 +341,7 @@ def resumed_run_config(overrides: list[str]) -> str | None:
     resumes = [o.split("=", 1)[1] for o in overrides if o.startswith("run.resume=")]
     if not resumes or not resumes[-1] or resumes[-1] in ("null", "None"):
         return None
-    config = last_run_config(resumes[-1])
+    config = last_run_config(home_expanded(resumes[-1]))
     if config is None:  # not the built-in defaults: their layout's refusal would be the message
         folder = Path(resumes[-1])
         raise ConfigError([("run.resume", resumes[-1], "a run's directory, holding the "
