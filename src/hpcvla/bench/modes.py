@@ -40,6 +40,11 @@ def _layout(mode: str, gpus: int) -> list[str]:
             "placement.per_node={simulator: 2, inference: 1, learner: 1}"]
 
 
+def cell_envs(envs_per_simulator: int, gpus: int) -> int:
+    """The envs of a cell in _layout's layout: one simulator's on one GPU, else two's."""
+    return envs_per_simulator * (1 if gpus == 1 else 2)
+
+
 def _workload(workload: str, preset: dict, envs_per_gpu: int, updates: int,
               mode: str, staleness: int = 2) -> list[str]:
     # Learner batch: 32 segments per learner and version in micro-batches of 16, where a
@@ -68,16 +73,19 @@ def _measured_bound(summary: dict) -> float:
     return min(caps) if caps else float("nan")
 
 
-def cases(sweep: str | None, envs: int, staleness: int = 2) -> list[tuple]:
+def cases(sweep: str | None, envs: int, staleness: int = 2, cell: int = 0) -> list[tuple]:
     """(label, mode, envs per simulator, extra overrides, max_staleness) of each run: the five
-    modes, or a sweep. Extra overrides None: the layout `plan --auto` picks."""
+    modes, or a sweep. Extra overrides None: the layout `plan --auto` picks. `cell`: the envs
+    of a cell (default two simulators', _layout's)."""
+    cell = cell or 2 * envs
     if sweep is None:
         return [(mode, mode, envs, [], staleness) for mode in MODES]
     if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer; B_max a
-        # quarter, half and all of a cell's envs (its two simulators': scale/presets.py)
+        # quarter, half and all of a cell's envs
         return [(f"streamer B_max={b} T_max={t}ms", "streamer", envs,
                  [f"rollout.batch_max={b}", f"rollout.wait_max_ms={t}"], staleness)
-                for b in (max(1, envs // 2), envs, 2 * envs) for t in (1, 5, 20)]
+                for b in sorted({max(1, cell // 4), max(1, cell // 2), cell})
+                for t in (1, 5, 20)]
     if sweep == "auto":  # each mode at the layout `hpcvla plan --auto` picks for it; the
         # streamer also under the looser bounds plan --auto predicts for (it never loosens one)
         return [(f"{mode} (plan --auto)", mode, envs, None, staleness)
@@ -125,7 +133,7 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                "max_staleness": staleness if workload == "emulated" else None, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra, bound_s) in enumerate(
-                cases(sweep, envs_per_gpu, staleness)):
+                cases(sweep, envs_per_gpu, staleness, cell_envs(envs_per_gpu, gpus))):
             if only and mode not in only:
                 continue
             ranks = ranks_for(mode, gpus)
