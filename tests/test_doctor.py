@@ -32,6 +32,10 @@ def test_this_machine_passes_every_check():
         assert all(c["ok"] for c in checks.values()), checks
     assert "starts one world of 2" in checks["mpi"]["found"]
     assert checks["renderer"]["found"] == "EGL (MuJoCo): drew a 16x16 scene"
+    # robosuite renders any MUJOCO_GL but osmesa and glx with egl: so does the check (it
+    # tried PyOpenGL's platform "EGL" and failed)
+    out, checks = doctor("configs/libero_spatial.yaml", env={"MUJOCO_GL": "EGL"})
+    assert checks["renderer"]["found"] == "EGL (MuJoCo): drew a 16x16 scene", checks
 
 
 BROKEN = {  # what is broken: (args, environment, the check that fails, words of its report)

@@ -302,8 +302,9 @@ RENDER = {  # a tiny scene drawn the way the simulator draws (MuJoCo's EGL, SAPI
 }
 
 
-# Backends a user may choose instead (the variable, and what each needs): MuJoCo's other
-# than EGL that LIBERO renders with (robosuite, imported, makes any other MUJOCO_GL egl)
+# Backends a user may choose instead (the library, its variable, what each needs): MuJoCo's
+# other than EGL that LIBERO renders with (robosuite, imported, makes any other MUJOCO_GL egl,
+# EGL and typos included)
 CHOSEN_BACKENDS = {"libero": ("MuJoCo", "MUJOCO_GL", {
     "osmesa": "Mesa's OSMesa library (libOSMesa), or MUJOCO_GL unset for EGL",
     "glx": "an X display (DISPLAY) with GLX; headless nodes: MUJOCO_GL unset (EGL)"})}
@@ -313,12 +314,14 @@ def _renderer(cfg) -> list[Check]:
     if cfg.env.name not in RENDER:
         return [Check("renderer", True, f"env.name={cfg.env.name} renders nothing")]
     what, code, fix = RENDER[cfg.env.name]
-    env = {"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     library, variable, chosen = CHOSEN_BACKENDS.get(cfg.env.name, ("", "", {}))
-    if os.environ.get(variable) in chosen:  # the one the user chose is what the ranks use
-        backend = os.environ[variable]
-        what, fix = f"{backend} ({library}, {variable})", chosen[backend]
-    env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env["MUJOCO_GL"])
+    env = {}
+    if variable:  # the backend the ranks render with: the one chosen, else the default
+        backend = os.environ.get(variable, "")  # as robosuite compares it: case and all
+        env[variable] = backend if backend in chosen else "egl"
+        env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env[variable])
+        if backend in chosen:
+            what, fix = f"{backend} ({library}, {variable})", chosen[backend]
     out = _python(code, {**os.environ, **env})
     checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
         "drew a 16x16 scene" if out.returncode == 0 else f"failed: {_last_line(out)}"), fix)]

@@ -34,9 +34,11 @@ STEP_LIMITS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300,
 STEP_LIMITS.update({pro: STEP_LIMITS[base] for pro, base in LIBERO_PRO_SUITES.items()})
 
 # MuJoCo picks its OpenGL backend when first imported (ManiSkill's dependencies import it
-# too): headless EGL unless the user chose (`osmesa` also renders on CPU).
+# too): headless EGL unless the user chose (`osmesa` also renders on CPU; robosuite makes any
+# value but osmesa and glx egl, and PyOpenGL's platform follows).
 os.environ.setdefault("MUJOCO_GL", "egl")
-os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"])
+os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"]
+                      if os.environ["MUJOCO_GL"] in ("osmesa", "glx") else "egl")
 
 
 def _import_libero():
