@@ -279,9 +279,8 @@ def _check_value(name: str, value: Any, kind, meta, problems: list):
 
 
 def home_expanded(paths: str) -> str:
-    """A path setting's value (comma-separated) with a leading `~` the home folder: YAML, a
-    shell's quotes and `key=~/x` (no assignment to the shell) leave it, and a run went to a
-    folder named `~`."""
+    """A path setting's value (comma-separated), a leading `~` the home folder (YAML, quotes
+    and `key=~/x` leave it to us: a run went to a folder named `~`)."""
     if "~" not in paths:
         return paths
     return ",".join(os.path.expanduser(part.strip()) for part in paths.split(","))
