@@ -405,6 +405,8 @@ def test_a_sender_that_fails_other_than_by_os_error_is_said_not_waited_for(tmp_p
     producer.join(60)
     assert not producer.is_alive(), "the producer waits for a sender that died"
     assert raised and "producer rank 7: sending to its writer: MemoryError" in raised[0], raised
+    dump.file._proc.kill()  # a rank that raised ends, and its writer with it (PDEATHSIG)
+    dump.file._proc.wait()
 
 
 @pytest.mark.mpi
