@@ -33,7 +33,7 @@ MPI_FLAVOURS = ("auto", "mpich", "openmpi")  # process/mpi_select.py
 class RunConfig:
     name: str = setting(
         "default", "Run name; the run directory is `<root>/<name>-<timestamp>` "
-        "(`<name>-sft-<timestamp>` for `hpcvla sft`).")
+        "(`<name>-sft-<timestamp>` for `hpcvla sft`): not empty, no '/', no leading '-'.")
     root: str = setting(
         "runs", "Directory under which run directories are created. Put it on a shared "
         "file system on a cluster so every node's rank 0 sees the same path.", paths=True)
@@ -161,9 +161,9 @@ class PipelineConfig:
     stall_timeout_s: float = setting(
         300.0, "A learner that receives no trajectory for this long stops the job, naming "
         "what it waits for (a stuck simulator, a layout that cannot fill a batch). Longer "
-        "than the slowest segment takes. With env.isolation=process it counts from a hung "
-        "worker's detection (env.step_timeout_s after the step began): time for the "
-        "restart. Inference ranks held this long (staleness quota, "
+        "than the slowest segment takes. With env.isolation=process and env.max_restarts > 0 "
+        "a learner waits env.step_timeout_s more (a hung worker is found only then), and a "
+        "restarted worker's build and first segments must fit in this. Inference ranks held this long (staleness quota, "
         "full ring lane) name their learner, learners this long in a version say so, each "
         "time, and wait on (a version may take that long; one that hangs says nothing).", ge=1)
 
@@ -175,7 +175,7 @@ class RolloutConfig:
         "value of the next observation). Longer: better advantages, later delivery.", ge=1)
     batch_max: int = setting(
         0, "B_max of the dynamic batcher, in envs: a forward pass fires once this many "
-        "envs wait (0 = all envs of the cell). Larger batches use the accelerator better; "
+        "envs wait (0 = all envs of the cell; at most those). Larger batches use the accelerator better; "
         "smaller ones answer sooner.", ge=0)
     wait_max_ms: float = setting(
         5.0, "T_max of the dynamic batcher: a forward pass fires once the oldest request "

@@ -212,7 +212,7 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
               timeline: Timeline) -> Iterator[list[SegmentGroup]]:
     """The micro-batches of this version's batch, each as soon as it is here (the streamer;
     the other modes wait for the whole batch before the first); a stall past
-    `pipeline.stall_timeout_s` stops the run with the ring's diagnosis."""
+    data_patience_s stops the run with the ring's diagnosis."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     need = micro if sched.stream_micro_batches else micro * n_micro
     backoff, patience_s = Backoff(cap=DATA_POLL_CAP), data_patience_s(cfg)
