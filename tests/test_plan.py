@@ -241,7 +241,8 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
     # a dynamic batcher's B_max above a cell's envs (32 here) never fills: every forward
     # pass would wait out T_max
     assert plan(4, 4, "rollout.batch_max=33") == 2
-    assert "rollout.batch_max = 33: expected at most the envs of a cell (32" in \
+    assert "rollout.batch_max = 33: expected at most the envs of every cell (the smallest " \
+        "holds 32" in \
         capsys.readouterr().err
     assert plan(4, 4, "rollout.batch_max=32") == 0
 

@@ -300,14 +300,14 @@ def config_layout_problems(cfg: ScheduleSettings, plan: RankPlan) -> list[tuple[
                                cfg.env.shards, cfg.learner.micro_batch,
                                cfg.learner.micro_batches, plan,
                                cfg.algorithm.group_size if cfg.algorithm.name == "grpo" else 0)
-    largest = max((envs_of_cell(cfg, plan, c) for c in range(len(plan.cells))), default=0)
-    if traits(cfg.pipeline.mode).dynamic_batcher and largest and \
-            cfg.rollout.batch_max > largest:
+    smallest = min((envs_of_cell(cfg, plan, c) for c in range(len(plan.cells))), default=0)
+    if traits(cfg.pipeline.mode).dynamic_batcher and smallest and \
+            cfg.rollout.batch_max > smallest:
         problems.append(("rollout.batch_max", cfg.rollout.batch_max,
-                         f"at most the envs of a cell ({largest}: its simulators' "
-                         "env.envs_per_simulator), or 0 for all of them: a forward pass "
-                         "fires once that many envs wait, which none can, so each would wait "
-                         "out rollout.wait_max_ms"))
+                         f"at most the envs of every cell (the smallest holds {smallest}: its "
+                         "simulators' env.envs_per_simulator), or 0 for each cell's all: a "
+                         "forward pass fires once that many envs wait, which none can there, "
+                         "so each would wait out rollout.wait_max_ms"))
     return problems
 
 

@@ -6,7 +6,6 @@ preflight.py."""
 from __future__ import annotations
 
 import difflib
-
 import math
 import re
 from typing import Any

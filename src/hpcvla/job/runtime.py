@@ -95,9 +95,7 @@ def run_ranks(cfg, main, check=None, command: str = "") -> int:
     heap.keep_freed_buffers()  # before the policy's and the envs' allocations
     try:
         agreed_start(world)  # [dist]
-        problem = thread_level_problem()
-        if problem is not None:
-            raise LaunchError(f"{problem}: {THREAD_LEVEL_FIX}")
+        _require_thread_multiple()
         if cfg.launch.check_scheduler:
             check_scheduler_world(world.Get_size())
         plan = plan_from_config(cfg.placement, world.Get_size(), real_ranks_per_node(world))
@@ -153,6 +151,13 @@ def _problem(check, cfg, plan) -> str | None:
     return None
 
 
+def _require_thread_multiple() -> None:
+    """LaunchError where this process's MPI is below MPI_THREAD_MULTIPLE."""
+    problem = thread_level_problem()
+    if problem is not None:
+        raise LaunchError(f"{problem}: {THREAD_LEVEL_FIX}")
+
+
 def run_guarded(world, role: str, main, command: str, threads: bool = False) -> int:
     """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
     learners): a rank that raises aborts the world, as in run_ranks; one that raises
@@ -161,9 +166,8 @@ def run_guarded(world, role: str, main, command: str, threads: bool = False) -> 
     background thread), which only MPI_THREAD_MULTIPLE allows: refused below it."""
     try:
         hosts = agreed_start(world)  # [dist]
-        problem = thread_level_problem() if threads else None
-        if problem is not None:
-            raise LaunchError(f"{problem}: {THREAD_LEVEL_FIX}")
+        if threads:
+            _require_thread_multiple()
     except (Refused, LaunchError) as err:  # a rank's own checks refused (or_abort_the_world)
         return _refused(world, err, command)
     node = node_numbers(hosts)[world.Get_rank()]
