@@ -352,17 +352,22 @@ def test_logits_logprobs_and_values_in_float64_to_1e5(io):
                                            atol=1e-5)
 
 
+def _remove_tensor(folder, name: str) -> None:
+    """A sharded checkpoint folder without tensor `name`: its shard and index rewritten."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"].pop(name)
+    tensors = load_file(str(shard))
+    del tensors[name]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
 def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
     _, spec = env_obs(io)
     folder = tmp_path / "checkpoint"
     shutil.copytree(CHECKPOINT, folder)
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
     gone = "vision_backbone.featurizer.blocks.0.ls1.scale_factor"
-    shard = folder / index["weight_map"].pop(gone)
-    tensors = load_file(str(shard))
-    del tensors[gone]
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    _remove_tensor(folder, gone)
     with pytest.raises(ValueError, match=f"missing {gone}"):
         build_policy(config(folder), spec)
     (folder / "dataset_statistics.json").unlink()
@@ -379,12 +384,7 @@ def test_missing_tensor_statistics_or_key_are_named(tmp_path, io):
     with pytest.raises(ConfigError) as err:
         config(folder)
     assert f"text_config.num_attention_heads ({width + 1}) does not divide" in str(err.value)
-    patch = "vision_backbone.featurizer.patch_embed.proj.weight"
-    shard = folder / index["weight_map"].pop(patch)
-    tensors = load_file(str(shard))
-    del tensors[patch]
-    save_file(tensors, str(shard), metadata={"format": "pt"})
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    _remove_tensor(folder, "vision_backbone.featurizer.patch_embed.proj.weight")
     shutil.copy(CHECKPOINT / "config.json", folder)
     with pytest.raises(ConfigError) as err:
         config(folder)
