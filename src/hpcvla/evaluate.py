@@ -172,9 +172,9 @@ def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
     """The config `hpcvla eval` evaluates the run in `run_dir` with: the run's own as it last
     ran (config/loader.last_run_config: a resume's settings, e.g. its horizon), without
     its start (policy.checkpoint: a trained checkpoint holds every weight; kept for
-    `untrained`; run.resume: a resume's config names the run it continued) and with DeepSpeed's backend (eval runs no learner: a Horovod run's evaluating
-    nodes need no Horovod), `overrides` on top once check_overrides passes them. Raises
-    ConfigError."""
+    `untrained`; run.resume: a resume's config names the run it continued) and with
+    DeepSpeed's backend (eval runs no learner: a Horovod run's evaluating nodes need no
+    Horovod), `overrides` on top once check_overrides passes them. Raises ConfigError."""
     from hpcvla.config import load_config
     check_overrides(overrides, untrained)  # before the config's own checks
     start = ["learner.backend=deepspeed", "run.resume="] + \

@@ -163,8 +163,8 @@ class PipelineConfig:
         "what it waits for (a stuck simulator, a layout that cannot fill a batch). Longer "
         "than the slowest segment takes. With env.isolation=process and env.max_restarts > 0 "
         "a learner waits env.step_timeout_s more (a hung worker is found only then), and a "
-        "restarted worker's build and first segments must fit in this. Inference ranks held this long (staleness quota, "
-        "full ring lane) name their learner, learners this long in a version say so, each "
+        "restarted worker's build and first segments must fit in this. Inference ranks "
+        "held this long (staleness quota, full ring lane) name their learner, learners this long in a version say so, each "
         "time, and wait on (a version may take that long; one that hangs says nothing).", ge=1)
 
 
@@ -175,8 +175,8 @@ class RolloutConfig:
         "value of the next observation). Longer: better advantages, later delivery.", ge=1)
     batch_max: int = setting(
         0, "B_max of the dynamic batcher, in envs: a forward pass fires once this many "
-        "envs wait (0 = all envs of the cell; at most those). Larger batches use the accelerator better; "
-        "smaller ones answer sooner.", ge=0)
+        "envs wait (0 = all envs of the cell; at most those). Larger batches use the "
+        "accelerator better; smaller ones answer sooner.", ge=0)
     wait_max_ms: float = setting(
         5.0, "T_max of the dynamic batcher: a forward pass fires once the oldest request "
         "waited this long, full or not.", ge=0)
