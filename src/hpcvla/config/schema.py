@@ -164,8 +164,9 @@ class PipelineConfig:
         "than the slowest segment takes. With env.isolation=process and env.max_restarts > 0 "
         "a learner waits env.step_timeout_s more (a hung worker is found only then), and a "
         "restarted worker's build and first segments must fit in this. Inference ranks "
-        "held this long (staleness quota, full ring lane) name their learner, learners this long in a version say so, each "
-        "time, and wait on (a version may take that long; one that hangs says nothing).", ge=1)
+        "held this long (staleness quota, full ring lane) name their learner, learners "
+        "this long in a version say so, each time, and wait on (a version may take that "
+        "long; one that hangs says nothing).", ge=1)
 
 
 @dataclass
