@@ -141,16 +141,16 @@ def _rows_and_images_problems(path, name: str, traj, spec, steps: int,
                               problems: Problems) -> None:
     """A trajectory's observations: the reset's and each step's (steps + 1 rows, ManiSkill's
     RecordEpisode), its images uint8."""
-    fields = {"state": _state_of(traj)} if "state" in spec.obs else {}
-    fields.update({f"sensor_data/{camera}/rgb": traj.get(f"obs/sensor_data/{camera}/rgb")
-                   for field, camera in CAMERAS.items() if field in spec.obs})
-    for key, dataset in fields.items():
-        if dataset is None:  # said above
-            continue
-        rows_problem(path, f"{name}/obs/{key}", dataset, steps + 1, "one row more than "
-                     "actions: the reset's observation and each step's", problems)
-        if key != "state":
-            image_dtype_problem(path, f"{name}/obs/{key}", dataset, problems)
+    fields = {}  # where each is, as messages name it: obs_mode=state's vector is obs itself
+    if "state" in spec.obs and (state := _state_of(traj)) is not None:
+        fields[state.name.lstrip("/")] = state
+    cameras = [f"{name}/obs/sensor_data/{camera}/rgb" for field, camera in CAMERAS.items()
+               if field in spec.obs and f"obs/sensor_data/{camera}/rgb" in traj]
+    for key, dataset in {**fields, **{key: traj.file[key] for key in cameras}}.items():
+        rows_problem(path, key, dataset, steps + 1, "one row more than actions: the reset's "
+                     "observation and each step's", problems)
+        if key in cameras:
+            image_dtype_problem(path, key, dataset, problems)
 
 
 _warned: set[str] = set()  # files said once per process (a command scans them again)
