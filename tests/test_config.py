@@ -517,6 +517,8 @@ def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("override,said", [
     ("pipeline.mode=streamr", "(did you mean `streamer`?)"),
+    ("policy.name=pi0", "(did you mean `flow`?)"),  # LeRobot's and openpi's name for it
+    ("policy.name=OpenVLA-OFT", "(did you mean `oft`?)"),
     ("placement.per_node.inferance=1", "(got inferance; did you mean `inference`?)"),
     ("run.name=", "run.name = '': expected a name for the run's directory"),
     ("run.name=-x", "not starting with '-'"),

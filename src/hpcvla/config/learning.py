@@ -13,11 +13,14 @@ OBS_FIELDS = ("image", "instruction", "state")  # what an env's observations may
 
 
 def setting(default: Any, doc: str, *, choices: tuple | None = None,
-            ge: float | None = None, le: float | None = None, paths: bool = False) -> Any:
+            ge: float | None = None, le: float | None = None, paths: bool = False,
+            known_as: dict[str, str] | None = None) -> Any:
     """A documented config field. Mutable defaults (dicts) are copied per instance. `paths`:
     its value names files or folders (comma-separated), which a run records as absolute
-    paths (loader.recorded)."""
-    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le, "paths": paths}
+    paths (loader.recorded). `known_as`: names users bring from elsewhere, and the choice
+    each is here (named when one is given)."""
+    meta = {"doc": doc, "choices": choices, "ge": ge, "le": le, "paths": paths,
+            "known_as": known_as or {}}
     if isinstance(default, dict):
         return field(default_factory=lambda: dict(default), metadata=meta)
     return field(default=default, metadata=meta)

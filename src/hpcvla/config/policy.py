@@ -31,7 +31,9 @@ class PolicyConfig:
         "OpenVLA-OFT as published (DINOv2+SigLIP, Llama-2, action tokens in its vocabulary), "
         "loading OFT's checkpoint folders (`pretrained`) and sampling/scoring as RLinf's RL "
         "(policies/oft.py).",
-        choices=tuple(FAMILIES))
+        choices=tuple(FAMILIES),
+        known_as={"pi0": "flow", "pi05": "flow", "pi0.5": "flow", "π0": "flow", "π0.5": "flow",
+                  "openvla": "oft", "openvla-oft": "oft", "openvla_oft": "oft"})
     hidden: int = setting(
         128, "`default`: width of the policy's feature trunk: wider learns more, costs more "
         "per step. `flow` under algorithm.name=sac: the same for its noise actor and critics "
