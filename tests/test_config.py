@@ -405,7 +405,7 @@ def test_a_pretrained_config_json_that_is_not_an_object_is_named(tmp_path, text,
     import torch
     from safetensors.torch import save_file
 
-    from hpcvla.preflight import pretrained_problems
+    from hpcvla.weight_checks import pretrained_problems
     save_file({"w": torch.zeros(2)}, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(text)
     cfg = load_config(None, ["policy.name=flow", f"policy.pretrained={tmp_path}"])

@@ -9,8 +9,8 @@ own floor or the floors below it.
                                           node
     5  roles                              the per-rank loops: simulator, inference, learner
     4  factory, engines, preflight,       build what a role runs (envs, policies, engines);
-       memory                             check files, packages, checkpoints and memory
-                                          before a run
+       weight_checks, memory              check files, packages, checkpoints, the weights
+                                          a run is given, and memory before a run
     3  envs, policies, algorithms,        the parts: simulators, models, losses, metrics,
        metrics, devices, checkpoint,      devices, checkpoints, SFT demonstrations
        demonstrations
@@ -46,7 +46,7 @@ FLOORS = {
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "process"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),
-    4: ("factory", "engines", "preflight", "memory"),
+    4: ("factory", "engines", "preflight", "weight_checks", "memory"),
     5: ("roles",),
     6: ("job", "imitation", "evaluate", "export", "scale", "doctor"),
     7: ("bench",),

@@ -127,7 +127,7 @@ def test_ofts_recipe_is_checked_before_any_rank(l1_folder, tmp_path):
         config(l1_folder, **{**OFFICIAL_PROPRIO, "policy.sequence": "rlinf"})
     # the proprio projector's state against the env's, before any rank starts
     from hpcvla.config import load_config
-    from hpcvla.preflight import pretrained_env_problems
+    from hpcvla.weight_checks import pretrained_env_problems
     overrides = [f"policy.pretrained={l1_folder}", "env.wrist_image=true", "env.state=true",
                  "policy.sequence=official"]
     cfg = load_config("configs/libero_oft.yaml", overrides + ["env.state_format=quaternion"])

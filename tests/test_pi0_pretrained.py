@@ -390,7 +390,7 @@ def test_openpi_delta_actions_are_relative_to_the_state_in_their_first_dims():
 def test_a_libero_env_the_checkpoint_does_not_fit_is_refused_before_any_rank():
     """configs/libero_pi0.yaml with LIBERO's 9-d quaternion state: the launcher refuses it,
     naming the env and the state format the checkpoint needs."""
-    from hpcvla.preflight import pretrained_env_problems
+    from hpcvla.weight_checks import pretrained_env_problems
     cfg = load_config("configs/libero_pi0.yaml", ["env.state_format=quaternion"])
     [(field, value, why)] = pretrained_env_problems(cfg)
     assert (field, value) == ("env", "libero")
@@ -674,7 +674,7 @@ def test_a_folder_with_tensors_the_policy_lacks_is_refused_before_any_rank(tmp_p
     keeps its value and noise heads) is named from its headers, against a meta-device build,
     by the launching process (was: by every rank, after the start); LoRA's adapters, which go
     on after the folder is loaded, are no mismatch."""
-    from hpcvla.preflight import weights_fit_problems
+    from hpcvla.weight_checks import weights_fit_problems
     folder = tmp_path / "rlinf"
     shutil.copytree(FIXTURES / "pi0" / "lerobot", folder)
     tensors = load_file(str(folder / "model.safetensors"))

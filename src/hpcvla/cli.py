@@ -272,7 +272,7 @@ def cmd_plan(args) -> int:
     from hpcvla.envs import check_env, env_spec
     cfg = load_config(args.config, args.overrides)
     check_env(cfg)  # the env's own settings and the folder's: the spec and sizes need them
-    from hpcvla.preflight import check_pretrained
+    from hpcvla.weight_checks import check_pretrained
     check_pretrained(cfg, config_source(args.config, args.overrides))
     if not args.auto and (args.search_envs or args.costs != "config"):
         raise PlanError("--search-envs and --costs choose how --auto searches: add --auto")

@@ -199,7 +199,7 @@ def weights_problem(cfg, trained, checkpoints: list[Path], untrained: bool,
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     from hpcvla.policies.folders import rl_only_names
-    from hpcvla.preflight import checkpoint_fit_problem
+    from hpcvla.weight_checks import checkpoint_fit_problem
     policy = build_policy(cfg, env_spec(cfg.env), device="meta")
     start = catalog.latest(cfg.policy.checkpoint) if untrained and cfg.policy.checkpoint else None
     for path, heads_may_lack in [*((p, False) for p in checkpoints),

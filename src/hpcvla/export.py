@@ -23,7 +23,8 @@ def export_policy(cfg, run_dir: Path, out: Path, layout: str = "auto",
     from hpcvla.policies import save_pretrained
     from hpcvla.policies.export import is_published, save_like
     from hpcvla.policies.lora import merge_lora
-    from hpcvla.preflight import pretrained_problems, unwritable
+    from hpcvla.preflight import unwritable
+    from hpcvla.weight_checks import pretrained_problems
     why = unwritable(out)
     if why:
         raise ValueError(f"{out}: a folder to write the policy in ({why})")
