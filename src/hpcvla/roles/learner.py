@@ -192,20 +192,17 @@ def _scored(cfg: Config, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return dict(batch, done=batch["done"] & (np.cumsum(batch["done"], axis=0) == 1))
 
 
-_PATIENCE_SETTINGS = ("pipeline.stall_timeout_s",
-                      "pipeline.stall_timeout_s after env.step_timeout_s: a hung worker's "
-                      "restart")
-
-
-def data_patience_s(cfg: Config) -> float:
-    """How long a learner waits for its next trajectory before it stops the job. Where
-    simulators restart a hung worker (env.isolation=process), the hang is found only
-    env.step_timeout_s after its step began, and a learner that shard feeds alone hears
-    nothing meanwhile: pipeline.stall_timeout_s counts from there, time for the worker's
-    rebuild and the segments the fault ended."""
+def data_patience_s(cfg: Config) -> tuple[float, str]:
+    """How long a learner waits for its next trajectory before it stops the job, and the
+    settings that say so. Where simulators restart a hung worker (env.isolation=process),
+    the hang is found only env.step_timeout_s after its step began, and a learner that shard
+    feeds alone hears nothing meanwhile: pipeline.stall_timeout_s counts from there, time
+    for the worker's rebuild and the segments the fault ended."""
     env = cfg.env
-    restarts = env.isolation == "process" and env.max_restarts > 0
-    return cfg.pipeline.stall_timeout_s + (env.step_timeout_s if restarts else 0.0)
+    if env.isolation == "process" and env.max_restarts > 0 and env.step_timeout_s:
+        return cfg.pipeline.stall_timeout_s + env.step_timeout_s, (
+            "pipeline.stall_timeout_s after env.step_timeout_s: a hung worker's restart")
+    return cfg.pipeline.stall_timeout_s, "pipeline.stall_timeout_s"
 
 
 def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
@@ -215,7 +212,7 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
     data_patience_s stops the run with the ring's diagnosis."""
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     need = micro if sched.stream_micro_batches else micro * n_micro
-    backoff, patience_s = Backoff(cap=DATA_POLL_CAP), data_patience_s(cfg)
+    backoff, (patience_s, settings) = Backoff(cap=DATA_POLL_CAP), data_patience_s(cfg)
     for _ in range(n_micro):
         with timeline.span("wait_data"):
             queues.pump()
@@ -234,7 +231,7 @@ def _arriving(cfg: Config, sched: Schedule, queues: SegmentQueues, version: int,
                     raise RuntimeError(
                         f"no trajectory for {patience_s:g} s while training version "
                         f"{version + 1}: have {have} of {need} segments of batch {version} "
-                        f"({_PATIENCE_SETTINGS[patience_s != cfg.pipeline.stall_timeout_s]}). "
+                        f"({settings}). "
                         f"{queues.ring.diagnose(queues.producers)}")
             backoff.reset()
         if need == micro * n_micro:  # the whole batch is here
