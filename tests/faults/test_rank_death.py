@@ -84,6 +84,21 @@ def test_a_window_larger_than_the_room_in_dev_shm_ends_the_world_naming_it(tmp_p
     assert out.returncode == 0 and "[hpcvla] done" in out.stdout, out.stderr[-3000:]
 
 
+@pytest.mark.cluster  # root: a mount namespace with a /dev/shm of its own
+def test_a_world_of_one_that_aborts_leaves_no_shared_memory_behind(tmp_path):
+    """`hpcvla sft` (or eval) run alone is a world of one, MPICH's singleton: its abort left
+    its shared-memory file in /dev/shm (a world under mpiexec has its launcher clean up), and
+    a node's /dev/shm filled over failed runs until a later job died of SIGBUS."""
+    script = tmp_path / "abort.py"
+    script.write_text("from mpi4py import MPI\nfrom hpcvla.process import deathwatch\n"
+                      "deathwatch.abort_world(MPI.COMM_WORLD, 0, 'hpcvla: fails on purpose', 3)\n")
+    out = subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=64m tmpfs "
+                          '/dev/shm && "$@"; echo "$? left:" $(ls /dev/shm)', "sh",
+                          sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.splitlines()[-1] == "3 left:", out.stdout + out.stderr[-2000:]
+
+
 POPULATE = """
 import mmap, numpy as np
 from hpcvla.transport.windows import _populate

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from hpcvla.process.last_progress import last_progress
+from hpcvla.process.mpi_select import unlink_mpich_shared_memory
 from hpcvla.process.stdio import until_forwarded
 
 ENV = "HPCVLA_RANK_DIR"
@@ -95,6 +96,7 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
         print(f"hpcvla: rank {rank} could not leave its failure with the launcher ({err}); "
               "the words above are all there is", file=sys.stderr, flush=True)
     until_forwarded(sys.stderr)  # read by mpiexec's proxy before the abort stops it
+    unlink_mpich_shared_memory()
     world.Abort(code)
 
 

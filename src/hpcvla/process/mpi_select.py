@@ -125,6 +125,24 @@ def thread_level_problem() -> str | None:
             "MPI_THREAD_MULTIPLE, which the weight plane's and the ring's threads need")
 
 
+def unlink_mpich_shared_memory() -> None:
+    """Unlink the MPICH shared-memory files this process maps (/dev/shm/mpich_*): a world
+    that ends in MPI_Abort leaves them (MPI_Finalize removes them), and a node's /dev/shm
+    fills over failed runs until a later job's window dies of SIGBUS. For a rank aborting
+    its world: its peers keep their mappings until they end."""
+    try:
+        with open("/proc/self/maps") as maps:
+            names = {line.split(maxsplit=5)[-1].strip() for line in maps
+                     if " /dev/shm/mpich_" in line and not line.rstrip().endswith("(deleted)")}
+    except OSError:  # not Linux
+        return
+    for name in names:
+        try:
+            os.unlink(name)
+        except OSError:  # a peer on this node was first
+            pass
+
+
 THREAD_LEVEL_FIX = ("unset MPI4PY_RC_THREAD_LEVEL, or use an MPI built with thread support "
                     "(MPICH: --enable-threads=multiple)")
 
