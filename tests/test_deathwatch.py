@@ -309,9 +309,9 @@ def test_a_rank_about_to_abort_waits_until_its_launcher_has_read_what_it_said():
         stdio.until_forwarded(stream, within_s=0.3)  # nobody reads: it gives up
         assert 0.3 <= time.monotonic() - start < 2
         got: list[bytes] = []
+        start = time.monotonic()  # before the reader's timer: it reads 0.5 s from here on
         threading.Timer(0.5, lambda: got.append(os.read(read, 1 << 16))).start()
         stream.write("its traceback\n")
-        start = time.monotonic()
         stdio.until_forwarded(stream, within_s=10)
         assert 0.5 <= time.monotonic() - start < 5
         assert got == [b"hpcvla: rank 1 failed\nits traceback\n"]
