@@ -44,19 +44,17 @@ class PublishedFlowFolders:
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:
         """A published π0/π0.5 folder's config problems: its tokenizer and statistics
         (processor.check_folder), and the sizes the loader reads from its tensors' shapes."""
-        from hpcvla.policies.folders import checkpoint_kwargs, from_layout, tensor_shapes
+        from hpcvla.policies.folders import checkpoint_kwargs
         from hpcvla.policies.processor import check_folder, recipe_problems
         try:
-            shapes = from_layout(tensor_shapes(folder), cls.HF_LAYOUT)
-            embedding = shapes.get(cls.HF_LAYOUT["tied"][0][0], (0,))
-            variant = checkpoint_kwargs(cls, folder)["variant"]
+            fixed = checkpoint_kwargs(cls, folder)
         except (ValueError, KeyError) as err:
             return check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id) + [(
                 "policy.pretrained", folder, f"a {cls.family} checkpoint whose sizes the "
                 f"loader can read: {err}")]
-        problems = check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id,
-                                embedding[0])
-        return problems + recipe_problems(folder, variant, policy_cfg.delta_action_dims,
+        vocabulary = fixed["size"].get("text", {}).get("vocab_size", 0)  # the tokenizer's ids
+        problems = check_folder(folder, policy_cfg.tokenizer, policy_cfg.asset_id, vocabulary)
+        return problems + recipe_problems(folder, fixed["variant"], policy_cfg.delta_action_dims,
                                           policy_cfg.pi05_state, policy_cfg.asset_id)
 
     @classmethod
