@@ -137,8 +137,9 @@ class EnvConfig:
     build_timeout_s: float = setting(
         1800.0, "A simulator rank's envs (a shard, a held-out evaluation's, or the one rank 0 "
         "builds to learn the env's spec) not built after this many seconds is a hang (a "
-        "renderer or asset read that never returns): the rank prints its stacks and exits, or with env.isolation=process says which worker's build "
-        "it was and stops; a worker restarted after a fault gets as long for its build. A "
+        "renderer or asset read that never returns): the rank prints its stacks and exits, "
+        "or with env.isolation=process says which worker's build it was and stops; a "
+        "worker restarted after a fault gets as long for its build. A "
         "held-out batch's reset from its states gets it too (LIBERO builds the states' "
         "scenes) where it is longer than env.step_timeout_s. A build reads the assets: at "
         "a job's start every simulator rank reads them from the shared file system at once, "
