@@ -128,7 +128,7 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
                          f"(T, {spec.action_dim}) actions: action_dim {spec.action_dim} of "
                          f"the spec ({env_id} under {mode} has {actions.shape[-1]})")
         else:
-            _rows_and_images_problems(path, name, traj, spec, len(actions), problems)
+            _rows_and_images_problems(path, traj, spec, len(actions), problems)
         success = traj.get("success")
         episodes.append(Episode(str(path), name, instruction, f"{meta_path}:env_info.env_id",
                                 bool(success[-1]) if success is not None and len(success)
@@ -137,19 +137,18 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
     return episodes
 
 
-def _rows_and_images_problems(path, name: str, traj, spec, steps: int,
-                              problems: Problems) -> None:
+def _rows_and_images_problems(path, traj, spec, steps: int, problems: Problems) -> None:
     """A trajectory's observations: the reset's and each step's (steps + 1 rows, ManiSkill's
     RecordEpisode), its images uint8."""
-    fields = {}  # where each is, as messages name it: obs_mode=state's vector is obs itself
-    if "state" in spec.obs and (state := _state_of(traj)) is not None:
-        fields[state.name.lstrip("/")] = state
-    cameras = [f"{name}/obs/sensor_data/{camera}/rgb" for field, camera in CAMERAS.items()
-               if field in spec.obs and f"obs/sensor_data/{camera}/rgb" in traj]
-    for key, dataset in {**fields, **{key: traj.file[key] for key in cameras}}.items():
+    state = _state_of(traj) if "state" in spec.obs else None  # obs_mode=state's: obs itself
+    datasets = [(state, False)] if state is not None else []  # (dataset, an image?)
+    datasets += [(traj[f"obs/sensor_data/{camera}/rgb"], True) for field, camera in
+                 CAMERAS.items() if field in spec.obs and f"obs/sensor_data/{camera}/rgb" in traj]
+    for dataset, image in datasets:
+        key = dataset.name.lstrip("/")  # where it is in the file, as messages name it
         rows_problem(path, key, dataset, steps + 1, "one row more than actions: the reset's "
                      "observation and each step's", problems)
-        if key in cameras:
+        if image:
             image_dtype_problem(path, key, dataset, problems)
 
 
