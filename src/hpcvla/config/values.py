@@ -47,9 +47,9 @@ def checked_value(name: str, value: Any, kind, meta, problems: list):
     if meta.get("paths") and isinstance(value, str):
         value = home_expanded(value)
     if meta.get("choices") and value not in meta["choices"]:
-        close = [meta["known_as"][str(value).lower()]] if str(value).lower() in \
-            meta.get("known_as", {}) else difflib.get_close_matches(
-                str(value), list(map(str, meta["choices"])), n=1)
+        known = meta.get("known_as", {}).get(str(value).lower())  # a name from elsewhere
+        close = [known] if known else difflib.get_close_matches(
+            str(value), list(map(str, meta["choices"])), n=1)
         problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"
                          + (f" (did you mean `{close[0]}`?)" if close else "")))
         return None
