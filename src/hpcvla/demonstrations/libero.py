@@ -125,12 +125,12 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
             problems.add(path, f"{key}/actions", tuple(actions.shape),
                          "at least 2 steps (the last observation has no action after it)")
         else:
-            for k in needs:
-                if f"obs/{k}" in demo:
-                    rows_problem(path, f"{key}/obs/{k}", demo[f"obs/{k}"], len(actions),
-                                 "a row per actions row, as LIBERO records them", problems)
-                    if k in CAMERAS.values():
-                        image_dtype_problem(path, f"{key}/obs/{k}", demo[f"obs/{k}"], problems)
+            for k in (k for k in needs if f"obs/{k}" in demo):
+                dataset = demo[f"obs/{k}"]
+                rows_problem(path, f"{key}/obs/{k}", dataset, len(actions),
+                             "a row per actions row, as LIBERO records them", problems)
+                if k in CAMERAS.values():
+                    image_dtype_problem(path, f"{key}/obs/{k}", dataset, problems)
         rewards = demo.get("rewards")
         samples = actions.shape[0] - 1 if actions is not None and actions.ndim == 2 else 0
         episodes.append(Episode(str(path), key, instruction,
