@@ -251,12 +251,12 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
 def test_every_case_of_the_batching_sweep_is_a_layout_train_takes(gpus, capsys):
     """`bench modes --sweep batching`'s B_max values fit the cell of its layout (one GPU:
     one simulator a cell; a fixed 2 x envs was refused there)."""
-    from hpcvla.bench.modes import _layout, _workload, cases, cell_envs
+    from hpcvla.bench.modes import _layout, _workload, cases
     from hpcvla.cli import main
     from hpcvla.scale.presets import PRESETS, ranks_for
     preset = PRESETS["balanced"]
     envs = preset["envs"]
-    for _, mode, envs, extra, bound in cases("batching", envs, 2, cell_envs(envs, gpus)):
+    for _, mode, envs, extra, bound in cases("batching", envs, 2, gpus):
         args = [*_layout(mode, gpus), *_workload("emulated", preset, envs, 2, mode, bound),
                 *extra]
         assert main(["plan", "--world", str(ranks_for(mode, gpus)), *args]) == 0, \

@@ -73,11 +73,11 @@ def _measured_bound(summary: dict) -> float:
     return min(caps) if caps else float("nan")
 
 
-def cases(sweep: str | None, envs: int, staleness: int = 2, cell: int = 0) -> list[tuple]:
+def cases(sweep: str | None, envs: int, staleness: int = 2, gpus: int = 2) -> list[tuple]:
     """(label, mode, envs per simulator, extra overrides, max_staleness) of each run: the five
-    modes, or a sweep. Extra overrides None: the layout `plan --auto` picks. `cell`: the envs
-    of a cell (default two simulators', _layout's)."""
-    cell = cell or 2 * envs
+    modes, or a sweep. Extra overrides None: the layout `plan --auto` picks. `gpus`: the
+    accelerator ranks of _layout's layout, whose cell the batching sweep fills."""
+    cell = cell_envs(envs, gpus)
     if sweep is None:
         return [(mode, mode, envs, [], staleness) for mode in MODES]
     if sweep == "batching":  # RL-VLA³ Fig. 8: B_max x T_max for the streamer; B_max a
@@ -133,7 +133,7 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                "max_staleness": staleness if workload == "emulated" else None, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="hpcvla-bench-") as tmp:
         for n, (label, mode, envs, extra, bound_s) in enumerate(
-                cases(sweep, envs_per_gpu, staleness, cell_envs(envs_per_gpu, gpus))):
+                cases(sweep, envs_per_gpu, staleness, gpus)):
             if only and mode not in only:
                 continue
             ranks = ranks_for(mode, gpus)
