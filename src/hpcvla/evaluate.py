@@ -80,7 +80,8 @@ EVAL_FLAGS = {"eval.episodes": "--episodes", "eval.envs": "--envs",
               "eval.video_every": "--video", "launch.ranks": "--ranks"}
 _SIMULATOR_RANKS = ("none: a setting of training's simulator ranks; `hpcvla eval` steps its "
                     "envs in its own processes, --envs at a time")
-TRAINING_ONLY = {**dict.fromkeys(("env.shards", "env.isolation", "env.max_restarts"),
+TRAINING_ONLY = {**dict.fromkeys(("env.shards", "env.isolation", "env.max_restarts",
+                                  "env.restart_window_s"),
                                  _SIMULATOR_RANKS),
                  "env.train_states": "none: where the run's training started, which says "
                                      "whether its evaluation is held out"}

@@ -3,7 +3,8 @@ returns (`env.hang_at_step`) and a simulator process killed outright (`env.crash
 SIGKILL as a segfault or the OOM killer) cost the shard's worker and its current episodes,
 not the job: the worker is restarted within `env.step_timeout_s` (+ its start-up), the
 fault is logged with the rank and env ids and counted in the summary, and the run finishes
-with every update, every segment group sent trained exactly once or drained unused. A fault that always recurs stops the rank after `env.max_restarts`."""
+with every update, every segment group sent trained exactly once or drained unused. A fault that always recurs stops the rank after `env.max_restarts` within
+`env.restart_window_s`; a rare one is forgotten after it."""
 
 import json
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from hpcvla.envs import make_env
-from hpcvla.envs.base import close_all
+from hpcvla.envs.base import RestartBudget, close_all
 from hpcvla.envs.isolated import EnvWorkerFailed, IsolatedEnv
 from helpers import hpcvla
 
@@ -145,6 +146,56 @@ def test_a_fault_that_recurs_gives_up_after_max_restarts():
         env.close()
 
 
+class Clock:
+    """A budget's clock that the test moves (the window is an hour)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_restarts_further_apart_than_the_window_never_add_up():
+    """max_restarts=1 per hour: a second fault an hour later is restarted (a run of days meets
+    rare faults every few hours), a third at once gives up naming both settings."""
+    clock, zero = Clock(), np.zeros((2, 2, 2))
+    env = IsolatedEnv("reach", 2, 0, REACH, timeout_s=5, max_restarts=1, first_env=0,
+                      owner="rank 1 (simulator)", restart_window_s=3600)
+    env.budget.clock = clock
+    try:
+        env.reset()
+        env._proc.kill()
+        env.step(zero)
+        clock.now = 3600.5
+        env._proc.kill()
+        env.step(zero)
+        assert env.restarts == 2
+        env._proc.kill()
+        with pytest.raises(EnvWorkerFailed, match=r"restarted 1 times in the last 3600 s "
+                           r"\(env.max_restarts=1, env.restart_window_s=3600\)"):
+            env.step(zero)
+    finally:
+        env.close()
+
+
+def test_a_restart_budget_counts_within_its_sliding_window():
+    clock = Clock()
+    budget = RestartBudget(2, 10.0, clock)
+    assert budget.spend()
+    clock.now = 5.0
+    assert budget.spend() and not budget.spend()
+    clock.now = 9.9
+    assert not budget.spend()  # both still within 10 s
+    clock.now = 10.0
+    assert budget.spend() and not budget.spend()  # the first left the window, not the second
+    lifelong = RestartBudget(1, 0.0, clock)
+    assert lifelong.spend()
+    clock.now = 1e9
+    assert not lifelong.spend() and lifelong.spent() == (
+        "1 times already (env.max_restarts=1, env.restart_window_s=0)")
+
+
 def test_an_env_that_cannot_be_built_fails_at_start_naming_the_error():
     with pytest.raises(EnvWorkerFailed, match="init raised ValueError.*image_size"):
         IsolatedEnv("reach", 2, 0, dict(REACH, image_size=4), timeout_s=30, max_restarts=3)
@@ -191,7 +242,7 @@ def test_training_survives_simulator_faults(tmp_path, config, ranks, fault):
     assert summary["env_failures"] >= 1 and shards >= 1, summary["env_failures"]
     what = "did not return within 10 s" if "hang" in fault else "killed by SIGKILL"
     assert all(what in f[1] for r in sims for f in r["env_failures"]), sims
-    assert "restarting the worker (1/5)" in out.stderr and what in out.stderr
+    assert "restarting the worker (1/5 in 3600 s)" in out.stderr and what in out.stderr
     learner = next(r for r in summary["per_rank"] if "staleness_hist" in r)
     assert sum(learner["staleness_hist"].values()) == updates * 32  # every update, full
     assert ("trained_groups" in learner) == (ranks == 4)  # the ledger: disaggregated only
@@ -262,7 +313,8 @@ def test_a_slot_that_keeps_failing_or_the_last_one_retired_stops_the_rank():
     for _ in range(3):
         assert env.step(np.zeros((2, 2, 2), np.float32)).env_fault.tolist() == [False, True]
     with pytest.raises(RuntimeError, match=r"test env 11 failed in step: .*simulator gone.*; "
-                                           r"rebuilt 3 times already \(env.max_restarts=3\)"):
+                                           r"rebuilt 3 times already \(env.max_restarts=3, "
+                                           r"env.restart_window_s=0\)"):
         env.step(np.zeros((2, 2, 2), np.float32))
     env = serial_env({0, 1}, {0, 1}, first_env=10)
     with pytest.raises(RuntimeError, match=r"test: every env of envs 10..11 could not be "

@@ -22,6 +22,8 @@ initial state (evaluation) or a sampler placement (training).
 from __future__ import annotations
 
 import abc
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
@@ -31,6 +33,38 @@ from hpcvla.config.evaluation import EVAL_STATE_IDS
 from hpcvla.seeds import env_rng
 
 STATE_IDS = 2 ** 31  # every init_state_id is below this (ManiSkill's reset seeds are int32)
+
+
+class RestartBudget:
+    """The restarts of one shard's worker, or the rebuilds of one env slot: at most `limit`
+    within any `window_s` seconds (env.max_restarts, env.restart_window_s; 0: over the world's
+    life). A fault that recurs within the window is a bug to fix, not to retry; a rare one,
+    which a run of days meets every few hours, must not add up to the job's end."""
+
+    def __init__(self, limit: int, window_s: float = 0.0, clock=time.monotonic):
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self._times: deque[float] = deque()  # of the restarts within the window
+
+    def spend(self) -> bool:
+        """Whether one more restart is within the budget; counts it if so."""
+        now = self.clock()
+        while self.window_s and self._times and now - self._times[0] >= self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
+
+    def tally(self) -> str:
+        """The restarts counted against the budget, e.g. `2/5 in 3600 s`."""
+        within = f" in {self.window_s:g} s" if self.window_s else ""
+        return f"{len(self._times)}/{self.limit}{within}"
+
+    def spent(self) -> str:
+        """What `spend` refused: how many, over what, and the settings."""
+        over = f"in the last {self.window_s:g} s" if self.window_s else "already"
+        return (f"{len(self._times)} times {over} (env.max_restarts={self.limit}, "
+                f"env.restart_window_s={self.window_s:g})")
 
 
 def training_state_ids(rng: np.random.Generator, n: int | None = None):

@@ -21,7 +21,8 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
         kwargs["first_env"] = first_env
     if cfg.env.isolation == "process":  # a worker process per shard, restarted on faults
         env = IsolatedEnv(cfg.env.name, n, seed, kwargs, cfg.env.step_timeout_s,
-                          cfg.env.max_restarts, first_env, owner, cfg.env.build_timeout_s)
+                          cfg.env.max_restarts, first_env, owner, cfg.env.build_timeout_s,
+                          cfg.env.restart_window_s)
     else:
         env = make_env(cfg.env.name, n, seed, **kwargs)
     if cfg.algorithm.name == "grpo":  # GRPO compares episodes started from one state

@@ -19,8 +19,8 @@ replace the worker:
 whose actions are in, then collects them, so a rank's workers step concurrently, one core each
 (`hpcvla bench shards` measures it), and a hung shard holds up only itself.
 
-More than `max_restarts` restarts of one shard raise (a fault that always recurs is a bug to
-fix, not to retry). The worker's own code imports no MPI and no torch (a ManiSkill env brings
+More than `max_restarts` restarts of one shard within `restart_window_s` raise (a fault that
+always recurs is a bug to fix, not to retry: envs/base.RestartBudget). The worker's own code imports no MPI and no torch (a ManiSkill env brings
 torch); it is a helper process of its rank (process/worker.py: it dies with the rank, leaves
 stop signals to it). Cost: one more process per shard (~30 MB with `reach`, a simulator's own
 footprint with the others), and a pickled observation batch per step over a local socket (~0.1
@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 
 import numpy as np
 
-from hpcvla.envs.base import StepResult, VectorEnv
+from hpcvla.envs.base import RestartBudget, StepResult, VectorEnv
 from hpcvla.process import worker
 from hpcvla.seeds import restart_seed
 
@@ -52,11 +52,13 @@ class EnvWorkerFailed(RuntimeError):
 class IsolatedEnv(VectorEnv):
     def __init__(self, name: str, num_envs: int, seed: int, kwargs: dict, timeout_s: float,
                  max_restarts: int, first_env: int = 0, owner: str = "this rank",
-                 build_timeout_s: float | None = None):
+                 build_timeout_s: float | None = None, restart_window_s: float = 0.0):
         """`timeout_s`: a call's deadline (env.step_timeout_s); `build_timeout_s`: the
-        worker's build's (env.build_timeout_s; default timeout_s); 0: none."""
+        worker's build's (env.build_timeout_s; default timeout_s); 0: none.
+        `max_restarts` within `restart_window_s`: RestartBudget's."""
         self.name, self.num_envs, self.seed, self.kwargs = name, num_envs, seed, dict(kwargs)
-        self.timeout_s, self.max_restarts = timeout_s or None, max_restarts
+        self.timeout_s, self.budget = timeout_s or None, RestartBudget(max_restarts,
+                                                                      restart_window_s)
         self.build_timeout_s = (timeout_s if build_timeout_s is None else build_timeout_s) \
             or None
         self.where = f"{owner}, {name} envs {first_env}-{first_env + num_envs - 1}"
@@ -64,7 +66,7 @@ class IsolatedEnv(VectorEnv):
         self.keep_final_obs = kwargs.get("keep_final_obs", False)  # the worker's env keeps them
         self.last_latency_s = 0.0
         self.failures: list[tuple[int, str]] = []  # (first env id, what happened) per fault
-        self.restarts = 0
+        self.restarts = 0  # over the worker's whole life: each restart's seed differs
         self.first_env = first_env
         self._chunks = np.zeros(num_envs, np.int32)  # for the lengths of cut-short episodes
         self._return = np.zeros(num_envs, np.float32)
@@ -133,13 +135,12 @@ class IsolatedEnv(VectorEnv):
         while True:
             self.failures.append((self.first_env, str(error)))
             self._stop()
-            if self.restarts >= self.max_restarts:
-                raise EnvWorkerFailed(f"{self.where}: {error}; restarted {self.restarts} "
-                                      f"times already (env.max_restarts={self.max_restarts}), "
-                                      "giving up")
+            if not self.budget.spend():
+                raise EnvWorkerFailed(f"{self.where}: {error}; restarted "
+                                      f"{self.budget.spent()}, giving up")
             self.restarts += 1
-            print(f"hpcvla: {self.where}: {error}; restarting the worker ({self.restarts}/"
-                  f"{self.max_restarts}); their episodes end truncated", file=sys.stderr,
+            print(f"hpcvla: {self.where}: {error}; restarting the worker "
+                  f"({self.budget.tally()}); their episodes end truncated", file=sys.stderr,
                   flush=True)
             kwargs = {k: v for k, v in self.kwargs.items() if k not in INJECTED_FAULTS}
             try:  # a fresh seed: the new worker does not replay the run's first episodes

@@ -234,7 +234,8 @@ class LiberoEnv(SerialVectorEnv):
                     wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
                     state_format=env_cfg.state_format, gripper_action=env_cfg.gripper_action,
                     train_states=env_cfg.train_states,
-                    max_rebuilds=env_cfg.max_restarts)
+                    max_rebuilds=env_cfg.max_restarts,
+                    rebuild_window_s=env_cfg.restart_window_s)
 
     @classmethod
     def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
@@ -268,7 +269,7 @@ class LiberoEnv(SerialVectorEnv):
                  max_episode_chunks: int = 48, first_env: int = 0,
                  state_format: str = "quaternion", settle_steps: int = SETTLE_STEPS,
                  gripper_action: str = "closed_high", max_rebuilds: int = 5,
-                 train_states: str = "sampled"):
+                 train_states: str = "sampled", rebuild_window_s: float = 0.0):
         tasks = Suite(suite)
         spec = self.spec_of(suite, task, image_size, wrist_image, state, reward, chunk_len,
                             max_episode_chunks, tasks, state_format=state_format)
@@ -282,7 +283,8 @@ class LiberoEnv(SerialVectorEnv):
                          benchmark_starts=train_states == "benchmark")
 
         super().__init__(num_envs, seed, spec, spec.obs["instruction"][0][0], make_slot,
-                         first_env, name=f"libero {suite}", max_rebuilds=max_rebuilds)
+                         first_env, name=f"libero {suite}", max_rebuilds=max_rebuilds,
+                         rebuild_window_s=rebuild_window_s)
 
     evaluation_kind = "the suite's fixed init states (task, state)"
 

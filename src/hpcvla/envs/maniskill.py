@@ -294,7 +294,8 @@ class ManiSkillEnv(SerialVectorEnv):
                     sim_backend=env_cfg.sim_backend, control_mode=env_cfg.control_mode,
                     state_mode=env_cfg.state_mode,
                     **({} if env_cfg.sim_backend == "gpu" else {  # the CPU env's
-                        "max_rebuilds": env_cfg.max_restarts}),
+                        "max_rebuilds": env_cfg.max_restarts,
+                        "rebuild_window_s": env_cfg.restart_window_s}),
                     **({} if env_cfg.camera else {"camera": False}))  # CPU env only
 
     @classmethod
@@ -324,7 +325,7 @@ class ManiSkillEnv(SerialVectorEnv):
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, camera: bool = True,
                  control_mode: str = EE_DELTA_CONTROL, max_rebuilds: int = 5,
-                 state_mode: str = "privileged"):
+                 state_mode: str = "privileged", rebuild_window_s: float = 0.0):
         if reward not in MANISKILL_REWARDS:
             raise ValueError(f"ManiSkillEnv: reward must be one of {MANISKILL_REWARDS}, "
                              f"got {reward!r}")
@@ -345,7 +346,8 @@ class ManiSkillEnv(SerialVectorEnv):
         instruction = describe(task)
         self.task = task
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
-                         name=f"maniskill {task}", first_slot=first, max_rebuilds=max_rebuilds)
+                         name=f"maniskill {task}", first_slot=first, max_rebuilds=max_rebuilds,
+                         rebuild_window_s=rebuild_window_s)
 
     def privileged_envs(self) -> list:
         """The unwrapped ManiSkill env of every slot (one env each, batch dimension 1): the

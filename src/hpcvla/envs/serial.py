@@ -29,7 +29,8 @@ failed reset at its next step, unrun: the rebuilt slot's random start is not the
 asked for), while the other envs go on. A slot that cannot be rebuilt is retired: it returns
 zero observations and a truncated, faulted step from then on, so learners train nothing of
 it and success counts skip it. A slot that fails again after `max_rebuilds` rebuilds
-(env.max_restarts), or the last slot retired, raises: the rank stops the job, named, rather
+within `rebuild_window_s` (env.max_restarts, env.restart_window_s: base.RestartBudget), or
+the last slot retired, raises: the rank stops the job, named, rather
 than train on faults alone.
 """
 
@@ -40,7 +41,8 @@ from typing import Callable
 
 import numpy as np
 
-from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv, episode_ends, horizon_cut
+from hpcvla.envs.base import (EnvSpec, RestartBudget, StepResult, VectorEnv, episode_ends,
+                              horizon_cut)
 from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize
 
@@ -78,7 +80,7 @@ class SerialVectorEnv(VectorEnv):
 
     def __init__(self, num_envs: int, seed: int, spec: EnvSpec, instruction_len: int,
                  make_slot: Callable[[int], object], first_env: int = 0, name: str = "env",
-                 first_slot=None, max_rebuilds: int = 5):
+                 first_slot=None, max_rebuilds: int = 5, rebuild_window_s: float = 0.0):
         if num_envs < 1 or spec.chunk_len < 1 or spec.max_episode_chunks < 1:
             raise ValueError(f"{name}: num_envs, chunk_len and max_episode_chunks must be >= 1")
         self.num_envs, self.spec, self.name = num_envs, spec, name
@@ -87,8 +89,8 @@ class SerialVectorEnv(VectorEnv):
         self._seed_envs(env_seeds(seed, num_envs))
         self.failures: list[tuple[int, str]] = []  # (env id, error) of every failure so far
         self.retired: set[int] = set()  # slot indices that could not be rebuilt
-        self.max_rebuilds = max_rebuilds  # of one slot, before the rank gives up
-        self._rebuilds = np.zeros(num_envs, dtype=np.int64)
+        # each slot's, before the rank gives up
+        self._rebuilds = [RestartBudget(max_rebuilds, rebuild_window_s) for _ in range(num_envs)]
         self._chunks = np.zeros(num_envs, dtype=np.int32)
         self._steps = np.zeros(num_envs, dtype=np.int64)  # primitive steps of the episode
         self._return = np.zeros(num_envs, dtype=np.float32)
@@ -120,14 +122,13 @@ class SerialVectorEnv(VectorEnv):
     def _replace(self, i: int, what: str, err: Exception) -> None:
         env_id = self.first_env + i
         self.failures.append((env_id, f"{what}: {err!r}"))
-        if self._rebuilds[i] >= self.max_rebuilds:
+        if not self._rebuilds[i].spend():
             raise RuntimeError(f"{self.name} env {env_id} failed in {what}: {err!r}; rebuilt "
-                               f"{self._rebuilds[i]} times already (env.max_restarts="
-                               f"{self.max_rebuilds}), giving up: a fault that always recurs "
-                               "is a bug to fix, not bad luck")
-        self._rebuilds[i] += 1
+                               f"{self._rebuilds[i].spent()}, giving up: a fault that always "
+                               "recurs is a bug to fix, not bad luck")
         print(f"hpcvla: {self.name} env {env_id} failed in {what}: {err!r}; rebuilding it "
-              "(the other envs go on)", file=sys.stderr, flush=True)
+              f"({self._rebuilds[i].tally()}; the other envs go on)", file=sys.stderr,
+              flush=True)
         try:
             self._slots[i].close()
         except Exception:  # noqa: BLE001 - it is broken already
