@@ -3,8 +3,9 @@ returns (`env.hang_at_step`) and a simulator process killed outright (`env.crash
 SIGKILL as a segfault or the OOM killer) cost the shard's worker and its current episodes,
 not the job: the worker is restarted within `env.step_timeout_s` (+ its start-up), the
 fault is logged with the rank and env ids and counted in the summary, and the run finishes
-with every update, every segment group sent trained exactly once or drained unused. A fault that always recurs stops the rank after `env.max_restarts` within
-`env.restart_window_s`; a rare one is forgotten after it."""
+with every update, every segment group sent trained exactly once or drained unused. A fault
+that always recurs stops the rank after `env.max_restarts` within `env.restart_window_s`; a
+rare one is forgotten after it."""
 
 import json
 import time

@@ -20,8 +20,8 @@ whose actions are in, then collects them, so a rank's workers step concurrently,
 (`hpcvla bench shards` measures it), and a hung shard holds up only itself.
 
 More than `max_restarts` restarts of one shard within `restart_window_s` raise (a fault that
-always recurs is a bug to fix, not to retry: envs/base.RestartBudget). The worker's own code imports no MPI and no torch (a ManiSkill env brings
-torch); it is a helper process of its rank (process/worker.py: it dies with the rank, leaves
+always recurs is a bug to fix, not to retry: envs/base.RestartBudget). The worker's own code
+imports no MPI and no torch (a ManiSkill env brings torch); it is a helper process of its rank (process/worker.py: it dies with the rank, leaves
 stop signals to it). Cost: one more process per shard (~30 MB with `reach`, a simulator's own
 footprint with the others), and a pickled observation batch per step over a local socket (~0.1
 ms for 8 64-px images).
