@@ -36,6 +36,7 @@ from hpcvla.demonstrations import hpcvla_dump, lerobot, libero, maniskill
 from hpcvla.demonstrations.checks import check_instructions, check_outcomes, check_per_task
 from hpcvla.demonstrations.common import DemonstrationError, Problem, Problems
 from hpcvla.envs.base import EnvSpec
+from hpcvla.metrics.dump import open_hdf5
 from hpcvla.text import tokenize
 
 __all__ = ["Demonstrations", "DemonstrationError", "Selection", "read_demonstrations",
@@ -117,7 +118,6 @@ def _scan(paths, spec: EnvSpec, features: dict[str, str] | None = None,
     `features`: a LeRobot dataset's feature for a field (sft.features); `datasets`: where to
     keep each LeRobot dataset scanned, by path, for the load (its metadata, and its gripper
     convention read from every data file, read once)."""
-    import h5py
     problems, found = Problems(), []
     files = demonstration_files(paths)
     if not files:
@@ -140,7 +140,7 @@ def _scan(paths, spec: EnvSpec, features: dict[str, str] | None = None,
             _scan_dataset(path, spec, problems, found, features or {}, datasets)
             continue
         try:
-            f = h5py.File(path, "r")
+            f = open_hdf5(path)
         except (OSError, ValueError) as err:
             problems.add(path, "", None, "a readable HDF5 file: " + (
                 "no such file" if not path.exists() else f"{type(err).__name__}: {err}"))
@@ -173,8 +173,7 @@ def _scan_dataset(path: Path, spec: EnvSpec, problems: Problems, found: list,
 
 def _open(path, layout, datasets: dict):
     """The file (h5py) or dataset (lerobot.Dataset, as scanned) a layout's load reads from."""
-    import h5py
-    return datasets[path] if layout is lerobot else h5py.File(path, "r")
+    return datasets[path] if layout is lerobot else open_hdf5(path)
 
 
 def _unknown_layout(f) -> str:

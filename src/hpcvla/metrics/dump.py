@@ -101,16 +101,26 @@ def attr_text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def open_hdf5(path, mode: str = "r", **kwargs):
+    """An HDF5 file (h5py.File) opened without HDF5's own file lock, as hpcvla opens every
+    one. HDF5 forgives a file system without locks only where flock answers ENOSYS (Lustre
+    `noflock`): NFS whose lock daemon a node cannot reach (ENOLCK) and Cray DVS (errno 524)
+    fail every locked open. None is needed: a dump has one writer (the run directory's
+    `.lock` keeps a second world's out), its staging file is the writer's own, a reader must
+    never hold the writer up, and demonstrations are read-only inputs."""
+    import h5py
+    return h5py.File(path, mode, locking=False, **kwargs)
+
+
 # ---------------------------------------------------------------------------- reading
 
 def open_dump(path):
     """The dump at `path` opened read-only (an h5py.File), after checking it is one."""
-    import h5py
     path = Path(path)
     if not path.exists():
         raise DumpError(f"{path}: no such file")
     try:
-        f = h5py.File(path, "r", locking=False)  # a reader never stops the writer
+        f = open_hdf5(path)
     except OSError as err:
         raise DumpError(f"{path}: not a readable HDF5 file (truncated, corrupted, or being "
                         f"written right now?): {err}") from None

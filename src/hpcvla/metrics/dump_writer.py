@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcvla.metrics.dump import (COMPRESSION, FORMAT, LIBVER, STEP_FIELDS, DumpError,
-                                 attr_text, open_dump, text_attrs)
+                                 attr_text, open_dump, open_hdf5, text_attrs)
 from hpcvla.process import worker
 from hpcvla.transport.segment_meta import SegmentMeta
 
@@ -150,7 +150,6 @@ class DumpFile:
 
     def __init__(self, path, producer: int, source: str, env: str, chunk_len: int,
                  config_yaml: str):
-        import h5py
         self.path, self.producer = Path(path), producer
         self.pending: list[tuple[dict, dict]] = []  # finished, not yet written
         self.segments = self.written = self.total = 0
@@ -160,7 +159,7 @@ class DumpFile:
         self.start = 0  # this start's number in the file (starts/<n>)
         if self.path.exists() and self._resumed(config_yaml):
             return
-        with h5py.File(self.path, "w", libver=LIBVER) as f:
+        with open_hdf5(self.path, "w", libver=LIBVER) as f:
             f.attrs.update(text_attrs(dict(
                 format=FORMAT, source=source, producer_rank=producer, env=env,
                 chunk_len=chunk_len, config=config_yaml, complete=False, segments=0,
@@ -206,23 +205,20 @@ class DumpFile:
             self.flush(self.segments)
 
     def _append(self):
-        """The file opened to append (an h5py.File), without HDF5's file lock: a reader that
-        holds one (h5py's default, a notebook's `h5py.File(path)`) must never hold the run
-        up, and a writer that waited for it lost every episode since when the run ended
-        first. The run directory's `.lock` already keeps a second world's writer out; such a
-        reader kept open across an append may read stale or inconsistent metadata (errors),
-        never affecting the run."""
-        import h5py
-        return h5py.File(self.path, "a", libver=LIBVER, locking=False)
+        """The file opened to append (an h5py.File), without HDF5's file lock (open_hdf5): a
+        reader that holds one (h5py's default, a notebook's `h5py.File(path)`) must never hold
+        the run up, and a writer that waited for it lost every episode since when the run
+        ended first. Such a reader kept open across an append may read stale or inconsistent
+        metadata (errors), never affecting the run."""
+        return open_hdf5(self.path, "a", libver=LIBVER)
 
     def flush(self, segments: int, open_steps: int | None = None) -> None:
         """Append the queued episodes and record `segments` (groups received). `open_steps`
         (closing): also record the steps of episodes still open and mark the file complete,
         in the same open."""
-        import h5py
         names = [f"demo_{self.written + i}" for i in range(len(self.pending))]
         if self.pending:
-            with h5py.File(self.staging, "w", libver=LIBVER) as staged:
+            with open_hdf5(self.staging, "w", libver=LIBVER) as staged:
                 for name, (steps, attrs) in zip(names, self.pending):
                     demo = staged.create_group(name)
                     demo.attrs.update(text_attrs({**attrs, "start": self.start}))
@@ -235,7 +231,7 @@ class DumpFile:
         with self._append() as f:
             data = f["data"]
             if names:
-                with h5py.File(self.staging, "r") as staged:
+                with open_hdf5(self.staging) as staged:
                     for name in names:
                         staged.copy(staged[name], data, name=name)
             self.written += len(names)
