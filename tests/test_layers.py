@@ -19,7 +19,7 @@ own floor or the floors below it.
     1  config, topology, schedule         what a run is: settings, the rank plan and its
                                           communicators, the modes' schedules
     0  hpcvla (the package), text,        leaves
-       emulate
+       emulate, files
 
 A module's floor is that of its top-level name under hpcvla (hpcvla.roles.learner is on
 `roles`' floor 5). The rules, checked on every module under src/hpcvla, function-local
@@ -42,7 +42,7 @@ import pytest
 from helpers import ROOT
 
 FLOORS = {
-    0: ("hpcvla", "text", "emulate"),
+    0: ("hpcvla", "text", "emulate", "files"),
     1: ("config", "topology", "schedule"),
     2: ("transport", "seeds", "process"),
     3: ("envs", "policies", "algorithms", "metrics", "devices", "checkpoint", "demonstrations"),

@@ -338,12 +338,13 @@ def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
     and TensorBoard's `eval` group."""
     import json
 
+    from hpcvla.files import replace_text
     from hpcvla.metrics.tensorboard import RunBoard
     if len(curve) == 1:
         print("hpcvla eval: one policy, no curve: the run kept one checkpoint (train with "
               "learner.checkpoint_every=K learner.checkpoint_keep=M for more), or add "
               "--untrained to compare it with the start", file=sys.stderr)
-    (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curve))
+    replace_text(run_dir / "eval.jsonl", "".join(json.dumps(r) + "\n" for r in curve))
     board = RunBoard(run_dir, cfg.run)
     for r in curve:
         board.scalars({k: r[k] for k in ("success_rate", "mean_return", "success_at_end")

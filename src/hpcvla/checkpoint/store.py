@@ -41,6 +41,7 @@ from hpcvla.checkpoint import optimizer_state
 from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, checkpoint_dir,
                                       complete, read_state, sealed, sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
+from hpcvla.files import replace_text
 from hpcvla.transport.backoff import idle_barrier
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
@@ -129,7 +130,7 @@ class Writer:
             _fsync(partial / mine["file"])  # by its writer: another node's fsync (learner 0
             # publishing) does not flush this node's pages of a shared file system
             mine["sha256"] = sha256(partial / mine["file"])
-            _write_json(partial / _sidecar(rank), mine)
+            replace_text(partial / _sidecar(rank), json.dumps(mine))  # read by learner 0
             if rank == 0:
                 save_file(model, partial / MODEL)
                 state["model_sha256"] = sha256(partial / MODEL)
@@ -190,12 +191,6 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
 def _sidecar(rank: int) -> str:
     """Where learner `rank` says its optimizer file is written (name, sha256, ranges)."""
     return f"optimizer.rank{rank}.json"
-
-
-def _write_json(path: Path, value) -> None:
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps(value))
-    os.replace(temporary, path)  # readers never see half a file
 
 
 def _await_json(path: Path, poll_s: float = 0.02):

@@ -58,6 +58,7 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
+from hpcvla.files import replace_text
 from hpcvla.job.runtime import create_run_dir, leave_together, node_numbers
 from hpcvla.memory.layout import LayoutMemory
 from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
@@ -399,7 +400,7 @@ def _finish(cfg, engine, run_dir: Path, world, history: dict[str, list], done: i
         print(phases_line("[hpcvla sft]", summary["phases_s"]))
         print(memory_table(reports, "[hpcvla sft]"), flush=True)
         losses = history["losses"]
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        replace_text(run_dir / "summary.json", json.dumps(summary, indent=1))
         line = f"[hpcvla sft] done: loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else \
             "[hpcvla sft] done"
         if history["val_losses"]:

@@ -33,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hpcvla.files import replace_text
 from hpcvla.process.last_progress import last_progress
 from hpcvla.process.mpi_select import unlink_mpich_shared_memory
 from hpcvla.process.stdio import until_forwarded
@@ -56,7 +57,7 @@ def register(rank: int, roles: str, node: int, host: str) -> None:
     without a launcher)."""
     if folder := os.environ.get(ENV):
         card = {"rank": rank, "roles": roles, "node": node, "host": host, "pid": os.getpid()}
-        _write_atomic(Path(folder) / f"rank{rank}.json", json.dumps(card))
+        replace_text(Path(folder) / f"rank{rank}.json", json.dumps(card))
         _hold_lifeline(Path(folder) / LIFELINE, rank)
 
 
@@ -152,13 +153,7 @@ def said_why(rank: int, why: str) -> None:
     launcher repeats `why` at the end: on MPI_Abort mpiexec may stop forwarding the rank's
     output before its words are through."""
     if folder := os.environ.get(ENV):
-        _write_atomic(Path(folder) / f"failed.rank{rank}", why)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)  # the launcher never reads half a card or message
+        replace_text(Path(folder) / f"failed.rank{rank}", why)
 
 
 def finished(rank: int) -> None:

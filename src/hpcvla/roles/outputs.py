@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -18,6 +19,7 @@ import numpy as np
 import yaml
 
 from hpcvla.config.loader import config_to_dict
+from hpcvla.files import replace_text
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.progress import figure
@@ -178,7 +180,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "phases_s": phases.slowest([s.phases_s for s in everyone]),
     }
     result["starts"] = starts_so_far(cfg, run_dir / "summary.json", _headline(result))
-    (run_dir / "summary.json").write_text(json.dumps(result, indent=1, default=str))
+    replace_text(run_dir / "summary.json", json.dumps(result, indent=1, default=str))
     board = RunBoard(run_dir, cfg.run)  # the whole run's busy fractions, once
     board.scalars({"busy/" + k.replace(":", "/"): v for k, v in result["busy_fraction"].items()},
                   (root and root.trained_env_steps) or 0)
@@ -233,9 +235,16 @@ def _headline(summary: Counters) -> Counters:
 def starts_so_far(cfg: Config, path: Path, this_start: Counters) -> list[Counters]:
     """summary.json's `starts` (train's, sft's): what a resumed run's summary.json, the last
     start's, keeps of every start, oldest first. The earlier ones come from the summary.json
-    the last start wrote (a start that failed wrote none: its `restarts` has it)."""
-    earlier = json.loads(path.read_text()).get("starts", []) \
-        if cfg.run.resume and path.is_file() else []
+    the last start wrote (a start that failed wrote none: its `restarts` has it). One that
+    cannot be read (a file cut short before it was written whole: files.replace_text) costs
+    those records, said, not the summary of this start."""
+    earlier = []
+    if cfg.run.resume and path.is_file():
+        try:
+            earlier = json.loads(path.read_text()).get("starts", [])
+        except ValueError as err:
+            print(f"hpcvla: {path} cannot be read ({err}): the earlier starts' records in "
+                  "it are not carried over", file=sys.stderr, flush=True)
     return earlier + [this_start]
 
 

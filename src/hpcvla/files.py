@@ -1,0 +1,26 @@
+"""Files written whole or not at all. What hpcvla rewrites in place (summary.json,
+eval.jsonl, a checkpoint's per-learner sidecars, a rank's failure card for its launcher) goes
+to a temporary file beside it, renamed over it once written: a reader (a resumed run, another
+node's rank, the launcher) sees the old file or the new one, never a cut one. A full disk or
+an exceeded quota mid-write, or a node lost before its write-back, cut a run's summary.json
+short, with every earlier start's record, and the next resume failed at its end on it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def replace_text(path: Path | str, text: str) -> None:
+    """Write `text` to `path` whole or not at all (above). An error names the path: a write's
+    EDQUOT/ENOSPC/EFBIG says only what happened, not to which file."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        raise OSError(err.errno, f"writing {path}: {err.strerror}", str(path)) from err
