@@ -78,6 +78,18 @@ def test_eval_on_n_ranks_gives_each_episode_the_outcome_of_one_process(
 
 
 @pytest.mark.mpi
+def test_an_eval_worlds_ranks_evaluate_rank_0s_choice_of_policies(tmp_path):
+    """Each rank lists the run's checkpoints; of a run still training they may list
+    different ones (rank 1 one more here): before rank 0's list was every rank's, such ranks
+    evaluated different policies under rank 0's label, or, one more, waited in its gather."""
+    run_dir = _run_dir(tmp_path, "default.yaml")
+    out = hpcvla("launch", "-n", 2, "--timeout", 60, "--", ROOT / "tests" / "mpi" /
+                 "eval_choice.py", run_dir)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [[0], [0]]
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("flags,named", [
     (("--episodes", 10 ** 9), "--episodes"), (("--envs", 0), "--envs"),
     (("--ranks", 0), "--ranks")])

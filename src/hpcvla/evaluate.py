@@ -249,7 +249,12 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
     policy) on the same states, with its version and trained env steps; `video` K: K
     episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>/."""
     if world is not None:  # one plan: the policies differ in weights only
+        from hpcvla.transport.backoff import idle_bcast
         refuse_overfilled(cfg, world, envs_at_once(cfg, envs, episodes))  # [dist]
+        # rank 0's choice: a run still training publishes and prunes checkpoints while the
+        # ranks start, and ranks that each chose evaluated different ones under rank 0's
+        # label (with --all, lists of different lengths left ranks in a gather: a hang)
+        policies = idle_bcast(world, lambda: list(policies))  # [dist]
     curve = []
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)
