@@ -39,7 +39,7 @@ def test_a_held_out_evaluation_is_logged_at_the_trained_steps_of_its_version(tmp
     import json
 
     line = Progress(tmp_path / "metrics.jsonl", total_updates=9, chunk_len=4, every_s=0,
-                    enabled=True)
+                    enabled=True, evaluated=True)
     for version, steps in ((1, 100), (2, 200), (3, 300)):
         line.steps = steps
         line.on_update(version)
@@ -47,6 +47,7 @@ def test_a_held_out_evaluation_is_logged_at_the_trained_steps_of_its_version(tmp
               "episodes": 16, "actions": "deterministic", "env_faults": 0}
     line.on_held_out(2, report)
     line.on_update(4)
+    assert list(line.steps_at) == [2, 3, 4]  # from the last reported on: reports come in order
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("[hpcvla] held-out evaluation of version 2: success 0.250 "
                               "(95 % 0.100-0.500) over 16 episodes (deterministic actions)")
@@ -56,6 +57,15 @@ def test_a_held_out_evaluation_is_logged_at_the_trained_steps_of_its_version(tmp
     assert record == {"version": 2, "trained_env_steps": 200, "success_rate": 0.25,
                       "mean_return": 1.5, "success_ci95": [0.1, 0.5], "episodes": 16,
                       "actions": "deterministic", "env_faults": 0}
+
+
+def test_a_run_without_held_out_evaluations_keeps_no_steps_per_version():
+    """Each version's trained env steps are kept for the held-out evaluations only: a run of
+    days without them held one entry per version (~100 B: ~0.2 GB a day at reach's pace)."""
+    line = Progress(None, total_updates=10 ** 6, chunk_len=4, every_s=1e9, enabled=True)
+    for version in range(1, 1000):
+        line.on_update(version)
+    assert line.steps_at == {0: 0}
 
 
 def test_no_success_figure_before_an_episode_ends_and_the_learners_pooled(tmp_path, capsys):

@@ -44,9 +44,10 @@ RATE_WINDOW_S = 30.0  # the trained steps/s shown: over the versions that ended 
 class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
                  enabled: bool, window: int = 200, learners: int = 1,
-                 board: RunBoard | None = None, t0: float | None = None):
+                 board: RunBoard | None = None, t0: float | None = None,
+                 evaluated: bool = False):
         """`t0`: the epoch seconds its records' `time` counts from (the timelines' origin;
-        default now)."""
+        default now); `evaluated`: held-out evaluations report to it (on_held_out)."""
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
         self.learners = learners
@@ -61,7 +62,10 @@ class Progress:
         self.origin_s = 0.0 if t0 is None else max(0.0, time.time() - t0)
         self.recent: deque = deque(maxlen=RECENT_VERSIONS)  # (time, update) at version ends
         self.rated: deque = deque()  # (time, trained env steps) at version ends: the rate's
-        self.steps_at: dict[int, int] = {0: 0}  # version -> trained env steps at its end
+        # version -> trained env steps at its end, for the held-out evaluations (which report
+        # in version order): kept from the last one reported on, where there are any
+        self.steps_at: dict[int, int] = {0: 0}
+        self.evaluated = evaluated
         self.held_out: tuple[int, float] | None = None  # the newest (version, success)
         # line-buffered: a world that dies keeps every record up to its last micro-batch
         # (a restart's record of the work lost reads the last one)
@@ -131,6 +135,8 @@ class Progress:
         if not self.enabled:
             return
         steps = self.steps_at.get(version, self.steps)
+        for older in [v for v in self.steps_at if v < version]:
+            del self.steps_at[older]
         self.held_out = (version, report["success_rate"])
         low, high = report["success_ci95"]
         print(f"[hpcvla] held-out evaluation of version {version}: success "
@@ -169,7 +175,8 @@ class Progress:
                 ("success_rate", "mean_return", "mean_episode_chunks"), total[:3])}
             self._pooled["episodes"] = episodes
         self.updates = updates
-        self.steps_at[updates] = self.steps
+        if self.evaluated:
+            self.steps_at[updates] = self.steps
         now = time.monotonic()
         self.recent.append((now, updates))
         rate = self._rate(now)

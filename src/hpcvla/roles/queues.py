@@ -3,6 +3,7 @@ learner batch, each trained exactly once."""
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict, deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -16,6 +17,46 @@ if TYPE_CHECKING:
     from hpcvla.roles.setup import Counters
 
 
+class Ranges:
+    """A set of ints as sorted disjoint ranges [start, end): one slot's trained segment
+    groups, which come in order (but for the holes a stop leaves), so a run of days holds a
+    range or a few per slot, not every index it trained (~65 B each: ~0.8 GB a day on the
+    default run's learner)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def __contains__(self, x: int) -> bool:
+        i = bisect_right(self.starts, x) - 1
+        return i >= 0 and x < self.ends[i]
+
+    def add(self, x: int) -> None:
+        """Add `x`, not yet in the set."""
+        i = bisect_right(self.starts, x)  # the ranges before x: 0..i-1
+        left = i > 0 and self.ends[i - 1] == x
+        right = i < len(self.starts) and self.starts[i] == x + 1
+        if left and right:  # x fills the hole between two ranges
+            self.ends[i - 1] = self.ends.pop(i)
+            del self.starts[i]
+        elif left:
+            self.ends[i - 1] = x + 1
+        elif right:
+            self.starts[i] = x
+        else:
+            self.starts.insert(i, x)
+            self.ends.insert(i, x + 1)
+
+    def __len__(self) -> int:
+        return sum(end - start for start, end in zip(self.starts, self.ends))
+
+    def first(self) -> int:
+        return self.starts[0]
+
+    def last(self) -> int:
+        return self.ends[-1] - 1
+
+
 class SegmentQueues:
     """Segment groups from the ring, bucketed by the learner batch their producer assigned
     at segment start (schedule.py): batch b is trained at version b, which is what bounds
@@ -27,14 +68,14 @@ class SegmentQueues:
         self.producers = tuple(producers)  # world ranks feeding this ring, for stall reports
         self.buckets: dict[int, deque[SegmentGroup]] = defaultdict(deque)
         # (producer, slot) -> groups
-        self.trained: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.trained: dict[tuple[int, int], Ranges] = defaultdict(Ranges)
 
     def ledger(self) -> dict[str, dict[str, int]]:
         """Per producer/slot: groups trained and their index range. A slot's groups go to
         batches in order, so a complete run trains 0..last of each, every one once:
         `missing` counts the holes."""
-        return {f"{p}/{s}": {"groups": len(g), "first": min(g), "last": max(g),
-                             "missing": max(g) + 1 - min(g) - len(g)}
+        return {f"{p}/{s}": {"groups": len(g), "first": g.first(), "last": g.last(),
+                             "missing": g.last() + 1 - g.first() - len(g)}
                 for (p, s), g in sorted(self.trained.items())}
 
     def leftover(self) -> int:
