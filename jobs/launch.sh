@@ -229,9 +229,11 @@ fi
 if makes_a_run "$1" && [[ ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} ]] && [[ $(
         "$PYTHON" -m hpcvla.job.restarts checkpoint-every "$1" "${COMMAND_ARGS[@]:1}" \
         2>/dev/null) == 0 ]]; then
-    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but $(interval_name "$1") is 0: a world that fails" \
-        "has no checkpoint to continue from and is not restarted (set $(interval_name "$1")=K:" \
-        "a restart then loses at most K $(point_name "$1")s)"
+    clock=""
+    [[ $1 == train ]] && clock=" (and learner.checkpoint_every_s)"
+    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but $(interval_name "$1")$clock is 0: a world that" \
+        "fails has no checkpoint to continue from and is not restarted (set" \
+        "$(interval_name "$1")=K: a restart then loses at most K $(point_name "$1")s)"
 fi
 
 # ---- run, forwarding the scheduler's signals -----------------------------------------------

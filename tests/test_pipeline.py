@@ -368,6 +368,21 @@ def test_resume_on_fewer_learners_at_another_zero_stage(tmp_path):
         assert sum(summary["staleness_hist"].values()) == 32 * ranks  # one version, once
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_checkpoints_by_the_clock_are_written_by_every_learner_alike(tmp_path):
+    """learner.checkpoint_every_s: a checkpoint at the first version's end that long after the
+    last, the first learner's clock deciding for all (each writes its optimizer ranges): here
+    at every version (a millisecond), though learner.checkpoint_every counts none."""
+    _, _, run_dir = run_train(tmp_path, "pipeline.total_updates=4", "learner.checkpoint_every=0",
+                              "learner.checkpoint_every_s=0.001", "learner.checkpoint_keep=9",
+                              "env.image_size=32", "policy.hidden=32",
+                              config="configs/colocated.yaml", ranks=2)
+    kept = catalog.complete(run_dir)
+    assert [p.name for p in kept] == [f"v00000{v}" for v in (1, 2, 3, 4)]
+    assert all(catalog.verify(p)["learners"] == 2 for p in kept)
+
+
 def test_resume_refused_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="run.resume"):
         check_config(load_config(ROOT / "configs/default.yaml", [f"run.resume={tmp_path}"]))

@@ -130,6 +130,10 @@ def test_the_interval_a_restart_needs_is_the_commands_own(capsys):
         restarts._main(["checkpoint-every", command, "learner.checkpoint_every=3",
                         "sft.checkpoint_every=5"])
         assert capsys.readouterr().out.strip() == interval
+    for clock, interval in (("600", "600s"), ("0", "0")):  # train's by the clock, if not by
+        restarts._main(["checkpoint-every", "train", "learner.checkpoint_every=0",  # versions
+                        f"learner.checkpoint_every_s={clock}"])
+        assert capsys.readouterr().out.strip() == interval
 
 
 def test_no_run_yet_records_nothing(tmp_path):

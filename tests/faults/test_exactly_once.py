@@ -112,13 +112,13 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
 
 
 def test_a_failed_world_without_a_checkpoint_is_not_started_over(tmp_path):
-    """HPCVLA_RESTARTS without learner.checkpoint_every: the job says at its start that a
+    """HPCVLA_RESTARTS without learner.checkpoint_every(_s): the job says at its start that a
     failed world would have nothing to continue from, and when the learner dies it does not
     start the run over in a new run directory (the restart's record and the run would part).
     ~4 s: one world."""
     runs = tmp_path / "runs"
     proc = restarting_job(runs, 4, "configs/default.yaml", "pipeline.total_updates=100000",
-                          "pipeline.progress_every_s=0.1")
+                          "pipeline.progress_every_s=0.1", "learner.checkpoint_every_s=0")
     log = []
     try:
         for line in proc.stdout:
@@ -133,7 +133,8 @@ def test_a_failed_world_without_a_checkpoint_is_not_started_over(tmp_path):
     finally:
         proc.kill()
     text = "".join(log)
-    assert "but learner.checkpoint_every is 0: a world that fails has no checkpoint" in text
+    assert "but learner.checkpoint_every (and learner.checkpoint_every_s) is 0: a world that " \
+        "fails has no checkpoint" in text
     assert "the run has no checkpoint to continue from (learner.checkpoint_every): not " \
         "restarting" in text and "restart 1/1" not in text, text[-5000:]
     assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1

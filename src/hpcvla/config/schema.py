@@ -229,7 +229,14 @@ class LearnerConfig:
         0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
         "policy versions; 0: only at the end (and on a stop signal); -1: never (benchmarks: "
         "a full-size π0's is ~45 GB). More often loses less to a crash; what it costs the "
-        "learners: `hpcvla bench checkpoint`.", ge=-1)
+        "learners: `hpcvla bench checkpoint`. learner.checkpoint_every_s writes them by the "
+        "clock as well.", ge=-1)
+    checkpoint_every_s: float = setting(
+        3600.0, "Also write a checkpoint at the end of the first version this many seconds "
+        "after the last one (or this start), on the first learner's clock: a job of a day "
+        "whose versions take minutes keeps its work though learner.checkpoint_every counts "
+        "none (a node's failure, or a restart, then loses at most this long). 0: by "
+        "versions only; learner.checkpoint_every=-1 writes none either way.", ge=0)
     checkpoint_keep: int = setting(
         2, "Newest checkpoints kept in the run directory; older ones are deleted.", ge=1)
     checkpoint_background: bool = setting(

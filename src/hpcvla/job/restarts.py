@@ -326,8 +326,9 @@ def _main(argv=None) -> None:
     named.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     named.add_argument("overrides", nargs="*")
     every = sub.add_parser("checkpoint-every", help="the run's checkpoint interval (train: "
-                           "learner.checkpoint_every, sft: sft.checkpoint_every): 0, and a "
-                           "failed world has no checkpoint to restart from")
+                           "learner.checkpoint_every, else learner.checkpoint_every_s with "
+                           "an `s`; sft: sft.checkpoint_every): 0, and a failed world has "
+                           "no checkpoint to restart from")
     every.add_argument("command", choices=("train", "sft"))
     every.add_argument("config", nargs="?", help="YAML config (none: the built-in defaults)")
     every.add_argument("overrides", nargs="*")
@@ -353,8 +354,10 @@ def _main(argv=None) -> None:
         if args.what == "job-run":
             print("\n".join(job_run(cfg, args.command, args.run_root)))
         elif args.what == "checkpoint-every":
+            learner = cfg.learner
             print(cfg.sft.checkpoint_every if args.command == "sft" else
-                  cfg.learner.checkpoint_every)
+                  learner.checkpoint_every or (f"{learner.checkpoint_every_s:g}s"
+                                               if learner.checkpoint_every_s else 0))
         elif args.what == "auto":
             print("\n".join(auto_overrides(config, overrides, cfg, args)))
         else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -105,16 +106,28 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
     writer = store.Writer(cfg.learner.checkpoint_background)
     # what every learner trains a version together (catalog.batch_change reads it back)
     batch = learners.Get_size() * cfg.learner.micro_batch * cfg.learner.micro_batches
+    every, every_s = cfg.learner.checkpoint_every, cfg.learner.checkpoint_every_s
+    saved_at = [time.monotonic()]
+
+    def due(version: int, last: bool) -> bool:
+        if every < 0:
+            return False
+        if last or (every and version % every == 0):
+            return True
+        if not every_s:
+            return False
+        late = time.monotonic() - saved_at[0] >= every_s  # the first learner's clock decides
+        return bool(learners.bcast(late, root=0)) if learners.Get_size() > 1 else late  # [dist]
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
         writer.check()  # the last checkpoint's write, if it failed
-        every = cfg.learner.checkpoint_every
-        if every >= 0 and (last or (every and version % every == 0)):
+        if due(version, last):
             with timeline.span("checkpoint"):
                 writer.save(run_dir, engine, weights, version,  # [dist] the learners
                             {"trained_env_steps": progress.steps, "version_segments": batch,
                              **counters()}, learners,
                             keep=cfg.learner.checkpoint_keep, wait=last)
+            saved_at[0] = time.monotonic()
     return save
 
 
