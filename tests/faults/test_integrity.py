@@ -252,7 +252,9 @@ def test_one_world_at_a_time_writes_a_run(tmp_path):
 
 def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):
     """flock failing (Lustre without -o flock): the run cannot be claimed; it says so and
-    leaves the unfinished checkpoints, which another world may be writing."""
+    leaves the unfinished checkpoints, which another world may be writing, until it publishes
+    a newer one: then those of older versions go (a job killed in each stop's checkpoint
+    left one, tens of GB at full size, that nothing removed)."""
     import fcntl
 
     def no_locks(*_):
@@ -263,8 +265,17 @@ def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkey
     catalog.hold_run(tmp_path)
     assert partial.exists()
     said = capsys.readouterr().err
-    assert "takes no locks" in said and "stay (another world may be writing them): " \
-        "v000009.partial" in said, said
+    assert "takes no locks" in said and "stay until this one publishes a newer checkpoint " \
+        "(another world may be writing them): v000009.partial" in said, said
+    from hpcvla.checkpoint.store import _publish
+    newer = tmp_path / "checkpoints" / "v000012.partial"  # (only a second world's, here)
+    newer.mkdir()
+    mine = tmp_path / "checkpoints" / "v000010.partial"  # this world's, its files written
+    mine.mkdir()
+    (mine / "optimizer.rank0.json").write_text("{}")
+    _publish(mine, tmp_path / "checkpoints" / "v000010", {"version": 10}, learners=1, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "v000010", "v000012.partial"]
 
 
 @pytest.mark.mpi

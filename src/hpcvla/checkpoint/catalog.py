@@ -279,8 +279,9 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
             left = sorted((Path(run_dir) / "checkpoints").glob("v*.partial"))
             print(f"[hpcvla] {run_dir}: its file system takes no locks (Lustre without -o "
                   "flock), so this world does not claim the run: start one world at a time "
-                  "on it" + (f"; the unfinished checkpoints an ended world left stay (another "
-                             f"world may be writing them): {', '.join(p.name for p in left)}"
+                  "on it" + (f"; the unfinished checkpoints an ended world left stay until "
+                             "this one publishes a newer checkpoint (another world may be "
+                             f"writing them): {', '.join(p.name for p in left)}"
                              if left else ""), file=sys.stderr, flush=True)
             return
     _held.append(handle)

@@ -176,7 +176,9 @@ def _optimizer_snapshot(parts, rank: int, copy: bool = True
 
 def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) -> None:
     """state.json, then the rename that makes the checkpoint exist, completely or not at
-    all; the oldest beyond `keep` go."""
+    all; the oldest beyond `keep` go, and an ended world's unfinished ones of older versions
+    (a start removes them where the run's .lock holds: not on a file system without locks,
+    where a job killed in each stop's checkpoint left tens of GB each at full size)."""
     for r in range(learners):
         (partial / _sidecar(r)).unlink()
     (partial / STATE).write_text(json.dumps(sealed(state), indent=1))
@@ -186,6 +188,9 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
     _fsync(final.parent)  # the rename is on disk before an older checkpoint goes
     for old in complete(final.parent.parent)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for unfinished in final.parent.glob("v*.partial"):
+        if int(unfinished.name[1:-len(".partial")]) < int(final.name[1:]):
+            shutil.rmtree(unfinished, ignore_errors=True)
 
 
 def _sidecar(rank: int) -> str:
