@@ -68,6 +68,7 @@ from hpcvla.config import (ConfigError, config_argument, last_run_config, load_c
                            resumed_run_config)
 from hpcvla.config.loader import with_overrides
 from hpcvla.metrics import restart_log
+from hpcvla.process.last_progress import tail_lines
 from hpcvla.schedule import micro_batches_for
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -144,7 +145,7 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
         ("env_steps", state["counters"].get("trained_env_steps", 0))
     trained = kept
     metrics = run_dir / "metrics.jsonl"
-    for line in reversed(metrics.read_text().splitlines() if metrics.exists() else []):
+    for line in reversed(tail_lines(metrics) if metrics.exists() else []):
         try:  # the world may have died in the middle of the last line
             trained = json.loads(line)["step" if sft else "trained_env_steps"]
             break

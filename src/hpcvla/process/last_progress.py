@@ -6,14 +6,17 @@ held-out evaluation's), is passed over."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+TAIL_BYTES = 1 << 20  # ~2,000 progress records: the newest is among them
 
 
 def last_progress(run_dir_file: Path) -> str:
     """What the newest progress record of the run whose directory `run_dir_file` names says."""
     try:
         metrics = Path(run_dir_file.read_text()) / "metrics.jsonl"
-        lines = metrics.read_text().splitlines()
+        lines = tail_lines(metrics)
     except OSError:
         return "no progress recorded"
     last = next(filter(None, map(_progress, reversed(lines))), None)
@@ -24,6 +27,17 @@ def last_progress(run_dir_file: Path) -> str:
                 f"trained, {last['time']:.0f} s into training ({metrics})")
     return (f"last progress: policy version {last['update']}, {last['trained_env_steps']} "
             f"trained env steps, {last['time']:.0f} s into training ({metrics})")
+
+
+def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[str]:
+    """The whole lines among the last `size` bytes of `path`: a run of days writes GBs of
+    metrics.jsonl, which a launcher read whole, into the batch node's memory, at every
+    failure."""
+    with open(path, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        f.seek(max(0, end - size))
+        lines = f.read().decode(errors="replace").splitlines()
+    return lines[1:] if end > size else lines  # the first may be another line's end
 
 
 def _progress(line: str) -> dict | None:
