@@ -77,7 +77,7 @@
 set -euo pipefail
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
-say() { echo "launch.sh $(date +%H:%M:%S): $*" >&2; }
+say() { echo "launch.sh $(date "+%F %T"): $*" >&2; }
 # A command as a shell would take it back (a word holding blanks quoted): logs can be pasted.
 shown() { local out; printf -v out '%q ' "$@"; printf '%s' "${out% }"; }
 # A signal while no world runs (the time-limit warning may come up to a minute early, a cancel

@@ -5,6 +5,7 @@ policy folder is what `policy.pretrained` loads."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -419,6 +420,9 @@ def test_a_stop_signal_checkpoints_and_resume_goes_on(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == stopped + 3 and len(summary["losses"]) == 3
     assert not summary["preempted"]
+    ended = [start.pop("ended") for start in summary["starts"]]  # when, UTC
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", e) for e in ended), ended
+    assert ended == sorted(ended)
     assert summary["starts"] == [  # summary.json is the last start's; each start's headline
         {"from_step": 0, "steps": stopped, "learners": 1, "preempted": True},
         {"from_step": stopped, "steps": stopped + 3, "learners": 2, "preempted": False}]

@@ -248,9 +248,10 @@ def _headline(summary: Counters) -> Counters:
 def starts_so_far(cfg: Config, path: Path, this_start: Counters) -> list[Counters]:
     """summary.json's `starts` (train's, sft's): what a resumed run's summary.json, the last
     start's, keeps of every start, oldest first. The earlier ones come from the summary.json
-    the last start wrote (a start that failed wrote none: its `restarts` has it). One that
-    cannot be read (a file cut short before it was written whole: files.replace_text) costs
-    those records, said, not the summary of this start."""
+    the last start wrote (a start that failed wrote none: its `restarts` has it); each says
+    when it ended (`ended`, UTC: a week of starts on the calendar). One that cannot be read
+    (a file cut short before it was written whole: files.replace_text) costs those records,
+    said, not the summary of this start."""
     earlier = []
     if cfg.run.resume and path.is_file():
         try:
@@ -258,7 +259,8 @@ def starts_so_far(cfg: Config, path: Path, this_start: Counters) -> list[Counter
         except ValueError as err:
             print(f"hpcvla: {path} cannot be read ({err}): the earlier starts' records in "
                   "it are not carried over", file=sys.stderr, flush=True)
-    return earlier + [this_start]
+    ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return earlier + [{**this_start, "ended": ended}]
 
 
 def _pooled(figures: list[tuple[float | None, int]]) -> float | None:
