@@ -358,7 +358,8 @@ def _disk(cfg, weights: int, trainable: int) -> Check:
     need = (cfg.learner.checkpoint_keep + 1) * checkpoint_disk_bytes(weights, trainable)
     free = shutil.disk_usage(existing).free
     found = (f"{free / MiB:,.0f} MiB free under {existing}, {cfg.learner.checkpoint_keep} + 1 "
-             f"checkpoints need ~{need / MiB:,.0f} MiB")
+             f"checkpoints need ~{need / MiB:,.0f} MiB (free as the file system says: a "
+             "quota may allow less, `lfs quota -u $USER DIR`, `mmlsquota`, `quota -s`)")
     return Check("disk", free >= need, found, "a run.root on a larger (scratch) file system, "
                  "or a smaller learner.checkpoint_keep")
 

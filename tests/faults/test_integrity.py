@@ -4,6 +4,7 @@ records are checked when read, with errors naming the file (or field) and the pr
 
 import faulthandler
 import json
+import os
 
 import h5py
 import numpy as np
@@ -229,6 +230,7 @@ def test_one_world_at_a_time_writes_a_run(tmp_path):
     releases the lock however the holder ends (here: the holding process exits). The claim
     removes the .partial checkpoints an ended world left (they were never removed, tens of
     GB each at full size)."""
+    import socket
     import subprocess
     import sys
     partial = tmp_path / "checkpoints" / "v000009.partial"
@@ -242,12 +244,16 @@ def test_one_world_at_a_time_writes_a_run(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         assert not partial.exists()
         with pytest.raises(catalog.CheckpointError, match=f"{tmp_path} is in use: another "
-                           "world's rank 0 holds its .lock"):
+                           rf"world's rank 0 holds its .lock \(pid {holder.pid} on "
+                           rf"{socket.gethostname()}, since .*Z; two worlds.*`mv "
+                           rf"{tmp_path}/.lock {tmp_path}/.lock.stale` and start again"):
             catalog.hold_run(tmp_path, wait_s=1.5)
     finally:
         holder.kill()
         holder.wait()
     catalog.hold_run(tmp_path)  # released with its holder
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")  # one record
+    assert (tmp_path / ".lock").read_text().count("\n") == 1
 
 
 def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):

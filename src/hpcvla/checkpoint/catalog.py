@@ -244,6 +244,18 @@ def verify_file(path: Path, expected: str) -> None:
 _held: list = []  # the run directory's lock, held for the life of the process
 
 
+def _holder() -> str:
+    """Who holds a run's .lock, as its file says: the process, its host and its job."""
+    import os
+    import socket
+    import time
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
+    restart = os.environ.get("SLURM_RESTART_COUNT")
+    return (f"pid {os.getpid()} on {socket.gethostname()}" + (f", job {job}" if job else "") +
+            (f" (restart {restart})" if restart else "") +
+            time.strftime(", since %Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
+
+
 def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
     """Rank 0's claim on the run directory for the life of the world: an exclusive lock on
     RUN_DIR/.lock (released by the kernel however the process ends), so a second world
@@ -251,25 +263,30 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
     each other's files); then the `.partial` checkpoints an ended world left go. A lock
     still held is waited for up to `wait_s`: a node that died holding it keeps it on a
     network file system until the server's lease ends (NFSv4: 90 s), which a restart on the
-    nodes left must outwait. A file system without locks leaves the run unclaimed."""
+    nodes left must outwait. A file system without locks leaves the run unclaimed. The holder
+    writes who it is into the file (host, pid, job): the one refused is told whose it is."""
     import fcntl
     import sys
     import time
-    handle = open(Path(run_dir) / ".lock", "a")
+    lock = Path(run_dir) / ".lock"
+    handle = open(lock, "a")
     deadline, said = time.monotonic() + wait_s, False
     while True:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             break
         except BlockingIOError:
+            holder = lock.read_text().strip() or "who, it did not say"
             if time.monotonic() > deadline:
                 handle.close()
                 raise CheckpointError(
-                    f"{run_dir} is in use: another world's rank 0 holds its .lock (two "
-                    "worlds writing one run would mix their checkpoints); wait for that "
-                    "job to end") from None
+                    f"{run_dir} is in use: another world's rank 0 holds its .lock ({holder}; "
+                    "two worlds writing one run would mix their checkpoints): wait for that "
+                    "job to end. If it has ended (squeue/qstat: a node that died holding "
+                    "the lock, which NFSv3 keeps until that node restarts), `mv "
+                    f"{lock} {lock}.stale` and start again") from None
             if not said:
-                print(f"[hpcvla] waiting up to {wait_s:.0f} s for {run_dir}/.lock: another "
+                print(f"[hpcvla] waiting up to {wait_s:.0f} s for {lock} ({holder}): another "
                       "world holds it, or a dead node whose lock the file server has not "
                       "released yet", file=sys.stderr, flush=True)
                 said = True
@@ -285,5 +302,8 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
                              if left else ""), file=sys.stderr, flush=True)
             return
     _held.append(handle)
+    handle.truncate(0)
+    handle.write(_holder())
+    handle.flush()
     for partial in (Path(run_dir) / "checkpoints").glob("v*.partial"):
         shutil.rmtree(partial, ignore_errors=True)
