@@ -30,16 +30,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from hpcvla.files import read_log
 from hpcvla.metrics.charts import bar_chart, line_chart, swimlane
 from hpcvla.metrics.progress import standing_records
 
 
 class ReportError(ValueError):
     pass
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def load_run(path) -> dict:
@@ -58,12 +55,12 @@ def load_run(path) -> dict:
     roles = Counter(role for r in plan.get("ranks", []) for role in r["roles"])
     spans = {}
     for file in sorted(path.glob("timeline.rank*.jsonl")):
-        for s in _jsonl(file):
+        for s in read_log(file):
             spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"],
                                                                  s["stage"]))
-    metrics = standing_records(_jsonl(path / "metrics.jsonl")) \
+    metrics = standing_records(read_log(path / "metrics.jsonl")) \
         if (path / "metrics.jsonl").exists() else []
-    evals = _jsonl(path / "eval.jsonl") if (path / "eval.jsonl").exists() else []
+    evals = read_log(path / "eval.jsonl") if (path / "eval.jsonl").exists() else []
     return {"name": path.name, "path": path, "summary": summary, "plan": plan,
             "ratio": "colocated" if plan.get("mode") == "colocated" else
                      f"{roles['inference']}:{roles['learner']}",

@@ -3,6 +3,7 @@ rewritten in place, and a write cut short (a quota, a full disk) left a run's su
 truncated, with every earlier start's record, which the next resume failed on at its end."""
 
 import json
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -40,3 +41,34 @@ def test_an_unreadable_summary_costs_the_earlier_starts_said_not_the_run(tmp_pat
     path.write_text('{"starts": [{"from_ver')  # cut short (an older write, a lost node)
     assert [s["from_version"] for s in starts_so_far(cfg, path, {"from_version": 5})] == [5]
     assert "cannot be read" in capsys.readouterr().err
+
+
+def test_a_log_cut_mid_line_is_ended_before_the_next_start_appends(tmp_path):
+    """A rank killed mid-write (or a node lost before its write-back) cuts a log's last line;
+    the next start's first record was glued to it, and both were lost to every reader."""
+    from hpcvla.files import open_log, read_log
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"update": 1}\n{"update": 2, "trai')
+    with open_log(path) as log:
+        log.write('{"update": 3}\n')
+    assert read_log(path) == [{"update": 1}, {"update": 3}]
+    with open_log(path) as log:  # a whole file gets nothing added
+        log.write('{"update": 4}\n')
+    assert path.read_text().endswith('"trai\n{"update": 3}\n{"update": 4}\n')
+    with open_log(tmp_path / "new.jsonl") as log:
+        log.write("{}\n")
+    assert (tmp_path / "new.jsonl").read_text() == "{}\n"
+
+
+def test_learner_0_finds_a_sidecar_by_its_folder_and_names_a_slow_one(tmp_path, capsys):
+    """Learner 0 waits for each learner's sidecar to publish a checkpoint: by its folder's
+    listing (a stat trusts NFS's cached "no such file" for up to a minute), saying so while
+    it takes long (it waited silently, without end)."""
+    import threading
+
+    from hpcvla.checkpoint.store import _await_json
+    path = tmp_path / "optimizer.rank1.json"
+    threading.Timer(0.5, lambda: path.write_text('{"file": "x"}')).start()
+    assert _await_json(path, remind_s=0.1) == {"file": "x"}
+    assert re.search(rf"learner 0 has waited \d+ s for {path} \(another learner's",
+                     capsys.readouterr().err)

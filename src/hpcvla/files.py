@@ -1,4 +1,5 @@
-"""Files written whole or not at all. What hpcvla rewrites in place (summary.json,
+"""Files written whole or not at all, and logs appended a whole line at a time. What hpcvla
+rewrites in place (summary.json,
 eval.jsonl, a checkpoint's per-learner sidecars, a rank's failure card for its launcher) goes
 to a temporary file beside it, renamed over it once written: a reader (a resumed run, another
 node's rank, the launcher) sees the old file or the new one, never a cut one. A full disk or
@@ -8,6 +9,7 @@ short, with every earlier start's record, and the next resume failed at its end 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 
@@ -24,3 +26,30 @@ def replace_text(path: Path | str, text: str) -> None:
         with contextlib.suppress(OSError):
             temporary.unlink()
         raise OSError(err.errno, f"writing {path}: {err.strerror}", str(path)) from err
+
+
+def open_log(path: Path | str, buffering: int = -1):
+    """`path` opened to append lines (metrics.jsonl, a timeline, restarts.jsonl), its last
+    line ended first where a rank killed mid-write, or a node lost before its write-back, cut
+    it: a resumed world's first record glued to it was lost too, and readers stopped there."""
+    handle = open(path, "a+b")
+    try:
+        if handle.seek(0, os.SEEK_END):
+            handle.seek(-1, os.SEEK_END)
+            if handle.read(1) != b"\n":
+                handle.write(b"\n")
+    finally:
+        handle.close()
+    return open(path, "a", buffering=buffering)
+
+
+def read_log(path: Path | str) -> list:
+    """The records of a log of JSON lines; a line a killed rank or a lost node cut short
+    (open_log ends it before the next start appends) is passed over."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

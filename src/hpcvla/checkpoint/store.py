@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +41,7 @@ from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, ch
                                       complete, read_state, sealed, sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.files import replace_text
-from hpcvla.transport.backoff import idle_barrier
+from hpcvla.transport.backoff import idle_barrier, wait_until
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
@@ -198,10 +197,14 @@ def _sidecar(rank: int) -> str:
     return f"optimizer.rank{rank}.json"
 
 
-def _await_json(path: Path, poll_s: float = 0.02):
-    """A learner's sidecar, once it exists (a learner that fails takes the world down)."""
-    while not path.exists():
-        time.sleep(poll_s)
+def _await_json(path: Path, remind_s: float = 60.0):
+    """A learner's sidecar, once it is there: looked for in its folder's listing, which makes
+    an NFS client revalidate the folder, not by stat, which trusts a cached "no such file"
+    for up to a minute. A learner that fails takes the world down; a slow one is named every
+    `remind_s`."""
+    wait_until(lambda: path.name in os.listdir(path.parent), str(path), cap=0.2,
+               remind=(remind_s, lambda waited: f"[hpcvla] learner 0 has waited {waited:.0f} "
+                       f"s for {path} (another learner's optimizer file, being written)"))
     return json.loads(path.read_text())
 
 

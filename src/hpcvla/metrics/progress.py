@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hpcvla.files import open_log
 from hpcvla.metrics.tensorboard import RunBoard
 
 
@@ -69,7 +70,7 @@ class Progress:
         self.held_out: tuple[int, float] | None = None  # the newest (version, success)
         # line-buffered: a world that dies keeps every record up to its last micro-batch
         # (a restart's record of the work lost reads the last one)
-        self._file = open(path, "a", buffering=1) if (enabled and path) else None
+        self._file = open_log(path, buffering=1) if (enabled and path) else None
         self.board = board if enabled else None
         # sums a vector over the learners: collective, at every version's end (where there
         # are several learners); the pooled figures shown after it

@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hpcvla.files import open_log, read_log
+
 FILE = "restarts.jsonl"
 
 
 def append(run_dir: Path, entry: dict) -> None:
     """Add one restart's record to the run's file."""
-    with open(Path(run_dir) / FILE, "a") as f:
+    with open_log(Path(run_dir) / FILE) as f:
         f.write(json.dumps(entry) + "\n")
 
 
 def recorded(run_dir: Path) -> list[dict]:
     """The restarts of a run so far (for summary.json)."""
     path = Path(run_dir) / FILE
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_log(path) if path.exists() else []

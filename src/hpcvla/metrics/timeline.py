@@ -26,6 +26,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+from hpcvla.files import open_log
+
 
 class Timeline:
     def __init__(self, path, rank: int, role: str, t0: float | None = None,
@@ -36,7 +38,7 @@ class Timeline:
         self.counts = defaultdict(int)   # stage -> spans
         self.first: dict[str, tuple[float, float]] = {}  # stage -> its first span
         self.last_end: dict[str, float] = {}  # stage -> the end of its last span
-        self._file = open(path, "a") if path else None
+        self._file = open_log(path) if path else None
         self._lines: list[str] = []
         self._flush_every, self._keep_s = flush_every, keep_s
         self._open: list[float] = []  # per open span, innermost last: its nested spans' seconds
