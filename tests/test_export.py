@@ -251,3 +251,29 @@ def test_written_weights_get_the_umasks_mode(tmp_path):
     for path in (tmp_path / "x.safetensors", tmp_path / "policy" / "model.safetensors",
                  tmp_path / "policy" / "config.json"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o640, path
+
+
+
+def test_written_weights_get_what_a_folders_default_acl_gives(tmp_path):
+    """A project space grants its group access by a default ACL, which the umask does not
+    narrow: a checkpoint's files get the mode any new file gets there (a chmod to the
+    umask's mode took the group's access away under umask 077)."""
+    import os
+    import stat
+    import struct
+
+    from hpcvla.checkpoint.store import save_file
+    # user rwx, group 12345 r-x, mask rwx, others none (setfacl -d -m g:12345:rx)
+    entries = [(0x01, 7, -1), (0x04, 0, -1), (0x08, 5, 12345), (0x10, 7, -1), (0x20, 0, -1)]
+    os.setxattr(tmp_path, "system.posix_acl_default", struct.pack("<I", 2) + b"".join(
+        struct.pack("<HHI", tag, perm, ident & 0xFFFFFFFF) for tag, perm, ident in entries))
+    before = os.umask(0o077)
+    try:
+        (tmp_path / "plain").touch()
+        save_file({"a": torch.zeros(2)}, tmp_path / "x.safetensors")
+    finally:
+        os.umask(before)
+    mode = stat.S_IMODE((tmp_path / "plain").stat().st_mode)
+    assert mode == 0o660  # the group's mask: rw (its grant r-x, masked by the create's rw-)
+    assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "x.safetensors"]

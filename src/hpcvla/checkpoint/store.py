@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -222,21 +221,24 @@ def load_weights(path: Path, expected: dict | None = None, may_lack=frozenset()
 
 
 def save_file(tensors: dict, path, metadata: dict | None = None) -> None:
-    """safetensors' save_file, the file then given the mode a new file gets under this
-    process's umask: safetensors writes 0600, so a checkpoint or an exported policy on a
-    shared file system was readable by its owner alone."""
+    """safetensors' save_file, the file then given the mode any new file gets there:
+    safetensors writes 0600, so a checkpoint or an exported policy on a shared file system
+    was readable by its owner alone."""
     _save_file(tensors, str(path), metadata=metadata)
-    os.chmod(path, 0o666 & ~_umask())
+    os.chmod(path, _new_file_mode(Path(path).parent))
 
 
-def _umask() -> int:
-    """This process's umask, read without setting it (os.umask sets it, process-wide, and a
-    checkpoint is written on a thread of its own)."""
+def _new_file_mode(folder: Path) -> int:
+    """The mode a file created in `folder` gets, from a probe created there: the umask's, or
+    where the folder has a default ACL (a project space's grant to its group) the ACL's,
+    which the umask does not narrow and a chmod to the umask's mode did."""
+    probe = folder / f".mode-probe.{os.getpid()}.{threading.get_ident()}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
-        status = Path("/proc/self/status").read_text()
-        return int(re.search(r"^Umask:\s*([0-7]+)", status, re.M).group(1), 8)
-    except (OSError, AttributeError):  # not Linux, or a kernel before 4.7
-        return 0o022
+        return os.fstat(fd).st_mode & 0o777
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def check_fit(weights: dict, expected: dict, source, may_lack=frozenset()) -> None:
