@@ -284,6 +284,27 @@ def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkey
         "v000010", "v000012.partial"]
 
 
+@pytest.mark.cluster  # root: a mount namespace of its own
+def test_a_checkpoint_that_cannot_be_deleted_whole_is_said(tmp_path):
+    """A checkpoint no longer kept that cannot be deleted whole (here a mount point in it:
+    EBUSY; on a cluster a file another user wrote, NFS's `.nfs*` of an open file) is named:
+    what is left has no state.json, is never tried again, and held its space unseen."""
+    import subprocess
+    import sys
+    stuck = tmp_path / "checkpoints" / "v000002"
+    (stuck / "busy").mkdir(parents=True)
+    (stuck / "model.safetensors").write_bytes(b"x")
+    out = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs tmpfs "$1" && exec "$2" -c '
+         '"from hpcvla.checkpoint.catalog import remove; import sys; remove(sys.argv[1])" "$3"',
+         "sh", stuck / "busy", sys.executable, stuck], capture_output=True, text=True,
+        timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"[hpcvla] {stuck} could not be deleted whole ({stuck / 'busy'}: [Errno 16] " \
+        "Device or resource busy" in out.stderr, out.stderr
+    assert "delete it yourself" in out.stderr and not (stuck / "model.safetensors").exists()
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_world_that_waited_for_the_run_resumes_every_rank_from_the_same_checkpoint(tmp_path):

@@ -244,6 +244,23 @@ def verify_file(path: Path, expected: str) -> None:
 _held: list = []  # the run directory's lock, held for the life of the process
 
 
+def remove(folder: Path) -> None:
+    """Delete a checkpoint (or an unfinished one) that is no longer kept, saying so where it
+    cannot be deleted whole (a file another user wrote into a group's run, NFS's `.nfs*` of a
+    file still open): what is left has no state.json, is never tried again, and holds its
+    space (tens of GB at full size) unseen."""
+    import sys
+    failed: list[str] = []
+
+    def failed_at(_, path, error) -> None:  # an exception (onexc), or its exc_info (onerror)
+        failed.append(f"{path}: {error[1] if isinstance(error, tuple) else error}")
+    shutil.rmtree(folder, **{"onexc" if sys.version_info >= (3, 12) else "onerror": failed_at})
+    if failed:
+        print(f"[hpcvla] {folder} could not be deleted whole ({failed[0]}; {len(failed)} "
+              "failures): what is left holds its disk space; delete it yourself",
+              file=sys.stderr, flush=True)
+
+
 def _holder() -> str:
     """Who holds a run's .lock, as its file says: the process, its host and its job."""
     import os
@@ -306,4 +323,4 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
     handle.write(_holder())
     handle.flush()
     for partial in (Path(run_dir) / "checkpoints").glob("v*.partial"):
-        shutil.rmtree(partial, ignore_errors=True)
+        remove(partial)

@@ -37,10 +37,12 @@ from safetensors.torch import save_file as _save_file
 
 from hpcvla.checkpoint import optimizer_state
 from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, checkpoint_dir,
-                                      complete, read_state, sealed, sha256, verify_file)
+                                      complete, read_state, remove, sealed, sha256,
+                                      verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.files import replace_text
 from hpcvla.transport.backoff import idle_barrier, wait_until
+
 
 def save(run_dir: Path, engine, weights: dict[str, torch.Tensor] | None, version: int,
          counters: dict, learners, keep: int = 2) -> Path | None:
@@ -185,10 +187,10 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
     os.replace(partial, final)
     _fsync(final.parent)  # the rename is on disk before an older checkpoint goes
     for old in complete(final.parent.parent)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove(old)
     for unfinished in final.parent.glob("v*.partial"):
         if int(unfinished.name[1:-len(".partial")]) < int(final.name[1:]):
-            shutil.rmtree(unfinished, ignore_errors=True)
+            remove(unfinished)
 
 
 def _sidecar(rank: int) -> str:
