@@ -24,8 +24,8 @@ def env_spec(env_cfg) -> EnvSpec:
         return probe_spec(env_cfg)
     kwargs = env_kwargs(env_cfg)
     kwargs.pop("sim_backend")
-    probe = IsolatedEnv(env_cfg.name, 1, 0, kwargs, timeout_s=600, max_restarts=0,
-                        owner="the spec probe")
+    probe = IsolatedEnv(env_cfg.name, 1, 0, kwargs, timeout_s=env_cfg.build_timeout_s,
+                        max_restarts=0, owner="the spec probe")  # a build, and its close
     probe.close()
     return probe.spec
 
