@@ -101,3 +101,16 @@ def test_dense_delta_restarts_each_reset_envs_gain_from_zero():
     gains.append(env.step(None)[1])
     expected = [[0.1, 0.2, 0.3], [0.3, 0.0, 0.2], [0.2, 0.1, 0.0], [0.7, 0.3, 0.9]]
     torch.testing.assert_close(torch.stack(gains), torch.tensor(expected))
+
+
+def test_the_gpu_simulators_spec_probe_is_a_build_under_env_build_timeout_s():
+    """A GPU-simulated config's spec comes from a CPU env built in a worker of its own (SAPIEN
+    cannot simulate on the GPU in a process that made a CPU scene); its build is a build,
+    under env.build_timeout_s (it had 600 s of its own): here one no build meets."""
+    from hpcvla.envs import env_spec
+    from hpcvla.envs.isolated import EnvWorkerFailed
+    cfg = load_config(None, ["env.name=maniskill", "env.sim_backend=gpu"])
+    cfg.env.build_timeout_s = 1e-3  # (the config's checks want >= 1 s: a millisecond here)
+    with pytest.raises(EnvWorkerFailed, match=r"the spec probe.*init did not return within "
+                                              r"0.001 s \(env.build_timeout_s\)"):
+        env_spec(cfg.env)

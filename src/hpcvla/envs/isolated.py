@@ -75,6 +75,9 @@ class IsolatedEnv(VectorEnv):
         self._closing = False
         try:
             self.spec = self._start(self.kwargs, seed)
+        except EnvWorkerFailed as error:  # whose build it was
+            self._stop()
+            raise EnvWorkerFailed(f"{self.where}: {error}") from None
         except BaseException:  # a worker that cannot build its envs must not linger
             self._stop()
             raise
