@@ -297,6 +297,13 @@ class LocalSlurm:
             except Exception as err:  # HostsError: no root, no `ip`, a namespace refused
                 raise SlurmError(f"cannot make {self.nodes} emulated hosts: {err}") from err
 
+    def clear(self) -> None:
+        """Between tests sharing the cluster: every job cancelled, its steps gone, every node
+        idle again (what a test that failed left included)."""
+        self._run(["scancel", "--full", "--user", "root"], check=False, timeout=10)
+        self._wait_no_steps(timeout=20)
+        self.wait_idle()
+
     def stop(self) -> None:
         """Cancel jobs, stop the daemons (TERM, then KILL), remove the private directory."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:

@@ -276,7 +276,7 @@ def test_the_gpu_validation_job_runs_dry_on_the_cpu(tmp_path):
     mode tested elsewhere: left out to keep the suite's time."""
     import os
     import subprocess
-    env = {**os.environ, "HPCVLA_VALIDATE_QUICK": "1",
+    env = {**os.environ, "HPCVLA_VALIDATE_QUICK": "1", "HPCVLA_VALIDATE_UPDATES": "1",
            "HPCVLA_VALIDATE_STEPS": "plan,sigterm,oft,sft"}
     out = subprocess.run([ROOT / "jobs/validate_gpu.sh", tmp_path], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600)

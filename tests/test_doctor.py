@@ -25,6 +25,8 @@ def doctor(*args, env=None, wrap=()):
 
 
 def test_this_machine_passes_every_check():
+    """Each config, without a layout (launch.ranks') and with a job's (--world,
+    --ranks-per-node: the memory model's plan of it, on this node's CPUs)."""
     for config in ("configs/default.yaml", "configs/libero_spatial.yaml"):
         out, checks = doctor(config)
         assert out.returncode == 0, out.stdout + out.stderr
@@ -32,10 +34,16 @@ def test_this_machine_passes_every_check():
         assert all(c["ok"] for c in checks.values()), checks
     assert "starts one world of 2" in checks["mpi"]["found"]
     assert checks["renderer"]["found"] == "EGL (MuJoCo): drew a 16x16 scene"
+    out, checks = doctor("configs/default.yaml", "--world", 8, "--ranks-per-node", 4)
+    assert out.returncode == 0 and all(c["ok"] for c in checks.values()), checks
+    assert checks["memory"]["found"] == "8 rank(s), 4 per node, 0 GPU(s) each: fits"
     # robosuite renders any MUJOCO_GL but osmesa and glx with egl: so does the check (it
-    # tried PyOpenGL's platform "EGL" and failed)
-    out, checks = doctor("configs/libero_spatial.yaml", env={"MUJOCO_GL": "EGL"})
+    # tried PyOpenGL's platform "EGL" and failed); LIBERO's simulators on a job's node, 2
+    # envs each, fit this machine's memory (test_a_node_whose_simulators_outgrow_...)
+    out, checks = doctor("configs/libero_spatial.yaml", "--world", 4, "--ranks-per-node", 4,
+                         "env.envs_per_simulator=2", env={"MUJOCO_GL": "EGL"})
     assert checks["renderer"]["found"] == "EGL (MuJoCo): drew a 16x16 scene", checks
+    assert out.returncode == 0 and checks["host memory"]["ok"], checks
 
 
 BROKEN = {  # what is broken: (args, environment, the check that fails, words of its report)
@@ -130,10 +138,8 @@ def test_a_jobs_layout_that_overfills_its_gpus_fails_naming_the_setting(tmp_path
     preview here, where the gpus check fails too) train's learners need their CUDA context
     and more: refused naming learner.micro_batch and each overfilled GPU; `--job sft`'s
     learners, a GPU each, naming sft.batch_size once."""
-    out, checks = doctor("configs/default.yaml", "--world", 8, "--ranks-per-node", 4)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert checks["memory"]["found"] == "8 rank(s), 4 per node, 0 GPU(s) each: fits"
-    gpus = ["placement.gpus_per_node=4", "placement.gpu_memory_gb=1.4"]
+    gpus = ["placement.gpus_per_node=4", "placement.gpu_memory_gb=1.4"]  # (without: fits,
+    # test_this_machine_passes_every_check)
     out, checks = doctor("configs/default.yaml", *gpus, "--world", 8, "--ranks-per-node", 4)
     assert out.returncode == 1 and not checks["memory"]["ok"], out.stdout + out.stderr
     assert checks["memory"]["found"] == "8 rank(s), 4 per node, 4 GPU(s) each: does not fit"
@@ -167,7 +173,7 @@ def test_what_train_refuses_doctor_fails(tmp_path):
 def test_a_node_whose_simulators_outgrow_its_host_memory_fails_naming_them():
     """The host memory the memory model puts on the job's busiest node against this node's:
     24 LIBERO simulator ranks of a 32-rank node, each with more envs than this machine's
-    memory holds at 268 MiB an env (memory/simulators.py, measured); 2 envs each fit."""
+    memory holds at 268 MiB an env (memory/simulators.py, measured)."""
     from hpcvla.memory.layout import host_bytes
     envs = 2 * (host_bytes() // (2 * 24 * 268 * 2 ** 20) + 1)  # even: env.shards is 2
     node = ["--world", 32, "--ranks-per-node", 32,
@@ -176,9 +182,7 @@ def test_a_node_whose_simulators_outgrow_its_host_memory_fails_naming_them():
     host = checks["host memory"]
     assert out.returncode == 1 and not host["ok"] and checks["memory"]["ok"], checks
     assert "(simulator envs " in host["found"] and "env.envs_per_simulator" in host["fix"]
-    out, checks = doctor("configs/libero_spatial.yaml", "--world", 4, "--ranks-per-node", 4,
-                         "env.envs_per_simulator=2")
-    assert out.returncode == 0 and checks["host memory"]["ok"], checks
+    # (2 envs each fit: test_this_machine_passes_every_check)
 
 
 @pytest.fixture

@@ -305,7 +305,7 @@ def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(
 
 @pytest.mark.mpi
 @pytest.mark.slow  # ~25 s
-def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path):
+def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path, capsys):
     """LIBERO-PRO's position perturbation of libero_spatial (`_swap`) as env.suite: the tiny π0
     configured for libero_spatial runs its protocol there (the first state of task 0)."""
     run_dir = _run_dir(tmp_path, "libero_pi0.yaml", "env.train_states=benchmark")
@@ -314,9 +314,11 @@ def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path):
                    "env.chunk_len=10", timeout=600)
     assert result["protocol"]["suite"] == "libero_spatial_swap"
     assert result["held_out"] is False  # the run trained from the fixed states
-    refused = hpcvla("eval", run_dir, "--untrained", "env.train_states=sampled")
-    assert refused.returncode == 2 and "env.train_states = 'sampled': expected none: where " \
-        "the run's training started" in refused.stderr, refused.stderr[-2000:]
+    from hpcvla.cli import main
+    assert main(["eval", str(run_dir), "--untrained", "env.train_states=sampled"]) == 2
+    refused = capsys.readouterr().err
+    assert "env.train_states = 'sampled': expected none: where the run's training started" \
+        in refused, refused[-2000:]
     assert result["protocol"]["step_limit"] == 220  # libero_spatial's
     assert result["episodes"] == 1 and result["env_faults"] == 0
     assert all(e["steps"] == 220 or e["success"] for e in result["per_episode"])
@@ -373,39 +375,38 @@ def test_a_built_in_policy_is_refused_an_env_with_other_instruction_words(tmp_pa
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path):
+def test_one_checkpoint_of_a_run_is_evaluated_and_exported_by_its_path(tmp_path, capsys):
     """RUN_DIR/checkpoints/v*/ names that checkpoint of its run to `hpcvla eval` and `hpcvla
     export`, as `policy.checkpoint` takes it; the run directory names its newest."""
+    from hpcvla.cli import main
     _, _, run = run_train(tmp_path / "runs", "pipeline.total_updates=2",
                           "learner.checkpoint_every=1")
     first = run / "checkpoints" / "v000001"
     size = ("--episodes", 4, "--envs", 4, "--json", "--deterministic")
-    for path, version in [(first, 1), (run, 2)]:
-        out = hpcvla("eval", path, *size, timeout=120)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == version
     out = hpcvla("eval", first, "--untrained", *size, timeout=120)  # that one against its start
     untrained, trained = map(json.loads, out.stdout.strip().splitlines())
     assert (untrained["version"], trained["version"], trained["vs_first"]["version"]) == (0, 1, 0)
     assert trained["vs_first"]["difference"] == \
         trained["success_rate"] - untrained["success_rate"]  # the same 4 states, none faulted
-    out = hpcvla("eval", first, "--all", timeout=60)
-    assert out.returncode == 2 and "--all" in out.stderr and not out.stdout, out.stderr
+    assert main(["eval", str(first), "--all"]) == 2
+    assert "--all" in capsys.readouterr().err
     out = hpcvla("export", first, tmp_path / "export", timeout=120)
     assert out.returncode == 0 and "policy version 1 written" in out.stdout, out.stderr[-2000:]
     exported = load_pretrained(tmp_path / "export").state_dict()  # v1's weights, not v2's
     v1, v2 = checkpoint_weights(first)[0], checkpoint_weights(run)[0]
     assert exported.keys() <= v1.keys() and all(torch.equal(exported[k], v1[k]) for k in exported)
     assert any(not torch.equal(v1[k], v2[k]) for k in exported)
-    # a run whose start has moved since (copied from a cluster): its checkpoints hold every
-    # weight and still evaluate; the untrained policy, its start, is refused naming it
+    # the run directory: its newest; of a run whose start has moved since (copied from a
+    # cluster): its checkpoints hold every weight and still evaluate; the untrained policy,
+    # its start, is refused naming it
     config = yaml.safe_load((run / "config.yaml").read_text())
     config["policy"]["checkpoint"] = str(tmp_path / "moved")
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     out = hpcvla("eval", run, *size, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    out = hpcvla("eval", run, "--untrained", *size, timeout=120)
-    assert out.returncode == 2 and "policy.checkpoint = " in out.stderr, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["version"] == 2
+    assert main(["eval", str(run), "--untrained", *map(str, size)]) == 2
+    assert "policy.checkpoint = " in capsys.readouterr().err
 
 
 def test_the_ranks_of_an_eval_world_get_its_command_line_less_ranks():

@@ -82,12 +82,15 @@ def test_training_evaluates_the_held_out_states_every_few_versions(tmp_path, ran
 @pytest.mark.parametrize("ranks,layout", LAYOUTS, ids=["evaluator-rank", "colocated"])
 def test_a_stop_signal_ends_the_evaluation_in_progress_not_after_it(tmp_path, ranks, layout):
     """A stop signal while the held-out states are evaluated (1,000 episodes, one at a time on
-    each evaluating rank, 5 ms a step: ~10 s here) ends that evaluation at its next batch
-    (colocated: every rank at the same round): the world exits within seconds of the signal
-    (the job scripts' lead time is for the checkpoint), not after the evaluation; no report of
-    the cut evaluation is logged."""
+    each evaluating rank, 5 ms a step: ~10 s here; colocated 500, whose version 0's is whole
+    before version 1 trains) ends that evaluation at its next batch (colocated: every rank at
+    the same round): the world exits within seconds of the signal (the job scripts' lead time
+    is for the checkpoint), not after the evaluation; no report of the cut evaluation is
+    logged."""
+    episodes = 500 if "placement.mode=colocated" in layout else 1000
     cmd = [sys.executable, "-m", "hpcvla", "train", "configs/default.yaml", "--ranks",
-           str(ranks), f"run.root={tmp_path}", *layout, "eval.every=1", "eval.episodes=1000",
+           str(ranks), f"run.root={tmp_path}", *layout, "eval.every=1",
+           f"eval.episodes={episodes}",
            "eval.envs=1", "env.latency_median_ms=5", "pipeline.total_updates=1000",
            "pipeline.progress_every_s=0.2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -110,7 +113,7 @@ def test_a_stop_signal_ends_the_evaluation_in_progress_not_after_it(tmp_path, ra
     assert summary["preempted"] and steps["finished"] - steps["stop_signal"] < 5, steps
     logged = [json.loads(line)["held_out"] for line in
               (run_dir / "metrics.jsonl").read_text().splitlines() if '"held_out"' in line]
-    assert all(r["episodes"] == 1000 for r in logged)  # whole evaluations only
+    assert all(r["episodes"] == episodes for r in logged)  # whole evaluations only
     evaluators = [r for r in summary["per_rank"] if r["role"] == "evaluator"]
     if evaluators:  # the cut one neither sent nor logged
         assert [r["version"] for r in logged] == evaluators[0]["held_out_versions"]

@@ -51,10 +51,8 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
     z = improvement_z(untrained["success_rate"], trained["success_rate"], 128)
     assert z >= MIN_Z, (z, untrained, trained)
     assert trained["mean_return"] > untrained["mean_return"]
-    if config == "configs/default.yaml":  # the CLI says the same (evaluation is seeded)
-        out = hpcvla("eval", run_dir, "--json")
-        assert out.returncode == 0, out.stderr
-        assert json.loads(out.stdout)["success_rate"] == trained["success_rate"]
+    if config == "configs/default.yaml":  # the CLI says the same (evaluation is seeded: the
+        # newest checkpoint's sampled success is `--all`'s last below)
         out = hpcvla("eval", run_dir, "--json", "--deterministic")  # the Gaussian's mean
         assert out.returncode == 0, out.stderr
         greedy = json.loads(out.stdout)

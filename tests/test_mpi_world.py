@@ -359,13 +359,13 @@ def test_the_job_script_survives_an_early_signal_and_a_stopped_run_is_no_success
     may send it up to a minute early, used to kill the script (no requeue, exit 138): now no
     world starts and the job ends as stopped. A run stopped by SIGTERM with its checkpoint
     exits 143, not 0 (a scheduler's `afterok` would take it for done)."""
-    def launch(*overrides, job_runs=None):
+    def launch(*overrides, job_runs=None, doctor="0"):  # the node check: the first's alone
         return subprocess.Popen([ROOT / "jobs" / "launch.sh", "train", "configs/default.yaml",
                                  f"run.root={tmp_path}", *overrides], cwd=ROOT,
-                                env={**os.environ, "HPCVLA_RANKS": "4",
+                                env={**os.environ, "HPCVLA_RANKS": "4", "HPCVLA_DOCTOR": doctor,
                                      **({"HPCVLA_JOB_RUNS": str(job_runs)} if job_runs else {})},
                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    early = launch(job_runs=tmp_path / "job")  # as the job scripts: a job's first start
+    early = launch(job_runs=tmp_path / "job", doctor="1")  # a job's first start, checking
     time.sleep(0.5)  # launch.sh is still checking (hpcvla doctor)
     early.send_signal(signal.SIGUSR1)
     out = early.communicate(timeout=120)[0]
@@ -384,8 +384,8 @@ def test_the_job_script_survives_an_early_signal_and_a_stopped_run_is_no_success
     ranks_only = subprocess.Popen(
         [ROOT / "jobs" / "launch.sh", "train", "configs/default.yaml",
          "pipeline.total_updates=100000", "learner.checkpoint_every=5"], cwd=ROOT,
-        env={**os.environ, "HPCVLA_RANKS": "4", "HPCVLA_JOB_RUNS": str(job)}, text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        env={**os.environ, "HPCVLA_RANKS": "4", "HPCVLA_JOB_RUNS": str(job),
+             "HPCVLA_DOCTOR": "0"}, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     for line in ranks_only.stdout:
         if "[hpcvla] update " in line:
             for pid in rank_pids(job).values():

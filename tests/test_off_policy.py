@@ -232,7 +232,8 @@ def test_prior_data_without_rewards_is_refused_before_any_rank_starts(tmp_path):
     demo = ROOT / "tests/fixtures/demonstrations/maniskill/pushcube.state.pd_ee_delta_pose.h5"
     out = hpcvla("train", "configs/maniskill_pushcube.yaml", "--ranks", 2,
                  f"run.root={tmp_path}", "algorithm.name=rlpd", f"algorithm.demos={demo}",
-                 "placement.mode=colocated", "pipeline.mode=sync-colocated")
+                 "placement.mode=colocated", "pipeline.mode=sync-colocated",
+                 "env.camera=false")  # (no camera rendered to learn the spec: a layout check)
     assert out.returncode != 0
     assert "algorithm.demos" in out.stderr and "read for `hpcvla sft` only" in out.stderr, \
         out.stderr[-2000:]

@@ -444,7 +444,7 @@ def test_a_rank_that_hangs_at_the_end_is_the_one_its_peers_do_not_hear_from(tmp_
     wait for it (the inference rank for its last request, the windows freed together, the
     report, the last barrier), they say so each pipeline.stall_timeout_s, and it says
     nothing; once it goes on, the run ends well. ~6 s."""
-    proc, pid, out = train_stopping_rank_1(tmp_path, 20, 1, "update 20/20")
+    proc, pid, out = train_stopping_rank_1(tmp_path, 5, 1, "update 5/5")
     try:
         time.sleep(2.5)
         os.kill(pid, signal.SIGCONT)
@@ -516,7 +516,7 @@ def test_a_stop_signal_after_the_run_is_done_leaves_it_done(tmp_path):
     line prints): they ignore it from the end of their work on, where Python's shutdown
     would have put back its default action and killed a finished run (exit 15). ~5 s."""
     proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
-                             "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=50"],
+                             "--ranks", "4", f"run.root={tmp_path}", "pipeline.total_updates=3"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     out, mpiexec = [], []

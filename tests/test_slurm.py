@@ -30,10 +30,18 @@ SCRIPTS = sorted([ROOT / "jobs" / "launch.sh", *(ROOT / "jobs" / "lib").glob("*.
 VENV = Path(sys.executable).parent.parent  # the environment the job scripts activate
 
 
-@pytest.fixture
-def slurm():
+@pytest.fixture(scope="module")
+def slurm1():
     with LocalSlurm() as cluster:
         yield cluster
+
+
+@pytest.fixture
+def slurm(slurm1):
+    """One node, shared by the tests of this file (a cluster's start and stop took seconds a
+    test), each given it with no job left and the node idle."""
+    yield slurm1
+    slurm1.clear()
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +52,12 @@ def slurm3():
     itself; and 2 GPUs that Slurm schedules (no device behind them)."""
     with LocalSlurm(nodes=3, fabric_ports=12, gpus=2) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory) -> Path:
+    """The SFT jobs' demonstrations (read only), recorded once: no check counts episodes."""
+    return reach_demos(tmp_path_factory.mktemp("demos") / "demos.h5", 6)
 
 
 def job_env(tmp_path, **extra) -> dict:
@@ -249,13 +263,14 @@ def test_a_node_failure_restarts_the_job_on_the_nodes_left(slurm3, tmp_path):
     assert sum(summary["staleness_hist"].values()) == (updates - resumed) * 2 * 32
 
 
-def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, tmp_path):
+def test_an_sft_job_restarts_on_the_nodes_left_at_the_exact_next_chunk(slurm3, tmp_path,
+                                                                       demos):
     """jobs/slurm/sft.sbatch on 3 hosts, a learner each (one node-shared copy of the
     demonstrations per host); every process of h2 killed after a checkpoint: the job goes on
     inside its allocation with the 2 learners of h0 and h1 from that checkpoint, at the exact
     next chunk, each now in 3 passes of 4 chunks a step instead of 2, so a step keeps its 24
     chunks, and finishes."""
-    demos, steps = reach_demos(tmp_path / "demos.h5", 6), 600
+    steps = 300
     log, dead = tmp_path / "sft-restart.out", "h2"
     job = slurm3.sbatch(ROOT / "jobs/slurm/sft.sbatch", "configs/default.yaml",
                         f"sft.demos={demos}", f"sft.steps={steps}", "sft.batch_size=4",
@@ -393,12 +408,9 @@ def test_pbs_demo_job_through_qsub(slurm, tmp_path):
     assert summary["ranks"] == 4 and sum(summary["staleness_hist"].values()) == 2 * 32
 
 
-def test_pbs_sft_job_through_qsub(slurm, tmp_path):
+def test_pbs_sft_job_through_qsub(slurm, tmp_path, demos):
     """jobs/pbs/sft.pbs: the config and overrides from the environment, a learner on each of
     the job's MPI processes (PBS_NODEFILE), one world."""
-    demos = tmp_path / "demos.h5"
-    made = hpcvla("demos", "configs/default.yaml", "--episodes", 4, "--out", demos)
-    assert made.returncode == 0, made.stderr[-2000:]
     log = tmp_path / "sft-pbs.out"
     env = job_env(tmp_path, CONFIG="configs/default.yaml",
                   OVERRIDES=f"sft.demos={demos} sft.steps=4 sft.batch_size=8")
@@ -635,19 +647,19 @@ def test_a_job_without_the_mpi_it_asks_for_says_why():
         "launch.sh: error: no MPI to start the ranks with (HPCVLA_MPI=nosuch: the reason above)"]
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
-def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, launcher):
+def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
     SIGUSR1, the ranks get SIGTERM and stop with a checkpoint, the job requeues itself, and
     its next start continues the same run from that checkpoint to the end. With srun
     starting the ranks, the requeued job's step ids are the first start's again: before its
     world it removes the MPICH segments no process maps (one planted here, as a killed
-    rank's), which its ranks would otherwise join."""
+    rank's), which its ranks would otherwise join. (Under Hydra, whose step ids are its own:
+    the 3-host requeue test and the no-progress one.)"""
     log = tmp_path / "requeue.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",
                        "pipeline.total_updates=30", "pipeline.progress_every_s=0.1",
                        options=["--output", log], cwd=ROOT,
-                       env=job_env(tmp_path, HPCVLA_LAUNCHER=launcher))
+                       env=job_env(tmp_path, HPCVLA_LAUNCHER="srun"))
     first_update(slurm, job, log)
     left = Path("/dev/shm") / f"mpich_requeue_test_{job}"  # this worker's own /dev/shm
     left.write_bytes(b"\0" * 4096)
@@ -655,16 +667,12 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path, la
     text = finished(slurm, job, log, timeout=600)
     assert slurm.job(job)["Restarts"] == "1"
     first, second = text.split("requeueing job", 1)
-    assert ("srun --mpi=pmi2" in text) == (launcher == "srun"), text[-3000:]
-    if launcher == "srun":
-        # the planted one by name: the line may count others the first start's ranks left
-        removed = [line.split() for line in second.splitlines()
-                   if "MPICH segment(s) that no process maps" in line]
-        assert not left.exists() and any(left.name in line for line in removed), "\n".join(
-            line for line in text.splitlines() if "launch.sh" in line or "removed" in line)
-    else:  # Hydra's step ids are its own: a requeued world starts clean
-        assert left.exists()
-        left.unlink()
+    assert "srun --mpi=pmi2" in text, text[-3000:]
+    # the planted one by name: the line may count others the first start's ranks left
+    removed = [line.split() for line in second.splitlines()
+               if "MPICH segment(s) that no process maps" in line]
+    assert not left.exists() and any(left.name in line for line in removed), "\n".join(
+        line for line in text.splitlines() if "launch.sh" in line or "removed" in line)
     assert "received SIGUSR1: sending SIGTERM to the ranks" in first
     assert "[hpcvla] update 30/30" not in first  # stopped before the end
     run_dir = the_run(tmp_path / "runs")
@@ -706,16 +714,14 @@ def test_a_time_limit_warning_before_any_progress_is_not_requeued_again(slurm, t
     assert "requeueing job" not in second
 
 
-def test_an_sft_job_trains_every_task_requeues_at_the_time_limit_and_resumes(slurm, tmp_path):
+def test_an_sft_job_trains_every_task_requeues_at_the_time_limit_and_resumes(slurm, tmp_path,
+                                                                             demos):
     """jobs/slurm/sft.sbatch: `hpcvla sft` with a learner on each of the job's tasks, one
     world; the time-limit warning stops it after a step with a checkpoint, the job requeues
     itself, and its next start goes on from that step to sft.steps."""
-    demos = tmp_path / "demos.h5"
-    made = hpcvla("demos", "configs/default.yaml", "--episodes", 6, "--out", demos)
-    assert made.returncode == 0, made.stderr[-2000:]
     log = tmp_path / "sft.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/sft.sbatch", "configs/default.yaml",
-                       f"sft.demos={demos}", "sft.steps=1500", "sft.batch_size=8",
+                       f"sft.demos={demos}", "sft.steps=800", "sft.batch_size=8",
                        "pipeline.progress_every_s=0.1", options=["--output", log], cwd=ROOT,
                        env=job_env(tmp_path))
     deadline = time.monotonic() + 300
@@ -727,14 +733,14 @@ def test_an_sft_job_trains_every_task_requeues_at_the_time_limit_and_resumes(slu
     text = finished(slurm, job, log, timeout=600)
     assert slurm.job(job)["Restarts"] == "1", text[-3000:]
     first, second = text.split("requeueing job", 1)
-    assert "2 learner(s)" in first and "[hpcvla sft] step 1500/1500" not in first
+    assert "2 learner(s)" in first and "[hpcvla sft] step 800/800" not in first
     run_dir = the_run(tmp_path / "runs")
     assert run_dir.name.startswith("default-sft-")
     assert f"continuing {run_dir} from its newest checkpoint" in second, second[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 1500 and summary["learners"] == 2 and not summary["preempted"]
+    assert summary["steps"] == 800 and summary["learners"] == 2 and not summary["preempted"]
     steps = sorted(int(p.name[1:]) for p in (run_dir / "checkpoints").iterdir())
-    assert steps[-1] == 1500 and len(steps) >= 1, steps
+    assert steps[-1] == 800 and len(steps) >= 1, steps
 
 
 @pytest.mark.parametrize("scheduler", ["slurm", "pbs"])

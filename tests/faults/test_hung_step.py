@@ -83,7 +83,7 @@ def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_pat
     """~12 s: two short worlds (the demonstrations', the fine-tuning's)."""
     demos = reach_demos(tmp_path / "demos.h5", 4)
     proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "sft", "configs/default.yaml",
-                             f"sft.demos={demos}", "sft.steps=600", "sft.batch_size=8",
+                             f"sft.demos={demos}", "sft.steps=200", "sft.batch_size=8",
                              "pipeline.stall_timeout_s=1", "pipeline.progress_every_s=0.1",
                              f"run.root={tmp_path / 'runs'}", "--ranks", "2"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -105,7 +105,7 @@ def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_pat
     text = "".join(log)
     assert "hpcvla sft: rank " in text and " has been in step " in text and \
         "(waiting for the other learners, or stuck itself)" in text, text[-3000:]
-    assert "[hpcvla sft] step 600/600" in text, text[-3000:]
+    assert "[hpcvla sft] step 200/200" in text, text[-3000:]
 
 
 def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
@@ -117,7 +117,7 @@ def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "hpcvla", "train", "configs/default.yaml",
                              "--ranks", "6", f"run.root={tmp_path}",
                              "placement.per_node={simulator: 2, inference: 2, learner: 2}",
-                             "pipeline.total_updates=60", "pipeline.stall_timeout_s=2",
+                             "pipeline.total_updates=20", "pipeline.stall_timeout_s=2",
                              "pipeline.progress_every_s=0.5", "learner.ring_slots=2",
                              "learner.ring_slot_kib=4"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -149,7 +149,7 @@ def test_a_stopped_training_learner_is_named_and_the_run_goes_on(tmp_path):
         proc.kill()
     text = "".join(log)
     assert heard == set(said), text[-3000:]
-    assert "[hpcvla] update 60/60" in text, text[-3000:]
+    assert "[hpcvla] update 20/20" in text, text[-3000:]
     # the feeder's wait for its full lane is its own stage (`ring_full`, inside `send`), the
     # learner having set the pace: over pipeline.stall_timeout_s of it; no rank's stages add
     # up to more than its time (a sharded simulator's shards step side by side: not its)
