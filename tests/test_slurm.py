@@ -124,6 +124,19 @@ def first_update(slurm, job, log: Path, timeout=300) -> str:
     return text
 
 
+def rank_cards(slurm, job, log: Path, folder: Path, ranks: int, timeout=300) -> list[dict]:
+    """The cards (deathwatch: rank, roles, host, pid) of a job's `ranks` ranks, once every
+    rank has registered: what a rank was started with is there from its start (its exec-time
+    environment in /proc), with no training needed to read it."""
+    deadline = time.monotonic() + timeout
+    while len(paths := list(folder.glob(".ranks/rank*.json"))) < ranks:
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        assert slurm.job(job)["JobState"] in ("PENDING", "RUNNING"), \
+            log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    return [json.loads(p.read_text()) for p in paths]
+
+
 def where_ranks_run(slurm, job_runs: Path) -> dict:
     """rank -> (roles, host name, emulated host whose network namespace holds the process),
     from the cards the running ranks leave for launch.sh (deathwatch) and /proc."""
@@ -335,9 +348,8 @@ def test_a_gpus_per_task_job_gives_hydras_ranks_their_nodes_gpus(slurm3, tmp_pat
                                      "--ntasks-per-node=2", "--cpus-per-task=1",
                                      "--gpus-per-task=1"],
                             env=job_env(tmp_path, HPCVLA_MPI="mpich"), cwd=ROOT)
-        first_update(slurm3, job, log)
-        seen = {card["rank"]: (card["host"], visible_gpus(card["pid"])) for card in map(
-            json.loads, map(Path.read_text, (tmp_path / "runs").glob("*/.ranks/rank*.json")))}
+        cards = rank_cards(slurm3, job, log, tmp_path / "runs" / f"hpcvla-multinode-{job}", 4)
+        seen = {card["rank"]: (card["host"], visible_gpus(card["pid"])) for card in cards}
     finally:
         if job:
             slurm3.cancel(job)
@@ -381,9 +393,7 @@ def test_each_nodes_ranks_see_the_gpus_slurm_gave_that_node(slurm3, tmp_path, mp
                                          "--gpus-per-node=1"],
                                 env=job_env(tmp_path, HPCVLA_MPI=mpi, HPCVLA_LAUNCHER="mpiexec"),
                                 cwd=ROOT)
-        first_update(slurm3, job, log)
-        cards = [json.loads(p.read_text()) for p in
-                 (tmp_path / "runs" / f"hpcvla-multinode-{job}").glob(".ranks/rank*.json")]
+        cards = rank_cards(slurm3, job, log, tmp_path / "runs" / f"hpcvla-multinode-{job}", 8)
         seen = {card["rank"]: (card["host"], visible_gpus(card["pid"])) for card in cards}
     finally:
         for started in filter(None, (*holders, job)):
@@ -431,7 +441,7 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
     nodes are the job's processes there (its resource manager's: here Slurm under the PBS
     layer lists them), not an ssh session's. `openmpi5`: Open MPI 5 as a loaded module puts
     it first on PATH (`make install`'s, beside the venv), Debian's 4.1 otherwise."""
-    log, updates = tmp_path / "multinode-pbs.out", 60
+    log, updates = tmp_path / "multinode-pbs.out", 20
     five = OPENMPI5.parent
     first = f"{five}:" if mpi == "openmpi5" else ""
     env = job_env(tmp_path, OVERRIDES="placement.per_node.simulator=1 "
@@ -441,15 +451,14 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
                      if start == "tm" else {}))
     job = slurm3.qsub(ROOT / "jobs/pbs/multinode.pbs", env=env, cwd=ROOT, options=[
         "-V", "-o", log, "-j", "oe", "-l", "select=3:ncpus=2:mpiprocs=2"])
-    first_update(slurm3, job, log)
     job_runs = tmp_path / "runs" / f"hpcvla-multinode-{job}"
+    cards = rank_cards(slurm3, job, log, job_runs, 6)  # where they run, read as they start
     ranks = where_ranks_run(slurm3, job_runs)
     # the job's processes on each other node, as its resource manager knows them (none: it
     # says the job "does not exist on node")
     pids = {int(line.split()[0]) for host in ("h1", "h2") for line in slurm3._run(
         ["scontrol", "listpids", job], check=False, host=host).stdout.splitlines()[1:]
         if line.strip()}
-    cards = [json.loads(p.read_text()) for p in job_runs.glob(".ranks/rank*.json")]
     text = finished(slurm3, job, log)
     assert "scheduler pbs" in text and "6 rank(s) on 3 node(s) (h0 h1 h2)" in text
     assert (f"MPI: openmpi ({five / 'mpirun'})" in text) == (mpi == "openmpi5"), text[:1500]
