@@ -116,6 +116,11 @@ makes_a_run() { [[ $1 == train || $1 == sft ]]; }
 # the setting that makes them.
 point_name() { [[ $1 == sft ]] && echo "SFT step" || echo "policy version"; }
 interval_name() { [[ $1 == sft ]] && echo sft.checkpoint_every || echo learner.checkpoint_every; }
+# ... and every setting that makes them (train's by the clock too)
+interval_settings() {
+    [[ $1 == sft ]] && echo sft.checkpoint_every ||
+        echo "learner.checkpoint_every, learner.checkpoint_every_s"
+}
 
 # ---- starting, watching and ending a world on the job's nodes -------------------------------
 # shellcheck source=lib/world.sh
@@ -229,11 +234,10 @@ fi
 if makes_a_run "$1" && [[ ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} ]] && [[ $(
         "$PYTHON" -m hpcvla.job.restarts checkpoint-every "$1" "${COMMAND_ARGS[@]:1}" \
         2>/dev/null) == 0 ]]; then
-    clock=""
-    [[ $1 == train ]] && clock=" (and learner.checkpoint_every_s)"
-    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but $(interval_name "$1")$clock is 0: a world that" \
-        "fails has no checkpoint to continue from and is not restarted (set" \
-        "$(interval_name "$1")=K: a restart then loses at most K $(point_name "$1")s)"
+    say "HPCVLA_RESTARTS=$HPCVLA_RESTARTS, but no checkpoint is written before the run's end" \
+        "($(interval_settings "$1"): 0): a world that fails has none to continue from and is" \
+        "not restarted (set $(interval_name "$1")=K: a restart then loses at most K" \
+        "$(point_name "$1")s)"
 fi
 
 # ---- run, forwarding the scheduler's signals -----------------------------------------------
@@ -322,7 +326,7 @@ while true; do
     fi
     version=$("$PYTHON" -m hpcvla.job.restarts newest-version "$JOB_RUN")
     if (( version < 0 )); then  # a new world would start the run over, in a new directory
-        say "the run has no checkpoint to continue from ($(interval_name "$1")): not" \
+        say "the run has no checkpoint to continue from ($(interval_settings "$1")): not" \
             "restarting"
         break
     fi
@@ -391,7 +395,7 @@ if [[ -n $SIGNALLED ]]; then
         say "no checkpoint past $(point_name "$1") $START_VERSION in this job: the time-limit" \
             "warning came first, and a requeued start would end the same way, so the job is" \
             "not requeued. Give it more time (--time, and the warning's lead in --signal)," \
-            "or checkpoint more often ($(interval_name "$1")), and continue the run in a new" \
+            "or checkpoint more often ($(interval_settings "$1")), and continue the run in a new" \
             "job with run.resume=$REQUEUED_RUN; exit status $status"
     elif [[ -n $REQUEUED_RUN ]]; then
         say "requeueing job $SLURM_JOB_ID (restart $(( ${SLURM_RESTART_COUNT:-0} + 1 )))"

@@ -412,11 +412,12 @@ def test_images_of_another_dtype_and_rows_unpaired_with_actions_are_refused(tmp_
 
 
 @pytest.mark.parametrize("layout", [_own_dump, _libero_file, _maniskill_file])
-def test_demonstrations_are_read_without_hdf5_file_locks(tmp_path, layout):
+def test_demonstrations_are_read_without_hdf5_file_locks(tmp_path, monkeypatch, layout):
     """HDF5 forgives a file system without locks only where flock answers ENOSYS: on NFS
     whose lock daemon is out of reach (ENOLCK) or Cray DVS (524) every locked open failed,
     and `hpcvla sft` could read no demonstration. hpcvla takes none (metrics/dump.open_hdf5):
     here another holder's exclusive lock stands, which any locked open runs into."""
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING", raising=False)  # (a user's: locks off anyway)
     path, spec, _ = layout(tmp_path)
     with open(path, "rb") as held:
         fcntl.flock(held, fcntl.LOCK_EX)

@@ -363,11 +363,9 @@ def test_sft_lifts_success_above_the_untrained_policy_and_rl_starts_from_it(tmp_
     assert untrained["split"] == imitated["split"] == "evaluation"
     z = improvement_z(untrained["success_rate"], imitated["success_rate"], 128)
     assert z >= MIN_Z, (z, untrained, imitated)
-    # RL starts from it: the run's untrained policy is the SFT one (a world of one: the same
-    # env and policy as the default's, colocated)
+    # RL starts from it: the run's untrained policy is the SFT one
     _, summary, rl_run = run_train(tmp_path / "rl", f"policy.checkpoint={sft_run}",
-                                   "pipeline.total_updates=1", config="configs/colocated.yaml",
-                                   ranks=1)
+                                   "pipeline.total_updates=1")
     start = evaluate(load_config(rl_run / "config.yaml"), None)
     assert start["success_rate"] == imitated["success_rate"]
 

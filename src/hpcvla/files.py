@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 
 
@@ -18,9 +19,12 @@ def replace_text(path: Path | str, text: str) -> None:
     """Write `text` to `path` whole or not at all (above). An error names the path: a write's
     EDQUOT/ENOSPC/EFBIG says only what happened, not to which file."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        temporary.write_text(text)
+        with open(temporary, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())  # on disk before its name is: a lost node's too
         os.replace(temporary, path)
     except OSError as err:
         with contextlib.suppress(OSError):

@@ -158,8 +158,9 @@ class Clock:
 
 
 def test_restarts_further_apart_than_the_window_never_add_up():
-    """max_restarts=1 per hour: a second fault an hour later is restarted (a run of days meets
-    rare faults every few hours), a third at once gives up naming both settings."""
+    """max_restarts=1 per hour: a second fault an hour later, after steps that worked, is
+    restarted (a run of days meets rare faults every few hours), a third at once gives up
+    naming both settings."""
     clock, zero = Clock(), np.zeros((2, 2, 2))
     env = IsolatedEnv("reach", 2, 0, REACH, timeout_s=5, max_restarts=1, first_env=0,
                       owner="rank 1 (simulator)", restart_window_s=3600)
@@ -168,10 +169,11 @@ def test_restarts_further_apart_than_the_window_never_add_up():
         env.reset()
         env._proc.kill()
         env.step(zero)
+        assert not env.step(zero).env_fault.any()  # back at work
         clock.now = 3600.5
         env._proc.kill()
         env.step(zero)
-        assert env.restarts == 2
+        assert env.restarts == 2 and not env.step(zero).env_fault.any()
         env._proc.kill()
         with pytest.raises(EnvWorkerFailed, match=r"restarted 1 times in the last 3600 s "
                            r"\(env.max_restarts=1, env.restart_window_s=3600\)"):
@@ -184,17 +186,39 @@ def test_a_restart_budget_counts_within_its_sliding_window():
     clock = Clock()
     budget = RestartBudget(2, 10.0, clock)
     assert budget.spend()
+    budget.worked()  # (steps between: the window alone counts here)
     clock.now = 5.0
     assert budget.spend() and not budget.spend()
+    budget.worked()
     clock.now = 9.9
     assert not budget.spend()  # both still within 10 s
     clock.now = 10.0
-    assert budget.spend() and not budget.spend()  # the first left the window, not the second
+    assert budget.spend()  # the first left the window, not the second
+    budget.worked()
+    assert not budget.spend()
     lifelong = RestartBudget(1, 0.0, clock)
     assert lifelong.spend()
+    lifelong.worked()
     clock.now = 1e9
     assert not lifelong.spend() and lifelong.spent() == (
         "1 times already (env.max_restarts=1, env.restart_window_s=0)")
+
+
+def test_restarts_in_a_row_without_a_step_give_up_however_slow():
+    """A fault at every try (a rebuild that always hangs, cut at env.build_timeout_s, half an
+    hour) never made 6 in an hour: restarted for the rest of the allocation. In a row, with
+    no step between, max_restarts is all it gets; a step that worked forgives them."""
+    clock = Clock()
+    budget = RestartBudget(2, 3600.0, clock)
+    for tries in range(2):
+        clock.now += 1800.0  # each try cut at its deadline: two an hour, under the window's 2
+        assert budget.spend()
+    clock.now += 1800.0
+    assert not budget.spend()
+    assert budget.spent() == "2 times in a row without a step between (env.max_restarts=2)"
+    budget.worked()  # the worker got back to work: a later fault is another
+    clock.now += 1800.0
+    assert budget.spend()
 
 
 def test_an_env_that_cannot_be_built_fails_at_start_naming_the_error():
@@ -314,8 +338,8 @@ def test_a_slot_that_keeps_failing_or_the_last_one_retired_stops_the_rank():
     for _ in range(3):
         assert env.step(np.zeros((2, 2, 2), np.float32)).env_fault.tolist() == [False, True]
     with pytest.raises(RuntimeError, match=r"test env 11 failed in step: .*simulator gone.*; "
-                                           r"rebuilt 3 times already \(env.max_restarts=3, "
-                                           r"env.restart_window_s=0\)"):
+                                           r"rebuilt 3 times in a row without a step "
+                                           r"between \(env.max_restarts=3\)"):
         env.step(np.zeros((2, 2, 2), np.float32))
     env = serial_env({0, 1}, {0, 1}, first_env=10)
     with pytest.raises(RuntimeError, match=r"test: every env of envs 10..11 could not be "

@@ -131,10 +131,10 @@ def test_a_failed_world_without_a_checkpoint_is_not_started_over(tmp_path):
     finally:
         proc.kill()
     text = "".join(log)
-    assert "but learner.checkpoint_every (and learner.checkpoint_every_s) is 0: a world that " \
-        "fails has no checkpoint" in text
-    assert "the run has no checkpoint to continue from (learner.checkpoint_every): not " \
-        "restarting" in text and "restart 1/1" not in text, text[-5000:]
+    assert "but no checkpoint is written before the run's end (learner.checkpoint_every, " \
+        "learner.checkpoint_every_s: 0): a world that fails has none" in text
+    assert "the run has no checkpoint to continue from (learner.checkpoint_every, learner." \
+        "checkpoint_every_s): not restarting" in text and "restart 1/1" not in text, text[-5000:]
     assert len([p for p in runs.iterdir() if not p.name.startswith(".")]) == 1
 
 

@@ -277,12 +277,15 @@ def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkey
     from hpcvla.checkpoint.store import _publish
     newer = tmp_path / "checkpoints" / "v000012.partial"  # (only a second world's, here)
     newer.mkdir()
+    (tmp_path / "checkpoints" / "v000003-copy.partial").mkdir()  # a user's: not a version
     mine = tmp_path / "checkpoints" / "v000010.partial"  # this world's, its files written
     mine.mkdir()
     (mine / "optimizer.rank0.json").write_text("{}")
     _publish(mine, tmp_path / "checkpoints" / "v000010", {"version": 10}, learners=1, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
-        "v000010", "v000012.partial"]
+        "v000003-copy.partial", "v000010", "v000012.partial"]
+    catalog.remove(tmp_path / "gone already")  # (another's removal came first): nothing said
+    assert "could not be deleted" not in capsys.readouterr().err
 
 
 @pytest.mark.cluster  # root: a mount namespace of its own

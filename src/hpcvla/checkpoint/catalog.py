@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -253,7 +254,9 @@ def remove(folder: Path) -> None:
     failed: list[str] = []
 
     def failed_at(_, path, error) -> None:  # an exception (onexc), or its exc_info (onerror)
-        failed.append(f"{path}: {error[1] if isinstance(error, tuple) else error}")
+        error = error[1] if isinstance(error, tuple) else error
+        if not isinstance(error, FileNotFoundError):  # gone already: what was wanted
+            failed.append(f"{path}: {error}")
     shutil.rmtree(folder, **{"onexc" if sys.version_info >= (3, 12) else "onerror": failed_at})
     if failed:
         print(f"[hpcvla] {folder} could not be deleted whole ({failed[0]}; {len(failed)} "
@@ -263,7 +266,6 @@ def remove(folder: Path) -> None:
 
 def _holder() -> str:
     """Who holds a run's .lock, as its file says: the process, its host and its job."""
-    import os
     import socket
     import time
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
@@ -322,5 +324,6 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
     handle.truncate(0)
     handle.write(_holder())
     handle.flush()
+    os.fsync(handle.fileno())  # another node's world reads it
     for partial in (Path(run_dir) / "checkpoints").glob("v*.partial"):
         remove(partial)

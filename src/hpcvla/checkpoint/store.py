@@ -24,6 +24,7 @@ seeds.py, docs/outputs.md).
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import threading
@@ -189,7 +190,8 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
     for old in complete(final.parent.parent)[:-keep]:
         remove(old)
     for unfinished in final.parent.glob("v*.partial"):
-        if int(unfinished.name[1:-len(".partial")]) < int(final.name[1:]):
+        older = re.fullmatch(r"v(\d+)\.partial", unfinished.name)  # (not a copy's name)
+        if older and int(older.group(1)) < int(final.name[1:]):
             remove(unfinished)
 
 

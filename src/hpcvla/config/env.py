@@ -146,14 +146,15 @@ class EnvConfig:
         "so a build may take many steps' time. 0 = none, else >= 1.", ge=0)
     max_restarts: int = setting(
         5, "Restarts of one shard's worker (env.isolation=process), or rebuilds of one env "
-        "that raised (inline ManiSkill/LIBERO envs), within env.restart_window_s, after "
-        "which the rank gives up and stops the job (a fault that always recurs is a bug, not "
-        "bad luck).", ge=0)
+        "that raised (inline ManiSkill/LIBERO envs), within env.restart_window_s or in a row "
+        "without a step between, after which the rank gives up and stops the job (a fault "
+        "that always recurs is a bug, not bad luck).", ge=0)
     restart_window_s: float = setting(
         3600.0, "The seconds over which env.max_restarts counts a shard's or an env's "
         "restarts (a sliding window): a rare fault, that a job of days meets every few hours, "
-        "does not add up to the job's end, while one recurring within the window stops it. "
-        "0: over the whole world's life.", ge=0)
+        "does not add up to the job's end, while more than env.max_restarts within the "
+        "window, or in a row without a step between (however slow), stop it. 0: over the "
+        "whole world's life.", ge=0)
     hang_at_step: int = setting(
         0, "`reach`, fault injection: every env's step number N never returns (tests the "
         "step watchdog). 0 = never.", ge=0)

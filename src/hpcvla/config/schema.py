@@ -227,7 +227,8 @@ class LearnerConfig:
         "higher rides out rare bad batches, lower stops a diverged run sooner.", ge=1)
     checkpoint_every: int = setting(
         0, "Write a checkpoint (safetensors weights + optimizer state) every this many "
-        "policy versions; 0: only at the end (and on a stop signal); -1: never (benchmarks: "
+        "policy versions; 0: none by versions (learner.checkpoint_every_s's by the clock, and "
+        "at the end and on a stop signal); -1: never (benchmarks: "
         "a full-size π0's is ~45 GB). More often loses less to a crash; what it costs the "
         "learners: `hpcvla bench checkpoint`. learner.checkpoint_every_s writes them by the "
         "clock as well.", ge=-1)

@@ -38,21 +38,29 @@ STATE_IDS = 2 ** 31  # every init_state_id is below this (ManiSkill's reset seed
 class RestartBudget:
     """The restarts of one shard's worker, or the rebuilds of one env slot: at most `limit`
     within any `window_s` seconds (env.max_restarts, env.restart_window_s; 0: over the world's
-    life). A fault that recurs within the window is a bug to fix, not to retry; a rare one,
-    which a run of days meets every few hours, must not add up to the job's end."""
+    life), and at most `limit` in a row without a step between (`worked`). A fault that
+    recurs within the window, or at every try however slowly (a build that always hangs, cut
+    at env.build_timeout_s), is a bug to fix, not to retry; a rare one, which a run of days
+    meets every few hours, must not add up to the job's end."""
 
     def __init__(self, limit: int, window_s: float = 0.0, clock=time.monotonic):
         self.limit, self.window_s, self.clock = limit, window_s, clock
         self._times: deque[float] = deque()  # of the restarts within the window
+        self._in_a_row = 0  # since the last step that worked
+
+    def worked(self) -> None:
+        """A step went through: the restarts before it were not in vain."""
+        self._in_a_row = 0
 
     def spend(self) -> bool:
         """Whether one more restart is within the budget; counts it if so."""
         now = self.clock()
         while self.window_s and self._times and now - self._times[0] >= self.window_s:
             self._times.popleft()
-        if len(self._times) >= self.limit:
+        if len(self._times) >= self.limit or self._in_a_row >= self.limit:
             return False
         self._times.append(now)
+        self._in_a_row += 1
         return True
 
     def tally(self) -> str:
@@ -62,6 +70,9 @@ class RestartBudget:
 
     def spent(self) -> str:
         """What `spend` refused: how many, over what, and the settings."""
+        if self._in_a_row >= self.limit:
+            return (f"{self._in_a_row} times in a row without a step between "
+                    f"(env.max_restarts={self.limit})")
         over = f"in the last {self.window_s:g} s" if self.window_s else "already"
         return (f"{len(self._times)} times {over} (env.max_restarts={self.limit}, "
                 f"env.restart_window_s={self.window_s:g})")

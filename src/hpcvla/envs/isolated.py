@@ -19,10 +19,11 @@ replace the worker:
 whose actions are in, then collects them, so a rank's workers step concurrently, one core each
 (`hpcvla bench shards` measures it), and a hung shard holds up only itself.
 
-More than `max_restarts` restarts of one shard within `restart_window_s` raise (a fault that
-always recurs is a bug to fix, not to retry: envs/base.RestartBudget). The worker's own code
-imports no MPI and no torch (a ManiSkill env brings torch); it is a helper process of its rank (process/worker.py: it dies with the rank, leaves
-stop signals to it). Cost: one more process per shard (~30 MB with `reach`, a simulator's own
+More than `max_restarts` restarts of one shard within `restart_window_s`, or in a row without
+a step between, raise (a fault that always recurs is a bug to fix, not to retry:
+envs/base.RestartBudget). The worker's own code imports no MPI and no torch (a ManiSkill env
+brings torch); it is a helper process of its rank (process/worker.py: it dies with the rank,
+leaves stop signals to it). Cost: one more process per shard (~30 MB with `reach`, a simulator's own
 footprint with the others), and a pickled observation batch per step over a local socket (~0.1
 ms for 8 64-px images).
 """
@@ -191,6 +192,7 @@ class IsolatedEnv(VectorEnv):
                                 chunk_steps=np.zeros(n, np.int32))  # none known to have run
             self._chunks[:], self._return[:] = 0, 0.0
             return result
+        self.budget.worked()
         done = result.terminated | result.truncated
         self._chunks = np.where(done, 0, self._chunks + 1).astype(np.int32)
         self._return = np.where(done, 0.0, self._return + result.reward).astype(np.float32)

@@ -29,8 +29,8 @@ failed reset at its next step, unrun: the rebuilt slot's random start is not the
 asked for), while the other envs go on. A slot that cannot be rebuilt is retired: it returns
 zero observations and a truncated, faulted step from then on, so learners train nothing of
 it and success counts skip it. A slot that fails again after `max_rebuilds` rebuilds
-within `rebuild_window_s` (env.max_restarts, env.restart_window_s: base.RestartBudget), or
-the last slot retired, raises: the rank stops the job, named, rather
+within `rebuild_window_s` or in a row (env.max_restarts, env.restart_window_s:
+base.RestartBudget), or the last slot retired, raises: the rank stops the job, named, rather
 than train on faults alone.
 """
 
@@ -208,6 +208,7 @@ class SerialVectorEnv(VectorEnv):
                         if not self.run_to_horizon:
                             break
                 self._write_obs(i)
+                self._rebuilds[i].worked()
                 return True
             failed[i] = self._guarded(i, "step", run_chunk) is None
         self._chunks += 1

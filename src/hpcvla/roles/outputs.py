@@ -103,6 +103,7 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
     Writer): training waits only for the snapshot, and for the previous checkpoint if that is
     still being written. The last one is complete when save returns."""
     from hpcvla.checkpoint import store  # torch: here, on the learners, not on every rank
+    from hpcvla.transport.backoff import idle_bcast
     writer = store.Writer(cfg.learner.checkpoint_background)
     # what every learner trains a version together (catalog.batch_change reads it back)
     batch = learners.Get_size() * cfg.learner.micro_batch * cfg.learner.micro_batches
@@ -117,7 +118,9 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
         if not every_s:
             return False
         late = time.monotonic() - saved_at[0] >= every_s  # the first learner's clock decides
-        return bool(learners.bcast(late, root=0)) if learners.Get_size() > 1 else late  # [dist]
+        if learners.Get_size() == 1:
+            return late
+        return bool(idle_bcast(learners, lambda: late))  # [dist] asleep while it publishes
 
     def save(version: int, weights: dict[str, torch.Tensor] | None, last: bool) -> None:
         writer.check()  # the last checkpoint's write, if it failed
