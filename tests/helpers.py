@@ -93,6 +93,16 @@ def run_train(tmp_path, *overrides, config="configs/default.yaml", ranks=4, time
     return out, json.loads((run_dir / "summary.json").read_text()), run_dir
 
 
+class Clock:
+    """A clock a test moves by hand (`now`), for code that takes one to read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
 def reach_demos(path: Path, episodes: int) -> Path:
     """`episodes` demonstrations of the default `reach` task's oracle (`hpcvla demos`) written
     to `path`, for `hpcvla sft`; asserts it succeeded."""

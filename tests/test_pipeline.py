@@ -25,15 +25,7 @@ from hpcvla.preflight import check_config, check_pipeline
 from hpcvla.roles.batcher import DynamicBatcher
 from hpcvla.schedule import schedule_of
 from hpcvla.topology.plan import plan_from_config
-from helpers import ROOT, hpcvla, progress_version, run_train
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from helpers import ROOT, Clock, hpcvla, progress_version, run_train
 
 
 def test_batcher_fires_on_batch_max():
@@ -52,13 +44,13 @@ def test_batcher_fires_on_wait_max_and_respects_eligibility():
     clock = Clock()
     b = DynamicBatcher(batch_max=64, wait_max=0.010, clock=clock)
     b.add(0, 8)
-    clock.t = 0.004
+    clock.now = 0.004
     b.add(5, 8)
     assert b.fire_reason() is None and b.time_to_deadline() == pytest.approx(0.006)
-    clock.t = 0.0101
+    clock.now = 0.0101
     assert b.fire_reason() == "wait_max"
     assert b.fire_reason(eligible={5}) is None  # the old request is held back (quota)
-    clock.t = 0.0141
+    clock.now = 0.0141
     assert b.fire_reason(eligible={5}) == "wait_max"
     assert b.take(eligible={5}) == [5] and b.take() == [0]
 

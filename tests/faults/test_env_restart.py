@@ -17,7 +17,7 @@ import pytest
 from hpcvla.envs import make_env
 from hpcvla.envs.base import RestartBudget, close_all
 from hpcvla.envs.isolated import EnvWorkerFailed, IsolatedEnv
-from helpers import hpcvla
+from helpers import Clock, hpcvla
 
 REACH = dict(image_size=16, chunk_len=2, max_episode_chunks=5)
 
@@ -145,16 +145,6 @@ def test_a_fault_that_recurs_gives_up_after_max_restarts():
             env.step(np.zeros((2, 2, 2)))
     finally:
         env.close()
-
-
-class Clock:
-    """A budget's clock that the test moves (the window is an hour)."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_restarts_further_apart_than_the_window_never_add_up():
