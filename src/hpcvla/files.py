@@ -1,10 +1,10 @@
 """Files written whole or not at all, and logs appended a whole line at a time. What hpcvla
-rewrites in place (summary.json,
-eval.jsonl, a checkpoint's per-learner sidecars, a rank's failure card for its launcher) goes
-to a temporary file beside it, renamed over it once written: a reader (a resumed run, another
-node's rank, the launcher) sees the old file or the new one, never a cut one. A full disk or
-an exceeded quota mid-write, or a node lost before its write-back, cut a run's summary.json
-short, with every earlier start's record, and the next resume failed at its end on it."""
+rewrites in place (summary.json, eval.jsonl, a checkpoint's per-learner sidecars, a rank's
+card and failure note for its launcher) goes to a temporary file beside it, renamed over it
+once written: a reader (a resumed run, another node's rank, the launcher) sees the old file
+or the new one, never a cut one. A full disk or an exceeded quota mid-write, or a node lost
+before its write-back, cut a run's summary.json short, with every earlier start's record,
+and the next resume failed at its end on it."""
 
 from __future__ import annotations
 
