@@ -363,16 +363,17 @@ def test_the_last_progress_passes_over_a_line_the_death_cut_short(tmp_path):
 def test_a_launcher_reads_the_end_of_a_long_runs_metrics_only(tmp_path):
     """A run of days writes GBs of metrics.jsonl, which a launcher read whole at every
     failure: its tail holds the newest record, whole lines only."""
-    from hpcvla.process.last_progress import TAIL_BYTES, last_progress, tail_lines
+    from hpcvla.files import read_log
+    from hpcvla.process.last_progress import TAIL_BYTES, last_progress
     run = tmp_path / "run"
     run.mkdir()
     (tmp_path / "run_dir").write_text(str(run))
     record = '{"update": %d, "trained_env_steps": %d, "time": 1.0, "pad": "%s"}\n'
     lines = [record % (v, 10 * v, "x" * 400) for v in range(1, 6001)]  # ~2.6 MB
     (run / "metrics.jsonl").write_text("".join(lines))
-    tail = tail_lines(run / "metrics.jsonl")
-    assert tail == [line.rstrip("\n") for line in lines[-len(tail):]]  # whole lines
-    assert TAIL_BYTES - 1000 < sum(len(line) + 1 for line in tail) <= TAIL_BYTES
+    tail = read_log(run / "metrics.jsonl", TAIL_BYTES)
+    assert tail == [json.loads(line) for line in lines[-len(tail):]]  # whole lines
+    assert TAIL_BYTES - 1000 < sum(map(len, lines[-len(tail):])) <= TAIL_BYTES
     assert last_progress(tmp_path / "run_dir").startswith(
         "last progress: policy version 6000, 60000 trained env steps")
 

@@ -47,11 +47,18 @@ def open_log(path: Path | str, buffering: int = -1):
     return open(path, "a", buffering=buffering)
 
 
-def read_log(path: Path | str) -> list:
-    """The records of a log of JSON lines; a line a killed rank or a lost node cut short
-    (open_log ends it before the next start appends) is passed over."""
+def read_log(path: Path | str, tail_bytes: int | None = None) -> list:
+    """The records of a log of JSON lines (`tail_bytes`: of the whole lines among its last
+    that many bytes: a run of days writes GBs of metrics.jsonl, which a launcher read whole,
+    into the batch node's memory, at every failure); a line a killed rank or a lost node cut
+    short (open_log ends it before the next start appends) is passed over."""
+    with open(path, "rb") as handle:
+        end = handle.seek(0, os.SEEK_END)
+        start = 0 if tail_bytes is None else max(0, end - tail_bytes)
+        handle.seek(start)
+        lines = handle.read().decode(errors="replace").splitlines()
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in lines[1:] if start else lines:  # (the first may be another line's end)
         try:
             records.append(json.loads(line))
         except ValueError:

@@ -24,7 +24,6 @@ seeds.py, docs/outputs.md).
 from __future__ import annotations
 
 import json
-import re
 import os
 import shutil
 import threading
@@ -37,9 +36,9 @@ from safetensors.torch import load_file
 from safetensors.torch import save_file as _save_file
 
 from hpcvla.checkpoint import optimizer_state
-from hpcvla.checkpoint.catalog import (FORMAT, MODEL, STATE, CheckpointError, checkpoint_dir,
-                                      complete, read_state, remove, sealed, sha256,
-                                      verify_file)
+from hpcvla.checkpoint.catalog import (CHECKPOINT_NAME, FORMAT, MODEL, STATE, CheckpointError,
+                                      checkpoint_dir, complete, read_state, remove, sealed,
+                                      sha256, verify_file)
 from hpcvla.checkpoint.optimizer_state import MASTER
 from hpcvla.files import replace_text
 from hpcvla.transport.backoff import idle_barrier, wait_until
@@ -190,8 +189,8 @@ def _publish(partial: Path, final: Path, state: dict, learners: int, keep: int) 
     for old in complete(final.parent.parent)[:-keep]:
         remove(old)
     for unfinished in final.parent.glob("v*.partial"):
-        older = re.fullmatch(r"v(\d+)\.partial", unfinished.name)  # (not a copy's name)
-        if older and int(older.group(1)) < int(final.name[1:]):
+        name = unfinished.name.removesuffix(".partial")  # (not a copy's, as complete())
+        if CHECKPOINT_NAME.fullmatch(name) and int(name[1:]) < int(final.name[1:]):
             remove(unfinished)
 
 

@@ -68,7 +68,8 @@ from hpcvla.config import (ConfigError, config_argument, last_run_config, load_c
                            resumed_run_config)
 from hpcvla.config.loader import with_overrides
 from hpcvla.metrics import restart_log
-from hpcvla.process.last_progress import tail_lines
+from hpcvla.files import read_log
+from hpcvla.process.last_progress import TAIL_BYTES
 from hpcvla.schedule import micro_batches_for
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -145,12 +146,11 @@ def record(run_root: Path, status: int, dropped: list[str], nodes: list[str],
         ("env_steps", state["counters"].get("trained_env_steps", 0))
     trained = kept
     metrics = run_dir / "metrics.jsonl"
-    for line in reversed(tail_lines(metrics) if metrics.exists() else []):
-        try:  # the world may have died in the middle of the last line
-            trained = json.loads(line)["step" if sft else "trained_env_steps"]
+    key = "step" if sft else "trained_env_steps"
+    for record in reversed(read_log(metrics, TAIL_BYTES) if metrics.exists() else []):
+        if isinstance(record, dict) and key in record:  # (a line cut short is none)
+            trained = record[key]
             break
-        except (ValueError, KeyError):
-            continue
     trained = max(trained, kept)  # metrics.jsonl's last line may be older than a checkpoint
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "exit_status": status,
              "dropped_nodes": dropped, "nodes": nodes, "ranks": ranks,

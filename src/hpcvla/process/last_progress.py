@@ -5,9 +5,9 @@ held-out evaluation's), is passed over."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
+
+from hpcvla.files import read_log
 
 TAIL_BYTES = 1 << 20  # ~2,000 progress records: the newest is among them
 
@@ -16,10 +16,10 @@ def last_progress(run_dir_file: Path) -> str:
     """What the newest progress record of the run whose directory `run_dir_file` names says."""
     try:
         metrics = Path(run_dir_file.read_text()) / "metrics.jsonl"
-        lines = tail_lines(metrics)
+        records = read_log(metrics, TAIL_BYTES)
     except OSError:
         return "no progress recorded"
-    last = next(filter(None, map(_progress, reversed(lines))), None)
+    last = next(filter(_is_progress, reversed(records)), None)
     if last is None:
         return f"no progress recorded yet ({metrics})"
     if "step" in last:  # `hpcvla sft`'s
@@ -29,24 +29,9 @@ def last_progress(run_dir_file: Path) -> str:
             f"trained env steps, {last['time']:.0f} s into training ({metrics})")
 
 
-def tail_lines(path: Path, size: int = TAIL_BYTES) -> list[str]:
-    """The whole lines among the last `size` bytes of `path`: a run of days writes GBs of
-    metrics.jsonl, which a launcher read whole, into the batch node's memory, at every
-    failure."""
-    with open(path, "rb") as f:
-        end = f.seek(0, os.SEEK_END)
-        f.seek(max(0, end - size))
-        lines = f.read().decode(errors="replace").splitlines()
-    return lines[1:] if end > size else lines  # the first may be another line's end
-
-
-def _progress(line: str) -> dict | None:
-    """A metrics.jsonl line's record where it is progress, else None."""
-    try:
-        record = json.loads(line)
-    except ValueError:  # cut short
-        return None
+def _is_progress(record) -> bool:
+    """Whether a metrics.jsonl record is progress (a line cut short is none: read_log)."""
     if not isinstance(record, dict):
-        return None
+        return False
     wanted = ("step", "trained_chunks") if "step" in record else ("update", "trained_env_steps")
-    return record if all(key in record for key in (*wanted, "time")) else None
+    return all(key in record for key in (*wanted, "time"))
