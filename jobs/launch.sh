@@ -59,7 +59,7 @@
 #                     slow just then: a short limit drops healthy nodes)
 #   HPCVLA_START_RETRIES  train, sft, eval: a world that failed while starting, before any
 #                     rank registered, is started again on the same nodes this many times
-#                     (default 1)
+#                     (default 2)
 #   HPCVLA_END_GRACE_S  train, sft, eval: a world whose ranks on this node died without
 #                     finishing is ended this many seconds later if its launcher has not ended
 #                     it (default 30; after a node failure mpiexec/srun wait for the scheduler
@@ -75,6 +75,11 @@
 #   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
 #                     and print it and the command, but start no rank
 set -euo pipefail
+
+# Bash reads a script as it runs it: a launch.sh rewritten in place while a job runs (an editor,
+# `cp` over it) would be read on from the old offset of the new text. The script is therefore
+# one compound command, read whole before any of it runs, ended by its own `exit`.
+{
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 say() { echo "launch.sh $(date "+%F %T"): $*" >&2; }
@@ -287,10 +292,11 @@ fit_to_nodes() {
 # A world that failed while starting, before any rank registered and before a run directory
 # existed (MPI_Init: Open MPI's ranks can crash there when a peer's first message arrives
 # early, open-mpi/ompi#12495), is started again on the same nodes, HPCVLA_START_RETRIES
-# times (default 1): nothing ran, so nothing is lost or trained twice. Not a refused world
-# (exit 2: its verdict would be the same), nor when a node stopped answering.
+# times (default 2: on loaded nodes a second start crashed too): nothing ran, so nothing is
+# lost or trained twice. Not a refused world (exit 2: its verdict would be the same), nor when
+# a node stopped answering.
 restarts_left=${HPCVLA_RESTARTS:-0}
-START_RETRIES=${HPCVLA_START_RETRIES:-1}
+START_RETRIES=${HPCVLA_START_RETRIES:-2}  # as job/launch.py
 # The run this job continues (set_command's RESUME) and its newest checkpoint as the job
 # begins: a time-limit requeue of that run needs a checkpoint past it (a job whose time runs
 # out before its next checkpoint would requeue, and end so, for ever).
@@ -422,3 +428,4 @@ elif (( status == 0 )) && makes_a_run "$1" && [[ -n ${HPCVLA_JOB_RUNS:-} ]] &&
         "with run.resume=$STOPPED): exit status $status"
 fi
 exit "$status"
+}

@@ -7,8 +7,10 @@ learners (the rest spare) where the learners would outnumber the producers left.
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -316,4 +318,25 @@ def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
         patch.setenv("HPCVLA_START_RETRIES", "2")
         assert start_retries(["eval", "runs/x"]) == 2
         patch.setenv("HPCVLA_START_RETRIES", "")  # as jobs/launch.sh reads it: the default
-        assert start_retries(["sft", "configs/default.yaml"]) == 1
+        assert start_retries(["sft", "configs/default.yaml"]) == 2
+
+
+def test_a_launch_script_rewritten_while_it_runs_ends_as_it_began(tmp_path):
+    """jobs/launch.sh rewritten in place while its job runs (an editor, `cp` over it: the same
+    file, new text) ends as it began. Bash reads a script as it runs it; launch.sh is one
+    compound command, read whole before any of it runs, not read on from its old offset."""
+    shutil.copytree(ROOT / "jobs", tmp_path / "jobs")
+    script, err = tmp_path / "jobs" / "launch.sh", tmp_path / "err"
+    with err.open("w") as stderr:
+        run = subprocess.Popen([script, "plan", "configs/default.yaml", "--world", "4"],
+                               cwd=ROOT, env={**os.environ, "HPCVLA_ROOT": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=stderr, text=True)
+        deadline = time.monotonic() + 60
+        while "running:" not in err.read_text():  # the command (`hpcvla plan`, ~3 s) runs
+            assert time.monotonic() < deadline and run.poll() is None, err.read_text()
+            time.sleep(0.05)
+        script.write_text("# " + "a longer header " * 20 + "\n" + script.read_text())
+        out, _ = run.communicate(timeout=120)
+    said = err.read_text()
+    assert run.returncode == 0 and said.count("running:") == 1, said
+    assert "error" not in said and "node 0 host memory" in out, said

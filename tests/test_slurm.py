@@ -70,8 +70,9 @@ def finished(slurm, job, log: Path, timeout=600) -> str:
     """Wait for the job; assert it completed with exit code 0; its log."""
     info = slurm.wait(job, timeout)
     text = log.read_text() if log.exists() else "(no log)"
+    story = "\n".join(line[:300] for line in text.splitlines() if line.startswith("launch.sh "))
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), \
-        f"{info['JobState']} {info['ExitCode']}\n{text[-4000:]}"
+        f"{info['JobState']} {info['ExitCode']}\nlaunch.sh said:\n{story}\n...\n{text[-4000:]}"
     return text
 
 
@@ -838,7 +839,7 @@ def test_a_launcher_that_exits_0_for_a_world_that_never_ran_fails_the_job(tmp_pa
 
 
 STARTED_AGAIN = "the world failed while starting, before any rank registered: starting it " \
-    "again (1/1)"
+    "again (1/2)"
 
 
 def kill_rank_1_as_it_starts(slurm, job: str, log: Path, tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ oversubscription and run-as-root) and, for both MPIs, one BLAS/OpenMP thread per
 are at least as many as cores; it forwards the exit status, and kills the world on a timeout.
 A world of `train`, `sft` or `eval` that failed while starting, before any rank registered
 (Open MPI's ranks can crash in MPI_Init, open-mpi/ompi#12495), is started again,
-HPCVLA_START_RETRIES times (default 1), as jobs/launch.sh does.
+HPCVLA_START_RETRIES times (default 2), as jobs/launch.sh does.
 Under a batch scheduler use the job scripts in jobs/ (srun / the site's mpiexec) instead.
 """
 
@@ -125,7 +125,7 @@ def start_retries(program: list[str]) -> int:
     """How many times a world of `program` that failed while starting is started again."""
     if program[0] not in REGISTERING:
         return 0  # a script's ranks leave no cards: any failure would look like that
-    value = os.environ.get(START_RETRIES) or "1"  # unset or empty: the default, as in bash
+    value = os.environ.get(START_RETRIES) or "2"  # unset or empty: the default, as in bash
     if not value.isdigit():
         raise LaunchError(f"{START_RETRIES}={value} is not a count: set a whole number "
                           "(0 or more), or unset it for its default")
