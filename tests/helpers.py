@@ -171,15 +171,16 @@ def reach_segments(n_groups: int, n_envs=4, T=5, seed=3):
 
 
 def writer(path, spec, flush_s=10.0, in_process=True, config="run: {name: test}\n",
-           start_version=0):
+           start_version=0, max_bytes=0):
     """A trajectory dump of producer 7 for `reach_segments`' groups (`in_process`: written
     by this process, else by a writer process, as a training run's), a start of a run of
-    `config` from `start_version`."""
+    `config` from `start_version`, its file's most size `max_bytes` (0: none)."""
     from hpcvla.metrics.dump_writer import TrajectoryDump
 
     return TrajectoryDump(path, 7, list(spec.obs), spec.vocab, lambda slot: 1000 + slot,
                           "reach", spec.chunk_len, config, flush_s,
-                          start_version=start_version, in_process=in_process)
+                          start_version=start_version, in_process=in_process,
+                          max_bytes=max_bytes)
 
 
 def reach_dump(path, n_groups=6, **start):

@@ -121,7 +121,7 @@ print("flushed", dump.file.written, flush=True)
 dump.flush_s = 1e9
 for group in groups[4:]:
     dump.add_segment(group)
-import hpcvla.metrics.dump_writer as w
+import hpcvla.metrics.dump_file as w
 compress = w._dataset
 def slow(*args, **kwargs):           # a flush that compresses for seconds, as a writer behind
     time.sleep(0.5)                  # its rank does
@@ -153,7 +153,7 @@ def test_a_writer_killed_while_it_compresses_a_flush_leaves_the_dump_readable(tm
         proc.wait(10)
     summary = summarize(path)
     assert summary["episodes"] == written > 0 and summary["complete"] is False
-    from hpcvla.metrics.dump_writer import DumpFile
+    from hpcvla.metrics.dump_file import DumpFile
     with h5py.File(path, "r") as f:
         args = (7, "run", "reach", int(f.attrs["chunk_len"]), "")
     DumpFile(path, *args)  # a resumed run's writer: appends to the dump, drops the staging
@@ -204,8 +204,8 @@ def test_a_writer_appends_every_max_pending_episodes_between_flushes(tmp_path, m
     each MAX_PENDING of them without waiting for the flush interval, so the rank waits for it
     as it goes and its stop for at most that many. Before, a flush interval's episodes piled
     up (the README's job with dumps: 119 s of backlog after its last checkpoint, now 4 s)."""
-    import hpcvla.metrics.dump_writer as dump_writer
-    monkeypatch.setattr(dump_writer, "MAX_PENDING", 5)
+    import hpcvla.metrics.dump_file as dump_file
+    monkeypatch.setattr(dump_file, "MAX_PENDING", 5)
     groups, spec = reach_segments(6)
     dump = writer(tmp_path / "rank7.h5", spec, flush_s=1e9)
     for group in groups:
@@ -216,6 +216,42 @@ def test_a_writer_appends_every_max_pending_episodes_between_flushes(tmp_path, m
         handed - len(dump.file.pending)
     dump.close()
     assert summarize(tmp_path / "rank7.h5")["episodes"] == handed
+
+
+def test_a_dump_at_its_share_of_dump_max_gib_takes_no_more_episodes(tmp_path, capfd):
+    """run.dump_max_gib: a file that a flush left at its most size or past it takes no more
+    episodes (said once, by the writer process of a training run), counts the finished ones
+    it did not write and still closes complete; a resumed start finds it full; one under a
+    larger share (0: none) writes on."""
+    path, groups, spec = tmp_path / "rank7.h5", *reach_segments(12)
+    size = lambda: path.stat().st_size  # noqa: E731
+    writer(path, spec).close()  # a first start, with no most size
+    dump = writer(path, spec, flush_s=1e9, in_process=False, max_bytes=size() + 1000)
+    for group in groups[:6]:
+        dump.add_segment(group)
+    dump.flush()  # past the share now: these episodes are in, no later one
+    for group in groups[6:]:
+        dump.add_segment(group)
+    dump.close()
+    handed = sum(dump.episodes.values())
+    said = capfd.readouterr().err
+    assert said.count("its share of run.dump_max_gib: the episodes after its ") == 1, said
+    s = summarize(path)
+    assert s["complete"] and 0 < s["episodes"] < handed and s["segments"] == 12
+    assert s["episodes"] + s["episodes_not_written"] == handed, s
+    assert f"{s['episodes_not_written']} finished episodes not written" in describe(s)
+    full = writer(path, spec, max_bytes=size() + 1)  # resumed: full from its start
+    full.add_segment(groups[0])
+    full.close()
+    assert summarize(path)["episodes"] == s["episodes"] and "the episodes after its " \
+        f"{s['episodes']} are not written" in capfd.readouterr().err
+    more = writer(path, spec)  # resumed with no most size: it writes on, its count kept
+    for group in groups[:6]:
+        more.add_segment(group)
+    more.close()
+    after = summarize(path)
+    assert after["episodes"] > s["episodes"] and \
+        after["episodes_not_written"] == s["episodes_not_written"] + sum(full.episodes.values())
 
 
 def test_each_start_of_a_run_is_told_apart_with_its_config(tmp_path):
@@ -344,7 +380,7 @@ def test_a_producer_held_up_by_its_stopped_dump_writer_says_so(tmp_path, capfd):
     each remind_s, and goes on when the writer does."""
     groups, spec = reach_segments(40)
     dump = writer(tmp_path / "rank7.h5", spec, flush_s=0.0, in_process=False)
-    dump.file.max_bytes, dump.file.remind_s = 1, 0.5
+    dump.file.queue_bytes, dump.file.remind_s = 1, 0.5
     os.kill(dump.file._proc.pid, signal.SIGSTOP)
     threading.Timer(3.0, os.kill, (dump.file._proc.pid, signal.SIGCONT)).start()
     for group in groups:

@@ -54,6 +54,13 @@ class RunConfig:
         "(`hpcvla inspect FILE`), by a writer process per producer. Costs disk (~1 KB a step "
         "at 64 px, gzip; ~5 KB an episode), a core's share (a writer keeps up with a few hundred "
         "episodes/s: reach's short ones outrun it, and the stop waits for its backlog).")
+    dump_max_gib: float = setting(
+        0.0, "Most GiB the trajectory dumps may take together, each producer's file an equal "
+        "share: a file that reaches its share takes no more episodes (at most one "
+        "run.dump_flush_s past it), its producer saying so once, and counts those it did not "
+        "write (`episodes_not_written`, `hpcvla inspect`); the run goes on. A resumed run "
+        "under a larger value writes on. 0: no limit (a long run's dumps can fill the disk, "
+        "and the run then stops, naming the file).", ge=0)
     dump_flush_s: float = setting(
         10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
         "died, sees everything up to the last one. Shorter: fresher files, more file opens.",

@@ -11,7 +11,9 @@ same layout from a scripted expert (imitation/recording.py: producer_rank -1, po
                               env, chunk_len, config (YAML),
                               complete (False until the run closed it), segments (segment
                               groups received), open_episode_steps (steps of episodes still
-                              running at each start's close, not written: their sum)
+                              running at each start's close, not written: their sum),
+                              episodes_not_written (finished episodes a file at its share
+                              of run.dump_max_gib took no more of: metrics/dump_file.py)
     /starts/<n>        the run's n-th start that wrote the file (0 the first; a resume, or a
                        restart from the same checkpoint, the next); attrs: config (its YAML:
                        the root's is the first's), open_episode_steps, began (ISO time)
@@ -223,6 +225,7 @@ def summarize(path) -> dict:
             "complete": bool(attrs["complete"]), "segments": int(attrs["segments"]),
             "episodes": len(lengths), "steps": int(sum(lengths)), "env_steps": ran,
             "open_episode_steps": int(attrs["open_episode_steps"]),
+            "episodes_not_written": int(attrs.get("episodes_not_written", 0)),
             "mean_length": float(np.mean(lengths)) if lengths else 0.0,
             "success_rate": float(np.mean(success)) if success else None,
             "mean_return": float(np.mean(returns)) if returns else None,
@@ -265,7 +268,9 @@ def describe(summary: dict) -> str:
              f"{s['env_steps']} env steps ran) | mean length {s['mean_length']:.1f} | segments "
              f"{s['segments']} | open at close "
              + (f"{s['open_episode_steps']} steps" if s["complete"] else "unknown (not closed)")
-             + (f" | {s['starts']} starts (a resumed run's)" if s.get("starts", 1) > 1 else "")]
+             + (f" | {s['starts']} starts (a resumed run's)" if s.get("starts", 1) > 1 else "")
+             + (f" | {s['episodes_not_written']} finished episodes not written (past the "
+                "file's share of run.dump_max_gib)" if s.get("episodes_not_written") else "")]
     if s["success_rate"] is not None:
         lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
                      f" (env faults: {s['env_fault_episodes']} episodes, not counted)"

@@ -135,10 +135,11 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
 
 
 def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_dir: Path,
-                    seed_of_slot: Callable[[int], int],
-                    start_version: int) -> TrajectoryDump | None:
+                    seed_of_slot: Callable[[int], int], start_version: int,
+                    producers: int) -> TrajectoryDump | None:
     """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
-    It holds the observations and what the policy records beside them (extra_fields)."""
+    It holds the observations and what the policy records beside them (extra_fields), up to
+    its share of run.dump_max_gib among the run's `producers`."""
     if not cfg.run.dump_trajectories:
         return None
     from hpcvla.metrics.dump_writer import TrajectoryDump
@@ -147,7 +148,8 @@ def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_d
                           spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
                           cfg.run.dump_flush_s, start_version=start_version,
-                          in_process=False)  # a writer process: the rank's time is its steps
+                          in_process=False,  # a writer process: the rank's time is its steps
+                          max_bytes=int(cfg.run.dump_max_gib * 2**30 / producers))
 
 
 def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
