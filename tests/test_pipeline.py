@@ -95,8 +95,9 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     settings = [f"pipeline.mode={mode}", "pipeline.total_updates=4", "learner.zero_stage=2",
                 "learner.epochs=8",  # replay epochs: see the end
                 "algorithm.bootstrap_truncated=true",
-                *(["algorithm.critic_epochs=1", "learner.ring_slot_kib=16"]  # a version:
-                  if mode == "streamer" else [])]  # more slots than the 32 least (ring_slots)
+                *(["algorithm.critic_epochs=1", "learner.ring_slot_kib=16",  # a version:
+                   "run.dump_trajectories=true"]  # more slots than the 32 least (ring_slots)
+                  if mode == "streamer" else [])]
     out, summary, run_dir = run_train(tmp_path / "run", *settings)
     assert summary["mode"] == mode and summary["env_steps"] > 0
     assert "[hpcvla] update 4/4" in out.stdout
@@ -119,6 +120,15 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
     assert trained == 4 * 32  # updates x learner batch, each segment once
     # the episodes reach's horizon ended were valued, to bootstrap them
     assert sum(r["truncations_valued"] for r in inference) > 0
+    if mode == "streamer":  # ... each the value of its own env's row, no other episode one
+        ends = []
+        for path in (run_dir / "trajectories").glob("rank*.h5"):
+            with h5py.File(path) as f:
+                ends += [(bool(d["truncated"][-1]), d.attrs["truncation_value"])
+                         for d in f["data"].values()]
+        assert {cut for cut, _ in ends} == {True, False}
+        assert all(v != 0 for cut, v in ends if cut) and all(v == 0 for cut, v in ends
+                                                             if not cut)
     if mode == "sync-disaggregated":
         assert set(summary["staleness_hist"]) == {"0"}
         # one cell, every env in every batch: run again, the same weights and metrics
@@ -294,6 +304,14 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
         assert sorted(p.name for p in path.iterdir()) == ["model.safetensors", *(
             f"optimizer.rank{r}.safetensors" for r in range(state["learners"])), "state.json"]
     lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
+    # what the run ran with: this checkout's commit, the MPI library, the packages. The
+    # resume below finds torch upgraded since (the record rewritten as from an older one)
+    (ran,) = map(json.loads, (run_dir / "software.jsonl").read_text().splitlines())
+    head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert ran["hpcvla"]["commit"] == head and ran["mpi"].startswith("MPICH"), ran
+    torch_version, ran["packages"]["torch"] = ran["packages"]["torch"], "2.0.0"
+    (run_dir / "software.jsonl").write_text(json.dumps(ran) + "\n")
     out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",
                  "pipeline.total_updates=5", "learner.checkpoint_every=0",
                  "run.dump_trajectories=true", *extra, timeout=400)
@@ -302,6 +320,9 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
     assert "[hpcvla] resumed with settings changed since the run last ran: " \
         "run.dump_trajectories: False -> True; pipeline.total_updates: 3 -> 5; " \
         "learner.checkpoint_every: 1 -> 0\n" in out.stdout
+    assert "[hpcvla] resumed with other software than the run last ran with: packages.torch: " \
+        f"'2.0.0' -> '{torch_version}'\n" in out.stdout
+    assert len((run_dir / "software.jsonl").read_text().splitlines()) == 2
     # the resumed start acts with v000003's weights, the weight root having read them: a
     # step it dumped at version 3 scores as recorded under them
     import torch

@@ -49,7 +49,7 @@ import torch
 from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
-from hpcvla.config import ConfigError, write_run_config
+from hpcvla.config import ConfigError
 from hpcvla.config.learning import states_stage
 from hpcvla.config.imitation import dataset_features, demo_paths
 from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
@@ -59,7 +59,8 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.files import replace_text
-from hpcvla.job.runtime import create_run_dir, leave_together, node_numbers
+from hpcvla.job.runtime import (create_run_dir, leave_together, node_numbers,
+                                record_run_start)
 from hpcvla.memory.layout import LayoutMemory
 from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
 from hpcvla.memory.states import size
@@ -201,10 +202,7 @@ def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
     """Rank 0: the run's config written (what a resume changed, said), a resume's layout said
     (`resumed`: the checkpoint and its state, or None, None); the run's RunLog."""
     point, state = resumed
-    changed = write_run_config(cfg, run_dir)
-    if changed:
-        print("[hpcvla sft] resumed with settings changed since the run last ran: "
-              + "; ".join(changed), flush=True)
+    record_run_start(cfg, run_dir, "hpcvla sft")
     if state:  # on another learner count each step trains another number of chunks
         sft = cfg.sft
         print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "

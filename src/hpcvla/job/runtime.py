@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 from hpcvla.config import ConfigError, write_run_config
+from hpcvla.job import provenance
 from hpcvla.metrics import phases
 from hpcvla.process import deathwatch, heap, preempt
 from hpcvla.process.deathwatch import Refused
@@ -229,6 +230,22 @@ def create_run_dir(cfg, world) -> Path:
     return Path(world.bcast(path, root=0))  # [dist]
 
 
+def record_run_start(cfg, run_dir: Path, who: str = "hpcvla") -> None:
+    """Rank 0 of a run's world: the config it runs with and its software recorded in its
+    directory; a resumed run says which settings and which software changed since it last
+    ran (config/loader.py's write_run_config, job/provenance.py)."""
+    from mpi4py import MPI
+
+    changed = write_run_config(cfg, run_dir)
+    if changed:
+        print(f"[{who}] resumed with settings changed since the run last ran: "
+              + "; ".join(changed), flush=True)
+    other = provenance.record_start(run_dir, MPI.Get_library_version())
+    if other:
+        print(f"[{who}] resumed with other software than the run last ran with: "
+              + "; ".join(other), flush=True)
+
+
 def train_main(cfg, plan, comms) -> None:
     """The main job: write the run directory, run the pipeline on every rank."""
     from hpcvla.roles.pipeline import run_pipeline
@@ -238,10 +255,7 @@ def train_main(cfg, plan, comms) -> None:
     if world.Get_rank() == 0:
         from hpcvla.checkpoint.catalog import hold_run  # no torch: rank 0 may simulate
         hold_run(run_dir)  # one world at a time writes a run
-        changed = write_run_config(cfg, run_dir)
-        if changed:
-            print("[hpcvla] resumed with settings changed since the run last ran: "
-                  + "; ".join(changed), flush=True)
+        record_run_start(cfg, run_dir)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)

@@ -1,0 +1,102 @@
+"""What code and software a run ran with, start by start: `<run dir>/software.jsonl`, a line
+each start of the run writes as its world starts (rank 0; a run that dies keeps it). The
+config alone does not say how a run was made: the same settings under other code, another
+torch or another MPI train otherwise. A resumed start that runs with other software than the
+run's last start says what changed, as it says which settings changed (config/loader.py's
+write_run_config): after a `git pull`, or a torch upgrade, between the two.
+
+    {"began": ISO time (UTC),
+     "hpcvla": {"version", "source": the package's folder,
+                "commit": the checkout's HEAD, or null where it is no git checkout,
+                "changed": its uncommitted changes to tracked files (`git status`; at most
+                           MAX_CHANGED, then "..."),
+                "diff_sha256": of `git diff HEAD`, null where nothing changed},
+     "python": "3.11.7", "mpi": the MPI library's own version line,
+     "packages": {name: version} of those of PACKAGES installed}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import time
+from importlib import metadata
+from pathlib import Path
+
+from hpcvla.files import open_log, read_log
+
+SOFTWARE = "software.jsonl"
+PACKAGES = ("torch", "numpy", "mpi4py", "deepspeed", "horovod", "transformers", "peft",
+            "safetensors", "h5py", "gymnasium", "mani_skill", "libero", "robosuite",
+            "mujoco", "lerobot", "wandb")
+MAX_CHANGED = 50
+GIT_TIMEOUT_S = 10.0  # a checkout on a slow shared file system: the start does not wait on
+
+
+def software(mpi_library: str) -> dict:
+    """This process's software (the module docstring's record), `mpi_library` the MPI
+    library's version text (mpi4py's MPI.Get_library_version())."""
+    import hpcvla
+
+    packages = {}
+    for name in PACKAGES:
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    source = Path(hpcvla.__file__).resolve().parent
+    return {"began": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "hpcvla": {"version": hpcvla.__version__, "source": str(source), **_git(source)},
+            "python": platform.python_version(),
+            "mpi": mpi_library.strip().splitlines()[0] if mpi_library.strip() else "",
+            "packages": packages}
+
+
+def _git(folder: Path) -> dict:
+    """The git checkout `folder` is in: its commit and uncommitted changes (None each where
+    it is none, or git cannot say within GIT_TIMEOUT_S)."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(folder), *args], capture_output=True,
+                                 timeout=GIT_TIMEOUT_S, text=True)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "changed": None, "diff_sha256": None}
+    status = (git("status", "--porcelain", "--untracked-files=no") or "").splitlines()
+    changed = [line[3:] for line in status[:MAX_CHANGED]] + ["..."] * (len(status) > MAX_CHANGED)
+    diff = git("diff", "HEAD") if status else None
+    return {"commit": commit.strip(), "changed": changed,
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
+
+
+def record_start(run_dir: Path, mpi_library: str) -> list[str]:
+    """Append this start's software to the run's record; what differs from the run's last
+    start (a resumed one), a `name: old -> new` line each (none for a new run)."""
+    path = Path(run_dir) / SOFTWARE
+    now = software(mpi_library)
+    previous = [line for line in read_log(path) if isinstance(line, dict)] \
+        if path.exists() else []
+    with open_log(path) as log:
+        log.write(json.dumps(now) + "\n")
+    if not previous:
+        return []
+    before, after = _flat(previous[-1]), _flat(now)
+    return [f"{name}: {before.get(name)!r} -> {after.get(name)!r}"
+            for name in sorted(set(before) | set(after))
+            if name != "began" and before.get(name) != after.get(name)]
+
+
+def _flat(record: dict, prefix: str = "") -> dict:
+    flat: dict = {}
+    for name, value in record.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{name}."))
+        else:
+            flat[prefix + name] = value
+    return flat
