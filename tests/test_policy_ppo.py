@@ -514,3 +514,20 @@ def test_critic_warmup_versions_move_the_critic_alone(engine):
                  "rollout.segment_len=4", timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "critic warm-up: 2 versions moved the critic alone, version 2 moved" in out.stdout
+
+
+def test_advantages_are_normalized_over_the_steps_a_fault_did_not_end():
+    """objective.advantages_of: PPO's advantages are centred and scaled over the kept steps
+    alone: a faulted step's zero entering the mean and the spread would shift and shrink
+    every other step's."""
+    from hpcvla.algorithms.objective import advantages_of
+    from hpcvla.config import load_config
+    alg = load_config("configs/default.yaml").algorithm
+    fault = np.zeros((3, 1), bool)
+    fault[2, 0] = True  # the env failed at the last step, which ends the column's episode
+    batch = {"reward": np.array([[1.0], [0.0], [5.0]], np.float32), "done": fault.copy(),
+             "env_fault": fault, "value": np.zeros((3, 1), np.float32),
+             "bootstrap_value": np.zeros(1, np.float32)}
+    kept = advantages_of(alg, batch, torch.device("cpu")).advantages[:2, 0]
+    assert float(kept.mean()) == pytest.approx(0, abs=1e-5)
+    assert float(kept.std()) == pytest.approx(1, abs=1e-4), kept

@@ -138,3 +138,17 @@ def test_held_out_and_replay_streams_are_never_a_ranks_global_streams():
         assert not np.array_equal(replay, own)
         assert replay_rng(cfg, rank, 0).integers(2**62) != \
             replay_rng(cfg, rank, 10).integers(2**62)  # a resumed learner draws afresh
+
+
+def test_a_simulators_shards_run_the_seeds_rng_seeds_json_records():
+    """roles/simulator.build_shards, where the envs are made: each shard of each simulator
+    rank runs with the seed rng_seeds.json records for it (seeds.shard_seed), and their
+    first layouts all differ (one seed for every shard would replay a rank's episodes)."""
+    from hpcvla.roles.simulator import build_shards
+    cfg = load_config(ROOT / "configs/default.yaml", ["env.image_size=16"])
+    images = []
+    for rank in (0, 1):
+        for shard, env in enumerate(build_shards(cfg, 2, rank)):
+            assert env.seed == shard_seed(cfg, rank, shard, 0), (rank, shard)
+            images += [image.tobytes() for image in env.reset()["image"]]
+    assert len(set(images)) == len(images) == 2 * cfg.env.envs_per_simulator

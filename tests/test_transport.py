@@ -380,3 +380,37 @@ def test_a_failed_progress_thread_is_said_and_no_longer_counted_as_running(capfd
     finally:
         agent.stop()
         comm.Free()
+
+
+def test_a_weight_plane_takes_rising_versions_and_a_first_read_keeps_the_frozen_bytes():
+    """transport/weights.py on one rank (root, leader and reader at once): a version not
+    above the last published is refused; a reader whose first read is version 2 holds the
+    frozen tensor as version 1 carried it (the first version fills both halves of the
+    node's window, later ones only the trainable places) and version 2's trainable one."""
+    import torch
+    from mpi4py import MPI
+
+    from hpcvla.transport.manifest import Manifest
+    from hpcvla.transport.weights import WeightPlane
+    manifest = Manifest((("enc", "float32", (64,)), ("head", "float32", (8,))),
+                        frozenset({"enc"}))
+    plane = WeightPlane(MPI.COMM_SELF, MPI.COMM_SELF, True, manifest)
+
+    def weights(version):
+        return {"enc": torch.full((64,), float(version)),
+                "head": torch.full((8,), float(version))}
+    try:
+        plane.publish(1, weights(1))
+        plane.wait_for(1, timeout=30)
+        for stale in (1, 0):
+            with pytest.raises(ValueError, match=f"version {stale} after 1: versions must"):
+                plane.publish(stale, weights(stale))
+        plane.publish(2, weights(2))
+        plane.wait_for(2, timeout=30)
+        out = np.empty(manifest.nbytes, np.uint8)
+        assert plane.read_into(out) == 2
+        views = manifest.views(out)
+        assert torch.equal(views["enc"], torch.full((64,), 1.0)), views["enc"][:3]
+        assert torch.equal(views["head"], torch.full((8,), 2.0))
+    finally:
+        plane.close()

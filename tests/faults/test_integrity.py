@@ -99,6 +99,25 @@ def test_dump_with_a_flipped_bit_reads_or_raises_dump_error(tmp_path_factory, du
 
 # ------------------------------------------------------------------ checkpoints
 
+def test_a_flipped_byte_of_an_optimizer_file_is_refused_by_its_checksum(tmp_path):
+    """A resumed learner reads its optimizer partition from optimizer.rank<R>.safetensors
+    only against the sha256 state.json holds for it: a byte flipped in its data (a file
+    system's damage, a copy's) is named, never loaded into Adam's moments."""
+    from safetensors.numpy import save_file
+    path = fake_checkpoint(tmp_path / "v000002")
+    opt = path / "optimizer.rank0.safetensors"
+    save_file({"w/exp_avg": np.arange(64, dtype=np.float32)}, str(opt))
+    entry = {"file": opt.name, "sha256": catalog.sha256(opt), "fragments": {"w": [0, 64]},
+             "steps": {"w": 1}, "keys": ["exp_avg"]}
+    assert np.array_equal(store._FragmentReader(path, [entry]).read("w", "exp_avg", 0, 64),
+                          np.arange(64, dtype=np.float32))
+    data = bytearray(opt.read_bytes())
+    data[-8] ^= 0x01  # in the tensor's bytes: the file still parses
+    opt.write_bytes(bytes(data))
+    with pytest.raises(catalog.CheckpointError, match="checksum mismatch"):
+        store._FragmentReader(path, [entry]).read("w", "exp_avg", 0, 64)
+
+
 def test_damaged_checkpoint_state_is_named(tmp_path):
     ok = fake_checkpoint(tmp_path / "ok", format=1, counters={},
                          optimizer=[{"file": "optimizer.rank0.safetensors", "sha256": "0" * 64}])

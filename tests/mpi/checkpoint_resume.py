@@ -66,6 +66,7 @@ def resume_exactly(cfg, learners, run_dir):
     assert mine is None or all(torch.equal(mine[k], weights[k]) for k in weights)
     if cfg.learner.zero_stage == 3:
         gathered_like_deepspeed(engine, weights, learners)
+    rng = torch.get_rng_state()  # each learner's stream goes on from here at a resume
     saved = store.save(run_dir, engine, weights, version=2, counters={"env_steps": 7},
                        learners=learners)
     for _ in range(steps):
@@ -80,7 +81,9 @@ def resume_exactly(cfg, learners, run_dir):
     # in MPI calls of at most 1000 bytes, as a tensor past MAX_MESSAGE goes (π0's embedding)
     with mock.patch.object(store, "verify_file", wraps=store.verify_file) as verified, \
             mock.patch.object(pieces, "bcast", partial(pieces.bcast, limit=1000)):
+        torch.manual_seed(12345)  # a resumed world's own seeding, before it loads
         state = store.load_optimizer(path, engine2, learners)
+    assert torch.equal(torch.get_rng_state(), rng), "the learner's RNG stream was not resumed"
     read = {Path(call.args[0]).name for call in verified.call_args_list}
     if cfg.learner.zero_stage == 0 and learners.Get_rank() != 0:  # learner 0 reads for all
         assert read == {f"optimizer.rank{learners.Get_rank()}.safetensors"}, read
