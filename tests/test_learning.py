@@ -6,6 +6,7 @@ The VLA heads' learning is a benchmark (`hpcvla bench learning --arms families`,
 a run); the suite keeps PPO steps on a fixed batch of each (tests/test_vla_policies.py)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -67,7 +68,10 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
         curve = [json.loads(line) for line in out.stdout.splitlines()]
         assert [c["version"] for c in curve] == [0, 50, 100]
         assert [c["trained_env_steps"] for c in curve] == [0, 50 * 1024, 100 * 1024]
-        assert _jsonl(run_dir / "eval.jsonl") == curve  # kept with the run, for reports
+        kept = _jsonl(run_dir / "eval.jsonl")  # kept with the run, for reports, and with
+        assert [{k: v for k, v in r.items() if k != "software"} for r in kept] == curve
+        assert {r["software"]["hpcvla"]["source"] for r in kept} == {  # what evaluated it
+            str(Path(evaluate.__globals__["__file__"]).resolve().parent)}  # hpcvla/
         assert curve[0]["success_rate"] == untrained["success_rate"]
         assert curve[-1]["success_rate"] == trained["success_rate"]
         # TensorBoard's own reader sees the run: live training scalars, busy fractions, eval

@@ -339,17 +339,21 @@ def describe(result: dict) -> str:
 
 def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
     """An evaluation of every kept checkpoint, kept with the run: eval.jsonl (which
-    postprocess/report.py draws beside the training curve; the newest `--all` replaces it)
-    and TensorBoard's `eval` group."""
+    postprocess/report.py draws beside the training curve; the newest `--all` replaces it),
+    each result with the software that evaluated it (job/provenance.py), and TensorBoard's
+    `eval` group."""
     import json
 
     from hpcvla.files import replace_text
+    from hpcvla.job.provenance import software
     from hpcvla.metrics.tensorboard import RunBoard
     if len(curve) == 1:
         print("hpcvla eval: one policy, no curve: the run kept one checkpoint (train with "
               "learner.checkpoint_every=K learner.checkpoint_keep=M for more), or add "
               "--untrained to compare it with the start", file=sys.stderr)
-    replace_text(run_dir / "eval.jsonl", "".join(json.dumps(r) + "\n" for r in curve))
+    made_with = software()
+    replace_text(run_dir / "eval.jsonl", "".join(json.dumps({**r, "software": made_with}) + "\n"
+                                                 for r in curve))
     board = RunBoard(run_dir, cfg.run)
     for r in curve:
         board.scalars({k: r[k] for k in ("success_rate", "mean_return", "success_at_end")

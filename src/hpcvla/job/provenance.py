@@ -11,7 +11,7 @@ write_run_config): after a `git pull`, or a torch upgrade, between the two.
                 "changed": its uncommitted changes to tracked files (`git status`; at most
                            MAX_CHANGED, then "..."),
                 "diff_sha256": of `git diff HEAD`, null where nothing changed},
-     "python": "3.11.7", "mpi": the MPI library's own version line,
+     "python": "3.11.7", "mpi": the MPI library's own version line ("" without MPI),
      "packages": {name: version} of those of PACKAGES installed}
 """
 
@@ -21,6 +21,7 @@ import hashlib
 import json
 import platform
 import subprocess
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
@@ -35,9 +36,9 @@ MAX_CHANGED = 50
 GIT_TIMEOUT_S = 10.0  # a checkout on a slow shared file system: the start does not wait on
 
 
-def software(mpi_library: str) -> dict:
-    """This process's software (the module docstring's record), `mpi_library` the MPI
-    library's version text (mpi4py's MPI.Get_library_version())."""
+def software() -> dict:
+    """This process's software (the module docstring's record); its MPI library's where it
+    runs one (mpi4py.MPI imported: importing it would start MPI), else "" for it."""
     import hpcvla
 
     packages = {}
@@ -50,7 +51,8 @@ def software(mpi_library: str) -> dict:
     return {"began": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "hpcvla": {"version": hpcvla.__version__, "source": str(source), **_git(source)},
             "python": platform.python_version(),
-            "mpi": mpi_library.strip().splitlines()[0] if mpi_library.strip() else "",
+            "mpi": mpi.Get_library_version().strip().split("\n")[0]
+            if (mpi := sys.modules.get("mpi4py.MPI")) else "",
             "packages": packages}
 
 
@@ -75,11 +77,11 @@ def _git(folder: Path) -> dict:
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
 
 
-def record_start(run_dir: Path, mpi_library: str) -> list[str]:
+def record_start(run_dir: Path) -> list[str]:
     """Append this start's software to the run's record; what differs from the run's last
     start (a resumed one), a `name: old -> new` line each (none for a new run)."""
     path = Path(run_dir) / SOFTWARE
-    now = software(mpi_library)
+    now = software()
     previous = [line for line in read_log(path) if isinstance(line, dict)] \
         if path.exists() else []
     with open_log(path) as log:

@@ -234,13 +234,11 @@ def record_run_start(cfg, run_dir: Path, who: str = "hpcvla") -> None:
     """Rank 0 of a run's world: the config it runs with and its software recorded in its
     directory; a resumed run says which settings and which software changed since it last
     ran (config/loader.py's write_run_config, job/provenance.py)."""
-    from mpi4py import MPI
-
     changed = write_run_config(cfg, run_dir)
     if changed:
         print(f"[{who}] resumed with settings changed since the run last ran: "
               + "; ".join(changed), flush=True)
-    other = provenance.record_start(run_dir, MPI.Get_library_version())
+    other = provenance.record_start(run_dir)
     if other:
         print(f"[{who}] resumed with other software than the run last ran with: "
               + "; ".join(other), flush=True)
