@@ -1,6 +1,7 @@
 """Files rewritten whole or not at all (hpcvla/files.py): summary.json and eval.jsonl were
 rewritten in place, and a write cut short (a quota, a full disk) left a run's summary.json
-truncated, with every earlier start's record, which the next resume failed on at its end."""
+truncated, with every earlier start's record, which the next resume failed on at its end.
+And logs appended to, whose write errors name them."""
 
 import json
 import re
@@ -8,6 +9,9 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
+from hpcvla.files import open_log
 from hpcvla.roles.outputs import starts_so_far
 
 # A process whose files may not grow past 1 KiB (RLIMIT_FSIZE: EFBIG, as a quota's EDQUOT
@@ -72,3 +76,19 @@ def test_learner_0_finds_a_sidecar_by_its_folder_and_names_a_slow_one(tmp_path, 
     assert _await_json(path, remind_s=0.1) == {"file": "x"}
     assert re.search(rf"learner 0 has waited \d+ s for {path} \(another learner's",
                      capsys.readouterr().err)
+
+
+def test_an_appended_log_that_cannot_be_written_names_its_file():
+    """files.open_log (metrics.jsonl, timelines, restarts.jsonl, software.jsonl): a full
+    disk's or an exceeded quota's error names the log (here /dev/full, whose every write
+    fails with ENOSPC), as replace_text's does: a rank's files may sit on several file
+    systems, and the errno alone does not say which one is full."""
+    log = open_log("/dev/full")
+    log.write("{}\n")  # buffered
+    with pytest.raises(OSError, match="writing /dev/full: No space left on device"):
+        log.flush()
+    with pytest.raises(OSError, match="writing /dev/full"):  # what it still holds
+        log.close()
+    with pytest.raises(OSError, match="writing /dev/full"):
+        with open_log("/dev/full", buffering=1) as line_buffered:
+            line_buffered.write("{}\n")

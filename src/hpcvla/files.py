@@ -13,6 +13,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 
 def replace_text(path: Path | str, text: str) -> None:
@@ -29,10 +30,15 @@ def replace_text(path: Path | str, text: str) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             temporary.unlink()
-        raise OSError(err.errno, f"writing {path}: {err.strerror}", str(path)) from err
+        raise _naming(err, path) from err
 
 
-def open_log(path: Path | str, buffering: int = -1):
+def _naming(err: OSError, path: Path) -> OSError:
+    """A write's error as one that names the file it was writing."""
+    return OSError(err.errno, f"writing {path}: {err.strerror}", str(path))
+
+
+def open_log(path: Path | str, buffering: int = -1) -> LogFile:
     """`path` opened to append lines (metrics.jsonl, a timeline, restarts.jsonl), its last
     line ended first where a rank killed mid-write, or a node lost before its write-back, cut
     it: a resumed world's first record glued to it was lost too, and readers stopped there."""
@@ -44,7 +50,37 @@ def open_log(path: Path | str, buffering: int = -1):
                 handle.write(b"\n")
     finally:
         handle.close()
-    return open(path, "a", buffering=buffering)
+    return LogFile(Path(path), buffering)
+
+
+class LogFile:
+    """A log open to append (open_log): written, flushed and closed as a text file is, its
+    errors naming it (a full disk's or an exceeded quota's EDQUOT/ENOSPC says only what
+    happened: a rank's metrics, timeline and dump may sit on three file systems)."""
+
+    def __init__(self, path: Path, buffering: int):
+        self.path, self._handle = path, open(path, "a", buffering=buffering)
+
+    def write(self, text: str) -> int:
+        return self._named(self._handle.write, text)
+
+    def flush(self) -> None:
+        self._named(self._handle.flush)
+
+    def close(self) -> None:
+        self._named(self._handle.close)
+
+    def _named(self, call: Callable, *args):
+        try:
+            return call(*args)
+        except OSError as err:
+            raise _naming(err, self.path) from err
+
+    def __enter__(self) -> LogFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def read_log(path: Path | str, tail_bytes: int | None = None) -> list:
