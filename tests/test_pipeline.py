@@ -309,7 +309,7 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path, config, ranks, ex
     (ran,) = map(json.loads, (run_dir / "software.jsonl").read_text().splitlines())
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "HEAD"], capture_output=True,
                           text=True, check=True).stdout.strip()
-    assert ran["hpcvla"]["commit"] == head and ran["mpi"].startswith("MPICH"), ran
+    assert ran["hpcvla"]["commit"] == head and ran["mpi"], ran
     torch_version, ran["packages"]["torch"] = ran["packages"]["torch"], "2.0.0"
     (run_dir / "software.jsonl").write_text(json.dumps(ran) + "\n")
     out = hpcvla("train", config, "--ranks", ranks, f"run.resume={run_dir}",

@@ -7,10 +7,13 @@ write_run_config): after a `git pull`, or a torch upgrade, between the two.
 
     {"began": ISO time (UTC),
      "hpcvla": {"version", "source": the package's folder,
-                "commit": the checkout's HEAD, or null where it is no git checkout,
+                "commit": the HEAD of the git checkout that tracks that folder,
                 "changed": its uncommitted changes to tracked files (`git status`; at most
                            MAX_CHANGED, then "..."),
-                "diff_sha256": of `git diff HEAD`, null where nothing changed},
+                "diff_sha256": of `git diff HEAD`, null where nothing changed,
+                "git_error": why git could not say, where it could not (then the three
+                             above are null: not a checkout, a package installed from one,
+                             git missing, the checkout's ownership, GIT_TIMEOUT_S passed)},
      "python": "3.11.7", "mpi": the MPI library's own version line ("" without MPI),
      "packages": {name: version} of those of PACKAGES installed}
 """
@@ -33,7 +36,7 @@ PACKAGES = ("torch", "numpy", "mpi4py", "deepspeed", "horovod", "transformers", 
             "safetensors", "h5py", "gymnasium", "mani_skill", "libero", "robosuite",
             "mujoco", "lerobot", "wandb")
 MAX_CHANGED = 50
-GIT_TIMEOUT_S = 10.0  # a checkout on a slow shared file system: the start does not wait on
+GIT_TIMEOUT_S = 10.0  # for all of git's calls: rank 0 asks while the world waits for it
 
 
 def software() -> dict:
@@ -57,24 +60,34 @@ def software() -> dict:
 
 
 def _git(folder: Path) -> dict:
-    """The git checkout `folder` is in: its commit and uncommitted changes (None each where
-    it is none, or git cannot say within GIT_TIMEOUT_S)."""
-    def git(*args: str) -> str | None:
-        try:
-            out = subprocess.run(["git", "-C", str(folder), *args], capture_output=True,
-                                 timeout=GIT_TIMEOUT_S, text=True)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return out.stdout if out.returncode == 0 else None
+    """The git checkout that tracks `folder` (the package runs from it: an editable install,
+    or the source tree itself): its commit and uncommitted changes; else why not. Git never
+    stops a run: any failure is recorded instead."""
+    deadline = time.monotonic() + GIT_TIMEOUT_S
 
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {"commit": None, "changed": None, "diff_sha256": None}
-    status = (git("status", "--porcelain", "--untracked-files=no") or "").splitlines()
+    def git(*args: str) -> bytes:
+        # no optional locks: git status would take the index's lock to refresh it, and one
+        # killed at the deadline would leave it behind in the user's checkout
+        out = subprocess.run(["git", "--no-optional-locks", "-c", "safe.directory=*",
+                              "-c", "core.fsmonitor=false", "-C", str(folder), *args],
+                             capture_output=True, timeout=max(0.1, deadline - time.monotonic()))
+        if out.returncode:
+            raise RuntimeError(out.stderr.decode(errors="replace").strip().split("\n")[0])
+        return out.stdout
+
+    try:
+        git("ls-files", "--error-unmatch", "__init__.py")  # this checkout's own file
+        commit = git("rev-parse", "HEAD").decode().strip()
+        status = git("status", "--porcelain", "--untracked-files=no").decode(
+            errors="replace").splitlines()
+        diff = git("diff", "HEAD", "--no-ext-diff", "--no-textconv", "--no-color") \
+            if status else b""
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as err:
+        return {"commit": None, "changed": None, "diff_sha256": None,
+                "git_error": f"{type(err).__name__}: {err}"}
     changed = [line[3:] for line in status[:MAX_CHANGED]] + ["..."] * (len(status) > MAX_CHANGED)
-    diff = git("diff", "HEAD") if status else None
-    return {"commit": commit.strip(), "changed": changed,
-            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
+    return {"commit": commit, "changed": changed,
+            "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else None}
 
 
 def record_start(run_dir: Path) -> list[str]:
