@@ -292,9 +292,10 @@ fit_to_nodes() {
 # A world that failed while starting, before any rank registered and before a run directory
 # existed (MPI_Init: Open MPI's ranks can crash there when a peer's first message arrives
 # early, open-mpi/ompi#12495), is started again on the same nodes, HPCVLA_START_RETRIES
-# times (default 2: on loaded nodes a second start crashed too): nothing ran, so nothing is
-# lost or trained twice. Not a refused world (exit 2: its verdict would be the same), nor when
-# a node stopped answering.
+# times (default 2: on loaded nodes a second start crashed too), and so is each restart's
+# world: nothing ran, so nothing is lost or trained twice. Not a refused world (exit 2: its
+# verdict would be the same), nor when a node stopped answering. One that failed so every
+# time ends the job, saying so.
 restarts_left=${HPCVLA_RESTARTS:-0}
 START_RETRIES=${HPCVLA_START_RETRIES:-2}  # as job/launch.py
 # The run this job continues (set_command's RESUME) and its newest checkpoint as the job
@@ -314,8 +315,13 @@ while true; do
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)
     say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
-    if [[ -n $NEVER_STARTED && $status != 2 && ${#usable[@]} == "${#HOSTS[@]}" ]] &&
-            (( start_retries_left > 0 )); then
+    if [[ -n $NEVER_STARTED && $status != 2 && ${#usable[@]} == "${#HOSTS[@]}" ]]; then
+        if (( start_retries_left == 0 )); then
+            say "the world failed while starting, before any rank registered," \
+                "$((START_RETRIES + 1)) time(s) in a row: not starting it again" \
+                "(HPCVLA_START_RETRIES=$START_RETRIES; the ranks' first error is above)"
+            break
+        fi
         start_retries_left=$(( start_retries_left - 1 ))
         OVERLAP=1
         set_launch "$1"
@@ -376,6 +382,7 @@ while true; do
         fi
     fi
     restarts_left=$(( restarts_left - 1 ))
+    start_retries_left=$START_RETRIES  # the restart's world starts afresh
     OVERLAP=1
     say "restart $(( HPCVLA_RESTARTS - restarts_left ))/$HPCVLA_RESTARTS:" \
         "dropped node(s): ${dropped[*]:-none}; $NP rank(s) on $NODES node(s) (${HOSTS[*]})," \
