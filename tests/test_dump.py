@@ -226,7 +226,9 @@ def test_a_dump_at_its_share_of_dump_max_gib_takes_no_more_episodes(tmp_path, ca
     path, groups, spec = tmp_path / "rank7.h5", *reach_segments(12)
     size = lambda: path.stat().st_size  # noqa: E731
     writer(path, spec).close()  # a first start, with no most size
-    dump = writer(path, spec, flush_s=1e9, in_process=False, max_bytes=size() + 1000)
+    # its share: room for its start's record (~0.2 KB), not for a flush's episodes (~150 KB)
+    share = size() + 20_000
+    dump = writer(path, spec, flush_s=1e9, in_process=False, max_bytes=share)
     for group in groups[:6]:
         dump.add_segment(group)
     dump.flush()  # past the share now: these episodes are in, no later one
@@ -235,7 +237,8 @@ def test_a_dump_at_its_share_of_dump_max_gib_takes_no_more_episodes(tmp_path, ca
     dump.close()
     handed = sum(dump.episodes.values())
     said = capfd.readouterr().err
-    assert said.count("its share of run.dump_max_gib: the episodes after its ") == 1, said
+    assert said.count(f"its share of run.dump_max_gib ({share / 2**30:.3g} GiB a producer): "
+                      "the episodes after its ") == 1, said
     s = summarize(path)
     assert s["complete"] and 0 < s["episodes"] < handed and s["segments"] == 12
     assert s["episodes"] + s["episodes_not_written"] == handed, s
@@ -559,3 +562,16 @@ def test_dump_benchmark_measures_the_three_ways_side_by_side(tmp_path):
     assert r["producer_rate_process_to_inline"] == pytest.approx(
         r["process"]["groups_per_s"] / r["inline"]["groups_per_s"])
 
+
+
+def test_a_producers_share_of_dump_max_gib_leaves_out_the_files_of_ranks_producing_no_more(
+        tmp_path):
+    """roles/outputs.dump_share: run.dump_max_gib over this world's producers, less what the
+    dumps of ranks that produce no more hold (a restart on fewer nodes, a resume on another
+    layout): the run's dumps stay inside it together. Past it already, each file is full."""
+    from hpcvla.roles.outputs import dump_share
+    (tmp_path / "rank0.h5").write_bytes(bytes(1000))  # a producer's own: inside its share
+    (tmp_path / "rank5.h5").write_bytes(bytes(2**20))  # rank 5 produces no more
+    assert dump_share(1.0, tmp_path, [0, 1]) == (2**30 - 2**20) // 2
+    assert dump_share(0.0, tmp_path, [0, 1]) == 0  # no limit
+    assert dump_share(2**-30, tmp_path, [0, 1]) == 1  # taken already: full from the start

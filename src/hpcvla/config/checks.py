@@ -261,7 +261,7 @@ def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
 # Settings read only under some values of another (`chooser`): setting -> (chooser, readers).
 # The others are judged above, or read by every choice.
 _ON_POLICY, _CRITICS = ("ppo", "grpo"), ("ppo", "sac", "rlpd")
-READ_ONLY_UNDER: dict[str, tuple[str, tuple[str, ...]]] = {
+READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
     **{f"algorithm.{k}": ("algorithm.name", ("grpo",)) for k in (
         "group_size", "group_score", "group_normalize_std", "group_loss_mean")},
     **{f"algorithm.{k}": ("algorithm.name", ("ppo",)) for k in (
@@ -277,6 +277,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str, ...]]] = {
     "algorithm.gamma": ("algorithm.name", _CRITICS),
     "algorithm.noise_bound": ("algorithm.name", ("sac",)),
     "algorithm.demos_per_task": ("algorithm.name", ("rlpd",)),
+    **{f"run.{k}": ("run.dump_trajectories", (True,)) for k in ("dump_max_gib", "dump_flush_s")},
     "pipeline.max_staleness": ("pipeline.mode", tuple(
         m for m, t in MODE_TRAITS.items() if t.bounded_staleness)),
     **{f"rollout.{k}": ("pipeline.mode", tuple(
@@ -316,7 +317,9 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
             chooser = "policy.name"
         elif key in READ_ONLY_UNDER and _value_of(cfg, READ_ONLY_UNDER[key][0]) not in \
                 READ_ONLY_UNDER[key][1]:
-            chooser, readers = READ_ONLY_UNDER[key][0], list(READ_ONLY_UNDER[key][1])
+            chooser = READ_ONLY_UNDER[key][0]  # a switch's readers: `run.dump_trajectories=true`
+            readers = [r if isinstance(r, str) else f"{chooser}={str(r).lower()}"
+                       for r in READ_ONLY_UNDER[key][1]]
         else:
             continue
         value = _value_of(cfg, key)

@@ -55,12 +55,15 @@ class RunConfig:
         "at 64 px, gzip; ~5 KB an episode), a core's share (a writer keeps up with a few hundred "
         "episodes/s: reach's short ones outrun it, and the stop waits for its backlog).")
     dump_max_gib: float = setting(
-        0.0, "Most GiB the trajectory dumps may take together, each producer's file an equal "
-        "share: a file that reaches its share takes no more episodes (at most one "
-        "run.dump_flush_s past it), its producer saying so once, and counts those it did not "
-        "write (`episodes_not_written`, `hpcvla inspect`); the run goes on. A resumed run "
-        "under a larger value writes on. 0: no limit (a long run's dumps can fill the disk, "
-        "and the run then stops, naming the file).", ge=0)
+        0.0, "With run.dump_trajectories: at most this many GiB for the run's trajectory dumps "
+        "together. Each producer (an inference rank; each rank when colocated) may fill an "
+        "equal share of it, less what the files of ranks that produce no more hold (a restart "
+        "on fewer nodes, a resume on another layout): a file that reaches its share "
+        "takes no more episodes (it may pass it by one flush's, run.dump_flush_s of them, at "
+        "most 512), its producer says so once, and it counts those it did not write "
+        "(`episodes_not_written`, `hpcvla inspect`); the run goes on. A resumed run under a "
+        "larger value writes on. 0: no limit (a long run's dumps can fill the disk, and the "
+        "run then stops, naming the file).", ge=0)
     dump_flush_s: float = setting(
         10.0, "Seconds between appends to the trajectory dumps: a reader, or a run that "
         "died, sees everything up to the last one. Shorter: fresher files, more file opens.",

@@ -106,7 +106,10 @@ class DumpFile:
     def flush(self, segments: int, open_steps: int | None = None) -> None:
         """Append the queued episodes and record `segments` (groups received). `open_steps`
         (closing): also record the steps of episodes still open and mark the file complete,
-        in the same open."""
+        in the same open. A full file is opened again only to close it: every open for writing
+        is a moment in which a killed writer leaves it unreadable."""
+        if self.full and not self.pending and open_steps is None:
+            return
         names = [f"demo_{self.written + i}" for i in range(len(self.pending))]
         if self.pending:
             with open_hdf5(self.staging, "w", libver=LIBVER) as staged:
@@ -145,9 +148,11 @@ class DumpFile:
         if self.max_bytes and not self.full and size >= self.max_bytes:
             self.full = True
             print(f"hpcvla: producer rank {self.producer}: its trajectory dump {self.path} "
-                  f"holds {size / 2**30:.3g} GiB, its share of run.dump_max_gib: the episodes "
-                  f"after its {self.written} are not written (the file counts them: "
-                  "episodes_not_written)", file=sys.stderr, flush=True)
+                  f"holds {size / 2**30:.3g} GiB, its share of run.dump_max_gib "
+                  f"({self.max_bytes / 2**30:.3g} GiB a producer): the episodes after its "
+                  f"{self.written} are not written (the file counts them: "
+                  "episodes_not_written); a run resumed with a larger run.dump_max_gib writes "
+                  "on", file=sys.stderr, flush=True)
 
     def close(self, segments: int, open_steps: int) -> None:
         """Write what is queued, record the steps of episodes still open and mark the file

@@ -11,7 +11,7 @@ import shlex
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
@@ -136,20 +136,32 @@ def checkpointer(cfg: Config, engine: SkipNonfinite, learners: MPI.Comm, run_dir
 
 def trajectory_dump(cfg: Config, spec: EnvSpec, policy: Policy, rank: int, run_dir: Path,
                     seed_of_slot: Callable[[int], int], start_version: int,
-                    producers: int) -> TrajectoryDump | None:
+                    producers: Collection[int]) -> TrajectoryDump | None:
     """This producer's HDF5 trajectory dump (metrics/dump.py), or None when not asked for.
     It holds the observations and what the policy records beside them (extra_fields), up to
-    its share of run.dump_max_gib among the run's `producers`."""
+    its share of run.dump_max_gib among the world's `producers` (dump_share)."""
     if not cfg.run.dump_trajectories:
         return None
     from hpcvla.metrics.dump_writer import TrajectoryDump
     keys = list(spec.obs) + list(policy.extra_fields())
-    return TrajectoryDump(run_dir / "trajectories" / f"rank{rank}.h5", rank, keys,
+    folder = run_dir / "trajectories"
+    return TrajectoryDump(folder / f"rank{rank}.h5", rank, keys,
                           spec.vocab, seed_of_slot, cfg.env.name, spec.chunk_len,
                           yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
                           cfg.run.dump_flush_s, start_version=start_version,
                           in_process=False,  # a writer process: the rank's time is its steps
-                          max_bytes=int(cfg.run.dump_max_gib * 2**30 / producers))
+                          max_bytes=dump_share(cfg.run.dump_max_gib, folder, producers))
+
+
+def dump_share(max_gib: float, folder: Path, producers: Collection[int]) -> int:
+    """Each producer's share of run.dump_max_gib, in bytes (0: no limit): the limit less the
+    dumps in `folder` that none of this world's producers writes (an earlier start's on
+    other ranks: a restart on fewer nodes, a resume on another layout), over the producers."""
+    if not max_gib:
+        return 0
+    others = sum(path.stat().st_size for path in folder.glob("rank*.h5")
+                 if path.stem.removeprefix("rank") not in {str(p) for p in producers})
+    return max(1, int((max_gib * GIB - others) / len(producers)))
 
 
 def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,

@@ -49,8 +49,7 @@ def inference_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     start = start_clock(me)
     sims = sorted(plan.cells[links.cell].simulators)  # the exchange's slot order
     dump = trajectory_dump(cfg, me.spec, policy, me.rank, me.run_dir, lambda slot: shard_seed(
-        cfg, sims[slot // sched.shards], slot % sched.shards, me.first), me.first,
-        len(plan.feeds))
+        cfg, sims[slot // sched.shards], slot % sched.shards, me.first), me.first, plan.feeds)
     server = InferenceServer(
         me.setup, sched=sched, policy=policy,
         loader=WeightLoader(policy, links.plane, me.manifest), exchange=links.exchange,
@@ -135,7 +134,7 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
                         owner=f"rank {rank} (colocated)")
     dump = trajectory_dump(cfg, me.spec, _policy(me), rank, me.run_dir,
                            lambda slot: colocated_seed(cfg, rank, me.first), me.first,
-                           len(me.plan.feeds))
+                           me.plan.feeds)
     held_out = held_out_of(cfg, me.device, actor) if cfg.eval.every else None
     start = start_clock(me)  # the engine's build counts, as in the other modes
     engine = _start_engine(me)
