@@ -25,14 +25,19 @@ def _repo(folder, files: dict):
 
 def test_a_checkouts_commit_and_changes_are_recorded_whatever_their_bytes(tmp_path):
     """The package's own checkout: its commit; a tracked file changed in Latin-1 (no UTF-8)
-    is listed and its diff hashed, not a UnicodeDecodeError that stopped every start."""
+    is listed and its diff hashed, not a UnicodeDecodeError that stopped every start; a new
+    module of the package's that git does not track yet is named."""
     package = tmp_path / "repo" / "src" / "pkg"
     head = _repo(tmp_path / "repo", {"src/pkg/__init__.py": b"x = 1\n",
                                      "notes.txt": b"caf\xe9\n"})
-    assert provenance._git(package) == {"commit": head, "changed": [], "diff_sha256": None}
+    assert provenance._git(package) == {"commit": head, "changed": [], "diff_sha256": None,
+                                        "untracked": []}
     (tmp_path / "repo" / "notes.txt").write_bytes(b"caf\xe9 cr\xe8me\n")
+    (package / "new_module.py").write_text("y = 2\n")  # imported, never added
+    (tmp_path / "repo" / "elsewhere.txt").write_text("not the package's\n")
     found = provenance._git(package)
     assert found["commit"] == head and found["changed"] == ["notes.txt"]
+    assert found["untracked"] == ["new_module.py"]
     assert len(found["diff_sha256"]) == 64 and "git_error" not in found
 
 

@@ -11,6 +11,8 @@ write_run_config): after a `git pull`, or a torch upgrade, between the two.
                 "changed": its uncommitted changes to tracked files (`git status`; at most
                            MAX_CHANGED, then "..."),
                 "diff_sha256": of `git diff HEAD`, null where nothing changed,
+                "untracked": the package's files git does not track (a new module, not yet
+                             added; at most MAX_CHANGED),
                 "git_error": why git could not say, where it could not (then the three
                              above are null: not a checkout, a package installed from one,
                              git missing, the checkout's ownership, GIT_TIMEOUT_S passed)},
@@ -82,12 +84,18 @@ def _git(folder: Path) -> dict:
             errors="replace").splitlines()
         diff = git("diff", "HEAD", "--no-ext-diff", "--no-textconv", "--no-color") \
             if status else b""
+        untracked = git("ls-files", "--others", "--exclude-standard").decode(
+            errors="replace").splitlines()
     except (OSError, RuntimeError, subprocess.TimeoutExpired) as err:
-        return {"commit": None, "changed": None, "diff_sha256": None,
+        return {"commit": None, "changed": None, "diff_sha256": None, "untracked": None,
                 "git_error": f"{type(err).__name__}: {err}"}
-    changed = [line[3:] for line in status[:MAX_CHANGED]] + ["..."] * (len(status) > MAX_CHANGED)
-    return {"commit": commit, "changed": changed,
-            "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else None}
+    return {"commit": commit, "changed": _capped([line[3:] for line in status]),
+            "diff_sha256": hashlib.sha256(diff).hexdigest() if diff else None,
+            "untracked": _capped(untracked)}
+
+
+def _capped(names: list[str]) -> list[str]:
+    return names[:MAX_CHANGED] + ["..."] * (len(names) > MAX_CHANGED)
 
 
 def record_start(run_dir: Path) -> list[str]:
