@@ -508,6 +508,31 @@ def test_a_stop_signal_between_two_starts_is_kept_and_no_world_starts_after_it(m
     assert starts == [[]], starts  # one world, and none after the signal
 
 
+def test_a_world_that_fails_to_start_every_time_is_given_up_saying_so(monkeypatch, capsys):
+    """job/launch.run_world, as jobs/launch.sh: a world that fails while starting is started
+    again HPCVLA_START_RETRIES (2) times, then given up with one line naming the setting.
+    The worlds here are stand-ins that count their starts."""
+    from hpcvla.job import launch
+    starts = []
+
+    def world(cmd, env, timeout, forward):
+        starts.append(1)
+        return 1, True
+    monkeypatch.setattr(launch, "_run", world)
+    monkeypatch.setattr(launch.segments, "remove_orphans", lambda before: [])
+    monkeypatch.delenv("HPCVLA_START_RETRIES", raising=False)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert launch.run_world(2, ["train", "configs/default.yaml"]) == 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    err = capsys.readouterr().err
+    assert len(starts) == 3 and err.count("registered: starting it again (") == 2, err
+    assert err.count("the world failed while starting, before any rank registered, 3 time(s) "
+                     "in a row: not starting it again (HPCVLA_START_RETRIES=2; ") == 1, err
+
+
 def test_a_world_that_died_while_starting_is_started_again_by_hpcvla_train(tmp_path):
     """`hpcvla train --ranks` (job/launch.py), as jobs/launch.sh: a world whose rank dies
     before any rank registered (Open MPI's ranks can crash in MPI_Init, ompi#12495) is started

@@ -106,6 +106,11 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
         if code != 0:  # a clean exit frees its own segments; tests check that it does
             for line in segments.removal_report(segments.remove_orphans(shm_before)):
                 print(f"hpcvla launch: {line}", file=sys.stderr, flush=True)
+        if never_started and attempt == retries > 0 and not forward.signalled:
+            print(f"hpcvla launch: the world failed while starting, before any rank "
+                  f"registered, {retries + 1} time(s) in a row: not starting it again "
+                  f"({START_RETRIES}={retries}; the ranks' first error is above)",
+                  file=sys.stderr, flush=True)
         if not never_started or attempt == retries or forward.signalled:
             return code  # a world told to stop (meanwhile, too) is not started again
         attempt += 1
