@@ -414,3 +414,31 @@ def test_a_weight_plane_takes_rising_versions_and_a_first_read_keeps_the_frozen_
         assert torch.equal(views["head"], torch.full((8,), 2.0))
     finally:
         plane.close()
+
+
+def test_an_inference_rank_waits_for_the_first_weights_saying_so(capfd):
+    """roles/inference.first_weights: the first version comes when the weight root has loaded
+    the weights it starts from (minutes at full size from a busy file system): no deadline
+    ends the wait (it was 600 s), and it is said each pipeline.stall_timeout_s. On one rank
+    (COMM_SELF), the version published 1.5 s late."""
+    import threading
+
+    import torch
+    from mpi4py import MPI
+
+    from hpcvla.roles.inference import first_weights
+    from hpcvla.transport.manifest import Manifest
+    from hpcvla.transport.weights import WeightPlane
+    manifest = Manifest((("w", "float32", (4,)),))
+    plane = WeightPlane(MPI.COMM_SELF, MPI.COMM_SELF, True, manifest)
+    late = threading.Timer(1.5, lambda: plane.publish(0, {"w": torch.ones(4)}))
+    try:
+        late.start()
+        first_weights(plane, 0, rank=3, patience_s=0.5)
+        assert plane.latest_version() == 0
+    finally:
+        late.join()
+        plane.close()
+    said = capfd.readouterr().err
+    assert 1 <= said.count("hpcvla: rank 3 (inference): no weight version 0 from the learners' "
+                           "weight root after ") <= 3, said

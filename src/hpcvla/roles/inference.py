@@ -61,6 +61,17 @@ class WeightLoader:
         return True
 
 
+def first_weights(plane: WeightPlane, version: int, rank: int, patience_s: float) -> None:
+    """An inference rank's wait for the learners' first version (0, or the one resumed),
+    which the weight root publishes first: after loading the resumed weights, minutes at full
+    size from a busy file system. No deadline (a learner that died ends the world); the wait
+    is said each `patience_s` (pipeline.stall_timeout_s)."""
+    plane.wait_for(version, remind=(patience_s, lambda waited: (
+        f"hpcvla: rank {rank} (inference): no weight version {version} from the learners' "
+        f"weight root after {waited:.0f} s (it loads the weights it starts from and "
+        "publishes them first); still waiting (said every pipeline.stall_timeout_s)")))
+
+
 class InferenceServer:
     """The state of one inference rank: its cell's slots, one SegmentBuilder per slot (env
     shard), the batcher, the ring to its learner and the staleness quota."""
@@ -106,8 +117,7 @@ class InferenceServer:
     def run(self) -> Counters:
         """Serve until the learners finish (the weight plane says so), then stop every shard."""
         exchange, batcher, loader, stats = self.exchange, self.batcher, self.loader, self.stats
-        # the learner root publishes its first version (0, or the one resumed) first
-        loader.plane.wait_for(self.first_version, timeout=600)
+        first_weights(loader.plane, self.first_version, self.rank, self.patience_s)
         loader.refresh()
         self.silence = SilentSimulators(exchange, self.rank, self.patience_s / 2)
         stopped: set[int] = set()

@@ -47,7 +47,7 @@ from mpi4py import MPI
 
 from hpcvla.process import deathwatch
 from hpcvla.transport import pieces
-from hpcvla.transport.backoff import Backoff, idle_barrier, wait_until
+from hpcvla.transport.backoff import Backoff, Reminder, idle_barrier, wait_until
 from hpcvla.transport.manifest import Manifest
 from hpcvla.transport.records import aligned
 from hpcvla.transport.windows import allocate_shared, window_bytes
@@ -290,10 +290,12 @@ class WeightPlane:
                     return version
             # the writer lapped us: retry (rare; it writes the other half first)
 
-    def wait_for(self, version: int, timeout: float | None = None) -> None:
-        """Wait (back-off) until `version` or a newer one is on this node."""
+    def wait_for(self, version: int, timeout: float | None = None,
+                 remind: Reminder | None = None) -> None:
+        """Wait (back-off) until `version` or a newer one is on this node; `remind`: say so
+        while it takes long (transport/backoff.wait_until)."""
         wait_until(lambda: self.latest_version() >= version, f"weight version {version}",
-                   timeout, cap=5e-4)
+                   timeout, cap=5e-4, remind=remind)
 
     # ------------------------------------------------------------ lifecycle
     def stop(self) -> None:
