@@ -13,9 +13,9 @@ write_run_config): after a `git pull`, or a torch upgrade, between the two.
                 "diff_sha256": of `git diff HEAD`, null where nothing changed,
                 "untracked": the package's files git does not track (a new module, not yet
                              added; at most MAX_CHANGED),
-                "git_error": why git could not say, where it could not (then the three
+                "git_error": why git could not say, where it could not (then the four
                              above are null: not a checkout, a package installed from one,
-                             git missing, the checkout's ownership, GIT_TIMEOUT_S passed)},
+                             git missing, GIT_TIMEOUT_S passed)},
      "python": "3.11.7", "mpi": the MPI library's own version line ("" without MPI),
      "packages": {name: version} of those of PACKAGES installed}
 """
