@@ -59,7 +59,7 @@
 #                     slow just then: a short limit drops healthy nodes)
 #   HPCVLA_START_RETRIES  train, sft, eval: a world that failed while starting, before any
 #                     rank registered, is started again on the same nodes this many times
-#                     (default 2)
+#                     (default 2; a restart's world too)
 #   HPCVLA_END_GRACE_S  train, sft, eval: a world whose ranks on this node died without
 #                     finishing is ended this many seconds later if its launcher has not ended
 #                     it (default 30; after a node failure mpiexec/srun wait for the scheduler
