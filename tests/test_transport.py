@@ -419,8 +419,8 @@ def test_a_weight_plane_takes_rising_versions_and_a_first_read_keeps_the_frozen_
 def test_an_inference_rank_waits_for_the_first_weights_saying_so(capfd):
     """roles/inference.first_weights: the first version comes when the weight root has loaded
     the weights it starts from (minutes at full size from a busy file system): no deadline
-    ends the wait (it was 600 s), and it is said each pipeline.stall_timeout_s. On one rank
-    (COMM_SELF), the version published 1.5 s late."""
+    ends the wait, and it is said each pipeline.stall_timeout_s. On one rank (COMM_SELF), the
+    version published 1.5 s late."""
     import threading
 
     import torch
