@@ -482,29 +482,37 @@ def test_a_world_whose_launcher_dies_ends_with_it(tmp_path):
                 pass
 
 
-def test_a_stop_signal_between_two_starts_is_kept_and_no_world_starts_after_it(monkeypatch):
-    """job/launch.run_world: a scheduler's SIGTERM that comes while no world runs (the first
-    failed while starting; the launcher clears what it left) is not lost with that world: no
-    world is started after it. The worlds here are stand-ins that count their starts."""
+def _starts_of_a_world_that_never_starts(monkeypatch, clear=lambda before: []) -> list:
+    """job/launch.run_world of `hpcvla train` with stand-in worlds that each fail while
+    starting, `clear` standing in for the launcher's clean-up between starts (segments.
+    remove_orphans); its exit status asserted 1, the stop signals' handlers kept. What each
+    start saw signalled, a list a start."""
     from hpcvla.job import launch
     starts = []
 
     def world(cmd, env, timeout, forward):  # failed while starting: start it again
         starts.append(list(forward.signalled))
         return 1, True
-
-    def clear(before):  # between the two starts, the scheduler's warning comes
-        os.kill(os.getpid(), signal.SIGTERM)
-        return []
     monkeypatch.setattr(launch, "_run", world)
     monkeypatch.setattr(launch.segments, "remove_orphans", clear)
-    monkeypatch.setenv("HPCVLA_START_RETRIES", "3")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         assert launch.run_world(2, ["train", "configs/default.yaml"]) == 1
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+    return starts
+
+
+def test_a_stop_signal_between_two_starts_is_kept_and_no_world_starts_after_it(monkeypatch):
+    """job/launch.run_world: a scheduler's SIGTERM that comes while no world runs (the first
+    failed while starting; the launcher clears what it left) is not lost with that world: no
+    world is started after it. The worlds here are stand-ins that count their starts."""
+    def clear(before):  # between the two starts, the scheduler's warning comes
+        os.kill(os.getpid(), signal.SIGTERM)
+        return []
+    monkeypatch.setenv("HPCVLA_START_RETRIES", "3")
+    starts = _starts_of_a_world_that_never_starts(monkeypatch, clear)
     assert starts == [[]], starts  # one world, and none after the signal
 
 
@@ -512,21 +520,8 @@ def test_a_world_that_fails_to_start_every_time_is_given_up_saying_so(monkeypatc
     """job/launch.run_world, as jobs/launch.sh: a world that fails while starting is started
     again HPCVLA_START_RETRIES (2) times, then given up with one line naming the setting.
     The worlds here are stand-ins that count their starts."""
-    from hpcvla.job import launch
-    starts = []
-
-    def world(cmd, env, timeout, forward):
-        starts.append(1)
-        return 1, True
-    monkeypatch.setattr(launch, "_run", world)
-    monkeypatch.setattr(launch.segments, "remove_orphans", lambda before: [])
     monkeypatch.delenv("HPCVLA_START_RETRIES", raising=False)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert launch.run_world(2, ["train", "configs/default.yaml"]) == 1
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    starts = _starts_of_a_world_that_never_starts(monkeypatch)
     err = capsys.readouterr().err
     assert len(starts) == 3 and err.count("registered: starting it again (") == 2, err
     assert err.count("the world failed while starting, before any rank registered, 3 time(s) "

@@ -159,8 +159,9 @@ def dump_share(max_gib: float, folder: Path, producers: Collection[int]) -> int:
     other ranks: a restart on fewer nodes, a resume on another layout), over the producers."""
     if not max_gib:
         return 0
+    producing = {f"rank{p}" for p in producers}
     others = sum(path.stat().st_size for path in folder.glob("rank*.h5")
-                 if path.stem.removeprefix("rank") not in {str(p) for p in producers})
+                 if path.stem not in producing)
     return max(1, int((max_gib * GIB - others) / len(producers)))
 
 
