@@ -13,6 +13,11 @@ Writes into --out (default `report/`):
     success.png          success rate against trained env steps, one curve per run (the
                          training's last 200 episodes), and one per run that has an
                          eval.jsonl (`hpcvla eval RUN --all`: fixed initial states)
+    seeds.png            runs of one configuration but their seed (every setting equal but
+                         run.*), two or more: each seed's training success thin, their mean
+                         thick with its 95 % t interval; `seeds-held-out.png` the same of
+                         their held-out evaluations (eval.every), and the table of each
+                         group's final figures, mean and interval over its seeds
     staleness.png        fraction of trained segments per policy-version lag, per run
 
 A run directory is what `hpcvla train` writes (summary.json, metrics.jsonl, config.yaml,
@@ -30,9 +35,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
+
+from hpcvla.config.loader import run_settings
 from hpcvla.files import read_log
-from hpcvla.metrics.charts import bar_chart, line_chart, swimlane
+from hpcvla.metrics.charts import bar_chart, line_chart, seed_curves, swimlane
 from hpcvla.metrics.progress import standing_records
+from hpcvla.metrics.stats import mean_interval
 
 
 class ReportError(ValueError):
@@ -65,6 +74,7 @@ def load_run(path) -> dict:
             "ratio": "colocated" if plan.get("mode") == "colocated" else
                      f"{roles['inference']}:{roles['learner']}",
             "spans": spans, "metrics": metrics, "evals": evals,
+            "settings": run_settings(path),
             "dumps": sorted((path / "trajectories").glob("rank*.h5"))}
 
 
@@ -167,6 +177,102 @@ def dump_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs of one configuration but their seed, two or more: every setting equal but
+    run.* (name, folder, seed, logs: nothing that changes what is learned), as each run last
+    ran (a resume's config). Label -> runs; the label is the runs' run.name, followed by the
+    settings that tell the group from another group of that name."""
+    by_key: dict[frozenset, list[dict]] = {}
+    for run in runs:
+        if run["settings"]:
+            key = frozenset((k, json.dumps(v, sort_keys=True))
+                            for k, v in run["settings"].items() if not k.startswith("run."))
+            by_key.setdefault(key, []).append(run)
+    groups = {key: sorted(rs, key=lambda r: (r["settings"].get("run.seed", 0), r["name"]))
+              for key, rs in by_key.items() if len(rs) > 1}
+    names = {key: "/".join(sorted({str(r["settings"].get("run.name")) for r in rs}))
+             for key, rs in groups.items()}
+    labelled = {}
+    for key, rs in groups.items():
+        namesakes = [k for k in groups if names[k] == names[key]]
+        differ = sorted(key - frozenset.intersection(*namesakes))
+        labelled[names[key] + "".join(f" {k}={json.loads(v)}" for k, v in differ)] = rs
+    return labelled
+
+
+def final_held_out(run: dict) -> tuple[int, float, int] | None:
+    """A run's last held-out evaluation (version, success rate, episodes): its training's own
+    (eval.every, in metrics.jsonl), else `hpcvla eval`'s newest version (eval.jsonl)."""
+    held = [m["held_out"] for m in run["metrics"] if "held_out" in m]
+    if held:
+        return held[-1]["version"], held[-1]["success_rate"], held[-1]["episodes"]
+    if run["evals"]:
+        e = max(run["evals"], key=lambda e: e["version"])
+        return e["version"], e["success_rate"], e["episodes"]
+    return None
+
+
+def _interval(values, digits: int = 3, rate: bool = True) -> str:
+    """mean [low, high] (n=...): a rate's interval cut to [0, 1], where a t interval over a
+    few seeds near 0 or 1 reaches past it."""
+    if not values:
+        return "—"
+    mean, low, high = mean_interval(values)
+    if rate:
+        low, high = max(low, 0.0), min(high, 1.0)
+    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}] (n={len(values)})"
+
+
+def seeds_table(groups: dict[str, list[dict]]) -> str:
+    lines = ["| configuration | seeds | env steps/s | training success | held-out success | "
+             "held out at |", "|---|---|---|---|---|---|"]
+    for label, rs in groups.items():
+        held = [h for h in map(final_held_out, rs) if h]
+        trained = [r["summary"].get("success_rate") for r in rs]
+        lines.append(
+            f"| {label} | {', '.join(str(r['settings'].get('run.seed')) for r in rs)} | "
+            f"{_interval([r['summary']['env_steps_per_s'] for r in rs], 0, rate=False)} | "
+            f"{_interval([v for v in trained if v is not None])} | "
+            f"{_interval([rate for _, rate, _ in held])} | "
+            f"{', '.join(sorted({f'v{v} ({n} episodes)' for v, _, n in held})) or '—'} |")
+    return "\n".join(lines)
+
+
+def _common_grid(curves: list[list[tuple[float, float]]]) -> np.ndarray | None:
+    """50 points from the latest first point to the earliest last one of `curves` (each a list
+    of (x, y)): where every curve has its own values, none extrapolated; None if they do not
+    overlap."""
+    start, end = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
+    return np.linspace(start, end, 50) if end > start else None
+
+
+def seeds_section(groups: dict[str, list[dict]], out: Path) -> list[str]:
+    """The table of seed_groups and their charts (seeds.png, seeds-held-out.png)."""
+    md = ["## Seeds", "", "Runs of one configuration but their seed: each group's figures as "
+          "the mean over its seeds and its 95 % Student-t interval (4.30 standard errors at 3 "
+          "seeds); training success is the learners' last episodes at the run's end, held-out "
+          "success its last evaluation on fixed initial states.", "", seeds_table(groups), ""]
+    trained = {label: [[(m["trained_env_steps"], m["success_rate"]) for m in settled(
+        [m for m in r["metrics"] if m.get("success_rate") is not None])] for r in rs]
+        for label, rs in groups.items()}
+    held = {label: [[(m["held_out"]["trained_env_steps"], m["held_out"]["success_rate"])
+                     for m in r["metrics"] if "held_out" in m] for r in rs]
+            for label, rs in groups.items()}
+    held = {label: cs for label, cs in held.items() if all(len(c) > 1 for c in cs)}
+    for name, curves, what in (("seeds", trained, "training success (the learners' last "
+                                "episodes)"),
+                               ("seeds-held-out", held, "held-out success (eval.every)")):
+        curves = {label: cs for label, cs in curves.items() if all(cs)}
+        grid = _common_grid([c for cs in curves.values() for c in cs]) if curves else None
+        if grid is None:
+            continue
+        seed_curves(out / f"{name}.png", grid,
+                    {label: [np.interp(grid, *zip(*c)).tolist() for c in cs]
+                     for label, cs in curves.items()},
+                    f"Seeds: {what}", "trained env steps", "success", ylim=(0, 1))
+        md += [f"![{name}]({name}.png)", ""]
+    return md
+
 def lanes_of(run: dict) -> list:
     return [(f"r{rank} {role}", spans) for (rank, role), spans in sorted(run["spans"].items())]
 
@@ -266,6 +372,9 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
             if r["evals"]:  # hpcvla eval --all: one policy per point, fixed initial states
                 md += [f"`hpcvla eval --all` of {r['name']}: " + ", ".join(
                     f"v{e['version']} {e['success_rate']:.3f}" for e in r["evals"]), ""]
+        groups = seed_groups(runs)
+        if groups:
+            md += seeds_section(groups, out)
         md += ["## Staleness", "",
                "Policy versions between the one that acted and the one that trained on it.",
                "", "| run | " + " | ".join(f"lag {k}" for k in lags) + " |",

@@ -11,10 +11,11 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from hpcvla.metrics.charts import STAGE_COLORS, stage_color
+from hpcvla.metrics.stats import mean_interval
 from helpers import ROOT, hpcvla, reach_demos
 
 sys.path.insert(0, str(ROOT / "postprocess"))  # postprocess/report.py is a script, not a package
-from report import lanes_of, load_run, settled  # noqa: E402
+from report import lanes_of, load_run, seed_groups, settled  # noqa: E402
 
 
 def read_png(path) -> np.ndarray:
@@ -87,6 +88,56 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     assert f"Skipped {tmp_path / 'b'}: no summary.json" in md
     for folder in ("a", "c"):
         assert (tmp_path / "again" / f"timeline-{folder}-{streamer.name}.png").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_runs_differing_only_by_seed_are_reported_as_one_group_over_its_seeds(tmp_path):
+    """Two real runs of one config but their seed (held-out evaluations while training), and
+    a copy of both with another learning rate: two groups of the runs' name, told apart by
+    that setting, each with its seeds' mean and 95 % t interval; a run alone is in none.
+    ~25 s: two short training worlds."""
+    runs = [train(tmp_path / f"seed{seed}", "configs/colocated.yaml", "pipeline.total_updates=4",
+                  f"run.seed={seed}", "eval.every=2", "eval.states_per_task=16")[0]
+            for seed in (1, 2)]
+    for run in runs:  # the same runs as if another learning rate had made them
+        copy = tmp_path / "lr" / run.name
+        shutil.copytree(run, copy)
+        config = (copy / "config.yaml").read_text()
+        assert "  lr: 0.0003\n" in config
+        (copy / "config.yaml").write_text(config.replace("  lr: 0.0003\n", "  lr: 0.001\n"))
+    alone, _ = train(tmp_path / "alone", "configs/colocated.yaml", "pipeline.total_updates=2")
+    out = report(*runs, *(tmp_path / "lr").iterdir(), alone, "--out", tmp_path / "report")
+    assert out.returncode == 0, out.stderr
+    md = (tmp_path / "report" / "report.md").read_text()
+    loaded = [load_run(r) for r in runs]
+    groups = seed_groups(loaded + [load_run(alone)])
+    assert list(groups) == ["colocated"]  # the copies are loaded by the script, not here
+    summaries = [r["summary"] for r in loaded]
+    rates = [s["success_rate"] for s in summaries]
+    mean, low, high = mean_interval(rates)
+    held = [[m["held_out"] for m in r["metrics"] if "held_out" in m][-1] for r in loaded]
+    assert len({h["version"] for h in held}) == 1 and held[0]["version"] == 4
+    steps = mean_interval([s["env_steps_per_s"] for s in summaries])
+    for lr in ("0.0003", "0.001"):
+        assert (f"| colocated algorithm.lr={lr} | 1, 2 | {steps[0]:.0f} [{steps[1]:.0f}, "
+                f"{steps[2]:.0f}] (n=2) | {mean:.3f} [{max(low, 0):.3f}, {min(high, 1):.3f}] "
+                f"(n=2) | ") in md, md
+    heldmean = mean_interval([h["success_rate"] for h in held])[0]
+    assert f"| {heldmean:.3f} [" in md and f"| v4 ({held[0]['episodes']} episodes) |" in md
+    assert alone.name not in md.split("## Seeds")[1].split("## Staleness")[0]
+    for chart in ("seeds.png", "seeds-held-out.png"):
+        assert read_png(tmp_path / "report" / chart).shape[:2] == (460, 900)
+
+
+def test_a_mean_over_seeds_has_the_student_t_interval():
+    from scipy.stats import t
+    values = [0.2, 0.5, 0.6]
+    mean, low, high = mean_interval(values)
+    half = t.ppf(0.975, 2) * np.std(values, ddof=1) / np.sqrt(3)
+    assert (mean, low, high) == pytest.approx((13 / 30, 13 / 30 - half, 13 / 30 + half),
+                                              abs=1e-3)
+    assert mean_interval([0.7]) == (0.7, 0.7, 0.7)  # one seed: no interval
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path):

@@ -263,6 +263,13 @@ def last_run_config(run_dir: str | Path) -> Path | None:
     return configs[-1] if configs[-1].is_file() else None
 
 
+def run_settings(run_dir: str | Path) -> dict[str, Any]:
+    """The settings a run directory's run last ran with (last_run_config), by dotted name;
+    {} where it has no config file."""
+    path = last_run_config(run_dir)
+    return _flat(yaml.safe_load(path.read_text()) or {}) if path else {}
+
+
 def resumed_run_config(overrides: list[str]) -> str | None:
     """The config a run resumed by `run.resume=DIR` last ran with (its newest
     config.resume-*.yaml, else config.yaml), or None without run.resume; ConfigError where

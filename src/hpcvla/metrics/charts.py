@@ -18,7 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from hpcvla.metrics.stats import T975
+from hpcvla.metrics.stats import t_critical
 
 # matplotlib's tab10, as hex: series colours in order.
 PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
@@ -109,8 +109,7 @@ def seed_curves(path, xs, groups: dict, title: str, xlabel: str, ylabel: str, yl
             ax.plot(xs, y, color=color, lw=0.7, alpha=0.45,
                     label=f"{label}: each seed" if k == 0 else None)
         if n > 1:
-            t = T975[n - 2] if n <= 31 else 1.96
-            half = t * ys.std(axis=0, ddof=1) / math.sqrt(n)
+            half = t_critical(n - 1) * ys.std(axis=0, ddof=1) / math.sqrt(n)
             ax.fill_between(xs, mean - half, mean + half, color=color, alpha=0.2, lw=0,
                             label=f"{label}: 95 % t interval")
         ax.plot(xs, mean, color=color, lw=2.2, label=f"{label}: mean of {n} seeds")

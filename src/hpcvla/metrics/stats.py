@@ -1,5 +1,5 @@
-"""Small-sample statistics: Student-t critical values and Welch's interval for a difference
-of means (comparing seeds), Wilson's interval for a success rate (evaluation), and the
+"""Small-sample statistics: Student-t critical values, a mean's interval over seeds and Welch's
+interval for a difference of means (comparing seeds), Wilson's interval for a success rate (evaluation), and the
 difference of two policies' success on the same episodes (evaluation, paired)."""
 
 from __future__ import annotations
@@ -14,6 +14,24 @@ T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 
+def t_critical(df: int) -> float:
+    """The two-sided 95 % critical value of Student's t with `df` degrees of freedom (the
+    normal's beyond 30)."""
+    return T975[df - 1] if df <= 30 else 1.96
+
+
+def mean_interval(values) -> tuple[float, float, float]:
+    """The mean of `values` (one per seed) and its 95 % Student-t interval: mean ± t(0.975,
+    n-1) · sd / sqrt(n); t rather than 1.96 because n is a handful of seeds (4.30 at n = 3).
+    One value has no interval: (mean, mean, mean)."""
+    v = np.asarray(values, float)
+    mean = float(v.mean())
+    if len(v) < 2:
+        return mean, mean, mean
+    half = t_critical(len(v) - 1) * float(v.std(ddof=1)) / math.sqrt(len(v))
+    return mean, mean - half, mean + half
+
+
 def welch_interval(a, b) -> tuple[float, float, float]:
     """mean(a) - mean(b) and its 95 % Welch confidence interval."""
     a, b = np.asarray(a, float), np.asarray(b, float)
@@ -23,7 +41,7 @@ def welch_interval(a, b) -> tuple[float, float, float]:
     if se == 0:
         return diff, diff, diff
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    t = T975[min(int(df), 30) - 1] if df < 31 else 1.96
+    t = t_critical(int(df))
     return diff, diff - t * se, diff + t * se
 
 
