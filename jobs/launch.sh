@@ -293,9 +293,12 @@ fit_to_nodes() {
 # existed (MPI_Init: Open MPI's ranks can crash there when a peer's first message arrives
 # early, open-mpi/ompi#12495), is started again on the same nodes, HPCVLA_START_RETRIES
 # times (default 2: on loaded nodes a second start crashed too), and so is each restart's
-# world: nothing ran, so nothing is lost or trained twice. Not a refused world (exit 2: its
-# verdict would be the same), nor when a node stopped answering. One that failed so every
-# time ends the job, saying so.
+# world: nothing ran, so nothing is lost or trained twice. Not when a node stopped answering.
+# One that failed so every time ends the job, saying so.
+#
+# A world that refused to run (exit 2: every rank's one verdict, such as a run that another
+# job's world holds) is neither restarted nor started again: its verdict would be the same,
+# and a restart would record itself in the other job's run.
 restarts_left=${HPCVLA_RESTARTS:-0}
 START_RETRIES=${HPCVLA_START_RETRIES:-2}  # as job/launch.py
 # The run this job continues (set_command's RESUME) and its newest checkpoint as the job
@@ -315,7 +318,12 @@ while true; do
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)
     say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
-    if [[ -n $NEVER_STARTED && $status != 2 && ${#usable[@]} == "${#HOSTS[@]}" ]]; then
+    if [[ $status == 2 ]]; then  # every rank's one verdict: a restart's would be the same
+        say "the world refused to run (exit status 2: its ranks' message is above): the job" \
+            "ends, its world not started again"
+        break
+    fi
+    if [[ -n $NEVER_STARTED && ${#usable[@]} == "${#HOSTS[@]}" ]]; then
         if (( start_retries_left == 0 )); then
             say "the world failed while starting, before any rank registered," \
                 "$((START_RETRIES + 1)) time(s) in a row: not starting it again" \

@@ -19,7 +19,7 @@ from hpcvla.checkpoint import catalog
 from hpcvla.config import load_config
 from hpcvla.metrics import restart_log
 from hpcvla.topology.plan import PlanError
-from helpers import ROOT, fake_checkpoint
+from helpers import ROOT, fake_checkpoint, hpcvla
 
 
 def test_a_restart_records_what_it_resumes_from_and_what_it_lost(tmp_path, capsys):
@@ -131,11 +131,13 @@ def test_a_job_naming_a_complete_run_ends_at_once_saying_so(tmp_path):
 def test_a_job_starts_a_world_again_and_restarts_it_within_bounds(tmp_path):
     """jobs/launch.sh's loop of starts (outside a scheduler: the same loop). A world every
     rank of which refuses (exit 2: here an MPI below MPI_THREAD_MULTIPLE) is not started
-    again: its verdict would be the same. One that dies before any rank registered (here
+    again: its verdict would be the same, nor restarted where its run could be (nor recorded
+    in that run: another job's, if the verdict was its lock). One that dies before any rank
+    registered (here
     mpi4py given no MPI library) is started again HPCVLA_START_RETRIES (2) times, then the
     job ends saying so. A run's world that fails with a checkpoint to continue from (here
-    every start refuses that checkpoint, whose weights do not fit the configured policy) is
-    restarted from it once, and no more: it failed again before a newer checkpoint."""
+    every start's learner finds a damaged optimizer file in it) is restarted from it once,
+    and no more: it failed again before a newer checkpoint. ~30 s."""
     env = {**os.environ, "HPCVLA_RANKS": "2", "HPCVLA_DOCTOR": "0",
            "HPCVLA_JOB_RUNS": str(tmp_path / "job")}
     command = [ROOT / "jobs/launch.sh", "train", "configs/colocated.yaml"]
@@ -157,11 +159,26 @@ def test_a_job_starts_a_world_again_and_restarts_it_within_bounds(tmp_path):
     run = tmp_path / "job" / "colocated-1"  # a run the job continues, from a checkpoint
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("pipeline: {total_updates: 20}\n")
-    fake_checkpoint(catalog.checkpoint_dir(run, 2), version=2)
-    said = job(HPCVLA_RESTARTS="3")
+    fake_checkpoint(catalog.checkpoint_dir(run, 2), version=2)  # weights that do not fit
+    said = job(HPCVLA_RESTARTS="3")  # refused, not failed
+    assert said.count("running:") == 1 and "restart 1/" not in said and "the world refused " \
+        "to run (exit status 2: its ranks' message is above): the job ends" in said, \
+        said[-3000:]
+    assert not (run / "restarts.jsonl").exists()
+    # a world that fails (a learner's optimizer file damaged: read by the ranks, not refused)
+    out = hpcvla("train", "configs/colocated.yaml", f"run.root={tmp_path / 'real'}",
+                 "pipeline.total_updates=2", "learner.checkpoint_every=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = (tmp_path / "real").iterdir()
+    shutil.rmtree(catalog.checkpoint_dir(run, 2))  # the run short of its end, at version 1
+    optimizer = catalog.checkpoint_dir(run, 1) / "optimizer.rank0.safetensors"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    optimizer.write_bytes(bytes(data))
+    said = job(HPCVLA_RESTARTS="3", HPCVLA_JOB_RUNS=str(tmp_path / "real"))
     assert said.count("restart 1/3: dropped node(s): none") == 1 and "restart 2/3" not in \
         said, said[-3000:]
-    assert "the world failed again before a checkpoint newer than policy version 2: not " \
+    assert "the world failed again before a checkpoint newer than policy version 1: not " \
         "restarting" in said, said[-3000:]
 
 

@@ -276,6 +276,31 @@ def test_one_world_at_a_time_writes_a_run(tmp_path):
     assert (tmp_path / ".lock").read_text().count("\n") == 1
 
 
+def test_a_run_another_world_holds_is_every_ranks_verdict_not_a_failure(tmp_path):
+    """A world that cannot claim its run (another job's world holds it) ends as a refusal,
+    Refused on every rank (exit 2, which jobs/launch.sh does not restart: as a failure, its
+    restarts recorded themselves in the other job's run), not a rank's error (exit 1)."""
+    import subprocess
+    import sys
+    from mpi4py import MPI
+    from hpcvla.job.runtime import claim_run
+    from hpcvla.process.deathwatch import Refused
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom hpcvla.checkpoint.catalog import hold_run\n"
+         f"hold_run({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(Refused, match=f"{tmp_path} is in use: another world's rank 0 "
+                           rf"holds its .lock \(pid {holder.pid} on "):
+            claim_run(MPI.COMM_SELF, tmp_path, wait_s=1.0)
+    finally:
+        holder.kill()
+        holder.wait()
+    claim_run(MPI.COMM_SELF, tmp_path)  # released with its holder: this world's now
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+
+
 def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):
     """flock failing (Lustre without -o flock): the run cannot be claimed; it says so and
     leaves the unfinished checkpoints, which another world may be writing, until it publishes

@@ -30,6 +30,10 @@ class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete, corrupted or made for another layout."""
 
 
+class RunInUse(CheckpointError):
+    """A run directory another world holds (hold_run): a verdict, not a failure."""
+
+
 def checkpoint_dir(run_dir: Path, version: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"v{version:06d}"
 
@@ -298,7 +302,7 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
             holder = lock.read_text().strip() or "who, it did not say"
             if time.monotonic() > deadline:
                 handle.close()
-                raise CheckpointError(
+                raise RunInUse(
                     f"{run_dir} is in use: another world's rank 0 holds its .lock ({holder}; "
                     "two worlds writing one run would mix their checkpoints): wait for that "
                     "job to end. If it has ended (squeue/qstat: a node that died holding "

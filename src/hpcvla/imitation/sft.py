@@ -59,7 +59,7 @@ from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
 from hpcvla.files import replace_text
-from hpcvla.job.runtime import (create_run_dir, leave_together, node_numbers,
+from hpcvla.job.runtime import (claim_run, create_run_dir, leave_together, node_numbers,
                                 record_run_start)
 from hpcvla.memory.layout import LayoutMemory
 from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
@@ -130,10 +130,9 @@ def sft_main(cfg, world) -> None:
     if not cfg.run.resume:
         cfg.run.name = f"{cfg.run.name}-sft"
     run_dir = create_run_dir(cfg, world)
+    claim_run(world, run_dir)  # [dist] no rank reads or writes the run before its lock is held
     if rank == 0:
-        catalog.hold_run(run_dir)  # one world at a time writes a run
         deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
-    idle_barrier(world)  # [dist] no rank reads or writes the run before its lock is held
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
     # the action steps supervised from each observation: the policy's own (a meta build)
     horizon = build_policy(cfg, spec, device="meta").imitation_horizon

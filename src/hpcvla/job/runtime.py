@@ -230,6 +230,24 @@ def create_run_dir(cfg, world) -> Path:
     return Path(world.bcast(path, root=0))  # [dist]
 
 
+def claim_run(world, run_dir: Path, wait_s: float = 150.0) -> None:
+    """Rank 0's hold on `run_dir` for the life of the world (checkpoint/catalog.hold_run: one
+    world at a time writes a run), the others asleep meanwhile. A run another world holds is
+    every rank's verdict (Refused: exit 2, which a job does not start again, jobs/launch.sh;
+    as a failure its restarts would record themselves in the other job's run)."""
+    from hpcvla.checkpoint.catalog import RunInUse, hold_run  # no torch: rank 0 may simulate
+
+    def hold() -> str | None:
+        try:
+            hold_run(run_dir, wait_s)
+        except RunInUse as err:
+            return str(err)
+        return None
+    in_use = idle_bcast(world, hold)  # [dist]
+    if in_use:
+        raise Refused(in_use)
+
+
 def record_run_start(cfg, run_dir: Path, who: str = "hpcvla") -> None:
     """Rank 0 of a run's world: the config it runs with and its software recorded in its
     directory; a resumed run says which settings and which software changed since it last
@@ -250,14 +268,12 @@ def train_main(cfg, plan, comms) -> None:
 
     world = comms.world
     run_dir = create_run_dir(cfg, world)
+    claim_run(world, run_dir)  # [dist] no rank reads or writes the run before its lock is held
     if world.Get_rank() == 0:
-        from hpcvla.checkpoint.catalog import hold_run  # no torch: rank 0 may simulate
-        hold_run(run_dir)  # one world at a time writes a run
         record_run_start(cfg, run_dir)
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
-    idle_barrier(world)  # [dist] no rank reads or writes the run before its lock is held
     run_pipeline(cfg, plan, comms, run_dir)
     leave_together(world, cfg.pipeline.stall_timeout_s)
 
