@@ -16,8 +16,9 @@
 #
 # What it does: detect Slurm (SLURM_JOB_ID) or PBS (PBS_JOBID + PBS_NODEFILE), list the
 # hosts, check that every node holds the same number of ranks (the rank plan needs it),
-# activate the Python environment, set one BLAS/OpenMP thread pool size per rank, run the
-# ranks, and pass the scheduler's signals on to them as SIGTERM (ranks stop cleanly). SIGUSR1
+# activate the Python environment, set one BLAS/OpenMP thread pool size per rank, give an
+# array job's task the seed of its index (train, sft: run.seed=<index>), run the ranks, and
+# pass the scheduler's signals on to them as SIGTERM (ranks stop cleanly). SIGUSR1
 # is the time-limit warning of the Slurm scripts (`#SBATCH --signal=B:USR1@<grace>`): with
 # HPCVLA_REQUEUE=1 the job then requeues itself (`scontrol requeue`) once the ranks have
 # exited with a checkpoint, and the next start continues the run.
@@ -133,6 +134,24 @@ source "$LIB/world.sh"
 
 ARGS=("$@")
 COMMAND_ARGS=("$@")
+# A task of an array job (sbatch --array, qsub -J) that makes a run trains its own seed, the
+# task's index (run.seed=<index>), unless the command names run.seed itself: the tasks would
+# all run the config's one seed, their spread the timing's alone (docs/learning.md, "What a
+# seed fixes"). A requeued task keeps its index, so its run resumes at the same seed.
+case $SCHEDULER in
+    slurm) ARRAY_TASK=${SLURM_ARRAY_TASK_ID:-} ;;
+    pbs) ARRAY_TASK=${PBS_ARRAY_INDEX:-${PBS_ARRAYID:-}} ;;  # PBS Pro/OpenPBS; Torque
+    *) ARRAY_TASK="" ;;
+esac
+if [[ -n $ARRAY_TASK ]] && makes_a_run "$1"; then
+    if printf '%s\n' "${@:2}" | grep -q '^run\.seed='; then
+        say "array task $ARRAY_TASK: its command names run.seed, which every task of the" \
+            "array runs alike"
+    else
+        COMMAND_ARGS+=("run.seed=$ARRAY_TASK")
+        say "array task $ARRAY_TASK: its own seed, run.seed=$ARRAY_TASK"
+    fi
+fi
 # The run a restart, a requeue and the job's exit status are about: the one the job names
 # (run.resume, in its config or overrides: a run continued in a new job), else the newest
 # under its run root; and that run's state against the command's end (JOB_RUN_STATE: '', none,

@@ -278,3 +278,29 @@ def test_training_starts_from_the_benchmark_states_only_where_asked():
     assert starts("sampled") == [None] * 6
     with pytest.raises(ConfigError, match="env.train_states"):
         load_config(ROOT / "configs/default.yaml", ["env.train_states=benchmark"])
+
+
+def test_libero_imports_where_another_user_made_robosuites_log_file():
+    """robosuite, imported, opens /tmp/robosuite.log for its DEBUG log: on a node where
+    another user's job made that file first (0644) every LIBERO rank died with
+    PermissionError. Here the file cannot be opened at all (as for that user); LIBERO imports,
+    and robosuite logs to no file."""
+    import subprocess
+    import sys
+    script = (
+        "import logging, sys\n"
+        "opened = logging.FileHandler.__init__\n"
+        "def theirs(self, name, *a, **k):\n"
+        "    if str(name) == '/tmp/robosuite.log':\n"
+        "        raise PermissionError(13, 'Permission denied', name)\n"
+        "    opened(self, name, *a, **k)\n"
+        "logging.FileHandler.__init__ = theirs\n"
+        "from hpcvla.envs.libero_suites import _import_libero\n"
+        "_import_libero()\n"
+        "from robosuite import macros\n"
+        "print(macros.FILE_LOGGING_LEVEL, [type(h).__name__ for h in "
+        "logging.getLogger('robosuite_logs').handlers])\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "None ['StreamHandler']", out.stdout

@@ -646,6 +646,47 @@ def test_a_pbs_jobs_overrides_split_as_a_command_line(tmp_path):
         in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
+def test_an_array_jobs_task_trains_the_seed_of_its_index(tmp_path, scheduler):
+    """The tasks of an array job (sbatch --array, qsub -J) ran the config's one seed each:
+    each now runs run.seed=<its index>, unless its command names run.seed. Dry runs of the
+    demo scripts (Slurm's host list from a stand-in `scontrol`)."""
+    (tmp_path / "nodes").write_text("h0\nh0\n")
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text("#!/bin/sh\necho h0\n")  # `scontrol show hostnames LIST`
+    scontrol.chmod(0o755)
+    env = {**os.environ, "HPCVLA_DRY_RUN": "1", "HPCVLA_MPI": "mpich", "HPCVLA_DOCTOR": "0",
+           "HPCVLA_RUNS": str(tmp_path / "runs")}
+    if scheduler == "slurm":
+        env.update(PATH=f"{scontrol.parent}:{os.environ['PATH']}", SLURM_JOB_ID="12",
+                   SLURM_JOB_NAME="hpcvla-demo", SLURM_JOB_NODELIST="h0", SLURM_NTASKS="2",
+                   SLURM_SUBMIT_DIR=str(ROOT), SLURM_ARRAY_JOB_ID="10",
+                   SLURM_ARRAY_TASK_ID="2")
+        script, root = ["bash", ROOT / "jobs/slurm/demo.sbatch"], "hpcvla-demo-12"
+    else:
+        env.update(PBS_JOBID="10[2].pbs", PBS_ARRAY_INDEX="2", PBS_NODEFILE=str(tmp_path /
+                   "nodes"), PBS_O_WORKDIR=str(ROOT))
+        script, root = ["bash", ROOT / "jobs/pbs/demo.pbs"], r"hpcvla-demo-10\[2\]"
+
+    def dry_run(*overrides) -> str:
+        extra = {"OVERRIDES": " ".join(overrides)} if scheduler == "pbs" else {}
+        out = subprocess.run([*script, *(["configs/default.yaml", *overrides]
+                                         if scheduler == "slurm" else [])],
+                             cwd=ROOT, env={**env, **extra}, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stderr
+    said = dry_run()
+    assert "array task 2: its own seed, run.seed=2" in said, said
+    assert f" hpcvla train configs/default.yaml run.seed=2 run.root={tmp_path}/runs/{root}" \
+        in said, said
+    said = dry_run("run.seed=7")
+    assert "array task 2: its command names run.seed, which every task of the array runs " \
+        "alike" in said and "run.seed=2" not in said, said
+    assert " hpcvla train configs/default.yaml run.seed=7 run.root=" in said, said
+
+
 def test_a_job_without_the_mpi_it_asks_for_says_why():
     """The MPI selection's reason reaches the job log, before the job's own line about it."""
     env = {**os.environ, "HPCVLA_MPI": "nosuch"}

@@ -5,8 +5,10 @@ instructions, BDDL files and fixed initial states, the evaluation scripts' step 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +41,31 @@ STEP_LIMITS.update({pro: STEP_LIMITS[base] for pro, base in LIBERO_PRO_SUITES.it
 os.environ.setdefault("MUJOCO_GL", "egl")
 os.environ.setdefault("PYOPENGL_PLATFORM", os.environ["MUJOCO_GL"]
                       if os.environ["MUJOCO_GL"] in ("osmesa", "glx") else "egl")
+
+
+def _robosuite_without_its_log_file() -> None:
+    """robosuite's macros as they are but for its file log. Imported, robosuite logs DEBUG to
+    /tmp/robosuite.log, which the first user on a node creates (0644): every later import by
+    another user there fails with PermissionError (and every rank of every job appends to one
+    file in a /tmp that is often memory). Its macros module, which its loggers read when they
+    are made, is loaded here before robosuite is, without FILE_LOGGING_LEVEL; nothing where
+    robosuite is not installed or already imported."""
+    if "robosuite.macros" in sys.modules:
+        return
+    package = importlib.util.find_spec("robosuite")  # found, not imported
+    if package is None or not package.submodule_search_locations:
+        return
+    path = Path(package.submodule_search_locations[0]) / "macros.py"
+    spec = importlib.util.spec_from_file_location("robosuite.macros", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        return
+    macros = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(macros)
+    macros.FILE_LOGGING_LEVEL = None
+    sys.modules["robosuite.macros"] = macros
+
+
+_robosuite_without_its_log_file()
 
 
 def _import_libero():
