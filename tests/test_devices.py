@@ -158,6 +158,31 @@ def test_what_says_gpus_were_given():
     assert missing_gpus_problem(2, {}).startswith("at most the 0 GPU(s) torch sees on this node")
 
 
+def test_gpus_a_slurm_job_was_not_given_are_not_taken(monkeypatch):
+    """Without Slurm's device cgroups torch sees every GPU of the node: a job given 2 of 8, or
+    none, would detect (and train on) other jobs' GPUs. Refused, naming the grant; fine where
+    the job was given them all, where each task sees its own, where the user's own
+    CUDA_VISIBLE_DEVICES chose them, outside a Slurm job, and with placement.gpus_per_node
+    set (a whole node of a site whose scheduler does not track GPUs)."""
+    import hpcvla.devices as devices
+    monkeypatch.setattr(devices, "torch_gpu_count", lambda: 8)
+    job = {"SLURM_JOB_ID": "7"}
+    said = missing_gpus_problem(-1, {**job, "SLURM_GPUS_ON_NODE": "2"})
+    assert said.startswith("GPUs this job was given: torch sees 8 on this node, but this Slurm "
+                           "job was given 2 (SLURM_GPUS_ON_NODE='2'") and \
+        "placement.gpus_per_node=2" in said, said
+    assert "was given 3" in missing_gpus_problem(-1, {**job, "SLURM_JOB_GPUS": "0,1,5"})
+    said = missing_gpus_problem(-1, job)
+    assert "but this Slurm job asked for none" in said and "--gpus-per-node" in said, said
+    for fine in ({**job, "SLURM_GPUS_ON_NODE": "8"}, {**job, "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"},
+                 {**job, "SLURM_GPUS_ON_NODE": "8", "SLURM_STEP_GPUS": "3"},
+                 {**job, "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, {}):
+        assert missing_gpus_problem(-1, fine) is None, fine
+    assert missing_gpus_problem(8, job) is None and missing_gpus_problem(0, job) is None
+    monkeypatch.setattr(devices, "torch_gpu_count", lambda: 1)  # --gpus-per-task: its own
+    assert missing_gpus_problem(-1, {**job, "SLURM_GPUS_ON_NODE": "8"}) is None
+
+
 def test_gpus_granted_but_hidden_by_the_users_cuda_visible_devices_are_named(monkeypatch):
     """A CUDA torch that sees none of the GPUs Slurm gave: a user's `export
     CUDA_VISIBLE_DEVICES=` (or another node's ids) is why, not the build (the message said to

@@ -169,11 +169,52 @@ def granted_gpus(environ=os.environ) -> str | None:
     return None
 
 
+def slurm_gpu_count(environ=os.environ) -> int | None:
+    """How many of this node's GPUs the Slurm job was given, the most any of its variables
+    says (SLURM_GPUS_ON_NODE; the lists SLURM_JOB_GPUS, SLURM_STEP_GPUS), or None where none
+    says: no Slurm job, or one that asked for none."""
+    counts = []
+    on_node = environ.get("SLURM_GPUS_ON_NODE", "").strip()
+    if on_node.isdigit():
+        counts.append(int(on_node))
+    for var in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS"):
+        listed = [x for x in environ.get(var, "").split(",") if x.strip()]
+        if listed and listed != ["NoDevFiles"]:
+            counts.append(len(listed))
+    return max(counts) if counts else None
+
+
+def unowned_gpus_problem(count: int, environ=os.environ) -> str | None:
+    """Why the `count` GPUs torch sees on this node are not all this Slurm job's to detect
+    (placement.gpus_per_node=-1): more than it was given, or some though it was given none.
+    Where Slurm's device cgroups are off (ConstrainDevices=no) torch sees every GPU of the
+    node, other jobs' too, and a job would train on them (another user's OOM, or "all
+    CUDA-capable devices are busy"). None outside a Slurm job, and where the user's own
+    CUDA_VISIBLE_DEVICES chose them."""
+    if "SLURM_JOB_ID" not in environ or count == 0:
+        return None
+    given = slurm_gpu_count(environ)
+    if given is None and "CUDA_VISIBLE_DEVICES" not in environ:
+        return (f"GPUs this job was given: torch sees {count} on this node, but this Slurm job "
+                "asked for none (no SLURM_GPUS_ON_NODE or SLURM_JOB_GPUS; without device "
+                "cgroups, ConstrainDevices, a job sees every GPU of its node, other jobs' too): "
+                "ask for GPUs (sbatch --gpus-per-node=N), set placement.gpus_per_node=0 to run "
+                "on the CPU, or placement.gpus_per_node=N where the node's GPUs are the job's "
+                "(a whole node of a site that does not schedule GPUs)")
+    if given is not None and count > given:
+        return (f"GPUs this job was given: torch sees {count} on this node, but this Slurm job "
+                f"was given {given} (SLURM_GPUS_ON_NODE={environ.get('SLURM_GPUS_ON_NODE')!r}, "
+                f"SLURM_JOB_GPUS={environ.get('SLURM_JOB_GPUS')!r}, CUDA_VISIBLE_DEVICES="
+                f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): the others are other jobs'. Leave "
+                f"CUDA_VISIBLE_DEVICES to Slurm, or set placement.gpus_per_node={given}")
+    return None
+
+
 def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     """Why this node cannot run the GPUs the config asks for: more (`placement.
     gpus_per_node` > 0) than torch sees here (visible_gpus, as every rank will), or, for
-    detection (-1), a GPU node whose GPUs torch cannot see, which would silently mean the
-    CPU: GPUs the job was given, or a Slurm/PBS job on a node with NVIDIA's device files that
+    detection (-1), GPUs that are not the job's (unowned_gpus_problem), or a GPU node whose
+    GPUs torch cannot see, which would silently mean the CPU: GPUs the job was given, or a Slurm/PBS job on a node with NVIDIA's device files that
     was given none and hides none (it asked the scheduler for none; device cgroups hide
     them). None when they are there, outside a batch job (a workstation's CPU-only torch),
     when CUDA_/ROCR_/HIP_VISIBLE_DEVICES hides them, or when the CPU was chosen (0)."""
@@ -182,7 +223,9 @@ def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
         return (f"at most the {count} GPU(s) torch sees on this node (CUDA_VISIBLE_DEVICES="
                 f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): -1 detects them, 0 trains on the "
                 f"CPU; or ask the scheduler for {gpus_per_node} GPU(s)")
-    if gpus_per_node != -1 or count > 0:
+    if gpus_per_node == -1 and count > 0:
+        return unowned_gpus_problem(count, environ)
+    if gpus_per_node != -1:
         return None
     granted = granted_gpus(environ)
     if granted is None:  # a batch job on an NVIDIA node that asked for no GPU
