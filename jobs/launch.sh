@@ -38,7 +38,8 @@
 #                     MPI_Init on nodes with many network devices: src/hpcvla/process/mpi_select.py)
 #   HPCVLA_SRUN_MPI   srun's PMI plugin (default: pmi2 for MPICH, pmix for Open MPI)
 #   HPCVLA_THREADS    threads per rank (default: the scheduler's CPUs per task, else the
-#                     node's allocated (or all) cores / ranks per node, at least 1)
+#                     job's CPUs on its smallest node (or this node's cores) / ranks per
+#                     node, at least 1): OMP/MKL/OpenBLAS/LP_NUM_THREADS, and the ranks' torch
 #   HPCVLA_RANKS      ranks to start outside any job (default 4); inside a job the
 #                     allocation decides
 #   HPCVLA_JOB_RUNS   train, sft: run root of this job (run.root); when it already holds a
@@ -223,7 +224,14 @@ set_command "$1"
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
-say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC)"
+MEMLOCK=$(ulimit -l)
+[[ $MEMLOCK == unlimited ]] || MEMLOCK+=" KiB"
+if [[ $MEMLOCK != unlimited ]] && (( NODES > 1 )); then  # (allocation.sh raised it to the hard one)
+    MEMLOCK+=" (windows across nodes register their memory with InfiniBand/RoCE adapters:"
+    MEMLOCK+=" ask the site for an unlimited hard limit, e.g. Slurm's"
+    MEMLOCK+=" PropagateResourceLimitsExcept=MEMLOCK)"
+fi
+say "python: $PYTHON, MPI: $HPCVLA_MPI_FLAVOUR ($HPCVLA_MPIEXEC), locked memory: $MEMLOCK"
 say "running: $(shown "${LAUNCH[@]}" "${COMMAND[@]}")${CLEAN_ENV[*]:+ (without SLURM_* variables)}"
 # PBS's cgroup hook gives a node's GPUs to the job's processes there; ranks ssh starts are
 # none of them

@@ -200,6 +200,28 @@ def test_more_ranks_than_this_machine_can_hold_are_refused_before_any_starts(mon
     launch.world_command(16, ["train"])  # 16 x 64 MiB fit
 
 
+def test_each_rank_computes_with_its_share_of_the_cores_it_was_given(monkeypatch):
+    """`hpcvla train --ranks N` gives each rank its share of the cores this process may use
+    (its cpuset: `srun --pty -c 4` on a 128-core node is 4, not 128), as jobs/launch.sh
+    gives each its node's share; a rank's torch takes the launcher's share, and without one
+    (a user's own mpirun) its cores over its node's ranks. Before, the share was 1 or unset,
+    and every learner ran 1 thread whatever the job paid for."""
+    import os
+    from hpcvla.job import launch
+    from hpcvla.process import threads
+    monkeypatch.setattr(os, "cpu_count", lambda: 128)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2, 3, 4, 5, 6, 7})
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch.world_command(4, ["train"])[1]["OMP_NUM_THREADS"] == "2"
+    assert launch.world_command(16, ["train"])[1]["OPENBLAS_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's own choice stands
+    assert launch.world_command(4, ["train"])[1]["OMP_NUM_THREADS"] == "3"
+    assert threads.rank_threads(4, {"OMP_NUM_THREADS": "6"}) == 6
+    assert threads.rank_threads(4, {}) == 2 and threads.rank_threads(16, {}) == 1
+    assert threads.rank_threads(4, {"OMP_NUM_THREADS": "0"}) == 2  # not a share: ignored
+
+
 def _world_memory_plan(*args) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """tests/mpi/world_memory_plan.py on `args`; its output, and rank 0's line: every
     rank's exit status and plan."""

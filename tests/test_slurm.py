@@ -687,6 +687,34 @@ def test_an_array_jobs_task_trains_the_seed_of_its_index(tmp_path, scheduler):
     assert " hpcvla train configs/default.yaml run.seed=7 run.root=" in said, said
 
 
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_ranks_ask_for_the_cpus_of_the_jobs_smallest_node(tmp_path, mpi):
+    """A whole-node job of a mixed partition (128 and 64 CPUs), 8 tasks a node, no
+    --cpus-per-task: each rank runs 8 threads (the smaller node's share: the batch node's
+    128 / 8 oversubscribed the other twice), and the step asks for what each node has: under
+    srun (Open MPI) 8 CPUs a rank (without it a step's task gets one CPU, to which a site that
+    binds tasks to cores pins all 8 threads), Hydra's proxy step 64 a node (the batch node's
+    128 fails on the other: "More processors requested than permitted"). Dry runs."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho h0\necho h1\n")  # `scontrol show hostnames LIST`
+    scontrol.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "HPCVLA_DRY_RUN": "1",
+           "HPCVLA_DOCTOR": "0", "HPCVLA_MPI": mpi, "SLURM_JOB_ID": "12",
+           "SLURM_JOB_NODELIST": "h[0-1]", "SLURM_NTASKS": "16", "SLURM_TASKS_PER_NODE": "8(x2)",
+           "SLURM_CPUS_ON_NODE": "128", "SLURM_JOB_CPUS_PER_NODE": "128,64"}
+    env.pop("SLURM_CPUS_PER_TASK", None)
+    out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "16 rank(s) on 2 node(s) (h0 h1), 8 per node, 8 thread(s) per rank" in out.stderr
+    if mpi == "openmpi":
+        assert "running: srun --mpi=pmix " in out.stderr and " --cpus-per-task=8 " in \
+            out.stderr, out.stderr
+    else:
+        assert "HYDRA_LAUNCHER_EXTRA_ARGS=--cpus-per-task=64 " in out.stderr, out.stderr
+    assert "locked memory: " in out.stderr  # (raised to the hard limit; across nodes: why)
+
+
 def test_a_job_without_the_mpi_it_asks_for_says_why():
     """The MPI selection's reason reaches the job log, before the job's own line about it."""
     env = {**os.environ, "HPCVLA_MPI": "nosuch"}

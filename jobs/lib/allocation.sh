@@ -68,6 +68,9 @@ if [[ -n ${HPCVLA_CONDA_ENV:-} ]]; then
     eval "$(conda shell.bash hook)"
     conda activate "$HPCVLA_CONDA_ENV"
     set -u
+    # A conda environment, unlike a venv, reads the user's ~/.local packages before its own:
+    # a `pip install --user` of another project would replace its pinned ones on every rank.
+    export PYTHONNOUSERSITE=1
 elif [[ -n ${HPCVLA_VENV:-} ]]; then
     [[ -f $HPCVLA_VENV/bin/activate ]] || die "HPCVLA_VENV=$HPCVLA_VENV is not a venv"
     activate "$HPCVLA_VENV/bin/activate"
@@ -85,12 +88,27 @@ MPI_EXPORTS=$("$PYTHON" -m hpcvla.process.mpi_select "${HPCVLA_MPI:-auto}") ||
 eval "$MPI_EXPORTS"
 
 # ---- threads per rank ----------------------------------------------------------------------
+# NODE_CPUS: the CPUs the job holds on its smallest node (Slurm's SLURM_JOB_CPUS_PER_NODE,
+# "128(x2),64": the nodes of a mixed partition differ, and a step asking every node for the
+# batch node's count fails on the others), else on this node. TASK_CPUS: each rank's, which an
+# srun-started world asks its step for (the step's tasks otherwise get one CPU each, and a
+# site that binds tasks to cores pins each rank's threads to one).
+NODE_CPUS="" TASK_CPUS=""
+if [[ $SCHEDULER == slurm ]]; then
+    IFS=, read -ra parts <<< "${SLURM_JOB_CPUS_PER_NODE:-}"
+    for part in "${parts[@]}"; do
+        cpus=${part%%(*}
+        [[ $cpus =~ ^[0-9]+$ ]] || continue
+        if [[ -z $NODE_CPUS ]] || (( cpus < NODE_CPUS )); then NODE_CPUS=$cpus; fi
+    done
+    NODE_CPUS=${NODE_CPUS:-${SLURM_CPUS_ON_NODE:-}}
+    TASK_CPUS=${SLURM_CPUS_PER_TASK:-${NODE_CPUS:+$(( NODE_CPUS / PER_NODE ))}}
+    [[ ${TASK_CPUS:-1} != 0 ]] || TASK_CPUS=1
+fi
 if [[ -n ${HPCVLA_THREADS:-} ]]; then
     THREADS=$HPCVLA_THREADS
-elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_PER_TASK:-} ]]; then
-    THREADS=$SLURM_CPUS_PER_TASK
-elif [[ $SCHEDULER == slurm && -n ${SLURM_CPUS_ON_NODE:-} ]]; then  # this node's share
-    THREADS=$(( SLURM_CPUS_ON_NODE / PER_NODE ))
+elif [[ -n $TASK_CPUS ]]; then
+    THREADS=$TASK_CPUS
 elif [[ $SCHEDULER == pbs && -n ${NCPUS:-} ]]; then  # PBS Pro: ncpus of this chunk
     THREADS=$(( NCPUS / PER_NODE ))
 else
@@ -98,3 +116,14 @@ else
 fi
 (( THREADS >= 1 )) || THREADS=1
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$THREADS
+# Mesa's CPU renderers (llvmpipe, lavapipe) size their pools to the node's cores otherwise:
+# hundreds of threads per node of simulator ranks.
+export LP_NUM_THREADS=$THREADS
+# robosuite's numba functions are compiled with cache=True: beside the package, else in the
+# home; a read-only environment and home on compute nodes make that an error, and a shared
+# home gets every rank's writes at once. Each node compiles into its own /tmp (or TMPDIR).
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-${TMPDIR:-/tmp}/numba-$(id -u)}
+# One-sided windows across nodes register their memory with InfiniBand/RoCE adapters, which
+# the locked-memory limit caps; Slurm copies the submitting shell's (often 64 KiB) into the
+# job. The soft limit is raised to the hard one; the job log says what it is.
+ulimit -S -l "$(ulimit -H -l)" 2> /dev/null || true

@@ -71,12 +71,13 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
             echo mpiexec)} == srun ]]; then
         # pmi2: MPICH (PyPI or Debian) wires up through it; with a wrong plugin every rank
         # starts as its own 1-rank world (hpcvla then stops: launch.check_scheduler).
-        # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: pass it on.
+        # Since Slurm 22.05 srun does not inherit sbatch's --cpus-per-task: each rank's CPUs
+        # (TASK_CPUS: --cpus-per-task, else the node's share) are passed on.
         local nodes
         nodes=$(IFS=,; echo "${HOSTS[*]}")
         LAUNCH=(srun --mpi="${HPCVLA_SRUN_MPI:-$HPCVLA_SRUN_MPI_DEFAULT}" --kill-on-bad-exit=1 --ntasks="$NP"
                 --ntasks-per-node="$PER_NODE" --distribution=block --nodes="$NODES" --nodelist="$nodes"
-                ${SLURM_CPUS_PER_TASK:+"--cpus-per-task=$SLURM_CPUS_PER_TASK"} ${OVERLAP:+--overlap})
+                ${TASK_CPUS:+"--cpus-per-task=$TASK_CPUS"} ${OVERLAP:+--overlap})
     else
         local host
         if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
@@ -98,7 +99,7 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
             # 22.05-23.02), appended to what a site's MPI module set: Hydra reads
             # HYDRA_LAUNCHER_EXTRA_ARGS, Open MPI 4.x OMPI_MCA_plm_slurm_args, 5
             # PRTE_MCA_plm_slurm_args.
-            local step="--cpus-per-task=${SLURM_CPUS_ON_NODE:-$(( PER_NODE * THREADS ))}"
+            local step="--cpus-per-task=${NODE_CPUS:-$(( PER_NODE * THREADS ))}"
             step+=${OVERLAP:+ --overlap}
             if [[ -n ${SLURM_GPUS_PER_TASK:-}${SLURM_NTASKS_PER_GPU:-} &&
                     -n ${SLURM_GPUS_ON_NODE:-} ]]; then  # (nodes alike: equal tasks per node)

@@ -68,6 +68,7 @@ from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import deathwatch, heap, preempt
 from hpcvla.process.deathwatch import Refused
+from hpcvla.process.threads import rank_threads
 from hpcvla.process.watchdog import reminding
 from hpcvla.roles.outputs import (MEMORY_PLAN, RankSummary, add_planned_memory, memory_table,
                                   phases_line, starts_so_far)
@@ -122,7 +123,7 @@ def sft_main(cfg, world) -> None:
         check_scheduler_world(learners)
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # [dist] this host's learners
     phases.mark("communicators")
-    torch.set_num_threads(max(1, torch.get_num_threads() // node.Get_size()))
+    torch.set_num_threads(rank_threads(node.Get_size()))  # its share of the node
     seed_rank(cfg, rank)
     device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
     spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env

@@ -30,6 +30,7 @@ from hpcvla.job import segments
 from hpcvla.process import deathwatch
 from hpcvla.process.deathwatch import DeathWatch
 from hpcvla.process.mpi_select import LaunchError, select_mpi
+from hpcvla.process.threads import usable_cores
 
 
 # The least a rank holds: an interpreter with numpy, mpi4py and hpcvla's imports (a reach
@@ -59,10 +60,12 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
     install = select_mpi(mpi, mpiexec)  # MpiSelectError: a LaunchError
     cmd = [install.mpiexec, "-n", str(n), *install.args]
     env = {**os.environ, **install.env}
-    if n >= (os.cpu_count() or 1):
-        # Oversubscribed ranks must not each spin up a thread per core.
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("MKL_NUM_THREADS", "1")
+    # Each rank's share of the cores this process may use (its cpuset, not the host's: an
+    # `srun --pty -c 4` on a 128-core node), as jobs/launch.sh gives each its node's share: the
+    # ranks' torch, BLAS and OpenMP pools take it (process/threads.py).
+    threads = str(max(1, usable_cores() // n))
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        env.setdefault(name, threads)
     return cmd + rank_program(program), env, signal.Signals[f"SIG{install.stop_signal}"]
 
 

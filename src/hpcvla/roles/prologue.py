@@ -42,6 +42,7 @@ from hpcvla.metrics.progress import Progress
 from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.process.deathwatch import Refused
+from hpcvla.process.threads import rank_threads
 from hpcvla.process.watchdog import deadline
 from hpcvla.process.worker import cpu_seconds
 from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
@@ -172,7 +173,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         import torch  # only where the policy runs
 
         from hpcvla.factory import build_policy
-        torch.set_num_threads(1)  # one thread per rank: ranks share the node's cores
+        torch.set_num_threads(rank_threads(comms.node.Get_size()))  # its share of the node
         # The weight root (learner 0) alone reads the folder or checkpoint: the engines start
         # every learner from learner 0's parameters (DeepSpeed's broadcast of the module,
         # Horovod's broadcast_parameters), the weight plane every other rank that acts

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import replace
 
+from hpcvla.process.threads import usable_cores
 from hpcvla.scale.model import Network, Prediction, StageCosts, predict
 from hpcvla.schedule import Layout, layout_problem, traits
 from hpcvla.topology.plan import PlanError, node_size
@@ -260,7 +260,7 @@ def print_auto_plan(cfg, world: int, ranks_per_node: int | None, costs_name: str
               f"{k} {v:.2f}" for k, v in best["busy"].items()) + ")")
     print("overrides:\n  " + " \\\n  ".join(f"'{o}'" if " " in o else o
                                             for o in best["overrides"]))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     if cores and rpn > cores and details.get("source", "").startswith("probed"):
         print(f"note: the model gives every rank a core of its own; this host has {cores} "
               f"for a node's {rpn} ranks, so a run here measures less; the probed costs also "
