@@ -280,3 +280,35 @@ def test_an_eval_job_is_checked_for_what_eval_of_its_arguments_needs(tmp_path):
     out, checks = doctor(*world[:-1], run_dir, "--envs", 4)  # eval's flag, but no `--`
     assert out.returncode == 2 and "unrecognized arguments: --envs 4 (`doctor --job eval` " \
         "takes eval's after `--`)" in out.stderr, out.stderr
+
+
+def test_wandb_online_on_a_node_that_cannot_reach_its_server_is_refused(monkeypatch):
+    """`run.wandb=online` with a login but no route to the W&B server (a compute node without
+    internet): rank 0's wandb.init waited ~90 s and ended the world. Refused before any rank
+    starts, naming the server (here a local port nothing listens on) or the proxy it would go
+    through; a server that answers passes."""
+    import socket
+    from types import SimpleNamespace
+    from hpcvla.metrics.tensorboard import wandb_problems
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    online = SimpleNamespace(wandb="online")
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    try:
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port}")
+        (problem,) = wandb_problems(online)
+        assert problem[0] == "run.wandb" and problem[2].startswith(
+            f"offline: this node cannot reach 127.0.0.1:{closed_port} (Connection refused)"), \
+            problem
+        monkeypatch.setenv("WANDB_BASE_URL", "https://api.wandb.ai")
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{closed_port}")
+        (problem,) = wandb_problems(online)
+        assert f"cannot reach the proxy 127.0.0.1:{closed_port}" in problem[2], problem
+        monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{listening.getsockname()[1]}")
+        assert wandb_problems(online) == []  # the proxy answers
+    finally:
+        listening.close()

@@ -119,15 +119,42 @@ def wandb_problems(run) -> list[tuple[str, object, str]]:
     if run.wandb == "online":
         import netrc
         import os
+        from urllib.parse import urlsplit
 
+        server = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
         try:
-            logged_in = netrc.netrc().authenticators("api.wandb.ai") is not None
+            logged_in = netrc.netrc().authenticators(server.hostname or "") is not None
         except (OSError, netrc.NetrcParseError):
             logged_in = False
         if not (os.environ.get("WANDB_API_KEY") or logged_in):
             return [("run.wandb", "online", "offline where there is no W&B login (no "
                      "WANDB_API_KEY, no `wandb login`): `wandb sync` the run from a login node")]
+        unreachable = _unreachable(server)
+        if unreachable:
+            return [("run.wandb", "online", f"offline: {unreachable} (compute nodes often "
+                     "reach no internet; rank 0 would wait for it, then end the world): "
+                     "`wandb sync` the run from a login node")]
     return []
+
+
+def _unreachable(server, timeout_s: float = 5.0) -> str:
+    """Why this machine cannot open a connection to the W&B server `server` (a split URL), or
+    to the HTTPS proxy it would go through; '' where it can."""
+    import os
+    import socket
+    from urllib.parse import urlsplit
+
+    names = ("HTTPS_PROXY", "https_proxy") if server.scheme == "https" else \
+        ("HTTP_PROXY", "http_proxy")
+    proxy = next((os.environ[n] for n in names if os.environ.get(n)), "")
+    target = urlsplit(proxy if "://" in proxy else f"http://{proxy}") if proxy else server
+    port = target.port or (443 if target.scheme == "https" else 80)
+    what = f"{'the proxy ' if proxy else ''}{target.hostname}:{port}"
+    try:
+        socket.create_connection((target.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        return f"this node cannot reach {what} ({err.strerror or err})"
+    return ""
 
 
 def read_scalars(run_dir) -> dict[str, list[tuple[int, float]]]:
