@@ -4,6 +4,7 @@ process gives, episode by episode."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -177,19 +178,25 @@ def test_a_resumed_run_is_evaluated_with_the_settings_it_last_ran_with(tmp_path)
 def test_eval_writes_videos_of_the_first_episodes_that_decode_back(tmp_path, config,
                                                                    overrides, chunks):
     """--video 2 on 3 states: two MP4s named by state and outcome, each a frame per chunk
-    the episode ran plus its outcome frame, the camera scaled up above a caption."""
+    the episode ran plus its outcome frame, the camera scaled up above a caption, in a folder
+    of this evaluation's own: another evaluation's films of the same version (another job's,
+    at once: it deleted them) stay as they are."""
     from hpcvla.metrics.video import MIN_SIDE, read_video
     run_dir = _run_dir(tmp_path, config, *overrides)
-    stale = run_dir / "videos" / "v000000-deterministic" / "all-state0-success.mp4"
-    stale.parent.mkdir(parents=True)
-    stale.write_bytes(b"an earlier evaluation's film of the same version")
+    other = run_dir / "videos" / "v000000-deterministic-20261206-101010-42" / \
+        "all-state0-success.mp4"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"another evaluation's film of the same version")
     result = _eval(run_dir, "--episodes", 3, "--envs", 3, "--video", 2, "--deterministic")
     assert len(result["videos"]) == 2
-    assert sorted(stale.parent.glob("*.mp4")) == sorted(map(Path, result["videos"]))
+    (folder,) = {Path(v).parent for v in result["videos"]}
+    assert folder != other.parent and sorted(folder.glob("*.mp4")) == \
+        sorted(map(Path, result["videos"]))
+    assert other.read_bytes() == b"another evaluation's film of the same version"
+    assert re.fullmatch(r"v000000-deterministic-\d{8}-\d{6}-\d+", folder.name), folder
     for episode, path in zip(result["per_episode"], result["videos"]):
         outcome = "success" if episode["success"] else "failure"
         assert path.endswith(f"-state{episode['init_state_id']}-{outcome}.mp4"), path
-        assert "videos/v000000-deterministic/" in path
         frames = read_video(path)
         # every chunk to the horizon (untrained: no success), then the outcome frame
         assert len(frames) == chunks + 1 or episode["success"], (len(frames), episode)

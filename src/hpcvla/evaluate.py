@@ -18,8 +18,10 @@ per-episode outcomes.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
@@ -49,11 +51,6 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         store.check_fit(weights, held_out.policy.state_dict(), "the evaluated checkpoint")
         held_out.policy.load_arrays(weights)
     try:
-        if video and rank == 0 and video_dir is not None:  # an earlier evaluation's films
-            for old in video_dir.glob("*.mp4"):           # of this version and actions
-                old.unlink()
-        if video and world is not None:
-            idle_barrier(world)  # [dist] cleared before any rank films
         mine, videos = held_out.run(deterministic, rank, ranks, video_dir if video else None)
         # every rank's episodes and videos, and the host and device it ran on
         parts = [(mine, videos, socket.gethostname(), str(device))]
@@ -247,14 +244,17 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
                       deterministic: bool, world=None, video: int = 0) -> list[dict]:
     """`hpcvla eval`: each of `policies` (a checkpoint directory, or None: the untrained
     policy) on the same states, with its version and trained env steps; `video` K: K
-    episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>/."""
+    episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>-<start>/: a folder
+    of this evaluation's own (<start>: rank 0's time and process), so that evaluations of one
+    run at once (a job per task or seed) neither replace nor mix each other's films."""
+    start = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     if world is not None:  # one plan: the policies differ in weights only
         from hpcvla.transport.backoff import idle_bcast
         refuse_overfilled(cfg, world, envs_at_once(cfg, envs, episodes))  # [dist]
         # rank 0's choice: a run still training publishes and prunes checkpoints while the
         # ranks start, and ranks that each chose evaluated different ones under rank 0's
         # label (with --all, lists of different lengths left ranks in a gather: a hang)
-        policies = idle_bcast(world, lambda: list(policies))  # [dist]
+        policies, start = idle_bcast(world, lambda: (list(policies), start))  # [dist]
     curve = []
     for path in policies:
         weights, state = (None, {"version": 0}) if path is None else checkpoint_weights(path)
@@ -265,7 +265,7 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
                       **evaluate(cfg, weights, episodes=episodes, envs=envs, seed=cfg.run.seed,
                                  deterministic=deterministic, world=world, video=video,
                                  video_dir=run_dir / "videos" /
-                                 f"v{state['version']:06d}-{actions}")})
+                                 f"v{state['version']:06d}-{actions}-{start}")})
     return paired_with_first(curve)
 
 
