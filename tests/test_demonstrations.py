@@ -622,3 +622,35 @@ def test_a_success_mid_chunk_leaves_the_rest_of_its_chunk_out(tmp_path):
         assert windows.pad[end].tolist() == [False] * k + [True] * (2 * c - k)
         if T > 1:  # the row before reads the ran part of the last chunk after its own
             assert windows.pad[end - 1].tolist() == [False] * (c + k) + [True] * (c - k)
+
+
+def test_two_recordings_given_one_out_file_do_not_both_write_it(tmp_path, monkeypatch):
+    """`hpcvla demos --out F` checked that F did not exist seconds before it made F (after
+    building the env): a second job given the same F in between passed the check too, and
+    one appended to the other's file as if resuming it. The name is claimed at the check now:
+    the second is refused while the first builds its env, and a recording that fails before
+    its dump exists leaves no claim behind."""
+    from hpcvla.config import load_config
+    from hpcvla.imitation import recording
+    from helpers import ROOT
+    cfg = load_config(ROOT / "configs/default.yaml")
+    out, built = tmp_path / "demos.h5", recording._env
+    refused = []
+
+    def env_while_another_job_starts(config):
+        with pytest.raises(recording.RecordingError, match="--out .*demos.h5: exists"):
+            recording.record(cfg, 2, out)  # another job, given the same --out, meanwhile
+        refused.append(True)
+        return built(config)
+    monkeypatch.setattr(recording, "_env", env_while_another_job_starts)
+    said = recording.record(cfg, 3, out)
+    assert refused and said["episodes"] == 3 and summarize(out)["episodes"] == 3
+    with h5py.File(out) as f:
+        assert list(f["starts"]) == ["0"]  # one writer's file, not a resumed one
+
+    def no_env(config):
+        raise recording.RecordingError("no such env here")
+    monkeypatch.setattr(recording, "_env", no_env)
+    with pytest.raises(recording.RecordingError, match="no such env here"):
+        recording.record(cfg, 2, tmp_path / "other.h5")
+    assert not (tmp_path / "other.h5").exists()

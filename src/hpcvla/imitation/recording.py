@@ -38,6 +38,7 @@ version; "" for the expert's own episodes).
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -78,21 +79,28 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
     if deterministic and policy_run is None:
         raise RecordingError("--deterministic: the driving policy's mean action; name the "
                              "run with --policy")
-    if out.exists():
-        raise RecordingError(f"--out {out}: exists; remove it or name another file")
     why = unwritable(out.parent)
     if why:
         raise RecordingError(f"--out {out}: a file in a folder it can be written in ({why})")
-    check_env(cfg)
-    env, task = _env(cfg)
-    driver = None if policy_run is None else PolicyDriver(Path(policy_run), env.spec,
-                                                           deterministic)
-    dump = TrajectoryDump(out, -1, list(env.spec.obs), env.spec.vocab, None,
-                          " ".join(dict.fromkeys([cfg.env.name, task])),  # reach: its own task
-                          env.spec.chunk_len,
-                          yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                          flush_s=30.0, source=f"scripted expert {task}, noise {noise}"
-                          + (f", driven by {driver.name}" if driver else ""))
+    try:  # the name claimed now, not when the env is built (seconds later): two jobs given
+        os.close(os.open(out, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # one --out both wrote
+    except FileExistsError:
+        raise RecordingError(f"--out {out}: exists; remove it or name another file") from None
+    try:
+        check_env(cfg)
+        env, task = _env(cfg)
+        driver = None if policy_run is None else PolicyDriver(Path(policy_run), env.spec,
+                                                               deterministic)
+        dump = TrajectoryDump(out, -1, list(env.spec.obs), env.spec.vocab, None,
+                              " ".join(dict.fromkeys([cfg.env.name, task])),  # reach's task
+                              env.spec.chunk_len,
+                              yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                              flush_s=30.0, fresh=True,
+                              source=f"scripted expert {task}, noise {noise}"
+                              + (f", driven by {driver.name}" if driver else ""))
+    except BaseException:
+        out.unlink(missing_ok=True)  # the claim goes with the recording that made it
+        raise
     rng = np.random.default_rng([cfg.run.seed, _STREAM])
     start, seen, attempts, successes, steps, ran = time.monotonic(), set(), 0, 0, 0, 0
     written, said = 0, start

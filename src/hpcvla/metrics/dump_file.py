@@ -34,7 +34,7 @@ class DumpFile:
     keep it open nearly all the time)."""
 
     def __init__(self, path, producer: int, source: str, env: str, chunk_len: int,
-                 config_yaml: str, max_bytes: int = 0):
+                 config_yaml: str, max_bytes: int = 0, fresh: bool = False):
         self.path, self.producer, self.max_bytes = Path(path), producer, max_bytes
         self.pending: list[tuple[dict, dict]] = []  # finished, not yet written
         self.segments = self.written = self.total = self.not_written = 0
@@ -43,7 +43,9 @@ class DumpFile:
         self.staging = self.path.with_name(self.path.name + ".staging")
         self.staging.unlink(missing_ok=True)  # a killed writer's: never part of the dump
         self.start = 0  # this start's number in the file (starts/<n>)
-        if not (self.path.exists() and self._resumed(config_yaml)):
+        # `fresh`: the file at `path` is this writer's to begin (a name its caller claimed
+        # with an empty file: `hpcvla demos --out`), never a resumed run's to append to
+        if fresh or not (self.path.exists() and self._resumed(config_yaml)):
             with open_hdf5(self.path, "w", libver=LIBVER) as f:
                 f.attrs.update(text_attrs(dict(
                     format=FORMAT, source=source, producer_rank=producer, env=env,

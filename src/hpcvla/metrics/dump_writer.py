@@ -53,14 +53,14 @@ class TrajectoryDump:
     def __init__(self, path, producer: int, obs_keys, vocab, shard_seed, env: str,
                  chunk_len: int, config_yaml: str = "", flush_s: float = 10.0,
                  source: str = "run", start_version: int = 0, in_process: bool = True,
-                 max_bytes: int = 0):
+                 max_bytes: int = 0, fresh: bool = False):
         self.path, self.producer, self.obs_keys = Path(path), producer, list(obs_keys)
         self.vocab, self.shard_seed, self.flush_s = vocab, shard_seed, flush_s
         self.start_version = start_version
         self.open: dict[tuple[int, int], list[dict]] = {}  # (slot, env) -> step pieces
         self.episodes: dict[tuple[int, int], int] = Counter()
         self.file = (DumpFile if in_process else DumpProcess)(
-            path, producer, source, env, chunk_len, config_yaml, max_bytes)
+            path, producer, source, env, chunk_len, config_yaml, max_bytes, fresh)
         self.segments = self.file.segments  # a resumed run's count goes on
         self.last_flush = time.monotonic()
 
@@ -143,7 +143,8 @@ class DumpProcess:
     """DumpFile's calls, run by a writer process (module docstring)."""
 
     def __init__(self, path, producer: int, source: str, env: str, chunk_len: int,
-                 config_yaml: str, max_bytes: int = 0, queue_bytes: int = 256 << 20):
+                 config_yaml: str, max_bytes: int = 0, fresh: bool = False,
+                 queue_bytes: int = 256 << 20):
         self.path, self.producer, self.queue_bytes = Path(path), producer, queue_bytes
         self.remind_s = 60.0  # how often a producer held up by a full queue says so
         self._queue: list[tuple[tuple, int]] = []  # (message, bytes), oldest first
@@ -152,7 +153,7 @@ class DumpProcess:
         self._proc, self._conn = worker.start("hpcvla.metrics.dump_writer")
         try:
             self._conn.send(("open", str(path), producer, source, env, chunk_len, config_yaml,
-                             max_bytes))
+                             max_bytes, fresh))
             self.segments = self._answer()
         except BaseException:  # the writer could not begin the file: it ends, and so does this
             self._proc.kill()
