@@ -174,7 +174,7 @@ def test_a_node_whose_simulators_outgrow_its_host_memory_fails_naming_them():
     """The host memory the memory model puts on the job's busiest node against this node's:
     24 LIBERO simulator ranks of a 32-rank node, each with more envs than this machine's
     memory holds at 268 MiB an env (memory/simulators.py, measured)."""
-    from hpcvla.memory.layout import host_bytes
+    from hpcvla.memory.host import host_bytes
     envs = 2 * (host_bytes() // (2 * 24 * 268 * 2 ** 20) + 1)  # even: env.shards is 2
     node = ["--world", 32, "--ranks-per-node", 32,
             "placement.per_node={simulator: 24, inference: 4, learner: 4}"]

@@ -395,3 +395,18 @@ def test_each_nodes_first_sft_learner_holds_the_demonstrations_copy():
     assert shared == demonstration_rows(demo_paths(cfg.sft), spec) * sample_bytes(spec) > 0
     memory = sft_memory(cfg, [0, 0, 1, 1], 0, spec)
     assert [memory.host[r].get(DEMOS) for r in range(4)] == [shared, None, shared, None]
+
+
+def test_a_slurm_jobs_memory_request_is_its_hosts_memory():
+    """Where Slurm enforces --mem by polling, not a cgroup (ConstrainRAMSpace=no), the
+    memory the job asked for is still all it may use: host_bytes takes it (SLURM_MEM_PER_NODE
+    MiB, or SLURM_MEM_PER_CPU times the node's CPUs), not the machine's. 0 is "the whole
+    node"; outside a job the variables say nothing."""
+    from hpcvla.memory.host import host_bytes, slurm_memory_limits
+    job = {"SLURM_JOB_ID": "7"}
+    assert slurm_memory_limits({**job, "SLURM_MEM_PER_NODE": "4096"}) == [4 << 30]
+    assert slurm_memory_limits({**job, "SLURM_MEM_PER_CPU": "1024",
+                                "SLURM_CPUS_ON_NODE": "6"}) == [6 << 30]
+    assert slurm_memory_limits({**job, "SLURM_MEM_PER_NODE": "0"}) == []
+    assert slurm_memory_limits({"SLURM_MEM_PER_NODE": "4096"}) == []  # not a job's
+    assert host_bytes({**job, "SLURM_MEM_PER_NODE": "4096"}) == min(4 << 30, host_bytes({}))

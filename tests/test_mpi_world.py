@@ -191,9 +191,9 @@ def test_more_ranks_than_this_machine_can_hold_are_refused_before_any_starts(mon
     """`--ranks 20000` (a typo's extra zeros) on one machine: named before mpiexec starts
     20,000 processes, from the least a rank holds (launch.RANK_FLOOR) and the host's memory."""
     from hpcvla.job import launch
-    from hpcvla.memory import layout
+    from hpcvla.memory import host
     from hpcvla.process.mpi_select import LaunchError
-    monkeypatch.setattr(layout, "host_bytes", lambda: 1 << 30)  # a 1 GiB allocation
+    monkeypatch.setattr(host, "host_bytes", lambda: 1 << 30)  # a 1 GiB allocation
     with pytest.raises(LaunchError, match=r"-n 20: 20 ranks on this machine need 1 GiB or "
                                           r"more \(each at least 64 MiB\), it has 1.0"):
         launch.world_command(20, ["train"])

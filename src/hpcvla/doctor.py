@@ -225,7 +225,8 @@ def _memory(cfg, job: str, world: tuple[int, int | None], demos: int = 0,
     node's (its ranks' policy builds, simulators' envs, the node's windows and rings, replay
     buffers; sft's demonstrations' one copy, `demos` bytes)."""
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import host_bytes, layout_devices, layout_gpus, plan_memory
+    from hpcvla.memory.host import host_bytes
+    from hpcvla.memory.layout import layout_devices, layout_gpus, plan_memory
     from hpcvla.memory.sft_eval import eval_devices, eval_memory, sft_memory
     from hpcvla.memory.states import size
     from hpcvla.preflight import pipeline_problems

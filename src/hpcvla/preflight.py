@@ -149,7 +149,8 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     from hpcvla.config.imitation import dataset_features, demo_paths
     from hpcvla.demonstrations import demonstration_files, demonstration_problems
     from hpcvla.envs import env_spec
-    from hpcvla.memory.layout import host_bytes, layout_gpus
+    from hpcvla.memory.host import host_bytes
+    from hpcvla.memory.layout import layout_gpus
     from hpcvla.transport.windows import shared_memory_free
     from hpcvla.memory.sft_eval import sft_memory
 

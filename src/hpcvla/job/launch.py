@@ -48,7 +48,7 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
     """
     if n < 1:
         raise LaunchError(f"-n {n}: need at least one rank")
-    from hpcvla.memory.layout import host_bytes
+    from hpcvla.memory.host import host_bytes
     host = host_bytes()
     if n * RANK_FLOOR > host:  # a typo's extra zeros, before n processes start
         raise LaunchError(f"-n {n}: {n} ranks on this machine need {n * RANK_FLOOR / 2**30:.0f}"

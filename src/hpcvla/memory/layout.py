@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 from hpcvla.config.families import family
 from hpcvla.config.learning import states_stage
+from hpcvla.memory.host import host_bytes
 from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import (GIB, checkpoint_bytes, inference_bytes, learner_bytes,
                                   offloaded_bytes, size)
@@ -203,46 +204,6 @@ def replay_bytes(alg, spec) -> tuple[int, int]:
         prior = demonstration_rows(demo_paths(alg), spec, alg.demos_per_task or None)
     return ReplayBuffer.nbytes_of(specs, alg.replay_capacity), \
         ReplayBuffer.nbytes_of(specs, prior)
-
-
-def host_bytes() -> int:
-    """This machine's memory, or what this process's cgroups let it use where that is less (a
-    job's allocation: Slurm's --mem, PBS's mem=, a container's limit): the nodes of a job are
-    alike, as a cluster's are."""
-    import psutil
-    return min([int(psutil.virtual_memory().total), *cgroup_memory_limits()])
-
-
-def cgroup_memory_limits() -> list[int]:
-    """The memory limits of this process's cgroup and of those above it: cgroup v2's
-    memory.max, v1's memory.limit_in_bytes (the ones set: "max" or v1's huge number is none)."""
-    from pathlib import Path
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return []
-    out = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            root, name = Path("/sys/fs/cgroup"), "memory.max"
-            if not (root / "cgroup.controllers").exists():  # v2 beside v1 (hybrid)
-                root = root / "unified"
-        elif "memory" in controllers.split(","):
-            root, name = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"
-        else:
-            continue
-        group = root / path.lstrip("/")
-        for level in (group, *group.parents):
-            if not level.is_relative_to(root):
-                break
-            try:
-                text = (level / name).read_text().strip()
-            except OSError:
-                continue
-            if text.isdigit():
-                out.append(int(text))
-    return out
 
 
 def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,
