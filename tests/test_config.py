@@ -413,6 +413,23 @@ def test_a_pretrained_config_json_that_is_not_an_object_is_named(tmp_path, text,
     assert field == "policy.pretrained" and f"not a JSON object (it holds a {kind})" in why
 
 
+def test_a_hub_id_given_as_a_pretrained_folder_is_told_how_to_download_it(tmp_path,
+                                                                          monkeypatch):
+    """`policy.pretrained=lerobot/pi0_libero`: the ranks read folders (compute nodes often
+    reach no internet), so a hub id is named as one, with the command that downloads it on a
+    login node; a missing path that is no hub id is said missing alone."""
+    from hpcvla.weight_checks import pretrained_problems
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(None, ["policy.name=flow", "policy.pretrained=lerobot/pi0_libero"])
+    [(field, value, why)] = pretrained_problems(cfg.policy, cfg.env)
+    assert field == "policy.pretrained" and "; nothing is there (lerobot/pi0_libero looks like " \
+        "a Hugging Face hub id" in why and "`hf download lerobot/pi0_libero --local-dir " \
+        "<folder>`" in why, why
+    cfg = load_config(None, ["policy.name=flow", f"policy.pretrained={tmp_path}/a/b"])
+    [(_, _, why)] = pretrained_problems(cfg.policy, cfg.env)
+    assert why.endswith("; nothing is there"), why
+
+
 def test_a_setting_without_its_value_is_not_only_a_missing_file():
     """`hpcvla train learner.epochs 4` reads `learner.epochs` as the config file: the error
     says the setting needs `=VALUE` too."""
