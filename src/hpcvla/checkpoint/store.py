@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import threading
 from pathlib import Path
 
@@ -235,7 +236,9 @@ def _new_file_mode(folder: Path) -> int:
     """The mode a file created in `folder` gets, from a probe created there: the umask's, or
     where the folder has a default ACL (a project space's grant to its group) the ACL's,
     which the umask does not narrow and a chmod to the umask's mode did."""
-    probe = folder / f".mode-probe.{os.getpid()}.{threading.get_ident()}"
+    # named by host too: learners on several nodes probe one shared folder, and their pids
+    # and thread ids may coincide
+    probe = folder / f".mode-probe.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
     fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
     try:
         return os.fstat(fd).st_mode & 0o777
