@@ -312,3 +312,17 @@ def test_wandb_online_on_a_node_that_cannot_reach_its_server_is_refused(monkeypa
         assert wandb_problems(online) == []  # the proxy answers
     finally:
         listening.close()
+
+
+def test_full_size_checkpoints_in_the_home_folder_are_pointed_to_scratch(tmp_path, monkeypatch):
+    """The job scripts' runs/ is in the checkout, often in a home folder capped at tens of GB
+    (a file system's free space does not show the quota): the disk check says where
+    checkpoints of this size belong; small ones, or ones elsewhere, it does not."""
+    from hpcvla import doctor as checks
+    from hpcvla.config import load_config
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = load_config(None, [f"run.root={tmp_path}/hpcvla/runs"])
+    assert "run.root is in your home folder" in checks._disk(home, 3 << 30, 3 << 30).found
+    assert "home folder" not in checks._disk(home, 1 << 20, 1 << 20).found
+    scratch = load_config(None, [f"run.root={tmp_path.parent}/scratch/runs"])
+    assert "home folder" not in checks._disk(scratch, 3 << 30, 3 << 30).found

@@ -361,6 +361,10 @@ def _disk(cfg, weights: int, trainable: int) -> Check:
     found = (f"{free / MiB:,.0f} MiB free under {existing}, {cfg.learner.checkpoint_keep} + 1 "
              f"checkpoints need ~{need / MiB:,.0f} MiB (free as the file system says: a "
              "quota may allow less, `lfs quota -u $USER DIR`, `mmlsquota`, `quota -s`)")
+    if root.is_relative_to(Path.home().resolve()) and need > 10 * 2**30:  # (a checkout's runs/)
+        found += ("; run.root is in your home folder, which sites often cap at tens of GB "
+                  "and back up: checkpoints this size belong on a scratch file system "
+                  "(HPCVLA_RUNS=$SCRATCH/runs for the job scripts)")
     return Check("disk", free >= need, found, "a run.root on a larger (scratch) file system, "
                  "or a smaller learner.checkpoint_keep")
 
