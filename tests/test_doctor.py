@@ -326,3 +326,25 @@ def test_full_size_checkpoints_in_the_home_folder_are_pointed_to_scratch(tmp_pat
     assert "home folder" not in checks._disk(home, 1 << 20, 1 << 20).found
     scratch = load_config(None, [f"run.root={tmp_path.parent}/scratch/runs"])
     assert "home folder" not in checks._disk(scratch, 3 << 30, 3 << 30).found
+
+
+def test_a_gpu_node_without_nvidias_egl_fails_where_its_ranks_would(monkeypatch):
+    """The renderer check draws with any EGL device (Mesa's software one too), but LIBERO's
+    ranks given a GPU need the EGL device of that GPU (envs/egl.py): a node without
+    NVIDIA's EGL (a container without the driver's graphics capability) passed the doctor
+    and failed at every rank's start. Here torch sees 2 GPUs and EGL lists one device, with
+    no CUDA ordinal."""
+    from hpcvla import devices, doctor as checks
+    from hpcvla.config import load_config
+    from hpcvla.envs import egl
+    monkeypatch.delenv("MUJOCO_GL", raising=False)
+    monkeypatch.setattr(devices, "torch_gpu_count", lambda: 2)
+    monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [None])
+    cfg = load_config(ROOT / "configs/libero_spatial.yaml")
+    found = {c.name: c for c in checks._renderer(cfg)}
+    assert not found["egl-gpus"].ok and "none renders on CUDA device(s) [0, 1]" in \
+        found["egl-gpus"].found and "NVIDIA_DRIVER_CAPABILITIES" in found["egl-gpus"].fix
+    monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [1, None, 0])
+    assert {c.name: c for c in checks._renderer(cfg)}["egl-gpus"].ok
+    cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["placement.gpus_per_node=0"])
+    assert "egl-gpus" not in {c.name for c in checks._renderer(cfg)}  # CPU ranks: no GPU's

@@ -326,6 +326,8 @@ def _renderer(cfg) -> list[Check]:
     out = _python(code, {**os.environ, **env})
     checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
         "drew a 16x16 scene" if out.returncode == 0 else f"failed: {_last_line(out)}"), fix)]
+    if env.get(variable) == "egl":
+        checks += _egl_gpus(cfg)
     if cfg.env.sim_backend == "gpu":  # (config/checks.py: a simulator with a GPU variant)
         libs = glob.glob(str(Path.home() / ".sapien" / "physx" / "*" / "libPhysXGpu_64.so"))
         checks.append(Check("physx-gpu", bool(libs), ", ".join(libs) or "no libPhysXGpu_64.so "
@@ -333,6 +335,29 @@ def _renderer(cfg) -> list[Check]:
                             "can download it (SAPIEN fetches it on first use), or copy "
                             "~/.sapien/physx from such a machine"))
     return checks
+
+
+def _egl_gpus(cfg) -> list[Check]:
+    """Where ranks render with EGL on their GPUs: an EGL device for each GPU torch sees here
+    (envs/egl.py picks the one whose CUDA ordinal is the rank's). The scene above may be drawn
+    by any EGL device, Mesa's software one included, on a node whose NVIDIA EGL library is
+    missing, as in containers started without the driver's graphics capability: every rank
+    given a GPU would then fail as it starts."""
+    from hpcvla.devices import torch_gpu_count
+    from hpcvla.envs import env_uses_gpu
+    from hpcvla.envs.egl import egl_cuda_ordinals
+    gpus = torch_gpu_count() if cfg.placement.gpus_per_node != 0 else 0
+    if not gpus or not env_uses_gpu(cfg.env):
+        return []
+    ordinals = egl_cuda_ordinals()
+    missing = [g for g in range(gpus) if g not in ordinals]
+    return [Check("egl-gpus", not missing, f"EGL lists {len(ordinals)} device(s), with CUDA "
+                  f"ordinals {ordinals}, for the {gpus} GPU(s) torch sees" + (
+                      f": none renders on CUDA device(s) {missing}" if missing else ""),
+                  "the NVIDIA driver's EGL library (libEGL_nvidia, its vendor file "
+                  "10_nvidia.json) on the node; in a container the driver's graphics "
+                  "capability (NVIDIA_DRIVER_CAPABILITIES=all or compute,utility,graphics; "
+                  "Apptainer --nv); or MUJOCO_GL=osmesa to render on the CPU")]
 
 
 def _policy_size(cfg) -> tuple[int, int, int]:

@@ -28,7 +28,9 @@ def egl_device(ordinals: list[int | None], cuda: int) -> int:
     raise RuntimeError(
         f"EGL lists {len(ordinals)} device(s) with CUDA ordinals {ordinals}, none of them CUDA "
         f"device {cuda}: MuJoCo cannot render on the rank's GPU. Check the NVIDIA EGL "
-        "libraries (libEGL_nvidia) on the node, or render on the CPU with MUJOCO_GL=osmesa")
+        "libraries (libEGL_nvidia) on the node (in a container: the driver's graphics "
+        "capability, NVIDIA_DRIVER_CAPABILITIES=all; Apptainer --nv), or render on the CPU "
+        "with MUJOCO_GL=osmesa")
 
 
 def egl_cuda_ordinals() -> list[int | None]:
