@@ -273,13 +273,14 @@ if makes_a_run "$1" && [[ ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} 
 fi
 
 # ---- run, forwarding the scheduler's signals -----------------------------------------------
-if [[ $SCHEDULER == slurm && ${LAUNCH[0]:-} == srun && ${SLURM_RESTART_COUNT:-0} -gt 0 ]]; then
-    # A requeued job's steps get the ids of the killed ones again, and MPICH names its
-    # shared-memory segments after them: a segment a killed rank left behind would be
-    # joined by the new ranks (they hang or abort in MPI_Init). Remove this user's
-    # segments that no process maps any more, on every node.
+if [[ $SCHEDULER == slurm && ${SLURM_RESTART_COUNT:-0} -gt 0 ]] && in_a_world "$1"; then
+    # A requeued job's ranks were killed with it: their shared-memory segments are still in
+    # the nodes' /dev/shm (their memory), and under srun its steps get the ids of the killed
+    # ones again, after which MPICH names its segments: the new ranks would join the killed
+    # ones' (they hang or abort in MPI_Init). Remove this user's segments that no process
+    # maps any more, on every node.
     mapfile -t answered < <(clean_nodes)
-    (( ${#answered[@]} == NODES )) || say "could not remove the killed ranks' MPICH" \
+    (( ${#answered[@]} == NODES )) || say "could not remove the killed ranks' MPI" \
         "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
 fi
 

@@ -51,6 +51,24 @@ def test_only_unmapped_segments_are_removed_and_one_mapped_during_the_settle_is_
         path.unlink()
 
 
+def test_open_mpis_and_nccls_segments_of_a_killed_world_are_removed_too():
+    """Open MPI's ranks killed in a world leave their shared-memory segments (4.1:
+    `vader_segment.<host>.<uid>.<job>.<rank>`, 4 MiB; 5.0: `sm_segment...`, 16 MiB: seen
+    here), and NCCL its `nccl-*`: only MPICH's were removed, and a shared node's /dev/shm
+    filled over failed runs. Mapped ones stay."""
+    before = segments.segments()
+    left = [segments.SHM_DIR / f"{prefix}hpcvla_test_{os.getpid()}"
+            for prefix in ("vader_segment.", "sm_segment.", "nccl-")]
+    for path in left:
+        path.write_bytes(b"\0" * mmap.PAGESIZE)
+    live = left.pop()
+    with open(live, "r+b") as f, mmap.mmap(f.fileno(), 0):
+        removed = segments.remove_orphans(before, settle_s=0.2)
+        assert set(left) <= removed and live not in removed and live.exists()
+        assert not any(path.exists() for path in left)
+    live.unlink()
+
+
 def test_the_command_a_job_runs_on_each_node_removes_orphans_and_says_which():
     """jobs/launch.sh runs it on every node after a failed world."""
     before = segments.segments()
@@ -83,7 +101,7 @@ def test_hpcvla_launch_removes_what_its_failed_world_left_and_says_which(tmp_pat
         assert out.returncode != 0
         # (with the world's own: MPICH's, which its aborted ranks left)
         (said,) = [line.split() for line in out.stderr.splitlines()
-                   if line.startswith("hpcvla launch: ") and "MPICH segment(s)" in line]
+                   if line.startswith("hpcvla launch: ") and "MPI segment(s)" in line]
         assert {"mpich_hpcvla_test_0", "mpich_hpcvla_test_1"} <= set(said), out.stderr
         assert older.name not in said
         assert older.exists()

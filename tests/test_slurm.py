@@ -749,7 +749,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "srun --mpi=pmi2" in text, text[-3000:]
     # the planted one by name: the line may count others the first start's ranks left
     removed = [line.split() for line in second.splitlines()
-               if "MPICH segment(s) that no process maps" in line]
+               if "MPI segment(s) that no process maps" in line]
     assert not left.exists() and any(left.name in line for line in removed), "\n".join(
         line for line in text.splitlines() if "launch.sh" in line or "removed" in line)
     assert "received SIGUSR1: sending SIGTERM to the ranks" in first

@@ -37,9 +37,8 @@ on_node() {  # HOST SHELL_COMMAND
         none) sh -c "$2" ;;
     esac
 }
-# After a failed world (and, where srun launches, before a requeued job's first), on every node
-# of HOSTS at once:
-# remove the MPICH segments its killed ranks left in /dev/shm and its Hydra proxies' topology
+# After a failed world (and before a requeued job's first), on every node of HOSTS at once:
+# remove the MPI segments its killed ranks left in /dev/shm and its Hydra proxies' topology
 # files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
 # within HPCVLA_NODE_CHECK_S, in HOSTS' order: a restart's nodes.
 # A dead node costs that limit once, not per node. A node answers as long as it starts a
@@ -49,7 +48,7 @@ clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
     local host answers clean
     answers=$(mktemp -d)
     clean="$(printf '%q' "$PYTHON") -m hpcvla.job.segments remove-orphans 2>&1 ||
-        echo \"\$(hostname): could not remove the failed world's MPICH leftovers (above)\""
+        echo \"\$(hostname): could not remove the failed world's MPI leftovers (above)\""
     for host in "${HOSTS[@]}"; do
         { on_node "$host" "$clean" > "$answers/$host.out" 2> /dev/null &&
               touch "$answers/$host"; } &

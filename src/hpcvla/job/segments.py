@@ -1,9 +1,11 @@
-"""What a failed MPICH world leaves on a node: shared-memory segments in /dev/shm, and the
+"""What a failed MPI world leaves on a node: shared-memory segments in /dev/shm, and the
 hwloc topology file of each node's Hydra proxy in /tmp.
 
-MPICH's ranks remove their segments (`/dev/shm/mpich_*`, a few MB each, the node's memory)
-when they end cleanly; ranks killed or aborted leave them there, and a requeued Slurm job's
-new ranks, whose step ids are the killed ones', would join them. Hydra's proxy (mpiexec's
+The ranks remove their segments (MPICH's `/dev/shm/mpich_*`, Open MPI 4's `vader_segment.*`
+and 5's `sm_segment.*`, NCCL's `nccl-*`: MBs each, the node's memory) when they end cleanly;
+ranks killed or aborted leave them there, filling a shared node's /dev/shm over failed runs,
+and a requeued Slurm job's new MPICH ranks, whose step ids are the killed ones', would join
+them. Hydra's proxy (mpiexec's
 process on each node) writes the node's topology for its ranks to
 `/tmp/hydra_hwloc_xmlfile_*` and holds it open; it removes it as it exits, even after a rank
 was killed, but not when it is killed itself (a Slurm time limit or scancel, the OOM killer).
@@ -33,9 +35,15 @@ TOPOLOGY_DIR = Path("/tmp")  # Hydra's proxy writes there whatever TMPDIR says
 TOPOLOGY_PREFIX = "hydra_hwloc_xmlfile_"
 
 
+# the names MPI libraries and NCCL give their shared-memory segments (checked against
+# MPICH 4-5, Open MPI 4.1 and 5.0 ranks killed in a shared window)
+SEGMENT_PREFIXES = ("mpich_", "vader_segment.", "sm_segment.", "nccl-")
+
+
 def segments() -> set[Path]:
-    """This user's MPICH segments on this node (another user's are not ours to remove)."""
-    return _mine(SHM_DIR, "mpich_")
+    """This user's MPI and NCCL segments on this node (another user's are not ours to
+    remove)."""
+    return set().union(*(_mine(SHM_DIR, prefix) for prefix in SEGMENT_PREFIXES))
 
 
 def topology_files() -> set[Path]:
@@ -110,7 +118,7 @@ def held_open(prefix: str, pid: int | None = None) -> set[Path]:
 def _main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hpcvla.job.segments")
     sub = parser.add_subparsers(dest="what", required=True)
-    sub.add_parser("remove-orphans", help="remove this user's MPICH segments in /dev/shm that "
+    sub.add_parser("remove-orphans", help="remove this user's MPI segments in /dev/shm that "
                    "no process maps and Hydra topology files in /tmp that no process has "
                    "open, and print them")
     parser.parse_args(argv)
@@ -121,7 +129,7 @@ def _main(argv=None) -> None:
 def removal_report(removed: set[Path]) -> list[str]:
     """What `remove_orphans` removed, a line per kind, naming this host and every file."""
     host, lines = socket.gethostname(), []
-    for directory, what, how in ((SHM_DIR, "MPICH segment(s)", "maps"),
+    for directory, what, how in ((SHM_DIR, "MPI segment(s)", "maps"),
                                  (TOPOLOGY_DIR, "Hydra topology file(s)", "has open")):
         names = sorted(p.name for p in removed if p.parent == directory)
         if names:
