@@ -3,6 +3,7 @@ optimizer state re-partitioned exactly onto another learner count and ZeRO stage
 specific errors for missing, corrupted or mismatched checkpoints."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -216,3 +217,27 @@ def test_a_resume_says_when_a_versions_batch_is_not_the_checkpoints():
     said = catalog.batch_change({"counters": {"step_chunks": 48}}, 3, 8, 1, "sft")
     assert said == ("a step now trains 24 chunks (3 learner(s) x sft.batch_size 8 x "
                     "micro_batches 1), the run's checkpoint 48: sft.micro_batches=2 keeps it")
+
+
+def test_a_run_this_user_cannot_write_is_refused_before_it_resumes(tmp_path):
+    """run.resume of a colleague's run (readable, not writable): the world started, and rank
+    0 failed on its .lock with a bare PermissionError. Refused before launch, saying what to
+    do. (As another user: this process's effective uid, for the check, is nobody's.)"""
+    import tempfile
+    from pathlib import Path
+    from helpers import fake_checkpoint
+    run = Path(tempfile.mkdtemp(dir="/tmp"))  # (pytest's folders are its owner's alone)
+    try:
+        fake_checkpoint(catalog.checkpoint_dir(run, 2), version=2)
+        run.chmod(0o755)
+        last = ("pipeline.total_updates", 99)
+        assert catalog.resume_problems(str(run), False, last) == []  # its owner's
+        os.seteuid(65534)
+        try:
+            [(field, value, why)] = catalog.resume_problems(str(run), False, last)
+        finally:
+            os.seteuid(0)
+    finally:
+        shutil.rmtree(run)
+    assert field == "run.resume" and why.startswith(f"a run directory this user can write in "
+                                                    f"({run} is not: another user's run?"), why

@@ -102,6 +102,11 @@ def resume_problems(resume: str, sft: bool, last: tuple[str, int]) -> list[tuple
         return [("run.resume", resume, f"a run directory ({run}), not one of its checkpoints: "
                  "a run resumes from its newest; to go back to an older one, move the newer "
                  "ones out of its checkpoints/ first")]
+    effective = os.access in os.supports_effective_ids  # (a job run under another uid)
+    if run.is_dir() and not os.access(run, os.W_OK | os.X_OK, effective_ids=effective):
+        return [("run.resume", resume, f"a run directory this user can write in ({run} is "
+                 "not: another user's run? copy it, `cp -r RUN <a folder of yours>`, and "
+                 "resume the copy)")]
     path = latest(resume)
     try:
         version = read_state(path)["version"] if path else None
