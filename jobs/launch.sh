@@ -342,7 +342,7 @@ LAYOUT=""
 while true; do
     run_world "$1"
     [[ $status != 0 && -z $SIGNALLED ]] || break
-    say "the world failed (status $status) at $(date -u +%H:%M:%S); checking the nodes"
+    say "the world failed (status $status) at $(date +%T); checking the nodes"
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)
     say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
