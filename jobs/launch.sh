@@ -74,6 +74,8 @@
 #   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
+#   HPCVLA_SWEEP      train, sft in an array job: a file of overrides, a line per task
+#                     (the lines that hold any, from 0; `#` comments): task K adds line K's
 #   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
 #                     and print it and the command, but start no rank
 set -euo pipefail
@@ -135,21 +137,41 @@ source "$LIB/world.sh"
 
 ARGS=("$@")
 COMMAND_ARGS=("$@")
-# A task of an array job (sbatch --array, qsub -J) that makes a run trains its own seed, the
-# task's index (run.seed=<index>), unless the command names run.seed itself: the tasks would
-# all run the config's one seed, their spread the timing's alone (docs/learning.md, "What a
-# seed fixes"). A requeued task keeps its index, so its run resumes at the same seed.
+# A task of an array job (sbatch --array, qsub -J) that makes a run: with HPCVLA_SWEEP=FILE it
+# adds the overrides on FILE's line <its index> (the lines that hold any, from 0; `#` starts
+# a comment), split as a command line is; and it trains its own seed, the index
+# (run.seed=<index>), unless its command or line names run.seed: the tasks would all run the
+# config's one seed, their spread the timing's alone (docs/learning.md, "What a seed fixes").
+# A requeued task keeps its index, so its run resumes with the same settings and seed.
 case $SCHEDULER in
     slurm) ARRAY_TASK=${SLURM_ARRAY_TASK_ID:-} ;;
     pbs) ARRAY_TASK=${PBS_ARRAY_INDEX:-${PBS_ARRAYID:-}} ;;  # PBS Pro/OpenPBS; Torque
     *) ARRAY_TASK="" ;;
 esac
+if [[ -n ${HPCVLA_SWEEP:-} ]]; then
+    if [[ -z $ARRAY_TASK ]] || ! makes_a_run "$1"; then
+        die "HPCVLA_SWEEP=$HPCVLA_SWEEP gives each task of an array job (sbatch --array=0-N," \
+            "qsub -J 0-N) of train or sft a line of overrides: this job is none"
+    fi
+    [[ -r $HPCVLA_SWEEP ]] || die "HPCVLA_SWEEP=$HPCVLA_SWEEP: no such file to read"
+    mapfile -t SWEEP_LINES < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$HPCVLA_SWEEP")
+    (( ${#SWEEP_LINES[@]} )) || die "HPCVLA_SWEEP=$HPCVLA_SWEEP holds no line of overrides"
+    last=$(( ${#SWEEP_LINES[@]} - 1 ))
+    (( ARRAY_TASK <= last )) || die "array task $ARRAY_TASK: HPCVLA_SWEEP=$HPCVLA_SWEEP has" \
+        "${#SWEEP_LINES[@]} line(s) of overrides (tasks 0-$last): submit --array=0-$last"
+    # shellcheck source=lib/words.sh
+    source "$LIB/words.sh"
+    export SWEEP_LINE=${SWEEP_LINES[$ARRAY_TASK]}  # (words reads it by name)
+    words SWEEP_LINE
+    COMMAND_ARGS+=("${WORDS[@]}")
+    say "array task $ARRAY_TASK: HPCVLA_SWEEP line $ARRAY_TASK: $(shown "${WORDS[@]}")"
+fi
 if [[ -n $ARRAY_TASK ]] && makes_a_run "$1"; then
     if printf '%s\n' "${@:2}" | grep -q '^run\.seed='; then
         say "array task $ARRAY_TASK: its command names run.seed, which every task of the" \
             "array runs alike"
-    else
-        COMMAND_ARGS+=("run.seed=$ARRAY_TASK")
+    elif ! printf '%s\n' "${COMMAND_ARGS[@]:2}" | grep -q '^run\.seed='; then
+        COMMAND_ARGS+=("run.seed=$ARRAY_TASK")  # (a sweep line's run.seed: said with it)
         say "array task $ARRAY_TASK: its own seed, run.seed=$ARRAY_TASK"
     fi
 fi

@@ -649,8 +649,9 @@ def test_a_pbs_jobs_overrides_split_as_a_command_line(tmp_path):
 @pytest.mark.parametrize("scheduler", ["slurm", "pbs"])
 def test_an_array_jobs_task_trains_the_seed_of_its_index(tmp_path, scheduler):
     """The tasks of an array job (sbatch --array, qsub -J) ran the config's one seed each:
-    each now runs run.seed=<its index>, unless its command names run.seed. Dry runs of the
-    demo scripts (Slurm's host list from a stand-in `scontrol`)."""
+    each now runs run.seed=<its index>, unless its command names run.seed; with
+    HPCVLA_SWEEP, each adds its line of the sweep file. Dry runs of the demo scripts
+    (Slurm's host list from a stand-in `scontrol`)."""
     (tmp_path / "nodes").write_text("h0\nh0\n")
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.parent.mkdir()
@@ -685,6 +686,26 @@ def test_an_array_jobs_task_trains_the_seed_of_its_index(tmp_path, scheduler):
     assert "array task 2: its command names run.seed, which every task of the array runs " \
         "alike" in said and "run.seed=2" not in said, said
     assert " hpcvla train configs/default.yaml run.seed=7 run.root=" in said, said
+    # a sweep: task K adds the overrides of the file's line K (the lines that hold any)
+    sweep = tmp_path / "sweep.txt"
+    sweep.write_text("# lr x clip\nalgorithm.lr=1e-4\n\nalgorithm.lr=3e-4 "
+                     "'placement.per_node={simulator: 1, inference: 1}'\n"
+                     "algorithm.lr=3e-4 run.seed=11\n")
+    env["HPCVLA_SWEEP"] = str(sweep)
+    index = "SLURM_ARRAY_TASK_ID" if scheduler == "slurm" else "PBS_ARRAY_INDEX"
+    env.update({index: "1", "PBS_JOBID": "10[1].pbs"})
+    said = dry_run()
+    assert (r" hpcvla train configs/default.yaml algorithm.lr=3e-4 placement.per_node=\{"
+            r"simulator:\ 1\,\ inference:\ 1\} run.seed=1 run.root=") in said, said
+    env.update({index: "2", "PBS_JOBID": "10[2].pbs"})
+    said = dry_run()
+    assert "HPCVLA_SWEEP line 2: algorithm.lr=3e-4 run.seed=11" in said and \
+        " train configs/default.yaml algorithm.lr=3e-4 run.seed=11 run.root=" in said, said
+    env.update({index: "3", "PBS_JOBID": "10[3].pbs"})
+    out = subprocess.run([*script, *(["configs/default.yaml"] if scheduler == "slurm" else [])],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"array task 3: HPCVLA_SWEEP={sweep} has 3 line(s) of " \
+        "overrides (tasks 0-2): submit --array=0-2" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
