@@ -75,7 +75,8 @@
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_SWEEP      train, sft in an array job: a file of overrides, a line per task
-#                     (the lines that hold any, from 0; `#` comments): task K adds line K's
+#                     (the lines that hold any, from 0; `#` comment lines): task K adds line
+#                     K's after its command's (below: its seed)
 #   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
 #                     and print it and the command, but start no rank
 set -euo pipefail
@@ -138,11 +139,12 @@ source "$LIB/world.sh"
 ARGS=("$@")
 COMMAND_ARGS=("$@")
 # A task of an array job (sbatch --array, qsub -J) that makes a run: with HPCVLA_SWEEP=FILE it
-# adds the overrides on FILE's line <its index> (the lines that hold any, from 0; `#` starts
-# a comment), split as a command line is; and it trains its own seed, the index
-# (run.seed=<index>), unless its command or line names run.seed: the tasks would all run the
-# config's one seed, their spread the timing's alone (docs/learning.md, "What a seed fixes").
-# A requeued task keeps its index, so its run resumes with the same settings and seed.
+# adds the overrides on FILE's line <its index> (the lines that hold any, from 0; a line whose
+# first word begins with `#` is a comment), split as a command line is; and it trains its own
+# seed, the index (run.seed=<index>, over the config file's), unless its command or line
+# names run.seed, or it continues a run it names (run.resume: that run's seed): the tasks
+# would all run the config's one seed, their spread the timing's alone (docs/learning.md,
+# "What a seed fixes"). A requeued task keeps its index: its run resumes as it began.
 case $SCHEDULER in
     slurm) ARRAY_TASK=${SLURM_ARRAY_TASK_ID:-} ;;
     pbs) ARRAY_TASK=${PBS_ARRAY_INDEX:-${PBS_ARRAYID:-}} ;;  # PBS Pro/OpenPBS; Torque
@@ -153,25 +155,36 @@ if [[ -n ${HPCVLA_SWEEP:-} ]]; then
         die "HPCVLA_SWEEP=$HPCVLA_SWEEP gives each task of an array job (sbatch --array=0-N," \
             "qsub -J 0-N) of train or sft a line of overrides: this job is none"
     fi
+    # (a path relative to where the job was submitted, wherever the script went since)
+    [[ $HPCVLA_SWEEP == /* ]] ||
+        HPCVLA_SWEEP=${SLURM_SUBMIT_DIR:-${PBS_O_WORKDIR:-$PWD}}/$HPCVLA_SWEEP
     [[ -r $HPCVLA_SWEEP ]] || die "HPCVLA_SWEEP=$HPCVLA_SWEEP: no such file to read"
-    mapfile -t SWEEP_LINES < <(grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' "$HPCVLA_SWEEP")
+    mapfile -t SWEEP_LINES < <(tr -d '\r' < "$HPCVLA_SWEEP" |  # (a file saved on Windows)
+        grep -v -e '^[[:space:]]*#' -e '^[[:space:]]*$' || true)
     (( ${#SWEEP_LINES[@]} )) || die "HPCVLA_SWEEP=$HPCVLA_SWEEP holds no line of overrides"
     last=$(( ${#SWEEP_LINES[@]} - 1 ))
     (( ARRAY_TASK <= last )) || die "array task $ARRAY_TASK: HPCVLA_SWEEP=$HPCVLA_SWEEP has" \
         "${#SWEEP_LINES[@]} line(s) of overrides (tasks 0-$last): submit --array=0-$last"
     # shellcheck source=lib/words.sh
     source "$LIB/words.sh"
-    export SWEEP_LINE=${SWEEP_LINES[$ARRAY_TASK]}  # (words reads it by name)
+    # shellcheck disable=SC2034 # words reads it by name
+    SWEEP_LINE=${SWEEP_LINES[$ARRAY_TASK]}
     words SWEEP_LINE
     COMMAND_ARGS+=("${WORDS[@]}")
     say "array task $ARRAY_TASK: HPCVLA_SWEEP line $ARRAY_TASK: $(shown "${WORDS[@]}")"
 fi
-if [[ -n $ARRAY_TASK ]] && makes_a_run "$1"; then
-    if printf '%s\n' "${@:2}" | grep -q '^run\.seed='; then
+names() {  # SETTING ARGS...: whether ARGS hold an override of SETTING
+    local setting=$1 arg
+    shift
+    for arg in "$@"; do [[ $arg == "$setting="* ]] && return 0; done
+    return 1
+}
+if [[ -n $ARRAY_TASK ]] && makes_a_run "$1" && ! names run.resume "${COMMAND_ARGS[@]:1}"; then
+    if names run.seed "${@:2}"; then
         say "array task $ARRAY_TASK: its command names run.seed, which every task of the" \
             "array runs alike"
-    elif ! printf '%s\n' "${COMMAND_ARGS[@]:2}" | grep -q '^run\.seed='; then
-        COMMAND_ARGS+=("run.seed=$ARRAY_TASK")  # (a sweep line's run.seed: said with it)
+    elif ! names run.seed "${COMMAND_ARGS[@]:1}"; then  # (a sweep line's: said with it)
+        COMMAND_ARGS+=("run.seed=$ARRAY_TASK")
         say "array task $ARRAY_TASK: its own seed, run.seed=$ARRAY_TASK"
     fi
 fi
@@ -248,7 +261,7 @@ say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \
     "(${HOSTS[*]}), $PER_NODE per node, $THREADS thread(s) per rank"
 MEMLOCK=$(ulimit -l)
 [[ $MEMLOCK == unlimited ]] || MEMLOCK+=" KiB"
-if [[ $MEMLOCK != unlimited ]] && (( NODES > 1 )); then  # (allocation.sh raised it to the hard one)
+if [[ $MEMLOCK != unlimited ]] && (( NODES > 1 )); then  # (allocation.sh raised it)
     MEMLOCK+=" (windows across nodes register their memory with InfiniBand/RoCE adapters:"
     MEMLOCK+=" ask the site for an unlimited hard limit, e.g. Slurm's"
     MEMLOCK+=" PropagateResourceLimitsExcept=MEMLOCK)"
@@ -364,15 +377,15 @@ LAYOUT=""
 while true; do
     run_world "$1"
     [[ $status != 0 && -z $SIGNALLED ]] || break
+    if [[ $status == 2 ]]; then  # every rank's one verdict (they ended together), a restart's
+        say "the world refused to run (exit status 2: its ranks' message is above): the job" \
+            "ends, its world not started again"  # would be the same
+        break
+    fi
     say "the world failed (status $status) at $(date +%T); checking the nodes"
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)
     say "$(( SECONDS - checked_at )) s to check the nodes; answering: ${usable[*]:-none}"
-    if [[ $status == 2 ]]; then  # every rank's one verdict: a restart's would be the same
-        say "the world refused to run (exit status 2: its ranks' message is above): the job" \
-            "ends, its world not started again"
-        break
-    fi
     if [[ -n $NEVER_STARTED && ${#usable[@]} == "${#HOSTS[@]}" ]]; then
         if (( start_retries_left == 0 )); then
             say "the world failed while starting, before any rank registered," \

@@ -238,12 +238,17 @@ def seeds_table(groups: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def _common_grid(curves: list[list[tuple[float, float]]]) -> np.ndarray | None:
-    """50 points from the latest first point to the earliest last one of `curves` (each a list
-    of (x, y)): where every curve has its own values, none extrapolated; None if they do not
-    overlap."""
-    start, end = max(c[0][0] for c in curves), min(c[-1][0] for c in curves)
-    return np.linspace(start, end, 50) if end > start else None
+def _on_grid(curves: list[list[tuple[float, float]]]) -> tuple[np.ndarray, list[list[float]]]:
+    """`curves` (each a list of (x, y)) on one grid of 50 points over all of them, each
+    interpolated where it has values and NaN outside them (none extrapolated: a group of a
+    shorter run has its band end where its runs do)."""
+    grid = np.linspace(min(c[0][0] for c in curves), max(c[-1][0] for c in curves), 50)
+    out = []
+    for curve in curves:
+        xs, ys = (np.asarray(v, float) for v in zip(*curve))
+        out.append(np.where((grid >= xs[0]) & (grid <= xs[-1]), np.interp(grid, xs, ys),
+                            np.nan).tolist())
+    return grid, out
 
 
 def seeds_section(groups: dict[str, list[dict]], out: Path) -> list[str]:
@@ -263,13 +268,14 @@ def seeds_section(groups: dict[str, list[dict]], out: Path) -> list[str]:
                                 "episodes)"),
                                ("seeds-held-out", held, "held-out success (eval.every)")):
         curves = {label: cs for label, cs in curves.items() if all(cs)}
-        grid = _common_grid([c for cs in curves.values() for c in cs]) if curves else None
-        if grid is None:
+        if not curves:
             continue
-        seed_curves(out / f"{name}.png", grid,
-                    {label: [np.interp(grid, *zip(*c)).tolist() for c in cs]
-                     for label, cs in curves.items()},
-                    f"Seeds: {what}", "trained env steps", "success", ylim=(0, 1))
+        grid, ys = _on_grid([c for cs in curves.values() for c in cs])
+        drawn, at = {}, 0
+        for label, cs in curves.items():
+            drawn[label], at = ys[at:at + len(cs)], at + len(cs)
+        seed_curves(out / f"{name}.png", grid, drawn, f"Seeds: {what}", "trained env steps",
+                    "success", ylim=(0, 1))
         md += [f"![{name}]({name}.png)", ""]
     return md
 

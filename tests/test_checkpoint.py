@@ -219,6 +219,7 @@ def test_a_resume_says_when_a_versions_batch_is_not_the_checkpoints():
                     "micro_batches 1), the run's checkpoint 48: sft.micro_batches=2 keeps it")
 
 
+@pytest.mark.cluster  # root: the check's effective uid another user's
 def test_a_run_this_user_cannot_write_is_refused_before_it_resumes(tmp_path):
     """run.resume of a colleague's run (readable, not writable): the world started, and rank
     0 failed on its .lock with a bare PermissionError. Refused before launch, saying what to

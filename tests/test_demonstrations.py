@@ -654,3 +654,9 @@ def test_two_recordings_given_one_out_file_do_not_both_write_it(tmp_path, monkey
     with pytest.raises(recording.RecordingError, match="no such env here"):
         recording.record(cfg, 2, tmp_path / "other.h5")
     assert not (tmp_path / "other.h5").exists()
+    # a recording killed outright before its dump began leaves its claim: said as one
+    from hpcvla.envs import env_spec
+    (tmp_path / "killed.h5").touch()
+    with pytest.raises(DemonstrationError, match=r"killed.h5.*an empty file \(an `hpcvla demos "
+                                                 r"--out` killed before its first episode"):
+        read_demonstrations(tmp_path / "killed.h5", env_spec(cfg.env))

@@ -295,7 +295,8 @@ def test_wandb_online_on_a_node_that_cannot_reach_its_server_is_refused(monkeypa
     closed_port = closed.getsockname()[1]
     closed.close()
     online = SimpleNamespace(wandb="online")
-    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy"):
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "NO_PROXY",
+                 "no_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     try:
@@ -310,6 +311,11 @@ def test_wandb_online_on_a_node_that_cannot_reach_its_server_is_refused(monkeypa
         assert f"cannot reach the proxy 127.0.0.1:{closed_port}" in problem[2], problem
         monkeypatch.setenv("HTTPS_PROXY", f"127.0.0.1:{listening.getsockname()[1]}")
         assert wandb_problems(online) == []  # the proxy answers
+        # an on-site server reached directly (NO_PROXY), given without its scheme
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{closed_port}")
+        monkeypatch.setenv("NO_PROXY", "localhost,127.0.0.1")
+        monkeypatch.setenv("WANDB_BASE_URL", f"127.0.0.1:{listening.getsockname()[1]}")
+        assert wandb_problems(online) == []
     finally:
         listening.close()
 
@@ -346,5 +352,11 @@ def test_a_gpu_node_without_nvidias_egl_fails_where_its_ranks_would(monkeypatch)
         found["egl-gpus"].found and "NVIDIA_DRIVER_CAPABILITIES" in found["egl-gpus"].fix
     monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [1, None, 0])
     assert {c.name: c for c in checks._renderer(cfg)}["egl-gpus"].ok
+    monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [0])
+    cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["placement.gpus_per_node=1"])
+    assert {c.name: c for c in checks._renderer(cfg)}["egl-gpus"].ok  # its one GPU's is there
     cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["placement.gpus_per_node=0"])
     assert "egl-gpus" not in {c.name for c in checks._renderer(cfg)}  # CPU ranks: no GPU's
+    monkeypatch.setenv("MUJOCO_EGL_DEVICE_ID", "0")  # the user's choice: the ranks' too
+    cfg = load_config(ROOT / "configs/libero_spatial.yaml")
+    assert "egl-gpus" not in {c.name for c in checks._renderer(cfg)}

@@ -183,7 +183,7 @@ def test_eval_writes_videos_of_the_first_episodes_that_decode_back(tmp_path, con
     at once: it deleted them) stay as they are."""
     from hpcvla.metrics.video import MIN_SIDE, read_video
     run_dir = _run_dir(tmp_path, config, *overrides)
-    other = run_dir / "videos" / "v000000-deterministic-20261206-101010-42" / \
+    other = run_dir / "videos" / "v000000-deterministic-20261206-101010-node7-42" / \
         "all-state0-success.mp4"
     other.parent.mkdir(parents=True)
     other.write_bytes(b"another evaluation's film of the same version")
@@ -193,7 +193,7 @@ def test_eval_writes_videos_of_the_first_episodes_that_decode_back(tmp_path, con
     assert folder != other.parent and sorted(folder.glob("*.mp4")) == \
         sorted(map(Path, result["videos"]))
     assert other.read_bytes() == b"another evaluation's film of the same version"
-    assert re.fullmatch(r"v000000-deterministic-\d{8}-\d{6}-\d+", folder.name), folder
+    assert re.fullmatch(r"v000000-deterministic-\d{8}-\d{6}-.+-\d+", folder.name), folder
     for episode, path in zip(result["per_episode"], result["videos"]):
         outcome = "success" if episode["success"] else "failure"
         assert path.endswith(f"-state{episode['init_state_id']}-{outcome}.mp4"), path

@@ -222,6 +222,21 @@ def test_each_rank_computes_with_its_share_of_the_cores_it_was_given(monkeypatch
     assert threads.rank_threads(4, {"OMP_NUM_THREADS": "0"}) == 2  # not a share: ignored
 
 
+@pytest.mark.mpi
+def test_a_ranks_torch_computes_with_its_launchers_share(tmp_path):
+    """The share the launcher gives (OMP_NUM_THREADS, as jobs/launch.sh exports the node's
+    cores over its ranks) is each policy rank's torch threads, in summary.json's per_rank;
+    before, every inference and learner rank ran 1 thread whatever the job paid for."""
+    import json
+    from helpers import hpcvla
+    out = hpcvla("train", "configs/colocated.yaml", "--ranks", 2, "pipeline.total_updates=1",
+                 f"run.root={tmp_path}", env={"OMP_NUM_THREADS": "3"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    (run,) = tmp_path.iterdir()
+    per_rank = json.loads((run / "summary.json").read_text())["per_rank"]
+    assert [r["threads"] for r in per_rank] == [3, 3], per_rank
+
+
 def _world_memory_plan(*args) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """tests/mpi/world_memory_plan.py on `args`; its output, and rank 0's line: every
     rank's exit status and plan."""

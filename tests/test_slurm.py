@@ -686,11 +686,14 @@ def test_an_array_jobs_task_trains_the_seed_of_its_index(tmp_path, scheduler):
     assert "array task 2: its command names run.seed, which every task of the array runs " \
         "alike" in said and "run.seed=2" not in said, said
     assert " hpcvla train configs/default.yaml run.seed=7 run.root=" in said, said
-    # a sweep: task K adds the overrides of the file's line K (the lines that hold any)
+    said = dry_run(f"run.resume={tmp_path / 'earlier'}")  # a run continued keeps its seed
+    assert "array task" not in said and "run.seed=" not in said, said
+    # a sweep: task K adds the overrides of the file's line K (the lines that hold any; here
+    # saved on Windows)
     sweep = tmp_path / "sweep.txt"
-    sweep.write_text("# lr x clip\nalgorithm.lr=1e-4\n\nalgorithm.lr=3e-4 "
-                     "'placement.per_node={simulator: 1, inference: 1}'\n"
-                     "algorithm.lr=3e-4 run.seed=11\n")
+    sweep.write_bytes(b"# lr x clip\r\nalgorithm.lr=1e-4\r\n\r\nalgorithm.lr=3e-4 "
+                      b"'placement.per_node={simulator: 1, inference: 1}'\r\n"
+                      b"algorithm.lr=3e-4 run.seed=11\r\n")
     env["HPCVLA_SWEEP"] = str(sweep)
     index = "SLURM_ARRAY_TASK_ID" if scheduler == "slurm" else "PBS_ARRAY_INDEX"
     env.update({index: "1", "PBS_JOBID": "10[1].pbs"})

@@ -68,9 +68,6 @@ if [[ -n ${HPCVLA_CONDA_ENV:-} ]]; then
     eval "$(conda shell.bash hook)"
     conda activate "$HPCVLA_CONDA_ENV"
     set -u
-    # A conda environment, unlike a venv, reads the user's ~/.local packages before its own:
-    # a `pip install --user` of another project would replace its pinned ones on every rank.
-    export PYTHONNOUSERSITE=1
 elif [[ -n ${HPCVLA_VENV:-} ]]; then
     [[ -f $HPCVLA_VENV/bin/activate ]] || die "HPCVLA_VENV=$HPCVLA_VENV is not a venv"
     activate "$HPCVLA_VENV/bin/activate"
@@ -102,7 +99,22 @@ if [[ $SCHEDULER == slurm ]]; then
         if [[ -z $NODE_CPUS ]] || (( cpus < NODE_CPUS )); then NODE_CPUS=$cpus; fi
     done
     NODE_CPUS=${NODE_CPUS:-${SLURM_CPUS_ON_NODE:-}}
-    TASK_CPUS=${SLURM_CPUS_PER_TASK:-${NODE_CPUS:+$(( NODE_CPUS / PER_NODE ))}}
+    TASK_CPUS=${SLURM_CPUS_PER_TASK:-}
+    if [[ -z $TASK_CPUS && -n $NODE_CPUS ]]; then
+        # Each rank's share in whole cores: with hyperthreads Slurm gives a task whole cores,
+        # so an odd share (15 of a 2-thread core's CPUs) would ask a step for more CPUs than
+        # the job holds. A core's hardware threads: cpu0's siblings ("0,64" or "0-1").
+        siblings=$(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list \
+                   2> /dev/null || echo 0)
+        if [[ $siblings == *-* ]]; then
+            per_core=$(( ${siblings#*-} - ${siblings%-*} + 1 ))
+        else
+            commas=${siblings//[^,]/}
+            per_core=$(( ${#commas} + 1 ))
+        fi
+        TASK_CPUS=$(( NODE_CPUS / PER_NODE ))
+        (( TASK_CPUS < per_core )) || TASK_CPUS=$(( TASK_CPUS / per_core * per_core ))
+    fi
     [[ ${TASK_CPUS:-1} != 0 ]] || TASK_CPUS=1
 fi
 if [[ -n ${HPCVLA_THREADS:-} ]]; then
@@ -121,8 +133,9 @@ export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS OPENBLAS_NUM_THREADS=$T
 export LP_NUM_THREADS=$THREADS
 # robosuite's numba functions are compiled with cache=True: beside the package, else in the
 # home; a read-only environment and home on compute nodes make that an error, and a shared
-# home gets every rank's writes at once. Each node compiles into its own /tmp (or TMPDIR).
-export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-${TMPDIR:-/tmp}/numba-$(id -u)}
+# home gets every rank's writes at once. Each node compiles into its own /tmp (not TMPDIR,
+# which a site may make on the batch node alone, or on a shared file system).
+export NUMBA_CACHE_DIR=${NUMBA_CACHE_DIR:-/tmp/numba-$(id -u)}
 # One-sided windows across nodes register their memory with InfiniBand/RoCE adapters, which
 # the locked-memory limit caps; Slurm copies the submitting shell's (often 64 KiB) into the
 # job. The soft limit is raised to the hard one; the job log says what it is.

@@ -186,38 +186,30 @@ def slurm_gpu_count(environ=os.environ) -> int | None:
 
 def unowned_gpus_problem(count: int, environ=os.environ) -> str | None:
     """Why the `count` GPUs torch sees on this node are not all this Slurm job's to detect
-    (placement.gpus_per_node=-1): more than it was given, or some though it was given none.
-    Where Slurm's device cgroups are off (ConstrainDevices=no) torch sees every GPU of the
-    node, other jobs' too, and a job would train on them (another user's OOM, or "all
-    CUDA-capable devices are busy"). None outside a Slurm job, and where the user's own
-    CUDA_VISIBLE_DEVICES chose them."""
-    if "SLURM_JOB_ID" not in environ or count == 0:
+    (placement.gpus_per_node=-1): Slurm gave it fewer. Where its device cgroups are off
+    (ConstrainDevices=no) a job that overrides the CUDA_VISIBLE_DEVICES Slurm sets sees the
+    node's other GPUs, other jobs', and would train on them (another user's OOM, or "all
+    CUDA-capable devices are busy"). None outside a Slurm job and where Slurm says nothing
+    of GPUs (a site whose Slurm does not schedule them hands out whole GPU nodes)."""
+    given = slurm_gpu_count(environ) if "SLURM_JOB_ID" in environ else None
+    if given is None or count <= given:
         return None
-    given = slurm_gpu_count(environ)
-    if given is None and "CUDA_VISIBLE_DEVICES" not in environ:
-        return (f"GPUs this job was given: torch sees {count} on this node, but this Slurm job "
-                "asked for none (no SLURM_GPUS_ON_NODE or SLURM_JOB_GPUS; without device "
-                "cgroups, ConstrainDevices, a job sees every GPU of its node, other jobs' too): "
-                "ask for GPUs (sbatch --gpus-per-node=N), set placement.gpus_per_node=0 to run "
-                "on the CPU, or placement.gpus_per_node=N where the node's GPUs are the job's "
-                "(a whole node of a site that does not schedule GPUs)")
-    if given is not None and count > given:
-        return (f"GPUs this job was given: torch sees {count} on this node, but this Slurm job "
-                f"was given {given} (SLURM_GPUS_ON_NODE={environ.get('SLURM_GPUS_ON_NODE')!r}, "
-                f"SLURM_JOB_GPUS={environ.get('SLURM_JOB_GPUS')!r}, CUDA_VISIBLE_DEVICES="
-                f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): the others are other jobs'. Leave "
-                f"CUDA_VISIBLE_DEVICES to Slurm, or set placement.gpus_per_node={given}")
-    return None
+    return (f"GPUs this job was given: torch sees {count} on this node, but this Slurm job was "
+            f"given {given} (SLURM_GPUS_ON_NODE={environ.get('SLURM_GPUS_ON_NODE')!r}, "
+            f"SLURM_JOB_GPUS={environ.get('SLURM_JOB_GPUS')!r}, CUDA_VISIBLE_DEVICES="
+            f"{environ.get('CUDA_VISIBLE_DEVICES')!r}): the others are other jobs'. Leave "
+            f"CUDA_VISIBLE_DEVICES to Slurm, or set placement.gpus_per_node={given}")
 
 
 def missing_gpus_problem(gpus_per_node: int, environ=os.environ) -> str | None:
     """Why this node cannot run the GPUs the config asks for: more (`placement.
     gpus_per_node` > 0) than torch sees here (visible_gpus, as every rank will), or, for
-    detection (-1), GPUs that are not the job's (unowned_gpus_problem), or a GPU node whose
-    GPUs torch cannot see, which would silently mean the CPU: GPUs the job was given, or a Slurm/PBS job on a node with NVIDIA's device files that
-    was given none and hides none (it asked the scheduler for none; device cgroups hide
-    them). None when they are there, outside a batch job (a workstation's CPU-only torch),
-    when CUDA_/ROCR_/HIP_VISIBLE_DEVICES hides them, or when the CPU was chosen (0)."""
+    detection (-1), more than a Slurm job was given (unowned_gpus_problem), or a GPU node
+    whose GPUs torch cannot see, which would silently mean the CPU: GPUs the job was given,
+    or a Slurm/PBS job on a node with NVIDIA's device files that was given none and hides
+    none (it asked the scheduler for none; device cgroups hide them). None when they are
+    there, outside a batch job (a workstation's CPU-only torch), when CUDA_/ROCR_/
+    HIP_VISIBLE_DEVICES hides them, or when the CPU was chosen (0)."""
     count = torch_gpu_count()
     if gpus_per_node > count:
         return (f"at most the {count} GPU(s) torch sees on this node (CUDA_VISIBLE_DEVICES="

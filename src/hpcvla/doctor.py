@@ -346,9 +346,10 @@ def _egl_gpus(cfg) -> list[Check]:
     from hpcvla.devices import torch_gpu_count
     from hpcvla.envs import env_uses_gpu
     from hpcvla.envs.egl import egl_cuda_ordinals
-    gpus = torch_gpu_count() if cfg.placement.gpus_per_node != 0 else 0
-    if not gpus or not env_uses_gpu(cfg.env):
-        return []
+    chosen = cfg.placement.gpus_per_node
+    gpus = torch_gpu_count() if chosen < 0 else chosen  # the ranks' (the first k of them)
+    if not gpus or not env_uses_gpu(cfg.env) or "MUJOCO_EGL_DEVICE_ID" in os.environ:
+        return []  # (a device the user chose is the ranks' too: envs/egl.py)
     ordinals = egl_cuda_ordinals()
     missing = [g for g in range(gpus) if g not in ordinals]
     return [Check("egl-gpus", not missing, f"EGL lists {len(ordinals)} device(s), with CUDA "

@@ -245,9 +245,9 @@ def evaluate_policies(cfg, run_dir: Path, policies: list, episodes: int, envs: i
     """`hpcvla eval`: each of `policies` (a checkpoint directory, or None: the untrained
     policy) on the same states, with its version and trained env steps; `video` K: K
     episodes of every task as MP4 in RUN_DIR/videos/v<version>-<actions>-<start>/: a folder
-    of this evaluation's own (<start>: rank 0's time and process), so that evaluations of one
-    run at once (a job per task or seed) neither replace nor mix each other's films."""
-    start = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    of this evaluation's own (<start>: rank 0's time, host and process), so that evaluations
+    of one run at once (a job per task or seed) neither replace nor mix each other's films."""
+    start = f"{time.strftime('%Y%m%d-%H%M%S')}-{socket.gethostname()}-{os.getpid()}"
     if world is not None:  # one plan: the policies differ in weights only
         from hpcvla.transport.backoff import idle_bcast
         refuse_overfilled(cfg, world, envs_at_once(cfg, envs, episodes))  # [dist]

@@ -78,11 +78,11 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
         where = Path(folder)
         found = "" if where.is_dir() else "; it is a file" if where.exists() else \
             "; nothing is there"
-        if not where.exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", str(folder)):
+        if not where.exists() and re.fullmatch(r"\w[\w.-]*/[\w.-]+", str(folder)):
             found += (f" ({folder} looks like a Hugging Face hub id: the ranks read folders, and "
                       "compute nodes often reach no internet; download it once on a login "
-                      f"node, `hf download {folder} --local-dir <folder>`, and give that "
-                      "folder)")
+                      f"node, `hf download {folder} --local-dir <folder>` (`huggingface-cli "
+                      "download` before huggingface_hub 0.34), and give that folder)")
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)" + (f", not {layout}" if layout else "")
                  + found)]

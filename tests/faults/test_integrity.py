@@ -301,6 +301,31 @@ def test_a_run_another_world_holds_is_every_ranks_verdict_not_a_failure(tmp_path
     assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
 
 
+def test_a_run_this_jobs_earlier_world_still_holds_is_a_failure_not_a_verdict(tmp_path,
+                                                                              monkeypatch):
+    """A restart whose run's lock is still held by this same job's earlier world (its rank
+    0's node died; NFSv3 and Lustre keep a dead node's lock) fails as a restart does (the job's
+    restart rules decide), rather than refusing as if another job held the run."""
+    import subprocess
+    import sys
+    from mpi4py import MPI
+    from hpcvla.checkpoint.catalog import RunInUse
+    from hpcvla.job.runtime import claim_run
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom hpcvla.checkpoint.catalog import hold_run\n"
+         f"hold_run({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)  # (the job's id in its environment: inherited)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert ", job 4242" in (tmp_path / ".lock").read_text()
+        with pytest.raises(RunInUse, match=f"{tmp_path} is in use"):
+            claim_run(MPI.COMM_SELF, tmp_path, wait_s=1.0)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):
     """flock failing (Lustre without -o flock): the run cannot be claimed; it says so and
     leaves the unfinished checkpoints, which another world may be writing, until it publishes

@@ -31,7 +31,17 @@ class CheckpointError(ValueError):
 
 
 class RunInUse(CheckpointError):
-    """A run directory another world holds (hold_run): a verdict, not a failure."""
+    """A run directory another world holds (hold_run); `holder`: its .lock's record."""
+
+    def __init__(self, message: str, holder: str = ""):
+        super().__init__(message)
+        self.holder = holder
+
+    def by_this_job(self) -> bool:
+        """Whether the holder is a world of this same job (its id in the record): an
+        earlier world whose rank 0's node died, its lock not yet let go by the file system."""
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
+        return bool(job) and f", job {job}" in self.holder
 
 
 def checkpoint_dir(run_dir: Path, version: int) -> Path:
@@ -312,7 +322,7 @@ def hold_run(run_dir: Path, wait_s: float = 150.0) -> None:
                     "two worlds writing one run would mix their checkpoints): wait for that "
                     "job to end. If it has ended (squeue/qstat: a node that died holding "
                     "the lock, which NFSv3 keeps until that node restarts), `mv "
-                    f"{lock} {lock}.stale` and start again") from None
+                    f"{lock} {lock}.stale` and start again", holder=holder) from None
             if not said:
                 print(f"[hpcvla] waiting up to {wait_s:.0f} s for {lock} ({holder}): another "
                       "world holds it, or a dead node whose lock the file server has not "

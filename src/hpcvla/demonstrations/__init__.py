@@ -143,7 +143,9 @@ def _scan(paths, spec: EnvSpec, features: dict[str, str] | None = None,
             f = open_hdf5(path)
         except (OSError, ValueError) as err:
             problems.add(path, "", None, "a readable HDF5 file: " + (
-                "no such file" if not path.exists() else f"{type(err).__name__}: {err}"))
+                "no such file" if not path.exists() else "an empty file (an `hpcvla demos "
+                "--out` killed before its first episode claims its name so: remove it)"
+                if path.stat().st_size == 0 else f"{type(err).__name__}: {err}"))
             continue
         with f:
             layout = next((m for m in LAYOUTS if m.matches(f)), None)

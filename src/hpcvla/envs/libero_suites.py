@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -57,8 +58,9 @@ def _robosuite_without_its_log_file() -> None:
         return
     path = Path(package.submodule_search_locations[0]) / "macros.py"
     spec = importlib.util.spec_from_file_location("robosuite.macros", path)
-    if spec is None or spec.loader is None or not path.is_file():
-        return
+    if spec is None or spec.loader is None or not path.is_file() or re.search(
+            r"^\s*(from|import)\s+robosuite\b", path.read_text(), re.MULTILINE):
+        return  # (robosuite 1.4.0's imports nothing of robosuite; a later one may: untried)
     macros = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(macros)
     macros.FILE_LOGGING_LEVEL = None
@@ -73,6 +75,8 @@ def _import_libero():
     with contextlib.redirect_stdout(sys.stderr):  # its banner must not mix into our stdout
         from libero.libero import benchmark, get_libero_path
         from libero.libero.envs.env_wrapper import ControlEnv
+    if "robosuite.macros" in sys.modules:  # (the package's attribute, as its own import sets)
+        sys.modules["robosuite"].macros = sys.modules["robosuite.macros"]
     scenes.install()
     return benchmark, get_libero_path, ControlEnv
 

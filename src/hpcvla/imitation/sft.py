@@ -134,6 +134,7 @@ def sft_main(cfg, world) -> None:
     claim_run(world, run_dir)  # [dist] no rank reads or writes the run before its lock is held
     if rank == 0:
         deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
+    idle_barrier(world)  # [dist] (registered before any rank can fail in its work)
     features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
     # the action steps supervised from each observation: the policy's own (a meta build)
     horizon = build_policy(cfg, spec, device="meta").imitation_horizon

@@ -232,15 +232,19 @@ def create_run_dir(cfg, world) -> Path:
 
 def claim_run(world, run_dir: Path, wait_s: float = 150.0) -> None:
     """Rank 0's hold on `run_dir` for the life of the world (checkpoint/catalog.hold_run: one
-    world at a time writes a run), the others asleep meanwhile. A run another world holds is
-    every rank's verdict (Refused: exit 2, which a job does not start again, jobs/launch.sh;
-    as a failure its restarts would record themselves in the other job's run)."""
+    world at a time writes a run), the others asleep meanwhile. A run another job's world
+    holds is every rank's verdict (Refused: exit 2, which a job does not start again,
+    jobs/launch.sh; as a failure its restarts would record themselves in the other job's
+    run). One this job's earlier world holds (its rank 0's node died, and the file system
+    keeps the dead node's lock) is this world's failure, as any other of a restart."""
     from hpcvla.checkpoint.catalog import RunInUse, hold_run  # no torch: rank 0 may simulate
 
     def hold() -> str | None:
         try:
             hold_run(run_dir, wait_s)
         except RunInUse as err:
+            if err.by_this_job():
+                raise
             return str(err)
         return None
     in_use = idle_bcast(world, hold)  # [dist]
@@ -274,6 +278,7 @@ def train_main(cfg, plan, comms) -> None:
         (run_dir / "plan.json").write_text(json.dumps(plan.to_dict(), indent=1))
         print(f"run directory: {run_dir}", flush=True)  # the rank map follows, with devices
         deathwatch.register_run_dir(run_dir)
+    idle_barrier(world)  # [dist] a rank failing from here on has the run's last words read
     run_pipeline(cfg, plan, comms, run_dir)
     leave_together(world, cfg.pipeline.stall_timeout_s)
 

@@ -1,6 +1,7 @@
-"""Small-sample statistics: Student-t critical values, a mean's interval over seeds and Welch's
-interval for a difference of means (comparing seeds), Wilson's interval for a success rate (evaluation), and the
-difference of two policies' success on the same episodes (evaluation, paired)."""
+"""Small-sample statistics: Student-t critical values, a mean's interval over seeds and
+Welch's interval for a difference of means (comparing seeds), Wilson's interval for a success
+rate (evaluation), and the difference of two policies' success on the same episodes
+(evaluation, paired)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 
 
 def t_critical(df: int) -> float:
-    """The two-sided 95 % critical value of Student's t with `df` degrees of freedom (the
-    normal's beyond 30)."""
+    """The two-sided 95 % critical value of Student's t with `df` >= 1 degrees of freedom
+    (the normal's beyond 30)."""
+    if df < 1:
+        raise ValueError(f"Student's t with {df} degrees of freedom: at least 1")
     return T975[df - 1] if df <= 30 else 1.96
 
 
@@ -41,7 +44,7 @@ def welch_interval(a, b) -> tuple[float, float, float]:
     if se == 0:
         return diff, diff, diff
     df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1))
-    t = t_critical(int(df))
+    t = t_critical(max(1, int(df)))  # (df >= 1 exactly; its float may round below)
     return diff, diff - t * se, diff + t * se
 
 

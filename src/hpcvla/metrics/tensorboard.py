@@ -121,7 +121,8 @@ def wandb_problems(run) -> list[tuple[str, object, str]]:
         import os
         from urllib.parse import urlsplit
 
-        server = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+        base = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+        server = urlsplit(base if "://" in base else f"https://{base}")
         try:
             logged_in = netrc.netrc().authenticators(server.hostname or "") is not None
         except (OSError, netrc.NetrcParseError):
@@ -140,13 +141,12 @@ def wandb_problems(run) -> list[tuple[str, object, str]]:
 def _unreachable(server, timeout_s: float = 5.0) -> str:
     """Why this machine cannot open a connection to the W&B server `server` (a split URL), or
     to the HTTPS proxy it would go through; '' where it can."""
-    import os
     import socket
     from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
 
-    names = ("HTTPS_PROXY", "https_proxy") if server.scheme == "https" else \
-        ("HTTP_PROXY", "http_proxy")
-    proxy = next((os.environ[n] for n in names if os.environ.get(n)), "")
+    # the proxy the environment names for the server's scheme, unless NO_PROXY lets it be
+    proxy = "" if proxy_bypass(server.hostname or "") else getproxies().get(server.scheme, "")
     target = urlsplit(proxy if "://" in proxy else f"http://{proxy}") if proxy else server
     port = target.port or (443 if target.scheme == "https" else 80)
     what = f"{'the proxy ' if proxy else ''}{target.hostname}:{port}"

@@ -56,6 +56,7 @@ class RankSummary:
     device: str
     dtype: str
     first_version: int
+    threads: int = 0  # its torch's (process/threads.py); 0: a rank without the policy
     env_steps: int = 0
     wall_s: float = 0.0
     # from all_ranks_ready to the end of this rank's last timeline span: its work, without

@@ -166,7 +166,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     # A rank that builds no envs hears the verdict before it builds the policy (a GPU the
     # policy overfills would fail in the build); a simulator, once its envs are built (the
     # weight root may be waiting for its env spec).
-    policy, manifest, dtype = None, None, None
+    policy, manifest, dtype, threads = None, None, None, 0
     if runs_policy(roles) and not builds_envs:
         refuse_overfilled(world, plan, overfilled, [], told)  # [dist]
     if runs_policy(roles):
@@ -174,6 +174,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
 
         from hpcvla.factory import build_policy
         torch.set_num_threads(rank_threads(comms.node.Get_size()))  # its share of the node
+        threads = torch.get_num_threads()
         # The weight root (learner 0) alone reads the folder or checkpoint: the engines start
         # every learner from learner 0's parameters (DeepSpeed's broadcast of the module,
         # Horovod's broadcast_parameters), the weight plane every other rank that acts
@@ -215,7 +216,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     if is_root and (cfg.run.tensorboard or cfg.run.wandb != "disabled"):
         phases.mark("logging_ready")  # TensorBoard's and W&B's start (W&B's takes seconds)
     summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
-                          first_version=first, dtype=dtype or root_dtype)
+                          first_version=first, dtype=dtype or root_dtype, threads=threads)
     if resume and is_root:
         print(f"[hpcvla] resuming from {resume} (policy version {first}; "
               f"{catalog.layout_change(saved, len(plan.learners), states_stage(cfg.learner))})",
