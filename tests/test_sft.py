@@ -278,9 +278,11 @@ def test_micro_batches_on_one_learner_train_what_two_learners_do(tmp_path):
     for ranks, passes in ((2, 1), (1, 2)):
         root = tmp_path / f"runs{ranks}"
         config = ["configs/default.yaml"] if ranks == 2 else []  # none: the built-in default
+        # one thread each: the sums' order is then the passes' against the allreduce's alone
+        # (a learner's share of 2 cores is 2 threads alone, 1 beside another: 1e-6 apart)
         out = hpcvla("sft", *config, f"sft.demos={demos}", "sft.steps=3",
                      "sft.batch_size=4", f"sft.micro_batches={passes}", f"run.root={root}",
-                     "--ranks", ranks, timeout=300)
+                     "--ranks", ranks, timeout=300, env={"OMP_NUM_THREADS": "1"})
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         (run_dir,) = root.iterdir()
         state = catalog.read_state(catalog.latest(run_dir))
