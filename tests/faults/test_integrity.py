@@ -2,9 +2,12 @@
 trained exactly once is tests/faults/test_exactly_once.py); checkpoints, HDF5 dumps and
 records are checked when read, with errors naming the file (or field) and the problem."""
 
+import contextlib
 import faulthandler
 import json
 import os
+import subprocess
+import sys
 
 import h5py
 import numpy as np
@@ -244,6 +247,22 @@ def test_random_bytes_are_refused(noise):
             records.decode(buf)
 
 
+@contextlib.contextmanager
+def run_held_elsewhere(run_dir, hold_s: int = 60):
+    """Another process holding `run_dir`'s lock (checkpoint/catalog.hold_run), as another
+    world's rank 0 does, until the block ends (killed then); yields it once it holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import time\nfrom hpcvla.checkpoint.catalog import hold_run\n"
+         f"hold_run({str(run_dir)!r})\nprint('held', flush=True)\ntime.sleep({hold_s})"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_one_world_at_a_time_writes_a_run(tmp_path):
     """Rank 0 holds RUN_DIR/.lock for its world's life: a second claim (another world
     resuming the same run) is refused once its wait is over, naming the run; the kernel
@@ -251,26 +270,16 @@ def test_one_world_at_a_time_writes_a_run(tmp_path):
     removes the .partial checkpoints an ended world left (they were never removed, tens of
     GB each at full size)."""
     import socket
-    import subprocess
-    import sys
     partial = tmp_path / "checkpoints" / "v000009.partial"
     partial.mkdir(parents=True)
     (partial / "optimizer.rank0.safetensors").write_bytes(b"x" * 100)
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom hpcvla.checkpoint.catalog import "
-         f"hold_run\nhold_run({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with run_held_elsewhere(tmp_path) as holder:
         assert not partial.exists()
         with pytest.raises(catalog.CheckpointError, match=f"{tmp_path} is in use: another "
                            rf"world's rank 0 holds its .lock \(pid {holder.pid} on "
                            rf"{socket.gethostname()}, since .*Z; two worlds.*`mv "
                            rf"{tmp_path}/.lock {tmp_path}/.lock.stale` and start again"):
             catalog.hold_run(tmp_path, wait_s=1.5)
-    finally:
-        holder.kill()
-        holder.wait()
     catalog.hold_run(tmp_path)  # released with its holder
     assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")  # one record
     assert (tmp_path / ".lock").read_text().count("\n") == 1
@@ -280,23 +289,13 @@ def test_a_run_another_world_holds_is_every_ranks_verdict_not_a_failure(tmp_path
     """A world that cannot claim its run (another job's world holds it) ends as a refusal,
     Refused on every rank (exit 2, which jobs/launch.sh does not restart: as a failure, its
     restarts recorded themselves in the other job's run), not a rank's error (exit 1)."""
-    import subprocess
-    import sys
     from mpi4py import MPI
     from hpcvla.job.runtime import claim_run
     from hpcvla.process.deathwatch import Refused
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom hpcvla.checkpoint.catalog import hold_run\n"
-         f"hold_run({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with run_held_elsewhere(tmp_path) as holder:
         with pytest.raises(Refused, match=f"{tmp_path} is in use: another world's rank 0 "
                            rf"holds its .lock \(pid {holder.pid} on "):
             claim_run(MPI.COMM_SELF, tmp_path, wait_s=1.0)
-    finally:
-        holder.kill()
-        holder.wait()
     claim_run(MPI.COMM_SELF, tmp_path)  # released with its holder: this world's now
     assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
 
@@ -306,24 +305,14 @@ def test_a_run_this_jobs_earlier_world_still_holds_is_a_failure_not_a_verdict(tm
     """A restart whose run's lock is still held by this same job's earlier world (its rank
     0's node died; NFSv3 and Lustre keep a dead node's lock) fails as a restart does (the job's
     restart rules decide), rather than refusing as if another job held the run."""
-    import subprocess
-    import sys
     from mpi4py import MPI
     from hpcvla.checkpoint.catalog import RunInUse
     from hpcvla.job.runtime import claim_run
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import time\nfrom hpcvla.checkpoint.catalog import hold_run\n"
-         f"hold_run({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(60)"],
-        stdout=subprocess.PIPE, text=True)  # (the job's id in its environment: inherited)
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with run_held_elsewhere(tmp_path):  # (the job's id in its environment: inherited)
         assert ", job 4242" in (tmp_path / ".lock").read_text()
         with pytest.raises(RunInUse, match=f"{tmp_path} is in use"):
             claim_run(MPI.COMM_SELF, tmp_path, wait_s=1.0)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):
