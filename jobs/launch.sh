@@ -173,17 +173,18 @@ if [[ -n ${HPCVLA_SWEEP:-} ]]; then
     COMMAND_ARGS+=("${WORDS[@]}")
     say "array task $ARRAY_TASK: HPCVLA_SWEEP line $ARRAY_TASK: $(shown "${WORDS[@]}")"
 fi
-names() {  # SETTING ARGS...: whether ARGS hold an override of SETTING
+overrides_name() {  # SETTING ARGS...: whether ARGS hold an override of SETTING
     local setting=$1 arg
     shift
     for arg in "$@"; do [[ $arg == "$setting="* ]] && return 0; done
     return 1
 }
-if [[ -n $ARRAY_TASK ]] && makes_a_run "$1" && ! names run.resume "${COMMAND_ARGS[@]:1}"; then
-    if names run.seed "${@:2}"; then
+if [[ -n $ARRAY_TASK ]] && makes_a_run "$1" &&
+        ! overrides_name run.resume "${COMMAND_ARGS[@]:1}"; then
+    if overrides_name run.seed "${@:2}"; then
         say "array task $ARRAY_TASK: its command names run.seed, which every task of the" \
             "array runs alike"
-    elif ! names run.seed "${COMMAND_ARGS[@]:1}"; then  # (a sweep line's: said with it)
+    elif ! overrides_name run.seed "${COMMAND_ARGS[@]:1}"; then  # (a sweep line's: said)
         COMMAND_ARGS+=("run.seed=$ARRAY_TASK")
         say "array task $ARRAY_TASK: its own seed, run.seed=$ARRAY_TASK"
     fi
