@@ -878,7 +878,7 @@ def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler)
     assert "last progress: policy version" in text  # which rank was what; how far it got
     assert not rank_pids(tmp_path), "ranks left running"
     assert f"scheduler {scheduler}" in text and \
-        "MPICH segment(s) that no process maps" in text, text[-3000:]
+        "MPI segment(s) that no process maps" in text, text[-3000:]
 
 
 @pytest.mark.parametrize("mpi,launcher", [("openmpi", "srun"), ("openmpi5", "srun"),

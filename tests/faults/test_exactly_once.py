@@ -83,8 +83,8 @@ def test_every_sent_group_is_trained_once_or_left_unused_across_a_restart(tmp_pa
         and f"pid {learner['pid']})" in named, text[-5000:]
     assert "the world failed (status 137)" in text, text[-5000:]
     print(f"killed -> end of the restarted run: {time.monotonic() - killed:.1f} s")
-    # the killed world's MPICH segments, removed before the restart
-    assert "MPICH segment(s) that no process maps" in text, text[-5000:]
+    # the killed world's MPI segments, removed before the restart
+    assert "MPI segment(s) that no process maps" in text, text[-5000:]
     assert not left_behind(shm_before), text[-5000:]
 
     (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
