@@ -310,9 +310,13 @@ def test_a_run_this_jobs_earlier_world_still_holds_is_a_failure_not_a_verdict(tm
     from hpcvla.job.runtime import claim_run
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     with run_held_elsewhere(tmp_path):  # (the job's id in its environment: inherited)
-        assert ", job 4242" in (tmp_path / ".lock").read_text()
+        record = (tmp_path / ".lock").read_text()
+        assert ", job 4242" in record
         with pytest.raises(RunInUse, match=f"{tmp_path} is in use"):
             claim_run(MPI.COMM_SELF, tmp_path, wait_s=1.0)
+    assert RunInUse("", holder=record).by_this_job()
+    monkeypatch.setenv("SLURM_JOB_ID", "42")  # another job, its id a prefix of the holder's
+    assert not RunInUse("", holder=record).by_this_job()
 
 
 def test_a_run_on_a_file_system_without_locks_is_said_unclaimed(tmp_path, monkeypatch, capsys):

@@ -40,8 +40,15 @@ class RunInUse(CheckpointError):
     def by_this_job(self) -> bool:
         """Whether the holder is a world of this same job (its id in the record): an
         earlier world whose rank 0's node died, its lock not yet let go by the file system."""
-        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
-        return bool(job) and f", job {job}" in self.holder
+        mark = _job_mark()  # whole: job 42's is no mark of job 4242's record
+        return bool(mark) and re.search(re.escape(mark) + r"(?=[ ,]|$)", self.holder) is not None
+
+
+def _job_mark() -> str:
+    """This process's scheduler job as a .lock record names it (", job <id>"); '' outside
+    a job."""
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
+    return f", job {job}" if job else ""
 
 
 def checkpoint_dir(run_dir: Path, version: int) -> Path:
@@ -287,9 +294,8 @@ def _holder() -> str:
     """Who holds a run's .lock, as its file says: the process, its host and its job."""
     import socket
     import time
-    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("PBS_JOBID")
     restart = os.environ.get("SLURM_RESTART_COUNT")
-    return (f"pid {os.getpid()} on {socket.gethostname()}" + (f", job {job}" if job else "") +
+    return (f"pid {os.getpid()} on {socket.gethostname()}" + _job_mark() +
             (f" (restart {restart})" if restart else "") +
             time.strftime(", since %Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
 
