@@ -5,9 +5,8 @@ The ranks remove their segments (MPICH's `/dev/shm/mpich_*`, Open MPI 4's `vader
 and 5's `sm_segment.*`, NCCL's `nccl-*`: MBs each, the node's memory) when they end cleanly;
 ranks killed or aborted leave them there, filling a shared node's /dev/shm over failed runs,
 and a requeued Slurm job's new MPICH ranks, whose step ids are the killed ones', would join
-them. Hydra's proxy (mpiexec's
-process on each node) writes the node's topology for its ranks to
-`/tmp/hydra_hwloc_xmlfile_*` and holds it open; it removes it as it exits, even after a rank
+them. Hydra's proxy (mpiexec's process on each node) writes the node's topology for its ranks
+to `/tmp/hydra_hwloc_xmlfile_*` and holds it open; it removes it as it exits, even after a rank
 was killed, but not when it is killed itself (a Slurm time limit or scancel, the OOM killer).
 So every launcher removes, after a failed world, the orphans: `hpcvla launch`
 (job/launch.py) on its machine, jobs/launch.sh on every node of the world at once (and on a
