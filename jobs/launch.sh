@@ -71,7 +71,8 @@
 #                     at the start and at every restart (a restart's keeps the first world's
 #                     version batch: learner.micro_batches). COSTS: config (the reach env
 #                     probed, or the config's emulate.*), balanced, table3, pi0-libero; unset: off
-#   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node (default 1)
+#   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node and its
+#                     node-only checks on the others (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_SWEEP      train, sft in an array job: a file of overrides, a line per task
@@ -279,13 +280,15 @@ if [[ $SCHEDULER == pbs && -z $PBS_RSH ]] && (( NODES > 1 )) &&
         "HPCVLA_PBS_TM=1)"
 fi
 # A node that lacks what the job needs, or a layout that overfills its memory, fails the job
-# here, in seconds, saying why (this node: the job's first; the others answer clean_nodes
-# before a restart). It checks the command's settings as they run: the auto plan's included.
+# here, in seconds, saying why: this node, the job's first, every check; then the others what
+# each has of its own (check_other_nodes; they answer clean_nodes before a restart). It checks
+# the command's settings as they run: the auto plan's included.
 DOCTOR=()
 if in_a_world "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     DOCTOR=("$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE"
             -- "${ARGS[@]:1}")
     say "checking this node: $(shown "${DOCTOR[@]}")"
+    (( NODES == 1 )) || say "and then nodes ${HOSTS[*]:1}: the same with --node-only"
 fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0
@@ -296,6 +299,9 @@ if (( ${#DOCTOR[@]} )); then
     "${DOCTOR[@]}" >&2 || [[ -n $EARLY ]] ||
         die "this node ($(hostname)) lacks what the job needs, or the job's settings are" \
             "refused (hpcvla doctor, above)"
+    (( NODES == 1 )) || [[ -n $EARLY ]] ||
+        (check_other_nodes "${DOCTOR[@]:0:4}" --node-only "${DOCTOR[@]:4}") ||
+        [[ -n $EARLY ]] || die "not every node of the job has what it needs (above)"
 fi
 
 # A restart continues from the run's newest checkpoint: without periodic ones there is none.

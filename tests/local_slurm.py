@@ -151,7 +151,8 @@ def _free_port() -> int:
 
 class LocalSlurm:
     def __init__(self, cpus: int = 64, start_timeout: float = 60.0, nodes: int = 1,
-                 hosts=None, fabric_ports: int = 0, gpus: int = 0, no_tmpfs: bool = False):
+                 hosts=None, fabric_ports: int = 0, gpus: int = 0, no_tmpfs: bool = False,
+                 shm_mib: dict[str, int] | None = None):
         """One node (`localhost`), or `nodes` > 1 nodes h0.. on emulated hosts that this
         instance makes (with `fabric_ports` more interfaces each) and removes; or the nodes
         of `hosts` (an EmulatedHosts, started here and stopped again if it was not started
@@ -159,9 +160,12 @@ class LocalSlurm:
         /dev/null's kind: no GPU behind them), which a job asks for with --gpus-per-node and
         its steps' tasks see as CUDA_VISIBLE_DEVICES, as on a GPU cluster. `no_tmpfs`: the
         nodes' TmpFS is missing (a fault: Slurm's PMIx plugin then fails every task's
-        launch, and srun exits 0)."""
+        launch, and srun exits 0). `shm_mib`: nodes (of several) whose /dev/shm is a tmpfs of
+        their own of that many MiB, as a node whose /dev/shm is small or that earlier jobs
+        filled (a fault: their slurmd and what it starts see it, in a mount namespace of
+        their own)."""
         self.cpus, self.start_timeout, self.fabric_ports = cpus, start_timeout, fabric_ports
-        self.no_tmpfs = no_tmpfs
+        self.no_tmpfs, self.shm_mib = no_tmpfs, shm_mib or {}
         self.gpus = gpus
         self.hosts = hosts
         self.nodes = hosts.n if hosts is not None else nodes
@@ -276,9 +280,7 @@ class LocalSlurm:
         self._until(lambda: self._run(["scontrol", "ping"], check=False).returncode == 0,
                     "slurmctld answers `scontrol ping`")
         for name in names:
-            daemon = f"slurmd-{name}" if self.multihost else "slurmd"
-            self.procs[daemon] = self._daemon(["/usr/sbin/slurmd", "-D", "-N", name, "-f", conf],
-                                              daemon, host=name if self.multihost else None)
+            self._start_slurmd(name)
         self._until(self._nodes_ready, f"node(s) {','.join(names)} are idle in `sinfo`")
 
     def _start_hosts(self) -> None:
@@ -343,10 +345,7 @@ class LocalSlurm:
     def restore_node(self, host: str, wait: bool = True) -> None:
         """Start the slurmd of a node `fail_node` killed; with `wait`, until every node is
         idle (a job that held the node completes only once its slurmd is back)."""
-        daemon = f"slurmd-{host}"
-        self.procs[daemon] = self._daemon(
-            ["/usr/sbin/slurmd", "-D", "-N", host, "-f", self.base / "slurm.conf"], daemon,
-            host=host)
+        self._start_slurmd(host)
         self._run(["scontrol", "update", f"nodename={host}", "state=resume"], check=False)
         if wait:
             self.wait_idle()
@@ -373,6 +372,15 @@ class LocalSlurm:
              "--seed-file", munge / "munged.seed", "--log-file", munge / "munged.log"],
             "munged", **as_munge)
         self._until(lambda: (munge / "munge.socket").exists(), "munged creates its socket")
+
+    def _start_slurmd(self, name: str) -> None:
+        """Node `name`'s slurmd (on its host with several nodes; `shm_mib`'s /dev/shm)."""
+        daemon = f"slurmd-{name}" if self.multihost else "slurmd"
+        argv = ["/usr/sbin/slurmd", "-D", "-N", name, "-f", self.base / "slurm.conf"]
+        if name in self.shm_mib:  # (`ip netns exec` gave the host a mount namespace)
+            argv = ["sh", "-c", f"mount -t tmpfs -o size={self.shm_mib[name]}m shm /dev/shm "
+                    '&& exec "$@"', "sh", *argv]
+        self.procs[daemon] = self._daemon(argv, daemon, host=name if self.multihost else None)
 
     def _daemon(self, argv, name, host=None, **user) -> subprocess.Popen:
         """Start a daemon (on `host`'s namespaces with several nodes); it dies with us."""

@@ -340,23 +340,24 @@ def test_a_gpu_node_without_nvidias_egl_fails_where_its_ranks_would(monkeypatch)
     NVIDIA's EGL (a container without the driver's graphics capability) passed the doctor
     and failed at every rank's start. Here torch sees 2 GPUs and EGL lists one device, with
     no CUDA ordinal."""
-    from hpcvla import devices, doctor as checks
+    from hpcvla import devices
     from hpcvla.config import load_config
+    from hpcvla.doctor.render import renderer_checks
     from hpcvla.envs import egl
     monkeypatch.delenv("MUJOCO_GL", raising=False)
     monkeypatch.setattr(devices, "torch_gpu_count", lambda: 2)
     monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [None])
     cfg = load_config(ROOT / "configs/libero_spatial.yaml")
-    found = {c.name: c for c in checks._renderer(cfg)}
+    found = {c.name: c for c in renderer_checks(cfg)}
     assert not found["egl-gpus"].ok and "none renders on CUDA device(s) [0, 1]" in \
         found["egl-gpus"].found and "NVIDIA_DRIVER_CAPABILITIES" in found["egl-gpus"].fix
     monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [1, None, 0])
-    assert {c.name: c for c in checks._renderer(cfg)}["egl-gpus"].ok
+    assert {c.name: c for c in renderer_checks(cfg)}["egl-gpus"].ok
     monkeypatch.setattr(egl, "egl_cuda_ordinals", lambda: [0])
     cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["placement.gpus_per_node=1"])
-    assert {c.name: c for c in checks._renderer(cfg)}["egl-gpus"].ok  # its one GPU's is there
+    assert {c.name: c for c in renderer_checks(cfg)}["egl-gpus"].ok  # its one GPU's is there
     cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["placement.gpus_per_node=0"])
-    assert "egl-gpus" not in {c.name for c in checks._renderer(cfg)}  # CPU ranks: no GPU's
+    assert "egl-gpus" not in {c.name for c in renderer_checks(cfg)}  # CPU ranks: no GPU's
     monkeypatch.setenv("MUJOCO_EGL_DEVICE_ID", "0")  # the user's choice: the ranks' too
     cfg = load_config(ROOT / "configs/libero_spatial.yaml")
-    assert "egl-gpus" not in {c.name for c in checks._renderer(cfg)}
+    assert "egl-gpus" not in {c.name for c in renderer_checks(cfg)}

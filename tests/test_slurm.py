@@ -172,13 +172,16 @@ def test_slurm_multinode_job_on_three_hosts_requeues_and_resumes(slurm3, tmp_pat
                         "placement.per_node.simulator=1", "placement.per_node.inference=1",
                         f"pipeline.total_updates={updates}", "pipeline.progress_every_s=0.1",
                         options=["--output", log, "--ntasks-per-node=2", "--cpus-per-task=1"],
-                        env=job_env(tmp_path), cwd=ROOT)
+                        env=job_env(tmp_path, HPCVLA_DOCTOR="1"), cwd=ROOT)
     first_update(slurm3, job, log)
     ranks = where_ranks_run(slurm3, tmp_path / "runs" / f"hpcvla-multinode-{job}")
     slurm3.signal_batch_shell(job, signal.SIGUSR1)
     text = finished(slurm3, job, log)
     assert_learner_node_layout(ranks, text)
     assert "6 rank(s) on 3 node(s) (h0 h1 h2), 2 per node" in text
+    # every node checked, each start: h0 wholly, h1 and h2 for what each has of its own
+    assert text.count("and then nodes h1 h2: the same with --node-only") == 2, text[-3000:]
+    assert "FAIL" not in text and "could not check node" not in text, text[-3000:]
     assert "/mpiexec -n 6 -f" in text  # Hydra, not srun
     assert "pmi2:" not in text  # no complaint from Slurm's PMI-2 server
     assert slurm3.job(job)["Restarts"] == "1"
@@ -929,6 +932,30 @@ def test_a_launcher_that_exits_0_for_a_world_that_never_ran_fails_the_job(tmp_pa
     assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), text[-3000:]
     assert "the launcher exited 0, but the world did not run to its end: no rank of the " \
         "world registered on this host (h0)" in text, text[-3000:]
+
+
+def test_a_node_other_than_the_first_that_lacks_what_the_job_needs_fails_it_at_once(tmp_path):
+    """jobs/launch.sh checks the job's first node wholly, then its others for what each has of
+    its own (`hpcvla doctor --node-only`, all at once): h1's /dev/shm of 1 MiB cannot hold its
+    ranks' windows, and the job fails in seconds naming h1, its check and the fix, before any
+    rank starts (its ranks would fail or hang mapping their windows)."""
+    log = tmp_path / "small-shm.out"
+    with LocalSlurm(nodes=2, shm_mib={"h1": 1}) as cluster:
+        start = time.monotonic()
+        job = cluster.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/colocated.yaml",
+                             options=["--output", log, "--nodes=2", "--ntasks-per-node=2"],
+                             env=job_env(tmp_path, HPCVLA_DOCTOR="1"), cwd=ROOT)
+        info = cluster.wait(job, 300)
+        took, text = time.monotonic() - start, log.read_text()
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "2:0"), text[-3000:]
+    assert "ok   /dev/shm" in text and "and then nodes h1: the same with --node-only" in text
+    (shm,) = [line for line in text.splitlines() if line.startswith("h1: FAIL /dev/shm")]
+    assert "1.0 MiB free, a node's windows need >=" in shm, text[-3000:]
+    assert "h1:                  fix: a larger /dev/shm" in text, text[-3000:]
+    assert "h1: ok   renderer" in text and "h1: ok   mpi" not in text  # what a node has alone
+    assert "node(s) h1 lack what the job needs (above)" in text, text[-3000:]
+    assert "not every node of the job has what it needs" in text and took < 90, took
+    assert "[hpcvla]" not in text, text[-3000:]  # no rank started
 
 
 STARTED_AGAIN = "the world failed while starting, before any rank registered: starting it " \

@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Sourced by jobs/launch.sh: starting a world of NP ranks on HOSTS, watching it and ending
-# it: a command on one node (on_node) and on every node after a failure (clean_nodes), the
+# it: a command on one node (on_node), on every other node before the first world
+# (check_other_nodes) and on every node after a failure (clean_nodes), the
 # MPI launcher's command line (set_launch), the scheduler's signals passed on as SIGTERM
 # (forward) and a failed world's end (end_a_failed_world), the variables passed to other
 # nodes' ranks (forwarded_env), and the run itself (run_world, which sets `status` and
@@ -18,12 +19,12 @@ if [[ $SCHEDULER == pbs && ${HPCVLA_PBS_TM:-1} == 1 ]] &&
     PBS_RSH=$LIB/tmrsh
 fi
 
-# Run a shell command on a node of the job within HPCVLA_NODE_CHECK_S (60 s; false if it did
-# not start or failed).
+# Run a shell command on a node of the job within LIMIT seconds (default HPCVLA_NODE_CHECK_S,
+# 60; false if it did not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
 # from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
-on_node() {  # HOST SHELL_COMMAND
-    local limit=${HPCVLA_NODE_CHECK_S:-60}
+on_node() {  # HOST SHELL_COMMAND [LIMIT]
+    local limit=${3:-${HPCVLA_NODE_CHECK_S:-60}}
     case $SCHEDULER in
         slurm) timeout "$limit" srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
                    sh -c "$2" ;;
@@ -61,6 +62,34 @@ clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
     rm -rf "$answers"
 }
 
+# Before the first world, on the job's nodes after its first (whose doctor passed), at once:
+# `hpcvla doctor --node-only` (argv: the doctor's command), what each node has of its own
+# (/dev/shm, the renderer), within 300 s (the renderer's check imports the simulator). Each
+# node whose checks failed is said with its lines; false if one did. A node that could not
+# run the check (it did not answer, a launch error) is said and left to the world's start: a
+# dead node there is a failed world, which HPCVLA_RESTARTS continues without it.
+check_other_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
+    local host answers command failed=()
+    answers=$(mktemp -d)
+    command=$(printf '%q ' "$@")
+    for host in "${HOSTS[@]:1}"; do
+        { on_node "$host" "$command" 300 > "$answers/$host" 2>&1
+          echo $? > "$answers/$host.status"; } &
+    done
+    wait
+    for host in "${HOSTS[@]:1}"; do
+        if grep -q '^FAIL' "$answers/$host"; then
+            failed+=("$host")
+            sed "s/^/$host: /" "$answers/$host" >&2
+        elif [[ $(< "$answers/$host.status") != 0 ]]; then
+            say "could not check node $host (exit status $(< "$answers/$host.status")):" \
+                "$(tail -n 1 "$answers/$host")"
+        fi
+    done
+    rm -rf "$answers"
+    (( ${#failed[@]} == 0 )) || say "node(s) ${failed[*]} lack what the job needs (above)"
+    (( ${#failed[@]} == 0 ))
+}
 
 set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
     CLEAN_ENV=()

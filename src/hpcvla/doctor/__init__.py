@@ -21,29 +21,16 @@ for `hpcvla eval` of those arguments (the run's config as eval reads it, its --e
 
 from __future__ import annotations
 
-import glob
 import os
 import shutil
-import subprocess
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from hpcvla.config.loader import whole_number
+from hpcvla.doctor.checks import Check, last_line, run_python
+from hpcvla.doctor.render import renderer_checks
 
 MiB = 1 << 20
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    found: str       # what the check saw
-    fix: str = ""    # what to do, when it failed
-
-    def line(self) -> str:
-        head = f"{'ok' if self.ok else 'FAIL':<5}{self.name:<12}{self.found}"
-        return head if self.ok else f"{head}\n{'':17}fix: {self.fix}"
 
 
 def add_doctor_parser(sub, config_args) -> None:
@@ -63,30 +50,43 @@ def add_doctor_parser(sub, config_args) -> None:
                         "/dev/shm is checked for launch.ranks' layout)")
     doctor.add_argument("--ranks-per-node", type=whole_number(1), default=None,
                         help="the job's ranks per node (default: --world)")
+    doctor.add_argument("--node-only", action="store_true", help="only what may differ "
+                        "between a job's nodes (/dev/shm, renderer, EGL devices): "
+                        "jobs/launch.sh's check of its other nodes")
 
 
 def doctor_command(args) -> int:
     world = args.world and (args.world, args.ranks_per_node)
     if args.job != "eval":
         from hpcvla.config import load_config
-        return main(load_config(args.config, args.overrides), args.json, args.job, world)
+        return main(load_config(args.config, args.overrides), args.json, args.job, world,
+                    node_only=args.node_only)
     from hpcvla.checkpoint.catalog import run_and_checkpoint
     from hpcvla.evaluate import eval_config
     from hpcvla.roles.heldout import envs_at_once
     run = args.evaluation  # `hpcvla eval`'s arguments (cli.py parses them as eval does)
     cfg = eval_config(run_and_checkpoint(Path(run.run_dir))[0], run.overrides, run.untrained)
-    return main(cfg, args.json, "eval", world, envs_at_once(cfg, run.envs, run.episodes))
+    return main(cfg, args.json, "eval", world, envs_at_once(cfg, run.envs, run.episodes),
+                args.node_only)
 
 
 def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = None,
-               envs: int = 32) -> list[Check]:
+               envs: int = 32, node_only: bool = False) -> list[Check]:
     """Every check for a job of `cfg` running `job` (train, sft, eval) on this node, in the
     order a job needs them; `world`: the job's ranks and ranks per node, where known; `envs`:
     eval's per rank. Eval shares nothing in /dev/shm, makes no windows, and writes no
-    checkpoints: those checks are train's and sft's."""
+    checkpoints: those checks are train's and sft's. `node_only`: those of what a node has
+    of its own (/dev/shm, renderer), for a job's nodes after its first passed every check
+    (the file systems, MPI and the job's grant are one and the same on its nodes, and an srun
+    step's GPUs may differ from the job's)."""
     from hpcvla.envs import env_problems
     from hpcvla.preflight import config_problems, run_root_problems
 
+    if node_only:
+        weights, _, recorded = _policy_size(cfg)
+        demos = _demonstrations(cfg) if job == "sft" else 0
+        return [*([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
+                                                           recorded)]), *renderer_checks(cfg)]
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
     problems = [p for p in config_problems(cfg, last) + env_problems(cfg)
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's
@@ -103,7 +103,7 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     checks = [_mpi(cfg, windows=job != "eval"),
               *([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
                                                           recorded)]),
-              *_gpus(cfg), *_renderer(cfg), *unbuilt]
+              *_gpus(cfg), *renderer_checks(cfg), *unbuilt]
     if world and not problems and not unbuilt:
         checks += _memory(cfg, job, world, demos, envs)
     checks.append(Check("config", not problems, "the config's files, packages and logins: "
@@ -111,22 +111,6 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
                         "; ".join(f"{name} = {value!r}: expected {text}"
                                   for name, value, text in problems)))
     return checks if job == "eval" else [*checks, _disk(cfg, weights, trainable)]
-
-
-def _python(code: str, env: dict, timeout: float = 120,
-            launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh Python (under `launcher`), where a crash cannot take us down,
-    with the environment `env`."""
-    try:
-        return subprocess.run([*launcher, sys.executable, "-c", code], capture_output=True,
-                              text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return subprocess.CompletedProcess([], 124, "", f"no answer within {timeout:.0f} s")
-
-
-def _last_line(out: subprocess.CompletedProcess) -> str:
-    lines = (out.stderr or out.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit status {out.returncode}"
 
 
 def _mpi(cfg, windows: bool = True) -> Check:
@@ -150,12 +134,12 @@ def _mpi(cfg, windows: bool = True) -> Check:
     # on this node only: without the scheduler's variables the launcher starts them here
     env = {k: v for k, v in {**os.environ, **install.env}.items()
            if not k.startswith(("SLURM_", "PBS_"))}
-    out = _python(code, env, 60, (install.mpiexec, "-n", "2", *install.args))
+    out = run_python(code, env, 60, (install.mpiexec, "-n", "2", *install.args))
     words = out.stdout.split(maxsplit=1)
     if out.returncode != 0 or not words or words[0] != "2":
         found = (f"`{install.mpiexec} -n 2` started "
                  + ("two 1-rank worlds" if words and words[0] == "1" else "no world of 2")
-                 + f": {_last_line(out)}")
+                 + f": {last_line(out)}")
         return Check("mpi", False, found, "mpi4py must load the library of this launcher "
                      "(MPI4PY_LIBMPI for Open MPI); check `mpiexec -n 2 hostname` works here")
     if "MPI_THREAD_MULTIPLE" in words[1]:  # thread_level_problem's text
@@ -284,83 +268,6 @@ def _gpus(cfg) -> list[Check]:
     return checks
 
 
-RENDER = {  # a tiny scene drawn the way the simulator draws (MuJoCo's EGL, SAPIEN's Vulkan)
-    "libero": ("EGL (MuJoCo)", "import mujoco\n"
-               "m = mujoco.MjModel.from_xml_string('<mujoco><worldbody><light pos=\"0 0 1\"/>"
-               "<geom size=\".1\"/></worldbody></mujoco>')\n"
-               "d = mujoco.MjData(m); mujoco.mj_forward(m, d)\n"
-               "r = mujoco.Renderer(m, 16, 16); r.update_scene(d); assert r.render().max() > 0",
-               "EGL for headless rendering: the NVIDIA driver's libEGL_nvidia on GPU nodes, "
-               "Mesa's EGL elsewhere (`make install-sims`); or MUJOCO_GL=osmesa (CPU)"),
-    "maniskill": ("Vulkan (SAPIEN)", "import sapien\n"
-                  "s = sapien.Scene(); s.set_ambient_light([0.5, 0.5, 0.5])\n"
-                  "b = s.create_actor_builder(); b.add_box_visual(half_size=[0.1] * 3)\n"
-                  "b.build_kinematic(); c = s.add_camera('doctor', 16, 16, 1.0, 0.01, 10.0)\n"
-                  "c.set_entity_pose(sapien.Pose([-1, 0, 0])); s.update_render()\n"
-                  "c.take_picture(); assert c.get_picture('Color')[..., :3].max() > 0",
-                  "a Vulkan driver: the NVIDIA driver's ICD (nvidia_icd.json) on GPU nodes, "
-                  "Mesa's lavapipe elsewhere (`make install-sims`)"),
-}
-
-
-# Backends a user may choose instead (the library, its variable, what each needs): MuJoCo's
-# other than EGL that LIBERO renders with (robosuite, imported, makes any other MUJOCO_GL egl,
-# EGL and typos included)
-CHOSEN_BACKENDS = {"libero": ("MuJoCo", "MUJOCO_GL", {
-    "osmesa": "Mesa's OSMesa library (libOSMesa), or MUJOCO_GL unset for EGL",
-    "glx": "an X display (DISPLAY) with GLX; headless nodes: MUJOCO_GL unset (EGL)"})}
-
-
-def _renderer(cfg) -> list[Check]:
-    if cfg.env.name not in RENDER:
-        return [Check("renderer", True, f"env.name={cfg.env.name} renders nothing")]
-    what, code, fix = RENDER[cfg.env.name]
-    library, variable, chosen = CHOSEN_BACKENDS.get(cfg.env.name, ("", "", {}))
-    env = {}
-    if variable:  # the backend the ranks render with: the one chosen, else the default
-        backend = os.environ.get(variable, "")  # as robosuite compares it: case and all
-        env[variable] = backend if backend in chosen else "egl"
-        env["PYOPENGL_PLATFORM"] = os.environ.get("PYOPENGL_PLATFORM", env[variable])
-        if backend in chosen:
-            what, fix = f"{backend} ({library}, {variable})", chosen[backend]
-    out = _python(code, {**os.environ, **env})
-    checks = [Check("renderer", out.returncode == 0, f"{what}: " + (
-        "drew a 16x16 scene" if out.returncode == 0 else f"failed: {_last_line(out)}"), fix)]
-    if env.get(variable) == "egl":
-        checks += _egl_gpus(cfg)
-    if cfg.env.sim_backend == "gpu":  # (config/checks.py: a simulator with a GPU variant)
-        libs = glob.glob(str(Path.home() / ".sapien" / "physx" / "*" / "libPhysXGpu_64.so"))
-        checks.append(Check("physx-gpu", bool(libs), ", ".join(libs) or "no libPhysXGpu_64.so "
-                            "under ~/.sapien/physx", "run one GPU simulation where the node "
-                            "can download it (SAPIEN fetches it on first use), or copy "
-                            "~/.sapien/physx from such a machine"))
-    return checks
-
-
-def _egl_gpus(cfg) -> list[Check]:
-    """Where ranks render with EGL on their GPUs: an EGL device for each GPU torch sees here
-    (envs/egl.py picks the one whose CUDA ordinal is the rank's). The scene above may be drawn
-    by any EGL device, Mesa's software one included, on a node whose NVIDIA EGL library is
-    missing, as in containers started without the driver's graphics capability: every rank
-    given a GPU would then fail as it starts."""
-    from hpcvla.devices import torch_gpu_count
-    from hpcvla.envs import env_uses_gpu
-    from hpcvla.envs.egl import egl_cuda_ordinals
-    chosen = cfg.placement.gpus_per_node
-    gpus = torch_gpu_count() if chosen < 0 else chosen  # the ranks' (the first k of them)
-    if not gpus or not env_uses_gpu(cfg.env) or "MUJOCO_EGL_DEVICE_ID" in os.environ:
-        return []  # (a device the user chose is the ranks' too: envs/egl.py)
-    ordinals = egl_cuda_ordinals()
-    missing = [g for g in range(gpus) if g not in ordinals]
-    return [Check("egl-gpus", not missing, f"EGL lists {len(ordinals)} device(s), with CUDA "
-                  f"ordinals {ordinals}, for the {gpus} GPU(s) torch sees" + (
-                      f": none renders on CUDA device(s) {missing}" if missing else ""),
-                  "the NVIDIA driver's EGL library (libEGL_nvidia, its vendor file "
-                  "10_nvidia.json) on the node; in a container the driver's graphics "
-                  "capability (NVIDIA_DRIVER_CAPABILITIES=all or compute,utility,graphics; "
-                  "Apptainer --nv); or MUJOCO_GL=osmesa to render on the CPU")]
-
-
 def _policy_size(cfg) -> tuple[int, int, int]:
     """The policy's weights in bytes (in the dtype `policy.dtype=auto` gives on this node: bf16
     where torch sees a GPU), its trained parameters, and the bytes it records a step (its
@@ -395,8 +302,9 @@ def _disk(cfg, weights: int, trainable: int) -> Check:
                  "or a smaller learner.checkpoint_keep")
 
 
-def main(cfg, as_json: bool, job: str = "train", world=None, envs: int = 32) -> int:
-    checks = run_checks(cfg, job, world, envs)
+def main(cfg, as_json: bool, job: str = "train", world=None, envs: int = 32,
+         node_only: bool = False) -> int:
+    checks = run_checks(cfg, job, world, envs, node_only)
     if as_json:
         import json
         print(json.dumps([asdict(c) for c in checks], indent=1))
