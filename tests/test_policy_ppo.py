@@ -256,6 +256,74 @@ def test_behaviour_weight_truncation():
     assert masked["behaviour_weight_max"] == masked["behaviour_weight_mean"] == 1.0
 
 
+def test_a_runaway_ratio_under_a_negative_advantage_is_bounded_by_the_dual_clip():
+    """PPO-clip leaves r * A unbounded for A < 0: a chunk's log-ratio of 20 gave a loss and
+    gradient of 4.9e8, of 100 inf (the step then skipped on every learner). The dual clip
+    bounds the surrogate by c * A (no gradient beyond it), and the log-ratio's bound keeps
+    even an unclipped loss finite."""
+    prox = beh = torch.zeros(3)
+    adv = torch.tensor([-1.0, -1.0, 1.0])
+    for log_ratio in (5.0, 20.0, 100.0):
+        lp = torch.tensor([log_ratio, 0.1, log_ratio]).requires_grad_()
+        loss, stats = decoupled_ppo_loss(lp, prox, beh, adv, clip=0.2, dual_clip=3.0)
+        # -(3 * -1 + e^0.1 * -1 + 1.2 * 1) / 3: the runaway unit at -3, the positive one clipped
+        assert loss.item() == pytest.approx(-(-3.0 - math.exp(0.1) + 1.2) / 3, rel=1e-5)
+        (g,) = torch.autograd.grad(loss, lp)
+        torch.testing.assert_close(g, torch.tensor([0.0, math.exp(0.1) / 3, 0.0]))
+        assert math.isfinite(stats["approx_kl"])
+        off, _ = decoupled_ppo_loss(lp, prox, beh, adv, clip=0.2, dual_clip=0.0)
+        assert math.isfinite(off.item()) and off.item() > loss.item()
+    # below c the dual clip changes nothing: PPO-clip as CleanRL writes it
+    lp = torch.tensor([0.5, -0.3, 1.0]).requires_grad_()
+    ratio = lp.detach().exp()
+    ref = torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)).mean()
+    assert decoupled_ppo_loss(lp, prox, beh, adv, dual_clip=3.0)[0].item() == \
+        pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_a_masked_unit_adds_nothing_whatever_it_holds():
+    """A unit the mask leaves out (an env fault; GRPO's unscored episodes) was multiplied by
+    0, and 0 * NaN is NaN: one NaN behaviour log-prob, advantage or runaway ratio there made
+    the micro-batch's loss NaN, and every learner skipped the step. Now the loss and its
+    gradient are those of the kept units alone."""
+    prox = torch.zeros(3)
+    lp = torch.tensor([0.1, 0.2, 0.0]).requires_grad_()
+    adv = torch.tensor([1.0, -0.5, 2.0])
+    mask = torch.tensor([True, True, False])
+    kept, kept_stats = decoupled_ppo_loss(lp[:2], prox[:2], prox[:2], adv[:2])
+    (g_kept,) = torch.autograd.grad(kept, lp)
+    for beh, bad_adv in ((torch.tensor([0.0, 0.0, float("nan")]), adv),
+                         (prox, torch.tensor([1.0, -0.5, float("nan")])),
+                         (prox, torch.tensor([1.0, -0.5, float("inf")]))):
+        loss, stats = decoupled_ppo_loss(lp, prox, beh, bad_adv, mask=mask)
+        assert loss.item() == pytest.approx(kept.item(), rel=1e-6)
+        (g,) = torch.autograd.grad(loss, lp)
+        torch.testing.assert_close(g[:2], g_kept[:2])
+        assert g[2].item() == 0.0
+        assert stats["behaviour_weight_mean"] == kept_stats["behaviour_weight_mean"] == 1.0
+    # GAE: a failed step's NaN value stays in it (the steps before bootstrap from the
+    # observation's value, V(s_t), not from what the failed step returned)
+    values = torch.tensor([0.5, 0.4, 0.3])
+    rewards = torch.tensor([0.0, float("nan"), 1.0])
+    faults = torch.tensor([False, True, False])
+    dones = faults.clone()
+    adv, _ = gae(rewards, values, dones, torch.tensor(0.0), 0.9, 0.95, faults)
+    assert adv[1].item() == 0.0 and torch.isfinite(adv).all(), adv
+
+
+def test_the_behaviour_weights_spread_is_reported_before_the_cap():
+    """At staleness 0 the behaviour weight is the inference rank's and the learner's numerics
+    alone (bf16 kernels), and it grows as the policy's noise shrinks: its min and the spread
+    of its log per chunk are logged beside the capped mean and max."""
+    prox = torch.zeros(4)
+    beh = torch.tensor([-1.0, 1.0, 0.0, 5.0])  # log weights 1, -1, 0, -5
+    _, stats = decoupled_ppo_loss(prox.clone(), prox, beh, torch.ones(4),
+                                  mask=torch.tensor([True, True, True, False]))
+    assert stats["behaviour_weight_min"] == pytest.approx(math.exp(-1))
+    assert stats["behaviour_weight_max"] == pytest.approx(2.0)  # e^1, capped at 2
+    assert stats["behaviour_log_weight_std"] == pytest.approx(1.0)  # std of 1, -1, 0
+
+
 def test_value_loss_hand_computed():
     value = torch.tensor([1.0, 0.0, 2.0])
     old = torch.tensor([0.5, 0.1, 2.0])

@@ -117,7 +117,7 @@ def first_episode_advantages(done: torch.Tensor, step_scores: torch.Tensor, grou
 
 def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvantages,
               index: torch.Tensor, clip: float = 0.2, max_behaviour_weight: float = 2.0,
-              mean_over: str = "steps"):
+              mean_over: str = "steps", dual_clip: float = 3.0):
     """GRPO's policy loss over (T, N) chunk-steps (or finer units, (T, N, *units)): each
     step takes its episode's advantage (`index` from `episodes_of`); steps of episodes not
     kept (degenerate group, or not valid, e.g. unfinished) are masked out. Same decoupled
@@ -145,7 +145,7 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
     mask = keep.to(device)[index.to(device)]
     loss, stats = decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
                                      episodes.advantages.to(device)[index.to(device)], clip,
-                                     max_behaviour_weight, mask=mask)
+                                     max_behaviour_weight, mask=mask, dual_clip=dual_clip)
     if mean_over == "constant":  # the kept units' mean times their share: their sum / all
         loss = loss * mask.mean()
     return loss, stats

@@ -84,7 +84,7 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     if alg.name == "grpo":  # critic-free: the value head is not trained
         pg_loss, stats = grpo_loss(logprob, proximal, behaviour, advantages.episodes,
                                    advantages.index, alg.clip, alg.max_behaviour_weight,
-                                   alg.group_loss_mean)
+                                   alg.group_loss_mean, alg.dual_clip)
         v_loss = torch.zeros((), device=logprob.device)
         episodes = advantages.episodes
         stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))
@@ -94,7 +94,8 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     else:
         old_value, returns = batch["value"], advantages.returns
         pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour, advantages.advantages,
-                                            alg.clip, alg.max_behaviour_weight, mask)
+                                            alg.clip, alg.max_behaviour_weight, mask,
+                                            alg.dual_clip)
         v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None,
                             mask)
         stats.update(critic_health(old_value[mask], returns[mask]))

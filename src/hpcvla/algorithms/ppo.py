@@ -66,10 +66,16 @@ def gae(
     last = torch.zeros_like(values[0])
     for t in reversed(range(values.shape[0])):
         delta = rewards[t] + gamma * next_value * not_done[t] - values[t]
-        last = (delta + gamma * lam * not_done[t] * last) * valid[t]
+        # (where, not a product: a failed step's NaN stops here)
+        last = torch.where(valid[t] > 0, delta + gamma * lam * not_done[t] * last, 0.0)
         advantages[t] = last
         next_value = values[t]
     return advantages, advantages + values
+
+
+# The log-ratio's bound before exp: the ratio stays finite (no inf, whose gradient is 0 * inf
+# = NaN where a mask or a clip selects against it); beyond it both clips give no gradient.
+MAX_LOG_RATIO = 20.0
 
 
 def decoupled_ppo_loss(
@@ -80,12 +86,16 @@ def decoupled_ppo_loss(
     clip: float = 0.2,
     max_behaviour_weight: float = 2.0,
     mask: torch.Tensor | None = None,
+    dual_clip: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO-clip loss (to minimise) and diagnostics.
 
     loss = -mean(w * min(r * A, clip(r, 1 - clip, 1 + clip) * A)) with
     r = exp(logprob - proximal_logprob) and w = min(exp(proximal - behaviour), max_behaviour_weight)
     (detached). Truncating w bounds the variance that very stale samples can inject.
+    `dual_clip` c > 1 (0: off) bounds a negative advantage's surrogate below by c * A (dual-clip
+    PPO, Ye et al. 2020): PPO-clip leaves r * A unbounded there, and one unit whose ratio ran
+    away (a log-prob summed over a chunk's many dimensions) would set the whole step.
 
     `logprob` and `proximal_logprob` share one shape, (B,) per chunk or finer, (B, *units).
     `behaviour_logprob` and `advantages` may be per chunk, (B,), when those are finer: every
@@ -94,30 +104,48 @@ def decoupled_ppo_loss(
     policy sampled. `mask` (B,) or like `logprob`, 0/1 or bool: the mean runs over the
     included units only (GRPO drops degenerate groups this way); non-negative weights make
     it a weighted mean (GRPO's mean over episodes weighs a step by 1 / its episode's length).
+    A unit left out contributes nothing, whatever it holds (a NaN or inf included).
     """
     proximal_logprob = proximal_logprob.detach()
     behaviour_logprob = behaviour_logprob.detach()
-    advantages = expand_like(advantages.detach(), logprob)
-    log_ratio = logprob - proximal_logprob
+    include = torch.ones_like(logprob) if mask is None else \
+        expand_like(mask.to(logprob.dtype), logprob)
+    kept = include > 0
+    count = include.sum().clamp(min=1.0)
+    # a left-out unit's advantage and weight are 0 (where, not a product: 0 * NaN is NaN, in
+    # the loss and in its gradient)
+    advantages = torch.where(kept, expand_like(advantages.detach(), logprob), 0.0)
+    log_ratio = (logprob - proximal_logprob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     surrogate = torch.min(ratio * advantages, ratio.clamp(1.0 - clip, 1.0 + clip) * advantages)
-    weight = (sum_to(proximal_logprob, behaviour_logprob.ndim) - behaviour_logprob).exp() \
-        .clamp(max=max_behaviour_weight)
-    weight = expand_like(weight, logprob)
-    include = torch.ones_like(ratio) if mask is None else expand_like(mask.to(ratio.dtype), ratio)
-    count = include.sum().clamp(min=1.0)
+    if dual_clip:
+        surrogate = torch.where(advantages < 0, torch.max(surrogate, dual_clip * advantages),
+                                surrogate)
+    log_weight = sum_to(proximal_logprob, behaviour_logprob.ndim) - behaviour_logprob
+    weight = torch.where(kept, expand_like(log_weight.exp().clamp(max=max_behaviour_weight),
+                                           logprob), 0.0)
     loss = -(include * weight * surrogate).sum() / count
 
     with torch.no_grad():
+        def mean(x: torch.Tensor) -> float:  # over the units the loss counts
+            return torch.where(kept, include * x, 0.0).sum().item() / count.item()
+
+        chunk_kept = expand_like(log_weight, logprob)[kept]
         stats = {
-            "clip_fraction": (include * ((ratio - 1.0).abs() > clip)).sum().item() / count.item(),
+            "clip_fraction": mean(((ratio - 1.0).abs() > clip).to(ratio.dtype)),
             # k3 estimator of KL(proximal || current), always >= 0; unbiased where the
             # behaviour policy is the proximal one (staleness 0), else on the behaviour's
             # samples, unweighted: a diagnostic.
-            "approx_kl": (include * ((ratio - 1.0) - log_ratio)).sum().item() / count.item(),
+            "approx_kl": mean((ratio - 1.0) - log_ratio),
             # over the units the loss counts (env faults, GRPO's unscored episodes out)
-            "behaviour_weight_mean": (include * weight).sum().item() / count.item(),
-            "behaviour_weight_max": weight[include > 0].max().item() if include.any() else 1.0,
+            "behaviour_weight_mean": mean(weight),
+            "behaviour_weight_max": weight[kept].max().item() if kept.any() else 1.0,
+            "behaviour_weight_min": weight[kept].min().item() if kept.any() else 1.0,
+            # the spread of log(proximal / behaviour) per chunk, before the cap: at staleness
+            # 0 the inference rank's and the learner's numerics alone (bf16 kernels), which
+            # grows as the policy's noise shrinks (1 / sigma)
+            "behaviour_log_weight_std": chunk_kept.std().item() if chunk_kept.numel() > 1
+            else 0.0,
         }
     return loss, stats
 

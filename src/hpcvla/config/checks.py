@@ -133,6 +133,10 @@ def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("algorithm.critic_warmup", alg.critic_warmup, "0 with algorithm.name="
                          f"{alg.name} (gradient steps of sac and rlpd; PPO's critic warms up "
                          "by versions: algorithm.critic_warmup_versions)"))
+    if 0 < alg.dual_clip <= 1:
+        problems.append(("algorithm.dual_clip", alg.dual_clip, "0 (off) or above 1: a bound "
+                         "at or below 1 x the advantage would take every negative advantage's "
+                         "gradient away"))
     if 0 < cfg.policy.center_crop < 0.01:
         problems.append(("policy.center_crop", cfg.policy.center_crop, "0 (the pretrained "
                          "folder's) or an area fraction of at least 0.01"))
@@ -270,7 +274,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
         "replay_capacity", "batch_size", "utd", "tau", "learning_starts", "init_temperature",
         "target_entropy", "critic_layer_norm")},
     **{f"algorithm.{k}": ("algorithm.name", _ON_POLICY) for k in (
-        "clip", "entropy_coef", "max_behaviour_weight")},
+        "clip", "dual_clip", "entropy_coef", "max_behaviour_weight")},
     "learner.epochs": ("algorithm.name", _ON_POLICY),
     # GRPO trains no critic and discounts nothing (its episodes score whole)
     "algorithm.critic_lr": ("algorithm.name", _CRITICS),

@@ -135,6 +135,12 @@ class AlgorithmConfig:
     entropy_coef: float = setting(
         0.0, "Weight of the entropy bonus (the entropy of the whole action chunk, at every "
         "`policy.logprob_granularity`): more exploration, slower convergence.", ge=0)
+    dual_clip: float = setting(
+        3.0, "PPO and GRPO: a negative advantage's surrogate is bounded below by this times "
+        "the advantage (dual-clip PPO, Ye et al. 2020; verl's clip_ratio_c, 3 too): PPO-clip "
+        "leaves ratio x advantage unbounded there, and a chunk's ratio, a product over its "
+        "many action dimensions, can run far in a version of several `learner.epochs`; 0: "
+        "off. Acts only where the ratio exceeds it.", ge=0)
     max_behaviour_weight: float = setting(
         2.0, "Cap of the importance weight proximal/behaviour policy for stale samples "
         "(higher corrects more, with more variance).", ge=1)
