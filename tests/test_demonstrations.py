@@ -467,7 +467,8 @@ def test_samples_and_their_bytes_are_known_from_the_headers_and_bounded_by_memor
             "at most half this host's" in fix and "sft.per_task" in fix, (where, value, fix)
         assert demonstration_problems(path, spec, shm=held) == []
         ((_, _, fix),) = demonstration_problems(path, spec, shm=held - 1)
-        assert "free in /dev/shm, where the one copy lives" in fix and "sft.per_task" in fix
+        assert "free beside MPI's own 64 MiB, where the one copy lives" in fix and \
+            "sft.per_task" in fix
 
 
 def test_parts_of_a_read_are_the_whole_read_in_order():

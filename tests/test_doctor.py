@@ -132,6 +132,26 @@ def test_an_sft_job_needs_its_demonstrations_copy_in_dev_shm_not_trains_windows(
     assert "the demonstrations' one copy needs >= 64." in checks["/dev/shm"]["found"], checks
 
 
+@pytest.mark.cluster  # root: a mount namespace
+def test_sft_and_the_jobs_doctor_agree_on_a_dev_shm_without_room_beside_mpis_own(tmp_path):
+    """`hpcvla sft`'s own check and the doctor every sft job runs first leave MPI's own
+    shared memory the same room (windows.MPI_OWN_SHM): a /dev/shm of 63.5 MiB that holds the
+    demonstrations but not MPI's 64 MiB beside them passed sft's check and failed the
+    job's doctor; both refuse it now."""
+    demos = reach_demos(tmp_path / "demos.h5", 4)
+    wrap = ["unshare", "--mount", "sh", "-c",
+            'mount -t tmpfs -o size=65024k tmpfs /dev/shm && exec "$@"', "sh"]
+    out, checks = doctor("configs/default.yaml", f"sft.demos={demos}", "--job", "sft",
+                         wrap=wrap)
+    assert out.returncode == 1 and not checks["/dev/shm"]["ok"], out.stdout + out.stderr
+    sft = subprocess.run([*wrap, sys.executable, "-c",
+                          "from hpcvla.config import load_config\n"
+                          "from hpcvla.preflight import check_sft\n"
+                          f"check_sft(load_config('configs/default.yaml', ['sft.demos={demos}']),"
+                          " 'the test')"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert sft.returncode == 1 and "free beside MPI's own 64 MiB" in sft.stderr, sft.stderr
+
+
 def test_a_jobs_layout_that_overfills_its_gpus_fails_naming_the_setting(tmp_path):
     """--world/--ranks-per-node (jobs/launch.sh passes the job's): the memory model's plan of
     that layout. On this node's CPUs it fits; on GPUs of placement.gpu_memory_gb = 1.4 (a

@@ -455,3 +455,16 @@ def test_learners_that_overfill_their_gpus_end_the_world_with_one_message(mpi):
         "need 1.5 GiB > placement.gpu_memory_gb = 1.2" in out.stderr, out.stderr
     assert "failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert ranks(out) == [{"code": 2, "plan": None}] * 2
+
+
+def test_a_resumed_sfts_first_record_follows_a_line_a_killed_rank_cut(tmp_path):
+    """SFT's metrics.jsonl opens as every run log does (files.open_log): a line a killed rank
+    cut short is ended first, so the resumed start's first record stands alone (it was glued
+    to the cut line, and readers dropped both)."""
+    from hpcvla.imitation.sft import RunLog
+    from hpcvla.files import read_log
+    (tmp_path / "metrics.jsonl").write_text('{"time": 1.0, "step": 1}\n{"time": 2.0, "st')
+    log = RunLog(load_config(None, [f"run.root={tmp_path}"]), tmp_path, resumed_at=1)
+    log.metrics.write(json.dumps({"time": 0.5, "step": 2}) + "\n")
+    log.metrics.close()
+    assert [r["step"] for r in read_log(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -151,7 +151,7 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     from hpcvla.envs import env_spec
     from hpcvla.memory.host import host_bytes
     from hpcvla.memory.layout import layout_gpus
-    from hpcvla.transport.windows import shared_memory_free
+    from hpcvla.transport.windows import shared_memory_room
     from hpcvla.memory.sft_eval import sft_memory
 
     check_config(cfg, source, ("sft.steps", cfg.sft.steps))
@@ -171,7 +171,7 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     spec, features = env_spec(cfg.env), dataset_features(cfg.sft)
     problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
                                       successful_only=cfg.sft.successful_only, features=features,
-                                      host_memory=host_bytes(), shm=shared_memory_free() or 0)
+                                      host_memory=host_bytes(), shm=shared_memory_room() or 0)
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")

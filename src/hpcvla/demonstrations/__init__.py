@@ -256,8 +256,9 @@ def _memory_problems(chosen, spec: EnvSpec, host_memory: int, shm: int) -> list[
         return [(files, held, f"at most half this host's {host_memory / 2**30:.1f} GiB of "
                  "memory (one copy per host, two while it is read)" + fewer)]
     if shm and need > shm:
-        return [(files, held, f"at most this host's {shm / 2**30:.1f} GiB free in /dev/shm, "
-                 "where the one copy lives (MPI shared memory; a larger /dev/shm: `mount -o "
+        return [(files, held, f"at most the {shm / 2**30:.1f} GiB this host's /dev/shm has "
+                 "free beside MPI's own 64 MiB, where the one copy lives (MPI shared memory; a "
+                 "larger /dev/shm: `mount -o "
                  "remount,size=...`, containers: --shm-size)" + fewer)]
     return []
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from hpcvla.config.loader import whole_number
 from hpcvla.doctor.checks import Check, last_line, run_python
 from hpcvla.doctor.render import renderer_checks
+from hpcvla.transport.windows import MPI_OWN_SHM, shared_memory_free
 
 MiB = 1 << 20
 
@@ -157,7 +158,7 @@ def _demonstrations(cfg) -> int:
 
 def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int = 0,
                    recorded: int = 0) -> Check:
-    """Room in /dev/shm for what a node's ranks share there (and 64 MiB for MPI's own): for
+    """Room in /dev/shm for what a node's ranks share there (and MPI's own): for
     `train` its weight window (two halves) and the rings of its learners (_node_learners), as
     the memory model counts them (memory/layout.py; `recorded`: the bytes a step of the
     policy's extra fields); for `sft` the one copy of its demonstrations (`demos` bytes)."""
@@ -168,12 +169,11 @@ def _shared_memory(cfg, weights: int, job: str = "train", world=None, demos: int
         rings = _node_learners(cfg, world) * _ring_bytes(cfg, recorded)
         what, need, fewer = "a node's windows need", 2 * weights + rings, \
             "smaller learner.ring_slots"
-    need += 64 * MiB
-    try:
-        free = shutil.disk_usage("/dev/shm").free
-    except OSError as err:
-        return Check("/dev/shm", False, f"cannot be read: {err}", "a node with a /dev/shm "
-                     "tmpfs (MPI's shared-memory windows live there)")
+    need += MPI_OWN_SHM  # (the one room every check before a job leaves MPI)
+    free = shared_memory_free()
+    if free is None:
+        return Check("/dev/shm", False, "cannot be read", "a node with a /dev/shm tmpfs (MPI's "
+                     "shared-memory windows live there)")
     found = f"{free / MiB:,.1f} MiB free, {what} >= {need / MiB:,.1f} MiB"
     return Check("/dev/shm", free >= need, found, "a larger /dev/shm (e.g. `mount -o "
                  f"remount,size=...`; containers: --shm-size), or {fewer}")

@@ -58,7 +58,7 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.files import replace_text
+from hpcvla.files import open_log, replace_text
 from hpcvla.job.runtime import (claim_run, create_run_dir, leave_together, node_numbers,
                                 record_run_start)
 from hpcvla.memory.layout import LayoutMemory
@@ -300,7 +300,7 @@ class RunLog:
         """`resumed_at`: the step a resumed start goes on from (metrics/tensorboard.RunBoard)."""
         self.cfg, self.printed_at = cfg, -math.inf
         self.board = RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
-        self.metrics = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self.metrics = open_log(run_dir / "metrics.jsonl", buffering=1)
 
     def step(self, history: dict[str, list], val: float | None, counts: tuple,
              elapsed: float) -> None:

@@ -14,7 +14,7 @@ from hpcvla.memory.simulators import simulator_bytes
 from hpcvla.memory.states import (GIB, checkpoint_bytes, inference_bytes, learner_bytes,
                                   offloaded_bytes, size)
 from hpcvla.schedule import shards_of
-from hpcvla.transport.windows import shared_memory_free
+from hpcvla.transport.windows import shared_memory_room
 from hpcvla.topology.plan import EVAL, INF, LEARN, SIM
 
 PRIOR = "RLPD prior data (one copy per node)"  # a node's host part, held by its first learner
@@ -104,7 +104,7 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
                            prior, spec)
     if replay:
         memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
-                                           shared_memory_free() or 0)
+                                           shared_memory_room() or 0)
     return memory
 
 
@@ -210,7 +210,8 @@ def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,
                     shm_free: int) -> list[tuple[str, object, str]]:
     """A node whose learners' replay buffers (`per_learner` bytes each) and RLPD prior data
     alone would not fit in its host memory (`capacity` bytes), or whose prior data would not
-    fit in the free /dev/shm (`shm_free` bytes; 0: unknown) where its one copy lives."""
+    fit in /dev/shm's room beside MPI's own (`shm_free` bytes: windows.shared_memory_room; 0:
+    unknown) where its one copy lives."""
     out = []
     for node, parts in memory.per_node_host().items():
         replay, prior = parts.get("replay buffers", 0), parts.get(PRIOR, 0)
@@ -226,7 +227,7 @@ def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,
             out.append(("algorithm.demos_per_task", cfg.algorithm.demos_per_task,
                         f"fewer demonstrations: node {node}'s one copy of the prior data "
                         f"takes {size(prior)}, more than the {size(shm_free)} free in "
-                        "/dev/shm (this machine's), where MPI keeps it"))
+                        "/dev/shm (this machine's) beside MPI's own, where MPI keeps it"))
     return out
 
 

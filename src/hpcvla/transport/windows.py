@@ -74,6 +74,11 @@ def _agree(comm: MPI.Comm, short: bool, nbytes: int, free: int | None, what: str
         raise RuntimeError(problems[0])
 
 
+# What the MPI library's own shared memory (its intra-node channels) takes in /dev/shm beside
+# the windows a job makes: the room the checks before a job leave it
+MPI_OWN_SHM = 64 << 20
+
+
 def shared_memory_free() -> int | None:
     """Free bytes in this machine's /dev/shm, where MPI's shared-memory windows live; None
     where there is none to read (the MPI library says what it uses instead)."""
@@ -81,6 +86,13 @@ def shared_memory_free() -> int | None:
         return shutil.disk_usage(SHM).free
     except OSError:
         return None
+
+
+def shared_memory_room() -> int | None:
+    """The bytes in this machine's /dev/shm a job's windows may take: the free ones less
+    MPI_OWN_SHM (negative where not even that is free); None as shared_memory_free."""
+    free = shared_memory_free()
+    return None if free is None else free - MPI_OWN_SHM
 
 
 def _populate(memory: np.ndarray) -> bool:
