@@ -118,7 +118,8 @@ source "$LIB/allocation.sh"
 # newest checkpoint is short of the run's end (total_updates; sft.steps; nothing if it is done
 # or has none).
 resumable_run() { "$PYTHON" -m hpcvla.job.restarts resumable "$1"; }
-# The commands whose ranks are one MPI world started here, one per allocated task.
+# The commands whose ranks are one MPI world started here, one per allocated task
+# (hpcvla.process.deathwatch.WORLD_COMMANDS).
 in_a_world() { [[ $1 == train || $1 == sft || $1 == eval ]]; }
 # The commands that make a run, which a requeued or rerun job continues from its checkpoint,
 # and a failed world's restart inside the allocation too.

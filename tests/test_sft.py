@@ -5,6 +5,7 @@ policy folder is what `policy.pretrained` loads."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -468,3 +469,31 @@ def test_a_resumed_sfts_first_record_follows_a_line_a_killed_rank_cut(tmp_path):
     log.metrics.write(json.dumps({"time": 0.5, "step": 2}) + "\n")
     log.metrics.close()
     assert [r["step"] for r in read_log(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_world_sft_starts_times_its_ranks_from_the_command(tmp_path, monkeypatch):
+    """`hpcvla sft --ranks N` starts its world as train's and eval's `--ranks` do
+    (job/launch.run_local_world): its ranks time their start from the command's
+    (HPCVLA_LAUNCHED_AT; sft's timed each rank's from its own process start) and are not the
+    allocation's tasks inside a job (HPCVLA_LOCAL_WORLD)."""
+    from hpcvla import cli
+    from hpcvla.job import launch
+    from hpcvla.metrics import phases
+    from hpcvla.topology.comms import LOCAL_WORLD
+    from helpers import reach_demos
+    demos = reach_demos(tmp_path / "demos.h5", 2)
+    for name in (phases.LAUNCHED_AT, LOCAL_WORLD):
+        monkeypatch.delenv(name, raising=False)
+    started = {}
+
+    def run_world(n, program, mpiexec="auto", timeout=None, mpi="auto"):
+        started.update(n=n, program=program, env=dict(os.environ))
+        return 0
+    monkeypatch.setattr(launch, "run_world", run_world)
+    for command, ranks in (("sft", 2), ("train", 4)):
+        assert cli.main([command, "configs/default.yaml", "--ranks", str(ranks),
+                         f"sft.demos={demos}", f"run.root={tmp_path}"]) == 0
+        assert started["program"][0] == command and started["n"] == ranks
+        assert float(started["env"][phases.LAUNCHED_AT]) <= phases.launched_at()
+        assert started["env"][LOCAL_WORLD] == "1"
+        monkeypatch.delenv(phases.LAUNCHED_AT)

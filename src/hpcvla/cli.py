@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -50,7 +49,7 @@ from hpcvla.config.schema import MPI_FLAVOURS
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.metrics.command import add_inspect_parser, inspect_command
-from hpcvla.process.deathwatch import Refused
+from hpcvla.process.deathwatch import WORLD_COMMANDS, Refused
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -199,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "config_optional", False):  # `hpcvla train a.b=1`: the built-in defaults
         args.config, args.overrides = config_argument(args.config, args.overrides)
     try:
-        if launcher_rank() is None or args.command not in IN_A_WORLD:
+        if launcher_rank() is None or args.command not in WORLD_COMMANDS:
             return COMMANDS[args.command](args)
         from hpcvla.job.runtime import or_abort_the_world
 
@@ -211,13 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         return _refused(args.command, err)
 
 
-IN_A_WORLD = ("train", "sft", "eval")  # the commands whose ranks are an MPI world's
-
-
 def _refused(command: str, why) -> int:
     """Exit status 2, `why` said once. On a rank of a world every rank hears it first
     (job/runtime.or_abort_the_world: one message from rank 0)."""
-    if command in IN_A_WORLD and launcher_rank() is not None:
+    if command in WORLD_COMMANDS and launcher_rank() is not None:
         raise Refused(str(why))
     if not launcher_rank():  # alone, or rank 0 of a world every rank of which finds the same
         print(f"hpcvla {command}: {why}", file=sys.stderr)
@@ -239,15 +235,9 @@ def cmd_train(args) -> int:
                          "train")
     plan = plan_from_config(cfg.placement, args.ranks)
     checked = preflight.check_launch(cfg, plan, source)  # refused here, before any rank starts
-    from hpcvla.job.launch import run_world
-    from hpcvla.metrics import phases  # the ranks time their start from this command's
-    os.environ.setdefault(phases.LAUNCHED_AT, str(phases.launched_at()))
-    # Ranks started here on purpose (e.g. by `bench modes` in a batch job) are not the
-    # allocation's tasks (topology/comms.py), nor do they check again (preflight.check_world).
-    os.environ.update(HPCVLA_LOCAL_WORLD="1", **checked)
+    from hpcvla.job.launch import run_local_world
     config = [args.config] if args.config else []
-    return run_world(args.ranks, ["train", *config, *args.overrides], cfg.launch.mpiexec,
-                     mpi=cfg.launch.mpi)
+    return run_local_world(args.ranks, ["train", *config, *args.overrides], cfg, checked)
 
 
 def cmd_sft(args) -> int:
@@ -261,11 +251,9 @@ def cmd_sft(args) -> int:
     if args.ranks is None:  # a rank of a world someone started, or a world of one
         from hpcvla.imitation.sft import run_sft
         return run_sft(cfg)
-    from hpcvla.job.launch import run_world
-    os.environ["HPCVLA_LOCAL_WORLD"] = "1"  # started here: not the allocation's tasks
+    from hpcvla.job.launch import run_local_world
     config = [args.config] if args.config else []
-    return run_world(args.ranks, ["sft", *config, *args.overrides], cfg.launch.mpiexec,
-                     mpi=cfg.launch.mpi)
+    return run_local_world(args.ranks, ["sft", *config, *args.overrides], cfg)
 
 
 def cmd_plan(args) -> int:
@@ -369,11 +357,9 @@ def cmd_eval(args) -> int:
     if problem:
         return _refused("eval", problem)
     if args.ranks is not None:  # start the world here; its ranks come back to this function
-        from hpcvla.job.launch import run_world, without_ranks
-        os.environ.update(HPCVLA_LOCAL_WORLD="1",  # started and checked here, not the job's
-                          **{preflight.LAUNCH_CHECKED: preflight.launch_checked(cfg, None)})
-        return run_world(args.ranks, without_ranks(args.argv), cfg.launch.mpiexec,
-                         mpi=cfg.launch.mpi)
+        from hpcvla.job.launch import run_local_world, without_ranks
+        return run_local_world(args.ranks, without_ranks(args.argv), cfg, {
+            preflight.LAUNCH_CHECKED: preflight.launch_checked(cfg, None)})
 
     def report(world) -> None:
         curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,

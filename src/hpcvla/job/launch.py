@@ -122,16 +122,27 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
               flush=True)
 
 
-# The subcommands whose ranks register with the launcher's deathwatch (job/runtime.py): a
-# world of theirs that failed before any rank registered and before a run directory existed
-# ran nothing, so starting it again loses nothing and trains nothing twice.
-REGISTERING = ("train", "sft", "eval")
+# A world of deathwatch.WORLD_COMMANDS that failed before any rank registered and before a
+# run directory existed ran nothing: starting it again loses nothing, trains nothing twice.
 START_RETRIES = "HPCVLA_START_RETRIES"  # jobs/launch.sh reads it too
+
+
+def run_local_world(n: int, program: list[str], cfg, checked: dict[str, str] | None = None
+                    ) -> int:
+    """A world of `n` ranks of `program` that a command's `--ranks` starts here: its ranks
+    time their start from this command's (phases.LAUNCHED_AT), are not the allocation's
+    tasks, though inside a job (comms.LOCAL_WORLD: e.g. `bench modes` in a batch job), and
+    skip the checks `checked` says this command made (preflight's)."""
+    from hpcvla.metrics import phases
+    from hpcvla.topology.comms import LOCAL_WORLD
+    os.environ.setdefault(phases.LAUNCHED_AT, str(phases.launched_at()))
+    os.environ.update({LOCAL_WORLD: "1", **(checked or {})})
+    return run_world(n, program, cfg.launch.mpiexec, mpi=cfg.launch.mpi)
 
 
 def start_retries(program: list[str]) -> int:
     """How many times a world of `program` that failed while starting is started again."""
-    if program[0] not in REGISTERING:
+    if program[0] not in deathwatch.WORLD_COMMANDS:
         return 0  # a script's ranks leave no cards: any failure would look like that
     value = os.environ.get(START_RETRIES) or "2"  # unset or empty: the default, as in bash
     if not value.isdigit():

@@ -39,6 +39,9 @@ from hpcvla.process.mpi_select import unlink_mpich_shared_memory
 from hpcvla.process.stdio import until_forwarded
 
 ENV = "HPCVLA_RANK_DIR"
+# The subcommands whose ranks are an MPI world's and register here (jobs/launch.sh's
+# in_a_world says the same)
+WORLD_COMMANDS = ("train", "sft", "eval")
 LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher listens on one
 RUN_DIR_FILE = "run_dir"  # in the directory: the path of rank 0's run (register_run_dir)
 PF_EXITING = 0x4  # a task's flag in /proc/PID/stat (linux/sched.h): it has begun to exit

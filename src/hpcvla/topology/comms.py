@@ -98,10 +98,15 @@ def build_communicators(plan: RankPlan, world: MPI.Comm = MPI.COMM_WORLD) -> Com
     )
 
 
+# Set in a world a command's `--ranks` started on purpose (job/launch.run_local_world): its
+# ranks are not the allocation's tasks, though inside a job
+LOCAL_WORLD = "HPCVLA_LOCAL_WORLD"
+
+
 def scheduler_world_size(environ=os.environ) -> tuple[str, int] | None:
     """(where it came from, ranks the batch scheduler allocated), or None outside a job or
     in a world `hpcvla train --ranks` started on purpose inside one."""
-    if environ.get("HPCVLA_LOCAL_WORLD"):
+    if environ.get(LOCAL_WORLD):
         return None
     if environ.get("HPCVLA_JOB_RANKS"):
         return "the job's allocation (HPCVLA_JOB_RANKS, jobs/launch.sh)", \
