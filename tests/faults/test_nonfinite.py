@@ -29,3 +29,7 @@ def test_nan_loss_skips_the_step_and_repeated_ones_stop(stage, clip):
     assert f"ZeRO stage {stage}: skipped 4 steps, then stopped: 3 optimizer steps in a row " \
            "skipped" in out.stdout
     assert "learner.max_nonfinite_steps=3" in out.stdout
+    # the learner that got it names the field and where it came from, once
+    said = re.findall(r"the trajectories' `(\w+)` holds NaN or Inf \(first in a segment of "
+                      r"policy version \d+ from rank \d+", out.stderr)
+    assert said == ["reward"], out.stderr[-3000:]

@@ -37,8 +37,7 @@ def segments(cfg, policy, seed: int) -> dict:
         if result is not None:
             builder.record_outcome(outcome_of(result))
         if builder.full:
-            group = builder.finish(value)
-            return {k: v for k, v in group.items() if k not in ("version", "meta")}
+            return builder.finish(value)
         builder.add_step(obs, actions, logprob, value, 0)
         result = env.step(actions)
         obs = result.obs

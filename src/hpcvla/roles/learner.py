@@ -18,6 +18,7 @@ version:
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from hpcvla.emulate import pad
 from hpcvla.engines import critic_steps_only
 from hpcvla.process.watchdog import reminding
 from hpcvla.roles.setup import Counters, RoleSetup
+from hpcvla.transport.segment_meta import SegmentMeta
 from hpcvla.transport.backoff import DATA_POLL_CAP, Backoff
 
 if TYPE_CHECKING:
@@ -59,7 +61,29 @@ class MicroBatch:
         arrays = {k: np.concatenate([g[k] for g in groups], axis=1)
                   for k in groups[0] if k not in ("version", "meta", "bootstrap_value")}
         arrays["bootstrap_value"] = np.concatenate([g["bootstrap_value"] for g in groups])
+        _say_nonfinite(groups)
         return cls(arrays, advantages_of(cfg.algorithm, arrays, device))
+
+
+_SAID_NONFINITE: set[str] = set()  # the fields said so in this process (once each)
+
+
+def _say_nonfinite(groups: list[SegmentGroup]) -> None:
+    """Name, once per field, a recorded float field that holds a NaN or Inf (a simulator's
+    reward or observation, the inference rank's log-prob or value) and where it came from:
+    the optimizer step it reaches is skipped (engines/nonfinite.py), which the metrics only
+    count."""
+    for group in groups:
+        for name, values in group.items():
+            if name in _SAID_NONFINITE or values.dtype.kind != "f" or np.isfinite(values).all():
+                continue
+            _SAID_NONFINITE.add(name)
+            meta = SegmentMeta.of(group)
+            print(f"[hpcvla] learner: the trajectories' `{name}` holds NaN or Inf (first in a "
+                  f"segment of policy version {int(group['version'][0])} from rank "
+                  f"{meta.producer}, env slot {meta.slot}): the optimizer steps it reaches are "
+                  "skipped (learner.max_nonfinite_steps in a row stop the run); said once",
+                  file=sys.stderr, flush=True)
 
 
 # What trains one version from its micro-batches (lists of segment groups) as they arrive:
