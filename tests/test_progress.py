@@ -298,3 +298,48 @@ def test_tensorboard_gets_a_point_a_version_whatever_its_records(tmp_path):
     assert board["train/kl"] == [(32, 0.5), (64, 0.5)]  # over the records that have it
     records = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["loss"] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0, 7.0]
+
+
+def test_training_success_is_counted_per_task_and_pooled_over_the_learners():
+    """A multi-task suite's episodes (EnvSpec.tasks: LIBERO's with env.suite_task=-1) count
+    under the task of the instruction they acted on, each task's last `window` of them; the
+    learners' counts are summed where the rolling figures are (each learner's producers run
+    some of the tasks); a suite's duplicate instruction is one task."""
+    import numpy as np
+
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.metrics.task_success import pooled_rates
+    from hpcvla.text import tokenize, vocab_of
+    tasks = ("pick up the bowl", "open the drawer", "pick up the bowl", "close it")
+    spec = EnvSpec(obs={"instruction": ((4,), "<i4")}, action_dim=2, chunk_len=1,
+                   max_episode_chunks=9, vocab=vocab_of(tasks), tasks=tasks)
+
+    def batch(rows: list[str], success: list[bool]) -> dict:  # one step of len(rows) envs
+        n = len(rows)
+        return {"obs.instruction": np.stack([tokenize(r, spec.vocab, 4) for r in rows])[None],
+                "done": np.ones((1, n), bool), "env_fault": np.zeros((1, n), bool),
+                "success": np.array([success]), "episode_return": np.zeros((1, n), np.float32),
+                "episode_length": np.ones((1, n), np.int32)}
+
+    first, second = (Progress(None, 10, 1, 1e9, enabled=False, window=2, spec=spec)
+                     for _ in range(2))
+    assert first.tasks.tasks == ("pick up the bowl", "open the drawer", "close it")
+    first.on_segments(batch(["pick up the bowl"] * 3, [True, False, True]))  # window 2: F, T
+    first.on_segments(batch(["open the drawer"], [True]))
+    second.on_segments(batch(["open the drawer", "close it"], [False, False]))
+    assert first.tasks.outcomes() == {"pick up the bowl": [1, 2], "open the drawer": [1, 1],
+                                      "close it": [0, 0]}
+    sent = []
+    second.pool = lambda v: sent.append(v) or v
+    second.on_update(1)
+    first.pool = lambda v: v + sent[0]
+    first.on_update(1)
+    assert first.tasks.scalars(first._task_counts) == {
+        "task_00": 0.5, "task_01": 0.5, "task_02": 0.0}
+    assert pooled_rates([first.tasks.outcomes(), second.tasks.outcomes()]) == {
+        "pick up the bowl": {"success_rate": 0.5, "episodes": 2},
+        "open the drawer": {"success_rate": 0.5, "episodes": 2},
+        "close it": {"success_rate": 0.0, "episodes": 1}}
+    one = EnvSpec(obs=spec.obs, action_dim=2, chunk_len=1, max_episode_chunks=9,
+                  vocab=spec.vocab, tasks=tasks[:1])
+    assert Progress(None, 10, 1, 1e9, enabled=False, spec=one).tasks is None  # one task

@@ -107,6 +107,10 @@ class EnvSpec:
     # the reward it pays where the simulator has a choice (ManiSkill's env.reward); "" where
     # there is one. Prior data's recorded rewards are checked against it.
     reward: str = ""
+    # the instructions of the tasks its envs run, in the suite's order (LIBERO's), each
+    # tokenized into the `instruction` observation: training success is counted per task
+    # where there are several (metrics/task_success.py); () for an env of one task
+    tasks: tuple[str, ...] = ()
 
     @property
     def state_dim(self) -> int:

@@ -322,4 +322,5 @@ class LiberoEnv(SerialVectorEnv):
             obs["state"] = ((STATE_DIMS[state_format],), "<f4")
         return EnvSpec(obs=obs, action_dim=ACTION_DIM, chunk_len=chunk_len,
                        max_episode_chunks=max_episode_chunks, vocab=tasks.vocab,
-                       gripper=gripper_action)
+                       gripper=gripper_action, tasks=tuple(
+                           tasks.instructions if task < 0 else [tasks.instructions[task]]))

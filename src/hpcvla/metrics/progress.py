@@ -35,6 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hpcvla.files import open_log
+from hpcvla.metrics.task_success import TaskSuccess
 from hpcvla.metrics.tensorboard import RunBoard
 
 
@@ -46,9 +47,10 @@ class Progress:
     def __init__(self, path, total_updates: int, chunk_len: int, every_s: float,
                  enabled: bool, window: int = 200, learners: int = 1,
                  board: RunBoard | None = None, t0: float | None = None,
-                 evaluated: bool = False):
+                 evaluated: bool = False, spec=None):
         """`t0`: the epoch seconds its records' `time` counts from (the timelines' origin;
-        default now); `evaluated`: held-out evaluations report to it (on_held_out)."""
+        default now); `evaluated`: held-out evaluations report to it (on_held_out); `spec`:
+        the env's (EnvSpec), success counted per task too where it has several tasks."""
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
         self.learners = learners
@@ -77,6 +79,8 @@ class Progress:
         self.pool: Callable[[np.ndarray], np.ndarray] | None = None
         self._pooled: dict | None = None
         self._version_stats: list[dict] = []  # this version's records, drawn at its end
+        self.tasks = TaskSuccess.of(spec, window) if spec is not None else None
+        self._task_counts: np.ndarray | None = None  # every learner's, at the last version's end
 
     def resume(self, updates: int, trained_env_steps: int) -> None:
         """Counters continue from a checkpoint."""
@@ -101,6 +105,8 @@ class Progress:
         self.successes.extend(batch["success"][ended].tolist())
         self.returns.extend(batch["episode_return"][ended].tolist())
         self.lengths.extend(batch["episode_length"][ended].tolist())
+        if self.tasks:
+            self.tasks.add(batch, ended)
         self.staleness.append(staleness)
         self.steps += batch["done"].size * self.chunk_len * self.learners
         self.micro_batches += 1
@@ -167,14 +173,17 @@ class Progress:
     def on_update(self, updates: int, gauges: dict[str, float] | None = None) -> None:
         """Version `updates` ended; collective on the learners where `pool` is set.
         `gauges`: the data plane's fill at its end (SegmentQueues.gauges), drawn under perf/."""
+        tasks = self.tasks.counts() if self.tasks else np.zeros((2, 0))
         if self.pool is not None:
             n = len(self.successes)
             total = self.pool(np.array([sum(self.successes), sum(self.returns),
-                                        sum(self.lengths), n], dtype=np.float64))
+                                        sum(self.lengths), n, *tasks.ravel()], dtype=np.float64))
+            tasks = total[4:].reshape(tasks.shape)
             episodes = int(total[3])
             self._pooled = {k: float(v / episodes) if episodes else None for k, v in zip(
                 ("success_rate", "mean_return", "mean_episode_chunks"), total[:3])}
             self._pooled["episodes"] = episodes
+        self._task_counts = tasks
         self.updates = updates
         if self.evaluated:
             self.steps_at[updates] = self.steps
@@ -213,6 +222,9 @@ class Progress:
         means = {k: float(np.mean([r[k] for r in stats if k in r])) for k in keys}
         shown = {k: v for k, v in self.rolling().items() if k != "episodes"}
         self.board.scalars({**shown, **means}, self.steps)
+        if self.tasks and self._task_counts is not None:
+            self.board.scalars(self.tasks.scalars(self._task_counts), self.steps,
+                               group="train_task")
         self._version_stats = []
 
     def _rate(self, now: float) -> float:

@@ -24,6 +24,7 @@ from hpcvla.files import replace_text
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases, restart_log
 from hpcvla.metrics.progress import figure
+from hpcvla.metrics.task_success import pooled_rates
 from hpcvla.metrics.tensorboard import RunBoard
 
 if TYPE_CHECKING:
@@ -77,6 +78,9 @@ class RankSummary:
     mean_return: float | None = None
     mean_episode_chunks: float | None = None
     ended_episodes: int = 0
+    # a learner's windows per task of a multi-task suite ({instruction: [successes,
+    # episodes]}: metrics/task_success.py), pooled into summary.json's per_task_success
+    task_outcomes: dict[str, list[int]] | None = None
     trained_env_steps: int | None = None
     env_fault_episodes: int | None = None
     counters: Counters = field(default_factory=dict)
@@ -90,7 +94,8 @@ class RankSummary:
     def to_dict(self) -> Counters:
         """As summary.json holds it: the counters beside the fields, a field no one set
         (None) left out."""
-        out = {k: v for k, v in asdict(self).items() if v is not None and k != "counters"}
+        out = {k: v for k, v in asdict(self).items()
+               if v is not None and k not in ("counters", "task_outcomes")}
         return {**out, **self.counters}
 
 
@@ -197,6 +202,8 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
         "mean_return": _pooled([(s.mean_return, s.ended_episodes) for s in learners]),
         "mean_episode_chunks": _pooled([(s.mean_episode_chunks, s.ended_episodes)
                                         for s in learners]),
+        **({"per_task_success": pooled_rates(tasks)} if (tasks := [
+            s.task_outcomes for s in everyone if s.task_outcomes]) else {}),
         # trained episodes an env fault ended: not in success_rate, not trained on
         "env_fault_episodes": sum(s.env_fault_episodes or 0 for s in everyone),
         "staleness_hist": dict(sorted(staleness.items())),
@@ -233,6 +240,10 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print(memory_table(everyone), flush=True)
     print(busy_line(result["busy_fraction"], result["cpu_fraction"]))
     window = sum(s.ended_episodes for s in learners)
+    if "per_task_success" in result:  # in the suite's order
+        print("[hpcvla] success per task (the learners' last episodes of each): " + " ".join(
+            figure(t["success_rate"]) for t in result["per_task_success"].values())
+            + " (summary.json's per_task_success; TensorBoard's train_task/)")
     lags = ", ".join(f"{lag}: {n}" for lag, n in result["staleness_hist"].items())
     print(f"[hpcvla] done: {steps} env steps in {active:.1f} s = "
           f"{result['env_steps_per_s']:.0f} env steps/s | success "

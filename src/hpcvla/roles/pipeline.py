@@ -117,6 +117,7 @@ def _epilogue(me: Rank, start: float) -> Counters:
     summary.mean_episode_chunks = progress.mean_episode_chunks
     summary.ended_episodes, summary.env_fault_episodes = len(progress.successes), \
         progress.fault_episodes
+    summary.task_outcomes = progress.tasks.outcomes() if progress.tasks else None
     if me.rank == me.plan.weight_root:  # its count is every learner's (Progress.steps)
         summary.trained_env_steps = progress.steps
     me.timeline.close()

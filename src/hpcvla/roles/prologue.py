@@ -210,7 +210,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
                         learners=len(plan.learners),
                         board=RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
                         if is_root else None, t0=timeline.t0,
-                        evaluated=is_root and cfg.eval.every > 0)
+                        evaluated=is_root and cfg.eval.every > 0, spec=spec)
     if rank in plan.learners and len(plan.learners) > 1:  # the figures shown: every learner's
         progress.pool = partial(summed, comms.learners)
     if is_root and (cfg.run.tensorboard or cfg.run.wandb != "disabled"):
