@@ -60,9 +60,9 @@ def main(cfg, plan, comms):
         logged.append(train_micro_batch(cfg, engine, MicroBatch.arrived(cfg, [batch],
                                                                         engine.device), timeline))
         after = full_state(engine)
-        assert all(np.isfinite(v).all() for v in after.values()), "NaN reached the weights"
+        assert all(torch.isfinite(v).all() for v in after.values()), "NaN reached the weights"
         moved.append(max((after[k] - before[k]).abs().max().item() for k in before))
-        return not all(np.array_equal(before[k], after[k]) for k in before)
+        return not all(torch.equal(before[k], after[k]) for k in before)
 
     assert step(good) and engine.skipped == 0
     # the step's gradient norm before clipping, the same on every learner (DeepSpeed's, or
