@@ -170,17 +170,8 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     if runs_policy(roles) and not builds_envs:
         refuse_overfilled(world, plan, overfilled, [], told)  # [dist]
     if runs_policy(roles):
-        import torch  # only where the policy runs
-
-        from hpcvla.factory import build_policy
-        torch.set_num_threads(rank_threads(comms.node.Get_size()))  # its share of the node
-        threads = torch.get_num_threads()
-        # The weight root (learner 0) alone reads the folder or checkpoint: the engines start
-        # every learner from learner 0's parameters (DeepSpeed's broadcast of the module,
-        # Horovod's broadcast_parameters), the weight plane every other rank that acts
-        policy = build_policy(cfg, spec, device, on_gpus, load=rank == plan.weight_root)
-        manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
-        dtype = str(next(policy.parameters()).dtype).removeprefix("torch.")
+        policy, manifest, dtype, threads = rank_policy(
+            cfg, spec, device, on_gpus, comms.node.Get_size(), rank == plan.weight_root)
     shard_envs: list[VectorEnv] = []
     if builds_envs:  # (colocated: its loop builds them)
         shard_envs, spec_told = simulator_envs(cfg, plan, world, source, first)
@@ -196,10 +187,54 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     root_manifest, root_dtype = world.bcast((manifest, dtype), root=plan.weight_root)  # [dist]
     phases.mark("policy_built")
     role = "+".join(roles)
-    # One time origin for every rank's timeline, so the swimlanes line up (clocks of one
-    # node agree; across nodes as far as the nodes' clocks do).
+    timeline, progress = rank_records(cfg, plan, comms, run_dir, spec, role,  # [dist]
+                                      resume, saved)
+    summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
+                          first_version=first, dtype=dtype or root_dtype, threads=threads)
+    if resume and rank == plan.weight_root:
+        print(f"[hpcvla] resuming from {resume} (policy version {first}; "
+              f"{catalog.layout_change(saved, len(plan.learners), states_stage(cfg.learner))})",
+              flush=True)
+        changed = catalog.batch_change(saved, len(plan.learners), cfg.learner.micro_batch,
+                                       cfg.learner.micro_batches)
+        if changed:
+            print(f"[hpcvla] warning: {changed}", flush=True)
+    prior = None
+    if LEARN in roles and cfg.algorithm.name == "rlpd":  # its node window before connect
+        from hpcvla.roles.off_policy import prior_data  # starts the transport's threads
+
+        prior = prior_data(cfg, spec, comms.learners)  # [dist]
+    return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
+                device, on_gpus, timeline, progress, resume, first, summary, shard_envs, prior)
+
+
+def rank_policy(cfg: Config, spec: EnvSpec | None, device: str, on_gpus: bool, node_ranks: int,
+                load: bool) -> tuple[Policy, Manifest, str, int]:
+    """A policy rank's policy on `device` at its share of its node's `node_ranks` cores'
+    threads; its manifest, dtype and threads. `load`: the weight root (learner 0) alone reads
+    the folder or checkpoint: the engines start every learner from learner 0's parameters
+    (DeepSpeed's broadcast of the module, Horovod's broadcast_parameters), the weight plane
+    every other rank that acts."""
+    import torch  # only where the policy runs
+
+    from hpcvla.factory import build_policy
+    torch.set_num_threads(rank_threads(node_ranks))
+    policy = build_policy(cfg, spec, device, on_gpus, load=load)
+    manifest = Manifest.of_policy(policy)  # frozen parameters cross the network once
+    return policy, manifest, str(next(policy.parameters()).dtype).removeprefix("torch."), \
+        torch.get_num_threads()
+
+
+def rank_records(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path,
+                 spec: EnvSpec, role: str, resume: Path | None,
+                 saved: dict[str, Any]) -> tuple[Timeline, Progress]:
+    """A rank's timeline, on one time origin for every rank's, so the swimlanes line up
+    (clocks of one node agree; across nodes as far as the nodes' clocks do), and its
+    progress: enabled on the weight root (metrics.jsonl, TensorBoard, W&B), pooled over the
+    learners. Collective on the world."""
+    rank = comms.world.Get_rank()
     timeline = Timeline(run_dir / f"timeline.rank{rank}.jsonl", rank, role,
-                        t0=world.bcast(time.time(), root=0),  # [dist]
+                        t0=comms.world.bcast(time.time(), root=0),  # [dist]
                         keep_s=cfg.run.timeline_s)
     is_root = rank == plan.weight_root
     # a resume that found no checkpoint goes on from 0: what an earlier start logged goes
@@ -215,23 +250,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         progress.pool = partial(summed, comms.learners)
     if is_root and (cfg.run.tensorboard or cfg.run.wandb != "disabled"):
         phases.mark("logging_ready")  # TensorBoard's and W&B's start (W&B's takes seconds)
-    summary = RankSummary(rank=rank, role=role, host=MPI.Get_processor_name(), device=device,
-                          first_version=first, dtype=dtype or root_dtype, threads=threads)
-    if resume and is_root:
-        print(f"[hpcvla] resuming from {resume} (policy version {first}; "
-              f"{catalog.layout_change(saved, len(plan.learners), states_stage(cfg.learner))})",
-              flush=True)
-        changed = catalog.batch_change(saved, len(plan.learners), cfg.learner.micro_batch,
-                                       cfg.learner.micro_batches)
-        if changed:
-            print(f"[hpcvla] warning: {changed}", flush=True)
-    prior = None
-    if LEARN in roles and cfg.algorithm.name == "rlpd":  # its node window before connect
-        from hpcvla.roles.off_policy import prior_data  # starts the transport's threads
-
-        prior = prior_data(cfg, spec, comms.learners)  # [dist]
-    return Rank(cfg, plan, comms, run_dir, rank, spec, policy, manifest or root_manifest,
-                device, on_gpus, timeline, progress, resume, first, summary, shard_envs, prior)
+    return timeline, progress
 
 
 def world_memory(cfg: Config, plan: RankPlan, placed: list[tuple[str, str | None]],
