@@ -116,6 +116,12 @@ def test_a_resume_records_its_config_and_names_what_it_changed(tmp_path, monkeyp
      "algorithm.critic_warmup_versions", "0 with algorithm.name=grpo (grpo trains no critic"),
     (["pipeline.total_updates=5", "algorithm.critic_warmup_versions=5"],
      "algorithm.critic_warmup_versions", "below pipeline.total_updates (5)"),
+    # PPO's loss and advantages
+    (["algorithm.dual_clip=0.5"], "algorithm.dual_clip", "0 (off) or above 1"),
+    (["algorithm.advantage_norm=batch"], "algorithm.advantage_norm",
+     "micro_batch or none with pipeline.mode=streamer"),
+    (["algorithm.name=grpo", "rollout.segment_len=20", "algorithm.advantage_norm=none"],
+     "algorithm.advantage_norm", "algorithm.name=grpo does not read it (ppo does)"),
     (["algorithm.critic_warmup=100"], "algorithm.critic_warmup",
      "PPO's critic warms up by versions: algorithm.critic_warmup_versions"),
     (["algorithm.name=sac", "algorithm.lr_warmup_versions=3"], "algorithm.lr_warmup_versions",

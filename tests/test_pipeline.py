@@ -150,7 +150,8 @@ def test_mode_runs_end_to_end_with_deepspeed(tmp_path, mode):
 @pytest.mark.slow
 def test_sync_colocated_runs_with_deepspeed_on_every_rank(tmp_path):
     settings = ["pipeline.total_updates=3", "learner.zero_stage=3", "run.dump_trajectories=true",
-                "algorithm.bootstrap_truncated=true"]
+                "algorithm.bootstrap_truncated=true",
+                "algorithm.advantage_norm=batch"]  # its statistics: a sum over the 4 learners
     out, summary, run_dir = run_train(tmp_path / "run", *settings,
                                       config="configs/colocated.yaml", ranks=4)
     assert summary["mode"] == "sync-colocated" and summary["ranks"] == 4

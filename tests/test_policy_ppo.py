@@ -324,6 +324,52 @@ def test_the_behaviour_weights_spread_is_reported_before_the_cap():
     assert stats["behaviour_log_weight_std"] == pytest.approx(1.0)  # std of 1, -1, 0
 
 
+def test_advantages_normalised_over_every_learners_batch(monkeypatch):
+    """algorithm.advantage_norm=batch: the GAE advantages of every micro-batch of a version,
+    every learner's, zero-mean and unit-std together (the statistics summed over the
+    learners), a failed env's steps out of them; `micro_batch` (the default) normalises each
+    micro-batch alone, which scales a micro-batch of no outcome (the critic's noise) up to
+    the size of one with a success."""
+    from hpcvla.algorithms.objective import advantages_of
+    from hpcvla.config import load_config
+    from hpcvla.roles.learner import MicroBatch, batch_normalized
+    cfg = load_config(None, ["algorithm.advantage_norm=batch", "pipeline.mode=rollout-async"])
+    rng = np.random.default_rng(0)
+
+    def micro(success: bool) -> MicroBatch:  # (T, N) = (4, 3): a noisy critic, no reward ...
+        arrays = {"reward": np.zeros((4, 3), np.float32), "done": np.zeros((4, 3), bool),
+                  "value": (0.5 + 1e-3 * rng.standard_normal((4, 3))).astype(np.float32),
+                  "bootstrap_value": np.full(3, 0.5, np.float32),
+                  "env_fault": np.zeros((4, 3), bool)}
+        if success:  # ... or one env's success
+            arrays["reward"][2, 0], arrays["done"][2, 0] = 1.0, True
+        arrays["env_fault"][3, 2] = True  # a failed env's step: in no statistic
+        arrays["reward"][3, 2] = 1e6
+        return MicroBatch(arrays, advantages_of(cfg.algorithm, arrays, torch.device("cpu")))
+
+    learners = [[([], micro(False)), ([], micro(True))], [([], micro(False))]]
+    raw = torch.cat([m.advantages.advantages[~torch.as_tensor(m.arrays["env_fault"])]
+                     for lane in learners for _, m in lane])
+    moments = [np.array([k.numel(), float(k.double().sum()), float((k.double() ** 2).sum())])
+               for k in [torch.cat([m.advantages.advantages[
+                   ~torch.as_tensor(m.arrays["env_fault"])] for _, m in lane])
+                   for lane in learners]]
+    together = sum(moments)
+    for lane in learners:  # each learner's sum is every learner's
+        batch_normalized(lane, lambda mine: together)
+    done = torch.cat([m.advantages.advantages[~torch.as_tensor(m.arrays["env_fault"])]
+                      for lane in learners for _, m in lane])
+    torch.testing.assert_close(done, (raw - raw.double().mean().float()) / raw.std(),
+                               rtol=1e-5, atol=1e-5)
+    # a micro-batch of no outcome: its critic's noise stays small beside a success (its
+    # spread; centring moves it by the batch's mean), where the default scales it to 1
+    quiet = learners[1][0][1].advantages.advantages[:, :2]
+    assert quiet.std() < 0.1, quiet
+    per_micro = advantages_of(load_config(None).algorithm, learners[1][0][1].arrays,
+                              torch.device("cpu")).advantages
+    assert per_micro[:, :2].std() > 0.9, per_micro
+
+
 def test_value_loss_hand_computed():
     value = torch.tensor([1.0, 0.0, 2.0])
     old = torch.tensor([0.5, 0.1, 2.0])

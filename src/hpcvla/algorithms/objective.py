@@ -27,7 +27,8 @@ from hpcvla.algorithms.ppo import (decoupled_ppo_loss, gae, masked_mean, normali
 
 class Advantages(NamedTuple):
     """A micro-batch's advantages. PPO: `advantages` (T, N), normalised over the steps no env
-    fault ended, and the GAE `returns` (T, N), both on the learner's device. GRPO: `episodes`,
+    fault ended (algorithm.advantage_norm: here over the micro-batch's; `batch`: the learner
+    normalises them over every learner's batch, roles/learner.batch_normalized), and the GAE `returns` (T, N), both on the learner's device. GRPO: `episodes`,
     the group-relative advantage of each episode, and `index` (T, N), the episode of each
     step (bookkeeping, on the CPU)."""
     advantages: torch.Tensor | None = None
@@ -57,7 +58,9 @@ def advantages_of(alg, batch: dict, device) -> Advantages:
     faults = b["env_fault"]
     advantages, returns = gae(b["reward"], b["value"], b["done"], b["bootstrap_value"],
                               alg.gamma, alg.gae_lambda, faults, b.get("truncation_value"))
-    return Advantages(advantages=normalize_advantages(advantages, ~faults), returns=returns)
+    if alg.advantage_norm == "micro_batch":  # (batch: the learner's, over every learner's)
+        advantages = normalize_advantages(advantages, ~faults)
+    return Advantages(advantages=advantages, returns=returns)
 
 
 def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, proximal=None,

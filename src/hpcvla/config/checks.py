@@ -133,6 +133,11 @@ def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("algorithm.critic_warmup", alg.critic_warmup, "0 with algorithm.name="
                          f"{alg.name} (gradient steps of sac and rlpd; PPO's critic warms up "
                          "by versions: algorithm.critic_warmup_versions)"))
+    if alg.advantage_norm == "batch" and cfg.pipeline.mode == "streamer":
+        problems.append(("algorithm.advantage_norm", "batch", "micro_batch or none with "
+                         "pipeline.mode=streamer (it trains each micro-batch as it arrives, "
+                         "before the batch is whole), or a mode that waits for it "
+                         "(rollout-async, train-async, sync-disaggregated, sync-colocated)"))
     if 0 < alg.dual_clip <= 1:
         problems.append(("algorithm.dual_clip", alg.dual_clip, "0 (off) or above 1: a bound "
                          "at or below 1 x the advantage would take every negative advantage's "
@@ -269,7 +274,8 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
     **{f"algorithm.{k}": ("algorithm.name", ("grpo",)) for k in (
         "group_size", "group_score", "group_normalize_std", "group_loss_mean")},
     **{f"algorithm.{k}": ("algorithm.name", ("ppo",)) for k in (
-        "bootstrap_truncated", "critic_epochs", "gae_lambda", "value_coef", "value_clip")},
+        "bootstrap_truncated", "critic_epochs", "gae_lambda", "value_coef", "value_clip",
+        "advantage_norm")},
     **{f"algorithm.{k}": ("algorithm.name", ("sac", "rlpd")) for k in (
         "replay_capacity", "batch_size", "utd", "tau", "learning_starts", "init_temperature",
         "target_entropy", "critic_layer_norm")},

@@ -135,6 +135,13 @@ class AlgorithmConfig:
     entropy_coef: float = setting(
         0.0, "Weight of the entropy bonus (the entropy of the whole action chunk, at every "
         "`policy.logprob_granularity`): more exploration, slower convergence.", ge=0)
+    advantage_norm: str = setting(
+        "micro_batch", "PPO: over what the advantages are made zero-mean and unit-std. "
+        "`micro_batch`: each micro-batch's own (the streamer trains one as it arrives); "
+        "`batch`: the version's whole batch, every learner's (RLinf's: its rollout batch), "
+        "where a micro-batch of no ended episode would otherwise scale its critic's noise up "
+        "to the size of another's outcomes (sparse rewards); every mode but the streamer; "
+        "`none`: as GAE gives them.", choices=("micro_batch", "batch", "none"))
     dual_clip: float = setting(
         3.0, "PPO and GRPO: a negative advantage's surrogate is bounded below by this times "
         "the advantage (dual-clip PPO, Ye et al. 2020; verl's clip_ratio_c, 3 too): PPO-clip "

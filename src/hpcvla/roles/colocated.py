@@ -146,7 +146,7 @@ class OnPolicyUpdate:
     def __call__(self, micro_batches: list[list[SegmentGroup]], version: int
                  ) -> dict[str, torch.Tensor]:
         cfg, timeline, progress = self.setup.cfg, self.setup.timeline, self.setup.progress
-        learn(cfg, self.engine, micro_batches, version, timeline, progress)
+        learn(cfg, self.engine, micro_batches, version, timeline, progress, progress.pool)
         progress.on_update(version + 1)
         return publish(self.engine, self.actor, timeline)
 

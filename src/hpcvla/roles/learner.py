@@ -117,20 +117,26 @@ def run_learner(setup: RoleSetup, *, sched: Schedule, train: TrainVersion,
 
 
 def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[SegmentGroup]],
-          version: int, timeline: Timeline, progress: Progress) -> None:
+          version: int, timeline: Timeline, progress: Progress,
+          learners_sum: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
     """One policy version. Epoch 0 trains each micro-batch (a list of segment groups) as the
     iterable yields it, which is what lets the streamer start before the batch is complete;
     further `learner.epochs` replay them against the proximal log-probs of epoch 0.
     The engine applies an optimizer step after every `micro_batches` forward/backward passes.
     The episodes count when they arrive; the loss statistics logged are the last epoch's
     (in epoch 0 the policy is still the proximal one: clip fraction and KL are 0 there).
-    The actor trains at its rate of this version (actor_lr_factor)."""
+    The actor trains at its rate of this version (actor_lr_factor). `learners_sum`: a vector
+    summed over the learners (collective; None for one), for algorithm.advantage_norm=batch,
+    which takes the whole batch first."""
     seen, last = [], cfg.learner.epochs - 1
     factor = actor_lr_factor(cfg.algorithm, version)
     warmup = factor == 0.0  # the critic's warm-up: a policy loss would move nothing
+    arriving: Iterator[tuple[list[SegmentGroup], MicroBatch]] = (
+        (groups, MicroBatch.arrived(cfg, groups, engine.device)) for groups in micro_batches)
+    if cfg.algorithm.advantage_norm == "batch":
+        arriving = iter(batch_normalized(list(arriving), learners_sum))  # [dist]
     with actor_scaled(engine, factor):
-        for groups in micro_batches:
-            micro = MicroBatch.arrived(cfg, groups, engine.device)
+        for groups, micro in arriving:
             stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
             staleness = float(np.mean([version - g["version"][0] for g in groups]))
             progress.on_segments(_scored(cfg, micro.arrays), staleness)
@@ -147,6 +153,28 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
             for _ in range(cfg.algorithm.critic_epochs):
                 for micro in seen:
                     train_micro_batch(cfg, engine, micro, timeline, value_only=True)
+
+
+def batch_normalized(arrived: list[tuple[list[SegmentGroup], MicroBatch]],
+                     learners_sum: Callable[[np.ndarray], np.ndarray] | None
+                     ) -> list[tuple[list[SegmentGroup], MicroBatch]]:
+    """The version's micro-batches with their GAE advantages zero-mean and unit-std over all
+    of them, every learner's (`learners_sum`: collective), the steps of failed envs left out
+    of the statistics (algorithm.advantage_norm=batch)."""
+    moments = np.zeros(3)  # count, sum, sum of squares, in float64
+    for _, micro in arrived:
+        advantages = micro.advantages.advantages
+        assert advantages is not None  # (PPO's)
+        kept = advantages[~torch.as_tensor(micro.arrays["env_fault"])].double()
+        moments += [kept.numel(), float(kept.sum()), float((kept ** 2).sum())]
+    n, total, squares = learners_sum(moments) if learners_sum else moments  # [dist]
+    mean = float(total / max(n, 1.0))
+    std = float(np.sqrt(max(squares - n * mean ** 2, 0.0) / max(n - 1, 1.0)))
+    for _, micro in arrived:
+        advantages = micro.advantages.advantages
+        assert advantages is not None
+        micro.advantages = micro.advantages._replace(advantages=(advantages - mean) / (std + 1e-8))
+    return arrived
 
 
 def _logged(stats: dict[str, float], alg: AlgorithmConfig, factor: float,

@@ -89,7 +89,8 @@ def learner_rank(me: Rank, links: Links) -> tuple[float, Counters]:
     stats: Counters = {"staleness_hist": {}}
     queues = SegmentQueues(ring, links.sched.max_staleness, stats, plan.producers_of(me.rank))
     train = soft.learn if soft else partial(learn, cfg, engine, timeline=me.timeline,
-                                            progress=me.progress)
+                                            progress=me.progress,
+                                            learners_sum=me.progress.pool)
     run_learner(me.setup, sched=links.sched, train=train, queues=queues, publish=publish,
                 stop=lambda: preempt.agreed(me.comms.learners))  # [dist]
     plane.stop()
