@@ -410,3 +410,20 @@ def test_a_slurm_jobs_memory_request_is_its_hosts_memory():
     assert slurm_memory_limits({**job, "SLURM_MEM_PER_NODE": "0"}) == []
     assert slurm_memory_limits({"SLURM_MEM_PER_NODE": "4096"}) == []  # not a job's
     assert host_bytes({**job, "SLURM_MEM_PER_NODE": "4096"}) == min(4 << 30, host_bytes({}))
+
+
+def test_a_dev_shm_without_room_beside_mpis_own_refuses_prior_data_only():
+    """/dev/shm's room beside MPI's own 64 MiB (windows.shared_memory_room) is below zero on
+    a container's default 64 MiB: SAC, which keeps no prior data there, is not refused for
+    it (0 bytes of prior data were "more than" a negative room); RLPD's prior data is."""
+    from hpcvla.config import load_config
+    from hpcvla.memory.layout import LayoutMemory, PRIOR, replay_problems
+    cfg = load_config(None, ["algorithm.name=sac"])
+
+    def node(prior: int) -> LayoutMemory:
+        return LayoutMemory(gpu={}, host={0: {"replay buffers": 1 << 20, PRIOR: prior}},
+                            device={0: "cpu"}, node={0: 0}, capacity_gib=0, dtype_bytes=4)
+    assert replay_problems(cfg, node(0), 1 << 20, 1 << 40, -(1 << 20)) == []
+    (problem,) = replay_problems(cfg, node(1 << 20), 1 << 20, 1 << 40, -(1 << 20))
+    assert problem[0] == "algorithm.demos_per_task" and "more than the 0 MiB free" in problem[2]
+    assert replay_problems(cfg, node(1 << 20), 1 << 20, 1 << 40, None) == []  # unknown

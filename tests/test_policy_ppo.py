@@ -292,17 +292,19 @@ def test_a_masked_unit_adds_nothing_whatever_it_holds():
     mask = torch.tensor([True, True, False])
     kept, kept_stats = decoupled_ppo_loss(lp[:2], prox[:2], prox[:2], adv[:2])
     (g_kept,) = torch.autograd.grad(kept, lp)
-    for beh, bad_adv in ((torch.tensor([0.0, 0.0, float("nan")]), adv),
-                         (prox, torch.tensor([1.0, -0.5, float("nan")])),
-                         (prox, torch.tensor([1.0, -0.5, float("inf")]))):
-        loss, stats = decoupled_ppo_loss(lp, prox, beh, bad_adv, mask=mask)
+    nan_lp = torch.tensor([0.1, 0.2, float("nan")]).requires_grad_()  # the forward's NaN
+    for beh, bad_adv, current in ((torch.tensor([0.0, 0.0, float("nan")]), adv, lp),
+                                  (prox, torch.tensor([1.0, -0.5, float("nan")]), lp),
+                                  (prox, torch.tensor([1.0, -0.5, float("inf")]), lp),
+                                  (prox, adv, nan_lp)):
+        loss, stats = decoupled_ppo_loss(current, prox, beh, bad_adv, mask=mask)
         assert loss.item() == pytest.approx(kept.item(), rel=1e-6)
-        (g,) = torch.autograd.grad(loss, lp)
+        (g,) = torch.autograd.grad(loss, current)
         torch.testing.assert_close(g[:2], g_kept[:2])
         assert g[2].item() == 0.0
         assert stats["behaviour_weight_mean"] == kept_stats["behaviour_weight_mean"] == 1.0
-    # GAE: a failed step's NaN value stays in it (the steps before bootstrap from the
-    # observation's value, V(s_t), not from what the failed step returned)
+    # GAE: a failed step's NaN reward stays in it (the steps before it bootstrap from the
+    # value of its observation, V(s_t), which is no output of the failed step)
     values = torch.tensor([0.5, 0.4, 0.3])
     rewards = torch.tensor([0.0, float("nan"), 1.0])
     faults = torch.tensor([False, True, False])

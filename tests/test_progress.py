@@ -334,12 +334,16 @@ def test_training_success_is_counted_per_task_and_pooled_over_the_learners():
     second.on_update(1)
     first.pool = lambda v: v + sent[0]
     first.on_update(1)
-    assert first.tasks.scalars(first._task_counts) == {
-        "task_00": 0.5, "task_01": 0.5, "task_02": 0.0}
+    assert first.tasks.scalars(first._task_counts) == {  # by the suite's task indices
+        "task_00": 0.5, "task_01": 0.5, "task_03": 0.0}
     assert pooled_rates([first.tasks.outcomes(), second.tasks.outcomes()]) == {
         "pick up the bowl": {"success_rate": 0.5, "episodes": 2},
         "open the drawer": {"success_rate": 0.5, "episodes": 2},
         "close it": {"success_rate": 0.0, "episodes": 1}}
+    # a learner given no observations (SAC's counts its episodes from the scored fields)
+    unseen = {k: v for k, v in batch(["close it"], [True]).items() if k != "obs.instruction"}
+    first.on_segments(unseen)
+    assert first.tasks.outcomes()["close it"] == [0, 0] and first.successes[-1] is True
     one = EnvSpec(obs=spec.obs, action_dim=2, chunk_len=1, max_episode_chunks=9,
                   vocab=spec.vocab, tasks=tasks[:1])
     assert Progress(None, 10, 1, 1e9, enabled=False, spec=one).tasks is None  # one task

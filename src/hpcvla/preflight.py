@@ -171,7 +171,7 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     spec, features = env_spec(cfg.env), dataset_features(cfg.sft)
     problems = demonstration_problems(paths, spec, cfg.sft.per_task or None,
                                       successful_only=cfg.sft.successful_only, features=features,
-                                      host_memory=host_bytes(), shm=shared_memory_room() or 0)
+                                      host_memory=host_bytes(), shm=shared_memory_room())
     if problems:
         raise ConfigError(problems, f"{source}: sft.demos")
     held_out = demo_paths(cfg.sft, "val_demos")

@@ -28,9 +28,10 @@ from hpcvla.algorithms.ppo import (decoupled_ppo_loss, gae, masked_mean, normali
 class Advantages(NamedTuple):
     """A micro-batch's advantages. PPO: `advantages` (T, N), normalised over the steps no env
     fault ended (algorithm.advantage_norm: here over the micro-batch's; `batch`: the learner
-    normalises them over every learner's batch, roles/learner.batch_normalized), and the GAE `returns` (T, N), both on the learner's device. GRPO: `episodes`,
-    the group-relative advantage of each episode, and `index` (T, N), the episode of each
-    step (bookkeeping, on the CPU)."""
+    normalises them over every learner's batch, roles/learner.batch_normalized), and the GAE
+    `returns` (T, N), both on the learner's device. GRPO: `episodes`, the group-relative
+    advantage of each episode, and `index` (T, N), the episode of each step (bookkeeping, on
+    the CPU)."""
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     episodes: GroupAdvantages | None = None
@@ -75,7 +76,11 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     batch = _on(model.device, batch)
     obs = {k[4:]: v.reshape(T * N, *v.shape[2:])
            for k, v in batch.items() if k.startswith("obs.")}
-    actions = batch["actions"].reshape(T * N, *batch["actions"].shape[2:])
+    # a failed env's action (a NaN one may be why it failed) scored as zeros: its unit is
+    # masked out, and a NaN log-prob there would reach the gradient through the forward
+    actions = torch.where(batch["env_fault"].reshape(T, N, *[1] * (batch["actions"].ndim - 2)),
+                          0.0, batch["actions"])
+    actions = actions.reshape(T * N, *actions.shape[2:])
     logprob, value, entropy = model(obs, actions)
     # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
     logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))

@@ -104,7 +104,10 @@ def decoupled_ppo_loss(
     policy sampled. `mask` (B,) or like `logprob`, 0/1 or bool: the mean runs over the
     included units only (GRPO drops degenerate groups this way); non-negative weights make
     it a weighted mean (GRPO's mean over episodes weighs a step by 1 / its episode's length).
-    A unit left out contributes nothing, whatever it holds (a NaN or inf included).
+    A unit left out contributes nothing to the loss, whatever it holds (a NaN or inf
+    included), nor to its gradient through the recorded advantages and log-probs (a NaN the
+    forward computed there reaches the gradient through the model: objective.policy_loss
+    scores a failed env's action as zeros).
     """
     proximal_logprob = proximal_logprob.detach()
     behaviour_logprob = behaviour_logprob.detach()
@@ -115,7 +118,8 @@ def decoupled_ppo_loss(
     # a left-out unit's advantage and weight are 0 (where, not a product: 0 * NaN is NaN, in
     # the loss and in its gradient)
     advantages = torch.where(kept, expand_like(advantages.detach(), logprob), 0.0)
-    log_ratio = (logprob - proximal_logprob).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    log_ratio = torch.where(kept, logprob - proximal_logprob, 0.0) \
+        .clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     surrogate = torch.min(ratio * advantages, ratio.clamp(1.0 - clip, 1.0 + clip) * advantages)
     if dual_clip:
@@ -124,7 +128,7 @@ def decoupled_ppo_loss(
     log_weight = sum_to(proximal_logprob, behaviour_logprob.ndim) - behaviour_logprob
     weight = torch.where(kept, expand_like(log_weight.exp().clamp(max=max_behaviour_weight),
                                            logprob), 0.0)
-    loss = -(include * weight * surrogate).sum() / count
+    loss = -torch.where(kept, include * weight * surrogate, 0.0).sum() / count
 
     with torch.no_grad():
         def mean(x: torch.Tensor) -> float:  # over the units the loss counts

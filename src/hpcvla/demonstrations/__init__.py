@@ -196,13 +196,14 @@ def _unknown_layout(f) -> str:
 def demonstration_problems(paths, spec: EnvSpec, per_task: int | None = None,
                            outcomes: bool = False, successful_only: bool = False,
                            features: dict[str, str] | None = None,
-                           host_memory: int = 0, shm: int = 0) -> list[Problem]:
+                           host_memory: int = 0, shm: int | None = None) -> list[Problem]:
     """What stops `read_demonstrations(paths, spec, per_task, successful_only, outcomes,
     features)`, as (where "FILE:key", value, what is expected and the fix); empty when nothing
     does. Opens the files and reads attributes, dataset shapes and single elements only.
-    `host_memory`, `shm` (bytes; 0: not checked): a host's memory, half of which the samples
-    must fit in, and its free /dev/shm, which must hold them (`hpcvla sft` holds them once per
-    host, in MPI shared memory, and twice while its ranks read them)."""
+    `host_memory` (bytes; 0: not checked), `shm` (bytes; None: not checked): a host's memory,
+    half of which the samples must fit in, and its /dev/shm's room beside MPI's own, which
+    must hold them (`hpcvla sft` holds them once per host, in MPI shared memory, and twice
+    while its ranks read them)."""
     found, problems = _scan(paths, spec, features)
     check_per_task(per_task, found, successful_only, problems)
     if outcomes:
@@ -243,7 +244,8 @@ def sample_bytes(spec: EnvSpec) -> int:
                for shape, dtype in sample_layout(spec).values())
 
 
-def _memory_problems(chosen, spec: EnvSpec, host_memory: int, shm: int) -> list[Problem]:
+def _memory_problems(chosen, spec: EnvSpec, host_memory: int,
+                     shm: int | None) -> list[Problem]:
     rows = [e.rows for _, _, e in chosen]
     if not all(rows):  # a layout that does not tell: not checked
         return []
@@ -255,10 +257,10 @@ def _memory_problems(chosen, spec: EnvSpec, host_memory: int, shm: int) -> list[
     if host_memory and 2 * need > host_memory:
         return [(files, held, f"at most half this host's {host_memory / 2**30:.1f} GiB of "
                  "memory (one copy per host, two while it is read)" + fewer)]
-    if shm and need > shm:
-        return [(files, held, f"at most the {shm / 2**30:.1f} GiB this host's /dev/shm has "
-                 "free beside MPI's own 64 MiB, where the one copy lives (MPI shared memory; a "
-                 "larger /dev/shm: `mount -o "
+    if shm is not None and need > shm:
+        return [(files, held, f"at most the {max(shm, 0) / 2**30:.1f} GiB this host's /dev/shm "
+                 "has free beside MPI's own 64 MiB, where the one copy lives (MPI shared "
+                 "memory; a larger /dev/shm: `mount -o "
                  "remount,size=...`, containers: --shm-size)" + fewer)]
     return []
 

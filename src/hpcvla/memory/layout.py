@@ -104,7 +104,7 @@ def plan_memory(cfg, plan, devices: dict[int, str], spec, footprint=None) -> Lay
                            prior, spec)
     if replay:
         memory.problems += replay_problems(cfg, memory, replay, host_bytes(),
-                                           shared_memory_room() or 0)
+                                           shared_memory_room())
     return memory
 
 
@@ -207,11 +207,11 @@ def replay_bytes(alg, spec) -> tuple[int, int]:
 
 
 def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,
-                    shm_free: int) -> list[tuple[str, object, str]]:
+                    shm_free: int | None) -> list[tuple[str, object, str]]:
     """A node whose learners' replay buffers (`per_learner` bytes each) and RLPD prior data
     alone would not fit in its host memory (`capacity` bytes), or whose prior data would not
-    fit in /dev/shm's room beside MPI's own (`shm_free` bytes: windows.shared_memory_room; 0:
-    unknown) where its one copy lives."""
+    fit in /dev/shm's room beside MPI's own (`shm_free` bytes: windows.shared_memory_room;
+    None: unknown) where its one copy lives."""
     out = []
     for node, parts in memory.per_node_host().items():
         replay, prior = parts.get("replay buffers", 0), parts.get(PRIOR, 0)
@@ -223,10 +223,10 @@ def replay_problems(cfg, memory: LayoutMemory, per_learner: int, capacity: int,
                         f"{size(per_learner)} per learner, "
                         f"{per_learner / cfg.algorithm.replay_capacity / 1024:.1f} KiB per "
                         "transition of its capacity)"))
-        if shm_free and prior > shm_free:
+        if prior and shm_free is not None and prior > shm_free:
             out.append(("algorithm.demos_per_task", cfg.algorithm.demos_per_task,
                         f"fewer demonstrations: node {node}'s one copy of the prior data "
-                        f"takes {size(prior)}, more than the {size(shm_free)} free in "
+                        f"takes {size(prior)}, more than the {size(max(shm_free, 0))} free in "
                         "/dev/shm (this machine's) beside MPI's own, where MPI keeps it"))
     return out
 

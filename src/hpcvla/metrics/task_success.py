@@ -17,9 +17,11 @@ from hpcvla.text import tokenize
 class TaskSuccess:
     def __init__(self, tasks: tuple[str, ...], vocab: tuple[str, ...], length: int,
                  window: int):
-        """`tasks`: the instructions (a suite's duplicates counted as one task); `vocab` and
+        """`tasks`: the suite's instructions, in its order (tasks that share one, as
+        libero_90's 90 share 74, are counted together, under the first's place); `vocab` and
         `length`: how the env tokenizes them into its `instruction` observation."""
         self.tasks = tuple(dict.fromkeys(tasks))
+        self.places = [tasks.index(t) for t in self.tasks]  # each one's first task index
         self._index = {tokenize(t, vocab, length).tobytes(): i for i, t in enumerate(self.tasks)}
         self._outcomes = [deque(maxlen=window) for _ in self.tasks]
 
@@ -33,6 +35,8 @@ class TaskSuccess:
     def add(self, batch: dict, ended: np.ndarray) -> None:
         """The episodes that `ended` (T, n) in a micro-batch of segments: each one's task is
         that of the instruction it acted on (its last step's observation)."""
+        if "obs.instruction" not in batch:  # (a learner that records no observations)
+            return
         rows = np.ascontiguousarray(batch["obs.instruction"][ended], dtype=np.int32)
         for row, success in zip(rows, batch["success"][ended]):
             task = self._index.get(row.tobytes())
@@ -53,7 +57,7 @@ class TaskSuccess:
         """TensorBoard's `task_<i>` success of `counts` (every learner's: `counts()` summed),
         i the task's place in the suite (summary.json's per_task_success names them)."""
         return {f"task_{i:02d}": float(s / n) if n else None
-                for i, (s, n) in enumerate(zip(*counts))}
+                for i, s, n in zip(self.places, *counts)}
 
 
 def pooled_rates(outcomes: list[dict[str, list[int]]]) -> dict[str, dict]:

@@ -61,7 +61,8 @@ if TYPE_CHECKING:
     from hpcvla.roles.setup import RoleSetup
 
 
-SCORED = ("done", "env_fault", "success", "episode_return", "episode_length")  # progress counts
+# what Progress counts (the instruction: each episode's task, where a suite has several)
+SCORED = ("done", "env_fault", "success", "episode_return", "episode_length", "obs.instruction")
 
 
 class SoftUpdate:
@@ -105,7 +106,7 @@ class SoftUpdate:
             collected = self._add(groups)
             staleness = float(np.mean([version - g["version"][0] for g in groups]))
             self.setup.progress.on_segments({k: np.concatenate([g[k] for g in groups], axis=1)
-                                             for k in SCORED}, staleness)
+                                             for k in SCORED if k in groups[0]}, staleness)
             self._train(collected)
 
     def _add(self, groups: list[SegmentGroup]) -> int:
