@@ -294,6 +294,16 @@ fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0
 fi
+if [[ $SCHEDULER == slurm && ${SLURM_RESTART_COUNT:-0} -gt 0 ]] && in_a_world "$1"; then
+    # A requeued job's ranks were killed with it: their shared-memory segments are still in
+    # the nodes' /dev/shm (their memory; the doctor below would count it as taken), and under
+    # srun its steps get the ids of the killed ones again, after which MPICH names its
+    # segments: the new ranks would join the killed ones' (they hang or abort in MPI_Init).
+    # Remove this user's segments that no process maps any more, on every node.
+    mapfile -t answered < <(clean_nodes)
+    (( ${#answered[@]} == NODES )) || say "could not remove the killed ranks' MPI" \
+        "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
+fi
 if (( ${#DOCTOR[@]} )); then
     # a cancel or preemption during the check stops the doctor too: the job ends as stopped
     # (run_world starts no world), not as a node that lacks something
@@ -316,16 +326,6 @@ if makes_a_run "$1" && [[ ${HPCVLA_RESTARTS:-0} != 0 && -n ${HPCVLA_JOB_RUNS:-} 
 fi
 
 # ---- run, forwarding the scheduler's signals -----------------------------------------------
-if [[ $SCHEDULER == slurm && ${SLURM_RESTART_COUNT:-0} -gt 0 ]] && in_a_world "$1"; then
-    # A requeued job's ranks were killed with it: their shared-memory segments are still in
-    # the nodes' /dev/shm (their memory), and under srun its steps get the ids of the killed
-    # ones again, after which MPICH names its segments: the new ranks would join the killed
-    # ones' (they hang or abort in MPI_Init). Remove this user's segments that no process
-    # maps any more, on every node.
-    mapfile -t answered < <(clean_nodes)
-    (( ${#answered[@]} == NODES )) || say "could not remove the killed ranks' MPI" \
-        "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
-fi
 
 # The overrides (FIT) that lay the run of command $1 out on the NP ranks of the nodes left.
 # train: by the config's placement rules: fewer cells, and fewer learners (the others spare)

@@ -172,6 +172,8 @@ class LocalSlurm:
         if self.nodes < 1:
             raise SlurmError(f"{self.nodes} nodes: need at least 1")
         self.multihost = self.nodes > 1 or hosts is not None
+        if self.shm_mib and not self.multihost:  # (one node's mount would be the machine's)
+            raise SlurmError("shm_mib needs nodes on emulated hosts (nodes > 1)")
         self._own_hosts = False
         self.base: Path | None = None
         self.procs: dict[str, subprocess.Popen] = {}

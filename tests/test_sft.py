@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+from unittest import mock
 from pathlib import Path
 
 import numpy as np
@@ -482,8 +483,6 @@ def test_a_world_sft_starts_times_its_ranks_from_the_command(tmp_path, monkeypat
     from hpcvla.topology.comms import LOCAL_WORLD
     from helpers import reach_demos
     demos = reach_demos(tmp_path / "demos.h5", 2)
-    for name in (phases.LAUNCHED_AT, LOCAL_WORLD):
-        monkeypatch.delenv(name, raising=False)
     started = {}
 
     def run_world(n, program, mpiexec="auto", timeout=None, mpi="auto"):
@@ -491,9 +490,13 @@ def test_a_world_sft_starts_times_its_ranks_from_the_command(tmp_path, monkeypat
         return 0
     monkeypatch.setattr(launch, "run_world", run_world)
     for command, ranks in (("sft", 2), ("train", 4)):
-        assert cli.main([command, "configs/default.yaml", "--ranks", str(ranks),
-                         f"sft.demos={demos}", f"run.root={tmp_path}"]) == 0
+        with mock.patch.dict(os.environ):  # what the command sets, for its ranks alone
+            for name in (phases.LAUNCHED_AT, LOCAL_WORLD):
+                os.environ.pop(name, None)
+            assert cli.main([command, "configs/default.yaml", "--ranks", str(ranks),
+                             f"sft.demos={demos}", f"run.root={tmp_path}"]) == 0
         assert started["program"][0] == command and started["n"] == ranks
-        assert float(started["env"][phases.LAUNCHED_AT]) <= phases.launched_at()
+        # the command's process start (this test process's), not each rank's own
+        assert float(started["env"][phases.LAUNCHED_AT]) == \
+            pytest.approx(phases._process_start(), abs=1e-3)
         assert started["env"][LOCAL_WORLD] == "1"
-        monkeypatch.delenv(phases.LAUNCHED_AT)

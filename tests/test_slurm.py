@@ -180,7 +180,7 @@ def test_slurm_multinode_job_on_three_hosts_requeues_and_resumes(slurm3, tmp_pat
     assert_learner_node_layout(ranks, text)
     assert "6 rank(s) on 3 node(s) (h0 h1 h2), 2 per node" in text
     # every node checked, each start: h0 wholly, h1 and h2 for what each has of its own
-    assert text.count("and then nodes h1 h2: the same with --node-only") == 2, text[-3000:]
+    assert text.count("checked nodes h1 h2 (hpcvla doctor --node-only)") == 2, text[-3000:]
     assert "FAIL" not in text and "could not check node" not in text, text[-3000:]
     assert "/mpiexec -n 6 -f" in text  # Hydra, not srun
     assert "pmi2:" not in text  # no complaint from Slurm's PMI-2 server
@@ -451,6 +451,7 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
     env = job_env(tmp_path, OVERRIDES="placement.per_node.simulator=1 "
                   f"placement.per_node.inference=1 pipeline.total_updates={updates} "
                   "pipeline.progress_every_s=0.1", HPCVLA_MPI=mpi.removesuffix("5"),
+                  HPCVLA_DOCTOR="1",
                   **({"PATH": f"{slurm3.tm_bin}:{first}{slurm3.env['PATH']}"}
                      if start == "tm" else {}))
     job = slurm3.qsub(ROOT / "jobs/pbs/multinode.pbs", env=env, cwd=ROOT, options=[
@@ -466,6 +467,9 @@ def test_pbs_multinode_job_through_qsub_on_three_hosts(slurm3, tmp_path, start, 
     text = finished(slurm3, job, log)
     assert "scheduler pbs" in text and "6 rank(s) on 3 node(s) (h0 h1 h2)" in text
     assert (f"MPI: openmpi ({five / 'mpirun'})" in text) == (mpi == "openmpi5"), text[:1500]
+    # the other nodes checked through the same start, in the job's folder (a relative config)
+    # with its variables (ssh and TM give a login's)
+    assert "checked nodes h1 h2 (hpcvla doctor --node-only)" in text, text[-3000:]
     assert_learner_node_layout(ranks, text)
     summary = json.loads((the_run(tmp_path / "runs") / "summary.json").read_text())
     assert sum(summary["staleness_hist"].values()) == updates * 2 * 32

@@ -69,9 +69,16 @@ clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
 # run the check (it did not answer, a launch error) is said and left to the world's start: a
 # dead node there is a failed world, which HPCVLA_RESTARTS continues without it.
 check_other_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
-    local host answers command failed=()
+    local host answers command name assignments=() failed=() checked=()
     answers=$(mktemp -d)
     command=$(printf '%q ' "$@")
+    if [[ $SCHEDULER == pbs ]]; then  # ssh and TM start it in the home folder, with a login's
+        # environment: the job's folder and the variables its ranks get (forwarded_names)
+        for name in $(forwarded_names); do
+            assignments+=("$name=${!name}")
+        done
+        command="cd $(printf '%q' "$PWD") && env $(printf '%q ' "${assignments[@]}")$command"
+    fi
     for host in "${HOSTS[@]:1}"; do
         { on_node "$host" "$command" 300 > "$answers/$host" 2>&1
           echo $? > "$answers/$host.status"; } &
@@ -82,13 +89,18 @@ check_other_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
             failed+=("$host")
             sed "s/^/$host: /" "$answers/$host" >&2
         elif [[ $(< "$answers/$host.status") != 0 ]]; then
-            say "could not check node $host (exit status $(< "$answers/$host.status")):" \
-                "$(tail -n 1 "$answers/$host")"
+            sed "s/^/$host: /" "$answers/$host" >&2
+            say "could not check node $host (exit status $(< "$answers/$host.status"), above)"
+        else
+            checked+=("$host")
         fi
     done
     rm -rf "$answers"
-    (( ${#failed[@]} == 0 )) || say "node(s) ${failed[*]} lack what the job needs (above)"
-    (( ${#failed[@]} == 0 ))
+    if (( ${#failed[@]} )); then
+        say "node(s) ${failed[*]} lack what the job needs (above)"
+        return 1
+    fi
+    (( ${#checked[@]} == 0 )) || say "checked nodes ${checked[*]} (hpcvla doctor --node-only)"
 }
 
 set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
@@ -193,21 +205,26 @@ end_a_failed_world() {  # PID of the world's launcher; run in the background
     sleep 5
     kill -KILL "$1" 2> /dev/null || true
 }
-forwarded_env() {  # the MPI launcher's options: what it passes to the ranks on other nodes
-    # The job's variables, as srun (--export=ALL) does, but for what is each node's own (its
-    # GPUs, its scheduler and launcher variables). Open MPI's mpirun gives those ranks only
-    # OMPI_* (ssh or PBS's TM start them with a login's environment): `-x NAME` each.
-    # MPICH's Hydra passes its whole environment over each proxy's (-genvall): under PBS,
-    # whose nodes' processes get their own node's GPUs (its cgroup hook; TM's tasks too),
-    # the batch node's would be every node's. There it passes the list (-genvlist); its own
-    # node's ranks inherit them from the proxy it forks here.
-    local name names=()
+# The job's variables, as srun (--export=ALL) passes them, but for what is each node's own
+# (its GPUs, its scheduler and launcher variables): one name a line.
+forwarded_names() {
+    local name
     for name in $(compgen -e); do
         [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
         [[ $name =~ ^(CUDA_VISIBLE_DEVICES|ROCR_VISIBLE_DEVICES|HIP_VISIBLE_DEVICES|GPU_DEVICE_ORDINAL|HOSTNAME|HOST|PWD|OLDPWD|SHLVL|_|DISPLAY|TERM|TMUX|SLURM_.*|SLURMD_.*|PBS_.*|OMPI_.*|PMIX_.*|PMI_.*|HYDRA_.*|SSH_.*)$ ]] &&
             continue
-        names+=("$name")
+        echo "$name"
     done
+}
+forwarded_env() {  # the MPI launcher's options: what it passes to the ranks on other nodes
+    # forwarded_names. Open MPI's mpirun gives those ranks only OMPI_* (ssh or PBS's TM start
+    # them with a login's environment): `-x NAME` each.
+    # MPICH's Hydra passes its whole environment over each proxy's (-genvall): under PBS,
+    # whose nodes' processes get their own node's GPUs (its cgroup hook; TM's tasks too),
+    # the batch node's would be every node's. There it passes the list (-genvlist); its own
+    # node's ranks inherit them from the proxy it forks here.
+    local names
+    mapfile -t names < <(forwarded_names)
     if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
         printf -- '-x\n%s\n' "${names[@]}"
     else

@@ -134,7 +134,10 @@ def decoupled_ppo_loss(
         def mean(x: torch.Tensor) -> float:  # over the units the loss counts
             return torch.where(kept, include * x, 0.0).sum().item() / count.item()
 
-        chunk_kept = expand_like(log_weight, logprob)[kept]
+        # (per chunk: a chunk kept if any of its units is)
+        chunks = kept if kept.shape == log_weight.shape else \
+            kept.flatten(log_weight.ndim).any(-1)
+        chunk_kept = log_weight[chunks]
         stats = {
             "clip_fraction": mean(((ratio - 1.0).abs() > clip).to(ratio.dtype)),
             # k3 estimator of KL(proximal || current), always >= 0; unbiased where the

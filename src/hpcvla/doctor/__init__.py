@@ -83,11 +83,14 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     from hpcvla.envs import env_problems
     from hpcvla.preflight import config_problems, run_root_problems
 
-    if node_only:
-        weights, _, recorded = _policy_size(cfg)
-        demos = _demonstrations(cfg) if job == "sft" else 0
-        return [*([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
-                                                           recorded)]), *renderer_checks(cfg)]
+    if node_only:  # (the policy's size for train's windows alone)
+        if job == "train":
+            weights, _, recorded = _policy_size(cfg)
+            shm = [_shared_memory(cfg, weights, job, world, recorded=recorded)]
+        else:
+            shm = [_shared_memory(cfg, 0, job, world, _demonstrations(cfg))] \
+                if job == "sft" else []
+        return [*shm, *renderer_checks(cfg)]
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
     problems = [p for p in config_problems(cfg, last) + env_problems(cfg)
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's

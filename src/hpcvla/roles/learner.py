@@ -69,13 +69,16 @@ _SAID_NONFINITE: set[str] = set()  # the fields said so in this process (once ea
 
 
 def _say_nonfinite(groups: list[SegmentGroup]) -> None:
-    """Name, once per field, a recorded float field that holds a NaN or Inf (a simulator's
-    reward or observation, the inference rank's log-prob or value) and where it came from:
-    the optimizer step it reaches is skipped (engines/nonfinite.py), which the metrics only
-    count."""
+    """Name, once per field, a recorded float field that holds a NaN or Inf outside a failed
+    env's steps (a simulator's reward or observation, the inference rank's log-prob or value)
+    and where it came from: the optimizer step it reaches is skipped (engines/nonfinite.py),
+    which the metrics only count."""
     for group in groups:
+        fault = group["env_fault"]  # a failed env's steps: masked out of the loss
         for name, values in group.items():
-            if name in _SAID_NONFINITE or values.dtype.kind != "f" or np.isfinite(values).all():
+            if name in _SAID_NONFINITE or values.dtype.kind != "f":
+                continue
+            if np.isfinite(values[~fault] if values.shape[:2] == fault.shape else values).all():
                 continue
             _SAID_NONFINITE.add(name)
             meta = SegmentMeta.of(group)
