@@ -332,3 +332,25 @@ def test_the_cached_scene_is_the_scene_drawn_anew(num_envs, image_size, num_obje
         if t % 37 == 0:
             obs = env.reset(init_state_ids=rng.integers(0, 1000, num_envs))
             assert np.array_equal(obs["image"], _drawn_anew(env)), t
+
+
+def test_without_its_progress_reward_reach_pays_the_success_alone():
+    """env.progress_reward=false: a sparse reward (1 on success, 0 otherwise), as LIBERO's,
+    where reach's own pays the distance gained each step beside it."""
+    from hpcvla.config import ConfigError, load_config
+    from hpcvla.envs.reach import ReachEnv
+    sparse = load_config(None, ["env.progress_reward=false"]).env
+    env = ReachEnv(16, seed=0, **ReachEnv.config_kwargs(sparse))
+    dense = ReachEnv(16, seed=0, **ReachEnv.config_kwargs(load_config(None).env))
+    env.reset(), dense.reset()
+    rng = np.random.default_rng(0)
+    successes = 0
+    for _ in range(60):
+        actions = rng.uniform(-1, 1, (16, env.spec.chunk_len, 2)).astype(np.float32)
+        result, shaped = env.step(actions), dense.step(actions)
+        np.testing.assert_array_equal(result.reward, result.success.astype(np.float32))
+        np.testing.assert_array_equal(result.success, shaped.success)  # the same episodes
+        successes += int(result.success.sum())
+    assert successes > 0 and (shaped.reward != shaped.success).any()
+    with pytest.raises(ConfigError, match="env.progress_reward"):
+        load_config(None, ["env.name=maniskill", "env.progress_reward=false"])

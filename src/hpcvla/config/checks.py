@@ -294,7 +294,8 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
         m for m, t in MODE_TRAITS.items() if t.dynamic_batcher))
        for k in ("batch_max", "wait_max_ms")},
     # (LIBERO's and ManiSkill's own settings on reach: ReachEnv.FOREIGN, files included)
-    **{f"env.{k}": ("env.name", ("reach",)) for k in ("latency_median_ms", "latency_sigma")},
+    **{f"env.{k}": ("env.name", ("reach",)) for k in ("latency_median_ms", "latency_sigma",
+                                                       "progress_reward")},
     "env.state_mode": ("env.name", ("maniskill",)),
 }
 # what the choices that do not read a setting run at: typed, it says what runs (on-policy

@@ -112,6 +112,10 @@ class EnvConfig:
         "use_fixed_reset_state_ids) and reports its after-RL success, for numbers comparable "
         "with it: evaluation is then not held out, and its result says so (held_out false).",
         choices=("sampled", "benchmark"))
+    progress_reward: bool = setting(
+        True, "reach only: pay the progress toward the target each step (the distance gained, "
+        "x10) beside the 1 on success; false: the 1 on success alone, a sparse reward as "
+        "LIBERO's (a fast testbed for what sparse rewards do to an algorithm).")
     latency_median_ms: float = setting(
         0.0, "reach only: emulated simulator cost: a step lasts the slowest of per-env "
         "lognormal draws with this median, its real compute included (0 = off).", ge=0)

@@ -24,7 +24,8 @@ Actions: (chunk_len, 2) per env, (dx, dy) clipped to [-1, 1] and scaled by `max_
 primitive step; the effector is clipped to the table. A chunk stops early (the remaining
 primitive steps are ignored) as soon as the target is reached. Reward per chunk: the sum over
 executed primitive steps of (previous distance - new distance) * progress_scale, plus 1.0 on
-success. Truncation after `max_episode_chunks` chunks. Finished envs auto-reset.
+success (env.progress_reward=false: progress_scale 0, the success alone, a sparse reward).
+Truncation after `max_episode_chunks` chunks. Finished envs auto-reset.
 
 Initial states (effector start, object positions and colours, target) come from each env's
 own stream (`seeds.env_rng` of the env's seed: `seeds.env_seeds` of the shard seed, or
@@ -119,7 +120,8 @@ class ReachEnv(VectorEnv):
     def config_kwargs(cls, env_cfg) -> dict:
         return dict(latency_median_ms=env_cfg.latency_median_ms,
                     latency_sigma=env_cfg.latency_sigma, hang_at_step=env_cfg.hang_at_step,
-                    crash_at_step=env_cfg.crash_at_step)
+                    crash_at_step=env_cfg.crash_at_step,
+                    **({} if env_cfg.progress_reward else {"progress_scale": 0.0}))
 
     def __init__(self, num_envs: int, seed: int = 0, image_size: int = 64, num_objects: int = 3,
                  chunk_len: int = 4, max_episode_chunks: int = 20, state: bool = True,
