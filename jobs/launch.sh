@@ -72,7 +72,8 @@
 #                     version batch: learner.micro_batches). COSTS: config (the reach env
 #                     probed, or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node and its
-#                     node-only checks on the others (default 1)
+#                     node-only checks on the others, all at once, each within 300 s
+#                     (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_SWEEP      train, sft in an array job: a file of overrides, a line per task
