@@ -1,7 +1,8 @@
 """`hpcvla doctor [CONFIG]`: does this node have what a job of CONFIG needs? Checked for real
 where it is cheap (a 2-rank MPI world, a tiny render), one line per check, each failure with
 its fix; exit status 1 when any fails. jobs/launch.sh runs it on the job's first node before
-starting the ranks, so a broken node fails the job in seconds, saying why.
+starting the ranks, then `--node-only` on its other nodes at once, so a broken node fails the
+job in seconds, saying why.
 
 Checks: the MPI launcher starts one world with the library mpi4py loads (and, for Open MPI,
 its one-sided components); /dev/shm has room for what the node's ranks share there (`train`'s

@@ -168,7 +168,8 @@ def batch_normalized(arrived: list[tuple[list[SegmentGroup], MicroBatch]],
     for _, micro in arrived:
         advantages = micro.advantages.advantages
         assert advantages is not None  # (PPO's)
-        kept = advantages[~torch.as_tensor(micro.arrays["env_fault"])].double()
+        faults = torch.as_tensor(micro.arrays["env_fault"], device=advantages.device)
+        kept = advantages[~faults].double()
         moments += [kept.numel(), float(kept.sum()), float((kept ** 2).sum())]
     n, total, squares = learners_sum(moments) if learners_sum else moments  # [dist]
     mean = float(total / max(n, 1.0))
