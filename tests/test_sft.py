@@ -463,7 +463,7 @@ def test_a_resumed_sfts_first_record_follows_a_line_a_killed_rank_cut(tmp_path):
     """SFT's metrics.jsonl opens as every run log does (files.open_log): a line a killed rank
     cut short is ended first, so the resumed start's first record stands alone (it was glued
     to the cut line, and readers dropped both)."""
-    from hpcvla.imitation.sft import RunLog
+    from hpcvla.imitation.sft_log import RunLog
     from hpcvla.files import read_log
     (tmp_path / "metrics.jsonl").write_text('{"time": 1.0, "step": 1}\n{"time": 2.0, "st')
     log = RunLog(load_config(None, [f"run.root={tmp_path}"]), tmp_path, resumed_at=1)

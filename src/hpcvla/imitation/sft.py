@@ -50,7 +50,6 @@ from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import ConfigError
-from hpcvla.config.learning import states_stage
 from hpcvla.config.imitation import dataset_features, demo_paths
 from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
                                    select_demonstrations)
@@ -58,14 +57,13 @@ from hpcvla.devices import bind_rank_device, peak_memory
 from hpcvla.engines import full_state, init_engine
 from hpcvla.envs import env_spec
 from hpcvla.factory import build_policy
-from hpcvla.files import open_log, replace_text
-from hpcvla.job.runtime import (claim_run, create_run_dir, leave_together, node_numbers,
-                                record_run_start)
+from hpcvla.files import replace_text
+from hpcvla.imitation.sft_log import start_log, step_chunks
+from hpcvla.job.runtime import claim_run, create_run_dir, leave_together, node_numbers
 from hpcvla.memory.layout import LayoutMemory
 from hpcvla.memory.sft_eval import hold_demonstrations, sft_memory
 from hpcvla.memory.states import size
 from hpcvla.metrics import phases, restart_log
-from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.process import deathwatch, heap, preempt
 from hpcvla.process.deathwatch import Refused
 from hpcvla.process.threads import rank_threads
@@ -164,7 +162,7 @@ def sft_main(cfg, world) -> None:
         else (0, 0)
     log = None
     if rank == 0:
-        log = _start_log(cfg, run_dir, (resume, state), learners)
+        log = start_log(cfg, run_dir, (resume, state), learners)
         print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
               f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
@@ -197,23 +195,6 @@ def planned_memory(cfg, world, device, spec) -> LayoutMemory | None:
     if memory.problems:
         raise Refused(ConfigError(memory.problems, "memory plan of the sft learners"))
     return memory
-
-
-def _start_log(cfg, run_dir: Path, resumed: tuple, learners: int) -> RunLog:
-    """Rank 0: the run's config written (what a resume changed, said), a resume's layout said
-    (`resumed`: the checkpoint and its state, or None, None); the run's RunLog."""
-    point, state = resumed
-    record_run_start(cfg, run_dir, "hpcvla sft")
-    if state:  # on another learner count each step trains another number of chunks
-        sft = cfg.sft
-        print(f"[hpcvla sft] resuming from {point} (step {state['version']}; "
-              f"{catalog.layout_change(state, learners, states_stage(cfg.learner))}; "
-              f"{step_chunks(sft, learners)} chunks a step)", flush=True)
-        changed = catalog.batch_change(state, learners, sft.batch_size, sft.micro_batches,
-                                       "sft")
-        if changed:
-            print(f"[hpcvla sft] {changed}", flush=True)
-    return RunLog(cfg, run_dir, state["version"] if state else 0 if cfg.run.resume else None)
 
 
 def _read_on_node(node, spec, horizon: int, select) -> tuple[Demonstrations, NodeArrays]:
@@ -268,11 +249,6 @@ def _train(cfg, engine, demos, held_out, first: int, trained: int, world, log, r
     return history, done, trained
 
 
-def step_chunks(sft, learners: int) -> int:
-    """The chunks `learners` train together in a step."""
-    return sft.batch_size * sft.micro_batches * learners
-
-
 def _step(engine, demos, passes: list[np.ndarray], lr: float) -> float:
     """One optimizer step at learning rate `lr`, a forward/backward pass on each `passes`'
     chunks (the engine steps after the last); their mean loss."""
@@ -289,44 +265,6 @@ def _step(engine, demos, passes: list[np.ndarray], lr: float) -> float:
         losses.append(loss.item())
     phases.mark("first_step")
     return sum(losses) / len(losses)
-
-
-class RunLog:
-    """Rank 0's record of the run as it goes: a metrics.jsonl line a step (whole as it ends:
-    a failing rank's last words and a restart's record read it), TensorBoard's scalars, and
-    the progress line every pipeline.progress_every_s, at a held-out loss and at the end."""
-
-    def __init__(self, cfg, run_dir: Path, resumed_at: int | None = None):
-        """`resumed_at`: the step a resumed start goes on from (metrics/tensorboard.RunBoard)."""
-        self.cfg, self.printed_at = cfg, -math.inf
-        self.board = RunBoard(run_dir, cfg.run, asdict(cfg), resumed_at)
-        self.metrics = open_log(run_dir / "metrics.jsonl", buffering=1)
-
-    def step(self, history: dict[str, list], val: float | None, counts: tuple,
-             elapsed: float) -> None:
-        """After a step. `counts`: the first step of this world, the steps done, the chunks
-        trained, the samples and the learners; `elapsed`: seconds since this world's first."""
-        first, done, trained, samples, learners = counts
-        sft, loss, lr = self.cfg.sft, history["losses"][-1], history["lrs"][-1]
-        scalars = {"loss": loss, "lr": lr, **({"val_loss": val} if val is not None else {})}
-        self.board.scalars(scalars, done, group="sft")
-        self.metrics.write(json.dumps({"time": round(elapsed, 3), "step": done,
-                                       "trained_chunks": trained, "from_step": first,
-                                       **scalars}) + "\n")
-        if elapsed - self.printed_at < self.cfg.pipeline.progress_every_s and \
-                done < sft.steps and val is None:
-            return
-        self.printed_at = elapsed
-        rate = (done - first) * step_chunks(sft, learners) / max(elapsed, 1e-9)
-        eta = (sft.steps - done) * step_chunks(sft, learners) / max(rate, 1e-9)
-        print(f"[hpcvla sft] step {done}/{sft.steps} | loss {loss:.4f} | "
-              + (f"held-out {val:.4f} | " if val is not None else "") +
-              f"lr {lr:.2e} | {rate:.0f} chunks/s | epoch {trained / samples:.1f} | "
-              f"eta {eta:.0f} s", flush=True)
-
-    def close(self) -> None:
-        self.board.close()
-        self.metrics.close()
 
 
 def held_out_loss(engine, held_out, batch_size: int, world) -> float:
