@@ -38,6 +38,7 @@ from hpcvla.demonstrations.common import DemonstrationError, Problem, Problems
 from hpcvla.envs.base import EnvSpec
 from hpcvla.metrics.dump import open_hdf5
 from hpcvla.text import tokenize
+from hpcvla.transport.windows import MPI_OWN_SHM
 
 __all__ = ["Demonstrations", "DemonstrationError", "Selection", "read_demonstrations",
            "select_demonstrations", "read_selection",
@@ -259,9 +260,9 @@ def _memory_problems(chosen, spec: EnvSpec, host_memory: int,
                  "memory (one copy per host, two while it is read)" + fewer)]
     if shm is not None and need > shm:
         return [(files, held, f"at most the {max(shm, 0) / 2**30:.1f} GiB this host's /dev/shm "
-                 "has free beside MPI's own 64 MiB, where the one copy lives (MPI shared "
-                 "memory; a larger /dev/shm: `mount -o "
-                 "remount,size=...`, containers: --shm-size)" + fewer)]
+                 f"has free beside MPI's own {MPI_OWN_SHM >> 20} MiB, where the one copy "
+                 "lives (MPI shared memory; a larger /dev/shm: `mount -o remount,size=...`, "
+                 "containers: --shm-size)" + fewer)]
     return []
 
 
