@@ -109,6 +109,45 @@ def test_raw_observation_to_the_reference_action_chunk(family, layout):
     torch.testing.assert_close(logprob, sampled.logprob, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("family,layout", [("pi0", "lerobot"), ("pi05", "lerobot"),
+                                           ("pi05", "openpi")])
+def test_a_dim_the_statistics_hold_constant_is_scored_as_sampled(tmp_path, family, layout):
+    """A fine-tuned folder whose data never moved one action dim (q01 = q99, std 0: a
+    gripper a pushing task never opens) sends the env that constant whatever the model
+    sampled, so the env's units cannot be mapped back: the policy records its chunk in the
+    model's space and evaluate scores that one, to act's log-prob. (Mapped back, LeRobot's
+    MEAN_STD gives 0, QUANTILES -1, openpi's eps a few percent off.)"""
+    from hpcvla.policies.vla import MODEL_ACTIONS
+    io, tasks = fixture(family)
+    obs, spec = raw_observation(io, tasks)
+    folder = tmp_path / family / layout  # config() reads the recipe from these names
+    shutil.copytree(FIXTURES / family / layout, folder)
+    if layout == "lerobot":
+        stats_file = folder / "policy_postprocessor_step_0_unnormalizer_processor.safetensors"
+        stats = load_file(str(stats_file))
+        for name in ("action.std", "action.q01", "action.q99"):
+            stats[name][6] = 0.0 if name == "action.std" else 0.5
+        save_file(stats, str(stats_file))
+    else:
+        stats_file = next(folder.glob("assets/*/*/norm_stats.json"))
+        stats = json.loads(stats_file.read_text())
+        actions = stats["norm_stats"]["actions"]
+        actions["std"][6], actions["q01"][6], actions["q99"][6] = 0.0, 0.5, 0.5
+        stats_file.write_text(json.dumps(stats))
+    policy = build_policy(config(folder, **{"policy.init_log_std": -2}), spec)
+    assert MODEL_ACTIONS in policy.extra_fields()
+    torch.manual_seed(0)
+    out, extras = policy.sample(obs)
+    constant = 0.5 if family == "pi05" else float(load_file(str(
+        FIXTURES / family / layout / "policy_postprocessor_step_0_unnormalizer_processor"
+        ".safetensors"))["action.mean"][6])
+    torch.testing.assert_close(out.actions[..., 6], torch.full_like(out.actions[..., 6],
+                                                                    constant))
+    assert extras[MODEL_ACTIONS][..., 6].std() > 0.05  # what was sampled there varies
+    logprob = policy.evaluate({**obs, **extras}, out.actions)[0]
+    torch.testing.assert_close(logprob, out.logprob, rtol=0, atol=1e-3)
+
+
 def test_policy_denoise_from_noise_acts_from_a_drawn_start_in_the_envs_units():
     """policy.denoise_from=noise (openpi's sampler: tests/test_pi0_reference.py) through the
     public path: the chunk is the one from the start noise drawn from the caller's stream,
@@ -147,6 +186,7 @@ def test_noisy_steps_on_a_published_folder_score_what_they_sampled(family, mode)
                           "flow_chain_taken": (2, 3, EXECUTED, 7)},
                 "random_step": {"flow_step_x": (2, 10, 32), "flow_step_t": (2, 1),
                                 "flow_step_taken": (2, EXECUTED, 7)}}[mode]
+    recorded["model_actions"] = (2, EXECUTED, 7)  # the executed chunk, as sampled
     assert {k: tuple(v.shape) for k, v in extras.items()} == recorded
     assert out.actions.shape == (2, EXECUTED, 7)
     logprob = policy.evaluate({**obs, **extras}, out.actions)[0]

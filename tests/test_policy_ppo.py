@@ -437,7 +437,8 @@ def test_ppo_moves_bandit_mean_toward_target():
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     """Through the learner's `policy_loss`: whatever a faulted step recorded (reward, action,
-    success) changes nothing; the same step unflagged is trained as a failure."""
+    success; NaN actions and observations) changes nothing, and its gradient stays finite;
+    the same step unflagged is trained as a failure."""
     from hpcvla.config import load_config
     from hpcvla.envs import env_spec
     from hpcvla.algorithms.objective import policy_loss
@@ -466,7 +467,11 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     batch["logprob"] += 0.1 * rng.standard_normal((T, N)).astype(np.float32)  # stale data
 
     def loss_of(b):
+        policy.zero_grad()
         loss, stats, _ = policy_loss(cfg.algorithm, policy, b)
+        loss.backward()
+        assert all(torch.isfinite(p.grad).all() for p in policy.parameters()
+                   if p.grad is not None)
         return loss.item(), stats
 
     base, stats = loss_of(batch)
@@ -474,6 +479,10 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     scrambled["reward"][-1, 3] = 100.0
     scrambled["success"][-1, 3] = True
     scrambled["actions"][-1, 3] = -scrambled["actions"][-1, 3]
+    assert loss_of(scrambled)[0] == pytest.approx(base, rel=1e-6)
+    for name, value in scrambled.items():  # what a diverged simulator or policy records
+        if (name == "actions" or name.startswith("obs.")) and value.dtype.kind == "f":
+            value[-1, 3] = np.nan
     assert loss_of(scrambled)[0] == pytest.approx(base, rel=1e-6)
     unflagged = dict(batch, env_fault=np.zeros((T, N), bool))
     assert loss_of(unflagged)[0] != pytest.approx(base, rel=1e-3)

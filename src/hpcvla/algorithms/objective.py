@@ -74,14 +74,16 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     if advantages is None:
         advantages = advantages_of(alg, batch, model.device)
     batch = _on(model.device, batch)
-    obs = {k[4:]: v.reshape(T * N, *v.shape[2:])
-           for k, v in batch.items() if k.startswith("obs.")}
-    # a failed env's action (a NaN one may be why it failed) scored as zeros: its unit is
-    # masked out, and a NaN log-prob there would reach the gradient through the forward
-    actions = torch.where(batch["env_fault"].reshape(T, N, *[1] * (batch["actions"].ndim - 2)),
-                          0.0, batch["actions"])
-    actions = actions.reshape(T * N, *actions.shape[2:])
-    logprob, value, entropy = model(obs, actions)
+    fault = batch["env_fault"]
+
+    def scored(x):  # (T, N, ...) -> (T * N, ...), a failed env's step as zeros
+        # (a NaN action, observation or recorded chunk may be why it failed): its unit is
+        # masked out, and a NaN there would reach the gradient through the forward
+        if x.is_floating_point():
+            x = torch.where(fault.reshape(T, N, *[1] * (x.ndim - 2)), 0.0, x)
+        return x.reshape(T * N, *x.shape[2:])
+    obs = {k[4:]: scored(v) for k, v in batch.items() if k.startswith("obs.")}
+    logprob, value, entropy = model(obs, scored(batch["actions"]))
     # logprob/entropy may be finer than chunks (policy.logprob_granularity): (T, N, *units)
     logprob, value, entropy = (x.reshape(T, N, *x.shape[1:]) for x in (logprob, value, entropy))
     behaviour = batch["logprob"]

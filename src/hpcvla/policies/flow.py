@@ -180,11 +180,12 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
         return dims
 
     def extra_fields(self) -> dict[str, tuple[tuple, str]]:
-        """What evaluate scores beside the observation (flow_denoising.py's fields); steered
-        (DSRL): the noise the actor chose, SAC's action."""
+        """What evaluate scores beside the observation: a processor's chunk in the model's
+        space (VLAPolicy's) and flow_denoising.py's fields; steered (DSRL): the noise the
+        actor chose, SAC's action."""
         if self.steered:
             return {NOISE: ((self.chunk_len, self.action_dim), "<f4")}
-        return self.denoising_fields()
+        return {**super().extra_fields(), **self.denoising_fields()}
 
     def action_mode(self, deterministic: bool) -> str:
         noise = deterministic and self.denoise_from == "noise" and not self.steered

@@ -3,7 +3,7 @@
     processor = OFTProcessor.from_folder(folder, tokenizer_folder, unnorm_key, vocab, ...)
     model_obs = processor.inputs(obs)      # + input_ids / prompt_mask, normalized state
     env_actions = processor.actions_out(a, obs)  # normalized [-1, 1] -> the dataset's units
-    a = processor.actions_in(env_actions, obs)   # and back, for scoring
+    a = processor.actions_in(env_actions, obs)   # and back (demonstrations)
 
 * **Prompt**: `In: What action should the robot take to {task.lower()}?\\nOut: ` (the trailing
   space encodes as 29871, the id OFT's `predict_action` appends), with the Llama tokenizer the

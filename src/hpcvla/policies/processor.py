@@ -5,7 +5,7 @@ it was trained on, its actions go back to the env's units.
                                                 state_dim, action_dim)
     model_obs = processor.inputs(obs)          # prompt ids, normalized state
     env_actions = processor.actions_out(a, obs)  # model (normalized) -> env units
-    a = processor.actions_in(env_actions, obs)   # and back, for scoring
+    a = processor.actions_in(env_actions, obs)   # and back (demonstrations)
 
 Built-in policies and folders written by `save_pretrained` (config.json with `hpcvla_policy`)
 read the env's observations as they are: `from_folder` gives None for them. A LeRobot or
@@ -43,9 +43,10 @@ openpi π0/π0.5 folder needs three things the weights do not hold:
   references' masked empty cameras amount to (no token attends to them and positions count
   only real tokens).
 
-Actions: RL samples and scores in the model's (normalized) space; the policy returns, and the
-pipeline records, the env's action (`actions_out`), which scoring maps back: an affine map
-(the state offset is fixed by the observation), so PPO's ratios are the model space's.
+Actions: RL samples and scores in the model's (normalized) space; the policy returns the env's
+action (`actions_out`) and records the sampled chunk beside it (VLAPolicy.extra_fields), which
+scoring reads: the map back (`actions_in`, for demonstrations in the env's units) loses a dim
+the statistics hold constant (q01 = q99, std 0) and is off by the references' eps.
 """
 
 from __future__ import annotations

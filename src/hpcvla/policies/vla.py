@@ -187,6 +187,7 @@ class PrefixCache:
         return PrefixCache(repeated(self.keys), repeated(self.values)).freeze()
 
 
+MODEL_ACTIONS = "model_actions"  # a processor's policy records its chunk in the model's space
 CAMERAS = ("image", "wrist_image")  # observation keys the prefix sees, in token order
 
 
@@ -302,10 +303,22 @@ class VLAPolicy(Policy):
         return {k: v.to(device, non_blocking=True) for k, v in obs.items()}
 
     def _model_actions(self, actions: torch.Tensor, obs) -> torch.Tensor:
-        """Recorded (env) actions of the raw observations `obs` -> the model's space, where
-        they are scored."""
+        """Actions in the env's units (demonstrations) of the raw observations `obs` -> the
+        model's space, where they are scored."""
         actions = actions.to(self.device)
         return actions if self.processor is None else self.processor.actions_in(actions, obs)
+
+    def extra_fields(self) -> dict[str, tuple[tuple, str]]:
+        """Acting through a published folder's processor, the chunk as sampled in the model's
+        space (MODEL_ACTIONS), which `evaluate` scores: the env's units do not always map back
+        (a dim the checkpoint's statistics hold constant, q01 = q99 or std 0, comes out as that
+        constant whatever was sampled: scored after the map back, it would be another action,
+        tens of nats away; and the references' eps leaves the map back a little off). A
+        meta build (the memory model) reads no folder's statistics and counts without it:
+        H x D floats a step, against the step's images."""
+        if self.processor is None:
+            return {}
+        return {MODEL_ACTIONS: ((self.chunk_len, self.action_dim), "<f4")}
 
     @property
     def device(self) -> torch.device:
@@ -319,11 +332,16 @@ class VLAPolicy(Policy):
         with torch.no_grad():
             actions, terms, value, extras = self._sample(self._inputs(obs), deterministic)
         if self.processor is not None:  # the env's units (the log-prob stays the model's)
+            extras = {**extras, MODEL_ACTIONS: actions.float()}
             actions = self.processor.actions_out(actions, obs)
         return ActOutput(actions.float(), terms.sum(dim=(1, 2)), value.float()), extras
 
     def evaluate(self, obs, actions):
-        terms, entropy, value = self._score(self._inputs(obs), self._model_actions(actions, obs))
+        """Scores the chunk sample() recorded in the model's space where obs has it, else
+        `actions` (the env's units) mapped there."""
+        model = obs[MODEL_ACTIONS].to(self.device) if MODEL_ACTIONS in obs \
+            else self._model_actions(actions, obs)
+        terms, entropy, value = self._score(self._inputs(obs), model)
         g = self.logprob_granularity
         return reduce_units(terms, g), value.float(), reduce_units(entropy, g)
 
