@@ -352,6 +352,25 @@ def test_logits_logprobs_and_values_in_float64_to_1e5(io):
                                            atol=1e-5)
 
 
+def test_bfloat16_action_logits_are_the_exact_product_of_its_weights(io):
+    """In bf16 a trained, peaked head's action logits (20-30) would be rounded 0.06-0.125
+    apart, and inference's and training's kernels round them differently (a per-token
+    mismatch summed over 56 tokens into every behaviour weight): they are computed in float32
+    from the bf16 hidden states and weights, the 256 action rows only."""
+    from hpcvla.policies.oft import ACTION_ROWS
+    obs, spec = env_obs(io)
+    policy = build_policy(config(**{"policy.dtype": "bfloat16"}), spec).eval()
+    with torch.no_grad():
+        policy.lm_head.weight[ACTION_ROWS] *= 3  # a peaked head: logits up to ~30
+    seen = []
+    policy.lm_head.register_forward_hook(lambda module, args, out: seen.append(args[0]))
+    with torch.no_grad():
+        logits = policy.action_logits(policy._inputs(obs))[0]
+    reference = seen[0].double() @ policy.lm_head.weight[ACTION_ROWS].double().T
+    assert logits.dtype == torch.float32 and 16 < reference.abs().max() < 64
+    torch.testing.assert_close(logits.double(), reference, rtol=1e-5, atol=1e-4)
+
+
 def _remove_tensor(folder, name: str) -> None:
     """A sharded checkpoint folder without tensor `name`: its shard and index rewritten."""
     index = json.loads((folder / "model.safetensors.index.json").read_text())

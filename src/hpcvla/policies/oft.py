@@ -55,11 +55,12 @@ from hpcvla.config.families import ACTION_HEADS as HEADS, FAMILIES
 from hpcvla.config.policy import SEQUENCES
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
-from hpcvla.policies.vla import CAMERAS, VLAPolicy, block_mask
+from hpcvla.policies.vla import CAMERAS, VLAPolicy, VocabularyHead, block_mask
 from hpcvla.policies.oft_vision import FusedVisionBackbone, L1ActionHead, Projector, \
     ProprioProjector, pixel_values
 
 ACTION_BEGIN, N_BINS, LLM_VOCAB = 31744, 256, 32000  # action ids: [31744, 32000)
+ACTION_ROWS = slice(ACTION_BEGIN, ACTION_BEGIN + N_BINS)
 BOS, STOP = 1, 2
 DECODED_CHUNK = 8
 
@@ -210,7 +211,7 @@ class OFTPolicy(VLAPolicy):
         if self.use_proprio:
             self.proprio_projector = ProprioProjector(obs_spec["state"][0][0], width)
         self.language_model = backbone(LlamaModel, self.llm_config, self.compute_dtype)
-        self.lm_head = nn.Linear(width, self.llm_config.vocab_size, bias=False)
+        self.lm_head = VocabularyHead(width, self.llm_config.vocab_size, bias=False)
         if action_head == "l1":
             self.action_head = L1ActionHead(width, self.action_dim)
             self.log_std = nn.Parameter(torch.full((self.chunk_len, self.action_dim),
@@ -328,7 +329,7 @@ class OFTPolicy(VLAPolicy):
         """RLinf's action logits (B, n_tokens, 256) float32, before the temperature, and the
         per-step values (B, 8)."""
         hidden = self._hidden(obs, stop=self.sequence == "official")
-        logits = self.lm_head(hidden)[..., ACTION_BEGIN:ACTION_BEGIN + N_BINS].float()
+        logits = self.lm_head(hidden, rows=ACTION_ROWS)
         return logits, self.value_head(hidden[:, 0]).float()
 
     @torch.no_grad()

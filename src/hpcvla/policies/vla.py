@@ -257,6 +257,20 @@ def masked_mean(hidden: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp(min=1.0)
 
 
+class VocabularyHead(nn.Linear):
+    """An LLM's `lm_head`; `rows` (a slice): those rows' logits alone, in float32 at least. A
+    policy that reads a few hundred action ids of a 32k vocabulary scores them exactly (bf16
+    logits of 20-30 are 0.06-0.125 apart, so inference's and training's kernels disagree by
+    that much a token) and skips the other rows' product. Called as a module, so that ZeRO-3
+    gathers its weight first."""
+
+    def forward(self, hidden: torch.Tensor, rows: slice | None = None) -> torch.Tensor:
+        if rows is None:
+            return super().forward(hidden)
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        return F.linear(hidden.to(dtype), self.weight[rows].to(dtype))
+
+
 def value_mlp(width: int, hidden: int) -> nn.Sequential:
     head = nn.Sequential(nn.Linear(width, hidden), nn.Tanh(), nn.Linear(hidden, 1))
     nn.init.orthogonal_(head[0].weight, math.sqrt(2))
