@@ -38,26 +38,35 @@ on_node() {  # HOST SHELL_COMMAND [LIMIT]
         none) sh -c "$2" ;;
     esac
 }
+# SHELL_COMMAND on each HOST at once within LIMIT seconds (on_node): its output (stdout and
+# stderr) into DIR/HOST and its exit status into DIR/HOST.status. A dead node costs the
+# limit once, not per node. Its callers run in a subshell: `wait` waits for the nodes alone.
+on_each_node() {  # DIR LIMIT SHELL_COMMAND HOST...
+    local dir=$1 limit=$2 command=$3 host
+    shift 3
+    for host in "$@"; do
+        { on_node "$host" "$command" "$limit" > "$dir/$host" 2>&1
+          echo $? > "$dir/$host.status"; } &
+    done
+    wait
+}
+
 # After a failed world (and before a requeued job's first), on every node of HOSTS at once:
 # remove the MPI segments its killed ranks left in /dev/shm and its Hydra proxies' topology
 # files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
-# within HPCVLA_NODE_CHECK_S, in HOSTS' order: a restart's nodes.
-# A dead node costs that limit once, not per node. A node answers as long as it starts a
-# process: a cleanup that fails there (ssh passes no environment) is said, not taken for a
-# dead node.
-clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
+# within HPCVLA_NODE_CHECK_S, in HOSTS' order: a restart's nodes. A node answers as long as
+# it starts a process: a cleanup that fails there (ssh passes no environment) is said, not
+# taken for a dead node.
+clean_nodes() {  # run in a subshell
     local host answers clean
     answers=$(mktemp -d)
     clean="$(printf '%q' "$PYTHON") -m hpcvla.job.segments remove-orphans 2>&1 ||
         echo \"\$(hostname): could not remove the failed world's MPI leftovers (above)\""
+    on_each_node "$answers" "${HPCVLA_NODE_CHECK_S:-60}" "$clean" "${HOSTS[@]}"
     for host in "${HOSTS[@]}"; do
-        { on_node "$host" "$clean" > "$answers/$host.out" 2> /dev/null &&
-              touch "$answers/$host"; } &
-    done
-    wait
-    for host in "${HOSTS[@]}"; do
-        [[ -s $answers/$host.out ]] && cat "$answers/$host.out" >&2
-        [[ -e $answers/$host ]] && echo "$host"
+        [[ $(< "$answers/$host.status") == 0 ]] || continue
+        [[ -s $answers/$host ]] && cat "$answers/$host" >&2
+        echo "$host"
     done
     rm -rf "$answers"
 }
@@ -68,7 +77,7 @@ clean_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
 # node whose checks failed is said with its lines; false if one did. A node that could not
 # run the check (it did not answer, a launch error) is said and left to the world's start: a
 # dead node there is a failed world, which HPCVLA_RESTARTS continues without it.
-check_other_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
+check_other_nodes() {  # run in a subshell
     local host answers command name assignments=() failed=() checked=()
     answers=$(mktemp -d)
     command=$(printf '%q ' "$@")
@@ -79,11 +88,7 @@ check_other_nodes() {  # run in a subshell: its `wait` waits for the nodes alone
         done
         command="cd $(printf '%q' "$PWD") && env $(printf '%q ' "${assignments[@]}")$command"
     fi
-    for host in "${HOSTS[@]:1}"; do
-        { on_node "$host" "$command" 300 > "$answers/$host" 2>&1
-          echo $? > "$answers/$host.status"; } &
-    done
-    wait
+    on_each_node "$answers" 300 "$command" "${HOSTS[@]:1}"
     for host in "${HOSTS[@]:1}"; do
         if grep -q '^FAIL' "$answers/$host"; then
             failed+=("$host")
