@@ -54,8 +54,8 @@ BROKEN = {  # what is broken: (args, environment, the check that fails, words of
         ["configs/default.yaml"], {"SLURM_GPUS_ON_NODE": "2"}, "gpus",
         "this node was given GPUs (SLURM_GPUS_ON_NODE=2) but torch"),
     "a setting the env refuses": (  # what train refuses, the doctor fails too
-        ["configs/default.yaml", "env.suite=libero_10"], {}, "config",
-        "env.suite = 'libero_10': expected 'libero_spatial'"),
+        ["configs/libero_spatial.yaml", "env.suite=libero_99"], {}, "config",
+        "env.suite = 'libero_99': expected one of libero_spatial"),
     "no EGL": (["configs/libero_spatial.yaml"],
                {"__EGL_VENDOR_LIBRARY_FILENAMES": "/nonexistent/egl_vendor.json"}, "renderer",
                "EGL (MuJoCo): failed"),

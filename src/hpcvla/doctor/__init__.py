@@ -104,10 +104,12 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
-    demos = _demonstrations(cfg) if job == "sft" else 0  # its files' headers read once
+    # /dev/shm's need is sized from the env's spec: not on a config with problems (an
+    # unknown suite has no spec), as the memory check
+    demos = _demonstrations(cfg) if job == "sft" and not problems else 0  # headers, once
     checks = [_mpi(cfg, windows=job != "eval"),
-              *([] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
-                                                          recorded)]),
+              *([] if job == "eval" or problems else [
+                  _shared_memory(cfg, weights, job, world, demos, recorded)]),
               *_gpus(cfg), *renderer_checks(cfg), *unbuilt]
     if world and not problems and not unbuilt:
         checks += _memory(cfg, job, world, demos, envs)
