@@ -500,7 +500,12 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
      "train-async, rollout-async, streamer do"),
     ("pipeline.mode=train-async", "rollout.wait_max_ms=50", "rollout-async, streamer do"),
     ("env.name=reach", "env.state_mode=visual", "maniskill does"),
-    ("env.name=libero", "env.latency_median_ms=5", "reach does")])
+    ("env.name=libero", "env.latency_median_ms=5", "reach does"),
+    ("env.name=maniskill", "env.suite_task=3", "libero does"),
+    ("env.name=maniskill", "env.suite=libero_10", "libero does"),
+    ("env.name=maniskill", "env.state_format=axis_angle", "libero does"),
+    ("env.name=libero", "env.task=PushCube-v1", "maniskill does"),
+    ("env.name=libero", "env.state_mode=visual", "maniskill does")])
 def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refused(
         chosen, unread, readers):
     """A sweep over a setting nothing reads runs identical arms: typed on the command line,

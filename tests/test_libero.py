@@ -19,9 +19,10 @@ def test_state_format_setting_reaches_libero_only():
     cfg = load_config(ROOT / "configs/libero_spatial.yaml", ["env.state_format=axis_angle"])
     assert env_kwargs(cfg.env)["state_format"] == "axis_angle"
     assert env_spec(cfg.env).obs["state"][0] == (8,)
-    reach = load_config(ROOT / "configs/libero_spatial.yaml",
-                        ["env.name=reach", "env.state_format=axis_angle"])
-    assert "state_format" not in env_kwargs(reach.env)  # like env.suite: libero only
+    with pytest.raises(ConfigError, match=r"env.state_format = 'axis_angle': expected none: "
+                                          r"env.name=reach does not read it \(libero does\)"):
+        load_config(ROOT / "configs/libero_spatial.yaml",  # like env.suite: libero only
+                    ["env.name=reach", "env.state_format=axis_angle"])
     with pytest.raises(ConfigError, match="env.state_format"):
         load_config(ROOT / "configs/libero_spatial.yaml", ["env.state_format=euler"])
 

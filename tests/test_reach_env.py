@@ -281,20 +281,24 @@ def test_latency_can_be_reported_instead_of_slept():
     assert env.last_latency_s == pytest.approx(0.2)  # ...but reported for the caller to hold
 
 
-def test_a_reward_choice_reach_would_not_make_is_refused():
+def test_a_reward_choice_reach_would_not_make_is_refused(tmp_path):
     """env.reward picks ManiSkill's reward; reach has one of its own, so `dense` there would do
-    nothing: refused before any rank starts, naming the field."""
+    nothing: refused before any rank starts, naming the field; so is every real simulator's
+    setting without env.name (forgotten), typed or from a config file: not a reach run."""
     from hpcvla.config import ConfigError, load_config
     from hpcvla.envs import check_env
     from helpers import ROOT
     check_env(load_config(ROOT / "configs/default.yaml"))  # the default: accepted
-    with pytest.raises(ConfigError, match=r"env.reward = 'dense': expected 'sparse', its default"):
-        check_env(load_config(ROOT / "configs/default.yaml", ["env.reward=dense"]))
-    # a real simulator's setting without env.name (forgotten): refused, not a reach run
+    with pytest.raises(ConfigError, match=r"env.reward = 'dense': expected none: env.name=reach "
+                                          r"does not read it \(maniskill, libero do\)"):
+        load_config(ROOT / "configs/default.yaml", ["env.reward=dense"])
     for setting, value in (("suite", "libero_10"), ("task", "PushCube-v1"),
-                           ("wrist_image", "true")):
-        with pytest.raises(ConfigError, match=rf"env.{setting} = .*reach does not read"):
-            check_env(load_config(ROOT / "configs/default.yaml", [f"env.{setting}={value}"]))
+                           ("wrist_image", "true"), ("reward", "dense")):
+        config = tmp_path / f"{setting}.yaml"
+        config.write_text(f"env: {{{setting}: {value}}}\n")
+        with pytest.raises(ConfigError, match=rf"env.{setting} = .*its default: env.name=reach "
+                                              r"does not read it"):
+            check_env(load_config(config))
 
 
 def _drawn_anew(env: ReachEnv) -> np.ndarray:

@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from hpcvla.config.families import (EE_DELTA_CONTROL, FAMILIES, FOLDER_RECIPE_UNSET,
-                                    SQUASHED_LOG_STD, family, simulator)
+                                    SIMULATORS, SQUASHED_LOG_STD, family, readers_of,
+                                    simulator, unread_settings)
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
@@ -293,10 +294,7 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
     **{f"rollout.{k}": ("pipeline.mode", tuple(
         m for m, t in MODE_TRAITS.items() if t.dynamic_batcher))
        for k in ("batch_max", "wait_max_ms")},
-    # (LIBERO's and ManiSkill's own settings on reach: ReachEnv.FOREIGN, files included)
-    **{f"env.{k}": ("env.name", ("reach",)) for k in ("latency_median_ms", "latency_sigma",
-                                                       "progress_reward")},
-    "env.state_mode": ("env.name", ("maniskill",)),
+    # env.*: SimulatorTraits.settings
 }
 # what the choices that do not read a setting run at: typed, it says what runs (on-policy
 # synchronous modes are max_staleness 0)
@@ -304,15 +302,16 @@ IMPLIED = {"pipeline.max_staleness": 0}
 
 
 def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
-    """Settings typed on the command line that the chosen policy family, algorithm, pipeline
-    mode or simulator does not read (`policy.size=full` on the default policy,
-    FamilyTraits.settings; `algorithm.group_size=4` under PPO, `learner.epochs=4` under SAC,
+    """Settings typed on the command line that the chosen policy family, simulator,
+    algorithm or pipeline mode does not read (`policy.size=full` on the default policy,
+    FamilyTraits.settings; `env.suite_task=3` on maniskill, SimulatorTraits.settings;
+    `algorithm.group_size=4` under PPO, `learner.epochs=4` under SAC,
     `pipeline.max_staleness=2` in a synchronous mode: READ_ONLY_UNDER): refused, not silently
     ignored, where they change a default. A config file's stay (`configs/reach_flow.yaml
     policy.name=oft` keeps the file's flow settings unread).
     Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
     folder_sizes): `configs/libero_pi0.yaml policy.size=full` would plan its fixture's sizes."""
-    some = {name for traits in FAMILIES.values() for name in traits.settings}
+    tables = {"policy": FAMILIES, "env": SIMULATORS}
     problems = []
     for item in overrides:
         key = item.partition("=")[0]
@@ -323,9 +322,10 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
                              f"{cfg.policy.pretrained} sets the sizes; to build at this size "
                              "without it: policy.pretrained= policy.tokenizer="))
             continue
-        if section == "policy" and name in some - set(family(cfg.policy.name).settings):
-            readers = [n for n, traits in FAMILIES.items() if name in traits.settings]
-            chooser = "policy.name"
+        if section in tables and name in unread_settings(tables[section],
+                                                         _value_of(cfg, f"{section}.name")):
+            readers = readers_of(tables[section], name)
+            chooser = f"{section}.name"
         elif key in READ_ONLY_UNDER and _value_of(cfg, READ_ONLY_UNDER[key][0]) not in \
                 READ_ONLY_UNDER[key][1]:
             chooser = READ_ONLY_UNDER[key][0]  # a switch's readers: `run.dump_trajectories=true`

@@ -93,19 +93,28 @@ class SimulatorTraits:
     benchmark: str
     # gripper conventions to choose from (env.gripper_action: LIBERO's, OFT's datasets')
     gripper_conventions: bool = False
+    # the env.* settings it reads that another simulator does not (those the traits above
+    # decide are judged by their rules): a simulator that does not read one refuses it typed
+    # (config/checks.unread_override_problems), reach from a config file too (ReachEnv)
+    settings: tuple[str, ...] = ()
 
 
 SIMULATORS = {
     "reach": SimulatorTraits(emulated=True, controllers=False, gpu_simulation=False,
                              state_only=False, egl=False,
-                             evaluation_to_horizon=False, benchmark=""),
+                             evaluation_to_horizon=False, benchmark="",
+                             settings=("latency_median_ms", "latency_sigma", "progress_reward",
+                                       "hang_at_step", "crash_at_step")),
     "maniskill": SimulatorTraits(emulated=False, controllers=True, gpu_simulation=True,
                                  state_only=True, egl=False,
-                                 evaluation_to_horizon=True, benchmark=""),
+                                 evaluation_to_horizon=True, benchmark="",
+                                 settings=("task", "reward", "wrist_image", "state_mode")),
     "libero": SimulatorTraits(emulated=False, controllers=False, gpu_simulation=False,
                               state_only=False, egl=True,
                               evaluation_to_horizon=False, benchmark="libero",
-                              gripper_conventions=True),
+                              gripper_conventions=True,
+                              settings=("suite", "suite_task", "state_format", "reward",
+                                        "wrist_image")),
 }
 
 
@@ -113,9 +122,20 @@ def family(name: str) -> FamilyTraits:
     return FAMILIES[name]
 
 
+def unread_settings(table: dict, chosen: str) -> set[str]:
+    """The settings some entry of `table` (FAMILIES, SIMULATORS) reads and `chosen` does not."""
+    return {name for traits in table.values() for name in traits.settings} - \
+        set(table[chosen].settings)
+
+
+def readers_of(table: dict, setting: str) -> list[str]:
+    """The entries of `table` that read `setting`."""
+    return [name for name, traits in table.items() if setting in traits.settings]
+
+
 def simulator(name: str) -> SimulatorTraits:
     return SIMULATORS[name]
 
 
 __all__ = ["EE_DELTA_CONTROL", "FAMILIES", "MANISKILL_REWARDS", "FamilyTraits", "SIMULATORS",
-           "SimulatorTraits", "family", "simulator"]
+           "SimulatorTraits", "family", "readers_of", "simulator", "unread_settings"]
