@@ -169,9 +169,9 @@ def colocated_rank(me: Rank) -> tuple[float, Counters]:
 
 def _version_update(me: Rank, engine: SkipNonfinite, actor: Policy) -> VersionUpdate:
     """What trains a colocated version: the on-policy learner's (PPO, GRPO), or SAC's replay."""
-    if me.cfg.algorithm.name not in ("sac", "rlpd"):
-        return OnPolicyUpdate(me.setup, engine, actor)
-    return _soft_update(me, engine, actor)
+    if me.cfg.algorithm.off_policy:
+        return _soft_update(me, engine, actor)
+    return OnPolicyUpdate(me.setup, engine, actor)
 
 
 def _soft_update(me: Rank, engine: SkipNonfinite, actor: Policy | None = None) -> SoftUpdate:
