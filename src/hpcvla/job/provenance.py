@@ -31,12 +31,14 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from hpcvla.config.families import SIMULATORS
 from hpcvla.files import open_log, read_log
 
 SOFTWARE = "software.jsonl"
 PACKAGES = ("torch", "numpy", "mpi4py", "deepspeed", "horovod", "transformers", "peft",
-            "safetensors", "h5py", "gymnasium", "mani_skill", "libero", "robosuite",
-            "mujoco", "lerobot", "wandb")
+            "safetensors", "h5py", "gymnasium",
+            *(traits.package[1] for traits in SIMULATORS.values() if traits.package),
+            "robosuite", "mujoco", "lerobot", "wandb")
 MAX_CHANGED = 50
 GIT_TIMEOUT_S = 10.0  # for all of git's calls: rank 0 asks while the world waits for it
 

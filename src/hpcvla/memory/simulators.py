@@ -23,8 +23,8 @@ MEASURED = {"reach": (1 * MIB, 0, 0),
 
 def simulator_bytes(env, shards: int) -> int:
     """Host bytes of one simulator rank's envs (`env`: the config's env section) in `shards`
-    shards (the mode's: schedule.shards_of); 0 where not modelled."""
-    if env.name not in MEASURED or env.sim_backend == "gpu":
+    shards (the mode's: schedule.shards_of); 0 for a GPU simulation (not modelled)."""
+    if env.sim_backend == "gpu":
         return 0
     first, per_env, per_scene = MEASURED[env.name]
     processes = shards if env.isolation == "process" else 1
