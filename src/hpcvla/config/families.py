@@ -3,7 +3,8 @@ family and per simulator, and the names `policy.name` and `env.name` accept. Eve
 asks a row (`family(cfg.policy.name).vla`, `simulator(cfg.env.name).gpu_simulation`), or the
 class registered under the name (policies/registry.py, envs/registry.py: constructor
 arguments, folder and pre-flight checks, rendering), never compares a name (the layer test
-greps for it). A new family or simulator is its module, its registry entry and a row here.
+greps for it). A new family or simulator is its module, its registry entry and a row here
+(a real simulator also its renderer check and host memory: docs/extending.md).
 
 The rows sit with the settings, below the implementations: config/checks.py judges settings
 with them before any package is imported (docs/architecture.md, the floors)."""
