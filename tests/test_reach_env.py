@@ -358,3 +358,15 @@ def test_without_its_progress_reward_reach_pays_the_success_alone():
     assert successes > 0 and (shaped.reward != shaped.success).any()
     with pytest.raises(ConfigError, match="env.progress_reward"):
         load_config(None, ["env.name=maniskill", "env.progress_reward=false"])
+
+
+def test_a_step_without_an_outcome_field_is_named():
+    """An env (a researcher's new simulator) whose StepResult leaves an outcome field None,
+    as `chunk_steps`' default allows: the simulator rank names the field, not numpy."""
+    from hpcvla.roles.segments import outcome_of
+    env = ReachEnv(2, seed=0)
+    env.reset()
+    result = env.step(np.zeros((2, env.spec.chunk_len, env.spec.action_dim), np.float32))
+    assert set(outcome_of(result)) >= {"chunk_steps", "reward"}
+    with pytest.raises(ValueError, match="StepResult lacks chunk_steps: every env gives"):
+        outcome_of(result._replace(chunk_steps=None))

@@ -62,7 +62,12 @@ FINAL = "final."
 
 
 def outcome_of(result: StepResult) -> dict[str, np.ndarray]:
-    """The OUTCOME_FIELDS of a StepResult."""
+    """The OUTCOME_FIELDS of a StepResult, every one of which a simulator must give (a None
+    would reach a numpy assignment as a TypeError naming neither the env nor the field)."""
+    missing = [k for k in OUTCOME_FIELDS if getattr(result, k) is None]
+    if missing:
+        raise ValueError(f"the env's StepResult lacks {', '.join(missing)}: every env gives "
+                         "every outcome field, one per env (envs/base.py, StepResult)")
     return {k: getattr(result, k) for k in OUTCOME_FIELDS}
 
 
