@@ -182,19 +182,21 @@ def test_what_the_libero_protocol_cannot_run_is_refused_and_its_states_set_the_b
 def test_every_suite_has_its_scene_count():
     """The memory model counts a rank's scenes from envs/scenes.py's table: every suite
     env.suite takes is in it, at most one scene per task."""
-    from hpcvla.envs.libero_suites import SUITES
+    from hpcvla.envs.libero_suites import STEP_LIMITS, SUITES, suite_tasks
     from hpcvla.envs.scenes import SCENES
-    assert set(SCENES) == set(SUITES)
-    assert all(1 <= n <= (90 if suite == "libero_90" else 10) for suite, n in SCENES.items())
+    assert set(SCENES) == set(SUITES) == set(STEP_LIMITS)
+    assert all(1 <= n <= suite_tasks(suite) for suite, n in SCENES.items())
 
 
 def test_every_instruction_survives_the_env_vocabulary():
     """A published checkpoint's prompt is rebuilt from the env's instruction ids
-    (policies/processor.py): every LIBERO instruction must come back word for word."""
-    from hpcvla.envs.libero_suites import SUITES, Suite
+    (policies/processor.py): every LIBERO instruction must come back word for word. (And
+    each suite has the tasks pre-flight and eval.protocol=libero bound its indices by.)"""
+    from hpcvla.envs.libero_suites import SUITES, Suite, suite_tasks
     from hpcvla.text import detokenize, tokenize
     for suite in SUITES:  # LIBERO-PRO's perturbed ones too
         tasks = Suite(suite)
+        assert tasks.n_tasks == suite_tasks(suite), suite
         instructions, vocab = tasks.instructions, tasks.vocab
         for text in instructions:
             ids = tokenize(text, vocab, 64)
