@@ -11,8 +11,8 @@ import re
 from typing import Any
 
 from hpcvla.config.families import (EE_DELTA_CONTROL, FAMILIES, FOLDER_RECIPE_UNSET,
-                                    SIMULATORS, SQUASHED_LOG_STD, family, readers_of,
-                                    simulator, unread_settings)
+                                    SIMULATORS, SQUASHED_LOG_STD, family, having,
+                                    readers_of, simulator, unread_settings)
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
@@ -63,7 +63,7 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         if value != unset and (not family(cfg.policy.name).relative_actions or
                                not cfg.policy.pretrained):
             problems.append((f"policy.{name}", value, f"{unset if unset != '' else 'empty'} "
-                             "unless policy.name=flow with "
+                             f"unless policy.name={having(FAMILIES, 'relative_actions')} with "
                              "a published policy.pretrained folder (how its checkpoint was "
                              "trained)"))
     heads = family(cfg.policy.name).action_heads
@@ -80,20 +80,22 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
                          "state it partitions)"))
     if cfg.learner.gradient_checkpointing and not vla:
         problems.append(("learner.gradient_checkpointing", True, "false for policy.name="
-                         "default (a small network: no transformer layers to recompute)"))
+                         f"{cfg.policy.name} (a small network: no transformer layers to "
+                         "recompute)"))
     if cfg.policy.flow_noise == "sde" and cfg.policy.logprob_mode != "random_step":
         problems.append(("policy.flow_noise", "sde", "learned unless policy.logprob_mode="
                          "random_step (RLinf's flow-SDE noises one step per chunk)"))
     if cfg.policy.lora_rank and not vla:
-        problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 for policy.name=default "
-                         "(a small network: no language model to adapt)"))
+        problems.append(("policy.lora_rank", cfg.policy.lora_rank, f"0 for policy.name="
+                         f"{cfg.policy.name} (a small network: no language model to adapt)"))
     problems += _on_policy_problems(cfg) + _off_policy_problems(cfg) + _noise_obs_problems(cfg)
     shards = shards_problem(cfg.env.envs_per_simulator, shards_of(cfg))  # the mode's shards
     if shards:
         problems.append(shards)
     if not cfg.env.camera and (not sim.state_only or cfg.env.sim_backend != "cpu" or
                                cfg.env.wrist_image or not cfg.env.state or vla):
-        problems.append(("env.camera", cfg.env.camera, "true, except for env.name=maniskill "
+        problems.append(("env.camera", cfg.env.camera, "true, except for env.name="
+                         f"{having(SIMULATORS, 'state_only')} "
                          "with env.sim_backend=cpu, env.state=true, env.wrist_image=false and "
                          "policy.name=default (the state-only setup)"))
     if cfg.eval.protocol not in ("hpcvla", sim.benchmark):
@@ -104,7 +106,8 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
         problems.append(("eval.tasks", cfg.eval.tasks, "task indices, comma-separated (0,1)"))
     if cfg.env.control_mode != EE_DELTA_CONTROL and not sim.controllers:
         problems.append(("env.control_mode", cfg.env.control_mode,
-                         f"{EE_DELTA_CONTROL} for env.name={cfg.env.name}: only maniskill has "
+                         f"{EE_DELTA_CONTROL} for env.name={cfg.env.name}: only "
+                         f"{having(SIMULATORS, 'controllers')} has "
                          "a choice of controllers"))
     gripper = family(cfg.policy.name).libero_gripper if sim.gripper_conventions \
         else "closed_high"
@@ -114,12 +117,14 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
                          "checkpoints' convention: the setting's doc)"))
     if cfg.env.train_states != "sampled" and not sim.benchmark:
         problems.append(("env.train_states", cfg.env.train_states,
-                         f"sampled for env.name={cfg.env.name}: only libero has a benchmark's "
+                         f"sampled for env.name={cfg.env.name}: only "
+                         f"{having(SIMULATORS, 'benchmark')} has a benchmark's "
                          "fixed initial states"))
     if cfg.env.sim_backend == "gpu" and not sim.gpu_simulation:
+        gpu = having(SIMULATORS, "gpu_simulation")
         problems.append(("env.sim_backend", cfg.env.sim_backend,
-                         f"cpu for env.name={cfg.env.name}: only maniskill has a GPU "
-                         "simulation (set env.sim_backend=cpu, or env.name=maniskill)"))
+                         f"cpu for env.name={cfg.env.name}: only {gpu} has a GPU simulation "
+                         f"(set env.sim_backend=cpu, or env.name={gpu})"))
     return problems
 
 
@@ -193,8 +198,9 @@ def _noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
     if not fields:
         return []
     if not (family(cfg.policy.name).noise_actor and alg.name == "sac"):
-        return [("algorithm.noise_obs", alg.noise_obs, "empty unless policy.name=flow with "
-                 "algorithm.name=sac (the fields DSRL's noise actor reads)")]
+        return [("algorithm.noise_obs", alg.noise_obs, "empty unless policy.name="
+                 f"{having(FAMILIES, 'noise_actor')} with algorithm.name=sac (the fields "
+                 "DSRL's noise actor reads)")]
     if set(fields) - set(OBS_FIELDS) or len(set(fields)) < len(fields):
         return [("algorithm.noise_obs", alg.noise_obs, "distinct fields among "
                  f"{', '.join(OBS_FIELDS)}, comma-separated (empty: all the env has)")]

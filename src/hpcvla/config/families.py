@@ -134,6 +134,11 @@ def unread_settings(table: dict, chosen: str) -> set[str]:
         set(table[chosen].settings)
 
 
+def having(table: dict, trait: str) -> str:
+    """The entries of `table` whose `trait` is set, for a message: "maniskill", "a or b"."""
+    return " or ".join(name for name, traits in table.items() if getattr(traits, trait))
+
+
 def readers_of(table: dict, setting: str) -> list[str]:
     """The entries of `table` that read `setting`."""
     return [name for name, traits in table.items() if setting in traits.settings]
@@ -144,4 +149,4 @@ def simulator(name: str) -> SimulatorTraits:
 
 
 __all__ = ["EE_DELTA_CONTROL", "FAMILIES", "MANISKILL_REWARDS", "FamilyTraits", "SIMULATORS",
-           "SimulatorTraits", "family", "readers_of", "simulator", "unread_settings"]
+           "SimulatorTraits", "family", "having", "readers_of", "simulator", "unread_settings"]
