@@ -1,0 +1,50 @@
+"""What every registered policy family owes the pipeline (docs/extending.md), run over the
+registry itself, so that a new family is held to it by being registered: sampling returns
+the fields it declares, detached; the learner's score of what it sampled is the log-prob it
+acted with (a version-0 step's behaviour weight is 1); a checkpoint folder brings it back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hpcvla.policies import POLICIES, Policy, load_pretrained, make_policy, save_pretrained
+
+SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
+VOCAB, ACTION_DIM, CHUNK, BATCH = 12, 3, 4, 3
+
+
+def build(name: str) -> Policy:
+    torch.manual_seed(0)
+    sized = {} if "size" not in POLICIES[name].config_fields else {"size": "tiny"}
+    return make_policy(name, SPEC, ACTION_DIM, CHUNK, VOCAB, **sized)
+
+
+def observations() -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(0)
+    return Policy.obs_to_tensors({
+        "image": rng.integers(0, 256, (BATCH, 32, 32, 3), dtype=np.uint8),
+        "instruction": rng.integers(1, VOCAB, (BATCH, 5)).astype(np.int32),
+        "state": rng.standard_normal((BATCH, 7)).astype(np.float32)}, "cpu")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_family_samples_what_it_declares_and_scores_what_it_sampled(name, tmp_path):
+    policy, obs = build(name), observations()
+    out, extras = policy.sample(obs)
+    assert out.actions.shape == (BATCH, CHUNK, ACTION_DIM) and out.logprob.shape == (BATCH,)
+    assert all(x.dtype == torch.float32 and not x.requires_grad for x in out)
+    declared = policy.extra_fields()
+    assert set(extras) == set(declared)
+    for key, (shape, dtype) in declared.items():  # what the segments are laid out for
+        assert tuple(extras[key].shape) == (BATCH, *shape), key
+        assert extras[key].numpy().dtype == np.dtype(dtype), key
+    logprob, value, entropy = policy.evaluate({**obs, **extras}, out.actions)
+    torch.testing.assert_close(logprob.detach().reshape(BATCH, -1).sum(-1), out.logprob,
+                               atol=1e-4, rtol=1e-5)
+    assert value.shape == (BATCH,) and torch.isfinite(entropy).all()
+    loaded = load_pretrained(save_pretrained(policy, tmp_path / "folder"))
+    assert type(loaded) is type(policy)
+    torch.testing.assert_close(loaded.act(obs, deterministic=True).actions,
+                               policy.act(obs, deterministic=True).actions)
