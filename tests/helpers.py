@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpcvla.job.segments import SETTLE_S, orphans, segments
+from hpcvla.job.leftovers import SETTLE_S, orphans, segments
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"

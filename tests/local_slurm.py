@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hpcvla.job.segments import remove_orphans, segments
+from hpcvla.job.leftovers import remove_orphans, segments
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "qsub", "srun")
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",

@@ -53,14 +53,14 @@ on_each_node() {  # DIR LIMIT SHELL_COMMAND HOST...
 
 # After a failed world (and before a requeued job's first), on every node of HOSTS at once:
 # remove the MPI segments its killed ranks left in /dev/shm and its Hydra proxies' topology
-# files in /tmp (hpcvla.job.segments), saying so on stderr, and print the nodes that ran it
+# files in /tmp (hpcvla.job.leftovers), saying so on stderr, and print the nodes that ran it
 # within HPCVLA_NODE_CHECK_S, in HOSTS' order: a restart's nodes. A node answers as long as
 # it starts a process: a cleanup that fails there (ssh passes no environment) is said, not
 # taken for a dead node.
 clean_nodes() {  # run in a subshell
     local host answers clean
     answers=$(mktemp -d)
-    clean="$(printf '%q' "$PYTHON") -m hpcvla.job.segments remove-orphans 2>&1 ||
+    clean="$(printf '%q' "$PYTHON") -m hpcvla.job.leftovers remove-orphans 2>&1 ||
         echo \"\$(hostname): could not remove the failed world's MPI leftovers (above)\""
     on_each_node "$answers" "${HPCVLA_NODE_CHECK_S:-60}" "$clean" "${HOSTS[@]}"
     for host in "${HOSTS[@]}"; do

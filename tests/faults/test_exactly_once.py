@@ -20,7 +20,7 @@ import pytest
 
 from helpers import ROOT, left_behind, progress_version, reach_demos, sft_worlds
 from hpcvla.checkpoint import catalog
-from hpcvla.job.segments import segments
+from hpcvla.job.leftovers import segments
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcvla.job.segments import segments
+from hpcvla.job.leftovers import segments
 from helpers import left_behind, rank_pids
 
 pytestmark = [pytest.mark.mpi, pytest.mark.slow]  # training runs

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from hpcvla.job import segments
+from hpcvla.job import leftovers
 from hpcvla.process import deathwatch
 from hpcvla.process.deathwatch import DeathWatch
 from hpcvla.process.mpi_select import LaunchError, select_mpi
@@ -98,7 +98,7 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
     cmd, env, stop = world_command(n, program, mpiexec, mpi)
     retries = start_retries(program)
     deadline = None if timeout is None else time.monotonic() + timeout
-    shm_before = segments.segments()
+    shm_before = leftovers.segments()
     attempt = 0
     forward = _Forward(stop)
     for sig in (signal.SIGTERM, signal.SIGUSR1):  # for every attempt, and between them
@@ -107,7 +107,7 @@ def run_world(n: int, program: list[str], mpiexec: str = "auto",
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         code, never_started = _run(cmd, env, left, forward)
         if code != 0:  # a clean exit frees its own segments; tests check that it does
-            for line in segments.removal_report(segments.remove_orphans(shm_before)):
+            for line in leftovers.removal_report(leftovers.remove_orphans(shm_before)):
                 print(f"hpcvla launch: {line}", file=sys.stderr, flush=True)
         if never_started and attempt == retries > 0 and not forward.signalled:
             print(f"hpcvla launch: the world failed while starting, before any rank "

@@ -12,7 +12,7 @@ So every launcher removes, after a failed world, the orphans: `hpcvla launch`
 (job/launch.py) on its machine, jobs/launch.sh on every node of the world at once (and on a
 requeued job's nodes before its first world), each node running
 
-    python -m hpcvla.job.segments remove-orphans
+    python -m hpcvla.job.leftovers remove-orphans
 
 and each says what it removed (`removal_report`). A segment is an orphan when no process
 maps it at two looks a second apart: another world on the node maps each segment it creates
@@ -115,7 +115,7 @@ def held_open(prefix: str, pid: int | None = None) -> set[Path]:
 
 
 def _main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hpcvla.job.segments")
+    parser = argparse.ArgumentParser(prog="python -m hpcvla.job.leftovers")
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("remove-orphans", help="remove this user's MPI segments in /dev/shm that "
                    "no process maps and Hydra topology files in /tmp that no process has "
