@@ -434,8 +434,14 @@ def test_ppo_moves_bandit_mean_toward_target():
     assert end < 0.25 * start, (start, end)
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
-def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
+@pytest.mark.parametrize("algorithm,config,extra", [
+    ("ppo", "configs/default.yaml", []),
+    ("grpo", "configs/default.yaml", ["algorithm.group_size=2"]),
+    # the policy's recorded fields have domains of their own: random_step's noisy-step time
+    # t in (0, 1), which an all-zero faulted row would take to 0/0
+    ("ppo", "configs/reach_flow.yaml", ["policy.logprob_mode=random_step",
+                                        "policy.flow_noise=sde"])], ids=["ppo", "grpo", "sde"])
+def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm, config, extra):
     """Through the learner's `policy_loss`: whatever a faulted step recorded (reward, action,
     success; NaN actions and observations) changes nothing, and its gradient stays finite;
     the same step unflagged is trained as a failure."""
@@ -444,16 +450,16 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     from hpcvla.algorithms.objective import policy_loss
     from hpcvla.factory import build_policy
 
-    grouped = ["algorithm.group_size=2"] if algorithm == "grpo" else []
-    cfg = load_config("configs/default.yaml", [f"algorithm.name={algorithm}", *grouped,
-                                               "env.max_episode_chunks=8"])
+    cfg = load_config(config, [f"algorithm.name={algorithm}", *extra,
+                               "env.max_episode_chunks=8"])
     spec = env_spec(cfg.env)
     policy = build_policy(cfg, spec)
     T, N, rng = 4, 4, np.random.default_rng(0)
     obs, _ = policy_batch(spec, T * N)
     with torch.no_grad():
-        out = policy.act(obs)
-    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+        out, extras = policy.sample(obs)
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:])
+             for k, v in {**obs, **extras}.items()}
     batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
                  logprob=out.logprob.numpy().reshape(T, N), value=out.value.numpy().reshape(T, N),
                  reward=rng.standard_normal((T, N)).astype(np.float32),
@@ -480,9 +486,9 @@ def test_a_faulted_step_is_masked_out_of_the_learners_loss(algorithm):
     scrambled["success"][-1, 3] = True
     scrambled["actions"][-1, 3] = -scrambled["actions"][-1, 3]
     assert loss_of(scrambled)[0] == pytest.approx(base, rel=1e-6)
-    for name, value in scrambled.items():  # what a diverged simulator or policy records
-        if (name == "actions" or name.startswith("obs.")) and value.dtype.kind == "f":
-            value[-1, 3] = np.nan
+    for name in ("actions", *(f"obs.{k}" for k in spec.obs)):  # what a diverged simulator
+        if scrambled[name].dtype.kind == "f":  # or policy gives the env
+            scrambled[name][-1, 3] = np.nan
     assert loss_of(scrambled)[0] == pytest.approx(base, rel=1e-6)
     unflagged = dict(batch, env_fault=np.zeros((T, N), bool))
     assert loss_of(unflagged)[0] != pytest.approx(base, rel=1e-3)

@@ -76,11 +76,14 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     batch = _on(model.device, batch)
     fault = batch["env_fault"]
 
-    def scored(x):  # (T, N, ...) -> (T * N, ...), a failed env's step as zeros
+    def scored(x):  # (T, N, ...) -> (T * N, ...), a failed env's step without NaN or inf
         # (a NaN action, observation or recorded chunk may be why it failed): its unit is
-        # masked out, and a NaN there would reach the gradient through the forward
+        # masked out, and a NaN there would reach the gradient through the forward. Finite
+        # values stay: a recorded field may have its own domain (flow's noisy-step time t,
+        # 0 < t < 1, of which 0 gives 0/0)
         if x.is_floating_point():
-            x = torch.where(fault.reshape(T, N, *[1] * (x.ndim - 2)), 0.0, x)
+            bad = fault.reshape(T, N, *[1] * (x.ndim - 2)) & ~torch.isfinite(x)
+            x = torch.where(bad, 0.0, x)
         return x.reshape(T * N, *x.shape[2:])
     obs = {k[4:]: scored(v) for k, v in batch.items() if k.startswith("obs.")}
     logprob, value, entropy = model(obs, scored(batch["actions"]))
