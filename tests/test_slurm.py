@@ -96,6 +96,27 @@ def test_job_scripts_pass_bash_n_and_shellcheck():
     assert out.returncode == 0, out.stdout
 
 
+def test_a_dead_node_in_the_middle_leaves_the_others_in_the_restart():
+    """After a failed world every node is asked to clean up at once (clean_nodes), under
+    launch.sh's `set -euo pipefail`: a node that does not answer is left out of the restart,
+    and the nodes after it are not (the background group's failure had ended it before its
+    status was written: the restart ran on the nodes before the dead one alone)."""
+    script = f"""set -euo pipefail
+        SCHEDULER=none PYTHON=python
+        source {ROOT}/jobs/lib/world.sh
+        on_node() {{
+            [[ $1 == b ]] && {{ echo "srun: error: b is down" >&2; return 1; }}
+            echo "removed 1 segment on $1"
+        }}
+        HOSTS=(a b c d)
+        mapfile -t answered < <(clean_nodes)
+        echo "answered: ${{answered[*]}}"
+    """
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "answered: a c d\n", out
+    assert out.stderr.split("\n")[:3] == [f"removed 1 segment on {h}" for h in "acd"], out
+
+
 def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
     log = tmp_path / "demo.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",

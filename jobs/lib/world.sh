@@ -38,15 +38,17 @@ on_node() {  # HOST SHELL_COMMAND [LIMIT]
         none) sh -c "$2" ;;
     esac
 }
-# SHELL_COMMAND on each HOST at once within LIMIT seconds (on_node): its output (stdout and
-# stderr) into DIR/HOST and its exit status into DIR/HOST.status. A dead node costs the
+# SHELL_COMMAND on each HOST at once within LIMIT seconds (on_node): its stdout into
+# DIR/HOST, its stderr into DIR/HOST.err and its exit status into DIR/HOST.status (caught,
+# not ended on: launch.sh's `set -e` reaches the background group). A dead node costs the
 # limit once, not per node. Its callers run in a subshell: `wait` waits for the nodes alone.
 on_each_node() {  # DIR LIMIT SHELL_COMMAND HOST...
     local dir=$1 limit=$2 command=$3 host
     shift 3
     for host in "$@"; do
-        { on_node "$host" "$command" "$limit" > "$dir/$host" 2>&1
-          echo $? > "$dir/$host.status"; } &
+        { code=0
+          on_node "$host" "$command" "$limit" > "$dir/$host" 2> "$dir/$host.err" || code=$?
+          echo "$code" > "$dir/$host.status"; } &
     done
     wait
 }
@@ -63,10 +65,9 @@ clean_nodes() {  # run in a subshell
     clean="$(printf '%q' "$PYTHON") -m hpcvla.job.leftovers remove-orphans 2>&1 ||
         echo \"\$(hostname): could not remove the failed world's MPI leftovers (above)\""
     on_each_node "$answers" "${HPCVLA_NODE_CHECK_S:-60}" "$clean" "${HOSTS[@]}"
-    for host in "${HOSTS[@]}"; do
-        [[ $(< "$answers/$host.status") == 0 ]] || continue
+    for host in "${HOSTS[@]}"; do  # what the cleanup said (a dead node's launcher: not)
         [[ -s $answers/$host ]] && cat "$answers/$host" >&2
-        echo "$host"
+        [[ $(< "$answers/$host.status") == 0 ]] && echo "$host"
     done
     rm -rf "$answers"
 }
@@ -92,9 +93,9 @@ check_other_nodes() {  # run in a subshell
     for host in "${HOSTS[@]:1}"; do
         if grep -q '^FAIL' "$answers/$host"; then
             failed+=("$host")
-            sed "s/^/$host: /" "$answers/$host" >&2
+            sed "s/^/$host: /" "$answers/$host" "$answers/$host.err" >&2
         elif [[ $(< "$answers/$host.status") != 0 ]]; then
-            sed "s/^/$host: /" "$answers/$host" >&2
+            sed "s/^/$host: /" "$answers/$host" "$answers/$host.err" >&2
             say "could not check node $host (exit status $(< "$answers/$host.status"), above)"
         else
             checked+=("$host")
