@@ -319,6 +319,12 @@ def test_each_rings_lane_holds_its_producers_share_of_a_version(capsys):
     assert ring_slots(cfg, env_spec(cfg.env), 1, recorded) > ring_slots(cfg, env_spec(cfg.env), 1)
     assert ring_slots(load_config("configs/default.yaml", [*big, "learner.ring_slots=8"]),
                       spec, 2) == 8  # as set
+    # a published folder's policy records its chunk in the model's space (model_actions):
+    # the meta build the plan counts with, which loads no processor, records it too
+    pi0 = load_config("configs/libero_pi0.yaml")
+    pi0_spec = env_spec(pi0.env)
+    real = build_policy(pi0, pi0_spec).extra_fields()
+    assert "model_actions" in real and build_policy(pi0, pi0_spec, "meta").extra_fields() == real
     for config, overrides in (("configs/default.yaml", big), tuple(chain)):
         assert main(["plan", config, "--world", "4", "--json", *overrides]) == 0
         host = json.loads(capsys.readouterr().out)["memory"]["host_by_rank"]["3"]

@@ -61,8 +61,10 @@ def config(folder=CHECKPOINT, **extra):
     overrides = ["policy.name=oft", f"policy.pretrained={folder}", "policy.dtype=float32",
                  "policy.unnorm_key=libero_spatial_no_noops", "policy.max_prompt_length=40",
                  "env.state=false",  # RLinf's recipe; OFT's proprio needs its own sequence
+                 "policy.logprob_granularity=chunk",
                  *(f"{k}={v}" for k, v in extra.items())]
-    return check_config(load_config("configs/reach_tokens.yaml", overrides))
+    # a LIBERO config: OFT's own recipe reads the wrist camera and the state, which reach has not
+    return check_config(load_config("configs/libero_oft.yaml", overrides))
 
 
 def env_obs(io, sample="raw", tasks=None, wrist=False, state=False):

@@ -15,7 +15,8 @@ from hpcvla.config.learning import noise_obs_fields
 from hpcvla.policies.backbones import backbones_from_folder
 from hpcvla.policies.flow import DEFAULT_DENOISE_STEPS
 from hpcvla.policies.registry import POLICIES, make_policy, policy_kwargs
-from hpcvla.policies.folders import checkpoint_kwargs, load_weights, rl_only_names
+from hpcvla.policies.folders import (checkpoint_kwargs, is_hpcvla_folder, load_weights,
+                                     rl_only_names)
 from hpcvla.policies.lora import add_lora
 
 
@@ -48,6 +49,12 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
     return kwargs
 
 
+def published_folder(cfg) -> bool:
+    """Whether policy.pretrained is a published checkpoint's folder (LeRobot, openpi, OFT),
+    whose processor the policy acts through, not one hpcvla wrote (save_pretrained)."""
+    return bool(cfg.policy.pretrained) and not is_hpcvla_folder(cfg.policy.pretrained)
+
+
 def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None, load: bool = True):
     """The configured policy on `device`, with the same initial weights on every rank (drawn
     from run.seed on a forked CPU RNG: the caller's own streams, CPU and CUDA, are left as
@@ -67,6 +74,7 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None, load: boo
                                  len(spec.vocab), **kwargs)
             if cfg.policy.lora_rank:
                 add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
+        policy.published = published_folder(cfg)
         return policy
     with torch.random.fork_rng(devices=[]):  # built on the CPU: only its generator is used
         # (torch.manual_seed would also reseed every CUDA generator, which fork_rng(devices=[])
@@ -77,8 +85,8 @@ def build_policy(cfg, spec, device="cpu", on_gpus: bool | None = None, load: boo
                                  len(spec.vocab), **kwargs)
     if cfg.policy.pretrained and load:  # names and shapes must fit exactly; RL heads fresh
         load_weights(policy, cfg.policy.pretrained)
-    if cfg.policy.pretrained:
-        # a published folder's prompt, tokenizer and normalization (None for our own)
+    policy.published = published_folder(cfg)
+    if policy.published:  # its prompt, tokenizer and normalization
         policy.processor = policy.make_processor(spec, cfg.policy)
     if cfg.policy.lora_rank:  # on the loaded weights; the same adapters on every rank
         with torch.random.fork_rng(devices=[]):

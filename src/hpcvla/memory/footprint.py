@@ -23,7 +23,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hpcvla.factory import build_policy, constructor_kwargs
+from hpcvla.factory import build_policy, constructor_kwargs, published_folder
 from hpcvla.memory import depths
 from hpcvla.memory.cpu_meta import CpuKernels, cpu_attention, tensors_in
 from hpcvla.memory.states import fields_bytes
@@ -228,6 +228,7 @@ def _build_meta(cfg, spec, kwargs):
             add_lora(policy, cfg.policy.lora_rank, cfg.policy.lora_alpha)
     if cfg.learner.gradient_checkpointing:  # as engines.init_engine sets the learner's copy
         policy.enable_gradient_checkpointing()
+    policy.published = published_folder(cfg)  # what it records beside each step
     return policy
 
 

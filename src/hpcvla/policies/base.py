@@ -52,6 +52,9 @@ class Policy(nn.Module, abc.ABC):
     variant: str = ""  # which published model the weights are (flow: "pi0" or "pi05")
     HF_LAYOUT: dict = {}  # their root prefix, tied and unused tensors (policies/folders.py)
     processor = None  # a published folder's prompt, tokenizer and normalization, once loaded
+    # whether it acts through such a processor: set on every build (factory.published_folder),
+    # a meta one too, which loads no processor but records what a real one does
+    published = False
     # Optional, None where a family has none (policies/folders.py):
     #   classmethod folder_kwargs(folder) -> dict: constructor arguments it reads from a
     #     published folder itself (oft);

@@ -327,10 +327,8 @@ class VLAPolicy(Policy):
         space (MODEL_ACTIONS), which `evaluate` scores: the env's units do not always map back
         (a dim the checkpoint's statistics hold constant, q01 = q99 or std 0, comes out as that
         constant whatever was sampled: scored after the map back, it would be another action,
-        tens of nats away; and the references' eps leaves the map back a little off). A
-        meta build (the memory model) reads no folder's statistics and counts without it:
-        H x D floats a step, against the step's images."""
-        if self.processor is None:
+        tens of nats away; and the references' eps leaves the map back a little off)."""
+        if not self.published:
             return {}
         return {MODEL_ACTIONS: ((self.chunk_len, self.action_dim), "<f4")}
 
