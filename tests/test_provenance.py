@@ -55,3 +55,15 @@ def test_a_package_no_checkout_tracks_records_why_not_the_enclosing_ones_commit(
     alone = tmp_path / "alone"
     alone.mkdir()
     assert "not a git repository" in provenance._git(alone)["git_error"]
+
+
+def test_a_resume_says_no_package_changed_that_only_changed_its_spelling(tmp_path):
+    """A run started by a release of hpcvla that recorded `mani_skill` and resumed by one that
+    asks for `mani-skill` (one distribution, PEP 503) lists no change of it."""
+    import json
+    now = provenance.software()
+    assert "mani-skill" in now["packages"]
+    old = {**now, "packages": {("mani_skill" if name == "mani-skill" else name): version
+                               for name, version in now["packages"].items()}}
+    (tmp_path / provenance.SOFTWARE).write_text(json.dumps(old) + "\n")
+    assert not [line for line in provenance.record_start(tmp_path) if "mani" in line]

@@ -104,12 +104,16 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
         if not problems:
             unbuilt = [Check("policy", False, f"cannot be built: {type(err).__name__}: {err}",
                              "`hpcvla config CONFIG` shows what the config resolves to")]
-    # /dev/shm's need is sized from the env's spec: not on a config with problems (an
-    # unknown suite has no spec), as the memory check
-    demos = _demonstrations(cfg) if job == "sft" and not problems else 0  # headers, once
-    checks = [_mpi(cfg, windows=job != "eval"),
-              *([] if job == "eval" or problems else [
-                  _shared_memory(cfg, weights, job, world, demos, recorded)]),
+    demos, shm = 0, []
+    try:  # /dev/shm's need is sized from the env's spec, which a config with problems may
+        # not have (an unknown suite): the config check then says why
+        demos = _demonstrations(cfg) if job == "sft" else 0  # its files' headers read once
+        shm = [] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
+                                                       recorded)]
+    except Exception:  # noqa: BLE001
+        if not problems:
+            raise
+    checks = [_mpi(cfg, windows=job != "eval"), *shm,
               *_gpus(cfg), *renderer_checks(cfg), *unbuilt]
     if world and not problems and not unbuilt:
         checks += _memory(cfg, job, world, demos, envs)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def software() -> dict:
     packages = {}
     for name in PACKAGES:
         try:
-            packages[name] = metadata.version(name)
+            packages[package_key(name)] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
     source = Path(hpcvla.__file__).resolve().parent
@@ -117,11 +118,17 @@ def record_start(run_dir: Path) -> list[str]:
             if name != "began" and before.get(name) != after.get(name)]
 
 
+def package_key(name: str) -> str:
+    """A distribution's name as the record keys it: PEP 503's normal form (mani_skill and
+    mani-skill are one package, whichever a release of hpcvla asked for)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def _flat(record: dict, prefix: str = "") -> dict:
     flat: dict = {}
     for name, value in record.items():
         if isinstance(value, dict):
             flat.update(_flat(value, f"{prefix}{name}."))
         else:
-            flat[prefix + name] = value
+            flat[prefix + (package_key(name) if prefix == "packages." else name)] = value
     return flat
