@@ -6,6 +6,7 @@ LeRobot 0.6.1's own (tests/fixtures/pi0, made by its code). Sizes, variant and p
 from the checkpoint; what a folder lacks is refused before any rank starts, by name."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -146,6 +147,44 @@ def test_a_dim_the_statistics_hold_constant_is_scored_as_sampled(tmp_path, famil
     assert extras[MODEL_ACTIONS][..., 6].std() > 0.05  # what was sampled there varies
     logprob = policy.evaluate({**obs, **extras}, out.actions)[0]
     torch.testing.assert_close(logprob, out.logprob, rtol=0, atol=1e-3)
+
+
+def test_the_learners_loss_scores_the_recorded_model_space_chunk():
+    """Through the learner's `policy_loss` on a published folder's batch: the chunk scored is
+    the recorded `model_actions` (the env's units, however wrong, change nothing), and a failed
+    env's NaN chunk there leaves the loss and its gradient finite."""
+    from hpcvla.algorithms.objective import policy_loss
+    io, tasks = fixture("pi0")
+    obs, spec = raw_observation(io, tasks)
+    cfg = config(FIXTURES / "pi0" / "lerobot")
+    policy = build_policy(cfg, spec)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out, extras = policy.sample(obs)
+    batch = {f"obs.{k}": v[None] for k, v in {**obs, **extras}.items()}  # T = 1, N = 2
+    batch.update(actions=out.actions[None], logprob=out.logprob[None] - 0.1,
+                 value=out.value[None], reward=torch.tensor([[1.0, 0.0]]),
+                 done=torch.ones(1, 2, dtype=torch.bool),
+                 env_fault=torch.zeros(1, 2, dtype=torch.bool),
+                 success=torch.tensor([[True, False]]), bootstrap_value=torch.zeros(2))
+
+    def weight_of(b):  # the smallest behaviour weight: the scored log-prob's, less act's
+        policy.zero_grad()
+        loss, stats, _ = policy_loss(cfg.algorithm, policy, b)
+        loss.backward()
+        assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all()
+                                            for p in policy.parameters() if p.grad is not None)
+        return stats["behaviour_weight_min"]
+    assert weight_of(batch) == pytest.approx(math.exp(0.1), rel=1e-3)  # scored as sampled
+    assert weight_of(dict(batch, actions=batch["actions"] + 5.0)) == \
+        pytest.approx(math.exp(0.1), rel=1e-3)
+    assert weight_of(dict(batch, **{"obs.model_actions": batch["obs.model_actions"] + 0.5})) \
+        < 0.5
+    chunk = batch["obs.model_actions"].clone()
+    chunk[0, 1] = float("nan")  # a failed env's diverged sample: out of the loss, finite
+    assert weight_of(dict(batch, env_fault=torch.tensor([[False, True]]),
+                          **{"obs.model_actions": chunk})) == pytest.approx(math.exp(0.1),
+                                                                            rel=1e-3)
 
 
 def test_policy_denoise_from_noise_acts_from_a_drawn_start_in_the_envs_units():
