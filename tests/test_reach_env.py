@@ -370,3 +370,19 @@ def test_a_step_without_an_outcome_field_is_named():
     assert set(outcome_of(result)) >= {"chunk_steps", "reward"}
     with pytest.raises(ValueError, match="StepResult lacks chunk_steps: every env gives"):
         outcome_of(result._replace(chunk_steps=None))
+
+
+def test_an_observation_unlike_the_spec_is_named_before_the_first_step():
+    """A new simulator's observation of another dtype than its spec declares (a float image in
+    [0, 1] where the slot is uint8) would be cast into the shared slot silently: the simulator
+    rank stops on its first one, naming the env, the field and both layouts."""
+    from hpcvla.envs.base import check_observation
+    env = ReachEnv(2, seed=0)
+    obs = env.reset()
+    check_observation(env, obs)  # as declared: nothing to say
+    floats = dict(obs, image=obs["image"].astype(np.float32) / 255)
+    with pytest.raises(ValueError, match=r"ReachEnv's observation is not what its spec "
+                                         r"declares \(image float32 .*, declared uint8"):
+        check_observation(env, floats)
+    with pytest.raises(ValueError, match="instruction missing"):
+        check_observation(env, {k: v for k, v in obs.items() if k != "instruction"})

@@ -148,6 +148,24 @@ class StepResult(NamedTuple):
     chunk_steps: np.ndarray | None = None
 
 
+def check_observation(env: "VectorEnv", obs: dict[str, np.ndarray]) -> None:
+    """Stop on an observation that is not what `env.spec` declares (its fields, num_envs
+    rows of each shape and dtype): the shared slots and segments are laid out from the spec,
+    and numpy would cast into them silently (a float image in [0, 1] into uint8: 0s)."""
+    wrong = []
+    for key, (shape, dtype) in env.spec.obs.items():
+        if key not in obs:
+            wrong.append(f"{key} missing")
+            continue
+        value = np.asarray(obs[key])
+        if value.dtype != np.dtype(dtype) or value.shape != (env.num_envs, *shape):
+            wrong.append(f"{key} {value.dtype} {value.shape}, declared {np.dtype(dtype)} "
+                         f"{(env.num_envs, *shape)}")
+    if wrong:
+        raise ValueError(f"{type(env).__name__}'s observation is not what its spec declares "
+                         f"({'; '.join(wrong)}): envs/base.py, EnvSpec")
+
+
 def horizon_cut(truncated: np.ndarray, env_fault: np.ndarray) -> np.ndarray:
     """The envs whose episode a step's horizon ended, of its `truncated` and `env_fault`
     (a StepResult's, or the outcome a simulator reports): truncated, not by an env fault."""

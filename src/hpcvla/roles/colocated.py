@@ -16,7 +16,7 @@ import torch
 
 from hpcvla.emulate import pad
 from hpcvla.engines import full_state
-from hpcvla.envs.base import final_observations, horizon_cut
+from hpcvla.envs.base import check_observation, final_observations, horizon_cut
 from hpcvla.process.watchdog import deadline, step_deadline_s
 from hpcvla.roles.learner import learn
 from hpcvla.roles.segments import SegmentBuilder, outcome_of, truncation_values
@@ -74,6 +74,7 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
     groups: list[SegmentGroup] = []
     with deadline(step_deadline_s(cfg.env)):
         obs, steps = env.reset(), 0
+    check_observation(env, obs)
     version = setup.first_version
     while True:
         actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hpcvla.envs.base import final_observations, horizon_cut
+from hpcvla.envs.base import check_observation, final_observations, horizon_cut
 from hpcvla.envs.build import make_envs
 from hpcvla.process.watchdog import StepGuard, build_deadline_s, deadline
 from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
@@ -81,6 +81,7 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
     for shard, env in enumerate(envs):
         with deadline(step_timeout_s):
             first = env.reset()
+        check_observation(env, first)
         _write(exchange.obs(shard), first, None, steps[shard])
         exchange.submit(shard)
     running = set(range(len(envs)))
