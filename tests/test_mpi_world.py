@@ -531,7 +531,7 @@ def _starts_of_a_world_that_never_starts(monkeypatch, clear=lambda before: []) -
         starts.append(list(forward.signalled))
         return 1, True
     monkeypatch.setattr(launch, "_run", world)
-    monkeypatch.setattr(launch.segments, "remove_orphans", clear)
+    monkeypatch.setattr(launch.leftovers, "remove_orphans", clear)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
         assert launch.run_world(2, ["train", "configs/default.yaml"]) == 1
