@@ -7,6 +7,8 @@ backend, the same segments: their updates should agree (tests/test_horovod.py).
     mpiexec -n 2 python -m mpi4py tests/mpi/backend_parity.py OUT CONFIG [key=value ...]
 """
 
+import faulthandler
+import signal
 import sys
 
 import torch
@@ -23,6 +25,10 @@ from nonfinite import segments
 
 
 def main(cfg, plan, comms):
+    # a world the launcher's --timeout ends (SIGTERM, then SIGKILL) says where each thread
+    # was, before the stop handler run_ranks installed: one Horovod run of this test hung
+    # once, beside another test file's worlds (stop 111)
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
     rank = comms.learners.Get_rank()
     spec = make_env("reach", 1, seed=0, image_size=cfg.env.image_size).spec
     torch.manual_seed(0)  # the policy every backend starts from (rank 0's, broadcast)
