@@ -85,13 +85,9 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     from hpcvla.preflight import config_problems, run_root_problems
 
     if node_only:  # (the policy's size for train's windows alone)
-        if job == "train":
-            weights, _, recorded = _policy_size(cfg)
-            shm = [_shared_memory(cfg, weights, job, world, recorded=recorded)]
-        else:
-            shm = [_shared_memory(cfg, 0, job, world, _demonstrations(cfg))] \
-                if job == "sft" else []
-        return [*shm, *renderer_checks(cfg)]
+        weights, _, recorded = _policy_size(cfg) if job == "train" else (0, 0, 0)
+        return [*_shared_memory_checks(cfg, job, world, weights, recorded)[0],
+                *renderer_checks(cfg)]
     last = ("sft.steps", cfg.sft.steps) if job == "sft" else ("pipeline.total_updates", None)
     problems = [p for p in config_problems(cfg, last) + env_problems(cfg)
                 if p[0] != "placement.gpus_per_node"]  # the gpus check's
@@ -107,9 +103,7 @@ def run_checks(cfg, job: str = "train", world: tuple[int, int | None] | None = N
     demos, shm = 0, []
     try:  # /dev/shm's need is sized from the env's spec, which a config with problems may
         # not have (an unknown suite): the config check then says why
-        demos = _demonstrations(cfg) if job == "sft" else 0  # its files' headers read once
-        shm = [] if job == "eval" else [_shared_memory(cfg, weights, job, world, demos,
-                                                       recorded)]
+        shm, demos = _shared_memory_checks(cfg, job, world, weights, recorded)
     except Exception:  # noqa: BLE001
         if not problems:
             raise
@@ -157,6 +151,16 @@ def _mpi(cfg, windows: bool = True) -> Check:
         return Check("mpi", False, words[1].strip(), THREAD_LEVEL_FIX)
     return Check("mpi", True, f"{install.flavour}: {install.mpiexec} -n 2 starts one world "
                  f"of 2 ({' '.join(words[1].split())[:60]})")
+
+
+def _shared_memory_checks(cfg, job: str, world, weights: int,
+                          recorded: int) -> tuple[list[Check], int]:
+    """/dev/shm's check of `job` (none for eval, which shares nothing there) and the bytes of
+    sft's demonstrations (their files' headers read once; 0 for the others)."""
+    demos = _demonstrations(cfg) if job == "sft" else 0
+    if job == "eval":
+        return [], demos
+    return [_shared_memory(cfg, weights, job, world, demos, recorded)], demos
 
 
 def _demonstrations(cfg) -> int:
