@@ -113,7 +113,8 @@ def test_a_resume_records_its_config_and_names_what_it_changed(tmp_path, monkeyp
      "a multiple of eval.every (5; > 0)"),
     # the critic's warm-up: versions under PPO, gradient steps under sac and rlpd
     (["algorithm.name=grpo", "rollout.segment_len=8", "algorithm.critic_warmup_versions=2"],
-     "algorithm.critic_warmup_versions", "0 with algorithm.name=grpo (grpo trains no critic"),
+     "algorithm.critic_warmup_versions", "0 with algorithm.name=grpo (only ppo warms a value "
+     "critic up by versions; grpo trains no critic"),
     (["pipeline.total_updates=5", "algorithm.critic_warmup_versions=5"],
      "algorithm.critic_warmup_versions", "below pipeline.total_updates (5)"),
     # PPO's loss and advantages
@@ -123,9 +124,9 @@ def test_a_resume_records_its_config_and_names_what_it_changed(tmp_path, monkeyp
     (["algorithm.name=grpo", "rollout.segment_len=20", "algorithm.advantage_norm=none"],
      "algorithm.advantage_norm", "algorithm.name=grpo does not read it (ppo does)"),
     (["algorithm.critic_warmup=100"], "algorithm.critic_warmup",
-     "PPO's critic warms up by versions: algorithm.critic_warmup_versions"),
+     "ppo's critic warms up by versions: algorithm.critic_warmup_versions"),
     (["algorithm.name=sac", "algorithm.lr_warmup_versions=3"], "algorithm.lr_warmup_versions",
-     "0 with algorithm.name=sac (PPO's and GRPO's"),
+     "0 with algorithm.name=sac (ppo or grpo's"),
     (["algorithm.name=sac", "algorithm.weight_decay=0.01"], "algorithm.weight_decay",
      "0 with algorithm.name=sac (its temperature, a trained parameter, would decay to 1)"),
     # hpcvla sft's learning-rate schedule
@@ -309,6 +310,19 @@ def test_the_traits_tables_and_the_registries_name_the_same_families_and_simulat
     real = {n for n, t in SIMULATORS.items() if not t.emulated}
     assert real == {n for n, t in SIMULATORS.items() if t.package} == set(RENDER)
     assert set(MEASURED) == set(SIMULATORS)
+    # an algorithm's row: an advantage its learner computes (objective.advantages_of has no
+    # fallback to pick), settings that are algorithm.* fields (a misspelt one would never be
+    # refused), and the name algorithm.name accepts
+    from dataclasses import fields
+
+    from hpcvla.config.families import ADVANTAGES, ALGORITHMS
+    from hpcvla.config.learning import AlgorithmConfig
+    names = {f.name for f in fields(AlgorithmConfig)}
+    for name, traits in ALGORITHMS.items():
+        assert traits.advantage in (*ADVANTAGES, ""), name
+        assert set(traits.settings) <= names, (name, set(traits.settings) - names)
+    choices = next(f for f in fields(AlgorithmConfig) if f.name == "name").metadata["choices"]
+    assert choices == tuple(ALGORITHMS)
 
 
 def test_a_world_hpcvla_train_started_does_not_check_again_what_it_checked(monkeypatch):

@@ -400,3 +400,42 @@ def test_an_episode_a_fault_ended_is_not_in_its_group():
     assert episodes.keep[index[0]].tolist() == [True, True, False]
     unmasked, _ = first_episode_advantages(done, success, group_size=3)  # as a failure
     assert unmasked.keep[index[0]].tolist() == [True, True, True]
+
+
+def test_a_new_grouped_algorithm_is_a_row_of_the_traits_table(monkeypatch):
+    """A critic-free, grouped variant (RLOO and the like) is its loss and a row in
+    config/families.ALGORITHMS: every rule GRPO's name used to pick (one grouped episode per
+    segment, grouped restarts, group advantages and an untrained value head, the settings it
+    reads, no value-critic warm-up) comes from the row, none falls back to PPO's."""
+    import dataclasses
+
+    from hpcvla.algorithms.objective import advantages_of, policy_loss
+    from hpcvla.config.checks import cross_field_problems, unread_override_problems
+    from hpcvla.config.families import ALGORITHMS
+    from hpcvla.envs.build import make_envs
+    monkeypatch.setitem(ALGORITHMS, "rloo", dataclasses.replace(ALGORITHMS["grpo"]))
+    cfg, policy, _, _, batch = _success_and_failure_group()
+    cfg.algorithm.name = "rloo"
+    advantages = advantages_of(cfg.algorithm, batch, policy.device)
+    assert advantages.episodes is not None and advantages.advantages is None
+    _, stats, _ = policy_loss(cfg.algorithm, policy, batch)
+    assert stats["value_loss"] == 0 and "degenerate_groups" in stats, stats
+    cfg.rollout.segment_len, cfg.algorithm.critic_warmup_versions = 4, 1
+    problems = {field: fix for field, _, fix in cross_field_problems(cfg)}
+    assert "for algorithm.name=rloo: a segment holds one grouped episode" in \
+        problems["rollout.segment_len"]
+    assert "only ppo warms a value critic" in problems["algorithm.critic_warmup_versions"]
+    cfg.algorithm.gae_lambda, cfg.algorithm.group_size = 0.9, 4  # as typed
+    refused = unread_override_problems(cfg, ["algorithm.gae_lambda=0.9", "algorithm.group_size=4"])
+    assert [(f, fix) for f, _, fix in refused] == [("algorithm.gae_lambda", "none: algorithm."
+                                                    "name=rloo does not read it (ppo does); drop "
+                                                    "it, or set algorithm.name")]
+    cfg.rollout.segment_len = cfg.env.max_episode_chunks
+    envs = make_envs(cfg, 4, seed=0)
+    assert isinstance(envs, GroupedRestarts)
+    envs.close()
+    # an advantage the on-policy learner has no code for is named, not trained as GAE
+    monkeypatch.setitem(ALGORITHMS, "rloo", dataclasses.replace(ALGORITHMS["grpo"],
+                                                                advantage="leave_one_out"))
+    with pytest.raises(ValueError, match="algorithm.name=rloo: its advantage 'leave_one_out'"):
+        advantages_of(cfg.algorithm, batch, policy.device)

@@ -218,13 +218,15 @@ def test_floor_one_imports_neither_torch_nor_mpi():
                     pytrace=False)
 
 
-# A policy family or a simulator is asked for its traits (config/families.py) or its code
-# (policies/registry.py, envs/registry.py: the class registered under the name), never
-# compared by name: a new family is its module plus a row in each of the two.
-NAME_CHECK = re.compile(r"\b(policy|env|env_cfg)\.name\s*(==|!=)|\benv_name\s*(==|!=)")
+# A policy family, a simulator or an algorithm is asked for its traits (config/families.py)
+# or its code (policies/registry.py, envs/registry.py: the class registered under the name),
+# never compared by name: a new family is its module plus a row in each of the two, a new
+# algorithm its loss and a row.
+NAME_CHECK = re.compile(r"\b(policy|env|env_cfg|algorithm|alg)\.name\s*"
+                        r"(==|!=|(not\s+)?in\s*[([{]\s*[\"'])|\benv_name\s*(==|!=)")
 
 
-def test_no_module_branches_on_a_family_or_simulator_name():
+def test_no_module_branches_on_a_family_simulator_or_algorithm_name():
     found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
              for path in MODULES.values()
              for n, line in enumerate(path.read_text().splitlines(), 1) if NAME_CHECK.search(line)]

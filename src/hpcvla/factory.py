@@ -39,7 +39,7 @@ def constructor_kwargs(cfg, on_gpus: bool) -> dict:
             kwargs[name] = value
     if cfg.algorithm.off_policy:  # SAC's critics and squashed actor (policies/soft_critics.py)
         kwargs.update(soft_critics=True, critic_layer_norm=cfg.algorithm.critic_layer_norm or
-                      cfg.algorithm.name == "rlpd",
+                      cfg.algorithm.traits.prior_data,
                       init_temperature=cfg.algorithm.init_temperature)
         if family(cfg.policy.name).noise_actor:  # DSRL's (policies/noise_actor.py)
             kwargs["noise_bound"] = cfg.algorithm.noise_bound

@@ -130,7 +130,7 @@ def noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
 def prior_data_problems(cfg) -> list[tuple[str, Any, str]]:
     """algorithm.name=rlpd: its demonstrations against the env's observations and actions,
     each chunk's reward and episode end recorded (demonstrations/)."""
-    if cfg.algorithm.name != "rlpd":
+    if not cfg.algorithm.traits.prior_data:
         return []
     from hpcvla.config.imitation import demo_paths
     from hpcvla.demonstrations import demonstration_problems
@@ -158,11 +158,13 @@ def check_sft(cfg, source: str = "config", learners: int | None = None) -> None:
     problems = run_root_problems(cfg) + weights_fit_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
-    if family(cfg.policy.name).noise_actor and cfg.algorithm.name == "sac":
-        raise ConfigError([("algorithm.name", "sac", "ppo for `hpcvla sft` of the flow family "
-                            "(with sac its weights are frozen under DSRL's noise actor, which "
-                            "imitation does not train); then DSRL from that run: `hpcvla train "
-                            "CONFIG algorithm.name=sac policy.checkpoint=<sft run>`")], source)
+    if family(cfg.policy.name).noise_actor and cfg.algorithm.traits.steers_noise:
+        name = cfg.algorithm.name
+        raise ConfigError([("algorithm.name", name, "ppo for `hpcvla sft` of the flow family "
+                            f"(with {name} its weights are frozen under DSRL's noise actor, "
+                            "which imitation does not train); then DSRL from that run: `hpcvla "
+                            f"train CONFIG algorithm.name={name} policy.checkpoint=<sft run>`")],
+                          source)
     paths = demo_paths(cfg.sft)
     if not paths:
         raise ConfigError([("sft.demos", cfg.sft.demos, "one or more HDF5 demonstration files "

@@ -98,9 +98,17 @@ class _PlacementSettings(Protocol):
     per_node: dict[str, int]
 
 
+class _AlgorithmTraits(Protocol):
+    @property
+    def advantage(self) -> str: ...
+
+
 class _AlgorithmSettings(Protocol):
     name: str
     group_size: int
+
+    @property
+    def traits(self) -> _AlgorithmTraits: ...
 
 
 class ScheduleSettings(Protocol):
@@ -299,7 +307,8 @@ def config_layout_problems(cfg: ScheduleSettings, plan: RankPlan) -> list[tuple[
     problems = layout_problems(cfg.pipeline.mode, cfg.env.envs_per_simulator,
                                cfg.env.shards, cfg.learner.micro_batch,
                                cfg.learner.micro_batches, plan,
-                               cfg.algorithm.group_size if cfg.algorithm.name == "grpo" else 0)
+                               cfg.algorithm.group_size
+                               if cfg.algorithm.traits.advantage == "group" else 0)
     smallest = min((envs_of_cell(cfg, plan, c) for c in range(len(plan.cells))), default=0)
     if traits(cfg.pipeline.mode).dynamic_batcher and smallest and \
             cfg.rollout.batch_max > smallest:

@@ -47,7 +47,12 @@ def advantages_of(alg, batch: dict, device) -> Advantages:
     """The advantages of a micro-batch (arrays or tensors) under the `algorithm` settings. A
     step whose env failed (env_fault) is no outcome of the policy: it gets none (masked
     out)."""
-    if alg.name == "grpo":  # critic-free: each grouped episode scored against its group
+    kind = alg.traits.advantage
+    if kind not in ("gae", "group"):
+        raise ValueError(f"algorithm.name={alg.name}: its advantage {kind!r} is none of this "
+                         "learner's (gae, group); an off-policy algorithm trains in "
+                         "roles/off_policy.py")
+    if kind == "group":  # no critic: each episode against its group's
         score = "success" if alg.group_score == "success" else "reward"
         b = _on(device, batch, ("done", score, "env_fault"))
         episodes, index = first_episode_advantages(  # bookkeeping: on the CPU
@@ -94,7 +99,7 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     # version's training began), importance-weight to the behaviour policy that acted.
     proximal = logprob.detach() if proximal is None else proximal
     mask = ~batch["env_fault"]  # a failed env's step is masked out everywhere
-    if alg.name == "grpo":  # critic-free: the value head is not trained
+    if alg.traits.advantage == "group":  # no critic: the value head is not trained
         pg_loss, stats = grpo_loss(logprob, proximal, behaviour, advantages.episodes,
                                    advantages.index, alg.clip, alg.max_behaviour_weight,
                                    alg.group_loss_mean, alg.dual_clip)

@@ -10,9 +10,10 @@ import math
 import re
 from typing import Any
 
-from hpcvla.config.families import (EE_DELTA_CONTROL, FAMILIES, FOLDER_RECIPE_UNSET,
-                                    SIMULATORS, SQUASHED_LOG_STD, family, having,
-                                    readers_of, simulator, unread_settings)
+from hpcvla.config.families import (ALGORITHMS, EE_DELTA_CONTROL, FAMILIES,
+                                    FOLDER_RECIPE_UNSET, SIMULATORS, SQUASHED_LOG_STD,
+                                    family, having, readers_of, simulator,
+                                    unread_settings)
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
@@ -129,16 +130,20 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
 
 
 def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
-    """algorithm.name=ppo or grpo: their batches and the critic's warm-up."""
+    """The on-policy algorithms' batches and the critics' warm-ups."""
     problems, alg = [], cfg.algorithm
-    if alg.name == "grpo" and cfg.rollout.segment_len != cfg.env.max_episode_chunks:
+    traits = alg.traits
+    gae = having(ALGORITHMS, "advantage", "gae")
+    if traits.advantage == "group" and cfg.rollout.segment_len != cfg.env.max_episode_chunks:
         problems.append(("rollout.segment_len", cfg.rollout.segment_len,
                          f"env.max_episode_chunks ({cfg.env.max_episode_chunks}) for "
-                         "algorithm.name=grpo: a segment holds one grouped episode per env"))
-    if alg.critic_warmup and not alg.off_policy:
+                         f"algorithm.name={alg.name}: a segment holds one grouped episode per "
+                         "env"))
+    if alg.critic_warmup and not traits.off_policy:
         problems.append(("algorithm.critic_warmup", alg.critic_warmup, "0 with algorithm.name="
-                         f"{alg.name} (gradient steps of sac and rlpd; PPO's critic warms up "
-                         "by versions: algorithm.critic_warmup_versions)"))
+                         f"{alg.name} (gradient steps of {having(ALGORITHMS, 'off_policy')}; "
+                         f"{gae}'s critic warms up by versions: "
+                         "algorithm.critic_warmup_versions)"))
     if alg.advantage_norm == "batch" and cfg.pipeline.mode == "streamer":
         problems.append(("algorithm.advantage_norm", "batch", "micro_batch or none with "
                          "pipeline.mode=streamer (it trains each micro-batch as it arrives, "
@@ -151,17 +156,21 @@ def _on_policy_problems(cfg) -> list[tuple[str, Any, str]]:
     if 0 < cfg.policy.center_crop < 0.01:
         problems.append(("policy.center_crop", cfg.policy.center_crop, "0 (the pretrained "
                          "folder's) or an area fraction of at least 0.01"))
-    if alg.weight_decay and alg.off_policy:
+    if alg.weight_decay and traits.off_policy:
         problems.append(("algorithm.weight_decay", alg.weight_decay, f"0 with algorithm.name="
                          f"{alg.name} (its temperature, a trained parameter, would decay to 1)"))
-    if alg.lr_warmup_versions and alg.off_policy:
+    if alg.lr_warmup_versions and traits.off_policy:
         problems.append(("algorithm.lr_warmup_versions", alg.lr_warmup_versions, "0 with "
-                         f"algorithm.name={alg.name} (PPO's and GRPO's: the off-policy "
-                         "learner starts with algorithm.learning_starts and critic_warmup)"))
-    if alg.critic_warmup_versions and alg.name != "ppo":
+                         f"algorithm.name={alg.name} ({having(ALGORITHMS, 'off_policy', False)}"
+                         "'s: the off-policy learner starts with algorithm.learning_starts and "
+                         "critic_warmup)"))
+    if alg.critic_warmup_versions and traits.advantage != "gae":
         problems.append(("algorithm.critic_warmup_versions", alg.critic_warmup_versions,
-                         f"0 with algorithm.name={alg.name} (grpo trains no critic; sac and "
-                         "rlpd warm theirs up by gradient steps: algorithm.critic_warmup)"))
+                         f"0 with algorithm.name={alg.name} (only {gae} warms a value critic "
+                         f"up by versions; {having(ALGORITHMS, 'advantage', 'group')} trains "
+                         "no critic; "
+                         f"{having(ALGORITHMS, 'off_policy')} warm theirs up by gradient "
+                         "steps: algorithm.critic_warmup)"))
     elif alg.critic_warmup_versions >= cfg.pipeline.total_updates:
         problems.append(("algorithm.critic_warmup_versions", alg.critic_warmup_versions,
                          f"below pipeline.total_updates ({cfg.pipeline.total_updates}): the "
@@ -197,10 +206,10 @@ def _noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
     alg, fields = cfg.algorithm, noise_obs_fields(cfg.algorithm)
     if not fields:
         return []
-    if not (family(cfg.policy.name).noise_actor and alg.name == "sac"):
+    if not (family(cfg.policy.name).noise_actor and alg.traits.steers_noise):
         return [("algorithm.noise_obs", alg.noise_obs, "empty unless policy.name="
-                 f"{having(FAMILIES, 'noise_actor')} with algorithm.name=sac (the fields "
-                 "DSRL's noise actor reads)")]
+                 f"{having(FAMILIES, 'noise_actor')} with algorithm.name="
+                 f"{having(ALGORITHMS, 'steers_noise')} (the fields DSRL's noise actor reads)")]
     if set(fields) - set(OBS_FIELDS) or len(set(fields)) < len(fields):
         return [("algorithm.noise_obs", alg.noise_obs, "distinct fields among "
                  f"{', '.join(OBS_FIELDS)}, comma-separated (empty: all the env has)")]
@@ -208,21 +217,24 @@ def _noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
 
 
 def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
-    """algorithm.name=sac or rlpd: what its learner (roles/off_policy.py) runs with."""
+    """The off-policy algorithms: what their learner (roles/off_policy.py) runs with."""
     alg = cfg.algorithm
-    if not alg.off_policy:
-        return [("algorithm.demos", alg.demos, "empty unless algorithm.name=rlpd (prior data "
-                 "of the off-policy learner)")] if alg.demos else []
+    rule, prior = alg.traits, having(ALGORITHMS, "prior_data")
+    if not rule.off_policy:
+        return [("algorithm.demos", alg.demos, f"empty unless algorithm.name={prior} (prior "
+                 "data of the off-policy learner)")] if alg.demos else []
     problems = []
-    if (alg.name == "rlpd") != bool(alg.demos):
+    if rule.prior_data != bool(alg.demos):
         problems.append(("algorithm.demos", alg.demos, "demonstration files with "
-                         "algorithm.name=rlpd (its prior data), and empty otherwise"))
+                         f"algorithm.name={prior} (its prior data), and empty otherwise"))
     traits = family(cfg.policy.name)
-    if not traits.soft_critics and not (traits.noise_actor and alg.name == "sac"):
-        problems.append(("policy.name", cfg.policy.name, "default with algorithm.name="
-                         f"{alg.name} (the family with SAC's critics and squashed actor), or "
-                         "flow with algorithm.name=sac (DSRL: its demonstrations record "
-                         "actions, not the noise RLPD would need)"))
+    if not traits.soft_critics and not (traits.noise_actor and rule.steers_noise):
+        problems.append(("policy.name", cfg.policy.name, f"{having(FAMILIES, 'soft_critics')}"
+                         f" with algorithm.name={alg.name} (the family with SAC's critics and "
+                         f"squashed actor), or {having(FAMILIES, 'noise_actor')} with "
+                         f"algorithm.name={having(ALGORITHMS, 'steers_noise')} (DSRL: "
+                         "demonstrations record actions, not the noise prior data would "
+                         "need)"))
     low, high = SQUASHED_LOG_STD
     if traits.soft_critics and not low < cfg.policy.init_log_std < high:
         problems.append(("policy.init_log_std", cfg.policy.init_log_std, f"inside ({low:g}, "
@@ -275,32 +287,17 @@ def _held_out_problems(cfg) -> list[tuple[str, Any, str]]:
 
 
 # Settings read only under some values of another (`chooser`): setting -> (chooser, readers).
-# The others are judged above, or read by every choice.
-_ON_POLICY, _CRITICS = ("ppo", "grpo"), ("ppo", "sac", "rlpd")
+# The others are judged above, or read by every choice; policy.*, env.* and algorithm.* by
+# their tables' `settings` (config/families.py).
 READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
-    **{f"algorithm.{k}": ("algorithm.name", ("grpo",)) for k in (
-        "group_size", "group_score", "group_normalize_std", "group_loss_mean")},
-    **{f"algorithm.{k}": ("algorithm.name", ("ppo",)) for k in (
-        "bootstrap_truncated", "critic_epochs", "gae_lambda", "value_coef", "value_clip",
-        "advantage_norm")},
-    **{f"algorithm.{k}": ("algorithm.name", ("sac", "rlpd")) for k in (
-        "replay_capacity", "batch_size", "utd", "tau", "learning_starts", "init_temperature",
-        "target_entropy", "critic_layer_norm")},
-    **{f"algorithm.{k}": ("algorithm.name", _ON_POLICY) for k in (
-        "clip", "dual_clip", "entropy_coef", "max_behaviour_weight")},
-    "learner.epochs": ("algorithm.name", _ON_POLICY),
-    # GRPO trains no critic and discounts nothing (its episodes score whole)
-    "algorithm.critic_lr": ("algorithm.name", _CRITICS),
-    "algorithm.gamma": ("algorithm.name", _CRITICS),
-    "algorithm.noise_bound": ("algorithm.name", ("sac",)),
-    "algorithm.demos_per_task": ("algorithm.name", ("rlpd",)),
+    "learner.epochs": ("algorithm.name", tuple(
+        n for n, t in ALGORITHMS.items() if not t.off_policy)),
     **{f"run.{k}": ("run.dump_trajectories", (True,)) for k in ("dump_max_gib", "dump_flush_s")},
     "pipeline.max_staleness": ("pipeline.mode", tuple(
         m for m, t in MODE_TRAITS.items() if t.bounded_staleness)),
     **{f"rollout.{k}": ("pipeline.mode", tuple(
         m for m, t in MODE_TRAITS.items() if t.dynamic_batcher))
        for k in ("batch_max", "wait_max_ms")},
-    # env.*: SimulatorTraits.settings
 }
 # what the choices that do not read a setting run at: typed, it says what runs (on-policy
 # synchronous modes are max_staleness 0)
@@ -311,13 +308,13 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
     """Settings typed on the command line that the chosen policy family, simulator,
     algorithm or pipeline mode does not read (`policy.size=full` on the default policy,
     FamilyTraits.settings; `env.suite_task=3` on maniskill, SimulatorTraits.settings;
-    `algorithm.group_size=4` under PPO, `learner.epochs=4` under SAC,
-    `pipeline.max_staleness=2` in a synchronous mode: READ_ONLY_UNDER): refused, not silently
+    `algorithm.group_size=4` under PPO, AlgorithmTraits.settings; `learner.epochs=4` under
+    SAC, `pipeline.max_staleness=2` in a synchronous mode: READ_ONLY_UNDER): refused, not silently
     ignored, where they change a default. A config file's stay (`configs/reach_flow.yaml
     policy.name=oft` keeps the file's flow settings unread).
     Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
     folder_sizes): `configs/libero_pi0.yaml policy.size=full` would plan its fixture's sizes."""
-    tables = {"policy": FAMILIES, "env": SIMULATORS}
+    tables = {"policy": FAMILIES, "env": SIMULATORS, "algorithm": ALGORITHMS}
     problems = []
     for item in overrides:
         key = item.partition("=")[0]

@@ -1,10 +1,11 @@
-"""What the settings need to know of each policy family and each simulator: one row per
-family and per simulator, and the names `policy.name` and `env.name` accept. Everything else
-asks a row (`family(cfg.policy.name).vla`, `simulator(cfg.env.name).gpu_simulation`), or the
-class registered under the name (policies/registry.py, envs/registry.py: constructor
-arguments, folder and pre-flight checks, rendering), never compares a name (the layer test
-greps for it). A new family or simulator is its module, its registry entry and a row here
-(a real simulator also its renderer check and host memory: docs/extending.md).
+"""What the settings need to know of each policy family, simulator and RL algorithm: one row
+each, and the names `policy.name`, `env.name` and `algorithm.name` accept. Everything else
+asks a row (`family(cfg.policy.name).vla`, `simulator(cfg.env.name).gpu_simulation`,
+`cfg.algorithm.traits.off_policy`), or the class registered under the name
+(policies/registry.py, envs/registry.py: constructor arguments, folder and pre-flight checks,
+rendering), never compares a name (the layer test greps for it). A new family or simulator is
+its module, its registry entry and a row here (a real simulator also its renderer check and
+host memory); a new algorithm is its loss and a row here (docs/extending.md).
 
 The rows sit with the settings, below the implementations: config/checks.py judges settings
 with them before any package is imported (docs/architecture.md, the floors)."""
@@ -124,19 +125,74 @@ SIMULATORS = {
 }
 
 
+# An on-policy learner's advantages (algorithms/objective.advantages_of): a value critic's
+# chunk-level GAE, or each grouped episode's score against its group's (no critic)
+ADVANTAGES = ("gae", "group")
+_ON_POLICY = ("clip", "dual_clip", "entropy_coef", "max_behaviour_weight")
+_SOFT = ("replay_capacity", "batch_size", "utd", "tau", "learning_starts", "init_temperature",
+         "target_entropy", "critic_layer_norm", "critic_lr", "gamma")
+
+
+@dataclass(frozen=True)
+class AlgorithmTraits:
+    # how its learner scores a segment's steps, one of ADVANTAGES; "" for an off-policy
+    # learner (roles/off_policy.py: a replay buffer every transition enters once, TD targets).
+    # `group`: its envs restart in groups every segment (envs/groups.py), a segment holds one
+    # grouped episode per env, only that episode counts in the success metrics, and the
+    # value head is not trained; `gae` values horizon-ended episodes (bootstrap_truncated)
+    advantage: str
+    # prior data: half of every sampled batch from algorithm.demos, layer-normed critics (RLPD)
+    prior_data: bool = False
+    # the algorithm.* settings it reads that another does not (those the traits decide are
+    # judged by their rules: critic_warmup, critic_warmup_versions, demos): a choice that does
+    # not read one refuses it typed (config/checks.unread_override_problems)
+    settings: tuple[str, ...] = ()
+
+    @property
+    def off_policy(self) -> bool:
+        """Learns from a replay buffer rather than each version's fresh segments."""
+        return not self.advantage
+
+    @property
+    def steers_noise(self) -> bool:
+        """May train DSRL's noise actor of a frozen flow policy (FamilyTraits.noise_actor):
+        off-policy without prior data, whose demonstrations record actions, not the noise
+        behind them."""
+        return self.off_policy and not self.prior_data
+
+
+ALGORITHMS = {
+    "ppo": AlgorithmTraits(advantage="gae", settings=(
+        *_ON_POLICY, "bootstrap_truncated", "critic_epochs", "gae_lambda", "value_coef",
+        "value_clip", "advantage_norm", "critic_lr", "gamma")),
+    "grpo": AlgorithmTraits(advantage="group", settings=(
+        *_ON_POLICY, "group_size", "group_score", "group_normalize_std", "group_loss_mean")),
+    "sac": AlgorithmTraits(advantage="", settings=(*_SOFT, "noise_bound")),
+    "rlpd": AlgorithmTraits(advantage="", prior_data=True, settings=(*_SOFT, "demos_per_task")),
+}
+
+
+def algorithm(name: str) -> AlgorithmTraits:
+    return ALGORITHMS[name]
+
+
 def family(name: str) -> FamilyTraits:
     return FAMILIES[name]
 
 
 def unread_settings(table: dict, chosen: str) -> set[str]:
-    """The settings some entry of `table` (FAMILIES, SIMULATORS) reads and `chosen` does not."""
+    """The settings some entry of `table` (FAMILIES, SIMULATORS, ALGORITHMS) reads and
+    `chosen` does not."""
     return {name for traits in table.values() for name in traits.settings} - \
         set(table[chosen].settings)
 
 
-def having(table: dict, trait: str) -> str:
-    """The entries of `table` whose `trait` is set, for a message: "maniskill", "a or b"."""
-    return " or ".join(name for name, traits in table.items() if getattr(traits, trait))
+def having(table: dict, trait: str, value=None) -> str:
+    """The entries of `table` whose `trait` is set (or is `value`), for a message:
+    "maniskill", "a or b"."""
+    return " or ".join(name for name, traits in table.items()
+                       if (getattr(traits, trait) if value is None
+                           else getattr(traits, trait) == value))
 
 
 def readers_of(table: dict, setting: str) -> list[str]:
@@ -148,5 +204,6 @@ def simulator(name: str) -> SimulatorTraits:
     return SIMULATORS[name]
 
 
-__all__ = ["EE_DELTA_CONTROL", "FAMILIES", "MANISKILL_REWARDS", "FamilyTraits", "SIMULATORS",
-           "SimulatorTraits", "family", "having", "readers_of", "simulator", "unread_settings"]
+__all__ = ["ADVANTAGES", "ALGORITHMS", "AlgorithmTraits", "EE_DELTA_CONTROL", "FAMILIES",
+           "MANISKILL_REWARDS", "FamilyTraits", "SIMULATORS", "SimulatorTraits", "algorithm",
+           "family", "having", "readers_of", "simulator", "unread_settings"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpcvla.config.families import ALGORITHMS, AlgorithmTraits, algorithm
+
 GROUP_LOSS_MEANS = ("steps", "episodes", "constant")  # algorithm.group_loss_mean
 OBS_FIELDS = ("image", "instruction", "state")  # what an env's observations may hold
 
@@ -40,7 +42,7 @@ class AlgorithmConfig:
         "noise by a small actor (DSRL, algorithm.noise_bound), in any mode (disaggregated: the ring streams the transitions), "
         "learner.zero_stage < 3 (roles/off_policy.py). `rlpd`: SAC with prior data (Ball et al. 2023): half of every "
         "sampled batch from the demonstrations of `algorithm.demos`, half from the online "
-        "buffer, and layer-normed critics.", choices=("ppo", "grpo", "sac", "rlpd"))
+        "buffer, and layer-normed critics.", choices=tuple(ALGORITHMS))
     group_size: int = setting(
         8, "GRPO: episodes per group (consecutive envs of a shard, so it must divide the envs "
         "per shard). Larger groups: better baselines, fewer distinct initial states.", ge=2)
@@ -249,14 +251,20 @@ class AlgorithmConfig:
     def values_truncations(self) -> bool:
         """Rollouts value the observation each horizon-ended episode ended at (PPO with
         bootstrap_truncated): simulators send it, inference ranks value it."""
-        return self.name == "ppo" and self.bootstrap_truncated
+        return self.traits.advantage == "gae" and self.bootstrap_truncated
 
     @property
     def off_policy(self) -> bool:
         """Learns from a replay buffer (roles/off_policy.py) rather than each version's
         fresh segments; its segments carry the observation after their last row (the last
         transition's next observation: roles/segments.py)."""
-        return self.name in ("sac", "rlpd")
+        return self.traits.off_policy
+
+    @property
+    def traits(self) -> AlgorithmTraits:
+        """What the code asks of this algorithm (config/families.ALGORITHMS), rather than its
+        name: the modules below the settings (schedule, losses, roles) ask it here."""
+        return algorithm(self.name)
 
 
 def noise_obs_fields(alg: AlgorithmConfig) -> tuple[str, ...]:

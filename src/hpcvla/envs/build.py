@@ -25,7 +25,7 @@ def make_envs(cfg, n: int, seed: int, latency_sleep: bool = True, first_env: int
                           cfg.env.restart_window_s)
     else:
         env = make_env(cfg.env.name, n, seed, **kwargs)
-    if cfg.algorithm.name == "grpo":  # GRPO compares episodes started from one state
+    if cfg.algorithm.traits.advantage == "group":  # episodes from one state compared
         env = GroupedRestarts(env, cfg.rollout.segment_len, cfg.algorithm.group_size, seed)
     return env
 

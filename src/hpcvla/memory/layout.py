@@ -198,7 +198,7 @@ def replay_bytes(alg, spec) -> tuple[int, int]:
     from hpcvla.algorithms.transitions import transition_specs
     specs = transition_specs(spec.obs, spec.chunk_len, spec.action_dim)
     prior = 0
-    if alg.name == "rlpd":
+    if alg.traits.prior_data:
         from hpcvla.config.imitation import demo_paths
         from hpcvla.demonstrations import demonstration_rows
         prior = demonstration_rows(demo_paths(alg), spec, alg.demos_per_task or None)

@@ -151,7 +151,7 @@ def learn(cfg: Config, engine: SkipNonfinite, micro_batches: Iterable[list[Segme
                 stats = train_micro_batch(cfg, engine, micro, timeline, value_only=warmup)
                 if epoch == last:
                     progress.on_micro_batch(_logged(stats, cfg.algorithm, factor))
-    if cfg.algorithm.name == "ppo" and cfg.algorithm.critic_epochs:
+    if cfg.algorithm.traits.advantage == "gae" and cfg.algorithm.critic_epochs:
         with actor_scaled(engine, 0.0):  # value-only optimizer steps: the critic catches up
             for _ in range(cfg.algorithm.critic_epochs):
                 for micro in seen:
@@ -241,9 +241,10 @@ def actor_scaled(engine: SkipNonfinite, factor: float) -> Iterator[None]:
 
 
 def _scored(cfg: Config, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The episodes that count in the success metrics: under GRPO only each column's first
-    (grouped) episode; later ones are cut short by the next restart (envs/groups.py)."""
-    if cfg.algorithm.name != "grpo":
+    """The episodes that count in the success metrics: under grouped advantages (GRPO) only
+    each column's first (grouped) episode; later ones are cut short by the next restart
+    (envs/groups.py)."""
+    if cfg.algorithm.traits.advantage != "group":
         return batch
     return dict(batch, done=batch["done"] & (np.cumsum(batch["done"], axis=0) == 1))
 

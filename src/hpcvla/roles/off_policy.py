@@ -82,7 +82,7 @@ class SoftUpdate:
         self.action_field = cast("SoftCritics", engine.module).soft_action_field
         self.buffer = ReplayBuffer(transition_specs(spec.obs, spec.chunk_len, spec.action_dim),
                                    self.alg.replay_capacity)
-        assert (prior is not None) == (self.alg.name == "rlpd"), self.alg.name
+        assert (prior is not None) == self.alg.traits.prior_data, self.alg.name
         self.prior: ReplayBuffer | None = prior[0] if prior else None
         self.shared: NodeArrays | None = prior[1] if prior else None  # the node's one copy
         self.target_entropy = target_entropy(spec.action_dim, spec.chunk_len,

@@ -200,7 +200,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
         if changed:
             print(f"[hpcvla] warning: {changed}", flush=True)
     prior = None
-    if LEARN in roles and cfg.algorithm.name == "rlpd":  # its node window before connect
+    if LEARN in roles and cfg.algorithm.traits.prior_data:  # its node window before connect
         from hpcvla.roles.off_policy import prior_data  # starts the transport's threads
 
         prior = prior_data(cfg, spec, comms.learners)  # [dist]
