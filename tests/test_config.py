@@ -103,6 +103,9 @@ def test_a_resume_records_its_config_and_names_what_it_changed(tmp_path, monkeyp
     (["placement.mode=hybrid", "placement.learner_nodes=1"], "placement.learner_nodes",
      "0 unless placement.mode is disaggregated"),
     (["env.camera=false"], "env.camera", "true, except for env.name=maniskill"),
+    # a camera rendered every step and read by nothing
+    (["env.name=maniskill", "env.wrist_image=true"], "env.wrist_image",
+     "false for policy.name=default (it reads one camera, `image`"),
     # held-out evaluation during training: where it runs, what it films
     (["eval.every=5"], "placement.evaluators", "1 with eval.every > 0 in a disaggregated"),
     (["placement.evaluators=1"], "placement.evaluators", "0 unless eval.every > 0"),

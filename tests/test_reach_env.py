@@ -386,3 +386,19 @@ def test_an_observation_unlike_the_spec_is_named_before_the_first_step():
         check_observation(env, floats)
     with pytest.raises(ValueError, match="instruction missing"):
         check_observation(env, {k: v for k, v in obs.items() if k != "instruction"})
+
+
+def test_an_observation_field_no_policy_reads_is_refused():
+    """A new simulator's third camera or differently named state would be carried through the
+    ring and read by no policy: its spec is refused naming the fields the policies read; the
+    small network's encoders refuse the wrist camera they do not read."""
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.policies.default import DefaultPolicy
+    spec = ReachEnv(2, seed=0).spec
+    with pytest.raises(ValueError, match=r"EnvSpec.obs: head_camera is no observation field "
+                                         r"the policies read \(image, wrist_image, "
+                                         r"instruction, state\)"):
+        EnvSpec(**{**spec.__dict__, "obs": {**spec.obs, "head_camera": spec.obs["image"]}})
+    wrist = {**spec.obs, "wrist_image": spec.obs["image"]}
+    with pytest.raises(ValueError, match="read image, instruction, state, not wrist_image"):
+        DefaultPolicy(wrist, spec.action_dim, spec.chunk_len, len(spec.vocab))

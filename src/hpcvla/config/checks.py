@@ -15,7 +15,7 @@ from hpcvla.config.families import (ALGORITHMS, EE_DELTA_CONTROL, FAMILIES,
                                     family, having, readers_of, simulator,
                                     unread_settings)
 from hpcvla.config.imitation import dataset_features
-from hpcvla.config.learning import OBS_FIELDS, noise_obs_fields
+from hpcvla.config.learning import ENCODED_FIELDS, noise_obs_fields
 from hpcvla.config.schema import ROLES
 from hpcvla.schedule import MODE_TRAITS, shards_of, shards_problem
 
@@ -86,6 +86,12 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.policy.flow_noise == "sde" and cfg.policy.logprob_mode != "random_step":
         problems.append(("policy.flow_noise", "sde", "learned unless policy.logprob_mode="
                          "random_step (RLinf's flow-SDE noises one step per chunk)"))
+    if cfg.env.wrist_image and "wrist_image" in sim.settings and \
+            not family(cfg.policy.name).wrist_camera:  # (reach has none: refused as unread)
+        problems.append(("env.wrist_image", True, f"false for policy.name={cfg.policy.name} "
+                         "(it reads one camera, `image`: the wrist camera would be rendered "
+                         f"every step and read by nothing), or policy.name="
+                         f"{having(FAMILIES, 'wrist_camera')}"))
     if cfg.policy.lora_rank and not vla:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, f"0 for policy.name="
                          f"{cfg.policy.name} (a small network: no language model to adapt)"))
@@ -210,9 +216,10 @@ def _noise_obs_problems(cfg) -> list[tuple[str, Any, str]]:
         return [("algorithm.noise_obs", alg.noise_obs, "empty unless policy.name="
                  f"{having(FAMILIES, 'noise_actor')} with algorithm.name="
                  f"{having(ALGORITHMS, 'steers_noise')} (the fields DSRL's noise actor reads)")]
-    if set(fields) - set(OBS_FIELDS) or len(set(fields)) < len(fields):
+    if set(fields) - set(ENCODED_FIELDS) or len(set(fields)) < len(fields):
         return [("algorithm.noise_obs", alg.noise_obs, "distinct fields among "
-                 f"{', '.join(OBS_FIELDS)}, comma-separated (empty: all the env has)")]
+                 f"{', '.join(ENCODED_FIELDS)}, comma-separated (empty: those of them the "
+                 "env has)")]
     return []
 
 

@@ -35,6 +35,9 @@ class FamilyTraits:
     libero_gripper: str = "closed_high"
     # a policy.pretrained folder sets its sizes from its tensors: policy.size is not read then
     folder_sizes: bool = False
+    # reads a wrist camera beside the third-person one (env.wrist_image): the VLAs' prefix
+    # takes both; the small network's encoders one image (config/learning.ENCODED_FIELDS)
+    wrist_camera: bool = False
     # the policy.* settings its constructor reads (its class's `config_fields`); a setting of
     # another family's typed on the command line for this one is refused (config/checks.py)
     settings: tuple[str, ...] = ()
@@ -57,12 +60,13 @@ FAMILIES = {
     "default": FamilyTraits(vla=False, relative_actions=False, soft_critics=True,
                             settings=("hidden", "init_log_std")),
     "flow": FamilyTraits(vla=True, relative_actions=True, noise_actor=True, folder_sizes=True,
-                         settings=(
+                         wrist_camera=True, settings=(
         *_VLA, "denoise_steps", "denoise_from", "train_expert_only", "logprob_mode", "flow_noise",
         "noise_level", "variant", "hidden")),
-    "tokens": FamilyTraits(vla=True, relative_actions=False, settings=_VLA),
+    "tokens": FamilyTraits(vla=True, relative_actions=False, wrist_camera=True, settings=_VLA),
     "oft": FamilyTraits(vla=True, relative_actions=False, action_heads=ACTION_HEADS,
-                        libero_gripper="open_high", folder_sizes=True, settings=(
+                        libero_gripper="open_high", folder_sizes=True, wrist_camera=True,
+                        settings=(
                             *_VLA, "temperature", "unnorm_key", "max_prompt_length", "sequence",
                             "action_head", "center_crop")),
 }

@@ -11,7 +11,13 @@ from typing import Any
 from hpcvla.config.families import ALGORITHMS, AlgorithmTraits, algorithm
 
 GROUP_LOSS_MEANS = ("steps", "episodes", "constant")  # algorithm.group_loss_mean
-OBS_FIELDS = ("image", "instruction", "state")  # what an env's observations may hold
+# The observation fields an env may give (envs/base.EnvSpec refuses others): a simulator maps
+# its cameras and state onto these names (LIBERO's agentview camera is `image`, its
+# eye-in-hand one `wrist_image`), which is how every policy finds them
+OBSERVATION_FIELDS = ("image", "wrist_image", "instruction", "state")
+# those the small network's encoders read (policies/default.add_encoders): the `default`
+# policy's, and DSRL's noise actor's (algorithm.noise_obs)
+ENCODED_FIELDS = ("image", "instruction", "state")
 
 
 def setting(default: Any, doc: str, *, choices: tuple | None = None,
@@ -212,9 +218,10 @@ class AlgorithmConfig:
         ge=0.01)
     noise_obs: str = setting(
         "", "`sac` with the `flow` family (DSRL): the observation fields the noise actor and "
-        "its critics read, comma-separated (`image`, `instruction`, `state`); empty: all the "
-        "env has. Without `image` a SAC step skips the CNN, most of its cost; the flow "
-        "policy it steers still reads every field. The state alone suits tasks whose state "
+        "its critics read, comma-separated (`image`, `instruction`, `state`); empty: those of "
+        "them the env has (a wrist camera is the flow policy's alone). Without `image` a SAC "
+        "step skips the CNN, most of its cost; the flow policy it steers still reads every "
+        "field. The state alone suits tasks whose state "
         "holds the goal (reach's, ManiSkill's), not LIBERO's, which is the robot's alone.")
     demos: str = setting(
         "", "`rlpd`: the prior data, HDF5 files (comma-separated) of this project's trajectory "
@@ -268,7 +275,7 @@ class AlgorithmConfig:
 
 
 def noise_obs_fields(alg: AlgorithmConfig) -> tuple[str, ...]:
-    """algorithm.noise_obs as a tuple of field names (empty: all the env has)."""
+    """algorithm.noise_obs as a tuple of field names (empty: ENCODED_FIELDS the env has)."""
     return tuple(f.strip() for f in alg.noise_obs.split(",") if f.strip())
 
 

@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from hpcvla.config.evaluation import EVAL_STATE_IDS
+from hpcvla.config.learning import OBSERVATION_FIELDS
 from hpcvla.seeds import env_rng
 
 STATE_IDS = 2 ** 31  # every init_state_id is below this (ManiSkill's reset seeds are int32)
@@ -92,11 +93,17 @@ def is_evaluation_state(init_state_id: int) -> bool:
 class EnvSpec:
     """Static description of a vectorized env (per-env shapes, no batch dimension)."""
 
-    obs: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, numpy dtype str, e.g. "|u1")
+    # name -> (shape, numpy dtype str, e.g. "|u1"); names among OBSERVATION_FIELDS, which is
+    # how the policies find them (a field by another name would be carried and read by none)
+    obs: dict[str, tuple[tuple[int, ...], str]]
     action_dim: int  # continuous action dims per primitive step
     chunk_len: int  # primitive steps executed per env.step() call (an action chunk)
     max_episode_chunks: int  # truncation horizon, in chunks
-    vocab: tuple[str, ...]  # instruction vocabulary; token id = index; id 0 is padding ""
+    # instruction vocabulary; token id = index; id 0 is padding "". A published checkpoint's
+    # processor reads the prompt back from the ids (text.detokenize): lower-case words
+    # without punctuation, cut at the `instruction` field's length, words outside the
+    # vocabulary dropped; an env builds the vocabulary from all its tasks' instructions
+    vocab: tuple[str, ...]
     # what an action means where the simulator has a choice (ManiSkill's control mode);
     # "" for an env with one controller. Demonstrations are checked against it.
     controller: str = ""
@@ -111,6 +118,14 @@ class EnvSpec:
     # tokenized into the `instruction` observation: training success is counted per task
     # where there are several (metrics/task_success.py); () for an env of one task
     tasks: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = sorted(set(self.obs) - set(OBSERVATION_FIELDS))
+        if unknown:
+            raise ValueError(f"EnvSpec.obs: {', '.join(unknown)} is no observation field the "
+                             f"policies read ({', '.join(OBSERVATION_FIELDS)}): map the "
+                             "simulator's camera or state onto one of them "
+                             "(config/learning.OBSERVATION_FIELDS)")
 
     @property
     def state_dim(self) -> int:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributions import Normal, TransformedDistribution
 
 from hpcvla.config.families import FAMILIES
+from hpcvla.config.learning import ENCODED_FIELDS
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
@@ -165,7 +166,13 @@ class DefaultPolicy(SoftCritics, Policy):
 def add_encoders(module: nn.Module, obs_spec: dict, vocab_size: int, hidden: int) -> int:
     """The observation encoders of `module` (the default policy's, the flow family's noise
     actor's): a small CNN for the image, a bag of token embeddings for the instruction, a
-    layer for the state, whichever `obs_spec` has; returns the width of their features."""
+    layer for the state, whichever `obs_spec` has; returns the width of their features. A
+    field they do not read (a wrist camera) is refused, not carried unread."""
+    unread = sorted(set(obs_spec) - set(ENCODED_FIELDS))
+    if unread:
+        raise ValueError(f"the small network's encoders read {', '.join(ENCODED_FIELDS)}, not "
+                         f"{', '.join(unread)}: leave it out of the env (env.wrist_image=false)"
+                         " or use a VLA family")
     module.has_image = "image" in obs_spec
     module.has_instruction = "instruction" in obs_spec
     module.has_state = "state" in obs_spec

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.distributions import TransformedDistribution
 
+from hpcvla.config.learning import ENCODED_FIELDS
 from hpcvla.policies.base import ActOutput
 from hpcvla.policies.default import add_encoders, encode, layer_init
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
@@ -45,14 +46,15 @@ class ObsEncoder(nn.Module):
 
     def __init__(self, obs_spec: dict, vocab_size: int, hidden: int,
                  fields: tuple[str, ...] = ()):
-        """`fields`: the observation fields it reads (empty: all of `obs_spec`)."""
+        """`fields`: the observation fields it reads (empty: those of `obs_spec` the encoders
+        read, ENCODED_FIELDS)."""
         super().__init__()
         missing = sorted(set(fields) - set(obs_spec))
         if missing:
             raise ValueError(f"algorithm.noise_obs: {', '.join(missing)} not among the env's "
                              f"observations ({', '.join(obs_spec)})")
         self.dim = add_encoders(self, {k: v for k, v in obs_spec.items()
-                                       if not fields or k in fields}, vocab_size, hidden)
+                                       if k in (fields or ENCODED_FIELDS)}, vocab_size, hidden)
 
     def forward(self, obs: dict[str, torch.Tensor]) -> torch.Tensor:
         return encode(self, obs)
