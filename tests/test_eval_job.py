@@ -274,7 +274,8 @@ def test_the_printed_result_says_what_it_measured_and_what_a_benchmark_would_cou
     assert "(1 left out: env faults; counted as failures, as OFT's and openpi's scripts " \
         "count them: 0.400)" in shown, shown
     assert "protocol hpcvla: the config's episode length, 480 env steps, sampled actions; not " \
-        "LIBERO's benchmark, whose numbers papers report (eval.protocol=libero)" in shown, shown
+        "the libero benchmark's protocol, whose numbers papers report (eval.protocol=libero)" \
+        in shown, shown
     assert "not held out" not in shown
     shown = describe({
         "version": 3, "success_rate": 0.5, "success_ci95": [0.1, 0.9], "episodes": 4,

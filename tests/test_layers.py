@@ -231,3 +231,16 @@ def test_no_module_branches_on_a_family_simulator_or_algorithm_name():
              for path in MODULES.values()
              for n, line in enumerate(path.read_text().splitlines(), 1) if NAME_CHECK.search(line)]
     assert not found, "ask config/families.py or the registry instead:\n" + "\n".join(found)
+
+
+# The modules of the simulators themselves (envs/registry.py holds their classes): the per-rank
+# loops and the evaluation run any simulator through VectorEnv and its class methods (a
+# benchmark's protocol: VectorEnv.benchmark_protocol), so a new one needs no edit there.
+SIMULATOR_MODULES = {"hpcvla.envs.libero", "hpcvla.envs.libero_suites", "hpcvla.envs.scenes",
+                     "hpcvla.envs.maniskill", "hpcvla.envs.maniskill_gpu", "hpcvla.envs.reach"}
+
+
+def test_the_roles_and_the_evaluation_import_no_simulator_of_their_own():
+    found = [f"{where(a, line)}: {a} imports {b}" for a, line, b in edges()
+             if top_name(a) in ("roles", "evaluate") and b in SIMULATOR_MODULES]
+    assert not found, "ask the env's class (envs/registry.py) instead:\n" + "\n".join(found)

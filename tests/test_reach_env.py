@@ -402,3 +402,39 @@ def test_an_observation_field_no_policy_reads_is_refused():
     wrist = {**spec.obs, "wrist_image": spec.obs["image"]}
     with pytest.raises(ValueError, match="read image, instruction, state, not wrist_image"):
         DefaultPolicy(wrist, spec.action_dim, spec.chunk_len, len(spec.vocab))
+
+
+def test_a_simulators_benchmark_protocol_is_its_class_methods(monkeypatch):
+    """A benchmark's evaluation protocol (its fixed states, step limit, what the report says)
+    is the simulator class's answer (VectorEnv.protocol_episodes, benchmark_protocol): the
+    evaluation asks the class, whatever the simulator; nothing in roles/ names one."""
+    import copy
+
+    from hpcvla.config import load_config
+    from hpcvla.envs import registry
+    from hpcvla.evaluate import describe, evaluate
+    from hpcvla.roles.heldout import envs_at_once
+
+    class Benchmarked(ReachEnv):
+        @classmethod
+        def protocol_episodes(cls, env_cfg, eval_cfg):
+            return 3
+
+        @classmethod
+        def benchmark_protocol(cls, cfg):
+            cfg = copy.deepcopy(cfg)
+            cfg.env.max_episode_chunks = 2  # its step limit, as the horizon
+            return cfg, {"name": "dummy", "steps": 7, "step_limit": 7,
+                         "describe": "dummy protocol: 3 fixed states, 7 steps"}, (
+                np.array([5, 9, 2]), ["task a", "task a", "task b"])
+    monkeypatch.setitem(registry.ENVS, "reach", Benchmarked)
+    cfg = load_config(None, ["env.chunk_len=4"])
+    cfg.eval.protocol = "dummy"
+    assert envs_at_once(cfg, 32, 128) == 3
+    result = evaluate(cfg, None, episodes=128, envs=2)
+    assert [e["init_state_id"] for e in result["per_episode"]] == [5, 9, 2]
+    assert all(e["steps"] <= 7 for e in result["per_episode"])  # cut inside the 2nd chunk
+    assert sorted(result["per_task"]) == ["task a", "task b"]
+    said = describe({**result, "version": 0, "split": "evaluation", "init_state_ids": [2, 9],
+                     "states": "3 states", "ranks": 1, "hosts": ["h"], "device": "cpu"})
+    assert "  dummy protocol: 3 fixed states, 7 steps, " in said, said

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
+from hpcvla.config.evaluation import OWN_PROTOCOL
+from hpcvla.config.families import simulator
 from hpcvla.config.loader import last_run_config
 from hpcvla.devices import bind_rank_device, gpu_identity, gpu_names, local_device
 from hpcvla.metrics.stats import paired_difference
@@ -315,17 +317,14 @@ def describe(result: dict) -> str:
         lines.append("  not held out: training started from these states too "
                      "(env.train_states=benchmark, RLinf's)")
     protocol = result.get("protocol", {})
-    if protocol.get("name") == "hpcvla":  # the run's own episodes: say so where a benchmark is
-        lines.append(f"  protocol hpcvla: the config's episode length, {protocol['steps']} env "
-                     f"steps, {result['actions']} actions" + (
-                         "; not LIBERO's benchmark, whose numbers papers report "
-                         "(eval.protocol=libero)" if protocol.get("env") == "libero" else ""))
-    if protocol.get("name") == "libero":
-        lines.append(f"  LIBERO protocol: {protocol['suite']} tasks {protocol['tasks']}, "
-                     f"{protocol['states_per_task']} fixed states each, step limit "
-                     f"{protocol['step_limit']} env steps (a chunk past it is cut), "
-                     f"{protocol['settle_steps']} settle steps, success: {protocol['success']}, "
-                     f"{result['actions']} actions")
+    if protocol.get("name") == OWN_PROTOCOL:  # the run's own episodes: say so where a
+        benchmark = simulator(protocol["env"]).benchmark  # benchmark's are to be had
+        lines.append(f"  protocol {OWN_PROTOCOL}: the config's episode length, "
+                     f"{protocol['steps']} env steps, {result['actions']} actions" + (
+                         f"; not the {benchmark} benchmark's protocol, whose numbers papers "
+                         f"report (eval.protocol={benchmark})" if benchmark else ""))
+    elif protocol:  # a benchmark's (VectorEnv.benchmark_protocol)
+        lines.append(f"  {protocol['describe']}, {result['actions']} actions")
     if result.get("videos"):
         lines.append(f"  {len(result['videos'])} video(s) in "
                      f"{Path(result['videos'][0]).parent}")

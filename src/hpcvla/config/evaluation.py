@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpcvla.config.families import SIMULATORS
 from hpcvla.config.learning import setting
 
 EVAL_STATE_IDS = 2 ** 20  # init_state_ids below this are the evaluation split (envs/base.py)
+# eval.protocol's own: the env's evaluation states at the config's horizon; the others are
+# the simulators' benchmarks (SimulatorTraits.benchmark, VectorEnv.benchmark_protocol)
+OWN_PROTOCOL = "hpcvla"
 
 
 @dataclass
@@ -20,7 +24,7 @@ class EvalConfig:
         "of 50), the suite's step limit (spatial 220, object 280, goal 300, libero_10 520, "
         "libero_90 400), 10 settle steps, success when the task is first done; --episodes "
         "(eval.episodes) is then ignored.",
-        choices=("hpcvla", "libero"))
+        choices=(OWN_PROTOCOL, *(t.benchmark for t in SIMULATORS.values() if t.benchmark)))
     states_per_task: int = setting(
         50, "eval.protocol=libero: the first this many fixed initial states of every task "
         "(LIBERO's 50: the published numbers).", ge=1)

@@ -12,8 +12,9 @@ from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_class,
                                   make_env, probe_spec)
 
 __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkillGPUEnv",
-           "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_kwargs", "env_problems",
-           "env_spec", "env_uses_gpu", "make_env", "oracle_actions", "spec_needs_a_simulator"]
+           "ReachEnv", "StepResult", "VectorEnv", "check_env", "env_class", "env_kwargs",
+           "env_problems", "env_spec", "env_uses_gpu", "make_env", "oracle_actions",
+           "spec_needs_a_simulator"]
 
 
 def env_spec(env_cfg) -> EnvSpec:

@@ -25,7 +25,7 @@ import abc
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -259,11 +259,28 @@ class VectorEnv(abc.ABC):
         cannot run here. Its package is checked first (registry.SIMULATOR_PACKAGES)."""
         return []
 
+    # A benchmark's own evaluation protocol (eval.protocol, SimulatorTraits.benchmark: its
+    # fixed states, step limit, task choice): a simulator that has one answers the three below.
     @classmethod
     def protocol_problems(cls, env_cfg, eval_cfg) -> list[tuple[str, object, str]]:
         """What its benchmark's evaluation protocol (eval.protocol) cannot run of the eval
         settings, as config_problems says them."""
         return []
+
+    @classmethod
+    def protocol_episodes(cls, env_cfg, eval_cfg) -> int:
+        """The episodes eval.protocol's benchmark runs, one per fixed state, known before any
+        env is built (the evaluating ranks' envs and memory are planned for them)."""
+        raise NotImplementedError(f"{cls.__name__} has no benchmark protocol")
+
+    @classmethod
+    def benchmark_protocol(cls, cfg) -> tuple[Any, dict, tuple[np.ndarray, list[str]]]:
+        """eval.protocol's benchmark: the config its evaluation runs (a copy: the step limit
+        as the horizon, the tasks it loads), the protocol's record for the report (`name`,
+        `steps` an episode may run, `describe`: one line saying what it fixes; `step_limit`
+        where a chunk past the limit is cut: VectorEnv.step_limit), and its states'
+        init_state_ids with each one's task label, in the order it runs them."""
+        raise NotImplementedError(f"{cls.__name__} has no benchmark protocol")
 
     @classmethod
     def uses_gpu(cls, env_cfg) -> bool:

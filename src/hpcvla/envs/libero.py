@@ -68,16 +68,18 @@ experiments/robot/libero/run_libero_eval.py, OpenVLA-OFT's, which follows OpenVL
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
+from typing import Any
 
 import numpy as np
 
 from hpcvla.config.evaluation import eval_tasks
 from hpcvla.envs import scenes
 from hpcvla.envs.base import EnvSpec, is_evaluation_state, training_state_ids
-from hpcvla.envs.libero_suites import (SUITES, Suite, _import_libero, protocol_problems,
-                                       suite_tasks)
+from hpcvla.envs.libero_suites import (STEP_LIMITS, SUITES, Suite, _import_libero,
+                                       benchmark_states, protocol_problems, suite_tasks)
 from hpcvla.envs.serial import SerialVectorEnv
 from hpcvla.text import words
 
@@ -256,6 +258,32 @@ class LiberoEnv(SerialVectorEnv):
         if eval_cfg.protocol != "libero":
             return []
         return protocol_problems(env_cfg.suite, eval_tasks(eval_cfg), eval_cfg.states_per_task)
+
+    @classmethod
+    def protocol_episodes(cls, env_cfg, eval_cfg) -> int:
+        tasks = eval_tasks(eval_cfg) or range(suite_tasks(env_cfg.suite))
+        return len(tasks) * eval_cfg.states_per_task
+
+    @classmethod
+    def benchmark_protocol(cls, cfg) -> tuple[Any, dict, tuple[np.ndarray, list[str]]]:
+        """LIBERO's benchmark as openpi's and OpenVLA(-OFT)'s scripts run it: every task (or
+        eval.tasks) with its fixed states task by task, the suite's step limit (STEP_LIMITS,
+        counted in primitive steps), SETTLE_STEPS first, success when the task is first
+        done."""
+        cfg = copy.deepcopy(cfg)
+        limit = STEP_LIMITS[cfg.env.suite]
+        cfg.env.suite_task = -1  # the env loads each state's task
+        cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # the step limit binds
+        ids, labels, tasks = benchmark_states(cfg.env.suite, eval_tasks(cfg.eval),
+                                              cfg.eval.states_per_task)
+        per_task = cfg.eval.states_per_task
+        return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
+                     "states_per_task": per_task, "step_limit": limit, "steps": limit,
+                     "settle_steps": SETTLE_STEPS, "describe": (
+                         f"LIBERO protocol: {cfg.env.suite} tasks {tasks}, {per_task} fixed "
+                         f"states each, step limit {limit} env steps (a chunk past it is cut), "
+                         f"{SETTLE_STEPS} settle steps, success: the task done at any step (it "
+                         "ends the episode)")}, (ids, labels)
 
     @classmethod
     def uses_gpu(cls, env_cfg) -> bool:

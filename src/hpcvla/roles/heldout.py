@@ -24,7 +24,6 @@ outcomes on 1 rank and on N.
 
 from __future__ import annotations
 
-import copy
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -34,8 +33,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 import numpy as np
 import torch
 
+from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.config.families import simulator
-from hpcvla.envs import env_kwargs, make_env
+from hpcvla.envs import env_class, env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.stats import wilson_interval
 from hpcvla.process.watchdog import deadline
@@ -63,12 +63,9 @@ class Episode(NamedTuple):
 def envs_at_once(cfg: Config, envs: int, episodes: int) -> int:
     """The envs an evaluation steps together (what its ranks' memory is planned for, and
     what its sampled actions' seeds go by): `envs`, no more than it has episodes: `episodes`,
-    or under eval.protocol=libero the protocol's states, which `episodes` does not change."""
-    if cfg.eval.protocol == "libero":
-        from hpcvla.config.evaluation import eval_tasks
-        from hpcvla.envs.libero_suites import suite_tasks
-        tasks = eval_tasks(cfg.eval) or range(suite_tasks(cfg.env.suite))
-        episodes = len(tasks) * cfg.eval.states_per_task
+    or under a benchmark's eval.protocol its states, which `episodes` does not change."""
+    if cfg.eval.protocol != OWN_PROTOCOL:
+        episodes = env_class(cfg.env).protocol_episodes(cfg.env, cfg.eval)
     return max(1, min(envs, episodes))
 
 
@@ -106,7 +103,7 @@ class HeldOut:
         self.ids, self.tasks = states or self.env.evaluation_states(episodes)
         assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"
         self.filmed = {p for p, n in enumerate(_ordinals(self.tasks)) if n < video}
-        self.protocol = protocol or {"name": "hpcvla", "env": cfg.env.name,
+        self.protocol = protocol or {"name": OWN_PROTOCOL, "env": cfg.env.name,
                                      "steps": cfg.env.max_episode_chunks * cfg.env.chunk_len}
 
     def run(self, deterministic: bool, rank: int = 0, ranks: int = 1,
@@ -178,26 +175,12 @@ class HeldOut:
 
 def protocol_of(cfg: Config) -> tuple[Config, dict[str, Any] | None,
                                       tuple[np.ndarray, list[str]] | None]:
-    """The config an evaluation runs and, for eval.protocol=libero, what its protocol
-    fixes: LIBERO's benchmark (every task, or eval.tasks, with its fixed states task by task,
-    the suite's step limit; STEP_LIMITS of envs/libero.py), and its (ids, task labels);
-    else None and None."""
-    if cfg.eval.protocol != "libero":
+    """The config an evaluation runs and, under a benchmark's eval.protocol, what the
+    protocol fixes and its (ids, task labels), from the simulator that has it
+    (VectorEnv.benchmark_protocol); else None and None."""
+    if cfg.eval.protocol == OWN_PROTOCOL:
         return cfg, None, None
-    from hpcvla.config.evaluation import eval_tasks
-    from hpcvla.envs.libero import SETTLE_STEPS
-    from hpcvla.envs.libero_suites import STEP_LIMITS, benchmark_states
-    cfg = copy.deepcopy(cfg)
-    limit = STEP_LIMITS[cfg.env.suite]
-    cfg.env.suite_task = -1  # the env loads each state's task
-    cfg.env.max_episode_chunks = -(-limit // cfg.env.chunk_len)  # the step limit binds
-    ids, labels, tasks = benchmark_states(cfg.env.suite, eval_tasks(cfg.eval),
-                                          cfg.eval.states_per_task)
-    return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
-                 "states_per_task": cfg.eval.states_per_task, "step_limit": limit,
-                 "steps": limit,
-                 "settle_steps": SETTLE_STEPS, "success": "the task done at any step (it "
-                 "ends the episode)"}, (ids, labels)
+    return env_class(cfg.env).benchmark_protocol(cfg)
 
 
 def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic: bool,
