@@ -72,7 +72,8 @@
 #                     version batch: learner.micro_batches). COSTS: config (the reach env
 #                     probed, or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node and its
-#                     node-only checks on the others, all at once, each within 300 s
+#                     node-only checks on the others, all at once, each within
+#                     HPCVLA_NODE_DOCTOR_S seconds (default 300)
 #                     (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
@@ -102,12 +103,15 @@ remember_signals
 HPCVLA_ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 export HPCVLA_ROOT
 [[ $# -ge 1 ]] || die "usage: launch.sh COMMAND [ARGS...]   (e.g. train configs/default.yaml)"
-for name in HPCVLA_RESTARTS HPCVLA_START_RETRIES HPCVLA_END_GRACE_S HPCVLA_NODE_CHECK_S; do
+for name in HPCVLA_RESTARTS HPCVLA_START_RETRIES HPCVLA_END_GRACE_S HPCVLA_NODE_CHECK_S \
+        HPCVLA_NODE_DOCTOR_S; do
     [[ ${!name:-0} =~ ^[0-9]+$ ]] || die "$name=${!name} is not a count: set a whole number" \
         "(0 or more), or unset it for its default"
 done
 [[ ${HPCVLA_NODE_CHECK_S:-60} != 0 ]] ||
     die "HPCVLA_NODE_CHECK_S=0 would wait for a dead node for ever: set seconds (default 60)"
+[[ ${HPCVLA_NODE_DOCTOR_S:-300} != 0 ]] ||
+    die "HPCVLA_NODE_DOCTOR_S=0 would wait for a dead node for ever: set seconds (default 300)"
 
 # ---- the allocation: scheduler, hosts, ranks per node, Python, MPI, threads per rank --------
 LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib  # this script's own, whatever the root
@@ -306,13 +310,14 @@ if [[ $SCHEDULER == slurm && ${SLURM_RESTART_COUNT:-0} -gt 0 ]] && in_a_world "$
         "segments on every node: answering ${answered[*]:-none} of ${HOSTS[*]}"
 fi
 if (( ${#DOCTOR[@]} )); then
-    # a cancel or preemption during the check stops the doctor too: the job ends as stopped
-    # (run_world starts no world), not as a node that lacks something
-    "${DOCTOR[@]}" >&2 || [[ -n $EARLY ]] ||
+    # a cancel, preemption or the time limit's warning during the checks ends them at once
+    # (until_signalled): the job ends as stopped (run_world starts no world), not as a node
+    # that lacks something
+    until_signalled "${DOCTOR[@]}" >&2 || [[ -n $EARLY ]] ||
         die "this node ($(hostname)) lacks what the job needs, or the job's settings are" \
             "refused (hpcvla doctor, above)"
     (( NODES == 1 )) || [[ -n $EARLY ]] ||
-        (check_other_nodes "${DOCTOR[@]:0:4}" --node-only "${DOCTOR[@]:4}") ||
+        until_signalled check_other_nodes "${DOCTOR[@]:0:4}" --node-only "${DOCTOR[@]:4}" ||
         [[ -n $EARLY ]] || die "not every node of the job has what it needs (above)"
 fi
 

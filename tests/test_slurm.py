@@ -1040,3 +1040,40 @@ def test_an_eval_job_whose_world_died_while_starting_is_started_again(slurm, tmp
     result = json.loads(line)
     assert result["ranks"] == 4 and len(result["per_episode"]) == 8, result
     assert not list((tmp_path / "runs").iterdir()), "the job's folder was left behind"
+
+
+def test_a_signal_during_the_node_checks_ends_them_at_once(tmp_path):
+    """bash runs a trap only once a foreground command returns: a stop signal (a cancel, the
+    time limit's warning) during the other nodes' checks (up to HPCVLA_NODE_DOCTOR_S) waited
+    for them. Now they run under until_signalled: the signal ends them and what they started
+    (a node's srun or ssh) within a second, and the job goes on as one stopped."""
+    marker = f"{os.getpid()}{time.monotonic_ns() % 100000}"
+    script = f"""set -euo pipefail
+        SCHEDULER=none PYTHON=python EARLY=""
+        say() {{ echo "say: $*" >&2; }}
+        source {ROOT}/jobs/lib/world.sh
+        trap 'EARLY=USR1' USR1
+        on_node() {{ sleep 30.{marker}; }}  # a node whose check hangs
+        HOSTS=(a b c)
+        code=0
+        until_signalled check_other_nodes doctor --node-only || code=$?
+        echo "returned $code EARLY=$EARLY"
+    """
+    start = time.monotonic()
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ,
+                                                                    "TMPDIR": str(tmp_path)})
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=20)
+    took = time.monotonic() - start
+    assert out == "returned 1 EARLY=USR1\n" and took < 5, (out, err, took)
+    assert "say: received SIGUSR1: ending check_other_nodes" in err, err
+    left = subprocess.run(["pgrep", "-f", f"sleep 30.{marker}"], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout  # the nodes' commands ended with it
+    assert list(tmp_path.iterdir()) == []  # and its answers' folder removed
+    ran = subprocess.run(["bash", "-c", f"""set -euo pipefail
+        SCHEDULER=none EARLY=""; say() {{ :; }}; source {ROOT}/jobs/lib/world.sh
+        code=0; until_signalled bash -c 'exit 3' || code=$?; echo "$code"
+        """], capture_output=True, text=True, timeout=20)
+    assert ran.stdout == "3\n", ran  # without a signal: the command's own status

@@ -1,7 +1,7 @@
 # shellcheck shell=bash
 # Sourced by jobs/launch.sh: starting a world of NP ranks on HOSTS, watching it and ending
 # it: a command on one node (on_node), on every other node before the first world
-# (check_other_nodes) and on every node after a failure (clean_nodes), the
+# (check_other_nodes, until_signalled) and on every node after a failure (clean_nodes), the
 # MPI launcher's command line (set_launch), the scheduler's signals passed on as SIGTERM
 # (forward) and a failed world's end (end_a_failed_world), the variables passed to other
 # nodes' ranks (forwarded_env), and the run itself (run_world, which sets `status` and
@@ -72,15 +72,45 @@ clean_nodes() {  # run in a subshell
     rm -rf "$answers"
 }
 
+# COMMAND in the background, waited for until it ends or a signal is remembered (launch.sh's
+# remember_signals sets EARLY): bash runs a trap only once a foreground command has returned,
+# so a check of minutes in the foreground would hold a cancel, or the time limit's warning,
+# that long. After a signal COMMAND and every process under it (srun, ssh, timeout) are ended
+# and it returns 1: the job ends as one stopped.
+until_signalled() {  # COMMAND...: COMMAND's exit status, or 1 after a signal
+    local pid code
+    "$@" &
+    pid=$!
+    while :; do
+        code=0
+        wait "$pid" || code=$?
+        if [[ -n $EARLY ]]; then
+            say "received SIG$EARLY: ending ${1##*/} (it would hold the signal)"
+            # shellcheck disable=SC2046  # one word per process
+            kill -TERM $(process_tree "$pid") 2> /dev/null || true
+            wait "$pid" 2> /dev/null || true
+            return 1
+        fi
+        kill -0 "$pid" 2> /dev/null || return "$code"  # ended (else: another trap's signal)
+    done
+}
+process_tree() {  # PID: it and every process under it, parents first
+    local child
+    echo "$1"
+    for child in $(ps -o pid= --ppid "$1" 2> /dev/null); do process_tree "$child"; done
+}
+
 # Before the first world, on the job's nodes after its first (whose doctor passed), at once:
 # `hpcvla doctor --node-only` (argv: the doctor's command), what each node has of its own
-# (/dev/shm, the renderer), within 300 s (the renderer's check imports the simulator). Each
+# (/dev/shm, the renderer), within HPCVLA_NODE_DOCTOR_S (default 300: the renderer's check
+# imports the simulator). Each
 # node whose checks failed is said with its lines; false if one did. A node that could not
 # run the check (it did not answer, a launch error) is said and left to the world's start: a
 # dead node there is a failed world, which HPCVLA_RESTARTS continues without it.
 check_other_nodes() {  # run in a subshell
     local host answers command name assignments=() failed=() checked=()
     answers=$(mktemp -d)
+    trap 'rm -rf "$answers"' EXIT  # ended by a signal (until_signalled) too
     command=$(printf '%q ' "$@")
     if [[ $SCHEDULER == pbs ]]; then  # ssh and TM start it in the home folder, with a login's
         # environment: the job's folder and the variables its ranks get (forwarded_names)
@@ -89,7 +119,7 @@ check_other_nodes() {  # run in a subshell
         done
         command="cd $(printf '%q' "$PWD") && env $(printf '%q ' "${assignments[@]}")$command"
     fi
-    on_each_node "$answers" 300 "$command" "${HOSTS[@]:1}"
+    on_each_node "$answers" "${HPCVLA_NODE_DOCTOR_S:-300}" "$command" "${HOSTS[@]:1}"
     for host in "${HOSTS[@]:1}"; do
         if grep -q '^FAIL' "$answers/$host"; then
             failed+=("$host")
