@@ -73,6 +73,22 @@ def test_dump_holds_every_finished_episode_of_every_env(tmp_path):
         assert (b["episodes"], b["success_rate"]) == (len(inside), np.mean(inside))
 
 
+def test_an_envs_episode_metrics_are_each_episodes_attributes(tmp_path):
+    """A segment's episode metric fields (`metric.<name>`: EnvSpec.episode_metrics) become
+    each dumped episode's `episode_<name>` attribute, its value where the episode ended."""
+    groups, spec = reach_segments(4)
+    for i, group in enumerate(groups):
+        group["metric.grasped"] = np.where(group["done"], i + 0.5, 0.0).astype(np.float32)
+    dump = writer(tmp_path / "m.h5", spec)
+    for group in groups:
+        dump.add_segment(group)
+    dump.close()
+    with h5py.File(tmp_path / "m.h5", "r") as f:
+        demos = [f["data"][f"demo_{i}"] for i in range(len(f["data"]))]
+        assert demos and all(d.attrs["episode_grasped"] in (0.5, 1.5, 2.5, 3.5) for d in demos)
+        assert not any(k.startswith("metric") for d in demos for k in d)  # no step dataset
+
+
 WRITER = """
 import sys, time
 sys.path.insert(0, {tests!r})

@@ -259,3 +259,32 @@ def test_successful_only_keeps_the_successes_and_gives_up_when_they_are_too_rare
         record(load_config("configs/default.yaml", ["env.max_episode_chunks=1"]), 2, short,
                successful_only=True)
     assert not short.exists()
+
+
+def test_pick_cube_episodes_report_whether_the_cube_was_grasped():
+    """PickCube's `is_grasped` flag is an episode metric (EnvSpec.episode_metrics: `grasped`,
+    1.0 where the cube was held at some step of the episode): the expert's episodes grasp it,
+    a still arm's do not; PushCube has no such flag and declares none."""
+    env = ManiSkillEnv(2, task="PickCube-v1", camera=False, max_episode_chunks=12)
+    expert = make_expert("maniskill", "PickCube-v1", env.spec.chunk_len)
+    try:
+        assert env.spec.episode_metrics == ("grasped",)
+        env.reset(init_state_ids=np.array([EVAL_STATE_IDS + 1, EVAL_STATE_IDS + 2]))
+        grasped = np.full(2, np.nan)
+        for _ in range(12):
+            actions = expert.act(env)
+            actions[1] = 0.0  # env 1's arm holds still: it never reaches the cube
+            result = env.step(actions)
+            done = result.terminated | result.truncated
+            grasped[done & np.isnan(grasped)] = result.metrics["grasped"][done & np.isnan(
+                grasped)]
+            assert (result.metrics["grasped"][~done] == 0).all()  # none until an episode ends
+        assert grasped.tolist() == [1.0, 0.0] and result.metrics["grasped"].dtype == np.float32
+    finally:
+        env.close()
+    push = ManiSkillEnv(1, task="PushCube-v1", camera=False)
+    try:
+        assert push.spec.episode_metrics == () and push.step(np.zeros(
+            (1, push.spec.chunk_len, push.spec.action_dim))).metrics is None
+    finally:
+        push.close()

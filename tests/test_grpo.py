@@ -157,6 +157,34 @@ def test_an_episode_the_grouped_restart_cuts_short_ends_there():
     env.close()
 
 
+def test_an_episode_the_grouped_restart_cuts_has_no_episode_metric():
+    """An env's episode metric (EnvSpec.episode_metrics) of an episode the grouped restart
+    cuts short is not known (the env never ended it): NaN, which the training's means leave
+    out (metrics/episode_metrics.py), not the 0 of an episode that never had it; the episodes
+    the env ended keep theirs."""
+    import dataclasses
+
+    from hpcvla.envs import ReachEnv
+
+    class Measured(ReachEnv):  # reach, reporting each ended episode's length as a metric
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.spec = dataclasses.replace(self.spec, episode_metrics=("chunks",))
+
+        def step(self, actions):
+            result = super().step(actions)
+            return result._replace(metrics={"chunks": result.episode_length.astype(np.float32)})
+    env = GroupedRestarts(Measured(4, seed=3, max_episode_chunks=3), every=5, group_size=2,
+                          seed=11)
+    env.reset()
+    for step in range(1, 6):
+        result = env.step(np.zeros((4, env.spec.chunk_len, env.spec.action_dim)))
+        if step == 3:  # the horizon ended every env's first episode: the env's own figure
+            assert result.metrics["chunks"].tolist() == [3.0] * 4
+    assert np.isnan(result.metrics["chunks"]).all()  # step 5: every second episode cut
+    env.close()
+
+
 def test_the_step_before_a_grouped_restart_resets_nothing_itself():
     """The restart resets every env; the step before it ends its episodes without the inner
     env's auto-reset (a second reset of the same env: a large part of a LIBERO chunk's

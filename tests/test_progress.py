@@ -347,3 +347,46 @@ def test_training_success_is_counted_per_task_and_pooled_over_the_learners():
     one = EnvSpec(obs=spec.obs, action_dim=2, chunk_len=1, max_episode_chunks=9,
                   vocab=spec.vocab, tasks=tasks[:1])
     assert Progress(None, 10, 1, 1e9, enabled=False, spec=one).tasks is None  # one task
+
+
+def test_an_envs_episode_metrics_are_windowed_pooled_and_summed_up(tmp_path, capsys):
+    """A simulator's own episode figures (EnvSpec.episode_metrics: ManiSkill's `grasped`) go
+    with its ended episodes, faults left out and a value not known (NaN: an episode GRPO's
+    grouped restart cut) too: each learner's window, pooled over the learners in the line,
+    metrics.jsonl and TensorBoard (`episode_<name>`), and in summary.json."""
+    import json
+
+    import numpy as np
+
+    from hpcvla.envs.base import EnvSpec
+    from hpcvla.roles.outputs import pooled_metrics
+    spec = EnvSpec(obs={"state": ((3,), "<f4")}, action_dim=2, chunk_len=1,
+                   max_episode_chunks=9, vocab=("",), episode_metrics=("grasped",))
+
+    def batch(grasped: list[float], fault: list[bool]) -> dict:  # one step of len(...) envs
+        n = len(grasped)
+        return {"done": np.ones((1, n), bool), "env_fault": np.array([fault]),
+                "success": np.zeros((1, n), bool), "episode_return": np.zeros((1, n)),
+                "episode_length": np.ones((1, n), np.int32),
+                "metric.grasped": np.array([grasped], np.float32)}
+
+    first = Progress(tmp_path / "metrics.jsonl", 10, 1, 0, enabled=True, spec=spec)
+    second = Progress(None, 10, 1, 1e9, enabled=False, spec=spec)
+    first.on_segments(batch([1.0, 0.0, np.nan, 1.0], [False, False, False, True]))
+    second.on_segments(batch([1.0, 1.0], [False, False]))
+    assert first.rolling()["episode_grasped"] == 0.5  # 1, 0: NaN and the fault left out
+    sent = []
+    second.pool = lambda v: sent.append(v) or v
+    second.on_update(1)
+    first.pool = lambda v: v + sent[0]
+    first.on_micro_batch({"loss": 1.0})
+    first.on_update(1)
+    assert first.rolling()["episode_grasped"] == 0.75  # 3 of the 4 known
+    assert "| grasped 0.75 | staleness" in capsys.readouterr().out
+    first.on_micro_batch({"loss": 1.0})
+    first.close()
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episode_grasped"] for r in records] == [None, 0.75]  # nothing pooled before
+    assert pooled_metrics([first.metrics.windows(), second.metrics.windows()]) == {
+        "episode_grasped": 0.75}
+    assert pooled_metrics([]) == {}

@@ -96,6 +96,9 @@ def check_result(result):
         assert value.shape == (N,) and value.dtype == dtype, name
     assert np.isfinite(result.reward).all() and not result.env_fault.any()
     assert np.array_equal(result.terminated, result.success)  # terminated only with success
+    grasped = result.metrics["grasped"]  # PickCube's episode metric: 0 until an episode ends
+    assert grasped.shape == (N,) and grasped.dtype == np.float32
+    assert not grasped[~(result.terminated | result.truncated)].any()
 
 
 def test_spec_and_observations_match_the_cpu_backend(cpu, gpu):
@@ -150,6 +153,7 @@ def test_truncation_at_horizon_then_auto_reset(gpu):
         check_result(result)
         assert result.truncated.all() == (chunk == HORIZON) and not result.terminated.any()
     assert result.episode_length.tolist() == [HORIZON] * N
+    assert result.metrics["grasped"].tolist() == [0.0] * N  # the still arms held nothing
     assert not result.success.any() and gpu._chunks.tolist() == [0] * N
     result = gpu.step(still())  # the new episodes run on
     assert not result.truncated.any() and gpu._chunks.tolist() == [1] * N

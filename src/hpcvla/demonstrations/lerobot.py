@@ -196,12 +196,10 @@ def scan(path, d: Dataset, spec, problems: Problems) -> list[Episode]:
 
 
 def _check_field(path, d: Dataset, field: str, spec, problems: Problems, features: str) -> None:
-    """The feature for one of the spec's fields: there, and of the field's kind."""
-    key = d.key(field) if field in FIELDS else None
-    if field not in FIELDS:
-        problems.add(path, MARK, field, f"only image, wrist_image, state and instruction "
-                     f"fields in the spec: a {NAME} gives no {field!r}")
-    elif key is None and field not in d.named:  # a named one missing: said by scan
+    """The feature for one of the spec's fields (FIELDS has each but the instruction: an
+    EnvSpec has no other): there, and of the field's kind."""
+    key = d.key(field)
+    if key is None and field not in d.named:  # a named one missing: said by scan
         problems.add(path, MARK + ":features", features,
                      f"a feature for the spec's {field!r} (one of {', '.join(FIELDS[field])}), "
                      f"or sft.features naming it; or set the env so that it has no {field}")

@@ -118,6 +118,11 @@ class EnvSpec:
     # tokenized into the `instruction` observation: training success is counted per task
     # where there are several (metrics/task_success.py); () for an env of one task
     tasks: tuple[str, ...] = ()
+    # the simulator's own figures of an episode beside its success and return (ManiSkill's
+    # `grasped`: the object held at some step), one float per episode that ends
+    # (StepResult.metrics): segments carry them (`metric.<name>`), and the training metrics
+    # show each as `rollout/<name>`, a mean over the episodes of the window as success is
+    episode_metrics: tuple[str, ...] = ()
 
     def __post_init__(self):
         unknown = sorted(set(self.obs) - set(OBSERVATION_FIELDS))
@@ -161,6 +166,10 @@ class StepResult(NamedTuple):
     # knows which of its last chunk's actions ran. Every env gives them (the default is for
     # the field's place after the optional ones).
     chunk_steps: np.ndarray | None = None
+    # float32 (num_envs,) each of spec.episode_metrics, of the episode that just ended (0
+    # when not done; NaN where it is not known: left out of the means); None from an env
+    # that declares none
+    metrics: dict[str, np.ndarray] | None = None
 
 
 def check_observation(env: "VectorEnv", obs: dict[str, np.ndarray]) -> None:

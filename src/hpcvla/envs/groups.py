@@ -92,11 +92,15 @@ class GroupedRestarts(VectorEnv):
             self._return, self._length = np.where(done, 0.0, running), np.where(done, 0, length)
             return result
         # the outcome of this step stands; the next observation is a grouped restart, which
-        # ends the episodes still running here
+        # ends the episodes still running here: their episode metrics are not known (NaN:
+        # left out of the means), the env's own count of them starting anew with the reset
         cut = ~done
         self._return[:], self._length[:] = 0.0, 0
+        metrics = {name: np.where(cut, np.nan, value).astype(np.float32)
+                   for name, value in (result.metrics or {}).items()} or None
         return result._replace(  # (no final observations: GRPO bootstraps nothing)
             obs=self.env.reset(init_state_ids=self.grouped_ids()), final_obs=None,
+            metrics=metrics,
             truncated=result.truncated | cut,
             episode_return=np.where(cut, running, result.episode_return).astype(np.float32),
             episode_length=np.where(cut, length, result.episode_length).astype(np.int32))

@@ -189,7 +189,9 @@ class IsolatedEnv(VectorEnv):
             result = StepResult(obs, np.zeros(n, np.float32), np.zeros(n, bool),
                                 np.ones(n, bool), np.zeros(n, bool), self._return.copy(),
                                 self._chunks.copy(), env_fault=np.ones(n, bool),
-                                chunk_steps=np.zeros(n, np.int32))  # none known to have run
+                                chunk_steps=np.zeros(n, np.int32),  # none known to have run
+                                metrics={name: np.zeros(n, np.float32)
+                                         for name in self.spec.episode_metrics} or None)
             self._chunks[:], self._return[:] = 0, 0.0
             return result
         self.budget.worked()

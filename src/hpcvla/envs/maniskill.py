@@ -175,6 +175,13 @@ def state_vector(u, state_mode: str, privileged=None):
         u._obs_mode, u.obs_mode_struct = saved
 
 
+# The flags of a task's evaluate() an episode reports as an episode metric (EnvSpec.
+# episode_metrics), where the task has them: 1.0 if the flag was set at some step of the
+# episode (PickCube's, StackCube's `is_grasped`: how often the policy got hold of the cube,
+# the step before success that sparse rewards do not show)
+EPISODE_FLAGS = {"is_grasped": "grasped"}
+
+
 def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
               chunk_len: int, max_episode_chunks: int, camera: bool = True,
               state_mode: str = "privileged") -> EnvSpec:
@@ -185,7 +192,8 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
         raise ValueError(f"ManiSkill task {task} has no wrist camera")
     space = env.action_space
     shape = getattr(space, "shape", None)
-    if not shape or "success" not in u.evaluate():
+    evaluated = u.evaluate()
+    if not shape or "success" not in evaluated:
         raise ValueError(f"ManiSkill task {task} is not a single-robot task with a "
                          f"success flag; tasks that work: {', '.join(NO_DOWNLOAD_TASKS)}")
     if not (np.all(space.low == -1) and np.all(space.high == 1)):  # the range actions clip to
@@ -202,7 +210,8 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
         "sparse" if u.reward_mode == "sparse" else "dense"
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                    max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
-                   controller=u.control_mode, reward=reward)
+                   controller=u.control_mode, reward=reward, episode_metrics=tuple(
+                       name for flag, name in EPISODE_FLAGS.items() if flag in evaluated))
 
 
 class ShapingGain:
@@ -251,14 +260,21 @@ class _Slot:
         self.u = self.env.unwrapped
         self.instruction = describe(task)
         self.camera, self.state_mode = camera, state_mode
+        self.flags: dict[str, bool] = {}  # EPISODE_FLAGS the task has: set this episode
 
     def reset(self, rng, init_state_id):
         seed = training_state_ids(rng) if init_state_id is None else int(init_state_id)
-        self.state, _ = self.env.reset(seed=seed)
+        self.state, info = self.env.reset(seed=seed)
+        self.flags = {flag: False for flag in EPISODE_FLAGS if flag in info}
 
     def step(self, action):
         self.state, reward, _, _, info = self.env.step(action[None])
+        for flag in self.flags:
+            self.flags[flag] |= bool(info[flag][0])
         return float(reward[0]), bool(info["success"][0])
+
+    def episode_metrics(self) -> dict[str, float]:
+        return {EPISODE_FLAGS[flag]: float(held) for flag, held in self.flags.items()}
 
     def observe(self) -> dict:
         """Every camera rendered once (what the `rgb` obs mode would return) plus the state;

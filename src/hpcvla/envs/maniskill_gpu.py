@@ -48,8 +48,8 @@ import numpy as np
 
 from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS
 from hpcvla.envs.base import StepResult, VectorEnv, episode_ends, training_state_ids
-from hpcvla.envs.maniskill import (ManiSkillEnv, describe, make_task_env, render_cameras,
-                                   state_vector, task_spec)
+from hpcvla.envs.maniskill import (EPISODE_FLAGS, ManiSkillEnv, describe, make_task_env,
+                                   render_cameras, state_vector, task_spec)
 from hpcvla.envs.serial import chunk_actions, require
 from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize, words
@@ -140,6 +140,9 @@ class ManiSkillGPUEnv(VectorEnv):
         try:
             self.spec = task_spec(self.env, task, image_size, wrist_image, state, chunk_len,
                                   max_episode_chunks, state_mode=state_mode)
+            # each episode metric's flag (EPISODE_FLAGS), set where it was at some step
+            self._flags = {flag: np.zeros(num_envs, bool) for flag, name in
+                           EPISODE_FLAGS.items() if name in self.spec.episode_metrics}
             tokens = tokenize(self.instruction, self.spec.vocab, len(words(self.instruction)))
             self._tokens = np.tile(tokens, (num_envs, 1))
             self.reset()
@@ -170,6 +173,8 @@ class ManiSkillGPUEnv(VectorEnv):
         """New episodes for `envs`: each alone from its init_state_id, or all in one call
         from seeds drawn from their RNGs."""
         self._chunks[envs], self._return[envs], self._done_once[envs] = 0, 0.0, False
+        for held in self._flags.values():
+            held[envs] = False
         if init_state_ids is None:
             self._reset(envs, [training_state_ids(self._rngs[i]) for i in envs])
         else:
@@ -203,17 +208,27 @@ class ManiSkillGPUEnv(VectorEnv):
         success = torch.tensor(self._done_once, device=self.device)  # done at some step
         at_end = torch.zeros(n, dtype=torch.bool, device=self.device)  # at the last step
         ran = torch.zeros(n, device=self.device)  # steps of the chunk in each env's episode
+        flags = {flag: torch.zeros(n, dtype=torch.bool, device=self.device)
+                 for flag in self._flags}
         for t in range(chunk):
-            ran += 1.0 if self.run_to_horizon else (~success).float()
+            # the steps of each env's episode: all to the horizon, else up to its success (the
+            # serial envs stop there)
+            counted = torch.ones_like(success) if self.run_to_horizon else ~success
+            ran += counted.float()
             self._state, r, _, _, info = self.env.step(actions[t])
             reward += torch.where(success, 0.0, r.float())  # nothing counts after success
+            for flag, held in flags.items():
+                held |= info[flag] & counted
             success |= info["success"]
             at_end = info["success"]
             if not self.run_to_horizon and t + 1 < chunk and bool(success.all()):
                 break
-        reward, success, at_end, ran = torch.stack([reward, success.float(), at_end.float(),
-                                                    ran]).cpu().numpy()
+        reward, success, at_end, ran, *held = torch.stack([  # one copy to the host
+            reward, success.float(), at_end.float(), ran,
+            *(f.float() for f in flags.values())]).cpu().numpy()
         success, at_end = success > 0.5, at_end > 0.5
+        for flag, now in zip(self._flags, held):
+            self._flags[flag] |= now > 0.5
         self._chunks += 1
         self._return += reward
         self._done_once = success  # the chunk's success includes the episode's before it
@@ -224,13 +239,17 @@ class ManiSkillGPUEnv(VectorEnv):
         episode_return = np.where(done, self._return, 0.0).astype(np.float32)
         episode_length = np.where(done, self._chunks, 0).astype(np.int32)
         final_obs = self._observe() if self.keep_final_obs and truncated.any() else None
+        metrics = {EPISODE_FLAGS[flag]: np.where(done, held, False).astype(np.float32)
+                   for flag, held in self._flags.items()} or None
         if self.holding_resets:  # they stay where they ended, a new episode's count begun
             self._chunks[done], self._return[done], self._done_once[done] = 0, 0.0, False
+            for held in self._flags.values():
+                held[done] = False
         elif done.any():
             self._start_episodes(np.flatnonzero(done))
         return StepResult(self._observe(), reward.astype(np.float32), terminated, truncated,
                           success, episode_return, episode_length, np.zeros(n, bool), at_end,
-                          final_obs, ran.astype(np.int32))
+                          final_obs, ran.astype(np.int32), metrics)
 
     def close(self) -> None:
         env, self.env = getattr(self, "env", None), None

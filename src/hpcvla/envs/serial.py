@@ -18,6 +18,8 @@ A slot implements:
     observe() -> dict                    per-env observation with every spec field but
                                          "instruction"; rendered once per chunk, not per step
     close() -> None
+    episode_metrics() -> dict[str, float]  where its spec declares episode metrics: those of
+                                         the episode it ran since its reset
 
 The base class executes action chunks (clipped to [-1, 1], the controllers' normalized range; a
 chunk stops early on success, unless `run_to_horizon`: envs/base.py), sums rewards over the
@@ -224,14 +226,19 @@ class SerialVectorEnv(VectorEnv):
         ran = (self._steps - steps_before).astype(np.int32)
         final_obs = self._batch() if self.keep_final_obs and \
             horizon_cut(truncated, failed).any() else None
+        metrics = {name: np.zeros(n, np.float32) for name in self.spec.episode_metrics}
         for i in np.flatnonzero(done):
+            if metrics and not failed[i]:  # (a failed env's episode counts nowhere)
+                for name, value in self._slots[i].episode_metrics().items():
+                    metrics[name][i] = value
             if failed[i] or self.holding_resets:  # rebuilt and reset already, or held
                 self._chunks[i], self._return[i], self._done_once[i] = 0, 0.0, False
                 self._steps[i] = 0
             else:
                 self._start_episode(i)
         return StepResult(self._batch(), reward, terminated, truncated, success,
-                          episode_return, episode_length, failed, at_end, final_obs, ran)
+                          episode_return, episode_length, failed, at_end, final_obs, ran,
+                          metrics or None)
 
     def close(self) -> None:
         for slot in self._slots:

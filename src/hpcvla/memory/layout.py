@@ -144,9 +144,10 @@ def segments_bytes(cfg, spec, recorded: int = 0) -> int:
     segments of rollout.segment_len steps): per step an observation and its chunk of actions
     (demonstrations.sample_bytes), what the policy records beside it (`recorded`: its
     extra_fields' bytes, flow's denoising chain) and the step's scalars (log-prob, value,
-    reward, flags: STEP_SCALARS); an off-policy segment also its next observation."""
+    reward, flags: STEP_SCALARS; the env's episode metrics, a float each); an off-policy
+    segment also its next observation."""
     from hpcvla.demonstrations import sample_bytes
-    step = sample_bytes(spec) + recorded + STEP_SCALARS
+    step = sample_bytes(spec) + recorded + STEP_SCALARS + 4 * len(spec.episode_metrics)
     segments = cfg.learner.micro_batch * cfg.learner.micro_batches
     following = sample_bytes(spec) if cfg.algorithm.off_policy else 0
     return segments * (cfg.rollout.segment_len * step + following)

@@ -38,6 +38,7 @@ import numpy as np
 
 from hpcvla.metrics.dump import STEP_FIELDS, DumpError
 from hpcvla.metrics.dump_file import DumpFile
+from hpcvla.metrics.episode_metrics import FIELD as METRIC
 from hpcvla.process import worker
 from hpcvla.transport.segment_meta import SegmentMeta
 
@@ -79,7 +80,8 @@ class TrajectoryDump:
                      staleness=batch - version, success=group["success"],
                      episode_return=group["episode_return"],
                      truncation_value=group["truncation_value"],
-                     chunk_steps=group["chunk_steps"])
+                     chunk_steps=group["chunk_steps"],
+                     **{k: v for k, v in group.items() if k.startswith(METRIC)})
         for env in range(done.shape[1]):
             pieces, start = self.open.setdefault((slot, env), []), 0
             for end in np.flatnonzero(done[:, env]) + 1:  # an episode ends at step end - 1
@@ -108,7 +110,10 @@ class TrajectoryDump:
                  "return": float(steps["episode_return"][-1]),
                  "env_fault": bool(steps["env_fault"][-1]),
                  "truncation_value": float(steps["truncation_value"][-1]),
-                 "env_steps": int(steps["chunk_steps"].sum())}
+                 "env_steps": int(steps["chunk_steps"].sum()),
+                 # the env's episode metrics (EnvSpec.episode_metrics): episode_<name>
+                 **{f"episode_{k.removeprefix(METRIC)}": float(v[-1])
+                    for k, v in steps.items() if k.startswith(METRIC)}}
         self.episodes[(slot, env)] += 1
         self.add_episode(steps, attrs)
 

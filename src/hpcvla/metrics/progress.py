@@ -35,6 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hpcvla.files import open_log
+from hpcvla.metrics.episode_metrics import EpisodeMetrics
 from hpcvla.metrics.task_success import TaskSuccess
 from hpcvla.metrics.tensorboard import RunBoard
 
@@ -50,7 +51,8 @@ class Progress:
                  evaluated: bool = False, spec=None):
         """`t0`: the epoch seconds its records' `time` counts from (the timelines' origin;
         default now); `evaluated`: held-out evaluations report to it (on_held_out); `spec`:
-        the env's (EnvSpec), success counted per task too where it has several tasks."""
+        the env's (EnvSpec), success counted per task too where it has several tasks, and
+        its episode metrics."""
         self.total, self.chunk_len, self.every_s, self.enabled = total_updates, chunk_len, \
             every_s, enabled
         self.learners = learners
@@ -80,6 +82,7 @@ class Progress:
         self._pooled: dict | None = None
         self._version_stats: list[dict] = []  # this version's records, drawn at its end
         self.tasks = TaskSuccess.of(spec, window) if spec is not None else None
+        self.metrics = EpisodeMetrics.of(spec, window) if spec is not None else None
         self._task_counts: np.ndarray | None = None  # every learner's, at the last version's end
 
     def resume(self, updates: int, trained_env_steps: int) -> None:
@@ -107,6 +110,8 @@ class Progress:
         self.lengths.extend(batch["episode_length"][ended].tolist())
         if self.tasks:
             self.tasks.add(batch, ended)
+        if self.metrics:
+            self.metrics.add(batch, ended)
         self.staleness.append(staleness)
         self.steps += batch["done"].size * self.chunk_len * self.learners
         self.micro_batches += 1
@@ -117,9 +122,12 @@ class Progress:
         the only one."""
         if self.pool is not None:
             return self._pooled or {"success_rate": None, "mean_return": None,
-                                    "mean_episode_chunks": None, "episodes": 0}
+                                    "mean_episode_chunks": None, "episodes": 0,
+                                    **(self.metrics.means(np.zeros(2 * len(self.metrics.names)))
+                                       if self.metrics else {})}
         return {"success_rate": self.success_rate, "mean_return": self.mean_return,
-                "mean_episode_chunks": self.mean_episode_chunks, "episodes": len(self.successes)}
+                "mean_episode_chunks": self.mean_episode_chunks, "episodes": len(self.successes),
+                **(self.metrics.means() if self.metrics else {})}
 
     def on_micro_batch(self, stats: dict) -> None:
         """A micro-batch's last training pass: one metrics.jsonl record of its statistics."""
@@ -176,13 +184,17 @@ class Progress:
         tasks = self.tasks.counts() if self.tasks else np.zeros((2, 0))
         if self.pool is not None:
             n = len(self.successes)
+            metrics = self.metrics.sums() if self.metrics else np.zeros(0)
             total = self.pool(np.array([sum(self.successes), sum(self.returns),
-                                        sum(self.lengths), n, *tasks.ravel()], dtype=np.float64))
-            tasks = total[4:].reshape(tasks.shape)
+                                        sum(self.lengths), n, *tasks.ravel(), *metrics],
+                                       dtype=np.float64))
+            tasks = total[4:4 + tasks.size].reshape(tasks.shape)
             episodes = int(total[3])
             self._pooled = {k: float(v / episodes) if episodes else None for k, v in zip(
                 ("success_rate", "mean_return", "mean_episode_chunks"), total[:3])}
             self._pooled["episodes"] = episodes
+            if self.metrics:
+                self._pooled.update(self.metrics.means(total[4 + tasks.size:]))
         self._task_counts = tasks
         self.updates = updates
         if self.evaluated:
@@ -200,7 +212,10 @@ class Progress:
             eta, shown = self.eta_s(), self.rolling()
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {figure(shown['success_rate'])} (last "
-                  f"{shown['episodes']} eps) | return {figure(shown['mean_return'])} | staleness "
+                  f"{shown['episodes']} eps) | return {figure(shown['mean_return'])} | "
+                  + "".join(f"{key.removeprefix('episode_')} {figure(value)} | "
+                            for key, value in shown.items() if key.startswith("episode_"))
+                  + "staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
                   + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "
                      if self.held_out else "") + "ETA "

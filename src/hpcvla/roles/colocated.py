@@ -69,7 +69,8 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
     micro, n_micro = cfg.learner.micro_batch, cfg.learner.micro_batches
     builder = SegmentBuilder({**spec.obs, **actor.extra_fields()}, env.num_envs,
                              spec.chunk_len, spec.action_dim,
-                             cfg.rollout.segment_len, producer=0, slot=0)
+                             cfg.rollout.segment_len, producer=0, slot=0,
+                             metrics=spec.episode_metrics)
     result: StepResult | None = None
     groups: list[SegmentGroup] = []
     with deadline(step_deadline_s(cfg.env)):
@@ -79,7 +80,7 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
     while True:
         actions, logprob, value, recorded = _act(actor, obs, env.num_envs, timeline, emulate_ms)
         if result is not None and builder.acted:  # the previous chunk's outcome
-            builder.record_outcome(outcome_of(result),
+            builder.record_outcome(outcome_of(result, spec.episode_metrics),
                                    _truncation_values(cfg, actor, result, timeline))
         if builder.full:
             builder.batch = version  # trained in update `version`: staleness 0

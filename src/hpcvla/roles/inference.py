@@ -22,7 +22,7 @@ from hpcvla.emulate import pad
 from hpcvla.envs.base import horizon_cut
 from hpcvla.metrics import phases
 from hpcvla.roles.batcher import DynamicBatcher
-from hpcvla.roles.segments import (FINAL, OUTCOME_FIELDS, SegmentBuilder, SegmentGroup,
+from hpcvla.roles.segments import (FINAL, SegmentBuilder, SegmentGroup, outcome_fields,
                                    truncation_values)
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.schedule import Schedule, eligible
@@ -79,9 +79,10 @@ class InferenceServer:
     def __init__(self, setup: RoleSetup, *, sched: Schedule, policy: Policy,
                  loader: WeightLoader, exchange: ObsActionExchange, ring: RingWriter, quota: int,
                  envs_per_shard: int, obs_keys: list[str], learner: int,
-                 dump: TrajectoryDump | None = None):
+                 dump: TrajectoryDump | None = None, metrics: tuple[str, ...] = ()):
         """`quota`: segments per learner batch (schedule.producer_quota); `learner`: the world
-        rank the ring feeds; `dump`: the rank's HDF5 trajectory dump, if the run writes one."""
+        rank the ring feeds; `dump`: the rank's HDF5 trajectory dump, if the run writes one;
+        `metrics`: the env's episode metrics (EnvSpec.episode_metrics)."""
         self.policy, self.loader, self.exchange, self.ring = policy, loader, exchange, ring
         self.quota, self.n, self.obs_keys = quota, envs_per_shard, obs_keys
         self.timeline, self.emulate_ms = setup.timeline, setup.emulated_inference_ms
@@ -94,8 +95,10 @@ class InferenceServer:
                   for k in obs_keys}
         shapes.update(policy.extra_fields())  # recorded with every step, as observations
         self.builders = [SegmentBuilder(shapes, envs_per_shard, policy.chunk_len,
-                                        policy.action_dim, segment_len, setup.rank, slot)
+                                        policy.action_dim, segment_len, setup.rank, slot,
+                                        metrics)
                          for slot in range(exchange.n_slots)]
+        self.outcomes = list(outcome_fields(metrics))
         self.batcher = DynamicBatcher(sched.batch_max, sched.wait_max_s)
         self.staging = HostStaging(policy.device)  # observations gather here, then go over
         self.first_version = first_version
@@ -190,7 +193,7 @@ class InferenceServer:
         with self.timeline.span("infer"):
             begin = time.monotonic()
             obs, outcome = _gather(exchange, every, self.obs_keys, self.staging), \
-                _gather(exchange, every, OUTCOME_FIELDS)
+                _gather(exchange, every, self.outcomes)
             final = self._final_obs(every, outcome) if self.values_truncations else None
             with torch.no_grad():
                 out, extras = self.policy.sample(self.staging.to_device(obs))

@@ -44,6 +44,7 @@ from hpcvla.algorithms.sac import target_entropy
 from hpcvla.algorithms.transitions import (demonstration_transitions, transition_specs,
                                            transitions_of)
 from hpcvla.engines import critic_steps_only
+from hpcvla.metrics.episode_metrics import FIELD as METRIC
 from hpcvla.roles.colocated import publish
 from hpcvla.seeds import replay_rng
 from hpcvla.transport.backoff import idle_bcast
@@ -61,7 +62,8 @@ if TYPE_CHECKING:
     from hpcvla.roles.setup import RoleSetup
 
 
-# what Progress counts (the instruction: each episode's task, where a suite has several)
+# what Progress counts (the instruction: each episode's task, where a suite has several; the
+# env's episode metrics, METRIC + name)
 SCORED = ("done", "env_fault", "success", "episode_return", "episode_length", "obs.instruction")
 
 
@@ -106,7 +108,8 @@ class SoftUpdate:
             collected = self._add(groups)
             staleness = float(np.mean([version - g["version"][0] for g in groups]))
             self.setup.progress.on_segments({k: np.concatenate([g[k] for g in groups], axis=1)
-                                             for k in SCORED if k in groups[0]}, staleness)
+                                             for k in groups[0] if k in SCORED or
+                                             k.startswith(METRIC)}, staleness)
             self._train(collected)
 
     def _add(self, groups: list[SegmentGroup]) -> int:

@@ -81,6 +81,9 @@ class RankSummary:
     # a learner's windows per task of a multi-task suite ({instruction: [successes,
     # episodes]}: metrics/task_success.py), pooled into summary.json's per_task_success
     task_outcomes: dict[str, list[int]] | None = None
+    # a learner's windows of the env's episode metrics ({name: [sum, count]}:
+    # metrics/episode_metrics.py), pooled into summary.json's episode_<name>
+    episode_metrics: dict[str, list[float]] | None = None
     trained_env_steps: int | None = None
     env_fault_episodes: int | None = None
     counters: Counters = field(default_factory=dict)
@@ -95,7 +98,7 @@ class RankSummary:
         """As summary.json holds it: the counters beside the fields, a field no one set
         (None) left out."""
         out = {k: v for k, v in asdict(self).items()
-               if v is not None and k not in ("counters", "task_outcomes")}
+               if v is not None and k not in ("counters", "task_outcomes", "episode_metrics")}
         return {**out, **self.counters}
 
 
@@ -204,6 +207,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
                                         for s in learners]),
         **({"per_task_success": pooled_rates(tasks)} if (tasks := [
             s.task_outcomes for s in everyone if s.task_outcomes]) else {}),
+        **pooled_metrics([s.episode_metrics for s in everyone if s.episode_metrics]),
         # trained episodes an env fault ended: not in success_rate, not trained on
         "env_fault_episodes": sum(s.env_fault_episodes or 0 for s in everyone),
         "staleness_hist": dict(sorted(staleness.items())),
@@ -248,6 +252,8 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print(f"[hpcvla] done: {steps} env steps in {active:.1f} s = "
           f"{result['env_steps_per_s']:.0f} env steps/s | success "
           f"{figure(result['success_rate'])} (the learners' last {window} episodes) | "
+          + "".join(f"{key.removeprefix('episode_')} {figure(value)} | "
+                    for key, value in result.items() if key.startswith("episode_")) +
           f"trained segments by staleness {{{lags}}}\n[hpcvla] run directory: {run_dir}"
           + ("" if result["preempted"] else f" (next: hpcvla eval {shlex.quote(str(run_dir))})"),
           flush=True)
@@ -291,6 +297,15 @@ def starts_so_far(cfg: Config, path: Path, this_start: Counters) -> list[Counter
                   "it are not carried over", file=sys.stderr, flush=True)
     ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return earlier + [{**this_start, "ended": ended}]
+
+
+def pooled_metrics(windows: list[dict[str, list[float]]]) -> dict[str, float | None]:
+    """`episode_<name>`: each episode metric's mean over every learner's window."""
+    out: dict[str, float | None] = {}
+    for name in dict.fromkeys(name for window in windows for name in window):
+        total, count = (sum(w[name][i] for w in windows if name in w) for i in (0, 1))
+        out[f"episode_{name}"] = total / count if count else None
+    return out
 
 
 def _pooled(figures: list[tuple[float | None, int]]) -> float | None:

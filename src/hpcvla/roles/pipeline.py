@@ -118,6 +118,7 @@ def _epilogue(me: Rank, start: float) -> Counters:
     summary.ended_episodes, summary.env_fault_episodes = len(progress.successes), \
         progress.fault_episodes
     summary.task_outcomes = progress.tasks.outcomes() if progress.tasks else None
+    summary.episode_metrics = progress.metrics.windows() if progress.metrics else None
     if me.rank == me.plan.weight_root:  # its count is every learner's (Progress.steps)
         summary.trained_env_steps = progress.steps
     me.timeline.close()

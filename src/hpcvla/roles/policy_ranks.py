@@ -55,7 +55,7 @@ def inference_rank(me: Rank, links: Links) -> tuple[float, Counters]:
         loader=WeightLoader(policy, links.plane, me.manifest), exchange=links.exchange,
         ring=links.ring.writer, quota=producer_quota(cfg, plan, me.rank),
         envs_per_shard=links.per_shard, obs_keys=list(me.spec.obs),
-        learner=plan.feeds[me.rank], dump=dump)
+        learner=plan.feeds[me.rank], dump=dump, metrics=me.spec.episode_metrics)
     return start, server.run()
 
 

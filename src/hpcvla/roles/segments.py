@@ -19,6 +19,8 @@ together), as one record (see transport/records.py) with fields
     episode_length   (T, n) i4         its length in chunks (0 otherwise)
     chunk_steps      (T, n) i4         primitive steps of the chunk its episode ran
                                        (StepResult.chunk_steps)
+    metric.<name>    (T, n) f4         each of the env's episode metrics, of the episode
+                                       that ended here (0 otherwise; EnvSpec.episode_metrics)
     truncation_value (T, n) f4         V of the observation the horizon ended the episode at
                                        (envs/base.horizon_cut), which PPO bootstraps the
                                        step from (algorithm.bootstrap_truncated); 0 otherwise
@@ -29,18 +31,19 @@ together), as one record (see transport/records.py) with fields
     meta             (5,) i8           producer rank, slot, group index, envs, learner batch
                                        (transport/segment_meta.py names them)
 
-`SegmentBuilder` is fed one step at a time: `record_outcome` (the OUTCOME_FIELDS the simulator
+`SegmentBuilder` is fed one step at a time: `record_outcome` (the outcome_fields the simulator
 reports with its next observation), then `add_step` after the policy acted; `finish` returns
 the group once the next step's value (the bootstrap) is known.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 
+from hpcvla.metrics.episode_metrics import FIELD as METRIC  # "metric." + a metric's name
 from hpcvla.transport.segment_meta import SegmentMeta
 
 if TYPE_CHECKING:
@@ -61,14 +64,24 @@ OUTCOME_FIELDS = {"reward": ((), "<f4"), "terminated": ((), "|b1"), "truncated":
 FINAL = "final."
 
 
-def outcome_of(result: StepResult) -> dict[str, np.ndarray]:
-    """The OUTCOME_FIELDS of a StepResult, every one of which a simulator must give (a None
-    would reach a numpy assignment as a TypeError naming neither the env nor the field)."""
-    missing = [k for k in OUTCOME_FIELDS if getattr(result, k) is None]
+def outcome_fields(metrics: Sequence[str] = ()) -> dict[str, tuple[tuple[int, ...], str]]:
+    """OUTCOME_FIELDS and a float32 field for each of the env's episode `metrics`."""
+    return {**OUTCOME_FIELDS, **{METRIC + name: ((), "<f4") for name in metrics}}
+
+
+def outcome_of(result: StepResult, metrics: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """The outcome_fields of a StepResult, every one of which a simulator must give (a None
+    would reach a numpy assignment as a TypeError naming neither the env nor the field),
+    `metrics` those its spec declares (StepResult.metrics)."""
+    given = result.metrics or {}
+    missing = [k for k in OUTCOME_FIELDS if getattr(result, k) is None] + \
+        [f"metrics[{name!r}]" for name in metrics if name not in given]
     if missing:
         raise ValueError(f"the env's StepResult lacks {', '.join(missing)}: every env gives "
-                         "every outcome field, one per env (envs/base.py, StepResult)")
-    return {k: getattr(result, k) for k in OUTCOME_FIELDS}
+                         "every outcome field and the episode metrics its spec declares, one "
+                         "per env (envs/base.py, StepResult)")
+    return {**{k: getattr(result, k) for k in OUTCOME_FIELDS},
+            **{METRIC + name: given[name] for name in metrics}}
 
 
 def truncation_values(policy: Policy, cut: np.ndarray,
@@ -83,7 +96,9 @@ def truncation_values(policy: Policy, cut: np.ndarray,
 
 class SegmentBuilder:
     def __init__(self, obs_spec: Mapping[str, tuple[tuple[int, ...], str]], n_envs: int,
-                 chunk_len: int, action_dim: int, segment_len: int, producer: int, slot: int):
+                 chunk_len: int, action_dim: int, segment_len: int, producer: int, slot: int,
+                 metrics: Sequence[str] = ()):
+        """`metrics`: the env's episode metrics (EnvSpec.episode_metrics)."""
         self.T, self.n, self.t = segment_len, n_envs, 0
         self.producer, self.slot, self.groups = producer, slot, 0
         T, n = segment_len, n_envs
@@ -93,18 +108,19 @@ class SegmentBuilder:
                         logprob=np.zeros((T, n), np.float32), value=np.zeros((T, n), np.float32),
                         done=np.zeros((T, n), bool), version=np.zeros(T, np.int64),
                         truncation_value=np.zeros((T, n), np.float32))
-        self.buf.update({k: np.zeros((T, n), dt) for k, (_, dt) in OUTCOME_FIELDS.items()})
+        self.outcomes = outcome_fields(metrics)
+        self.buf.update({k: np.zeros((T, n), dt) for k, (_, dt) in self.outcomes.items()})
         self.batch = 0  # learner batch (= policy version) this segment belongs to, set at start
 
     def record_outcome(self, outcome: Mapping[str, np.ndarray],
                        truncation_value: np.ndarray | None = None) -> None:
-        """Outcome of the previous step's action (OUTCOME_FIELDS, a mapping), reported with
+        """Outcome of the previous step's action (outcome_fields, a mapping), reported with
         the new observation, and the value of the episodes the horizon ended (0 elsewhere;
         None: none valued)."""
         if self.t == 0:
             return  # nothing acted yet in this group (outcomes were stored before emission)
         b, i = self.buf, self.t - 1
-        for key in OUTCOME_FIELDS:
+        for key in self.outcomes:
             b[key][i] = outcome[key]
         b["done"][i] = b["terminated"][i] | b["truncated"][i]
         b["truncation_value"][i] = 0.0 if truncation_value is None else truncation_value

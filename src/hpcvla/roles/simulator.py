@@ -1,8 +1,9 @@
 """Simulator rank: E envs in K shards; a shard steps and asks for actions on its own.
 
 Each shard owns one slot of its cell's ObsActionExchange. The observation slot carries the
-env observation plus the outcome of the previous action (segments.OUTCOME_FIELDS: reward,
-terminated, truncated, env_fault, success, episode return) and the shard's env-step count;
+env observation plus the outcome of the previous action (segments.outcome_fields: reward,
+terminated, truncated, env_fault, success, episode return, the env's episode metrics) and the
+shard's env-step count;
 where rollouts value truncations (algorithm.bootstrap_truncated), also `final.<name>`: the
 observation each episode the horizon ended reached, before its auto-reset (rows of the other
 envs are stale). The action slot carries the chunk and a stop flag.
@@ -11,7 +12,7 @@ envs are stale). The action slot carries the chunk and a stop flag.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +20,7 @@ import numpy as np
 from hpcvla.envs.base import check_observation, final_observations, horizon_cut
 from hpcvla.envs.build import make_envs
 from hpcvla.process.watchdog import StepGuard, build_deadline_s, deadline
-from hpcvla.roles.segments import FINAL, OUTCOME_FIELDS, outcome_of
+from hpcvla.roles.segments import FINAL, outcome_fields, outcome_of
 from hpcvla.seeds import shard_seed
 from hpcvla.transport.backoff import DATA_POLL_CAP
 
@@ -41,7 +42,8 @@ def slot_dtypes(spec: EnvSpec, envs_per_shard: int,
         (k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
     if final_obs:
         obs += [(FINAL + k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in spec.obs.items()]
-    obs += [(k, np.dtype(dt), (n, *shape)) for k, (shape, dt) in OUTCOME_FIELDS.items()]
+    obs += [(k, np.dtype(dt), (n, *shape))
+            for k, (shape, dt) in outcome_fields(spec.episode_metrics).items()]
     obs.append(("env_steps", np.int64))
     action = [("actions", np.float32, (n, spec.chunk_len, spec.action_dim)), ("stop", np.int64)]
     return np.dtype(obs), np.dtype(action)
@@ -82,7 +84,7 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
         with deadline(step_timeout_s):
             first = env.reset()
         check_observation(env, first)
-        _write(exchange.obs(shard), first, None, steps[shard])
+        _write(exchange.obs(shard), first, None, steps[shard], env.spec.episode_metrics)
         exchange.submit(shard)
     running = set(range(len(envs)))
     stepping: dict[int, tuple[float, float]] = {}  # shard -> (timeline start, start)
@@ -94,7 +96,8 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
             for shard, (release, result) in list(held.items()):
                 if now >= release:
                     del held[shard]
-                    _write(exchange.obs(shard), result.obs, result, steps[shard])
+                    _write(exchange.obs(shard), result.obs, result, steps[shard],
+                           envs[shard].spec.episode_metrics)
                     exchange.submit(shard)
             ready = [s for s in sorted(running - held.keys() - stepping.keys())
                      if exchange.actions_ready(s)]
@@ -128,16 +131,16 @@ def run_simulator(envs: list[VectorEnv], exchange: ObsActionExchange, timeline: 
 
 
 def _write(slot: np.void, obs: Mapping[str, np.ndarray], result: StepResult | None,
-           env_steps: int) -> None:
+           env_steps: int, metrics: Sequence[str] = ()) -> None:
     """Observation and the previous action's outcome, in place in the shared slot (with the
     horizon-ended episodes' last observations where the slot has room for them)."""
     for key, value in obs.items():
         slot[key][...] = value
     if result is None:
-        for key in OUTCOME_FIELDS:
+        for key in outcome_fields(metrics):
             slot[key][...] = 0
     else:
-        for key, value in outcome_of(result).items():
+        for key, value in outcome_of(result, metrics).items():
             slot[key][...] = value
         if FINAL + next(iter(obs)) in (slot.dtype.names or ()) and \
                 horizon_cut(result.truncated, result.env_fault).any():

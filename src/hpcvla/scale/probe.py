@@ -46,13 +46,15 @@ def _request_overhead(cfg, envs_per_shard: int, repeats: int = 50) -> float:
     shard's observation into the batch, add the step to its segment builder and, every T
     requests, encode the finished segment for the learner's ring."""
     from hpcvla.envs import env_spec
-    from hpcvla.roles.segments import OUTCOME_FIELDS, SegmentBuilder
+    from hpcvla.roles.segments import SegmentBuilder, outcome_fields
     from hpcvla.transport import records
     spec = env_spec(cfg.env)
     n, H, A = envs_per_shard, spec.chunk_len, spec.action_dim
     obs = {k: np.zeros((n, *shape), dt) for k, (shape, dt) in spec.obs.items()}
-    outcome = {k: np.zeros((n, *shape), dt) for k, (shape, dt) in OUTCOME_FIELDS.items()}
-    builder = SegmentBuilder(spec.obs, n, H, A, cfg.rollout.segment_len, 0, 0)
+    outcome = {k: np.zeros((n, *shape), dt)
+               for k, (shape, dt) in outcome_fields(spec.episode_metrics).items()}
+    builder = SegmentBuilder(spec.obs, n, H, A, cfg.rollout.segment_len, 0, 0,
+                             spec.episode_metrics)
     actions, zeros = np.zeros((n, H, A), np.float32), np.zeros(n, np.float32)
 
     def one():
@@ -114,19 +116,19 @@ def reach_costs(cfg, shard_sizes=(1, 4, 16), batch_sizes=(1, 8, 32), micro_sizes
     # a learner micro-batch: `micro_batch` segments of T real steps, loss + backward + step
     T = cfg.rollout.segment_len
     builder = SegmentBuilder({**spec.obs, **policy.extra_fields()}, max(batch_sizes),
-                             spec.chunk_len, spec.action_dim, T, 0, 0)
+                             spec.chunk_len, spec.action_dim, T, 0, 0, spec.episode_metrics)
     result = None
     for _ in range(T):
         with torch.no_grad():
             out, extras = policy.sample(policy.obs_to_tensors(obs, "cpu"))
         act, logprob, value = (t.numpy() for t in out)
         if result is not None:
-            builder.record_outcome(outcome_of(result))
+            builder.record_outcome(outcome_of(result, spec.episode_metrics))
         builder.add_step({**obs, **{k: v.numpy() for k, v in extras.items()}}, act, logprob,
                          value, 0)
         result = env.step(act)
         obs = result.obs
-    builder.record_outcome(outcome_of(result))
+    builder.record_outcome(outcome_of(result, spec.episode_metrics))
     group = builder.finish(np.zeros(builder.n, np.float32))
     env.close()
     optim = torch.optim.AdamW(policy.parameters(), lr=1e-5)
