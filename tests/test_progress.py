@@ -390,3 +390,25 @@ def test_an_envs_episode_metrics_are_windowed_pooled_and_summed_up(tmp_path, cap
     assert pooled_metrics([first.metrics.windows(), second.metrics.windows()]) == {
         "episode_grasped": 0.75}
     assert pooled_metrics([]) == {}
+
+
+def test_a_moved_run_directory_keeps_its_wandb_run(tmp_path):
+    """The W&B id is made once, from the run directory's name and path, and kept in it: a
+    run moved elsewhere (scratch to project storage) and resumed there goes on in the same
+    W&B run; another directory of the same name elsewhere gets its own. Real W&B, offline."""
+    from hpcvla.metrics.tensorboard import WANDB_ID, wandb_id, wandb_run
+    first = tmp_path / "scratch" / "demo-1"
+    first.mkdir(parents=True)
+    run = wandb_run(first, "demo", "offline", {"a": 1})
+    made = run.id
+    run.finish()
+    assert (first / WANDB_ID).read_text() == made + "\n" and made.startswith("demo-1-")
+    moved = tmp_path / "project" / "demo-1"
+    moved.parent.mkdir()
+    first.rename(moved)
+    run = wandb_run(moved, "demo", "offline", None)
+    assert run.id == made
+    run.finish()
+    other = tmp_path / "other" / "demo-1"
+    other.mkdir(parents=True)
+    assert wandb_id(other) != made

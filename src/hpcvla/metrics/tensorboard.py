@@ -82,14 +82,32 @@ class RunBoard:
 
 
 STEP = "trained_env_steps"
+WANDB_ID = "wandb_id"  # the run directory's file holding its W&B run id
+
+
+def wandb_id(run_dir: Path) -> str:
+    """The run directory's W&B id: made by its first writer from the directory's name and a
+    hash of its path then, and kept in it (WANDB_ID), so that a run moved elsewhere (from
+    scratch to project storage) and resumed there goes on in the same W&B run; a run that
+    has none yet (older ones) gets the one its path gives."""
+    import hashlib
+
+    from hpcvla.files import replace_text
+
+    kept = run_dir / WANDB_ID
+    if kept.is_file() and (run_id := kept.read_text().strip()):
+        return run_id
+    path = str(run_dir.resolve())
+    run_id = f"{run_dir.name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
+    replace_text(kept, run_id + "\n")  # (every writer of a path would make the same one)
+    return run_id
 
 
 def wandb_run(run_dir: Path, group: str, mode: str, config: dict | None):
-    """The W&B run of a run directory: one id per directory (its name and a hash of its
-    path), resumed by every writer of the run online (the training's, the report's, `eval
-    --all`'s); offline, each writes an offline run of its own under that id, which W&B's sync
-    is not known to join (docs/outputs.md)."""
-    import hashlib
+    """The W&B run of a run directory: one id per directory (wandb_id), resumed by every
+    writer of the run online (the training's, the report's, `eval --all`'s); offline, each
+    writes an offline run of its own under that id, which W&B's sync is not known to join
+    (docs/outputs.md)."""
     import os
 
     import wandb
@@ -97,7 +115,7 @@ def wandb_run(run_dir: Path, group: str, mode: str, config: dict | None):
     path = str(run_dir.resolve())
     run = wandb.init(
         mode=mode, dir=path, project=os.environ.get("WANDB_PROJECT", "hpcvla"),
-        id=f"{run_dir.name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}", name=run_dir.name,
+        id=wandb_id(run_dir), name=run_dir.name,
         group=group, config=config, resume="allow",
         settings=wandb.Settings(console="off", quiet=True, x_disable_stats=True))
     run.define_metric(STEP)
