@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from hpcvla.config.families import FAMILIES
 from hpcvla.policies import POLICIES, Policy, load_pretrained, make_policy, save_pretrained
 
 SPEC = {"image": ((32, 32, 3), "|u1"), "instruction": ((5,), "<i4"), "state": ((7,), "<f4")}
@@ -17,7 +18,7 @@ VOCAB, ACTION_DIM, CHUNK, BATCH = 12, 3, 4, 3
 
 def build(name: str) -> Policy:
     torch.manual_seed(0)
-    sized = {} if "size" not in POLICIES[name].config_fields else {"size": "tiny"}
+    sized = {} if "size" not in FAMILIES[name].settings else {"size": "tiny"}
     return make_policy(name, SPEC, ACTION_DIM, CHUNK, VOCAB, **sized)
 
 
@@ -32,6 +33,9 @@ def observations() -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_a_family_samples_what_it_declares_and_scores_what_it_sampled(name, tmp_path):
     policy, obs = build(name), observations()
+    # what the constructor sets for config_json (Policy's declared attributes)
+    assert (policy.family, policy.obs_spec, policy.vocab_size) == (name, SPEC, VOCAB)
+    assert isinstance(policy.init_args, dict)
     out, extras = policy.sample(obs)
     assert out.actions.shape == (BATCH, CHUNK, ACTION_DIM) and out.logprob.shape == (BATCH,)
     assert all(x.dtype == torch.float32 and not x.requires_grad for x in out)

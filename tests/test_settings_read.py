@@ -5,8 +5,8 @@ A static walk over src/hpcvla (but the schema definitions) and jobs/. A setting
 `section.field` counts as read where code reads that field of that section: `cfg.learner.backend`,
 `learner.backend`, `learner_cfg.backend`, `alg.critic_lr` (ALIASES: the names code gives a
 section), the dotted name as a string ("learner.backend": job scripts, getattr paths), or for
-`policy.*` a policy family's settings (config.families: the PolicyConfig fields its class,
-`config_fields`, is built with). A bare
+`policy.*` a policy family's settings (config.families: the PolicyConfig fields its class
+is built with, registry.policy_kwargs). A bare
 `.size` on anything does not count. A choice counts as acted on when its string appears outside
 the schema (a dispatch table, a comparison, a job script, a refusal)."""
 
@@ -43,7 +43,7 @@ def _settings(cls=Config, prefix=""):
 SETTINGS = dict(_settings())
 SOURCES = _sources()
 ALIASES = {"algorithm": ("alg",)}
-# the PolicyConfig fields the policy families take (their classes' config_fields read them)
+# the PolicyConfig fields the policy families take (registry.policy_kwargs reads them)
 CONFIG_FIELDS = {name for traits in FAMILIES.values() for name in traits.settings}
 
 

@@ -38,7 +38,7 @@ class FamilyTraits:
     # reads a wrist camera beside the third-person one (env.wrist_image): the VLAs' prefix
     # takes both; the small network's encoders one image (config/learning.ENCODED_FIELDS)
     wrist_camera: bool = False
-    # the policy.* settings its constructor reads (its class's `config_fields`); a setting of
+    # the policy.* settings its constructor reads (policies/registry.policy_kwargs); a setting of
     # another family's typed on the command line for this one is refused (config/checks.py)
     settings: tuple[str, ...] = ()
 

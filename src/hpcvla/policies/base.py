@@ -47,6 +47,12 @@ class Policy(nn.Module, abc.ABC):
     action_dim: int
     chunk_len: int
     family: str  # its name in the registry (policies/registry.py POLICIES)
+    # What every family's constructor sets, which `config_json` saves and the registry
+    # rebuilds it from: the observation spec it was built for, the instruction vocabulary's
+    # size and its own constructor arguments (its policy.* settings: FamilyTraits.settings)
+    obs_spec: dict[str, tuple[tuple[int, ...], str]]
+    vocab_size: int
+    init_args: dict
     # Published checkpoints (policies/folders.py, factory.build_policy); the defaults are a
     # family that has none:
     variant: str = ""  # which published model the weights are (flow: "pi0" or "pi05")

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 from torch.distributions import Normal, TransformedDistribution
 
-from hpcvla.config.families import FAMILIES
 from hpcvla.config.learning import ENCODED_FIELDS
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
@@ -59,7 +58,6 @@ class DefaultPolicy(SoftCritics, Policy):
     """
 
     family = "default"
-    config_fields = FAMILIES["default"].settings  # PolicyConfig fields the pipeline passes
 
     def __init__(
         self,

@@ -46,7 +46,6 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hpcvla.config.families import FAMILIES
 from hpcvla.config.policy import DENOISE_FROM, FLOW_NOISES, VARIANTS
 from hpcvla.policies.adarms import make_adaptive
 from hpcvla.policies.backbones import backbone
@@ -84,7 +83,6 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     published_tensor = "action_in_proj.weight"  # LeRobot's and openpi's π0 and π0.5
     imitation_fits_std = False  # flow matching: the velocity alone (base.Policy)
 
-    config_fields = FAMILIES["flow"].settings
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, denoise_from: str = "zero",

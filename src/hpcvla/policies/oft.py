@@ -51,7 +51,7 @@ import copy
 import torch
 from torch import nn
 
-from hpcvla.config.families import ACTION_HEADS as HEADS, FAMILIES
+from hpcvla.config.families import ACTION_HEADS as HEADS
 from hpcvla.config.policy import SEQUENCES
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
@@ -135,7 +135,6 @@ class OFTPolicy(VLAPolicy):
     published_tensor = "vision_backbone.featurizer.patch_embed.proj.weight"
     # our own folders: the RL heads may be fresh
     HF_KEY_MAP = (("value_head.", "rl.value_head."), ("log_std", "rl.log_std"))
-    config_fields = FAMILIES["oft"].settings
 
     @classmethod
     def folder_problems(cls, folder, policy_cfg, env_cfg) -> list[tuple[str, str, str]]:

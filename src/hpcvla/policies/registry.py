@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hpcvla.config.families import family
 from hpcvla.policies.base import Policy
 from hpcvla.policies.default import DefaultPolicy
 from hpcvla.policies.flow import FlowPolicy
@@ -35,9 +36,9 @@ def make_policy(name: str, obs_spec: dict, action_dim: int, chunk_len: int, voca
 
 
 def policy_kwargs(name: str, policy_config) -> dict:
-    """The constructor arguments of policy `name` taken from a PolicyConfig section (each
-    class lists the fields it reads in `config_fields`)."""
-    return {field: getattr(policy_config, field) for field in POLICIES[name].config_fields}
+    """The constructor arguments of policy `name` taken from a PolicyConfig section: the
+    fields its family's row reads (config/families.py FamilyTraits.settings)."""
+    return {field: getattr(policy_config, field) for field in family(name).settings}
 
 
 def load_pretrained(folder, **overrides):

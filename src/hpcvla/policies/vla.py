@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpcvla.config.families import FAMILIES
 from hpcvla.algorithms.granularity import GRANULARITIES, reduce_units
 from hpcvla.config.policy import SIZE_NAMES
 from hpcvla.policies.backbones import backbone
@@ -291,7 +290,6 @@ class VLAPolicy(Policy):
 
     family: str
     HF_KEY_MAP: tuple[tuple[str, str], ...] = ()  # (our prefix, checkpoint prefix); first wins
-    config_fields = FAMILIES["tokens"].settings  # the VLA families' common ones
 
     @classmethod
     def resolved_size(cls, size: str, obs_spec: dict, vocab_size: int) -> dict | None:
