@@ -185,6 +185,25 @@ def test_an_episode_the_grouped_restart_cuts_has_no_episode_metric():
     env.close()
 
 
+def test_an_unknown_episode_metric_is_no_nonfinite_data_to_the_learner(capsys):
+    """The NaN of an episode metric the grouped restart cut (above) reaches no loss: the
+    learner's check of recorded fields does not take it for NaN data that skips optimizer
+    steps (it does a NaN reward)."""
+    from helpers import reach_segments
+
+    from hpcvla.roles import learner
+    groups, _ = reach_segments(1)
+    group = groups[0]
+    group["metric.grasped"] = np.full(group["done"].shape, np.nan, np.float32)
+    learner._SAID_NONFINITE.clear()
+    learner._say_nonfinite([group])
+    assert capsys.readouterr().err == ""
+    group["reward"][0, 0] = np.nan
+    learner._say_nonfinite([group])
+    assert "the trajectories' `reward` holds NaN or Inf" in capsys.readouterr().err
+    learner._SAID_NONFINITE.clear()
+
+
 def test_the_step_before_a_grouped_restart_resets_nothing_itself():
     """The restart resets every env; the step before it ends its episodes without the inner
     env's auto-reset (a second reset of the same env: a large part of a LIBERO chunk's

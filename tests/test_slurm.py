@@ -1075,5 +1075,21 @@ def test_a_signal_during_the_node_checks_ends_them_at_once(tmp_path):
     ran = subprocess.run(["bash", "-c", f"""set -euo pipefail
         SCHEDULER=none EARLY=""; say() {{ :; }}; source {ROOT}/jobs/lib/world.sh
         code=0; until_signalled bash -c 'exit 3' || code=$?; echo "$code"
+        EARLY=TERM; code=0; until_signalled sleep 20.{marker} || code=$?; echo "$code"
         """], capture_output=True, text=True, timeout=20)
-    assert ran.stdout == "3\n", ran  # without a signal: the command's own status
+    # without a signal: the command's own status; after one already: not started
+    assert ran.stdout == "3\n1\n", ran
+    # a command that ignores SIGTERM (a hung srun): SIGKILL 5 s later
+    stubborn = subprocess.Popen(["bash", "-c", f"""set -euo pipefail
+        SCHEDULER=none EARLY=""; say() {{ :; }}; source {ROOT}/jobs/lib/world.sh
+        trap 'EARLY=TERM' TERM
+        code=0; until_signalled bash -c "trap '' TERM; sleep 40.{marker}" || code=$?
+        echo "$code" """], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    start = time.monotonic()
+    stubborn.send_signal(signal.SIGTERM)
+    out, _ = stubborn.communicate(timeout=20)
+    assert out == "1\n" and time.monotonic() - start < 9, out
+    left = subprocess.run(["pgrep", "-f", f"sleep [24]0.{marker}"], capture_output=True,
+                          text=True)
+    assert left.stdout == "", left.stdout

@@ -75,19 +75,29 @@ clean_nodes() {  # run in a subshell
 # COMMAND in the background, waited for until it ends or a signal is remembered (launch.sh's
 # remember_signals sets EARLY): bash runs a trap only once a foreground command has returned,
 # so a check of minutes in the foreground would hold a cancel, or the time limit's warning,
-# that long. After a signal COMMAND and every process under it (srun, ssh, timeout) are ended
-# and it returns 1: the job ends as one stopped.
+# that long. After a signal (one before the call too: COMMAND is not started) COMMAND and
+# every process under it (srun, ssh, timeout) are sent SIGTERM, then SIGKILL 5 s later, and it
+# returns 1: the job ends as one stopped.
 until_signalled() {  # COMMAND...: COMMAND's exit status, or 1 after a signal
-    local pid code
+    local pid code tree
+    [[ -z $EARLY ]] || return 1
     "$@" &
     pid=$!
     while :; do
         code=0
-        wait "$pid" || code=$?
+        # (a signal trapped between the fork and here: EARLY is set, and no wait)
+        [[ -n $EARLY ]] || wait "$pid" || code=$?
         if [[ -n $EARLY ]]; then
             say "received SIG$EARLY: ending ${1##*/} (it would hold the signal)"
-            # shellcheck disable=SC2046  # one word per process
-            kill -TERM $(process_tree "$pid") 2> /dev/null || true
+            tree=$(process_tree "$pid")
+            # shellcheck disable=SC2086  # one word per process
+            kill -TERM $tree 2> /dev/null || true
+            for _ in 1 2 3 4 5 6 7 8 9 10; do  # a hung srun or ssh: killed
+                kill -0 "$pid" 2> /dev/null || break
+                sleep 0.5
+            done
+            # shellcheck disable=SC2086
+            kill -KILL $tree 2> /dev/null || true
             wait "$pid" 2> /dev/null || true
             return 1
         fi

@@ -90,7 +90,8 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
             not family(cfg.policy.name).wrist_camera:  # (reach has none: refused as unread)
         problems.append(("env.wrist_image", True, f"false for policy.name={cfg.policy.name} "
                          "(it reads one camera, `image`: the wrist camera would be rendered "
-                         f"every step and read by nothing), or policy.name="
+                         f"every step and read by nothing; a run that rendered one: add "
+                         f"env.wrist_image=false, its weights never read it), or policy.name="
                          f"{having(FAMILIES, 'wrist_camera')}"))
     if cfg.policy.lora_rank and not vla:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, f"0 for policy.name="

@@ -121,7 +121,7 @@ class EnvSpec:
     # the simulator's own figures of an episode beside its success and return (ManiSkill's
     # `grasped`: the object held at some step), one float per episode that ends
     # (StepResult.metrics): segments carry them (`metric.<name>`), and the training metrics
-    # show each as `rollout/<name>`, a mean over the episodes of the window as success is
+    # show each as `episode_<name>`, a mean over the episodes of the window as success is
     episode_metrics: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -177,9 +177,10 @@ def state_vector(u, state_mode: str, privileged=None):
 
 # The flags of a task's evaluate() an episode reports as an episode metric (EnvSpec.
 # episode_metrics), where the task has them: 1.0 if the flag was set at some step of the
-# episode (PickCube's, StackCube's `is_grasped`: how often the policy got hold of the cube,
-# the step before success that sparse rewards do not show)
-EPISODE_FLAGS = {"is_grasped": "grasped"}
+# episode (PickCube's `is_grasped`, StackCube's `is_cubeA_grasped`: how often the policy got
+# hold of the cube, the step before success that sparse rewards do not show). A task has one
+# flag per metric.
+EPISODE_FLAGS = {"is_grasped": "grasped", "is_cubeA_grasped": "grasped"}
 
 
 def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
@@ -210,8 +211,8 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
         "sparse" if u.reward_mode == "sparse" else "dense"
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                    max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
-                   controller=u.control_mode, reward=reward, episode_metrics=tuple(
-                       name for flag, name in EPISODE_FLAGS.items() if flag in evaluated))
+                   controller=u.control_mode, reward=reward, episode_metrics=tuple(dict.fromkeys(
+                       name for flag, name in EPISODE_FLAGS.items() if flag in evaluated)))
 
 
 class ShapingGain:

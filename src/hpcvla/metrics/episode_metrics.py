@@ -3,7 +3,8 @@
 that ended inside trained segments (env faults left out), as the rolling success keeps its
 own, a value that is not known (NaN: an episode GRPO's grouped restart cut short) left out of
 them. The learners' sums are pooled with the rolling figures; metrics.jsonl, TensorBoard
-(`train/episode_<name>`) and summary.json show each as `episode_<name>`, a mean."""
+(`rollout/episode_<name>`, beside the success rate) and summary.json show each as
+`episode_<name>`, a mean."""
 
 from __future__ import annotations
 

@@ -18,8 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 SUBDIR = "tensorboard"
-# the rest of a record: train/*
+# the rest of a record: train/*; the env's episode metrics (`episode_<name>`: metrics/
+# episode_metrics.py) are rollout/ too
 GROUPS = {"success_rate": "rollout", "mean_return": "rollout", "mean_episode_chunks": "rollout"}
+ROLLOUT_PREFIX = "episode_"
+
+
+def _rollout(name: str) -> str:
+    return "rollout" if name.startswith(ROLLOUT_PREFIX) else "train"
 
 
 class RunBoard:
@@ -42,7 +48,7 @@ class RunBoard:
     def scalars(self, values: dict, step: int, group: str | None = None) -> None:
         """`values` name -> number at `step`; each under `group/` (or its GROUPS entry,
         default `train`); a None (e.g. a success rate before any episode ended) is left out."""
-        tags = {name if "/" in name else f"{group or GROUPS.get(name, 'train')}/{name}":
+        tags = {name if "/" in name else f"{group or GROUPS.get(name, _rollout(name))}/{name}":
                 float(value) for name, value in values.items() if value is not None}
         if self.writer is not None:
             for tag, value in tags.items():

@@ -98,7 +98,7 @@ class HeldOut:
             self.env = make_env(cfg.env.name, self.envs, seed, **kwargs)
         self.env.run_to_horizon = traits.evaluation_to_horizon  # ManiSkill's conventions
         if protocol:  # LIBERO's scripts count primitive steps: the last chunk may be cut
-            self.env.step_limit = protocol["step_limit"]
+            self.env.step_limit = protocol.get("step_limit")
         self.policy = policy if policy is not None else build_policy(cfg, self.env.spec, device)
         self.ids, self.tasks = states or self.env.evaluation_states(episodes)
         assert all(is_evaluation_state(int(i)) for i in self.ids), "evaluation states only"

@@ -31,6 +31,7 @@ import torch
 from hpcvla.algorithms.objective import Advantages, advantages_of, policy_loss
 from hpcvla.emulate import pad
 from hpcvla.engines import critic_steps_only
+from hpcvla.metrics.episode_metrics import FIELD as METRIC
 from hpcvla.process.watchdog import reminding
 from hpcvla.roles.setup import Counters, RoleSetup
 from hpcvla.transport.segment_meta import SegmentMeta
@@ -75,8 +76,9 @@ def _say_nonfinite(groups: list[SegmentGroup]) -> None:
     which the metrics only count."""
     for group in groups:
         fault = group["env_fault"]  # a failed env's steps: masked out of the loss
-        for name, values in group.items():
-            if name in _SAID_NONFINITE or values.dtype.kind != "f":
+        for name, values in group.items():  # (an episode metric reaches no loss: its NaN is
+            # one not known, metrics/episode_metrics.py)
+            if name in _SAID_NONFINITE or values.dtype.kind != "f" or name.startswith(METRIC):
                 continue
             if np.isfinite(values[~fault] if values.shape[:2] == fault.shape else values).all():
                 continue
