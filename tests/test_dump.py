@@ -87,6 +87,10 @@ def test_an_envs_episode_metrics_are_each_episodes_attributes(tmp_path):
         demos = [f["data"][f"demo_{i}"] for i in range(len(f["data"]))]
         assert demos and all(d.attrs["episode_grasped"] in (0.5, 1.5, 2.5, 3.5) for d in demos)
         assert not any(k.startswith("metric") for d in demos for k in d)  # no step dataset
+        values = [d.attrs["episode_grasped"] for d in demos if not d.attrs["env_fault"]]
+    shown = summarize(tmp_path / "m.h5")  # `hpcvla inspect`: their mean
+    assert len(set(values)) > 1 and shown["episode_grasped"] == pytest.approx(np.mean(values))
+    assert f"| grasped {np.mean(values):.3f} (env faults" in describe(shown)
 
 
 WRITER = """

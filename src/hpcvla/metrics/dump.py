@@ -195,6 +195,7 @@ def summarize(path) -> dict:
     with open_dump(path) as f, _reading(path):
         lengths, success, returns, versions, faults = [], [], [], [], 0
         judged = []  # (the episode's policy version, success, return): env faults left out
+        metrics: dict[str, list[float]] = {}  # the env's episode metrics (episode_<name>)
         staleness = Counter()
         keys = {}
         chunk_len = int(f.attrs["chunk_len"])
@@ -208,6 +209,9 @@ def summarize(path) -> dict:
                 success.append(bool(demo.attrs["success"]))
                 returns.append(float(demo.attrs["return"]))
                 judged.append((int(demo.attrs["policy_version"]), success[-1], returns[-1]))
+                for key, value in demo.attrs.items():  # (NaN: not known)
+                    if key.startswith("episode_") and np.isfinite(value):
+                        metrics.setdefault(key, []).append(float(value))
             v = demo["policy_versions"][()]
             versions += [int(v.min()), int(v.max())]
             staleness.update(demo["staleness"][()].tolist())
@@ -229,6 +233,7 @@ def summarize(path) -> dict:
             "mean_length": float(np.mean(lengths)) if lengths else 0.0,
             "success_rate": float(np.mean(success)) if success else None,
             "mean_return": float(np.mean(returns)) if returns else None,
+            **{key: float(np.mean(values)) for key, values in metrics.items()},
             "env_fault_episodes": faults,
             "policy_versions": [min(versions), max(versions)] if versions else None,
             "staleness_hist": dict(sorted(staleness.items())),
@@ -273,6 +278,8 @@ def describe(summary: dict) -> str:
                 "file's share of run.dump_max_gib)" if s.get("episodes_not_written") else "")]
     if s["success_rate"] is not None:
         lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
+                     + "".join(f" | {key.removeprefix('episode_')} {value:.3f}"
+                               for key, value in s.items() if key.startswith("episode_")) +
                      f" (env faults: {s['env_fault_episodes']} episodes, not counted)"
                      f" | policy versions {s['policy_versions'][0]}..{s['policy_versions'][1]}"
                      f" | staleness (steps) {s['staleness_hist']}")
