@@ -288,3 +288,26 @@ def test_pick_cube_episodes_report_whether_the_cube_was_grasped():
             (1, push.spec.chunk_len, push.spec.action_dim))).metrics is None
     finally:
         push.close()
+
+
+def test_an_evaluation_reports_the_envs_episode_metrics():
+    """`hpcvla eval` and the held-out evaluation report the env's episode metrics beside
+    success: their mean over the episodes kept (env faults and unknown values left out), and
+    each episode's."""
+    from hpcvla.config import load_config
+    from hpcvla.evaluate import describe
+    from hpcvla.roles.heldout import Episode, HeldOut
+    cfg = load_config(CONFIG, ["env.image_size=32", "env.max_episode_chunks=2"])
+    held = HeldOut(cfg, 2, 2, 0, "cpu")
+    try:
+        result = held.report(held.run(deterministic=True)[0], True)
+        assert [e["episode_grasped"] for e in result["per_episode"]] == [0.0, 0.0]
+        assert result["episode_grasped"] == 0.0  # an untrained policy grasps nothing in 10 steps
+        mixed = held.report([Episode(0, True, 1.0, False, True, 10, {"grasped": 1.0}),
+                             Episode(1, False, 0.0, False, False, 10, {"grasped": np.nan}),
+                             Episode(0, False, 0.0, True, False, 5, {"grasped": 0.0})], True)
+    finally:
+        held.close()
+    assert mixed["episode_grasped"] == 1.0  # the unknown and the env fault left out
+    shown = describe({**mixed, "version": 0, "ranks": 1, "hosts": ["h"], "device": "cpu"})
+    assert "  the env's episode metrics: grasped 1.000" in shown, shown

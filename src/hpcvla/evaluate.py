@@ -301,6 +301,10 @@ def describe(result: dict) -> str:
     if "success_at_end" in result:
         lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
                      f"success_at_end {result['success_at_end']:.3f}")
+    metrics = {k.removeprefix("episode_"): v for k, v in result.items() if k.startswith("episode_")}
+    if metrics:  # the env's own (EnvSpec.episode_metrics), over the episodes kept
+        lines.append("  the env's episode metrics: " + ", ".join(
+            f"{name} {value:.3f}" for name, value in metrics.items()))
     if "vs_first" in result:
         vs = result["vs_first"]
         lines.append(f"  against version {vs['version']} on the same {vs['episodes']} episodes: "

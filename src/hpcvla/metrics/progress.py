@@ -161,8 +161,8 @@ class Progress:
                   "" if report.get("held_out", True) else "; the training's own starts "
                   "(env.train_states=benchmark): not held out"),
               file=sys.stdout, flush=True)
-        scalars = {k: report[k] for k in ("success_rate", "mean_return", "success_at_end")
-                   if k in report}
+        scalars = {k: v for k, v in report.items() if k in (
+            "success_rate", "mean_return", "success_at_end") or k.startswith("episode_")}
         if self._file:
             record = {**self._record_head(),
                       "held_out": {"version": version, "trained_env_steps": steps, **scalars,

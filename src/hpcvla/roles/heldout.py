@@ -58,6 +58,8 @@ class Episode(NamedTuple):
     env_fault: bool
     success_at_end: bool
     steps: int
+    # the env's episode metrics (EnvSpec.episode_metrics), NaN where not known
+    metrics: dict[str, float] | None = None
 
 
 def envs_at_once(cfg: Config, envs: int, episodes: int) -> int:
@@ -146,12 +148,18 @@ class HeldOut:
         for e in kept:
             per_task[self.tasks[e.position]].append(e.success)
         outcomes, ids = [e.success for e in kept], self.ids
+        metrics: defaultdict[str, list[float]] = defaultdict(list)  # (episode_<name>: a mean)
+        for e in kept:
+            for name, value in (e.metrics or {}).items():
+                if np.isfinite(value):
+                    metrics[f"episode_{name}"].append(value)
         return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
                 "states": self.env.evaluation_kind, "held_out": self.held_out,
                 "actions": self.policy.action_mode(deterministic),
                 "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
                 "success_ci95": _wilson(outcomes),
                 "mean_return": float(np.mean([e.ret for e in kept])),
+                **{key: float(np.mean(values)) for key, values in metrics.items()},
                 "env_faults": len(episodes) - len(kept),
                 # what fixes the sampled actions' draws: the seed and the batches
                 "seed": self.seed, "envs": self.envs,
@@ -165,7 +173,8 @@ class HeldOut:
                                     "success_ci95": _wilson(s)} for task, s in per_task.items()},
                 "per_episode": [{"init_state_id": int(ids[e.position]),
                                  "task": self.tasks[e.position], "success": e.success,
-                                 "return": e.ret, "steps": e.steps, "env_fault": e.env_fault}
+                                 "return": e.ret, "steps": e.steps, "env_fault": e.env_fault,
+                                 **{f"episode_{k}": v for k, v in (e.metrics or {}).items()}}
                                 for e in episodes],
                 "protocol": self.protocol}
 
@@ -199,6 +208,7 @@ def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic:
     success, ret = np.zeros(n, bool), np.zeros(n, np.float32)
     fault, success_at_end = np.zeros(n, bool), np.zeros(n, bool)
     steps = np.zeros(n, np.int64)
+    metrics = {name: np.full(n, np.nan) for name in env.spec.episode_metrics}
     said = env.instructions()
     frames: dict[int, tuple[str, Film]] = {first + i: (said[i], []) for i in range(len(batch))
                                            if first + i in filmed}
@@ -221,13 +231,17 @@ def _run_batch(env: VectorEnv, policy: Policy, batch: np.ndarray, deterministic:
             steps[ended] = np.minimum(steps[ended], env.step_limit)
         if result.success_at_end is not None:
             success_at_end[ended] = result.success_at_end[ended]
+        for name, values in metrics.items():
+            values[ended] = result.metrics[name][ended] if result.metrics else np.nan
         for position, (_, film) in frames.items():
             if ended[position - first]:  # the episode's length, for the last caption
                 film.append((step, None))
         running &= ~ended
         obs = result.obs
     return [Episode(first + i, bool(success[i]), float(ret[i]), bool(fault[i]),
-                    bool(success_at_end[i]), int(steps[i])) for i in range(len(batch))], frames
+                    bool(success_at_end[i]), int(steps[i]),
+                    {name: float(values[i]) for name, values in metrics.items()} or None)
+            for i in range(len(batch))], frames
 
 
 def _camera(obs: dict[str, np.ndarray], i: int) -> np.ndarray:
