@@ -72,10 +72,9 @@
 #                     version batch: learner.micro_batches). COSTS: config (the reach env
 #                     probed, or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node and its
-#                     node-only checks on the others, all at once
+#                     node-only checks on the others, all at once (default 1)
 #   HPCVLA_NODE_DOCTOR_S  how long each other node's check may take (default 300: it imports
 #                     the simulator); one that takes longer is said and left to the world
-#                     (default 1)
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_SWEEP      train, sft in an array job: a file of overrides, a line per task

@@ -288,6 +288,15 @@ def test_pick_cube_episodes_report_whether_the_cube_was_grasped():
             (1, push.spec.chunk_len, push.spec.action_dim))).metrics is None
     finally:
         push.close()
+    # each task's own flag, which the GPU backend takes too (episode_flags): one per metric
+    from hpcvla.envs.maniskill import episode_flags
+    for task, flags in (("PickCube-v1", ["is_grasped"]), ("StackCube-v1", ["is_cubeA_grasped"]),
+                        ("PushCube-v1", [])):
+        env = ManiSkillEnv(1, task=task, camera=False)
+        try:
+            assert episode_flags(env._slots[0].u.evaluate()) == flags, task
+        finally:
+            env.close()
 
 
 def test_an_evaluation_reports_the_envs_episode_metrics():
@@ -309,5 +318,9 @@ def test_an_evaluation_reports_the_envs_episode_metrics():
     finally:
         held.close()
     assert mixed["episode_grasped"] == 1.0  # the unknown and the env fault left out
+    assert [e["episode_grasped"] for e in mixed["per_episode"]] == [1.0, None, None]
+    assert held.report([Episode(0, True, 1.0, False, True, 10, {"grasped": 1.0}),  # twins
+                        Episode(0, True, 1.0, False, True, 10, {"grasped": 0.0})],
+                       True)["episode_grasped"] == 0.5
     shown = describe({**mixed, "version": 0, "ranks": 1, "hosts": ["h"], "device": "cpu"})
     assert "  the env's episode metrics: grasped 1.000" in shown, shown

@@ -402,13 +402,23 @@ def test_a_moved_run_directory_keeps_its_wandb_run(tmp_path):
     run = wandb_run(first, "demo", "offline", {"a": 1})
     made = run.id
     run.finish()
-    assert (first / WANDB_ID).read_text() == made + "\n" and made.startswith("demo-1-")
+    assert (first / WANDB_ID).read_text() == f"{made} {first}\n" and made.startswith("demo-1-")
     moved = tmp_path / "project" / "demo-1"
     moved.parent.mkdir()
     first.rename(moved)
     run = wandb_run(moved, "demo", "offline", None)
-    assert run.id == made
+    assert run.id == made and (moved / WANDB_ID).read_text() == f"{made} {moved}\n"
     run.finish()
     other = tmp_path / "other" / "demo-1"
     other.mkdir(parents=True)
     assert wandb_id(other) != made
+    # a copy (`cp -r`, the original still there) is another run: its own id, from then on
+    import shutil
+    copy = tmp_path / "copies" / "demo-1"
+    shutil.copytree(moved, copy)
+    copied = wandb_id(copy)
+    assert copied != made and wandb_id(copy) == copied and wandb_id(moved) == made
+    # a symlink to the run (runs/latest): the run's own name, not the link's
+    link = tmp_path / "latest"
+    link.symlink_to(moved)
+    assert wandb_id(link) == made

@@ -1093,3 +1093,17 @@ def test_a_signal_during_the_node_checks_ends_them_at_once(tmp_path):
     left = subprocess.run(["pgrep", "-f", f"sleep [24]0.{marker}"], capture_output=True,
                           text=True)
     assert left.stdout == "", left.stdout
+    # an srun under the check's subshell, which takes a second to end its step after SIGTERM:
+    # it has that second (the grace is the whole tree's, not the subshell's)
+    graceful = tmp_path / "graceful"
+    step = subprocess.Popen(["bash", "-c", f"""set -euo pipefail
+        SCHEDULER=none EARLY=""; say() {{ :; }}; source {ROOT}/jobs/lib/world.sh
+        trap 'EARLY=TERM' TERM
+        srun_like() {{ bash -c 'trap "sleep 1; echo ended > {graceful}; exit 0" TERM
+                                sleep 50.{marker} & wait'; }}
+        check() {{ srun_like & wait; }}
+        until_signalled check || echo "stopped" """], stdout=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    step.send_signal(signal.SIGTERM)
+    out, _ = step.communicate(timeout=20)
+    assert out == "stopped\n" and graceful.read_text() == "ended\n", out

@@ -79,7 +79,7 @@ clean_nodes() {  # run in a subshell
 # every process under it (srun, ssh, timeout) are sent SIGTERM, then SIGKILL 5 s later, and it
 # returns 1: the job ends as one stopped.
 until_signalled() {  # COMMAND...: COMMAND's exit status, or 1 after a signal
-    local pid code tree
+    local pid code tree=() alive=() p
     [[ -z $EARLY ]] || return 1
     "$@" &
     pid=$!
@@ -89,15 +89,17 @@ until_signalled() {  # COMMAND...: COMMAND's exit status, or 1 after a signal
         [[ -n $EARLY ]] || wait "$pid" || code=$?
         if [[ -n $EARLY ]]; then
             say "received SIG$EARLY: ending ${1##*/} (it would hold the signal)"
-            tree=$(process_tree "$pid")
-            # shellcheck disable=SC2086  # one word per process
-            kill -TERM $tree 2> /dev/null || true
-            for _ in 1 2 3 4 5 6 7 8 9 10; do  # a hung srun or ssh: killed
-                kill -0 "$pid" 2> /dev/null || break
+            mapfile -t tree < <(process_tree "$pid")
+            kill -TERM "${tree[@]}" 2> /dev/null || true
+            for _ in 1 2 3 4 5 6 7 8 9 10; do  # a hung srun or ssh: killed 5 s later
+                alive=()
+                for p in "${tree[@]}"; do
+                    kill -0 "$p" 2> /dev/null && alive+=("$p")
+                done
+                (( ${#alive[@]} )) || break
                 sleep 0.5
             done
-            # shellcheck disable=SC2086
-            kill -KILL $tree 2> /dev/null || true
+            (( ${#alive[@]} == 0 )) || kill -KILL "${alive[@]}" 2> /dev/null || true
             wait "$pid" 2> /dev/null || true
             return 1
         fi

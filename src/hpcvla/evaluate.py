@@ -359,8 +359,9 @@ def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
                                                  for r in curve))
     board = RunBoard(run_dir, cfg.run)
     for r in curve:
-        board.scalars({k: r[k] for k in ("success_rate", "mean_return", "success_at_end")
-                       if k in r}, r["trained_env_steps"], group="eval")
+        board.scalars({k: v for k, v in r.items() if k in (
+            "success_rate", "mean_return", "success_at_end") or k.startswith("episode_")},
+            r["trained_env_steps"], group="eval")
     board.close()
 
 

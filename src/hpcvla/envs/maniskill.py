@@ -183,6 +183,11 @@ def state_vector(u, state_mode: str, privileged=None):
 EPISODE_FLAGS = {"is_grasped": "grasped", "is_cubeA_grasped": "grasped"}
 
 
+def episode_flags(evaluated: dict) -> list[str]:
+    """The EPISODE_FLAGS a task reports (`evaluated`: its evaluate() or a step's info)."""
+    return [flag for flag in EPISODE_FLAGS if flag in evaluated]
+
+
 def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
               chunk_len: int, max_episode_chunks: int, camera: bool = True,
               state_mode: str = "privileged") -> EnvSpec:
@@ -212,7 +217,7 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                    max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
                    controller=u.control_mode, reward=reward, episode_metrics=tuple(dict.fromkeys(
-                       name for flag, name in EPISODE_FLAGS.items() if flag in evaluated)))
+                       EPISODE_FLAGS[flag] for flag in episode_flags(evaluated))))
 
 
 class ShapingGain:
@@ -266,7 +271,7 @@ class _Slot:
     def reset(self, rng, init_state_id):
         seed = training_state_ids(rng) if init_state_id is None else int(init_state_id)
         self.state, info = self.env.reset(seed=seed)
-        self.flags = {flag: False for flag in EPISODE_FLAGS if flag in info}
+        self.flags = {flag: False for flag in episode_flags(info)}
 
     def step(self, action):
         self.state, reward, _, _, info = self.env.step(action[None])

@@ -48,8 +48,8 @@ import numpy as np
 
 from hpcvla.config.families import EE_DELTA_CONTROL, MANISKILL_REWARDS
 from hpcvla.envs.base import StepResult, VectorEnv, episode_ends, training_state_ids
-from hpcvla.envs.maniskill import (EPISODE_FLAGS, ManiSkillEnv, describe, make_task_env,
-                                   render_cameras, state_vector, task_spec)
+from hpcvla.envs.maniskill import (EPISODE_FLAGS, ManiSkillEnv, describe, episode_flags,
+                                   make_task_env, render_cameras, state_vector, task_spec)
 from hpcvla.envs.serial import chunk_actions, require
 from hpcvla.seeds import env_seeds
 from hpcvla.text import tokenize, words
@@ -140,9 +140,9 @@ class ManiSkillGPUEnv(VectorEnv):
         try:
             self.spec = task_spec(self.env, task, image_size, wrist_image, state, chunk_len,
                                   max_episode_chunks, state_mode=state_mode)
-            # each episode metric's flag (EPISODE_FLAGS), set where it was at some step
-            self._flags = {flag: np.zeros(num_envs, bool) for flag, name in
-                           EPISODE_FLAGS.items() if name in self.spec.episode_metrics}
+            # each episode metric's flag the task reports, set where it was at some step
+            self._flags = {flag: np.zeros(num_envs, bool)
+                           for flag in episode_flags(self.u.evaluate())}
             tokens = tokenize(self.instruction, self.spec.vocab, len(words(self.instruction)))
             self._tokens = np.tile(tokens, (num_envs, 1))
             self.reset()

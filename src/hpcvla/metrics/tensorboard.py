@@ -93,20 +93,32 @@ WANDB_ID = "wandb_id"  # the run directory's file holding its W&B run id
 
 def wandb_id(run_dir: Path) -> str:
     """The run directory's W&B id: made by its first writer from the directory's name and a
-    hash of its path then, and kept in it (WANDB_ID), so that a run moved elsewhere (from
-    scratch to project storage) and resumed there goes on in the same W&B run; a run that
-    has none yet (older ones) gets the one its path gives."""
+    hash of its path then, and kept in it (WANDB_ID: the id and that path), so that a run
+    moved elsewhere (from scratch to project storage) and resumed there goes on in the same
+    W&B run. A copy (`cp -r`: the directory it was made in still holds the same id) gets an
+    id of its own, as a run that has none yet (older ones) gets the one its path gives."""
     import hashlib
 
     from hpcvla.files import replace_text
 
-    kept = run_dir / WANDB_ID
-    if kept.is_file() and (run_id := kept.read_text().strip()):
-        return run_id
-    path = str(run_dir.resolve())
-    run_id = f"{run_dir.name}-{hashlib.sha1(path.encode()).hexdigest()[:8]}"
-    replace_text(kept, run_id + "\n")  # (every writer of a path would make the same one)
+    path = run_dir.resolve()
+    kept = path / WANDB_ID
+    held = kept.read_text().strip() if kept.is_file() else ""
+    run_id, _, made_in = held.partition(" ")
+    if run_id and made_in not in ("", str(path)) and _holds_id(Path(made_in), run_id):
+        run_id = ""  # a copy: the directory it was copied from still runs under that id
+    run_id = run_id or f"{path.name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if held != f"{run_id} {path}":  # new, copied or moved (every writer of it agrees)
+        replace_text(kept, f"{run_id} {path}\n")
     return run_id
+
+
+def _holds_id(folder: Path, run_id: str) -> bool:
+    """Whether `folder` is a run directory that keeps W&B id `run_id`."""
+    try:
+        return (folder / WANDB_ID).read_text().split(" ", 1)[0].strip() == run_id
+    except OSError:
+        return False
 
 
 def wandb_run(run_dir: Path, group: str, mode: str, config: dict | None):

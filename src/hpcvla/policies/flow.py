@@ -83,7 +83,6 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     published_tensor = "action_in_proj.weight"  # LeRobot's and openpi's π0 and π0.5
     imitation_fits_std = False  # flow matching: the velocity alone (base.Policy)
 
-
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
                  denoise_steps: int = DEFAULT_DENOISE_STEPS, denoise_from: str = "zero",
                  logprob_mode: str = "last_step", flow_noise: str = "learned",

@@ -142,7 +142,7 @@ class HeldOut:
         """The result of every rank's episodes: success with its 95 % (Wilson) interval,
         per task and per episode; an episode the env ended by a fault is left out, counted
         (and, beside, counted as a failure, as the references' scripts count it)."""
-        episodes = sorted(episodes)
+        episodes = sorted(episodes, key=lambda e: e.position)  # (the states' order)
         kept = [e for e in episodes if not e.env_fault]
         per_task: defaultdict[str, list[bool]] = defaultdict(list)
         for e in kept:
@@ -174,8 +174,9 @@ class HeldOut:
                 "per_episode": [{"init_state_id": int(ids[e.position]),
                                  "task": self.tasks[e.position], "success": e.success,
                                  "return": e.ret, "steps": e.steps, "env_fault": e.env_fault,
-                                 **{f"episode_{k}": v for k, v in (e.metrics or {}).items()}}
-                                for e in episodes],
+                                 **{f"episode_{k}": None if e.env_fault or not np.isfinite(v)
+                                    else v for k, v in (e.metrics or {}).items()}}
+                                for e in episodes],  # (None: not known; JSON has no NaN)
                 "protocol": self.protocol}
 
     def close(self) -> None:
