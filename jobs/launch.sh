@@ -73,8 +73,9 @@
 #                     probed, or the config's emulate.*), balanced, table3, pi0-libero; unset: off
 #   HPCVLA_DOCTOR     train, sft, eval: 0 skips `hpcvla doctor` on the first node and its
 #                     node-only checks on the others, all at once (default 1)
-#   HPCVLA_NODE_DOCTOR_S  how long each other node's check may take (default 300: it imports
-#                     the simulator); one that takes longer is said and left to the world
+#   HPCVLA_NODE_DOCTOR_S  how long each node's check may take (default 300: it imports the
+#                     simulator): the first node's fails the job, another's is said and left
+#                     to the world
 #   HPCVLA_PBS_TM     PBS: 1 (default) starts the MPI launcher's processes on the other nodes
 #                     through PBS's own `pbs_tmrsh` (TM) where the job finds one, 0 through ssh
 #   HPCVLA_SWEEP      train, sft in an array job: a file of overrides, a line per task
@@ -312,10 +313,19 @@ fi
 if (( ${#DOCTOR[@]} )); then
     # a cancel, preemption or the time limit's warning during the checks ends them at once
     # (until_signalled): the job ends as stopped (run_world starts no world), not as a node
-    # that lacks something
-    until_signalled "${DOCTOR[@]}" >&2 || [[ -n $EARLY ]] ||
+    # that lacks something; a check that hangs (a renderer's driver, a file system) is ended
+    # within HPCVLA_NODE_DOCTOR_S, as the other nodes' are
+    doctor_status=0
+    until_signalled timeout -k 10 "${HPCVLA_NODE_DOCTOR_S:-300}" "${DOCTOR[@]}" >&2 ||
+        doctor_status=$?
+    if (( doctor_status )) && [[ -z $EARLY ]]; then
+        (( doctor_status != 124 && doctor_status != 137 )) ||
+            die "hpcvla doctor did not finish on this node ($(hostname)) within" \
+                "${HPCVLA_NODE_DOCTOR_S:-300} s (HPCVLA_NODE_DOCTOR_S): a check that hangs" \
+                "(its last line above), or a slow import: set more seconds"
         die "this node ($(hostname)) lacks what the job needs, or the job's settings are" \
             "refused (hpcvla doctor, above)"
+    fi
     (( NODES == 1 )) || [[ -n $EARLY ]] ||
         until_signalled check_other_nodes "${DOCTOR[@]:0:4}" --node-only "${DOCTOR[@]:4}" ||
         [[ -n $EARLY ]] || die "not every node of the job has what it needs (above)"

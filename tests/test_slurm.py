@@ -778,6 +778,24 @@ def test_a_job_without_the_mpi_it_asks_for_says_why():
         "launch.sh: error: no MPI to start the ranks with (HPCVLA_MPI=nosuch: the reason above)"]
 
 
+def test_a_first_node_check_that_hangs_fails_the_job_within_its_limit(tmp_path):
+    """The first node's `hpcvla doctor` runs within HPCVLA_NODE_DOCTOR_S, as the other
+    nodes' checks do: one that hangs (a renderer's driver, a file system) fails the job
+    saying so, not a job that waits for ever before its first world. Here a limit of 1 s,
+    which the doctor's imports alone outlast."""
+    env = {**os.environ, "HPCVLA_DOCTOR": "1", "HPCVLA_NODE_DOCTOR_S": "1"}
+    for name in [k for k in env if k.startswith(("SLURM_", "PBS_"))]:
+        del env[name]
+    start = time.monotonic()
+    out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
+                          f"run.root={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and time.monotonic() - start < 30, out.stderr[-2000:]
+    assert "hpcvla doctor did not finish on this node" in out.stderr and \
+        "within 1 s (HPCVLA_NODE_DOCTOR_S)" in out.stderr, out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # no world started, no run made
+
+
 def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     """What `#SBATCH --signal=B:USR1@60` does before the time limit: the batch shell gets
     SIGUSR1, the ranks get SIGTERM and stop with a checkpoint, the job requeues itself, and
@@ -1068,7 +1086,8 @@ def test_a_signal_during_the_node_checks_ends_them_at_once(tmp_path):
     out, err = proc.communicate(timeout=20)
     took = time.monotonic() - start
     assert out == "returned 1 EARLY=USR1\n" and took < 5, (out, err, took)
-    assert "say: received SIGUSR1: ending check_other_nodes" in err, err
+    assert "say: received SIGUSR1: ending the checks (check_other_nodes doctor --node-only" \
+        " ...), which would hold it" in err, err
     left = subprocess.run(["pgrep", "-f", f"sleep 30.{marker}"], capture_output=True, text=True)
     assert left.stdout == "", left.stdout  # the nodes' commands ended with it
     assert list(tmp_path.iterdir()) == []  # and its answers' folder removed

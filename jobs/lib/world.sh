@@ -88,7 +88,7 @@ until_signalled() {  # COMMAND...: COMMAND's exit status, or 1 after a signal
         # (a signal trapped between the fork and here: EARLY is set, and no wait)
         [[ -n $EARLY ]] || wait "$pid" || code=$?
         if [[ -n $EARLY ]]; then
-            say "received SIG$EARLY: ending ${1##*/} (it would hold the signal)"
+            say "received SIG$EARLY: ending the checks (${*:1:3} ...), which would hold it"
             mapfile -t tree < <(process_tree "$pid")
             kill -TERM "${tree[@]}" 2> /dev/null || true
             for _ in 1 2 3 4 5 6 7 8 9 10; do  # a hung srun or ssh: killed 5 s later
