@@ -29,6 +29,7 @@ from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.config.families import simulator
 from hpcvla.config.loader import last_run_config
 from hpcvla.devices import bind_rank_device, gpu_identity, gpu_names, local_device
+from hpcvla.metrics.episode_metrics import KEY, figures_in
 from hpcvla.metrics.stats import paired_difference
 from hpcvla.process.deathwatch import Refused
 from hpcvla.roles.heldout import HeldOut, envs_at_once
@@ -301,7 +302,7 @@ def describe(result: dict) -> str:
     if "success_at_end" in result:
         lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
                      f"success_at_end {result['success_at_end']:.3f}")
-    metrics = {k.removeprefix("episode_"): v for k, v in result.items() if k.startswith("episode_")}
+    metrics = figures_in(result)
     if metrics:  # the env's own (EnvSpec.episode_metrics), over the episodes kept
         lines.append("  the env's episode metrics: " + ", ".join(
             f"{name} {value:.3f}" for name, value in metrics.items()))
@@ -360,7 +361,7 @@ def write_curve(cfg, run_dir: Path, curve: list[dict]) -> None:
     board = RunBoard(run_dir, cfg.run)
     for r in curve:
         board.scalars({k: v for k, v in r.items() if k in (
-            "success_rate", "mean_return", "success_at_end") or k.startswith("episode_")},
+            "success_rate", "mean_return", "success_at_end") or k.startswith(KEY)},
             r["trained_env_steps"], group="eval")
     board.close()
 

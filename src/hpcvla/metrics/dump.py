@@ -75,6 +75,8 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.metrics.episode_metrics import KEY, figures_in
+
 
 FORMAT = "hpcvla-trajectories-1"
 STEP_FIELDS = {  # segment field -> dataset name in a demo
@@ -210,7 +212,7 @@ def summarize(path) -> dict:
                 returns.append(float(demo.attrs["return"]))
                 judged.append((int(demo.attrs["policy_version"]), success[-1], returns[-1]))
                 for key, value in demo.attrs.items():  # (NaN: not known)
-                    if key.startswith("episode_") and np.isfinite(value):
+                    if key.startswith(KEY) and np.isfinite(value):
                         metrics.setdefault(key, []).append(float(value))
             v = demo["policy_versions"][()]
             versions += [int(v.min()), int(v.max())]
@@ -278,8 +280,8 @@ def describe(summary: dict) -> str:
                 "file's share of run.dump_max_gib)" if s.get("episodes_not_written") else "")]
     if s["success_rate"] is not None:
         lines.append(f"  success {s['success_rate']:.3f} | mean return {s['mean_return']:.3f}"
-                     + "".join(f" | {key.removeprefix('episode_')} {value:.3f}"
-                               for key, value in s.items() if key.startswith("episode_")) +
+                     + "".join(f" | {name} {value:.3f}" for name, value in figures_in(s).items())
+                     +
                      f" (env faults: {s['env_fault_episodes']} episodes, not counted)"
                      f" | policy versions {s['policy_versions'][0]}..{s['policy_versions'][1]}"
                      f" | staleness (steps) {s['staleness_hist']}")

@@ -38,7 +38,7 @@ import numpy as np
 
 from hpcvla.metrics.dump import STEP_FIELDS, DumpError
 from hpcvla.metrics.dump_file import DumpFile
-from hpcvla.metrics.episode_metrics import FIELD as METRIC
+from hpcvla.metrics.episode_metrics import FIELD as METRIC, metric_key
 from hpcvla.process import worker
 from hpcvla.transport.segment_meta import SegmentMeta
 
@@ -112,7 +112,7 @@ class TrajectoryDump:
                  "truncation_value": float(steps["truncation_value"][-1]),
                  "env_steps": int(steps["chunk_steps"].sum()),
                  # the env's episode metrics (EnvSpec.episode_metrics): episode_<name>
-                 **{f"episode_{k.removeprefix(METRIC)}": float(v[-1])
+                 **{metric_key(k.removeprefix(METRIC)): float(v[-1])
                     for k, v in steps.items() if k.startswith(METRIC)}}
         self.episodes[(slot, env)] += 1
         self.add_episode(steps, attrs)

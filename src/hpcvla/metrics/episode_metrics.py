@@ -13,6 +13,18 @@ from collections import deque
 import numpy as np
 
 FIELD = "metric."  # a metric's segment field: FIELD + its name (roles/segments.py)
+# a metric's key among the figures shown (metrics.jsonl, summary.json, TensorBoard, the dumps'
+# episode attributes, evaluation results): KEY + its name
+KEY = "episode_"
+
+
+def metric_key(name: str) -> str:
+    return KEY + name
+
+
+def figures_in(record: dict) -> dict:
+    """The episode metrics among a record's figures (`episode_<name>` keys), by name."""
+    return {k.removeprefix(KEY): v for k, v in record.items() if k.startswith(KEY)}
 
 
 class EpisodeMetrics:
@@ -46,5 +58,5 @@ class EpisodeMetrics:
         None before a value is known."""
         sums = self.sums() if sums is None else sums
         k = len(self.names)
-        return {f"episode_{name}": float(total / count) if count else None
+        return {metric_key(name): float(total / count) if count else None
                 for name, total, count in zip(self.names, sums[:k], sums[k:])}

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import numpy as np
 
 from hpcvla.files import open_log
-from hpcvla.metrics.episode_metrics import EpisodeMetrics
+from hpcvla.metrics.episode_metrics import KEY, EpisodeMetrics, figures_in
 from hpcvla.metrics.task_success import TaskSuccess
 from hpcvla.metrics.tensorboard import RunBoard
 
@@ -162,7 +162,7 @@ class Progress:
                   "(env.train_states=benchmark): not held out"),
               file=sys.stdout, flush=True)
         scalars = {k: v for k, v in report.items() if k in (
-            "success_rate", "mean_return", "success_at_end") or k.startswith("episode_")}
+            "success_rate", "mean_return", "success_at_end") or k.startswith(KEY)}
         if self._file:
             record = {**self._record_head(),
                       "held_out": {"version": version, "trained_env_steps": steps, **scalars,
@@ -213,8 +213,8 @@ class Progress:
             print(f"[hpcvla] update {updates}/{self.total} | {rate:.0f} trained "
                   f"steps/s | success {figure(shown['success_rate'])} (last "
                   f"{shown['episodes']} eps) | return {figure(shown['mean_return'])} | "
-                  + "".join(f"{key.removeprefix('episode_')} {figure(value)} | "
-                            for key, value in shown.items() if key.startswith("episode_"))
+                  + "".join(f"{name} {figure(value)} | "
+                            for name, value in figures_in(shown).items())
                   + "staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
                   + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "

@@ -17,15 +17,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hpcvla.metrics.episode_metrics import KEY
+
 SUBDIR = "tensorboard"
 # the rest of a record: train/*; the env's episode metrics (`episode_<name>`: metrics/
 # episode_metrics.py) are rollout/ too
 GROUPS = {"success_rate": "rollout", "mean_return": "rollout", "mean_episode_chunks": "rollout"}
-ROLLOUT_PREFIX = "episode_"
 
 
 def _rollout(name: str) -> str:
-    return "rollout" if name.startswith(ROLLOUT_PREFIX) else "train"
+    return "rollout" if name.startswith(KEY) else "train"
 
 
 class RunBoard:

@@ -37,6 +37,7 @@ from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.config.families import simulator
 from hpcvla.envs import env_class, env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
+from hpcvla.metrics.episode_metrics import metric_key
 from hpcvla.metrics.stats import wilson_interval
 from hpcvla.process.watchdog import deadline
 from hpcvla.seeds import held_out_seed
@@ -152,14 +153,14 @@ class HeldOut:
         for e in kept:
             for name, value in (e.metrics or {}).items():
                 if np.isfinite(value):
-                    metrics[f"episode_{name}"].append(value)
+                    metrics[metric_key(name)].append(value)
         return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
                 "states": self.env.evaluation_kind, "held_out": self.held_out,
                 "actions": self.policy.action_mode(deterministic),
                 "episodes": len(kept), "success_rate": float(np.mean(outcomes)),
                 "success_ci95": _wilson(outcomes),
                 "mean_return": float(np.mean([e.ret for e in kept])),
-                **{key: float(np.mean(values)) for key, values in metrics.items()},
+                **{name: float(np.mean(values)) for name, values in metrics.items()},
                 "env_faults": len(episodes) - len(kept),
                 # what fixes the sampled actions' draws: the seed and the batches
                 "seed": self.seed, "envs": self.envs,
@@ -174,7 +175,7 @@ class HeldOut:
                 "per_episode": [{"init_state_id": int(ids[e.position]),
                                  "task": self.tasks[e.position], "success": e.success,
                                  "return": e.ret, "steps": e.steps, "env_fault": e.env_fault,
-                                 **{f"episode_{k}": None if e.env_fault or not np.isfinite(v)
+                                 **{metric_key(k): None if e.env_fault or not np.isfinite(v)
                                     else v for k, v in (e.metrics or {}).items()}}
                                 for e in episodes],  # (None: not known; JSON has no NaN)
                 "protocol": self.protocol}

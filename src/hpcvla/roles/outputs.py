@@ -23,6 +23,7 @@ from hpcvla.config.loader import config_to_dict
 from hpcvla.files import replace_text
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases, restart_log
+from hpcvla.metrics.episode_metrics import figures_in, metric_key
 from hpcvla.metrics.progress import figure
 from hpcvla.metrics.task_success import pooled_rates
 from hpcvla.metrics.tensorboard import RunBoard
@@ -252,8 +253,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
     print(f"[hpcvla] done: {steps} env steps in {active:.1f} s = "
           f"{result['env_steps_per_s']:.0f} env steps/s | success "
           f"{figure(result['success_rate'])} (the learners' last {window} episodes) | "
-          + "".join(f"{key.removeprefix('episode_')} {figure(value)} | "
-                    for key, value in result.items() if key.startswith("episode_")) +
+          + "".join(f"{name} {figure(value)} | " for name, value in figures_in(result).items()) +
           f"trained segments by staleness {{{lags}}}\n[hpcvla] run directory: {run_dir}"
           + ("" if result["preempted"] else f" (next: hpcvla eval {shlex.quote(str(run_dir))})"),
           flush=True)
@@ -304,7 +304,7 @@ def pooled_metrics(windows: list[dict[str, list[float]]]) -> dict[str, float | N
     out: dict[str, float | None] = {}
     for name in dict.fromkeys(name for window in windows for name in window):
         total, count = (sum(w[name][i] for w in windows if name in w) for i in (0, 1))
-        out[f"episode_{name}"] = total / count if count else None
+        out[metric_key(name)] = total / count if count else None
     return out
 
 
