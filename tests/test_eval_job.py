@@ -286,6 +286,43 @@ def test_the_printed_result_says_what_it_measured_and_what_a_benchmark_would_cou
         "benchmark, RLinf's)" in shown, shown
 
 
+def test_an_evaluation_whose_every_episode_faulted_gives_no_verdict(tmp_path, capfd):
+    """Every episode an env fault (a simulator that broke): no success rate or return (None,
+    not NaN: JSON has none), said so by `hpcvla eval`'s lines, the held-out line and curve,
+    the progress line and the benchmark's reader; the faults still counted as failures."""
+    from hpcvla.bench.learning import held_out_of
+    from hpcvla.config import load_config
+    from hpcvla.evaluate import describe
+    from hpcvla.metrics.progress import Progress
+    from hpcvla.roles.heldout import Episode, HeldOut
+    held = HeldOut(load_config(ROOT / "configs/default.yaml"), 2, 2, 0, "cpu")
+    try:
+        report = held.report([Episode(0, False, 0.0, True, False, 3),
+                              Episode(1, False, 0.0, True, False, 5)], True)
+    finally:
+        held.close()
+    json.dumps(report, allow_nan=False)
+    assert (report["episodes"], report["env_faults"]) == (0, 2)
+    assert report["success_rate"] is None and report["mean_return"] is None
+    assert report["success_rate_faults_failed"] == 0.0 and report["success_ci95"] == [0.0, 1.0]
+    shown = describe({**report, "version": 4, "ranks": 1, "hosts": ["h"], "device": "cpu"})
+    assert "policy version 4: success - (95 % 0.000-1.000) over 0 episodes" in shown, shown
+    assert "no verdict on the policy: every one of the 2 episodes ended by an env fault" \
+        in shown, shown
+    line = Progress(tmp_path / "metrics.jsonl", total_updates=9, chunk_len=4, every_s=0,
+                    enabled=True, evaluated=True)
+    line.on_update(1)
+    line.on_held_out(1, report)
+    line.on_update(2)
+    line.close()
+    out = capfd.readouterr().out.splitlines()
+    assert "success - (95 % 0.000-1.000) over 0 episodes" in out[-2], out[-2]
+    assert "mean return - (2 left out: env faults)" in out[-2], out[-2]
+    assert "| held-out - (v1) | ETA" in out[-1], out[-1]
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").open()]
+    assert held_out_of(records)["env_steps_to_0.8"] is None
+
+
 @pytest.mark.mpi
 @pytest.mark.slow  # ~30 s: 2 LIBERO episodes of 220 steps with the tiny π0, one per rank
 def test_the_libero_protocol_runs_the_suites_tasks_and_states_at_its_step_limit(tmp_path):

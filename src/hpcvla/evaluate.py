@@ -30,6 +30,7 @@ from hpcvla.config.families import simulator
 from hpcvla.config.loader import last_run_config
 from hpcvla.devices import bind_rank_device, gpu_identity, gpu_names, local_device
 from hpcvla.metrics.episode_metrics import KEY, figures_in
+from hpcvla.metrics.progress import figure
 from hpcvla.metrics.stats import paired_difference
 from hpcvla.process.deathwatch import Refused
 from hpcvla.roles.heldout import HeldOut, envs_at_once
@@ -292,16 +293,20 @@ def paired_with_first(curve: list[dict]) -> list[dict]:
 def describe(result: dict) -> str:
     """A result as `hpcvla eval` prints it."""
     low, high = result["success_ci95"]
-    lines = [f"policy version {result['version']}: success {result['success_rate']:.3f} "
+    lines = [f"policy version {result['version']}: success {figure(result['success_rate'], 3)} "
              f"(95 % {low:.3f}-{high:.3f}) over "
              f"{result['episodes']} episodes ({result['actions']} actions), mean return "
-             f"{result['mean_return']:.2f}"
+             f"{figure(result['mean_return'])}"
              + (f" ({result['env_faults']} left out: env faults; counted as failures, as "
                 f"OFT's and openpi's scripts count them: "
                 f"{result['success_rate_faults_failed']:.3f})" if result["env_faults"] else "")]
+    if not result["episodes"]:
+        lines.append(f"  no verdict on the policy: every one of the {result['env_faults']} "
+                     "episodes ended by an env fault (the simulator's: see its log lines)")
     if "success_at_end" in result:
-        lines.append(f"  ManiSkill's conventions: success_once {result['success_once']:.3f}, "
-                     f"success_at_end {result['success_at_end']:.3f}")
+        lines.append(f"  ManiSkill's conventions: success_once "
+                     f"{figure(result['success_once'], 3)}, "
+                     f"success_at_end {figure(result['success_at_end'], 3)}")
     metrics = figures_in(result)
     if metrics:  # the env's own (EnvSpec.episode_metrics), over the episodes kept
         lines.append("  the env's episode metrics: " + ", ".join(

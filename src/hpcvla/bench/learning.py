@@ -236,7 +236,8 @@ def held_out_of(records: list[dict]) -> dict:
     held = [r["held_out"] for r in records if "held_out" in r]
     if not held:
         return {}
-    reached = [h["trained_env_steps"] for h in held if h["success_rate"] >= TARGET_SUCCESS]
+    reached = [h["trained_env_steps"] for h in held  # (None: every episode an env fault)
+               if h["success_rate"] is not None and h["success_rate"] >= TARGET_SUCCESS]
     return {"held_out": [[h["trained_env_steps"], h["success_rate"]] for h in held],
             f"env_steps_to_{TARGET_SUCCESS:g}": reached[0] if reached else None}
 

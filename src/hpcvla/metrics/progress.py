@@ -71,7 +71,7 @@ class Progress:
         # in version order): kept from the last one reported on, where there are any
         self.steps_at: dict[int, int] = {0: 0}
         self.evaluated = evaluated
-        self.held_out: tuple[int, float] | None = None  # the newest (version, success)
+        self.held_out: tuple[int, float | None] | None = None  # newest (version, success)
         # line-buffered: a world that dies keeps every record up to its last micro-batch
         # (a restart's record of the work lost reads the last one)
         self._file = open_log(path, buffering=1) if (enabled and path) else None
@@ -155,9 +155,12 @@ class Progress:
         self.held_out = (version, report["success_rate"])
         low, high = report["success_ci95"]
         print(f"[hpcvla] held-out evaluation of version {version}: success "
-              f"{report['success_rate']:.3f} (95 % {low:.3f}-{high:.3f}) over "
+              f"{figure(report['success_rate'], 3)} (95 % {low:.3f}-{high:.3f}) over "
               f"{report['episodes']} episodes ({report['actions']} actions), mean return "
-              f"{report['mean_return']:.2f}" + (f"; video {video}" if video else "") + (
+              f"{figure(report['mean_return'])}" + (
+                  f" ({report['env_faults']} left out: env faults)"
+                  if report.get("env_faults") else "")
+              + (f"; video {video}" if video else "") + (
                   "" if report.get("held_out", True) else "; the training's own starts "
                   "(env.train_states=benchmark): not held out"),
               file=sys.stdout, flush=True)
@@ -217,7 +220,7 @@ class Progress:
                             for name, value in figures_in(shown).items())
                   + "staleness "
                   f"{np.mean(self.staleness) if self.staleness else 0:.2f} | "
-                  + (f"held-out {self.held_out[1]:.2f} (v{self.held_out[0]}) | "
+                  + (f"held-out {figure(self.held_out[1])} (v{self.held_out[0]}) | "
                      if self.held_out else "") + "ETA "
                   + (f"{int(eta // 60)}m{int(eta % 60):02d}s" if eta is not None else "--"),
                   file=sys.stdout, flush=True)
@@ -287,10 +290,10 @@ class Progress:
             self.board.close()
 
 
-def figure(value: float | None) -> str:
-    """A rolling figure as the progress and final lines print it: `-` before any episode
-    ended."""
-    return "-" if value is None else f"{value:.2f}"
+def figure(value: float | None, digits: int = 2) -> str:
+    """A figure as the progress, final and evaluation lines print it: `-` where no episode
+    counts (before any ended; an evaluation whose every episode was an env fault)."""
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def standing_records(records: list[dict]) -> list[dict]:
