@@ -295,7 +295,7 @@ if in_a_world "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     DOCTOR=("$PYTHON" -m hpcvla doctor --job "$1" --world "$NP" --ranks-per-node "$PER_NODE"
             -- "${ARGS[@]:1}")
     say "checking this node: $(shown "${DOCTOR[@]}")"
-    (( NODES == 1 )) || say "and then nodes ${HOSTS[*]:1}: the same with --node-only"
+    (( NODES == 1 )) || say "and then nodes $(other_nodes | xargs): the same with --node-only"
 fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     exit 0

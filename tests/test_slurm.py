@@ -117,6 +117,30 @@ def test_a_dead_node_in_the_middle_leaves_the_others_in_the_restart():
     assert out.stderr.split("\n")[:3] == [f"removed 1 segment on {h}" for h in "acd"], out
 
 
+def test_the_other_nodes_checked_are_those_but_this_one():
+    """The batch script's node ran the whole doctor: the other nodes' checks go to the rest of
+    HOSTS, whichever place this node has there (Slurm's first node in its own order need not
+    be `scontrol show hostnames`' first); HOSTS after the first where none is this one."""
+    def checked(me: str, hosts: str) -> str:
+        script = f"""set -euo pipefail
+            SCHEDULER=none PYTHON=python EARLY=""
+            say() {{ echo "say: $*"; }}
+            source {ROOT}/jobs/lib/world.sh
+            hostname() {{ echo {me}; }}
+            on_node() {{ echo "ok   /dev/shm"; }}
+            HOSTS=({hosts})
+            until_signalled check_other_nodes doctor --node-only  # as launch.sh runs it
+        """
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out
+        return out.stdout.strip()
+    said = "say: checked nodes {} (hpcvla doctor --node-only)".format
+    assert checked("b", "a b c") == said("a c")
+    assert checked("a", "a b.cluster c") == said("b.cluster c")
+    assert checked("b", "a.cluster b.cluster") == said("a.cluster")  # names with a domain
+    assert checked("z", "a b c") == said("b c")  # this node under another name
+
+
 def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
     log = tmp_path / "demo.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",

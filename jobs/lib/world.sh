@@ -120,7 +120,7 @@ process_tree() {  # PID: it and every process under it, parents first
 # run the check (it did not answer, a launch error) is said and left to the world's start: a
 # dead node there is a failed world, which HPCVLA_RESTARTS continues without it.
 check_other_nodes() {  # run in a subshell
-    local host answers command name assignments=() failed=() checked=()
+    local host answers command name assignments=() failed=() checked=() others=()
     answers=$(mktemp -d)
     trap 'rm -rf "$answers"' EXIT  # ended by a signal (until_signalled) too
     command=$(printf '%q ' "$@")
@@ -131,8 +131,9 @@ check_other_nodes() {  # run in a subshell
         done
         command="cd $(printf '%q' "$PWD") && env $(printf '%q ' "${assignments[@]}")$command"
     fi
-    on_each_node "$answers" "${HPCVLA_NODE_DOCTOR_S:-300}" "$command" "${HOSTS[@]:1}"
-    for host in "${HOSTS[@]:1}"; do
+    mapfile -t others < <(other_nodes)
+    on_each_node "$answers" "${HPCVLA_NODE_DOCTOR_S:-300}" "$command" "${others[@]}"
+    for host in "${others[@]}"; do
         if grep -q '^FAIL' "$answers/$host"; then
             failed+=("$host")
             sed "s/^/$host: /" "$answers/$host" "$answers/$host.err" >&2
@@ -149,6 +150,19 @@ check_other_nodes() {  # run in a subshell
         return 1
     fi
     (( ${#checked[@]} == 0 )) || say "checked nodes ${checked[*]} (hpcvla doctor --node-only)"
+}
+
+# The job's nodes but this one, whose doctor ran in full: HOSTS less the one `hostname -s`
+# names (Slurm runs the batch script on the allocation's first node in its own order, which
+# `scontrol show hostnames` need not share), or HOSTS after the first where none is.
+other_nodes() {
+    local host me others=()
+    me=$(hostname -s)
+    for host in "${HOSTS[@]}"; do
+        [[ ${host%%.*} == "$me" || $host == localhost ]] || others+=("$host")
+    done
+    (( ${#others[@]} < ${#HOSTS[@]} )) || others=("${HOSTS[@]:1}")
+    for host in "${others[@]}"; do echo "$host"; done
 }
 
 set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE each
