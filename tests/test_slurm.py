@@ -141,6 +141,18 @@ def test_the_other_nodes_checked_are_those_but_this_one():
     assert checked("z", "a b c") == said("b c")  # this node under another name
 
 
+def test_a_node_reads_the_command_line_as_it_was_quoted():
+    """on_node's command is quoted by printf %q, which writes a tab or a newline as $'..':
+    the node's shell must be bash (dash, Debian's sh, took it for a `$` and the letters)."""
+    script = f"""set -euo pipefail
+        SCHEDULER=none PYTHON=python EARLY=""
+        source {ROOT}/jobs/lib/world.sh
+        on_node a "$(printf '%q ' printf '<%s>' $'a\tb' $'c\nd' "it's")"
+    """
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "<a\tb><c\nd><it's>", out
+
+
 def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
     log = tmp_path / "demo.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",

@@ -23,19 +23,21 @@ fi
 # 60; false if it did not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
 # from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
+# bash reads it (ssh: the login shell): its callers quote by printf %q, whose $'..' (a tab or
+# a newline in an override) a POSIX sh does not read.
 on_node() {  # HOST SHELL_COMMAND [LIMIT]
     local limit=${3:-${HPCVLA_NODE_CHECK_S:-60}}
     case $SCHEDULER in
         slurm) timeout "$limit" srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
-                   sh -c "$2" ;;
+                   bash -c "$2" ;;
         pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
-                 sh -c "$2"
+                 bash -c "$2"
              elif [[ -n $PBS_RSH ]]; then
                  timeout "$limit" "$PBS_RSH" "$1" "$2"
              else  # a host key or password prompt would take the whole limit: none
                  timeout "$limit" ssh -o BatchMode=yes "$1" "$2"
              fi ;;
-        none) sh -c "$2" ;;
+        none) bash -c "$2" ;;
     esac
 }
 # SHELL_COMMAND on each HOST at once within LIMIT seconds (on_node): its stdout into
