@@ -19,8 +19,9 @@
 # so a job cut by its limit keeps what it did; each training run's own log goes to WORK (in
 # OUT's runs.tgz at the end). docs/cluster.md, "Validating a GPU node".
 #
-#   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch / qsub it from the repository root,
-#                                            or with HPCVLA_ROOT set; OUT, WHEELS its arguments)
+#   jobs/validate_gpu.sh OUT [WHEELS]        (or sbatch it from the repository root, or with
+#                                            HPCVLA_ROOT set; qsub passes no arguments:
+#                                            OUT=... [WHEELS=...] qsub -V jobs/validate_gpu.sh)
 #   jobs/validate_gpu.sh --download-wheels WHEELS [PYTHON_VERSION]
 #                                            on a machine with the project's venv and an index:
 #                                            the wheels a bare GPU image lacks (~32 MB), for
@@ -34,6 +35,7 @@
 #           libmpi (MPI4PY_LIBMPI), else it loads whatever libmpi the system has. They go
 #           into WORK/env, once: a job split over calls on one machine installs them once.
 # Environment:
+#   OUT, WHEELS              the arguments' values where none is given (qsub)
 #   HPCVLA_VALIDATE_STEPS    fullsize steps, comma-separated (default: all; e.g.
 #                            streamer,sync to split the job over two short calls)
 #   HPCVLA_VALIDATE_UPDATES  policy versions per run (default 20; 2 with QUICK)

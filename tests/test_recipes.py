@@ -60,3 +60,39 @@ def test_the_recipe_fits_its_hardware(name, args, capsys):
     assert ("train refuses it" in err) == plan_only, err
     if "placement.gpu_memory_gb=80" in args:
         assert "GPU capacity 80 GiB" in out and "busiest GPU" in out, out
+
+
+def job_lines(path: Path) -> list[list[str]]:
+    """The `sbatch ... jobs/slurm/multinode.sbatch CONFIG key=value...` commands in a doc's
+    code blocks (continuation lines joined), as `hpcvla plan` arguments at the job's size:
+    its --nodes of the script's 8 ranks, its --gpus-per-node of 80 GiB, a user's folder
+    (`/path/to/...`) as the sizes such a folder gives (policy.size=full)."""
+    out, line, block = [], "", False
+    for raw in path.read_text().splitlines():
+        if raw.startswith("```"):
+            block = not block
+            continue
+        line += raw.strip()
+        if line.endswith("\\"):
+            line = line[:-1] + " "
+            continue
+        words, line = (shlex.split(line) if block and line.startswith("sbatch ") else []), ""
+        if "jobs/slurm/multinode.sbatch" not in words:
+            continue
+        options = dict(w[2:].split("=", 1) for w in words if w.startswith("--"))
+        rest = words[words.index("jobs/slurm/multinode.sbatch") + 1:]
+        nodes = int(options.get("nodes", 3))
+        out.append([rest[0], "--world", str(8 * nodes), "--ranks-per-node", "8",
+                    f"placement.gpus_per_node={options['gpus-per-node']}",
+                    "placement.gpu_memory_gb=80", "policy.size=full",
+                    *[w.split("=")[0] + "=" if "=/path/to/" in w else w for w in rest[1:]]])
+    return out
+
+
+def test_the_docs_gpu_job_lines_fit_their_nodes(capsys):
+    """docs/cluster.md's worked job (π0 on LIBERO on 2 nodes of 8 GPUs) is a layout `train`
+    takes at the script's 8 ranks a node, and fits 80-GiB GPUs."""
+    (args,) = job_lines(ROOT / "docs/cluster.md")
+    assert main(["plan", *args]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "GPU capacity 80 GiB" in out and "busiest GPU" in out, out
