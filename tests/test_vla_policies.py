@@ -207,11 +207,23 @@ def test_flow_random_step_scores_the_one_noisy_transition_it_recorded(noise):
         policy.evaluate(obs, out.actions)
 
 
-def test_flow_deterministic_chunk_is_the_same_in_every_mode():
+def test_flow_deterministic_acting_starts_where_its_mode_explores_from():
+    """From x_0 = 0 the deterministic chunk is the same in every mode; by default (auto) a
+    mode acts from where it explores: last_step from 0, chain and random_step from drawn
+    noise (measured from 0 they would be a policy RL never trained)."""
     obs = make_obs(SPEC, 3)
     a = make("flow").act(obs, deterministic=True).actions
+    assert make("flow").action_mode(True) == "deterministic"
     for mode in ("flow-chain", "flow-random"):  # same seed, same weights
-        torch.testing.assert_close(a, make(mode).act(obs, deterministic=True).actions)
+        torch.testing.assert_close(
+            a, make(mode, denoise_from="zero").act(obs, deterministic=True).actions)
+        policy = make(mode)
+        assert policy.action_mode(True) == "noise-free flow from N(0, I)"
+        torch.manual_seed(1)
+        drawn = policy.act(obs, deterministic=True).actions
+        assert not torch.allclose(a, drawn)
+        torch.manual_seed(1)
+        torch.testing.assert_close(drawn, policy.act(obs, deterministic=True).actions)
 
 
 def test_tokens_logprob_is_a_sum_of_categoricals_over_bins():

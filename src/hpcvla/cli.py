@@ -137,9 +137,10 @@ def _parser() -> argparse.ArgumentParser:
                                "checkpoint against it, episode by episode)")
     evaluate.add_argument("--deterministic", action="store_true",
                           help="act with each policy's deterministic action (the Gaussian's "
-                               "mean, the top token, the flow from zero noise, or from "
-                               "N(0, I) noise with policy.denoise_from=noise: openpi's "
-                               "sampler) instead of sampling as training does; ManiSkill's "
+                               "mean, the top token, the flow from x_0 = 0 or from N(0, I) "
+                               "noise, where policy.logprob_mode explores from: "
+                               "policy.denoise_from; noise is openpi's sampler) instead of "
+                               "sampling as training does; ManiSkill's "
                                "PPO baseline, OFT and openpi evaluate this way")
     evaluate.add_argument("--all", action="store_true",
                           help="every checkpoint the run kept, oldest first: a learning curve "

@@ -13,7 +13,7 @@ LOGPROB_MODES = ("last_step", "chain", "random_step")  # policies/flow_denoising
 FLOW_NOISES = ("learned", "sde")  # policies/flow_denoising.py
 SIZE_NAMES = ("tiny", "small", "full")  # policies/vla.py's presets
 VARIANTS = ("pi0", "pi05")  # policies/flow.py
-DENOISE_FROM = ("zero", "noise")  # policies/flow.py
+DENOISE_FROM = ("auto", "zero", "noise")  # policies/flow.py
 GRANULARITIES = ("chunk", "action", "token")  # algorithms/granularity.py
 SEQUENCES = ("rlinf", "official")  # policies/oft.py: RLinf's RL sequence, OFT's predict_action
 
@@ -92,12 +92,14 @@ class PolicyConfig:
         0.5, "`flow` with flow_noise=sde: the scale of the SDE's noise (RLinf's noise_level; "
         "its LIBERO recipes' 0.5).", ge=0.001)
     denoise_from: str = setting(
-        "zero", "`flow`: where acting without exploration noise (`hpcvla eval "
+        "auto", "`flow`: where acting without exploration noise (`hpcvla eval "
         "--deterministic`, eval.deterministic, `demos --deterministic`) starts denoising. "
         "`zero`: x_0 = 0, the prior's mode (one chunk per observation; what last_step RL "
         "trains). `noise`: x_0 ~ N(0, I) drawn per chunk (seeded per evaluation batch), then "
         "the same Euler steps with nothing added: openpi's sampler and RLinf's π0 evaluation, "
-        "what their published numbers are of.", choices=DENOISE_FROM)
+        "what their published numbers are of, and the start chain and random_step RL train "
+        "from. `auto`: the start policy.logprob_mode trains from (zero for last_step, else "
+        "noise).", choices=DENOISE_FROM)
     init_log_std: float = setting(
         -0.7, "Initial log of the exploration std (learned): per action entry (`default`, "
         "`flow` last_step, `oft` with OFT's L1-regression head, in its normalized action "

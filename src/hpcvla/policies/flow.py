@@ -65,7 +65,8 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     Args (beyond the Policy ones):
         size: "tiny" | "small" | "full" (vla.SIZES) or a resolved dict of configs.
         denoise_steps: K, Euler steps per chunk (π0 uses 10; RL fine-tuning uses fewer).
-        denoise_from: "zero" | "noise", x_0 of deterministic acting (policy.denoise_from).
+        denoise_from: "auto" | "zero" | "noise", x_0 of deterministic acting
+            (policy.denoise_from; auto: zero under last_step, else noise).
         logprob_mode: "last_step", "chain" or "random_step" (policies/flow_denoising.py).
         flow_noise: "learned" or "sde" (RLinf's flow-SDE, random_step only), its scale
             `noise_level` (policies/flow_denoising.py).
@@ -84,7 +85,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     imitation_fits_std = False  # flow matching: the velocity alone (base.Policy)
 
     def __init__(self, obs_spec, action_dim, chunk_len, vocab_size, size="tiny",
-                 denoise_steps: int = DEFAULT_DENOISE_STEPS, denoise_from: str = "zero",
+                 denoise_steps: int = DEFAULT_DENOISE_STEPS, denoise_from: str = "auto",
                  logprob_mode: str = "last_step", flow_noise: str = "learned",
                  noise_level: float = 0.5, train_expert_only: bool = False,
                  logprob_granularity: str = "chunk", init_log_std: float = -0.7,
@@ -119,7 +120,9 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
         self.model_horizon, self.model_action_dim = dims["horizon"], dims["action_dim"]
         self.model_state_dim = dims["state_dim"]
         self.denoise_steps, self.logprob_mode = int(denoise_steps), logprob_mode
-        self.denoise_from = denoise_from
+        # acting without noise starts where RL explores from: x_0 = 0 under last_step alone
+        self.denoise_from = denoise_from if denoise_from != "auto" else (
+            "zero" if logprob_mode == "last_step" else "noise")
         self.flow_noise, self.noise_level = flow_noise, float(noise_level)
         self.train_expert_only = bool(train_expert_only)
         self.checkpoint_passes = False  # enable_gradient_checkpointing

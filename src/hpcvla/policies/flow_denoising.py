@@ -43,7 +43,8 @@ is exact given x_k.
 
 In every mode acting returns x_K, the executed chunk (unclipped: the env clips), and its
 log-prob terms per executed (h, d); `deterministic=True` adds no noise, from x_0 = 0 (the
-same chunk in every mode) or, `denoise_from="noise"`, x_0 ~ N(0, I) (openpi's sampler).
+same chunk in every mode) or, `denoise_from="noise"` (chain and random_step's default: the
+start they train from), x_0 ~ N(0, I) (openpi's sampler).
 Entropy: of the noisy step(s)' Gaussians, per token (the chain's is the sum of its steps'
 conditional entropies).
 """

@@ -24,7 +24,7 @@ image a SAC step is a few small matrix products. Its Gaussian is SAC's (a log st
 state), squashed by tanh and scaled into (-bound, bound) (algorithm.noise_bound): unbounded
 noise would take the sampler where its training never went. It steers the executed part of the
 chunk (chunk_len x action_dim); a published model's longer horizon and padded dims start at
-0, the prior's mode, as deterministic acting does by default (policy.denoise_from=zero).
+0, the prior's mode, as deterministic acting from `zero` does (policy.denoise_from).
 """
 
 from __future__ import annotations
