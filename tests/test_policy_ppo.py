@@ -541,6 +541,45 @@ def test_the_loss_is_its_terms_weighted_by_their_coefficients(algorithm):
                                               rel=1e-5)
 
 
+def test_the_value_clip_is_around_the_versions_first_values_not_the_recorded_ones():
+    """algorithm.value_clip keeps the critic within the clip of its values when the version's
+    training began (its first pass: objective.Proximal), as CleanRL's at its update's start.
+    The values the behaviour policy recorded are versions old under asynchrony: a critic that
+    had moved toward the returns by more than the clip got no gradient in the first epoch."""
+    from dataclasses import replace
+
+    from hpcvla.algorithms.objective import Advantages, Proximal, policy_loss
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+
+    cfg = load_config("configs/default.yaml", ["algorithm.value_clip=true"])
+    policy, (T, N) = build_policy(cfg, env_spec(cfg.env)), (2, 3)
+    obs, _ = policy_batch(env_spec(cfg.env), T * N)
+    with torch.no_grad():
+        out = policy.act(obs)
+    value = out.value.reshape(T, N)
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+    batch.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
+                 logprob=out.logprob.numpy().reshape(T, N),
+                 value=(value - 1.0).numpy(),  # recorded by a critic 1.0 below today's
+                 env_fault=np.zeros((T, N), bool))
+    returns = value + 0.1  # today's critic is 0.1 short of the returns; the clip is 0.2
+    advantages = Advantages(advantages=torch.zeros(T, N), returns=returns)
+    alg = replace(cfg.algorithm, entropy_coef=0.0)
+    loss, stats, proximal = policy_loss(alg, policy, batch, advantages)
+    torch.testing.assert_close(proximal.value, value, atol=1e-5, rtol=0)
+    assert stats["value_loss"] == pytest.approx(0.5 * 0.1 ** 2, rel=1e-3)  # not (1 - 0.2 - 0.1)
+    policy.zero_grad()
+    loss.backward()
+    head = [p.grad for name, p in policy.named_parameters() if name.startswith("value")]
+    assert head and all(g is not None for g in head) and sum(g.abs().sum() for g in head) > 0
+    # a later epoch clips around that first pass: a critic moved 0.5 past it is held there
+    moved = Proximal(proximal.logprob, proximal.value - 0.5)
+    _, later, _ = policy_loss(alg, policy, batch, advantages, moved)
+    assert later["value_loss"] == pytest.approx(0.5 * (0.5 - 0.2 + 0.1) ** 2, rel=1e-3)
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_critic_passes_move_the_critic_alone(fused):
     """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside

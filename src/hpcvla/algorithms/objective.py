@@ -7,7 +7,10 @@ and fault flags), never on the weights being trained, so they are computed once,
 micro-batch arrives, and every epoch reuses them (as CleanRL computes GAE once per batch):
 
     adv = advantages_of(alg, batch, device)        # PPO: GAE, normalised; GRPO: group scores
-    loss, stats, logprob = policy_loss(alg, model, batch, adv, proximal)
+    loss, stats, proximal = policy_loss(alg, model, batch, adv, proximal)
+
+The first pass's log-probs and values (`Proximal`, the weights of the version's start) are
+what every later epoch clips around: the ratio's (decoupled PPO) and the value clip's.
 
 `alg` is the config's `algorithm` section: with the policy's log-prob granularity (the units
 its ratio is taken over), nothing else of the run decides the objective.
@@ -23,6 +26,16 @@ from hpcvla.algorithms.granularity import sum_to
 from hpcvla.algorithms.grpo import GroupAdvantages, first_episode_advantages, grpo_loss
 from hpcvla.algorithms.ppo import (decoupled_ppo_loss, gae, masked_mean, normalize_advantages,
                                    value_loss)
+
+
+class Proximal(NamedTuple):
+    """A micro-batch scored by the learner's weights when this version's training began (its
+    first pass), detached: the log-probs the PPO ratio is clipped around and the values the
+    value clip is (as CleanRL's values at its update's start; the values the behaviour policy
+    recorded are versions older under asynchrony, and a critic that had since moved by more
+    than the clip would get no gradient from them)."""
+    logprob: torch.Tensor
+    value: torch.Tensor
 
 
 class Advantages(NamedTuple):
@@ -69,10 +82,12 @@ def advantages_of(alg, batch: dict, device) -> Advantages:
     return Advantages(advantages=advantages, returns=returns)
 
 
-def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, proximal=None,
-                value_only: bool = False) -> tuple[torch.Tensor, dict, torch.Tensor]:
+def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None,
+                proximal: Proximal | None = None, value_only: bool = False
+                ) -> tuple[torch.Tensor, dict, Proximal]:
     """The PPO or GRPO loss of a micro-batch of segment groups, stacked along the env axis,
-    given its `advantages` (advantages_of; computed here when None, for one-off callers).
+    given its `advantages` (advantages_of; computed here when None, for one-off callers) and
+    its first pass's `proximal` (None: this is the first; the third value returned is it).
     `model` is the engine (or a policy): model(obs, actions) = policy.evaluate.
     `value_only`: PPO's value loss alone (the critic's extra passes)."""
     T, N = batch["logprob"].shape
@@ -97,10 +112,11 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     behaviour = batch["logprob"]
     # Decoupled PPO (AReaL): clip around the proximal policy (the learner's weights when this
     # version's training began), importance-weight to the behaviour policy that acted.
-    proximal = logprob.detach() if proximal is None else proximal
+    if proximal is None:
+        proximal = Proximal(logprob.detach(), value.detach())
     mask = ~batch["env_fault"]  # a failed env's step is masked out everywhere
     if alg.traits.advantage == "group":  # no critic: the value head is not trained
-        pg_loss, stats = grpo_loss(logprob, proximal, behaviour, advantages.episodes,
+        pg_loss, stats = grpo_loss(logprob, proximal.logprob, behaviour, advantages.episodes,
                                    advantages.index, alg.clip, alg.max_behaviour_weight,
                                    alg.group_loss_mean, alg.dual_clip)
         v_loss = torch.zeros((), device=logprob.device)
@@ -110,15 +126,16 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
         # episodes' or degenerate groups' (faults are not kept either)
         mask = episodes.keep.to(mask.device)[advantages.index.to(mask.device)]
     else:
-        old_value, returns = batch["value"], advantages.returns
-        pg_loss, stats = decoupled_ppo_loss(logprob, proximal, behaviour, advantages.advantages,
-                                            alg.clip, alg.max_behaviour_weight, mask,
-                                            alg.dual_clip)
-        v_loss = value_loss(value, old_value, returns, alg.clip if alg.value_clip else None,
-                            mask)
-        stats.update(critic_health(old_value[mask], returns[mask]))
+        recorded, returns = batch["value"], advantages.returns
+        pg_loss, stats = decoupled_ppo_loss(logprob, proximal.logprob, behaviour,
+                                            advantages.advantages, alg.clip,
+                                            alg.max_behaviour_weight, mask, alg.dual_clip)
+        v_loss = value_loss(value, proximal.value, returns,
+                            alg.clip if alg.value_clip else None, mask)
+        stats.update(critic_health(recorded[mask], returns[mask]))
         if value_only:
-            return alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss.detach())), logprob
+            return (alg.value_coef * v_loss, dict(stats, value_loss=float(v_loss.detach())),
+                    proximal)
     # the bonus is the chunk's entropy at every log-prob granularity (units summed): its size
     # is the same at any; the policy loss, a mean over units, is 1/units of chunk's (the
     # granularity's help says so)
@@ -126,7 +143,7 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None, p
     loss = pg_loss + alg.value_coef * v_loss - alg.entropy_coef * entropy
     stats.update(pg_loss=float(pg_loss.detach()), value_loss=float(v_loss.detach()),
                  entropy=float(entropy.detach()))
-    return loss, stats, logprob
+    return loss, stats, proximal
 
 
 def critic_health(values: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:

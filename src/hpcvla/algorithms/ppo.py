@@ -161,7 +161,8 @@ def value_loss(value: torch.Tensor, old_value: torch.Tensor, returns: torch.Tens
                clip: float | None = 0.2, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Clipped value loss (CleanRL): 0.5 * mean(max((v - R)^2, (v_clipped - R)^2)).
 
-    v_clipped keeps the new value within ``clip`` of the value recorded with the data.
+    v_clipped keeps the new value within ``clip`` of ``old_value``: the learner's at the start
+    of the version's training (objective.Proximal), as CleanRL's at its update's start.
     ``clip=None`` turns clipping off: 0.5 * mean((v - R)^2). `mask`: the steps to include.
     """
     old_value = old_value.detach()

@@ -135,8 +135,9 @@ class AlgorithmConfig:
         "`hpcvla bench learning --arms setting`). A run resumed inside the ramp continues "
         "it.", ge=0)
     value_clip: bool = setting(
-        False, "Clip the value update around the recorded value (within `clip`, in return "
-        "units), as CleanRL: steadier critic, slower to follow large return changes (off: "
+        False, "Clip the value update around the critic's values when the version's training "
+        "began (within `clip`, in return units; not the values the acting policy recorded, "
+        "versions older under asynchrony), as CleanRL: steadier critic, slower to follow large return changes (off: "
         "it held the critic back on reach, see `critic_lr`).")
     value_coef: float = setting(
         0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, TypeAlias
 import numpy as np
 import torch
 
-from hpcvla.algorithms.objective import Advantages, advantages_of, policy_loss
+from hpcvla.algorithms.objective import Advantages, Proximal, advantages_of, policy_loss
 from hpcvla.emulate import pad
 from hpcvla.engines import critic_steps_only
 from hpcvla.metrics.episode_metrics import FIELD as METRIC
@@ -51,10 +51,10 @@ if TYPE_CHECKING:
 @dataclass
 class MicroBatch:
     """Segment groups stacked along the env axis, with what every epoch reuses: the
-    advantages (computed when it arrives) and the proximal log-probs (epoch 0's)."""
+    advantages (computed when it arrives) and the proximal log-probs and values (epoch 0's)."""
     arrays: dict[str, np.ndarray]
     advantages: Advantages
-    proximal: torch.Tensor | None = None
+    proximal: Proximal | None = None
 
     @classmethod
     def arrived(cls, cfg: Config, groups: list[SegmentGroup],
@@ -198,15 +198,14 @@ def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, tim
     """One forward/backward pass and engine step; the first records the proximal log-probs."""
     with timeline.span("train"):
         begin = time.monotonic()
-        loss, stats, logprob = policy_loss(cfg.algorithm, engine, micro.arrays, micro.advantages,
-                                           micro.proximal, value_only)
+        loss, stats, proximal = policy_loss(cfg.algorithm, engine, micro.arrays,
+                                            micro.advantages, micro.proximal, value_only)
         engine.backward(loss)
         boundary = engine.is_gradient_accumulation_boundary()
         engine.step()
         if cfg.emulate.learner_ms_per_micro_batch:  # the emulated cost is the whole pass
             pad(begin, cfg.emulate.learner_ms_per_micro_batch / 1e3)
-    if micro.proximal is None:
-        micro.proximal = logprob.detach()
+    micro.proximal = proximal  # (the first pass's, kept)
     return {**stats, **engine.step_stats(cfg.algorithm.max_grad_norm)} if boundary else stats
 
 
