@@ -77,7 +77,8 @@ class PolicyConfig:
         "entries (K x the env's chunk) with every step (segments, ring, dumps) and scores "
         "all K transitions. `random_step`: one step drawn per sample, from x_0 ~ N(0, I), the "
         "others deterministic, as RLinf's flow-SDE recipes (joint_logprob false): records "
-        "that step's start (one H x D) and scores it with one expert pass. With padded dims "
+        "that step's start (one H x D) and scores that transition with one expert pass (the "
+        "policy gradient of the chunk approximated by that step's). With padded dims "
         "the noise enters the executed entries alone (the rest follows the mean, as "
         "trained).", choices=LOGPROB_MODES)
     flow_noise: str = setting(

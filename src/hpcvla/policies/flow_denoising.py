@@ -39,7 +39,9 @@ entries alone, the only ones scored; the rest follows the deterministic mean (as
 openpi pads with zeros). last_step's log-prob is the executed part's exact marginal; chain's
 is exact given x_0, evaluate recomputing the rest of each state with the weights it scores
 (RLinf's flow-SDE noises every entry and drops the unexecuted ones' factors); random_step's
-is exact given x_k.
+is the exact density of the one noisy transition x_k -> x_{k+1} given the recorded x_k, not
+of the executed chunk (the deterministic steps before and after it are not differentiated:
+RLinf's joint_logprob false, an approximation of the chunk's policy gradient).
 
 In every mode acting returns x_K, the executed chunk (unclipped: the env clips), and its
 log-prob terms per executed (h, d); `deterministic=True` adds no noise, from x_0 = 0 (the
