@@ -233,7 +233,7 @@ def seeds_table(groups: dict[str, list[dict]]) -> str:
             f"| {label} | {', '.join(str(r['settings'].get('run.seed')) for r in rs)} | "
             f"{_interval([r['summary']['env_steps_per_s'] for r in rs], 0, rate=False)} | "
             f"{_interval([v for v in trained if v is not None])} | "
-            f"{_interval([rate for _, rate, _ in held])} | "
+            f"{_interval([rate for _, rate, _ in held if rate is not None])} | "
             f"{', '.join(sorted({f'v{v} ({n} episodes)' for v, _, n in held})) or '—'} |")
     return "\n".join(lines)
 
@@ -377,7 +377,7 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
         for r in runs:
             if r["evals"]:  # hpcvla eval --all: one policy per point, fixed initial states
                 md += [f"`hpcvla eval --all` of {r['name']}: " + ", ".join(
-                    f"v{e['version']} {e['success_rate']:.3f}" for e in r["evals"]), ""]
+                    f"v{e['version']} {_fmt(e['success_rate'], 3)}" for e in r["evals"]), ""]
         groups = seed_groups(runs)
         if groups:
             md += seeds_section(groups, out)

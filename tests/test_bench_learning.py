@@ -11,8 +11,9 @@ import yaml
 from matplotlib.image import imread
 
 from hpcvla.bench.learning import (PPO_BASELINE, _plot, curve, held_out_of, prior_data_arms,
-                                   scratch_arms, welch_interval)
+                                   scratch_arms)
 from hpcvla.config import load_config
+from hpcvla.metrics.stats import welch_interval
 from helpers import ROOT, hpcvla
 
 

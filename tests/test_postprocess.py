@@ -130,6 +130,31 @@ def test_runs_differing_only_by_seed_are_reported_as_one_group_over_its_seeds(tm
         assert read_png(tmp_path / "report" / chart).shape[:2] == (460, 900)
 
 
+def test_an_evaluation_of_no_verdict_is_left_out_of_the_seeds_figures():
+    """A held-out evaluation every episode of which was an env fault reports no success rate
+    (None): the seeds' held-out figure is over the seeds that have one."""
+    from report import seeds_table
+
+    def run(seed, held):
+        return {"summary": {"success_rate": 0.5, "env_steps_per_s": 100.0},
+                "settings": {"run.seed": seed}, "evals": [],
+                "metrics": [{"held_out": {"version": 4, "success_rate": held, "episodes": 16}}]}
+    table = seeds_table({"reach": [run(1, 0.25), run(2, None), run(3, 0.75)]})
+    assert "| 0.500 [0.000, 1.000] (n=2) | v4 (16 episodes) |" in table, table
+
+
+def test_the_statistics_leave_out_the_figures_not_known():
+    """bench learning's means and differences over seeds: a seed whose evaluation gave no
+    verdict (None) is left out and counted; a side with none gives none."""
+    from hpcvla.metrics.stats import known_difference, known_mean, welch_interval
+    assert known_mean([0.5, None, 1.0]) == 0.75 and known_mean([None]) is None
+    found = known_difference([0.5, None, 0.7], [0.1, 0.2, 0.3], "a_minus_b")
+    diff, low, high = welch_interval([0.5, 0.7], [0.1, 0.2, 0.3])
+    assert found == {"a_minus_b": diff, "ci95": [low, high], "seeds": [2, 3]}
+    assert known_difference([0.5, None], [0.25])["ci95"] == [0.25, 0.25]  # one a side
+    assert known_difference([None, None], [0.25]) is None
+
+
 def test_a_mean_over_seeds_has_the_student_t_interval():
     from scipy.stats import t
     values = [0.2, 0.5, 0.6]

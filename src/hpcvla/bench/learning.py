@@ -85,7 +85,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcvla.job.trainrun import train_run
-from hpcvla.metrics.stats import welch_interval
+from hpcvla.metrics.progress import figure
+from hpcvla.metrics.stats import known_difference, known_mean
 
 # Arm sets: arm -> command-line of its runs. Every arm trains 32 segments x 8 chunks per version
 # (off-policy: 64, its 2 colocated learners at the learner defaults).
@@ -296,7 +297,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     policy = build_policy(cfg, env_spec(cfg.env))
     policy.load_arrays(checkpoint_weights(done["run_dir"])[0])
     print(f"pretrained {PRETRAIN_UPDATES} updates: eval success "
-          f"{done['eval']['success_rate']:.3f}", flush=True)
+          f"{figure(done['eval']['success_rate'], 3)}", flush=True)
     return save_pretrained(policy, root / "pretrained"), \
         {key: done[key] for key in EVALS}
 
@@ -320,8 +321,9 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     (run_dir,) = (root / "sft").iterdir()
     result = both_evals(load_config(run_dir / "config.yaml"), checkpoint_weights(run_dir)[0],
                         eval_episodes)
-    print(f"imitation start (sft): eval success {result['eval']['success_rate']:.3f} "
-          f"(deterministic {result['eval_deterministic']['success_rate']:.3f})", flush=True)
+    print(f"imitation start (sft): eval success {figure(result['eval']['success_rate'], 3)} "
+          f"(deterministic {figure(result['eval_deterministic']['success_rate'], 3)})",
+          flush=True)
     return run_dir, result
 
 
@@ -374,17 +376,17 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                              "curve": curve(done["metrics"], grid),
                              **held_out_of(done["metrics"])})
                 ev = runs[-1]["explained_variance"]
-                print(f"{arm:<15} seed {seed}: eval success {runs[-1]['eval_success']:.3f} "
-                      f"(deterministic {runs[-1]['eval_success_deterministic']:.3f}; "
-                      f"rolling {summary['success_rate']:.3f}), explained variance "
+                print(f"{arm:<15} seed {seed}: eval success "
+                      f"{figure(runs[-1]['eval_success'], 3)} (deterministic "
+                      f"{figure(runs[-1]['eval_success_deterministic'], 3)}; "
+                      f"rolling {figure(summary['success_rate'], 3)}), explained variance "
                       f"{'-' if ev is None else f'{ev:.2f}'}, {summary['wall_s']:.0f} s",
                       flush=True)
             results["modes"][arm] = {
                 "runs": runs,
-                **{f"eval_mean{suffix}": float(np.mean([r[f"eval_success{suffix}"]
-                                                        for r in runs]))
+                **{f"eval_mean{suffix}": known_mean([r[f"eval_success{suffix}"] for r in runs])
                    for suffix in EVALS.values()},
-                "final_mean": float(np.mean([r["final_success"] for r in runs])),
+                "final_mean": known_mean([r["final_success"] for r in runs]),
                 "curve_mean": float(np.mean([np.mean(r["curve"]) for r in runs]))}
     # eval success (the verdict), rolling final success and the curve's mean over the budget
     # (how early it learns per env step): first arm - second, with a 95 % Welch interval
@@ -393,12 +395,13 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                          ("deterministic_difference", lambda r: r["eval_success_deterministic"]),
                          ("rolling_difference", lambda r: r["final_success"]),
                          ("curve_difference", lambda r: float(np.mean(r["curve"])))):
-        a = [of_run(r) for r in results["modes"][first]["runs"]]
-        b = [of_run(r) for r in results["modes"][second]["runs"]]
-        diff, low, high = welch_interval(a, b) if seeds > 1 else (np.mean(a) - np.mean(b),) * 3
-        results[name] = {f"{first}_minus_{second}": diff, "ci95": [low, high]}
-        print(f"{name.replace('_', ' ')}: {first} {np.mean(a):.3f}, {second} {np.mean(b):.3f}; "
-              f"difference {diff:+.3f} (95 % CI {low:+.3f} .. {high:+.3f})", flush=True)
+        a, b = ([of_run(r) for r in results["modes"][arm]["runs"]] for arm in (first, second))
+        results[name] = known_difference(a, b, f"{first}_minus_{second}")
+        if results[name]:  # (None: no seed of an arm has the figure)
+            diff, (low, high) = results[name][f"{first}_minus_{second}"], results[name]["ci95"]
+            print(f"{name.replace('_', ' ')}: {first} {figure(known_mean(a), 3)}, {second} "
+                  f"{figure(known_mean(b), 3)}; difference {diff:+.3f} (95 % CI {low:+.3f} .. "
+                  f"{high:+.3f})", flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
         _plot(results, Path(json_path).with_suffix(".png"))

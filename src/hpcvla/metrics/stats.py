@@ -83,3 +83,22 @@ def paired_difference(before, after, z: float = 1.96) -> dict:
     return {"episodes": n, "difference": (gained - lost) / n,
             "ci95": [max(-1.0, centre - half), min(1.0, centre + half)],
             "gained": gained, "lost": lost, "mcnemar_p": min(1.0, 2 * tail)}
+
+
+def known_mean(values: list) -> float | None:
+    """The mean of the figures known: None is one not known (an evaluation every episode of
+    which was an env fault, a rolling rate before any episode ended); None if none is."""
+    known = [v for v in values if v is not None]
+    return float(sum(known) / len(known)) if known else None
+
+
+def known_difference(a: list, b: list, name: str = "difference") -> dict | None:
+    """`a`'s mean minus `b`'s over their figures known (None left out: known_mean), as
+    {name: it, "ci95": its 95 % Welch interval (the difference itself where a side has one
+    figure), "seeds": how many of each}; None where a side has none."""
+    a, b = [v for v in a if v is not None], [v for v in b if v is not None]
+    if not a or not b:
+        return None
+    diff, low, high = welch_interval(a, b) if min(len(a), len(b)) > 1 else (
+        float(np.mean(a) - np.mean(b)),) * 3
+    return {name: diff, "ci95": [low, high], "seeds": [len(a), len(b)]}
