@@ -65,8 +65,9 @@ def test_the_recipe_fits_its_hardware(name, args, capsys):
 def job_lines(path: Path) -> list[list[str]]:
     """The `sbatch ... jobs/slurm/multinode.sbatch CONFIG key=value...` commands in a doc's
     code blocks (continuation lines joined), as `hpcvla plan` arguments at the job's size:
-    its --nodes of the script's 8 ranks, its --gpus-per-node of 80 GiB, a user's folder
-    (`/path/to/...`) as the sizes such a folder gives (policy.size=full)."""
+    its --nodes (the script's 3) of --ntasks-per-node ranks (the script's 8), its
+    --gpus-per-node (0: none) of 80 GiB, a user's folder (`/path/to/...`) as the sizes such
+    a folder gives (policy.size=full)."""
     out, line, block = [], "", False
     for raw in path.read_text().splitlines():
         if raw.startswith("```"):
@@ -79,11 +80,11 @@ def job_lines(path: Path) -> list[list[str]]:
         words, line = (shlex.split(line) if block and line.startswith("sbatch ") else []), ""
         if "jobs/slurm/multinode.sbatch" not in words:
             continue
-        options = dict(w[2:].split("=", 1) for w in words if w.startswith("--"))
+        options = dict(w[2:].split("=", 1) for w in words if w.startswith("--") and "=" in w)
         rest = words[words.index("jobs/slurm/multinode.sbatch") + 1:]
-        nodes = int(options.get("nodes", 3))
-        out.append([rest[0], "--world", str(8 * nodes), "--ranks-per-node", "8",
-                    f"placement.gpus_per_node={options['gpus-per-node']}",
+        nodes, ranks = int(options.get("nodes", 3)), int(options.get("ntasks-per-node", 8))
+        out.append([rest[0], "--world", str(ranks * nodes), "--ranks-per-node", str(ranks),
+                    f"placement.gpus_per_node={options.get('gpus-per-node', 0)}",
                     "placement.gpu_memory_gb=80", "policy.size=full",
                     *[w.split("=")[0] + "=" if "=/path/to/" in w else w for w in rest[1:]]])
     return out

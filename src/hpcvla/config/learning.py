@@ -137,8 +137,10 @@ class AlgorithmConfig:
     value_clip: bool = setting(
         False, "Clip the value update around the critic's values when the version's training "
         "began (within `clip`, in return units; not the values the acting policy recorded, "
-        "versions older under asynchrony), as CleanRL: steadier critic, slower to follow large return changes (off: "
-        "it held the critic back on reach, see `critic_lr`).")
+        "versions older under asynchrony), as CleanRL: steadier critic, slower to follow large "
+        "return changes. It acts from a version's second pass on (learner.epochs > 1, "
+        "algorithm.critic_epochs): the first is its anchor. (Off: it held the critic back on "
+        "reach, measured while it was anchored on the recorded values; see `critic_lr`.)")
     value_coef: float = setting(
         0.5, "Weight of the value loss against the policy loss in the shared trunk.", ge=0)
     entropy_coef: float = setting(

@@ -270,7 +270,7 @@ class FlowPolicy(NoiseActor, PublishedFlowFolders, FlowDenoising, VLAPolicy):
     def value(self, obs):
         """`act`'s value without its denoising: the value head reads the prefix and π0's
         state token, whose block sees no action token, so one expert pass (at the first
-        step's time and x = 0, as a deterministic sample's) gives it exactly."""
+        step's time and x = 0: any x gives the same value) gives it exactly."""
         inputs = self._inputs(obs)
         cache, pad, pooled = self._encode(inputs)
         state_out = None
