@@ -580,6 +580,63 @@ def test_the_value_clip_is_around_the_versions_first_values_not_the_recorded_one
     assert later["value_loss"] == pytest.approx(0.5 * (0.5 - 0.2 + 0.1) ** 2, rel=1e-3)
 
 
+@pytest.mark.parametrize("first_value_only", [False, True], ids=["ppo", "critic-warm-up"])
+def test_every_pass_of_a_version_clips_around_its_first(first_value_only):
+    """The learner keeps a micro-batch's first pass (roles/learner.train_micro_batch: a PPO
+    pass, or a value-only one in the critic's warm-up) and clips every later pass of the
+    version around it, its log-probs and values, though the weights have moved."""
+    from hpcvla.algorithms.objective import advantages_of
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    from hpcvla.metrics.timeline import Timeline
+    from hpcvla.roles.learner import MicroBatch, train_micro_batch
+
+    class OneLearner:  # torch's AdamW, a step per pass: the engine interface, one process
+        def __init__(self, policy):
+            self.module, self.device = policy, torch.device("cpu")
+            self.optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+
+        def __call__(self, obs, actions):
+            return self.module(obs, actions)
+
+        def backward(self, loss):
+            loss.backward()
+
+        def step(self):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+
+        def is_gradient_accumulation_boundary(self):
+            return True
+
+        def step_stats(self, _):
+            return {}
+
+    cfg = load_config("configs/default.yaml", ["algorithm.value_clip=true"])
+    policy, (T, N) = build_policy(cfg, env_spec(cfg.env)), (2, 3)
+    obs, _ = policy_batch(env_spec(cfg.env), T * N)
+    with torch.no_grad():
+        out = policy.act(obs)
+        first = policy.evaluate(obs, out.actions)
+    arrays = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:]) for k, v in obs.items()}
+    arrays.update(actions=out.actions.numpy().reshape(T, N, *out.actions.shape[1:]),
+                  logprob=out.logprob.numpy().reshape(T, N), value=np.zeros((T, N), np.float32),
+                  reward=np.ones((T, N), np.float32), done=np.ones((T, N), bool),
+                  env_fault=np.zeros((T, N), bool), bootstrap_value=np.zeros(N, np.float32))
+    micro = MicroBatch(arrays, advantages_of(cfg.algorithm, arrays, torch.device("cpu")))
+    engine, timeline = OneLearner(policy), Timeline(None, 0, "learner")
+    train_micro_batch(cfg, engine, micro, timeline, value_only=first_value_only)
+    kept = micro.proximal
+    torch.testing.assert_close(kept.value, first[1].reshape(T, N))  # not the recorded 0
+    torch.testing.assert_close(kept.logprob, first[0].reshape(T, N))
+    for value_only in (False, True):
+        train_micro_batch(cfg, engine, micro, timeline, value_only=value_only)
+        assert micro.proximal is kept
+    with torch.no_grad():  # the weights moved: a later pass's own values are not the anchor
+        assert not torch.allclose(policy.evaluate(obs, out.actions)[1], first[1])
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
 def test_critic_passes_move_the_critic_alone(fused):
     """The learner's optimizer groups: the critic (`value_*`) at algorithm.critic_lr; inside

@@ -224,6 +224,15 @@ def test_flow_deterministic_acting_starts_where_its_mode_explores_from():
         assert not torch.allclose(a, drawn)
         torch.manual_seed(1)
         torch.testing.assert_close(drawn, policy.act(obs, deterministic=True).actions)
+    # from a config, as training's held-out evaluation and `hpcvla eval` build it
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+    for mode, start in (("last_step", "deterministic"), ("chain", "noise-free flow from N(0, I)"),
+                        ("random_step", "noise-free flow from N(0, I)")):
+        cfg = load_config(ROOT / "configs/reach_flow.yaml", [f"policy.logprob_mode={mode}"])
+        assert cfg.policy.denoise_from == "auto"
+        assert build_policy(cfg, env_spec(cfg.env)).action_mode(True) == start, mode
 
 
 def test_tokens_logprob_is_a_sum_of_categoricals_over_bins():
