@@ -195,7 +195,8 @@ def _logged(stats: dict[str, float], alg: AlgorithmConfig, factor: float,
 
 def train_micro_batch(cfg: Config, engine: SkipNonfinite, micro: MicroBatch, timeline: Timeline,
                       value_only: bool = False) -> dict[str, float]:
-    """One forward/backward pass and engine step; the first records the proximal log-probs."""
+    """One forward/backward pass and engine step; the first records the proximal log-probs
+    and values (objective.Proximal)."""
     with timeline.span("train"):
         begin = time.monotonic()
         loss, stats, proximal = policy_loss(cfg.algorithm, engine, micro.arrays,
