@@ -78,9 +78,11 @@ fi
 OUT=${1:-${OUT:-}}
 WHEELS=${2:-${WHEELS:-}}
 [[ -n $OUT ]] || { echo "usage: $0 OUT [WHEELS]" >&2; exit 2; }
-# relative to where it was submitted: PBS starts a job in the home folder
-[[ $OUT == /* ]] || OUT=${PBS_O_WORKDIR:-$PWD}/$OUT
-[[ -z $WHEELS || $WHEELS == /* ]] || WHEELS=${PBS_O_WORKDIR:-$PWD}/$WHEELS
+# relative to where it was submitted: PBS starts a batch job in the home folder
+submitted=$PWD
+[[ ${PBS_ENVIRONMENT:-} != PBS_BATCH ]] || submitted=${PBS_O_WORKDIR:-$PWD}
+[[ $OUT == /* ]] || OUT=$submitted/$OUT
+[[ -z $WHEELS || $WHEELS == /* ]] || WHEELS=$submitted/$WHEELS
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 LIMIT=${HPCVLA_VALIDATE_LIMIT_S:-900}

@@ -261,8 +261,9 @@ def seeds_section(groups: dict[str, list[dict]], out: Path) -> list[str]:
         [m for m in r["metrics"] if m.get("success_rate") is not None])] for r in rs]
         for label, rs in groups.items()}
     held = {label: [[(m["held_out"]["trained_env_steps"], m["held_out"]["success_rate"])
-                     for m in r["metrics"] if "held_out" in m] for r in rs]
-            for label, rs in groups.items()}
+                     for m in r["metrics"] if "held_out" in m
+                     and m["held_out"]["success_rate"] is not None] for r in rs]
+            for label, rs in groups.items()}  # (None: an evaluation of no verdict)
     held = {label: cs for label, cs in held.items() if all(len(c) > 1 for c in cs)}
     for name, curves, what in (("seeds", trained, "training success (the learners' last "
                                 "episodes)"),

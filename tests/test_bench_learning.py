@@ -138,6 +138,36 @@ def test_the_setting_arms_differ_in_the_settings_alone(from_sft):
     assert env_steps_per_version({"recipe": arms["recipe"]}) == env_steps_per_version(arms)
 
 
+def test_a_seed_whose_evaluation_gave_no_verdict_is_left_out_of_the_comparison(
+        tmp_path, monkeypatch, capsys):
+    """`bench learning` over seeds whose runs are given (train_and_eval's results, recorded,
+    not trained here): an evaluation every episode of which was an env fault (success None)
+    is printed `-`, left out of the arm's mean and of the difference, whose seeds are
+    counted; an arm with no verdict at all has no difference, said so."""
+    from hpcvla.bench import learning
+
+    def done(eval_success):
+        return {"summary": {"success_rate": 0.5, "wall_s": 1.0, "env_steps": 100},
+                "metrics": [{"trained_env_steps": 100, "success_rate": 0.5}],
+                "eval": {"success_rate": eval_success},
+                "eval_deterministic": {"success_rate": None}}
+    verdicts = iter([0.75, 0.25, None, 0.5, 0.25, 0.25])  # seeds 0-2 of each arm
+    monkeypatch.setattr(learning, "train_and_eval", lambda *_: done(next(verdicts)))
+    results = learning.run(seeds=3, updates=2, json_path=tmp_path / "l.json", eval_episodes=4)
+    out = capsys.readouterr().out
+    streamer, colocated = (results["modes"][arm] for arm in ("streamer", "sync-colocated"))
+    assert (streamer["eval_mean"], colocated["eval_mean"]) == (0.5, pytest.approx(1 / 3))
+    assert streamer["eval_mean_deterministic"] is None
+    difference = results["difference"]
+    assert difference["seeds"] == [2, 3]
+    assert difference["streamer_minus_sync-colocated"] == pytest.approx(0.5 - 1 / 3)
+    assert results["deterministic_difference"] is None
+    assert "streamer        seed 2: eval success - (deterministic -; rolling 0.500)" in out
+    assert "deterministic difference: streamer -, sync-colocated -; no difference: an arm's " \
+        "every evaluation gave no verdict" in out, out
+    assert json.loads((tmp_path / "l.json").read_text())["deterministic_difference"] is None
+
+
 @pytest.mark.mpi
 @pytest.mark.slow
 @pytest.mark.learning

@@ -80,6 +80,7 @@ def job_lines(path: Path) -> list[list[str]]:
         words, line = (shlex.split(line) if block and line.startswith("sbatch ") else []), ""
         if "jobs/slurm/multinode.sbatch" not in words:
             continue
+        assert not {"--nodes", "--ntasks-per-node", "--gpus-per-node"} & set(words), words
         options = dict(w[2:].split("=", 1) for w in words if w.startswith("--") and "=" in w)
         rest = words[words.index("jobs/slurm/multinode.sbatch") + 1:]
         nodes, ranks = int(options.get("nodes", 3)), int(options.get("ntasks-per-node", 8))

@@ -396,12 +396,13 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
                          ("rolling_difference", lambda r: r["final_success"]),
                          ("curve_difference", lambda r: float(np.mean(r["curve"])))):
         a, b = ([of_run(r) for r in results["modes"][arm]["runs"]] for arm in (first, second))
-        results[name] = known_difference(a, b, f"{first}_minus_{second}")
-        if results[name]:  # (None: no seed of an arm has the figure)
-            diff, (low, high) = results[name][f"{first}_minus_{second}"], results[name]["ci95"]
-            print(f"{name.replace('_', ' ')}: {first} {figure(known_mean(a), 3)}, {second} "
-                  f"{figure(known_mean(b), 3)}; difference {diff:+.3f} (95 % CI {low:+.3f} .. "
-                  f"{high:+.3f})", flush=True)
+        found = results[name] = known_difference(a, b, key := f"{first}_minus_{second}")
+        print(f"{name.replace('_', ' ')}: {first} {figure(known_mean(a), 3)}, {second} "
+              f"{figure(known_mean(b), 3)}; " + (  # (None: an arm has no seed with it)
+                  f"difference {found[key]:+.3f} (95 % CI {found['ci95'][0]:+.3f} .. "
+                  f"{found['ci95'][1]:+.3f}; seeds {found['seeds'][0]} / {found['seeds'][1]})"
+                  if found else "no difference: an arm's every evaluation gave no verdict"),
+              flush=True)
     if json_path:
         Path(json_path).write_text(json.dumps(results, indent=1))
         _plot(results, Path(json_path).with_suffix(".png"))
