@@ -359,7 +359,7 @@ def test_an_envs_episode_metrics_are_windowed_pooled_and_summed_up(tmp_path, cap
     import numpy as np
 
     from hpcvla.envs.base import EnvSpec
-    from hpcvla.roles.outputs import pooled_metrics
+    from hpcvla.metrics.episode_metrics import pooled
     spec = EnvSpec(obs={"state": ((3,), "<f4")}, action_dim=2, chunk_len=1,
                    max_episode_chunks=9, vocab=("",), episode_metrics=("grasped",))
 
@@ -387,9 +387,9 @@ def test_an_envs_episode_metrics_are_windowed_pooled_and_summed_up(tmp_path, cap
     first.close()
     records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode_grasped"] for r in records] == [None, 0.75]  # nothing pooled before
-    assert pooled_metrics([first.metrics.windows(), second.metrics.windows()]) == {
+    assert pooled([first.metrics.windows(), second.metrics.windows()]) == {
         "episode_grasped": 0.75}
-    assert pooled_metrics([]) == {}
+    assert pooled([]) == {}
 
 
 def test_a_moved_run_directory_keeps_its_wandb_run(tmp_path):

@@ -25,12 +25,17 @@ fi
 # from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
 # bash reads it (ssh: the login shell): its callers quote by printf %q, whose $'..' (a tab or
 # a newline in an override) a POSIX sh does not read.
+# Whether HOST names this node: localhost, or its name with or without the domain (its short
+# name asked once: other_nodes asks of every host).
+this_node() {  # HOST
+    [[ $1 == localhost || ${1%%.*} == "${THIS_NODE:=$(hostname -s)}" ]]
+}
 on_node() {  # HOST SHELL_COMMAND [LIMIT]
     local limit=${3:-${HPCVLA_NODE_CHECK_S:-60}}
     case $SCHEDULER in
         slurm) timeout "$limit" srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
                    bash -c "$2" ;;
-        pbs) if [[ $1 == localhost || ${1%%.*} == "$(hostname -s)" ]]; then
+        pbs) if this_node "$1"; then
                  bash -c "$2"
              elif [[ -n $PBS_RSH ]]; then
                  timeout "$limit" "$PBS_RSH" "$1" "$2"
@@ -158,10 +163,9 @@ check_other_nodes() {  # run in a subshell
 # names (Slurm runs the batch script on the allocation's first node in its own order, which
 # `scontrol show hostnames` need not share), or HOSTS after the first where none is.
 other_nodes() {
-    local host me others=()
-    me=$(hostname -s)
+    local host others=()
     for host in "${HOSTS[@]}"; do
-        [[ ${host%%.*} == "$me" || $host == localhost ]] || others+=("$host")
+        this_node "$host" || others+=("$host")
     done
     (( ${#others[@]} < ${#HOSTS[@]} )) || others=("${HOSTS[@]:1}")
     for host in "${others[@]}"; do echo "$host"; done

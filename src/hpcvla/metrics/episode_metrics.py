@@ -58,5 +58,18 @@ class EpisodeMetrics:
         None before a value is known."""
         sums = self.sums() if sums is None else sums
         k = len(self.names)
-        return {metric_key(name): float(total / count) if count else None
-                for name, total, count in zip(self.names, sums[:k], sums[k:])}
+        return _means(self.names, sums[:k], sums[k:])
+
+
+def pooled(windows: list[dict[str, list[float]]]) -> dict[str, float | None]:
+    """`episode_<name>`: each metric's mean over every learner's window (`windows()` of
+    each: summary.json pools them)."""
+    names = tuple(dict.fromkeys(name for window in windows for name in window))
+    totals, counts = ([sum(w[name][i] for w in windows if name in w) for name in names]
+                      for i in (0, 1))
+    return _means(names, totals, counts)
+
+
+def _means(names, totals, counts) -> dict[str, float | None]:
+    return {metric_key(name): float(total / count) if count else None
+            for name, total, count in zip(names, totals, counts)}

@@ -89,7 +89,7 @@ def known_mean(values: list) -> float | None:
     """The mean of the figures known: None is one not known (an evaluation every episode of
     which was an env fault, a rolling rate before any episode ended); None if none is."""
     known = [v for v in values if v is not None]
-    return float(sum(known) / len(known)) if known else None
+    return float(np.mean(known)) if known else None
 
 
 def known_difference(a: list, b: list, name: str = "difference") -> dict | None:

@@ -38,7 +38,7 @@ from hpcvla.config.families import simulator
 from hpcvla.envs import env_class, env_kwargs, make_env
 from hpcvla.envs.base import is_evaluation_state
 from hpcvla.metrics.episode_metrics import metric_key
-from hpcvla.metrics.stats import wilson_interval
+from hpcvla.metrics.stats import known_mean, wilson_interval
 from hpcvla.process.watchdog import deadline
 from hpcvla.seeds import held_out_seed
 
@@ -157,9 +157,9 @@ class HeldOut:
         return {"split": "evaluation", "init_state_ids": [int(ids.min()), int(ids.max())],
                 "states": self.env.evaluation_kind, "held_out": self.held_out,
                 "actions": self.policy.action_mode(deterministic),
-                "episodes": len(kept), "success_rate": _mean(outcomes),
+                "episodes": len(kept), "success_rate": known_mean(outcomes),
                 "success_ci95": _wilson(outcomes),
-                "mean_return": _mean([e.ret for e in kept]),
+                "mean_return": known_mean([e.ret for e in kept]),
                 **{name: float(np.mean(values)) for name, values in metrics.items()},
                 "env_faults": len(episodes) - len(kept),
                 # what fixes the sampled actions' draws: the seed and the batches
@@ -167,8 +167,8 @@ class HeldOut:
                 # as OFT's and openpi's scripts count them: an episode that faulted, failed
                 "success_rate_faults_failed": float(np.mean([e.success and not e.env_fault
                                                              for e in episodes])),
-                **({"success_once": _mean(outcomes),
-                    "success_at_end": _mean([e.success_at_end for e in kept])}
+                **({"success_once": known_mean(outcomes),
+                    "success_at_end": known_mean([e.success_at_end for e in kept])}
                    if self.env.run_to_horizon else {}),
                 "per_task": {task: {"episodes": len(s), "success_rate": float(np.mean(s)),
                                     "success_ci95": _wilson(s)} for task, s in per_task.items()},
@@ -271,12 +271,6 @@ def _write_video(video_dir: Path, instruction: str, film: Film, state_id: int | 
     return episode_video(Path(video_dir) / f"{slug}-state{int(state_id)}-{outcome}.mp4",
                          [image for _, image in seen], [step for step, _ in seen],
                          f"state {state_id}", instruction, outcome, film[-1][0])
-
-
-def _mean(values: list[bool] | list[float]) -> float | None:
-    """A figure over the episodes kept; None where every one was left out (env faults: no
-    verdict on the policy, and JSON has no NaN)."""
-    return float(np.mean(values)) if values else None
 
 
 def _wilson(outcomes: list[bool]) -> list[float]:

@@ -23,7 +23,7 @@ from hpcvla.config.loader import config_to_dict
 from hpcvla.files import replace_text
 from hpcvla.memory.states import GIB
 from hpcvla.metrics import phases, restart_log
-from hpcvla.metrics.episode_metrics import figures_in, metric_key
+from hpcvla.metrics.episode_metrics import figures_in, pooled
 from hpcvla.metrics.progress import figure
 from hpcvla.metrics.task_success import pooled_rates
 from hpcvla.metrics.tensorboard import RunBoard
@@ -208,7 +208,7 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
                                         for s in learners]),
         **({"per_task_success": pooled_rates(tasks)} if (tasks := [
             s.task_outcomes for s in everyone if s.task_outcomes]) else {}),
-        **pooled_metrics([s.episode_metrics for s in everyone if s.episode_metrics]),
+        **pooled([s.episode_metrics for s in everyone if s.episode_metrics]),
         # trained episodes an env fault ended: not in success_rate, not trained on
         "env_fault_episodes": sum(s.env_fault_episodes or 0 for s in everyone),
         "staleness_hist": dict(sorted(staleness.items())),
@@ -297,15 +297,6 @@ def starts_so_far(cfg: Config, path: Path, this_start: Counters) -> list[Counter
                   "it are not carried over", file=sys.stderr, flush=True)
     ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return earlier + [{**this_start, "ended": ended}]
-
-
-def pooled_metrics(windows: list[dict[str, list[float]]]) -> dict[str, float | None]:
-    """`episode_<name>`: each episode metric's mean over every learner's window."""
-    out: dict[str, float | None] = {}
-    for name in dict.fromkeys(name for window in windows for name in window):
-        total, count = (sum(w[name][i] for w in windows if name in w) for i in (0, 1))
-        out[metric_key(name)] = total / count if count else None
-    return out
 
 
 def _pooled(figures: list[tuple[float | None, int]]) -> float | None:
