@@ -50,6 +50,25 @@ def left_behind(before: set[Path], wait_s: float = 60.0) -> list[str]:
     return sorted(map(str, left))
 
 
+
+def plant_orphan_segment(name: str) -> Path:
+    """An MPICH segment in this worker's own /dev/shm (tests/conftest.py) that no process
+    maps, as a killed rank leaves one: the evidence that a launcher's cleanup ran. A failed
+    world's own segments are no such evidence: a rank that says why it fails unlinks them
+    before its abort (deathwatch.abort_world), and whether one does before the MPI launcher
+    kills it is a race."""
+    planted = Path("/dev/shm") / f"mpich_{name}"
+    planted.write_bytes(bytes(4096))
+    return planted
+
+
+def removed_by_name(planted: Path, text: str) -> bool:
+    """Whether `planted` is gone and a cleanup's line in `text` named it (such a line may name
+    other segments too)."""
+    return not planted.exists() and any(
+        planted.name in line.split() for line in text.splitlines()
+        if "MPI segment(s) that no process maps" in line)
+
 def without_launcher(*args, hide=None, env=None, timeout=120):
     """`hpcvla ARGS` with the world launcher (hpcvla.job.launch) made unimportable: a command
     that started a world would fail to import it (exit 1), so exit 2 means it refused its

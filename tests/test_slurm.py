@@ -19,7 +19,8 @@ import h5py
 import pytest
 
 from local_slurm import TERMINAL, LocalSlurm
-from helpers import OPENMPI5, ROOT, hpcvla, rank_pids, reach_demos, sft_worlds
+from helpers import (OPENMPI5, ROOT, hpcvla, plant_orphan_segment, rank_pids, reach_demos,
+                     removed_by_name, sft_worlds)
 
 # A local Slurm (its daemons, munge, network-namespace nodes): root and `make install-cluster`.
 pytestmark = [pytest.mark.mpi, pytest.mark.slow, pytest.mark.cluster]
@@ -846,17 +847,14 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
                        options=["--output", log], cwd=ROOT,
                        env=job_env(tmp_path, HPCVLA_LAUNCHER="srun"))
     first_update(slurm, job, log)
-    left = Path("/dev/shm") / f"mpich_requeue_test_{job}"  # this worker's own /dev/shm
-    left.write_bytes(b"\0" * 4096)
+    left = plant_orphan_segment(f"requeue_test_{job}")
     slurm.signal_batch_shell(job, signal.SIGUSR1)
     text = finished(slurm, job, log, timeout=600)
     assert slurm.job(job)["Restarts"] == "1"
     first, second = text.split("requeueing job", 1)
     assert "srun --mpi=pmi2" in text, text[-3000:]
     # the planted one by name: the line may count others the first start's ranks left
-    removed = [line.split() for line in second.splitlines()
-               if "MPI segment(s) that no process maps" in line]
-    assert not left.exists() and any(left.name in line for line in removed), "\n".join(
+    assert removed_by_name(left, second), "\n".join(
         line for line in text.splitlines() if "launch.sh" in line or "removed" in line)
     assert "received SIGUSR1: sending SIGTERM to the ranks" in first
     assert "[hpcvla] update 30/30" not in first  # stopped before the end
@@ -949,6 +947,7 @@ def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler)
             log.read_text() if log.exists() else "no log"
         time.sleep(0.5)
     pid = rank_pids(tmp_path)[1]  # a simulator in the default layout
+    planted = plant_orphan_segment(f"killed_rank_test_{job}")
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
     info = slurm.wait(job, 120)
@@ -959,8 +958,7 @@ def test_a_rank_killed_in_a_job_ends_it_and_is_named(slurm, tmp_path, scheduler)
     assert "rank 1: simulator on node 0 (host" in text and f"pid {pid})" in text  # the cards:
     assert "last progress: policy version" in text  # which rank was what; how far it got
     assert not rank_pids(tmp_path), "ranks left running"
-    assert f"scheduler {scheduler}" in text and \
-        "MPI segment(s) that no process maps" in text, text[-3000:]
+    assert f"scheduler {scheduler}" in text and removed_by_name(planted, text), text[-3000:]
 
 
 @pytest.mark.parametrize("mpi,launcher", [("openmpi", "srun"), ("openmpi5", "srun"),
