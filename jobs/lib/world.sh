@@ -23,8 +23,9 @@ fi
 # 60; false if it did not start or failed).
 # Under PBS this node runs it itself, as Hydra does its own ranks: a node need not accept ssh
 # from itself (PBS_NODEFILE names it localhost, or by its name with or without the domain).
-# bash reads it (ssh: the login shell): its callers quote by printf %q, whose $'..' (a tab or
-# a newline in an override) a POSIX sh does not read.
+# bash reads it, over ssh too (from its stdin: ssh hands a command line to the user's login
+# shell, which may be csh or a POSIX sh): its callers quote by printf %q, whose $'..' (a tab
+# or a newline in an override) only bash reads.
 # Whether HOST names this node: localhost, or its name with or without the domain (its short
 # name asked once: other_nodes asks of every host).
 this_node() {  # HOST
@@ -40,7 +41,7 @@ on_node() {  # HOST SHELL_COMMAND [LIMIT]
              elif [[ -n $PBS_RSH ]]; then
                  timeout "$limit" "$PBS_RSH" "$1" "$2"
              else  # a host key or password prompt would take the whole limit: none
-                 timeout "$limit" ssh -o BatchMode=yes "$1" "$2"
+                 timeout "$limit" ssh -o BatchMode=yes "$1" bash -s <<< "$2"
              fi ;;
         none) bash -c "$2" ;;
     esac
