@@ -52,3 +52,39 @@ def test_a_family_samples_what_it_declares_and_scores_what_it_sampled(name, tmp_
     assert type(loaded) is type(policy)
     torch.testing.assert_close(loaded.act(obs, deterministic=True).actions,
                                policy.act(obs, deterministic=True).actions)
+
+
+# each family with a learned log std parameter, as it is built with one
+WITH_LOG_STD = [("default", {}), ("flow", {}), ("oft", {"action_head": "l1", "sequence": "official"})]
+
+
+@pytest.mark.parametrize("name,settings", WITH_LOG_STD, ids=[n for n, _ in WITH_LOG_STD])
+def test_a_log_std_past_its_bound_acts_at_the_bound_and_comes_back_when_asked(name, settings):
+    """A log std that an optimizer step carried past LOG_STD_BOUNDS acts with the bound's
+    std, and a loss that asks for less spread moves it back (torch.clamp's zero gradient kept
+    the flow family's there for good, and OFT's and the default policy's were unbounded);
+    one that asks for more spread does not move it further out."""
+    from hpcvla.config.families import LOG_STD_BOUNDS
+    torch.manual_seed(0)
+    sized = {} if "size" not in FAMILIES[name].settings else {"size": "tiny"}
+    policy = make_policy(name, SPEC, ACTION_DIM, CHUNK, VOCAB, **sized, **settings)
+    assert isinstance(policy.log_std, torch.nn.Parameter), name
+    obs, high = observations(), LOG_STD_BOUNDS[1]
+    out, extras = policy.sample(obs)
+    grads = {}
+    for past, sign in ((high + 1.0, 1.0), (high + 1.0, -1.0), (high - 1.0, -1.0)):
+        with torch.no_grad():
+            policy.log_std.fill_(past)
+        policy.zero_grad()
+        logprob, _, entropy = policy.evaluate({**obs, **extras}, out.actions)
+        (sign * entropy.sum()).backward()  # +: asks for less spread, -: for more
+        grads[past, sign] = policy.log_std.grad.clone()
+        if past > high:
+            at_bound = policy.evaluate({**obs, **extras}, out.actions)[0]
+            with torch.no_grad():
+                policy.log_std.fill_(high)
+            torch.testing.assert_close(at_bound, policy.evaluate({**obs, **extras},
+                                                                 out.actions)[0])
+    assert (grads[high + 1.0, 1.0] > 0).all(), name  # a descent step lowers it
+    assert (grads[high + 1.0, -1.0] == 0).all(), name  # held at the bound
+    assert (grads[high - 1.0, -1.0] < 0).all(), name  # inside: the gradient as ever

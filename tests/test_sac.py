@@ -401,13 +401,13 @@ def test_a_scaled_squash_scores_its_own_samples_at_the_edge():
 
 def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
     """SAC's actor's log std: init_log_std in every state at the start, apart between states
-    once its layer moves, inside SQUASHED_LOG_STD whatever the layer says, and a gradient of
+    once its layer moves, inside LOG_STD_BOUNDS whatever the layer says, and a gradient of
     the log-prob reaches its layer; a config starting outside the range is refused, and so
     are weights of the actor with one log-std vector."""
     from helpers import ROOT
 
     from hpcvla.config import load_config
-    from hpcvla.config.families import SQUASHED_LOG_STD
+    from hpcvla.config.families import LOG_STD_BOUNDS
     from hpcvla.config.loader import ConfigError
 
     policy = _soft_policy()  # init_log_std -0.7
@@ -425,7 +425,7 @@ def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
         policy.log_std_head.weight.normal_(0.0, 10.0)
         spread = log_std()
     assert spread.std(dim=0).min() > 0.1  # each dimension's spread differs between states
-    assert SQUASHED_LOG_STD[0] <= spread.min() and spread.max() <= SQUASHED_LOG_STD[1]
+    assert LOG_STD_BOUNDS[0] <= spread.min() and spread.max() <= LOG_STD_BOUNDS[1]
     with pytest.raises(ConfigError, match="policy.init_log_std"):
         load_config(ROOT / "configs/colocated_sac.yaml", ["policy.init_log_std=2.5"])
     # weights of the actor before its log std had a layer (one vector) are refused by name

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from hpcvla.config.families import (ALGORITHMS, EE_DELTA_CONTROL, FAMILIES,
-                                    FOLDER_RECIPE_UNSET, SIMULATORS, SQUASHED_LOG_STD,
+                                    FOLDER_RECIPE_UNSET, SIMULATORS, LOG_STD_BOUNDS,
                                     family, having, readers_of, simulator,
                                     unread_settings)
 from hpcvla.config.imitation import dataset_features
@@ -41,6 +41,10 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     if cfg.learner.backend == "horovod" and vla and cfg.policy.dtype == "bfloat16":  # `auto` is judged on the machine (preflight.py)
         problems.append(("policy.dtype", cfg.policy.dtype, "float32 with "
                          "learner.backend=horovod (no fp32 masters for bf16 weights)"))
+    low, high = LOG_STD_BOUNDS
+    if not low < cfg.policy.init_log_std < high:
+        problems.append(("policy.init_log_std", cfg.policy.init_log_std, f"inside ({low:g}, "
+                         f"{high:g}): every family keeps its exploration log std there"))
     if 0 < cfg.env.step_timeout_s < 1:  # seconds: a millisecond figure would kill each step
         problems.append(("env.step_timeout_s", cfg.env.step_timeout_s,
                          "0 (no watchdog) or at least 1 (seconds): more than the slowest "
@@ -243,11 +247,6 @@ def _off_policy_problems(cfg) -> list[tuple[str, Any, str]]:
                          f"algorithm.name={having(ALGORITHMS, 'steers_noise')} (DSRL: "
                          "demonstrations record actions, not the noise prior data would "
                          "need)"))
-    low, high = SQUASHED_LOG_STD
-    if traits.soft_critics and not low < cfg.policy.init_log_std < high:
-        problems.append(("policy.init_log_std", cfg.policy.init_log_std, f"inside ({low:g}, "
-                         f"{high:g}) with algorithm.name={alg.name}: SAC's actor keeps its log "
-                         "std there"))
     if traits.noise_actor and cfg.policy.lora_rank:
         problems.append(("policy.lora_rank", cfg.policy.lora_rank, "0 with algorithm.name="
                          f"{alg.name} on the flow family: DSRL trains the noise actor only, the "

@@ -48,11 +48,12 @@ class FamilyTraits:
 # (config/checks.py); a folder hpcvla wrote says it all (policies/folders.own_folder_problems).
 FOLDER_RECIPE_UNSET = {"delta_action_dims": -1, "pi05_state": "folder", "asset_id": ""}
 
-# The log std of SAC's squashed actors (the default policy's, the flow family's noise actor):
-# a function of the state, kept inside this range by a tanh as in published SAC, so the
-# deterministic action (the mean) is each state's own and not the centre of one spread wide
-# enough for the hardest state. policy.init_log_std must lie inside it.
-SQUASHED_LOG_STD = (-5.0, 2.0)
+# The log std of every family's exploration Gaussian, and policy.init_log_std, lie inside it.
+# SAC's squashed actors' (the default policy's, the flow family's noise actor) is a function
+# of the state, kept inside by a tanh as in published SAC, so the deterministic action (the
+# mean) is each state's own and not the centre of one spread wide enough for the hardest
+# state; the others' is a parameter per action entry, bounded by policies/log_std.py.
+LOG_STD_BOUNDS = (-5.0, 2.0)
 
 _VLA = ("size", "logprob_granularity", "dtype", "init_log_std")
 ACTION_HEADS = ("tokens", "l1")  # policies/oft.py: lm_head's action tokens, OFT's L1 head

@@ -23,6 +23,7 @@ from torch.distributions import Normal, TransformedDistribution
 
 from hpcvla.config.learning import ENCODED_FIELDS
 from hpcvla.policies.base import ActOutput, Policy, real_steps_mean
+from hpcvla.policies.log_std import bounded_log_std
 from hpcvla.policies.soft_critics import SoftCritics, log_std_layer, squashed_gaussian
 
 INSTRUCTION_EMBED_DIM = 32
@@ -124,7 +125,7 @@ class DefaultPolicy(SoftCritics, Policy):
         mean = self.mean_head(h)
         if self.squash:
             return squashed_gaussian(mean, self.log_std_head(h))
-        return Normal(mean, self.log_std.exp().expand_as(mean))
+        return Normal(mean, bounded_log_std(self.log_std).exp().expand_as(mean))
 
     def soft_actions(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """SAC's reparameterised sample: flat chunks (B, chunk_len * action_dim) whose

@@ -2,8 +2,8 @@
 
 An ODE sampler has no likelihood. Each denoising step is made a Gaussian transition
 x_{k+1} ~ N(x_k - v(x_k, t_k) / K, sigma_k^2) (noise injection, as ReinFlow, Flow-GRPO and
-πRL's flow-noise/flow-SDE do), sigma = exp(log_std) learnable per executed (h, d), clamped to
-[MIN_LOG_STD, MAX_LOG_STD]. `policy.logprob_mode` decides which steps are noisy:
+πRL's flow-noise/flow-SDE do), sigma = exp(log_std) learnable per executed (h, d), kept
+inside LOG_STD_BOUNDS (policies/log_std.py). `policy.logprob_mode` decides which steps are noisy:
 
 * "last_step" (the default): x_0 = 0 (the prior's mode) and steps 0..K-2 are deterministic,
   only the last step is noisy with std sigma. x_{K-1} is then a function of the observation
@@ -58,8 +58,8 @@ import math
 import torch
 
 from hpcvla.config.policy import LOGPROB_MODES
+from hpcvla.policies.log_std import bounded_log_std
 
-MIN_LOG_STD, MAX_LOG_STD = -5.0, 2.0
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -80,7 +80,7 @@ class FlowDenoising:
         return {}
 
     def _sigma(self):
-        return self.log_std.float().clamp(MIN_LOG_STD, MAX_LOG_STD)
+        return bounded_log_std(self.log_std)
 
     def _step_log_std(self):
         """Each noisy step's log std: chain's K steps share the variance sigma^2."""
@@ -217,4 +217,4 @@ def _gaussian(x, mean, log_std):
     return -0.5 * ((x - mean) * torch.exp(-log_std)) ** 2 - log_std - _LOG_SQRT_2PI
 
 
-__all__ = ["FlowDenoising", "LOGPROB_MODES", "MIN_LOG_STD", "MAX_LOG_STD"]
+__all__ = ["FlowDenoising", "LOGPROB_MODES"]

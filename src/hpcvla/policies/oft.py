@@ -55,6 +55,7 @@ from hpcvla.config.families import ACTION_HEADS as HEADS
 from hpcvla.config.policy import SEQUENCES
 from hpcvla.policies.backbones import backbone
 from hpcvla.policies.base import real_steps_mean
+from hpcvla.policies.log_std import bounded_log_std
 from hpcvla.policies.vla import CAMERAS, VLAPolicy, VocabularyHead, block_mask
 from hpcvla.policies.oft_vision import FusedVisionBackbone, L1ActionHead, Projector, \
     ProprioProjector, pixel_values
@@ -350,7 +351,7 @@ class OFTPolicy(VLAPolicy):
         hidden = self._hidden(obs, stop=True)
         mean = self.l1_actions(hidden)[:, :self.chunk_len]
         value = self.value_head(hidden[:, 0]).float().mean(dim=-1)
-        return torch.distributions.Normal(mean, self.log_std.float().exp()), value
+        return torch.distributions.Normal(mean, bounded_log_std(self.log_std).exp()), value
 
     def imitation_loss(self, obs, actions, real):
         """The L1 head: OFT's own fine-tuning loss, the mean absolute error of its normalized

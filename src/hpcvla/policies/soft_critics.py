@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributions import AffineTransform, Normal, TanhTransform, TransformedDistribution
 from torch.func import functional_call
 
-from hpcvla.config.families import SQUASHED_LOG_STD
+from hpcvla.config.families import LOG_STD_BOUNDS
 
 
 class TwinQ(nn.Module):
@@ -88,7 +88,7 @@ def log_std_layer(hidden: int, n_out: int, init_log_std: float) -> nn.Linear:
     """SAC's actor's layer to its per-state log std (read through squashed_gaussian): zero
     weights (their gradient is not zero) and the bias that gives `init_log_std` in every state
     at the start."""
-    low, high = SQUASHED_LOG_STD
+    low, high = LOG_STD_BOUNDS
     if not low < init_log_std < high:
         raise ValueError(f"init_log_std={init_log_std} must lie inside ({low}, {high})")
     layer = nn.Linear(hidden, n_out)
@@ -100,9 +100,9 @@ def log_std_layer(hidden: int, n_out: int, init_log_std: float) -> nn.Linear:
 def squashed_gaussian(mean: torch.Tensor, raw_log_std: torch.Tensor, scale: float = 1.0
                       ) -> TransformedDistribution:
     """SAC's actor's distribution: a Gaussian of this `mean` and a log std of the state
-    (`raw_log_std`, log_std_layer's output, mapped into SQUASHED_LOG_STD by a tanh), squashed by
+    (`raw_log_std`, log_std_layer's output, mapped into LOG_STD_BOUNDS by a tanh), squashed by
     tanh into (-scale, scale)."""
-    low, high = SQUASHED_LOG_STD
+    low, high = LOG_STD_BOUNDS
     log_std = low + 0.5 * (high - low) * (torch.tanh(raw_log_std) + 1)
     # Both transforms cache their last input: a sample's log-prob then reads the Gaussian's
     # value it came from, not atanh of a tanh that float32 rounded to +-1 (inf, then NaN)
