@@ -426,8 +426,9 @@ def test_a_soft_policys_spread_is_a_function_of_the_state_inside_sacs_bounds():
         spread = log_std()
     assert spread.std(dim=0).min() > 0.1  # each dimension's spread differs between states
     assert LOG_STD_BOUNDS[0] <= spread.min() and spread.max() <= LOG_STD_BOUNDS[1]
-    with pytest.raises(ConfigError, match="policy.init_log_std"):
-        load_config(ROOT / "configs/colocated_sac.yaml", ["policy.init_log_std=2.5"])
+    for config in ("colocated_sac.yaml", "default.yaml", "libero_pi0.yaml"):  # every family's
+        with pytest.raises(ConfigError, match="policy.init_log_std"):
+            load_config(ROOT / "configs" / config, ["policy.init_log_std=2.5"])
     # weights of the actor before its log std had a layer (one vector) are refused by name
     from hpcvla.checkpoint.store import CheckpointError, check_fit
     old = {**policy.state_dict(), "log_std": torch.zeros(4)}
