@@ -758,3 +758,56 @@ def test_advantages_are_normalized_over_the_steps_a_fault_did_not_end():
     kept = advantages_of(alg, batch, torch.device("cpu")).advantages[:2, 0]
     assert float(kept.mean()) == pytest.approx(0, abs=1e-5)
     assert float(kept.std()) == pytest.approx(1, abs=1e-4), kept
+
+
+@pytest.mark.parametrize("algorithm,granularity", [("ppo", "action"), ("grpo", "token")])
+def test_actions_a_chunk_never_ran_are_out_of_the_finer_units_loss(algorithm, granularity):
+    """A chunk stopped by its episode's end (a success after its first action:
+    chunk_steps 1): at action or token granularity the actions after it are no outcome of
+    the policy, and what they hold changes neither the loss nor its gradient (fresh data,
+    each chunk's behaviour log-prob its own); the same actions run (chunk_steps H) do."""
+    from hpcvla.algorithms.objective import policy_loss
+    from hpcvla.config import load_config
+    from hpcvla.envs import env_spec
+    from hpcvla.factory import build_policy
+
+    cfg = load_config("configs/reach_flow.yaml", [
+        f"algorithm.name={algorithm}", f"policy.logprob_granularity={granularity}",
+        "env.max_episode_chunks=8"])
+    spec = env_spec(cfg.env)
+    policy = build_policy(cfg, spec)
+    T, N, H = 4, 4, cfg.env.chunk_len
+    obs, _ = policy_batch(spec, T * N)
+    with torch.no_grad():
+        out, extras = policy.sample(obs)
+    done, success = np.zeros((T, N), bool), np.zeros((T, N), bool)
+    done[-1], success[-1] = True, [True, False, True, False]  # two groups of 2, not degenerate
+    batch = {f"obs.{k}": v.numpy().reshape(T, N, *v.shape[1:])
+             for k, v in {**obs, **extras}.items()}
+    batch.update(actions=out.actions.numpy().reshape(T, N, H, -1),
+                 value=out.value.numpy().reshape(T, N), reward=success.astype(np.float32),
+                 done=done, success=success, env_fault=np.zeros((T, N), bool),
+                 bootstrap_value=np.zeros(N, np.float32), chunk_steps=np.full((T, N), H))
+    batch["chunk_steps"][-1, 0] = 1
+
+    def loss_and_grad(b):
+        with torch.no_grad():  # fresh data: the behaviour policy is the learner's
+            flat = {k[4:]: torch.as_tensor(v).reshape(T * N, *v.shape[2:])
+                    for k, v in b.items() if k.startswith("obs.")}
+            scored = policy.evaluate(flat, torch.as_tensor(b["actions"]).reshape(T * N, H, -1))
+            b = dict(b, logprob=scored[0].reshape(T, N, -1).sum(-1).numpy())
+        policy.zero_grad()
+        loss = policy_loss(cfg.algorithm, policy, b)[0]
+        loss.backward()
+        return loss.item(), torch.cat([p.grad.flatten() for p in policy.parameters()
+                                       if p.grad is not None])
+
+    base, base_grad = loss_and_grad(batch)
+    moved = dict(batch, actions=batch["actions"].copy())
+    moved["actions"][-1, 0, 1:] += 0.5  # the actions its success left unrun
+    loss, grad = loss_and_grad(moved)
+    assert loss == pytest.approx(base, rel=1e-5)
+    torch.testing.assert_close(grad, base_grad, rtol=1e-4, atol=1e-6)
+    ran = dict(moved, chunk_steps=np.full((T, N), H))
+    assert not torch.allclose(loss_and_grad(ran)[1], loss_and_grad(dict(batch, chunk_steps=ran[
+        "chunk_steps"]))[1], rtol=1e-3)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpcvla.algorithms.granularity import expand_like
 from hpcvla.algorithms.ppo import decoupled_ppo_loss
 from hpcvla.config.learning import GROUP_LOSS_MEANS
 
@@ -117,7 +118,8 @@ def first_episode_advantages(done: torch.Tensor, step_scores: torch.Tensor, grou
 
 def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvantages,
               index: torch.Tensor, clip: float = 0.2, max_behaviour_weight: float = 2.0,
-              mean_over: str = "steps", dual_clip: float = 3.0):
+              mean_over: str = "steps", dual_clip: float = 3.0,
+              units: torch.Tensor | None = None):
     """GRPO's policy loss over (T, N) chunk-steps (or finer units, (T, N, *units)): each
     step takes its episode's advantage (`index` from `episodes_of`); steps of episodes not
     kept (degenerate group, or not valid, e.g. unfinished) are masked out. Same decoupled
@@ -134,7 +136,9 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
     their micro-batches is this sum over the whole batch, though each micro-batch trains as
     it streams in (the other two are means per micro-batch). The clip fraction and
     approximate KL are averaged over the kept units (by episode under "episodes"); the
-    behaviour weights' mean and max are over every unit."""
+    behaviour weights' mean and max are over every unit. `units` (bool, like a finer
+    `logprob`): the units left in (granularity.executed_units), the others out as a step
+    not kept."""
     if mean_over not in GROUP_LOSS_MEANS:
         raise ValueError(f"mean_over {mean_over!r}: expected one of {GROUP_LOSS_MEANS}")
     device = logprob.device
@@ -143,6 +147,8 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
         length = torch.bincount(index.reshape(-1).cpu(), minlength=keep.numel())
         keep = keep / length.clamp(min=1)
     mask = keep.to(device)[index.to(device)]
+    if units is not None:
+        mask = expand_like(mask, units) * units
     loss, stats = decoupled_ppo_loss(logprob, proximal_logprob, behaviour_logprob,
                                      episodes.advantages.to(device)[index.to(device)], clip,
                                      max_behaviour_weight, mask=mask, dual_clip=dual_clip)

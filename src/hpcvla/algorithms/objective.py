@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from hpcvla.algorithms.granularity import sum_to
+from hpcvla.algorithms.granularity import executed_units, expand_like, sum_to
 from hpcvla.algorithms.grpo import GroupAdvantages, first_episode_advantages, grpo_loss
 from hpcvla.algorithms.ppo import (decoupled_ppo_loss, gae, masked_mean, normalize_advantages,
                                    value_loss)
@@ -115,10 +115,12 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None,
     if proximal is None:
         proximal = Proximal(logprob.detach(), value.detach())
     mask = ~batch["env_fault"]  # a failed env's step is masked out everywhere
+    # finer units than chunks: the actions its episode ran (granularity.executed_units)
+    ran = executed_units(batch["chunk_steps"], logprob) if logprob.ndim > 2 else None
     if alg.traits.advantage == "group":  # no critic: the value head is not trained
         pg_loss, stats = grpo_loss(logprob, proximal.logprob, behaviour, advantages.episodes,
                                    advantages.index, alg.clip, alg.max_behaviour_weight,
-                                   alg.group_loss_mean, alg.dual_clip)
+                                   alg.group_loss_mean, alg.dual_clip, ran)
         v_loss = torch.zeros((), device=logprob.device)
         episodes = advantages.episodes
         stats.update(degenerate_groups=episodes.degenerate_groups / max(episodes.groups, 1))
@@ -127,9 +129,10 @@ def policy_loss(alg, model, batch: dict, advantages: Advantages | None = None,
         mask = episodes.keep.to(mask.device)[advantages.index.to(mask.device)]
     else:
         recorded, returns = batch["value"], advantages.returns
-        pg_loss, stats = decoupled_ppo_loss(logprob, proximal.logprob, behaviour,
-                                            advantages.advantages, alg.clip,
-                                            alg.max_behaviour_weight, mask, alg.dual_clip)
+        pg_loss, stats = decoupled_ppo_loss(
+            logprob, proximal.logprob, behaviour, advantages.advantages, alg.clip,
+            alg.max_behaviour_weight, mask if ran is None else expand_like(mask, ran) & ran,
+            alg.dual_clip)
         v_loss = value_loss(value, proximal.value, returns,
                             alg.clip if alg.value_clip else None, mask)
         stats.update(critic_health(recorded[mask], returns[mask]))

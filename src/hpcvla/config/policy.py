@@ -113,7 +113,8 @@ class PolicyConfig:
     logprob_granularity: str = setting(
         "chunk", "`flow`/`tokens`/`oft`: unit of the PPO ratio and its clip: one per chunk, per "
         "action or per token (action dim). Finer units clip each part separately (fewer "
-        "samples fully clipped) but ignore correlations inside the chunk. The policy loss "
+        "samples fully clipped) but ignore correlations inside the chunk, and leave out the "
+        "actions a chunk never ran (its episode ended inside it). The policy loss "
         "is a mean over units: at `action`/`token` its gradient is 1/H or 1/(H x dims) of "
         "`chunk`'s, while the value loss and the entropy bonus (the chunk's) keep theirs, so "
         "value_coef and entropy_coef weigh that much more (as RLinf's token_level).",
