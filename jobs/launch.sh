@@ -109,6 +109,16 @@ for name in HPCVLA_RESTARTS HPCVLA_START_RETRIES HPCVLA_END_GRACE_S HPCVLA_NODE_
     [[ ${!name:-0} =~ ^[0-9]+$ ]] || die "$name=${!name} is not a count: set a whole number" \
         "(0 or more), or unset it for its default"
 done
+for name in HPCVLA_THREADS HPCVLA_RANKS; do
+    [[ ${!name:-1} =~ ^[1-9][0-9]*$ ]] || die "$name=${!name} is not a count: set a whole" \
+        "number (1 or more), or unset it for its default"
+done
+for name in HPCVLA_DRY_RUN HPCVLA_DOCTOR HPCVLA_REQUEUE HPCVLA_PBS_TM; do  # 'true' is no 1
+    [[ ${!name:-0} == [01] ]] || die "$name=${!name}: set 1 (on) or 0 (off), or unset it" \
+        "for its default"
+done
+[[ ${HPCVLA_LAUNCHER:-srun} == srun || $HPCVLA_LAUNCHER == mpiexec ]] ||
+    die "HPCVLA_LAUNCHER=$HPCVLA_LAUNCHER: set srun or mpiexec, or unset it for its default"
 [[ ${HPCVLA_NODE_CHECK_S:-60} != 0 ]] ||
     die "HPCVLA_NODE_CHECK_S=0 would wait for a dead node for ever: set seconds (default 60)"
 [[ ${HPCVLA_NODE_DOCTOR_S:-300} != 0 ]] ||
@@ -263,7 +273,8 @@ if [[ $JOB_RUN_STATE == complete ]]; then
         echo pipeline.total_updates) with run.resume=<the run>)"
     exit 0
 fi
-plan_auto "$1" || die "hpcvla plan --auto found no layout for $NP rank(s) on $NODES node(s)"
+plan_auto "$1" || die "HPCVLA_AUTOPLAN=$HPCVLA_AUTOPLAN: hpcvla plan --auto found no layout" \
+    "for $NP rank(s) on $NODES node(s) (its reason above)"
 set_command "$1"
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \

@@ -353,6 +353,26 @@ def test_a_job_of_overrides_only_can_restart(capsys):
     assert main(["plan", "run.seed=2", "--world", "8", "--ranks-per-node", "4"]) == 0
 
 
+
+def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_starts():
+    """jobs/launch.sh's switches mean on only as 1: HPCVLA_DRY_RUN=true would start the real
+    job, HPCVLA_DOCTOR=yes skip the checks; thread and rank counts below 1, and a launcher
+    that is neither srun nor mpiexec (any other meant mpiexec), are refused, named; an
+    unknown HPCVLA_AUTOPLAN cost set is named beside plan's own choices."""
+    refused = {"HPCVLA_DRY_RUN": ("true", "set 1 (on) or 0 (off)"),
+               "HPCVLA_DOCTOR": ("yes", "set 1 (on) or 0 (off)"),
+               "HPCVLA_THREADS": ("0", "is not a count: set a whole number (1 or more)"),
+               "HPCVLA_RANKS": ("four", "is not a count: set a whole number (1 or more)"),
+               "HPCVLA_LAUNCHER": ("srunn", "set srun or mpiexec"),
+               "HPCVLA_AUTOPLAN": ("fast", "hpcvla plan --auto found no layout")}
+    for name, (value, said) in refused.items():
+        env = {**os.environ, "HPCVLA_DRY_RUN": "1", name: value}
+        out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"{name}={value}" in out.stderr \
+            and said in out.stderr and "running:" not in out.stderr, (name, out.stderr)
+    assert "invalid choice: 'fast' (choose from 'config', 'balanced'" in out.stderr
+
 def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
     """jobs/launch.sh's counts (HPCVLA_RESTARTS, HPCVLA_START_RETRIES, HPCVLA_END_GRACE_S),
     read by bash arithmetic, which takes a word for a variable name (0): refused, named."""

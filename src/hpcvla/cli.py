@@ -51,6 +51,7 @@ from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.metrics.command import add_inspect_parser, inspect_command
 from hpcvla.process.deathwatch import WORLD_COMMANDS, Refused
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
+from hpcvla.scale.presets import COST_NAMES
 from hpcvla.topology.plan import PlanError, plan_from_config
 
 
@@ -103,7 +104,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="--auto: also pick env.envs_per_simulator (the fewest within 2 %% "
                            "of the best throughput)")
     plan.add_argument("--costs", default="config",
-                      choices=["config", "balanced", "table3", "pi0-libero"],
+                      choices=COST_NAMES,
                       help="--auto: stage costs: the config's emulated delays or, without, "
                            "the reach env probed here (config); an emulated preset; or "
                            "RL-VLA³'s pi0 on LIBERO")

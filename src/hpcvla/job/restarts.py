@@ -70,6 +70,7 @@ from hpcvla.config.loader import with_overrides
 from hpcvla.metrics import restart_log
 from hpcvla.files import read_log
 from hpcvla.process.last_progress import TAIL_BYTES
+from hpcvla.scale.presets import COST_NAMES
 from hpcvla.schedule import micro_batches_for
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -313,7 +314,8 @@ def _main(argv=None) -> None:
     auto.add_argument("overrides", nargs="*")
     auto.add_argument("--world", type=int, required=True)
     auto.add_argument("--ranks-per-node", type=int, required=True)
-    auto.add_argument("--costs", required=True, help="as hpcvla plan --auto --costs")
+    auto.add_argument("--costs", required=True, choices=COST_NAMES,
+                      help="as hpcvla plan --auto --costs")
     auto.add_argument("--first-world", type=int, default=0, help="a restart: the job's first "
                       "world's ranks, whose version batch the layout keeps")
     auto.add_argument("--first-layout", action="append", default=[], help="a restart: one of "

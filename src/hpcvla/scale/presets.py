@@ -34,6 +34,8 @@ PRESETS = {
     "table3": {"sim_ms": 60.0, "sigma": 0.8, "inf_a_ms": 10.0, "inf_b_ms": 0.6,
                "learn_ms_per_segment": 360.0 / 16, "envs": 16},
 }
+# What `hpcvla plan --auto --costs` (and HPCVLA_AUTOPLAN) name: scale/probe.named_costs
+COST_NAMES = ("config", *PRESETS, "pi0-libero")
 
 
 # Real simulators: rendered observations, a tiny policy, batches small enough that a few
