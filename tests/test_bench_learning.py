@@ -289,6 +289,16 @@ def test_bench_options_a_target_ignores_or_cannot_run_are_refused(tmp_path, caps
         main(["bench", "shards", "--shards", "0", "--json", str(tmp_path / "out.json")])
     assert exit_.value.code == 2 and "argument --shards: '0'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+    # results written at a benchmark's end: where they cannot be, refused first
+    (tmp_path / "a_file").write_text("")
+    for path, says in ((tmp_path / "a_file" / "out.json", "a_file is not a folder"),
+                       (tmp_path, "a folder; name the file to write")):
+        assert main(["bench", "policies", "--json", str(path)]) == 2
+        assert f"--json {path}: " in (err := capsys.readouterr().err) and says in err, err
+    from hpcvla.bench.command import _outputs_problem
+    later = tmp_path / "results" / "later"  # the folders they go in: made now
+    assert _outputs_problem(_parser().parse_args(["bench", "scale", "--json", str(
+        later / "scale.json"), "--chart", str(later / "chart.png")])) == "" and later.is_dir()
     for args in (["scale", "--validate", "--preset", "table3", "--updates", "3"],
                  ["modes", "--preset", "table3", "--max-staleness", "3", "--modes", "streamer"],
                  ["transport", "--ranks", "8", "--ranks-per-node", "2"],

@@ -637,6 +637,8 @@ def test_two_recordings_given_one_out_file_do_not_both_write_it(tmp_path, monkey
     cfg = load_config(ROOT / "configs/default.yaml")
     out, built = tmp_path / "demos.h5", recording._env
     refused = []
+    # a folder of --out that does not exist yet is made (a FileNotFoundError traceback was)
+    assert recording.record(cfg, 1, tmp_path / "new" / "demos.h5")["episodes"] == 1
 
     def env_while_another_job_starts(config):
         with pytest.raises(recording.RecordingError, match="--out .*demos.h5: exists"):

@@ -170,12 +170,33 @@ def _modes_problem(args) -> str:
     return ""
 
 
+def _outputs_problem(args) -> str:
+    """What of --json, --chart and fullsize's --out cannot be written, named; '' if all can,
+    the files' folders made: a benchmark writes its results at its end, after minutes or
+    hours (fullsize makes its --out as it starts)."""
+    from hpcvla.preflight import unwritable
+    folders = {"out": args.out} if args.target == "fullsize" else {}
+    for flag in ("json", "chart"):
+        if path := getattr(args, flag):
+            if Path(path).is_dir():
+                return f"--{flag} {path}: a folder; name the file to write"
+            folders[flag] = str(Path(path).parent)
+    for flag, folder in folders.items():
+        if why := unwritable(folder):
+            return f"--{flag} {getattr(args, flag)}: cannot be written there ({why})"
+    for flag in ("json", "chart"):
+        if flag in folders:
+            Path(folders[flag]).mkdir(parents=True, exist_ok=True)
+    return ""
+
+
 def bench_command(args) -> int:
     """Run the benchmark `args.target` names."""
     problem = _options_problem(args)
     if args.target in RECIPE_TARGETS and not Path("configs").is_dir():
         problem = (f"its workloads are the repository's recipes (configs/*.yaml): run it from "
                    f"the repository's root, not {Path.cwd()}")
+    problem = problem or _outputs_problem(args)
     if problem:
         print(f"hpcvla bench {args.target}: {problem}", file=sys.stderr)
         return 2

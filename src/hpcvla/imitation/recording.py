@@ -82,6 +82,7 @@ def record(cfg, episodes: int, out, noise: float = 0.0, successful_only: bool = 
     why = unwritable(out.parent)
     if why:
         raise RecordingError(f"--out {out}: a file in a folder it can be written in ({why})")
+    out.parent.mkdir(parents=True, exist_ok=True)  # (unwritable: it can be made)
     try:  # the name claimed now, not when the env is built (seconds later): two jobs given
         os.close(os.open(out, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # one --out both wrote
     except FileExistsError:
