@@ -253,7 +253,10 @@ def test_imitation_settings_without_the_imitation_arms_are_refused(tmp_path):
                        (["--arms", "setting", "--config", "configs/default.yaml"],
                         "--arms setting go together"),
                        (["--arms", "setting", "--setting", "algorithm.lr=1e-4"],
-                        "--arms setting needs --config")):
+                        "--arms setting needs --config"),
+                       # an override one arm does not read: before the other arm trains
+                       (["--arms", "off-policy", "algorithm.utd=0.25"],
+                        "invalid settings of arm ppo (configs/colocated.yaml")):
         out = hpcvla("bench", "learning", *args, "--json", tmp_path / "out.json")
         assert out.returncode == 2 and says in out.stderr, out.stderr
     assert not list(tmp_path.iterdir())  # nothing ran

@@ -278,11 +278,17 @@ def bench_command(args) -> int:
         if problem:
             print(f"hpcvla bench learning: {problem}", file=sys.stderr)
             return 2
-        learning.run(seeds=2 if args.quick else args.seeds,
-                     updates=3 if args.quick else args.updates or 200, json_path=args.json,
-                     overrides=args.overrides, arms=args.arms, config=args.config,
-                     eval_episodes=32 if args.quick else args.eval_episodes, demos=args.demos,
-                     demo_noise=args.demo_noise, settings=args.setting)
+        from hpcvla.config import ConfigError
+        try:
+            learning.run(seeds=2 if args.quick else args.seeds,
+                         updates=3 if args.quick else args.updates or 200,
+                         json_path=args.json, overrides=args.overrides, arms=args.arms,
+                         config=args.config, demos=args.demos, demo_noise=args.demo_noise,
+                         eval_episodes=32 if args.quick else args.eval_episodes,
+                         settings=args.setting)
+        except ConfigError as err:  # an arm's settings: all loaded before any arm trains
+            print(f"hpcvla bench learning: {err}", file=sys.stderr)
+            return 2
         return 0
     if args.ranks is not None:  # start the world here, then run this command inside it
         from hpcvla.job.launch import run_world

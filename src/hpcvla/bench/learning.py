@@ -84,6 +84,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.files import read_log
 from hpcvla.job.trainrun import train_run
 from hpcvla.metrics.progress import figure
 from hpcvla.metrics.stats import known_difference, known_mean
@@ -198,25 +199,24 @@ EVAL_SEED = 12345  # the eval's states and action noise: one fixed set for every
 EVALS = {"eval": "", "eval_deterministic": "_deterministic"}
 
 
-def env_steps_per_version(arm_set: dict) -> int:
+def env_steps_per_version(arm_set: dict, overrides=()) -> int:
     """Trained env steps per version (segments x chunks x chunk_len, over the learners),
     equal for both arms of a set: what the set's first arm trains (reach: 16 x 2 x 8 x 4 on
-    one learner)."""
-    from hpcvla.config import load_config
+    one learner). Every arm's settings are loaded with the bench's `overrides` first: one an
+    arm refuses raises ConfigError, naming the arm, before any arm has trained."""
+    from hpcvla.config import ConfigError, load_config
     from hpcvla.topology.plan import plan_from_config
-    config, *args = arm_set[next(iter(arm_set))]
-    # the placeholders of what pretrain makes: names only, no file is read here
-    cfg = load_config(config, [a.format(pretrained="start", demos="demos.h5") for a in args
-                               if "=" in a])
+    for arm, (config, *args) in reversed(arm_set.items()):  # the first arm's loaded last
+        try:  # the placeholders of what pretrain makes: names only, no file is read here
+            cfg = load_config(config, [a.format(pretrained="start", demos="demos.h5")
+                                       for a in args if "=" in a] + list(overrides))
+        except ConfigError as err:
+            raise ConfigError(err.problems, f"settings of arm {arm} ({config} with its "
+                              "layout and the bench's overrides)") from None
     learners = len(plan_from_config(cfg.placement, int(args[args.index("--ranks") + 1]))
                    .learners)
     return learners * cfg.learner.micro_batch * cfg.learner.micro_batches * \
         cfg.rollout.segment_len * cfg.env.chunk_len
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().split("\n")
-            if line]
 
 
 def curve(records: list[dict], grid: np.ndarray) -> list[float]:
@@ -260,7 +260,7 @@ def train_and_eval(args: list[str], root: Path, eval_episodes: int) -> dict:
     from hpcvla.evaluate import checkpoint_weights
     run_dir, summary = train_run(args, root, timeout=3600)
     weights, _ = checkpoint_weights(run_dir)
-    return {"run_dir": run_dir, "summary": summary, "metrics": metrics(run_dir),
+    return {"run_dir": run_dir, "summary": summary, "metrics": read_log(run_dir / "metrics.jsonl"),
             **both_evals(load_config(run_dir / "config.yaml"), weights, eval_episodes)}
 
 
@@ -342,7 +342,7 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
         arm_set = setting_arms(config, list(settings), demos > 0)
     else:
         arm_set = ARMS[arms]
-    per_version = env_steps_per_version(arm_set)
+    per_version = env_steps_per_version(arm_set, overrides)
     budget = updates * per_version
     grid = np.linspace(per_version, budget, min(updates, 50))
     results = {"arms": arms, "seeds": seeds, "updates": updates, "env_step_budget": budget,
