@@ -369,10 +369,12 @@ def test_missing_tokenizer_or_statistics_are_refused_by_name(tmp_path):
     assert "policy.pretrained" in str(err.value) and "norm_stats.json" in str(err.value)
     lerobot = tmp_path / "lerobot"
     shutil.copytree(folder, lerobot)
-    (lerobot / "policy_postprocessor.json").unlink()
-    with pytest.raises(ConfigError) as err:
-        config(lerobot)
-    assert "policy_postprocessor.json is missing" in str(err.value)
+    for lost in ("policy_postprocessor.json", "policy_preprocessor.json"):
+        (lerobot / lost).rename(lerobot / f"{lost}.away")  # either one: still LeRobot's,
+        with pytest.raises(ConfigError) as err:  # not an openpi folder's norm_stats.json
+            config(lerobot)
+        assert f"{lost} is missing" in str(err.value) and "norm_stats" not in str(err.value)
+        (lerobot / f"{lost}.away").rename(lerobot / lost)
     # LeRobot before 0.4 kept the statistics as buffers in the weights (the names its
     # migrate_policy_normalization reads): that command is named
     old = tmp_path / "old"

@@ -11,6 +11,13 @@ from pathlib import Path
 from hpcvla.policies.folders import tensor_shapes
 
 
+def is_lerobot(folder) -> bool:
+    """A LeRobot folder: it holds either of its processor files (lerobot_steps names the other
+    where it is missing); openpi's hold neither."""
+    return any((Path(folder) / name).is_file()
+               for name in ("policy_preprocessor.json", "policy_postprocessor.json"))
+
+
 def lerobot_steps(folder: Path) -> tuple[dict, dict]:
     """LeRobot's processor pipelines: the statistics (feature -> stat -> tensor; actions from
     the post-processor, which unnormalizes them), and per step what we read: the normalizer's

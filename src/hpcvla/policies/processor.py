@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from hpcvla.policies.folders import config_json, is_hpcvla_folder
-from hpcvla.policies.norm_stats import AssetChoice, lerobot_steps, openpi_stats
+from hpcvla.policies.norm_stats import AssetChoice, is_lerobot, lerobot_steps, openpi_stats
 from hpcvla.text import detokenize
 
 PROMPT_TOKENS = {"pi0": 48, "pi05": 200}  # openpi's max_token_len; LeRobot's defaults
@@ -145,7 +145,7 @@ class CheckpointProcessor:
             raise ValueError(f"{folder}: " + "; ".join(mismatch))
         tokenizer = load_tokenizer(tokenizer_folder, folder)
         steps = {}  # LeRobot's processor steps (openpi's folders have none)
-        if (folder / "policy_preprocessor.json").is_file():
+        if is_lerobot(folder):
             stats, steps = lerobot_steps(folder)
             eps, modes = steps["normalizer_processor"]
             max_tokens = steps.get("tokenizer_processor") or PROMPT_TOKENS[variant]
@@ -247,7 +247,7 @@ def check_folder(folder, tokenizer_folder, asset_id: str = "",
     except (ValueError, OSError) as err:
         problems.append(("policy.tokenizer", tokenizer_folder, str(err).split(": ", 1)[-1]))
     try:
-        if (folder / "policy_preprocessor.json").is_file():
+        if is_lerobot(folder):
             lerobot_steps(folder)
         else:
             openpi_stats(folder, asset_id)
@@ -276,7 +276,7 @@ def recipe_problems(folder, variant: str, delta_action_dims: int, pi05_state: st
     if variant == "pi0" and pi05_state != "folder":
         problems.append(("policy.pi05_state", pi05_state, "folder for a π0 checkpoint (its "
                          "state is a token of its own)"))
-    if (Path(folder) / "policy_preprocessor.json").is_file():
+    if is_lerobot(folder):
         if asset_id:
             problems.append(("policy.asset_id", asset_id, "empty for a LeRobot folder (its "
                              "statistics are its processor files; asset ids are openpi's)"))
@@ -332,7 +332,7 @@ def trained_dims(folder, padded: dict, variant: str = "pi0", pi05_state: str = "
     folder = Path(folder)
     if variant == "pi05" and pi05_state == "none":
         return {**trained_dims(folder, padded, asset_id=asset_id), "state_dim": None}
-    if (folder / "policy_preprocessor.json").is_file():
+    if is_lerobot(folder):
         config = config_json(folder)
         features = {**config.get("input_features", {}), **config.get("output_features", {})}
         shape = {key: (features.get(name) or {}).get("shape") or [None]
