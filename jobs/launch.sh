@@ -82,7 +82,8 @@
 #                     (the lines that hold any, from 0; `#` comment lines): task K adds line
 #                     K's after its command's (below: its seed)
 #   HPCVLA_DRY_RUN    1: work out the launch (MPI, threads, the run it resumes, the auto plan)
-#                     and print it and the command, but start no rank
+#                     and print it and the command, but start no rank (train, sft: their
+#                     settings checked as the ranks would load them)
 set -euo pipefail
 
 # Bash reads a script as it runs it: a launch.sh rewritten in place while a job runs (an editor,
@@ -309,6 +310,12 @@ if in_a_world "$1" && [[ ${HPCVLA_DOCTOR:-1} == 1 ]]; then
     (( NODES == 1 )) || say "and then nodes $(other_nodes | xargs): the same with --node-only"
 fi
 if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
+    # the settings as the ranks would load them (the doctor's first check, not its node
+    # checks): a dry run of a job they would refuse fails as the job would
+    if makes_a_run "$1"; then
+        "$PYTHON" -m hpcvla config "${ARGS[@]:1}" > /dev/null ||
+            die "the job's settings are refused (above): the job would end so"
+    fi
     exit 0
 fi
 if [[ $SCHEDULER == slurm && ${SLURM_RESTART_COUNT:-0} -gt 0 ]] && in_a_world "$1"; then

@@ -372,6 +372,12 @@ def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_sta
         assert out.returncode == 2 and f"{name}={value}" in out.stderr \
             and said in out.stderr and "running:" not in out.stderr, (name, out.stderr)
     assert "invalid choice: 'fast' (choose from 'config', 'balanced'" in out.stderr
+    # a dry run of settings the ranks would refuse fails as the job would (it exited 0)
+    out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
+                          "learner.epoch=3"], cwd=ROOT, env={**os.environ, "HPCVLA_DRY_RUN": "1"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "did you mean `epochs`?" in out.stderr \
+        and "the job's settings are refused" in out.stderr, out.stderr
 
 def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
     """jobs/launch.sh's counts (HPCVLA_RESTARTS, HPCVLA_START_RETRIES, HPCVLA_END_GRACE_S),
