@@ -45,6 +45,7 @@ from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
                            resumed_run_config, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
+from hpcvla.config.imitation import sft_unread_problems
 from hpcvla.config.schema import MPI_FLAVOURS
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
@@ -247,6 +248,8 @@ def cmd_sft(args) -> int:
         args.config = resumed_run_config(args.overrides)
     cfg = load_config(args.config, args.overrides)
     source = config_source(args.config, args.overrides)
+    if unread := sft_unread_problems(args.overrides):
+        raise ConfigError(unread, source)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
     preflight.check_host(cfg, source)  # its node, on each rank of a world
     preflight.check_sft(cfg, source, args.ranks)

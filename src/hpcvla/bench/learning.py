@@ -79,6 +79,8 @@ JSON.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -307,15 +309,13 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     """`hpcvla demos` (`episodes` of them, at `noise`, into root/demos.h5) then `hpcvla sft`
     with the recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own):
     the SFT run directory every `imitation` arm starts from, and its eval."""
-    import subprocess
-    import sys
-
     from hpcvla.config import load_config
+    from hpcvla.config.imitation import read_by_sft
     from hpcvla.evaluate import checkpoint_weights
     demos = root / "demos.h5"
     for command in (["demos", config, *overrides, "--episodes", str(episodes),
                      "--noise", str(noise), "--out", str(demos)],
-                    ["sft", config, *overrides, *sft, f"sft.demos={demos}",
+                    ["sft", config, *read_by_sft([*overrides, *sft]), f"sft.demos={demos}",
                      f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
     (run_dir,) = (root / "sft").iterdir()

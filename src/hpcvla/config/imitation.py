@@ -68,6 +68,24 @@ class SFTConfig:
         "`train`'s (learner.checkpoint_background); 0: only at the end.", ge=0)
 
 
+# The learners' settings `hpcvla sft` sets from its own (imitation/sft.engine_config): typed
+# for it they would change nothing (`hpcvla sft` refuses them, naming the one to set)
+SFT_SETS = {"algorithm.lr": "sft.lr", "algorithm.critic_lr": "sft.lr",
+            "learner.micro_batch": "sft.batch_size", "learner.micro_batches": "sft.micro_batches"}
+
+
+def read_by_sft(overrides) -> list[str]:
+    """`overrides` less SFT_SETS' (a benchmark gives its SFT start the RL arms' too)."""
+    return [item for item in overrides if item.partition("=")[0] not in SFT_SETS]
+
+
+def sft_unread_problems(overrides) -> list[tuple[str, object, str]]:
+    """The overrides of SFT_SETS among `overrides`, as config problems."""
+    keys = [item.partition("=")[0] for item in overrides]
+    return [(key, None, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
+            for key in keys if key in SFT_SETS]
+
+
 def demo_paths(section: SFTConfig | AlgorithmConfig, field: str = "demos") -> list[str]:
     """The files `sft.demos`, `sft.val_demos` or `algorithm.demos` names."""
     return [path.strip() for path in getattr(section, field).split(",") if path.strip()]

@@ -60,7 +60,10 @@ def add_doctor_parser(sub, config_args) -> None:
 def doctor_command(args) -> int:
     world = args.world and (args.world, args.ranks_per_node)
     if args.job != "eval":
-        from hpcvla.config import load_config
+        from hpcvla.config import ConfigError, load_config
+        from hpcvla.config.imitation import sft_unread_problems
+        if args.job == "sft" and (unread := sft_unread_problems(args.overrides)):
+            raise ConfigError(unread, "hpcvla sft's overrides")
         return main(load_config(args.config, args.overrides), args.json, args.job, world,
                     node_only=args.node_only)
     from hpcvla.checkpoint.catalog import run_and_checkpoint

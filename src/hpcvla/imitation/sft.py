@@ -50,7 +50,7 @@ from mpi4py import MPI
 
 from hpcvla.checkpoint import catalog, store
 from hpcvla.config import ConfigError
-from hpcvla.config.imitation import dataset_features, demo_paths
+from hpcvla.config.imitation import SFT_SETS, dataset_features, demo_paths
 from hpcvla.demonstrations import (Demonstrations, read_selection, sample_layout,
                                    select_demonstrations)
 from hpcvla.devices import bind_rank_device, peak_memory
@@ -82,11 +82,14 @@ PER_RANK = ("rank", "host", "device", "dtype", "phases_s", "peak_memory", "plann
 
 
 def engine_config(cfg):
-    """The learners' settings for imitation: sft.micro_batches passes of sft.batch_size chunks
-    per optimizer step, at sft.lr."""
-    return replace(cfg, learner=replace(cfg.learner, micro_batch=cfg.sft.batch_size,
-                                        micro_batches=cfg.sft.micro_batches),
-                   algorithm=replace(cfg.algorithm, lr=cfg.sft.lr, critic_lr=cfg.sft.lr))
+    """The learners' settings for imitation (SFT_SETS): sft.micro_batches passes of
+    sft.batch_size chunks per optimizer step, at sft.lr."""
+    sections: dict[str, dict] = {}
+    for key, source in SFT_SETS.items():
+        (section, name), (of, field) = key.split("."), source.split(".")
+        sections.setdefault(section, {})[name] = getattr(getattr(cfg, of), field)
+    return replace(cfg, **{section: replace(getattr(cfg, section), **values)
+                           for section, values in sections.items()})
 
 
 def batch_indices(samples: int, batch_size: int, trained: int, rank: int,
