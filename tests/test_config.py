@@ -572,6 +572,7 @@ def test_a_home_folder_in_a_path_setting_is_expanded(tmp_path, monkeypatch):
     ("policy.name=pi0", "(did you mean `flow`?)"),  # LeRobot's and openpi's name for it
     ("policy.name=OpenVLA-OFT", "(did you mean `oft`?)"),
     ("placement.per_node.inferance=1", "(got inferance; did you mean `inference`?)"),
+    ("algorithm.name=PPO", "(did you mean `ppo`?)"),  # another case: no hint was offered
     ("run.name=", "run.name = '': expected a name for the run's directory"),
     ("run.name=-x", "not starting with '-'"),
     ("run.name=a/b", "no '/'")])
@@ -606,7 +607,9 @@ def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):
 @pytest.mark.parametrize("text,said", [
     ("learner:\nmicro_batch: 4\n", "learner: expected a mapping (it is empty: indent its "
      "settings under it)"),
-    ("learner:\n  micro_batch: \"8\"\n", "expected an int (quoted: drop the quotes)")])
+    ("learner:\n  micro_batch: \"8\"\n", "expected an int (quoted: drop the quotes)"),
+    ("run:\n  wandb: off\n", "run.wandb = False: expected a str, one of disabled, offline, "
+     "online (YAML reads off, on, no and yes unquoted as false or true: quote the word)")])
 def test_yaml_slips_are_said_with_their_fix(tmp_path, text, said):
     path = tmp_path / "mine.yaml"
     path.write_text(text)

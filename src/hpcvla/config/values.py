@@ -33,8 +33,13 @@ def checked_value(name: str, value: Any, kind, meta, problems: list):
     if not _is_type(value, kind):
         quoted = kind in (int, float) and isinstance(value, str) and \
             re.fullmatch(r"\s*[-+]?\d+\s*", value) is not None
-        problems.append((name, value, _a(kind.__name__) + (" (quoted: drop the quotes)"
-                                                           if quoted else "")))
+        # YAML 1.1, PyYAML's: off/on/no/yes unquoted are false/true
+        word = kind is str and isinstance(value, bool)
+        choices = f", one of {', '.join(map(str, meta['choices']))}" \
+            if word and meta.get("choices") else ""
+        problems.append((name, value, _a(kind.__name__) + choices + (
+            " (quoted: drop the quotes)" if quoted else " (YAML reads off, on, no and yes "
+            "unquoted as false or true: quote the word)" if word else "")))
         return None
     if kind is float:
         try:
@@ -48,8 +53,9 @@ def checked_value(name: str, value: Any, kind, meta, problems: list):
         value = home_expanded(value)
     if meta.get("choices") and value not in meta["choices"]:
         known = meta.get("known_as", {}).get(str(value).lower())  # a name from elsewhere
-        close = [known] if known else difflib.get_close_matches(
-            str(value), list(map(str, meta["choices"])), n=1)
+        lowered = {str(c).lower(): str(c) for c in meta["choices"]}  # PPO for ppo too
+        close = [known] if known else [lowered[m] for m in difflib.get_close_matches(
+            str(value).lower(), list(lowered), n=1)]
         problems.append((name, value, f"one of {', '.join(map(str, meta['choices']))}"
                          + (f" (did you mean `{close[0]}`?)" if close else "")))
         return None
