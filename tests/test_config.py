@@ -593,6 +593,20 @@ def test_an_abbreviated_flag_is_not_taken_for_the_longer_one(capsys):
     assert "unrecognized arguments: --ranks-per" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,said", [
+    (["plan", "--world", "-3"], "argument --world: '-3': give a whole number, 1 or more"),
+    (["plan", "--world", "4", "--ranks-per-node", "0"], "argument --ranks-per-node: '0'"),
+    (["launch", "--timeout", "0", "--", "true"], "--timeout: '0': give seconds, a number above"),
+    (["launch", "--timeout", "nan", "--", "true"], "--timeout: 'nan': give seconds")])
+def test_counts_and_seconds_out_of_range_are_refused_by_their_flag(args, said, capsys):
+    """`plan --world -3` blamed a ranks-per-node the user never gave; `launch --timeout 0`
+    started a world and killed it at once, `nan` never."""
+    from hpcvla.cli import main
+    with pytest.raises(SystemExit) as ended:
+        main(args)
+    assert ended.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):
     """A file that holds no setting (empty, or its settings commented out) ran the built-in
     defaults; `{}` says so on purpose."""

@@ -236,8 +236,10 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
     assert plan(12, 6, "placement.ranks_per_node=4") == 2
     assert "placement.ranks_per_node = 4 does not divide the real node size 6" in \
         capsys.readouterr().err
-    assert plan(8, 0) == 2
-    assert "0 ranks per node: a node holds at least one rank" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ended:  # argparse's: the flag named
+        plan(8, 0)
+    assert ended.value.code == 2 and "argument --ranks-per-node: '0': give a whole number" \
+        in capsys.readouterr().err
     # a dynamic batcher's B_max above a cell's envs (32 here) never fills: every forward
     # pass would wait out T_max
     assert plan(4, 4, "rollout.batch_max=33") == 2

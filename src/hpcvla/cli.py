@@ -43,7 +43,7 @@ import yaml
 
 from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
-                           resumed_run_config, whole_number)
+                           resumed_run_config, seconds, whole_number)
 from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.config.imitation import sft_unread_problems
 from hpcvla.config.schema import MPI_FLAVOURS
@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="print the rank map of a config, or why it cannot work")
     _config_args(plan, required=False)
-    plan.add_argument("--world", type=int, required=True, help="MPI world size")
-    plan.add_argument("--ranks-per-node", type=int, default=None,
+    plan.add_argument("--world", type=whole_number(1), required=True, help="MPI world size")
+    plan.add_argument("--ranks-per-node", type=whole_number(1), default=None,
                       help="ranks per real node (default: --world); placement.ranks_per_node, "
                       "if set, emulates smaller nodes inside them, as in train")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
@@ -168,7 +168,7 @@ def _parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="run a program on N ranks of this machine")
     launch.add_argument("-n", type=int, required=True, help="number of ranks")
-    launch.add_argument("--timeout", type=float, default=None, help="kill the world after S s")
+    launch.add_argument("--timeout", type=seconds, default=None, help="kill the world after S s")
     launch.add_argument("--mpiexec", default="auto", help="mpiexec to use (default: auto)")
     launch.add_argument("--mpi", default="auto", choices=MPI_FLAVOURS,
                         help="MPI to run under (default: the launcher beside this Python)")

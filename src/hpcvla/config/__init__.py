@@ -2,9 +2,10 @@
 
 from hpcvla.config.loader import (ConfigError, config_argument, config_source,
                                   describe_settings, dump_config, last_run_config, load_config,
-                                  resumed_run_config, whole_number, write_run_config)
+                                  resumed_run_config, seconds, whole_number,
+                                  write_run_config)
 from hpcvla.config.schema import Config
 
 __all__ = ["Config", "ConfigError", "config_argument", "config_source", "describe_settings",
-           "dump_config", "last_run_config", "load_config", "resumed_run_config", "whole_number",
-           "write_run_config"]
+           "dump_config", "last_run_config", "load_config", "resumed_run_config", "seconds",
+           "whole_number", "write_run_config"]

@@ -64,6 +64,18 @@ def whole_number(least: int):
     return parse
 
 
+def seconds(text: str) -> float:
+    """An argparse type for a command-line time: a finite number of seconds above 0 (0 or
+    below ended a world as it started, nan never)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds, a number above 0")
+    return value
+
+
 class _UniqueKeys(yaml.SafeLoader):
     """YAML's safe loader, refusing a key a mapping gives twice: PyYAML keeps the last one
     silently (a second `learner:` section would drop the first one's settings)."""
