@@ -6,6 +6,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -140,10 +141,14 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
     (path / "state.json").write_bytes(b"\xff\xfe{\x00garbage")
     with pytest.raises(catalog.CheckpointError, match=r"state\.json: not valid JSON"):
         catalog.read_state(path)
-    (path / "state.json").write_text("[1, 2]")
-    with pytest.raises(catalog.CheckpointError, match=r"state\.json: format 'list', this "
-                       r"hpcvla reads formats 1, 2, 3"):
-        catalog.read_state(path)
+    for text, said in (("[1, 2]", "format 'list', none this hpcvla wrote; the file is "
+                        "damaged (move this checkpoint out of"),
+                       ("{}", "format None, none this hpcvla wrote; the file is damaged"),
+                       ('{"format": 9}', "format 9, written by a newer hpcvla; this one "
+                        "reads formats 1, 2, 3")):
+        (path / "state.json").write_text(text)
+        with pytest.raises(catalog.CheckpointError, match=re.escape(f"state.json: {said}")):
+            catalog.read_state(path)
     # a digit flipped in the version, a key in an optimizer entry: named, not taken
     with pytest.raises(catalog.CheckpointError, match=r"version 5 in a checkpoint named "
                        "v000004; the file is damaged"):

@@ -150,6 +150,11 @@ def sealed(state: dict) -> dict:
     return {**body, "sha256": digest}
 
 
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{path / STATE}: {what}; the file is damaged (move this checkpoint "
+                           f"out of {path.parent}: the one before it is then the newest)")
+
+
 def read_state(path: Path) -> dict:
     """state.json of a checkpoint directory, checked; raises CheckpointError naming what is
     wrong."""
@@ -160,23 +165,19 @@ def read_state(path: Path) -> dict:
         raise CheckpointError(f"{path}: no {STATE}; not a complete hpcvla checkpoint") from None
     except ValueError as err:  # JSON syntax, or bytes that are not even UTF-8
         raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
-    if not isinstance(state, dict) or state.get("format") not in READABLE:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{path / STATE}: format {found!r}, this hpcvla "
-                              f"reads formats {', '.join(map(str, READABLE))}")
+    found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if isinstance(found, int) and found > max(READABLE):
+        raise CheckpointError(f"{path / STATE}: format {found}, written by a newer hpcvla; "
+                              f"this one reads formats {', '.join(map(str, READABLE))}")
+    if found not in READABLE:
+        raise _damaged(path, f"format {found!r}, none this hpcvla wrote")
     if "sha256" not in state and state["format"] >= SEALED_FROM:
-        raise CheckpointError(f"{path / STATE}: lacks its sha256 (format {state['format']} "
-                              f"seals it); the file is damaged (move this checkpoint out of "
-                              f"{path.parent}: the one before it is then the newest)")
+        raise _damaged(path, f"lacks its sha256 (format {state['format']} seals it)")
     if "sha256" in state and sealed(state)["sha256"] != state["sha256"]:
-        raise CheckpointError(f"{path / STATE}: its contents do not match its sha256; the file "
-                              f"is damaged (move this checkpoint out of {path.parent}: the "
-                              "one before it is then the newest)")
+        raise _damaged(path, "its contents do not match its sha256")
     missing = sorted(set(STATE_KEYS) - set(state))
     if missing:
-        raise CheckpointError(f"{path / STATE}: lacks {', '.join(missing)}; the file is "
-                              f"damaged (move this checkpoint out of {path.parent}: the one "
-                              "before it is then the newest)")
+        raise _damaged(path, f"lacks {', '.join(missing)}")
     if CHECKPOINT_NAME.fullmatch(path.name) and state["version"] != int(path.name[1:]):
         raise CheckpointError(f"{path / STATE}: version {state['version']!r} in a checkpoint "
                               f"named {path.name}; the file is damaged")
