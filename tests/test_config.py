@@ -529,7 +529,9 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
     ("env.name=maniskill", "env.suite=libero_10", "libero does"),
     ("env.name=maniskill", "env.state_format=axis_angle", "libero does"),
     ("env.name=libero", "env.task=PushCube-v1", "maniskill does"),
-    ("env.name=libero", "env.state_mode=visual", "maniskill does")])
+    ("env.name=libero", "env.state_mode=visual", "maniskill does"),
+    ("placement.mode=colocated", "placement.per_node={simulator: 1, inference: 1, learner: 2}",
+     "disaggregated, hybrid do")])
 def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refused(
         chosen, unread, readers):
     """A sweep over a setting nothing reads runs identical arms: typed on the command line,
@@ -537,7 +539,8 @@ def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refus
     arm's settings)."""
     key = unread.partition("=")[0]
     chooser = chosen.partition("=")[0]
-    base = "configs/reach_grpo.yaml" if chosen == "algorithm.name=grpo" else None
+    base = {"algorithm.name=grpo": "configs/reach_grpo.yaml",
+            "placement.mode=colocated": "configs/colocated.yaml"}.get(chosen)
     with pytest.raises(ConfigError, match=rf"{re.escape(key)} = .*: expected none: "
                                           rf"{re.escape(chosen)} does not read it "
                                           rf"\({readers}\); drop it, or set {chooser}"):

@@ -16,7 +16,7 @@ from hpcvla.config.families import (ALGORITHMS, EE_DELTA_CONTROL, FAMILIES,
                                     unread_settings)
 from hpcvla.config.imitation import dataset_features
 from hpcvla.config.learning import ENCODED_FIELDS, noise_obs_fields
-from hpcvla.config.schema import ROLES
+from hpcvla.config.schema import PLACEMENT_MODES, ROLES
 from hpcvla.schedule import MODE_TRAITS, shards_of, shards_problem
 
 
@@ -305,6 +305,8 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
     **{f"rollout.{k}": ("pipeline.mode", tuple(
         m for m, t in MODE_TRAITS.items() if t.dynamic_batcher))
        for k in ("batch_max", "wait_max_ms")},
+    "placement.per_node": ("placement.mode", tuple(m for m in PLACEMENT_MODES
+                                                   if m != "colocated")),
 }
 # what the choices that do not read a setting run at: typed, it says what runs (on-policy
 # synchronous modes are max_staleness 0)
