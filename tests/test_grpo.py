@@ -305,6 +305,24 @@ def test_grpo_loss_mean_over_episodes_weighs_a_short_success_as_a_long_failure()
     assert constant.item() == pytest.approx(-(1.1 - 4 * 1.1) / 8, rel=1e-6)
 
 
+@pytest.mark.parametrize("granularity", ["action", "token"])
+def test_episodes_weigh_the_same_when_a_chunk_stops_inside(granularity):
+    """group_loss_mean=episodes at a finer granularity, where the actions a chunk never ran are
+    out (executed_units): a success after 1 of 4 actions (A = +1) and a failure over 2 whole
+    chunks (A = -1), fresh data: they weigh the same, the loss 0 (each unit weighs 1 / the
+    units its episode ran, not 1 / its chunks: the success weighed 1/4 of the failure)."""
+    from hpcvla.algorithms.granularity import executed_units
+    done = torch.tensor([[True, False], [False, True]])
+    episodes, index = first_episode_advantages(done, torch.tensor([[True, False],
+                                                                  [False, False]]), 2)
+    units = (2, 2, 4) + ((3,) if granularity == "token" else ())
+    ran = executed_units(torch.tensor([[1, 4], [4, 4]]), torch.zeros(units))
+    for mean_over, loss in (("episodes", 0.0), ("steps", -(1 - 8) / 9)):
+        got = grpo_loss(torch.zeros(units), torch.zeros(units), torch.zeros(2, 2), episodes,
+                        index, mean_over=mean_over, units=ran)[0]
+        assert got.item() == pytest.approx(loss, abs=1e-6), mean_over
+
+
 def test_grpo_loss_constant_mean_of_micro_batches_is_the_whole_batchs():
     """Two micro-batches of one group each (T = 4): a success at t = 0 beside a failure to
     the limit (5 kept steps), and a degenerate group (both fail: none kept). The learners

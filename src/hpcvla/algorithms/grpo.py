@@ -143,8 +143,11 @@ def grpo_loss(logprob, proximal_logprob, behaviour_logprob, episodes: GroupAdvan
         raise ValueError(f"mean_over {mean_over!r}: expected one of {GROUP_LOSS_MEANS}")
     device = logprob.device
     keep = episodes.keep.float().cpu()
-    if mean_over == "episodes":  # each step weighs 1 / its episode's length
-        length = torch.bincount(index.reshape(-1).cpu(), minlength=keep.numel())
+    if mean_over == "episodes":  # each unit weighs 1 / its episode's (a step 1 / its steps)
+        counted = torch.ones(index.shape) if units is None else \
+            units.flatten(index.ndim).sum(-1).float().cpu()  # the units that ran, each step
+        length = torch.zeros(keep.numel()).index_add_(0, index.reshape(-1).cpu(),
+                                                      counted.reshape(-1))
         keep = keep / length.clamp(min=1)
     mask = keep.to(device)[index.to(device)]
     if units is not None:
