@@ -313,7 +313,7 @@ if [[ ${HPCVLA_DRY_RUN:-0} == 1 ]]; then
     # the settings as the ranks would load them (the doctor's first check, not its node
     # checks): a dry run of a job they would refuse fails as the job would
     if makes_a_run "$1"; then
-        "$PYTHON" -m hpcvla config "${ARGS[@]:1}" > /dev/null ||
+        "$PYTHON" -m hpcvla config --job "$1" "${ARGS[@]:1}" > /dev/null ||
             die "the job's settings are refused (above): the job would end so"
     fi
     exit 0

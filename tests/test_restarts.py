@@ -378,6 +378,10 @@ def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_sta
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "did you mean `epochs`?" in out.stderr \
         and "the job's settings are refused" in out.stderr, out.stderr
+    out = subprocess.run([ROOT / "jobs/launch.sh", "sft", "configs/default.yaml",  # sft's own
+                          "algorithm.lr=1e-4"], cwd=ROOT, env={**os.environ, "HPCVLA_DRY_RUN": "1"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "hpcvla sft sets it from sft.lr" in out.stderr, out.stderr
 
 def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
     """jobs/launch.sh's counts (HPCVLA_RESTARTS, HPCVLA_START_RETRIES, HPCVLA_END_GRACE_S),

@@ -308,11 +308,12 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path, capsys):
     assert "sft.demos" in refused()
     # the learners' settings sft sets from its own: typed, they would change nothing
     err = refused(f"sft.demos={LIBERO_DEMOS}", "algorithm.lr=1e-4", "learner.micro_batch=8")
-    assert "algorithm.lr: expected none: hpcvla sft sets it from sft.lr; set that" in err \
-        and "learner.micro_batch: expected none: hpcvla sft sets it from sft.batch_size" in err
-    assert main(["doctor", "--job", "sft", "configs/libero_spatial.yaml",
-                 "algorithm.critic_lr=1e-4"]) == 2
-    assert "algorithm.critic_lr: expected none" in capsys.readouterr().err
+    assert "algorithm.lr = '1e-4': expected none: hpcvla sft sets it from sft.lr; set that" \
+        in err and "learner.micro_batch = '8': expected none: hpcvla sft sets it from " \
+        "sft.batch_size" in err
+    for command in (["doctor", "--job", "sft"], ["config", "--job", "sft"]):  # as sft's
+        assert main([*command, "configs/libero_spatial.yaml", "algorithm.critic_lr=1e-4"]) == 2
+        assert "algorithm.critic_lr = '1e-4': expected none" in capsys.readouterr().err
     bad = "tests/fixtures/demonstrations/maniskill/pushcube.state.pd_ee_delta_pose.h5"
     assert "pushcube.state.pd_ee_delta_pose.h5" in refused(f"sft.demos={bad}")
     assert "sft.val_demos" in refused(f"sft.demos={LIBERO_DEMOS}", f"sft.val_demos={bad}")

@@ -114,6 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     _config_args(config, required=False)
     config.add_argument("--doc", nargs="?", const="", metavar="SECTION|KEY",
                         help="document every setting, or a section's (`--doc learner`) or one")
+    config.add_argument("--job", choices=("train", "sft"), default="train", help="check the "
+                        "overrides as this command does (sft refuses those it sets itself)")
 
     add_doctor_parser(sub, _config_args)
 
@@ -309,6 +311,8 @@ def cmd_config(args) -> int:
                            args.doc), end="")
         return 0
     cfg = load_config(args.config, args.overrides)
+    if args.job == "sft" and (unread := sft_unread_problems(args.overrides)):
+        raise ConfigError(unread, config_source(args.config, args.overrides))
     print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
     return 0
 

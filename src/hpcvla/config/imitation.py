@@ -81,9 +81,9 @@ def read_by_sft(overrides) -> list[str]:
 
 def sft_unread_problems(overrides) -> list[tuple[str, object, str]]:
     """The overrides of SFT_SETS among `overrides`, as config problems."""
-    keys = [item.partition("=")[0] for item in overrides]
-    return [(key, None, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
-            for key in keys if key in SFT_SETS]
+    typed = [item.partition("=")[::2] for item in overrides]
+    return [(key, value, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
+            for key, value in typed if key in SFT_SETS]
 
 
 def demo_paths(section: SFTConfig | AlgorithmConfig, field: str = "demos") -> list[str]:
