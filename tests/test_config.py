@@ -626,7 +626,10 @@ def test_an_empty_config_file_is_refused_not_run_as_the_defaults(tmp_path):
      "settings under it)"),
     ("learner:\n  micro_batch: \"8\"\n", "expected an int (quoted: drop the quotes)"),
     ("run:\n  wandb: off\n", "run.wandb = False: expected a str, one of disabled, offline, "
-     "online (YAML reads off, on, no and yes unquoted as false or true: quote the word)")])
+     "online (YAML reads off, on, no and yes unquoted as false or true: did you mean "
+     "`disabled`?)"),
+    ("run:\n  name: yes\n", "run.name = True: expected a str (YAML reads off, on, no and "
+     "yes unquoted as false or true: quote the word)")])
 def test_yaml_slips_are_said_with_their_fix(tmp_path, text, said):
     path = tmp_path / "mine.yaml"
     path.write_text(text)

@@ -79,7 +79,8 @@ class RunConfig:
         "compute nodes without internet (`wandb sync <run dir>/wandb/offline-run-*` on a login "
         "node uploads them, one W&B run per run directory); `online` streams (WANDB_API_KEY; "
         "WANDB_PROJECT, default hpcvla, WANDB_ENTITY); `disabled`: off.",
-        choices=["disabled", "offline", "online"])
+        choices=["disabled", "offline", "online"],
+        known_as={word: "disabled" for word in ("off", "no", "false", "none")})
     timeline_s: float = setting(
         3600.0, "Seconds from each start that every rank writes its busy spans, a line each, "
         "to `timeline.rank<R>.jsonl` (report.py's swimlanes); then their totals alone (summary."

@@ -33,13 +33,10 @@ def checked_value(name: str, value: Any, kind, meta, problems: list):
     if not _is_type(value, kind):
         quoted = kind in (int, float) and isinstance(value, str) and \
             re.fullmatch(r"\s*[-+]?\d+\s*", value) is not None
-        # YAML 1.1, PyYAML's: off/on/no/yes unquoted are false/true
-        word = kind is str and isinstance(value, bool)
-        choices = f", one of {', '.join(map(str, meta['choices']))}" \
-            if word and meta.get("choices") else ""
-        problems.append((name, value, _a(kind.__name__) + choices + (
-            " (quoted: drop the quotes)" if quoted else " (YAML reads off, on, no and yes "
-            "unquoted as false or true: quote the word)" if word else "")))
+        hint = " (quoted: drop the quotes)" if quoted else ""
+        if kind is str and isinstance(value, bool):  # YAML 1.1 (PyYAML's) read a word
+            hint = _word_hint(value, meta)
+        problems.append((name, value, _a(kind.__name__) + hint))
         return None
     if kind is float:
         try:
@@ -66,6 +63,17 @@ def checked_value(name: str, value: Any, kind, meta, problems: list):
         problems.append((name, value, f"{_a(kind.__name__)} {bounds}"))
         return None
     return value
+
+
+def _word_hint(value: bool, meta: dict) -> str:
+    """For a text setting YAML read as a boolean (off, on, no, yes unquoted): its choices and
+    the one the word names, if any, else 'quote the word'."""
+    choices, names = meta.get("choices") or (), meta.get("known_as", {})
+    words = ("on", "yes", "true") if value else ("off", "no", "false")
+    meant = next((names.get(w, w) for w in words if w in names or w in choices), None)
+    return (f", one of {', '.join(map(str, choices))}" if choices else "") + \
+        " (YAML reads off, on, no and yes unquoted as false or true: " + \
+        (f"did you mean `{meant}`?)" if meant else "quote the word)")
 
 
 def home_expanded(paths: str) -> str:
