@@ -274,8 +274,8 @@ if [[ $JOB_RUN_STATE == complete ]]; then
         echo pipeline.total_updates) with run.resume=<the run>)"
     exit 0
 fi
-plan_auto "$1" || die "HPCVLA_AUTOPLAN=$HPCVLA_AUTOPLAN: hpcvla plan --auto found no layout" \
-    "for $NP rank(s) on $NODES node(s) (its reason above)"
+plan_auto "$1" || die "HPCVLA_AUTOPLAN=$HPCVLA_AUTOPLAN: no auto plan for $NP rank(s) on" \
+    "$NODES node(s) (the reason above)"
 set_command "$1"
 set_launch "$1"
 say "scheduler $SCHEDULER, job $JOB_ID: $NP rank(s) on $NODES node(s)" \

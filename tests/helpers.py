@@ -50,7 +50,6 @@ def left_behind(before: set[Path], wait_s: float = 60.0) -> list[str]:
     return sorted(map(str, left))
 
 
-
 def plant_orphan_segment(name: str) -> Path:
     """An MPICH segment in this worker's own /dev/shm (tests/conftest.py) that no process
     maps, as a killed rank leaves one: the evidence that a launcher's cleanup ran. A failed
@@ -68,6 +67,7 @@ def removed_by_name(planted: Path, text: str) -> bool:
     return not planted.exists() and any(
         planted.name in line.split() for line in text.splitlines()
         if "MPI segment(s) that no process maps" in line)
+
 
 def without_launcher(*args, hide=None, env=None, timeout=120):
     """`hpcvla ARGS` with the world launcher (hpcvla.job.launch) made unimportable: a command

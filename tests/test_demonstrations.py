@@ -625,6 +625,17 @@ def test_a_success_mid_chunk_leaves_the_rest_of_its_chunk_out(tmp_path):
             assert windows.pad[end - 1].tolist() == [False] * (c + k) + [True] * (c - k)
 
 
+def test_a_recording_makes_the_folder_of_its_out_file(tmp_path):
+    """`hpcvla demos --out new/demos.h5`: the folder is made (its os.open ended in a
+    FileNotFoundError traceback)."""
+    from hpcvla.config import load_config
+    from hpcvla.imitation import recording
+    from helpers import ROOT
+    said = recording.record(load_config(ROOT / "configs/default.yaml"), 1,
+                            tmp_path / "new" / "demos.h5")
+    assert said["episodes"] == 1 and (tmp_path / "new" / "demos.h5").is_file()
+
+
 def test_two_recordings_given_one_out_file_do_not_both_write_it(tmp_path, monkeypatch):
     """`hpcvla demos --out F` checked that F did not exist seconds before it made F (after
     building the env): a second job given the same F in between passed the check too, and
@@ -637,8 +648,6 @@ def test_two_recordings_given_one_out_file_do_not_both_write_it(tmp_path, monkey
     cfg = load_config(ROOT / "configs/default.yaml")
     out, built = tmp_path / "demos.h5", recording._env
     refused = []
-    # a folder of --out that does not exist yet is made (a FileNotFoundError traceback was)
-    assert recording.record(cfg, 1, tmp_path / "new" / "demos.h5")["episodes"] == 1
 
     def env_while_another_job_starts(config):
         with pytest.raises(recording.RecordingError, match="--out .*demos.h5: exists"):

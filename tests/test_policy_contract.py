@@ -55,7 +55,8 @@ def test_a_family_samples_what_it_declares_and_scores_what_it_sampled(name, tmp_
 
 
 # each family with a learned log std parameter, as it is built with one
-WITH_LOG_STD = [("default", {}), ("flow", {}), ("oft", {"action_head": "l1", "sequence": "official"})]
+WITH_LOG_STD = [("default", {}), ("flow", {}),
+                ("oft", {"action_head": "l1", "sequence": "official"})]
 
 
 @pytest.mark.parametrize("name,settings", WITH_LOG_STD, ids=[n for n, _ in WITH_LOG_STD])

@@ -353,7 +353,6 @@ def test_a_job_of_overrides_only_can_restart(capsys):
     assert main(["plan", "run.seed=2", "--world", "8", "--ranks-per-node", "4"]) == 0
 
 
-
 def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_starts():
     """jobs/launch.sh's switches mean on only as 1: HPCVLA_DRY_RUN=true would start the real
     job, HPCVLA_DOCTOR=yes skip the checks; thread and rank counts below 1, and a launcher
@@ -364,7 +363,7 @@ def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_sta
                "HPCVLA_THREADS": ("0", "is not a count: set a whole number (1 or more)"),
                "HPCVLA_RANKS": ("four", "is not a count: set a whole number (1 or more)"),
                "HPCVLA_LAUNCHER": ("srunn", "set srun or mpiexec"),
-               "HPCVLA_AUTOPLAN": ("fast", "hpcvla plan --auto found no layout")}
+               "HPCVLA_AUTOPLAN": ("fast", "no auto plan for 4 rank(s) on 1 node(s)")}
     for name, (value, said) in refused.items():
         env = {**os.environ, "HPCVLA_DRY_RUN": "1", name: value}
         out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml"],
@@ -382,6 +381,7 @@ def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_sta
                           "algorithm.lr=1e-4"], cwd=ROOT, env={**os.environ, "HPCVLA_DRY_RUN": "1"},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "hpcvla sft sets it from sft.lr" in out.stderr, out.stderr
+
 
 def test_a_restart_count_that_is_not_a_number_stops_the_job_before_it_starts():
     """jobs/launch.sh's counts (HPCVLA_RESTARTS, HPCVLA_START_RETRIES, HPCVLA_END_GRACE_S),

@@ -118,7 +118,6 @@ def test_a_dead_node_in_the_middle_leaves_the_others_in_the_restart():
     assert out.stderr.split("\n")[:3] == [f"removed 1 segment on {h}" for h in "acd"], out
 
 
-
 def test_a_command_over_ssh_is_read_by_bash_whatever_the_login_shell(tmp_path):
     """Under PBS without TM (Torque, HPCVLA_PBS_TM=0) on_node reaches another node by ssh,
     whose remote side hands its command line to the user's login shell: the command,
@@ -136,6 +135,7 @@ def test_a_command_over_ssh_is_read_by_bash_whatever_the_login_shell(tmp_path):
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
     assert out.returncode == 0 and out.stdout == "[a\tb][c d]", out
+
 
 def test_the_other_nodes_checked_are_those_but_this_one():
     """The batch script's node ran the whole doctor: the other nodes' checks go to the rest of

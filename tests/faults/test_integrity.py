@@ -144,8 +144,10 @@ def test_damaged_checkpoint_state_is_named(tmp_path):
     for text, said in (("[1, 2]", "format 'list', none this hpcvla wrote; the file is "
                         "damaged (move this checkpoint out of"),
                        ("{}", "format None, none this hpcvla wrote; the file is damaged"),
-                       ('{"format": 9}', "format 9, written by a newer hpcvla; this one "
-                        "reads formats 1, 2, 3")):
+                       (json.dumps(catalog.sealed({"format": 9})), "format 9, written by a "
+                        "newer hpcvla; this one reads formats 1, 2, 3"),
+                       ('{"format": 9, "sha256": "0"}', "format 9, none this hpcvla wrote; "
+                        "the file is damaged")):  # its seal broken: a flipped digit
         (path / "state.json").write_text(text)
         with pytest.raises(catalog.CheckpointError, match=re.escape(f"state.json: {said}")):
             catalog.read_state(path)

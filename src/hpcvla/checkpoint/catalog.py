@@ -166,7 +166,8 @@ def read_state(path: Path) -> dict:
     except ValueError as err:  # JSON syntax, or bytes that are not even UTF-8
         raise CheckpointError(f"{path / STATE}: not valid JSON ({err})") from None
     found = state.get("format") if isinstance(state, dict) else type(state).__name__
-    if isinstance(found, int) and found > max(READABLE):
+    if isinstance(found, int) and found > max(READABLE) and \
+            sealed(state).get("sha256") == state.get("sha256"):  # intact, not a flipped digit
         raise CheckpointError(f"{path / STATE}: format {found}, written by a newer hpcvla; "
                               f"this one reads formats {', '.join(map(str, READABLE))}")
     if found not in READABLE:
@@ -179,13 +180,12 @@ def read_state(path: Path) -> dict:
     if missing:
         raise _damaged(path, f"lacks {', '.join(missing)}")
     if CHECKPOINT_NAME.fullmatch(path.name) and state["version"] != int(path.name[1:]):
-        raise CheckpointError(f"{path / STATE}: version {state['version']!r} in a checkpoint "
-                              f"named {path.name}; the file is damaged")
+        raise _damaged(path, f"version {state['version']!r} in a checkpoint named "
+                       f"{path.name}")
     bad = [entry for entry in state["optimizer"] if not isinstance(entry, dict)
            or not {"file", "sha256"} <= set(entry)]
     if bad:
-        raise CheckpointError(f"{path / STATE}: optimizer entries without file and sha256 "
-                              f"({bad[0]!r}); the file is damaged")
+        raise _damaged(path, f"optimizer entries without file and sha256 ({bad[0]!r})")
     for name in [MODEL, *(entry["file"] for entry in state["optimizer"])]:
         whole(path / name)  # cheap here; contents are checked when loaded
     return state

@@ -44,7 +44,8 @@ def cross_field_problems(cfg) -> list[tuple[str, Any, str]]:
     low, high = LOG_STD_BOUNDS
     if not low < cfg.policy.init_log_std < high:
         problems.append(("policy.init_log_std", cfg.policy.init_log_std, f"inside ({low:g}, "
-                         f"{high:g}): every family keeps its exploration log std there"))
+                         f"{high:g}), the bounds of every family's exploration log std (the tokens "
+                         "heads' initial spread too)"))
     if 0 < cfg.env.step_timeout_s < 1:  # seconds: a millisecond figure would kill each step
         problems.append(("env.step_timeout_s", cfg.env.step_timeout_s,
                          "0 (no watchdog) or at least 1 (seconds): more than the slowest "

@@ -22,6 +22,7 @@ import numpy as np
 
 from hpcvla.config.families import simulator
 from hpcvla.scale.model import StageCosts
+from hpcvla.scale.presets import COST_NAMES
 
 
 def _median_s(fn, repeats: int = 5) -> float:
@@ -193,7 +194,7 @@ def config_costs(cfg) -> tuple[StageCosts, dict]:
             {"source": "emulate.* of the config", "inf_per_request_s": overhead}
     if not simulator(cfg.env.name).emulated:
         raise ValueError(f"env.name={cfg.env.name}: the probe times the reach env only; "
-                         "pass --costs balanced|table3|pi0-libero")
+                         f"pass --costs {'|'.join(c for c in COST_NAMES if c != 'config')}")
     costs, details = reach_costs(cfg)
     return costs, {"source": "probed reach", **details}
 
