@@ -7,8 +7,8 @@ The forward value is clamped into the bounds; the gradient passes inside them an
 where a descent step moves the value back in. torch.clamp's gradient is zero outside: a log
 std that one step carried past a bound (a large lr, an entropy bonus) stayed there for good,
 a policy exploring with std e^2 in normalized action space, or with e^-5, whose log-probs of
-its own earlier samples explode. This one cannot leave by gradients (the outward ones stop at
-the bound) and comes back when the loss asks.
+its own earlier samples explode. Here the outward gradients stop at the bound (an optimizer's
+momentum may carry it a few steps past), and it comes back when the loss asks.
 """
 
 from __future__ import annotations
@@ -21,15 +21,14 @@ from hpcvla.config.families import LOG_STD_BOUNDS
 class _InwardClamp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, low: float, high: float):
-        ctx.save_for_backward(x)
-        ctx.bounds = (low, high)
+        ctx.save_for_backward(x < low, x > high)  # (not x: for fp32 it is the parameter)
         return x.clamp(low, high)
 
     @staticmethod
     def backward(ctx, grad):
-        (x,), (low, high) = ctx.saved_tensors, ctx.bounds
+        below, above = ctx.saved_tensors
         # a descent step moves x by -grad: back in from above where grad > 0, from below < 0
-        passes = ((x >= low) & (x <= high)) | ((x > high) & (grad > 0)) | ((x < low) & (grad < 0))
+        passes = ~(below | above) | (above & (grad > 0)) | (below & (grad < 0))
         return torch.where(passes, grad, torch.zeros_like(grad)), None, None
 
 
