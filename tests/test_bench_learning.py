@@ -299,6 +299,9 @@ def test_bench_options_a_target_ignores_or_cannot_run_are_refused(tmp_path, caps
         assert main(["bench", "policies", "--json", str(path)]) == 2
         assert f"--json {path}: " in (err := capsys.readouterr().err) and says in err, err
     from hpcvla.bench.command import _outputs_problem
+    assert main(["bench", "modes", "--modes", "bogus", "--json", str(tmp_path / "new" / "x.json")
+                 ]) == 2 and not (tmp_path / "new").exists()  # refused first: no folder made
+    capsys.readouterr()
     later = tmp_path / "results" / "later"  # the folders they go in: made now
     assert _outputs_problem(_parser().parse_args(["bench", "scale", "--json", str(
         later / "scale.json"), "--chart", str(later / "chart.png")])) == "" and later.is_dir()

@@ -170,6 +170,41 @@ def _modes_problem(args) -> str:
     return ""
 
 
+def _target_problem(args) -> str:
+    """What the target's own options cannot run, named; '' if nothing: refused before any
+    run starts (a full-size folder is built for minutes, a learning arm trains for hours)."""
+    if args.target == "modes":
+        return _modes_problem(args)
+    if args.target == "fullsize":
+        from hpcvla.bench.fullsize import STEPS
+        unknown = [name for name in (args.steps.split(",") if args.steps else ()) if name
+                   not in STEPS]
+        return f"--steps {','.join(unknown)}: no such step (the steps: {','.join(STEPS)})" \
+            if unknown else ""
+    return _learning_problem(args) if args.target == "learning" else ""
+
+
+def _learning_problem(args) -> str:
+    """What `bench learning`'s arm options cannot run, named; '' if nothing."""
+    from hpcvla.bench.learning import RECIPE_ARMS
+    demo_args = args.demos is not None or args.demo_noise is not None
+    recipes = [*RECIPE_ARMS, "setting"]
+    if args.arms not in recipes and (args.config or demo_args):
+        return (f"--config, --demos and --demo-noise set a task recipe, which --arms "
+                f"{args.arms} does not take: add --arms {', '.join(recipes)}")
+    if (args.arms == "setting") != bool(args.setting):
+        return ("--setting KEY=VALUE and --arms setting go together (a recipe with the "
+                "settings changed against it as it is)")
+    if args.arms == "setting" and not args.config:
+        return "--arms setting needs --config: the recipe both arms run"
+    if args.arms == "scratch" and demo_args:
+        return "--demos and --demo-noise with --arms scratch: its arms start without " \
+            "demonstrations"
+    if args.demo_noise is not None and args.demo_noise < 0:
+        return f"--demo-noise must be >= 0, got {args.demo_noise}"
+    return ""
+
+
 def _outputs_problem(args) -> str:
     """What of --json, --chart and fullsize's --out cannot be written, named; '' if all can,
     the files' folders made: a benchmark writes its results at its end, after minutes or
@@ -196,7 +231,7 @@ def bench_command(args) -> int:
     if args.target in RECIPE_TARGETS and not Path("configs").is_dir():
         problem = (f"its workloads are the repository's recipes (configs/*.yaml): run it from "
                    f"the repository's root, not {Path.cwd()}")
-    problem = problem or _outputs_problem(args)
+    problem = problem or _target_problem(args) or _outputs_problem(args)  # (folders made last)
     if problem:
         print(f"hpcvla bench {args.target}: {problem}", file=sys.stderr)
         return 2
@@ -218,10 +253,6 @@ def bench_command(args) -> int:
         return 0
     if args.target == "modes":  # starts one world per mode itself
         from hpcvla.bench import modes
-        problem = _modes_problem(args)
-        if problem:
-            print(f"hpcvla bench modes: {problem}", file=sys.stderr)
-            return 2
         modes.run(args.workload, args.preset, args.gpus, updates=5 if args.quick else
                   args.updates or 20, json_path=args.json, sweep=args.sweep,
                   staleness=args.max_staleness,
@@ -244,11 +275,6 @@ def bench_command(args) -> int:
     if args.target == "fullsize":  # starts one world per run itself
         from hpcvla.bench import fullsize
         steps = args.steps.split(",") if args.steps else None  # None: every step
-        unknown = [name for name in steps or () if name not in fullsize.STEPS]
-        if unknown:  # refused before a full-size folder is built (minutes)
-            print(f"hpcvla bench fullsize: --steps {','.join(unknown)}: no such step (the "
-                  f"steps: {','.join(fullsize.STEPS)})", file=sys.stderr)
-            return 2
         return fullsize.run(args.out, quick=args.quick, json_path=args.json,
                             updates=args.updates or (2 if args.quick else 20), steps=steps)
     if args.target == "checkpoint":  # starts one world per run itself
@@ -259,25 +285,6 @@ def bench_command(args) -> int:
         return 0
     if args.target == "learning":  # starts one world per run itself
         from hpcvla.bench import learning
-        problem = ""  # refused before any run starts
-        demo_args = args.demos is not None or args.demo_noise is not None
-        recipes = [*learning.RECIPE_ARMS, "setting"]
-        if args.arms not in recipes and (args.config or demo_args):
-            problem = (f"--config, --demos and --demo-noise set a task recipe, which --arms "
-                       f"{args.arms} does not take: add --arms {', '.join(recipes)}")
-        elif (args.arms == "setting") != bool(args.setting):
-            problem = ("--setting KEY=VALUE and --arms setting go together (a recipe with "
-                       "the settings changed against it as it is)")
-        elif args.arms == "setting" and not args.config:
-            problem = "--arms setting needs --config: the recipe both arms run"
-        elif args.arms == "scratch" and demo_args:
-            problem = ("--demos and --demo-noise with --arms scratch: its arms start without "
-                       "demonstrations")
-        elif args.demo_noise is not None and args.demo_noise < 0:
-            problem = f"--demo-noise must be >= 0, got {args.demo_noise}"
-        if problem:
-            print(f"hpcvla bench learning: {problem}", file=sys.stderr)
-            return 2
         from hpcvla.config import ConfigError
         try:
             learning.run(seeds=2 if args.quick else args.seeds,
