@@ -458,6 +458,9 @@ def test_a_hub_id_given_as_a_pretrained_folder_is_told_how_to_download_it(tmp_pa
     cfg = load_config(None, ["policy.name=flow", f"policy.pretrained={tmp_path}/a/b"])
     [(_, _, why)] = pretrained_problems(cfg.policy, cfg.env)
     assert why.endswith("; nothing is there"), why
+    cfg = load_config(None, ["policy.name=flow", "policy.pretrained=fixtures/pi0/lerobot"])
+    [(_, _, why)] = pretrained_problems(cfg.policy, cfg.env)  # a relative path: from where
+    assert why.endswith(f"; nothing is there (a path from the current folder, {tmp_path})"), why
 
 
 def test_a_setting_without_its_value_is_not_only_a_missing_file():

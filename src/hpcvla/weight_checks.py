@@ -83,6 +83,8 @@ def pretrained_problems(policy, env) -> list[tuple[str, Any, str]]:
                       "compute nodes often reach no internet; download it once on a login "
                       f"node, `hf download {folder} --local-dir <folder>` (`huggingface-cli "
                       "download` before huggingface_hub 0.34), and give that folder)")
+        elif not where.exists() and not where.is_absolute():  # a recipe's, run from elsewhere
+            found += f" (a path from the current folder, {Path.cwd()})"
         return [("policy.pretrained", folder, "a folder holding model.safetensors (or a "
                  "sharded model.safetensors.index.json)" + (f", not {layout}" if layout else "")
                  + found)]
