@@ -2,7 +2,8 @@
 own floor or the floors below it.
 
     8  cli, __main__                      the commands
-    7  bench                              benchmarks: run the layers below and measure them
+    7  bench, eval_command                benchmarks: run the layers below and measure them;
+                                          `hpcvla eval`'s command: what to evaluate, where
     6  job, imitation, evaluate, export,  a whole job: start the world, run it, restart it;
        scale, doctor                      record an expert's demonstrations, fine-tune on
                                           them; evaluate, export, plan a scale-out, check a
@@ -49,7 +50,7 @@ FLOORS = {
     4: ("factory", "engines", "preflight", "weight_checks", "memory"),
     5: ("roles",),
     6: ("job", "imitation", "evaluate", "export", "scale", "doctor"),
-    7: ("bench",),
+    7: ("bench", "eval_command"),
     8: ("cli", "__main__"),
 }
 FLOOR_OF = {name: floor for floor, names in FLOORS.items() for name in names}

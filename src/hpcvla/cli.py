@@ -48,10 +48,12 @@ from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.config.imitation import sft_unread_problems
 from hpcvla.config.schema import MPI_FLAVOURS
 from hpcvla.doctor import add_doctor_parser, doctor_command
+from hpcvla.eval_command import add_eval_parser, eval_command
 from hpcvla.imitation.command import add_demos_parser, demos_command, plan_sft
 from hpcvla.metrics.command import add_inspect_parser, inspect_command
-from hpcvla.process.deathwatch import WORLD_COMMANDS, Refused
+from hpcvla.process.deathwatch import WORLD_COMMANDS
 from hpcvla.process.mpi_select import LaunchError, check_not_nested, launcher_rank
+from hpcvla.process.refusal import refused
 from hpcvla.scale.presets import COST_NAMES
 from hpcvla.topology.plan import PlanError, plan_from_config
 
@@ -125,39 +127,7 @@ def _parser() -> argparse.ArgumentParser:
 
     add_inspect_parser(sub)
 
-    evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
-                                           "of its untrained policy) on fixed initial states")
-    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its "
-                                                             "checkpoints/v*/ to evaluate that one")
-    evaluate.add_argument("overrides", nargs="*", default=[], metavar="key=value",
-                          help="settings changed for the evaluation, e.g. env.suite_task=-1 "
-                               "(every task of the suite) for a policy trained on one task")
-    evaluate.add_argument("--episodes", type=int, default=128, help="episodes (default 128)")
-    evaluate.add_argument("--envs", type=int, default=32,
-                          help="envs stepped together (default 32, at most --episodes)")
-    evaluate.add_argument("--untrained", action="store_true",
-                          help="the policy as the run's config initialises it (with --all "
-                               "or a checkpoint's path: first, as version 0, and each "
-                               "checkpoint against it, episode by episode)")
-    evaluate.add_argument("--deterministic", action="store_true",
-                          help="act with each policy's deterministic action (the Gaussian's "
-                               "mean, the top token, the flow from x_0 = 0 or from N(0, I) "
-                               "noise, where policy.logprob_mode explores from: "
-                               "policy.denoise_from; noise is openpi's sampler) instead of "
-                               "sampling as training does; ManiSkill's "
-                               "PPO baseline, OFT and openpi evaluate this way")
-    evaluate.add_argument("--all", action="store_true",
-                          help="every checkpoint the run kept, oldest first: a learning curve "
-                               "on fixed initial states (keep more: learner.checkpoint_keep)")
-    evaluate.add_argument("--json", action="store_true", help="output a JSON line per policy")
-    evaluate.add_argument("--video", type=int, default=0, metavar="K",
-                          help="also write the first K episodes of every task as MP4 (the "
-                               "camera each chunk was chosen from, captioned) to "
-                               "RUN_DIR/videos/ (default 0: none)")
-    evaluate.add_argument("--ranks", type=whole_number(1), default=None,
-                          help="start this many evaluator ranks on this machine, the states "
-                               "shared among them (default: one process, or the ranks of the "
-                               "srun/mpirun world this runs in)")
+    add_eval_parser(sub)
 
     export = sub.add_parser("export", help="a run's newest checkpoint as a policy folder")
     export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, or one of its "
@@ -212,17 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             return COMMANDS[args.command](args)
         return or_abort_the_world(args.command, start)
     except (ConfigError, PlanError, LaunchError) as err:
-        return _refused(args.command, err)
-
-
-def _refused(command: str, why) -> int:
-    """Exit status 2, `why` said once. On a rank of a world every rank hears it first
-    (job/runtime.or_abort_the_world: one message from rank 0)."""
-    if command in WORLD_COMMANDS and launcher_rank() is not None:
-        raise Refused(str(why))
-    if not launcher_rank():  # alone, or rank 0 of a world every rank of which finds the same
-        print(f"hpcvla {command}: {why}", file=sys.stderr)
-    return 2
+        return refused(args.command, err)
 
 
 def cmd_train(args) -> int:
@@ -323,80 +283,12 @@ def cmd_launch(args) -> int:
     return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
 
 
-def cmd_eval(args) -> int:
-    from hpcvla.checkpoint import catalog
-    from hpcvla.evaluate import (describe, eval_config, eval_problem, evaluate_policies,
-                                 run_config, weights_problem, write_curve)
-    if problem := catalog.path_problem(Path(args.run_dir)):
-        return _refused("eval", problem)
-    run_dir, chosen = catalog.run_and_checkpoint(Path(args.run_dir))
-    if chosen and args.all:
-        return _refused("eval", f"--all evaluates every checkpoint of a run: give {run_dir}, "
-                        "not one of its checkpoints")
-    try:
-        from hpcvla import preflight
-        cfg = eval_config(run_dir, args.overrides, args.untrained)
-        source = str(run_config(run_dir))  # the settings the run last ran with
-        preflight.check_host(cfg, source)  # its node, each rank
-        preflight.check_config(cfg, source)
-        preflight.check_env(cfg)  # the simulator, its task or suite
-    except ConfigError as err:
-        return _refused("eval", err)
-    trained = load_config(source)
-    problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video,  # ranks here
-                           args.ranks or (None if launcher_rank() is not None else 1))
-    if problem:
-        return _refused("eval", problem)
-    policies = [None] if args.untrained else []  # None: the untrained policy
-    if chosen:  # the one named
-        kept = [chosen]
-    else:  # every one (--all) or the newest; none for --untrained alone
-        kept = catalog.complete(run_dir) if args.all or not args.untrained else []
-    policies += kept if args.all else kept[-1:]  # every one, or the newest
-    if not kept and (args.all or not args.untrained):
-        return _refused("eval", f"{run_dir}: no complete checkpoint "
-                        "(checkpoints/v*/state.json)")
-    try:  # each checkpoint's state and files, and its weights, before any rank starts
-        for path in kept:
-            catalog.read_state(path)
-        problem = None if preflight.checked_by_launcher(cfg) else weights_problem(
-            cfg, trained, [p for p in policies if p], args.untrained, bool(args.overrides))
-    except catalog.CheckpointError as err:
-        problem = str(err)
-    if problem:
-        return _refused("eval", problem)
-    if args.ranks is not None:  # start the world here; its ranks come back to this function
-        from hpcvla.job.launch import run_local_world, without_ranks
-        return run_local_world(args.ranks, without_ranks(args.argv), cfg, {
-            preflight.LAUNCH_CHECKED: preflight.launch_checked(cfg, None)})
-
-    def report(world) -> None:
-        curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,
-                                  args.deterministic, world, args.video)
-        if world is None or world.Get_rank() == 0:
-            print("\n".join(json.dumps(r) if args.json else describe(r) for r in curve))
-            if args.all:  # kept with the run: postprocess/report.py draws it with training's
-                write_curve(cfg, run_dir, curve)
-    if launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
-        try:
-            return report(None) or 0
-        except catalog.CheckpointError as err:
-            return _refused("eval", err)
-    from mpi4py import MPI
-
-    from hpcvla.job.runtime import run_guarded
-    from hpcvla.topology.comms import check_scheduler_world
-    if cfg.launch.check_scheduler:  # N 1-rank worlds would each evaluate every state
-        check_scheduler_world(MPI.COMM_WORLD.Get_size())
-    return run_guarded(MPI.COMM_WORLD, "evaluator", lambda: report(MPI.COMM_WORLD), "eval")
-
-
 def cmd_export(args) -> int:
     from hpcvla.checkpoint.catalog import CheckpointError, path_problem, run_and_checkpoint
     from hpcvla.evaluate import run_config
     from hpcvla.export import export_policy
     if problem := path_problem(Path(args.run_dir)):
-        return _refused("export", problem)
+        return refused("export", problem)
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
     try:
         cfg = load_config(run_config(run_dir))
@@ -409,5 +301,5 @@ def cmd_export(args) -> int:
 
 COMMANDS = {"train": cmd_train, "sft": cmd_sft, "bench": bench_command, "plan": cmd_plan,
             "config": cmd_config, "doctor": doctor_command, "launch": cmd_launch,
-            "inspect": inspect_command, "eval": cmd_eval, "demos": demos_command,
+            "inspect": inspect_command, "eval": eval_command, "demos": demos_command,
             "export": cmd_export}
