@@ -93,7 +93,9 @@ def test_an_eval_worlds_ranks_evaluate_rank_0s_choice_of_policies(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.parametrize("flags,named", [
     (("--episodes", 10 ** 9), "--episodes"), (("--envs", 0), "--envs"),
-    (("--ranks", 0), "--ranks")])
+    (("--ranks", 0), "--ranks"),
+    (("--deterministic", "--sampled"), "argument --sampled: not allowed with argument "
+                                       "--deterministic")])
 def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, named):
     run_dir = _run_dir(tmp_path, "default.yaml")
     out = hpcvla("eval", run_dir, "--untrained", *flags, timeout=60)
@@ -354,10 +356,14 @@ def test_a_libero_pro_suite_evaluates_a_policy_of_its_base_suite(tmp_path, capsy
     """LIBERO-PRO's position perturbation of libero_spatial (`_swap`) as env.suite: the tiny π0
     configured for libero_spatial runs its protocol there (the first state of task 0)."""
     run_dir = _run_dir(tmp_path, "libero_pi0.yaml", "env.train_states=benchmark")
-    result = _eval(run_dir, "--deterministic", "--envs", 1, "env.suite=libero_spatial_swap",
+    result = _eval(run_dir, "--envs", 1, "env.suite=libero_spatial_swap",
                    "eval.protocol=libero", "eval.tasks=0", "eval.states_per_task=1",
                    "env.chunk_len=10", timeout=600)
     assert result["protocol"]["suite"] == "libero_spatial_swap"
+    # a benchmark's protocol acts as its scripts do (greedy, no added noise) unless --sampled;
+    # its record says the render size, which the scripts' 256 px differs from here
+    assert result["actions"] == "deterministic" and result["protocol"]["image_size"] == 32
+    assert "rendered at 32 px (the published scripts: 256)" in result["protocol"]["describe"]
     assert result["held_out"] is False  # the run trained from the fixed states
     from hpcvla.cli import main
     assert main(["eval", str(run_dir), "--untrained", "env.train_states=sampled"]) == 2

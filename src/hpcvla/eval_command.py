@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from hpcvla.config import ConfigError, load_config, whole_number
+from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.process.mpi_select import launcher_rank
 from hpcvla.process.refusal import refused
 
@@ -27,13 +28,18 @@ def add_eval_parser(sub) -> None:
                           help="the policy as the run's config initialises it (with --all "
                                "or a checkpoint's path: first, as version 0, and each "
                                "checkpoint against it, episode by episode)")
-    evaluate.add_argument("--deterministic", action="store_true",
-                          help="act with each policy's deterministic action (the Gaussian's "
-                               "mean, the top token, the flow from x_0 = 0 or from N(0, I) "
-                               "noise, where policy.logprob_mode explores from: "
-                               "policy.denoise_from; noise is openpi's sampler) instead of "
-                               "sampling as training does; ManiSkill's "
-                               "PPO baseline, OFT and openpi evaluate this way")
+    actions = evaluate.add_mutually_exclusive_group()
+    actions.add_argument("--deterministic", action="store_true",
+                         help="act with each policy's deterministic action (the Gaussian's "
+                              "mean, the top token, the flow from x_0 = 0 or from N(0, I) "
+                              "noise, where policy.logprob_mode explores from: "
+                              "policy.denoise_from; noise is openpi's sampler) instead of "
+                              "sampling as training does; ManiSkill's PPO baseline, OFT and "
+                              "openpi evaluate this way. The default under a simulator's "
+                              "benchmark protocol (eval.protocol=libero)")
+    actions.add_argument("--sampled", action="store_true",
+                         help="sample actions as training does: the default under "
+                              "eval.protocol=hpcvla")
     evaluate.add_argument("--all", action="store_true",
                           help="every checkpoint the run kept, oldest first: a learning curve "
                                "on fixed initial states (keep more: learner.checkpoint_keep)")
@@ -70,6 +76,9 @@ def eval_command(args) -> int:
     except ConfigError as err:
         return refused("eval", err)
     trained = load_config(source)
+    # a benchmark's protocol acts as its scripts do (OFT's and openpi's: no sampling)
+    deterministic = args.deterministic or (not args.sampled and
+                                           cfg.eval.protocol != OWN_PROTOCOL)
     problem = eval_problem(cfg, trained, args.episodes, args.envs, args.video,  # ranks here
                            args.ranks or (None if launcher_rank() is not None else 1))
     if problem:
@@ -99,7 +108,7 @@ def eval_command(args) -> int:
 
     def report(world) -> None:
         curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,
-                                  args.deterministic, world, args.video)
+                                  deterministic, world, args.video)
         if world is None or world.Get_rank() == 0:
             print("\n".join(json.dumps(r) if args.json else describe(r) for r in curve))
             if args.all:  # kept with the run: postprocess/report.py draws it with training's

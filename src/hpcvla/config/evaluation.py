@@ -22,7 +22,8 @@ class EvalConfig:
         "evaluation scripts run it (LIBERO's own: 600 steps, 20 trials): every task of "
         "env.suite (or eval.tasks) in turn, its fixed initial states (eval.states_per_task "
         "of 50), the suite's step limit (spatial 220, object 280, goal 300, libero_10 520, "
-        "libero_90 400), 10 settle steps, success when the task is first done; --episodes "
+        "libero_90 400; LeRobot runs spatial to 280), 10 settle steps, success when the task "
+        "is first done, `hpcvla eval` acting deterministically unless --sampled; --episodes "
         "(eval.episodes) is then ignored.",
         choices=(OWN_PROTOCOL, *(t.benchmark for t in SIMULATORS.values() if t.benchmark)))
     states_per_task: int = setting(

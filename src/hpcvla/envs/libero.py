@@ -88,6 +88,7 @@ STATE_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 STATE_DIMS = {"quaternion": 9, "axis_angle": 8}  # env.state_format -> state size
 ACTION_DIM = 7
 SETTLE_STEPS = 10  # num_steps_wait of the standard LIBERO evaluation scripts
+PUBLISHED_RENDER = 256  # px: OFT's env_img_res, openpi's LIBERO_ENV_RESOLUTION
 SETTLE_ACTION = np.array([0.0] * 6 + [-1.0])  # their dummy action: arm still, gripper open
 _FIXTURES, _PLACEMENT = 0x11B, 0x9A5  # numpy global seeds: fixed states' fixtures, placements
 
@@ -279,11 +280,14 @@ class LiberoEnv(SerialVectorEnv):
         per_task = cfg.eval.states_per_task
         return cfg, {"name": "libero", "suite": cfg.env.suite, "tasks": tasks,
                      "states_per_task": per_task, "step_limit": limit, "steps": limit,
-                     "settle_steps": SETTLE_STEPS, "describe": (
+                     "settle_steps": SETTLE_STEPS, "image_size": cfg.env.image_size,
+                     "describe": (
                          f"LIBERO protocol: {cfg.env.suite} tasks {tasks}, {per_task} fixed "
                          f"states each, step limit {limit} env steps (a chunk past it is cut), "
                          f"{SETTLE_STEPS} settle steps, success: the task done at any step (it "
-                         "ends the episode)")}, (ids, labels)
+                         f"ends the episode); rendered at {cfg.env.image_size} px"
+                         + ("" if cfg.env.image_size == PUBLISHED_RENDER else
+                            f" (the published scripts: {PUBLISHED_RENDER})"))}, (ids, labels)
 
     @classmethod
     def uses_gpu(cls, env_cfg) -> bool:

@@ -32,6 +32,7 @@ SUITES = (*LIBERO_SUITES, *LIBERO_PRO_SUITES)  # env.suite's values
 BENCHMARK_STATES = 50  # the fixed initial states of each task, in every suite
 # max_steps per suite of the standard evaluation scripts (openpi examples/libero/main.py,
 # OpenVLA's experiments/robot/libero/run_libero_eval.py): `hpcvla eval`'s eval.protocol=libero
+# (LeRobot's LIBERO evaluation runs libero_spatial to 280, its others to these)
 STEP_LIMITS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300,
                "libero_10": 520, "libero_90": 400}
 STEP_LIMITS.update({pro: STEP_LIMITS[base] for pro, base in LIBERO_PRO_SUITES.items()})
