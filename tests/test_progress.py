@@ -44,19 +44,22 @@ def test_a_held_out_evaluation_is_logged_at_the_trained_steps_of_its_version(tmp
         line.steps = steps
         line.on_update(version)
     report = {"success_rate": 0.25, "success_ci95": [0.1, 0.5], "mean_return": 1.5,
-              "episodes": 16, "actions": "deterministic", "env_faults": 0}
+              "episodes": 16, "actions": "deterministic", "env_faults": 0,
+              "protocol": {"name": "libero", "steps": 220, "suite": "libero_spatial"}}
     line.on_held_out(2, report)
     line.on_update(4)
     assert list(line.steps_at) == [2, 3, 4]  # from the last reported on: reports come in order
     out = capsys.readouterr().out.splitlines()
     assert out[-2].startswith("[hpcvla] held-out evaluation of version 2: success 0.250 "
-                              "(95 % 0.100-0.500) over 16 episodes (deterministic actions)")
+                              "(95 % 0.100-0.500) over 16 episodes (deterministic actions, "
+                              "libero protocol, 220 steps)")  # which figure it is
     assert "| held-out 0.25 (v2) | ETA" in out[-1]
     line.close()
     (record,) = [json.loads(r)["held_out"] for r in (tmp_path / "metrics.jsonl").open()]
     assert record == {"version": 2, "trained_env_steps": 200, "success_rate": 0.25,
                       "mean_return": 1.5, "success_ci95": [0.1, 0.5], "episodes": 16,
-                      "actions": "deterministic", "env_faults": 0}
+                      "actions": "deterministic", "env_faults": 0,
+                      "protocol": {"name": "libero", "steps": 220}}
 
 
 def test_a_run_without_held_out_evaluations_keeps_no_steps_per_version():

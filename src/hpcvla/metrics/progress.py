@@ -154,9 +154,14 @@ class Progress:
             del self.steps_at[older]
         self.held_out = (version, report["success_rate"])
         low, high = report["success_ci95"]
+        # which protocol, at which horizon: libero's benchmark or the run's own states
+        protocol = {k: report["protocol"][k] for k in ("name", "steps")} \
+            if "protocol" in report else {}
         print(f"[hpcvla] held-out evaluation of version {version}: success "
               f"{figure(report['success_rate'], 3)} (95 % {low:.3f}-{high:.3f}) over "
-              f"{report['episodes']} episodes ({report['actions']} actions), mean return "
+              f"{report['episodes']} episodes ({report['actions']} actions"
+              + (f", {protocol['name']} protocol, {protocol['steps']} steps" if protocol else "")
+              + "), mean return "
               f"{figure(report['mean_return'])}" + (
                   f" ({report['env_faults']} left out: env faults)"
                   if report.get("env_faults") else "")
@@ -171,6 +176,7 @@ class Progress:
                       "held_out": {"version": version, "trained_env_steps": steps, **scalars,
                                    **{k: report[k] for k in ("success_ci95", "episodes",
                                                              "actions", "env_faults")},
+                                   **({"protocol": protocol} if protocol else {}),
                                    **({"per_task": report["per_task"]}
                                       if len(report.get("per_task", ())) > 1 else {})}}
             self._file.write(json.dumps(record) + "\n")
