@@ -155,12 +155,15 @@ class Progress:
         self.held_out = (version, report["success_rate"])
         low, high = report["success_ci95"]
         # which protocol, at which horizon: libero's benchmark or the run's own states
-        protocol = {k: report["protocol"][k] for k in ("name", "steps")} \
-            if "protocol" in report else {}
+        protocol = {k: v for k, v in report.get("protocol", {}).items()
+                    if k in ("name", "steps")}
+        said = "".join(f", {protocol[key]} {word}" for key, word in (("name", "protocol"),
+                                                                   ("steps", "steps"))
+                       if key in protocol)
         print(f"[hpcvla] held-out evaluation of version {version}: success "
               f"{figure(report['success_rate'], 3)} (95 % {low:.3f}-{high:.3f}) over "
               f"{report['episodes']} episodes ({report['actions']} actions"
-              + (f", {protocol['name']} protocol, {protocol['steps']} steps" if protocol else "")
+              + said
               + "), mean return "
               f"{figure(report['mean_return'])}" + (
                   f" ({report['env_faults']} left out: env faults)"
