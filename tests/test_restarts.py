@@ -371,6 +371,10 @@ def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_sta
         assert out.returncode == 2 and f"{name}={value}" in out.stderr \
             and said in out.stderr and "running:" not in out.stderr, (name, out.stderr)
     assert "invalid choice: 'fast' (choose from 'config', 'balanced'" in out.stderr
+    out = subprocess.run([ROOT / "jobs/launch.sh", "trian", "configs/default.yaml"], cwd=ROOT,
+                         env={**os.environ, "HPCVLA_DRY_RUN": "1"}, capture_output=True,
+                         text=True, timeout=60)  # a command hpcvla does not have
+    assert out.returncode == 2 and "trian: no hpcvla command" in out.stderr, out.stderr
     # a dry run of settings the ranks would refuse fails as the job would (it exited 0)
     out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
                           "learner.epoch=3"], cwd=ROOT, env={**os.environ, "HPCVLA_DRY_RUN": "1"},
