@@ -129,8 +129,9 @@ done
 LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib  # this script's own, whatever the root
 # shellcheck source=lib/allocation.sh
 source "$LIB/allocation.sh"
-"$PYTHON" -m hpcvla "$1" --help > /dev/null 2>&1 ||  # a typo would start an allocation's work
-    die "$1: no hpcvla command (\`hpcvla --help\` lists them; e.g. train CONFIG)"
+if ! refusal=$("$PYTHON" -m hpcvla "$1" --help 2>&1 > /dev/null); then  # before any work
+    die "$1: hpcvla does not run it (${refusal##*$'\n'})"  # its last line: the reason
+fi
 
 # ---- the command ---------------------------------------------------------------------------
 # The run of this job that a restart continues: the newest run directory under $1, if its

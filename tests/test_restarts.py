@@ -374,7 +374,8 @@ def test_a_switch_count_or_launcher_the_job_would_misread_stops_it_before_it_sta
     out = subprocess.run([ROOT / "jobs/launch.sh", "trian", "configs/default.yaml"], cwd=ROOT,
                          env={**os.environ, "HPCVLA_DRY_RUN": "1"}, capture_output=True,
                          text=True, timeout=60)  # a command hpcvla does not have
-    assert out.returncode == 2 and "trian: no hpcvla command" in out.stderr, out.stderr
+    assert out.returncode == 2 and "trian: hpcvla does not run it (hpcvla: error: argument " \
+        "command: invalid choice: 'trian'" in out.stderr, out.stderr
     # a dry run of settings the ranks would refuse fails as the job would (it exited 0)
     out = subprocess.run([ROOT / "jobs/launch.sh", "train", "configs/default.yaml",
                           "learner.epoch=3"], cwd=ROOT, env={**os.environ, "HPCVLA_DRY_RUN": "1"},
