@@ -147,8 +147,14 @@ def test_a_tight_staleness_bound_caps_the_plan_and_the_planner_says_what_a_loose
 @pytest.mark.parametrize("world,rpn,field", [(10, 4, "--world"), (4, 2, "--ranks-per-node"),
                                              (0, 4, "--world")])
 def test_cli_plan_auto_bad_input(capsys, world, rpn, field):
-    assert main(["plan", "--auto", "configs/default.yaml", "--world", str(world),
-                 "--ranks-per-node", str(rpn), "--costs", "balanced"]) == 2
+    args = ["plan", "--auto", "configs/default.yaml", "--world", str(world),
+            "--ranks-per-node", str(rpn), "--costs", "balanced"]
+    if world < 1:  # argparse's, by the flag: a whole number of 1 or more
+        with pytest.raises(SystemExit) as ended:
+            main(args)
+        assert ended.value.code == 2
+    else:
+        assert main(args) == 2
     assert field in capsys.readouterr().err
 
 
