@@ -93,9 +93,11 @@ def test_training_beats_the_untrained_policy(tmp_path, config, updates, extra):
         full = next(v for n, v in lengths if n == lengths[-1][0])
         assert lengths[-1][1] < full and summary["mean_episode_chunks"] == \
             pytest.approx(lengths[-1][1], rel=1e-5), (full, lengths[-1], summary)
-        # the streamer's producers run ahead of the learner (max_staleness 1): segments of
-        # the next batch wait at some versions' ends
-        assert max(v for _, v in board["perf/queued_segments"]) > 0
+        # the streamer's producers run ahead of the learner (max_staleness 1): versions train
+        # segments an older version made. (Whether some of the next batch's also wait at a
+        # version's end, perf/queued_segments > 0, is the machine's timing: a learner that
+        # keeps up finds none.)
+        assert max(v for _, v in board["perf/staleness"]) > 0
         # a point a version (its records' mean): the optimizer steps' norms before clipping,
         # and the share of them max_grad_norm clipped
         assert [s for s, _ in board["train/grad_norm"]] == [v * 1024 for v in
