@@ -219,9 +219,9 @@ def _outputs_problem(args) -> str:
     for flag, folder in folders.items():
         if why := unwritable(folder):
             return f"--{flag} {getattr(args, flag)}: cannot be written there ({why})"
-    for flag in ("json", "chart"):
-        if flag in folders:
-            Path(folders[flag]).mkdir(parents=True, exist_ok=True)
+    for flag, folder in folders.items():
+        if flag != "out":  # (fullsize makes its --out)
+            Path(folder).mkdir(parents=True, exist_ok=True)
     return ""
 
 

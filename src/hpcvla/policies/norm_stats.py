@@ -11,11 +11,16 @@ from pathlib import Path
 from hpcvla.policies.folders import tensor_shapes
 
 
+# LeRobot's processor files and the feature whose statistics each holds (actions: the
+# post-processor, which unnormalizes them)
+PROCESSORS = {"policy_preprocessor.json": "observation.state",
+              "policy_postprocessor.json": "action"}
+
+
 def is_lerobot(folder) -> bool:
     """A LeRobot folder: it holds either of its processor files (lerobot_steps names the other
     where it is missing); openpi's hold neither."""
-    return any((Path(folder) / name).is_file()
-               for name in ("policy_preprocessor.json", "policy_postprocessor.json"))
+    return any((Path(folder) / name).is_file() for name in PROCESSORS)
 
 
 def lerobot_steps(folder: Path) -> tuple[dict, dict]:
@@ -26,8 +31,7 @@ def lerobot_steps(folder: Path) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
     stats, steps = {}, {}
-    for name, feature in (("policy_preprocessor.json", "observation.state"),
-                          ("policy_postprocessor.json", "action")):
+    for name, feature in PROCESSORS.items():
         path = folder / name
         if not path.is_file():
             raise ValueError(f"{folder}: {name} is missing (LeRobot writes it beside the "
