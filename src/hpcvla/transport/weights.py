@@ -326,9 +326,14 @@ class WeightPlane:
         except BaseException as err:  # noqa: BLE001
             self._error = err
             deathwatch.abort_world(MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank(),
-                                   f"hpcvla: the weight plane thread of {self.who} failed: "
-                                   f"{err!r}", 1, traceback.format_exc())
+                                   f"hpcvla: {self._failure_words()}", 1,
+                                   traceback.format_exc())
 
     def _raise_thread_error(self) -> None:
+        # the rank's main thread may see the error before the thread's own abort has run:
+        # whichever ends the world says the same words
         if self._error is not None:
-            raise RuntimeError(f"weight plane thread failed: {self._error!r}") from self._error
+            raise RuntimeError(self._failure_words()) from self._error
+
+    def _failure_words(self) -> str:
+        return f"the weight plane thread of {self.who} failed: {self._error!r}"
