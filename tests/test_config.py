@@ -515,6 +515,31 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
                                                    "policy.size=full"]).policy.size == "full"
 
 
+def test_a_config_files_setting_its_own_choices_do_not_read_is_refused(tmp_path):
+    """A user's YAML with GRPO's `group_size` and no algorithm.name ran PPO without a word: a
+    file's settings are judged by the file's own choices, as typed ones are. A command line
+    that re-points a recipe leaves the file's other settings as a recipe's; the run's record
+    holds them at their defaults (what was read), so that it loads back as a config file."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("algorithm:\n  group_size: 4\npolicy:\n  name: flow\n  size: tiny\n"
+                    "  denoise_steps: 3\n")
+    with pytest.raises(ConfigError, match=r"algorithm.group_size = 4: expected none: algorithm"
+                                          r".name=ppo does not read it \(grpo does\); drop it"):
+        load_config(path)
+    assert load_config(path, ["algorithm.name=grpo", "rollout.segment_len=20"]).algorithm \
+        .group_size == 4
+    assert load_config(path, ["algorithm.name=sac"]).algorithm.group_size == 4  # re-pointed
+    path.write_text("policy:\n  denoise_steps: 3\n")  # flow's, on the default policy
+    with pytest.raises(ConfigError, match=r"policy.denoise_steps = 3: .*\(flow does\)"):
+        load_config(path)
+    switched = load_config("configs/reach_flow.yaml", ["policy.name=oft", "policy.size=tiny"])
+    assert switched.policy.denoise_steps == 4  # the recipe's, not read by oft
+    dump_config(switched, tmp_path / "config.yaml")
+    back = load_config(tmp_path / "config.yaml")
+    assert back == recorded(switched) and back.policy.denoise_steps == 0, back.policy
+    assert back.learner.epochs == 4  # the recipe's, read
+
+
 @pytest.mark.parametrize("chosen, unread, readers", [
     ("algorithm.name=sac", "learner.epochs=4", "ppo, grpo do"),
     ("algorithm.name=sac", "algorithm.clip=0.1", "ppo, grpo do"),
@@ -549,8 +574,7 @@ def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refus
                                           rf"\({readers}\); drop it, or set {chooser}"):
         load_config(base, [chosen, unread])
     from hpcvla.config.checks import _default_of
-    section, _, name = key.partition(".")
-    assert load_config(base, [chosen, f"{key}={_default_of(section, name)}"])
+    assert load_config(base, [chosen, f"{key}={_default_of(key)}"])
     if key == "pipeline.max_staleness":  # what the synchronous modes run at: said, it loads
         assert load_config(base, [chosen, f"{key}=0"])
 

@@ -475,7 +475,7 @@ def test_a_new_grouped_algorithm_is_a_row_of_the_traits_table(monkeypatch):
     import dataclasses
 
     from hpcvla.algorithms.objective import advantages_of, policy_loss
-    from hpcvla.config.checks import cross_field_problems, unread_override_problems
+    from hpcvla.config.checks import cross_field_problems, unread_setting_problems
     from hpcvla.config.families import ALGORITHMS
     from hpcvla.envs.build import make_envs
     monkeypatch.setitem(ALGORITHMS, "rloo", dataclasses.replace(ALGORITHMS["grpo"]))
@@ -491,7 +491,7 @@ def test_a_new_grouped_algorithm_is_a_row_of_the_traits_table(monkeypatch):
         problems["rollout.segment_len"]
     assert "only ppo warms a value critic" in problems["algorithm.critic_warmup_versions"]
     cfg.algorithm.gae_lambda, cfg.algorithm.group_size = 0.9, 4  # as typed
-    refused = unread_override_problems(cfg, ["algorithm.gae_lambda=0.9", "algorithm.group_size=4"])
+    refused = unread_setting_problems(cfg, ["algorithm.gae_lambda=0.9", "algorithm.group_size=4"])
     assert [(f, fix) for f, _, fix in refused] == [("algorithm.gae_lambda", "none: algorithm."
                                                     "name=rloo does not read it (ppo does); drop "
                                                     "it, or set algorithm.name")]

@@ -325,6 +325,22 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
 
 
+def test_train_refuses_the_sft_settings_typed_for_it(tmp_path, capsys):
+    """`hpcvla train ... sft.steps=50` trained as if it were not there: train reads no sft.*
+    setting; typed, one is refused (its doctor's and config's too, as the job script runs
+    them); a config file's sft section stays, for one file serving both commands."""
+    from hpcvla.cli import main
+    for command in (["train"], ["doctor"], ["config", "--job", "train"], ["plan", "--world", "4"]):
+        assert main([*command, "configs/default.yaml", f"run.root={tmp_path}",
+                     "sft.steps=50"]) == 2, command
+        assert "sft.steps = '50': expected none: hpcvla train does not read the sft section " \
+            "(hpcvla sft does); drop it" in capsys.readouterr().err, command
+    config = tmp_path / "both.yaml"
+    config.write_text("sft:\n  steps: 50\n")
+    assert main(["config", str(config)]) == 0 and "steps: 50" in capsys.readouterr().out
+    assert not [p for p in tmp_path.iterdir() if p != config]  # nothing started
+
+
 @pytest.mark.mpi
 def test_sft_on_a_lerobot_dataset_folder(tmp_path):
     """A LeRobot dataset (LeRobot 0.6.1's format v3.0, AV1 video: the fixture) given as its
@@ -497,12 +513,12 @@ def test_a_world_sft_starts_times_its_ranks_from_the_command(tmp_path, monkeypat
         started.update(n=n, program=program, env=dict(os.environ))
         return 0
     monkeypatch.setattr(launch, "run_world", run_world)
-    for command, ranks in (("sft", 2), ("train", 4)):
+    for command, ranks, demos_of in (("sft", 2, [f"sft.demos={demos}"]), ("train", 4, [])):
         with mock.patch.dict(os.environ):  # what the command sets, for its ranks alone
             for name in (phases.LAUNCHED_AT, LOCAL_WORLD):
                 os.environ.pop(name, None)
             assert cli.main([command, "configs/default.yaml", "--ranks", str(ranks),
-                             f"sft.demos={demos}", f"run.root={tmp_path}"]) == 0
+                             *demos_of, f"run.root={tmp_path}"]) == 0
         assert started["program"][0] == command and started["n"] == ranks
         # the command's process start (this test process's), not each rank's own
         assert float(started["env"][phases.LAUNCHED_AT]) == \

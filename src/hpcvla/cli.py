@@ -44,8 +44,9 @@ import yaml
 from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
                            resumed_run_config, seconds, whole_number)
+from hpcvla.config.checks import as_read
+from hpcvla.config.imitation import job_unread_problems
 from hpcvla.config.loader import config_to_dict, settings_doc
-from hpcvla.config.imitation import sft_unread_problems
 from hpcvla.config.schema import MPI_FLAVOURS
 from hpcvla.doctor import add_doctor_parser, doctor_command
 from hpcvla.eval_command import add_eval_parser, eval_command
@@ -190,6 +191,8 @@ def cmd_train(args) -> int:
         args.config = resumed_run_config(args.overrides)  # named for the ranks' command line
     cfg = load_config(args.config, args.overrides)
     source = config_source(args.config, args.overrides)
+    if unread := job_unread_problems("train", args.overrides):
+        raise ConfigError(unread, source)
     from hpcvla import preflight  # packages, files and devices this config needs
     if args.ranks is None and launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
@@ -210,7 +213,7 @@ def cmd_sft(args) -> int:
         args.config = resumed_run_config(args.overrides)
     cfg = load_config(args.config, args.overrides)
     source = config_source(args.config, args.overrides)
-    if unread := sft_unread_problems(args.overrides):
+    if unread := job_unread_problems("sft", args.overrides):
         raise ConfigError(unread, source)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
     preflight.check_host(cfg, source)  # its node, on each rank of a world
@@ -226,6 +229,8 @@ def cmd_sft(args) -> int:
 def cmd_plan(args) -> int:
     from hpcvla.envs import check_env, env_spec
     cfg = load_config(args.config, args.overrides)
+    if unread := job_unread_problems(args.job, args.overrides):
+        raise ConfigError(unread, config_source(args.config, args.overrides))
     check_env(cfg)  # the env's own settings and the folder's: the spec and sizes need them
     from hpcvla.weight_checks import check_pretrained
     check_pretrained(cfg, config_source(args.config, args.overrides))
@@ -271,9 +276,9 @@ def cmd_config(args) -> int:
                            args.doc), end="")
         return 0
     cfg = load_config(args.config, args.overrides)
-    if args.job == "sft" and (unread := sft_unread_problems(args.overrides)):
+    if unread := job_unread_problems(args.job, args.overrides):
         raise ConfigError(unread, config_source(args.config, args.overrides))
-    print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+    print(yaml.safe_dump(config_to_dict(as_read(cfg)), sort_keys=False), end="")
     return 0
 
 

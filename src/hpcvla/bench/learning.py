@@ -86,6 +86,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.config.imitation import read_by
 from hpcvla.files import read_log
 from hpcvla.job.trainrun import train_run
 from hpcvla.metrics.progress import figure
@@ -256,11 +257,11 @@ def late_explained_variance(records: list[dict], from_update: int = 30) -> float
 
 
 def train_and_eval(args: list[str], root: Path, eval_episodes: int) -> dict:
-    """One `hpcvla train *args` under `root`, then `hpcvla eval` of its final checkpoint (in
-    this process)."""
+    """One `hpcvla train *args` under `root` (less the sft settings a bench gives its SFT start
+    too), then `hpcvla eval` of its final checkpoint (in this process)."""
     from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights
-    run_dir, summary = train_run(args, root, timeout=3600)
+    run_dir, summary = train_run(read_by("train", args), root, timeout=3600)
     weights, _ = checkpoint_weights(run_dir)
     return {"run_dir": run_dir, "summary": summary, "metrics": read_log(run_dir / "metrics.jsonl"),
             **both_evals(load_config(run_dir / "config.yaml"), weights, eval_episodes)}
@@ -310,12 +311,11 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     with the recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own):
     the SFT run directory every `imitation` arm starts from, and its eval."""
     from hpcvla.config import load_config
-    from hpcvla.config.imitation import read_by_sft
     from hpcvla.evaluate import checkpoint_weights
     demos = root / "demos.h5"
     for command in (["demos", config, *overrides, "--episodes", str(episodes),
                      "--noise", str(noise), "--out", str(demos)],
-                    ["sft", config, *read_by_sft([*overrides, *sft]), f"sft.demos={demos}",
+                    ["sft", config, *read_by("sft", [*overrides, *sft]), f"sft.demos={demos}",
                      f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
     (run_dir,) = (root / "sft").iterdir()
@@ -358,8 +358,8 @@ def run(seeds=3, updates=200, json_path=None, overrides=(), arms="modes",
             results.update({f"pretrained_eval_success{suffix}": start[key]["success_rate"]
                             for key, suffix in EVALS.items()})
         for arm, layout in arm_set.items():
-            runs, layout = [], [part.format(pretrained=pretrained,
-                                            demos=Path(tmp) / "demos.h5") for part in layout]
+            runs, layout = [], [p.format(pretrained=pretrained, demos=Path(tmp) / "demos.h5")
+                                for p in layout]
             for seed in range(seeds):
                 root = Path(tmp) / f"{arm}-{seed}"
                 done = train_and_eval([*layout, f"run.seed={seed}",

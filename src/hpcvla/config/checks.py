@@ -314,40 +314,30 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
 IMPLIED = {"pipeline.max_staleness": 0}
 
 
-def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
-    """Settings typed on the command line that the chosen policy family, simulator,
-    algorithm or pipeline mode does not read (`policy.size=full` on the default policy,
-    FamilyTraits.settings; `env.suite_task=3` on maniskill, SimulatorTraits.settings;
-    `algorithm.group_size=4` under PPO, AlgorithmTraits.settings; `learner.epochs=4` under
-    SAC, `pipeline.max_staleness=2` in a synchronous mode: READ_ONLY_UNDER): refused, not silently
-    ignored, where they change a default. A config file's stay (`configs/reach_flow.yaml
-    policy.name=oft` keeps the file's flow settings unread).
+def unread_setting_problems(cfg, overrides, file_settings=()) -> list[tuple[str, Any, str]]:
+    """Settings the chosen policy family, simulator, algorithm or pipeline mode does not read
+    (unread_settings_of), typed on the command line (`overrides`: `policy.size=full` on the
+    default policy, `algorithm.group_size=4` under PPO) or set by the config file
+    (`file_settings`, dotted names: a user's YAML with `group_size` under PPO): refused, not
+    silently ignored, where they change a default. A file's settings are judged by the file's
+    own choices: a command line that re-points a recipe (`configs/reach_flow.yaml
+    policy.name=oft`) leaves the file's settings for the other choice as a recipe's, unread.
     Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
     folder_sizes): `configs/libero_pi0.yaml policy.size=full` would plan its fixture's sizes."""
-    tables = {"policy": FAMILIES, "env": SIMULATORS, "algorithm": ALGORITHMS}
+    typed = [item.partition("=")[0] for item in overrides]
+    unread = unread_settings_of(cfg)
     problems = []
-    for item in overrides:
-        key = item.partition("=")[0]
-        section, _, name = key.partition(".")
-        if key == "policy.size" and cfg.policy.pretrained and family(
-                cfg.policy.name).folder_sizes:
-            problems.append((key, cfg.policy.size, f"none: the folder policy.pretrained="
-                             f"{cfg.policy.pretrained} sets the sizes; to build at this size "
-                             "without it: policy.pretrained= policy.tokenizer="))
-            continue
-        if section in tables and name in unread_settings(tables[section],
-                                                         _value_of(cfg, f"{section}.name")):
-            readers = readers_of(tables[section], name)
-            chooser = f"{section}.name"
-        elif key in READ_ONLY_UNDER and _value_of(cfg, READ_ONLY_UNDER[key][0]) not in \
-                READ_ONLY_UNDER[key][1]:
-            chooser = READ_ONLY_UNDER[key][0]  # a switch's readers: `run.dump_trajectories=true`
-            readers = [r if isinstance(r, str) else f"{chooser}={str(r).lower()}"
-                       for r in READ_ONLY_UNDER[key][1]]
-        else:
-            continue
+    if "policy.size" in typed and cfg.policy.pretrained and family(
+            cfg.policy.name).folder_sizes:
+        problems.append(("policy.size", cfg.policy.size, "none: the folder policy.pretrained="
+                         f"{cfg.policy.pretrained} sets the sizes; to build at this size "
+                         "without it: policy.pretrained= policy.tokenizer="))
+        unread.pop("policy.size", None)  # said once
+    filed = [key for key in file_settings if key in unread and unread[key][0] not in typed]
+    for key in dict.fromkeys(key for key in [*typed, *filed] if key in unread):
+        chooser, readers = unread[key]
         value = _value_of(cfg, key)
-        if value in (_default_of(section, name), IMPLIED.get(key)):  # said, but changing
+        if value in (_default_of(key), IMPLIED.get(key)):  # said, but changing
             continue  # nothing (a bench's settings for every arm)
         chosen = f"{chooser}={_value_of(cfg, chooser)}"
         problems.append((key, value, f"none: {chosen} does not read it ({', '.join(readers)} "
@@ -356,13 +346,44 @@ def unread_override_problems(cfg, overrides) -> list[tuple[str, Any, str]]:
     return problems
 
 
+def unread_settings_of(cfg) -> dict[str, tuple[str, list[str]]]:
+    """The settings `cfg`'s choices do not read, by dotted name: (the chooser that decides,
+    the values of it that would read it). A family's, simulator's or algorithm's own settings
+    (FamilyTraits/SimulatorTraits/AlgorithmTraits.settings), and those a switch or mode reads
+    (READ_ONLY_UNDER)."""
+    unread = {}
+    for section, table in (("policy", FAMILIES), ("env", SIMULATORS),
+                           ("algorithm", ALGORITHMS)):
+        for name in unread_settings(table, _value_of(cfg, f"{section}.name")):
+            unread[f"{section}.{name}"] = (f"{section}.name", readers_of(table, name))
+    for key, (chooser, readers) in READ_ONLY_UNDER.items():
+        if _value_of(cfg, chooser) not in readers:  # a switch's readers: `run.dump_traj..=true`
+            unread[key] = (chooser, [r if isinstance(r, str) else f"{chooser}={str(r).lower()}"
+                                     for r in readers])
+    return unread
+
+
+def as_read(cfg):
+    """`cfg` with the settings its choices do not read (unread_settings_of) at their
+    defaults: what a run records (a re-pointed recipe's other settings were not read), so
+    that its record loads back under the file check."""
+    import dataclasses
+    changes: dict[str, dict] = {}
+    for key in unread_settings_of(cfg):
+        section, _, name = key.partition(".")
+        changes.setdefault(section, {})[name] = _default_of(key)
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section),
+                                                                    **values)
+                                       for section, values in changes.items()})
+
+
 def _value_of(cfg, key: str):
     """The value of the setting `key` ("section.name") in `cfg`."""
     section, _, name = key.partition(".")
     return getattr(getattr(cfg, section), name)
 
 
-def _default_of(section: str, name: str):
-    """The default of the setting `section.name`."""
+def _default_of(key: str):
+    """The default of the setting `key` ("section.name")."""
     from hpcvla.config.schema import Config
-    return _value_of(Config(), f"{section}.{name}")
+    return _value_of(Config(), key)

@@ -39,7 +39,8 @@ class FamilyTraits:
     # takes both; the small network's encoders one image (config/learning.ENCODED_FIELDS)
     wrist_camera: bool = False
     # the policy.* settings its constructor reads (policies/registry.policy_kwargs); a setting of
-    # another family's typed on the command line for this one is refused (config/checks.py)
+    # another family's, typed or in a config file that chose this one, is refused
+    # (config/checks.unread_setting_problems)
     settings: tuple[str, ...] = ()
 
 
@@ -104,8 +105,8 @@ class SimulatorTraits:
     # its version recorded with every run (job/provenance.py); () for none (reach)
     package: tuple[str, ...] = ()
     # the env.* settings it reads that another simulator does not (those the traits above
-    # decide are judged by their rules): a simulator that does not read one refuses it typed
-    # (config/checks.unread_override_problems), reach from a config file too (ReachEnv)
+    # decide are judged by their rules): a simulator that does not read one refuses it, typed
+    # or in a config file that chose it (config/checks.unread_setting_problems)
     settings: tuple[str, ...] = ()
 
 
@@ -150,7 +151,8 @@ class AlgorithmTraits:
     prior_data: bool = False
     # the algorithm.* settings it reads that another does not (those the traits decide are
     # judged by their rules: critic_warmup, critic_warmup_versions, demos): a choice that does
-    # not read one refuses it typed (config/checks.unread_override_problems)
+    # not read one refuses it, typed or in a config file that chose it
+    # (config/checks.unread_setting_problems)
     settings: tuple[str, ...] = ()
 
     @property

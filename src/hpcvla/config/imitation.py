@@ -74,16 +74,23 @@ SFT_SETS = {"algorithm.lr": "sft.lr", "algorithm.critic_lr": "sft.lr",
             "learner.micro_batch": "sft.batch_size", "learner.micro_batches": "sft.micro_batches"}
 
 
-def read_by_sft(overrides) -> list[str]:
-    """`overrides` less SFT_SETS' (a benchmark gives its SFT start the RL arms' too)."""
-    return [item for item in overrides if item.partition("=")[0] not in SFT_SETS]
-
-
-def sft_unread_problems(overrides) -> list[tuple[str, object, str]]:
-    """The overrides of SFT_SETS among `overrides`, as config problems."""
+def job_unread_problems(job: str, overrides) -> list[tuple[str, object, str]]:
+    """The overrides among `overrides` that the command `job` ("train" or "sft") does not
+    read, as config problems: for sft, SFT_SETS' (it sets them itself); for train, the sft
+    section's (a config file's sft section stays: one file may serve both commands)."""
     typed = [item.partition("=")[::2] for item in overrides]
-    return [(key, value, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
-            for key, value in typed if key in SFT_SETS]
+    if job == "sft":
+        return [(key, value, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
+                for key, value in typed if key in SFT_SETS]
+    return [(key, value, "none: hpcvla train does not read the sft section (hpcvla sft "
+             "does); drop it") for key, value in typed if key.startswith("sft.")]
+
+
+def read_by(job: str, overrides) -> list[str]:
+    """`overrides` less those `job` does not read (job_unread_problems): a benchmark gives its
+    SFT start and its RL arms the same ones."""
+    unread = {key for key, _, _ in job_unread_problems(job, overrides)}
+    return [item for item in overrides if item.partition("=")[0] not in unread]
 
 
 def demo_paths(section: SFTConfig | AlgorithmConfig, field: str = "demos") -> list[str]:

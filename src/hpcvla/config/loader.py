@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hpcvla.config.checks import cross_field_problems, unread_override_problems
+from hpcvla.config.checks import as_read, cross_field_problems, unread_setting_problems
 from hpcvla.config.schema import Config
 from hpcvla.config.values import checked_value, home_expanded
 
@@ -131,7 +131,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                                 "CONFIG, or `{}`, for the built-in defaults)")], str(path))
         if not isinstance(data, dict):
             raise ConfigError([("top level", data, "a mapping of sections")], str(path))
-    return _checked(data, overrides, source)
+    return _checked(data, overrides, source, file_settings=list(_flat(data)))
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -139,14 +139,17 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
     return _checked(config_to_dict(cfg), overrides, "overrides of a config")
 
 
-def _checked(data: dict, overrides: list[str], source: str) -> Config:
-    """The Config of `data` with `overrides` applied; every problem raised at once."""
+def _checked(data: dict, overrides: list[str], source: str, file_settings=()) -> Config:
+    """The Config of `data` with `overrides` applied; every problem raised at once.
+    `file_settings`: the settings a config file set, by dotted name (those its own choices
+    do not read are refused: checks.unread_setting_problems)."""
     problems: list = []
     for item in overrides:
         _apply_override(data, item, problems)
     cfg = _build(Config, data, "", problems)
     if not problems:
-        problems.extend(cross_field_problems(cfg) + unread_override_problems(cfg, overrides))
+        problems.extend(cross_field_problems(cfg) +
+                        unread_setting_problems(cfg, overrides, file_settings))
     if problems:
         raise ConfigError(problems, source)
     return cfg
@@ -246,15 +249,20 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def recorded(cfg):
+def recorded(cfg: Config) -> Config:
     """`cfg` as a run records it (dump_config): the settings that name files or folders
     (`paths`) made absolute, so that `hpcvla eval`, `export` and `run.resume` read the run
-    from any directory."""
+    from any directory; those its choices do not read at their defaults (checks.as_read: a
+    re-pointed recipe's), so that the record loads back as a config file."""
+    return _absolute_paths(as_read(cfg))
+
+
+def _absolute_paths(cfg):
     changes = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            changes[f.name] = recorded(value)
+            changes[f.name] = _absolute_paths(value)
         elif f.metadata.get("paths") and value:
             changes[f.name] = ",".join(os.path.abspath(part.strip())
                                        for part in value.split(","))

@@ -61,9 +61,9 @@ def doctor_command(args) -> int:
     world = args.world and (args.world, args.ranks_per_node)
     if args.job != "eval":
         from hpcvla.config import ConfigError, load_config
-        from hpcvla.config.imitation import sft_unread_problems
-        if args.job == "sft" and (unread := sft_unread_problems(args.overrides)):
-            raise ConfigError(unread, "hpcvla sft's overrides")
+        from hpcvla.config.imitation import job_unread_problems
+        if unread := job_unread_problems(args.job, args.overrides):
+            raise ConfigError(unread, f"hpcvla {args.job}'s overrides")
         return main(load_config(args.config, args.overrides), args.json, args.job, world,
                     node_only=args.node_only)
     from hpcvla.checkpoint.catalog import run_and_checkpoint

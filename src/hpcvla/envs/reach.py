@@ -54,7 +54,6 @@ import time
 
 import numpy as np
 
-from hpcvla.config.families import SIMULATORS, readers_of, unread_settings
 from hpcvla.emulate import pad
 from hpcvla.envs.base import EnvSpec, StepResult, VectorEnv
 from hpcvla.seeds import env_seeds, state_rng
@@ -99,20 +98,6 @@ def _sample_layout(rng: np.random.Generator, num_objects: int):
 
 class ReachEnv(VectorEnv):
     """Vectorized "reach the <colour> object" task; see the module docstring."""
-
-    @classmethod
-    def config_problems(cls, env_cfg) -> list[tuple[str, object, str]]:
-        """The real simulators' settings (SimulatorTraits.settings), from a config file too:
-        set on reach they would be silently not read (a forgotten env.name trains reach)."""
-        default = type(env_cfg)()
-        problems = []
-        for key in sorted(unread_settings(SIMULATORS, "reach")):
-            if getattr(env_cfg, key) != getattr(default, key):
-                readers = readers_of(SIMULATORS, key)
-                problems.append((f"env.{key}", getattr(env_cfg, key), (
-                    f"{getattr(default, key)!r}, its default: env.name=reach does not read it "
-                    f"({', '.join(readers)} do{'es' if len(readers) == 1 else ''})")))
-        return problems
 
     @classmethod
     def config_kwargs(cls, env_cfg) -> dict:
