@@ -249,7 +249,9 @@ def cmd_plan(args) -> int:
     from hpcvla.schedule import config_layout_problems
     devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others
     memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))
-    refused = config_layout_problems(cfg, plan)  # what `train` would refuse on this plan
+    from hpcvla.preflight import checkpoint_problems
+    # what `train` would refuse on this plan, and of the checkpoints it starts from
+    refused = config_layout_problems(cfg, plan) + checkpoint_problems(cfg)
     said = [f"hpcvla plan: {why}: {name} = {value!r}: expected {text}"
             for why, problems in (("does not fit", memory.problems),
                                   ("train refuses it", refused))

@@ -63,15 +63,21 @@ def host_problems(cfg) -> list[tuple[str, Any, str]]:
 
 def file_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str, Any, str]]:
     """What the config's files and folders hold, the same from every node of one shared
-    file system: the checkpoint resumed, the pretrained folder, W&B's settings."""
+    file system: the checkpoints it starts from, the pretrained folder, W&B's settings."""
+    problems = checkpoint_problems(cfg, last) + wandb_problems(cfg.run)
+    if cfg.policy.pretrained:
+        problems += pretrained_problems(cfg.policy, cfg.env)
+    return problems
+
+
+def checkpoint_problems(cfg, last=("pipeline.total_updates", None)) -> list[tuple[str, Any, str]]:
+    """The checkpoints a run starts from, there and whole: the run resumed (run.resume) and
+    the weights it starts at (policy.checkpoint). `last`: as config_problems'."""
     problems = []
     if cfg.run.resume:  # `hpcvla sft` resumes an SFT run, `train` an RL run
         from hpcvla.checkpoint.catalog import resume_problems
         problems += resume_problems(cfg.run.resume, last[0] == "sft.steps", (
             last[0], cfg.pipeline.total_updates if last[1] is None else last[1]))
-    problems += wandb_problems(cfg.run)
-    if cfg.policy.pretrained:
-        problems += pretrained_problems(cfg.policy, cfg.env)
     if cfg.policy.checkpoint:
         from hpcvla.checkpoint.catalog import CheckpointError, latest, read_state
         path = latest(cfg.policy.checkpoint)
