@@ -288,6 +288,27 @@ def test_the_printed_result_says_what_it_measured_and_what_a_benchmark_would_cou
         "benchmark, RLinf's)" in shown, shown
 
 
+def test_hpcvla_eval_of_no_verdict_exits_3(default_run, monkeypatch, capfd):
+    """Every episode ended by an env fault: `hpcvla eval` says so and exits 3 (it exited 0,
+    and a script reading its status took the line for a result); a crash is 1, a refusal 2.
+    Here every step of reach reports its envs failed."""
+    import numpy as np
+
+    from hpcvla.cli import main
+    from hpcvla.envs.reach import ReachEnv
+    step = ReachEnv.step
+
+    def failing(self, actions):
+        result, every = step(self, actions), np.ones(self.num_envs, dtype=bool)
+        return result._replace(truncated=every, env_fault=every, terminated=~every,
+                               success=~every, episode_length=np.ones(self.num_envs, np.int32))
+    monkeypatch.setattr(ReachEnv, "step", failing)
+    assert main(["eval", str(default_run), "--untrained", "--episodes", "2", "--envs", "2"]) == 3
+    assert "no verdict on the policy: every one of the 2 episodes" in capfd.readouterr().out
+    monkeypatch.setattr(ReachEnv, "step", step)
+    assert main(["eval", str(default_run), "--untrained", "--episodes", "2", "--envs", "2"]) == 0
+
+
 def test_an_evaluation_whose_every_episode_faulted_gives_no_verdict(tmp_path, capfd):
     """Every episode an env fault (a simulator that broke): no success rate or return (None,
     not NaN: JSON has none), said so by `hpcvla eval`'s lines, the held-out line and curve,

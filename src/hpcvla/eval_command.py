@@ -12,6 +12,10 @@ from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.process.mpi_select import launcher_rank
 from hpcvla.process.refusal import refused
 
+# the exit status of an evaluation that gave no verdict on a policy: each of its episodes was
+# ended by an env fault (said in its lines); a crash is 1, a refusal 2
+NO_VERDICT = 3
+
 
 def add_eval_parser(sub) -> None:
     evaluate = sub.add_parser("eval", help="success rate of a run's newest checkpoint (or "
@@ -106,16 +110,18 @@ def eval_command(args) -> int:
         return run_local_world(args.ranks, without_ranks(args.argv), cfg, {
             preflight.LAUNCH_CHECKED: preflight.launch_checked(cfg, None)})
 
-    def report(world) -> None:
+    def report(world) -> int:
         curve = evaluate_policies(cfg, run_dir, policies, args.episodes, args.envs,
                                   deterministic, world, args.video)
         if world is None or world.Get_rank() == 0:
             print("\n".join(json.dumps(r) if args.json else describe(r) for r in curve))
             if args.all:  # kept with the run: postprocess/report.py draws it with training's
                 write_curve(cfg, run_dir, curve)
+        # every rank holds the whole curve: the world's ranks exit alike
+        return NO_VERDICT if any(not result["episodes"] for result in curve) else 0
     if launcher_rank() is None:  # one process; a damaged checkpoint is said, not traced
         try:
-            return report(None) or 0
+            return report(None)
         except catalog.CheckpointError as err:
             return refused("eval", err)
     from mpi4py import MPI

@@ -163,8 +163,9 @@ def run_guarded(world, role: str, main, command: str, threads: bool = False) -> 
     """Run `main()` on every rank of `world`, each in one `role` (e.g. `hpcvla sft`'s
     learners): a rank that raises aborts the world, as in run_ranks; one that raises
     Refused, as every rank does then, ends it with one message (from `hpcvla COMMAND`) and
-    exit 2. `threads`: `main` calls MPI from threads beside the main thread's (Horovod's
-    background thread), which only MPI_THREAD_MULTIPLE allows: refused below it."""
+    exit 2. Else the exit status `main()` returns (0 for none). `threads`: `main` calls MPI
+    from threads beside the main thread's (Horovod's background thread), which only
+    MPI_THREAD_MULTIPLE allows: refused below it."""
     try:
         hosts = agreed_start(world)  # [dist]
         if threads:
@@ -174,13 +175,13 @@ def run_guarded(world, role: str, main, command: str, threads: bool = False) -> 
     node = node_numbers(hosts)[world.Get_rank()]
     deathwatch.register(world.Get_rank(), role, node, hosts[world.Get_rank()])
     try:
-        _or_abort(world, role, node, main)
+        code = _or_abort(world, role, node, main)
     except Refused as err:
         deathwatch.finished(world.Get_rank())  # an exit the launcher need not explain
         return _refused(world, err, command)
     deathwatch.finished(world.Get_rank())
     preempt.ignore_from_now()
-    return 0
+    return code or 0
 
 
 def node_numbers(hosts: list[str]) -> list[int]:
@@ -189,14 +190,14 @@ def node_numbers(hosts: list[str]) -> list[int]:
     return [order.index(host) for host in hosts]
 
 
-def _or_abort(world, role: str, node: int, main) -> None:
-    """`main()`; if it raises, print this rank's rank, role, node and host with the error and
-    abort the world (every rank goes down within seconds, process/deathwatch.py)."""
+def _or_abort(world, role: str, node: int, main):
+    """`main()`'s return; if it raises, print this rank's rank, role, node and host with the
+    error and abort the world (every rank goes down within seconds, process/deathwatch.py)."""
     from mpi4py import MPI
 
     rank = world.Get_rank()
     try:
-        main()
+        return main()
     except BaseException as err:  # noqa: BLE001 - any failure must take the world down
         if isinstance(err, SystemExit) and not err.code or isinstance(err, Refused):
             raise
