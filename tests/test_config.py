@@ -559,7 +559,9 @@ def test_a_config_files_setting_its_own_choices_do_not_read_is_refused(tmp_path)
     ("env.name=libero", "env.task=PushCube-v1", "maniskill does"),
     ("env.name=libero", "env.state_mode=visual", "maniskill does"),
     ("placement.mode=colocated", "placement.per_node={simulator: 1, inference: 1, learner: 2}",
-     "disaggregated, hybrid do")])
+     "disaggregated, hybrid do"),
+    ("eval.every=0", "eval.episodes=64", "eval.every > 0 does"),
+    ("eval.every=0", "eval.deterministic=false", "eval.every > 0 does")])
 def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refused(
         chosen, unread, readers):
     """A sweep over a setting nothing reads runs identical arms: typed on the command line,

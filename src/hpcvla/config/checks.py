@@ -312,6 +312,9 @@ READ_ONLY_UNDER: dict[str, tuple[str, tuple[str | bool, ...]]] = {
 # what the choices that do not read a setting run at: typed, it says what runs (on-policy
 # synchronous modes are max_staleness 0)
 IMPLIED = {"pipeline.max_staleness": 0}
+# the held-out evaluation's own settings, read by training's only (eval.every > 0): `hpcvla
+# eval` has flags for them (evaluate.EVAL_FLAGS); eval.video_every is judged above
+HELD_OUT_ONLY = ("eval.episodes", "eval.envs", "eval.deterministic")
 
 
 def unread_setting_problems(cfg, overrides, file_settings=()) -> list[tuple[str, Any, str]]:
@@ -349,8 +352,8 @@ def unread_setting_problems(cfg, overrides, file_settings=()) -> list[tuple[str,
 def unread_settings_of(cfg) -> dict[str, tuple[str, list[str]]]:
     """The settings `cfg`'s choices do not read, by dotted name: (the chooser that decides,
     the values of it that would read it). A family's, simulator's or algorithm's own settings
-    (FamilyTraits/SimulatorTraits/AlgorithmTraits.settings), and those a switch or mode reads
-    (READ_ONLY_UNDER)."""
+    (FamilyTraits/SimulatorTraits/AlgorithmTraits.settings), those a switch or mode reads
+    (READ_ONLY_UNDER), and the held-out evaluation's (HELD_OUT_ONLY)."""
     unread = {}
     for section, table in (("policy", FAMILIES), ("env", SIMULATORS),
                            ("algorithm", ALGORITHMS)):
@@ -360,6 +363,8 @@ def unread_settings_of(cfg) -> dict[str, tuple[str, list[str]]]:
         if _value_of(cfg, chooser) not in readers:  # a switch's readers: `run.dump_traj..=true`
             unread[key] = (chooser, [r if isinstance(r, str) else f"{chooser}={str(r).lower()}"
                                      for r in readers])
+    if not cfg.eval.every:
+        unread.update({key: ("eval.every", ["eval.every > 0"]) for key in HELD_OUT_ONLY})
     return unread
 
 
