@@ -560,14 +560,15 @@ def test_a_config_files_setting_its_own_choices_do_not_read_is_refused(tmp_path)
     ("env.name=libero", "env.state_mode=visual", "maniskill does"),
     ("placement.mode=colocated", "placement.per_node={simulator: 1, inference: 1, learner: 2}",
      "disaggregated, hybrid do"),
+    ("placement.mode=colocated", "placement.per_node.learner=2", "disaggregated, hybrid do"),
     ("eval.every=0", "eval.episodes=64", "eval.every > 0 does"),
     ("eval.every=0", "eval.deterministic=false", "eval.every > 0 does")])
 def test_a_setting_the_chosen_algorithm_mode_or_simulator_does_not_read_is_refused(
         chosen, unread, readers):
     """A sweep over a setting nothing reads runs identical arms: typed on the command line,
     it is refused, naming what would read it; at its default it loads (benches pass every
-    arm's settings)."""
-    key = unread.partition("=")[0]
+    arm's settings); a mapping's one key is the mapping typed."""
+    key = ".".join(unread.partition("=")[0].split(".")[:2])
     chooser = chosen.partition("=")[0]
     base = {"algorithm.name=grpo": "configs/reach_grpo.yaml",
             "placement.mode=colocated": "configs/colocated.yaml"}.get(chosen)

@@ -327,7 +327,8 @@ def unread_setting_problems(cfg, overrides, file_settings=()) -> list[tuple[str,
     policy.name=oft`) leaves the file's settings for the other choice as a recipe's, unread.
     Nor is `policy.size` read where a pretrained folder sets the sizes (FamilyTraits.
     folder_sizes): `configs/libero_pi0.yaml policy.size=full` would plan its fixture's sizes."""
-    typed = [item.partition("=")[0] for item in overrides]
+    # a mapping setting's one key (placement.per_node.learner=2) is that setting typed
+    typed = [".".join(item.partition("=")[0].split(".")[:2]) for item in overrides]
     unread = unread_settings_of(cfg)
     problems = []
     if "policy.size" in typed and cfg.policy.pretrained and family(
