@@ -148,6 +148,32 @@ def test_a_rank_that_cannot_leave_its_words_with_the_launcher_still_aborts(tmp_p
     assert "could not leave its failure with the launcher" in err
 
 
+def test_a_rank_whose_launchers_folder_hangs_says_why_and_aborts_anyway(tmp_path,
+                                                                        monkeypatch, capfd):
+    """The launcher's folder on a shared file system that stalls (a read that never returns):
+    the failing rank's words went out first, and it aborts within LAST_WORDS_S, saying the
+    folder could not be reached (it waited there for good, wordless, and the world hung)."""
+    monkeypatch.setenv(deathwatch.ENV, str(tmp_path))
+    stalled = threading.Event()
+    monkeypatch.setattr(deathwatch, "_gone_before", lambda rank: stalled.wait(60) and [])
+    monkeypatch.setattr(deathwatch, "LAST_WORDS_S", 0.5)
+    aborted = []
+
+    class World:
+        def Abort(self, code):  # noqa: N802 - mpi4py's name
+            aborted.append(code)
+
+    began = time.monotonic()
+    try:
+        deathwatch.abort_world(World(), 0, "hpcvla: rank 0 (learner) failed: TimeoutError", 1)
+    finally:
+        stalled.set()
+    err = capfd.readouterr().err
+    assert aborted == [1] and time.monotonic() - began < 5, time.monotonic() - began
+    assert err.startswith("hpcvla: rank 0 (learner) failed: TimeoutError\n"), err
+    assert f"could not reach its launcher's folder {tmp_path} within 0.5 s" in err, err
+
+
 def test_a_rank_that_said_why_is_a_failure_and_an_ended_launcher_ends_the_watch(tmp_path):
     launcher = subprocess.Popen(["sleep", "60"])
     try:

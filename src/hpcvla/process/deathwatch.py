@@ -30,6 +30,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,8 @@ WORLD_COMMANDS = ("train", "sft", "eval")
 LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher listens on one
 RUN_DIR_FILE = "run_dir"  # in the directory: the path of rank 0's run (register_run_dir)
 PF_EXITING = 0x4  # a task's flag in /proc/PID/stat (linux/sched.h): it has begun to exit
+# what a failing rank gives its launcher's folder before it aborts regardless: a stalled
+LAST_WORDS_S = 5.0  # shared file system must not hold a world that is failing
 
 _lifeline: socket.socket | None = None  # this rank's end, open for the life of the process
 
@@ -86,19 +89,31 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
     traceback) to stderr, leave `why` with the launcher (said_why) and abort `world` (an MPI
     communicator: every rank goes down with exit status `code`). Ranks of this host already
     gone without a word are named as the first to die: a rank killed outright fails its peers'
-    MPI calls to it, and only now, before MPI_Abort, is its death known to have come first."""
-    try:
-        before = _gone_before(rank)
-    except (OSError, ValueError):  # the directory going, a card half read: abort regardless
-        before = []
-    if before:
-        why += f"\nhpcvla: {_who(before)} died first, without a word, before this failure"
+    MPI calls to it, and only now, before MPI_Abort, is its death known to have come first.
+    The words go out first: the launcher's folder gets LAST_WORDS_S (a stalled file system)."""
     print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
-    try:  # the failure may be the file system's (full, gone): the abort must happen anyway
-        said_why(rank, why)
-    except OSError as err:
-        print(f"hpcvla: rank {rank} could not leave its failure with the launcher ({err}); "
-              "the words above are all there is", file=sys.stderr, flush=True)
+    left = threading.Event()
+
+    def look_and_leave() -> None:
+        said = why
+        try:
+            before = _gone_before(rank)
+        except (OSError, ValueError):  # the directory going, a card half read: abort regardless
+            before = []
+        if before:
+            said += f"\nhpcvla: {_who(before)} died first, without a word, before this failure"
+            print(said.rpartition("\n")[2], file=sys.stderr, flush=True)
+        try:  # the failure may be the file system's (full, gone): the abort must happen anyway
+            said_why(rank, said)
+        except OSError as err:
+            print(f"hpcvla: rank {rank} could not leave its failure with the launcher ({err}); "
+                  "the words above are all there is", file=sys.stderr, flush=True)
+        left.set()
+    threading.Thread(target=look_and_leave, name="hpcvla-last-words", daemon=True).start()
+    if not left.wait(LAST_WORDS_S):
+        print(f"hpcvla: rank {rank} could not reach its launcher's folder {os.environ.get(ENV)} "
+              f"within {LAST_WORDS_S:g} s (a stalled file system?); the words above are all "
+              "there is", file=sys.stderr, flush=True)
     until_forwarded(sys.stderr)  # read by mpiexec's proxy before the abort stops it
     unlink_mpich_shared_memory()
     world.Abort(code)
