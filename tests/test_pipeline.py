@@ -416,6 +416,11 @@ def test_an_inference_rank_held_long_by_the_quota_says_so_and_waits_on(tmp_path)
                             "staleness quota holds every env") >= 2, out.stderr[-3000:]
     assert out.stderr.count("hpcvla: rank 3 (learner) has been in version 1 for ") >= 2, \
         out.stderr[-3000:]
+    # its start-up too (torch's imports alone take longer than 1 s here): every rank says which
+    # step it reached, until the clocks start (a stalled load was silent on every rank)
+    starting = re.findall(r"hpcvla: rank (\d) \(\w+\) is still starting after \d+ s \(its last "
+                          r"step done: (\w+);", out.stderr)
+    assert {rank for rank, _ in starting} == {"0", "1", "2", "3"}, out.stderr[-3000:]
 
 
 def rank_pid(argument: str, rank: int) -> int:

@@ -6,6 +6,7 @@ pipeline.stall_timeout_s, still in their step; let go, the run goes on to its en
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,6 +106,9 @@ def test_a_stopped_sft_learner_is_said_by_the_others_and_the_run_goes_on(tmp_pat
     text = "".join(log)
     assert "hpcvla sft: rank " in text and " has been in step " in text and \
         "(waiting for the other learners, or stuck itself)" in text, text[-3000:]
+    # its start-up too, which takes longer than 1 s here (it was said by no learner)
+    assert re.search(r"hpcvla sft: rank \d has been in its start-up for \d+ s \(its last step "
+                     r"done: \w+; waiting for the other learners", text), text[-3000:]
     assert "[hpcvla sft] step 200/200" in text, text[-3000:]
 
 

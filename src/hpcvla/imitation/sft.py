@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -120,6 +121,8 @@ def sft_main(cfg, world) -> None:
     """Every rank: read the demonstrations, fine-tune, checkpoint."""
     phases.mark("imports")
     rank, learners = world.Get_rank(), world.Get_size()
+    starting = ExitStack()  # said until it trains: its collectives wait for every learner
+    starting.enter_context(_still_in(cfg, rank, "its start-up"))
     if cfg.launch.check_scheduler:
         check_scheduler_world(learners)
     node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # [dist] this host's learners
@@ -171,16 +174,26 @@ def sft_main(cfg, world) -> None:
               f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
               f"run directory: {run_dir}", flush=True)
     writer = store.Writer(cfg.learner.checkpoint_background)
+    starting.close()
     history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world, log,
                                     run_dir, writer)
-    _finish(cfg, engine, run_dir, world, history, done, trained, len(demos.task), samples,
-            writer)
+    with _still_in(cfg, rank, "its last checkpoint and report"):
+        _finish(cfg, engine, run_dir, world, history, done, trained, len(demos.task), samples,
+                writer)
     if log is not None:
         log.close()
     for arrays in filter(None, (shared, shared_val)):
         arrays.free()  # [dist]
     node.Free()  # [dist]
     leave_together(world, cfg.pipeline.stall_timeout_s)  # [dist]
+
+
+def _still_in(cfg, rank: int, where: str) -> AbstractContextManager[None]:
+    """Say every pipeline.stall_timeout_s that this learner is still in `where`, and its last
+    step done: its collectives wait for every learner, so one that hangs says nothing."""
+    return reminding(cfg.pipeline.stall_timeout_s, lambda waited: (
+        f"hpcvla sft: rank {rank} has been in {where} for {waited:.0f} s (its last step done: "
+        f"{phases.last() or 'none'}; waiting for the other learners, or stuck itself)"))
 
 
 def planned_memory(cfg, world, device, spec) -> LayoutMemory | None:

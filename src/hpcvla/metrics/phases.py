@@ -59,6 +59,11 @@ def mark(step: str, at: float | None = None) -> None:
     _marks.setdefault(step, time.time() if at is None else at)
 
 
+def last() -> str:
+    """The latest step this rank marked ("" before any)."""
+    return max(_marks, key=_marks.__getitem__, default="")
+
+
 def of_rank(timeline=None) -> dict[str, float]:
     """Seconds since launch of every step this rank went through, in the order reached."""
     at = dict(_marks)

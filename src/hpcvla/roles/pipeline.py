@@ -25,7 +25,7 @@ report.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,8 +51,15 @@ if TYPE_CHECKING:
 def run_pipeline(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -> Counters:
     """This rank's part of the run: prologue, transport (disaggregated), role, teardown, then
     the report. Returns this rank's summary; rank 0's is the whole run's (summary.json)."""
-    me = prologue(cfg, plan, comms, run_dir)
-    roles = plan.ranks[me.rank].roles
+    rank = comms.world.Get_rank()
+    roles = plan.ranks[rank].roles
+    with ExitStack() as starting:  # said until every rank's clock starts (start_clock)
+        starting.enter_context(reminding(cfg.pipeline.stall_timeout_s, lambda waited: (
+            f"hpcvla: rank {rank} ({'+'.join(roles)}) is still starting after {waited:.0f} s "
+            f"(its last step done: {phases.last() or 'none'}; a rank whose step lags, or that "
+            "says nothing, is the one the others wait for)")))
+        me = prologue(cfg, plan, comms, run_dir)
+        me.starting = starting.pop_all()
     if runs_policy(roles):
         from hpcvla.roles import policy_ranks  # torch and the engines: only on these ranks
     if plan.mode == "colocated":

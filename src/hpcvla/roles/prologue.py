@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -91,6 +92,7 @@ class Rank:
     shard_envs: list[VectorEnv]  # a disaggregated simulator rank's envs, one per shard
     prior: PriorData | None  # an RLPD learner's demonstrations (roles/off_policy.py)
     cpu_at_start: float = 0.0  # the process's CPU clock when the ranks' clocks started
+    starting: ExitStack | None = None  # its start-up's reminder (pipeline.py), until then
 
     @property
     def setup(self) -> RoleSetup:
@@ -380,5 +382,7 @@ def start_clock(me: Rank) -> float:
     """Every rank set up (a real simulator takes seconds per env): the clocks start together."""
     idle_barrier(me.comms.world)  # [dist]
     phases.mark("all_ranks_ready")
+    if me.starting is not None:
+        me.starting.close()
     me.cpu_at_start = cpu_seconds()
     return time.monotonic()
