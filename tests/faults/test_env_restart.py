@@ -211,6 +211,31 @@ def test_restarts_in_a_row_without_a_step_give_up_however_slow():
     assert budget.spend()
 
 
+def test_a_worker_that_outlives_sigkill_is_left_behind_said(capfd, monkeypatch):
+    """A worker in uninterruptible sleep (a hung GPU driver or file system read) does not die
+    on SIGKILL, and the rank stopping it waited for it for good: the wait is bounded and said.
+    (No process can be put in that state here: the real worker's wait answers as one would.)"""
+    import subprocess
+
+    from hpcvla.envs import isolated
+    monkeypatch.setattr(isolated, "KILLED_WAIT_S", 0.2)
+    env = IsolatedEnv("reach", 2, 0, REACH, timeout_s=30, max_restarts=0, first_env=4)
+    proc, wait = env._proc, env._proc.wait
+
+    def in_d_state(timeout=None):
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+    proc.wait = in_d_state
+    started = time.monotonic()
+    try:
+        env._stop()
+    finally:
+        proc.wait = wait
+    assert time.monotonic() - started < 5
+    assert f"env worker pid {proc.pid} (envs 4..) did not die 0.2 s after SIGKILL " \
+        "(uninterruptible?); left behind" in capfd.readouterr().err
+    assert proc.wait(timeout=10) == -9  # here it did die: reaped
+
+
 def test_an_env_that_cannot_be_built_fails_at_start_naming_the_error():
     with pytest.raises(EnvWorkerFailed, match="init raised ValueError.*image_size"):
         IsolatedEnv("reach", 2, 0, dict(REACH, image_size=4), timeout_s=30, max_restarts=3)

@@ -44,6 +44,7 @@ from hpcvla.seeds import restart_seed
 # fault-injection settings of the envs (reach): they fire in a worker's first life only, as a
 # transient fault would; a restarted worker is built without them
 INJECTED_FAULTS = ("hang_at_step", "crash_at_step")
+KILLED_WAIT_S = 10.0  # how long a killed worker is waited for before it is left behind
 
 
 class EnvWorkerFailed(RuntimeError):
@@ -128,7 +129,12 @@ class IsolatedEnv(VectorEnv):
     def _stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
-            self._proc.wait()
+            try:  # a worker in uninterruptible sleep (a hung driver or file system) outlives
+                self._proc.wait(timeout=KILLED_WAIT_S)  # SIGKILL: the rank must not wait on it
+            except subprocess.TimeoutExpired:
+                print(f"hpcvla: env worker pid {self._proc.pid} (envs {self.first_env}..) did "
+                      f"not die {KILLED_WAIT_S:g} s after SIGKILL (uninterruptible?); left "
+                      "behind", file=sys.stderr, flush=True)
         if self._conn is not None:
             self._conn.close()
 
