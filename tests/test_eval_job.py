@@ -115,6 +115,9 @@ def test_bad_eval_flags_are_refused_before_any_rank_starts(tmp_path, flags, name
     ("eval.every=3", False, "eval.every = '3': expected a setting `hpcvla eval` reads"),
     ("env.isolation=process", True, "env.isolation = 'process': expected none: a setting of "
                                     "training's simulator ranks"),
+    # reach's emulation: evaluation runs it without (the fault was not injected, silently)
+    ("env.hang_at_step=6", True, "env.hang_at_step = '6': expected none: training's emulation "
+                                 "of its simulator ranks"),
     ("policy.checkpoint=/elsewhere", False, "policy.checkpoint = '/elsewhere': expected "
                                             "--untrained with it"),
     ("policy.hidden=64", True, "the overrides change the run's start (14 weight(s) another "
@@ -286,6 +289,21 @@ def test_the_printed_result_says_what_it_measured_and_what_a_benchmark_would_cou
         "device": "cpu", "per_task": {}})
     assert "not held out: training started from these states too (env.train_states=" \
         "benchmark, RLinf's)" in shown, shown
+
+
+@pytest.mark.mpi
+def test_an_eval_rank_done_first_says_it_waits_for_the_others(tmp_path):
+    """`hpcvla eval --ranks 2` of 3 long episodes one at a time: rank 1 runs one, rank 0 two.
+    Rank 1 says, every pipeline.stall_timeout_s (the run's: 1 s), that it is done and waits,
+    so that a rank stuck in its batches is the one not saying so (they all waited in
+    silence). ~20 s."""
+    run_dir = _run_dir(tmp_path, "default.yaml", "pipeline.stall_timeout_s=1")
+    out = hpcvla("eval", run_dir, "--untrained", "--deterministic", "--episodes", 3, "--envs", 1,
+                 "--ranks", 2, "env.max_episode_chunks=1000", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hpcvla eval: rank 1, its 1 episode(s) done, has waited 1 s for the other ranks" \
+        in out.stderr, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "hpcvla eval: rank 0," not in out.stderr
 
 
 def test_hpcvla_eval_of_no_verdict_exits_3(default_run, monkeypatch, capfd):

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from hpcvla.checkpoint import catalog, store
+from hpcvla.config.env import WITHOUT_EMULATION
 from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.config.families import simulator
 from hpcvla.config.loader import last_run_config
@@ -33,6 +34,7 @@ from hpcvla.metrics.episode_metrics import KEY, figures_in
 from hpcvla.metrics.progress import figure
 from hpcvla.metrics.stats import paired_difference
 from hpcvla.process.deathwatch import Refused
+from hpcvla.process.watchdog import reminding
 from hpcvla.roles.heldout import HeldOut, envs_at_once
 from hpcvla.topology.plan import INF, SIM
 from hpcvla.transport.backoff import idle_barrier, idle_bcast
@@ -58,8 +60,11 @@ def evaluate(cfg, weights: dict | None, episodes: int = 128, envs: int = 32, see
         mine, videos = held_out.run(deterministic, rank, ranks, video_dir if video else None)
         # every rank's episodes and videos, and the host and device it ran on
         parts = [(mine, videos, socket.gethostname(), str(device))]
-        if world is not None:
-            idle_barrier(world)  # [dist] ranks done first wait asleep: allgather spins
+        if world is not None:  # a rank stuck in its batches is the one not saying this:
+            with reminding(cfg.pipeline.stall_timeout_s, lambda waited: (
+                    f"hpcvla eval: rank {rank}, its {len(mine)} episode(s) done, has waited "
+                    f"{waited:.0f} s for the other ranks")):
+                idle_barrier(world)  # [dist] ranks done first wait asleep: allgather spins
             parts = world.allgather(parts[0])  # [dist]
         return {**held_out.report([e for part in parts for e in part[0]], deterministic),
                 "ranks": ranks, "hosts": sorted({part[2] for part in parts}),
@@ -85,7 +90,10 @@ TRAINING_ONLY = {**dict.fromkeys(("env.shards", "env.isolation", "env.max_restar
                                   "env.restart_window_s"),
                                  _SIMULATOR_RANKS),
                  "env.train_states": "none: where the run's training started, which says "
-                                     "whether its evaluation is held out"}
+                                     "whether its evaluation is held out",
+                 **dict.fromkeys((f"env.{k}" for k in (*WITHOUT_EMULATION, "latency_sigma")),
+                                 "none: training's emulation of its simulator ranks; `hpcvla "
+                                 "eval` runs the env without latency or injected faults")}
 
 
 def eval_problem(cfg, trained, episodes: int, envs: int, video: int,

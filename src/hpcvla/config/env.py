@@ -165,3 +165,9 @@ class EnvConfig:
     crash_at_step: int = setting(
         0, "`reach`, fault injection: the process running the envs is killed (SIGKILL, as "
         "a segfault or the OOM killer would) at step number N. 0 = never.", ge=0)
+
+
+# reach's emulation of a training's simulator ranks (latency, injected faults): an evaluation
+# and a recording run it without (roles/heldout.py, imitation/recording.py), and `hpcvla
+# eval` refuses them typed (evaluate.TRAINING_ONLY)
+WITHOUT_EMULATION = {"latency_median_ms": 0.0, "hang_at_step": 0, "crash_at_step": 0}

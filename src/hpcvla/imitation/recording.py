@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from hpcvla.config.env import WITHOUT_EMULATION
 from hpcvla.config.families import simulator
 from hpcvla.config.loader import config_to_dict
 from hpcvla.envs import check_env, env_kwargs, make_env
@@ -160,7 +161,7 @@ def _env(cfg):
     injected faults (as `hpcvla eval` runs it)."""
     kwargs = env_kwargs(cfg.env)
     if simulator(cfg.env.name).emulated:
-        kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
+        kwargs.update(WITHOUT_EMULATION)
         return make_env(cfg.env.name, 1, cfg.run.seed, **kwargs), cfg.env.name
     return make_env(cfg.env.name, 1, cfg.run.seed, **dict(kwargs, sim_backend="cpu")), \
         cfg.env.task

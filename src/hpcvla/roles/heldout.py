@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeAlias
 import numpy as np
 import torch
 
+from hpcvla.config.env import WITHOUT_EMULATION
 from hpcvla.config.evaluation import OWN_PROTOCOL
 from hpcvla.config.families import simulator
 from hpcvla.envs import env_class, env_kwargs, make_env
@@ -88,7 +89,7 @@ class HeldOut:
         kwargs = env_kwargs(cfg.env)
         traits = simulator(cfg.env.name)
         if traits.emulated:  # no emulated latency, no injected faults
-            kwargs.update(latency_median_ms=0.0, hang_at_step=0, crash_at_step=0)
+            kwargs.update(WITHOUT_EMULATION)
         self.seed, self.envs = seed, envs_at_once(cfg, envs, episodes)
         self.held_out = cfg.env.train_states == "sampled"  # else trained from these states
         # a build or step that never returns: loud (its envs are inline, whatever
