@@ -220,6 +220,28 @@ def test_a_background_checkpoint_that_fails_stops_the_run_within_a_few_versions(
     assert 40 <= max(trained) < 80, max(trained)  # before the next one due
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_an_sft_checkpoint_that_fails_in_the_background_stops_it_within_a_step(tmp_path):
+    """`hpcvla sft`'s as train's: v000100 cannot be renamed into place, and the fine-tuning
+    stops naming it within a few steps (it went on to the next checkpoint due, v000200).
+    ~25 s: two worlds, the first for a run to resume."""
+    from helpers import reach_demos
+    demos, runs = reach_demos(tmp_path / "demos.h5", 4), tmp_path / "runs"
+    common = ["configs/default.yaml", f"sft.demos={demos}", "sft.batch_size=8", "--ranks", 2]
+    first = hpcvla("sft", *common, f"run.root={runs}", "sft.steps=1", timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run_dir,) = runs.iterdir()
+    (run_dir / "checkpoints" / "v000100").write_text("in the way")
+    out = hpcvla("sft", *common, f"run.resume={run_dir}", "sft.steps=400",
+                 "sft.checkpoint_every=100", timeout=300)
+    assert out.returncode != 0 and "writing checkpoint" in out.stderr and \
+        "v000100 failed" in out.stderr, out.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert 100 <= max(steps) < 160, max(steps)  # well before the next one due
+
+
 # ------------------------------------------------------------------ records
 
 def sample_record():

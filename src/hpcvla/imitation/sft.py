@@ -254,6 +254,7 @@ def _train(cfg, engine, demos, held_out, first: int, trained: int, world, log, r
                                          sft.val_every and done % sft.val_every == 0):
                 val = held_out_loss(engine, held_out, sft.batch_size, world)  # [dist]
                 history["val_losses"].append([done, val])
+            writer.check()  # the last checkpoint's write, if it failed: stop within a step
             if sft.checkpoint_every and done % sft.checkpoint_every == 0 and done < sft.steps:
                 _checkpoint(cfg, engine, run_dir, done, trained, world, samples, writer)
             stop = preempt.agreed(world)  # [dist]
