@@ -173,6 +173,21 @@ def test_a_node_reads_the_command_line_as_it_was_quoted():
     assert out.returncode == 0 and out.stdout == "<a\tb><c\nd><it's>", out
 
 
+@pytest.mark.parametrize("scheduler", ["none", "pbs"])
+def test_a_command_on_this_node_has_the_limit_every_node_has(scheduler):
+    """HPCVLA_NODE_CHECK_S bounds a node's cleanup and checks: this node's too, under PBS and
+    with no scheduler (a command that hung there held the job script with no end)."""
+    script = f"""set -uo pipefail
+        SCHEDULER={scheduler} PYTHON=python EARLY=""
+        source {ROOT}/jobs/lib/world.sh
+        on_node localhost "sleep 30" 1
+        echo "status $?"
+    """
+    began = time.monotonic()
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stdout == "status 124\n" and time.monotonic() - began < 10, out
+
+
 def test_slurm_demo_job_trains_and_dumps_trajectories(slurm, tmp_path):
     log = tmp_path / "demo.out"
     job = slurm.sbatch(ROOT / "jobs/slurm/demo.sbatch", "configs/default.yaml",

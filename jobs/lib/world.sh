@@ -37,13 +37,13 @@ on_node() {  # HOST SHELL_COMMAND [LIMIT]
         slurm) timeout "$limit" srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" --mpi=none \
                    bash -c "$2" ;;
         pbs) if this_node "$1"; then
-                 bash -c "$2"
+                 timeout "$limit" bash -c "$2"
              elif [[ -n $PBS_RSH ]]; then
                  timeout "$limit" "$PBS_RSH" "$1" "$2"
              else  # a host key or password prompt would take the whole limit: none
                  timeout "$limit" ssh -o BatchMode=yes "$1" bash -s <<< "$2"
              fi ;;
-        none) bash -c "$2" ;;
+        none) timeout "$limit" bash -c "$2" ;;
     esac
 }
 # SHELL_COMMAND on each HOST at once within LIMIT seconds (on_node): its stdout into
