@@ -377,21 +377,23 @@ def test_a_slot_that_cannot_be_rebuilt_is_retired_and_every_step_of_it_is_a_faul
 
 def test_a_spec_probe_that_never_returns_ends_its_process_naming_where():
     """Rank 0 builds an env to learn the spec for every rank (a ManiSkill env in a colocated
-    world): a build that hangs (an EGL deadlock) ends the process past env.build_timeout_s
-    with every stack, not a world waiting forever in the spec's broadcast."""
+    world; sft's and eval's checks on every rank before MPI_Init): a build that hangs (an EGL
+    deadlock) ends the process past env.build_timeout_s with every stack, not a world waiting
+    forever in the spec's broadcast or in MPI_Init."""
     import os
     import subprocess
     import sys
     import time
     script = ("import time\n"
+              "from hpcvla import envs\n"
               "from hpcvla.config import load_config\n"
-              "from hpcvla.roles import prologue\n"
-              "prologue.env_spec = lambda env: time.sleep(600)  # a build that never returns\n"
-              "prologue.probed_spec(load_config(None, ['env.build_timeout_s=2']))\n")
+              "from hpcvla.roles import prologue  # noqa\n"
+              "envs.probe_spec = lambda env: time.sleep(600)  # a build that never returns\n"
+              "envs.env_spec(load_config(None, ['env.build_timeout_s=2']).env)\n")
     begin = time.monotonic()
     # (importing the roles imports mpi4py: not initialised here, so the process ended by the
     # deadline leaves no MPI shared memory behind)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, env={**os.environ, "MPI4PY_RC_INITIALIZE": "false"})
     assert out.returncode != 0 and time.monotonic() - begin < 60, out
-    assert "Timeout (0:00:02)!" in out.stderr and "probed_spec" in out.stderr, out.stderr
+    assert "Timeout (0:00:02)!" in out.stderr and "env_spec" in out.stderr, out.stderr

@@ -8,6 +8,7 @@ from hpcvla.envs.maniskill import ManiSkillEnv
 from hpcvla.envs.maniskill_gpu import ManiSkillGPUEnv
 from hpcvla.envs.reach import ReachEnv, oracle_actions
 from hpcvla.envs.isolated import IsolatedEnv
+from hpcvla.process.watchdog import deadline
 from hpcvla.envs.registry import (ENVS, GPU_ENVS, SIMULATOR_PACKAGES, env_class, env_kwargs,
                                   make_env, probe_spec)
 
@@ -20,9 +21,13 @@ __all__ = ["ENVS", "GPU_ENVS", "EnvSpec", "LiberoEnv", "ManiSkillEnv", "ManiSkil
 def env_spec(env_cfg) -> EnvSpec:
     """The EnvSpec of the configured env (registry.probe_spec). SAPIEN cannot simulate on the
     GPU in a process that made a CPU PhysX scene, and rank 0 probes and may then simulate: a
-    GPU-simulated config's CPU probe is built in a worker process of its own."""
+    GPU-simulated config's CPU probe is built in a worker process of its own. A probe's build
+    that never returns (an EGL deadlock) ends the process past env.build_timeout_s, every
+    stack printed: a world's other ranks wait for it (in a broadcast, or in MPI_Init where
+    a rank's own checks build one first)."""
     if env_cfg.name not in GPU_ENVS or env_cfg.sim_backend != "gpu":
-        return probe_spec(env_cfg)
+        with deadline(env_cfg.build_timeout_s):
+            return probe_spec(env_cfg)
     kwargs = env_kwargs(env_cfg)
     kwargs.pop("sim_backend")
     probe = IsolatedEnv(env_cfg.name, 1, 0, kwargs, timeout_s=env_cfg.build_timeout_s,

@@ -44,7 +44,6 @@ from hpcvla.metrics.tensorboard import RunBoard
 from hpcvla.metrics.timeline import Timeline
 from hpcvla.process.deathwatch import Refused
 from hpcvla.process.threads import rank_threads
-from hpcvla.process.watchdog import deadline
 from hpcvla.process.worker import cpu_seconds
 from hpcvla.roles.outputs import MEMORY_PLAN, RankSummary
 from hpcvla.roles.setup import RoleSetup
@@ -156,7 +155,7 @@ def prologue(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Path) -
     source, builds_envs = spec_source(cfg, plan), SIM in roles and plan.mode != "colocated"
     spec = None  # a simulator told by another (`spec_source`) learns it after its build
     if source is None:
-        spec = idle_bcast(world, lambda: probed_spec(cfg))  # [dist] rank 0 works it out
+        spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 works it out
     elif not builds_envs:  # the policy needs it; the simulators build their envs meanwhile
         spec = idle_recv(world, source, SPEC_TAG)  # [dist]
     # the memory model's figures, beside each rank's peaks at the end; worked out by the weight
@@ -315,14 +314,6 @@ def simulator_envs(cfg: Config, plan: RankPlan, world: MPI.Comm, source: int | N
     if source is None:
         return envs, None
     return envs, envs[0].spec if rank == source else idle_recv(world, source, SPEC_TAG)
-
-
-def probed_spec(cfg: Config) -> EnvSpec:
-    """The env's spec as rank 0 works it out for every rank (a ManiSkill env built to look,
-    in a colocated world): a build that never returns (an EGL deadlock) ends the process
-    past env.build_timeout_s, every stack printed, and the world with it."""
-    with deadline(cfg.env.build_timeout_s):
-        return env_spec(cfg.env)
 
 
 def spec_source(cfg: Config, plan: RankPlan) -> int | None:
