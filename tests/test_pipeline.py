@@ -423,6 +423,20 @@ def test_an_inference_rank_held_long_by_the_quota_says_so_and_waits_on(tmp_path)
     assert {rank for rank, _ in starting} == {"0", "1", "2", "3"}, out.stderr[-3000:]
 
 
+@pytest.mark.mpi
+def test_a_colocated_rank_long_in_its_version_says_so(tmp_path):
+    """sync-colocated: every rank trains each version together, its collectives waiting for
+    all; a version longer than pipeline.stall_timeout_s (3 s against 1 s) is said by each rank
+    in it, so a rank stuck in its rollout is the one not saying so (none said anything). ~10 s."""
+    out = hpcvla("train", "configs/colocated.yaml", "--ranks", 2, f"run.root={tmp_path}",
+                 "pipeline.total_updates=1", "emulate.learner_ms_per_micro_batch=1500",
+                 "pipeline.stall_timeout_s=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"hpcvla: rank {rank} (colocated) has been training version 1 for " \
+            in out.stderr, out.stderr[-3000:]
+
+
 def rank_pid(argument: str, rank: int) -> int:
     """The pid of world rank `rank` of the world whose command line holds `argument` (MPICH
     gives each rank its number in PMI_RANK)."""

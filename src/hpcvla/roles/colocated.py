@@ -17,7 +17,7 @@ import torch
 from hpcvla.emulate import pad
 from hpcvla.engines import full_state
 from hpcvla.envs.base import check_observation, final_observations, horizon_cut
-from hpcvla.process.watchdog import deadline, step_deadline_s
+from hpcvla.process.watchdog import deadline, reminding, step_deadline_s
 from hpcvla.roles.learner import learn
 from hpcvla.roles.segments import SegmentBuilder, outcome_of, truncation_values
 from hpcvla.roles.setup import RoleSetup
@@ -92,11 +92,18 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
                 # whole groups per micro-batch: micro_batch is a multiple of the rank's envs
                 # (schedule.layout_problems)
                 per_micro = len(groups) // n_micro
-                weights = update([groups[i * per_micro:(i + 1) * per_micro]  # train, then act
-                                  for i in range(n_micro)], version)  # with the new weights
-                groups, version = [], version + 1
-                last = version == total_updates or stop()
-                after_version(version, weights, last)  # [dist] a checkpoint when due
+                def training(waited: float, at: int = version + 1) -> str:
+                    # its collectives wait for every rank: one stuck (in its rollout, say) is
+                    # the one not saying this
+                    return (f"hpcvla: rank {setup.rank} (colocated) has been training version "
+                            f"{at} for {waited:.0f} s (waiting for the other ranks, or stuck "
+                            "itself)")
+                with reminding(cfg.pipeline.stall_timeout_s, training):
+                    weights = update([groups[i * per_micro:(i + 1) * per_micro]  # train, then
+                                      for i in range(n_micro)], version)  # act with them
+                    groups, version = [], version + 1
+                    last = version == total_updates or stop()
+                    after_version(version, weights, last)  # [dist] a checkpoint when due
                 if last:
                     break
                 continue
