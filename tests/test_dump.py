@@ -416,6 +416,25 @@ def test_a_producer_held_up_by_its_stopped_dump_writer_says_so(tmp_path, capfd):
     assert summarize(tmp_path / "rank7.h5")["segments"] == len(groups)
 
 
+def test_a_producer_closing_its_stopped_dump_writer_says_so(tmp_path, capfd):
+    """The writer stopped (a hung file system alike) when its producer closes the file at the
+    run's end: the producer says so each remind_s, naming the writer and the file (it waited
+    without a word, and so did the world's teardown), and the file ends whole once it goes."""
+    groups, spec = reach_segments(4)
+    dump = writer(tmp_path / "rank7.h5", spec, flush_s=0.0, in_process=False)
+    for group in groups:
+        dump.add_segment(group)
+    dump.file.remind_s = 0.5
+    os.kill(dump.file._proc.pid, signal.SIGSTOP)
+    threading.Timer(2.0, os.kill, (dump.file._proc.pid, signal.SIGCONT)).start()
+    dump.close()
+    said = capfd.readouterr().err
+    assert re.search(rf"hpcvla: producer rank 7 has waited \d+ s for its dump writer \(pid "
+                     rf"{dump.file._proc.pid}\) (to take in the rest of|to open or finish) "
+                     rf"{re.escape(str(tmp_path / 'rank7.h5'))}", said), said[-2000:]
+    assert summarize(tmp_path / "rank7.h5")["segments"] == len(groups)
+
+
 def test_a_writer_that_fails_while_the_producer_sends_names_its_error(tmp_path):
     """The writer's flush fails (a folder holds its staging file's name) while the producer
     is still sending it episodes: the producer's error is the writer's, not 'died'."""

@@ -178,7 +178,12 @@ class DumpProcess:
     def close(self, segments: int, open_steps: int) -> None:
         """Everything handed over written, the file complete; the writer ended."""
         self._put(("close", segments, open_steps), 0)
-        self._sender.join()
+        waited = 0.0
+        self._sender.join(self.remind_s)
+        while self._sender.is_alive():  # the writer sets the pace
+            waited += self.remind_s
+            self._say_waited(waited, "to take in the rest of")
+            self._sender.join(self.remind_s)
         self._raise_failure()
         self._answer()
         self._proc.wait()
@@ -193,11 +198,8 @@ class DumpProcess:
                     episode and self._queued_episodes >= MAX_QUEUED):
                 if not self._ready.wait(self.remind_s):  # the writer sets the pace
                     waited += self.remind_s
-                    print(f"hpcvla: producer rank {self.producer} has waited {waited:.0f} s for "
-                          f"its dump writer (pid {self._proc.pid}) to take in "
-                          f"{self._queued_bytes / 1e6:.0f} MB queued for {self.path} (a slow "
-                          "or hung file system; the rank's work waits with it)",
-                          file=sys.stderr, flush=True)
+                    self._say_waited(waited, f"to take in {self._queued_bytes / 1e6:.0f} MB "
+                                     "queued for")
             self._raise_failure()
             self._queue.append((message, nbytes))
             self._queued_bytes += nbytes
@@ -249,8 +251,18 @@ class DumpProcess:
         if self._failure:
             raise DumpError(f"{self.path}: producer rank {self.producer}: {self._failure}")
 
+    def _say_waited(self, waited: float, what: str) -> None:
+        print(f"hpcvla: producer rank {self.producer} has waited {waited:.0f} s for its dump "
+              f"writer (pid {self._proc.pid}) {what} {self.path} (a slow or hung file system; "
+              "the rank's work waits with it)", file=sys.stderr, flush=True)
+
     def _answer(self):
-        """The writer's answer to the request just sent; DumpError if it failed or died."""
+        """The writer's answer to the request just sent (it opened or closed the file);
+        DumpError if it failed or died."""
+        waited = 0.0
+        while not self._conn.poll(self.remind_s):  # an answer, or its end closed
+            waited += self.remind_s
+            self._say_waited(waited, "to open or finish")
         try:
             status, value = self._conn.recv()
         except (OSError, EOFError):
