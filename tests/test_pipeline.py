@@ -437,6 +437,20 @@ def test_a_colocated_rank_long_in_its_version_says_so(tmp_path):
             in out.stderr, out.stderr[-3000:]
 
 
+@pytest.mark.mpi
+def test_a_spare_rank_says_it_has_no_role_while_it_waits(tmp_path):
+    """A spare rank (placement.learners caps the learners) goes to its teardown at once and
+    waits there the whole run: its reminders say it has no role, not that its peers are late
+    to a teardown (which named it as one of the ranks waiting on a hung one). ~25 s."""
+    out = hpcvla("train", "configs/default.yaml", "--ranks", 5, f"run.root={tmp_path}",
+                 "placement.per_node={simulator: 2, inference: 1, learner: 2}",
+                 "placement.learners=1", "pipeline.total_updates=2",
+                 "emulate.learner_ms_per_micro_batch=1500", "pipeline.stall_timeout_s=1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hpcvla: rank 4 (spare) has waited 1 s in its teardown (no role: it waits for the " \
+        "run's end) for its peers" in out.stderr, out.stderr[-3000:]
+
+
 def rank_pid(argument: str, rank: int) -> int:
     """The pid of world rank `rank` of the world whose command line holds `argument` (MPICH
     gives each rank its number in PMI_RANK)."""

@@ -70,7 +70,8 @@ def run_pipeline(cfg: Config, plan: RankPlan, comms: Communicators, run_dir: Pat
             if INF in roles else policy_ranks.learner_rank if LEARN in roles \
             else policy_ranks.evaluator_rank if EVAL in roles else _spare_rank
         start, stats = role(me, links)
-        with _reminding(me, "its teardown (windows freed together)"):
+        with _reminding(me, "its teardown (windows freed together)" if role is not _spare_rank
+                        else "its teardown (no role: it waits for the run's end)"):
             for piece in (links.exchange, links.ring):
                 if piece is not None:
                     piece.free()  # [dist]
