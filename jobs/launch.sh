@@ -427,6 +427,11 @@ while true; do
             "ends, its world not started again"  # would be the same
         break
     fi
+    if [[ $status == 3 && $1 == eval ]]; then  # hpcvla eval's verdict: none on the policy
+        say "the evaluation gave no verdict (exit status 3: every episode ended by an env" \
+            "fault, its lines above): the job ends"
+        break
+    fi
     say "the world failed (status $status) at $(date +%T); checking the nodes"
     checked_at=$SECONDS
     mapfile -t usable < <(clean_nodes)

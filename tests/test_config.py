@@ -517,15 +517,20 @@ def test_a_family_setting_typed_for_a_family_that_does_not_read_it_is_refused():
 
 def test_a_config_files_setting_its_own_choices_do_not_read_is_refused(tmp_path):
     """A user's YAML with GRPO's `group_size` and no algorithm.name ran PPO without a word: a
-    file's settings are judged by the file's own choices, as typed ones are. A command line
-    that re-points a recipe leaves the file's other settings as a recipe's; the run's record
-    holds them at their defaults (what was read), so that it loads back as a config file."""
+    file's settings are judged by the file's own choices, as typed ones are (typing the
+    file's own choice again changes nothing). A command line that re-points a recipe leaves
+    the file's other settings as a recipe's. A run's record of what it ran is read as it was
+    written (`record`, as every reader of a run's config.yaml reads it: the runs recorded
+    before this rule too), and `hpcvla config` prints what loads back as a file."""
+    from hpcvla.config.checks import as_read
     path = tmp_path / "mine.yaml"
     path.write_text("algorithm:\n  group_size: 4\npolicy:\n  name: flow\n  size: tiny\n"
                     "  denoise_steps: 3\n")
-    with pytest.raises(ConfigError, match=r"algorithm.group_size = 4: expected none: algorithm"
-                                          r".name=ppo does not read it \(grpo does\); drop it"):
-        load_config(path)
+    for typed in ([], ["algorithm.name=ppo"]):
+        with pytest.raises(ConfigError, match=r"algorithm.group_size = 4: expected none: "
+                                              r"algorithm.name=ppo does not read it \(grpo "
+                                              r"does\); drop it"):
+            load_config(path, typed)
     assert load_config(path, ["algorithm.name=grpo", "rollout.segment_len=20"]).algorithm \
         .group_size == 4
     assert load_config(path, ["algorithm.name=sac"]).algorithm.group_size == 4  # re-pointed
@@ -534,10 +539,16 @@ def test_a_config_files_setting_its_own_choices_do_not_read_is_refused(tmp_path)
         load_config(path)
     switched = load_config("configs/reach_flow.yaml", ["policy.name=oft", "policy.size=tiny"])
     assert switched.policy.denoise_steps == 4  # the recipe's, not read by oft
-    dump_config(switched, tmp_path / "config.yaml")
-    back = load_config(tmp_path / "config.yaml")
-    assert back == recorded(switched) and back.policy.denoise_steps == 0, back.policy
-    assert back.learner.epochs == 4  # the recipe's, read
+    run = tmp_path / "run"
+    run.mkdir()
+    dump_config(switched, run / "config.yaml")
+    with pytest.raises(ConfigError, match=r"policy.denoise_steps = 4: expected none"):
+        load_config(run / "config.yaml")  # as a user's file
+    assert load_config(run / "config.yaml", record=True) == recorded(switched)
+    assert load_config(None, [f"run.resume={run}"]).policy.denoise_steps == 4  # a resume's
+    dump_config(as_read(switched), tmp_path / "printed.yaml")
+    printed = load_config(tmp_path / "printed.yaml")
+    assert printed.policy.denoise_steps == 0 and printed.learner.epochs == 4  # read: kept
 
 
 @pytest.mark.parametrize("chosen, unread, readers", [

@@ -433,8 +433,8 @@ def test_a_colocated_rank_long_in_its_version_says_so(tmp_path):
                  "pipeline.stall_timeout_s=1")
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):
-        assert f"hpcvla: rank {rank} (colocated) has been training version 1 for " \
-            in out.stderr, out.stderr[-3000:]
+        assert f"hpcvla: rank {rank} (colocated) has been in version 1's training, checkpoint " \
+            "and held-out evaluation for " in out.stderr, out.stderr[-3000:]
 
 
 @pytest.mark.mpi

@@ -231,11 +231,13 @@ def test_plan_ranks_per_node_is_the_real_node_and_placement_emulates_inside_it(c
     assert plan(2, 2, "placement.mode=colocated") == 2
     out, err = capsys.readouterr()
     assert json.loads(out)["refused"] == err.splitlines() and "train refuses it" in err, err
-    # the checkpoints it would start from: not there (train refused them, plan said nothing)
-    assert plan(4, 4, "policy.checkpoint=/nowhere", "run.resume=/nowhere") == 2
-    err = capsys.readouterr().err
-    assert "train refuses it: policy.checkpoint = '/nowhere': expected a run directory " \
-        "holding a complete checkpoint" in err and "train refuses it: run.resume" in err, err
+    # the checkpoints the job would start from: not there (train and sft refused them, plan
+    # said nothing)
+    for job in ([], ["--job", "sft"]):
+        assert plan(4, 4, "policy.checkpoint=/nowhere", "run.resume=/nowhere", *job) == 2
+        err = capsys.readouterr().err
+        assert "policy.checkpoint = '/nowhere': expected a run directory holding a complete " \
+            "checkpoint" in err and "run.resume = '/nowhere'" in err, err
     assert plan(8, 4) == 0
     assert json.loads(capsys.readouterr().out)["num_nodes"] == 2
     assert plan(12, 6, "placement.ranks_per_node=4") == 2

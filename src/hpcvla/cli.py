@@ -232,8 +232,13 @@ def cmd_plan(args) -> int:
     if unread := job_unread_problems(args.job, args.overrides):
         raise ConfigError(unread, config_source(args.config, args.overrides))
     check_env(cfg)  # the env's own settings and the folder's: the spec and sizes need them
+    from hpcvla.preflight import checkpoint_problems
     from hpcvla.weight_checks import check_pretrained
     check_pretrained(cfg, config_source(args.config, args.overrides))
+    # the checkpoints the job would start from: refused by the job, so by its plan
+    if problems := checkpoint_problems(cfg, ("sft.steps", cfg.sft.steps) if args.job == "sft"
+                                       else ("pipeline.total_updates", None)):
+        raise ConfigError(problems, config_source(args.config, args.overrides))
     if not args.auto and (args.search_envs or args.costs != "config"):
         raise PlanError("--search-envs and --costs choose how --auto searches: add --auto")
     if args.job == "sft" and args.auto:
@@ -249,9 +254,7 @@ def cmd_plan(args) -> int:
     from hpcvla.schedule import config_layout_problems
     devices = layout_devices(cfg, plan)  # this host's GPUs, unless previewing others
     memory = plan_memory(cfg, plan, devices, env_spec(cfg.env))
-    from hpcvla.preflight import checkpoint_problems
-    # what `train` would refuse on this plan, and of the checkpoints it starts from
-    refused = config_layout_problems(cfg, plan) + checkpoint_problems(cfg)
+    refused = config_layout_problems(cfg, plan)  # what `train` would refuse on this plan
     said = [f"hpcvla plan: {why}: {name} = {value!r}: expected {text}"
             for why, problems in (("does not fit", memory.problems),
                                   ("train refuses it", refused))
@@ -274,7 +277,7 @@ def cmd_config(args) -> int:
         elif "=" in args.doc:  # `--doc key=value`: an override
             args.overrides, args.doc = [args.doc, *args.overrides], ""
         given = args.config or args.overrides
-        print(settings_doc(load_config(args.config, args.overrides) if given else None,
+        print(settings_doc(as_read(load_config(args.config, args.overrides)) if given else None,
                            args.doc), end="")
         return 0
     cfg = load_config(args.config, args.overrides)
@@ -298,7 +301,7 @@ def cmd_export(args) -> int:
         return refused("export", problem)
     run_dir, chosen = run_and_checkpoint(Path(args.run_dir))
     try:
-        cfg = load_config(run_config(run_dir))
+        cfg = load_config(run_config(run_dir), record=True)
         print(export_policy(cfg, run_dir, Path(args.out), args.format, chosen)["summary"])
     except (ConfigError, CheckpointError, ValueError) as err:
         print(f"hpcvla export: {err}", file=sys.stderr)

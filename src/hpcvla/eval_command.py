@@ -79,7 +79,7 @@ def eval_command(args) -> int:
         preflight.check_env(cfg)  # the simulator, its task or suite
     except ConfigError as err:
         return refused("eval", err)
-    trained = load_config(source)
+    trained = load_config(source, record=True)
     # a benchmark's protocol acts as its scripts do (OFT's and openpi's: no sampling)
     deterministic = args.deterministic or (not args.sampled and
                                            cfg.eval.protocol != OWN_PROTOCOL)

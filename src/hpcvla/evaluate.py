@@ -189,7 +189,7 @@ def eval_config(run_dir: Path, overrides: list[str], untrained: bool):
     check_overrides(overrides, untrained)  # before the config's own checks
     start = ["learner.backend=deepspeed", "run.resume="] + \
         ([] if untrained else ["policy.checkpoint="])
-    return load_config(run_config(run_dir), [*start, *overrides])
+    return load_config(run_config(run_dir), [*start, *overrides], record=True)
 
 
 def run_config(run_dir: Path) -> Path:

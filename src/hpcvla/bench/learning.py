@@ -86,6 +86,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpcvla.config import load_config
 from hpcvla.config.imitation import read_by
 from hpcvla.files import read_log
 from hpcvla.job.trainrun import train_run
@@ -158,7 +159,6 @@ IMITATION_CONFIG = "configs/maniskill_pushcube.yaml"  # `--config` names another
 def imitation_arms(config: str = IMITATION_CONFIG) -> dict:
     """The `imitation` arm set on a task recipe `config` (its demos, SFT and RL settings):
     the recipe's layout, and sync-colocated's 2 learners taking half its batch each."""
-    from hpcvla.config import load_config
     learner = load_config(config).learner
     half = learner.micro_batch * learner.micro_batches // 2
     push = [config, "policy.checkpoint={pretrained}"]
@@ -259,12 +259,12 @@ def late_explained_variance(records: list[dict], from_update: int = 30) -> float
 def train_and_eval(args: list[str], root: Path, eval_episodes: int) -> dict:
     """One `hpcvla train *args` under `root` (less the sft settings a bench gives its SFT start
     too), then `hpcvla eval` of its final checkpoint (in this process)."""
-    from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights
     run_dir, summary = train_run(read_by("train", args), root, timeout=3600)
     weights, _ = checkpoint_weights(run_dir)
     return {"run_dir": run_dir, "summary": summary, "metrics": read_log(run_dir / "metrics.jsonl"),
-            **both_evals(load_config(run_dir / "config.yaml"), weights, eval_episodes)}
+            **both_evals(load_config(run_dir / "config.yaml", record=True), weights,
+                         eval_episodes)}
 
 
 def both_evals(cfg, weights, eval_episodes: int) -> dict:
@@ -288,7 +288,6 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
                                sft=[*ppo_baseline(), f"sft.per_task={demos}"], noise=noise)
     if arms not in PRETRAIN:
         return None, None
-    from hpcvla.config import load_config
     from hpcvla.envs import env_spec
     from hpcvla.factory import build_policy
     from hpcvla.policies import save_pretrained
@@ -296,7 +295,7 @@ def pretrain(arms: str, root: Path, eval_episodes: int, overrides=(), config=IMI
     done = train_and_eval([*PRETRAIN[arms], f"pipeline.total_updates={PRETRAIN_UPDATES}",
                            "pipeline.progress_every_s=1000"], runs, eval_episodes)
     from hpcvla.evaluate import checkpoint_weights
-    cfg = load_config(done["run_dir"] / "config.yaml")
+    cfg = load_config(done["run_dir"] / "config.yaml", record=True)
     policy = build_policy(cfg, env_spec(cfg.env))
     policy.load_arrays(checkpoint_weights(done["run_dir"])[0])
     print(f"pretrained {PRETRAIN_UPDATES} updates: eval success "
@@ -310,7 +309,6 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
     """`hpcvla demos` (`episodes` of them, at `noise`, into root/demos.h5) then `hpcvla sft`
     with the recipe `config` and `overrides` (e.g. env.camera=false; `sft`: the SFT's own):
     the SFT run directory every `imitation` arm starts from, and its eval."""
-    from hpcvla.config import load_config
     from hpcvla.evaluate import checkpoint_weights
     demos = root / "demos.h5"
     for command in (["demos", config, *overrides, "--episodes", str(episodes),

@@ -144,7 +144,7 @@ def run(workload="emulated", preset_name="balanced", gpus=2, envs_per_gpu=None, 
                 extra, predicted = auto_layout(mode, base, preset_name, preset, gpus)
             run_dir, summary = train_run(["--ranks", ranks, *base, *extra, f"run.name=case{n}"],
                                          Path(tmp) / f"case{n}", label=label)
-            cfg = load_config(run_dir / "config.yaml")
+            cfg = load_config(run_dir / "config.yaml", record=True)
             bound = ideal_bound(mode, cfg, preset, gpus) if workload == "emulated" \
                 else _measured_bound(summary)
             results["modes"][label] = {

@@ -317,11 +317,12 @@ IMPLIED = {"pipeline.max_staleness": 0}
 HELD_OUT_ONLY = ("eval.episodes", "eval.envs", "eval.deterministic")
 
 
-def unread_setting_problems(cfg, overrides, file_settings=()) -> list[tuple[str, Any, str]]:
+def unread_setting_problems(cfg, overrides, file_settings: dict[str, Any] | None = None
+                            ) -> list[tuple[str, Any, str]]:
     """Settings the chosen policy family, simulator, algorithm or pipeline mode does not read
     (unread_settings_of), typed on the command line (`overrides`: `policy.size=full` on the
     default policy, `algorithm.group_size=4` under PPO) or set by the config file
-    (`file_settings`, dotted names: a user's YAML with `group_size` under PPO): refused, not
+    (`file_settings`, by dotted name: a user's YAML with `group_size` under PPO): refused, not
     silently ignored, where they change a default. A file's settings are judged by the file's
     own choices: a command line that re-points a recipe (`configs/reach_flow.yaml
     policy.name=oft`) leaves the file's settings for the other choice as a recipe's, unread.
@@ -337,8 +338,11 @@ def unread_setting_problems(cfg, overrides, file_settings=()) -> list[tuple[str,
                          f"{cfg.policy.pretrained} sets the sizes; to build at this size "
                          "without it: policy.pretrained= policy.tokenizer="))
         unread.pop("policy.size", None)  # said once
-    filed = [key for key in file_settings if key in unread and unread[key][0] not in typed]
-    for key in dict.fromkeys(key for key in [*typed, *filed] if key in unread):
+    filed = file_settings or {}
+    # a file's own: its chooser holds the file's value (or, the file leaving it, the default)
+    judged = [key for key in filed if key in unread and _value_of(cfg, unread[key][0]) ==
+              filed.get(unread[key][0], _default_of(unread[key][0]))]
+    for key in dict.fromkeys(key for key in [*typed, *judged] if key in unread):
         chooser, readers = unread[key]
         value = _value_of(cfg, key)
         if value in (_default_of(key), IMPLIED.get(key)):  # said, but changing
@@ -371,8 +375,8 @@ def unread_settings_of(cfg) -> dict[str, tuple[str, list[str]]]:
 
 def as_read(cfg):
     """`cfg` with the settings its choices do not read (unread_settings_of) at their
-    defaults: what a run records (a re-pointed recipe's other settings were not read), so
-    that its record loads back under the file check."""
+    defaults, as `hpcvla config` prints it: a config file that loads back under the file
+    check (a re-pointed recipe's other settings were not read)."""
     import dataclasses
     changes: dict[str, dict] = {}
     for key in unread_settings_of(cfg):

@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from hpcvla.config.checks import as_read, cross_field_problems, unread_setting_problems
+from hpcvla.config.checks import cross_field_problems, unread_setting_problems
 from hpcvla.config.schema import Config
 from hpcvla.config.values import checked_value, home_expanded
 
@@ -99,12 +99,17 @@ def _unique_mapping(loader: _UniqueKeys, node: yaml.MappingNode, deep: bool = Fa
 _UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] = (),
+                record: bool = False) -> Config:
     """Read `path` (None = built-in defaults, or with `run.resume=DIR` the config that run last
-    ran with, as every command resolves it), apply `key.sub=value` overrides, check all."""
+    ran with, as every command resolves it), apply `key.sub=value` overrides, check all.
+    `record`: `path` is a run's own record of what it ran (last_run_config's), read as it was
+    written: the settings its choices did not read (a re-pointed recipe's) are not judged as
+    a user's file's are (checks.unread_setting_problems)."""
     data: dict = {}
     if path is None:
         path = resumed_run_config(list(overrides))
+        record = path is not None
     source = config_source(path, overrides)
     if path is not None:
         try:
@@ -131,7 +136,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
                                 "CONFIG, or `{}`, for the built-in defaults)")], str(path))
         if not isinstance(data, dict):
             raise ConfigError([("top level", data, "a mapping of sections")], str(path))
-    return _checked(data, overrides, source, file_settings=list(_flat(data)))
+    return _checked(data, overrides, source, file_settings={} if record else _flat(data))
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -139,7 +144,8 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
     return _checked(config_to_dict(cfg), overrides, "overrides of a config")
 
 
-def _checked(data: dict, overrides: list[str], source: str, file_settings=()) -> Config:
+def _checked(data: dict, overrides: list[str], source: str,
+             file_settings: dict[str, Any] | None = None) -> Config:
     """The Config of `data` with `overrides` applied; every problem raised at once.
     `file_settings`: the settings a config file set, by dotted name (those its own choices
     do not read are refused: checks.unread_setting_problems)."""
@@ -249,20 +255,15 @@ def config_to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def recorded(cfg: Config) -> Config:
+def recorded(cfg):
     """`cfg` as a run records it (dump_config): the settings that name files or folders
     (`paths`) made absolute, so that `hpcvla eval`, `export` and `run.resume` read the run
-    from any directory; those its choices do not read at their defaults (checks.as_read: a
-    re-pointed recipe's), so that the record loads back as a config file."""
-    return _absolute_paths(as_read(cfg))
-
-
-def _absolute_paths(cfg):
+    from any directory (as a record: load_config's `record`)."""
     changes = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if dataclasses.is_dataclass(value):
-            changes[f.name] = _absolute_paths(value)
+            changes[f.name] = recorded(value)
         elif f.metadata.get("paths") and value:
             changes[f.name] = ",".join(os.path.abspath(part.strip())
                                        for part in value.split(","))

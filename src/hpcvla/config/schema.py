@@ -177,7 +177,10 @@ class PipelineConfig:
         "restarted worker's build and first segments must fit in this. Inference ranks "
         "held this long (staleness quota, full ring lane) name their learner, learners "
         "this long in a version say so, each time, and wait on (a version may take that "
-        "long; one that hangs says nothing).", ge=1)
+        "long; one that hangs says nothing); so does every rank this long in its start-up, "
+        "its teardown or the report, a sync-colocated rank in a version, an `hpcvla sft` "
+        "learner in its start-up, a step or its end, and an `hpcvla eval` rank waiting for "
+        "the others.", ge=1)
 
 
 @dataclass

@@ -217,7 +217,7 @@ class PolicyDriver:
 
         if not (run_dir / "config.yaml").is_file():
             raise RecordingError(f"--policy {run_dir}: not a run directory (no config.yaml)")
-        run_cfg = load_config(run_dir / "config.yaml")
+        run_cfg = load_config(run_dir / "config.yaml", record=True)
         self.policy = build_policy(run_cfg, spec, local_device(run_cfg.placement.gpus_per_node))
         try:  # none yet, or another env's policy: its shapes do not fit this one's
             weights, state = checkpoint_weights(run_dir)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -121,60 +121,58 @@ def sft_main(cfg, world) -> None:
     """Every rank: read the demonstrations, fine-tune, checkpoint."""
     phases.mark("imports")
     rank, learners = world.Get_rank(), world.Get_size()
-    starting = ExitStack()  # said until it trains: its collectives wait for every learner
-    starting.enter_context(_still_in(cfg, rank, "its start-up"))
-    if cfg.launch.check_scheduler:
-        check_scheduler_world(learners)
-    node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # [dist] this host's learners
-    phases.mark("communicators")
-    torch.set_num_threads(rank_threads(node.Get_size()))  # its share of the node
-    seed_rank(cfg, rank)
-    device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
-    spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
-    memory = planned_memory(cfg, world, device, spec)  # [dist] GPUs it overfills: refused
-    if not cfg.run.resume:
-        cfg.run.name = f"{cfg.run.name}-sft"
-    run_dir = create_run_dir(cfg, world)
-    claim_run(world, run_dir)  # [dist] no rank reads or writes the run before its lock is held
-    if rank == 0:
-        deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
-    idle_barrier(world)  # [dist] (registered before any rank can fail in its work)
-    features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
-    # the action steps supervised from each observation: the policy's own (a meta build)
-    horizon = build_policy(cfg, spec, device="meta").imitation_horizon
-    demos, shared = _read_on_node(node, spec, horizon, lambda: select_demonstrations(
-        demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
-        features=features))
-    val_paths = demo_paths(cfg.sft, "val_demos")
-    held_out, shared_val = _read_on_node(node, spec, horizon, lambda: select_demonstrations(
-        val_paths, spec, features=features)) if val_paths else (None, None)
-    phases.mark("demonstrations_read")
-    if rank == 0 and memory is not None:  # beside each learner's measured peak at the end
-        hold_demonstrations(memory, sum(a.nbytes for a in filter(None, (shared, shared_val))))
-        (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
-    samples = len(demos.actions)
-    # learner 0 alone reads the weights: the engine starts every learner from its parameters
-    policy = build_policy(cfg, spec, device, device.type == "cuda", load=rank == 0)
-    phases.mark("policy_built")
-    # rank 0's newest checkpoint, holding the run's lock: every learner resumes from the same
-    resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
-        if cfg.run.resume else None  # [dist]
-    if resume is not None and rank == 0:
-        policy.load_arrays(store.load_weights(resume, policy.state_dict()))
-    engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
-    state = store.load_optimizer(resume, engine, world) if resume else None  # [dist]
-    phases.mark("engine_ready")
-    first, trained = (state["version"], state["counters"][catalog.SFT_COUNTER]) if state \
-        else (0, 0)
-    log = None
-    if rank == 0:
-        log = start_log(cfg, run_dir, (resume, state), learners)
-        print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
-              f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
-              f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
-              f"run directory: {run_dir}", flush=True)
-    writer = store.Writer(cfg.learner.checkpoint_background)
-    starting.close()
+    with _still_in(cfg, rank, "its start-up"):  # its collectives wait for every learner
+        if cfg.launch.check_scheduler:
+            check_scheduler_world(learners)
+        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=rank)  # [dist] this host's learners
+        phases.mark("communicators")
+        torch.set_num_threads(rank_threads(node.Get_size()))  # its share of the node
+        seed_rank(cfg, rank)
+        device = bind_rank_device(cfg, [(LEARN,)] * learners, world)  # [dist] a GPU each where any
+        spec = idle_bcast(world, lambda: env_spec(cfg.env))  # [dist] rank 0 builds an env
+        memory = planned_memory(cfg, world, device, spec)  # [dist] GPUs it overfills: refused
+        if not cfg.run.resume:
+            cfg.run.name = f"{cfg.run.name}-sft"
+        run_dir = create_run_dir(cfg, world)
+        claim_run(world, run_dir)  # [dist] no rank reads or writes the run before its lock is held
+        if rank == 0:
+            deathwatch.register_run_dir(run_dir)  # a failing rank's last words read its metrics
+        idle_barrier(world)  # [dist] (registered before any rank can fail in its work)
+        features = dataset_features(cfg.sft)  # a LeRobot dataset's, where sft.features names them
+        # the action steps supervised from each observation: the policy's own (a meta build)
+        horizon = build_policy(cfg, spec, device="meta").imitation_horizon
+        demos, shared = _read_on_node(node, spec, horizon, lambda: select_demonstrations(
+            demo_paths(cfg.sft), spec, cfg.sft.per_task or None, cfg.sft.successful_only,
+            features=features))
+        val_paths = demo_paths(cfg.sft, "val_demos")
+        held_out, shared_val = _read_on_node(node, spec, horizon, lambda: select_demonstrations(
+            val_paths, spec, features=features)) if val_paths else (None, None)
+        phases.mark("demonstrations_read")
+        if rank == 0 and memory is not None:  # beside each learner's measured peak at the end
+            hold_demonstrations(memory, sum(a.nbytes for a in filter(None, (shared, shared_val))))
+            (run_dir / MEMORY_PLAN).write_text(json.dumps(memory.to_dict(), indent=1))
+        samples = len(demos.actions)
+        # learner 0 alone reads the weights: the engine starts every learner from its parameters
+        policy = build_policy(cfg, spec, device, device.type == "cuda", load=rank == 0)
+        phases.mark("policy_built")
+        # rank 0's newest checkpoint, holding the run's lock: every learner resumes from the same
+        resume = idle_bcast(world, lambda: catalog.latest(run_dir)) \
+            if cfg.run.resume else None  # [dist]
+        if resume is not None and rank == 0:
+            policy.load_arrays(store.load_weights(resume, policy.state_dict()))
+        engine = init_engine(engine_config(cfg), policy, world, device)  # [dist]
+        state = store.load_optimizer(resume, engine, world) if resume else None  # [dist]
+        phases.mark("engine_ready")
+        first, trained = (state["version"], state["counters"][catalog.SFT_COUNTER]) if state \
+            else (0, 0)
+        log = None
+        if rank == 0:
+            log = start_log(cfg, run_dir, (resume, state), learners)
+            print(f"[hpcvla sft] {samples} chunks from {len(demos.task)} demonstrations "
+                  f"({demos.source}; {size(shared.nbytes)}, one copy per node); "
+                  f"{learners} learner(s) on {device}; steps {first}..{cfg.sft.steps}; "
+                  f"run directory: {run_dir}", flush=True)
+        writer = store.Writer(cfg.learner.checkpoint_background)
     history, done, trained = _train(cfg, engine, demos, held_out, first, trained, world, log,
                                     run_dir, writer)
     with _still_in(cfg, rank, "its last checkpoint and report"):

@@ -92,7 +92,7 @@ def resumable_run(run_root: Path) -> Path | None:
     point = latest(run) if run is not None else None
     if point is None:
         return None
-    cfg = load_config(last_run_config(run))  # a resume may have moved the end
+    cfg = load_config(last_run_config(run), record=True)  # a resume may have moved the end
     total = cfg.sft.steps if by_sft(point) else cfg.pipeline.total_updates
     return run if read_state(point)["version"] < total else None
 

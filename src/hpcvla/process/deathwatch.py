@@ -46,8 +46,8 @@ WORLD_COMMANDS = ("train", "sft", "eval")
 LIFELINE = "lifeline.sock"  # in the directory; only `hpcvla`'s own launcher listens on one
 RUN_DIR_FILE = "run_dir"  # in the directory: the path of rank 0's run (register_run_dir)
 PF_EXITING = 0x4  # a task's flag in /proc/PID/stat (linux/sched.h): it has begun to exit
-# what a failing rank gives its launcher's folder before it aborts regardless: a stalled
-LAST_WORDS_S = 5.0  # shared file system must not hold a world that is failing
+# a failing rank's time for its launcher's folder (a stalled file system): then it aborts
+LAST_WORDS_S = 5.0
 
 _lifeline: socket.socket | None = None  # this rank's end, open for the life of the process
 
@@ -86,16 +86,14 @@ def _hold_lifeline(path: Path, rank: int) -> None:
 
 def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None:
     """Rank side, on a failure the world cannot outlive: print `why` (then `detail`, e.g. a
-    traceback) to stderr, leave `why` with the launcher (said_why) and abort `world` (an MPI
-    communicator: every rank goes down with exit status `code`). Ranks of this host already
-    gone without a word are named as the first to die: a rank killed outright fails its peers'
-    MPI calls to it, and only now, before MPI_Abort, is its death known to have come first.
-    The words go out first: the launcher's folder gets LAST_WORDS_S (a stalled file system)."""
+    traceback), leave it with the launcher (said_why, within LAST_WORDS_S) and abort `world`
+    (every rank goes down with exit status `code`). Ranks of this host already gone without a
+    word are named as the first to die: a rank killed outright fails its peers' MPI calls to
+    it, and only now, before MPI_Abort, is its death known to have come first."""
     print(f"{why}\n{detail}" if detail else why, file=sys.stderr, flush=True)
     left = threading.Event()
 
-    def look_and_leave() -> None:
-        said = why
+    def look_and_leave(said: str = why) -> None:
         try:
             before = _gone_before(rank)
         except (OSError, ValueError):  # the directory going, a card half read: abort regardless
@@ -109,11 +107,13 @@ def abort_world(world, rank: int, why: str, code: int, detail: str = "") -> None
             print(f"hpcvla: rank {rank} could not leave its failure with the launcher ({err}); "
                   "the words above are all there is", file=sys.stderr, flush=True)
         left.set()
-    threading.Thread(target=look_and_leave, name="hpcvla-last-words", daemon=True).start()
+    try:
+        threading.Thread(target=look_and_leave, name="hpcvla-last-words", daemon=True).start()
+    except RuntimeError:  # no thread to be had (the rank may be failing of that): unbounded
+        look_and_leave()
     if not left.wait(LAST_WORDS_S):
         print(f"hpcvla: rank {rank} could not reach its launcher's folder {os.environ.get(ENV)} "
-              f"within {LAST_WORDS_S:g} s (a stalled file system?); the words above are all "
-              "there is", file=sys.stderr, flush=True)
+              f"in {LAST_WORDS_S:g} s (a stalled file system?)", file=sys.stderr, flush=True)
     until_forwarded(sys.stderr)  # read by mpiexec's proxy before the abort stops it
     unlink_mpich_shared_memory()
     world.Abort(code)

@@ -33,11 +33,21 @@ def deadline(timeout_s: float):
     if not timeout_s:
         yield
         return
-    faulthandler.dump_traceback_later(timeout_s, exit=True)
+    faulthandler.dump_traceback_later(timeout_s, exit=True, file=_stacks_file())
     try:
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _stacks_file():
+    """Where a guard writes the stacks: stderr, or where it has no descriptor (a notebook's,
+    a test's capture) the process's own."""
+    try:
+        sys.stderr.fileno()
+        return sys.stderr
+    except (AttributeError, OSError, ValueError):
+        return sys.__stderr__
 
 
 class StepGuard:
@@ -58,7 +68,8 @@ class StepGuard:
         if self.timeout_s:
             now = time.monotonic()
             if self._armed_at is None or now - self._armed_at > 0.1 * self.timeout_s:
-                faulthandler.dump_traceback_later(self.timeout_s, exit=True)
+                faulthandler.dump_traceback_later(self.timeout_s, exit=True,
+                                                  file=_stacks_file())
                 self._armed_at = now
         yield
 

@@ -92,13 +92,13 @@ def run_colocated(setup: RoleSetup, *, update: VersionUpdate, actor: Policy, env
                 # whole groups per micro-batch: micro_batch is a multiple of the rank's envs
                 # (schedule.layout_problems)
                 per_micro = len(groups) // n_micro
-                def training(waited: float, at: int = version + 1) -> str:
+                def in_version(waited: float, at: int = version + 1) -> str:
                     # its collectives wait for every rank: one stuck (in its rollout, say) is
                     # the one not saying this
-                    return (f"hpcvla: rank {setup.rank} (colocated) has been training version "
-                            f"{at} for {waited:.0f} s (waiting for the other ranks, or stuck "
-                            "itself)")
-                with reminding(cfg.pipeline.stall_timeout_s, training):
+                    return (f"hpcvla: rank {setup.rank} (colocated) has been in version {at}'s "
+                            f"training, checkpoint and held-out evaluation for {waited:.0f} s "
+                            "(waiting for the other ranks, or stuck itself)")
+                with reminding(cfg.pipeline.stall_timeout_s, in_version):
                     weights = update([groups[i * per_micro:(i + 1) * per_micro]  # train, then
                                       for i in range(n_micro)], version)  # act with them
                     groups, version = [], version + 1
