@@ -317,8 +317,8 @@ def imitation_start(root: Path, eval_episodes: int, overrides=(), config=IMITATI
                      f"run.root={root / 'sft'}"]):
         subprocess.run([sys.executable, "-m", "hpcvla", *command], check=True, timeout=3600)
     (run_dir,) = (root / "sft").iterdir()
-    result = both_evals(load_config(run_dir / "config.yaml"), checkpoint_weights(run_dir)[0],
-                        eval_episodes)
+    result = both_evals(load_config(run_dir / "config.yaml", record=True),
+                        checkpoint_weights(run_dir)[0], eval_episodes)
     print(f"imitation start (sft): eval success {figure(result['eval']['success_rate'], 3)} "
           f"(deterministic {figure(result['eval_deterministic']['success_rate'], 3)})",
           flush=True)
