@@ -147,8 +147,8 @@ def test_dsrl_steers_a_frozen_flow_policy_and_only_its_actor_crosses_the_network
     (learner,) = [r for r in summary["per_rank"] if r["role"] == "learner"]
     assert learner["gradient_steps"] > 0 and learner["replay_added"] > 0, learner
     assert learner["target_entropy"] == 0.0
-    policy = build_policy(load_config(run_dir / "config.yaml"),
-                          env_spec(load_config(run_dir / "config.yaml").env))
+    ran = load_config(run_dir / "config.yaml", record=True)  # a re-pointed recipe's record
+    policy = build_policy(ran, env_spec(ran.env))
     assert policy.noise_encoder.has_state and not policy.noise_encoder.has_image
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     assert learner["weight_bytes"]["per_version"] == 4 * trainable
