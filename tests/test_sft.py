@@ -335,6 +335,10 @@ def test_train_refuses_the_sft_settings_typed_for_it(tmp_path, capsys):
                      "sft.steps=50"]) == 2, command
         assert "sft.steps = '50': expected none: hpcvla train does not read the sft section " \
             "(hpcvla sft does); drop it" in capsys.readouterr().err, command
+    # with the config's own problems: every problem in one error
+    assert main(["train", "configs/default.yaml", "sft.steps=50", "learner.epochs=0"]) == 2
+    err = capsys.readouterr().err
+    assert "sft.steps = '50'" in err and "learner.epochs = 0" in err, err
     config = tmp_path / "both.yaml"
     config.write_text("sft:\n  steps: 50\n")
     assert main(["config", str(config)]) == 0 and "steps: 50" in capsys.readouterr().out

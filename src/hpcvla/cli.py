@@ -45,7 +45,6 @@ from hpcvla.bench.command import add_bench_parser, bench_command
 from hpcvla.config import (ConfigError, config_argument, config_source, load_config,
                            resumed_run_config, seconds, whole_number)
 from hpcvla.config.checks import as_read
-from hpcvla.config.imitation import job_unread_problems
 from hpcvla.config.loader import config_to_dict, settings_doc
 from hpcvla.config.schema import MPI_FLAVOURS
 from hpcvla.doctor import add_doctor_parser, doctor_command
@@ -189,10 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_train(args) -> int:
     if args.config is None:  # resuming without a config: the run's own (load_config's rule),
         args.config = resumed_run_config(args.overrides)  # named for the ranks' command line
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, job="train")
     source = config_source(args.config, args.overrides)
-    if unread := job_unread_problems("train", args.overrides):
-        raise ConfigError(unread, source)
     from hpcvla import preflight  # packages, files and devices this config needs
     if args.ranks is None and launcher_rank() is None:  # a bare process: start the world
         args.ranks = cfg.launch.ranks
@@ -211,10 +208,8 @@ def cmd_train(args) -> int:
 def cmd_sft(args) -> int:
     if args.config is None:  # as train's: the resumed run's own, else the built-in defaults
         args.config = resumed_run_config(args.overrides)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, job="sft")
     source = config_source(args.config, args.overrides)
-    if unread := job_unread_problems("sft", args.overrides):
-        raise ConfigError(unread, source)
     from hpcvla import preflight  # the settings, this machine, the demonstrations vs the env
     preflight.check_host(cfg, source)  # its node, on each rank of a world
     preflight.check_sft(cfg, source, args.ranks)
@@ -228,9 +223,7 @@ def cmd_sft(args) -> int:
 
 def cmd_plan(args) -> int:
     from hpcvla.envs import check_env, env_spec
-    cfg = load_config(args.config, args.overrides)
-    if unread := job_unread_problems(args.job, args.overrides):
-        raise ConfigError(unread, config_source(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides, job=args.job)
     check_env(cfg)  # the env's own settings and the folder's: the spec and sizes need them
     from hpcvla.preflight import checkpoint_problems
     from hpcvla.weight_checks import check_pretrained
@@ -280,9 +273,7 @@ def cmd_config(args) -> int:
         print(settings_doc(as_read(load_config(args.config, args.overrides)) if given else None,
                            args.doc), end="")
         return 0
-    cfg = load_config(args.config, args.overrides)
-    if unread := job_unread_problems(args.job, args.overrides):
-        raise ConfigError(unread, config_source(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides, job=args.job)
     print(yaml.safe_dump(config_to_dict(as_read(cfg)), sort_keys=False), end="")
     return 0
 

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from hpcvla.config.checks import cross_field_problems, unread_setting_problems
+from hpcvla.config.imitation import job_unread_problems
 from hpcvla.config.schema import Config
 from hpcvla.config.values import checked_value, home_expanded
 
@@ -100,12 +101,14 @@ _UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _uni
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = (),
-                record: bool = False) -> Config:
+                record: bool = False, job: str = "") -> Config:
     """Read `path` (None = built-in defaults, or with `run.resume=DIR` the config that run last
     ran with, as every command resolves it), apply `key.sub=value` overrides, check all.
     `record`: `path` is a run's own record of what it ran (last_run_config's), read as it was
     written: the settings its choices did not read (a re-pointed recipe's) are not judged as
-    a user's file's are (checks.unread_setting_problems)."""
+    a user's file's are (checks.unread_setting_problems). `job`: the command it is for
+    ("train", "sft"): the overrides that command does not read are refused with the rest
+    (imitation.job_unread_problems); "" for a config any command may read."""
     data: dict = {}
     if path is None:
         path = resumed_run_config(list(overrides))
@@ -136,7 +139,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
                                 "CONFIG, or `{}`, for the built-in defaults)")], str(path))
         if not isinstance(data, dict):
             raise ConfigError([("top level", data, "a mapping of sections")], str(path))
-    return _checked(data, overrides, source, file_settings={} if record else _flat(data))
+    return _checked(data, overrides, source, file_settings={} if record else _flat(data),
+                    job=job)
 
 
 def with_overrides(cfg: Config, overrides: list[str]) -> Config:
@@ -145,10 +149,10 @@ def with_overrides(cfg: Config, overrides: list[str]) -> Config:
 
 
 def _checked(data: dict, overrides: list[str], source: str,
-             file_settings: dict[str, Any] | None = None) -> Config:
+             file_settings: dict[str, Any] | None = None, job: str = "") -> Config:
     """The Config of `data` with `overrides` applied; every problem raised at once.
     `file_settings`: the settings a config file set, by dotted name (those its own choices
-    do not read are refused: checks.unread_setting_problems)."""
+    do not read are refused: checks.unread_setting_problems); `job`: load_config's."""
     problems: list = []
     for item in overrides:
         _apply_override(data, item, problems)
@@ -156,6 +160,7 @@ def _checked(data: dict, overrides: list[str], source: str,
     if not problems:
         problems.extend(cross_field_problems(cfg) +
                         unread_setting_problems(cfg, overrides, file_settings))
+    problems.extend(job_unread_problems(job, overrides) if job else [])
     if problems:
         raise ConfigError(problems, source)
     return cfg

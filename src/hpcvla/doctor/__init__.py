@@ -60,12 +60,9 @@ def add_doctor_parser(sub, config_args) -> None:
 def doctor_command(args) -> int:
     world = args.world and (args.world, args.ranks_per_node)
     if args.job != "eval":
-        from hpcvla.config import ConfigError, load_config
-        from hpcvla.config.imitation import job_unread_problems
-        if unread := job_unread_problems(args.job, args.overrides):
-            raise ConfigError(unread, f"hpcvla {args.job}'s overrides")
-        return main(load_config(args.config, args.overrides), args.json, args.job, world,
-                    node_only=args.node_only)
+        from hpcvla.config import load_config
+        return main(load_config(args.config, args.overrides, job=args.job), args.json,
+                    args.job, world, node_only=args.node_only)
     from hpcvla.checkpoint.catalog import run_and_checkpoint
     from hpcvla.evaluate import eval_config
     from hpcvla.roles.heldout import envs_at_once
