@@ -470,19 +470,22 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
 
 
 
-def test_ranks_started_here_stay_here_inside_a_slurm_job_of_several_nodes(tmp_path):
+@pytest.mark.parametrize("launcher", [["--mpi", "mpich"], ["--mpi", "openmpi"],
+                                      ["--mpiexec", str(OPENMPI5)]])
+def test_ranks_started_here_stay_here_inside_a_slurm_job_of_several_nodes(tmp_path, launcher):
     """`hpcvla launch -n N` (and `--ranks N`) starts its ranks on this machine. Inside a Slurm
-    job of several nodes, MPICH's Hydra took the job's nodes and started ranks there by srun
-    (in an interactive `srun --pty` shell: a step that waits for ever). Here the job names a
-    second node that does not exist: an srun to it fails."""
+    job of several nodes, MPICH's Hydra and Open MPI's mpirun took the job's nodes and started
+    ranks there by srun (in an interactive `srun --pty` shell: a step that waits for ever).
+    Here the job names a second node that does not exist: an srun to it fails."""
     script = tmp_path / "where.py"
     script.write_text("import socket\nfrom mpi4py import MPI\n"
                       "print('rank', MPI.COMM_WORLD.Get_rank(), socket.gethostname())\n")
     here = socket.gethostname()
     job = {"SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": f"{here},elsewhere",
            "SLURM_NODELIST": f"{here},elsewhere", "SLURM_TASKS_PER_NODE": "1(x2)",
-           "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2"}
-    out = hpcvla("launch", "-n", 2, "--", script, env=job, timeout=120)
+           "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_JOBID": "99",
+           "SLURM_JOB_CPUS_PER_NODE": "1(x2)"}
+    out = hpcvla("launch", *launcher, "-n", 2, "--", script, env=job, timeout=120)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
         f"rank 0 {here}", f"rank 1 {here}"], out.stdout

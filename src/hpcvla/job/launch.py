@@ -59,12 +59,7 @@ def world_command(n: int, program: list[str], mpiexec: str = "auto",
         raise LaunchError("nothing to launch: give an hpcvla subcommand or a script after --")
     install = select_mpi(mpi, mpiexec)  # MpiSelectError: a LaunchError
     cmd = [install.mpiexec, "-n", str(n), *install.args]
-    env = {**os.environ, **install.env}
-    if install.flavour == "mpich":
-        # inside a Slurm job of several nodes Hydra takes the job's nodes and starts them by
-        # srun (a step an `srun --pty` shell's own step leaves no CPUs for: it waits for
-        # ever); these ranks are this machine's, as Open MPI's mpirun starts its own
-        env.update(HYDRA_RMK="user", HYDRA_LAUNCHER="fork")
+    env = {**os.environ, **install.env, **install.here_env}  # this machine's ranks only
     # Each rank's share of the cores this process may use (its cpuset, not the host's: an
     # `srun --pty -c 4` on a 128-core node), as jobs/launch.sh gives each its node's share: the
     # ranks' torch, BLAS and OpenMP pools take it (process/threads.py).

@@ -64,6 +64,10 @@ class MpiInstall:
     mpiexec: str                                 # its launcher
     env: dict = field(default_factory=dict)      # what the ranks' environment needs
     args: list = field(default_factory=list)     # launcher flags for a workstation
+    # what keeps a workstation world (`--ranks N`) on this machine inside a scheduler's job of
+    # several nodes: both launchers take the job's nodes and start ranks there (by srun, a
+    # step an `srun --pty` shell leaves no CPUs for: it waits for ever)
+    here_env: dict = field(default_factory=dict)
     srun_mpi: str = "pmi2"                       # srun --mpi plugin for this MPI
     slurm_launcher: str = "mpiexec"              # what starts the ranks in a Slurm job
     # an Open MPI 4.x with no one-sided component that works across hosts (openmpi_osc's "",
@@ -204,12 +208,16 @@ def select_mpi(choice: str = "auto", mpiexec: str = "auto") -> MpiInstall:
 
 def _install(flavour: str, exe: str) -> MpiInstall:
     if flavour != "openmpi":
-        return MpiInstall(flavour, exe)
+        return MpiInstall(flavour, exe, here_env={"HYDRA_RMK": "user", "HYDRA_LAUNCHER": "fork"})
     osc = os.environ.get("OMPI_MCA_osc") or openmpi_osc(exe)
     env = {"MPI4PY_LIBMPI": openmpi_library(exe), **({"OMPI_MCA_osc": osc} if osc else {})}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return MpiInstall(flavour, exe, env, ["--oversubscribe"], srun_mpi="pmix",
+    # none of the schedulers' components: 4.x's ORTE reads OMPI_MCA_, 5's PRRTE PRTE_MCA_
+    schedulers = "^slurm,tm,pbs,lsf,gridengine"
+    here = {f"{layer}_MCA_{framework}": schedulers for layer in ("OMPI", "PRTE")
+            for framework in ("ras", "plm")}
+    return MpiInstall(flavour, exe, env, ["--oversubscribe"], here, srun_mpi="pmix",
                       slurm_launcher="srun", lacks_windows=osc == "", stop_signal="USR1")
 
 
