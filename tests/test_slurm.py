@@ -161,6 +161,35 @@ def test_the_other_nodes_checked_are_those_but_this_one():
     assert checked("z", "a b c") == said("b c")  # this node under another name
 
 
+def test_a_node_whose_checks_fail_through_pbs_tm_fails_the_job_without_its_lines(tmp_path):
+    """PBS's pbs_tmrsh returns the exit status of what it started on a node, none of its
+    output (openpbs' pbs_tmrsh.c: tm_spawn, tm_obit): a node whose `hpcvla doctor
+    --node-only` failed (exit 1) left no FAIL line to read, and was taken for a node that
+    could not be checked; the world started on it. Here pbs_tmrsh is a stand-in that does as
+    TM does: the command runs, its output goes elsewhere, its status comes back."""
+    tmrsh, doctor = tmp_path / "pbs_tmrsh", tmp_path / "doctor"
+    tmrsh.write_text('#!/bin/sh\nshift\n"$@" > /dev/null 2>&1\n')
+    doctor.write_text('#!/bin/sh\necho "FAIL /dev/shm: 1.0 MiB free"\nexit 1\n')
+    for path in (tmrsh, doctor):
+        path.chmod(0o755)
+    script = f"""set -euo pipefail
+        SCHEDULER=pbs PYTHON=python EARLY="" LIB={ROOT}/jobs/lib
+        say() {{ echo "say: $*"; }}
+        source {ROOT}/jobs/lib/world.sh
+        hostname() {{ echo n0; }}
+        HOSTS=(n0 n1)
+        status=0
+        until_signalled check_other_nodes {doctor} --node-only || status=$?
+        echo "status $status"
+    """
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert out.stdout.splitlines()[-1] == "status 1", out
+    assert "say: n1: its checks failed (hpcvla doctor's exit 1); their lines did not come " \
+        "back (PBS's pbs_tmrsh returns a node's exit status, not its output)" in out.stdout, out
+    assert "say: node(s) n1 lack what the job needs (above)" in out.stdout, out
+
+
 def test_a_node_reads_the_command_line_as_it_was_quoted():
     """on_node's command is quoted by printf %q, which writes a tab or a newline as $'..':
     the node's shell must be bash (dash, Debian's sh, took it for a `$` and the letters)."""

@@ -126,9 +126,11 @@ process_tree() {  # PID: it and every process under it, parents first
 # imports the simulator). Each
 # node whose checks failed is said with its lines; false if one did. A node that could not
 # run the check (it did not answer, a launch error) is said and left to the world's start: a
-# dead node there is a failed world, which HPCVLA_RESTARTS continues without it.
+# dead node there is a failed world, which HPCVLA_RESTARTS continues without it. PBS's
+# pbs_tmrsh returns its command's exit status but none of its output: a doctor's exit 1
+# (its checks failed) with no lines is a failed node too.
 check_other_nodes() {  # run in a subshell
-    local host answers command name assignments=() failed=() checked=() others=()
+    local host answers command name status assignments=() failed=() checked=() others=()
     answers=$(mktemp -d)
     trap 'rm -rf "$answers"' EXIT  # ended by a signal (until_signalled) too
     command=$(printf '%q ' "$@")
@@ -142,12 +144,18 @@ check_other_nodes() {  # run in a subshell
     mapfile -t others < <(other_nodes)
     on_each_node "$answers" "${HPCVLA_NODE_DOCTOR_S:-300}" "$command" "${others[@]}"
     for host in "${others[@]}"; do
+        status=$(< "$answers/$host.status")
         if grep -q '^FAIL' "$answers/$host"; then
             failed+=("$host")
             sed "s/^/$host: /" "$answers/$host" "$answers/$host.err" >&2
-        elif [[ $(< "$answers/$host.status") != 0 ]]; then
+        elif [[ $status == 1 && ! -s $answers/$host && ! -s $answers/$host.err ]]; then
+            failed+=("$host")
+            say "$host: its checks failed (hpcvla doctor's exit 1); their lines did not come" \
+                "back (PBS's pbs_tmrsh returns a node's exit status, not its output): run" \
+                "\`hpcvla doctor --node-only\` there to see them"
+        elif [[ $status != 0 ]]; then
             sed "s/^/$host: /" "$answers/$host" "$answers/$host.err" >&2
-            say "could not check node $host (exit status $(< "$answers/$host.status"), above)"
+            say "could not check node $host (exit status $status, above)"
         else
             checked+=("$host")
         fi
