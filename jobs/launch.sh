@@ -127,6 +127,8 @@ done
 
 # ---- the allocation: scheduler, hosts, ranks per node, Python, MPI, threads per rank --------
 LIB=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/lib  # this script's own, whatever the root
+# shellcheck source=lib/words.sh
+source "$LIB/words.sh"  # bash 4.4 or newer, before the first array
 # shellcheck source=lib/allocation.sh
 source "$LIB/allocation.sh"
 if ! refusal=$("$PYTHON" -m hpcvla "$1" --help 2>&1 > /dev/null); then  # before any work
@@ -187,8 +189,6 @@ if [[ -n ${HPCVLA_SWEEP:-} ]]; then
     last=$(( ${#SWEEP_LINES[@]} - 1 ))
     (( ARRAY_TASK <= last )) || die "array task $ARRAY_TASK: HPCVLA_SWEEP=$HPCVLA_SWEEP has" \
         "${#SWEEP_LINES[@]} line(s) of overrides (tasks 0-$last): submit --array=0-$last"
-    # shellcheck source=lib/words.sh
-    source "$LIB/words.sh"
     # shellcheck disable=SC2034 # words reads it by name
     SWEEP_LINE=${SWEEP_LINES[$ARRAY_TASK]}
     words SWEEP_LINE

@@ -52,6 +52,8 @@ ROOT=${HPCVLA_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 if [[ ! -f $ROOT/requirements.txt ]]; then  # sbatch/qsub run a spooled copy of this script
     ROOT=${SLURM_SUBMIT_DIR:-${PBS_O_WORKDIR:-$PWD}}
 fi
+# shellcheck source=lib/words.sh
+source "$ROOT/jobs/lib/words.sh"  # bash 4.4 or newer, before the first array
 
 if [[ ${1:-} == --download-wheels ]]; then
     # What a bare GPU image (torch, transformers, h5py, numpy, psutil, a system Open MPI) lacks:
