@@ -198,6 +198,11 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
     else
         local host
         if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
+            # an Open MPI without TM takes its rsh agent as a command line ("ssh -x"): split
+            # at blanks, a path with one names no program
+            [[ $PBS_RSH != *[[:blank:]]* ]] || die "the repository's path holds a blank" \
+                "($PBS_RSH), which Open MPI's rsh agent (plm_rsh_agent) splits at: run the" \
+                "job from a path without one (a link to it will do), or with HPCVLA_MPI=mpich"
             for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
             LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node"
                     ${PBS_RSH:+--mca plm_rsh_agent "$PBS_RSH"})
