@@ -9,12 +9,13 @@ Writes into --out (default `report/`):
     throughput.png       env steps/s per run
     <bench>.png          env steps/s per case of each --bench file, its ideal bound a line
     timeline-<run>.png   swimlanes: one lane per rank, a coloured bar per busy span of each
-                         stage, white = idle; `-zoom` shows two seconds mid-run
+                         stage, white = idle; `-zoom` shows two seconds mid-run (a resumed
+                         run's last start, as its summary.json and table row)
     success.png          success rate against trained env steps, one curve per run (the
                          training's last 200 episodes), and one per run that has an
                          eval.jsonl (`hpcvla eval RUN --all`: fixed initial states)
     seeds.png            runs of one configuration but their seed (every setting equal but
-                         run.*), two or more: each seed's training success thin, their mean
+                         name, folder, seed and logs: seed_report.py), two seeds or more: each seed's training success thin, their mean
                          thick with its 95 % t interval; `seeds-held-out.png` the same of
                          their held-out evaluations (eval.every), and the table of each
                          group's final figures, mean and interval over its seeds
@@ -35,13 +36,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
-
 from hpcvla.config.loader import run_settings
 from hpcvla.files import read_log
-from hpcvla.metrics.charts import bar_chart, line_chart, seed_curves, swimlane
+from hpcvla.metrics.charts import bar_chart, line_chart, swimlane
 from hpcvla.metrics.progress import standing_records
-from hpcvla.metrics.stats import mean_interval
+from seed_report import seed_groups, seeds_section, settled  # postprocess/, beside this script
 
 
 class ReportError(ValueError):
@@ -62,9 +61,11 @@ def load_run(path) -> dict:
     plan = json.loads((path / "plan.json").read_text()) if (path / "plan.json").exists() \
         else {}
     roles = Counter(role for r in plan.get("ranks", []) for role in r["roles"])
-    spans = {}
+    spans: dict = {}
     for file in sorted(path.glob("timeline.rank*.jsonl")):
-        for s in read_log(file):
+        lines = read_log(file)
+        opened = [i for i, line in enumerate(lines) if "opened" in line]
+        for s in lines[opened[-1] + 1 if opened else 0:]:  # the last start's, on its clock
             spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"],
                                                                  s["stage"]))
     metrics = standing_records(read_log(path / "metrics.jsonl")) \
@@ -96,16 +97,24 @@ def throughput_table(runs: list[dict]) -> str:
              f"vs {base['summary']['mode'] if base else 'baseline'} | simulate (s) | "
              "infer (s) | train (s) | learner wait (s) | success |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    resumed = []
     for r in in_table_order(runs):
         s = r["summary"]
         gain = f"{(s['env_steps_per_s'] / base_tp - 1) * 100:+.1f}%" if base_tp else "—"
+        starts = s.get("starts") or []
+        if len(starts) > 1:  # summary.json and the timelines drawn are the last start's
+            resumed.append(f"{r['name']}: the last of {len(starts)} starts (from version "
+                           f"{starts[-1]['from_version']}); the whole run "
+                           f"{sum(st['env_steps'] for st in starts)} env steps in "
+                           f"{sum(st['wall_s'] for st in starts):.1f} s")
         lines.append(
-            f"| {r['name']} | {s['mode']} | {s['ranks']} | {r['ratio']} | {s['env_steps']} | "
+            f"| {r['name']}{' (last start)' if len(starts) > 1 else ''} | {s['mode']} | "
+            f"{s['ranks']} | {r['ratio']} | {s['env_steps']} | "
             f"{s['wall_s']:.1f} | {s['env_steps_per_s']:.0f} | {gain} | "
             f"{_fmt(stage_seconds(r, 'simulate'))} | {_fmt(stage_seconds(r, 'infer'))} | "
             f"{_fmt(stage_seconds(r, 'train'))} | {_fmt(stage_seconds(r, 'wait_data'))} | "
             f"{_fmt(s.get('success_rate'), 3)} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ([""] + [f"* {line}" for line in resumed] if resumed else []))
 
 
 def in_table_order(runs: list[dict]) -> list[dict]:
@@ -135,15 +144,6 @@ def bench_table(bench: dict) -> str:
                      f"{_fmt(speedup.get(label), 2)}{'x' if label in speedup else ''} | "
                      f"{_fmt(r.get('success_rate'), 3)} |")
     return "\n".join(lines)
-
-
-def settled(records: list[dict], least: int = 20) -> list[dict]:
-    """The rolling-success records whose window holds `least` episodes (or as many as it
-    ever held): a rate of one or two episodes is noise a chart would draw as the curve's
-    start (a resumed start's window begins empty again: its first records are left out too,
-    a gap in the curve rather than a spike)."""
-    full = min(least, max((m.get("episodes") or 0 for m in records), default=0))
-    return [m for m in records if (m.get("episodes") or 0) >= full]
 
 
 def busy_table(run: dict) -> str:
@@ -176,109 +176,6 @@ def dump_table(runs: list[dict]) -> str:
                          f"{versions} | {d['complete']} |")
     return "\n".join(lines)
 
-
-def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
-    """The runs of one configuration but their seed, two or more: every setting equal but
-    run.* (name, folder, seed, logs: nothing that changes what is learned), as each run last
-    ran (a resume's config). Label -> runs; the label is the runs' run.name, followed by the
-    settings that tell the group from another group of that name."""
-    by_key: dict[frozenset, list[dict]] = {}
-    for run in runs:
-        if run["settings"]:
-            key = frozenset((k, json.dumps(v, sort_keys=True))
-                            for k, v in run["settings"].items() if not k.startswith("run."))
-            by_key.setdefault(key, []).append(run)
-    groups = {key: sorted(rs, key=lambda r: (r["settings"].get("run.seed", 0), r["name"]))
-              for key, rs in by_key.items() if len(rs) > 1}
-    names = {key: "/".join(sorted({str(r["settings"].get("run.name")) for r in rs}))
-             for key, rs in groups.items()}
-    labelled = {}
-    for key, rs in groups.items():
-        namesakes = [k for k in groups if names[k] == names[key]]
-        differ = sorted(key - frozenset.intersection(*namesakes))
-        labelled[names[key] + "".join(f" {k}={json.loads(v)}" for k, v in differ)] = rs
-    return labelled
-
-
-def final_held_out(run: dict) -> tuple[int, float, int] | None:
-    """A run's last held-out evaluation (version, success rate, episodes): its training's own
-    (eval.every, in metrics.jsonl), else `hpcvla eval`'s newest version (eval.jsonl)."""
-    held = [m["held_out"] for m in run["metrics"] if "held_out" in m]
-    if held:
-        return held[-1]["version"], held[-1]["success_rate"], held[-1]["episodes"]
-    if run["evals"]:
-        e = max(run["evals"], key=lambda e: e["version"])
-        return e["version"], e["success_rate"], e["episodes"]
-    return None
-
-
-def _interval(values, digits: int = 3, rate: bool = True) -> str:
-    """mean [low, high] (n=...): a rate's interval cut to [0, 1], where a t interval over a
-    few seeds near 0 or 1 reaches past it."""
-    if not values:
-        return "—"
-    mean, low, high = mean_interval(values)
-    if rate:
-        low, high = max(low, 0.0), min(high, 1.0)
-    return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}] (n={len(values)})"
-
-
-def seeds_table(groups: dict[str, list[dict]]) -> str:
-    lines = ["| configuration | seeds | env steps/s | training success | held-out success | "
-             "held out at |", "|---|---|---|---|---|---|"]
-    for label, rs in groups.items():
-        held = [h for h in map(final_held_out, rs) if h]
-        trained = [r["summary"].get("success_rate") for r in rs]
-        lines.append(
-            f"| {label} | {', '.join(str(r['settings'].get('run.seed')) for r in rs)} | "
-            f"{_interval([r['summary']['env_steps_per_s'] for r in rs], 0, rate=False)} | "
-            f"{_interval([v for v in trained if v is not None])} | "
-            f"{_interval([rate for _, rate, _ in held if rate is not None])} | "
-            f"{', '.join(sorted({f'v{v} ({n} episodes)' for v, _, n in held})) or '—'} |")
-    return "\n".join(lines)
-
-
-def _on_grid(curves: list[list[tuple[float, float]]]) -> tuple[np.ndarray, list[list[float]]]:
-    """`curves` (each a list of (x, y)) on one grid of 50 points over all of them, each
-    interpolated where it has values and NaN outside them (none extrapolated: a group of a
-    shorter run has its band end where its runs do)."""
-    grid = np.linspace(min(c[0][0] for c in curves), max(c[-1][0] for c in curves), 50)
-    out = []
-    for curve in curves:
-        xs, ys = (np.asarray(v, float) for v in zip(*curve))
-        out.append(np.where((grid >= xs[0]) & (grid <= xs[-1]), np.interp(grid, xs, ys),
-                            np.nan).tolist())
-    return grid, out
-
-
-def seeds_section(groups: dict[str, list[dict]], out: Path) -> list[str]:
-    """The table of seed_groups and their charts (seeds.png, seeds-held-out.png)."""
-    md = ["## Seeds", "", "Runs of one configuration but their seed: each group's figures as "
-          "the mean over its seeds and its 95 % Student-t interval (4.30 standard errors at 3 "
-          "seeds); training success is the learners' last episodes at the run's end, held-out "
-          "success its last evaluation on fixed initial states.", "", seeds_table(groups), ""]
-    trained = {label: [[(m["trained_env_steps"], m["success_rate"]) for m in settled(
-        [m for m in r["metrics"] if m.get("success_rate") is not None])] for r in rs]
-        for label, rs in groups.items()}
-    held = {label: [[(m["held_out"]["trained_env_steps"], m["held_out"]["success_rate"])
-                     for m in r["metrics"] if "held_out" in m
-                     and m["held_out"]["success_rate"] is not None] for r in rs]
-            for label, rs in groups.items()}  # (None: an evaluation of no verdict)
-    held = {label: cs for label, cs in held.items() if all(len(c) > 1 for c in cs)}
-    for name, curves, what in (("seeds", trained, "training success (the learners' last "
-                                "episodes)"),
-                               ("seeds-held-out", held, "held-out success (eval.every)")):
-        curves = {label: cs for label, cs in curves.items() if all(cs)}
-        if not curves:
-            continue
-        grid, ys = _on_grid([c for cs in curves.values() for c in cs])
-        drawn, at = {}, 0
-        for label, cs in curves.items():
-            drawn[label], at = ys[at:at + len(cs)], at + len(cs)
-        seed_curves(out / f"{name}.png", grid, drawn, f"Seeds: {what}", "trained env steps",
-                    "success", ylim=(0, 1))
-        md += [f"![{name}]({name}.png)", ""]
-    return md
 
 def lanes_of(run: dict) -> list:
     return [(f"r{rank} {role}", spans) for (rank, role), spans in sorted(run["spans"].items())]

@@ -15,7 +15,8 @@ from hpcvla.metrics.stats import mean_interval
 from helpers import ROOT, hpcvla, reach_demos
 
 sys.path.insert(0, str(ROOT / "postprocess"))  # postprocess/report.py is a script, not a package
-from report import lanes_of, load_run, seed_groups, settled  # noqa: E402
+from report import lanes_of, load_run  # noqa: E402
+from seed_report import seed_groups, seeds_table, settled  # noqa: E402
 
 
 def read_png(path) -> np.ndarray:
@@ -130,10 +131,57 @@ def test_runs_differing_only_by_seed_are_reported_as_one_group_over_its_seeds(tm
         assert read_png(tmp_path / "report" / chart).shape[:2] == (460, 900)
 
 
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_a_resumed_run_is_reported_as_its_last_start_said_so(tmp_path):
+    """A resumed run appends each start's spans to its timelines, timed from that start: the
+    report drew every start's on one axis, over each other, beside a table row of the last
+    start's summary.json, named as the whole run. Now the row and the swimlanes are the last
+    start's (each start's spans follow a line with its origin), said so, with the whole
+    run's env steps. ~30 s: two short colocated starts."""
+    run_dir, first = train(tmp_path / "runs", "configs/colocated.yaml",
+                           "pipeline.total_updates=3")
+    out = hpcvla("train", f"run.resume={run_dir}", "pipeline.total_updates=5", timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    second = json.loads((run_dir / "summary.json").read_text())
+    files = sorted(run_dir.glob("timeline.rank*.jsonl"))
+    lines = [json.loads(line) for line in files[0].read_text().splitlines()]
+    assert [i for i, line in enumerate(lines) if "opened" in line][0] == 0
+    (at,) = [i for i, line in enumerate(lines) if "opened" in line][1:]
+    run = load_run(run_dir)
+    drawn = sorted(span for (rank, _), spans in run["spans"].items() if rank == 0
+                   for span in spans)
+    assert drawn == sorted((s["start"], s["end"], s["stage"]) for s in lines[at + 1:])
+    assert report(run_dir, "--out", tmp_path / "report").returncode == 0
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert f"| {run_dir.name} (last start) | sync-colocated | {second['ranks']} |" in md, md
+    assert f"| {second['env_steps']} |" in md
+    assert (f"* {run_dir.name}: the last of 2 starts (from version 3); the whole run "
+            f"{first['env_steps'] + second['env_steps']} env steps in ") in md, md
+
+
+def test_runs_of_one_seed_or_another_trajectory_dump_are_no_seed_group():
+    """Two runs of seed 0, one of them writing a trajectory dump, were reported as a group of
+    seeds, their env steps/s interval reaching below 0: a dump is part of a configuration
+    (it costs throughput), a run's name, logs and seed are not, and a group has two seeds
+    or more."""
+    def run(seed, steps, **settings):
+        return {"name": f"r{seed}", "summary": {"success_rate": 0.5, "env_steps_per_s": steps},
+                "evals": [], "metrics": [], "settings": {
+                    "run.seed": seed, "run.name": "r", "run.dump_trajectories": False,
+                    "run.tensorboard": True, **settings}}
+    dumped = {"run.dump_trajectories": True}
+    assert seed_groups([run(0, 6150), run(0, 15500, **dumped)]) == {}
+    assert seed_groups([run(0, 100), run(0, 120)]) == {}  # one seed twice: no seeds
+    groups = seed_groups([run(0, 500), run(1, 15000, **{"run.tensorboard": False}),
+                          run(2, 600, **dumped)])
+    assert [[r["settings"]["run.seed"] for r in rs] for rs in groups.values()] == [[0, 1]]
+    assert "| 0, 1 | 7750 [0, " in seeds_table(groups), seeds_table(groups)
+
+
 def test_an_evaluation_of_no_verdict_is_left_out_of_the_seeds_figures():
     """A held-out evaluation every episode of which was an env fault reports no success rate
     (None): the seeds' held-out figure is over the seeds that have one."""
-    from report import seeds_table
 
     def run(seed, held):
         return {"summary": {"success_rate": 0.5, "env_steps_per_s": 100.0},

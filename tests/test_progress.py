@@ -211,7 +211,8 @@ def test_a_timeline_writes_its_spans_for_run_timeline_s_then_counts_them(tmp_pat
     for start in (1.0, 4.0, 9.0, 12.0, 30.0):
         line.record("infer", start, start + 1.0)
     line.close()
-    written = [json.loads(r) for r in path.read_text().splitlines()]
+    opened, *written = [json.loads(r) for r in path.read_text().splitlines()]
+    assert opened == {"rank": 3, "role": "inference", "opened": 100.0}  # the start's origin
     assert [s["start"] for s in written] == [1.0, 4.0, 9.0]
     assert line.counts["infer"] == 5 and line.busy["infer"] == 5.0
     assert line.last_end["infer"] == 31.0

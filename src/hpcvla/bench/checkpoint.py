@@ -60,8 +60,8 @@ def run(updates: int = 8, repeats: int = 2, overrides=(), json_path=None) -> dic
 
 def _checkpoints(run_dir: Path) -> float:
     """Checkpoints each learner wrote in the run: its timeline's `checkpoint` spans."""
-    spans = [json.loads(line) for path in run_dir.glob("timeline.rank*.jsonl")
-             for line in path.read_text().splitlines()]
+    spans = [span for path in run_dir.glob("timeline.rank*.jsonl")
+             for span in map(json.loads, path.read_text().splitlines()) if "stage" in span]
     learners = {s["rank"] for s in spans if "learner" in s["role"]}
     return sum(s["stage"] == "checkpoint" for s in spans) / max(1, len(learners))
 

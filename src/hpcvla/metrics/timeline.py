@@ -13,7 +13,9 @@ once). Spans are the rank's main thread's.
 
 Each line: {"rank", "role", "stage", "start", "end"} with times in seconds since the run's
 common start (wall-clock `time.time()` against a start rank 0 broadcasts, so comparable across
-ranks of one node; across nodes they are as synchronised as the nodes' clocks). Everything not
+ranks of one node; across nodes they are as synchronised as the nodes' clocks), after a first
+line {"rank", "role", "opened"}: that start in epoch seconds (a resumed run appends each
+start's spans, timed from its own start, to the same file). Everything not
 inside a span is idle time. Lines are buffered and flushed every `flush_every` spans so the file
 is readable during a run. Spans that end after `keep_s` (run.timeline_s) are counted, not
 written: a rank's file stops growing (an inference rank writes ~0.3 GB a day of spans).
@@ -39,7 +41,8 @@ class Timeline:
         self.first: dict[str, tuple[float, float]] = {}  # stage -> its first span
         self.last_end: dict[str, float] = {}  # stage -> the end of its last span
         self._file = open_log(path) if path else None
-        self._lines: list[str] = []
+        self._lines: list[str] = [json.dumps({"rank": rank, "role": role,
+                                              "opened": round(self.t0, 6)})] if path else []
         self._flush_every, self._keep_s = flush_every, keep_s
         self._open: list[float] = []  # per open span, innermost last: its nested spans' seconds
 
