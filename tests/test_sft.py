@@ -311,6 +311,13 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path, capsys):
     assert "algorithm.lr = '1e-4': expected none: hpcvla sft sets it from sft.lr; set that" \
         in err and "learner.micro_batch = '8': expected none: hpcvla sft sets it from " \
         "sft.batch_size" in err
+    # train's own settings: `pipeline.total_updates=5` ran all of sft.steps without a word
+    err = refused(f"sft.demos={LIBERO_DEMOS}", "pipeline.total_updates=5",
+                  "learner.checkpoint_every_s=60", "rollout.segment_len=4")
+    assert "pipeline.total_updates = '5': expected none: hpcvla sft does not read it (hpcvla " \
+        "train does); set sft.steps" in err and "learner.checkpoint_every_s = '60': expected " \
+        "none: hpcvla sft does not read it (hpcvla train does); set sft.checkpoint_every" \
+        in err and "rollout.segment_len = '4'" in err, err
     for command in (["doctor", "--job", "sft"], ["config", "--job", "sft"]):  # as sft's
         assert main([*command, "configs/libero_spatial.yaml", "algorithm.critic_lr=1e-4"]) == 2
         assert "algorithm.critic_lr = '1e-4': expected none" in capsys.readouterr().err

@@ -74,14 +74,30 @@ SFT_SETS = {"algorithm.lr": "sft.lr", "algorithm.critic_lr": "sft.lr",
             "learner.micro_batch": "sft.batch_size", "learner.micro_batches": "sft.micro_batches"}
 
 
+# The settings only `hpcvla train` reads, by name or prefix (its pipeline, rollout, trajectory
+# ring, checkpoints by version and held-out evaluations): typed for `hpcvla sft` they would
+# change nothing. Each with sft's own setting for it, where it has one.
+TRAIN_ONLY = {"pipeline.mode": "", "pipeline.max_staleness": "",
+              "pipeline.total_updates": "sft.steps", "rollout.": "", "learner.epochs": "",
+              "learner.ring_": "", "learner.checkpoint_every": "sft.checkpoint_every",
+              "eval.every": "", "eval.episodes": "", "eval.envs": "",
+              "eval.video_every": ""}
+
+
 def job_unread_problems(job: str, overrides) -> list[tuple[str, object, str]]:
     """The overrides among `overrides` that the command `job` ("train" or "sft") does not
-    read, as config problems: for sft, SFT_SETS' (it sets them itself); for train, the sft
-    section's (a config file's sft section stays: one file may serve both commands)."""
+    read, as config problems: for sft, SFT_SETS' (it sets them itself) and TRAIN_ONLY's; for
+    train, the sft section's (a config file's sft section stays: one file may serve both
+    commands)."""
     typed = [item.partition("=")[::2] for item in overrides]
     if job == "sft":
+        train_only = [(key, value, next(own for name, own in TRAIN_ONLY.items()
+                                        if key.startswith(name)))
+                      for key, value in typed if key.startswith(tuple(TRAIN_ONLY))]
         return [(key, value, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
-                for key, value in typed if key in SFT_SETS]
+                for key, value in typed if key in SFT_SETS] + \
+            [(key, value, "none: hpcvla sft does not read it (hpcvla train does); " +
+              (f"set {own}" if own else "drop it")) for key, value, own in train_only]
     return [(key, value, "none: hpcvla train does not read the sft section (hpcvla sft "
              "does); drop it") for key, value in typed if key.startswith("sft.")]
 
