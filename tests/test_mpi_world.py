@@ -462,6 +462,9 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
                       "if sys.argv[1] == 'sleep':\n    time.sleep(300)\n"
                       "sys.exit(3 if MPI.COMM_WORLD.Get_rank() == 1 else 0)\n")
     assert hpcvla("launch", "-n", 3, "--", script, "exit").returncode == 3
+    # a subcommand as typed alone, `hpcvla` first (argparse refused it as no subcommand)
+    out = hpcvla("launch", "-n", 2, "--", "hpcvla", "config", "pipeline.total_updates=7")
+    assert out.returncode == 0 and out.stdout.count("total_updates: 7") == 2, out.stderr
     start = time.monotonic()
     out = hpcvla("launch", "-n", 3, "--timeout", 3, "--", script, "sleep")
     assert out.returncode == 124 and time.monotonic() - start < 30

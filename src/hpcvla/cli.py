@@ -281,6 +281,8 @@ def cmd_config(args) -> int:
 def cmd_launch(args) -> int:
     from hpcvla.job.launch import run_world
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if program[:1] == ["hpcvla"]:  # `-- hpcvla eval RUN`, as the command is typed alone
+        program = program[1:]
     return run_world(args.n, program, args.mpiexec, args.timeout, args.mpi)
 
 
