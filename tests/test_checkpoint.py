@@ -185,7 +185,8 @@ def test_a_replicated_optimizer_state_is_saved_once_only_where_the_learners_agre
 
 def test_a_path_that_is_no_run_or_checkpoint_is_named_with_what_is_there(tmp_path):
     """eval and export say which checkpoints a run keeps when given one it does not (its
-    names have 6 digits: `v500` is not `v000500`), and a missing path as missing."""
+    names have 6 digits: `v500` is not `v000500`), a missing path as missing, a file (a
+    config, as train takes) as no run, and a run's checkpoints folder as the run's."""
     from hpcvla.checkpoint.catalog import path_problem
     run = tmp_path / "run"
     (run / "checkpoints" / "v000500").mkdir(parents=True)
@@ -197,7 +198,11 @@ def test_a_path_that_is_no_run_or_checkpoint_is_named_with_what_is_there(tmp_pat
         assert "is not a complete checkpoint of its run (kept there: v000500;" in \
             path_problem(run / "checkpoints" / name)
     assert "no such directory" in path_problem(tmp_path / "elsewhere")
-    assert "is not a run directory (no config.yaml)" in path_problem(run / "checkpoints")
+    assert f"{run / 'checkpoints'} is a run's folder of checkpoints: give the run ({run})" in \
+        path_problem(run / "checkpoints")
+    assert "is not a run directory (no config.yaml)" in path_problem(tmp_path)
+    assert f"{run / 'config.yaml'} is a file, not a run directory: give the run directory " \
+        "`hpcvla train` printed" in path_problem(run / "config.yaml")
 
 
 def test_a_resume_says_when_a_versions_batch_is_not_the_checkpoints():

@@ -214,6 +214,12 @@ def test_malformed_and_missing_files(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="a readable YAML file"):
         load_config(tmp_path / "missing.yaml")
+    run = tmp_path / "default-20261207-120000"  # a run's folder, given as its config
+    run.mkdir()
+    (run / "config.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match=f"this is a run directory: to go on with it, "
+                       f"run.resume={run}; the settings it ran with are {run}/config.yaml"):
+        load_config(run)
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="a mapping of sections"):
         load_config(tmp_path / "list.yaml")

@@ -102,9 +102,15 @@ def path_problem(path: Path) -> str | None:
             return (f"{path} is not a complete checkpoint of its run (kept there: "
                     f"{', '.join(p.name for p in kept) or 'none'}; a checkpoint is v and its "
                     "version in 6 digits, v000500)")
+    if path.is_file():  # a config file, say: eval and export take what a run wrote
+        return (f"{path} is a file, not a run directory: give the run directory `hpcvla "
+                "train` printed at its end (runs/<name>-<time>), or one of its checkpoints")
     if not path.is_dir():
         return f"{path}: no such directory (give a run directory, or one of its checkpoints)"
     run, _ = run_and_checkpoint(path)
+    if path.name == "checkpoints" and (path.parent / "config.yaml").is_file():
+        return (f"{path} is a run's folder of checkpoints: give the run ({path.parent}), or "
+                "one checkpoint in it")
     if not (run / "config.yaml").is_file():
         return f"{run} is not a run directory (no config.yaml)"
     return None

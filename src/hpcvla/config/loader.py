@@ -121,9 +121,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (),
             setting = re.fullmatch(r"[a-z_]+(\.[a-z_0-9]+)+", str(path)) and \
                 not str(path).endswith((".yaml", ".yml", ".json")) and \
                 str(path).split(".")[0] in {f.name for f in dataclasses.fields(Config)}
+            run = Path(path).is_dir() and (Path(path) / "config.yaml").is_file()
             raise ConfigError([("config file", str(path), f"a readable YAML file ({err.strerror})"
                                 + (f"; as a setting it needs a value: {path}=VALUE"
-                                   if setting else ""))], str(path)) from None
+                                   if setting else "")
+                                + (f"; this is a run directory: to go on with it, "
+                                   f"run.resume={path}; the settings it ran with are "
+                                   f"{Path(path) / 'config.yaml'}" if run else ""))],
+                              str(path)) from None
         except UnicodeDecodeError as err:  # a binary file, or text in another encoding
             raise ConfigError([("config file", str(path), f"UTF-8 text, as YAML is (byte "
                                 f"{err.start}: {err.reason})")], str(path)) from None
