@@ -158,6 +158,14 @@ def test_infeasible_layouts_say_why(args, needle):
         build_plan(*args)
 
 
+def test_a_node_too_small_for_the_three_roles_is_not_told_to_hold_them():
+    """`--ranks 2` on a layout of 4: per_node cannot sum to 2 and hold a simulator, an
+    inference rank and a learner; colocated is what fits (it was offered both)."""
+    with pytest.raises(PlanError) as refused:
+        build_plan(2, 2, "disaggregated", {SIM: 2, INF: 1, LEARN: 1})
+    assert "sum to 2" not in str(refused.value) and "run colocated" in str(refused.value)
+
+
 def test_an_evaluator_takes_the_last_learner_rank_of_the_rollout_nodes():
     """It reads its node's weight copy, so it must be on a node with an inference rank."""
     plan = build_plan(12, 6, "disaggregated", {SIM: 2, INF: 2, LEARN: 2}, evaluators=1)

@@ -237,11 +237,13 @@ def _per_node_mismatch(sims: int, infs: int, learns: int, world_size: int,
     """What fits when placement.per_node does not sum to the nodes' ranks."""
     total = sims + infs + learns
     fixes = [f"start {total} ranks per node (one node: train's `--ranks {total}`, plan's and "
-             f"doctor's `--world {total}`; srun/mpirun: {total} tasks per node)",
-             f"make placement.per_node sum to {ranks_per_node}"]
+             f"doctor's `--world {total}`; srun/mpirun: {total} tasks per node)"]
+    if ranks_per_node >= 3:  # a rollout node with a learner holds 3 roles
+        fixes.append(f"make placement.per_node sum to {ranks_per_node}")
     if total and world_size % total == 0:
-        fixes.append(f"set placement.ranks_per_node={total}")
-    if ranks_per_node < 3:  # a rollout node with a learner holds 3 roles
+        fixes.append(f"set placement.ranks_per_node={total} (nodes of {total} ranks in these; "
+                     f"a cluster's of {total}: plan's and doctor's `--ranks-per-node {total}`)")
+    if ranks_per_node < 3:
         fixes.append("with fewer than 3 ranks per node, run colocated (configs/colocated.yaml: "
                      "every rank simulates, acts and learns)")
     return (f"placement.per_node = {sims} simulator + {infs} inference + {learns} learner = "
