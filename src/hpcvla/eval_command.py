@@ -95,7 +95,7 @@ def eval_command(args) -> int:
     policies += kept if args.all else kept[-1:]  # every one, or the newest
     if not kept and (args.all or not args.untrained):
         return refused("eval", f"{run_dir}: no complete checkpoint "
-                        "(checkpoints/v*/state.json)")
+                        f"(checkpoints/v*/state.json): {catalog.NONE_WRITTEN}")
     try:  # each checkpoint's state and files, and its weights, before any rank starts
         for path in kept:
             catalog.read_state(path)

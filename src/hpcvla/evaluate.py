@@ -385,5 +385,5 @@ def checkpoint_weights(run_dir: Path) -> tuple[dict, dict]:
     path = catalog.latest(run_dir)
     if path is None:
         raise catalog.CheckpointError(f"{run_dir}: no complete checkpoint "
-                                    "(checkpoints/v*/state.json)")
+                                    f"(checkpoints/v*/state.json): {catalog.NONE_WRITTEN}")
     return store.load_weights(path), catalog.read_state(path)

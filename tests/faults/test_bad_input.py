@@ -169,6 +169,9 @@ def test_eval_of_a_run_without_checkpoints_says_so(tmp_path, args):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stdout == "", out.stdout + out.stderr
     assert f"hpcvla eval: {tmp_path}: no complete checkpoint" in out.stderr, out.stderr
+    # what such a run is and what is left to do (a run that died before its first)
+    assert "one that died before its first has none" in out.stderr and \
+        "`hpcvla eval RUN --untrained` measures its start" in out.stderr, out.stderr
 
 
 @pytest.mark.mpi

@@ -73,6 +73,13 @@ def by_sft(path: Path) -> bool:
     return SFT_COUNTER in read_state(path)["counters"]
 
 
+# what a run without a complete checkpoint is, and what is left to do with it
+NONE_WRITTEN = ("a run writes one every learner.checkpoint_every versions or "
+                "learner.checkpoint_every_s, at its end and when stopped: one that died "
+                "before its first has none (its metrics.jsonl says how far it got); start it "
+                "again, and `hpcvla eval RUN --untrained` measures its start")
+
+
 def latest(path: Path) -> Path | None:
     """The newest complete checkpoint in a run directory (or `path` itself if it is one)."""
     path = Path(path)
@@ -137,7 +144,7 @@ def resume_problems(resume: str, sft: bool, last: tuple[str, int]) -> list[tuple
         return [("run.resume", resume, f"a readable checkpoint: {err}")]
     if version is None:
         return [("run.resume", resume, "a run directory holding a complete checkpoint "
-                 "(checkpoints/v*/state.json)")]
+                 f"(checkpoints/v*/state.json; {NONE_WRITTEN})")]
     if path is not None and by_sft(path) != sft:
         wanted, found = ("an `hpcvla sft` run's", "a training run's") if sft else \
             ("a training run's", "an `hpcvla sft` run's")
