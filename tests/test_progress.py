@@ -215,7 +215,22 @@ def test_a_timeline_writes_its_spans_for_run_timeline_s_then_counts_them(tmp_pat
     assert opened == {"rank": 3, "role": "inference", "opened": 100.0}  # the start's origin
     assert [s["start"] for s in written] == [1.0, 4.0, 9.0]
     assert line.counts["infer"] == 5 and line.busy["infer"] == 5.0
-    assert line.last_end["infer"] == 31.0
+    assert line.last["infer"] == (30.0, 31.0)
+
+
+def test_the_last_version_trained_comes_before_its_checkpoint_is_written():
+    """The last version's publish holds the run's last checkpoint: the step read from the
+    publish span's end came at or after the checkpoint's (outputs.md had them the other way
+    round); training's end is the last publish's start."""
+    from hpcvla.metrics import phases
+    from hpcvla.metrics.timeline import Timeline
+    line = Timeline(None, 0, "learner", t0=phases.launched_at())
+    for version in range(3):  # the checkpoint ends first: spans are recorded as they end
+        line.record("checkpoint", 10.0 * version + 6.0, 10.0 * version + 9.0)
+        line.record("publish", 10.0 * version + 5.0, 10.0 * version + 9.0, nested=3.0)
+    steps = phases.of_rank(line)
+    assert steps["first_version_trained"] == 5.0 and steps["last_version_trained"] == 25.0
+    assert steps["last_checkpoint_written"] == 29.0
 
 
 def test_a_span_inside_another_counts_under_itself_alone():

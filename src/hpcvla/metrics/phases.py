@@ -10,8 +10,8 @@ where they happen (imports, communicators, the memory plan, a simulator's envs, 
 build, the transport, the engine, all ranks set up, the stop signal, the end) and from the
 first or last span of a stage in the rank's timeline: the first forward pass (`infer`), the
 first version trained (the first `publish` starts), a newer version loaded by an inference
-rank (`load_weights`), the last version published (training's end: the last `publish`), the
-last checkpoint written (`checkpoint`). summary.json keeps every
+rank (`load_weights`), the last version trained (training's end: the last `publish` starts),
+the last checkpoint written (`checkpoint`). summary.json keeps every
 rank's and, per step, the slowest rank's (roles/outputs.py).
 """
 
@@ -22,13 +22,15 @@ import time
 
 LAUNCHED_AT = "HPCVLA_LAUNCHED_AT"
 
-# step: (timeline stage, "start" of its first span | "end" of its first | "last" end)
+# step: (timeline stage, its first span's "start" or "end", or its last span's "last start" or
+# "last end"). A version's publish holds its checkpoint: the last version trained is the last
+# publish's start, training's end, the checkpoints' written the last checkpoint's end.
 FROM_TIMELINE = {"first_act": ("infer", "end"),
                  "first_version_trained": ("publish", "start"),
                  "first_version_published": ("publish", "end"),
                  "first_new_weights_loaded": ("load_weights", "end"),
-                 "last_version_published": ("publish", "last"),  # training's end
-                 "last_checkpoint_written": ("checkpoint", "last")}
+                 "last_version_trained": ("publish", "last start"),
+                 "last_checkpoint_written": ("checkpoint", "last end")}
 
 _marks: dict[str, float] = {}
 
@@ -70,9 +72,10 @@ def of_rank(timeline=None) -> dict[str, float]:
     if timeline is not None:
         for step, (stage, which) in FROM_TIMELINE.items():
             if stage in timeline.first:
-                start, end = timeline.first[stage]
-                at[step] = timeline.t0 + {"start": start, "end": end,
-                                          "last": timeline.last_end[stage]}[which]
+                (start, end), (last_start, last_end) = timeline.first[stage], \
+                    timeline.last[stage]
+                at[step] = timeline.t0 + {"start": start, "end": end, "last start": last_start,
+                                          "last end": last_end}[which]
     origin = launched_at()
     return {step: round(t - origin, 3) for step, t in sorted(at.items(), key=lambda kv: kv[1])}
 

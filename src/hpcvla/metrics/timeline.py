@@ -39,7 +39,7 @@ class Timeline:
         self.busy = defaultdict(float)   # stage -> seconds
         self.counts = defaultdict(int)   # stage -> spans
         self.first: dict[str, tuple[float, float]] = {}  # stage -> its first span
-        self.last_end: dict[str, float] = {}  # stage -> the end of its last span
+        self.last: dict[str, tuple[float, float]] = {}  # stage -> its last span
         self._file = open_log(path) if path else None
         self._lines: list[str] = [json.dumps({"rank": rank, "role": role,
                                               "opened": round(self.t0, 6)})] if path else []
@@ -66,7 +66,7 @@ class Timeline:
             self._open[-1] += end - start
         self.counts[stage] += 1
         self.first.setdefault(stage, (start, end))
-        self.last_end[stage] = end
+        self.last[stage] = (start, end)
         if self._file and end <= self._keep_s:
             self._lines.append(json.dumps({"rank": self.rank, "role": self.role, "stage": stage,
                                            "start": round(start, 6), "end": round(end, 6)}))

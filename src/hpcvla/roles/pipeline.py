@@ -112,7 +112,7 @@ def _epilogue(me: Rank, start: float) -> Counters:
     summary.cpu_s = cpu_seconds() - me.cpu_at_start
     began = me.timeline.now() - summary.wall_s  # all_ranks_ready on the timeline's clock
     summary.active_s = min(summary.wall_s, max(
-        0.0, max(me.timeline.last_end.values(), default=began) - began))
+        0.0, max((end for _, end in me.timeline.last.values()), default=began) - began))
     summary.preempted = preempt.requested()
     if preempt.requested_at() is not None:
         phases.mark("stop_signal", preempt.requested_at())
