@@ -41,9 +41,27 @@ def weights_fit_problems(cfg) -> list[tuple[str, Any, str]]:
     if asked:  # the build above, unless adapters go on (a full-size one takes seconds):
         policy = bare if bare is not None and not cfg.policy.lora_rank else build_policy(
             cfg, spec, device="meta")
-        problems += [(name, value, problem) for name, value, path in asked if (
-            problem := checkpoint_fit_problem(policy, path, name == "policy.checkpoint"))]
+        problems += [(name, value, _written_by(cfg, path) + problem)
+                     for name, value, path in asked if (problem := checkpoint_fit_problem(
+                         policy, path, name == "policy.checkpoint"))]
     return problems
+
+
+def _written_by(cfg, checkpoint: Path) -> str:
+    """Where a checkpoint that does not fit comes from another policy family than the
+    config's, as its run's record says: said first ('' where the families agree)."""
+    import yaml
+
+    from hpcvla.config.loader import last_run_config
+    record = last_run_config(Path(checkpoint).parent.parent)
+    try:
+        name = (yaml.safe_load(record.read_text()) or {}).get("policy", {}).get("name") \
+            if record else None
+    except (OSError, yaml.YAMLError, AttributeError):
+        return ""
+    return (f"a checkpoint of policy.name={cfg.policy.name} (its run trained "
+            f"policy.name={name}, this config has {cfg.policy.name}); in detail: "
+            if name and name != cfg.policy.name else "")
 
 
 def checkpoint_fit_problem(policy, checkpoint: Path, heads_may_lack: bool = False) -> str:

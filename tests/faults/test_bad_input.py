@@ -72,6 +72,18 @@ def start_from_another_policy_config(tmp):
         r"do not fit this policy"
 
 
+def start_from_another_familys_run(tmp):
+    """A run of the default policy, its record as a run writes it (every setting), given as
+    the start of a flow policy: named by the families, before the tensors that differ."""
+    from hpcvla.config.loader import config_to_dict
+    another_policy_configs_weights(tmp / "run")
+    (tmp / "run" / "config.yaml").write_text(yaml.safe_dump(config_to_dict(
+        load_config(ROOT / "configs/default.yaml"))))
+    return ["configs/reach_flow.yaml", f"policy.checkpoint={tmp / 'run'}"], \
+        r"policy\.checkpoint = .*expected a checkpoint of policy\.name=flow \(its run trained " \
+        r"policy\.name=default, this config has flow\); in detail: weights the configured"
+
+
 def resume_with_another_policy_config(tmp):
     another_policy_configs_weights(tmp / "run")
     return ["configs/default.yaml", f"run.resume={tmp / 'run'}"], \
@@ -129,6 +141,7 @@ CASES = {
     "incomplete checkpoint": resume_missing_optimizer,
     "garbled checkpoint to start from": start_from_a_garbled_checkpoint,
     "start from another policy config": start_from_another_policy_config,
+    "start from another family's run": start_from_another_familys_run,
     "resume with another policy config": resume_with_another_policy_config,
     "resume an sft run": resume_an_sft_run,
     "run.root a file": run_root_a_file,
