@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     Save: TypeAlias = Callable[[int, dict[str, torch.Tensor] | None, bool], None]
 
 MEMORY_PLAN = "memory.json"  # the memory model's figures (GPU runs: the weight root, prologue.py)
+# the report script of the checkout this package runs from (none where it is installed alone)
+REPORT = Path(__file__).resolve().parents[3] / "postprocess" / "report.py"
 
 
 @dataclass
@@ -255,9 +257,16 @@ def write_report(world: MPI.Comm, summary: RankSummary, cfg: Config,
           f"{figure(result['success_rate'])} (the learners' last {window} episodes) | "
           + "".join(f"{name} {figure(value)} | " for name, value in figures_in(result).items()) +
           f"trained segments by staleness {{{lags}}}\n[hpcvla] run directory: {run_dir}"
-          + ("" if result["preempted"] else f" (next: hpcvla eval {shlex.quote(str(run_dir))})"),
-          flush=True)
+          + ("" if result["preempted"] else f" (next: {next_steps(run_dir)})"), flush=True)
     return result
+
+
+def next_steps(run_dir: Path) -> str:
+    """What to run on a finished run: its evaluation, and its report's tables and charts."""
+    run = shlex.quote(str(run_dir))
+    report = f"; its report: {shlex.quote(sys.executable)} {shlex.quote(str(REPORT))} {run} " \
+        f"--out {run}/report" if REPORT.is_file() else ""
+    return f"hpcvla eval {run}{report}"
 
 
 def busy_line(busy: dict[str, float], cpu: dict[str, float]) -> str:
