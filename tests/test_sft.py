@@ -332,6 +332,18 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # no run directory: nothing started
 
 
+def test_sft_is_not_held_to_the_rules_of_trains_own_settings():
+    """A GRPO config's rule asks rollout.segment_len to be env.max_episode_chunks, and sft
+    refuses a typed rollout.segment_len (train's alone): a shorter episode for its SFT start
+    (bench learning's, from the RL arms' overrides) was refused both ways."""
+    from hpcvla.config import ConfigError, load_config
+    shorter = ["env.max_episode_chunks=3"]
+    assert load_config(ROOT / "configs/reach_grpo.yaml", shorter, job="sft")
+    with pytest.raises(ConfigError, match="rollout.segment_len = 20: expected "
+                       "env.max_episode_chunks"):
+        load_config(ROOT / "configs/reach_grpo.yaml", shorter, job="train")
+
+
 def test_train_refuses_the_sft_settings_typed_for_it(tmp_path, capsys):
     """`hpcvla train ... sft.steps=50` trained as if it were not there: train reads no sft.*
     setting; typed, one is refused (its doctor's and config's too, as the job script runs

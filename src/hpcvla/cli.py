@@ -117,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
     config.add_argument("--doc", nargs="?", const="", metavar="SECTION|KEY",
                         help="document every setting, or a section's (`--doc learner`) or one")
     config.add_argument("--job", choices=("train", "sft"), default="train", help="check the "
-                        "overrides as this command does (sft refuses those it sets itself)")
+                        "overrides as this command does (sft refuses those it sets itself and "
+                        "train's own; train, the sft section)")
 
     add_doctor_parser(sub, _config_args)
 

@@ -75,11 +75,13 @@ SFT_SETS = {"algorithm.lr": "sft.lr", "algorithm.critic_lr": "sft.lr",
 
 
 # The settings only `hpcvla train` reads, by name or prefix (its pipeline, rollout, trajectory
-# ring, checkpoints by version and held-out evaluations): typed for `hpcvla sft` they would
-# change nothing. Each with sft's own setting for it, where it has one.
+# ring, checkpoints and held-out evaluations): typed for `hpcvla sft` they would change
+# nothing, and what training's rules ask of them is not sft's to meet (a GRPO config's
+# rollout.segment_len). Each with sft's own setting for it, where it has one.
 TRAIN_ONLY = {"pipeline.mode": "", "pipeline.max_staleness": "",
               "pipeline.total_updates": "sft.steps", "rollout.": "", "learner.epochs": "",
-              "learner.ring_": "", "learner.checkpoint_every": "sft.checkpoint_every",
+              "learner.ring_": "", "learner.checkpoint_every_s": "sft.checkpoint_every (steps)",
+              "learner.checkpoint_every": "sft.checkpoint_every",
               "eval.every": "", "eval.episodes": "", "eval.envs": "",
               "eval.video_every": ""}
 
@@ -93,13 +95,18 @@ def job_unread_problems(job: str, overrides) -> list[tuple[str, object, str]]:
     if job == "sft":
         train_only = [(key, value, next(own for name, own in TRAIN_ONLY.items()
                                         if key.startswith(name)))
-                      for key, value in typed if key.startswith(tuple(TRAIN_ONLY))]
+                      for key, value in typed if trains_only(key)]
         return [(key, value, f"none: hpcvla sft sets it from {SFT_SETS[key]}; set that")
                 for key, value in typed if key in SFT_SETS] + \
             [(key, value, "none: hpcvla sft does not read it (hpcvla train does); " +
               (f"set {own}" if own else "drop it")) for key, value, own in train_only]
     return [(key, value, "none: hpcvla train does not read the sft section (hpcvla sft "
              "does); drop it") for key, value in typed if key.startswith("sft.")]
+
+
+def trains_only(key: str) -> bool:
+    """Whether the setting `key` is one only `hpcvla train` reads (TRAIN_ONLY)."""
+    return key.startswith(tuple(TRAIN_ONLY))
 
 
 def read_by(job: str, overrides) -> list[str]:

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from hpcvla.config.checks import cross_field_problems, unread_setting_problems
-from hpcvla.config.imitation import job_unread_problems
+from hpcvla.config.imitation import job_unread_problems, trains_only
 from hpcvla.config.schema import Config
 from hpcvla.config.values import checked_value, home_expanded
 
@@ -163,8 +163,8 @@ def _checked(data: dict, overrides: list[str], source: str,
         _apply_override(data, item, problems)
     cfg = _build(Config, data, "", problems)
     if not problems:
-        problems.extend(cross_field_problems(cfg) +
-                        unread_setting_problems(cfg, overrides, file_settings))
+        rules = [p for p in cross_field_problems(cfg) if job != "sft" or not trains_only(p[0])]
+        problems.extend(rules + unread_setting_problems(cfg, overrides, file_settings))
     problems.extend(job_unread_problems(job, overrides) if job else [])
     if problems:
         raise ConfigError(problems, source)

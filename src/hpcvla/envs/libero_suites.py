@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,9 @@ def _robosuite_without_its_log_file() -> None:
     another user there fails with PermissionError (and every rank of every job appends to one
     file in a /tmp that is often memory). Its macros module, which its loggers read when they
     are made, is loaded here before robosuite is, without FILE_LOGGING_LEVEL; nothing where
-    robosuite is not installed or already imported."""
+    robosuite is not installed or already imported. Where there is no private macros file
+    (macros_private.py, which overrides them), an empty one: its absence is three warnings
+    on every import, of every command that reads a LIBERO config (plan, doctor)."""
     if "robosuite.macros" in sys.modules:
         return
     package = importlib.util.find_spec("robosuite")  # found, not imported
@@ -66,6 +69,8 @@ def _robosuite_without_its_log_file() -> None:
     spec.loader.exec_module(macros)
     macros.FILE_LOGGING_LEVEL = None
     sys.modules["robosuite.macros"] = macros
+    if not path.with_name("macros_private.py").is_file():
+        sys.modules["robosuite.macros_private"] = types.ModuleType("robosuite.macros_private")
 
 
 _robosuite_without_its_log_file()
