@@ -148,7 +148,8 @@ check_other_nodes() {  # run in a subshell
         if grep -q '^FAIL' "$answers/$host"; then
             failed+=("$host")
             sed "s/^/$host: /" "$answers/$host" "$answers/$host.err" >&2
-        elif [[ $status == 1 && ! -s $answers/$host && ! -s $answers/$host.err ]]; then
+        elif [[ -n $PBS_RSH && $status == 1 && ! -s $answers/$host && ! -s $answers/$host.err ]]
+        then
             failed+=("$host")
             say "$host: its checks failed (hpcvla doctor's exit 1); their lines did not come" \
                 "back (PBS's pbs_tmrsh returns a node's exit status, not its output): run" \
@@ -199,10 +200,12 @@ set_launch() {  # LAUNCH and CLEAN_ENV: how to start NP ranks on HOSTS, PER_NODE
         local host
         if [[ $HPCVLA_MPI_FLAVOUR == openmpi ]]; then
             # an Open MPI without TM takes its rsh agent as a command line ("ssh -x"): split
-            # at blanks, a path with one names no program
-            [[ $PBS_RSH != *[[:blank:]]* ]] || die "the repository's path holds a blank" \
-                "($PBS_RSH), which Open MPI's rsh agent (plm_rsh_agent) splits at: run the" \
-                "job from a path without one (a link to it will do), or with HPCVLA_MPI=mpich"
+            # at blanks, a path with one names no program (one with TM never runs it)
+            [[ $PBS_RSH != *[[:blank:]]* ]] || say "warning: the repository's path holds a" \
+                "blank ($PBS_RSH): an Open MPI without TM support splits its rsh agent" \
+                "(plm_rsh_agent) at blanks and cannot start the other nodes; if it fails so," \
+                "run the job from a path without one (a link to it will do), or with" \
+                "HPCVLA_MPI=mpich"
             for host in "${HOSTS[@]}"; do echo "$host slots=$PER_NODE"; done > "$HOSTFILE"
             LAUNCH=("$HPCVLA_MPIEXEC" -n "$NP" --hostfile "$HOSTFILE" --map-by "ppr:$PER_NODE:node"
                     ${PBS_RSH:+--mca plm_rsh_agent "$PBS_RSH"})
