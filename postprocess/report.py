@@ -15,8 +15,9 @@ Writes into --out (default `report/`):
                          training's last 200 episodes), and one per run that has an
                          eval.jsonl (`hpcvla eval RUN --all`: fixed initial states)
     seeds.png            runs of one configuration but their seed (every setting equal but
-                         name, folder, seed and logs: seed_report.py), two seeds or more: each seed's training success thin, their mean
-                         thick with its 95 % t interval; `seeds-held-out.png` the same of
+                         name, folder, seed and logs: seed_report.py), two or more of a seed each:
+                         each seed's training success thin, their mean thick with its 95 % t
+                         interval; `seeds-held-out.png` the same of
                          their held-out evaluations (eval.every), and the table of each
                          group's final figures, mean and interval over its seeds
     staleness.png        fraction of trained segments per policy-version lag, per run
@@ -39,8 +40,8 @@ from pathlib import Path
 from hpcvla.config.loader import run_settings
 from hpcvla.files import read_log
 from hpcvla.metrics.charts import bar_chart, line_chart, swimlane
-from hpcvla.metrics.progress import standing_records
-from seed_report import seed_groups, seeds_section, settled  # postprocess/, beside this script
+from hpcvla.metrics.progress import settled, standing_records
+from seed_report import seed_groups, seeds_section  # postprocess/, beside this script
 
 
 class ReportError(ValueError):
@@ -62,12 +63,9 @@ def load_run(path) -> dict:
         else {}
     roles = Counter(role for r in plan.get("ranks", []) for role in r["roles"])
     spans: dict = {}
-    for file in sorted(path.glob("timeline.rank*.jsonl")):
-        lines = read_log(file)
-        opened = [i for i, line in enumerate(lines) if "opened" in line]
-        for s in lines[opened[-1] + 1 if opened else 0:]:  # the last start's, on its clock
-            spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"],
-                                                                 s["stage"]))
+    for s in last_start_spans([read_log(f) for f in sorted(path.glob("timeline.rank*.jsonl"))],
+                              len(summary.get("starts") or [None])):
+        spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"], s["stage"]))
     metrics = standing_records(read_log(path / "metrics.jsonl")) \
         if (path / "metrics.jsonl").exists() else []
     evals = read_log(path / "eval.jsonl") if (path / "eval.jsonl").exists() else []
@@ -77,6 +75,27 @@ def load_run(path) -> dict:
             "spans": spans, "metrics": metrics, "evals": evals,
             "settings": run_settings(path),
             "dumps": sorted((path / "trajectories").glob("rank*.h5"))}
+
+
+def last_start_spans(files: list[list[dict]], starts: int) -> list[dict]:
+    """The spans of a run's last start from its timeline files' lines: each start writes,
+    after a line with its origin (`opened`, one value on every rank of a start), spans timed
+    from it, appended to its ranks' files; a rank the last start did not have wrote none of
+    it. Files written before the origin line (hpcvla before 2026-12-07) cannot be cut so:
+    theirs if the run had one start, else none."""
+    newest = max((line["opened"] for lines in files for line in lines if "opened" in line),
+                 default=None)
+    if newest is None:
+        return [line for lines in files for line in lines] if starts == 1 else []
+    out = []
+    for lines in files:
+        section = None
+        for line in lines:
+            if "opened" in line:
+                section = line["opened"]
+            elif section == newest:
+                out.append(line)
+    return out
 
 
 def stage_seconds(run: dict, stage: str) -> float | None:
@@ -246,6 +265,10 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
         for run in runs:
             lanes = lanes_of(run)
             if not lanes:
+                if len(run["summary"].get("starts") or []) > 1:  # last_start_spans: none
+                    md += [f"### {run['name']}", "", "Not drawn: its timelines hold every "
+                           "start's spans, which files written before 2026-12-07 do not tell "
+                           "apart.", ""]
                 continue
             swimlane(out / f"timeline-{run['name']}.png", lanes,
                      f"{run['name']} ({run['summary']['mode']})")

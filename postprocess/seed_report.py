@@ -10,16 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from hpcvla.metrics.charts import seed_curves
+from hpcvla.metrics.progress import settled
 from hpcvla.metrics.stats import mean_interval
-
-
-def settled(records: list[dict], least: int = 20) -> list[dict]:
-    """The rolling-success records whose window holds `least` episodes (or as many as it
-    ever held): a rate of one or two episodes is noise a chart would draw as the curve's
-    start (a resumed start's window begins empty again: its first records are left out too,
-    a gap in the curve rather than a spike)."""
-    full = min(least, max((m.get("episodes") or 0 for m in records), default=0))
-    return [m for m in records if (m.get("episodes") or 0) >= full]
 
 
 # the settings that tell neither what a run learns nor how fast: its name, folder, seed and logs
@@ -29,10 +21,11 @@ NOT_CONFIGURATION = {"run.name", "run.root", "run.seed", "run.resume", "run.tens
 
 
 def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
-    """The runs of one configuration but their seed, of two seeds or more: every setting
-    equal but NOT_CONFIGURATION's, as each run last ran (a resume's config). Label -> runs;
-    the label is the runs' run.name, followed by the settings that tell the group from
-    another group of that name."""
+    """The runs of one configuration but their seed, two or more, each of its own seed (a
+    seed run twice would count as two: such runs make no group): every setting equal but
+    NOT_CONFIGURATION's, as each run last ran (a resume's config). Label -> runs; the label
+    is the runs' run.name, followed by the settings that tell the group from another group
+    of that name."""
     by_key: dict[frozenset, list[dict]] = {}
     for run in runs:
         if run["settings"]:
@@ -41,7 +34,7 @@ def seed_groups(runs: list[dict]) -> dict[str, list[dict]]:
             by_key.setdefault(key, []).append(run)
     groups = {key: sorted(rs, key=lambda r: (r["settings"].get("run.seed", 0), r["name"]))
               for key, rs in by_key.items()
-              if len({r["settings"].get("run.seed") for r in rs}) > 1}
+              if len(rs) == len({r["settings"].get("run.seed") for r in rs}) > 1}
     names = {key: "/".join(sorted({str(r["settings"].get("run.name")) for r in rs}))
              for key, rs in groups.items()}
     labelled = {}

@@ -13,12 +13,13 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from hpcvla.metrics.charts import STAGE_COLORS, stage_color
+from hpcvla.metrics.progress import settled
 from hpcvla.metrics.stats import mean_interval
 from helpers import ROOT, hpcvla, reach_demos
 
 sys.path.insert(0, str(ROOT / "postprocess"))  # postprocess/report.py is a script, not a package
 from report import lanes_of, load_run  # noqa: E402
-from seed_report import seed_groups, seeds_table, settled  # noqa: E402
+from seed_report import seed_groups, seeds_table  # noqa: E402
 
 
 def read_png(path) -> np.ndarray:
@@ -167,6 +168,21 @@ def test_a_resumed_run_is_reported_as_its_last_start_said_so(tmp_path):
             f"{first['env_steps'] + second['env_steps']} env steps in ") in md, md
 
 
+def test_a_resumed_runs_last_start_is_its_ranks_newest_section_on_every_rank():
+    """The last start's spans are those after its origin line on every rank's file: a rank
+    the last start did not have (a resume on fewer ranks) drew its first start's as the
+    last's. Files written before the origin line: all of one start, none of several."""
+    from report import last_start_spans
+
+    def span(stage):
+        return {"rank": 0, "role": "learner", "stage": stage, "start": 0.0, "end": 1.0}
+    first, last = {"opened": 100.0}, {"opened": 200.0}
+    files = [[first, span("a"), last, span("b")], [first, span("c")], [last, span("d")]]
+    assert [s["stage"] for s in last_start_spans(files, 2)] == ["b", "d"]
+    assert [s["stage"] for s in last_start_spans([[span("a"), span("b")]], 1)] == ["a", "b"]
+    assert last_start_spans([[span("a"), span("b")]], 2) == []
+
+
 def test_runs_of_one_seed_or_another_trajectory_dump_are_no_seed_group():
     """Two runs of seed 0, one of them writing a trajectory dump, were reported as a group of
     seeds, their env steps/s interval reaching below 0: a dump is part of a configuration
@@ -180,6 +196,7 @@ def test_runs_of_one_seed_or_another_trajectory_dump_are_no_seed_group():
     dumped = {"run.dump_trajectories": True}
     assert seed_groups([run(0, 6150), run(0, 15500, **dumped)]) == {}
     assert seed_groups([run(0, 100), run(0, 120)]) == {}  # one seed twice: no seeds
+    assert seed_groups([run(0, 100), run(0, 120), run(1, 110)]) == {}  # nor counted twice
     groups = seed_groups([run(0, 500), run(1, 15000, **{"run.tensorboard": False}),
                           run(2, 600, **dumped)])
     assert [[r["settings"]["run.seed"] for r in rs] for rs in groups.values()] == [[0, 1]]

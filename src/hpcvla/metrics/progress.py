@@ -325,3 +325,12 @@ def _digits(value) -> float:
     """A figure as metrics.jsonl keeps it: 7 significant digits (a VLA's warmed-up learning
     rate of 9.1e-7, a KL of 3e-8: decimal places would round them to 1e-06 and 0)."""
     return float(f"{float(value):.7g}")
+
+
+def settled(records: list[dict], least: int = 20) -> list[dict]:
+    """The rolling-success records whose window holds `least` episodes (or as many as it
+    ever held): a rate of one or two episodes is noise a chart would draw as the curve's
+    start (a resumed start's window begins empty again: its first records are left out too,
+    a gap in the curve rather than a spike)."""
+    full = min(least, max((m.get("episodes") or 0 for m in records), default=0))
+    return [m for m in records if (m.get("episodes") or 0) >= full]

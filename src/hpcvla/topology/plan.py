@@ -241,8 +241,9 @@ def _per_node_mismatch(sims: int, infs: int, learns: int, world_size: int,
     if ranks_per_node >= 3:  # a rollout node with a learner holds 3 roles
         fixes.append(f"make placement.per_node sum to {ranks_per_node}")
     if total and world_size % total == 0:
-        fixes.append(f"set placement.ranks_per_node={total} (nodes of {total} ranks in these; "
-                     f"a cluster's of {total}: plan's and doctor's `--ranks-per-node {total}`)")
+        fixes.append(f"set placement.ranks_per_node={total} (it cuts these nodes into nodes of "
+                     f"{total}; to plan for a cluster whose nodes have {total}: "
+                     f"`--ranks-per-node {total}`)")
     if ranks_per_node < 3:
         fixes.append("with fewer than 3 ranks per node, run colocated (configs/colocated.yaml: "
                      "every rank simulates, acts and learns)")
