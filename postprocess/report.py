@@ -51,9 +51,14 @@ class ReportError(ValueError):
 def load_run(path) -> dict:
     """Everything a report uses from one run directory."""
     path = Path(path)
+    if not path.is_dir():
+        raise ReportError(f"{path}: no such directory")
     if not (path / "summary.json").exists():
-        raise ReportError(f"{path}: no summary.json (not a run directory, or the run did not "
-                          "finish)")
+        runs = sorted(p.name for p in path.iterdir() if (p / "summary.json").is_file())
+        raise ReportError(f"{path}: a folder of runs ({', '.join(runs[:3])}"
+                          f"{', ...' if len(runs) > 3 else ''}): give them, {path}/*" if runs
+                          else f"{path}: no summary.json (not a run directory, or the run "
+                          "did not finish)")
     summary = json.loads((path / "summary.json").read_text())
     if "demonstrations" in summary:  # an imitation run: losses, no rollouts to report
         raise ReportError(f"{path}: an `hpcvla sft` run (its losses are in its summary.json, "
@@ -233,7 +238,7 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
         bench_modes(name, bench)  # before anything is drawn
     if not runs and not benches:
         raise ReportError("nothing to report: give run directories and/or --bench files"
-                          + "".join(f"; skipped {why}" for why in skipped))
+                          " (each skipped one said above)")
     md = ["# hpcvla report", ""] + [f"Skipped {why}." for why in skipped] + \
         ([""] if skipped else [])
     if runs:

@@ -238,9 +238,15 @@ def test_a_mean_over_seeds_has_the_student_t_interval():
 
 
 def test_report_refuses_what_is_not_a_run(tmp_path):
-    out = report(tmp_path, "--out", tmp_path / "r")
-    assert out.returncode == 2 and "nothing to report" in out.stderr and \
-        "no summary.json" in out.stderr
+    """Each path that is no run said once, why: no run there, a folder of runs (runs/
+    for runs/*), nothing there (one reason for all three, said twice)."""
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "summary.json").write_text("{}")
+    out = report(tmp_path, tmp_path / "runs", tmp_path / "none", "--out", tmp_path / "r")
+    assert out.returncode == 2 and "nothing to report" in out.stderr, out.stderr
+    assert out.stderr.count(f"{tmp_path}: no summary.json (not a run directory") == 1
+    assert f"{tmp_path / 'runs'}: a folder of runs (a): give them, {tmp_path / 'runs'}/*" \
+        in out.stderr and f"{tmp_path / 'none'}: no such directory" in out.stderr, out.stderr
 
 
 @pytest.mark.mpi
