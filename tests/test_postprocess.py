@@ -124,7 +124,7 @@ def test_runs_differing_only_by_seed_are_reported_as_one_group_over_its_seeds(tm
     assert len({h["version"] for h in held}) == 1 and held[0]["version"] == 4
     steps = mean_interval([s["env_steps_per_s"] for s in summaries])
     for lr in ("0.0003", "0.001"):
-        assert (f"| colocated algorithm.lr={lr} | 1, 2 | {steps[0]:.0f} [{steps[1]:.0f}, "
+        assert (f"| colocated algorithm.lr={lr} | 1, 2 | {steps[0]:.0f} [{max(steps[1], 0):.0f}, "
                 f"{steps[2]:.0f}] (n=2) | {mean:.3f} [{max(low, 0):.3f}, {min(high, 1):.3f}] "
                 f"(n=2) | ") in md, md
     heldmean = mean_interval([h["success_rate"] for h in held])[0]

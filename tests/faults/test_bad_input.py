@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
@@ -240,6 +240,7 @@ def test_fuzzed_yaml_documents_are_accepted_or_named(tmp_path_factory, document)
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=80))
+@example("?")  # a key YAML reads as None: the file-settings check took keys for text
 def test_fuzzed_yaml_text_is_accepted_or_named(tmp_path_factory, text):
     path = tmp_path_factory.mktemp("cfg") / "c.yaml"
     path.write_text(text)

@@ -346,9 +346,9 @@ def _flat(sections: dict, prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, value in sections.items():
         if isinstance(value, dict) and not prefix:
-            flat.update(_flat(value, name + "."))
-        else:
-            flat[prefix + name] = value
+            flat.update(_flat(value, f"{name}."))
+        else:  # a key YAML reads as no text (`?`: None) is named by the checks after this
+            flat[f"{prefix}{name}"] = value
     return flat
 
 
