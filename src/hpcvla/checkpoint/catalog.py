@@ -76,9 +76,9 @@ def by_sft(path: Path) -> bool:
 # what a run without a complete checkpoint is, and what is left to do with it
 NONE_WRITTEN = ("a run writes one every learner.checkpoint_every versions or "
                 "learner.checkpoint_every_s (sft: sft.checkpoint_every steps), at its end and "
-                "when stopped: one that died "
-                "before its first has none (its metrics.jsonl says how far it got); start it "
-                "again, and `hpcvla eval RUN --untrained` measures its start")
+                "when stopped: one that died before its first has none (its metrics.jsonl "
+                "says how far it got); start it again, and `hpcvla eval RUN --untrained` "
+                "measures its start")
 
 
 def latest(path: Path) -> Path | None:

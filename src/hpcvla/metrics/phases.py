@@ -24,7 +24,7 @@ LAUNCHED_AT = "HPCVLA_LAUNCHED_AT"
 
 # step: (timeline stage, its first span's "start" or "end", or its last span's "last start" or
 # "last end"). A version's publish holds its checkpoint: the last version trained is the last
-# publish's start, training's end, the checkpoints' written the last checkpoint's end.
+# publish's start (training's end), the last checkpoint written the last checkpoint's end.
 FROM_TIMELINE = {"first_act": ("infer", "end"),
                  "first_version_trained": ("publish", "start"),
                  "first_version_published": ("publish", "end"),
