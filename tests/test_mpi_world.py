@@ -481,9 +481,9 @@ def test_ranks_started_here_stay_here_inside_a_slurm_job_of_several_nodes(tmp_pa
     ranks there by srun (in an interactive `srun --pty` shell: a step that waits for ever).
     Here the job names a second node that does not exist: an srun to it fails."""
     script = tmp_path / "where.py"
-    script.write_text("import socket\nfrom mpi4py import MPI\n"  # one write a line: not mixed
-                      "print(f'rank {MPI.COMM_WORLD.Get_rank()} {socket.gethostname()}', "
-                      "flush=True)\n")
+    script.write_text("import os, socket\nfrom mpi4py import MPI\n"  # a line, one write:
+                      "os.write(1, f'rank {MPI.COMM_WORLD.Get_rank()} "  # not mixed with
+                      "{socket.gethostname()}\\n'.encode())\n")  # the other rank's
     here = socket.gethostname()
     job = {"SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": f"{here},elsewhere",
            "SLURM_NODELIST": f"{here},elsewhere", "SLURM_TASKS_PER_NODE": "1(x2)",
