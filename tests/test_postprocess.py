@@ -83,13 +83,14 @@ def test_report_of_a_streamer_and_a_colocated_run(tmp_path):
     for stage in ("simulate", "infer", "train"):
         assert tuple(round(v * 255) for v in to_rgb(STAGE_COLORS[stage])) in colours, stage
     # two runs of one name (another folder) get a chart each; a folder that is no finished
-    # run is skipped, said, and the rest reported
+    # run (here the folder of the colocated run) is skipped, said why, and the rest reported
     twin = tmp_path / "c" / streamer.name
     shutil.copytree(streamer, twin)
     out = report(streamer, twin, tmp_path / "b", "--out", tmp_path / "again")
     assert out.returncode == 0 and "skipped" in out.stderr, out.stderr
     md = (tmp_path / "again" / "report.md").read_text()
-    assert f"Skipped {tmp_path / 'b'}: no summary.json" in md
+    assert f"Skipped {tmp_path / 'b'}: a folder of runs ({colocated.name}): give them, " \
+        f"{tmp_path / 'b'}/*" in md, md
     for folder in ("a", "c"):
         assert (tmp_path / "again" / f"timeline-{folder}-{streamer.name}.png").exists()
 
