@@ -67,9 +67,10 @@ def load_run(path) -> dict:
     plan = json.loads((path / "plan.json").read_text()) if (path / "plan.json").exists() \
         else {}
     roles = Counter(role for r in plan.get("ranks", []) for role in r["roles"])
+    starts = summary.get("starts") or [{}]  # a run's before starts were listed: one
     spans: dict = {}
     for s in last_start_spans([read_log(f) for f in sorted(path.glob("timeline.rank*.jsonl"))],
-                              len(summary.get("starts") or [None])):
+                              len(starts)):
         spans.setdefault((s["rank"], s["role"]), []).append((s["start"], s["end"], s["stage"]))
     metrics = standing_records(read_log(path / "metrics.jsonl")) \
         if (path / "metrics.jsonl").exists() else []
@@ -77,7 +78,7 @@ def load_run(path) -> dict:
     return {"name": path.name, "path": path, "summary": summary, "plan": plan,
             "ratio": "colocated" if plan.get("mode") == "colocated" else
                      f"{roles['inference']}:{roles['learner']}",
-            "spans": spans, "metrics": metrics, "evals": evals,
+            "spans": spans, "starts": starts, "metrics": metrics, "evals": evals,
             "settings": run_settings(path),
             "dumps": sorted((path / "trajectories").glob("rank*.h5"))}
 
@@ -125,7 +126,7 @@ def throughput_table(runs: list[dict]) -> str:
     for r in in_table_order(runs):
         s = r["summary"]
         gain = f"{(s['env_steps_per_s'] / base_tp - 1) * 100:+.1f}%" if base_tp else "—"
-        starts = s.get("starts") or []
+        starts = r["starts"]
         if len(starts) > 1:  # summary.json and the timelines drawn are the last start's
             resumed.append(f"{r['name']}: the last of {len(starts)} starts (from version "
                            f"{starts[-1]['from_version']}); the whole run "
@@ -270,7 +271,7 @@ def write_report(run_dirs, bench_files=(), out="report") -> Path:
         for run in runs:
             lanes = lanes_of(run)
             if not lanes:
-                if len(run["summary"].get("starts") or []) > 1:  # last_start_spans: none
+                if len(run["starts"]) > 1:  # last_start_spans gave none
                     md += [f"### {run['name']}", "", "Not drawn: its timelines hold every "
                            "start's spans, which files written before 2026-12-07 do not tell "
                            "apart.", ""]

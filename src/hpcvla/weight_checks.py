@@ -52,8 +52,9 @@ def _written_by(cfg, checkpoint: Path) -> str:
     config's, as its run's record says: said first ('' where the families agree)."""
     import yaml
 
+    from hpcvla.checkpoint.catalog import run_and_checkpoint
     from hpcvla.config.loader import last_run_config
-    record = last_run_config(Path(checkpoint).parent.parent)
+    record = last_run_config(run_and_checkpoint(checkpoint)[0])
     try:
         name = (yaml.safe_load(record.read_text()) or {}).get("policy", {}).get("name") \
             if record else None
