@@ -475,11 +475,13 @@ def test_launch_forwards_exit_status_and_enforces_timeout(tmp_path):
 
 @pytest.mark.parametrize("launcher", [["--mpi", "mpich"], ["--mpi", "openmpi"],
                                       ["--mpiexec", str(OPENMPI5)]])
-def test_ranks_started_here_stay_here_inside_a_slurm_job_of_several_nodes(tmp_path, launcher):
+def test_ranks_started_here_stay_here_inside_a_slurm_job_of_several_nodes(tmp_path, launcher,
+                                                                          monkeypatch):
     """`hpcvla launch -n N` (and `--ranks N`) starts its ranks on this machine. Inside a Slurm
     job of several nodes, MPICH's Hydra and Open MPI's mpirun took the job's nodes and started
     ranks there by srun (in an interactive `srun --pty` shell: a step that waits for ever).
-    Here the job names a second node that does not exist: an srun to it fails."""
+    Here the job names a second node that does not exist: an srun to it fails. So does the
+    doctor's world of 2 (jobs/launch.sh runs it in the job, on its first node)."""
     script = tmp_path / "where.py"
     script.write_text("import os, socket\nfrom mpi4py import MPI\n"  # a line, one write:
                       "os.write(1, f'rank {MPI.COMM_WORLD.Get_rank()} "  # not mixed with
@@ -493,6 +495,15 @@ def test_ranks_started_here_stay_here_inside_a_slurm_job_of_several_nodes(tmp_pa
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert sorted(line for line in out.stdout.splitlines() if line.startswith("rank")) == [
         f"rank 0 {here}", f"rank 1 {here}"], out.stdout
+    from hpcvla.config import load_config
+    from hpcvla.doctor import _mpi
+    for name, value in job.items():
+        monkeypatch.setenv(name, value)
+    if launcher[0] == "--mpiexec":
+        monkeypatch.setenv("HPCVLA_MPIEXEC", launcher[1])
+    monkeypatch.setenv("HPCVLA_MPI_FLAVOUR", "mpich" if launcher[1] == "mpich" else "openmpi")
+    check = _mpi(load_config("configs/default.yaml"), windows=False)
+    assert check.ok and "starts one world of 2" in check.found, check
 
 
 def test_an_mpi_below_thread_multiple_is_refused_by_the_ranks_and_by_doctor(tmp_path):

@@ -136,9 +136,7 @@ def _mpi(cfg, windows: bool = True) -> Check:
             "from hpcvla.process.mpi_select import thread_level_problem\n"
             "if w.rank == 0: print(n, thread_level_problem() or "
             "MPI.Get_library_version().splitlines()[0].strip())")
-    # on this node only: without the scheduler's variables the launcher starts them here
-    env = {k: v for k, v in {**os.environ, **install.env}.items()
-           if not k.startswith(("SLURM_", "PBS_"))}
+    env = {**os.environ, **install.env, **install.here_env}  # on this node, as launch's
     out = run_python(code, env, 60, (install.mpiexec, "-n", "2", *install.args))
     words = out.stdout.split(maxsplit=1)
     if out.returncode != 0 or not words or words[0] != "2":
