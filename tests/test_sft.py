@@ -318,6 +318,11 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path, capsys):
         "train does); set sft.steps" in err and "learner.checkpoint_every_s = '60': expected " \
         "none: hpcvla sft does not read it (hpcvla train does); set sft.checkpoint_every" \
         in err and "rollout.segment_len = '4'" in err, err
+    err = refused(f"sft.demos={LIBERO_DEMOS}", "placement.per_node={learner: 3}",
+                  "env.shards=4", "emulate.learner_ms_per_micro_batch=5")  # an sft world:
+    assert all(f"{name} = " in err and "drop it" in err  # its learners step no env
+               for name in ("placement.per_node", "env.shards",
+                            "emulate.learner_ms_per_micro_batch")), err
     for command in (["doctor", "--job", "sft"], ["config", "--job", "sft"]):  # as sft's
         assert main([*command, "configs/libero_spatial.yaml", "algorithm.critic_lr=1e-4"]) == 2
         assert "algorithm.critic_lr = '1e-4': expected none" in capsys.readouterr().err

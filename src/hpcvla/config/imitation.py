@@ -74,16 +74,21 @@ SFT_SETS = {"algorithm.lr": "sft.lr", "algorithm.critic_lr": "sft.lr",
             "learner.micro_batch": "sft.batch_size", "learner.micro_batches": "sft.micro_batches"}
 
 
-# The settings only `hpcvla train` reads, by name or prefix (its pipeline, rollout, trajectory
-# ring, checkpoints and held-out evaluations): typed for `hpcvla sft` they would change
-# nothing, and what training's rules ask of them is not sft's to meet (a GRPO config's
-# rollout.segment_len). Each with sft's own setting for it, where it has one.
-TRAIN_ONLY = {"pipeline.mode": "", "pipeline.max_staleness": "",
-              "pipeline.total_updates": "sft.steps", "rollout.": "", "learner.epochs": "",
-              "learner.ring_": "", "learner.checkpoint_every_s": "sft.checkpoint_every (steps)",
+# The settings only `hpcvla train` reads, by name or prefix (its roles' layout, pipeline,
+# rollout, simulator shards, trajectory ring, checkpoints, held-out evaluations and emulated
+# costs; every rank of an sft world is a learner, which steps no env): typed for `hpcvla sft`
+# they would change nothing, and what training's rules ask of them is not sft's to meet (a
+# GRPO config's rollout.segment_len, per_node's sum). Each with sft's own setting for it,
+# where it has one.
+TRAIN_ONLY = {"placement.mode": "", "placement.ranks_per_node": "", "placement.per_node": "",
+              "placement.learner_nodes": "", "placement.learners": "",
+              "placement.evaluators": "", "pipeline.mode": "", "pipeline.max_staleness": "",
+              "pipeline.total_updates": "sft.steps", "rollout.": "", "env.shards": "",
+              "learner.epochs": "", "learner.ring_": "",
+              "learner.checkpoint_every_s": "sft.checkpoint_every (steps)",
               "learner.checkpoint_every": "sft.checkpoint_every",
               "eval.every": "", "eval.episodes": "", "eval.envs": "",
-              "eval.video_every": ""}
+              "eval.video_every": "", "emulate.": ""}
 
 
 def job_unread_problems(job: str, overrides) -> list[tuple[str, object, str]]:
