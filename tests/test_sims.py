@@ -299,13 +299,15 @@ def test_dense_delta_pays_success_over_hovering_short_of_it():
     scripted expert to success against its actions up to a chunk short of success, then the
     arm still until the horizon. `dense`: the hover returns more than the success (episodes
     end at success, unbootstrapped). `dense_delta`: an episode returns the shaping's last
-    value, 1 at success, less short of it; the episode after the auto-reset again 1."""
+    value, 1 at success, less short of it; the episode after the auto-reset again 1. `dense`
+    with env.success_ends_episode=false: the success, held to the horizon, returns more than
+    the hover (ManiSkill's SAC baseline's objective), its episode a success (success_once)."""
     from hpcvla.envs.experts import make_expert
 
-    def episode(reward, actions, count=1):
+    def episode(reward, actions, count=1, **extra):
         """(return, success, chunks) of `count` episodes, acting actions(chunk, env)."""
         env = make_env("maniskill", 1, seed=0, task="PickCube-v1", reward=reward, chunk_len=5,
-                       max_episode_chunks=16, camera=False)
+                       max_episode_chunks=16, camera=False, **extra)
         ends, chunk = [], 0
         try:
             env.reset(init_state_ids=np.array([2**20 + 7]))
@@ -336,6 +338,15 @@ def test_dense_delta_pays_success_over_hovering_short_of_it():
     (dense_success, _, _), = episode("dense", lambda chunk, env: taken[chunk])
     (dense_hover, _, _), = episode("dense", hover_from(stop))
     assert dense_hover > 2 * dense_success, (dense_hover, dense_success)
+    hold = taken[length - 1].copy()  # the grasp kept, the arm still
+    hold[..., :6] = 0.0
+    (held, held_ok, held_length), = episode(
+        "dense", lambda chunk, env: taken[chunk] if chunk < length else hold,
+        success_ends_episode=False)
+    (hover, hover_ok, hover_length), = episode("dense", hover_from(stop),
+                                              success_ends_episode=False)
+    assert held_ok and not hover_ok and held_length == hover_length == 16
+    assert held > hover == pytest.approx(dense_hover), (held, hover, dense_hover)
 
 
 def test_eval_of_a_maniskill_task_reports_its_own_conventions_too():

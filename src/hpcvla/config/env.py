@@ -56,8 +56,16 @@ class EnvConfig:
     reward: str = setting(
         "sparse", "maniskill: `sparse` (1 on success), `dense_delta` (the dense shaping's "
         "change per step: an episode returns its last value, most at success) or `dense` (the "
-        "shaping, unbootstrapped at success: hovering short of it returns more). libero: "
-        "sparse; reach: its own.", choices=MANISKILL_REWARDS)
+        "shaping; where success ends an episode, unbootstrapped, hovering short of it returns "
+        "more: give it env.success_ends_episode=false). libero: sparse; reach: its own.",
+        choices=MANISKILL_REWARDS)
+    success_ends_episode: bool = setting(
+        True, "maniskill: whether success ends a training episode (terminated: nothing after "
+        "it is bootstrapped). false: every episode runs to its horizon and every step's reward "
+        "counts, success's too (ManiSkill's ignore_terminations, its SAC baseline's): with "
+        "`dense`, whose success state pays 1 a step, succeeding and staying is then the "
+        "optimum, not hovering short of success; an episode's success is success_once. "
+        "Evaluations run ManiSkill episodes to the horizon either way.")
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "
         "but make a synchronous step wait longer for its slowest env.", ge=1)

@@ -229,10 +229,11 @@ class VectorEnv(abc.ABC):
     reach.py): with latency_sleep False the env does not sleep it but reports the last step's
     in last_latency_s, and the simulator rank holds that step's observation back as long;
     `run_to_horizon` (envs/serial.py, envs/maniskill_gpu.py), set by `hpcvla eval` for
-    ManiSkill's conventions: an episode does not end at success but at its horizon, as
-    ManiSkill's evaluation runs it (ignore_terminations); `success` is then whether the task
-    was done at any step (success_once) and `success_at_end` whether at the last. Rewards
-    after the first success do not count, as in training's episodes."""
+    ManiSkill's conventions, and by a ManiSkill env trained with env.success_ends_episode=false:
+    an episode does not end at success but at its horizon, as ManiSkill's evaluation and its
+    SAC baseline run it (ignore_terminations); `success` is then whether the task was done at
+    any step (success_once) and `success_at_end` whether at the last. Rewards after the first
+    success count as in training's episodes (`rewards_after_success`)."""
 
     num_envs: int
     spec: EnvSpec
@@ -240,6 +241,9 @@ class VectorEnv(abc.ABC):
     latency_sleep: bool = True
     last_latency_s: float = 0.0
     run_to_horizon: bool = False
+    # whether the rewards after an episode's first success count (with run_to_horizon): a
+    # ManiSkill env trained with env.success_ends_episode=false, whose success state pays
+    rewards_after_success: bool = False
     # whether `step` returns the horizon-ended episodes' last observations (StepResult.
     # final_obs): a copy, or a render, that only PPO's algorithm.bootstrap_truncated reads
     keep_final_obs: bool = False

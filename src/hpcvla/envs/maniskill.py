@@ -315,6 +315,7 @@ class ManiSkillEnv(SerialVectorEnv):
         return dict(task=env_cfg.task, wrist_image=env_cfg.wrist_image, reward=env_cfg.reward,
                     sim_backend=env_cfg.sim_backend, control_mode=env_cfg.control_mode,
                     state_mode=env_cfg.state_mode,
+                    success_ends_episode=env_cfg.success_ends_episode,
                     **({} if env_cfg.sim_backend == "gpu" else {  # the CPU env's
                         "max_rebuilds": env_cfg.max_restarts,
                         "rebuild_window_s": env_cfg.restart_window_s}),
@@ -347,7 +348,8 @@ class ManiSkillEnv(SerialVectorEnv):
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, camera: bool = True,
                  control_mode: str = EE_DELTA_CONTROL, max_rebuilds: int = 5,
-                 state_mode: str = "privileged", rebuild_window_s: float = 0.0):
+                 state_mode: str = "privileged", rebuild_window_s: float = 0.0,
+                 success_ends_episode: bool = True):
         if reward not in MANISKILL_REWARDS:
             raise ValueError(f"ManiSkillEnv: reward must be one of {MANISKILL_REWARDS}, "
                              f"got {reward!r}")
@@ -367,6 +369,7 @@ class ManiSkillEnv(SerialVectorEnv):
             raise
         instruction = describe(task)
         self.task = task
+        self.run_to_horizon = self.rewards_after_success = not success_ends_episode
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
                          name=f"maniskill {task}", first_slot=first, max_rebuilds=max_rebuilds,
                          rebuild_window_s=rebuild_window_s)

@@ -116,7 +116,7 @@ class ManiSkillGPUEnv(VectorEnv):
                  image_size: int = 64, wrist_image: bool = False, state: bool = True,
                  reward: str = "sparse", chunk_len: int = 5, max_episode_chunks: int = 16,
                  first_env: int = 0, control_mode: str = EE_DELTA_CONTROL,
-                 state_mode: str = "privileged"):
+                 state_mode: str = "privileged", success_ends_episode: bool = True):
         if reward not in MANISKILL_REWARDS:
             raise ValueError(f"ManiSkillGPUEnv: reward must be one of {MANISKILL_REWARDS}, "
                              f"got {reward!r}")
@@ -129,6 +129,7 @@ class ManiSkillGPUEnv(VectorEnv):
                                  chunk_len * max_episode_chunks, control_mode)
         self.u = self.env.unwrapped
         self.num_envs, self.task, self.first_env = num_envs, task, first_env
+        self.run_to_horizon = self.rewards_after_success = not success_ends_episode
         self.device = self.u.device
         # without a state observation, none is computed (the privileged one is the step's)
         self.instruction, self.state_mode = describe(task), state_mode if state else \
@@ -216,7 +217,8 @@ class ManiSkillGPUEnv(VectorEnv):
             counted = torch.ones_like(success) if self.run_to_horizon else ~success
             ran += counted.float()
             self._state, r, _, _, info = self.env.step(actions[t])
-            reward += torch.where(success, 0.0, r.float())  # nothing counts after success
+            reward += r.float() if self.rewards_after_success else \
+                torch.where(success, 0.0, r.float())  # nothing counts after success
             for flag, held in flags.items():
                 held |= info[flag] & counted
             success |= info["success"]

@@ -203,7 +203,8 @@ class SerialVectorEnv(VectorEnv):
                 for t in range(min(chunk, left)):
                     r, ok = self._slots[i].step(actions[i, t])
                     self._steps[i] += 1
-                    reward[i] += 0.0 if self._done_once[i] else r
+                    reward[i] += r if self.rewards_after_success or not self._done_once[i] \
+                        else 0.0
                     at_end[i] = ok
                     if ok:
                         success[i] = self._done_once[i] = True
