@@ -540,6 +540,33 @@ def test_prior_data_recorded_under_another_reward_is_refused(tmp_path):
         spec, reward="sparse"), outcomes=True) == []
 
 
+def test_prior_data_whose_episodes_end_elsewhere_is_refused(tmp_path):
+    """RLPD's prior data must end its episodes where the env does: recorded with success a
+    terminal (env.success_ends_episode=true, and every file from before the setting) for an
+    env whose episodes run on to the horizon, a critic would learn two values of success.
+    Refused naming the setting, both ways; not for `hpcvla sft` (actions only)."""
+    _, spec = reach_dump(tmp_path / "rank0.h5")
+    on = dataclasses.replace(spec, reward="dense", success_ends_episode=False)
+    for env, recorded in (({"name": "maniskill", "reward": "dense"}, True),
+                          ({"name": "maniskill", "reward": "dense",
+                            "success_ends_episode": True}, True)):
+        with h5py.File(tmp_path / "rank0.h5", "a") as f:
+            f["starts/0"].attrs["config"] = yaml.safe_dump({"env": env})
+        with pytest.raises(DemonstrationError) as err:
+            read_demonstrations(tmp_path / "rank0.h5", on, outcomes=True)
+        assert f"rank0.h5:/starts/0.attrs[config].env.success_ends_episode = {recorded}" \
+            in str(err.value) and "its episodes end at success; record the demos again " \
+            "with env.success_ends_episode=False" in str(err.value), str(err.value)
+        assert demonstration_problems(tmp_path / "rank0.h5", on) == []  # sft: actions
+    with h5py.File(tmp_path / "rank0.h5", "a") as f:
+        f["starts/0"].attrs["config"] = yaml.safe_dump(
+            {"env": {"name": "maniskill", "reward": "dense", "success_ends_episode": False}})
+    assert demonstration_problems(tmp_path / "rank0.h5", on, outcomes=True) == []
+    assert "run on past success" in str(demonstration_problems(tmp_path / "rank0.h5",
+                                         dataclasses.replace(on, success_ends_episode=True),
+                                         outcomes=True))
+
+
 def test_a_libero_dump_of_the_other_gripper_convention_is_refused(tmp_path):
     """A dump recorded with one env.gripper_action, read for the other: its gripper values
     mean the opposite (an OFT run's +1 opens, LIBERO's closes), so it is refused naming the

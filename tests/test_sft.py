@@ -323,6 +323,9 @@ def test_sft_refuses_bad_demonstrations_before_any_rank(tmp_path, capsys):
     assert all(f"{name} = " in err and "drop it" in err  # its learners step no env
                for name in ("placement.per_node", "env.shards",
                             "emulate.learner_ms_per_micro_batch")), err
+    assert main(["config", "--job", "sft", "configs/colocated.yaml",  # once: not also as
+                 "placement.per_node={learner: 3}"]) == 2  # what colocated does not read
+    assert capsys.readouterr().err.count("placement.per_node = ") == 1
     for command in (["doctor", "--job", "sft"], ["config", "--job", "sft"]):  # as sft's
         assert main([*command, "configs/libero_spatial.yaml", "algorithm.critic_lr=1e-4"]) == 2
         assert "algorithm.critic_lr = '1e-4': expected none" in capsys.readouterr().err

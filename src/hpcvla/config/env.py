@@ -65,7 +65,9 @@ class EnvConfig:
         "counts, success's too (ManiSkill's ignore_terminations, its SAC baseline's): with "
         "`dense`, whose success state pays 1 a step, succeeding and staying is then the "
         "optimum, not hovering short of success; an episode's success is success_once. "
-        "Evaluations run ManiSkill episodes to the horizon either way.")
+        "Evaluations run ManiSkill episodes to the horizon either way, counting the rewards "
+        "after success as the run trained; `hpcvla demos` records with it, and RLPD's prior "
+        "data must have been recorded with the run's value.")
     envs_per_simulator: int = setting(
         16, "Environments each simulator rank steps. More amortise inference per step "
         "but make a synchronous step wait longer for its slowest env.", ge=1)

@@ -163,8 +163,9 @@ def _checked(data: dict, overrides: list[str], source: str,
         _apply_override(data, item, problems)
     cfg = _build(Config, data, "", problems)
     if not problems:
-        rules = [p for p in cross_field_problems(cfg) if job != "sft" or not trains_only(p[0])]
-        problems.extend(rules + unread_setting_problems(cfg, overrides, file_settings))
+        # train's own settings are not sft's to judge: typed for it, it refuses them itself
+        problems.extend(p for p in cross_field_problems(cfg) + unread_setting_problems(
+            cfg, overrides, file_settings) if job != "sft" or not trains_only(p[0]))
     problems.extend(job_unread_problems(job, overrides) if job else [])
     if problems:
         raise ConfigError(problems, source)

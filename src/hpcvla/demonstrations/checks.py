@@ -56,4 +56,4 @@ def check_outcomes(found, problems: Problems, spec: EnvSpec) -> None:
                          "episode ended (this project's trajectory dumps and `hpcvla demos` "
                          f"files); {layout.NAME} files are read for `hpcvla sft` only")
         else:
-            layout.reward_problems(path, spec, problems)
+            layout.outcome_problems(path, spec, problems)

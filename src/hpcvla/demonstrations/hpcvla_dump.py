@@ -91,7 +91,8 @@ def scan(path, f, spec, problems: Problems) -> list[Episode]:
 
 # What the actions of a dump mean, by env and setting, and the default of a config without it
 RECORDED = {("maniskill", "control_mode"): EE_DELTA_CONTROL,
-            ("libero", "gripper_action"): "closed_high", ("maniskill", "reward"): "sparse"}
+            ("libero", "gripper_action"): "closed_high", ("maniskill", "reward"): "sparse",
+            ("maniskill", "success_ends_episode"): True}
 
 
 def _recorded(f, setting: str) -> list[tuple[str, str]]:
@@ -110,7 +111,7 @@ def _recorded(f, setting: str) -> list[tuple[str, str]]:
             out.append((where, ""))
             continue
         default = RECORDED.get((env.get("name"), setting))
-        out.append((where, env.get(setting, default) if default else ""))
+        out.append((where, env.get(setting, default) if default is not None else ""))
     return out
 
 
@@ -150,19 +151,29 @@ def load(f, episode: Episode, spec, horizon: int | None = None
 OUTCOMES = {"rewards": np.float32, "terminated": bool, "truncated": bool, "env_fault": bool}
 
 
-def reward_problems(path, spec, problems: Problems) -> None:
-    """Prior data's rewards must be the env's (spec.reward): a dump recorded under another
-    env.reward holds another reward's values (dense's up to 1 a step, dense_delta's
-    changes of it)."""
+def outcome_problems(path, spec, problems: Problems) -> None:
+    """Prior data's rewards and episode ends must be the env's: a dump recorded under another
+    env.reward (spec.reward) holds another reward's values (dense's up to 1 a step,
+    dense_delta's changes of it); one recorded under another env.success_ends_episode
+    (spec.success_ends_episode) ends its episodes elsewhere (a success terminal, nothing after
+    it, where the env's episodes go on to the horizon: contradictory targets for a critic)."""
     from hpcvla.metrics.dump import open_dump
     with open_dump(path) as f:
-        recorded = _recorded(f, "reward")
-    for where, reward in recorded:
+        rewards, ends = _recorded(f, "reward"), _recorded(f, "success_ends_episode")
+    for where, reward in rewards:
         if spec.reward and reward and reward != spec.reward:
             problems.add(path, f"{where}.env.reward", reward,
                          f"{spec.reward}, the env's (env.reward): its rewards are another "
                          f"reward's; record the demos again with env.reward={spec.reward} "
                          f"(`hpcvla demos`), or set env.reward={reward}")
+    want = spec.success_ends_episode
+    for where, recorded in ends:
+        if recorded != "" and bool(recorded) != want:
+            problems.add(path, f"{where}.env.success_ends_episode", recorded,
+                         f"{want}, the env's (env.success_ends_episode): its episodes "
+                         f"{'run on past success' if recorded is False else 'end at success'};"
+                         f" record the demos again with env.success_ends_episode={want} "
+                         f"(`hpcvla demos`), or set env.success_ends_episode={recorded}")
 
 
 def outcomes(f, episode: Episode) -> dict[str, np.ndarray]:

@@ -114,6 +114,9 @@ class EnvSpec:
     # the reward it pays where the simulator has a choice (ManiSkill's env.reward); "" where
     # there is one. Prior data's recorded rewards are checked against it.
     reward: str = ""
+    # whether success ends an episode (ManiSkill's env.success_ends_episode=false: the horizon
+    # alone does). Prior data's recorded episode ends are checked against it.
+    success_ends_episode: bool = True
     # the instructions of the tasks its envs run, in the suite's order (LIBERO's), each
     # tokenized into the `instruction` observation: training success is counted per task
     # where there are several (metrics/task_success.py); () for an env of one task

@@ -27,8 +27,8 @@ rad) + the gripper (8-d), ManiSkill's baselines' mode. The spec names the mode
 is refused at construction.
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
 `normalized_dense` reward, or of that one's change per step (`dense_delta`: ShapingGain;
-env.reward). An episode terminates on `info["success"]` and is
-truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
+env.reward). An episode terminates on `info["success"]` (unless env.success_ends_episode is
+false: then it runs on, every step's reward counted, `run_to_horizon`) and is truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
 for PickCube, is lifted). Initial states: ManiSkill's reset seed is the init_state_id itself
 (same id, same initial state), or for a random start a training id drawn from the env's RNG
 (envs/base.py), so no random start is an evaluation state.
@@ -190,7 +190,7 @@ def episode_flags(evaluated: dict) -> list[str]:
 
 def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
               chunk_len: int, max_episode_chunks: int, camera: bool = True,
-              state_mode: str = "privileged") -> EnvSpec:
+              state_mode: str = "privileged", success_ends_episode: bool = True) -> EnvSpec:
     """The EnvSpec of a made task env (either backend); ValueError if we cannot run the task.
     `camera` False: no `image` (state-only)."""
     u = env.unwrapped
@@ -216,7 +216,8 @@ def task_spec(env, task: str, image_size: int, wrist_image: bool, state: bool,
         "sparse" if u.reward_mode == "sparse" else "dense"
     return EnvSpec(obs=obs, action_dim=int(shape[-1]), chunk_len=chunk_len,
                    max_episode_chunks=max_episode_chunks, vocab=vocab_of([instruction]),
-                   controller=u.control_mode, reward=reward, episode_metrics=tuple(dict.fromkeys(
+                   controller=u.control_mode, reward=reward,
+                   success_ends_episode=success_ends_episode, episode_metrics=tuple(dict.fromkeys(
                        EPISODE_FLAGS[flag] for flag in episode_flags(evaluated))))
 
 
@@ -363,7 +364,7 @@ class ManiSkillEnv(SerialVectorEnv):
         try:
             first.reset(np.random.default_rng(0), None)
             spec = task_spec(first.env, task, image_size, wrist_image, state, chunk_len,
-                             max_episode_chunks, camera, state_mode)
+                             max_episode_chunks, camera, state_mode, success_ends_episode)
         except BaseException:
             first.close()
             raise

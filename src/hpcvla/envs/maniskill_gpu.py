@@ -12,7 +12,8 @@ batch in one (packed as bytes).
 The contract is the CPU backend's, field for field (see maniskill.py): same spec, actions
 clipped to [-1, 1], reward summed over the chunk, termination on `info["success"]` (an env
 that succeeds mid-chunk is stepped on with the batch, but those steps are neither counted nor
-seen: it restarts at the end of the chunk), truncation after max_episode_chunks, per-env auto
+seen: it restarts at the end of the chunk; with env.success_ends_episode=false none ends at
+success, every step counted), truncation after max_episode_chunks, per-env auto
 reset (ManiSkill's partial reset, `options={"env_idx": ...}`), seeds and instruction tokens.
 
 Initial states. A ManiSkill task draws its robot noise from per-env numpy RNGs and its objects
@@ -140,7 +141,8 @@ class ManiSkillGPUEnv(VectorEnv):
         self._done_once = np.zeros(num_envs, dtype=bool)  # the task was done this episode
         try:
             self.spec = task_spec(self.env, task, image_size, wrist_image, state, chunk_len,
-                                  max_episode_chunks, state_mode=state_mode)
+                                  max_episode_chunks, state_mode=state_mode,
+                                  success_ends_episode=success_ends_episode)
             # each episode metric's flag the task reports, set where it was at some step
             self._flags = {flag: np.zeros(num_envs, bool)
                            for flag in episode_flags(self.u.evaluate())}

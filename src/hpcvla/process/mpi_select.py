@@ -65,8 +65,9 @@ class MpiInstall:
     env: dict = field(default_factory=dict)      # what the ranks' environment needs
     args: list = field(default_factory=list)     # launcher flags for a workstation
     # what keeps a workstation world (`--ranks N`, `hpcvla launch`, the doctor's world of 2) on
-    # this machine inside a scheduler's job of several nodes: both launchers take the job's nodes and start ranks there (by srun, a
-    # step an `srun --pty` shell leaves no CPUs for: it waits for ever)
+    # this machine inside a scheduler's job of several nodes: both launchers take the job's
+    # nodes and start ranks there (by srun, a step an `srun --pty` shell leaves no CPUs for:
+    # it waits for ever)
     here_env: dict = field(default_factory=dict)
     srun_mpi: str = "pmi2"                       # srun --mpi plugin for this MPI
     slurm_launcher: str = "mpiexec"              # what starts the ranks in a Slurm job
