@@ -236,7 +236,7 @@ class VectorEnv(abc.ABC):
     an episode does not end at success but at its horizon, as ManiSkill's evaluation and its
     SAC baseline run it (ignore_terminations); `success` is then whether the task was done at
     any step (success_once) and `success_at_end` whether at the last. Rewards after the first
-    success count as in training's episodes (`rewards_after_success`)."""
+    success count only where training's episodes count them (`rewards_after_success`)."""
 
     num_envs: int
     spec: EnvSpec
@@ -245,7 +245,8 @@ class VectorEnv(abc.ABC):
     last_latency_s: float = 0.0
     run_to_horizon: bool = False
     # whether the rewards after an episode's first success count (with run_to_horizon): a
-    # ManiSkill env trained with env.success_ends_episode=false, whose success state pays
+    # ManiSkill env trained with env.success_ends_episode=false, whose success state pays (dense:
+    # 1 a step), evaluated as it trained
     rewards_after_success: bool = False
     # whether `step` returns the horizon-ended episodes' last observations (StepResult.
     # final_obs): a copy, or a render, that only PPO's algorithm.bootstrap_truncated reads

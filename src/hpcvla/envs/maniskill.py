@@ -28,8 +28,9 @@ is refused at construction.
 Reward per chunk: the sum over its steps of the task's `sparse` (1 on success) or
 `normalized_dense` reward, or of that one's change per step (`dense_delta`: ShapingGain;
 env.reward). An episode terminates on `info["success"]` (unless env.success_ends_episode is
-false: then it runs on, every step's reward counted, `run_to_horizon`) and is truncated after max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50
-for PickCube, is lifted). Initial states: ManiSkill's reset seed is the init_state_id itself
+false: then it runs on, every step's reward counted, `run_to_horizon`) and is truncated after
+max_episode_chunks chunks (RL-VLA³ uses 80 steps; the tasks' own limit, e.g. 50 for
+PickCube, is lifted). Initial states: ManiSkill's reset seed is the init_state_id itself
 (same id, same initial state), or for a random start a training id drawn from the env's RNG
 (envs/base.py), so no random start is an evaluation state.
 
