@@ -352,6 +352,12 @@ class VectorEnv(abc.ABC):
         LIBERO or ManiSkill reset costs a large part of a chunk's step."""
         self.holding_resets = hold
 
+    def end_episodes_at_success(self, ends: bool) -> None:
+        """env.success_ends_episode, for a simulator that offers it: False runs every episode
+        to its horizon with every step's reward counted (`run_to_horizon`,
+        `rewards_after_success`)."""
+        self.run_to_horizon = self.rewards_after_success = not ends
+
     def evaluation_states(self, episodes: int) -> tuple[np.ndarray, list[str]]:
         """`episodes` init_state_ids that `hpcvla eval` runs, and the task of each (for per
         task results), all from the evaluation split (module docstring). Default: ids 0, 1,

@@ -371,7 +371,7 @@ class ManiSkillEnv(SerialVectorEnv):
             raise
         instruction = describe(task)
         self.task = task
-        self.run_to_horizon = self.rewards_after_success = not success_ends_episode
+        self.end_episodes_at_success(success_ends_episode)
         super().__init__(num_envs, seed, spec, len(words(instruction)), make_slot, first_env,
                          name=f"maniskill {task}", first_slot=first, max_rebuilds=max_rebuilds,
                          rebuild_window_s=rebuild_window_s)

@@ -130,7 +130,7 @@ class ManiSkillGPUEnv(VectorEnv):
                                  chunk_len * max_episode_chunks, control_mode)
         self.u = self.env.unwrapped
         self.num_envs, self.task, self.first_env = num_envs, task, first_env
-        self.run_to_horizon = self.rewards_after_success = not success_ends_episode
+        self.end_episodes_at_success(success_ends_episode)
         self.device = self.u.device
         # without a state observation, none is computed (the privileged one is the step's)
         self.instruction, self.state_mode = describe(task), state_mode if state else \
